@@ -1,0 +1,47 @@
+# Thin wrapper over CMake. `make demo` and `make test` are the two set-up commands.
+#   make build            Release build in build/release
+#   make test             build + every unit and integration test (ctest)
+#   make test SANITIZE=1  the same under ASan+UBSan (build/asan)
+#   make demo             three simulated replicas + the proxy, a scripted tour, then serve
+#   make bench            benchmarks against nginx and HAProxy (bench/RESULTS.md)
+#   make fuzz             libFuzzer targets for a bounded time (FUZZ_SECONDS, default 60)
+SANITIZE ?= 0
+JOBS ?= $(shell nproc)
+ifeq ($(SANITIZE),1)
+BUILD ?= build/asan
+CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON
+else
+BUILD ?= build/release
+CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=Release
+endif
+FUZZ_SECONDS ?= 60
+
+.PHONY: all deps build test demo bench fuzz clean format
+all: build
+
+deps:
+	@scripts/deps.sh
+
+build: deps
+	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+demo: build
+	@BUILD=$(BUILD) scripts/demo.sh
+
+bench: build
+	@BUILD=$(BUILD) bench/run.sh
+
+fuzz: deps
+	@CC=clang cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_FUZZ=ON -DDP_TESTS=OFF >/dev/null
+	@cmake --build build/fuzz -j $(JOBS)
+	@FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/run.sh build/fuzz
+
+format:
+	@git ls-files '*.c' '*.h' | xargs clang-format -i
+
+clean:
+	rm -rf build

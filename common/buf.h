@@ -1,0 +1,45 @@
+/* Growable byte buffers and slices: the two data shapes every module shares. */
+#ifndef DP_BUF_H
+#define DP_BUF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A borrowed view of bytes; never owns them. */
+typedef struct {
+    const char *base;
+    size_t len;
+} dp_iovec_t;
+
+#define DP_IOV(s) ((dp_iovec_t){(s), sizeof(s) - 1})
+
+/* An owned, growable buffer. Zero-initialise to get an empty one; dp_buf_free releases it.
+ * `base` is always NUL-terminated when non-NULL so it can be handed to string functions, but
+ * `len` never counts that byte. Allocation failure aborts: the process cannot do anything
+ * useful once malloc fails, and every caller would otherwise grow an untestable error path. */
+typedef struct {
+    char *base;
+    size_t len;
+    size_t cap;
+} dp_buf_t;
+
+void dp_buf_reserve(dp_buf_t *b, size_t extra);
+void dp_buf_append(dp_buf_t *b, const void *p, size_t n);
+void dp_buf_appends(dp_buf_t *b, const char *s);
+void dp_buf_appendc(dp_buf_t *b, char c);
+void dp_buf_printf(dp_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void dp_buf_append_u64(dp_buf_t *b, uint64_t v);
+/* Drop the first n bytes, keeping the rest (used for partially consumed input). */
+void dp_buf_consume(dp_buf_t *b, size_t n);
+void dp_buf_reset(dp_buf_t *b);
+void dp_buf_free(dp_buf_t *b);
+/* Hand the bytes to the caller (who must free()) and leave b empty. */
+char *dp_buf_steal(dp_buf_t *b);
+
+void *dp_xmalloc(size_t n);
+void *dp_xcalloc(size_t n, size_t m);
+void *dp_xrealloc(void *p, size_t n);
+char *dp_xstrdup(const char *s);
+char *dp_xstrndup(const char *s, size_t n);
+
+#endif

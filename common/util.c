@@ -1,0 +1,218 @@
+#include "common/util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+
+uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t dp_now_ms(void)
+{
+    return dp_now_ns() / 1000000u;
+}
+
+uint64_t dp_wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+void dp_iso8601(char *out, uint64_t wall_ms)
+{
+    time_t secs = (time_t)(wall_ms / 1000);
+    struct tm tm;
+    gmtime_r(&secs, &tm);
+    size_t n = strftime(out, 25, "%Y-%m-%dT%H:%M:%S", &tm);
+    unsigned ms = (unsigned)(wall_ms % 1000);
+    out[n++] = '.';
+    out[n++] = (char)('0' + ms / 100);
+    out[n++] = (char)('0' + ms / 10 % 10);
+    out[n++] = (char)('0' + ms % 10);
+    out[n++] = 'Z';
+    out[n] = '\0';
+}
+
+void dp_hex(const void *p, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[b[i] >> 4];
+        out[2 * i + 1] = digits[b[i] & 15];
+    }
+    out[2 * n] = '\0';
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n)
+{
+    if (hexlen != 2 * n)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return -1;
+        out[i] = (uint8_t)(hi << 4 | lo);
+    }
+    return 0;
+}
+
+bool dp_is_lower_hex(const char *s, size_t want_len)
+{
+    size_t n = strlen(s);
+    if (n != want_len)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+            return false;
+    return true;
+}
+
+void dp_sha256(const void *p, size_t n, uint8_t out[32])
+{
+    SHA256(p, n, out);
+}
+
+void dp_sha256_hex(const void *p, size_t n, char out[65])
+{
+    uint8_t d[32];
+    SHA256(p, n, d);
+    dp_hex(d, 32, out);
+}
+
+bool dp_ct_equal(const void *a, const void *b, size_t n)
+{
+    return CRYPTO_memcmp(a, b, n) == 0;
+}
+
+int dp_random_bytes(void *p, size_t n)
+{
+    return RAND_bytes(p, (int)n) == 1 ? 0 : -1;
+}
+
+int dp_parse_u64(const char *s, size_t n, uint64_t *out)
+{
+    if (n == 0 || n > 20)
+        return -1;
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return -1;
+        uint64_t d = (uint64_t)(s[i] - '0');
+        if (v > (UINT64_MAX - d) / 10)
+            return -1;
+        v = v * 10 + d;
+    }
+    *out = v;
+    return 0;
+}
+
+static inline char lower(char c)
+{
+    return c >= 'A' && c <= 'Z' ? (char)(c + 32) : c;
+}
+
+bool dp_strieq(const char *a, size_t alen, const char *b)
+{
+    size_t i = 0;
+    for (; i < alen; i++)
+        if (b[i] == '\0' || lower(a[i]) != lower(b[i]))
+            return false;
+    return b[i] == '\0';
+}
+
+bool dp_memieq(const char *a, const char *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (lower(a[i]) != lower(b[i]))
+            return false;
+    return true;
+}
+
+int dp_read_file(const char *path, size_t max, dp_buf_t *out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    int rc = 0;
+    for (;;) {
+        dp_buf_reserve(out, 65536);
+        ssize_t r = read(fd, out->base + out->len, 65536);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            rc = -errno;
+            break;
+        }
+        if (r == 0)
+            break;
+        out->len += (size_t)r;
+        out->base[out->len] = '\0';
+        if (out->len > max) {
+            rc = -EFBIG;
+            break;
+        }
+    }
+    close(fd);
+    return rc;
+}
+
+void dp_base64_encode(const void *p, size_t n, dp_buf_t *out)
+{
+    size_t need = 4 * ((n + 2) / 3);
+    dp_buf_reserve(out, need);
+    int w = EVP_EncodeBlock((unsigned char *)out->base + out->len, p, (int)n);
+    out->len += (size_t)w;
+    out->base[out->len] = '\0';
+}
+
+int dp_base64_decode(const char *s, size_t n, dp_buf_t *out)
+{
+    if (n % 4 != 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                  c == '+' || c == '/' || (c == '=' && i >= n - 2);
+        if (!ok)
+            return -1;
+    }
+    size_t pad = 0;
+    if (n >= 1 && s[n - 1] == '=')
+        pad++;
+    if (n >= 2 && s[n - 2] == '=')
+        pad++;
+    if (pad == 1 && n >= 2 && s[n - 2] == '=')
+        return -1;
+    dp_buf_reserve(out, n / 4 * 3);
+    int w = EVP_DecodeBlock((unsigned char *)out->base + out->len, (const unsigned char *)s, (int)n);
+    if (w < 0)
+        return -1;
+    out->len += (size_t)w - pad;
+    out->base[out->len] = '\0';
+    return 0;
+}

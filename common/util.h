@@ -1,0 +1,51 @@
+/* Small helpers shared by every module: time, hashing, hex, strict number parsing. */
+#ifndef DP_UTIL_H
+#define DP_UTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/buf.h"
+
+#define DP_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define dp_container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+/* Monotonic milliseconds / nanoseconds, and wall-clock milliseconds since the epoch. */
+uint64_t dp_now_ms(void);
+uint64_t dp_now_ns(void);
+uint64_t dp_wall_ms(void);
+/* "2026-11-29T17:30:46.123Z" into out (at least 25 bytes). */
+void dp_iso8601(char *out, uint64_t wall_ms);
+
+/* Lowercase hex of n bytes into out (2n+1 bytes, NUL-terminated). */
+void dp_hex(const void *p, size_t n, char *out);
+/* Parse exactly 2n lowercase-or-uppercase hex chars into out; -1 on any bad char or length. */
+int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n);
+bool dp_is_lower_hex(const char *s, size_t want_len);
+
+void dp_sha256(const void *p, size_t n, uint8_t out[32]);
+void dp_sha256_hex(const void *p, size_t n, char out[65]);
+
+/* Constant-time equality of two equal-length byte strings. */
+bool dp_ct_equal(const void *a, const void *b, size_t n);
+
+/* Fill with cryptographically random bytes (OpenSSL RAND_bytes). 0 or -1. */
+int dp_random_bytes(void *p, size_t n);
+
+/* Strict unsigned decimal: 1+ digits, no sign, no spaces, no overflow. 0 or -1. */
+int dp_parse_u64(const char *s, size_t n, uint64_t *out);
+
+/* ASCII case-insensitive equality of a length-delimited string with a C string. */
+bool dp_strieq(const char *a, size_t alen, const char *b);
+/* ASCII case-insensitive equality of two n-byte strings. */
+bool dp_memieq(const char *a, const char *b, size_t n);
+
+/* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
+int dp_read_file(const char *path, size_t max, dp_buf_t *out);
+
+/* Base64 (standard alphabet, padded). Decode returns -1 on bad input. */
+void dp_base64_encode(const void *p, size_t n, dp_buf_t *out);
+int dp_base64_decode(const char *s, size_t n, dp_buf_t *out);
+
+#endif

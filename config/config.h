@@ -1,0 +1,254 @@
+/* Configuration: load and validate a detproxy config file (SPEC §3), with its manifests (§4),
+ * policy (§8) and security settings (§13), into plain immutable structs.
+ *
+ * Ownership: cfg_load returns one heap object that owns everything reachable from it; free it
+ * with cfg_free. A loaded config is never mutated, so a live reload can build a new one beside
+ * the old and swap (in-flight requests keep a reference to the one they started with).
+ *
+ * Validation collects every error it finds, each prefixed with its JSON path
+ * ("pools[1].manifest.quantization: expected a string"), so `detproxy check` can print them all
+ * at once. Unknown keys are errors everywhere. */
+#ifndef DP_CONFIG_H
+#define DP_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+typedef struct {
+    char **items; /* "path: message" strings */
+    size_t count;
+    char **warnings; /* e.g. secret file readable by group/others */
+    size_t nwarnings;
+} cfg_errors_t;
+
+void cfg_errors_free(cfg_errors_t *e);
+
+/* ---- addresses --------------------------------------------------------------------------- */
+
+/* "host:port", "[v6]:port" or "http(s)://host[:port][/path]" split into parts. */
+typedef struct {
+    bool tls;       /* https:// */
+    char *host;     /* without brackets */
+    uint16_t port;
+    char *path;     /* "" or "/prefix" without trailing slash; agent URLs keep their full path */
+    char *hostport; /* value for a Host header: "host:port" ("[v6]:port") */
+} cfg_url_t;
+
+typedef struct {
+    char *host; /* numeric IPv4 or IPv6 address (no brackets) */
+    uint16_t port;
+} cfg_addr_t;
+
+/* ---- manifest (SPEC §4) -------------------------------------------------------------------- */
+
+typedef struct {
+    char *prompt;
+    uint32_t max_tokens;
+    char *expected_sha256; /* 64 lowercase hex */
+} cfg_canary_t;
+
+/* Every field is optional; NULL means "not pinned". */
+typedef struct {
+    char *model;
+    char *checkpoint_sha256; /* 64 lowercase hex */
+    char *quantization;
+    char *dtype;
+    char *framework_name;
+    char *framework_version;
+    cfg_canary_t *canary; /* NULL when absent */
+    char fingerprint[20];  /* "fp_" + 16 hex, computed at load (SPEC §4) */
+} cfg_manifest_t;
+
+/* ---- policy (SPEC §8) ---------------------------------------------------------------------- */
+
+typedef enum {
+    CFG_PARAM_TEMPERATURE = 0,
+    CFG_PARAM_TOP_P,
+    CFG_PARAM_TOP_K,
+    CFG_PARAM_SEED,
+    CFG_PARAM_MAX_TOKENS,
+    CFG_PARAM_N,
+    CFG_PARAM_PRESENCE_PENALTY,
+    CFG_PARAM_FREQUENCY_PENALTY,
+    CFG_PARAM__COUNT
+} cfg_param_t;
+
+extern const char *const cfg_param_names[CFG_PARAM__COUNT];
+
+/* One parameter's rule. Validation guarantees: force excludes default/min/max/derive; derive only
+ * for seed; min <= max; integer parameters (top_k, seed, max_tokens, n) hold integral values. */
+typedef struct {
+    bool has_force, has_default, has_min, has_max, derive;
+    double force, def, min, max;
+} cfg_rule_t;
+
+typedef enum { CFG_MATCH_API_KEYS, CFG_MATCH_HEADER, CFG_MATCH_ANY } cfg_match_kind_t;
+
+typedef struct {
+    char *name;
+    cfg_match_kind_t match_kind;
+    uint8_t (*api_keys)[32]; /* SHA-256 digests of bearer tokens */
+    size_t napi_keys;
+    char *header_name; /* lowercase */
+    char *header_value;
+    char *pool; /* NULL: route by model */
+    cfg_rule_t rules[CFG_PARAM__COUNT];
+    char **deny_params;
+    size_t ndeny_params;
+    bool audit;
+    double shadow_rate; /* < 0 when not set (use shadow.rate) */
+} cfg_tenant_t;
+
+typedef struct {
+    cfg_tenant_t *tenants;
+    size_t ntenants;
+} cfg_policy_t;
+
+/* ---- pools and replicas ------------------------------------------------------------------ */
+
+typedef enum {
+    CFG_ATTEST_NONE = 0, /* no attestation source: only valid when the pool pins nothing */
+    CFG_ATTEST_AGENT,
+    CFG_ATTEST_VLLM,
+    CFG_ATTEST_TGI,
+    CFG_ATTEST_SGLANG,
+    CFG_ATTEST_LLAMACPP
+} cfg_attest_source_t;
+
+extern const char *const cfg_attest_source_names[]; /* indexed by cfg_attest_source_t */
+
+typedef struct {
+    cfg_attest_source_t source;
+    cfg_url_t url; /* agent only: full URL of /attestation */
+} cfg_attest_t;
+
+typedef struct {
+    char *name;
+    cfg_url_t url;
+    char *server_name; /* TLS name to verify; NULL = url.host */
+    cfg_attest_t attest;
+} cfg_replica_t;
+
+typedef struct {
+    char *dns;
+    uint16_t port;
+    uint32_t refresh_ms;
+    cfg_attest_source_t attest_source;
+    uint16_t attest_port; /* agent only */
+} cfg_discovery_t;
+
+typedef struct {
+    char *ca_file; /* NULL: system store */
+    char *client_cert_file;
+    char *client_key_file;
+} cfg_upstream_tls_t;
+
+typedef enum { CFG_BALANCE_LEAST_INFLIGHT = 0, CFG_BALANCE_ROUND_ROBIN } cfg_balance_t;
+
+typedef struct {
+    char *name;
+    char **models; /* "*" matches any */
+    size_t nmodels;
+    cfg_manifest_t *manifest; /* NULL when the pool pins nothing */
+    cfg_balance_t balance;
+    uint32_t max_inflight_per_replica; /* 0 = unlimited */
+    uint32_t queue_limit;
+    uint32_t queue_timeout_ms;
+    cfg_replica_t *replicas;
+    size_t nreplicas;
+    cfg_discovery_t *discovery; /* NULL when absent */
+    cfg_upstream_tls_t *upstream_tls; /* NULL when absent */
+    char *api_key_file;
+    char *api_key; /* file contents, trailing whitespace trimmed; never logged */
+} cfg_pool_t;
+
+/* ---- top level --------------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t max_header_bytes;
+    uint64_t max_body_bytes;
+    uint32_t max_connections;
+    uint32_t max_headers;
+    uint32_t client_header_timeout_ms;
+    uint32_t client_idle_timeout_ms;
+    uint32_t upstream_connect_timeout_ms;
+    uint32_t upstream_first_byte_timeout_ms;
+    uint32_t upstream_idle_timeout_ms;
+} cfg_limits_t;
+
+typedef struct {
+    uint32_t interval_ms;
+    uint32_t timeout_ms;
+    bool require_signature;
+    char **trusted_keys; /* resolved paths of PEM public keys */
+    size_t ntrusted_keys;
+} cfg_attestation_t;
+
+typedef struct {
+    double rate;
+    double self_rate;
+    uint32_t max_inflight;
+    uint64_t max_output_bytes;
+    bool quarantine;
+} cfg_shadow_t;
+
+typedef struct {
+    int level; /* dp_log_level_t */
+    char *audit_path; /* NULL: no audit file (an audit tenant then fails `check`) */
+} cfg_log_t;
+
+typedef struct {
+    char *cert_file;
+    char *key_file;
+    char *client_ca_file; /* NULL: no mTLS */
+} cfg_tls_t;
+
+typedef struct cfg_s {
+    char *path; /* the file it was loaded from */
+    char *dir;  /* its folder: relative paths resolve against it */
+    cfg_addr_t listen;
+    cfg_addr_t admin_listen;
+    cfg_limits_t limits;
+    cfg_attestation_t attestation;
+    cfg_pool_t *pools;
+    size_t npools;
+    cfg_policy_t *policy; /* never NULL: absent means one tenant "default" matching any */
+    cfg_shadow_t shadow;
+    cfg_log_t log;
+    cfg_tls_t *tls; /* NULL: plaintext listener */
+    char *admin_token_file;
+    char *admin_token; /* contents, trimmed; never logged */
+} cfg_t;
+
+/* Load and validate. On success returns 0 and *out; on failure returns -1, *out NULL, and errs
+ * holds at least one error. Warnings may be set either way. */
+int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs);
+/* Same, from JSON text; dir resolves relative paths. */
+int cfg_load_string(const char *json, size_t len, const char *dir, cfg_t **out, cfg_errors_t *errs);
+void cfg_free(cfg_t *cfg);
+
+/* Parse a standalone manifest / policy document (used by `attest verify --manifest`, and by
+ * cfg_load for referenced files). `path` prefixes error paths. */
+cfg_manifest_t *cfg_manifest_parse(const char *json, size_t len, const char *path, cfg_errors_t *errs);
+void cfg_manifest_free(cfg_manifest_t *m);
+cfg_policy_t *cfg_policy_parse(const char *json, size_t len, const char *path, cfg_errors_t *errs);
+void cfg_policy_free(cfg_policy_t *p);
+
+/* Pool fingerprint (SPEC §4): "fp_" + 16 hex of SHA-256 over the six manifest fields joined by
+ * '\n' (absent = empty). out must hold 20 bytes. A NULL manifest fingerprints all-empty. */
+void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20]);
+
+/* Look-ups used by the router. */
+const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name);
+const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len);
+
+/* Parse "host:port" / "[v6]:port" (numeric host). 0 or -1 with a reason in *why. */
+int cfg_parse_addr(const char *s, cfg_addr_t *out, const char **why);
+/* Parse an http:// or https:// URL. 0 or -1 with a reason in *why. */
+int cfg_parse_url(const char *s, cfg_url_t *out, const char **why);
+void cfg_url_free(cfg_url_t *u);
+
+#endif

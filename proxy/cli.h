@@ -1,0 +1,11 @@
+/* Subcommands of the detproxy binary. Each takes argc/argv starting at its own name and returns
+ * the process exit code (SPEC §2: 0 ok, 1 check/diagnosis failed, 2 usage, 3 runtime). */
+#ifndef PX_CLI_H
+#define PX_CLI_H
+
+int px_cmd_run(int argc, char **argv);      /* proxy/px_main.c */
+int cfg_cmd_check(int argc, char **argv);   /* config/check.c */
+int attest_cmd_main(int argc, char **argv); /* attest/cli.c: hash, keygen, serve, verify */
+int px_cmd_diagnose(int argc, char **argv); /* proxy/px_diagnose.c */
+
+#endif

@@ -1,0 +1,759 @@
+/* Upstream connections and exchanges. See http_client.h.
+ *
+ * A connection (uconn_t) is CONNECTING, then SENDING/HEAD (request going out, waiting for the
+ * status line), BODY, and back to IDLE in its upstream's LIFO pool when the exchange ended
+ * cleanly on a reusable connection; otherwise it is closed. An exchange (creq_t) is a small
+ * separate object so a connection can go back to the pool before on_done runs (the callback
+ * may start the next exchange and reuse it at once) without the caller's pointer aliasing it.
+ *
+ * Idle pooled connections keep reading: an EOF there removes them from the pool before a
+ * request can race the server's keep-alive close; bytes there are a protocol error. */
+#include "proxy/http_client.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <llhttp.h>
+
+#include "common/buf.h"
+#include "common/util.h"
+#include "proxy/sock.h"
+
+enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
+
+typedef struct uconn_s uconn_t;
+
+typedef struct creq_s {
+    px_creq_t pub;
+    uconn_t *c;
+    px_creq_cb_t cb;
+    struct creq_s *next_free;
+} creq_t;
+
+typedef struct {
+    uint32_t no, nl, vo, vl;
+} hoff_t;
+
+struct uconn_s {
+    px_sock_t sock;
+    uv_timer_t timer;
+    px_upstream_t *up;
+    uconn_t *next_idle, *prev_idle;
+    creq_t *req;
+    llhttp_t parser;
+    px_head_scan_t hs;
+    px_chunk_scan_t cs;
+    dp_buf_t hbuf;
+    hoff_t *hoff;
+    size_t hcap, nh;
+    px_header_t *hdrs;
+    size_t hdrs_cap;
+    bool in_value;
+    dp_buf_t outq; /* request bytes waiting for the connect */
+    uint8_t phase;
+    int closes_pending;
+    px_framing_t framing;
+    uint64_t body_remaining;
+    uint64_t last_read;
+    bool head_done, msg_done;
+    bool no_body, close_delimited;
+    bool head_request;
+    bool req_ended;  /* the caller has handed us every request byte */
+    bool paused;
+    bool connected;
+    px_up_err_t deferred_err; /* reported by deferred_fail_cb */
+};
+
+struct px_upstream_s {
+    uv_loop_t *loop;
+    struct sockaddr_storage addr;
+    px_upstream_opts_t o;
+    llhttp_settings_t settings;
+    uconn_t *idle;
+    size_t nidle;
+    size_t refs; /* 1 for the owner + 1 per open connection */
+    creq_t *free_reqs;
+    size_t nfree;
+    px_tls_client_t *tls;
+    char *server_name;
+    bool dead; /* the owner let go: no more pooling */
+};
+
+static const char *const err_names[PX_UP__COUNT] = {
+    "ok",         "connect",      "send",     "reused_closed", "closed", "first_byte_timeout",
+    "idle_timeout", "protocol", "truncated",
+};
+
+const char *px_up_err_name(px_up_err_t e)
+{
+    return (unsigned)e < PX_UP__COUNT ? err_names[e] : "unknown";
+}
+
+bool px_up_err_retryable(px_up_err_t e)
+{
+    return e == PX_UP_CONNECT || e == PX_UP_SEND || e == PX_UP_REUSED_CLOSED;
+}
+
+static void up_unref(px_upstream_t *u)
+{
+    if (--u->refs > 0)
+        return;
+    while (u->free_reqs) {
+        creq_t *q = u->free_reqs;
+        u->free_reqs = q->next_free;
+        free(q);
+    }
+    free(u->server_name);
+    free(u);
+}
+
+/* ---- pool --------------------------------------------------------------------------------- */
+
+static void idle_remove(uconn_t *c)
+{
+    px_upstream_t *u = c->up;
+    if (c->prev_idle)
+        c->prev_idle->next_idle = c->next_idle;
+    else if (u->idle == c)
+        u->idle = c->next_idle;
+    else
+        return; /* not pooled */
+    if (c->next_idle)
+        c->next_idle->prev_idle = c->prev_idle;
+    c->next_idle = c->prev_idle = NULL;
+    u->nidle--;
+}
+
+static void idle_push(uconn_t *c)
+{
+    px_upstream_t *u = c->up;
+    c->prev_idle = NULL;
+    c->next_idle = u->idle;
+    if (u->idle)
+        u->idle->prev_idle = c;
+    u->idle = c;
+    u->nidle++;
+}
+
+/* ---- timers --------------------------------------------------------------------------------
+ * One timer per connection, its meaning given by the phase: connect timeout, first-byte
+ * timeout, mid-response idle timeout (checked lazily against last_read so a busy stream does
+ * not restart a timer per read), or pooled-idle lifetime. */
+
+static void uconn_fail(uconn_t *c, px_up_err_t err, const char *detail);
+static void uconn_close(uconn_t *c);
+
+static void timer_cb(uv_timer_t *t)
+{
+    uconn_t *c = t->data;
+    px_upstream_t *u = c->up;
+    switch (c->phase) {
+    case UC_CONNECTING:
+        uconn_fail(c, PX_UP_CONNECT, "connect timeout");
+        return;
+    case UC_HEAD:
+        if (c->req && c->req->pub.response_started)
+            uconn_fail(c, PX_UP_IDLE_TIMEOUT, "response head stalled");
+        else
+            uconn_fail(c, PX_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+        return;
+    case UC_BODY: {
+        uint64_t now = uv_now(u->loop), idle = u->o.idle_timeout_ms;
+        if (c->paused || now - c->last_read < idle) {
+            uv_timer_start(&c->timer, timer_cb, c->paused ? idle : idle - (now - c->last_read), 0);
+            return;
+        }
+        uconn_fail(c, PX_UP_IDLE_TIMEOUT, "response stalled mid-body");
+        return;
+    }
+    case UC_IDLE:
+        uconn_close(c);
+        return;
+    default:
+        return;
+    }
+}
+
+static void uconn_arm(uconn_t *c, uint64_t ms)
+{
+    uv_timer_start(&c->timer, timer_cb, ms, 0);
+}
+
+/* ---- connection teardown ------------------------------------------------------------------ */
+
+static void uconn_handle_closed(uconn_t *c)
+{
+    if (--c->closes_pending > 0)
+        return;
+    px_upstream_t *u = c->up;
+    dp_buf_free(&c->hbuf);
+    dp_buf_free(&c->outq);
+    free(c->hoff);
+    free(c->hdrs);
+    free(c);
+    up_unref(u);
+}
+
+static void sock_closed(px_sock_t *s)
+{
+    uconn_handle_closed(s->owner);
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+    uconn_handle_closed(h->data);
+}
+
+static void uconn_close(uconn_t *c)
+{
+    if (c->phase == UC_CLOSED)
+        return;
+    if (c->phase == UC_IDLE)
+        idle_remove(c);
+    c->phase = UC_CLOSED;
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, timer_closed);
+    px_sock_close(&c->sock);
+}
+
+static void creq_free(px_upstream_t *u, creq_t *q)
+{
+    if (u->nfree < 256) {
+        q->next_free = u->free_reqs;
+        u->free_reqs = q;
+        u->nfree++;
+    } else {
+        free(q);
+    }
+}
+
+/* End the exchange with an error: close the connection, then tell the caller. */
+static void uconn_fail(uconn_t *c, px_up_err_t err, const char *detail)
+{
+    creq_t *q = c->req;
+    px_upstream_t *u = c->up;
+    c->req = NULL;
+    u->refs++; /* keep u alive across the callback */
+    uconn_close(c);
+    if (q) {
+        if (q->cb.on_done)
+            q->cb.on_done(&q->pub, err, detail);
+        creq_free(u, q);
+    }
+    up_unref(u);
+}
+
+/* The response completed: pool or close the connection, then tell the caller. */
+static void uconn_done(uconn_t *c)
+{
+    creq_t *q = c->req;
+    px_upstream_t *u = c->up;
+    c->req = NULL;
+    bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
+                    c->sock.queued == 0 && c->outq.len == 0 &&
+                    llhttp_should_keep_alive(&c->parser) && !u->dead &&
+                    u->nidle < u->o.max_idle;
+    u->refs++;
+    if (reusable) {
+        c->phase = UC_IDLE;
+        c->paused = false;
+        idle_push(c);
+        uconn_arm(c, u->o.idle_timeout_ms);
+        px_sock_read_start(&c->sock);
+    } else {
+        uconn_close(c);
+    }
+    if (q) {
+        if (q->cb.on_done)
+            q->cb.on_done(&q->pub, PX_UP_OK, NULL);
+        creq_free(u, q);
+    }
+    up_unref(u);
+}
+
+/* ---- llhttp callbacks (record only) -------------------------------------------------------- */
+
+static int on_header_field(llhttp_t *p, const char *at, size_t n)
+{
+    uconn_t *c = p->data;
+    if (c->in_value || c->nh == 0) {
+        if (c->nh == c->hcap) {
+            c->hcap = c->hcap ? c->hcap * 2 : 16;
+            c->hoff = dp_xrealloc(c->hoff, c->hcap * sizeof(*c->hoff));
+        }
+        hoff_t *h = &c->hoff[c->nh++];
+        h->no = (uint32_t)c->hbuf.len;
+        h->nl = h->vo = h->vl = 0;
+        c->in_value = false;
+    }
+    c->hoff[c->nh - 1].nl += (uint32_t)n;
+    dp_buf_append(&c->hbuf, at, n);
+    return 0;
+}
+
+static int on_header_value(llhttp_t *p, const char *at, size_t n)
+{
+    uconn_t *c = p->data;
+    hoff_t *h = &c->hoff[c->nh - 1];
+    if (!c->in_value) {
+        c->in_value = true;
+        h->vo = (uint32_t)c->hbuf.len;
+    }
+    h->vl += (uint32_t)n;
+    dp_buf_append(&c->hbuf, at, n);
+    return 0;
+}
+
+static int on_headers_complete(llhttp_t *p)
+{
+    uconn_t *c = p->data;
+    c->head_done = true;
+    /* 1 tells llhttp the response has no body (HEAD request). */
+    return c->head_request ? 1 : 0;
+}
+
+static int on_body(llhttp_t *p, const char *at, size_t n)
+{
+    uconn_t *c = p->data;
+    creq_t *q = c->req;
+    if (q && q->cb.on_body)
+        q->cb.on_body(&q->pub, at, n);
+    return c->phase == UC_CLOSED ? HPE_USER : 0;
+}
+
+static int on_message_complete(llhttp_t *p)
+{
+    uconn_t *c = p->data;
+    c->msg_done = true;
+    return HPE_PAUSED; /* stop exactly at the end of this response */
+}
+
+/* ---- response parsing --------------------------------------------------------------------- */
+
+static void head_reset(uconn_t *c)
+{
+    memset(&c->hs, 0, sizeof(c->hs));
+    c->hs.max_bytes = 65536;
+    c->hs.max_headers = 256;
+    dp_buf_reset(&c->hbuf);
+    c->nh = 0;
+    c->in_value = false;
+    c->head_done = c->msg_done = false;
+}
+
+/* Head parsed: validate, pick the body framing, tell the caller. false when the exchange
+ * ended (error, or the caller cancelled inside on_head). */
+static bool uconn_head_done(uconn_t *c)
+{
+    int status = llhttp_get_status_code(&c->parser);
+    if (c->hdrs_cap < c->nh) {
+        c->hdrs_cap = c->nh;
+        c->hdrs = dp_xrealloc(c->hdrs, c->hdrs_cap * sizeof(*c->hdrs));
+    }
+    for (size_t i = 0; i < c->nh; i++) {
+        c->hdrs[i].name = (dp_iovec_t){c->hbuf.base + c->hoff[i].no, c->hoff[i].nl};
+        c->hdrs[i].value = (dp_iovec_t){c->hbuf.base + c->hoff[i].vo, c->hoff[i].vl};
+    }
+    const char *reason = NULL;
+    if (px_response_check(c->hdrs, c->nh, llhttp_get_http_major(&c->parser),
+                          llhttp_get_http_minor(&c->parser), status, &c->framing, &reason) != 0) {
+        uconn_fail(c, PX_UP_PROTOCOL, reason);
+        return false;
+    }
+    if (status >= 100 && status < 200) {
+        /* Interim response (100 Continue, 103 Early Hints): skip it, a final one follows. */
+        if (!c->msg_done) {
+            uconn_fail(c, PX_UP_PROTOCOL, "interim response with a body");
+            return false;
+        }
+        llhttp_resume(&c->parser);
+        head_reset(c);
+        return true;
+    }
+    c->no_body = c->head_request || status == 204 || status == 304;
+    c->close_delimited = !c->no_body && !c->framing.chunked && c->framing.content_length < 0;
+    c->body_remaining = c->framing.content_length > 0 ? (uint64_t)c->framing.content_length : 0;
+    memset(&c->cs, 0, sizeof(c->cs));
+    creq_t *q = c->req;
+    if (q->cb.on_head)
+        q->cb.on_head(&q->pub, status, c->hdrs, c->nh, &c->framing);
+    if (c->phase == UC_CLOSED || c->req != q)
+        return false;
+    if (c->msg_done) {
+        uconn_done(c);
+        return false;
+    }
+    c->phase = UC_BODY;
+    c->last_read = uv_now(c->up->loop);
+    uconn_arm(c, c->up->o.idle_timeout_ms);
+    return true;
+}
+
+static void uconn_feed(uconn_t *c, const char *p, size_t n)
+{
+    while (n > 0 && c->phase != UC_CLOSED) {
+        size_t used = 0;
+        const char *reason = "invalid response";
+        int status, r;
+        if (c->phase == UC_IDLE || c->req == NULL) {
+            uconn_fail(c, PX_UP_PROTOCOL, "unsolicited bytes on an idle connection");
+            return;
+        }
+        if (c->phase == UC_HEAD) {
+            r = px_head_scan(&c->hs, p, n, &used, &status, &reason);
+            if (r == PX_SCAN_ERROR) {
+                uconn_fail(c, PX_UP_PROTOCOL, reason);
+                return;
+            }
+            llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
+            if (e != HPE_OK && e != HPE_PAUSED) {
+                uconn_fail(c, PX_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
+                return;
+            }
+            p += used;
+            n -= used;
+            if (r == PX_SCAN_DONE) {
+                if (!c->head_done) {
+                    uconn_fail(c, PX_UP_PROTOCOL, "malformed response head");
+                    return;
+                }
+                if (!uconn_head_done(c))
+                    return;
+            }
+            continue;
+        }
+        /* UC_BODY */
+        if (c->framing.chunked) {
+            r = px_chunk_scan(&c->cs, p, n, &used, &reason);
+            if (r == PX_SCAN_ERROR) {
+                uconn_fail(c, PX_UP_PROTOCOL, reason);
+                return;
+            }
+        } else if (c->close_delimited) {
+            used = n;
+            r = PX_SCAN_MORE;
+        } else {
+            used = n < c->body_remaining ? n : (size_t)c->body_remaining;
+            c->body_remaining -= used;
+            r = c->body_remaining == 0 ? PX_SCAN_DONE : PX_SCAN_MORE;
+        }
+        c->last_read = uv_now(c->up->loop);
+        creq_t *q = c->req;
+        llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
+        if (c->phase == UC_CLOSED || c->req != q)
+            return; /* cancelled from on_body */
+        if (e != HPE_OK && e != HPE_PAUSED) {
+            uconn_fail(c, PX_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
+            return;
+        }
+        p += used;
+        n -= used;
+        if (r == PX_SCAN_DONE) {
+            if (!c->msg_done) {
+                uconn_fail(c, PX_UP_PROTOCOL, "malformed response body");
+                return;
+            }
+            if (n > 0) {
+                /* Bytes after the response: the upstream's framing disagrees with ours. */
+                c->framing.conn_close = true;
+            }
+            uconn_done(c);
+            return;
+        }
+    }
+}
+
+/* ---- socket callbacks ---------------------------------------------------------------------- */
+
+static void sock_read(px_sock_t *s, const char *p, size_t n)
+{
+    uconn_t *c = s->owner;
+    if (c->req && !c->req->pub.response_started) {
+        c->req->pub.response_started = true;
+        c->req->pub.first_byte_ns = dp_now_ns();
+    }
+    uconn_feed(c, p, n);
+}
+
+/* EOF or error from the socket: classify it for the retry rule. */
+static void sock_error(px_sock_t *s, int status)
+{
+    uconn_t *c = s->owner;
+    if (c->phase == UC_IDLE || c->req == NULL) {
+        uconn_close(c); /* the server closed a pooled connection: just drop it */
+        return;
+    }
+    creq_t *q = c->req;
+    if (c->phase == UC_CONNECTING) {
+        uconn_fail(c, PX_UP_CONNECT, uv_strerror(status));
+        return;
+    }
+    if (!q->pub.response_started) {
+        bool sent = c->req_ended && c->sock.queued == 0;
+        if (q->pub.reused)
+            uconn_fail(c, PX_UP_REUSED_CLOSED, "reused connection closed before the response");
+        else if (!sent)
+            uconn_fail(c, PX_UP_SEND, uv_strerror(status));
+        else
+            uconn_fail(c, PX_UP_CLOSED, status == UV_EOF ? "closed before the response"
+                                                         : uv_strerror(status));
+        return;
+    }
+    if (c->phase == UC_BODY && c->close_delimited && status == UV_EOF) {
+        /* EOF ends a close-delimited body: that is a complete response. */
+        llhttp_finish(&c->parser);
+        c->framing.conn_close = true;
+        uconn_done(c);
+        return;
+    }
+    uconn_fail(c, PX_UP_TRUNCATED, status == UV_EOF ? "closed mid-response" : uv_strerror(status));
+}
+
+static void sock_drain(px_sock_t *s)
+{
+    uconn_t *c = s->owner;
+    if (c->req && c->req->cb.on_drain)
+        c->req->cb.on_drain(&c->req->pub);
+}
+
+static void sock_connected(px_sock_t *s, int status)
+{
+    uconn_t *c = s->owner;
+    if (c->phase != UC_CONNECTING)
+        return;
+    if (status != 0) {
+        uconn_fail(c, PX_UP_CONNECT, uv_strerror(status));
+        return;
+    }
+    c->connected = true;
+    c->phase = UC_HEAD;
+    uconn_arm(c, c->up->o.first_byte_timeout_ms);
+    px_sock_read_start(&c->sock);
+    if (c->outq.len) {
+        uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
+        int r = px_sock_write(&c->sock, &b, 1);
+        dp_buf_free(&c->outq);
+        if (r != 0)
+            uconn_fail(c, PX_UP_SEND, uv_strerror(r));
+    }
+}
+
+/* ---- public API ---------------------------------------------------------------------------- */
+
+static void opts_fill(px_upstream_opts_t *o, const px_upstream_opts_t *in)
+{
+    if (in)
+        *o = *in;
+    if (o->connect_timeout_ms == 0)
+        o->connect_timeout_ms = 2000;
+    if (o->first_byte_timeout_ms == 0)
+        o->first_byte_timeout_ms = 600000;
+    if (o->idle_timeout_ms == 0)
+        o->idle_timeout_ms = 60000;
+    if (o->max_idle == 0)
+        o->max_idle = 64;
+    if (o->write_high_water == 0)
+        o->write_high_water = 256 * 1024;
+}
+
+px_upstream_t *px_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
+                               const px_upstream_opts_t *opts)
+{
+    px_upstream_t *u = dp_xcalloc(1, sizeof(*u));
+    u->loop = loop;
+    memcpy(&u->addr, addr,
+           addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
+    opts_fill(&u->o, opts);
+    u->refs = 1;
+    llhttp_settings_init(&u->settings);
+    u->settings.on_header_field = on_header_field;
+    u->settings.on_header_value = on_header_value;
+    u->settings.on_headers_complete = on_headers_complete;
+    u->settings.on_body = on_body;
+    u->settings.on_message_complete = on_message_complete;
+    return u;
+}
+
+void px_upstream_set_opts(px_upstream_t *u, const px_upstream_opts_t *opts)
+{
+    opts_fill(&u->o, opts);
+}
+
+void px_upstream_set_tls(px_upstream_t *u, px_tls_client_t *tls, const char *server_name)
+{
+    u->tls = tls;
+    free(u->server_name);
+    u->server_name = server_name ? dp_xstrdup(server_name) : NULL;
+}
+
+void px_upstream_flush_idle(px_upstream_t *u)
+{
+    while (u->idle)
+        uconn_close(u->idle);
+}
+
+void px_upstream_free(px_upstream_t *u)
+{
+    u->dead = true;
+    px_upstream_flush_idle(u);
+    up_unref(u);
+}
+
+size_t px_upstream_idle(const px_upstream_t *u)
+{
+    return u->nidle;
+}
+
+static uconn_t *uconn_new(px_upstream_t *u)
+{
+    uconn_t *c = dp_xcalloc(1, sizeof(*c));
+    c->up = u;
+    u->refs++;
+    c->closes_pending = 2;
+    px_sock_init(u->loop, &c->sock, c);
+    c->sock.on_read = sock_read;
+    c->sock.on_error = sock_error;
+    c->sock.on_drain = sock_drain;
+    c->sock.on_connect = sock_connected;
+    c->sock.on_close = sock_closed;
+    c->sock.high_water = u->o.write_high_water;
+    c->sock.low_water = u->o.write_high_water / 4;
+    uv_timer_init(u->loop, &c->timer);
+    c->timer.data = c;
+    llhttp_init(&c->parser, HTTP_RESPONSE, &u->settings);
+    c->parser.data = c;
+    c->phase = UC_CONNECTING;
+    return c;
+}
+
+/* Report a connect failure from the loop, never from inside px_creq_start. */
+static void deferred_fail_cb(uv_timer_t *t)
+{
+    uconn_t *c = t->data;
+    uconn_fail(c, c->deferred_err,
+               c->deferred_err == PX_UP_CONNECT ? "connect failed" : "pooled connection failed");
+}
+
+px_creq_t *px_creq_start(px_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                         bool body_follows, bool head_request, const px_creq_cb_t *cb, void *data)
+{
+    creq_t *q = u->free_reqs;
+    if (q) {
+        u->free_reqs = q->next_free;
+        u->nfree--;
+        memset(q, 0, sizeof(*q));
+    } else {
+        q = dp_xcalloc(1, sizeof(*q));
+    }
+    q->cb = *cb;
+    q->pub.data = data;
+    q->pub.start_ns = dp_now_ns();
+
+    uconn_t *c = u->idle;
+    if (c) {
+        idle_remove(c);
+        q->pub.reused = true;
+        c->phase = UC_HEAD;
+        uconn_arm(c, u->o.first_byte_timeout_ms);
+    } else {
+        c = uconn_new(u);
+    }
+    c->req = q;
+    q->c = c;
+    c->head_request = head_request;
+    c->req_ended = !body_follows;
+    c->paused = false;
+    c->body_remaining = 0;
+    memset(&c->framing, 0, sizeof(c->framing));
+    head_reset(c);
+    llhttp_reset(&c->parser);
+
+    if (c->phase == UC_CONNECTING) {
+        for (unsigned i = 0; i < nbufs; i++)
+            dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
+        uconn_arm(c, u->o.connect_timeout_ms);
+        if (px_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
+            c->deferred_err = PX_UP_CONNECT;
+            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+        }
+        return &q->pub;
+    }
+    if (px_sock_write(&c->sock, bufs, nbufs) != 0) {
+        /* A pooled connection that died under us: the classic keep-alive race. */
+        c->deferred_err = PX_UP_REUSED_CLOSED;
+        uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+    }
+    return &q->pub;
+}
+
+static inline creq_t *cimpl(px_creq_t *r)
+{
+    return (creq_t *)r;
+}
+
+int px_creq_write(px_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
+{
+    uconn_t *c = cimpl(r)->c;
+    if (c == NULL || c->phase == UC_CLOSED)
+        return -1;
+    if (c->phase == UC_CONNECTING) {
+        for (unsigned i = 0; i < nbufs; i++)
+            dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
+        return 0;
+    }
+    if (c->msg_done || c->phase == UC_IDLE)
+        return 0; /* the upstream already answered: the rest of the body is moot */
+    if (px_sock_write(&c->sock, bufs, nbufs) != 0) {
+        uconn_fail(c, r->response_started ? PX_UP_TRUNCATED : PX_UP_SEND, "write failed");
+        return -1;
+    }
+    return 0;
+}
+
+void px_creq_end(px_creq_t *r)
+{
+    uconn_t *c = cimpl(r)->c;
+    if (c)
+        c->req_ended = true;
+}
+
+void px_creq_pause(px_creq_t *r)
+{
+    uconn_t *c = cimpl(r)->c;
+    if (c == NULL || c->paused || c->phase == UC_CLOSED)
+        return;
+    c->paused = true;
+    px_sock_read_stop(&c->sock);
+}
+
+void px_creq_resume(px_creq_t *r)
+{
+    uconn_t *c = cimpl(r)->c;
+    if (c == NULL || !c->paused || c->phase == UC_CLOSED)
+        return;
+    c->paused = false;
+    c->last_read = uv_now(c->up->loop);
+    px_sock_read_start(&c->sock);
+}
+
+void px_creq_cancel(px_creq_t *r)
+{
+    creq_t *q = cimpl(r);
+    uconn_t *c = q->c;
+    px_upstream_t *u = c->up;
+    c->req = NULL;
+    uconn_close(c);
+    creq_free(u, q);
+}
+
+size_t px_creq_pending(const px_creq_t *r)
+{
+    const uconn_t *c = ((const creq_t *)r)->c;
+    return c ? c->sock.queued + c->outq.len : 0;
+}
+
+bool px_creq_over(const px_creq_t *r)
+{
+    const uconn_t *c = ((const creq_t *)r)->c;
+    return c && (px_sock_over(&c->sock) || c->outq.len > c->sock.high_water);
+}

@@ -1,0 +1,1319 @@
+/* HTTP/1.1 server connections. See http_server.h for the contract.
+ *
+ * A connection moves through phases:
+ *   IDLE  -> waiting for the first byte of a request (header timer from accept, then the
+ *            keep-alive idle timer between requests)
+ *   HEAD  -> reading the head: every byte goes through px_head_scan, then llhttp
+ *   BODY  -> reading the body: chunked bytes through px_chunk_scan, Content-Length counted by
+ *            us; llhttp is fed exactly the bytes of this message, never the next one's
+ *   WAIT  -> request complete, response in progress; further bytes are kept unparsed in
+ *            `pending` (pipelining) until the response ends
+ *   LINGER-> an error was answered; write side shut, input discarded until EOF or a timer
+ *
+ * Re-entrancy rule: handler callbacks may call px_resp_* (which can finish the request). The
+ * parse loop therefore re-reads c->req after every callback, px_resp_end never parses the next
+ * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
+#include "proxy/http_server.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <llhttp.h>
+
+#include "common/jw.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/sock.h"
+
+enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
+
+#define LINGER_MS 2000
+#define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
+#define REQ_CACHE_MAX 256
+
+typedef struct {
+    uint32_t no, nl, vo, vl;
+} hoff_t;
+
+typedef struct req_impl_s {
+    px_req_t r;
+    struct req_impl_s *next_free;
+    dp_buf_t hbuf; /* copies of the url, header names and values */
+    hoff_t *hoff;
+    size_t hcap;
+    px_header_t *hdrs;
+    size_t hdrs_cap;
+    uint32_t url_len;
+    bool in_value;
+    bool head_done, msg_done;
+    bool handed; /* on_head was called: the handler knows this request */
+    px_body_mode_t mode;
+    bool body_done;
+    bool body_too_large;
+    bool resp_started, resp_ended;
+    bool resp_chunked, resp_no_body, resp_head_pending;
+    bool abort_notified;
+    int64_t resp_remaining; /* -1 unless Content-Length framing */
+    dp_buf_t out;           /* response head not yet written */
+    px_framing_t framing;
+} req_impl_t;
+
+struct px_conn_s {
+    px_sock_t sock; /* first: the sock's owner is the conn */
+    uv_timer_t timer;
+    px_server_t *srv;
+    px_conn_t *prev, *next;
+    llhttp_t parser;
+    px_head_scan_t hs;
+    px_chunk_scan_t cs;
+    uint8_t phase;
+    req_impl_t *req;
+    dp_buf_t pending;
+    uint64_t body_remaining;
+    uint64_t deadline;      /* absolute uv_now() ms for the current timer purpose */
+    uint64_t last_read;     /* uv_now() of the last read, for idle checks in BODY */
+    int closes_pending;
+    bool keep_alive;
+    bool first_request;
+    bool in_feed;
+    bool kick; /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
+    bool read_paused; /* by pending overflow or by the handler */
+    bool body_paused;
+};
+
+struct px_server_s {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    bool listening, draining, closing, listener_open;
+    px_handler_t h;
+    void *data;
+    px_server_limits_t lim;
+    llhttp_settings_t settings;
+    size_t nconns, ninflight;
+    px_conn_t *conns;
+    req_impl_t *free_reqs;
+    size_t nfree;
+    uint16_t port;
+    uint64_t last_accept_warn;
+    void (*drain_cb)(px_server_t *s);
+    void (*close_cb)(void *data);
+    void *close_data;
+};
+
+static void conn_feed(px_conn_t *c, const char *p, size_t n);
+static void conn_close(px_conn_t *c);
+static void conn_reject(px_conn_t *c, int status, const char *reason);
+static void conn_to_idle(px_conn_t *c);
+static void maybe_server_done(px_server_t *s);
+
+/* ---- small helpers ---------------------------------------------------------------------- */
+
+static uint64_t g_id_seed;
+static uint64_t g_id_counter;
+
+/* splitmix64 of a random seed plus a counter: unique per process (a bijection of the
+ * counter) and unpredictable without the seed. */
+static void make_request_id(char out[24])
+{
+    if (g_id_seed == 0 && dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0)
+        g_id_seed = dp_now_ns() | 1;
+    uint64_t z = g_id_seed + (++g_id_counter) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    dp_hex(&z, 8, out);
+}
+
+static const char *reason_phrase(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 201: return "Created";
+    case 202: return "Accepted";
+    case 204: return "No Content";
+    case 206: return "Partial Content";
+    case 301: return "Moved Permanently";
+    case 302: return "Found";
+    case 304: return "Not Modified";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 413: return "Content Too Large";
+    case 415: return "Unsupported Media Type";
+    case 417: return "Expectation Failed";
+    case 422: return "Unprocessable Content";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    default: return "Status";
+    }
+}
+
+/* "date: ..." is the same for every response within a second: format it once. */
+static const char *date_header(size_t *len)
+{
+    static char buf[64];
+    static size_t blen;
+    static time_t last;
+    time_t now = time(NULL);
+    if (now != last) {
+        struct tm tm;
+        gmtime_r(&now, &tm);
+        blen = strftime(buf, sizeof(buf), "date: %a, %d %b %Y %H:%M:%S GMT\r\n", &tm);
+        last = now;
+    }
+    *len = blen;
+    return buf;
+}
+
+const char *px_error_type_for_status(int status)
+{
+    if (status == 401)
+        return "authentication_error";
+    if (status == 404)
+        return "not_found_error";
+    if (status == 429 || status == 503)
+        return "overloaded_error";
+    if (status >= 500)
+        return "server_error";
+    return "invalid_request_error";
+}
+
+void px_error_body(dp_buf_t *out, const char *type, const char *code, const char *param,
+                   const char *message)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_obj_begin(&w, "error");
+    dp_jw_str(&w, "message", message);
+    dp_jw_str(&w, "type", type);
+    dp_jw_str(&w, "param", param);
+    dp_jw_str(&w, "code", code);
+    dp_jw_obj_end(&w);
+    dp_jw_obj_end(&w);
+}
+
+void px_server_limits_default(px_server_limits_t *l)
+{
+    l->max_header_bytes = 32768;
+    l->max_headers = 100;
+    l->max_body_bytes = 8388608;
+    l->max_connections = 10000;
+    l->client_header_timeout_ms = 10000;
+    l->client_idle_timeout_ms = 60000;
+    l->write_high_water = 256 * 1024;
+}
+
+/* ---- request objects ----------------------------------------------------------------------- */
+
+static req_impl_t *req_get(px_conn_t *c)
+{
+    px_server_t *s = c->srv;
+    req_impl_t *q = s->free_reqs;
+    if (q) {
+        s->free_reqs = q->next_free;
+        s->nfree--;
+    } else {
+        q = dp_xcalloc(1, sizeof(*q));
+    }
+    q->next_free = NULL;
+    q->r.conn = c;
+    q->r.server = s;
+    q->r.content_length = -1;
+    q->resp_remaining = -1;
+    q->r.start_ns = dp_now_ns();
+    make_request_id(q->r.id);
+    return q;
+}
+
+/* Return to the cache with buffers kept (capacity reuse), or free when the cache is full. */
+static void req_put(px_server_t *s, req_impl_t *q)
+{
+    dp_buf_t hbuf = q->hbuf, out = q->out, body = q->r.body;
+    hoff_t *hoff = q->hoff;
+    px_header_t *hdrs = q->hdrs;
+    size_t hcap = q->hcap, hdrs_cap = q->hdrs_cap;
+    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
+        hbuf.cap > 64 * 1024) {
+        dp_buf_free(&hbuf);
+        dp_buf_free(&out);
+        dp_buf_free(&body);
+        free(hoff);
+        free(hdrs);
+        free(q);
+        return;
+    }
+    memset(q, 0, sizeof(*q));
+    dp_buf_reset(&hbuf);
+    dp_buf_reset(&out);
+    dp_buf_reset(&body);
+    q->hbuf = hbuf;
+    q->out = out;
+    q->r.body = body;
+    q->hoff = hoff;
+    q->hcap = hcap;
+    q->hdrs = hdrs;
+    q->hdrs_cap = hdrs_cap;
+    q->next_free = s->free_reqs;
+    s->free_reqs = q;
+    s->nfree++;
+}
+
+/* Detach the finished request from its connection. */
+static void conn_release_req(px_conn_t *c)
+{
+    req_impl_t *q = c->req;
+    if (q == NULL)
+        return;
+    c->req = NULL;
+    if (q->handed)
+        c->srv->ninflight--;
+    req_put(c->srv, q);
+}
+
+/* ---- llhttp callbacks: they only record; the parse loop acts ---------------------------- */
+
+static int on_url(llhttp_t *p, const char *at, size_t n)
+{
+    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    dp_buf_append(&q->hbuf, at, n);
+    q->url_len += (uint32_t)n;
+    return 0;
+}
+
+static int on_header_field(llhttp_t *p, const char *at, size_t n)
+{
+    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    if (q->in_value || q->r.nheaders == 0) {
+        if (q->r.nheaders == q->hcap) {
+            q->hcap = q->hcap ? q->hcap * 2 : 16;
+            q->hoff = dp_xrealloc(q->hoff, q->hcap * sizeof(*q->hoff));
+        }
+        hoff_t *h = &q->hoff[q->r.nheaders++];
+        h->no = (uint32_t)q->hbuf.len;
+        h->nl = h->vo = h->vl = 0;
+        q->in_value = false;
+    }
+    q->hoff[q->r.nheaders - 1].nl += (uint32_t)n;
+    dp_buf_append(&q->hbuf, at, n);
+    return 0;
+}
+
+static int on_header_value(llhttp_t *p, const char *at, size_t n)
+{
+    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    hoff_t *h = &q->hoff[q->r.nheaders - 1];
+    if (!q->in_value) {
+        q->in_value = true;
+        h->vo = (uint32_t)q->hbuf.len;
+    }
+    h->vl += (uint32_t)n;
+    dp_buf_append(&q->hbuf, at, n);
+    return 0;
+}
+
+static int on_headers_complete(llhttp_t *p)
+{
+    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    q->head_done = true;
+    return 0;
+}
+
+static int on_body(llhttp_t *p, const char *at, size_t n)
+{
+    px_conn_t *c = p->data;
+    req_impl_t *q = c->req;
+    if (q == NULL || q->resp_ended)
+        return 0; /* answered early: the body is being discarded */
+    if (q->mode == PX_BODY_BUFFER) {
+        if (q->r.body.len + n > c->srv->lim.max_body_bytes) {
+            q->body_too_large = true;
+            return HPE_USER;
+        }
+        dp_buf_append(&q->r.body, at, n);
+    } else if (c->srv->h.on_body) {
+        c->srv->h.on_body(&q->r, at, n);
+    }
+    return 0;
+}
+
+static int on_message_complete(llhttp_t *p)
+{
+    px_conn_t *c = p->data;
+    if (c->req)
+        c->req->msg_done = true;
+    return 0;
+}
+
+/* ---- timers ------------------------------------------------------------------------------- */
+
+static void timer_cb(uv_timer_t *t);
+
+static void conn_arm(px_conn_t *c, uint64_t ms)
+{
+    c->kick = false;
+    c->deadline = uv_now(c->srv->loop) + ms;
+    uv_timer_start(&c->timer, timer_cb, ms, 0);
+}
+
+/* Parse pipelined bytes left behind by the previous response (zero-delay timer). */
+static void conn_kick(px_conn_t *c)
+{
+    c->kick = true;
+    uv_timer_start(&c->timer, timer_cb, 0, 0);
+}
+
+static void timer_cb(uv_timer_t *t)
+{
+    px_conn_t *c = t->data;
+    uint64_t now = uv_now(c->srv->loop);
+    if (c->kick) {
+        c->kick = false;
+        if (c->phase == PH_IDLE && c->pending.len) {
+            c->read_paused = false;
+            dp_buf_t pend = c->pending;
+            memset(&c->pending, 0, sizeof(c->pending));
+            conn_feed(c, pend.base, pend.len);
+            dp_buf_free(&pend);
+            if (c->phase != PH_CLOSED && !c->read_paused && !c->body_paused)
+                px_sock_read_start(&c->sock);
+        }
+        return;
+    }
+    switch (c->phase) {
+    case PH_IDLE:
+        conn_close(c); /* idle or never-started connection: close silently */
+        return;
+    case PH_HEAD:
+        if (!px_head_scan_started(&c->hs)) {
+            conn_close(c);
+            return;
+        }
+        conn_reject(c, 408, "request head not received in time");
+        return;
+    case PH_BODY: {
+        uint64_t idle = c->srv->lim.client_idle_timeout_ms;
+        if (now - c->last_read < idle && !c->body_paused) {
+            conn_arm(c, idle - (now - c->last_read));
+            return;
+        }
+        if (c->body_paused) {
+            conn_arm(c, idle);
+            return;
+        }
+        conn_reject(c, 408, "request body not received in time");
+        return;
+    }
+    case PH_WAIT: {
+        /* A client that stopped reading a response: cut it off once nothing was written for
+         * the idle timeout. A long silent generation (nothing queued) is not its fault. */
+        uint64_t idle = c->srv->lim.client_idle_timeout_ms;
+        if (c->sock.queued > 0 && now - c->sock.last_write >= idle) {
+            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
+            if (w) {
+                dp_jw_str(w, "request_id", c->req ? c->req->r.id : "");
+                dp_log_end(w);
+            }
+            conn_close(c);
+            return;
+        }
+        conn_arm(c, idle);
+        return;
+    }
+    case PH_LINGER:
+        conn_close(c);
+        return;
+    default:
+        return;
+    }
+}
+
+/* ---- connection lifecycle ------------------------------------------------------------------ */
+
+static void conn_handle_closed(px_conn_t *c)
+{
+    if (--c->closes_pending > 0)
+        return;
+    px_server_t *s = c->srv;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    s->nconns--;
+    dp_buf_free(&c->pending);
+    free(c);
+    maybe_server_done(s);
+}
+
+static void sock_closed(px_sock_t *sk)
+{
+    conn_handle_closed((px_conn_t *)sk->owner);
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+    conn_handle_closed(h->data);
+}
+
+/* Tell the handler its request is gone (once), then release it. */
+static void conn_abort_req(px_conn_t *c)
+{
+    req_impl_t *q = c->req;
+    if (q == NULL)
+        return;
+    if (q->handed && !q->resp_ended && !q->abort_notified) {
+        q->abort_notified = true;
+        if (c->srv->h.on_abort)
+            c->srv->h.on_abort(&q->r);
+    }
+    conn_release_req(c);
+}
+
+static void conn_close(px_conn_t *c)
+{
+    if (c->phase == PH_CLOSED)
+        return;
+    c->phase = PH_CLOSED;
+    conn_abort_req(c);
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, timer_closed);
+    px_sock_close(&c->sock);
+}
+
+/* Answer with an error and close, lingering so the client can read the answer even while
+ * it is still sending (closing with unread input would reset the connection). */
+static void conn_reject(px_conn_t *c, int status, const char *reason)
+{
+    px_server_t *s = c->srv;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "request_rejected");
+    if (w) {
+        char remote[48];
+        px_sock_peer(&c->sock, remote, sizeof(remote));
+        dp_jw_int(w, "status", status);
+        dp_jw_str(w, "reason", reason);
+        dp_jw_str(w, "remote", remote);
+        if (c->req)
+            dp_jw_str(w, "request_id", c->req->r.id);
+        dp_log_end(w);
+    }
+    if (c->req && c->req->resp_started) {
+        /* Too late for an error response: just cut the connection. */
+        conn_close(c);
+        return;
+    }
+    conn_abort_req(c);
+    dp_buf_t body = {0};
+    px_error_body(&body, px_error_type_for_status(status), status == 431 ? "headers_too_large"
+                                                          : status == 413 ? "body_too_large"
+                                                          : status == 408 ? "timeout"
+                                                                          : "bad_request",
+                  NULL, reason);
+    dp_buf_t head = {0};
+    size_t dlen;
+    const char *date = date_header(&dlen);
+    dp_buf_printf(&head, "HTTP/1.1 %d %s\r\n", status, reason_phrase(status));
+    dp_buf_append(&head, date, dlen);
+    dp_buf_printf(&head,
+                  "content-type: application/json\r\ncontent-length: %zu\r\nconnection: "
+                  "close\r\n\r\n",
+                  body.len);
+    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
+                        uv_buf_init(body.base, (unsigned)body.len)};
+    int r = px_sock_write(&c->sock, bufs, 2);
+    dp_buf_free(&head);
+    dp_buf_free(&body);
+    if (r != 0) {
+        conn_close(c);
+        return;
+    }
+    c->phase = PH_LINGER;
+    dp_buf_free(&c->pending);
+    px_sock_shutdown(&c->sock);
+    px_sock_read_start(&c->sock);
+    conn_arm(c, LINGER_MS);
+    (void)s;
+}
+
+static void conn_to_idle(px_conn_t *c)
+{
+    px_server_t *s = c->srv;
+    c->phase = PH_IDLE;
+    c->body_paused = false;
+    memset(&c->hs, 0, sizeof(c->hs));
+    c->hs.max_bytes = s->lim.max_header_bytes;
+    c->hs.max_headers = s->lim.max_headers;
+    llhttp_reset(&c->parser);
+    if (s->draining && c->pending.len == 0) {
+        conn_close(c);
+        return;
+    }
+    if (c->pending.len && !c->in_feed) {
+        conn_kick(c);
+        return;
+    }
+    conn_arm(c, c->first_request ? s->lim.client_header_timeout_ms : s->lim.client_idle_timeout_ms);
+    if (!c->read_paused)
+        px_sock_read_start(&c->sock);
+}
+
+/* The request is finished from both sides (response ended, body read): next one. */
+static void conn_request_done(px_conn_t *c)
+{
+    bool keep = c->keep_alive;
+    conn_release_req(c);
+    c->first_request = false;
+    if (!keep) {
+        c->phase = PH_LINGER;
+        px_sock_shutdown(&c->sock);
+        conn_arm(c, LINGER_MS);
+        return;
+    }
+    conn_to_idle(c);
+}
+
+/* ---- parsing --------------------------------------------------------------------------- */
+
+static void split_target(px_req_t *r)
+{
+    const char *q = memchr(r->target.base, '?', r->target.len);
+    if (q) {
+        r->path = (dp_iovec_t){r->target.base, (size_t)(q - r->target.base)};
+        r->query = (dp_iovec_t){q + 1, r->target.len - r->path.len - 1};
+    } else {
+        r->path = r->target;
+        r->query = (dp_iovec_t){r->target.base + r->target.len, 0};
+    }
+}
+
+static void write_continue(px_conn_t *c)
+{
+    static const char msg[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    uv_buf_t b = uv_buf_init((char *)msg, sizeof(msg) - 1);
+    px_sock_write(&c->sock, &b, 1);
+}
+
+/* The head is complete and parsed: validate, hand to the handler, pick the body phase.
+ * Returns false when the connection was rejected or closed. */
+static bool conn_head_done(px_conn_t *c)
+{
+    px_server_t *s = c->srv;
+    req_impl_t *q = c->req;
+    px_req_t *r = &q->r;
+    /* The header buffer no longer grows: pointers into it are stable from here on. */
+    if (q->hdrs_cap < r->nheaders) {
+        q->hdrs_cap = r->nheaders;
+        q->hdrs = dp_xrealloc(q->hdrs, q->hdrs_cap * sizeof(*q->hdrs));
+    }
+    for (size_t i = 0; i < r->nheaders; i++) {
+        hoff_t *h = &q->hoff[i];
+        q->hdrs[i].name = (dp_iovec_t){q->hbuf.base + h->no, h->nl};
+        q->hdrs[i].value = (dp_iovec_t){q->hbuf.base + h->vo, h->vl};
+    }
+    r->headers = q->hdrs;
+    r->target = (dp_iovec_t){q->hbuf.base ? q->hbuf.base : "", q->url_len};
+    split_target(r);
+    r->method = llhttp_get_method(&c->parser);
+    const char *mname = llhttp_method_name((llhttp_method_t)r->method);
+    r->method_name = (dp_iovec_t){mname, strlen(mname)};
+    r->http_major = llhttp_get_http_major(&c->parser);
+    r->http_minor = llhttp_get_http_minor(&c->parser);
+
+    const char *reason = NULL;
+    int st = px_request_check(r->headers, r->nheaders, r->http_major, r->http_minor, r->method,
+                              r->target.base, r->target.len, &q->framing, &reason);
+    if (st != 0) {
+        conn_reject(c, st, reason);
+        return false;
+    }
+    r->chunked = q->framing.chunked;
+    r->content_length = q->framing.content_length;
+    r->has_body = r->chunked || r->content_length > 0;
+    c->keep_alive = !q->framing.conn_close && !s->draining &&
+                    (r->http_minor == 1 || q->framing.conn_keep_alive);
+    px_sock_peer(&c->sock, r->remote, sizeof(r->remote));
+    s->ninflight++;
+    q->handed = true;
+
+    c->phase = r->has_body ? PH_BODY : PH_WAIT;
+    q->body_done = !r->has_body;
+    c->body_remaining = r->chunked ? 0 : (uint64_t)(r->content_length > 0 ? r->content_length : 0);
+    memset(&c->cs, 0, sizeof(c->cs));
+    uv_timer_stop(&c->timer);
+
+    q->mode = s->h.on_head ? s->h.on_head(r) : PX_BODY_BUFFER;
+    if (c->req != q || c->phase == PH_CLOSED || c->phase == PH_LINGER)
+        return false; /* answered and closed inside on_head */
+    if (q->resp_ended) {
+        /* Answered at once: a body we have not read makes the connection unusable. */
+        if (!q->body_done) {
+            c->keep_alive = false;
+            conn_request_done(c);
+            return false;
+        }
+        return true;
+    }
+    if (r->has_body) {
+        if (q->mode == PX_BODY_BUFFER && r->content_length > 0 &&
+            (uint64_t)r->content_length > s->lim.max_body_bytes) {
+            conn_reject(c, 413, "request body too large");
+            return false;
+        }
+        if (q->framing.expect_continue && r->http_minor == 1)
+            write_continue(c);
+        c->last_read = uv_now(s->loop);
+        conn_arm(c, s->lim.client_idle_timeout_ms);
+    }
+    return true;
+}
+
+/* The request (head and body) has been received. */
+static void conn_msg_done(px_conn_t *c)
+{
+    req_impl_t *q = c->req;
+    q->body_done = true;
+    c->phase = PH_WAIT;
+    /* While the response is produced, watch for a client that stops reading it. */
+    conn_arm(c, c->srv->lim.client_idle_timeout_ms);
+    if (c->srv->h.on_complete)
+        c->srv->h.on_complete(&q->r);
+}
+
+static void conn_feed(px_conn_t *c, const char *p, size_t n)
+{
+    px_server_t *s = c->srv;
+    c->in_feed = true;
+    while (n > 0 && c->phase != PH_CLOSED) {
+        size_t used = 0;
+        int r;
+        const char *reason = "invalid request";
+        int status = 400;
+        switch (c->phase) {
+        case PH_LINGER:
+            n = 0; /* discard */
+            continue;
+        case PH_WAIT:
+            /* Pipelined bytes: keep them for after the response, within a bound. */
+            dp_buf_append(&c->pending, p, n);
+            n = 0;
+            if (c->pending.len > PENDING_LIMIT) {
+                c->read_paused = true;
+                px_sock_read_stop(&c->sock);
+            }
+            continue;
+        case PH_IDLE:
+            if (s->draining) {
+                conn_close(c);
+                goto out;
+            }
+            c->req = req_get(c);
+            c->phase = PH_HEAD;
+            if (!c->first_request)
+                conn_arm(c, s->lim.client_header_timeout_ms);
+            continue;
+        case PH_HEAD: {
+            r = px_head_scan(&c->hs, p, n, &used, &status, &reason);
+            if (r == PX_SCAN_ERROR) {
+                conn_reject(c, status, reason);
+                goto out;
+            }
+            llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
+            /* Upgrade/CONNECT pause the parser; px_request_check refuses them with a reason. */
+            if (e != HPE_OK && !(e == HPE_PAUSED_UPGRADE && c->req->head_done)) {
+                conn_reject(c, 400, llhttp_get_error_reason(&c->parser));
+                goto out;
+            }
+            p += used;
+            n -= used;
+            if (r != PX_SCAN_DONE)
+                continue;
+            if (!c->req->head_done) {
+                conn_reject(c, 400, "malformed request head");
+                goto out;
+            }
+            if (!conn_head_done(c))
+                continue; /* rejected or answered: phase tells what to do with the rest */
+            if (c->req && c->phase == PH_WAIT) {
+                if (!c->req->msg_done) {
+                    conn_reject(c, 400, "malformed request");
+                    goto out;
+                }
+                conn_msg_done(c);
+            }
+            continue;
+        }
+        case PH_BODY: {
+            req_impl_t *q = c->req;
+            if (q->r.chunked) {
+                r = px_chunk_scan(&c->cs, p, n, &used, &reason);
+                if (r == PX_SCAN_ERROR) {
+                    conn_reject(c, 400, reason);
+                    goto out;
+                }
+            } else {
+                used = n < c->body_remaining ? n : (size_t)c->body_remaining;
+                c->body_remaining -= used;
+                r = c->body_remaining == 0 ? PX_SCAN_DONE : PX_SCAN_MORE;
+            }
+            c->last_read = uv_now(s->loop);
+            llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
+            if (c->req != q || c->phase == PH_CLOSED)
+                goto out; /* the handler closed the connection from on_body */
+            if (e != HPE_OK) {
+                if (q->body_too_large)
+                    conn_reject(c, 413, "request body too large");
+                else
+                    conn_reject(c, 400, llhttp_get_error_reason(&c->parser));
+                goto out;
+            }
+            p += used;
+            n -= used;
+            if (r == PX_SCAN_DONE) {
+                if (!q->msg_done) {
+                    conn_reject(c, 400, "malformed request body");
+                    goto out;
+                }
+                conn_msg_done(c);
+            } else if (c->body_paused) {
+                /* The handler asked us to stop: keep the rest of this read for later. */
+                dp_buf_append(&c->pending, p, n);
+                n = 0;
+            }
+            continue;
+        }
+        default:
+            n = 0;
+        }
+    }
+out:
+    c->in_feed = false;
+    /* A response that ended inside a callback left pipelined bytes: parse them next tick. */
+    if (c->phase == PH_IDLE && c->pending.len)
+        conn_kick(c);
+}
+
+static void sock_read(px_sock_t *sk, const char *p, size_t n)
+{
+    px_conn_t *c = sk->owner;
+    if (c->phase == PH_BODY && c->body_paused) {
+        dp_buf_append(&c->pending, p, n);
+        px_sock_read_stop(sk);
+        return;
+    }
+    if (c->pending.len && c->phase != PH_WAIT && c->phase != PH_LINGER) {
+        /* Keep byte order: older unparsed bytes go first. */
+        dp_buf_append(&c->pending, p, n);
+        dp_buf_t pend = c->pending;
+        memset(&c->pending, 0, sizeof(c->pending));
+        conn_feed(c, pend.base, pend.len);
+        dp_buf_free(&pend);
+        return;
+    }
+    conn_feed(c, p, n);
+}
+
+static void sock_error(px_sock_t *sk, int status)
+{
+    px_conn_t *c = sk->owner;
+    (void)status;
+    if (c->phase == PH_WAIT && c->req && !c->req->resp_ended) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_disconnected");
+        if (w) {
+            dp_jw_str(w, "request_id", c->req->r.id);
+            dp_jw_str(w, "error", uv_err_name(status));
+            dp_log_end(w);
+        }
+    } else if (c->phase == PH_BODY && c->req) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_disconnected");
+        if (w) {
+            dp_jw_str(w, "request_id", c->req->r.id);
+            dp_jw_str(w, "during", "request body");
+            dp_log_end(w);
+        }
+    }
+    conn_close(c);
+}
+
+static void sock_drain(px_sock_t *sk)
+{
+    px_conn_t *c = sk->owner;
+    if (c->req && c->req->resp_started && !c->req->resp_ended && c->srv->h.on_drain)
+        c->srv->h.on_drain(&c->req->r);
+}
+
+/* ---- accept -------------------------------------------------------------------------------- */
+
+static void on_connection(uv_stream_t *ls, int status)
+{
+    px_server_t *s = ls->data;
+    if (status < 0) {
+        /* EMFILE/ENFILE: libuv already shed the pending connection; say so, rate-limited. */
+        uint64_t now = uv_now(s->loop);
+        if (now - s->last_accept_warn >= 1000) {
+            s->last_accept_warn = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "accept_failed");
+            if (w) {
+                dp_jw_str(w, "error", uv_err_name(status));
+                dp_jw_str(w, "detail", uv_strerror(status));
+                dp_log_end(w);
+            }
+        }
+        return;
+    }
+    px_conn_t *c = dp_xcalloc(1, sizeof(*c));
+    c->srv = s;
+    if (px_sock_init(s->loop, &c->sock, c) != 0) {
+        free(c);
+        return;
+    }
+    uv_timer_init(s->loop, &c->timer);
+    c->timer.data = c;
+    c->closes_pending = 2;
+    c->next = s->conns;
+    if (s->conns)
+        s->conns->prev = c;
+    s->conns = c;
+    s->nconns++;
+    c->sock.on_read = sock_read;
+    c->sock.on_error = sock_error;
+    c->sock.on_drain = sock_drain;
+    c->sock.on_close = sock_closed;
+    c->sock.high_water = s->lim.write_high_water;
+    c->sock.low_water = s->lim.write_high_water / 4;
+    llhttp_init(&c->parser, HTTP_REQUEST, &s->settings);
+    c->parser.data = c;
+    c->first_request = true;
+    if (uv_accept(ls, (uv_stream_t *)&c->sock.tcp) != 0) {
+        conn_close(c);
+        return;
+    }
+    if (s->nconns > s->lim.max_connections || s->draining) {
+        uint64_t now = uv_now(s->loop);
+        if (now - s->last_accept_warn >= 1000) {
+            s->last_accept_warn = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "connection_limit");
+            if (w) {
+                dp_jw_uint(w, "max_connections", s->lim.max_connections);
+                dp_log_end(w);
+            }
+        }
+        conn_close(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->sock.tcp, 1);
+    conn_to_idle(c);
+}
+
+/* ---- server ---------------------------------------------------------------------------------- */
+
+px_server_t *px_server_new(uv_loop_t *loop, const px_handler_t *h, void *data,
+                           const px_server_limits_t *limits)
+{
+    px_server_t *s = dp_xcalloc(1, sizeof(*s));
+    s->loop = loop;
+    s->h = *h;
+    s->data = data;
+    if (limits)
+        s->lim = *limits;
+    else
+        px_server_limits_default(&s->lim);
+    if (s->lim.write_high_water == 0)
+        s->lim.write_high_water = 256 * 1024;
+    llhttp_settings_init(&s->settings);
+    s->settings.on_url = on_url;
+    s->settings.on_header_field = on_header_field;
+    s->settings.on_header_value = on_header_value;
+    s->settings.on_headers_complete = on_headers_complete;
+    s->settings.on_body = on_body;
+    s->settings.on_message_complete = on_message_complete;
+    return s;
+}
+
+int px_server_listen(px_server_t *s, const char *host, uint16_t port)
+{
+    struct sockaddr_storage ss;
+    int r = strchr(host, ':') ? uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss)
+                              : uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
+    if (r != 0)
+        return r;
+    if ((r = uv_tcp_init(s->loop, &s->listener)) != 0)
+        return r;
+    s->listener_open = true;
+    s->listener.data = s;
+    if ((r = uv_tcp_bind(&s->listener, (struct sockaddr *)&ss, 0)) != 0)
+        return r;
+    if ((r = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection)) != 0)
+        return r;
+    s->listening = true;
+    int len = sizeof(ss);
+    uv_tcp_getsockname(&s->listener, (struct sockaddr *)&ss, &len);
+    s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    return 0;
+}
+
+uint16_t px_server_port(const px_server_t *s)
+{
+    return s->port;
+}
+
+void *px_server_data(const px_server_t *s)
+{
+    return s->data;
+}
+
+uv_loop_t *px_server_loop(const px_server_t *s)
+{
+    return s->loop;
+}
+
+void px_server_set_limits(px_server_t *s, const px_server_limits_t *limits)
+{
+    s->lim = *limits;
+    if (s->lim.write_high_water == 0)
+        s->lim.write_high_water = 256 * 1024;
+}
+
+size_t px_server_connections(const px_server_t *s)
+{
+    return s->nconns;
+}
+
+size_t px_server_inflight(const px_server_t *s)
+{
+    return s->ninflight;
+}
+
+static void listener_closed(uv_handle_t *h)
+{
+    px_server_t *s = h->data;
+    s->listener_open = false;
+    maybe_server_done(s);
+}
+
+static void stop_listening(px_server_t *s)
+{
+    if (s->listener_open && !uv_is_closing((uv_handle_t *)&s->listener)) {
+        s->listening = false;
+        uv_close((uv_handle_t *)&s->listener, listener_closed);
+    }
+}
+
+static void maybe_server_done(px_server_t *s)
+{
+    if (s->nconns > 0 || s->listener_open)
+        return;
+    if (s->draining && s->drain_cb) {
+        void (*cb)(px_server_t *) = s->drain_cb;
+        s->drain_cb = NULL;
+        cb(s);
+    }
+    if (s->closing) {
+        void (*cb)(void *) = s->close_cb;
+        void *d = s->close_data;
+        while (s->free_reqs) {
+            req_impl_t *q = s->free_reqs;
+            s->free_reqs = q->next_free;
+            dp_buf_free(&q->hbuf);
+            dp_buf_free(&q->out);
+            dp_buf_free(&q->r.body);
+            free(q->hoff);
+            free(q->hdrs);
+            free(q);
+        }
+        free(s);
+        if (cb)
+            cb(d);
+    }
+}
+
+void px_server_drain(px_server_t *s, void (*done_cb)(px_server_t *s))
+{
+    s->draining = true;
+    s->drain_cb = done_cb;
+    stop_listening(s);
+    for (px_conn_t *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        c->keep_alive = false;
+        if (c->phase == PH_IDLE && c->pending.len == 0)
+            conn_close(c);
+    }
+    maybe_server_done(s);
+}
+
+void px_server_close(px_server_t *s, void (*done_cb)(void *data), void *data)
+{
+    s->closing = true;
+    s->close_cb = done_cb;
+    s->close_data = data;
+    stop_listening(s);
+    for (px_conn_t *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        conn_close(c);
+    }
+    maybe_server_done(s);
+}
+
+/* ---- request accessors -------------------------------------------------------------------- */
+
+const px_header_t *px_req_header(const px_req_t *req, const char *name)
+{
+    for (size_t i = 0; i < req->nheaders; i++)
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, name))
+            return &req->headers[i];
+    return NULL;
+}
+
+void px_req_pause_body(px_req_t *req)
+{
+    px_conn_t *c = req->conn;
+    if (c->phase != PH_BODY || c->body_paused)
+        return;
+    c->body_paused = true;
+    px_sock_read_stop(&c->sock);
+}
+
+void px_req_resume_body(px_req_t *req)
+{
+    px_conn_t *c = req->conn;
+    if (!c->body_paused)
+        return;
+    c->body_paused = false;
+    if (c->phase != PH_BODY)
+        return;
+    c->last_read = uv_now(c->srv->loop);
+    if (c->pending.len && !c->in_feed) {
+        dp_buf_t pend = c->pending;
+        memset(&c->pending, 0, sizeof(c->pending));
+        conn_feed(c, pend.base, pend.len);
+        dp_buf_free(&pend);
+    }
+    if (c->phase != PH_CLOSED && !c->body_paused && !c->read_paused)
+        px_sock_read_start(&c->sock);
+}
+
+/* ---- responses ----------------------------------------------------------------------------- */
+
+static inline req_impl_t *impl(px_req_t *r)
+{
+    return dp_container_of(r, req_impl_t, r);
+}
+
+static bool conn_usable(px_req_t *req)
+{
+    px_conn_t *c = req->conn;
+    return c->req == impl(req) && c->phase != PH_CLOSED && c->phase != PH_LINGER;
+}
+
+int px_resp_start(px_req_t *req, int status, const px_header_t *hdrs, size_t nhdrs,
+                  int64_t content_length)
+{
+    req_impl_t *q = impl(req);
+    px_conn_t *c = req->conn;
+    if (!conn_usable(req) || q->resp_started)
+        return -1;
+    q->resp_started = true;
+    q->resp_no_body = req->method == HTTP_HEAD || status == 204 || status == 304 ||
+                      (status >= 100 && status < 200);
+    /* Answering before the body is read leaves unread input: this connection then closes. */
+    if (!q->body_done)
+        c->keep_alive = false;
+    if (c->srv->draining)
+        c->keep_alive = false;
+    dp_buf_t *o = &q->out;
+    dp_buf_reset(o);
+    size_t dlen;
+    const char *date = date_header(&dlen);
+    dp_buf_reserve(o, 256);
+    dp_buf_append(o, "HTTP/1.1 ", 9);
+    dp_buf_append_u64(o, (uint64_t)status);
+    dp_buf_appendc(o, ' ');
+    dp_buf_appends(o, reason_phrase(status));
+    dp_buf_append(o, "\r\n", 2);
+    dp_buf_append(o, date, dlen);
+    for (size_t i = 0; i < nhdrs; i++) {
+        dp_buf_append(o, hdrs[i].name.base, hdrs[i].name.len);
+        dp_buf_append(o, ": ", 2);
+        dp_buf_append(o, hdrs[i].value.base, hdrs[i].value.len);
+        dp_buf_append(o, "\r\n", 2);
+    }
+    if (content_length >= 0) {
+        q->resp_remaining = content_length;
+        if (status != 204 && status != 304 && !(status >= 100 && status < 200)) {
+            dp_buf_append(o, "content-length: ", 16);
+            dp_buf_append_u64(o, (uint64_t)content_length);
+            dp_buf_append(o, "\r\n", 2);
+        }
+    } else if (!q->resp_no_body) {
+        if (req->http_minor == 1) {
+            q->resp_chunked = true;
+            dp_buf_append(o, "transfer-encoding: chunked\r\n", 28);
+        } else {
+            c->keep_alive = false; /* HTTP/1.0: the close delimits the body */
+        }
+    }
+    if (!c->keep_alive)
+        dp_buf_append(o, "connection: close\r\n", 19);
+    else if (req->http_minor == 0)
+        dp_buf_append(o, "connection: keep-alive\r\n", 24);
+    dp_buf_append(o, "\r\n", 2);
+    q->resp_head_pending = true;
+    return 0;
+}
+
+/* Write the pending head (if any) and up to three body pieces in one writev. */
+static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *p, size_t n,
+                     const char *post, size_t postlen)
+{
+    req_impl_t *q = impl(req);
+    uv_buf_t bufs[4];
+    unsigned nb = 0;
+    if (q->resp_head_pending) {
+        bufs[nb++] = uv_buf_init(q->out.base, (unsigned)q->out.len);
+        q->resp_head_pending = false;
+    }
+    if (prelen)
+        bufs[nb++] = uv_buf_init((char *)pre, (unsigned)prelen);
+    if (n)
+        bufs[nb++] = uv_buf_init((char *)p, (unsigned)n);
+    if (postlen)
+        bufs[nb++] = uv_buf_init((char *)post, (unsigned)postlen);
+    if (nb == 0)
+        return 0;
+    int r = px_sock_write(&req->conn->sock, bufs, nb);
+    if (r != 0) {
+        px_conn_t *c = req->conn;
+        conn_close(c);
+        return -1;
+    }
+    return 0;
+}
+
+int px_resp_write(px_req_t *req, const char *p, size_t n)
+{
+    req_impl_t *q = impl(req);
+    if (!conn_usable(req) || !q->resp_started || q->resp_ended)
+        return -1;
+    if (n == 0 || q->resp_no_body)
+        return 0;
+    if (q->resp_remaining >= 0) {
+        if ((int64_t)n > q->resp_remaining)
+            n = (size_t)q->resp_remaining; /* never write past the announced length */
+        q->resp_remaining -= (int64_t)n;
+        return resp_emit(req, NULL, 0, p, n, NULL, 0);
+    }
+    if (q->resp_chunked) {
+        char pre[20];
+        int pl = snprintf(pre, sizeof(pre), "%zx\r\n", n);
+        return resp_emit(req, pre, (size_t)pl, p, n, "\r\n", 2);
+    }
+    return resp_emit(req, NULL, 0, p, n, NULL, 0);
+}
+
+int px_resp_end(px_req_t *req)
+{
+    req_impl_t *q = impl(req);
+    px_conn_t *c = req->conn;
+    if (!conn_usable(req) || !q->resp_started || q->resp_ended)
+        return -1;
+    if (q->resp_remaining > 0 && !q->resp_no_body) {
+        /* Shorter than announced: the client must not take it for a whole response. */
+        px_resp_abort(req);
+        return -1;
+    }
+    int r;
+    if (q->resp_chunked && !q->resp_no_body)
+        r = resp_emit(req, NULL, 0, "0\r\n\r\n", 5, NULL, 0);
+    else
+        r = resp_emit(req, NULL, 0, NULL, 0, NULL, 0);
+    if (r != 0)
+        return -1;
+    q->resp_ended = true;
+    if (!q->body_done) {
+        /* Early answer: the rest of the body is discarded by closing after the flush. */
+        c->keep_alive = false;
+        conn_release_req(c);
+        c->phase = PH_LINGER;
+        px_sock_shutdown(&c->sock);
+        conn_arm(c, LINGER_MS);
+        return 0;
+    }
+    if (!c->keep_alive) {
+        conn_release_req(c);
+        c->phase = PH_LINGER;
+        px_sock_shutdown(&c->sock);
+        conn_arm(c, LINGER_MS);
+        return 0;
+    }
+    conn_request_done(c);
+    return 0;
+}
+
+void px_resp_abort(px_req_t *req)
+{
+    req_impl_t *q = impl(req);
+    px_conn_t *c = req->conn;
+    if (c->req != q || c->phase == PH_CLOSED)
+        return;
+    q->resp_ended = true; /* the handler is done with it: no on_abort */
+    conn_release_req(c);
+    c->phase = PH_CLOSED;
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, timer_closed);
+    /* Deliver what was written, then close without the final chunk. */
+    px_sock_read_stop(&c->sock);
+    px_sock_close_after_flush(&c->sock);
+}
+
+size_t px_resp_pending(const px_req_t *req)
+{
+    return req->conn->sock.queued;
+}
+
+bool px_resp_started(const px_req_t *req)
+{
+    return impl((px_req_t *)req)->resp_started;
+}
+
+int px_resp_send(px_req_t *req, int status, const char *content_type, const char *body, size_t n,
+                 const px_header_t *extra, size_t nextra)
+{
+    px_header_t hdrs[16];
+    size_t nh = 0;
+    if (content_type)
+        hdrs[nh++] = (px_header_t){DP_IOV("content-type"), {content_type, strlen(content_type)}};
+    for (size_t i = 0; i < nextra && nh < DP_ARRAY_SIZE(hdrs); i++)
+        hdrs[nh++] = extra[i];
+    if (px_resp_start(req, status, hdrs, nh, (int64_t)n) != 0)
+        return -1;
+    req_impl_t *q = impl(req);
+    if (!q->resp_no_body && n) {
+        q->resp_remaining = 0;
+        if (resp_emit(req, NULL, 0, body, n, NULL, 0) != 0)
+            return -1;
+    }
+    return px_resp_end(req);
+}
+
+int px_resp_error(px_req_t *req, int status, const char *type, const char *code,
+                  const char *param, const char *message, const px_header_t *extra, size_t nextra)
+{
+    dp_buf_t b = {0};
+    px_error_body(&b, type ? type : px_error_type_for_status(status), code, param, message);
+    int r = px_resp_send(req, status, "application/json", b.base, b.len, extra, nextra);
+    dp_buf_free(&b);
+    return r;
+}

@@ -1,0 +1,46 @@
+/* detproxy: one binary, subcommands per SPEC §2. */
+#include <stdio.h>
+#include <string.h>
+
+#include "proxy/cli.h"
+
+static void usage(FILE *f)
+{
+    fputs("usage: detproxy <command> [options]\n"
+          "\n"
+          "commands:\n"
+          "  run -c CONFIG            run the proxy (foreground, JSON-lines logs on stderr)\n"
+          "  check -c CONFIG          validate config, manifests, policy and keys\n"
+          "  attest hash DIR          print the checkpoint hash of a model directory\n"
+          "  attest keygen --out P    write an Ed25519 key pair P.key.pem, P.pub.pem\n"
+          "  attest serve ...         run the replica-side attestation agent\n"
+          "  attest verify ...        verify a signed attestation offline\n"
+          "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
+          "\n"
+          "Run 'detproxy <command> --help' for a command's options.\n"
+          "Exit codes: 0 ok, 1 check or diagnosis failed, 2 usage error, 3 runtime failure.\n",
+          f);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "run") == 0)
+        return px_cmd_run(argc - 1, argv + 1);
+    if (strcmp(cmd, "check") == 0)
+        return cfg_cmd_check(argc - 1, argv + 1);
+    if (strcmp(cmd, "attest") == 0)
+        return attest_cmd_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "diagnose") == 0)
+        return px_cmd_diagnose(argc - 1, argv + 1);
+    fprintf(stderr, "detproxy: unknown command '%s' (try --help)\n", cmd);
+    return 2;
+}
