@@ -1,0 +1,153 @@
+/* The proxy's runtime: one px_t per process, holding the current configuration generation,
+ * the listeners, and the replicas.
+ *
+ * Ownership:
+ * - A generation (px_gen_t) owns one loaded cfg_t and the pools built from it. Requests take
+ *   a reference on the generation they started under, so a reload swaps px->gen for new
+ *   requests while in-flight ones finish on the old one (issue 7).
+ * - Replicas (px_replica_t) are refcounted and shared between generations when their
+ *   definition is unchanged, so a reload keeps their attestation state and keep-alive pool.
+ * - Everything here is touched only from the event loop thread. */
+#ifndef PX_H
+#define PX_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/buf.h"
+#include "config/config.h"
+#include "proxy/http_client.h"
+#include "proxy/http_server.h"
+#include "proxy/px_metrics.h"
+
+typedef struct px_s px_t;
+typedef struct px_gen_s px_gen_t;
+typedef struct px_pool_s px_pool_t;
+typedef struct px_replica_s px_replica_t;
+typedef struct px_preq_s px_preq_t;
+
+typedef enum {
+    PX_REPLICA_PENDING = 0,
+    PX_REPLICA_ADMITTED,
+    PX_REPLICA_REJECTED,
+    PX_REPLICA_UNREACHABLE,
+    PX_REPLICA_QUARANTINED,
+} px_replica_state_t;
+
+extern const char *const px_replica_state_names[];
+
+#define PX_MAX_REASONS 8
+
+struct px_replica_s {
+    int refs;
+    px_t *px;
+    char *key; /* identity for reload reuse: everything in its definition */
+    char *pool_name;
+    char *name;
+    cfg_url_t url;
+    char *server_name;
+    cfg_attest_t attest;
+    struct sockaddr_storage addr;
+    bool resolved;
+    px_upstream_t *up;
+    px_replica_state_t state;
+    char *reasons[PX_MAX_REASONS];
+    size_t nreasons;
+    uint32_t inflight;
+    uint64_t requests;       /* lifetime requests sent */
+    uint64_t last_attested_at; /* wall ms, 0 = never */
+    void *attest_state;      /* px_attest.c's per-replica state */
+    px_series_t *m_admitted; /* detproxy_replica_admitted */
+    bool discovered;         /* added by DNS discovery */
+};
+
+struct px_pool_s {
+    px_gen_t *gen;
+    const cfg_pool_t *cfg;
+    const char *name;
+    char fingerprint[20];
+    px_replica_t **replicas;
+    size_t nreplicas;
+    size_t cap;
+    uint32_t rr;
+    /* Admission queue (max_inflight_per_replica): FIFO, one timer for the head's deadline. */
+    px_preq_t *q_head, *q_tail;
+    uint32_t qlen;
+    uv_timer_t qtimer;
+    px_series_t *m_duration;
+};
+
+struct px_gen_s {
+    int refs;
+    px_t *px;
+    cfg_t *cfg;
+    px_pool_t *pools;
+    size_t npools;
+    int handles_open; /* pool timers still closing */
+};
+
+struct px_s {
+    uv_loop_t *loop;
+    px_gen_t *gen;
+    px_server_t *proxy;
+    px_server_t *admin;
+    uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t drain_timer;
+    bool draining;
+    int exit_code;
+    uint64_t started_ms;
+    void *attest;  /* px_attest.c */
+    void *shadow;  /* px_shadow.c */
+    void *audit;   /* px_audit.c */
+    void *discovery;
+};
+
+/* ---- generations and replicas (px_gen.c) ---- */
+
+/* Build a generation from a loaded config; reuses replicas of `prev` whose definition is
+ * unchanged (prev may be NULL). Takes ownership of cfg. */
+px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev);
+void px_gen_ref(px_gen_t *g);
+void px_gen_unref(px_gen_t *g);
+px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name);
+px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len);
+
+void px_replica_ref(px_replica_t *r);
+void px_replica_unref(px_replica_t *r);
+/* Change state with reasons (a NULL-terminated list of strings, copied); logs the transition
+ * and updates detproxy_replica_admitted. */
+void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons);
+void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o);
+/* Add a replica to a pool at runtime (DNS discovery). */
+px_replica_t *px_pool_add_replica(px_pool_t *p, const cfg_replica_t *def, bool discovered);
+void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
+
+/* ---- routing (px_router.c) ---- */
+
+/* Pick an admitted replica with spare capacity (balance per pool config), skipping `avoid`.
+ * NULL when none: *why tells whether none is admitted (0) or all are at their limit (1). */
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why);
+/* Any admitted replica in the pool? */
+bool px_pool_has_admitted(const px_pool_t *p);
+/* Human-readable reasons why a pool has no admitted replica (for 503 and /readyz). */
+void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out);
+
+/* ---- the proxy handler (px_proxy.c) ---- */
+
+extern const px_handler_t px_proxy_handler;
+/* A slot on replica r was released: dispatch queued requests of its pool. */
+void px_proxy_slot_freed(px_pool_t *p);
+void px_proxy_queue_timer_cb(uv_timer_t *t);
+
+/* ---- admin (px_admin.c) ---- */
+
+extern const px_handler_t px_admin_handler;
+
+/* ---- metrics families (px_main.c) ---- */
+
+void px_metrics_declare(void);
+
+#endif

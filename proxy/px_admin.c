@@ -1,0 +1,134 @@
+/* The admin listener (SPEC §10): health, readiness, metrics, replica state. */
+#include <string.h>
+
+#include "common/jw.h"
+#include "common/util.h"
+#include "proxy/px.h"
+#include "proxy/px_admin.h"
+
+static bool path_is(const px_req_t *req, const char *p)
+{
+    size_t n = strlen(p);
+    return req->path.len == n && memcmp(req->path.base, p, n) == 0;
+}
+
+static void send_json(px_req_t *req, int status, dp_buf_t *b)
+{
+    px_resp_send(req, status, "application/json", b->base, b->len, NULL, 0);
+    dp_buf_free(b);
+}
+
+static void readyz(px_t *px, px_req_t *req)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    bool ready = !px->draining;
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "unready_pools");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *p = &px->gen->pools[i];
+        if (px_pool_has_admitted(p))
+            continue;
+        ready = false;
+        dp_buf_t why = {0};
+        px_pool_why_unavailable(p, &why);
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_str(&w, "pool", p->name);
+        dp_jw_str(&w, "reason", why.base);
+        dp_jw_obj_end(&w);
+        dp_buf_free(&why);
+    }
+    dp_jw_arr_end(&w);
+    if (px->draining)
+        dp_jw_str(&w, "reason", "draining");
+    dp_jw_str(&w, "status", ready ? "ready" : "unready");
+    dp_jw_obj_end(&w);
+    send_json(req, ready ? 200 : 503, &b);
+}
+
+void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
+{
+    dp_jw_obj_begin(w, NULL);
+    dp_jw_str(w, "pool", r->pool_name);
+    dp_jw_str(w, "name", r->name);
+    char url[300];
+    snprintf(url, sizeof(url), "%s://%s%s", r->url.tls ? "https" : "http", r->url.hostport,
+             r->url.path ? r->url.path : "");
+    dp_jw_str(w, "url", url);
+    dp_jw_str(w, "state", px_replica_state_names[r->state]);
+    dp_jw_arr_begin(w, "reasons");
+    for (size_t i = 0; i < r->nreasons; i++)
+        dp_jw_str(w, NULL, r->reasons[i]);
+    dp_jw_arr_end(w);
+    px_attest_replica_json(w, r);
+    if (r->last_attested_at) {
+        char ts[32];
+        dp_iso8601(ts, r->last_attested_at);
+        dp_jw_str(w, "last_attested_at", ts);
+    } else {
+        dp_jw_null(w, "last_attested_at");
+    }
+    dp_jw_uint(w, "inflight", r->inflight);
+    dp_jw_uint(w, "requests", r->requests);
+    dp_jw_bool(w, "discovered", r->discovered);
+    dp_jw_obj_end(w);
+}
+
+static void replicas(px_t *px, px_req_t *req)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "replicas");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *p = &px->gen->pools[i];
+        for (size_t k = 0; k < p->nreplicas; k++)
+            px_admin_replica_json(&w, p->replicas[k]);
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    send_json(req, 200, &b);
+}
+
+static void metrics(px_t *px, px_req_t *req)
+{
+    dp_buf_t b = {0};
+    px_admin_refresh_gauges(px);
+    px_metrics_render(&b);
+    px_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
+    dp_buf_free(&b);
+}
+
+static px_body_mode_t on_head(px_req_t *req)
+{
+    return PX_BODY_BUFFER;
+}
+
+static void on_complete(px_req_t *req)
+{
+    px_t *px = px_server_data(req->server);
+    bool get = req->method == 1 /* GET */ || req->method == 2 /* HEAD */;
+    if (path_is(req, "/healthz") && get) {
+        static const char ok[] = "{\"status\":\"ok\"}";
+        px_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        return;
+    }
+    if (path_is(req, "/readyz") && get) {
+        readyz(px, req);
+        return;
+    }
+    if (px_admin_authorize(px, req) != 0)
+        return;
+    if (path_is(req, "/metrics") && get)
+        metrics(px, req);
+    else if (path_is(req, "/admin/replicas") && get)
+        replicas(px, req);
+    else if (px_admin_extra_route(px, req) == 0)
+        return;
+    else
+        px_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
+}
+
+const px_handler_t px_admin_handler = {on_head, NULL, on_complete, NULL, NULL};

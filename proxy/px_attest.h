@@ -1,0 +1,18 @@
+/* Replica admission: drives each replica's state from attestation (SPEC §4-§6). */
+#ifndef PX_ATTEST_H
+#define PX_ATTEST_H
+
+#include "proxy/px.h"
+
+/* Start checking every replica of the current generation (and new ones as they appear). */
+void px_attest_start(px_t *px);
+/* Stop all timers and in-flight checks (shutdown). */
+void px_attest_stop(px_t *px);
+/* A generation became current: adopt its replicas (reload, discovery). */
+void px_attest_sync(px_t *px);
+/* A connection to r failed: re-attest now (a restarted replica may be something else). */
+void px_attest_connection_failed(px_t *px, px_replica_t *r);
+/* Reload the configuration (SIGHUP, POST /admin/reload). 0 on success. */
+int px_reload(px_t *px, const char *why);
+
+#endif

@@ -1,0 +1,301 @@
+/* Configuration generations, pools and replicas. */
+#include <netdb.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/px.h"
+
+const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
+                                              "quarantined"};
+
+void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o)
+{
+    const cfg_limits_t *l = &cfg->limits;
+    memset(o, 0, sizeof(*o));
+    o->connect_timeout_ms = l->upstream_connect_timeout_ms;
+    o->first_byte_timeout_ms = l->upstream_first_byte_timeout_ms;
+    o->idle_timeout_ms = l->upstream_idle_timeout_ms;
+}
+
+/* Everything that defines a replica: if any of it changes on reload, it is a new replica. */
+static char *replica_key(const cfg_pool_t *p, const cfg_replica_t *d)
+{
+    dp_buf_t k = {0};
+    dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s", p->name, d->name,
+                  d->url.tls ? "https" : "http", d->url.host, d->url.port, d->url.path,
+                  d->server_name ? d->server_name : "", (int)d->attest.source,
+                  d->attest.url.tls ? "https" : "http",
+                  d->attest.url.host ? d->attest.url.host : "", d->attest.url.port,
+                  d->attest.url.path ? d->attest.url.path : "",
+                  p->manifest ? p->manifest->fingerprint : "",
+                  p->upstream_tls && p->upstream_tls->ca_file ? p->upstream_tls->ca_file : "");
+    return dp_buf_steal(&k);
+}
+
+static void url_copy(cfg_url_t *dst, const cfg_url_t *src)
+{
+    memset(dst, 0, sizeof(*dst));
+    dst->tls = src->tls;
+    dst->port = src->port;
+    dst->host = src->host ? dp_xstrdup(src->host) : NULL;
+    dst->path = src->path ? dp_xstrdup(src->path) : NULL;
+    dst->hostport = src->hostport ? dp_xstrdup(src->hostport) : NULL;
+}
+
+/* Resolve host at creation. Numeric hosts never block; names use getaddrinfo once at start or
+ * reload (the loop is not yet serving, or the cost is a one-off); DNS discovery resolves off the
+ * loop and passes numeric addresses. */
+static bool resolve(const char *host, uint16_t port, struct sockaddr_storage *out)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    char ports[8];
+    snprintf(ports, sizeof(ports), "%u", port);
+    if (getaddrinfo(host, ports, &hints, &res) != 0 || res == NULL)
+        return false;
+    memcpy(out, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return true;
+}
+
+static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
+                                 const cfg_replica_t *d, char *key)
+{
+    px_replica_t *r = dp_xcalloc(1, sizeof(*r));
+    r->refs = 1;
+    r->px = px;
+    r->key = key;
+    r->pool_name = dp_xstrdup(p->name);
+    r->name = dp_xstrdup(d->name);
+    url_copy(&r->url, &d->url);
+    r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
+    r->attest.source = d->attest.source;
+    url_copy(&r->attest.url, &d->attest.url);
+    r->m_admitted = px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica",
+                                   d->name, NULL);
+    r->resolved = resolve(r->url.host, r->url.port, &r->addr);
+    px_upstream_opts_t o;
+    px_replica_upstream_opts(cfg, &o);
+    if (r->resolved)
+        r->up = px_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
+    /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
+     * admitted by px_attest on its first successful probe. */
+    r->state = PX_REPLICA_PENDING;
+    if (!r->resolved) {
+        const char *why[] = {"host name did not resolve", NULL};
+        px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
+    }
+    return r;
+}
+
+void px_replica_ref(px_replica_t *r)
+{
+    r->refs++;
+}
+
+extern void px_attest_replica_free(px_replica_t *r);
+
+void px_replica_unref(px_replica_t *r)
+{
+    if (--r->refs > 0)
+        return;
+    px_attest_replica_free(r);
+    if (r->up)
+        px_upstream_free(r->up);
+    for (size_t i = 0; i < r->nreasons; i++)
+        free(r->reasons[i]);
+    cfg_url_free(&r->url);
+    cfg_url_free(&r->attest.url);
+    free(r->server_name);
+    free(r->key);
+    free(r->pool_name);
+    free(r->name);
+    free(r);
+}
+
+void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons)
+{
+    bool changed = st != r->state;
+    bool reasons_changed = false;
+    size_t n = 0;
+    while (reasons && reasons[n] && n < PX_MAX_REASONS)
+        n++;
+    if (n != r->nreasons) {
+        reasons_changed = true;
+    } else {
+        for (size_t i = 0; i < n; i++)
+            if (strcmp(reasons[i], r->reasons[i]) != 0)
+                reasons_changed = true;
+    }
+    if (reasons_changed) {
+        for (size_t i = 0; i < r->nreasons; i++)
+            free(r->reasons[i]);
+        for (size_t i = 0; i < n; i++)
+            r->reasons[i] = dp_xstrdup(reasons[i]);
+        r->nreasons = n;
+    }
+    if (!changed && !reasons_changed)
+        return;
+    px_replica_state_t old = r->state;
+    r->state = st;
+    px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
+    dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
+                                                                                     : DP_LOG_WARN,
+                              "replica_state");
+    if (w) {
+        dp_jw_str(w, "pool", r->pool_name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "from", px_replica_state_names[old]);
+        dp_jw_str(w, "to", px_replica_state_names[st]);
+        dp_jw_arr_begin(w, "reasons");
+        for (size_t i = 0; i < r->nreasons; i++)
+            dp_jw_str(w, NULL, r->reasons[i]);
+        dp_jw_arr_end(w);
+        dp_log_end(w);
+    }
+    if (st != PX_REPLICA_ADMITTED && r->up)
+        px_upstream_flush_idle(r->up);
+}
+
+/* ---- pools ------------------------------------------------------------------------------ */
+
+static void pool_push(px_pool_t *p, px_replica_t *r)
+{
+    if (p->nreplicas == p->cap) {
+        p->cap = p->cap ? p->cap * 2 : 4;
+        p->replicas = dp_xrealloc(p->replicas, p->cap * sizeof(*p->replicas));
+    }
+    p->replicas[p->nreplicas++] = r;
+}
+
+px_replica_t *px_pool_add_replica(px_pool_t *p, const cfg_replica_t *def, bool discovered)
+{
+    px_t *px = p->gen->px;
+    px_replica_t *r = replica_new(px, p->gen->cfg, p->cfg, def, replica_key(p->cfg, def));
+    r->discovered = discovered;
+    pool_push(p, r);
+    return r;
+}
+
+void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
+{
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        if (p->replicas[i] == r) {
+            memmove(&p->replicas[i], &p->replicas[i + 1],
+                    (p->nreplicas - i - 1) * sizeof(*p->replicas));
+            p->nreplicas--;
+            px_replica_unref(r);
+            return;
+        }
+    }
+}
+
+static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
+{
+    if (prev == NULL)
+        return NULL;
+    for (size_t i = 0; i < prev->npools; i++)
+        for (size_t k = 0; k < prev->pools[i].nreplicas; k++)
+            if (strcmp(prev->pools[i].replicas[k]->key, key) == 0)
+                return prev->pools[i].replicas[k];
+    return NULL;
+}
+
+px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
+{
+    px_gen_t *g = dp_xcalloc(1, sizeof(*g));
+    g->refs = 1;
+    g->px = px;
+    g->cfg = cfg;
+    g->npools = cfg->npools;
+    g->pools = dp_xcalloc(cfg->npools, sizeof(*g->pools));
+    px_upstream_opts_t uo;
+    px_replica_upstream_opts(cfg, &uo);
+    for (size_t i = 0; i < cfg->npools; i++) {
+        px_pool_t *p = &g->pools[i];
+        const cfg_pool_t *pc = &cfg->pools[i];
+        p->gen = g;
+        p->cfg = pc;
+        p->name = pc->name;
+        cfg_manifest_fingerprint(pc->manifest, p->fingerprint);
+        p->m_duration = px_metrics_hist("detproxy_request_duration_seconds", px_latency_bounds,
+                                        px_latency_nbounds, "pool", pc->name, NULL);
+        uv_timer_init(px->loop, &p->qtimer);
+        p->qtimer.data = p;
+        g->handles_open++;
+        for (size_t k = 0; k < pc->nreplicas; k++) {
+            char *key = replica_key(pc, &pc->replicas[k]);
+            px_replica_t *r = find_reusable(prev, key);
+            if (r) {
+                free(key);
+                px_replica_ref(r);
+                if (r->up)
+                    px_upstream_set_opts(r->up, &uo);
+                pool_push(p, r);
+            } else {
+                pool_push(p, replica_new(px, cfg, pc, &pc->replicas[k], key));
+            }
+        }
+    }
+    return g;
+}
+
+void px_gen_ref(px_gen_t *g)
+{
+    g->refs++;
+}
+
+static void gen_free_final(px_gen_t *g)
+{
+    free(g->pools);
+    cfg_free(g->cfg);
+    free(g);
+}
+
+static void qtimer_closed(uv_handle_t *h)
+{
+    px_pool_t *p = h->data;
+    px_gen_t *g = p->gen;
+    if (--g->handles_open == 0)
+        gen_free_final(g);
+}
+
+void px_gen_unref(px_gen_t *g)
+{
+    if (--g->refs > 0)
+        return;
+    for (size_t i = 0; i < g->npools; i++) {
+        px_pool_t *p = &g->pools[i];
+        for (size_t k = 0; k < p->nreplicas; k++)
+            px_replica_unref(p->replicas[k]);
+        free(p->replicas);
+        p->replicas = NULL;
+        p->nreplicas = 0;
+        uv_close((uv_handle_t *)&p->qtimer, qtimer_closed);
+    }
+    if (g->npools == 0)
+        gen_free_final(g);
+}
+
+px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name)
+{
+    for (size_t i = 0; i < g->npools; i++)
+        if (strcmp(g->pools[i].name, name) == 0)
+            return &g->pools[i];
+    return NULL;
+}
+
+px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len)
+{
+    for (size_t i = 0; i < g->npools; i++) {
+        const cfg_pool_t *pc = g->pools[i].cfg;
+        for (size_t k = 0; k < pc->nmodels; k++) {
+            const char *m = pc->models[k];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return &g->pools[i];
+        }
+    }
+    return NULL;
+}

@@ -1,0 +1,64 @@
+/* The features layered on the proxy path — tenant policy (issue 3), audit, shadow sampling
+ * (issue 5), attestation feedback (issue 4) — behind one small interface, so px_proxy.c stays
+ * about moving bytes. Every function is called from the event loop for one request. */
+#ifndef PX_HOOKS_H
+#define PX_HOOKS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "proxy/px.h"
+
+typedef struct {
+    const char *tenant;   /* tenant name for labels and headers; "-" before matching */
+    void *policy;         /* policy state (px_hooks.c) */
+    void *shadow;         /* shadow capture (px_shadow.c) */
+    char seed[24];        /* decimal seed sent upstream, "" when none */
+    char upstream_fp[96]; /* the replica's own system_fingerprint, if it sent one */
+    char error[256];
+    bool inference;
+    bool stream;
+    bool hold; /* the response is held whole for rewriting */
+} px_hooks_req_t;
+
+typedef struct {
+    int status; /* error to answer when px_hooks_inference fails */
+    const char *code;
+    const char *param;
+    const char *message;
+    px_pool_t *pool; /* on success: where to send it */
+} px_hooks_result_t;
+
+void px_hooks_init(px_hooks_req_t *h);
+const char *px_hooks_tenant(const px_hooks_req_t *h);
+
+/* Pass-through requests: match a tenant (401 when none). 0 or -1 with h->error set. */
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req);
+
+/* Inference requests: validate and police the body, pick the pool, and write the body to
+ * send into *body. 0, or -1 with res->status/code/param/message describing the refusal. */
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
+                       dp_buf_t *body, px_hooks_result_t *res);
+
+/* Headers every inference response carries (tenant, fingerprint, seed); out has room. */
+void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
+                               size_t *n);
+
+/* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? */
+bool px_hooks_hold_response(px_hooks_req_t *h, int status, const px_header_t *hdrs, size_t n);
+/* Rewrite a held body in place; may add headers (upstream fingerprint) to extra. */
+void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
+                               px_header_t *extra, size_t *nextra);
+
+/* The request left for replica r (the first attempt or the retry). */
+void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
+                         const px_req_t *req, const char *body, size_t len);
+/* Response bytes as forwarded to the client (tee for shadow comparison and audit hashing). */
+void px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
+/* An exchange with replica r failed with err. */
+void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err);
+/* The request is over (status 499 when the client went away). Releases hook state. */
+void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,
+                     const char *request_id);
+
+#endif

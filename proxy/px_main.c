@@ -1,0 +1,264 @@
+/* `detproxy run`: load the config, start the listeners, serve until SIGTERM/SIGINT drains. */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/cli.h"
+#include "proxy/px.h"
+#include "proxy/px_admin.h"
+#include "proxy/px_attest.h"
+
+#define DRAIN_LIMIT_MS 30000
+
+void px_metrics_declare(void)
+{
+    px_metrics_family("detproxy_requests_total", PX_COUNTER,
+                      "Client requests by pool, tenant and final status.");
+    px_metrics_family("detproxy_request_duration_seconds", PX_HISTOGRAM,
+                      "Time from the first request byte to the end of the response.");
+    px_metrics_family("detproxy_upstream_errors_total", PX_COUNTER,
+                      "Failed exchanges with replicas by kind.");
+    px_metrics_family("detproxy_replica_admitted", PX_GAUGE,
+                      "1 when the replica is admitted (gets traffic), else 0.");
+    px_metrics_family("detproxy_attestations_total", PX_COUNTER,
+                      "Attestation checks by result.");
+    px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
+                      "Sampling parameters changed by policy.");
+    px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
+    px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
+                      "Word-level similarity of shadow samples.");
+    px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
+    px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
+    px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
+                      "Audit lines that could not be written.");
+}
+
+static void usage(FILE *f)
+{
+    fputs("usage: detproxy run -c CONFIG\n"
+          "\n"
+          "Run the proxy in the foreground. Logs are JSON lines on stderr.\n"
+          "  -c, --config FILE   configuration file (see docs/configuration.md)\n"
+          "  -h, --help          this help\n"
+          "Signals: SIGTERM/SIGINT drain in-flight requests (up to 30 s) and exit 0;\n"
+          "SIGHUP reloads the configuration.\n",
+          f);
+}
+
+static void server_limits(const cfg_t *cfg, px_server_limits_t *l)
+{
+    px_server_limits_default(l);
+    l->max_header_bytes = cfg->limits.max_header_bytes;
+    l->max_headers = cfg->limits.max_headers;
+    l->max_body_bytes = cfg->limits.max_body_bytes;
+    l->max_connections = cfg->limits.max_connections;
+    l->client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
+    l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
+}
+
+void px_admin_refresh_gauges(px_t *px)
+{
+    px_metric_set(px_metrics_get("detproxy_connections", NULL),
+                  (double)px_server_connections(px->proxy));
+    px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
+                  (double)px_server_inflight(px->proxy));
+}
+
+/* ---- shutdown ------------------------------------------------------------------------------ */
+
+static void close_handle(uv_handle_t *h)
+{
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+static void admin_closed(void *data)
+{
+    (void)data;
+}
+
+static void finish_shutdown(px_t *px)
+{
+    px_attest_stop(px);
+    if (px->admin) {
+        px_server_close(px->admin, admin_closed, NULL);
+        px->admin = NULL;
+    }
+    close_handle((uv_handle_t *)&px->sig_term);
+    close_handle((uv_handle_t *)&px->sig_int);
+    close_handle((uv_handle_t *)&px->sig_hup);
+    close_handle((uv_handle_t *)&px->drain_timer);
+}
+
+static void proxy_drained(px_server_t *s)
+{
+    px_t *px = px_server_data(s);
+    dp_log_msg(DP_LOG_INFO, "drained", NULL);
+    finish_shutdown(px);
+}
+
+static void proxy_closed(void *data)
+{
+    (void)data;
+}
+
+static void drain_timeout(uv_timer_t *t)
+{
+    px_t *px = t->data;
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "drain_timeout");
+    if (w) {
+        dp_jw_uint(w, "inflight", px_server_inflight(px->proxy));
+        dp_log_end(w);
+    }
+    px_server_t *s = px->proxy;
+    px->proxy = NULL;
+    px_server_close(s, proxy_closed, NULL);
+    finish_shutdown(px);
+}
+
+static void on_stop_signal(uv_signal_t *h, int signum)
+{
+    px_t *px = h->data;
+    if (px->draining)
+        return;
+    px->draining = true;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "draining");
+    if (w) {
+        dp_jw_str(w, "signal", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+        dp_jw_uint(w, "inflight", px_server_inflight(px->proxy));
+        dp_log_end(w);
+    }
+    uv_timer_start(&px->drain_timer, drain_timeout, DRAIN_LIMIT_MS, 0);
+    px_server_drain(px->proxy, proxy_drained);
+}
+
+static void on_hup(uv_signal_t *h, int signum)
+{
+    (void)signum;
+    px_t *px = h->data;
+    px_reload(px, "SIGHUP");
+}
+
+/* ---- start-up ------------------------------------------------------------------------------ */
+
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+}
+
+static int listen_on(px_server_t *s, const cfg_addr_t *a, const char *what)
+{
+    int r = px_server_listen(s, a->host, a->port);
+    dp_jw_t *w = dp_log_begin(r == 0 ? DP_LOG_INFO : DP_LOG_ERROR, r == 0 ? "listening"
+                                                                          : "listen_failed");
+    if (w) {
+        dp_jw_str(w, "listener", what);
+        dp_jw_str(w, "host", a->host);
+        dp_jw_uint(w, "port", r == 0 ? px_server_port(s) : a->port);
+        if (r != 0)
+            dp_jw_str(w, "error", uv_strerror(r));
+        dp_log_end(w);
+    }
+    return r;
+}
+
+int px_cmd_run(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"config", required_argument, NULL, 'c'}, {"help", no_argument, NULL, 'h'}, {0}};
+    const char *path = NULL;
+    int c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'c':
+            path = optarg;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            fprintf(stderr, "detproxy run: unknown or incomplete option '%s' (try --help)\n",
+                    argv[optind - 1]);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "detproxy run: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (path == NULL) {
+        fprintf(stderr, "detproxy run: -c CONFIG is required\n");
+        return 2;
+    }
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    int rc = cfg_load(path, &cfg, &errs);
+    for (size_t i = 0; i < errs.nwarnings; i++)
+        dp_log_msg(DP_LOG_WARN, "config_warning", errs.warnings[i]);
+    if (rc != 0) {
+        for (size_t i = 0; i < errs.count; i++)
+            dp_log_msg(DP_LOG_ERROR, "config_error", errs.items[i]);
+        cfg_errors_free(&errs);
+        return 1;
+    }
+    cfg_errors_free(&errs);
+    dp_log_set_level((dp_log_level_t)cfg->log.level);
+    signal(SIGPIPE, SIG_IGN);
+    raise_nofile();
+
+    px_t px = {0};
+    px.loop = uv_default_loop();
+    px.started_ms = dp_wall_ms();
+    px_metrics_declare();
+    px.gen = px_gen_new(&px, cfg, NULL);
+
+    px_server_limits_t lim;
+    server_limits(cfg, &lim);
+    px.proxy = px_server_new(px.loop, &px_proxy_handler, &px, &lim);
+    px_server_limits_t alim;
+    px_server_limits_default(&alim);
+    px.admin = px_server_new(px.loop, &px_admin_handler, &px, &alim);
+    if (listen_on(px.proxy, &cfg->listen, "proxy") != 0 ||
+        listen_on(px.admin, &cfg->admin_listen, "admin") != 0) {
+        px_server_close(px.proxy, NULL, NULL);
+        px_server_close(px.admin, NULL, NULL);
+        px_gen_unref(px.gen);
+        uv_run(px.loop, UV_RUN_DEFAULT);
+        uv_loop_close(px.loop);
+        px_metrics_reset();
+        return 3;
+    }
+    uv_signal_init(px.loop, &px.sig_term);
+    uv_signal_init(px.loop, &px.sig_int);
+    uv_signal_init(px.loop, &px.sig_hup);
+    px.sig_term.data = px.sig_int.data = px.sig_hup.data = &px;
+    uv_signal_start(&px.sig_term, on_stop_signal, SIGTERM);
+    uv_signal_start(&px.sig_int, on_stop_signal, SIGINT);
+    uv_signal_start(&px.sig_hup, on_hup, SIGHUP);
+    uv_timer_init(px.loop, &px.drain_timer);
+    px.drain_timer.data = &px;
+    px_attest_start(&px);
+
+    uv_run(px.loop, UV_RUN_DEFAULT);
+
+    if (px.proxy)
+        px_server_close(px.proxy, NULL, NULL);
+    px_gen_unref(px.gen);
+    px.gen = NULL;
+    uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
+    uv_loop_close(px.loop);
+    px_metrics_reset();
+    dp_log_msg(DP_LOG_INFO, "exit", NULL);
+    return px.exit_code;
+}

@@ -1,0 +1,689 @@
+/* The proxy listener's handler: one px_preq_t per client request.
+ *
+ * Inference routes (POST /v1/completions, /v1/chat/completions) are read whole, run through
+ * policy, routed by model, and sent with a fresh Content-Length; the bytes stay in memory so
+ * the retry rule (SPEC §7) can resend them. Everything else streams through to the first pool.
+ * Responses stream back as each upstream read completes, with backpressure both ways.
+ *
+ * A px_preq_t has one owner and one free path (preq_finish). It ends when the client's
+ * response ended (or the client went away) and no upstream exchange is left running. A
+ * replica slot (replica->inflight) is held exactly while preq->replica is set. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/jw.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/px.h"
+#include "proxy/px_hooks.h"
+
+typedef enum { ROUTE_PASS = 0, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_MODELS } route_t;
+
+struct px_preq_s {
+    px_t *px;
+    px_gen_t *gen;
+    px_req_t *req; /* NULL once the client is gone */
+    px_pool_t *pool;
+    px_replica_t *replica; /* holds a slot while set */
+    px_replica_t *failed;  /* replica of the first attempt, avoided by the retry */
+    px_creq_t *up;
+    route_t route;
+    char id[24]; /* the request id, kept after the client request is gone */
+    uint64_t start_ns;
+    dp_buf_t head; /* upstream request head */
+    dp_buf_t body; /* inference: the (post-policy) body to send */
+    bool stream_body;
+    bool retried;
+    bool queued;
+    bool paused_upstream;
+    bool client_started;
+    /* A held response (rewritten whole by a hook before it is sent): */
+    int held_status;
+    dp_buf_t held_hdrs; /* "name\0value\0" pairs */
+    dp_buf_t held_body;
+    px_preq_t *qnext, *qprev;
+    uint64_t qdeadline;
+    int status;
+    const char *err_kind;
+    px_hooks_req_t hooks; /* policy / audit / shadow state (px_hooks.h) */
+};
+
+static void dispatch(px_preq_t *q);
+static void finish(px_preq_t *q);
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+#define PX_EXTRA_HEADERS 8 /* room callers leave for extra_headers() */
+
+static void extra_headers(px_preq_t *q, px_header_t *h, size_t *n)
+{
+    h[(*n)++] = (px_header_t){DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}};
+    if (q->replica)
+        h[(*n)++] = (px_header_t){DP_IOV("x-detproxy-replica"),
+                                  {q->replica->name, strlen(q->replica->name)}};
+    px_hooks_response_headers(&q->hooks, q->pool, h, n);
+}
+
+/* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent). */
+static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
+                        const char *message)
+{
+    q->status = status;
+    if (q->req == NULL)
+        return;
+    if (q->client_started) {
+        px_resp_abort(q->req);
+        q->req = NULL;
+        return;
+    }
+    px_header_t h[PX_EXTRA_HEADERS];
+    size_t n = 0;
+    extra_headers(q, h, &n);
+    dp_jw_t *w = dp_log_begin(status >= 500 ? DP_LOG_WARN : DP_LOG_INFO, "request_failed");
+    if (w) {
+        dp_jw_str(w, "request_id", q->req->id);
+        dp_jw_int(w, "status", status);
+        dp_jw_str(w, "code", code);
+        dp_jw_str(w, "reason", message);
+        if (q->pool)
+            dp_jw_str(w, "pool", q->pool->name);
+        if (q->replica)
+            dp_jw_str(w, "replica", q->replica->name);
+        dp_log_end(w);
+    }
+    px_resp_error(q->req, status, NULL, code, param, message, h, n);
+    q->req = NULL;
+}
+
+/* ---- slots and the admission queue ------------------------------------------------------- */
+
+static void slot_release(px_preq_t *q)
+{
+    px_replica_t *r = q->replica;
+    if (r == NULL)
+        return;
+    q->replica = NULL;
+    r->inflight--;
+    px_replica_unref(r);
+    px_proxy_slot_freed(q->pool);
+}
+
+static void queue_remove(px_preq_t *q)
+{
+    px_pool_t *p = q->pool;
+    if (!q->queued)
+        return;
+    if (q->qprev)
+        q->qprev->qnext = q->qnext;
+    else
+        p->q_head = q->qnext;
+    if (q->qnext)
+        q->qnext->qprev = q->qprev;
+    else
+        p->q_tail = q->qprev;
+    q->qnext = q->qprev = NULL;
+    q->queued = false;
+    p->qlen--;
+    if (p->q_head == NULL)
+        uv_timer_stop(&p->qtimer);
+}
+
+static void queue_arm(px_pool_t *p)
+{
+    if (p->q_head == NULL)
+        return;
+    uint64_t now = uv_now(p->gen->px->loop);
+    uint64_t d = p->q_head->qdeadline;
+    uv_timer_start(&p->qtimer, px_proxy_queue_timer_cb, d > now ? d - now : 0, 0);
+}
+
+static void queue_push(px_preq_t *q)
+{
+    px_pool_t *p = q->pool;
+    q->queued = true;
+    q->qdeadline = uv_now(q->px->loop) + p->cfg->queue_timeout_ms;
+    q->qprev = p->q_tail;
+    q->qnext = NULL;
+    if (p->q_tail)
+        p->q_tail->qnext = q;
+    else
+        p->q_head = q;
+    p->q_tail = q;
+    p->qlen++;
+    if (p->q_head == q)
+        queue_arm(p);
+}
+
+void px_proxy_queue_timer_cb(uv_timer_t *t)
+{
+    px_pool_t *p = t->data;
+    uint64_t now = uv_now(p->gen->px->loop);
+    while (p->q_head && p->q_head->qdeadline <= now) {
+        px_preq_t *q = p->q_head;
+        queue_remove(q);
+        fail_client(q, 504, "queue_timeout", NULL,
+                    "timed out waiting for a replica slot (max_inflight_per_replica)");
+        finish(q);
+    }
+    queue_arm(p);
+}
+
+void px_proxy_slot_freed(px_pool_t *p)
+{
+    while (p->q_head) {
+        int why;
+        px_replica_t *r = px_router_pick(p, NULL, &why);
+        if (r == NULL) {
+            if (why == 0) {
+                /* Every replica left the admitted set while requests waited. */
+                px_preq_t *q = p->q_head;
+                queue_remove(q);
+                dp_buf_t msg = {0};
+                px_pool_why_unavailable(p, &msg);
+                fail_client(q, 503, "no_attested_replica", NULL, msg.base);
+                dp_buf_free(&msg);
+                finish(q);
+                continue;
+            }
+            return;
+        }
+        px_preq_t *q = p->q_head;
+        queue_remove(q);
+        dispatch(q);
+    }
+}
+
+/* ---- upstream request --------------------------------------------------------------------- */
+
+/* Build the request head for replica r: origin-form target under the replica's path prefix,
+ * its Host, the client's end-to-end headers minus the tenant's credential, our framing. */
+static void build_head(px_preq_t *q, px_replica_t *r)
+{
+    px_req_t *req = q->req;
+    dp_buf_t *h = &q->head;
+    dp_buf_reset(h);
+    dp_buf_reserve(h, 512 + req->target.len);
+    dp_buf_append(h, req->method_name.base, req->method_name.len);
+    dp_buf_appendc(h, ' ');
+    dp_buf_appends(h, r->url.path ? r->url.path : "");
+    dp_buf_append(h, req->target.base, req->target.len);
+    dp_buf_append(h, " HTTP/1.1\r\nhost: ", 17);
+    dp_buf_appends(h, r->url.hostport);
+    dp_buf_append(h, "\r\n", 2);
+    const px_header_t *conn = px_req_header(req, "connection");
+    const dp_iovec_t *connv = conn ? &conn->value : NULL;
+    const px_header_t *xff = NULL;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        const px_header_t *x = &req->headers[i];
+        const char *n = x->name.base;
+        size_t l = x->name.len;
+        if (px_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
+            dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
+            (l > 11 && dp_memieq(n, "x-detproxy-", 11)))
+            continue;
+        if (dp_strieq(n, l, "x-forwarded-for")) {
+            xff = x;
+            continue;
+        }
+        dp_buf_append(h, n, l);
+        dp_buf_append(h, ": ", 2);
+        dp_buf_append(h, x->value.base, x->value.len);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    /* The client's Authorization is a tenant credential for detproxy, never the replica's. */
+    const cfg_pool_t *pc = q->pool->cfg;
+    if (pc->api_key) {
+        dp_buf_append(h, "authorization: Bearer ", 22);
+        dp_buf_appends(h, pc->api_key);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    dp_buf_append(h, "x-forwarded-for: ", 17);
+    if (xff) {
+        dp_buf_append(h, xff->value.base, xff->value.len);
+        dp_buf_append(h, ", ", 2);
+    }
+    const char *colon = strrchr(req->remote, ':');
+    dp_buf_append(h, req->remote, colon ? (size_t)(colon - req->remote) : strlen(req->remote));
+    dp_buf_append(h, "\r\nx-detproxy-request-id: ", 25);
+    dp_buf_appends(h, req->id);
+    dp_buf_append(h, "\r\n", 2);
+    if (q->route == ROUTE_COMPLETIONS || q->route == ROUTE_CHAT) {
+        dp_buf_append(h, "content-length: ", 16);
+        dp_buf_append_u64(h, q->body.len);
+        dp_buf_append(h, "\r\n", 2);
+    } else if (req->chunked) {
+        dp_buf_append(h, "transfer-encoding: chunked\r\n", 28);
+    } else if (req->content_length >= 0) {
+        dp_buf_append(h, "content-length: ", 16);
+        dp_buf_append_u64(h, (uint64_t)req->content_length);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    dp_buf_append(h, "\r\n", 2);
+}
+
+static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t n,
+                       const px_framing_t *f);
+static void up_on_body(px_creq_t *c, const char *p, size_t n);
+static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail);
+static void up_on_drain(px_creq_t *c);
+
+static const px_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
+
+static void start_on(px_preq_t *q, px_replica_t *r)
+{
+    px_replica_ref(r);
+    q->replica = r;
+    r->inflight++;
+    r->requests++;
+    build_head(q, r);
+    uv_buf_t bufs[2];
+    unsigned nb = 0;
+    bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
+    if (q->body.len)
+        bufs[nb++] = uv_buf_init(q->body.base, (unsigned)q->body.len);
+    q->up = px_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */,
+                          &up_cb, q);
+    if (q->stream_body)
+        px_req_resume_body(q->req);
+    px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
+}
+
+static void dispatch(px_preq_t *q)
+{
+    int why = 0;
+    px_replica_t *r = px_router_pick(q->pool, q->failed, &why);
+    if (r) {
+        start_on(q, r);
+        return;
+    }
+    if (why == 0) {
+        dp_buf_t msg = {0};
+        px_pool_why_unavailable(q->pool, &msg);
+        fail_client(q, 503, "no_attested_replica", NULL, msg.base);
+        dp_buf_free(&msg);
+        finish(q);
+        return;
+    }
+    if (q->pool->qlen >= q->pool->cfg->queue_limit) {
+        fail_client(q, 503, "overloaded", NULL,
+                    "every replica is at max_inflight_per_replica and the queue is full");
+        finish(q);
+        return;
+    }
+    if (q->stream_body)
+        px_req_pause_body(q->req);
+    queue_push(q);
+}
+
+/* ---- upstream callbacks ------------------------------------------------------------------- */
+
+/* The end-to-end headers of a response: drop hop-by-hop ones, our own names (a replica may not
+ * speak for detproxy) and Date (the server adds its own). */
+static bool forward_response_header(const px_header_t *h, const dp_iovec_t *connv)
+{
+    const char *nm = h->name.base;
+    size_t l = h->name.len;
+    return !(px_header_is_hop(nm, l, connv) || dp_strieq(nm, l, "date") ||
+             (l > 11 && dp_memieq(nm, "x-detproxy-", 11)));
+}
+
+static const dp_iovec_t *connection_value(const px_header_t *hdrs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "connection"))
+            return &hdrs[i].value;
+    return NULL;
+}
+
+static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t n,
+                       const px_framing_t *f)
+{
+    px_preq_t *q = c->data;
+    if (q->req == NULL)
+        return;
+    q->status = status;
+    const dp_iovec_t *connv = connection_value(hdrs, n);
+    if (px_hooks_hold_response(&q->hooks, status, hdrs, n)) {
+        /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
+        q->held_status = status;
+        for (size_t i = 0; i < n; i++) {
+            if (!forward_response_header(&hdrs[i], connv))
+                continue;
+            dp_buf_append(&q->held_hdrs, hdrs[i].name.base, hdrs[i].name.len);
+            dp_buf_appendc(&q->held_hdrs, '\0');
+            dp_buf_append(&q->held_hdrs, hdrs[i].value.base, hdrs[i].value.len);
+            dp_buf_appendc(&q->held_hdrs, '\0');
+        }
+        return;
+    }
+    px_header_t stackh[64];
+    size_t cap = n + PX_EXTRA_HEADERS;
+    px_header_t *out = cap <= 64 ? stackh : dp_xmalloc(cap * sizeof(*out));
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (forward_response_header(&hdrs[i], connv))
+            out[k++] = hdrs[i];
+    extra_headers(q, out, &k);
+    q->client_started = true;
+    px_resp_start(q->req, status, out, k, f->content_length);
+    if (out != stackh)
+        free(out);
+}
+
+/* The held response is complete: rewrite it and send it in one piece. */
+static void send_held(px_preq_t *q)
+{
+    size_t nh = 0;
+    for (size_t i = 0; i < q->held_hdrs.len; i++)
+        nh += q->held_hdrs.base[i] == '\0';
+    nh /= 2;
+    px_header_t *out = dp_xmalloc((nh + 2 * PX_EXTRA_HEADERS) * sizeof(*out));
+    size_t k = 0;
+    const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
+    while (p < end) {
+        size_t nl = strlen(p);
+        const char *v = p + nl + 1;
+        size_t vl = strlen(v);
+        out[k++] = (px_header_t){{p, nl}, {v, vl}};
+        p = v + vl + 1;
+    }
+    px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
+    extra_headers(q, out, &k);
+    q->client_started = true;
+    px_resp_start(q->req, q->held_status, out, k, (int64_t)q->held_body.len);
+    px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    if (q->req)
+        px_resp_write(q->req, q->held_body.base, q->held_body.len);
+    free(out);
+}
+
+static void up_on_body(px_creq_t *c, const char *p, size_t n)
+{
+    px_preq_t *q = c->data;
+    if (q->req == NULL)
+        return;
+    if (q->held_status) {
+        dp_buf_append(&q->held_body, p, n);
+        return;
+    }
+    px_hooks_response_bytes(&q->hooks, p, n);
+    px_resp_write(q->req, p, n);
+    /* The client is slower than the replica: stop reading the replica until it drains. */
+    if (q->req && px_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
+        q->paused_upstream = true;
+        px_creq_pause(c);
+    }
+}
+
+static void up_on_drain(px_creq_t *c)
+{
+    px_preq_t *q = c->data;
+    if (q->req && q->stream_body)
+        px_req_resume_body(q->req);
+}
+
+static void count_upstream_error(px_preq_t *q, px_replica_t *r, px_up_err_t err)
+{
+    px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name,
+                                 "replica", r->name, "kind", px_up_err_name(err), NULL),
+                  1);
+}
+
+static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
+{
+    px_preq_t *q = c->data;
+    q->up = NULL;
+    px_replica_t *r = q->replica;
+    if (err == PX_UP_OK) {
+        if (q->req && q->held_status)
+            send_held(q);
+        if (q->req) {
+            px_resp_end(q->req);
+            q->req = NULL;
+        }
+        finish(q);
+        return;
+    }
+    count_upstream_error(q, r, err);
+    px_hooks_upstream_failed(&q->hooks, q->px, r, err);
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "upstream_error");
+    if (w) {
+        dp_jw_str(w, "request_id", q->req ? q->req->id : "");
+        dp_jw_str(w, "pool", q->pool->name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "kind", px_up_err_name(err));
+        dp_jw_str(w, "detail", detail);
+        dp_jw_bool(w, "response_started", q->client_started);
+        dp_log_end(w);
+    }
+    /* SPEC §7: retry once elsewhere only if nothing of the response was seen and the request
+     * either never fully left or raced a keep-alive close; and only when we still hold every
+     * byte of it. */
+    bool can_resend = !q->stream_body;
+    if (q->req && !q->client_started && !q->retried && can_resend && px_up_err_retryable(err)) {
+        q->retried = true;
+        q->failed = r;
+        px_replica_ref(r);
+        slot_release(q);
+        dispatch(q);
+        return;
+    }
+    if (q->req) {
+        if (q->client_started) {
+            /* Mid-response: end without the final chunk so the client sees an error. */
+            px_resp_abort(q->req);
+            q->req = NULL;
+        } else if (err == PX_UP_FIRST_BYTE_TIMEOUT || err == PX_UP_IDLE_TIMEOUT) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "replica %s timed out: %s", r->name, detail ? detail : "");
+            fail_client(q, 504, "upstream_timeout", NULL, msg);
+        } else {
+            char msg[200];
+            snprintf(msg, sizeof(msg), "replica %s failed (%s): %s", r->name, px_up_err_name(err),
+                     detail ? detail : "");
+            fail_client(q, 502, "upstream_error", NULL, msg);
+        }
+    }
+    q->status = q->status ? q->status : 502;
+    finish(q);
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------------- */
+
+static void finish(px_preq_t *q)
+{
+    px_pool_t *pool = q->pool;
+    if (q->up) {
+        px_creq_cancel(q->up);
+        q->up = NULL;
+    }
+    queue_remove(q);
+    if (pool && q->status) {
+        char st[8];
+        snprintf(st, sizeof(st), "%d", q->status);
+        px_metric_add(px_metrics_get("detproxy_requests_total", "pool", pool->name, "tenant",
+                                     px_hooks_tenant(&q->hooks), "status", st, NULL),
+                      1);
+        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    }
+    px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
+    slot_release(q);
+    if (q->failed)
+        px_replica_unref(q->failed);
+    dp_buf_free(&q->head);
+    dp_buf_free(&q->body);
+    dp_buf_free(&q->held_hdrs);
+    dp_buf_free(&q->held_body);
+    px_gen_unref(q->gen);
+    free(q);
+}
+
+static route_t classify(const px_req_t *req)
+{
+    const dp_iovec_t p = req->path;
+    if (req->method == 3 /* POST */) {
+        if (p.len == 15 && memcmp(p.base, "/v1/completions", 15) == 0)
+            return ROUTE_COMPLETIONS;
+        if (p.len == 20 && memcmp(p.base, "/v1/chat/completions", 20) == 0)
+            return ROUTE_CHAT;
+    }
+    if (req->method == 1 /* GET */ && p.len == 10 && memcmp(p.base, "/v1/models", 10) == 0)
+        return ROUTE_MODELS;
+    return ROUTE_PASS;
+}
+
+/* GET /v1/models: every model of every pool with an admitted replica, OpenAI's list shape. */
+static void answer_models(px_preq_t *q)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "object", "list");
+    dp_jw_arr_begin(&w, "data");
+    uint64_t created = q->px->started_ms / 1000;
+    for (size_t i = 0; i < q->gen->npools; i++) {
+        px_pool_t *p = &q->gen->pools[i];
+        if (!px_pool_has_admitted(p))
+            continue;
+        for (size_t k = 0; k < p->cfg->nmodels; k++) {
+            if (strcmp(p->cfg->models[k], "*") == 0)
+                continue;
+            dp_jw_obj_begin(&w, NULL);
+            dp_jw_str(&w, "id", p->cfg->models[k]);
+            dp_jw_str(&w, "object", "model");
+            dp_jw_uint(&w, "created", created);
+            dp_jw_str(&w, "owned_by", "detproxy");
+            dp_jw_obj_begin(&w, "detproxy");
+            dp_jw_str(&w, "pool", p->name);
+            dp_jw_str(&w, "fingerprint", p->fingerprint);
+            dp_jw_obj_end(&w);
+            dp_jw_obj_end(&w);
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    px_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
+    q->status = 200;
+    px_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
+    q->req = NULL;
+    dp_buf_free(&b);
+}
+
+static px_body_mode_t on_head(px_req_t *req)
+{
+    px_t *px = px_server_data(req->server);
+    px_preq_t *q = dp_xcalloc(1, sizeof(*q));
+    q->px = px;
+    q->gen = px->gen;
+    px_gen_ref(q->gen);
+    q->req = req;
+    req->data = q;
+    memcpy(q->id, req->id, sizeof(q->id));
+    q->start_ns = req->start_ns;
+    q->route = classify(req);
+    px_hooks_init(&q->hooks);
+    switch (q->route) {
+    case ROUTE_MODELS:
+        answer_models(q);
+        finish(q);
+        return PX_BODY_BUFFER;
+    case ROUTE_COMPLETIONS:
+    case ROUTE_CHAT:
+        return PX_BODY_BUFFER;
+    case ROUTE_PASS:
+        break;
+    }
+    /* Pass-through: the first pool, streamed both ways. */
+    if (q->gen->npools == 0) {
+        fail_client(q, 404, "not_found", NULL, "no pool configured");
+        finish(q);
+        return PX_BODY_BUFFER;
+    }
+    q->pool = &q->gen->pools[0];
+    if (px_hooks_tenant_gate(&q->hooks, px, q->gen, req) != 0) {
+        fail_client(q, 401, "unauthorized", NULL, q->hooks.error);
+        finish(q);
+        return PX_BODY_BUFFER;
+    }
+    q->stream_body = req->has_body;
+    dispatch(q);
+    return PX_BODY_STREAM;
+}
+
+static void on_body(px_req_t *req, const char *p, size_t n)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL || q->up == NULL)
+        return;
+    int r;
+    if (req->chunked) {
+        char pre[20];
+        int pl = snprintf(pre, sizeof(pre), "%zx\r\n", n);
+        uv_buf_t b[3] = {uv_buf_init(pre, (unsigned)pl), uv_buf_init((char *)p, (unsigned)n),
+                         uv_buf_init("\r\n", 2)};
+        r = px_creq_write(q->up, b, 3);
+    } else {
+        uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
+        r = px_creq_write(q->up, &b, 1);
+    }
+    /* The replica takes the body slower than the client sends it: stop reading the client. */
+    if (r == 0 && q->up && px_creq_over(q->up))
+        px_req_pause_body(req);
+}
+
+static void on_complete(px_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL)
+        return;
+    if (q->route == ROUTE_PASS) {
+        if (q->stream_body && q->up) {
+            if (req->chunked) {
+                uv_buf_t b = uv_buf_init("0\r\n\r\n", 5);
+                px_creq_write(q->up, &b, 1);
+            }
+            px_creq_end(q->up);
+        }
+        return;
+    }
+    /* Inference: policy, routing by model, then dispatch with the rewritten body. */
+    px_hooks_result_t res = {0};
+    if (px_hooks_inference(&q->hooks, q->px, q->gen, req, q->route == ROUTE_CHAT, &q->body,
+                           &res) != 0) {
+        fail_client(q, res.status, res.code, res.param, res.message);
+        finish(q);
+        return;
+    }
+    q->pool = res.pool;
+    dispatch(q);
+}
+
+static void on_abort(px_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL)
+        return;
+    q->req = NULL;
+    if (q->up) {
+        /* The client is gone: stop the replica's work now (GPU time is expensive). */
+        px_creq_cancel(q->up);
+        q->up = NULL;
+    }
+    q->status = 499; /* nginx's "client closed request" */
+    finish(q);
+}
+
+static void on_drain(px_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q && q->up && q->paused_upstream) {
+        q->paused_upstream = false;
+        px_creq_resume(q->up);
+    }
+}
+
+const px_handler_t px_proxy_handler = {on_head, on_body, on_complete, on_abort, on_drain};
