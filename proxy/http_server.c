@@ -58,6 +58,8 @@ typedef struct req_impl_s {
     int64_t resp_remaining; /* -1 unless Content-Length framing */
     dp_buf_t out;           /* response head not yet written */
     px_framing_t framing;
+    struct req_impl_s *cork_prev, *cork_next; /* on the server's corked list while corked */
+    bool corked;
 } req_impl_t;
 
 struct px_conn_s {
@@ -86,12 +88,17 @@ struct px_conn_s {
 struct px_server_s {
     uv_loop_t *loop;
     uv_tcp_t listener;
-    bool listening, draining, closing, listener_open;
+    bool listening, draining, closing, listener_open, check_open;
+    /* Responses whose head waits to be coalesced with the first body bytes; whatever is
+     * still waiting when the loop finishes an iteration is flushed by `check`. */
+    uv_check_t check;
+    req_impl_t *corked;
     px_handler_t h;
     void *data;
     px_server_limits_t lim;
     llhttp_settings_t settings;
     size_t nconns, ninflight;
+    uint64_t accepted;
     px_conn_t *conns;
     req_impl_t *free_reqs;
     size_t nfree;
@@ -216,6 +223,40 @@ void px_server_limits_default(px_server_limits_t *l)
     l->write_high_water = 256 * 1024;
 }
 
+/* ---- corking ------------------------------------------------------------------------------ */
+
+static void cork_remove(px_server_t *s, req_impl_t *q)
+{
+    if (!q->corked)
+        return;
+    q->corked = false;
+    if (q->cork_prev)
+        q->cork_prev->cork_next = q->cork_next;
+    else
+        s->corked = q->cork_next;
+    if (q->cork_next)
+        q->cork_next->cork_prev = q->cork_prev;
+    q->cork_prev = q->cork_next = NULL;
+    if (s->corked == NULL)
+        uv_check_stop(&s->check);
+}
+
+static void check_cb(uv_check_t *h);
+
+static void cork_add(px_server_t *s, req_impl_t *q)
+{
+    if (q->corked)
+        return;
+    q->corked = true;
+    q->cork_prev = NULL;
+    q->cork_next = s->corked;
+    if (s->corked)
+        s->corked->cork_prev = q;
+    else
+        uv_check_start(&s->check, check_cb);
+    s->corked = q;
+}
+
 /* ---- request objects ----------------------------------------------------------------------- */
 
 static req_impl_t *req_get(px_conn_t *c)
@@ -278,6 +319,7 @@ static void conn_release_req(px_conn_t *c)
     if (q == NULL)
         return;
     c->req = NULL;
+    cork_remove(c->srv, q);
     if (q->handed)
         c->srv->ninflight--;
     req_put(c->srv, q);
@@ -381,15 +423,20 @@ static void timer_cb(uv_timer_t *t)
     uint64_t now = uv_now(c->srv->loop);
     if (c->kick) {
         c->kick = false;
-        if (c->phase == PH_IDLE && c->pending.len) {
+        bool body = c->phase == PH_BODY;
+        if ((c->phase == PH_IDLE || (body && !c->body_paused)) && c->pending.len) {
             c->read_paused = false;
             dp_buf_t pend = c->pending;
             memset(&c->pending, 0, sizeof(c->pending));
             conn_feed(c, pend.base, pend.len);
             dp_buf_free(&pend);
-            if (c->phase != PH_CLOSED && !c->read_paused && !c->body_paused)
-                px_sock_read_start(&c->sock);
         }
+        if (c->phase == PH_BODY) {
+            c->last_read = uv_now(c->srv->loop);
+            conn_arm(c, c->srv->lim.client_idle_timeout_ms);
+        }
+        if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused)
+            px_sock_read_start(&c->sock);
         return;
     }
     switch (c->phase) {
@@ -442,11 +489,16 @@ static void timer_cb(uv_timer_t *t)
 
 /* ---- connection lifecycle ------------------------------------------------------------------ */
 
+static void conn_abort_req(px_conn_t *c);
+
+/* Last handle closed: only now does the handler hear about a request it still owned, so
+ * on_abort never runs inside one of its own px_resp_* calls. */
 static void conn_handle_closed(px_conn_t *c)
 {
     if (--c->closes_pending > 0)
         return;
     px_server_t *s = c->srv;
+    conn_abort_req(c);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -488,7 +540,6 @@ static void conn_close(px_conn_t *c)
     if (c->phase == PH_CLOSED)
         return;
     c->phase = PH_CLOSED;
-    conn_abort_req(c);
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
     px_sock_close(&c->sock);
@@ -914,6 +965,7 @@ static void on_connection(uv_stream_t *ls, int status)
         return;
     }
     uv_tcp_nodelay(&c->sock.tcp, 1);
+    s->accepted++;
     conn_to_idle(c);
 }
 
@@ -939,6 +991,9 @@ px_server_t *px_server_new(uv_loop_t *loop, const px_handler_t *h, void *data,
     s->settings.on_headers_complete = on_headers_complete;
     s->settings.on_body = on_body;
     s->settings.on_message_complete = on_message_complete;
+    uv_check_init(loop, &s->check);
+    s->check.data = s;
+    s->check_open = true;
     return s;
 }
 
@@ -992,6 +1047,11 @@ size_t px_server_connections(const px_server_t *s)
     return s->nconns;
 }
 
+uint64_t px_server_accepted(const px_server_t *s)
+{
+    return s->accepted;
+}
+
 size_t px_server_inflight(const px_server_t *s)
 {
     return s->ninflight;
@@ -1012,6 +1072,13 @@ static void stop_listening(px_server_t *s)
     }
 }
 
+static void check_closed(uv_handle_t *h)
+{
+    px_server_t *s = h->data;
+    s->check_open = false;
+    maybe_server_done(s);
+}
+
 static void maybe_server_done(px_server_t *s)
 {
     if (s->nconns > 0 || s->listener_open)
@@ -1020,6 +1087,11 @@ static void maybe_server_done(px_server_t *s)
         void (*cb)(px_server_t *) = s->drain_cb;
         s->drain_cb = NULL;
         cb(s);
+    }
+    if (s->closing && s->check_open) {
+        if (!uv_is_closing((uv_handle_t *)&s->check))
+            uv_close((uv_handle_t *)&s->check, check_closed);
+        return;
     }
     if (s->closing) {
         void (*cb)(void *) = s->close_cb;
@@ -1095,13 +1167,12 @@ void px_req_resume_body(px_req_t *req)
     if (c->phase != PH_BODY)
         return;
     c->last_read = uv_now(c->srv->loop);
-    if (c->pending.len && !c->in_feed) {
-        dp_buf_t pend = c->pending;
-        memset(&c->pending, 0, sizeof(c->pending));
-        conn_feed(c, pend.base, pend.len);
-        dp_buf_free(&pend);
+    if (c->pending.len) {
+        /* Parse what was held back from the loop, not from inside the caller's stack. */
+        conn_kick(c);
+        return;
     }
-    if (c->phase != PH_CLOSED && !c->body_paused && !c->read_paused)
+    if (!c->read_paused)
         px_sock_read_start(&c->sock);
 }
 
@@ -1171,6 +1242,7 @@ int px_resp_start(px_req_t *req, int status, const px_header_t *hdrs, size_t nhd
         dp_buf_append(o, "connection: keep-alive\r\n", 24);
     dp_buf_append(o, "\r\n", 2);
     q->resp_head_pending = true;
+    cork_add(c->srv, q);
     return 0;
 }
 
@@ -1184,6 +1256,7 @@ static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *
     if (q->resp_head_pending) {
         bufs[nb++] = uv_buf_init(q->out.base, (unsigned)q->out.len);
         q->resp_head_pending = false;
+        cork_remove(req->server, q);
     }
     if (prelen)
         bufs[nb++] = uv_buf_init((char *)pre, (unsigned)prelen);
@@ -1200,6 +1273,17 @@ static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *
         return -1;
     }
     return 0;
+}
+
+static void check_cb(uv_check_t *h)
+{
+    px_server_t *s = h->data;
+    while (s->corked) {
+        req_impl_t *q = s->corked;
+        cork_remove(s, q);
+        if (q->resp_head_pending && conn_usable(&q->r))
+            resp_emit(&q->r, NULL, 0, NULL, 0, NULL, 0);
+    }
 }
 
 int px_resp_write(px_req_t *req, const char *p, size_t n)
@@ -1276,6 +1360,19 @@ void px_resp_abort(px_req_t *req)
     /* Deliver what was written, then close without the final chunk. */
     px_sock_read_stop(&c->sock);
     px_sock_close_after_flush(&c->sock);
+}
+
+int px_resp_raw_and_close(px_req_t *req, const char *p, size_t n)
+{
+    req_impl_t *q = impl(req);
+    px_conn_t *c = req->conn;
+    if (!conn_usable(req) || q->resp_started)
+        return -1;
+    q->resp_started = true;
+    uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
+    int r = px_sock_write(&c->sock, &b, 1);
+    px_resp_abort(req);
+    return r == 0 ? 0 : -1;
 }
 
 size_t px_resp_pending(const px_req_t *req)

