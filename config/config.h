@@ -251,4 +251,19 @@ int cfg_parse_addr(const char *s, cfg_addr_t *out, const char **why);
 int cfg_parse_url(const char *s, cfg_url_t *out, const char **why);
 void cfg_url_free(cfg_url_t *u);
 
+/* ---- additions (config module) -------------------------------------------------------------
+ * Notes on the declarations above, fixed by the implementation (docs/configuration.md):
+ * - errs is appended to (never reset) and may be NULL. Items read "path: message"; an error
+ *   inside a referenced manifest or policy file keeps the config's JSON path and ends with
+ *   " (in FILE)", FILE as the config names it. Document-level errors use the path "config".
+ * - cfg_load_string sets cfg->path to NULL; dir NULL means the current directory. cfg->path and
+ *   cfg->dir are absolute, built without resolving symlinks.
+ * - cfg_manifest_parse / cfg_policy_parse: path NULL or "" gives bare paths ("quantization").
+ * - A replica without "attest" takes the native adapter named by the manifest's framework.name,
+ *   else CFG_ATTEST_NONE (an error when the manifest pins an identity field). An agent URL with
+ *   no path gets "/attestation". */
+
+/* `detproxy check -c CONFIG` (config/check.c); argv[0] is "check". Returns the exit code. */
+int cfg_cmd_check(int argc, char **argv);
+
 #endif

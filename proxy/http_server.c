@@ -15,10 +15,13 @@
  * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
 #include "proxy/http_server.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <llhttp.h>
 
@@ -907,21 +910,44 @@ static void sock_drain(px_sock_t *sk)
 
 /* ---- accept -------------------------------------------------------------------------------- */
 
+static void warn_accept_failed(px_server_t *s, int status, const char *detail)
+{
+    uint64_t now = uv_now(s->loop);
+    if (now - s->last_accept_warn < 1000)
+        return;
+    s->last_accept_warn = now;
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "accept_failed");
+    if (w) {
+        dp_jw_str(w, "error", uv_err_name(status));
+        dp_jw_str(w, "detail", detail ? detail : uv_strerror(status));
+        dp_log_end(w);
+    }
+}
+
+/* True when the process has no descriptor to spare. libuv's answer to EMFILE on accept (its
+ * "EMFILE trick": free a reserved descriptor, accept and close every pending connection) does
+ * not call the connection callback at all (libuv 1.44, uv__server_io), so without this probe
+ * an operator would never hear that connections are being shed. One fcntl + close per
+ * accepted connection: noise next to the accept itself. */
+static int fd_headroom_error(const px_server_t *s)
+{
+    uv_os_fd_t lfd;
+    if (uv_fileno((const uv_handle_t *)&s->listener, &lfd) != 0)
+        return 0;
+    int probe = fcntl(lfd, F_DUPFD_CLOEXEC, 0);
+    if (probe >= 0) {
+        close(probe);
+        return 0;
+    }
+    return errno == EMFILE || errno == ENFILE ? uv_translate_sys_error(errno) : 0;
+}
+
 static void on_connection(uv_stream_t *ls, int status)
 {
     px_server_t *s = ls->data;
     if (status < 0) {
-        /* EMFILE/ENFILE: libuv already shed the pending connection; say so, rate-limited. */
-        uint64_t now = uv_now(s->loop);
-        if (now - s->last_accept_warn >= 1000) {
-            s->last_accept_warn = now;
-            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "accept_failed");
-            if (w) {
-                dp_jw_str(w, "error", uv_err_name(status));
-                dp_jw_str(w, "detail", uv_strerror(status));
-                dp_log_end(w);
-            }
-        }
+        /* EMFILE/ENFILE when libuv could not even shed the pending connection itself. */
+        warn_accept_failed(s, status, NULL);
         return;
     }
     px_conn_t *c = dp_xcalloc(1, sizeof(*c));
@@ -948,6 +974,16 @@ static void on_connection(uv_stream_t *ls, int status)
     c->parser.data = c;
     c->first_request = true;
     if (uv_accept(ls, (uv_stream_t *)&c->sock.tcp) != 0) {
+        conn_close(c);
+        return;
+    }
+    int nofd = fd_headroom_error(s);
+    if (nofd != 0) {
+        /* This connection took the last descriptor: libuv sheds the next ones silently, and
+         * requests already in flight could not open an upstream connection. Give it back and
+         * say why. */
+        warn_accept_failed(s, nofd,
+                           "out of file descriptors: new connections are closed at once");
         conn_close(c);
         return;
     }
@@ -1307,12 +1343,26 @@ int px_resp_write(px_req_t *req, const char *p, size_t n)
     return resp_emit(req, NULL, 0, p, n, NULL, 0);
 }
 
+/* The handler gave the request up (px_resp_end, px_resp_abort, px_resp_send failed on a
+ * connection that is already closing): it drops its pointers right after such a call, so the
+ * on_abort still due from the close callback must not reach it. Before this, a handler that
+ * freed its state after a failed px_resp_end got on_abort with req->data dangling (client
+ * half-closed while the upstream response completed). px_resp_start and px_resp_write failing
+ * do not disown: the handler keeps the request and hears on_abort. */
+static void resp_disown(req_impl_t *q)
+{
+    if (q->r.conn->req == q)
+        q->resp_ended = true;
+}
+
 int px_resp_end(px_req_t *req)
 {
     req_impl_t *q = impl(req);
     px_conn_t *c = req->conn;
-    if (!conn_usable(req) || !q->resp_started || q->resp_ended)
+    if (!conn_usable(req) || !q->resp_started || q->resp_ended) {
+        resp_disown(q);
         return -1;
+    }
     if (q->resp_remaining > 0 && !q->resp_no_body) {
         /* Shorter than announced: the client must not take it for a whole response. */
         px_resp_abort(req);
@@ -1323,8 +1373,10 @@ int px_resp_end(px_req_t *req)
         r = resp_emit(req, NULL, 0, "0\r\n\r\n", 5, NULL, 0);
     else
         r = resp_emit(req, NULL, 0, NULL, 0, NULL, 0);
-    if (r != 0)
+    if (r != 0) {
+        resp_disown(q);
         return -1;
+    }
     q->resp_ended = true;
     if (!q->body_done) {
         /* Early answer: the rest of the body is discarded by closing after the flush. */
@@ -1350,9 +1402,11 @@ void px_resp_abort(px_req_t *req)
 {
     req_impl_t *q = impl(req);
     px_conn_t *c = req->conn;
-    if (c->req != q || c->phase == PH_CLOSED)
+    if (c->req != q)
         return;
     q->resp_ended = true; /* the handler is done with it: no on_abort */
+    if (c->phase == PH_CLOSED)
+        return; /* already closing: the close callback releases the request */
     conn_release_req(c);
     c->phase = PH_CLOSED;
     uv_timer_stop(&c->timer);
@@ -1366,8 +1420,10 @@ int px_resp_raw_and_close(px_req_t *req, const char *p, size_t n)
 {
     req_impl_t *q = impl(req);
     px_conn_t *c = req->conn;
-    if (!conn_usable(req) || q->resp_started)
+    if (!conn_usable(req) || q->resp_started) {
+        resp_disown(q);
         return -1;
+    }
     q->resp_started = true;
     uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
     int r = px_sock_write(&c->sock, &b, 1);
@@ -1390,17 +1446,21 @@ int px_resp_send(px_req_t *req, int status, const char *content_type, const char
 {
     px_header_t hdrs[16];
     size_t nh = 0;
+    req_impl_t *q = impl(req);
     if (content_type)
         hdrs[nh++] = (px_header_t){DP_IOV("content-type"), {content_type, strlen(content_type)}};
     for (size_t i = 0; i < nextra && nh < DP_ARRAY_SIZE(hdrs); i++)
         hdrs[nh++] = extra[i];
-    if (px_resp_start(req, status, hdrs, nh, (int64_t)n) != 0)
+    if (px_resp_start(req, status, hdrs, nh, (int64_t)n) != 0) {
+        resp_disown(q);
         return -1;
-    req_impl_t *q = impl(req);
+    }
     if (!q->resp_no_body && n) {
         q->resp_remaining = 0;
-        if (resp_emit(req, NULL, 0, body, n, NULL, 0) != 0)
+        if (resp_emit(req, NULL, 0, body, n, NULL, 0) != 0) {
+            resp_disown(q);
             return -1;
+        }
     }
     return px_resp_end(req);
 }

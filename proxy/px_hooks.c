@@ -1,10 +1,74 @@
-/* Hooks on the proxy path. This first version routes inference requests by model; tenant
- * policy, audit and shadow sampling plug in here. */
+/* Hooks on the proxy path: tenant policy (SPEC §8), response fingerprints (§7) and the audit
+ * trail. Shadow sampling joins through px_shadow.h. */
+#include "proxy/px_hooks.h"
+
+#include <stdlib.h>
 #include <string.h>
 
-#include <cjson/cJSON.h>
 
-#include "proxy/px_hooks.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "policy/policy.h"
+#include "proxy/px_attest.h"
+#include "proxy/px_audit.h"
+#include "proxy/px_shadow.h"
+
+/* Per inference request: kept apart from px_hooks_req_t so pass-through requests stay small.
+ * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
+ * which makes steady-state parsing allocation-free. */
+typedef struct pol_s {
+    struct pol_s *next_free;
+    policy_req_t *preq;
+    policy_result_t res;
+    bool applied;
+    bool audit;
+    bool audited;
+    bool sse_rewrite;
+    policy_sse_fp_t sse;
+    dp_buf_t out;
+    dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
+    char fwd_sha[65];
+    const char *route;
+    uint64_t wall_ms;
+    void (*then)(void *);
+    void *then_data;
+} pol_t;
+
+static pol_t *g_free;
+static size_t g_nfree;
+
+static pol_t *pol_get(void)
+{
+    pol_t *p = g_free;
+    if (p) {
+        g_free = p->next_free;
+        g_nfree--;
+        policy_req_t *keep = p->preq;
+        dp_buf_t out = p->out;
+        memset(p, 0, sizeof(*p));
+        p->preq = keep;
+        dp_buf_reset(&out);
+        p->out = out;
+        return p;
+    }
+    p = dp_xcalloc(1, sizeof(*p));
+    p->preq = policy_req_new();
+    return p;
+}
+
+static void pol_put(pol_t *p)
+{
+    if (g_nfree >= 256 || p->out.cap > 256 * 1024) {
+        policy_req_free(p->preq);
+        dp_buf_free(&p->out);
+        free(p);
+        return;
+    }
+    policy_req_reset(p->preq);
+    p->next_free = g_free;
+    g_free = p;
+    g_nfree++;
+}
 
 void px_hooks_init(px_hooks_req_t *h)
 {
@@ -17,109 +81,268 @@ const char *px_hooks_tenant(const px_hooks_req_t *h)
     return h->tenant;
 }
 
+/* ---- tenants -------------------------------------------------------------------------------- */
+
+static size_t header_lookup(void *ud, const char *lname, dp_iovec_t *value)
+{
+    const px_req_t *req = ud;
+    size_t n = 0;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, lname)) {
+            if (n++ == 0)
+                *value = req->headers[i].value;
+        }
+    }
+    return n;
+}
+
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req)
 {
-    (void)h;
     (void)px;
-    (void)g;
-    (void)req;
+    policy_error_t err;
+    const cfg_tenant_t *t = policy_match_tenant(g->cfg->policy, header_lookup, req, &err);
+    if (t == NULL) {
+        snprintf(h->error, sizeof(h->error), "%s", err.message);
+        return -1;
+    }
+    h->tenant_cfg = t;
+    h->tenant = t->name;
     return 0;
+}
+
+/* ---- inference ------------------------------------------------------------------------------ */
+
+static void count_overrides(const char *tenant, const policy_result_t *res)
+{
+    for (size_t i = 0; i < res->nchanges; i++) {
+        const policy_change_t *c = &res->changes[i];
+        px_metric_add(px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
+                                     c->param, "action", policy_action_names[c->action], NULL),
+                      1);
+    }
 }
 
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
                        dp_buf_t *body, px_hooks_result_t *res)
 {
     (void)px;
-    (void)chat;
     h->inference = true;
-    cJSON *doc = cJSON_ParseWithLength(req->body.base ? req->body.base : "", req->body.len);
-    if (doc == NULL || !cJSON_IsObject(doc)) {
-        cJSON_Delete(doc);
-        *res = (px_hooks_result_t){400, "invalid_json", NULL, "request body is not a JSON object",
-                                   NULL};
-        return -1;
+    pol_t *p = pol_get();
+    h->policy = p;
+    p->route = chat ? "/v1/chat/completions" : "/v1/completions";
+    p->wall_ms = dp_wall_ms();
+    p->audit = h->tenant_cfg && h->tenant_cfg->audit;
+    static policy_error_t err; /* message/param outlive this call until the error is sent */
+    if (policy_parse(p->preq, chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS,
+                     req->body.base ? req->body.base : "", req->body.len, &err) != 0)
+        goto refuse;
+    px_pool_t *pool = NULL;
+    if (h->tenant_cfg && h->tenant_cfg->pool) {
+        pool = px_gen_pool_by_name(g, h->tenant_cfg->pool);
+    } else {
+        dp_iovec_t m = policy_model(p->preq);
+        pool = px_gen_pool_for_model(g, m.base, m.len);
     }
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
-    if (!cJSON_IsString(model)) {
-        cJSON_Delete(doc);
-        *res = (px_hooks_result_t){400, "invalid_request", "model", "\"model\" must be a string",
-                                   NULL};
-        return -1;
-    }
-    px_pool_t *pool = px_gen_pool_for_model(g, model->valuestring, strlen(model->valuestring));
-    cJSON_Delete(doc);
     if (pool == NULL) {
         *res = (px_hooks_result_t){404, "model_not_found", "model",
                                    "no pool serves this model", NULL};
         return -1;
     }
+    const char *fw = pool->cfg->manifest ? pool->cfg->manifest->framework_name : NULL;
+    if (policy_apply(p->preq, h->tenant_cfg, fw, &p->res, &err) != 0)
+        goto refuse;
+    p->applied = true;
+    count_overrides(h->tenant, &p->res);
+    h->stream = p->res.stream;
+    if (p->res.has_seed)
+        snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
+    dp_buf_append(body, p->res.body.base, p->res.body.len);
+    if (p->audit) {
+        dp_sha256_hex(body->base, body->len, p->fwd_sha);
+        p->resp_sha = dp_sha256_begin();
+    }
+    if (h->stream) {
+        p->sse_rewrite = true;
+        policy_sse_fp_init(&p->sse, pool->fingerprint);
+    }
     res->pool = pool;
-    dp_buf_append(body, req->body.base, req->body.len);
     return 0;
+refuse:
+    *res = (px_hooks_result_t){err.status, err.code, err.param[0] ? err.param : NULL, err.message,
+                               NULL};
+    return -1;
 }
 
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
                                size_t *n)
 {
-    if (!h->inference || pool == NULL)
+    if (!h->inference)
         return;
-    out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-fingerprint"),
-                                {pool->fingerprint, strlen(pool->fingerprint)}};
+    if (h->tenant_cfg)
+        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-tenant"), {h->tenant, strlen(h->tenant)}};
+    if (pool)
+        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-fingerprint"),
+                                    {pool->fingerprint, strlen(pool->fingerprint)}};
+    if (h->seed[0])
+        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
 }
+
+/* ---- responses ------------------------------------------------------------------------------ */
 
 bool px_hooks_hold_response(px_hooks_req_t *h, int status, const px_header_t *hdrs, size_t n)
 {
-    (void)h;
-    (void)status;
-    (void)hdrs;
-    (void)n;
+    if (!h->inference || h->stream || status < 200 || status >= 300)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type")) {
+            const dp_iovec_t v = hdrs[i].value;
+            h->hold = v.len >= 16 && dp_memieq(v.base, "application/json", 16);
+            return h->hold;
+        }
+    }
     return false;
 }
 
 void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
                                px_header_t *extra, size_t *nextra)
 {
-    (void)h;
-    (void)pool;
-    (void)body;
-    (void)extra;
-    (void)nextra;
+    pol_t *p = h->policy;
+    if (p == NULL)
+        return;
+    dp_buf_reset(&p->out);
+    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, pool->fingerprint, &p->out,
+                               h->upstream_fp) != 1)
+        return; /* not a JSON object: forward it as it is */
+    dp_buf_t t = *body;
+    *body = p->out;
+    p->out = t;
+    if (h->upstream_fp[0])
+        extra[(*nextra)++] = (px_header_t){DP_IOV("x-detproxy-upstream-fingerprint"),
+                                           {h->upstream_fp, strlen(h->upstream_fp)}};
 }
+
+static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
+{
+    if (p && p->resp_sha)
+        dp_sha256_update(p->resp_sha, b, n);
+    if (h->shadow)
+        px_shadow_primary_bytes(h->shadow, b, n);
+}
+
+dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
+{
+    pol_t *p = h->policy;
+    dp_iovec_t v = {b, n};
+    if (p && p->sse_rewrite) {
+        dp_buf_reset(&p->out);
+        policy_sse_fp_feed(&p->sse, b, n, &p->out);
+        v = (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len};
+    }
+    tee(h, p, v.base, v.len);
+    return v;
+}
+
+dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->sse_rewrite)
+        return (dp_iovec_t){"", 0};
+    dp_buf_reset(&p->out);
+    policy_sse_fp_finish(&p->sse, &p->out);
+    if (p->sse.prev[0] && !h->upstream_fp[0])
+        snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
+    dp_iovec_t v = {p->out.base ? p->out.base : "", p->out.len};
+    tee(h, p, v.base, v.len);
+    return v;
+}
+
+/* ---- audit ---------------------------------------------------------------------------------- */
+
+static void audit_done(void *data, int status)
+{
+    pol_t *p = data;
+    (void)status; /* failures are logged and counted by px_audit */
+    void (*then)(void *) = p->then;
+    p->then = NULL;
+    if (then)
+        then(p->then_data);
+}
+
+/* Build and queue the audit line; with `then`, it runs once the line is written. */
+static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
+                        const px_replica_t *r, int status, const char *request_id,
+                        void (*then)(void *), void *data)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->audit || p->audited || px->audit == NULL)
+        return false;
+    p->audited = true;
+    char resp_sha[65];
+    dp_sha256_end_hex(p->resp_sha, resp_sha);
+    p->resp_sha = NULL;
+    dp_iovec_t model = policy_model(p->preq);
+    policy_audit_t a = {
+        .wall_ms = p->wall_ms,
+        .request_id = request_id,
+        .tenant = h->tenant,
+        .pool = pool ? pool->name : NULL,
+        .replica = r ? r->name : NULL,
+        .fingerprint = pool ? pool->fingerprint : NULL,
+        .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
+        .route = p->route,
+        .model = model.base,
+        .result = p->applied ? &p->res : NULL,
+        .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
+        .response_sha256 = resp_sha,
+        .status = status,
+    };
+    dp_buf_t line = {0};
+    policy_audit_line(&a, &line);
+    p->then = then;
+    p->then_data = data;
+    px_audit_write(px->audit, line.base, line.len, then ? audit_done : NULL, p);
+    dp_buf_free(&line);
+    return then != NULL;
+}
+
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
+                         const px_replica_t *r, int status, const char *request_id,
+                         void (*then)(void *data), void *data)
+{
+    return write_audit(h, px, pool, r, status, request_id, then, data);
+}
+
+/* ---- dispatch and the end ----------------------------------------------------------------- */
 
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
                          const px_req_t *req, const char *body, size_t len)
 {
-    (void)h;
-    (void)px;
-    (void)pool;
-    (void)r;
-    (void)req;
-    (void)body;
-    (void)len;
-}
-
-void px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n)
-{
-    (void)h;
-    (void)p;
-    (void)n;
+    pol_t *p = h->policy;
+    if (p == NULL || h->shadow)
+        return;
+    h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);
 }
 
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err)
 {
     (void)h;
-    (void)px;
-    (void)r;
-    (void)err;
+    if (err == PX_UP_CONNECT || err == PX_UP_REUSED_CLOSED || err == PX_UP_CLOSED)
+        px_attest_connection_failed(px, r);
 }
 
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,
                      const char *request_id)
 {
-    (void)h;
-    (void)px;
-    (void)pool;
-    (void)r;
-    (void)status;
-    (void)request_id;
+    write_audit(h, px, pool, r, status, request_id, NULL, NULL);
+    if (h->shadow) {
+        px_shadow_primary_done(h->shadow, status);
+        h->shadow = NULL;
+    }
+    pol_t *p = h->policy;
+    if (p) {
+        h->policy = NULL;
+        if (p->resp_sha)
+            dp_sha256_end_hex(p->resp_sha, (char[65]){0});
+        pol_put(p);
+    }
 }

@@ -14,11 +14,12 @@ typedef struct {
     void *policy;         /* policy state (px_hooks.c) */
     void *shadow;         /* shadow capture (px_shadow.c) */
     char seed[24];        /* decimal seed sent upstream, "" when none */
-    char upstream_fp[96]; /* the replica's own system_fingerprint, if it sent one */
+    char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
     char error[256];
     bool inference;
     bool stream;
     bool hold; /* the response is held whole for rewriting */
+    const cfg_tenant_t *tenant_cfg;
 } px_hooks_req_t;
 
 typedef struct {
@@ -53,8 +54,18 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
 /* The request left for replica r (the first attempt or the retry). */
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
                          const px_req_t *req, const char *body, size_t len);
-/* Response bytes as forwarded to the client (tee for shadow comparison and audit hashing). */
-void px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
+/* Response body bytes from the replica: returns the bytes to forward (the input itself, or a
+ * rewritten copy valid until the next call), after teeing them for shadow capture and audit
+ * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */
+dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
+dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
+
+/* The response is about to end with `status`. Returns true when an audit line is being written
+ * and then(data) will run once it is on its way to disk (end the response there); false when
+ * nothing needs waiting for. */
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
+                         const px_replica_t *r, int status, const char *request_id,
+                         void (*then)(void *data), void *data);
 /* An exchange with replica r failed with err. */
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err);
 /* The request is over (status 499 when the client went away). Releases hook state. */

@@ -12,6 +12,7 @@
 #include "proxy/px.h"
 #include "proxy/px_admin.h"
 #include "proxy/px_attest.h"
+#include "proxy/px_audit.h"
 
 #define DRAIN_LIMIT_MS 30000
 
@@ -146,6 +147,9 @@ static void on_hup(uv_signal_t *h, int signum)
 {
     (void)signum;
     px_t *px = h->data;
+    /* Log rotation: the audit file is reopened whatever the reload decides. */
+    if (px->audit)
+        px_audit_reopen(px->audit, NULL);
     px_reload(px, "SIGHUP");
 }
 
@@ -219,7 +223,10 @@ int px_cmd_run(int argc, char **argv)
     }
     cfg_errors_free(&errs);
     dp_log_set_level((dp_log_level_t)cfg->log.level);
+    /* A write error is an error code, never a signal: a closed client (EPIPE) or a full audit
+     * disk under a file size limit (EFBIG) must not kill the process. */
     signal(SIGPIPE, SIG_IGN);
+    signal(SIGXFSZ, SIG_IGN);
     raise_nofile();
 
     px_t px = {0};
@@ -227,6 +234,8 @@ int px_cmd_run(int argc, char **argv)
     px.started_ms = dp_wall_ms();
     px_metrics_declare();
     px.gen = px_gen_new(&px, cfg, NULL);
+    if (cfg->log.audit_path)
+        px.audit = px_audit_open(px.loop, cfg->log.audit_path);
 
     px_server_limits_t lim;
     server_limits(cfg, &lim);
@@ -259,6 +268,8 @@ int px_cmd_run(int argc, char **argv)
 
     if (px.proxy)
         px_server_close(px.proxy, NULL, NULL);
+    if (px.audit)
+        px_audit_close(px.audit); /* flush and fsync: no audit line is lost on a clean exit */
     px_gen_unref(px.gen);
     px.gen = NULL;
     uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */

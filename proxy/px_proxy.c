@@ -40,10 +40,13 @@ struct px_preq_s {
     bool queued;
     bool paused_upstream;
     bool client_started;
+    bool audit_wait; /* the response's end waits for its audit line (px_hooks_before_end) */
     /* A held response (rewritten whole by a hook before it is sent): */
     int held_status;
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
+    px_header_t *held_out; /* the head to send, built by prepare_held */
+    size_t held_nout;
     px_preq_t *qnext, *qprev;
     uint64_t qdeadline;
     int status;
@@ -373,8 +376,10 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
         free(out);
 }
 
-/* The held response is complete: rewrite it and send it in one piece. */
-static void send_held(px_preq_t *q)
+/* The held response is complete: rewrite it and build its head. It is sent by deliver(), after
+ * its audit line (if any) is written, so an audited client never holds a byte of a response
+ * whose audit line is not on its way to disk. */
+static void prepare_held(px_preq_t *q)
 {
     size_t nh = 0;
     for (size_t i = 0; i < q->held_hdrs.len; i++)
@@ -392,12 +397,10 @@ static void send_held(px_preq_t *q)
     }
     px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
     extra_headers(q, out, &k);
-    q->client_started = true;
-    px_resp_start(q->req, q->held_status, out, k, (int64_t)q->held_body.len);
-    px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
-    if (q->req)
-        px_resp_write(q->req, q->held_body.base, q->held_body.len);
-    free(out);
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    (void)v; /* held bodies are never rewritten by the byte filter, only teed */
+    q->held_out = out;
+    q->held_nout = k;
 }
 
 static void up_on_body(px_creq_t *c, const char *p, size_t n)
@@ -409,8 +412,8 @@ static void up_on_body(px_creq_t *c, const char *p, size_t n)
         dp_buf_append(&q->held_body, p, n);
         return;
     }
-    px_hooks_response_bytes(&q->hooks, p, n);
-    px_resp_write(q->req, p, n);
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
+    px_resp_write(q->req, v.base, v.len);
     /* The client is slower than the replica: stop reading the replica until it drains. */
     if (q->req && px_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
         q->paused_upstream = true;
@@ -423,6 +426,24 @@ static void up_on_drain(px_creq_t *c)
     px_preq_t *q = c->data;
     if (q->req && q->stream_body)
         px_req_resume_body(q->req);
+}
+
+/* The last step of a successful exchange: send a held response, or the end of a streamed one. */
+static void deliver(void *data)
+{
+    px_preq_t *q = data;
+    q->audit_wait = false;
+    if (q->req && q->held_out) {
+        q->client_started = true;
+        px_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
+                      (int64_t)q->held_body.len);
+        px_resp_write(q->req, q->held_body.base, q->held_body.len);
+    }
+    if (q->req) {
+        px_resp_end(q->req);
+        q->req = NULL;
+    }
+    finish(q);
 }
 
 static void count_upstream_error(px_preq_t *q, px_replica_t *r, px_up_err_t err)
@@ -438,13 +459,19 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
     q->up = NULL;
     px_replica_t *r = q->replica;
     if (err == PX_UP_OK) {
-        if (q->req && q->held_status)
-            send_held(q);
-        if (q->req) {
-            px_resp_end(q->req);
-            q->req = NULL;
+        if (q->req && q->held_status) {
+            prepare_held(q);
+        } else if (q->req) {
+            dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
+            px_resp_write(q->req, tail.base, tail.len);
         }
-        finish(q);
+        /* An audited response completes only once its audit line is written (SPEC §8). */
+        if (q->req && px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id,
+                                          deliver, q)) {
+            q->audit_wait = true;
+            return;
+        }
+        deliver(q);
         return;
     }
     count_upstream_error(q, r, err);
@@ -517,6 +544,7 @@ static void finish(px_preq_t *q)
     dp_buf_free(&q->body);
     dp_buf_free(&q->held_hdrs);
     dp_buf_free(&q->held_body);
+    free(q->held_out);
     px_gen_unref(q->gen);
     free(q);
 }
@@ -586,6 +614,12 @@ static px_body_mode_t on_head(px_req_t *req)
     q->start_ns = req->start_ns;
     q->route = classify(req);
     px_hooks_init(&q->hooks);
+    /* The tenant is known from the head alone: refuse before reading any body. */
+    if (px_hooks_tenant_gate(&q->hooks, px, q->gen, req) != 0) {
+        fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
+        finish(q);
+        return PX_BODY_BUFFER;
+    }
     switch (q->route) {
     case ROUTE_MODELS:
         answer_models(q);
@@ -604,11 +638,6 @@ static px_body_mode_t on_head(px_req_t *req)
         return PX_BODY_BUFFER;
     }
     q->pool = &q->gen->pools[0];
-    if (px_hooks_tenant_gate(&q->hooks, px, q->gen, req) != 0) {
-        fail_client(q, 401, "unauthorized", NULL, q->hooks.error);
-        finish(q);
-        return PX_BODY_BUFFER;
-    }
     q->stream_body = req->has_body;
     dispatch(q);
     return PX_BODY_STREAM;
@@ -668,6 +697,8 @@ static void on_abort(px_req_t *req)
     if (q == NULL)
         return;
     q->req = NULL;
+    if (q->audit_wait)
+        return; /* deliver() finishes it */
     if (q->up) {
         /* The client is gone: stop the replica's work now (GPU time is expensive). */
         px_creq_cancel(q->up);

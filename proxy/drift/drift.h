@@ -210,7 +210,8 @@ typedef struct {
     int nreasons;
 } drift_verdict_t;
 
-/* Verdict over the current windows (rules in docs/drift.md). O(pairs x replicas). */
+/* Verdict over the current windows (rules in docs/drift.md). One pass over the pair slots
+ * (DRIFT_MAX_REPLICAS^2 / 2): microseconds, cheap enough to call after every sample. */
 void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v);
 
 /* Quarantine loop (SPEC §9 shadow.quarantine). is_suspect: the verdict is cross_replica_drift

@@ -1,0 +1,43 @@
+/* Native attestation adapters (SPEC §3 attest.source): read what a serving framework says about
+ * itself through its own metadata endpoints, and report only what it truly exposes. Everything
+ * else stays unattested, so a manifest pinning it fails closed (docs/attestation.md has the
+ * capability table and the response shapes these parsers rely on, with sources).
+ *
+ * Use: GET every path in adapter->paths from the replica's base URL (with the pool's
+ * Authorization header), then call adapter->parse with the bodies in the same order. These are
+ * pure parsers: no I/O, no libuv. A native report is never signed (is_signed false). */
+#ifndef ATTEST_ADAPTERS_H
+#define ATTEST_ADAPTERS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "attest/report.h"
+#include "common/buf.h"
+#include "config/config.h"
+
+/* Bodies larger than this are refused by the parsers; fetchers should stop reading there too.
+ * SGLang's /get_server_info carries every server argument plus per-DP internal state and
+ * llama.cpp's /props the whole chat template: tens of KiB in practice. */
+#define ATTEST_ADAPTER_MAX_BODY ((size_t)4 << 20)
+#define ATTEST_ADAPTER_MAX_PATHS 2
+
+typedef struct {
+    cfg_attest_source_t source;
+    const char *name; /* "vllm", "tgi", "sglang", "llamacpp": also the framework.name reported */
+    size_t npaths;
+    const char *paths[ATTEST_ADAPTER_MAX_PATHS];
+    /* Which paths must answer 200 for an attestation to be possible at all. */
+    bool required[ATTEST_ADAPTER_MAX_PATHS];
+    /* bodies[i] is the 200 response body of paths[i], or {NULL, 0} when that GET answered
+     * something else (the parser then leaves the fields it would give unattested, or fails if
+     * the path is required). Fills *out (cleared first, source = name) and returns 0, or returns
+     * -1 with a reason like "vllm GET /v1/models: not valid JSON" appended to *why. */
+    int (*parse)(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *out, dp_buf_t *why);
+} attest_adapter_t;
+
+/* NULL for CFG_ATTEST_NONE / CFG_ATTEST_AGENT. */
+const attest_adapter_t *attest_adapter_for(cfg_attest_source_t source);
+const attest_adapter_t *attest_adapter_by_name(const char *name);
+
+#endif

@@ -1,0 +1,951 @@
+/* `detproxy attest serve`: the replica-side attestation agent (SPEC §5).
+ *
+ * It hashes the model directory off the event loop (uv_queue_work), then answers
+ * GET /attestation?nonce=N with a freshly signed DSSE envelope of
+ * {model, checkpoint_sha256, quantization, dtype, framework{name,version}, nonce, issued_at}.
+ *
+ * Staying true over time: a timer lists the directory every --watch-interval-ms (stat only, also
+ * on a worker thread) and compares with the listing the current hash was computed from. On any
+ * difference in paths, sizes, mtimes or inodes the agent stops vouching at once (503 until the
+ * new hash is done) and re-hashes. Polling rather than inotify: a model volume is often a
+ * network or read-only shared mount where inotify sees nothing of changes made elsewhere.
+ *
+ * With --framework-url the framework name and version come from the co-located server through
+ * the native adapters (adapters.h), refreshed every --framework-refresh-ms, so a restarted
+ * server on another version is reported as such. Unreachable: both are reported null
+ * (unattested), never a stale value.
+ *
+ * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
+ * happens on the loop thread only (common/log.h is single-threaded). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+#include <uv.h>
+
+#include "attest/adapters.h"
+#include "attest/cli_int.h"
+#include "attest/dsse.h"
+#include "attest/hash.h"
+#include "common/jw.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "config/config.h"
+#include "proxy/http_client.h"
+#include "proxy/http_server.h"
+
+#define DEFAULT_WATCH_MS 1000
+#define DEFAULT_FW_REFRESH_MS 10000
+#define RETRY_MIN_MS 1000
+#define RETRY_MAX_MS 60000
+#define PROGRESS_LOG_MS 10000
+
+typedef enum { ST_HASHING = 0, ST_READY, ST_FAILED } agent_state_t;
+
+typedef struct agent_s agent_t;
+
+/* One unit of work for the thread pool: a full hash, or a listing only (change check). */
+typedef struct {
+    uv_work_t work;
+    agent_t *a;
+    bool full;
+    char *dir;
+    char hex[65];
+    attest_snapshot_t snap;
+    dp_buf_t err;
+    int rc;
+    uint64_t start_ns, end_ns;
+    atomic_uint_fast64_t bytes_done, bytes_total;
+    const atomic_int *cancel;
+} job_t;
+
+/* Reading name and version from the co-located framework: one adapter at a time, its paths one
+ * after the other, over one keep-alive upstream. */
+typedef struct {
+    px_upstream_t *up;
+    cfg_url_t url;
+    char *api_key;
+    const attest_adapter_t *only; /* --framework given: just this adapter */
+    size_t adapter;               /* index into the probe order */
+    size_t path;
+    px_creq_t *creq;
+    int status;
+    bool too_big;
+    dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
+    bool got[ATTEST_ADAPTER_MAX_PATHS];
+    bool running;
+    int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
+    dp_buf_t last_error;
+} fw_t;
+
+struct agent_s {
+    uv_loop_t loop;
+    px_server_t *srv;
+    uv_signal_t sigterm, sigint, sigpipe;
+    uv_timer_t watch, fw_timer;
+    int closes_pending;
+    bool stopping;
+
+    char *dir;
+    attest_key_t *key;
+    attest_report_t ident; /* the identity flags; checkpoint comes from the hash */
+    uint32_t watch_ms, fw_refresh_ms;
+
+    agent_state_t state;
+    char hex[65];
+    attest_snapshot_t snap; /* the listing hex was computed from */
+    char *why_not_ready;
+    uint64_t state_since_ms;
+    uint64_t retry_at_ms, retry_delay_ms;
+    uint64_t last_progress_log_ms;
+
+    job_t *job; /* at most one in flight */
+    atomic_int cancel;
+
+    fw_t fw;
+};
+
+/* ---- logging helpers -------------------------------------------------------------------- */
+
+static void log_kv(dp_log_level_t lvl, const char *msg, const char *k1, const char *v1,
+                   const char *k2, const char *v2)
+{
+    dp_jw_t *w = dp_log_begin(lvl, msg);
+    if (w == NULL)
+        return;
+    if (k1)
+        dp_jw_str(w, k1, v1);
+    if (k2)
+        dp_jw_str(w, k2, v2);
+    dp_log_end(w);
+}
+
+static void set_not_ready(agent_t *a, agent_state_t st, const char *why)
+{
+    a->state = st;
+    free(a->why_not_ready);
+    a->why_not_ready = why ? dp_xstrdup(why) : NULL;
+    a->state_since_ms = dp_wall_ms();
+}
+
+/* ---- hashing jobs ----------------------------------------------------------------------- */
+
+static void job_progress_cb(const attest_progress_t *p, void *data)
+{
+    job_t *j = data;
+    atomic_store(&j->bytes_done, p->bytes_done);
+    atomic_store(&j->bytes_total, p->bytes_total);
+}
+
+static void job_run(uv_work_t *w)
+{
+    job_t *j = dp_container_of(w, job_t, work);
+    j->start_ns = dp_now_ns();
+    if (j->full) {
+        attest_hash_opts_t o = {
+            .progress = job_progress_cb, .progress_data = j, .cancel = j->cancel};
+        j->rc = attest_hash_dir(j->dir, &o, j->hex, &j->snap, NULL, &j->err);
+    } else {
+        j->rc = attest_snapshot_take(j->dir, &j->snap, &j->err);
+    }
+    j->end_ns = dp_now_ns();
+}
+
+static void job_free(job_t *j)
+{
+    attest_snapshot_free(&j->snap);
+    dp_buf_free(&j->err);
+    free(j->dir);
+    free(j);
+}
+
+static void schedule_retry(agent_t *a)
+{
+    a->retry_delay_ms = a->retry_delay_ms ? a->retry_delay_ms * 2 : RETRY_MIN_MS;
+    if (a->retry_delay_ms > RETRY_MAX_MS)
+        a->retry_delay_ms = RETRY_MAX_MS;
+    a->retry_at_ms = dp_now_ms() + a->retry_delay_ms;
+}
+
+static void start_job(agent_t *a, bool full);
+
+static void hash_done(agent_t *a, job_t *j)
+{
+    if (j->rc != 0) {
+        const char *e = j->err.base ? j->err.base : strerror(-j->rc);
+        set_not_ready(a, ST_FAILED, e);
+        schedule_retry(a);
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "hash_failed");
+        if (w) {
+            dp_jw_str(w, "dir", a->dir);
+            dp_jw_str(w, "error", e);
+            dp_jw_uint(w, "retry_in_ms", a->retry_delay_ms);
+            dp_log_end(w);
+        }
+        return;
+    }
+    double secs = (double)(j->end_ns - j->start_ns) / 1e9;
+    char previous[65];
+    memcpy(previous, a->hex, sizeof(previous));
+    memcpy(a->hex, j->hex, sizeof(a->hex));
+    attest_snapshot_free(&a->snap);
+    a->snap = j->snap;
+    memset(&j->snap, 0, sizeof(j->snap));
+    set_not_ready(a, ST_READY, NULL);
+    a->retry_delay_ms = 0;
+    attest_report_set(&a->ident, ATTEST_F_CHECKPOINT, a->hex);
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "hashed");
+    if (w) {
+        dp_jw_str(w, "dir", a->dir);
+        dp_jw_str(w, "checkpoint_sha256", a->hex);
+        if (previous[0])
+            dp_jw_str(w, "previous", previous);
+        else
+            dp_jw_null(w, "previous");
+        dp_jw_uint(w, "files", a->snap.count);
+        dp_jw_uint(w, "bytes", a->snap.total_bytes);
+        dp_jw_double(w, "seconds", secs);
+        dp_jw_double(w, "mb_per_s", secs > 0 ? (double)a->snap.total_bytes / 1e6 / secs : 0);
+        dp_log_end(w);
+    }
+}
+
+static void check_done(agent_t *a, job_t *j)
+{
+    if (a->state != ST_READY)
+        return; /* a hash finished or failed meanwhile: nothing to compare with */
+    if (j->rc != 0) {
+        const char *e = j->err.base ? j->err.base : strerror(-j->rc);
+        set_not_ready(a, ST_FAILED, e);
+        schedule_retry(a);
+        log_kv(DP_LOG_ERROR, "model_dir_unreadable", "dir", a->dir, "error", e);
+        return;
+    }
+    dp_buf_t why = {0};
+    if (attest_snapshot_differs(&a->snap, &j->snap, &why)) {
+        /* Stop vouching for the old hash now: it no longer describes the files on disk. */
+        dp_buf_t msg = {0};
+        dp_buf_printf(&msg, "model directory changed (%s); re-hashing", why.base);
+        set_not_ready(a, ST_HASHING, msg.base);
+        log_kv(DP_LOG_WARN, "model_changed", "dir", a->dir, "change", why.base);
+        dp_buf_free(&msg);
+        dp_buf_free(&why);
+        start_job(a, true);
+        return;
+    }
+    dp_buf_free(&why);
+}
+
+static void job_after(uv_work_t *w, int status)
+{
+    job_t *j = dp_container_of(w, job_t, work);
+    agent_t *a = j->a;
+    a->job = NULL;
+    if (!a->stopping && status == 0) {
+        if (j->full)
+            hash_done(a, j);
+        else
+            check_done(a, j);
+    }
+    job_free(j);
+}
+
+static void start_job(agent_t *a, bool full)
+{
+    if (a->job || a->stopping)
+        return;
+    job_t *j = dp_xcalloc(1, sizeof(*j));
+    j->a = a;
+    j->full = full;
+    j->dir = dp_xstrdup(a->dir);
+    j->cancel = &a->cancel;
+    if (full) {
+        if (a->state == ST_FAILED) {
+            /* Keep the failure visible while retrying: it is what the operator must fix. */
+            dp_buf_t msg = {0};
+            dp_buf_printf(&msg, "retrying after: %s", a->why_not_ready);
+            set_not_ready(a, ST_HASHING, msg.base);
+            dp_buf_free(&msg);
+        } else if (a->state != ST_HASHING) {
+            set_not_ready(a, ST_HASHING, "hashing the model directory");
+        }
+        log_kv(DP_LOG_INFO, "hashing", "dir", a->dir, NULL, NULL);
+    }
+    a->job = j;
+    int r = uv_queue_work(&a->loop, &j->work, job_run, job_after);
+    if (r != 0) {
+        a->job = NULL;
+        job_free(j);
+        set_not_ready(a, ST_FAILED, "cannot queue hashing work");
+        schedule_retry(a);
+    }
+}
+
+static void on_watch(uv_timer_t *t)
+{
+    agent_t *a = t->data;
+    uint64_t now = dp_now_ms();
+    if (a->job) {
+        /* Workers must not log: report their progress from here, now and then. */
+        if (a->job->full && now - a->last_progress_log_ms >= PROGRESS_LOG_MS) {
+            a->last_progress_log_ms = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "hashing_progress");
+            if (w) {
+                dp_jw_uint(w, "bytes_done", atomic_load(&a->job->bytes_done));
+                dp_jw_uint(w, "bytes_total", atomic_load(&a->job->bytes_total));
+                dp_log_end(w);
+            }
+        }
+        return;
+    }
+    if (a->state == ST_READY)
+        start_job(a, false);
+    else if (a->state == ST_FAILED && now >= a->retry_at_ms)
+        start_job(a, true);
+}
+
+/* ---- framework name and version from --framework-url ------------------------------------ */
+
+static const cfg_attest_source_t probe_order[] = {CFG_ATTEST_TGI, CFG_ATTEST_SGLANG,
+                                                  CFG_ATTEST_LLAMACPP, CFG_ATTEST_VLLM};
+
+static const attest_adapter_t *fw_adapter(const fw_t *f)
+{
+    if (f->only)
+        return f->adapter == 0 ? f->only : NULL;
+    return f->adapter < DP_ARRAY_SIZE(probe_order) ? attest_adapter_for(probe_order[f->adapter])
+                                                   : NULL;
+}
+
+static void fw_fetch(agent_t *a);
+
+static void fw_set(agent_t *a, const char *name, const char *version, const char *why)
+{
+    const char *old_n = a->ident.framework_name, *old_v = a->ident.framework_version;
+    bool same = (name == NULL ? old_n == NULL : old_n && strcmp(name, old_n) == 0) &&
+                (version == NULL ? old_v == NULL : old_v && strcmp(version, old_v) == 0);
+    if (name)
+        attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_NAME, name);
+    else
+        attest_report_set_unattested(&a->ident, ATTEST_F_FRAMEWORK_NAME, why);
+    if (version)
+        attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_VERSION, version);
+    else
+        attest_report_set_unattested(&a->ident, ATTEST_F_FRAMEWORK_VERSION, why);
+    if (same && a->fw.known == (name != NULL))
+        return; /* log transitions only: a refresh every few seconds must not flood */
+    a->fw.known = name != NULL;
+    if (name)
+        log_kv(DP_LOG_INFO, "framework", "name", name, "version", version);
+    else
+        log_kv(DP_LOG_WARN, "framework_unknown", "url", a->fw.url.hostport, "error", why);
+}
+
+static void fw_finish_adapter(agent_t *a)
+{
+    fw_t *f = &a->fw;
+    const attest_adapter_t *ad = fw_adapter(f);
+    dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
+    bool usable = true;
+    for (size_t i = 0; i < ad->npaths; i++) {
+        if (f->got[i])
+            bodies[i] = (dp_iovec_t){f->bodies[i].base ? f->bodies[i].base : "", f->bodies[i].len};
+        else if (ad->required[i])
+            usable = false;
+    }
+    attest_report_t r = {0};
+    dp_buf_t why = {0};
+    if (usable && ad->parse(bodies, ad->npaths, &r, &why) == 0 && r.framework_name &&
+        r.framework_version) {
+        f->running = false;
+        fw_set(a, r.framework_name, r.framework_version, NULL);
+    } else {
+        f->adapter++;
+        f->path = 0;
+        if (fw_adapter(f) == NULL) {
+            f->running = false;
+            dp_buf_t msg = {0};
+            const char *detail = why.base ? why.base : f->last_error.base;
+            dp_buf_printf(&msg, "framework at %s not recognised%s%s", f->url.hostport,
+                          detail ? " (last: " : "", detail ? detail : "");
+            if (detail)
+                dp_buf_appendc(&msg, ')');
+            fw_set(a, NULL, NULL, msg.base);
+            dp_buf_free(&msg);
+        } else {
+            fw_fetch(a);
+        }
+    }
+    attest_report_clear(&r);
+    dp_buf_free(&why);
+}
+
+static void fw_on_head(px_creq_t *r, int status, const px_header_t *h, size_t n,
+                       const px_framing_t *fr)
+{
+    agent_t *a = r->data;
+    a->fw.status = status;
+}
+
+static void fw_on_body(px_creq_t *r, const char *p, size_t n)
+{
+    agent_t *a = r->data;
+    fw_t *f = &a->fw;
+    dp_buf_t *b = &f->bodies[f->path];
+    if (f->too_big || b->len + n > ATTEST_ADAPTER_MAX_BODY) {
+        f->too_big = true;
+        return;
+    }
+    dp_buf_append(b, p, n);
+}
+
+static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
+{
+    agent_t *a = r->data;
+    fw_t *f = &a->fw;
+    f->creq = NULL;
+    if (a->stopping)
+        return;
+    f->got[f->path] = err == PX_UP_OK && f->status == 200 && !f->too_big;
+    if (!f->got[f->path]) {
+        /* Kept for the "not recognised" message: the operator needs to know what GET failed. */
+        dp_buf_reset(&f->last_error);
+        dp_buf_printf(&f->last_error, "GET %s: ", fw_adapter(f)->paths[f->path]);
+        if (err != PX_UP_OK)
+            dp_buf_printf(&f->last_error, "%s%s%s", px_up_err_name(err), detail ? " " : "",
+                          detail ? detail : "");
+        else if (f->too_big)
+            dp_buf_appends(&f->last_error, "body too large");
+        else
+            dp_buf_printf(&f->last_error, "HTTP %d", f->status);
+        log_kv(DP_LOG_DEBUG, "framework_fetch_failed", "url", f->url.hostport, "error",
+               f->last_error.base);
+    }
+    bool required_missing = !f->got[f->path] && fw_adapter(f)->required[f->path];
+    f->path++;
+    /* A required path failed: this adapter cannot work, skip its other paths. */
+    if (f->path < fw_adapter(f)->npaths && !required_missing)
+        fw_fetch(a);
+    else
+        fw_finish_adapter(a);
+}
+
+static void fw_fetch(agent_t *a)
+{
+    fw_t *f = &a->fw;
+    const attest_adapter_t *ad = fw_adapter(f);
+    if (f->path == 0) {
+        for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++) {
+            dp_buf_reset(&f->bodies[i]);
+            f->got[i] = false;
+        }
+    }
+    f->status = 0;
+    f->too_big = false;
+    dp_buf_t head = {0};
+    dp_buf_printf(&head,
+                  "GET %s%s HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n"
+                  "User-Agent: detproxy-attest\r\n",
+                  f->url.path, ad->paths[f->path], f->url.hostport);
+    if (f->api_key)
+        dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
+    dp_buf_appends(&head, "\r\n");
+    static const px_creq_cb_t cb = {
+        .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
+    uv_buf_t b = uv_buf_init(head.base, (unsigned)head.len);
+    f->creq = px_creq_start(f->up, &b, 1, false, false, &cb, a);
+    if (head.base)
+        OPENSSL_cleanse(head.base, head.len);
+    dp_buf_free(&head);
+}
+
+static void fw_refresh(agent_t *a)
+{
+    fw_t *f = &a->fw;
+    if (f->up == NULL || f->running || a->stopping)
+        return;
+    f->running = true;
+    dp_buf_reset(&f->last_error);
+    f->adapter = 0;
+    f->path = 0;
+    fw_fetch(a);
+}
+
+static void on_fw_timer(uv_timer_t *t)
+{
+    fw_refresh(t->data);
+}
+
+/* ---- HTTP ------------------------------------------------------------------------------- */
+
+static bool query_param(dp_iovec_t q, const char *name, dp_iovec_t *out)
+{
+    size_t nl = strlen(name);
+    size_t i = 0;
+    while (i < q.len) {
+        size_t end = i;
+        while (end < q.len && q.base[end] != '&')
+            end++;
+        if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
+            *out = (dp_iovec_t){q.base + i + nl + 1, end - i - nl - 1};
+            return true;
+        }
+        i = end + 1;
+    }
+    return false;
+}
+
+static bool path_is(const px_req_t *req, const char *p)
+{
+    return req->path.len == strlen(p) && memcmp(req->path.base, p, req->path.len) == 0;
+}
+
+static const px_header_t no_store[] = {{DP_IOV("Cache-Control"), DP_IOV("no-store")}};
+
+static void answer_attestation(agent_t *a, px_req_t *req)
+{
+    dp_iovec_t nv;
+    if (!query_param(req->query, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+        px_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
+                      "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
+        return;
+    }
+    if (a->state != ST_READY) {
+        dp_buf_t msg = {0};
+        uint64_t secs = (dp_wall_ms() - a->state_since_ms) / 1000;
+        dp_buf_printf(&msg, "%s (for %llus)", a->why_not_ready ? a->why_not_ready : "not ready",
+                      (unsigned long long)secs);
+        px_resp_error(req, 503, "server_error", a->state == ST_HASHING ? "hashing" : "hash_failed",
+                      NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
+        dp_buf_free(&msg);
+        return;
+    }
+    char *nonce = dp_xstrndup(nv.base, nv.len);
+    dp_buf_t env = {0}, err = {0};
+    if (attest_envelope_for(a->key, &a->ident, nonce, 0, &env, &err) == 0)
+        px_resp_send(req, 200, "application/json", env.base, env.len, no_store,
+                     DP_ARRAY_SIZE(no_store));
+    else
+        px_resp_error(req, 500, "server_error", "signing_failed", NULL,
+                      err.base ? err.base : "signing failed", NULL, 0);
+    free(nonce);
+    dp_buf_free(&env);
+    dp_buf_free(&err);
+}
+
+static px_body_mode_t on_head(px_req_t *req)
+{
+    agent_t *a = px_server_data(req->server);
+    bool get = dp_strieq(req->method_name.base, req->method_name.len, "GET") ||
+               dp_strieq(req->method_name.base, req->method_name.len, "HEAD");
+    if (path_is(req, "/attestation") || path_is(req, "/healthz")) {
+        if (!get) {
+            static const px_header_t allow[] = {{DP_IOV("Allow"), DP_IOV("GET, HEAD")}};
+            px_resp_error(req, 405, "invalid_request_error", "method_not_allowed", NULL, "use GET",
+                          allow, 1);
+        } else if (path_is(req, "/healthz")) {
+            px_resp_send(req, 200, "text/plain", "ok\n", 3, NULL, 0);
+        } else {
+            answer_attestation(a, req);
+        }
+    } else {
+        px_resp_error(req, 404, "invalid_request_error", "not_found", NULL,
+                      "not found: this agent serves GET /attestation?nonce=N and /healthz", NULL,
+                      0);
+    }
+    return PX_BODY_BUFFER;
+}
+
+static void on_complete(px_req_t *req)
+{
+    (void)req; /* every request was answered from on_head */
+}
+
+static void on_abort(px_req_t *req)
+{
+    (void)req; /* nothing per request outlives on_head */
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------------- */
+
+static void handle_closed(uv_handle_t *h)
+{
+    agent_t *a = h->data;
+    a->closes_pending--;
+}
+
+static void server_closed(void *data)
+{
+    agent_t *a = data;
+    a->closes_pending--;
+}
+
+static void agent_stop(agent_t *a, const char *why)
+{
+    if (a->stopping)
+        return;
+    a->stopping = true;
+    atomic_store(&a->cancel, 1); /* a running hash stops at its next read */
+    log_kv(DP_LOG_INFO, "stopping", "reason", why, NULL, NULL);
+    if (a->fw.creq) {
+        px_creq_cancel(a->fw.creq);
+        a->fw.creq = NULL;
+    }
+    if (a->fw.up) {
+        px_upstream_free(a->fw.up);
+        a->fw.up = NULL;
+    }
+    a->closes_pending++;
+    px_server_close(a->srv, server_closed, a);
+    uv_handle_t *hs[] = {(uv_handle_t *)&a->sigterm, (uv_handle_t *)&a->sigint,
+                         (uv_handle_t *)&a->sigpipe, (uv_handle_t *)&a->watch,
+                         (uv_handle_t *)&a->fw_timer};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(hs); i++) {
+        a->closes_pending++;
+        uv_close(hs[i], handle_closed);
+    }
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    if (signum == SIGPIPE)
+        return;
+    agent_stop(h->data, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+/* ---- options -------------------------------------------------------------------------------- */
+
+static const char serve_usage[] =
+    "usage: detproxy attest serve --listen ADDR --model-dir DIR --model NAME\n"
+    "           [--quantization Q] [--dtype D]\n"
+    "           (--framework NAME --framework-version V | --framework-url URL [--framework NAME])\n"
+    "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
+    "           [--framework-refresh-ms N] [--log-level L]\n"
+    "\n"
+    "The replica-side attestation agent. Hashes DIR at start (off the event loop) and whenever a\n"
+    "file's size, mtime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
+    "envelope signed by KEY.pem (Ed25519, from `detproxy attest keygen`). While hashing, or after\n"
+    "a change until the new hash is ready, it answers 503 and vouches for nothing.\n"
+    "\n"
+    "  --listen ADDR               host:port to listen on (numeric host, e.g. 0.0.0.0:9101)\n"
+    "  --model-dir DIR             the model directory the replica serves from\n"
+    "  --model NAME                the served model name (what clients send as \"model\")\n"
+    "  --quantization Q, --dtype D reported as given; omitted = not reported (unattested)\n"
+    "  --framework NAME            vllm, tgi, sglang or llamacpp\n"
+    "  --framework-version V       the serving framework's version\n"
+    "  --framework-url URL         read name and version from the co-located server instead\n"
+    "                              (its own metadata endpoints), re-read every refresh\n"
+    "  --framework-api-key-file F  bearer token for --framework-url (e.g. vLLM --api-key)\n"
+    "  --key KEY.pem               signing key; without it envelopes are unsigned (a proxy with\n"
+    "                              require_signature rejects them)\n"
+    "  --watch-interval-ms N       how often to look for changes (default 1000)\n"
+    "  --framework-refresh-ms N    how often to re-read --framework-url (default 10000)\n"
+    "  --log-level L               debug, info, warn, error (default info)\n"
+    "  --tls-cert F, --tls-key F   serve over TLS (not built yet: see the closing notes)\n"
+    "\n"
+    "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n";
+
+static int parse_ms(const char *flag, const char *v, uint32_t def, uint32_t *out)
+{
+    if (v == NULL) {
+        *out = def;
+        return 0;
+    }
+    uint64_t n;
+    if (dp_parse_u64(v, strlen(v), &n) != 0 || n < 10 || n > 86400000) {
+        fprintf(stderr,
+                "detproxy attest serve: %s: expected milliseconds in 10..86400000 "
+                "(try --help)\n",
+                flag);
+        return -1;
+    }
+    *out = (uint32_t)n;
+    return 0;
+}
+
+/* Numeric or DNS host of a URL to a socket address (once, at start). */
+static int resolve(const cfg_url_t *u, struct sockaddr_storage *ss)
+{
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    char port[8];
+    snprintf(port, sizeof(port), "%u", u->port);
+    int r = getaddrinfo(u->host, port, &hints, &res);
+    if (r != 0 || res == NULL)
+        return -1;
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return 0;
+}
+
+static char *read_secret(const char *path, dp_buf_t *err)
+{
+    dp_buf_t b = {0};
+    int r = dp_read_file(path, 4096, &b);
+    if (r != 0) {
+        dp_buf_printf(err, "%s: %s", path, r == -EFBIG ? "too large" : strerror(-r));
+        dp_buf_free(&b);
+        return NULL;
+    }
+    while (b.len && (b.base[b.len - 1] == '\n' || b.base[b.len - 1] == '\r' ||
+                     b.base[b.len - 1] == ' ' || b.base[b.len - 1] == '\t'))
+        b.base[--b.len] = '\0';
+    if (b.len == 0 || strpbrk(b.base, "\r\n") != NULL) {
+        dp_buf_printf(err, "%s: expected one line with the token", path);
+        OPENSSL_cleanse(b.base, b.len);
+        dp_buf_free(&b);
+        return NULL;
+    }
+    return dp_buf_steal(&b);
+}
+
+static void warn_if_readable_by_others(const char *path, const char *what)
+{
+    struct stat st;
+    if (stat(path, &st) == 0 && (st.st_mode & 077) != 0)
+        log_kv(DP_LOG_WARN, "secret_file_permissions", what, path, "detail",
+               "readable by group or others; chmod 600 it");
+}
+
+int attest_serve_main(int argc, char **argv)
+{
+    const char *listen = NULL, *dir = NULL, *model = NULL, *quant = NULL, *dtype = NULL;
+    const char *fw_name = NULL, *fw_version = NULL, *fw_url = NULL, *fw_key_file = NULL;
+    const char *key_path = NULL, *watch_s = NULL, *refresh_s = NULL, *level_s = NULL;
+    const char *tls_cert = NULL, *tls_key = NULL;
+    const attest_opt_t opts[] = {
+        {.name = "--listen", .has_value = true, .val = &listen},
+        {.name = "--model-dir", .has_value = true, .val = &dir},
+        {.name = "--model", .has_value = true, .val = &model},
+        {.name = "--quantization", .has_value = true, .val = &quant},
+        {.name = "--dtype", .has_value = true, .val = &dtype},
+        {.name = "--framework", .has_value = true, .val = &fw_name},
+        {.name = "--framework-version", .has_value = true, .val = &fw_version},
+        {.name = "--framework-url", .has_value = true, .val = &fw_url},
+        {.name = "--framework-api-key-file", .has_value = true, .val = &fw_key_file},
+        {.name = "--key", .has_value = true, .val = &key_path},
+        {.name = "--watch-interval-ms", .has_value = true, .val = &watch_s},
+        {.name = "--framework-refresh-ms", .has_value = true, .val = &refresh_s},
+        {.name = "--log-level", .has_value = true, .val = &level_s},
+        {.name = "--tls-cert", .has_value = true, .val = &tls_cert},
+        {.name = "--tls-key", .has_value = true, .val = &tls_key},
+    };
+    const char *pos[1];
+    size_t npos;
+    int pr = attest_parse_args("serve", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
+    if (pr == 1) {
+        fputs(serve_usage, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (pr < 0)
+        return ATTEST_EXIT_USAGE;
+
+    const char *missing = !listen ? "--listen" : !dir ? "--model-dir" : !model ? "--model" : NULL;
+    if (missing) {
+        fprintf(stderr, "detproxy attest serve: %s is required (try --help)\n", missing);
+        return ATTEST_EXIT_USAGE;
+    }
+    if (fw_url == NULL && (fw_name == NULL || fw_version == NULL)) {
+        fputs("detproxy attest serve: give --framework and --framework-version, or "
+              "--framework-url (try --help)\n",
+              stderr);
+        return ATTEST_EXIT_USAGE;
+    }
+    if (fw_url && fw_version) {
+        fputs("detproxy attest serve: --framework-version and --framework-url exclude each "
+              "other (try --help)\n",
+              stderr);
+        return ATTEST_EXIT_USAGE;
+    }
+    const attest_adapter_t *only = NULL;
+    if (fw_url && fw_name && (only = attest_adapter_by_name(fw_name)) == NULL) {
+        fprintf(stderr,
+                "detproxy attest serve: --framework %s: with --framework-url it must be "
+                "vllm, tgi, sglang or llamacpp (try --help)\n",
+                fw_name);
+        return ATTEST_EXIT_USAGE;
+    }
+    if (tls_cert || tls_key) {
+        fputs("detproxy attest serve: --tls-cert/--tls-key: TLS serving is not built yet\n",
+              stderr);
+        return ATTEST_EXIT_USAGE;
+    }
+    cfg_addr_t addr = {0};
+    const char *why = NULL;
+    if (cfg_parse_addr(listen, &addr, &why) != 0) {
+        fprintf(stderr, "detproxy attest serve: --listen %s: %s (try --help)\n", listen,
+                why ? why : "invalid address");
+        return ATTEST_EXIT_USAGE;
+    }
+    uint32_t watch_ms = 0, refresh_ms = 0;
+    if (parse_ms("--watch-interval-ms", watch_s, DEFAULT_WATCH_MS, &watch_ms) != 0 ||
+        parse_ms("--framework-refresh-ms", refresh_s, DEFAULT_FW_REFRESH_MS, &refresh_ms) != 0) {
+        free(addr.host);
+        return ATTEST_EXIT_USAGE;
+    }
+    if (level_s) {
+        int lvl = dp_log_level_parse(level_s);
+        if (lvl < 0) {
+            fprintf(stderr,
+                    "detproxy attest serve: --log-level %s: expected debug, info, warn "
+                    "or error (try --help)\n",
+                    level_s);
+            free(addr.host);
+            return ATTEST_EXIT_USAGE;
+        }
+        dp_log_set_level((dp_log_level_t)lvl);
+    }
+
+    int rc = ATTEST_EXIT_RUNTIME;
+    agent_t *a = dp_xcalloc(1, sizeof(*a));
+    dp_buf_t err = {0};
+    bool loop_up = false;
+    a->dir = dp_xstrdup(dir);
+    a->watch_ms = watch_ms;
+    a->fw_refresh_ms = refresh_ms;
+    snprintf(a->ident.source, sizeof(a->ident.source), "agent");
+    attest_report_set(&a->ident, ATTEST_F_MODEL, model);
+    attest_report_set(&a->ident, ATTEST_F_QUANTIZATION, quant);
+    attest_report_set(&a->ident, ATTEST_F_DTYPE, dtype);
+    attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_NAME, fw_url ? NULL : fw_name);
+    attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_VERSION, fw_version);
+    set_not_ready(a, ST_HASHING, "hashing the model directory");
+
+    if (key_path) {
+        if (attest_key_load(key_path, true, &a->key, &err) != 0) {
+            fprintf(stderr, "detproxy attest serve: --key %s\n", err.base);
+            goto out;
+        }
+        warn_if_readable_by_others(key_path, "key");
+    } else {
+        log_kv(DP_LOG_WARN, "unsigned", "detail",
+               "no --key: attestations are unsigned and a proxy with require_signature rejects "
+               "them",
+               NULL, NULL);
+    }
+    if (fw_url) {
+        if (cfg_parse_url(fw_url, &a->fw.url, &why) != 0) {
+            fprintf(stderr, "detproxy attest serve: --framework-url %s: %s\n", fw_url,
+                    why ? why : "invalid URL");
+            rc = ATTEST_EXIT_USAGE;
+            goto out;
+        }
+        if (a->fw.url.tls) {
+            fputs("detproxy attest serve: --framework-url: https is not built yet\n", stderr);
+            rc = ATTEST_EXIT_USAGE;
+            goto out;
+        }
+        a->fw.only = only;
+        a->fw.known = -1;
+        if (fw_key_file) {
+            a->fw.api_key = read_secret(fw_key_file, &err);
+            if (a->fw.api_key == NULL) {
+                fprintf(stderr, "detproxy attest serve: --framework-api-key-file %s\n", err.base);
+                goto out;
+            }
+            warn_if_readable_by_others(fw_key_file, "framework_api_key_file");
+        }
+        attest_report_set_unattested(&a->ident, ATTEST_F_FRAMEWORK_NAME, "framework not read yet");
+        attest_report_set_unattested(&a->ident, ATTEST_F_FRAMEWORK_VERSION,
+                                     "framework not read yet");
+    }
+
+    if (uv_loop_init(&a->loop) != 0)
+        goto out;
+    loop_up = true;
+    px_handler_t h = {.on_head = on_head, .on_complete = on_complete, .on_abort = on_abort};
+    px_server_limits_t lim;
+    px_server_limits_default(&lim);
+    lim.max_body_bytes = 4096; /* GET only: every request is answered from its head */
+    a->srv = px_server_new(&a->loop, &h, a, &lim);
+    int r = px_server_listen(a->srv, addr.host, addr.port);
+    if (r != 0) {
+        fprintf(stderr, "detproxy attest serve: cannot listen on %s: %s\n", listen, uv_strerror(r));
+        a->closes_pending++;
+        px_server_close(a->srv, server_closed, a);
+        uv_run(&a->loop, UV_RUN_DEFAULT);
+        goto out;
+    }
+    if (fw_url) {
+        struct sockaddr_storage ss;
+        if (resolve(&a->fw.url, &ss) != 0) {
+            fprintf(stderr, "detproxy attest serve: --framework-url: cannot resolve %s\n",
+                    a->fw.url.host);
+            a->closes_pending++;
+            px_server_close(a->srv, server_closed, a);
+            uv_run(&a->loop, UV_RUN_DEFAULT);
+            goto out;
+        }
+        px_upstream_opts_t uo = {.connect_timeout_ms = 2000,
+                                 .first_byte_timeout_ms = 5000,
+                                 .idle_timeout_ms = 5000,
+                                 .max_idle = 1,
+                                 .write_high_water = 65536};
+        a->fw.up = px_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);
+    }
+
+    uv_signal_init(&a->loop, &a->sigterm);
+    uv_signal_init(&a->loop, &a->sigint);
+    uv_signal_init(&a->loop, &a->sigpipe);
+    a->sigterm.data = a->sigint.data = a->sigpipe.data = a;
+    uv_signal_start(&a->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&a->sigint, on_signal, SIGINT);
+    uv_signal_start(&a->sigpipe, on_signal, SIGPIPE);
+    uv_timer_init(&a->loop, &a->watch);
+    uv_timer_init(&a->loop, &a->fw_timer);
+    a->watch.data = a->fw_timer.data = a;
+    uv_timer_start(&a->watch, on_watch, a->watch_ms, a->watch_ms);
+    if (a->fw.up)
+        uv_timer_start(&a->fw_timer, on_fw_timer, 0, a->fw_refresh_ms);
+
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "listening");
+    if (w) {
+        uint16_t port = px_server_port(a->srv);
+        dp_buf_t hp = {0};
+        dp_buf_printf(&hp, strchr(addr.host, ':') ? "[%s]:%u" : "%s:%u", addr.host, port);
+        dp_jw_str(w, "service", "detproxy-attest");
+        dp_jw_str(w, "addr", hp.base);
+        dp_jw_uint(w, "port", port);
+        dp_jw_int(w, "pid", getpid());
+        dp_jw_str(w, "model_dir", a->dir);
+        dp_jw_str(w, "model", model);
+        if (a->key)
+            dp_jw_str(w, "keyid", attest_key_id(a->key));
+        else
+            dp_jw_null(w, "keyid");
+        dp_log_end(w);
+        dp_buf_free(&hp);
+    }
+    start_job(a, true);
+    uv_run(&a->loop, UV_RUN_DEFAULT);
+    log_kv(DP_LOG_INFO, "stopped", NULL, NULL, NULL, NULL);
+    rc = ATTEST_EXIT_OK;
+out:
+    if (loop_up && uv_loop_close(&a->loop) != 0)
+        log_kv(DP_LOG_WARN, "loop_not_empty_at_exit", NULL, NULL, NULL, NULL);
+    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
+        dp_buf_free(&a->fw.bodies[i]);
+    dp_buf_free(&a->fw.last_error);
+    if (a->fw.api_key) {
+        OPENSSL_cleanse(a->fw.api_key, strlen(a->fw.api_key));
+        free(a->fw.api_key);
+    }
+    cfg_url_free(&a->fw.url);
+    attest_snapshot_free(&a->snap);
+    attest_report_clear(&a->ident);
+    attest_key_free(a->key);
+    free(a->why_not_ready);
+    free(a->dir);
+    free(a);
+    free(addr.host);
+    dp_buf_free(&err);
+    return rc;
+}

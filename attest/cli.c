@@ -1,0 +1,448 @@
+/* `detproxy attest hash|keygen|verify|serve`: the offline tools around attestation, and the
+ * dispatch to the agent (agent.c). Exit codes per SPEC §2: 0 ok, 1 verification or match
+ * failed, 2 usage, 3 runtime failure. Results go to stdout, diagnostics to stderr. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "attest/cli_int.h"
+#include "attest/dsse.h"
+#include "attest/hash.h"
+#include "attest/match.h"
+#include "common/jw.h"
+#include "common/util.h"
+#include "config/config.h"
+#include "proxy/cli.h"
+
+/* ---- argument parsing ----------------------------------------------------------------------- */
+
+static int usage_error(const char *cmd, const char *fmt, const char *arg)
+{
+    fprintf(stderr, "detproxy attest %s: ", cmd);
+    fprintf(stderr, fmt, arg);
+    fputs(" (try --help)\n", stderr);
+    return -1;
+}
+
+int attest_parse_args(const char *cmd, int argc, char **argv, const attest_opt_t *opts,
+                      size_t nopts, const char **pos, size_t maxpos, size_t *npos)
+{
+    *npos = 0;
+    bool only_pos = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!only_pos && strcmp(a, "--") == 0) {
+            only_pos = true;
+            continue;
+        }
+        if (only_pos || a[0] != '-' || a[1] == '\0') {
+            if (*npos == maxpos)
+                return usage_error(cmd, "unexpected argument '%s'", a);
+            pos[(*npos)++] = a;
+            continue;
+        }
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
+            return 1;
+        const char *eq = strchr(a, '=');
+        size_t nlen = eq ? (size_t)(eq - a) : strlen(a);
+        const attest_opt_t *o = NULL;
+        for (size_t k = 0; k < nopts; k++)
+            if (strlen(opts[k].name) == nlen && strncmp(opts[k].name, a, nlen) == 0)
+                o = &opts[k];
+        if (o == NULL) {
+            /* Name only: the value of a mistyped --secret=... must not end up in a log. */
+            char name[64];
+            snprintf(name, sizeof(name), "%.*s", (int)(nlen < 63 ? nlen : 63), a);
+            return usage_error(cmd, "unknown option '%s'", name);
+        }
+        if (!o->has_value) {
+            if (eq)
+                return usage_error(cmd, "%s takes no value", o->name);
+            *o->set = true;
+            continue;
+        }
+        const char *v = eq ? eq + 1 : NULL;
+        if (v == NULL) {
+            if (i + 1 >= argc)
+                return usage_error(cmd, "%s needs a value", o->name);
+            v = argv[++i];
+        }
+        if (v[0] == '\0')
+            return usage_error(cmd, "%s: empty value", o->name);
+        if (o->vals) {
+            if (*o->nvals == o->max_vals)
+                return usage_error(cmd, "%s given too many times", o->name);
+            o->vals[(*o->nvals)++] = v;
+        } else {
+            *o->val = v;
+        }
+    }
+    return 0;
+}
+
+/* ---- hash ----------------------------------------------------------------------------------- */
+
+#define PROGRESS_MIN_BYTES ((uint64_t)256 << 20)
+
+typedef struct {
+    bool force, never, tty, shown;
+    uint64_t start_ns, last_ns;
+} progress_t;
+
+static void print_progress(const attest_progress_t *p, progress_t *pr, bool final)
+{
+    double secs = (double)(dp_now_ns() - pr->start_ns) / 1e9;
+    double mbps = secs > 0 ? (double)p->bytes_done / 1e6 / secs : 0;
+    double gib = 1024.0 * 1024 * 1024;
+    int pct = p->bytes_total ? (int)(p->bytes_done * 100 / p->bytes_total) : 100;
+    char line[256];
+    snprintf(line, sizeof(line), "%s %llu/%llu files, %.2f/%.2f GiB (%d%%), %.0f MB/s",
+             final ? "hashed" : "hashing", (unsigned long long)p->files_done,
+             (unsigned long long)p->files_total, (double)p->bytes_done / gib,
+             (double)p->bytes_total / gib, pct, mbps);
+    if (pr->tty)
+        fprintf(stderr, "\r%s\033[K%s", line, final ? "\n" : "");
+    else
+        fprintf(stderr, "%s\n", line);
+    pr->shown = true;
+}
+
+/* Progress on stderr for big trees only: a small directory hashes before anyone could read it.
+ * A terminal gets one line rewritten in place up to 4 times a second; a log file or pipe gets
+ * a plain line per second, so it stays readable there. */
+static void hash_progress_cb(const attest_progress_t *p, void *data)
+{
+    progress_t *pr = data;
+    if (pr->never || (!pr->force && p->bytes_total <= PROGRESS_MIN_BYTES))
+        return;
+    uint64_t now = dp_now_ns();
+    uint64_t every = pr->tty ? 250000000u : 1000000000u;
+    if (p->current == NULL) {
+        print_progress(p, pr, true);
+        return;
+    }
+    if (now - pr->last_ns < every)
+        return; /* last_ns starts at the start time: the first line comes after one interval */
+    pr->last_ns = now;
+    print_progress(p, pr, false);
+}
+
+static const char hash_usage[] =
+    "usage: detproxy attest hash [--list] [--progress | --no-progress] DIR\n"
+    "\n"
+    "Print the checkpoint hash of the model directory DIR (SPEC §5): SHA-256 over one line\n"
+    "\"<sha256>  <path>\\n\" per regular file (symlinks followed, dot-names skipped, sorted\n"
+    "bytewise). Reproduce it with coreutils:\n"
+    "  cd DIR && find -L . -type f ! -path '*/.*' -printf '%P\\n' | LC_ALL=C sort \\\n"
+    "    | xargs -d '\\n' sha256sum | sha256sum\n"
+    "\n"
+    "  --list          print the per-file lines instead (pipe them to sha256sum for the hash)\n"
+    "  --progress      always show progress on stderr (default: only above 256 MiB)\n"
+    "  --no-progress   never show progress\n"
+    "\n"
+    "Exit codes: 0 ok, 2 usage error, 3 the directory could not be hashed.\n";
+
+static int cmd_hash(int argc, char **argv)
+{
+    bool list = false;
+    progress_t pr = {0};
+    const attest_opt_t opts[] = {
+        {.name = "--list", .set = &list},
+        {.name = "--progress", .set = &pr.force},
+        {.name = "--no-progress", .set = &pr.never},
+    };
+    const char *pos[1];
+    size_t npos;
+    int r = attest_parse_args("hash", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 1, &npos);
+    if (r == 1) {
+        fputs(hash_usage, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (r < 0)
+        return ATTEST_EXIT_USAGE;
+    if (npos != 1) {
+        usage_error("hash", "%s", "expected one directory");
+        return ATTEST_EXIT_USAGE;
+    }
+    pr.tty = isatty(2);
+    pr.start_ns = pr.last_ns = dp_now_ns();
+    attest_hash_opts_t ho = {.progress = hash_progress_cb, .progress_data = &pr};
+    char hex[65];
+    dp_buf_t lines = {0}, err = {0};
+    int rc = attest_hash_dir(pos[0], &ho, hex, NULL, list ? &lines : NULL, &err);
+    if (rc != 0) {
+        if (pr.shown && pr.tty)
+            fputc('\n', stderr);
+        fprintf(stderr, "detproxy attest hash: %s\n", err.base ? err.base : strerror(-rc));
+        r = ATTEST_EXIT_RUNTIME;
+    } else {
+        if (list)
+            fwrite(lines.base ? lines.base : "", 1, lines.len, stdout);
+        else
+            printf("%s\n", hex);
+        r = fflush(stdout) == 0 ? ATTEST_EXIT_OK : ATTEST_EXIT_RUNTIME;
+    }
+    dp_buf_free(&lines);
+    dp_buf_free(&err);
+    return r;
+}
+
+/* ---- keygen --------------------------------------------------------------------------------- */
+
+static const char keygen_usage[] =
+    "usage: detproxy attest keygen --out PREFIX\n"
+    "\n"
+    "Write a new Ed25519 key pair: PREFIX.key.pem (PKCS#8, mode 0600; give it to the agent's\n"
+    "--key) and PREFIX.pub.pem (SubjectPublicKeyInfo; list it in attestation.trusted_keys).\n"
+    "Existing files are never overwritten. Prints the key id (hex SHA-256 of the public key\n"
+    "DER), the keyid that signed envelopes carry.\n"
+    "\n"
+    "Exit codes: 0 ok, 2 usage error, 3 the files could not be written.\n";
+
+static int cmd_keygen(int argc, char **argv)
+{
+    const char *out = NULL;
+    const attest_opt_t opts[] = {{.name = "--out", .has_value = true, .val = &out}};
+    const char *pos[1];
+    size_t npos;
+    int r = attest_parse_args("keygen", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
+    if (r == 1) {
+        fputs(keygen_usage, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (r < 0)
+        return ATTEST_EXIT_USAGE;
+    if (out == NULL) {
+        usage_error("keygen", "%s", "--out PREFIX is required");
+        return ATTEST_EXIT_USAGE;
+    }
+    char id[65];
+    dp_buf_t err = {0};
+    if (attest_keygen(out, id, &err) != 0) {
+        fprintf(stderr, "detproxy attest keygen: %s\n", err.base ? err.base : "failed");
+        dp_buf_free(&err);
+        return ATTEST_EXIT_RUNTIME;
+    }
+    printf("wrote %s.key.pem (private, mode 0600) and %s.pub.pem\nkeyid %s\n", out, out, id);
+    dp_buf_free(&err);
+    return ATTEST_EXIT_OK;
+}
+
+/* ---- verify --------------------------------------------------------------------------------- */
+
+#define MAX_PUBKEYS 16
+
+static const char verify_usage[] =
+    "usage: detproxy attest verify --envelope FILE --pubkey PEM [--pubkey PEM ...]\n"
+    "                              [--manifest FILE] [--nonce N] [--json]\n"
+    "\n"
+    "Verify a signed attestation offline: the DSSE envelope's Ed25519 signature by one of the\n"
+    "trusted public keys, the payload's shape, and with --nonce that it answers that nonce.\n"
+    "With --manifest, also check the attested identity against the pinned manifest (SPEC §4;\n"
+    "the canary is behavioural and cannot be checked offline). FILE may be - for stdin.\n"
+    "\n"
+    "  --json   print {verified, reason, attestation, manifest} as one JSON object\n"
+    "\n"
+    "Exit codes: 0 verified (and matched), 1 verification or manifest match failed,\n"
+    "2 usage error, 3 a file could not be read or parsed.\n";
+
+static int read_input(const char *path, size_t max, dp_buf_t *out)
+{
+    if (strcmp(path, "-") == 0)
+        return dp_read_file("/dev/stdin", max, out);
+    return dp_read_file(path, max, out);
+}
+
+static void print_field(const char *label, const char *v, const char *note)
+{
+    if (v)
+        printf("  %-18s %s\n", label, v);
+    else
+        printf("  %-18s (not reported%s%s)\n", label, note ? ": " : "", note ? note : "");
+}
+
+static int cmd_verify(int argc, char **argv)
+{
+    const char *env_path = NULL, *manifest_path = NULL, *nonce = NULL;
+    const char *pubkeys[MAX_PUBKEYS];
+    size_t npub = 0;
+    bool json = false;
+    const attest_opt_t opts[] = {
+        {.name = "--envelope", .has_value = true, .val = &env_path},
+        {.name = "--pubkey",
+         .has_value = true,
+         .vals = pubkeys,
+         .nvals = &npub,
+         .max_vals = MAX_PUBKEYS},
+        {.name = "--manifest", .has_value = true, .val = &manifest_path},
+        {.name = "--nonce", .has_value = true, .val = &nonce},
+        {.name = "--json", .set = &json},
+    };
+    const char *pos[1];
+    size_t npos;
+    int r = attest_parse_args("verify", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
+    if (r == 1) {
+        fputs(verify_usage, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (r < 0)
+        return ATTEST_EXIT_USAGE;
+    if (env_path == NULL || npub == 0) {
+        usage_error("verify", "%s", "--envelope FILE and at least one --pubkey PEM are required");
+        return ATTEST_EXIT_USAGE;
+    }
+
+    int rc = ATTEST_EXIT_RUNTIME;
+    attest_keyset_t ks = {0};
+    dp_buf_t env = {0}, mjson = {0}, err = {0}, why = {0}, out = {0};
+    cfg_manifest_t *m = NULL;
+    cfg_errors_t merrs = {0};
+    attest_report_t rep = {0};
+    attest_reasons_t mism = {0};
+
+    for (size_t i = 0; i < npub; i++) {
+        dp_buf_reset(&err);
+        if (attest_keyset_add_file(&ks, pubkeys[i], &err) != 0) {
+            fprintf(stderr, "detproxy attest verify: --pubkey %s\n", err.base);
+            goto out;
+        }
+    }
+    /* Read one byte past the limit so "too large" is the verifier's precise reason. */
+    int e = read_input(env_path, ATTEST_ENVELOPE_MAX_BYTES + 1, &env);
+    if (e != 0 && e != -EFBIG) {
+        fprintf(stderr, "detproxy attest verify: --envelope %s: %s\n", env_path, strerror(-e));
+        goto out;
+    }
+    if (manifest_path) {
+        e = read_input(manifest_path, 1 << 20, &mjson);
+        if (e != 0) {
+            fprintf(stderr, "detproxy attest verify: --manifest %s: %s\n", manifest_path,
+                    e == -EFBIG ? "too large" : strerror(-e));
+            goto out;
+        }
+        m = cfg_manifest_parse(mjson.base ? mjson.base : "", mjson.len, NULL, &merrs);
+        if (m == NULL) {
+            for (size_t i = 0; i < merrs.count; i++)
+                fprintf(stderr, "detproxy attest verify: --manifest %s: %s\n", manifest_path,
+                        merrs.items[i]);
+            if (merrs.count == 0)
+                fprintf(stderr, "detproxy attest verify: --manifest %s: invalid manifest\n",
+                        manifest_path);
+            goto out;
+        }
+    }
+
+    attest_verify_opts_t vo = {.trusted = &ks, .require_signature = true, .expected_nonce = nonce};
+    bool verified = attest_envelope_verify(env.base ? env.base : "", env.len, &vo, &rep, &why) == 0;
+    int nmis = verified && m ? attest_manifest_match(m, &rep, &mism) : 0;
+    rc = verified && nmis == 0 ? ATTEST_EXIT_OK : ATTEST_EXIT_FAILED;
+
+    if (json) {
+        dp_jw_t w;
+        dp_jw_init(&w, &out);
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_bool(&w, "verified", verified);
+        if (verified)
+            dp_jw_null(&w, "reason");
+        else
+            dp_jw_str(&w, "reason", why.base);
+        if (verified)
+            attest_report_write_json(&rep, &w, "attestation");
+        else
+            dp_jw_null(&w, "attestation");
+        if (m && verified) {
+            dp_jw_obj_begin(&w, "manifest");
+            dp_jw_bool(&w, "match", nmis == 0);
+            dp_jw_arr_begin(&w, "reasons");
+            for (size_t i = 0; i < mism.count; i++)
+                dp_jw_str(&w, NULL, mism.items[i]);
+            dp_jw_arr_end(&w);
+            dp_jw_bool(&w, "canary_checked", false);
+            dp_jw_obj_end(&w);
+        } else {
+            dp_jw_null(&w, "manifest");
+        }
+        dp_jw_obj_end(&w);
+        printf("%s\n", out.base);
+    } else if (!verified) {
+        printf("verification FAILED: %s\n", why.base);
+    } else {
+        printf("signature: ok, key %s\n", rep.keyid);
+        print_field("model", rep.model, rep.unattested_note[ATTEST_F_MODEL]);
+        print_field("checkpoint_sha256", rep.checkpoint_sha256,
+                    rep.unattested_note[ATTEST_F_CHECKPOINT]);
+        print_field("quantization", rep.quantization, rep.unattested_note[ATTEST_F_QUANTIZATION]);
+        print_field("dtype", rep.dtype, rep.unattested_note[ATTEST_F_DTYPE]);
+        print_field("framework.name", rep.framework_name,
+                    rep.unattested_note[ATTEST_F_FRAMEWORK_NAME]);
+        print_field("framework.version", rep.framework_version,
+                    rep.unattested_note[ATTEST_F_FRAMEWORK_VERSION]);
+        printf("  %-18s %s%s\n", "nonce", rep.nonce, nonce ? " (matches --nonce)" : "");
+        printf("  %-18s %s\n", "issued_at", rep.issued_at);
+        if (m) {
+            if (nmis == 0) {
+                printf("manifest: match\n");
+            } else {
+                printf("manifest: MISMATCH\n");
+                for (size_t i = 0; i < mism.count; i++)
+                    printf("  - %s\n", mism.items[i]);
+            }
+            if (m->canary)
+                printf("manifest: canary not checked (behavioural; the proxy runs it)\n");
+        }
+    }
+    fflush(stdout);
+out:
+    attest_reasons_free(&mism);
+    attest_report_clear(&rep);
+    cfg_manifest_free(m);
+    cfg_errors_free(&merrs);
+    attest_keyset_free(&ks);
+    dp_buf_free(&env);
+    dp_buf_free(&mjson);
+    dp_buf_free(&err);
+    dp_buf_free(&why);
+    dp_buf_free(&out);
+    return rc;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------- */
+
+static const char attest_usage[] =
+    "usage: detproxy attest <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  hash DIR                 print the checkpoint hash of a model directory\n"
+    "  keygen --out PREFIX      write an Ed25519 key pair PREFIX.key.pem, PREFIX.pub.pem\n"
+    "  serve ...                run the replica-side attestation agent\n"
+    "  verify --envelope FILE --pubkey PEM [--manifest FILE] [--nonce N]\n"
+    "                           verify a signed attestation offline\n"
+    "\n"
+    "Run 'detproxy attest <command> --help' for a command's options.\n"
+    "Exit codes: 0 ok, 1 verification failed, 2 usage error, 3 runtime failure.\n";
+
+int attest_cmd_main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fputs(attest_usage, stderr);
+        return ATTEST_EXIT_USAGE;
+    }
+    const char *sub = argv[1];
+    if (strcmp(sub, "--help") == 0 || strcmp(sub, "-h") == 0 || strcmp(sub, "help") == 0) {
+        fputs(attest_usage, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (strcmp(sub, "hash") == 0)
+        return cmd_hash(argc - 1, argv + 1);
+    if (strcmp(sub, "keygen") == 0)
+        return cmd_keygen(argc - 1, argv + 1);
+    if (strcmp(sub, "verify") == 0)
+        return cmd_verify(argc - 1, argv + 1);
+    if (strcmp(sub, "serve") == 0)
+        return attest_serve_main(argc - 1, argv + 1);
+    fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
+    return ATTEST_EXIT_USAGE;
+}

@@ -1,0 +1,482 @@
+/* Checkpoint hashing: list, sort, then stream every file through SHA-256 (see hash.h). */
+#define _GNU_SOURCE
+#include "attest/hash.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include "common/util.h"
+
+/* ---- listing ------------------------------------------------------------------------------ */
+
+typedef struct {
+    attest_snapshot_t *snap;
+    size_t cap;
+    dp_buf_t *err;
+    const char *root;
+    dp_buf_t rel; /* relative path of the directory being listed ("" at the root) */
+    /* Directories on the current path: entering one of these again is a symlink loop. */
+    struct {
+        dev_t dev;
+        ino_t ino;
+    } stack[ATTEST_HASH_MAX_DEPTH];
+    int depth;
+} walk_t;
+
+static void errf(dp_buf_t *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void errf(dp_buf_t *err, const char *fmt, ...)
+{
+    if (err == NULL)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    char tmp[1024];
+    vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    va_end(ap);
+    dp_buf_appends(err, tmp);
+}
+
+/* Full path of a relpath for messages: what an operator can paste into ls. */
+static const char *full_path(dp_buf_t *tmp, const char *root, const char *rel)
+{
+    dp_buf_reset(tmp);
+    dp_buf_appends(tmp, root);
+    if (rel[0] != '\0') {
+        if (tmp->len == 0 || tmp->base[tmp->len - 1] != '/')
+            dp_buf_appendc(tmp, '/');
+        dp_buf_appends(tmp, rel);
+    }
+    return tmp->base;
+}
+
+static int64_t mtime_ns(const struct stat *st)
+{
+    return (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+}
+
+static bool name_is_unsupported(const char *name)
+{
+    return strpbrk(name, "\n\r\\") != NULL;
+}
+
+static void add_file(walk_t *w, const char *rel, const struct stat *st)
+{
+    attest_snapshot_t *s = w->snap;
+    if (s->count == w->cap) {
+        w->cap = w->cap ? w->cap * 2 : 64;
+        s->files = dp_xrealloc(s->files, w->cap * sizeof(*s->files));
+    }
+    attest_file_t *f = &s->files[s->count++];
+    f->relpath = dp_xstrdup(rel);
+    f->size = (uint64_t)st->st_size;
+    f->mtime_ns = mtime_ns(st);
+    f->dev = (uint64_t)st->st_dev;
+    f->ino = (uint64_t)st->st_ino;
+    s->total_bytes += f->size;
+}
+
+/* List the directory open on fd (ownership of fd passes here). Recurses into subdirectories. */
+static int walk_dir(walk_t *w, int fd)
+{
+    dp_buf_t tmp = {0};
+    int rc = 0;
+    DIR *d = fdopendir(fd);
+    if (d == NULL) {
+        rc = -errno;
+        close(fd);
+        errf(w->err, "cannot list %s: %s", full_path(&tmp, w->root, w->rel.base), strerror(-rc));
+        goto out;
+    }
+    size_t base_len = w->rel.len;
+    for (;;) {
+        errno = 0;
+        struct dirent *de = readdir(d);
+        if (de == NULL) {
+            if (errno != 0) {
+                rc = -errno;
+                w->rel.len = base_len;
+                w->rel.base[base_len] = '\0';
+                errf(w->err, "cannot list %s: %s", full_path(&tmp, w->root, w->rel.base),
+                     strerror(-rc));
+            }
+            break;
+        }
+        const char *name = de->d_name;
+        /* Hidden names are skipped at every level: this also drops "." and "..". */
+        if (name[0] == '.')
+            continue;
+        w->rel.len = base_len;
+        w->rel.base[base_len] = '\0';
+        if (base_len > 0)
+            dp_buf_appendc(&w->rel, '/');
+        dp_buf_appends(&w->rel, name);
+        const char *rel = w->rel.base;
+
+        struct stat st;
+        if (fstatat(dirfd(d), name, &st, 0) != 0) {
+            int e = errno;
+            if (e == ENOENT) {
+                /* A dangling symlink (find -L skips it: it is not a regular file), or an entry
+                 * removed since readdir returned it: either way it is not part of the tree. */
+                continue;
+            }
+            rc = -e;
+            if (e == ELOOP)
+                errf(w->err, "symlink loop: %s (too many levels of symbolic links)",
+                     full_path(&tmp, w->root, rel));
+            else
+                errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(e));
+            break;
+        }
+        if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode))
+            continue; /* FIFOs, sockets, devices: never opened (a FIFO would block) */
+        if (name_is_unsupported(name)) {
+            rc = -EINVAL;
+            errf(w->err,
+                 "unsupported file name (contains a newline, carriage return or backslash, "
+                 "which the coreutils cross-check cannot reproduce): %s",
+                 full_path(&tmp, w->root, rel));
+            break;
+        }
+        if (S_ISREG(st.st_mode)) {
+            add_file(w, rel, &st);
+            continue;
+        }
+        for (int i = 0; i < w->depth; i++) {
+            if (w->stack[i].dev == st.st_dev && w->stack[i].ino == st.st_ino) {
+                rc = -ELOOP;
+                errf(w->err, "symlink loop: %s leads back to an ancestor directory",
+                     full_path(&tmp, w->root, rel));
+                goto close_dir;
+            }
+        }
+        if (w->depth >= ATTEST_HASH_MAX_DEPTH) {
+            rc = -ELOOP;
+            errf(w->err, "directory tree deeper than %d levels at %s", ATTEST_HASH_MAX_DEPTH,
+                 full_path(&tmp, w->root, rel));
+            break;
+        }
+        int cfd = openat(dirfd(d), name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (cfd < 0) {
+            int e = errno;
+            if (e == ENOENT)
+                continue; /* removed since it was listed */
+            rc = -e;
+            errf(w->err, "cannot open directory %s: %s", full_path(&tmp, w->root, rel),
+                 strerror(e));
+            break;
+        }
+        /* Push what was actually opened, not what fstatat saw: they differ only under a race,
+         * and the loop check must be about the directory we are about to read. */
+        struct stat cst;
+        if (fstat(cfd, &cst) != 0) {
+            rc = -errno;
+            close(cfd);
+            errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(-rc));
+            break;
+        }
+        w->stack[w->depth].dev = cst.st_dev;
+        w->stack[w->depth].ino = cst.st_ino;
+        w->depth++;
+        rc = walk_dir(w, cfd);
+        w->depth--;
+        if (rc != 0)
+            break;
+    }
+close_dir:
+    closedir(d);
+    w->rel.len = base_len;
+    if (w->rel.base)
+        w->rel.base[base_len] = '\0';
+out:
+    dp_buf_free(&tmp);
+    return rc;
+}
+
+static int cmp_files(const void *a, const void *b)
+{
+    /* strcmp compares as unsigned char: the same order as LC_ALL=C sort. */
+    return strcmp(((const attest_file_t *)a)->relpath, ((const attest_file_t *)b)->relpath);
+}
+
+void attest_snapshot_free(attest_snapshot_t *s)
+{
+    for (size_t i = 0; i < s->count; i++)
+        free(s->files[i].relpath);
+    free(s->files);
+    s->files = NULL;
+    s->count = 0;
+    s->total_bytes = 0;
+}
+
+int attest_snapshot_take(const char *dir, attest_snapshot_t *out, dp_buf_t *err)
+{
+    memset(out, 0, sizeof(*out));
+    walk_t w = {.snap = out, .err = err, .root = dir};
+    dp_buf_appends(&w.rel, "");
+    int rc = 0;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        rc = -errno;
+        errf(err, "cannot open directory %s: %s", dir, strerror(-rc));
+        goto fail;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = -errno;
+        close(fd);
+        errf(err, "cannot stat %s: %s", dir, strerror(-rc));
+        goto fail;
+    }
+    w.stack[0].dev = st.st_dev;
+    w.stack[0].ino = st.st_ino;
+    w.depth = 1;
+    rc = walk_dir(&w, fd);
+    if (rc != 0)
+        goto fail;
+    if (out->count > 1)
+        qsort(out->files, out->count, sizeof(*out->files), cmp_files);
+    dp_buf_free(&w.rel);
+    return 0;
+fail:
+    dp_buf_free(&w.rel);
+    attest_snapshot_free(out);
+    return rc;
+}
+
+bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t *b, dp_buf_t *why)
+{
+    size_t i = 0, j = 0;
+    while (i < a->count || j < b->count) {
+        int c;
+        if (i == a->count)
+            c = 1;
+        else if (j == b->count)
+            c = -1;
+        else
+            c = strcmp(a->files[i].relpath, b->files[j].relpath);
+        if (c < 0) {
+            errf(why, "removed: %s", a->files[i].relpath);
+            return true;
+        }
+        if (c > 0) {
+            errf(why, "added: %s", b->files[j].relpath);
+            return true;
+        }
+        const attest_file_t *x = &a->files[i], *y = &b->files[j];
+        if (x->size != y->size) {
+            errf(why, "%s: size %llu -> %llu", x->relpath, (unsigned long long)x->size,
+                 (unsigned long long)y->size);
+            return true;
+        }
+        if (x->mtime_ns != y->mtime_ns) {
+            errf(why, "%s: modified (mtime changed)", x->relpath);
+            return true;
+        }
+        if (x->dev != y->dev || x->ino != y->ino) {
+            errf(why, "%s: replaced (new inode)", x->relpath);
+            return true;
+        }
+        i++;
+        j++;
+    }
+    return false;
+}
+
+/* ---- hashing ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const attest_hash_opts_t *opts;
+    attest_progress_t prog;
+    uint8_t *buf;
+    size_t bufsize;
+    EVP_MD_CTX *fctx;
+    const EVP_MD *md;
+    dp_buf_t *err;
+} hasher_t;
+
+static bool cancelled(const hasher_t *h)
+{
+    return h->opts && h->opts->cancel && atomic_load(h->opts->cancel) != 0;
+}
+
+static void report(hasher_t *h)
+{
+    if (h->opts && h->opts->progress)
+        h->opts->progress(&h->prog, h->opts->progress_data);
+}
+
+static bool same_as_listed(const struct stat *st, const attest_file_t *f)
+{
+    return (uint64_t)st->st_size == f->size && mtime_ns(st) == f->mtime_ns;
+}
+
+/* Stream one file through SHA-256, checking it is still the file that was listed. */
+static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint8_t md[32])
+{
+    int rc = 0;
+    /* O_NONBLOCK: if a FIFO was swapped in since listing, open must not hang. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        rc = -errno;
+        if (rc == -ENOENT)
+            errf(h->err, "file vanished during hashing: %s", path);
+        else
+            errf(h->err, "cannot open %s: %s", path, strerror(-rc));
+        return rc;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = -errno;
+        errf(h->err, "cannot stat %s: %s", path, strerror(-rc));
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_dev != f->dev || (uint64_t)st.st_ino != f->ino) {
+        rc = -ESTALE;
+        errf(h->err, "file changed during hashing: %s (replaced since listing)", path);
+        goto out;
+    }
+    if (!same_as_listed(&st, f)) {
+        rc = -ESTALE;
+        errf(h->err, "file changed during hashing: %s (size %llu -> %llu or mtime changed)", path,
+             (unsigned long long)f->size, (unsigned long long)st.st_size);
+        goto out;
+    }
+    (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    if (EVP_DigestInit_ex(h->fctx, h->md, NULL) != 1) {
+        rc = -EIO;
+        errf(h->err, "sha256 init failed");
+        goto out;
+    }
+    uint64_t done = 0;
+    for (;;) {
+        if (cancelled(h)) {
+            rc = -ECANCELED;
+            errf(h->err, "hashing cancelled");
+            goto out;
+        }
+        ssize_t r = read(fd, h->buf, h->bufsize);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            rc = -errno;
+            errf(h->err, "cannot read %s: %s", path, strerror(-rc));
+            goto out;
+        }
+        if (r == 0)
+            break;
+        done += (uint64_t)r;
+        if (done > f->size)
+            break; /* grew: reported below without hashing the rest */
+        EVP_DigestUpdate(h->fctx, h->buf, (size_t)r);
+        h->prog.bytes_done += (uint64_t)r;
+        report(h);
+    }
+    if (done != f->size) {
+        rc = -ESTALE;
+        errf(h->err, "file changed during hashing: %s (size %llu at listing, %s%llu bytes read)",
+             path, (unsigned long long)f->size, done > f->size ? "more than " : "",
+             (unsigned long long)(done > f->size ? f->size : done));
+        goto out;
+    }
+    /* Same size but rewritten in place while we read: the mtime tells. */
+    if (fstat(fd, &st) != 0 || !same_as_listed(&st, f)) {
+        rc = -ESTALE;
+        errf(h->err, "file changed during hashing: %s (modified while being read)", path);
+        goto out;
+    }
+    unsigned int mdlen = 0;
+    EVP_DigestFinal_ex(h->fctx, md, &mdlen);
+out:
+    close(fd);
+    return rc;
+}
+
+int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
+                         const attest_hash_opts_t *opts, char out_hex[65], dp_buf_t *lines,
+                         dp_buf_t *err)
+{
+    int rc = 0;
+    dp_buf_t path = {0}, line = {0};
+    hasher_t h = {.opts = opts, .err = err};
+    EVP_MD_CTX *tctx = NULL;
+    EVP_MD *md = NULL;
+
+    h.bufsize = opts && opts->read_size ? opts->read_size : ATTEST_HASH_READ_SIZE;
+    if (posix_memalign((void **)&h.buf, 4096, h.bufsize) != 0) {
+        rc = -ENOMEM;
+        errf(err, "out of memory for a %zu-byte read buffer", h.bufsize);
+        goto out;
+    }
+    /* Fetch the implementation once instead of an implicit fetch per file (OpenSSL 3). */
+    md = EVP_MD_fetch(NULL, "SHA256", NULL);
+    h.fctx = EVP_MD_CTX_new();
+    tctx = EVP_MD_CTX_new();
+    if (md == NULL || h.fctx == NULL || tctx == NULL || EVP_DigestInit_ex(tctx, md, NULL) != 1) {
+        rc = -EIO;
+        errf(err, "OpenSSL SHA-256 unavailable");
+        goto out;
+    }
+    h.md = md;
+    h.prog.files_total = snap->count;
+    h.prog.bytes_total = snap->total_bytes;
+    for (size_t i = 0; i < snap->count; i++) {
+        const attest_file_t *f = &snap->files[i];
+        h.prog.current = f->relpath;
+        report(&h);
+        uint8_t d[32];
+        rc = hash_file(&h, full_path(&path, dir, f->relpath), f, d);
+        if (rc != 0)
+            goto out;
+        char hex[65];
+        dp_hex(d, sizeof(d), hex);
+        dp_buf_reset(&line);
+        dp_buf_append(&line, hex, 64);
+        dp_buf_append(&line, "  ", 2);
+        dp_buf_appends(&line, f->relpath);
+        dp_buf_appendc(&line, '\n');
+        EVP_DigestUpdate(tctx, line.base, line.len);
+        if (lines)
+            dp_buf_append(lines, line.base, line.len);
+        h.prog.files_done++;
+    }
+    h.prog.current = NULL;
+    report(&h);
+    uint8_t total[32];
+    unsigned int tlen = 0;
+    EVP_DigestFinal_ex(tctx, total, &tlen);
+    dp_hex(total, sizeof(total), out_hex);
+out:
+    EVP_MD_CTX_free(tctx);
+    EVP_MD_CTX_free(h.fctx);
+    EVP_MD_free(md);
+    free(h.buf);
+    dp_buf_free(&path);
+    dp_buf_free(&line);
+    return rc;
+}
+
+int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
+                    attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err)
+{
+    attest_snapshot_t snap;
+    int rc = attest_snapshot_take(dir, &snap, err);
+    if (rc != 0)
+        return rc;
+    rc = attest_hash_snapshot(dir, &snap, opts, out_hex, lines, err);
+    if (rc == 0 && snap_out != NULL)
+        *snap_out = snap;
+    else
+        attest_snapshot_free(&snap);
+    return rc;
+}

@@ -1,0 +1,91 @@
+/* Checkpoint hashing (SPEC §5) and cheap change detection for a model directory.
+ *
+ * The checkpoint hash is defined so that the coreutils pipeline in SPEC §5 (find -L, the
+ * hidden-path filter, LC_ALL=C sort, xargs sha256sum, sha256sum; see docs/attestation.md)
+ * reproduces it: every regular file under DIR (symlinks followed, any path component starting
+ * with '.' skipped), relative path with '/' separators, sorted bytewise; one line per file
+ * "<sha256 hex>  <relpath>\n"; the checkpoint hash is the SHA-256 of all lines concatenated.
+ *
+ * Where the pipeline and the definition could disagree we fail instead of picking one:
+ *   - a file name containing '\n', '\r' or '\\' is an error (sha256sum escapes such names, and
+ *     xargs -d '\n' splits on newlines), so a digest we print is always reproducible;
+ *   - a directory reached again through a symlink while already on the current path (a loop),
+ *     ELOOP, or a tree deeper than ATTEST_HASH_MAX_DEPTH is an error (find warns and goes on,
+ *     which would silently hash a different set of files).
+ * Broken symlinks, FIFOs, sockets and devices are not regular files: skipped, as find does.
+ *
+ * Everything here is blocking file I/O with no libuv in it: the agent runs it on a worker thread
+ * (uv_queue_work), the CLI on the main thread. No function here logs. */
+#ifndef ATTEST_HASH_H
+#define ATTEST_HASH_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/buf.h"
+
+#define ATTEST_HASH_MAX_DEPTH 64
+/* Large reads keep syscall overhead well below the cost of SHA-256 itself. */
+#define ATTEST_HASH_READ_SIZE ((size_t)4 << 20)
+
+/* One regular file as seen when the directory was listed. */
+typedef struct {
+    char *relpath; /* relative to DIR, '/' separators, no leading "./" */
+    uint64_t size;
+    int64_t mtime_ns; /* st_mtim of the file (after following symlinks) */
+    uint64_t dev;
+    uint64_t ino;
+} attest_file_t;
+
+/* The listing of a directory, sorted bytewise by relpath. Owns its strings. */
+typedef struct {
+    attest_file_t *files;
+    size_t count;
+    uint64_t total_bytes;
+} attest_snapshot_t;
+
+typedef struct {
+    uint64_t files_done, files_total;
+    uint64_t bytes_done, bytes_total;
+    const char *current; /* relpath being hashed; valid only during the callback */
+} attest_progress_t;
+
+/* Called from the hashing thread after every read (every ATTEST_HASH_READ_SIZE bytes at most)
+ * and once per file start; it must be cheap and do its own rate limiting. */
+typedef void (*attest_progress_cb)(const attest_progress_t *p, void *data);
+
+typedef struct {
+    attest_progress_cb progress; /* may be NULL */
+    void *progress_data;
+    const atomic_int *cancel; /* may be NULL; when it becomes non-zero hashing stops (-ECANCELED) */
+    size_t read_size;         /* 0: ATTEST_HASH_READ_SIZE */
+} attest_hash_opts_t;
+
+/* List DIR (stat only, no reads). Returns 0, or a negative errno with a one-line reason in *err
+ * (appended; err may be NULL). On failure *out is left empty. */
+int attest_snapshot_take(const char *dir, attest_snapshot_t *out, dp_buf_t *err);
+void attest_snapshot_free(attest_snapshot_t *s);
+
+/* Compare two snapshots. Returns true when they differ in the set of paths, a size, an mtime or
+ * an inode (a file replaced by rename), and appends a short description of the first difference
+ * to *why when why is non-NULL ("model-00001.safetensors: size 10 -> 12", "added: x", ...). */
+bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t *b, dp_buf_t *why);
+
+/* Hash DIR. On success returns 0, writes the 64-hex checkpoint hash (NUL-terminated) to out_hex,
+ * and, when snap_out is non-NULL, hands over the listing the hash was computed from (every file
+ * is checked against it while hashed, so the two agree). When lines is non-NULL the per-file
+ * lines that were hashed are appended to it ("<hex>  <relpath>\n" each).
+ * Errors (negative errno, reason appended to *err): unreadable directory or file, a symlink
+ * loop, an unsupported file name, "file vanished during hashing: PATH", "file changed during
+ * hashing: PATH (...)", -ECANCELED. opts may be NULL. */
+int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
+                    attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err);
+
+/* Hash one already-listed snapshot's files against DIR (the second half of attest_hash_dir). */
+int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
+                         const attest_hash_opts_t *opts, char out_hex[65], dp_buf_t *lines,
+                         dp_buf_t *err);
+
+#endif

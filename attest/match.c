@@ -1,0 +1,131 @@
+/* Manifest match, admission and canary history (see match.h). */
+#include "attest/match.h"
+
+#include <string.h>
+
+#include "common/util.h"
+
+static const char *pinned(const cfg_manifest_t *m, attest_field_t f)
+{
+    switch (f) {
+    case ATTEST_F_MODEL:
+        return m->model;
+    case ATTEST_F_CHECKPOINT:
+        return m->checkpoint_sha256;
+    case ATTEST_F_QUANTIZATION:
+        return m->quantization;
+    case ATTEST_F_DTYPE:
+        return m->dtype;
+    case ATTEST_F_FRAMEWORK_NAME:
+        return m->framework_name;
+    case ATTEST_F_FRAMEWORK_VERSION:
+        return m->framework_version;
+    default:
+        return NULL;
+    }
+}
+
+/* "vllm adapter" / "agent": who failed to report a field, for the default note. */
+static void source_phrase(const attest_report_t *r, dp_buf_t *out)
+{
+    if (r->source[0] == '\0')
+        dp_buf_appends(out, "source");
+    else if (strcmp(r->source, "agent") == 0)
+        dp_buf_appends(out, "agent");
+    else
+        dp_buf_printf(out, "%s adapter", r->source);
+}
+
+int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
+{
+    if (m == NULL)
+        return 0;
+    int n = 0;
+    dp_buf_t got = {0}, want = {0}, who = {0};
+    for (int i = 0; i < ATTEST_F__COUNT; i++) {
+        attest_field_t f = (attest_field_t)i;
+        const char *w = pinned(m, f);
+        if (w == NULL)
+            continue;
+        const char *g = attest_report_get(r, f);
+        if (g == NULL) {
+            /* Fail closed: a pinned field nobody vouches for is not a match. */
+            dp_buf_reset(&who);
+            if (r->unattested_note[f]) {
+                attest_abbrev(r->unattested_note[f], &who);
+            } else {
+                source_phrase(r, &who);
+                dp_buf_appends(&who, strcmp(r->source, "agent") == 0 ? " did not report it"
+                                                                     : " does not report it");
+            }
+            attest_reasons_add(out, "%s unattested (%s)", attest_field_names[f], who.base);
+            n++;
+            continue;
+        }
+        if (strcmp(g, w) == 0)
+            continue;
+        dp_buf_reset(&got);
+        dp_buf_reset(&want);
+        attest_abbrev(g, &got);
+        attest_abbrev(w, &want);
+        attest_reasons_add(out, "%s mismatch: got %s want %s", attest_field_names[f], got.base,
+                           want.base);
+        n++;
+    }
+    dp_buf_free(&got);
+    dp_buf_free(&want);
+    dp_buf_free(&who);
+    return n;
+}
+
+int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require_signature,
+                 attest_reasons_t *out)
+{
+    int n = 0;
+    if (require_signature && !r->is_signed) {
+        dp_buf_t who = {0};
+        source_phrase(r, &who);
+        attest_reasons_add(
+            out, "unsigned attestation (%s) but attestation.require_signature is true", who.base);
+        dp_buf_free(&who);
+        n++;
+    }
+    return n + attest_manifest_match(m, r, out);
+}
+
+/* ---- canary ------------------------------------------------------------------------------- */
+
+bool attest_canary_record(attest_canary_t *c, bool matched)
+{
+    c->bits = (uint8_t)(((c->bits << 1) | (matched ? 0u : 1u)) & 7u);
+    if (c->count < 3)
+        c->count++;
+    return attest_canary_rejected(c);
+}
+
+bool attest_canary_rejected(const attest_canary_t *c)
+{
+    unsigned window = c->bits & ((1u << c->count) - 1u);
+    int mismatches = (window & 1u) + ((window >> 1) & 1u) + ((window >> 2) & 1u);
+    return mismatches >= 2;
+}
+
+void attest_canary_reset(attest_canary_t *c)
+{
+    c->bits = 0;
+    c->count = 0;
+}
+
+void attest_canary_sha256(const char *text, size_t n, char out[65])
+{
+    dp_sha256_hex(text, n, out);
+}
+
+bool attest_canary_matches(const cfg_canary_t *canary, const char *text, size_t n)
+{
+    if (canary == NULL || canary->expected_sha256 == NULL)
+        return true;
+    char hex[65];
+    dp_sha256_hex(text, n, hex);
+    return strcmp(hex, canary->expected_sha256) == 0;
+}

@@ -1,0 +1,47 @@
+/* Admission decisions (SPEC §4, §6): does a report match the pool's pinned manifest, and has a
+ * replica failed its behavioural canary. Pure functions, no I/O. */
+#ifndef ATTEST_MATCH_H
+#define ATTEST_MATCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attest/report.h"
+#include "config/config.h"
+
+/* Compare every field the manifest pins with the report, exactly (byte-equal strings). Appends
+ * one reason per mismatch and returns how many there were (0: the report matches):
+ *   "checkpoint_sha256 mismatch: got ab12cd34.. want cd34ef56.."
+ *   "quantization unattested (vllm adapter does not report it)"   (pinned but not reported)
+ * A NULL manifest pins nothing and always matches. The canary is not looked at here. */
+int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out);
+
+/* The whole admission check for one attestation: the signature policy, then the manifest.
+ * With require_signature an unsigned report is rejected ("unsigned attestation (vllm adapter)
+ * but attestation.require_signature is true"). Returns 0 when admitted, else the number of
+ * reasons appended. */
+int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require_signature,
+                 attest_reasons_t *out);
+
+/* ---- canary (SPEC §6) -----------------------------------------------------------------------
+ * The last three completed canary checks of one replica, newest in bit 0. Zero-initialise.
+ * Only completed checks are recorded: a canary request that failed or timed out says nothing
+ * about the model and is the reachability logic's business. */
+typedef struct {
+    uint8_t bits;  /* 1 = mismatch */
+    uint8_t count; /* checks recorded, saturates at 3 */
+} attest_canary_t;
+
+/* Record one check; returns attest_canary_rejected() afterwards. */
+bool attest_canary_record(attest_canary_t *c, bool matched);
+/* True while 2 or more of the last (up to) 3 checks mismatched. A rejected replica that keeps
+ * being probed recovers only after two matching checks in a row. */
+bool attest_canary_rejected(const attest_canary_t *c);
+void attest_canary_reset(attest_canary_t *c);
+/* Hex SHA-256 of the output text, as compared with canary.expected_sha256. */
+void attest_canary_sha256(const char *text, size_t n, char out[65]);
+/* Does this output text match the manifest's canary? */
+bool attest_canary_matches(const cfg_canary_t *canary, const char *text, size_t n);
+
+#endif

@@ -1,0 +1,275 @@
+/* Attestation reports, payload JSON, reasons (see report.h). */
+#include "attest/report.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/util.h"
+
+const char *const attest_field_names[ATTEST_F__COUNT] = {
+    "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
+};
+
+/* Field f's slot in the struct: one switch instead of six copies of every accessor. */
+static char **slot(attest_report_t *r, attest_field_t f)
+{
+    switch (f) {
+    case ATTEST_F_MODEL:
+        return &r->model;
+    case ATTEST_F_CHECKPOINT:
+        return &r->checkpoint_sha256;
+    case ATTEST_F_QUANTIZATION:
+        return &r->quantization;
+    case ATTEST_F_DTYPE:
+        return &r->dtype;
+    case ATTEST_F_FRAMEWORK_NAME:
+        return &r->framework_name;
+    case ATTEST_F_FRAMEWORK_VERSION:
+        return &r->framework_version;
+    default:
+        return NULL;
+    }
+}
+
+const char *attest_report_get(const attest_report_t *r, attest_field_t f)
+{
+    char **p = slot((attest_report_t *)r, f);
+    return p ? *p : NULL;
+}
+
+void attest_report_set(attest_report_t *r, attest_field_t f, const char *v)
+{
+    char **p = slot(r, f);
+    if (p == NULL)
+        return;
+    free(*p);
+    *p = v ? dp_xstrdup(v) : NULL;
+}
+
+void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const char *note)
+{
+    if ((unsigned)f >= ATTEST_F__COUNT)
+        return;
+    attest_report_set(r, f, NULL);
+    free(r->unattested_note[f]);
+    r->unattested_note[f] = note ? dp_xstrdup(note) : NULL;
+}
+
+void attest_report_clear(attest_report_t *r)
+{
+    for (int f = 0; f < ATTEST_F__COUNT; f++) {
+        char **p = slot(r, (attest_field_t)f);
+        free(*p);
+        *p = NULL;
+        free(r->unattested_note[f]);
+        r->unattested_note[f] = NULL;
+    }
+    free(r->nonce);
+    free(r->issued_at);
+    memset(r, 0, sizeof(*r));
+}
+
+static char *dup_or_null(const char *s)
+{
+    return s ? dp_xstrdup(s) : NULL;
+}
+
+void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
+{
+    memset(dst, 0, sizeof(*dst));
+    for (int f = 0; f < ATTEST_F__COUNT; f++) {
+        *slot(dst, (attest_field_t)f) = dup_or_null(attest_report_get(src, (attest_field_t)f));
+        dst->unattested_note[f] = dup_or_null(src->unattested_note[f]);
+    }
+    dst->nonce = dup_or_null(src->nonce);
+    dst->issued_at = dup_or_null(src->issued_at);
+    dst->is_signed = src->is_signed;
+    memcpy(dst->keyid, src->keyid, sizeof(dst->keyid));
+    memcpy(dst->source, src->source, sizeof(dst->source));
+}
+
+/* ---- payload ------------------------------------------------------------------------------ */
+
+void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", r->model);
+    dp_jw_str(&w, "checkpoint_sha256", r->checkpoint_sha256);
+    dp_jw_str(&w, "quantization", r->quantization);
+    dp_jw_str(&w, "dtype", r->dtype);
+    dp_jw_obj_begin(&w, "framework");
+    dp_jw_str(&w, "name", r->framework_name);
+    dp_jw_str(&w, "version", r->framework_version);
+    dp_jw_obj_end(&w);
+    dp_jw_str(&w, "nonce", r->nonce);
+    dp_jw_str(&w, "issued_at", r->issued_at);
+    dp_jw_obj_end(&w);
+}
+
+/* Optional string member: string -> copy, null/absent -> NULL, anything else -> error. */
+static int opt_string(const cJSON *obj, const char *key, const char *path, char **out,
+                      dp_buf_t *why)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (v == NULL || cJSON_IsNull(v))
+        return 0;
+    if (!cJSON_IsString(v) || v->valuestring == NULL) {
+        if (why)
+            dp_buf_printf(why, "%s: expected a string", path);
+        return -1;
+    }
+    *out = dp_xstrdup(v->valuestring);
+    return 0;
+}
+
+int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_buf_t *why)
+{
+    int rc = -1;
+    attest_report_clear(out);
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (root == NULL) {
+        if (why)
+            dp_buf_appends(why, "payload: not valid JSON");
+        goto out;
+    }
+    if (!cJSON_IsObject(root)) {
+        if (why)
+            dp_buf_appends(why, "payload: expected a JSON object");
+        goto out;
+    }
+    if (opt_string(root, "model", "payload.model", &out->model, why) != 0 ||
+        opt_string(root, "checkpoint_sha256", "payload.checkpoint_sha256", &out->checkpoint_sha256,
+                   why) != 0 ||
+        opt_string(root, "quantization", "payload.quantization", &out->quantization, why) != 0 ||
+        opt_string(root, "dtype", "payload.dtype", &out->dtype, why) != 0)
+        goto out;
+    const cJSON *fw = cJSON_GetObjectItemCaseSensitive(root, "framework");
+    if (fw != NULL && !cJSON_IsNull(fw)) {
+        if (!cJSON_IsObject(fw)) {
+            if (why)
+                dp_buf_appends(why, "payload.framework: expected an object");
+            goto out;
+        }
+        if (opt_string(fw, "name", "payload.framework.name", &out->framework_name, why) != 0 ||
+            opt_string(fw, "version", "payload.framework.version", &out->framework_version, why) !=
+                0)
+            goto out;
+    }
+    if (out->checkpoint_sha256 && !dp_is_lower_hex(out->checkpoint_sha256, 64)) {
+        if (why)
+            dp_buf_appends(why, "payload.checkpoint_sha256: expected 64 lowercase hex");
+        goto out;
+    }
+    /* nonce and issued_at are what make a payload fresh: they are required. */
+    if (opt_string(root, "nonce", "payload.nonce", &out->nonce, why) != 0 ||
+        opt_string(root, "issued_at", "payload.issued_at", &out->issued_at, why) != 0)
+        goto out;
+    if (out->nonce == NULL) {
+        if (why)
+            dp_buf_appends(why, "payload.nonce: missing");
+        goto out;
+    }
+    if (out->issued_at == NULL) {
+        if (why)
+            dp_buf_appends(why, "payload.issued_at: missing");
+        goto out;
+    }
+    snprintf(out->source, sizeof(out->source), "agent");
+    rc = 0;
+out:
+    cJSON_Delete(root);
+    if (rc != 0)
+        attest_report_clear(out);
+    return rc;
+}
+
+void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *key)
+{
+    dp_jw_obj_begin(w, key);
+    dp_jw_str(w, "model", r->model);
+    dp_jw_str(w, "checkpoint_sha256", r->checkpoint_sha256);
+    dp_jw_str(w, "quantization", r->quantization);
+    dp_jw_str(w, "dtype", r->dtype);
+    dp_jw_obj_begin(w, "framework");
+    dp_jw_str(w, "name", r->framework_name);
+    dp_jw_str(w, "version", r->framework_version);
+    dp_jw_obj_end(w);
+    dp_jw_str(w, "nonce", r->nonce);
+    dp_jw_str(w, "issued_at", r->issued_at);
+    dp_jw_bool(w, "signed", r->is_signed);
+    if (r->keyid[0])
+        dp_jw_str(w, "keyid", r->keyid);
+    else
+        dp_jw_null(w, "keyid");
+    dp_jw_str(w, "source", r->source);
+    dp_jw_obj_begin(w, "unattested");
+    for (int f = 0; f < ATTEST_F__COUNT; f++)
+        if (attest_report_get(r, (attest_field_t)f) == NULL)
+            dp_jw_str(w, attest_field_names[f],
+                      r->unattested_note[f] ? r->unattested_note[f] : "not reported");
+    dp_jw_obj_end(w);
+    dp_jw_obj_end(w);
+}
+
+/* ---- reasons ------------------------------------------------------------------------------ */
+
+void attest_reasons_add(attest_reasons_t *r, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    char *s = dp_xmalloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(s, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    r->items = dp_xrealloc(r->items, (r->count + 1) * sizeof(*r->items));
+    r->items[r->count++] = s;
+}
+
+void attest_reasons_free(attest_reasons_t *r)
+{
+    for (size_t i = 0; i < r->count; i++)
+        free(r->items[i]);
+    free(r->items);
+    r->items = NULL;
+    r->count = 0;
+}
+
+void attest_reasons_join(const attest_reasons_t *r, const char *sep, dp_buf_t *out)
+{
+    for (size_t i = 0; i < r->count; i++) {
+        if (i)
+            dp_buf_appends(out, sep);
+        dp_buf_appends(out, r->items[i]);
+    }
+}
+
+void attest_abbrev(const char *v, dp_buf_t *out)
+{
+    if (v == NULL) {
+        dp_buf_appends(out, "(none)");
+        return;
+    }
+    size_t n = strlen(v);
+    if (n == 64 && dp_is_lower_hex(v, 64)) {
+        dp_buf_append(out, v, 8);
+        dp_buf_appends(out, "..");
+        return;
+    }
+    size_t keep = n > 64 ? 61 : n;
+    for (size_t i = 0; i < keep; i++) {
+        unsigned char c = (unsigned char)v[i];
+        dp_buf_appendc(out, c < 0x20 || c == 0x7f ? '?' : (char)c);
+    }
+    if (n > 64)
+        dp_buf_appends(out, "...");
+}

@@ -1,0 +1,95 @@
+/* What a replica says it is: the attestation report, its payload JSON (SPEC §5), and the list of
+ * human-readable reasons that every attestation decision carries.
+ *
+ * A report comes from one of two places: the payload of a verified DSSE envelope (source
+ * "agent", see dsse.h) or a native adapter reading a framework's own metadata (source "vllm",
+ * "tgi", ..., see adapters.h). A field the source does not report is NULL, optionally with a
+ * note saying why, so a manifest that pins it can fail closed with a useful reason. */
+#ifndef ATTEST_REPORT_H
+#define ATTEST_REPORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/buf.h"
+#include "common/jw.h"
+
+/* The identity fields a manifest can pin, in SPEC §4 order. */
+typedef enum {
+    ATTEST_F_MODEL = 0,
+    ATTEST_F_CHECKPOINT,
+    ATTEST_F_QUANTIZATION,
+    ATTEST_F_DTYPE,
+    ATTEST_F_FRAMEWORK_NAME,
+    ATTEST_F_FRAMEWORK_VERSION,
+    ATTEST_F__COUNT
+} attest_field_t;
+
+/* "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version" */
+extern const char *const attest_field_names[ATTEST_F__COUNT];
+
+/* Owned strings throughout; zero-initialise, release with attest_report_clear. */
+typedef struct {
+    char *model;
+    char *checkpoint_sha256; /* 64 lowercase hex when present */
+    char *quantization;
+    char *dtype;
+    char *framework_name;
+    char *framework_version;
+    /* Why a NULL field above is not reported, e.g. "vllm adapter does not report it". NULL:
+     * the default wording for the source is used. Indexed by attest_field_t. */
+    char *unattested_note[ATTEST_F__COUNT];
+    char *nonce;     /* agent only: echoed from the request */
+    char *issued_at; /* agent only: RFC 3339 UTC, "2026-11-29T17:30:46.123Z" */
+    bool is_signed;  /* a trusted signature verified over this payload */
+    char keyid[65];  /* hex SHA-256 of the signer's SubjectPublicKeyInfo DER; "" when unsigned */
+    char source[16]; /* "agent", "vllm", "tgi", "sglang", "llamacpp" */
+} attest_report_t;
+
+void attest_report_clear(attest_report_t *r);
+/* Deep copy; dst must be empty (zeroed or cleared). */
+void attest_report_copy(attest_report_t *dst, const attest_report_t *src);
+/* The value of field f, or NULL when not reported. */
+const char *attest_report_get(const attest_report_t *r, attest_field_t f);
+/* Replace field f with a copy of v (NULL clears it). */
+void attest_report_set(attest_report_t *r, attest_field_t f, const char *v);
+/* Mark field f unattested with a note (the value, if any, is cleared). */
+void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const char *note);
+
+/* The payload JSON an agent signs:
+ * {"model","checkpoint_sha256","quantization","dtype","framework":{"name","version"},
+ *  "nonce","issued_at"}. Unreported fields are written as null. Appends to out. */
+void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
+
+/* Parse a payload into *out (cleared first; source set to "agent", is_signed false).
+ * Strict about types, lenient about extra keys (a newer agent may add fields): the root must be
+ * an object; the six identity fields may each be a string, null or absent (= not reported);
+ * checkpoint_sha256 must be 64 lowercase hex; nonce and issued_at must be strings.
+ * Returns 0, or -1 with a reason such as "payload.dtype: expected a string" appended to *why. */
+int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_buf_t *why);
+
+/* Write the report as a JSON object (for /admin/replicas and `attest verify --json`):
+ * {model, checkpoint_sha256, quantization, dtype, framework{name,version}, nonce, issued_at,
+ *  signed, keyid, source, unattested{field: note}}. key is the member name or NULL. */
+void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *key);
+
+/* ---- reasons --------------------------------------------------------------------------------
+ * Every decision (admit, reject, verify failure) carries reasons a human can act on. They end up
+ * in logs and /admin/replicas, so values from a replica are sanitised (control characters
+ * replaced, long values cut) before they are put in one. */
+typedef struct {
+    char **items;
+    size_t count;
+} attest_reasons_t;
+
+void attest_reasons_add(attest_reasons_t *r, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void attest_reasons_free(attest_reasons_t *r);
+/* "a; b; c" into out (appended). */
+void attest_reasons_join(const attest_reasons_t *r, const char *sep, dp_buf_t *out);
+
+/* Append a value for a reason: 64-hex digests as the first 8 hex + "..", anything longer than
+ * 64 bytes cut to 61 + "...", control characters as '?', NULL as "(none)". */
+void attest_abbrev(const char *v, dp_buf_t *out);
+
+#endif

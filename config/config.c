@@ -1,0 +1,473 @@
+/* Loading a config (SPEC §3, §13): the top-level sections, then the checks that span sections
+ * (tenant -> pool, audit -> audit_path, admin exposure, signatures). Pools are in pool.c, the
+ * manifest and policy documents in manifest.c and policy.c. */
+#include "config/cfg_internal.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+static const char *const top_keys[] = {"listen", "admin_listen",     "limits", "attestation",
+                                       "pools",  "policy",           "shadow", "log",
+                                       "tls",    "admin_token_file", NULL};
+static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
+                                               "trusted_keys", NULL};
+static const char *const shadow_keys[] = {
+    "rate", "self_rate", "max_inflight", "max_output_bytes", "quarantine", NULL};
+static const char *const log_keys[] = {"level", "audit_path", NULL};
+static const char *const tls_keys[] = {"cert_file", "key_file", "client_ca_file", NULL};
+static const char *const level_names[] = {"debug", "info", "warn", "error"};
+
+/* limits: every one an unsigned integer with a default and a range. */
+typedef struct {
+    const char *key;
+    size_t off;
+    bool wide; /* uint64_t, else uint32_t */
+    uint64_t def, lo, hi;
+} limit_field_t;
+
+/* clang-format off */
+#define LIMIT(k, d, l, h) {#k, offsetof(cfg_limits_t, k), sizeof(((cfg_limits_t *)0)->k) == 8, d, l, h}
+/* clang-format on */
+
+static const limit_field_t limit_fields[] = {
+    LIMIT(max_header_bytes, 32768, 1, 1u << 20),
+    LIMIT(max_body_bytes, 8388608, 1, 1u << 30),
+    LIMIT(max_connections, 10000, 1, 1000000),
+    LIMIT(max_headers, 100, 1, 10000),
+    LIMIT(client_header_timeout_ms, 10000, 1, CFG_MS_MAX),
+    LIMIT(client_idle_timeout_ms, 60000, 1, CFG_MS_MAX),
+    LIMIT(upstream_connect_timeout_ms, 2000, 1, CFG_MS_MAX),
+    LIMIT(upstream_first_byte_timeout_ms, 600000, 1, CFG_MS_MAX),
+    LIMIT(upstream_idle_timeout_ms, 60000, 1, CFG_MS_MAX),
+};
+
+static void set_limit(cfg_limits_t *l, const limit_field_t *f, uint64_t v)
+{
+    char *p = (char *)l + f->off;
+    if (f->wide)
+        *(uint64_t *)(void *)p = v;
+    else
+        *(uint32_t *)(void *)p = (uint32_t)v;
+}
+
+static void set_defaults(cfg_t *cfg)
+{
+    const char *why;
+    cfg_parse_addr("127.0.0.1:8080", &cfg->listen, &why);
+    cfg_parse_addr("127.0.0.1:9901", &cfg->admin_listen, &why);
+    for (size_t i = 0; i < DP_ARRAY_SIZE(limit_fields); i++)
+        set_limit(&cfg->limits, &limit_fields[i], limit_fields[i].def);
+    cfg->attestation.interval_ms = 10000;
+    cfg->attestation.timeout_ms = 2000;
+    cfg->attestation.require_signature = false;
+    cfg->shadow.max_inflight = 4;
+    cfg->shadow.max_output_bytes = 1048576;
+    cfg->log.level = DP_LOG_INFO;
+}
+
+/* ---- sections -------------------------------------------------------------------------- */
+
+static void parse_addr_key(cfg_ctx_t *c, const cJSON *doc, const char *key, cfg_addr_t *out)
+{
+    char *s = NULL;
+    if (!cfg_get_str(c, doc, key, false, &s))
+        return;
+    cfg_addr_t a;
+    const char *why = NULL;
+    if (cfg_parse_addr(s, &a, &why) == 0) {
+        free(out->host);
+        *out = a;
+    } else {
+        cfg_err(c, key, "%s", why);
+    }
+    free(s);
+}
+
+static void parse_limits(cfg_ctx_t *c, const cJSON *doc, cfg_limits_t *l)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "limits", false);
+    if (o == NULL)
+        return;
+    const char *keys[DP_ARRAY_SIZE(limit_fields) + 1];
+    for (size_t i = 0; i < DP_ARRAY_SIZE(limit_fields); i++)
+        keys[i] = limit_fields[i].key;
+    keys[DP_ARRAY_SIZE(limit_fields)] = NULL;
+    size_t mark = cfg_path_key(c, "limits");
+    cfg_check_keys(c, o, keys);
+    for (size_t i = 0; i < DP_ARRAY_SIZE(limit_fields); i++) {
+        const limit_field_t *f = &limit_fields[i];
+        uint64_t v;
+        if (cfg_get_uint(c, o, f->key, f->lo, f->hi, &v))
+            set_limit(l, f, v);
+    }
+    cfg_path_pop(c, mark);
+}
+
+static void parse_trusted_keys(cfg_ctx_t *c, const cJSON *o, cfg_attestation_t *a)
+{
+    char **rel = NULL;
+    size_t n = 0;
+    if (!cfg_get_str_array(c, o, "trusted_keys", false, true, &rel, &n))
+        return;
+    a->trusted_keys = dp_xcalloc(n + 1, sizeof(*a->trusted_keys));
+    a->ntrusted_keys = n;
+    size_t mark = cfg_path_key(c, "trusted_keys");
+    for (size_t i = 0; i < n; i++) {
+        a->trusted_keys[i] = cfg_resolve(c->dir, rel[i]);
+        size_t m = cfg_path_index(c, i);
+        cfg_check_ed25519_pubkey(c, NULL, a->trusted_keys[i]);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+    cfg_str_array_free(rel, n);
+}
+
+static void parse_attestation(cfg_ctx_t *c, const cJSON *doc, cfg_attestation_t *a)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "attestation", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "attestation");
+    cfg_check_keys(c, o, attestation_keys);
+    cfg_get_u32(c, o, "interval_ms", 100, CFG_MS_MAX, &a->interval_ms);
+    cfg_get_u32(c, o, "timeout_ms", 1, CFG_MS_MAX, &a->timeout_ms);
+    cfg_get_bool(c, o, "require_signature", &a->require_signature);
+    parse_trusted_keys(c, o, a);
+    if (a->require_signature && a->ntrusted_keys == 0 && cfg_get(o, "trusted_keys") == NULL)
+        cfg_err(c, "trusted_keys", "required when require_signature is true");
+    else if (a->require_signature && a->ntrusted_keys == 0)
+        cfg_err(c, "trusted_keys", "must not be empty when require_signature is true");
+    cfg_path_pop(c, mark);
+}
+
+static void parse_shadow(cfg_ctx_t *c, const cJSON *doc, cfg_shadow_t *s)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "shadow", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "shadow");
+    cfg_check_keys(c, o, shadow_keys);
+    cfg_get_num(c, o, "rate", 0, 1, &s->rate);
+    cfg_get_num(c, o, "self_rate", 0, 1, &s->self_rate);
+    cfg_get_u32(c, o, "max_inflight", 1, 10000, &s->max_inflight);
+    cfg_get_uint(c, o, "max_output_bytes", 1, 1u << 30, &s->max_output_bytes);
+    cfg_get_bool(c, o, "quarantine", &s->quarantine);
+    cfg_path_pop(c, mark);
+}
+
+/* The audit file is opened for append at start: it may not exist yet, but its folder must, and
+ * one of the two must be writable. */
+static void check_audit_path(cfg_ctx_t *c, const char *path)
+{
+    struct stat st;
+    if (stat(path, &st) == 0) {
+        if (!S_ISREG(st.st_mode))
+            cfg_err(c, "audit_path", "%s is not a regular file", path);
+        else if (access(path, W_OK) != 0)
+            cfg_err(c, "audit_path", "%s is not writable: %s", path, strerror(errno));
+        return;
+    }
+    if (errno != ENOENT) {
+        cfg_err(c, "audit_path", "cannot use %s: %s", path, strerror(errno));
+        return;
+    }
+    const char *slash = strrchr(path, '/');
+    char *dir = slash == NULL ? dp_xstrdup(".")
+                              : dp_xstrndup(path, slash == path ? 1 : (size_t)(slash - path));
+    if (access(dir, W_OK) != 0)
+        cfg_err(c, "audit_path", "cannot create %s: %s: %s", path, dir, strerror(errno));
+    free(dir);
+}
+
+static void parse_log(cfg_ctx_t *c, const cJSON *doc, cfg_log_t *l)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "log", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "log");
+    cfg_check_keys(c, o, log_keys);
+    cfg_get_enum(c, o, "level", level_names, DP_ARRAY_SIZE(level_names), &l->level);
+    if (cfg_get_path(c, o, "audit_path", false, &l->audit_path))
+        check_audit_path(c, l->audit_path);
+    cfg_path_pop(c, mark);
+}
+
+static void parse_tls(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "tls", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "tls");
+    cfg_tls_t *t = dp_xcalloc(1, sizeof(*t));
+    cfg->tls = t;
+    cfg_check_keys(c, o, tls_keys);
+    bool cert = cfg_get_path(c, o, "cert_file", true, &t->cert_file);
+    bool key = cfg_get_path(c, o, "key_file", true, &t->key_file);
+    if (cert && key)
+        cfg_check_key_pair(c, "cert_file", t->cert_file, "key_file", t->key_file);
+    if (cfg_get_path(c, o, "client_ca_file", false, &t->client_ca_file))
+        cfg_check_cert_file(c, "client_ca_file", t->client_ca_file);
+    cfg_path_pop(c, mark);
+}
+
+/* Returns the policy file name as the config gives it (NULL when inline or absent): later
+ * checks on tenants name it too. It points into doc. */
+static const char *parse_policy(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
+{
+    const cJSON *v = cfg_get(doc, "policy");
+    if (v == NULL) {
+        cfg->policy = cfg_policy_default();
+        return NULL;
+    }
+    const char *file = NULL;
+    size_t mark = cfg_path_key(c, "policy");
+    if (cJSON_IsString(v)) {
+        file = v->valuestring;
+        cJSON *pdoc = cfg_read_referenced(c, file);
+        cfg->policy = pdoc != NULL ? cfg_policy_from_json(c, pdoc) : NULL;
+        cJSON_Delete(pdoc);
+        c->file = NULL;
+    } else if (cJSON_IsObject(v)) {
+        cfg->policy = cfg_policy_from_json(c, v);
+    } else {
+        cfg_err(c, NULL, "expected a file path or an object");
+    }
+    cfg_path_pop(c, mark);
+    return file;
+}
+
+/* ---- checks across sections ------------------------------------------------------------ */
+
+static bool is_wildcard(const char *host)
+{
+    return strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
+}
+
+static void check_listeners(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    const cfg_addr_t *l = &cfg->listen, *a = &cfg->admin_listen;
+    if (!cfg_addr_is_loopback(a->host) && cfg->admin_token_file == NULL)
+        cfg_err(c, "admin_listen",
+                "not a loopback address: set admin_token_file to expose the admin endpoints");
+    bool overlap = strcmp(l->host, a->host) == 0 || is_wildcard(l->host) || is_wildcard(a->host);
+    if (l->port != 0 && l->port == a->port && overlap)
+        cfg_err(c, "admin_listen", "overlaps listen (same port)");
+}
+
+static void check_tenants(cfg_ctx_t *c, const cfg_t *cfg, const char *policy_file)
+{
+    if (cfg->policy == NULL)
+        return;
+    c->file = policy_file;
+    size_t mark = cfg_path_key(c, "policy");
+    cfg_path_key(c, "tenants");
+    for (size_t i = 0; i < cfg->policy->ntenants; i++) {
+        const cfg_tenant_t *t = &cfg->policy->tenants[i];
+        size_t m = cfg_path_index(c, i);
+        if (t->pool != NULL && cfg_pool_by_name(cfg, t->pool) == NULL)
+            cfg_err(c, "pool", "no pool is named \"%s\"", t->pool);
+        if (t->audit && cfg->log.audit_path == NULL)
+            cfg_err(c, "audit", "requires log.audit_path");
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+    c->file = NULL;
+}
+
+/* Sources that can never pass: a native adapter (unsigned) under require_signature, and an
+ * agent (always signed) with no key to trust. Warnings, as the replica merely stays rejected. */
+static void check_source(cfg_ctx_t *c, const cfg_attestation_t *a, cfg_attest_source_t s,
+                         bool *agent_seen)
+{
+    if (a->require_signature && s >= CFG_ATTEST_VLLM)
+        cfg_warn(c, "attest",
+                 "the %s adapter is unsigned and attestation.require_signature is true: "
+                 "never admitted",
+                 cfg_attest_source_names[s]);
+    /* With require_signature, an empty trusted_keys is already an error. */
+    if (s == CFG_ATTEST_AGENT && a->ntrusted_keys == 0 && !a->require_signature && !*agent_seen) {
+        *agent_seen = true;
+        cfg_warn(c, "attest",
+                 "the agent signs its attestations but attestation.trusted_keys is empty: "
+                 "every one will be rejected as untrusted");
+    }
+}
+
+static void check_signatures(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    bool agent_seen = false;
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        size_t m = cfg_path_index(c, i);
+        if (p->discovery != NULL) {
+            size_t d = cfg_path_key(c, "discovery");
+            check_source(c, &cfg->attestation, p->discovery->attest_source, &agent_seen);
+            cfg_path_pop(c, d);
+        }
+        size_t r = cfg_path_key(c, "replicas");
+        for (size_t j = 0; j < p->nreplicas; j++) {
+            size_t k = cfg_path_index(c, j);
+            check_source(c, &cfg->attestation, p->replicas[j].attest.source, &agent_seen);
+            cfg_path_pop(c, k);
+        }
+        cfg_path_pop(c, r);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
+/* ---- loading --------------------------------------------------------------------------- */
+
+static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
+{
+    cfg_check_keys(c, doc, top_keys);
+    parse_addr_key(c, doc, "listen", &cfg->listen);
+    parse_addr_key(c, doc, "admin_listen", &cfg->admin_listen);
+    parse_limits(c, doc, &cfg->limits);
+    parse_attestation(c, doc, &cfg->attestation);
+    parse_shadow(c, doc, &cfg->shadow);
+    parse_log(c, doc, &cfg->log);
+    parse_tls(c, doc, cfg);
+    if (cfg_get_path(c, doc, "admin_token_file", false, &cfg->admin_token_file))
+        cfg->admin_token = cfg_read_secret(c, "admin_token_file", cfg->admin_token_file);
+    cfg_parse_pools(c, doc, cfg);
+    const char *policy_file = parse_policy(c, doc, cfg);
+    check_listeners(c, cfg);
+    check_tenants(c, cfg, policy_file);
+    check_signatures(c, cfg);
+}
+
+/* Takes ownership of path (NULL for a string config). */
+static int load(const char *json, size_t len, const char *dir, char *path, cfg_t **out,
+                cfg_errors_t *errs)
+{
+    cfg_t *cfg = dp_xcalloc(1, sizeof(*cfg));
+    cfg->path = path;
+    cfg->dir = dp_xstrdup(dir);
+    set_defaults(cfg);
+    cfg_ctx_t c;
+    cfg_ctx_init(&c, errs, NULL, "config", cfg->dir);
+    cJSON *doc = cfg_parse_json(&c, json, len);
+    if (doc != NULL && !cJSON_IsObject(doc))
+        cfg_err(&c, NULL, "expected a JSON object");
+    else if (doc != NULL)
+        parse_config(&c, doc, cfg);
+    cJSON_Delete(doc);
+    if (c.nerrors > 0) {
+        cfg_free(cfg);
+        cfg = NULL;
+    }
+    cfg_ctx_free(&c);
+    *out = cfg;
+    return cfg != NULL ? 0 : -1;
+}
+
+/* An absolute path for the file, and its folder, without resolving symlinks: a Kubernetes
+ * ConfigMap mount swaps a symlinked folder on update, and a reload must follow it. */
+static char *absolute(const char *path)
+{
+    if (path[0] == '/')
+        return dp_xstrdup(path);
+    char cwd[PATH_MAX];
+    if (getcwd(cwd, sizeof(cwd)) == NULL)
+        return NULL;
+    return cfg_resolve(cwd, path);
+}
+
+int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs)
+{
+    cfg_errors_t local = {0};
+    cfg_ctx_t c;
+    cfg_ctx_init(&c, errs != NULL ? errs : &local, NULL, "config", NULL);
+    dp_buf_t text = {0};
+    char *abs = NULL, *dir = NULL;
+    int rc = -1;
+    *out = NULL;
+    if (!cfg_read_file(&c, NULL, path, CFG_DOC_MAX, &text))
+        goto done;
+    abs = absolute(path);
+    if (abs == NULL) {
+        cfg_err(&c, NULL, "cannot resolve %s: %s", path, strerror(errno));
+        goto done;
+    }
+    char *slash = strrchr(abs, '/');
+    dir = dp_xstrndup(abs, slash == abs ? 1 : (size_t)(slash - abs));
+    rc = load(text.base, text.len, dir, abs, out, c.errs);
+    abs = NULL; /* owned by the config, or freed with it */
+done:
+    free(dir);
+    free(abs);
+    dp_buf_free(&text);
+    cfg_ctx_free(&c);
+    cfg_errors_free(&local);
+    return rc;
+}
+
+int cfg_load_string(const char *json, size_t len, const char *dir, cfg_t **out, cfg_errors_t *errs)
+{
+    cfg_errors_t local = {0};
+    char cwd[PATH_MAX];
+    if (dir == NULL)
+        dir = getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".";
+    int rc = load(json, len, dir, NULL, out, errs != NULL ? errs : &local);
+    cfg_errors_free(&local);
+    return rc;
+}
+
+void cfg_free(cfg_t *cfg)
+{
+    if (cfg == NULL)
+        return;
+    free(cfg->path);
+    free(cfg->dir);
+    free(cfg->listen.host);
+    free(cfg->admin_listen.host);
+    cfg_str_array_free(cfg->attestation.trusted_keys, cfg->attestation.ntrusted_keys);
+    for (size_t i = 0; i < cfg->npools; i++)
+        cfg_pool_free(&cfg->pools[i]);
+    free(cfg->pools);
+    cfg_policy_free(cfg->policy);
+    free(cfg->log.audit_path);
+    if (cfg->tls != NULL) {
+        free(cfg->tls->cert_file);
+        free(cfg->tls->key_file);
+        free(cfg->tls->client_ca_file);
+    }
+    free(cfg->tls);
+    free(cfg->admin_token_file);
+    cfg_secret_free(cfg->admin_token);
+    free(cfg);
+}
+
+/* ---- look-ups -------------------------------------------------------------------------- */
+
+const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name)
+{
+    for (size_t i = 0; i < cfg->npools; i++)
+        if (cfg->pools[i].name != NULL && strcmp(cfg->pools[i].name, name) == 0)
+            return &cfg->pools[i];
+    return NULL;
+}
+
+/* O(pools x models): a handful of each, and it runs once per request. */
+const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len)
+{
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        for (size_t j = 0; j < p->nmodels; j++) {
+            const char *m = p->models[j];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return p;
+        }
+    }
+    return NULL;
+}

@@ -1,0 +1,172 @@
+/* Files a config names: secrets, certificates, keys. They are checked at load so `detproxy check`
+ * and a reload catch a missing or wrong file before the proxy needs it.
+ *
+ * Secrets: contents never reach a message (only the file's path does), and the buffers holding
+ * them are wiped before they are freed. */
+#include "config/cfg_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include "common/util.h"
+
+#define SECRET_MAX 4096
+#define PEM_MAX (1024 * 1024)
+
+bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out)
+{
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        cfg_err(c, key, "cannot read %s: %s", path, strerror(errno));
+        return false;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        cfg_err(c, key, "%s is not a regular file", path);
+        return false;
+    }
+    int rc = dp_read_file(path, max, out);
+    if (rc == -EFBIG)
+        cfg_err(c, key, "%s is larger than %zu bytes", path, max);
+    else if (rc != 0)
+        cfg_err(c, key, "cannot read %s: %s", path, strerror(-rc));
+    return rc == 0;
+}
+
+static void wipe(dp_buf_t *b)
+{
+    if (b->base != NULL)
+        OPENSSL_cleanse(b->base, b->cap);
+    dp_buf_free(b);
+}
+
+void cfg_check_secret_mode(cfg_ctx_t *c, const char *key, const char *path)
+{
+    struct stat st;
+    if (stat(path, &st) == 0 && (st.st_mode & 077) != 0)
+        cfg_warn(c, key, "%s is accessible by group or others (mode %04o): chmod 600 it", path,
+                 (unsigned)(st.st_mode & 07777));
+}
+
+char *cfg_read_secret(cfg_ctx_t *c, const char *key, const char *path)
+{
+    dp_buf_t b = {0};
+    char *secret = NULL;
+    if (!cfg_read_file(c, key, path, SECRET_MAX, &b))
+        goto out;
+    cfg_check_secret_mode(c, key, path);
+    while (b.len > 0 && strchr(" \t\r\n", b.base[b.len - 1]) != NULL)
+        b.base[--b.len] = '\0';
+    if (b.len == 0) {
+        cfg_err(c, key, "%s is empty", path);
+        goto out;
+    }
+    /* It goes into an HTTP header: a stray newline would split the request. */
+    for (size_t i = 0; i < b.len; i++) {
+        unsigned char ch = (unsigned char)b.base[i];
+        if (ch < 0x20 || ch == 0x7f) {
+            cfg_err(c, key, "%s contains control characters (it is sent in an HTTP header)", path);
+            goto out;
+        }
+    }
+    secret = dp_xstrndup(b.base, b.len);
+out:
+    wipe(&b);
+    return secret;
+}
+
+/* ---- PEM ------------------------------------------------------------------------------- */
+
+/* Never prompt on the terminal for a passphrase: an encrypted key is simply unreadable. */
+static int no_passphrase_cb(char *buf, int size, int rwflag, void *u)
+{
+    return 0;
+}
+
+static X509 *load_cert(cfg_ctx_t *c, const char *key, const char *path)
+{
+    dp_buf_t b = {0};
+    X509 *x = NULL;
+    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
+        goto out;
+    BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
+    x = bio != NULL ? PEM_read_bio_X509(bio, NULL, no_passphrase_cb, NULL) : NULL;
+    BIO_free(bio);
+    if (x == NULL)
+        cfg_err(c, key, "%s has no PEM certificate", path);
+out:
+    ERR_clear_error();
+    dp_buf_free(&b);
+    return x;
+}
+
+static EVP_PKEY *load_private_key(cfg_ctx_t *c, const char *key, const char *path)
+{
+    dp_buf_t b = {0};
+    EVP_PKEY *pk = NULL;
+    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
+        goto out;
+    cfg_check_secret_mode(c, key, path);
+    BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
+    pk = bio != NULL ? PEM_read_bio_PrivateKey(bio, NULL, no_passphrase_cb, NULL) : NULL;
+    BIO_free(bio);
+    if (pk == NULL)
+        cfg_err(c, key, "%s is not an unencrypted PEM private key", path);
+out:
+    ERR_clear_error();
+    wipe(&b);
+    return pk;
+}
+
+bool cfg_check_cert_file(cfg_ctx_t *c, const char *key, const char *path)
+{
+    X509 *x = load_cert(c, key, path);
+    X509_free(x);
+    return x != NULL;
+}
+
+bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_path,
+                        const char *key_key, const char *key_path)
+{
+    X509 *x = load_cert(c, cert_key, cert_path);
+    EVP_PKEY *pk = load_private_key(c, key_key, key_path);
+    bool ok = x != NULL && pk != NULL;
+    if (ok && X509_check_private_key(x, pk) != 1) {
+        cfg_err(c, key_key, "%s does not match the certificate in %s", key_path, cert_path);
+        ok = false;
+    }
+    ERR_clear_error();
+    EVP_PKEY_free(pk);
+    X509_free(x);
+    return ok;
+}
+
+bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path)
+{
+    dp_buf_t b = {0};
+    EVP_PKEY *pk = NULL;
+    bool ok = false;
+    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
+        goto out;
+    BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
+    pk = bio != NULL ? PEM_read_bio_PUBKEY(bio, NULL, no_passphrase_cb, NULL) : NULL;
+    BIO_free(bio);
+    if (pk == NULL)
+        cfg_err(c, key, "%s is not a PEM public key", path);
+    else if (EVP_PKEY_id(pk) != EVP_PKEY_ED25519)
+        cfg_err(c, key, "%s is not an Ed25519 public key", path);
+    else
+        ok = true;
+out:
+    ERR_clear_error();
+    EVP_PKEY_free(pk);
+    dp_buf_free(&b);
+    return ok;
+}

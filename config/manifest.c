@@ -1,0 +1,143 @@
+/* Manifests (SPEC §4): the identity a pool pins, and its fingerprint. */
+#include "config/cfg_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+static const char *const manifest_keys[] = {
+    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "canary", NULL};
+static const char *const framework_keys[] = {"name", "version", NULL};
+static const char *const canary_keys[] = {"prompt", "max_tokens", "expected_sha256", NULL};
+
+#define CANARY_MAX_TOKENS_DEFAULT 16
+#define CANARY_MAX_TOKENS_MAX 4096
+
+/* A string that must be 64 lowercase hex digits (as sha256sum prints). */
+static void get_sha256(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
+{
+    char *v = NULL;
+    if (!cfg_get_str(c, obj, key, required, &v))
+        return;
+    if (dp_is_lower_hex(v, 64)) {
+        *out = v;
+        return;
+    }
+    cfg_err(c, key, "must be 64 lowercase hex digits (a SHA-256 as sha256sum prints it)");
+    free(v);
+}
+
+static void parse_framework(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
+{
+    const cJSON *fw = cfg_get_obj(c, obj, "framework", false);
+    if (fw == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "framework");
+    cfg_check_keys(c, fw, framework_keys);
+    cfg_get_str(c, fw, "name", false, &m->framework_name);
+    cfg_get_str(c, fw, "version", false, &m->framework_version);
+    cfg_path_pop(c, mark);
+}
+
+static void parse_canary(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
+{
+    const cJSON *cn = cfg_get_obj(c, obj, "canary", false);
+    if (cn == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "canary");
+    cfg_canary_t *k = dp_xcalloc(1, sizeof(*k));
+    m->canary = k;
+    k->max_tokens = CANARY_MAX_TOKENS_DEFAULT;
+    cfg_check_keys(c, cn, canary_keys);
+    cfg_get_text(c, cn, "prompt", true, &k->prompt);
+    cfg_get_u32(c, cn, "max_tokens", 1, CANARY_MAX_TOKENS_MAX, &k->max_tokens);
+    get_sha256(c, cn, "expected_sha256", true, &k->expected_sha256);
+    cfg_path_pop(c, mark);
+}
+
+cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
+{
+    if (!cJSON_IsObject(node)) {
+        cfg_err(c, NULL, "expected an object");
+        return NULL;
+    }
+    cfg_manifest_t *m = dp_xcalloc(1, sizeof(*m));
+    cfg_check_keys(c, node, manifest_keys);
+    cfg_get_str(c, node, "model", false, &m->model);
+    get_sha256(c, node, "checkpoint_sha256", false, &m->checkpoint_sha256);
+    cfg_get_str(c, node, "quantization", false, &m->quantization);
+    cfg_get_str(c, node, "dtype", false, &m->dtype);
+    parse_framework(c, node, m);
+    parse_canary(c, node, m);
+    cfg_manifest_fingerprint(m, m->fingerprint);
+    return m;
+}
+
+cfg_manifest_t *cfg_manifest_parse(const char *json, size_t len, const char *path,
+                                   cfg_errors_t *errs)
+{
+    cfg_errors_t local = {0};
+    cfg_ctx_t c;
+    cfg_ctx_init(&c, errs != NULL ? errs : &local, path, "manifest", NULL);
+    cJSON *doc = cfg_parse_json(&c, json, len);
+    cfg_manifest_t *m = doc != NULL ? cfg_manifest_from_json(&c, doc) : NULL;
+    if (c.nerrors > 0) {
+        cfg_manifest_free(m);
+        m = NULL;
+    }
+    cJSON_Delete(doc);
+    cfg_ctx_free(&c);
+    cfg_errors_free(&local);
+    return m;
+}
+
+void cfg_manifest_free(cfg_manifest_t *m)
+{
+    if (m == NULL)
+        return;
+    free(m->model);
+    free(m->checkpoint_sha256);
+    free(m->quantization);
+    free(m->dtype);
+    free(m->framework_name);
+    free(m->framework_version);
+    if (m->canary != NULL) {
+        free(m->canary->prompt);
+        free(m->canary->expected_sha256);
+        free(m->canary);
+    }
+    free(m);
+}
+
+bool cfg_manifest_pins(const cfg_manifest_t *m)
+{
+    return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
+                         m->framework_name || m->framework_version);
+}
+
+void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])
+{
+    const char *fields[6] = {0};
+    if (m != NULL) {
+        fields[0] = m->model;
+        fields[1] = m->checkpoint_sha256;
+        fields[2] = m->quantization;
+        fields[3] = m->dtype;
+        fields[4] = m->framework_name;
+        fields[5] = m->framework_version;
+    }
+    dp_buf_t b = {0};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(fields); i++) {
+        if (i > 0)
+            dp_buf_appendc(&b, '\n');
+        if (fields[i] != NULL)
+            dp_buf_appends(&b, fields[i]);
+    }
+    char hex[65];
+    dp_sha256_hex(b.len > 0 ? b.base : "", b.len, hex);
+    dp_buf_free(&b);
+    memcpy(out, "fp_", 3);
+    memcpy(out + 3, hex, 16);
+    out[19] = '\0';
+}

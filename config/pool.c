@@ -1,0 +1,407 @@
+/* Pools: their replicas (listed or discovered), how each replica is attested, the manifest they
+ * must match, and the TLS and credentials used to reach them. */
+#include "config/cfg_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/crypto.h>
+
+#include "common/util.h"
+
+const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
+                                               "tgi",  "sglang", "llamacpp"};
+
+/* The sources a config may name: every one but "none". */
+#define SOURCE_NAMES (&cfg_attest_source_names[CFG_ATTEST_AGENT])
+#define NSOURCES ((size_t)(CFG_ATTEST_LLAMACPP - CFG_ATTEST_AGENT + 1))
+
+#define COUNT_MAX 1000000u
+#define AGENT_DEFAULT_PATH "/attestation"
+
+static const char *const pool_keys[] = {"name",
+                                        "models",
+                                        "manifest",
+                                        "balance",
+                                        "max_inflight_per_replica",
+                                        "queue_limit",
+                                        "queue_timeout_ms",
+                                        "replicas",
+                                        "discovery",
+                                        "upstream_tls",
+                                        "api_key_file",
+                                        NULL};
+static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
+static const char *const attest_keys[] = {"source", "url", NULL};
+static const char *const discovery_keys[] = {"dns", "port", "refresh_ms", "attest", NULL};
+static const char *const discovery_attest_keys[] = {"source", "port", NULL};
+static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "client_key_file",
+                                                NULL};
+static const char *const balance_names[] = {"least_inflight", "round_robin"};
+
+/* ---- shared readers -------------------------------------------------------------------- */
+
+bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
+{
+    char *rel = NULL;
+    if (!cfg_get_str(c, obj, key, required, &rel))
+        return false;
+    free(*out);
+    *out = cfg_resolve(c->dir, rel);
+    free(rel);
+    return true;
+}
+
+bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out)
+{
+    char *s = NULL;
+    if (!cfg_get_str(c, obj, key, required, &s))
+        return false;
+    cfg_url_t u;
+    const char *why = NULL;
+    bool ok = cfg_parse_url(s, &u, &why) == 0;
+    if (ok) {
+        cfg_url_free(out);
+        *out = u;
+    } else {
+        cfg_err(c, key, "%s", why);
+    }
+    free(s);
+    return ok;
+}
+
+cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
+{
+    if (*rel == '\0') {
+        cfg_err(c, NULL, "expected a file path or an object");
+        return NULL;
+    }
+    char *full = cfg_resolve(c->dir, rel);
+    dp_buf_t text = {0};
+    cJSON *doc = NULL;
+    if (cfg_read_file(c, NULL, full, CFG_DOC_MAX, &text)) {
+        c->file = rel;
+        doc = cfg_parse_json(c, text.base, text.len);
+    }
+    dp_buf_free(&text);
+    free(full);
+    return doc;
+}
+
+/* ---- attestation source ---------------------------------------------------------------- */
+
+/* No source configured: the native adapter the manifest's framework.name names; else none,
+ * which is only sound when the pool pins nothing (nothing to attest). */
+static cfg_attest_source_t default_source(cfg_ctx_t *c, const cfg_manifest_t *m, const char *key)
+{
+    for (int s = CFG_ATTEST_VLLM; m != NULL && m->framework_name && s <= CFG_ATTEST_LLAMACPP; s++)
+        if (strcmp(m->framework_name, cfg_attest_source_names[s]) == 0)
+            return (cfg_attest_source_t)s;
+    if (cfg_manifest_pins(m))
+        cfg_err(c, key,
+                "required: the pool's manifest pins fields and its framework.name names no "
+                "native adapter (vllm, tgi, sglang, llamacpp), so set attest.source");
+    return CFG_ATTEST_NONE;
+}
+
+static bool get_source(cfg_ctx_t *c, const cJSON *obj, const cfg_manifest_t *m,
+                       cfg_attest_source_t *out)
+{
+    int i;
+    if (cfg_get(obj, "source") == NULL) {
+        cfg_err(c, "source", "required");
+        return false;
+    }
+    if (!cfg_get_enum(c, obj, "source", SOURCE_NAMES, NSOURCES, &i))
+        return false;
+    *out = (cfg_attest_source_t)(i + CFG_ATTEST_AGENT);
+    /* A native adapter reports its own framework name, so another pinned name never matches. */
+    if (*out >= CFG_ATTEST_VLLM && m != NULL && m->framework_name != NULL &&
+        strcmp(m->framework_name, cfg_attest_source_names[*out]) != 0)
+        cfg_warn(c, "source",
+                 "the manifest pins framework.name \"%s\", which the %s adapter does not report: "
+                 "this replica can never be admitted",
+                 m->framework_name, cfg_attest_source_names[*out]);
+    return true;
+}
+
+static void parse_replica_attest(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t *m,
+                                 cfg_attest_t *a)
+{
+    if (cfg_get(node, "attest") == NULL) {
+        a->source = default_source(c, m, "attest");
+        return;
+    }
+    const cJSON *o = cfg_get_obj(c, node, "attest", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "attest");
+    cfg_check_keys(c, o, attest_keys);
+    if (get_source(c, o, m, &a->source)) {
+        if (a->source != CFG_ATTEST_AGENT) {
+            if (cfg_get(o, "url") != NULL)
+                cfg_err(c, "url", "only used with source agent");
+        } else if (cfg_get_url(c, o, "url", true, &a->url) && a->url.path[0] == '\0') {
+            free(a->url.path);
+            a->url.path = dp_xstrdup(AGENT_DEFAULT_PATH);
+        }
+    }
+    cfg_path_pop(c, mark);
+}
+
+/* ---- replicas -------------------------------------------------------------------------- */
+
+static void parse_replica(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t *m,
+                          cfg_replica_t *r)
+{
+    if (!cJSON_IsObject(node)) {
+        cfg_err(c, NULL, "expected an object");
+        return;
+    }
+    cfg_check_keys(c, node, replica_keys);
+    if (cfg_get_str(c, node, "name", true, &r->name) && !cfg_valid_name(r->name))
+        cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
+    bool have_url = cfg_get_url(c, node, "url", true, &r->url);
+    if (cfg_get_str(c, node, "server_name", false, &r->server_name)) {
+        if (!cfg_valid_hostname(r->server_name))
+            cfg_err(c, "server_name", "must be a DNS name");
+        else if (have_url && !r->url.tls)
+            cfg_warn(c, "server_name", "ignored: only https:// URLs verify a server name");
+    }
+    parse_replica_attest(c, node, m, &r->attest);
+}
+
+static bool same_url(const cfg_url_t *a, const cfg_url_t *b)
+{
+    return a->hostport != NULL && b->hostport != NULL && a->tls == b->tls &&
+           strcmp(a->hostport, b->hostport) == 0 && strcmp(a->path, b->path) == 0;
+}
+
+/* Names are unique within a pool; two entries for one endpoint would make cross-replica
+ * comparisons compare a replica with itself. */
+static void check_replicas(cfg_ctx_t *c, const cfg_pool_t *p)
+{
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        const cfg_replica_t *r = &p->replicas[i];
+        size_t mark = cfg_path_index(c, i);
+        for (size_t j = 0; j < i; j++) {
+            const cfg_replica_t *o = &p->replicas[j];
+            if (r->name != NULL && o->name != NULL && strcmp(r->name, o->name) == 0)
+                cfg_err(c, "name", "duplicate replica name (also replicas[%zu])", j);
+            if (same_url(&r->url, &o->url))
+                cfg_warn(c, "url", "same URL as replicas[%zu]", j);
+        }
+        cfg_path_pop(c, mark);
+    }
+}
+
+static void parse_replicas(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *arr = cfg_get_arr(c, node, "replicas", false);
+    if (arr == NULL)
+        return;
+    p->nreplicas = (size_t)cJSON_GetArraySize(arr);
+    p->replicas = dp_xcalloc(p->nreplicas + 1, sizeof(*p->replicas));
+    size_t mark = cfg_path_key(c, "replicas"), i = 0;
+    for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
+        size_t m = cfg_path_index(c, i);
+        parse_replica(c, it, p->manifest, &p->replicas[i]);
+        cfg_path_pop(c, m);
+    }
+    check_replicas(c, p);
+    cfg_path_pop(c, mark);
+}
+
+/* ---- discovery ------------------------------------------------------------------------- */
+
+static void parse_discovery_attest(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t *m,
+                                   cfg_discovery_t *d)
+{
+    if (cfg_get(node, "attest") == NULL) {
+        d->attest_source = default_source(c, m, "attest");
+        return;
+    }
+    const cJSON *o = cfg_get_obj(c, node, "attest", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "attest");
+    cfg_check_keys(c, o, discovery_attest_keys);
+    if (get_source(c, o, m, &d->attest_source)) {
+        if (d->attest_source == CFG_ATTEST_AGENT) {
+            if (cfg_get(o, "port") == NULL)
+                cfg_err(c, "port", "required with source agent");
+            uint32_t port = 0;
+            if (cfg_get_u32(c, o, "port", 1, 65535, &port))
+                d->attest_port = (uint16_t)port;
+        } else if (cfg_get(o, "port") != NULL) {
+            cfg_err(c, "port", "only used with source agent");
+        }
+    }
+    cfg_path_pop(c, mark);
+}
+
+static void parse_discovery(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *o = cfg_get_obj(c, node, "discovery", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "discovery");
+    cfg_discovery_t *d = dp_xcalloc(1, sizeof(*d));
+    p->discovery = d;
+    d->refresh_ms = 5000;
+    cfg_check_keys(c, o, discovery_keys);
+    if (cfg_get_str(c, o, "dns", true, &d->dns) && !cfg_valid_hostname(d->dns))
+        cfg_err(c, "dns", "must be a DNS name");
+    uint32_t port = 0;
+    if (cfg_get(o, "port") == NULL)
+        cfg_err(c, "port", "required");
+    else if (cfg_get_u32(c, o, "port", 1, 65535, &port))
+        d->port = (uint16_t)port;
+    cfg_get_u32(c, o, "refresh_ms", 100, CFG_MS_MAX, &d->refresh_ms);
+    parse_discovery_attest(c, o, p->manifest, d);
+    cfg_path_pop(c, mark);
+}
+
+/* ---- manifest, TLS, credentials -------------------------------------------------------- */
+
+static void parse_manifest_ref(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *v = cfg_get(node, "manifest");
+    if (v == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "manifest");
+    cfg_manifest_t *m = NULL;
+    if (cJSON_IsString(v)) {
+        cJSON *doc = cfg_read_referenced(c, v->valuestring);
+        m = doc != NULL ? cfg_manifest_from_json(c, doc) : NULL;
+        cJSON_Delete(doc);
+        c->file = NULL;
+    } else if (cJSON_IsObject(v)) {
+        m = cfg_manifest_from_json(c, v);
+    } else {
+        cfg_err(c, NULL, "expected a file path or an object");
+    }
+    cfg_path_pop(c, mark);
+    /* "{}" pins nothing: the pool then behaves as one without a manifest. */
+    if (m != NULL && !cfg_manifest_pins(m) && m->canary == NULL) {
+        cfg_manifest_free(m);
+        m = NULL;
+    }
+    p->manifest = m;
+}
+
+static void parse_upstream_tls(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *o = cfg_get_obj(c, node, "upstream_tls", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "upstream_tls");
+    cfg_upstream_tls_t *u = dp_xcalloc(1, sizeof(*u));
+    p->upstream_tls = u;
+    cfg_check_keys(c, o, upstream_tls_keys);
+    if (cfg_get_path(c, o, "ca_file", false, &u->ca_file))
+        cfg_check_cert_file(c, "ca_file", u->ca_file);
+    bool cert = cfg_get_path(c, o, "client_cert_file", false, &u->client_cert_file);
+    bool key = cfg_get_path(c, o, "client_key_file", false, &u->client_key_file);
+    if (cert && key)
+        cfg_check_key_pair(c, "client_cert_file", u->client_cert_file, "client_key_file",
+                           u->client_key_file);
+    else if (cert && cfg_get(o, "client_key_file") == NULL)
+        cfg_err(c, "client_key_file", "required with client_cert_file");
+    else if (key && cfg_get(o, "client_cert_file") == NULL)
+        cfg_err(c, "client_cert_file", "required with client_key_file");
+    cfg_path_pop(c, mark);
+}
+
+/* ---- pools ----------------------------------------------------------------------------- */
+
+static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    p->balance = CFG_BALANCE_LEAST_INFLIGHT;
+    p->queue_limit = 1024;
+    p->queue_timeout_ms = 30000;
+    if (!cJSON_IsObject(node)) {
+        cfg_err(c, NULL, "expected an object");
+        return;
+    }
+    cfg_check_keys(c, node, pool_keys);
+    if (cfg_get_str(c, node, "name", true, &p->name) && !cfg_valid_name(p->name))
+        cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
+    cfg_get_str_array(c, node, "models", true, false, &p->models, &p->nmodels);
+    parse_manifest_ref(c, node, p);
+    int balance;
+    if (cfg_get_enum(c, node, "balance", balance_names, DP_ARRAY_SIZE(balance_names), &balance))
+        p->balance = (cfg_balance_t)balance;
+    cfg_get_u32(c, node, "max_inflight_per_replica", 0, COUNT_MAX, &p->max_inflight_per_replica);
+    cfg_get_u32(c, node, "queue_limit", 0, COUNT_MAX, &p->queue_limit);
+    cfg_get_u32(c, node, "queue_timeout_ms", 1, CFG_MS_MAX, &p->queue_timeout_ms);
+    parse_upstream_tls(c, node, p);
+    if (cfg_get_path(c, node, "api_key_file", false, &p->api_key_file))
+        p->api_key = cfg_read_secret(c, "api_key_file", p->api_key_file);
+    parse_replicas(c, node, p);
+    parse_discovery(c, node, p);
+    const cJSON *reps = cfg_get(node, "replicas");
+    bool no_replicas = reps == NULL || (cJSON_IsArray(reps) && cJSON_GetArraySize(reps) == 0);
+    if (no_replicas && cfg_get(node, "discovery") == NULL)
+        cfg_err(c, NULL, "needs replicas or discovery");
+}
+
+void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
+{
+    const cJSON *arr = cfg_get_arr(c, doc, "pools", true);
+    if (arr == NULL)
+        return;
+    if (cJSON_GetArraySize(arr) == 0) {
+        cfg_err(c, "pools", "must list at least one pool");
+        return;
+    }
+    cfg->npools = (size_t)cJSON_GetArraySize(arr);
+    cfg->pools = dp_xcalloc(cfg->npools, sizeof(*cfg->pools));
+    size_t mark = cfg_path_key(c, "pools"), i = 0;
+    for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
+        size_t m = cfg_path_index(c, i);
+        parse_pool(c, it, &cfg->pools[i]);
+        for (size_t j = 0; j < i && cfg->pools[i].name != NULL; j++) {
+            if (cfg->pools[j].name != NULL && strcmp(cfg->pools[j].name, cfg->pools[i].name) == 0) {
+                cfg_err(c, "name", "duplicate pool name (also pools[%zu])", j);
+                break;
+            }
+        }
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
+void cfg_secret_free(char *s)
+{
+    if (s != NULL)
+        OPENSSL_cleanse(s, strlen(s));
+    free(s);
+}
+
+void cfg_pool_free(cfg_pool_t *p)
+{
+    free(p->name);
+    cfg_str_array_free(p->models, p->nmodels);
+    cfg_manifest_free(p->manifest);
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        cfg_replica_t *r = &p->replicas[i];
+        free(r->name);
+        cfg_url_free(&r->url);
+        free(r->server_name);
+        cfg_url_free(&r->attest.url);
+    }
+    free(p->replicas);
+    if (p->discovery != NULL)
+        free(p->discovery->dns);
+    free(p->discovery);
+    if (p->upstream_tls != NULL) {
+        free(p->upstream_tls->ca_file);
+        free(p->upstream_tls->client_cert_file);
+        free(p->upstream_tls->client_key_file);
+    }
+    free(p->upstream_tls);
+    free(p->api_key_file);
+    cfg_secret_free(p->api_key);
+    *p = (cfg_pool_t){0};
+}

@@ -1,0 +1,997 @@
+/* Tenant matching, request validation, the rule engine, seed derivation and framework
+ * normalisation. Reads top to bottom in the order the proxy calls it. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/crypto.h>
+
+#include "common/jw.h"
+#include "common/util.h"
+#include "policy/policy_int.h"
+
+const char *const policy_action_names[POLICY_ACTION__COUNT] = {
+    "forced", "defaulted", "clamped", "derived", "normalized",
+};
+
+/* ---- errors -------------------------------------------------------------------------------- */
+
+void policy_set_error(policy_error_t *err, int status, const char *code, const char *param,
+                      const char *fmt, ...)
+{
+    if (err == NULL)
+        return;
+    err->status = status;
+    err->type = "invalid_request_error";
+    err->code = code;
+    snprintf(err->param, sizeof(err->param), "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof(err->message), fmt, ap);
+    va_end(ap);
+}
+
+void policy_json_error(const jdoc_t *d, policy_error_t *err)
+{
+    if (d->err_tok != JDOC_NONE) {
+        const char *k;
+        size_t kn;
+        jdoc_key(d, d->err_tok, &k, &kn);
+        policy_set_error(err, 400, "duplicate_key", NULL,
+                         "duplicate key \"%.*s\" at byte %zu: refused, because backends disagree "
+                         "on which copy wins",
+                         (int)(kn > 48 ? 48 : kn), k, d->err_at);
+    } else if (strcmp(d->err, "not a JSON object") == 0) {
+        policy_set_error(err, 400, "invalid_json", NULL, "request body must be a JSON object");
+    } else if (strcmp(d->err, "nested too deeply") == 0) {
+        policy_set_error(err, 400, "invalid_json", NULL,
+                         "request body nests deeper than %d levels", JDOC_MAX_DEPTH);
+    } else {
+        policy_set_error(err, 400, "invalid_json", NULL,
+                         "request body is not valid JSON: %s at byte %zu", d->err, d->err_at);
+    }
+}
+
+void policy_error_json(const policy_error_t *e, dp_buf_t *out)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_obj_begin(&w, "error");
+    dp_jw_str(&w, "message", e->message);
+    dp_jw_str(&w, "type", e->type ? e->type : "invalid_request_error");
+    if (e->param[0])
+        dp_jw_str(&w, "param", e->param);
+    else
+        dp_jw_null(&w, "param");
+    dp_jw_str(&w, "code", e->code);
+    dp_jw_obj_end(&w);
+    dp_jw_obj_end(&w);
+}
+
+/* ---- tenants ------------------------------------------------------------------------------- */
+
+size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
+{
+    const policy_headers_t *h = ud;
+    size_t n = 0;
+    for (size_t i = 0; i < h->count; i++) {
+        if (dp_strieq(h->items[i].name.base, h->items[i].name.len, lname)) {
+            if (n == 0)
+                *value = h->items[i].value;
+            n++;
+        }
+    }
+    return n;
+}
+
+static dp_iovec_t trim_ows(dp_iovec_t v)
+{
+    while (v.len && (v.base[0] == ' ' || v.base[0] == '\t')) {
+        v.base++;
+        v.len--;
+    }
+    while (v.len && (v.base[v.len - 1] == ' ' || v.base[v.len - 1] == '\t'))
+        v.len--;
+    return v;
+}
+
+/* "Bearer <token>": scheme case-insensitive, one space, a token without spaces or controls. */
+static bool bearer_token(dp_iovec_t v, dp_iovec_t *tok)
+{
+    v = trim_ows(v);
+    if (v.len < 8 || !dp_strieq(v.base, 6, "bearer") || v.base[6] != ' ')
+        return false;
+    tok->base = v.base + 7;
+    tok->len = v.len - 7;
+    for (size_t i = 0; i < tok->len; i++)
+        if ((unsigned char)tok->base[i] <= ' ' || tok->base[i] == 0x7f)
+            return false;
+    return true;
+}
+
+const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_cb lookup, void *ud,
+                                        policy_error_t *err)
+{
+    uint8_t digest[32];
+    bool tried = false, have = false;
+    const cfg_tenant_t *hit = NULL;
+    for (size_t i = 0; pol && i < pol->ntenants && hit == NULL; i++) {
+        const cfg_tenant_t *t = &pol->tenants[i];
+        dp_iovec_t v;
+        switch (t->match_kind) {
+        case CFG_MATCH_ANY:
+            hit = t;
+            break;
+        case CFG_MATCH_HEADER:
+            if (t->header_name && t->header_value && lookup(ud, t->header_name, &v) == 1) {
+                v = trim_ows(v);
+                size_t want = strlen(t->header_value);
+                if (v.len == want && dp_ct_equal(v.base, t->header_value, want))
+                    hit = t;
+            }
+            break;
+        case CFG_MATCH_API_KEYS:
+            if (!tried) {
+                dp_iovec_t tok;
+                tried = true;
+                /* Hash once, in place, for all tenants; two Authorization fields are ambiguous
+                 * and match no key. */
+                if (lookup(ud, "authorization", &v) == 1 && bearer_token(v, &tok)) {
+                    dp_sha256(tok.base, tok.len, digest);
+                    have = true;
+                }
+            }
+            if (have) {
+                /* Compare against every digest, no early exit: timing must not tell which key
+                 * (or whether an early one) matched. */
+                bool m = false;
+                for (size_t k = 0; k < t->napi_keys; k++)
+                    m |= dp_ct_equal(digest, t->api_keys[k], 32);
+                if (m)
+                    hit = t;
+            }
+            break;
+        }
+    }
+    OPENSSL_cleanse(digest, sizeof(digest));
+    if (hit == NULL)
+        policy_set_error(err, 401, "invalid_api_key", NULL,
+                         "no tenant matched this request: missing or unknown credentials");
+    return hit;
+}
+
+/* ---- known top-level keys ------------------------------------------------------------------ */
+
+enum {
+    S_TEMPERATURE = 0,
+    S_TOP_P,
+    S_TOP_K,
+    S_SEED,
+    S_MAX_TOKENS,
+    S_N,
+    S_PRESENCE_PENALTY,
+    S_FREQUENCY_PENALTY,
+    S_MAX_COMPLETION_TOKENS, /* aliases governed by max_tokens' rule */
+    S_N_PREDICT,
+    S_MIN_P, /* touched only by framework normalisation */
+    S_REPETITION_PENALTY,
+    S_REPEAT_PENALTY,
+    S_NUMERIC_END,
+    S_MODEL = S_NUMERIC_END,
+    S_STREAM,
+    S_STREAM_OPTIONS,
+    S_USER,
+    S_PROMPT,
+    S_MESSAGES,
+    S__COUNT
+};
+
+#define S_TYPED_END S_MIN_P /* slots below are type-checked */
+
+_Static_assert(S_TEMPERATURE == (int)CFG_PARAM_TEMPERATURE && S_TOP_P == (int)CFG_PARAM_TOP_P &&
+                   S_TOP_K == (int)CFG_PARAM_TOP_K && S_SEED == (int)CFG_PARAM_SEED &&
+                   S_MAX_TOKENS == (int)CFG_PARAM_MAX_TOKENS && S_N == (int)CFG_PARAM_N &&
+                   S_PRESENCE_PENALTY == (int)CFG_PARAM_PRESENCE_PENALTY &&
+                   S_FREQUENCY_PENALTY == (int)CFG_PARAM_FREQUENCY_PENALTY &&
+                   S_MAX_COMPLETION_TOKENS == (int)CFG_PARAM__COUNT,
+               "slot order follows cfg_param_t");
+
+static const struct {
+    const char *name;
+    uint8_t len;
+    bool integer;
+} slots[S__COUNT] = {
+    [S_TEMPERATURE] = {"temperature", 11, false},
+    [S_TOP_P] = {"top_p", 5, false},
+    [S_TOP_K] = {"top_k", 5, true},
+    [S_SEED] = {"seed", 4, true},
+    [S_MAX_TOKENS] = {"max_tokens", 10, true},
+    [S_N] = {"n", 1, true},
+    [S_PRESENCE_PENALTY] = {"presence_penalty", 16, false},
+    [S_FREQUENCY_PENALTY] = {"frequency_penalty", 17, false},
+    [S_MAX_COMPLETION_TOKENS] = {"max_completion_tokens", 21, true},
+    [S_N_PREDICT] = {"n_predict", 9, true},
+    [S_MIN_P] = {"min_p", 5, false},
+    [S_REPETITION_PENALTY] = {"repetition_penalty", 18, false},
+    [S_REPEAT_PENALTY] = {"repeat_penalty", 14, false},
+    [S_MODEL] = {"model", 5, false},
+    [S_STREAM] = {"stream", 6, false},
+    [S_STREAM_OPTIONS] = {"stream_options", 14, false},
+    [S_USER] = {"user", 4, false},
+    [S_PROMPT] = {"prompt", 6, false},
+    [S_MESSAGES] = {"messages", 8, false},
+};
+
+struct policy_req_s {
+    jdoc_t doc;
+    policy_route_t route;
+    bool parsed;
+    uint32_t key[S__COUNT]; /* key token of each known top-level member, or JDOC_NONE */
+    dp_buf_t model;
+    dp_buf_t out;   /* rewritten body */
+    dp_buf_t canon; /* tenant name + "\n" + canonical request, for derive */
+};
+
+policy_req_t *policy_req_new(void)
+{
+    policy_req_t *r = dp_xcalloc(1, sizeof(*r));
+    jdoc_init(&r->doc);
+    return r;
+}
+
+void policy_req_reset(policy_req_t *r)
+{
+    jdoc_reset(&r->doc);
+    r->parsed = false;
+    dp_buf_reset(&r->model);
+    dp_buf_reset(&r->out);
+    dp_buf_reset(&r->canon);
+}
+
+void policy_req_free(policy_req_t *r)
+{
+    if (r == NULL)
+        return;
+    jdoc_free(&r->doc);
+    dp_buf_free(&r->model);
+    dp_buf_free(&r->out);
+    /* The canonical request holds prompt text: wipe before returning it to malloc. */
+    if (r->canon.base)
+        OPENSSL_cleanse(r->canon.base, r->canon.cap);
+    dp_buf_free(&r->canon);
+    free(r);
+}
+
+static int slot_of_name(const char *k, size_t kn)
+{
+    for (int s = 0; s < S__COUNT; s++)
+        if (kn == slots[s].len && memcmp(k, slots[s].name, kn) == 0)
+            return s;
+    return -1;
+}
+
+/* Slot of a top-level key token, or -1. Compares token indices only: 19 integer compares. */
+static int slot_of_tok(const policy_req_t *r, uint32_t k)
+{
+    for (int s = 0; s < S__COUNT; s++)
+        if (r->key[s] == k)
+            return s;
+    return -1;
+}
+
+int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t len,
+                 policy_error_t *err)
+{
+    policy_req_reset(r);
+    jdoc_t *d = &r->doc;
+    if (jdoc_parse(d, body, len, JDOC_OBJECT_ONLY) < 0) {
+        policy_json_error(d, err);
+        return -1;
+    }
+    for (int s = 0; s < S__COUNT; s++)
+        r->key[s] = JDOC_NONE;
+    const jtok_t *root = &d->toks[0];
+    for (uint32_t i = 1; i < root->end; i = d->toks[i + 1].end) {
+        const char *k;
+        size_t kn;
+        jdoc_key(d, i, &k, &kn);
+        int s = slot_of_name(k, kn);
+        if (s >= 0)
+            r->key[s] = i;
+    }
+    uint32_t mk = r->key[S_MODEL];
+    if (mk == JDOC_NONE) {
+        policy_set_error(err, 400, "invalid_value", "model", "you must provide a model parameter");
+        return -1;
+    }
+    if (d->toks[mk + 1].type != JT_STR) {
+        policy_set_error(err, 400, "invalid_value", "model", "model must be a string");
+        return -1;
+    }
+    jdoc_str_decode(d, mk + 1, &r->model);
+    if (r->model.len == 0) {
+        policy_set_error(err, 400, "invalid_value", "model", "model must be a non-empty string");
+        return -1;
+    }
+    r->route = route;
+    r->parsed = true;
+    return 0;
+}
+
+dp_iovec_t policy_model(const policy_req_t *r)
+{
+    dp_iovec_t v = {r->model.base ? r->model.base : "", r->model.len};
+    return v;
+}
+
+/* ---- shapes -------------------------------------------------------------------------------- */
+
+static bool is_token_id(const jdoc_t *d, uint32_t tok)
+{
+    const jtok_t *t = &d->toks[tok];
+    return t->type == JT_NUM && (t->flags & JF_INT) && !(t->flags & JF_NEG);
+}
+
+/* Every element of array arr is a non-negative integer (a token id). */
+static bool all_token_ids(const jdoc_t *d, uint32_t arr)
+{
+    for (uint32_t i = arr + 1; i < d->toks[arr].end; i++)
+        if (!is_token_id(d, i))
+            return false;
+    return true;
+}
+
+/* prompt: a string, an array of strings, an array of token ids, or an array of non-empty
+ * token-id arrays (the four shapes the OpenAI API and vLLM accept). */
+static int check_prompt(const policy_req_t *r, policy_error_t *err)
+{
+    const jdoc_t *d = &r->doc;
+    uint32_t k = r->key[S_PROMPT];
+    if (k == JDOC_NONE) {
+        policy_set_error(err, 400, "invalid_value", "prompt", "prompt is required");
+        return -1;
+    }
+    uint32_t v = k + 1;
+    const jtok_t *t = &d->toks[v];
+    if (t->type == JT_STR)
+        return 0;
+    if (t->type == JT_ARR && t->aux > 0) {
+        uint8_t first = d->toks[v + 1].type;
+        bool ok = true;
+        for (uint32_t i = v + 1; ok && i < t->end; i = d->toks[i].end) {
+            const jtok_t *e = &d->toks[i];
+            if (first == JT_STR)
+                ok = e->type == JT_STR;
+            else if (first == JT_NUM)
+                ok = is_token_id(d, i);
+            else if (first == JT_ARR)
+                ok = e->type == JT_ARR && e->aux > 0 && all_token_ids(d, i);
+            else
+                ok = false;
+        }
+        if (ok)
+            return 0;
+    }
+    policy_set_error(err, 400, "invalid_value", "prompt",
+                     "prompt must be a string, an array of strings, an array of token ids or an "
+                     "array of non-empty token-id arrays");
+    return -1;
+}
+
+/* messages: a non-empty array of objects, each with a string role and a content that is a
+ * string or an array of content parts (objects with a string type; "text" parts with a string
+ * text). content may be absent or null only for role "assistant" (tool calls). */
+static int check_messages(const policy_req_t *r, policy_error_t *err)
+{
+    const jdoc_t *d = &r->doc;
+    uint32_t k = r->key[S_MESSAGES];
+    char param[64];
+    if (k == JDOC_NONE) {
+        policy_set_error(err, 400, "invalid_value", "messages", "messages is required");
+        return -1;
+    }
+    uint32_t v = k + 1;
+    if (d->toks[v].type != JT_ARR || d->toks[v].aux == 0) {
+        policy_set_error(err, 400, "invalid_value", "messages",
+                         "messages must be a non-empty array");
+        return -1;
+    }
+    unsigned j = 0;
+    for (uint32_t m = v + 1; m < d->toks[v].end; m = d->toks[m].end, j++) {
+        if (d->toks[m].type != JT_OBJ) {
+            snprintf(param, sizeof(param), "messages[%u]", j);
+            policy_set_error(err, 400, "invalid_value", param, "%s must be an object", param);
+            return -1;
+        }
+        uint32_t role = jdoc_get(d, m, "role");
+        if (role == JDOC_NONE || d->toks[role].type != JT_STR) {
+            snprintf(param, sizeof(param), "messages[%u].role", j);
+            policy_set_error(err, 400, "invalid_value", param, "%s must be a string", param);
+            return -1;
+        }
+        uint32_t c = jdoc_get(d, m, "content");
+        uint8_t ct = c == JDOC_NONE ? JT_NULL : d->toks[c].type;
+        snprintf(param, sizeof(param), "messages[%u].content", j);
+        if (ct == JT_NULL) {
+            if (jdoc_str_eq(d, role, "assistant"))
+                continue;
+            policy_set_error(err, 400, "invalid_value", param, "%s is required", param);
+            return -1;
+        }
+        if (ct == JT_STR)
+            continue;
+        if (ct != JT_ARR) {
+            policy_set_error(err, 400, "invalid_value", param,
+                             "%s must be a string or an array of content parts", param);
+            return -1;
+        }
+        unsigned pi = 0;
+        for (uint32_t p = c + 1; p < d->toks[c].end; p = d->toks[p].end, pi++) {
+            uint32_t ty = d->toks[p].type == JT_OBJ ? jdoc_get(d, p, "type") : JDOC_NONE;
+            if (ty == JDOC_NONE || d->toks[ty].type != JT_STR) {
+                snprintf(param, sizeof(param), "messages[%u].content[%u].type", j, pi);
+                policy_set_error(err, 400, "invalid_value", param,
+                                 "%s must be a string (content parts are objects)", param);
+                return -1;
+            }
+            if (jdoc_str_eq(d, ty, "text")) {
+                uint32_t tx = jdoc_get(d, p, "text");
+                if (tx == JDOC_NONE || d->toks[tx].type != JT_STR) {
+                    snprintf(param, sizeof(param), "messages[%u].content[%u].text", j, pi);
+                    policy_set_error(err, 400, "invalid_value", param, "%s must be a string",
+                                     param);
+                    return -1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- the rule engine ------------------------------------------------------------------------ */
+
+enum { PV_ABSENT = 0, PV_NULL, PV_NUM, PV_OTHER, PV_REMOVED };
+
+typedef struct {
+    uint8_t kind;
+    double d;  /* value (integer slots: (double)i) */
+    int64_t i; /* integer slots */
+} pval_t;
+
+typedef struct {
+    pval_t orig[S_NUMERIC_END];
+    pval_t cur[S_NUMERIC_END];
+    bool dirty[S_NUMERIC_END];
+    policy_result_t *out;
+    const policy_req_t *r;
+} apply_t;
+
+static size_t put_i64(char *out, int64_t v)
+{
+    char t[24];
+    size_t n = 0, o = 0;
+    uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    do {
+        t[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        out[o++] = '-';
+    while (n)
+        out[o++] = t[--n];
+    out[o] = '\0';
+    return o;
+}
+
+/* JSON text of a value. A value still as the client wrote it (raw != NULL) is quoted verbatim
+ * when it fits: the audit shows what was sent, and no number formatting is spent on it. */
+static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, char *out)
+{
+    switch (v->kind) {
+    case PV_NULL:
+        memcpy(out, "null", 5);
+        break;
+    case PV_NUM:
+        if (raw && rawlen < POLICY_VAL_LEN) {
+            memcpy(out, raw, rawlen);
+            out[rawlen] = '\0';
+        } else if (slots[s].integer) {
+            put_i64(out, v->i);
+        } else {
+            policy_es_number(v->d, out);
+        }
+        break;
+    default:
+        out[0] = '\0';
+        break;
+    }
+}
+
+static void record(apply_t *a, int s, policy_action_t act, const pval_t *before,
+                   const pval_t *after)
+{
+    policy_result_t *o = a->out;
+    if (o->nchanges == POLICY_MAX_CHANGES)
+        return; /* cannot happen: 13 slots, at most two changes each */
+    policy_change_t *c = &o->changes[o->nchanges++];
+    c->param = slots[s].name;
+    c->action = act;
+    const char *raw = NULL;
+    size_t rawlen = 0;
+    if (!a->dirty[s] && a->r->key[s] != JDOC_NONE) { /* still the client's own value */
+        const jtok_t *t = &a->r->doc.toks[a->r->key[s] + 1];
+        raw = a->r->doc.src + t->start;
+        rawlen = t->len;
+    }
+    pval_text(s, before, raw, rawlen, c->before);
+    pval_text(s, after, NULL, 0, c->after);
+}
+
+static int64_t to_i64(double x)
+{
+    if (x >= 9223372036854775807.0)
+        return INT64_MAX;
+    if (x <= -9223372036854775808.0)
+        return INT64_MIN;
+    return (int64_t)x;
+}
+
+static void set_pv(apply_t *a, int s, policy_action_t act, pval_t nv)
+{
+    pval_t *v = &a->cur[s];
+    if (v->kind == PV_NUM && (slots[s].integer ? v->i == nv.i : v->d == nv.d))
+        return; /* already that value: keep the client's spelling */
+    record(a, s, act, v, &nv);
+    *v = nv;
+    a->dirty[s] = true;
+}
+
+static void set_num(apply_t *a, int s, policy_action_t act, double x)
+{
+    pval_t nv = {.kind = PV_NUM};
+    if (slots[s].integer) {
+        nv.i = to_i64(x);
+        nv.d = (double)nv.i;
+    } else {
+        nv.d = x;
+    }
+    set_pv(a, s, act, nv);
+}
+
+static void set_int(apply_t *a, int s, policy_action_t act, int64_t i)
+{
+    pval_t nv = {.kind = PV_NUM, .i = i, .d = (double)i};
+    set_pv(a, s, act, nv);
+}
+
+static void remove_slot(apply_t *a, int s)
+{
+    pval_t *v = &a->cur[s];
+    if (v->kind != PV_NUM && v->kind != PV_NULL)
+        return;
+    pval_t nv = {.kind = PV_REMOVED};
+    record(a, s, POLICY_NORMALIZED, v, &nv);
+    *v = nv;
+    a->dirty[s] = true;
+}
+
+/* Set s to x when the request leaves it absent or null. */
+static void pin(apply_t *a, int s, double x)
+{
+    if (a->cur[s].kind == PV_ABSENT || a->cur[s].kind == PV_NULL)
+        set_num(a, s, POLICY_NORMALIZED, x);
+}
+
+static bool governed(const cfg_rule_t *r)
+{
+    return r->has_force || r->has_default || r->has_min || r->has_max || r->derive;
+}
+
+static double clamp_rule(const cfg_rule_t *r, double x)
+{
+    if (r->has_min && x < r->min)
+        x = r->min;
+    if (r->has_max && x > r->max)
+        x = r->max;
+    return x;
+}
+
+/* force: always set. default: set when absent (or null), then clamped by min/max. min/max:
+ * clamp a value the request carries. Everything else is left alone. */
+static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
+{
+    pval_t *v = &a->cur[s];
+    if (rule->has_force) {
+        set_num(a, s, POLICY_FORCED, rule->force);
+    } else if (v->kind != PV_NUM) {
+        if (rule->has_default)
+            set_num(a, s, POLICY_DEFAULTED, clamp_rule(rule, rule->def));
+    } else {
+        double x = slots[s].integer ? (double)v->i : v->d;
+        if (rule->has_min && x < rule->min)
+            set_num(a, s, POLICY_CLAMPED, rule->min);
+        else if (rule->has_max && x > rule->max)
+            set_num(a, s, POLICY_CLAMPED, rule->max);
+    }
+}
+
+/* Read and type-check the numeric slots. */
+static int read_params(const policy_req_t *r, apply_t *a, policy_error_t *err)
+{
+    const jdoc_t *d = &r->doc;
+    for (int s = 0; s < S_NUMERIC_END; s++) {
+        pval_t *v = &a->orig[s];
+        memset(v, 0, sizeof(*v));
+        if (r->key[s] == JDOC_NONE)
+            continue;
+        uint32_t tok = r->key[s] + 1;
+        const jtok_t *t = &d->toks[tok];
+        if (t->type == JT_NULL) {
+            v->kind = PV_NULL;
+            continue;
+        }
+        if (t->type != JT_NUM) {
+            if (s >= S_TYPED_END) {
+                v->kind = PV_OTHER; /* not ours to judge; never touched */
+                continue;
+            }
+            policy_set_error(err, 400, "invalid_value", slots[s].name, "%s must be %s",
+                             slots[s].name, slots[s].integer ? "an integer" : "a number");
+            return -1;
+        }
+        v->kind = PV_NUM;
+        if (!slots[s].integer) {
+            v->d = jdoc_num(d, tok);
+            continue;
+        }
+        if (s == S_SEED && (!(t->flags & JF_INT) || (t->flags & JF_NEG) ||
+                            jdoc_int64(d, tok, &v->i) < 0)) {
+            policy_set_error(err, 400, "invalid_value", "seed",
+                             "seed must be an integer between 0 and 9223372036854775807");
+            return -1;
+        }
+        if (!(t->flags & JF_INT)) {
+            policy_set_error(err, 400, "invalid_value", slots[s].name, "%s must be an integer",
+                             slots[s].name);
+            return -1;
+        }
+        if (jdoc_int64(d, tok, &v->i) < 0) {
+            policy_set_error(err, 400, "invalid_value", slots[s].name,
+                             "%s is out of range for a 64-bit integer", slots[s].name);
+            return -1;
+        }
+        v->d = (double)v->i;
+    }
+    return 0;
+}
+
+/* ---- seed derivation ----------------------------------------------------------------------- */
+
+static bool excluded_from_canon(int s)
+{
+    return s == S_SEED || s == S_STREAM || s == S_STREAM_OPTIONS || s == S_USER;
+}
+
+static void canon_value(int s, const pval_t *v, dp_buf_t *out)
+{
+    char b[32];
+    size_t n = policy_es_number(slots[s].integer ? (double)v->i : v->d, b);
+    dp_buf_append(out, b, n);
+}
+
+/* tenant name + "\n" + RFC 8785 form of the post-rule body without seed, stream,
+ * stream_options and user. The top-level object is merged from the tape's presorted member
+ * list and the (ASCII-named) parameters the rules added. */
+static void build_canonical(policy_req_t *r, const cfg_tenant_t *t, const apply_t *a)
+{
+    const jdoc_t *d = &r->doc;
+    const jtok_t *root = &d->toks[0];
+    dp_buf_t *c = &r->canon;
+    dp_buf_reset(c);
+    dp_buf_reserve(c, d->srclen + 64);
+    dp_buf_appends(c, t->name ? t->name : "");
+    dp_buf_appendc(c, '\n');
+    dp_buf_appendc(c, '{');
+    int added[S_NUMERIC_END], na = 0;
+    for (int s = 0; s < S_NUMERIC_END; s++) {
+        if (s == S_SEED || a->orig[s].kind != PV_ABSENT || a->cur[s].kind != PV_NUM)
+            continue;
+        int j = na++;
+        while (j > 0 && strcmp(slots[added[j - 1]].name, slots[s].name) > 0) {
+            added[j] = added[j - 1];
+            j--;
+        }
+        added[j] = s;
+    }
+    uint32_t mi = 0;
+    int ai = 0;
+    bool first = true;
+    while (mi < root->aux || ai < na) {
+        bool take_added;
+        uint32_t k = mi < root->aux ? d->order[root->aux2 + mi] : JDOC_NONE;
+        if (k == JDOC_NONE) {
+            take_added = true;
+        } else if (ai >= na) {
+            take_added = false;
+        } else {
+            const char *kp;
+            size_t kn;
+            jdoc_key(d, k, &kp, &kn);
+            take_added = jdoc_utf16_cmp(slots[added[ai]].name, slots[added[ai]].len, kp, kn) < 0;
+        }
+        if (take_added) {
+            int s = added[ai++];
+            if (!first)
+                dp_buf_appendc(c, ',');
+            first = false;
+            dp_buf_appendc(c, '"');
+            dp_buf_append(c, slots[s].name, slots[s].len);
+            dp_buf_append(c, "\":", 2);
+            canon_value(s, &a->cur[s], c);
+            continue;
+        }
+        mi++;
+        int s = slot_of_tok(r, k);
+        if (s >= 0 && excluded_from_canon(s))
+            continue;
+        if (s >= 0 && s < S_NUMERIC_END && a->dirty[s] && a->cur[s].kind == PV_REMOVED)
+            continue;
+        if (!first)
+            dp_buf_appendc(c, ',');
+        first = false;
+        const jtok_t *kt = &d->toks[k];
+        jcs_write_raw_string(d->src + kt->start, kt->len, kt->flags & JF_ESC, c);
+        dp_buf_appendc(c, ':');
+        if (s >= 0 && s < S_NUMERIC_END && a->dirty[s])
+            canon_value(s, &a->cur[s], c);
+        else
+            jcs_write(d, k + 1, c);
+    }
+    dp_buf_appendc(c, '}');
+}
+
+static int64_t derive_seed(policy_req_t *r, const cfg_tenant_t *t, const apply_t *a)
+{
+    uint8_t h[32];
+    build_canonical(r, t, a);
+    dp_sha256(r->canon.base, r->canon.len, h);
+    uint64_t x = 0;
+    for (int i = 0; i < 8; i++)
+        x = x << 8 | h[i];
+    return (int64_t)(x & 0x7fffffffu); /* mod 2^31 */
+}
+
+/* ---- framework normalisation (docs/policy.md has the table and the reasons) ---------------- */
+
+typedef enum { FW_NONE = 0, FW_VLLM, FW_TGI, FW_SGLANG, FW_LLAMACPP } fw_t;
+
+static fw_t fw_parse(const char *s)
+{
+    static const struct {
+        const char *name;
+        fw_t fw;
+    } names[] = {
+        {"vllm", FW_VLLM},         {"tgi", FW_TGI},           {"text-generation-inference", FW_TGI},
+        {"sglang", FW_SGLANG},     {"llamacpp", FW_LLAMACPP}, {"llama.cpp", FW_LLAMACPP},
+        {"llama-cpp", FW_LLAMACPP}, {"llama_cpp", FW_LLAMACPP},
+    };
+    if (s == NULL)
+        return FW_NONE;
+    for (size_t i = 0; i < DP_ARRAY_SIZE(names); i++)
+        if (dp_strieq(s, strlen(s), names[i].name))
+            return names[i].fw;
+    return FW_NONE;
+}
+
+static void normalize(apply_t *a, const cfg_tenant_t *t, fw_t fw)
+{
+    if (fw == FW_NONE)
+        return;
+    const cfg_rule_t *R = t->rules;
+    /* N1: a governed parameter the request leaves absent gets an explicit value: what OpenAI
+     * means by absent, kept inside the rule's bounds. Absent top_k and max_tokens mean
+     * "unbounded", so they become the rule's max, if any. */
+    if (governed(&R[S_TEMPERATURE]))
+        pin(a, S_TEMPERATURE, clamp_rule(&R[S_TEMPERATURE], 1));
+    if (governed(&R[S_TOP_P])) {
+        double x = clamp_rule(&R[S_TOP_P], 1);
+        if (!(fw == FW_TGI && x == 1)) /* TGI rejects 1.0 and treats absent as 1.0 */
+            pin(a, S_TOP_P, x);
+    }
+    if (governed(&R[S_TOP_K]) && fw != FW_TGI)
+        pin(a, S_TOP_K, R[S_TOP_K].has_max ? R[S_TOP_K].max : fw == FW_LLAMACPP ? 0 : -1);
+    if (governed(&R[S_MAX_TOKENS]) && R[S_MAX_TOKENS].has_max)
+        pin(a, S_MAX_TOKENS, R[S_MAX_TOKENS].max);
+    if (governed(&R[S_N]))
+        pin(a, S_N, clamp_rule(&R[S_N], 1));
+    if (governed(&R[S_PRESENCE_PENALTY]) && fw != FW_TGI)
+        pin(a, S_PRESENCE_PENALTY, clamp_rule(&R[S_PRESENCE_PENALTY], 0));
+    if (governed(&R[S_FREQUENCY_PENALTY]))
+        pin(a, S_FREQUENCY_PENALTY, clamp_rule(&R[S_FREQUENCY_PENALTY], 0));
+
+    bool sampling = governed(&R[S_TEMPERATURE]) || governed(&R[S_TOP_P]) || governed(&R[S_TOP_K]);
+    switch (fw) {
+    case FW_VLLM:
+    case FW_SGLANG:
+        /* N2: both fill omitted temperature/top_p/top_k/min_p/repetition_penalty from the
+         * model's generation_config.json; pin them to the neutral values. */
+        if (sampling) {
+            pin(a, S_TEMPERATURE, 1);
+            pin(a, S_TOP_P, 1);
+            pin(a, S_TOP_K, -1);
+            pin(a, S_MIN_P, 0);
+            pin(a, S_REPETITION_PENALTY, 1);
+        }
+        break;
+    case FW_LLAMACPP:
+        /* N3: llama-server's own defaults (temp 0.8, top_k 40, top_p 0.95, min_p 0.05) fill
+         * omitted fields; top_k 0 disables it. Seeds are uint32 and 0xFFFFFFFF means random. */
+        if (sampling) {
+            pin(a, S_TEMPERATURE, 1);
+            pin(a, S_TOP_P, 1);
+            pin(a, S_TOP_K, 0);
+            pin(a, S_MIN_P, 0);
+            pin(a, S_REPEAT_PENALTY, 1);
+        }
+        if (a->cur[S_SEED].kind == PV_NUM && a->cur[S_SEED].i > 4294967294)
+            set_int(a, S_SEED, POLICY_NORMALIZED, a->cur[S_SEED].i % 4294967295);
+        break;
+    case FW_TGI:
+        /* N4: an omitted temperature is sampling at 1.0 on TGI; say so explicitly (0 stays 0:
+         * TGI's chat and completions handlers map it to greedy). */
+        pin(a, S_TEMPERATURE, 1);
+        /* N5: TGI rejects top_p == 1.0 ("must be in (0, 1)"); absent is 1.0. */
+        if (a->cur[S_TOP_P].kind == PV_NUM && a->cur[S_TOP_P].d == 1)
+            remove_slot(a, S_TOP_P);
+        /* N6: TGI's chat route turns presence_penalty p into repetition_penalty p + 2, so 0
+         * is not neutral there; absent is. */
+        if (a->cur[S_PRESENCE_PENALTY].kind == PV_NUM && a->cur[S_PRESENCE_PENALTY].d == 0)
+            remove_slot(a, S_PRESENCE_PENALTY);
+        /* N7: TGI's OpenAI routes do not read top_k: a top_k rule cannot hold there, so the
+         * audit should not claim it was sent. */
+        if (governed(&R[S_TOP_K]))
+            remove_slot(a, S_TOP_K);
+        break;
+    default:
+        break;
+    }
+}
+
+/* ---- output -------------------------------------------------------------------------------- */
+
+static void body_value(int s, const pval_t *v, dp_buf_t *out)
+{
+    char b[POLICY_VAL_LEN];
+    pval_text(s, v, NULL, 0, b);
+    dp_buf_appends(out, b);
+}
+
+/* Compact re-serialisation: members in the client's order, changed ones rewritten in place,
+ * removed ones dropped, added ones appended in slot order. */
+static void build_body(policy_req_t *r, const apply_t *a)
+{
+    const jdoc_t *d = &r->doc;
+    const jtok_t *root = &d->toks[0];
+    dp_buf_t *o = &r->out;
+    dp_buf_reset(o);
+    dp_buf_reserve(o, d->srclen + 160);
+    dp_buf_appendc(o, '{');
+    bool first = true;
+    for (uint32_t k = 1; k < root->end; k = d->toks[k + 1].end) {
+        int s = slot_of_tok(r, k);
+        bool changed = s >= 0 && s < S_NUMERIC_END && a->dirty[s];
+        if (changed && a->cur[s].kind == PV_REMOVED)
+            continue;
+        if (!first)
+            dp_buf_appendc(o, ',');
+        first = false;
+        dp_buf_append(o, d->src + d->toks[k].start, d->toks[k].len);
+        dp_buf_appendc(o, ':');
+        if (changed)
+            body_value(s, &a->cur[s], o);
+        else
+            jdoc_write_compact(d, k + 1, o);
+    }
+    for (int s = 0; s < S_NUMERIC_END; s++) {
+        if (!a->dirty[s] || a->orig[s].kind != PV_ABSENT || a->cur[s].kind != PV_NUM)
+            continue;
+        if (!first)
+            dp_buf_appendc(o, ',');
+        first = false;
+        dp_buf_appendc(o, '"');
+        dp_buf_append(o, slots[s].name, slots[s].len);
+        dp_buf_append(o, "\":", 2);
+        body_value(s, &a->cur[s], o);
+    }
+    dp_buf_appendc(o, '}');
+}
+
+int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
+                 policy_result_t *out, policy_error_t *err)
+{
+    memset(out, 0, offsetof(policy_result_t, changes));
+    if (!r->parsed || t == NULL) {
+        policy_set_error(err, 400, "invalid_value", NULL, "request was not parsed");
+        return -1;
+    }
+    const jdoc_t *d = &r->doc;
+
+    /* 1. deny_params, before anything else, so a client learns the policy first. */
+    for (size_t i = 0; i < t->ndeny_params; i++) {
+        if (jdoc_get(d, 0, t->deny_params[i]) != JDOC_NONE) {
+            policy_set_error(err, 400, "policy_violation", t->deny_params[i],
+                             "parameter '%s' is not allowed for this tenant", t->deny_params[i]);
+            return -1;
+        }
+    }
+
+    /* 2. types and shapes. */
+    if (r->key[S_STREAM] != JDOC_NONE) {
+        uint8_t ty = d->toks[r->key[S_STREAM] + 1].type;
+        if (ty != JT_TRUE && ty != JT_FALSE && ty != JT_NULL) {
+            policy_set_error(err, 400, "invalid_value", "stream", "stream must be a boolean");
+            return -1;
+        }
+        out->stream = ty == JT_TRUE;
+    }
+    apply_t a;
+    memset(a.dirty, 0, sizeof(a.dirty));
+    a.out = out;
+    a.r = r;
+    if (read_params(r, &a, err) < 0)
+        return -1;
+    if (r->route == POLICY_ROUTE_CHAT ? check_messages(r, err) < 0 : check_prompt(r, err) < 0)
+        return -1;
+    memcpy(a.cur, a.orig, sizeof(a.cur));
+
+    /* 3. rules, then derive. */
+    for (int s = 0; s < CFG_PARAM__COUNT; s++)
+        apply_rule(&a, s, &t->rules[s]);
+    /* Aliases of max_tokens: vLLM prefers max_completion_tokens, llama.cpp n_predict; either
+     * would otherwise carry an unpoliced length past the rule. Only present ones are ruled. */
+    const cfg_rule_t *mt = &t->rules[CFG_PARAM_MAX_TOKENS];
+    for (int s = S_MAX_COMPLETION_TOKENS; s <= S_N_PREDICT; s++) {
+        if (a.cur[s].kind != PV_NUM)
+            continue;
+        cfg_rule_t alias = *mt;
+        alias.has_default = false;
+        apply_rule(&a, s, &alias);
+    }
+    if (t->rules[CFG_PARAM_SEED].derive && a.cur[S_SEED].kind != PV_NUM) {
+        set_int(&a, S_SEED, POLICY_DERIVED, derive_seed(r, t, &a));
+        out->seed_derived = true;
+    }
+
+    /* 4. framework normalisation. */
+    normalize(&a, t, fw_parse(framework));
+
+    /* 5. results. */
+    out->model = policy_model(r);
+    if (a.cur[S_SEED].kind == PV_NUM) {
+        out->has_seed = true;
+        out->seed = (uint64_t)a.cur[S_SEED].i;
+    } else {
+        out->seed_derived = false;
+    }
+    if (a.cur[S_TEMPERATURE].kind == PV_NUM) {
+        out->has_temperature = true;
+        out->temperature = a.cur[S_TEMPERATURE].d;
+    }
+    out->comparable = (out->has_temperature && out->temperature == 0) || out->has_seed;
+    bool dirty = false;
+    for (int s = 0; s < S_NUMERIC_END; s++)
+        dirty |= a.dirty[s];
+    if (dirty) {
+        build_body(r, &a);
+        out->body.base = r->out.base;
+        out->body.len = r->out.len;
+        out->rewritten = true;
+    } else {
+        out->body.base = d->src;
+        out->body.len = d->srclen;
+    }
+    return 0;
+}

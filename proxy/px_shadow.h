@@ -1,0 +1,19 @@
+/* Shadow sampling (SPEC §9): copies of comparable requests to a second replica ("cross") or the
+ * same one ("self"), compared off the loop to tell drift from batching noise. */
+#ifndef PX_SHADOW_H
+#define PX_SHADOW_H
+
+#include "policy/policy.h"
+#include "proxy/px.h"
+
+/* Decide whether to shadow this request (after it was dispatched to `primary`) and start the
+ * copy. Returns a handle to feed the primary's output to, or NULL. */
+void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
+                      const policy_result_t *res, const px_req_t *req, const char *body,
+                      size_t len);
+/* The primary response's body bytes, as forwarded. */
+void px_shadow_primary_bytes(void *s, const char *p, size_t n);
+/* The primary is over (status 499: the client left; anything but 200 discards the sample). */
+void px_shadow_primary_done(void *s, int status);
+
+#endif

@@ -1,0 +1,284 @@
+/* Response fingerprint rewriting (JSON and SSE, split at every byte boundary) and the audit
+ * line. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "policy/policy.h"
+
+#define FP "fp_0123456789abcdef"
+
+TestSuite(fp_json);
+
+static void rewrite(const char *in, const char *want, const char *want_prev)
+{
+    dp_buf_t out = {0};
+    char prev[POLICY_FP_PREV_MAX];
+    cr_assert_eq(policy_fp_rewrite_json(in, strlen(in), FP, &out, prev), 1, "%s", in);
+    cr_assert_str_eq(out.base, want);
+    cr_assert_str_eq(prev, want_prev);
+    dp_buf_free(&out);
+}
+
+Test(fp_json, replaces_adds_and_reports)
+{
+    rewrite("{\"id\":\"x\",\"system_fingerprint\":\"fp_replica\",\"choices\":[]}",
+            "{\"id\":\"x\",\"system_fingerprint\":\"" FP "\",\"choices\":[]}", "fp_replica");
+    rewrite("{\"id\":\"x\", \"system_fingerprint\" : null }\n",
+            "{\"id\":\"x\", \"system_fingerprint\" : \"" FP "\" }\n", "");
+    rewrite("{\"id\":\"x\",\"choices\":[{\"text\":\"a\"}]}\n",
+            "{\"id\":\"x\",\"choices\":[{\"text\":\"a\"}],\"system_fingerprint\":\"" FP "\"}\n", "");
+    rewrite("{}", "{\"system_fingerprint\":\"" FP "\"}", "");
+    rewrite("{ }", "{ \"system_fingerprint\":\"" FP "\"}", "");
+    /* an escaped spelling of the key is the key */
+    rewrite("{\"system\\u005ffingerprint\":\"a\\\"b\"}",
+            "{\"system\\u005ffingerprint\":\"" FP "\"}", "a\"b");
+    /* nested copies are the replica's business */
+    rewrite("{\"choices\":[{\"system_fingerprint\":\"n\"}],\"system_fingerprint\":\"t\"}",
+            "{\"choices\":[{\"system_fingerprint\":\"n\"}],\"system_fingerprint\":\"" FP "\"}", "t");
+    /* controls in the old value never reach a header */
+    rewrite("{\"system_fingerprint\":\"a\\r\\nX-Evil: 1\"}", "{\"system_fingerprint\":\"" FP "\"}",
+            "a??X-Evil: 1");
+}
+
+Test(fp_json, leaves_non_json_alone)
+{
+    const char *bad[] = {"", "not json", "[1,2]", "{\"a\":1", "{\"a\":\"\xff\"}", "Internal Error"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        dp_buf_t out = {0};
+        char prev[POLICY_FP_PREV_MAX];
+        cr_assert_eq(policy_fp_rewrite_json(bad[i], strlen(bad[i]), FP, &out, prev), 0, "%s",
+                     bad[i]);
+        cr_assert_eq(out.len, 0);
+        dp_buf_free(&out);
+    }
+}
+
+Test(fp_json, long_previous_value_truncated)
+{
+    dp_buf_t in = {0}, out = {0};
+    dp_buf_appends(&in, "{\"system_fingerprint\":\"");
+    for (int i = 0; i < 300; i++)
+        dp_buf_appendc(&in, 'a');
+    dp_buf_appends(&in, "\"}");
+    char prev[POLICY_FP_PREV_MAX];
+    cr_assert_eq(policy_fp_rewrite_json(in.base, in.len, FP, &out, prev), 1);
+    cr_assert_eq(strlen(prev), POLICY_FP_PREV_MAX - 1);
+    dp_buf_free(&in);
+    dp_buf_free(&out);
+}
+
+/* ---- SSE ------------------------------------------------------------------------------------ */
+
+TestSuite(fp_sse);
+
+static const char sse_in[] =
+    ": keep-alive comment\n"
+    "\n"
+    "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"system_fingerprint\":\"fp_r1\","
+    "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"he said \\\"system_fingerprint\\\":"
+    "\\\"x\\\" {\"}}]}\n"
+    "\n"
+    "event: message\n"
+    "data: {\"choices\":[{\"delta\":{\"system_fingerprint\":\"nested\"}}],\"system_fingerprint\":"
+    "null}\r\n"
+    "\r\n"
+    /* one event over two data lines (CRLF), a nested key after a comma */
+    "data: {\"choices\":[{\"index\":0,\"system_fingerprint\":\"nested\"}],\r\n"
+    "data: \"system_fingerprint\":\"fp_multi\"}\r\n"
+    "\r\n"
+    /* an escaped quote right before the real key: a scanner that mistakes it for the end of
+     * the string loses track of which key is top level */
+    "data: {\"t\":\"\\\"\",\"system_fingerprint\":\"fp_r\"}\n\n"
+    "data:{\"system_fingerprint\" : \"fp_\\u0072\",\"usage\":{\"system_fingerprint_x\":1},"
+    "\"system_fingerprin\":2,\"system_fingerprintt\":3}\r\r"
+    "data: {\"id\":\"c2\",\"choices\":[]}\n\n"
+    "data: {\"system_fingerprint\":7}\n\n"
+    "data: [DONE]\n\n";
+
+static const char sse_want[] =
+    ": keep-alive comment\n"
+    "\n"
+    "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"system_fingerprint\":\"" FP "\","
+    "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"he said \\\"system_fingerprint\\\":"
+    "\\\"x\\\" {\"}}]}\n"
+    "\n"
+    "event: message\n"
+    "data: {\"choices\":[{\"delta\":{\"system_fingerprint\":\"nested\"}}],\"system_fingerprint\":"
+    "\"" FP "\"}\r\n"
+    "\r\n"
+    "data: {\"choices\":[{\"index\":0,\"system_fingerprint\":\"nested\"}],\r\n"
+    "data: \"system_fingerprint\":\"" FP "\"}\r\n"
+    "\r\n"
+    "data: {\"t\":\"\\\"\",\"system_fingerprint\":\"" FP "\"}\n\n"
+    "data:{\"system_fingerprint\" : \"" FP "\",\"usage\":{\"system_fingerprint_x\":1},"
+    "\"system_fingerprin\":2,\"system_fingerprintt\":3}\r\r"
+    "data: {\"id\":\"c2\",\"choices\":[]}\n\n"
+    "data: {\"system_fingerprint\":7}\n\n"
+    "data: [DONE]\n\n";
+
+static void feed_chunks(const char *in, size_t n, const size_t *cuts, size_t ncuts, dp_buf_t *out,
+                        policy_sse_fp_t *s)
+{
+    size_t pos = 0;
+    for (size_t i = 0; i <= ncuts; i++) {
+        size_t end = i < ncuts ? cuts[i] : n;
+        cr_assert_eq(policy_sse_fp_feed(s, in + pos, end - pos, out), (ssize_t)(end - pos));
+        pos = end;
+    }
+    policy_sse_fp_finish(s, out);
+}
+
+static void expect_out(const dp_buf_t *out, const char *what)
+{
+    cr_assert_eq(out->len, sizeof(sse_want) - 1, "%s: got\n%s", what, out->base);
+    cr_assert(memcmp(out->base, sse_want, out->len) == 0, "%s: got\n%s", what, out->base);
+}
+
+Test(fp_sse, whole_stream)
+{
+    policy_sse_fp_t s;
+    policy_sse_fp_init(&s, FP);
+    dp_buf_t out = {0};
+    feed_chunks(sse_in, sizeof(sse_in) - 1, NULL, 0, &out, &s);
+    expect_out(&out, "whole");
+    cr_assert_eq(s.rewritten, 5);
+    cr_assert_str_eq(s.prev, "fp_\\u0072"); /* the last replaced value, raw */
+    dp_buf_free(&out);
+}
+
+Test(fp_sse, every_split_point)
+{
+    size_t n = sizeof(sse_in) - 1;
+    for (size_t cut = 1; cut < n; cut++) {
+        policy_sse_fp_t s;
+        policy_sse_fp_init(&s, FP);
+        dp_buf_t out = {0};
+        feed_chunks(sse_in, n, &cut, 1, &out, &s);
+        char what[32];
+        snprintf(what, sizeof(what), "cut at %zu", cut);
+        expect_out(&out, what);
+        dp_buf_free(&out);
+    }
+}
+
+Test(fp_sse, byte_by_byte_and_random_chunks)
+{
+    size_t n = sizeof(sse_in) - 1;
+    size_t *cuts = malloc(n * sizeof(size_t));
+    for (size_t i = 0; i + 1 < n; i++)
+        cuts[i] = i + 1;
+    policy_sse_fp_t s;
+    policy_sse_fp_init(&s, FP);
+    dp_buf_t out = {0};
+    feed_chunks(sse_in, n, cuts, n - 1, &out, &s);
+    expect_out(&out, "byte by byte");
+    dp_buf_free(&out);
+    srand(7);
+    for (int round = 0; round < 200; round++) {
+        size_t nc = 0, pos = 0;
+        while (1) {
+            pos += 1 + (size_t)rand() % 40;
+            if (pos >= n)
+                break;
+            cuts[nc++] = pos;
+        }
+        policy_sse_fp_init(&s, FP);
+        feed_chunks(sse_in, n, cuts, nc, &out, &s);
+        expect_out(&out, "random chunks");
+        dp_buf_free(&out);
+    }
+    free(cuts);
+}
+
+Test(fp_sse, held_bytes_are_bounded)
+{
+    /* A key that keeps matching is held at most until it stops matching (<= 20 bytes). */
+    policy_sse_fp_t s;
+    policy_sse_fp_init(&s, FP);
+    dp_buf_t out = {0};
+    const char *p = "data: {\"system_fingerprint";
+    policy_sse_fp_feed(&s, p, strlen(p), &out);
+    cr_assert_eq(out.len, strlen("data: {"));
+    cr_assert(s.held <= 20);
+    policy_sse_fp_finish(&s, &out); /* stream cut: hand back what was held */
+    cr_assert_str_eq(out.base, p);
+    dp_buf_free(&out);
+}
+
+Test(fp_sse, not_initialised)
+{
+    policy_sse_fp_t s;
+    memset(&s, 0, sizeof(s));
+    dp_buf_t out = {0};
+    cr_assert_eq(policy_sse_fp_feed(&s, "x", 1, &out), -1);
+}
+
+/* ---- audit ---------------------------------------------------------------------------------- */
+
+TestSuite(audit);
+
+Test(audit, one_json_line)
+{
+    policy_result_t r;
+    memset(&r, 0, sizeof(r));
+    r.has_seed = true;
+    r.seed = 1234;
+    r.has_temperature = true;
+    r.temperature = 0;
+    r.nchanges = 2;
+    r.changes[0] = (policy_change_t){"temperature", POLICY_FORCED, "0.9", "0"};
+    r.changes[1] = (policy_change_t){"top_p", POLICY_NORMALIZED, "1", ""};
+    policy_audit_t a = {
+        .wall_ms = 1700000000123ull,
+        .request_id = "req-1",
+        .tenant = "bank",
+        .pool = "llama",
+        .replica = "r1",
+        .fingerprint = FP,
+        .upstream_fingerprint = NULL,
+        .route = "/v1/chat/completions",
+        .model = "m\"x",
+        .result = &r,
+        .forwarded_sha256 = "ab",
+        .response_sha256 = "cd",
+        .status = 200,
+    };
+    dp_buf_t out = {0};
+    policy_audit_line(&a, &out);
+    cr_assert_eq(out.base[out.len - 1], '\n');
+    cr_assert_null(memchr(out.base, '\n', out.len - 1), "one line");
+    cJSON *j = cJSON_ParseWithLengthOpts(out.base, out.len + 1, NULL, 0);
+    cr_assert_not_null(j, "%s", out.base);
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "time")->valuestring, "2023-11-14T22:13:20.123Z");
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "tenant")->valuestring, "bank");
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "model")->valuestring, "m\"x");
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "upstream_fingerprint")));
+    cr_assert_eq(cJSON_GetObjectItem(j, "seed")->valuedouble, 1234);
+    cr_assert_eq(cJSON_GetObjectItem(j, "status")->valueint, 200);
+    cJSON *p = cJSON_GetObjectItem(j, "params");
+    cr_assert_eq(cJSON_GetArraySize(p), 2);
+    cJSON *p0 = cJSON_GetArrayItem(p, 0), *p1 = cJSON_GetArrayItem(p, 1);
+    cr_assert_str_eq(cJSON_GetObjectItem(p0, "action")->valuestring, "forced");
+    cr_assert_eq(cJSON_GetObjectItem(p0, "before")->valuedouble, 0.9);
+    cr_assert_eq(cJSON_GetObjectItem(p0, "after")->valuedouble, 0);
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(p1, "removed")));
+    cr_assert_null(cJSON_GetObjectItem(p1, "after"));
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "forwarded_body_sha256")->valuestring, "ab");
+    cJSON_Delete(j);
+    dp_buf_free(&out);
+
+    /* a refused request: no result */
+    a.result = NULL;
+    a.status = 400;
+    policy_audit_line(&a, &out);
+    j = cJSON_ParseWithLengthOpts(out.base, out.len + 1, NULL, 0);
+    cr_assert_not_null(j);
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "seed")));
+    cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(j, "params")), 0);
+    cJSON_Delete(j);
+    dp_buf_free(&out);
+}
