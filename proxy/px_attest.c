@@ -1,66 +1,543 @@
-/* Replica admission. Until attestation is wired in, every replica whose address resolves is
- * admitted at start. */
+/* Replica admission (SPEC §4-§6): one timer per replica re-attests it every interval_ms with a
+ * fresh nonce, and at once after a failed connection. A check is:
+ *   agent source:    GET <attest.url>?nonce=N  -> DSSE envelope -> verify (keys, nonce)
+ *   native adapter:  GET its metadata endpoints -> parse what that framework exposes
+ *   no source:       GET /v1/models must answer 200 (reachability; nothing is pinned)
+ * then attest_admit() against the pool manifest, and for admitted replicas of a manifest with a
+ * canary, the canary prompt through the same upstream code as client traffic.
+ *
+ * Per-replica state (att_t) outlives its replica by one close callback: when a replica is freed
+ * (reload, discovery) its in-flight fetches are cancelled and the timer closes, then att_t goes. */
 #include "proxy/px_attest.h"
 
+#include <netdb.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "attest/adapters.h"
+#include "attest/dsse.h"
+#include "attest/match.h"
+#include "attest/report.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "proxy/px_admin.h"
+#include "proxy/px_fetch.h"
+
+#define CANARY_MAX_BYTES (1 << 20)
+#define RECHECK_MIN_MS 100 /* connection-failure re-checks: at most this often */
+
+typedef struct {
+    attest_keyset_t keys;
+    bool stopped;
+} att_ctx_t;
+
+typedef struct att_s {
+    px_replica_t *r; /* NULL once the replica is gone */
+    px_t *px;
+    uv_timer_t timer;
+    px_upstream_t *up; /* to the agent, or to the replica for metadata (short timeouts) */
+    px_fetch_t *fetch[ATTEST_ADAPTER_MAX_PATHS];
+    dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
+    bool got[ATTEST_ADAPTER_MAX_PATHS];
+    int pending;
+    bool failed;
+    dp_buf_t fail_reason;
+    px_fetch_t *canary;
+    char nonce[33];
+    bool checking;
+    uint64_t last_check_ms;
+    attest_report_t report;
+    bool have_report;
+    attest_canary_t canary_hist;
+    char canary_last[65];
+    const cfg_pool_t *pool; /* of the generation that started the check */
+    const cfg_t *cfg;
+} att_t;
+
+static void check_start(att_t *a);
+
+static void timer_cb(uv_timer_t *t)
+{
+    check_start(t->data);
+}
+
+static att_ctx_t *ctx(px_t *px)
+{
+    return px->attest;
+}
+
+static void count(const px_replica_t *r, const char *result)
+{
+    px_metric_add(px_metrics_get("detproxy_attestations_total", "pool", r->pool_name, "replica",
+                                 r->name, "result", result, NULL),
+                  1);
+}
+
+/* The pool definition currently holding this replica (the generation may have changed). */
+static const cfg_pool_t *pool_of(px_t *px, const px_replica_t *r)
+{
+    px_pool_t *p = px_gen_pool_by_name(px->gen, r->pool_name);
+    return p ? p->cfg : NULL;
+}
+
+static void set_state(px_replica_t *r, px_replica_state_t st, const attest_reasons_t *why)
+{
+    const char *list[PX_MAX_REASONS + 1] = {0};
+    size_t n = 0;
+    for (; why && n < why->count && n < PX_MAX_REASONS; n++)
+        list[n] = why->items[n];
+    px_replica_set_state(r, st, list);
+}
+
+static void set_state1(px_replica_t *r, px_replica_state_t st, const char *reason)
+{
+    const char *list[2] = {reason, NULL};
+    px_replica_set_state(r, st, reason ? list : NULL);
+}
+
+static void schedule(att_t *a, uint64_t ms)
+{
+    if (ctx(a->px)->stopped)
+        return;
+    uv_timer_start(&a->timer, timer_cb, ms, 0);
+}
+
+static void check_end(att_t *a)
+{
+    a->checking = false;
+    if (a->r)
+        schedule(a, a->cfg->attestation.interval_ms);
+}
+
+/* ---- canary (SPEC §6) ----------------------------------------------------------------------- */
+
+static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                        const char *detail, void *data)
+{
+    att_t *a = data;
+    (void)f;
+    a->canary = NULL;
+    px_replica_t *r = a->r;
+    const cfg_pool_t *pc = pool_of(a->px, r);
+    const cfg_canary_t *can = pc && pc->manifest ? pc->manifest->canary : NULL;
+    if (can == NULL) {
+        check_end(a);
+        return;
+    }
+    const char *text = NULL;
+    cJSON *doc = NULL;
+    if (status == 200) {
+        doc = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
+        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "choices"), 0);
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(ch, "text");
+        if (cJSON_IsString(t))
+            text = t->valuestring;
+    }
+    if (text == NULL) {
+        /* No answer says nothing about the model: reachability is the metadata check's job. */
+        dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "canary_failed");
+        if (w) {
+            dp_jw_str(w, "pool", r->pool_name);
+            dp_jw_str(w, "replica", r->name);
+            dp_jw_int(w, "status", status);
+            dp_jw_str(w, "detail", status ? "no choices[0].text in the response"
+                                          : (detail ? detail : px_up_err_name(err)));
+            dp_log_end(w);
+        }
+        cJSON_Delete(doc);
+        check_end(a);
+        return;
+    }
+    bool ok = attest_canary_matches(can, text, strlen(text));
+    attest_canary_sha256(text, strlen(text), a->canary_last);
+    cJSON_Delete(doc);
+    count(r, ok ? "canary_ok" : "canary_mismatch");
+    if (attest_canary_record(&a->canary_hist, ok)) {
+        char why[160];
+        snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
+                                   "the last 3 checks",
+                 a->canary_last, can->expected_sha256);
+        set_state1(r, PX_REPLICA_REJECTED, why);
+    } else if (!ok) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "canary_mismatch");
+        if (w) {
+            dp_jw_str(w, "pool", r->pool_name);
+            dp_jw_str(w, "replica", r->name);
+            dp_jw_str(w, "got_sha256", a->canary_last);
+            dp_jw_str(w, "want_sha256", can->expected_sha256);
+            dp_log_end(w);
+        }
+    }
+    check_end(a);
+}
+
+static void canary_start(att_t *a, const cfg_pool_t *pc)
+{
+    const cfg_manifest_t *m = pc->manifest;
+    const char *model = m->model ? m->model : pc->models[0];
+    dp_buf_t body = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &body);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", model);
+    dp_jw_str(&w, "prompt", m->canary->prompt);
+    dp_jw_uint(&w, "max_tokens", m->canary->max_tokens);
+    dp_jw_int(&w, "temperature", 0);
+    dp_jw_int(&w, "seed", 0);
+    dp_jw_obj_end(&w);
+    char target[512];
+    snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
+    px_fetch_opts_t o = {.method = "POST",
+                         .hostport = a->r->url.hostport,
+                         .target = target,
+                         .bearer = pc->api_key,
+                         .body = body.base,
+                         .body_len = body.len,
+                         .max_bytes = CANARY_MAX_BYTES};
+    /* The replica's own upstream: the canary takes the path client traffic takes. */
+    a->canary = px_fetch(a->r->up, &o, canary_done, a);
+    dp_buf_free(&body);
+}
+
+/* ---- the metadata check ---------------------------------------------------------------------- */
+
+static void decide(att_t *a, attest_report_t *rep)
+{
+    px_replica_t *r = a->r;
+    const cfg_pool_t *pc = pool_of(a->px, r);
+    attest_reasons_t why = {0};
+    const cfg_manifest_t *m = pc ? pc->manifest : NULL;
+    int bad = attest_admit(m, rep, a->cfg->attestation.require_signature, &why);
+    attest_report_clear(&a->report);
+    attest_report_copy(&a->report, rep);
+    a->have_report = true;
+    r->last_attested_at = dp_wall_ms();
+    if (bad) {
+        count(r, "rejected");
+        set_state(r, PX_REPLICA_REJECTED, &why);
+        attest_reasons_free(&why);
+        attest_canary_reset(&a->canary_hist);
+        check_end(a);
+        return;
+    }
+    attest_reasons_free(&why);
+    count(r, "admitted");
+    /* A replica the canary rejected stays rejected until the canary passes again. */
+    bool canary_blocks = m && m->canary && attest_canary_rejected(&a->canary_hist);
+    if (!canary_blocks && r->state != PX_REPLICA_QUARANTINED)
+        set_state(r, PX_REPLICA_ADMITTED, NULL);
+    if (m && m->canary && r->up) {
+        canary_start(a, pc);
+        return;
+    }
+    check_end(a);
+}
+
+static void fail(att_t *a, const char *reason)
+{
+    px_replica_t *r = a->r;
+    count(r, "unreachable");
+    set_state1(r, PX_REPLICA_UNREACHABLE, reason);
+    check_end(a);
+}
+
+static void all_fetched(att_t *a)
+{
+    px_replica_t *r = a->r;
+    attest_report_t rep = {0};
+    dp_buf_t why = {0};
+    if (a->failed) {
+        fail(a, a->fail_reason.base);
+        goto out;
+    }
+    if (r->attest.source == CFG_ATTEST_NONE) {
+        rep.framework_name = NULL;
+        snprintf(rep.source, sizeof(rep.source), "none");
+        decide(a, &rep);
+        goto out;
+    }
+    if (r->attest.source == CFG_ATTEST_AGENT) {
+        attest_verify_opts_t o = {&ctx(a->px)->keys, a->cfg->attestation.require_signature,
+                                  a->nonce};
+        if (attest_envelope_verify(a->bodies[0].base ? a->bodies[0].base : "", a->bodies[0].len,
+                                   &o, &rep, &why) != 0) {
+            count(r, "rejected");
+            set_state1(r, PX_REPLICA_REJECTED, why.base ? why.base : "invalid attestation");
+            check_end(a);
+            goto out;
+        }
+        decide(a, &rep);
+        goto out;
+    }
+    const attest_adapter_t *ad = attest_adapter_for(r->attest.source);
+    dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
+    for (size_t i = 0; i < ad->npaths; i++)
+        if (a->got[i])
+            bodies[i] = (dp_iovec_t){a->bodies[i].base ? a->bodies[i].base : "", a->bodies[i].len};
+    if (ad->parse(bodies, ad->npaths, &rep, &why) != 0) {
+        count(r, "rejected");
+        set_state1(r, PX_REPLICA_REJECTED, why.base ? why.base : "unreadable metadata");
+        check_end(a);
+        goto out;
+    }
+    decide(a, &rep);
+out:
+    attest_report_clear(&rep);
+    dp_buf_free(&why);
+}
+
+static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                    const char *detail, void *data)
+{
+    att_t *a = data;
+    size_t i = 0;
+    while (i < ATTEST_ADAPTER_MAX_PATHS && a->fetch[i] != f)
+        i++;
+    a->fetch[i] = NULL;
+    a->pending--;
+    if (status == 200) {
+        a->got[i] = true;
+        dp_buf_reset(&a->bodies[i]);
+        dp_buf_append(&a->bodies[i], body->base ? body->base : "", body->len);
+    } else if (!a->failed) {
+        bool required = true;
+        if (a->r->attest.source != CFG_ATTEST_AGENT && a->r->attest.source != CFG_ATTEST_NONE) {
+            const attest_adapter_t *ad = attest_adapter_for(a->r->attest.source);
+            required = ad->required[i];
+        }
+        if (status == 0 || required) {
+            a->failed = true;
+            dp_buf_reset(&a->fail_reason);
+            if (status == 0)
+                dp_buf_printf(&a->fail_reason, "attestation fetch failed (%s): %s",
+                              px_up_err_name(err), detail ? detail : "");
+            else
+                dp_buf_printf(&a->fail_reason, "attestation endpoint answered %d", status);
+        }
+    }
+    if (a->pending == 0)
+        all_fetched(a);
+}
+
+static void check_start(att_t *a)
+{
+    px_replica_t *r = a->r;
+    if (r == NULL || a->checking || ctx(a->px)->stopped)
+        return;
+    const cfg_pool_t *pc = pool_of(a->px, r);
+    a->cfg = a->px->gen->cfg;
+    a->checking = true;
+    a->failed = false;
+    a->last_check_ms = uv_now(a->px->loop);
+    memset(a->got, 0, sizeof(a->got));
+    if (a->up == NULL) {
+        /* Nothing to connect to (the host name did not resolve). */
+        a->checking = false;
+        schedule(a, a->cfg->attestation.interval_ms);
+        return;
+    }
+    const char *bearer = pc ? pc->api_key : NULL;
+    const char *hostport = r->url.hostport;
+    char target[600];
+    const char *paths[ATTEST_ADAPTER_MAX_PATHS] = {0};
+    size_t npaths = 0;
+    if (r->attest.source == CFG_ATTEST_AGENT) {
+        uint8_t raw[16];
+        dp_random_bytes(raw, sizeof(raw));
+        dp_hex(raw, sizeof(raw), a->nonce);
+        snprintf(target, sizeof(target), "%s?nonce=%s",
+                 r->attest.url.path && r->attest.url.path[0] ? r->attest.url.path : "/attestation",
+                 a->nonce);
+        paths[npaths++] = target;
+        hostport = r->attest.url.hostport;
+    } else if (r->attest.source == CFG_ATTEST_NONE) {
+        snprintf(target, sizeof(target), "%s/v1/models", r->url.path ? r->url.path : "");
+        paths[npaths++] = target;
+    } else {
+        const attest_adapter_t *ad = attest_adapter_for(r->attest.source);
+        for (size_t i = 0; i < ad->npaths; i++)
+            paths[npaths++] = ad->paths[i];
+    }
+    a->pending = (int)npaths;
+    for (size_t i = 0; i < npaths; i++) {
+        char t[700];
+        if (r->attest.source != CFG_ATTEST_AGENT && r->attest.source != CFG_ATTEST_NONE)
+            snprintf(t, sizeof(t), "%s%s", r->url.path ? r->url.path : "", paths[i]);
+        else
+            snprintf(t, sizeof(t), "%s", paths[i]);
+        px_fetch_opts_t o = {.method = "GET",
+                             .hostport = hostport,
+                             .target = t,
+                             .bearer = bearer,
+                             .max_bytes = r->attest.source == CFG_ATTEST_AGENT
+                                              ? ATTEST_ENVELOPE_MAX_BYTES
+                                              : ATTEST_ADAPTER_MAX_BODY};
+        a->fetch[i] = px_fetch(a->up, &o, fetched, a);
+    }
+}
+
+/* ---- per-replica lifecycle ------------------------------------------------------------------ */
+
+static void att_timer_closed(uv_handle_t *h)
+{
+    att_t *a = h->data;
+    attest_report_clear(&a->report);
+    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
+        dp_buf_free(&a->bodies[i]);
+    dp_buf_free(&a->fail_reason);
+    free(a);
+}
+
+static void att_teardown(att_t *a)
+{
+    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++) {
+        if (a->fetch[i]) {
+            px_fetch_cancel(a->fetch[i]);
+            a->fetch[i] = NULL;
+        }
+    }
+    if (a->canary) {
+        px_fetch_cancel(a->canary);
+        a->canary = NULL;
+    }
+    if (a->up) {
+        px_upstream_free(a->up);
+        a->up = NULL;
+    }
+    if (a->r)
+        a->r->attest_state = NULL;
+    a->r = NULL;
+    uv_close((uv_handle_t *)&a->timer, att_timer_closed);
+}
+
+void px_attest_replica_free(px_replica_t *r)
+{
+    if (r->attest_state)
+        att_teardown(r->attest_state);
+}
+
+static void att_adopt(px_t *px, px_replica_t *r)
+{
+    if (r->attest_state || !r->resolved)
+        return;
+    att_t *a = dp_xcalloc(1, sizeof(*a));
+    a->r = r;
+    a->px = px;
+    a->cfg = px->gen->cfg;
+    r->attest_state = a;
+    uv_timer_init(px->loop, &a->timer);
+    a->timer.data = a;
+    /* Short timeouts: an attestation that takes longer than timeout_ms has failed. */
+    px_upstream_opts_t o = {0};
+    uint32_t t = px->gen->cfg->attestation.timeout_ms;
+    o.connect_timeout_ms = o.first_byte_timeout_ms = o.idle_timeout_ms = t;
+    o.max_idle = 2;
+    struct sockaddr_storage ss;
+    const struct sockaddr *addr = (const struct sockaddr *)&r->addr;
+    if (r->attest.source == CFG_ATTEST_AGENT) {
+        const cfg_url_t *u = &r->attest.url;
+        int rc = strchr(u->host, ':') ? uv_ip6_addr(u->host, u->port, (struct sockaddr_in6 *)&ss)
+                                      : uv_ip4_addr(u->host, u->port, (struct sockaddr_in *)&ss);
+        if (rc != 0) {
+            /* A host name: the replica's own address family and resolution rules apply. */
+            struct addrinfo hints = {0}, *res = NULL;
+            char port[8];
+            snprintf(port, sizeof(port), "%u", u->port);
+            hints.ai_socktype = SOCK_STREAM;
+            if (getaddrinfo(u->host, port, &hints, &res) != 0 || res == NULL) {
+                set_state1(r, PX_REPLICA_UNREACHABLE, "attestation agent host did not resolve");
+                return;
+            }
+            memcpy(&ss, res->ai_addr, res->ai_addrlen);
+            freeaddrinfo(res);
+        }
+        addr = (const struct sockaddr *)&ss;
+    }
+    a->up = px_upstream_new(px->loop, addr, &o);
+    uv_timer_start(&a->timer, timer_cb, 0, 0);
+}
+
+/* ---- module API ----------------------------------------------------------------------------- */
+
+static void load_keys(px_t *px)
+{
+    att_ctx_t *c = ctx(px);
+    attest_keyset_free(&c->keys);
+    const cfg_attestation_t *at = &px->gen->cfg->attestation;
+    for (size_t i = 0; i < at->ntrusted_keys; i++) {
+        dp_buf_t err = {0};
+        if (attest_keyset_add_file(&c->keys, at->trusted_keys[i], &err) != 0)
+            dp_log_msg(DP_LOG_ERROR, "trusted_key_unreadable", err.base);
+        dp_buf_free(&err);
+    }
+}
 
 void px_attest_start(px_t *px)
 {
+    px->attest = dp_xcalloc(1, sizeof(att_ctx_t));
     px_attest_sync(px);
 }
 
 void px_attest_sync(px_t *px)
 {
+    if (px->attest == NULL)
+        return;
+    load_keys(px);
     for (size_t i = 0; i < px->gen->npools; i++) {
         px_pool_t *p = &px->gen->pools[i];
-        for (size_t k = 0; k < p->nreplicas; k++) {
-            px_replica_t *r = p->replicas[k];
-            if (r->state == PX_REPLICA_PENDING && r->up)
-                px_replica_set_state(r, PX_REPLICA_ADMITTED, NULL);
-        }
+        for (size_t k = 0; k < p->nreplicas; k++)
+            att_adopt(px, p->replicas[k]);
     }
 }
 
 void px_attest_stop(px_t *px)
 {
-    (void)px;
+    att_ctx_t *c = ctx(px);
+    if (c == NULL || c->stopped)
+        return;
+    c->stopped = true;
+    for (size_t i = 0; px->gen && i < px->gen->npools; i++) {
+        px_pool_t *p = &px->gen->pools[i];
+        for (size_t k = 0; k < p->nreplicas; k++)
+            if (p->replicas[k]->attest_state)
+                att_teardown(p->replicas[k]->attest_state);
+    }
+    attest_keyset_free(&c->keys);
+    free(c);
+    px->attest = NULL;
 }
 
 void px_attest_connection_failed(px_t *px, px_replica_t *r)
 {
-    (void)px;
-    (void)r;
-}
-
-void px_attest_replica_free(px_replica_t *r)
-{
-    (void)r;
+    att_t *a = r->attest_state;
+    if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
+        return;
+    /* A restarted replica may come back as something else: no new requests until re-admitted. */
+    if (r->state == PX_REPLICA_ADMITTED)
+        set_state1(r, PX_REPLICA_PENDING, "re-attesting after a failed connection");
+    uint64_t now = uv_now(px->loop);
+    uint64_t since = now - a->last_check_ms;
+    schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
 }
 
 void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)
 {
-    (void)r;
-    dp_jw_null(w, "attestation");
-}
-
-int px_reload(px_t *px, const char *why)
-{
-    (void)px;
-    dp_log_msg(DP_LOG_WARN, "reload_unsupported", why);
-    return -1;
-}
-
-int px_admin_authorize(px_t *px, px_req_t *req)
-{
-    (void)px;
-    (void)req;
-    return 0;
-}
-
-int px_admin_extra_route(px_t *px, px_req_t *req)
-{
-    (void)px;
-    (void)req;
-    return -1;
+    const att_t *a = r->attest_state;
+    dp_jw_obj_begin(w, "attestation");
+    dp_jw_str(w, "source", cfg_attest_source_names[r->attest.source]);
+    if (a && a->have_report) {
+        attest_report_write_json(&a->report, w, "report");
+    } else {
+        dp_jw_null(w, "report");
+    }
+    if (a && a->canary_hist.count) {
+        dp_jw_obj_begin(w, "canary");
+        dp_jw_uint(w, "checks", a->canary_hist.count);
+        dp_jw_bool(w, "rejected", attest_canary_rejected(&a->canary_hist));
+        dp_jw_str(w, "last_output_sha256", a->canary_last);
+        dp_jw_obj_end(w);
+    }
+    dp_jw_obj_end(w);
 }

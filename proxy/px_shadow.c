@@ -28,3 +28,9 @@ void px_shadow_primary_done(void *s, int status)
     (void)s;
     (void)status;
 }
+
+void px_shadow_drift_json(px_t *px, dp_buf_t *out)
+{
+    (void)px;
+    dp_buf_appends(out, "{\"pools\":[]}");
+}

@@ -16,4 +16,7 @@ void px_shadow_primary_bytes(void *s, const char *p, size_t n);
 /* The primary is over (status 499: the client left; anything but 200 discards the sample). */
 void px_shadow_primary_done(void *s, int status);
 
+/* GET /admin/drift (SPEC §9). */
+void px_shadow_drift_json(px_t *px, dp_buf_t *out);
+
 #endif

@@ -13,7 +13,7 @@ import socket
 import tempfile
 import time
 
-from harness import SLOW, DETPROXY_BIN, get_json, http, start_process
+from harness import SLOW, DETPROXY_BIN, get_json, http, start_process, wait_http
 
 
 def replica(name, sim, **extra):
@@ -38,10 +38,11 @@ def write_config(cfg, directory=None):
 
 
 def start_proxy(pools=None, config=None, limits=None, env=None, directory=None, timeout=10,
-                extra_args=(), wrapper=(), **top):
+                extra_args=(), wrapper=(), ready=True, **top):
     """Start detproxy on ephemeral ports with the given pools (or a whole config dict).
     wrapper: argv prefix that execs the binary (e.g. ["prlimit", "--nofile=64:64"]).
     wrapper: argv prefix (e.g. ["prlimit", "--fsize=600"]).
+    ready: wait until /readyz says every pool has an admitted replica (attestation done).
     Returns the Proc with .port (proxy), .admin_port and .config_path."""
     cfg = dict(config or {})
     cfg.setdefault("listen", "127.0.0.1:0")
@@ -58,6 +59,8 @@ def start_proxy(pools=None, config=None, limits=None, env=None, directory=None, 
     p.port = p.listener_port(listener="proxy")
     p.admin_port = p.listener_port(listener="admin")
     p.config_path = path
+    if ready:
+        wait_http(p.admin_port, "/readyz", timeout=timeout)
     return p
 
 

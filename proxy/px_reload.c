@@ -1,0 +1,150 @@
+/* Live reload (SIGHUP, POST /admin/reload): validate the whole new config first; on any error
+ * keep the old one and say why. On success new requests use the new generation while in-flight
+ * ones finish on the old; replicas whose definition is unchanged are carried over with their
+ * attestation state and keep-alive connections. */
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/px_admin.h"
+#include "proxy/px_attest.h"
+#include "proxy/px_audit.h"
+#include "proxy/px_shadow.h"
+
+static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
+{
+    (void)px;
+    for (size_t i = 0; i < errs->count; i++) {
+        if (msg) {
+            if (i)
+                dp_buf_append(msg, "; ", 2);
+            dp_buf_appends(msg, errs->items[i]);
+        }
+    }
+    return (int)errs->count;
+}
+
+static bool addr_eq(const cfg_addr_t *a, const cfg_addr_t *b)
+{
+    return a->port == b->port && strcmp(a->host, b->host) == 0;
+}
+
+int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
+{
+    cfg_t *old = px->gen->cfg;
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    int rc = cfg_load(old->path, &cfg, &errs);
+    for (size_t i = 0; i < errs.nwarnings; i++)
+        dp_log_msg(DP_LOG_WARN, "config_warning", errs.warnings[i]);
+    if (rc != 0) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "reload_failed");
+        if (w) {
+            dp_jw_str(w, "trigger", why);
+            dp_jw_str(w, "detail", "configuration invalid: keeping the running one");
+            dp_jw_arr_begin(w, "errors");
+            for (size_t i = 0; i < errs.count; i++)
+                dp_jw_str(w, NULL, errs.items[i]);
+            dp_jw_arr_end(w);
+            dp_log_end(w);
+        }
+        last_reload_errors(px, &errs, msg);
+        cfg_errors_free(&errs);
+        return -1;
+    }
+    cfg_errors_free(&errs);
+    if (!addr_eq(&cfg->listen, &old->listen) || !addr_eq(&cfg->admin_listen, &old->admin_listen))
+        dp_log_msg(DP_LOG_WARN, "reload_listen_unchanged",
+                   "listen/admin_listen changes take effect only after a restart");
+    bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
+                       (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
+    px_gen_t *prev = px->gen;
+    px_gen_t *g = px_gen_new(px, cfg, prev);
+    px->gen = g;
+    px_server_limits_t lim;
+    px_server_limits_default(&lim);
+    lim.max_header_bytes = cfg->limits.max_header_bytes;
+    lim.max_headers = cfg->limits.max_headers;
+    lim.max_body_bytes = cfg->limits.max_body_bytes;
+    lim.max_connections = cfg->limits.max_connections;
+    lim.client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
+    lim.client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
+    if (px->proxy)
+        px_server_set_limits(px->proxy, &lim);
+    dp_log_set_level((dp_log_level_t)cfg->log.level);
+    if (audit_moved) {
+        if (px->audit && cfg->log.audit_path)
+            px_audit_reopen(px->audit, cfg->log.audit_path);
+        else if (cfg->log.audit_path)
+            px->audit = px_audit_open(px->loop, cfg->log.audit_path);
+    }
+    px_attest_sync(px);
+    px_gen_unref(prev);
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
+    if (w) {
+        dp_jw_str(w, "trigger", why);
+        dp_jw_uint(w, "pools", cfg->npools);
+        dp_jw_uint(w, "tenants", cfg->policy->ntenants);
+        dp_log_end(w);
+    }
+    return 0;
+}
+
+int px_reload(px_t *px, const char *why)
+{
+    return px_reload_msg(px, why, NULL);
+}
+
+/* ---- admin access and the routes other modules own ---------------------------------------- */
+
+int px_admin_authorize(px_t *px, px_req_t *req)
+{
+    const char *tok = px->gen->cfg->admin_token;
+    if (tok == NULL)
+        return 0;
+    const px_header_t *h = px_req_header(req, "authorization");
+    size_t tl = strlen(tok);
+    bool ok = false;
+    if (h && h->value.len == 7 + tl && dp_memieq(h->value.base, "Bearer ", 7))
+        ok = dp_ct_equal(h->value.base + 7, tok, tl);
+    if (ok)
+        return 0;
+    static const px_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
+    px_resp_error(req, 401, NULL, "unauthorized", NULL,
+                  "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
+    return -1;
+}
+
+static bool path_is(const px_req_t *req, const char *p)
+{
+    size_t n = strlen(p);
+    return req->path.len == n && memcmp(req->path.base, p, n) == 0;
+}
+
+int px_admin_extra_route(px_t *px, px_req_t *req)
+{
+    if (path_is(req, "/admin/reload")) {
+        if (req->method != 3 /* POST */) {
+            px_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+            return 0;
+        }
+        dp_buf_t msg = {0};
+        int rc = px_reload_msg(px, "POST /admin/reload", &msg);
+        if (rc == 0) {
+            static const char ok[] = "{\"status\":\"reloaded\"}";
+            px_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        } else {
+            px_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
+        }
+        dp_buf_free(&msg);
+        return 0;
+    }
+    if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
+        dp_buf_t b = {0};
+        px_shadow_drift_json(px, &b);
+        px_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
+    return -1;
+}
