@@ -26,7 +26,8 @@
 #include "proxy/px_fetch.h"
 
 #define CANARY_MAX_BYTES (1 << 20)
-#define RECHECK_MIN_MS 100 /* connection-failure re-checks: at most this often */
+#define RECHECK_MIN_MS 100       /* connection-failure re-checks: at most this often */
+#define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 
 typedef struct {
     attest_keyset_t keys;
@@ -107,8 +108,14 @@ static void schedule(att_t *a, uint64_t ms)
 static void check_end(att_t *a)
 {
     a->checking = false;
-    if (a->r)
-        schedule(a, a->cfg->attestation.interval_ms);
+    if (a->r == NULL)
+        return;
+    /* A replica that went away usually comes back soon (restart, reschedule): look again
+     * sooner than the interval so it is re-admitted, or caught as something else, quickly. */
+    uint32_t next = a->cfg->attestation.interval_ms;
+    if (a->r->state == PX_REPLICA_UNREACHABLE && next > UNREACHABLE_RECHECK_MS)
+        next = UNREACHABLE_RECHECK_MS;
+    schedule(a, next);
 }
 
 /* ---- canary (SPEC §6) ----------------------------------------------------------------------- */

@@ -1,0 +1,273 @@
+"""Attestation end to end (SPEC §4-§6, issue 4): only replicas whose attested identity equals the
+pool manifest get traffic; changes eject; the canary catches a replica that lies."""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+
+from harness import (DETPROXY_BIN, SIM_BIN, SLOW, get_json, http, poll_until, post_json,
+                     run_cmd, run_tests, start_process, start_sim)
+from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
+
+MODEL = "org/model-a"
+CKPT = hashlib.sha256(b"checkpoint-a").hexdigest()
+OTHER = hashlib.sha256(b"checkpoint-b").hexdigest()
+TMP = tempfile.mkdtemp(prefix="detproxy-attest-")
+
+
+def keygen(name):
+    prefix = os.path.join(TMP, name)
+    if not os.path.exists(prefix + ".key.pem"):
+        rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", prefix])
+        assert rc == 0, err
+    return prefix + ".key.pem", prefix + ".pub.pem"
+
+
+def sim(ckpt=CKPT, quant="awq", key=None, *extra):
+    flags = ["--model", MODEL, "--flavor", "vllm", "--framework-version", "0.6.3",
+             "--quantization", quant, "--dtype", "float16", "--checkpoint-sha256", ckpt]
+    if key:
+        flags += ["--attest-key", key]
+    return start_sim(*(flags + list(extra)))
+
+
+def manifest(**extra):
+    m = {"model": MODEL, "checkpoint_sha256": CKPT, "quantization": "awq", "dtype": "float16",
+         "framework": {"name": "vllm", "version": "0.6.3"}}
+    m.update(extra)
+    return m
+
+
+def agent_pool(sims, man=None, **kw):
+    p = pool("p", [MODEL], sims, manifest=man or manifest(), **kw)
+    for r, s in zip(p["replicas"], sims):
+        r["attest"] = {"source": "agent", "url": "http://127.0.0.1:%d/attestation" % s.port}
+    return p
+
+
+def attestation(interval=300, timeout=500, keys=(), require=True):
+    return {"interval_ms": interval, "timeout_ms": timeout, "require_signature": require,
+            "trusted_keys": list(keys)}
+
+
+def replicas(px):
+    return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
+
+
+def state(px, name):
+    return replicas(px)[name]["state"]
+
+
+def test_a_replica_from_another_checkpoint_never_gets_a_request():
+    key, pub = keygen("pipeline")
+    sims = [sim(key=key), sim(key=key), sim(ckpt=OTHER, key=key)]
+    px = start_proxy(pools=[agent_pool(sims)], attestation=attestation(keys=[pub]))
+    poll_until(lambda: state(px, "r3") == "rejected", what="r3 rejected")
+    for _ in range(30):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status == 200, r
+        assert r.headers["x-detproxy-replica"] in ("r1", "r2")
+    assert sim_stats(sims[2])["requests"] == 0
+    rep = replicas(px)["r3"]
+    assert any(x.startswith("checkpoint_sha256 mismatch: got " + OTHER[:8])
+               for x in rep["reasons"]), rep
+    assert rep["attestation"]["report"]["checkpoint_sha256"] == OTHER
+    assert replicas(px)["r1"]["state"] == "admitted"
+    assert metric(px, "detproxy_replica_admitted", pool="p", replica="r3") == 0
+    assert metric(px, "detproxy_replica_admitted", pool="p", replica="r1") == 1
+    assert metric(px, "detproxy_attestations_total", pool="p", replica="r3",
+                  result="rejected") >= 1
+    px.wait_log(lambda l: l.get("msg") == "replica_state" and l.get("replica") == "r3"
+                and l.get("to") == "rejected")
+    px.stop()
+
+
+def test_model_change_ejects_within_interval_plus_timeout():
+    key, pub = keygen("pipeline")
+    sims = [sim(key=key), sim(key=key)]
+    interval, timeout = 400, 300
+    px = start_proxy(pools=[agent_pool(sims)],
+                     attestation=attestation(interval=interval, timeout=timeout, keys=[pub]))
+    assert state(px, "r1") == "admitted"
+    t0 = time.monotonic()
+    sim_config(sims[0], checkpoint_sha256=OTHER)
+    poll_until(lambda: state(px, "r1") == "rejected", interval=0.01, what="r1 ejected")
+    took = time.monotonic() - t0
+    assert took <= (interval + timeout) / 1000.0 * SLOW + 0.2, took
+    print("    ejected %.0f ms after the change" % (took * 1000))
+    for _ in range(10):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.headers["x-detproxy-replica"] == "r2"
+    # Put it back: re-admitted on a later check.
+    sim_config(sims[0], checkpoint_sha256=CKPT)
+    poll_until(lambda: state(px, "r1") == "admitted", what="r1 re-admitted")
+    px.stop()
+
+
+def test_bad_agents_are_rejected_with_reasons():
+    key, pub = keygen("pipeline")
+    other_key, _ = keygen("rogue")
+    cases = {"garbage": "r1", "huge": "r2", "wrong_nonce": "r3", "bad_signature": "r4",
+             "unsigned": "r5"}
+    sims = [sim(key=key) for _ in cases]
+    sims.append(sim(key=other_key))   # r6: signed by a key nobody trusts
+    sims.append(sim(key=key))         # r7: hangs -> unreachable (timeout)
+    sims.append(sim(key=key))         # r8: healthy
+    for s, fault in zip(sims, list(cases) + [None, "hang", None]):
+        if fault:
+            sim_config(s, attest_fault=fault)
+    px = start_proxy(pools=[agent_pool(sims)], attestation=attestation(keys=[pub], timeout=400))
+    want = {"r1": "rejected", "r2": "unreachable", "r3": "rejected", "r4": "rejected",
+            "r5": "rejected", "r6": "rejected", "r7": "unreachable", "r8": "admitted"}
+    poll_until(lambda: {n: state(px, n) for n in want} == want, timeout=10,
+               what="every bad agent judged")
+    reps = replicas(px)
+    text = {n: " ".join(reps[n]["reasons"]).lower() for n in want}
+    assert "nonce" in text["r3"], text["r3"]
+    assert "signature" in text["r4"], text["r4"]
+    assert "unsigned" in text["r5"] or "signature" in text["r5"], text["r5"]
+    assert "trusted" in text["r6"], text["r6"]
+    assert "larger than" in text["r2"], text["r2"]
+    assert "timeout" in text["r7"] or "timed out" in text["r7"], text["r7"]
+    for _ in range(5):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r8"
+    px.stop()
+
+
+def test_no_admitted_replica_is_503_naming_why():
+    key, pub = keygen("pipeline")
+    sims = [sim(ckpt=OTHER, key=key), sim(quant="gptq", key=key)]
+    px = start_proxy(pools=[agent_pool(sims)], attestation=attestation(keys=[pub]), ready=False)
+    poll_until(lambda: state(px, "r1") == "rejected" and state(px, "r2") == "rejected",
+               what="both rejected")
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert r.status == 503
+    e = r.json()["error"]
+    assert e["code"] == "no_attested_replica"
+    assert "checkpoint_sha256 mismatch" in e["message"] and "quantization mismatch" in e["message"]
+    ready = http("GET", px.admin_port, "/readyz")
+    assert ready.status == 503 and ready.json()["unready_pools"][0]["pool"] == "p"
+    assert sum(sim_stats(s)["requests"] for s in sims) == 0
+    assert get_json(px.port, "/v1/models")["data"] == []
+    px.stop()
+
+
+def test_native_adapter_fails_closed_on_unattested_fields():
+    s = sim()
+    p = pool("p", [MODEL], [s], manifest=manifest())
+    p["replicas"][0]["attest"] = {"source": "vllm"}
+    px = start_proxy(pools=[p], attestation=attestation(require=False), ready=False)
+    poll_until(lambda: state(px, "r1") == "rejected", what="rejected")
+    reasons = " ".join(replicas(px)["r1"]["reasons"])
+    assert "checkpoint_sha256 unattested" in reasons and "quantization unattested" in reasons
+    px.stop()
+    # The same adapter with a manifest pinning only what vLLM exposes: admitted.
+    p["manifest"] = {"model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}}
+    px = start_proxy(pools=[p], attestation=attestation(require=False))
+    assert state(px, "r1") == "admitted"
+    # require_signature refuses any unsigned source.
+    px.stop()
+    px = start_proxy(pools=[p], attestation=attestation(require=True, keys=[keygen("k")[1]]),
+                     ready=False)
+    poll_until(lambda: state(px, "r1") == "rejected", what="unsigned rejected")
+    assert "unsigned" in " ".join(replicas(px)["r1"]["reasons"]).lower()
+    px.stop()
+
+
+def canary_for(prompt, n):
+    honest = sim()
+    r = post_json(honest.port, "/v1/completions",
+                  {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                   "seed": 0}).json()
+    honest.stop()
+    text = r["choices"][0]["text"]
+    return {"prompt": prompt, "max_tokens": n,
+            "expected_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def test_canary_catches_a_lying_replica():
+    key, pub = keygen("pipeline")
+    can = canary_for("Count: one, two,", 16)
+    honest = sim(key=key)
+    liar = sim(CKPT, "gptq", key, "--report-quantization", "awq")
+    px = start_proxy(pools=[agent_pool([honest, liar], man=manifest(canary=can))],
+                     attestation=attestation(interval=200, keys=[pub]))
+    poll_until(lambda: state(px, "r2") == "rejected", what="liar rejected by the canary")
+    reasons = " ".join(replicas(px)["r2"]["reasons"])
+    assert "canary mismatch" in reasons, reasons
+    assert replicas(px)["r2"]["attestation"]["report"]["quantization"] == "awq"  # it lied
+    assert state(px, "r1") == "admitted"
+    assert metric(px, "detproxy_attestations_total", pool="p", replica="r2",
+                  result="canary_mismatch") >= 2
+    px.stop()
+
+
+def test_replica_restarting_as_another_model_is_caught():
+    key, pub = keygen("pipeline")
+    a, b = sim(key=key), sim(key=key)
+    px = start_proxy(pools=[agent_pool([a, b])],
+                     attestation=attestation(interval=60000, keys=[pub]))  # no periodic check
+    port = a.port
+    a.stop()
+    # Traffic while it is down: connections to r1 fail, the retry rule sends them to r2, and
+    # the failure re-attests r1 at once (long before the 60 s interval).
+    for _ in range(4):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r2", r
+    poll_until(lambda: state(px, "r1") == "unreachable", what="r1 unreachable")
+    # The same address comes back serving another checkpoint.
+    a2 = start_process([SIM_BIN, "--listen", "127.0.0.1:%d" % port, "--model", MODEL,
+                        "--flavor", "vllm", "--framework-version", "0.6.3", "--quantization",
+                        "awq", "--dtype", "float16", "--checkpoint-sha256", OTHER,
+                        "--attest-key", key])
+    # Unreachable replicas are re-checked within a second: it is caught as another model.
+    poll_until(lambda: state(px, "r1") == "rejected", what="r1 re-attested and rejected")
+    assert sim_stats(a2)["requests"] == 0
+    px.stop()
+
+
+def test_agent_ejects_when_a_model_file_changes():
+    key, pub = keygen("pipeline")
+    d = os.path.join(TMP, "model-dir")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(os.path.join(d, "sub"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write('{"arch": "toy"}')
+    with open(os.path.join(d, "sub", "weights.bin"), "wb") as f:
+        f.write(os.urandom(1 << 20))
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "hash", d])
+    assert rc == 0, err
+    ckpt = out.strip().split()[0]
+    replica = start_sim("--model", MODEL, "--quantization", "awq", "--checkpoint-sha256", ckpt)
+    agent = start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                           "--model-dir", d, "--model", MODEL, "--quantization", "awq",
+                           "--dtype", "float16", "--framework", "vllm",
+                           "--framework-version", "0.6.3", "--key", key,
+                           "--watch-interval-ms", "100"], name="agent")
+    p = pool("p", [MODEL], [replica], manifest=manifest(checkpoint_sha256=ckpt))
+    p["replicas"][0]["attest"] = {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % agent.port}
+    interval, timeout = 300, 500
+    px = start_proxy(pools=[p], attestation=attestation(interval=interval, timeout=timeout,
+                                                        keys=[pub]))
+    assert state(px, "r1") == "admitted"
+    t0 = time.monotonic()
+    with open(os.path.join(d, "sub", "weights.bin"), "r+b") as f:
+        f.write(b"tampered")
+    poll_until(lambda: state(px, "r1") != "admitted", interval=0.01, what="ejected")
+    took = time.monotonic() - t0
+    print("    file change -> ejection: %.0f ms (interval %d ms + timeout %d ms + agent watch "
+          "100 ms)" % (took * 1000, interval, timeout))
+    assert took <= (interval + timeout + 100) / 1000.0 * SLOW + 0.5, took
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert r.status == 503
+    px.stop()
+    agent.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
