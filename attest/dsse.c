@@ -398,8 +398,11 @@ int attest_envelope_verify(const char *json, size_t len, const attest_verify_opt
     size_t nsigs = 0;
     const char *signer = NULL;
     dp_buf_t sink = {0};
+    static const attest_verify_opts_t strict = {.require_signature = true};
     if (why == NULL)
         why = &sink;
+    if (opts == NULL)
+        opts = &strict; /* no options: the safest reading, nothing unsigned passes */
     attest_report_clear(out);
 
     if (len > ATTEST_ENVELOPE_MAX_BYTES) {

@@ -70,7 +70,8 @@ typedef struct {
 } attest_verify_opts_t;
 
 /* Verify an envelope and parse its payload into *out (source "agent"; is_signed and keyid set
- * when a trusted signature verified).
+ * when a trusted signature verified). out must be zero-initialised or a report used before (it
+ * is cleared first, and left empty on failure). opts NULL: require a signature, trust nothing.
  *
  * Signature rules (fail closed, never a silent downgrade):
  *   - no signatures (absent or empty array): rejected with require_signature, else accepted

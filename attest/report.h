@@ -61,7 +61,8 @@ void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const ch
  *  "nonce","issued_at"}. Unreported fields are written as null. Appends to out. */
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
 
-/* Parse a payload into *out (cleared first; source set to "agent", is_signed false).
+/* Parse a payload into *out (cleared first, so zero-initialised or previously used; source set
+ * to "agent", is_signed false; left empty on failure).
  * Strict about types, lenient about extra keys (a newer agent may add fields): the root must be
  * an object; the six identity fields may each be a string, null or absent (= not reported);
  * checkpoint_sha256 must be 64 lowercase hex; nonce and issued_at must be strings.

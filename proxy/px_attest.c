@@ -322,6 +322,14 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
                               px_up_err_name(err), detail ? detail : "");
             else
                 dp_buf_printf(&a->fail_reason, "attestation endpoint answered %d", status);
+            /* An agent says why it cannot vouch (re-hashing after a change, hash failed). */
+            cJSON *doc = status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len)
+                                : NULL;
+            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetObjectItemCaseSensitive(doc, "error"), "message");
+            if (cJSON_IsString(msg))
+                dp_buf_printf(&a->fail_reason, ": %.200s", msg->valuestring);
+            cJSON_Delete(doc);
         }
     }
     if (a->pending == 0)

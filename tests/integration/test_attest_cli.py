@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""Black-box tests of `detproxy attest hash|keygen|verify|serve` against the real binary.
+
+The checkpoint hash is checked against the coreutils pipeline of SPEC §5 on a generated tree;
+signatures are checked independently with the openssl CLI; the agent is started for real and
+watched while its model directory changes under it. Python stdlib only.
+Env: DETPROXY_BIN (required), DETPROXY_SIM_BIN (optional: --framework-url tests).
+"""
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+BIN = os.environ.get("DETPROXY_BIN", "")
+SIM = os.environ.get("DETPROXY_SIM_BIN", "")
+PAYLOAD_TYPE = "application/vnd.detproxy.attestation+json"
+
+
+def run(*args, stdin=None, timeout=60):
+    p = subprocess.run([BIN, "attest", *args], input=stdin, capture_output=True, timeout=timeout)
+    return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+
+def coreutils_hash(d):
+    cmd = ("cd \"$1\" && find -L . -type f ! -path '*/.*' -printf '%P\\n' | LC_ALL=C sort"
+           " | xargs -d '\\n' sha256sum | sha256sum")
+    out = subprocess.run(["sh", "-c", cmd, "sh", d], capture_output=True, check=True,
+                         env={**os.environ, "LC_ALL": "C"}).stdout.decode()
+    return out.split()[0]
+
+
+def write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def make_tree(d):
+    """Nested dirs, dotfiles at several levels, a symlinked file and directory, a dangling
+    symlink, names with spaces and non-ASCII bytes, an empty file, a multi-MiB file."""
+    write(f"{d}/config.json", '{"architectures": ["LlamaForCausalLM"]}\n')
+    write(f"{d}/model-00001-of-00002.safetensors", os.urandom(3 << 20))
+    write(f"{d}/model-00002-of-00002.safetensors", os.urandom(1 << 20) + b"tail")
+    write(f"{d}/tokenizer/tokenizer.json", "{}")
+    write(f"{d}/tokenizer/.cache/ignored", "x")
+    write(f"{d}/.git/HEAD", "ref: refs/heads/main\n")
+    write(f"{d}/.hidden-file", "secret")
+    write(f"{d}/with space/file name.txt", "spaces\n")
+    write(f"{d}/caf\u00e9/\u00fcber.txt", "unicode\n")
+    write(f"{d}/a-b", "dash")
+    write(f"{d}/a/b", "slash")
+    write(f"{d}/empty", b"")
+    os.symlink("config.json", f"{d}/config-link.json")
+    os.symlink("tokenizer", f"{d}/tokenizer-link")
+    os.symlink("does-not-exist", f"{d}/dangling")
+
+
+class Tmp(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="dp-attest-it-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class HashTest(Tmp):
+    def test_matches_coreutils_pipeline(self):
+        d = f"{self.tmp}/model"
+        make_tree(d)
+        rc, out, err = run("hash", d)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), coreutils_hash(d))
+
+    def test_list_piped_to_sha256sum_is_the_hash(self):
+        d = f"{self.tmp}/model"
+        make_tree(d)
+        rc, listing, _ = run("hash", "--list", d)
+        self.assertEqual(rc, 0)
+        self.assertIn("  tokenizer-link/tokenizer.json\n", listing)
+        self.assertNotIn(".cache", listing)
+        self.assertNotIn("dangling", listing)
+        import hashlib
+        self.assertEqual(hashlib.sha256(listing.encode()).hexdigest(), run("hash", d)[1].strip())
+
+    def test_symlinked_model_dir(self):
+        d = f"{self.tmp}/model"
+        make_tree(d)
+        os.symlink(d, f"{self.tmp}/current")
+        self.assertEqual(run("hash", f"{self.tmp}/current")[1].strip(), coreutils_hash(d))
+
+    def test_progress_only_when_asked_or_big(self):
+        d = f"{self.tmp}/model"
+        make_tree(d)
+        rc, out, err = run("hash", d)
+        self.assertEqual(err, "", "small trees print no progress")
+        rc, out, err = run("hash", "--progress", d)
+        self.assertEqual(rc, 0)
+        self.assertRegex(err, r"hashed \d+/\d+ files, [0-9.]+/[0-9.]+ GiB \(100%\)")
+        self.assertNotIn("\r", err, "not a tty: plain lines")
+
+    def test_errors(self):
+        d = f"{self.tmp}/model"
+        make_tree(d)
+        os.symlink("..", f"{d}/tokenizer/up")
+        rc, out, err = run("hash", d)
+        self.assertEqual(rc, 3)
+        self.assertEqual(out, "")
+        self.assertIn("symlink loop", err)
+        self.assertEqual(err.count("\n"), 1, "one line")
+        rc, _, err = run("hash", f"{self.tmp}/nope")
+        self.assertEqual(rc, 3)
+        self.assertIn("No such file or directory", err)
+
+    def test_usage(self):
+        self.assertEqual(run("hash")[0], 2)
+        self.assertEqual(run("hash", "a", "b")[0], 2)
+        rc, _, err = run("hash", "--frobnicate", self.tmp)
+        self.assertEqual(rc, 2)
+        self.assertIn("unknown option '--frobnicate'", err)
+        rc, out, _ = run("hash", "--help")
+        self.assertEqual(rc, 0)
+        self.assertIn("usage: detproxy attest hash", out)
+        self.assertEqual(run("frobnicate")[0], 2)
+        self.assertEqual(run("--help")[0], 0)
+
+
+class KeysAndVerifyTest(Tmp):
+    def setUp(self):
+        super().setUp()
+        self.prefix = f"{self.tmp}/pipeline"
+        rc, out, err = run("keygen", "--out", self.prefix)
+        self.assertEqual(rc, 0, err)
+        self.keyid = out.split("keyid ")[1].strip()
+        self.priv = self.prefix + ".key.pem"
+        self.pub = self.prefix + ".pub.pem"
+
+    def envelope_from_agent(self, nonce="n-123", extra=()):
+        """Start the agent briefly and fetch one envelope."""
+        d = f"{self.tmp}/m"
+        if not os.path.isdir(d):
+            make_tree(d)
+        with Agent(d, key=self.priv, extra=extra) as a:
+            return a.get(f"/attestation?nonce={nonce}")[1], d
+
+    def test_keygen_files(self):
+        self.assertEqual(os.stat(self.priv).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.pub).st_mode & 0o777, 0o644)
+        with open(self.priv) as f:
+            self.assertIn("BEGIN PRIVATE KEY", f.read())
+        der = subprocess.run(["openssl", "pkey", "-pubin", "-in", self.pub, "-outform", "DER"],
+                             capture_output=True, check=True).stdout
+        import hashlib
+        self.assertEqual(self.keyid, hashlib.sha256(der).hexdigest())
+        rc, _, err = run("keygen", "--out", self.prefix)
+        self.assertEqual(rc, 3)
+        self.assertIn("already exists", err)
+        self.assertEqual(run("keygen")[0], 2)
+
+    def test_signature_verifies_with_openssl(self):
+        body, _ = self.envelope_from_agent()
+        env = json.loads(body)
+        payload = base64.b64decode(env["payload"])
+        t = env["payloadType"].encode()
+        pae = b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
+        write(f"{self.tmp}/pae.bin", pae)
+        write(f"{self.tmp}/sig.bin", base64.b64decode(env["signatures"][0]["sig"]))
+        p = subprocess.run(["openssl", "pkeyutl", "-verify", "-rawin", "-pubin", "-inkey",
+                            self.pub, "-in", f"{self.tmp}/pae.bin", "-sigfile",
+                            f"{self.tmp}/sig.bin"], capture_output=True)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(env["signatures"][0]["keyid"], self.keyid)
+
+    def test_verify_and_manifest(self):
+        body, d = self.envelope_from_agent(nonce="fresh-1")
+        write(f"{self.tmp}/env.json", body)
+        h = coreutils_hash(d)
+        rc, out, err = run("verify", "--envelope", f"{self.tmp}/env.json", "--pubkey", self.pub,
+                           "--nonce", "fresh-1")
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn(f"checkpoint_sha256  {h}", out)
+
+        good = {"model": "m", "checkpoint_sha256": h, "quantization": "awq", "dtype": "float16",
+                "framework": {"name": "vllm", "version": "0.6.3"}}
+        write(f"{self.tmp}/good.json", json.dumps(good))
+        rc, out, _ = run("verify", "--envelope", f"{self.tmp}/env.json", "--pubkey", self.pub,
+                         "--manifest", f"{self.tmp}/good.json")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("manifest: match", out)
+
+        bad = dict(good, checkpoint_sha256="cd34ef56" * 8, dtype="bfloat16")
+        write(f"{self.tmp}/bad.json", json.dumps(bad))
+        rc, out, _ = run("verify", "--envelope", f"{self.tmp}/env.json", "--pubkey", self.pub,
+                         "--manifest", f"{self.tmp}/bad.json", "--json")
+        self.assertEqual(rc, 1)
+        res = json.loads(out)
+        self.assertTrue(res["verified"])
+        self.assertFalse(res["manifest"]["match"])
+        self.assertEqual(res["manifest"]["reasons"],
+                         [f"checkpoint_sha256 mismatch: got {h[:8]}.. want cd34ef56..",
+                          "dtype mismatch: got float16 want bfloat16"])
+
+    def test_verify_rejections(self):
+        body, _ = self.envelope_from_agent(nonce="n-1")
+        write(f"{self.tmp}/env.json", body)
+        env = f"{self.tmp}/env.json"
+        # replay: the envelope answers another nonce
+        rc, out, _ = run("verify", "--envelope", env, "--pubkey", self.pub, "--nonce", "n-2")
+        self.assertEqual(rc, 1)
+        self.assertIn("nonce mismatch (replay?)", out)
+        # untrusted key
+        run("keygen", "--out", f"{self.tmp}/other")
+        rc, out, _ = run("verify", "--envelope", env, "--pubkey", f"{self.tmp}/other.pub.pem")
+        self.assertEqual(rc, 1)
+        self.assertIn(f"signature: key {self.keyid[:8]}.. not trusted", out)
+        # tampered payload
+        e = json.loads(body)
+        p = json.loads(base64.b64decode(e["payload"]))
+        p["quantization"] = "fp8"
+        e["payload"] = base64.b64encode(json.dumps(p).encode()).decode()
+        write(f"{self.tmp}/tampered.json", json.dumps(e))
+        rc, out, _ = run("verify", "--envelope", f"{self.tmp}/tampered.json", "--pubkey", self.pub)
+        self.assertEqual(rc, 1)
+        self.assertIn("bad signature", out)
+        # garbage, from stdin
+        rc, out, _ = run("verify", "--envelope", "-", "--pubkey", self.pub, stdin=b"\x00garbage")
+        self.assertEqual(rc, 1)
+        self.assertIn("envelope: not valid JSON", out)
+        # a 10 MB body
+        rc, out, _ = run("verify", "--envelope", "-", "--pubkey", self.pub,
+                         stdin=b"{" + b" " * (10 << 20) + b"}")
+        self.assertEqual(rc, 1)
+        self.assertIn("too large", out)
+        # files that cannot be read are runtime failures, missing flags usage errors
+        self.assertEqual(run("verify", "--envelope", f"{self.tmp}/nope", "--pubkey", self.pub)[0], 3)
+        self.assertEqual(run("verify", "--envelope", env, "--pubkey", self.priv)[0], 3)
+        self.assertEqual(run("verify", "--envelope", env)[0], 2)
+
+
+class Agent:
+    """`detproxy attest serve` on a free port; stderr (JSON lines) collected in the background."""
+
+    def __init__(self, model_dir, key=None, extra=(), framework=("vllm", "0.6.3"), ready=True):
+        args = [BIN, "attest", "serve", "--listen", "127.0.0.1:0", "--model-dir", model_dir,
+                "--model", "m", "--quantization", "awq", "--dtype", "float16",
+                "--watch-interval-ms", "100"]
+        if framework:
+            args += ["--framework", framework[0], "--framework-version", framework[1]]
+        if key:
+            args += ["--key", key]
+        self.args = args + list(extra)
+        self.lines = []
+        self.ready = ready
+
+    def __enter__(self):
+        self.p = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        first = self.p.stderr.readline().decode()
+        self.lines.append(first)
+        while '"listening"' not in first:
+            if not first:
+                raise RuntimeError("agent exited: " + "".join(self.lines))
+            first = self.p.stderr.readline().decode()
+            self.lines.append(first)
+        self.port = json.loads(first)["port"]
+        threading.Thread(target=self._drain, daemon=True).start()
+        if self.ready:
+            self.wait_ready()
+        return self
+
+    def _drain(self):
+        for line in self.p.stderr:
+            self.lines.append(line.decode())
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def wait_ready(self, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            st, body = self.get("/attestation?nonce=probe")
+            if st == 200:
+                return body
+            time.sleep(0.05)
+        raise AssertionError("agent never ready: " + "".join(self.lines))
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(timeout=30)
+
+    def __exit__(self, *exc):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.p.stderr.close()
+
+
+def payload_of(body):
+    return json.loads(base64.b64decode(json.loads(body)["payload"]))
+
+
+class ServeTest(Tmp):
+    def test_answers_and_stops_cleanly(self):
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        with Agent(d) as a:
+            st, body = a.get("/attestation?nonce=abc-123")
+            self.assertEqual(st, 200)
+            env = json.loads(body)
+            self.assertEqual(env["payloadType"], PAYLOAD_TYPE)
+            self.assertEqual(env["signatures"], [], "no --key: unsigned")
+            p = payload_of(body)
+            self.assertEqual(p["nonce"], "abc-123")
+            self.assertEqual(p["checkpoint_sha256"], coreutils_hash(d))
+            self.assertEqual(p["framework"], {"name": "vllm", "version": "0.6.3"})
+            self.assertEqual(a.get("/attestation")[0], 400)
+            self.assertEqual(a.get("/attestation?nonce=a%20b")[0], 400)
+            self.assertEqual(a.get("/attestation?nonce=" + "x" * 129)[0], 400)
+            self.assertEqual(a.get("/nope")[0], 404)
+            self.assertEqual(a.get("/healthz")[0], 200)
+            self.assertEqual(a.stop(), 0)
+
+    def test_model_change_is_seen_and_rehashed(self):
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        with Agent(d) as a:
+            before = payload_of(a.get("/attestation?nonce=n1")[1])["checkpoint_sha256"]
+            t0 = time.time()
+            with open(f"{d}/model-00002-of-00002.safetensors", "ab") as f:
+                f.write(b"swapped weights")
+            after = before
+            while time.time() - t0 < 20 and after == before:
+                st, body = a.get("/attestation?nonce=n2")
+                if st == 503:  # caught between the change and the new hash
+                    self.assertIn("re-hashing", json.loads(body)["error"]["message"])
+                elif st == 200:
+                    after = payload_of(body)["checkpoint_sha256"]
+                time.sleep(0.01)
+            self.assertNotEqual(after, before, "".join(a.lines))
+            self.assertEqual(after, coreutils_hash(d))
+            self.assertTrue(any('"model_changed"' in l for l in a.lines), "".join(a.lines))
+            self.assertLess(time.time() - t0, 10, "the new hash must not be late")
+
+    def test_unhashable_dir_answers_503_with_reason(self):
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        os.symlink("..", f"{d}/tokenizer/up")
+        with Agent(d, ready=False) as a:
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                st, body = a.get("/attestation?nonce=n")
+                if st == 503 and "symlink loop" in body:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(st, 503, body)
+            self.assertEqual(json.loads(body)["error"]["code"], "hash_failed")
+            # fixed on disk: the retry (1 s, then backing off) picks it up
+            os.unlink(f"{d}/tokenizer/up")
+            a.wait_ready()
+
+    def test_usage_errors(self):
+        base = ["serve", "--listen", "127.0.0.1:0", "--model-dir", self.tmp, "--model", "m"]
+        self.assertEqual(run(*base)[0], 2, "framework missing")
+        self.assertEqual(run(*base, "--framework", "vllm", "--framework-version", "1",
+                             "--listen", "nonsense")[0], 2)
+        self.assertEqual(run(*base, "--framework", "vllm", "--framework-version", "1",
+                             "--watch-interval-ms", "abc")[0], 2)
+        self.assertEqual(run(*base, "--framework-url", "http://127.0.0.1:1",
+                             "--framework", "ollama")[0], 2)
+        rc, _, err = run(*base, "--framework", "vllm", "--framework-version", "1",
+                         "--key", f"{self.tmp}/nope.pem")
+        self.assertEqual(rc, 3, err)
+        self.assertEqual(run("serve", "--help")[0], 0)
+
+    @unittest.skipUnless(SIM and os.path.exists(SIM), "DETPROXY_SIM_BIN not built")
+    def test_framework_url_reads_the_colocated_server(self):
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        for flavor, want in (("vllm", "vllm"), ("tgi", "tgi"), ("sglang", "sglang"),
+                             ("llamacpp", "llamacpp")):
+            sim = subprocess.Popen([SIM, "--listen", "127.0.0.1:0", "--flavor", flavor,
+                                    "--framework-version", "9.9.9"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                port = json.loads(sim.stderr.readline().decode())["port"]
+                with Agent(d, framework=None,
+                           extra=["--framework-url", f"http://127.0.0.1:{port}"]) as a:
+                    deadline = time.time() + 10
+                    fw = None
+                    while time.time() < deadline:
+                        fw = payload_of(a.get("/attestation?nonce=n")[1])["framework"]
+                        if fw["name"]:
+                            break
+                        time.sleep(0.05)
+                    self.assertEqual(fw["name"], want, flavor)
+                    self.assertTrue(fw["version"].startswith("9.9.9"), fw)
+            finally:
+                sim.kill()
+                sim.wait()
+                sim.stderr.close()
+
+    def test_framework_url_unreachable_reports_nothing(self):
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        with Agent(d, framework=None, extra=["--framework-url", "http://127.0.0.1:9"]) as a:
+            time.sleep(0.5)
+            fw = payload_of(a.get("/attestation?nonce=n")[1])["framework"]
+            self.assertEqual(fw, {"name": None, "version": None})
+
+
+if __name__ == "__main__":
+    if not BIN:
+        print("DETPROXY_BIN not set", file=sys.stderr)
+        sys.exit(2)
+    unittest.main(verbosity=2)
