@@ -53,6 +53,7 @@ struct px_replica_s {
     struct sockaddr_storage addr;
     bool resolved;
     px_upstream_t *up;
+    px_upstream_t *shadow_up; /* shadow copies use their own connections (lazily created) */
     px_replica_state_t state;
     char *reasons[PX_MAX_REASONS];
     size_t nreasons;

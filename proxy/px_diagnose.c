@@ -1,12 +1,967 @@
-/* `detproxy diagnose` (SPEC §11). */
-#include <stdio.h>
+/* `detproxy diagnose -c CONFIG [--pool P] [--prompt TEXT] [--repeat N] [--concurrency C]
+ * [--json]` (SPEC §11): the isolation steps for "same prompt, different outputs", run against
+ * one pool's replicas directly (no balancing, no policy rewrite), then a verdict.
+ *
+ * This file does the I/O: flags, config, a private uv loop, and every request, through the same
+ * client code the proxy uses (px_fetch over px_upstream), so timeouts and framing checks are the
+ * proxy's. Steps run one after another; within a step, replicas run in parallel:
+ *   1  attestation fetches, all at once (agent envelope / native adapter / GET /v1/models);
+ *   2  per replica, 4 completions one at a time (unseeded x2, seeded x2);
+ *   3a per replica, --repeat completions at temperature 0, one at a time;
+ *   3b per replica, --repeat completions at temperature 0, --concurrency in flight.
+ * "One at a time" is per serving endpoint: two replicas configured with the same host:port share
+ * one lane, so a sequential phase never puts two requests on one server. A replica that refuses
+ * two connections in a row is given up (its remaining requests are skipped, not timed out).
+ * px_diagnose_report.c judges the collected results and prints them. */
+#include "proxy/px_diagnose.h"
 
+#include <netdb.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <uv.h>
+
+#include "attest/adapters.h"
+#include "attest/dsse.h"
+#include "attest/match.h"
+#include "common/util.h"
 #include "proxy/cli.h"
+#include "proxy/drift/drift.h"
+#include "proxy/px.h"
+#include "proxy/px_fetch.h"
+
+#define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
+#define GIVE_UP_CONNECT_FAILURES 2
+#define DISCOVERY_MAX 256 /* addresses taken from one discovery name */
+
+typedef struct dg_s dg_t;
+
+/* Per-replica I/O state. */
+typedef struct {
+    dg_t *d;
+    size_t idx;
+    bool tls, agent_tls;
+    char *hostport, *path; /* the replica's base URL */
+    char *agent_hostport, *agent_path;
+    px_upstream_t *up;     /* completions */
+    px_upstream_t *att_up; /* attestation: the agent, or the replica itself (short timeouts) */
+    size_t lane;           /* replicas with the same hostport share a lane */
+    /* step 1 */
+    px_fetch_t *af[ATTEST_ADAPTER_MAX_PATHS];
+    dp_buf_t abody[ATTEST_ADAPTER_MAX_PATHS];
+    bool agot[ATTEST_ADAPTER_MAX_PATHS];
+    int apending;
+    bool afailed;
+    dp_buf_t afail;
+    char nonce[33];
+    /* steps 2 and 3: the current phase's jobs */
+    px_dg_out_t **outs;
+    const dp_buf_t **bodies;
+    size_t njobs, next, inflight, pdone;
+    unsigned connect_failures;
+} rio_t;
+
+typedef struct {
+    rio_t *io;
+    px_dg_out_t *out;
+} job_t;
+
+struct dg_s {
+    uv_loop_t loop;
+    const cfg_t *cfg;
+    const cfg_pool_t *pool;
+    attest_keyset_t keys;
+    px_dg_run_t run;
+    rio_t *io;
+    size_t *lane_busy; /* in-flight requests per lane */
+    /* the current phase */
+    const char *phase;
+    bool sequential;
+    unsigned limit;
+    size_t total, done;
+    bool json;
+    dp_buf_t body_t0, body_unseeded, body_seeded;
+};
+
+/* ---- progress (stderr) ------------------------------------------------------------------------ */
+
+static void progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void progress(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("diagnose: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* ---- step 1: attestation ------------------------------------------------------------------------ */
+
+static void att_finish(rio_t *io)
+{
+    dg_t *d = io->d;
+    px_dg_replica_t *r = &d->run.r[io->idx];
+    dp_buf_t why = {0};
+    attest_report_t rep = {0};
+    if (io->afailed) {
+        r->att_err = dp_xstrdup(io->afail.base ? io->afail.base : "attestation failed");
+    } else if (r->source == CFG_ATTEST_NONE) {
+        /* Nothing to attest: /v1/models answering is reachability, and names the model. */
+        cJSON *doc = cJSON_ParseWithLength(io->abody[0].base ? io->abody[0].base : "",
+                                           io->abody[0].len);
+        const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "data"), 0);
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(m, "id");
+        if (cJSON_IsString(id))
+            attest_report_set(&rep, ATTEST_F_MODEL, id->valuestring);
+        cJSON_Delete(doc);
+        snprintf(rep.source, sizeof(rep.source), "none");
+        r->att_ok = true;
+    } else if (r->source == CFG_ATTEST_AGENT) {
+        attest_verify_opts_t o = {&d->keys, d->cfg->attestation.require_signature, io->nonce};
+        if (attest_envelope_verify(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len,
+                                   &o, &rep, &why) == 0)
+            r->att_ok = true;
+        else
+            r->att_err = dp_xstrdup(why.base ? why.base : "invalid attestation");
+    } else {
+        const attest_adapter_t *ad = attest_adapter_for(r->source);
+        dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
+        for (size_t i = 0; i < ad->npaths; i++)
+            if (io->agot[i])
+                bodies[i] = (dp_iovec_t){io->abody[i].base ? io->abody[i].base : "",
+                                         io->abody[i].len};
+        if (ad->parse(bodies, ad->npaths, &rep, &why) == 0)
+            r->att_ok = true;
+        else
+            r->att_err = dp_xstrdup(why.base ? why.base : "unreadable metadata");
+    }
+    if (r->att_ok) {
+        attest_report_copy(&r->report, &rep);
+        r->admitted = attest_admit(d->pool->manifest, &rep, d->cfg->attestation.require_signature,
+                                   &r->admit_reasons) == 0;
+        dp_buf_t line = {0};
+        dp_buf_printf(&line, "[1/4] %s: %s", r->name,
+                      r->source == CFG_ATTEST_NONE ? "reachable (no attestation source)"
+                      : rep.is_signed              ? "attested, signed"
+                                                   : "attested, unsigned");
+        for (size_t f = ATTEST_F_CHECKPOINT; f < ATTEST_F__COUNT; f++) {
+            const char *v = attest_report_get(&rep, (attest_field_t)f);
+            if (v) {
+                dp_buf_appendc(&line, ' ');
+                attest_abbrev(v, &line);
+            }
+        }
+        progress("%s", line.base);
+        dp_buf_free(&line);
+    } else {
+        progress("[1/4] %s: not attested: %s", r->name, r->att_err);
+    }
+    attest_report_clear(&rep);
+    dp_buf_free(&why);
+    if (++d->done == d->total)
+        uv_stop(&d->loop);
+}
+
+static void att_fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                        const char *detail, void *data)
+{
+    rio_t *io = data;
+    px_dg_replica_t *r = &io->d->run.r[io->idx];
+    size_t i = 0;
+    while (i < ATTEST_ADAPTER_MAX_PATHS && io->af[i] != f)
+        i++;
+    io->af[i] = NULL;
+    io->apending--;
+    if (status == 200) {
+        io->agot[i] = true;
+        dp_buf_append(&io->abody[i], body->base ? body->base : "", body->len);
+    } else if (!io->afailed) {
+        bool required = true;
+        if (r->source != CFG_ATTEST_AGENT && r->source != CFG_ATTEST_NONE)
+            required = attest_adapter_for(r->source)->required[i];
+        if (status == 0 || required) {
+            io->afailed = true;
+            if (status == 0)
+                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s",
+                              px_up_err_name(err), detail ? detail : "");
+            else
+                dp_buf_printf(&io->afail, "attestation endpoint answered %d", status);
+            cJSON *doc = status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len)
+                                : NULL;
+            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetObjectItemCaseSensitive(doc, "error"), "message");
+            if (cJSON_IsString(msg))
+                dp_buf_printf(&io->afail, ": %.200s", msg->valuestring);
+            cJSON_Delete(doc);
+        }
+    }
+    if (io->apending == 0)
+        att_finish(io);
+}
+
+/* Start one replica's attestation; returns false when nothing was started (already judged). */
+static bool att_start(rio_t *io)
+{
+    dg_t *d = io->d;
+    px_dg_replica_t *r = &d->run.r[io->idx];
+    if (io->att_up == NULL) {
+        if (r->att_err == NULL)
+            r->att_err = dp_xstrdup(r->skip_reason ? r->skip_reason : "not reachable");
+        progress("[1/4] %s: not attested: %s", r->name, r->att_err);
+        return false;
+    }
+    const char *paths[ATTEST_ADAPTER_MAX_PATHS] = {0};
+    char agent_target[600];
+    size_t npaths = 0;
+    if (r->source == CFG_ATTEST_AGENT) {
+        uint8_t raw[16];
+        dp_random_bytes(raw, sizeof(raw));
+        dp_hex(raw, sizeof(raw), io->nonce);
+        snprintf(agent_target, sizeof(agent_target), "%s?nonce=%s",
+                 io->agent_path[0] ? io->agent_path : "/attestation", io->nonce);
+        paths[npaths++] = agent_target;
+    } else if (r->source == CFG_ATTEST_NONE) {
+        paths[npaths++] = "/v1/models";
+    } else {
+        const attest_adapter_t *ad = attest_adapter_for(r->source);
+        for (size_t i = 0; i < ad->npaths; i++)
+            paths[npaths++] = ad->paths[i];
+    }
+    io->apending = (int)npaths;
+    for (size_t i = 0; i < npaths; i++) {
+        char t[700];
+        bool agent = r->source == CFG_ATTEST_AGENT;
+        snprintf(t, sizeof(t), "%s%s", agent ? "" : io->path, paths[i]);
+        px_fetch_opts_t o = {.method = "GET",
+                             .hostport = agent ? io->agent_hostport : io->hostport,
+                             .target = t,
+                             .bearer = d->pool->api_key,
+                             .max_bytes = agent ? ATTEST_ENVELOPE_MAX_BYTES
+                                                : ATTEST_ADAPTER_MAX_BODY};
+        io->af[i] = px_fetch(io->att_up, &o, att_fetched, io);
+    }
+    return true;
+}
+
+static void step_metadata(dg_t *d)
+{
+    progress("[1/4] metadata: fetching %zu attestation%s", d->run.n, d->run.n == 1 ? "" : "s");
+    d->total = d->done = 0;
+    for (size_t i = 0; i < d->run.n; i++)
+        d->total += att_start(&d->io[i]);
+    if (d->total)
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+}
+
+/* ---- steps 2 and 3: completions ------------------------------------------------------------------ */
+
+static void pump(dg_t *d);
+
+static void out_error(px_dg_out_t *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void out_error(px_dg_out_t *o, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    o->err = dp_xmalloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(o->err, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+}
+
+static void phase_replica_done(rio_t *io)
+{
+    px_dg_replica_t *r = &io->d->run.r[io->idx];
+    size_t ok = 0;
+    const char *err = NULL;
+    for (size_t i = 0; i < io->njobs; i++) {
+        ok += io->outs[i]->ok;
+        if (!io->outs[i]->ok && err == NULL)
+            err = io->outs[i]->err;
+    }
+    if (ok == io->njobs)
+        progress("%s %s: %zu/%zu ok", io->d->phase, r->name, ok, io->njobs);
+    else
+        progress("%s %s: %zu/%zu ok (first error: %s)", io->d->phase, r->name, ok, io->njobs,
+                 err ? err : "?");
+}
+
+static void job_finished(rio_t *io)
+{
+    dg_t *d = io->d;
+    io->pdone++;
+    d->done++;
+    if (io->pdone == io->njobs)
+        phase_replica_done(io);
+}
+
+/* A message for a non-200 answer: the OpenAI-shaped error's message when there is one. */
+static void http_error(px_dg_out_t *o, int status, const dp_buf_t *body)
+{
+    cJSON *doc = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "error");
+    const cJSON *msg = cJSON_IsObject(e) ? cJSON_GetObjectItemCaseSensitive(e, "message") : e;
+    if (!cJSON_IsString(msg))
+        msg = cJSON_GetObjectItemCaseSensitive(doc, "detail");
+    if (cJSON_IsString(msg)) {
+        dp_buf_t s = {0};
+        attest_abbrev(msg->valuestring, &s); /* sanitised and cut: it is the replica's text */
+        out_error(o, "HTTP %d: %s", status, s.base);
+        dp_buf_free(&s);
+    } else {
+        out_error(o, "HTTP %d", status);
+    }
+    cJSON_Delete(doc);
+}
+
+static void job_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                     const char *detail, void *data)
+{
+    job_t *j = data;
+    rio_t *io = j->io;
+    dg_t *d = io->d;
+    px_dg_out_t *o = j->out;
+    (void)f;
+    free(j);
+    o->done = true;
+    d->lane_busy[io->lane]--;
+    io->inflight--;
+    if (status == 200) {
+        drift_output_t out = {0};
+        if (drift_extract_json(body->base ? body->base : "", body->len, OUTPUT_MAX_BYTES, &out) ==
+            0) {
+            o->ok = true;
+            o->len = out.text.len;
+            o->text = dp_buf_steal(&out.text);
+        } else {
+            out_error(o, "HTTP 200 without a completion in the body");
+        }
+        drift_output_free(&out);
+    } else if (status != 0) {
+        http_error(o, status, body);
+    } else {
+        out_error(o, "%s%s%s", px_up_err_name(err), detail && *detail ? ": " : "",
+                  detail ? detail : "");
+    }
+    io->connect_failures = status == 0 && err == PX_UP_CONNECT ? io->connect_failures + 1 : 0;
+    px_dg_replica_t *r = &d->run.r[io->idx];
+    if (io->connect_failures >= GIVE_UP_CONNECT_FAILURES && r->skip_reason == NULL) {
+        dp_buf_t why = {0};
+        dp_buf_printf(&why, "unreachable (%s)", o->err);
+        r->skip_reason = dp_buf_steal(&why);
+        progress("%s %s: %s: skipping its remaining requests", d->phase, r->name, r->skip_reason);
+    }
+    job_finished(io);
+    pump(d);
+    if (d->done == d->total)
+        uv_stop(&d->loop);
+}
+
+static void job_start(rio_t *io, size_t k)
+{
+    dg_t *d = io->d;
+    job_t *j = dp_xcalloc(1, sizeof(*j));
+    j->io = io;
+    j->out = io->outs[k];
+    char target[600];
+    snprintf(target, sizeof(target), "%s/v1/completions", io->path);
+    px_fetch_opts_t o = {.method = "POST",
+                         .hostport = io->hostport,
+                         .target = target,
+                         .bearer = d->pool->api_key,
+                         .body = io->bodies[k]->base,
+                         .body_len = io->bodies[k]->len,
+                         .max_bytes = OUTPUT_MAX_BYTES};
+    io->inflight++;
+    d->lane_busy[io->lane]++;
+    px_fetch(io->up, &o, job_done, j);
+}
+
+/* Start what the phase allows: one request per lane when sequential, else `limit` per replica.
+ * Jobs of a replica given up on are settled at once as skipped. */
+static void pump(dg_t *d)
+{
+    for (size_t i = 0; i < d->run.n; i++) {
+        rio_t *io = &d->io[i];
+        const char *skip = d->run.r[i].skip_reason;
+        while (io->next < io->njobs) {
+            if (skip) {
+                px_dg_out_t *o = io->outs[io->next++];
+                o->done = true;
+                out_error(o, "skipped: %s", skip);
+                job_finished(io);
+                continue;
+            }
+            if (d->sequential ? d->lane_busy[io->lane] > 0 : io->inflight >= d->limit)
+                break;
+            job_start(io, io->next++);
+        }
+    }
+}
+
+/* Run one phase: jobs(d, i, k) gives replica i's k-th output slot and body. */
+static void run_phase(dg_t *d, const char *label, bool sequential, size_t njobs,
+                      px_dg_out_t *(*slot)(px_dg_replica_t *r, size_t k),
+                      const dp_buf_t *(*body)(dg_t *d, size_t k))
+{
+    d->phase = label;
+    d->sequential = sequential;
+    d->limit = d->run.concurrency;
+    d->total = d->done = 0;
+    for (size_t i = 0; i < d->run.n; i++) {
+        rio_t *io = &d->io[i];
+        io->outs = dp_xcalloc(njobs, sizeof(*io->outs));
+        io->bodies = dp_xcalloc(njobs, sizeof(*io->bodies));
+        for (size_t k = 0; k < njobs; k++) {
+            io->outs[k] = slot(&d->run.r[i], k);
+            io->bodies[k] = body(d, k);
+        }
+        io->njobs = njobs;
+        io->next = io->inflight = io->pdone = 0;
+        d->total += njobs;
+    }
+    pump(d);
+    if (d->done < d->total)
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+    for (size_t i = 0; i < d->run.n; i++) {
+        free(d->io[i].outs);
+        free(d->io[i].bodies);
+        d->io[i].outs = NULL;
+        d->io[i].bodies = NULL;
+        d->io[i].njobs = 0;
+    }
+}
+
+static px_dg_out_t *slot_sampling(px_dg_replica_t *r, size_t k)
+{
+    return &r->sampling[k];
+}
+
+static px_dg_out_t *slot_seq(px_dg_replica_t *r, size_t k)
+{
+    return &r->seq[k];
+}
+
+static px_dg_out_t *slot_conc(px_dg_replica_t *r, size_t k)
+{
+    return &r->conc[k];
+}
+
+static const dp_buf_t *body_sampling(dg_t *d, size_t k)
+{
+    return k < 2 ? &d->body_unseeded : &d->body_seeded;
+}
+
+static const dp_buf_t *body_t0(dg_t *d, size_t k)
+{
+    (void)k;
+    return &d->body_t0;
+}
+
+/* A completions body; temperature < 0 means 0 as an integer (how clients usually send it). */
+static void build_body(dg_t *d, dp_buf_t *out, double temperature, bool seeded)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", d->run.model);
+    dp_jw_str(&w, "prompt", d->run.prompt);
+    dp_jw_int(&w, "max_tokens", PX_DG_MAX_TOKENS);
+    if (temperature <= 0)
+        dp_jw_int(&w, "temperature", 0);
+    else
+        dp_jw_double(&w, "temperature", temperature);
+    if (seeded)
+        dp_jw_int(&w, "seed", PX_DG_SEED);
+    dp_jw_obj_end(&w);
+}
+
+/* ---- replicas ------------------------------------------------------------------------------------- */
+
+/* Numeric address or a host name (getaddrinfo blocks: fine in a one-shot command). */
+static int resolve(const char *host, uint16_t port, struct sockaddr_storage *ss)
+{
+    memset(ss, 0, sizeof(*ss));
+    if (uv_ip4_addr(host, port, (struct sockaddr_in *)ss) == 0 ||
+        uv_ip6_addr(host, port, (struct sockaddr_in6 *)ss) == 0)
+        return 0;
+    struct addrinfo hints = {0}, *res = NULL;
+    char ports[8];
+    snprintf(ports, sizeof(ports), "%u", port);
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host, ports, &hints, &res) != 0 || res == NULL)
+        return -1;
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return 0;
+}
+
+static void replica_add(dg_t *d, const char *name, bool tls, const char *host, uint16_t port,
+                        const char *hostport, const char *path, cfg_attest_source_t source,
+                        const cfg_url_t *agent)
+{
+    size_t i = d->run.n++;
+    px_dg_replica_t *r = &d->run.r[i];
+    rio_t *io = &d->io[i];
+    r->name = dp_xstrdup(name);
+    dp_buf_t u = {0};
+    dp_buf_printf(&u, "%s://%s%s", tls ? "https" : "http", hostport, path ? path : "");
+    r->url = dp_buf_steal(&u);
+    r->source = source;
+    r->seq = dp_xcalloc(d->run.repeat, sizeof(px_dg_out_t));
+    r->conc = dp_xcalloc(d->run.repeat, sizeof(px_dg_out_t));
+    io->d = d;
+    io->idx = i;
+    io->tls = tls;
+    io->hostport = dp_xstrdup(hostport);
+    io->path = dp_xstrdup(path ? path : "");
+    io->agent_hostport = dp_xstrdup(agent && agent->hostport ? agent->hostport : "");
+    io->agent_path = dp_xstrdup(agent && agent->path ? agent->path : "");
+    io->lane = i;
+    for (size_t k = 0; k < i; k++)
+        if (strcmp(d->io[k].hostport, hostport) == 0) {
+            io->lane = d->io[k].lane;
+            break;
+        }
+
+    /* TLS to upstreams (SPEC §13) is not in this build's client yet: say so, do not speak
+     * plaintext to an https port. */
+    const char *no_tls = "https is not supported by this build's upstream client";
+    px_upstream_opts_t o;
+    px_replica_upstream_opts(d->cfg, &o);
+    o.max_idle = d->run.concurrency + 2;
+    struct sockaddr_storage ss;
+    if (tls) {
+        r->skip_reason = dp_xstrdup(no_tls);
+    } else if (resolve(host, port, &ss) != 0) {
+        dp_buf_t why = {0};
+        dp_buf_printf(&why, "host name '%s' did not resolve", host);
+        r->skip_reason = dp_buf_steal(&why);
+    } else {
+        io->up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &o);
+    }
+    /* Attestation: short timeouts, as the proxy uses; an agent may live elsewhere. */
+    px_upstream_opts_t ao = {0};
+    ao.connect_timeout_ms = ao.first_byte_timeout_ms = ao.idle_timeout_ms =
+        d->cfg->attestation.timeout_ms;
+    ao.max_idle = 2;
+    if (source == CFG_ATTEST_AGENT) {
+        if (agent->tls) {
+            r->att_err = dp_xstrdup(no_tls);
+        } else if (resolve(agent->host, agent->port, &ss) != 0) {
+            dp_buf_t why = {0};
+            dp_buf_printf(&why, "agent host name '%s' did not resolve", agent->host);
+            r->att_err = dp_buf_steal(&why);
+        } else {
+            io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+        }
+    } else if (io->up) {
+        io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+    }
+}
+
+/* A discovery pool: every A/AAAA record of the name is a replica, named by its address. */
+static int discover(dg_t *d, const cfg_discovery_t *disc)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(disc->dns, NULL, &hints, &res);
+    if (rc != 0) {
+        fprintf(stderr, "detproxy diagnose: pool \"%s\": discovery name '%s' did not resolve: %s\n",
+                d->pool->name, disc->dns, gai_strerror(rc));
+        return -1;
+    }
+    size_t start = d->run.n;
+    for (struct addrinfo *a = res; a && d->run.n - start < DISCOVERY_MAX; a = a->ai_next) {
+        char host[INET6_ADDRSTRLEN] = "";
+        if (getnameinfo(a->ai_addr, a->ai_addrlen, host, sizeof(host), NULL, 0,
+                        NI_NUMERICHOST) != 0)
+            continue;
+        bool dup = false;
+        for (size_t i = 0; i < d->run.n && !dup; i++)
+            dup = strcmp(d->run.r[i].name, host) == 0;
+        if (dup)
+            continue;
+        bool v6 = strchr(host, ':') != NULL;
+        char hostport[INET6_ADDRSTRLEN + 10], agent_hp[INET6_ADDRSTRLEN + 10];
+        snprintf(hostport, sizeof(hostport), v6 ? "[%s]:%u" : "%s:%u", host, disc->port);
+        snprintf(agent_hp, sizeof(agent_hp), v6 ? "[%s]:%u" : "%s:%u", host, disc->attest_port);
+        cfg_url_t agent = {.tls = false,
+                           .host = host,
+                           .port = disc->attest_port,
+                           .path = "/attestation",
+                           .hostport = agent_hp};
+        replica_add(d, host, false, host, disc->port, hostport, "", disc->attest_source, &agent);
+    }
+    freeaddrinfo(res);
+    return 0;
+}
+
+/* ---- command line ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *config, *pool, *prompt;
+    unsigned repeat, concurrency;
+    bool json;
+} opts_t;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: detproxy diagnose -c CONFIG [--pool P] [--prompt TEXT] [--repeat N]\n"
+            "                         [--concurrency C] [--json]\n"
+            "\n"
+            "Find out why the same prompt gets different outputs from one pool, by running the\n"
+            "isolation steps against its replicas directly (no balancing, no policy rewrite):\n"
+            "  1 metadata  fetch each replica's attestation; compare checkpoint, quantization,\n"
+            "              dtype and framework across replicas (and with the manifest)\n"
+            "  2 sampling  the prompt twice at temperature %.1f without a seed, then twice with\n"
+            "              seed %d: does unseeded sampling vary, are seeds honoured?\n"
+            "  3 single    the prompt N times at temperature 0 to each replica, one at a time,\n"
+            "              then N more with C in flight: distinct outputs per replica\n"
+            "  4 across    do the replicas' temperature-0 outputs agree?\n"
+            "Tables go to stdout and progress to stderr. The last lines are one\n"
+            "'verdict: <cause>: <detail>' per cause found, or 'verdict: consistent'.\n"
+            "Causes: cross_replica_drift, nondeterministic_replica, batching_nondeterminism,\n"
+            "seed_ignored, unseeded_sampling, unattested_replica, replica_error\n"
+            "(docs/diagnose.md has the rules).\n"
+            "\n"
+            "options:\n"
+            "  -c, --config FILE    config file, as for 'detproxy run'\n"
+            "  -p, --pool NAME      pool to diagnose (default: the first in the config)\n"
+            "      --prompt TEXT    prompt to send (default: \"%s\")\n"
+            "      --repeat N       step 3 requests per replica and phase (default %d; 2..%d)\n"
+            "      --concurrency C  step 3 requests in flight per replica (default %d; 2..%d)\n"
+            "      --json           print one JSON object on stdout instead of tables\n"
+            "  -h, --help           show this help\n"
+            "\n"
+            "Each request asks for %d tokens. Replicas are called with the pool's api_key_file.\n"
+            "exit codes: 0 consistent, 1 a cause was found or the config is invalid,\n"
+            "2 usage error, 3 runtime failure (no replica answered a completion request)\n",
+            PX_DG_TEMPERATURE, PX_DG_SEED, PX_DG_DEFAULT_PROMPT, PX_DG_DEFAULT_REPEAT,
+            PX_DG_MAX_REPEAT, PX_DG_DEFAULT_CONCURRENCY, PX_DG_MAX_CONCURRENCY, PX_DG_MAX_TOKENS);
+}
+
+static int usage_error(const char *fmt, const char *a, const char *b)
+{
+    fputs("detproxy diagnose: ", stderr);
+    fprintf(stderr, fmt, a, b);
+    fputs(" (try --help)\n", stderr);
+    return 2;
+}
+
+static int parse_uint(const char *flag, const char *v, unsigned lo, unsigned hi, unsigned *out)
+{
+    uint64_t n;
+    if (dp_parse_u64(v, strlen(v), &n) != 0 || n < lo || n > hi) {
+        char range[48];
+        snprintf(range, sizeof(range), "an integer in [%u, %u]", lo, hi);
+        fprintf(stderr, "detproxy diagnose: %s: expected %s, got '%s' (try --help)\n", flag,
+                range, v);
+        return 2;
+    }
+    *out = (unsigned)n;
+    return 0;
+}
+
+/* 0 with *o filled, 1 when --help was printed, or the exit code 2. */
+static int parse_args(int argc, char **argv, opts_t *o)
+{
+    static const struct {
+        const char *s, *l;
+    } valued[] = {{"-c", "--config"}, {"-p", "--pool"}, {NULL, "--prompt"},
+                  {NULL, "--repeat"}, {NULL, "--concurrency"}};
+    bool seen[DP_ARRAY_SIZE(valued)] = {false};
+    *o = (opts_t){.repeat = PX_DG_DEFAULT_REPEAT, .concurrency = PX_DG_DEFAULT_CONCURRENCY};
+    const char *repeat = NULL, *conc = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 1;
+        }
+        if (strcmp(a, "--json") == 0) {
+            o->json = true;
+            continue;
+        }
+        size_t k = 0;
+        const char *val = NULL;
+        for (; k < DP_ARRAY_SIZE(valued); k++) {
+            size_t ll = strlen(valued[k].l);
+            if ((valued[k].s && strcmp(a, valued[k].s) == 0) || strcmp(a, valued[k].l) == 0) {
+                if (i + 1 >= argc)
+                    return usage_error("missing value for %s%s", a, "");
+                val = argv[++i];
+                break;
+            }
+            if (strncmp(a, valued[k].l, ll) == 0 && a[ll] == '=') {
+                val = a + ll + 1;
+                break;
+            }
+        }
+        if (k == DP_ARRAY_SIZE(valued))
+            return usage_error("%s: '%s'", a[0] == '-' ? "unknown flag" : "unexpected argument", a);
+        if (seen[k])
+            return usage_error("%s given more than once%s", valued[k].l, "");
+        seen[k] = true;
+        if (*val == '\0')
+            return usage_error("empty value for %s%s", valued[k].l, "");
+        switch (k) {
+        case 0:
+            o->config = val;
+            break;
+        case 1:
+            o->pool = val;
+            break;
+        case 2:
+            o->prompt = val;
+            break;
+        case 3:
+            repeat = val;
+            break;
+        default:
+            conc = val;
+            break;
+        }
+    }
+    if (o->config == NULL)
+        return usage_error("missing -c CONFIG%s%s", "", "");
+    if (repeat && parse_uint("--repeat", repeat, 2, PX_DG_MAX_REPEAT, &o->repeat) != 0)
+        return 2;
+    if (conc && parse_uint("--concurrency", conc, 2, PX_DG_MAX_CONCURRENCY, &o->concurrency) != 0)
+        return 2;
+    if (o->prompt == NULL)
+        o->prompt = PX_DG_DEFAULT_PROMPT;
+    return 0;
+}
+
+/* ---- the command ------------------------------------------------------------------------------- */
+
+/* The model to ask for: the manifest's, else the pool's first literal name, else what the first
+ * replica said about itself in step 1. */
+static const char *pick_model(const dg_t *d)
+{
+    if (d->pool->manifest && d->pool->manifest->model)
+        return d->pool->manifest->model;
+    for (size_t i = 0; i < d->pool->nmodels; i++)
+        if (strcmp(d->pool->models[i], "*") != 0)
+            return d->pool->models[i];
+    for (size_t i = 0; i < d->run.n; i++)
+        if (d->run.r[i].att_ok && d->run.r[i].report.model)
+            return d->run.r[i].report.model;
+    return NULL;
+}
+
+static void load_keys(dg_t *d)
+{
+    const cfg_attestation_t *at = &d->cfg->attestation;
+    for (size_t i = 0; i < at->ntrusted_keys; i++) {
+        dp_buf_t err = {0};
+        if (attest_keyset_add_file(&d->keys, at->trusted_keys[i], &err) != 0)
+            fprintf(stderr, "detproxy diagnose: warning: trusted key %s: %s\n",
+                    at->trusted_keys[i], err.base ? err.base : "unreadable");
+        dp_buf_free(&err);
+    }
+}
+
+static void print_unanswered(const dg_t *d)
+{
+    fprintf(stderr, "detproxy diagnose: no replica of pool \"%s\" answered a completion request:",
+            d->pool->name);
+    for (size_t i = 0; i < d->run.n; i++) {
+        const px_dg_replica_t *r = &d->run.r[i];
+        const char *why = r->skip_reason ? r->skip_reason : r->st.seq.first_err;
+        if (why == NULL)
+            why = r->sampling[0].err;
+        fprintf(stderr, "%s %s: %s", i ? ";" : "", r->name, why ? why : "unknown error");
+    }
+    fputc('\n', stderr);
+}
+
+static void dg_close_cb(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+static void dg_free(dg_t *d)
+{
+    for (size_t i = 0; i < d->run.n; i++) {
+        rio_t *io = &d->io[i];
+        if (io->up)
+            px_upstream_free(io->up);
+        if (io->att_up)
+            px_upstream_free(io->att_up);
+        io->up = io->att_up = NULL;
+        for (size_t k = 0; k < ATTEST_ADAPTER_MAX_PATHS; k++)
+            dp_buf_free(&io->abody[k]);
+        dp_buf_free(&io->afail);
+        free(io->hostport);
+        free(io->path);
+        free(io->agent_hostport);
+        free(io->agent_path);
+    }
+    /* Let the idle keep-alive connections finish closing, then the loop is empty. */
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&d->loop) == UV_EBUSY) {
+        uv_walk(&d->loop, dg_close_cb, NULL);
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+        uv_loop_close(&d->loop);
+    }
+    free(d->io);
+    free(d->lane_busy);
+    attest_keyset_free(&d->keys);
+    dp_buf_free(&d->body_t0);
+    dp_buf_free(&d->body_unseeded);
+    dp_buf_free(&d->body_seeded);
+    px_dg_run_free(&d->run);
+}
+
+static void runtime_failure_json(const dg_t *d, const char *msg)
+{
+    dp_buf_t out = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "pool", d->pool ? d->pool->name : NULL);
+    dp_jw_str(&w, "error", msg);
+    dp_jw_int(&w, "exit_code", 3);
+    dp_jw_obj_end(&w);
+    printf("%s\n", out.base);
+    dp_buf_free(&out);
+}
 
 int px_cmd_diagnose(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "detproxy diagnose: not built yet\n");
-    return 3;
+    opts_t o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc != 0)
+        return rc == 1 ? 0 : rc;
+
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    rc = cfg_load(o.config, &cfg, &errs);
+    for (size_t i = 0; i < errs.count; i++)
+        fprintf(stderr, "error: %s\n", errs.items[i]);
+    for (size_t i = 0; i < errs.nwarnings; i++)
+        fprintf(stderr, "warning: %s\n", errs.warnings[i]);
+    cfg_errors_free(&errs);
+    if (rc != 0) {
+        fprintf(stderr, "detproxy diagnose: invalid config (see 'detproxy check -c %s')\n",
+                o.config);
+        return 1;
+    }
+
+    const cfg_pool_t *pool = o.pool ? cfg_pool_by_name(cfg, o.pool) : cfg->npools ? cfg->pools
+                                                                                   : NULL;
+    if (pool == NULL) {
+        dp_buf_t known = {0};
+        for (size_t i = 0; i < cfg->npools; i++)
+            dp_buf_printf(&known, "%s%s", i ? ", " : "", cfg->pools[i].name);
+        fprintf(stderr, "detproxy diagnose: --pool: no pool named '%s' (pools: %s) (try --help)\n",
+                o.pool ? o.pool : "", known.base ? known.base : "none");
+        dp_buf_free(&known);
+        cfg_free(cfg);
+        return 2;
+    }
+    /* A closed client or replica must be an error code, not a signal. */
+    signal(SIGPIPE, SIG_IGN);
+
+    dg_t d = {0};
+    d.cfg = cfg;
+    d.pool = pool;
+    d.json = o.json;
+    d.run.cfg = cfg;
+    d.run.pool = pool;
+    d.run.prompt = o.prompt;
+    d.run.repeat = o.repeat;
+    d.run.concurrency = o.concurrency;
+    if (uv_loop_init(&d.loop) != 0) {
+        fprintf(stderr, "detproxy diagnose: cannot create an event loop\n");
+        cfg_free(cfg);
+        return 3;
+    }
+    size_t cap = pool->nreplicas + (pool->discovery ? DISCOVERY_MAX : 0);
+    d.run.r = dp_xcalloc(cap ? cap : 1, sizeof(px_dg_replica_t));
+    d.io = dp_xcalloc(cap ? cap : 1, sizeof(rio_t));
+    d.lane_busy = dp_xcalloc(cap ? cap : 1, sizeof(size_t));
+    for (size_t i = 0; i < pool->nreplicas; i++) {
+        const cfg_replica_t *c = &pool->replicas[i];
+        replica_add(&d, c->name, c->url.tls, c->url.host, c->url.port, c->url.hostport,
+                    c->url.path, c->attest.source, &c->attest.url);
+    }
+    if (pool->discovery && discover(&d, pool->discovery) != 0) {
+        if (o.json)
+            runtime_failure_json(&d, "discovery name did not resolve");
+        dg_free(&d);
+        cfg_free(cfg);
+        return 3;
+    }
+    if (d.run.n == 0) {
+        fprintf(stderr, "detproxy diagnose: pool \"%s\" has no replicas\n", pool->name);
+        if (o.json)
+            runtime_failure_json(&d, "the pool has no replicas");
+        dg_free(&d);
+        cfg_free(cfg);
+        return 3;
+    }
+    load_keys(&d);
+    progress("pool \"%s\": %zu replica%s; %u requests each at temperature 0 in step 3 (x2), "
+             "%u in flight",
+             pool->name, d.run.n, d.run.n == 1 ? "" : "s", o.repeat, o.concurrency);
+
+    step_metadata(&d);
+    d.run.model = pick_model(&d);
+    if (d.run.model == NULL) {
+        fprintf(stderr, "detproxy diagnose: pool \"%s\": no model to ask for (no manifest model, "
+                        "only \"*\" in models, and no replica named one)\n",
+                pool->name);
+        if (o.json)
+            runtime_failure_json(&d, "no model to ask for");
+        dg_free(&d);
+        cfg_free(cfg);
+        return 3;
+    }
+    build_body(&d, &d.body_t0, 0, false);
+    build_body(&d, &d.body_unseeded, PX_DG_TEMPERATURE, false);
+    build_body(&d, &d.body_seeded, PX_DG_TEMPERATURE, true);
+
+    progress("[2/4] sampling: 2 requests at temperature %.1f without a seed, 2 with seed %d, "
+             "per replica, model %s",
+             PX_DG_TEMPERATURE, PX_DG_SEED, d.run.model);
+    run_phase(&d, "[2/4]", true, PX_DG_SAMPLES, slot_sampling, body_sampling);
+    progress("[3/4] single replica: %u sequential requests at temperature 0 per replica",
+             o.repeat);
+    run_phase(&d, "[3/4] sequential", true, o.repeat, slot_seq, body_t0);
+    progress("[3/4] single replica: %u requests at temperature 0 per replica, %u in flight",
+             o.repeat, o.concurrency);
+    run_phase(&d, "[3/4] concurrent", false, o.repeat, slot_conc, body_t0);
+    progress("[4/4] across replicas: comparing");
+
+    px_dg_analyse(&d.run);
+    rc = px_dg_exit_code(&d.run);
+    if (rc == 3) {
+        print_unanswered(&d);
+        if (o.json)
+            runtime_failure_json(&d, "no replica answered a completion request");
+    } else if (o.json) {
+        dp_buf_t out = {0};
+        px_dg_print_json(&d.run, &out);
+        fwrite(out.base, 1, out.len, stdout);
+        dp_buf_free(&out);
+    } else {
+        px_dg_print_text(&d.run, stdout);
+    }
+    fflush(stdout);
+    dg_free(&d);
+    cfg_free(cfg);
+    return rc;
 }

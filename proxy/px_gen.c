@@ -104,6 +104,8 @@ void px_replica_unref(px_replica_t *r)
     px_attest_replica_free(r);
     if (r->up)
         px_upstream_free(r->up);
+    if (r->shadow_up)
+        px_upstream_free(r->shadow_up);
     for (size_t i = 0; i < r->nreasons; i++)
         free(r->reasons[i]);
     cfg_url_free(&r->url);

@@ -13,6 +13,7 @@
 #include "proxy/px_admin.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
+#include "proxy/px_shadow.h"
 
 #define DRAIN_LIMIT_MS 30000
 
@@ -86,11 +87,17 @@ static void admin_closed(void *data)
 static void finish_shutdown(px_t *px)
 {
     px_attest_stop(px);
+    px_shadow_stop(px);
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
-    for (size_t i = 0; i < px->gen->npools; i++)
-        for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++)
-            if (px->gen->pools[i].replicas[k]->up)
-                px_upstream_flush_idle(px->gen->pools[i].replicas[k]->up);
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++) {
+            px_replica_t *r = px->gen->pools[i].replicas[k];
+            if (r->up)
+                px_upstream_flush_idle(r->up);
+            if (r->shadow_up)
+                px_upstream_flush_idle(r->shadow_up);
+        }
+    }
     if (px->admin) {
         px_server_close(px->admin, admin_closed, NULL);
         px->admin = NULL;
@@ -273,6 +280,7 @@ int px_cmd_run(int argc, char **argv)
     px_gen_unref(px.gen);
     px.gen = NULL;
     uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
+    px_shadow_free(&px);
     uv_loop_close(px.loop);
     px_metrics_reset();
     dp_log_msg(DP_LOG_INFO, "exit", NULL);

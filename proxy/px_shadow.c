@@ -1,36 +1,458 @@
-/* Shadow sampling. */
+/* Shadow sampling and drift (SPEC §9, issue 5).
+ *
+ * For a comparable request (post-policy temperature 0 or a seed), with probability shadow.rate
+ * (or the tenant's shadow_rate) the same post-policy body also goes to another replica
+ * ("cross"), or with probability shadow.self_rate to the primary's own replica again ("self",
+ * the noise baseline). The client never waits for a shadow: it runs on the replica's separate
+ * shadow connection pool, at most shadow.max_inflight at a time, and its result is only
+ * compared once both sides ended. Comparison (word-level Levenshtein) runs in libuv's thread
+ * pool; the drift statistics, verdicts and quarantine decisions stay on the loop.
+ *
+ * A shadow (shadow_t) has two owners until both let go: the primary request (via its hooks,
+ * released by px_shadow_primary_done) and the shadow exchange (released in its on_done). */
 #include "proxy/px_shadow.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/drift/drift.h"
+
+typedef struct shadow_s shadow_t;
+
+typedef struct {
+    char *name;
+    drift_pool_t *dp;
+} dpool_t;
+
+typedef struct {
+    dpool_t *pools;
+    size_t npools;
+    uint32_t inflight;
+    shadow_t *active; /* exchanges in flight, for shutdown */
+    bool stopped;
+} shadow_ctx_t;
+
+struct shadow_s {
+    int refs;
+    px_t *px;
+    shadow_t *prev, *next; /* on ctx->active while the exchange runs */
+    char *pool;
+    char *primary;
+    char *target;
+    drift_kind_t kind;
+    char request_id[24];
+    bool stream;
+    size_t max_out;
+    /* primary capture */
+    drift_sse_t psse;
+    dp_buf_t pbody;
+    int pstatus;
+    /* shadow capture */
+    px_creq_t *c;
+    drift_sse_t ssse;
+    dp_buf_t sbody;
+    int sstatus;
+    bool sfailed;
+    char sdetail[120];
+    bool primary_done, shadow_done;
+    /* comparison (thread pool) */
+    uv_work_t work;
+    drift_output_t a, b;
+    bool a_ok, b_ok;
+    drift_result_t result;
+    drift_divlog_t divlog;
+};
+
+static shadow_ctx_t *ctx(px_t *px)
+{
+    if (px->shadow == NULL)
+        px->shadow = dp_xcalloc(1, sizeof(shadow_ctx_t));
+    return px->shadow;
+}
+
+static drift_pool_t *dpool(px_t *px, const char *name)
+{
+    shadow_ctx_t *c = ctx(px);
+    for (size_t i = 0; i < c->npools; i++)
+        if (strcmp(c->pools[i].name, name) == 0)
+            return c->pools[i].dp;
+    c->pools = dp_xrealloc(c->pools, (c->npools + 1) * sizeof(*c->pools));
+    c->pools[c->npools].name = dp_xstrdup(name);
+    c->pools[c->npools].dp = drift_pool_new(name);
+    return c->pools[c->npools++].dp;
+}
+
+static void count(const char *pool, drift_kind_t kind, const char *result)
+{
+    px_metric_add(px_metrics_get("detproxy_shadow_total", "pool", pool, "kind",
+                                 drift_kind_name(kind), "result", result, NULL),
+                  1);
+}
+
+static void shadow_unref(shadow_t *s)
+{
+    if (--s->refs > 0)
+        return;
+    drift_sse_free(&s->psse);
+    drift_sse_free(&s->ssse);
+    dp_buf_free(&s->pbody);
+    dp_buf_free(&s->sbody);
+    drift_output_free(&s->a);
+    drift_output_free(&s->b);
+    free(s->pool);
+    free(s->primary);
+    free(s->target);
+    free(s);
+}
+
+/* ---- comparison and the verdict loop ----------------------------------------------------- */
+
+static void compare_work(uv_work_t *w)
+{
+    shadow_t *s = w->data;
+    drift_compare(&s->a, &s->b, &s->result);
+    if (!s->result.match)
+        drift_divlog_fill(&s->divlog, s->request_id, s->pool, s->primary, s->target, &s->result,
+                          s->a.text.base, s->a.text.len, s->b.text.base, s->b.text.len);
+}
+
+static px_pool_t *live_pool(px_t *px, const char *name)
+{
+    return px->gen ? px_gen_pool_by_name(px->gen, name) : NULL;
+}
+
+static px_replica_t *replica_named(px_pool_t *p, const char *name)
+{
+    for (size_t i = 0; p && i < p->nreplicas; i++)
+        if (strcmp(p->replicas[i]->name, name) == 0)
+            return p->replicas[i];
+    return NULL;
+}
+
+static size_t admitted_count(const px_pool_t *p)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < p->nreplicas; i++)
+        n += p->replicas[i]->state == PX_REPLICA_ADMITTED;
+    return n;
+}
+
+/* SPEC §9 quarantine: the suspect of a cross_replica_drift verdict stops getting client traffic
+ * (but keeps getting shadows), never the pool's last admitted replica; it comes back once its
+ * divergence falls to the self baseline. */
+static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
+{
+    px_pool_t *p = live_pool(px, pool_name);
+    if (p == NULL || !px->gen->cfg->shadow.quarantine)
+        return;
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        px_replica_t *r = p->replicas[i];
+        if (r->state == PX_REPLICA_QUARANTINED && drift_pool_replica_recovered(dp, r->name)) {
+            drift_pool_reset_replica(dp, r->name);
+            const char *why[] = {"divergence back at the self baseline", NULL};
+            px_replica_set_state(r, PX_REPLICA_ADMITTED, why);
+        }
+    }
+    drift_verdict_t v;
+    drift_pool_verdict(dp, &v);
+    if (v.kind != DRIFT_CROSS_REPLICA_DRIFT || !v.has_suspect || !v.suspect[0])
+        return;
+    px_replica_t *r = replica_named(p, v.suspect);
+    if (r == NULL || r->state != PX_REPLICA_ADMITTED || admitted_count(p) <= 1)
+        return;
+    char why[DRIFT_REASON_MAX + 64];
+    snprintf(why, sizeof(why), "quarantined: cross_replica_drift suspect (%s)",
+             v.nreasons ? v.reasons[0] : "diverges from the other replicas");
+    const char *list[] = {why, NULL};
+    px_replica_set_state(r, PX_REPLICA_QUARANTINED, list);
+}
+
+static void compare_done(uv_work_t *w, int status)
+{
+    shadow_t *s = w->data;
+    px_t *px = s->px;
+    (void)status;
+    if (!ctx(px)->stopped) {
+        drift_pool_t *dp = dpool(px, s->pool);
+        drift_pool_add(dp, s->primary, s->target, &s->result);
+        count(s->pool, s->kind, s->result.match ? "match" : "diverged");
+        px_hist_observe(px_metrics_hist("detproxy_shadow_similarity", px_shadow_similarity_bounds,
+                                        px_shadow_similarity_nbounds, "pool", s->pool, "kind",
+                                        drift_kind_name(s->kind), NULL),
+                        drift_sample_similarity(&s->result));
+        if (!s->result.match) {
+            dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_divergence");
+            if (j) {
+                dp_jw_str(j, "kind", drift_kind_name(s->kind));
+                drift_divlog_write(&s->divlog, j);
+                dp_log_end(j);
+            }
+        }
+        quarantine_loop(px, s->pool, dp);
+    }
+    shadow_unref(s);
+}
+
+/* Both sides ended: extract, then compare off the loop. */
+static void maybe_compare(shadow_t *s)
+{
+    if (!s->primary_done || !s->shadow_done)
+        return;
+    if (s->pstatus != 200 || s->sfailed || s->sstatus != 200) {
+        count(s->pool, s->kind, "error");
+        dp_jw_t *j = dp_log_begin(DP_LOG_DEBUG, "shadow_error");
+        if (j) {
+            dp_jw_str(j, "request_id", s->request_id);
+            dp_jw_int(j, "primary_status", s->pstatus);
+            dp_jw_int(j, "shadow_status", s->sstatus);
+            dp_jw_str(j, "detail", s->sdetail);
+            dp_log_end(j);
+        }
+        shadow_unref(s);
+        return;
+    }
+    int ra, rb;
+    if (s->stream) {
+        ra = drift_sse_finish(&s->psse, &s->a);
+        rb = drift_sse_finish(&s->ssse, &s->b);
+    } else {
+        ra = drift_extract_json(s->pbody.base ? s->pbody.base : "", s->pbody.len, s->max_out,
+                                &s->a);
+        rb = drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len, s->max_out,
+                                &s->b);
+    }
+    if (ra != 0 || rb != 0) {
+        count(s->pool, s->kind, "error");
+        shadow_unref(s);
+        return;
+    }
+    s->work.data = s;
+    if (uv_queue_work(s->px->loop, &s->work, compare_work, compare_done) != 0) {
+        count(s->pool, s->kind, "error");
+        shadow_unref(s);
+    }
+}
+
+/* ---- capture -------------------------------------------------------------------------------- */
+
+static void capture(shadow_t *s, drift_sse_t *sse, dp_buf_t *body, const char *p, size_t n)
+{
+    if (s->stream) {
+        drift_sse_feed(sse, p, n);
+        return;
+    }
+    /* A JSON body is captured up to the cap plus room for its envelope; beyond that the
+     * extractor sees a truncated document and the sample counts as an error. */
+    if (body->len + n <= s->max_out + DRIFT_SSE_EVENT_SLACK)
+        dp_buf_append(body, p, n);
+}
+
+void px_shadow_primary_bytes(void *v, const char *p, size_t n)
+{
+    shadow_t *s = v;
+    capture(s, &s->psse, &s->pbody, p, n);
+}
+
+void px_shadow_primary_done(void *v, int status)
+{
+    shadow_t *s = v;
+    s->pstatus = status;
+    s->primary_done = true;
+    maybe_compare(s);
+}
+
+static void active_remove(shadow_t *s)
+{
+    shadow_ctx_t *c = ctx(s->px);
+    if (s->prev)
+        s->prev->next = s->next;
+    else if (c->active == s)
+        c->active = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    s->prev = s->next = NULL;
+    c->inflight--;
+}
+
+static void sh_head(px_creq_t *c, int status, const px_header_t *h, size_t n,
+                    const px_framing_t *f)
+{
+    shadow_t *s = c->data;
+    (void)h;
+    (void)n;
+    (void)f;
+    s->sstatus = status;
+}
+
+static void sh_body(px_creq_t *c, const char *p, size_t n)
+{
+    shadow_t *s = c->data;
+    capture(s, &s->ssse, &s->sbody, p, n);
+}
+
+static void sh_done(px_creq_t *c, px_up_err_t err, const char *detail)
+{
+    shadow_t *s = c->data;
+    s->c = NULL;
+    active_remove(s);
+    if (err != PX_UP_OK) {
+        s->sfailed = true;
+        snprintf(s->sdetail, sizeof(s->sdetail), "%s: %s", px_up_err_name(err),
+                 detail ? detail : "");
+    }
+    s->shadow_done = true;
+    maybe_compare(s);
+}
+
+static const px_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL};
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+const double px_shadow_similarity_bounds[] = {0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0};
+const size_t px_shadow_similarity_nbounds =
+    sizeof(px_shadow_similarity_bounds) / sizeof(px_shadow_similarity_bounds[0]);
+
+static double uniform(void)
+{
+    uint64_t x;
+    if (dp_random_bytes(&x, sizeof(x)) != 0)
+        x = dp_now_ns() * 0x9E3779B97F4A7C15ULL;
+    return (double)(x >> 11) / 9007199254740992.0;
+}
+
+/* Another replica to compare with: admitted or quarantined (a quarantined replica must keep
+ * getting shadows to show it recovered), never the primary. Rotates for coverage. */
+static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
+{
+    static uint32_t rr;
+    size_t n = p->nreplicas;
+    for (size_t k = 0; k < n; k++) {
+        px_replica_t *r = p->replicas[(rr + k) % n];
+        if (r == primary || r->up == NULL)
+            continue;
+        if (r->state == PX_REPLICA_ADMITTED || r->state == PX_REPLICA_QUARANTINED) {
+            rr += (uint32_t)k + 1;
+            return r;
+        }
+    }
+    return NULL;
+}
 
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
                       const policy_result_t *res, const px_req_t *req, const char *body,
                       size_t len)
 {
-    (void)px;
-    (void)pool;
-    (void)primary;
-    (void)t;
-    (void)res;
-    (void)req;
-    (void)body;
-    (void)len;
-    return NULL;
+    const cfg_shadow_t *sc = &px->gen->cfg->shadow;
+    shadow_ctx_t *c = ctx(px);
+    double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
+    double self = sc->self_rate;
+    if ((cross <= 0 && self <= 0) || c->stopped)
+        return NULL;
+    /* One draw picks at most one kind: cross with probability `cross`, self with `self`
+     * (scaled down together if they sum past 1). */
+    double u = uniform() * (cross + self > 1 ? cross + self : 1);
+    drift_kind_t kind;
+    if (u < cross)
+        kind = DRIFT_CROSS;
+    else if (u < cross + self)
+        kind = DRIFT_SELF;
+    else
+        return NULL;
+    if (!res->comparable) {
+        count(pool->name, kind, "not_comparable");
+        return NULL;
+    }
+    if (c->inflight >= sc->max_inflight) {
+        count(pool->name, kind, "skipped");
+        return NULL;
+    }
+    px_replica_t *target = kind == DRIFT_SELF ? primary : cross_target(pool, primary);
+    if (target == NULL || target->up == NULL) {
+        count(pool->name, kind, "skipped");
+        return NULL;
+    }
+    if (target->shadow_up == NULL) {
+        px_upstream_opts_t o;
+        px_replica_upstream_opts(px->gen->cfg, &o);
+        target->shadow_up = px_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+    }
+    shadow_t *s = dp_xcalloc(1, sizeof(*s));
+    s->refs = 2; /* the primary and the shadow exchange */
+    s->px = px;
+    s->pool = dp_xstrdup(pool->name);
+    s->primary = dp_xstrdup(primary->name);
+    s->target = dp_xstrdup(target->name);
+    s->kind = kind;
+    memcpy(s->request_id, req->id, sizeof(s->request_id));
+    s->stream = res->stream;
+    s->max_out = sc->max_output_bytes;
+    s->psse.max_output_bytes = s->ssse.max_output_bytes = sc->max_output_bytes;
+    dp_buf_t head = {0};
+    dp_buf_printf(&head,
+                  "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                  "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
+                  target->url.path ? target->url.path : "", (int)req->path.len, req->path.base,
+                  target->url.hostport, len, req->id, drift_kind_name(kind));
+    if (pool->cfg->api_key)
+        dp_buf_printf(&head, "authorization: Bearer %s\r\n", pool->cfg->api_key);
+    dp_buf_append(&head, "\r\n", 2);
+    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
+                        uv_buf_init((char *)body, (unsigned)len)};
+    s->c = px_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+    dp_buf_free(&head);
+    c->inflight++;
+    s->next = c->active;
+    if (c->active)
+        c->active->prev = s;
+    c->active = s;
+    return s;
 }
 
-void px_shadow_primary_bytes(void *s, const char *p, size_t n)
-{
-    (void)s;
-    (void)p;
-    (void)n;
-}
-
-void px_shadow_primary_done(void *s, int status)
-{
-    (void)s;
-    (void)status;
-}
+/* ---- admin and shutdown -------------------------------------------------------------------- */
 
 void px_shadow_drift_json(px_t *px, dp_buf_t *out)
 {
-    (void)px;
-    dp_buf_appends(out, "{\"pools\":[]}");
+    /* Every pool of the current configuration, including those never sampled yet. */
+    size_t n = px->gen->npools;
+    const drift_pool_t **v = dp_xcalloc(n ? n : 1, sizeof(*v));
+    for (size_t i = 0; i < n; i++)
+        v[i] = dpool(px, px->gen->pools[i].name);
+    drift_render(out, v, n);
+    free(v);
+}
+
+void px_shadow_stop(px_t *px)
+{
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL)
+        return;
+    c->stopped = true;
+    while (c->active) {
+        shadow_t *s = c->active;
+        active_remove(s);
+        if (s->c) {
+            px_creq_cancel(s->c);
+            s->c = NULL;
+        }
+        s->sfailed = true;
+        s->shadow_done = true;
+        maybe_compare(s);
+    }
+}
+
+void px_shadow_free(px_t *px)
+{
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL)
+        return;
+    for (size_t i = 0; i < c->npools; i++) {
+        free(c->pools[i].name);
+        drift_pool_free(c->pools[i].dp);
+    }
+    free(c->pools);
+    free(c);
+    px->shadow = NULL;
 }

@@ -16,6 +16,15 @@ void px_shadow_primary_bytes(void *s, const char *p, size_t n);
 /* The primary is over (status 499: the client left; anything but 200 discards the sample). */
 void px_shadow_primary_done(void *s, int status);
 
+/* Shutdown: cancel shadow exchanges in flight (their samples are dropped). */
+void px_shadow_stop(px_t *px);
+/* Free the drift statistics (after the loop has ended). */
+void px_shadow_free(px_t *px);
+
+/* detproxy_shadow_similarity buckets. */
+extern const double px_shadow_similarity_bounds[];
+extern const size_t px_shadow_similarity_nbounds;
+
 /* GET /admin/drift (SPEC §9). */
 void px_shadow_drift_json(px_t *px, dp_buf_t *out);
 

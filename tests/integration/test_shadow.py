@@ -1,0 +1,135 @@
+"""Shadow sampling and drift verdicts end to end (SPEC §9, issue 5)."""
+
+import json
+import threading
+
+from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
+from proxyutil import metric, pool, sim_stats, start_proxy
+
+MODEL = "m1"
+
+
+def sims(n, *flags_per):
+    out = []
+    for i in range(n):
+        extra = flags_per[i] if i < len(flags_per) else ()
+        out.append(start_sim("--model", MODEL, "--quantization", "awq", *extra))
+    return out
+
+
+def proxy(replicas, rate=0.7, self_rate=0.3, quarantine=False, max_inflight=8):
+    return start_proxy(pools=[pool("p", [MODEL], replicas)],
+                       shadow={"rate": rate, "self_rate": self_rate, "max_inflight": max_inflight,
+                               "max_output_bytes": 65536, "quarantine": quarantine})
+
+
+def load(px, n, parallel=1, stream=False, temperature=0):
+    def worker(k):
+        for i in range(k, n, parallel):
+            body = {"model": MODEL, "prompt": "prompt number %d about things" % i,
+                    "max_tokens": 24, "temperature": temperature}
+            if stream:
+                body["stream"] = True
+                for _, d in sse(px.port, "/v1/completions", body):
+                    if d == "[DONE]":
+                        break
+            else:
+                r = post_json(px.port, "/v1/completions", body)
+                assert r.status == 200, r
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(parallel)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def drift(px):
+    return get_json(px.admin_port, "/admin/drift")["pools"]["p"]
+
+
+def samples(px):
+    d = drift(px)
+    return d["cross"]["samples"] + d["self"]["samples"]
+
+
+def settle(px, want):
+    poll_until(lambda: samples(px) >= want, what="%d shadow samples compared" % want)
+
+
+def test_consistent_pool_stays_consistent():
+    rs = sims(3)
+    px = proxy(rs)
+    load(px, 120)
+    settle(px, 110)
+    d = drift(px)
+    assert d["verdict"] == "consistent", json.dumps(d)[:600]
+    assert d["cross"]["exact_match_rate"] == 1.0
+    assert metric(px, "detproxy_shadow_total", pool="p", kind="cross", result="match") > 0
+    assert metric(px, "detproxy_shadow_total", pool="p", kind="self", result="match") > 0
+    assert metric(px, "detproxy_shadow_total", pool="p", kind="cross", result="diverged") == 0
+    px.stop()
+
+
+def test_drifted_replica_is_named_and_quarantined():
+    # r3 reports the same identity but generates differently (a different quantization).
+    rs = sims(3, (), (), ("--quantization", "gptq", "--report-quantization", "awq"))
+    px = proxy(rs, quarantine=True)
+    load(px, 160)
+    settle(px, 150)
+    d = drift(px)
+    assert d["verdict"] == "cross_replica_drift", json.dumps(d)[:800]
+    assert d["suspect"] == "r3", d
+    # One JSON log line per divergence, with hashes of the outputs, never the texts.
+    line = px.wait_log("shadow_divergence")
+    assert "r3" in (line.get("replica_a"), line.get("replica_b")) or "r3" in json.dumps(line)
+    assert any(len(str(v)) == 64 for k, v in line.items() if "sha256" in k), line
+    text = json.dumps(px.logs)
+    # Quarantined: no more client traffic, but it keeps receiving shadows.
+    poll_until(lambda: {r["name"]: r["state"] for r in
+                        get_json(px.admin_port, "/admin/replicas")["replicas"]}["r3"]
+               == "quarantined", what="r3 quarantined")
+    before = sim_stats(rs[2])["requests"]
+    for i in range(20):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "q%d" % i,
+                                                   "max_tokens": 4, "temperature": 0})
+        assert r.headers["x-detproxy-replica"] != "r3"
+    poll_until(lambda: sim_stats(rs[2])["requests"] > before, what="shadows still reach r3")
+    assert "prompt number" not in text  # texts never logged
+    px.stop()
+
+
+def test_batching_noise_is_not_called_drift():
+    rs = sims(3, ("--noise", "0.5"), ("--noise", "0.5"), ("--noise", "0.5"))
+    px = proxy(rs, rate=0.5, self_rate=0.5)
+    load(px, 160, parallel=4)
+    settle(px, 150)
+    d = drift(px)
+    assert d["self"]["exact_match_rate"] < 1.0, d["self"]
+    assert d["verdict"] == "batching_nondeterminism", json.dumps(d)[:800]
+    px.stop()
+
+
+def test_streamed_primaries_are_teed_and_compared():
+    rs = sims(2)
+    px = proxy(rs, rate=1.0, self_rate=0.0)
+    load(px, 20, stream=True)
+    settle(px, 20)
+    d = drift(px)
+    assert d["cross"]["samples"] >= 20 and d["cross"]["exact_match_rate"] == 1.0, d["cross"]
+    px.stop()
+
+
+def test_not_comparable_and_skipped_are_counted():
+    rs = sims(1)
+    px = proxy(rs, rate=1.0, self_rate=0.0)
+    load(px, 5, temperature=0.7)  # no seed, temperature > 0: not comparable
+    assert metric(px, "detproxy_shadow_total", pool="p", kind="cross",
+                  result="not_comparable") == 5
+    load(px, 3)  # comparable, but a one-replica pool has no second replica for "cross"
+    assert metric(px, "detproxy_shadow_total", pool="p", kind="cross", result="skipped") == 3
+    assert sim_stats(rs[0])["requests"] == 8  # no shadow copy was sent
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
