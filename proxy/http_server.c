@@ -86,6 +86,7 @@ struct px_conn_s {
     bool kick; /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
+    bool wait_drain; /* IDLE with responses queued above high-water: next request waits */
 };
 
 struct px_server_s {
@@ -438,14 +439,23 @@ static void timer_cb(uv_timer_t *t)
             c->last_read = uv_now(c->srv->loop);
             conn_arm(c, c->srv->lim.client_idle_timeout_ms);
         }
-        if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused)
+        if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
+            !c->wait_drain)
             px_sock_read_start(&c->sock);
         return;
     }
     switch (c->phase) {
-    case PH_IDLE:
+    case PH_IDLE: {
+        /* Waiting for a slow reader to take its responses: cut it off only once nothing was
+         * written for the idle timeout, as in PH_WAIT. */
+        uint64_t idle = c->srv->lim.client_idle_timeout_ms;
+        if (c->wait_drain && now - c->sock.last_write < idle) {
+            conn_arm(c, idle - (now - c->sock.last_write));
+            return;
+        }
         conn_close(c); /* idle or never-started connection: close silently */
         return;
+    }
     case PH_HEAD:
         if (!px_head_scan_started(&c->hs)) {
             conn_close(c);
@@ -602,6 +612,16 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
     (void)s;
 }
 
+/* A client that sends (or pipelines) requests without reading the responses would make us
+ * queue every answer in memory: /v1/models is 40 bytes in, 400 out. Like nginx, take the next
+ * request only once the queue is back under its low-water mark (sock_drain resumes). */
+static void conn_wait_drain(px_conn_t *c)
+{
+    c->wait_drain = true;
+    px_sock_read_stop(&c->sock);
+    conn_arm(c, c->srv->lim.client_idle_timeout_ms);
+}
+
 static void conn_to_idle(px_conn_t *c)
 {
     px_server_t *s = c->srv;
@@ -613,6 +633,10 @@ static void conn_to_idle(px_conn_t *c)
     llhttp_reset(&c->parser);
     if (s->draining && c->pending.len == 0) {
         conn_close(c);
+        return;
+    }
+    if (px_sock_over(&c->sock)) {
+        conn_wait_drain(c);
         return;
     }
     if (c->pending.len && !c->in_feed) {
@@ -773,6 +797,14 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
                 conn_close(c);
                 goto out;
             }
+            if (c->wait_drain || px_sock_over(&c->sock)) {
+                /* Answers to earlier requests are still queued: keep the rest for later. */
+                dp_buf_append(&c->pending, p, n);
+                n = 0;
+                if (!c->wait_drain)
+                    conn_wait_drain(c);
+                continue;
+            }
             c->req = req_get(c);
             c->phase = PH_HEAD;
             if (!c->first_request)
@@ -855,7 +887,7 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
 out:
     c->in_feed = false;
     /* A response that ended inside a callback left pipelined bytes: parse them next tick. */
-    if (c->phase == PH_IDLE && c->pending.len)
+    if (c->phase == PH_IDLE && c->pending.len && !c->wait_drain)
         conn_kick(c);
 }
 
@@ -904,6 +936,12 @@ static void sock_error(px_sock_t *sk, int status)
 static void sock_drain(px_sock_t *sk)
 {
     px_conn_t *c = sk->owner;
+    if (c->wait_drain) {
+        c->wait_drain = false;
+        if (c->phase == PH_IDLE)
+            conn_to_idle(c); /* parses what is pending (from the loop), or reads again */
+        return;
+    }
     if (c->req && c->req->resp_started && !c->req->resp_ended && c->srv->h.on_drain)
         c->srv->h.on_drain(&c->req->r);
 }

@@ -122,8 +122,10 @@ void px_replica_unref(px_replica_t *r);
  * and updates detproxy_replica_admitted. */
 void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons);
 void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o);
-/* Add a replica to a pool at runtime (DNS discovery). */
-px_replica_t *px_pool_add_replica(px_pool_t *p, const cfg_replica_t *def, bool discovered);
+/* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
+px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
+/* Add (taking the caller's reference) / remove (dropping the pool's reference). */
+void px_pool_push_replica(px_pool_t *p, px_replica_t *r);
 void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 
 /* ---- routing (px_router.c) ---- */

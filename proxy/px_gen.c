@@ -163,7 +163,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
 
 /* ---- pools ------------------------------------------------------------------------------ */
 
-static void pool_push(px_pool_t *p, px_replica_t *r)
+void px_pool_push_replica(px_pool_t *p, px_replica_t *r)
 {
     if (p->nreplicas == p->cap) {
         p->cap = p->cap ? p->cap * 2 : 4;
@@ -172,13 +172,9 @@ static void pool_push(px_pool_t *p, px_replica_t *r)
     p->replicas[p->nreplicas++] = r;
 }
 
-px_replica_t *px_pool_add_replica(px_pool_t *p, const cfg_replica_t *def, bool discovered)
+px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def)
 {
-    px_t *px = p->gen->px;
-    px_replica_t *r = replica_new(px, p->gen->cfg, p->cfg, def, replica_key(p->cfg, def));
-    r->discovered = discovered;
-    pool_push(p, r);
-    return r;
+    return replica_new(px, p->gen->cfg, p->cfg, def, replica_key(p->cfg, def));
 }
 
 void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
@@ -235,9 +231,9 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
                 px_replica_ref(r);
                 if (r->up)
                     px_upstream_set_opts(r->up, &uo);
-                pool_push(p, r);
+                px_pool_push_replica(p, r);
             } else {
-                pool_push(p, replica_new(px, cfg, pc, &pc->replicas[k], key));
+                px_pool_push_replica(p, replica_new(px, cfg, pc, &pc->replicas[k], key));
             }
         }
     }

@@ -13,6 +13,7 @@
 #include "proxy/px_admin.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
+#include "proxy/px_discovery.h"
 #include "proxy/px_shadow.h"
 
 #define DRAIN_LIMIT_MS 30000
@@ -86,6 +87,7 @@ static void admin_closed(void *data)
 
 static void finish_shutdown(px_t *px)
 {
+    px_discovery_stop(px);
     px_attest_stop(px);
     px_shadow_stop(px);
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
@@ -270,6 +272,7 @@ int px_cmd_run(int argc, char **argv)
     uv_timer_init(px.loop, &px.drain_timer);
     px.drain_timer.data = &px;
     px_attest_start(&px);
+    px_discovery_sync(&px);
 
     uv_run(px.loop, UV_RUN_DEFAULT);
 

@@ -9,6 +9,7 @@
 #include "proxy/px_admin.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
+#include "proxy/px_discovery.h"
 #include "proxy/px_shadow.h"
 
 static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
@@ -78,6 +79,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         else if (cfg->log.audit_path)
             px->audit = px_audit_open(px->loop, cfg->log.audit_path);
     }
+    px_discovery_sync(px);
     px_attest_sync(px);
     px_gen_unref(prev);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");

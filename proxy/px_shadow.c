@@ -424,6 +424,11 @@ void px_shadow_drift_json(px_t *px, dp_buf_t *out)
     free(v);
 }
 
+void px_shadow_forget_replica(px_t *px, const char *pool, const char *replica)
+{
+    drift_pool_forget_replica(dpool(px, pool), replica);
+}
+
 void px_shadow_stop(px_t *px)
 {
     shadow_ctx_t *c = px->shadow;

@@ -1,0 +1,169 @@
+"""DNS discovery and live reload (issue 7).
+
+Discovery: detproxy runs in a private mount namespace whose /etc/hosts is a file this test
+controls (glibc re-reads it on every lookup), so a name can resolve to several loopback
+addresses and records can appear and vanish, with no network beyond 127.0.0.0/8."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+
+from harness import (DETPROXY_BIN, SIM_BIN, get_json, http, poll_until, post_json, run_tests,
+                     start_process, start_sim)
+from proxyutil import pool, sim_stats, start_proxy, write_config
+
+NAME = "vllm.detproxy-test.svc"
+
+
+def namespaces_work():
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+def sims_on(addresses, port):
+    out = []
+    for a in addresses:
+        p = start_process([SIM_BIN, "--listen", "%s:%d" % (a, port), "--model", "m1"])
+        p.host = a
+        out.append(p)
+    return out
+
+
+def requests_seen(sim):
+    return get_json(sim.port, "/_sim/stats", host=sim.host)["requests"]
+
+
+def write_hosts(path, addresses):
+    # Same inode: the bind mount keeps pointing at this file.
+    with open(path, "w") as f:
+        f.write("127.0.0.1 localhost\n")
+        for a in addresses:
+            f.write("%s %s\n" % (a, NAME))
+
+
+def replicas(px):
+    return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
+
+
+def test_discovery_adds_and_drains_replicas():
+    if not namespaces_work():
+        print("    note: unshare -m is not permitted here; discovery test not run")
+        return
+    port = 18600 + os.getpid() % 200
+    d = tempfile.mkdtemp(prefix="detproxy-disc-")
+    hosts = os.path.join(d, "hosts")
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    sims = sims_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"], port)
+    cfg = {"pools": [{"name": "p", "models": ["m1"],
+                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 200}}]}
+    wrapper = ["unshare", "-m", "sh", "-c",
+               'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
+    px = start_proxy(config=cfg, wrapper=wrapper)
+    names = lambda: sorted(replicas(px))
+    poll_until(lambda: names() == ["127.0.0.2:%d" % port, "127.0.0.3:%d" % port],
+               what="two discovered replicas")
+    assert all(r["discovered"] and r["state"] == "admitted" for r in replicas(px).values())
+    for _ in range(10):
+        assert post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "x",
+                                                       "max_tokens": 2}).status == 200
+    assert requests_seen(sims[0]) > 0 and requests_seen(sims[1]) > 0
+    # A record appears: it is attested, then used.
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+    poll_until(lambda: replicas(px).get("127.0.0.4:%d" % port, {}).get("state") == "admitted",
+               what="third replica admitted")
+    # A record vanishes: the replica is drained and gets nothing new.
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.4"])
+    poll_until(lambda: "127.0.0.3:%d" % port not in replicas(px), what="replica removed")
+    before = requests_seen(sims[1])
+    for _ in range(10):
+        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "y", "max_tokens": 2})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] != "127.0.0.3:%d" % port
+    assert requests_seen(sims[1]) == before
+    # A failed lookup keeps the last good set.
+    write_hosts(hosts, [])
+    px.wait_log("discovery_failed")
+    assert len(replicas(px)) == 2
+    assert post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "z"}).status == 200
+    # A reload keeps discovered replicas and their attestation state.
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("reloaded")
+    assert len(replicas(px)) == 2 and all(r["state"] == "admitted"
+                                          for r in replicas(px).values())
+    px.stop()
+
+
+def test_reload_applies_policy_and_keeps_old_on_error():
+    sim = start_sim("--model", "m1")
+    cfg = {"pools": [pool("p", ["m1"], [sim])],
+           "policy": {"tenants": [{"name": "t1", "match": {"any": True},
+                                   "sampling": {"temperature": {"force": 0.1}}}]}}
+    px = start_proxy(config=cfg)
+    post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "a"})
+    assert json.loads(get_json(sim.port, "/_sim/last_request")["body"])["temperature"] == 0.1
+    # A valid change takes effect for new requests.
+    cfg["policy"]["tenants"][0]["sampling"]["temperature"]["force"] = 0.2
+    cfg.update({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"})
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["policy"] = cfg["policy"]
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r
+    r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "b"})
+    assert r.headers["x-detproxy-tenant"] == "t1"
+    assert json.loads(get_json(sim.port, "/_sim/last_request")["body"])["temperature"] == 0.2
+    # An invalid config is refused with its JSON path; the old one keeps serving.
+    live["policy"]["tenants"][0]["sampling"]["temperature"]["force"] = "hot"
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 400 and "temperature" in r.json()["error"]["message"], r
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("reload_failed")
+    post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "c"})
+    assert json.loads(get_json(sim.port, "/_sim/last_request")["body"])["temperature"] == 0.2
+    # The replica kept its attestation state across reloads.
+    assert get_json(px.admin_port, "/admin/replicas")["replicas"][0]["state"] == "admitted"
+    px.stop()
+
+
+def test_no_request_dropped_during_reloads_under_load():
+    sims = [start_sim("--model", "m1", "--token-delay-ms", "2") for _ in range(2)]
+    px = start_proxy(pools=[pool("p", ["m1"], sims)])
+    failures, done = [], []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "load",
+                                                           "max_tokens": 4})
+                (done if r.status == 200 else failures).append(r.status)
+            except Exception as e:  # a dropped connection is a failure too
+                failures.append(repr(e))
+
+    ts = [threading.Thread(target=client) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for i in range(10):
+        px.send_signal(signal.SIGHUP)
+        poll_until(lambda: len(px.find_logs("reloaded")) > i, what="reload %d" % i)
+        r = http("POST", px.admin_port, "/admin/reload")
+        assert r.status == 200
+    stop.set()
+    for t in ts:
+        t.join()
+    assert failures == [], failures[:5]
+    assert len(done) > 20, len(done)
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
