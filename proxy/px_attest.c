@@ -52,6 +52,7 @@ typedef struct att_s {
     attest_report_t report;
     bool have_report;
     attest_canary_t canary_hist;
+    bool admit_on_canary; /* metadata matched; admission waits for a matching canary */
     char canary_last[65];
     const cfg_pool_t *pool; /* of the generation that started the check */
     const cfg_t *cfg;
@@ -161,7 +162,19 @@ static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
     attest_canary_sha256(text, strlen(text), a->canary_last);
     cJSON_Delete(doc);
     count(r, ok ? "canary_ok" : "canary_mismatch");
-    if (attest_canary_record(&a->canary_hist, ok)) {
+    bool rejected = attest_canary_record(&a->canary_hist, ok);
+    if (!rejected && ok && a->admit_on_canary) {
+        /* Metadata matched and the model answered as expected: now it may take traffic. */
+        a->admit_on_canary = false;
+        set_state(r, PX_REPLICA_ADMITTED, NULL);
+    } else if (!rejected && !ok && a->admit_on_canary) {
+        char why[160];
+        snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
+                                   "admitted until the canary matches)",
+                 a->canary_last, can->expected_sha256);
+        set_state1(r, PX_REPLICA_PENDING, why);
+    }
+    if (rejected) {
         char why[160];
         snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
                                    "the last 3 checks",
@@ -231,11 +244,15 @@ static void decide(att_t *a, attest_report_t *rep)
     }
     attest_reasons_free(&why);
     count(r, "admitted");
-    /* A replica the canary rejected stays rejected until the canary passes again. */
-    bool canary_blocks = m && m->canary && attest_canary_rejected(&a->canary_hist);
-    if (!canary_blocks && r->state != PX_REPLICA_QUARANTINED)
+    /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
+     * rejected) is admitted only once its canary output matches too: fail closed. An admitted
+     * one stays until the 2-of-3 rule rejects it (SPEC §6). */
+    bool canary = m && m->canary && r->up;
+    a->admit_on_canary = canary && r->state != PX_REPLICA_ADMITTED &&
+                         r->state != PX_REPLICA_QUARANTINED;
+    if (!a->admit_on_canary && r->state != PX_REPLICA_QUARANTINED)
         set_state(r, PX_REPLICA_ADMITTED, NULL);
-    if (m && m->canary && r->up) {
+    if (canary) {
         canary_start(a, pc);
         return;
     }

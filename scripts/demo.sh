@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make demo`: three simulated replicas and detproxy on loopback, a scripted tour with curl,
-# then keep serving until Ctrl-C (DEMO_ONESHOT=1 exits after the tour).
+# `make demo`: simulated replicas and detproxy on loopback, a scripted tour with curl showing
+# policy, attestation and drift, then keep serving until Ctrl-C (DEMO_ONESHOT=1 exits after the
+# tour). Everything runs on 127.0.0.1; nothing leaves the machine.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD:-build/release}
@@ -13,74 +14,159 @@ cleanup() {
   wait 2>/dev/null || true
   rm -rf "$work"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 0' INT TERM
 
 PORT=${DEMO_PORT:-18080}
 ADMIN=${DEMO_ADMIN_PORT:-19901}
-SIM_BASE=${DEMO_SIM_PORT:-18101}
-MODEL=demo/llama-sim
-CKPT=$(printf 'demo-checkpoint' | sha256sum | cut -c1-64)
+BASE=${DEMO_SIM_PORT:-18101}
+LLAMA=demo/llama-sim
+MISTRAL=demo/mistral-sim
+CKPT=$(printf 'llama-checkpoint-v1' | sha256sum | cut -c1-64)
+CKPT_OTHER=$(printf 'llama-checkpoint-v0' | sha256sum | cut -c1-64)
+CKPT_M=$(printf 'mistral-checkpoint' | sha256sum | cut -c1-64)
+BANK_KEY=sk-demo-bank-0001
+BANK_SHA=$(printf '%s' "$BANK_KEY" | sha256sum | cut -c1-64)
 
 bold() { printf '\n\033[1m%s\033[0m\n' "$*"; }
 say() { printf '  %s\n' "$*"; }
-show() { printf '  $ %s\n' "$*"; eval "$@" | sed 's/^/    /'; }
+run() { printf '  \033[2m$ %s\033[0m\n' "$*"; eval "$@" 2>&1 | sed 's/^/    /'; }
+json() { python3 -c "import json,sys; d=json.load(sys.stdin); $1"; }
 
-wait_port() {
-  for _ in $(seq 1 100); do
+wait_http() {
+  for _ in $(seq 1 200); do
     curl -s -o /dev/null "http://127.0.0.1:$1$2" && return 0
     sleep 0.05
   done
-  echo "port $1 did not come up" >&2; exit 1
+  echo "127.0.0.1:$1$2 did not come up" >&2; exit 1
 }
 
-bold "Starting three simulated vLLM replicas (r1, r2 identical; r3 deployed from another quantization)"
-for i in 1 2 3; do
-  quant=awq; [ "$i" = 3 ] && quant=gptq
-  "$SIM" --listen "127.0.0.1:$((SIM_BASE + i - 1))" --flavor vllm --model "$MODEL" \
-    --quantization "$quant" --checkpoint-sha256 "$CKPT" --token-delay-ms 15 \
-    2>"$work/sim$i.log" &
+sim() { # name port model checkpoint extra-flags...
+  local name=$1 port=$2 model=$3 ckpt=$4; shift 4
+  "$SIM" --listen "127.0.0.1:$port" --flavor vllm --model "$model" --framework-version 0.6.3 \
+    --quantization awq --dtype float16 --checkpoint-sha256 "$ckpt" \
+    --attest-key "$work/pipeline.key.pem" "$@" 2>"$work/$name.log" &
   pids+=($!)
-done
-for i in 1 2 3; do wait_port $((SIM_BASE + i - 1)) /health; done
-say "r1 127.0.0.1:$SIM_BASE, r2 127.0.0.1:$((SIM_BASE + 1)), r3 127.0.0.1:$((SIM_BASE + 2))"
+}
 
+bold "0. Set-up"
+"$BIN" attest keygen --out "$work/pipeline" >/dev/null
+say "Attestation signing key: $work/pipeline.key.pem (replicas sign, detproxy trusts the .pub)"
+sim r1 $((BASE + 0)) "$LLAMA" "$CKPT"
+sim r2 $((BASE + 1)) "$LLAMA" "$CKPT"
+sim r3 $((BASE + 2)) "$LLAMA" "$CKPT_OTHER"                                # an old checkpoint
+sim r4 $((BASE + 3)) "$LLAMA" "$CKPT" --quantization gptq --report-quantization awq  # lies
+sim m1 $((BASE + 4)) "$MISTRAL" "$CKPT_M"
+sim m2 $((BASE + 5)) "$MISTRAL" "$CKPT_M"
+sim m3 $((BASE + 6)) "$MISTRAL" "$CKPT_M" --quantization gptq --report-quantization awq
+for i in 0 1 2 3 4 5 6; do wait_http $((BASE + i)) /health; done
+say "Seven simulated vLLM replicas on 127.0.0.1:$BASE-$((BASE + 6)):"
+say "  pool llama:   r1 r2 (good), r3 (deployed from an older checkpoint), r4 (generates with"
+say "                gptq but reports awq: a replica that lies about itself)"
+say "  pool mistral: m1 m2 (good), m3 (same metadata, different outputs: silent drift)"
+
+# The canary's expected output hash comes from a replica known to be good.
+CANARY_TEXT=$(curl -s "http://127.0.0.1:$BASE/v1/completions" -H 'content-type: application/json' \
+  -d "{\"model\":\"$LLAMA\",\"prompt\":\"Count: one, two,\",\"max_tokens\":16,\"temperature\":0,\"seed\":0}" \
+  | json 'print(d["choices"][0]["text"], end="")')
+CANARY_SHA=$(printf '%s' "$CANARY_TEXT" | sha256sum | cut -c1-64)
+
+agent() { printf '{"source":"agent","url":"http://127.0.0.1:%s/attestation"}' "$1"; }
 cat > "$work/detproxy.json" <<JSON
 {
   "listen": "127.0.0.1:$PORT",
   "admin_listen": "127.0.0.1:$ADMIN",
-  "pools": [{
-    "name": "llama", "models": ["$MODEL"],
-    "replicas": [
-      {"name": "r1", "url": "http://127.0.0.1:$SIM_BASE"},
-      {"name": "r2", "url": "http://127.0.0.1:$((SIM_BASE + 1))"},
-      {"name": "r3", "url": "http://127.0.0.1:$((SIM_BASE + 2))"}
-    ]
-  }]
+  "attestation": {"interval_ms": 1000, "timeout_ms": 1000, "require_signature": true,
+                  "trusted_keys": ["pipeline.pub.pem"]},
+  "pools": [
+    {"name": "llama", "models": ["$LLAMA"],
+     "manifest": {"model": "$LLAMA", "checkpoint_sha256": "$CKPT", "quantization": "awq",
+                  "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"},
+                  "canary": {"prompt": "Count: one, two,", "max_tokens": 16,
+                             "expected_sha256": "$CANARY_SHA"}},
+     "replicas": [
+       {"name": "r1", "url": "http://127.0.0.1:$((BASE + 0))", "attest": $(agent $((BASE + 0)))},
+       {"name": "r2", "url": "http://127.0.0.1:$((BASE + 1))", "attest": $(agent $((BASE + 1)))},
+       {"name": "r3", "url": "http://127.0.0.1:$((BASE + 2))", "attest": $(agent $((BASE + 2)))},
+       {"name": "r4", "url": "http://127.0.0.1:$((BASE + 3))", "attest": $(agent $((BASE + 3)))}]},
+    {"name": "mistral", "models": ["$MISTRAL"],
+     "manifest": {"model": "$MISTRAL", "checkpoint_sha256": "$CKPT_M", "quantization": "awq",
+                  "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"}},
+     "replicas": [
+       {"name": "m1", "url": "http://127.0.0.1:$((BASE + 4))", "attest": $(agent $((BASE + 4)))},
+       {"name": "m2", "url": "http://127.0.0.1:$((BASE + 5))", "attest": $(agent $((BASE + 5)))},
+       {"name": "m3", "url": "http://127.0.0.1:$((BASE + 6))", "attest": $(agent $((BASE + 6)))}]}
+  ],
+  "policy": {"tenants": [
+    {"name": "bank", "match": {"api_keys_sha256": ["$BANK_SHA"]},
+     "sampling": {"temperature": {"force": 0}, "top_p": {"force": 1}, "seed": {"force": 1234}},
+     "deny_params": ["logit_bias"], "audit": true},
+    {"name": "default", "match": {"any": true},
+     "sampling": {"temperature": {"default": 0.7, "max": 1.0}, "seed": {"derive": true}}}]},
+  "shadow": {"rate": 0.7, "self_rate": 0.3, "max_inflight": 8},
+  "log": {"level": "info", "audit_path": "audit.jsonl"}
 }
 JSON
 
-bold "Starting detproxy"
-show "$BIN check -c $work/detproxy.json"
+bold "1. Start detproxy (config validated first)"
+run "'$BIN' check -c '$work/detproxy.json'"
 "$BIN" run -c "$work/detproxy.json" 2>"$work/detproxy.log" &
 pids+=($!)
-wait_port "$ADMIN" /healthz
-say "proxy http://127.0.0.1:$PORT   admin http://127.0.0.1:$ADMIN   logs $work/detproxy.log"
+wait_http "$ADMIN" /healthz
+for _ in $(seq 1 100); do
+  curl -s "http://127.0.0.1:$ADMIN/readyz" | grep -q '"ready"' && break; sleep 0.05
+done
+say "proxy http://127.0.0.1:$PORT   admin http://127.0.0.1:$ADMIN   log $work/detproxy.log"
 
-bold "1. A completion through the proxy (headers show the request id, replica and pool fingerprint)"
-show "curl -s -D- -o /dev/null http://127.0.0.1:$PORT/v1/completions -d '{\"model\":\"$MODEL\",\"prompt\":\"Count: one, two,\",\"max_tokens\":8,\"temperature\":0}' | grep -i '^x-detproxy'"
+P="http://127.0.0.1:$PORT"
+A="http://127.0.0.1:$ADMIN"
 
-bold "2. Streaming is forwarded chunk by chunk"
-show "curl -sN http://127.0.0.1:$PORT/v1/chat/completions -d '{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":4,\"stream\":true}' | cut -c1-110"
+bold "2. Policy: the compliance tenant sends temperature 0.9 and no seed..."
+run "curl -s -D '$work/h' -o '$work/b' $P/v1/chat/completions -H 'Authorization: Bearer $BANK_KEY' -d '{\"model\":\"$LLAMA\",\"messages\":[{\"role\":\"user\",\"content\":\"Is this loan approved?\"}],\"temperature\":0.9,\"max_tokens\":8}'; grep -i '^x-detproxy' '$work/h'"
+say "...and this is what the replica actually received (its own record of the request):"
+R=$(grep -i '^x-detproxy-replica' "$work/h" | tr -d '\r' | awk '{print $2}')
+RPORT=$((BASE + ${R#r} - 1))
+run "curl -s http://127.0.0.1:$RPORT/_sim/last_request | python3 -c 'import json,sys; b=json.loads(json.load(sys.stdin)[\"body\"]); print({k: b[k] for k in (\"temperature\",\"top_p\",\"seed\")})'"
+say "An audit line was written before the response completed:"
+run "tail -1 '$work/audit.jsonl' | cut -c1-220"
+say "A denied parameter never reaches a replica:"
+run "curl -s $P/v1/chat/completions -H 'Authorization: Bearer $BANK_KEY' -d '{\"model\":\"$LLAMA\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logit_bias\":{\"1\":5}}'; echo"
 
-bold "3. Replica state and metrics on the admin listener"
-show "curl -s http://127.0.0.1:$ADMIN/admin/replicas | python3 -m json.tool | grep -E '\"(name|state)\"'"
-show "curl -s http://127.0.0.1:$ADMIN/metrics | grep '^detproxy_requests_total'"
+bold "3. Policy: the default tenant sends the same prompt twice (different JSON key order)"
+run "curl -s -D- -o /dev/null $P/v1/completions -d '{\"model\":\"$LLAMA\",\"prompt\":\"Write a haiku\",\"max_tokens\":8}' | grep -i x-detproxy-seed"
+run "curl -s -D- -o /dev/null $P/v1/completions -d '{ \"max_tokens\": 8, \"prompt\": \"Write a haiku\", \"model\": \"$LLAMA\" }' | grep -i x-detproxy-seed"
+say "Same derived seed both times: the same prompt samples the same way."
 
-bold "4. Bad input gets a clear, OpenAI-shaped error"
-show "curl -s http://127.0.0.1:$PORT/v1/completions -d '{\"model\":\"no-such-model\",\"prompt\":\"x\"}'; echo"
-show "printf 'GET / HTTP/1.1\\r\\nHost: a\\r\\nX: a\\r\\n b\\r\\n\\r\\n' | python3 -c 'import socket,sys; s=socket.create_connection((\"127.0.0.1\",$PORT)); s.sendall(sys.stdin.buffer.read()); print(s.recv(4096).decode().splitlines()[0])'"
+bold "4. Attestation: only replicas matching the pinned manifest get traffic"
+sleep 2.5  # two canary rounds (interval 1 s): the liar needs 2 mismatches of 3 to be caught
+run "curl -s $A/admin/replicas | python3 -c 'import json,sys
+for r in json.load(sys.stdin)[\"replicas\"]:
+    print(\"%-8s %-3s %-12s %s\" % (r[\"pool\"], r[\"name\"], r[\"state\"], \"; \".join(r[\"reasons\"])[:110]))'"
+say "r3 was deployed from another checkpoint; r4 reports the right metadata but the canary"
+say "prompt's output gives it away. Neither ever gets a client request (r4 only ever saw"
+say "the canary probes: a canary pool admits a replica only after its canary matches):"
+for _ in $(seq 1 20); do
+  curl -s -o /dev/null "$P/v1/completions" -d "{\"model\":\"$LLAMA\",\"prompt\":\"hi\",\"max_tokens\":2,\"temperature\":0}"
+done
+run "for p in $((BASE + 2)) $((BASE + 3)); do curl -s http://127.0.0.1:\$p/_sim/requests | python3 -c 'import json,sys; rs=[json.loads(r[\"body\"]).get(\"prompt\") for r in json.load(sys.stdin)[\"requests\"] if r[\"inference\"]]; print(\"requests seen: %d, of which canary probes: %d\" % (len(rs), rs.count(\"Count: one, two,\")))'; done"
+run "curl -s $A/metrics | grep '^detproxy_replica_admitted'"
+
+bold "5. Drift: shadow copies compare replicas against each other and against themselves"
+say "Sending 150 temperature-0 requests to pool mistral (70% get a cross shadow, 30% a self one)..."
+for i in $(seq 1 150); do
+  curl -s -o /dev/null "$P/v1/completions" \
+    -d "{\"model\":\"$MISTRAL\",\"prompt\":\"question $i about the weather\",\"max_tokens\":16,\"temperature\":0}"
+done
+sleep 0.5
+run "curl -s $A/admin/drift | python3 -c 'import json,sys
+p = json.load(sys.stdin)[\"pools\"][\"mistral\"]
+print(\"cross: %d samples, exact-match %.2f\" % (p[\"cross\"][\"samples\"], p[\"cross\"][\"exact_match_rate\"]))
+print(\"self:  %d samples, exact-match %.2f\" % (p[\"self\"][\"samples\"], p[\"self\"][\"exact_match_rate\"]))
+print(\"verdict:\", p[\"verdict\"], \" suspect:\", p[\"suspect\"])'"
+say "m3 reports the same checkpoint and quantization as m1 and m2, but its outputs drift:"
+say "cross pairs with m3 diverge far beyond the self-noise baseline, and detproxy names it."
 
 bold "Tour done."
 if [ "${DEMO_ONESHOT:-0}" = 1 ]; then exit 0; fi
-say "detproxy keeps serving on http://127.0.0.1:$PORT — press Ctrl-C to stop."
+say "detproxy keeps serving on $P (admin $A). Press Ctrl-C to stop."
 wait

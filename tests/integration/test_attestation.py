@@ -203,6 +203,13 @@ def test_canary_catches_a_lying_replica():
     assert state(px, "r1") == "admitted"
     assert metric(px, "detproxy_attestations_total", pool="p", replica="r2",
                   result="canary_mismatch") >= 2
+    # Fail closed: it was never admitted, so all it ever saw were canary probes.
+    for _ in range(10):
+        assert post_json(px.port, "/v1/completions",
+                         {"model": MODEL, "prompt": "x", "max_tokens": 1}).status == 200
+    seen = get_json(liar.port, "/_sim/requests")["requests"]
+    prompts = {json.loads(r["body"]).get("prompt") for r in seen if r["inference"]}
+    assert prompts == {can["prompt"]}, prompts
     px.stop()
 
 
