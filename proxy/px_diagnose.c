@@ -10,8 +10,9 @@
  *   3a per replica, --repeat completions at temperature 0, one at a time;
  *   3b per replica, --repeat completions at temperature 0, --concurrency in flight.
  * "One at a time" is per serving endpoint: two replicas configured with the same host:port share
- * one lane, so a sequential phase never puts two requests on one server. A replica that refuses
- * two connections in a row is given up (its remaining requests are skipped, not timed out).
+ * one lane, so a sequential phase never puts two requests on one server. A replica whose last two
+ * requests failed below HTTP (refused, timed out) is given up: its remaining requests are
+ * skipped, not each waited out.
  * px_diagnose_report.c judges the collected results and prints them. */
 #include "proxy/px_diagnose.h"
 
@@ -34,7 +35,7 @@
 #include "proxy/px_fetch.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
-#define GIVE_UP_CONNECT_FAILURES 2
+#define GIVE_UP_FAILURES 2
 #define DISCOVERY_MAX 256 /* addresses taken from one discovery name */
 
 typedef struct dg_s dg_t;
@@ -43,7 +44,6 @@ typedef struct dg_s dg_t;
 typedef struct {
     dg_t *d;
     size_t idx;
-    bool tls, agent_tls;
     char *hostport, *path; /* the replica's base URL */
     char *agent_hostport, *agent_path;
     px_upstream_t *up;     /* completions */
@@ -61,7 +61,7 @@ typedef struct {
     px_dg_out_t **outs;
     const dp_buf_t **bodies;
     size_t njobs, next, inflight, pdone;
-    unsigned connect_failures;
+    unsigned transport_failures;
 } rio_t;
 
 typedef struct {
@@ -82,11 +82,10 @@ struct dg_s {
     bool sequential;
     unsigned limit;
     size_t total, done;
-    bool json;
     dp_buf_t body_t0, body_unseeded, body_seeded;
 };
 
-/* ---- progress (stderr) ------------------------------------------------------------------------ */
+/* ---- progress (stderr) ----------------------------------------------------------------------- */
 
 static void progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -100,7 +99,7 @@ static void progress(const char *fmt, ...)
     va_end(ap);
 }
 
-/* ---- step 1: attestation ------------------------------------------------------------------------ */
+/* ---- step 1: attestation --------------------------------------------------------------------- */
 
 static void att_finish(rio_t *io)
 {
@@ -112,8 +111,8 @@ static void att_finish(rio_t *io)
         r->att_err = dp_xstrdup(io->afail.base ? io->afail.base : "attestation failed");
     } else if (r->source == CFG_ATTEST_NONE) {
         /* Nothing to attest: /v1/models answering is reachability, and names the model. */
-        cJSON *doc = cJSON_ParseWithLength(io->abody[0].base ? io->abody[0].base : "",
-                                           io->abody[0].len);
+        cJSON *doc =
+            cJSON_ParseWithLength(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len);
         const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "data"), 0);
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(m, "id");
         if (cJSON_IsString(id))
@@ -123,8 +122,8 @@ static void att_finish(rio_t *io)
         r->att_ok = true;
     } else if (r->source == CFG_ATTEST_AGENT) {
         attest_verify_opts_t o = {&d->keys, d->cfg->attestation.require_signature, io->nonce};
-        if (attest_envelope_verify(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len,
-                                   &o, &rep, &why) == 0)
+        if (attest_envelope_verify(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len, &o,
+                                   &rep, &why) == 0)
             r->att_ok = true;
         else
             r->att_err = dp_xstrdup(why.base ? why.base : "invalid attestation");
@@ -133,8 +132,8 @@ static void att_finish(rio_t *io)
         dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
         for (size_t i = 0; i < ad->npaths; i++)
             if (io->agot[i])
-                bodies[i] = (dp_iovec_t){io->abody[i].base ? io->abody[i].base : "",
-                                         io->abody[i].len};
+                bodies[i] =
+                    (dp_iovec_t){io->abody[i].base ? io->abody[i].base : "", io->abody[i].len};
         if (ad->parse(bodies, ad->npaths, &rep, &why) == 0)
             r->att_ok = true;
         else
@@ -187,12 +186,12 @@ static void att_fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
         if (status == 0 || required) {
             io->afailed = true;
             if (status == 0)
-                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s",
-                              px_up_err_name(err), detail ? detail : "");
+                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s", px_up_err_name(err),
+                              detail ? detail : "");
             else
                 dp_buf_printf(&io->afail, "attestation endpoint answered %d", status);
-            cJSON *doc = status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len)
-                                : NULL;
+            cJSON *doc =
+                status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len) : NULL;
             const cJSON *msg = cJSON_GetObjectItemCaseSensitive(
                 cJSON_GetObjectItemCaseSensitive(doc, "error"), "message");
             if (cJSON_IsString(msg))
@@ -241,8 +240,8 @@ static bool att_start(rio_t *io)
                              .hostport = agent ? io->agent_hostport : io->hostport,
                              .target = t,
                              .bearer = d->pool->api_key,
-                             .max_bytes = agent ? ATTEST_ENVELOPE_MAX_BYTES
-                                                : ATTEST_ADAPTER_MAX_BODY};
+                             .max_bytes =
+                                 agent ? ATTEST_ENVELOPE_MAX_BYTES : ATTEST_ADAPTER_MAX_BODY};
         io->af[i] = px_fetch(io->att_up, &o, att_fetched, io);
     }
     return true;
@@ -258,7 +257,7 @@ static void step_metadata(dg_t *d)
         uv_run(&d->loop, UV_RUN_DEFAULT);
 }
 
-/* ---- steps 2 and 3: completions ------------------------------------------------------------------ */
+/* ---- steps 2 and 3: completions -------------------------------------------------------------- */
 
 static void pump(dg_t *d);
 
@@ -350,11 +349,14 @@ static void job_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_
         out_error(o, "%s%s%s", px_up_err_name(err), detail && *detail ? ": " : "",
                   detail ? detail : "");
     }
-    io->connect_failures = status == 0 && err == PX_UP_CONNECT ? io->connect_failures + 1 : 0;
+    /* Transport failures in a row (refused, timed out, reset) mean the rest would only wait
+     * out the same timeouts; an HTTP error is an answer and keeps the replica in. */
+    io->transport_failures = status == 0 ? io->transport_failures + 1 : 0;
     px_dg_replica_t *r = &d->run.r[io->idx];
-    if (io->connect_failures >= GIVE_UP_CONNECT_FAILURES && r->skip_reason == NULL) {
+    if (io->transport_failures >= GIVE_UP_FAILURES && r->skip_reason == NULL) {
         dp_buf_t why = {0};
-        dp_buf_printf(&why, "unreachable (%s)", o->err);
+        dp_buf_printf(&why, "%s (%s)", err == PX_UP_CONNECT ? "unreachable" : "not answering",
+                      o->err);
         r->skip_reason = dp_buf_steal(&why);
         progress("%s %s: %s: skipping its remaining requests", d->phase, r->name, r->skip_reason);
     }
@@ -406,7 +408,8 @@ static void pump(dg_t *d)
     }
 }
 
-/* Run one phase: jobs(d, i, k) gives replica i's k-th output slot and body. */
+/* Run one phase of njobs requests per replica: slot(r, k) is where replica r's k-th result goes,
+ * body(d, k) what it sends. Returns when every job has finished or been skipped. */
 static void run_phase(dg_t *d, const char *label, bool sequential, size_t njobs,
                       px_dg_out_t *(*slot)(px_dg_replica_t *r, size_t k),
                       const dp_buf_t *(*body)(dg_t *d, size_t k))
@@ -483,7 +486,7 @@ static void build_body(dg_t *d, dp_buf_t *out, double temperature, bool seeded)
     dp_jw_obj_end(&w);
 }
 
-/* ---- replicas ------------------------------------------------------------------------------------- */
+/* ---- replicas -------------------------------------------------------------------------------- */
 
 /* Numeric address or a host name (getaddrinfo blocks: fine in a one-shot command). */
 static int resolve(const char *host, uint16_t port, struct sockaddr_storage *ss)
@@ -519,7 +522,6 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     r->conc = dp_xcalloc(d->run.repeat, sizeof(px_dg_out_t));
     io->d = d;
     io->idx = i;
-    io->tls = tls;
     io->hostport = dp_xstrdup(hostport);
     io->path = dp_xstrdup(path ? path : "");
     io->agent_hostport = dp_xstrdup(agent && agent->hostport ? agent->hostport : "");
@@ -567,7 +569,8 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     }
 }
 
-/* A discovery pool: every A/AAAA record of the name is a replica, named by its address. */
+/* A discovery pool: every A/AAAA record of the name is a replica, resolved once now (the proxy
+ * re-resolves every refresh_ms; a diagnosis is a snapshot). */
 static int discover(dg_t *d, const cfg_discovery_t *disc)
 {
     struct addrinfo hints = {0}, *res = NULL;
@@ -581,30 +584,33 @@ static int discover(dg_t *d, const cfg_discovery_t *disc)
     size_t start = d->run.n;
     for (struct addrinfo *a = res; a && d->run.n - start < DISCOVERY_MAX; a = a->ai_next) {
         char host[INET6_ADDRSTRLEN] = "";
-        if (getnameinfo(a->ai_addr, a->ai_addrlen, host, sizeof(host), NULL, 0,
-                        NI_NUMERICHOST) != 0)
-            continue;
-        bool dup = false;
-        for (size_t i = 0; i < d->run.n && !dup; i++)
-            dup = strcmp(d->run.r[i].name, host) == 0;
-        if (dup)
+        if (getnameinfo(a->ai_addr, a->ai_addrlen, host, sizeof(host), NULL, 0, NI_NUMERICHOST) !=
+            0)
             continue;
         bool v6 = strchr(host, ':') != NULL;
         char hostport[INET6_ADDRSTRLEN + 10], agent_hp[INET6_ADDRSTRLEN + 10];
         snprintf(hostport, sizeof(hostport), v6 ? "[%s]:%u" : "%s:%u", host, disc->port);
         snprintf(agent_hp, sizeof(agent_hp), v6 ? "[%s]:%u" : "%s:%u", host, disc->attest_port);
+        /* Named as the proxy names them ("10.0.0.11:8000"); one entry per address, though
+         * getaddrinfo repeats each per socket type. */
+        bool dup = false;
+        for (size_t i = start; i < d->run.n && !dup; i++)
+            dup = strcmp(d->run.r[i].name, hostport) == 0;
+        if (dup)
+            continue;
         cfg_url_t agent = {.tls = false,
                            .host = host,
                            .port = disc->attest_port,
                            .path = "/attestation",
                            .hostport = agent_hp};
-        replica_add(d, host, false, host, disc->port, hostport, "", disc->attest_source, &agent);
+        replica_add(d, hostport, false, host, disc->port, hostport, "", disc->attest_source,
+                    &agent);
     }
     freeaddrinfo(res);
     return 0;
 }
 
-/* ---- command line ------------------------------------------------------------------------------ */
+/* ---- command line ---------------------------------------------------------------------------- */
 
 typedef struct {
     const char *config, *pool, *prompt;
@@ -663,8 +669,8 @@ static int parse_uint(const char *flag, const char *v, unsigned lo, unsigned hi,
     if (dp_parse_u64(v, strlen(v), &n) != 0 || n < lo || n > hi) {
         char range[48];
         snprintf(range, sizeof(range), "an integer in [%u, %u]", lo, hi);
-        fprintf(stderr, "detproxy diagnose: %s: expected %s, got '%s' (try --help)\n", flag,
-                range, v);
+        fprintf(stderr, "detproxy diagnose: %s: expected %s, got '%s' (try --help)\n", flag, range,
+                v);
         return 2;
     }
     *out = (unsigned)n;
@@ -676,8 +682,11 @@ static int parse_args(int argc, char **argv, opts_t *o)
 {
     static const struct {
         const char *s, *l;
-    } valued[] = {{"-c", "--config"}, {"-p", "--pool"}, {NULL, "--prompt"},
-                  {NULL, "--repeat"}, {NULL, "--concurrency"}};
+    } valued[] = {{"-c", "--config"},
+                  {"-p", "--pool"},
+                  {NULL, "--prompt"},
+                  {NULL, "--repeat"},
+                  {NULL, "--concurrency"}};
     bool seen[DP_ARRAY_SIZE(valued)] = {false};
     *o = (opts_t){.repeat = PX_DG_DEFAULT_REPEAT, .concurrency = PX_DG_DEFAULT_CONCURRENCY};
     const char *repeat = NULL, *conc = NULL;
@@ -742,7 +751,7 @@ static int parse_args(int argc, char **argv, opts_t *o)
     return 0;
 }
 
-/* ---- the command ------------------------------------------------------------------------------- */
+/* ---- the command ----------------------------------------------------------------------------- */
 
 /* The model to ask for: the manifest's, else the pool's first literal name, else what the first
  * replica said about itself in step 1. */
@@ -765,8 +774,8 @@ static void load_keys(dg_t *d)
     for (size_t i = 0; i < at->ntrusted_keys; i++) {
         dp_buf_t err = {0};
         if (attest_keyset_add_file(&d->keys, at->trusted_keys[i], &err) != 0)
-            fprintf(stderr, "detproxy diagnose: warning: trusted key %s: %s\n",
-                    at->trusted_keys[i], err.base ? err.base : "unreadable");
+            fprintf(stderr, "detproxy diagnose: warning: trusted key %s: %s\n", at->trusted_keys[i],
+                    err.base ? err.base : "unreadable");
         dp_buf_free(&err);
     }
 }
@@ -860,8 +869,9 @@ int px_cmd_diagnose(int argc, char **argv)
         return 1;
     }
 
-    const cfg_pool_t *pool = o.pool ? cfg_pool_by_name(cfg, o.pool) : cfg->npools ? cfg->pools
-                                                                                   : NULL;
+    const cfg_pool_t *pool = o.pool        ? cfg_pool_by_name(cfg, o.pool)
+                             : cfg->npools ? cfg->pools
+                                           : NULL;
     if (pool == NULL) {
         dp_buf_t known = {0};
         for (size_t i = 0; i < cfg->npools; i++)
@@ -878,7 +888,6 @@ int px_cmd_diagnose(int argc, char **argv)
     dg_t d = {0};
     d.cfg = cfg;
     d.pool = pool;
-    d.json = o.json;
     d.run.cfg = cfg;
     d.run.pool = pool;
     d.run.prompt = o.prompt;
@@ -895,8 +904,8 @@ int px_cmd_diagnose(int argc, char **argv)
     d.lane_busy = dp_xcalloc(cap ? cap : 1, sizeof(size_t));
     for (size_t i = 0; i < pool->nreplicas; i++) {
         const cfg_replica_t *c = &pool->replicas[i];
-        replica_add(&d, c->name, c->url.tls, c->url.host, c->url.port, c->url.hostport,
-                    c->url.path, c->attest.source, &c->attest.url);
+        replica_add(&d, c->name, c->url.tls, c->url.host, c->url.port, c->url.hostport, c->url.path,
+                    c->attest.source, &c->attest.url);
     }
     if (pool->discovery && discover(&d, pool->discovery) != 0) {
         if (o.json)
@@ -914,15 +923,16 @@ int px_cmd_diagnose(int argc, char **argv)
         return 3;
     }
     load_keys(&d);
-    progress("pool \"%s\": %zu replica%s; %u requests each at temperature 0 in step 3 (x2), "
-             "%u in flight",
-             pool->name, d.run.n, d.run.n == 1 ? "" : "s", o.repeat, o.concurrency);
+    progress("pool \"%s\": %zu replica%s; step 3 sends each %u requests one at a time, then %u "
+             "with %u in flight",
+             pool->name, d.run.n, d.run.n == 1 ? "" : "s", o.repeat, o.repeat, o.concurrency);
 
     step_metadata(&d);
     d.run.model = pick_model(&d);
     if (d.run.model == NULL) {
-        fprintf(stderr, "detproxy diagnose: pool \"%s\": no model to ask for (no manifest model, "
-                        "only \"*\" in models, and no replica named one)\n",
+        fprintf(stderr,
+                "detproxy diagnose: pool \"%s\": no model to ask for (no manifest model, "
+                "only \"*\" in models, and no replica named one)\n",
                 pool->name);
         if (o.json)
             runtime_failure_json(&d, "no model to ask for");
@@ -938,8 +948,7 @@ int px_cmd_diagnose(int argc, char **argv)
              "per replica, model %s",
              PX_DG_TEMPERATURE, PX_DG_SEED, d.run.model);
     run_phase(&d, "[2/4]", true, PX_DG_SAMPLES, slot_sampling, body_sampling);
-    progress("[3/4] single replica: %u sequential requests at temperature 0 per replica",
-             o.repeat);
+    progress("[3/4] single replica: %u sequential requests at temperature 0 per replica", o.repeat);
     run_phase(&d, "[3/4] sequential", true, o.repeat, slot_seq, body_t0);
     progress("[3/4] single replica: %u requests at temperature 0 per replica, %u in flight",
              o.repeat, o.concurrency);

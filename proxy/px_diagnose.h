@@ -22,13 +22,13 @@
 #include "common/buf.h"
 #include "config/config.h"
 
-#define PX_DG_MAX_TOKENS 32       /* long enough for a near-tie to show, short enough to be quick */
-#define PX_DG_TEMPERATURE 0.8     /* step 2 sampling temperature (SPEC §11) */
-#define PX_DG_SEED 1234           /* step 2 fixed seed */
-#define PX_DG_SAMPLES 4           /* step 2 per replica: unseeded, unseeded, seeded, seeded */
+#define PX_DG_MAX_TOKENS 32   /* long enough for a near-tie to show, short enough to be quick */
+#define PX_DG_TEMPERATURE 0.8 /* step 2 sampling temperature (SPEC §11) */
+#define PX_DG_SEED 1234       /* step 2 fixed seed */
+#define PX_DG_SAMPLES 4       /* step 2 per replica: unseeded, unseeded, seeded, seeded */
 #define PX_DG_DEFAULT_REPEAT 8
 #define PX_DG_DEFAULT_CONCURRENCY 4
-#define PX_DG_MAX_REPEAT 1000     /* unique counting is O(repeat^2) comparisons per replica */
+#define PX_DG_MAX_REPEAT 1000 /* unique counting is O(repeat^2) comparisons per replica */
 #define PX_DG_MAX_CONCURRENCY 256
 #define PX_DG_DEFAULT_PROMPT "Explain in two sentences why the sky is blue."
 
@@ -38,14 +38,14 @@ typedef struct {
     bool ok;    /* HTTP 200 with an output text */
     char *text; /* the output text (drift_extract_json), NUL-terminated; NULL unless ok */
     size_t len;
-    char *err;  /* why not ok: "HTTP 404: ...", "connect: ...", "skipped: ..." */
+    char *err; /* why not ok: "HTTP 404: ...", "connect: ...", "skipped: ..." */
 } px_dg_out_t;
 
 typedef struct {
     size_t requests; /* sent or skipped */
     size_t ok;
-    size_t unique;   /* distinct texts among the ok ones */
-    int first_ok;    /* index of the first ok output, -1 when none */
+    size_t unique; /* distinct texts among the ok ones */
+    int first_ok;  /* index of the first ok output, -1 when none */
     const char *first_err;
 } px_dg_phase_t;
 
@@ -54,30 +54,30 @@ typedef struct {
 typedef struct {
     int unseeded, seeded;
     px_dg_phase_t seq, conc;
-    size_t conc_differ;  /* ok concurrent outputs that differ from the sequential one */
-    size_t total_unique; /* distinct texts over sequential and concurrent together */
-    bool answered;       /* at least one completion request (any step) succeeded */
-    bool stable;         /* sequential: at least one ok, all ok ones identical */
-    bool meta_odd;       /* named by a step 1 difference */
-    int group;           /* step 4: index into run->groups, -1 when not compared */
-    bool out_odd;        /* step 4: outside the reference group */
+    size_t conc_differ;        /* ok concurrent outputs that differ from the sequential one */
+    size_t total_unique;       /* distinct texts over sequential and concurrent together */
+    bool answered;             /* at least one completion request (any step) succeeded */
+    bool stable;               /* sequential: at least one ok, all ok ones identical */
+    bool meta_odd;             /* named by a step 1 difference */
+    int group;                 /* step 4: index into run->groups, -1 when not compared */
+    bool out_odd;              /* step 4: outside the reference group */
     int64_t divergence_offset; /* step 4, vs the reference output (-1 when equal) */
     double similarity;
 } px_dg_stats_t;
 
 typedef struct {
     char *name;
-    char *url;                  /* display form, "http://10.0.0.11:8000" */
+    char *url; /* display form, "http://10.0.0.11:8000" */
     cfg_attest_source_t source;
     /* step 1 */
-    bool att_ok;                /* a report was obtained (source none: /v1/models answered) */
-    char *att_err;              /* why not */
-    attest_report_t report;     /* source none: only model (from /v1/models), source "none" */
-    bool admitted;              /* what the proxy would decide (attest_admit) */
+    bool att_ok;            /* a report was obtained (source none: /v1/models answered) */
+    char *att_err;          /* why not */
+    attest_report_t report; /* source none: only model (from /v1/models), source "none" */
+    bool admitted;          /* what the proxy would decide (attest_admit) */
     attest_reasons_t admit_reasons;
     /* steps 2 and 3 */
     px_dg_out_t sampling[PX_DG_SAMPLES];
-    px_dg_out_t *seq;  /* run->repeat each */
+    px_dg_out_t *seq; /* run->repeat each */
     px_dg_out_t *conc;
     char *skip_reason; /* given up on (unresolvable, unreachable): later requests skipped */
     px_dg_stats_t st;
@@ -112,7 +112,7 @@ typedef struct {
 
 /* Step 4: replicas whose sequential output is identical form a group. */
 typedef struct {
-    size_t first;  /* a member replica (its output is the group's) */
+    size_t first; /* a member replica (its output is the group's) */
     size_t count;
 } px_dg_group_t;
 
@@ -133,9 +133,9 @@ typedef struct {
     bool unseeded_varies, seeds_honoured;
     px_dg_group_t *groups;
     size_t ngroups;
-    int ref_group;       /* -1: fewer than two replicas compared, or no majority */
-    size_t compared;     /* replicas compared in step 4 */
-    size_t answered;     /* replicas that answered at least one completion request */
+    int ref_group;   /* -1: fewer than two replicas compared, or no majority */
+    size_t compared; /* replicas compared in step 4 */
+    size_t answered; /* replicas that answered at least one completion request */
     px_dg_finding_t findings[PX_DG__CAUSES];
     size_t nfindings;
 } px_dg_run_t;

@@ -28,9 +28,8 @@
 #include "proxy/drift/drift.h"
 
 const char *const px_dg_cause_names[PX_DG__CAUSES] = {
-    "cross_replica_drift",   "nondeterministic_replica", "batching_nondeterminism",
-    "seed_ignored",          "unseeded_sampling",        "unattested_replica",
-    "replica_error",
+    "cross_replica_drift", "nondeterministic_replica", "batching_nondeterminism", "seed_ignored",
+    "unseeded_sampling",   "unattested_replica",       "replica_error",
 };
 
 /* The identity fields compared across replicas (SPEC §11 step 1; model names are aliases). */
@@ -105,7 +104,7 @@ static px_dg_finding_t *finding(px_dg_run_t *run, px_dg_cause_t c)
     return f;
 }
 
-/* ---- policy (step 2's protection) ------------------------------------------------------------- */
+/* ---- policy (step 2's protection) ------------------------------------------------------------ */
 
 /* How a tenant pins sampling, or NULL when it does not. */
 static const char *tenant_pin(const cfg_tenant_t *t)
@@ -149,8 +148,8 @@ bool px_dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why)
     if (reach == 0)
         dp_buf_printf(why, "no tenant's requests reach pool \"%s\"", pool->name);
     else if (nloose == 0)
-        dp_buf_printf(why, "every tenant that can reach pool \"%s\" pins sampling (%s)",
-                      pool->name, pinned.base);
+        dp_buf_printf(why, "every tenant that can reach pool \"%s\" pins sampling (%s)", pool->name,
+                      pinned.base);
     else
         dp_buf_printf(why, "the policy leaves seed and temperature to the client for %s %s",
                       nloose == 1 ? "tenant" : "tenants", loose.base);
@@ -159,7 +158,7 @@ bool px_dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why)
     return nloose == 0;
 }
 
-/* ---- analysis --------------------------------------------------------------------------------- */
+/* ---- analysis -------------------------------------------------------------------------------- */
 
 static void phase_stats(const px_dg_out_t *o, size_t n, px_dg_phase_t *ps)
 {
@@ -355,10 +354,12 @@ static void metadata_findings(px_dg_run_t *run)
         for (size_t i = 0; i < run->n; i++)
             nodd += d->odd[i];
         if (d->reference == NULL) {
-            dp_buf_printf(b, "%s differs across replicas with no majority (", attest_field_names[f]);
+            dp_buf_printf(b, "%s differs across replicas with no majority (",
+                          attest_field_names[f]);
         } else {
             names(b, run, d->odd);
-            dp_buf_printf(b, " %s in %s (", nodd == 1 ? "differs" : "differ", attest_field_names[f]);
+            dp_buf_printf(b, " %s in %s (", nodd == 1 ? "differs" : "differ",
+                          attest_field_names[f]);
         }
         bool first = true;
         for (size_t i = 0; i < run->n; i++) {
@@ -438,29 +439,33 @@ static void replica_findings(px_dg_run_t *run)
         if (r->source != CFG_ATTEST_NONE && !r->att_ok) {
             px_dg_finding_t *f = finding(run, PX_DG_UNATTESTED_REPLICA);
             f->replicas[i] = true;
-            dp_buf_printf(&f->detail, "%s could not be attested (%s): its identity is unverified "
-                                      "and detproxy gives it no traffic",
+            dp_buf_printf(&f->detail,
+                          "%s could not be attested (%s): its identity is unverified "
+                          "and detproxy gives it no traffic",
                           r->name, r->att_err ? r->att_err : "no report");
         }
         if (st->seq.ok >= 2 && st->seq.unique > 1) {
             px_dg_finding_t *f = finding(run, PX_DG_NONDETERMINISTIC_REPLICA);
             f->replicas[i] = true;
-            dp_buf_printf(&f->detail, "%s gave %zu different outputs to %zu sequential "
-                                      "temperature-0 requests",
+            dp_buf_printf(&f->detail,
+                          "%s gave %zu different outputs to %zu sequential "
+                          "temperature-0 requests",
                           r->name, st->seq.unique, st->seq.ok);
         } else if (st->stable && st->conc.ok > 0 && (st->conc.unique > 1 || st->conc_differ > 0)) {
             px_dg_finding_t *f = finding(run, PX_DG_BATCHING_NONDETERMINISM);
             f->replicas[i] = true;
-            dp_buf_printf(&f->detail, "%s: %zu sequential outputs identical, but with %u in "
-                                      "flight %zu of %zu differ from them (%zu distinct in all)",
+            dp_buf_printf(&f->detail,
+                          "%s: %zu sequential outputs identical, but with %u in "
+                          "flight %zu of %zu differ from them (%zu distinct in all)",
                           r->name, st->seq.ok, run->concurrency, st->conc_differ, st->conc.ok,
                           st->total_unique);
         }
         if (st->seeded == 1 && st->stable) {
             px_dg_finding_t *f = finding(run, PX_DG_SEED_IGNORED);
             f->replicas[i] = true;
-            dp_buf_printf(&f->detail, "%s gave different outputs to two requests with seed %d at "
-                                      "temperature %.1f",
+            dp_buf_printf(&f->detail,
+                          "%s gave different outputs to two requests with seed %d at "
+                          "temperature %.1f",
                           r->name, PX_DG_SEED, PX_DG_TEMPERATURE);
         }
     }
@@ -478,12 +483,14 @@ static void sampling_findings(px_dg_run_t *run)
     bool *sel = f->replicas;
     for (size_t i = 0; i < run->n; i++)
         sel[i] = run->r[i].st.unseeded == 1;
-    dp_buf_printf(&f->detail, "two requests at temperature %.1f without a seed gave different "
-                              "outputs on ",
+    dp_buf_printf(&f->detail,
+                  "two requests at temperature %.1f without a seed gave different "
+                  "outputs on ",
                   PX_DG_TEMPERATURE);
     names(&f->detail, run, sel);
-    dp_buf_printf(&f->detail, ", and %s: pin it with the policy (\"seed\": {\"derive\": true}, "
-                              "or \"temperature\": {\"force\": 0})",
+    dp_buf_printf(&f->detail,
+                  ", and %s: pin it with the policy (\"seed\": {\"derive\": true}, "
+                  "or \"temperature\": {\"force\": 0})",
                   run->policy_why.base);
 }
 
@@ -519,7 +526,7 @@ int px_dg_exit_code(const px_dg_run_t *run)
     return run->nfindings ? 1 : 0;
 }
 
-/* ---- text rendering ----------------------------------------------------------------------------- */
+/* ---- text rendering -------------------------------------------------------------------------- */
 
 /* An aligned table: cells row-major, owned. Widths count UTF-8 code points, not bytes. */
 typedef struct {
@@ -681,8 +688,9 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
     for (size_t i = 0; i < run->n; i++)
         attested += run->r[i].att_ok && run->r[i].source != CFG_ATTEST_NONE;
     if (!any && attested >= 2)
-        fprintf(f, "  => the %zu attested replicas agree on checkpoint, quantization, dtype and "
-                   "framework (where reported)\n",
+        fprintf(f,
+                "  => the %zu attested replicas agree on checkpoint, quantization, dtype and "
+                "framework (where reported)\n",
                 attested);
     else if (!any && attested == 1)
         fprintf(f, "  => only one replica attested: nothing to compare\n");
@@ -694,8 +702,9 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
 
 static void print_sampling(const px_dg_run_t *run, FILE *f)
 {
-    fprintf(f, "\nstep 2/4  sampling: two requests at temperature %.1f without a seed, then two "
-               "with seed %d\n",
+    fprintf(f,
+            "\nstep 2/4  sampling: two requests at temperature %.1f without a seed, then two "
+            "with seed %d\n",
             PX_DG_TEMPERATURE, PX_DG_SEED);
     tbl_t t = {.ncols = 3};
     tbl_add(&t, "replica");
@@ -717,19 +726,21 @@ static void print_sampling(const px_dg_run_t *run, FILE *f)
     for (size_t i = 0; i < run->n; i++)
         any_seeded = any_seeded || run->r[i].st.seeded >= 0;
     if (any_seeded)
-        fprintf(f, "  => seeds are %s\n", run->seeds_honoured ? "honoured" : "NOT honoured everywhere");
+        fprintf(f, "  => seeds are %s\n",
+                run->seeds_honoured ? "honoured" : "NOT honoured everywhere");
     fprintf(f, "  => policy: %s%s\n", run->policy_why.base,
             run->policy_pins ? " (so unseeded sampling is not listed as a cause)" : "");
 }
 
 static void print_single(const px_dg_run_t *run, FILE *f)
 {
-    fprintf(f, "\nstep 3/4  single replica: %u requests at temperature 0 each, sequentially, "
-               "then %u in flight\n",
+    fprintf(f,
+            "\nstep 3/4  single replica: %u requests at temperature 0 each, sequentially, "
+            "then %u in flight\n",
             run->repeat, run->concurrency);
     tbl_t t = {.ncols = 6};
-    const char *hdr[] = {"replica", "sequential ok", "distinct", "concurrent ok", "distinct",
-                         "differ from sequential"};
+    const char *hdr[] = {"replica",       "sequential ok", "distinct",
+                         "concurrent ok", "distinct",      "differ from sequential"};
     for (size_t k = 0; k < t.ncols; k++)
         tbl_add(&t, "%s", hdr[k]);
     for (size_t i = 0; i < run->n; i++) {
@@ -782,7 +793,8 @@ static void print_across(const px_dg_run_t *run, FILE *f)
         tbl_add(&t, "%s", r->name);
         if (r->st.group < 0) {
             tbl_add(&t, "%s", "-");
-            tbl_add(&t, "%s", r->st.seq.ok ? "not compared (unstable)" : "not compared (no output)");
+            tbl_add(&t, "%s",
+                    r->st.seq.ok ? "not compared (unstable)" : "not compared (no output)");
             for (size_t k = 0; k < 3; k++)
                 tbl_add(&t, "%s", "");
             continue;
@@ -842,7 +854,7 @@ void px_dg_print_text(const px_dg_run_t *run, FILE *f)
             fprintf(f, "verdict: %s: %s\n", px_dg_cause_names[c], run->findings[c].detail.base);
 }
 
-/* ---- JSON rendering ------------------------------------------------------------------------------ */
+/* ---- JSON rendering -------------------------------------------------------------------------- */
 
 static void json_tri(dp_jw_t *w, const char *key, int v, const char *eq, const char *ne)
 {
@@ -953,9 +965,10 @@ static void json_metadata(dp_jw_t *w, const px_dg_run_t *run)
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "field", attest_field_names[f]);
         dp_jw_str(w, "reference", d->reference);
-        dp_jw_str(w, "reference_from", d->reference == NULL ? NULL
-                                       : d->reference_pinned ? "manifest"
-                                                             : "majority");
+        dp_jw_str(w, "reference_from",
+                  d->reference == NULL  ? NULL
+                  : d->reference_pinned ? "manifest"
+                                        : "majority");
         dp_jw_obj_begin(w, "values");
         for (size_t i = 0; i < run->n; i++)
             if (field_of(&run->r[i], f))
@@ -1110,7 +1123,7 @@ void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out)
     dp_buf_appendc(out, '\n');
 }
 
-/* ---- cleanup ------------------------------------------------------------------------------------ */
+/* ---- cleanup --------------------------------------------------------------------------------- */
 
 static void out_free(px_dg_out_t *o)
 {
