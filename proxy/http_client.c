@@ -74,7 +74,7 @@ struct px_upstream_s {
     size_t refs; /* 1 for the owner + 1 per open connection */
     creq_t *free_reqs;
     size_t nfree;
-    px_tls_client_t *tls;
+    px_tls_ctx_t *tls;
     char *server_name;
     bool dead; /* the owner let go: no more pooling */
 };
@@ -104,6 +104,7 @@ static void up_unref(px_upstream_t *u)
         free(q);
     }
     free(u->server_name);
+    px_tls_ctx_unref(u->tls);
     free(u);
 }
 
@@ -485,7 +486,8 @@ static void sock_error(px_sock_t *s, int status)
     }
     creq_t *q = c->req;
     if (c->phase == UC_CONNECTING) {
-        uconn_fail(c, PX_UP_CONNECT, uv_strerror(status));
+        uconn_fail(c, PX_UP_CONNECT,
+                   status == UV_EPROTO ? px_sock_tls_error(&c->sock) : uv_strerror(status));
         return;
     }
     if (!q->pub.response_started) {
@@ -522,7 +524,8 @@ static void sock_connected(px_sock_t *s, int status)
     if (c->phase != UC_CONNECTING)
         return;
     if (status != 0) {
-        uconn_fail(c, PX_UP_CONNECT, uv_strerror(status));
+        uconn_fail(c, PX_UP_CONNECT,
+                   status == UV_EPROTO ? px_sock_tls_error(&c->sock) : uv_strerror(status));
         return;
     }
     c->connected = true;
@@ -579,8 +582,11 @@ void px_upstream_set_opts(px_upstream_t *u, const px_upstream_opts_t *opts)
     opts_fill(&u->o, opts);
 }
 
-void px_upstream_set_tls(px_upstream_t *u, px_tls_client_t *tls, const char *server_name)
+void px_upstream_set_tls(px_upstream_t *u, px_tls_ctx_t *tls, const char *server_name)
 {
+    if (tls)
+        px_tls_ctx_ref(tls);
+    px_tls_ctx_unref(u->tls);
     u->tls = tls;
     free(u->server_name);
     u->server_name = server_name ? dp_xstrdup(server_name) : NULL;
@@ -618,6 +624,11 @@ static uconn_t *uconn_new(px_upstream_t *u)
     c->sock.on_close = sock_closed;
     c->sock.high_water = u->o.write_high_water;
     c->sock.low_water = u->o.write_high_water / 4;
+    if (u->tls) {
+        px_tls_t *t = px_tls_new_client(u->tls, u->server_name);
+        if (t)
+            px_sock_use_tls(&c->sock, t);
+    }
     uv_timer_init(u->loop, &c->timer);
     c->timer.data = c;
     llhttp_init(&c->parser, HTTP_RESPONSE, &u->settings);

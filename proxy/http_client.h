@@ -22,7 +22,6 @@
 
 typedef struct px_upstream_s px_upstream_t;
 typedef struct px_creq_s px_creq_t;
-typedef struct px_tls_client_s px_tls_client_t;
 
 typedef struct {
     uint32_t connect_timeout_ms;
@@ -73,8 +72,10 @@ struct px_creq_s {
 px_upstream_t *px_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
                                const px_upstream_opts_t *opts);
 void px_upstream_set_opts(px_upstream_t *u, const px_upstream_opts_t *opts);
-/* Speak TLS to this upstream (issue 8). NULL turns it off. Not owned. */
-void px_upstream_set_tls(px_upstream_t *u, px_tls_client_t *tls, const char *server_name);
+/* Speak TLS to this upstream: verify its certificate for server_name (SNI unless an IP
+ * literal). A reference on ctx is taken; NULL turns TLS off. */
+struct px_tls_ctx_s;
+void px_upstream_set_tls(px_upstream_t *u, struct px_tls_ctx_s *ctx, const char *server_name);
 /* Release: idle connections close now; exchanges in flight finish normally, then it is freed. */
 void px_upstream_free(px_upstream_t *u);
 size_t px_upstream_idle(const px_upstream_t *u);

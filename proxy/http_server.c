@@ -107,6 +107,7 @@ struct px_server_s {
     req_impl_t *free_reqs;
     size_t nfree;
     uint16_t port;
+    px_tls_ctx_t *tls;
     uint64_t last_accept_warn;
     void (*drain_cb)(px_server_t *s);
     void (*close_cb)(void *data);
@@ -1039,6 +1040,14 @@ static void on_connection(uv_stream_t *ls, int status)
         return;
     }
     uv_tcp_nodelay(&c->sock.tcp, 1);
+    if (s->tls) {
+        px_tls_t *t = px_tls_new_server(s->tls);
+        if (t == NULL) {
+            conn_close(c);
+            return;
+        }
+        px_sock_use_tls(&c->sock, t);
+    }
     s->accepted++;
     conn_to_idle(c);
 }
@@ -1092,6 +1101,14 @@ int px_server_listen(px_server_t *s, const char *host, uint16_t port)
     s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                              : ((struct sockaddr_in *)&ss)->sin_port);
     return 0;
+}
+
+void px_server_set_tls(px_server_t *s, px_tls_ctx_t *ctx)
+{
+    if (ctx)
+        px_tls_ctx_ref(ctx);
+    px_tls_ctx_unref(s->tls);
+    s->tls = ctx;
 }
 
 uint16_t px_server_port(const px_server_t *s)
@@ -1180,6 +1197,7 @@ static void maybe_server_done(px_server_t *s)
             free(q->hdrs);
             free(q);
         }
+        px_tls_ctx_unref(s->tls);
         free(s);
         if (cb)
             cb(d);

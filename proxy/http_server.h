@@ -93,6 +93,10 @@ uint16_t px_server_port(const px_server_t *s);
 void *px_server_data(const px_server_t *s);
 uv_loop_t *px_server_loop(const px_server_t *s);
 void px_server_set_limits(px_server_t *s, const px_server_limits_t *limits);
+/* Serve TLS with ctx (a reference is taken; NULL: plaintext). New connections use the context
+ * set at their accept, so a certificate reload never disturbs open ones. */
+struct px_tls_ctx_s;
+void px_server_set_tls(px_server_t *s, struct px_tls_ctx_s *ctx);
 /* Graceful drain: stop accepting, close idle connections now and others after their current
  * response. done_cb runs once no connection is left. */
 void px_server_drain(px_server_t *s, void (*done_cb)(px_server_t *s));

@@ -54,6 +54,7 @@ struct px_replica_s {
     bool resolved;
     px_upstream_t *up;
     px_upstream_t *shadow_up; /* shadow copies use their own connections (lazily created) */
+    struct px_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
     px_replica_state_t state;
     char *reasons[PX_MAX_REASONS];
     size_t nreasons;
@@ -104,6 +105,7 @@ struct px_s {
     void *shadow;  /* px_shadow.c */
     void *audit;   /* px_audit.c */
     void *discovery;
+    struct px_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
 };
 
 /* ---- generations and replicas (px_gen.c) ---- */
@@ -124,6 +126,8 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
 void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o);
 /* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
+/* TLS for an upstream of replica r (its own URL, or its agent's): no-op for http://. */
+void px_replica_upstream_tls(px_replica_t *r, px_upstream_t *u, const cfg_url_t *url);
 /* Add (taking the caller's reference) / remove (dropping the pool's reference). */
 void px_pool_push_replica(px_pool_t *p, px_replica_t *r);
 void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);

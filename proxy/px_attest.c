@@ -488,6 +488,8 @@ static void att_adopt(px_t *px, px_replica_t *r)
         addr = (const struct sockaddr *)&ss;
     }
     a->up = px_upstream_new(px->loop, addr, &o);
+    px_replica_upstream_tls(r, a->up, r->attest.source == CFG_ATTEST_AGENT ? &r->attest.url
+                                                                          : &r->url);
     uv_timer_start(&a->timer, timer_cb, 0, 0);
 }
 

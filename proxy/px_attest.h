@@ -12,6 +12,9 @@ void px_attest_stop(px_t *px);
 void px_attest_sync(px_t *px);
 /* A connection to r failed: re-attest now (a restarted replica may be something else). */
 void px_attest_connection_failed(px_t *px, px_replica_t *r);
+/* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
+ * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
+int px_tls_reload(px_t *px);
 /* Reload the configuration (SIGHUP, POST /admin/reload). 0 on success. */
 int px_reload(px_t *px, const char *why);
 

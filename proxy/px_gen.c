@@ -6,6 +6,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/px.h"
+#include "proxy/tls.h"
 
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
                                               "quarantined"};
@@ -76,10 +77,26 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     r->m_admitted = px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica",
                                    d->name, NULL);
     r->resolved = resolve(r->url.host, r->url.port, &r->addr);
+    if (r->url.tls || r->attest.url.tls) {
+        const cfg_upstream_tls_t *ut = p->upstream_tls;
+        dp_buf_t err = {0};
+        r->tls_ctx = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                       ut ? ut->client_key_file : NULL, &err);
+        if (r->tls_ctx == NULL) {
+            const char *why[] = {err.base, NULL};
+            px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
+            dp_buf_free(&err);
+            r->resolved = false; /* nothing can reach it */
+            return r;
+        }
+        dp_buf_free(&err);
+    }
     px_upstream_opts_t o;
     px_replica_upstream_opts(cfg, &o);
-    if (r->resolved)
+    if (r->resolved) {
         r->up = px_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
+        px_replica_upstream_tls(r, r->up, &r->url);
+    }
     /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
      * admitted by px_attest on its first successful probe. */
     r->state = PX_REPLICA_PENDING;
@@ -88,6 +105,15 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
         px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
     }
     return r;
+}
+
+void px_replica_upstream_tls(px_replica_t *r, px_upstream_t *u, const cfg_url_t *url)
+{
+    if (!url->tls || r->tls_ctx == NULL)
+        return;
+    /* server_name overrides the name checked for the replica itself, not for its agent. */
+    const char *name = url == &r->url && r->server_name ? r->server_name : url->host;
+    px_upstream_set_tls(u, r->tls_ctx, name);
 }
 
 void px_replica_ref(px_replica_t *r)
@@ -106,6 +132,7 @@ void px_replica_unref(px_replica_t *r)
         px_upstream_free(r->up);
     if (r->shadow_up)
         px_upstream_free(r->shadow_up);
+    px_tls_ctx_unref(r->tls_ctx);
     for (size_t i = 0; i < r->nreasons; i++)
         free(r->reasons[i]);
     cfg_url_free(&r->url);

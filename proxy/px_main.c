@@ -15,6 +15,7 @@
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
 #include "proxy/px_shadow.h"
+#include "proxy/tls.h"
 
 #define DRAIN_LIMIT_MS 30000
 
@@ -249,6 +250,14 @@ int px_cmd_run(int argc, char **argv)
     px_server_limits_t lim;
     server_limits(cfg, &lim);
     px.proxy = px_server_new(px.loop, &px_proxy_handler, &px, &lim);
+    if (px_tls_reload(&px) != 0) {
+        px_server_close(px.proxy, NULL, NULL);
+        px_gen_unref(px.gen);
+        uv_run(px.loop, UV_RUN_DEFAULT);
+        uv_loop_close(px.loop);
+        px_metrics_reset();
+        return 3;
+    }
     px_server_limits_t alim;
     px_server_limits_default(&alim);
     px.admin = px_server_new(px.loop, &px_admin_handler, &px, &alim);
@@ -280,6 +289,7 @@ int px_cmd_run(int argc, char **argv)
         px_server_close(px.proxy, NULL, NULL);
     if (px.audit)
         px_audit_close(px.audit); /* flush and fsync: no audit line is lost on a clean exit */
+    px_tls_ctx_unref(px.tls);
     px_gen_unref(px.gen);
     px.gen = NULL;
     uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */

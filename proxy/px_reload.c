@@ -11,6 +11,7 @@
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
 #include "proxy/px_shadow.h"
+#include "proxy/tls.h"
 
 static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
 {
@@ -81,12 +82,42 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     }
     px_discovery_sync(px);
     px_attest_sync(px);
+    px_tls_reload(px);
     px_gen_unref(prev);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
     if (w) {
         dp_jw_str(w, "trigger", why);
         dp_jw_uint(w, "pools", cfg->npools);
         dp_jw_uint(w, "tenants", cfg->policy->ntenants);
+        dp_log_end(w);
+    }
+    return 0;
+}
+
+int px_tls_reload(px_t *px)
+{
+    const cfg_tls_t *t = px->gen->cfg->tls;
+    if (t == NULL) {
+        if (px->tls && px->proxy)
+            dp_log_msg(DP_LOG_WARN, "tls_unchanged",
+                       "turning TLS off needs a restart: the listener keeps TLS");
+        return 0;
+    }
+    dp_buf_t err = {0};
+    px_tls_ctx_t *c = px_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
+    if (c == NULL) {
+        dp_log_msg(DP_LOG_ERROR, "tls_load_failed", err.base);
+        dp_buf_free(&err);
+        return -1;
+    }
+    if (px->proxy)
+        px_server_set_tls(px->proxy, c);
+    px_tls_ctx_unref(px->tls);
+    px->tls = c;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");
+    if (w) {
+        dp_jw_str(w, "cert_file", t->cert_file);
+        dp_jw_bool(w, "client_certificates_required", t->client_ca_file != NULL);
         dp_log_end(w);
     }
     return 0;

@@ -378,6 +378,7 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         px_upstream_opts_t o;
         px_replica_upstream_opts(px->gen->cfg, &o);
         target->shadow_up = px_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+        px_replica_upstream_tls(target, target->shadow_up, &target->url);
     }
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
     s->refs = 2; /* the primary and the shadow exchange */

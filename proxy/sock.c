@@ -9,6 +9,10 @@
 /* One read buffer for the whole process: every read callback consumes or copies its bytes
  * before returning, and there is one event loop per process. */
 static char g_read_buf[PX_READ_BUF_SIZE];
+/* Decrypted bytes of one read (TLS): the same rule, consumed or copied before returning. */
+static dp_buf_t g_plain;
+
+static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 
 typedef struct {
     uv_write_t req;
@@ -34,12 +38,54 @@ static void fail(px_sock_t *s, int status)
         s->on_error(s, status);
 }
 
+/* Send whatever TLS produced (handshake messages, alerts, records). */
+static int tls_flush(px_sock_t *s)
+{
+    if (px_tls_pending_out(s->tls) == 0)
+        return 0;
+    dp_buf_t out = {0};
+    px_tls_take_out(s->tls, &out);
+    uv_buf_t b = uv_buf_init(out.base, (unsigned)out.len);
+    int r = raw_write(s, &b, 1);
+    dp_buf_free(&out);
+    return r;
+}
+
+static void tls_read(px_sock_t *s, const char *p, size_t n)
+{
+    bool was_done = px_tls_handshake_done(s->tls);
+    dp_buf_reset(&g_plain);
+    int r = px_tls_feed(s->tls, p, n, &g_plain);
+    if (tls_flush(s) != 0 && r == PX_TLS_OK)
+        r = PX_TLS_ERROR;
+    if (r == PX_TLS_ERROR) {
+        px_sock_read_stop(s);
+        fail(s, UV_EPROTO);
+        return;
+    }
+    if (!was_done && px_tls_handshake_done(s->tls) && s->connecting) {
+        s->connecting = false;
+        if (s->on_connect)
+            s->on_connect(s, 0);
+        if (s->closing || s->errored)
+            return;
+    }
+    if (g_plain.len && s->on_read)
+        s->on_read(s, g_plain.base, g_plain.len);
+    if (r == PX_TLS_CLOSED && !s->closing) {
+        px_sock_read_stop(s);
+        fail(s, UV_EOF);
+    }
+}
+
 static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
     px_sock_t *s = st->data;
     (void)buf;
     if (nread > 0) {
-        if (s->on_read)
+        if (s->tls)
+            tls_read(s, g_read_buf, (size_t)nread);
+        else if (s->on_read)
             s->on_read(s, g_read_buf, (size_t)nread);
         return;
     }
@@ -81,6 +127,8 @@ void px_sock_read_stop(px_sock_t *s)
 static void close_cb(uv_handle_t *h)
 {
     px_sock_t *s = h->data;
+    px_tls_free(s->tls);
+    s->tls = NULL;
     if (s->on_close)
         s->on_close(s);
 }
@@ -125,6 +173,17 @@ int px_sock_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 {
     if (s->closing || s->errored)
         return UV_EPIPE;
+    if (s->tls) {
+        for (unsigned i = 0; i < nbufs; i++)
+            if (bufs[i].len && px_tls_write(s->tls, bufs[i].base, bufs[i].len) != PX_TLS_OK)
+                return UV_EPROTO;
+        return tls_flush(s);
+    }
+    return raw_write(s, bufs, nbufs);
+}
+
+static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
+{
     size_t total = 0;
     for (unsigned i = 0; i < nbufs; i++)
         total += bufs[i].len;
@@ -190,6 +249,10 @@ void px_sock_shutdown(px_sock_t *s)
 {
     if (s->closing || s->errored)
         return;
+    if (s->tls) {
+        px_tls_shutdown(s->tls); /* close_notify, so the peer sees a clean end */
+        tls_flush(s);
+    }
     uv_shutdown_t *req = dp_xmalloc(sizeof(*req));
     if (uv_shutdown(req, (uv_stream_t *)&s->tcp, shutdown_cb) != 0)
         free(req);
@@ -202,8 +265,29 @@ static void connect_cb(uv_connect_t *req, int status)
         return;
     if (status == 0)
         uv_tcp_nodelay(&s->tcp, 1);
+    if (status == 0 && s->tls) {
+        /* TCP is up: the connection is usable only once the handshake completes. */
+        s->connecting = true;
+        if (px_tls_handshake(s->tls) != PX_TLS_OK || tls_flush(s) != 0 ||
+            px_sock_read_start(s) != 0) {
+            s->connecting = false;
+            if (s->on_connect)
+                s->on_connect(s, UV_EPROTO);
+        }
+        return;
+    }
     if (s->on_connect)
         s->on_connect(s, status);
+}
+
+void px_sock_use_tls(px_sock_t *s, px_tls_t *t)
+{
+    s->tls = t;
+}
+
+const char *px_sock_tls_error(const px_sock_t *s)
+{
+    return s->tls ? px_tls_error(s->tls) : "not a TLS connection";
 }
 
 int px_sock_connect(px_sock_t *s, const struct sockaddr *addr)

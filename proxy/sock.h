@@ -17,8 +17,9 @@
 
 #include <uv.h>
 
+#include "proxy/tls.h"
+
 typedef struct px_sock_s px_sock_t;
-typedef struct px_tls_s px_tls_t;
 
 /* Plaintext bytes read. n > 0. */
 typedef void (*px_sock_read_cb)(px_sock_t *s, const char *p, size_t n);
@@ -51,10 +52,15 @@ struct px_sock_s {
     bool errored;
     bool above_high;     /* crossed high_water; on_drain due when back under low_water */
     bool close_on_flush; /* close once queued reaches 0 */
+    bool connecting;     /* TLS client: on_connect waits for the handshake */
 };
 
 /* Initialise around a fresh uv_tcp_t (server side: call, then uv_accept into &s->tcp). */
 int px_sock_init(uv_loop_t *loop, px_sock_t *s, void *owner);
+/* Speak TLS on this stream (before reading or connecting); the sock owns t from here on.
+ * Failures surface through on_error with UV_EPROTO; px_sock_tls_error says why. */
+void px_sock_use_tls(px_sock_t *s, px_tls_t *t);
+const char *px_sock_tls_error(const px_sock_t *s);
 int px_sock_read_start(px_sock_t *s);
 void px_sock_read_stop(px_sock_t *s);
 /* Write bufs in order. Returns 0 (sent or queued) or a negative libuv error (the stream is

@@ -34,6 +34,7 @@ static void usage(FILE *f)
           "                              (a lying replica)\n"
           "  --attest-key KEY.pem        also serve GET /attestation?nonce=N, signed with\n"
           "                              this Ed25519 private key\n"
+          "  --tls-cert F, --tls-key F   serve HTTPS with this PEM certificate chain and key\n"
           "  --log-level LEVEL           debug | info | warn | error (default info)\n"
           "  --help                      print this help\n"
           "\n"
@@ -124,6 +125,8 @@ int main(int argc, char **argv)
                                             "--noise",
                                             "--report-quantization",
                                             "--attest-key",
+                                            "--tls-cert",
+                                            "--tls-key",
                                             "--log-level"};
         bool ok = false;
         for (size_t k = 0; k < DP_ARRAY_SIZE(known); k++)
@@ -181,6 +184,10 @@ int main(int argc, char **argv)
                 goto out;
             }
             cfg.attest_key_path = val;
+        } else if (strcmp(name, "--tls-cert") == 0) {
+            cfg.tls_cert = val;
+        } else if (strcmp(name, "--tls-key") == 0) {
+            cfg.tls_key = val;
         } else if (strcmp(name, "--log-level") == 0) {
             int lvl = dp_log_level_parse(val);
             if (lvl < 0) {

@@ -30,6 +30,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/http_server.h"
+#include "proxy/tls.h"
 #include "tests/sim/lm.h"
 #include "tests/sim/sim_attest.h"
 #include "tests/sim/sim_fmt.h"
@@ -1037,6 +1038,23 @@ int sim_run(sim_config_t *cfg)
     px_server_limits_default(&lim);
     s->high_water = lim.write_high_water;
     s->srv = px_server_new(s->loop, &h, s, &lim);
+    if (cfg->tls_cert || cfg->tls_key) {
+        dp_buf_t terr = {0};
+        px_tls_ctx_t *tc = cfg->tls_cert && cfg->tls_key
+                               ? px_tls_server_ctx(cfg->tls_cert, cfg->tls_key, NULL, &terr)
+                               : NULL;
+        if (tc == NULL) {
+            dp_log_msg(DP_LOG_ERROR, "tls_failed",
+                       terr.base ? terr.base : "--tls-cert and --tls-key go together");
+            dp_buf_free(&terr);
+            px_server_close(s->srv, server_closed, s);
+            uv_run(s->loop, UV_RUN_DEFAULT);
+            rc = 3;
+            goto out_loop;
+        }
+        px_server_set_tls(s->srv, tc);
+        px_tls_ctx_unref(tc);
+    }
     int r = px_server_listen(s->srv, cfg->host, cfg->port);
     if (r != 0) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "listen_failed");

@@ -39,6 +39,8 @@ typedef struct {
     uint32_t token_delay_ms;
     double noise;
     const char *attest_key_path; /* NULL: no /attestation */
+    const char *tls_cert;        /* with tls_key: serve HTTPS (tests of upstream TLS) */
+    const char *tls_key;
 } sim_config_t;
 
 /* "none", "close_before_response", ...; -1 when unknown. */
