@@ -205,7 +205,7 @@ static void timer_closed(uv_handle_t *h)
     uconn_handle_closed(h->data);
 }
 
-static void uconn_close(uconn_t *c)
+static void uconn_close_how(uconn_t *c, bool reset)
 {
     if (c->phase == UC_CLOSED)
         return;
@@ -214,7 +214,15 @@ static void uconn_close(uconn_t *c)
     c->phase = UC_CLOSED;
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
-    px_sock_close(&c->sock);
+    if (reset)
+        px_sock_abort(&c->sock);
+    else
+        px_sock_close(&c->sock);
+}
+
+static void uconn_close(uconn_t *c)
+{
+    uconn_close_how(c, false);
 }
 
 static void creq_free(px_upstream_t *u, creq_t *q)
@@ -753,7 +761,9 @@ void px_creq_cancel(px_creq_t *r)
     uconn_t *c = q->c;
     px_upstream_t *u = c->up;
     c->req = NULL;
-    uconn_close(c);
+    /* A reset: an upload stuck behind a replica that stopped reading would otherwise sit in
+     * the kernel (and the replica keep the request) until it read it all. */
+    uconn_close_how(c, true);
     creq_free(u, q);
 }
 

@@ -17,6 +17,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +35,7 @@
 enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 
 #define LINGER_MS 2000
+#define PAUSED_CHECK_MS 1000 /* how often a client whose body reads are paused is looked at */
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
 #define REQ_CACHE_MAX 256
 
@@ -422,6 +425,25 @@ static void conn_kick(px_conn_t *c)
     uv_timer_start(&c->timer, timer_cb, 0, 0);
 }
 
+/* While body reads are paused libuv has no interest in the socket, so a reset from the client
+ * raises no event. Ask the kernel: after a RST the socket is TCP_CLOSE. (A FIN is not taken
+ * as "gone": the rest of the body may be waiting in the receive buffer before it.) */
+static bool conn_peer_reset(px_conn_t *c)
+{
+#if defined(__linux__)
+    uv_os_fd_t fd;
+    struct tcp_info ti;
+    socklen_t len = sizeof(ti);
+    if (uv_fileno((const uv_handle_t *)&c->sock.tcp, &fd) != 0 ||
+        getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0)
+        return false;
+    return ti.tcpi_state == TCP_CLOSE;
+#else
+    (void)c;
+    return false;
+#endif
+}
+
 static void timer_cb(uv_timer_t *t)
 {
     px_conn_t *c = t->data;
@@ -471,7 +493,19 @@ static void timer_cb(uv_timer_t *t)
             return;
         }
         if (c->body_paused) {
-            conn_arm(c, idle);
+            /* The upstream is slow, not the client: no timeout, but a client that gave up
+             * must not hold the upstream request until the first-byte timeout. */
+            if (conn_peer_reset(c)) {
+                dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_disconnected");
+                if (w) {
+                    dp_jw_str(w, "request_id", c->req ? c->req->r.id : "");
+                    dp_jw_str(w, "during", "request body (paused)");
+                    dp_log_end(w);
+                }
+                conn_close(c);
+                return;
+            }
+            conn_arm(c, PAUSED_CHECK_MS);
             return;
         }
         conn_reject(c, 408, "request body not received in time");
@@ -1248,6 +1282,7 @@ void px_req_pause_body(px_req_t *req)
         return;
     c->body_paused = true;
     px_sock_read_stop(&c->sock);
+    conn_arm(c, PAUSED_CHECK_MS); /* see conn_peer_reset */
 }
 
 void px_req_resume_body(px_req_t *req)

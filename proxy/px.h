@@ -148,6 +148,8 @@ extern const px_handler_t px_proxy_handler;
 /* A slot on replica r was released: dispatch queued requests of its pool. */
 void px_proxy_slot_freed(px_pool_t *p);
 void px_proxy_queue_timer_cb(uv_timer_t *t);
+/* Release recycled request contexts (shutdown). */
+void px_proxy_free_caches(void);
 
 /* ---- admin (px_admin.c) ---- */
 

@@ -33,10 +33,17 @@ typedef struct {
     disc_t *list;
 } disc_ctx_t;
 
-static char *disc_key(const cfg_discovery_t *d)
+/* Everything discovered replicas were attested against: a reload that changes any of it
+ * (the name, the port, how to attest, or the manifest they must match) starts over, so every
+ * discovered replica is pending again until it is attested against the new definition. */
+static char *disc_key(const cfg_pool_t *p)
 {
+    const cfg_discovery_t *d = p->discovery;
+    const cfg_manifest_t *m = p->manifest;
     dp_buf_t k = {0};
-    dp_buf_printf(&k, "%s:%u:%d:%u", d->dns, d->port, (int)d->attest_source, d->attest_port);
+    dp_buf_printf(&k, "%s:%u:%d:%u:%s:%s", d->dns, d->port, (int)d->attest_source,
+                  d->attest_port, m ? m->fingerprint : "",
+                  m && m->canary ? m->canary->expected_sha256 : "");
     return dp_buf_steal(&k);
 }
 
@@ -243,7 +250,7 @@ void px_discovery_sync(px_t *px)
     for (disc_t **pp = &c->list; *pp;) {
         disc_t *d = *pp;
         px_pool_t *p = px_gen_pool_by_name(px->gen, d->pool);
-        char *key = p && p->cfg->discovery ? disc_key(p->cfg->discovery) : NULL;
+        char *key = p && p->cfg->discovery ? disc_key(p->cfg) : NULL;
         bool keep = key && strcmp(key, d->key) == 0;
         free(key);
         if (keep) {
@@ -266,7 +273,7 @@ void px_discovery_sync(px_t *px)
         disc_t *d = dp_xcalloc(1, sizeof(*d));
         d->px = px;
         d->pool = dp_xstrdup(p->name);
-        d->key = disc_key(p->cfg->discovery);
+        d->key = disc_key(p->cfg);
         uv_timer_init(px->loop, &d->timer);
         d->timer.data = d;
         d->next = c->list;

@@ -70,6 +70,18 @@ static void pol_put(pol_t *p)
     g_nfree++;
 }
 
+void px_hooks_free_caches(void)
+{
+    while (g_free) {
+        pol_t *p = g_free;
+        g_free = p->next_free;
+        policy_req_free(p->preq);
+        dp_buf_free(&p->out);
+        free(p);
+    }
+    g_nfree = 0;
+}
+
 void px_hooks_init(px_hooks_req_t *h)
 {
     memset(h, 0, sizeof(*h));
@@ -123,7 +135,7 @@ static void count_overrides(const char *tenant, const policy_result_t *res)
 }
 
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
-                       dp_buf_t *body, px_hooks_result_t *res)
+                       dp_iovec_t *body, px_hooks_result_t *res)
 {
     (void)px;
     h->inference = true;
@@ -156,7 +168,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     h->stream = p->res.stream;
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
-    dp_buf_append(body, p->res.body.base, p->res.body.len);
+    *body = p->res.body;
     if (p->audit) {
         dp_sha256_hex(body->base, body->len, p->fwd_sha);
         p->resp_sha = dp_sha256_begin();

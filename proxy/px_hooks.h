@@ -31,15 +31,17 @@ typedef struct {
 } px_hooks_result_t;
 
 void px_hooks_init(px_hooks_req_t *h);
+/* Release recycled per-request objects (shutdown). */
+void px_hooks_free_caches(void);
 const char *px_hooks_tenant(const px_hooks_req_t *h);
 
 /* Pass-through requests: match a tenant (401 when none). 0 or -1 with h->error set. */
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req);
 
-/* Inference requests: validate and police the body, pick the pool, and write the body to
- * send into *body. 0, or -1 with res->status/code/param/message describing the refusal. */
+/* Inference requests: validate and police the body, pick the pool, and point *body at the
+ * body to send (valid until px_hooks_finish). 0, or -1 with res->status/code/param/message describing the refusal. */
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
-                       dp_buf_t *body, px_hooks_result_t *res);
+                       dp_iovec_t *body, px_hooks_result_t *res);
 
 /* Headers every inference response carries (tenant, fingerprint, seed); out has room. */
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,

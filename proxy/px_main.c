@@ -14,6 +14,7 @@
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
+#include "proxy/px_hooks.h"
 #include "proxy/px_shadow.h"
 #include "proxy/tls.h"
 
@@ -157,9 +158,6 @@ static void on_hup(uv_signal_t *h, int signum)
 {
     (void)signum;
     px_t *px = h->data;
-    /* Log rotation: the audit file is reopened whatever the reload decides. */
-    if (px->audit)
-        px_audit_reopen(px->audit, NULL);
     px_reload(px, "SIGHUP");
 }
 
@@ -294,6 +292,8 @@ int px_cmd_run(int argc, char **argv)
     px.gen = NULL;
     uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
     px_shadow_free(&px);
+    px_proxy_free_caches();
+    px_hooks_free_caches();
     uv_loop_close(px.loop);
     px_metrics_reset();
     dp_log_msg(DP_LOG_INFO, "exit", NULL);

@@ -1,6 +1,7 @@
 #include "proxy/px_metrics.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@ typedef struct family_s {
 static px_series_t *g_table[NBUCKETS];
 static family_t *g_families;
 static size_t g_nseries;
+static px_series_t g_sink; /* never rendered */
 
 const double px_latency_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                     1,     2.5,  5,     10,   30,  60,  120};
@@ -46,52 +48,67 @@ void px_metrics_family(const char *name, px_metric_type_t type, const char *help
     g_families = f;
 }
 
-static void escape_label(dp_buf_t *b, const char *v)
+/* The series key, name{k="v",...}, built into a caller's stack buffer: looking up an existing
+ * series (every request) allocates nothing. Returns the length, or 0 if it does not fit. */
+static size_t build_key(char *out, size_t cap, const char *name, va_list ap, size_t *labels_at)
 {
-    for (; *v; v++) {
-        if (*v == '\\' || *v == '"')
-            dp_buf_appendc(b, '\\');
-        if (*v == '\n') {
-            dp_buf_append(b, "\\n", 2);
-            continue;
-        }
-        dp_buf_appendc(b, *v);
-    }
-}
-
-static px_series_t *lookup(const char *name, px_metric_type_t type, va_list ap)
-{
-    dp_buf_t labels = {0};
+    size_t n = 0;
+#define PUT(c)                                                                                    \
+    do {                                                                                          \
+        if (n + 1 >= cap)                                                                         \
+            return 0;                                                                             \
+        out[n++] = (c);                                                                           \
+    } while (0)
+    for (const char *p = name; *p; p++)
+        PUT(*p);
+    PUT('{');
+    *labels_at = n;
+    bool first = true;
     for (;;) {
         const char *k = va_arg(ap, const char *);
         if (k == NULL)
             break;
         const char *v = va_arg(ap, const char *);
-        if (labels.len)
-            dp_buf_appendc(&labels, ',');
-        dp_buf_appends(&labels, k);
-        dp_buf_append(&labels, "=\"", 2);
-        escape_label(&labels, v ? v : "");
-        dp_buf_appendc(&labels, '"');
-    }
-    dp_buf_t key = {0};
-    dp_buf_appends(&key, name);
-    dp_buf_appendc(&key, '{');
-    if (labels.len)
-        dp_buf_append(&key, labels.base, labels.len);
-    dp_buf_appendc(&key, '}');
-    uint32_t h = hash(key.base) % NBUCKETS;
-    for (px_series_t *s = g_table[h]; s; s = s->next) {
-        if (strcmp(s->key, key.base) == 0) {
-            dp_buf_free(&key);
-            dp_buf_free(&labels);
-            return s;
+        if (!first)
+            PUT(',');
+        first = false;
+        for (; *k; k++)
+            PUT(*k);
+        PUT('=');
+        PUT('"');
+        for (v = v ? v : ""; *v; v++) {
+            if (*v == '\\' || *v == '"')
+                PUT('\\');
+            if (*v == '\n') {
+                PUT('\\');
+                PUT('n');
+                continue;
+            }
+            PUT(*v);
         }
+        PUT('"');
     }
+    PUT('}');
+#undef PUT
+    out[n] = '\0';
+    return n;
+}
+
+static px_series_t *lookup(const char *name, px_metric_type_t type, va_list ap)
+{
+    char stack[512];
+    size_t labels_at = 0;
+    size_t n = build_key(stack, sizeof(stack), name, ap, &labels_at);
+    if (n == 0)
+        return &g_sink; /* absurdly long labels: counted nowhere rather than crash */
+    uint32_t h = hash(stack) % NBUCKETS;
+    for (px_series_t *s = g_table[h]; s; s = s->next)
+        if (strcmp(s->key, stack) == 0)
+            return s;
     px_series_t *s = dp_xcalloc(1, sizeof(*s));
-    s->key = dp_buf_steal(&key);
+    s->key = dp_xstrdup(stack);
     s->name = dp_xstrdup(name);
-    s->labels = dp_buf_steal(&labels);
+    s->labels = dp_xstrndup(stack + labels_at, n - labels_at - 1);
     s->type = type;
     s->next = g_table[h];
     g_table[h] = s;

@@ -34,7 +34,9 @@ struct px_preq_s {
     char id[24]; /* the request id, kept after the client request is gone */
     uint64_t start_ns;
     dp_buf_t head; /* upstream request head */
-    dp_buf_t body; /* inference: the (post-policy) body to send */
+    /* Inference: the (post-policy) body to send. It points into the policy result or the
+     * client's own body, both alive until finish(): kept for the retry rule, never copied. */
+    dp_iovec_t body;
     bool stream_body;
     bool retried;
     bool queued;
@@ -56,6 +58,53 @@ struct px_preq_s {
 
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
+
+/* Request contexts are recycled with their head buffer, so a steady stream of requests does
+ * not touch malloc for them. Bounded: a burst does not pin memory forever. */
+#define PREQ_CACHE_MAX 256
+static px_preq_t *g_preq_free;
+static size_t g_npreq_free;
+
+static px_preq_t *preq_get(void)
+{
+    px_preq_t *q = g_preq_free;
+    if (q == NULL)
+        return dp_xcalloc(1, sizeof(*q));
+    g_preq_free = q->qnext;
+    g_npreq_free--;
+    dp_buf_t head = q->head;
+    memset(q, 0, sizeof(*q));
+    dp_buf_reset(&head);
+    q->head = head;
+    return q;
+}
+
+void px_proxy_free_caches(void)
+{
+    while (g_preq_free) {
+        px_preq_t *q = g_preq_free;
+        g_preq_free = q->qnext;
+        dp_buf_free(&q->head);
+        free(q);
+    }
+    g_npreq_free = 0;
+}
+
+static void preq_put(px_preq_t *q)
+{
+    dp_buf_free(&q->held_hdrs);
+    dp_buf_free(&q->held_body);
+    free(q->held_out);
+    q->held_out = NULL;
+    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384) {
+        dp_buf_free(&q->head);
+        free(q);
+        return;
+    }
+    q->qnext = g_preq_free;
+    g_preq_free = q;
+    g_npreq_free++;
+}
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
@@ -286,7 +335,7 @@ static void start_on(px_preq_t *q, px_replica_t *r)
     unsigned nb = 0;
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
     if (q->body.len)
-        bufs[nb++] = uv_buf_init(q->body.base, (unsigned)q->body.len);
+        bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
     q->up = px_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */,
                           &up_cb, q);
     if (q->stream_body)
@@ -540,13 +589,8 @@ static void finish(px_preq_t *q)
     slot_release(q);
     if (q->failed)
         px_replica_unref(q->failed);
-    dp_buf_free(&q->head);
-    dp_buf_free(&q->body);
-    dp_buf_free(&q->held_hdrs);
-    dp_buf_free(&q->held_body);
-    free(q->held_out);
     px_gen_unref(q->gen);
-    free(q);
+    preq_put(q);
 }
 
 static route_t classify(const px_req_t *req)
@@ -604,7 +648,7 @@ static void answer_models(px_preq_t *q)
 static px_body_mode_t on_head(px_req_t *req)
 {
     px_t *px = px_server_data(req->server);
-    px_preq_t *q = dp_xcalloc(1, sizeof(*q));
+    px_preq_t *q = preq_get();
     q->px = px;
     q->gen = px->gen;
     px_gen_ref(q->gen);

@@ -34,6 +34,9 @@ static bool addr_eq(const cfg_addr_t *a, const cfg_addr_t *b)
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
 {
     cfg_t *old = px->gen->cfg;
+    /* Log rotation: the audit file is reopened on every reload request, valid config or not. */
+    if (px->audit)
+        px_audit_reopen(px->audit, NULL);
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
     int rc = cfg_load(old->path, &cfg, &errs);

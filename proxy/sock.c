@@ -142,6 +142,17 @@ void px_sock_close(px_sock_t *s)
     uv_close((uv_handle_t *)&s->tcp, close_cb);
 }
 
+void px_sock_abort(px_sock_t *s)
+{
+    if (s->closing)
+        return;
+    s->closing = true;
+    s->reading = false;
+    /* Fails without a socket yet (connect not started) or after a shutdown: close plainly. */
+    if (uv_tcp_close_reset(&s->tcp, close_cb) != 0)
+        uv_close((uv_handle_t *)&s->tcp, close_cb);
+}
+
 static void write_cb(uv_write_t *req, int status)
 {
     write_req_t *w = (write_req_t *)req;

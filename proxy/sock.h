@@ -75,6 +75,10 @@ static inline bool px_sock_over(const px_sock_t *s)
 }
 /* Close now (pending writes are cancelled). on_close fires once from the loop. */
 void px_sock_close(px_sock_t *s);
+/* Close now with a reset: the kernel also drops what it has not sent yet, and the peer learns
+ * at once instead of after reading everything queued before the FIN (an abandoned upload to
+ * a replica that stopped reading). on_close fires once from the loop. */
+void px_sock_abort(px_sock_t *s);
 /* Close after queued bytes are written (or fail). */
 void px_sock_close_after_flush(px_sock_t *s);
 /* Half-close the write side after queued bytes are written (lingering close). */
