@@ -8,8 +8,9 @@
  * compared once both sides ended. Comparison (word-level Levenshtein) runs in libuv's thread
  * pool; the drift statistics, verdicts and quarantine decisions stay on the loop.
  *
- * A shadow (shadow_t) has two owners until both let go: the primary request (via its hooks,
- * released by px_shadow_primary_done) and the shadow exchange (released in its on_done). */
+ * A shadow (shadow_t) is freed on exactly one path: whichever of the primary's end
+ * (px_shadow_primary_done) and the shadow exchange's end comes second runs maybe_compare, which
+ * either drops the sample or hands it to the thread pool and frees it in compare_done. */
 #include "proxy/px_shadow.h"
 
 #include <math.h>
@@ -381,7 +382,7 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         px_replica_upstream_tls(target, target->shadow_up, &target->url);
     }
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
-    s->refs = 2; /* the primary and the shadow exchange */
+    s->refs = 1; /* released once both sides have ended (maybe_compare) */
     s->px = px;
     s->pool = dp_xstrdup(pool->name);
     s->primary = dp_xstrdup(primary->name);
