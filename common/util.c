@@ -104,6 +104,32 @@ void dp_sha256_hex(const void *p, size_t n, char out[65])
     dp_hex(d, 32, out);
 }
 
+dp_sha256_ctx_t *dp_sha256_begin(void)
+{
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    if (c && EVP_DigestInit_ex(c, EVP_sha256(), NULL) != 1) {
+        EVP_MD_CTX_free(c);
+        c = NULL;
+    }
+    return c;
+}
+
+void dp_sha256_update(dp_sha256_ctx_t *c, const void *p, size_t n)
+{
+    if (c)
+        EVP_DigestUpdate(c, p, n);
+}
+
+void dp_sha256_end_hex(dp_sha256_ctx_t *c, char out[65])
+{
+    uint8_t d[32] = {0};
+    unsigned len = 0;
+    if (c)
+        EVP_DigestFinal_ex(c, d, &len);
+    EVP_MD_CTX_free(c);
+    dp_hex(d, 32, out);
+}
+
 bool dp_ct_equal(const void *a, const void *b, size_t n)
 {
     return CRYPTO_memcmp(a, b, n) == 0;

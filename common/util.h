@@ -26,6 +26,12 @@ bool dp_is_lower_hex(const char *s, size_t want_len);
 
 void dp_sha256(const void *p, size_t n, uint8_t out[32]);
 void dp_sha256_hex(const void *p, size_t n, char out[65]);
+/* Incremental SHA-256 (EVP): begin returns NULL only when OpenSSL is out of memory; end frees
+ * the context and writes 64 hex chars + NUL. */
+typedef struct evp_md_ctx_st dp_sha256_ctx_t;
+dp_sha256_ctx_t *dp_sha256_begin(void);
+void dp_sha256_update(dp_sha256_ctx_t *c, const void *p, size_t n);
+void dp_sha256_end_hex(dp_sha256_ctx_t *c, char out[65]);
 
 /* Constant-time equality of two equal-length byte strings. */
 bool dp_ct_equal(const void *a, const void *b, size_t n);

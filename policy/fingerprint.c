@@ -16,8 +16,18 @@ static void prev_put(char *prev, size_t *n, unsigned char c)
 
 static void append_fp_value(dp_buf_t *out, const char *fp)
 {
-    dp_buf_appendc(out, '"');
-    dp_json_escape(out, fp, strlen(fp));
+    /* Pool fingerprints are "fp_" + hex: copy them straight; escape anything else. */
+    size_t n = strlen(fp), i = 0;
+    while (i < n && fp[i] >= 0x20 && fp[i] < 0x7f && fp[i] != '"' && fp[i] != '\\')
+        i++;
+    dp_buf_reserve(out, n + 2);
+    out->base[out->len++] = '"';
+    if (i == n) {
+        memcpy(out->base + out->len, fp, n);
+        out->len += n;
+    } else {
+        dp_json_escape(out, fp, n);
+    }
     dp_buf_appendc(out, '"');
 }
 
@@ -77,7 +87,7 @@ int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_
 enum { L_START = 0, L_DATA, L_OTHER };
 
 enum {
-    J_BEGIN = 0, /* before the event's top-level value */
+    J_BEGIN = 0,  /* before the event's top-level value */
     J_KEY_EXPECT, /* depth 1 of an object, where a key may start */
     J_KEY,        /* inside a depth-1 key that still matches FP_KEY (held back) */
     J_COLON,      /* after a matching key */
@@ -152,8 +162,8 @@ static void scan_byte(policy_sse_fp_t *s, unsigned char c)
 
 /* Byte classes for scan_run: 1 ends a string run, 2 is structural outside strings. */
 static const uint8_t sse_class[256] = {
-    ['\n'] = 1, ['\r'] = 1, ['"'] = 1, ['\\'] = 1,
-    ['{'] = 2,   ['['] = 2,   ['}'] = 2, [']'] = 2,   [','] = 2,
+    ['\n'] = 1, ['\r'] = 1, ['"'] = 1, ['\\'] = 1, ['{'] = 2,
+    ['['] = 2,  ['}'] = 2,  [']'] = 2, [','] = 2,
 };
 
 /* J_SCAN over b[i..n): the bulk of every event (choices, deltas, usage). Tight loop on locals;
@@ -253,8 +263,7 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 event_reset(s); /* blank line: the event ends */
             } else if (s->line == L_DATA) {
                 /* A key or a value cannot span a line break: give back anything held. */
-                if (s->held || s->js == J_KEY || s->js == J_FPSTR || s->js == J_NULL ||
-                    s->in_str) {
+                if (s->held || s->js == J_KEY || s->js == J_FPSTR || s->js == J_NULL || s->in_str) {
                     FLUSH_RUN();
                     run = i;
                     if (s->js == J_NULL)
@@ -281,9 +290,11 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
             continue;
         }
         if (s->line == L_OTHER || s->js == J_SKIP) {
-            /* Nothing to do until the end of the line. */
-            while (i < n && b[i] != '\n' && b[i] != '\r')
-                i++;
+            /* Nothing to do until the end of the line: memchr is vectorised. */
+            const unsigned char *nl = memchr(b + i, '\n', n - i);
+            size_t end = nl ? (size_t)(nl - b) : n;
+            const unsigned char *cr = memchr(b + i, '\r', end - i);
+            i = cr ? (size_t)(cr - b) : end;
             continue;
         }
         switch (s->js) {
@@ -298,7 +309,18 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
             i++;
             break;
         case J_KEY_EXPECT:
-            if (c == '"') {
+            if (c == '"' && n - i >= FP_KEY_LEN + 2) {
+                /* The whole key is in this read (the usual case): decide in place. */
+                if (memcmp(b + i + 1, FP_KEY, FP_KEY_LEN) == 0 && b[i + 1 + FP_KEY_LEN] == '"') {
+                    i += FP_KEY_LEN + 2;
+                    s->js = J_COLON;
+                } else {
+                    s->in_str = true; /* some other key: scan_run skips it */
+                    s->js = J_SCAN;
+                    i++;
+                }
+            } else if (c == '"') {
+                /* Cut by the end of the read: hold what could still become our key. */
                 FLUSH_RUN();
                 s->hold[0] = '"';
                 s->held = 1;
@@ -382,7 +404,9 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 } else if (c == '"') {
                     append_fp_value(out, s->fp);
                     s->rewritten++;
-                    s->js = J_SCAN;
+                    /* One top-level key per event (duplicates are not worth tracking the
+                     * rest for): the remainder of the event passes untouched. */
+                    s->js = J_SKIP;
                     break;
                 }
                 prev_put(s->prev, &pn, c);
@@ -401,7 +425,7 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                     s->rewritten++;
                     s->prevlen = 0;
                     s->prev[0] = '\0';
-                    s->js = J_SCAN;
+                    s->js = J_SKIP;
                 }
             } else {
                 /* Not null after all: give the swallowed bytes back. */

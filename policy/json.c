@@ -220,9 +220,9 @@ static bool is_digit(unsigned char c)
 static int scan_number(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
     const unsigned char *p = (const unsigned char *)d->src;
-    size_t n = d->srclen, i = *pos, start = *pos;
+    size_t n = d->srclen, i = *pos, start = *pos, intdigits = 1;
     uint8_t f = JF_INT;
-    bool check_range = false;
+    long exp = 0;
     if (p[i] == '-') {
         f |= JF_NEG;
         i++;
@@ -235,8 +235,7 @@ static int scan_number(jdoc_t *d, size_t *pos, uint8_t *flags)
         size_t d0 = i;
         while (i < n && is_digit(p[i]))
             i++;
-        if (i - d0 > 300)
-            check_range = true;
+        intdigits = i - d0;
     } else {
         return fail(d, "invalid number", start);
     }
@@ -249,26 +248,32 @@ static int scan_number(jdoc_t *d, size_t *pos, uint8_t *flags)
             i++;
     }
     if (i < n && (p[i] == 'e' || p[i] == 'E')) {
+        bool eneg = false;
         f &= (uint8_t)~JF_INT;
-        check_range = true;
         i++;
         if (i < n && (p[i] == '+' || p[i] == '-'))
-            i++;
+            eneg = p[i++] == '-';
         if (i >= n || !is_digit(p[i]))
             return fail(d, "invalid number", start);
-        while (i < n && is_digit(p[i]))
+        while (i < n && is_digit(p[i])) {
+            if (exp < 100000)
+                exp = exp * 10 + (p[i] - '0');
             i++;
+        }
+        if (eneg)
+            exp = -exp;
     }
     *pos = i;
     *flags = f;
-    if (check_range) {
-        /* A number that overflows a double has no canonical form (RFC 8785 §3.2.2.3) and means
-         * different things to different backends: refuse it. Only numbers with an exponent or
-         * 300+ digits can overflow, so the common case skips strtod. */
-        double v = num_value(d->src + start, i - start);
-        if (!isfinite(v))
-            return fail(d, "number out of range", start);
-    }
+    /* No request needs a longer number, and strtod on megabytes of digits would stall the
+     * event loop (cJSON refuses anything past 63 characters). */
+    if (i - start > JDOC_MAX_NUMBER)
+        return fail(d, "number too long", start);
+    /* A number that overflows a double has no canonical form (RFC 8785 §3.2.2.3) and means
+     * different things to different backends: refuse it. |v| < 10^(intdigits + exp), so only
+     * numbers near DBL_MAX's 10^308 need strtod's verdict; 1e-5 and 2.5E+3 skip it. */
+    if ((long)intdigits + exp > 300 && !isfinite(num_value(d->src + start, i - start)))
+        return fail(d, "number out of range", start);
     return 0;
 }
 
@@ -334,6 +339,9 @@ static int close_object(jdoc_t *d, uint32_t obj, int flags)
     if (flags & JDOC_ALLOW_DUPS)
         return 0;
     uint32_t n = t->aux;
+    t->aux2 = d->norder;
+    if (n == 0)
+        return 0; /* also keeps d->order, maybe still NULL, out of pointer arithmetic */
     if (d->norder + n > d->ordercap) {
         uint32_t ncap = d->ordercap ? d->ordercap : 64;
         while (ncap < d->norder + n)

@@ -8,7 +8,8 @@
  *
  * What the scanner accepts is RFC 8259 JSON plus these refusals: invalid UTF-8 anywhere (also
  * overlong forms, UTF-8-encoded surrogates, > U+10FFFF), \u escapes that leave a lone surrogate,
- * nesting deeper than JDOC_MAX_DEPTH, numbers that overflow a double, and duplicate keys in any
+ * nesting deeper than JDOC_MAX_DEPTH, number literals longer than JDOC_MAX_NUMBER bytes or that
+ * overflow a double, and duplicate keys in any
  * object (compared after unescaping: "a" and "\u0061" are one key).
  *
  * Memory: every array in jdoc_t grows with dp_xrealloc and is kept by jdoc_reset, so a reused
@@ -24,6 +25,7 @@
 #include "common/buf.h"
 
 #define JDOC_MAX_DEPTH 64
+#define JDOC_MAX_NUMBER 512 /* bytes in one number literal */
 #define JDOC_NONE UINT32_MAX
 
 typedef enum { JT_OBJ = 1, JT_ARR, JT_STR, JT_NUM, JT_TRUE, JT_FALSE, JT_NULL } jtype_t;

@@ -46,8 +46,8 @@ void policy_json_error(const jdoc_t *d, policy_error_t *err)
     } else if (strcmp(d->err, "not a JSON object") == 0) {
         policy_set_error(err, 400, "invalid_json", NULL, "request body must be a JSON object");
     } else if (strcmp(d->err, "nested too deeply") == 0) {
-        policy_set_error(err, 400, "invalid_json", NULL,
-                         "request body nests deeper than %d levels", JDOC_MAX_DEPTH);
+        policy_set_error(err, 400, "invalid_json", NULL, "request body nests deeper than %d levels",
+                         JDOC_MAX_DEPTH);
     } else {
         policy_set_error(err, 400, "invalid_json", NULL,
                          "request body is not valid JSON: %s at byte %zu", d->err, d->err_at);
@@ -258,9 +258,6 @@ void policy_req_free(policy_req_t *r)
     jdoc_free(&r->doc);
     dp_buf_free(&r->model);
     dp_buf_free(&r->out);
-    /* The canonical request holds prompt text: wipe before returning it to malloc. */
-    if (r->canon.base)
-        OPENSSL_cleanse(r->canon.base, r->canon.cap);
     dp_buf_free(&r->canon);
     free(r);
 }
@@ -414,18 +411,16 @@ static int check_messages(const policy_req_t *r, policy_error_t *err)
         }
         uint32_t c = jdoc_get(d, m, "content");
         uint8_t ct = c == JDOC_NONE ? JT_NULL : d->toks[c].type;
-        snprintf(param, sizeof(param), "messages[%u].content", j);
-        if (ct == JT_NULL) {
-            if (jdoc_str_eq(d, role, "assistant"))
-                continue;
-            policy_set_error(err, 400, "invalid_value", param, "%s is required", param);
-            return -1;
-        }
         if (ct == JT_STR)
             continue;
+        if (ct == JT_NULL && jdoc_str_eq(d, role, "assistant"))
+            continue;
         if (ct != JT_ARR) {
+            snprintf(param, sizeof(param), "messages[%u].content", j);
             policy_set_error(err, 400, "invalid_value", param,
-                             "%s must be a string or an array of content parts", param);
+                             ct == JT_NULL ? "%s is required"
+                                           : "%s must be a string or an array of content parts",
+                             param);
             return -1;
         }
         unsigned pi = 0;
@@ -647,8 +642,8 @@ static int read_params(const policy_req_t *r, apply_t *a, policy_error_t *err)
             v->d = jdoc_num(d, tok);
             continue;
         }
-        if (s == S_SEED && (!(t->flags & JF_INT) || (t->flags & JF_NEG) ||
-                            jdoc_int64(d, tok, &v->i) < 0)) {
+        if (s == S_SEED &&
+            (!(t->flags & JF_INT) || (t->flags & JF_NEG) || jdoc_int64(d, tok, &v->i) < 0)) {
             policy_set_error(err, 400, "invalid_value", "seed",
                              "seed must be an integer between 0 and 9223372036854775807");
             return -1;
@@ -774,9 +769,14 @@ static fw_t fw_parse(const char *s)
         const char *name;
         fw_t fw;
     } names[] = {
-        {"vllm", FW_VLLM},         {"tgi", FW_TGI},           {"text-generation-inference", FW_TGI},
-        {"sglang", FW_SGLANG},     {"llamacpp", FW_LLAMACPP}, {"llama.cpp", FW_LLAMACPP},
-        {"llama-cpp", FW_LLAMACPP}, {"llama_cpp", FW_LLAMACPP},
+        {"vllm", FW_VLLM},
+        {"tgi", FW_TGI},
+        {"text-generation-inference", FW_TGI},
+        {"sglang", FW_SGLANG},
+        {"llamacpp", FW_LLAMACPP},
+        {"llama.cpp", FW_LLAMACPP},
+        {"llama-cpp", FW_LLAMACPP},
+        {"llama_cpp", FW_LLAMACPP},
     };
     if (s == NULL)
         return FW_NONE;
@@ -956,9 +956,7 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     for (int s = S_MAX_COMPLETION_TOKENS; s <= S_N_PREDICT; s++) {
         if (a.cur[s].kind != PV_NUM)
             continue;
-        cfg_rule_t alias = *mt;
-        alias.has_default = false;
-        apply_rule(&a, s, &alias);
+        apply_rule(&a, s, mt); /* present, so a default cannot apply */
     }
     if (t->rules[CFG_PARAM_SEED].derive && a.cur[S_SEED].kind != PV_NUM) {
         set_int(&a, S_SEED, POLICY_DERIVED, derive_seed(r, t, &a));

@@ -113,7 +113,7 @@ extern const char *const policy_action_names[POLICY_ACTION__COUNT];
  * detproxy_policy_overrides_total{tenant,param,action}. A parameter can appear twice: once for
  * its rule and once for framework normalisation (forced to 1, then removed for TGI). */
 typedef struct {
-    const char *param;      /* static: "temperature", ..., "max_completion_tokens", "min_p" */
+    const char *param; /* static: "temperature", ..., "max_completion_tokens", "min_p" */
     policy_action_t action;
     char before[POLICY_VAL_LEN]; /* JSON text of the value before, "" when absent */
     char after[POLICY_VAL_LEN];  /* JSON text of the value sent upstream, "" when removed */
@@ -145,7 +145,8 @@ void policy_req_reset(policy_req_t *r);
 void policy_req_free(policy_req_t *r);
 
 /* Validate body strictly (a JSON object; valid UTF-8 everywhere including escapes; nesting at
- * most 64 deep; no duplicate key in any object; no number that overflows a double) and extract
+ * most 64 deep; no duplicate key in any object; no number literal longer than 512 bytes or
+ * overflowing a double) and extract
  * `model` (required, a non-empty string). 0, or -1 with err set (400). Bodies of 4 GiB or more
  * are refused. */
 int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t len,
@@ -184,34 +185,41 @@ int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
 
 #define POLICY_FP_PREV_MAX 128
 
-/* Non-streamed JSON response: set top-level `system_fingerprint` to fp (replacing a string or
- * null value, or appending the member when absent). Returns 1 with the new body in out (cleared
- * first), or 0 when the body is not a valid JSON object: forward it untouched. prev receives
- * the replica's own value for x-detproxy-upstream-fingerprint ("" when absent or null; bytes
- * outside visible ASCII replaced by '?', truncated to POLICY_FP_PREV_MAX-1). */
+/* Non-streamed JSON response: set the top-level `system_fingerprint` to fp, whatever its value
+ * was (every top-level copy, should a replica send two), or append the member when absent;
+ * everything else is copied byte for byte. Returns 1 with the new body in out (reset first),
+ * or 0 when the body is not a valid JSON object (an error page, truncated JSON): forward it
+ * untouched. prev receives the replica's own string value, unescaped, for
+ * x-detproxy-upstream-fingerprint: "" when absent or not a string; bytes outside visible ASCII
+ * become '?' so it is always a safe header value; truncated to POLICY_FP_PREV_MAX-1. */
 int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_t *out,
                            char prev[POLICY_FP_PREV_MAX]);
 
 /* Streamed (SSE) responses: an incremental rewriter. In every `data:` event whose JSON is an
- * object, a top-level "system_fingerprint" string (or null) value is replaced by fp; events
- * without one are left alone (nothing is added). Bytes are passed through as they come: the
- * only bytes held back are an unfinished top-level key that could still be "system_fingerprint"
- * (at most 20 bytes, kept in the struct), so memory is constant and latency unchanged. The
- * upstream value is captured in prev (its headers have already gone out: log/audit it).
- * Zero-initialise, or use policy_sse_fp_init. */
+ * object, the first top-level "system_fingerprint" whose value is a string or null gets fp
+ * instead (the rest of that event then passes untouched); events without one are left alone
+ * (nothing is added); "data: [DONE]", comments and other fields pass through. Bytes go out as
+ * they come in: the only bytes held back are a top-level key cut by the end of a read that
+ * could still be "system_fingerprint" (at most 20 bytes, kept in the struct), so memory is
+ * constant and no event is buffered. The key must be spelled plainly (servers never escape
+ * it). The replica's value is kept in prev as written (escapes not decoded, bytes outside
+ * visible ASCII as '?'): response headers are gone by then, so log or audit it.
+ *
+ * Unlike the parsers in STYLE.md this one transforms rather than parses, so it never answers
+ * "need more": every byte fed is consumed. Zero-initialise and set fp, or policy_sse_fp_init. */
 typedef struct {
     const char *fp; /* borrowed: must outlive the stream */
     uint8_t line;   /* line state */
     uint8_t pfx;    /* bytes of "data:" matched at line start */
     bool last_cr;
     /* JSON tracking for the current event */
-    uint8_t js;    /* JSON state */
+    uint8_t js; /* JSON state */
     uint16_t depth;
-    bool top_obj;  /* the event's top-level value is an object */
+    bool top_obj; /* the event's top-level value is an object */
     bool in_str, esc;
-    uint8_t held;  /* bytes of a candidate key held back */
+    uint8_t held; /* bytes of a candidate key held back */
     char hold[24];
-    uint8_t vskip; /* bytes of a null literal being replaced */
+    uint8_t vskip;    /* bytes of a null literal being replaced */
     size_t rewritten; /* number of values replaced so far */
     char prev[POLICY_FP_PREV_MAX];
     uint8_t prevlen;
@@ -238,10 +246,10 @@ typedef struct {
     const char *upstream_fingerprint; /* the replica's own system_fingerprint, if any */
     const char *route;                /* "/v1/chat/completions" */
     const char *model;
-    const policy_result_t *result;    /* changes, seed, temperature; NULL when refused */
-    const char *forwarded_sha256;     /* hex SHA-256 of the body sent upstream, NULL if none */
-    const char *response_sha256;      /* hex SHA-256 of the response body sent to the client */
-    int status;                       /* HTTP status returned to the client */
+    const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
+    const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */
+    const char *response_sha256;   /* hex SHA-256 of the response body sent to the client */
+    int status;                    /* HTTP status returned to the client */
 } policy_audit_t;
 
 /* Append one JSON line (with its '\n') to out:

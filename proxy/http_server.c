@@ -788,7 +788,8 @@ static bool conn_head_done(px_conn_t *c)
         if (q->framing.expect_continue && r->http_minor == 1)
             write_continue(c);
         c->last_read = uv_now(s->loop);
-        conn_arm(c, s->lim.client_idle_timeout_ms);
+        /* on_head may already have paused the body (the request waits for a replica slot). */
+        conn_arm(c, c->body_paused ? PAUSED_CHECK_MS : s->lim.client_idle_timeout_ms);
     }
     return true;
 }

@@ -543,13 +543,13 @@ void px_attest_stop(px_t *px)
     px->attest = NULL;
 }
 
-void px_attest_connection_failed(px_t *px, px_replica_t *r)
+void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
 {
     att_t *a = r->attest_state;
     if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
         return;
     /* A restarted replica may come back as something else: no new requests until re-admitted. */
-    if (r->state == PX_REPLICA_ADMITTED)
+    if (deadmit && r->state == PX_REPLICA_ADMITTED)
         set_state1(r, PX_REPLICA_PENDING, "re-attesting after a failed connection");
     uint64_t now = uv_now(px->loop);
     uint64_t since = now - a->last_check_ms;

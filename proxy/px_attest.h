@@ -10,8 +10,10 @@ void px_attest_start(px_t *px);
 void px_attest_stop(px_t *px);
 /* A generation became current: adopt its replicas (reload, discovery). */
 void px_attest_sync(px_t *px);
-/* A connection to r failed: re-attest now (a restarted replica may be something else). */
-void px_attest_connection_failed(px_t *px, px_replica_t *r);
+/* A connection to r failed: re-attest now (a restarted replica may be something else). With
+ * deadmit (the connect itself failed) r also gets no new requests until re-admitted; a
+ * keep-alive race or an early close only brings the check forward. */
+void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
  * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
 int px_tls_reload(px_t *px);

@@ -338,8 +338,10 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err)
 {
     (void)h;
+    /* Only a refused or timed-out connect says the replica is gone; the keep-alive race
+     * (a pooled connection closed under us) is routine with vLLM's 5 s keep-alive. */
     if (err == PX_UP_CONNECT || err == PX_UP_REUSED_CLOSED || err == PX_UP_CLOSED)
-        px_attest_connection_failed(px, r);
+        px_attest_connection_failed(px, r, err == PX_UP_CONNECT);
 }
 
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,

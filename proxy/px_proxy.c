@@ -524,7 +524,6 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
         return;
     }
     count_upstream_error(q, r, err);
-    px_hooks_upstream_failed(&q->hooks, q->px, r, err);
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "upstream_error");
     if (w) {
         dp_jw_str(w, "request_id", q->req ? q->req->id : "");
@@ -540,13 +539,20 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
      * byte of it. */
     bool can_resend = !q->stream_body;
     if (q->req && !q->client_started && !q->retried && can_resend && px_up_err_retryable(err)) {
+        px_t *px = q->px;
         q->retried = true;
         q->failed = r;
-        px_replica_ref(r);
+        px_replica_ref(r); /* for q->failed */
+        px_replica_ref(r); /* for the call below: dispatch may finish (free) q */
         slot_release(q);
         dispatch(q);
+        /* Re-attestation after the retry left: with no other replica the retry goes to the
+         * same one (and fails with 502) rather than being refused as unattested. */
+        px_hooks_upstream_failed(NULL, px, r, err);
+        px_replica_unref(r);
         return;
     }
+    px_hooks_upstream_failed(&q->hooks, q->px, r, err);
     if (q->req) {
         if (q->client_started) {
             /* Mid-response: end without the final chunk so the client sees an error. */

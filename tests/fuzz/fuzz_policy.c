@@ -51,7 +51,8 @@ static void tenants_init(cfg_tenant_t t[3])
     t[1].rules[CFG_PARAM_SEED] = (cfg_rule_t){.derive = true};
     t[2].name = "limits";
     t[2].rules[CFG_PARAM_MAX_TOKENS] = (cfg_rule_t){.has_max = true, .max = 512};
-    t[2].rules[CFG_PARAM_TOP_K] = (cfg_rule_t){.has_min = true, .min = 1, .has_max = true, .max = 100};
+    t[2].rules[CFG_PARAM_TOP_K] =
+        (cfg_rule_t){.has_min = true, .min = 1, .has_max = true, .max = 100};
     t[2].rules[CFG_PARAM_N] = (cfg_rule_t){.has_default = true, .def = 1};
     t[2].rules[CFG_PARAM_PRESENCE_PENALTY] =
         (cfg_rule_t){.has_min = true, .min = -1, .has_max = true, .max = 1};

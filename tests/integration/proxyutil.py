@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
 
 from harness import SLOW, DETPROXY_BIN, get_json, http, start_process, wait_http
@@ -41,7 +42,6 @@ def start_proxy(pools=None, config=None, limits=None, env=None, directory=None, 
                 extra_args=(), wrapper=(), ready=True, **top):
     """Start detproxy on ephemeral ports with the given pools (or a whole config dict).
     wrapper: argv prefix that execs the binary (e.g. ["prlimit", "--nofile=64:64"]).
-    wrapper: argv prefix (e.g. ["prlimit", "--fsize=600"]).
     ready: wait until /readyz says every pool has an admitted replica (attestation done).
     Returns the Proc with .port (proxy), .admin_port and .config_path."""
     cfg = dict(config or {})
@@ -106,6 +106,12 @@ def sim_requests(sim):
     return get_json(sim.port, "/_sim/requests")["requests"]
 
 
+def client_requests(sim):
+    """The requests the sim received on behalf of clients (they carry the request id the proxy
+    adds), leaving out the proxy's own attestation and canary traffic."""
+    return [q for q in sim_requests(sim) if "x-detproxy-request-id" in q["headers"]]
+
+
 def rss_kb(proc):
     """Resident set size of a started process, from /proc/PID/status."""
     with open("/proc/%d/status" % proc.popen.pid) as f:
@@ -118,21 +124,21 @@ def rss_kb(proc):
 def read_until_close(s, timeout=10):
     """Read from socket s until the peer closes. Returns (bytes, closed): closed is False when
     the timeout passed first. A reset counts as closed."""
-    out = b""
+    out = bytearray()
     deadline = time.monotonic() + timeout * SLOW
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return out, False
+            return bytes(out), False
         s.settimeout(left)
         try:
             chunk = s.recv(65536)
         except socket.timeout:
-            return out, False
+            return bytes(out), False
         except (ConnectionResetError, BrokenPipeError):
-            return out, True
+            return bytes(out), True
         if not chunk:
-            return out, True
+            return bytes(out), True
         out += chunk
 
 
@@ -174,22 +180,21 @@ def parse_response(data):
         headers[k.strip().lower().decode()] = v.strip().decode("latin-1")
     status = int(parts[1])
     if headers.get("transfer-encoding") == "chunked":
-        body, pos = b"", 0
+        body, pos = bytearray(), 0
         while True:
             eol = rest.find(b"\r\n", pos)
             if eol < 0:
-                return RawResponse(status, headers, body, data, False, b"")
+                return RawResponse(status, headers, bytes(body), data, False, b"")
             size = int(rest[pos:eol].split(b";")[0], 16)
             if size == 0:
                 end = rest.find(b"\r\n\r\n", eol)
                 if end < 0:
-                    return RawResponse(status, headers, body, data, False, b"")
+                    return RawResponse(status, headers, bytes(body), data, False, b"")
                 n = len(data) - len(rest) + end + 4
-                return RawResponse(status, headers, body, data[:n], True, rest[end + 4:])
-            if len(rest) < eol + 2 + size + 2:
-                body += rest[eol + 2:eol + 2 + size]
-                return RawResponse(status, headers, body, data, False, b"")
+                return RawResponse(status, headers, bytes(body), data[:n], True, rest[end + 4:])
             body += rest[eol + 2:eol + 2 + size]
+            if len(rest) < eol + 2 + size + 2:
+                return RawResponse(status, headers, bytes(body), data, False, b"")
             pos = eol + 2 + size + 2
     if "content-length" in headers:
         cl = int(headers["content-length"])
@@ -208,3 +213,126 @@ def assert_openai_error(resp, status, code=None):
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+# ---- a scripted replica ----------------------------------------------------------------------
+
+
+class ScriptedUpstream:
+    """A replica played by a few lines of Python on a socket (as HAProxy's reg-tests do), for
+    bytes detproxy-sim cannot produce. GET /v1/models (the proxy's reachability attestation)
+    is answered 200 and not recorded. Every other request is answered by
+    script(k, conn_no, req_no) -> (bytes to send, keep_open), k counting those requests.
+
+    .requests: (conn_no, req_no, head bytes) per scripted request; .events: (conn_no, what)
+    with what "head:<target>" as soon as a head arrives (before its body) and "closed" when
+    the peer closes; .connections: accepted so far. With read_bodies=False it reads nothing
+    after a scripted request's head (a replica that stopped reading the upload)."""
+
+    MODELS = (b'{"object":"list","data":[{"id":"m1","object":"model","created":1,'
+              b'"owned_by":"scripted"}]}')
+
+    def __init__(self, script, read_bodies=True):
+        self.script = script
+        self.read_bodies = read_bodies  # False: after a scripted head, stop reading (stall)
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.connections = 0
+        self.requests = []
+        self.events = []
+        self.peers = {}  # conn_no -> the proxy's port
+        self.lock = threading.Lock()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                s, peer = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                n = self.connections
+                self.connections += 1
+                self.socks.append(s)
+                # accept()'s own peer address: the connection may already be reset (the proxy
+                # aborts cancelled exchanges with RST), and getpeername() would then fail.
+                self.peers[n] = peer[1]
+            threading.Thread(target=self._serve, args=(s, n), daemon=True).start()
+
+    def _event(self, conn_no, what):
+        with self.lock:
+            self.events.append((conn_no, what))
+
+    def _serve(self, s, conn_no):
+        buf = b""
+        req_no = 0
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        self._event(conn_no, "closed")
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                target = head.split(b" ")[1].decode("latin-1")
+                self._event(conn_no, "head:" + target)
+                if not self.read_bodies and not head.startswith(b"GET /v1/models "):
+                    return  # the socket stays open in self.socks, never read again
+                cl = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        cl = int(v)
+                while len(buf) < cl:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        self._event(conn_no, "closed")
+                        return
+                    buf += chunk
+                buf = buf[cl:]
+                if head.startswith(b"GET /v1/models "):
+                    s.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % len(self.MODELS) + self.MODELS)
+                    continue
+                with self.lock:
+                    k = len(self.requests)
+                    self.requests.append((conn_no, req_no, head))
+                out, keep = self.script(k, conn_no, req_no)
+                s.sendall(out)
+                req_no += 1
+                if not keep:
+                    s.close()
+                    self._event(conn_no, "closed")
+                    return
+        except OSError:
+            self._event(conn_no, "closed")
+
+    def peer_closed(self, conn_no):
+        """True once the proxy closed connection conn_no, even if this side reads nothing:
+        the socket is in CLOSE_WAIT (FIN received) or gone (reset), per /proc/net/tcp."""
+        local = "0100007F:%04X" % self.port
+        remote = "0100007F:%04X" % self.peers[conn_no]
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1] == local and fields[2] == remote:
+                    return fields[3] in ("07", "08")  # CLOSE, CLOSE_WAIT
+        return True
+
+    def conn_events(self, conn_no):
+        with self.lock:
+            return [w for c, w in self.events if c == conn_no]
+
+    def stop(self):
+        self.lsock.close()
+        with self.lock:
+            for s in self.socks:
+                try:
+                    s.close()
+                except OSError:
+                    pass

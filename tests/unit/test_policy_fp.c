@@ -30,7 +30,8 @@ Test(fp_json, replaces_adds_and_reports)
     rewrite("{\"id\":\"x\", \"system_fingerprint\" : null }\n",
             "{\"id\":\"x\", \"system_fingerprint\" : \"" FP "\" }\n", "");
     rewrite("{\"id\":\"x\",\"choices\":[{\"text\":\"a\"}]}\n",
-            "{\"id\":\"x\",\"choices\":[{\"text\":\"a\"}],\"system_fingerprint\":\"" FP "\"}\n", "");
+            "{\"id\":\"x\",\"choices\":[{\"text\":\"a\"}],\"system_fingerprint\":\"" FP "\"}\n",
+            "");
     rewrite("{}", "{\"system_fingerprint\":\"" FP "\"}", "");
     rewrite("{ }", "{ \"system_fingerprint\":\"" FP "\"}", "");
     /* an escaped spelling of the key is the key */
@@ -38,7 +39,8 @@ Test(fp_json, replaces_adds_and_reports)
             "{\"system\\u005ffingerprint\":\"" FP "\"}", "a\"b");
     /* nested copies are the replica's business */
     rewrite("{\"choices\":[{\"system_fingerprint\":\"n\"}],\"system_fingerprint\":\"t\"}",
-            "{\"choices\":[{\"system_fingerprint\":\"n\"}],\"system_fingerprint\":\"" FP "\"}", "t");
+            "{\"choices\":[{\"system_fingerprint\":\"n\"}],\"system_fingerprint\":\"" FP "\"}",
+            "t");
     /* controls in the old value never reach a header */
     rewrite("{\"system_fingerprint\":\"a\\r\\nX-Evil: 1\"}", "{\"system_fingerprint\":\"" FP "\"}",
             "a??X-Evil: 1");

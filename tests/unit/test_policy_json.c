@@ -65,20 +65,29 @@ Test(policy_json, not_an_object)
 Test(policy_json, syntax_errors)
 {
     const char *bad[] = {
-        "{\"model\":\"m\"",         "{\"model\":\"m\",}",        "{\"model\" \"m\"}",
-        "{model:\"m\"}",            "{\"model\":\"m\"} x",       "{\"model\":'m'}",
-        "{\"model\":\"m\",\"a\":tru}", "{\"model\":\"m\",\"a\":nul}", "{\"model\":\"m\",\"a\":[1,]}",
-        "{\"model\":\"m\",\"a\":[1 2]}", "{\"model\":\"m\"}}",
+        "{\"model\":\"m\"",
+        "{\"model\":\"m\",}",
+        "{\"model\" \"m\"}",
+        "{model:\"m\"}",
+        "{\"model\":\"m\"} x",
+        "{\"model\":'m'}",
+        "{\"model\":\"m\",\"a\":tru}",
+        "{\"model\":\"m\",\"a\":nul}",
+        "{\"model\":\"m\",\"a\":[1,]}",
+        "{\"model\":\"m\",\"a\":[1 2]}",
+        "{\"model\":\"m\"}}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         expect_reject(bad[i], strlen(bad[i]), "invalid_json", "not valid JSON");
     expect_ok(" \t\r\n{ \"model\" : \"m\" } \n");
+    /* an empty object closing before any other (once pointer arithmetic on NULL, UBSan) */
+    expect_ok("{\"e\":{},\"model\":\"m\",\"a\":[{}]}");
 }
 
 Test(policy_json, numbers)
 {
-    const char *bad[] = {"01", "1.", ".5", "+1", "-", "1e", "1e+", "NaN", "Infinity", "-Infinity",
-                         "0x10", "1.5e", "--1"};
+    const char *bad[] = {"01",  "1.",       ".5",        "+1",   "-",    "1e", "1e+",
+                         "NaN", "Infinity", "-Infinity", "0x10", "1.5e", "--1"};
     char body[128];
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         snprintf(body, sizeof(body), "{\"model\":\"m\",\"a\":%s}", bad[i]);
@@ -92,6 +101,20 @@ Test(policy_json, numbers)
     strcpy(big + l + 320, "}");
     expect_reject(big, strlen(big), "invalid_json", "number out of range");
     expect_ok("{\"model\":\"m\",\"a\":[1e-400,-0,0.5e308,123456789012345678901234567890,-1.5E+3]}");
+    /* overflow decided by strtod near the limit, whatever the spelling */
+    expect_ok(
+        "{\"model\":\"m\",\"a\":[1.7976931348623157e308,0.00017976931348623157e312,1e-99999]}");
+    expect_reject("{\"model\":\"m\",\"a\":1.8e308}", 24, "invalid_json", "number out of range");
+    expect_reject("{\"model\":\"m\",\"a\":0.00018e313}", 28, "invalid_json", "number out of range");
+    /* number literals are capped at 512 bytes: strtod on megabytes of digits would stall */
+    char lim[600] = "{\"model\":\"m\",\"a\":0.";
+    size_t ll = strlen(lim);
+    memset(lim + ll, '1', 510);
+    strcpy(lim + ll + 510, "}");
+    expect_ok(lim);
+    memset(lim + ll, '1', 511);
+    strcpy(lim + ll + 511, "}");
+    expect_reject(lim, strlen(lim), "invalid_json", "number too long");
 }
 
 Test(policy_json, duplicate_keys_anywhere)
@@ -100,7 +123,8 @@ Test(policy_json, duplicate_keys_anywhere)
         /* top level: cJSON would keep the first temperature, Python the last */
         "{\"model\":\"m\",\"temperature\":0,\"temperature\":2}",
         /* nested, in an array of objects, deep */
-        "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\",\"role\":\"system\"}]}",
+        "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\",\"role\":\"system\"}]"
+        "}",
         "{\"model\":\"m\",\"a\":{\"b\":{\"c\":{\"d\":1,\"e\":2,\"d\":3}}}}",
         "{\"model\":\"m\",\"x\":[[{\"k\":1}],[{\"j\":1,\"k\":2,\"j\":0}]]}",
         /* the same key spelled with escapes */
@@ -182,16 +206,16 @@ Test(policy_json, invalid_utf8)
         size_t n;
     } bad[] = {
 #define B(x) {x, sizeof(x) - 1}
-        B("{\"model\":\"m\",\"a\":\"\xC3\"}"),          /* truncated 2-byte */
-        B("{\"model\":\"m\",\"a\":\"\xC0\x80\"}"),      /* overlong NUL */
-        B("{\"model\":\"m\",\"a\":\"\xE0\x80\xAF\"}"),  /* overlong '/' */
-        B("{\"model\":\"m\",\"a\":\"\xED\xA0\x80\"}"),  /* UTF-8-encoded surrogate */
+        B("{\"model\":\"m\",\"a\":\"\xC3\"}"),             /* truncated 2-byte */
+        B("{\"model\":\"m\",\"a\":\"\xC0\x80\"}"),         /* overlong NUL */
+        B("{\"model\":\"m\",\"a\":\"\xE0\x80\xAF\"}"),     /* overlong '/' */
+        B("{\"model\":\"m\",\"a\":\"\xED\xA0\x80\"}"),     /* UTF-8-encoded surrogate */
         B("{\"model\":\"m\",\"a\":\"\xF4\x90\x80\x80\"}"), /* > U+10FFFF */
         B("{\"model\":\"m\",\"a\":\"\xF8\x88\x80\x80\x80\"}"),
         B("{\"model\":\"m\",\"a\":\"\xFF\"}"),
-        B("{\"model\":\"m\",\"a\":\"\x80\"}"),             /* lone continuation */
-        B("{\"model\":\"m\",\"a\":\"\xE2\x82\"}"),         /* truncated 3-byte */
-        B("{\"model\":\"m\",\"\xC3(\":1}"),                /* in a key */
+        B("{\"model\":\"m\",\"a\":\"\x80\"}"),     /* lone continuation */
+        B("{\"model\":\"m\",\"a\":\"\xE2\x82\"}"), /* truncated 3-byte */
+        B("{\"model\":\"m\",\"\xC3(\":1}"),        /* in a key */
         B("{\"model\":\"\xC3\"}"),
 #undef B
     };
@@ -227,8 +251,12 @@ Test(policy_json, lone_surrogates)
 Test(policy_json, model_required)
 {
     policy_error_t err;
-    const char *bad[] = {"{}", "{\"prompt\":\"x\"}", "{\"model\":5}", "{\"model\":null}",
-                         "{\"model\":[\"m\"]}", "{\"model\":\"\"}"};
+    const char *bad[] = {"{}",
+                         "{\"prompt\":\"x\"}",
+                         "{\"model\":5}",
+                         "{\"model\":null}",
+                         "{\"model\":[\"m\"]}",
+                         "{\"model\":\"\"}"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         cr_assert_eq(parse(bad[i], &err), -1, "%s", bad[i]);
         cr_assert_eq(err.status, 400);
@@ -380,16 +408,19 @@ Test(jcs, rfc8785_section_3_2_3_sorting)
         "Dalet With Dagesh\",\"1\": \"One\",\"\\ud83d\\ude00\": \"Emoji: Grinning Face\","
         "\"\\u0080\": \"Control\",\"\\u00f6\": \"Latin Small Letter O With Diaeresis\"}",
         "{\"\\r\":\"Carriage Return\",\"1\":\"One\",\"\xC2\x80\":\"Control\",\"\xC3\xB6\":\"Latin "
-        "Small Letter O With Diaeresis\",\"\xE2\x82\xAC\":\"Euro Sign\",\"\xF0\x9F\x98\x80\":\"Emoji: "
+        "Small Letter O With Diaeresis\",\"\xE2\x82\xAC\":\"Euro "
+        "Sign\",\"\xF0\x9F\x98\x80\":\"Emoji: "
         "Grinning Face\",\"\xEF\xAC\xB3\":\"Hebrew Letter Dalet With Dagesh\"}");
 }
 
 Test(jcs, strings_and_nesting)
 {
     /* Controls get short or \u00xx escapes, '/' and non-ASCII are written raw, U+2028 raw. */
-    JCS("[\"\\u0001\\b\\t\\n\\f\\r\\u001f\\u007f\\/\\u2028\", {\"b\":[{\"d\":1,\"c\":2}],\"a\":{}}, "
+    JCS("[\"\\u0001\\b\\t\\n\\f\\r\\u001f\\u007f\\/\\u2028\", "
+        "{\"b\":[{\"d\":1,\"c\":2}],\"a\":{}}, "
         "[], -0, 1.0, 10E-1, 0.1e1]",
-        "[\"\\u0001\\b\\t\\n\\f\\r\\u001f\x7f/\xE2\x80\xA8\",{\"a\":{},\"b\":[{\"c\":2,\"d\":1}]},[],"
+        "[\"\\u0001\\b\\t\\n\\f\\r\\u001f\x7f/"
+        "\xE2\x80\xA8\",{\"a\":{},\"b\":[{\"c\":2,\"d\":1}]},[],"
         "0,1,1,1]");
     JCS("{\"a\\u0000b\":\"x\\u0000y\"}", "{\"a\\u0000b\":\"x\\u0000y\"}");
 }

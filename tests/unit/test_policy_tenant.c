@@ -16,19 +16,27 @@ static void setup(void)
     dp_sha256("sk-bank-1", 9, keys_bank[0]);
     dp_sha256("sk-bank-2", 9, keys_bank[1]);
     dp_sha256("sk-ops", 6, keys_ops[0]);
-    tenants[0] = (cfg_tenant_t){.name = "bank", .match_kind = CFG_MATCH_API_KEYS,
-                                .api_keys = keys_bank, .napi_keys = 2};
-    tenants[1] = (cfg_tenant_t){.name = "ops", .match_kind = CFG_MATCH_API_KEYS,
-                                .api_keys = keys_ops, .napi_keys = 1};
-    tenants[2] = (cfg_tenant_t){.name = "hdr", .match_kind = CFG_MATCH_HEADER,
-                                .header_name = "x-tenant", .header_value = "Bank"};
+    tenants[0] = (cfg_tenant_t){
+        .name = "bank", .match_kind = CFG_MATCH_API_KEYS, .api_keys = keys_bank, .napi_keys = 2};
+    tenants[1] = (cfg_tenant_t){
+        .name = "ops", .match_kind = CFG_MATCH_API_KEYS, .api_keys = keys_ops, .napi_keys = 1};
+    tenants[2] = (cfg_tenant_t){.name = "hdr",
+                                .match_kind = CFG_MATCH_HEADER,
+                                .header_name = "x-tenant",
+                                .header_value = "Bank"};
     tenants[3] = (cfg_tenant_t){.name = "default", .match_kind = CFG_MATCH_ANY};
     pol.ntenants = 4;
 }
 
 TestSuite(tenant, .init = setup);
 
-#define H(n, v) {{n, sizeof(n) - 1}, {v, sizeof(v) - 1}}
+#define H(n, v)                                                                                    \
+    {                                                                                              \
+        {n, sizeof(n) - 1},                                                                        \
+        {                                                                                          \
+            v, sizeof(v) - 1                                                                       \
+        }                                                                                          \
+    }
 
 static const char *match(const policy_header_t *h, size_t n)
 {

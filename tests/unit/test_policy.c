@@ -75,8 +75,8 @@ static int run(const cfg_tenant_t *t, const char *body)
 
 static void expect_body(const char *want)
 {
-    cr_assert_eq(res.body.len, strlen(want), "body %.*s\nwant %s", (int)res.body.len,
-                 res.body.base, want);
+    cr_assert_eq(res.body.len, strlen(want), "body %.*s\nwant %s", (int)res.body.len, res.body.base,
+                 want);
     cr_assert(memcmp(res.body.base, want, res.body.len) == 0, "body %.*s\nwant %s",
               (int)res.body.len, res.body.base, want);
 }
@@ -105,14 +105,15 @@ typedef struct {
 } param_case_t;
 
 static const param_case_t params[] = {
-    {CFG_PARAM_TEMPERATURE, "temperature", "0.9", 0, "0", 0.7, "0.7", 0.95, 0.5, "0.95", "0.5", "0.1"},
+    {CFG_PARAM_TEMPERATURE, "temperature", "0.9", 0, "0", 0.7, "0.7", 0.95, 0.5, "0.95", "0.5",
+     "0.1"},
     {CFG_PARAM_TOP_P, "top_p", "0.5", 1, "1", 0.9, "0.9", 0.6, 0.25, "0.6", "0.25", "0.1"},
     {CFG_PARAM_TOP_K, "top_k", "50", 1, "1", 40, "40", 60, 20, "60", "20", "2"},
     {CFG_PARAM_SEED, "seed", "42", 1234, "1234", 7, "7", 100, 10, "100", "10", "3"},
     {CFG_PARAM_MAX_TOKENS, "max_tokens", "100", 16, "16", 256, "256", 200, 64, "200", "64", "8"},
     {CFG_PARAM_N, "n", "3", 1, "1", 1, "1", 4, 2, "4", "2", "1"},
-    {CFG_PARAM_PRESENCE_PENALTY, "presence_penalty", "0.5", 0, "0", 0.1, "0.1", 0.75, 0.25,
-     "0.75", "0.25", "-1.5"},
+    {CFG_PARAM_PRESENCE_PENALTY, "presence_penalty", "0.5", 0, "0", 0.1, "0.1", 0.75, 0.25, "0.75",
+     "0.25", "-1.5"},
     {CFG_PARAM_FREQUENCY_PENALTY, "frequency_penalty", "0.5", 0, "0", 0.1, "0.1", 0.75, 0.25,
      "0.75", "0.25", "-1.5"},
 };
@@ -401,10 +402,8 @@ Test(rules, prompt_shapes)
 {
     cfg_tenant_t t = tenant("t");
     const char *ok[] = {
-        "{\"model\":\"m\",\"prompt\":\"text\"}",
-        "{\"model\":\"m\",\"prompt\":\"\"}",
-        "{\"model\":\"m\",\"prompt\":[\"a\",\"b\"]}",
-        "{\"model\":\"m\",\"prompt\":[1,2,3]}",
+        "{\"model\":\"m\",\"prompt\":\"text\"}",      "{\"model\":\"m\",\"prompt\":\"\"}",
+        "{\"model\":\"m\",\"prompt\":[\"a\",\"b\"]}", "{\"model\":\"m\",\"prompt\":[1,2,3]}",
         "{\"model\":\"m\",\"prompt\":[[1,2],[3]]}",
     };
     for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
@@ -645,8 +644,7 @@ Test(rules, llamacpp_pins_server_defaults_and_seed_range)
     cr_assert_eq(run_fw(&t, POLICY_ROUTE_COMPLETIONS, BASE ",\"seed\":4294967295}", "llama.cpp"),
                  0);
     cr_assert_eq(res.seed, 0);
-    cr_assert_eq(run_fw(&t, POLICY_ROUTE_COMPLETIONS, BASE ",\"seed\":4294967294}", "llamacpp"),
-                 0);
+    cr_assert_eq(run_fw(&t, POLICY_ROUTE_COMPLETIONS, BASE ",\"seed\":4294967294}", "llamacpp"), 0);
     cr_assert_eq(res.seed, 4294967294u);
 }
 
@@ -681,18 +679,16 @@ Test(rules, tgi_quirks)
     /* a governed top_k cannot be honoured: removed so the audit does not claim it was sent */
     cfg_tenant_t k = tenant("k");
     r_force(&k, CFG_PARAM_TOP_K, 1);
-    cr_assert_eq(run_fw(&k, POLICY_ROUTE_CHAT, "{\"model\":\"m\"," CHAT_HI ",\"temperature\":0}",
-                        "tgi"),
-                 0);
+    cr_assert_eq(
+        run_fw(&k, POLICY_ROUTE_CHAT, "{\"model\":\"m\"," CHAT_HI ",\"temperature\":0}", "tgi"), 0);
     expect_body("{\"model\":\"m\"," CHAT_HI ",\"temperature\":0}");
     cr_assert_not_null(change_for("top_k", POLICY_FORCED));
     cr_assert_not_null(change_for("top_k", POLICY_NORMALIZED));
     /* governed top_p clamped below 1 is sent */
     cfg_tenant_t p = tenant("p");
     r_max(&p, CFG_PARAM_TOP_P, 0.9);
-    cr_assert_eq(run_fw(&p, POLICY_ROUTE_CHAT, "{\"model\":\"m\"," CHAT_HI ",\"temperature\":0}",
-                        "tgi"),
-                 0);
+    cr_assert_eq(
+        run_fw(&p, POLICY_ROUTE_CHAT, "{\"model\":\"m\"," CHAT_HI ",\"temperature\":0}", "tgi"), 0);
     expect_body("{\"model\":\"m\"," CHAT_HI ",\"temperature\":0,\"top_p\":0.9}");
 }
 

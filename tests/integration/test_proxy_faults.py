@@ -1,0 +1,411 @@
+"""Failing replicas: dying mid-stream, smuggling framing and garbage, hanging, stalling,
+refusing connections, the keep-alive race, 500s.
+
+Most cases use detproxy-sim's fault injection (POST /_sim/config {"fault": ...}). Where the
+sim cannot produce the exact bytes (a bad response on a connection it keeps open, a response
+cut inside its status line), proxyutil.ScriptedUpstream plays the replica. Each case checks
+what the client and the replica observe, the upstream error metric, and that the proxy serves
+the next request (after re-attesting the replica where a failed connection made it pending).
+"""
+
+import json
+import time
+
+from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
+from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
+                       parse_response, pool, sim_config, sim_stats, start_proxy)
+
+COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+
+
+def request_bytes(obj, path="/v1/completions"):
+    body = json.dumps(obj).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (path.encode(), len(body))) + body
+
+
+# No periodic re-attestation during a test (a failed connection still triggers one at once):
+# the sim's counters and connections then only move for the traffic a test makes.
+QUIET = {"interval_ms": 600000}
+
+
+def setup(*sim_flags, limits=None, n=1, **poolkw):
+    sims = [start_sim("--model", "m1", *sim_flags) for _ in range(n)]
+    px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)], limits=limits, attestation=QUIET)
+    return sims, px
+
+
+def upstream_errors(px, replica_name, kind):
+    return metric(px, "detproxy_upstream_errors_total", pool="p", replica=replica_name,
+                  kind=kind)
+
+
+def assert_serves_next(px, model="m1"):
+    # A failed connection sends the replica back to pending until re-attested (SPEC §5).
+    wait_http(px.admin_port, "/readyz", timeout=5)
+    r = post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r
+    poll_until(lambda: metric(px, "detproxy_connections") == 0 and
+               metric(px, "detproxy_inflight_requests") == 0, timeout=5,
+               what="proxy connection and in-flight gauges back to 0")
+    return r
+
+
+# ---- a scripted replica ----------------------------------------------------------------------
+
+OK_BODY = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m1",
+                      "choices": [{"index": 0, "text": " a b c d", "logprobs": None,
+                                   "finish_reason": "length"}],
+                      "usage": {"prompt_tokens": 2, "completion_tokens": 4,
+                                "total_tokens": 6}}).encode()
+OK_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+               % len(OK_BODY)) + OK_BODY
+
+
+def start_scripted(script):
+    up = ScriptedUpstream(script)
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "replicas": [{"name": "r1",
+                                           "url": "http://127.0.0.1:%d" % up.port}]}],
+                     attestation=QUIET)
+    return up, px
+
+
+# ---- a replica that dies mid-response ------------------------------------------------------
+
+
+def test_replica_dies_mid_stream_client_sees_no_final_chunk():
+    """die_mid_stream: head and three tokens, then the replica hangs up. The client's chunked
+    response ends without its terminating 0-chunk, on a closed connection: an error, never a
+    clean truncated success."""
+    sims, px = setup()
+    sim_config(sims[0], fault="die_mid_stream", fault_count=1)
+    out, closed = exchange(px.port, request_bytes(dict(COMPLETION, max_tokens=50, stream=True)),
+                           timeout=10)
+    assert closed, "connection left open"
+    r = parse_response(out)
+    assert r.status == 200 and r.headers.get("transfer-encoding") == "chunked", r
+    assert b"data: {" in r.body, r.body[:300]
+    assert not r.complete, "the truncated stream ended cleanly: %r" % out[-200:]
+    assert not out.endswith(b"0\r\n\r\n"), out[-100:]
+    assert b"[DONE]" not in r.body
+    assert upstream_errors(px, "r1", "truncated") == 1
+    assert len(client_requests(sims[0])) == 1  # never retried once bytes reached the client
+    assert_serves_next(px)
+    px.stop()
+
+
+def test_replica_dies_mid_non_streamed_response():
+    """Non-streamed: the replica announces the whole Content-Length and sends half. The
+    client gets either a 502 (nothing sent yet) or a response shorter than its own
+    Content-Length on a closed connection: never a complete 200."""
+    sims, px = setup()
+    sim_config(sims[0], fault="die_mid_stream", fault_count=1)
+    data = request_bytes(dict(COMPLETION, max_tokens=50))
+    data = data.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+    out, closed = exchange(px.port, data, timeout=10)
+    assert closed
+    r = parse_response(out)
+    if r.status == 502:
+        assert_openai_error(r, 502, "upstream_error")
+    else:
+        assert r.status == 200 and "content-length" in r.headers and not r.complete, r
+    assert upstream_errors(px, "r1", "truncated") == 1
+    assert len(client_requests(sims[0])) == 1
+    assert_serves_next(px)
+    px.stop()
+
+
+# ---- smuggling framing and garbage from the replica ----------------------------------------
+
+
+def _bad_response_case(fault):
+    sims, px = setup()
+    assert_serves_next(px)  # leaves a pooled upstream connection
+    sim_config(sims[0], fault=fault, fault_count=1)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    err = assert_openai_error(r, 502, "upstream_error")
+    assert "protocol" in err["message"], err
+    assert upstream_errors(px, "r1", "protocol") == 1
+    st = sim_stats(sims[0])
+    assert len(client_requests(sims[0])) == 2  # not retried
+    assert_serves_next(px)
+    # The next request came on a new upstream connection: +1 for it, +1 for the
+    # client_requests look-up, +1 for this one.
+    st2 = sim_stats(sims[0])
+    assert st2["connections_total"] == st["connections_total"] + 3, (st, st2)
+    px.stop()
+
+
+def test_replica_bad_framing_is_502():
+    """Content-Length and Transfer-Encoding together in a response: 502, not forwarded."""
+    _bad_response_case("bad_framing")
+
+
+def test_replica_garbage_is_502():
+    _bad_response_case("garbage")
+
+
+def test_bad_framing_on_kept_open_connection_is_not_reused():
+    """A replica that answers with smuggling framing and keeps the connection open: 502, and
+    the next request goes on a new connection (never after the bad bytes)."""
+    smuggle = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+
+    def script(k, conn_no, req_no):
+        return (smuggle if k == 0 else OK_RESPONSE), True
+
+    up, px = start_scripted(script)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert_openai_error(r, 502, "upstream_error")
+    r = assert_serves_next(px)
+    assert r.json()["choices"][0]["text"] == " a b c d"
+    (c0, _, _), (c1, q1, _) = up.requests
+    assert c1 != c0 and q1 == 0, up.requests  # a new connection, not the one after bad bytes
+    assert upstream_errors(px, "r1", "protocol") == 1
+    px.stop()
+    up.stop()
+
+
+SMUGGLING_RESPONSES = [
+    # obs-fold hiding a Transfer-Encoding
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Pad: a\r\n Transfer-Encoding: "
+    b"chunked\r\nContent-Length: 2\r\n\r\n{}",
+    # a bare CR ending a header line
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-A: a\rContent-Length: 2\r\n"
+    b"Content-Length: 2\r\n\r\n{}",
+    # "\r\n\rX" ending the head
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\rX{}",
+    # chunk data not followed by CRLF
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"2\r\n{}XX0\r\n\r\n",
+]
+
+
+def test_replica_smuggling_responses_are_rejected():
+    """The four llhttp 8.1 smuggling inputs, from the replica's side: each response is
+    refused (a 502, or for the chunk case a response cut off without its end if its head was
+    already forwarded), its connection is never reused, and the client never sees the bytes
+    after the bad framing."""
+
+    def script(k, conn_no, req_no):
+        if k < len(SMUGGLING_RESPONSES):
+            return SMUGGLING_RESPONSES[k], True
+        return OK_RESPONSE, True
+
+    up, px = start_scripted(script)
+    data = request_bytes(COMPLETION).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+    for i in range(len(SMUGGLING_RESPONSES)):
+        out, closed = exchange(px.port, data, timeout=10)
+        assert closed
+        r = parse_response(out)
+        if r.status == 502:
+            assert_openai_error(r, 502, "upstream_error")
+        else:
+            assert i == 3 and r.status == 200 and not r.complete, (i, r)
+        assert b"XX" not in out and b"X{}" not in out, out
+    assert upstream_errors(px, "r1", "protocol") == len(SMUGGLING_RESPONSES)
+    conns = [c for c, _, _ in up.requests]
+    assert len(set(conns)) == len(conns), up.requests  # every bad connection dropped
+    r = assert_serves_next(px)
+    assert up.requests[-1][0] not in conns
+    px.stop()
+    up.stop()
+
+
+def test_bytes_after_response_make_connection_unusable():
+    """A response followed by a smuggled second response on the same connection: the client
+    gets the first, the next request never sees the smuggled one (new connection)."""
+    fake = b'{"smuggled":true}'
+    extra = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+             % len(fake)) + fake
+
+    def script(k, conn_no, req_no):
+        return (OK_RESPONSE + extra if k == 0 else OK_RESPONSE), True
+
+    up, px = start_scripted(script)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r
+    for _ in range(3):
+        r = assert_serves_next(px)
+        assert b"smuggled" not in r.body
+    first = up.requests[0][0]
+    assert all(c != first for c, _, _ in up.requests[1:]), up.requests  # never that conn again
+    px.stop()
+    up.stop()
+
+
+# ---- a replica that never answers or stalls ------------------------------------------------
+
+
+def test_replica_hang_is_504_within_first_byte_timeout():
+    sims, px = setup(limits={"upstream_first_byte_timeout_ms": 800})
+    sim_config(sims[0], fault="hang", fault_count=1)
+    open_before = sim_stats(sims[0])["connections"]
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    took = time.monotonic() - t0
+    assert_openai_error(r, 504, "upstream_timeout")
+    assert 0.75 <= took <= 0.8 + 0.7 * SLOW, took
+    st = sim_stats(sims[0])
+    assert st["hung"] == 1 and len(client_requests(sims[0])) == 1, st  # not retried
+    assert upstream_errors(px, "r1", "first_byte_timeout") == 1
+    # The hung upstream connection was closed by the proxy (the sim saw its client leave).
+    poll_until(lambda: sim_stats(sims[0])["connections"] <= open_before, timeout=2,
+               what="hung connection closed")
+    assert_serves_next(px)
+    px.stop()
+
+
+def test_replica_stalls_mid_stream_is_cut_after_idle_timeout():
+    """A stream that starts and then goes silent (first token 5 s away) is cut after
+    upstream_idle_timeout_ms: no final chunk for the client, the generation is cancelled."""
+    sims, px = setup("--token-delay-ms", "5000", limits={"upstream_idle_timeout_ms": 600})
+    t0 = time.monotonic()
+    out, closed = exchange(px.port, request_bytes(dict(COMPLETION, stream=True)), timeout=10)
+    took = time.monotonic() - t0
+    assert closed
+    r = parse_response(out)
+    assert r.status == 200 and not r.complete, r
+    assert 0.55 <= took <= 0.6 + 0.7 * SLOW, took
+    assert upstream_errors(px, "r1", "idle_timeout") == 1
+    st = poll_until(lambda: (lambda st: st if st["inflight"] == 0 else None)(
+        sim_stats(sims[0])), timeout=2, what="generation cancelled")
+    assert st["aborted"] == 1, st
+    sim_config(sims[0], token_delay_ms=0)
+    assert_serves_next(px)
+    px.stop()
+
+
+# ---- refused connections -------------------------------------------------------------------
+
+
+def test_refused_replica_is_retried_on_the_other():
+    """An admitted replica goes away (its port now refuses connections): the request sent
+    there is retried on the other replica (nothing was sent), every client gets a 200, and the
+    dead one is taken out of rotation until it attests again."""
+    sims, px = setup(n=2, balance="round_robin")
+    sims[0].stop()
+    for _ in range(4):
+        r = post_json(px.port, "/v1/completions", COMPLETION)
+        assert r.status == 200, r
+        assert r.headers["x-detproxy-replica"] == "r2"
+    assert upstream_errors(px, "r1", "connect") == 1  # then r1 is no longer picked
+    assert len(client_requests(sims[1])) == 4
+    px.stop()
+
+
+def test_only_replica_refusing_connections():
+    """The pool's only replica goes away: the connect failure leaves nothing to retry on, the
+    client gets an OpenAI-shaped error at once (502 for the failed replica, or 503 naming it
+    now that it is being re-attested). When the replica is back on its port, it is re-admitted
+    and serves again."""
+    sims, px = setup()
+    port = sims[0].port
+    sims[0].stop()
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert time.monotonic() - t0 < 2 * SLOW
+    if r.status == 503:
+        err = assert_openai_error(r, 503, "no_attested_replica")
+        assert "r1" in err["message"], err
+    else:
+        assert_openai_error(r, 502, "upstream_error")
+    assert upstream_errors(px, "r1", "connect") >= 1
+    back = start_sim("--model", "m1", listen="127.0.0.1:%d" % port)
+    assert_serves_next(px)
+    assert len(client_requests(back)) == 1
+    px.stop()
+
+
+# ---- the keep-alive race -------------------------------------------------------------------
+
+
+def test_keepalive_race_reused_connection_closed_is_retried():
+    """A pooled connection the replica closes on receiving the request, before any response
+    byte: the keep-alive race. Retried on another admitted replica, the client gets a 200."""
+    sims, px = setup(n=2, balance="round_robin")
+    for _ in range(2):  # r1 then r2: each has a pooled connection; the next pick is r1
+        assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+    sim_config(sims[0], fault="close_before_response", fault_count=1)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r
+    assert r.headers["x-detproxy-replica"] == "r2"
+    assert sim_stats(sims[0])["faults_injected"] == 1
+    assert len(client_requests(sims[0])) == 2 and len(client_requests(sims[1])) == 2
+    assert upstream_errors(px, "r1", "reused_closed") == 1
+    assert_serves_next(px)
+    px.stop()
+
+
+def test_fresh_connection_closed_before_response_is_502_not_retried():
+    """The same close on a fresh connection is not the keep-alive race: the replica may have
+    started the work, so no retry (the request is not idempotent): 502."""
+    sims, px = setup()
+    sim_config(sims[0], fault="close_before_response", fault_count=1)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert_openai_error(r, 502, "upstream_error")
+    assert len(client_requests(sims[0])) == 1
+    assert upstream_errors(px, "r1", "closed") == 1
+    assert_serves_next(px)
+    px.stop()
+
+
+def test_reused_connection_closed_after_a_response_byte_is_not_retried():
+    """A pooled connection that dies after the first bytes of a status line: a response byte
+    was seen, so no retry: 502, and the replica saw the request exactly once."""
+
+    def script(k, conn_no, req_no):
+        if k == 1:
+            return b"HTTP/1.1 200 OK\r\nConte", False
+        return OK_RESPONSE, True
+
+    up, px = start_scripted(script)
+    assert_serves_next(px)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert_openai_error(r, 502, "upstream_error")
+    (c0, q0, _), (c1, q1, _) = up.requests
+    assert c1 == c0 and q1 == 1, up.requests  # it was the reused connection
+    assert upstream_errors(px, "r1", "truncated") == 1
+    assert_serves_next(px)
+    assert len(up.requests) == 3 and up.requests[2][0] != c0, up.requests  # no retry before
+    px.stop()
+    up.stop()
+
+
+def test_replica_restart_drops_pooled_connections():
+    """The replica restarts on the same port: its pooled connections are gone. The next
+    request still succeeds, at worst after a keep-alive-race retry, never a 502."""
+    sims, px = setup()
+    port = sims[0].port
+    assert_serves_next(px)
+    sims[0].stop()
+    sim2 = start_sim("--model", "m1", listen="127.0.0.1:%d" % port)
+    for _ in range(3):
+        assert_serves_next(px)
+    assert len(client_requests(sim2)) == 3
+    assert upstream_errors(px, "r1", "connect") == 0
+    assert upstream_errors(px, "r1", "reused_closed") <= 1
+    px.stop()
+
+
+# ---- a replica answering 500 ---------------------------------------------------------------
+
+
+def test_replica_500_is_passed_on_not_retried():
+    sims, px = setup()
+    sim_config(sims[0], fault="error_500", fault_count=1)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 500, r
+    assert r.json()["error"]["message"] == "simulated replica failure"
+    assert r.headers["x-detproxy-replica"] == "r1"
+    assert len(client_requests(sims[0])) == 1
+    total = sum(metric(px, "detproxy_requests_total", pool="p", tenant=t, status="500")
+                for t in ("-", "default"))
+    assert total == 1
+    assert_serves_next(px)
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
