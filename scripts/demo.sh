@@ -50,6 +50,24 @@ sim() { # name port model checkpoint extra-flags...
 }
 
 bold "0. Set-up"
+TLS_JSON=""
+SCHEME=http
+CURL_TLS=""
+if [ "${DEMO_TLS:-0}" = 1 ]; then
+  # A throwaway CA and a certificate for localhost/127.0.0.1, made with the openssl CLI.
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
+    -subj "/CN=detproxy demo CA" -keyout "$work/ca.key" -out "$work/ca.crt" 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=localhost" \
+    -keyout "$work/proxy.key" -out "$work/proxy.csr" 2>/dev/null
+  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > "$work/san.ext"
+  openssl x509 -req -in "$work/proxy.csr" -CA "$work/ca.crt" -CAkey "$work/ca.key" \
+    -CAcreateserial -days 1 -extfile "$work/san.ext" -out "$work/proxy.crt" 2>/dev/null
+  chmod 600 "$work/proxy.key"
+  TLS_JSON='"tls": {"cert_file": "proxy.crt", "key_file": "proxy.key"},'
+  SCHEME=https
+  CURL_TLS="--cacert $work/ca.crt"
+  say "DEMO_TLS=1: the client listener speaks TLS 1.2+ (certificate from a throwaway CA)"
+fi
 "$BIN" attest keygen --out "$work/pipeline" >/dev/null
 say "Attestation signing key: $work/pipeline.key.pem (replicas sign, detproxy trusts the .pub)"
 sim r1 $((BASE + 0)) "$LLAMA" "$CKPT"
@@ -76,6 +94,7 @@ cat > "$work/detproxy.json" <<JSON
 {
   "listen": "127.0.0.1:$PORT",
   "admin_listen": "127.0.0.1:$ADMIN",
+  $TLS_JSON
   "attestation": {"interval_ms": 1000, "timeout_ms": 1000, "require_signature": true,
                   "trusted_keys": ["pipeline.pub.pem"]},
   "pools": [
@@ -116,9 +135,11 @@ wait_http "$ADMIN" /healthz
 for _ in $(seq 1 100); do
   curl -s "http://127.0.0.1:$ADMIN/readyz" | grep -q '"ready"' && break; sleep 0.05
 done
-say "proxy http://127.0.0.1:$PORT   admin http://127.0.0.1:$ADMIN   log $work/detproxy.log"
+say "proxy $SCHEME://127.0.0.1:$PORT   admin http://127.0.0.1:$ADMIN   log $work/detproxy.log"
 
-P="http://127.0.0.1:$PORT"
+P="$SCHEME://127.0.0.1:$PORT"
+curl() { command curl $CURL_TLS "$@"; }
+export -f curl 2>/dev/null || true
 A="http://127.0.0.1:$ADMIN"
 
 bold "2. Policy: the compliance tenant sends temperature 0.9 and no seed..."
