@@ -87,6 +87,7 @@ struct px_conn_s {
     bool first_request;
     bool in_feed;
     bool kick; /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
+    char remote[48]; /* the peer, "ip:port": looked up once, on the first request */
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
     bool wait_drain; /* IDLE with responses queued above high-water: next request waits */
@@ -757,7 +758,9 @@ static bool conn_head_done(px_conn_t *c)
     r->has_body = r->chunked || r->content_length > 0;
     c->keep_alive = !q->framing.conn_close && !s->draining &&
                     (r->http_minor == 1 || q->framing.conn_keep_alive);
-    px_sock_peer(&c->sock, r->remote, sizeof(r->remote));
+    if (c->remote[0] == '\0')
+        px_sock_peer(&c->sock, c->remote, sizeof(c->remote));
+    memcpy(r->remote, c->remote, sizeof(r->remote));
     s->ninflight++;
     q->handed = true;
 

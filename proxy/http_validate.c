@@ -13,6 +13,15 @@
 
 enum { HS_LINE_START = 0, HS_IN_LINE, HS_AFTER_CR, HS_DONE };
 
+/* Bytes that need a look inside a line: CR, LF, and controls other than HT. */
+static const uint8_t line_special[256] = {
+    [0] = 1,    [1] = 1,    [2] = 1,    [3] = 1,    [4] = 1,    [5] = 1,    [6] = 1,
+    [7] = 1,    [8] = 1,    [10] = 1,   [11] = 1,   [12] = 1,   [13] = 1,   [14] = 1,
+    [15] = 1,   [16] = 1,   [17] = 1,   [18] = 1,   [19] = 1,   [20] = 1,   [21] = 1,
+    [22] = 1,   [23] = 1,   [24] = 1,   [25] = 1,   [26] = 1,   [27] = 1,   [28] = 1,
+    [29] = 1,   [30] = 1,   [31] = 1,   [127] = 1,
+};
+
 static inline bool is_ctl(unsigned char c)
 {
     return (c < 0x20 && c != '\t') || c == 0x7f;
@@ -59,7 +68,20 @@ int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, i
             s->line_len = 1;
             s->state = HS_IN_LINE;
             break;
-        case HS_IN_LINE:
+        case HS_IN_LINE: {
+            /* Fast path: skip ordinary bytes in bulk (most of a head). */
+            if (!line_special[c]) {
+                size_t j = i + 1;
+                size_t room = s->max_bytes - s->bytes; /* bytes still allowed */
+                size_t lim = n - i - 1 < room ? n - i - 1 : room;
+                while (j < i + 1 + lim && !line_special[u[j]])
+                    j++;
+                size_t run = j - i;
+                s->line_len += (uint32_t)run;
+                s->bytes += (uint32_t)(run - 1); /* this byte was already counted */
+                i = j - 1;
+                break;
+            }
             if (c == '\r') {
                 s->state = HS_AFTER_CR;
             } else if (c == '\n') {
@@ -72,6 +94,7 @@ int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, i
                 s->line_len++;
             }
             break;
+        }
         case HS_AFTER_CR:
             if (c != '\n') {
                 *reason = "bare CR";
@@ -425,14 +448,22 @@ int px_response_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_
 
 bool px_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection)
 {
-    static const char *const hop[] = {
-        "connection",        "keep-alive", "proxy-connection", "transfer-encoding",
-        "te",                "trailer",    "upgrade",          "proxy-authenticate",
-        "proxy-authorization", "content-length", "http2-settings",
-    };
-    for (size_t i = 0; i < DP_ARRAY_SIZE(hop); i++)
-        if (dp_strieq(name, len, hop[i]))
-            return true;
+    /* Switch on the length first: most end-to-end names fail here with no comparison at all
+     * (this runs for every header of every request and response). */
+    const char *cand = NULL, *cand2 = NULL;
+    switch (len) {
+    case 2: cand = "te"; break;
+    case 7: cand = "trailer"; cand2 = "upgrade"; break;
+    case 10: cand = "connection"; cand2 = "keep-alive"; break;
+    case 14: cand = "content-length"; cand2 = "http2-settings"; break;
+    case 16: cand = "proxy-connection"; break;
+    case 17: cand = "transfer-encoding"; break;
+    case 18: cand = "proxy-authenticate"; break;
+    case 19: cand = "proxy-authorization"; break;
+    default: break;
+    }
+    if ((cand && dp_memieq(name, cand, len)) || (cand2 && dp_memieq(name, cand2, len)))
+        return true;
     if (connection && connection->len) {
         /* Names listed in Connection are hop-by-hop for this message. */
         dp_iovec_t v = *connection;

@@ -80,6 +80,14 @@ struct px_pool_s {
     uint32_t qlen;
     uv_timer_t qtimer;
     px_series_t *m_duration;
+    /* detproxy_requests_total series by (tenant, status): looked up once, then a pointer
+     * compare per request. Tenant names belong to this generation's config, so pointers are
+     * stable for the pool's whole life. */
+    struct {
+        const char *tenant;
+        int status;
+        px_series_t *s;
+    } m_requests[16];
 };
 
 struct px_gen_s {
@@ -89,6 +97,13 @@ struct px_gen_s {
     px_pool_t *pools;
     size_t npools;
     int handles_open; /* pool timers still closing */
+    /* detproxy_policy_overrides_total series by (tenant, param, action), same idea. */
+    struct {
+        const void *tenant;
+        const char *param;
+        int action;
+        px_series_t *s;
+    } m_overrides[64];
 };
 
 struct px_s {
@@ -117,6 +132,10 @@ void px_gen_ref(px_gen_t *g);
 void px_gen_unref(px_gen_t *g);
 px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name);
 px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len);
+/* Cached metric series (see the caches above). */
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status);
+px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
+                                    const char *param, int action, const char *action_name);
 
 void px_replica_ref(px_replica_t *r);
 void px_replica_unref(px_replica_t *r);

@@ -304,6 +304,49 @@ void px_gen_unref(px_gen_t *g)
         gen_free_final(g);
 }
 
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status)
+{
+    size_t n = DP_ARRAY_SIZE(p->m_requests);
+    for (size_t i = 0; i < n && p->m_requests[i].s; i++)
+        if (p->m_requests[i].tenant == tenant && p->m_requests[i].status == status)
+            return p->m_requests[i].s;
+    char st[12];
+    snprintf(st, sizeof(st), "%d", status);
+    px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
+                                    "status", st, NULL);
+    for (size_t i = 0; i < n; i++) {
+        if (p->m_requests[i].s == NULL) {
+            p->m_requests[i].tenant = tenant;
+            p->m_requests[i].status = status;
+            p->m_requests[i].s = s;
+            break;
+        }
+    }
+    return s;
+}
+
+px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
+                                    const char *param, int action, const char *action_name)
+{
+    size_t n = DP_ARRAY_SIZE(g->m_overrides);
+    for (size_t i = 0; i < n && g->m_overrides[i].s; i++)
+        if (g->m_overrides[i].tenant == t && g->m_overrides[i].param == param &&
+            g->m_overrides[i].action == action)
+            return g->m_overrides[i].s;
+    px_series_t *s = px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
+                                    param, "action", action_name, NULL);
+    for (size_t i = 0; i < n; i++) {
+        if (g->m_overrides[i].s == NULL) {
+            g->m_overrides[i].tenant = t;
+            g->m_overrides[i].param = param;
+            g->m_overrides[i].action = action;
+            g->m_overrides[i].s = s;
+            break;
+        }
+    }
+    return s;
+}
+
 px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name)
 {
     for (size_t i = 0; i < g->npools; i++)

@@ -124,12 +124,14 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req
 
 /* ---- inference ------------------------------------------------------------------------------ */
 
-static void count_overrides(const char *tenant, const policy_result_t *res)
+static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
+                            const policy_result_t *res)
 {
+    /* Param names are static strings in the policy module: pointer-stable cache keys. */
     for (size_t i = 0; i < res->nchanges; i++) {
         const policy_change_t *c = &res->changes[i];
-        px_metric_add(px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
-                                     c->param, "action", policy_action_names[c->action], NULL),
+        px_metric_add(px_gen_override_series(g, t, tenant, c->param, (int)c->action,
+                                             policy_action_names[c->action]),
                       1);
     }
 }
@@ -164,7 +166,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     if (policy_apply(p->preq, h->tenant_cfg, fw, &p->res, &err) != 0)
         goto refuse;
     p->applied = true;
-    count_overrides(h->tenant, &p->res);
+    count_overrides(g, h->tenant_cfg, h->tenant, &p->res);
     h->stream = p->res.stream;
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);

@@ -49,6 +49,7 @@ struct px_preq_s {
     dp_buf_t held_body;
     px_header_t *held_out; /* the head to send, built by prepare_held */
     size_t held_nout;
+    px_header_t held_stack[32]; /* held_out when it fits */
     px_preq_t *qnext, *qprev;
     uint64_t qdeadline;
     int status;
@@ -72,10 +73,15 @@ static px_preq_t *preq_get(void)
         return dp_xcalloc(1, sizeof(*q));
     g_preq_free = q->qnext;
     g_npreq_free--;
-    dp_buf_t head = q->head;
+    /* Keep the buffers' capacity: a steady stream of requests reuses them. */
+    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body;
     memset(q, 0, sizeof(*q));
     dp_buf_reset(&head);
+    dp_buf_reset(&hh);
+    dp_buf_reset(&hb);
     q->head = head;
+    q->held_hdrs = hh;
+    q->held_body = hb;
     return q;
 }
 
@@ -85,6 +91,8 @@ void px_proxy_free_caches(void)
         px_preq_t *q = g_preq_free;
         g_preq_free = q->qnext;
         dp_buf_free(&q->head);
+        dp_buf_free(&q->held_hdrs);
+        dp_buf_free(&q->held_body);
         free(q);
     }
     g_npreq_free = 0;
@@ -92,12 +100,15 @@ void px_proxy_free_caches(void)
 
 static void preq_put(px_preq_t *q)
 {
-    dp_buf_free(&q->held_hdrs);
-    dp_buf_free(&q->held_body);
-    free(q->held_out);
+    if (q->held_out != q->held_stack)
+        free(q->held_out);
     q->held_out = NULL;
-    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384) {
+    if (q->held_body.cap > 64 * 1024)
+        dp_buf_free(&q->held_body);
+    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384) {
         dp_buf_free(&q->head);
+        dp_buf_free(&q->held_hdrs);
+        dp_buf_free(&q->held_body);
         free(q);
         return;
     }
@@ -434,7 +445,9 @@ static void prepare_held(px_preq_t *q)
     for (size_t i = 0; i < q->held_hdrs.len; i++)
         nh += q->held_hdrs.base[i] == '\0';
     nh /= 2;
-    px_header_t *out = dp_xmalloc((nh + 2 * PX_EXTRA_HEADERS) * sizeof(*out));
+    size_t need = nh + 2 * PX_EXTRA_HEADERS;
+    px_header_t *out = need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack
+                                                             : dp_xmalloc(need * sizeof(*out));
     size_t k = 0;
     const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
     while (p < end) {
@@ -584,11 +597,7 @@ static void finish(px_preq_t *q)
     }
     queue_remove(q);
     if (pool && q->status) {
-        char st[8];
-        snprintf(st, sizeof(st), "%d", q->status);
-        px_metric_add(px_metrics_get("detproxy_requests_total", "pool", pool->name, "tenant",
-                                     px_hooks_tenant(&q->hooks), "status", st, NULL),
-                      1);
+        px_metric_add(px_pool_requests_series(pool, px_hooks_tenant(&q->hooks), q->status), 1);
         px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
     }
     px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
