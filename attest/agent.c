@@ -870,6 +870,7 @@ int attest_serve_main(int argc, char **argv)
     lim.max_body_bytes = 4096; /* GET only: every request is answered from its head */
     a->srv = px_server_new(&a->loop, &h, a, &lim);
     if (tls_cert) {
+        warn_if_readable_by_others(tls_key, "tls_key");
         dp_buf_t terr = {0};
         px_tls_ctx_t *tc = px_tls_server_ctx(tls_cert, tls_key, NULL, &terr);
         if (tc == NULL) {

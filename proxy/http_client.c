@@ -488,6 +488,9 @@ static void sock_read(px_sock_t *s, const char *p, size_t n)
 static void sock_error(px_sock_t *s, int status)
 {
     uconn_t *c = s->owner;
+    /* A TLS failure after the handshake (an alert such as "certificate required" under TLS
+     * 1.3) says more than "protocol error". */
+    const char *why = status == UV_EPROTO ? px_sock_tls_error(s) : uv_strerror(status);
     if (c->phase == UC_IDLE || c->req == NULL) {
         uconn_close(c); /* the server closed a pooled connection: just drop it */
         return;
@@ -503,10 +506,16 @@ static void sock_error(px_sock_t *s, int status)
         if (q->pub.reused)
             uconn_fail(c, PX_UP_REUSED_CLOSED, "reused connection closed before the response");
         else if (!sent)
-            uconn_fail(c, PX_UP_SEND, uv_strerror(status));
+            uconn_fail(c, PX_UP_SEND, why);
         else
-            uconn_fail(c, PX_UP_CLOSED, status == UV_EOF ? "closed before the response"
-                                                         : uv_strerror(status));
+            uconn_fail(c, PX_UP_CLOSED, status == UV_EOF ? "closed before the response" : why);
+        return;
+    }
+    if (c->phase == UC_BODY && c->close_delimited && status == UV_EOF && c->sock.tls &&
+        !px_tls_peer_closed(c->sock.tls)) {
+        /* Over TLS only close_notify ends a close-delimited body: a bare TCP close may be an
+         * attacker cutting the response short (RFC 8446 §6.1, RFC 9112 §9.8). */
+        uconn_fail(c, PX_UP_TRUNCATED, "TLS connection closed without close_notify");
         return;
     }
     if (c->phase == UC_BODY && c->close_delimited && status == UV_EOF) {
@@ -516,7 +525,7 @@ static void sock_error(px_sock_t *s, int status)
         uconn_done(c);
         return;
     }
-    uconn_fail(c, PX_UP_TRUNCATED, status == UV_EOF ? "closed mid-response" : uv_strerror(status));
+    uconn_fail(c, PX_UP_TRUNCATED, status == UV_EOF ? "closed mid-response" : why);
 }
 
 static void sock_drain(px_sock_t *s)
@@ -691,7 +700,11 @@ px_creq_t *px_creq_start(px_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
         for (unsigned i = 0; i < nbufs; i++)
             dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
         uconn_arm(c, u->o.connect_timeout_ms);
-        if (px_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
+        if (u->tls && c->sock.tls == NULL) {
+            /* No TLS state (out of memory): never fall back to plaintext to an https URL. */
+            c->deferred_err = PX_UP_CONNECT;
+            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+        } else if (px_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
             c->deferred_err = PX_UP_CONNECT;
             uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
         }

@@ -33,6 +33,7 @@
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
 #include "proxy/px_fetch.h"
+#include "proxy/tls.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
 #define GIVE_UP_FAILURES 2
@@ -76,6 +77,8 @@ struct dg_s {
     attest_keyset_t keys;
     px_dg_run_t run;
     rio_t *io;
+    px_tls_ctx_t *tls;  /* the pool's upstream_tls, made on first https URL; NULL otherwise */
+    char *tls_err;      /* why it could not be made */
     size_t *lane_busy; /* in-flight requests per lane */
     /* the current phase */
     const char *phase;
@@ -506,9 +509,25 @@ static int resolve(const char *host, uint16_t port, struct sockaddr_storage *ss)
     return 0;
 }
 
+/* The pool's client TLS context, as the proxy builds it (px_gen.c): its ca_file or the system
+ * store, its client certificate. NULL (and d->tls_err) when it cannot be loaded. */
+static px_tls_ctx_t *pool_tls(dg_t *d)
+{
+    if (d->tls == NULL && d->tls_err == NULL) {
+        const cfg_upstream_tls_t *ut = d->pool->upstream_tls;
+        dp_buf_t err = {0};
+        d->tls = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                   ut ? ut->client_key_file : NULL, &err);
+        if (d->tls == NULL)
+            d->tls_err = dp_buf_steal(&err);
+        dp_buf_free(&err);
+    }
+    return d->tls;
+}
+
 static void replica_add(dg_t *d, const char *name, bool tls, const char *host, uint16_t port,
                         const char *hostport, const char *path, cfg_attest_source_t source,
-                        const cfg_url_t *agent)
+                        const cfg_url_t *agent, const char *server_name)
 {
     size_t i = d->run.n++;
     px_dg_replica_t *r = &d->run.r[i];
@@ -533,21 +552,22 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
             break;
         }
 
-    /* TLS to upstreams (SPEC §13) is not in this build's client yet: say so, do not speak
-     * plaintext to an https port. */
-    const char *no_tls = "https is not supported by this build's upstream client";
+    /* https: verified exactly as the proxy verifies (SPEC §13): never plaintext to an https
+     * port, never an unverified connection. */
     px_upstream_opts_t o;
     px_replica_upstream_opts(d->cfg, &o);
     o.max_idle = d->run.concurrency + 2;
     struct sockaddr_storage ss;
-    if (tls) {
-        r->skip_reason = dp_xstrdup(no_tls);
+    if (tls && pool_tls(d) == NULL) {
+        r->skip_reason = dp_xstrdup(d->tls_err);
     } else if (resolve(host, port, &ss) != 0) {
         dp_buf_t why = {0};
         dp_buf_printf(&why, "host name '%s' did not resolve", host);
         r->skip_reason = dp_buf_steal(&why);
     } else {
         io->up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &o);
+        if (tls)
+            px_upstream_set_tls(io->up, d->tls, server_name ? server_name : host);
     }
     /* Attestation: short timeouts, as the proxy uses; an agent may live elsewhere. */
     px_upstream_opts_t ao = {0};
@@ -555,17 +575,21 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
         d->cfg->attestation.timeout_ms;
     ao.max_idle = 2;
     if (source == CFG_ATTEST_AGENT) {
-        if (agent->tls) {
-            r->att_err = dp_xstrdup(no_tls);
+        if (agent->tls && pool_tls(d) == NULL) {
+            r->att_err = dp_xstrdup(d->tls_err);
         } else if (resolve(agent->host, agent->port, &ss) != 0) {
             dp_buf_t why = {0};
             dp_buf_printf(&why, "agent host name '%s' did not resolve", agent->host);
             r->att_err = dp_buf_steal(&why);
         } else {
             io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+            if (agent->tls)
+                px_upstream_set_tls(io->att_up, d->tls, agent->host);
         }
     } else if (io->up) {
         io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+        if (tls)
+            px_upstream_set_tls(io->att_up, d->tls, server_name ? server_name : host);
     }
 }
 
@@ -604,7 +628,7 @@ static int discover(dg_t *d, const cfg_discovery_t *disc)
                            .path = "/attestation",
                            .hostport = agent_hp};
         replica_add(d, hostport, false, host, disc->port, hostport, "", disc->attest_source,
-                    &agent);
+                    &agent, NULL);
     }
     freeaddrinfo(res);
     return 0;
@@ -827,6 +851,10 @@ static void dg_free(dg_t *d)
     }
     free(d->io);
     free(d->lane_busy);
+    px_tls_ctx_unref(d->tls); /* upstreams hold their own references */
+    d->tls = NULL;
+    free(d->tls_err);
+    d->tls_err = NULL;
     attest_keyset_free(&d->keys);
     dp_buf_free(&d->body_t0);
     dp_buf_free(&d->body_unseeded);
@@ -905,7 +933,7 @@ int px_cmd_diagnose(int argc, char **argv)
     for (size_t i = 0; i < pool->nreplicas; i++) {
         const cfg_replica_t *c = &pool->replicas[i];
         replica_add(&d, c->name, c->url.tls, c->url.host, c->url.port, c->url.hostport, c->url.path,
-                    c->attest.source, &c->attest.url);
+                    c->attest.source, &c->attest.url, c->server_name);
     }
     if (pool->discovery && discover(&d, pool->discovery) != 0) {
         if (o.json)

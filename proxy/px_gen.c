@@ -217,6 +217,39 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
     }
 }
 
+/* A replica carried over by a reload keeps its identity and attestation, but its TLS files
+ * are read again: certificates are rotated in place (cert-manager, Vault), and a replaced CA
+ * file must withdraw trust now, not at the next restart. Every upstream of the replica shares
+ * r->tls_ctx, so replacing its contents reaches them all; pooled connections made under the
+ * old settings are closed. If the new files do not load, the old settings stay. */
+static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
+{
+    if (r->tls_ctx == NULL)
+        return;
+    const cfg_upstream_tls_t *ut = p->upstream_tls;
+    dp_buf_t err = {0};
+    px_tls_ctx_t *fresh = px_tls_client_ctx(ut ? ut->ca_file : NULL,
+                                            ut ? ut->client_cert_file : NULL,
+                                            ut ? ut->client_key_file : NULL, &err);
+    if (fresh == NULL) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "tls_load_failed");
+        if (w) {
+            dp_jw_str(w, "pool", p->name);
+            dp_jw_str(w, "replica", r->name);
+            dp_jw_str(w, "detail", err.base ? err.base : "");
+            dp_log_end(w);
+        }
+        dp_buf_free(&err);
+        return;
+    }
+    px_tls_ctx_replace(r->tls_ctx, fresh);
+    px_tls_ctx_unref(fresh);
+    if (r->up)
+        px_upstream_flush_idle(r->up);
+    if (r->shadow_up)
+        px_upstream_flush_idle(r->shadow_up);
+}
+
 static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
 {
     if (prev == NULL)
@@ -258,6 +291,7 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
                 px_replica_ref(r);
                 if (r->up)
                     px_upstream_set_opts(r->up, &uo);
+                replica_reload_tls(r, pc);
                 px_pool_push_replica(p, r);
             } else {
                 px_pool_push_replica(p, replica_new(px, cfg, pc, &pc->replicas[k], key));

@@ -259,8 +259,20 @@ int px_cmd_run(int argc, char **argv)
     px_server_limits_t alim;
     px_server_limits_default(&alim);
     px.admin = px_server_new(px.loop, &px_admin_handler, &px, &alim);
+    /* Handlers before the "listening" lines: whoever waits for those may signal at once, and
+     * the default action of SIGTERM/SIGHUP is to die without draining. */
+    uv_signal_init(px.loop, &px.sig_term);
+    uv_signal_init(px.loop, &px.sig_int);
+    uv_signal_init(px.loop, &px.sig_hup);
+    px.sig_term.data = px.sig_int.data = px.sig_hup.data = &px;
+    uv_signal_start(&px.sig_term, on_stop_signal, SIGTERM);
+    uv_signal_start(&px.sig_int, on_stop_signal, SIGINT);
+    uv_signal_start(&px.sig_hup, on_hup, SIGHUP);
     if (listen_on(px.proxy, &cfg->listen, "proxy") != 0 ||
         listen_on(px.admin, &cfg->admin_listen, "admin") != 0) {
+        uv_close((uv_handle_t *)&px.sig_term, NULL);
+        uv_close((uv_handle_t *)&px.sig_int, NULL);
+        uv_close((uv_handle_t *)&px.sig_hup, NULL);
         px_server_close(px.proxy, NULL, NULL);
         px_server_close(px.admin, NULL, NULL);
         px_gen_unref(px.gen);
@@ -269,13 +281,6 @@ int px_cmd_run(int argc, char **argv)
         px_metrics_reset();
         return 3;
     }
-    uv_signal_init(px.loop, &px.sig_term);
-    uv_signal_init(px.loop, &px.sig_int);
-    uv_signal_init(px.loop, &px.sig_hup);
-    px.sig_term.data = px.sig_int.data = px.sig_hup.data = &px;
-    uv_signal_start(&px.sig_term, on_stop_signal, SIGTERM);
-    uv_signal_start(&px.sig_int, on_stop_signal, SIGINT);
-    uv_signal_start(&px.sig_hup, on_hup, SIGHUP);
     uv_timer_init(px.loop, &px.drain_timer);
     px.drain_timer.data = &px;
     px_attest_start(&px);

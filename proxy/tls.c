@@ -33,6 +33,7 @@ struct px_tls_s {
     px_tls_ctx_t *ctx;
     bool server;
     bool done;
+    bool failed; /* a fatal error: OpenSSL has already made the session unresumable */
     char *name;
     char err[256];
 };
@@ -133,6 +134,10 @@ static int new_session_cb(SSL *ssl, SSL_SESSION *sess)
     if (t == NULL || t->name == NULL)
         return 0;
     px_tls_ctx_t *c = t->ctx;
+    /* A connection made under trust settings since replaced (px_tls_ctx_replace): resuming
+     * its session later would skip verification against the new ones. */
+    if (SSL_get_SSL_CTX(ssl) != c->ctx)
+        return 0;
     for (sess_t *s = c->sessions; s; s = s->next) {
         if (strcmp(s->name, t->name) == 0) {
             SSL_SESSION_free(s->s);
@@ -184,6 +189,27 @@ fail:
     return NULL;
 }
 
+static void sessions_free(px_tls_ctx_t *c)
+{
+    while (c->sessions) {
+        sess_t *s = c->sessions;
+        c->sessions = s->next;
+        SSL_SESSION_free(s->s);
+        free(s->name);
+        free(s);
+    }
+    c->nsessions = 0;
+}
+
+void px_tls_ctx_replace(px_tls_ctx_t *c, px_tls_ctx_t *from)
+{
+    SSL_CTX_up_ref(from->ctx);
+    SSL_CTX_free(c->ctx); /* live connections hold their own reference */
+    c->ctx = from->ctx;
+    c->server = from->server;
+    sessions_free(c);
+}
+
 void px_tls_ctx_ref(px_tls_ctx_t *c)
 {
     c->refs++;
@@ -193,13 +219,7 @@ void px_tls_ctx_unref(px_tls_ctx_t *c)
 {
     if (c == NULL || --c->refs > 0)
         return;
-    while (c->sessions) {
-        sess_t *s = c->sessions;
-        c->sessions = s->next;
-        SSL_SESSION_free(s->s);
-        free(s->name);
-        free(s);
-    }
+    sessions_free(c);
     SSL_CTX_free(c->ctx);
     free(c);
 }
@@ -253,6 +273,9 @@ px_tls_t *px_tls_new_client(px_tls_ctx_t *c, const char *server_name)
             X509_VERIFY_PARAM_set1_ip_asc(vp, server_name);
         } else {
             SSL_set_tlsext_host_name(t->ssl, server_name);
+            /* "*" matches one whole left-most label only: OpenSSL by default also lets
+             * "r*.llm" match, which RFC 9525 §6.3 forbids. */
+            SSL_set_hostflags(t->ssl, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
             SSL_set1_host(t->ssl, server_name);
         }
         for (sess_t *s = c->sessions; s; s = s->next)
@@ -266,6 +289,13 @@ void px_tls_free(px_tls_t *t)
 {
     if (t == NULL)
         return;
+    /* HTTP closes connections without close_notify all the time (a pooled connection timing
+     * out, a replica closing after its answer), and RFC 5246 §7.2.1 lets such a session be
+     * resumed. Without this, SSL_free takes any connection it did not see shut down for a bad
+     * one and marks its session not resumable (ssl_clear_bad_session), so no connection ever
+     * resumed. Fatal errors and alerts have already removed the session inside OpenSSL. */
+    if (t->done && !t->failed)
+        SSL_set_shutdown(t->ssl, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
     SSL_free(t->ssl);
     px_tls_ctx_unref(t->ctx);
     free(t->name);
@@ -274,6 +304,7 @@ void px_tls_free(px_tls_t *t)
 
 static int fail(px_tls_t *t, const char *what, int ssl_err)
 {
+    t->failed = true;
     unsigned long e = ERR_get_error();
     long vr = SSL_get_verify_result(t->ssl);
     if (vr != X509_V_OK) {
@@ -294,6 +325,9 @@ int px_tls_handshake(px_tls_t *t)
 {
     if (t->done)
         return PX_TLS_OK;
+    /* SSL_get_error reads the thread's error queue: a stale entry left by any other OpenSSL
+     * user on this thread would turn "want more input" into a fatal error. */
+    ERR_clear_error();
     int r = SSL_do_handshake(t->ssl);
     if (r == 1) {
         t->done = true;
@@ -319,6 +353,7 @@ int px_tls_feed(px_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
         if (r != PX_TLS_OK || !t->done)
             return r;
     }
+    ERR_clear_error(); /* see px_tls_handshake */
     for (;;) {
         dp_buf_reserve(plain, 16384);
         int r = SSL_read(t->ssl, plain->base + plain->len, 16384);
@@ -338,6 +373,7 @@ int px_tls_feed(px_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
 
 int px_tls_write(px_tls_t *t, const char *p, size_t n)
 {
+    ERR_clear_error(); /* see px_tls_handshake */
     while (n > 0) {
         int r = SSL_write(t->ssl, p, n > 1 << 30 ? 1 << 30 : (int)n);
         if (r <= 0)
@@ -371,6 +407,7 @@ void px_tls_shutdown(px_tls_t *t)
 {
     if (t->done)
         SSL_shutdown(t->ssl);
+    ERR_clear_error(); /* a failed close_notify is not worth an error, nor a stale queue entry */
 }
 
 const char *px_tls_error(const px_tls_t *t)
@@ -389,6 +426,11 @@ const char *px_tls_alpn(const px_tls_t *t)
     memcpy(buf, p ? (const char *)p : "", n);
     buf[n] = '\0';
     return buf;
+}
+
+bool px_tls_peer_closed(const px_tls_t *t)
+{
+    return (SSL_get_shutdown(t->ssl) & SSL_RECEIVED_SHUTDOWN) != 0;
 }
 
 bool px_tls_resumed(const px_tls_t *t)

@@ -23,6 +23,11 @@ px_tls_ctx_t *px_tls_server_ctx(const char *cert_file, const char *key_file,
  * certificate for mTLS. Session resumption is on (see px_tls_new_client). */
 px_tls_ctx_t *px_tls_client_ctx(const char *ca_file, const char *cert_file, const char *key_file,
                                 dp_buf_t *err);
+/* Make c use from's settings (certificates, CA, key) for connections made from now on, and
+ * forget c's cached sessions (they were verified under the old settings). Connections already
+ * open keep theirs. from keeps its own reference: unref it as usual. For a reload that must
+ * reach every holder of c (each upstream of a replica) without finding them. */
+void px_tls_ctx_replace(px_tls_ctx_t *c, px_tls_ctx_t *from);
 void px_tls_ctx_ref(px_tls_ctx_t *c);
 void px_tls_ctx_unref(px_tls_ctx_t *c);
 
@@ -57,5 +62,8 @@ const char *px_tls_error(const px_tls_t *t);
 /* The negotiated ALPN protocol ("" when none) and whether the session was resumed. */
 const char *px_tls_alpn(const px_tls_t *t);
 bool px_tls_resumed(const px_tls_t *t);
+/* Whether the peer sent close_notify. A TCP close without it may be a truncation attack
+ * (RFC 8446 §6.1): a body delimited only by the close is then incomplete. */
+bool px_tls_peer_closed(const px_tls_t *t);
 
 #endif

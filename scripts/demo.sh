@@ -33,9 +33,9 @@ say() { printf '  %s\n' "$*"; }
 run() { printf '  \033[2m$ %s\033[0m\n' "$*"; eval "$@" 2>&1 | sed 's/^/    /'; }
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); $1"; }
 
-wait_http() {
+wait_http() { # port path [scheme]
   for _ in $(seq 1 200); do
-    curl -s -o /dev/null "http://127.0.0.1:$1$2" && return 0
+    curl -s -o /dev/null "${3:-http}://127.0.0.1:$1$2" && return 0
     sleep 0.05
   done
   echo "127.0.0.1:$1$2 did not come up" >&2; exit 1
@@ -45,13 +45,16 @@ sim() { # name port model checkpoint extra-flags...
   local name=$1 port=$2 model=$3 ckpt=$4; shift 4
   "$SIM" --listen "127.0.0.1:$port" --flavor vllm --model "$model" --framework-version 0.6.3 \
     --quantization awq --dtype float16 --checkpoint-sha256 "$ckpt" \
-    --attest-key "$work/pipeline.key.pem" "$@" 2>"$work/$name.log" &
+    --attest-key "$work/pipeline.key.pem" $SIM_TLS "$@" 2>"$work/$name.log" &
   pids+=($!)
 }
 
 bold "0. Set-up"
 TLS_JSON=""
+UP_TLS_JSON=""
 SCHEME=http
+RSCHEME=http
+SIM_TLS=""
 CURL_TLS=""
 if [ "${DEMO_TLS:-0}" = 1 ]; then
   # A throwaway CA and a certificate for localhost/127.0.0.1, made with the openssl CLI.
@@ -62,12 +65,22 @@ if [ "${DEMO_TLS:-0}" = 1 ]; then
   printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > "$work/san.ext"
   openssl x509 -req -in "$work/proxy.csr" -CA "$work/ca.crt" -CAkey "$work/ca.key" \
     -CAcreateserial -days 1 -extfile "$work/san.ext" -out "$work/proxy.crt" 2>/dev/null
-  chmod 600 "$work/proxy.key"
+  # The replicas' certificate, from the same CA (the proxy verifies it: SAN IP:127.0.0.1).
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=replica" \
+    -keyout "$work/replica.key" -out "$work/replica.csr" 2>/dev/null
+  openssl x509 -req -in "$work/replica.csr" -CA "$work/ca.crt" -CAkey "$work/ca.key" \
+    -CAcreateserial -days 1 -extfile "$work/san.ext" -out "$work/replica.crt" 2>/dev/null
+  chmod 600 "$work/proxy.key" "$work/replica.key"
   TLS_JSON='"tls": {"cert_file": "proxy.crt", "key_file": "proxy.key"},'
+  UP_TLS_JSON='"upstream_tls": {"ca_file": "ca.crt"},'
   SCHEME=https
+  RSCHEME=https
+  SIM_TLS="--tls-cert $work/replica.crt --tls-key $work/replica.key"
   CURL_TLS="--cacert $work/ca.crt"
-  say "DEMO_TLS=1: the client listener speaks TLS 1.2+ (certificate from a throwaway CA)"
+  say "DEMO_TLS=1: clients, replicas and their attestations all speak TLS 1.2+, verified"
+  say "against a throwaway CA ($work/ca.crt); the admin listener stays plain HTTP on loopback"
 fi
+curl() { command curl $CURL_TLS "$@"; }
 "$BIN" attest keygen --out "$work/pipeline" >/dev/null
 say "Attestation signing key: $work/pipeline.key.pem (replicas sign, detproxy trusts the .pub)"
 sim r1 $((BASE + 0)) "$LLAMA" "$CKPT"
@@ -77,19 +90,19 @@ sim r4 $((BASE + 3)) "$LLAMA" "$CKPT" --quantization gptq --report-quantization 
 sim m1 $((BASE + 4)) "$MISTRAL" "$CKPT_M"
 sim m2 $((BASE + 5)) "$MISTRAL" "$CKPT_M"
 sim m3 $((BASE + 6)) "$MISTRAL" "$CKPT_M" --quantization gptq --report-quantization awq
-for i in 0 1 2 3 4 5 6; do wait_http $((BASE + i)) /health; done
+for i in 0 1 2 3 4 5 6; do wait_http $((BASE + i)) /health "$RSCHEME"; done
 say "Seven simulated vLLM replicas on 127.0.0.1:$BASE-$((BASE + 6)):"
 say "  pool llama:   r1 r2 (good), r3 (deployed from an older checkpoint), r4 (generates with"
 say "                gptq but reports awq: a replica that lies about itself)"
 say "  pool mistral: m1 m2 (good), m3 (same metadata, different outputs: silent drift)"
 
 # The canary's expected output hash comes from a replica known to be good.
-CANARY_TEXT=$(curl -s "http://127.0.0.1:$BASE/v1/completions" -H 'content-type: application/json' \
+CANARY_TEXT=$(curl -s "$RSCHEME://127.0.0.1:$BASE/v1/completions" -H 'content-type: application/json' \
   -d "{\"model\":\"$LLAMA\",\"prompt\":\"Count: one, two,\",\"max_tokens\":16,\"temperature\":0,\"seed\":0}" \
   | json 'print(d["choices"][0]["text"], end="")')
 CANARY_SHA=$(printf '%s' "$CANARY_TEXT" | sha256sum | cut -c1-64)
 
-agent() { printf '{"source":"agent","url":"http://127.0.0.1:%s/attestation"}' "$1"; }
+agent() { printf '{"source":"agent","url":"%s://127.0.0.1:%s/attestation"}' "$RSCHEME" "$1"; }
 cat > "$work/detproxy.json" <<JSON
 {
   "listen": "127.0.0.1:$PORT",
@@ -98,23 +111,23 @@ cat > "$work/detproxy.json" <<JSON
   "attestation": {"interval_ms": 1000, "timeout_ms": 1000, "require_signature": true,
                   "trusted_keys": ["pipeline.pub.pem"]},
   "pools": [
-    {"name": "llama", "models": ["$LLAMA"],
+    {"name": "llama", "models": ["$LLAMA"], $UP_TLS_JSON
      "manifest": {"model": "$LLAMA", "checkpoint_sha256": "$CKPT", "quantization": "awq",
                   "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"},
                   "canary": {"prompt": "Count: one, two,", "max_tokens": 16,
                              "expected_sha256": "$CANARY_SHA"}},
      "replicas": [
-       {"name": "r1", "url": "http://127.0.0.1:$((BASE + 0))", "attest": $(agent $((BASE + 0)))},
-       {"name": "r2", "url": "http://127.0.0.1:$((BASE + 1))", "attest": $(agent $((BASE + 1)))},
-       {"name": "r3", "url": "http://127.0.0.1:$((BASE + 2))", "attest": $(agent $((BASE + 2)))},
-       {"name": "r4", "url": "http://127.0.0.1:$((BASE + 3))", "attest": $(agent $((BASE + 3)))}]},
-    {"name": "mistral", "models": ["$MISTRAL"],
+       {"name": "r1", "url": "$RSCHEME://127.0.0.1:$((BASE + 0))", "attest": $(agent $((BASE + 0)))},
+       {"name": "r2", "url": "$RSCHEME://127.0.0.1:$((BASE + 1))", "attest": $(agent $((BASE + 1)))},
+       {"name": "r3", "url": "$RSCHEME://127.0.0.1:$((BASE + 2))", "attest": $(agent $((BASE + 2)))},
+       {"name": "r4", "url": "$RSCHEME://127.0.0.1:$((BASE + 3))", "attest": $(agent $((BASE + 3)))}]},
+    {"name": "mistral", "models": ["$MISTRAL"], $UP_TLS_JSON
      "manifest": {"model": "$MISTRAL", "checkpoint_sha256": "$CKPT_M", "quantization": "awq",
                   "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"}},
      "replicas": [
-       {"name": "m1", "url": "http://127.0.0.1:$((BASE + 4))", "attest": $(agent $((BASE + 4)))},
-       {"name": "m2", "url": "http://127.0.0.1:$((BASE + 5))", "attest": $(agent $((BASE + 5)))},
-       {"name": "m3", "url": "http://127.0.0.1:$((BASE + 6))", "attest": $(agent $((BASE + 6)))}]}
+       {"name": "m1", "url": "$RSCHEME://127.0.0.1:$((BASE + 4))", "attest": $(agent $((BASE + 4)))},
+       {"name": "m2", "url": "$RSCHEME://127.0.0.1:$((BASE + 5))", "attest": $(agent $((BASE + 5)))},
+       {"name": "m3", "url": "$RSCHEME://127.0.0.1:$((BASE + 6))", "attest": $(agent $((BASE + 6)))}]}
   ],
   "policy": {"tenants": [
     {"name": "bank", "match": {"api_keys_sha256": ["$BANK_SHA"]},
@@ -138,7 +151,6 @@ done
 say "proxy $SCHEME://127.0.0.1:$PORT   admin http://127.0.0.1:$ADMIN   log $work/detproxy.log"
 
 P="$SCHEME://127.0.0.1:$PORT"
-curl() { command curl $CURL_TLS "$@"; }
 export -f curl 2>/dev/null || true
 A="http://127.0.0.1:$ADMIN"
 
@@ -147,7 +159,7 @@ run "curl -s -D '$work/h' -o '$work/b' $P/v1/chat/completions -H 'Authorization:
 say "...and this is what the replica actually received (its own record of the request):"
 R=$(grep -i '^x-detproxy-replica' "$work/h" | tr -d '\r' | awk '{print $2}')
 RPORT=$((BASE + ${R#r} - 1))
-run "curl -s http://127.0.0.1:$RPORT/_sim/last_request | python3 -c 'import json,sys; b=json.loads(json.load(sys.stdin)[\"body\"]); print({k: b[k] for k in (\"temperature\",\"top_p\",\"seed\")})'"
+run "curl -s $RSCHEME://127.0.0.1:$RPORT/_sim/last_request | python3 -c 'import json,sys; b=json.loads(json.load(sys.stdin)[\"body\"]); print({k: b[k] for k in (\"temperature\",\"top_p\",\"seed\")})'"
 say "An audit line was written before the response completed:"
 run "tail -1 '$work/audit.jsonl' | cut -c1-220"
 say "A denied parameter never reaches a replica:"
@@ -169,7 +181,7 @@ say "the canary probes: a canary pool admits a replica only after its canary mat
 for _ in $(seq 1 20); do
   curl -s -o /dev/null "$P/v1/completions" -d "{\"model\":\"$LLAMA\",\"prompt\":\"hi\",\"max_tokens\":2,\"temperature\":0}"
 done
-run "for p in $((BASE + 2)) $((BASE + 3)); do curl -s http://127.0.0.1:\$p/_sim/requests | python3 -c 'import json,sys; rs=[json.loads(r[\"body\"]).get(\"prompt\") for r in json.load(sys.stdin)[\"requests\"] if r[\"inference\"]]; print(\"requests seen: %d, of which canary probes: %d\" % (len(rs), rs.count(\"Count: one, two,\")))'; done"
+run "for p in $((BASE + 2)) $((BASE + 3)); do curl -s $RSCHEME://127.0.0.1:\$p/_sim/requests | python3 -c 'import json,sys; rs=[json.loads(r[\"body\"]).get(\"prompt\") for r in json.load(sys.stdin)[\"requests\"] if r[\"inference\"]]; print(\"requests seen: %d, of which canary probes: %d\" % (len(rs), rs.count(\"Count: one, two,\")))'; done"
 run "curl -s $A/metrics | grep '^detproxy_replica_admitted'"
 
 bold "5. Drift: shadow copies compare replicas against each other and against themselves"
