@@ -1,0 +1,291 @@
+/* bench-upstream: the one fast upstream every proxy in `make bench` shares.
+ *
+ * Single-threaded, on the project's own HTTP/1.1 server (proxy/http_server.h), so its per-request
+ * cost is the server core and nothing else: every answer is a precomputed byte string.
+ *
+ *   POST /v1/chat/completions, POST /v1/completions
+ *       "stream": true absent -> a fixed ~230-byte JSON completion (Content-Length).
+ *       "stream": true        -> SSE: --chunks events, one every --interval-ms, each carrying
+ *                                "@<CLOCK_MONOTONIC ns at write>" as its content so a client on
+ *                                the same host can compute per-chunk transit time; then
+ *                                "data: [DONE]". Chunked transfer encoding.
+ *   GET /v1/models, GET /version  vLLM's metadata shapes (owned_by "vllm"), so detproxy's vllm
+ *                                native adapter attests the replica against a manifest pinning
+ *                                model + framework name/version.
+ *   GET /health                   200, empty.
+ *
+ * Usage: bench-upstream --listen HOST:PORT [--listen HOST:PORT ...] [--model NAME]
+ *        [--framework-version V] [--chunks N] [--interval-ms MS]
+ * Several --listen give several "replicas" in one process (shadow scenario). Runs until killed. */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <uv.h>
+
+#include "common/buf.h"
+#include "common/util.h"
+#include "proxy/http_server.h"
+
+#define MAX_LISTEN 8
+
+typedef struct {
+    uv_loop_t *loop;
+    dp_buf_t models, version, chat, compl ;
+    const char *model;
+    uint32_t chunks;
+    uint32_t interval_ms;
+    uint64_t requests, streams;
+} up_t;
+
+static up_t U;
+
+/* One streamed response. Freed only in its timer's close callback; req is NULL once the
+ * response ended or the client left (on_abort). */
+typedef struct {
+    uv_timer_t timer;
+    px_req_t *req;
+    bool chat;
+    uint32_t sent;
+} stream_t;
+
+static bool iov_is(dp_iovec_t v, const char *s)
+{
+    return strlen(s) == v.len && memcmp(v.base, s, v.len) == 0;
+}
+
+/* Does the JSON body ask for "stream": true? A byte scan, not a parse: the upstream must cost
+ * far less than any proxy in front of it. Accepts whitespace around the colon. */
+static bool wants_stream(const char *p, size_t n)
+{
+    static const char key[] = "\"stream\"";
+    const char *end = p + n;
+    while (p < end) {
+        const char *k = memmem(p, (size_t)(end - p), key, sizeof(key) - 1);
+        if (k == NULL)
+            return false;
+        const char *q = k + sizeof(key) - 1;
+        while (q < end && (*q == ' ' || *q == '\t' || *q == '\n' || *q == '\r'))
+            q++;
+        if (q < end && *q == ':') {
+            q++;
+            while (q < end && (*q == ' ' || *q == '\t' || *q == '\n' || *q == '\r'))
+                q++;
+            return end - q >= 4 && memcmp(q, "true", 4) == 0;
+        }
+        p = k + 1;
+    }
+    return false;
+}
+
+static void stream_closed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void stream_close(stream_t *st)
+{
+    if (st->req) {
+        st->req->data = NULL;
+        st->req = NULL;
+    }
+    uv_timer_stop(&st->timer);
+    uv_close((uv_handle_t *)&st->timer, stream_closed);
+}
+
+static void stream_tick(uv_timer_t *t)
+{
+    stream_t *st = t->data;
+    char ev[512];
+    int n;
+    if (st->sent < U.chunks) {
+        /* The timestamp is taken right before the write: what the client measures is transit
+         * (kernel + any proxy), not this process's timer slack. */
+        uint64_t ts = uv_hrtime();
+        bool last = st->sent + 1 == U.chunks;
+        if (st->chat)
+            n = snprintf(ev, sizeof(ev),
+                         "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\","
+                         "\"created\":1732900000,\"model\":\"%s\",\"system_fingerprint\":"
+                         "\"fp_bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":"
+                         "\"@%llu\"},\"logprobs\":null,\"finish_reason\":%s}]}\n\n%s",
+                         U.model, (unsigned long long)ts, last ? "\"length\"" : "null",
+                         last ? "data: [DONE]\n\n" : "");
+        else
+            n = snprintf(ev, sizeof(ev),
+                         "data: {\"id\":\"cmpl-bench\",\"object\":\"text_completion\","
+                         "\"created\":1732900000,\"model\":\"%s\",\"system_fingerprint\":"
+                         "\"fp_bench\",\"choices\":[{\"index\":0,\"text\":\"@%llu\","
+                         "\"logprobs\":null,\"finish_reason\":%s}]}\n\n%s",
+                         U.model, (unsigned long long)ts, last ? "\"length\"" : "null",
+                         last ? "data: [DONE]\n\n" : "");
+        st->sent++;
+        px_req_t *req = st->req;
+        if (px_resp_write(req, ev, (size_t)n) != 0 || st->req == NULL) {
+            if (st->req)
+                stream_close(st);
+            return; /* on_abort (if due) finds req->data NULL */
+        }
+        if (!last) {
+            uv_timer_start(&st->timer, stream_tick, U.interval_ms, 0);
+            return;
+        }
+    }
+    px_req_t *req = st->req;
+    req->data = NULL;
+    st->req = NULL;
+    px_resp_end(req);
+    stream_close(st);
+}
+
+static void start_stream(px_req_t *req, bool chat)
+{
+    px_header_t h[2] = {{DP_IOV("content-type"), DP_IOV("text/event-stream")},
+                        {DP_IOV("cache-control"), DP_IOV("no-cache")}};
+    if (px_resp_start(req, 200, h, 2, -1) != 0)
+        return;
+    stream_t *st = dp_xcalloc(1, sizeof(*st));
+    uv_timer_init(U.loop, &st->timer);
+    st->timer.data = st;
+    st->req = req;
+    st->chat = chat;
+    req->data = st;
+    U.streams++;
+    uv_timer_start(&st->timer, stream_tick, U.interval_ms, 0);
+}
+
+static px_body_mode_t on_head(px_req_t *req)
+{
+    return PX_BODY_BUFFER;
+}
+
+static void on_complete(px_req_t *req)
+{
+    static const char json[] = "application/json";
+    U.requests++;
+    bool post = iov_is(req->method_name, "POST");
+    bool chat = iov_is(req->path, "/v1/chat/completions");
+    if (post && (chat || iov_is(req->path, "/v1/completions"))) {
+        if (wants_stream(req->body.base ? req->body.base : "", req->body.len)) {
+            start_stream(req, chat);
+            return;
+        }
+        const dp_buf_t *b = chat ? &U.chat : &U.compl ;
+        px_resp_send(req, 200, json, b->base, b->len, NULL, 0);
+    } else if (!post && iov_is(req->path, "/v1/models")) {
+        px_resp_send(req, 200, json, U.models.base, U.models.len, NULL, 0);
+    } else if (!post && iov_is(req->path, "/version")) {
+        px_resp_send(req, 200, json, U.version.base, U.version.len, NULL, 0);
+    } else if (!post && iov_is(req->path, "/health")) {
+        px_resp_send(req, 200, NULL, "", 0, NULL, 0);
+    } else {
+        px_resp_error(req, 404, "NotFoundError", NULL, NULL, "no such route", NULL, 0);
+    }
+}
+
+static void on_abort(px_req_t *req)
+{
+    stream_t *st = req->data;
+    if (st)
+        stream_close(st);
+}
+
+static void usage(FILE *f)
+{
+    fputs("usage: bench-upstream --listen HOST:PORT [--listen ...] [--model NAME]\n"
+          "       [--framework-version V] [--chunks N] [--interval-ms MS]\n",
+          f);
+}
+
+int main(int argc, char **argv)
+{
+    const char *listens[MAX_LISTEN];
+    size_t nlisten = 0;
+    const char *fwv = "0.6.3";
+    U.model = "bench-model";
+    U.chunks = 20;
+    U.interval_ms = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 0;
+        }
+        if (v == NULL) {
+            usage(stderr);
+            return 2;
+        }
+        i++;
+        if (strcmp(a, "--listen") == 0 && nlisten < MAX_LISTEN)
+            listens[nlisten++] = v;
+        else if (strcmp(a, "--model") == 0)
+            U.model = v;
+        else if (strcmp(a, "--framework-version") == 0)
+            fwv = v;
+        else if (strcmp(a, "--chunks") == 0)
+            U.chunks = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(a, "--interval-ms") == 0)
+            U.interval_ms = (uint32_t)strtoul(v, NULL, 10);
+        else {
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (nlisten == 0 || U.chunks == 0) {
+        usage(stderr);
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+
+    dp_buf_printf(&U.models,
+                  "{\"object\":\"list\",\"data\":[{\"id\":\"%s\",\"object\":\"model\","
+                  "\"created\":1732900000,\"owned_by\":\"vllm\",\"root\":\"%s\",\"parent\":null,"
+                  "\"max_model_len\":4096}]}",
+                  U.model, U.model);
+    dp_buf_printf(&U.version, "{\"version\":\"%s\"}", fwv);
+    /* ~230 bytes (with model "bench-model"): the shape of a short vLLM answer. */
+    dp_buf_printf(&U.chat,
+                  "{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\","
+                  "\"model\":\"%s\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\","
+                  "\"content\":\"ok\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":"
+                  "250,\"completion_tokens\":1,\"total_tokens\":251}}",
+                  U.model);
+    dp_buf_printf(&U.compl,
+                  "{\"id\":\"cmpl-1\",\"object\":\"text_completion\","
+                  "\"model\":\"%s\",\"choices\":[{\"index\":0,\"text\":\"ok\",\"logprobs\":null,"
+                  "\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":250,"
+                  "\"completion_tokens\":1,\"total_tokens\":251}}",
+                  U.model);
+
+    U.loop = uv_default_loop();
+    static const px_handler_t h = {on_head, NULL, on_complete, on_abort, NULL};
+    px_server_limits_t lim;
+    px_server_limits_default(&lim);
+    lim.max_connections = 100000;
+    lim.client_idle_timeout_ms = 600000;
+    lim.max_body_bytes = 64 * 1024 * 1024;
+    for (size_t i = 0; i < nlisten; i++) {
+        char host[64];
+        const char *colon = strrchr(listens[i], ':');
+        if (colon == NULL || (size_t)(colon - listens[i]) >= sizeof(host)) {
+            fprintf(stderr, "bench-upstream: bad --listen %s\n", listens[i]);
+            return 2;
+        }
+        memcpy(host, listens[i], (size_t)(colon - listens[i]));
+        host[colon - listens[i]] = '\0';
+        px_server_t *s = px_server_new(U.loop, &h, NULL, &lim);
+        int r = px_server_listen(s, host, (uint16_t)atoi(colon + 1));
+        if (r != 0) {
+            fprintf(stderr, "bench-upstream: listen %s: %s\n", listens[i], uv_strerror(r));
+            return 3;
+        }
+    }
+    fprintf(stderr, "bench-upstream: listening (%zu ports), chat body %zu bytes\n", nlisten,
+            U.chat.len);
+    uv_run(U.loop, UV_RUN_DEFAULT);
+    return 0;
+}
