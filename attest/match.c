@@ -5,8 +5,10 @@
 
 #include "common/util.h"
 
-static const char *pinned(const cfg_manifest_t *m, attest_field_t f)
+const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f)
 {
+    if (m == NULL)
+        return NULL;
     switch (f) {
     case ATTEST_F_MODEL:
         return m->model;
@@ -44,7 +46,7 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
     dp_buf_t got = {0}, want = {0}, who = {0};
     for (int i = 0; i < ATTEST_F__COUNT; i++) {
         attest_field_t f = (attest_field_t)i;
-        const char *w = pinned(m, f);
+        const char *w = attest_manifest_get(m, f);
         if (w == NULL)
             continue;
         const char *g = attest_report_get(r, f);

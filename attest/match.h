@@ -17,6 +17,9 @@
  * A NULL manifest pins nothing and always matches. The canary is not looked at here. */
 int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out);
 
+/* The value a manifest pins for field f, or NULL when it pins nothing there (or m is NULL). */
+const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f);
+
 /* The whole admission check for one attestation: the signature policy, then the manifest.
  * With require_signature an unsigned report is rejected ("unsigned attestation (vllm adapter)
  * but attestation.require_signature is true"). Returns 0 when admitted, else the number of

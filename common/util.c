@@ -58,7 +58,7 @@ void dp_hex(const void *p, size_t n, char *out)
     out[2 * n] = '\0';
 }
 
-static int hexval(char c)
+int dp_hexval(unsigned char c)
 {
     if (c >= '0' && c <= '9')
         return c - '0';
@@ -69,12 +69,23 @@ static int hexval(char c)
     return -1;
 }
 
+dp_iovec_t dp_trim_ows(dp_iovec_t v)
+{
+    while (v.len && (v.base[0] == ' ' || v.base[0] == '\t')) {
+        v.base++;
+        v.len--;
+    }
+    while (v.len && (v.base[v.len - 1] == ' ' || v.base[v.len - 1] == '\t'))
+        v.len--;
+    return v;
+}
+
 int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n)
 {
     if (hexlen != 2 * n)
         return -1;
     for (size_t i = 0; i < n; i++) {
-        int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+        int hi = dp_hexval((unsigned char)hex[2 * i]), lo = dp_hexval((unsigned char)hex[2 * i + 1]);
         if (hi < 0 || lo < 0)
             return -1;
         out[i] = (uint8_t)(hi << 4 | lo);

@@ -18,6 +18,10 @@ uint64_t dp_wall_ms(void);
 /* "2026-11-29T17:30:46.123Z" into out (at least 25 bytes). */
 void dp_iso8601(char *out, uint64_t wall_ms);
 
+/* The value of one hex digit (either case), or -1. */
+int dp_hexval(unsigned char c);
+/* v without leading and trailing spaces and tabs (HTTP's optional whitespace). */
+dp_iovec_t dp_trim_ows(dp_iovec_t v);
 /* Lowercase hex of n bytes into out (2n+1 bytes, NUL-terminated). */
 void dp_hex(const void *p, size_t n, char *out);
 /* Parse exactly 2n lowercase-or-uppercase hex chars into out; -1 on any bad char or length. */

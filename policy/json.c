@@ -1,5 +1,7 @@
 #include "policy/json.h"
 
+#include "common/util.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,21 +70,11 @@ static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
     return d->ntoks++;
 }
 
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 /* Four hex digits at p (bounds checked by the caller) or -1. */
 static int32_t hex4(const unsigned char *p)
 {
-    int a = hexval(p[0]), b = hexval(p[1]), c = hexval(p[2]), e = hexval(p[3]);
+    int a = dp_hexval(p[0]), b = dp_hexval(p[1]), c = dp_hexval(p[2]), e = dp_hexval(p[3]);
     if ((a | b | c | e) < 0)
         return -1;
     return (int32_t)(a << 12 | b << 8 | c << 4 | e);

@@ -87,21 +87,11 @@ size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
-static dp_iovec_t trim_ows(dp_iovec_t v)
-{
-    while (v.len && (v.base[0] == ' ' || v.base[0] == '\t')) {
-        v.base++;
-        v.len--;
-    }
-    while (v.len && (v.base[v.len - 1] == ' ' || v.base[v.len - 1] == '\t'))
-        v.len--;
-    return v;
-}
 
 /* "Bearer <token>": scheme case-insensitive, one space, a token without spaces or controls. */
 static bool bearer_token(dp_iovec_t v, dp_iovec_t *tok)
 {
-    v = trim_ows(v);
+    v = dp_trim_ows(v);
     if (v.len < 8 || !dp_strieq(v.base, 6, "bearer") || v.base[6] != ' ')
         return false;
     tok->base = v.base + 7;
@@ -127,7 +117,7 @@ const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_c
             break;
         case CFG_MATCH_HEADER:
             if (t->header_name && t->header_value && lookup(ud, t->header_name, &v) == 1) {
-                v = trim_ows(v);
+                v = dp_trim_ows(v);
                 size_t want = strlen(t->header_value);
                 if (v.len == want && dp_ct_equal(v.base, t->header_value, want))
                     hit = t;

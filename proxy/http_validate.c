@@ -142,16 +142,6 @@ enum {
     CS_DONE,
 };
 
-static int hexdigit(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 int px_chunk_scan(px_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
                   const char **reason)
@@ -163,7 +153,7 @@ int px_chunk_scan(px_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
         unsigned char c = u[i];
         switch (s->state) {
         case CS_SIZE: {
-            int d = hexdigit(c);
+            int d = dp_hexval(c);
             if (d >= 0) {
                 /* 15 hex digits keep the size below 2^60: no overflow anywhere downstream. */
                 if (++s->digits > 15) {
@@ -288,16 +278,6 @@ fail:
 
 /* ---- header semantics -------------------------------------------------------------------- */
 
-static dp_iovec_t trim_ows(dp_iovec_t v)
-{
-    while (v.len && (v.base[0] == ' ' || v.base[0] == '\t')) {
-        v.base++;
-        v.len--;
-    }
-    while (v.len && (v.base[v.len - 1] == ' ' || v.base[v.len - 1] == '\t'))
-        v.len--;
-    return v;
-}
 
 /* Does a comma-separated list value contain `token` (case-insensitive)? */
 static bool list_has(dp_iovec_t v, const char *token)
@@ -307,7 +287,7 @@ static bool list_has(dp_iovec_t v, const char *token)
         size_t j = i;
         while (j < v.len && v.base[j] != ',')
             j++;
-        dp_iovec_t item = trim_ows((dp_iovec_t){v.base + i, j - i});
+        dp_iovec_t item = dp_trim_ows((dp_iovec_t){v.base + i, j - i});
         if (dp_strieq(item.base, item.len, token))
             return true;
         i = j + 1;
@@ -329,7 +309,7 @@ static int check_framing(const px_header_t *h, size_t n, uint8_t major, uint8_t 
     int ncl = 0, nte = 0;
     for (size_t i = 0; i < n; i++) {
         dp_iovec_t name = h[i].name;
-        dp_iovec_t v = trim_ows(h[i].value);
+        dp_iovec_t v = dp_trim_ows(h[i].value);
         if (dp_strieq(name.base, name.len, "content-length")) {
             uint64_t cl;
             if (++ncl > 1) {
@@ -399,7 +379,7 @@ int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t
                 *reason = "repeated Host";
                 return 400;
             }
-            dp_iovec_t v = trim_ows(h[i].value);
+            dp_iovec_t v = dp_trim_ows(h[i].value);
             for (size_t k = 0; k < v.len; k++) {
                 if (!host_char_ok((unsigned char)v.base[k])) {
                     *reason = "invalid Host";
@@ -410,7 +390,7 @@ int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t
             *reason = "protocol upgrades are not supported";
             return 400;
         } else if (dp_strieq(name.base, name.len, "expect")) {
-            dp_iovec_t v = trim_ows(h[i].value);
+            dp_iovec_t v = dp_trim_ows(h[i].value);
             if (!dp_strieq(v.base, v.len, "100-continue")) {
                 *reason = "unsupported Expect";
                 return 417;
@@ -472,7 +452,7 @@ bool px_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection
             size_t j = i;
             while (j < v.len && v.base[j] != ',')
                 j++;
-            dp_iovec_t item = trim_ows((dp_iovec_t){v.base + i, j - i});
+            dp_iovec_t item = dp_trim_ows((dp_iovec_t){v.base + i, j - i});
             if (item.len == len && dp_memieq(name, item.base, len))
                 return true;
             i = j + 1;

@@ -44,27 +44,6 @@ static bool same_out(const px_dg_out_t *a, const px_dg_out_t *b)
     return a->ok && b->ok && a->len == b->len && memcmp(a->text, b->text, a->len) == 0;
 }
 
-static const char *manifest_get(const cfg_manifest_t *m, attest_field_t f)
-{
-    if (m == NULL)
-        return NULL;
-    switch (f) {
-    case ATTEST_F_MODEL:
-        return m->model;
-    case ATTEST_F_CHECKPOINT:
-        return m->checkpoint_sha256;
-    case ATTEST_F_QUANTIZATION:
-        return m->quantization;
-    case ATTEST_F_DTYPE:
-        return m->dtype;
-    case ATTEST_F_FRAMEWORK_NAME:
-        return m->framework_name;
-    case ATTEST_F_FRAMEWORK_VERSION:
-        return m->framework_version;
-    default:
-        return NULL;
-    }
-}
 
 /* The value of f as step 1 saw it: NULL when the replica was not attested or does not say. */
 static const char *field_of(const px_dg_replica_t *r, attest_field_t f)
@@ -258,8 +237,8 @@ static void analyse_metadata(px_dg_run_t *run)
         if (ndistinct < 2)
             continue;
         d->differs = true;
-        if (manifest_get(m, f)) {
-            d->reference = manifest_get(m, f);
+        if (attest_manifest_get(m, f)) {
+            d->reference = attest_manifest_get(m, f);
             d->reference_pinned = true;
         } else if (!best_tied) {
             d->reference = field_of(&run->r[best], f);
@@ -922,8 +901,8 @@ static void json_manifest(dp_jw_t *w, const cfg_manifest_t *m)
     }
     dp_jw_obj_begin(w, "manifest");
     for (size_t f = 0; f < ATTEST_F__COUNT; f++)
-        if (manifest_get(m, (attest_field_t)f))
-            dp_jw_str(w, attest_field_names[f], manifest_get(m, (attest_field_t)f));
+        if (attest_manifest_get(m, (attest_field_t)f))
+            dp_jw_str(w, attest_field_names[f], attest_manifest_get(m, (attest_field_t)f));
     dp_jw_str(w, "fingerprint", m->fingerprint);
     dp_jw_obj_end(w);
 }

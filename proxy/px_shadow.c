@@ -202,9 +202,12 @@ static void maybe_compare(shadow_t *s)
 {
     if (!s->primary_done || !s->shadow_done)
         return;
-    if (s->pstatus != 200 || s->sfailed || s->sstatus != 200) {
+    /* Clients commonly close right after `data: [DONE]`, before the chunked terminator: the
+     * primary then ends as 499, but its output was complete. */
+    bool primary_ok = s->pstatus == 200 || (s->stream && s->pstatus == 499 && s->psse.done);
+    if (!primary_ok || s->sfailed || s->sstatus != 200) {
         count(s->pool, s->kind, "error");
-        dp_jw_t *j = dp_log_begin(DP_LOG_DEBUG, "shadow_error");
+        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_error");
         if (j) {
             dp_jw_str(j, "request_id", s->request_id);
             dp_jw_int(j, "primary_status", s->pstatus);
@@ -227,6 +230,15 @@ static void maybe_compare(shadow_t *s)
     }
     if (ra != 0 || rb != 0) {
         count(s->pool, s->kind, "error");
+        dp_jw_t *j = dp_log_begin(DP_LOG_WARN, "shadow_unreadable");
+        if (j) {
+            dp_jw_str(j, "request_id", s->request_id);
+            dp_jw_str(j, "side", ra != 0 ? "primary" : "shadow");
+            dp_jw_bool(j, "stream", s->stream);
+            dp_jw_uint(j, "primary_bytes", s->stream ? s->a.text.len : s->pbody.len);
+            dp_jw_uint(j, "shadow_bytes", s->stream ? s->b.text.len : s->sbody.len);
+            dp_log_end(j);
+        }
         shadow_unref(s);
         return;
     }
