@@ -1,5 +1,6 @@
 # Shared by bench/run.sh and bench/profile.sh: compile the bench tools against a build's static
-# libraries (no CMake change needed). Usage: bench_tools BUILD_DIR; sets UP, LOAD, MCOUNT.
+# libraries (no CMake change needed). Usage: bench_tools BUILD_DIR; sets UP, LOAD, MCOUNT,
+# TLSCOUNT.
 bench_tools() {
   local b=$1 here
   here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,6 +14,7 @@ bench_tools() {
   UP="$b/bench/bench-upstream"
   LOAD="$b/bench/bench-load"
   MCOUNT="$b/bench/malloc_count.so"
+  TLSCOUNT="$b/bench/tls_count.so"
   if [ ! -x "$UP" ] || [ "$here/bench/upstream.c" -nt "$UP" ] || [ "$b/proxy/libdp_net.a" -nt "$UP" ]; then
     cc "${cflags[@]}" "$here/bench/upstream.c" "${libs[@]}" $(pkg-config --libs libuv openssl) -o "$UP" || return 1
   fi
@@ -21,5 +23,9 @@ bench_tools() {
   fi
   if [ ! -f "$MCOUNT" ] || [ "$here/bench/malloc_count.c" -nt "$MCOUNT" ]; then
     cc -O2 -Wall -Wextra -shared -fPIC "$here/bench/malloc_count.c" -o "$MCOUNT" -ldl -lpthread || return 1
+  fi
+  if [ ! -f "$TLSCOUNT" ] || [ "$here/bench/tls_count.c" -nt "$TLSCOUNT" ]; then
+    cc -O2 -Wall -Wextra -Werror -shared -fPIC "$here/bench/tls_count.c" -o "$TLSCOUNT" -ldl \
+      $(pkg-config --libs openssl) || return 1
   fi
 }

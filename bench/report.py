@@ -2,6 +2,12 @@
 """Aggregate bench/run.sh results (one JSON object per line) into tables and ratio lines.
 
   report.py report RESULTS META OUT.md       print the report; write it to OUT.md ("-": don't)
+  report.py splice RESULTS META OUT.md       put the sections of a partial run (e.g. only
+                                             scenario 7) into an existing OUT.md: each replaces
+                                             the section of the same number or goes in number
+                                             order before "### Targets", headed by that run's
+                                             date, version and load; its raw lines are added
+                                             as a block of their own
 
 "best" is the best round (highest rps, lowest latency), "median" the median over rounds.
 """
@@ -22,9 +28,10 @@ def load(path):
     return out
 
 
-def rows(res, sc, target=None):
+def rows(res, sc, target=None, mode=None):
     return [r for r in res if r.get("scenario") == sc and "round" in r
-            and (target is None or r["target"] == target)]
+            and (target is None or r["target"] == target)
+            and (mode is None or r.get("mode") == mode)]
 
 
 def med(xs):
@@ -51,11 +58,11 @@ def table(head, body):
     return "\n".join([line(head), sep] + [line(r) for r in body])
 
 
-def paired(res, sc, a, b, key):
+def paired(res, sc, a, b, key, mode=None):
     """Median over rounds of a[key]/b[key] within the same round, and the (min, max) of those.
     Both ran seconds apart, so load that drifts over minutes cancels out of the ratio."""
-    ra = {r["round"]: r for r in rows(res, sc, a)}
-    rb = {r["round"]: r for r in rows(res, sc, b)}
+    ra = {r["round"]: r for r in rows(res, sc, a, mode)}
+    rb = {r["round"]: r for r in rows(res, sc, b, mode)}
     xs = [key(ra[k]) / key(rb[k]) for k in ra if k in rb and key(rb[k])]
     if not xs:
         return float("nan"), (float("nan"), float("nan"))
@@ -317,11 +324,156 @@ def report(res, meta):
             f"(best {ratio(mbs['attest_hash'][0], mbs['sha256sum'][0]):.2f}x)\n")
         checks.append(("hash >= 0.9x sha256sum", f"{rr:.2f}x", rr >= 0.9))
 
+    # ---- 7 ----
+    if rows(res, 7):
+        say(tls_section(res, meta))
+
     if checks:
         say("### Targets\n")
         say(table(["target", "measured", "met"],
                   [[a, b, ok if isinstance(ok, str) else ("yes" if ok else "**no**")]
                    for a, b, ok in checks]))
+        say("")
+    return "\n".join(out)
+
+
+def tls_section(res, meta):
+    """Scenario 7: TLS on the client side, keep-alive and a new handshake per request."""
+    out = []
+    say = out.append
+    s7 = rows(res, 7)
+    proto = sorted({f"{r.get('protocol')} {r.get('cipher')}" for r in s7 if r.get("protocol")})
+    say("### 7. TLS: 1 KB chat POST over HTTPS, 32 connections (wrk -t1 -c32), same certificate\n")
+    if meta.get("spliced"):
+        m = meta
+        load1 = float(str(m["load_start"]).split()[0] or 0)
+        busy = load1 > m["nproc"] / 2
+        say(f"*Added from a separate run of this scenario only* ({m['date']}, run took "
+            f"{m['elapsed_s']} s; detproxy {m['detproxy']}; load average at start "
+            f"{m['load_start']}, at end {m['load_end']}"
+            f"{'; bench priority nice ' + m['nice'] if m.get('nice') else ''}; {m['rounds']} rounds, "
+            f"{m.get('tls_seconds', '?')} s per load run). The other sections are from the run in "
+            f"the header." + (" **The load average was high: other work (e.g. a CI run) was using the "
+                              "CPUs during this run**, so rps and handshakes/s are noisy; CPU per "
+                              "request / per handshake is the steadier figure." if busy else "") + "\n")
+    say("Each proxy's TLS instance runs the scenario-1 config plus TLS on the client listener "
+        "(detproxy: `tls.cert_file`/`key_file`, same policy rewrite; nginx: `listen ... ssl`; "
+        "HAProxy: `bind ... ssl crt`), all serving one P-256 leaf certificate (SAN localhost, "
+        "127.0.0.1) from a throwaway CA made with the openssl CLI. Negotiated: "
+        f"{', '.join(proto) or '?'} (wrk offers no ALPN). The upstream side stays plaintext "
+        "keep-alive as in scenario 1.\n")
+    T = PROXIES
+
+    def stats(t, mode):
+        rs = rows(res, 7, t, mode)
+        if not rs:
+            return None
+        n = lambda r: max(r["requests"], 1)
+        cpu = [r["proxy_cpu_s"] * 1e6 / n(r) for r in rs]
+        return {
+            "rps_best": max(r["rps"] for r in rs), "rps_med": med([r["rps"] for r in rs]),
+            "p50_med": med([r["p50_us"] for r in rs]), "p99_best": min(r["p99_us"] for r in rs),
+            "p99_med": med([r["p99_us"] for r in rs]), "cpu_med": med(cpu),
+            "usr_med": med([r["proxy_user_s"] * 1e6 / n(r) for r in rs]),
+            "sys_med": med([r["proxy_sys_s"] * 1e6 / n(r) for r in rs]),
+            "busy_med": med([r["proxy_cpu_s"] / r["seconds"] for r in rs if r.get("seconds")]),
+            "hs": sum(r.get("handshakes") or 0 for r in rs),
+            "resumed": sum(r.get("resumed") or 0 for r in rs),
+            "bad": sum(r["non2xx"] + r["connect_errors"] + r["read_errors"] + r["write_errors"]
+                       + r["timeouts"] for r in rs),
+        }
+
+    st = {(t, m): stats(t, m) for t in T for m in ("keepalive", "full", "resumed")}
+    body = []
+    for t in T:
+        s = st[(t, "keepalive")]
+        if s:
+            body.append([t, fmt(s["rps_best"]), fmt(s["rps_med"]), fmt(s["p50_med"] / 1000, 2),
+                         fmt(s["p99_best"] / 1000, 2), fmt(s["p99_med"] / 1000, 2),
+                         fmt(s["cpu_med"], 1), f"{fmt(s['usr_med'], 1)} / {fmt(s['sys_med'], 1)}",
+                         fmt(100 * s["busy_med"]) + "%", s["bad"]])
+    if body:
+        say("**(a) keep-alive** (one handshake per connection, at the start):\n")
+        say(table(["target", "rps best", "rps median", "p50 ms (med)", "p99 ms best",
+                   "p99 ms (med)", "proxy CPU µs/req", "user / sys µs/req", "proxy core busy",
+                   "errors"], body))
+        say("")
+    body = []
+    for m, label in (("full", "full handshake"), ("resumed", "resumed session")):
+        for t in T:
+            s = st[(t, m)]
+            if not s:
+                continue
+            body.append([label, t, fmt(s["rps_best"]), fmt(s["rps_med"]), fmt(s["cpu_med"], 1),
+                         f"{fmt(s['usr_med'], 1)} / {fmt(s['sys_med'], 1)}",
+                         fmt(100 * s["busy_med"]) + "%",
+                         fmt(1e6 / s["cpu_med"]) if s["cpu_med"] else "-",
+                         f"{s['resumed']:,} / {s['hs']:,}", s["bad"]])
+    if body:
+        say("**(b) a new TLS connection per request** (`Connection: close`; handshakes/s = "
+            "completed requests/s):\n")
+        say(table(["handshake", "target", "handshakes/s best", "handshakes/s median",
+                   "proxy CPU µs/handshake", "user / sys µs", "proxy core busy",
+                   "handshakes/s per core (1e6/CPU)", "resumed / handshakes (client)", "errors"],
+                  body))
+        say("")
+        say("`full`: the client offers no session, so every connection costs the proxy an ECDHE "
+            "key exchange and a P-256 signature. `resumed`: wrk's default: it offers the "
+            "previous connection's session (TLS 1.3 ticket), and `resumed / handshakes` (counted "
+            "in wrk by bench/tls_count.c) shows whether the proxy accepted it; the first "
+            "handshake of each connection slot is always full. Both include the TCP connect "
+            "and close and the proxied request. wrk's latency starts after the handshake, so "
+            "no p50/p99 are given for these.\n")
+        for m in ("full", "resumed"):
+            busy = [st[(t, m)]["busy_med"] for t in T if st[(t, m)]]
+            if busy and max(busy) < 0.85:
+                say(f"In `{m}` the proxies' cores were only {min(busy):.0%}-{max(busy):.0%} busy: "
+                    "the load core (wrk's side of every handshake, plus the upstream) set the "
+                    "rate, so handshakes/s come out about equal by construction; CPU µs per "
+                    "handshake and handshakes/s per core are what compare the proxies there.\n")
+
+    parts = []
+    k_rps = lambda r: r["rps"]
+    k_p99 = lambda r: r["p99_us"]
+    k_cpu = lambda r: r["proxy_cpu_s"] / max(r["requests"], 1)
+    for b in ("nginx", "haproxy"):
+        if not (st[("detproxy", "keepalive")] and st[(b, "keepalive")]):
+            continue
+        rr, rrr = paired(res, 7, "detproxy", b, k_rps, "keepalive")
+        pp, _ = paired(res, 7, "detproxy", b, k_p99, "keepalive")
+        cc, _ = paired(res, 7, "detproxy", b, k_cpu, "keepalive")
+        line = (f"detproxy/{b}: keep-alive rps {rr:.2f}x [{rrr[0]:.2f}-{rrr[1]:.2f}], p99 "
+                f"{pp:.2f}x, CPU/req {cc:.2f}x")
+        for m in ("full", "resumed"):
+            if st[("detproxy", m)] and st[(b, m)]:
+                hr, hrr = paired(res, 7, "detproxy", b, k_rps, m)
+                hc, _ = paired(res, 7, "detproxy", b, k_cpu, m)
+                line += (f"; {m} handshakes/s {hr:.2f}x [{hrr[0]:.2f}-{hrr[1]:.2f}], "
+                         f"CPU/handshake {hc:.2f}x")
+        parts.append(line)
+    if parts:
+        say("**ratio** (median over rounds of the same-round ratio, range in brackets): "
+            + "; ".join(parts) + "\n")
+    s1 = {t: s1_stats(res, 1, t) for t in T}
+    if all(s1.values()) and all(st[(t, "keepalive")] for t in T):
+        say("TLS cost over plaintext (keep-alive CPU/req here minus scenario 1's, same run): "
+            + ", ".join(f"{t} {st[(t, 'keepalive')]['cpu_med'] - s1[t]['cpu_med']:+.1f} µs"
+                        for t in T) + "\n")
+
+    summ = {r["target"]: r for r in res if r.get("scenario") == 7 and r.get("summary")}
+    if summ:
+        body = []
+        for t in T:
+            r = summ.get(t)
+            if not r:
+                continue
+            body.append([t, fmt(r["rss_start_kb"] / 1024, 1), fmt(r["rss_end_kb"] / 1024, 1),
+                         f"{r['fds_start']} → {r['fds_end']}", r["log_lines"],
+                         (r.get("log_last") or "")[:100] or "-"])
+        say("Each TLS instance after the warm-up and after the last run (1 s later): RSS, open "
+            "fds, and the lines its error log gained during the scenario:\n")
+        say(table(["target", "RSS after warm-up MB", "RSS at end MB", "open fds",
+                   "new log lines", "last new log line"], body))
         say("")
     return "\n".join(out)
 
@@ -341,9 +493,42 @@ def header(meta):
         f"- placement: every proxy pinned to cpu {m['proxy_cpu']} (one worker/thread each); "
         f"load generator and upstream on cpu {m['load_cpu']}",
         f"- {m['rounds']} rounds per scenario, targets interleaved, order rotated each round; "
-        f"{m['seconds']} s per load run",
+        f"{m['seconds']} s per load run"
+        + (f" ({m['tls_seconds']} s in scenario 7)" if " 7" in f" {m.get('scenarios', '')}" else ""),
         "",
     ])
+
+
+def splice(path, text, res, meta):
+    """Put the '### N.' sections of TEXT into the RESULTS.md at PATH (see the module doc)."""
+    import re
+    doc = open(path).read()
+    raw_at = doc.find("\n## Raw results")
+    body, tail = (doc[:raw_at], doc[raw_at:]) if raw_at >= 0 else (doc, "")
+    new = {}
+    for m in re.finditer(r"^### (\d+)\..*?(?=^### |\Z)", text, re.S | re.M):
+        new[int(m.group(1))] = m.group(0).rstrip() + "\n\n"
+    if not new:
+        sys.exit("splice: the results have no numbered section")
+    for n, sec in sorted(new.items()):
+        old = re.search(rf"^### {n}\..*?(?=^### |\Z)", body, re.S | re.M)
+        if old:
+            body = body[:old.start()] + sec + body[old.end():]
+            continue
+        later = [m for m in re.finditer(r"^### (\d+)\.|^### Targets", body, re.M)
+                 if m.group(1) is None or int(m.group(1)) > n]
+        at = later[0].start() if later else len(body.rstrip()) + 1
+        body = body[:at] + sec + body[at:]
+    # The raw lines go in a block of their own; one from an earlier splice of the same
+    # scenarios is replaced.
+    which = ", ".join(map(str, sorted(new)))
+    label = f"## Raw results, scenario {which} run ({meta['date']})"
+    tail = re.sub(rf"\n*## Raw results, scenario {re.escape(which)} run \([^)]*\)\n\n```\n.*?```\n",
+                  "\n", tail, flags=re.S)
+    tail = tail.strip("\n") + f"\n\n{label}\n\n```\n" + "".join(
+        json.dumps(r, separators=(",", ":")) + "\n" for r in res) + "```\n"
+    with open(path, "w") as f:
+        f.write(body.rstrip("\n") + "\n\n\n" + tail.lstrip("\n"))
 
 
 def main():
@@ -358,6 +543,14 @@ def main():
                 for r in res:
                     f.write(json.dumps(r, separators=(",", ":")) + "\n")
                 f.write("```\n")
+        return
+    if len(sys.argv) >= 5 and sys.argv[1] == "splice":
+        res = load(sys.argv[2])
+        meta = json.load(open(sys.argv[3]))
+        meta["spliced"] = True
+        text = report(res, meta)
+        print(text)
+        splice(sys.argv[4], text, res, meta)
         return
     sys.exit(__doc__)
 

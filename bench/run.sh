@@ -2,7 +2,9 @@
 # `make bench`: detproxy against nginx and HAProxy on loopback, one shared fast upstream.
 # Scenarios (see bench/README.md): 1 closed-loop rps + latency, 2 open-loop latency at 50% of
 # each proxy's own peak, 3 SSE per-chunk added delay, 4 shadow rate 0 vs 1.0, 5 RSS with 10k
-# idle keep-alive connections, 6 `attest hash` vs sha256sum. Each load scenario runs its
+# idle keep-alive connections, 6 `attest hash` vs sha256sum, 7 TLS on the client side (keep-alive
+# rps and handshakes per second against nginx and HAProxy with the same certificate; separate
+# TLS instances of the three proxies, started only when 7 is selected). Each load scenario runs its
 # targets interleaved (order rotated every round) for BENCH_ROUNDS rounds; the report gives
 # best and median. Prints the table and ratio lines and writes bench/RESULTS.md.
 #
@@ -15,7 +17,8 @@
 #
 # Knobs (environment): BUILD, BENCH_ROUNDS (5), BENCH_SECONDS (3, per load run),
 # BENCH_SSE_STREAMS (8),
-# BENCH_SCENARIOS ("1 2 3 4 5 6"), BENCH_IDLE_CONNS (10000), BENCH_HASH_MB (2048),
+# BENCH_SCENARIOS ("1 2 3 4 5 6 7"), BENCH_IDLE_CONNS (10000), BENCH_HASH_MB (2048),
+# BENCH_TLS_SECONDS (2, per scenario-7 load run),
 # BENCH_PROXY_CPU (0), BENCH_LOAD_CPU (1), BENCH_NICE (unset: no priority change; e.g. -10 to
 # raise the whole bench session's priority on a box shared with other work),
 # BENCH_RESULTS (bench/RESULTS.md; "-" to skip writing it), BENCH_KEEP=1 (keep the temp dir).
@@ -27,9 +30,10 @@ case "$build" in /*) B=$build ;; *) B="$here/$build" ;; esac
 ROUNDS=${BENCH_ROUNDS:-5}
 DUR=${BENCH_SECONDS:-3}
 SSE_STREAMS=${BENCH_SSE_STREAMS:-8}
-SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6} "
+SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6 7} "
 IDLE_CONNS=${BENCH_IDLE_CONNS:-10000}
 HASH_MB=${BENCH_HASH_MB:-2048}
+TLS_DUR=${BENCH_TLS_SECONDS:-2}
 PCPU=${BENCH_PROXY_CPU:-0}
 LCPU=${BENCH_LOAD_CPU:-1}
 [ "$(nproc)" -lt 2 ] && LCPU=${BENCH_LOAD_CPU:-0} # one core: everything shares it
@@ -78,7 +82,7 @@ fi
 read -r -a PORTS <<<"$(python3 - <<'EOF'
 import socket
 ss = []
-for _ in range(12):
+for _ in range(17):
     s = socket.socket(); s.bind(("127.0.0.1", 0)); ss.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in ss))
 EOF
@@ -86,10 +90,12 @@ EOF
 P_UP1=${PORTS[0]} P_UP2=${PORTS[1]} P_NG=${PORTS[2]} P_HA=${PORTS[3]}
 P_DP=${PORTS[4]} P_DPA=${PORTS[5]} P_S0=${PORTS[6]} P_S0A=${PORTS[7]} P_S1=${PORTS[8]} P_S1A=${PORTS[9]}
 P_HAS=${PORTS[10]}
+P_NGT=${PORTS[11]} P_HAT=${PORTS[12]} P_HATS=${PORTS[13]} P_DPT=${PORTS[14]} P_DPTA=${PORTS[15]}
 
 declare -A PID PORT SSE_PORT
 PORT[direct]=$P_UP1 PORT[nginx]=$P_NG PORT[haproxy]=$P_HA PORT[detproxy]=$P_DP
 PORT[shadow0]=$P_S0 PORT[shadow1]=$P_S1
+PORT[nginx_tls]=$P_NGT PORT[haproxy_tls]=$P_HAT PORT[detproxy_tls]=$P_DPT
 SSE_PORT[direct]=$P_UP1 SSE_PORT[nginx]=$P_NG SSE_PORT[haproxy]=$P_HAS SSE_PORT[detproxy]=$P_DP
 
 # start NAME CPU CMD...: background, pinned, stderr to $work/NAME.log
@@ -101,11 +107,11 @@ start() {
   pids+=($!)
 }
 
-wait_ok() { # NAME URL [METHOD DATAFILE]: until 200, or fail with the log
+wait_ok() { # NAME URL [METHOD DATAFILE [CURL_OPTION...]]: until 200, or fail with the log
   local name=$1 url=$2 i code
   for i in $(seq 1 100); do
     if [ $# -ge 4 ]; then
-      code=$(curl -s -o /dev/null -w '%{http_code}' -X "$3" --data-binary "@$4" "$url" || true)
+      code=$(curl -s -o /dev/null -w '%{http_code}' -X "$3" --data-binary "@$4" "${@:5}" "$url" || true)
     else
       code=$(curl -s -o /dev/null -w '%{http_code}' "$url" || true)
     fi
@@ -166,14 +172,14 @@ start upstream "$LCPU" "$UP" --listen "127.0.0.1:$P_UP1" --listen "127.0.0.1:$P_
 PID[direct]=${PID[upstream]}
 
 mkdir -p "$work/nginx" "$work/haproxy"
-sed -e "s#@PREFIX@#$work/nginx#g; s#@PORT@#$P_NG#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g" \
+sed -e "s#@PREFIX@#$work/nginx#g; s#@PORT@#$P_NG#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@##; s#@TLS@##" \
   bench/configs/nginx.conf.in >"$work/nginx/nginx.conf"
-sed -e "s#@PREFIX@#$work/haproxy#g; s#@PORT@#$P_HA#g; s#@SSE_PORT@#$P_HAS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g" \
+sed -e "s#@PREFIX@#$work/haproxy#g; s#@PORT@#$P_HA#g; s#@SSE_PORT@#$P_HAS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@##" \
   bench/configs/haproxy.cfg.in >"$work/haproxy/haproxy.cfg"
-dpconf() { # OUT PORT ADMIN_PORT SHADOW_RATE NREPLICAS
+dpconf() { # OUT PORT ADMIN_PORT SHADOW_RATE NREPLICAS [TLS_JSON]
   local reps="{\"name\": \"u1\", \"url\": \"http://127.0.0.1:$P_UP1\", \"attest\": {\"source\": \"vllm\"}}"
   [ "$5" = 2 ] && reps="$reps, {\"name\": \"u2\", \"url\": \"http://127.0.0.1:$P_UP2\", \"attest\": {\"source\": \"vllm\"}}"
-  sed -e "s#@PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@SHADOW_RATE@#$4#; s#@REPLICAS@#$reps#" \
+  sed -e "s#@PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@SHADOW_RATE@#$4#; s#@REPLICAS@#$reps#; s#@TLS@#${6:-}#" \
     bench/configs/detproxy.json.in >"$1"
   "$DETPROXY" check -c "$1" >/dev/null || die "detproxy check $1"
 }
@@ -188,6 +194,44 @@ case "$SCEN" in *" 4 "*)
   start shadow0 "$PCPU" "$DETPROXY" run -c "$work/shadow0.json"
   start shadow1 "$PCPU" "$DETPROXY" run -c "$work/shadow1.json" ;;
 esac
+
+# Scenario 7's TLS instances: the same three configs (same upstream keep-alive, same policy)
+# with TLS on the client listener, one certificate for all. The certificate: a P-256 key and a
+# leaf for localhost / 127.0.0.1 signed by a throwaway P-256 CA, both made here with the
+# openssl CLI; the leaf alone is served (no chain), the CA is what curl verifies against.
+TLS_PROXIES=()
+if [[ $SCEN == *" 7 "* ]]; then
+  TLS_PROXIES=(nginx_tls haproxy_tls detproxy_tls)
+  tls=$work/tls
+  mkdir -p "$tls" "$work/nginx_tls" "$work/haproxy_tls"
+  (
+    cd "$tls"
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out ca.key
+    openssl req -x509 -new -key ca.key -sha256 -days 2 -subj "/CN=detproxy bench throwaway CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      -out ca.pem
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out key.pem
+    openssl req -new -key key.pem -subj "/CN=localhost" -out leaf.csr
+    printf '%s\n' "subjectAltName=DNS:localhost,IP:127.0.0.1" "basicConstraints=critical,CA:FALSE" \
+      "keyUsage=critical,digitalSignature" "extendedKeyUsage=serverAuth" >leaf.ext
+    openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -set_serial "0x$(openssl rand -hex 8)" \
+      -days 2 -sha256 -extfile leaf.ext -out cert.pem
+    cat cert.pem key.pem >combined.pem # HAProxy's crt: certificate and key in one file
+    chmod 600 ca.key key.pem combined.pem
+    openssl verify -CAfile ca.pem cert.pem
+  ) >"$work/tls.log" 2>&1 || { cat "$work/tls.log" >&2; die "could not make the TLS certificate"; }
+  sed -e "s#@PREFIX@#$work/nginx_tls#g; s#@PORT@#$P_NGT#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@# ssl#" \
+    -e "s#@TLS@#ssl_certificate $tls/cert.pem; ssl_certificate_key $tls/key.pem; ssl_protocols TLSv1.2 TLSv1.3;#" \
+    bench/configs/nginx.conf.in >"$work/nginx_tls/nginx.conf"
+  sed -e "s#@PREFIX@#$work/haproxy_tls#g; s#@PORT@#$P_HAT#g; s#@SSE_PORT@#$P_HATS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g" \
+    -e "s#@SSL@# ssl crt $tls/combined.pem alpn http/1.1 ssl-min-ver TLSv1.2#" \
+    bench/configs/haproxy.cfg.in >"$work/haproxy_tls/haproxy.cfg"
+  dpconf "$work/detproxy_tls.json" "$P_DPT" "$P_DPTA" 0.0 1 \
+    "\"tls\": {\"cert_file\": \"$tls/cert.pem\", \"key_file\": \"$tls/key.pem\"},"
+  start nginx_tls "$PCPU" nginx -e "$work/nginx_tls/error.log" -p "$work/nginx_tls" -c "$work/nginx_tls/nginx.conf"
+  start haproxy_tls "$PCPU" haproxy -db -f "$work/haproxy_tls/haproxy.cfg"
+  start detproxy_tls "$PCPU" "$DETPROXY" run -c "$work/detproxy_tls.json"
+fi
 
 BODY=bench/chat_1k.json
 SBODY=bench/chat_stream.json
@@ -208,7 +252,21 @@ for t in direct nginx haproxy detproxy; do
   n=$(curl -sN --data-binary "@$SBODY" "http://127.0.0.1:${SSE_PORT[$t]}$CHAT" | grep -c '^data: {' || true)
   [ "$n" = 20 ] || die "$t: SSE gave $n events, want 20"
 done
-log "all up: upstream :$P_UP1/:$P_UP2 nginx :$P_NG haproxy :$P_HA detproxy :$P_DP (shadow :$P_S0/:$P_S1)"
+if [ ${#TLS_PROXIES[@]} -gt 0 ]; then
+  wait_ok detproxy_tls "http://127.0.0.1:$P_DPTA/readyz"
+  for t in "${TLS_PROXIES[@]}"; do
+    wait_ok "$t" "https://127.0.0.1:${PORT[$t]}$CHAT" POST "$BODY" --cacert "$tls/ca.pem"
+    # A new connection per request must be closed by the proxy *with* `Connection: close` in
+    # the answer: wrk only reconnects on that (otherwise it writes into a closed connection).
+    curl -s -D- -o /dev/null --cacert "$tls/ca.pem" -H 'Connection: close' --data-binary "@$BODY" \
+      "https://127.0.0.1:${PORT[$t]}$CHAT" | grep -qi '^connection: *close' ||
+      log "note: $t does not answer Connection: close with Connection: close (wrk will count read errors)"
+  done
+  curl -s -D- -o /dev/null --cacert "$tls/ca.pem" --data-binary "@$BODY" "https://127.0.0.1:$P_DPT$CHAT" |
+    grep -qi '^x-detproxy-seed:' || die "detproxy (TLS) did not derive a seed (policy rewrite off?)"
+fi
+log "all up: upstream :$P_UP1/:$P_UP2 nginx :$P_NG haproxy :$P_HA detproxy :$P_DP (shadow :$P_S0/:$P_S1)" \
+  "${TLS_PROXIES[*]:+TLS: nginx :$P_NGT haproxy :$P_HAT detproxy :$P_DPT}"
 
 wrk_run() { # SCENARIO TARGET ROUND SECONDS: one wrk run, with proxy and upstream CPU time
   local sc=$1 t=$2 r=$3 d=$4 c0 u0 c1 u1 out line
@@ -347,8 +405,69 @@ if [[ $SCEN == *" 6 "* ]]; then
   rm -rf "$work/hash"
 fi
 
+# ---- scenario 7: TLS on the client side ------------------------------------------------------
+# Same 1 KB chat POST, 32 connections, each proxy's TLS instance (same certificate), three modes
+# per round, each with the targets interleaved and rotated:
+#   keepalive  HTTPS with keep-alive: rps, p50/p99, CPU per request (record crypto on top of
+#              scenario 1's work; one handshake per connection at the start only)
+#   full       `Connection: close`: every request on a new connection with a full handshake
+#              (ECDHE + the P-256 signature); handshakes/s = completed requests/s
+#   resumed    the same, but wrk offers the previous connection's session (its default: it
+#              keeps the SSL object's session across reconnects), so a proxy that resumes skips
+#              the certificate and signature
+# bench/tls_count.c (LD_PRELOAD into wrk) counts completed and resumed client handshakes and, for
+# `full`, drops the session wrk would offer. wrk's latency starts after the handshake, so p50/p99
+# are only given for keep-alive. RSS, open fds and new log lines of each TLS instance are taken
+# before and after the scenario (leaks, errors under handshake load).
+if [[ $SCEN == *" 7 "* ]]; then
+  log "scenario 7: TLS, wrk -t1 -c$CONNS -d${TLS_DUR}s, 1 KB chat POST over HTTPS: keep-alive, then a new" \
+    "connection per request (full handshake; resumed session), $ROUNDS rounds (warm-up 1 s each)"
+  fds_of() { local n=0 p; for p in $(pids_of "$1"); do n=$((n + $(ls "/proc/$p/fd" 2>/dev/null | wc -l))); done; echo $n; }
+  tls_log() { # the log file(s) a TLS instance writes its errors to
+    case $1 in nginx_tls) echo "$work/nginx_tls/error.log" ;; *) echo "$work/$1.log" ;; esac
+  }
+  tls_run() { # TARGET ROUND SECONDS MODE: one wrk run against TARGET's TLS instance
+    local t=$1 r=$2 d=$3 mode=$4 c0 c1 u0 u1 out line tl full=0 hdr=()
+    case $mode in
+      full) full=1 hdr=(-H "Connection: close") ;;
+      resumed) hdr=(-H "Connection: close") ;;
+    esac
+    c0=$(cpu_ticks "${t}_tls"); u0=$(cpu_ticks upstream)
+    out=$(BENCH_BODY=$BODY BENCH_TLS_FULL=$full taskset -c "$LCPU" env LD_PRELOAD="$TLSCOUNT" \
+      wrk -t1 -c$CONNS -d"${d}s" "${hdr[@]}" -s bench/post.lua "https://127.0.0.1:${PORT[${t}_tls]}$CHAT")
+    c1=$(cpu_ticks "${t}_tls"); u1=$(cpu_ticks upstream)
+    line=$(grep '^WRKJSON ' <<<"$out" | sed 's/^WRKJSON {//') || die "wrk gave no summary: $out"
+    tl=$(grep '^TLSJSON ' <<<"$out" | sed 's/^TLSJSON {//; s/}$//') || tl='"handshakes":null'
+    [ -n "$r" ] && emit "{\"scenario\":7,\"target\":\"$t\",\"mode\":\"$mode\",\"round\":$r,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$tl,$line"
+    return 0
+  }
+  for t in nginx haproxy detproxy; do tls_run "$t" "" 1 keepalive; done
+  sleep 1
+  # The baseline is taken after the warm-up: upstream pools are open and buffers allocated, so
+  # what grows from here on is what the TLS traffic itself leaves behind.
+  declare -A RSS7 FDS7 LOG7
+  for t in nginx haproxy detproxy; do
+    read -r RSS7[$t] _ _ <<<"$(rss_kb "${t}_tls")"
+    FDS7[$t]=$(fds_of "${t}_tls")
+    LOG7[$t]=$(cat "$(tls_log "${t}_tls")" 2>/dev/null | wc -l)
+  done
+  for r in $(seq 1 "$ROUNDS"); do
+    for mode in keepalive full resumed; do
+      for t in $(rotate "$r" nginx haproxy detproxy); do tls_run "$t" "$r" "$TLS_DUR" "$mode"; done
+    done
+  done
+  sleep 1 # let the last connections close before counting fds
+  for t in nginx haproxy detproxy; do
+    read -r r1 _ m1 <<<"$(rss_kb "${t}_tls")"
+    f=$(tls_log "${t}_tls")
+    nl=$(($(cat "$f" 2>/dev/null | wc -l) - LOG7[$t]))
+    last=$( (tail -n +"$((LOG7[$t] + 1))" "$f" 2>/dev/null || true) | tail -1 | cut -c1-200 | tr -d '"\\' | tr -cd '[:print:]')
+    emit "{\"scenario\":7,\"target\":\"$t\",\"summary\":1,\"rss_start_kb\":${RSS7[$t]},\"rss_end_kb\":$r1,\"fds_start\":${FDS7[$t]},\"fds_end\":$(fds_of "${t}_tls"),\"log_lines\":$nl,\"log_last\":\"$last\"}"
+  done
+fi
+
 # ---- report ---------------------------------------------------------------------------------
-for t in nginx haproxy detproxy shadow0 shadow1 upstream; do
+for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" upstream; do
   [ -n "${PID[$t]:-}" ] || continue
   kill -0 "${PID[$t]}" 2>/dev/null || die "$t died during the run (log: $work/$t.log)"
 done
@@ -370,6 +489,7 @@ json.dump({
   "wrk": sh("wrk -v | head -1").split(" Copyright")[0],
   "detproxy": sh("git -C '$here' describe --always --dirty"),
   "rounds": $ROUNDS, "seconds": $DUR, "sse_streams": $SSE_STREAMS, "proxy_cpu": $PCPU, "load_cpu": $LCPU,
+  "tls_seconds": $TLS_DUR, "scenarios": "$(echo $SCEN)",
   "nice": "${BENCH_NICE:-}", "elapsed_s": $(( $(date +%s) - t_start )),
 }, open(sys.argv[1], "w"))
 EOF

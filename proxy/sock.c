@@ -11,6 +11,8 @@
 static char g_read_buf[PX_READ_BUF_SIZE];
 /* Decrypted bytes of one read (TLS): the same rule, consumed or copied before returning. */
 static dp_buf_t g_plain;
+/* Pieces of one TLS write gathered into one buffer (same rule: used within the call). */
+static dp_buf_t g_tls_gather;
 
 static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 
@@ -185,9 +187,22 @@ int px_sock_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
     if (s->closing || s->errored)
         return UV_EPIPE;
     if (s->tls) {
-        for (unsigned i = 0; i < nbufs; i++)
-            if (bufs[i].len && px_tls_write(s->tls, bufs[i].base, bufs[i].len) != PX_TLS_OK)
-                return UV_EPROTO;
+        /* One SSL_write for all the pieces: a response head and body then share a record
+         * (one seal here, one open at the peer) instead of a record each. */
+        const char *p = bufs[0].base;
+        size_t n = bufs[0].len;
+        if (nbufs > 1) {
+            dp_buf_reset(&g_tls_gather);
+            for (unsigned i = 0; i < nbufs; i++)
+                dp_buf_append(&g_tls_gather, bufs[i].base, bufs[i].len);
+            p = g_tls_gather.base;
+            n = g_tls_gather.len;
+        }
+        int r = n ? px_tls_write(s->tls, p, n) : PX_TLS_OK;
+        if (g_tls_gather.cap > 1 << 20)
+            dp_buf_free(&g_tls_gather);
+        if (r != PX_TLS_OK)
+            return UV_EPROTO;
         return tls_flush(s);
     }
     return raw_write(s, bufs, nbufs);
