@@ -487,22 +487,6 @@ static void on_fw_timer(uv_timer_t *t)
 
 /* ---- HTTP ------------------------------------------------------------------------------- */
 
-static bool query_param(dp_iovec_t q, const char *name, dp_iovec_t *out)
-{
-    size_t nl = strlen(name);
-    size_t i = 0;
-    while (i < q.len) {
-        size_t end = i;
-        while (end < q.len && q.base[end] != '&')
-            end++;
-        if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
-            *out = (dp_iovec_t){q.base + i + nl + 1, end - i - nl - 1};
-            return true;
-        }
-        i = end + 1;
-    }
-    return false;
-}
 
 static bool path_is(const px_req_t *req, const char *p)
 {
@@ -514,7 +498,7 @@ static const px_header_t no_store[] = {{DP_IOV("Cache-Control"), DP_IOV("no-stor
 static void answer_attestation(agent_t *a, px_req_t *req)
 {
     dp_iovec_t nv;
-    if (!query_param(req->query, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+    if (!px_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
         px_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
                       "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
         return;

@@ -1279,6 +1279,24 @@ const px_header_t *px_req_header(const px_req_t *req, const char *name)
     return NULL;
 }
 
+bool px_req_query(const px_req_t *req, const char *name, dp_iovec_t *out)
+{
+    dp_iovec_t q = req->query;
+    size_t nl = strlen(name);
+    size_t i = 0;
+    while (i < q.len) {
+        size_t end = i;
+        while (end < q.len && q.base[end] != '&')
+            end++;
+        if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
+            *out = (dp_iovec_t){q.base + i + nl + 1, end - i - nl - 1};
+            return true;
+        }
+        i = end + 1;
+    }
+    return false;
+}
+
 void px_req_pause_body(px_req_t *req)
 {
     px_conn_t *c = req->conn;

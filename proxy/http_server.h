@@ -112,6 +112,10 @@ size_t px_server_inflight(const px_server_t *s);
 /* Case-insensitive header look-up; the first match or NULL. Count of matches in *count if set. */
 const px_header_t *px_req_header(const px_req_t *req, const char *name);
 
+/* The raw (undecoded) value of query parameter `name` ("a=1&b=2"): true and *out set when
+ * present. */
+bool px_req_query(const px_req_t *req, const char *name, dp_iovec_t *out);
+
 /* PX_BODY_STREAM backpressure: stop / restart reading the client's body. */
 void px_req_pause_body(px_req_t *req);
 void px_req_resume_body(px_req_t *req);

@@ -604,27 +604,11 @@ static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
 /* ---- /attestation ------------------------------------------------------------------------------
  */
 
-static bool query_param(dp_iovec_t q, const char *name, dp_iovec_t *out)
-{
-    size_t nl = strlen(name);
-    size_t i = 0;
-    while (i < q.len) {
-        size_t end = i;
-        while (end < q.len && q.base[end] != '&')
-            end++;
-        if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
-            *out = (dp_iovec_t){q.base + i + nl + 1, end - i - nl - 1};
-            return true;
-        }
-        i = end + 1;
-    }
-    return false;
-}
 
 static void handle_attestation(sim_t *s, px_req_t *req)
 {
     dp_iovec_t nv;
-    if (!query_param(req->query, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+    if (!px_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
         send_error(req, 400, "invalid_request_error", "nonce",
                    "nonce must be 1..128 characters of [A-Za-z0-9._~-]");
         return;
