@@ -558,7 +558,7 @@ def test_many_tls_clients_and_a_streamed_response():
     ctx = client_context(PKI.ca)
     conn = hc.HTTPSConnection("127.0.0.1", px.port, context=ctx, timeout=20 * SLOW)
     conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": MODEL, "prompt": "stream", "max_tokens": 40, "stream": True}),
+        {"model": MODEL, "prompt": "stream", "max_tokens": 40, "stream": True, "temperature": 0}),
         headers={"content-type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
