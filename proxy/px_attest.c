@@ -54,11 +54,16 @@ typedef struct att_s {
     attest_canary_t canary_hist;
     bool admit_on_canary; /* metadata matched; admission waits for a matching canary */
     char canary_last[65];
-    const cfg_pool_t *pool; /* of the generation that started the check */
-    const cfg_t *cfg;
 } att_t;
 
 static void check_start(att_t *a);
+
+/* The configuration in force now. Never keep a pointer to one across callbacks: a reload may
+ * free the generation a check started under while its fetches are still running. */
+static const cfg_t *cur(const att_t *a)
+{
+    return a->px->gen->cfg;
+}
 
 static void timer_cb(uv_timer_t *t)
 {
@@ -113,7 +118,7 @@ static void check_end(att_t *a)
         return;
     /* A replica that went away usually comes back soon (restart, reschedule): look again
      * sooner than the interval so it is re-admitted, or caught as something else, quickly. */
-    uint32_t next = a->cfg->attestation.interval_ms;
+    uint32_t next = cur(a)->attestation.interval_ms;
     if (a->r->state == PX_REPLICA_UNREACHABLE && next > UNREACHABLE_RECHECK_MS)
         next = UNREACHABLE_RECHECK_MS;
     schedule(a, next);
@@ -229,7 +234,7 @@ static void decide(att_t *a, attest_report_t *rep)
     const cfg_pool_t *pc = pool_of(a->px, r);
     attest_reasons_t why = {0};
     const cfg_manifest_t *m = pc ? pc->manifest : NULL;
-    int bad = attest_admit(m, rep, a->cfg->attestation.require_signature, &why);
+    int bad = attest_admit(m, rep, cur(a)->attestation.require_signature, &why);
     attest_report_clear(&a->report);
     attest_report_copy(&a->report, rep);
     a->have_report = true;
@@ -283,7 +288,7 @@ static void all_fetched(att_t *a)
         goto out;
     }
     if (r->attest.source == CFG_ATTEST_AGENT) {
-        attest_verify_opts_t o = {&ctx(a->px)->keys, a->cfg->attestation.require_signature,
+        attest_verify_opts_t o = {&ctx(a->px)->keys, cur(a)->attestation.require_signature,
                                   a->nonce};
         if (attest_envelope_verify(a->bodies[0].base ? a->bodies[0].base : "", a->bodies[0].len,
                                    &o, &rep, &why) != 0) {
@@ -359,7 +364,6 @@ static void check_start(att_t *a)
     if (r == NULL || a->checking || ctx(a->px)->stopped)
         return;
     const cfg_pool_t *pc = pool_of(a->px, r);
-    a->cfg = a->px->gen->cfg;
     a->checking = true;
     a->failed = false;
     a->last_check_ms = uv_now(a->px->loop);
@@ -367,7 +371,7 @@ static void check_start(att_t *a)
     if (a->up == NULL) {
         /* Nothing to connect to (the host name did not resolve). */
         a->checking = false;
-        schedule(a, a->cfg->attestation.interval_ms);
+        schedule(a, cur(a)->attestation.interval_ms);
         return;
     }
     const char *bearer = pc ? pc->api_key : NULL;
@@ -457,7 +461,6 @@ static void att_adopt(px_t *px, px_replica_t *r)
     att_t *a = dp_xcalloc(1, sizeof(*a));
     a->r = r;
     a->px = px;
-    a->cfg = px->gen->cfg;
     r->attest_state = a;
     uv_timer_init(px->loop, &a->timer);
     a->timer.data = a;
