@@ -14,7 +14,7 @@ import threading
 
 from harness import (DETPROXY_BIN, SIM_BIN, get_json, http, poll_until, post_json, run_tests,
                      start_process, start_sim)
-from proxyutil import pool, sim_stats, start_proxy, write_config
+from proxyutil import pool, sim_config, sim_stats, start_proxy, write_config
 
 NAME = "vllm.detproxy-test.svc"
 
@@ -132,6 +132,35 @@ def test_reload_applies_policy_and_keeps_old_on_error():
     # The replica kept its attestation state across reloads.
     assert get_json(px.admin_port, "/admin/replicas")["replicas"][0]["state"] == "admitted"
     px.stop()
+
+
+def test_reload_while_an_attestation_check_is_in_flight():
+    """A check that outlives the configuration it started under must not touch it: the old
+    generation is freed by the reload (no request holds it) while the fetch still runs."""
+    import hashlib
+    from harness import run_cmd
+    d = tempfile.mkdtemp(prefix="detproxy-reload-att-")
+    rc, _, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", os.path.join(d, "k")])
+    assert rc == 0, err
+    sim = start_sim("--model", "m1", "--attest-key", os.path.join(d, "k.key.pem"))
+    p = pool("p", ["m1"], [sim], manifest={"model": "m1"})
+    p["replicas"][0]["attest"] = {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % sim.port}
+    att = {"interval_ms": 200, "timeout_ms": 1500, "require_signature": True,
+           "trusted_keys": [os.path.join(d, "k.pub.pem")]}
+    px = start_proxy(pools=[p], attestation=att, directory=d)
+    # The agent stops answering: the next check hangs until timeout_ms.
+    sim_config(sim, attest_fault="hang")
+    poll_until(lambda: sim_stats(sim).get("hung", 0) > 0, what="a check in flight")
+    for _ in range(3):
+        assert http("POST", px.admin_port, "/admin/reload").status == 200
+    # The hung check now times out and is judged under the current configuration.
+    poll_until(lambda: get_json(px.admin_port, "/admin/replicas")["replicas"][0]["state"]
+               == "unreachable", what="the timed-out check judged")
+    sim_config(sim, attest_fault="none")
+    poll_until(lambda: get_json(px.admin_port, "/admin/replicas")["replicas"][0]["state"]
+               == "admitted", what="re-admitted")
+    px.stop()  # under ASan: a use-after-free of the old configuration fails here
 
 
 def test_no_request_dropped_during_reloads_under_load():
