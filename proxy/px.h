@@ -125,6 +125,9 @@ struct px_s {
 
 /* ---- generations and replicas (px_gen.c) ---- */
 
+/* host (numeric, or a name looked up with getaddrinfo: blocking) and port into out. */
+bool px_resolve(const char *host, uint16_t port, struct sockaddr_storage *out);
+
 /* Build a generation from a loaded config; reuses replicas of `prev` whose definition is
  * unchanged (prev may be NULL). Takes ownership of cfg. */
 px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev);

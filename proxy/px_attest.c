@@ -472,21 +472,9 @@ static void att_adopt(px_t *px, px_replica_t *r)
     struct sockaddr_storage ss;
     const struct sockaddr *addr = (const struct sockaddr *)&r->addr;
     if (r->attest.source == CFG_ATTEST_AGENT) {
-        const cfg_url_t *u = &r->attest.url;
-        int rc = strchr(u->host, ':') ? uv_ip6_addr(u->host, u->port, (struct sockaddr_in6 *)&ss)
-                                      : uv_ip4_addr(u->host, u->port, (struct sockaddr_in *)&ss);
-        if (rc != 0) {
-            /* A host name: the replica's own address family and resolution rules apply. */
-            struct addrinfo hints = {0}, *res = NULL;
-            char port[8];
-            snprintf(port, sizeof(port), "%u", u->port);
-            hints.ai_socktype = SOCK_STREAM;
-            if (getaddrinfo(u->host, port, &hints, &res) != 0 || res == NULL) {
-                set_state1(r, PX_REPLICA_UNREACHABLE, "attestation agent host did not resolve");
-                return;
-            }
-            memcpy(&ss, res->ai_addr, res->ai_addrlen);
-            freeaddrinfo(res);
+        if (!px_resolve(r->attest.url.host, r->attest.url.port, &ss)) {
+            set_state1(r, PX_REPLICA_UNREACHABLE, "attestation agent host did not resolve");
+            return;
         }
         addr = (const struct sockaddr *)&ss;
     }

@@ -491,24 +491,6 @@ static void build_body(dg_t *d, dp_buf_t *out, double temperature, bool seeded)
 
 /* ---- replicas -------------------------------------------------------------------------------- */
 
-/* Numeric address or a host name (getaddrinfo blocks: fine in a one-shot command). */
-static int resolve(const char *host, uint16_t port, struct sockaddr_storage *ss)
-{
-    memset(ss, 0, sizeof(*ss));
-    if (uv_ip4_addr(host, port, (struct sockaddr_in *)ss) == 0 ||
-        uv_ip6_addr(host, port, (struct sockaddr_in6 *)ss) == 0)
-        return 0;
-    struct addrinfo hints = {0}, *res = NULL;
-    char ports[8];
-    snprintf(ports, sizeof(ports), "%u", port);
-    hints.ai_socktype = SOCK_STREAM;
-    if (getaddrinfo(host, ports, &hints, &res) != 0 || res == NULL)
-        return -1;
-    memcpy(ss, res->ai_addr, res->ai_addrlen);
-    freeaddrinfo(res);
-    return 0;
-}
-
 /* The pool's client TLS context, as the proxy builds it (px_gen.c): its ca_file or the system
  * store, its client certificate. NULL (and d->tls_err) when it cannot be loaded. */
 static px_tls_ctx_t *pool_tls(dg_t *d)
@@ -560,7 +542,7 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     struct sockaddr_storage ss;
     if (tls && pool_tls(d) == NULL) {
         r->skip_reason = dp_xstrdup(d->tls_err);
-    } else if (resolve(host, port, &ss) != 0) {
+    } else if (!px_resolve(host, port, &ss)) {
         dp_buf_t why = {0};
         dp_buf_printf(&why, "host name '%s' did not resolve", host);
         r->skip_reason = dp_buf_steal(&why);
@@ -577,7 +559,7 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     if (source == CFG_ATTEST_AGENT) {
         if (agent->tls && pool_tls(d) == NULL) {
             r->att_err = dp_xstrdup(d->tls_err);
-        } else if (resolve(agent->host, agent->port, &ss) != 0) {
+        } else if (!px_resolve(agent->host, agent->port, &ss)) {
             dp_buf_t why = {0};
             dp_buf_printf(&why, "agent host name '%s' did not resolve", agent->host);
             r->att_err = dp_buf_steal(&why);

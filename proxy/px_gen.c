@@ -45,11 +45,15 @@ static void url_copy(cfg_url_t *dst, const cfg_url_t *src)
     dst->hostport = src->hostport ? dp_xstrdup(src->hostport) : NULL;
 }
 
-/* Resolve host at creation. Numeric hosts never block; names use getaddrinfo once at start or
- * reload (the loop is not yet serving, or the cost is a one-off); DNS discovery resolves off the
- * loop and passes numeric addresses. */
-static bool resolve(const char *host, uint16_t port, struct sockaddr_storage *out)
+/* Numeric hosts never block; names use getaddrinfo once, at start or reload (the loop is not
+ * yet serving, or the cost is a one-off) or in the one-shot diagnose command; DNS discovery
+ * resolves off the loop and passes numeric addresses. */
+bool px_resolve(const char *host, uint16_t port, struct sockaddr_storage *out)
 {
+    memset(out, 0, sizeof(*out));
+    if (uv_ip4_addr(host, port, (struct sockaddr_in *)out) == 0 ||
+        uv_ip6_addr(host, port, (struct sockaddr_in6 *)out) == 0)
+        return true;
     struct addrinfo hints = {0}, *res = NULL;
     hints.ai_socktype = SOCK_STREAM;
     char ports[8];
@@ -76,7 +80,7 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     url_copy(&r->attest.url, &d->attest.url);
     r->m_admitted = px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica",
                                    d->name, NULL);
-    r->resolved = resolve(r->url.host, r->url.port, &r->addr);
+    r->resolved = px_resolve(r->url.host, r->url.port, &r->addr);
     if (r->url.tls || r->attest.url.tls) {
         const cfg_upstream_tls_t *ut = p->upstream_tls;
         dp_buf_t err = {0};
