@@ -417,6 +417,8 @@ static const char attest_usage[] =
     "commands:\n"
     "  hash DIR                 print the checkpoint hash of a model directory\n"
     "  keygen --out PREFIX      write an Ed25519 key pair PREFIX.key.pem, PREFIX.pub.pem\n"
+    "  oms verify --model-dir DIR --bundle FILE (--pubkey PEM | --ca-file PEM)\n"
+    "                           verify an OpenSSF Model Signing bundle against a directory\n"
     "  serve ...                run the replica-side attestation agent\n"
     "  verify --envelope FILE --pubkey PEM [--manifest FILE] [--nonce N]\n"
     "                           verify a signed attestation offline\n"
@@ -443,6 +445,8 @@ int attest_cmd_main(int argc, char **argv)
         return cmd_verify(argc - 1, argv + 1);
     if (strcmp(sub, "serve") == 0)
         return attest_serve_main(argc - 1, argv + 1);
+    if (strcmp(sub, "oms") == 0)
+        return attest_oms_main(argc - 1, argv + 1);
     fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
     return ATTEST_EXIT_USAGE;
 }

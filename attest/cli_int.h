@@ -27,5 +27,7 @@ int attest_parse_args(const char *cmd, int argc, char **argv, const attest_opt_t
 
 /* `detproxy attest serve ...` (agent.c). argv[0] is "serve". Returns the exit code. */
 int attest_serve_main(int argc, char **argv);
+/* `detproxy attest oms ...` (oms_cli.c). argv[0] is "oms". Returns the exit code. */
+int attest_oms_main(int argc, char **argv);
 
 #endif

@@ -23,6 +23,7 @@ typedef struct {
     size_t cap;
     dp_buf_t *err;
     const char *root;
+    const attest_walk_opts_t *opts; /* never NULL */
     dp_buf_t rel; /* relative path of the directory being listed ("" at the root) */
     /* Directories on the current path: entering one of these again is a symlink loop. */
     struct {
@@ -112,8 +113,10 @@ static int walk_dir(walk_t *w, int fd)
             break;
         }
         const char *name = de->d_name;
-        /* Hidden names are skipped at every level: this also drops "." and "..". */
-        if (name[0] == '.')
+        if (name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0')))
+            continue;
+        /* Checkpoint: hidden names are skipped at every level. */
+        if (name[0] == '.' && !w->opts->include_hidden)
             continue;
         w->rel.len = base_len;
         w->rel.base[base_len] = '\0';
@@ -121,9 +124,26 @@ static int walk_dir(walk_t *w, int fd)
             dp_buf_appendc(&w->rel, '/');
         dp_buf_appends(&w->rel, name);
         const char *rel = w->rel.base;
+        if (w->opts->exclude && w->opts->exclude(rel, w->opts->data))
+            continue;
 
         struct stat st;
-        if (fstatat(dirfd(d), name, &st, 0) != 0) {
+        if (w->opts->no_follow_symlinks) {
+            if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+                if (errno == ENOENT)
+                    continue; /* removed since readdir returned it */
+                rc = -errno;
+                errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(-rc));
+                break;
+            }
+            if (S_ISLNK(st.st_mode)) {
+                rc = w->opts->on_symlink ? w->opts->on_symlink(rel, w->opts->data) : -ELOOP;
+                if (rc == 0)
+                    continue;
+                errf(w->err, "symlink not followed: %s", full_path(&tmp, w->root, rel));
+                break;
+            }
+        } else if (fstatat(dirfd(d), name, &st, 0) != 0) {
             int e = errno;
             if (e == ENOENT) {
                 /* A dangling symlink (find -L skips it: it is not a regular file), or an entry
@@ -140,7 +160,7 @@ static int walk_dir(walk_t *w, int fd)
         }
         if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode))
             continue; /* FIFOs, sockets, devices: never opened (a FIFO would block) */
-        if (name_is_unsupported(name)) {
+        if (!w->opts->any_file_name && name_is_unsupported(name)) {
             rc = -EINVAL;
             errf(w->err,
                  "unsupported file name (contains a newline, carriage return or backslash, "
@@ -221,8 +241,15 @@ void attest_snapshot_free(attest_snapshot_t *s)
 
 int attest_snapshot_take(const char *dir, attest_snapshot_t *out, dp_buf_t *err)
 {
+    return attest_snapshot_take_opts(dir, NULL, out, err);
+}
+
+int attest_snapshot_take_opts(const char *dir, const attest_walk_opts_t *opts,
+                              attest_snapshot_t *out, dp_buf_t *err)
+{
+    static const attest_walk_opts_t checkpoint_rules = {0};
     memset(out, 0, sizeof(*out));
-    walk_t w = {.snap = out, .err = err, .root = dir};
+    walk_t w = {.snap = out, .err = err, .root = dir, .opts = opts ? opts : &checkpoint_rules};
     dp_buf_appends(&w.rel, "");
     int rc = 0;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -302,6 +329,7 @@ typedef struct {
     size_t bufsize;
     EVP_MD_CTX *fctx;
     const EVP_MD *md;
+    EVP_MD *md_owned;
     dp_buf_t *err;
 } hasher_t;
 
@@ -321,8 +349,12 @@ static bool same_as_listed(const struct stat *st, const attest_file_t *f)
     return (uint64_t)st->st_size == f->size && mtime_ns(st) == f->mtime_ns;
 }
 
-/* Stream one file through SHA-256, checking it is still the file that was listed. */
-static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint8_t md[32])
+/* Stream one file through the digest, checking it is still the file that was listed. With
+ * shard > 0 the digest restarts every shard bytes (OMS shard serialization) and a zero-byte file
+ * gives no digest; with shard 0 there is one digest of the whole file. Raw digests are appended
+ * to out, in file order. */
+static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint64_t shard,
+                     dp_buf_t *out)
 {
     int rc = 0;
     /* O_NONBLOCK: if a FIFO was swapped in since listing, open must not hang. */
@@ -353,12 +385,10 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
         goto out;
     }
     (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-    if (EVP_DigestInit_ex(h->fctx, h->md, NULL) != 1) {
-        rc = -EIO;
-        errf(h->err, "sha256 init failed");
-        goto out;
-    }
-    uint64_t done = 0;
+    uint64_t done = 0, in_piece = 0;
+    bool open_piece = false;
+    uint8_t md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
     for (;;) {
         if (cancelled(h)) {
             rc = -ECANCELED;
@@ -378,7 +408,31 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
         done += (uint64_t)r;
         if (done > f->size)
             break; /* grew: reported below without hashing the rest */
-        EVP_DigestUpdate(h->fctx, h->buf, (size_t)r);
+        const uint8_t *p = h->buf;
+        size_t left = (size_t)r;
+        while (left > 0) {
+            if (!open_piece) {
+                if (EVP_DigestInit_ex(h->fctx, h->md, NULL) != 1) {
+                    rc = -EIO;
+                    errf(h->err, "digest init failed");
+                    goto out;
+                }
+                open_piece = true;
+                in_piece = 0;
+            }
+            size_t take = left;
+            if (shard > 0 && shard - in_piece < take)
+                take = (size_t)(shard - in_piece);
+            EVP_DigestUpdate(h->fctx, p, take);
+            in_piece += take;
+            p += take;
+            left -= take;
+            if (shard > 0 && in_piece == shard) {
+                EVP_DigestFinal_ex(h->fctx, md, &mdlen);
+                dp_buf_append(out, md, mdlen);
+                open_piece = false;
+            }
+        }
         h->prog.bytes_done += (uint64_t)r;
         report(h);
     }
@@ -395,51 +449,121 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
         errf(h->err, "file changed during hashing: %s (modified while being read)", path);
         goto out;
     }
-    unsigned int mdlen = 0;
-    EVP_DigestFinal_ex(h->fctx, md, &mdlen);
+    if (!open_piece && shard == 0) { /* an empty file: the digest of nothing */
+        if (EVP_DigestInit_ex(h->fctx, h->md, NULL) != 1) {
+            rc = -EIO;
+            errf(h->err, "digest init failed");
+            goto out;
+        }
+        open_piece = true;
+    }
+    if (open_piece) { /* the whole file, or the last (short) shard */
+        EVP_DigestFinal_ex(h->fctx, md, &mdlen);
+        dp_buf_append(out, md, mdlen);
+    }
 out:
     close(fd);
     return rc;
+}
+
+static void hasher_free(hasher_t *h)
+{
+    EVP_MD_CTX_free(h->fctx);
+    EVP_MD_free(h->md_owned);
+    free(h->buf);
+    memset(h, 0, sizeof(*h));
+}
+
+static int hasher_init(hasher_t *h, const char *md_name, const attest_hash_opts_t *opts,
+                       dp_buf_t *err)
+{
+    memset(h, 0, sizeof(*h));
+    h->opts = opts;
+    h->err = err;
+    h->bufsize = opts && opts->read_size ? opts->read_size : ATTEST_HASH_READ_SIZE;
+    if (posix_memalign((void **)&h->buf, 4096, h->bufsize) != 0) {
+        h->buf = NULL;
+        errf(err, "out of memory for a %zu-byte read buffer", h->bufsize);
+        return -ENOMEM;
+    }
+    /* Fetch the implementation once instead of an implicit fetch per file (OpenSSL 3). */
+    h->md_owned = EVP_MD_fetch(NULL, md_name, NULL);
+    h->md = h->md_owned;
+    h->fctx = EVP_MD_CTX_new();
+    if (h->md == NULL || h->fctx == NULL) {
+        errf(err, "OpenSSL %s unavailable", md_name);
+        hasher_free(h);
+        return -EIO;
+    }
+    return 0;
+}
+
+struct attest_filehasher_s {
+    hasher_t h;
+};
+
+attest_filehasher_t *attest_filehasher_new(const char *md_name, const attest_hash_opts_t *opts,
+                                           dp_buf_t *err)
+{
+    attest_filehasher_t *fh = dp_xcalloc(1, sizeof(*fh));
+    if (hasher_init(&fh->h, md_name, opts, err) != 0) {
+        free(fh);
+        return NULL;
+    }
+    return fh;
+}
+
+size_t attest_filehasher_size(const attest_filehasher_t *fh)
+{
+    return (size_t)EVP_MD_get_size(fh->h.md);
+}
+
+int attest_filehasher_file(attest_filehasher_t *fh, const char *dir, const attest_file_t *f,
+                           uint64_t shard_size, dp_buf_t *digests, dp_buf_t *err)
+{
+    dp_buf_t path = {0};
+    fh->h.err = err;
+    int rc = hash_file(&fh->h, full_path(&path, dir, f->relpath), f, shard_size, digests);
+    dp_buf_free(&path);
+    return rc;
+}
+
+void attest_filehasher_free(attest_filehasher_t *fh)
+{
+    if (fh == NULL)
+        return;
+    hasher_free(&fh->h);
+    free(fh);
 }
 
 int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
                          const attest_hash_opts_t *opts, char out_hex[65], dp_buf_t *lines,
                          dp_buf_t *err)
 {
-    int rc = 0;
-    dp_buf_t path = {0}, line = {0};
-    hasher_t h = {.opts = opts, .err = err};
+    dp_buf_t path = {0}, line = {0}, d = {0};
+    hasher_t h;
     EVP_MD_CTX *tctx = NULL;
-    EVP_MD *md = NULL;
-
-    h.bufsize = opts && opts->read_size ? opts->read_size : ATTEST_HASH_READ_SIZE;
-    if (posix_memalign((void **)&h.buf, 4096, h.bufsize) != 0) {
-        rc = -ENOMEM;
-        errf(err, "out of memory for a %zu-byte read buffer", h.bufsize);
-        goto out;
-    }
-    /* Fetch the implementation once instead of an implicit fetch per file (OpenSSL 3). */
-    md = EVP_MD_fetch(NULL, "SHA256", NULL);
-    h.fctx = EVP_MD_CTX_new();
+    int rc = hasher_init(&h, "SHA256", opts, err);
+    if (rc != 0)
+        return rc;
     tctx = EVP_MD_CTX_new();
-    if (md == NULL || h.fctx == NULL || tctx == NULL || EVP_DigestInit_ex(tctx, md, NULL) != 1) {
+    if (tctx == NULL || EVP_DigestInit_ex(tctx, h.md, NULL) != 1) {
         rc = -EIO;
         errf(err, "OpenSSL SHA-256 unavailable");
         goto out;
     }
-    h.md = md;
     h.prog.files_total = snap->count;
     h.prog.bytes_total = snap->total_bytes;
     for (size_t i = 0; i < snap->count; i++) {
         const attest_file_t *f = &snap->files[i];
         h.prog.current = f->relpath;
         report(&h);
-        uint8_t d[32];
-        rc = hash_file(&h, full_path(&path, dir, f->relpath), f, d);
+        dp_buf_reset(&d);
+        rc = hash_file(&h, full_path(&path, dir, f->relpath), f, 0, &d);
         if (rc != 0)
             goto out;
         char hex[65];
-        dp_hex(d, sizeof(d), hex);
+        dp_hex(d.base, 32, hex);
         dp_buf_reset(&line);
         dp_buf_append(&line, hex, 64);
         dp_buf_append(&line, "  ", 2);
@@ -458,11 +582,10 @@ int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
     dp_hex(total, sizeof(total), out_hex);
 out:
     EVP_MD_CTX_free(tctx);
-    EVP_MD_CTX_free(h.fctx);
-    EVP_MD_free(md);
-    free(h.buf);
+    hasher_free(&h);
     dp_buf_free(&path);
     dp_buf_free(&line);
+    dp_buf_free(&d);
     return rc;
 }
 

@@ -63,10 +63,27 @@ typedef struct {
     size_t read_size;         /* 0: ATTEST_HASH_READ_SIZE */
 } attest_hash_opts_t;
 
+/* How a directory is walked. Zero-initialised: the checkpoint rules above (SPEC §5). The OMS
+ * verifier (oms.h) sets its own (dotfiles included, recorded ignore paths, symlink policy). */
+typedef struct {
+    bool include_hidden;     /* list names starting with '.' too */
+    bool any_file_name;      /* do not refuse names with '\n', '\r' or '\\' */
+    bool no_follow_symlinks; /* a symlink is not followed: on_symlink decides */
+    /* Leave out this relpath (and its subtree); called before the entry is even stat'ed. */
+    bool (*exclude)(const char *relpath, void *data);
+    /* With no_follow_symlinks: 0 skips the link (the callback records it), negative fails the
+     * walk with that errno. NULL: fail with -ELOOP. */
+    int (*on_symlink)(const char *relpath, void *data);
+    void *data;
+} attest_walk_opts_t;
+
 /* List DIR (stat only, no reads). Returns 0, or a negative errno with a one-line reason in *err
  * (appended; err may be NULL). On failure *out is left empty. */
 int attest_snapshot_take(const char *dir, attest_snapshot_t *out, dp_buf_t *err);
 void attest_snapshot_free(attest_snapshot_t *s);
+/* The same with explicit walk rules (opts NULL: the checkpoint rules). */
+int attest_snapshot_take_opts(const char *dir, const attest_walk_opts_t *opts,
+                              attest_snapshot_t *out, dp_buf_t *err);
 
 /* Compare two snapshots. Returns true when they differ in the set of paths, a size, an mtime or
  * an inode (a file replaced by rename), and appends a short description of the first difference
@@ -87,5 +104,18 @@ int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_he
 int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
                          const attest_hash_opts_t *opts, char out_hex[65], dp_buf_t *lines,
                          dp_buf_t *err);
+
+/* One file at a time, with any OpenSSL digest ("SHA256", "BLAKE2B-512"): the hasher behind
+ * attest_hash_snapshot, for callers with their own canonicalisation (OMS). Not thread-safe; one
+ * per thread. attest_filehasher_file checks the file is still the one listed (as above) and
+ * appends its raw digest(s) to digests: one for the whole file with shard_size 0, else one per
+ * shard_size bytes (the last one short; none for an empty file). */
+typedef struct attest_filehasher_s attest_filehasher_t;
+attest_filehasher_t *attest_filehasher_new(const char *md_name, const attest_hash_opts_t *opts,
+                                           dp_buf_t *err);
+size_t attest_filehasher_size(const attest_filehasher_t *fh);
+int attest_filehasher_file(attest_filehasher_t *fh, const char *dir, const attest_file_t *f,
+                           uint64_t shard_size, dp_buf_t *digests, dp_buf_t *err);
+void attest_filehasher_free(attest_filehasher_t *fh);
 
 #endif

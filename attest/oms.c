@@ -1,0 +1,1332 @@
+/* OpenSSF Model Signing bundles: parsing, signature, directory verification (see oms.h). */
+#define _GNU_SOURCE
+#include "attest/oms.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509_vfy.h>
+
+#include "attest/dsse.h"
+#include "common/util.h"
+
+const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
+
+#define BUNDLE_MEDIA_TYPE "application/vnd.dev.sigstore.bundle.v0.3+json"
+#define BUNDLE_MEDIA_TYPE_ALT "application/vnd.dev.sigstore.bundle+json;version=0.3"
+#define DEPRECATED_PREDICATE "https://model_signing/Digests/v0.1"
+/* Shard offsets are printed in decimal; more than 2^53 cannot round-trip a JSON number. */
+#define SHARD_SIZE_MAX ((uint64_t)1 << 53)
+
+/* One resource: a whole file (files) or one byte range of a file (shards). */
+typedef struct {
+    char *name;   /* as signed */
+    char *path;   /* the file: name, or name without ":<start>:<end>" */
+    uint64_t start, end;
+    uint8_t digest[64];
+    bool seen;
+} oms_res_t;
+
+struct oms_bundle_s {
+    oms_method_t method;
+    char *key_hint;          /* publicKey.hint, or NULL */
+    dp_buf_t key_raw;        /* publicKey.rawBytes decoded (older bundles), empty if absent */
+    dp_buf_t *certs;         /* x509CertificateChain.certificates[].rawBytes decoded, leaf first */
+    size_t ncerts;
+    dp_buf_t payload;        /* the decoded DSSE payload (the signed bytes) */
+    dp_buf_t *sigs;          /* decoded signatures */
+    size_t nsigs;
+    char root_digest[65];
+    bool shards;
+    uint64_t shard_size;
+    char hash_type[16];      /* "sha256", "blake2b" */
+    const char *md_name;     /* OpenSSL name */
+    size_t digest_len;       /* bytes */
+    bool allow_symlinks;
+    char **ignore;
+    size_t nignore;
+    oms_res_t *res;          /* as signed: sorted by name */
+    size_t nres;
+    oms_res_t **by_path;     /* the same, sorted by (path, start) */
+};
+
+static void whyf(dp_buf_t *why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void whyf(dp_buf_t *why, const char *fmt, ...)
+{
+    if (why == NULL)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    char tmp[1024];
+    vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    va_end(ap);
+    dp_buf_appends(why, tmp);
+}
+
+/* A value from the bundle for a message: sanitised and cut (attest_abbrev). */
+static const char *shown(const char *v, dp_buf_t *tmp)
+{
+    dp_buf_reset(tmp);
+    attest_abbrev(v, tmp);
+    return tmp->base;
+}
+
+/* ---- small JSON helpers ----------------------------------------------------------------------- */
+
+/* Duplicate member names would let two parsers read different bundles: refuse them. With
+ * allowed non-NULL, unknown members are refused too (the schema's additionalProperties false). */
+static int check_members(const cJSON *obj, const char *where, const char *const *allowed,
+                         dp_buf_t *why)
+{
+    for (const cJSON *a = obj->child; a; a = a->next) {
+        for (const cJSON *b = a->next; b; b = b->next) {
+            if (strcmp(a->string, b->string) == 0) {
+                dp_buf_t t = {0};
+                whyf(why, "%s: duplicate member \"%s\"", where, shown(a->string, &t));
+                dp_buf_free(&t);
+                return -1;
+            }
+        }
+        if (allowed == NULL)
+            continue;
+        bool ok = false;
+        for (size_t i = 0; allowed[i]; i++)
+            ok = ok || strcmp(a->string, allowed[i]) == 0;
+        if (!ok) {
+            dp_buf_t t = {0};
+            whyf(why, "%s: unknown member \"%s\"", where, shown(a->string, &t));
+            dp_buf_free(&t);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static const cJSON *member(const cJSON *obj, const char *key)
+{
+    return cJSON_GetObjectItemCaseSensitive(obj, key);
+}
+
+/* A required (or, with required false, optional) string member; NULL when absent or bad. */
+static const char *get_str(const cJSON *obj, const char *where, const char *key, bool required,
+                           bool nonempty, bool *bad, dp_buf_t *why)
+{
+    const cJSON *v = member(obj, key);
+    if (v == NULL) {
+        if (required) {
+            whyf(why, "%s.%s: missing", where, key);
+            *bad = true;
+        }
+        return NULL;
+    }
+    if (!cJSON_IsString(v)) {
+        whyf(why, "%s.%s: expected a string", where, key);
+        *bad = true;
+        return NULL;
+    }
+    if (nonempty && v->valuestring[0] == '\0') {
+        whyf(why, "%s.%s: must not be empty", where, key);
+        *bad = true;
+        return NULL;
+    }
+    return v->valuestring;
+}
+
+static const cJSON *get_obj(const cJSON *obj, const char *where, const char *key, dp_buf_t *why)
+{
+    const cJSON *v = member(obj, key);
+    if (v == NULL)
+        whyf(why, "%s.%s: missing", where, key);
+    else if (!cJSON_IsObject(v))
+        whyf(why, "%s.%s: expected an object", where, key);
+    else
+        return v;
+    return NULL;
+}
+
+/* Base64 as protobuf JSON writes it (standard alphabet; URL-safe and unpadded accepted). */
+static int b64(const char *s, dp_buf_t *out)
+{
+    size_t n = strlen(s);
+    if (n % 4 == 1)
+        return -1;
+    dp_buf_t norm = {0};
+    for (size_t i = 0; i < n; i++)
+        dp_buf_appendc(&norm, s[i] == '-' ? '+' : s[i] == '_' ? '/' : s[i]);
+    while (norm.len % 4 != 0)
+        dp_buf_appendc(&norm, '=');
+    int rc = dp_base64_decode(norm.base ? norm.base : "", norm.len, out);
+    dp_buf_free(&norm);
+    return rc;
+}
+
+static bool utf8_valid(const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p) {
+        unsigned c = *p;
+        size_t n;
+        uint32_t cp;
+        if (c < 0x80) {
+            p++;
+            continue;
+        } else if ((c & 0xE0) == 0xC0) {
+            n = 1;
+            cp = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            n = 2;
+            cp = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            n = 3;
+            cp = c & 0x07;
+        } else {
+            return false;
+        }
+        for (size_t i = 1; i <= n; i++) {
+            if ((p[i] & 0xC0) != 0x80)
+                return false;
+            cp = (cp << 6) | (p[i] & 0x3F);
+        }
+        static const uint32_t min[4] = {0, 0x80, 0x800, 0x10000};
+        if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        p += n + 1;
+    }
+    return true;
+}
+
+/* OMS §6.1.2: relative, '/'-separated, no empty, "." or ".." component, no trailing '/'. */
+static const char *path_problem(const char *p)
+{
+    if (p[0] == '\0')
+        return "empty";
+    if (p[0] == '/')
+        return "absolute (starts with '/')";
+    if (!utf8_valid(p))
+        return "not valid UTF-8";
+    const char *c = p;
+    for (;;) {
+        const char *slash = strchr(c, '/');
+        size_t n = slash ? (size_t)(slash - c) : strlen(c);
+        if (n == 0)
+            return slash ? "has an empty component (\"//\")" : "ends with '/'";
+        if (n == 1 && c[0] == '.')
+            return "has a \".\" component (not normalised)";
+        if (n == 2 && c[0] == '.' && c[1] == '.')
+            return "has a \"..\" component (parent traversal)";
+        if (slash == NULL)
+            return NULL;
+        c = slash + 1;
+    }
+}
+
+/* ---- parsing ---------------------------------------------------------------------------------- */
+
+void oms_bundle_free(oms_bundle_t *b)
+{
+    if (b == NULL)
+        return;
+    free(b->key_hint);
+    dp_buf_free(&b->key_raw);
+    for (size_t i = 0; i < b->ncerts; i++)
+        dp_buf_free(&b->certs[i]);
+    free(b->certs);
+    dp_buf_free(&b->payload);
+    for (size_t i = 0; i < b->nsigs; i++)
+        dp_buf_free(&b->sigs[i]);
+    free(b->sigs);
+    for (size_t i = 0; i < b->nignore; i++)
+        free(b->ignore[i]);
+    free(b->ignore);
+    for (size_t i = 0; i < b->nres; i++) {
+        free(b->res[i].name);
+        free(b->res[i].path);
+    }
+    free(b->res);
+    free(b->by_path);
+    free(b);
+}
+
+oms_method_t oms_bundle_method(const oms_bundle_t *b)
+{
+    return b->method;
+}
+
+const char *oms_bundle_root_digest(const oms_bundle_t *b)
+{
+    return b->root_digest;
+}
+
+size_t oms_bundle_resource_count(const oms_bundle_t *b)
+{
+    return b->nres;
+}
+
+static int parse_certs(oms_bundle_t *b, const cJSON *chain, const char *where, dp_buf_t *why)
+{
+    const cJSON *certs = member(chain, "certificates");
+    if (!cJSON_IsArray(certs) || cJSON_GetArraySize(certs) < 1) {
+        whyf(why, "%s.certificates: expected a non-empty array", where);
+        return -1;
+    }
+    size_t n = (size_t)cJSON_GetArraySize(certs);
+    b->certs = dp_xcalloc(n, sizeof(*b->certs));
+    for (const cJSON *c = certs->child; c; c = c->next) {
+        bool bad = false;
+        const char *raw = cJSON_IsObject(c) ? get_str(c, "certificate", "rawBytes", true, true,
+                                                      &bad, NULL)
+                                            : NULL;
+        if (raw == NULL || b64(raw, &b->certs[b->ncerts]) != 0) {
+            whyf(why, "%s.certificates[%zu].rawBytes: expected base64 DER", where, b->ncerts);
+            return -1;
+        }
+        b->ncerts++;
+    }
+    return 0;
+}
+
+static int parse_tlog(const cJSON *vm, bool required, dp_buf_t *why)
+{
+    const cJSON *t = member(vm, "tlogEntries");
+    if (t == NULL) {
+        if (required)
+            whyf(why, "verificationMaterial.tlogEntries: missing (a sigstore bundle needs at "
+                      "least one transparency log entry)");
+        return required ? -1 : 0;
+    }
+    if (!cJSON_IsArray(t)) {
+        whyf(why, "verificationMaterial.tlogEntries: expected an array");
+        return -1;
+    }
+    for (const cJSON *e = t->child; e; e = e->next) {
+        if (!cJSON_IsObject(e)) {
+            whyf(why, "verificationMaterial.tlogEntries[]: expected objects");
+            return -1;
+        }
+    }
+    if (required && cJSON_GetArraySize(t) < 1) {
+        whyf(why, "verificationMaterial.tlogEntries: empty (a sigstore bundle needs at least one "
+                  "transparency log entry)");
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
+{
+    const cJSON *vm = get_obj(root, "bundle", "verificationMaterial", why);
+    if (vm == NULL)
+        return -1;
+    if (check_members(vm, "verificationMaterial", NULL, why) != 0)
+        return -1;
+    const cJSON *pk = member(vm, "publicKey");
+    const cJSON *chain = member(vm, "x509CertificateChain");
+    const cJSON *cert = member(vm, "certificate");
+    int kinds = (pk != NULL) + (chain != NULL) + (cert != NULL);
+    if (kinds == 0) {
+        whyf(why, "verificationMaterial: none of publicKey (method key), x509CertificateChain "
+                  "(method certificate), certificate (method sigstore)");
+        return -1;
+    }
+    if (kinds > 1) {
+        whyf(why, "verificationMaterial: more than one of publicKey, x509CertificateChain, "
+                  "certificate (they are one protobuf oneof)");
+        return -1;
+    }
+    const cJSON *tv = member(vm, "timestampVerificationData");
+    if (tv != NULL && !cJSON_IsObject(tv)) {
+        whyf(why, "verificationMaterial.timestampVerificationData: expected an object");
+        return -1;
+    }
+    bool bad = false;
+    if (pk != NULL) {
+        b->method = OMS_METHOD_KEY;
+        if (!cJSON_IsObject(pk)) {
+            whyf(why, "verificationMaterial.publicKey: expected an object");
+            return -1;
+        }
+        const char *hint = get_str(pk, "verificationMaterial.publicKey", "hint", false, false,
+                                   &bad, why);
+        const char *raw = get_str(pk, "verificationMaterial.publicKey", "rawBytes", false, false,
+                                  &bad, why);
+        if (bad)
+            return -1;
+        if (hint == NULL && raw == NULL) {
+            whyf(why, "verificationMaterial.publicKey: needs hint (or rawBytes, older bundles)");
+            return -1;
+        }
+        if (hint)
+            b->key_hint = dp_xstrdup(hint);
+        if (raw && b64(raw, &b->key_raw) != 0) {
+            whyf(why, "verificationMaterial.publicKey.rawBytes: bad base64");
+            return -1;
+        }
+        return parse_tlog(vm, false, why);
+    }
+    if (chain != NULL) {
+        b->method = OMS_METHOD_CERTIFICATE;
+        if (!cJSON_IsObject(chain)) {
+            whyf(why, "verificationMaterial.x509CertificateChain: expected an object");
+            return -1;
+        }
+        if (parse_certs(b, chain, "verificationMaterial.x509CertificateChain", why) != 0)
+            return -1;
+        return parse_tlog(vm, false, why);
+    }
+    b->method = OMS_METHOD_SIGSTORE;
+    if (!cJSON_IsObject(cert) ||
+        get_str(cert, "verificationMaterial.certificate", "rawBytes", true, true, &bad, why) ==
+            NULL) {
+        if (!bad)
+            whyf(why, "verificationMaterial.certificate: expected an object with rawBytes");
+        return -1;
+    }
+    return parse_tlog(vm, true, why);
+}
+
+static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
+{
+    static const char *const env_keys[] = {"payload", "payloadType", "signatures", NULL};
+    static const char *const sig_keys[] = {"sig", "keyid", NULL};
+    const cJSON *env = get_obj(root, "bundle", "dsseEnvelope", why);
+    if (env == NULL || check_members(env, "dsseEnvelope", env_keys, why) != 0)
+        return -1;
+    bool bad = false;
+    const char *payload = get_str(env, "dsseEnvelope", "payload", true, true, &bad, why);
+    const char *ptype = get_str(env, "dsseEnvelope", "payloadType", true, false, &bad, why);
+    if (bad)
+        return -1;
+    if (strcmp(ptype, OMS_PAYLOAD_TYPE) != 0) {
+        dp_buf_t t = {0};
+        whyf(why, "dsseEnvelope.payloadType: expected \"%s\", got \"%s\"", OMS_PAYLOAD_TYPE,
+             shown(ptype, &t));
+        dp_buf_free(&t);
+        return -1;
+    }
+    const cJSON *sigs = member(env, "signatures");
+    if (!cJSON_IsArray(sigs) || cJSON_GetArraySize(sigs) < 1) {
+        whyf(why, "dsseEnvelope.signatures: expected a non-empty array");
+        return -1;
+    }
+    size_t n = (size_t)cJSON_GetArraySize(sigs);
+    if (n > ATTEST_MAX_SIGNATURES) {
+        whyf(why, "dsseEnvelope.signatures: %zu signatures (at most %d)", n,
+             ATTEST_MAX_SIGNATURES);
+        return -1;
+    }
+    b->sigs = dp_xcalloc(n, sizeof(*b->sigs));
+    for (const cJSON *s = sigs->child; s; s = s->next) {
+        char where[64];
+        snprintf(where, sizeof(where), "dsseEnvelope.signatures[%zu]", b->nsigs);
+        if (!cJSON_IsObject(s)) {
+            whyf(why, "%s: expected an object", where);
+            return -1;
+        }
+        if (check_members(s, where, sig_keys, why) != 0)
+            return -1;
+        const cJSON *kid = member(s, "keyid");
+        if (kid != NULL && !cJSON_IsString(kid) && !cJSON_IsNull(kid)) {
+            whyf(why, "%s.keyid: expected a string or null", where);
+            return -1;
+        }
+        const char *sig = get_str(s, where, "sig", true, true, &bad, why);
+        if (bad)
+            return -1;
+        if (b64(sig, &b->sigs[b->nsigs]) != 0) {
+            whyf(why, "%s.sig: bad base64", where);
+            return -1;
+        }
+        b->nsigs++;
+    }
+    if (b64(payload, &b->payload) != 0) {
+        whyf(why, "dsseEnvelope.payload: bad base64");
+        return -1;
+    }
+    return 0;
+}
+
+static const struct {
+    const char *name, *md;
+    size_t len;
+} hash_types[] = {{"sha256", "SHA256", 32}, {"blake2b", "BLAKE2B-512", 64}, {"blake3", NULL, 32}};
+
+static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
+{
+    static const char *const keys[] = {"method",         "hash_type",    "shard_size",
+                                       "allow_symlinks", "ignore_paths", NULL};
+    const char *W = "predicate.serialization";
+    const cJSON *s = get_obj(pred, "predicate", "serialization", why);
+    if (s == NULL || check_members(s, W, keys, why) != 0)
+        return -1;
+    bool bad = false;
+    const char *method = get_str(s, W, "method", true, false, &bad, why);
+    const char *ht = get_str(s, W, "hash_type", true, false, &bad, why);
+    if (bad)
+        return -1;
+    dp_buf_t t = {0};
+    int rc = -1;
+    if (strcmp(method, "files") == 0) {
+        b->shards = false;
+    } else if (strcmp(method, "shards") == 0) {
+        b->shards = true;
+    } else {
+        whyf(why, "%s.method: expected \"files\" or \"shards\", got \"%s\"", W, shown(method, &t));
+        goto out;
+    }
+    size_t k = 0;
+    while (k < DP_ARRAY_SIZE(hash_types) && strcmp(ht, hash_types[k].name) != 0)
+        k++;
+    if (k == DP_ARRAY_SIZE(hash_types)) {
+        whyf(why, "%s.hash_type: expected sha256, blake2b or blake3, got \"%s\"", W,
+             shown(ht, &t));
+        goto out;
+    }
+    if (hash_types[k].md == NULL) {
+        whyf(why, "%s.hash_type: %s is not supported by this verifier (sha256 and blake2b are)",
+             W, ht);
+        goto out;
+    }
+    snprintf(b->hash_type, sizeof(b->hash_type), "%s", ht);
+    b->md_name = hash_types[k].md;
+    b->digest_len = hash_types[k].len;
+    const cJSON *ss = member(s, "shard_size");
+    if (b->shards) {
+        if (ss == NULL) {
+            whyf(why, "%s.shard_size: missing (required when method is \"shards\")", W);
+            goto out;
+        }
+        if (!cJSON_IsNumber(ss) || ss->valuedouble < 1 ||
+            ss->valuedouble > (double)SHARD_SIZE_MAX ||
+            ss->valuedouble != (double)(uint64_t)ss->valuedouble) {
+            whyf(why, "%s.shard_size: expected a positive integer", W);
+            goto out;
+        }
+        b->shard_size = (uint64_t)ss->valuedouble;
+    } else if (ss != NULL) {
+        whyf(why, "%s.shard_size: must be absent when method is \"files\"", W);
+        goto out;
+    }
+    const cJSON *as = member(s, "allow_symlinks");
+    if (as == NULL) {
+        whyf(why, "%s.allow_symlinks: missing", W);
+        goto out;
+    }
+    if (!cJSON_IsBool(as)) {
+        whyf(why, "%s.allow_symlinks: expected true or false", W);
+        goto out;
+    }
+    b->allow_symlinks = cJSON_IsTrue(as);
+    const cJSON *ip = member(s, "ignore_paths");
+    if (ip != NULL) {
+        if (!cJSON_IsArray(ip)) {
+            whyf(why, "%s.ignore_paths: expected an array of strings", W);
+            goto out;
+        }
+        b->ignore = dp_xcalloc((size_t)cJSON_GetArraySize(ip) + 1, sizeof(*b->ignore));
+        for (const cJSON *e = ip->child; e; e = e->next) {
+            if (!cJSON_IsString(e) || e->valuestring[0] == '\0') {
+                whyf(why, "%s.ignore_paths[%zu]: expected a non-empty string", W, b->nignore);
+                goto out;
+            }
+            char *p = dp_xstrdup(e->valuestring);
+            size_t n = strlen(p);
+            while (n > 1 && p[n - 1] == '/')
+                p[--n] = '\0'; /* "cache/" names the directory "cache" */
+            const char *problem = strpbrk(p, "*?[") ? "contains a glob character"
+                                                    : path_problem(p);
+            b->ignore[b->nignore++] = p;
+            if (problem) {
+                whyf(why, "%s.ignore_paths[%zu] \"%s\": %s", W, b->nignore - 1,
+                     shown(e->valuestring, &t), problem);
+                goto out;
+            }
+        }
+    }
+    rc = 0;
+out:
+    dp_buf_free(&t);
+    return rc;
+}
+
+/* "<path>:<start>:<end>": the last two colon-separated decimal fields (OMS §6.3.2). */
+static int split_shard(oms_res_t *r)
+{
+    char *c2 = strrchr(r->name, ':');
+    if (c2 == NULL || c2 == r->name)
+        return -1;
+    char *c1 = c2 - 1;
+    while (c1 > r->name && *c1 != ':')
+        c1--;
+    if (*c1 != ':' || c1 == r->name)
+        return -1;
+    const char *s = c1 + 1, *e = c2 + 1;
+    size_t sn = (size_t)(c2 - s), en = strlen(e);
+    if (sn == 0 || en == 0 || (sn > 1 && s[0] == '0') || (en > 1 && e[0] == '0') ||
+        dp_parse_u64(s, sn, &r->start) != 0 || dp_parse_u64(e, en, &r->end) != 0)
+        return -1;
+    r->path = dp_xstrndup(r->name, (size_t)(c1 - r->name));
+    return 0;
+}
+
+static int cmp_by_path(const void *a, const void *b)
+{
+    const oms_res_t *x = *(oms_res_t *const *)a, *y = *(oms_res_t *const *)b;
+    int c = strcmp(x->path, y->path);
+    if (c != 0)
+        return c;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
+{
+    const cJSON *res = member(pred, "resources");
+    if (res == NULL) {
+        whyf(why, "predicate.resources: missing");
+        return -1;
+    }
+    if (!cJSON_IsArray(res)) {
+        whyf(why, "predicate.resources: expected an array");
+        return -1;
+    }
+    size_t n = (size_t)cJSON_GetArraySize(res);
+    if (n == 0) {
+        whyf(why, "predicate.resources: empty (a model has at least one file)");
+        return -1;
+    }
+    b->res = dp_xcalloc(n, sizeof(*b->res));
+    dp_buf_t t = {0};
+    int rc = -1;
+    for (const cJSON *e = res->child; e; e = e->next) {
+        size_t i = b->nres;
+        char where[64];
+        snprintf(where, sizeof(where), "predicate.resources[%zu]", i);
+        if (!cJSON_IsObject(e)) {
+            whyf(why, "%s: expected an object", where);
+            goto out;
+        }
+        if (check_members(e, where, NULL, why) != 0)
+            goto out;
+        bool bad = false;
+        const char *name = get_str(e, where, "name", true, true, &bad, why);
+        const char *digest = get_str(e, where, "digest", true, false, &bad, why);
+        const char *alg = get_str(e, where, "algorithm", true, false, &bad, why);
+        if (bad)
+            goto out;
+        oms_res_t *r = &b->res[b->nres++];
+        r->name = dp_xstrdup(name);
+        if (b->shards) {
+            if (split_shard(r) != 0) {
+                whyf(why, "%s.name \"%s\": expected \"<path>:<start>:<end>\" (method shards)",
+                     where, shown(name, &t));
+                goto out;
+            }
+        } else {
+            r->path = dp_xstrdup(name);
+        }
+        const char *problem = path_problem(r->path);
+        if (problem) {
+            whyf(why, "%s.name \"%s\": %s", where, shown(name, &t), problem);
+            goto out;
+        }
+        if (b->shards && (r->start >= r->end || r->start % b->shard_size != 0 ||
+                          r->end - r->start > b->shard_size)) {
+            whyf(why, "%s.name \"%s\": not a shard of shard_size %llu", where, shown(name, &t),
+                 (unsigned long long)b->shard_size);
+            goto out;
+        }
+        if (i > 0 && strcmp(b->res[i - 1].name, name) >= 0) {
+            whyf(why, "%s.name \"%s\": resources are not sorted by name (or repeat one): it "
+                      "follows \"%s\"",
+                 where, shown(name, &t), b->res[i - 1].name);
+            goto out;
+        }
+        if (strcmp(alg, b->hash_type) != 0) {
+            whyf(why, "%s.algorithm: \"%s\" differs from serialization.hash_type \"%s\"", where,
+                 shown(alg, &t), b->hash_type);
+            goto out;
+        }
+        if (!dp_is_lower_hex(digest, strlen(digest))) {
+            whyf(why, "%s.digest: expected lowercase hex", where);
+            goto out;
+        }
+        if (strlen(digest) != b->digest_len * 2) {
+            whyf(why, "%s.digest: %zu hex digits, %s gives %zu", where, strlen(digest),
+                 b->hash_type, b->digest_len * 2);
+            goto out;
+        }
+        dp_unhex(digest, b->digest_len * 2, r->digest, b->digest_len);
+    }
+    b->by_path = dp_xcalloc(b->nres, sizeof(*b->by_path));
+    for (size_t i = 0; i < b->nres; i++)
+        b->by_path[i] = &b->res[i];
+    qsort(b->by_path, b->nres, sizeof(*b->by_path), cmp_by_path);
+    /* Shards of one file must tile it: 0..s, s..2s, ... without gaps or overlaps. */
+    for (size_t i = 0; b->shards && i < b->nres; i++) {
+        const oms_res_t *r = b->by_path[i];
+        bool first = i == 0 || strcmp(b->by_path[i - 1]->path, r->path) != 0;
+        uint64_t want = first ? 0 : b->by_path[i - 1]->end;
+        bool prev_full = first || b->by_path[i - 1]->end - b->by_path[i - 1]->start ==
+                                      b->shard_size;
+        if (r->start != want || !prev_full) {
+            whyf(why, "predicate.resources: the shards of \"%s\" do not cover it contiguously "
+                      "(at \"%s\")",
+                 shown(r->path, &t), r->name);
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    dp_buf_free(&t);
+    return rc;
+}
+
+static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
+{
+    static const char *const st_keys[] = {"_type", "subject", "predicateType", "predicate", NULL};
+    static const char *const pred_keys[] = {"resources", "serialization", NULL};
+    int rc = -1;
+    dp_buf_t t = {0};
+    cJSON *st = cJSON_ParseWithLength(b->payload.base ? b->payload.base : "", b->payload.len);
+    if (!cJSON_IsObject(st)) {
+        whyf(why, "statement (the decoded DSSE payload): not a JSON object");
+        goto out;
+    }
+    bool bad = false;
+    const char *pt = get_str(st, "statement", "predicateType", true, false, &bad, why);
+    if (bad)
+        goto out;
+    if (strcmp(pt, DEPRECATED_PREDICATE) == 0) {
+        whyf(why, "statement.predicateType: \"%s\" is the deprecated v0.1 format (not "
+                  "supported; re-sign with a current model_signing)",
+             DEPRECATED_PREDICATE);
+        goto out;
+    }
+    if (strcmp(pt, OMS_PREDICATE_TYPE) != 0) {
+        whyf(why, "statement.predicateType: expected \"%s\", got \"%s\"", OMS_PREDICATE_TYPE,
+             shown(pt, &t));
+        goto out;
+    }
+    if (check_members(st, "statement", st_keys, why) != 0)
+        goto out;
+    const char *type = get_str(st, "statement", "_type", true, false, &bad, why);
+    if (bad)
+        goto out;
+    if (strcmp(type, OMS_STATEMENT_TYPE) != 0) {
+        whyf(why, "statement._type: expected \"%s\", got \"%s\"", OMS_STATEMENT_TYPE,
+             shown(type, &t));
+        goto out;
+    }
+    const cJSON *subj = member(st, "subject");
+    if (!cJSON_IsArray(subj) || cJSON_GetArraySize(subj) != 1 || !cJSON_IsObject(subj->child)) {
+        whyf(why, "statement.subject: expected exactly one subject object");
+        goto out;
+    }
+    if (check_members(subj->child, "statement.subject[0]", NULL, why) != 0 ||
+        get_str(subj->child, "statement.subject[0]", "name", true, true, &bad, why) == NULL)
+        goto out;
+    const cJSON *dg = get_obj(subj->child, "statement.subject[0]", "digest", why);
+    if (dg == NULL || check_members(dg, "statement.subject[0].digest", NULL, why) != 0)
+        goto out;
+    for (const cJSON *d = dg->child; d; d = d->next) {
+        if (!cJSON_IsString(d) || !dp_is_lower_hex(d->valuestring, strlen(d->valuestring)) ||
+            d->valuestring[0] == '\0') {
+            whyf(why, "statement.subject[0].digest.%s: expected lowercase hex",
+                 shown(d->string, &t));
+            goto out;
+        }
+    }
+    const char *root = get_str(dg, "statement.subject[0].digest", "sha256", true, false, &bad,
+                               why);
+    if (bad)
+        goto out;
+    if (!dp_is_lower_hex(root, 64)) {
+        whyf(why, "statement.subject[0].digest.sha256: expected 64 hex digits");
+        goto out;
+    }
+    memcpy(b->root_digest, root, 65);
+    const cJSON *pred = get_obj(st, "statement", "predicate", why);
+    if (pred == NULL || check_members(pred, "predicate", pred_keys, why) != 0)
+        goto out;
+    if (parse_serialization(b, pred, why) != 0 || parse_resources(b, pred, why) != 0)
+        goto out;
+    /* OMS §6.5.1: SHA-256 over the raw digests in resource order. The root digest is what the
+     * agent reports, so it must describe exactly the resources that are verified. */
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    uint8_t md[32];
+    unsigned int mdlen = 0;
+    EVP_DigestInit_ex(ctx, EVP_sha256(), NULL);
+    for (size_t i = 0; i < b->nres; i++)
+        EVP_DigestUpdate(ctx, b->res[i].digest, b->digest_len);
+    EVP_DigestFinal_ex(ctx, md, &mdlen);
+    EVP_MD_CTX_free(ctx);
+    char hex[65];
+    dp_hex(md, sizeof(md), hex);
+    if (strcmp(hex, b->root_digest) != 0) {
+        whyf(why, "statement.subject[0].digest.sha256: %.8s.. is not the root digest of the "
+                  "resources (%.8s..)",
+             b->root_digest, hex);
+        goto out;
+    }
+    rc = 0;
+out:
+    cJSON_Delete(st);
+    dp_buf_free(&t);
+    return rc;
+}
+
+int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t *why)
+{
+    static const char *const root_keys[] = {"mediaType", "verificationMaterial", "dsseEnvelope",
+                                            NULL};
+    *out = NULL;
+    oms_bundle_t *b = dp_xcalloc(1, sizeof(*b));
+    int rc = -1;
+    cJSON *root = len > 0 ? cJSON_ParseWithLength(json, len) : NULL;
+    if (root == NULL) {
+        whyf(why, "bundle: %s", len == 0 ? "empty file" : "not valid JSON");
+        goto out;
+    }
+    if (!cJSON_IsObject(root)) {
+        whyf(why, "bundle: expected a JSON object");
+        goto out;
+    }
+    if (check_members(root, "bundle", root_keys, why) != 0)
+        goto out;
+    bool bad = false;
+    const char *mt = get_str(root, "bundle", "mediaType", true, false, &bad, why);
+    if (bad)
+        goto out;
+    if (strcmp(mt, BUNDLE_MEDIA_TYPE) != 0 && strcmp(mt, BUNDLE_MEDIA_TYPE_ALT) != 0) {
+        dp_buf_t t = {0};
+        whyf(why, "bundle.mediaType: expected \"%s\" (Sigstore bundle v0.3), got \"%s\"",
+             BUNDLE_MEDIA_TYPE, shown(mt, &t));
+        dp_buf_free(&t);
+        goto out;
+    }
+    if (parse_material(b, root, why) != 0 || parse_envelope(b, root, why) != 0 ||
+        parse_statement(b, why) != 0)
+        goto out;
+    rc = 0;
+    *out = b;
+    b = NULL;
+out:
+    cJSON_Delete(root);
+    oms_bundle_free(b);
+    return rc;
+}
+
+/* ---- trust and signatures --------------------------------------------------------------------- */
+
+static const char *ec_curve_problem(EVP_PKEY *k)
+{
+    if (EVP_PKEY_get_base_id(k) != EVP_PKEY_EC)
+        return "not an EC key (OMS signs with ECDSA P-256, P-384 or P-521)";
+    char curve[64] = "";
+    size_t n = 0;
+    if (EVP_PKEY_get_utf8_string_param(k, "group", curve, sizeof(curve), &n) != 1)
+        return "EC key without a named curve";
+    if (strcmp(curve, "prime256v1") != 0 && strcmp(curve, "secp384r1") != 0 &&
+        strcmp(curve, "secp521r1") != 0)
+        return "unsupported EC curve (OMS signs with P-256, P-384 or P-521)";
+    return NULL;
+}
+
+/* The ECDSA digest goes with the curve (Sigstore algorithm registry). */
+static const EVP_MD *ec_md(EVP_PKEY *k)
+{
+    int bits = EVP_PKEY_get_bits(k);
+    return bits <= 256 ? EVP_sha256() : bits <= 384 ? EVP_sha384() : EVP_sha512();
+}
+
+static void spki_fingerprint(EVP_PKEY *k, char out[65])
+{
+    unsigned char *der = NULL;
+    int n = i2d_PUBKEY(k, &der);
+    if (n <= 0) {
+        out[0] = '\0';
+        return;
+    }
+    dp_sha256_hex(der, (size_t)n, out);
+    OPENSSL_free(der);
+}
+
+/* What model_signing writes as publicKey.hint: SHA-256 of the PEM text of the key. */
+static void pem_fingerprint(EVP_PKEY *k, char out[65])
+{
+    out[0] = '\0';
+    BIO *bio = BIO_new(BIO_s_mem());
+    if (bio && PEM_write_bio_PUBKEY(bio, k) == 1) {
+        char *p = NULL;
+        long n = BIO_get_mem_data(bio, &p);
+        if (n > 0)
+            dp_sha256_hex(p, (size_t)n, out);
+    }
+    BIO_free(bio);
+}
+
+int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err)
+{
+    dp_buf_t pem = {0};
+    int rc = -1;
+    int r = dp_read_file(path, 1 << 20, &pem);
+    if (r != 0) {
+        whyf(err, "cannot read %s: %s", path, strerror(-r));
+        goto out;
+    }
+    BIO *bio = BIO_new_mem_buf(pem.base, (int)pem.len);
+    EVP_PKEY *k = bio ? PEM_read_bio_PUBKEY(bio, NULL, NULL, NULL) : NULL;
+    BIO_free(bio);
+    if (k == NULL) {
+        whyf(err, "%s: not a PEM public key (\"BEGIN PUBLIC KEY\")", path);
+        goto out;
+    }
+    const char *problem = ec_curve_problem(k);
+    if (problem) {
+        whyf(err, "%s: %s", path, problem);
+        EVP_PKEY_free(k);
+        goto out;
+    }
+    EVP_PKEY_free(t->pubkey);
+    t->pubkey = k;
+    rc = 0;
+out:
+    ERR_clear_error();
+    dp_buf_free(&pem);
+    return rc;
+}
+
+int oms_trust_load_ca(oms_trust_t *t, const char *path, dp_buf_t *err)
+{
+    X509_STORE *st = X509_STORE_new();
+    if (st == NULL || X509_STORE_load_file(st, path) != 1) {
+        whyf(err, "%s: cannot load CA certificates (PEM)", path);
+        X509_STORE_free(st);
+        ERR_clear_error();
+        return -1;
+    }
+    X509_STORE_free(t->ca_store);
+    t->ca_store = st;
+    return 0;
+}
+
+void oms_trust_free(oms_trust_t *t)
+{
+    EVP_PKEY_free(t->pubkey);
+    X509_STORE_free(t->ca_store);
+    t->pubkey = NULL;
+    t->ca_store = NULL;
+}
+
+void oms_trust_pubkey_fingerprint(const oms_trust_t *t, char out[65])
+{
+    out[0] = '\0';
+    if (t->pubkey)
+        spki_fingerprint(t->pubkey, out);
+}
+
+static X509 *der_cert(const dp_buf_t *d)
+{
+    const unsigned char *p = (const unsigned char *)d->base;
+    return d->len > 0 && d->len < INT_MAX ? d2i_X509(NULL, &p, (long)d->len) : NULL;
+}
+
+/* The leaf's key after validating the chain against the CA store (validity period included). */
+static EVP_PKEY *cert_key(const oms_bundle_t *b, X509_STORE *store, dp_buf_t *why)
+{
+    EVP_PKEY *k = NULL;
+    X509 *leaf = der_cert(&b->certs[0]);
+    STACK_OF(X509) *chain = sk_X509_new_null();
+    X509_STORE_CTX *ctx = X509_STORE_CTX_new();
+    if (leaf == NULL) {
+        whyf(why, "verificationMaterial.x509CertificateChain.certificates[0]: not a DER "
+                  "certificate");
+        goto out;
+    }
+    for (size_t i = 1; i < b->ncerts; i++) {
+        X509 *c = der_cert(&b->certs[i]);
+        if (c == NULL) {
+            whyf(why, "verificationMaterial.x509CertificateChain.certificates[%zu]: not a DER "
+                      "certificate",
+                 i);
+            goto out;
+        }
+        sk_X509_push(chain, c);
+    }
+    if (ctx == NULL || X509_STORE_CTX_init(ctx, store, leaf, chain) != 1) {
+        whyf(why, "certificate: cannot set up chain validation");
+        goto out;
+    }
+    if (X509_verify_cert(ctx) != 1) {
+        int e = X509_STORE_CTX_get_error(ctx);
+        whyf(why, "certificate: the signing certificate does not chain to --ca-file (%s)",
+             X509_verify_cert_error_string(e));
+        goto out;
+    }
+    k = X509_get_pubkey(leaf);
+    const char *problem = k ? ec_curve_problem(k) : "no public key";
+    if (problem) {
+        whyf(why, "certificate: the signing certificate's key: %s", problem);
+        EVP_PKEY_free(k);
+        k = NULL;
+    }
+out:
+    X509_STORE_CTX_free(ctx);
+    sk_X509_pop_free(chain, X509_free);
+    X509_free(leaf);
+    ERR_clear_error();
+    return k;
+}
+
+static bool sig_verifies(EVP_PKEY *k, const dp_buf_t *pae, const dp_buf_t *sig)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    bool ok = ctx && EVP_DigestVerifyInit(ctx, NULL, ec_md(k), NULL, k) == 1 &&
+              EVP_DigestVerify(ctx, (const unsigned char *)sig->base, sig->len,
+                               (const unsigned char *)pae->base, pae->len) == 1;
+    EVP_MD_CTX_free(ctx);
+    ERR_clear_error();
+    return ok;
+}
+
+int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signer[65],
+                         dp_buf_t *why)
+{
+    signer[0] = '\0';
+    EVP_PKEY *k = NULL;
+    bool owned = false;
+    switch (b->method) {
+    case OMS_METHOD_SIGSTORE:
+        whyf(why, "signature: method sigstore (keyless, Fulcio + Rekor) is not supported "
+                  "offline: it needs the Sigstore trust root and transparency log; sign with a "
+                  "key or a certificate instead");
+        return -1;
+    case OMS_METHOD_CERTIFICATE:
+        if (t->ca_store == NULL) {
+            whyf(why, "signature: the bundle is signed with a certificate (method certificate): "
+                      "give --ca-file");
+            return -1;
+        }
+        k = cert_key(b, t->ca_store, why);
+        if (k == NULL)
+            return -1;
+        owned = true;
+        break;
+    case OMS_METHOD_KEY: {
+        if (t->pubkey == NULL) {
+            whyf(why, "signature: the bundle is signed with a key (method key): give --pubkey");
+            return -1;
+        }
+        k = t->pubkey;
+        char der[65], pem[65];
+        spki_fingerprint(k, der);
+        pem_fingerprint(k, pem);
+        if (b->key_hint && strcmp(b->key_hint, pem) != 0 && strcmp(b->key_hint, der) != 0) {
+            dp_buf_t tmp = {0};
+            whyf(why, "signature: the bundle names key %s (publicKey.hint), --pubkey is %.8s..",
+                 shown(b->key_hint, &tmp), der);
+            dp_buf_free(&tmp);
+            return -1;
+        }
+        if (b->key_raw.len > 0) {
+            unsigned char *d = NULL;
+            int n = i2d_PUBKEY(k, &d);
+            bool same = n > 0 && (size_t)n == b->key_raw.len &&
+                        memcmp(d, b->key_raw.base, (size_t)n) == 0;
+            OPENSSL_free(d);
+            if (!same) {
+                whyf(why, "signature: the bundle's publicKey.rawBytes is not --pubkey");
+                return -1;
+            }
+        }
+        break;
+    }
+    }
+    dp_buf_t pae = {0};
+    attest_dsse_pae(OMS_PAYLOAD_TYPE, b->payload.base ? b->payload.base : "", b->payload.len,
+                    &pae);
+    bool ok = false;
+    for (size_t i = 0; i < b->nsigs && !ok; i++)
+        ok = sig_verifies(k, &pae, &b->sigs[i]);
+    if (ok)
+        spki_fingerprint(k, signer);
+    else
+        whyf(why, "signature: does not verify with the %s (payload or signature altered, or "
+                  "another signer)",
+             b->method == OMS_METHOD_KEY ? "--pubkey key" : "signing certificate's key");
+    dp_buf_free(&pae);
+    if (owned)
+        EVP_PKEY_free(k);
+    return ok ? 0 : -1;
+}
+
+/* ---- the directory ---------------------------------------------------------------------------- */
+
+static const char *const default_ignores[] = {".git", ".gitignore", ".gitattributes", ".github"};
+
+typedef struct {
+    const oms_bundle_t *b;
+    char *bundle_rel; /* the bundle's path inside the model directory, or NULL */
+    attest_reasons_t *findings;
+    int nfindings;
+} walk_ctx_t;
+
+static bool exclude_cb(const char *rel, void *data)
+{
+    const walk_ctx_t *w = data;
+    if (strchr(rel, '/') == NULL)
+        for (size_t i = 0; i < DP_ARRAY_SIZE(default_ignores); i++)
+            if (strcmp(rel, default_ignores[i]) == 0)
+                return true;
+    for (size_t i = 0; i < w->b->nignore; i++)
+        if (strcmp(rel, w->b->ignore[i]) == 0)
+            return true;
+    return w->bundle_rel && strcmp(rel, w->bundle_rel) == 0;
+}
+
+static void finding(walk_ctx_t *w, const char *fmt, const char *rel, const char *detail)
+{
+    dp_buf_t t = {0};
+    attest_abbrev(rel, &t);
+    attest_reasons_add(w->findings, fmt, t.base, detail ? detail : "");
+    dp_buf_free(&t);
+    w->nfindings++;
+}
+
+static int symlink_cb(const char *rel, void *data)
+{
+    finding(data, "symlink not allowed (the bundle records allow_symlinks false): %s%s", rel,
+            NULL);
+    return 0;
+}
+
+/* The model-relative path of the bundle when it lies inside dir (it is then not a model file,
+ * OMS §6.2). */
+static char *bundle_relpath(const char *dir, const char *bundle_path)
+{
+    if (bundle_path == NULL)
+        return NULL;
+    char *d = realpath(dir, NULL), *f = realpath(bundle_path, NULL), *rel = NULL;
+    if (d && f) {
+        size_t n = strlen(d);
+        if (strncmp(f, d, n) == 0 && (d[n - 1] == '/' || f[n] == '/'))
+            rel = dp_xstrdup(f + n + (d[n - 1] == '/' ? 0 : 1));
+    }
+    free(d);
+    free(f);
+    return rel;
+}
+
+/* The resources signed for one file: [*lo, *hi) in by_path. */
+static void lookup_path(const oms_bundle_t *b, const char *path, size_t *lo, size_t *hi)
+{
+    size_t l = 0, h = b->nres;
+    while (l < h) {
+        size_t m = l + (h - l) / 2;
+        if (strcmp(b->by_path[m]->path, path) < 0)
+            l = m + 1;
+        else
+            h = m;
+    }
+    *lo = l;
+    while (l < b->nres && strcmp(b->by_path[l]->path, path) == 0)
+        l++;
+    *hi = l;
+}
+
+/* Check one file; returns 0, or a negative errno when it could not be read. */
+static int check_file(walk_ctx_t *w, attest_filehasher_t *fh, const char *dir,
+                      const attest_file_t *f, dp_buf_t *digests, dp_buf_t *err)
+{
+    const oms_bundle_t *b = w->b;
+    if (!utf8_valid(f->relpath)) {
+        finding(w, "extra file (its name is not valid UTF-8, so it cannot be signed): %s%s",
+                f->relpath, NULL);
+        return 0;
+    }
+    size_t lo, hi;
+    lookup_path(b, f->relpath, &lo, &hi);
+    if (lo == hi) {
+        if (!(b->shards && f->size == 0)) /* empty files have no shards (OMS §6.3.2) */
+            finding(w, "extra file (not in the bundle): %s%s", f->relpath, NULL);
+        return 0;
+    }
+    for (size_t i = lo; i < hi; i++)
+        b->by_path[i]->seen = true;
+    char detail[160];
+    if (b->shards && b->by_path[hi - 1]->end != f->size) {
+        snprintf(detail, sizeof(detail), " (size %llu, signed %llu)",
+                 (unsigned long long)f->size, (unsigned long long)b->by_path[hi - 1]->end);
+        finding(w, "changed file: %s%s", f->relpath, detail);
+        return 0;
+    }
+    dp_buf_reset(digests);
+    int rc = attest_filehasher_file(fh, dir, f, b->shards ? b->shard_size : 0, digests, err);
+    if (rc != 0)
+        return rc;
+    size_t got = digests->len / b->digest_len;
+    if (got != hi - lo) {
+        snprintf(detail, sizeof(detail), " (%zu pieces, %zu signed)", got, hi - lo);
+        finding(w, "changed file: %s%s", f->relpath, detail);
+        return 0;
+    }
+    for (size_t i = 0; i < got; i++) {
+        const oms_res_t *r = b->by_path[lo + i];
+        const uint8_t *d = (const uint8_t *)digests->base + i * b->digest_len;
+        if (memcmp(d, r->digest, b->digest_len) == 0)
+            continue;
+        char gh[17], wh[17];
+        dp_hex(d, 8, gh);
+        dp_hex(r->digest, 8, wh);
+        if (b->shards)
+            snprintf(detail, sizeof(detail), " (bytes %llu..%llu: %s %s.. signed %s..)",
+                     (unsigned long long)r->start, (unsigned long long)r->end, b->hash_type, gh,
+                     wh);
+        else
+            snprintf(detail, sizeof(detail), " (%s %s.. signed %s..)", b->hash_type, gh, wh);
+        finding(w, "changed file: %s%s", f->relpath, detail);
+        return 0;
+    }
+    return 0;
+}
+
+int oms_verify_dir(const oms_bundle_t *b, const char *dir, const char *bundle_path,
+                   const attest_hash_opts_t *opts, attest_reasons_t *findings,
+                   attest_snapshot_t *snap_out, dp_buf_t *err)
+{
+    walk_ctx_t w = {.b = b, .bundle_rel = bundle_relpath(dir, bundle_path), .findings = findings};
+    attest_walk_opts_t wo = {.include_hidden = true,
+                             .any_file_name = true,
+                             .no_follow_symlinks = !b->allow_symlinks,
+                             .exclude = exclude_cb,
+                             .on_symlink = symlink_cb,
+                             .data = &w};
+    for (size_t i = 0; i < b->nres; i++)
+        b->res[i].seen = false;
+    attest_snapshot_t snap = {0};
+    dp_buf_t digests = {0};
+    attest_filehasher_t *fh = NULL;
+    int rc = attest_snapshot_take_opts(dir, &wo, &snap, err);
+    if (rc != 0)
+        goto out;
+    fh = attest_filehasher_new(b->md_name, opts, err);
+    if (fh == NULL) {
+        rc = -EIO;
+        goto out;
+    }
+    for (size_t i = 0; i < snap.count && rc == 0; i++)
+        rc = check_file(&w, fh, dir, &snap.files[i], &digests, err);
+    if (rc != 0)
+        goto out;
+    for (size_t i = 0; i < b->nres; i++) {
+        const oms_res_t *r = b->by_path[i];
+        if (!r->seen && (i == 0 || strcmp(b->by_path[i - 1]->path, r->path) != 0))
+            finding(&w, "missing file: %s%s", r->path, NULL);
+    }
+    rc = w.nfindings > 0 ? 1 : 0;
+out:
+    if (snap_out != NULL && rc >= 0)
+        *snap_out = snap;
+    else
+        attest_snapshot_free(&snap);
+    attest_filehasher_free(fh);
+    dp_buf_free(&digests);
+    free(w.bundle_rel);
+    return rc;
+}
+
+/* ---- all of it -------------------------------------------------------------------------------- */
+
+void oms_result_clear(oms_result_t *r)
+{
+    attest_reasons_free(&r->findings);
+    attest_snapshot_free(&r->snap);
+    oms_bundle_free(r->bundle);
+    memset(r, 0, sizeof(*r));
+}
+
+int oms_verify(const char *bundle_path, const char *dir, const oms_trust_t *t,
+               const attest_hash_opts_t *opts, oms_result_t *out)
+{
+    dp_buf_t json = {0}, why = {0};
+    int rc = 1;
+    rc = dp_read_file(bundle_path, OMS_BUNDLE_MAX_BYTES, &json);
+    if (rc != 0) {
+        attest_reasons_add(&out->findings, "bundle: cannot read %s: %s", bundle_path,
+                           strerror(-rc));
+        goto out;
+    }
+    rc = 1;
+    if (oms_bundle_parse(json.base ? json.base : "", json.len, &out->bundle, &why) != 0) {
+        attest_reasons_add(&out->findings, "%s", why.base);
+        goto out;
+    }
+    out->method = oms_method_names[out->bundle->method];
+    memcpy(out->root_digest, out->bundle->root_digest, sizeof(out->root_digest));
+    if (oms_verify_signature(out->bundle, t, out->signer, &why) != 0) {
+        attest_reasons_add(&out->findings, "%s", why.base);
+        goto out;
+    }
+    rc = oms_verify_dir(out->bundle, dir, bundle_path, opts, &out->findings, &out->snap, &why);
+    if (rc < 0)
+        attest_reasons_add(&out->findings, "model directory: %s",
+                           why.base ? why.base : strerror(-rc));
+    out->verified = rc == 0;
+out:
+    dp_buf_free(&json);
+    dp_buf_free(&why);
+    return rc;
+}
+
+int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const char *lines,
+                    size_t lines_len, attest_reasons_t *findings)
+{
+    int n = 0;
+    const oms_bundle_t *b = r->bundle;
+    bool compare_digests = b && !b->shards && strcmp(b->hash_type, "sha256") == 0;
+    size_t j = 0, off = 0;
+    dp_buf_t t = {0};
+    for (size_t i = 0; i < ckpt->count; i++) {
+        const attest_file_t *f = &ckpt->files[i];
+        const char *line = off + 66 <= lines_len ? lines + off : NULL;
+        const char *nl = line ? memchr(line, '\n', lines_len - off) : NULL;
+        off = nl ? (size_t)(nl - lines) + 1 : lines_len;
+        while (j < r->snap.count && strcmp(r->snap.files[j].relpath, f->relpath) < 0)
+            j++;
+        const attest_file_t *o = j < r->snap.count &&
+                                         strcmp(r->snap.files[j].relpath, f->relpath) == 0
+                                     ? &r->snap.files[j]
+                                     : NULL;
+        const char *problem = NULL;
+        if (o == NULL || !b)
+            problem = "is not covered by the OMS bundle (ignored or excluded there)";
+        else if (o->dev != f->dev || o->ino != f->ino || o->size != f->size ||
+                 o->mtime_ns != f->mtime_ns)
+            problem = "changed between the checkpoint hash and the OMS verification";
+        else if (compare_digests) {
+            size_t lo, hi;
+            lookup_path(b, f->relpath, &lo, &hi);
+            uint8_t d[32];
+            if (line == NULL || lo == hi || dp_unhex(line, 64, d, 32) != 0 ||
+                memcmp(d, b->by_path[lo]->digest, 32) != 0)
+                problem = "has a different digest in the checkpoint hash and the OMS bundle";
+        }
+        if (problem) {
+            dp_buf_reset(&t);
+            attest_abbrev(f->relpath, &t);
+            attest_reasons_add(findings, "checkpoint file %s %s", t.base, problem);
+            n++;
+        }
+    }
+    dp_buf_free(&t);
+    return n;
+}
