@@ -1,0 +1,246 @@
+/* OMS bundles (SPEC §19): the spec's published test vectors (tests/unit/data/oms, see its
+ * README) checked the way the spec's validator checks them, and the predicate rules of OMS
+ * §5-§6 one at a time on statements built here. Signatures and directories are exercised
+ * end-to-end by tests/integration/test_oms.py with bundles signed by the openssl CLI. */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attest/oms.h"
+#include "common/util.h"
+
+#define D1 "bc9a717db6064a32cbe9eae6fc40651dd6d36ef1757183f590eff2b1765d7ebc"
+#define D2 "32dcb1f8e1ae52d5963e56a6ba06ab58b424c15ed2a6b70d2feca1d089370028"
+#define ROOT12 "92745110b1ab4368471cbe31664e10174e954b113a3df333db860317b2c6dec4"
+
+static char *vector_path(const char *rel)
+{
+    char *p = NULL;
+    cr_assert(asprintf(&p, "%s/tests/unit/data/oms/v1.0/%s", DP_SOURCE_DIR, rel) > 0);
+    return p;
+}
+
+/* Parse one vector; returns 0 or -1, the reason in *why. */
+static int parse_vector(const char *rel, dp_buf_t *why)
+{
+    char *p = vector_path(rel);
+    dp_buf_t json = {0};
+    cr_assert_eq(dp_read_file(p, 1 << 20, &json), 0, "read %s", p);
+    oms_bundle_t *b = NULL;
+    int rc = oms_bundle_parse(json.base ? json.base : "", json.len, &b, why);
+    cr_assert_eq(rc == 0, b != NULL);
+    oms_bundle_free(b);
+    dp_buf_free(&json);
+    free(p);
+    return rc;
+}
+
+Test(oms_vectors, valid_bundles_parse)
+{
+    static const struct {
+        const char *file;
+        oms_method_t method;
+        const char *root;
+    } v[] = {{"valid/key.bundle.json", OMS_METHOD_KEY, ROOT12},
+             {"valid/certificate.bundle.json", OMS_METHOD_CERTIFICATE, ROOT12},
+             {"valid/sigstore.bundle.json", OMS_METHOD_SIGSTORE,
+              "61d4849d9d90076d6215f4d525f13d6574af8e3f67aef3e6f36fc40a14fdd226"}};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(v); i++) {
+        char *p = vector_path(v[i].file);
+        dp_buf_t json = {0}, why = {0};
+        cr_assert_eq(dp_read_file(p, 1 << 20, &json), 0);
+        oms_bundle_t *b = NULL;
+        cr_assert_eq(oms_bundle_parse(json.base, json.len, &b, &why), 0, "%s: %s", v[i].file,
+                     why.base);
+        cr_expect_eq(oms_bundle_method(b), v[i].method, "%s", v[i].file);
+        /* Two-file models (signme-1, signme-2; ignore-me ignored); the subject is checked
+         * against the root digest of the resources at parse. */
+        cr_expect_str_eq(oms_bundle_root_digest(b), v[i].root, "%s", v[i].file);
+        cr_expect_eq(oms_bundle_resource_count(b), 2);
+        oms_bundle_free(b);
+        dp_buf_free(&json);
+        dp_buf_free(&why);
+        free(p);
+    }
+}
+
+Test(oms_vectors, invalid_bundles_are_refused_with_a_reason)
+{
+    static const struct {
+        const char *file, *reason;
+    } v[] = {
+        {"invalid/empty.bundle.json", "bundle: empty file"},
+        {"invalid/missing-envelope.bundle.json", "bundle.dsseEnvelope: missing"},
+        {"invalid/missing-verification-material.bundle.json",
+         "bundle.verificationMaterial: missing"},
+        {"invalid/missing-tlog-entries.bundle.json", "verificationMaterial.tlogEntries: missing"},
+        {"invalid-payload/wrong-predicate.bundle.json",
+         "statement.predicateType: expected \"https://model_signing/signature/v1.0\", got "
+         "\"https://example.com/wrong-predicate/v1.0\""},
+    };
+    for (size_t i = 0; i < DP_ARRAY_SIZE(v); i++) {
+        dp_buf_t why = {0};
+        cr_expect_eq(parse_vector(v[i].file, &why), -1, "%s accepted", v[i].file);
+        cr_expect(why.base && strstr(why.base, v[i].reason), "%s: got \"%s\" want \"%s\"",
+                  v[i].file, why.base ? why.base : "", v[i].reason);
+        dp_buf_free(&why);
+    }
+}
+
+/* ---- predicate rules on statements built here ------------------------------------------------ */
+
+#define SER_FILES                                                                                 \
+    "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\",\"allow_symlinks\":false}"
+
+static void statement_bundle(const char *statement, dp_buf_t *out)
+{
+    dp_buf_t b64 = {0};
+    dp_base64_encode(statement, strlen(statement), &b64);
+    dp_buf_printf(out,
+                  "{\"mediaType\":\"application/vnd.dev.sigstore.bundle.v0.3+json\","
+                  "\"verificationMaterial\":{\"publicKey\":{\"hint\":\"00\"}},"
+                  "\"dsseEnvelope\":{\"payload\":\"%.*s\",\"payloadType\":"
+                  "\"application/vnd.in-toto+json\",\"signatures\":[{\"sig\":\"AAAA\"}]}}",
+                  (int)b64.len, b64.base);
+    dp_buf_free(&b64);
+}
+
+static void statement_of(const char *root, const char *resources, const char *ser, dp_buf_t *out)
+{
+    dp_buf_printf(out,
+                  "{\"_type\":\"https://in-toto.io/Statement/v1\",\"subject\":[{\"name\":\"m\","
+                  "\"digest\":{\"sha256\":\"%s\"}}],\"predicateType\":"
+                  "\"https://model_signing/signature/v1.0\",\"predicate\":{\"resources\":[%s],%s}}",
+                  root, resources, ser);
+}
+
+static int parse_statement(const char *statement, dp_buf_t *why)
+{
+    dp_buf_t bundle = {0};
+    statement_bundle(statement, &bundle);
+    oms_bundle_t *b = NULL;
+    int rc = oms_bundle_parse(bundle.base, bundle.len, &b, why);
+    oms_bundle_free(b);
+    dp_buf_free(&bundle);
+    return rc;
+}
+
+static void expect_refused(const char *root, const char *resources, const char *ser,
+                           const char *reason)
+{
+    dp_buf_t st = {0}, why = {0};
+    statement_of(root, resources, ser, &st);
+    cr_expect_eq(parse_statement(st.base, &why), -1, "accepted: %s", st.base);
+    cr_expect(why.base && strstr(why.base, reason), "got \"%s\" want \"%s\"",
+              why.base ? why.base : "", reason);
+    dp_buf_free(&st);
+    dp_buf_free(&why);
+}
+
+#define RES(n, d) "{\"name\":\"" n "\",\"digest\":\"" d "\",\"algorithm\":\"sha256\"}"
+
+Test(oms_rules, a_good_statement_parses)
+{
+    dp_buf_t st = {0}, why = {0};
+    statement_of(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2), SER_FILES, &st);
+    cr_assert_eq(parse_statement(st.base, &why), 0, "%s", why.base);
+    dp_buf_free(&st);
+    dp_buf_free(&why);
+}
+
+Test(oms_rules, each_schema_rule_is_a_clear_error)
+{
+    expect_refused(ROOT12, "", SER_FILES, "predicate.resources: empty");
+    expect_refused(ROOT12, RES("signme-2", D2) "," RES("signme-1", D1), SER_FILES,
+                   "resources are not sorted by name");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-1", D1), SER_FILES,
+                   "resources are not sorted by name (or repeat one)");
+    expect_refused(ROOT12, RES("../signme-1", D1) "," RES("signme-2", D2), SER_FILES,
+                   "has a \"..\" component (parent traversal)");
+    expect_refused(ROOT12, RES("a/../signme-1", D1), SER_FILES, "parent traversal");
+    expect_refused(ROOT12, RES("/etc/passwd", D1), SER_FILES, "absolute");
+    expect_refused(ROOT12, RES("./signme-1", D1), SER_FILES, "not normalised");
+    expect_refused(ROOT12, RES("a//b", D1), SER_FILES, "empty component");
+    expect_refused(ROOT12, RES("signme-1", "abcd") "," RES("signme-2", D2), SER_FILES,
+                   "predicate.resources[0].digest: 4 hex digits, sha256 gives 64");
+    expect_refused(ROOT12, RES("signme-1", "ABCD"), SER_FILES, "expected lowercase hex");
+    expect_refused(ROOT12,
+                   "{\"name\":\"signme-1\",\"digest\":\"" D1 "\",\"algorithm\":\"blake2b\"}",
+                   SER_FILES, "differs from serialization.hash_type");
+    /* The subject must be the root digest of exactly these resources. */
+    expect_refused(ROOT12, RES("signme-1", D1), SER_FILES, "is not the root digest");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"files\",\"hash_type\":\"blake3\","
+                   "\"allow_symlinks\":false}",
+                   "blake3 is not supported");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"shards\",\"hash_type\":\"sha256\","
+                   "\"allow_symlinks\":false}",
+                   "shard_size: missing");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\","
+                   "\"shard_size\":10,\"allow_symlinks\":false}",
+                   "must be absent when method is \"files\"");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\"}",
+                   "allow_symlinks: missing");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\","
+                   "\"allow_symlinks\":false,\"ignore_paths\":[\"*.bin\"]}",
+                   "glob character");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\","
+                   "\"allow_symlinks\":false,\"extra\":1}",
+                   "unknown member \"extra\"");
+    expect_refused(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2),
+                   "\"serialization\":{\"method\":\"tar\",\"hash_type\":\"sha256\","
+                   "\"allow_symlinks\":false}",
+                   "expected \"files\" or \"shards\"");
+}
+
+Test(oms_rules, shard_names)
+{
+    const char *ser = "\"serialization\":{\"method\":\"shards\",\"hash_type\":\"sha256\","
+                      "\"shard_size\":10,\"allow_symlinks\":false}";
+    char root[65];
+    uint8_t raw[64];
+    dp_unhex(D1 D2, 128, raw, 64);
+    dp_sha256_hex(raw, 64, root);
+    dp_buf_t st = {0}, why = {0};
+    /* A colon in a file name: the range is the last two fields. */
+    statement_of(root, RES("a:b:0:10", D1) "," RES("a:b:10:15", D2), ser, &st);
+    cr_expect_eq(parse_statement(st.base, &why), 0, "%s", why.base);
+    dp_buf_free(&st);
+    dp_buf_free(&why);
+    expect_refused(root, RES("w.bin", D1) "," RES("w.bin:10:15", D2), ser,
+                   "expected \"<path>:<start>:<end>\"");
+    expect_refused(root, RES("w.bin:0:10", D1) "," RES("w.bin:20:25", D2), ser,
+                   "do not cover it contiguously");
+    expect_refused(root, RES("w.bin:0:10", D1) "," RES("w.bin:5:10", D2), ser,
+                   "not a shard of shard_size 10");
+    expect_refused(root, RES("w.bin:0:7", D1) "," RES("w.bin:10:15", D2), ser,
+                   "do not cover it contiguously");
+}
+
+Test(oms_rules, envelope_and_material)
+{
+    dp_buf_t why = {0};
+    oms_bundle_t *b = NULL;
+    const char *two = "{\"mediaType\":\"application/vnd.dev.sigstore.bundle.v0.3+json\","
+                      "\"verificationMaterial\":{\"publicKey\":{\"hint\":\"00\"},"
+                      "\"certificate\":{\"rawBytes\":\"AAAA\"}},\"dsseEnvelope\":{}}";
+    cr_expect_eq(oms_bundle_parse(two, strlen(two), &b, &why), -1);
+    cr_expect(strstr(why.base, "more than one of"), "%s", why.base);
+    dp_buf_reset(&why);
+    const char *mt = "{\"mediaType\":\"application/vnd.dev.sigstore.bundle.v0.1+json\"}";
+    cr_expect_eq(oms_bundle_parse(mt, strlen(mt), &b, &why), -1);
+    cr_expect(strstr(why.base, "bundle.mediaType: expected"), "%s", why.base);
+    dp_buf_reset(&why);
+    const char *dup = "{\"mediaType\":\"x\",\"mediaType\":\"y\"}";
+    cr_expect_eq(oms_bundle_parse(dup, strlen(dup), &b, &why), -1);
+    cr_expect(strstr(why.base, "duplicate member \"mediaType\""), "%s", why.base);
+    dp_buf_free(&why);
+}
