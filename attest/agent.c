@@ -35,6 +35,7 @@
 #include "attest/cli_int.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
+#include "attest/oms.h"
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -66,6 +67,13 @@ typedef struct {
     uint64_t start_ns, end_ns;
     atomic_uint_fast64_t bytes_done, bytes_total;
     const atomic_int *cancel;
+    /* --oms-bundle: the bundle verified against the directory (full jobs), and the listing
+     * with dot-names that a later check compares against (every job). */
+    const char *oms_bundle;
+    const oms_trust_t *oms_trust;
+    oms_result_t oms;
+    attest_snapshot_t oms_all;
+    struct stat oms_bundle_st;
 } job_t;
 
 /* Reading name and version from the co-located framework: one adapter at a time, its paths one
@@ -112,6 +120,11 @@ struct agent_s {
     atomic_int cancel;
 
     fw_t fw;
+
+    char *oms_bundle; /* --oms-bundle, NULL without */
+    oms_trust_t oms_trust;
+    attest_snapshot_t oms_all;  /* the listing (dot-names included) the OMS result is about */
+    struct stat oms_bundle_st;  /* the bundle file then */
 };
 
 /* ---- logging helpers -------------------------------------------------------------------- */
@@ -146,6 +159,75 @@ static void job_progress_cb(const attest_progress_t *p, void *data)
     atomic_store(&j->bytes_total, p->bytes_total);
 }
 
+/* ---- OMS (--oms-bundle, SPEC §19) -------------------------------------------------------
+ * The OMS manifest covers dot-names the checkpoint skips, so with a bundle the watcher also lists
+ * those, and the bundle file itself: a change to either re-verifies. */
+
+static const attest_walk_opts_t oms_watch_rules = {.include_hidden = true, .any_file_name = true};
+
+static int oms_job_list(job_t *j)
+{
+    if (j->oms_bundle == NULL)
+        return 0;
+    if (stat(j->oms_bundle, &j->oms_bundle_st) != 0)
+        memset(&j->oms_bundle_st, 0, sizeof(j->oms_bundle_st)); /* the verify names the error */
+    return attest_snapshot_take_opts(j->dir, &oms_watch_rules, &j->oms_all, &j->err);
+}
+
+/* Verify the bundle against the directory just hashed; the checkpoint and the bundle must be
+ * about the same files (oms_cross_check). */
+static void oms_job_verify(job_t *j, const dp_buf_t *lines)
+{
+    attest_hash_opts_t o = {.cancel = j->cancel};
+    oms_verify(j->oms_bundle, j->dir, j->oms_trust, &o, &j->oms);
+    if (j->oms.verified &&
+        oms_cross_check(&j->oms, &j->snap, lines->base, lines->len, &j->oms.findings) > 0)
+        j->oms.verified = false;
+}
+
+static bool oms_changed(const agent_t *a, const job_t *j, dp_buf_t *why)
+{
+    if (a->oms_bundle == NULL)
+        return false;
+    const struct stat *x = &a->oms_bundle_st, *y = &j->oms_bundle_st;
+    if (x->st_ino != y->st_ino || x->st_size != y->st_size ||
+        x->st_mtim.tv_sec != y->st_mtim.tv_sec || x->st_mtim.tv_nsec != y->st_mtim.tv_nsec) {
+        dp_buf_printf(why, "OMS bundle %s changed", a->oms_bundle);
+        return true;
+    }
+    return attest_snapshot_differs(&a->oms_all, &j->oms_all, why);
+}
+
+static void oms_done(agent_t *a, job_t *j)
+{
+    if (a->oms_bundle == NULL)
+        return;
+    attest_snapshot_free(&a->oms_all);
+    a->oms_all = j->oms_all;
+    memset(&j->oms_all, 0, sizeof(j->oms_all));
+    a->oms_bundle_st = j->oms_bundle_st;
+    attest_report_t *r = &a->ident;
+    r->oms_reported = true;
+    r->oms_verified = j->oms.verified;
+    snprintf(r->oms_signer, sizeof(r->oms_signer), "%s", j->oms.verified ? j->oms.signer : "");
+    snprintf(r->oms_root_digest, sizeof(r->oms_root_digest), "%s",
+             j->oms.verified ? j->oms.root_digest : "");
+    dp_jw_t *w = dp_log_begin(j->oms.verified ? DP_LOG_INFO : DP_LOG_ERROR,
+                              j->oms.verified ? "oms_verified" : "oms_not_verified");
+    if (w) {
+        dp_jw_str(w, "bundle", a->oms_bundle);
+        dp_jw_str(w, "method", j->oms.method);
+        dp_jw_str(w, "signer", j->oms.signer[0] ? j->oms.signer : NULL);
+        dp_jw_str(w, "root_digest", j->oms.root_digest[0] ? j->oms.root_digest : NULL);
+        dp_jw_arr_begin(w, "findings");
+        for (size_t i = 0; i < j->oms.findings.count && i < 100; i++)
+            dp_jw_str(w, NULL, j->oms.findings.items[i]);
+        dp_jw_arr_end(w);
+        dp_jw_uint(w, "findings_total", j->oms.findings.count);
+        dp_log_end(w);
+    }
+}
+
 static void job_run(uv_work_t *w)
 {
     job_t *j = dp_container_of(w, job_t, work);
@@ -153,9 +235,18 @@ static void job_run(uv_work_t *w)
     if (j->full) {
         attest_hash_opts_t o = {
             .progress = job_progress_cb, .progress_data = j, .cancel = j->cancel};
-        j->rc = attest_hash_dir(j->dir, &o, j->hex, &j->snap, NULL, &j->err);
+        dp_buf_t lines = {0};
+        j->rc = oms_job_list(j);
+        if (j->rc == 0)
+            j->rc = attest_hash_dir(j->dir, &o, j->hex, &j->snap, j->oms_bundle ? &lines : NULL,
+                                    &j->err);
+        if (j->rc == 0 && j->oms_bundle)
+            oms_job_verify(j, &lines);
+        dp_buf_free(&lines);
     } else {
         j->rc = attest_snapshot_take(j->dir, &j->snap, &j->err);
+        if (j->rc == 0)
+            j->rc = oms_job_list(j);
     }
     j->end_ns = dp_now_ns();
 }
@@ -163,6 +254,8 @@ static void job_run(uv_work_t *w)
 static void job_free(job_t *j)
 {
     attest_snapshot_free(&j->snap);
+    attest_snapshot_free(&j->oms_all);
+    oms_result_clear(&j->oms);
     dp_buf_free(&j->err);
     free(j->dir);
     free(j);
@@ -203,6 +296,7 @@ static void hash_done(agent_t *a, job_t *j)
     set_not_ready(a, ST_READY, NULL);
     a->retry_delay_ms = 0;
     attest_report_set(&a->ident, ATTEST_F_CHECKPOINT, a->hex);
+    oms_done(a, j);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "hashed");
     if (w) {
         dp_jw_str(w, "dir", a->dir);
@@ -231,7 +325,7 @@ static void check_done(agent_t *a, job_t *j)
         return;
     }
     dp_buf_t why = {0};
-    if (attest_snapshot_differs(&a->snap, &j->snap, &why)) {
+    if (attest_snapshot_differs(&a->snap, &j->snap, &why) || oms_changed(a, j, &why)) {
         /* Stop vouching for the old hash now: it no longer describes the files on disk. */
         dp_buf_t msg = {0};
         dp_buf_printf(&msg, "model directory changed (%s); re-hashing", why.base);
@@ -268,6 +362,8 @@ static void start_job(agent_t *a, bool full)
     j->full = full;
     j->dir = dp_xstrdup(a->dir);
     j->cancel = &a->cancel;
+    j->oms_bundle = a->oms_bundle;
+    j->oms_trust = &a->oms_trust;
     if (full) {
         if (a->state == ST_FAILED) {
             /* Keep the failure visible while retrying: it is what the operator must fix. */
@@ -614,6 +710,7 @@ static const char serve_usage[] =
     "           (--framework NAME --framework-version V | --framework-url URL [--framework NAME])\n"
     "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
     "           [--framework-refresh-ms N] [--log-level L]\n"
+    "           [--oms-bundle FILE --oms-pubkey PEM]\n"
     "\n"
     "The replica-side attestation agent. Hashes DIR at start (off the event loop) and whenever a\n"
     "file's size, mtime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
@@ -634,6 +731,10 @@ static const char serve_usage[] =
     "  --watch-interval-ms N       how often to look for changes (default 1000)\n"
     "  --framework-refresh-ms N    how often to re-read --framework-url (default 10000)\n"
     "  --log-level L               debug, info, warn, error (default info)\n"
+    "  --oms-bundle FILE           the publisher's OpenSSF Model Signing bundle: verified against\n"
+    "                              the directory at start and on every re-hash; the attestation\n"
+    "                              then carries oms {verified, signer, root_digest} (SPEC §19)\n"
+    "  --oms-pubkey PEM            the publisher's EC public key the bundle must verify with\n"
     "  --tls-cert F, --tls-key F   serve over TLS (PEM certificate chain and key)\n"
     "\n"
     "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n";
@@ -705,7 +806,7 @@ int attest_serve_main(int argc, char **argv)
     const char *listen = NULL, *dir = NULL, *model = NULL, *quant = NULL, *dtype = NULL;
     const char *fw_name = NULL, *fw_version = NULL, *fw_url = NULL, *fw_key_file = NULL;
     const char *key_path = NULL, *watch_s = NULL, *refresh_s = NULL, *level_s = NULL;
-    const char *tls_cert = NULL, *tls_key = NULL;
+    const char *tls_cert = NULL, *tls_key = NULL, *oms_bundle = NULL, *oms_pubkey = NULL;
     const attest_opt_t opts[] = {
         {.name = "--listen", .has_value = true, .val = &listen},
         {.name = "--model-dir", .has_value = true, .val = &dir},
@@ -722,6 +823,8 @@ int attest_serve_main(int argc, char **argv)
         {.name = "--log-level", .has_value = true, .val = &level_s},
         {.name = "--tls-cert", .has_value = true, .val = &tls_cert},
         {.name = "--tls-key", .has_value = true, .val = &tls_key},
+        {.name = "--oms-bundle", .has_value = true, .val = &oms_bundle},
+        {.name = "--oms-pubkey", .has_value = true, .val = &oms_pubkey},
     };
     const char *pos[1];
     size_t npos;
@@ -815,6 +918,20 @@ int attest_serve_main(int argc, char **argv)
                "no --key: attestations are unsigned and a proxy with require_signature rejects "
                "them",
                NULL, NULL);
+    }
+    if (!oms_bundle != !oms_pubkey) {
+        fputs("detproxy attest serve: --oms-bundle and --oms-pubkey go together (try --help)\n",
+              stderr);
+        rc = ATTEST_EXIT_USAGE;
+        goto out;
+    }
+    if (oms_pubkey) {
+        if (oms_trust_load_pubkey(&a->oms_trust, oms_pubkey, &err) != 0) {
+            fprintf(stderr, "detproxy attest serve: --oms-pubkey %s\n", err.base);
+            rc = ATTEST_EXIT_USAGE;
+            goto out;
+        }
+        a->oms_bundle = dp_xstrdup(oms_bundle);
     }
     if (fw_url) {
         if (cfg_parse_url(fw_url, &a->fw.url, &why) != 0) {
@@ -940,6 +1057,9 @@ out:
     }
     cfg_url_free(&a->fw.url);
     attest_snapshot_free(&a->snap);
+    attest_snapshot_free(&a->oms_all);
+    oms_trust_free(&a->oms_trust);
+    free(a->oms_bundle);
     attest_report_clear(&a->ident);
     attest_key_free(a->key);
     free(a->why_not_ready);

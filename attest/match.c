@@ -38,6 +38,33 @@ static void source_phrase(const attest_report_t *r, dp_buf_t *out)
         dp_buf_printf(out, "%s adapter", r->source);
 }
 
+/* SPEC §19: the publisher's key, not just the pipeline's, must vouch for the files on disk. */
+static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t *got,
+                     dp_buf_t *want, attest_reasons_t *out)
+{
+    if (m->oms_signer == NULL)
+        return 0;
+    if (!r->oms_reported) {
+        attest_reasons_add(out, "oms unattested (%s)",
+                           strcmp(r->source, "agent") == 0
+                               ? "agent did not report it: start it with --oms-bundle"
+                               : "only the attestation agent verifies OMS bundles");
+        return 1;
+    }
+    if (!r->oms_verified) {
+        attest_reasons_add(out, "oms bundle not verified by the agent (see its log)");
+        return 1;
+    }
+    if (strcmp(r->oms_signer, m->oms_signer) == 0)
+        return 0;
+    dp_buf_reset(got);
+    dp_buf_reset(want);
+    attest_abbrev(r->oms_signer, got);
+    attest_abbrev(m->oms_signer, want);
+    attest_reasons_add(out, "oms.signer mismatch: got %s want %s", got->base, want->base);
+    return 1;
+}
+
 int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
 {
     if (m == NULL)
@@ -74,6 +101,7 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
                            want.base);
         n++;
     }
+    n += oms_match(m, r, &got, &want, out);
     dp_buf_free(&got);
     dp_buf_free(&want);
     dp_buf_free(&who);

@@ -90,6 +90,53 @@ void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
     dst->is_signed = src->is_signed;
     memcpy(dst->keyid, src->keyid, sizeof(dst->keyid));
     memcpy(dst->source, src->source, sizeof(dst->source));
+    dst->oms_reported = src->oms_reported;
+    dst->oms_verified = src->oms_verified;
+    memcpy(dst->oms_signer, src->oms_signer, sizeof(dst->oms_signer));
+    memcpy(dst->oms_root_digest, src->oms_root_digest, sizeof(dst->oms_root_digest));
+}
+
+static void write_oms(const attest_report_t *r, dp_jw_t *w)
+{
+    if (!r->oms_reported)
+        return;
+    dp_jw_obj_begin(w, "oms");
+    dp_jw_bool(w, "verified", r->oms_verified);
+    dp_jw_str(w, "signer", r->oms_signer[0] ? r->oms_signer : NULL);
+    dp_jw_str(w, "root_digest", r->oms_root_digest[0] ? r->oms_root_digest : NULL);
+    dp_jw_obj_end(w);
+}
+
+/* "oms": absent (not reported), or {"verified": bool, "signer", "root_digest"}: 64 hex each,
+ * required when verified, null otherwise. */
+static int parse_oms(const cJSON *root, attest_report_t *out, dp_buf_t *why)
+{
+    const cJSON *o = cJSON_GetObjectItemCaseSensitive(root, "oms");
+    if (o == NULL)
+        return 0;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "verified");
+    if (!cJSON_IsObject(o) || !cJSON_IsBool(v)) {
+        if (why)
+            dp_buf_appends(why, "payload.oms: expected an object with a boolean \"verified\"");
+        return -1;
+    }
+    out->oms_reported = true;
+    out->oms_verified = cJSON_IsTrue(v);
+    static const char *const keys[] = {"signer", "root_digest"};
+    char *dst[] = {out->oms_signer, out->oms_root_digest};
+    for (size_t i = 0; i < 2; i++) {
+        const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, keys[i]);
+        if (!out->oms_verified && (s == NULL || cJSON_IsNull(s)))
+            continue;
+        if (!cJSON_IsString(s) || !dp_is_lower_hex(s->valuestring, 64)) {
+            if (why)
+                dp_buf_printf(why, "payload.oms.%s: expected 64 lowercase hex%s", keys[i],
+                              out->oms_verified ? " (verified is true)" : " or null");
+            return -1;
+        }
+        memcpy(dst[i], s->valuestring, 65);
+    }
+    return 0;
 }
 
 /* ---- payload ------------------------------------------------------------------------------ */
@@ -109,6 +156,7 @@ void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
     dp_jw_obj_end(&w);
     dp_jw_str(&w, "nonce", r->nonce);
     dp_jw_str(&w, "issued_at", r->issued_at);
+    write_oms(r, &w);
     dp_jw_obj_end(&w);
 }
 
@@ -180,6 +228,8 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
             dp_buf_appends(why, "payload.issued_at: missing");
         goto out;
     }
+    if (parse_oms(root, out, why) != 0)
+        goto out;
     snprintf(out->source, sizeof(out->source), "agent");
     rc = 0;
 out:
@@ -208,6 +258,7 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
     else
         dp_jw_null(w, "keyid");
     dp_jw_str(w, "source", r->source);
+    write_oms(r, w);
     dp_jw_obj_begin(w, "unattested");
     for (int f = 0; f < ATTEST_F__COUNT; f++)
         if (attest_report_get(r, (attest_field_t)f) == NULL)

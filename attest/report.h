@@ -44,6 +44,11 @@ typedef struct {
     bool is_signed;  /* a trusted signature verified over this payload */
     char keyid[65];  /* hex SHA-256 of the signer's SubjectPublicKeyInfo DER; "" when unsigned */
     char source[16]; /* "agent", "vllm", "tgi", "sglang", "llamacpp" */
+    /* OMS (SPEC §19): only an agent started with --oms-bundle reports these. */
+    bool oms_reported;
+    bool oms_verified;        /* it verified the publisher's bundle against the directory */
+    char oms_signer[65];      /* hex SHA-256 of the signer's public key DER; "" unless verified */
+    char oms_root_digest[65]; /* the bundle's root digest; "" unless verified */
 } attest_report_t;
 
 void attest_report_clear(attest_report_t *r);
@@ -58,7 +63,8 @@ void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const ch
 
 /* The payload JSON an agent signs:
  * {"model","checkpoint_sha256","quantization","dtype","framework":{"name","version"},
- *  "nonce","issued_at"}. Unreported fields are written as null. Appends to out. */
+ *  "nonce","issued_at"}, plus "oms":{"verified","signer","root_digest"} when oms_reported.
+ * Unreported fields are written as null. Appends to out. */
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
 
 /* Parse a payload into *out (cleared first, so zero-initialised or previously used; source set
@@ -71,7 +77,7 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
 
 /* Write the report as a JSON object (for /admin/replicas and `attest verify --json`):
  * {model, checkpoint_sha256, quantization, dtype, framework{name,version}, nonce, issued_at,
- *  signed, keyid, source, unattested{field: note}}. key is the member name or NULL. */
+ *  signed, keyid, source, unattested{field: note}}, and oms{verified, signer, root_digest} when reported. key is the member name or NULL. */
 void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *key);
 
 /* ---- reasons --------------------------------------------------------------------------------

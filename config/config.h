@@ -59,6 +59,7 @@ typedef struct {
     char *framework_name;
     char *framework_version;
     cfg_canary_t *canary; /* NULL when absent */
+    char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
     char fingerprint[20];  /* "fp_" + 16 hex, computed at load (SPEC §4) */
 } cfg_manifest_t;
 

@@ -7,7 +7,8 @@
 #include "common/util.h"
 
 static const char *const manifest_keys[] = {
-    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "canary", NULL};
+    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "canary", "oms", NULL};
+static const char *const oms_keys[] = {"signer", NULL};
 static const char *const framework_keys[] = {"name", "version", NULL};
 static const char *const canary_keys[] = {"prompt", "max_tokens", "expected_sha256", NULL};
 
@@ -56,6 +57,18 @@ static void parse_canary(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_path_pop(c, mark);
 }
 
+/* "oms": {"signer": "<hex SHA-256 of the publisher's public key DER>"} (SPEC §19). */
+static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
+{
+    const cJSON *o = cfg_get_obj(c, obj, "oms", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "oms");
+    cfg_check_keys(c, o, oms_keys);
+    get_sha256(c, o, "signer", true, &m->oms_signer);
+    cfg_path_pop(c, mark);
+}
+
 cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
 {
     if (!cJSON_IsObject(node)) {
@@ -70,6 +83,7 @@ cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
     cfg_get_str(c, node, "dtype", false, &m->dtype);
     parse_framework(c, node, m);
     parse_canary(c, node, m);
+    parse_oms(c, node, m);
     cfg_manifest_fingerprint(m, m->fingerprint);
     return m;
 }
@@ -102,6 +116,7 @@ void cfg_manifest_free(cfg_manifest_t *m)
     free(m->dtype);
     free(m->framework_name);
     free(m->framework_version);
+    free(m->oms_signer);
     if (m->canary != NULL) {
         free(m->canary->prompt);
         free(m->canary->expected_sha256);
@@ -113,7 +128,7 @@ void cfg_manifest_free(cfg_manifest_t *m)
 bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
     return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
-                         m->framework_name || m->framework_version);
+                         m->framework_name || m->framework_version || m->oms_signer);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])
