@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 #include <openssl/err.h>
@@ -1265,6 +1266,11 @@ int oms_verify(const char *bundle_path, const char *dir, const oms_trust_t *t,
                            strerror(-rc));
         goto out;
     }
+    struct stat st;
+    if (stat(bundle_path, &st) == 0) {
+        out->bundle_dev = (uint64_t)st.st_dev;
+        out->bundle_ino = (uint64_t)st.st_ino;
+    }
     rc = 1;
     if (oms_bundle_parse(json.base ? json.base : "", json.len, &out->bundle, &why) != 0) {
         attest_reasons_add(&out->findings, "%s", why.base);
@@ -1300,6 +1306,8 @@ int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const 
         const char *line = off + 66 <= lines_len ? lines + off : NULL;
         const char *nl = line ? memchr(line, '\n', lines_len - off) : NULL;
         off = nl ? (size_t)(nl - lines) + 1 : lines_len;
+        if (f->ino == r->bundle_ino && f->dev == r->bundle_dev)
+            continue;
         while (j < r->snap.count && strcmp(r->snap.files[j].relpath, f->relpath) < 0)
             j++;
         const attest_file_t *o = j < r->snap.count &&

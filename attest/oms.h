@@ -99,6 +99,7 @@ typedef struct {
     attest_reasons_t findings;
     attest_snapshot_t snap; /* the OMS listing (empty unless the directory was walked) */
     oms_bundle_t *bundle;   /* NULL unless it parsed */
+    uint64_t bundle_dev, bundle_ino; /* the bundle file as read */
 } oms_result_t;
 
 /* Read and parse bundle_path, verify its signature against t, then DIR. Every problem is a
@@ -112,8 +113,9 @@ void oms_result_clear(oms_result_t *r);
 /* The checkpoint hash (SPEC §5) and the OMS manifest must describe the same files: every file
  * of the checkpoint listing ckpt (with the per-file lines attest_hash_snapshot wrote, in the
  * same order) must be one the OMS verification covered, the same inode, size and mtime, and,
- * when the bundle hashes whole files with sha256, with the same digest. Appends one finding per
- * file that is not; returns how many. */
+ * when the bundle hashes whole files with sha256, with the same digest. The bundle file itself
+ * is exempt (it lies in the model directory by convention; its signature vouches for it).
+ * Appends one finding per file that is not; returns how many. */
 int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const char *lines,
                     size_t lines_len, attest_reasons_t *findings);
 

@@ -329,7 +329,7 @@ def checkpoint(d):
 
 def test_agent_reports_what_it_verified():
     d = model_dir("agent-ok")
-    b = signed(d, inside=False, name="agent-ok.sig")
+    b = signed(d)  # model.sig inside the directory: in the checkpoint, not in its own manifest
     a = agent(d, b)
     p = payload(a)
     root = json.load(open(b))
