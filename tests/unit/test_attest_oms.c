@@ -244,3 +244,63 @@ Test(oms_rules, envelope_and_material)
     cr_expect(strstr(why.base, "duplicate member \"mediaType\""), "%s", why.base);
     dp_buf_free(&why);
 }
+
+/* ---- the shared hasher's shard boundaries ------------------------------------------------------ */
+
+static size_t digests_of(const char *dir, const char *name, size_t size, uint64_t shard,
+                         dp_buf_t *out)
+{
+    char p[512];
+    snprintf(p, sizeof(p), "%s/%s", dir, name);
+    FILE *f = fopen(p, "wb");
+    cr_assert_not_null(f);
+    for (size_t i = 0; i < size; i++)
+        fputc((int)(i & 0xff), f);
+    fclose(f);
+    attest_snapshot_t snap;
+    attest_walk_opts_t wo = {.include_hidden = true};
+    cr_assert_eq(attest_snapshot_take_opts(dir, &wo, &snap, NULL), 0);
+    const attest_file_t *file = NULL;
+    for (size_t i = 0; i < snap.count; i++)
+        if (strcmp(snap.files[i].relpath, name) == 0)
+            file = &snap.files[i];
+    cr_assert_not_null(file, "%s listed (dot-names included)", name);
+    /* A small read size so shard boundaries fall inside and across reads. */
+    attest_hash_opts_t ho = {.read_size = 4096};
+    attest_filehasher_t *fh = attest_filehasher_new("SHA256", &ho, NULL);
+    cr_assert_not_null(fh);
+    dp_buf_reset(out);
+    cr_assert_eq(attest_filehasher_file(fh, dir, file, shard, out, NULL), 0);
+    attest_filehasher_free(fh);
+    attest_snapshot_free(&snap);
+    return out->len / 32;
+}
+
+Test(oms_hasher, shards_split_exactly)
+{
+    char dir[] = "/tmp/oms-hasher-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    dp_buf_t d = {0};
+    cr_expect_eq(digests_of(dir, ".empty", 0, 0, &d), 1); /* files: the digest of nothing */
+    char hex[65];
+    dp_hex(d.base, 32, hex);
+    cr_expect_str_eq(hex, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    cr_expect_eq(digests_of(dir, ".empty", 0, 1000, &d), 0); /* shards: none */
+    cr_expect_eq(digests_of(dir, "exact", 10000, 5000, &d), 2);
+    cr_expect_eq(digests_of(dir, "short", 10001, 5000, &d), 3);
+    /* Each shard is the digest of its own byte range. */
+    uint8_t buf[5000];
+    for (size_t i = 0; i < sizeof(buf); i++)
+        buf[i] = (uint8_t)((i + 5000) & 0xff);
+    uint8_t want[32];
+    dp_sha256(buf, sizeof(buf), want);
+    cr_expect(memcmp(d.base + 32, want, 32) == 0, "second shard");
+    const uint8_t last = 10000 & 0xff;
+    dp_sha256(&last, 1, want);
+    cr_expect(memcmp(d.base + 64, want, 32) == 0, "last shard, one byte");
+    cr_expect_eq(digests_of(dir, "whole", 9999, 0, &d), 1);
+    dp_buf_free(&d);
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+}
