@@ -123,8 +123,8 @@ struct agent_s {
 
     char *oms_bundle; /* --oms-bundle, NULL without */
     oms_trust_t oms_trust;
-    attest_snapshot_t oms_all;  /* the listing (dot-names included) the OMS result is about */
-    struct stat oms_bundle_st;  /* the bundle file then */
+    attest_snapshot_t oms_all; /* the listing (dot-names included) the OMS result is about */
+    struct stat oms_bundle_st; /* the bundle file then */
 };
 
 /* ---- logging helpers -------------------------------------------------------------------- */

@@ -339,9 +339,7 @@ out:
     return rc;
 }
 
-/* DSSE lets signers use standard or URL-safe base64, padded or not: accept all four, strictly
- * (no whitespace, no stray characters). */
-static int b64_decode_any(const char *s, size_t n, dp_buf_t *out)
+int attest_b64_decode_any(const char *s, size_t n, dp_buf_t *out)
 {
     if (n % 4 == 1)
         return -1;
@@ -431,7 +429,7 @@ int attest_envelope_verify(const char *json, size_t len, const attest_verify_opt
         goto out;
     }
     if (!cJSON_IsString(pl) ||
-        b64_decode_any(pl->valuestring, strlen(pl->valuestring), &payload) != 0) {
+        attest_b64_decode_any(pl->valuestring, strlen(pl->valuestring), &payload) != 0) {
         dp_buf_appends(why, cJSON_IsString(pl) ? "envelope.payload: bad base64"
                                                : "envelope.payload: expected a string");
         goto out;
@@ -464,7 +462,8 @@ int attest_envelope_verify(const char *json, size_t len, const attest_verify_opt
             sigs[i].keyid = kid->valuestring;
             memset(&sigs[i].sig, 0, sizeof(sigs[i].sig));
             nsigs++;
-            if (b64_decode_any(sg->valuestring, strlen(sg->valuestring), &sigs[i].sig) != 0) {
+            if (attest_b64_decode_any(sg->valuestring, strlen(sg->valuestring), &sigs[i].sig) !=
+                0) {
                 dp_buf_printf(why, "signature: malformed (signatures[%zu].sig is not base64)", i);
                 goto out;
             }

@@ -56,6 +56,10 @@ int attest_keyset_add_file(attest_keyset_t *ks, const char *path, dp_buf_t *err)
 const attest_key_t *attest_keyset_find(const attest_keyset_t *ks, const char *keyid);
 void attest_keyset_free(attest_keyset_t *ks);
 
+/* DSSE lets signers use standard or URL-safe base64, padded or not: decode all four, strictly
+ * (no whitespace, no stray characters). 0, or -1 on bad input. */
+int attest_b64_decode_any(const char *s, size_t n, dp_buf_t *out);
+
 /* DSSE PAE of (type, body), appended to out. */
 void attest_dsse_pae(const char *type, const void *body, size_t n, dp_buf_t *out);
 

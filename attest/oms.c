@@ -30,8 +30,8 @@ const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
 
 /* One resource: a whole file (files) or one byte range of a file (shards). */
 typedef struct {
-    char *name;   /* as signed */
-    char *path;   /* the file: name, or name without ":<start>:<end>" */
+    char *name; /* as signed */
+    char *path; /* the file: name, or name without ":<start>:<end>" */
     uint64_t start, end;
     uint8_t digest[64];
     bool seen;
@@ -39,40 +39,26 @@ typedef struct {
 
 struct oms_bundle_s {
     oms_method_t method;
-    char *key_hint;          /* publicKey.hint, or NULL */
-    dp_buf_t key_raw;        /* publicKey.rawBytes decoded (older bundles), empty if absent */
-    dp_buf_t *certs;         /* x509CertificateChain.certificates[].rawBytes decoded, leaf first */
+    char *key_hint;   /* publicKey.hint, or NULL */
+    dp_buf_t key_raw; /* publicKey.rawBytes decoded (older bundles), empty if absent */
+    dp_buf_t *certs;  /* x509CertificateChain.certificates[].rawBytes decoded, leaf first */
     size_t ncerts;
-    dp_buf_t payload;        /* the decoded DSSE payload (the signed bytes) */
-    dp_buf_t *sigs;          /* decoded signatures */
+    dp_buf_t payload; /* the decoded DSSE payload (the signed bytes) */
+    dp_buf_t *sigs;   /* decoded signatures */
     size_t nsigs;
     char root_digest[65];
     bool shards;
     uint64_t shard_size;
-    char hash_type[16];      /* "sha256", "blake2b" */
-    const char *md_name;     /* OpenSSL name */
-    size_t digest_len;       /* bytes */
+    char hash_type[16];  /* "sha256", "blake2b" */
+    const char *md_name; /* OpenSSL name */
+    size_t digest_len;   /* bytes */
     bool allow_symlinks;
     char **ignore;
     size_t nignore;
-    oms_res_t *res;          /* as signed: sorted by name */
+    oms_res_t *res; /* as signed: sorted by name */
     size_t nres;
-    oms_res_t **by_path;     /* the same, sorted by (path, start) */
+    oms_res_t **by_path; /* the same, sorted by (path, start) */
 };
-
-static void whyf(dp_buf_t *why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void whyf(dp_buf_t *why, const char *fmt, ...)
-{
-    if (why == NULL)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    char tmp[1024];
-    vsnprintf(tmp, sizeof(tmp), fmt, ap);
-    va_end(ap);
-    dp_buf_appends(why, tmp);
-}
 
 /* A value from the bundle for a message: sanitised and cut (attest_abbrev). */
 static const char *shown(const char *v, dp_buf_t *tmp)
@@ -82,7 +68,8 @@ static const char *shown(const char *v, dp_buf_t *tmp)
     return tmp->base;
 }
 
-/* ---- small JSON helpers ----------------------------------------------------------------------- */
+/* ---- small JSON helpers -----------------------------------------------------------------------
+ */
 
 /* Duplicate member names would let two parsers read different bundles: refuse them. With
  * allowed non-NULL, unknown members are refused too (the schema's additionalProperties false). */
@@ -93,7 +80,7 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
         for (const cJSON *b = a->next; b; b = b->next) {
             if (strcmp(a->string, b->string) == 0) {
                 dp_buf_t t = {0};
-                whyf(why, "%s: duplicate member \"%s\"", where, shown(a->string, &t));
+                dp_buf_printf(why, "%s: duplicate member \"%s\"", where, shown(a->string, &t));
                 dp_buf_free(&t);
                 return -1;
             }
@@ -105,7 +92,7 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
             ok = ok || strcmp(a->string, allowed[i]) == 0;
         if (!ok) {
             dp_buf_t t = {0};
-            whyf(why, "%s: unknown member \"%s\"", where, shown(a->string, &t));
+            dp_buf_printf(why, "%s: unknown member \"%s\"", where, shown(a->string, &t));
             dp_buf_free(&t);
             return -1;
         }
@@ -125,18 +112,18 @@ static const char *get_str(const cJSON *obj, const char *where, const char *key,
     const cJSON *v = member(obj, key);
     if (v == NULL) {
         if (required) {
-            whyf(why, "%s.%s: missing", where, key);
+            dp_buf_printf(why, "%s.%s: missing", where, key);
             *bad = true;
         }
         return NULL;
     }
     if (!cJSON_IsString(v)) {
-        whyf(why, "%s.%s: expected a string", where, key);
+        dp_buf_printf(why, "%s.%s: expected a string", where, key);
         *bad = true;
         return NULL;
     }
     if (nonempty && v->valuestring[0] == '\0') {
-        whyf(why, "%s.%s: must not be empty", where, key);
+        dp_buf_printf(why, "%s.%s: must not be empty", where, key);
         *bad = true;
         return NULL;
     }
@@ -147,9 +134,9 @@ static const cJSON *get_obj(const cJSON *obj, const char *where, const char *key
 {
     const cJSON *v = member(obj, key);
     if (v == NULL)
-        whyf(why, "%s.%s: missing", where, key);
+        dp_buf_printf(why, "%s.%s: missing", where, key);
     else if (!cJSON_IsObject(v))
-        whyf(why, "%s.%s: expected an object", where, key);
+        dp_buf_printf(why, "%s.%s: expected an object", where, key);
     else
         return v;
     return NULL;
@@ -158,17 +145,7 @@ static const cJSON *get_obj(const cJSON *obj, const char *where, const char *key
 /* Base64 as protobuf JSON writes it (standard alphabet; URL-safe and unpadded accepted). */
 static int b64(const char *s, dp_buf_t *out)
 {
-    size_t n = strlen(s);
-    if (n % 4 == 1)
-        return -1;
-    dp_buf_t norm = {0};
-    for (size_t i = 0; i < n; i++)
-        dp_buf_appendc(&norm, s[i] == '-' ? '+' : s[i] == '_' ? '/' : s[i]);
-    while (norm.len % 4 != 0)
-        dp_buf_appendc(&norm, '=');
-    int rc = dp_base64_decode(norm.base ? norm.base : "", norm.len, out);
-    dp_buf_free(&norm);
-    return rc;
+    return attest_b64_decode_any(s, strlen(s), out);
 }
 
 static bool utf8_valid(const char *s)
@@ -231,7 +208,8 @@ static const char *path_problem(const char *p)
     }
 }
 
-/* ---- parsing ---------------------------------------------------------------------------------- */
+/* ---- parsing ----------------------------------------------------------------------------------
+ */
 
 void oms_bundle_free(oms_bundle_t *b)
 {
@@ -277,18 +255,21 @@ static int parse_certs(oms_bundle_t *b, const cJSON *chain, const char *where, d
 {
     const cJSON *certs = member(chain, "certificates");
     if (!cJSON_IsArray(certs) || cJSON_GetArraySize(certs) < 1) {
-        whyf(why, "%s.certificates: expected a non-empty array", where);
+        dp_buf_printf(why, "%s.certificates: expected a non-empty array", where);
         return -1;
     }
     size_t n = (size_t)cJSON_GetArraySize(certs);
     b->certs = dp_xcalloc(n, sizeof(*b->certs));
     for (const cJSON *c = certs->child; c; c = c->next) {
         bool bad = false;
-        const char *raw = cJSON_IsObject(c) ? get_str(c, "certificate", "rawBytes", true, true,
-                                                      &bad, NULL)
-                                            : NULL;
+        dp_buf_t ignored = {0};
+        const char *raw = cJSON_IsObject(c)
+                              ? get_str(c, "certificate", "rawBytes", true, true, &bad, &ignored)
+                              : NULL;
+        dp_buf_free(&ignored);
         if (raw == NULL || b64(raw, &b->certs[b->ncerts]) != 0) {
-            whyf(why, "%s.certificates[%zu].rawBytes: expected base64 DER", where, b->ncerts);
+            dp_buf_printf(why, "%s.certificates[%zu].rawBytes: expected base64 DER", where,
+                          b->ncerts);
             return -1;
         }
         b->ncerts++;
@@ -301,23 +282,25 @@ static int parse_tlog(const cJSON *vm, bool required, dp_buf_t *why)
     const cJSON *t = member(vm, "tlogEntries");
     if (t == NULL) {
         if (required)
-            whyf(why, "verificationMaterial.tlogEntries: missing (a sigstore bundle needs at "
-                      "least one transparency log entry)");
+            dp_buf_printf(why,
+                          "verificationMaterial.tlogEntries: missing (a sigstore bundle needs at "
+                          "least one transparency log entry)");
         return required ? -1 : 0;
     }
     if (!cJSON_IsArray(t)) {
-        whyf(why, "verificationMaterial.tlogEntries: expected an array");
+        dp_buf_printf(why, "verificationMaterial.tlogEntries: expected an array");
         return -1;
     }
     for (const cJSON *e = t->child; e; e = e->next) {
         if (!cJSON_IsObject(e)) {
-            whyf(why, "verificationMaterial.tlogEntries[]: expected objects");
+            dp_buf_printf(why, "verificationMaterial.tlogEntries[]: expected objects");
             return -1;
         }
     }
     if (required && cJSON_GetArraySize(t) < 1) {
-        whyf(why, "verificationMaterial.tlogEntries: empty (a sigstore bundle needs at least one "
-                  "transparency log entry)");
+        dp_buf_printf(
+            why, "verificationMaterial.tlogEntries: empty (a sigstore bundle needs at least one "
+                 "transparency log entry)");
         return -1;
     }
     return 0;
@@ -335,41 +318,44 @@ static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
     const cJSON *cert = member(vm, "certificate");
     int kinds = (pk != NULL) + (chain != NULL) + (cert != NULL);
     if (kinds == 0) {
-        whyf(why, "verificationMaterial: none of publicKey (method key), x509CertificateChain "
-                  "(method certificate), certificate (method sigstore)");
+        dp_buf_printf(why,
+                      "verificationMaterial: none of publicKey (method key), x509CertificateChain "
+                      "(method certificate), certificate (method sigstore)");
         return -1;
     }
     if (kinds > 1) {
-        whyf(why, "verificationMaterial: more than one of publicKey, x509CertificateChain, "
-                  "certificate (they are one protobuf oneof)");
+        dp_buf_printf(why,
+                      "verificationMaterial: more than one of publicKey, x509CertificateChain, "
+                      "certificate (they are one protobuf oneof)");
         return -1;
     }
     const cJSON *tv = member(vm, "timestampVerificationData");
     if (tv != NULL && !cJSON_IsObject(tv)) {
-        whyf(why, "verificationMaterial.timestampVerificationData: expected an object");
+        dp_buf_printf(why, "verificationMaterial.timestampVerificationData: expected an object");
         return -1;
     }
     bool bad = false;
     if (pk != NULL) {
         b->method = OMS_METHOD_KEY;
         if (!cJSON_IsObject(pk)) {
-            whyf(why, "verificationMaterial.publicKey: expected an object");
+            dp_buf_printf(why, "verificationMaterial.publicKey: expected an object");
             return -1;
         }
-        const char *hint = get_str(pk, "verificationMaterial.publicKey", "hint", false, false,
-                                   &bad, why);
-        const char *raw = get_str(pk, "verificationMaterial.publicKey", "rawBytes", false, false,
-                                  &bad, why);
+        const char *hint =
+            get_str(pk, "verificationMaterial.publicKey", "hint", false, false, &bad, why);
+        const char *raw =
+            get_str(pk, "verificationMaterial.publicKey", "rawBytes", false, false, &bad, why);
         if (bad)
             return -1;
         if (hint == NULL && raw == NULL) {
-            whyf(why, "verificationMaterial.publicKey: needs hint (or rawBytes, older bundles)");
+            dp_buf_printf(
+                why, "verificationMaterial.publicKey: needs hint (or rawBytes, older bundles)");
             return -1;
         }
         if (hint)
             b->key_hint = dp_xstrdup(hint);
         if (raw && b64(raw, &b->key_raw) != 0) {
-            whyf(why, "verificationMaterial.publicKey.rawBytes: bad base64");
+            dp_buf_printf(why, "verificationMaterial.publicKey.rawBytes: bad base64");
             return -1;
         }
         return parse_tlog(vm, false, why);
@@ -377,7 +363,7 @@ static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
     if (chain != NULL) {
         b->method = OMS_METHOD_CERTIFICATE;
         if (!cJSON_IsObject(chain)) {
-            whyf(why, "verificationMaterial.x509CertificateChain: expected an object");
+            dp_buf_printf(why, "verificationMaterial.x509CertificateChain: expected an object");
             return -1;
         }
         if (parse_certs(b, chain, "verificationMaterial.x509CertificateChain", why) != 0)
@@ -385,11 +371,11 @@ static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
         return parse_tlog(vm, false, why);
     }
     b->method = OMS_METHOD_SIGSTORE;
-    if (!cJSON_IsObject(cert) ||
-        get_str(cert, "verificationMaterial.certificate", "rawBytes", true, true, &bad, why) ==
-            NULL) {
+    if (!cJSON_IsObject(cert) || get_str(cert, "verificationMaterial.certificate", "rawBytes", true,
+                                         true, &bad, why) == NULL) {
         if (!bad)
-            whyf(why, "verificationMaterial.certificate: expected an object with rawBytes");
+            dp_buf_printf(why,
+                          "verificationMaterial.certificate: expected an object with rawBytes");
         return -1;
     }
     return parse_tlog(vm, true, why);
@@ -409,20 +395,20 @@ static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
         return -1;
     if (strcmp(ptype, OMS_PAYLOAD_TYPE) != 0) {
         dp_buf_t t = {0};
-        whyf(why, "dsseEnvelope.payloadType: expected \"%s\", got \"%s\"", OMS_PAYLOAD_TYPE,
-             shown(ptype, &t));
+        dp_buf_printf(why, "dsseEnvelope.payloadType: expected \"%s\", got \"%s\"",
+                      OMS_PAYLOAD_TYPE, shown(ptype, &t));
         dp_buf_free(&t);
         return -1;
     }
     const cJSON *sigs = member(env, "signatures");
     if (!cJSON_IsArray(sigs) || cJSON_GetArraySize(sigs) < 1) {
-        whyf(why, "dsseEnvelope.signatures: expected a non-empty array");
+        dp_buf_printf(why, "dsseEnvelope.signatures: expected a non-empty array");
         return -1;
     }
     size_t n = (size_t)cJSON_GetArraySize(sigs);
     if (n > ATTEST_MAX_SIGNATURES) {
-        whyf(why, "dsseEnvelope.signatures: %zu signatures (at most %d)", n,
-             ATTEST_MAX_SIGNATURES);
+        dp_buf_printf(why, "dsseEnvelope.signatures: %zu signatures (at most %d)", n,
+                      ATTEST_MAX_SIGNATURES);
         return -1;
     }
     b->sigs = dp_xcalloc(n, sizeof(*b->sigs));
@@ -430,27 +416,27 @@ static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
         char where[64];
         snprintf(where, sizeof(where), "dsseEnvelope.signatures[%zu]", b->nsigs);
         if (!cJSON_IsObject(s)) {
-            whyf(why, "%s: expected an object", where);
+            dp_buf_printf(why, "%s: expected an object", where);
             return -1;
         }
         if (check_members(s, where, sig_keys, why) != 0)
             return -1;
         const cJSON *kid = member(s, "keyid");
         if (kid != NULL && !cJSON_IsString(kid) && !cJSON_IsNull(kid)) {
-            whyf(why, "%s.keyid: expected a string or null", where);
+            dp_buf_printf(why, "%s.keyid: expected a string or null", where);
             return -1;
         }
         const char *sig = get_str(s, where, "sig", true, true, &bad, why);
         if (bad)
             return -1;
         if (b64(sig, &b->sigs[b->nsigs]) != 0) {
-            whyf(why, "%s.sig: bad base64", where);
+            dp_buf_printf(why, "%s.sig: bad base64", where);
             return -1;
         }
         b->nsigs++;
     }
     if (b64(payload, &b->payload) != 0) {
-        whyf(why, "dsseEnvelope.payload: bad base64");
+        dp_buf_printf(why, "dsseEnvelope.payload: bad base64");
         return -1;
     }
     return 0;
@@ -481,20 +467,22 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
     } else if (strcmp(method, "shards") == 0) {
         b->shards = true;
     } else {
-        whyf(why, "%s.method: expected \"files\" or \"shards\", got \"%s\"", W, shown(method, &t));
+        dp_buf_printf(why, "%s.method: expected \"files\" or \"shards\", got \"%s\"", W,
+                      shown(method, &t));
         goto out;
     }
     size_t k = 0;
     while (k < DP_ARRAY_SIZE(hash_types) && strcmp(ht, hash_types[k].name) != 0)
         k++;
     if (k == DP_ARRAY_SIZE(hash_types)) {
-        whyf(why, "%s.hash_type: expected sha256, blake2b or blake3, got \"%s\"", W,
-             shown(ht, &t));
+        dp_buf_printf(why, "%s.hash_type: expected sha256, blake2b or blake3, got \"%s\"", W,
+                      shown(ht, &t));
         goto out;
     }
     if (hash_types[k].md == NULL) {
-        whyf(why, "%s.hash_type: %s is not supported by this verifier (sha256 and blake2b are)",
-             W, ht);
+        dp_buf_printf(why,
+                      "%s.hash_type: %s is not supported by this verifier (sha256 and blake2b are)",
+                      W, ht);
         goto out;
     }
     snprintf(b->hash_type, sizeof(b->hash_type), "%s", ht);
@@ -503,52 +491,52 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
     const cJSON *ss = member(s, "shard_size");
     if (b->shards) {
         if (ss == NULL) {
-            whyf(why, "%s.shard_size: missing (required when method is \"shards\")", W);
+            dp_buf_printf(why, "%s.shard_size: missing (required when method is \"shards\")", W);
             goto out;
         }
         if (!cJSON_IsNumber(ss) || ss->valuedouble < 1 ||
             ss->valuedouble > (double)SHARD_SIZE_MAX ||
             ss->valuedouble != (double)(uint64_t)ss->valuedouble) {
-            whyf(why, "%s.shard_size: expected a positive integer", W);
+            dp_buf_printf(why, "%s.shard_size: expected a positive integer", W);
             goto out;
         }
         b->shard_size = (uint64_t)ss->valuedouble;
     } else if (ss != NULL) {
-        whyf(why, "%s.shard_size: must be absent when method is \"files\"", W);
+        dp_buf_printf(why, "%s.shard_size: must be absent when method is \"files\"", W);
         goto out;
     }
     const cJSON *as = member(s, "allow_symlinks");
     if (as == NULL) {
-        whyf(why, "%s.allow_symlinks: missing", W);
+        dp_buf_printf(why, "%s.allow_symlinks: missing", W);
         goto out;
     }
     if (!cJSON_IsBool(as)) {
-        whyf(why, "%s.allow_symlinks: expected true or false", W);
+        dp_buf_printf(why, "%s.allow_symlinks: expected true or false", W);
         goto out;
     }
     b->allow_symlinks = cJSON_IsTrue(as);
     const cJSON *ip = member(s, "ignore_paths");
     if (ip != NULL) {
         if (!cJSON_IsArray(ip)) {
-            whyf(why, "%s.ignore_paths: expected an array of strings", W);
+            dp_buf_printf(why, "%s.ignore_paths: expected an array of strings", W);
             goto out;
         }
         b->ignore = dp_xcalloc((size_t)cJSON_GetArraySize(ip) + 1, sizeof(*b->ignore));
         for (const cJSON *e = ip->child; e; e = e->next) {
             if (!cJSON_IsString(e) || e->valuestring[0] == '\0') {
-                whyf(why, "%s.ignore_paths[%zu]: expected a non-empty string", W, b->nignore);
+                dp_buf_printf(why, "%s.ignore_paths[%zu]: expected a non-empty string", W,
+                              b->nignore);
                 goto out;
             }
             char *p = dp_xstrdup(e->valuestring);
             size_t n = strlen(p);
             while (n > 1 && p[n - 1] == '/')
                 p[--n] = '\0'; /* "cache/" names the directory "cache" */
-            const char *problem = strpbrk(p, "*?[") ? "contains a glob character"
-                                                    : path_problem(p);
+            const char *problem = strpbrk(p, "*?[") ? "contains a glob character" : path_problem(p);
             b->ignore[b->nignore++] = p;
             if (problem) {
-                whyf(why, "%s.ignore_paths[%zu] \"%s\": %s", W, b->nignore - 1,
-                     shown(e->valuestring, &t), problem);
+                dp_buf_printf(why, "%s.ignore_paths[%zu] \"%s\": %s", W, b->nignore - 1,
+                              shown(e->valuestring, &t), problem);
                 goto out;
             }
         }
@@ -592,16 +580,16 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
 {
     const cJSON *res = member(pred, "resources");
     if (res == NULL) {
-        whyf(why, "predicate.resources: missing");
+        dp_buf_printf(why, "predicate.resources: missing");
         return -1;
     }
     if (!cJSON_IsArray(res)) {
-        whyf(why, "predicate.resources: expected an array");
+        dp_buf_printf(why, "predicate.resources: expected an array");
         return -1;
     }
     size_t n = (size_t)cJSON_GetArraySize(res);
     if (n == 0) {
-        whyf(why, "predicate.resources: empty (a model has at least one file)");
+        dp_buf_printf(why, "predicate.resources: empty (a model has at least one file)");
         return -1;
     }
     b->res = dp_xcalloc(n, sizeof(*b->res));
@@ -612,7 +600,7 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
         char where[64];
         snprintf(where, sizeof(where), "predicate.resources[%zu]", i);
         if (!cJSON_IsObject(e)) {
-            whyf(why, "%s: expected an object", where);
+            dp_buf_printf(why, "%s: expected an object", where);
             goto out;
         }
         if (check_members(e, where, NULL, why) != 0)
@@ -627,8 +615,9 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
         r->name = dp_xstrdup(name);
         if (b->shards) {
             if (split_shard(r) != 0) {
-                whyf(why, "%s.name \"%s\": expected \"<path>:<start>:<end>\" (method shards)",
-                     where, shown(name, &t));
+                dp_buf_printf(why,
+                              "%s.name \"%s\": expected \"<path>:<start>:<end>\" (method shards)",
+                              where, shown(name, &t));
                 goto out;
             }
         } else {
@@ -636,33 +625,34 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
         }
         const char *problem = path_problem(r->path);
         if (problem) {
-            whyf(why, "%s.name \"%s\": %s", where, shown(name, &t), problem);
+            dp_buf_printf(why, "%s.name \"%s\": %s", where, shown(name, &t), problem);
             goto out;
         }
         if (b->shards && (r->start >= r->end || r->start % b->shard_size != 0 ||
                           r->end - r->start > b->shard_size)) {
-            whyf(why, "%s.name \"%s\": not a shard of shard_size %llu", where, shown(name, &t),
-                 (unsigned long long)b->shard_size);
+            dp_buf_printf(why, "%s.name \"%s\": not a shard of shard_size %llu", where,
+                          shown(name, &t), (unsigned long long)b->shard_size);
             goto out;
         }
         if (i > 0 && strcmp(b->res[i - 1].name, name) >= 0) {
-            whyf(why, "%s.name \"%s\": resources are not sorted by name (or repeat one): it "
-                      "follows \"%s\"",
-                 where, shown(name, &t), b->res[i - 1].name);
+            dp_buf_printf(why,
+                          "%s.name \"%s\": resources are not sorted by name (or repeat one): it "
+                          "follows \"%s\"",
+                          where, shown(name, &t), b->res[i - 1].name);
             goto out;
         }
         if (strcmp(alg, b->hash_type) != 0) {
-            whyf(why, "%s.algorithm: \"%s\" differs from serialization.hash_type \"%s\"", where,
-                 shown(alg, &t), b->hash_type);
+            dp_buf_printf(why, "%s.algorithm: \"%s\" differs from serialization.hash_type \"%s\"",
+                          where, shown(alg, &t), b->hash_type);
             goto out;
         }
         if (!dp_is_lower_hex(digest, strlen(digest))) {
-            whyf(why, "%s.digest: expected lowercase hex", where);
+            dp_buf_printf(why, "%s.digest: expected lowercase hex", where);
             goto out;
         }
         if (strlen(digest) != b->digest_len * 2) {
-            whyf(why, "%s.digest: %zu hex digits, %s gives %zu", where, strlen(digest),
-                 b->hash_type, b->digest_len * 2);
+            dp_buf_printf(why, "%s.digest: %zu hex digits, %s gives %zu", where, strlen(digest),
+                          b->hash_type, b->digest_len * 2);
             goto out;
         }
         dp_unhex(digest, b->digest_len * 2, r->digest, b->digest_len);
@@ -676,12 +666,13 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
         const oms_res_t *r = b->by_path[i];
         bool first = i == 0 || strcmp(b->by_path[i - 1]->path, r->path) != 0;
         uint64_t want = first ? 0 : b->by_path[i - 1]->end;
-        bool prev_full = first || b->by_path[i - 1]->end - b->by_path[i - 1]->start ==
-                                      b->shard_size;
+        bool prev_full =
+            first || b->by_path[i - 1]->end - b->by_path[i - 1]->start == b->shard_size;
         if (r->start != want || !prev_full) {
-            whyf(why, "predicate.resources: the shards of \"%s\" do not cover it contiguously "
-                      "(at \"%s\")",
-                 shown(r->path, &t), r->name);
+            dp_buf_printf(why,
+                          "predicate.resources: the shards of \"%s\" do not cover it contiguously "
+                          "(at \"%s\")",
+                          shown(r->path, &t), r->name);
             goto out;
         }
     }
@@ -699,7 +690,7 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     dp_buf_t t = {0};
     cJSON *st = cJSON_ParseWithLength(b->payload.base ? b->payload.base : "", b->payload.len);
     if (!cJSON_IsObject(st)) {
-        whyf(why, "statement (the decoded DSSE payload): not a JSON object");
+        dp_buf_printf(why, "statement (the decoded DSSE payload): not a JSON object");
         goto out;
     }
     bool bad = false;
@@ -707,14 +698,15 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     if (bad)
         goto out;
     if (strcmp(pt, DEPRECATED_PREDICATE) == 0) {
-        whyf(why, "statement.predicateType: \"%s\" is the deprecated v0.1 format (not "
-                  "supported; re-sign with a current model_signing)",
-             DEPRECATED_PREDICATE);
+        dp_buf_printf(why,
+                      "statement.predicateType: \"%s\" is the deprecated v0.1 format (not "
+                      "supported; re-sign with a current model_signing)",
+                      DEPRECATED_PREDICATE);
         goto out;
     }
     if (strcmp(pt, OMS_PREDICATE_TYPE) != 0) {
-        whyf(why, "statement.predicateType: expected \"%s\", got \"%s\"", OMS_PREDICATE_TYPE,
-             shown(pt, &t));
+        dp_buf_printf(why, "statement.predicateType: expected \"%s\", got \"%s\"",
+                      OMS_PREDICATE_TYPE, shown(pt, &t));
         goto out;
     }
     if (check_members(st, "statement", st_keys, why) != 0)
@@ -723,13 +715,13 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     if (bad)
         goto out;
     if (strcmp(type, OMS_STATEMENT_TYPE) != 0) {
-        whyf(why, "statement._type: expected \"%s\", got \"%s\"", OMS_STATEMENT_TYPE,
-             shown(type, &t));
+        dp_buf_printf(why, "statement._type: expected \"%s\", got \"%s\"", OMS_STATEMENT_TYPE,
+                      shown(type, &t));
         goto out;
     }
     const cJSON *subj = member(st, "subject");
     if (!cJSON_IsArray(subj) || cJSON_GetArraySize(subj) != 1 || !cJSON_IsObject(subj->child)) {
-        whyf(why, "statement.subject: expected exactly one subject object");
+        dp_buf_printf(why, "statement.subject: expected exactly one subject object");
         goto out;
     }
     if (check_members(subj->child, "statement.subject[0]", NULL, why) != 0 ||
@@ -741,17 +733,16 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     for (const cJSON *d = dg->child; d; d = d->next) {
         if (!cJSON_IsString(d) || !dp_is_lower_hex(d->valuestring, strlen(d->valuestring)) ||
             d->valuestring[0] == '\0') {
-            whyf(why, "statement.subject[0].digest.%s: expected lowercase hex",
-                 shown(d->string, &t));
+            dp_buf_printf(why, "statement.subject[0].digest.%s: expected lowercase hex",
+                          shown(d->string, &t));
             goto out;
         }
     }
-    const char *root = get_str(dg, "statement.subject[0].digest", "sha256", true, false, &bad,
-                               why);
+    const char *root = get_str(dg, "statement.subject[0].digest", "sha256", true, false, &bad, why);
     if (bad)
         goto out;
     if (!dp_is_lower_hex(root, 64)) {
-        whyf(why, "statement.subject[0].digest.sha256: expected 64 hex digits");
+        dp_buf_printf(why, "statement.subject[0].digest.sha256: expected 64 hex digits");
         goto out;
     }
     memcpy(b->root_digest, root, 65);
@@ -773,9 +764,10 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     char hex[65];
     dp_hex(md, sizeof(md), hex);
     if (strcmp(hex, b->root_digest) != 0) {
-        whyf(why, "statement.subject[0].digest.sha256: %.8s.. is not the root digest of the "
-                  "resources (%.8s..)",
-             b->root_digest, hex);
+        dp_buf_printf(why,
+                      "statement.subject[0].digest.sha256: %.8s.. is not the root digest of the "
+                      "resources (%.8s..)",
+                      b->root_digest, hex);
         goto out;
     }
     rc = 0;
@@ -794,11 +786,11 @@ int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t 
     int rc = -1;
     cJSON *root = len > 0 ? cJSON_ParseWithLength(json, len) : NULL;
     if (root == NULL) {
-        whyf(why, "bundle: %s", len == 0 ? "empty file" : "not valid JSON");
+        dp_buf_printf(why, "bundle: %s", len == 0 ? "empty file" : "not valid JSON");
         goto out;
     }
     if (!cJSON_IsObject(root)) {
-        whyf(why, "bundle: expected a JSON object");
+        dp_buf_printf(why, "bundle: expected a JSON object");
         goto out;
     }
     if (check_members(root, "bundle", root_keys, why) != 0)
@@ -809,8 +801,8 @@ int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t 
         goto out;
     if (strcmp(mt, BUNDLE_MEDIA_TYPE) != 0 && strcmp(mt, BUNDLE_MEDIA_TYPE_ALT) != 0) {
         dp_buf_t t = {0};
-        whyf(why, "bundle.mediaType: expected \"%s\" (Sigstore bundle v0.3), got \"%s\"",
-             BUNDLE_MEDIA_TYPE, shown(mt, &t));
+        dp_buf_printf(why, "bundle.mediaType: expected \"%s\" (Sigstore bundle v0.3), got \"%s\"",
+                      BUNDLE_MEDIA_TYPE, shown(mt, &t));
         dp_buf_free(&t);
         goto out;
     }
@@ -826,7 +818,8 @@ out:
     return rc;
 }
 
-/* ---- trust and signatures --------------------------------------------------------------------- */
+/* ---- trust and signatures ---------------------------------------------------------------------
+ */
 
 static const char *ec_curve_problem(EVP_PKEY *k)
 {
@@ -881,19 +874,19 @@ int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err)
     int rc = -1;
     int r = dp_read_file(path, 1 << 20, &pem);
     if (r != 0) {
-        whyf(err, "cannot read %s: %s", path, strerror(-r));
+        dp_buf_printf(err, "cannot read %s: %s", path, strerror(-r));
         goto out;
     }
     BIO *bio = BIO_new_mem_buf(pem.base, (int)pem.len);
     EVP_PKEY *k = bio ? PEM_read_bio_PUBKEY(bio, NULL, NULL, NULL) : NULL;
     BIO_free(bio);
     if (k == NULL) {
-        whyf(err, "%s: not a PEM public key (\"BEGIN PUBLIC KEY\")", path);
+        dp_buf_printf(err, "%s: not a PEM public key (\"BEGIN PUBLIC KEY\")", path);
         goto out;
     }
     const char *problem = ec_curve_problem(k);
     if (problem) {
-        whyf(err, "%s: %s", path, problem);
+        dp_buf_printf(err, "%s: %s", path, problem);
         EVP_PKEY_free(k);
         goto out;
     }
@@ -910,7 +903,7 @@ int oms_trust_load_ca(oms_trust_t *t, const char *path, dp_buf_t *err)
 {
     X509_STORE *st = X509_STORE_new();
     if (st == NULL || X509_STORE_load_file(st, path) != 1) {
-        whyf(err, "%s: cannot load CA certificates (PEM)", path);
+        dp_buf_printf(err, "%s: cannot load CA certificates (PEM)", path);
         X509_STORE_free(st);
         ERR_clear_error();
         return -1;
@@ -949,34 +942,35 @@ static EVP_PKEY *cert_key(const oms_bundle_t *b, X509_STORE *store, dp_buf_t *wh
     STACK_OF(X509) *chain = sk_X509_new_null();
     X509_STORE_CTX *ctx = X509_STORE_CTX_new();
     if (leaf == NULL) {
-        whyf(why, "verificationMaterial.x509CertificateChain.certificates[0]: not a DER "
-                  "certificate");
+        dp_buf_printf(why, "verificationMaterial.x509CertificateChain.certificates[0]: not a DER "
+                           "certificate");
         goto out;
     }
     for (size_t i = 1; i < b->ncerts; i++) {
         X509 *c = der_cert(&b->certs[i]);
         if (c == NULL) {
-            whyf(why, "verificationMaterial.x509CertificateChain.certificates[%zu]: not a DER "
-                      "certificate",
-                 i);
+            dp_buf_printf(why,
+                          "verificationMaterial.x509CertificateChain.certificates[%zu]: not a DER "
+                          "certificate",
+                          i);
             goto out;
         }
         sk_X509_push(chain, c);
     }
     if (ctx == NULL || X509_STORE_CTX_init(ctx, store, leaf, chain) != 1) {
-        whyf(why, "certificate: cannot set up chain validation");
+        dp_buf_printf(why, "certificate: cannot set up chain validation");
         goto out;
     }
     if (X509_verify_cert(ctx) != 1) {
         int e = X509_STORE_CTX_get_error(ctx);
-        whyf(why, "certificate: the signing certificate does not chain to --ca-file (%s)",
-             X509_verify_cert_error_string(e));
+        dp_buf_printf(why, "certificate: the signing certificate does not chain to --ca-file (%s)",
+                      X509_verify_cert_error_string(e));
         goto out;
     }
     k = X509_get_pubkey(leaf);
     const char *problem = k ? ec_curve_problem(k) : "no public key";
     if (problem) {
-        whyf(why, "certificate: the signing certificate's key: %s", problem);
+        dp_buf_printf(why, "certificate: the signing certificate's key: %s", problem);
         EVP_PKEY_free(k);
         k = NULL;
     }
@@ -1007,14 +1001,16 @@ int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signe
     bool owned = false;
     switch (b->method) {
     case OMS_METHOD_SIGSTORE:
-        whyf(why, "signature: method sigstore (keyless, Fulcio + Rekor) is not supported "
-                  "offline: it needs the Sigstore trust root and transparency log; sign with a "
-                  "key or a certificate instead");
+        dp_buf_printf(why,
+                      "signature: method sigstore (keyless, Fulcio + Rekor) is not supported "
+                      "offline: it needs the Sigstore trust root and transparency log; sign with a "
+                      "key or a certificate instead");
         return -1;
     case OMS_METHOD_CERTIFICATE:
         if (t->ca_store == NULL) {
-            whyf(why, "signature: the bundle is signed with a certificate (method certificate): "
-                      "give --ca-file");
+            dp_buf_printf(
+                why, "signature: the bundle is signed with a certificate (method certificate): "
+                     "give --ca-file");
             return -1;
         }
         k = cert_key(b, t->ca_store, why);
@@ -1024,7 +1020,8 @@ int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signe
         break;
     case OMS_METHOD_KEY: {
         if (t->pubkey == NULL) {
-            whyf(why, "signature: the bundle is signed with a key (method key): give --pubkey");
+            dp_buf_printf(why,
+                          "signature: the bundle is signed with a key (method key): give --pubkey");
             return -1;
         }
         k = t->pubkey;
@@ -1033,19 +1030,20 @@ int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signe
         pem_fingerprint(k, pem);
         if (b->key_hint && strcmp(b->key_hint, pem) != 0 && strcmp(b->key_hint, der) != 0) {
             dp_buf_t tmp = {0};
-            whyf(why, "signature: the bundle names key %s (publicKey.hint), --pubkey is %.8s..",
-                 shown(b->key_hint, &tmp), der);
+            dp_buf_printf(why,
+                          "signature: the bundle names key %s (publicKey.hint), --pubkey is %.8s..",
+                          shown(b->key_hint, &tmp), der);
             dp_buf_free(&tmp);
             return -1;
         }
         if (b->key_raw.len > 0) {
             unsigned char *d = NULL;
             int n = i2d_PUBKEY(k, &d);
-            bool same = n > 0 && (size_t)n == b->key_raw.len &&
-                        memcmp(d, b->key_raw.base, (size_t)n) == 0;
+            bool same =
+                n > 0 && (size_t)n == b->key_raw.len && memcmp(d, b->key_raw.base, (size_t)n) == 0;
             OPENSSL_free(d);
             if (!same) {
-                whyf(why, "signature: the bundle's publicKey.rawBytes is not --pubkey");
+                dp_buf_printf(why, "signature: the bundle's publicKey.rawBytes is not --pubkey");
                 return -1;
             }
         }
@@ -1053,24 +1051,25 @@ int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signe
     }
     }
     dp_buf_t pae = {0};
-    attest_dsse_pae(OMS_PAYLOAD_TYPE, b->payload.base ? b->payload.base : "", b->payload.len,
-                    &pae);
+    attest_dsse_pae(OMS_PAYLOAD_TYPE, b->payload.base ? b->payload.base : "", b->payload.len, &pae);
     bool ok = false;
     for (size_t i = 0; i < b->nsigs && !ok; i++)
         ok = sig_verifies(k, &pae, &b->sigs[i]);
     if (ok)
         spki_fingerprint(k, signer);
     else
-        whyf(why, "signature: does not verify with the %s (payload or signature altered, or "
-                  "another signer)",
-             b->method == OMS_METHOD_KEY ? "--pubkey key" : "signing certificate's key");
+        dp_buf_printf(why,
+                      "signature: does not verify with the %s (payload or signature altered, or "
+                      "another signer)",
+                      b->method == OMS_METHOD_KEY ? "--pubkey key" : "signing certificate's key");
     dp_buf_free(&pae);
     if (owned)
         EVP_PKEY_free(k);
     return ok ? 0 : -1;
 }
 
-/* ---- the directory ---------------------------------------------------------------------------- */
+/* ---- the directory ----------------------------------------------------------------------------
+ */
 
 static const char *const default_ignores[] = {".git", ".gitignore", ".gitattributes", ".github"};
 
@@ -1105,8 +1104,7 @@ static void finding(walk_ctx_t *w, const char *fmt, const char *rel, const char 
 
 static int symlink_cb(const char *rel, void *data)
 {
-    finding(data, "symlink not allowed (the bundle records allow_symlinks false): %s%s", rel,
-            NULL);
+    finding(data, "symlink not allowed (the bundle records allow_symlinks false): %s%s", rel, NULL);
     return 0;
 }
 
@@ -1165,8 +1163,8 @@ static int check_file(walk_ctx_t *w, attest_filehasher_t *fh, const char *dir,
         b->by_path[i]->seen = true;
     char detail[160];
     if (b->shards && b->by_path[hi - 1]->end != f->size) {
-        snprintf(detail, sizeof(detail), " (size %llu, signed %llu)",
-                 (unsigned long long)f->size, (unsigned long long)b->by_path[hi - 1]->end);
+        snprintf(detail, sizeof(detail), " (size %llu, signed %llu)", (unsigned long long)f->size,
+                 (unsigned long long)b->by_path[hi - 1]->end);
         finding(w, "changed file: %s%s", f->relpath, detail);
         return 0;
     }
@@ -1245,7 +1243,8 @@ out:
     return rc;
 }
 
-/* ---- all of it -------------------------------------------------------------------------------- */
+/* ---- all of it --------------------------------------------------------------------------------
+ */
 
 void oms_result_clear(oms_result_t *r)
 {
@@ -1310,10 +1309,10 @@ int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const 
             continue;
         while (j < r->snap.count && strcmp(r->snap.files[j].relpath, f->relpath) < 0)
             j++;
-        const attest_file_t *o = j < r->snap.count &&
-                                         strcmp(r->snap.files[j].relpath, f->relpath) == 0
-                                     ? &r->snap.files[j]
-                                     : NULL;
+        const attest_file_t *o =
+            j < r->snap.count && strcmp(r->snap.files[j].relpath, f->relpath) == 0
+                ? &r->snap.files[j]
+                : NULL;
         const char *problem = NULL;
         if (o == NULL || !b)
             problem = "is not covered by the OMS bundle (ignored or excluded there)";

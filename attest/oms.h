@@ -14,7 +14,8 @@
  * check with the leaf's key). Keyless "sigstore" bundles need Fulcio roots and Rekor and are
  * refused as not supported offline. Hash types: sha256, blake2b (BLAKE2b-512); blake3 is refused.
  *
- * Blocking file I/O, no libuv, no logging: the agent runs it on a worker thread. */
+ * Blocking file I/O, no libuv, no logging: the agent runs it on a worker thread. Every reason
+ * buffer (why, err) must be non-NULL. */
 #ifndef ATTEST_OMS_H
 #define ATTEST_OMS_H
 
@@ -92,13 +93,13 @@ int oms_verify_dir(const oms_bundle_t *b, const char *dir, const char *bundle_pa
 
 /* Everything for one bundle file and one directory. */
 typedef struct {
-    bool verified;          /* parse, signature and directory all good */
-    const char *method;     /* oms_method_names[...], NULL when the bundle did not parse */
-    char signer[65];        /* "" unless the signature verified */
-    char root_digest[65];   /* "" unless the bundle parsed */
+    bool verified;        /* parse, signature and directory all good */
+    const char *method;   /* oms_method_names[...], NULL when the bundle did not parse */
+    char signer[65];      /* "" unless the signature verified */
+    char root_digest[65]; /* "" unless the bundle parsed */
     attest_reasons_t findings;
-    attest_snapshot_t snap; /* the OMS listing (empty unless the directory was walked) */
-    oms_bundle_t *bundle;   /* NULL unless it parsed */
+    attest_snapshot_t snap;          /* the OMS listing (empty unless the directory was walked) */
+    oms_bundle_t *bundle;            /* NULL unless it parsed */
     uint64_t bundle_dev, bundle_ino; /* the bundle file as read */
 } oms_result_t;
 

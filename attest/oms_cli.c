@@ -93,8 +93,8 @@ static int cmd_oms_verify(int argc, char **argv)
     dp_buf_t err = {0};
     if ((pubkey && oms_trust_load_pubkey(&trust, pubkey, &err) != 0) ||
         (ca && oms_trust_load_ca(&trust, ca, &err) != 0)) {
-        fprintf(stderr, "detproxy attest oms verify: %s %s\n", pubkey && !trust.pubkey ?
-                "--pubkey" : "--ca-file", err.base);
+        fprintf(stderr, "detproxy attest oms verify: %s %s\n",
+                pubkey && !trust.pubkey ? "--pubkey" : "--ca-file", err.base);
         oms_trust_free(&trust);
         dp_buf_free(&err);
         return ATTEST_EXIT_USAGE;

@@ -77,7 +77,8 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
 
 /* Write the report as a JSON object (for /admin/replicas and `attest verify --json`):
  * {model, checkpoint_sha256, quantization, dtype, framework{name,version}, nonce, issued_at,
- *  signed, keyid, source, unattested{field: note}}, and oms{verified, signer, root_digest} when reported. key is the member name or NULL. */
+ *  signed, keyid, source, unattested{field: note}}, and oms{verified, signer, root_digest} when
+ * reported. key is the member name or NULL. */
 void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *key);
 
 /* ---- reasons --------------------------------------------------------------------------------

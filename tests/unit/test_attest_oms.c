@@ -92,7 +92,7 @@ Test(oms_vectors, invalid_bundles_are_refused_with_a_reason)
 
 /* ---- predicate rules on statements built here ------------------------------------------------ */
 
-#define SER_FILES                                                                                 \
+#define SER_FILES                                                                                  \
     "\"serialization\":{\"method\":\"files\",\"hash_type\":\"sha256\",\"allow_symlinks\":false}"
 
 static void statement_bundle(const char *statement, dp_buf_t *out)
@@ -245,7 +245,8 @@ Test(oms_rules, envelope_and_material)
     dp_buf_free(&why);
 }
 
-/* ---- the shared hasher's shard boundaries ------------------------------------------------------ */
+/* ---- the shared hasher's shard boundaries ------------------------------------------------------
+ */
 
 static size_t digests_of(const char *dir, const char *name, size_t size, uint64_t shard,
                          dp_buf_t *out)
