@@ -27,6 +27,8 @@ const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
 #define DEPRECATED_PREDICATE "https://model_signing/Digests/v0.1"
 /* Shard offsets are printed in decimal; more than 2^53 cannot round-trip a JSON number. */
 #define SHARD_SIZE_MAX ((uint64_t)1 << 53)
+/* A leaf and its intermediates; real chains are 2-4 certificates long. */
+#define OMS_MAX_CHAIN 10
 
 /* One resource: a whole file (files) or one byte range of a file (shards). */
 typedef struct {
@@ -73,31 +75,44 @@ static const char *shown(const char *v, dp_buf_t *tmp)
 
 /* Duplicate member names would let two parsers read different bundles: refuse them. With
  * allowed non-NULL, unknown members are refused too (the schema's additionalProperties false). */
+static int cmp_member_names(const void *a, const void *b)
+{
+    return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
+}
+
 static int check_members(const cJSON *obj, const char *where, const char *const *allowed,
                          dp_buf_t *why)
 {
-    for (const cJSON *a = obj->child; a; a = a->next) {
-        for (const cJSON *b = a->next; b; b = b->next) {
-            if (strcmp(a->string, b->string) == 0) {
-                dp_buf_t t = {0};
-                dp_buf_printf(why, "%s: duplicate member \"%s\"", where, shown(a->string, &t));
-                dp_buf_free(&t);
-                return -1;
-            }
-        }
-        if (allowed == NULL)
-            continue;
-        bool ok = false;
-        for (size_t i = 0; allowed[i]; i++)
-            ok = ok || strcmp(a->string, allowed[i]) == 0;
+    dp_buf_t t = {0};
+    size_t n = 0;
+    for (const cJSON *a = obj->child; a; a = a->next, n++) {
+        bool ok = allowed == NULL;
+        for (size_t i = 0; !ok && allowed[i]; i++)
+            ok = strcmp(a->string, allowed[i]) == 0;
         if (!ok) {
-            dp_buf_t t = {0};
             dp_buf_printf(why, "%s: unknown member \"%s\"", where, shown(a->string, &t));
             dp_buf_free(&t);
             return -1;
         }
     }
-    return 0;
+    if (n < 2)
+        return 0;
+    /* Sorted, so an object with many members costs n log n, not n^2. */
+    const cJSON **m = dp_xmalloc(n * sizeof(*m));
+    n = 0;
+    for (const cJSON *a = obj->child; a; a = a->next)
+        m[n++] = a;
+    qsort(m, n, sizeof(*m), cmp_member_names);
+    int rc = 0;
+    for (size_t i = 1; i < n && rc == 0; i++) {
+        if (strcmp(m[i - 1]->string, m[i]->string) == 0) {
+            dp_buf_printf(why, "%s: duplicate member \"%s\"", where, shown(m[i]->string, &t));
+            rc = -1;
+        }
+    }
+    free(m);
+    dp_buf_free(&t);
+    return rc;
 }
 
 static const cJSON *member(const cJSON *obj, const char *key)
@@ -259,6 +274,11 @@ static int parse_certs(oms_bundle_t *b, const cJSON *chain, const char *where, d
         return -1;
     }
     size_t n = (size_t)cJSON_GetArraySize(certs);
+    if (n > OMS_MAX_CHAIN) {
+        dp_buf_printf(why, "%s.certificates: %zu certificates (at most %d)", where, n,
+                      OMS_MAX_CHAIN);
+        return -1;
+    }
     b->certs = dp_xcalloc(n, sizeof(*b->certs));
     for (const cJSON *c = certs->child; c; c = c->next) {
         bool bad = false;
@@ -442,6 +462,11 @@ static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
     return 0;
 }
 
+static int cmp_strp(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
 static const struct {
     const char *name, *md;
     size_t len;
@@ -541,6 +566,8 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
             }
         }
     }
+    if (b->nignore > 1) /* looked up for every entry of the walk */
+        qsort(b->ignore, b->nignore, sizeof(*b->ignore), cmp_strp);
     rc = 0;
 out:
     dp_buf_free(&t);
@@ -1087,9 +1114,9 @@ static bool exclude_cb(const char *rel, void *data)
         for (size_t i = 0; i < DP_ARRAY_SIZE(default_ignores); i++)
             if (strcmp(rel, default_ignores[i]) == 0)
                 return true;
-    for (size_t i = 0; i < w->b->nignore; i++)
-        if (strcmp(rel, w->b->ignore[i]) == 0)
-            return true;
+    if (w->b->nignore > 0 && bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *),
+                                     cmp_strp) != NULL)
+        return true;
     return w->bundle_rel && strcmp(rel, w->bundle_rel) == 0;
 }
 
