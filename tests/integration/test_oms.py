@@ -321,6 +321,14 @@ def payload(a):
     return json.loads(base64.b64decode(env["payload"]))
 
 
+def oms_verified(a):
+    """The agent's oms.verified, or None while it is re-hashing (503)."""
+    r = http("GET", a.port, "/attestation?nonce=n2")
+    if r.status != 200:
+        return None
+    return json.loads(base64.b64decode(json.loads(r.text)["payload"]))["oms"]["verified"]
+
+
 def checkpoint(d):
     rc, out, err = run_cmd([DETPROXY_BIN, "attest", "hash", d])
     assert rc == 0, err
@@ -340,12 +348,27 @@ def test_agent_reports_what_it_verified():
     ckpt = p["checkpoint_sha256"]
     with open(os.path.join(d, ".hf-metadata"), "w") as f:
         f.write("revision=evil")
-    poll_until(lambda: payload(a)["oms"]["verified"] is False, what="oms re-verified")
+    poll_until(lambda: oms_verified(a) is False, what="oms re-verified")
     p = payload(a)
     assert p["checkpoint_sha256"] == ckpt and p["oms"] == {"verified": False, "signer": None,
                                                            "root_digest": None}, p
     line = a.wait_log("oms_not_verified")
     assert any(x.startswith("changed file: .hf-metadata") for x in line["findings"]), line
+    a.stop()
+
+
+def test_a_replaced_bundle_is_re_verified():
+    d = model_dir("agent-rebundle")
+    b = signed(d, inside=False, name="agent-rebundle.sig")
+    a = agent(d, b)
+    assert payload(a)["oms"]["verified"] is True
+    start = len(a.logs)
+    tmp = b + ".new"
+    oms.write_bundle(tmp, oms.statement(d), key("mallory"))
+    os.rename(tmp, b)  # the directory is untouched; only the bundle (outside it) changed
+    poll_until(lambda: oms_verified(a) is False, what="bundle re-verified")
+    line = a.wait_log("oms_not_verified", start=start)
+    assert line["findings"][0].startswith("signature: the bundle names key "), line
     a.stop()
 
 
