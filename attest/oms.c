@@ -372,7 +372,7 @@ static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
                 why, "verificationMaterial.publicKey: needs hint (or rawBytes, older bundles)");
             return -1;
         }
-        if (hint)
+        if (hint && hint[0]) /* "" names no key (model_signing skips the check then too) */
             b->key_hint = dp_xstrdup(hint);
         if (raw && b64(raw, &b->key_raw) != 0) {
             dp_buf_printf(why, "verificationMaterial.publicKey.rawBytes: bad base64");
