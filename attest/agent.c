@@ -67,13 +67,12 @@ typedef struct {
     uint64_t start_ns, end_ns;
     atomic_uint_fast64_t bytes_done, bytes_total;
     const atomic_int *cancel;
-    /* --oms-bundle: the bundle verified against the directory (full jobs), and the listing
-     * with dot-names that a later check compares against (every job). */
+    /* --oms-bundle: the bundle verified against the directory (full jobs), and what a later
+     * check compares against (every job). */
     const char *oms_bundle;
     const oms_trust_t *oms_trust;
     oms_result_t oms;
-    attest_snapshot_t oms_all;
-    struct stat oms_bundle_st;
+    oms_watch_t oms_watch;
 } job_t;
 
 /* Reading name and version from the co-located framework: one adapter at a time, its paths one
@@ -123,8 +122,7 @@ struct agent_s {
 
     char *oms_bundle; /* --oms-bundle, NULL without */
     oms_trust_t oms_trust;
-    attest_snapshot_t oms_all; /* the listing (dot-names included) the OMS result is about */
-    struct stat oms_bundle_st; /* the bundle file then */
+    oms_watch_t oms_watch; /* what the OMS result is about */
 };
 
 /* ---- logging helpers -------------------------------------------------------------------- */
@@ -159,53 +157,15 @@ static void job_progress_cb(const attest_progress_t *p, void *data)
     atomic_store(&j->bytes_total, p->bytes_total);
 }
 
-/* ---- OMS (--oms-bundle, SPEC §19) -------------------------------------------------------
- * The OMS manifest covers dot-names the checkpoint skips, so with a bundle the watcher also lists
- * those, and the bundle file itself: a change to either re-verifies. */
-
-static const attest_walk_opts_t oms_watch_rules = {.include_hidden = true, .any_file_name = true};
-
-static int oms_job_list(job_t *j)
-{
-    if (j->oms_bundle == NULL)
-        return 0;
-    if (stat(j->oms_bundle, &j->oms_bundle_st) != 0)
-        memset(&j->oms_bundle_st, 0, sizeof(j->oms_bundle_st)); /* the verify names the error */
-    return attest_snapshot_take_opts(j->dir, &oms_watch_rules, &j->oms_all, &j->err);
-}
-
-/* Verify the bundle against the directory just hashed; the checkpoint and the bundle must be
- * about the same files (oms_cross_check). */
-static void oms_job_verify(job_t *j, const dp_buf_t *lines)
-{
-    attest_hash_opts_t o = {.cancel = j->cancel};
-    oms_verify(j->oms_bundle, j->dir, j->oms_trust, &o, &j->oms);
-    if (j->oms.verified &&
-        oms_cross_check(&j->oms, &j->snap, lines->base, lines->len, &j->oms.findings) > 0)
-        j->oms.verified = false;
-}
-
-static bool oms_changed(const agent_t *a, const job_t *j, dp_buf_t *why)
-{
-    if (a->oms_bundle == NULL)
-        return false;
-    const struct stat *x = &a->oms_bundle_st, *y = &j->oms_bundle_st;
-    if (x->st_ino != y->st_ino || x->st_size != y->st_size ||
-        x->st_mtim.tv_sec != y->st_mtim.tv_sec || x->st_mtim.tv_nsec != y->st_mtim.tv_nsec) {
-        dp_buf_printf(why, "OMS bundle %s changed", a->oms_bundle);
-        return true;
-    }
-    return attest_snapshot_differs(&a->oms_all, &j->oms_all, why);
-}
+/* ---- OMS (--oms-bundle, SPEC §19) ---------------------------------------------------------- */
 
 static void oms_done(agent_t *a, job_t *j)
 {
     if (a->oms_bundle == NULL)
         return;
-    attest_snapshot_free(&a->oms_all);
-    a->oms_all = j->oms_all;
-    memset(&j->oms_all, 0, sizeof(j->oms_all));
-    a->oms_bundle_st = j->oms_bundle_st;
+    oms_watch_free(&a->oms_watch);
+    a->oms_watch = j->oms_watch;
+    memset(&j->oms_watch, 0, sizeof(j->oms_watch));
     attest_report_t *r = &a->ident;
     r->oms_reported = true;
     r->oms_verified = j->oms.verified;
@@ -236,17 +196,21 @@ static void job_run(uv_work_t *w)
         attest_hash_opts_t o = {
             .progress = job_progress_cb, .progress_data = j, .cancel = j->cancel};
         dp_buf_t lines = {0};
-        j->rc = oms_job_list(j);
+        if (j->oms_bundle)
+            j->rc = oms_watch_take(j->oms_bundle, j->dir, &j->oms_watch, &j->err);
         if (j->rc == 0)
             j->rc = attest_hash_dir(j->dir, &o, j->hex, &j->snap, j->oms_bundle ? &lines : NULL,
                                     &j->err);
-        if (j->rc == 0 && j->oms_bundle)
-            oms_job_verify(j, &lines);
+        if (j->rc == 0 && j->oms_bundle) {
+            attest_hash_opts_t oo = {.cancel = j->cancel};
+            oms_verify_checkpoint(j->oms_bundle, j->dir, j->oms_trust, &oo, &j->snap, &lines,
+                                  &j->oms);
+        }
         dp_buf_free(&lines);
     } else {
         j->rc = attest_snapshot_take(j->dir, &j->snap, &j->err);
-        if (j->rc == 0)
-            j->rc = oms_job_list(j);
+        if (j->rc == 0 && j->oms_bundle)
+            j->rc = oms_watch_take(j->oms_bundle, j->dir, &j->oms_watch, &j->err);
     }
     j->end_ns = dp_now_ns();
 }
@@ -254,7 +218,7 @@ static void job_run(uv_work_t *w)
 static void job_free(job_t *j)
 {
     attest_snapshot_free(&j->snap);
-    attest_snapshot_free(&j->oms_all);
+    oms_watch_free(&j->oms_watch);
     oms_result_clear(&j->oms);
     dp_buf_free(&j->err);
     free(j->dir);
@@ -325,7 +289,8 @@ static void check_done(agent_t *a, job_t *j)
         return;
     }
     dp_buf_t why = {0};
-    if (attest_snapshot_differs(&a->snap, &j->snap, &why) || oms_changed(a, j, &why)) {
+    if (attest_snapshot_differs(&a->snap, &j->snap, &why) ||
+        (a->oms_bundle && oms_watch_differs(&a->oms_watch, &j->oms_watch, &why))) {
         /* Stop vouching for the old hash now: it no longer describes the files on disk. */
         dp_buf_t msg = {0};
         dp_buf_printf(&msg, "model directory changed (%s); re-hashing", why.base);
@@ -1057,7 +1022,7 @@ out:
     }
     cfg_url_free(&a->fw.url);
     attest_snapshot_free(&a->snap);
-    attest_snapshot_free(&a->oms_all);
+    oms_watch_free(&a->oms_watch);
     oms_trust_free(&a->oms_trust);
     free(a->oms_bundle);
     attest_report_clear(&a->ident);

@@ -1319,6 +1319,48 @@ out:
     return rc;
 }
 
+int oms_verify_checkpoint(const char *bundle_path, const char *dir, const oms_trust_t *t,
+                          const attest_hash_opts_t *opts, const attest_snapshot_t *ckpt,
+                          const dp_buf_t *lines, oms_result_t *out)
+{
+    int rc = oms_verify(bundle_path, dir, t, opts, out);
+    if (rc == 0 && oms_cross_check(out, ckpt, lines->base, lines->len, &out->findings) > 0) {
+        out->verified = false;
+        rc = 1;
+    }
+    return rc;
+}
+
+int oms_watch_take(const char *bundle_path, const char *dir, oms_watch_t *out, dp_buf_t *err)
+{
+    static const attest_walk_opts_t all_files = {.include_hidden = true, .any_file_name = true};
+    memset(out, 0, sizeof(*out));
+    struct stat st;
+    if (stat(bundle_path, &st) == 0) { /* else all 0: oms_verify names the error */
+        out->bundle_dev = (uint64_t)st.st_dev;
+        out->bundle_ino = (uint64_t)st.st_ino;
+        out->bundle_size = (uint64_t)st.st_size;
+        out->bundle_mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    }
+    return attest_snapshot_take_opts(dir, &all_files, &out->files, err);
+}
+
+bool oms_watch_differs(const oms_watch_t *a, const oms_watch_t *b, dp_buf_t *why)
+{
+    if (a->bundle_dev != b->bundle_dev || a->bundle_ino != b->bundle_ino ||
+        a->bundle_size != b->bundle_size || a->bundle_mtime_ns != b->bundle_mtime_ns) {
+        dp_buf_appends(why, "OMS bundle changed");
+        return true;
+    }
+    return attest_snapshot_differs(&a->files, &b->files, why);
+}
+
+void oms_watch_free(oms_watch_t *w)
+{
+    attest_snapshot_free(&w->files);
+    memset(w, 0, sizeof(*w));
+}
+
 int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const char *lines,
                     size_t lines_len, attest_reasons_t *findings)
 {

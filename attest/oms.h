@@ -120,4 +120,24 @@ void oms_result_clear(oms_result_t *r);
 int oms_cross_check(const oms_result_t *r, const attest_snapshot_t *ckpt, const char *lines,
                     size_t lines_len, attest_reasons_t *findings);
 
+/* For the agent: oms_verify, then oms_cross_check against the checkpoint it just computed
+ * (ckpt and lines from attest_hash_dir); verified only when both pass. */
+int oms_verify_checkpoint(const char *bundle_path, const char *dir, const oms_trust_t *t,
+                          const attest_hash_opts_t *opts, const attest_snapshot_t *ckpt,
+                          const dp_buf_t *lines, oms_result_t *out);
+
+/* What the agent watches besides the checkpoint listing: the OMS manifest covers dot-names the
+ * checkpoint skips, and the bundle file may change on its own. Zero-initialise. */
+typedef struct {
+    attest_snapshot_t files; /* every file under DIR, dot-names included */
+    uint64_t bundle_dev, bundle_ino, bundle_size;
+    int64_t bundle_mtime_ns; /* all 0 when the bundle could not be stat'ed */
+} oms_watch_t;
+
+/* List DIR and stat the bundle. 0, or a negative errno with the reason in *err. */
+int oms_watch_take(const char *bundle_path, const char *dir, oms_watch_t *out, dp_buf_t *err);
+/* True (with what changed appended to *why) when the two differ. */
+bool oms_watch_differs(const oms_watch_t *a, const oms_watch_t *b, dp_buf_t *why);
+void oms_watch_free(oms_watch_t *w);
+
 #endif
