@@ -1114,8 +1114,8 @@ static bool exclude_cb(const char *rel, void *data)
         for (size_t i = 0; i < DP_ARRAY_SIZE(default_ignores); i++)
             if (strcmp(rel, default_ignores[i]) == 0)
                 return true;
-    if (w->b->nignore > 0 && bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *),
-                                     cmp_strp) != NULL)
+    if (w->b->nignore > 0 &&
+        bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *), cmp_strp) != NULL)
         return true;
     return w->bundle_rel && strcmp(rel, w->bundle_rel) == 0;
 }
