@@ -15,6 +15,10 @@ BUILD ?= build/release
 CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=Release
 endif
 FUZZ_SECONDS ?= 60
+# Quiet builds: no "Entering directory" lines from the make levels CMake nests, no echo of our
+# own recipes; compiler errors and warnings still reach the terminal (they are on stderr).
+MAKEFLAGS += --no-print-directory
+QUIET_BUILD = -- --no-print-directory
 
 .PHONY: all deps build test demo bench fuzz clean format
 all: build
@@ -24,10 +28,10 @@ deps:
 
 build: deps
 	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) >/dev/null
-	@cmake --build $(BUILD) -j $(JOBS)
+	@cmake --build $(BUILD) -j $(JOBS) $(QUIET_BUILD)
 
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 demo: build
 	@BUILD=$(BUILD) scripts/demo.sh
@@ -37,7 +41,7 @@ bench: build
 
 fuzz: deps
 	@CC=clang cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_FUZZ=ON -DDP_TESTS=OFF >/dev/null
-	@cmake --build build/fuzz -j $(JOBS) --target fuzzers
+	@cmake --build build/fuzz -j $(JOBS) --target fuzzers $(QUIET_BUILD)
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/run.sh build/fuzz
 
 format:

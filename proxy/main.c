@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/version.h"
 #include "proxy/cli.h"
 
 static void usage(FILE *f)
@@ -11,11 +12,14 @@ static void usage(FILE *f)
           "commands:\n"
           "  run -c CONFIG            run the proxy (foreground, JSON-lines logs on stderr)\n"
           "  check -c CONFIG          validate config, manifests, policy and keys\n"
+          "                           (--strict: warnings fail the check too, for CI)\n"
+          "  policy test -c CONFIG    show what the policy does to a request body\n"
           "  attest hash DIR          print the checkpoint hash of a model directory\n"
           "  attest keygen --out P    write an Ed25519 key pair P.key.pem, P.pub.pem\n"
           "  attest serve ...         run the replica-side attestation agent\n"
           "  attest verify ...        verify a signed attestation offline\n"
           "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
+          "  version, --version       print the version and the git commit it was built from\n"
           "\n"
           "Run 'detproxy <command> --help' for a command's options.\n"
           "Exit codes: 0 ok, 1 check or diagnosis failed, 2 usage error, 3 runtime failure.\n",
@@ -33,12 +37,22 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
+    if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "version") == 0) {
+        if (argc > 2) {
+            fprintf(stderr, "detproxy version: unexpected argument '%s'\n", argv[2]);
+            return 2;
+        }
+        printf("detproxy %s (commit %s)\n", dp_version, dp_commit);
+        return 0;
+    }
     if (strcmp(cmd, "run") == 0)
         return px_cmd_run(argc - 1, argv + 1);
     if (strcmp(cmd, "check") == 0)
         return cfg_cmd_check(argc - 1, argv + 1);
     if (strcmp(cmd, "attest") == 0)
         return attest_cmd_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "policy") == 0)
+        return px_cmd_policy(argc - 1, argv + 1);
     if (strcmp(cmd, "diagnose") == 0)
         return px_cmd_diagnose(argc - 1, argv + 1);
     fprintf(stderr, "detproxy: unknown command '%s' (try --help)\n", cmd);
