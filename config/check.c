@@ -1,5 +1,6 @@
-/* `detproxy check -c CONFIG`: load the config as `run` would and print every problem.
- * Exit 0 valid, 1 invalid, 2 usage (SPEC §2). */
+/* `detproxy check -c CONFIG [--strict]`: load the config as `run` would and print every
+ * problem. Exit 0 valid, 1 invalid (or, with --strict, any warning), 2 usage (SPEC §2). */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -7,7 +8,7 @@
 
 static void usage(FILE *f)
 {
-    fputs("usage: detproxy check -c CONFIG\n"
+    fputs("usage: detproxy check -c CONFIG [--strict]\n"
           "\n"
           "Validate a config file with the manifests, policy, keys, certificates and secret\n"
           "files it names. Prints each problem as 'error: <json path>: <message>' (warnings as\n"
@@ -15,9 +16,11 @@ static void usage(FILE *f)
           "\n"
           "options:\n"
           "  -c, --config FILE   config file to check\n"
+          "  --strict            warnings are errors (for CI): a replica that can never be\n"
+          "                      admitted, a secret file readable by others, ... exit 1\n"
           "  -h, --help          show this help\n"
           "\n"
-          "exit codes: 0 valid, 1 invalid, 2 usage error\n",
+          "exit codes: 0 valid, 1 invalid (or a warning under --strict), 2 usage error\n",
           f);
 }
 
@@ -28,14 +31,19 @@ static int usage_error(const char *what, const char *arg)
 }
 
 /* 0 with *config set, 1 for --help (already printed), or the exit code 2. */
-static int parse_args(int argc, char **argv, const char **config)
+static int parse_args(int argc, char **argv, const char **config, bool *strict)
 {
     *config = NULL;
+    *strict = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = NULL;
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage(stdout);
             return 1;
+        }
+        if (strcmp(a, "--strict") == 0) {
+            *strict = true;
+            continue;
         }
         if (strncmp(a, "--config=", 9) == 0) {
             val = a + 9;
@@ -81,7 +89,8 @@ static void print_summary(const cfg_t *cfg)
 int cfg_cmd_check(int argc, char **argv)
 {
     const char *path;
-    int rc = parse_args(argc, argv, &path);
+    bool strict;
+    int rc = parse_args(argc, argv, &path, &strict);
     if (rc != 0)
         return rc == 1 ? 0 : rc;
 
@@ -92,7 +101,12 @@ int cfg_cmd_check(int argc, char **argv)
         fprintf(stderr, "error: %s\n", errs.items[i]);
     for (size_t i = 0; i < errs.nwarnings; i++)
         fprintf(stderr, "warning: %s\n", errs.warnings[i]);
-    if (cfg != NULL)
+    if (strict && rc == 0 && errs.nwarnings > 0) {
+        fprintf(stderr, "error: --strict: %zu %s\n", errs.nwarnings,
+                plural(errs.nwarnings, "warning", "warnings"));
+        rc = 1;
+    }
+    if (cfg != NULL && rc == 0)
         print_summary(cfg);
     cfg_free(cfg);
     cfg_errors_free(&errs);

@@ -639,7 +639,7 @@ Test(config_files, check_usage)
 {
     char *out, *err;
     cr_assert_eq(CHECK(&out, &err, "--help"), 0);
-    cr_assert_eq(strncmp(out, "usage: detproxy check -c CONFIG\n", 32), 0);
+    cr_assert_eq(strncmp(out, "usage: detproxy check -c CONFIG [--strict]\n", 41), 0);
     cr_assert_str_eq(err, "");
     free(out);
     free(err);
