@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/buf.h"
+#include "common/jw.h"
 #include "config/config.h"
 
 /* Largest config, manifest or policy file read. */
@@ -120,6 +121,8 @@ bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required,
  * On success c->file is set to rel, so errors inside name the file; the caller clears it. */
 cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel);
 void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg);
+/* Every limits.* key with its value (config.c owns the table of them). */
+void cfg_limits_dump(const cfg_limits_t *l, dp_jw_t *w);
 void cfg_pool_free(cfg_pool_t *p);
 /* Wipe, then free. */
 void cfg_secret_free(char *s);

@@ -21,7 +21,12 @@ static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "req
                                                "trusted_keys", NULL};
 static const char *const shadow_keys[] = {
     "rate", "self_rate", "max_inflight", "max_output_bytes", "quarantine", NULL};
-static const char *const log_keys[] = {"level", "audit_path", NULL};
+static const char *const log_keys[] = {"level", "audit_path", "access", NULL};
+static const char *const access_keys[] = {"enabled", "sample_rate", "fields", NULL};
+
+const char *const cfg_access_field_names[CFG_ACCESS__COUNT] = {
+    "tenant", "pool",    "replica", "code", "model", "remote", "upstream_ms",
+    "ttfb_ms", "tokens", "seed",    "policy"};
 static const char *const tls_keys[] = {"cert_file", "key_file", "client_ca_file", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
 
@@ -58,6 +63,16 @@ static void set_limit(cfg_limits_t *l, const limit_field_t *f, uint64_t v)
         *(uint32_t *)(void *)p = (uint32_t)v;
 }
 
+void cfg_limits_dump(const cfg_limits_t *l, dp_jw_t *w)
+{
+    for (size_t i = 0; i < DP_ARRAY_SIZE(limit_fields); i++) {
+        const limit_field_t *f = &limit_fields[i];
+        const char *p = (const char *)l + f->off;
+        dp_jw_uint(w, f->key, f->wide ? *(const uint64_t *)(const void *)p
+                                      : *(const uint32_t *)(const void *)p);
+    }
+}
+
 static void set_defaults(cfg_t *cfg)
 {
     const char *why;
@@ -71,6 +86,9 @@ static void set_defaults(cfg_t *cfg)
     cfg->shadow.max_inflight = 4;
     cfg->shadow.max_output_bytes = 1048576;
     cfg->log.level = DP_LOG_INFO;
+    cfg->log.access.enabled = true;
+    cfg->log.access.sample_rate = 1.0;
+    cfg->log.access.fields = (1u << CFG_ACCESS__COUNT) - 1;
 }
 
 /* ---- sections -------------------------------------------------------------------------- */
@@ -187,6 +205,40 @@ static void check_audit_path(cfg_ctx_t *c, const char *path)
     free(dir);
 }
 
+static void parse_access_log(cfg_ctx_t *c, const cJSON *log, cfg_access_log_t *a)
+{
+    const cJSON *o = cfg_get_obj(c, log, "access", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "access");
+    cfg_check_keys(c, o, access_keys);
+    cfg_get_bool(c, o, "enabled", &a->enabled);
+    cfg_get_num(c, o, "sample_rate", 0, 1, &a->sample_rate);
+    const cJSON *f = cfg_get_arr(c, o, "fields", false);
+    if (f != NULL) {
+        size_t fm = cfg_path_key(c, "fields");
+        a->fields = 0;
+        size_t i = 0;
+        for (const cJSON *e = f->child; e; e = e->next, i++) {
+            size_t k = CFG_ACCESS__COUNT;
+            if (cJSON_IsString(e))
+                for (k = 0; k < CFG_ACCESS__COUNT; k++)
+                    if (strcmp(e->valuestring, cfg_access_field_names[k]) == 0)
+                        break;
+            if (k == CFG_ACCESS__COUNT) {
+                size_t im = cfg_path_index(c, i);
+                cfg_err(c, NULL, "expected one of tenant, pool, replica, code, model, remote, "
+                                 "upstream_ms, ttfb_ms, tokens, seed, policy");
+                cfg_path_pop(c, im);
+                continue;
+            }
+            a->fields |= 1u << k;
+        }
+        cfg_path_pop(c, fm);
+    }
+    cfg_path_pop(c, mark);
+}
+
 static void parse_log(cfg_ctx_t *c, const cJSON *doc, cfg_log_t *l)
 {
     const cJSON *o = cfg_get_obj(c, doc, "log", false);
@@ -197,6 +249,7 @@ static void parse_log(cfg_ctx_t *c, const cJSON *doc, cfg_log_t *l)
     cfg_get_enum(c, o, "level", level_names, DP_ARRAY_SIZE(level_names), &l->level);
     if (cfg_get_path(c, o, "audit_path", false, &l->audit_path))
         check_audit_path(c, l->audit_path);
+    parse_access_log(c, o, &l->access);
     cfg_path_pop(c, mark);
 }
 

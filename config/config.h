@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/buf.h"
+
 /* ---- errors ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -101,6 +103,10 @@ typedef struct {
     size_t ndeny_params;
     bool audit;
     double shadow_rate; /* < 0 when not set (use shadow.rate) */
+    /* "rate_limit": {"requests_per_second": R, "burst": B}: a token bucket per tenant (per
+     * process). rate_rps 0: no limit. burst defaults to max(1, ceil(R)). */
+    double rate_rps;
+    uint32_t rate_burst;
 } cfg_tenant_t;
 
 typedef struct {
@@ -196,9 +202,34 @@ typedef struct {
     bool quarantine;
 } cfg_shadow_t;
 
+/* log.access: one "access" log line per client request (docs/configuration.md). */
+typedef enum {
+    CFG_ACCESS_TENANT = 0,
+    CFG_ACCESS_POOL,
+    CFG_ACCESS_REPLICA,
+    CFG_ACCESS_CODE,
+    CFG_ACCESS_MODEL,
+    CFG_ACCESS_REMOTE,
+    CFG_ACCESS_UPSTREAM_MS,
+    CFG_ACCESS_TTFB_MS,
+    CFG_ACCESS_TOKENS,
+    CFG_ACCESS_SEED,
+    CFG_ACCESS_POLICY,
+    CFG_ACCESS__COUNT
+} cfg_access_field_t;
+
+extern const char *const cfg_access_field_names[CFG_ACCESS__COUNT];
+
+typedef struct {
+    bool enabled;       /* default true (lines are at level info) */
+    double sample_rate; /* fraction of answers below 400 logged; refusals always are. 1.0 */
+    uint32_t fields;    /* bit (1 << cfg_access_field_t); default all */
+} cfg_access_log_t;
+
 typedef struct {
     int level; /* dp_log_level_t */
     char *audit_path; /* NULL: no audit file (an audit tenant then fails `check`) */
+    cfg_access_log_t access;
 } cfg_log_t;
 
 typedef struct {
@@ -263,6 +294,10 @@ void cfg_url_free(cfg_url_t *u);
  * - A replica without "attest" takes the native adapter named by the manifest's framework.name,
  *   else CFG_ATTEST_NONE (an error when the manifest pins an identity field). An agent URL with
  *   no path gets "/attestation". */
+
+/* The effective configuration as one JSON object (GET /admin/config), appended to out:
+ * defaults filled in, secrets redacted (config/dump.c says which). */
+void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out);
 
 /* `detproxy check -c CONFIG` (config/check.c); argv[0] is "check". Returns the exit code. */
 int cfg_cmd_check(int argc, char **argv);

@@ -39,7 +39,9 @@ static const param_range_t param_ranges[CFG_PARAM__COUNT] = {
 
 static const char *const policy_keys[] = {"tenants", NULL};
 static const char *const tenant_keys[] = {"name",        "match", "pool",        "sampling",
-                                          "deny_params", "audit", "shadow_rate", NULL};
+                                          "deny_params", "audit", "shadow_rate", "rate_limit",
+                                          NULL};
+static const char *const rate_limit_keys[] = {"requests_per_second", "burst", NULL};
 static const char *const match_keys[] = {"api_keys_sha256", "header", "any", NULL};
 static const char *const header_keys[] = {"name", "value", NULL};
 static const char *const rule_keys[] = {"force", "default", "min", "max", "derive", NULL};
@@ -253,6 +255,25 @@ static void parse_match(cfg_ctx_t *c, const cJSON *tenant, cfg_tenant_t *t)
 
 /* ---- tenants --------------------------------------------------------------------------- */
 
+/* "rate_limit": {"requests_per_second": R, "burst": B}: R > 0 (fractions allowed: 0.5 is one
+ * request every two seconds), B whole requests, default max(1, ceil(R)). */
+static void parse_rate_limit(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
+{
+    const cJSON *o = cfg_get_obj(c, node, "rate_limit", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "rate_limit");
+    cfg_check_keys(c, o, rate_limit_keys);
+    if (cfg_get(o, "requests_per_second") == NULL)
+        cfg_err(c, "requests_per_second", "required");
+    else if (cfg_get_num(c, o, "requests_per_second", 0, 1e6, &t->rate_rps) && t->rate_rps <= 0)
+        cfg_err(c, "requests_per_second", "must be greater than 0");
+    double def = ceil(t->rate_rps);
+    t->rate_burst = def < 1 ? 1 : (uint32_t)def;
+    cfg_get_u32(c, o, "burst", 1, 1000000, &t->rate_burst);
+    cfg_path_pop(c, mark);
+}
+
 static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
 {
     t->shadow_rate = -1;
@@ -270,6 +291,7 @@ static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
     cfg_get_str_array(c, node, "deny_params", false, true, &t->deny_params, &t->ndeny_params);
     cfg_get_bool(c, node, "audit", &t->audit);
     cfg_get_num(c, node, "shadow_rate", 0, 1, &t->shadow_rate);
+    parse_rate_limit(c, node, t);
 }
 
 /* Duplicate names, and tenants that can never match because an earlier one matches anything. */

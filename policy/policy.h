@@ -169,6 +169,14 @@ dp_iovec_t policy_model(const policy_req_t *r);
 int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
                  policy_result_t *out, policy_error_t *err);
 
+/* Steps 2-4 in one call, as the proxy runs them and `detproxy policy test` shows them: parse
+ * body, choose the pool (the tenant's `pool`, else the first whose `models` lists the model:
+ * none is 404 model_not_found), apply t for that pool's framework. 0 with *pool and *out set,
+ * or -1 with err set (and *pool NULL). */
+int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, policy_route_t route,
+                  const char *body, size_t len, const cfg_pool_t **pool, policy_result_t *out,
+                  policy_error_t *err);
+
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 
 /* v as ECMAScript's Number.prototype.toString prints it (shortest round-trip digits; 1e+21,
@@ -232,6 +240,27 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
 /* End of stream: append any held bytes. */
 void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
 
+/* ---- token usage (detproxy_tokens_total) ---------------------------------------------------- */
+
+/* Incremental scanner for `"usage": {"prompt_tokens": P, "completion_tokens": C, ...}` in a
+ * response body: a non-streamed JSON body, or an SSE stream whose usage arrives in a chunk
+ * (vLLM's stream_options.include_usage, llama.cpp's last chunk). Any depth, any number of
+ * reads; the last usage object seen wins (continuous usage stats are cumulative). Keys and
+ * quotes inside string values never match. Zero-initialise; feed every byte. */
+typedef struct {
+    uint8_t st;
+    bool in_str, esc;
+    uint8_t klen; /* bytes of the current string kept in key; 0xff: not a plain short key */
+    char key[8];
+    uint16_t depth;
+    uint16_t clen;
+    char cap[512]; /* the usage object being captured */
+    bool found;
+    int64_t prompt_tokens, completion_tokens;
+} policy_usage_t;
+
+void policy_usage_feed(policy_usage_t *u, const char *p, size_t n);
+
 /* ---- audit (SPEC §8 `audit: true`) --------------------------------------------------------- */
 
 /* What one audit line records; the proxy fills it (borrowed pointers, NULL prints null) and
@@ -248,15 +277,19 @@ typedef struct {
     const char *model;
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
     const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */
-    const char *response_sha256;   /* hex SHA-256 of the response body sent to the client */
+    const char *response_sha256;   /* hex SHA-256 of the response body sent to the client;
+                                      NULL (null) when no replica answered */
     int status;                    /* HTTP status returned to the client */
+    const char *error_code;        /* detproxy's refusal: its error code, NULL when none */
+    const char *error_param;       /* the parameter it names, NULL when none */
 } policy_audit_t;
 
 /* Append one JSON line (with its '\n') to out:
  * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint","route",
  *  "model","status","seed","seed_derived","temperature","params":[{"param","action","before",
  *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
- * absent/removed (with "removed":true for the latter). */
+ * absent/removed (with "removed":true for the latter). A refusal adds
+ * "error":{"code","param"} (param null when none). */
 void policy_audit_line(const policy_audit_t *a, dp_buf_t *out);
 
 #endif

@@ -7,5 +7,6 @@ int px_cmd_run(int argc, char **argv);      /* proxy/px_main.c */
 int cfg_cmd_check(int argc, char **argv);   /* config/check.c */
 int attest_cmd_main(int argc, char **argv); /* attest/cli.c: hash, keygen, serve, verify */
 int px_cmd_diagnose(int argc, char **argv); /* proxy/px_diagnose.c */
+int px_cmd_policy(int argc, char **argv);   /* proxy/px_policy_cli.c: policy test */
 
 #endif

@@ -615,13 +615,18 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
         conn_close(c);
         return;
     }
+    const char *code = status == 431   ? "headers_too_large"
+                       : status == 413 ? "body_too_large"
+                       : status == 408 ? "timeout"
+                                       : "bad_request";
+    if (s->h.on_reject) {
+        req_impl_t *q = c->req;
+        bool owned = q && q->handed && !q->resp_ended && !q->abort_notified;
+        s->h.on_reject(s, owned ? &q->r : NULL, status, code);
+    }
     conn_abort_req(c);
     dp_buf_t body = {0};
-    px_error_body(&body, px_error_type_for_status(status), status == 431 ? "headers_too_large"
-                                                          : status == 413 ? "body_too_large"
-                                                          : status == 408 ? "timeout"
-                                                                          : "bad_request",
-                  NULL, reason);
+    px_error_body(&body, px_error_type_for_status(status), code, NULL, reason);
     dp_buf_t head = {0};
     size_t dlen;
     const char *date = date_header(&dlen);
@@ -645,7 +650,6 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
     px_sock_shutdown(&c->sock);
     px_sock_read_start(&c->sock);
     conn_arm(c, LINGER_MS);
-    (void)s;
 }
 
 /* A client that sends (or pipelines) requests without reading the responses would make us

@@ -70,6 +70,10 @@ typedef struct {
     void (*on_abort)(px_req_t *req);
     /* The response's write queue fell below the low-water mark after being above it. */
     void (*on_drain)(px_req_t *req);
+    /* Optional: the server itself is answering with `status` (`code`: headers_too_large,
+     * body_too_large, timeout, bad_request) and closing. req is the handler's request when it
+     * owns one (on_abort follows), else NULL (the head never got that far). For counting. */
+    void (*on_reject)(px_server_t *s, px_req_t *req, int status, const char *code);
 } px_handler_t;
 
 typedef struct {

@@ -64,6 +64,11 @@ struct px_replica_s {
     void *attest_state;      /* px_attest.c's per-replica state */
     px_series_t *m_admitted; /* detproxy_replica_admitted */
     bool discovered;         /* added by DNS discovery */
+    /* POST /admin/replicas/NAME/drain: out of rotation (in-flight requests finish), whatever
+     * the attestation state, until /enable. Lives on the replica, so it survives reloads that
+     * keep the replica's definition. */
+    bool drained;
+    px_series_t *m_drained; /* detproxy_replica_drained */
 };
 
 struct px_pool_s {
@@ -80,11 +85,12 @@ struct px_pool_s {
     uint32_t qlen;
     uv_timer_t qtimer;
     px_series_t *m_duration;
-    /* detproxy_requests_total series by (tenant, status): looked up once, then a pointer
-     * compare per request. Tenant names belong to this generation's config, so pointers are
-     * stable for the pool's whole life. */
+    /* detproxy_requests_total series by (tenant, status, code): looked up once, then a
+     * pointer compare per request. Tenant names belong to this generation's config and codes
+     * are static strings, so pointers are stable for the pool's whole life. */
     struct {
         const char *tenant;
+        const char *code;
         int status;
         px_series_t *s;
     } m_requests[16];
@@ -136,7 +142,9 @@ void px_gen_unref(px_gen_t *g);
 px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name);
 px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len);
 /* Cached metric series (see the caches above). */
-px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status);
+/* p NULL: a request refused before any pool was chosen (label pool="-"). code is static. */
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status,
+                                     const char *code);
 px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
                                     const char *param, int action, const char *action_name);
 
@@ -159,7 +167,11 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 /* Pick an admitted replica with spare capacity (balance per pool config), skipping `avoid`.
  * NULL when none: *why tells whether none is admitted (0) or all are at their limit (1). */
 px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why);
-/* Any admitted replica in the pool? */
+/* Admitted and not drained: may get client requests. */
+bool px_replica_serving(const px_replica_t *r);
+/* Drain (true) or enable (false) a replica; logs "replica_drain" and sets the gauge. */
+void px_replica_set_drained(px_replica_t *r, bool drained);
+/* Any admitted, undrained replica in the pool? */
 bool px_pool_has_admitted(const px_pool_t *p);
 /* Human-readable reasons why a pool has no admitted replica (for 503 and /readyz). */
 void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out);

@@ -1,4 +1,5 @@
-/* The admin listener (SPEC §10): health, readiness, metrics, replica state. */
+/* The admin listener (SPEC §10): health, readiness, metrics, replica state, the effective
+ * configuration, draining and enabling replicas. */
 #include <string.h>
 
 #include "common/jw.h"
@@ -72,6 +73,8 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
     dp_jw_uint(w, "inflight", r->inflight);
     dp_jw_uint(w, "requests", r->requests);
     dp_jw_bool(w, "discovered", r->discovered);
+    dp_jw_bool(w, "drained", r->drained);
+    dp_jw_bool(w, "serving", px_replica_serving(r));
     dp_jw_obj_end(w);
 }
 
@@ -89,6 +92,79 @@ static void replicas(px_t *px, px_req_t *req)
     }
     dp_jw_arr_end(&w);
     dp_jw_obj_end(&w);
+    send_json(req, 200, &b);
+}
+
+/* POST /admin/replicas/NAME/drain | /enable [?pool=P]: every replica of that name (in pool P
+ * only, with ?pool). Answers the replicas changed, 404 when none has the name. */
+static bool replica_admin(px_t *px, px_req_t *req)
+{
+    static const char prefix[] = "/admin/replicas/";
+    const size_t pl = sizeof(prefix) - 1;
+    const dp_iovec_t p = req->path;
+    if (p.len <= pl || memcmp(p.base, prefix, pl) != 0)
+        return false;
+    const char *name = p.base + pl;
+    const char *slash = p.base + p.len;
+    while (slash > name && slash[-1] != '/')
+        slash--;
+    if (slash <= name + 1)
+        return false;
+    slash--; /* at the '/' before the action */
+    size_t nl = (size_t)(slash - name), al = p.len - pl - nl - 1;
+    bool drain;
+    if (al == 5 && memcmp(slash + 1, "drain", 5) == 0)
+        drain = true;
+    else if (al == 6 && memcmp(slash + 1, "enable", 6) == 0)
+        drain = false;
+    else
+        return false;
+    if (req->method != 3 /* POST */) {
+        px_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+        return true;
+    }
+    dp_iovec_t only = {0};
+    bool by_pool = px_req_query(req, "pool", &only);
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "replicas");
+    size_t n = 0;
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *pool = &px->gen->pools[i];
+        if (by_pool && !(strlen(pool->name) == only.len &&
+                         memcmp(pool->name, only.base, only.len) == 0))
+            continue;
+        for (size_t k = 0; k < pool->nreplicas; k++) {
+            px_replica_t *r = pool->replicas[k];
+            if (strlen(r->name) != nl || memcmp(r->name, name, nl) != 0)
+                continue;
+            px_replica_set_drained(r, drain);
+            if (!drain)
+                px_proxy_slot_freed(pool); /* queued requests may go to it now */
+            px_admin_replica_json(&w, r);
+            n++;
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    if (n == 0) {
+        dp_buf_free(&b);
+        dp_buf_printf(&b, "no replica is named %.*s%s%.*s", (int)nl, name,
+                      by_pool ? " in pool " : "", (int)only.len, only.base);
+        px_resp_error(req, 404, NULL, "replica_not_found", NULL, b.base, NULL, 0);
+        dp_buf_free(&b);
+        return true;
+    }
+    send_json(req, 200, &b);
+    return true;
+}
+
+static void config_dump(px_t *px, px_req_t *req)
+{
+    dp_buf_t b = {0};
+    cfg_dump_json(px->gen->cfg, &b);
     send_json(req, 200, &b);
 }
 
@@ -125,10 +201,14 @@ static void on_complete(px_req_t *req)
         metrics(px, req);
     else if (path_is(req, "/admin/replicas") && get)
         replicas(px, req);
+    else if (path_is(req, "/admin/config") && get)
+        config_dump(px, req);
+    else if (replica_admin(px, req))
+        return;
     else if (px_admin_extra_route(px, req) == 0)
         return;
     else
         px_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
 }
 
-const px_handler_t px_admin_handler = {on_head, NULL, on_complete, NULL, NULL};
+const px_handler_t px_admin_handler = {.on_head = on_head, .on_complete = on_complete};

@@ -80,6 +80,8 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     url_copy(&r->attest.url, &d->attest.url);
     r->m_admitted = px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica",
                                    d->name, NULL);
+    r->m_drained = px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica",
+                                  d->name, NULL);
     r->resolved = px_resolve(r->url.host, r->url.port, &r->addr);
     if (r->url.tls || r->attest.url.tls) {
         const cfg_upstream_tls_t *ut = p->upstream_tls;
@@ -189,6 +191,25 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
         dp_log_end(w);
     }
     if (st != PX_REPLICA_ADMITTED && r->up)
+        px_upstream_flush_idle(r->up);
+}
+
+void px_replica_set_drained(px_replica_t *r, bool drained)
+{
+    px_metric_set(r->m_drained, drained ? 1 : 0);
+    if (r->drained == drained)
+        return;
+    r->drained = drained;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, drained ? "replica_drained" : "replica_enabled");
+    if (w) {
+        dp_jw_str(w, "pool", r->pool_name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "state", px_replica_state_names[r->state]);
+        dp_jw_uint(w, "inflight", r->inflight);
+        dp_log_end(w);
+    }
+    /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
+    if (drained && r->up)
         px_upstream_flush_idle(r->up);
 }
 
@@ -342,20 +363,26 @@ void px_gen_unref(px_gen_t *g)
         gen_free_final(g);
 }
 
-px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status)
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status,
+                                     const char *code)
 {
-    size_t n = DP_ARRAY_SIZE(p->m_requests);
-    for (size_t i = 0; i < n && p->m_requests[i].s; i++)
-        if (p->m_requests[i].tenant == tenant && p->m_requests[i].status == status)
-            return p->m_requests[i].s;
     char st[12];
     snprintf(st, sizeof(st), "%d", status);
+    if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
+        return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
+                              st, "code", code, NULL);
+    size_t n = DP_ARRAY_SIZE(p->m_requests);
+    for (size_t i = 0; i < n && p->m_requests[i].s; i++)
+        if (p->m_requests[i].tenant == tenant && p->m_requests[i].status == status &&
+            p->m_requests[i].code == code)
+            return p->m_requests[i].s;
     px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
-                                    "status", st, NULL);
+                                    "status", st, "code", code, NULL);
     for (size_t i = 0; i < n; i++) {
         if (p->m_requests[i].s == NULL) {
             p->m_requests[i].tenant = tenant;
             p->m_requests[i].status = status;
+            p->m_requests[i].code = code;
             p->m_requests[i].s = s;
             break;
         }

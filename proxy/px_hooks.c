@@ -2,9 +2,9 @@
  * trail. Shadow sampling joins through px_shadow.h. */
 #include "proxy/px_hooks.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
 
 #include "common/log.h"
 #include "common/util.h"
@@ -27,12 +27,25 @@ typedef struct pol_s {
     policy_sse_fp_t sse;
     dp_buf_t out;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
+    policy_usage_t usage;      /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
     const char *route;
     uint64_t wall_ms;
     void (*then)(void *);
     void *then_data;
 } pol_t;
+
+/* Per-tenant token buckets, keyed by tenant name so a reload that keeps a tenant keeps its
+ * bucket (a reload must not be a way around the limit). Only tenants with a rate_limit get one;
+ * a linear scan over them is fine at the tens of tenants a policy has. */
+typedef struct bucket_s {
+    struct bucket_s *next;
+    double tokens;
+    uint64_t last_ns;
+    char name[];
+} bucket_t;
+
+static bucket_t *g_buckets;
 
 static pol_t *g_free;
 static size_t g_nfree;
@@ -72,6 +85,11 @@ static void pol_put(pol_t *p)
 
 void px_hooks_free_caches(void)
 {
+    while (g_buckets) {
+        bucket_t *b = g_buckets;
+        g_buckets = b->next;
+        free(b);
+    }
     while (g_free) {
         pol_t *p = g_free;
         g_free = p->next_free;
@@ -108,6 +126,38 @@ static size_t header_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
+static bucket_t *bucket_for(const cfg_tenant_t *t)
+{
+    for (bucket_t *b = g_buckets; b; b = b->next)
+        if (strcmp(b->name, t->name) == 0)
+            return b;
+    size_t n = strlen(t->name) + 1;
+    bucket_t *b = dp_xcalloc(1, sizeof(*b) + n);
+    memcpy(b->name, t->name, n);
+    b->tokens = t->rate_burst;
+    b->last_ns = dp_now_ns();
+    b->next = g_buckets;
+    g_buckets = b;
+    return b;
+}
+
+/* Take one request from t's bucket: 0, or the whole seconds until one is available. */
+static uint32_t rate_take(const cfg_tenant_t *t)
+{
+    bucket_t *b = bucket_for(t);
+    uint64_t now = dp_now_ns();
+    b->tokens += (double)(now - b->last_ns) / 1e9 * t->rate_rps;
+    if (b->tokens > t->rate_burst)
+        b->tokens = t->rate_burst;
+    b->last_ns = now;
+    if (b->tokens >= 1) {
+        b->tokens -= 1;
+        return 0;
+    }
+    double wait = (1 - b->tokens) / t->rate_rps;
+    return wait < 1 ? 1 : (uint32_t)ceil(wait);
+}
+
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req)
 {
     (void)px;
@@ -119,7 +169,52 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req
     }
     h->tenant_cfg = t;
     h->tenant = t->name;
+    if (t->rate_rps > 0 && (h->retry_after_s = rate_take(t)) != 0) {
+        snprintf(h->error, sizeof(h->error),
+                 "tenant %s is over its rate limit (%g requests per second, burst %u): retry "
+                 "after %u s",
+                 t->name, t->rate_rps, t->rate_burst, h->retry_after_s);
+        return -2;
+    }
     return 0;
+}
+
+void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param)
+{
+    h->err_code = code;
+    snprintf(h->err_param, sizeof(h->err_param), "%s", param ? param : "");
+}
+
+bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL || !p->usage.found)
+        return false;
+    *prompt = p->usage.prompt_tokens;
+    *completion = p->usage.completion_tokens;
+    return true;
+}
+
+void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key)
+{
+    const pol_t *p = h->policy;
+    dp_jw_arr_begin(w, key);
+    for (size_t i = 0; p && p->applied && i < p->res.nchanges; i++) {
+        char item[64];
+        snprintf(item, sizeof(item), "%s:%s", p->res.changes[i].param,
+                 policy_action_names[p->res.changes[i].action]);
+        dp_jw_str(w, NULL, item);
+    }
+    dp_jw_arr_end(w);
+}
+
+const char *px_hooks_model(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL)
+        return "";
+    dp_iovec_t m = policy_model(p->preq);
+    return m.base ? m.base : "";
 }
 
 /* ---- inference ------------------------------------------------------------------------------ */
@@ -147,24 +242,16 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     static policy_error_t err; /* message/param outlive this call until the error is sent */
-    if (policy_parse(p->preq, chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS,
-                     req->body.base ? req->body.base : "", req->body.len, &err) != 0)
-        goto refuse;
-    px_pool_t *pool = NULL;
-    if (h->tenant_cfg && h->tenant_cfg->pool) {
-        pool = px_gen_pool_by_name(g, h->tenant_cfg->pool);
-    } else {
-        dp_iovec_t m = policy_model(p->preq);
-        pool = px_gen_pool_for_model(g, m.base, m.len);
-    }
-    if (pool == NULL) {
-        *res = (px_hooks_result_t){404, "model_not_found", "model",
-                                   "no pool serves this model", NULL};
+    const cfg_pool_t *pc;
+    if (policy_decide(g->cfg, h->tenant_cfg, p->preq,
+                      chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS, req->body.base,
+                      req->body.len, &pc, &p->res, &err) != 0) {
+        *res = (px_hooks_result_t){err.status, err.code, err.param[0] ? err.param : NULL,
+                                   err.message, NULL};
         return -1;
     }
-    const char *fw = pool->cfg->manifest ? pool->cfg->manifest->framework_name : NULL;
-    if (policy_apply(p->preq, h->tenant_cfg, fw, &p->res, &err) != 0)
-        goto refuse;
+    /* Pools are built in the config's order. */
+    px_pool_t *pool = &g->pools[pc - g->cfg->pools];
     p->applied = true;
     count_overrides(g, h->tenant_cfg, h->tenant, &p->res);
     h->stream = p->res.stream;
@@ -181,10 +268,6 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     }
     res->pool = pool;
     return 0;
-refuse:
-    *res = (px_hooks_result_t){err.status, err.code, err.param[0] ? err.param : NULL, err.message,
-                               NULL};
-    return -1;
 }
 
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
@@ -237,6 +320,8 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
 
 static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
 {
+    if (p)
+        policy_usage_feed(&p->usage, b, n);
     if (p && p->resp_sha)
         dp_sha256_update(p->resp_sha, b, n);
     if (h->shadow)
@@ -294,6 +379,8 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
     char resp_sha[65];
     dp_sha256_end_hex(p->resp_sha, resp_sha);
     p->resp_sha = NULL;
+    /* No made-up hash: a body no replica sent has none (null), not the hash of nothing. */
+    const char *resp_hex = h->upstream_answered ? resp_sha : NULL;
     dp_iovec_t model = policy_model(p->preq);
     policy_audit_t a = {
         .wall_ms = p->wall_ms,
@@ -307,8 +394,10 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
         .model = model.base,
         .result = p->applied ? &p->res : NULL,
         .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
-        .response_sha256 = resp_sha,
+        .response_sha256 = resp_hex,
         .status = status,
+        .error_code = h->err_code,
+        .error_param = h->err_code && h->err_param[0] ? h->err_param : NULL,
     };
     dp_buf_t line = {0};
     policy_audit_line(&a, &line);

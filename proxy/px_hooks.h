@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "common/jw.h"
 #include "proxy/px.h"
 
 typedef struct {
@@ -19,7 +20,12 @@ typedef struct {
     bool inference;
     bool stream;
     bool hold; /* the response is held whole for rewriting */
+    bool upstream_answered; /* a replica's response head arrived (its body is what is hashed) */
     const cfg_tenant_t *tenant_cfg;
+    /* detproxy's own refusal, for the audit line: static code, copied param ("" none). */
+    const char *err_code;
+    char err_param[64];
+    uint32_t retry_after_s; /* 429 rate_limited: the Retry-After value */
 } px_hooks_req_t;
 
 typedef struct {
@@ -35,8 +41,18 @@ void px_hooks_init(px_hooks_req_t *h);
 void px_hooks_free_caches(void);
 const char *px_hooks_tenant(const px_hooks_req_t *h);
 
-/* Pass-through requests: match a tenant (401 when none). 0 or -1 with h->error set. */
+/* Every request: match a tenant, then take a token from its rate limit. 0; -1 with h->error
+ * set when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
+ * (429 rate_limited, h->error and h->retry_after_s set). */
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req);
+/* detproxy refused the request with code/param (param may be NULL): for the audit line. */
+void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
+/* Token usage seen in the response so far (prompt, completion): false when none. */
+bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);
+/* The policy's changes, for the access log: "param:action" items in out, comma-separated. */
+void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key);
+/* The model the request named ("" before the body was parsed). */
+const char *px_hooks_model(const px_hooks_req_t *h);
 
 /* Inference requests: validate and police the body, pick the pool, and point *body at the
  * body to send (valid until px_hooks_finish). 0, or -1 with res->status/code/param/message describing the refusal. */

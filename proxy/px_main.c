@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "common/version.h"
 #include "proxy/cli.h"
 #include "proxy/px.h"
 #include "proxy/px_admin.h"
@@ -23,7 +24,11 @@
 void px_metrics_declare(void)
 {
     px_metrics_family("detproxy_requests_total", PX_COUNTER,
-                      "Client requests by pool, tenant and final status.");
+                      "Client requests by pool, tenant, final status and code (what answered).");
+    px_metrics_family("detproxy_tokens_total", PX_COUNTER,
+                      "Tokens the replicas reported in usage, by tenant, pool and kind.");
+    px_metrics_family("detproxy_replica_drained", PX_GAUGE,
+                      "1 while the replica is drained (POST /admin/replicas/NAME/drain).");
     px_metrics_family("detproxy_request_duration_seconds", PX_HISTOGRAM,
                       "Time from the first request byte to the end of the response.");
     px_metrics_family("detproxy_upstream_errors_total", PX_COUNTER,
@@ -41,6 +46,11 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
                       "Audit lines that could not be written.");
+    px_metrics_family("detproxy_build_info", PX_GAUGE,
+                      "Always 1; the labels name the running build.");
+    px_metric_set(px_metrics_get("detproxy_build_info", "version", dp_version, "commit",
+                                 dp_commit, NULL),
+                  1);
 }
 
 static void usage(FILE *f)

@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/px.h"
+#include "proxy/px_access.h"
 #include "proxy/px_hooks.h"
 
 typedef enum { ROUTE_PASS = 0, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_MODELS } route_t;
@@ -53,7 +54,16 @@ struct px_preq_s {
     px_preq_t *qnext, *qprev;
     uint64_t qdeadline;
     int status;
-    const char *err_kind;
+    /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
+     * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
+     * Always a static string: the label set stays bounded. */
+    const char *code;
+    bool rejected; /* the server answered (413, 408, ...): on_abort must not make it a 499 */
+    uint64_t up_start_ns, up_head_ns, up_end_ns; /* the last replica exchange */
+    /* For the access log, which is written after the client request is gone: */
+    char method[16];
+    char path[256]; /* the first 255 bytes */
+    char remote[48];
     px_hooks_req_t hooks; /* policy / audit / shadow state (px_hooks.h) */
 };
 
@@ -119,7 +129,7 @@ static void preq_put(px_preq_t *q)
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
-#define PX_EXTRA_HEADERS 8 /* room callers leave for extra_headers() */
+#define PX_EXTRA_HEADERS 9 /* room callers leave for extra_headers() */
 
 static void extra_headers(px_preq_t *q, px_header_t *h, size_t *n)
 {
@@ -130,11 +140,21 @@ static void extra_headers(px_preq_t *q, px_header_t *h, size_t *n)
     px_hooks_response_headers(&q->hooks, q->pool, h, n);
 }
 
+static void retry_after_header(px_preq_t *q, px_header_t *h, size_t *n, char buf[12])
+{
+    if (q->status != 429 || q->hooks.retry_after_s == 0)
+        return;
+    snprintf(buf, 12, "%u", q->hooks.retry_after_s);
+    h[(*n)++] = (px_header_t){DP_IOV("retry-after"), {buf, strlen(buf)}};
+}
+
 /* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent). */
 static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
                         const char *message)
 {
     q->status = status;
+    q->code = code;
+    px_hooks_refused(&q->hooks, code, param);
     if (q->req == NULL)
         return;
     if (q->client_started) {
@@ -144,7 +164,9 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
     }
     px_header_t h[PX_EXTRA_HEADERS];
     size_t n = 0;
+    char ra[12];
     extra_headers(q, h, &n);
+    retry_after_header(q, h, &n, ra);
     dp_jw_t *w = dp_log_begin(status >= 500 ? DP_LOG_WARN : DP_LOG_INFO, "request_failed");
     if (w) {
         dp_jw_str(w, "request_id", q->req->id);
@@ -339,6 +361,8 @@ static void start_on(px_preq_t *q, px_replica_t *r)
 {
     px_replica_ref(r);
     q->replica = r;
+    q->up_start_ns = dp_now_ns();
+    q->up_head_ns = q->up_end_ns = 0;
     r->inflight++;
     r->requests++;
     build_head(q, r);
@@ -408,6 +432,9 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
     if (q->req == NULL)
         return;
     q->status = status;
+    q->code = "upstream";
+    q->up_head_ns = dp_now_ns();
+    q->hooks.upstream_answered = true;
     const dp_iovec_t *connv = connection_value(hdrs, n);
     if (px_hooks_hold_response(&q->hooks, status, hdrs, n)) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
@@ -519,6 +546,7 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
 {
     px_preq_t *q = c->data;
     q->up = NULL;
+    q->up_end_ns = dp_now_ns();
     px_replica_t *r = q->replica;
     if (err == PX_UP_OK) {
         if (q->req && q->held_status) {
@@ -571,6 +599,7 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
             /* Mid-response: end without the final chunk so the client sees an error. */
             px_resp_abort(q->req);
             q->req = NULL;
+            q->code = "upstream_error";
         } else if (err == PX_UP_FIRST_BYTE_TIMEOUT || err == PX_UP_IDLE_TIMEOUT) {
             char msg[160];
             snprintf(msg, sizeof(msg), "replica %s timed out: %s", r->name, detail ? detail : "");
@@ -582,7 +611,10 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
             fail_client(q, 502, "upstream_error", NULL, msg);
         }
     }
-    q->status = q->status ? q->status : 502;
+    if (q->status == 0) {
+        q->status = 502;
+        q->code = "upstream_error";
+    }
     finish(q);
 }
 
@@ -596,9 +628,37 @@ static void finish(px_preq_t *q)
         q->up = NULL;
     }
     queue_remove(q);
-    if (pool && q->status) {
-        px_metric_add(px_pool_requests_series(pool, px_hooks_tenant(&q->hooks), q->status), 1);
-        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    if (q->status) {
+        const char *code = q->code ? q->code : "upstream";
+        const char *tenant = px_hooks_tenant(&q->hooks);
+        uint64_t took = dp_now_ns() - q->start_ns;
+        px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
+        if (pool)
+            px_hist_observe(pool->m_duration, (double)took / 1e9);
+        int64_t pt, ct;
+        if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                         pool->name, "kind", "prompt", NULL),
+                          (double)pt);
+            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                         pool->name, "kind", "completion", NULL),
+                          (double)ct);
+        }
+        px_access_t a = {
+            .request_id = q->id,
+            .method = q->method,
+            .path = q->path,
+            .remote = q->remote[0] ? q->remote : NULL,
+            .status = q->status,
+            .code = code,
+            .pool = pool ? pool->name : NULL,
+            .replica = q->replica ? q->replica->name : NULL,
+            .duration_ns = took,
+            .upstream_ns = q->up_end_ns > q->up_start_ns ? q->up_end_ns - q->up_start_ns : 0,
+            .ttfb_ns = q->up_head_ns > q->up_start_ns ? q->up_head_ns - q->up_start_ns : 0,
+            .hooks = &q->hooks,
+        };
+        px_access_log(&q->gen->cfg->log.access, &a);
     }
     px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
     slot_release(q);
@@ -655,6 +715,7 @@ static void answer_models(px_preq_t *q)
     dp_jw_obj_end(&w);
     px_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
     q->status = 200;
+    q->code = "local";
     px_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
     q->req = NULL;
     dp_buf_free(&b);
@@ -670,12 +731,20 @@ static px_body_mode_t on_head(px_req_t *req)
     q->req = req;
     req->data = q;
     memcpy(q->id, req->id, sizeof(q->id));
+    snprintf(q->method, sizeof(q->method), "%.*s", (int)req->method_name.len,
+             req->method_name.base);
+    snprintf(q->path, sizeof(q->path), "%.*s", (int)req->path.len, req->path.base);
+    memcpy(q->remote, req->remote, sizeof(q->remote));
     q->start_ns = req->start_ns;
     q->route = classify(req);
     px_hooks_init(&q->hooks);
     /* The tenant is known from the head alone: refuse before reading any body. */
-    if (px_hooks_tenant_gate(&q->hooks, px, q->gen, req) != 0) {
-        fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
+    int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
+    if (gate != 0) {
+        if (gate == -2)
+            fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
+        else
+            fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
         finish(q);
         return PX_BODY_BUFFER;
     }
@@ -763,8 +832,30 @@ static void on_abort(px_req_t *req)
         px_creq_cancel(q->up);
         q->up = NULL;
     }
-    q->status = 499; /* nginx's "client closed request" */
+    if (!q->rejected) {
+        q->status = 499; /* nginx's "client closed request" */
+        q->code = "client_closed";
+    }
     finish(q);
+}
+
+/* The server refused the request itself (431, 413, 408, 400) and closes the connection. With
+ * our request (on_abort follows) the refusal becomes its status; without one (the head never
+ * parsed) it is counted here, with no pool and no tenant. */
+static void on_reject(px_server_t *s, px_req_t *req, int status, const char *code)
+{
+    px_preq_t *q = req ? req->data : NULL;
+    if (q) {
+        q->rejected = true;
+        q->status = status;
+        q->code = code;
+        px_hooks_refused(&q->hooks, code, NULL);
+        return;
+    }
+    px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
+    px_t *px = px_server_data(s);
+    px_access_t a = {.status = status, .code = code, .hooks = NULL};
+    px_access_log(&px->gen->cfg->log.access, &a);
 }
 
 static void on_drain(px_req_t *req)
@@ -776,4 +867,5 @@ static void on_drain(px_req_t *req)
     }
 }
 
-const px_handler_t px_proxy_handler = {on_head, on_body, on_complete, on_abort, on_drain};
+const px_handler_t px_proxy_handler = {on_head, on_body, on_complete, on_abort, on_drain,
+                                       on_reject};

@@ -9,10 +9,15 @@ static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
     return max == 0 || r->inflight < max;
 }
 
+bool px_replica_serving(const px_replica_t *r)
+{
+    return r->state == PX_REPLICA_ADMITTED && r->up && !r->drained;
+}
+
 bool px_pool_has_admitted(const px_pool_t *p)
 {
     for (size_t i = 0; i < p->nreplicas; i++)
-        if (p->replicas[i]->state == PX_REPLICA_ADMITTED && p->replicas[i]->up)
+        if (px_replica_serving(p->replicas[i]))
             return true;
     return false;
 }
@@ -32,7 +37,7 @@ px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why)
     uint32_t start = p->rr++;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(start + k) % n];
-        if (r->state != PX_REPLICA_ADMITTED || r->up == NULL)
+        if (!px_replica_serving(r))
             continue;
         any_admitted = true;
         if (r == avoid || !has_capacity(p, r))
@@ -44,7 +49,7 @@ px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why)
         if (best == NULL || r->inflight < best->inflight)
             best = r;
     }
-    if (best == NULL && avoid && avoid->state == PX_REPLICA_ADMITTED && has_capacity(p, avoid))
+    if (best == NULL && avoid && px_replica_serving(avoid) && has_capacity(p, avoid))
         best = (px_replica_t *)avoid; /* the only candidate left: better than failing */
     if (best == NULL)
         *why = any_admitted ? 1 : 0;
@@ -60,7 +65,8 @@ void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
     dp_buf_printf(out, "pool %s has no admitted replica:", p->name);
     for (size_t i = 0; i < p->nreplicas; i++) {
         const px_replica_t *r = p->replicas[i];
-        dp_buf_printf(out, " %s %s", r->name, px_replica_state_names[r->state]);
+        dp_buf_printf(out, " %s %s%s", r->name, px_replica_state_names[r->state],
+                      r->drained ? " drained" : "");
         if (r->nreasons) {
             dp_buf_append(out, " (", 2);
             for (size_t k = 0; k < r->nreasons; k++) {

@@ -26,6 +26,9 @@ typedef struct shadow_s shadow_t;
 typedef struct {
     char *name;
     drift_pool_t *dp;
+    /* The verdict last logged ("drift_verdict" lines, one per change, like replica_state). */
+    drift_verdict_kind_t logged;
+    char logged_suspect[DRIFT_NAME_MAX];
 } dpool_t;
 
 typedef struct {
@@ -74,16 +77,63 @@ static shadow_ctx_t *ctx(px_t *px)
     return px->shadow;
 }
 
-static drift_pool_t *dpool(px_t *px, const char *name)
+static dpool_t *dpool_entry(px_t *px, const char *name)
 {
     shadow_ctx_t *c = ctx(px);
     for (size_t i = 0; i < c->npools; i++)
         if (strcmp(c->pools[i].name, name) == 0)
-            return c->pools[i].dp;
+            return &c->pools[i];
     c->pools = dp_xrealloc(c->pools, (c->npools + 1) * sizeof(*c->pools));
-    c->pools[c->npools].name = dp_xstrdup(name);
-    c->pools[c->npools].dp = drift_pool_new(name);
-    return c->pools[c->npools++].dp;
+    dpool_t *e = &c->pools[c->npools++];
+    memset(e, 0, sizeof(*e));
+    e->name = dp_xstrdup(name);
+    e->dp = drift_pool_new(name);
+    e->logged = DRIFT_INSUFFICIENT_DATA;
+    return e;
+}
+
+static drift_pool_t *dpool(px_t *px, const char *name)
+{
+    return dpool_entry(px, name)->dp;
+}
+
+static void summary_json(dp_jw_t *w, const char *key, const drift_pool_t *dp, drift_kind_t k)
+{
+    drift_summary_t s;
+    drift_pool_summary(dp, k, &s);
+    dp_jw_obj_begin(w, key);
+    dp_jw_uint(w, "samples", s.samples);
+    dp_jw_double(w, "exact_match_rate", s.exact_match_rate);
+    dp_jw_double(w, "mean_similarity", s.mean_similarity);
+    dp_jw_obj_end(w);
+}
+
+/* One "drift_verdict" line when a pool's verdict (or its suspect) changes, with the numbers
+ * behind it: an operator greps one line instead of polling /admin/drift. */
+static void log_verdict_change(dpool_t *e)
+{
+    drift_verdict_t v;
+    drift_pool_verdict(e->dp, &v);
+    const char *suspect = v.has_suspect ? v.suspect : "";
+    if (v.kind == e->logged && strcmp(suspect, e->logged_suspect) == 0)
+        return;
+    dp_jw_t *w = dp_log_begin(v.kind == DRIFT_CROSS_REPLICA_DRIFT ? DP_LOG_WARN : DP_LOG_INFO,
+                              "drift_verdict");
+    if (w) {
+        dp_jw_str(w, "pool", e->name);
+        dp_jw_str(w, "from", drift_verdict_name(e->logged));
+        dp_jw_str(w, "to", drift_verdict_name(v.kind));
+        dp_jw_str(w, "suspect", suspect[0] ? suspect : NULL);
+        summary_json(w, "cross", e->dp, DRIFT_CROSS);
+        summary_json(w, "self", e->dp, DRIFT_SELF);
+        dp_jw_arr_begin(w, "reasons");
+        for (int i = 0; i < v.nreasons; i++)
+            dp_jw_str(w, NULL, v.reasons[i]);
+        dp_jw_arr_end(w);
+        dp_log_end(w);
+    }
+    e->logged = v.kind;
+    snprintf(e->logged_suspect, sizeof(e->logged_suspect), "%s", suspect);
 }
 
 static void count(const char *pool, drift_kind_t kind, const char *result)
@@ -177,8 +227,10 @@ static void compare_done(uv_work_t *w, int status)
     px_t *px = s->px;
     (void)status;
     if (!ctx(px)->stopped) {
-        drift_pool_t *dp = dpool(px, s->pool);
+        dpool_t *e = dpool_entry(px, s->pool);
+        drift_pool_t *dp = e->dp;
         drift_pool_add(dp, s->primary, s->target, &s->result);
+        log_verdict_change(e);
         count(s->pool, s->kind, s->result.match ? "match" : "diverged");
         px_hist_observe(px_metrics_hist("detproxy_shadow_similarity", px_shadow_similarity_bounds,
                                         px_shadow_similarity_nbounds, "pool", s->pool, "kind",
@@ -344,7 +396,7 @@ static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
     size_t n = p->nreplicas;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(rr + k) % n];
-        if (r == primary || r->up == NULL)
+        if (r == primary || r->up == NULL || r->drained)
             continue;
         if (r->state == PX_REPLICA_ADMITTED || r->state == PX_REPLICA_QUARANTINED) {
             rr += (uint32_t)k + 1;

@@ -76,9 +76,12 @@ def sim_config(sim, **changes):
 
 
 def metric(px, name, **labels):
-    """Value of one Prometheus series from /metrics (0 when absent)."""
+    """Sum of the Prometheus series of `name` from /metrics whose labels include `labels` (0
+    when none): metric(px, "detproxy_requests_total", pool="p", status="200") adds up every
+    tenant and code."""
     text = http("GET", px.admin_port, "/metrics").text
-    want = ",".join('%s="%s"' % kv for kv in sorted(labels.items()))
+    want = set('%s="%s"' % kv for kv in labels.items())
+    total = 0.0
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue
@@ -86,10 +89,10 @@ def metric(px, name, **labels):
         base, _, lab = series.partition("{")
         if base != name:
             continue
-        got = ",".join(sorted(x for x in lab.rstrip("}").split(",") if x))
-        if got == want:
-            return float(value)
-    return 0.0
+        got = set(x for x in lab.rstrip("}").split(",") if x)
+        if want <= got:
+            total += float(value)
+    return total
 
 
 # ---- raw-socket helpers for bad-input and fault tests ----------------------------------------

@@ -328,7 +328,20 @@ static const bad_case_t bad_cases[] = {
     {POLICY(TENANT(",'shadow_rate':1.5")), "policy.tenants[0].shadow_rate", "must be between 0 and 1"},
     {POLICY(TENANT(",'deny_params':'logit_bias'")), "policy.tenants[0].deny_params", "expected an array"},
     {POLICY(TENANT(",'deny_params':['a','']")), "policy.tenants[0].deny_params[1]", "must not be empty"},
-    {POLICY(TENANT(",'rate_limit':5")), "policy.tenants[0].rate_limit", "unknown key"},
+    {POLICY(TENANT(",'rate_limits':5")), "policy.tenants[0].rate_limits", "unknown key"},
+    {POLICY(TENANT(",'rate_limit':5")), "policy.tenants[0].rate_limit", "expected an object"},
+    {POLICY(TENANT(",'rate_limit':{}")), "policy.tenants[0].rate_limit.requests_per_second", "required"},
+    {POLICY(TENANT(",'rate_limit':{'requests_per_second':0}")), "policy.tenants[0].rate_limit.requests_per_second", "must be greater than 0"},
+    {POLICY(TENANT(",'rate_limit':{'requests_per_second':-1}")), "policy.tenants[0].rate_limit.requests_per_second", "must be between"},
+    {POLICY(TENANT(",'rate_limit':{'requests_per_second':5,'burst':0}")), "policy.tenants[0].rate_limit.burst", "must be between"},
+    {POLICY(TENANT(",'rate_limit':{'requests_per_second':5,'burst':2.5}")), "policy.tenants[0].rate_limit.burst", ""},
+    {POLICY(TENANT(",'rate_limit':{'requests_per_second':5,'window':1}")), "policy.tenants[0].rate_limit.window", "unknown key"},
+    {CFG(",'log':{'access':true}"), "log.access", "expected an object"},
+    {CFG(",'log':{'access':{'sample':1}}"), "log.access.sample", "unknown key"},
+    {CFG(",'log':{'access':{'sample_rate':2}}"), "log.access.sample_rate", "must be between 0 and 1"},
+    {CFG(",'log':{'access':{'enabled':'no'}}"), "log.access.enabled", "expected true or false"},
+    {CFG(",'log':{'access':{'fields':'tenant'}}"), "log.access.fields", "expected an array"},
+    {CFG(",'log':{'access':{'fields':['tenant','ttft']}}"), "log.access.fields[1]", "expected one of tenant, pool"},
     {POLICY(TENANT(",'sampling':[]")), "policy.tenants[0].sampling", "expected an object"},
     {RULE("temprature", "{'force':0}"), "policy.tenants[0].sampling.temprature", "did you mean \"temperature\""},
     {RULE("logit_bias", "{'force':0}"), "policy.tenants[0].sampling.logit_bias", "unknown key"},
@@ -1030,4 +1043,48 @@ Test(config, parse_addr)
         cr_assert_not_null(why);
         cr_assert_null(a.host);
     }
+}
+
+/* ---- issue 18: access log, rate limits, the effective configuration ------------------------ */
+
+Test(config, access_log_and_rate_limit_defaults)
+{
+    cfg_t *cfg = must_load(POLICY(TENANT(",'rate_limit':{'requests_per_second':2.5}")));
+    cr_assert(cfg->log.access.enabled);
+    cr_assert_eq(cfg->log.access.sample_rate, 1.0);
+    cr_assert_eq(cfg->log.access.fields, (1u << CFG_ACCESS__COUNT) - 1, "every field");
+    cr_assert_eq(cfg->policy->tenants[0].rate_rps, 2.5);
+    cr_assert_eq(cfg->policy->tenants[0].rate_burst, 3, "burst defaults to ceil(rps)");
+    cfg_free(cfg);
+    cfg = must_load(CFG(",'log':{'access':{'enabled':false,'sample_rate':0.25,"
+                        "'fields':['tenant','tokens']}}"));
+    cr_assert_not(cfg->log.access.enabled);
+    cr_assert_eq(cfg->log.access.sample_rate, 0.25);
+    cr_assert_eq(cfg->log.access.fields, (1u << CFG_ACCESS_TENANT) | (1u << CFG_ACCESS_TOKENS));
+    cr_assert_eq(cfg->policy->tenants[0].rate_rps, 0, "no rate limit by default");
+    cfg_free(cfg);
+    cfg = must_load(POLICY(TENANT(",'rate_limit':{'requests_per_second':0.1,'burst':7}")));
+    cr_assert_eq(cfg->policy->tenants[0].rate_burst, 7);
+    cfg_free(cfg);
+}
+
+Test(config, dump_fills_defaults_and_redacts_secrets)
+{
+    cfg_t *cfg = must_load("{'pools':[" POOL "],'policy':{'tenants':["
+                           "{'name':'k','match':{'api_keys_sha256':['" H64 "']}},"
+                           "{'name':'h','match':{'header':{'name':'x-t','value':'hush-value'}}}]}}");
+    dp_buf_t out = {0};
+    cfg_dump_json(cfg, &out);
+    dp_buf_appendc(&out, '\0');
+    cr_assert_not_null(strstr(out.base, "\"max_body_bytes\":8388608"), "%s", out.base);
+    cr_assert_not_null(strstr(out.base, "\"listen\":\"127.0.0.1:8080\""));
+    cr_assert_not_null(strstr(out.base, "\"interval_ms\":10000"));
+    cr_assert_not_null(strstr(out.base, "\"balance\":\"least_inflight\""));
+    cr_assert_not_null(strstr(out.base, "\"sample_rate\":1"));
+    cr_assert_null(strstr(out.base, H64), "a key digest is shown by its prefix only");
+    cr_assert_not_null(strstr(out.base, "<redacted>"));
+    cr_assert_null(strstr(out.base, "hush-value"), "header-match values are redacted");
+    cr_assert_not_null(strstr(out.base, "\"api_key\":null"), "no key file: null, not redacted");
+    dp_buf_free(&out);
+    cfg_free(cfg);
 }

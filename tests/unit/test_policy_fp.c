@@ -270,17 +270,29 @@ Test(audit, one_json_line)
     cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(p1, "removed")));
     cr_assert_null(cJSON_GetObjectItem(p1, "after"));
     cr_assert_str_eq(cJSON_GetObjectItem(j, "forwarded_body_sha256")->valuestring, "ab");
+    cr_assert_null(cJSON_GetObjectItem(j, "error"), "no error member on a served request");
     cJSON_Delete(j);
     dp_buf_free(&out);
 
-    /* a refused request: no result */
+    /* a refused request: no result, no pool or replica chosen, no response body received */
     a.result = NULL;
     a.status = 400;
+    a.pool = a.replica = a.fingerprint = NULL;
+    a.forwarded_sha256 = a.response_sha256 = NULL;
+    a.error_code = "policy_violation";
+    a.error_param = "logit_bias";
     policy_audit_line(&a, &out);
     j = cJSON_ParseWithLengthOpts(out.base, out.len + 1, NULL, 0);
     cr_assert_not_null(j);
     cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "seed")));
     cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(j, "params")), 0);
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "pool")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "replica")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "response_body_sha256")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "forwarded_body_sha256")));
+    cJSON *e = cJSON_GetObjectItem(j, "error");
+    cr_assert_str_eq(cJSON_GetObjectItem(e, "code")->valuestring, "policy_violation");
+    cr_assert_str_eq(cJSON_GetObjectItem(e, "param")->valuestring, "logit_bias");
     cJSON_Delete(j);
     dp_buf_free(&out);
 }

@@ -1,0 +1,96 @@
+/* policy/usage.c: token usage from response bodies, JSON and SSE, fed in any split. */
+#include <criterion/criterion.h>
+
+#include <stdio.h>
+#include <string.h>
+
+#include "policy/policy.h"
+
+/* Feed s in pieces of `step` bytes (1 = byte by byte). */
+static policy_usage_t feed(const char *s, size_t step)
+{
+    policy_usage_t u;
+    memset(&u, 0, sizeof(u));
+    size_t n = strlen(s);
+    for (size_t i = 0; i < n; i += step)
+        policy_usage_feed(&u, s + i, i + step <= n ? step : n - i);
+    return u;
+}
+
+static void expect(const char *s, int64_t p, int64_t c)
+{
+    for (size_t step = 1; step <= strlen(s); step++) {
+        policy_usage_t u = feed(s, step);
+        cr_assert(u.found, "no usage found with step %zu in %s", step, s);
+        cr_assert_eq(u.prompt_tokens, p, "step %zu", step);
+        cr_assert_eq(u.completion_tokens, c, "step %zu", step);
+    }
+}
+
+static void expect_none(const char *s)
+{
+    for (size_t step = 1; step <= strlen(s); step++)
+        cr_assert_not(feed(s, step).found, "found usage with step %zu in %s", step, s);
+}
+
+Test(usage, non_streamed_json_body)
+{
+    expect("{\"id\":\"x\",\"choices\":[{\"text\":\"hi\"}],\"usage\":{\"prompt_tokens\":12,"
+           "\"total_tokens\":17,\"completion_tokens\":5}}",
+           12, 5);
+    /* pretty-printed, as some engines answer */
+    expect("{\n  \"usage\" : {\n    \"prompt_tokens\": 3,\n    \"completion_tokens\": 4\n  }\n}\n",
+           3, 4);
+}
+
+Test(usage, sse_usage_chunk_last_one_wins)
+{
+    expect("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\n\n"
+           "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}\n\n"
+           "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":9}}\n\n"
+           "data: [DONE]\n\n",
+           7, 9);
+}
+
+Test(usage, keys_and_quotes_inside_strings_never_match)
+{
+    expect_none("{\"text\":\"\\\"usage\\\": {\\\"prompt_tokens\\\": 1}\"}");
+    expect_none("{\"usage_notes\":{\"prompt_tokens\":1,\"completion_tokens\":2}}");
+    expect_none("{\"xusage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}");
+    /* a string value that looks like usage followed by an object elsewhere */
+    expect_none("{\"a\":\"usage\",\"b\":{\"prompt_tokens\":1}}");
+    /* after the text containing it, the real one still counts */
+    expect("{\"text\":\"say \\\"usage\\\": {\",\"usage\":{\"prompt_tokens\":2,"
+           "\"completion_tokens\":3}}",
+           2, 3);
+}
+
+Test(usage, bad_or_absent_values_are_ignored)
+{
+    expect_none("{\"usage\":null}");
+    expect_none("{\"usage\":{\"prompt_tokens\":-1,\"completion_tokens\":2}}");
+    expect_none("{\"usage\":{\"prompt_tokens\":1.5,\"completion_tokens\":2}}");
+    expect_none("{\"usage\":{\"prompt_tokens\":\"3\"}}");
+    expect_none("{\"usage\":{\"prompt_tokens\":3"); /* truncated */
+    expect("{\"usage\":{\"prompt_tokens\":3}}", 3, 0);  /* no completion: 0 */
+}
+
+Test(usage, oversized_object_is_skipped_and_scanning_goes_on)
+{
+    char big[2048];
+    int n = snprintf(big, sizeof(big), "{\"usage\":{\"pad\":\"");
+    memset(big + n, 'x', 700);
+    n += 700;
+    n += snprintf(big + n, sizeof(big) - (size_t)n,
+                  "\",\"prompt_tokens\":1}}\ndata: {\"usage\":{\"prompt_tokens\":4,"
+                  "\"completion_tokens\":6}}\n");
+    expect(big, 4, 6);
+}
+
+Test(usage, a_truncated_event_does_not_leave_the_scanner_in_a_string)
+{
+    /* The first event is cut inside a string; the newline resets, the next event counts. */
+    expect("data: {\"choices\":[{\"text\":\"unterminated\n\n"
+           "data: {\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":2}}\n\n",
+           8, 2);
+}
