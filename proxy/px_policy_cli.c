@@ -14,6 +14,7 @@
 #include "common/util.h"
 #include "policy/policy.h"
 #include "proxy/cli.h"
+#include "proxy/http_server.h"
 
 #define MAX_HEADERS 32
 
@@ -65,10 +66,14 @@ static int parse_header(const char *s, policy_header_t *h)
 /* Print a refusal as the proxy answers it: {"status":N,"error":{...}}. */
 static int refused(const policy_error_t *e)
 {
-    dp_buf_t b = {0};
-    dp_buf_printf(&b, "{\"status\":%d,\"error\":", e->status);
-    policy_error_json(e, &b);
-    dp_buf_appends(&b, "}\n");
+    /* The proxy's own error writer, so the bytes are those a client would get. */
+    dp_buf_t err = {0}, b = {0};
+    px_error_body(&err, px_error_type_for_status(e->status), e->code,
+                  e->param[0] ? e->param : NULL, e->message); /* {"error":{...}} */
+    dp_buf_printf(&b, "{\"status\":%d,", e->status);
+    dp_buf_append(&b, err.base + 1, err.len - 1);
+    dp_buf_appendc(&b, '\n');
+    dp_buf_free(&err);
     fwrite(b.base, 1, b.len, stdout);
     dp_buf_free(&b);
     return 1;

@@ -79,6 +79,17 @@ def test_drifted_replica_is_named_and_quarantined():
     d = drift(px)
     assert d["verdict"] == "cross_replica_drift", json.dumps(d)[:800]
     assert d["suspect"] == "r3", d
+    # One "drift_verdict" line per change of verdict or suspect, with the numbers (issue 18).
+    v = px.wait_log(lambda l: l.get("msg") == "drift_verdict" and
+                    l.get("to") == "cross_replica_drift" and l.get("suspect") == "r3")
+    assert v["level"] == "warn" and v["pool"] == "p", v
+    assert v["cross"]["samples"] > 0 and v["cross"]["exact_match_rate"] < 1, v
+    assert "samples" in v["self"] and v["reasons"], v
+    changes = px.find_logs("drift_verdict")
+    assert changes[0]["from"] == "insufficient_data", changes
+    for a, b in zip(changes, changes[1:]):
+        assert b["from"] == a["to"], changes
+        assert (b["to"], b["suspect"]) != (a["to"], a["suspect"]), changes  # changes only
     # One JSON log line per divergence, with hashes of the outputs, never the texts.
     line = px.wait_log("shadow_divergence")
     assert "r3" in (line.get("replica_a"), line.get("replica_b")) or "r3" in json.dumps(line)
