@@ -44,6 +44,8 @@ struct px_preq_s {
     bool paused_upstream;
     bool client_started;
     bool audit_wait; /* the response's end waits for its audit line (px_hooks_before_end) */
+    bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
+    dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0" */
     /* A held response (rewritten whole by a hook before it is sent): */
     int held_status;
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
@@ -84,14 +86,16 @@ static px_preq_t *preq_get(void)
     g_preq_free = q->qnext;
     g_npreq_free--;
     /* Keep the buffers' capacity: a steady stream of requests reuses them. */
-    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body;
+    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body, rf = q->refusal;
     memset(q, 0, sizeof(*q));
     dp_buf_reset(&head);
     dp_buf_reset(&hh);
     dp_buf_reset(&hb);
+    dp_buf_reset(&rf);
     q->head = head;
     q->held_hdrs = hh;
     q->held_body = hb;
+    q->refusal = rf;
     return q;
 }
 
@@ -103,6 +107,7 @@ void px_proxy_free_caches(void)
         dp_buf_free(&q->head);
         dp_buf_free(&q->held_hdrs);
         dp_buf_free(&q->held_body);
+        dp_buf_free(&q->refusal);
         free(q);
     }
     g_npreq_free = 0;
@@ -115,10 +120,12 @@ static void preq_put(px_preq_t *q)
     q->held_out = NULL;
     if (q->held_body.cap > 64 * 1024)
         dp_buf_free(&q->held_body);
-    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384) {
+    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384 ||
+        q->refusal.cap > 16384) {
         dp_buf_free(&q->head);
         dp_buf_free(&q->held_hdrs);
         dp_buf_free(&q->held_body);
+        dp_buf_free(&q->refusal);
         free(q);
         return;
     }
@@ -148,7 +155,44 @@ static void retry_after_header(px_preq_t *q, px_header_t *h, size_t *n, char buf
     h[(*n)++] = (px_header_t){DP_IOV("retry-after"), {buf, strlen(buf)}};
 }
 
-/* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent). */
+/* Send the refusal fail_client prepared: at once, or from the audit callback once its audit
+ * line is written (an audited client never holds an answer whose line is not on its way to
+ * disk, refusals included). Finishes q only when finish() was deferred to it. */
+static void send_refusal(void *data)
+{
+    px_preq_t *q = data;
+    bool waited = q->audit_wait;
+    q->audit_wait = false;
+    if (q->req) {
+        const char *message = q->refusal.base;
+        const char *param = message + strlen(message) + 1;
+        px_header_t h[PX_EXTRA_HEADERS];
+        size_t n = 0;
+        char ra[12];
+        extra_headers(q, h, &n);
+        retry_after_header(q, h, &n, ra);
+        dp_jw_t *w = dp_log_begin(q->status >= 500 ? DP_LOG_WARN : DP_LOG_INFO, "request_failed");
+        if (w) {
+            dp_jw_str(w, "request_id", q->req->id);
+            dp_jw_int(w, "status", q->status);
+            dp_jw_str(w, "code", q->code);
+            dp_jw_str(w, "reason", message);
+            if (q->pool)
+                dp_jw_str(w, "pool", q->pool->name);
+            if (q->replica)
+                dp_jw_str(w, "replica", q->replica->name);
+            dp_log_end(w);
+        }
+        px_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
+        q->req = NULL;
+    }
+    if (waited && q->finish_deferred)
+        finish(q);
+}
+
+/* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent).
+ * The caller calls finish(q) next, as always; for an audited tenant the answer (and the
+ * finish) may wait for the audit line. */
 static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
                         const char *message)
 {
@@ -162,25 +206,19 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
         q->req = NULL;
         return;
     }
-    px_header_t h[PX_EXTRA_HEADERS];
-    size_t n = 0;
-    char ra[12];
-    extra_headers(q, h, &n);
-    retry_after_header(q, h, &n, ra);
-    dp_jw_t *w = dp_log_begin(status >= 500 ? DP_LOG_WARN : DP_LOG_INFO, "request_failed");
-    if (w) {
-        dp_jw_str(w, "request_id", q->req->id);
-        dp_jw_int(w, "status", status);
-        dp_jw_str(w, "code", code);
-        dp_jw_str(w, "reason", message);
-        if (q->pool)
-            dp_jw_str(w, "pool", q->pool->name);
-        if (q->replica)
-            dp_jw_str(w, "replica", q->replica->name);
-        dp_log_end(w);
-    }
-    px_resp_error(q->req, status, NULL, code, param, message, h, n);
-    q->req = NULL;
+    /* message and param may live in buffers reused before the audit line is written. */
+    dp_buf_reset(&q->refusal);
+    dp_buf_appends(&q->refusal, message ? message : "");
+    dp_buf_appendc(&q->refusal, '\0');
+    dp_buf_appends(&q->refusal, param ? param : "");
+    dp_buf_appendc(&q->refusal, '\0');
+    /* Set before the call: the audit module may run the callback from inside it. */
+    q->audit_wait = true;
+    if (px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, status, q->id, send_refusal,
+                            q))
+        return;
+    q->audit_wait = false;
+    send_refusal(q);
 }
 
 /* ---- slots and the admission queue ------------------------------------------------------- */
@@ -555,12 +593,13 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
             dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
             px_resp_write(q->req, tail.base, tail.len);
         }
-        /* An audited response completes only once its audit line is written (SPEC §8). */
+        /* An audited response completes only once its audit line is written (SPEC §8). The
+         * flag is set before the call: the callback may run (and free q) inside it. */
+        q->audit_wait = q->req != NULL;
         if (q->req && px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id,
-                                          deliver, q)) {
-            q->audit_wait = true;
+                                          deliver, q))
             return;
-        }
+        q->audit_wait = false;
         deliver(q);
         return;
     }
@@ -622,6 +661,10 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
 
 static void finish(px_preq_t *q)
 {
+    if (q->audit_wait) {
+        q->finish_deferred = true; /* send_refusal finishes it once the audit line is out */
+        return;
+    }
     px_pool_t *pool = q->pool;
     if (q->up) {
         px_creq_cancel(q->up);

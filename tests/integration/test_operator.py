@@ -113,6 +113,7 @@ def test_refused_audit_lines_carry_the_error_and_no_made_up_hash():
     r = post_json(px.port, "/v1/completions", completion(logit_bias={"1": 2}), headers=BANK)
     assert r.status == 400
     rid = r.headers["x-detproxy-request-id"]
+    assert audit_lines(px)[-1]["request_id"] == rid, "audited before the answer"
     r2 = post_json(px.port, "/v1/completions", completion(), headers=BANK)
     assert r2.status == 200
     lines = {l["request_id"]: l for l in audit_lines(px)}
@@ -130,9 +131,8 @@ def test_refused_audit_lines_carry_the_error_and_no_made_up_hash():
     sims[0].stop()
     poll_until(lambda: post_json(px.port, "/v1/completions", completion(), headers=BANK).status
                == 503, what="503 once the replica is gone")
-    # A refusal's line follows its answer: wait for it.
-    poll_until(lambda: any(l["status"] == 503 for l in audit_lines(px)), what="503 audited")
-    last = [l for l in audit_lines(px) if l["status"] == 503][0]
+    # The line was written before the answer was sent, refusals included.
+    last = audit_lines(px)[-1]
     assert last["status"] == 503 and last["pool"] == "p" and last["replica"] is None, last
     assert last["error"]["code"] == "no_attested_replica" and last["error"]["param"] is None
     assert last["response_body_sha256"] is None, last
