@@ -231,8 +231,9 @@ def replica_view(px, name):
 
 
 def test_drain_and_enable_without_reload():
-    slow = start_sim("--model", "m1", "--token-delay-ms", "40")
-    other = start_sim("--model", "m1")
+    # Both slow enough that the first request is seen in flight wherever it lands.
+    slow = start_sim("--model", "m1", "--token-delay-ms", "60")
+    other = start_sim("--model", "m1", "--token-delay-ms", "60")
     px = start_proxy(pools=[pool("p", ["m1"], [slow, other])])
     # A request in flight on r1 finishes after r1 is drained.
     result = {}
