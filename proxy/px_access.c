@@ -1,5 +1,6 @@
 #include "proxy/px_access.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -17,13 +18,24 @@ static double sample_uniform(void)
     return (double)((x * 0x2545F4914F6CDD1DULL) >> 11) / 9007199254740992.0;
 }
 
-/* Milliseconds with three decimals (microseconds); 0 means "did not happen": null. */
+/* Milliseconds with three decimals (microseconds), printed with integer arithmetic: the
+ * shortest-round-trip double printer costs several snprintf calls, three per line. */
+static void ms_value(dp_jw_t *w, const char *key, uint64_t ns)
+{
+    uint64_t us = ns / 1000;
+    char b[32];
+    int n = snprintf(b, sizeof(b), "%llu.%03u", (unsigned long long)(us / 1000),
+                     (unsigned)(us % 1000));
+    dp_jw_raw(w, key, b, (size_t)n);
+}
+
+/* 0 means "did not happen": null. */
 static void ms(dp_jw_t *w, const char *key, uint64_t ns)
 {
     if (ns == 0)
         dp_jw_null(w, key);
     else
-        dp_jw_double(w, key, (double)(ns / 1000) / 1000.0);
+        ms_value(w, key, ns);
 }
 
 void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
@@ -42,7 +54,7 @@ void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
     dp_jw_str(w, "method", a->method);
     dp_jw_str(w, "path", a->path);
     dp_jw_int(w, "status", a->status);
-    dp_jw_double(w, "duration_ms", (double)(a->duration_ns / 1000) / 1000.0);
+    ms_value(w, "duration_ms", a->duration_ns);
     if (HAS(CODE))
         dp_jw_str(w, "code", a->code);
     static const px_hooks_req_t none = {.tenant = "-"};
