@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 
-from harness import SLOW, DETPROXY_BIN, get_json, http, start_process, wait_http
+from harness import SLOW, DETPROXY_BIN, get_json, http, poll_until, start_process, wait_http
 
 
 def replica(name, sim, **extra):
@@ -61,7 +61,21 @@ def start_proxy(pools=None, config=None, limits=None, env=None, directory=None, 
     p.config_path = path
     if ready:
         wait_http(p.admin_port, "/readyz", timeout=timeout)
+        settle_attestation(p, timeout)
     return p
+
+
+def settle_attestation(p, timeout):
+    """/readyz is 200 once every pool has one admitted replica; on a loaded box the others may
+    still be pending. Wait (best effort: tests of slow attestation go on regardless) until no
+    replica is pending, so tests that spread load over every replica see them all."""
+    def settled():
+        r = http("GET", p.admin_port, "/admin/replicas")
+        return r.status != 200 or all(x["state"] != "pending" for x in r.json()["replicas"])
+    try:
+        poll_until(settled, timeout=min(timeout, 5), what="every replica attested")
+    except AssertionError:
+        pass
 
 
 def sim_stats(sim):
