@@ -69,6 +69,13 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
     } else {
         dp_jw_null(w, "canary");
     }
+    if (m->oms_signer) {
+        dp_jw_obj_begin(w, "oms");
+        dp_jw_str(w, "signer", m->oms_signer);
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "oms");
+    }
     dp_jw_str(w, "fingerprint", m->fingerprint);
     dp_jw_obj_end(w);
 }
