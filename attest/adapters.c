@@ -5,6 +5,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
@@ -274,10 +275,15 @@ out:
 }
 
 /* ---- llama.cpp server: GET /props, GET /v1/models -------------------------------------------
- * /props: {"default_generation_settings":{...},"total_slots","model_path","chat_template",
- *          "build_info":"b4600-1a2b3c4d",...}; /v1/models: {"object":"list","data":[{"id":
- *          <--alias, else the model path>,"object":"model","owned_by":"llamacpp","meta":{...}}]}.
- * The GGUF's quantization type is not in either. */
+ * Captured from llama-server b11669-Debian in tests/unit/data/llamacpp/:
+ * /props: {"default_generation_settings":{...},"total_slots","model_alias","model_ftype":"F16",
+ *          "model_path","media_marker":<random per process>,"chat_template",
+ *          "build_info":"b11669-Debian",...}  (older builds: no model_ftype);
+ * /v1/models: {"models":[<Ollama-style entries>],"object":"list","data":[{"id":<--alias, else
+ *          the model path>,"aliases","object":"model","created":<now>,"owned_by":"llamacpp",
+ *          "meta":{"n_params","size","ftype":"F16",...}}]}.
+ * model_ftype is the GGUF file type as llama.cpp names it (F16, Q8_0, Q4_K_M): the quantization.
+ * /version is 404 on llama-server: the version is build_info. */
 static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *out,
                           dp_buf_t *why)
 {
@@ -291,8 +297,9 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
             dp_buf_appends(why, "llamacpp GET /props: no answer");
         goto out;
     }
-    const char *build = NULL;
-    if (typed_str("llamacpp", "/props", props, "build_info", &build, why) != 0)
+    const char *build = NULL, *ftype = NULL;
+    if (typed_str("llamacpp", "/props", props, "build_info", &build, why) != 0 ||
+        typed_str("llamacpp", "/props", props, "model_ftype", &ftype, why) != 0)
         goto out;
     if (build) {
         attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, "llamacpp");
@@ -307,6 +314,7 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
         goto out;
     const char *id = NULL;
     if (models) {
+        /* "data", not the Ollama-style "models" list beside it (names without paths). */
         const cJSON *data = model_list("llamacpp", "/v1/models", models, why);
         if (data == NULL)
             goto out;
@@ -317,6 +325,11 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
         attest_report_set(out, ATTEST_F_MODEL, id);
     else
         note(out, ATTEST_F_MODEL, "llamacpp GET /v1/models gave no model id");
+    if (ftype)
+        attest_report_set(out, ATTEST_F_QUANTIZATION, ftype);
+    else
+        note(out, ATTEST_F_QUANTIZATION,
+             "this llama.cpp /props has no model_ftype (builds before it was added)");
     note(out, ATTEST_F_CHECKPOINT, "llamacpp adapter does not report it: run the agent");
     rc = 0;
 out:
@@ -325,6 +338,94 @@ out:
     if (rc != 0)
         begin(out, "llamacpp");
     return rc;
+}
+
+/* ---- the engine fingerprint: a 1-token probe completion ------------------------------------ */
+
+/* vLLM's dtype word in its fingerprint, in the spelling manifests use (SPEC §4: "float16"). */
+static const char *dtype_word(const char *s, size_t n)
+{
+    static const struct {
+        const char *short_name, *name;
+    } map[] = {{"bf16", "bfloat16"}, {"fp16", "float16"}, {"f16", "float16"},
+               {"fp32", "float32"},  {"f32", "float32"},  {"half", "float16"}};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(map); i++)
+        if (strlen(map[i].short_name) == n && strncmp(s, map[i].short_name, n) == 0)
+            return map[i].name;
+    return NULL;
+}
+
+/* "vllm-<version>-<gpu>-tp<N>-<dtype>-<hash8>": parsed from the right, so a GPU name with
+ * dashes ("A100-SXM4-80GB") stays whole. Fields the adapter already has are kept. */
+static bool parse_vllm_fingerprint(const char *fp, attest_report_t *out)
+{
+    size_t n = strlen(fp);
+    if (n < 5 || strncmp(fp, "vllm-", 5) != 0 || n > 256)
+        return false;
+    const char *end = fp + n, *dash[3];
+    const char *p = end;
+    for (int i = 0; i < 3; i++) {
+        while (p > fp + 5 && p[-1] != '-')
+            p--;
+        if (p <= fp + 5)
+            return false;
+        dash[i] = p - 1; /* dash[0] before hash, [1] before dtype, [2] before tpN */
+        p--;
+    }
+    const char *hash = dash[0] + 1, *dtype = dash[1] + 1, *tp = dash[2] + 1;
+    if ((size_t)(end - hash) != 8 || !dp_is_lower_hex(hash, 8))
+        return false;
+    if (tp[0] != 't' || tp[1] != 'p' || dtype - 1 - (tp + 2) < 1 || dtype - 1 - (tp + 2) > 4)
+        return false;
+    unsigned tpn = 0;
+    for (const char *c = tp + 2; c < dtype - 1; c++) {
+        if (*c < '0' || *c > '9')
+            return false;
+        tpn = tpn * 10 + (unsigned)(*c - '0');
+    }
+    const char *ver = fp + 5, *vend = memchr(ver, '-', (size_t)(tp - 1 - ver));
+    if (vend == NULL || vend == ver || vend + 1 >= tp - 1)
+        return false; /* no version or no GPU */
+    char tmp[257];
+    if (out->framework_name == NULL)
+        attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, "vllm");
+    if (out->framework_version == NULL) {
+        snprintf(tmp, sizeof(tmp), "%.*s", (int)(vend - ver), ver);
+        attest_report_set(out, ATTEST_F_FRAMEWORK_VERSION, tmp);
+    }
+    size_t dn = (size_t)(dash[0] - dtype);
+    const char *dname = dtype_word(dtype, dn);
+    if (out->dtype == NULL) {
+        snprintf(tmp, sizeof(tmp), "%.*s", (int)dn, dtype);
+        attest_report_set(out, ATTEST_F_DTYPE, dname ? dname : tmp);
+    }
+    free(out->engine_hardware);
+    out->engine_hardware = dp_xstrndup(vend + 1, (size_t)(tp - 1 - (vend + 1)));
+    out->engine_tp = tpn;
+    return true;
+}
+
+void attest_engine_fingerprint_set(attest_report_t *out, const char *fp)
+{
+    attest_report_set(out, ATTEST_F_ENGINE_FINGERPRINT, fp);
+    if (fp)
+        parse_vllm_fingerprint(fp, out);
+}
+
+void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out)
+{
+    cJSON *doc = body && body->base ? cJSON_ParseWithLength(body->base, body->len) : NULL;
+    const char *fp = cJSON_IsObject(doc) ? str_member(doc, "system_fingerprint") : NULL;
+    if (fp && fp[0] && strlen(fp) <= ATTEST_FINGERPRINT_MAX)
+        attest_engine_fingerprint_set(out, fp);
+    else
+        note(out, ATTEST_F_ENGINE_FINGERPRINT, "%s",
+             body == NULL || body->base == NULL ? "the 1-token probe completion failed"
+             : doc == NULL                       ? "the probe completion is not JSON"
+             : fp && fp[0]                       ? "the engine's system_fingerprint is too long"
+                                                 : "the engine puts no system_fingerprint on "
+                                                                         "responses");
+    cJSON_Delete(doc);
 }
 
 static const attest_adapter_t adapters[] = {

@@ -36,6 +36,20 @@ typedef struct {
     int (*parse)(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *out, dp_buf_t *why);
 } attest_adapter_t;
 
+/* The engine fingerprint (SPEC §5): every native check also sends a 1-token completion,
+ * {"model":M,"prompt":"detproxy probe","max_tokens":1,"temperature":0}, and the engine's own
+ * `system_fingerprint` on the answer is attested as engine_fingerprint. */
+#define ATTEST_PROBE_PROMPT "detproxy probe"
+#define ATTEST_FINGERPRINT_MAX 127 /* longer values are not believed (and not carried) */
+
+/* Set engine_fingerprint from fp (NULL clears it); a vLLM-form value
+ * ("vllm-0.11.0-H100-tp8-bf16-a3b21f94") also gives framework name and version and dtype
+ * when those are not already reported, plus engine_hardware and engine_tp. */
+void attest_engine_fingerprint_set(attest_report_t *out, const char *fp);
+/* The probe's 200 body (NULL base: the probe failed): attests system_fingerprint, or notes
+ * why engine_fingerprint is unattested. */
+void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out);
+
 /* NULL for CFG_ATTEST_NONE / CFG_ATTEST_AGENT. */
 const attest_adapter_t *attest_adapter_for(cfg_attest_source_t source);
 const attest_adapter_t *attest_adapter_by_name(const char *name);

@@ -2,6 +2,7 @@
 #include "attest/match.h"
 
 #include <string.h>
+#include <strings.h>
 
 #include "common/util.h"
 
@@ -22,6 +23,8 @@ const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f)
         return m->framework_name;
     case ATTEST_F_FRAMEWORK_VERSION:
         return m->framework_version;
+    case ATTEST_F_ENGINE_FINGERPRINT:
+        return m->engine_fingerprint;
     default:
         return NULL;
     }
@@ -65,6 +68,12 @@ static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t
     return 1;
 }
 
+/* llama.cpp names GGUF file types in capitals ("Q8_0"); manifests may write "q8_0". */
+static bool quant_caseless(const attest_report_t *r)
+{
+    return strcmp(r->source, "llamacpp") == 0;
+}
+
 int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
 {
     if (m == NULL)
@@ -91,7 +100,8 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
             n++;
             continue;
         }
-        if (strcmp(g, w) == 0)
+        if (strcmp(g, w) == 0 || (f == ATTEST_F_QUANTIZATION && quant_caseless(r) &&
+                                  strcasecmp(g, w) == 0))
             continue;
         dp_buf_reset(&got);
         dp_buf_reset(&want);

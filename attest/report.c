@@ -12,6 +12,7 @@
 
 const char *const attest_field_names[ATTEST_F__COUNT] = {
     "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
+    "engine_fingerprint",
 };
 
 /* Field f's slot in the struct: one switch instead of six copies of every accessor. */
@@ -30,6 +31,8 @@ static char **slot(attest_report_t *r, attest_field_t f)
         return &r->framework_name;
     case ATTEST_F_FRAMEWORK_VERSION:
         return &r->framework_version;
+    case ATTEST_F_ENGINE_FINGERPRINT:
+        return &r->engine_fingerprint;
     default:
         return NULL;
     }
@@ -68,6 +71,7 @@ void attest_report_clear(attest_report_t *r)
         free(r->unattested_note[f]);
         r->unattested_note[f] = NULL;
     }
+    free(r->engine_hardware);
     free(r->nonce);
     free(r->issued_at);
     memset(r, 0, sizeof(*r));
@@ -85,6 +89,8 @@ void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
         *slot(dst, (attest_field_t)f) = dup_or_null(attest_report_get(src, (attest_field_t)f));
         dst->unattested_note[f] = dup_or_null(src->unattested_note[f]);
     }
+    dst->engine_hardware = dup_or_null(src->engine_hardware);
+    dst->engine_tp = src->engine_tp;
     dst->nonce = dup_or_null(src->nonce);
     dst->issued_at = dup_or_null(src->issued_at);
     dst->is_signed = src->is_signed;
@@ -154,6 +160,8 @@ void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
     dp_jw_str(&w, "name", r->framework_name);
     dp_jw_str(&w, "version", r->framework_version);
     dp_jw_obj_end(&w);
+    if (r->engine_fingerprint)
+        dp_jw_str(&w, "engine_fingerprint", r->engine_fingerprint);
     dp_jw_str(&w, "nonce", r->nonce);
     dp_jw_str(&w, "issued_at", r->issued_at);
     write_oms(r, &w);
@@ -195,7 +203,9 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
         opt_string(root, "checkpoint_sha256", "payload.checkpoint_sha256", &out->checkpoint_sha256,
                    why) != 0 ||
         opt_string(root, "quantization", "payload.quantization", &out->quantization, why) != 0 ||
-        opt_string(root, "dtype", "payload.dtype", &out->dtype, why) != 0)
+        opt_string(root, "dtype", "payload.dtype", &out->dtype, why) != 0 ||
+        opt_string(root, "engine_fingerprint", "payload.engine_fingerprint",
+                   &out->engine_fingerprint, why) != 0)
         goto out;
     const cJSON *fw = cJSON_GetObjectItemCaseSensitive(root, "framework");
     if (fw != NULL && !cJSON_IsNull(fw)) {
@@ -250,6 +260,16 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
     dp_jw_str(w, "name", r->framework_name);
     dp_jw_str(w, "version", r->framework_version);
     dp_jw_obj_end(w);
+    dp_jw_str(w, "engine_fingerprint", r->engine_fingerprint);
+    if (r->engine_hardware || r->engine_tp) {
+        dp_jw_obj_begin(w, "engine");
+        dp_jw_str(w, "hardware", r->engine_hardware);
+        if (r->engine_tp)
+            dp_jw_uint(w, "tensor_parallel", r->engine_tp);
+        else
+            dp_jw_null(w, "tensor_parallel");
+        dp_jw_obj_end(w);
+    }
     dp_jw_str(w, "nonce", r->nonce);
     dp_jw_str(w, "issued_at", r->issued_at);
     dp_jw_bool(w, "signed", r->is_signed);

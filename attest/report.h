@@ -22,10 +22,12 @@ typedef enum {
     ATTEST_F_DTYPE,
     ATTEST_F_FRAMEWORK_NAME,
     ATTEST_F_FRAMEWORK_VERSION,
+    ATTEST_F_ENGINE_FINGERPRINT,
     ATTEST_F__COUNT
 } attest_field_t;
 
-/* "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version" */
+/* "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
+ * "engine_fingerprint" */
 extern const char *const attest_field_names[ATTEST_F__COUNT];
 
 /* Owned strings throughout; zero-initialise, release with attest_report_clear. */
@@ -36,6 +38,11 @@ typedef struct {
     char *dtype;
     char *framework_name;
     char *framework_version;
+    char *engine_fingerprint; /* the system_fingerprint the engine puts on its responses */
+    /* Parsed from a vLLM-form engine fingerprint (informational: not pinnable). NULL / 0 when
+     * the fingerprint does not say. */
+    char *engine_hardware;    /* "H100" */
+    unsigned engine_tp;       /* tensor-parallel size */
     /* Why a NULL field above is not reported, e.g. "vllm adapter does not report it". NULL:
      * the default wording for the source is used. Indexed by attest_field_t. */
     char *unattested_note[ATTEST_F__COUNT];

@@ -7,7 +7,8 @@
 #include "common/util.h"
 
 static const char *const manifest_keys[] = {
-    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "canary", "oms", NULL};
+    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "engine_fingerprint",
+    "canary", "oms", NULL};
 static const char *const oms_keys[] = {"signer", NULL};
 static const char *const framework_keys[] = {"name", "version", NULL};
 static const char *const canary_keys[] = {"prompt", "max_tokens", "expected_sha256", NULL};
@@ -82,6 +83,7 @@ cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
     cfg_get_str(c, node, "quantization", false, &m->quantization);
     cfg_get_str(c, node, "dtype", false, &m->dtype);
     parse_framework(c, node, m);
+    cfg_get_str(c, node, "engine_fingerprint", false, &m->engine_fingerprint);
     parse_canary(c, node, m);
     parse_oms(c, node, m);
     cfg_manifest_fingerprint(m, m->fingerprint);
@@ -117,6 +119,7 @@ void cfg_manifest_free(cfg_manifest_t *m)
     free(m->framework_name);
     free(m->framework_version);
     free(m->oms_signer);
+    free(m->engine_fingerprint);
     if (m->canary != NULL) {
         free(m->canary->prompt);
         free(m->canary->expected_sha256);
@@ -128,7 +131,8 @@ void cfg_manifest_free(cfg_manifest_t *m)
 bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
     return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
-                         m->framework_name || m->framework_version || m->oms_signer);
+                         m->framework_name || m->framework_version || m->engine_fingerprint ||
+                         m->oms_signer);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])

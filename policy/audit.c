@@ -19,6 +19,8 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
     dp_jw_str(&w, "replica", a->replica);
     dp_jw_str(&w, "fingerprint", a->fingerprint);
     dp_jw_str(&w, "upstream_fingerprint", a->upstream_fingerprint);
+    if (a->fingerprint_mismatch)
+        dp_jw_bool(&w, "fingerprint_mismatch", true);
     dp_jw_str(&w, "route", a->route);
     dp_jw_str(&w, "model", a->model);
     dp_jw_int(&w, "status", a->status);

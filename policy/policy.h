@@ -273,6 +273,7 @@ typedef struct {
     const char *replica;
     const char *fingerprint;          /* pool fingerprint (SPEC §4) */
     const char *upstream_fingerprint; /* the replica's own system_fingerprint, if any */
+    bool fingerprint_mismatch;        /* it differed from what the replica attested */
     const char *route;                /* "/v1/chat/completions" */
     const char *model;
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
@@ -285,7 +286,8 @@ typedef struct {
 } policy_audit_t;
 
 /* Append one JSON line (with its '\n') to out:
- * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint","route",
+ * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint",
+ *  "fingerprint_mismatch" (only when true),"route",
  *  "model","status","seed","seed_derived","temperature","params":[{"param","action","before",
  *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
  * absent/removed (with "removed":true for the latter). A refusal adds

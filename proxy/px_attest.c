@@ -1,7 +1,8 @@
 /* Replica admission (SPEC §4-§6): one timer per replica re-attests it every interval_ms with a
  * fresh nonce, and at once after a failed connection. A check is:
  *   agent source:    GET <attest.url>?nonce=N  -> DSSE envelope -> verify (keys, nonce)
- *   native adapter:  GET its metadata endpoints -> parse what that framework exposes
+ *   native adapter:  GET its metadata endpoints -> parse what that framework exposes, then a
+ *                    1-token probe completion for the engine's system_fingerprint
  *   no source:       GET /v1/models must answer 200 (reachability; nothing is pinned)
  * then attest_admit() against the pool manifest, and for admitted replicas of a manifest with a
  * canary, the canary prompt through the same upstream code as client traffic.
@@ -26,6 +27,7 @@
 #include "proxy/px_fetch.h"
 
 #define CANARY_MAX_BYTES (1 << 20)
+#define PROBE_MAX_BYTES (64 << 10)
 #define RECHECK_MIN_MS 100       /* connection-failure re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 
@@ -46,6 +48,9 @@ typedef struct att_s {
     bool failed;
     dp_buf_t fail_reason;
     px_fetch_t *canary;
+    px_fetch_t *probe;       /* the engine-fingerprint probe of a native check */
+    attest_report_t probed;  /* the adapter's report while the probe runs */
+    bool recheck;            /* a fingerprint mismatch arrived during a check: check again */
     char nonce[33];
     bool checking;
     uint64_t last_check_ms;
@@ -116,6 +121,11 @@ static void check_end(att_t *a)
     a->checking = false;
     if (a->r == NULL)
         return;
+    if (a->recheck) {
+        a->recheck = false;
+        schedule(a, 0);
+        return;
+    }
     /* A replica that went away usually comes back soon (restart, reschedule): look again
      * sooner than the interval so it is re-admitted, or caught as something else, quickly. */
     uint32_t next = cur(a)->attestation.interval_ms;
@@ -272,6 +282,64 @@ static void fail(att_t *a, const char *reason)
     check_end(a);
 }
 
+/* ---- the engine fingerprint probe (SPEC §5) -------------------------------------------------- */
+
+static void probe_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                       const char *detail, void *data)
+{
+    att_t *a = data;
+    (void)f;
+    (void)err;
+    (void)detail;
+    a->probe = NULL;
+    dp_iovec_t b = {NULL, 0};
+    if (status == 200)
+        b = (dp_iovec_t){body->base ? body->base : "", body->len};
+    attest_probe_parse(&b, &a->probed);
+    if (status != 0 && status != 200) {
+        char why[96];
+        snprintf(why, sizeof(why), "the 1-token probe completion answered %d", status);
+        attest_report_set_unattested(&a->probed, ATTEST_F_ENGINE_FINGERPRINT, why);
+    }
+    attest_report_t rep = a->probed;
+    memset(&a->probed, 0, sizeof(a->probed));
+    decide(a, &rep);
+    attest_report_clear(&rep);
+}
+
+/* Send the probe with the model the engine reported (a vLLM answers 404 to any other name). */
+static void probe_start(att_t *a, attest_report_t *rep)
+{
+    const cfg_pool_t *pc = pool_of(a->px, a->r);
+    const char *model = rep->model                          ? rep->model
+                        : pc && pc->manifest && pc->manifest->model ? pc->manifest->model
+                        : pc && pc->nmodels                        ? pc->models[0]
+                                                                   : "";
+    dp_buf_t body = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &body);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", model);
+    dp_jw_str(&w, "prompt", ATTEST_PROBE_PROMPT);
+    dp_jw_uint(&w, "max_tokens", 1);
+    dp_jw_int(&w, "temperature", 0);
+    dp_jw_obj_end(&w);
+    char target[512];
+    snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
+    px_fetch_opts_t o = {.method = "POST",
+                         .hostport = a->r->url.hostport,
+                         .target = target,
+                         .bearer = pc ? pc->api_key : NULL,
+                         .body = body.base,
+                         .body_len = body.len,
+                         .max_bytes = PROBE_MAX_BYTES};
+    attest_report_clear(&a->probed);
+    a->probed = *rep;
+    memset(rep, 0, sizeof(*rep)); /* moved */
+    a->probe = px_fetch(a->up, &o, probe_done, a);
+    dp_buf_free(&body);
+}
+
 static void all_fetched(att_t *a)
 {
     px_replica_t *r = a->r;
@@ -311,7 +379,7 @@ static void all_fetched(att_t *a)
         check_end(a);
         goto out;
     }
-    decide(a, &rep);
+    probe_start(a, &rep);
 out:
     attest_report_clear(&rep);
     dp_buf_free(&why);
@@ -420,6 +488,7 @@ static void att_timer_closed(uv_handle_t *h)
 {
     att_t *a = h->data;
     attest_report_clear(&a->report);
+    attest_report_clear(&a->probed);
     for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
         dp_buf_free(&a->bodies[i]);
     dp_buf_free(&a->fail_reason);
@@ -437,6 +506,10 @@ static void att_teardown(att_t *a)
     if (a->canary) {
         px_fetch_cancel(a->canary);
         a->canary = NULL;
+    }
+    if (a->probe) {
+        px_fetch_cancel(a->probe);
+        a->probe = NULL;
     }
     if (a->up) {
         px_upstream_free(a->up);
@@ -545,6 +618,34 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
     uint64_t now = uv_now(px->loop);
     uint64_t since = now - a->last_check_ms;
     schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
+}
+
+bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
+{
+    att_t *a = r->attest_state;
+    if (a == NULL || !a->have_report || a->report.engine_fingerprint == NULL || seen == NULL ||
+        seen[0] == '\0' || strcmp(seen, a->report.engine_fingerprint) == 0)
+        return false;
+    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
+                                 "replica", r->name, NULL),
+                  1);
+    if (r->state != PX_REPLICA_ADMITTED)
+        return true; /* already out of service, or already being re-attested */
+    dp_buf_t why = {0};
+    dp_buf_appends(&why, "engine fingerprint changed on a response: got ");
+    attest_abbrev(seen, &why);
+    dp_buf_appends(&why, " attested ");
+    attest_abbrev(a->report.engine_fingerprint, &why);
+    dp_buf_appends(&why, " (re-attesting)");
+    set_state1(r, PX_REPLICA_PENDING, why.base);
+    dp_buf_free(&why);
+    /* The attested report no longer describes this replica: the next check decides afresh. */
+    attest_report_set(&a->report, ATTEST_F_ENGINE_FINGERPRINT, NULL);
+    if (a->checking)
+        a->recheck = true;
+    else if (ctx(px) && !ctx(px)->stopped)
+        schedule(a, 0);
+    return true;
 }
 
 void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)

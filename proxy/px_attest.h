@@ -14,6 +14,11 @@ void px_attest_sync(px_t *px);
  * deadmit (the connect itself failed) r also gets no new requests until re-admitted; a
  * keep-alive race or an early close only brings the check forward. */
 void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit);
+/* A response from r carried system_fingerprint `seen`: when r attested another engine
+ * fingerprint, count detproxy_fingerprint_mismatch_total, take r out of service and re-attest
+ * it at once (SPEC §5). Returns true on a mismatch (the caller flags its audit line). A response
+ * without a fingerprint is not checked. */
+bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
  * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
 int px_tls_reload(px_t *px);

@@ -390,6 +390,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
         .replica = r ? r->name : NULL,
         .fingerprint = pool ? pool->fingerprint : NULL,
         .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
+        .fingerprint_mismatch = h->fp_mismatch,
         .route = p->route,
         .model = model.base,
         .result = p->applied ? &p->res : NULL,
@@ -408,10 +409,13 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
     return then != NULL;
 }
 
-bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
-                         const px_replica_t *r, int status, const char *request_id,
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r, int status, const char *request_id,
                          void (*then)(void *data), void *data)
 {
+    /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
+     * requests until it is re-attested. */
+    if (h->inference && r && status >= 200 && status < 300)
+        h->fp_mismatch = px_attest_response_fingerprint(px, r, h->upstream_fp);
     return write_audit(h, px, pool, r, status, request_id, then, data);
 }
 

@@ -159,11 +159,15 @@ def test_llamacpp_metadata():
         assert get_json(s.port, "/health") == {"status": "ok"}
         p = get_json(s.port, "/props")
         dgs = p["default_generation_settings"]
-        assert dgs["n_ctx"] > 0 and dgs["model"] == MODEL
+        assert dgs["n_ctx"] > 0 and dgs["params"]["seed"] == 4294967295
+        assert p["model_alias"] == MODEL and p["model_ftype"] == "F16"  # unquantized float16
         assert p["total_slots"] >= 1 and p["model_path"].endswith(".gguf")
         assert isinstance(p["chat_template"], str) and p["build_info"].startswith("b4500-")
-        m = get_json(s.port, "/v1/models")["data"][0]
-        assert m["owned_by"] == "llamacpp" and "meta" in m
+        models = get_json(s.port, "/v1/models")
+        assert list(models)[0] == "models"  # llama-server's Ollama-style list comes first
+        m = models["data"][0]
+        assert m["owned_by"] == "llamacpp" and m["meta"]["ftype"] == "F16"
+        assert get_json(s.port, "/props")["media_marker"] == p["media_marker"]  # per process
         r = chat(s.port, temperature=0)
         assert r["system_fingerprint"] == p["build_info"]
         r = http("GET", s.port, "/version")

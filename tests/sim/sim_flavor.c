@@ -1,5 +1,6 @@
 #include "tests/sim/sim_flavor.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,7 +9,7 @@
 
 static const char *const flavor_names[] = {"vllm", "tgi", "sglang", "llamacpp"};
 /* Versions contemporary with the shapes below (see docs/simulator.md). */
-static const char *const default_versions[] = {"0.6.3", "2.0.4", "0.3.5", "b4397"};
+static const char *const default_versions[] = {"0.6.3", "2.0.4", "0.3.5", "b11669"};
 
 int sim_flavor_parse(const char *s)
 {
@@ -102,6 +103,21 @@ static void llamacpp_build_info(const sim_identity_t *id, dp_buf_t *out)
     dp_buf_printf(out, "%s-%.7s", id->framework_version, rev);
 }
 
+/* The GGUF file type llama.cpp reports (/props model_ftype, /v1/models meta.ftype): the
+ * reported quantization ("Q8_0", "Q4_K_M"), or for an unquantized model its dtype as llama.cpp
+ * spells it ("F16", "BF16", "F32"). */
+static const char *llamacpp_ftype(const sim_identity_t *id)
+{
+    const char *q = sim_identity_reported_quantization(id);
+    if (q[0] != '\0' && strcmp(q, "none") != 0)
+        return q;
+    if (strcmp(id->dtype, "bfloat16") == 0)
+        return "BF16";
+    if (strcmp(id->dtype, "float32") == 0)
+        return "F32";
+    return "F16";
+}
+
 bool sim_identity_has_fingerprint(const sim_identity_t *id)
 {
     return id->flavor == SIM_FLAVOR_TGI || id->flavor == SIM_FLAVOR_LLAMACPP;
@@ -154,11 +170,46 @@ static void models_vllm(const sim_identity_t *id, dp_jw_t *w)
     dp_jw_obj_end(w);
 }
 
+/* llama-server lists its model twice: first Ollama's way ("models", names only)... */
+static void models_ollama(const sim_identity_t *id, dp_jw_t *w)
+{
+    dp_jw_arr_begin(w, "models");
+    dp_jw_obj_begin(w, NULL);
+    dp_jw_str(w, "name", id->model);
+    dp_jw_str(w, "model", id->model);
+    static const char *const empty[] = {"modified_at", "size", "digest"};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(empty); i++)
+        dp_jw_str(w, empty[i], "");
+    dp_jw_str(w, "type", "model");
+    dp_jw_str(w, "description", "");
+    dp_jw_arr_begin(w, "tags");
+    dp_jw_str(w, NULL, "");
+    dp_jw_arr_end(w);
+    dp_jw_arr_begin(w, "capabilities");
+    dp_jw_str(w, NULL, "completion");
+    dp_jw_arr_end(w);
+    dp_jw_str(w, "parameters", "");
+    dp_jw_obj_begin(w, "details");
+    dp_jw_str(w, "parent_model", "");
+    dp_jw_str(w, "format", "gguf");
+    dp_jw_str(w, "family", "");
+    dp_jw_arr_begin(w, "families");
+    dp_jw_str(w, NULL, "");
+    dp_jw_arr_end(w);
+    dp_jw_str(w, "parameter_size", "");
+    dp_jw_str(w, "quantization_level", "");
+    dp_jw_obj_end(w);
+    dp_jw_obj_end(w);
+    dp_jw_arr_end(w);
+}
+
 static void models_json(const sim_identity_t *id, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);
     dp_jw_obj_begin(&w, NULL);
+    if (id->flavor == SIM_FLAVOR_LLAMACPP)
+        models_ollama(id, &w); /* ...then OpenAI's ("data") */
     dp_jw_str(&w, "object", "list");
     dp_jw_arr_begin(&w, "data");
     switch (id->flavor) {
@@ -185,16 +236,23 @@ static void models_json(const sim_identity_t *id, dp_buf_t *out)
     case SIM_FLAVOR_LLAMACPP:
         dp_jw_obj_begin(&w, NULL);
         dp_jw_str(&w, "id", id->model);
+        dp_jw_arr_begin(&w, "aliases");
+        dp_jw_str(&w, NULL, id->model);
+        dp_jw_arr_end(&w);
+        dp_jw_arr_begin(&w, "tags");
+        dp_jw_arr_end(&w);
         dp_jw_str(&w, "object", "model");
-        dp_jw_uint(&w, "created", id->created);
+        dp_jw_uint(&w, "created", dp_wall_ms() / 1000); /* llama-server: the time of the call */
         dp_jw_str(&w, "owned_by", "llamacpp");
         dp_jw_obj_begin(&w, "meta");
         dp_jw_int(&w, "vocab_type", 2);
         dp_jw_int(&w, "n_vocab", 128256);
+        dp_jw_uint(&w, "n_ctx", id->max_model_len);
         dp_jw_uint(&w, "n_ctx_train", id->max_model_len);
         dp_jw_int(&w, "n_embd", 4096);
         dp_jw_int(&w, "n_params", 8030261248);
         dp_jw_int(&w, "size", 4912898304);
+        dp_jw_str(&w, "ftype", llamacpp_ftype(id));
         dp_jw_obj_end(&w);
         dp_jw_obj_end(&w);
         break;
@@ -344,10 +402,19 @@ static const char llama3_template[] =
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
-/* llama.cpp server's /props (late 2024 builds): the default slot's generation settings, slot
- * count, chat template and build. */
+/* llama-server's /props as build b11669 serves it (tests/unit/data/llamacpp/props-f16.json):
+ * the default slot's sampling parameters under "params", model alias, path and file type, a
+ * media marker that is random per process, the chat template and its capabilities, the build. */
 static void llamacpp_props(const sim_identity_t *id, dp_buf_t *out)
 {
+    static char marker[64];
+    if (marker[0] == '\0') {
+        uint8_t raw[16];
+        char hex[33];
+        dp_random_bytes(raw, sizeof(raw));
+        dp_hex(raw, sizeof(raw), hex);
+        snprintf(marker, sizeof(marker), "<__media_%s__>", hex);
+    }
     dp_buf_t path = {0}, build = {0};
     dp_buf_printf(&path, "/models/%s.gguf", id->model);
     llamacpp_build_info(id, &build);
@@ -356,53 +423,45 @@ static void llamacpp_props(const sim_identity_t *id, dp_buf_t *out)
     dp_jw_init(&w, out);
     dp_jw_obj_begin(&w, NULL);
     dp_jw_obj_begin(&w, "default_generation_settings");
-    dp_jw_uint(&w, "n_ctx", id->max_model_len);
-    dp_jw_int(&w, "n_predict", -1);
-    dp_jw_str(&w, "model", id->model);
+    dp_jw_obj_begin(&w, "params");
     dp_jw_uint(&w, "seed", 4294967295u);
-    dp_jw_uint(&w, "seed_cur", 4294967295u);
-    dp_jw_double(&w, "temperature", 0.8);
-    dp_jw_double(&w, "dynatemp_range", 0);
-    dp_jw_double(&w, "dynatemp_exponent", 1);
+    dp_jw_double(&w, "temperature", 0.800000011920929);
     dp_jw_int(&w, "top_k", 40);
-    dp_jw_double(&w, "top_p", 0.95);
-    dp_jw_double(&w, "min_p", 0.05);
-    dp_jw_double(&w, "xtc_probability", 0);
-    dp_jw_double(&w, "xtc_threshold", 0.1);
-    dp_jw_double(&w, "typical_p", 1);
+    dp_jw_double(&w, "top_p", 0.949999988079071);
+    dp_jw_double(&w, "min_p", 0.05000000074505806);
     dp_jw_int(&w, "repeat_last_n", 64);
     dp_jw_double(&w, "repeat_penalty", 1);
-    dp_jw_double(&w, "presence_penalty", 0);
-    dp_jw_double(&w, "frequency_penalty", 0);
-    dp_jw_double(&w, "dry_multiplier", 0);
-    dp_jw_double(&w, "dry_base", 1.75);
-    dp_jw_int(&w, "dry_allowed_length", 2);
-    dp_jw_int(&w, "dry_penalty_last_n", -1);
-    dp_jw_int(&w, "mirostat", 0);
-    dp_jw_double(&w, "mirostat_tau", 5);
-    dp_jw_double(&w, "mirostat_eta", 0.1);
-    dp_jw_bool(&w, "penalize_nl", false);
-    dp_jw_arr_begin(&w, "stop");
-    dp_jw_arr_end(&w);
     dp_jw_int(&w, "max_tokens", -1);
-    dp_jw_int(&w, "n_keep", 0);
-    dp_jw_int(&w, "n_discard", 0);
+    dp_jw_int(&w, "n_predict", -1);
     dp_jw_bool(&w, "ignore_eos", false);
-    dp_jw_bool(&w, "stream", true);
-    dp_jw_int(&w, "n_probs", 0);
-    dp_jw_int(&w, "min_keep", 0);
-    dp_jw_str(&w, "grammar", "");
+    dp_jw_bool(&w, "stream", false);
     dp_jw_arr_begin(&w, "samplers");
-    static const char *const samplers[] = {"dry",   "top_k", "typ_p",      "top_p",
-                                           "min_p", "xtc",   "temperature"};
+    static const char *const samplers[] = {"penalties", "dry",   "top_n_sigma", "top_k", "typ_p",
+                                           "top_p",     "min_p", "xtc",         "temperature"};
     for (size_t i = 0; i < DP_ARRAY_SIZE(samplers); i++)
         dp_jw_str(&w, NULL, samplers[i]);
     dp_jw_arr_end(&w);
     dp_jw_obj_end(&w);
+    dp_jw_uint(&w, "n_ctx", id->max_model_len);
+    dp_jw_obj_end(&w);
     dp_jw_int(&w, "total_slots", 4);
+    dp_jw_str(&w, "model_alias", id->model);
+    dp_jw_str(&w, "model_ftype", llamacpp_ftype(id));
     dp_jw_str(&w, "model_path", path.base);
+    dp_jw_obj_begin(&w, "modalities");
+    dp_jw_bool(&w, "vision", false);
+    dp_jw_bool(&w, "video", false);
+    dp_jw_bool(&w, "audio", false);
+    dp_jw_obj_end(&w);
+    dp_jw_str(&w, "media_marker", marker);
+    dp_jw_bool(&w, "endpoint_slots", true);
+    dp_jw_bool(&w, "endpoint_props", false);
+    dp_jw_bool(&w, "endpoint_metrics", false);
     dp_jw_str(&w, "chat_template", llama3_template);
+    dp_jw_str(&w, "bos_token", "<|begin_of_text|>");
+    dp_jw_str(&w, "eos_token", "<|eot_id|>");
     dp_jw_str(&w, "build_info", build.base);
+    dp_jw_bool(&w, "is_sleeping", false);
     dp_jw_obj_end(&w);
     dp_buf_free(&path);
     dp_buf_free(&build);

@@ -311,12 +311,14 @@ Test(sim_flavor, llamacpp)
     cJSON *p = meta(&id, "/props", 200);
     const cJSON *dgs = get(p, "default_generation_settings");
     cr_assert_eq(get(dgs, "n_ctx")->valueint, 4096);
-    cr_assert_str_eq(get(dgs, "model")->valuestring, "meta-llama/Llama-3.1-8B-Instruct");
+    cr_assert_eq(get(get(dgs, "params"), "seed")->valuedouble, 4294967295.0);
+    cr_assert_str_eq(get(p, "model_alias")->valuestring, "meta-llama/Llama-3.1-8B-Instruct");
+    cr_assert_str_eq(get(p, "model_ftype")->valuestring, "awq"); /* the reported quantization */
     cr_assert(cJSON_IsNumber(get(p, "total_slots")));
     cr_assert_str_eq(get(p, "model_path")->valuestring,
                      "/models/meta-llama/Llama-3.1-8B-Instruct.gguf");
     cr_assert(cJSON_IsString(get(p, "chat_template")));
-    cr_assert(strncmp(get(p, "build_info")->valuestring, "b4397-", 6) == 0);
+    cr_assert(strncmp(get(p, "build_info")->valuestring, "b11669-", 7) == 0);
     cJSON_Delete(p);
     cJSON *h = meta(&id, "/health", 200);
     cr_assert_str_eq(get(h, "status")->valuestring, "ok");
