@@ -69,8 +69,9 @@ def server(name, model="f16", *flags):
     """A llama-server started once for the whole suite (stopped at exit)."""
     if name not in _servers:
         port = free_port()
+        _servers[name] = port  # stopped at exit even if the start fails half-way
+        engine("stop", "t-" + name)  # one left by an interrupted run
         engine("start", "t-" + name, str(port), model, "--", *flags)
-        _servers[name] = port
     return _servers[name]
 
 
@@ -268,8 +269,9 @@ def test_q8_0_replica_in_an_f16_pool_is_rejected_natively():
 def test_a_q8_0_server_swapped_in_for_an_f16_one_is_ejected():
     a = server("a")
     port = free_port()
-    engine("start", "t-swap", str(port), "f16")
     _servers["swap"] = port
+    engine("stop", "t-swap")
+    engine("start", "t-swap", str(port), "f16")
     px = proxy([a, port], manifest={"quantization": "F16"}, interval=30000)
     poll_until(lambda: replicas(px)["r2"]["state"] == "admitted", what="r2 admitted")
     stop = threading.Event()

@@ -22,7 +22,7 @@ static void usage(FILE *f)
           "  --flavor NAME               vllm | tgi | sglang | llamacpp (default vllm)\n"
           "  --model NAME                served model name (default sim-model)\n"
           "  --framework-version V       reported framework version (default per flavor:\n"
-          "                              vllm 0.6.3, tgi 2.0.4, sglang 0.3.5, llamacpp b4397)\n"
+          "                              vllm 0.6.3, tgi 2.0.4, sglang 0.3.5, llamacpp b11669)\n"
           "  --quantization Q            quantization the model generates with (default none)\n"
           "  --dtype D                   dtype (default float16)\n"
           "  --checkpoint-sha256 HEX     checkpoint hash, 64 lowercase hex\n"
