@@ -13,7 +13,9 @@
  * With --framework-url the framework name and version come from the co-located server through
  * the native adapters (adapters.h), refreshed every --framework-refresh-ms, so a restarted
  * server on another version is reported as such. Unreachable: both are reported null
- * (unattested), never a stale value.
+ * (unattested), never a stale value. Each refresh that finds the framework then sends it a
+ * 1-token probe completion, and the system_fingerprint on the answer goes into the payload as
+ * engine_fingerprint (SPEC §5), so detproxy can check every response against it.
  *
  * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
  * happens on the loop thread only (common/log.h is single-threaded). */
@@ -90,6 +92,7 @@ typedef struct {
     dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
     bool got[ATTEST_ADAPTER_MAX_PATHS];
     bool running;
+    bool probing; /* the engine-fingerprint probe is in flight (its body in bodies[0]) */
     int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
     dp_buf_t last_error;
 } fw_t;
@@ -388,6 +391,7 @@ static const attest_adapter_t *fw_adapter(const fw_t *f)
 }
 
 static void fw_fetch(agent_t *a);
+static void fw_probe(agent_t *a, const char *model);
 
 static void fw_set(agent_t *a, const char *name, const char *version, const char *why)
 {
@@ -427,13 +431,15 @@ static void fw_finish_adapter(agent_t *a)
     dp_buf_t why = {0};
     if (usable && ad->parse(bodies, ad->npaths, &r, &why) == 0 && r.framework_name &&
         r.framework_version) {
-        f->running = false;
         fw_set(a, r.framework_name, r.framework_version, NULL);
+        fw_probe(a, r.model);
     } else {
         f->adapter++;
         f->path = 0;
         if (fw_adapter(f) == NULL) {
             f->running = false;
+            attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
+                                         "the co-located framework was not recognised");
             dp_buf_t msg = {0};
             const char *detail = why.base ? why.base : f->last_error.base;
             dp_buf_printf(&msg, "framework at %s not recognised%s%s", f->url.hostport,
@@ -476,6 +482,15 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
     f->creq = NULL;
     if (a->stopping)
         return;
+    if (f->probing) {
+        f->probing = false;
+        f->running = false;
+        bool ok = err == PX_UP_OK && f->status == 200 && !f->too_big;
+        attest_probe_parse(&(dp_iovec_t){ok ? (f->bodies[0].base ? f->bodies[0].base : "") : NULL,
+                                         ok ? f->bodies[0].len : 0},
+                           &a->ident);
+        return;
+    }
     f->got[f->path] = err == PX_UP_OK && f->status == 200 && !f->too_big;
     if (!f->got[f->path]) {
         /* Kept for the "not recognised" message: the operator needs to know what GET failed. */
@@ -527,6 +542,42 @@ static void fw_fetch(agent_t *a)
     if (head.base)
         OPENSSL_cleanse(head.base, head.len);
     dp_buf_free(&head);
+}
+
+/* POST /v1/completions {"model","prompt","max_tokens":1,"temperature":0} to the framework. */
+static void fw_probe(agent_t *a, const char *model)
+{
+    fw_t *f = &a->fw;
+    f->probing = true;
+    f->path = 0;
+    f->status = 0;
+    f->too_big = false;
+    dp_buf_reset(&f->bodies[0]);
+    dp_buf_t body = {0}, head = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &body);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", model ? model : a->ident.model ? a->ident.model : "");
+    dp_jw_str(&w, "prompt", ATTEST_PROBE_PROMPT);
+    dp_jw_uint(&w, "max_tokens", 1);
+    dp_jw_int(&w, "temperature", 0);
+    dp_jw_obj_end(&w);
+    dp_buf_printf(&head,
+                  "POST %s/v1/completions HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n"
+                  "User-Agent: detproxy-attest\r\nContent-Type: application/json\r\n"
+                  "Content-Length: %zu\r\n",
+                  f->url.path, f->url.hostport, body.len);
+    if (f->api_key)
+        dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
+    dp_buf_appends(&head, "\r\n");
+    static const px_creq_cb_t cb = {
+        .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
+    uv_buf_t b[2] = {uv_buf_init(head.base, (unsigned)head.len),
+                     uv_buf_init(body.base, (unsigned)body.len)};
+    f->creq = px_creq_start(f->up, b, 2, false, false, &cb, a);
+    OPENSSL_cleanse(head.base, head.len);
+    dp_buf_free(&head);
+    dp_buf_free(&body);
 }
 
 static void fw_refresh(agent_t *a)

@@ -399,12 +399,22 @@ class ServeTest(Tmp):
                     deadline = time.time() + 10
                     fw = None
                     while time.time() < deadline:
-                        fw = payload_of(a.get("/attestation?nonce=n")[1])["framework"]
-                        if fw["name"]:
+                        p = payload_of(a.get("/attestation?nonce=n")[1])
+                        fw = p["framework"]
+                        # The engine fingerprint follows from the probe completion, when the
+                        # engine puts one on responses (llama.cpp: its build; TGI: version-label).
+                        if fw["name"] and (flavor in ("vllm", "sglang") or
+                                           p.get("engine_fingerprint")):
                             break
                         time.sleep(0.05)
                     self.assertEqual(fw["name"], want, flavor)
                     self.assertTrue(fw["version"].startswith("9.9.9"), fw)
+                    if flavor == "llamacpp":
+                        self.assertEqual(p["engine_fingerprint"], fw["version"], p)
+                    elif flavor == "tgi":
+                        self.assertTrue(p["engine_fingerprint"].startswith("9.9.9-"), p)
+                    else:
+                        self.assertNotIn("engine_fingerprint", p)
             finally:
                 sim.kill()
                 sim.wait()
