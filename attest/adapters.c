@@ -421,10 +421,10 @@ void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out)
     else
         note(out, ATTEST_F_ENGINE_FINGERPRINT, "%s",
              body == NULL || body->base == NULL ? "the 1-token probe completion failed"
-             : doc == NULL                       ? "the probe completion is not JSON"
-             : fp && fp[0]                       ? "the engine's system_fingerprint is too long"
-                                                 : "the engine puts no system_fingerprint on "
-                                                                         "responses");
+             : doc == NULL                      ? "the probe completion is not JSON"
+             : fp && fp[0]                      ? "the engine's system_fingerprint is too long"
+                                                : "the engine puts no system_fingerprint on "
+                                                  "responses");
     cJSON_Delete(doc);
 }
 

@@ -92,7 +92,7 @@ typedef struct {
     dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
     bool got[ATTEST_ADAPTER_MAX_PATHS];
     bool running;
-    bool probing; /* the engine-fingerprint probe is in flight (its body in bodies[0]) */
+    bool probing; /* the engine-fingerprint probe is in flight, its answer in bodies[0] */
     int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
     dp_buf_t last_error;
 } fw_t;

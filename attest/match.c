@@ -100,8 +100,8 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
             n++;
             continue;
         }
-        if (strcmp(g, w) == 0 || (f == ATTEST_F_QUANTIZATION && quant_caseless(r) &&
-                                  strcasecmp(g, w) == 0))
+        if (strcmp(g, w) == 0 ||
+            (f == ATTEST_F_QUANTIZATION && quant_caseless(r) && strcasecmp(g, w) == 0))
             continue;
         dp_buf_reset(&got);
         dp_buf_reset(&want);

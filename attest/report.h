@@ -41,8 +41,8 @@ typedef struct {
     char *engine_fingerprint; /* the system_fingerprint the engine puts on its responses */
     /* Parsed from a vLLM-form engine fingerprint (informational: not pinnable). NULL / 0 when
      * the fingerprint does not say. */
-    char *engine_hardware;    /* "H100" */
-    unsigned engine_tp;       /* tensor-parallel size */
+    char *engine_hardware; /* "H100" */
+    unsigned engine_tp;    /* tensor-parallel size */
     /* Why a NULL field above is not reported, e.g. "vllm adapter does not report it". NULL:
      * the default wording for the source is used. Indexed by attest_field_t. */
     char *unattested_note[ATTEST_F__COUNT];

@@ -60,7 +60,7 @@ typedef struct {
     char *dtype;
     char *framework_name;
     char *framework_version;
-    char *engine_fingerprint; /* the engine's own system_fingerprint (SPEC §4) */
+    char *engine_fingerprint; /* the engine's system_fingerprint (SPEC §4) */
     cfg_canary_t *canary; /* NULL when absent */
     char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
     char fingerprint[20];  /* "fp_" + 16 hex, computed at load (SPEC §4) */

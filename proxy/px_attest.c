@@ -48,9 +48,9 @@ typedef struct att_s {
     bool failed;
     dp_buf_t fail_reason;
     px_fetch_t *canary;
-    px_fetch_t *probe;       /* the engine-fingerprint probe of a native check */
-    attest_report_t probed;  /* the adapter's report while the probe runs */
-    bool recheck;            /* a fingerprint mismatch arrived during a check: check again */
+    px_fetch_t *probe;      /* the engine-fingerprint probe of a native check */
+    attest_report_t probed; /* the adapter's report while the probe runs */
+    bool recheck;           /* a fingerprint mismatch arrived during a check: check again */
     char nonce[33];
     bool checking;
     uint64_t last_check_ms;
@@ -282,7 +282,7 @@ static void fail(att_t *a, const char *reason)
     check_end(a);
 }
 
-/* ---- the engine fingerprint probe (SPEC §5) -------------------------------------------------- */
+/* ---- the engine fingerprint probe (SPEC §5) ------------------------------------------------ */
 
 static void probe_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
                        const char *detail, void *data)
@@ -311,10 +311,10 @@ static void probe_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_er
 static void probe_start(att_t *a, attest_report_t *rep)
 {
     const cfg_pool_t *pc = pool_of(a->px, a->r);
-    const char *model = rep->model                          ? rep->model
+    const char *model = rep->model                                  ? rep->model
                         : pc && pc->manifest && pc->manifest->model ? pc->manifest->model
-                        : pc && pc->nmodels                        ? pc->models[0]
-                                                                   : "";
+                        : pc && pc->nmodels                         ? pc->models[0]
+                                                                    : "";
     dp_buf_t body = {0};
     dp_jw_t w;
     dp_jw_init(&w, &body);

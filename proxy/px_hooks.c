@@ -409,8 +409,8 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
     return then != NULL;
 }
 
-bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r, int status, const char *request_id,
-                         void (*then)(void *data), void *data)
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
+                         int status, const char *request_id, void (*then)(void *data), void *data)
 {
     /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
      * requests until it is re-attested. */

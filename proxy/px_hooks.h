@@ -82,8 +82,8 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
 /* The response is about to end with `status`. Returns true when an audit line is being written
  * and then(data) will run once it is on its way to disk (end the response there); false when
  * nothing needs waiting for. */
-bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r, int status, const char *request_id,
-                         void (*then)(void *data), void *data);
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
+                         int status, const char *request_id, void (*then)(void *data), void *data);
 /* An exchange with replica r failed with err. */
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err);
 /* The request is over (status 499 when the client went away). Releases hook state. */

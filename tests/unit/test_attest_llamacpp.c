@@ -140,6 +140,17 @@ Test(attest_llamacpp, vllm_fingerprint_is_parsed)
     cr_assert_str_eq(r.dtype, "bfloat16");
     cr_assert_str_eq(r.engine_hardware, "H100");
     cr_assert_eq(r.engine_tp, 8);
+    attest_report_t c;
+    attest_report_copy(&c, &r);
+    dp_buf_t out = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &out);
+    attest_report_write_json(&c, &w, NULL);
+    cr_assert(strstr(out.base, "\"engine_fingerprint\":\"vllm-0.11.0-H100-tp8-bf16-a3b21f94\","
+                               "\"engine\":{\"hardware\":\"H100\",\"tensor_parallel\":8}"),
+              "%s", out.base);
+    dp_buf_free(&out);
+    attest_report_clear(&c);
     attest_report_clear(&r);
 
     /* A GPU name with dashes stays whole; what the adapter already has is kept. */
@@ -152,9 +163,13 @@ Test(attest_llamacpp, vllm_fingerprint_is_parsed)
     attest_report_clear(&r);
 
     /* Not vLLM's form: only the fingerprint itself is attested. */
-    static const char *const odd[] = {"vllm-0.11.0-tp8-bf16-a3b21f94", "vllm-0.11.0-H100-tpx-bf16-a3b21f94",
-                                      "vllm-0.11.0-H100-tp8-bf16-A3B21F94", "vllm--H100-tp8-bf16-a3b21f94",
-                                      "vllm-", "vllm-0.11.0-H100-tp8-bf16-a3b21f9", "fp_1234"};
+    static const char *const odd[] = {"vllm-0.11.0-tp8-bf16-a3b21f94",
+                                      "vllm-0.11.0-H100-tpx-bf16-a3b21f94",
+                                      "vllm-0.11.0-H100-tp8-bf16-A3B21F94",
+                                      "vllm--H100-tp8-bf16-a3b21f94",
+                                      "vllm-",
+                                      "vllm-0.11.0-H100-tp8-bf16-a3b21f9",
+                                      "fp_1234"};
     for (size_t i = 0; i < sizeof(odd) / sizeof(odd[0]); i++) {
         attest_engine_fingerprint_set(&r, odd[i]);
         cr_assert_str_eq(r.engine_fingerprint, odd[i]);

@@ -232,9 +232,9 @@ Test(attest_report, copy_and_json)
     attest_report_write_json(&c, &w, NULL);
     cr_assert_str_eq(out.base,
                      "{\"model\":\"m\",\"checkpoint_sha256\":null,\"quantization\":null,\"dtype\":"
-                     "null,\"framework\":{\"name\":null,\"version\":null},\"engine_fingerprint\":null,"
-                     "\"nonce\":null,"
-                     "\"issued_at\":null,\"signed\":false,\"keyid\":null,\"source\":\"tgi\","
+                     "null,\"framework\":{\"name\":null,\"version\":null},"
+                     "\"engine_fingerprint\":null,\"nonce\":null,\"issued_at\":null,"
+                     "\"signed\":false,\"keyid\":null,\"source\":\"tgi\","
                      "\"unattested\":{\"checkpoint_sha256\":\"not reported\",\"quantization\":"
                      "\"not in /info\",\"dtype\":\"not reported\",\"framework.name\":\"not "
                      "reported\",\"framework.version\":\"not reported\","
