@@ -208,32 +208,44 @@ static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
     check_end(a);
 }
 
-static void canary_start(att_t *a, const cfg_pool_t *pc)
+/* A temperature-0 completion to replica a->r over `up` (the canary's also with seed 0): the
+ * canary and the engine-fingerprint probe. */
+static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
+                              const char *model, const char *prompt, uint32_t max_tokens,
+                              bool seed, size_t max_bytes, px_fetch_cb cb)
 {
-    const cfg_manifest_t *m = pc->manifest;
-    const char *model = m->model ? m->model : pc->models[0];
     dp_buf_t body = {0};
     dp_jw_t w;
     dp_jw_init(&w, &body);
     dp_jw_obj_begin(&w, NULL);
     dp_jw_str(&w, "model", model);
-    dp_jw_str(&w, "prompt", m->canary->prompt);
-    dp_jw_uint(&w, "max_tokens", m->canary->max_tokens);
+    dp_jw_str(&w, "prompt", prompt);
+    dp_jw_uint(&w, "max_tokens", max_tokens);
     dp_jw_int(&w, "temperature", 0);
-    dp_jw_int(&w, "seed", 0);
+    if (seed)
+        dp_jw_int(&w, "seed", 0);
     dp_jw_obj_end(&w);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
     px_fetch_opts_t o = {.method = "POST",
                          .hostport = a->r->url.hostport,
                          .target = target,
-                         .bearer = pc->api_key,
+                         .bearer = pc ? pc->api_key : NULL,
                          .body = body.base,
                          .body_len = body.len,
-                         .max_bytes = CANARY_MAX_BYTES};
-    /* The replica's own upstream: the canary takes the path client traffic takes. */
-    a->canary = px_fetch(a->r->up, &o, canary_done, a);
+                         .max_bytes = max_bytes};
+    px_fetch_t *f = px_fetch(up, &o, cb, a);
     dp_buf_free(&body);
+    return f;
+}
+
+static void canary_start(att_t *a, const cfg_pool_t *pc)
+{
+    const cfg_manifest_t *m = pc->manifest;
+    /* The replica's own upstream: the canary takes the path client traffic takes. */
+    a->canary = completion(a, a->r->up, pc, m->model ? m->model : pc->models[0],
+                           m->canary->prompt, m->canary->max_tokens, true, CANARY_MAX_BYTES,
+                           canary_done);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
@@ -315,29 +327,11 @@ static void probe_start(att_t *a, attest_report_t *rep)
                         : pc && pc->manifest && pc->manifest->model ? pc->manifest->model
                         : pc && pc->nmodels                         ? pc->models[0]
                                                                     : "";
-    dp_buf_t body = {0};
-    dp_jw_t w;
-    dp_jw_init(&w, &body);
-    dp_jw_obj_begin(&w, NULL);
-    dp_jw_str(&w, "model", model);
-    dp_jw_str(&w, "prompt", ATTEST_PROBE_PROMPT);
-    dp_jw_uint(&w, "max_tokens", 1);
-    dp_jw_int(&w, "temperature", 0);
-    dp_jw_obj_end(&w);
-    char target[512];
-    snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
-    px_fetch_opts_t o = {.method = "POST",
-                         .hostport = a->r->url.hostport,
-                         .target = target,
-                         .bearer = pc ? pc->api_key : NULL,
-                         .body = body.base,
-                         .body_len = body.len,
-                         .max_bytes = PROBE_MAX_BYTES};
     attest_report_clear(&a->probed);
     a->probed = *rep;
     memset(rep, 0, sizeof(*rep)); /* moved */
-    a->probe = px_fetch(a->up, &o, probe_done, a);
-    dp_buf_free(&body);
+    a->probe = completion(a, a->up, pc, model, ATTEST_PROBE_PROMPT, 1, false, PROBE_MAX_BYTES,
+                          probe_done);
 }
 
 static void all_fetched(att_t *a)
