@@ -528,6 +528,10 @@ static void att_adopt(px_t *px, px_replica_t *r)
     att_t *a = dp_xcalloc(1, sizeof(*a));
     a->r = r;
     a->px = px;
+    /* Exported from the start at 0, so increase() sees the first mismatch. */
+    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
+                                 "replica", r->name, NULL),
+                  0);
     r->attest_state = a;
     uv_timer_init(px->loop, &a->timer);
     a->timer.data = a;

@@ -37,6 +37,8 @@ void px_metrics_declare(void)
                       "1 when the replica is admitted (gets traffic), else 0.");
     px_metrics_family("detproxy_attestations_total", PX_COUNTER,
                       "Attestation checks by result.");
+    px_metrics_family("detproxy_fingerprint_mismatch_total", PX_COUNTER,
+                      "Responses whose system_fingerprint differed from the replica's attested one.");
     px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
                       "Sampling parameters changed by policy.");
     px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");

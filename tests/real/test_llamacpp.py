@@ -32,9 +32,10 @@ SCRIPT = os.path.join(SOURCE_DIR, "scripts", "real-engine.sh")
 MODEL = "tiny"
 TMP = tempfile.mkdtemp(prefix="detproxy-real-")
 # Prompts found on this model (and pinned by the guard test below): under `-fa off` the first
-# one's 32-token greedy output differs; under --kv-unified the second's concurrent copies differ.
+# one's 32-token greedy output differs; under --kv-unified 8 concurrent copies of the second
+# differ (seen on 3 of 3 fresh servers, 2-3 distinct outputs).
 FA_PROMPT = "prompt number 6 about things"
-KVU_PROMPT = "prompt number 16 about things"
+KVU_PROMPT = "prompt number 6 about things"
 LONG = 256  # tokens: long enough for -fa off to show on most prompts (65% at 256, 10% at 32)
 
 
@@ -289,8 +290,8 @@ def test_a_q8_0_server_swapped_in_for_an_f16_one_is_ejected():
         engine("stop", "t-swap")
         engine("start", "t-swap", str(port), "q8_0")
         t_up = time.monotonic()
-        poll_until(lambda: replicas(px)["r2"]["state"] == "rejected", timeout=10 * SLOW,
-                   interval=0.01, what="swapped r2 rejected")
+        poll_until(lambda: replicas(px)["r2"]["state"] == "rejected", timeout=20 * SLOW,
+                   interval=0.01, what="swapped r2 rejected: %s" % replicas(px)["r2"])
         ejected = time.monotonic() - t_up
     finally:
         stop.set()
@@ -345,7 +346,8 @@ def test_kv_unified_replicas_under_load_are_batching_noise_not_drift():
         if d["verdict"] not in ("insufficient_data", "consistent"):
             break
     assert d["verdict"] == "batching_nondeterminism", json.dumps(d)[:900]
-    assert all(r["state"] == "admitted" for r in replicas(px).values())
+    states = {n: (r["state"], r["reasons"]) for n, r in replicas(px).items()}
+    assert all(s == "admitted" for s, _ in states.values()), states
     measured(kv_unified_self_rate=round(1 - d["self"]["exact_match_rate"], 3),
              kv_unified_cross_rate=round(1 - d["cross"]["exact_match_rate"], 3),
              kv_unified_samples=d["cross"]["samples"] + d["self"]["samples"])
@@ -368,8 +370,9 @@ def test_diagnose_names_each_cause():
     assert rc == 1 and f and f["replicas"] == ["r3"], doc["verdict"]
     assert doc["steps"]["metadata"]["differences"] == []
     # Step 3: --kv-unified under concurrency.
-    rc, causes, doc = diagnose(config_file([server("kvu", "f16", "--kv-unified")], policy=pin),
-                               "--prompt", KVU_PROMPT, "--repeat", "8", "--concurrency", "8")
+    rc, causes, doc = diagnose(config_file([server("kvu", "f16", "--kv-unified"),
+                                            server("kvu2", "f16", "--kv-unified")], policy=pin),
+                               "--prompt", KVU_PROMPT, "--repeat", "16", "--concurrency", "8")
     assert rc == 1 and set(causes) == {"batching_nondeterminism"}, doc["verdict"]
 
 
