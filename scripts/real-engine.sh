@@ -150,6 +150,14 @@ live_pid() {
   echo "$pid"
 }
 
+# Still running (not exited, not a zombie waiting for this script to reap it).
+alive() {
+  local st
+  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  st=${st##*) }
+  [ "${st%% *}" != Z ]
+}
+
 cmd_start() {
   need_root
   [ $# -ge 2 ] || { echo "usage: $0 start NAME PORT [MODEL] [-- flags...]" >&2; exit 2; }
@@ -164,17 +172,23 @@ cmd_start() {
   if pid=$(live_pid "$name"); then
     die "$name is already running (pid $pid)"
   fi
+  if curl -s -o /dev/null --max-time 1 "http://127.0.0.1:$port/" 2>/dev/null; then
+    die "port $port is already in use"
+  fi
   # -t 1: several replicas share two cores; -np 4 -c 2048: four slots of 512 tokens.
   setsid chroot "$ROOT" llama-server -m "/models/tiny-$model.gguf" --host 127.0.0.1 \
     --port "$port" -t 1 -np 4 -c 2048 --no-webui "$@" >"$RUN/$name.log" 2>&1 </dev/null &
-  echo $! >"$RUN/$name.pid"
+  local pid=$!
+  echo $pid >"$RUN/$name.pid"
   local i
   for i in $(seq 1 200); do
-    if curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null; then
-      echo "{\"name\":\"$name\",\"port\":$port,\"pid\":$(cat "$RUN/$name.pid"),\"model\":\"$model\"}"
+    if curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null &&
+      alive "$pid"; then
+      echo "{\"name\":\"$name\",\"port\":$port,\"pid\":$pid,\"model\":\"$model\"}"
       return 0
     fi
-    live_pid "$name" >/dev/null || { tail -5 "$RUN/$name.log" >&2; die "$name exited"; }
+    # Not live_pid: its cmdline check can read empty while the process is between execs.
+    alive "$pid" || { tail -5 "$RUN/$name.log" >&2; rm -f "$RUN/$name.pid"; die "$name exited"; }
     sleep 0.05
   done
   cmd_stop "$name"
