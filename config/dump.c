@@ -60,6 +60,7 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
     dp_jw_str(w, "name", m->framework_name);
     dp_jw_str(w, "version", m->framework_version);
     dp_jw_obj_end(w);
+    dp_jw_str(w, "engine_fingerprint", m->engine_fingerprint);
     if (m->canary) {
         dp_jw_obj_begin(w, "canary");
         dp_jw_str(w, "prompt", m->canary->prompt);

@@ -50,6 +50,8 @@ def test_probe_attests_the_engine_fingerprint_and_a_pin_admits_only_it():
     poll_until(lambda: replicas(px)["r2"]["state"] == "rejected", what="r2 rejected")
     rep = replicas(px)
     assert rep["r1"]["state"] == "admitted", rep["r1"]
+    pools = get_json(px.admin_port, "/admin/config")["pools"]
+    assert pools[0]["manifest"]["engine_fingerprint"] == BUILD, pools[0]["manifest"]
     assert rep["r1"]["attestation"]["report"]["engine_fingerprint"] == BUILD
     # The manifest's "f16" matched llama.cpp's "F16": case-blind for this adapter.
     assert rep["r1"]["attestation"]["report"]["quantization"] == "F16"
