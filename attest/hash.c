@@ -158,8 +158,18 @@ static int walk_dir(walk_t *w, int fd)
                 errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(e));
             break;
         }
-        if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode))
-            continue; /* FIFOs, sockets, devices: never opened (a FIFO would block) */
+        if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) {
+            /* FIFOs, sockets, devices: never opened (a FIFO would block) */
+            rc = w->opts->on_special ? w->opts->on_special(rel, w->opts->data) : 0;
+            if (rc == 1)
+                add_file(w, rel, &st);
+            if (rc >= 0) {
+                rc = 0;
+                continue;
+            }
+            errf(w->err, "not a regular file: %s", full_path(&tmp, w->root, rel));
+            break;
+        }
         if (!w->opts->any_file_name && name_is_unsupported(name)) {
             rc = -EINVAL;
             errf(w->err,

@@ -74,6 +74,10 @@ typedef struct {
     /* With no_follow_symlinks: 0 skips the link (the callback records it), negative fails the
      * walk with that errno. NULL: fail with -ELOOP. */
     int (*on_symlink)(const char *relpath, void *data);
+    /* A FIFO, socket or device (never opened): 0 skips it (the callback records it), 1 lists
+     * it like a file (so that its appearing is a change), negative fails the walk with that
+     * errno. NULL: skipped. */
+    int (*on_special)(const char *relpath, void *data);
     void *data;
 } attest_walk_opts_t;
 

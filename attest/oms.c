@@ -4,16 +4,19 @@
 #include "attest/oms_int.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <openssl/x509_vfy.h>
 
 #include "attest/dsse.h"
@@ -168,6 +171,18 @@ static EVP_PKEY *cert_key(const oms_bundle_t *b, X509_STORE *store, dp_buf_t *wh
                       X509_verify_cert_error_string(e));
         goto out;
     }
+    /* As model_signing verifies: the leaf must be meant for signing (keyUsage
+     * digitalSignature, or extendedKeyUsage codeSigning), not any certificate the CA issued
+     * (a TLS server certificate, a CA certificate). */
+    uint32_t ku = X509_get_key_usage(leaf); /* UINT32_MAX: no keyUsage extension */
+    bool for_signing = ku != UINT32_MAX && (ku & KU_DIGITAL_SIGNATURE);
+    if (X509_get_extension_flags(leaf) & EXFLAG_XKUSAGE)
+        for_signing = for_signing || (X509_get_extended_key_usage(leaf) & XKU_CODE_SIGN);
+    if (!for_signing) {
+        dp_buf_printf(why, "certificate: the signing certificate is not for signing (keyUsage "
+                           "has no digitalSignature and extendedKeyUsage no codeSigning)");
+        goto out;
+    }
     k = X509_get_pubkey(leaf);
     const char *problem = k ? ec_curve_problem(k) : "no public key";
     if (problem) {
@@ -309,6 +324,22 @@ static int symlink_cb(const char *rel, void *data)
     return 0;
 }
 
+/* OMS §6.1: a model is files and directories; anything else (a FIFO or device an engine might
+ * read) is not verifiable, so it cannot be part of a verified model. */
+static int special_cb(const char *rel, void *data)
+{
+    finding(data, "not a regular file (a FIFO, socket or device cannot be signed): %s%s", rel,
+            NULL);
+    return 0;
+}
+
+static int list_special_cb(const char *rel, void *data)
+{
+    (void)rel;
+    (void)data;
+    return 1;
+}
+
 /* The model-relative path of the bundle when it lies inside dir (it is then not a model file,
  * OMS §6.2). */
 static char *bundle_relpath(const char *dir, const char *bundle_path)
@@ -409,6 +440,7 @@ int oms_verify_dir(const oms_bundle_t *b, const char *dir, const char *bundle_pa
                              .no_follow_symlinks = !b->allow_symlinks,
                              .exclude = exclude_cb,
                              .on_symlink = symlink_cb,
+                             .on_special = special_cb,
                              .data = &w};
     for (size_t i = 0; i < b->nres; i++)
         b->res[i].seen = false;
@@ -455,21 +487,33 @@ void oms_result_clear(oms_result_t *r)
     memset(r, 0, sizeof(*r));
 }
 
+/* The bundle as one regular file: O_NONBLOCK so that a FIFO put in its place (it often lies in
+ * the model directory) cannot hang the verifier; dev and ino of what was read. */
+static int read_bundle(const char *path, dp_buf_t *json, oms_result_t *out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0)
+        return -errno;
+    struct stat st;
+    int rc = fstat(fd, &st) != 0 ? -errno : !S_ISREG(st.st_mode) ? -EINVAL : 0;
+    if (rc == 0) {
+        out->bundle_dev = (uint64_t)st.st_dev;
+        out->bundle_ino = (uint64_t)st.st_ino;
+        rc = dp_read_fd(fd, OMS_BUNDLE_MAX_BYTES, json);
+    }
+    close(fd);
+    return rc;
+}
+
 int oms_verify(const char *bundle_path, const char *dir, const oms_trust_t *t,
                const attest_hash_opts_t *opts, oms_result_t *out)
 {
     dp_buf_t json = {0}, why = {0};
-    int rc = 1;
-    rc = dp_read_file(bundle_path, OMS_BUNDLE_MAX_BYTES, &json);
+    int rc = read_bundle(bundle_path, &json, out);
     if (rc != 0) {
         attest_reasons_add(&out->findings, "bundle: cannot read %s: %s", bundle_path,
-                           strerror(-rc));
+                           rc == -EINVAL ? "not a regular file" : strerror(-rc));
         goto out;
-    }
-    struct stat st;
-    if (stat(bundle_path, &st) == 0) {
-        out->bundle_dev = (uint64_t)st.st_dev;
-        out->bundle_ino = (uint64_t)st.st_ino;
     }
     rc = 1;
     if (oms_bundle_parse(json.base ? json.base : "", json.len, &out->bundle, &why) != 0) {
@@ -507,7 +551,9 @@ int oms_verify_checkpoint(const char *bundle_path, const char *dir, const oms_tr
 
 int oms_watch_take(const char *bundle_path, const char *dir, oms_watch_t *out, dp_buf_t *err)
 {
-    static const attest_walk_opts_t all_files = {.include_hidden = true, .any_file_name = true};
+    /* Special files too: one appearing makes a verified directory unverifiable. */
+    static const attest_walk_opts_t all_files = {
+        .include_hidden = true, .any_file_name = true, .on_special = list_special_cb};
     memset(out, 0, sizeof(*out));
     struct stat st;
     if (stat(bundle_path, &st) == 0) { /* else all 0: oms_verify names the error */

@@ -214,6 +214,13 @@ int dp_read_file(const char *path, size_t max, dp_buf_t *out)
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -errno;
+    int rc = dp_read_fd(fd, max, out);
+    close(fd);
+    return rc;
+}
+
+int dp_read_fd(int fd, size_t max, dp_buf_t *out)
+{
     int rc = 0;
     for (;;) {
         dp_buf_reserve(out, 65536);
@@ -233,7 +240,6 @@ int dp_read_file(const char *path, size_t max, dp_buf_t *out)
             break;
         }
     }
-    close(fd);
     return rc;
 }
 

@@ -53,6 +53,8 @@ bool dp_memieq(const char *a, const char *b, size_t n);
 
 /* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);
+/* The same from an open descriptor (not closed here). */
+int dp_read_fd(int fd, size_t max, dp_buf_t *out);
 
 /* Base64 (standard alphabet, padded). Decode returns -1 on bad input. */
 void dp_base64_encode(const void *p, size_t n, dp_buf_t *out);

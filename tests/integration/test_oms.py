@@ -161,6 +161,28 @@ def test_certificate_method_against_a_ca_file():
     # A key-method flag for a certificate bundle says what is missing.
     assert_findings(d, b, ["signature: the bundle is signed with a certificate (method "
                            "certificate): give --ca-file"])
+    # A certificate the same CA issued for something else (TLS, or none stated) cannot sign a
+    # model; digitalSignature or codeSigning alone can.
+    for name, exts, ok in [("tls", "keyUsage=critical,keyEncipherment\n"
+                                   "extendedKeyUsage=serverAuth\n", False),
+                           ("bare", "subjectAltName=DNS:publisher\n", False),
+                           ("subca", "basicConstraints=critical,CA:TRUE\n"
+                                     "keyUsage=critical,keyCertSign\n", False),
+                           ("codesign", "extendedKeyUsage=codeSigning\n", True)]:
+        crt = os.path.join(TMP, "leaf-%s.crt" % name)
+        with open(ext, "w") as f:
+            f.write(exts)
+        run("openssl", "x509", "-req", "-in", leaf_csr, "-CA", ca_crt, "-CAkey", ca_key,
+            "-CAcreateserial", "-days", "10", "-extfile", ext, "-out", crt)
+        bb = os.path.join(TMP, "cert-%s.sig" % name)
+        oms.write_bundle(bb, oms.statement(d), leaf_key, chain=[crt, ca_crt])
+        rc, lines, err = verify(d, bb, ca=ca_crt)
+        if ok:
+            assert rc == 0, (name, lines, err)
+        else:
+            assert rc == 1 and lines == ["certificate: the signing certificate is not for signing "
+                                         "(keyUsage has no digitalSignature and extendedKeyUsage "
+                                         "no codeSigning)"], (name, lines)
 
 
 # ---- oms verify: tampering -------------------------------------------------------------------
@@ -233,6 +255,16 @@ def test_payload_edited_after_signing():
                            "signature altered, or another signer)"])
 
 
+def test_special_files_are_not_part_of_a_verified_model():
+    # A FIFO (or device) an engine would read is nothing the bundle can vouch for.
+    d = model_dir("fifo")
+    b = signed(d)
+    assert_verified(d, b)
+    os.mkfifo(os.path.join(d, "shards", "adapter_model.safetensors"))
+    assert_findings(d, b, ["not a regular file (a FIFO, socket or device cannot be signed): "
+                           "shards/adapter_model.safetensors"])
+
+
 def test_symlinks_follow_the_recorded_policy():
     d = model_dir("links")
     os.symlink("config.json", os.path.join(d, "config-link.json"))
@@ -296,6 +328,11 @@ def test_usage_and_unreadable_files():
     assert rc == 2 and "--pubkey cannot read" in err, err
     rc, lines, _ = verify(TMP, os.path.join(TMP, "missing.sig"), key("publisher").pub)
     assert rc == 3 and lines[0].startswith("bundle: cannot read "), lines
+    # A FIFO in the bundle's place must not hang the verifier.
+    fifo = os.path.join(TMP, "fifo.sig")
+    os.mkfifo(fifo)
+    rc, lines, _ = verify(TMP, fifo, key("publisher").pub)
+    assert rc == 3 and lines == ["bundle: cannot read %s: not a regular file" % fifo], lines
 
 
 # ---- agent + proxy ---------------------------------------------------------------------------
@@ -354,6 +391,28 @@ def test_agent_reports_what_it_verified():
                                                            "root_digest": None}, p
     line = a.wait_log("oms_not_verified")
     assert any(x.startswith("changed file: .hf-metadata") for x in line["findings"]), line
+    a.stop()
+
+
+def test_a_special_file_appearing_is_re_verified():
+    d = model_dir("agent-fifo")
+    b = signed(d, inside=False, name="agent-fifo.sig")
+    a = agent(d, b)
+    assert payload(a)["oms"]["verified"] is True
+    start = len(a.logs)
+    os.mkfifo(os.path.join(d, "adapter_model.safetensors"))
+    poll_until(lambda: oms_verified(a) is False, what="fifo noticed")
+    line = a.wait_log("oms_not_verified", start=start)
+    assert line["findings"] == ["not a regular file (a FIFO, socket or device cannot be "
+                                "signed): adapter_model.safetensors"], line
+    # A FIFO in the bundle's place: reported, not a worker blocked for ever.
+    os.unlink(os.path.join(d, "adapter_model.safetensors"))
+    poll_until(lambda: oms_verified(a) is True, what="fifo gone")
+    start = len(a.logs)
+    os.mkfifo(b + ".fifo")
+    os.rename(b + ".fifo", b)
+    line = a.wait_log("oms_not_verified", start=start)
+    assert line["findings"] == ["bundle: cannot read %s: not a regular file" % b], line
     a.stop()
 
 
