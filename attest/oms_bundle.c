@@ -75,6 +75,58 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
     return rc;
 }
 
+/* A bundle and its statement are parsed before the signature is checked, so their JSON is
+ * hostile until then. Each '{', '[', ',' and ':' outside strings starts at most one value; a
+ * 100k-file statement needs about 500k, and without a cap 64 MiB of "0," would be 32M nodes
+ * (gigabytes). */
+#define JSON_MAX_VALUES ((size_t)2 << 20)
+
+/* Parse one whole JSON text strictly: no trailing data (a second reader could see another
+ * document), no \u0000 escape or control character in a string (cJSON would end the string
+ * at a NUL, a reader keeping it would not).
+ * NULL with the reason appended to *why ("<what>: ..."). */
+static cJSON *parse_strict(const char *s, size_t n, const char *what, dp_buf_t *why)
+{
+    size_t values = 0;
+    bool in_str = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (in_str) {
+            if (c == '"') {
+                in_str = false;
+            } else if (c == '\\' && i + 1 < n) {
+                if (s[i + 1] == 'u' && n - i >= 6 && memcmp(s + i + 2, "0000", 4) == 0) {
+                    dp_buf_printf(why, "%s: a string holds \\u0000 (NUL)", what);
+                    return NULL;
+                }
+                i++;
+            } else if ((unsigned char)c < 0x20) { /* not JSON, and a raw NUL would cut too */
+                dp_buf_printf(why, "%s: a control character inside a string", what);
+                return NULL;
+            }
+        } else if (c == '"') {
+            in_str = true;
+        } else if ((c == '{' || c == '[' || c == ',' || c == ':') && ++values > JSON_MAX_VALUES) {
+            dp_buf_printf(why, "%s: more than %zu JSON values", what, JSON_MAX_VALUES);
+            return NULL;
+        }
+    }
+    const char *end = NULL;
+    cJSON *v = n > 0 ? cJSON_ParseWithLengthOpts(s, n, &end, false) : NULL;
+    if (v == NULL) {
+        dp_buf_printf(why, "%s: %s", what, n == 0 ? "empty file" : "not valid JSON");
+        return NULL;
+    }
+    while (end < s + n && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+        end++;
+    if (end != s + n) {
+        dp_buf_printf(why, "%s: data after the JSON value", what);
+        cJSON_Delete(v);
+        return NULL;
+    }
+    return v;
+}
+
 static const cJSON *member(const cJSON *obj, const char *key)
 {
     return cJSON_GetObjectItemCaseSensitive(obj, key);
@@ -675,7 +727,10 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     static const char *const pred_keys[] = {"resources", "serialization", NULL};
     int rc = -1;
     dp_buf_t t = {0};
-    cJSON *st = cJSON_ParseWithLength(b->payload.base ? b->payload.base : "", b->payload.len);
+    cJSON *st = parse_strict(b->payload.base ? b->payload.base : "", b->payload.len,
+                             "statement (the decoded DSSE payload)", why);
+    if (st == NULL)
+        goto out;
     if (!cJSON_IsObject(st)) {
         dp_buf_printf(why, "statement (the decoded DSSE payload): not a JSON object");
         goto out;
@@ -771,11 +826,9 @@ int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t 
     *out = NULL;
     oms_bundle_t *b = dp_xcalloc(1, sizeof(*b));
     int rc = -1;
-    cJSON *root = len > 0 ? cJSON_ParseWithLength(json, len) : NULL;
-    if (root == NULL) {
-        dp_buf_printf(why, "bundle: %s", len == 0 ? "empty file" : "not valid JSON");
+    cJSON *root = parse_strict(json, len, "bundle", why);
+    if (root == NULL)
         goto out;
-    }
     if (!cJSON_IsObject(root)) {
         dp_buf_printf(why, "bundle: expected a JSON object");
         goto out;

@@ -305,3 +305,49 @@ Test(oms_hasher, shards_split_exactly)
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
 }
+
+/* The bundle and its statement are parsed before any signature is checked: hostile JSON. */
+static void expect_bundle_refused(const char *json, size_t len, const char *reason)
+{
+    dp_buf_t why = {0};
+    oms_bundle_t *b = NULL;
+    cr_expect_eq(oms_bundle_parse(json, len, &b, &why), -1, "accepted (%s)", reason);
+    cr_expect(why.base && strstr(why.base, reason), "got \"%s\" want \"%s\"",
+              why.base ? why.base : "", reason);
+    oms_bundle_free(b);
+    dp_buf_free(&why);
+}
+
+Test(oms_rules, json_is_parsed_strictly_and_within_a_budget)
+{
+    dp_buf_t st = {0}, bundle = {0}, why = {0};
+    statement_of(ROOT12, RES("signme-1", D1) "," RES("signme-2", D2), SER_FILES, &st);
+    statement_bundle(st.base, &bundle);
+    /* Data after the document: another reader could see something else. */
+    dp_buf_appends(&bundle, " {\"mediaType\":\"x\"}");
+    expect_bundle_refused(bundle.base, bundle.len, "bundle: data after the JSON value");
+    dp_buf_appends(&st, "{}");
+    cr_expect_eq(parse_statement(st.base, &why), -1);
+    cr_expect(why.base && strstr(why.base, "statement (the decoded DSSE payload): data after "
+                                           "the JSON value"),
+              "%s", why.base);
+    /* "signme-1\u0000x": cJSON would read "signme-1", a reader keeping the NUL would not. */
+    dp_buf_reset(&st);
+    dp_buf_reset(&why);
+    statement_of(ROOT12, RES("signme-1\\u0000x", D1) "," RES("signme-2", D2), SER_FILES, &st);
+    cr_expect_eq(parse_statement(st.base, &why), -1);
+    cr_expect(why.base && strstr(why.base, "a string holds \\u0000 (NUL)"), "%s", why.base);
+    static const char raw_nul[] = "{\"mediaType\":\"a\0b\"}";
+    expect_bundle_refused(raw_nul, sizeof(raw_nul) - 1, "bundle: a control character inside a "
+                                                        "string");
+    /* 64 MiB of "0," would be 32M cJSON nodes, gigabytes: refused before parsing. */
+    dp_buf_reset(&bundle);
+    dp_buf_appends(&bundle, "{\"x\":[");
+    for (size_t i = 0; i < ((size_t)2 << 20) + 1; i++)
+        dp_buf_append(&bundle, "0,", 2);
+    dp_buf_appends(&bundle, "0]}");
+    expect_bundle_refused(bundle.base, bundle.len, "bundle: more than 2097152 JSON values");
+    dp_buf_free(&st);
+    dp_buf_free(&bundle);
+    dp_buf_free(&why);
+}
