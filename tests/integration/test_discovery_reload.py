@@ -182,6 +182,10 @@ def test_no_request_dropped_during_reloads_under_load():
     for t in ts:
         t.start()
     for i in range(10):
+        # Interleave: every reload starts after a request completed since the last one, so the
+        # check below does not depend on how fast this machine is.
+        seen = len(done)
+        poll_until(lambda: len(done) > seen or failures, what="a request before reload %d" % i)
         px.send_signal(signal.SIGHUP)
         poll_until(lambda: len(px.find_logs("reloaded")) > i, what="reload %d" % i)
         r = http("POST", px.admin_port, "/admin/reload")
@@ -190,7 +194,7 @@ def test_no_request_dropped_during_reloads_under_load():
     for t in ts:
         t.join()
     assert failures == [], failures[:5]
-    assert len(done) > 20, len(done)
+    assert len(done) >= 10, len(done)
     px.stop()
 
 
