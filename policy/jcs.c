@@ -1,10 +1,10 @@
 /* RFC 8785 JSON Canonicalization Scheme: ECMAScript number printing and canonical
  * serialisation of a validated token tape. */
 #include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
+#include "policy/jcs_pow10.h"
 #include "policy/policy_int.h"
 
 static size_t put_u64(char *o, uint64_t v)
@@ -20,92 +20,112 @@ static size_t put_u64(char *o, uint64_t v)
     return n;
 }
 
-/* Parse snprintf's "%.*e" output into its digits and decimal exponent. */
-static int split_e(const char *b, char *dig, int *nd)
+/* ---- shortest round-trip digits (Schubfach) -------------------------------------------------
+ * R. Giulietti, "The Schubfach way to render doubles" (2020). For v = c 2^q the rounding
+ * interval R_v (closed when c is even, as round-half-even reads it back) is scaled by 10^-k so
+ * that its width is at most one unit of 10^k; the shortest decimal in R_v is then one of two
+ * multiples of 10^(k+1), or one of s, s+1 (the closest, ties to even: ECMA-262 Number::toString
+ * step 5). 10^-k comes from a 126-bit table; rop() is the round-to-odd product of section 9.9, so
+ * every comparison below is exact. No division, no loop, a few 64x64 multiplies. */
+
+enum { SF_K_MIN = -324, SF_Q_MIN = -1074 };
+#define SF_C_MIN (1ULL << 52)
+#define SF_MASK63 ((1ULL << 63) - 1)
+
+static inline uint64_t mul_hi(uint64_t a, uint64_t b)
 {
-    int n = 0;
-    const char *q = b;
-    dig[n++] = *q++;
-    if (*q == '.') {
-        q++;
-        while (*q != 'e')
-            dig[n++] = *q++;
-    }
-    *nd = n;
-    return atoi(q + 1);
+    return (uint64_t)(((unsigned __int128)a * b) >> 64);
 }
 
-static bool round_trips(const char *dig, int nd, int e, double v)
+/* floor(log10(2^e)), floor(log10(3/4 2^e)), floor(log2(10^e)) for the exponents used here. */
+static inline int flog10pow2(int e)
 {
-    char c[48];
-    int m = 0;
-    c[m++] = dig[0];
-    if (nd > 1) {
-        c[m++] = '.';
-        memcpy(c + m, dig + 1, (size_t)nd - 1);
-        m += nd - 1;
-    }
-    snprintf(c + m, sizeof(c) - (size_t)m, "e%d", e);
-    return strtod(c, NULL) == v;
+    return (int)((int64_t)e * 661971961083LL >> 41);
 }
 
-/* Shortest digit string s (k digits, no trailing zero) with v == s * 10^(n-k), picking the
- * closest to v when several k-digit strings read back as v (ECMA-262 Number::toString, step 5).
- * For each precision the correctly rounded "%.*e" candidate is tried first. At powers of two the
- * rounding interval is lopsided, and when v's exact decimal expansion sits on a tie (2^-24 =
- * 5.9604644775390625e-8) round-half-even can pick the side that falls outside it while the
- * other neighbour, one unit away, reads back: V8 prints 5.960464477539063e-8. So the two
- * neighbours are tried too. Checked against V8 on every finite power of two and 350k random
- * doubles. Returns n; v > 0 and finite. */
-static int shortest(double v, char *out, int *k)
+static inline int flog10_3q_pow2(int e)
 {
-    char b[48], dig[24], nb[24];
-    int nd = 0, e = 0;
-    for (int p = 1; p <= 17; p++) {
-        snprintf(b, sizeof(b), "%.*e", p - 1, v);
-        e = split_e(b, dig, &nd);
-        if (strtod(b, NULL) == v)
-            goto found;
-        for (int delta = 1; delta >= -1; delta -= 2) {
-            int nn = nd, ne = e, j = nd - 1;
-            memcpy(nb, dig, (size_t)nd);
-            if (delta > 0) {
-                while (j >= 0 && nb[j] == '9')
-                    nb[j--] = '0';
-                if (j < 0) {
-                    nb[0] = '1';
-                    ne++;
-                } else {
-                    nb[j]++;
-                }
-            } else {
-                while (j >= 0 && nb[j] == '0')
-                    nb[j--] = '9';
-                if (j < 0)
-                    continue;
-                nb[j]--;
-                if (nb[0] == '0') {
-                    if (nn == 1)
-                        continue;
-                    memmove(nb, nb + 1, (size_t)nn - 1);
-                    nn--;
-                    ne--;
-                }
-            }
-            if (round_trips(nb, nn, ne, v)) {
-                memcpy(dig, nb, (size_t)nn);
-                nd = nn;
-                e = ne;
-                goto found;
-            }
+    return (int)(((int64_t)e * 661971961083LL - 274743187321LL) >> 41);
+}
+
+static inline int flog2pow10(int e)
+{
+    return (int)((int64_t)e * 913124641741LL >> 38);
+}
+
+/* cp g 2^-127 rounded to odd (g = g1 2^63 + g0). */
+static inline uint64_t rop(uint64_t g1, uint64_t g0, uint64_t cp)
+{
+    uint64_t x1 = mul_hi(g0, cp);
+    uint64_t y0 = g1 * cp;
+    uint64_t y1 = mul_hi(g1, cp);
+    uint64_t z = (y0 >> 1) + x1;
+    uint64_t vbp = y1 + (z >> 63);
+    return vbp | (((z & SF_MASK63) + SF_MASK63) >> 63);
+}
+
+/* v = c 2^q, c > 0: *f 10^*e is the shortest, closest decimal that reads back as v. */
+static void sf_decimal(int q, uint64_t c, uint64_t *f, int *e)
+{
+    uint64_t out = c & 1, cb = c << 2, cbr = cb + 2, cbl;
+    int k;
+    if (c != SF_C_MIN || q == SF_Q_MIN) {
+        cbl = cb - 2;
+        k = flog10pow2(q);
+    } else { /* at a power of two the interval below v is half as wide */
+        cbl = cb - 1;
+        k = flog10_3q_pow2(q);
+    }
+    int h = q + flog2pow10(-k) + 2;
+    uint64_t g1 = jcs_g[k - SF_K_MIN][0], g0 = jcs_g[k - SF_K_MIN][1];
+    uint64_t vb = rop(g1, g0, cb << h);
+    uint64_t vbl = rop(g1, g0, cbl << h);
+    uint64_t vbr = rop(g1, g0, cbr << h);
+    uint64_t s = vb >> 2;
+    if (s >= 10) { /* Java's Double.toString wants two digits (s >= 100); ECMAScript one */
+        uint64_t sp10 = 10 * mul_hi(s, 115292150460684698ULL << 4); /* 10 floor(s / 10) */
+        uint64_t tp10 = sp10 + 10;
+        bool upin = vbl + out <= sp10 << 2;
+        bool wpin = (tp10 << 2) + out <= vbr;
+        if (upin != wpin) {
+            *f = upin ? sp10 : tp10;
+            *e = k;
+            return;
         }
     }
-found:
-    while (nd > 1 && dig[nd - 1] == '0')
-        nd--;
-    memcpy(out, dig, (size_t)nd);
+    uint64_t t = s + 1;
+    bool uin = vbl + out <= s << 2;
+    bool win = (t << 2) + out <= vbr;
+    *e = k;
+    if (uin != win) {
+        *f = uin ? s : t;
+        return;
+    }
+    int64_t cmp = (int64_t)(vb - ((s + t) << 1));
+    *f = cmp < 0 || (cmp == 0 && (s & 1) == 0) ? s : t;
+}
+
+/* Shortest digit string (k digits, no trailing zero) with v == digits 10^(n-k), the closest to
+ * v when several of that length read back (ECMA-262 Number::toString step 5). Returns n; v > 0
+ * and finite. */
+static int shortest(double v, char *out, int *k)
+{
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof(bits));
+    uint64_t t = bits & (SF_C_MIN - 1), f;
+    int bq = (int)(bits >> 52) & 0x7ff, e;
+    if (bq != 0) {
+        sf_decimal(bq - 1075, SF_C_MIN | t, &f, &e);
+    } else {
+        sf_decimal(SF_Q_MIN, t, &f, &e);
+    }
+    while (f % 10 == 0) {
+        f /= 10;
+        e++;
+    }
+    int nd = (int)put_u64(out, f);
     *k = nd;
-    return e + 1;
+    return e + nd;
 }
 
 size_t policy_es_number(double v, char *out)
