@@ -30,6 +30,7 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "proxy/http_path.h"
 #include "proxy/sock.h"
 
 enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
@@ -717,6 +718,23 @@ static void split_target(px_req_t *r)
     }
 }
 
+/* SPEC §7: the path is normalised in place (it only shrinks) before any handler sees it, so
+ * what is classified, policed and forwarded is what a percent-decoding replica would route. */
+static int normalize_target(px_req_t *r, const char **reason)
+{
+    char *p = (char *)r->target.base;
+    size_t n = dp_path_normalize(p, r->path.len, reason);
+    if (n == 0)
+        return 400;
+    if (n != r->path.len) {
+        size_t tail = r->target.len - r->path.len; /* "?query", or nothing */
+        memmove(p + n, p + r->path.len, tail);
+        r->target.len = n + tail;
+        split_target(r);
+    }
+    return 0;
+}
+
 static void write_continue(px_conn_t *c)
 {
     static const char msg[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -753,6 +771,8 @@ static bool conn_head_done(px_conn_t *c)
     const char *reason = NULL;
     int st = px_request_check(r->headers, r->nheaders, r->http_major, r->http_minor, r->method,
                               r->target.base, r->target.len, &q->framing, &reason);
+    if (st == 0 && r->target.base[0] == '/')
+        st = normalize_target(r, &reason);
     if (st != 0) {
         conn_reject(c, st, reason);
         return false;

@@ -332,7 +332,14 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, req->method_name.base, req->method_name.len);
     dp_buf_appendc(h, ' ');
     dp_buf_appends(h, r->url.path ? r->url.path : "");
-    dp_buf_append(h, req->target.base, req->target.len);
+    if (q->route == ROUTE_COMPLETIONS || q->route == ROUTE_CHAT) {
+        /* The canonical route (a trailing '/' dropped: a replica would only redirect), then
+         * the query as the client sent it. */
+        dp_buf_appends(h, q->route == ROUTE_CHAT ? "/v1/chat/completions" : "/v1/completions");
+        dp_buf_append(h, req->path.base + req->path.len, req->target.len - req->path.len);
+    } else {
+        dp_buf_append(h, req->target.base, req->target.len);
+    }
     dp_buf_append(h, " HTTP/1.1\r\nhost: ", 17);
     dp_buf_appends(h, r->url.hostport);
     dp_buf_append(h, "\r\n", 2);
@@ -711,16 +718,23 @@ static void finish(px_preq_t *q)
     preq_put(q);
 }
 
+/* req->path is already normalised (http_server.c, SPEC §7); a trailing '/' names the same
+ * route, as it does for an ASGI replica's redirect_slashes. */
+static bool path_is(dp_iovec_t p, const char *route, size_t n)
+{
+    return (p.len == n || (p.len == n + 1 && p.base[n] == '/')) && memcmp(p.base, route, n) == 0;
+}
+
 static route_t classify(const px_req_t *req)
 {
     const dp_iovec_t p = req->path;
     if (req->method == 3 /* POST */) {
-        if (p.len == 15 && memcmp(p.base, "/v1/completions", 15) == 0)
+        if (path_is(p, "/v1/completions", 15))
             return ROUTE_COMPLETIONS;
-        if (p.len == 20 && memcmp(p.base, "/v1/chat/completions", 20) == 0)
+        if (path_is(p, "/v1/chat/completions", 20))
             return ROUTE_CHAT;
     }
-    if (req->method == 1 /* GET */ && p.len == 10 && memcmp(p.base, "/v1/models", 10) == 0)
+    if (req->method == 1 /* GET */ && path_is(p, "/v1/models", 10))
         return ROUTE_MODELS;
     return ROUTE_PASS;
 }

@@ -1,0 +1,87 @@
+/* Request-path normalisation: one left-to-right pass, writing behind the read position. */
+#include "proxy/http_path.h"
+
+#include <stdbool.h>
+
+static int hexval(unsigned char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    c |= 0x20;
+    return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+static bool unreserved(unsigned char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '-' || c == '.' || c == '_' || c == '~';
+}
+
+size_t dp_path_normalize(char *p, size_t n, const char **reason)
+{
+    static const char hexu[] = "0123456789ABCDEF";
+    size_t i = 0, o = 0;
+    bool trailing = false;
+    /* Invariant: o <= i, and p[0..o) is "/seg/seg..." with no empty, "." or ".." segment. */
+    while (i < n) {
+        while (i < n && p[i] == '/')
+            i++;
+        if (i == n) {
+            trailing = true;
+            break;
+        }
+        size_t seg = o;
+        p[o++] = '/';
+        size_t s = o;
+        while (i < n && p[i] != '/') {
+            unsigned char c = (unsigned char)p[i];
+            if (c == '#') {
+                *reason = "a fragment ('#') in the request-target";
+                return 0;
+            }
+            if (c != '%') {
+                p[o++] = (char)c;
+                i++;
+                continue;
+            }
+            int hi = i + 2 < n ? hexval((unsigned char)p[i + 1]) : -1;
+            int lo = hi >= 0 ? hexval((unsigned char)p[i + 2]) : -1;
+            if (lo < 0) {
+                *reason = "malformed percent-encoding in the path";
+                return 0;
+            }
+            unsigned char d = (unsigned char)(hi << 4 | lo);
+            if (d == '/') {
+                *reason = "an encoded '/' (%2F) in the path";
+                return 0;
+            }
+            if (unreserved(d)) {
+                p[o++] = (char)d;
+            } else {
+                p[o++] = '%';
+                p[o++] = hexu[hi];
+                p[o++] = hexu[lo];
+            }
+            i += 3;
+        }
+        size_t len = o - s;
+        bool dot = len == 1 && p[s] == '.', dotdot = len == 2 && p[s] == '.' && p[s + 1] == '.';
+        trailing = false;
+        if (dot || dotdot) {
+            o = seg;
+            trailing = i == n; /* "/a/." and "/a/b/.." name a directory: "/a/" */
+        }
+        if (dotdot) {
+            if (o == 0) {
+                *reason = "the path climbs above the root ('..')";
+                return 0;
+            }
+            while (p[o - 1] != '/')
+                o--;
+            o--;
+        }
+    }
+    if (o == 0 || trailing)
+        p[o++] = '/';
+    return o;
+}

@@ -1,0 +1,97 @@
+/* dp_path_normalize: the spellings an ASGI replica routes as the same path normalise to one
+ * string; the ones with no safe reading are refused. */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <string.h>
+
+#include "proxy/http_path.h"
+
+static void expect(const char *in, const char *want)
+{
+    char b[256];
+    size_t n = strlen(in);
+    memcpy(b, in, n);
+    const char *why = NULL;
+    size_t m = dp_path_normalize(b, n, &why);
+    cr_assert(m > 0, "%s refused: %s", in, why ? why : "?");
+    cr_assert(m <= n);
+    cr_assert(m == strlen(want) && memcmp(b, want, m) == 0, "%s -> %.*s, want %s", in, (int)m, b,
+              want);
+    /* idempotent */
+    size_t m2 = dp_path_normalize(b, m, &why);
+    cr_assert(m2 == m && memcmp(b, want, m) == 0, "%s: not idempotent", in);
+}
+
+static void refuse(const char *in, const char *reason_part)
+{
+    char b[256];
+    size_t n = strlen(in);
+    memcpy(b, in, n);
+    const char *why = NULL;
+    cr_assert_eq(dp_path_normalize(b, n, &why), 0, "%s accepted", in);
+    cr_assert(why && strstr(why, reason_part), "%s: reason %s", in, why ? why : "(none)");
+}
+
+Test(path, canonical_is_untouched)
+{
+    expect("/", "/");
+    expect("/v1/completions", "/v1/completions");
+    expect("/v1/chat/completions", "/v1/chat/completions");
+    expect("/a-b_c.d~e/f", "/a-b_c.d~e/f");
+    expect("/v1/models/", "/v1/models/");
+}
+
+Test(path, unreserved_escapes_decode)
+{
+    expect("/v1/%63ompletions", "/v1/completions");
+    expect("/v1/chat/%63%6F%6d%70letions", "/v1/chat/completions");
+    expect("/%76%31/completions", "/v1/completions");
+    expect("/a%2Db%5Fc%2ed%7Ee", "/a-b_c.d~e");
+    expect("/%41%5A%61%7A%30%39", "/AZaz09");
+}
+
+Test(path, reserved_escapes_stay_upper_cased)
+{
+    expect("/a%20b", "/a%20b");
+    expect("/a%3fb%23c%25d", "/a%3Fb%23c%25d");
+    expect("/a%3f", "/a%3F");
+    expect("/%00", "/%00");
+    expect("/%c3%a9", "/%C3%A9");
+}
+
+Test(path, slashes_merge)
+{
+    expect("//v1//completions", "/v1/completions");
+    expect("/v1///chat////completions//", "/v1/chat/completions/");
+    expect("//", "/");
+}
+
+Test(path, dot_segments_resolve)
+{
+    expect("/v1/./completions", "/v1/completions");
+    expect("/v1/x/../completions", "/v1/completions");
+    expect("/x/y/../../v1/chat/completions", "/v1/chat/completions");
+    expect("/v1/%2e/completions", "/v1/completions");
+    expect("/v1/x/%2E%2e/completions", "/v1/completions");
+    expect("/v1/completions/.", "/v1/completions/");
+    expect("/v1/completions/x/..", "/v1/completions/");
+    expect("/a/..", "/");
+    expect("/.", "/");
+    expect("/...", "/...");
+    expect("/..a/.b", "/..a/.b");
+}
+
+Test(path, refusals)
+{
+    refuse("/v1%2Fcompletions", "%2F");
+    refuse("/v1%2fchat%2fcompletions", "%2F");
+    refuse("/..", "root");
+    refuse("/../v1/completions", "root");
+    refuse("/a/../../v1/completions", "root");
+    refuse("/%2e%2e/x", "root");
+    refuse("/a%", "percent");
+    refuse("/a%4", "percent");
+    refuse("/a%zz", "percent");
+    refuse("/a%4g/b", "percent");
+    refuse("/v1/completions#x", "fragment");
+}
