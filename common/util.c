@@ -80,6 +80,19 @@ dp_iovec_t dp_trim_ows(dp_iovec_t v)
     return v;
 }
 
+bool dp_bearer_token(dp_iovec_t v, dp_iovec_t *tok)
+{
+    v = dp_trim_ows(v);
+    if (v.len < 8 || !dp_strieq(v.base, 6, "bearer") || v.base[6] != ' ')
+        return false;
+    tok->base = v.base + 7;
+    tok->len = v.len - 7;
+    for (size_t i = 0; i < tok->len; i++)
+        if ((unsigned char)tok->base[i] <= ' ' || tok->base[i] == 0x7f)
+            return false;
+    return true;
+}
+
 int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n)
 {
     if (hexlen != 2 * n)

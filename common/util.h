@@ -22,6 +22,9 @@ void dp_iso8601(char *out, uint64_t wall_ms);
 int dp_hexval(unsigned char c);
 /* v without leading and trailing spaces and tabs (HTTP's optional whitespace). */
 dp_iovec_t dp_trim_ows(dp_iovec_t v);
+/* An Authorization value "Bearer <token>" (surrounding whitespace trimmed, scheme in any case,
+ * one space, a token without spaces or controls): true with *tok set. */
+bool dp_bearer_token(dp_iovec_t v, dp_iovec_t *tok);
 /* Lowercase hex of n bytes into out (2n+1 bytes, NUL-terminated). */
 void dp_hex(const void *p, size_t n, char *out);
 /* Parse exactly 2n lowercase-or-uppercase hex chars into out; -1 on any bad char or length. */

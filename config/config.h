@@ -96,6 +96,7 @@ typedef struct {
     cfg_match_kind_t match_kind;
     uint8_t (*api_keys)[32]; /* SHA-256 digests of bearer tokens */
     size_t napi_keys;
+    bool any_unknown_keys; /* {"any": true, "unknown_keys": true}: also requests with a token */
     char *header_name; /* lowercase */
     char *header_value;
     char *pool; /* NULL: route by model */

@@ -42,7 +42,8 @@ static const char *const tenant_keys[] = {"name",        "match", "pool",       
                                           "deny_params", "audit", "shadow_rate", "rate_limit",
                                           NULL};
 static const char *const rate_limit_keys[] = {"requests_per_second", "burst", NULL};
-static const char *const match_keys[] = {"api_keys_sha256", "header", "any", NULL};
+static const char *const match_keys[] = {"api_keys_sha256", "header", "any", "unknown_keys",
+                                         NULL};
 static const char *const header_keys[] = {"name", "value", NULL};
 static const char *const rule_keys[] = {"force", "default", "min", "max", "derive", NULL};
 
@@ -249,7 +250,10 @@ static void parse_match(cfg_ctx_t *c, const cJSON *tenant, cfg_tenant_t *t)
         t->match_kind = CFG_MATCH_ANY;
         if (cfg_get_bool(c, match, "any", &any) && !any)
             cfg_err(c, "any", "must be true");
+        cfg_get_bool(c, match, "unknown_keys", &t->any_unknown_keys);
     }
+    if (t->match_kind != CFG_MATCH_ANY && cfg_get(match, "unknown_keys") != NULL)
+        cfg_err(c, "unknown_keys", "only with \"any\": true");
     cfg_path_pop(c, mark);
 }
 
@@ -309,7 +313,7 @@ static void check_tenants(cfg_ctx_t *c, const cfg_policy_t *p)
         }
         if (any_at != SIZE_MAX)
             cfg_warn(c, NULL, "never matches: tenants[%zu] matches every request", any_at);
-        else if (t->match_kind == CFG_MATCH_ANY && t->name != NULL)
+        else if (t->match_kind == CFG_MATCH_ANY && t->any_unknown_keys && t->name != NULL)
             any_at = i;
         cfg_path_pop(c, mark);
     }

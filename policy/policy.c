@@ -88,32 +88,24 @@ size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
 }
 
 
-/* "Bearer <token>": scheme case-insensitive, one space, a token without spaces or controls. */
-static bool bearer_token(dp_iovec_t v, dp_iovec_t *tok)
-{
-    v = dp_trim_ows(v);
-    if (v.len < 8 || !dp_strieq(v.base, 6, "bearer") || v.base[6] != ' ')
-        return false;
-    tok->base = v.base + 7;
-    tok->len = v.len - 7;
-    for (size_t i = 0; i < tok->len; i++)
-        if ((unsigned char)tok->base[i] <= ' ' || tok->base[i] == 0x7f)
-            return false;
-    return true;
-}
-
+/* SPEC §8: a request that carries credentials (any Authorization field) is served only by the
+ * tenant they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a
+ * mistyped key must not silently drop a compliance tenant's rules. */
 const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_cb lookup, void *ud,
                                         policy_error_t *err)
 {
     uint8_t digest[32];
     bool tried = false, have = false;
     const cfg_tenant_t *hit = NULL;
+    dp_iovec_t auth;
+    size_t nauth = lookup(ud, "authorization", &auth);
     for (size_t i = 0; pol && i < pol->ntenants && hit == NULL; i++) {
         const cfg_tenant_t *t = &pol->tenants[i];
         dp_iovec_t v;
         switch (t->match_kind) {
         case CFG_MATCH_ANY:
-            hit = t;
+            if (nauth == 0 || t->any_unknown_keys)
+                hit = t;
             break;
         case CFG_MATCH_HEADER:
             if (t->header_name && t->header_value && lookup(ud, t->header_name, &v) == 1) {
@@ -129,7 +121,7 @@ const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_c
                 tried = true;
                 /* Hash once, in place, for all tenants; two Authorization fields are ambiguous
                  * and match no key. */
-                if (lookup(ud, "authorization", &v) == 1 && bearer_token(v, &tok)) {
+                if (nauth == 1 && dp_bearer_token(auth, &tok)) {
                     dp_sha256(tok.base, tok.len, digest);
                     have = true;
                 }
@@ -147,9 +139,15 @@ const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_c
         }
     }
     OPENSSL_cleanse(digest, sizeof(digest));
-    if (hit == NULL)
+    if (hit == NULL && nauth > 1)
         policy_set_error(err, 401, "invalid_api_key", NULL,
-                         "no tenant matched this request: missing or unknown credentials");
+                         "two Authorization fields: ambiguous credentials match no tenant");
+    else if (hit == NULL && nauth == 1)
+        policy_set_error(err, 401, "invalid_api_key", NULL,
+                         "the credentials in Authorization match no tenant");
+    else if (hit == NULL)
+        policy_set_error(err, 401, "invalid_api_key", NULL,
+                         "no tenant matched this request: missing credentials");
     return hit;
 }
 

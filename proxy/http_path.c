@@ -3,13 +3,7 @@
 
 #include <stdbool.h>
 
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    c |= 0x20;
-    return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-}
+#include "common/util.h"
 
 static bool unreserved(unsigned char c)
 {
@@ -44,8 +38,8 @@ size_t dp_path_normalize(char *p, size_t n, const char **reason)
                 i++;
                 continue;
             }
-            int hi = i + 2 < n ? hexval((unsigned char)p[i + 1]) : -1;
-            int lo = hi >= 0 ? hexval((unsigned char)p[i + 2]) : -1;
+            int hi = i + 2 < n ? dp_hexval((unsigned char)p[i + 1]) : -1;
+            int lo = hi >= 0 ? dp_hexval((unsigned char)p[i + 2]) : -1;
             if (lo < 0) {
                 *reason = "malformed percent-encoding in the path";
                 return 0;

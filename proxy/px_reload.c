@@ -138,12 +138,19 @@ int px_admin_authorize(px_t *px, px_req_t *req)
     const char *tok = px->gen->cfg->admin_token;
     if (tok == NULL)
         return 0;
-    const px_header_t *h = px_req_header(req, "authorization");
+    /* As the tenant matcher: two Authorization fields are ambiguous and match nothing. */
+    const px_header_t *h = NULL;
+    size_t n = 0;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, "authorization")) {
+            h = &req->headers[i];
+            n++;
+        }
+    }
     size_t tl = strlen(tok);
-    bool ok = false;
-    if (h && h->value.len == 7 + tl && dp_memieq(h->value.base, "Bearer ", 7))
-        ok = dp_ct_equal(h->value.base + 7, tok, tl);
-    if (ok)
+    dp_iovec_t got;
+    if (n == 1 && dp_bearer_token(h->value, &got) && got.len == tl &&
+        dp_ct_equal(got.base, tok, tl))
         return 0;
     static const px_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
     px_resp_error(req, 401, NULL, "unauthorized", NULL,

@@ -265,7 +265,7 @@ def test_admin_endpoints_need_the_token_except_health():
             assert tok not in r.text
         for h in ({"authorization": "Basic " + base64.b64encode(("x:" + tok).encode()).decode()},
                   {"authorization": tok}, {"authorization": "Bearer  " + tok},
-                  {"x-admin-token": tok}, {"authorization": "Bearer " + tok + " "}):
+                  {"x-admin-token": tok}):
             r = http(method, px.admin_port, path, headers=h)
             assert r.status == 401, (method, path, h, r)
     for method, path in protected[:4]:

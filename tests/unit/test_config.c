@@ -310,6 +310,8 @@ static const bad_case_t bad_cases[] = {
     {POLICY("{'name':'t','match':{'all':true}}"), "policy.tenants[0].match.all", "unknown key"},
     {POLICY("{'name':'t','match':{'any':false}}"), "policy.tenants[0].match.any", "must be true"},
     {POLICY("{'name':'t','match':{'any':1}}"), "policy.tenants[0].match.any", "expected true or false"},
+    {POLICY("{'name':'t','match':{'any':true,'unknown_keys':1}}"), "policy.tenants[0].match.unknown_keys", "expected true or false"},
+    {POLICY("{'name':'t','match':{'header':{'name':'x','value':'y'},'unknown_keys':true}}"), "policy.tenants[0].match.unknown_keys", "only with \"any\": true"},
     {POLICY("{'name':'t','match':{'api_keys_sha256':[]}}"), "policy.tenants[0].match.api_keys_sha256", "must not be empty"},
     {POLICY("{'name':'t','match':{'api_keys_sha256':'" H64 "'}}"), "policy.tenants[0].match.api_keys_sha256", "expected an array"},
     {POLICY("{'name':'t','match':{'api_keys_sha256':['" H64 "','sk-live-123']}}"), "policy.tenants[0].match.api_keys_sha256[1]", "64 hex digits (not the token itself)"},
@@ -839,13 +841,16 @@ Test(config, warns_on_shadowed_tenant_duplicate_url_and_plain_server_name)
     const char *sq = "{'pools':[{'name':'p','models':['*'],'replicas':["
                      "{'name':'a','url':'http://h:80/v1/"
                      "','server_name':'h.llm'},{'name':'b','url':'http://h/v1'}]}],"
-                     "'policy':{'tenants':[{'name':'all','match':{'any':true}},"
+                     "'policy':{'tenants':[{'name':'open','match':{'any':true}},"
+                     "{'name':'keyed','match':{'header':{'name':'x','value':'z'}}},"
+                     "{'name':'all','match':{'any':true,'unknown_keys':true}},"
                      "{'name':'late','match':{'header':{'name':'x','value':'y'}}}]}}";
     cr_assert_eq(load_q(sq, &cfg, &e), 0);
     cr_assert_eq(e.nwarnings, 3);
     cr_assert(has_warning(&e, "pools[0].replicas[0].server_name", "only https://"));
     cr_assert(has_warning(&e, "pools[0].replicas[1].url", "same URL as replicas[0]"));
-    cr_assert(has_warning(&e, "policy.tenants[1]", "never matches: tenants[0]"));
+    /* a plain {"any": true} leaves requests with credentials to later tenants */
+    cr_assert(has_warning(&e, "policy.tenants[3]", "never matches: tenants[2]"));
     cfg_free(cfg);
     cfg_errors_free(&e);
 }

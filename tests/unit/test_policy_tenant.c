@@ -58,20 +58,43 @@ Test(tenant, api_keys)
     cr_assert_str_eq(match(d, 1), "ops");
 }
 
-Test(tenant, malformed_or_unknown_credentials_fall_through)
+static const policy_header_t bad_credentials[][1] = {
+    {H("Authorization", "Bearer sk-nope")},  {H("Authorization", "Bearer  sk-ops")},
+    {H("Authorization", "Bearer sk-ops x")}, {H("Authorization", "Basic sk-ops")},
+    {H("Authorization", "Bearer")},          {H("Authorization", "Bearer ")},
+    {H("Authorization", "sk-ops")},          {H("Authorization", "Bearer sk-bank-1\t2")},
+    {H("Authorization", "Bearersk-ops")},    {H("Authorization", "")},
+};
+
+/* Issue 11 hole 7: a wrong key is not served as the catch-all tenant (SPEC §8). */
+Test(tenant, malformed_or_unknown_credentials_are_401_not_the_catch_all)
 {
-    static const policy_header_t cases[][1] = {
-        {H("Authorization", "Bearer sk-nope")},  {H("Authorization", "Bearer  sk-ops")},
-        {H("Authorization", "Bearer sk-ops x")}, {H("Authorization", "Basic sk-ops")},
-        {H("Authorization", "Bearer")},          {H("Authorization", "Bearer ")},
-        {H("Authorization", "sk-ops")},          {H("Authorization", "Bearer sk-bank-1\t2")},
-        {H("Authorization", "Bearersk-ops")},    {H("X-Api-Key", "sk-ops")},
-    };
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-        cr_assert_str_eq(match(cases[i], 1), "default", "case %zu", i);
-    /* two Authorization fields are ambiguous: no key matches */
+    for (size_t i = 0; i < sizeof(bad_credentials) / sizeof(bad_credentials[0]); i++) {
+        cr_assert_null(match(bad_credentials[i], 1), "case %zu", i);
+        cr_assert_eq(err.status, 401);
+        cr_assert_str_eq(err.code, "invalid_api_key");
+        cr_assert(strstr(err.message, "match no tenant"), "%s", err.message);
+    }
+    /* two Authorization fields are ambiguous: no key, and not the catch-all either */
+    policy_header_t two[] = {H("Authorization", "Bearer sk-ops"), H("authorization", "Bearer x")};
+    cr_assert_null(match(two, 2));
+    cr_assert(strstr(err.message, "ambiguous"), "%s", err.message);
+    /* no credentials at all: the catch-all */
+    policy_header_t none[] = {H("X-Api-Key", "sk-ops")};
+    cr_assert_str_eq(match(none, 1), "default");
+    cr_assert_str_eq(match(NULL, 0), "default");
+}
+
+Test(tenant, unknown_keys_opt_out_takes_any_token)
+{
+    tenants[3].any_unknown_keys = true;
+    for (size_t i = 0; i < sizeof(bad_credentials) / sizeof(bad_credentials[0]); i++)
+        cr_assert_str_eq(match(bad_credentials[i], 1), "default", "case %zu", i);
     policy_header_t two[] = {H("Authorization", "Bearer sk-ops"), H("authorization", "Bearer x")};
     cr_assert_str_eq(match(two, 2), "default");
+    /* known keys still win when their tenant comes first */
+    policy_header_t a[] = {H("Authorization", "Bearer sk-ops")};
+    cr_assert_str_eq(match(a, 1), "ops");
 }
 
 Test(tenant, header_match)
@@ -80,6 +103,8 @@ Test(tenant, header_match)
     cr_assert_str_eq(match(a, 1), "hdr");
     policy_header_t b[] = {H("x-tenant", "bank")}; /* values compare exactly */
     cr_assert_str_eq(match(b, 1), "default");
+    policy_header_t e[] = {H("X-Tenant", "Bank"), H("Authorization", "Bearer gateway")};
+    cr_assert_str_eq(match(e, 2), "hdr"); /* a header tenant does not look at credentials */
     policy_header_t c[] = {H("x-tenant", "Bank2")};
     cr_assert_str_eq(match(c, 1), "default");
     policy_header_t d[] = {H("x-tenant", "Bank"), H("x-tenant", "Bank")};
