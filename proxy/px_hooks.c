@@ -25,7 +25,18 @@ typedef struct pol_s {
     bool audited;
     bool sse_rewrite;
     policy_sse_fp_t sse;
+    policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
     dp_buf_t out;
+    dp_buf_t in; /* offloaded requests: the client's body, moved here for the worker */
+    /* Policy work on a large body runs on the libuv thread pool (see police()). */
+    uv_work_t work;
+    px_hooks_req_t *h;
+    px_gen_t *gen;
+    const px_pool_t *pool;
+    int rc;
+    bool chat;
+    px_hooks_policed_cb done;
+    void *done_data;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
     policy_usage_t usage;      /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
@@ -57,11 +68,13 @@ static pol_t *pol_get(void)
         g_free = p->next_free;
         g_nfree--;
         policy_req_t *keep = p->preq;
-        dp_buf_t out = p->out;
+        dp_buf_t out = p->out, in = p->in;
         memset(p, 0, sizeof(*p));
         p->preq = keep;
         dp_buf_reset(&out);
+        dp_buf_reset(&in);
         p->out = out;
+        p->in = in;
         return p;
     }
     p = dp_xcalloc(1, sizeof(*p));
@@ -71,9 +84,10 @@ static pol_t *pol_get(void)
 
 static void pol_put(pol_t *p)
 {
-    if (g_nfree >= 256 || p->out.cap > 256 * 1024) {
+    if (g_nfree >= 256 || p->out.cap > 256 * 1024 || p->in.cap > 256 * 1024) {
         policy_req_free(p->preq);
         dp_buf_free(&p->out);
+        dp_buf_free(&p->in);
         free(p);
         return;
     }
@@ -95,6 +109,7 @@ void px_hooks_free_caches(void)
         g_free = p->next_free;
         policy_req_free(p->preq);
         dp_buf_free(&p->out);
+        dp_buf_free(&p->in);
         free(p);
     }
     g_nfree = 0;
@@ -231,43 +246,97 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
     }
 }
 
-int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
-                       dp_iovec_t *body, px_hooks_result_t *res)
+/* Parse and police the body, pick the pool, hash what will be forwarded. Touches only the
+ * request's own pol_t and immutable configuration (the generation is referenced by the request),
+ * so it may run on a thread-pool worker. 0, or -1 with p->err. */
+static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, bool chat, const char *body,
+                  size_t len)
 {
-    (void)px;
-    h->inference = true;
-    pol_t *p = pol_get();
-    h->policy = p;
-    p->route = chat ? "/v1/chat/completions" : "/v1/completions";
-    p->wall_ms = dp_wall_ms();
-    p->audit = h->tenant_cfg && h->tenant_cfg->audit;
-    static policy_error_t err; /* message/param outlive this call until the error is sent */
     const cfg_pool_t *pc;
-    if (policy_decide(g->cfg, h->tenant_cfg, p->preq,
-                      chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS, req->body.base,
-                      req->body.len, &pc, &p->res, &err) != 0) {
-        *res = (px_hooks_result_t){err.status, err.code, err.param[0] ? err.param : NULL,
-                                   err.message, NULL};
+    if (policy_decide(g->cfg, t, p->preq, chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS,
+                      body, len, &pc, &p->res, &p->err) != 0)
+        return -1;
+    /* Pools are built in the config's order. */
+    p->pool = &g->pools[pc - g->cfg->pools];
+    p->applied = true;
+    if (p->audit)
+        dp_sha256_hex(p->res.body.base, p->res.body.len, p->fwd_sha);
+    return 0;
+}
+
+/* Back on the loop: metrics, headers, response rewriting state; the refusal otherwise. */
+static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
+                   px_hooks_result_t *res)
+{
+    if (p->rc != 0) {
+        *res = (px_hooks_result_t){p->err.status, p->err.code,
+                                   p->err.param[0] ? p->err.param : NULL, p->err.message, NULL};
         return -1;
     }
-    /* Pools are built in the config's order. */
-    px_pool_t *pool = &g->pools[pc - g->cfg->pools];
-    p->applied = true;
+    px_pool_t *pool = (px_pool_t *)p->pool;
     count_overrides(g, h->tenant_cfg, h->tenant, &p->res);
     h->stream = p->res.stream;
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
     *body = p->res.body;
-    if (p->audit) {
-        dp_sha256_hex(body->base, body->len, p->fwd_sha);
+    if (p->audit)
         p->resp_sha = dp_sha256_begin();
-    }
     if (h->stream) {
         p->sse_rewrite = true;
         policy_sse_fp_init(&p->sse, pool->fingerprint);
     }
     res->pool = pool;
     return 0;
+}
+
+static void police_work(uv_work_t *w)
+{
+    pol_t *p = w->data;
+    p->rc = police(p, p->gen, p->h->tenant_cfg, p->chat, p->in.base ? p->in.base : "", p->in.len);
+}
+
+static void police_done(uv_work_t *w, int status)
+{
+    pol_t *p = w->data;
+    (void)status; /* work is never cancelled: the request waits for it even if its client left */
+    px_hooks_result_t res = {0};
+    dp_iovec_t body = {0};
+    int rc = policed(p->h, p->gen, p, &body, &res);
+    p->done(p->done_data, rc, body, &res);
+}
+
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
+                       dp_iovec_t *body, px_hooks_result_t *res, px_hooks_policed_cb done,
+                       void *done_data)
+{
+    h->inference = true;
+    pol_t *p = pol_get();
+    h->policy = p;
+    p->route = chat ? "/v1/chat/completions" : "/v1/completions";
+    p->wall_ms = dp_wall_ms();
+    p->audit = h->tenant_cfg && h->tenant_cfg->audit;
+    if (req->body.len < PX_POLICY_OFFLOAD_BYTES || done == NULL) {
+        p->rc = police(p, g, h->tenant_cfg, chat, req->body.base ? req->body.base : "",
+                       req->body.len);
+        return policed(h, g, p, body, res);
+    }
+    /* A large body: parsing, canonical JSON and hashing take milliseconds per megabyte; on the
+     * loop they would stall every other connection and the admin listener (issue 11). The body
+     * moves to the pol_t, so the worker never reads memory the client's connection owns. */
+    dp_buf_t mine = p->in;
+    p->in = req->body;
+    req->body = mine;
+    p->h = h;
+    p->gen = g;
+    p->chat = chat;
+    p->done = done;
+    p->done_data = done_data;
+    p->work.data = p;
+    if (uv_queue_work(px->loop, &p->work, police_work, police_done) != 0) {
+        p->rc = police(p, g, h->tenant_cfg, chat, p->in.base ? p->in.base : "", p->in.len);
+        return policed(h, g, p, body, res);
+    }
+    return 1;
 }
 
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,

@@ -39,6 +39,7 @@ struct px_preq_s {
      * client's own body, both alive until finish(): kept for the retry rule, never copied. */
     dp_iovec_t body;
     bool stream_body;
+    bool policing; /* the body is being policed on the thread pool */
     bool retried;
     bool queued;
     bool paused_upstream;
@@ -849,6 +850,39 @@ static void on_body(px_req_t *req, const char *p, size_t n)
         px_req_pause_body(req);
 }
 
+/* The client went away (or the server refused the request, then on_reject said how). */
+static void client_gone(px_preq_t *q)
+{
+    if (!q->rejected) {
+        q->status = 499; /* nginx's "client closed request" */
+        q->code = "client_closed";
+    }
+    finish(q);
+}
+
+static void policed(px_preq_t *q, int rc, px_hooks_result_t *res)
+{
+    if (rc != 0) {
+        fail_client(q, res->status, res->code, res->param, res->message);
+        finish(q);
+        return;
+    }
+    q->pool = res->pool;
+    dispatch(q);
+}
+
+static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t *res)
+{
+    px_preq_t *q = data;
+    q->policing = false;
+    q->body = body;
+    if (q->req == NULL) { /* the client left while its body was being policed */
+        client_gone(q);
+        return;
+    }
+    policed(q, rc, res);
+}
+
 static void on_complete(px_req_t *req)
 {
     px_preq_t *q = req->data;
@@ -866,14 +900,13 @@ static void on_complete(px_req_t *req)
     }
     /* Inference: policy, routing by model, then dispatch with the rewritten body. */
     px_hooks_result_t res = {0};
-    if (px_hooks_inference(&q->hooks, q->px, q->gen, req, q->route == ROUTE_CHAT, &q->body,
-                           &res) != 0) {
-        fail_client(q, res.status, res.code, res.param, res.message);
-        finish(q);
+    int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, q->route == ROUTE_CHAT, &q->body,
+                                &res, policed_later, q);
+    if (rc == 1) {
+        q->policing = true; /* on the thread pool: policed_later() takes it from here */
         return;
     }
-    q->pool = res.pool;
-    dispatch(q);
+    policed(q, rc, &res);
 }
 
 static void on_abort(px_req_t *req)
@@ -882,18 +915,14 @@ static void on_abort(px_req_t *req)
     if (q == NULL)
         return;
     q->req = NULL;
-    if (q->audit_wait)
-        return; /* deliver() finishes it */
+    if (q->audit_wait || q->policing)
+        return; /* deliver() or policed_later() finishes it */
     if (q->up) {
         /* The client is gone: stop the replica's work now (GPU time is expensive). */
         px_creq_cancel(q->up);
         q->up = NULL;
     }
-    if (!q->rejected) {
-        q->status = 499; /* nginx's "client closed request" */
-        q->code = "client_closed";
-    }
-    finish(q);
+    client_gone(q);
 }
 
 /* The server refused the request itself (431, 413, 408, 400) and closes the connection. With
