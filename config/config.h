@@ -103,6 +103,8 @@ typedef struct {
     cfg_rule_t rules[CFG_PARAM__COUNT];
     char **deny_params;
     size_t ndeny_params;
+    char **allow_params; /* NULL: any top-level key; else the only ones a request may carry */
+    size_t nallow_params;
     bool audit;
     double shadow_rate; /* < 0 when not set (use shadow.rate) */
     /* "rate_limit": {"requests_per_second": R, "burst": B}: a token bucket per tenant (per

@@ -38,8 +38,9 @@ static const param_range_t param_ranges[CFG_PARAM__COUNT] = {
 };
 
 static const char *const policy_keys[] = {"tenants", NULL};
-static const char *const tenant_keys[] = {"name",        "match", "pool",        "sampling",
-                                          "deny_params", "audit", "shadow_rate", "rate_limit",
+static const char *const tenant_keys[] = {"name",        "match",       "pool",
+                                          "sampling",    "deny_params", "allow_params",
+                                          "audit",       "shadow_rate", "rate_limit",
                                           NULL};
 static const char *const rate_limit_keys[] = {"requests_per_second", "burst", NULL};
 static const char *const match_keys[] = {"api_keys_sha256", "header", "any", "unknown_keys",
@@ -293,6 +294,14 @@ static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
         cfg_err(c, "pool", "not a valid pool name");
     parse_sampling(c, node, t);
     cfg_get_str_array(c, node, "deny_params", false, true, &t->deny_params, &t->ndeny_params);
+    if (cfg_get_str_array(c, node, "allow_params", false, false, &t->allow_params,
+                          &t->nallow_params)) {
+        bool model = false;
+        for (size_t i = 0; i < t->nallow_params; i++)
+            model |= strcmp(t->allow_params[i], "model") == 0;
+        if (!model)
+            cfg_warn(c, "allow_params", "does not list \"model\": every request needs one");
+    }
     cfg_get_bool(c, node, "audit", &t->audit);
     cfg_get_num(c, node, "shadow_rate", 0, 1, &t->shadow_rate);
     parse_rate_limit(c, node, t);
@@ -385,6 +394,7 @@ void cfg_policy_free(cfg_policy_t *p)
         free(t->header_value);
         free(t->pool);
         cfg_str_array_free(t->deny_params, t->ndeny_params);
+        cfg_str_array_free(t->allow_params, t->nallow_params);
     }
     free(p->tenants);
     free(p);

@@ -916,6 +916,27 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         }
     }
 
+    /* allow_params: every top-level key the client sent must be listed (the tape's keys are
+     * decoded, so "\u0074op_k" is top_k here as it is for the replica). */
+    if (t->allow_params) {
+        const jtok_t *o = &d->toks[0];
+        for (uint32_t m = 0; m < o->aux; m++) {
+            const char *k;
+            size_t kn;
+            jdoc_key(d, d->order[o->aux2 + m], &k, &kn);
+            bool ok = false;
+            for (size_t i = 0; i < t->nallow_params && !ok; i++)
+                ok = strlen(t->allow_params[i]) == kn && memcmp(t->allow_params[i], k, kn) == 0;
+            if (!ok) {
+                char name[sizeof(err->param)];
+                snprintf(name, sizeof(name), "%.*s", (int)kn, k);
+                policy_set_error(err, 400, "policy_violation", name,
+                                 "parameter '%s' is not in this tenant's allow_params", name);
+                return -1;
+            }
+        }
+    }
+
     /* 2. types and shapes. */
     if (r->key[S_STREAM] != JDOC_NONE) {
         uint8_t ty = d->toks[r->key[S_STREAM] + 1].type;

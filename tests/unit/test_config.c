@@ -344,6 +344,8 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'log':{'access':{'enabled':'no'}}"), "log.access.enabled", "expected true or false"},
     {CFG(",'log':{'access':{'fields':'tenant'}}"), "log.access.fields", "expected an array"},
     {CFG(",'log':{'access':{'fields':['tenant','ttft']}}"), "log.access.fields[1]", "expected one of tenant, pool"},
+    {POLICY(TENANT(",'allow_params':[]")), "policy.tenants[0].allow_params", "must not be empty"},
+    {POLICY(TENANT(",'allow_params':['model',3]")), "policy.tenants[0].allow_params[1]", "expected a string"},
     {POLICY(TENANT(",'sampling':[]")), "policy.tenants[0].sampling", "expected an object"},
     {RULE("temprature", "{'force':0}"), "policy.tenants[0].sampling.temprature", "did you mean \"temperature\""},
     {RULE("logit_bias", "{'force':0}"), "policy.tenants[0].sampling.logit_bias", "unknown key"},
@@ -842,13 +844,15 @@ Test(config, warns_on_shadowed_tenant_duplicate_url_and_plain_server_name)
                      "{'name':'a','url':'http://h:80/v1/"
                      "','server_name':'h.llm'},{'name':'b','url':'http://h/v1'}]}],"
                      "'policy':{'tenants':[{'name':'open','match':{'any':true}},"
-                     "{'name':'keyed','match':{'header':{'name':'x','value':'z'}}},"
+                     "{'name':'keyed','match':{'header':{'name':'x','value':'z'}},"
+                     "'allow_params':['prompt']},"
                      "{'name':'all','match':{'any':true,'unknown_keys':true}},"
                      "{'name':'late','match':{'header':{'name':'x','value':'y'}}}]}}";
     cr_assert_eq(load_q(sq, &cfg, &e), 0);
-    cr_assert_eq(e.nwarnings, 3);
+    cr_assert_eq(e.nwarnings, 4);
     cr_assert(has_warning(&e, "pools[0].replicas[0].server_name", "only https://"));
     cr_assert(has_warning(&e, "pools[0].replicas[1].url", "same URL as replicas[0]"));
+    cr_assert(has_warning(&e, "policy.tenants[1].allow_params", "does not list \"model\""));
     /* a plain {"any": true} leaves requests with credentials to later tenants */
     cr_assert(has_warning(&e, "policy.tenants[3]", "never matches: tenants[2]"));
     cfg_free(cfg);

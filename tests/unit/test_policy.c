@@ -321,6 +321,34 @@ Test(rules, deny_params_first)
     cr_assert_eq(run(&t, BASE ",\"logit_bias\":null}"), -1);
 }
 
+Test(rules, allow_params_is_an_allowlist)
+{
+    cfg_tenant_t t = tenant("t");
+    r_force(&t, CFG_PARAM_SEED, 7);
+    char *allow[] = {"model", "prompt", "max_tokens", "temperature"};
+    t.allow_params = allow;
+    t.nallow_params = 4;
+    cr_assert_eq(run(&t, "{\"model\":\"m\",\"prompt\":\"x\",\"temperature\":0.1}"), 0,
+                 "%s", err.message);
+    /* a forced seed is added by the policy, not by the client: allowed */
+    cr_assert_eq(run(&t, "{\"model\":\"m\",\"prompt\":\"x\"}"), 0, "%s", err.message);
+    static const char *const refused[][2] = {
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"min_p\":0.5}", "min_p"},
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":4}", "best_of"},
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"seed\":3}", "seed"},
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"sampling_params\":{}}", "sampling_params"},
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"\\u006din_p\":0.5}", "min_p"}, /* escaped */
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"Temperature\":2}", "Temperature"},
+    };
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        cr_assert_eq(run(&t, refused[i][0]), -1, "case %zu", i);
+        cr_assert_eq(err.status, 400);
+        cr_assert_str_eq(err.code, "policy_violation");
+        cr_assert_str_eq(err.param, refused[i][1]);
+        cr_assert(strstr(err.message, refused[i][1]) && strstr(err.message, "allow_params"));
+    }
+}
+
 Test(rules, types_before_rules)
 {
     cfg_tenant_t t = tenant("t");
