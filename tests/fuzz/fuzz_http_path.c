@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
 #include "proxy/http_path.h"
 
 #define CHECK(c)                                                                                   \
@@ -27,17 +28,6 @@ static bool unres(unsigned c)
            c == '-' || c == '.' || c == '_' || c == '~';
 }
 
-static int hv(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 /* The reference: returns the length or 0 when refused. */
 static size_t naive(const char *in, size_t n, char *out)
 {
@@ -50,9 +40,9 @@ static size_t naive(const char *in, size_t n, char *out)
         if (c == '#')
             return 0;
         if (c == '%') {
-            if (i + 2 >= n || hv((unsigned char)in[i + 1]) < 0 || hv((unsigned char)in[i + 2]) < 0)
+            if (i + 2 >= n || dp_hexval((unsigned char)in[i + 1]) < 0 || dp_hexval((unsigned char)in[i + 2]) < 0)
                 return 0;
-            int h = hv((unsigned char)in[i + 1]), l = hv((unsigned char)in[i + 2]);
+            int h = dp_hexval((unsigned char)in[i + 1]), l = dp_hexval((unsigned char)in[i + 2]);
             unsigned d = (unsigned)(h * 16 + l);
             if (d == '/')
                 return 0;
@@ -135,7 +125,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (size_t i = 0; i < got; i++) {
         if (a[i] == '%') {
             CHECK(i + 2 < got);
-            int h = hv((unsigned char)a[i + 1]), l = hv((unsigned char)a[i + 2]);
+            int h = dp_hexval((unsigned char)a[i + 1]), l = dp_hexval((unsigned char)a[i + 2]);
             CHECK(h >= 0 && l >= 0 && !(a[i + 1] >= 'a') && !(a[i + 2] >= 'a'));
             CHECK(!unres((unsigned)(h * 16 + l)) && h * 16 + l != '/');
         }

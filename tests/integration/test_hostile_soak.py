@@ -96,6 +96,13 @@ def summary(name, v):
         v[-1] * 1e3)
 
 
+def assert_no_stall(prober):
+    assert not prober.errors, prober.errors
+    limit = STALL_S * (2 if SANITIZE else 1)
+    assert max(prober.health) < limit, summary("healthz", prober.health)
+    assert max(prober.req) < limit, summary("completion", prober.req)
+
+
 def run_hostile(px, bodies, senders=1):
     prober = Prober(px)
     prober.start()
@@ -137,9 +144,7 @@ def test_the_330k_number_body_does_not_hold_the_loop():
     assert r.status == 200 and r.headers.get("x-detproxy-seed"), r
     print("330k numbers (%d bytes): %.3f s for the request; %s; %s" % (
         len(body), took, summary("healthz", prober.health), summary("completion", prober.req)))
-    assert not prober.errors, prober.errors
-    assert max(prober.health) < STALL_S * (2 if SANITIZE else 1), summary("healthz", prober.health)
-    assert max(prober.req) < STALL_S * (2 if SANITIZE else 1), summary("completion", prober.req)
+    assert_no_stall(prober)
     px.stop()
 
 
@@ -157,9 +162,7 @@ def test_soak_hostile_bodies_while_another_client_is_served():
             assert err["code"] == "policy_violation" or err["type"], (name, err)
     print("soak: %d hostile bodies in %.2f s; %s; %s" % (
         len(results), elapsed, summary("healthz", prober.health), summary("completion", prober.req)))
-    assert not prober.errors, prober.errors
-    assert max(prober.health) < STALL_S * (2 if SANITIZE else 1), summary("healthz", prober.health)
-    assert max(prober.req) < STALL_S * (2 if SANITIZE else 1), summary("completion", prober.req)
+    assert_no_stall(prober)
     px.stop()
 
 
