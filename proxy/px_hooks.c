@@ -315,7 +315,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     p->route = chat ? "/v1/chat/completions" : "/v1/completions";
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
-    if (req->body.len < PX_POLICY_OFFLOAD_BYTES || done == NULL) {
+    if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc = police(p, g, h->tenant_cfg, chat, req->body.base ? req->body.base : "",
                        req->body.len);
         return policed(h, g, p, body, res);

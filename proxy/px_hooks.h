@@ -62,9 +62,9 @@ typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hook
 
 /* Inference requests: validate and police the body, pick the pool, and point *body at the
  * body to send (valid until px_hooks_finish). 0, or -1 with res->status/code/param/message
- * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more when done is set,
- * 1: the work runs on the thread pool (req->body is taken over) and done(data, rc, body, res)
- * is called on the loop with the same results. px_hooks_finish must not run before it. */
+ * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
+ * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
+ * loop with the same results. px_hooks_finish must not run before it. */
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
                        dp_iovec_t *body, px_hooks_result_t *res, px_hooks_policed_cb done,
                        void *done_data);
