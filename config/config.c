@@ -157,8 +157,11 @@ static void parse_attestation(cfg_ctx_t *c, const cJSON *doc, cfg_attestation_t 
     cfg_check_keys(c, o, attestation_keys);
     cfg_get_u32(c, o, "interval_ms", 100, CFG_MS_MAX, &a->interval_ms);
     cfg_get_u32(c, o, "timeout_ms", 1, CFG_MS_MAX, &a->timeout_ms);
-    cfg_get_bool(c, o, "require_signature", &a->require_signature);
     parse_trusted_keys(c, o, a);
+    /* SPEC §5: trusting keys means requiring signatures, unless said otherwise; without this
+     * an attacker on the path does better by stripping signatures than by forging them. */
+    a->require_signature = a->ntrusted_keys > 0;
+    cfg_get_bool(c, o, "require_signature", &a->require_signature);
     if (a->require_signature && a->ntrusted_keys == 0 && cfg_get(o, "trusted_keys") == NULL)
         cfg_err(c, "trusted_keys", "required when require_signature is true");
     else if (a->require_signature && a->ntrusted_keys == 0)
@@ -352,6 +355,11 @@ static void check_source(cfg_ctx_t *c, const cfg_attestation_t *a, cfg_attest_so
                  "the agent signs its attestations but attestation.trusted_keys is empty: "
                  "every one will be rejected as untrusted");
     }
+    if (s == CFG_ATTEST_AGENT && a->ntrusted_keys > 0 &&
+        !a->require_signature)
+        cfg_warn(c, "attest",
+                 "unsigned: attestation.require_signature is false, so an envelope stripped "
+                 "of its signatures is admitted");
 }
 
 static void check_signatures(cfg_ctx_t *c, const cfg_t *cfg)

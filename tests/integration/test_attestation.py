@@ -276,5 +276,82 @@ def test_agent_ejects_when_a_model_file_changes():
     agent.stop()
 
 
+class StrippingAgent:
+    """An attacker on the path to a signed agent: relays each attestation request to the real
+    agent and hands back its envelope with the signatures removed (`[]`, or the key gone)."""
+
+    def __init__(self, upstream_port, drop_key=False):
+        import http.server
+        import threading
+        import urllib.request
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                with urllib.request.urlopen("http://127.0.0.1:%d%s" % (upstream_port, self.path),
+                                            timeout=5) as up:
+                    env = json.loads(up.read())
+                outer.signed_seen += len(env.get("signatures", []))
+                if drop_key:
+                    env.pop("signatures", None)
+                else:
+                    env["signatures"] = []
+                body = json.dumps(env).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.signed_seen = 0
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.srv.server_address[1]
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_stripping_the_signatures_is_refused_when_keys_are_trusted():
+    """Hole 5: with trusted_keys set and require_signature omitted, an envelope whose signatures
+    were removed on the way (`[]` or no key at all) is rejected, and `check` warns when
+    require_signature is turned off explicitly."""
+    key, pub = keygen("pipeline")
+    sims = [sim(key=key), sim(key=key), sim(key=key)]
+    mitm = [StrippingAgent(sims[0].port), StrippingAgent(sims[1].port, drop_key=True)]
+    p = agent_pool(sims)
+    for r, m in zip(p["replicas"], mitm):
+        r["attest"]["url"] = "http://127.0.0.1:%d/attestation" % m.port
+    att = {"interval_ms": 300, "timeout_ms": 1000, "trusted_keys": [pub]}  # no require_signature
+    px = start_proxy(pools=[p], attestation=att)
+    want = {"r1": "rejected", "r2": "rejected", "r3": "admitted"}
+    poll_until(lambda: {n: state(px, n) for n in want} == want, what="stripped envelopes judged")
+    assert all(m.signed_seen > 0 for m in mitm)  # the real agent did sign; the path removed it
+    reps = replicas(px)
+    for n in ("r1", "r2"):
+        assert "signature" in " ".join(reps[n]["reasons"]).lower(), reps[n]
+    for _ in range(5):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r3"
+    px.stop()
+    # `check`: silent with the default, a warning when explicitly off.
+    cfg = json.load(open(px.config_path))
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
+    assert rc == 0 and "unsigned" not in err, (rc, out, err)
+    cfg["attestation"]["require_signature"] = False
+    path = os.path.join(os.path.dirname(px.config_path), "off.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", path])
+    assert rc == 0 and "stripped of its signatures" in err, (rc, out, err)
+    assert "pools[0].replicas[0].attest" in err, err
+    for m in mitm:
+        m.close()
+
+
 if __name__ == "__main__":
     run_tests(globals())
