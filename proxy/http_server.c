@@ -112,6 +112,7 @@ struct px_server_s {
     req_impl_t *free_reqs;
     size_t nfree;
     uint16_t port;
+    struct sockaddr_storage bound; /* the listener's address, once listening */
     px_tls_ctx_t *tls;
     uint64_t last_accept_warn;
     void (*drain_cb)(px_server_t *s);
@@ -1158,11 +1159,16 @@ int px_server_listen(px_server_t *s, const char *host, uint16_t port)
     if ((r = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection)) != 0)
         return r;
     s->listening = true;
-    int len = sizeof(ss);
-    uv_tcp_getsockname(&s->listener, (struct sockaddr *)&ss, &len);
-    s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    int len = sizeof(s->bound);
+    uv_tcp_getsockname(&s->listener, (struct sockaddr *)&s->bound, &len);
+    s->port = ntohs(s->bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&s->bound)->sin6_port
+                                                   : ((struct sockaddr_in *)&s->bound)->sin_port);
     return 0;
+}
+
+const struct sockaddr *px_server_bound(const px_server_t *s)
+{
+    return s->listening || s->bound.ss_family ? (const struct sockaddr *)&s->bound : NULL;
 }
 
 void px_server_set_tls(px_server_t *s, px_tls_ctx_t *ctx)

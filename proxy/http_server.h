@@ -94,6 +94,8 @@ px_server_t *px_server_new(uv_loop_t *loop, const px_handler_t *h, void *data,
 int px_server_listen(px_server_t *s, const char *host, uint16_t port);
 /* The bound port (useful with port 0). */
 uint16_t px_server_port(const px_server_t *s);
+/* The address it listens on (NULL before px_server_listen succeeded). */
+const struct sockaddr *px_server_bound(const px_server_t *s);
 void *px_server_data(const px_server_t *s);
 uv_loop_t *px_server_loop(const px_server_t *s);
 void px_server_set_limits(px_server_t *s, const px_server_limits_t *limits);

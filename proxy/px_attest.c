@@ -25,6 +25,7 @@
 #include "common/util.h"
 #include "proxy/px_admin.h"
 #include "proxy/px_fetch.h"
+#include "proxy/px_self.h"
 
 #define CANARY_MAX_BYTES (1 << 20)
 #define PROBE_MAX_BYTES (64 << 10)
@@ -434,6 +435,18 @@ static void check_start(att_t *a)
         /* Nothing to connect to (the host name did not resolve). */
         a->checking = false;
         schedule(a, cur(a)->attestation.interval_ms);
+        return;
+    }
+    /* A replica (URL or discovered address) that is detproxy itself would attest through us
+     * to whatever we forward to, and then take client requests round in a loop. */
+    const char *self = NULL;
+    if (px_self_is_listener(a->px, (const struct sockaddr *)&r->addr, &self)) {
+        char why[160];
+        snprintf(why, sizeof(why), "address %s is detproxy's own %s listener", r->url.hostport,
+                 self);
+        count(r, "rejected");
+        set_state1(r, PX_REPLICA_REJECTED, why);
+        check_end(a);
         return;
     }
     const char *bearer = pc ? pc->api_key : NULL;

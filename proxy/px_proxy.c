@@ -20,6 +20,7 @@
 #include "proxy/px.h"
 #include "proxy/px_access.h"
 #include "proxy/px_hooks.h"
+#include "proxy/px_self.h"
 
 typedef enum { ROUTE_PASS = 0, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_MODELS } route_t;
 
@@ -381,6 +382,9 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, "\r\nx-detproxy-request-id: ", 25);
     dp_buf_appends(h, req->id);
     dp_buf_append(h, "\r\n", 2);
+    size_t vl;
+    const char *via = px_self_via_line(&vl);
+    dp_buf_append(h, via, vl); /* after the client's own Via lines: order is the path */
     if (q->route == ROUTE_COMPLETIONS || q->route == ROUTE_CHAT) {
         dp_buf_append(h, "content-length: ", 16);
         dp_buf_append_u64(h, q->body.len);
@@ -796,6 +800,14 @@ static px_body_mode_t on_head(px_req_t *req)
     q->start_ns = req->start_ns;
     q->route = classify(req);
     px_hooks_init(&q->hooks);
+    /* Our own Via token: this request left detproxy and came back (a replica URL or a
+     * discovered address that leads to us). Forwarding it again would loop. */
+    if (px_self_via_seen(req)) {
+        fail_client(q, 508, "loop_detected", NULL,
+                    "forwarding loop: the request already passed through this detproxy");
+        finish(q);
+        return PX_BODY_BUFFER;
+    }
     /* The tenant is known from the head alone: refuse before reading any body. */
     int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
     if (gate != 0) {

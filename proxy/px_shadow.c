@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/drift/drift.h"
+#include "proxy/px_self.h"
 
 typedef struct shadow_s shadow_t;
 
@@ -464,6 +465,9 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
                   target->url.hostport, len, req->id, drift_kind_name(kind));
     if (pool->cfg->api_key)
         dp_buf_printf(&head, "authorization: Bearer %s\r\n", pool->cfg->api_key);
+    size_t vl;
+    const char *via = px_self_via_line(&vl);
+    dp_buf_append(&head, via, vl);
     dp_buf_append(&head, "\r\n", 2);
     uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
                         uv_buf_init((char *)body, (unsigned)len)};
