@@ -52,6 +52,9 @@ static const limit_field_t limit_fields[] = {
     LIMIT(upstream_connect_timeout_ms, 2000, 1, CFG_MS_MAX),
     LIMIT(upstream_first_byte_timeout_ms, 600000, 1, CFG_MS_MAX),
     LIMIT(upstream_idle_timeout_ms, 60000, 1, CFG_MS_MAX),
+    LIMIT(max_inflight_body_bytes, 268435456, 1, UINT64_C(1) << 40),
+    LIMIT(client_body_timeout_ms, 60000, 1, CFG_MS_MAX),
+    LIMIT(max_response_rewrite_bytes, 16777216, 1, 1u << 30),
 };
 
 static void set_limit(cfg_limits_t *l, const limit_field_t *f, uint64_t v)
@@ -126,6 +129,10 @@ static void parse_limits(cfg_ctx_t *c, const cJSON *doc, cfg_limits_t *l)
         if (cfg_get_uint(c, o, f->key, f->lo, f->hi, &v))
             set_limit(l, f, v);
     }
+    /* A budget below one body would refuse every body of the largest allowed size. */
+    if (l->max_inflight_body_bytes < l->max_body_bytes)
+        cfg_err(c, "max_inflight_body_bytes", "must be at least limits.max_body_bytes (%llu)",
+                (unsigned long long)l->max_body_bytes);
     cfg_path_pop(c, mark);
 }
 

@@ -59,6 +59,8 @@ typedef struct req_impl_s {
     px_body_mode_t mode;
     bool body_done;
     bool body_too_large;
+    bool body_over_budget;
+    uint64_t body_reserved; /* this request's share of the server's body_bytes */
     bool resp_started, resp_ended;
     bool resp_chunked, resp_no_body, resp_head_pending;
     bool abort_notified;
@@ -82,6 +84,7 @@ struct px_conn_s {
     dp_buf_t pending;
     uint64_t body_remaining;
     uint64_t deadline;      /* absolute uv_now() ms for the current timer purpose */
+    uint64_t body_deadline; /* uv_now() by which a buffered body must be read (0: none) */
     uint64_t last_read;     /* uv_now() of the last read, for idle checks in BODY */
     int closes_pending;
     bool keep_alive;
@@ -107,6 +110,8 @@ struct px_server_s {
     px_server_limits_t lim;
     llhttp_settings_t settings;
     size_t nconns, ninflight;
+    uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
+    void (*on_overload)(const char *reason);
     uint64_t accepted;
     px_conn_t *conns;
     req_impl_t *free_reqs;
@@ -331,6 +336,8 @@ static void conn_release_req(px_conn_t *c)
         return;
     c->req = NULL;
     cork_remove(c->srv, q);
+    c->srv->body_bytes -= q->body_reserved;
+    q->body_reserved = 0;
     if (q->handed)
         c->srv->ninflight--;
     req_put(c->srv, q);
@@ -384,6 +391,27 @@ static int on_headers_complete(llhttp_t *p)
     return 0;
 }
 
+/* Grow q's reservation of the server's body budget to `total` bytes; false (nothing taken)
+ * when that would exceed max_inflight_body_bytes. */
+static bool body_reserve(px_conn_t *c, uint64_t total)
+{
+    px_server_t *s = c->srv;
+    req_impl_t *q = c->req;
+    uint64_t more = total - q->body_reserved;
+    if (s->lim.max_inflight_body_bytes && s->body_bytes + more > s->lim.max_inflight_body_bytes)
+        return false;
+    s->body_bytes += more;
+    q->body_reserved = total;
+    return true;
+}
+
+static void conn_overloaded(px_conn_t *c)
+{
+    if (c->srv->on_overload)
+        c->srv->on_overload("body_budget");
+    conn_reject(c, 503, "too many request bodies buffered (limits.max_inflight_body_bytes)");
+}
+
 static int on_body(llhttp_t *p, const char *at, size_t n)
 {
     px_conn_t *c = p->data;
@@ -393,6 +421,10 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
     if (q->mode == PX_BODY_BUFFER) {
         if (q->r.body.len + n > c->srv->lim.max_body_bytes) {
             q->body_too_large = true;
+            return HPE_USER;
+        }
+        if (q->r.body.len + n > q->body_reserved && !body_reserve(c, q->r.body.len + n)) {
+            q->body_over_budget = true;
             return HPE_USER;
         }
         dp_buf_append(&q->r.body, at, n);
@@ -447,6 +479,15 @@ static bool conn_peer_reset(px_conn_t *c)
 #endif
 }
 
+/* The next timer in PH_BODY: the idle wait, or sooner when the whole-body deadline is. */
+static uint64_t body_wait(const px_conn_t *c, uint64_t now, uint64_t idle_wait)
+{
+    uint64_t bd = c->body_deadline;
+    if (bd == 0)
+        return idle_wait;
+    return bd <= now ? 0 : bd - now < idle_wait ? bd - now : idle_wait;
+}
+
 static void timer_cb(uv_timer_t *t)
 {
     px_conn_t *c = t->data;
@@ -463,7 +504,7 @@ static void timer_cb(uv_timer_t *t)
         }
         if (c->phase == PH_BODY) {
             c->last_read = uv_now(c->srv->loop);
-            conn_arm(c, c->srv->lim.client_idle_timeout_ms);
+            conn_arm(c, body_wait(c, c->last_read, c->srv->lim.client_idle_timeout_ms));
         }
         if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
             !c->wait_drain)
@@ -491,8 +532,13 @@ static void timer_cb(uv_timer_t *t)
         return;
     case PH_BODY: {
         uint64_t idle = c->srv->lim.client_idle_timeout_ms;
+        uint64_t bd = c->body_deadline;
+        if (bd && now >= bd && !c->body_paused) {
+            conn_reject(c, 408, "request body not received in time (client_body_timeout_ms)");
+            return;
+        }
         if (now - c->last_read < idle && !c->body_paused) {
-            conn_arm(c, idle - (now - c->last_read));
+            conn_arm(c, body_wait(c, now, idle - (now - c->last_read)));
             return;
         }
         if (c->body_paused) {
@@ -620,6 +666,7 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
     const char *code = status == 431   ? "headers_too_large"
                        : status == 413 ? "body_too_large"
                        : status == 408 ? "timeout"
+                       : status == 503 ? "overloaded"
                                        : "bad_request";
     if (s->h.on_reject) {
         req_impl_t *q = c->req;
@@ -813,11 +860,24 @@ static bool conn_head_done(px_conn_t *c)
             conn_reject(c, 413, "request body too large");
             return false;
         }
+        c->body_deadline = 0;
+        if (q->mode == PX_BODY_BUFFER) {
+            /* A known length is reserved whole now: memory stays within the budget however
+             * slowly the bodies already admitted arrive. */
+            if (r->content_length > 0 && !body_reserve(c, (uint64_t)r->content_length)) {
+                conn_overloaded(c);
+                return false;
+            }
+            c->body_deadline = s->lim.client_body_timeout_ms
+                                   ? uv_now(s->loop) + s->lim.client_body_timeout_ms
+                                   : 0;
+        }
         if (q->framing.expect_continue && r->http_minor == 1)
             write_continue(c);
         c->last_read = uv_now(s->loop);
         /* on_head may already have paused the body (the request waits for a replica slot). */
-        conn_arm(c, c->body_paused ? PAUSED_CHECK_MS : s->lim.client_idle_timeout_ms);
+        conn_arm(c, c->body_paused ? PAUSED_CHECK_MS
+                                   : body_wait(c, c->last_read, s->lim.client_idle_timeout_ms));
     }
     return true;
 }
@@ -925,6 +985,8 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
             if (e != HPE_OK) {
                 if (q->body_too_large)
                     conn_reject(c, 413, "request body too large");
+                else if (q->body_over_budget)
+                    conn_overloaded(c);
                 else
                     conn_reject(c, 400, llhttp_get_error_reason(&c->parser));
                 goto out;
@@ -1177,6 +1239,16 @@ void px_server_set_tls(px_server_t *s, px_tls_ctx_t *ctx)
         px_tls_ctx_ref(ctx);
     px_tls_ctx_unref(s->tls);
     s->tls = ctx;
+}
+
+void px_server_on_overload(px_server_t *s, void (*cb)(const char *reason))
+{
+    s->on_overload = cb;
+}
+
+uint64_t px_server_body_bytes(const px_server_t *s)
+{
+    return s->body_bytes;
 }
 
 uint16_t px_server_port(const px_server_t *s)

@@ -84,6 +84,11 @@ typedef struct {
     uint32_t client_header_timeout_ms;
     uint32_t client_idle_timeout_ms;
     size_t write_high_water; /* px_resp_pending above this: stop producing (default 256 KiB) */
+    /* Bytes of PX_BODY_BUFFER bodies held across all connections (0: no bound). A request
+     * whose body would exceed it is answered 503 `overloaded`; admitted ones keep their share
+     * until they end. A Content-Length body reserves its whole length when its head is read. */
+    uint64_t max_inflight_body_bytes;
+    uint32_t client_body_timeout_ms; /* the whole read of a PX_BODY_BUFFER body (0: none) */
 } px_server_limits_t;
 
 void px_server_limits_default(px_server_limits_t *l);
@@ -114,6 +119,10 @@ size_t px_server_connections(const px_server_t *s);
 /* Connections accepted since start. */
 uint64_t px_server_accepted(const px_server_t *s);
 size_t px_server_inflight(const px_server_t *s);
+/* Tell cb whenever the server itself refuses a request 503 (reason: "body_budget"). */
+void px_server_on_overload(px_server_t *s, void (*cb)(const char *reason));
+/* Bytes of buffered request bodies reserved right now (max_inflight_body_bytes). */
+uint64_t px_server_body_bytes(const px_server_t *s);
 
 /* Case-insensitive header look-up; the first match or NULL. Count of matches in *count if set. */
 const px_header_t *px_req_header(const px_req_t *req, const char *name);

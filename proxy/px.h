@@ -182,6 +182,8 @@ extern const px_handler_t px_proxy_handler;
 /* A slot on replica r was released: dispatch queued requests of its pool. */
 void px_proxy_slot_freed(px_pool_t *p);
 void px_proxy_queue_timer_cb(uv_timer_t *t);
+/* detproxy_overload_rejections_total{reason} (also the client server's 503 callback). */
+void px_proxy_count_overload(const char *reason);
 /* Release recycled request contexts (shutdown). */
 void px_proxy_free_caches(void);
 

@@ -53,6 +53,8 @@ void px_metrics_declare(void)
     px_metric_set(px_metrics_get("detproxy_build_info", "version", dp_version, "commit",
                                  dp_commit, NULL),
                   1);
+    px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
+                      "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
 }
 
 static void usage(FILE *f)
@@ -76,6 +78,8 @@ static void server_limits(const cfg_t *cfg, px_server_limits_t *l)
     l->max_connections = cfg->limits.max_connections;
     l->client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
     l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
+    l->max_inflight_body_bytes = cfg->limits.max_inflight_body_bytes;
+    l->client_body_timeout_ms = cfg->limits.client_body_timeout_ms;
 }
 
 void px_admin_refresh_gauges(px_t *px)
@@ -260,6 +264,7 @@ int px_cmd_run(int argc, char **argv)
     px_server_limits_t lim;
     server_limits(cfg, &lim);
     px.proxy = px_server_new(px.loop, &px_proxy_handler, &px, &lim);
+    px_server_on_overload(px.proxy, px_proxy_count_overload);
     if (px_tls_reload(&px) != 0) {
         px_server_close(px.proxy, NULL, NULL);
         px_gen_unref(px.gen);

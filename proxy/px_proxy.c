@@ -428,6 +428,11 @@ static void start_on(px_preq_t *q, px_replica_t *r)
     px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
 }
 
+void px_proxy_count_overload(const char *reason)
+{
+    px_metric_add(px_metrics_get("detproxy_overload_rejections_total", "reason", reason, NULL), 1);
+}
+
 static void dispatch(px_preq_t *q)
 {
     int why = 0;
@@ -445,6 +450,7 @@ static void dispatch(px_preq_t *q)
         return;
     }
     if (q->pool->qlen >= q->pool->cfg->queue_limit) {
+        px_proxy_count_overload("queue_full");
         fail_client(q, 503, "overloaded", NULL,
                     "every replica is at max_inflight_per_replica and the queue is full");
         finish(q);
