@@ -48,8 +48,10 @@ struct px_preq_s {
     bool audit_wait; /* the response's end waits for its audit line (px_hooks_before_end) */
     bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
     dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0" */
-    /* A held response (rewritten whole by a hook before it is sent): */
+    /* A held response (rewritten whole by a hook before it is sent), at most
+     * limits.max_response_rewrite_bytes of it; beyond that it is passed through (release_held): */
     int held_status;
+    int64_t held_cl; /* the replica's Content-Length, -1 when it did not send one */
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
     px_header_t *held_out; /* the head to send, built by prepare_held */
@@ -115,11 +117,11 @@ void px_proxy_free_caches(void)
     g_npreq_free = 0;
 }
 
+static void held_out_free(px_preq_t *q);
+
 static void preq_put(px_preq_t *q)
 {
-    if (q->held_out != q->held_stack)
-        free(q->held_out);
-    q->held_out = NULL;
+    held_out_free(q);
     if (q->held_body.cap > 64 * 1024)
         dp_buf_free(&q->held_body);
     if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384 ||
@@ -492,9 +494,13 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
     q->up_head_ns = dp_now_ns();
     q->hooks.upstream_answered = true;
     const dp_iovec_t *connv = connection_value(hdrs, n);
-    if (px_hooks_hold_response(&q->hooks, status, hdrs, n)) {
+    /* A response announced larger than what may be held is passed through from the start. */
+    if (px_hooks_hold_response(&q->hooks, status, hdrs, n) &&
+        (f->content_length < 0 ||
+         (uint64_t)f->content_length <= q->gen->cfg->limits.max_response_rewrite_bytes)) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
         q->held_status = status;
+        q->held_cl = f->content_length;
         for (size_t i = 0; i < n; i++) {
             if (!forward_response_header(&hdrs[i], connv))
                 continue;
@@ -519,10 +525,9 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
         free(out);
 }
 
-/* The held response is complete: rewrite it and build its head. It is sent by deliver(), after
- * its audit line (if any) is written, so an audited client never holds a byte of a response
- * whose audit line is not on its way to disk. */
-static void prepare_held(px_preq_t *q)
+/* Build the head of a held response into q->held_out: the replica's kept headers, then (when
+ * rewrite) the rewritten body's, then ours. */
+static void held_head(px_preq_t *q, bool rewrite)
 {
     size_t nh = 0;
     for (size_t i = 0; i < q->held_hdrs.len; i++)
@@ -540,12 +545,46 @@ static void prepare_held(px_preq_t *q)
         out[k++] = (px_header_t){{p, nl}, {v, vl}};
         p = v + vl + 1;
     }
-    px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
+    if (rewrite)
+        px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
     extra_headers(q, out, &k);
-    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
-    (void)v; /* held bodies are never rewritten by the byte filter, only teed */
     q->held_out = out;
     q->held_nout = k;
+}
+
+static void held_out_free(px_preq_t *q)
+{
+    if (q->held_out != q->held_stack)
+        free(q->held_out);
+    q->held_out = NULL;
+}
+
+/* The held response is complete: rewrite it and build its head. It is sent by deliver(), after
+ * its audit line (if any) is written, so an audited client never holds a byte of a response
+ * whose audit line is not on its way to disk. */
+static void prepare_held(px_preq_t *q)
+{
+    held_head(q, true);
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    (void)v; /* held bodies are never rewritten by the byte filter, only teed */
+}
+
+/* The held response outgrew limits.max_response_rewrite_bytes: send what is held unchanged
+ * and stream the rest, as for a response that was never held. The audit hash (teed by
+ * px_hooks_response_bytes) still covers every byte; the body keeps the replica's own
+ * system_fingerprint (the pool's is in x-detproxy-fingerprint). */
+static void release_held(px_preq_t *q)
+{
+    held_head(q, false);
+    q->client_started = true;
+    px_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
+    held_out_free(q);
+    q->held_status = 0;
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    if (q->req)
+        px_resp_write(q->req, v.base, v.len);
+    dp_buf_free(&q->held_body);
+    dp_buf_free(&q->held_hdrs);
 }
 
 static void up_on_body(px_creq_t *c, const char *p, size_t n)
@@ -554,8 +593,13 @@ static void up_on_body(px_creq_t *c, const char *p, size_t n)
     if (q->req == NULL)
         return;
     if (q->held_status) {
-        dp_buf_append(&q->held_body, p, n);
-        return;
+        if (q->held_body.len + n <= q->gen->cfg->limits.max_response_rewrite_bytes) {
+            dp_buf_append(&q->held_body, p, n);
+            return;
+        }
+        release_held(q);
+        if (q->req == NULL)
+            return;
     }
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
     px_resp_write(q->req, v.base, v.len);

@@ -7,6 +7,7 @@
 - limits.max_response_rewrite_bytes: what is held of one non-streamed response for the
   fingerprint rewrite; a bigger answer is passed through as it arrives."""
 
+import json
 import socket
 import threading
 import time
@@ -123,6 +124,139 @@ def test_a_trickled_body_is_cut_at_client_body_timeout_ms():
     assert "client_body_timeout_ms" in err["message"], err
     assert 0.5 <= took < 3 * SLOW, took
     s.close()
+    px.stop()
+
+
+class HugeReplica:
+    """A replica answering every completion with one non-streamed JSON body of `size` bytes,
+    generated as it is sent (Content-Length or chunked), so the test itself holds none of it.
+    GET /v1/models (the proxy's reachability check) is answered 200."""
+
+    MODELS = b'{"object":"list","data":[{"id":"m1","object":"model"}]}'
+
+    def __init__(self):
+        self.size = 0
+        self.chunked = False
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def body_pieces(self):
+        head = b'{"id":"cmpl-1","object":"text_completion","system_fingerprint":"fp_replica",' \
+               b'"choices":[{"index":0,"text":"'
+        tail = b'"}]}'
+        yield head
+        left = self.size - len(head) - len(tail)
+        piece = b"a" * MiB
+        while left > 0:
+            yield piece[:left]
+            left -= min(left, MiB)
+        yield tail
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = c.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                cl = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        cl = int(v)
+                while len(buf) < cl:
+                    buf += c.recv(65536)
+                buf = buf[cl:]
+                if head.startswith(b"GET /v1/models "):
+                    c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n" % len(self.MODELS) + self.MODELS)
+                    continue
+                frame = b"transfer-encoding: chunked" if self.chunked else \
+                    b"content-length: %d" % self.size
+                c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + frame +
+                          b"\r\n\r\n")
+                for p in self.body_pieces():
+                    c.sendall(b"%x\r\n%s\r\n" % (len(p), p) if self.chunked else p)
+                if self.chunked:
+                    c.sendall(b"0\r\n\r\n")
+        except OSError:
+            return
+
+
+def fetch_digest(port, body, timeout=120):
+    """POST body, read the whole response with a small buffer: (status, headers, size, sha256
+    hex, first 200 bytes of the body)."""
+    import hashlib
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout * SLOW)
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    h, n, first = hashlib.sha256(), 0, b""
+    while True:
+        piece = r.read(MiB)
+        if not piece:
+            break
+        if len(first) < 200:
+            first += piece[:200 - len(first)]
+        h.update(piece)
+        n += len(piece)
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, n, h.hexdigest(), first
+
+
+def test_a_huge_replica_answer_is_passed_through_not_held():
+    """Hole 3: a replica answering 256 MiB of JSON used to be held whole (RSS ~3x the body);
+    beyond max_response_rewrite_bytes it now streams through, audited over every byte."""
+    import hashlib
+    import os
+    import tempfile
+    up = HugeReplica()
+    d = tempfile.mkdtemp(prefix="detproxy-huge-")
+    audit = os.path.join(d, "audit.jsonl")
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}],
+                     limits={"max_response_rewrite_bytes": 4 * MiB},
+                     policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
+                     log={"level": "info", "audit_path": audit}, directory=d)
+    req = body_of(200)
+    # Below the bound: held and rewritten, as before.
+    up.size = MiB
+    st, hdrs, n, digest, first = fetch_digest(px.port, req)
+    assert st == 200 and b'"system_fingerprint":"fp_' in first, first
+    assert b"fp_replica" not in first and hdrs.get("x-detproxy-upstream-fingerprint") == \
+        "fp_replica", (first, hdrs)
+    base = rss_kb(px)
+    for chunked in (False, True):
+        up.chunked = chunked
+        up.size = 256 * MiB
+        st, hdrs, n, digest, first = fetch_digest(px.port, req)
+        grew = rss_kb(px) - base
+        print("    256 MiB answer (%s): proxy RSS grew %d kB" %
+              ("chunked" if chunked else "content-length", grew))
+        assert st == 200 and n == up.size, (st, n)
+        assert b'"system_fingerprint":"fp_replica"' in first  # passed through unchanged
+        assert hdrs["x-detproxy-fingerprint"].startswith("fp_"), hdrs
+        assert grew < 48 * 1024, grew
+        want = hashlib.sha256(b"".join(up.body_pieces())).hexdigest()
+        assert digest == want
+        lines = [json.loads(l) for l in open(audit)]
+        assert lines[-1]["response_body_sha256"] == want, lines[-1]
     px.stop()
 
 
