@@ -47,7 +47,7 @@ struct px_preq_s {
     bool client_started;
     bool audit_wait; /* the response's end waits for its audit line (px_hooks_before_end) */
     bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
-    dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0" */
+    dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0reason\0" */
     /* A held response (rewritten whole by a hook before it is sent), at most
      * limits.max_response_rewrite_bytes of it; beyond that it is passed through (release_held): */
     int held_status;
@@ -170,6 +170,7 @@ static void send_refusal(void *data)
     if (q->req) {
         const char *message = q->refusal.base;
         const char *param = message + strlen(message) + 1;
+        const char *reason = param + strlen(param) + 1;
         px_header_t h[PX_EXTRA_HEADERS];
         size_t n = 0;
         char ra[12];
@@ -180,7 +181,7 @@ static void send_refusal(void *data)
             dp_jw_str(w, "request_id", q->req->id);
             dp_jw_int(w, "status", q->status);
             dp_jw_str(w, "code", q->code);
-            dp_jw_str(w, "reason", message);
+            dp_jw_str(w, "reason", reason);
             if (q->pool)
                 dp_jw_str(w, "pool", q->pool->name);
             if (q->replica)
@@ -196,9 +197,10 @@ static void send_refusal(void *data)
 
 /* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent).
  * The caller calls finish(q) next, as always; for an audited tenant the answer (and the
- * finish) may wait for the audit line. */
-static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
-                        const char *message)
+ * finish) may wait for the audit line. The log line gives `reason`, which may say more than
+ * the client is told. */
+static void fail_client_why(px_preq_t *q, int status, const char *code, const char *param,
+                            const char *message, const char *reason)
 {
     q->status = status;
     q->code = code;
@@ -216,6 +218,8 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
     dp_buf_appendc(&q->refusal, '\0');
     dp_buf_appends(&q->refusal, param ? param : "");
     dp_buf_appendc(&q->refusal, '\0');
+    dp_buf_appends(&q->refusal, reason ? reason : "");
+    dp_buf_appendc(&q->refusal, '\0');
     /* Set before the call: the audit module may run the callback from inside it. */
     q->audit_wait = true;
     if (px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, status, q->id, send_refusal,
@@ -223,6 +227,26 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
         return;
     q->audit_wait = false;
     send_refusal(q);
+}
+
+static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
+                        const char *message)
+{
+    fail_client_why(q, status, code, param, message, message);
+}
+
+/* 503 no_attested_replica. Why each replica is out (`quantization mismatch: got gptq want
+ * awq`) describes the fleet to whoever asks: the client is told the pool and its request id
+ * only; the reasons go to the log and stay on the admin listener (SPEC §7). */
+static void fail_unavailable(px_preq_t *q)
+{
+    dp_buf_t why = {0}, msg = {0};
+    px_pool_why_unavailable(q->pool, &why);
+    dp_buf_printf(&msg, "no attested replica is available in pool %s (request id %s)",
+                  q->pool->name, q->id);
+    fail_client_why(q, 503, "no_attested_replica", NULL, msg.base, why.base ? why.base : "");
+    dp_buf_free(&why);
+    dp_buf_free(&msg);
 }
 
 /* ---- slots and the admission queue ------------------------------------------------------- */
@@ -308,10 +332,7 @@ void px_proxy_slot_freed(px_pool_t *p)
                 /* Every replica left the admitted set while requests waited. */
                 px_preq_t *q = p->q_head;
                 queue_remove(q);
-                dp_buf_t msg = {0};
-                px_pool_why_unavailable(p, &msg);
-                fail_client(q, 503, "no_attested_replica", NULL, msg.base);
-                dp_buf_free(&msg);
+                fail_unavailable(q);
                 finish(q);
                 continue;
             }
@@ -444,10 +465,7 @@ static void dispatch(px_preq_t *q)
         return;
     }
     if (why == 0) {
-        dp_buf_t msg = {0};
-        px_pool_why_unavailable(q->pool, &msg);
-        fail_client(q, 503, "no_attested_replica", NULL, msg.base);
-        dp_buf_free(&msg);
+        fail_unavailable(q);
         finish(q);
         return;
     }

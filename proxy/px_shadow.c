@@ -240,8 +240,7 @@ static void compare_done(uv_work_t *w, int status)
         if (!s->result.match) {
             dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_divergence");
             if (j) {
-                dp_jw_str(j, "kind", drift_kind_name(s->kind));
-                drift_divlog_write(&s->divlog, j);
+                drift_divlog_write(&s->divlog, j); /* names the kind itself */
                 dp_log_end(j);
             }
         }

@@ -138,7 +138,7 @@ def test_bad_agents_are_rejected_with_reasons():
     px.stop()
 
 
-def test_no_admitted_replica_is_503_naming_why():
+def test_no_admitted_replica_is_503_with_the_reasons_kept_off_the_client():
     key, pub = keygen("pipeline")
     sims = [sim(ckpt=OTHER, key=key), sim(quant="gptq", key=key)]
     px = start_proxy(pools=[agent_pool(sims)], attestation=attestation(keys=[pub]), ready=False)
@@ -147,10 +147,17 @@ def test_no_admitted_replica_is_503_naming_why():
     r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert r.status == 503
     e = r.json()["error"]
+    rid = r.headers["x-detproxy-request-id"]
     assert e["code"] == "no_attested_replica"
-    assert "checkpoint_sha256 mismatch" in e["message"] and "quantization mismatch" in e["message"]
+    # The client learns the pool and its request id, nothing about the fleet (SPEC §7).
+    assert e["message"] == "no attested replica is available in pool p (request id %s)" % rid, e
+    # The reasons are on the admin listener and in the log line for that request id.
     ready = http("GET", px.admin_port, "/readyz")
     assert ready.status == 503 and ready.json()["unready_pools"][0]["pool"] == "p"
+    assert "quantization mismatch" in ready.text, ready.text
+    line = px.wait_log(lambda l: l.get("msg") == "request_failed" and l.get("request_id") == rid)
+    assert "checkpoint_sha256 mismatch" in line["reason"] and \
+        "quantization mismatch" in line["reason"], line
     assert sum(sim_stats(s)["requests"] for s in sims) == 0
     assert get_json(px.port, "/v1/models")["data"] == []
     px.stop()

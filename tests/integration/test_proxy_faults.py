@@ -308,7 +308,7 @@ def test_only_replica_refusing_connections():
     assert time.monotonic() - t0 < 2 * SLOW
     if r.status == 503:
         err = assert_openai_error(r, 503, "no_attested_replica")
-        assert "r1" in err["message"], err
+        assert r.headers["x-detproxy-request-id"] in err["message"], err
     else:
         assert_openai_error(r, 502, "upstream_error")
     assert upstream_errors(px, "r1", "connect") >= 1
