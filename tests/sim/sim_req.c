@@ -36,6 +36,103 @@ static bool as_int64(const cJSON *v, int64_t *out)
     return true;
 }
 
+/* ---- raw literals: cJSON turns every number into a double, so a seed above 2^53 would
+ * merge with its neighbours and one above 2^63 - 512 would round out of range. The body has
+ * already been validated by cJSON; these helpers only find spans in it. */
+
+static size_t skip_ws(const char *s, size_t i, size_t n)
+{
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r'))
+        i++;
+    return i;
+}
+
+/* s[i] is '"': the index just past the closing quote. */
+static size_t skip_string(const char *s, size_t i, size_t n)
+{
+    for (i++; i < n && s[i] != '"'; i++)
+        if (s[i] == '\\')
+            i++;
+    return i + 1;
+}
+
+static size_t skip_value(const char *s, size_t i, size_t n)
+{
+    if (i < n && s[i] == '"')
+        return skip_string(s, i, n);
+    int depth = 0;
+    for (; i < n; i++) {
+        char c = s[i];
+        if (c == '"') {
+            i = skip_string(s, i, n) - 1;
+        } else if (c == '{' || c == '[') {
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (depth == 0)
+                return i;
+            if (--depth == 0)
+                return i + 1;
+        } else if (depth == 0 && (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r')) {
+            return i;
+        }
+    }
+    return i;
+}
+
+/* The raw text of the last top-level member called `name` (keys compared after unescaping,
+ * as cJSON compares them), so the literal is the one field() picked. */
+static bool raw_member(const char *s, size_t n, const char *name, const char **out, size_t *len)
+{
+    bool found = false;
+    size_t i = skip_ws(s, 0, n) + 1; /* past '{' */
+    while ((i = skip_ws(s, i, n)) < n && s[i] == '"') {
+        size_t k = i, kend = skip_string(s, i, n);
+        bool match;
+        if (memchr(s + k, '\\', kend - k) == NULL) {
+            match = kend - k - 2 == strlen(name) && memcmp(s + k + 1, name, kend - k - 2) == 0;
+        } else {
+            cJSON *key = cJSON_ParseWithLength(s + k, kend - k);
+            match = cJSON_IsString(key) && strcmp(key->valuestring, name) == 0;
+            cJSON_Delete(key);
+        }
+        i = skip_ws(s, skip_ws(s, kend, n) + 1, n); /* past ':' */
+        size_t vend = skip_value(s, i, n);
+        if (match) {
+            *out = s + i;
+            *len = vend - i;
+            found = true;
+        }
+        i = skip_ws(s, vend, n);
+        if (i >= n || s[i] != ',')
+            break;
+        i++;
+    }
+    return found;
+}
+
+/* A JSON integer literal ("-"? digits) in the int64 range, read exactly. Other number forms
+ * (a fraction or exponent, `5.0`, `1e3`) are whole doubles: as_int64 takes them. */
+static int raw_int64(const char *p, size_t n, int64_t *out)
+{
+    size_t i = p[0] == '-';
+    if (n <= i || n > 24)
+        return 1;
+    for (size_t k = i; k < n; k++)
+        if (p[k] < '0' || p[k] > '9')
+            return 1; /* not an integer literal */
+    uint64_t v = 0;
+    for (size_t k = i; k < n; k++) {
+        unsigned d = (unsigned)(p[k] - '0');
+        if (v > (UINT64_MAX - d) / 10)
+            return -1;
+        v = v * 10 + d;
+    }
+    if (i ? v > (uint64_t)INT64_MAX + 1 : v > (uint64_t)INT64_MAX)
+        return -1;
+    *out = i ? (int64_t)(0 - v) : (int64_t)v;
+    return 0;
+}
+
 /* Absent or JSON null both mean "not given". With duplicate keys the *last* one wins, as in
  * the Python servers being simulated (cJSON's own look-up returns the first): a body whose
  * duplicates slipped past a proxy then behaves here as it would on vLLM. */
@@ -195,7 +292,8 @@ static int parse_number(const cJSON *o, const char *name, double *out, bool *giv
     return 0;
 }
 
-static int parse_fields(sim_req_t *r, const cJSON *o, sim_req_err_t *err)
+static int parse_fields(sim_req_t *r, const cJSON *o, const char *body, size_t blen,
+                        sim_req_err_t *err)
 {
     const cJSON *v;
 
@@ -254,7 +352,12 @@ static int parse_fields(sim_req_t *r, const cJSON *o, sim_req_err_t *err)
     }
 
     if ((v = field(o, "seed")) != NULL) {
-        if (!as_int64(v, &r->seed))
+        const char *lit = NULL;
+        size_t ll = 0;
+        int exact = cJSON_IsNumber(v) && raw_member(body, blen, "seed", &lit, &ll)
+                        ? raw_int64(lit, ll, &r->seed)
+                        : 1;
+        if (exact < 0 || (exact > 0 && !as_int64(v, &r->seed)))
             return fail(err, "seed", "`seed` must be an integer in the int64 range");
         r->has_seed = true;
     }
@@ -307,7 +410,7 @@ int sim_req_parse(sim_req_t *r, sim_api_t api, const char *body, size_t n, sim_r
         rc = fail(err, NULL, "request body must be a JSON object");
         goto out;
     }
-    rc = parse_fields(r, root, err);
+    rc = parse_fields(r, root, body, n, err);
     if (rc < 0)
         goto out;
     if (api == SIM_API_COMPLETIONS)

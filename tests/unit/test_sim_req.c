@@ -194,3 +194,46 @@ Test(sim_req, duplicate_keys_last_one_wins_as_in_python)
     cr_assert_float_eq(r.temperature, 0.9, 1e-12);
     sim_req_free(&r);
 }
+
+/* Seeds are read from the literal, not through a double: vLLM takes the whole int64 range, and
+ * neighbours above 2^53 are different seeds (issue 11). */
+Test(sim_req, seed_is_an_exact_int64)
+{
+    static const struct {
+        const char *body;
+        int64_t want;
+    } ok[] = {
+        {"{\"prompt\":\"x\",\"seed\":9223372036854775807}", INT64_MAX},
+        {"{\"prompt\":\"x\",\"seed\":9223372036854775296}", INT64_C(9223372036854775296)},
+        {"{\"prompt\":\"x\",\"seed\":-9223372036854775808}", INT64_MIN},
+        {"{\"prompt\":\"x\",\"seed\":9007199254740993}", INT64_C(9007199254740993)},
+        {"{\"prompt\":\"x\",\"seed\":9007199254740992}", INT64_C(9007199254740992)},
+        {"{\"prompt\":\"x\",\"seed\":0}", 0},
+        {"{\"prompt\":\"x\",\"seed\":5.0}", 5},
+        /* The last of two duplicates wins, as in the Python servers; and escaped keys count. */
+        {"{\"seed\":1,\"prompt\":\"x\", \"seed\" : 9007199254740993 }", INT64_C(9007199254740993)},
+        {"{\"prompt\":\"x\",\"s\\u0065ed\":9007199254740995,\"metadata\":{\"seed\":1}}",
+         INT64_C(9007199254740995)},
+    };
+    for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
+        sim_req_t r;
+        sim_req_err_t err;
+        cr_assert_eq(parse(&r, SIM_API_COMPLETIONS, ok[i].body, &err), 0, "%s: %s", ok[i].body,
+                     err.message);
+        cr_assert(r.has_seed);
+        cr_assert_eq(r.seed, ok[i].want, "%s: got %lld", ok[i].body, (long long)r.seed);
+        sim_req_free(&r);
+    }
+    static const char *const bad[] = {
+        "{\"prompt\":\"x\",\"seed\":9223372036854775808}",
+        "{\"prompt\":\"x\",\"seed\":-9223372036854775809}",
+        "{\"prompt\":\"x\",\"seed\":18446744073709551616}",
+        "{\"prompt\":\"x\",\"seed\":123456789012345678901234567890}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        sim_req_t r;
+        sim_req_err_t err;
+        cr_assert_eq(parse(&r, SIM_API_COMPLETIONS, bad[i], &err), -1, "%s accepted", bad[i]);
+        cr_assert_str_eq(err.param, "seed");
+    }
+}
