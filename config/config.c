@@ -55,6 +55,7 @@ static const limit_field_t limit_fields[] = {
     LIMIT(max_inflight_body_bytes, 268435456, 1, UINT64_C(1) << 40),
     LIMIT(client_body_timeout_ms, 60000, 1, CFG_MS_MAX),
     LIMIT(max_response_rewrite_bytes, 16777216, 1, 1u << 30),
+    LIMIT(max_pending_handshakes, 1000, 1, 1000000),
 };
 
 static void set_limit(cfg_limits_t *l, const limit_field_t *f, uint64_t v)

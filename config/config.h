@@ -191,6 +191,7 @@ typedef struct {
     uint64_t max_inflight_body_bytes;
     uint32_t client_body_timeout_ms;
     uint64_t max_response_rewrite_bytes;
+    uint32_t max_pending_handshakes;
 } cfg_limits_t;
 
 typedef struct {

@@ -95,6 +95,8 @@ struct px_conn_s {
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
     bool wait_drain; /* IDLE with responses queued above high-water: next request waits */
+    bool handshaking; /* on the server's pending-handshake list */
+    px_conn_t *hs_prev, *hs_next;
 };
 
 struct px_server_s {
@@ -111,6 +113,8 @@ struct px_server_s {
     llhttp_settings_t settings;
     size_t nconns, ninflight;
     uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
+    px_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
+    size_t nhandshakes;
     void (*on_overload)(const char *reason);
     uint64_t accepted;
     px_conn_t *conns;
@@ -632,10 +636,66 @@ static void conn_abort_req(px_conn_t *c)
     conn_release_req(c);
 }
 
+/* ---- pending TLS handshakes (max_pending_handshakes) -------------------------------------- */
+
+static void hs_remove(px_conn_t *c)
+{
+    px_server_t *s = c->srv;
+    if (!c->handshaking)
+        return;
+    c->handshaking = false;
+    if (c->hs_prev)
+        c->hs_prev->hs_next = c->hs_next;
+    else
+        s->hs_head = c->hs_next;
+    if (c->hs_next)
+        c->hs_next->hs_prev = c->hs_prev;
+    else
+        s->hs_tail = c->hs_prev;
+    c->hs_prev = c->hs_next = NULL;
+    s->nhandshakes--;
+}
+
+static void hs_done(px_sock_t *sk)
+{
+    hs_remove(sk->owner);
+}
+
+/* A new TLS connection starts its handshake; at the bound, the oldest pending one goes. */
+static void hs_add(px_conn_t *c)
+{
+    px_server_t *s = c->srv;
+    if (s->lim.max_pending_handshakes && s->nhandshakes >= s->lim.max_pending_handshakes) {
+        px_conn_t *old = s->hs_head;
+        uint64_t now = uv_now(s->loop);
+        if (now - s->last_accept_warn >= 1000) {
+            s->last_accept_warn = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "tls_handshake_limit");
+            if (w) {
+                dp_jw_uint(w, "max_pending_handshakes", s->lim.max_pending_handshakes);
+                dp_jw_str(w, "action", "closed the oldest pending handshake");
+                dp_log_end(w);
+            }
+        }
+        conn_close(old); /* takes it off the list */
+    }
+    c->handshaking = true;
+    c->hs_prev = s->hs_tail;
+    c->hs_next = NULL;
+    if (s->hs_tail)
+        s->hs_tail->hs_next = c;
+    else
+        s->hs_head = c;
+    s->hs_tail = c;
+    s->nhandshakes++;
+    c->sock.on_handshake = hs_done;
+}
+
 static void conn_close(px_conn_t *c)
 {
     if (c->phase == PH_CLOSED)
         return;
+    hs_remove(c);
     c->phase = PH_CLOSED;
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
@@ -1172,6 +1232,7 @@ static void on_connection(uv_stream_t *ls, int status)
             return;
         }
         px_sock_use_tls(&c->sock, t);
+        hs_add(c);
     }
     s->accepted++;
     conn_to_idle(c);

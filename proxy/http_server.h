@@ -89,6 +89,10 @@ typedef struct {
      * until they end. A Content-Length body reserves its whole length when its head is read. */
     uint64_t max_inflight_body_bytes;
     uint32_t client_body_timeout_ms; /* the whole read of a PX_BODY_BUFFER body (0: none) */
+    /* TLS connections still in their handshake (0: no bound). Each holds ~47 KB of OpenSSL
+     * state; beyond the bound the oldest pending one is closed to make room, so stalled
+     * handshakes cannot crowd out clients that complete theirs in a round trip. */
+    uint32_t max_pending_handshakes;
 } px_server_limits_t;
 
 void px_server_limits_default(px_server_limits_t *l);

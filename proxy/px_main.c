@@ -80,6 +80,7 @@ static void server_limits(const cfg_t *cfg, px_server_limits_t *l)
     l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
     l->max_inflight_body_bytes = cfg->limits.max_inflight_body_bytes;
     l->client_body_timeout_ms = cfg->limits.client_body_timeout_ms;
+    l->max_pending_handshakes = cfg->limits.max_pending_handshakes;
 }
 
 void px_admin_refresh_gauges(px_t *px)

@@ -71,6 +71,8 @@ static void tls_read(px_sock_t *s, const char *p, size_t n)
             s->on_connect(s, 0);
         if (s->closing || s->errored)
             return;
+    } else if (!was_done && px_tls_handshake_done(s->tls) && s->on_handshake) {
+        s->on_handshake(s);
     }
     if (g_plain.len && s->on_read)
         s->on_read(s, g_plain.base, g_plain.len);

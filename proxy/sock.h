@@ -30,6 +30,8 @@ typedef void (*px_sock_error_cb)(px_sock_t *s, int status);
 typedef void (*px_sock_drain_cb)(px_sock_t *s);
 /* Connect finished (status 0 or a negative libuv error), including a TLS handshake if any. */
 typedef void (*px_sock_connect_cb)(px_sock_t *s, int status);
+/* TLS server side: the handshake completed. */
+typedef void (*px_sock_handshake_cb)(px_sock_t *s);
 /* Handle closed: the owner may free the memory holding this px_sock_t. */
 typedef void (*px_sock_close_cb)(px_sock_t *s);
 
@@ -41,6 +43,7 @@ struct px_sock_s {
     px_sock_drain_cb on_drain;
     px_sock_connect_cb on_connect;
     px_sock_close_cb on_close;
+    px_sock_handshake_cb on_handshake; /* optional */
     uv_connect_t connect_req;
     px_tls_t *tls;
     size_t queued;     /* bytes handed to uv_write and not yet completed */

@@ -22,8 +22,8 @@ from certs import (TlsUpstream, client_context, client_hello, completion_json, o
                    server_context, shared_pki)
 from harness import (DETPROXY_BIN, SLOW, Response, get_json, http, poll_until, post_json,
                      run_cmd, run_tests, start_process, start_sim)
-from proxyutil import (exchange, metric, parse_response, pool, read_until_close, start_proxy,
-                       write_config)
+from proxyutil import (exchange, metric, parse_response, pool, read_until_close, rss_kb,
+                       start_proxy, write_config)
 
 PKI = shared_pki()
 MODEL = "m1"
@@ -1090,6 +1090,46 @@ def test_there_is_no_switch_to_skip_verification():
     assert rc == 1, (rc, out, err)
     assert "tls.key_file" in err and "upstream_tls.ca_file" in err, err
     assert "BEGIN" not in err  # never the key's contents
+
+
+def test_stalled_handshakes_are_bounded_oldest_first():
+    """A stalled handshake holds ~47 KB of OpenSSL state until the header timeout: at the
+    default max_connections that was ~460 MB. limits.max_pending_handshakes bounds them; at
+    the bound the oldest pending one is closed, so a client that completes its handshake in a
+    round trip is still served while the flood goes on."""
+    bound = 8
+    sim, px = listener_proxy(limits={"max_pending_handshakes": bound,
+                                     "client_header_timeout_ms": 60000})
+    hello = client_hello()
+    base = rss_kb(px)
+    socks = []
+    for _ in range(200):
+        s = socket.create_connection(("127.0.0.1", px.port))
+        s.sendall(hello[:len(hello) // 2])
+        socks.append(s)
+
+    def closed(s):
+        s.settimeout(0.01)
+        try:
+            return s.recv(1) == b""
+        except socket.timeout:
+            return False
+        except OSError:
+            return True
+
+    poll_until(lambda: sum(1 for s in socks[:-bound] if closed(s)) == len(socks) - bound,
+               what="all but the newest %d stalled handshakes closed" % bound)
+    assert not any(closed(s) for s in socks[-bound:])
+    grew = rss_kb(px) - base
+    print("    200 stalled handshakes, bound %d: RSS grew %d kB" % (bound, grew))
+    assert grew < 4 * 1024, grew
+    px.wait_log("tls_handshake_limit")
+    t0 = time.monotonic()
+    serving(px)  # completes its handshake at once, pushing out one more stalled one
+    assert time.monotonic() - t0 < 2 * SLOW
+    for s in socks:
+        s.close()
+    px.stop()
 
 
 if __name__ == "__main__":
