@@ -6,8 +6,8 @@
  *
  * Staying true over time: a timer lists the directory every --watch-interval-ms (stat only, also
  * on a worker thread) and compares with the listing the current hash was computed from. On any
- * difference in paths, sizes, mtimes or inodes the agent stops vouching at once (503 until the
- * new hash is done) and re-hashes. Polling rather than inotify: a model volume is often a
+ * difference in paths, sizes, mtimes, ctimes or inodes the agent stops vouching at once (503
+ * until the new hash is done) and re-hashes. Polling rather than inotify: a model volume is often a
  * network or read-only shared mount where inotify sees nothing of changes made elsewhere.
  *
  * With --framework-url the framework name and version come from the co-located server through
@@ -50,6 +50,12 @@
 #define DEFAULT_FW_REFRESH_MS 10000
 #define RETRY_MIN_MS 1000
 #define RETRY_MAX_MS 60000
+/* Files changed (or vanished) while being hashed: the directory is being written. Try again
+ * soon, without the long backoff, so that once it settles it is served again within seconds. */
+#define RETRY_CHANGING_MAX_MS 2000
+/* A file changed less than this before a hash started may still be changing within the same
+ * timestamp tick: not vouched for yet (attest_hash_opts_t.settled_ns). */
+#define SETTLED_MS 1000
 #define PROGRESS_LOG_MS 10000
 
 typedef enum { ST_HASHING = 0, ST_READY, ST_FAILED } agent_state_t;
@@ -196,8 +202,10 @@ static void job_run(uv_work_t *w)
     job_t *j = dp_container_of(w, job_t, work);
     j->start_ns = dp_now_ns();
     if (j->full) {
-        attest_hash_opts_t o = {
-            .progress = job_progress_cb, .progress_data = j, .cancel = j->cancel};
+        attest_hash_opts_t o = {.progress = job_progress_cb,
+                                .progress_data = j,
+                                .cancel = j->cancel,
+                                .settled_ns = SETTLED_MS * 1000000ull};
         dp_buf_t lines = {0};
         if (j->oms_bundle)
             j->rc = oms_watch_take(j->oms_bundle, j->dir, &j->oms_watch, &j->err);
@@ -228,11 +236,12 @@ static void job_free(job_t *j)
     free(j);
 }
 
-static void schedule_retry(agent_t *a)
+static void schedule_retry(agent_t *a, int rc)
 {
+    uint64_t cap = rc == -ESTALE || rc == -ENOENT ? RETRY_CHANGING_MAX_MS : RETRY_MAX_MS;
     a->retry_delay_ms = a->retry_delay_ms ? a->retry_delay_ms * 2 : RETRY_MIN_MS;
-    if (a->retry_delay_ms > RETRY_MAX_MS)
-        a->retry_delay_ms = RETRY_MAX_MS;
+    if (a->retry_delay_ms > cap)
+        a->retry_delay_ms = cap;
     a->retry_at_ms = dp_now_ms() + a->retry_delay_ms;
 }
 
@@ -242,9 +251,13 @@ static void hash_done(agent_t *a, job_t *j)
 {
     if (j->rc != 0) {
         const char *e = j->err.base ? j->err.base : strerror(-j->rc);
-        set_not_ready(a, ST_FAILED, e);
-        schedule_retry(a);
-        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "hash_failed");
+        bool changing = j->rc == -ESTALE || j->rc == -ENOENT;
+        dp_buf_t why = {0};
+        dp_buf_printf(&why, "%s%s", e, changing ? "; re-hashing once the directory settles" : "");
+        set_not_ready(a, ST_FAILED, why.base);
+        dp_buf_free(&why);
+        schedule_retry(a, j->rc);
+        dp_jw_t *w = dp_log_begin(changing ? DP_LOG_WARN : DP_LOG_ERROR, "hash_failed");
         if (w) {
             dp_jw_str(w, "dir", a->dir);
             dp_jw_str(w, "error", e);
@@ -287,7 +300,7 @@ static void check_done(agent_t *a, job_t *j)
     if (j->rc != 0) {
         const char *e = j->err.base ? j->err.base : strerror(-j->rc);
         set_not_ready(a, ST_FAILED, e);
-        schedule_retry(a);
+        schedule_retry(a, j->rc);
         log_kv(DP_LOG_ERROR, "model_dir_unreadable", "dir", a->dir, "error", e);
         return;
     }
@@ -350,7 +363,7 @@ static void start_job(agent_t *a, bool full)
         a->job = NULL;
         job_free(j);
         set_not_ready(a, ST_FAILED, "cannot queue hashing work");
-        schedule_retry(a);
+        schedule_retry(a, r);
     }
 }
 
@@ -729,7 +742,7 @@ static const char serve_usage[] =
     "           [--oms-bundle FILE --oms-pubkey PEM]\n"
     "\n"
     "The replica-side attestation agent. Hashes DIR at start (off the event loop) and whenever a\n"
-    "file's size, mtime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
+    "file's size, mtime, ctime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
     "envelope signed by KEY.pem (Ed25519, from `detproxy attest keygen`). While hashing, or after\n"
     "a change until the new hash is ready, it answers 503 and vouches for nothing.\n"
     "\n"

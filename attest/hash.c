@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <openssl/evp.h>
@@ -65,6 +66,11 @@ static int64_t mtime_ns(const struct stat *st)
     return (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
 }
 
+static int64_t ctime_ns(const struct stat *st)
+{
+    return (int64_t)st->st_ctim.tv_sec * 1000000000 + st->st_ctim.tv_nsec;
+}
+
 static bool name_is_unsupported(const char *name)
 {
     return strpbrk(name, "\n\r\\") != NULL;
@@ -81,6 +87,7 @@ static void add_file(walk_t *w, const char *rel, const struct stat *st)
     f->relpath = dp_xstrdup(rel);
     f->size = (uint64_t)st->st_size;
     f->mtime_ns = mtime_ns(st);
+    f->ctime_ns = ctime_ns(st);
     f->dev = (uint64_t)st->st_dev;
     f->ino = (uint64_t)st->st_ino;
     s->total_bytes += f->size;
@@ -324,6 +331,10 @@ bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t
             errf(why, "%s: replaced (new inode)", x->relpath);
             return true;
         }
+        if (x->ctime_ns != y->ctime_ns) {
+            errf(why, "%s: modified (ctime changed)", x->relpath);
+            return true;
+        }
         i++;
         j++;
     }
@@ -356,7 +367,8 @@ static void report(hasher_t *h)
 
 static bool same_as_listed(const struct stat *st, const attest_file_t *f)
 {
-    return (uint64_t)st->st_size == f->size && mtime_ns(st) == f->mtime_ns;
+    return (uint64_t)st->st_size == f->size && mtime_ns(st) == f->mtime_ns &&
+           ctime_ns(st) == f->ctime_ns;
 }
 
 /* Stream one file through the digest, checking it is still the file that was listed. With
@@ -390,7 +402,7 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
     }
     if (!same_as_listed(&st, f)) {
         rc = -ESTALE;
-        errf(h->err, "file changed during hashing: %s (size %llu -> %llu or mtime changed)", path,
+        errf(h->err, "file changed during hashing: %s (size %llu -> %llu, or mtime/ctime)", path,
              (unsigned long long)f->size, (unsigned long long)st.st_size);
         goto out;
     }
@@ -453,7 +465,8 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
              (unsigned long long)(done > f->size ? f->size : done));
         goto out;
     }
-    /* Same size but rewritten in place while we read: the mtime tells. */
+    /* Same size but rewritten in place while we read: the ctime tells, even when the writer
+     * put the mtime back. */
     if (fstat(fd, &st) != 0 || !same_as_listed(&st, f)) {
         rc = -ESTALE;
         errf(h->err, "file changed during hashing: %s (modified while being read)", path);
@@ -599,14 +612,52 @@ out:
     return rc;
 }
 
+/* Every file quiet for at least settled_ns before start_ns? (see attest_hash_opts_t) */
+static int settled(const attest_snapshot_t *s, uint64_t settled_ns, int64_t start_ns,
+                   dp_buf_t *err)
+{
+    if (settled_ns == 0)
+        return 0;
+    int64_t limit = start_ns - (int64_t)settled_ns;
+    for (size_t i = 0; i < s->count; i++) {
+        const attest_file_t *f = &s->files[i];
+        if (f->ctime_ns > limit || f->mtime_ns > limit) {
+            errf(err, "file changed during hashing: %s (changed less than %llu ms ago)",
+                 f->relpath, (unsigned long long)(settled_ns / 1000000));
+            return -ESTALE;
+        }
+    }
+    return 0;
+}
+
 int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
                     attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err)
 {
     attest_snapshot_t snap;
+    struct timespec t0;
+    clock_gettime(CLOCK_REALTIME, &t0); /* the clock file timestamps come from */
+    int64_t start_ns = (int64_t)t0.tv_sec * 1000000000 + t0.tv_nsec;
     int rc = attest_snapshot_take(dir, &snap, err);
     if (rc != 0)
         return rc;
-    rc = attest_hash_snapshot(dir, &snap, opts, out_hex, lines, err);
+    rc = settled(&snap, opts ? opts->settled_ns : 0, start_ns, err);
+    if (rc == 0)
+        rc = attest_hash_snapshot(dir, &snap, opts, out_hex, lines, err);
+    if (rc == 0) {
+        /* A file hashed early may have changed while later ones were read: only a listing
+         * taken after the whole walk shows that every file stayed as it was hashed. */
+        attest_snapshot_t after;
+        rc = attest_snapshot_take(dir, &after, err);
+        if (rc == 0) {
+            dp_buf_t why = {0};
+            if (attest_snapshot_differs(&snap, &after, &why)) {
+                rc = -ESTALE;
+                errf(err, "directory changed during hashing: %s", why.base);
+            }
+            dp_buf_free(&why);
+            attest_snapshot_free(&after);
+        }
+    }
     if (rc == 0 && snap_out != NULL)
         *snap_out = snap;
     else

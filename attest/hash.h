@@ -35,6 +35,7 @@ typedef struct {
     char *relpath; /* relative to DIR, '/' separators, no leading "./" */
     uint64_t size;
     int64_t mtime_ns; /* st_mtim of the file (after following symlinks) */
+    int64_t ctime_ns; /* st_ctim: moves on every write and cannot be set back (touch -d can) */
     uint64_t dev;
     uint64_t ino;
 } attest_file_t;
@@ -61,6 +62,11 @@ typedef struct {
     void *progress_data;
     const atomic_int *cancel; /* may be NULL; when it becomes non-zero hashing stops (-ECANCELED) */
     size_t read_size;         /* 0: ATTEST_HASH_READ_SIZE */
+    /* Refuse (-ESTALE) a hash when a file's ctime or mtime is less than this before the walk
+     * started (0: no such check). File timestamps are coarse (a kernel tick, or worse): a
+     * write in the same tick as the listed ctime leaves it unchanged, so only a file that has
+     * been quiet for longer than the granularity is known not to be changing ("racy git"). */
+    uint64_t settled_ns;
 } attest_hash_opts_t;
 
 /* How a directory is walked. Zero-initialised: the checkpoint rules above (SPEC §5). The OMS
@@ -89,18 +95,21 @@ void attest_snapshot_free(attest_snapshot_t *s);
 int attest_snapshot_take_opts(const char *dir, const attest_walk_opts_t *opts,
                               attest_snapshot_t *out, dp_buf_t *err);
 
-/* Compare two snapshots. Returns true when they differ in the set of paths, a size, an mtime or
- * an inode (a file replaced by rename), and appends a short description of the first difference
+/* Compare two snapshots. Returns true when they differ in the set of paths, a size, an mtime, a
+ * ctime (rewritten in place with its mtime restored) or an inode (a file replaced by rename), and appends a short description of the first difference
  * to *why when why is non-NULL ("model-00001.safetensors: size 10 -> 12", "added: x", ...). */
 bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t *b, dp_buf_t *why);
 
 /* Hash DIR. On success returns 0, writes the 64-hex checkpoint hash (NUL-terminated) to out_hex,
- * and, when snap_out is non-NULL, hands over the listing the hash was computed from (every file
- * is checked against it while hashed, so the two agree). When lines is non-NULL the per-file
+ * and, when snap_out is non-NULL, hands over the listing the hash was computed from. Every file
+ * is checked against it before and after it is read, and DIR is listed again once the whole
+ * walk is done: a hash is returned only when no file changed (size, mtime, ctime, inode) from
+ * the first listing to the end, so it never describes a half-written state. When lines is non-NULL the per-file
  * lines that were hashed are appended to it ("<hex>  <relpath>\n" each).
  * Errors (negative errno, reason appended to *err): unreadable directory or file, a symlink
  * loop, an unsupported file name, "file vanished during hashing: PATH", "file changed during
- * hashing: PATH (...)", -ECANCELED. opts may be NULL. */
+ * hashing: PATH (...)" and "directory changed during hashing: ..." (-ESTALE: try again once it
+ * settles), -ECANCELED. opts may be NULL. */
 int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
                     attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err);
 

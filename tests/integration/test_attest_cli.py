@@ -352,6 +352,95 @@ class ServeTest(Tmp):
             self.assertTrue(any('"model_changed"' in l for l in a.lines), "".join(a.lines))
             self.assertLess(time.time() - t0, 10, "the new hash must not be late")
 
+    def test_in_place_rewrite_with_mtime_restored_is_seen(self):
+        """Same size, mtime put back: only the ctime tells (issue 11 hole 9)."""
+        d = f"{self.tmp}/m"
+        make_tree(d)
+        victim = f"{d}/model-00002-of-00002.safetensors"
+        with Agent(d) as a:
+            before = payload_of(a.get("/attestation?nonce=n1")[1])["checkpoint_sha256"]
+            st = os.stat(victim)
+            with open(victim, "r+b") as f:
+                f.write(b"X" * 4096)
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+            self.assertEqual(os.stat(victim).st_mtime_ns, st.st_mtime_ns)
+            want = coreutils_hash(d)
+            self.assertNotEqual(want, before)
+            deadline, got = time.time() + 10, before
+            while time.time() < deadline and got != want:
+                code, body = a.get("/attestation?nonce=n2")
+                if code == 200:
+                    got = payload_of(body)["checkpoint_sha256"]
+                    self.assertIn(got, (before, want))
+                time.sleep(0.02)
+            self.assertEqual(got, want, "".join(a.lines))
+
+    def test_continuous_in_place_writes_are_never_signed_half_written(self):
+        """A writer rewrites a file in place, chunk by chunk, putting the mtime back after every
+        chunk. Every hash the agent signs must be of a whole state (all 'a' or all 'b'); once the
+        writer stops, the settled directory is served again within seconds."""
+        import hashlib
+        d = f"{self.tmp}/w"
+        size, chunk = 8 << 20, 256 << 10
+        write(f"{d}/config.json", "{}")
+        write(f"{d}/w.bin", b"a" * size)
+
+        def tree_hash(fill):
+            lines = ""
+            for name, data in sorted([("config.json", b"{}"), ("w.bin", fill * size)]):
+                lines += hashlib.sha256(data).hexdigest() + "  " + name + "\n"
+            return hashlib.sha256(lines.encode()).hexdigest()
+
+        whole = {tree_hash(b"a"), tree_hash(b"b")}
+        self.assertEqual(coreutils_hash(d), tree_hash(b"a"))
+        mtime = os.stat(f"{d}/w.bin").st_mtime_ns
+        stop = threading.Event()
+
+        def writer():
+            fill = b"b"
+            with open(f"{d}/w.bin", "r+b", buffering=0) as f:
+                while True:
+                    f.seek(0)
+                    for off in range(0, size, chunk):
+                        f.write(fill * chunk)
+                        os.utime(f"{d}/w.bin", ns=(mtime, mtime))
+                        time.sleep(0.002)
+                    if stop.is_set() and fill == b"b":
+                        return  # ends on a whole 'b' pass
+                    fill = b"a" if fill == b"b" else b"b"
+
+        with Agent(d) as a:
+            th = threading.Thread(target=writer, daemon=True)
+            th.start()
+            signed, bad = 0, []
+            t0 = time.time()
+            while time.time() - t0 < 3:
+                code, body = a.get("/attestation?nonce=n")
+                if code == 200:
+                    signed += 1
+                    h = payload_of(body)["checkpoint_sha256"]
+                    if h not in whole:
+                        bad.append(h)
+                time.sleep(0.005)
+            stop.set()
+            th.join(30)
+            settled = time.time()
+            want = tree_hash(b"b")
+            got = None
+            while time.time() - settled < 10 and got != want:
+                code, body = a.get("/attestation?nonce=m")
+                if code == 200:
+                    got = payload_of(body)["checkpoint_sha256"]
+                    if got not in whole:
+                        bad.append(got)
+                time.sleep(0.02)
+            took = time.time() - settled
+            print(f"\n    {signed} answers signed during the writes, {len(bad)} of a "
+                  f"half-written state; settled served after {took:.1f}s", file=sys.stderr)
+            self.assertEqual(bad, [])
+            self.assertEqual(got, want, "".join(a.lines[-20:]))
+            self.assertLess(took, 5)
+
     def test_unhashable_dir_answers_503_with_reason(self):
         d = f"{self.tmp}/m"
         make_tree(d)

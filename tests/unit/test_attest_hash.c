@@ -406,6 +406,20 @@ static void replace_same_size_and_time(void)
     pathf(to, sizeof(to), "a.txt");
     cr_assert_eq(rename(from, to), 0);
 }
+static void rewrite_in_place_keeping_mtime(void)
+{
+    /* Same size, same inode, mtime put back: only the ctime moved (issue 11). */
+    char p[512];
+    pathf(p, sizeof(p), "a.txt");
+    struct stat st;
+    cr_assert_eq(stat(p, &st), 0);
+    struct timespec ts[2] = {st.st_atim, st.st_mtim};
+    FILE *f = fopen(p, "r+");
+    cr_assert_not_null(f);
+    fputs("HELLO", f);
+    fclose(f);
+    cr_assert_eq(utimensat(AT_FDCWD, p, ts, 0), 0);
+}
 static void add_one(void)
 {
     puts_file("new.bin", "n");
@@ -432,8 +446,26 @@ Test(attest_hash, snapshot_detects_changes)
     cr_assert(differs_after(touch_only, "a.txt: modified"));
     age("a.txt");
     cr_assert(differs_after(replace_same_size_and_time, "a.txt: replaced"));
+    cr_assert(differs_after(rewrite_in_place_keeping_mtime, "a.txt: modified (ctime changed)"));
     cr_assert(differs_after(add_one, "added: new.bin"));
     cr_assert(differs_after(remove_one, "removed: empty"));
     cr_assert_not(differs_after(nothing, NULL));
     cr_assert_not(differs_after(hidden_change, NULL));
+}
+
+/* settled_ns: a file changed within the timestamp granularity may still be changing in the same
+ * tick, so the hash is refused until every file has been quiet that long (issue 11). */
+Test(attest_hash, recently_changed_files_are_not_vouched_for)
+{
+    make_tree();
+    attest_hash_opts_t o = {.settled_ns = 50 * 1000000ull};
+    char hex[65], plain[65];
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_hash_dir(g_dir, &o, hex, NULL, NULL, &err), -ESTALE);
+    cr_assert(strstr(err.base, "changed less than 50 ms ago"), "%s", err.base);
+    dp_buf_free(&err);
+    usleep(100 * 1000); /* the condition under test is elapsed time itself */
+    cr_assert_eq(attest_hash_dir(g_dir, &o, hex, NULL, NULL, NULL), 0);
+    cr_assert_eq(attest_hash_dir(g_dir, NULL, plain, NULL, NULL, NULL), 0);
+    cr_assert_str_eq(hex, plain);
 }
