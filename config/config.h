@@ -149,6 +149,7 @@ typedef struct {
     uint32_t refresh_ms;
     cfg_attest_source_t attest_source;
     uint16_t attest_port; /* agent only */
+    uint32_t max_replicas; /* addresses beyond it are ignored (default 64) */
 } cfg_discovery_t;
 
 typedef struct {

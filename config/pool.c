@@ -33,7 +33,8 @@ static const char *const pool_keys[] = {"name",
                                         NULL};
 static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
 static const char *const attest_keys[] = {"source", "url", NULL};
-static const char *const discovery_keys[] = {"dns", "port", "refresh_ms", "attest", NULL};
+static const char *const discovery_keys[] = {"dns", "port", "refresh_ms", "attest",
+                                             "max_replicas", NULL};
 static const char *const discovery_attest_keys[] = {"source", "port", NULL};
 static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "client_key_file",
                                                 NULL};
@@ -249,6 +250,7 @@ static void parse_discovery(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_discovery_t *d = dp_xcalloc(1, sizeof(*d));
     p->discovery = d;
     d->refresh_ms = 5000;
+    d->max_replicas = 64;
     cfg_check_keys(c, o, discovery_keys);
     if (cfg_get_str(c, o, "dns", true, &d->dns) && !cfg_valid_hostname(d->dns))
         cfg_err(c, "dns", "must be a DNS name");
@@ -258,6 +260,7 @@ static void parse_discovery(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     else if (cfg_get_u32(c, o, "port", 1, 65535, &port))
         d->port = (uint16_t)port;
     cfg_get_u32(c, o, "refresh_ms", 100, CFG_MS_MAX, &d->refresh_ms);
+    cfg_get_u32(c, o, "max_replicas", 1, 4096, &d->max_replicas);
     parse_discovery_attest(c, o, p->manifest, d);
     cfg_path_pop(c, mark);
 }

@@ -234,6 +234,7 @@ void px_error_body(dp_buf_t *out, const char *type, const char *code, const char
 
 void px_server_limits_default(px_server_limits_t *l)
 {
+    memset(l, 0, sizeof(*l)); /* the bounds not set here are off (0) */
     l->max_header_bytes = 32768;
     l->max_headers = 100;
     l->max_body_bytes = 8388608;

@@ -69,6 +69,7 @@ struct px_replica_s {
      * keep the replica's definition. */
     bool drained;
     px_series_t *m_drained; /* detproxy_replica_drained */
+    px_replica_t *live_prev, *live_next; /* every replica alive (px_gen.c) */
 };
 
 struct px_pool_s {
@@ -191,8 +192,10 @@ void px_proxy_free_caches(void);
 
 extern const px_handler_t px_admin_handler;
 
-/* ---- metrics families (px_main.c) ---- */
+/* ---- metrics families, listener limits (px_main.c) ---- */
 
 void px_metrics_declare(void);
+/* The client listener's limits from cfg (at start and on every reload). */
+void px_server_limits_for(const cfg_t *cfg, px_server_limits_t *l);
 
 #endif

@@ -31,10 +31,15 @@
 #define PROBE_MAX_BYTES (64 << 10)
 #define RECHECK_MIN_MS 100       /* connection-failure re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
+/* Checks running at once, over all replicas: 200 discovered addresses must not become 400
+ * simultaneous connections. A check over the bound waits and starts within PACE_MS or so. */
+#define MAX_CONCURRENT_CHECKS 16
+#define PACE_MS 25
 
 typedef struct {
     attest_keyset_t keys;
     bool stopped;
+    uint32_t running; /* checks in flight (att_t.checking) */
 } att_ctx_t;
 
 typedef struct att_s {
@@ -119,6 +124,8 @@ static void schedule(att_t *a, uint64_t ms)
 
 static void check_end(att_t *a)
 {
+    if (a->checking)
+        ctx(a->px)->running--;
     a->checking = false;
     if (a->r == NULL)
         return;
@@ -426,13 +433,22 @@ static void check_start(att_t *a)
     px_replica_t *r = a->r;
     if (r == NULL || a->checking || ctx(a->px)->stopped)
         return;
+    if (ctx(a->px)->running >= MAX_CONCURRENT_CHECKS) {
+        /* Jittered, so waiting checks do not all retry in the same tick. */
+        uint8_t j;
+        dp_random_bytes(&j, 1);
+        schedule(a, PACE_MS + j % PACE_MS);
+        return;
+    }
     const cfg_pool_t *pc = pool_of(a->px, r);
+    ctx(a->px)->running++;
     a->checking = true;
     a->failed = false;
     a->last_check_ms = uv_now(a->px->loop);
     memset(a->got, 0, sizeof(a->got));
     if (a->up == NULL) {
         /* Nothing to connect to (the host name did not resolve). */
+        ctx(a->px)->running--;
         a->checking = false;
         schedule(a, cur(a)->attestation.interval_ms);
         return;
@@ -525,6 +541,9 @@ static void att_teardown(att_t *a)
     if (a->r)
         a->r->attest_state = NULL;
     a->r = NULL;
+    if (a->checking && ctx(a->px))
+        ctx(a->px)->running--;
+    a->checking = false;
     uv_close((uv_handle_t *)&a->timer, att_timer_closed);
 }
 

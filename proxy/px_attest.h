@@ -19,6 +19,8 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit);
  * it at once (SPEC §5). Returns true on a mismatch (the caller flags its audit line). A response
  * without a fingerprint is not checked. */
 bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen);
+/* Stop attesting r (it left the pool, kept aside by discovery); px_attest_sync starts again. */
+void px_attest_replica_free(px_replica_t *r);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
  * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
 int px_tls_reload(px_t *px);

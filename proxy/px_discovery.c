@@ -4,7 +4,13 @@
  * already on them finish (those hold references). A failed lookup keeps the last good set.
  *
  * Discovered replicas are owned here (one reference each) and pushed into the pool of the
- * current generation, so a reload keeps them (and their attestation state). */
+ * current generation, so a reload keeps them (and their attestation state).
+ *
+ * Bounds (issue 11): at most `max_replicas` addresses per pool (addresses already known keep
+ * their place; the rest of a larger answer is ignored and logged). An address that leaves is
+ * kept aside, unattested, for GONE_REFRESHES refreshes: if it comes back it is the same replica
+ * (its counters and series continue) but attested again before any traffic; if not, it is
+ * freed and its metric series go with it. Attestation itself is paced by px_attest.c. */
 #include "proxy/px_discovery.h"
 
 #include <netdb.h>
@@ -26,8 +32,16 @@ typedef struct disc_s {
     bool timer_closed; /* freed once the timer closed and no lookup is running */
     px_replica_t **reps;
     size_t nreps;
+    struct {
+        px_replica_t *r;
+        uint64_t left_ms;
+    } *gone; /* addresses that left DNS lately, oldest first (see above) */
+    size_t ngone;
+    size_t last_capped; /* addresses ignored at the last refresh (logged when it changes) */
     struct disc_s *next;
 } disc_t;
+
+#define GONE_REFRESHES 10
 
 typedef struct {
     disc_t *list;
@@ -89,6 +103,82 @@ static void push_into_pool(disc_t *d)
 
 static void timer_cb(uv_timer_t *t);
 
+static void gone_drop(disc_t *d, size_t i)
+{
+    px_replica_unref(d->gone[i].r);
+    memmove(&d->gone[i], &d->gone[i + 1], (d->ngone - i - 1) * sizeof(*d->gone));
+    d->ngone--;
+}
+
+/* An address left DNS: out of the pool (by the caller), no more attestation, kept aside. */
+static void gone_add(disc_t *d, px_replica_t *r, uint32_t max)
+{
+    px_attest_replica_free(r);
+    while (d->ngone >= max)
+        gone_drop(d, 0);
+    d->gone = dp_xrealloc(d->gone, (d->ngone + 1) * sizeof(*d->gone));
+    d->gone[d->ngone].r = r;
+    d->gone[d->ngone].left_ms = uv_now(d->px->loop);
+    d->ngone++;
+}
+
+/* The replica called `name` that left lately, taken back (one reference), or NULL. It is
+ * attested again before it gets traffic: the address may now be another pod. */
+static px_replica_t *gone_take(disc_t *d, const char *name)
+{
+    for (size_t i = 0; i < d->ngone; i++) {
+        px_replica_t *r = d->gone[i].r;
+        if (strcmp(r->name, name) != 0)
+            continue;
+        memmove(&d->gone[i], &d->gone[i + 1], (d->ngone - i - 1) * sizeof(*d->gone));
+        d->ngone--;
+        const char *why[] = {"back in DNS: attesting again", NULL};
+        px_replica_set_state(r, PX_REPLICA_PENDING, why);
+        return r;
+    }
+    return NULL;
+}
+
+static void gone_expire(disc_t *d, uint64_t keep_ms)
+{
+    uint64_t now = uv_now(d->px->loop);
+    while (d->ngone && now - d->gone[0].left_ms >= keep_ms)
+        gone_drop(d, 0);
+}
+
+/* A new address in the answer: the replica that left from it lately, or a new one (one
+ * reference either way). */
+static px_replica_t *adopt_address(disc_t *d, px_pool_t *p, const cfg_discovery_t *dc,
+                                   const char *host, const char *name)
+{
+    px_replica_t *r = gone_take(d, name);
+    bool returned = r != NULL;
+    if (r == NULL) {
+        cfg_replica_t def = {0};
+        def.name = (char *)name;
+        char url[128];
+        snprintf(url, sizeof(url), "http://%s:%u", host, dc->port);
+        const char *why;
+        cfg_parse_url(url, &def.url, &why);
+        def.attest.source = dc->attest_source;
+        if (dc->attest_source == CFG_ATTEST_AGENT) {
+            snprintf(url, sizeof(url), "http://%s:%u/attestation", host, dc->attest_port);
+            cfg_parse_url(url, &def.attest.url, &why);
+        }
+        r = px_replica_new_detached(d->px, p, &def);
+        r->discovered = true;
+        cfg_url_free(&def.url);
+        cfg_url_free(&def.attest.url);
+    }
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, returned ? "discovery_returned" : "discovery_added");
+    if (w) {
+        dp_jw_str(w, "pool", d->pool);
+        dp_jw_str(w, "replica", name);
+        dp_log_end(w);
+    }
+    return r;
+}
+
 static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
 {
     disc_t *d = req->data;
@@ -120,54 +210,54 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     /* The new set, by name ("10.0.0.11:8000"); duplicates (A records repeated per socktype)
      * collapse. */
     px_replica_t **next = NULL;
-    size_t nnext = 0;
+    size_t nnext = 0, capped = 0;
     bool changed = false;
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6)
-            continue;
-        char host[64], ip[INET6_ADDRSTRLEN];
-        addr_name(ai->ai_addr, host, sizeof(host), ip, sizeof(ip));
-        char name[96];
-        snprintf(name, sizeof(name), "%s:%u", host, dc->port);
-        bool dup = false;
-        for (size_t k = 0; k < nnext && !dup; k++)
-            dup = strcmp(next[k]->name, name) == 0;
-        if (dup)
-            continue;
-        px_replica_t *r = NULL;
-        for (size_t k = 0; k < d->nreps && r == NULL; k++)
-            if (strcmp(d->reps[k]->name, name) == 0)
-                r = d->reps[k];
-        if (r) {
-            px_replica_ref(r);
-        } else {
-            cfg_replica_t def = {0};
-            def.name = name;
-            char url[128];
-            snprintf(url, sizeof(url), "http://%s:%u", host, dc->port);
-            const char *why;
-            cfg_parse_url(url, &def.url, &why);
-            def.attest.source = dc->attest_source;
-            if (dc->attest_source == CFG_ATTEST_AGENT) {
-                snprintf(url, sizeof(url), "http://%s:%u/attestation", host, dc->attest_port);
-                cfg_parse_url(url, &def.attest.url, &why);
+    /* Two passes: addresses already known first, so a larger answer never displaces them. */
+    for (int pass = 0; pass < 2; pass++) {
+        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+            if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6)
+                continue;
+            char host[64], ip[INET6_ADDRSTRLEN];
+            addr_name(ai->ai_addr, host, sizeof(host), ip, sizeof(ip));
+            char name[96];
+            snprintf(name, sizeof(name), "%s:%u", host, dc->port);
+            bool dup = false;
+            for (size_t k = 0; k < nnext && !dup; k++)
+                dup = strcmp(next[k]->name, name) == 0;
+            if (dup)
+                continue;
+            px_replica_t *r = NULL;
+            for (size_t k = 0; k < d->nreps && r == NULL; k++)
+                if (strcmp(d->reps[k]->name, name) == 0)
+                    r = d->reps[k];
+            if ((r != NULL) != (pass == 0))
+                continue;
+            if (nnext >= dc->max_replicas) {
+                capped++;
+                continue;
             }
-            r = px_replica_new_detached(d->px, p, &def);
-            r->discovered = true;
-            cfg_url_free(&def.url);
-            cfg_url_free(&def.attest.url);
-            changed = true;
-            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "discovery_added");
-            if (w) {
-                dp_jw_str(w, "pool", d->pool);
-                dp_jw_str(w, "replica", name);
-                dp_log_end(w);
+            if (r) {
+                px_replica_ref(r);
+            } else {
+                r = adopt_address(d, p, dc, host, name);
+                changed = true;
             }
+            next = dp_xrealloc(next, (nnext + 1) * sizeof(*next));
+            next[nnext++] = r;
         }
-        next = dp_xrealloc(next, (nnext + 1) * sizeof(*next));
-        next[nnext++] = r;
     }
     uv_freeaddrinfo(res);
+    if (capped != d->last_capped) {
+        d->last_capped = capped;
+        dp_jw_t *w = dp_log_begin(capped ? DP_LOG_WARN : DP_LOG_INFO, "discovery_capped");
+        if (w) {
+            dp_jw_str(w, "pool", d->pool);
+            dp_jw_uint(w, "max_replicas", dc->max_replicas);
+            dp_jw_uint(w, "ignored", capped);
+            dp_log_end(w);
+        }
+    }
+    gone_expire(d, (uint64_t)dc->refresh_ms * GONE_REFRESHES);
     for (size_t k = 0; k < d->nreps; k++) {
         bool kept = false;
         for (size_t j = 0; j < nnext && !kept; j++)
@@ -182,6 +272,8 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
                 dp_log_end(w);
             }
             px_shadow_forget_replica(d->px, d->pool, d->reps[k]->name);
+            gone_add(d, d->reps[k], dc->max_replicas); /* takes our reference */
+            continue;
         }
         px_replica_unref(d->reps[k]);
     }
@@ -236,6 +328,10 @@ static void disc_free(disc_t *d)
     free(d->reps);
     d->reps = NULL;
     d->nreps = 0;
+    while (d->ngone)
+        gone_drop(d, d->ngone - 1);
+    free(d->gone);
+    d->gone = NULL;
     if (d->resolving)
         uv_cancel((uv_req_t *)&d->req);
     uv_close((uv_handle_t *)&d->timer, disc_timer_closed);

@@ -6,6 +6,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/px.h"
+#include "proxy/px_attest.h"
 #include "proxy/tls.h"
 
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
@@ -65,11 +66,28 @@ bool px_resolve(const char *host, uint16_t port, struct sockaddr_storage *out)
     return true;
 }
 
+/* Every replica alive, so the last one of a (pool, name) can take its metric series with it:
+ * a reload may briefly hold an old and a new replica of one name, sharing their series. */
+static px_replica_t *g_live;
+
+static bool name_alive(const px_replica_t *except)
+{
+    for (const px_replica_t *r = g_live; r; r = r->live_next)
+        if (r != except && strcmp(r->name, except->name) == 0 &&
+            strcmp(r->pool_name, except->pool_name) == 0)
+            return true;
+    return false;
+}
+
 static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
                                  const cfg_replica_t *d, char *key)
 {
     px_replica_t *r = dp_xcalloc(1, sizeof(*r));
     r->refs = 1;
+    r->live_next = g_live;
+    if (g_live)
+        g_live->live_prev = r;
+    g_live = r;
     r->px = px;
     r->key = key;
     r->pool_name = dp_xstrdup(p->name);
@@ -127,12 +145,21 @@ void px_replica_ref(px_replica_t *r)
     r->refs++;
 }
 
-extern void px_attest_replica_free(px_replica_t *r);
 
 void px_replica_unref(px_replica_t *r)
 {
     if (--r->refs > 0)
         return;
+    if (r->live_prev)
+        r->live_prev->live_next = r->live_next;
+    else
+        g_live = r->live_next;
+    if (r->live_next)
+        r->live_next->live_prev = r->live_prev;
+    /* A discovered replica that left for good takes its series along (issue 11): otherwise
+     * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
+    if (r->discovered && !name_alive(r))
+        px_metrics_drop("pool", r->pool_name, "replica", r->name);
     px_attest_replica_free(r);
     if (r->up)
         px_upstream_free(r->up);

@@ -69,7 +69,7 @@ static void usage(FILE *f)
           f);
 }
 
-static void server_limits(const cfg_t *cfg, px_server_limits_t *l)
+void px_server_limits_for(const cfg_t *cfg, px_server_limits_t *l)
 {
     px_server_limits_default(l);
     l->max_header_bytes = cfg->limits.max_header_bytes;
@@ -263,7 +263,7 @@ int px_cmd_run(int argc, char **argv)
         px.audit = px_audit_open(px.loop, cfg->log.audit_path);
 
     px_server_limits_t lim;
-    server_limits(cfg, &lim);
+    px_server_limits_for(cfg, &lim);
     px.proxy = px_server_new(px.loop, &px_proxy_handler, &px, &lim);
     px_server_on_overload(px.proxy, px_proxy_count_overload);
     if (px_tls_reload(&px) != 0) {

@@ -151,6 +151,52 @@ void px_hist_observe(px_series_t *s, double v)
     s->sum += v;
 }
 
+static void series_free(px_series_t *s)
+{
+    free(s->key);
+    free(s->name);
+    free(s->labels);
+    free(s);
+}
+
+/* The key of a label set with an empty family name: "{k1=\"v1\",...}". */
+static size_t labels_key(char *out, size_t cap, size_t *labels_at, ...)
+{
+    va_list ap;
+    va_start(ap, labels_at);
+    size_t n = build_key(out, cap, "", ap, labels_at);
+    va_end(ap);
+    return n;
+}
+
+size_t px_metrics_drop(const char *k1, const char *v1, const char *k2, const char *v2)
+{
+    char pre[512];
+    size_t labels_at = 0;
+    size_t n = labels_key(pre, sizeof(pre), &labels_at, k1, v1, k2, v2, (const char *)NULL);
+    if (n == 0)
+        return 0;
+    const char *want = pre + labels_at;
+    size_t wl = n - labels_at - 1; /* without the closing brace */
+    size_t dropped = 0;
+    /* O(series): a replica leaves rarely (discovery), and the table is small. */
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        for (px_series_t **pp = &g_table[b]; *pp;) {
+            px_series_t *s = *pp;
+            if (strncmp(s->labels, want, wl) == 0 &&
+                (s->labels[wl] == '\0' || s->labels[wl] == ',')) {
+                *pp = s->next;
+                series_free(s);
+                g_nseries--;
+                dropped++;
+                continue;
+            }
+            pp = &s->next;
+        }
+    }
+    return dropped;
+}
+
 static int cmp_series(const void *a, const void *b)
 {
     const px_series_t *x = *(px_series_t *const *)a, *y = *(px_series_t *const *)b;
@@ -246,10 +292,7 @@ void px_metrics_reset(void)
         px_series_t *s = g_table[b];
         while (s) {
             px_series_t *next = s->next;
-            free(s->key);
-            free(s->name);
-            free(s->labels);
-            free(s);
+            series_free(s);
             s = next;
         }
         g_table[b] = NULL;

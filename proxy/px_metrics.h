@@ -45,6 +45,10 @@ static inline void px_metric_set(px_series_t *s, double v)
     s->value = v;
 }
 void px_hist_observe(px_series_t *s, double v);
+/* Forget every series (of any family) whose labels begin with k1="v1",k2="v2", e.g. ("pool",
+ * "p", "replica", "10.0.0.7:8000"): a replica that is gone for good. Pointers to those series
+ * die with them: call only when nothing holds one. Returns how many went. */
+size_t px_metrics_drop(const char *k1, const char *v1, const char *k2, const char *v2);
 /* Prometheus text exposition format 0.0.4. */
 void px_metrics_render(dp_buf_t *out);
 /* Drop every series and family (tests, shutdown). */

@@ -67,13 +67,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
     px_server_limits_t lim;
-    px_server_limits_default(&lim);
-    lim.max_header_bytes = cfg->limits.max_header_bytes;
-    lim.max_headers = cfg->limits.max_headers;
-    lim.max_body_bytes = cfg->limits.max_body_bytes;
-    lim.max_connections = cfg->limits.max_connections;
-    lim.client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
-    lim.client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
+    px_server_limits_for(cfg, &lim);
     if (px->proxy)
         px_server_set_limits(px->proxy, &lim);
     dp_log_set_level((dp_log_level_t)cfg->log.level);

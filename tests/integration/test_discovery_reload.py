@@ -198,5 +198,122 @@ def test_no_request_dropped_during_reloads_under_load():
     px.stop()
 
 
+class HangingReplicas:
+    """Accepts on 0.0.0.0:port (every loopback address) and never answers: counts how many
+    attestation connections are open at once."""
+
+    def __init__(self, port):
+        import socket
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("0.0.0.0", port))
+        self.lsock.listen(512)
+        self.open = self.peak = self.total = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.open += 1
+                self.total += 1
+                self.peak = max(self.peak, self.open)
+            threading.Thread(target=self._hold, args=(c,), daemon=True).start()
+
+    def _hold(self, c):
+        try:
+            while c.recv(4096):
+                pass
+        except OSError:
+            pass
+        with self.lock:
+            self.open -= 1
+        c.close()
+
+    def close(self):
+        self.lsock.close()
+
+
+def replica_labels(px):
+    import re
+    text = http("GET", px.admin_port, "/metrics").text
+    return set(re.findall(r'replica="([^"]+)"', text))
+
+
+def test_discovery_is_capped_paced_and_forgets_departed_replicas():
+    """Issue 11 hole 8: max_replicas caps a large answer, attestation runs at most 16 checks
+    at once, and the series of addresses that left are dropped once they stay away."""
+    if not namespaces_work():
+        print("    note: unshare -m is not permitted here; discovery test not run")
+        return
+    port = 19000 + os.getpid() % 400
+    d = tempfile.mkdtemp(prefix="detproxy-disc-cap-")
+    hosts = os.path.join(d, "hosts")
+    many = ["127.0.1.%d" % i for i in range(1, 201)]
+    write_hosts(hosts, many)
+    hang = HangingReplicas(port)
+    cfg = {"pools": [{"name": "p", "models": ["m1"],
+                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 200,
+                                    "max_replicas": 64}}],
+           "attestation": {"interval_ms": 10000, "timeout_ms": 1000}}
+    wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
+    px = start_proxy(config=cfg, wrapper=wrapper, ready=False)
+    poll_until(lambda: len(replicas(px)) == 64, what="64 discovered replicas")
+    line = px.wait_log("discovery_capped")
+    assert line["ignored"] == 200 - 64 and line["max_replicas"] == 64, line
+    poll_until(lambda: hang.total >= 64, timeout=20, what="every replica attested once")
+    print("    200 records: %d replicas, at most %d attestation connections at once"
+          % (len(replicas(px)), hang.peak))
+    # 16 checks at a time; a timed-out connection is seen closed here a moment after the
+    # proxy has already started the next check, hence a little slack.
+    assert hang.peak <= 20, hang.peak
+    # The answer shrinks to 4: the others leave the pool at once, their series a while later
+    # (10 refreshes), so /metrics does not keep every address the Service ever had.
+    write_hosts(hosts, many[:4])
+    poll_until(lambda: sorted(replicas(px)) == sorted("%s:%d" % (a, port) for a in many[:4]),
+               what="down to four replicas")
+    poll_until(lambda: replica_labels(px) <= {"%s:%d" % (a, port) for a in many[:4]},
+               timeout=15, what="series of departed replicas dropped")
+    hang.close()
+    px.stop()
+
+
+def test_a_returning_address_keeps_its_history_and_is_attested_again():
+    if not namespaces_work():
+        print("    note: unshare -m is not permitted here; discovery test not run")
+        return
+    port = 18200 + os.getpid() % 300
+    d = tempfile.mkdtemp(prefix="detproxy-disc-back-")
+    hosts = os.path.join(d, "hosts")
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    sims = sims_on(["127.0.0.2", "127.0.0.3"], port)
+    cfg = {"pools": [{"name": "p", "models": ["m1"],
+                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 300}}],
+           "attestation": {"interval_ms": 200, "timeout_ms": 1000}}
+    wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
+    px = start_proxy(config=cfg, wrapper=wrapper)
+    name = "127.0.0.3:%d" % port
+    from proxyutil import metric
+    poll_until(lambda: metric(px, "detproxy_attestations_total", pool="p", replica=name,
+                              result="admitted") >= 3, what="a few attestations of r")
+    write_hosts(hosts, ["127.0.0.2"])
+    poll_until(lambda: name not in replicas(px), what="gone from the pool")
+    before = metric(px, "detproxy_attestations_total", pool="p", replica=name, result="admitted")
+    assert before >= 3  # kept while it is away
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    px.wait_log(lambda l: l.get("msg") == "discovery_returned" and l.get("replica") == name)
+    px.wait_log(lambda l: l.get("msg") == "replica_state" and l.get("replica") == name
+                and l.get("to") == "pending" and "back in DNS" in " ".join(l["reasons"]))
+    poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
+               what="attested again")
+    after = metric(px, "detproxy_attestations_total", pool="p", replica=name, result="admitted")
+    assert after > before, (before, after)  # one history, not a new series from zero
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
