@@ -130,10 +130,15 @@ static void parse_limits(cfg_ctx_t *c, const cJSON *doc, cfg_limits_t *l)
         if (cfg_get_uint(c, o, f->key, f->lo, f->hi, &v))
             set_limit(l, f, v);
     }
-    /* A budget below one body would refuse every body of the largest allowed size. */
-    if (l->max_inflight_body_bytes < l->max_body_bytes)
-        cfg_err(c, "max_inflight_body_bytes", "must be at least limits.max_body_bytes (%llu)",
-                (unsigned long long)l->max_body_bytes);
+    /* A budget below one body would refuse every body of the largest allowed size: an error
+     * when set so, and the default grows to one body when max_body_bytes is raised past it. */
+    if (l->max_inflight_body_bytes < l->max_body_bytes) {
+        if (cfg_get(o, "max_inflight_body_bytes") != NULL)
+            cfg_err(c, "max_inflight_body_bytes", "must be at least limits.max_body_bytes (%llu)",
+                    (unsigned long long)l->max_body_bytes);
+        else
+            l->max_inflight_body_bytes = l->max_body_bytes;
+    }
     cfg_path_pop(c, mark);
 }
 

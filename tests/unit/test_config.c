@@ -146,6 +146,10 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'limits':{'max_body_bytes':1073741825}"), "limits.max_body_bytes", "must be between 1 and 1073741824"},
     {CFG(",'limits':{'max_body_bytes':1e999}"), "limits.max_body_bytes", "expected an integer"},
     {CFG(",'limits':{'max_connections':-1}"), "limits.max_connections", "must be between 1 and 1000000"},
+    {CFG(",'limits':{'max_inflight_body_bytes':1000}"), "limits.max_inflight_body_bytes", "must be at least limits.max_body_bytes (8388608)"},
+    {CFG(",'limits':{'client_body_timeout_ms':0}"), "limits.client_body_timeout_ms", "must be between 1 and 86400000"},
+    {CFG(",'limits':{'max_response_rewrite_bytes':0}"), "limits.max_response_rewrite_bytes", "must be between 1 and 1073741824"},
+    {CFG(",'limits':{'max_pending_handshakes':0}"), "limits.max_pending_handshakes", "must be between 1 and 1000000"},
     {CFG(",'limits':{'client_header_timeout_ms':0}"), "limits.client_header_timeout_ms", "must be between 1 and 86400000"},
     {CFG(",'limits':{'client_idle_timeout_ms':0}"), "limits.client_idle_timeout_ms", "must be between 1"},
     {CFG(",'limits':{'upstream_connect_timeout_ms':0}"), "limits.upstream_connect_timeout_ms", "must be between 1"},
@@ -255,6 +259,7 @@ static const bad_case_t bad_cases[] = {
     {POOLX(",'discovery':{'dns':'bad host!','port':8000}"), "pools[0].discovery.dns", "must be a DNS name"},
     {POOLX(",'discovery':{'dns':'a..b','port':8000}"), "pools[0].discovery.dns", "must be a DNS name"},
     {POOLX(",'discovery':{'dns':'svc'}"), "pools[0].discovery.port", "required"},
+    {POOLX(",'discovery':{'dns':'svc','port':8000,'max_replicas':0}"), "pools[0].discovery.max_replicas", "must be between 1 and 4096"},
     {POOLX(",'discovery':{'dns':'svc','port':0}"), "pools[0].discovery.port", "must be between 1 and 65535"},
     {POOLX(",'discovery':{'dns':'svc','port':65536}"), "pools[0].discovery.port", "must be between 1 and 65535"},
     {POOLX(",'discovery':{'dns':'svc','port':80,'refresh_ms':99}"), "pools[0].discovery.refresh_ms", "must be between 100 and 86400000"},
@@ -561,6 +566,10 @@ Test(config, defaults_match_the_spec)
     cr_assert_eq(l->upstream_connect_timeout_ms, 2000);
     cr_assert_eq(l->upstream_first_byte_timeout_ms, 600000);
     cr_assert_eq(l->upstream_idle_timeout_ms, 60000);
+    cr_assert_eq(l->max_inflight_body_bytes, 268435456);
+    cr_assert_eq(l->client_body_timeout_ms, 60000);
+    cr_assert_eq(l->max_response_rewrite_bytes, 16777216);
+    cr_assert_eq(l->max_pending_handshakes, 1000);
     cr_assert_eq(cfg->attestation.interval_ms, 10000);
     cr_assert_eq(cfg->attestation.timeout_ms, 2000);
     cr_assert_eq(cfg->attestation.require_signature, false);

@@ -179,7 +179,7 @@ Test(config_files, relative_paths_resolve_against_the_config_folder)
     copy_fixture("test.key", "sub/tls/proxy.key", 0600);
     copy_fixture("test.crt", "sub/tls/ca.crt", 0644);
     write_q("sub/detproxy.json",
-            "{'attestation':{'trusted_keys':['keys/pipeline.pub.pem']},"
+            "{'attestation':{'trusted_keys':['keys/pipeline.pub.pem'],'require_signature':false},"
             " 'tls':{'cert_file':'tls/proxy.crt','key_file':'tls/proxy.key',"
             "        'client_ca_file':'tls/ca.crt'},"
             " 'admin_token_file':'secrets/admin',"
@@ -229,6 +229,33 @@ Test(config_files, absolute_paths_are_kept)
     cfg_t *cfg = must_load("conf/c.json", sq, &e);
     cr_assert_str_eq(cfg->attestation.trusted_keys[0], path_in("elsewhere/k.pem"));
     cfg_free(cfg);
+}
+
+/* SPEC §5 (issue 11): trusting a key means requiring signatures unless said otherwise, and an
+ * explicit `false` beside trusted keys warns for each agent source. */
+Test(config_files, trusted_keys_imply_require_signature)
+{
+    char sq[1024];
+    copy_fixture("ed25519.pub.pem", "k.pem", 0644);
+    static const char agent[] =
+        "{'pools':[{'name':'p','models':['*'],'replicas':[{'name':'r1',"
+        "'url':'http://127.0.0.1:8001','attest':{'source':'agent',"
+        "'url':'http://127.0.0.1:9101/attestation'}}]}],"
+        "'attestation':{'trusted_keys':['%s']%s}}";
+    snprintf(sq, sizeof(sq), agent, path_in("k.pem"), "");
+    cfg_errors_t e = {0};
+    cfg_t *cfg = must_load("c.json", sq, &e);
+    cr_assert_eq(cfg->attestation.require_signature, true);
+    cr_assert_eq(e.nwarnings, 0);
+    cfg_free(cfg);
+    cfg_errors_free(&e);
+    snprintf(sq, sizeof(sq), agent, path_in("k.pem"), ",'require_signature':false");
+    memset(&e, 0, sizeof(e));
+    cfg = must_load("c.json", sq, &e);
+    cr_assert_eq(cfg->attestation.require_signature, false);
+    cr_assert(has_warning(&e, "pools[0].replicas[0].attest", "stripped of its signatures"));
+    cfg_free(cfg);
+    cfg_errors_free(&e);
 }
 
 /* A ConfigMap mount swaps a symlinked folder on update: the config keeps the path it was given
