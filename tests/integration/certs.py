@@ -314,28 +314,15 @@ class TlsUpstream:
         cert = s.getpeercert()
         if cert:
             rec["peer"] = dict(x[0] for x in cert["subject"]).get("commonName")
+        from proxyutil import read_request
         buf = b""
         try:
             while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        s.close()
-                        return
-                    buf += chunk
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                cl = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        cl = int(v)
-                while len(buf) < cl:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        s.close()
-                        return
-                    buf += chunk
-                body, buf = buf[:cl], buf[cl:]
+                got = read_request(s, buf)
+                if got is None:
+                    s.close()
+                    return
+                head, body, buf = got
                 rec["requests"].append(head + b"\r\n\r\n" + body)
                 if b" /v1/models " in head.split(b"\r\n")[0]:
                     out = ok_response(self.MODELS, close=self.close_each)

@@ -235,6 +235,40 @@ def assert_openai_error(resp, status, code=None):
 # ---- a scripted replica ----------------------------------------------------------------------
 
 
+def read_request(s, buf=b""):
+    """Read one request (head, then a Content-Length body) from socket s, starting with the
+    bytes already in buf: (head, body, rest), or None when the peer closed first."""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    cl = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            cl = int(v)
+    while len(buf) < cl:
+        chunk = s.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    return head, buf[:cl], buf[cl:]
+
+
+def serve_connections(lsock, handle):
+    """Accept on lsock until it is closed; handle(conn) runs on a thread per connection."""
+    def loop():
+        while True:
+            try:
+                c, _ = lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(c,), daemon=True).start()
+    threading.Thread(target=loop, daemon=True).start()
+
+
 class ScriptedUpstream:
     """A replica played by a few lines of Python on a socket (as HAProxy's reg-tests do), for
     bytes detproxy-sim cannot produce. GET /v1/models (the proxy's reachability attestation)

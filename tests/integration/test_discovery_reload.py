@@ -14,7 +14,7 @@ import threading
 
 from harness import (DETPROXY_BIN, SIM_BIN, get_json, http, poll_until, post_json, run_tests,
                      start_process, start_sim)
-from proxyutil import pool, sim_config, sim_stats, start_proxy, write_config
+from proxyutil import pool, serve_connections, sim_config, sim_stats, start_proxy, write_config
 
 NAME = "vllm.detproxy-test.svc"
 
@@ -210,21 +210,13 @@ class HangingReplicas:
         self.lsock.listen(512)
         self.open = self.peak = self.total = 0
         self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.open += 1
-                self.total += 1
-                self.peak = max(self.peak, self.open)
-            threading.Thread(target=self._hold, args=(c,), daemon=True).start()
+        serve_connections(self.lsock, self._hold)
 
     def _hold(self, c):
+        with self.lock:
+            self.open += 1
+            self.total += 1
+            self.peak = max(self.peak, self.open)
         try:
             while c.recv(4096):
                 pass

@@ -13,8 +13,8 @@ import threading
 import time
 
 from harness import SLOW, get_json, http, poll_until, run_tests, start_sim
-from proxyutil import (assert_openai_error, metric, parse_response, pool, read_until_close,
-                       rss_kb, start_proxy)
+from proxyutil import (assert_openai_error, metric, parse_response, pool, read_request,
+                       read_until_close, rss_kb, serve_connections, start_proxy)
 
 MODEL = "m1"
 MiB = 1 << 20
@@ -142,7 +142,7 @@ class HugeReplica:
         self.lsock.bind(("127.0.0.1", 0))
         self.lsock.listen(16)
         self.port = self.lsock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        serve_connections(self.lsock, self._serve)
 
     def body_pieces(self):
         head = b'{"id":"cmpl-1","object":"text_completion","system_fingerprint":"fp_replica",' \
@@ -156,32 +156,14 @@ class HugeReplica:
             left -= min(left, MiB)
         yield tail
 
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
-
     def _serve(self, c):
         buf = b""
         try:
             while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = c.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                cl = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        cl = int(v)
-                while len(buf) < cl:
-                    buf += c.recv(65536)
-                buf = buf[cl:]
+                got = read_request(c, buf)
+                if got is None:
+                    return
+                head, _, buf = got
                 if head.startswith(b"GET /v1/models "):
                     c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                               b"content-length: %d\r\n\r\n" % len(self.MODELS) + self.MODELS)
