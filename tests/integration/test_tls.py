@@ -1122,7 +1122,7 @@ def test_stalled_handshakes_are_bounded_oldest_first():
     assert not any(closed(s) for s in socks[-bound:])
     grew = rss_kb(px) - base
     print("    200 stalled handshakes, bound %d: RSS grew %d kB" % (bound, grew))
-    assert grew < 4 * 1024, grew
+    assert grew < 4 * 1024 * SLOW, grew  # unbounded: ~9.4 MB here (47 KB each), more under ASan
     px.wait_log("tls_handshake_limit")
     t0 = time.monotonic()
     serving(px)  # completes its handshake at once, pushing out one more stalled one
