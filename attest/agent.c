@@ -12,10 +12,13 @@
  *
  * With --framework-url the framework name and version come from the co-located server through
  * the native adapters (adapters.h), refreshed every --framework-refresh-ms, so a restarted
- * server on another version is reported as such. Unreachable: both are reported null
- * (unattested), never a stale value. Each refresh that finds the framework then sends it a
- * 1-token probe completion, and the system_fingerprint on the answer goes into the payload as
- * engine_fingerprint (SPEC §5), so detproxy can check every response against it.
+ * server on another version is reported as such. Not recognised: both are reported null
+ * (unattested), never a stale value. Not reachable at all (connection refused, connect timeout):
+ * GET /attestation answers 503 `framework_unreachable` naming the URL and the error, and the
+ * agent retries after 100 ms, doubling up to 1 s, so an engine restart is seen within a second.
+ * Each refresh that finds the framework then sends it a 1-token probe completion, and the
+ * system_fingerprint on the answer goes into the payload as engine_fingerprint (SPEC §5), so
+ * detproxy can check every response against it.
  *
  * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
  * happens on the loop thread only (common/log.h is single-threaded). */
@@ -48,6 +51,8 @@
 
 #define DEFAULT_WATCH_MS 1000
 #define DEFAULT_FW_REFRESH_MS 10000
+#define FW_RETRY_MIN_MS 100  /* after a failed read: retry this soon, doubling ... */
+#define FW_RETRY_MAX_MS 1000 /* ... up to this (or --framework-refresh-ms, if shorter) */
 #define RETRY_MIN_MS 1000
 #define RETRY_MAX_MS 60000
 /* Files changed (or vanished) while being hashed: the directory is being written. Try again
@@ -101,6 +106,11 @@ typedef struct {
     bool probing; /* the engine-fingerprint probe is in flight, its answer in bodies[0] */
     int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
     dp_buf_t last_error;
+    /* The last refresh could not connect at all: attestations answer 503 with this reason
+     * ("framework at http://127.0.0.1:8000: connection refused"), so the proxy reads a dead
+     * engine as unreachable rather than as an identity mismatch. Empty otherwise. */
+    dp_buf_t unreachable;
+    uint32_t retry_ms; /* the next retry after a failure; 0 after a success */
 } fw_t;
 
 struct agent_s {
@@ -405,6 +415,27 @@ static const attest_adapter_t *fw_adapter(const fw_t *f)
 
 static void fw_fetch(agent_t *a);
 static void fw_probe(agent_t *a, const char *model);
+static void on_fw_timer(uv_timer_t *t);
+
+/* The next refresh: the regular interval after a success; after a failure soon, with a
+ * doubling, bounded delay, so an engine restart is noticed within about a second while a
+ * framework that stays down costs a few requests a second at most. */
+static void fw_schedule(agent_t *a, bool ok)
+{
+    fw_t *f = &a->fw;
+    uint32_t cap = a->fw_refresh_ms < FW_RETRY_MAX_MS ? a->fw_refresh_ms : FW_RETRY_MAX_MS;
+    uint32_t next = a->fw_refresh_ms;
+    if (ok) {
+        f->retry_ms = 0;
+    } else {
+        next = f->retry_ms ? f->retry_ms : FW_RETRY_MIN_MS;
+        if (next > cap)
+            next = cap;
+        f->retry_ms = next * 2 > cap ? cap : next * 2;
+    }
+    if (!a->stopping)
+        uv_timer_start(&a->fw_timer, on_fw_timer, next, 0);
+}
 
 static void fw_set(agent_t *a, const char *name, const char *version, const char *why)
 {
@@ -444,8 +475,9 @@ static void fw_finish_adapter(agent_t *a)
     dp_buf_t why = {0};
     if (usable && ad->parse(bodies, ad->npaths, &r, &why) == 0 && r.framework_name &&
         r.framework_version) {
+        dp_buf_reset(&f->unreachable);
         fw_set(a, r.framework_name, r.framework_version, NULL);
-        fw_probe(a, r.model);
+        fw_probe(a, r.model); /* then fw_schedule(), when the probe is done */
     } else {
         f->adapter++;
         f->path = 0;
@@ -453,6 +485,7 @@ static void fw_finish_adapter(agent_t *a)
             f->running = false;
             attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
                                          "the co-located framework was not recognised");
+            dp_buf_reset(&f->unreachable); /* it answered: reachable, just not recognised */
             dp_buf_t msg = {0};
             const char *detail = why.base ? why.base : f->last_error.base;
             dp_buf_printf(&msg, "framework at %s not recognised%s%s", f->url.hostport,
@@ -461,6 +494,7 @@ static void fw_finish_adapter(agent_t *a)
                 dp_buf_appendc(&msg, ')');
             fw_set(a, NULL, NULL, msg.base);
             dp_buf_free(&msg);
+            fw_schedule(a, false);
         } else {
             fw_fetch(a);
         }
@@ -502,6 +536,7 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
         attest_probe_parse(&(dp_iovec_t){ok ? (f->bodies[0].base ? f->bodies[0].base : "") : NULL,
                                          ok ? f->bodies[0].len : 0},
                            &a->ident);
+        fw_schedule(a, true);
         return;
     }
     f->got[f->path] = err == PX_UP_OK && f->status == 200 && !f->too_big;
@@ -518,6 +553,16 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
             dp_buf_printf(&f->last_error, "HTTP %d", f->status);
         log_kv(DP_LOG_DEBUG, "framework_fetch_failed", "url", f->url.hostport, "error",
                f->last_error.base);
+    }
+    if (err == PX_UP_CONNECT) {
+        /* Nothing listens (or the connect timed out): every other adapter would fail alike. */
+        f->running = false;
+        dp_buf_reset(&f->unreachable);
+        dp_buf_printf(&f->unreachable, "framework at http://%s%s: %s", f->url.hostport,
+                      f->url.path, detail ? detail : px_up_err_name(err));
+        fw_set(a, NULL, NULL, f->unreachable.base);
+        fw_schedule(a, false);
+        return;
     }
     bool required_missing = !f->got[f->path] && fw_adapter(f)->required[f->path];
     f->path++;
@@ -636,6 +681,13 @@ static void answer_attestation(agent_t *a, px_req_t *req)
         px_resp_error(req, 503, "server_error", a->state == ST_HASHING ? "hashing" : "hash_failed",
                       NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
         dp_buf_free(&msg);
+        return;
+    }
+    if (a->fw.unreachable.len) {
+        /* Vouching for a model with no engine serving it would be wrong; saying so is the
+         * agent's job, not an identity mismatch for the proxy to guess at. */
+        px_resp_error(req, 503, "server_error", "framework_unreachable", NULL,
+                      a->fw.unreachable.base, no_store, DP_ARRAY_SIZE(no_store));
         return;
     }
     char *nonce = dp_xstrndup(nv.base, nv.len);
@@ -758,7 +810,8 @@ static const char serve_usage[] =
     "  --key KEY.pem               signing key; without it envelopes are unsigned (a proxy with\n"
     "                              require_signature rejects them)\n"
     "  --watch-interval-ms N       how often to look for changes (default 1000)\n"
-    "  --framework-refresh-ms N    how often to re-read --framework-url (default 10000)\n"
+    "  --framework-refresh-ms N    how often to re-read --framework-url (default 10000;\n"
+    "                              after a failure: 100 ms, doubling up to 1 s)\n"
     "  --log-level L               debug, info, warn, error (default info)\n"
     "  --oms-bundle FILE           the publisher's OpenSSF Model Signing bundle: verified against\n"
     "                              the directory at start and on every re-hash; the attestation\n"
@@ -1050,7 +1103,7 @@ int attest_serve_main(int argc, char **argv)
     a->watch.data = a->fw_timer.data = a;
     uv_timer_start(&a->watch, on_watch, a->watch_ms, a->watch_ms);
     if (a->fw.up)
-        uv_timer_start(&a->fw_timer, on_fw_timer, 0, a->fw_refresh_ms);
+        uv_timer_start(&a->fw_timer, on_fw_timer, 0, 0); /* then fw_schedule() */
 
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "listening");
     if (w) {
@@ -1080,6 +1133,7 @@ out:
     for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
         dp_buf_free(&a->fw.bodies[i]);
     dp_buf_free(&a->fw.last_error);
+    dp_buf_free(&a->fw.unreachable);
     if (a->fw.api_key) {
         OPENSSL_cleanse(a->fw.api_key, strlen(a->fw.api_key));
         free(a->fw.api_key);

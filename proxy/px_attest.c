@@ -417,10 +417,17 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
             /* An agent says why it cannot vouch (re-hashing after a change, hash failed). */
             cJSON *doc = status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len)
                                 : NULL;
-            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(
-                cJSON_GetObjectItemCaseSensitive(doc, "error"), "message");
+            const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "error");
+            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(e, "message");
+            const cJSON *code = cJSON_GetObjectItemCaseSensitive(e, "code");
+            /* A live agent before a dead engine: the engine is what is unreachable, and the
+             * agent's message says where ("framework at http://..: connection refused"). */
+            if (cJSON_IsString(msg) && cJSON_IsString(code) &&
+                strcmp(code->valuestring, "framework_unreachable") == 0)
+                dp_buf_reset(&a->fail_reason);
             if (cJSON_IsString(msg))
-                dp_buf_printf(&a->fail_reason, ": %.200s", msg->valuestring);
+                dp_buf_printf(&a->fail_reason, "%s%.200s", a->fail_reason.len ? ": " : "",
+                              msg->valuestring);
             cJSON_Delete(doc);
         }
     }

@@ -509,13 +509,22 @@ class ServeTest(Tmp):
                 sim.wait()
                 sim.stderr.close()
 
-    def test_framework_url_unreachable_reports_nothing(self):
+    def test_framework_url_unreachable_is_503_naming_it(self):
+        # A dead engine is not an identity: the agent vouches for nothing and says why.
         d = f"{self.tmp}/m"
         make_tree(d)
-        with Agent(d, framework=None, extra=["--framework-url", "http://127.0.0.1:9"]) as a:
-            time.sleep(0.5)
-            fw = payload_of(a.get("/attestation?nonce=n")[1])["framework"]
-            self.assertEqual(fw, {"name": None, "version": None})
+        with Agent(d, framework=None, extra=["--framework-url", "http://127.0.0.1:9"],
+                   ready=False) as a:
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                st, body = a.get("/attestation?nonce=n")
+                if st == 503 and "framework_unreachable" in body:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(st, 503, body)
+            err = json.loads(body)["error"]
+            self.assertEqual(err["code"], "framework_unreachable")
+            self.assertEqual(err["message"], "framework at http://127.0.0.1:9: connection refused")
 
 
 if __name__ == "__main__":

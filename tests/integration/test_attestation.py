@@ -360,5 +360,52 @@ def test_stripping_the_signatures_is_refused_when_keys_are_trusted():
         m.close()
 
 
+def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
+    """Issue 18 item 2: the agent reads the framework from --framework-url; killing that engine
+    must read as `unreachable: framework at URL: connection refused`, not as an identity
+    mismatch, and a restarted engine is re-admitted within about a second (not ~10 s)."""
+    key, pub = keygen("pipeline")
+    d = os.path.join(TMP, "fw-model-dir")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write('{"arch": "toy"}')
+    engine_flags = ["--model", MODEL, "--flavor", "vllm", "--framework-version", "0.6.3",
+                    "--quantization", "awq", "--dtype", "float16", "--checkpoint-sha256", CKPT]
+    engine = start_sim(*engine_flags)
+    port = engine.port
+    fw_url = "http://127.0.0.1:%d" % port
+    agent = start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                           "--model-dir", d, "--model", MODEL, "--quantization", "awq",
+                           "--dtype", "float16", "--framework-url", fw_url, "--key", key],
+                          name="agent")
+    p = pool("p", [MODEL], [engine],
+             manifest={"model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}})
+    p["replicas"][0]["attest"] = {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % agent.port}
+    px = start_proxy(pools=[p], attestation=attestation(interval=500, keys=[pub]))
+    assert state(px, "r1") == "admitted"
+
+    engine.stop()
+    poll_until(lambda: state(px, "r1") != "admitted", what="r1 leaves admitted")
+    rep = replicas(px)["r1"]
+    assert rep["state"] == "unreachable", rep
+    assert rep["reasons"] == ["framework at %s: connection refused" % fw_url], rep["reasons"]
+    # The agent says so itself, on the endpoint the proxy reads.
+    r = http("GET", agent.port, "/attestation?nonce=n")
+    assert r.status == 503 and r.json()["error"]["code"] == "framework_unreachable", r.text
+    # Down for a while (the agent's retry delay has grown to its cap), then back.
+    time.sleep(1.5)
+    engine = start_process([SIM_BIN, "--listen", "127.0.0.1:%d" % port] + engine_flags)
+    t0 = time.monotonic()
+    poll_until(lambda: state(px, "r1") == "admitted", interval=0.01, what="r1 re-admitted")
+    took = time.monotonic() - t0
+    print("    engine restart -> re-admitted: %.0f ms (agent retry cap 1000 ms + proxy "
+          "unreachable re-check 500 ms)" % (took * 1000))
+    assert took <= 2.0 * SLOW, took
+    px.stop()
+    agent.stop()
+    engine.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
