@@ -53,6 +53,7 @@
 #define DEFAULT_FW_REFRESH_MS 10000
 #define FW_RETRY_MIN_MS 100  /* after a failed read: retry this soon, doubling ... */
 #define FW_RETRY_MAX_MS 1000 /* ... up to this (or --framework-refresh-ms, if shorter) */
+#define FW_ON_DEMAND_MS 250  /* an attestation request re-reads a framework read longer ago */
 #define RETRY_MIN_MS 1000
 #define RETRY_MAX_MS 60000
 /* Files changed (or vanished) while being hashed: the directory is being written. Try again
@@ -111,6 +112,7 @@ typedef struct {
      * engine as unreachable rather than as an identity mismatch. Empty otherwise. */
     dp_buf_t unreachable;
     uint32_t retry_ms; /* the next retry after a failure; 0 after a success */
+    uint64_t started_ms; /* loop time the last refresh started */
 } fw_t;
 
 struct agent_s {
@@ -644,6 +646,7 @@ static void fw_refresh(agent_t *a)
     if (f->up == NULL || f->running || a->stopping)
         return;
     f->running = true;
+    f->started_ms = uv_now(&a->loop);
     dp_buf_reset(&f->last_error);
     f->adapter = 0;
     f->path = 0;
@@ -683,6 +686,11 @@ static void answer_attestation(agent_t *a, px_req_t *req)
         dp_buf_free(&msg);
         return;
     }
+    /* Each attestation also starts a fresh framework read (at most every FW_ON_DEMAND_MS), so
+     * the proxy's next check sees an engine that died since the last one, instead of waiting
+     * for --framework-refresh-ms. This answer carries the previous read. */
+    if (a->fw.up && uv_now(&a->loop) - a->fw.started_ms >= FW_ON_DEMAND_MS)
+        fw_refresh(a);
     if (a->fw.unreachable.len) {
         /* Vouching for a model with no engine serving it would be wrong; saying so is the
          * agent's job, not an identity mismatch for the proxy to guess at. */
