@@ -422,6 +422,9 @@ static const char attest_usage[] =
     "  serve ...                run the replica-side attestation agent\n"
     "  verify --envelope FILE --pubkey PEM [--manifest FILE] [--nonce N]\n"
     "                           verify a signed attestation offline\n"
+    "  canary -c CONFIG --pool P (--replica R | --url URL) [--json]\n"
+    "                           run the pool's canary as the proxy does; print the\n"
+    "                           expected_sha256 to pin\n"
     "\n"
     "Run 'detproxy attest <command> --help' for a command's options.\n"
     "Exit codes: 0 ok, 1 verification failed, 2 usage error, 3 runtime failure.\n";
@@ -447,6 +450,7 @@ int attest_cmd_main(int argc, char **argv)
         return attest_serve_main(argc - 1, argv + 1);
     if (strcmp(sub, "oms") == 0)
         return attest_oms_main(argc - 1, argv + 1);
+    /* `canary` is dispatched by main.c (proxy/px_canary_cmd.c): it needs the proxy's client. */
     fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
     return ATTEST_EXIT_USAGE;
 }

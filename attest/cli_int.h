@@ -1,4 +1,5 @@
-/* Shared pieces of the `detproxy attest ...` command line (cli.c, agent.c). Internal to attest/. */
+/* Shared pieces of the `detproxy attest ...` command line (cli.c, agent.c, and
+ * proxy/px_canary_cmd.c for `attest canary`, which needs the proxy's client). */
 #ifndef ATTEST_CLI_INT_H
 #define ATTEST_CLI_INT_H
 

@@ -54,7 +54,13 @@ static void parse_canary(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_check_keys(c, cn, canary_keys);
     cfg_get_text(c, cn, "prompt", true, &k->prompt);
     cfg_get_u32(c, cn, "max_tokens", 1, CANARY_MAX_TOKENS_MAX, &k->max_tokens);
-    get_sha256(c, cn, "expected_sha256", true, &k->expected_sha256);
+    get_sha256(c, cn, "expected_sha256", false, &k->expected_sha256);
+    /* Recording the hash takes a running replica (`detproxy attest canary`), so a manifest may
+     * carry the prompt first; until the hash is pinned no replica is admitted (fail closed). */
+    if (cJSON_GetObjectItemCaseSensitive(cn, "expected_sha256") == NULL)
+        cfg_warn(c, "expected_sha256",
+                 "not recorded: no replica is admitted until it is ('detproxy attest canary' "
+                 "prints it)");
     cfg_path_pop(c, mark);
 }
 

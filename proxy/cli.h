@@ -8,5 +8,8 @@ int cfg_cmd_check(int argc, char **argv);   /* config/check.c */
 int attest_cmd_main(int argc, char **argv); /* attest/cli.c: hash, keygen, serve, verify */
 int px_cmd_diagnose(int argc, char **argv); /* proxy/px_diagnose.c */
 int px_cmd_policy(int argc, char **argv);   /* proxy/px_policy_cli.c: policy test */
+/* `attest canary` needs the proxy's client, so main.c dispatches it here (proxy/px_canary_cmd.c)
+ * rather than through attest_cmd_main. */
+int px_cmd_attest_canary(int argc, char **argv);
 
 #endif

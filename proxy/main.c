@@ -18,6 +18,7 @@ static void usage(FILE *f)
           "  attest keygen --out P    write an Ed25519 key pair P.key.pem, P.pub.pem\n"
           "  attest serve ...         run the replica-side attestation agent\n"
           "  attest verify ...        verify a signed attestation offline\n"
+          "  attest canary ...        run a pool's canary on a replica; print the hash to pin\n"
           "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
           "  version, --version       print the version and the git commit it was built from\n"
           "\n"
@@ -49,6 +50,8 @@ int main(int argc, char **argv)
         return px_cmd_run(argc - 1, argv + 1);
     if (strcmp(cmd, "check") == 0)
         return cfg_cmd_check(argc - 1, argv + 1);
+    if (strcmp(cmd, "attest") == 0 && argc > 2 && strcmp(argv[2], "canary") == 0)
+        return px_cmd_attest_canary(argc - 2, argv + 2);
     if (strcmp(cmd, "attest") == 0)
         return attest_cmd_main(argc - 1, argv + 1);
     if (strcmp(cmd, "policy") == 0)

@@ -24,10 +24,10 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/px_admin.h"
+#include "proxy/px_canary.h"
 #include "proxy/px_fetch.h"
 #include "proxy/px_self.h"
 
-#define CANARY_MAX_BYTES (1 << 20)
 #define PROBE_MAX_BYTES (64 << 10)
 #define RECHECK_MIN_MS 100       /* connection-failure re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
@@ -53,7 +53,7 @@ typedef struct att_s {
     int pending;
     bool failed;
     dp_buf_t fail_reason;
-    px_fetch_t *canary;
+    px_canary_t *canary;
     px_fetch_t *probe;      /* the engine-fingerprint probe of a native check */
     attest_report_t probed; /* the adapter's report while the probe runs */
     bool recheck;           /* a fingerprint mismatch arrived during a check: check again */
@@ -144,46 +144,31 @@ static void check_end(att_t *a)
 
 /* ---- canary (SPEC §6) ----------------------------------------------------------------------- */
 
-static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
-                        const char *detail, void *data)
+static void canary_done(const px_canary_result_t *res, void *data)
 {
     att_t *a = data;
-    (void)f;
     a->canary = NULL;
     px_replica_t *r = a->r;
     const cfg_pool_t *pc = pool_of(a->px, r);
-    const cfg_canary_t *can = pc && pc->manifest ? pc->manifest->canary : NULL;
-    if (can == NULL) {
-        check_end(a);
+    if (pc == NULL || pc->manifest == NULL || pc->manifest->canary == NULL) {
+        check_end(a); /* a reload removed the canary meanwhile */
         return;
     }
-    const char *text = NULL;
-    cJSON *doc = NULL;
-    if (status == 200) {
-        doc = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
-        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "choices"), 0);
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(ch, "text");
-        if (cJSON_IsString(t))
-            text = t->valuestring;
-    }
-    if (text == NULL) {
+    if (!res->answered) {
         /* No answer says nothing about the model: reachability is the metadata check's job. */
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "canary_failed");
         if (w) {
             dp_jw_str(w, "pool", r->pool_name);
             dp_jw_str(w, "replica", r->name);
-            dp_jw_int(w, "status", status);
-            dp_jw_str(w, "detail", status ? "no choices[0].text in the response"
-                                          : (detail ? detail : px_up_err_name(err)));
+            dp_jw_int(w, "status", res->status);
+            dp_jw_str(w, "detail", res->error);
             dp_log_end(w);
         }
-        cJSON_Delete(doc);
         check_end(a);
         return;
     }
-    bool ok = attest_canary_matches(can, text, strlen(text));
-    attest_canary_sha256(text, strlen(text), a->canary_last);
-    cJSON_Delete(doc);
+    bool ok = res->matched;
+    memcpy(a->canary_last, res->sha256, sizeof(a->canary_last));
     count(r, ok ? "canary_ok" : "canary_mismatch");
     bool rejected = attest_canary_record(&a->canary_hist, ok);
     if (!rejected && ok && a->admit_on_canary) {
@@ -191,17 +176,23 @@ static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
         a->admit_on_canary = false;
         set_state(r, PX_REPLICA_ADMITTED, NULL);
     } else if (!rejected && !ok && a->admit_on_canary) {
-        char why[160];
-        snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
-                                   "admitted until the canary matches)",
-                 a->canary_last, can->expected_sha256);
+        char why[200];
+        if (res->expected[0])
+            snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
+                                       "admitted until the canary matches)",
+                     a->canary_last, res->expected);
+        else
+            snprintf(why, sizeof(why), "canary not recorded: the manifest has no "
+                                       "canary.expected_sha256 (this replica's output hashes to "
+                                       "%s; 'detproxy attest canary' prints it)",
+                     a->canary_last);
         set_state1(r, PX_REPLICA_PENDING, why);
     }
     if (rejected) {
         char why[160];
         snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
                                    "the last 3 checks",
-                 a->canary_last, can->expected_sha256);
+                 a->canary_last, res->expected);
         set_state1(r, PX_REPLICA_REJECTED, why);
     } else if (!ok) {
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "canary_mismatch");
@@ -209,30 +200,21 @@ static void canary_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
             dp_jw_str(w, "pool", r->pool_name);
             dp_jw_str(w, "replica", r->name);
             dp_jw_str(w, "got_sha256", a->canary_last);
-            dp_jw_str(w, "want_sha256", can->expected_sha256);
+            dp_jw_str(w, "want_sha256", res->expected);
             dp_log_end(w);
         }
     }
     check_end(a);
 }
 
-/* A temperature-0 completion to replica a->r over `up` (the canary's also with seed 0): the
- * canary and the engine-fingerprint probe. */
+/* The engine-fingerprint probe: a temperature-0 completion to replica a->r over `up`, its body
+ * built as the canary's is (px_canary.c; the canary itself goes through px_canary_start). */
 static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
                               const char *model, const char *prompt, uint32_t max_tokens,
                               bool seed, size_t max_bytes, px_fetch_cb cb)
 {
     dp_buf_t body = {0};
-    dp_jw_t w;
-    dp_jw_init(&w, &body);
-    dp_jw_obj_begin(&w, NULL);
-    dp_jw_str(&w, "model", model);
-    dp_jw_str(&w, "prompt", prompt);
-    dp_jw_uint(&w, "max_tokens", max_tokens);
-    dp_jw_int(&w, "temperature", 0);
-    if (seed)
-        dp_jw_int(&w, "seed", 0);
-    dp_jw_obj_end(&w);
+    px_canary_completion_body(model, prompt, max_tokens, seed, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
     px_fetch_opts_t o = {.method = "POST",
@@ -249,11 +231,8 @@ static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
 
 static void canary_start(att_t *a, const cfg_pool_t *pc)
 {
-    const cfg_manifest_t *m = pc->manifest;
     /* The replica's own upstream: the canary takes the path client traffic takes. */
-    a->canary = completion(a, a->r->up, pc, m->model ? m->model : pc->models[0],
-                           m->canary->prompt, m->canary->max_tokens, true, CANARY_MAX_BYTES,
-                           canary_done);
+    a->canary = px_canary_start(a->r->up, pc, a->r->url.hostport, a->r->url.path, canary_done, a);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
@@ -534,7 +513,7 @@ static void att_teardown(att_t *a)
         }
     }
     if (a->canary) {
-        px_fetch_cancel(a->canary);
+        px_canary_cancel(a->canary);
         a->canary = NULL;
     }
     if (a->probe) {

@@ -57,7 +57,7 @@ static char *disc_key(const cfg_pool_t *p)
     dp_buf_t k = {0};
     dp_buf_printf(&k, "%s:%u:%d:%u:%s:%s", d->dns, d->port, (int)d->attest_source,
                   d->attest_port, m ? m->fingerprint : "",
-                  m && m->canary ? m->canary->expected_sha256 : "");
+                  m && m->canary && m->canary->expected_sha256 ? m->canary->expected_sha256 : "");
     return dp_buf_steal(&k);
 }
 

@@ -292,7 +292,6 @@ static const bad_case_t bad_cases[] = {
     {MANIFEST("{'canary':'x'}"), "pools[0].manifest.canary", "expected an object"},
     {MANIFEST("{'canary':{'expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.prompt", "required"},
     {MANIFEST("{'canary':{'prompt':'','expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.prompt", "must not be empty"},
-    {MANIFEST("{'canary':{'prompt':'p'}}"), "pools[0].manifest.canary.expected_sha256", "required"},
     {MANIFEST("{'canary':{'prompt':'p','expected_sha256':'xyz'}}"), "pools[0].manifest.canary.expected_sha256", "64 lowercase hex"},
     {MANIFEST("{'canary':{'prompt':'p','max_tokens':0,'expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.max_tokens", "must be between 1 and 4096"},
     {MANIFEST("{'canary':{'prompt':'p','max_tokens':4097,'expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.max_tokens", "must be between 1 and 4096"},
@@ -864,6 +863,19 @@ Test(config, warns_on_shadowed_tenant_duplicate_url_and_plain_server_name)
     cr_assert(has_warning(&e, "policy.tenants[1].allow_params", "does not list \"model\""));
     /* a plain {"any": true} leaves requests with credentials to later tenants */
     cr_assert(has_warning(&e, "policy.tenants[3]", "never matches: tenants[2]"));
+    cfg_free(cfg);
+    cfg_errors_free(&e);
+}
+
+Test(config, canary_without_expected_sha256_is_a_warning)
+{
+    /* The prompt goes in first; `detproxy attest canary` prints the hash to pin. */
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(load_q(MANIFEST("{'canary':{'prompt':'p'}}"), &cfg, &e), 0);
+    cr_assert_eq(e.nwarnings, 1);
+    cr_assert(has_warning(&e, "pools[0].manifest.canary.expected_sha256", "not recorded"));
+    cr_assert_null(cfg->pools[0].manifest->canary->expected_sha256);
     cfg_free(cfg);
     cfg_errors_free(&e);
 }

@@ -1,0 +1,117 @@
+/* The canary request and the text it hashes (see px_canary.h). */
+#include "proxy/px_canary.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "attest/match.h"
+#include "common/jw.h"
+#include "common/util.h"
+#include "proxy/px_fetch.h"
+
+struct px_canary_s {
+    px_fetch_t *f;
+    px_canary_cb cb;
+    void *data;
+    char expected[65];
+};
+
+const char *px_canary_model(const cfg_pool_t *pc)
+{
+    const cfg_manifest_t *m = pc->manifest;
+    return m && m->model ? m->model : pc->nmodels ? pc->models[0] : "";
+}
+
+void px_canary_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                               bool seed0, dp_buf_t *out)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "model", model);
+    dp_jw_str(&w, "prompt", prompt);
+    dp_jw_uint(&w, "max_tokens", max_tokens);
+    dp_jw_int(&w, "temperature", 0);
+    if (seed0)
+        dp_jw_int(&w, "seed", 0);
+    dp_jw_obj_end(&w);
+}
+
+void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
+{
+    px_canary_completion_body(model, can->prompt, can->max_tokens, true, out);
+}
+
+static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+                    const char *detail, void *data)
+{
+    px_canary_t *c = data;
+    (void)f;
+    px_canary_result_t res = {.status = status};
+    memcpy(res.expected, c->expected, sizeof(res.expected));
+    char why[300];
+    cJSON *doc = NULL;
+    if (status == 200) {
+        doc = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
+        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "choices"), 0);
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(ch, "text");
+        if (cJSON_IsString(t)) {
+            res.answered = true;
+            res.text = t->valuestring;
+            res.len = strlen(t->valuestring);
+            attest_canary_sha256(res.text, res.len, res.sha256);
+            res.matched = res.expected[0] && strcmp(res.sha256, res.expected) == 0;
+        } else {
+            res.error = "HTTP 200 without choices[0].text in the response";
+        }
+    } else if (status != 0) {
+        /* Say what the replica said: a 404 for an unknown model reads differently from a 500. */
+        int n = body->len > 200 ? 200 : (int)body->len;
+        snprintf(why, sizeof(why), "HTTP %d: %.*s", status, n ? n : 12,
+                 n ? body->base : "(empty body)");
+        res.error = why;
+    } else {
+        snprintf(why, sizeof(why), "%s%s%s", px_up_err_name(err), detail ? ": " : "",
+                 detail ? detail : "");
+        res.error = why;
+    }
+    c->cb(&res, c->data);
+    cJSON_Delete(doc);
+    free(c);
+}
+
+px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const char *hostport,
+                             const char *base, px_canary_cb cb, void *data)
+{
+    const cfg_canary_t *can = pc->manifest->canary;
+    px_canary_t *c = dp_xcalloc(1, sizeof(*c));
+    c->cb = cb;
+    c->data = data;
+    snprintf(c->expected, sizeof(c->expected), "%s",
+             can->expected_sha256 ? can->expected_sha256 : ""); /* "": not recorded yet */
+    dp_buf_t body = {0};
+    px_canary_body(px_canary_model(pc), can, &body);
+    char target[512];
+    snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
+    px_fetch_opts_t o = {.method = "POST",
+                         .hostport = hostport,
+                         .target = target,
+                         .bearer = pc->api_key,
+                         .body = body.base,
+                         .body_len = body.len,
+                         .max_bytes = PX_CANARY_MAX_BYTES};
+    c->f = px_fetch(u, &o, fetched, c);
+    dp_buf_free(&body);
+    return c;
+}
+
+void px_canary_cancel(px_canary_t *c)
+{
+    if (c == NULL)
+        return;
+    px_fetch_cancel(c->f);
+    free(c);
+}

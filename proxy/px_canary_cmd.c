@@ -1,0 +1,297 @@
+/* `detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--json]`: send the pool
+ * manifest's canary to one replica exactly as the proxy does (px_canary.c: the same body bytes,
+ * the same client code, the pool's api_key and upstream_tls) and print the expected_sha256 to
+ * pin, with the text it hashed. Exit 0 when the replica answered (whether or not it matches
+ * what is pinned: the output says), 2 for bad flags or values (unknown pool or replica, a
+ * manifest without a canary), 3 when the replica could not be asked or did not answer. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <uv.h>
+
+#include "attest/cli_int.h"
+#include "common/jw.h"
+#include "common/util.h"
+#include "proxy/cli.h"
+#include "proxy/px.h"
+#include "proxy/px_canary.h"
+#include "proxy/tls.h"
+
+static const char usage_text[] =
+    "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--json]\n"
+    "\n"
+    "Send pool P's manifest canary (canary.prompt, max_tokens, temperature 0, seed 0) to one\n"
+    "replica exactly as the proxy does, and print the SHA-256 of its output text: the\n"
+    "canary.expected_sha256 to pin. --url asks a replica that is not in the config (a new one,\n"
+    "or one found by discovery) with the pool's api_key_file and upstream_tls.\n"
+    "\n"
+    "  -c, --config CONFIG  the proxy's configuration\n"
+    "  --pool P             the pool whose manifest has the canary\n"
+    "  --replica R          a replica of that pool, by name\n"
+    "  --url URL            or any replica, by URL (http://host:port[/prefix])\n"
+    "  --json               one JSON object instead of text\n"
+    "\n"
+    "Exit codes: 0 answered, 2 usage (unknown pool or replica, no canary), 3 no answer.\n";
+
+typedef struct {
+    uv_loop_t *loop;
+    bool done;
+    bool answered;
+    char *text;
+    size_t len;
+    char sha256[65];
+    char *error;
+    int status;
+} canary_out_t;
+
+static void on_result(const px_canary_result_t *res, void *data)
+{
+    canary_out_t *o = data;
+    o->done = true;
+    uv_stop(o->loop); /* the idle keep-alive connection would keep the loop running */
+    o->answered = res->answered;
+    o->status = res->status;
+    if (res->answered) {
+        o->text = dp_xstrndup(res->text, res->len);
+        o->len = res->len;
+        memcpy(o->sha256, res->sha256, sizeof(o->sha256));
+    } else {
+        o->error = dp_xstrdup(res->error ? res->error : "no answer");
+    }
+}
+
+static void close_cb(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+/* Run the canary against url on a private loop; fills out. 0, or 3 with out->error set. */
+static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_url_t *url,
+               const char *server_name, canary_out_t *out)
+{
+    uv_loop_t loop;
+    if (uv_loop_init(&loop) != 0) {
+        out->error = dp_xstrdup("cannot create an event loop");
+        return 3;
+    }
+    int rc = 3;
+    px_tls_ctx_t *tls = NULL;
+    px_upstream_t *up = NULL;
+    struct sockaddr_storage ss;
+    if (!px_resolve(url->host, url->port, &ss)) {
+        dp_buf_t why = {0};
+        dp_buf_printf(&why, "host name '%s' did not resolve", url->host);
+        out->error = dp_buf_steal(&why);
+        goto out;
+    }
+    if (url->tls) {
+        const cfg_upstream_tls_t *ut = pool->upstream_tls;
+        dp_buf_t err = {0};
+        tls = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                ut ? ut->client_key_file : NULL, &err);
+        if (tls == NULL) {
+            out->error = dp_buf_steal(&err);
+            goto out;
+        }
+    }
+    px_upstream_opts_t o;
+    px_replica_upstream_opts(cfg, &o);
+    up = px_upstream_new(&loop, (struct sockaddr *)&ss, &o);
+    if (tls)
+        px_upstream_set_tls(up, tls, server_name ? server_name : url->host);
+    out->loop = &loop;
+    px_canary_start(up, pool, url->hostport, url->path, on_result, out);
+    while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
+        ;
+    rc = out->answered ? 0 : 3;
+out:
+    if (up)
+        px_upstream_free(up);
+    uv_run(&loop, UV_RUN_DEFAULT); /* idle keep-alive connections finish closing */
+    if (uv_loop_close(&loop) == UV_EBUSY) {
+        uv_walk(&loop, close_cb, NULL);
+        uv_run(&loop, UV_RUN_DEFAULT);
+        uv_loop_close(&loop);
+    }
+    px_tls_ctx_unref(tls);
+    return rc;
+}
+
+static void names(dp_buf_t *b, const cfg_t *cfg, const cfg_pool_t *pool)
+{
+    size_t n = pool ? pool->nreplicas : cfg->npools;
+    for (size_t i = 0; i < n; i++)
+        dp_buf_printf(b, "%s%s", i ? ", " : "", pool ? pool->replicas[i].name : cfg->pools[i].name);
+    if (n == 0)
+        dp_buf_appends(b, "none");
+}
+
+static void print_json(const cfg_pool_t *pool, const char *replica, const char *url,
+                       const dp_buf_t *body, const canary_out_t *o)
+{
+    const char *pinned = pool->manifest->canary->expected_sha256;
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "pool", pool->name);
+    dp_jw_str(&w, "replica", replica);
+    dp_jw_str(&w, "url", url);
+    dp_jw_raw(&w, "request", body->base, body->len);
+    dp_jw_bool(&w, "answered", o->answered);
+    if (o->answered) {
+        dp_jw_strn(&w, "text", o->text, o->len);
+        dp_jw_str(&w, "expected_sha256", o->sha256);
+    } else {
+        dp_jw_str(&w, "error", o->error);
+    }
+    dp_jw_str(&w, "pinned_sha256", pinned);
+    if (o->answered && pinned)
+        dp_jw_bool(&w, "matches_pinned", strcmp(pinned, o->sha256) == 0);
+    else
+        dp_jw_null(&w, "matches_pinned");
+    dp_jw_obj_end(&w);
+    printf("%s\n", b.base);
+    dp_buf_free(&b);
+}
+
+static void print_text(const cfg_t *cfg, const cfg_pool_t *pool, const char *replica,
+                       const char *url, const dp_buf_t *body, const canary_out_t *o)
+{
+    const char *pinned = pool->manifest->canary->expected_sha256;
+    printf("pool %s, replica %s (%s)\n", pool->name, replica ? replica : "-", url);
+    printf("request: POST /v1/completions %s\n", body->base);
+    /* The text as a JSON string: whitespace and control bytes are part of what is hashed. */
+    dp_buf_t t = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &t);
+    dp_jw_strn(&w, NULL, o->text, o->len);
+    printf("text (%zu bytes, JSON-escaped): %s\n", o->len, t.base);
+    dp_buf_free(&t);
+    printf("expected_sha256: %s\n", o->sha256);
+    if (pinned == NULL)
+        printf("manifest: not pinned yet; set pools[%zu].manifest.canary.expected_sha256 to the "
+               "value above\n",
+               (size_t)(pool - cfg->pools));
+    else if (strcmp(pinned, o->sha256) == 0)
+        printf("manifest: matches the pinned expected_sha256\n");
+    else
+        printf("manifest: DIFFERS from the pinned %s (the proxy would not admit this "
+               "replica)\n",
+               pinned);
+}
+
+int px_cmd_attest_canary(int argc, char **argv)
+{
+    const char *config = NULL, *config_long = NULL, *pool_name = NULL, *replica = NULL;
+    const char *url_s = NULL;
+    bool json = false;
+    const attest_opt_t opts[] = {
+        {.name = "-c", .has_value = true, .val = &config},
+        {.name = "--config", .has_value = true, .val = &config_long},
+        {.name = "--pool", .has_value = true, .val = &pool_name},
+        {.name = "--replica", .has_value = true, .val = &replica},
+        {.name = "--url", .has_value = true, .val = &url_s},
+        {.name = "--json", .set = &json},
+    };
+    const char *pos[1];
+    size_t npos;
+    int pr = attest_parse_args("canary", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
+    if (pr == 1) {
+        fputs(usage_text, stdout);
+        return ATTEST_EXIT_OK;
+    }
+    if (pr < 0)
+        return ATTEST_EXIT_USAGE;
+    if (config == NULL)
+        config = config_long;
+    const char *missing = !config ? "-c CONFIG" : !pool_name ? "--pool" : NULL;
+    if (missing) {
+        fprintf(stderr, "detproxy attest canary: %s is required (try --help)\n", missing);
+        return ATTEST_EXIT_USAGE;
+    }
+    if ((replica == NULL) == (url_s == NULL)) {
+        fputs("detproxy attest canary: give one of --replica R and --url URL (try --help)\n",
+              stderr);
+        return ATTEST_EXIT_USAGE;
+    }
+
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    int rc = cfg_load(config, &cfg, &errs);
+    for (size_t i = 0; i < errs.count; i++)
+        fprintf(stderr, "error: %s\n", errs.items[i]);
+    cfg_errors_free(&errs); /* warnings are check's business (an unpinned canary is one) */
+    if (rc != 0) {
+        fprintf(stderr, "detproxy attest canary: invalid config (see 'detproxy check -c %s')\n",
+                config);
+        return ATTEST_EXIT_FAILED;
+    }
+    rc = ATTEST_EXIT_USAGE;
+    dp_buf_t known = {0}, body = {0}, shown = {0};
+    cfg_url_t own = {0};
+    canary_out_t out = {0};
+    const cfg_pool_t *pool = cfg_pool_by_name(cfg, pool_name);
+    if (pool == NULL) {
+        names(&known, cfg, NULL);
+        fprintf(stderr, "detproxy attest canary: --pool: no pool named '%s' (pools: %s)\n",
+                pool_name, known.base);
+        goto done;
+    }
+    if (pool->manifest == NULL || pool->manifest->canary == NULL) {
+        fprintf(stderr,
+                "detproxy attest canary: pool '%s': its manifest has no canary prompt (add "
+                "\"canary\": {\"prompt\": \"...\", \"max_tokens\": 16} to it first)\n",
+                pool_name);
+        goto done;
+    }
+    const cfg_url_t *url = NULL;
+    const char *server_name = NULL;
+    if (replica) {
+        for (size_t i = 0; i < pool->nreplicas && url == NULL; i++)
+            if (strcmp(pool->replicas[i].name, replica) == 0) {
+                url = &pool->replicas[i].url;
+                server_name = pool->replicas[i].server_name;
+            }
+        if (url == NULL) {
+            names(&known, cfg, pool);
+            fprintf(stderr,
+                    "detproxy attest canary: --replica: pool '%s' has no replica named '%s' "
+                    "(replicas: %s%s)\n",
+                    pool_name, replica, known.base,
+                    pool->discovery ? "; discovered replicas: use --url" : "");
+            goto done;
+        }
+    } else {
+        const char *why = NULL;
+        if (cfg_parse_url(url_s, &own, &why) != 0) {
+            fprintf(stderr, "detproxy attest canary: --url %s: %s (try --help)\n", url_s,
+                    why ? why : "invalid URL");
+            goto done;
+        }
+        url = &own;
+    }
+    dp_buf_printf(&shown, "%s://%s%s", url->tls ? "https" : "http", url->hostport, url->path);
+    px_canary_body(px_canary_model(pool), pool->manifest->canary, &body);
+    signal(SIGPIPE, SIG_IGN); /* a replica closing on us is an error code, not a signal */
+    rc = ask(cfg, pool, url, server_name, &out);
+    if (json)
+        print_json(pool, replica, shown.base, &body, &out);
+    else if (rc == 0)
+        print_text(cfg, pool, replica, shown.base, &body, &out);
+    if (rc != 0)
+        fprintf(stderr, "detproxy attest canary: %s: %s\n", shown.base, out.error);
+done:
+    free(out.text);
+    free(out.error);
+    cfg_url_free(&own);
+    dp_buf_free(&known);
+    dp_buf_free(&body);
+    dp_buf_free(&shown);
+    cfg_free(cfg);
+    return rc;
+}
