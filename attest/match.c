@@ -74,10 +74,9 @@ static bool quant_caseless(const attest_report_t *r)
     return strcmp(r->source, "llamacpp") == 0;
 }
 
-int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
+/* One identity, its accept list ignored. */
+static int match_one(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
 {
-    if (m == NULL)
-        return 0;
     int n = 0;
     dp_buf_t got = {0}, want = {0}, who = {0};
     for (int i = 0; i < ATTEST_F__COUNT; i++) {
@@ -115,6 +114,44 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
     dp_buf_free(&got);
     dp_buf_free(&want);
     dp_buf_free(&who);
+    return n;
+}
+
+const cfg_manifest_t *attest_manifest_identity(const cfg_manifest_t *m, const attest_report_t *r)
+{
+    const cfg_manifest_t *id;
+    for (size_t i = 0; (id = cfg_manifest_identity(m, i)) != NULL; i++) {
+        attest_reasons_t tmp = {0};
+        int bad = match_one(id, r, &tmp);
+        attest_reasons_free(&tmp);
+        if (bad == 0)
+            return id;
+    }
+    return NULL;
+}
+
+int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
+{
+    if (m == NULL)
+        return 0;
+    if (m->naccept == 0)
+        return match_one(m, r, out);
+    if (attest_manifest_identity(m, r) != NULL)
+        return 0;
+    /* The manifest's own reasons in full, then one line per accepted identity, so an operator
+     * mid-rollout sees how far the replica is from each. */
+    int n = match_one(m, r, out);
+    for (size_t i = 0; i < m->naccept; i++) {
+        attest_reasons_t tmp = {0};
+        match_one(&m->accept[i], r, &tmp);
+        dp_buf_t j = {0};
+        attest_reasons_join(&tmp, "; ", &j);
+        attest_reasons_add(out, "nor accept[%zu] (%s): %s", i, m->accept[i].fingerprint,
+                           j.base ? j.base : "");
+        dp_buf_free(&j);
+        attest_reasons_free(&tmp);
+        n++;
+    }
     return n;
 }
 

@@ -17,6 +17,14 @@
  * A NULL manifest pins nothing and always matches. The canary is not looked at here. */
 int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out);
 
+/* With a manifest "accept" list (a rollout), a report matching the manifest or any accepted
+ * identity is a match; otherwise the manifest's reasons come first, then one per accepted
+ * identity: "nor accept[0] (fp_1a2b..): checkpoint_sha256 mismatch: got .. want ..". */
+
+/* The accepted identity a report matches: m itself, one of m->accept[], or NULL when none
+ * does (or m is NULL). Its fingerprint is the one put on that replica's responses. */
+const cfg_manifest_t *attest_manifest_identity(const cfg_manifest_t *m, const attest_report_t *r);
+
 /* The value a manifest pins for field f, or NULL when it pins nothing there (or m is NULL). */
 const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f);
 

@@ -53,7 +53,7 @@ typedef struct {
 } cfg_canary_t;
 
 /* Every field is optional; NULL means "not pinned". */
-typedef struct {
+typedef struct cfg_manifest_s {
     char *model;
     char *checkpoint_sha256; /* 64 lowercase hex */
     char *quantization;
@@ -64,6 +64,11 @@ typedef struct {
     cfg_canary_t *canary; /* NULL when absent */
     char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
     char fingerprint[20];  /* "fp_" + 16 hex, computed at load (SPEC §4) */
+    /* "accept": further identities admitted during a rollout, each complete (fields it does not
+     * list, and the canary, are copied from the manifest) with its own fingerprint; never
+     * nested (their own accept is empty). */
+    struct cfg_manifest_s *accept;
+    size_t naccept;
 } cfg_manifest_t;
 
 /* ---- policy (SPEC §8) ---------------------------------------------------------------------- */
@@ -281,6 +286,9 @@ void cfg_policy_free(cfg_policy_t *p);
 /* Pool fingerprint (SPEC §4): "fp_" + 16 hex of SHA-256 over the six manifest fields joined by
  * '\n' (absent = empty). out must hold 20 bytes. A NULL manifest fingerprints all-empty. */
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20]);
+/* Accepted identity i of a manifest: 0 is the manifest itself, 1..naccept its accept[] entries;
+ * NULL past the end (or for a NULL manifest). */
+const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i);
 
 /* Look-ups used by the router. */
 const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name);

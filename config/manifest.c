@@ -8,13 +8,18 @@
 
 static const char *const manifest_keys[] = {
     "model", "checkpoint_sha256", "quantization", "dtype", "framework", "engine_fingerprint",
-    "canary", "oms", NULL};
+    "canary", "oms", "accept", NULL};
 static const char *const oms_keys[] = {"signer", NULL};
+/* An accepted identity during a rollout: what differs from the manifest's own (no nesting). */
+static const char *const accept_keys[] = {"model",  "checkpoint_sha256", "quantization",
+                                          "dtype",  "framework", "engine_fingerprint",
+                                          "canary", "oms",       NULL};
 static const char *const framework_keys[] = {"name", "version", NULL};
 static const char *const canary_keys[] = {"prompt", "max_tokens", "expected_sha256", NULL};
 
 #define CANARY_MAX_TOKENS_DEFAULT 16
 #define CANARY_MAX_TOKENS_MAX 4096
+#define ACCEPT_MAX 8 /* a rollout has an old and a new identity; a few more is plenty */
 
 /* A string that must be 64 lowercase hex digits (as sha256sum prints). */
 static void get_sha256(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
@@ -76,14 +81,9 @@ static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_path_pop(c, mark);
 }
 
-cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
+/* The identity fields and canary of a manifest or of one of its accept[] entries. */
+static void parse_identity(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
 {
-    if (!cJSON_IsObject(node)) {
-        cfg_err(c, NULL, "expected an object");
-        return NULL;
-    }
-    cfg_manifest_t *m = dp_xcalloc(1, sizeof(*m));
-    cfg_check_keys(c, node, manifest_keys);
     cfg_get_str(c, node, "model", false, &m->model);
     get_sha256(c, node, "checkpoint_sha256", false, &m->checkpoint_sha256);
     cfg_get_str(c, node, "quantization", false, &m->quantization);
@@ -92,7 +92,100 @@ cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
     cfg_get_str(c, node, "engine_fingerprint", false, &m->engine_fingerprint);
     parse_canary(c, node, m);
     parse_oms(c, node, m);
+}
+
+static void inherit(char **own, const char *top)
+{
+    if (*own == NULL && top != NULL)
+        *own = dp_xstrdup(top);
+}
+
+static bool same_str(const char *x, const char *y)
+{
+    return x == NULL ? y == NULL : y != NULL && strcmp(x, y) == 0;
+}
+
+/* The fingerprint covers the SPEC §4 fields; the engine fingerprint and the OMS signer are
+ * pinned beside them. */
+static bool same_identity(const cfg_manifest_t *a, const cfg_manifest_t *b)
+{
+    return strcmp(a->fingerprint, b->fingerprint) == 0 &&
+           same_str(a->engine_fingerprint, b->engine_fingerprint) &&
+           same_str(a->oms_signer, b->oms_signer);
+}
+
+/* "accept": [{...}, ...]: identities admitted beside the manifest's own while a rollout runs.
+ * Each entry lists what differs; everything else (the canary included) is the manifest's. */
+static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
+{
+    const cJSON *arr = cfg_get_arr(c, node, "accept", false);
+    if (arr == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "accept");
+    int n = cJSON_GetArraySize(arr);
+    if (n < 1 || n > ACCEPT_MAX) {
+        cfg_err(c, NULL, "must list 1 to %d identities (found %d)", ACCEPT_MAX, n);
+        cfg_path_pop(c, mark);
+        return;
+    }
+    if (!cfg_manifest_pins(m))
+        cfg_err(c, NULL, "the manifest itself pins no identity, so every replica would be "
+                         "admitted: pin the identity being replaced at the top level");
+    m->accept = dp_xcalloc((size_t)n, sizeof(*m->accept));
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr)
+    {
+        size_t im = cfg_path_index(c, m->naccept);
+        cfg_manifest_t *e = &m->accept[m->naccept++];
+        if (!cJSON_IsObject(it)) {
+            cfg_err(c, NULL, "expected an object (the identity fields that differ from the "
+                             "manifest's)");
+            cfg_path_pop(c, im);
+            continue;
+        }
+        cfg_check_keys(c, it, accept_keys);
+        parse_identity(c, it, e);
+        inherit(&e->model, m->model);
+        inherit(&e->checkpoint_sha256, m->checkpoint_sha256);
+        inherit(&e->quantization, m->quantization);
+        inherit(&e->dtype, m->dtype);
+        inherit(&e->framework_name, m->framework_name);
+        inherit(&e->framework_version, m->framework_version);
+        inherit(&e->engine_fingerprint, m->engine_fingerprint);
+        inherit(&e->oms_signer, m->oms_signer);
+        if (e->canary == NULL && m->canary != NULL) {
+            e->canary = dp_xcalloc(1, sizeof(*e->canary));
+            e->canary->prompt = dp_xstrdup(m->canary->prompt);
+            e->canary->max_tokens = m->canary->max_tokens;
+            if (m->canary->expected_sha256)
+                e->canary->expected_sha256 = dp_xstrdup(m->canary->expected_sha256);
+        }
+        cfg_manifest_fingerprint(e, e->fingerprint);
+        if (same_identity(e, m))
+            cfg_err(c, NULL, "the same identity as the manifest itself (%s): list only the "
+                             "fields that differ",
+                    e->fingerprint);
+        for (size_t k = 0; k + 1 < m->naccept; k++)
+            if (same_identity(e, &m->accept[k])) {
+                cfg_err(c, NULL, "the same identity as accept[%zu] (%s)", k, e->fingerprint);
+                break;
+            }
+        cfg_path_pop(c, im);
+    }
+    cfg_path_pop(c, mark);
+}
+
+cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
+{
+    if (!cJSON_IsObject(node)) {
+        cfg_err(c, NULL, "expected an object");
+        return NULL;
+    }
+    cfg_manifest_t *m = dp_xcalloc(1, sizeof(*m));
+    cfg_check_keys(c, node, manifest_keys);
+    parse_identity(c, node, m);
     cfg_manifest_fingerprint(m, m->fingerprint);
+    parse_accept(c, node, m);
     return m;
 }
 
@@ -114,10 +207,8 @@ cfg_manifest_t *cfg_manifest_parse(const char *json, size_t len, const char *pat
     return m;
 }
 
-void cfg_manifest_free(cfg_manifest_t *m)
+static void manifest_clear(cfg_manifest_t *m)
 {
-    if (m == NULL)
-        return;
     free(m->model);
     free(m->checkpoint_sha256);
     free(m->quantization);
@@ -131,7 +222,24 @@ void cfg_manifest_free(cfg_manifest_t *m)
         free(m->canary->expected_sha256);
         free(m->canary);
     }
+    for (size_t i = 0; i < m->naccept; i++)
+        manifest_clear(&m->accept[i]);
+    free(m->accept);
+}
+
+void cfg_manifest_free(cfg_manifest_t *m)
+{
+    if (m == NULL)
+        return;
+    manifest_clear(m);
     free(m);
+}
+
+const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i)
+{
+    if (m == NULL)
+        return NULL;
+    return i == 0 ? m : i <= m->naccept ? &m->accept[i - 1] : NULL;
 }
 
 bool cfg_manifest_pins(const cfg_manifest_t *m)

@@ -61,6 +61,7 @@ struct px_replica_s {
     uint32_t inflight;
     uint64_t requests;       /* lifetime requests sent */
     uint64_t last_attested_at; /* wall ms, 0 = never */
+    char fingerprint[20];    /* the accepted identity it was admitted as (manifest "accept"); "" */
     void *attest_state;      /* px_attest.c's per-replica state */
     px_series_t *m_admitted; /* detproxy_replica_admitted */
     bool discovered;         /* added by DNS discovery */

@@ -58,6 +58,8 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
              r->url.path ? r->url.path : "");
     dp_jw_str(w, "url", url);
     dp_jw_str(w, "state", px_replica_state_names[r->state]);
+    /* The accepted identity it was admitted as (its responses carry it). */
+    dp_jw_str(w, "fingerprint", r->fingerprint[0] ? r->fingerprint : NULL);
     dp_jw_arr_begin(w, "reasons");
     for (size_t i = 0; i < r->nreasons; i++)
         dp_jw_str(w, NULL, r->reasons[i]);

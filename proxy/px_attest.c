@@ -229,10 +229,11 @@ static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
     return f;
 }
 
-static void canary_start(att_t *a, const cfg_pool_t *pc)
+static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
     /* The replica's own upstream: the canary takes the path client traffic takes. */
-    a->canary = px_canary_start(a->r->up, pc, a->r->url.hostport, a->r->url.path, canary_done, a);
+    a->canary =
+        px_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path, canary_done, a);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
@@ -250,6 +251,7 @@ static void decide(att_t *a, attest_report_t *rep)
     r->last_attested_at = dp_wall_ms();
     if (bad) {
         count(r, "rejected");
+        r->fingerprint[0] = '\0'; /* no accepted identity */
         set_state(r, PX_REPLICA_REJECTED, &why);
         attest_reasons_free(&why);
         attest_canary_reset(&a->canary_hist);
@@ -258,16 +260,22 @@ static void decide(att_t *a, attest_report_t *rep)
     }
     attest_reasons_free(&why);
     count(r, "admitted");
+    /* The identity it matched (one of several during a rollout) gives its responses their
+     * fingerprint and its canary. */
+    const cfg_manifest_t *id = attest_manifest_identity(m, rep);
+    px_pool_t *pool = px_gen_pool_by_name(a->px->gen, r->pool_name);
+    snprintf(r->fingerprint, sizeof(r->fingerprint), "%s",
+             id ? id->fingerprint : pool ? pool->fingerprint : "");
     /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
      * rejected) is admitted only once its canary output matches too: fail closed. An admitted
      * one stays until the 2-of-3 rule rejects it (SPEC §6). */
-    bool canary = m && m->canary && r->up;
+    bool canary = id && id->canary && r->up;
     a->admit_on_canary = canary && r->state != PX_REPLICA_ADMITTED &&
                          r->state != PX_REPLICA_QUARANTINED;
     if (!a->admit_on_canary && r->state != PX_REPLICA_QUARANTINED)
         set_state(r, PX_REPLICA_ADMITTED, NULL);
     if (canary) {
-        canary_start(a, pc);
+        canary_start(a, pc, id);
         return;
     }
     check_end(a);

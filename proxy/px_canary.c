@@ -19,9 +19,9 @@ struct px_canary_s {
     char expected[65];
 };
 
-const char *px_canary_model(const cfg_pool_t *pc)
+const char *px_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
-    const cfg_manifest_t *m = pc->manifest;
+    const cfg_manifest_t *m = id ? id : pc->manifest;
     return m && m->model ? m->model : pc->nmodels ? pc->models[0] : "";
 }
 
@@ -83,17 +83,20 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
     free(c);
 }
 
-px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const char *hostport,
-                             const char *base, px_canary_cb cb, void *data)
+px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
+                             const char *hostport, const char *base, px_canary_cb cb,
+                             void *data)
 {
-    const cfg_canary_t *can = pc->manifest->canary;
+    if (id == NULL)
+        id = pc->manifest;
+    const cfg_canary_t *can = id->canary;
     px_canary_t *c = dp_xcalloc(1, sizeof(*c));
     c->cb = cb;
     c->data = data;
     snprintf(c->expected, sizeof(c->expected), "%s",
              can->expected_sha256 ? can->expected_sha256 : ""); /* "": not recorded yet */
     dp_buf_t body = {0};
-    px_canary_body(px_canary_model(pc), can, &body);
+    px_canary_body(px_canary_model(pc, id), can, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
     px_fetch_opts_t o = {.method = "POST",

@@ -33,19 +33,21 @@ typedef struct {
 typedef void (*px_canary_cb)(const px_canary_result_t *res, void *data);
 typedef struct px_canary_s px_canary_t;
 
-/* The model a pool's canary asks for: the manifest's model, else the pool's first model. */
-const char *px_canary_model(const cfg_pool_t *pc);
+/* The model a canary asks for: the identity's (or manifest's) model, else the pool's first. */
+const char *px_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id);
 /* A temperature-0 completion body {"model","prompt","max_tokens","temperature":0[,"seed":0]}
  * (appended to out): the canary's, and the engine-fingerprint probe's (px_attest.c, no seed). */
 void px_canary_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
                                bool seed0, dp_buf_t *out);
 /* The request body, exactly as sent (appended to out). */
 void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
-/* Send pool pc's canary (its manifest must have one) over u to the replica at hostport with
- * URL path prefix base ("" or "/prefix"). cb runs once from the loop, unless cancelled. Nothing
- * of pc is kept: a reload may free it while the request runs. */
-px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const char *hostport,
-                             const char *base, px_canary_cb cb, void *data);
+/* Send the canary of accepted identity id (pc's manifest itself, or one of its "accept"
+ * entries, which may carry their own; NULL means the manifest; it must have a canary) over u to
+ * the replica at hostport with URL path prefix base ("" or "/prefix"). cb runs once from the
+ * loop, unless cancelled. Nothing of pc or id is kept: a reload may free them meanwhile. */
+px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
+                             const char *hostport, const char *base, px_canary_cb cb,
+                             void *data);
 void px_canary_cancel(px_canary_t *c);
 
 #endif

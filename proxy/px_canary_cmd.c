@@ -20,7 +20,8 @@
 #include "proxy/tls.h"
 
 static const char usage_text[] =
-    "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--json]\n"
+    "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"
+    "                              [--json]\n"
     "\n"
     "Send pool P's manifest canary (canary.prompt, max_tokens, temperature 0, seed 0) to one\n"
     "replica exactly as the proxy does, and print the SHA-256 of its output text: the\n"
@@ -31,6 +32,8 @@ static const char usage_text[] =
     "  --pool P             the pool whose manifest has the canary\n"
     "  --replica R          a replica of that pool, by name\n"
     "  --url URL            or any replica, by URL (http://host:port[/prefix])\n"
+    "  --accept N           the canary of the manifest's accept[N] identity (a rollout's new\n"
+    "                       one, when it lists its own canary) instead of the manifest's\n"
     "  --json               one JSON object instead of text\n"
     "\n"
     "Exit codes: 0 answered, 2 usage (unknown pool or replica, no canary), 3 no answer.\n";
@@ -70,8 +73,8 @@ static void close_cb(uv_handle_t *h, void *arg)
 }
 
 /* Run the canary against url on a private loop; fills out. 0, or 3 with out->error set. */
-static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_url_t *url,
-               const char *server_name, canary_out_t *out)
+static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *id,
+               const cfg_url_t *url, const char *server_name, canary_out_t *out)
 {
     uv_loop_t loop;
     if (uv_loop_init(&loop) != 0) {
@@ -104,7 +107,7 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_url_t *url,
     if (tls)
         px_upstream_set_tls(up, tls, server_name ? server_name : url->host);
     out->loop = &loop;
-    px_canary_start(up, pool, url->hostport, url->path, on_result, out);
+    px_canary_start(up, pool, id, url->hostport, url->path, on_result, out);
     while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
         ;
     rc = out->answered ? 0 : 3;
@@ -130,16 +133,17 @@ static void names(dp_buf_t *b, const cfg_t *cfg, const cfg_pool_t *pool)
         dp_buf_appends(b, "none");
 }
 
-static void print_json(const cfg_pool_t *pool, const char *replica, const char *url,
-                       const dp_buf_t *body, const canary_out_t *o)
+static void print_json(const cfg_manifest_t *id, const char *replica, const char *url,
+                       const dp_buf_t *body, const canary_out_t *o, const char *pool_name)
 {
-    const char *pinned = pool->manifest->canary->expected_sha256;
+    const char *pinned = id->canary->expected_sha256;
     dp_buf_t b = {0};
     dp_jw_t w;
     dp_jw_init(&w, &b);
     dp_jw_obj_begin(&w, NULL);
-    dp_jw_str(&w, "pool", pool->name);
+    dp_jw_str(&w, "pool", pool_name);
     dp_jw_str(&w, "replica", replica);
+    dp_jw_str(&w, "identity_fingerprint", id->fingerprint);
     dp_jw_str(&w, "url", url);
     dp_jw_raw(&w, "request", body->base, body->len);
     dp_jw_bool(&w, "answered", o->answered);
@@ -159,10 +163,10 @@ static void print_json(const cfg_pool_t *pool, const char *replica, const char *
     dp_buf_free(&b);
 }
 
-static void print_text(const cfg_t *cfg, const cfg_pool_t *pool, const char *replica,
-                       const char *url, const dp_buf_t *body, const canary_out_t *o)
+static void print_text(const char *json_path, const cfg_pool_t *pool, const char *replica,
+                       const char *url, const dp_buf_t *body, const canary_out_t *o,
+                       const char *pinned)
 {
-    const char *pinned = pool->manifest->canary->expected_sha256;
     printf("pool %s, replica %s (%s)\n", pool->name, replica ? replica : "-", url);
     printf("request: POST /v1/completions %s\n", body->base);
     /* The text as a JSON string: whitespace and control bytes are part of what is hashed. */
@@ -174,9 +178,8 @@ static void print_text(const cfg_t *cfg, const cfg_pool_t *pool, const char *rep
     dp_buf_free(&t);
     printf("expected_sha256: %s\n", o->sha256);
     if (pinned == NULL)
-        printf("manifest: not pinned yet; set pools[%zu].manifest.canary.expected_sha256 to the "
-               "value above\n",
-               (size_t)(pool - cfg->pools));
+        printf("manifest: not pinned yet; set %s.canary.expected_sha256 to the value above\n",
+               json_path);
     else if (strcmp(pinned, o->sha256) == 0)
         printf("manifest: matches the pinned expected_sha256\n");
     else
@@ -188,7 +191,7 @@ static void print_text(const cfg_t *cfg, const cfg_pool_t *pool, const char *rep
 int px_cmd_attest_canary(int argc, char **argv)
 {
     const char *config = NULL, *config_long = NULL, *pool_name = NULL, *replica = NULL;
-    const char *url_s = NULL;
+    const char *url_s = NULL, *accept_s = NULL;
     bool json = false;
     const attest_opt_t opts[] = {
         {.name = "-c", .has_value = true, .val = &config},
@@ -196,6 +199,7 @@ int px_cmd_attest_canary(int argc, char **argv)
         {.name = "--pool", .has_value = true, .val = &pool_name},
         {.name = "--replica", .has_value = true, .val = &replica},
         {.name = "--url", .has_value = true, .val = &url_s},
+        {.name = "--accept", .has_value = true, .val = &accept_s},
         {.name = "--json", .set = &json},
     };
     const char *pos[1];
@@ -242,7 +246,27 @@ int px_cmd_attest_canary(int argc, char **argv)
                 pool_name, known.base);
         goto done;
     }
-    if (pool->manifest == NULL || pool->manifest->canary == NULL) {
+    size_t pi = (size_t)(pool - cfg->pools);
+    const cfg_manifest_t *id = pool->manifest;
+    char json_path[64];
+    snprintf(json_path, sizeof(json_path), "pools[%zu].manifest", pi);
+    if (accept_s) {
+        char *end = NULL;
+        unsigned long n = strtoul(accept_s, &end, 10);
+        id = *end == '\0' && accept_s[0] >= '0' && accept_s[0] <= '9'
+                 ? cfg_manifest_identity(pool->manifest, n + 1)
+                 : NULL;
+        if (id == NULL) {
+            fprintf(stderr,
+                    "detproxy attest canary: --accept %s: pool '%s' lists %zu accepted "
+                    "identit%s (accept[0..]) (try --help)\n",
+                    accept_s, pool_name, pool->manifest ? pool->manifest->naccept : 0,
+                    pool->manifest && pool->manifest->naccept == 1 ? "y" : "ies");
+            goto done;
+        }
+        snprintf(json_path, sizeof(json_path), "pools[%zu].manifest.accept[%lu]", pi, n);
+    }
+    if (id == NULL || id->canary == NULL) {
         fprintf(stderr,
                 "detproxy attest canary: pool '%s': its manifest has no canary prompt (add "
                 "\"canary\": {\"prompt\": \"...\", \"max_tokens\": 16} to it first)\n",
@@ -276,13 +300,13 @@ int px_cmd_attest_canary(int argc, char **argv)
         url = &own;
     }
     dp_buf_printf(&shown, "%s://%s%s", url->tls ? "https" : "http", url->hostport, url->path);
-    px_canary_body(px_canary_model(pool), pool->manifest->canary, &body);
+    px_canary_body(px_canary_model(pool, id), id->canary, &body);
     signal(SIGPIPE, SIG_IGN); /* a replica closing on us is an error code, not a signal */
-    rc = ask(cfg, pool, url, server_name, &out);
+    rc = ask(cfg, pool, id, url, server_name, &out);
     if (json)
-        print_json(pool, replica, shown.base, &body, &out);
+        print_json(id, replica, shown.base, &body, &out, pool->name);
     else if (rc == 0)
-        print_text(cfg, pool, replica, shown.base, &body, &out);
+        print_text(json_path, pool, replica, shown.base, &body, &out, id->canary->expected_sha256);
     if (rc != 0)
         fprintf(stderr, "detproxy attest canary: %s: %s\n", shown.base, out.error);
 done:

@@ -281,9 +281,10 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     *body = p->res.body;
     if (p->audit)
         p->resp_sha = dp_sha256_begin();
+    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", pool->fingerprint);
     if (h->stream) {
         p->sse_rewrite = true;
-        policy_sse_fp_init(&p->sse, pool->fingerprint);
+        policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
     }
     res->pool = pool;
     return 0;
@@ -339,6 +340,12 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     return 1;
 }
 
+/* Our fingerprint for this answer: the admitted identity's, else the pool's. */
+static const char *fp_of(const px_hooks_req_t *h, const px_pool_t *pool)
+{
+    return h->fingerprint[0] ? h->fingerprint : pool->fingerprint;
+}
+
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
                                size_t *n)
 {
@@ -346,9 +353,10 @@ void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_head
         return;
     if (h->tenant_cfg)
         out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-tenant"), {h->tenant, strlen(h->tenant)}};
-    if (pool)
-        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-fingerprint"),
-                                    {pool->fingerprint, strlen(pool->fingerprint)}};
+    if (pool) {
+        const char *fp = fp_of(h, pool);
+        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-fingerprint"), {fp, strlen(fp)}};
+    }
     if (h->seed[0])
         out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
 }
@@ -376,7 +384,7 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
     if (p == NULL)
         return;
     dp_buf_reset(&p->out);
-    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, pool->fingerprint, &p->out,
+    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, fp_of(h, pool), &p->out,
                                h->upstream_fp) != 1)
         return; /* not a JSON object: forward it as it is */
     dp_buf_t t = *body;
@@ -457,7 +465,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
         .tenant = h->tenant,
         .pool = pool ? pool->name : NULL,
         .replica = r ? r->name : NULL,
-        .fingerprint = pool ? pool->fingerprint : NULL,
+        .fingerprint = pool ? fp_of(h, pool) : NULL,
         .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
         .fingerprint_mismatch = h->fp_mismatch,
         .route = p->route,
@@ -494,6 +502,10 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
                          const px_req_t *req, const char *body, size_t len)
 {
     pol_t *p = h->policy;
+    /* Each accepted identity has its own fingerprint (SPEC §4 "accept"): the answer carries the
+     * one of the replica it came from. */
+    if (r->fingerprint[0])
+        memcpy(h->fingerprint, r->fingerprint, sizeof(h->fingerprint));
     if (p == NULL || h->shadow)
         return;
     h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);

@@ -16,6 +16,8 @@ typedef struct {
     void *shadow;         /* shadow capture (px_shadow.c) */
     char seed[24];        /* decimal seed sent upstream, "" when none */
     char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
+    char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was
+                              admitted as (a manifest "accept" list gives several) */
     char error[256];
     bool inference;
     bool stream;

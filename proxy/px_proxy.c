@@ -837,6 +837,14 @@ static void answer_models(px_preq_t *q)
             dp_jw_obj_begin(&w, "detproxy");
             dp_jw_str(&w, "pool", p->name);
             dp_jw_str(&w, "fingerprint", p->fingerprint);
+            /* Every accepted identity's (a manifest "accept" list: a rollout in progress). */
+            dp_jw_arr_begin(&w, "fingerprints");
+            const cfg_manifest_t *id;
+            for (size_t j = 0; (id = cfg_manifest_identity(p->cfg->manifest, j)) != NULL; j++)
+                dp_jw_str(&w, NULL, id->fingerprint);
+            if (p->cfg->manifest == NULL)
+                dp_jw_str(&w, NULL, p->fingerprint);
+            dp_jw_arr_end(&w);
             dp_jw_obj_end(&w);
             dp_jw_obj_end(&w);
         }

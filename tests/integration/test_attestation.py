@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from harness import (DETPROXY_BIN, SIM_BIN, SLOW, get_json, http, poll_until, post_json,
-                     run_cmd, run_tests, start_process, start_sim)
+                     run_cmd, run_tests, sse, start_process, start_sim)
 from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
 
 MODEL = "org/model-a"
@@ -492,6 +492,75 @@ def test_attest_canary_prints_the_hash_the_proxy_admits():
         json.dump(cfg, f)
     rc, _, err = run_cmd(canary + ["--replica", "r1"])
     assert rc == 2 and "its manifest has no canary prompt" in err, err
+
+
+def fingerprint(m):
+    """SPEC §4: fp_ + 16 hex of SHA-256 over the six identity fields (absent = empty)."""
+    fw = m.get("framework", {})
+    fields = [m.get("model"), m.get("checkpoint_sha256"), m.get("quantization"), m.get("dtype"),
+              fw.get("name"), fw.get("version")]
+    return "fp_" + hashlib.sha256("\n".join(f or "" for f in fields).encode()).hexdigest()[:16]
+
+
+def test_accept_lets_old_and_new_identities_serve_side_by_side():
+    """Manifest "accept": a rollout without blue/green. Old and new replicas are both admitted;
+    each answer (JSON, stream, audit line) carries its own identity's fingerprint."""
+    key, pub = keygen("pipeline")
+
+    def tgi(ckpt, version):  # TGI puts system_fingerprint on stream chunks too
+        return start_sim("--model", MODEL, "--flavor", "tgi", "--framework-version", version,
+                         "--quantization", "awq", "--dtype", "float16", "--checkpoint-sha256",
+                         ckpt, "--attest-key", key)
+    old, new = tgi(CKPT, "2.0.4"), tgi(OTHER, "2.1.0")
+    third = tgi(OTHER, "2.0.4")  # the new checkpoint on the old framework: neither identity
+    man = manifest(framework={"name": "tgi", "version": "2.0.4"},
+                   accept=[{"checkpoint_sha256": OTHER, "framework": {"version": "2.1.0"}}])
+    fp_old = fingerprint(man)
+    fp_new = fingerprint(dict(man, checkpoint_sha256=OTHER,
+                              framework={"name": "tgi", "version": "2.1.0"}))
+    want = {"r1": fp_old, "r2": fp_new}
+    d = tempfile.mkdtemp(prefix="detproxy-accept-", dir=TMP)
+    audit = os.path.join(d, "audit.jsonl")
+    policy = {"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]}
+    px = start_proxy(pools=[agent_pool([old, new, third], man=man)], policy=policy,
+                     log={"level": "info", "audit_path": audit},
+                     attestation=attestation(keys=[pub]))
+    poll_until(lambda: state(px, "r2") == "admitted" and state(px, "r3") == "rejected",
+               what="r2 admitted as the new identity, r3 rejected")
+    reps = replicas(px)
+    assert state(px, "r1") == "admitted"
+    assert reps["r1"]["fingerprint"] == fp_old and reps["r2"]["fingerprint"] == fp_new, reps
+    assert reps["r3"]["fingerprint"] is None
+    assert "checkpoint_sha256 mismatch" in reps["r3"]["reasons"][0], reps["r3"]
+    assert reps["r3"]["reasons"][1] == (
+        "nor accept[0] (%s): framework.version mismatch: got 2.0.4 want 2.1.0" % fp_new), reps
+    models = get_json(px.port, "/v1/models")["data"][0]["detproxy"]
+    assert models["fingerprints"] == [fp_old, fp_new] and models["fingerprint"] == fp_old, models
+
+    seen = set()
+    for i in range(16):
+        r = post_json(px.port, "/v1/completions",
+                      {"model": MODEL, "prompt": "x%d" % i, "max_tokens": 2})
+        assert r.status == 200, r
+        rep = r.headers["x-detproxy-replica"]
+        seen.add(rep)
+        assert r.headers["x-detproxy-fingerprint"] == want[rep], (rep, r.headers)
+        assert r.json()["system_fingerprint"] == want[rep], r.json()
+        got, chunks = {}, 0
+        for _, data in sse(px.port, "/v1/completions",
+                           {"model": MODEL, "prompt": "s%d" % i, "max_tokens": 2, "stream": True},
+                           on_open=lambda resp: got.update(resp.headers)):
+            if data != "[DONE]":
+                assert json.loads(data)["system_fingerprint"] == want[got["x-detproxy-replica"]]
+                chunks += 1
+        assert chunks >= 1
+        assert got["x-detproxy-fingerprint"] == want[got["x-detproxy-replica"]], got
+    assert seen == {"r1", "r2"}, seen
+    px.stop()
+    lines = [json.loads(l) for l in open(audit) if '"request_id"' in l]
+    assert len(lines) == 32, len(lines)
+    for l in lines:
+        assert l["fingerprint"] == want[l["replica"]], l
 
 
 if __name__ == "__main__":

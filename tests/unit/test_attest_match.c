@@ -242,3 +242,47 @@ Test(attest_report, copy_and_json)
     attest_report_clear(&c);
     dp_buf_free(&out);
 }
+
+/* ---- "accept": several identities during a rollout ------------------------------------------ */
+
+Test(attest_match, accept_admits_any_listed_identity_and_names_which)
+{
+    cfg_manifest_t m = full_manifest();
+    cfg_manifest_t next = full_manifest();
+    next.checkpoint_sha256 = H1;
+    next.framework_version = "0.6.4";
+    strcpy(m.fingerprint, "fp_old");
+    strcpy(next.fingerprint, "fp_new");
+    m.accept = &next;
+    m.naccept = 1;
+    attest_report_t r;
+    agent_report(&r);
+    attest_reasons_t why = {0};
+    /* The old identity: the manifest itself. */
+    cr_assert_eq(attest_manifest_match(&m, &r, &why), 0);
+    cr_assert_eq(attest_manifest_identity(&m, &r), &m);
+    /* The new one: accept[0], with its own fingerprint. */
+    attest_report_set(&r, ATTEST_F_CHECKPOINT, H1);
+    attest_report_set(&r, ATTEST_F_FRAMEWORK_VERSION, "0.6.4");
+    cr_assert_eq(attest_admit(&m, &r, true, &why), 0);
+    cr_assert_eq(why.count, 0);
+    cr_assert_eq(attest_manifest_identity(&m, &r), &next);
+    cr_assert_str_eq(attest_manifest_identity(&m, &r)->fingerprint, "fp_new");
+    /* A mix of the two is neither: reasons against both. */
+    attest_report_set(&r, ATTEST_F_FRAMEWORK_VERSION, "0.6.3");
+    cr_assert_null(attest_manifest_identity(&m, &r));
+    cr_assert_eq(attest_manifest_match(&m, &r, &why), 2);
+    cr_assert_eq(why.count, 2);
+    cr_assert_str_eq(why.items[0], "checkpoint_sha256 mismatch: got ab12cd34.. want cd34ef56..");
+    cr_assert_str_eq(why.items[1],
+                     "nor accept[0] (fp_new): framework.version mismatch: got 0.6.3 want 0.6.4");
+    attest_reasons_free(&why);
+    /* Without the accept list the new identity is rejected, as before. */
+    m.naccept = 0;
+    attest_report_set(&r, ATTEST_F_FRAMEWORK_VERSION, "0.6.4");
+    cr_assert_eq(attest_manifest_match(&m, &r, &why), 2);
+    cr_assert_null(attest_manifest_identity(&m, &r));
+    cr_assert_null(attest_manifest_identity(NULL, &r));
+    attest_reasons_free(&why);
+    attest_report_clear(&r);
+}

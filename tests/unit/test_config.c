@@ -296,6 +296,17 @@ static const bad_case_t bad_cases[] = {
     {MANIFEST("{'canary':{'prompt':'p','max_tokens':0,'expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.max_tokens", "must be between 1 and 4096"},
     {MANIFEST("{'canary':{'prompt':'p','max_tokens':4097,'expected_sha256':'" H64 "'}}"), "pools[0].manifest.canary.max_tokens", "must be between 1 and 4096"},
     {MANIFEST("{'canary':{'prompt':'p','expected_sha256':'" H64 "','temperature':0}}"), "pools[0].manifest.canary.temperature", "unknown key"},
+    /* manifest "accept" (rollouts) */
+    {MANIFEST("{'model':'m','accept':{}}"), "pools[0].manifest.accept", "expected an array"},
+    {MANIFEST("{'model':'m','accept':[]}"), "pools[0].manifest.accept", "must list 1 to 8 identities (found 0)"},
+    {MANIFEST("{'model':'m','accept':[{'dtype':'a'},{'dtype':'b'},{'dtype':'c'},{'dtype':'d'},{'dtype':'e'},{'dtype':'f'},{'dtype':'g'},{'dtype':'h'},{'dtype':'i'}]}"), "pools[0].manifest.accept", "must list 1 to 8 identities (found 9)"},
+    {MANIFEST("{'model':'m','accept':['x']}"), "pools[0].manifest.accept[0]", "expected an object"},
+    {MANIFEST("{'model':'m','accept':[{'dtype':'bf16'},{'checkpoint_sha256':'abc'}]}"), "pools[0].manifest.accept[1].checkpoint_sha256", "64 lowercase hex"},
+    {MANIFEST("{'model':'m','accept':[{'dtype':'bf16','accept':[]}]}"), "pools[0].manifest.accept[0].accept", "unknown key"},
+    {MANIFEST("{'model':'m','accept':[{'framework':{'versoin':'1'}}]}"), "pools[0].manifest.accept[0].framework.versoin", "did you mean \"version\""},
+    {MANIFEST("{'model':'m','dtype':'f16','accept':[{'dtype':'f16'}]}"), "pools[0].manifest.accept[0]", "the same identity as the manifest itself (fp_"},
+    {MANIFEST("{'model':'m','accept':[{'dtype':'bf16'},{'dtype':'bf16'}]}"), "pools[0].manifest.accept[1]", "the same identity as accept[0] (fp_"},
+    {MANIFEST("{'accept':[{'dtype':'bf16'}]}"), "pools[0].manifest.accept", "pins no identity, so every replica would be admitted"},
     /* policy (SPEC §8) */
     {CFG(",'policy':5"), "policy", "expected a file path or an object"},
     {CFG(",'policy':'policies/p.json'"), "policy", "cannot read /nonexistent-config-dir/policies/p.json"},
@@ -878,6 +889,39 @@ Test(config, canary_without_expected_sha256_is_a_warning)
     cr_assert_null(cfg->pools[0].manifest->canary->expected_sha256);
     cfg_free(cfg);
     cfg_errors_free(&e);
+}
+
+Test(config, manifest_accept_entries_inherit_and_get_their_own_fingerprint)
+{
+    cfg_t *cfg = must_load(MANIFEST(
+        "{'model':'m','checkpoint_sha256':'" H64 "','framework':{'name':'vllm','version':'0.6.3'},"
+        "'canary':{'prompt':'p','expected_sha256':'" H64 "'},"
+        "'accept':[{'framework':{'version':'0.6.4'}},"
+        "{'checkpoint_sha256':'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb',"
+        "'canary':{'prompt':'q','max_tokens':4,'expected_sha256':'cccccccccccccccccccccccccccccccc"
+        "cccccccccccccccccccccccccccccccc'}}]}"));
+    const cfg_manifest_t *m = cfg->pools[0].manifest;
+    cr_assert_eq(m->naccept, 2);
+    const cfg_manifest_t *a = cfg_manifest_identity(m, 1), *b = cfg_manifest_identity(m, 2);
+    cr_assert_eq(cfg_manifest_identity(m, 0), m);
+    cr_assert_null(cfg_manifest_identity(m, 3));
+    /* accept[0]: only the version differs; the rest, canary included, is the manifest's. */
+    cr_assert_str_eq(a->model, "m");
+    cr_assert_str_eq(a->checkpoint_sha256, H64);
+    cr_assert_str_eq(a->framework_name, "vllm");
+    cr_assert_str_eq(a->framework_version, "0.6.4");
+    cr_assert_str_eq(a->canary->prompt, "p");
+    cr_assert_eq(b->canary->max_tokens, 4);
+    cr_assert_str_eq(b->framework_version, "0.6.3");
+    /* Each identity's fingerprint is SPEC §4's formula over its own fields. */
+    char want[20];
+    cfg_manifest_t tmp = {.model = "m", .checkpoint_sha256 = H64, .framework_name = "vllm",
+                          .framework_version = "0.6.4"};
+    cfg_manifest_fingerprint(&tmp, want);
+    cr_assert_str_eq(a->fingerprint, want);
+    cr_assert_str_neq(a->fingerprint, m->fingerprint);
+    cr_assert_str_neq(b->fingerprint, a->fingerprint);
+    cfg_free(cfg);
 }
 
 /* ---- look-ups ---------------------------------------------------------------------------- */
