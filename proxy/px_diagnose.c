@@ -32,6 +32,7 @@
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
+#include "proxy/px_canary.h"
 #include "proxy/px_fetch.h"
 #include "proxy/tls.h"
 
@@ -258,6 +259,67 @@ static void step_metadata(dg_t *d)
         d->total += att_start(&d->io[i]);
     if (d->total)
         uv_run(&d->loop, UV_RUN_DEFAULT);
+}
+
+/* ---- step 1, behaviour: the canary ---------------------------------------------------------- */
+
+/* The proxy admits a replica whose metadata matches only once its canary matches too
+ * (px_attest.c): diagnose's admission column says what the proxy would. */
+static void canary_done(const px_canary_result_t *res, void *data)
+{
+    rio_t *io = data;
+    dg_t *d = io->d;
+    px_dg_replica_t *r = &d->run.r[io->idx];
+    r->canary.answered = res->answered;
+    r->canary.matched = res->matched;
+    memcpy(r->canary.expected, res->expected, sizeof(r->canary.expected));
+    if (res->answered)
+        memcpy(r->canary.sha256, res->sha256, sizeof(r->canary.sha256));
+    else
+        r->canary.err = dp_xstrdup(res->error ? res->error : "no answer");
+    if (r->admitted && !res->matched) {
+        r->admitted = false;
+        if (!res->answered)
+            attest_reasons_add(&r->admit_reasons, "canary not answered: %s", r->canary.err);
+        else if (!res->expected[0])
+            attest_reasons_add(&r->admit_reasons,
+                               "canary not recorded (output sha256 %.8s..; 'detproxy attest "
+                               "canary' prints it)",
+                               res->sha256);
+        else
+            attest_reasons_add(&r->admit_reasons, "canary mismatch: output sha256 %.8s.. want %.8s..",
+                               res->sha256, res->expected);
+    }
+    progress("[1/4] %s: canary %s%s%.8s%s", r->name,
+             !res->answered ? "not answered: " : res->matched ? "matches, sha256 " : "DIFFERS, sha256 ",
+             !res->answered ? r->canary.err : "", res->answered ? res->sha256 : "",
+             res->answered ? ".." : "");
+    if (++d->done == d->total)
+        uv_stop(&d->loop);
+}
+
+static void step_canary(dg_t *d)
+{
+    d->total = d->done = 0;
+    for (size_t i = 0; i < d->run.n; i++) {
+        rio_t *io = &d->io[i];
+        px_dg_replica_t *r = &d->run.r[i];
+        const cfg_manifest_t *id = d->pool->manifest;
+        if (r->att_ok)
+            id = attest_manifest_identity(id, &r->report);
+        if (id == NULL)
+            id = d->pool->manifest; /* rejected on metadata: the manifest's own canary */
+        if (id == NULL || id->canary == NULL || io->up == NULL)
+            continue;
+        r->canary.ran = true;
+        d->total++;
+        px_canary_start(io->up, d->pool, id, io->hostport, io->path, canary_done, io);
+    }
+    if (d->total) {
+        progress("[1/4] canary: the manifest's canary prompt to %zu replica%s", d->total,
+                 d->total == 1 ? "" : "s");
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+    }
 }
 
 /* ---- steps 2 and 3: completions -------------------------------------------------------------- */
@@ -938,6 +1000,7 @@ int px_cmd_diagnose(int argc, char **argv)
              pool->name, d.run.n, d.run.n == 1 ? "" : "s", o.repeat, o.repeat, o.concurrency);
 
     step_metadata(&d);
+    step_canary(&d);
     d.run.model = pick_model(&d);
     if (d.run.model == NULL) {
         fprintf(stderr,

@@ -252,6 +252,12 @@ static void analyse_metadata(px_dg_run_t *run)
     }
 }
 
+/* The canary ran, was answered, and its output is not the pinned one (or none is pinned). */
+static bool canary_failed(const px_dg_replica_t *r)
+{
+    return r->canary.ran && r->canary.answered && !r->canary.matched;
+}
+
 static const px_dg_out_t *seq_out(const px_dg_replica_t *r)
 {
     return &r->seq[r->st.seq.first_ok];
@@ -286,21 +292,34 @@ static void analyse_outputs(px_dg_run_t *run)
         run->ref_group = (int)g;
     }
     if (nmax > 1) {
-        /* A tie (1 vs 1, 2 vs 2): side with the group step 1 found nothing wrong with, if
-         * exactly one such group exists; otherwise there is no telling who is odd. */
-        int clean = -1, nclean = 0;
-        for (size_t g = 0; g < run->ngroups; g++) {
-            if (run->groups[g].count != max)
-                continue;
-            bool any_odd = false;
-            for (size_t i = 0; i < run->n; i++)
-                any_odd = any_odd || (run->r[i].st.group == (int)g && run->r[i].st.meta_odd);
-            if (!any_odd) {
-                clean = (int)g;
-                nclean++;
+        /* A tie (1 vs 1, 2 vs 2): side with the group step 1 found nothing wrong with (metadata,
+         * then the canary), if exactly one such group exists; otherwise, with the group whose
+         * replicas showed no batching noise in step 3; otherwise there is no telling. */
+        for (int rule = 0; rule < 2 && nmax > 1; rule++) {
+            int clean = -1, nclean = 0;
+            for (size_t g = 0; g < run->ngroups; g++) {
+                if (run->groups[g].count != max)
+                    continue;
+                bool any_odd = false;
+                for (size_t i = 0; i < run->n; i++) {
+                    const px_dg_replica_t *r = &run->r[i];
+                    bool odd = rule == 0 ? r->st.meta_odd || canary_failed(r)
+                                         : r->st.conc_differ > 0;
+                    any_odd = any_odd || (r->st.group == (int)g && odd);
+                }
+                if (!any_odd) {
+                    clean = (int)g;
+                    nclean++;
+                }
+            }
+            if (nclean == 1) {
+                run->ref_group = clean;
+                run->tie_broken_by = rule == 0 ? "step 1" : "step 3";
+                nmax = 1;
             }
         }
-        run->ref_group = nclean == 1 ? clean : -1;
+        if (nmax > 1)
+            run->ref_group = -1;
     }
     for (size_t i = 0; i < run->n; i++) {
         px_dg_replica_t *r = &run->r[i];
@@ -362,6 +381,58 @@ static void metadata_findings(px_dg_run_t *run)
     }
 }
 
+/* A replica whose canary output is not the manifest's: the proxy does not admit it. */
+static void canary_findings(px_dg_run_t *run)
+{
+    size_t answered = 0, failed = 0;
+    for (size_t i = 0; i < run->n; i++) {
+        answered += run->r[i].canary.ran && run->r[i].canary.answered;
+        failed += canary_failed(&run->r[i]);
+    }
+    if (failed == 0)
+        return;
+    px_dg_finding_t *fd = finding(run, PX_DG_CROSS_REPLICA_DRIFT);
+    bool first = true;
+    for (size_t i = 0; i < run->n; i++) {
+        const px_dg_replica_t *r = &run->r[i];
+        if (!canary_failed(r))
+            continue;
+        fd->replicas[i] = true;
+        if (!r->canary.expected[0])
+            dp_buf_printf(&fd->detail, "%s%s's canary output hashes to %.8s.. and the manifest "
+                                       "pins no expected_sha256",
+                          first ? "" : "; ", r->name, r->canary.sha256);
+        else
+            dp_buf_printf(&fd->detail, "%s%s's canary output differs from the manifest's "
+                                       "(sha256 %.8s.. want %.8s..): the proxy does not admit it",
+                          first ? "" : "; ", r->name, r->canary.sha256, r->canary.expected);
+        first = false;
+    }
+    if (failed == answered && answered > 1 && run->r[0].canary.expected[0])
+        dp_buf_appends(&fd->detail, " (every replica differs: is expected_sha256 stale? "
+                                    "'detproxy attest canary' prints the current hash)");
+}
+
+/* Two replicas disagree and nothing tells which is odd: say exactly what is missing. */
+static void why_no_reference(const px_dg_run_t *run, dp_buf_t *b)
+{
+    size_t ran = 0, matched = 0;
+    for (size_t i = 0; i < run->n; i++) {
+        ran += run->r[i].canary.ran && run->r[i].canary.answered;
+        matched += run->r[i].canary.ran && run->r[i].canary.matched;
+    }
+    dp_buf_appends(b, ": cannot tell which is odd; ");
+    if (ran == 0)
+        dp_buf_appends(b, "no canary in the manifest");
+    else if (matched == ran)
+        dp_buf_appends(b, "every replica passes the canary");
+    else
+        dp_buf_appends(b, "the canary does not separate them");
+    dp_buf_appends(b, ", step 1 found no identity difference between the groups, and their "
+                      "batching noise in step 3 is alike; add a canary to the manifest ('detproxy "
+                      "attest canary' records one) or a third replica");
+}
+
 static void output_findings(px_dg_run_t *run)
 {
     if (run->compared < 2 || run->ngroups < 2)
@@ -375,6 +446,7 @@ static void output_findings(px_dg_run_t *run)
         dp_buf_appends(b, "temperature-0 outputs disagree with no majority (");
         names(b, run, sel);
         dp_buf_printf(b, " give %zu different texts)", run->ngroups);
+        why_no_reference(run, b);
         free(sel);
         return;
     }
@@ -392,10 +464,18 @@ static void output_findings(px_dg_run_t *run)
             dp_buf_appends(b, "; ");
         first = false;
         dp_buf_printf(b, "%s's temperature-0 output differs from %s (", r->name,
-                      ref->count * 2 > run->compared ? "the majority" : "the reference");
+                      ref->count * 2 > run->compared ? "the majority"
+                      : run->tie_broken_by          ? "the replica(s) that pass"
+                                                    : "the reference");
         names(b, run, members);
         dp_buf_printf(b, ") at byte %lld, similarity %.2f", (long long)r->st.divergence_offset,
                       r->st.similarity);
+        if (run->tie_broken_by && ref->count * 2 <= run->compared)
+            dp_buf_printf(b, " (a tie, told apart by %s: %s)", run->tie_broken_by,
+                          canary_failed(r)    ? "its canary fails"
+                          : r->st.meta_odd    ? "its attested identity differs"
+                          : r->st.conc_differ ? "it alone shows batching noise"
+                                              : "the other side is clean");
     }
     free(members);
 }
@@ -493,6 +573,7 @@ void px_dg_analyse(px_dg_run_t *run)
     analyse_metadata(run);
     analyse_outputs(run);
     metadata_findings(run);
+    canary_findings(run);
     output_findings(run);
     replica_findings(run);
     sampling_findings(run);
@@ -588,12 +669,26 @@ static const char *tri(int v, const char *eq, const char *ne)
     return v < 0 ? "failed" : v ? ne : eq;
 }
 
+static void canary_cell(tbl_t *t, const px_dg_replica_t *r)
+{
+    if (!r->canary.ran)
+        tbl_add(t, "%s", "-");
+    else if (!r->canary.answered)
+        tbl_add(t, "%s", "no answer");
+    else if (r->canary.matched)
+        tbl_add(t, "ok %.8s..", r->canary.sha256);
+    else if (!r->canary.expected[0])
+        tbl_add(t, "%.8s.. (not pinned)", r->canary.sha256);
+    else
+        tbl_add(t, "MISMATCH %.8s..", r->canary.sha256);
+}
+
 static void print_metadata(const px_dg_run_t *run, FILE *f)
 {
     fprintf(f, "\nstep 1/4  metadata: what each replica attests to\n");
-    tbl_t t = {.ncols = 9};
-    const char *hdr[] = {"replica", "source",    "model",  "checkpoint", "quantization",
-                         "dtype",   "framework", "signed", "admission"};
+    tbl_t t = {.ncols = 10};
+    const char *hdr[] = {"replica",   "source", "model",  "checkpoint", "quantization",
+                         "dtype",     "framework", "signed", "canary",  "admission"};
     for (size_t k = 0; k < t.ncols; k++)
         tbl_add(&t, "%s", hdr[k]);
     dp_buf_t b = {0};
@@ -605,6 +700,7 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
         if (!r->att_ok) {
             for (size_t k = 0; k < 6; k++)
                 tbl_add(&t, "%s", "-");
+            canary_cell(&t, r);
             dp_buf_reset(&b);
             abbrev(&b, r->att_err);
             tbl_add(&t, "%s: %s", r->source == CFG_ATTEST_NONE ? "unreachable" : "NOT ATTESTED",
@@ -628,6 +724,7 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
         }
         tbl_add(&t, "%s", b.base);
         tbl_add(&t, "%s", r->source == CFG_ATTEST_NONE ? "-" : rep->is_signed ? "yes" : "no");
+        canary_cell(&t, r);
         if (r->admitted) {
             tbl_add(&t, "%s", run->pool->manifest ? "admitted" : "admitted (no manifest)");
         } else {
@@ -807,9 +904,10 @@ static void print_across(const px_dg_run_t *run, FILE *f)
         fprintf(f, "  => %zu different outputs and no majority\n", run->ngroups);
     else
         fprintf(f, "  => %zu different outputs; the reference is the %s\n", run->ngroups,
-                run->groups[run->ref_group].count * 2 > run->compared
-                    ? "majority"
-                    : "group whose metadata step 1 did not question");
+                run->groups[run->ref_group].count * 2 > run->compared ? "majority"
+                : run->tie_broken_by && strcmp(run->tie_broken_by, "step 3") == 0
+                    ? "group without batching noise in step 3"
+                    : "group whose metadata and canary step 1 did not question");
 }
 
 void px_dg_print_text(const px_dg_run_t *run, FILE *f)
@@ -932,6 +1030,17 @@ static void json_metadata(dp_jw_t *w, const px_dg_run_t *run)
         for (size_t k = 0; k < r->admit_reasons.count; k++)
             dp_jw_str(w, NULL, r->admit_reasons.items[k]);
         dp_jw_arr_end(w);
+        if (r->canary.ran) {
+            dp_jw_obj_begin(w, "canary");
+            dp_jw_bool(w, "answered", r->canary.answered);
+            dp_jw_str(w, "output_sha256", r->canary.answered ? r->canary.sha256 : NULL);
+            dp_jw_str(w, "expected_sha256", r->canary.expected[0] ? r->canary.expected : NULL);
+            dp_jw_bool(w, "matched", r->canary.matched);
+            dp_jw_str(w, "error", r->canary.err);
+            dp_jw_obj_end(w);
+        } else {
+            dp_jw_null(w, "canary");
+        }
         dp_jw_obj_end(w);
     }
     dp_jw_arr_end(w);
@@ -1118,6 +1227,7 @@ void px_dg_run_free(px_dg_run_t *run)
         free(r->name);
         free(r->url);
         free(r->att_err);
+        free(r->canary.err);
         free(r->skip_reason);
         attest_report_clear(&r->report);
         attest_reasons_free(&r->admit_reasons);

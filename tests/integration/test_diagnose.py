@@ -182,6 +182,50 @@ def test_replica_with_the_same_metadata_but_other_outputs_is_named_by_its_output
     assert doc["steps"]["across_replicas"]["reference"] == ["r1", "r2"]
 
 
+def canary_of(replica, prompt="Count: one, two,", n=12):
+    """The canary a trusted replica answers, recorded with `detproxy attest canary`."""
+    path = config([replica], manifest={"canary": {"prompt": prompt, "max_tokens": n}})
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "canary", "-c", path, "--pool", "p",
+                            "--replica", "r1", "--json"])
+    assert rc == 0, err
+    return {"prompt": prompt, "max_tokens": n, "expected_sha256": json.loads(out)["expected_sha256"]}
+
+
+def test_two_replicas_are_told_apart_by_the_canary():
+    # Issue 18 item 3: 1 vs 1 has no majority; the manifest's canary says which one is odd, and
+    # the admission column says what the proxy decides (it rejects the liar on the canary).
+    honest, liar = sim(), sim("gptq", "--report-quantization", "awq")
+    can = canary_of(honest)
+    rc, doc, err = diagnose(config([honest, liar], policy=PIN_SEEDS, manifest={"canary": can}))
+    check_shape(doc)
+    assert rc == 1, doc["verdict"]
+    f = causes(doc)["cross_replica_drift"]
+    assert f["replicas"] == ["r2"], f
+    assert "r2's canary output differs from the manifest's" in f["detail"], f
+    assert "r2's temperature-0 output differs from the replica(s) that pass (r1)" in f["detail"], f
+    reps = {r["name"]: r for r in doc["steps"]["metadata"]["replicas"]}
+    assert reps["r1"]["admitted"] is True and reps["r1"]["canary"]["matched"] is True, reps
+    assert reps["r2"]["admitted"] is False and reps["r2"]["canary"]["matched"] is False, reps
+    assert reps["r2"]["canary"]["expected_sha256"] == can["expected_sha256"]
+    assert any(x.startswith("canary mismatch: output sha256 ") for x in reps["r2"]["reasons"])
+    rc, out, err = diagnose(config([honest, liar], policy=PIN_SEEDS, manifest={"canary": can}),
+                            as_json=False)
+    row = [l for l in out.splitlines() if l.split()[:1] == ["r2"]][0]
+    assert "MISMATCH" in row and "rejected: canary mismatch" in row, out
+
+
+def test_two_replicas_without_a_canary_say_why_no_suspect():
+    sims = [sim(), sim("gptq", "--report-quantization", "awq")]
+    rc, doc, err = diagnose(config(sims, policy=PIN_SEEDS))
+    assert rc == 1, doc["verdict"]
+    f = causes(doc)["cross_replica_drift"]
+    assert f["replicas"] == ["r1", "r2"], f
+    assert ("cannot tell which is odd; no canary in the manifest, step 1 found no identity "
+            "difference") in f["detail"], f
+    assert "add a canary to the manifest ('detproxy attest canary' records one) or a third " \
+        "replica" in f["detail"], f
+
+
 def test_noise_prompt_has_near_ties():
     # Guard for the two noise tests: on this pool the prompt must flip under concurrency.
     sims = [sim("awq", "--noise", "1", *DELAY)]
