@@ -65,6 +65,7 @@ typedef struct att_s {
     attest_canary_t canary_hist;
     bool admit_on_canary; /* metadata matched; admission waits for a matching canary */
     char canary_last[65];
+    uint64_t identity_changed_ms; /* wall ms its attested identity last changed; 0 never */
 } att_t;
 
 static void check_start(att_t *a);
@@ -245,6 +246,14 @@ static void decide(att_t *a, attest_report_t *rep)
     attest_reasons_t why = {0};
     const cfg_manifest_t *m = pc ? pc->manifest : NULL;
     int bad = attest_admit(m, rep, cur(a)->attestation.require_signature, &why);
+    for (int f = 0; a->have_report && f < ATTEST_F__COUNT; f++) {
+        const char *was = attest_report_get(&a->report, (attest_field_t)f);
+        const char *now = attest_report_get(rep, (attest_field_t)f);
+        if (was == NULL ? now != NULL : now == NULL || strcmp(was, now) != 0) {
+            a->identity_changed_ms = dp_wall_ms(); /* a drift suspect hint (drift.h) */
+            break;
+        }
+    }
     attest_report_clear(&a->report);
     attest_report_copy(&a->report, rep);
     a->have_report = true;
@@ -670,6 +679,24 @@ bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
     else if (ctx(px) && !ctx(px)->stopped)
         schedule(a, 0);
     return true;
+}
+
+void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h)
+{
+    const att_t *a = r->attest_state;
+    memset(h, 0, sizeof(*h));
+    h->changed_ago_ms = UINT64_MAX;
+    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", r->fingerprint);
+    px_pool_t *p = r->px && r->px->gen ? px_gen_pool_by_name(r->px->gen, r->pool_name) : NULL;
+    h->accept_identity = r->fingerprint[0] && p && strcmp(r->fingerprint, p->fingerprint) != 0;
+    if (a == NULL)
+        return;
+    if (a->canary_hist.count)
+        h->canary = a->canary_hist.bits & 1 ? DRIFT_CANARY_FAIL : DRIFT_CANARY_PASS;
+    if (a->identity_changed_ms) {
+        uint64_t now = dp_wall_ms();
+        h->changed_ago_ms = now > a->identity_changed_ms ? now - a->identity_changed_ms : 0;
+    }
 }
 
 void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)

@@ -2,6 +2,7 @@
 #ifndef PX_ATTEST_H
 #define PX_ATTEST_H
 
+#include "proxy/drift/drift.h"
 #include "proxy/px.h"
 
 /* Start checking every replica of the current generation (and new ones as they appear). */
@@ -21,6 +22,9 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit);
 bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen);
 /* Stop attesting r (it left the pool, kept aside by discovery); px_attest_sync starts again. */
 void px_attest_replica_free(px_replica_t *r);
+/* What attestation knows about r that shadow samples cannot tell (for naming a suspect among
+ * two replicas): its last canary result, the identity it was admitted as, when that changed. */
+void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
  * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
 int px_tls_reload(px_t *px);

@@ -21,6 +21,7 @@
 #include "common/util.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px_self.h"
+#include "proxy/px_attest.h"
 
 typedef struct shadow_s shadow_t;
 
@@ -192,6 +193,17 @@ static size_t admitted_count(const px_pool_t *p)
     return n;
 }
 
+/* What attestation knows beyond the samples, for naming one of two replicas (drift.h). */
+static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
+{
+    px_pool_t *p = live_pool(px, pool_name);
+    for (size_t i = 0; p && i < p->nreplicas; i++) {
+        drift_hint_t h;
+        px_attest_drift_hint(p->replicas[i], &h);
+        drift_pool_set_hint(dp, p->replicas[i]->name, &h);
+    }
+}
+
 /* SPEC §9 quarantine: the suspect of a cross_replica_drift verdict stops getting client traffic
  * (but keeps getting shadows), never the pool's last admitted replica; it comes back once its
  * divergence falls to the self baseline. */
@@ -244,6 +256,7 @@ static void compare_done(uv_work_t *w, int status)
                 dp_log_end(j);
             }
         }
+        refresh_hints(px, s->pool, dp); /* kept in dp: every later verdict sees them */
         quarantine_loop(px, s->pool, dp);
     }
     shadow_unref(s);
@@ -487,8 +500,11 @@ void px_shadow_drift_json(px_t *px, dp_buf_t *out)
     /* Every pool of the current configuration, including those never sampled yet. */
     size_t n = px->gen->npools;
     const drift_pool_t **v = dp_xcalloc(n ? n : 1, sizeof(*v));
-    for (size_t i = 0; i < n; i++)
-        v[i] = dpool(px, px->gen->pools[i].name);
+    for (size_t i = 0; i < n; i++) {
+        drift_pool_t *dp = dpool(px, px->gen->pools[i].name);
+        refresh_hints(px, px->gen->pools[i].name, dp);
+        v[i] = dp;
+    }
     drift_render(out, v, n);
     free(v);
 }

@@ -47,6 +47,8 @@ struct drift_pool {
     char *replicas[DRIFT_MAX_REPLICAS]; /* slot names; NULL = free */
     win_t recent[DRIFT_MAX_REPLICAS];   /* cross samples involving the replica */
     win_t *pairs;                       /* NPAIRS windows, indexed by pair_index */
+    drift_hint_t hints[DRIFT_MAX_REPLICAS];
+    bool hinted[DRIFT_MAX_REPLICAS];
 };
 
 const char *drift_kind_name(drift_kind_t k)
@@ -315,8 +317,19 @@ static void reset_slot(drift_pool_t *p, int i)
 void drift_pool_reset_replica(drift_pool_t *p, const char *replica)
 {
     int i = find_replica(p, replica);
-    if (i >= 0)
+    if (i >= 0) {
         reset_slot(p, i);
+        p->hinted[i] = false;
+    }
+}
+
+void drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h)
+{
+    int i = find_replica(p, replica);
+    if (i < 0)
+        return;
+    p->hints[i] = *h;
+    p->hinted[i] = true;
 }
 
 void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
@@ -330,6 +343,7 @@ void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
     win_free(&p->recent[i]);
     free(p->replicas[i]);
     p->replicas[i] = NULL;
+    p->hinted[i] = false;
 }
 
 /* ---- verdict ------------------------------------------------------------------------------ */
@@ -456,6 +470,81 @@ static int find_candidates(const drift_pool_t *p, const facts_t *f, int *first, 
     return n;
 }
 
+static const drift_hint_t *hint_of(const drift_pool_t *p, int i)
+{
+    static const drift_hint_t none = {.changed_ago_ms = UINT64_MAX};
+    return p->hinted[i] ? &p->hints[i] : &none;
+}
+
+static bool recent(const drift_hint_t *h)
+{
+    return h->changed_ago_ms < DRIFT_IDENTITY_RECENT_MS;
+}
+
+/* Two replicas a and b (slots), both with cross samples: name the one the hints point at
+ * (rules in drift.h), with a reason, or say exactly what would tell them apart. Returns the
+ * suspect's slot or -1. */
+static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdict_t *v)
+{
+    const drift_hint_t *ha = hint_of(p, a), *hb = hint_of(p, b);
+    const char *na = p->replicas[a], *nb = p->replicas[b];
+    int s = -1;
+    /* 1. The canary compares with what the manifest pins: ground truth, not a vote. */
+    if (ha->canary != hb->canary && ha->canary != DRIFT_CANARY_UNKNOWN &&
+        hb->canary != DRIFT_CANARY_UNKNOWN) {
+        s = ha->canary == DRIFT_CANARY_FAIL ? a : b;
+        reason(v, "%s fails the manifest's canary and %s passes it", p->replicas[s],
+               p->replicas[s == a ? b : a]);
+        return s;
+    }
+    /* 2. A rollout in progress: the two serve different accepted identities. */
+    if (ha->fingerprint[0] && hb->fingerprint[0] && strcmp(ha->fingerprint, hb->fingerprint) &&
+        ha->accept_identity != hb->accept_identity) {
+        s = ha->accept_identity ? a : b;
+        int o = s == a ? b : a;
+        reason(v, "%s serves the rollout's accepted identity %s, %s the manifest's %s: the "
+                  "difference is the rollout's",
+               p->replicas[s], hint_of(p, s)->fingerprint, p->replicas[o],
+               hint_of(p, o)->fingerprint);
+        return s;
+    }
+    /* 3. Only one of them changed lately (restarted as something else, upgraded). */
+    if (recent(ha) != recent(hb)) {
+        s = recent(ha) ? a : b;
+        reason(v, "%s's attested identity changed %llu s ago; %s's has not in the last %d min",
+               p->replicas[s], (unsigned long long)(hint_of(p, s)->changed_ago_ms / 1000),
+               p->replicas[s == a ? b : a], DRIFT_IDENTITY_RECENT_MS / 60000);
+        return s;
+    }
+    /* 4. Self noise: the replica that does not even agree with itself. */
+    agg_t sa = win_agg(&p->pairs[pair_index(a, a)]), sb = win_agg(&p->pairs[pair_index(b, b)]);
+    bool self_ok = sa.n >= DRIFT_MIN_PAIR_SAMPLES && sb.n >= DRIFT_MIN_PAIR_SAMPLES;
+    if (self_ok && (exceeds(est(sa), est(sb)) || exceeds(est(sb), est(sa)))) {
+        s = exceeds(est(sa), est(sb)) ? a : b;
+        agg_t ss = s == a ? sa : sb, so = s == a ? sb : sa;
+        reason(v, "%s's self pairs diverge %.1f%% (n=%u) vs %s's %.1f%% (n=%u): the replica "
+                  "that disagrees with itself is the likelier odd one",
+               p->replicas[s], pct(rate(ss)), ss.n, p->replicas[s == a ? b : a], pct(rate(so)),
+               so.n);
+        return s;
+    }
+    const char *canary = ha->canary == DRIFT_CANARY_UNKNOWN || hb->canary == DRIFT_CANARY_UNKNOWN
+                             ? "no canary result"
+                         : ha->canary == DRIFT_CANARY_PASS ? "both pass the canary"
+                                                           : "both fail the canary";
+    char self[96];
+    if (self_ok)
+        snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)",
+                 pct(rate(sa)), sa.n, pct(rate(sb)), sb.n);
+    else
+        snprintf(self, sizeof(self), "too few self samples (%u, %u; need %d each)", sa.n, sb.n,
+                 DRIFT_MIN_PAIR_SAMPLES);
+    reason(v, "suspect undetermined: two replicas (%s, %s), %s, %s, same identity history: "
+              "cannot tell which; add a canary to the manifest or a third replica",
+           na, nb, canary, self);
+    return -1;
+}
+
 void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
 {
     memset(v, 0, sizeof(*v));
@@ -488,9 +577,19 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
                    v->suspect, pct(rate(inv)), inv.n, pct(rate(out)), out.n);
         } else if (ncand > 1) {
             reason(v, "suspect undetermined: several replicas disagree (%s)", names);
-        } else if (with_data <= 2) {
-            reason(v, "suspect undetermined: with two replicas either side may have drifted; a "
-                      "third replica, or detproxy diagnose, tells which");
+        } else if (with_data == 2) {
+            int a = -1, b = -1;
+            for (int i = 0; i < DRIFT_MAX_REPLICAS; i++)
+                if (p->replicas[i] && f->inv[i].n)
+                    *(a < 0 ? &a : &b) = i;
+            int s = two_replica_suspect(p, a, b, v);
+            if (s >= 0) {
+                v->has_suspect = true;
+                snprintf(v->suspect, sizeof(v->suspect), "%s", p->replicas[s]);
+            }
+        } else if (with_data < 2) {
+            reason(v, "suspect undetermined: cross samples involve fewer than two tracked "
+                      "replicas");
         } else {
             reason(v, "suspect undetermined: no single replica's pairs stand out");
         }

@@ -53,6 +53,7 @@
 #define DRIFT_SELF_NOISE_MIN 3     /* ... with at least this many diverged self samples */
 #define DRIFT_RECOVERY_SAMPLES 50  /* recent cross samples a quarantined replica is judged on */
 #define DRIFT_RECOVERY_MARGIN 0.05 /* recovered when recent rate <= baseline + this */
+#define DRIFT_IDENTITY_RECENT_MS 3600000 /* an identity change this recent points at a replica */
 
 /* ---- 1. extraction ------------------------------------------------------------------------ */
 
@@ -200,7 +201,26 @@ int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
                             drift_summary_t *out);
 
 #define DRIFT_MAX_REASONS 4
-#define DRIFT_REASON_MAX 240
+#define DRIFT_REASON_MAX 360
+
+/* What the control plane knows about a replica besides shadow samples. With two replicas the
+ * samples cannot say which side drifted (each pair involves both); these can. */
+typedef enum {
+    DRIFT_CANARY_UNKNOWN = 0, /* no canary configured, or no completed check yet */
+    DRIFT_CANARY_PASS,        /* the last completed canary check matched */
+    DRIFT_CANARY_FAIL,        /* it did not */
+} drift_canary_t;
+
+typedef struct {
+    drift_canary_t canary;
+    char fingerprint[20];    /* the accepted identity it was admitted as; "" unknown */
+    bool accept_identity;    /* that identity is a manifest "accept" entry (a rollout's new one) */
+    uint64_t changed_ago_ms; /* since its attested identity last changed; UINT64_MAX never */
+} drift_hint_t;
+
+/* Replace what is known about a replica the pool tracks (ignored for an untracked name: it has
+ * no samples to explain). Call before a verdict; reset and forget clear it. */
+void drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h);
 
 typedef struct {
     drift_verdict_kind_t kind;
@@ -210,7 +230,12 @@ typedef struct {
     int nreasons;
 } drift_verdict_t;
 
-/* Verdict over the current windows (rules in docs/drift.md). One pass over the pair slots
+/* Verdict over the current windows and hints (rules in docs/drift.md). With two replicas the
+ * suspect is named from the hints, in this order: the only one failing the canary; the only one
+ * on a rollout's accept identity when their fingerprints differ; the only one whose identity
+ * changed within DRIFT_IDENTITY_RECENT_MS; the one whose self pairs diverge beyond the other's
+ * (both with DRIFT_MIN_PAIR_SAMPLES). Else a reason says which of these was missing.
+ * One pass over the pair slots
  * (DRIFT_MAX_REPLICAS^2 / 2): microseconds, cheap enough to call after every sample. */
 void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v);
 

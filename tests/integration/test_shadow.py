@@ -1,10 +1,11 @@
 """Shadow sampling and drift verdicts end to end (SPEC §9, issue 5)."""
 
+import hashlib
 import json
 import threading
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import metric, pool, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
 
 MODEL = "m1"
 
@@ -114,6 +115,51 @@ def test_drifted_replica_is_named_and_quarantined():
         assert r.headers["x-detproxy-replica"] != "r3"
     poll_until(lambda: sim_stats(rs[2])["requests"] > before, what="shadows still reach r3")
     assert "prompt number" not in text  # texts never logged
+    px.stop()
+
+
+def two_replica_pool(canary=None, interval=4000):
+    rs = sims(2)
+    p = pool("p", [MODEL], rs)
+    if canary:
+        # The manifest's canary, recorded from r1 as the proxy sends it (temperature 0, seed 0).
+        body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 12,
+                "temperature": 0, "seed": 0}
+        text = post_json(rs[0].port, "/v1/completions", body).json()["choices"][0]["text"]
+        p["manifest"] = {"model": MODEL, "canary": {
+            "prompt": body["prompt"], "max_tokens": 12,
+            "expected_sha256": hashlib.sha256(text.encode()).hexdigest()}}
+        for r in p["replicas"]:
+            r["attest"] = {"source": "vllm"}
+    px = start_proxy(pools=[p], attestation={"interval_ms": interval},
+                     shadow={"rate": 0.7, "self_rate": 0.3, "max_inflight": 8,
+                             "max_output_bytes": 65536, "quarantine": False})
+    # r2 starts generating as another quantization while still reporting the pinned one.
+    sim_config(rs[1], quantization="gptq", report_quantization="awq")
+    load(px, 160)
+    settle(px, 150)
+    return rs, px
+
+
+def test_two_replicas_the_canary_names_the_suspect():
+    # Issue 18 item 3: with two replicas every cross pair involves both; the canary (ground
+    # truth pinned in the manifest) says which one drifted.
+    rs, px = two_replica_pool(canary=True)
+    poll_until(lambda: drift(px)["suspect"] == "r2", timeout=15,
+               what="r2 named by its next canary check")
+    d = drift(px)
+    assert d["verdict"] == "cross_replica_drift", d
+    assert "r2 fails the manifest's canary and r1 passes it" in d["reasons"], d["reasons"]
+    px.stop()
+
+
+def test_two_replicas_without_a_canary_say_exactly_why_no_suspect():
+    rs, px = two_replica_pool()
+    d = drift(px)
+    assert d["verdict"] == "cross_replica_drift" and d["suspect"] is None, d
+    why = [x for x in d["reasons"] if x.startswith("suspect undetermined: two replicas (r1, r2)")]
+    assert why and "no canary result" in why[0] and "add a canary to the manifest or a third " \
+        "replica" in why[0], d["reasons"]
     px.stop()
 
 

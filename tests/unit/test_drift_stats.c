@@ -261,9 +261,116 @@ Test(drift_verdict, two_replicas_drift_but_suspect_is_undetermined)
     cr_assert_eq(v.kind, DRIFT_CROSS_REPLICA_DRIFT);
     cr_assert_not(v.has_suspect);
     cr_assert_str_eq(v.suspect, "");
-    cr_assert(strstr(v.reasons[1], "undetermined") != NULL, "%s", v.reasons[1]);
+    /* Says exactly why: nothing else is known about them. */
+    cr_assert_str_eq(v.reasons[1],
+                     "suspect undetermined: two replicas (r1, r2), no canary result, equal "
+                     "self-noise (0.0% n=30, 0.0% n=30), same identity history: cannot tell "
+                     "which; add a canary to the manifest or a third replica");
     cr_assert_not(drift_pool_is_suspect(p, "r1"));
     cr_assert_not(drift_pool_is_suspect(p, "r2"));
+    drift_pool_free(p);
+}
+
+/* ---- two replicas: what else is known names the suspect (issue 18) -------------------------- */
+
+static drift_pool_t *two_drifting(int self2_diverged_of_30)
+{
+    drift_pool_t *p = drift_pool_new("x");
+    add_n(p, "r1", "r2", 60, 1.0);
+    add_n(p, "r1", "r1", 30, 0.0);
+    add_n(p, "r2", "r2", 30, self2_diverged_of_30 / 30.0);
+    return p;
+}
+
+static drift_hint_t hint(drift_canary_t canary, const char *fp, bool accept, uint64_t ago)
+{
+    drift_hint_t h = {.canary = canary, .accept_identity = accept, .changed_ago_ms = ago};
+    snprintf(h.fingerprint, sizeof(h.fingerprint), "%s", fp);
+    return h;
+}
+
+Test(drift_two, the_canary_names_the_one_that_fails_it)
+{
+    drift_pool_t *p = two_drifting(0);
+    drift_hint_t ok = hint(DRIFT_CANARY_PASS, "fp_a", false, UINT64_MAX);
+    drift_hint_t bad = hint(DRIFT_CANARY_FAIL, "fp_a", false, UINT64_MAX);
+    drift_pool_set_hint(p, "r1", &bad);
+    drift_pool_set_hint(p, "r2", &ok);
+    drift_pool_set_hint(p, "r9", &ok); /* untracked: ignored */
+    drift_verdict_t v = verdict(p);
+    cr_assert_eq(v.kind, DRIFT_CROSS_REPLICA_DRIFT);
+    cr_assert(v.has_suspect);
+    cr_assert_str_eq(v.suspect, "r1");
+    cr_assert_str_eq(v.reasons[1], "r1 fails the manifest's canary and r2 passes it");
+    cr_assert(drift_pool_is_suspect(p, "r1"));
+    /* Both fail: the canary cannot separate them (a stale expected hash, say). */
+    drift_pool_set_hint(p, "r2", &bad);
+    v = verdict(p);
+    cr_assert_not(v.has_suspect);
+    cr_assert(strstr(v.reasons[1], "both fail the canary") != NULL, "%s", v.reasons[1]);
+    /* Re-admission drops the hint with the evidence. */
+    drift_pool_set_hint(p, "r2", &ok);
+    drift_pool_reset_replica(p, "r1");
+    add_n(p, "r1", "r2", 60, 1.0);
+    v = verdict(p);
+    cr_assert_not(v.has_suspect, "%s", v.suspect);
+    drift_pool_free(p);
+}
+
+Test(drift_two, a_rollout_identity_is_named_when_fingerprints_differ)
+{
+    drift_pool_t *p = two_drifting(0);
+    drift_hint_t old = hint(DRIFT_CANARY_UNKNOWN, "fp_old", false, UINT64_MAX);
+    drift_hint_t nu = hint(DRIFT_CANARY_UNKNOWN, "fp_new", true, UINT64_MAX);
+    drift_pool_set_hint(p, "r1", &old);
+    drift_pool_set_hint(p, "r2", &nu);
+    drift_verdict_t v = verdict(p);
+    cr_assert_str_eq(v.suspect, "r2");
+    cr_assert_str_eq(v.reasons[1], "r2 serves the rollout's accepted identity fp_new, r1 the "
+                                   "manifest's fp_old: the difference is the rollout's");
+    drift_pool_free(p);
+}
+
+Test(drift_two, a_recent_identity_change_is_named)
+{
+    drift_pool_t *p = two_drifting(0);
+    drift_hint_t still = hint(DRIFT_CANARY_PASS, "fp_a", false, UINT64_MAX);
+    drift_hint_t changed = hint(DRIFT_CANARY_PASS, "fp_a", false, 120000);
+    drift_pool_set_hint(p, "r1", &still);
+    drift_pool_set_hint(p, "r2", &changed);
+    drift_verdict_t v = verdict(p);
+    cr_assert_str_eq(v.suspect, "r2");
+    cr_assert_str_eq(v.reasons[1],
+                     "r2's attested identity changed 120 s ago; r1's has not in the last 60 min");
+    /* An hour later it no longer points anywhere. */
+    changed.changed_ago_ms = DRIFT_IDENTITY_RECENT_MS;
+    drift_pool_set_hint(p, "r2", &changed);
+    cr_assert_not(verdict(p).has_suspect);
+    drift_pool_free(p);
+}
+
+Test(drift_two, the_noisier_replica_is_named_by_self_noise)
+{
+    drift_pool_t *p = two_drifting(15); /* r2 disagrees with itself half the time */
+    drift_verdict_t v = verdict(p);
+    cr_assert_eq(v.kind, DRIFT_CROSS_REPLICA_DRIFT, "%s", drift_verdict_name(v.kind));
+    cr_assert_str_eq(v.suspect, "r2");
+    cr_assert(strstr(v.reasons[1], "r2's self pairs diverge 50.0% (n=30) vs r1's 0.0% (n=30)") !=
+                  NULL,
+              "%s", v.reasons[1]);
+    drift_pool_free(p);
+}
+
+Test(drift_two, too_few_self_samples_is_said)
+{
+    drift_pool_t *p = drift_pool_new("x");
+    add_n(p, "r1", "r2", 60, 1.0);
+    add_n(p, "r1", "r1", 25, 0.0);
+    add_n(p, "r2", "r2", 5, 0.0);
+    drift_verdict_t v = verdict(p);
+    cr_assert_eq(v.kind, DRIFT_CROSS_REPLICA_DRIFT);
+    cr_assert(strstr(v.reasons[1], "too few self samples (25, 5; need 10 each)") != NULL, "%s",
+              v.reasons[1]);
     drift_pool_free(p);
 }
 
