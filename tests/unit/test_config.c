@@ -924,6 +924,19 @@ Test(config, manifest_accept_entries_inherit_and_get_their_own_fingerprint)
     cfg_free(cfg);
 }
 
+Test(config, manifest_accept_entry_may_differ_in_the_oms_signer_only)
+{
+    /* A new publisher key for the same weights: the fingerprint is equal, the identity is not. */
+    cfg_t *cfg = must_load(MANIFEST(
+        "{'model':'m','framework':{'name':'vllm'},'oms':{'signer':'" H64 "'},'accept':[{'oms':{'signer':"
+        "'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb'}},{'dtype':'bf16'}]}"));
+    const cfg_manifest_t *m = cfg->pools[0].manifest;
+    cr_assert_eq(m->naccept, 2);
+    cr_assert_str_eq(m->accept[0].fingerprint, m->fingerprint);
+    cr_assert_str_eq(m->accept[1].oms_signer, H64); /* inherited */
+    cfg_free(cfg);
+}
+
 /* ---- look-ups ---------------------------------------------------------------------------- */
 
 Test(config, pool_lookups)
