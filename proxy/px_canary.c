@@ -84,8 +84,7 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
 }
 
 px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
-                             const char *hostport, const char *base, px_canary_cb cb,
-                             void *data)
+                             const char *hostport, const char *base, px_canary_cb cb, void *data)
 {
     if (id == NULL)
         id = pc->manifest;

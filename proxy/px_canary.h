@@ -20,14 +20,14 @@
 #define PX_CANARY_MAX_BYTES (1 << 20) /* response body cap */
 
 typedef struct {
-    bool answered;      /* HTTP 200 with a string choices[0].text */
-    int status;         /* HTTP status; 0 when the exchange failed below HTTP */
-    const char *text;   /* the output text hashed (valid during the callback), when answered */
+    bool answered;    /* HTTP 200 with a string choices[0].text */
+    int status;       /* HTTP status; 0 when the exchange failed below HTTP */
+    const char *text; /* the output text hashed (valid during the callback), when answered */
     size_t len;
-    char sha256[65];    /* hex SHA-256 of text, when answered */
-    char expected[65];  /* the expected_sha256 in force when the request was sent */
-    bool matched;       /* answered and sha256 == expected */
-    const char *error;  /* why not answered (valid during the callback) */
+    char sha256[65];   /* hex SHA-256 of text, when answered */
+    char expected[65]; /* the expected_sha256 in force when the request was sent */
+    bool matched;      /* answered and sha256 == expected */
+    const char *error; /* why not answered (valid during the callback) */
 } px_canary_result_t;
 
 typedef void (*px_canary_cb)(const px_canary_result_t *res, void *data);
@@ -46,8 +46,7 @@ void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
  * the replica at hostport with URL path prefix base ("" or "/prefix"). cb runs once from the
  * loop, unless cancelled. Nothing of pc or id is kept: a reload may free them meanwhile. */
 px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
-                             const char *hostport, const char *base, px_canary_cb cb,
-                             void *data);
+                             const char *hostport, const char *base, px_canary_cb cb, void *data);
 void px_canary_cancel(px_canary_t *c);
 
 #endif
