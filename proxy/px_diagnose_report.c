@@ -428,9 +428,13 @@ static void why_no_reference(const px_dg_run_t *run, dp_buf_t *b)
         dp_buf_appends(b, "every replica passes the canary");
     else
         dp_buf_appends(b, "the canary does not separate them");
-    dp_buf_appends(b, ", step 1 found no identity difference between the groups, and their "
-                      "batching noise in step 3 is alike; add a canary to the manifest ('detproxy "
-                      "attest canary' records one) or a third replica");
+    bool meta = false;
+    for (size_t i = 0; i < run->n; i++)
+        meta = meta || (run->r[i].st.group >= 0 && run->r[i].st.meta_odd);
+    dp_buf_appends(b, meta ? ", step 1's differences name both sides"
+                           : ", step 1 found no identity difference between the groups");
+    dp_buf_appends(b, ", and their batching noise in step 3 is alike; add a canary to the "
+                      "manifest ('detproxy attest canary' records one) or a third replica");
 }
 
 static void output_findings(px_dg_run_t *run)

@@ -448,8 +448,11 @@ def test_attest_canary_prints_the_hash_the_proxy_admits():
                             "temperature": 0, "seed": 0}, j
     assert hashlib.sha256(j["text"].encode()).hexdigest() == want, j
     # The sim saw exactly the body the proxy sends (compared below with the proxy's own probe).
-    sent = [json.loads(r["body"]) for r in get_json(honest.port, "/_sim/requests")["requests"]
-            if r["inference"]]
+    def canaries():  # the engine-fingerprint probes go to the same endpoint
+        return [b for b in (json.loads(r["body"]) for r in
+                            get_json(honest.port, "/_sim/requests")["requests"] if r["inference"])
+                if b.get("prompt") == can["prompt"]]
+    sent = canaries()
 
     # Unpinned: the proxy runs the canary but admits nobody, and says what to pin.
     px = start_proxy(config=cfg, ready=False)
@@ -458,8 +461,7 @@ def test_attest_canary_prints_the_hash_the_proxy_admits():
     assert state(px, "r1") == "pending"
     assert want in " ".join(replicas(px)["r1"]["reasons"])
     px.stop()
-    probes = [json.loads(r["body"]) for r in get_json(honest.port, "/_sim/requests")["requests"]
-              if r["inference"]][len(sent):]
+    probes = canaries()[len(sent):]
     assert probes and all(b == sent[0] for b in probes + sent), (sent, probes)
 
     # Pinned: the honest replica is admitted, the liar is not.
