@@ -6,6 +6,7 @@
 #include "common/util.h"
 #include "proxy/px.h"
 #include "proxy/px_admin.h"
+#include "proxy/px_status.h"
 
 static bool path_is(const px_req_t *req, const char *p)
 {
@@ -199,7 +200,9 @@ static void on_complete(px_req_t *req)
     }
     if (px_admin_authorize(px, req) != 0)
         return;
-    if (path_is(req, "/metrics") && get)
+    if (path_is(req, "/") && get)
+        px_status_page(px, req);
+    else if (path_is(req, "/metrics") && get)
         metrics(px, req);
     else if (path_is(req, "/admin/replicas") && get)
         replicas(px, req);

@@ -699,6 +699,12 @@ void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h)
     }
 }
 
+const attest_report_t *px_attest_report(const px_replica_t *r)
+{
+    const att_t *a = r->attest_state;
+    return a && a->have_report ? &a->report : NULL;
+}
+
 void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)
 {
     const att_t *a = r->attest_state;

@@ -3,6 +3,7 @@
 #define PX_ATTEST_H
 
 #include "proxy/drift/drift.h"
+#include "attest/report.h"
 #include "proxy/px.h"
 
 /* Start checking every replica of the current generation (and new ones as they appear). */
@@ -25,6 +26,8 @@ void px_attest_replica_free(px_replica_t *r);
 /* What attestation knows about r that shadow samples cannot tell (for naming a suspect among
  * two replicas): its last canary result, the identity it was admitted as, when that changed. */
 void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h);
+/* r's last attestation report, or NULL before the first one (the status page). */
+const attest_report_t *px_attest_report(const px_replica_t *r);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
  * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
 int px_tls_reload(px_t *px);

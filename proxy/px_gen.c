@@ -7,6 +7,7 @@
 #include "common/util.h"
 #include "proxy/px.h"
 #include "proxy/px_attest.h"
+#include "proxy/px_status.h"
 #include "proxy/tls.h"
 
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
@@ -203,6 +204,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     px_replica_state_t old = r->state;
     r->state = st;
     px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
+    px_status_note_change(r, old);
     dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
                                                                                      : DP_LOG_WARN,
                               "replica_state");

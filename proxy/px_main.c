@@ -17,6 +17,7 @@
 #include "proxy/px_discovery.h"
 #include "proxy/px_hooks.h"
 #include "proxy/px_shadow.h"
+#include "proxy/px_status.h"
 #include "proxy/tls.h"
 
 #define DRAIN_LIMIT_MS 30000
@@ -44,6 +45,10 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
     px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
                       "Word-level similarity of shadow samples.");
+    px_metrics_family("detproxy_drift_verdict", PX_GAUGE,
+                      "1 for the pool's current drift verdict (SPEC 9), 0 for the others.");
+    px_metrics_family("detproxy_replica_quarantined", PX_GAUGE,
+                      "1 while the replica is quarantined for cross-replica drift.");
     px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
@@ -89,6 +94,7 @@ void px_admin_refresh_gauges(px_t *px)
                   (double)px_server_connections(px->proxy));
     px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
                   (double)px_server_inflight(px->proxy));
+    px_status_refresh_gauges(px);
 }
 
 /* ---- shutdown ------------------------------------------------------------------------------ */

@@ -509,6 +509,11 @@ void px_shadow_drift_json(px_t *px, dp_buf_t *out)
     free(v);
 }
 
+const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)
+{
+    return dpool(px, pool);
+}
+
 void px_shadow_forget_replica(px_t *px, const char *pool, const char *replica)
 {
     drift_pool_forget_replica(dpool(px, pool), replica);

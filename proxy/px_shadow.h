@@ -27,6 +27,9 @@ void px_shadow_free(px_t *px);
 extern const double px_shadow_similarity_bounds[];
 extern const size_t px_shadow_similarity_nbounds;
 
+/* The drift statistics of the pool named `pool` (created empty on first use). */
+struct drift_pool;
+const struct drift_pool *px_shadow_drift_pool(px_t *px, const char *pool);
 /* GET /admin/drift (SPEC §9). */
 void px_shadow_drift_json(px_t *px, dp_buf_t *out);
 
