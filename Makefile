@@ -5,6 +5,8 @@
 #   make demo             three simulated replicas + the proxy, a scripted tour, then serve
 #   make bench            benchmarks against nginx and HAProxy (bench/RESULTS.md)
 #   make fuzz             libFuzzer targets for a bounded time (FUZZ_SECONDS, default 60)
+#   make image            the container image (deploy/docker/Dockerfile) with podman
+#                         (IMAGE, default localhost/detproxy:latest; scripts/image.sh)
 SANITIZE ?= 0
 JOBS ?= $(shell nproc)
 ifeq ($(SANITIZE),1)
@@ -20,7 +22,7 @@ FUZZ_SECONDS ?= 60
 MAKEFLAGS += --no-print-directory
 QUIET_BUILD = -- --no-print-directory
 
-.PHONY: all deps build test demo bench fuzz clean format
+.PHONY: all deps build test demo bench fuzz image clean format
 all: build
 
 deps:
@@ -43,6 +45,9 @@ fuzz: deps
 	@CC=clang cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_FUZZ=ON -DDP_TESTS=OFF >/dev/null
 	@cmake --build build/fuzz -j $(JOBS) --target fuzzers $(QUIET_BUILD)
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/run.sh build/fuzz
+
+image:
+	@scripts/image.sh
 
 format:
 	@git ls-files '*.c' '*.h' | xargs clang-format -i

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Prepare podman on a machine like the project's CI VM (Debian 12, root, no container registry
+# reachable). These are THIS VM's needs, not recommendations for other hosts:
+#   - crun fails here (cgroup v1/v2 hybrid layout): runc is made the engine's runtime;
+#   - setrlimit inside containers fails unless containers.conf has default_ulimits = [];
+#   - no registry: debian:bookworm-slim (the Dockerfile's base) is made locally with
+#     `mmdebstrap --variant=minbase bookworm` and `podman import`.
+# Idempotent; run as root. Exit 0 when podman is ready, else non-zero with the reason.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+need=()
+for p in podman runc mmdebstrap; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "podman-setup: installing ${need[*]}" >&2
+  apt-get update -qq || true
+  apt-get install -y -qq --no-install-recommends "${need[@]}" uidmap slirp4netns fuse-overlayfs >&2
+fi
+conf=/etc/containers/containers.conf
+if ! grep -qs '^# detproxy podman-setup' "$conf"; then
+  [ -f "$conf" ] && cp "$conf" "$conf.before-detproxy"
+  cat >>"$conf" <<'CONF'
+# detproxy podman-setup (scripts/podman-setup.sh): this VM's needs, see that script.
+[containers]
+default_ulimits = []
+[engine]
+runtime = "runc"
+CONF
+fi
+if ! podman image exists docker.io/library/debian:bookworm-slim; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  echo "podman-setup: building the debian:bookworm-slim base with mmdebstrap (minbase)" >&2
+  mmdebstrap --quiet --variant=minbase bookworm "$tmp/base.tar"
+  podman import "$tmp/base.tar" docker.io/library/debian:bookworm-slim >/dev/null
+fi
+podman run --rm --network none docker.io/library/debian:bookworm-slim true
+echo "podman-setup: ok"
