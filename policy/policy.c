@@ -164,6 +164,7 @@ enum {
     S_FREQUENCY_PENALTY,
     S_MAX_COMPLETION_TOKENS, /* aliases governed by max_tokens' rule */
     S_N_PREDICT,
+    S_MAX_OUTPUT_TOKENS, /* /v1/responses' max_tokens, governed by its rule */
     S_MIN_P, /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
@@ -174,6 +175,7 @@ enum {
     S_USER,
     S_PROMPT,
     S_MESSAGES,
+    S_INPUT,
     S__COUNT
 };
 
@@ -202,6 +204,7 @@ static const struct {
     [S_FREQUENCY_PENALTY] = {"frequency_penalty", 17, false},
     [S_MAX_COMPLETION_TOKENS] = {"max_completion_tokens", 21, true},
     [S_N_PREDICT] = {"n_predict", 9, true},
+    [S_MAX_OUTPUT_TOKENS] = {"max_output_tokens", 17, true},
     [S_MIN_P] = {"min_p", 5, false},
     [S_REPETITION_PENALTY] = {"repetition_penalty", 18, false},
     [S_REPEAT_PENALTY] = {"repeat_penalty", 14, false},
@@ -211,6 +214,7 @@ static const struct {
     [S_USER] = {"user", 4, false},
     [S_PROMPT] = {"prompt", 6, false},
     [S_MESSAGES] = {"messages", 8, false},
+    [S_INPUT] = {"input", 5, false},
 };
 
 struct policy_req_s {
@@ -432,6 +436,46 @@ static int check_messages(const policy_req_t *r, policy_error_t *err)
         }
     }
     return 0;
+}
+
+/* input (/v1/responses): a string or a non-empty array of input items (strings or objects; the
+ * items' own shapes are the replica's to judge). */
+static int check_input(const policy_req_t *r, policy_error_t *err)
+{
+    const jdoc_t *d = &r->doc;
+    uint32_t k = r->key[S_INPUT];
+    if (k == JDOC_NONE) {
+        policy_set_error(err, 400, "invalid_value", "input", "input is required");
+        return -1;
+    }
+    const jtok_t *t = &d->toks[k + 1];
+    if (t->type == JT_STR)
+        return 0;
+    if (t->type == JT_ARR && t->aux > 0) {
+        unsigned j = 0;
+        for (uint32_t i = k + 2; i < t->end; i = d->toks[i].end, j++) {
+            if (d->toks[i].type != JT_OBJ && d->toks[i].type != JT_STR) {
+                char param[64];
+                snprintf(param, sizeof(param), "input[%u]", j);
+                policy_set_error(err, 400, "invalid_value", param,
+                                 "%s must be an object or a string", param);
+                return -1;
+            }
+        }
+        return 0;
+    }
+    policy_set_error(err, 400, "invalid_value", "input",
+                     "input must be a string or a non-empty array of input items");
+    return -1;
+}
+
+static int check_shape(const policy_req_t *r, policy_error_t *err)
+{
+    switch (r->route) {
+    case POLICY_ROUTE_CHAT: return check_messages(r, err);
+    case POLICY_ROUTE_RESPONSES: return check_input(r, err);
+    default: return check_prompt(r, err);
+    }
 }
 
 /* ---- the rule engine ------------------------------------------------------------------------ */
@@ -792,7 +836,8 @@ static void normalize(apply_t *a, const cfg_tenant_t *t, fw_t fw)
     if (governed(&R[S_TOP_K]) && fw != FW_TGI)
         pin(a, S_TOP_K, R[S_TOP_K].has_max ? R[S_TOP_K].max : fw == FW_LLAMACPP ? 0 : -1);
     if (governed(&R[S_MAX_TOKENS]) && R[S_MAX_TOKENS].has_max)
-        pin(a, S_MAX_TOKENS, R[S_MAX_TOKENS].max);
+        pin(a, a->r->route == POLICY_ROUTE_RESPONSES ? S_MAX_OUTPUT_TOKENS : S_MAX_TOKENS,
+            R[S_MAX_TOKENS].max);
     if (governed(&R[S_N]))
         pin(a, S_N, clamp_rule(&R[S_N], 1));
     if (governed(&R[S_PRESENCE_PENALTY]) && fw != FW_TGI)
@@ -952,13 +997,24 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     a.r = r;
     if (read_params(r, &a, err) < 0)
         return -1;
-    if (r->route == POLICY_ROUTE_CHAT ? check_messages(r, err) < 0 : check_prompt(r, err) < 0)
+    if (check_shape(r, err) < 0)
         return -1;
     memcpy(a.cur, a.orig, sizeof(a.cur));
 
-    /* 3. rules, then derive. */
-    for (int s = 0; s < CFG_PARAM__COUNT; s++)
+    /* 3. rules, then derive. /v1/responses names the length max_output_tokens and has no n:
+     * there max_tokens' rule governs max_output_tokens (a default adds that), and the rules of
+     * max_tokens and n touch those keys only when a client sends them anyway. */
+    const bool responses = r->route == POLICY_ROUTE_RESPONSES;
+    for (int s = 0; s < CFG_PARAM__COUNT; s++) {
+        if (responses && (s == S_MAX_TOKENS || s == S_N) && a.cur[s].kind != PV_NUM) {
+            if (s == S_MAX_TOKENS)
+                apply_rule(&a, S_MAX_OUTPUT_TOKENS, &t->rules[s]);
+            continue;
+        }
         apply_rule(&a, s, &t->rules[s]);
+    }
+    if (responses && a.cur[S_MAX_TOKENS].kind == PV_NUM && a.cur[S_MAX_OUTPUT_TOKENS].kind == PV_NUM)
+        apply_rule(&a, S_MAX_OUTPUT_TOKENS, &t->rules[S_MAX_TOKENS]);
     /* Aliases of max_tokens: vLLM prefers max_completion_tokens, llama.cpp n_predict; either
      * would otherwise carry an unpoliced length past the rule. Only present ones are ruled. */
     const cfg_rule_t *mt = &t->rules[CFG_PARAM_MAX_TOKENS];
@@ -973,7 +1029,20 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     }
 
     /* 4. framework normalisation. */
-    normalize(&a, t, fw_parse(framework));
+    fw_t fw = fw_parse(framework);
+    normalize(&a, t, fw);
+    /* The Responses API has no seed. vLLM takes one as an extra sampling field; elsewhere it
+     * would be dropped without a word, and a forced or derived seed is a promise to the
+     * tenant: refuse rather than break it. */
+    if (responses && a.cur[S_SEED].kind == PV_NUM && fw != FW_VLLM) {
+        policy_set_error(err, 400, "policy_violation", "seed",
+                         "this request needs seed %lld (%s), which /v1/responses cannot carry to "
+                         "this pool's framework (%s); use /v1/chat/completions",
+                         (long long)a.cur[S_SEED].i,
+                         a.dirty[S_SEED] ? "set by this tenant's policy" : "sent by the client",
+                         framework && *framework ? framework : "unknown");
+        return -1;
+    }
 
     /* 5. results. */
     out->model = policy_model(r);

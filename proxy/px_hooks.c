@@ -34,7 +34,7 @@ typedef struct pol_s {
     px_gen_t *gen;
     const px_pool_t *pool;
     int rc;
-    bool chat;
+    policy_route_t proute;
     px_hooks_policed_cb done;
     void *done_data;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
@@ -249,12 +249,11 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
 /* Parse and police the body, pick the pool, hash what will be forwarded. Touches only the
  * request's own pol_t and immutable configuration (the generation is referenced by the request),
  * so it may run on a thread-pool worker. 0, or -1 with p->err. */
-static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, bool chat, const char *body,
-                  size_t len)
+static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, policy_route_t route,
+                  const char *body, size_t len)
 {
     const cfg_pool_t *pc;
-    if (policy_decide(g->cfg, t, p->preq, chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS,
-                      body, len, &pc, &p->res, &p->err) != 0)
+    if (policy_decide(g->cfg, t, p->preq, route, body, len, &pc, &p->res, &p->err) != 0)
         return -1;
     /* Pools are built in the config's order. */
     p->pool = &g->pools[pc - g->cfg->pools];
@@ -293,7 +292,7 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
 static void police_work(uv_work_t *w)
 {
     pol_t *p = w->data;
-    p->rc = police(p, p->gen, p->h->tenant_cfg, p->chat, p->in.base ? p->in.base : "", p->in.len);
+    p->rc = police(p, p->gen, p->h->tenant_cfg, p->proute, p->in.base ? p->in.base : "", p->in.len);
 }
 
 static void police_done(uv_work_t *w, int status)
@@ -306,19 +305,21 @@ static void police_done(uv_work_t *w, int status)
     p->done(p->done_data, rc, body, &res);
 }
 
-int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
-                       dp_iovec_t *body, px_hooks_result_t *res, px_hooks_policed_cb done,
-                       void *done_data)
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
+                       policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
+                       px_hooks_policed_cb done, void *done_data)
 {
     h->inference = true;
     pol_t *p = pol_get();
     h->policy = p;
-    p->route = chat ? "/v1/chat/completions" : "/v1/completions";
+    static const char *const route_paths[] = {"/v1/completions", "/v1/chat/completions",
+                                              "/v1/responses"};
+    p->route = route_paths[route];
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
-        p->rc = police(p, g, h->tenant_cfg, chat, req->body.base ? req->body.base : "",
-                       req->body.len);
+        p->rc =
+            police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
         return policed(h, g, p, body, res);
     }
     /* A large body: parsing, canonical JSON and hashing take milliseconds per megabyte; on the
@@ -329,12 +330,12 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, 
     req->body = mine;
     p->h = h;
     p->gen = g;
-    p->chat = chat;
+    p->proute = route;
     p->done = done;
     p->done_data = done_data;
     p->work.data = p;
     if (uv_queue_work(px->loop, &p->work, police_work, police_done) != 0) {
-        p->rc = police(p, g, h->tenant_cfg, chat, p->in.base ? p->in.base : "", p->in.len);
+        p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
         return policed(h, g, p, body, res);
     }
     return 1;

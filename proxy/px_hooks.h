@@ -8,6 +8,7 @@
 #include <stddef.h>
 
 #include "common/jw.h"
+#include "policy/policy.h"
 #include "proxy/px.h"
 
 typedef struct {
@@ -67,9 +68,9 @@ typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hook
  * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
  * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
  * loop with the same results. px_hooks_finish must not run before it. */
-int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req, bool chat,
-                       dp_iovec_t *body, px_hooks_result_t *res, px_hooks_policed_cb done,
-                       void *done_data);
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
+                       policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
+                       px_hooks_policed_cb done, void *done_data);
 
 /* Headers every inference response carries (tenant, fingerprint, seed); out has room. */
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,

@@ -22,7 +22,30 @@
 #include "proxy/px_hooks.h"
 #include "proxy/px_self.h"
 
-typedef enum { ROUTE_PASS = 0, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_MODELS } route_t;
+typedef enum {
+    ROUTE_PASS = 0,
+    ROUTE_COMPLETIONS,
+    ROUTE_CHAT,
+    ROUTE_RESPONSES,
+    ROUTE_MODELS
+} route_t;
+
+/* The canonical path of an inference route, and the policy's name for it. */
+static const char *const route_paths[] = {[ROUTE_COMPLETIONS] = "/v1/completions",
+                                          [ROUTE_CHAT] = "/v1/chat/completions",
+                                          [ROUTE_RESPONSES] = "/v1/responses"};
+
+static bool is_inference(route_t r)
+{
+    return r == ROUTE_COMPLETIONS || r == ROUTE_CHAT || r == ROUTE_RESPONSES;
+}
+
+static policy_route_t policy_route(route_t r)
+{
+    return r == ROUTE_CHAT        ? POLICY_ROUTE_CHAT
+           : r == ROUTE_RESPONSES ? POLICY_ROUTE_RESPONSES
+                                  : POLICY_ROUTE_COMPLETIONS;
+}
 
 struct px_preq_s {
     px_t *px;
@@ -357,10 +380,10 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, req->method_name.base, req->method_name.len);
     dp_buf_appendc(h, ' ');
     dp_buf_appends(h, r->url.path ? r->url.path : "");
-    if (q->route == ROUTE_COMPLETIONS || q->route == ROUTE_CHAT) {
+    if (is_inference(q->route)) {
         /* The canonical route (a trailing '/' dropped: a replica would only redirect), then
          * the query as the client sent it. */
-        dp_buf_appends(h, q->route == ROUTE_CHAT ? "/v1/chat/completions" : "/v1/completions");
+        dp_buf_appends(h, route_paths[q->route]);
         dp_buf_append(h, req->path.base + req->path.len, req->target.len - req->path.len);
     } else {
         dp_buf_append(h, req->target.base, req->target.len);
@@ -408,7 +431,7 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     size_t vl;
     const char *via = px_self_via_line(&vl);
     dp_buf_append(h, via, vl); /* after the client's own Via lines: order is the path */
-    if (q->route == ROUTE_COMPLETIONS || q->route == ROUTE_CHAT) {
+    if (is_inference(q->route)) {
         dp_buf_append(h, "content-length: ", 16);
         dp_buf_append_u64(h, q->body.len);
         dp_buf_append(h, "\r\n", 2);
@@ -806,6 +829,8 @@ static route_t classify(const px_req_t *req)
             return ROUTE_COMPLETIONS;
         if (path_is(p, "/v1/chat/completions", 20))
             return ROUTE_CHAT;
+        if (path_is(p, "/v1/responses", 13))
+            return ROUTE_RESPONSES;
     }
     if (req->method == 1 /* GET */ && path_is(p, "/v1/models", 10))
         return ROUTE_MODELS;
@@ -901,6 +926,7 @@ static px_body_mode_t on_head(px_req_t *req)
         return PX_BODY_BUFFER;
     case ROUTE_COMPLETIONS:
     case ROUTE_CHAT:
+    case ROUTE_RESPONSES:
         return PX_BODY_BUFFER;
     case ROUTE_PASS:
         break;
@@ -988,7 +1014,7 @@ static void on_complete(px_req_t *req)
     }
     /* Inference: policy, routing by model, then dispatch with the rewritten body. */
     px_hooks_result_t res = {0};
-    int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, q->route == ROUTE_CHAT, &q->body,
+    int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, policy_route(q->route), &q->body,
                                 &res, policed_later, q);
     if (rc == 1) {
         q->policing = true; /* on the thread pool: policed_later() takes it from here */

@@ -50,6 +50,31 @@ static struct drift_choice *acc_slot(drift_acc_t *a, uint32_t idx)
     return &a->v[idx];
 }
 
+/* Append a JSON string's text to a choice, within the capture cap. */
+static void acc_text(drift_acc_t *a, struct drift_choice *c, const cJSON *t)
+{
+    if (!cJSON_IsString(t) || t->valuestring == NULL)
+        return;
+    size_t n = strlen(t->valuestring);
+    if (n > a->cap - a->captured) {
+        n = a->cap - a->captured;
+        a->truncated = true;
+    }
+    dp_buf_append(&c->text, t->valuestring, n);
+    a->captured += n;
+}
+
+static void acc_finish_reason(struct drift_choice *c, const cJSON *f)
+{
+    if (!cJSON_IsString(f) || f->valuestring == NULL)
+        return;
+    size_t n = strlen(f->valuestring);
+    if (n >= sizeof(c->finish))
+        n = sizeof(c->finish) - 1;
+    memcpy(c->finish, f->valuestring, n);
+    c->finish[n] = '\0';
+}
+
 /* One choice object, from a full response or a chunk. The index comes from "index" when it is
  * a small non-negative integer, else from the array position. -1 when out of range. */
 static int acc_choice(drift_acc_t *a, const cJSON *ch, int pos)
@@ -71,32 +96,77 @@ static int acc_choice(drift_acc_t *a, const cJSON *ch, int pos)
             m = cJSON_GetObjectItemCaseSensitive(ch, "message");
         t = cJSON_IsObject(m) ? cJSON_GetObjectItemCaseSensitive(m, "content") : NULL;
     }
-    if (cJSON_IsString(t) && t->valuestring != NULL) {
-        size_t n = strlen(t->valuestring);
-        if (n > a->cap - a->captured) {
-            n = a->cap - a->captured;
-            a->truncated = true;
-        }
-        dp_buf_append(&c->text, t->valuestring, n);
-        a->captured += n;
-    }
-
-    const cJSON *f = cJSON_GetObjectItemCaseSensitive(ch, "finish_reason");
-    if (cJSON_IsString(f) && f->valuestring != NULL) {
-        size_t n = strlen(f->valuestring);
-        if (n >= sizeof(c->finish))
-            n = sizeof(c->finish) - 1;
-        memcpy(c->finish, f->valuestring, n);
-        c->finish[n] = '\0';
-    }
+    acc_text(a, c, t);
+    acc_finish_reason(c, cJSON_GetObjectItemCaseSensitive(ch, "finish_reason"));
     return 0;
+}
+
+/* /v1/responses (issue 15). A whole response ("object": "response") has its text in the
+ * output_text parts of its message items, in order, and its finish in "status" ("completed",
+ * "incomplete"). A stream's events carry a "type": response.output_text.delta adds its delta,
+ * the terminal response.completed / response.incomplete gives the status (its embedded copy of
+ * the whole output is not added again), response.failed and error are errors, and every other
+ * event type is ignored. All text goes to choice 0, so both forms give the same bytes.
+ * 1 when root was a Responses object or event (handled), 0 when it is not one. -1 on error. */
+static int acc_responses(drift_acc_t *a, const cJSON *root)
+{
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "type");
+    const cJSON *object = cJSON_GetObjectItemCaseSensitive(root, "object");
+    const cJSON *resp = NULL;
+    if (cJSON_IsString(type) && strncmp(type->valuestring, "response.", 9) == 0) {
+        const char *ty = type->valuestring + 9;
+        if (strcmp(ty, "output_text.delta") == 0) {
+            acc_text(a, acc_slot(a, 0), cJSON_GetObjectItemCaseSensitive(root, "delta"));
+            return 1;
+        }
+        if (strcmp(ty, "failed") == 0)
+            return -1;
+        if (strcmp(ty, "completed") != 0 && strcmp(ty, "incomplete") != 0)
+            return 1;
+        resp = cJSON_GetObjectItemCaseSensitive(root, "response");
+        if (!cJSON_IsObject(resp))
+            return -1;
+        acc_finish_reason(acc_slot(a, 0), cJSON_GetObjectItemCaseSensitive(resp, "status"));
+        return 1;
+    }
+    if (cJSON_IsString(type) && strcmp(type->valuestring, "error") == 0)
+        return -1;
+    if (!cJSON_IsString(object) || strcmp(object->valuestring, "response") != 0)
+        return 0;
+    const cJSON *error = cJSON_GetObjectItemCaseSensitive(root, "error");
+    if (error != NULL && !cJSON_IsNull(error))
+        return -1;
+    struct drift_choice *c = acc_slot(a, 0);
+    const cJSON *output = cJSON_GetObjectItemCaseSensitive(root, "output");
+    if (!cJSON_IsArray(output))
+        return -1;
+    const cJSON *item, *part;
+    cJSON_ArrayForEach(item, output)
+    {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(item, "type");
+        if (!cJSON_IsString(it) || strcmp(it->valuestring, "message") != 0)
+            continue; /* reasoning, tool calls: not compared */
+        cJSON_ArrayForEach(part, cJSON_GetObjectItemCaseSensitive(item, "content"))
+        {
+            const cJSON *pt = cJSON_GetObjectItemCaseSensitive(part, "type");
+            if (cJSON_IsString(pt) && strcmp(pt->valuestring, "output_text") == 0)
+                acc_text(a, c, cJSON_GetObjectItemCaseSensitive(part, "text"));
+        }
+    }
+    acc_finish_reason(c, cJSON_GetObjectItemCaseSensitive(root, "status"));
+    return 1;
 }
 
 /* A parsed response or chunk: its choices go into a. -1 for an error object or a bad shape.
  * A chunk without "choices" (a usage-only chunk) is fine when allow_missing is set. */
 static int acc_object(drift_acc_t *a, const cJSON *root, bool allow_missing)
 {
-    if (!cJSON_IsObject(root) || cJSON_GetObjectItemCaseSensitive(root, "error") != NULL)
+    if (!cJSON_IsObject(root))
+        return -1;
+    int rs = acc_responses(a, root);
+    if (rs != 0)
+        return rs < 0 ? -1 : 0;
+    if (cJSON_GetObjectItemCaseSensitive(root, "error") != NULL)
         return -1;
     const cJSON *choices = cJSON_GetObjectItemCaseSensitive(root, "choices");
     if (choices == NULL && allow_missing)

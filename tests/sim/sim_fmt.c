@@ -26,7 +26,7 @@ void sim_fmt_id(sim_flavor_t f, sim_api_t api, uint64_t r1, uint64_t r2, char ou
     const char *prefix = "";
     switch (f) {
     case SIM_FLAVOR_VLLM:
-        prefix = api == SIM_API_CHAT ? "chat-" : "cmpl-";
+        prefix = api == SIM_API_CHAT ? "chat-" : api == SIM_API_RESPONSES ? "resp_" : "cmpl-";
         break;
     case SIM_FLAVOR_LLAMACPP:
         prefix = api == SIM_API_CHAT ? "chatcmpl-" : "cmpl-";
@@ -45,7 +45,7 @@ void sim_fmt_token_text(sim_api_t api, uint32_t position, int32_t token, dp_buf_
     const char *w = sim_lm_word(token);
     if (w == NULL)
         return;
-    if (api == SIM_API_COMPLETIONS || position > 0)
+    if (api == SIM_API_COMPLETIONS || position > 0) /* chat and responses: no leading space */
         dp_buf_appendc(out, ' ');
     dp_buf_appends(out, w);
 }
@@ -100,10 +100,153 @@ static void finish_reason(dp_jw_t *w, sim_finish_t f)
         dp_jw_null(w, "finish_reason");
 }
 
+/* ---- /v1/responses ---------------------------------------------------------------------------
+ * OpenAI's Responses shapes as vLLM serves them: one message item with one output_text part;
+ * "status" completed, or incomplete with incomplete_details.reason "max_output_tokens". */
+
+static void resp_message_id(const sim_fmt_ctx_t *c, char out[56])
+{
+    snprintf(out, 56, "msg_%s", strncmp(c->id, "resp_", 5) == 0 ? c->id + 5 : c->id);
+}
+
+static void resp_message(dp_jw_t *w, const char *key, const sim_fmt_ctx_t *c, const char *text,
+                         size_t len, const char *status)
+{
+    char mid[56];
+    resp_message_id(c, mid);
+    dp_jw_obj_begin(w, key);
+    dp_jw_str(w, "id", mid);
+    dp_jw_str(w, "type", "message");
+    dp_jw_str(w, "status", status);
+    dp_jw_str(w, "role", "assistant");
+    dp_jw_arr_begin(w, "content");
+    if (text) {
+        dp_jw_obj_begin(w, NULL);
+        dp_jw_str(w, "type", "output_text");
+        dp_jw_strn(w, "text", text, len);
+        dp_jw_arr_begin(w, "annotations");
+        dp_jw_arr_end(w);
+        dp_jw_obj_end(w);
+    }
+    dp_jw_arr_end(w);
+    dp_jw_obj_end(w);
+}
+
+/* The response object; ch NULL while in progress (response.created). */
+static void resp_object(dp_jw_t *w, const char *key, const sim_fmt_ctx_t *c,
+                        const sim_choice_t *ch, const sim_usage_t *u)
+{
+    dp_jw_obj_begin(w, key);
+    dp_jw_str(w, "id", c->id);
+    dp_jw_str(w, "object", "response");
+    dp_jw_uint(w, "created_at", c->created);
+    const char *status = ch == NULL                        ? "in_progress"
+                         : ch->finish == SIM_FINISH_LENGTH ? "incomplete"
+                                                           : "completed";
+    dp_jw_str(w, "status", status);
+    dp_jw_str(w, "model", c->model);
+    if (ch && ch->finish == SIM_FINISH_LENGTH) {
+        dp_jw_obj_begin(w, "incomplete_details");
+        dp_jw_str(w, "reason", "max_output_tokens");
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "incomplete_details");
+    }
+    dp_jw_null(w, "error");
+    dp_jw_arr_begin(w, "output");
+    if (ch)
+        resp_message(w, NULL, c, ch->text, ch->len, "completed");
+    dp_jw_arr_end(w);
+    dp_jw_bool(w, "parallel_tool_calls", true);
+    dp_jw_str(w, "tool_choice", "auto");
+    dp_jw_arr_begin(w, "tools");
+    dp_jw_arr_end(w);
+    if (u) {
+        dp_jw_obj_begin(w, "usage");
+        dp_jw_uint(w, "input_tokens", u->prompt_tokens);
+        dp_jw_uint(w, "output_tokens", u->completion_tokens);
+        dp_jw_uint(w, "total_tokens", (uint64_t)u->prompt_tokens + u->completion_tokens);
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "usage");
+    }
+    dp_jw_obj_end(w);
+}
+
+/* One SSE event: "event: TYPE\ndata: {"type":TYPE,...}\n\n"; the caller fills the middle. */
+static void event_begin(dp_jw_t *w, dp_buf_t *out, const char *type)
+{
+    dp_buf_printf(out, "event: %s\ndata: ", type);
+    dp_jw_init(w, out);
+    dp_jw_obj_begin(w, NULL);
+    dp_jw_str(w, "type", type);
+}
+
+static void event_end(dp_jw_t *w, dp_buf_t *out)
+{
+    dp_jw_obj_end(w);
+    dp_buf_append(out, "\n\n", 2);
+}
+
+static void event_item(dp_jw_t *w, const sim_fmt_ctx_t *c, bool part)
+{
+    char mid[56];
+    resp_message_id(c, mid);
+    dp_jw_str(w, "item_id", mid);
+    dp_jw_uint(w, "output_index", 0);
+    if (part)
+        dp_jw_uint(w, "content_index", 0);
+}
+
+static void resp_stream_begin(dp_buf_t *out, const sim_fmt_ctx_t *c)
+{
+    dp_jw_t w;
+    event_begin(&w, out, "response.created");
+    resp_object(&w, "response", c, NULL, NULL);
+    event_end(&w, out);
+    event_begin(&w, out, "response.output_item.added");
+    dp_jw_uint(&w, "output_index", 0);
+    resp_message(&w, "item", c, NULL, 0, "in_progress");
+    event_end(&w, out);
+    event_begin(&w, out, "response.content_part.added");
+    event_item(&w, c, true);
+    dp_jw_obj_begin(&w, "part");
+    dp_jw_str(&w, "type", "output_text");
+    dp_jw_str(&w, "text", "");
+    dp_jw_arr_begin(&w, "annotations");
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    event_end(&w, out);
+}
+
+void sim_fmt_responses_end(dp_buf_t *out, const sim_fmt_ctx_t *c, const sim_choice_t *ch,
+                           const sim_usage_t *u)
+{
+    dp_jw_t w;
+    event_begin(&w, out, "response.output_text.done");
+    event_item(&w, c, true);
+    dp_jw_strn(&w, "text", ch->text, ch->len);
+    event_end(&w, out);
+    event_begin(&w, out, "response.output_item.done");
+    dp_jw_uint(&w, "output_index", 0);
+    resp_message(&w, "item", c, ch->text, ch->len, "completed");
+    event_end(&w, out);
+    const char *done = ch->finish == SIM_FINISH_LENGTH ? "response.incomplete"
+                                                       : "response.completed";
+    event_begin(&w, out, done);
+    resp_object(&w, "response", c, ch, u);
+    event_end(&w, out);
+}
+
 void sim_fmt_response(dp_buf_t *out, const sim_fmt_ctx_t *c, const sim_choice_t *choices, size_t n,
                       const sim_usage_t *u)
 {
     dp_jw_t w;
+    if (c->api == SIM_API_RESPONSES) {
+        dp_jw_init(&w, out);
+        resp_object(&w, NULL, c, &choices[0], u);
+        return;
+    }
     dp_jw_init(&w, out);
     dp_jw_obj_begin(&w, NULL);
     head(&w, c, false);
@@ -157,6 +300,10 @@ static void chunk_end(dp_jw_t *w, dp_buf_t *out)
 
 void sim_fmt_chunk_role(dp_buf_t *out, const sim_fmt_ctx_t *c, uint32_t index)
 {
+    if (c->api == SIM_API_RESPONSES) {
+        resp_stream_begin(out, c);
+        return;
+    }
     if (c->api != SIM_API_CHAT || c->flavor == SIM_FLAVOR_TGI)
         return;
     dp_jw_t w;
@@ -182,6 +329,15 @@ void sim_fmt_chunk(dp_buf_t *out, const sim_fmt_ctx_t *c, uint32_t index, const 
                    size_t len, sim_finish_t finish)
 {
     dp_jw_t w;
+    if (c->api == SIM_API_RESPONSES) {
+        if (len == 0)
+            return; /* the end is sim_fmt_responses_end's */
+        event_begin(&w, out, "response.output_text.delta");
+        event_item(&w, c, true);
+        dp_jw_strn(&w, "delta", text, len);
+        event_end(&w, out);
+        return;
+    }
     chunk_begin(&w, out, c);
     dp_jw_obj_begin(&w, NULL);
     dp_jw_uint(&w, "index", index);

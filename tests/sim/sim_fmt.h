@@ -58,5 +58,10 @@ void sim_fmt_chunk(dp_buf_t *out, const sim_fmt_ctx_t *c, uint32_t index, const 
 /* stream_options.include_usage: the final chunk with empty choices and the usage. */
 void sim_fmt_chunk_usage(dp_buf_t *out, const sim_fmt_ctx_t *c, const sim_usage_t *u);
 void sim_fmt_done(dp_buf_t *out);
+/* /v1/responses streams (sim_fmt_chunk_role opens one, sim_fmt_chunk sends
+ * response.output_text.delta events): the closing events, ending with response.completed (or
+ * response.incomplete) carrying the whole response. No [DONE]: the Responses API sends none. */
+void sim_fmt_responses_end(dp_buf_t *out, const sim_fmt_ctx_t *c, const sim_choice_t *ch,
+                           const sim_usage_t *u);
 
 #endif

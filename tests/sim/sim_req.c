@@ -251,7 +251,9 @@ static int parse_messages(sim_req_t *r, const cJSON *m, sim_req_err_t *err)
                               "string `type`");
                     goto out;
                 }
-                if (strcmp(type->valuestring, "text") != 0)
+                if (strcmp(type->valuestring, "text") != 0 &&
+                    strcmp(type->valuestring, "input_text") != 0 &&
+                    strcmp(type->valuestring, "output_text") != 0)
                     continue; /* images and audio do not reach the toy model */
                 const cJSON *t = field(part, "text");
                 if (!cJSON_IsString(t)) {
@@ -276,6 +278,25 @@ static int parse_messages(sim_req_t *r, const cJSON *m, sim_req_err_t *err)
 out:
     dp_buf_free(&text);
     return rc;
+}
+
+/* /v1/responses `input`: a string (one user message) or an array of message items, rendered
+ * like chat messages; a response has one output (no `n`). */
+static int parse_input(sim_req_t *r, const cJSON *in, sim_req_err_t *err)
+{
+    if (in == NULL)
+        return fail(err, "input", "`input` is required");
+    r->n = 1;
+    if (!cJSON_IsString(in))
+        return parse_messages(r, in, err);
+    dp_buf_t text = {0};
+    dp_buf_printf(&text, "<|user|> %s\n<|assistant|>", in->valuestring);
+    r->prompts = dp_xcalloc(1, sizeof(*r->prompts));
+    r->nprompts = 1;
+    sim_prompt_init(&r->prompts[0]);
+    sim_prompt_add_text(&r->prompts[0], text.base, text.len);
+    dp_buf_free(&text);
+    return 0;
 }
 
 static int parse_number(const cJSON *o, const char *name, double *out, bool *given,
@@ -310,7 +331,7 @@ static int parse_fields(sim_req_t *r, const cJSON *o, const char *body, size_t b
         r->n = (uint32_t)n;
     }
 
-    v = field(o, "max_tokens");
+    v = field(o, r->api == SIM_API_RESPONSES ? "max_output_tokens" : "max_tokens");
     if (v == NULL && r->api == SIM_API_CHAT)
         v = field(o, "max_completion_tokens");
     if (v != NULL) {
@@ -415,8 +436,10 @@ int sim_req_parse(sim_req_t *r, sim_api_t api, const char *body, size_t n, sim_r
         goto out;
     if (api == SIM_API_COMPLETIONS)
         rc = parse_prompt(r, field(root, "prompt"), err);
-    else
+    else if (api == SIM_API_CHAT)
         rc = parse_messages(r, field(root, "messages"), err);
+    else
+        rc = parse_input(r, field(root, "input"), err);
     if (rc < 0)
         goto out;
     if (r->nprompts * r->n > SIM_REQ_MAX_CHOICES)

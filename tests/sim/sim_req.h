@@ -23,6 +23,7 @@
 typedef enum {
     SIM_API_COMPLETIONS = 0,
     SIM_API_CHAT = 1,
+    SIM_API_RESPONSES = 2, /* /v1/responses: `input`, max_output_tokens, one output */
 } sim_api_t;
 
 typedef struct {

@@ -331,9 +331,15 @@ static void job_finish(job_t *j)
             px_resp_abort(job_detach(j));
             goto done;
         }
-        if (j->rq.include_usage)
-            sim_fmt_chunk_usage(&out, &j->fmt, &u);
-        sim_fmt_done(&out);
+        if (j->rq.api == SIM_API_RESPONSES) {
+            sim_choice_t ch = {0, j->ch[0].text.base ? j->ch[0].text.base : "",
+                               j->ch[0].text.len, j->ch[0].g.finish};
+            sim_fmt_responses_end(&out, &j->fmt, &ch, &u);
+        } else {
+            if (j->rq.include_usage)
+                sim_fmt_chunk_usage(&out, &j->fmt, &u);
+            sim_fmt_done(&out);
+        }
         r = px_resp_write(j->req, out.base, out.len);
         if (r != 0 || j->req == NULL)
             goto done; /* on_abort took the job */
@@ -501,7 +507,9 @@ static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
     dp_jw_t *w = dp_log_begin(DP_LOG_DEBUG, "generate");
     if (w) {
         dp_jw_str(w, "request_id", req->id);
-        dp_jw_str(w, "api", api == SIM_API_CHAT ? "chat" : "completions");
+        dp_jw_str(w, "api", api == SIM_API_CHAT        ? "chat"
+                            : api == SIM_API_RESPONSES ? "responses"
+                                                       : "completions");
         dp_jw_uint(w, "choices", j->nch);
         dp_jw_uint(w, "max_tokens", rq.max_tokens);
         dp_jw_double(w, "temperature", rq.temperature);
@@ -892,7 +900,8 @@ static void on_complete(px_req_t *req)
     }
     bool post = method_is(req, "POST");
     bool chat = iov_is(p, "/v1/chat/completions"), cmpl = iov_is(p, "/v1/completions");
-    bool inference = post && (chat || cmpl);
+    bool resp = s->id.flavor == SIM_FLAVOR_VLLM && iov_is(p, "/v1/responses");
+    bool inference = post && (chat || cmpl || resp);
     if (inference)
         s->st.requests++;
     record_request(s, req, inference);
@@ -901,10 +910,11 @@ static void on_complete(px_req_t *req)
     if (apply_fault(s, req, inference, &die))
         return;
     if (inference) {
-        handle_inference(s, req, chat ? SIM_API_CHAT : SIM_API_COMPLETIONS, die);
+        handle_inference(s, req, chat ? SIM_API_CHAT : resp ? SIM_API_RESPONSES : SIM_API_COMPLETIONS,
+                         die);
         return;
     }
-    if (chat || cmpl) {
+    if (chat || cmpl || resp) {
         send_error(req, 405, "invalid_request_error", NULL, "Method Not Allowed");
         return;
     }
