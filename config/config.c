@@ -16,7 +16,8 @@
 
 static const char *const top_keys[] = {"listen", "admin_listen",     "limits", "attestation",
                                        "pools",  "policy",           "shadow", "log",
-                                       "tls",    "admin_token_file", NULL};
+                                       "tls",    "admin_token_file", "otel", NULL};
+static const char *const otel_keys[] = {"endpoint", "sample_rate", NULL};
 static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
                                                "trusted_keys", NULL};
 static const char *const shadow_keys[] = {
@@ -194,6 +195,23 @@ static void parse_shadow(cfg_ctx_t *c, const cJSON *doc, cfg_shadow_t *s)
     cfg_get_u32(c, o, "max_inflight", 1, 10000, &s->max_inflight);
     cfg_get_uint(c, o, "max_output_bytes", 1, 1u << 30, &s->max_output_bytes);
     cfg_get_bool(c, o, "quarantine", &s->quarantine);
+    cfg_path_pop(c, mark);
+}
+
+static void parse_otel(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
+{
+    const cJSON *o = cfg_get_obj(c, doc, "otel", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "otel");
+    cfg_check_keys(c, o, otel_keys);
+    cfg_otel_t *t = dp_xcalloc(1, sizeof(*t));
+    t->sample_rate = 1.0;
+    cfg->otel = t;
+    if (cfg_get_url(c, o, "endpoint", true, &t->endpoint) && t->endpoint.tls)
+        cfg_err(c, "endpoint", "https is not supported for OTLP export: send to a collector "
+                               "on the host or pod (http://127.0.0.1:4318)");
+    cfg_get_num(c, o, "sample_rate", 0, 1, &t->sample_rate);
     cfg_path_pop(c, mark);
 }
 
@@ -409,6 +427,7 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     parse_limits(c, doc, &cfg->limits);
     parse_attestation(c, doc, &cfg->attestation);
     parse_shadow(c, doc, &cfg->shadow);
+    parse_otel(c, doc, cfg);
     parse_log(c, doc, &cfg->log);
     parse_tls(c, doc, cfg);
     if (cfg_get_path(c, doc, "admin_token_file", false, &cfg->admin_token_file))
@@ -517,6 +536,9 @@ void cfg_free(cfg_t *cfg)
         free(cfg->tls->client_ca_file);
     }
     free(cfg->tls);
+    if (cfg->otel != NULL)
+        cfg_url_free(&cfg->otel->endpoint);
+    free(cfg->otel);
     free(cfg->admin_token_file);
     cfg_secret_free(cfg->admin_token);
     free(cfg);

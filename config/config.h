@@ -252,6 +252,12 @@ typedef struct {
     char *client_ca_file; /* NULL: no mTLS */
 } cfg_tls_t;
 
+/* SPEC §17: OpenTelemetry export (OTLP/HTTP JSON). */
+typedef struct {
+    cfg_url_t endpoint; /* collector base URL; spans go to <endpoint>/v1/traces */
+    double sample_rate; /* for requests without a traceparent (default 1.0) */
+} cfg_otel_t;
+
 typedef struct cfg_s {
     char *path; /* the file it was loaded from */
     char *dir;  /* its folder: relative paths resolve against it */
@@ -265,6 +271,7 @@ typedef struct cfg_s {
     cfg_shadow_t shadow;
     cfg_log_t log;
     cfg_tls_t *tls; /* NULL: plaintext listener */
+    cfg_otel_t *otel; /* NULL: no spans are exported */
     char *admin_token_file;
     char *admin_token; /* contents, trimmed; never logged */
 } cfg_t;

@@ -1057,6 +1057,19 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         out->temperature = a.cur[S_TEMPERATURE].d;
     }
     out->comparable = (out->has_temperature && out->temperature == 0) || out->has_seed;
+    if (a.cur[S_TOP_P].kind == PV_NUM) {
+        out->has_top_p = true;
+        out->top_p = a.cur[S_TOP_P].d;
+    }
+    static const int lengths[] = {S_MAX_OUTPUT_TOKENS, S_MAX_TOKENS, S_MAX_COMPLETION_TOKENS,
+                                  S_N_PREDICT};
+    for (size_t i = responses ? 0 : 1; i < sizeof(lengths) / sizeof(lengths[0]); i++) {
+        if (a.cur[lengths[i]].kind == PV_NUM) {
+            out->has_max_tokens = true;
+            out->max_tokens = a.cur[lengths[i]].i;
+            break;
+        }
+    }
     bool dirty = false;
     for (int s = 0; s < S_NUMERIC_END; s++)
         dirty |= a.dirty[s];

@@ -133,6 +133,10 @@ typedef struct {
     bool has_temperature; /* post-policy temperature sent upstream */
     double temperature;
     bool comparable; /* temperature 0 or a seed: eligible for shadowing (SPEC §9) */
+    bool has_top_p;  /* post-policy top_p and output length sent upstream (spans) */
+    double top_p;
+    bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
+    int64_t max_tokens;
     size_t nchanges;
     policy_change_t changes[POLICY_MAX_CHANGES];
 } policy_result_t;

@@ -11,6 +11,7 @@
 #include "policy/policy.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
+#include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
 
 /* Per inference request: kept apart from px_hooks_req_t so pass-through requests stay small.
@@ -270,10 +271,12 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     if (p->rc != 0) {
         *res = (px_hooks_result_t){p->err.status, p->err.code,
                                    p->err.param[0] ? p->err.param : NULL, p->err.message, NULL};
+        px_otel_refused(h->span, p->err.code);
         return -1;
     }
     px_pool_t *pool = (px_pool_t *)p->pool;
     count_overrides(g, h->tenant_cfg, h->tenant, &p->res);
+    px_otel_request(h->span, h->tenant, pool, &p->res);
     h->stream = p->res.stream;
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
@@ -315,6 +318,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
     static const char *const route_paths[] = {"/v1/completions", "/v1/chat/completions",
                                               "/v1/responses"};
     p->route = route_paths[route];
+    h->span = px_otel_start(px, req, p->route, h->traceparent);
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
@@ -404,6 +408,7 @@ static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
         dp_sha256_update(p->resp_sha, b, n);
     if (h->shadow)
         px_shadow_primary_bytes(h->shadow, b, n);
+    px_otel_bytes(h->span, b, n);
 }
 
 dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
@@ -507,9 +512,11 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
      * one of the replica it came from. */
     if (r->fingerprint[0])
         memcpy(h->fingerprint, r->fingerprint, sizeof(h->fingerprint));
-    if (p == NULL || h->shadow)
+    if (p == NULL)
         return;
-    h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);
+    if (h->shadow == NULL)
+        h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);
+    px_otel_replica(h->span, r->name, h->shadow != NULL);
 }
 
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err)
@@ -525,6 +532,8 @@ void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t 
                      const char *request_id)
 {
     write_audit(h, px, pool, r, status, request_id, NULL, NULL);
+    px_otel_end(px, h->span, status, request_id, h->upstream_fp[0] ? h->upstream_fp : NULL);
+    h->span = NULL;
     if (h->shadow) {
         px_shadow_primary_done(h->shadow, status);
         h->shadow = NULL;

@@ -15,6 +15,8 @@ typedef struct {
     const char *tenant;   /* tenant name for labels and headers; "-" before matching */
     void *policy;         /* policy state (px_hooks.c) */
     void *shadow;         /* shadow capture (px_shadow.c) */
+    void *span;           /* OpenTelemetry span (px_otel.c), NULL when not sampled */
+    char traceparent[56]; /* sent to the replica instead of the client's; "" = pass through */
     char seed[24];        /* decimal seed sent upstream, "" when none */
     char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
     char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was

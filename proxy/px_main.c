@@ -16,6 +16,7 @@
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
 #include "proxy/px_hooks.h"
+#include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
 #include "proxy/tls.h"
@@ -49,6 +50,8 @@ void px_metrics_declare(void)
                       "1 for the pool's current drift verdict (SPEC 9), 0 for the others.");
     px_metrics_family("detproxy_replica_quarantined", PX_GAUGE,
                       "1 while the replica is quarantined for cross-replica drift.");
+    px_metrics_family("detproxy_otel_spans_total", PX_COUNTER,
+                      "OpenTelemetry spans by result (exported, dropped, failed).");
     px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
@@ -115,6 +118,7 @@ static void finish_shutdown(px_t *px)
     px_discovery_stop(px);
     px_attest_stop(px);
     px_shadow_stop(px);
+    px_otel_stop(px);
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
     for (size_t i = 0; i < px->gen->npools; i++) {
         for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++) {
@@ -309,6 +313,7 @@ int px_cmd_run(int argc, char **argv)
     px.drain_timer.data = &px;
     px_attest_start(&px);
     px_discovery_sync(&px);
+    px_otel_sync(&px);
 
     uv_run(px.loop, UV_RUN_DEFAULT);
 

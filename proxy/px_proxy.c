@@ -400,7 +400,8 @@ static void build_head(px_preq_t *q, px_replica_t *r)
         size_t l = x->name.len;
         if (px_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
             dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
-            (l > 11 && dp_memieq(n, "x-detproxy-", 11)))
+            (l > 11 && dp_memieq(n, "x-detproxy-", 11)) ||
+            (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")))
             continue;
         if (dp_strieq(n, l, "x-forwarded-for")) {
             xff = x;
@@ -431,6 +432,11 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     size_t vl;
     const char *via = px_self_via_line(&vl);
     dp_buf_append(h, via, vl); /* after the client's own Via lines: order is the path */
+    if (q->hooks.traceparent[0]) { /* W3C trace context: this request's span is the parent */
+        dp_buf_append(h, "traceparent: ", 13);
+        dp_buf_appends(h, q->hooks.traceparent);
+        dp_buf_append(h, "\r\n", 2);
+    }
     if (is_inference(q->route)) {
         dp_buf_append(h, "content-length: ", 16);
         dp_buf_append_u64(h, q->body.len);

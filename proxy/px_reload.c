@@ -10,6 +10,7 @@
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
+#include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
 #include "proxy/tls.h"
 
@@ -79,6 +80,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     }
     px_discovery_sync(px);
     px_attest_sync(px);
+    px_otel_sync(px);
     px_tls_reload(px);
     px_gen_unref(prev);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
