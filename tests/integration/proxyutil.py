@@ -78,6 +78,21 @@ def settle_attestation(p, timeout):
         pass
 
 
+def in_parallel(n, fn, workers=2, until=None):
+    """Call fn(i) for i in range(n), spread over `workers` threads; each thread stops early once
+    until() is true."""
+    def worker(k):
+        for i in range(k, n, workers):
+            if until and until():
+                return
+            fn(i)
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(workers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 def sim_stats(sim):
     return get_json(sim.port, "/_sim/stats")
 

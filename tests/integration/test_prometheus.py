@@ -20,12 +20,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import urllib.request
 
 from harness import (SLOW, SOURCE_DIR, free_port, get_json, poll_until, post_json, run_cmd,
                      run_tests, start_sim)
-from proxyutil import pool, start_proxy
+from proxyutil import in_parallel, pool, start_proxy
 
 PROM_DIR = os.path.join(SOURCE_DIR, "deploy", "prometheus")
 RULES = [os.path.join(PROM_DIR, f) for f in ("alerts.yml", "recording.yml")]
@@ -154,17 +153,12 @@ def test_real_prometheus_fires_the_drift_alert():
         assert {g["name"] for g in groups} == {"detproxy.alerts", "detproxy.recording"}, groups
 
         def load(model, n):
-            def worker(k):
-                for i in range(k, n, 2):
-                    r = post_json(px.port, "/v1/completions",
-                                  {"model": model, "prompt": "prom %s %d" % (model, i),
-                                   "max_tokens": 16, "temperature": 0})
-                    assert r.status == 200, r
-            ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            def one(i):
+                r = post_json(px.port, "/v1/completions",
+                              {"model": model, "prompt": "prom %s %d" % (model, i),
+                               "max_tokens": 16, "temperature": 0})
+                assert r.status == 200, r
+            in_parallel(n, one)
         load(MODEL, 160)
         load("m2", 60)
         poll_until(lambda: get_json(px.admin_port, "/admin/drift")["pools"]["p"]["verdict"]

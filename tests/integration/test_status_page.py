@@ -13,10 +13,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import pool, start_proxy
+from proxyutil import in_parallel, pool, start_proxy
 
 MODEL = "org/status-model"
 EVIL = "0.6.3<script>document.title='pwned'</script><img src=x onerror=alert(1)>"
@@ -84,19 +83,12 @@ def states(px, headers=None):
 def drive_until_quarantined(px):
     poll_until(lambda: states(px)["r4"] == "rejected", what="r4 rejected")
 
-    def worker(k):
-        for i in range(k, 200, 2):
-            if states(px).get("r3") == "quarantined":
-                return
-            r = post_json(px.port, "/v1/completions",
-                          {"model": MODEL, "prompt": "status prompt %d" % i, "max_tokens": 16,
-                           "temperature": 0})
-            assert r.status == 200, r
-    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    def one(i):
+        r = post_json(px.port, "/v1/completions",
+                      {"model": MODEL, "prompt": "status prompt %d" % i, "max_tokens": 16,
+                       "temperature": 0})
+        assert r.status == 200, r
+    in_parallel(200, one, until=lambda: states(px).get("r3") == "quarantined")
     poll_until(lambda: states(px)["r3"] == "quarantined", timeout=20, what="r3 quarantined")
 
 
