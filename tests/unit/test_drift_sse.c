@@ -350,3 +350,58 @@ Test(drift_extract, errors)
     cr_assert_str_eq(o.text.base, "");
     drift_output_free(&o);
 }
+
+/* /v1/responses (issue 15): the stream's output_text deltas and the whole response's
+ * output_text parts give the same bytes and the same finish (the status). */
+static const char responses_stream[] =
+    "event: response.created\n"
+    "data: {\"type\":\"response.created\",\"response\":{\"object\":\"response\","
+    "\"status\":\"in_progress\",\"output\":[]}}\n\n"
+    "event: response.output_text.delta\n"
+    "data: {\"type\":\"response.output_text.delta\",\"output_index\":0,\"delta\":\"Hel\"}\n\n"
+    "event: response.output_text.delta\n"
+    "data: {\"type\":\"response.output_text.delta\",\"output_index\":0,\"delta\":\"lo there\"}\n\n"
+    "event: response.output_text.done\n"
+    "data: {\"type\":\"response.output_text.done\",\"text\":\"Hello there\"}\n\n"
+    "event: response.completed\n"
+    "data: {\"type\":\"response.completed\",\"response\":{\"object\":\"response\","
+    "\"status\":\"completed\",\"output\":[{\"type\":\"message\",\"content\":[{\"type\":"
+    "\"output_text\",\"text\":\"Hello there\"}]}]}}\n\n";
+
+Test(drift_sse, responses_stream_matches_the_whole_response)
+{
+    const char body[] = "{\"object\":\"response\",\"status\":\"completed\",\"error\":null,"
+                        "\"output\":[{\"type\":\"reasoning\",\"content\":[{\"type\":"
+                        "\"output_text\",\"text\":\"not compared\"}]},{\"type\":\"message\","
+                        "\"content\":[{\"type\":\"output_text\",\"text\":\"Hello\"},{\"type\":"
+                        "\"output_text\",\"text\":\" there\"}]}]}";
+    drift_output_t whole = {0}, streamed = {0};
+    cr_assert_eq(drift_extract_json(body, sizeof(body) - 1, 0, &whole), 0);
+    cr_assert_str_eq(whole.text.base, "Hello there");
+    cr_assert_str_eq(whole.finish.base, "completed");
+    for (size_t cut = 0; cut < sizeof(responses_stream) - 1; cut += 7) {
+        drift_sse_t st = {0};
+        drift_sse_feed(&st, responses_stream, cut);
+        drift_sse_feed(&st, responses_stream + cut, sizeof(responses_stream) - 1 - cut);
+        cr_assert_eq(drift_sse_finish(&st, &streamed), 0);
+        cr_assert_str_eq(streamed.text.base, "Hello there", "cut at %zu", cut);
+        cr_assert_str_eq(streamed.finish.base, "completed");
+        drift_output_free(&streamed);
+    }
+    drift_output_free(&whole);
+}
+
+Test(drift_sse, responses_failure_is_an_error)
+{
+    const char failed[] = "data: {\"type\":\"response.failed\",\"response\":{\"status\":"
+                          "\"failed\"}}\n\n";
+    drift_sse_t st = {0};
+    drift_sse_feed(&st, failed, sizeof(failed) - 1);
+    drift_output_t o = {0};
+    cr_assert_neq(drift_sse_finish(&st, &o), 0);
+    drift_output_free(&o);
+    const char body[] = "{\"object\":\"response\",\"status\":\"failed\",\"error\":{\"code\":"
+                        "\"server_error\"},\"output\":[]}";
+    cr_assert_neq(drift_extract_json(body, sizeof(body) - 1, 0, &o), 0);
+    drift_output_free(&o);
+}
