@@ -16,7 +16,7 @@
 
 static const char *const top_keys[] = {"listen", "admin_listen",     "limits", "attestation",
                                        "pools",  "policy",           "shadow", "log",
-                                       "tls",    "admin_token_file", "otel", NULL};
+                                       "tls",    "admin_token_file", "otel",   NULL};
 static const char *const otel_keys[] = {"endpoint", "sample_rate", NULL};
 static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
                                                "trusted_keys", NULL};
@@ -209,8 +209,9 @@ static void parse_otel(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     t->sample_rate = 1.0;
     cfg->otel = t;
     if (cfg_get_url(c, o, "endpoint", true, &t->endpoint) && t->endpoint.tls)
-        cfg_err(c, "endpoint", "https is not supported for OTLP export: send to a collector "
-                               "on the host or pod (http://127.0.0.1:4318)");
+        cfg_err(c, "endpoint",
+                "https is not supported for OTLP export: send to a collector "
+                "on the host or pod (http://127.0.0.1:4318)");
     cfg_get_num(c, o, "sample_rate", 0, 1, &t->sample_rate);
     cfg_path_pop(c, mark);
 }

@@ -165,7 +165,7 @@ enum {
     S_MAX_COMPLETION_TOKENS, /* aliases governed by max_tokens' rule */
     S_N_PREDICT,
     S_MAX_OUTPUT_TOKENS, /* /v1/responses' max_tokens, governed by its rule */
-    S_MIN_P, /* touched only by framework normalisation */
+    S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
     S_NUMERIC_END,
@@ -472,9 +472,12 @@ static int check_input(const policy_req_t *r, policy_error_t *err)
 static int check_shape(const policy_req_t *r, policy_error_t *err)
 {
     switch (r->route) {
-    case POLICY_ROUTE_CHAT: return check_messages(r, err);
-    case POLICY_ROUTE_RESPONSES: return check_input(r, err);
-    default: return check_prompt(r, err);
+    case POLICY_ROUTE_CHAT:
+        return check_messages(r, err);
+    case POLICY_ROUTE_RESPONSES:
+        return check_input(r, err);
+    default:
+        return check_prompt(r, err);
     }
 }
 
@@ -1013,7 +1016,8 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         }
         apply_rule(&a, s, &t->rules[s]);
     }
-    if (responses && a.cur[S_MAX_TOKENS].kind == PV_NUM && a.cur[S_MAX_OUTPUT_TOKENS].kind == PV_NUM)
+    if (responses && a.cur[S_MAX_TOKENS].kind == PV_NUM &&
+        a.cur[S_MAX_OUTPUT_TOKENS].kind == PV_NUM)
         apply_rule(&a, S_MAX_OUTPUT_TOKENS, &t->rules[S_MAX_TOKENS]);
     /* Aliases of max_tokens: vLLM prefers max_completion_tokens, llama.cpp n_predict; either
      * would otherwise carry an unpoliced length past the rule. Only present ones are ruled. */

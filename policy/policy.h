@@ -92,7 +92,11 @@ const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_c
 
 /* ---- request parsing and the rule engine --------------------------------------------------- */
 
-typedef enum { POLICY_ROUTE_COMPLETIONS = 0, POLICY_ROUTE_CHAT, POLICY_ROUTE_RESPONSES } policy_route_t;
+typedef enum {
+    POLICY_ROUTE_COMPLETIONS = 0,
+    POLICY_ROUTE_CHAT,
+    POLICY_ROUTE_RESPONSES
+} policy_route_t;
 
 typedef enum {
     POLICY_FORCED = 0,

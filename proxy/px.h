@@ -128,7 +128,7 @@ struct px_s {
     void *shadow;  /* px_shadow.c */
     void *audit;   /* px_audit.c */
     void *discovery;
-    void *otel;    /* px_otel.c */
+    void *otel;               /* px_otel.c */
     struct px_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
 };
 

@@ -70,8 +70,8 @@ void px_status_refresh_gauges(px_t *px)
                           v.kind == kinds[k]);
         for (size_t k = 0; k < p->nreplicas; k++) {
             const px_replica_t *r = p->replicas[k];
-            px_metric_set(px_metrics_get("detproxy_replica_quarantined", "pool", p->name,
-                                         "replica", r->name, NULL),
+            px_metric_set(px_metrics_get("detproxy_replica_quarantined", "pool", p->name, "replica",
+                                         r->name, NULL),
                           r->state == PX_REPLICA_QUARANTINED);
         }
     }
@@ -84,12 +84,23 @@ static void esc(dp_buf_t *b, const char *s)
 {
     for (const char *p = s ? s : ""; *p; p++) {
         switch (*p) {
-        case '&': dp_buf_appends(b, "&amp;"); break;
-        case '<': dp_buf_appends(b, "&lt;"); break;
-        case '>': dp_buf_appends(b, "&gt;"); break;
-        case '"': dp_buf_appends(b, "&quot;"); break;
-        case '\'': dp_buf_appends(b, "&#39;"); break;
-        default: dp_buf_appendc(b, *p);
+        case '&':
+            dp_buf_appends(b, "&amp;");
+            break;
+        case '<':
+            dp_buf_appends(b, "&lt;");
+            break;
+        case '>':
+            dp_buf_appends(b, "&gt;");
+            break;
+        case '"':
+            dp_buf_appends(b, "&quot;");
+            break;
+        case '\'':
+            dp_buf_appends(b, "&#39;");
+            break;
+        default:
+            dp_buf_appendc(b, *p);
         }
     }
 }
@@ -179,13 +190,20 @@ static const char *manifest_field(const cfg_manifest_t *m, attest_field_t f)
     if (m == NULL)
         return NULL;
     switch (f) {
-    case ATTEST_F_MODEL: return m->model;
-    case ATTEST_F_CHECKPOINT: return m->checkpoint_sha256;
-    case ATTEST_F_QUANTIZATION: return m->quantization;
-    case ATTEST_F_DTYPE: return m->dtype;
-    case ATTEST_F_FRAMEWORK_NAME: return m->framework_name;
-    case ATTEST_F_FRAMEWORK_VERSION: return m->framework_version;
-    default: return NULL;
+    case ATTEST_F_MODEL:
+        return m->model;
+    case ATTEST_F_CHECKPOINT:
+        return m->checkpoint_sha256;
+    case ATTEST_F_QUANTIZATION:
+        return m->quantization;
+    case ATTEST_F_DTYPE:
+        return m->dtype;
+    case ATTEST_F_FRAMEWORK_NAME:
+        return m->framework_name;
+    case ATTEST_F_FRAMEWORK_VERSION:
+        return m->framework_version;
+    default:
+        return NULL;
     }
 }
 
@@ -282,8 +300,9 @@ static void drift_section(dp_buf_t *b, px_t *px, const px_pool_t *p)
     drift_verdict_t v;
     drift_pool_verdict(dp, &v);
     const char *vn = drift_verdict_name(v.kind);
-    dp_buf_printf(b, "<div class=\"drift\" data-verdict=\"%s\"><h3>Drift</h3><p>verdict: "
-                     "<span class=\"verdict verdict-%s\">%s</span>",
+    dp_buf_printf(b,
+                  "<div class=\"drift\" data-verdict=\"%s\"><h3>Drift</h3><p>verdict: "
+                  "<span class=\"verdict verdict-%s\">%s</span>",
                   vn, vn, vn);
     if (v.has_suspect && v.suspect[0])
         tag_text(b, ", suspect <code class=\"suspect\">", v.suspect, "</code>");

@@ -133,8 +133,8 @@ static void resp_message(dp_jw_t *w, const char *key, const sim_fmt_ctx_t *c, co
 }
 
 /* The response object; ch NULL while in progress (response.created). */
-static void resp_object(dp_jw_t *w, const char *key, const sim_fmt_ctx_t *c,
-                        const sim_choice_t *ch, const sim_usage_t *u)
+static void resp_object(dp_jw_t *w, const char *key, const sim_fmt_ctx_t *c, const sim_choice_t *ch,
+                        const sim_usage_t *u)
 {
     dp_jw_obj_begin(w, key);
     dp_jw_str(w, "id", c->id);
@@ -231,8 +231,8 @@ void sim_fmt_responses_end(dp_buf_t *out, const sim_fmt_ctx_t *c, const sim_choi
     dp_jw_uint(&w, "output_index", 0);
     resp_message(&w, "item", c, ch->text, ch->len, "completed");
     event_end(&w, out);
-    const char *done = ch->finish == SIM_FINISH_LENGTH ? "response.incomplete"
-                                                       : "response.completed";
+    const char *done =
+        ch->finish == SIM_FINISH_LENGTH ? "response.incomplete" : "response.completed";
     event_begin(&w, out, done);
     resp_object(&w, "response", c, ch, u);
     event_end(&w, out);

@@ -332,8 +332,8 @@ static void job_finish(job_t *j)
             goto done;
         }
         if (j->rq.api == SIM_API_RESPONSES) {
-            sim_choice_t ch = {0, j->ch[0].text.base ? j->ch[0].text.base : "",
-                               j->ch[0].text.len, j->ch[0].g.finish};
+            sim_choice_t ch = {0, j->ch[0].text.base ? j->ch[0].text.base : "", j->ch[0].text.len,
+                               j->ch[0].g.finish};
             sim_fmt_responses_end(&out, &j->fmt, &ch, &u);
         } else {
             if (j->rq.include_usage)
@@ -507,9 +507,10 @@ static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
     dp_jw_t *w = dp_log_begin(DP_LOG_DEBUG, "generate");
     if (w) {
         dp_jw_str(w, "request_id", req->id);
-        dp_jw_str(w, "api", api == SIM_API_CHAT        ? "chat"
-                            : api == SIM_API_RESPONSES ? "responses"
-                                                       : "completions");
+        dp_jw_str(w, "api",
+                  api == SIM_API_CHAT        ? "chat"
+                  : api == SIM_API_RESPONSES ? "responses"
+                                             : "completions");
         dp_jw_uint(w, "choices", j->nch);
         dp_jw_uint(w, "max_tokens", rq.max_tokens);
         dp_jw_double(w, "temperature", rq.temperature);
@@ -910,7 +911,10 @@ static void on_complete(px_req_t *req)
     if (apply_fault(s, req, inference, &die))
         return;
     if (inference) {
-        handle_inference(s, req, chat ? SIM_API_CHAT : resp ? SIM_API_RESPONSES : SIM_API_COMPLETIONS,
+        handle_inference(s, req,
+                         chat   ? SIM_API_CHAT
+                         : resp ? SIM_API_RESPONSES
+                                : SIM_API_COMPLETIONS,
                          die);
         return;
     }
