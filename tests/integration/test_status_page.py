@@ -69,7 +69,7 @@ def proxy(rs, ready=True, **top):
              manifest={"model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}})
     for r in p["replicas"]:
         r["attest"] = {"source": "vllm"}
-    return start_proxy(pools=[p], attestation={"interval_ms": 300, "timeout_ms": 500,
+    return start_proxy(pools=[p], attestation={"interval_ms": 300, "timeout_ms": 3000,
                                                "require_signature": False},
                        shadow={"rate": 0.7, "self_rate": 0.3, "max_inflight": 8,
                                "quarantine": True}, ready=ready, **top)
