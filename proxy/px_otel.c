@@ -20,7 +20,7 @@
 #define OTEL_QUEUE_BYTES (8u << 20) /* and their serialised size */
 #define OTEL_BATCH_SPANS 256        /* export at once when this many wait */
 #define OTEL_FLUSH_MS 1000          /* else at least this often */
-#define OTEL_TIMEOUT_MS 2000        /* connect and response deadline of one export */
+#define OTEL_TIMEOUT_MS 10000       /* connect and response deadline of one export */
 #define OTEL_HEAD_BYTES 65536       /* response bytes kept from the start... */
 #define OTEL_TAIL_BYTES 16384       /* ...and from the end (a stream's last events) */
 #define OTEL_MAX_FINISH 8           /* finish reasons recorded (choices 0..7) */
