@@ -20,24 +20,26 @@
 
 static void usage(FILE *f)
 {
-    fputs("usage: detproxy policy test -c CONFIG [-H 'Name: value']... --body FILE\n"
-          "                            [--path /v1/chat/completions|/v1/completions]\n"
-          "\n"
-          "Run the policy on one request body exactly as the proxy would, without a replica,\n"
-          "and print one JSON object: the tenant matched, the pool, the seed, the overrides,\n"
-          "the body as it would be forwarded, and the audit line it would write.\n"
-          "A refusal prints {\"status\":N,\"error\":{...}} as the proxy would answer; exit 1.\n"
-          "\n"
-          "options:\n"
-          "  -c, --config FILE   config file (policy and pools)\n"
-          "  -H, --header H      a request header, 'Name: value' (repeatable), e.g.\n"
-          "                      -H 'Authorization: Bearer sk-...'\n"
-          "  --body FILE         the request body ('-' reads stdin)\n"
-          "  --path P            the route; default: chat when the body has \"messages\"\n"
-          "  -h, --help          this help\n"
-          "\n"
-          "exit codes: 0 accepted, 1 refused, 2 usage error, 3 config or file unreadable\n",
-          f);
+    fputs(
+        "usage: detproxy policy test -c CONFIG [-H 'Name: value']... --body FILE\n"
+        "                            [--path /v1/chat/completions|/v1/completions|/v1/responses]\n"
+        "\n"
+        "Run the policy on one request body exactly as the proxy would, without a replica,\n"
+        "and print one JSON object: the tenant matched, the pool, the seed, the overrides,\n"
+        "the body as it would be forwarded, and the audit line it would write.\n"
+        "A refusal prints {\"status\":N,\"error\":{...}} as the proxy would answer; exit 1.\n"
+        "\n"
+        "options:\n"
+        "  -c, --config FILE   config file (policy and pools)\n"
+        "  -H, --header H      a request header, 'Name: value' (repeatable), e.g.\n"
+        "                      -H 'Authorization: Bearer sk-...'\n"
+        "  --body FILE         the request body ('-' reads stdin)\n"
+        "  --path P            the route; default: chat when the body has \"messages\",\n"
+        "                      /v1/responses when it has \"input\", else completions\n"
+        "  -h, --help          this help\n"
+        "\n"
+        "exit codes: 0 accepted, 1 refused, 2 usage error, 3 config or file unreadable\n",
+        f);
 }
 
 static int usage_error(const char *what, const char *arg)
@@ -87,20 +89,25 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
     const cfg_tenant_t *t = policy_match_tenant(cfg->policy, policy_headers_lookup, &hs, &err);
     if (t == NULL)
         return refused(&err);
-    bool chat;
+    static const char *const paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/responses"};
+    policy_route_t route = POLICY_ROUTE_COMPLETIONS;
     if (path == NULL) {
         cJSON *j = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
-        chat = cJSON_GetObjectItemCaseSensitive(j, "messages") != NULL;
+        if (cJSON_GetObjectItemCaseSensitive(j, "messages") != NULL)
+            route = POLICY_ROUTE_CHAT;
+        else if (cJSON_GetObjectItemCaseSensitive(j, "input") != NULL)
+            route = POLICY_ROUTE_RESPONSES;
         cJSON_Delete(j);
     } else {
-        chat = strcmp(path, "/v1/chat/completions") == 0;
+        for (int i = 0; i < 3; i++)
+            if (strcmp(path, paths[i]) == 0)
+                route = (policy_route_t)i;
     }
     policy_req_t *r = policy_req_new();
     policy_result_t res;
     const cfg_pool_t *pool;
     int rc = 0;
-    if (policy_decide(cfg, t, r, chat ? POLICY_ROUTE_CHAT : POLICY_ROUTE_COMPLETIONS, body->base,
-                      body->len, &pool, &res, &err) != 0) {
+    if (policy_decide(cfg, t, r, route, body->base, body->len, &pool, &res, &err) != 0) {
         rc = refused(&err);
         goto done;
     }
@@ -115,7 +122,7 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
     dp_jw_str(&w, "tenant", t->name);
     dp_jw_str(&w, "pool", pool->name);
     dp_jw_str(&w, "fingerprint", fp);
-    dp_jw_str(&w, "route", chat ? "/v1/chat/completions" : "/v1/completions");
+    dp_jw_str(&w, "route", paths[route]);
     if (res.has_seed)
         dp_jw_uint(&w, "seed", res.seed);
     else
@@ -133,7 +140,7 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
         .tenant = t->name,
         .pool = pool->name,
         .fingerprint = fp,
-        .route = chat ? "/v1/chat/completions" : "/v1/completions",
+        .route = paths[route],
         .model = res.model.base,
         .result = &res,
         .forwarded_sha256 = fwd,
@@ -182,8 +189,9 @@ static int policy_test(int argc, char **argv)
             break;
         case 'p':
             if (strcmp(optarg, "/v1/chat/completions") != 0 &&
-                strcmp(optarg, "/v1/completions") != 0)
-                return usage_error("--path is /v1/chat/completions or /v1/completions", optarg);
+                strcmp(optarg, "/v1/completions") != 0 && strcmp(optarg, "/v1/responses") != 0)
+                return usage_error(
+                    "--path is /v1/chat/completions, /v1/completions or /v1/responses", optarg);
             path = optarg;
             break;
         case 'h':

@@ -106,6 +106,28 @@ def test_a_seed_the_framework_cannot_take_is_refused_not_dropped():
     px.stop()
 
 
+def test_policy_test_decides_responses_as_the_proxy_does():
+    import os
+    import tempfile
+    from harness import DETPROXY_BIN, run_cmd
+    sim = start_sim("--model", "m1", "--flavor", "tgi")
+    for fw, ok in (("vllm", True), ("tgi", False)):
+        px = proxy([sim], manifest={"framework": {"name": fw, "version": "1"}}, ready=False)
+        d = tempfile.mkdtemp(prefix="detproxy-resp-")
+        body = os.path.join(d, "b.json")
+        with open(body, "w") as f:
+            json.dump({"model": "m1", "input": "x", "max_output_tokens": 99}, f)
+        rc, out, err = run_cmd([DETPROXY_BIN, "policy", "test", "-c", px.config_path, "--body",
+                                body, "-H", "Authorization: Bearer " + KEY])
+        o = json.loads(out)
+        if ok:
+            assert rc == 0 and o["route"] == "/v1/responses", (out, err)
+            assert o["body"]["seed"] == 1234 and o["body"]["max_output_tokens"] == 12, o
+        else:
+            assert rc == 1 and o["status"] == 400 and o["error"]["param"] == "seed", (out, err)
+        px.stop()
+
+
 def test_stream_is_relayed_per_read():
     sim = start_sim("--model", "m1", "--token-delay-ms", "60")
     px = proxy([sim])
