@@ -11,7 +11,9 @@ podman image exists docker.io/library/debian:bookworm-slim || {
   echo "make image: no local debian:bookworm-slim image (scripts/podman-setup.sh makes one)" >&2
   exit 1
 }
+commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+git diff-index --quiet HEAD -- 2>/dev/null || commit="$commit-dirty"
 podman build --pull=never --network host --ignorefile deploy/docker/Dockerfile.dockerignore \
-  -f deploy/docker/Dockerfile -t "$image" "$@" .
+  --build-arg DETPROXY_COMMIT="$commit" -f deploy/docker/Dockerfile -t "$image" "$@" .
 podman image inspect --format '{{.Size}}' "$image" |
   awk -v i="$image" '{printf "make image: %s, %.1f MB\n", i, $1 / 1e6}'
