@@ -202,6 +202,8 @@ static const char *manifest_field(const cfg_manifest_t *m, attest_field_t f)
         return m->framework_name;
     case ATTEST_F_FRAMEWORK_VERSION:
         return m->framework_version;
+    case ATTEST_F_ENGINE_FINGERPRINT:
+        return m->engine_fingerprint;
     default:
         return NULL;
     }
