@@ -92,6 +92,10 @@ void cfg_fmt_num(char *out, size_t n, double v);
 bool cfg_valid_name(const char *s);
 /* DNS host name (letters, digits, '-', '_' labels, 1-63 each, 253 total). */
 bool cfg_valid_hostname(const char *s);
+/* An HTTP field name (RFC 9110 token characters). */
+bool cfg_valid_header_name(const char *s);
+/* ASCII-lowercase s in place (header names are matched lowercase). */
+void cfg_lowercase(char *s);
 bool cfg_addr_is_loopback(const char *host);
 
 /* Join a possibly relative path onto dir. Caller frees. */

@@ -478,6 +478,27 @@ bool cfg_valid_name(const char *s)
     return true;
 }
 
+bool cfg_valid_header_name(const char *s)
+{
+    if (*s == '\0')
+        return false;
+    for (; *s; s++) {
+        char ch = *s;
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                  (ch >= '0' && ch <= '9') || strchr("!#$%&'*+-.^_`|~", ch) != NULL;
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+void cfg_lowercase(char *s)
+{
+    for (; *s; s++)
+        if (*s >= 'A' && *s <= 'Z')
+            *s = (char)(*s + 32);
+}
+
 bool cfg_valid_hostname(const char *s)
 {
     size_t n = strlen(s), label = 0;

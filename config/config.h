@@ -163,7 +163,21 @@ typedef struct {
     char *client_key_file;
 } cfg_upstream_tls_t;
 
-typedef enum { CFG_BALANCE_LEAST_INFLIGHT = 0, CFG_BALANCE_ROUND_ROBIN } cfg_balance_t;
+typedef enum {
+    CFG_BALANCE_LEAST_INFLIGHT = 0,
+    CFG_BALANCE_ROUND_ROBIN,
+    CFG_BALANCE_AFFINITY,
+} cfg_balance_t;
+
+/* `balance: affinity` (SPEC §18): what a request's routing key is made of. */
+typedef enum { CFG_AFFINITY_PREFIX = 0, CFG_AFFINITY_SESSION, CFG_AFFINITY_SEED } cfg_affinity_key_t;
+
+typedef struct {
+    cfg_affinity_key_t key;
+    uint32_t prefix_bytes;  /* how much of the prompt the prefix key covers */
+    char *session_header;   /* lowercase header name (key "session") */
+    double load_factor;     /* bounded loads: pass over a replica above this x mean + 1 */
+} cfg_affinity_t;
 
 typedef struct {
     char *name;
@@ -171,6 +185,7 @@ typedef struct {
     size_t nmodels;
     cfg_manifest_t *manifest; /* NULL when the pool pins nothing */
     cfg_balance_t balance;
+    cfg_affinity_t affinity; /* balance == CFG_BALANCE_AFFINITY only */
     uint32_t max_inflight_per_replica; /* 0 = unlimited */
     uint32_t queue_limit;
     uint32_t queue_timeout_ms;

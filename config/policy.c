@@ -196,21 +196,6 @@ static void parse_api_keys(cfg_ctx_t *c, const cJSON *match, cfg_tenant_t *t)
     cfg_path_pop(c, mark);
 }
 
-/* RFC 9110 token characters. */
-static bool valid_header_name(const char *s)
-{
-    if (*s == '\0')
-        return false;
-    for (; *s; s++) {
-        char ch = *s;
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                  (ch >= '0' && ch <= '9') || strchr("!#$%&'*+-.^_`|~", ch) != NULL;
-        if (!ok)
-            return false;
-    }
-    return true;
-}
-
 static void parse_header_match(cfg_ctx_t *c, const cJSON *match, cfg_tenant_t *t)
 {
     const cJSON *h = cfg_get_obj(c, match, "header", true);
@@ -219,11 +204,9 @@ static void parse_header_match(cfg_ctx_t *c, const cJSON *match, cfg_tenant_t *t
     size_t mark = cfg_path_key(c, "header");
     cfg_check_keys(c, h, header_keys);
     if (cfg_get_str(c, h, "name", true, &t->header_name)) {
-        if (!valid_header_name(t->header_name))
+        if (!cfg_valid_header_name(t->header_name))
             cfg_err(c, "name", "not a valid HTTP header name");
-        for (char *p = t->header_name; *p; p++)
-            if (*p >= 'A' && *p <= 'Z')
-                *p = (char)(*p + 32);
+        cfg_lowercase(t->header_name);
     }
     cfg_get_str(c, h, "value", true, &t->header_value);
     cfg_path_pop(c, mark);

@@ -23,6 +23,7 @@ static const char *const pool_keys[] = {"name",
                                         "models",
                                         "manifest",
                                         "balance",
+                                        "affinity",
                                         "max_inflight_per_replica",
                                         "queue_limit",
                                         "queue_timeout_ms",
@@ -38,7 +39,10 @@ static const char *const discovery_keys[] = {"dns", "port", "refresh_ms", "attes
 static const char *const discovery_attest_keys[] = {"source", "port", NULL};
 static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "client_key_file",
                                                 NULL};
-static const char *const balance_names[] = {"least_inflight", "round_robin"};
+static const char *const balance_names[] = {"least_inflight", "round_robin", "affinity"};
+static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_header",
+                                            "load_factor", NULL};
+static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
 
 /* ---- shared readers -------------------------------------------------------------------- */
 
@@ -316,6 +320,40 @@ static void parse_upstream_tls(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_path_pop(c, mark);
 }
 
+/* ---- balance ----------------------------------------------------------------------------- */
+
+/* `affinity` tunes `balance: affinity` and means nothing to the other balances, so it is an
+ * error beside them rather than a silently ignored block. */
+static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *o = cfg_get_obj(c, node, "affinity", false);
+    if (p->balance != CFG_BALANCE_AFFINITY) {
+        if (o != NULL)
+            cfg_err(c, "affinity", "only with \"balance\": \"affinity\"");
+        return;
+    }
+    cfg_affinity_t *a = &p->affinity;
+    a->key = CFG_AFFINITY_PREFIX;
+    a->prefix_bytes = 4096;
+    a->load_factor = 1.25;
+    a->session_header = dp_xstrdup("x-session-id");
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "affinity");
+    cfg_check_keys(c, o, affinity_keys);
+    int key;
+    if (cfg_get_enum(c, o, "key", affinity_key_names, DP_ARRAY_SIZE(affinity_key_names), &key))
+        a->key = (cfg_affinity_key_t)key;
+    cfg_get_u32(c, o, "prefix_bytes", 1, 16u << 20, &a->prefix_bytes);
+    if (cfg_get_str(c, o, "session_header", false, &a->session_header)) {
+        if (!cfg_valid_header_name(a->session_header))
+            cfg_err(c, "session_header", "not a valid HTTP header name");
+        cfg_lowercase(a->session_header);
+    }
+    cfg_get_num(c, o, "load_factor", 1.0, 100.0, &a->load_factor);
+    cfg_path_pop(c, mark);
+}
+
 /* ---- pools ----------------------------------------------------------------------------- */
 
 static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
@@ -335,6 +373,7 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     int balance;
     if (cfg_get_enum(c, node, "balance", balance_names, DP_ARRAY_SIZE(balance_names), &balance))
         p->balance = (cfg_balance_t)balance;
+    parse_affinity(c, node, p);
     cfg_get_u32(c, node, "max_inflight_per_replica", 0, COUNT_MAX, &p->max_inflight_per_replica);
     cfg_get_u32(c, node, "queue_limit", 0, COUNT_MAX, &p->queue_limit);
     cfg_get_u32(c, node, "queue_timeout_ms", 1, CFG_MS_MAX, &p->queue_timeout_ms);
@@ -406,5 +445,6 @@ void cfg_pool_free(cfg_pool_t *p)
     free(p->upstream_tls);
     free(p->api_key_file);
     cfg_secret_free(p->api_key);
+    free(p->affinity.session_header);
     *p = (cfg_pool_t){0};
 }

@@ -310,6 +310,12 @@ int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t
     return 0;
 }
 
+const jdoc_t *policy_req_doc(const policy_req_t *r, policy_route_t *route)
+{
+    *route = r->route;
+    return r->parsed ? &r->doc : NULL;
+}
+
 dp_iovec_t policy_model(const policy_req_t *r)
 {
     dp_iovec_t v = {r->model.base ? r->model.base : "", r->model.len};

@@ -302,4 +302,22 @@ typedef struct {
  * "error":{"code","param"} (param null when none). */
 void policy_audit_line(const policy_audit_t *a, dp_buf_t *out);
 
+/* ---- affinity keys (SPEC §18) -------------------------------------------------------------- */
+
+/* The bytes a `prefix` affinity key is the digest of: the start of the prompt as the replica
+ * sees it (policy never rewrites `prompt` or `messages`), cut at max bytes, appended to out
+ * (reset first). Completions: a string prompt's unescaped text, any other prompt shape its
+ * compact JSON. Chat: the conversation's opening, that is every message up to and including
+ * the first "user" one (all of them when there is none), each as role, '\n', text, '\n', where
+ * text is a string content unescaped, a content array's text parts' texts in order (other
+ * parts as compact JSON) and "" for null. Later turns of a conversation repeat its opening, so
+ * every turn gets the same bytes; the system prompt, the roles and the first question all
+ * count. scratch is working space (kept by the caller to avoid allocations). Requires a
+ * successful policy_parse. */
+void policy_affinity_prefix(const policy_req_t *r, size_t max, dp_buf_t *out, dp_buf_t *scratch);
+
+/* The body's top-level `user`, unescaped, into out (reset first): false when it is absent, not
+ * a string, or empty. */
+bool policy_affinity_user(const policy_req_t *r, dp_buf_t *out);
+
 #endif

@@ -12,4 +12,8 @@ void policy_set_error(policy_error_t *err, int status, const char *code, const c
 /* Turn a failed jdoc_parse into a 400 with a clear message. */
 void policy_json_error(const jdoc_t *d, policy_error_t *err);
 
+/* The parsed request's tape (root object at token 0) and its route; for the module's other
+ * readers of a parsed request (affinity.c). Valid until policy_req_reset / policy_req_free. */
+const jdoc_t *policy_req_doc(const policy_req_t *r, policy_route_t *route);
+
 #endif

@@ -21,6 +21,7 @@
 #include "config/config.h"
 #include "proxy/http_client.h"
 #include "proxy/http_server.h"
+#include "proxy/px_affinity.h"
 #include "proxy/px_metrics.h"
 
 typedef struct px_s px_t;
@@ -60,6 +61,7 @@ struct px_replica_s {
     size_t nreasons;
     uint32_t inflight;
     uint64_t requests;       /* lifetime requests sent */
+    uint64_t aff_id;         /* identity in the affinity order: px_aff_hash(name) */
     uint64_t last_attested_at; /* wall ms, 0 = never */
     char fingerprint[20];    /* the accepted identity it was admitted as (manifest "accept"); "" */
     void *attest_state;      /* px_attest.c's per-replica state */
@@ -87,6 +89,7 @@ struct px_pool_s {
     uint32_t qlen;
     uv_timer_t qtimer;
     px_series_t *m_duration;
+    px_series_t *m_affinity[PX_AFF__COUNT]; /* detproxy_affinity_total by result (affinity) */
     /* detproxy_requests_total series by (tenant, status, code): looked up once, then a
      * pointer compare per request. Tenant names belong to this generation's config and codes
      * are static strings, so pointers are stable for the pool's whole life. */
@@ -168,9 +171,11 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 /* ---- routing (px_router.c) ---- */
 
 /* Pick an admitted replica with spare capacity (balance per pool config), skipping `avoid`.
+ * An affinity pool follows aff's key when it has one (aff may be NULL) and sets aff->result.
  * NULL when none: *why tells whether none is admitted (0) or all are at their limit (1). */
-px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why);
-/* Admitted and not drained: may get client requests. */
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff,
+                             int *why);
+/* Admitted and not drained: may get client requests (and takes part in affinity orders). */
 bool px_replica_serving(const px_replica_t *r);
 /* Drain (true) or enable (false) a replica; logs "replica_drain" and sets the gauge. */
 void px_replica_set_drained(px_replica_t *r, bool drained);

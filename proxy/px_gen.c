@@ -93,6 +93,7 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     r->key = key;
     r->pool_name = dp_xstrdup(p->name);
     r->name = dp_xstrdup(d->name);
+    r->aff_id = px_aff_hash(d->name, strlen(d->name));
     url_copy(&r->url, &d->url);
     r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
     r->attest.source = d->attest.source;
@@ -334,6 +335,9 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
         cfg_manifest_fingerprint(pc->manifest, p->fingerprint);
         p->m_duration = px_metrics_hist("detproxy_request_duration_seconds", px_latency_bounds,
                                         px_latency_nbounds, "pool", pc->name, NULL);
+        for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
+            p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name,
+                                              "result", px_aff_result_names[k], NULL);
         uv_timer_init(px->loop, &p->qtimer);
         p->qtimer.data = p;
         g->handles_open++;

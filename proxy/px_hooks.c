@@ -247,6 +247,62 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
     }
 }
 
+/* ---- affinity keys (SPEC §18) ---------------------------------------------------------------- */
+
+/* Working space for key bytes: one event loop per thread, and nothing here outlives the call.
+ * A huge escaped prompt may grow them; they are let go past 256 KiB. */
+static _Thread_local dp_buf_t g_key, g_scratch;
+
+/* On the loop, while the client's request is alive (policing may move to a worker and the
+ * client may leave meanwhile): the session header of the first session-keyed affinity pool
+ * that the request carries, kept as its digest. */
+static void affinity_session_header(px_hooks_req_t *h, const px_gen_t *g, const px_req_t *req)
+{
+    for (size_t i = 0; i < g->cfg->npools; i++) {
+        const cfg_pool_t *pc = &g->cfg->pools[i];
+        dp_iovec_t v = {NULL, 0};
+        if (pc->balance != CFG_BALANCE_AFFINITY || pc->affinity.key != CFG_AFFINITY_SESSION)
+            continue;
+        if (header_lookup((void *)req, pc->affinity.session_header, &v) > 0 && v.len > 0) {
+            h->affinity_header = pc->affinity.session_header;
+            h->affinity_header_key = px_aff_hash(v.base, v.len);
+            return;
+        }
+    }
+}
+
+static void affinity_key(px_hooks_req_t *h, const pol_t *p, const cfg_affinity_t *a)
+{
+    dp_iovec_t v = {NULL, 0};
+    bool have = false;
+    if (a->key == CFG_AFFINITY_SEED && p->res.has_seed) {
+        v = (dp_iovec_t){h->seed, strlen(h->seed)};
+        have = true;
+    } else if (a->key == CFG_AFFINITY_SESSION) {
+        if (h->affinity_header && strcmp(h->affinity_header, a->session_header) == 0) {
+            h->affinity.key = h->affinity_header_key;
+            h->affinity.fallback = false;
+            h->affinity.has_key = true;
+            return;
+        }
+        if (policy_affinity_user(p->preq, &g_key)) {
+            v = (dp_iovec_t){g_key.base, g_key.len};
+            have = true;
+        }
+    }
+    h->affinity.fallback = !have && a->key != CFG_AFFINITY_PREFIX;
+    if (!have) {
+        policy_affinity_prefix(p->preq, a->prefix_bytes, &g_key, &g_scratch);
+        v = (dp_iovec_t){g_key.base ? g_key.base : "", g_key.len};
+    }
+    h->affinity.key = px_aff_hash(v.base, v.len);
+    h->affinity.has_key = true;
+    if (g_key.cap > 256 * 1024)
+        dp_buf_free(&g_key);
+    if (g_scratch.cap > 256 * 1024)
+        dp_buf_free(&g_scratch);
+}
+
 /* Parse and police the body, pick the pool, hash what will be forwarded. Touches only the
  * request's own pol_t and immutable configuration (the generation is referenced by the request),
  * so it may run on a thread-pool worker. 0, or -1 with p->err. */
@@ -281,6 +337,8 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
     *body = p->res.body;
+    if (pool->cfg->balance == CFG_BALANCE_AFFINITY)
+        affinity_key(h, p, &pool->cfg->affinity);
     if (p->audit)
         p->resp_sha = dp_sha256_begin();
     snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", pool->fingerprint);
@@ -321,6 +379,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
     h->span = px_otel_start(px, req, p->route, h->traceparent);
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
+    affinity_session_header(h, g, req);
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
@@ -364,6 +423,10 @@ void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_head
     }
     if (h->seed[0])
         out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
+    if (h->affinity.result != PX_AFF_NONE) {
+        const char *v = px_aff_result_names[h->affinity.result];
+        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-affinity"), {v, strlen(v)}};
+    }
 }
 
 /* ---- responses ------------------------------------------------------------------------------ */
@@ -512,6 +575,8 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
      * one of the replica it came from. */
     if (r->fingerprint[0])
         memcpy(h->fingerprint, r->fingerprint, sizeof(h->fingerprint));
+    if (h->affinity.result != PX_AFF_NONE && pool->m_affinity[h->affinity.result])
+        px_metric_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
     if (p == NULL)
         return;
     if (h->shadow == NULL)

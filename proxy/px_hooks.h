@@ -32,6 +32,9 @@ typedef struct {
     const char *err_code;
     char err_param[64];
     uint32_t retry_after_s; /* 429 rate_limited: the Retry-After value */
+    px_affinity_t affinity; /* routing key of an affinity pool, and where it led */
+    const char *affinity_header; /* session header seen (config string), NULL when none */
+    uint64_t affinity_header_key; /* its value's digest */
 } px_hooks_req_t;
 
 typedef struct {
@@ -74,7 +77,8 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data);
 
-/* Headers every inference response carries (tenant, fingerprint, seed); out has room. */
+/* Headers every inference response carries (tenant, fingerprint, seed, affinity); out has
+ * room. */
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
                                size_t *n);
 

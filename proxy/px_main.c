@@ -52,6 +52,8 @@ void px_metrics_declare(void)
                       "1 while the replica is quarantined for cross-replica drift.");
     px_metrics_family("detproxy_otel_spans_total", PX_COUNTER,
                       "OpenTelemetry spans by result (exported, dropped, failed).");
+    px_metrics_family("detproxy_affinity_total", PX_COUNTER,
+                      "Placements of affinity pools by result (hit, spill, fallback).");
     px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,

@@ -349,7 +349,7 @@ void px_proxy_slot_freed(px_pool_t *p)
 {
     while (p->q_head) {
         int why;
-        px_replica_t *r = px_router_pick(p, NULL, &why);
+        px_replica_t *r = px_router_pick(p, NULL, &p->q_head->hooks.affinity, &why);
         if (r == NULL) {
             if (why == 0) {
                 /* Every replica left the admitted set while requests waited. */
@@ -488,7 +488,7 @@ void px_proxy_count_overload(const char *reason)
 static void dispatch(px_preq_t *q)
 {
     int why = 0;
-    px_replica_t *r = px_router_pick(q->pool, q->failed, &why);
+    px_replica_t *r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
     if (r) {
         start_on(q, r);
         return;

@@ -1,6 +1,8 @@
 /* Replica selection: admitted replicas only, with spare capacity, by the pool's balance. */
+#include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
 #include "proxy/px.h"
 
 static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
@@ -9,6 +11,8 @@ static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
     return max == 0 || r->inflight < max;
 }
 
+/* The one eligibility rule: may replica r be sent new requests at all? Every balance, the
+ * affinity order and mean, and /readyz go through it. */
 bool px_replica_serving(const px_replica_t *r)
 {
     return r->state == PX_REPLICA_ADMITTED && r->up && !r->drained;
@@ -22,25 +26,42 @@ bool px_pool_has_admitted(const px_pool_t *p)
     return false;
 }
 
+/* balance: affinity. The candidates live on the stack for the pools people run (a handful of
+ * replicas, 64 discovered at most by default). */
+static px_replica_t *pick_affinity(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff)
+{
+    size_t n = p->nreplicas;
+    px_aff_cand_t stack[64] = {{0}}; /* zeroed: gcc cannot see that n >= 1 here */
+    px_aff_cand_t *c = n <= DP_ARRAY_SIZE(stack) ? stack : dp_xmalloc(n * sizeof(*c));
+    for (size_t i = 0; i < n; i++) {
+        const px_replica_t *r = p->replicas[i];
+        bool member = px_replica_serving(r);
+        c[i] = (px_aff_cand_t){r->aff_id, r->inflight, member,
+                               member && r != avoid && has_capacity(p, r)};
+    }
+    px_aff_result_t res;
+    size_t k = px_aff_choose(aff->key, c, n, p->cfg->affinity.load_factor, &res);
+    if (c != stack)
+        free(c);
+    if (k == n) {
+        aff->result = PX_AFF_NONE;
+        return NULL;
+    }
+    aff->result = aff->fallback ? PX_AFF_FALLBACK : res;
+    return p->replicas[k];
+}
+
 /* least_inflight scans from a rotating start so ties spread across replicas instead of
  * always landing on the first one; round_robin takes the next eligible one. O(replicas),
  * which is a handful per pool. */
-px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why)
+static px_replica_t *pick_spread(px_pool_t *p, const px_replica_t *avoid)
 {
     size_t n = p->nreplicas;
     px_replica_t *best = NULL;
-    bool any_admitted = false;
-    if (n == 0) {
-        *why = 0;
-        return NULL;
-    }
     uint32_t start = p->rr++;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(start + k) % n];
-        if (!px_replica_serving(r))
-            continue;
-        any_admitted = true;
-        if (r == avoid || !has_capacity(p, r))
+        if (!px_replica_serving(r) || r == avoid || !has_capacity(p, r))
             continue;
         if (p->cfg->balance == CFG_BALANCE_ROUND_ROBIN) {
             best = r;
@@ -49,10 +70,27 @@ px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, int *why)
         if (best == NULL || r->inflight < best->inflight)
             best = r;
     }
-    if (best == NULL && avoid && px_replica_serving(avoid) && has_capacity(p, avoid))
+    return best;
+}
+
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff,
+                             int *why)
+{
+    px_replica_t *best;
+    bool keyed = p->cfg->balance == CFG_BALANCE_AFFINITY && aff && aff->has_key;
+    if (p->nreplicas == 0) {
+        *why = 0;
+        return NULL;
+    }
+    /* Without a key (pass-through requests on an affinity pool) the pool spreads by load. */
+    best = keyed ? pick_affinity(p, avoid, aff) : pick_spread(p, avoid);
+    if (best == NULL && avoid && px_replica_serving(avoid) && has_capacity(p, avoid)) {
         best = (px_replica_t *)avoid; /* the only candidate left: better than failing */
+        if (keyed)
+            aff->result = aff->fallback ? PX_AFF_FALLBACK : PX_AFF_SPILL;
+    }
     if (best == NULL)
-        *why = any_admitted ? 1 : 0;
+        *why = px_pool_has_admitted(p) ? 1 : 0;
     return best;
 }
 

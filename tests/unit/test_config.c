@@ -202,7 +202,19 @@ static const bad_case_t bad_cases[] = {
     {"{'pools':[{'name':'p','models':['a',''],'replicas':[" REPLICA "]}]}", "pools[0].models[1]", "must not be empty"},
     {"{'pools':[{'name':'p','models':[1],'replicas':[" REPLICA "]}]}", "pools[0].models[0]", "expected a string"},
     {"{'pools':[{'name':'p','models':'*','replicas':[" REPLICA "]}]}", "pools[0].models", "expected an array"},
-    {POOLF(",'balance':'random'"), "pools[0].balance", "must be one of least_inflight, round_robin"},
+    {POOLF(",'balance':'random'"), "pools[0].balance", "must be one of least_inflight, round_robin, affinity"},
+    /* affinity (SPEC §18) */
+    {POOLF(",'affinity':{}"), "pools[0].affinity", "only with \"balance\": \"affinity\""},
+    {POOLF(",'balance':'round_robin','affinity':{'key':'prefix'}"), "pools[0].affinity", "only with"},
+    {POOLF(",'balance':'affinity','affinity':3"), "pools[0].affinity", "expected an object"},
+    {POOLF(",'balance':'affinity','affinity':{'key':'user'}"), "pools[0].affinity.key", "must be one of prefix, session, seed"},
+    {POOLF(",'balance':'affinity','affinity':{'prefix_bytes':0}"), "pools[0].affinity.prefix_bytes", "must be between 1 and 16777216"},
+    {POOLF(",'balance':'affinity','affinity':{'prefix_bytes':'4k'}"), "pools[0].affinity.prefix_bytes", "expected"},
+    {POOLF(",'balance':'affinity','affinity':{'session_header':'x session'}"), "pools[0].affinity.session_header", "not a valid HTTP header name"},
+    {POOLF(",'balance':'affinity','affinity':{'session_header':''}"), "pools[0].affinity.session_header", "must not be empty"},
+    {POOLF(",'balance':'affinity','affinity':{'load_factor':0.9}"), "pools[0].affinity.load_factor", "must be between 1 and 100"},
+    {POOLF(",'balance':'affinity','affinity':{'load_factor':'1.25'}"), "pools[0].affinity.load_factor", "expected a number"},
+    {POOLF(",'balance':'affinity','affinity':{'keys':'prefix'}"), "pools[0].affinity.keys", "unknown key"},
     {POOLF(",'max_inflight_per_replica':-1"), "pools[0].max_inflight_per_replica", "must be between 0 and 1000000"},
     {POOLF(",'max_inflight_per_replica':1000001"), "pools[0].max_inflight_per_replica", "must be between 0 and 1000000"},
     {POOLF(",'queue_limit':1.5"), "pools[0].queue_limit", "expected an integer"},
@@ -623,6 +635,29 @@ Test(config, defaults_match_the_spec)
         const cfg_rule_t *r = &t->rules[i];
         cr_assert(!r->has_force && !r->has_default && !r->has_min && !r->has_max && !r->derive);
     }
+    cfg_free(cfg);
+}
+
+Test(config, affinity_defaults_and_fields)
+{
+    cfg_t *cfg = must_load(POOLF(",'balance':'affinity'"));
+    const cfg_affinity_t *a = &cfg->pools[0].affinity;
+    cr_assert_eq(cfg->pools[0].balance, CFG_BALANCE_AFFINITY);
+    cr_assert_eq(a->key, CFG_AFFINITY_PREFIX);
+    cr_assert_eq(a->prefix_bytes, 4096);
+    cr_assert_str_eq(a->session_header, "x-session-id");
+    cr_assert_float_eq(a->load_factor, 1.25, 1e-12);
+    cfg_free(cfg);
+    cfg = must_load(POOLF(",'balance':'affinity','affinity':{'key':'session','prefix_bytes':512,"
+                          "'session_header':'X-Conversation','load_factor':2}"));
+    a = &cfg->pools[0].affinity;
+    cr_assert_eq(a->key, CFG_AFFINITY_SESSION);
+    cr_assert_eq(a->prefix_bytes, 512);
+    cr_assert_str_eq(a->session_header, "x-conversation"); /* matched lowercase */
+    cr_assert_float_eq(a->load_factor, 2.0, 1e-12);
+    cfg_free(cfg);
+    cfg = must_load(POOLF(",'balance':'affinity','affinity':{'key':'seed'}"));
+    cr_assert_eq(cfg->pools[0].affinity.key, CFG_AFFINITY_SEED);
     cfg_free(cfg);
 }
 
