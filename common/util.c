@@ -129,6 +129,16 @@ static void sha256_fetch(void)
     g_sha256 = EVP_MD_fetch(NULL, "SHA256", NULL);
 }
 
+uint64_t dp_mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
 void dp_sha256(const void *p, size_t n, uint8_t out[32])
 {
     pthread_once(&g_sha256_once, sha256_fetch);

@@ -31,6 +31,10 @@ void dp_hex(const void *p, size_t n, char *out);
 int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n);
 bool dp_is_lower_hex(const char *s, size_t want_len);
 
+/* splitmix64's finaliser: a fast bijective 64-bit mixer with full avalanche (not
+ * cryptographic). */
+uint64_t dp_mix64(uint64_t x);
+
 void dp_sha256(const void *p, size_t n, uint8_t out[32]);
 void dp_sha256_hex(const void *p, size_t n, char out[65]);
 /* Incremental SHA-256 (EVP): begin returns NULL only when OpenSSL is out of memory; end frees

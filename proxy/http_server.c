@@ -146,10 +146,7 @@ static void make_request_id(char out[24])
 {
     if (g_id_seed == 0 && dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0)
         g_id_seed = dp_now_ns() | 1;
-    uint64_t z = g_id_seed + (++g_id_counter) * 0x9E3779B97F4A7C15ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    z ^= z >> 31;
+    uint64_t z = dp_mix64(g_id_seed + (++g_id_counter) * 0x9E3779B97F4A7C15ULL);
     dp_hex(&z, 8, out);
 }
 

@@ -15,21 +15,11 @@ uint64_t px_aff_hash(const void *p, size_t n)
     return v;
 }
 
-/* MurmurHash3's 64-bit finaliser: full avalanche, so the scores of one key for different
- * replicas are as good as independent draws (keys and ids are already SHA-256 bits). */
-static uint64_t fmix64(uint64_t k)
-{
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return k;
-}
-
+/* A full-avalanche mixer makes one key's scores for different replicas as good as independent
+ * draws (keys and ids are already SHA-256 bits). */
 uint64_t px_aff_score(uint64_t key, uint64_t id)
 {
-    return fmix64(key ^ id);
+    return dp_mix64(key ^ id);
 }
 
 bool px_aff_overloaded(uint32_t inflight, uint64_t total, size_t n, double load_factor)

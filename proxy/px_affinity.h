@@ -1,6 +1,6 @@
 /* Affinity routing (SPEC §18): rendezvous hashing with bounded loads.
  *
- * Every replica taking part gets a score for a request's key, score = mix(key ^ id), and the
+ * Every replica taking part gets a score for a request's key, score = dp_mix64(key ^ id), the
  * key's order is the replicas by descending score: a pure function of the key and the replicas'
  * identities (their names), so every worker thread computes the same order from the same
  * snapshot, and a replica leaving moves only the keys it was first for (they come back when it

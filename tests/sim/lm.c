@@ -3,6 +3,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "common/util.h"
+
 /* Logits are spread over [0, LOGIT_SCALE); the (quantization, dtype) perturbation is uniform in
  * +-QUANT_AMPLITUDE/2. With ~300 words the expected gap between the two best logits is about
  * LOGIT_SCALE/300 = 0.027, so an amplitude of 0.05 moves the argmax at roughly one step in three:
@@ -72,13 +74,7 @@ static const char *const vocab[] = {
 
 uint64_t sim_mix64(uint64_t x)
 {
-    /* splitmix64's finaliser: a fast bijective mixer with good avalanche. */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    return x;
+    return dp_mix64(x);
 }
 
 static uint64_t hash2(uint64_t a, uint64_t b)
