@@ -62,6 +62,10 @@ static bucket_t *g_buckets;
 static pol_t *g_free;
 static size_t g_nfree;
 
+/* Working space for affinity key bytes: one event loop per thread, and nothing in them outlives
+ * a call. A huge escaped prompt may grow them; they are let go past 256 KiB. */
+static _Thread_local dp_buf_t g_key, g_scratch;
+
 static pol_t *pol_get(void)
 {
     pol_t *p = g_free;
@@ -114,6 +118,8 @@ void px_hooks_free_caches(void)
         free(p);
     }
     g_nfree = 0;
+    dp_buf_free(&g_key);
+    dp_buf_free(&g_scratch);
 }
 
 void px_hooks_init(px_hooks_req_t *h)
@@ -248,10 +254,6 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
 }
 
 /* ---- affinity keys (SPEC §18) ---------------------------------------------------------------- */
-
-/* Working space for key bytes: one event loop per thread, and nothing here outlives the call.
- * A huge escaped prompt may grow them; they are let go past 256 KiB. */
-static _Thread_local dp_buf_t g_key, g_scratch;
 
 /* On the loop, while the client's request is alive (policing may move to a worker and the
  * client may leave meanwhile): the session header of the first session-keyed affinity pool

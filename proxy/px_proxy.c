@@ -65,6 +65,7 @@ struct px_preq_s {
     bool stream_body;
     bool policing; /* the body is being policed on the thread pool */
     bool retried;
+    bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
     bool queued;
     bool paused_upstream;
     bool client_started;
@@ -459,13 +460,12 @@ static void up_on_drain(px_creq_t *c);
 
 static const px_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
 
-static void start_on(px_preq_t *q, px_replica_t *r)
+/* Send the request to q->replica, whose slot q holds. */
+static void send_upstream(px_preq_t *q)
 {
-    px_replica_ref(r);
-    q->replica = r;
+    px_replica_t *r = q->replica;
     q->up_start_ns = dp_now_ns();
     q->up_head_ns = q->up_end_ns = 0;
-    r->inflight++;
     r->requests++;
     build_head(q, r);
     uv_buf_t bufs[2];
@@ -477,6 +477,14 @@ static void start_on(px_preq_t *q, px_replica_t *r)
                           &up_cb, q);
     if (q->stream_body)
         px_req_resume_body(q->req);
+}
+
+static void start_on(px_preq_t *q, px_replica_t *r)
+{
+    px_replica_ref(r);
+    q->replica = r;
+    r->inflight++;
+    send_upstream(q);
     px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
 }
 
@@ -727,6 +735,19 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
      * either never fully left or raced a keep-alive close; and only when we still hold every
      * byte of it. */
     bool can_resend = !q->stream_body;
+    /* Affinity: a pooled connection the replica had closed (the keep-alive race) says nothing
+     * about the replica, so the request stays with its key's replica on a fresh connection
+     * (the other pooled ones are as stale) instead of moving its key, and with it perhaps its
+     * answer. Should that fail too, the retry rule below still applies. */
+    if (q->req && !q->client_started && can_resend && err == PX_UP_REUSED_CLOSED &&
+        !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
+        q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
+        q->reconnected = true;
+        px_upstream_flush_idle(r->up);
+        px_hooks_upstream_failed(&q->hooks, q->px, r, err);
+        send_upstream(q);
+        return;
+    }
     if (q->req && !q->client_started && !q->retried && can_resend && px_up_err_retryable(err)) {
         px_t *px = q->px;
         q->retried = true;

@@ -150,6 +150,22 @@ def test_a_retry_goes_to_the_next_replica_in_the_keys_order():
     px.stop()
 
 
+def test_the_keepalive_race_stays_with_the_keys_replica():
+    # A pooled connection the replica closed says nothing about the replica: the request goes
+    # to it again on a fresh connection, not to another replica (which might answer otherwise).
+    sims, px = setup()
+    prompt = "keep-alive race"
+    home = complete(px, prompt)[0]  # leaves a pooled connection to home
+    home_sim = sims[int(home[1:]) - 1]
+    sim_config(home_sim, fault="close_before_response", fault_count=1)
+    assert complete(px, prompt) == (home, "hit")
+    assert metric(px, "detproxy_upstream_errors_total", pool="p", replica=home,
+                  kind="reused_closed") == 1
+    assert sim_stats(home_sim)["faults_injected"] == 1
+    assert metric(px, "detproxy_affinity_total", pool="p", result="hit") == 2  # one placement each
+    px.stop()
+
+
 def test_session_key_header_then_user_then_prefix():
     sims, px = setup(affinity={"key": "session", "session_header": "X-Conversation"})
     hdr = {"x-conversation": "sess-42"}
