@@ -40,8 +40,8 @@ static const char *const discovery_attest_keys[] = {"source", "port", NULL};
 static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "client_key_file",
                                                 NULL};
 static const char *const balance_names[] = {"least_inflight", "round_robin", "affinity"};
-static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_header",
-                                            "load_factor", NULL};
+static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_header", "load_factor",
+                                            NULL};
 static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
 
 /* ---- shared readers -------------------------------------------------------------------- */

@@ -73,8 +73,7 @@ static px_replica_t *pick_spread(px_pool_t *p, const px_replica_t *avoid)
     return best;
 }
 
-px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff,
-                             int *why)
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff, int *why)
 {
     px_replica_t *best;
     bool keyed = p->cfg->balance == CFG_BALANCE_AFFINITY && aff && aff->has_key;

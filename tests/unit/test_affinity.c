@@ -153,7 +153,7 @@ Test(affinity_load, bound_rule)
 {
     /* inflight > load_factor x mean + 1, mean = total / n */
     cr_assert_not(px_aff_overloaded(1, 1, 3, 1.25));
-    cr_assert(px_aff_overloaded(2, 2, 3, 1.25));     /* 2 > 1.83 */
+    cr_assert(px_aff_overloaded(2, 2, 3, 1.25));      /* 2 > 1.83 */
     cr_assert_not(px_aff_overloaded(6, 12, 3, 1.25)); /* 6 = 1.25 * 4 + 1 */
     cr_assert(px_aff_overloaded(7, 13, 3, 1.25));
     cr_assert_not(px_aff_overloaded(0, 0, 0, 1.25));

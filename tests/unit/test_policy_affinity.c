@@ -79,8 +79,10 @@ Test(affinity_key, different_system_prompts_or_first_questions_do_not)
 
 Test(affinity_key, roles_matter)
 {
-    char *a = chat("[{\"role\":\"system\",\"content\":\"x\"},{\"role\":\"user\",\"content\":\"y\"}]");
-    char *b = chat("[{\"role\":\"developer\",\"content\":\"x\"},{\"role\":\"user\",\"content\":\"y\"}]");
+    char *a =
+        chat("[{\"role\":\"system\",\"content\":\"x\"},{\"role\":\"user\",\"content\":\"y\"}]");
+    char *b =
+        chat("[{\"role\":\"developer\",\"content\":\"x\"},{\"role\":\"user\",\"content\":\"y\"}]");
     char *c = chat("[{\"role\":\"user\",\"content\":\"x\"}]");
     cr_assert_str_neq(a, b);
     cr_assert_str_eq(c, "user\nx\n");
@@ -102,7 +104,8 @@ Test(affinity_key, content_parts_escapes_and_null)
                    "\"image_url\":{\"url\":\"u\"}}]}]");
     cr_assert_str_eq(c, "user\n{\"type\":\"image_url\",\"image_url\":{\"url\":\"u\"}}\n");
     /* No user message at all: the whole list (an assistant prefill, say). */
-    char *d = chat("[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"assistant\",\"content\":null}]");
+    char *d =
+        chat("[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"assistant\",\"content\":null}]");
     cr_assert_str_eq(d, "system\ns\nassistant\n\n");
     free(a);
     free(b);
@@ -125,10 +128,11 @@ Test(affinity_key, prefix_bytes_cut)
     char *e = prefix(POLICY_ROUTE_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"\\u0061bcdefg\"}", 4);
     cr_assert_str_eq(e, "abcd");
     /* The chat opening is cut too: a long system prompt alone decides the key. */
-    char *f = prefix(POLICY_ROUTE_CHAT,
-                     "{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"0123456789\"},"
-                     "{\"role\":\"user\",\"content\":\"q\"}]}",
-                     12);
+    char *f =
+        prefix(POLICY_ROUTE_CHAT,
+               "{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"0123456789\"},"
+               "{\"role\":\"user\",\"content\":\"q\"}]}",
+               12);
     cr_assert_str_eq(f, "system\n01234");
     free(a);
     free(b);
@@ -161,9 +165,8 @@ Test(affinity_key, user_field)
                             "{\"model\":\"m\",\"prompt\":\"p\",\"user\":7}"};
     for (size_t i = 0; i < 3; i++) {
         policy_req_reset(req);
-        cr_assert_eq(policy_parse(req, POLICY_ROUTE_COMPLETIONS, absent[i], strlen(absent[i]),
-                                  &err),
-                     0);
+        cr_assert_eq(
+            policy_parse(req, POLICY_ROUTE_COMPLETIONS, absent[i], strlen(absent[i]), &err), 0);
         cr_assert_not(policy_affinity_user(req, &out), "%s", absent[i]);
     }
 }
