@@ -19,6 +19,7 @@ static void usage(FILE *f)
           "  attest serve ...         run the replica-side attestation agent\n"
           "  attest verify ...        verify a signed attestation offline\n"
           "  attest canary ...        run a pool's canary on a replica; print the hash to pin\n"
+          "  attest oms verify ...    verify a model directory against an OpenSSF Model Signing bundle\n"
           "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
           "  version, --version       print the version and the git commit it was built from\n"
           "\n"

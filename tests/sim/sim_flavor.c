@@ -8,7 +8,7 @@
 #include "common/util.h"
 
 static const char *const flavor_names[] = {"vllm", "tgi", "sglang", "llamacpp"};
-/* Versions contemporary with the shapes below (see docs/simulator.md). */
+/* Versions contemporary with the shapes below (see docs/contributing/simulator.md). */
 static const char *const default_versions[] = {"0.6.3", "2.0.4", "0.3.5", "b11669"};
 
 int sim_flavor_parse(const char *s)

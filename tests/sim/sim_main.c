@@ -1,5 +1,5 @@
 /* detproxy-sim: a replica simulator for tests, demos and users' own CI (SPEC §12).
- * Flags in, sim_run out; see docs/simulator.md. */
+ * Flags in, sim_run out; see docs/contributing/simulator.md. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -39,7 +39,7 @@ static void usage(FILE *f)
           "  --help                      print this help\n"
           "\n"
           "Logs are JSON lines on stderr; the first is {\"msg\":\"listening\",\"port\":N,...}.\n"
-          "Test-only endpoints live under /_sim/ (see docs/simulator.md).\n"
+          "Test-only endpoints live under /_sim/ (see docs/contributing/simulator.md).\n"
           "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n",
           f);
 }

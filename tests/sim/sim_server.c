@@ -1,5 +1,5 @@
 /* detproxy-sim's event loop side. See sim_server.h; the endpoints are listed in
- * docs/simulator.md.
+ * docs/contributing/simulator.md.
  *
  * One job per inference request. A job embeds a uv_timer_t that drives generation one token
  * per tick (every --token-delay-ms, or every loop iteration at 0, so concurrent requests really
