@@ -242,6 +242,12 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
 static void decide(att_t *a, attest_report_t *rep)
 {
     px_replica_t *r = a->r;
+    if (a->recheck) {
+        /* A response showed a changed engine while this check ran: what it read may predate
+         * the change. It admits nothing; the check that follows decides. */
+        check_end(a);
+        return;
+    }
     const cfg_pool_t *pc = pool_of(a->px, r);
     attest_reasons_t why = {0};
     const cfg_manifest_t *m = pc ? pc->manifest : NULL;
@@ -672,8 +678,8 @@ bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
     dp_buf_appends(&why, " (re-attesting)");
     set_state1(r, PX_REPLICA_PENDING, why.base);
     dp_buf_free(&why);
-    /* The attested report no longer describes this replica: the next check decides afresh. */
-    attest_report_set(&a->report, ATTEST_F_ENGINE_FINGERPRINT, NULL);
+    /* The report stays what the replica attested: responses still in flight are compared with
+     * it (and flagged) until the next check replaces it. */
     if (a->checking)
         a->recheck = true;
     else if (ctx(px) && !ctx(px)->stopped)

@@ -6,9 +6,10 @@ caught on its next response."""
 import json
 import os
 import tempfile
+import threading
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import metric, pool, sim_config, sim_requests, start_proxy
+from proxyutil import ScriptedUpstream, metric, pool, sim_config, sim_requests, start_proxy
 
 MODEL = "tiny"
 BUILD = "b11669-Debian"
@@ -20,9 +21,9 @@ def llama(version=BUILD, quant="F16"):
                      "--quantization", quant)
 
 
-def setup(sims, manifest=None, interval=60000):
+def setup(sims, manifest=None, interval=60000, model=MODEL):
     d = tempfile.mkdtemp(prefix="detproxy-fp-")
-    p = pool("p", [MODEL], sims, manifest=manifest or {"model": MODEL},
+    p = pool("p", [model], sims, manifest=manifest or {"model": MODEL},
              balance="round_robin")
     for r in p["replicas"]:
         r["attest"] = {"source": "llamacpp"}
@@ -105,6 +106,95 @@ def test_without_a_pin_the_new_engine_is_re_attested_and_readmitted():
     poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", timeout=5, what="readmitted")
     assert complete(px).status == 200
     assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == 1
+
+
+def reply(obj):
+    b = json.dumps(obj).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % len(b) + b, True)
+
+
+class HeldProbes:
+    """A llama.cpp played by a script: its probes (POST /v1/completions) answer "fp-A", the
+    first at once and every later one only when released; chat completions answer "fp-B", once
+    `chats` of them have arrived."""
+
+    def __init__(self, chats=1):
+        self.chats = threading.Barrier(chats)
+        self.arrived = threading.Semaphore(0)
+        self.gate = threading.Semaphore(0)
+        self.probes = 0
+        self.up = ScriptedUpstream(self.script)
+        self.port = self.up.port
+
+    def script(self, k, conn_no, req_no):
+        target = self.up.requests[k][2].split(b" ")[1]
+        if target == b"/props":
+            return reply({"build_info": "b1", "model_ftype": "F16"})
+        if target == b"/v1/completions":
+            self.probes += 1
+            if self.probes > 1:
+                self.arrived.release()
+                self.gate.acquire(timeout=20)
+            return reply({"object": "text_completion", "system_fingerprint": "fp-A",
+                          "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+        self.chats.wait(timeout=20)
+        return reply({"object": "chat.completion", "system_fingerprint": "fp-B",
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "y"},
+                                   "finish_reason": "stop"}]})
+
+
+def test_a_check_already_under_way_when_a_mismatch_arrives_does_not_readmit():
+    rep = HeldProbes()
+    px = setup([rep], manifest={"model": "m1"}, interval=200, model="m1")
+    assert replicas(px)["r1"]["attestation"]["report"]["engine_fingerprint"] == "fp-A"
+    try:
+        # The periodic check is under way, its probe held: then a response shows fp-B.
+        assert rep.arrived.acquire(timeout=10), "no periodic probe"
+        chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        r = post_json(px.port, "/v1/chat/completions", chat)
+        assert r.status == 200 and r.headers["x-detproxy-upstream-fingerprint"] == "fp-B", r
+        assert replicas(px)["r1"]["state"] == "pending"
+        # The check that began before the mismatch ends with the old answer: stale, not an
+        # admission. The replica stays out until a check that began after it passes.
+        rep.gate.release()
+        assert rep.arrived.acquire(timeout=10), "no re-check after the mismatch"
+        assert replicas(px)["r1"]["state"] == "pending", replicas(px)["r1"]
+        assert post_json(px.port, "/v1/chat/completions", chat).status == 503
+        assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == 1
+    finally:
+        for _ in range(8):
+            rep.gate.release()
+
+
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_concurrent_mismatching_responses_are_all_flagged_and_re_attest_once():
+    rep = HeldProbes(chats=3)
+    px = setup([rep], manifest={"model": "m1"}, model="m1")
+    try:
+        out = []
+        ts = [threading.Thread(target=lambda: out.append(post_json(px.port, "/v1/chat/completions",
+                                                                  CHAT)))
+              for _ in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        assert [r.status for r in out] == [200] * 3, out
+        # Every one of them differed from what r1 attested: counted and flagged, each of them.
+        assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == 3
+        lines = [json.loads(x) for x in open(px.audit_path)]
+        assert sum(1 for x in lines if x.get("fingerprint_mismatch")) == 3, lines
+        # One re-attestation, not one per response.
+        assert rep.arrived.acquire(timeout=10), "no re-attestation"
+        rep.gate.release()
+        poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", timeout=5, what="readmitted")
+        assert rep.probes == 2, rep.probes
+    finally:
+        for _ in range(8):
+            rep.gate.release()
 
 
 if __name__ == "__main__":
