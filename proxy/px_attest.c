@@ -29,7 +29,7 @@
 #include "proxy/px_self.h"
 
 #define PROBE_MAX_BYTES (64 << 10)
-#define RECHECK_MIN_MS 100       /* connection-failure re-checks: at most this often */
+#define RECHECK_MIN_MS 100       /* out-of-turn re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 /* Checks running at once, over all replicas: 200 discovered addresses must not become 400
  * simultaneous connections. A check over the bound waits and starts within PACE_MS or so. */
@@ -123,6 +123,14 @@ static void schedule(att_t *a, uint64_t ms)
     uv_timer_start(&a->timer, timer_cb, ms, 0);
 }
 
+/* Check again as soon as allowed: at most every RECHECK_MIN_MS, so a replica that keeps
+ * failing connections or flapping its fingerprint cannot drive a storm of checks. */
+static void recheck_soon(att_t *a)
+{
+    uint64_t since = uv_now(a->px->loop) - a->last_check_ms;
+    schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
+}
+
 static void check_end(att_t *a)
 {
     if (a->checking)
@@ -132,7 +140,7 @@ static void check_end(att_t *a)
         return;
     if (a->recheck) {
         a->recheck = false;
-        schedule(a, 0);
+        recheck_soon(a);
         return;
     }
     /* A replica that went away usually comes back soon (restart, reschedule): look again
@@ -654,9 +662,7 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
     /* A restarted replica may come back as something else: no new requests until re-admitted. */
     if (deadmit && r->state == PX_REPLICA_ADMITTED)
         set_state1(r, PX_REPLICA_PENDING, "re-attesting after a failed connection");
-    uint64_t now = uv_now(px->loop);
-    uint64_t since = now - a->last_check_ms;
-    schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
+    recheck_soon(a);
 }
 
 bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
@@ -683,7 +689,7 @@ bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
     if (a->checking)
         a->recheck = true;
     else if (ctx(px) && !ctx(px)->stopped)
-        schedule(a, 0);
+        recheck_soon(a);
     return true;
 }
 

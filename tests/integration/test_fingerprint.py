@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
 from proxyutil import ScriptedUpstream, metric, pool, sim_config, sim_requests, start_proxy
@@ -195,6 +196,22 @@ def test_concurrent_mismatching_responses_are_all_flagged_and_re_attest_once():
     finally:
         for _ in range(8):
             rep.gate.release()
+
+
+def test_a_replica_that_flaps_its_fingerprint_does_not_storm_attestation():
+    rep = HeldProbes()  # probes say fp-A, every response fp-B: a mismatch on each of them
+    for _ in range(1000):
+        rep.gate.release()  # no probe is held here
+    px = setup([rep], manifest={"model": "m1"}, model="m1")
+    t0 = time.monotonic()
+    served = 0
+    while time.monotonic() - t0 < 1.0:
+        served += post_json(px.port, "/v1/chat/completions", CHAT).status == 200
+    # Each mismatch re-attests, but a replica is checked at most every 100 ms: not one check
+    # per response it manages to answer.
+    checks = rep.probes - 1
+    assert served >= 1 and checks <= 12, (served, checks)
+    assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == served
 
 
 if __name__ == "__main__":
