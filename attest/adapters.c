@@ -412,19 +412,31 @@ void attest_engine_fingerprint_set(attest_report_t *out, const char *fp)
         parse_vllm_fingerprint(fp, out);
 }
 
+/* Printable ASCII that JSON never escapes: the data path compares responses' fingerprints byte
+ * for byte (other bytes read as '?', a stream's escapes as written), so only such a value can
+ * match there on every response. */
+static bool plain_ascii(const char *s)
+{
+    for (; *s; s++)
+        if (*s < 0x20 || *s > 0x7e || *s == '"' || *s == '\\')
+            return false;
+    return true;
+}
+
 void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out)
 {
     cJSON *doc = body && body->base ? cJSON_ParseWithLength(body->base, body->len) : NULL;
     const char *fp = cJSON_IsObject(doc) ? str_member(doc, "system_fingerprint") : NULL;
-    if (fp && fp[0] && strlen(fp) <= ATTEST_FINGERPRINT_MAX)
+    bool plain = fp && plain_ascii(fp);
+    if (fp && fp[0] && strlen(fp) <= ATTEST_FINGERPRINT_MAX && plain)
         attest_engine_fingerprint_set(out, fp);
     else
         note(out, ATTEST_F_ENGINE_FINGERPRINT, "%s",
              body == NULL || body->base == NULL ? "the 1-token probe completion failed"
              : doc == NULL                      ? "the probe completion is not JSON"
-             : fp && fp[0]                      ? "the engine's system_fingerprint is too long"
-                                                : "the engine puts no system_fingerprint on "
-                                                  "responses");
+             : fp && fp[0] && !plain ? "the engine's system_fingerprint is not plain visible ASCII"
+             : fp && fp[0]           ? "the engine's system_fingerprint is too long"
+                                     : "the engine puts no system_fingerprint on responses");
     cJSON_Delete(doc);
 }
 

@@ -130,6 +130,32 @@ Test(attest_llamacpp, probe_failures_leave_it_unattested)
     attest_report_clear(&r);
 }
 
+/* The data path sees a response's fingerprint with bytes outside visible ASCII as '?' and, in
+ * streams, escapes as written: a value it cannot compare exactly would mismatch on every
+ * response and keep the replica in re-attestation. */
+Test(attest_llamacpp, probe_refuses_a_fingerprint_the_data_path_cannot_compare)
+{
+    const char *bodies[] = {
+        "{\"system_fingerprint\":\"fp-\\u00e9\"}", "{\"system_fingerprint\":\"fp-\xc3\xa9\"}",
+        "{\"system_fingerprint\":\"a\\\"b\"}",  "{\"system_fingerprint\":\"a\\\\b\"}",
+        "{\"system_fingerprint\":\"a\\tb\"}",   "{\"system_fingerprint\":\"a\\u007fb\"}",
+    };
+    for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++) {
+        attest_report_t r = {0};
+        attest_probe_parse(&(dp_iovec_t){bodies[i], strlen(bodies[i])}, &r);
+        cr_assert_null(r.engine_fingerprint, "%s", bodies[i]);
+        cr_assert_str_eq(r.unattested_note[ATTEST_F_ENGINE_FINGERPRINT],
+                         "the engine's system_fingerprint is not plain visible ASCII", "%s",
+                         bodies[i]);
+        attest_report_clear(&r);
+    }
+    const char *ok = "{\"system_fingerprint\":\"vllm-0.11.0 H100/x_y:z+1\"}";
+    attest_report_t r = {0};
+    attest_probe_parse(&(dp_iovec_t){ok, strlen(ok)}, &r);
+    cr_assert_str_eq(r.engine_fingerprint, "vllm-0.11.0 H100/x_y:z+1");
+    attest_report_clear(&r);
+}
+
 Test(attest_llamacpp, vllm_fingerprint_is_parsed)
 {
     attest_report_t r = {0};
