@@ -18,6 +18,7 @@
 #   root/                the sid chroot (models in root/models, generator in root/gen)
 #   run/NAME.pid|.log    servers this script started; stop kills only those pids, and only
 #                        while they are still llama-server processes.
+# One setup runs at a time ($DIR/setup.lock); a second waits for it.
 # Exit codes: 0 ok, 1 failure, 2 usage, 77 the Debian archive cannot be reached (callers skip).
 set -euo pipefail
 
@@ -120,6 +121,10 @@ make_npm() {
 cmd_setup() {
   need_root
   local t0=$SECONDS
+  # One setup at a time: two would build the same root.tmp and models/*.tmp.
+  mkdir -p "$DIR"
+  exec 9>"$DIR/setup.lock"
+  flock -n 9 || { say "waiting for another setup ($DIR/setup.lock)"; flock 9; }
   make_root
   check_versions
   make_models

@@ -14,6 +14,7 @@ SKIP_RETURN_CODE): it never passes or fails silently. Measured numbers are print
 `measured: {...}` lines (docs/real-engines.md quotes them)."""
 
 import json
+import fcntl
 import os
 import subprocess
 import sys
@@ -62,6 +63,25 @@ def setup_or_skip():
     return info
 
 
+REAL_DIR = os.environ.get("DETPROXY_REAL_DIR", "/var/cache/detproxy/real")
+
+
+def lock_suite():
+    """One run of this suite at a time per state directory (every worktree on the machine
+    shares it): runs use the same server names and stop the ones an interrupted run left,
+    which would kill a concurrent run's servers; and the measurements need the cores."""
+    os.makedirs(REAL_DIR, exist_ok=True)
+    path = os.path.join(REAL_DIR, "suite.lock")
+    f = open(path, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("waiting for another tests/real run to finish (%s)" % path, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+SUITE_LOCK = lock_suite()
 INFO = setup_or_skip()
 _servers = {}
 _started = set()  # every name ever started, stopped at exit even when its start failed
@@ -170,6 +190,22 @@ def config_file(ports, manifest=None, policy=None):
 
 
 # ---- the tests --------------------------------------------------------------------------------
+
+
+def test_concurrent_runs_and_setups_wait_for_each_other():
+    held = subprocess.run(["flock", "-n", os.path.join(REAL_DIR, "suite.lock"), "true"])
+    assert held.returncode == 1, "this run does not hold the suite lock"
+    # A second setup waits while one is under way (both would build the same root.tmp).
+    with open(os.path.join(REAL_DIR, "setup.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        p = subprocess.Popen([SCRIPT, "setup"], stderr=subprocess.PIPE, text=True)
+        try:
+            p.wait(timeout=3)
+            raise AssertionError("setup ran while another held the lock: " + p.stderr.read())
+        except subprocess.TimeoutExpired:
+            pass
+    assert p.wait(timeout=120) == 0
+    assert "waiting for another setup" in p.stderr.read()
 
 
 def test_the_real_behaviours_the_suite_relies_on():
