@@ -489,6 +489,12 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
     return v;
 }
 
+bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    return p && p->sse_rewrite;
+}
+
 dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
 {
     pol_t *p = h->policy;

@@ -95,6 +95,9 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
  * rewritten copy valid until the next call), after teeing them for shadow capture and audit
  * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */
 dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
+/* Whether px_hooks_response_bytes may change the body's length (a stream's fingerprints are
+ * rewritten): the replica's Content-Length then does not hold for what is forwarded. */
+bool px_hooks_rewrites_bytes(const px_hooks_req_t *h);
 dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
 
 /* The response is about to end with `status`. Returns true when an audit line is being written

@@ -575,7 +575,10 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
             out[k++] = hdrs[i];
     extra_headers(q, out, &k);
     q->client_started = true;
-    px_resp_start(q->req, status, out, k, f->content_length);
+    /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
+     * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
+    px_resp_start(q->req, status, out, k,
+                  px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
     if (out != stackh)
         free(out);
 }

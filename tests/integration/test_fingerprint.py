@@ -10,7 +10,7 @@ import threading
 import time
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import ScriptedUpstream, metric, pool, sim_config, sim_requests, start_proxy
+from proxyutil import ScriptedUpstream, exchange, metric, pool, sim_config, sim_requests, start_proxy
 
 MODEL = "tiny"
 BUILD = "b11669-Debian"
@@ -125,6 +125,7 @@ class HeldProbes:
         self.arrived = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)
         self.probes = 0
+        self.stream = None  # a list of chunk fingerprints: chat answers stream them instead
         self.up = ScriptedUpstream(self.script)
         self.port = self.up.port
 
@@ -140,6 +141,12 @@ class HeldProbes:
             return reply({"object": "text_completion", "system_fingerprint": "fp-A",
                           "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
         self.chats.wait(timeout=20)
+        if self.stream is not None:
+            b = b"".join(b"data: %s\n\n" % json.dumps(
+                {"object": "chat.completion.chunk", "system_fingerprint": fp, "choices": []}
+                ).encode() for fp in self.stream) + b"data: [DONE]\n\n"
+            return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(b) + b, True)
         return reply({"object": "chat.completion", "system_fingerprint": "fp-B",
                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "y"},
                                    "finish_reason": "stop"}]})
@@ -212,6 +219,41 @@ def test_a_replica_that_flaps_its_fingerprint_does_not_storm_attestation():
     checks = rep.probes - 1
     assert served >= 1 and checks <= 12, (served, checks)
     assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == served
+
+
+def test_a_stream_framed_by_content_length_arrives_whole_after_rewriting():
+    rep = HeldProbes()
+    rep.stream = ["fp-A", "fp-A"]  # the script frames it with Content-Length
+    px = setup([rep], manifest={"model": "m1"}, model="m1")
+    body = json.dumps(dict(CHAT, stream=True)).encode()
+    for version in (b"1.1", b"1.0"):
+        head, _, rest = exchange(px.port, b"POST /v1/chat/completions HTTP/%s\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                                 b"Connection: close\r\n\r\n" % (version, len(body)) + body
+                                 )[0].partition(b"\r\n\r\n")
+        assert b"content-length" not in head.lower(), head
+        if version == b"1.1":
+            assert b"transfer-encoding: chunked" in head.lower(), head
+        assert rest.count(b'"system_fingerprint": "fp_') == 2 and b"data: [DONE]" in rest, rest
+
+
+def test_a_stream_is_checked_on_every_chunk_not_only_its_last():
+    rep = HeldProbes()
+    for _ in range(8):
+        rep.gate.release()
+    px = setup([rep], manifest={"model": "m1"}, model="m1")
+    n = 0
+    for chunks in (["fp-B", None], ["fp-B", "fp-A"], ["fp-A", "fp-B", "fp-A"], ["fp-A", None]):
+        rep.stream = chunks
+        poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", timeout=5, what="admitted")
+        events = list(sse(px.port, "/v1/chat/completions", dict(CHAT, stream=True)))
+        assert events and events[-1][1] == "[DONE]", events
+        n += "fp-B" in chunks
+        assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == n, \
+            chunks
+    lines = [json.loads(x) for x in open(px.audit_path)]
+    flagged = [x["upstream_fingerprint"] for x in lines if x.get("fingerprint_mismatch")]
+    assert flagged == ["fp-B"] * 3, lines
 
 
 if __name__ == "__main__":
