@@ -106,6 +106,17 @@ void policy_sse_fp_init(policy_sse_fp_t *s, const char *fp)
     s->fp = fp;
 }
 
+/* A value was read whole (in s->cur): the stream's first one, or the first that differs. */
+static void sse_fp_seen(policy_sse_fp_t *s)
+{
+    if (s->cur[0] == '\0')
+        return;
+    if (s->prev[0] == '\0')
+        memcpy(s->prev, s->cur, sizeof(s->prev));
+    else if (s->alt[0] == '\0' && strcmp(s->cur, s->prev) != 0)
+        memcpy(s->alt, s->cur, sizeof(s->alt));
+}
+
 static void flush_held(policy_sse_fp_t *s, dp_buf_t *out)
 {
     if (s->held) {
@@ -370,7 +381,7 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
         case J_VALUE:
             if (c == '"' || c == 'n') {
                 FLUSH_RUN();
-                s->prevlen = 0;
+                s->curlen = 0;
                 if (c == 'n') {
                     s->js = J_NULL;
                     s->vskip = 1;
@@ -391,7 +402,7 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
         case J_FPSTR: {
             /* Swallow the old value, remembering its first bytes as written (escapes kept:
              * decoding here would need more state for no operator benefit). */
-            size_t pn = s->prevlen;
+            size_t pn = s->curlen;
             while (i < n) {
                 c = b[i];
                 if (c == '\n' || c == '\r')
@@ -402,6 +413,8 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 } else if (c == '\\') {
                     s->esc = true;
                 } else if (c == '"') {
+                    s->cur[pn] = '\0';
+                    sse_fp_seen(s);
                     append_fp_value(out, s->fp);
                     s->rewritten++;
                     /* One top-level key per event (duplicates are not worth tracking the
@@ -409,10 +422,9 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                     s->js = J_SKIP;
                     break;
                 }
-                prev_put(s->prev, &pn, c);
+                prev_put(s->cur, &pn, c);
             }
-            s->prevlen = (uint8_t)pn;
-            s->prev[pn] = '\0';
+            s->curlen = (uint8_t)pn;
             run = i;
             break;
         }
@@ -423,8 +435,6 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 if (++s->vskip == 4) {
                     append_fp_value(out, s->fp);
                     s->rewritten++;
-                    s->prevlen = 0;
-                    s->prev[0] = '\0';
                     s->js = J_SKIP;
                 }
             } else {

@@ -218,8 +218,10 @@ int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_
  * they come in: the only bytes held back are a top-level key cut by the end of a read that
  * could still be "system_fingerprint" (at most 20 bytes, kept in the struct), so memory is
  * constant and no event is buffered. The key must be spelled plainly (servers never escape
- * it). The replica's value is kept in prev as written (escapes not decoded, bytes outside
- * visible ASCII as '?'): response headers are gone by then, so log or audit it.
+ * it). The replica's values are kept as written (escapes not decoded, bytes outside visible
+ * ASCII as '?'): the first non-empty one in prev and the first later one that differs from it
+ * in alt, so a fingerprint that changes within a stream is seen. Response headers are gone by
+ * then, so log, audit or check them.
  *
  * Unlike the parsers in STYLE.md this one transforms rather than parses, so it never answers
  * "need more": every byte fed is consumed. Zero-initialise and set fp, or policy_sse_fp_init. */
@@ -237,8 +239,10 @@ typedef struct {
     char hold[24];
     uint8_t vskip;    /* bytes of a null literal being replaced */
     size_t rewritten; /* number of values replaced so far */
-    char prev[POLICY_FP_PREV_MAX];
-    uint8_t prevlen;
+    char prev[POLICY_FP_PREV_MAX]; /* the stream's first non-empty value */
+    char alt[POLICY_FP_PREV_MAX];  /* the first later one that differs from it, or "" */
+    char cur[POLICY_FP_PREV_MAX];  /* the value being read */
+    uint8_t curlen;
 } policy_sse_fp_t;
 
 void policy_sse_fp_init(policy_sse_fp_t *s, const char *fp);

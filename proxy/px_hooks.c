@@ -568,8 +568,17 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
 {
     /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
      * requests until it is re-attested. */
-    if (h->inference && r && status >= 200 && status < 300)
+    if (h->inference && r && status >= 200 && status < 300) {
         h->fp_mismatch = px_attest_response_fingerprint(px, r, h->upstream_fp);
+        /* A stream whose fingerprint changed part-way: its later one is checked too, and it
+         * is the one audited when it is the one that differs. */
+        const pol_t *p = h->policy;
+        if (!h->fp_mismatch && p && p->sse_rewrite && p->sse.alt[0] &&
+            px_attest_response_fingerprint(px, r, p->sse.alt)) {
+            h->fp_mismatch = true;
+            snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.alt);
+        }
+    }
     return write_audit(h, px, pool, r, status, request_id, then, data);
 }
 

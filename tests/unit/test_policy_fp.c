@@ -148,7 +148,8 @@ Test(fp_sse, whole_stream)
     feed_chunks(sse_in, sizeof(sse_in) - 1, NULL, 0, &out, &s);
     expect_out(&out, "whole");
     cr_assert_eq(s.rewritten, 5);
-    cr_assert_str_eq(s.prev, "fp_\\u0072"); /* the last replaced value, raw */
+    cr_assert_str_eq(s.prev, "fp_r1"); /* the first value */
+    cr_assert_str_eq(s.alt, "fp_multi"); /* the first that differs from it */
     dp_buf_free(&out);
 }
 
@@ -163,6 +164,8 @@ Test(fp_sse, every_split_point)
         char what[32];
         snprintf(what, sizeof(what), "cut at %zu", cut);
         expect_out(&out, what);
+        cr_assert_str_eq(s.prev, "fp_r1", "%s", what); /* values cut by a read, kept whole */
+        cr_assert_str_eq(s.alt, "fp_multi", "%s", what);
         dp_buf_free(&out);
     }
 }
