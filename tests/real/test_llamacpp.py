@@ -426,7 +426,9 @@ def test_diagnose_names_each_cause():
 
 
 def test_the_openai_npm_client_streams_through_detproxy():
-    px = proxy([server("a")], manifest={"quantization": "F16"})
+    # The client must send a key: a gateway tenant takes any (a key matching no tenant is 401).
+    gateway = {"tenants": [{"name": "gw", "match": {"any": True, "unknown_keys": True}}]}
+    px = proxy([server("a")], manifest={"quantization": "F16"}, policy=gateway)
     js = os.path.join(TMP, "client.js")
     with open(js, "w") as f:
         f.write("""
