@@ -93,6 +93,15 @@ def in_parallel(n, fn, workers=2, until=None):
         t.join()
 
 
+def wait_all_admitted(p, timeout=10):
+    """Wait until every replica is admitted, for tests whose assertions need each one in
+    rotation (load spread, pick order, shadow targets): settle_attestation gives up after a few
+    seconds, and a loaded box may take longer (or fail one attestation and retry it)."""
+    poll_until(lambda: all(x["state"] == "admitted" for x in
+                           get_json(p.admin_port, "/admin/replicas")["replicas"]),
+               timeout=timeout, what="every replica admitted")
+
+
 def sim_stats(sim):
     return get_json(sim.port, "/_sim/stats")
 

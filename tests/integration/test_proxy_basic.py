@@ -9,7 +9,7 @@ import time
 
 from harness import (SLOW, get_json, http, poll_until, post_json, raw_request, run_tests, sse,
                      start_sim)
-from proxyutil import metric, pool, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_stats, start_proxy, wait_all_admitted
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
@@ -19,6 +19,7 @@ CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tok
 def setup(n=2, *flags, **poolkw):
     sims = [start_sim("--model", "m1", *flags) for _ in range(n)]
     px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)])
+    wait_all_admitted(px)
     return sims, px
 
 
@@ -141,6 +142,7 @@ def test_least_inflight_and_round_robin_spread_load():
     for balance in ("least_inflight", "round_robin"):
         sims = [start_sim("--model", "m1") for _ in range(3)]
         px = start_proxy(pools=[pool("p", ["m1"], sims, balance=balance)])
+        wait_all_admitted(px)  # a replica still pending would get no share
         for _ in range(30):
             assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
         counts = [sim_stats(s)["requests"] for s in sims]
@@ -154,16 +156,22 @@ def test_least_inflight_prefers_idle_replica():
     slow = start_sim("--model", "m1", "--token-delay-ms", "200")
     fast = start_sim("--model", "m1")
     px = start_proxy(pools=[pool("p", ["m1"], [slow, fast])])
-    t = threading.Thread(target=post_json,
-                         args=(px.port, "/v1/completions", dict(COMPLETION, max_tokens=10)))
-    t.start()
+    wait_all_admitted(px)
+    # The first request keeps its replica busy for the whole test (100 tokens at 200 ms, cut
+    # short when this client hangs up), however long the picks below take on a loaded box.
+    body = json.dumps(dict(COMPLETION, max_tokens=100)).encode()
+    busy = socket.create_connection(("127.0.0.1", px.port))
+    busy.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     poll_until(lambda: sim_stats(slow)["inflight"] + sim_stats(fast)["inflight"] == 1,
                what="first request in flight")
     busy_is_slow = sim_stats(slow)["inflight"] == 1
     for _ in range(4):
         r = post_json(px.port, "/v1/completions", dict(COMPLETION, max_tokens=1))
         assert r.headers["x-detproxy-replica"] == ("r2" if busy_is_slow else "r1")
-    t.join()
+    busy.close()
+    poll_until(lambda: sim_stats(slow)["inflight"] + sim_stats(fast)["inflight"] == 0,
+               what="the hung-up request cancelled upstream")
     px.stop()
 
 

@@ -13,7 +13,8 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, sim_config, sim_stats, start_proxy)
+                       parse_response, pool, sim_config, sim_stats, start_proxy,
+                       wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -32,6 +33,7 @@ QUIET = {"interval_ms": 600000}
 def setup(*sim_flags, limits=None, n=1, **poolkw):
     sims = [start_sim("--model", "m1", *sim_flags) for _ in range(n)]
     px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)], limits=limits, attestation=QUIET)
+    wait_all_admitted(px)  # round robin order and retries on "the other" need every replica
     return sims, px
 
 
