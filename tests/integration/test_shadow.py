@@ -5,7 +5,7 @@ import json
 import threading
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_config, sim_stats, start_proxy, wait_all_admitted
 
 MODEL = "m1"
 
@@ -19,14 +19,16 @@ def sims(n, *flags_per):
 
 
 def proxy(replicas, rate=0.7, self_rate=0.3, quarantine=False, max_inflight=8):
-    return start_proxy(pools=[pool("p", [MODEL], replicas)],
-                       shadow={"rate": rate, "self_rate": self_rate, "max_inflight": max_inflight,
-                               "max_output_bytes": 65536, "quarantine": quarantine})
+    px = start_proxy(pools=[pool("p", [MODEL], replicas)],
+                     shadow={"rate": rate, "self_rate": self_rate, "max_inflight": max_inflight,
+                             "max_output_bytes": 65536, "quarantine": quarantine})
+    wait_all_admitted(px)  # a pending replica is no cross target: its shadows are skipped
+    return px
 
 
-def load(px, n, parallel=1, stream=False, temperature=0):
+def load(px, n, parallel=1, stream=False, temperature=0, first=0):
     def worker(k):
-        for i in range(k, n, parallel):
+        for i in range(first + k, first + n, parallel):
             body = {"model": MODEL, "prompt": "prompt number %d about things" % i,
                     "max_tokens": 24, "temperature": temperature}
             if stream:
@@ -53,15 +55,24 @@ def samples(px):
     return d["cross"]["samples"] + d["self"]["samples"]
 
 
-def settle(px, want):
-    poll_until(lambda: samples(px) >= want, what="%d shadow samples compared" % want)
+def load_until(px, want, batch, **kw):
+    """Send load in batches until `want` shadow samples were compared. With rate + self_rate
+    = 1 every request draws a shadow, but one drawn while shadow.max_inflight run is skipped,
+    and on a loaded machine shadows lag the primaries: so how much load gives `want` samples
+    is not fixed. Each batch's shadows all end (counted once each) before samples are read."""
+    sent = 0
+    while samples(px) < want:
+        assert sent < 4 * want, "%d requests gave %d samples" % (sent, samples(px))
+        load(px, batch, first=sent, **kw)
+        sent += batch
+        poll_until(lambda: metric(px, "detproxy_shadow_total", pool="p") >= sent,
+                   what="every shadow of %d requests ended" % sent)
 
 
 def test_consistent_pool_stays_consistent():
     rs = sims(3)
     px = proxy(rs)
-    load(px, 120)
-    settle(px, 110)
+    load_until(px, 110, 40)
     d = drift(px)
     assert d["verdict"] == "consistent", json.dumps(d)[:600]
     assert d["cross"]["exact_match_rate"] == 1.0
@@ -75,8 +86,7 @@ def test_drifted_replica_is_named_and_quarantined():
     # r3 reports the same identity but generates differently (a different quantization).
     rs = sims(3, (), (), ("--quantization", "gptq", "--report-quantization", "awq"))
     px = proxy(rs, quarantine=True)
-    load(px, 160)
-    settle(px, 150)
+    load_until(px, 150, 40)
     d = drift(px)
     assert d["verdict"] == "cross_replica_drift", json.dumps(d)[:800]
     assert d["suspect"] == "r3", d
@@ -134,10 +144,10 @@ def two_replica_pool(canary=None, interval=4000):
     px = start_proxy(pools=[p], attestation={"interval_ms": interval},
                      shadow={"rate": 0.7, "self_rate": 0.3, "max_inflight": 8,
                              "max_output_bytes": 65536, "quarantine": False})
+    wait_all_admitted(px)
     # r2 starts generating as another quantization while still reporting the pinned one.
     sim_config(rs[1], quantization="gptq", report_quantization="awq")
-    load(px, 160)
-    settle(px, 150)
+    load_until(px, 150, 40)
     return rs, px
 
 
@@ -166,8 +176,7 @@ def test_two_replicas_without_a_canary_say_exactly_why_no_suspect():
 def test_batching_noise_is_not_called_drift():
     rs = sims(3, ("--noise", "0.5"), ("--noise", "0.5"), ("--noise", "0.5"))
     px = proxy(rs, rate=0.5, self_rate=0.5)
-    load(px, 160, parallel=4)
-    settle(px, 150)
+    load_until(px, 150, 40, parallel=4)
     d = drift(px)
     assert d["self"]["exact_match_rate"] < 1.0, d["self"]
     assert d["verdict"] == "batching_nondeterminism", json.dumps(d)[:800]
@@ -177,8 +186,7 @@ def test_batching_noise_is_not_called_drift():
 def test_streamed_primaries_are_teed_and_compared():
     rs = sims(2)
     px = proxy(rs, rate=1.0, self_rate=0.0)
-    load(px, 20, stream=True)
-    settle(px, 20)
+    load_until(px, 20, 20, stream=True)
     d = drift(px)
     assert d["cross"]["samples"] >= 20 and d["cross"]["exact_match_rate"] == 1.0, d["cross"]
     px.stop()
