@@ -87,20 +87,37 @@ _servers = {}
 _started = set()  # every name ever started, stopped at exit even when its start failed
 
 
+# Server names carry this run's pid: the script's run/ directory is shared by every checkout on
+# the machine, and a fixed name let one run's start stop another run's server.
+PREFIX = "t-%d-" % os.getpid()
+
+
+def stop_orphans():
+    """Stop servers left by interrupted runs (named t-PID-..., that PID gone)."""
+    run = os.path.join(os.environ.get("DETPROXY_REAL_DIR", "/var/cache/detproxy/real"), "run")
+    names = [f[:-4] for f in (os.listdir(run) if os.path.isdir(run) else ())
+             if f.startswith("t-") and f.endswith(".pid")]
+    orphans = [n for n in names if n.split("-")[1].isdigit() and
+               not os.path.exists("/proc/" + n.split("-")[1])]
+    if orphans:
+        engine("stop", *orphans, check=False)
+
+
 def server(name, model="f16", *flags):
     """A llama-server started once for the whole suite (stopped at exit)."""
     if name not in _servers:
         port = free_port()
+        if not _started:
+            stop_orphans()
         _started.add(name)
-        engine("stop", "t-" + name)  # one left by an interrupted run
-        engine("start", "t-" + name, str(port), model, "--", *flags)
+        engine("start", PREFIX + name, str(port), model, "--", *flags)
         _servers[name] = port
     return _servers[name]
 
 
 def stop_all():
     if _started:
-        engine("stop", *["t-" + n for n in sorted(_started)], check=False)
+        engine("stop", *[PREFIX + n for n in sorted(_started)], check=False)
 
 
 def measured(**kv):
@@ -309,8 +326,7 @@ def test_a_q8_0_server_swapped_in_for_an_f16_one_is_ejected():
     a = server("a")
     port = free_port()
     _started.add("swap")
-    engine("stop", "t-swap")
-    engine("start", "t-swap", str(port), "f16")
+    engine("start", PREFIX + "swap", str(port), "f16")
     px = proxy([a, port], manifest={"quantization": "F16"}, interval=30000)
     poll_until(lambda: replicas(px)["r2"]["state"] == "admitted", what="r2 admitted")
     stop = threading.Event()
@@ -325,8 +341,8 @@ def test_a_q8_0_server_swapped_in_for_an_f16_one_is_ejected():
     t.start()
     try:
         time.sleep(0.3)
-        engine("stop", "t-swap")
-        engine("start", "t-swap", str(port), "q8_0")
+        engine("stop", PREFIX + "swap")
+        engine("start", PREFIX + "swap", str(port), "q8_0")
         t_up = time.monotonic()
         poll_until(lambda: replicas(px)["r2"]["state"] == "rejected", timeout=20 * SLOW,
                    interval=0.01, what="swapped r2 rejected: %s" % replicas(px)["r2"])
