@@ -27,7 +27,8 @@ typedef enum {
     ROUTE_COMPLETIONS,
     ROUTE_CHAT,
     ROUTE_RESPONSES,
-    ROUTE_MODELS
+    ROUTE_MODELS,
+    ROUTE_UNPOLICED,
 } route_t;
 
 /* The canonical path of an inference route, and the policy's name for it. */
@@ -851,9 +852,25 @@ static bool path_is(dp_iovec_t p, const char *route, size_t n)
     return (p.len == n || (p.len == n + 1 && p.base[n] == '/')) && memcmp(p.base, route, n) == 0;
 }
 
+/* Generation routes an engine serves besides the two policed ones (llama.cpp server, vLLM,
+ * SGLang, TGI, Ollama's shapes): passed through, each would be a completion with no forced
+ * value, no seed and no audit line, so they are refused whatever the method. */
+static const struct {
+    const char *path;
+    size_t len;
+} unpoliced_routes[] = {
+    {"/completion", 11},    {"/completions", 12}, {"/chat/completions", 17},
+    {"/api/chat", 9},       {"/api/generate", 13}, {"/infill", 7},
+    {"/v1/messages", 12},   {"/generate", 9},      {"/generate_stream", 16},
+    {"/invocations", 12},   {"/inference/v1/generate", 22},
+};
+
 static route_t classify(const px_req_t *req)
 {
     const dp_iovec_t p = req->path;
+    for (size_t i = 0; i < DP_ARRAY_SIZE(unpoliced_routes); i++)
+        if (path_is(p, unpoliced_routes[i].path, unpoliced_routes[i].len))
+            return ROUTE_UNPOLICED;
     if (req->method == 3 /* POST */) {
         if (path_is(p, "/v1/completions", 15))
             return ROUTE_COMPLETIONS;
@@ -957,6 +974,12 @@ static px_body_mode_t on_head(px_req_t *req)
     case ROUTE_COMPLETIONS:
     case ROUTE_CHAT:
     case ROUTE_RESPONSES:
+        return PX_BODY_BUFFER;
+    case ROUTE_UNPOLICED:
+        fail_client(q, 404, "unpoliced_route", NULL,
+                    "an engine-native generation route: detproxy polices only POST "
+                    "/v1/completions, /v1/chat/completions and /v1/responses");
+        finish(q);
         return PX_BODY_BUFFER;
     case ROUTE_PASS:
         break;

@@ -120,5 +120,37 @@ def test_pass_through_forwards_the_normalised_path():
     px.stop()
 
 
+# Generation routes the engines serve besides the two detproxy polices (llama.cpp server:
+# /completion, /completions, /chat/completions, /api/chat, /infill, /v1/messages; vLLM and
+# SGLang: /invocations, /v1/messages, SGLang's and TGI's /generate, which SGLang also takes as
+# PUT). Passed through, each would be a completion with no forced value, no deny_params, no
+# seed, no audit line.
+NATIVE = [("POST", "/chat/completions", CHAT), ("POST", "/completions", COMPLETION),
+          ("POST", "/completion", COMPLETION), ("POST", "/api/chat", CHAT),
+          ("POST", "/infill", COMPLETION), ("POST", "/v1/messages", CHAT),
+          ("POST", "/generate", COMPLETION), ("PUT", "/generate", COMPLETION),
+          ("POST", "/generate_stream", COMPLETION), ("POST", "/invocations", CHAT),
+          ("POST", "/inference/v1/generate", COMPLETION), ("POST", "/api/generate", COMPLETION),
+          ("POST", "/%63hat/completions/", CHAT), ("POST", "/v1/../completion?x=1", COMPLETION)]
+
+
+def test_engine_native_generation_routes_are_refused():
+    sim, px, _ = setup()
+    before = len(sim_requests(sim))
+    for method, target, body in NATIVE:
+        data = json.dumps(body).encode()
+        head = ("%s %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                "content-length: %d\r\nauthorization: %s\r\nconnection: close\r\n\r\n"
+                % (method, target, len(data), AUTH))
+        r = parse_response(raw_request(px.port, head.encode() + data))
+        err = assert_openai_error(r, 404, "unpoliced_route")
+        assert "/v1/completions" in err["message"], (target, err)
+        assert len(sim_requests(sim)) == before, (method, target)
+    # Other pass-through routes still reach the replica.
+    r = post(px.port, "/v1/embeddings", {"model": "m1", "input": "x"})
+    assert len(sim_requests(sim)) == before + 1, r
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
