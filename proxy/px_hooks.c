@@ -18,7 +18,7 @@
  * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
  * which makes steady-state parsing allocation-free. */
 typedef struct pol_s {
-    struct pol_s *next_free;
+    struct pol_s *next_free; /* the free list; also the queue of work waiting for the pool */
     policy_req_t *preq;
     policy_result_t res;
     bool applied;
@@ -31,6 +31,7 @@ typedef struct pol_s {
     dp_buf_t in; /* offloaded requests: the client's body, moved here for the worker */
     /* Policy work on a large body runs on the libuv thread pool (see police()). */
     uv_work_t work;
+    uv_loop_t *loop;
     px_hooks_req_t *h;
     px_gen_t *gen;
     const px_pool_t *pool;
@@ -352,20 +353,65 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     return 0;
 }
 
+/* Offloaded policing takes at most half the libuv thread pool; the rest of the jobs wait here in
+ * arrival order. Audit writes, DNS and shadow comparisons share that pool: queued behind a few
+ * dozen large bodies, every audited request (any tenant, any pool) waited seconds. */
+static pol_t *g_wait_head, *g_wait_tail;
+static unsigned g_policing, g_policing_max;
+
+static unsigned policing_max(void)
+{
+    if (g_policing_max == 0) {
+        const char *e = getenv("UV_THREADPOOL_SIZE"); /* as libuv reads it: default 4 */
+        long n = e && *e ? strtol(e, NULL, 10) : 4;
+        if (n > 1024)
+            n = 1024;
+        g_policing_max = n >= 2 ? (unsigned)(n / 2) : 1;
+    }
+    return g_policing_max;
+}
+
 static void police_work(uv_work_t *w)
 {
     pol_t *p = w->data;
     p->rc = police(p, p->gen, p->h->tenant_cfg, p->proute, p->in.base ? p->in.base : "", p->in.len);
 }
 
-static void police_done(uv_work_t *w, int status)
+static void police_done(uv_work_t *w, int status);
+
+static void police_done_now(pol_t *p)
 {
-    pol_t *p = w->data;
-    (void)status; /* work is never cancelled: the request waits for it even if its client left */
     px_hooks_result_t res = {0};
     dp_iovec_t body = {0};
     int rc = policed(p->h, p->gen, p, &body, &res);
     p->done(p->done_data, rc, body, &res);
+}
+
+/* 0, or the uv_queue_work error (the caller then polices on the loop). */
+static int police_start(pol_t *p)
+{
+    int rc = uv_queue_work(p->loop, &p->work, police_work, police_done);
+    if (rc == 0)
+        g_policing++;
+    return rc;
+}
+
+static void police_done(uv_work_t *w, int status)
+{
+    pol_t *p = w->data;
+    (void)status; /* work is never cancelled: the request waits for it even if its client left */
+    g_policing--;
+    if (g_wait_head) {
+        pol_t *next = g_wait_head;
+        g_wait_head = next->next_free;
+        if (g_wait_head == NULL)
+            g_wait_tail = NULL;
+        if (police_start(next) != 0) {
+            police_work(&next->work);
+            police_done_now(next);
+        }
+    }
+    police_done_now(p);
 }
 
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
@@ -399,9 +445,19 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
     p->done = done;
     p->done_data = done_data;
     p->work.data = p;
-    if (uv_queue_work(px->loop, &p->work, police_work, police_done) != 0) {
-        p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
-        return policed(h, g, p, body, res);
+    p->loop = px->loop;
+    if (g_policing < policing_max()) {
+        if (police_start(p) != 0) {
+            p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
+            return policed(h, g, p, body, res);
+        }
+    } else {
+        p->next_free = NULL;
+        if (g_wait_tail)
+            g_wait_tail->next_free = p;
+        else
+            g_wait_head = p;
+        g_wait_tail = p;
     }
     return 1;
 }
