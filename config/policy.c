@@ -361,6 +361,9 @@ cfg_policy_t *cfg_policy_default(void)
     p->tenants = dp_xcalloc(1, sizeof(*p->tenants));
     p->tenants[0].name = dp_xstrdup("default");
     p->tenants[0].match_kind = CFG_MATCH_ANY;
+    /* No tenant has keys, so none can be mistyped: credentials (the OpenAI SDKs always send
+     * one) are the replica's or a gateway's business. */
+    p->tenants[0].any_unknown_keys = true;
     p->tenants[0].shadow_rate = -1;
     return p;
 }

@@ -67,6 +67,19 @@ def test_unknown_keys_opt_out_for_gateways():
     px.stop()
 
 
+def test_without_a_policy_any_credentials_are_served():
+    """With no policy there are no keys to mistype: the built-in default tenant takes requests
+    with any Authorization. The OpenAI SDKs always send one (`apiKey` is required), so a 401
+    here refused every SDK client of a proxy configured without tenants."""
+    sim = start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])])
+    for auth in ("Bearer unused", "Bearer sk-whatever", "Basic Zm9vOmJhcg=="):
+        r = post(px, {"authorization": auth})
+        assert r.status == 200 and r.headers["x-detproxy-tenant"] == "default", (auth, r)
+    assert post(px, {}).status == 200
+    px.stop()
+
+
 def test_admin_token_two_fields_are_ambiguous_and_trailing_space_is_trimmed():
     d = tempfile.mkdtemp(prefix="detproxy-cred-")
     tok = "adm-" + os.urandom(8).hex()
