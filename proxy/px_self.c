@@ -112,6 +112,18 @@ bool px_self_is_listener(const px_t *px, const struct sockaddr *sa, const char *
 {
     if (sa == NULL || (sa->sa_family != AF_INET && sa->sa_family != AF_INET6))
         return false;
+    /* Connecting to the unspecified address reaches this host's loopback (0.0.0.0 is
+     * 127.0.0.1, :: is ::1): judge it as that. */
+    struct sockaddr_storage lo;
+    if (is_wildcard(sa)) {
+        memcpy(&lo, sa,
+               sa->sa_family == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6));
+        if (sa->sa_family == AF_INET)
+            ((struct sockaddr_in *)&lo)->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        else
+            ((struct sockaddr_in6 *)&lo)->sin6_addr = in6addr_loopback;
+        sa = (const struct sockaddr *)&lo;
+    }
     const px_server_t *srv[2] = {px->proxy, px->admin};
     static const char *const names[2] = {"proxy", "admin"};
     for (int i = 0; i < 2; i++) {

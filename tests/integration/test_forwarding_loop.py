@@ -64,6 +64,22 @@ def test_a_replica_url_naming_the_proxy_itself_is_never_admitted():
     px.stop()
 
 
+def test_the_unspecified_address_is_the_proxy_itself_too():
+    """Connecting to 0.0.0.0 (or [::]) reaches this host's loopback: a replica URL naming it
+    with the proxy's port is the proxy, whether it listens on 127.0.0.1 or a wildcard."""
+    sim = start_sim("--model", MODEL)
+    for listen in ("127.0.0.1", "0.0.0.0"):
+        port = free_port()
+        pl = self_pool(sim, port)
+        pl["replicas"][1]["url"] = "http://0.0.0.0:%d" % port
+        px = start_proxy(pools=[pl], listen="%s:%d" % (listen, port),
+                         attestation={"interval_ms": 300, "timeout_ms": 500})
+        poll_until(lambda: replicas(px)["self"]["state"] == "rejected",
+                   what="0.0.0.0 rejected with the listener on %s" % listen)
+        assert "own proxy listener" in " ".join(replicas(px)["self"]["reasons"]), replicas(px)
+        px.stop()
+
+
 def test_a_request_carrying_our_own_via_token_is_508_and_never_forwarded():
     sim = start_sim("--model", MODEL)
     px = start_proxy(pools=[{"name": "p", "models": [MODEL],
