@@ -1493,6 +1493,19 @@ static inline req_impl_t *impl(px_req_t *r)
     return dp_container_of(r, req_impl_t, r);
 }
 
+uint64_t px_req_take_body_budget(px_req_t *req)
+{
+    req_impl_t *q = impl(req);
+    uint64_t n = q->body_reserved;
+    q->body_reserved = 0;
+    return n;
+}
+
+void px_server_return_body_budget(px_server_t *s, uint64_t bytes)
+{
+    s->body_bytes -= bytes;
+}
+
 static bool conn_usable(px_req_t *req)
 {
     px_conn_t *c = req->conn;

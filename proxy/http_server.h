@@ -127,6 +127,11 @@ size_t px_server_inflight(const px_server_t *s);
 void px_server_on_overload(px_server_t *s, void (*cb)(const char *reason));
 /* Bytes of buffered request bodies reserved right now (max_inflight_body_bytes). */
 uint64_t px_server_body_bytes(const px_server_t *s);
+/* The handler keeps the request's body past the request (a worker thread still reads it after
+ * the client left): the request's share of the body budget moves to the caller, who gives it
+ * back with px_server_return_body_budget once the body is freed. Returns the bytes taken. */
+uint64_t px_req_take_body_budget(px_req_t *req);
+void px_server_return_body_budget(px_server_t *s, uint64_t bytes);
 
 /* Case-insensitive header look-up; the first match or NULL. Count of matches in *count if set. */
 const px_header_t *px_req_header(const px_req_t *req, const char *name);

@@ -65,6 +65,7 @@ struct px_preq_s {
     dp_iovec_t body;
     bool stream_body;
     bool policing; /* the body is being policed on the thread pool */
+    uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
     bool queued;
@@ -1043,6 +1044,9 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     px_preq_t *q = data;
     q->policing = false;
     q->body = body;
+    if (q->budget_held && q->px->proxy)
+        px_server_return_body_budget(q->px->proxy, q->budget_held);
+    q->budget_held = 0;
     if (q->req == NULL) { /* the client left while its body was being policed */
         client_gone(q);
         return;
@@ -1081,6 +1085,9 @@ static void on_abort(px_req_t *req)
     px_preq_t *q = req->data;
     if (q == NULL)
         return;
+    /* The worker still holds the body: so does the budget, until policed_later. */
+    if (q->policing)
+        q->budget_held = px_req_take_body_budget(req);
     q->req = NULL;
     if (q->audit_wait || q->policing)
         return; /* deliver() or policed_later() finishes it */

@@ -1,0 +1,169 @@
+"""The request-body budget (limits.max_inflight_body_bytes) comes back on every way a request
+can end: a client closing or resetting mid-body, a Content-Length lie, 413 mid-chunked, 408,
+pipelined requests, bodies large enough to be policed on the thread pool. Each abort spends
+the whole budget, so a leaked reservation makes the next full body a 503."""
+
+import socket
+import struct
+import time
+
+from harness import SLOW, http, poll_until, run_tests, start_sim
+from proxyutil import metric, pool, read_until_close, start_proxy
+
+MODEL = "m1"
+KiB = 1 << 10
+LIMIT = 256 * KiB
+
+
+def body_of(n):
+    head = '{"model":"%s","max_tokens":1,"prompt":"' % MODEL
+    return (head + "x" * (n - len(head) - 2) + '"}').encode()
+
+
+def head(n=None, chunked=False):
+    h = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    h += "transfer-encoding: chunked\r\n" if chunked else "content-length: %d\r\n" % n
+    return (h + "\r\n").encode()
+
+
+def connect(port):
+    return socket.create_connection(("127.0.0.1", port), timeout=10 * SLOW)
+
+
+def reset(s):
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def admitted(px, n):
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == n, what="%d admitted" % n)
+
+
+def abort_close(px):
+    s = connect(px.port)
+    s.sendall(head(LIMIT) + body_of(LIMIT)[:LIMIT // 2])
+    admitted(px, 1)
+    s.close()
+
+
+def abort_reset(px):
+    s = connect(px.port)
+    s.sendall(head(LIMIT) + body_of(LIMIT)[:LIMIT // 2])
+    admitted(px, 1)
+    reset(s)
+
+
+def abort_cl_lie_fin(px):
+    # Declares more than it sends, then half-closes: the body can never complete.
+    s = connect(px.port)
+    s.sendall(head(LIMIT) + body_of(LIMIT // 2))
+    admitted(px, 1)
+    s.shutdown(socket.SHUT_WR)
+    read_until_close(s, timeout=5)
+    s.close()
+
+
+def abort_chunked_close(px):
+    s = connect(px.port)
+    b = body_of(LIMIT)
+    s.sendall(head(chunked=True) + b"%x\r\n" % (LIMIT - 10) + b[:LIMIT - 10] + b"\r\n")
+    admitted(px, 1)
+    s.close()
+
+
+def abort_chunked_413(px):
+    s = connect(px.port)
+    b = body_of(LIMIT)
+    s.sendall(head(chunked=True) + b"%x\r\n" % (LIMIT - 10) + b[:LIMIT - 10] + b"\r\n" +
+              b"100\r\n" + b"y" * 256 + b"\r\n")
+    data, _ = read_until_close(s, timeout=5)
+    assert b" 413 " in data.split(b"\r\n")[0], data[:200]
+    s.close()
+
+
+def abort_408(px):
+    s = connect(px.port)
+    s.sendall(head(LIMIT) + body_of(LIMIT)[:LIMIT - 1])
+    data, _ = read_until_close(s, timeout=10)
+    assert b" 408 " in data.split(b"\r\n")[0], data[:200]
+    s.close()
+
+
+def abort_pipelined(px):
+    # A whole small request followed by a partial big one, then a close.
+    s = connect(px.port)
+    small = body_of(200)
+    s.sendall(head(len(small)) + small + head(LIMIT) + body_of(LIMIT)[:LIMIT // 2])
+    time.sleep(0.2 * SLOW)
+    s.close()
+
+
+def abort_whole_then_close(px):
+    # A whole body (policed on the thread pool: >= 64 KiB), then gone before the answer.
+    s = connect(px.port)
+    s.sendall(head(LIMIT) + body_of(LIMIT))
+    reset(s)
+
+
+def abort_whole_pipelined_then_close(px):
+    s = connect(px.port)
+    b = body_of(LIMIT // 2)
+    s.sendall((head(len(b)) + b) * 3)
+    s.close()
+
+
+ABORTS = [abort_close, abort_reset, abort_cl_lie_fin, abort_chunked_close, abort_chunked_413,
+          abort_408, abort_pipelined, abort_whole_then_close, abort_whole_pipelined_then_close]
+
+
+def test_the_body_budget_is_returned_however_the_request_ends():
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])],
+                     limits={"max_body_bytes": LIMIT, "max_inflight_body_bytes": LIMIT,
+                             "client_body_timeout_ms": int(1000 * SLOW)})
+    full = body_of(LIMIT)
+    for abort in ABORTS:
+        abort(px)
+        poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0,
+                   what="%s: nothing in flight" % abort.__name__)
+        r = http("POST", px.port, "/v1/completions", body=full,
+                 headers={"content-type": "application/json"})
+        assert r.status == 200, (abort.__name__, r.status, r.body[:300])
+    assert metric(px, "detproxy_overload_rejections_total", reason="body_budget") in (0, None)
+    px.stop()
+
+
+def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
+    """A client that sends a whole large body and leaves at once used to hand its budget back
+    while the body was still queued for policing on the thread pool: such clients could pile
+    bodies up in the work queue with the budget showing none of them."""
+    sim = start_sim("--model", MODEL)
+    size, n = 4 << 20, 4
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])],
+                     limits={"max_body_bytes": size, "max_inflight_body_bytes": n * size},
+                     env={"UV_THREADPOOL_SIZE": "1"})
+    # An array prompt of one-digit tokens: slow to police (one worker: they queue), quick to send.
+    b = ('{"model":"%s","max_tokens":1,"prompt":[' % MODEL).encode()
+    b += b"1," * ((size - len(b) - 2) // 2)
+    b = b[:-1] + b"]}"
+    conns = [connect(px.port) for _ in range(n)]
+    for s in conns:
+        s.sendall(head(len(b)) + b)
+    for s in conns:
+        s.close()  # a FIN after the whole body (a reset would discard its unread end)
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0, what="the clients gone")
+    # Their bodies are still in the work queue: so is their budget.
+    s = connect(px.port)
+    s.sendall(head(len(b)))
+    data, _ = read_until_close(s, timeout=10)
+    s.close()
+    assert b" 503 " in data.split(b"\r\n")[0], data[:300]
+    # Once they are policed, every share is back.
+    poll_until(lambda: http("POST", px.port, "/v1/completions", body=body_of(size),
+                            headers={"content-type": "application/json"}).status == 200,
+               timeout=30, what="the budget back after policing")
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
