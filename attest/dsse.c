@@ -296,6 +296,34 @@ void attest_dsse_pae(const char *type, const void *body, size_t n, dp_buf_t *out
     dp_buf_append(out, body, n);
 }
 
+int attest_key_sign(const attest_key_t *k, const void *msg, size_t n,
+                    unsigned char sig[ATTEST_SIG_LEN])
+{
+    if (!k->is_private)
+        return -1;
+    size_t siglen = ATTEST_SIG_LEN;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    /* Ed25519 is "pure": no digest is named, the whole message goes in one call. */
+    int rc = ctx != NULL && EVP_DigestSignInit(ctx, NULL, NULL, NULL, k->pkey) == 1 &&
+                     EVP_DigestSign(ctx, sig, &siglen, msg, n) == 1 && siglen == ATTEST_SIG_LEN
+                 ? 0
+                 : -1;
+    EVP_MD_CTX_free(ctx);
+    ERR_clear_error();
+    return rc;
+}
+
+bool attest_key_verify(const attest_key_t *k, const void *msg, size_t n, const void *sig,
+                       size_t siglen)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    bool ok = ctx != NULL && EVP_DigestVerifyInit(ctx, NULL, NULL, NULL, k->pkey) == 1 &&
+              EVP_DigestVerify(ctx, sig, siglen, msg, n) == 1;
+    EVP_MD_CTX_free(ctx);
+    ERR_clear_error();
+    return ok;
+}
+
 int attest_envelope_sign(const attest_key_t *key, const char *payload, size_t n, dp_buf_t *out,
                          dp_buf_t *err)
 {
@@ -303,15 +331,12 @@ int attest_envelope_sign(const attest_key_t *key, const char *payload, size_t n,
     dp_buf_t pae = {0}, b64 = {0};
     unsigned char sig[ED25519_SIG_LEN];
     size_t siglen = sizeof(sig);
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (!key->is_private) {
         dp_buf_appends(err, "signing needs a private key");
         goto out;
     }
     attest_dsse_pae(ATTEST_PAYLOAD_TYPE, payload, n, &pae);
-    /* Ed25519 is "pure": no digest is named, the whole message goes in one call. */
-    if (ctx == NULL || EVP_DigestSignInit(ctx, NULL, NULL, NULL, key->pkey) != 1 ||
-        EVP_DigestSign(ctx, sig, &siglen, (const unsigned char *)pae.base, pae.len) != 1) {
+    if (attest_key_sign(key, pae.base, pae.len, sig) != 0) {
         dp_buf_appends(err, "Ed25519 signing failed");
         goto out;
     }
@@ -332,7 +357,6 @@ int attest_envelope_sign(const attest_key_t *key, const char *payload, size_t n,
     dp_jw_obj_end(&w);
     rc = 0;
 out:
-    EVP_MD_CTX_free(ctx);
     dp_buf_free(&pae);
     dp_buf_free(&b64);
     ERR_clear_error();
@@ -372,13 +396,7 @@ static void short_id(const char *s, dp_buf_t *out)
 
 static bool ed25519_verify(const attest_key_t *k, const dp_buf_t *msg, const dp_buf_t *sig)
 {
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    bool ok = ctx != NULL && EVP_DigestVerifyInit(ctx, NULL, NULL, NULL, k->pkey) == 1 &&
-              EVP_DigestVerify(ctx, (const unsigned char *)sig->base, sig->len,
-                               (const unsigned char *)msg->base, msg->len) == 1;
-    EVP_MD_CTX_free(ctx);
-    ERR_clear_error();
-    return ok;
+    return attest_key_verify(k, msg->base, msg->len, sig->base, sig->len);
 }
 
 typedef struct {

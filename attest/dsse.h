@@ -39,6 +39,14 @@ bool attest_key_is_private(const attest_key_t *k);
 /* PEM of the public half (SubjectPublicKeyInfo), appended to out. */
 void attest_key_public_pem(const attest_key_t *k, dp_buf_t *out);
 
+#define ATTEST_SIG_LEN 64
+/* Raw Ed25519 over msg (no DSSE framing): the audit checkpoints use it. Sign needs a private
+ * key (-1 otherwise or on an OpenSSL failure); verify is false on any mismatch. */
+int attest_key_sign(const attest_key_t *k, const void *msg, size_t n,
+                    unsigned char sig[ATTEST_SIG_LEN]);
+bool attest_key_verify(const attest_key_t *k, const void *msg, size_t n, const void *sig,
+                       size_t siglen);
+
 /* Generate a key pair: PREFIX.key.pem (PKCS#8, created 0600, never overwritten) and
  * PREFIX.pub.pem (SPKI, 0644). The key id is written to keyid_out (65 bytes) if non-NULL.
  * Returns 0 or a negative errno with a reason in *err; on failure no file is left behind. */

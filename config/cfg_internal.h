@@ -115,6 +115,7 @@ bool cfg_check_cert_file(cfg_ctx_t *c, const char *key, const char *path);
 bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_path,
                         const char *key_key, const char *key_path);
 bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path);
+bool cfg_check_ed25519_privkey(cfg_ctx_t *c, const char *key, const char *path);
 
 /* ---- pool.c ---- */
 

@@ -22,7 +22,9 @@ static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "req
                                                "trusted_keys", NULL};
 static const char *const shadow_keys[] = {
     "rate", "self_rate", "max_inflight", "max_output_bytes", "quarantine", NULL};
-static const char *const log_keys[] = {"level", "audit_path", "access", NULL};
+static const char *const log_keys[] = {"level",         "audit_path",        "access",
+                                        "audit_store",   "audit_signing_key",
+                                        "audit_checkpoint_lines", NULL};
 static const char *const access_keys[] = {"enabled", "sample_rate", "fields", NULL};
 
 const char *const cfg_access_field_names[CFG_ACCESS__COUNT] = {
@@ -91,6 +93,7 @@ static void set_defaults(cfg_t *cfg)
     cfg->shadow.max_inflight = 4;
     cfg->shadow.max_output_bytes = 1048576;
     cfg->log.level = DP_LOG_INFO;
+    cfg->log.audit_checkpoint_lines = 1000;
     cfg->log.access.enabled = true;
     cfg->log.access.sample_rate = 1.0;
     cfg->log.access.fields = (1u << CFG_ACCESS__COUNT) - 1;
@@ -240,6 +243,19 @@ static void check_audit_path(cfg_ctx_t *c, const char *path)
     free(dir);
 }
 
+/* The store holds one file per body, created at run time: the folder must exist and be writable
+ * now, so a typo fails `check` rather than every audited request. */
+static void check_audit_store(cfg_ctx_t *c, const char *dir)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        cfg_err(c, "audit_store", "cannot use %s: %s", dir, strerror(errno));
+    else if (!S_ISDIR(st.st_mode))
+        cfg_err(c, "audit_store", "%s is not a directory", dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        cfg_err(c, "audit_store", "%s is not writable: %s", dir, strerror(errno));
+}
+
 static void parse_access_log(cfg_ctx_t *c, const cJSON *log, cfg_access_log_t *a)
 {
     const cJSON *o = cfg_get_obj(c, log, "access", false);
@@ -284,6 +300,13 @@ static void parse_log(cfg_ctx_t *c, const cJSON *doc, cfg_log_t *l)
     cfg_get_enum(c, o, "level", level_names, DP_ARRAY_SIZE(level_names), &l->level);
     if (cfg_get_path(c, o, "audit_path", false, &l->audit_path))
         check_audit_path(c, l->audit_path);
+    if (cfg_get_path(c, o, "audit_store", false, &l->audit_store))
+        check_audit_store(c, l->audit_store);
+    if (cfg_get_path(c, o, "audit_signing_key", false, &l->audit_signing_key))
+        cfg_check_ed25519_privkey(c, "audit_signing_key", l->audit_signing_key);
+    cfg_get_u32(c, o, "audit_checkpoint_lines", 1, 100000000, &l->audit_checkpoint_lines);
+    if ((l->audit_store || l->audit_signing_key) && l->audit_path == NULL)
+        cfg_err(c, l->audit_store ? "audit_store" : "audit_signing_key", "requires log.audit_path");
     parse_access_log(c, o, &l->access);
     cfg_path_pop(c, mark);
 }
@@ -531,6 +554,8 @@ void cfg_free(cfg_t *cfg)
     free(cfg->pools);
     cfg_policy_free(cfg->policy);
     free(cfg->log.audit_path);
+    free(cfg->log.audit_store);
+    free(cfg->log.audit_signing_key);
     if (cfg->tls != NULL) {
         free(cfg->tls->cert_file);
         free(cfg->tls->key_file);

@@ -258,6 +258,9 @@ typedef struct {
 typedef struct {
     int level; /* dp_log_level_t */
     char *audit_path; /* NULL: no audit file (an audit tenant then fails `check`) */
+    char *audit_store;       /* NULL: bodies are hashed, not stored (SPEC §15) */
+    char *audit_signing_key; /* NULL: the chain is written without signed checkpoints */
+    uint32_t audit_checkpoint_lines; /* 1000 */
     cfg_access_log_t access;
 } cfg_log_t;
 

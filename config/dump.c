@@ -242,6 +242,9 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     dp_jw_obj_begin(w, "log");
     dp_jw_str(w, "level", levels[cfg->log.level]);
     dp_jw_str(w, "audit_path", cfg->log.audit_path);
+    dp_jw_str(w, "audit_store", cfg->log.audit_store);
+    dp_jw_str(w, "audit_signing_key", cfg->log.audit_signing_key);
+    dp_jw_uint(w, "audit_checkpoint_lines", cfg->log.audit_checkpoint_lines);
     dp_jw_obj_begin(w, "access");
     dp_jw_bool(w, "enabled", cfg->log.access.enabled);
     dp_jw_double(w, "sample_rate", cfg->log.access.sample_rate);

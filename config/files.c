@@ -148,7 +148,7 @@ bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_pat
     return ok;
 }
 
-bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path)
+static bool check_ed25519(cfg_ctx_t *c, const char *key, const char *path, bool is_private)
 {
     dp_buf_t b = {0};
     EVP_PKEY *pk = NULL;
@@ -156,12 +156,14 @@ bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path)
     if (!cfg_read_file(c, key, path, PEM_MAX, &b))
         goto out;
     BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
-    pk = bio != NULL ? PEM_read_bio_PUBKEY(bio, NULL, no_passphrase_cb, NULL) : NULL;
+    if (bio != NULL)
+        pk = is_private ? PEM_read_bio_PrivateKey(bio, NULL, no_passphrase_cb, NULL)
+                        : PEM_read_bio_PUBKEY(bio, NULL, no_passphrase_cb, NULL);
     BIO_free(bio);
     if (pk == NULL)
-        cfg_err(c, key, "%s is not a PEM public key", path);
+        cfg_err(c, key, "%s is not a PEM %s key", path, is_private ? "private" : "public");
     else if (EVP_PKEY_id(pk) != EVP_PKEY_ED25519)
-        cfg_err(c, key, "%s is not an Ed25519 public key", path);
+        cfg_err(c, key, "%s is not an Ed25519 %s key", path, is_private ? "private" : "public");
     else
         ok = true;
 out:
@@ -169,4 +171,14 @@ out:
     EVP_PKEY_free(pk);
     dp_buf_free(&b);
     return ok;
+}
+
+bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path)
+{
+    return check_ed25519(c, key, path, false);
+}
+
+bool cfg_check_ed25519_privkey(cfg_ctx_t *c, const char *key, const char *path)
+{
+    return check_ed25519(c, key, path, true);
 }

@@ -12,4 +12,7 @@ int px_cmd_policy(int argc, char **argv);   /* proxy/px_policy_cli.c: policy tes
  * rather than through attest_cmd_main. */
 int px_cmd_attest_canary(int argc, char **argv);
 
+int px_cmd_audit(int argc, char **argv);  /* proxy/px_evidence_cli.c: audit verify */
+int px_cmd_replay(int argc, char **argv); /* proxy/px_evidence_cli.c */
+
 #endif

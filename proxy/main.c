@@ -21,6 +21,8 @@ static void usage(FILE *f)
           "  attest canary ...        run a pool's canary on a replica; print the hash to pin\n"
           "  attest oms verify ...    verify a model directory against an OpenSSF Model Signing bundle\n"
           "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
+          "  audit verify FILE        check an audit file's chain, signatures, stored bodies\n"
+          "  replay -c CONFIG ...     re-send audited requests, say whether they reproduce\n"
           "  version, --version       print the version and the git commit it was built from\n"
           "\n"
           "Run 'detproxy <command> --help' for a command's options.\n"
@@ -57,6 +59,10 @@ int main(int argc, char **argv)
         return attest_cmd_main(argc - 1, argv + 1);
     if (strcmp(cmd, "policy") == 0)
         return px_cmd_policy(argc - 1, argv + 1);
+    if (strcmp(cmd, "audit") == 0)
+        return px_cmd_audit(argc - 1, argv + 1);
+    if (strcmp(cmd, "replay") == 0)
+        return px_cmd_replay(argc - 1, argv + 1);
     if (strcmp(cmd, "diagnose") == 0)
         return px_cmd_diagnose(argc - 1, argv + 1);
     fprintf(stderr, "detproxy: unknown command '%s' (try --help)\n", cmd);

@@ -6,8 +6,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attest/audit_chain.h"
 #include "common/buf.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "proxy/px_metrics.h"
 
 #define FSYNC_EVERY_MS 1000
@@ -18,18 +20,43 @@ typedef struct waiter_s {
     struct waiter_s *next;
 } waiter_t;
 
-/* Lines accumulate in `pending` while one uv_fs_write of `inflight` is running: at most one
- * write at a time keeps lines in order, and batches them under load. */
+typedef struct {
+    char sha[65];
+    char *bytes;
+    size_t n;
+} blob_t;
+
+/* One batch: the bodies first, then the lines. With `split` set, the lines before it close the
+ * old file (its reopen checkpoint is the last of them) and the rest open the new one. */
+typedef struct {
+    dp_buf_t lines;
+    blob_t *blobs;
+    size_t nblobs, cap;
+    size_t split; /* SIZE_MAX: no reopen in this batch */
+    waiter_t *w, **tail;
+} batch_t;
+
+/* Lines accumulate in `pending` while one batch (`inflight`) is written on the thread pool: at
+ * most one at a time keeps lines in order, and batches them under load. The chain advances when
+ * a line is queued, so its order is the file's order. */
 struct px_audit_s {
     uv_loop_t *loop;
     char *path;
+    char *store;          /* NULL: bodies are not stored */
+    attest_key_t *key;    /* NULL: no checkpoints */
+    uint32_t checkpoint_lines;
+    audit_chain_t chain;
     uv_file fd;
-    dp_buf_t pending, inflight;
-    waiter_t *pending_w, **pending_tail, *inflight_w;
-    uv_fs_t write_req, fsync_req;
-    bool writing, syncing, dirty, reopen, closing;
+    batch_t pending, inflight;
+    uv_work_t work;
+    uv_fs_t fsync_req;
+    bool writing, syncing, dirty, store_dirty, closing;
     uv_timer_t fsync_timer;
     px_series_t *m_errors;
+    /* Set by the worker, read by the loop once it is done. */
+    char *w_path; /* the reopen target of the batch in flight */
+    int w_status, w_store_status;
+    const char *w_op, *w_store_op;
 };
 
 static void start_write(px_audit_t *a);
@@ -62,74 +89,135 @@ static void run_waiters(waiter_t *w, int status)
     }
 }
 
-static void write_cb(uv_fs_t *req)
+static void batch_init(batch_t *b)
+{
+    b->split = SIZE_MAX;
+    b->w = NULL;
+    b->tail = &b->w;
+}
+
+static void batch_clear(batch_t *b)
+{
+    for (size_t i = 0; i < b->nblobs; i++)
+        free(b->blobs[i].bytes);
+    b->nblobs = 0;
+    dp_buf_reset(&b->lines);
+    batch_init(b);
+}
+
+static void batch_free(batch_t *b)
+{
+    batch_clear(b);
+    free(b->blobs);
+    dp_buf_free(&b->lines);
+}
+
+static int write_fd(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t r = write(fd, p, n);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+/* The batch's file work; on the thread pool (or on the loop at shutdown). Touches only the
+ * batch, fd and the w_* fields: the loop leaves them alone while `writing`. */
+static void write_batch(px_audit_t *a)
+{
+    batch_t *b = &a->inflight;
+    a->w_status = a->w_store_status = 0;
+    for (size_t i = 0; i < b->nblobs; i++) {
+        int rc = audit_store_put(a->store, b->blobs[i].sha, b->blobs[i].bytes, b->blobs[i].n,
+                                 &a->w_store_op);
+        if (rc != 0)
+            a->w_store_status = rc; /* the line is still written: verify names the gap */
+    }
+    if (a->fd < 0)
+        a->fd = open_file(a->path); /* a failed open earlier: try again */
+    size_t split = b->split == SIZE_MAX ? b->lines.len : b->split;
+    if (a->fd < 0) {
+        a->w_op = "open";
+        a->w_status = UV_EBADF;
+    } else if ((a->w_status = write_fd(a->fd, b->lines.base, split)) != 0) {
+        a->w_op = "write";
+    }
+    if (b->split == SIZE_MAX)
+        return;
+    int fd = open_file(a->w_path);
+    if (fd < 0) {
+        a->w_op = "open";
+        a->w_status = -errno;
+        if (a->fd < 0)
+            return;
+    } else {
+        if (a->fd >= 0) {
+            fsync(a->fd); /* the old file is finished: make it whole on disk now */
+            close(a->fd);
+        }
+        a->fd = fd;
+    }
+    int rc = write_fd(a->fd, b->lines.base + split, b->lines.len - split);
+    if (rc != 0) {
+        a->w_op = "write";
+        a->w_status = rc;
+    }
+}
+
+static void work_cb(uv_work_t *req)
+{
+    write_batch(req->data);
+}
+
+static void after_work_cb(uv_work_t *req, int status)
 {
     px_audit_t *a = req->data;
-    ssize_t r = req->result;
-    uv_fs_req_cleanup(req);
-    int status = 0;
-    if (r < 0) {
-        status = (int)r;
-        log_error(a, "write", status);
-    } else if ((size_t)r < a->inflight.len) {
-        /* Short write: retry the rest before anything else, keeping lines whole and in order. */
-        dp_buf_consume(&a->inflight, (size_t)r);
-        uv_buf_t b = uv_buf_init(a->inflight.base, (unsigned)a->inflight.len);
-        if (uv_fs_write(a->loop, &a->write_req, a->fd, &b, 1, -1, write_cb) == 0)
-            return;
-        status = UV_EIO;
-        log_error(a, "write", status);
-    }
+    (void)status;
+    if (a->w_store_status != 0)
+        log_error(a, a->w_store_op, a->w_store_status);
+    if (a->w_status != 0)
+        log_error(a, a->w_op, a->w_status);
+    if (a->inflight.nblobs)
+        a->store_dirty = true;
     a->dirty = true;
     a->writing = false;
-    dp_buf_reset(&a->inflight);
-    waiter_t *w = a->inflight_w;
-    a->inflight_w = NULL;
-    run_waiters(w, status);
+    free(a->w_path);
+    a->w_path = NULL;
+    waiter_t *w = a->inflight.w;
+    batch_clear(&a->inflight);
+    run_waiters(w, a->w_status);
     start_write(a);
+}
+
+static void swap_batches(px_audit_t *a)
+{
+    batch_t t = a->inflight;
+    a->inflight = a->pending;
+    a->pending = t;
+    if (a->inflight.w == NULL)
+        a->inflight.tail = &a->inflight.w;
+    batch_clear(&a->pending);
+    if (a->inflight.split != SIZE_MAX)
+        a->w_path = dp_xstrdup(a->path);
 }
 
 static void start_write(px_audit_t *a)
 {
-    if (a->writing || a->pending.len == 0 || a->closing)
+    if (a->writing || a->closing ||
+        (a->pending.lines.len == 0 && a->pending.nblobs == 0 && a->pending.split == SIZE_MAX))
         return;
-    if (a->reopen) {
-        a->reopen = false;
-        int fd = open_file(a->path);
-        if (fd < 0) {
-            log_error(a, "open", -errno);
-        } else {
-            if (a->fd >= 0)
-                close(a->fd);
-            a->fd = fd;
-        }
-    }
-    if (a->fd < 0) {
-        /* No file: count and drop, but never hold a response hostage to the audit disk. */
-        log_error(a, "open", UV_EBADF);
-        waiter_t *w = a->pending_w;
-        a->pending_w = NULL;
-        a->pending_tail = &a->pending_w;
-        dp_buf_reset(&a->pending);
-        run_waiters(w, UV_EBADF);
-        return;
-    }
-    dp_buf_t t = a->inflight;
-    a->inflight = a->pending;
-    a->pending = t;
-    a->inflight_w = a->pending_w;
-    a->pending_w = NULL;
-    a->pending_tail = &a->pending_w;
+    swap_batches(a);
     a->writing = true;
-    a->write_req.data = a;
-    uv_buf_t b = uv_buf_init(a->inflight.base, (unsigned)a->inflight.len);
-    if (uv_fs_write(a->loop, &a->write_req, a->fd, &b, 1, -1, write_cb) != 0) {
-        a->writing = false;
-        log_error(a, "write", UV_EIO);
-        waiter_t *w = a->inflight_w;
-        a->inflight_w = NULL;
-        dp_buf_reset(&a->inflight);
-        run_waiters(w, UV_EIO);
+    a->work.data = a;
+    if (uv_queue_work(a->loop, &a->work, work_cb, after_work_cb) != 0) {
+        write_batch(a); /* cannot happen with a live loop; never drop lines over it */
+        after_work_cb(&a->work, 0);
     }
 }
 
@@ -142,11 +230,26 @@ static void fsync_cb(uv_fs_t *req)
     a->syncing = false;
 }
 
+/* The store's new names reach the disk on the same once-a-second beat as the lines (each body's
+ * bytes were fsynced before its rename). */
+static void sync_store(px_audit_t *a)
+{
+    if (!a->store_dirty || a->store == NULL)
+        return;
+    a->store_dirty = false;
+    int dfd = open(a->store, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd) != 0)
+        log_error(a, "fsync", -errno);
+    if (dfd >= 0)
+        close(dfd);
+}
+
 static void fsync_timer_cb(uv_timer_t *t)
 {
     px_audit_t *a = t->data;
-    if (!a->dirty || a->syncing || a->fd < 0)
+    if (!a->dirty || a->syncing || a->writing || a->fd < 0)
         return;
+    sync_store(a);
     a->dirty = false;
     a->syncing = true;
     a->fsync_req.data = a;
@@ -154,13 +257,22 @@ static void fsync_timer_cb(uv_timer_t *t)
         a->syncing = false;
 }
 
+static void resume_chain(px_audit_t *a, const char *path)
+{
+    int rc = audit_chain_resume(&a->chain, path);
+    if (rc != 0)
+        log_error(a, "resume_chain", rc);
+}
+
 px_audit_t *px_audit_open(uv_loop_t *loop, const char *path)
 {
     px_audit_t *a = dp_xcalloc(1, sizeof(*a));
     a->loop = loop;
     a->path = dp_xstrdup(path);
-    a->pending_tail = &a->pending_w;
+    batch_init(&a->pending);
+    batch_init(&a->inflight);
     a->m_errors = px_metrics_get("detproxy_audit_write_errors_total", NULL);
+    resume_chain(a, path);
     a->fd = open_file(path);
     if (a->fd < 0)
         log_error(a, "open", -errno);
@@ -171,17 +283,78 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path)
     return a;
 }
 
-void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data)
+int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key,
+                       uint32_t checkpoint_lines)
 {
-    dp_buf_append(&a->pending, line, n);
+    free(a->store);
+    a->store = store ? dp_xstrdup(store) : NULL;
+    a->checkpoint_lines = checkpoint_lines ? checkpoint_lines : 1000;
+    attest_key_t *k = NULL;
+    int rc = 0;
+    if (signing_key) {
+        dp_buf_t err = {0};
+        rc = attest_key_load(signing_key, true, &k, &err);
+        if (rc != 0) {
+            dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "audit_signing_key_failed");
+            if (w) {
+                dp_jw_str(w, "path", signing_key);
+                dp_jw_strn(w, "error", err.base ? err.base : "", err.len);
+                dp_log_end(w);
+            }
+            k = NULL;
+        }
+        dp_buf_free(&err);
+    }
+    attest_key_free(a->key);
+    a->key = k;
+    return rc;
+}
+
+bool px_audit_stores(const px_audit_t *a)
+{
+    return a && a->store != NULL;
+}
+
+static void checkpoint(px_audit_t *a, const char *reason)
+{
+    if (a->key && audit_chain_checkpoint(&a->chain, a->key, reason, dp_wall_ms(),
+                                         &a->pending.lines) != 0)
+        log_error(a, "sign", UV_EINVAL);
+}
+
+void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
+                           size_t nb, px_audit_cb cb, void *data)
+{
+    batch_t *p = &a->pending;
+    for (size_t i = 0; a->store && i < nb; i++) {
+        if (p->nblobs == p->cap) {
+            p->cap = p->cap ? p->cap * 2 : 8;
+            p->blobs = dp_xrealloc(p->blobs, p->cap * sizeof(*p->blobs));
+        }
+        blob_t *x = &p->blobs[p->nblobs++];
+        memcpy(x->sha, b[i].sha256, 65);
+        x->bytes = dp_xmalloc(b[i].len ? b[i].len : 1);
+        if (b[i].len)
+            memcpy(x->bytes, b[i].base, b[i].len);
+        x->n = b[i].len;
+    }
+    if (audit_chain_append(&a->chain, line, n, &p->lines) != 0)
+        log_error(a, "format", UV_EINVAL);
+    if (a->key && a->chain.since_checkpoint >= a->checkpoint_lines)
+        checkpoint(a, "interval");
     if (cb) {
         waiter_t *w = dp_xcalloc(1, sizeof(*w));
         w->cb = cb;
         w->data = data;
-        *a->pending_tail = w;
-        a->pending_tail = &w->next;
+        *p->tail = w;
+        p->tail = &w->next;
     }
     start_write(a);
+}
+
+void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data)
+{
+    px_audit_write_bodies(a, line, n, NULL, 0, cb, data);
 }
 
 void px_audit_reopen(px_audit_t *a, const char *path)
@@ -190,33 +363,12 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         free(a->path);
         a->path = dp_xstrdup(path);
     }
-    if (a->writing) {
-        a->reopen = true; /* after the write in flight */
-        return;
-    }
-    int fd = open_file(a->path);
-    if (fd < 0) {
-        log_error(a, "open", -errno);
-        return;
-    }
-    if (a->fd >= 0)
-        close(a->fd);
-    a->fd = fd;
-}
-
-static void write_all(px_audit_t *a, dp_buf_t *b)
-{
-    size_t off = 0;
-    while (off < b->len && a->fd >= 0) {
-        ssize_t r = write(a->fd, b->base + off, b->len - off);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            log_error(a, "write", -errno);
-            return;
-        }
-        off += (size_t)r;
-    }
+    /* A checkpoint closes the old file; the new file's first line names it. Two reopens before
+     * a batch starts: the first one's split stands, the second is folded into it. */
+    checkpoint(a, "reopen");
+    if (a->pending.split == SIZE_MAX)
+        a->pending.split = a->pending.lines.len;
+    start_write(a);
 }
 
 static void timer_closed(uv_handle_t *h)
@@ -226,21 +378,34 @@ static void timer_closed(uv_handle_t *h)
 
 void px_audit_close(px_audit_t *a)
 {
-    a->closing = true;
-    /* A thread-pool write may still be running: let the loop finish it first. */
+    /* A thread-pool batch may still be running: let the loop finish it first. */
     while (a->writing || a->syncing)
         uv_run(a->loop, UV_RUN_ONCE);
-    write_all(a, &a->pending);
+    a->closing = true;
+    checkpoint(a, "shutdown");
+    if (a->pending.lines.len || a->pending.nblobs || a->pending.split != SIZE_MAX) {
+        swap_batches(a);
+        write_batch(a);
+        if (a->w_store_status != 0)
+            log_error(a, a->w_store_op, a->w_store_status);
+        if (a->w_status != 0)
+            log_error(a, a->w_op, a->w_status);
+        free(a->w_path);
+        a->w_path = NULL;
+        a->store_dirty = a->store_dirty || a->inflight.nblobs;
+    }
+    sync_store(a);
     if (a->fd >= 0) {
         fsync(a->fd);
         close(a->fd);
         a->fd = -1;
     }
-    waiter_t *w = a->pending_w;
-    a->pending_w = NULL;
-    run_waiters(w, 0);
-    dp_buf_free(&a->pending);
-    dp_buf_free(&a->inflight);
+    run_waiters(a->inflight.w, 0);
+    run_waiters(a->pending.w, 0);
+    batch_free(&a->pending);
+    batch_free(&a->inflight);
+    attest_key_free(a->key);
+    free(a->store);
     free(a->path);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);

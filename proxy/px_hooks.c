@@ -40,6 +40,9 @@ typedef struct pol_s {
     px_hooks_policed_cb done;
     void *done_data;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
+    dp_buf_t resp_body;        /* with log.audit_store: those bytes, up to resp_cap */
+    size_t resp_cap;
+    bool store, resp_over;
     policy_usage_t usage;      /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
     const char *route;
@@ -90,6 +93,7 @@ static pol_t *pol_get(void)
 
 static void pol_put(pol_t *p)
 {
+    dp_buf_free(&p->resp_body);
     if (g_nfree >= 256 || p->out.cap > 256 * 1024 || p->in.cap > 256 * 1024) {
         policy_req_free(p->preq);
         dp_buf_free(&p->out);
@@ -428,6 +432,8 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     affinity_session_header(h, g, req);
+    p->store = p->audit && px_audit_stores(px->audit);
+    p->resp_cap = g->cfg->limits.max_response_rewrite_bytes; /* the store keeps this much */
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
@@ -527,6 +533,14 @@ static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
         policy_usage_feed(&p->usage, b, n);
     if (p && p->resp_sha)
         dp_sha256_update(p->resp_sha, b, n);
+    if (p && p->store && !p->resp_over) {
+        if (p->resp_body.len + n > p->resp_cap) {
+            p->resp_over = true; /* hashed, not stored: the line says so */
+            dp_buf_free(&p->resp_body);
+        } else {
+            dp_buf_append(&p->resp_body, b, n);
+        }
+    }
     if (h->shadow)
         px_shadow_primary_bytes(h->shadow, b, n);
     px_otel_bytes(h->span, b, n);
@@ -612,9 +626,20 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
     };
     dp_buf_t line = {0};
     policy_audit_line(&a, &line);
+    px_audit_body_t bodies[2];
+    size_t nb = 0;
+    if (p->store && a.forwarded_sha256)
+        bodies[nb++] = (px_audit_body_t){p->fwd_sha, p->res.body.base, p->res.body.len};
+    if (p->store && resp_hex && !p->resp_over)
+        bodies[nb++] = (px_audit_body_t){resp_sha, p->resp_body.base, p->resp_body.len};
+    if (p->store && resp_hex && p->resp_over && line.len > 2) {
+        line.len -= 2; /* "}\n": one more member, read by `audit verify` */
+        dp_buf_appends(&line, ",\"response_body_stored\":false}\n");
+    }
     p->then = then;
     p->then_data = data;
-    px_audit_write(px->audit, line.base, line.len, then ? audit_done : NULL, p);
+    px_audit_write_bodies(px->audit, line.base, line.len, bodies, nb, then ? audit_done : NULL,
+                          p);
     dp_buf_free(&line);
     return then != NULL;
 }

@@ -271,8 +271,11 @@ int px_cmd_run(int argc, char **argv)
     px.started_ms = dp_wall_ms();
     px_metrics_declare();
     px.gen = px_gen_new(&px, cfg, NULL);
-    if (cfg->log.audit_path)
+    if (cfg->log.audit_path) {
         px.audit = px_audit_open(px.loop, cfg->log.audit_path);
+        px_audit_configure(px.audit, cfg->log.audit_store, cfg->log.audit_signing_key,
+                           cfg->log.audit_checkpoint_lines);
+    }
 
     px_server_limits_t lim;
     px_server_limits_for(cfg, &lim);

@@ -78,6 +78,9 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         else if (cfg->log.audit_path)
             px->audit = px_audit_open(px->loop, cfg->log.audit_path);
     }
+    if (px->audit && cfg->log.audit_path)
+        px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
+                           cfg->log.audit_checkpoint_lines);
     px_discovery_sync(px);
     px_attest_sync(px);
     px_otel_sync(px);

@@ -1,0 +1,266 @@
+"""Evidence (SPEC §15): stored bodies, the chained and signed audit trail, `audit verify` and
+`replay`, end to end against detproxy-sim."""
+
+import hashlib
+import json
+import os
+import signal
+import tempfile
+
+from harness import DETPROXY_BIN, poll_until, post_json, run_cmd, run_tests, sse, start_sim
+from proxyutil import pool, sim_config, start_proxy
+
+KEY = "sk-bank-evidence-0001"
+AUTH = {"authorization": "Bearer " + KEY, "content-type": "application/json"}
+POLICY = {"tenants": [
+    {"name": "bank", "match": {"api_keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()]},
+     "sampling": {"temperature": {"force": 0}, "seed": {"force": 7}}, "audit": True},
+    {"name": "casual", "match": {"any": True}, "audit": True},
+]}
+
+
+def setup(checkpoint_lines=3, key=True, flavor="vllm"):
+    d = tempfile.mkdtemp(prefix="detproxy-evidence-")
+    sim = start_sim("--model", "m1", "--flavor", flavor)
+    log = {"level": "info", "audit_path": "audit.jsonl", "audit_store": "store",
+           "audit_checkpoint_lines": checkpoint_lines}
+    os.mkdir(os.path.join(d, "store"))
+    if key:
+        rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out",
+                                os.path.join(d, "audit")])
+        assert rc == 0, err
+        log["audit_signing_key"] = "audit.key.pem"
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=POLICY, log=log, directory=d)
+    px.dir = d
+    px.audit_path = os.path.join(d, "audit.jsonl")
+    px.store = os.path.join(d, "store")
+    px.pub = os.path.join(d, "audit.pub.pem")
+    return sim, px
+
+
+def complete(px, prompt, auth=True, stream=False):
+    body = {"model": "m1", "prompt": prompt, "max_tokens": 8}
+    if stream:
+        body["stream"] = True
+        return list(sse(px.port, "/v1/completions", body, headers=AUTH))
+    r = post_json(px.port, "/v1/completions", body, headers=AUTH if auth else None)
+    assert r.status == 200, r
+    return r
+
+
+def verify(px, path=None, *extra):
+    return run_cmd([DETPROXY_BIN, "audit", "verify", path or px.audit_path, "--pubkey", px.pub,
+                    "--store", px.store] + list(extra))
+
+
+def lines(path):
+    return [json.loads(l) for l in open(path)]
+
+
+def test_chain_checkpoints_and_store_verify():
+    sim, px = setup()
+    ids = [complete(px, "p%d" % i).headers["x-detproxy-request-id"] for i in range(4)]
+    px.stop()
+    got = lines(px.audit_path)
+    kinds = ["cp" if "checkpoint" in l else "req" for l in got]
+    # every 3 lines a checkpoint, and one at shutdown
+    assert kinds == ["req", "req", "req", "cp", "req", "cp"], kinds
+    assert got[3]["checkpoint"]["reason"] == "interval"
+    assert got[5]["checkpoint"] == dict(got[5]["checkpoint"], reason="shutdown", lines=1)
+    raw = open(px.audit_path, "rb").read().split(b"\n")
+    for i in range(1, len(got)):
+        assert got[i]["prev_sha256"] == hashlib.sha256(raw[i - 1]).hexdigest()
+    assert got[0]["prev_sha256"] == "0" * 64
+    # bodies are in the store under their hashes, byte for byte
+    for l in got:
+        if "request_id" in l:
+            for k in ("forwarded_body_sha256", "response_body_sha256"):
+                data = open(os.path.join(px.store, l[k]), "rb").read()
+                assert hashlib.sha256(data).hexdigest() == l[k]
+    assert [l["request_id"] for l in got if "request_id" in l] == ids
+    rc, out, err = verify(px)
+    assert rc == 0, out + err
+    assert "6 lines, 2 checkpoints, 2 signatures verified, 8 stored bodies checked" in out, out
+
+
+def test_streamed_response_is_stored_as_forwarded():
+    sim, px = setup()
+    events = complete(px, "stream me", stream=True)
+    assert events
+    px.stop()
+    l = lines(px.audit_path)[0]
+    data = open(os.path.join(px.store, l["response_body_sha256"]), "rb").read()
+    assert b"data: [DONE]" in data
+    assert verify(px)[0] == 0
+
+
+def rewrite(path, fn):
+    raw = open(path, "rb").read().split(b"\n")[:-1]
+    raw = fn(raw)
+    open(path, "wb").write(b"\n".join(raw) + b"\n")
+
+
+def test_verify_names_the_first_break():
+    sim, px = setup(checkpoint_lines=100)
+    for i in range(3):
+        complete(px, "t%d" % i)
+    px.stop()
+    good = open(px.audit_path, "rb").read()
+
+    # A tampered line: the next line's prev_sha256 no longer matches.
+    rewrite(px.audit_path, lambda r: [r[0].replace(b'"status":200', b'"status":201')] + r[1:])
+    rc, out, _ = verify(px)
+    assert rc == 1 and "line 2: chain broken" in out, out
+
+    # A deleted line.
+    open(px.audit_path, "wb").write(good)
+    rewrite(px.audit_path, lambda r: [r[0]] + r[2:])
+    rc, out, _ = verify(px)
+    assert rc == 1 and "line 2: chain broken" in out, out
+
+    # The chain recomputed after an edit still fails: the checkpoint's signature.
+    open(px.audit_path, "wb").write(good)
+
+    def forge(r):
+        out, prev = [], "0" * 64
+        for b in r:
+            o = json.loads(b)
+            if "status" in o:
+                o["status"] = 500
+            o["prev_sha256"] = prev
+            s = json.dumps(o, separators=(",", ":")).encode()
+            if "checkpoint" in o:  # keep the original bytes order, only the chain changed
+                head = b.rsplit(b',"prev_sha256"', 1)[0]
+                tail = b',"keyid"' + b.split(b',"keyid"', 1)[1]
+                s = head + b',"prev_sha256":"' + prev.encode() + b'"' + tail
+            out.append(s)
+            prev = hashlib.sha256(s).hexdigest()
+        return out
+    rewrite(px.audit_path, forge)
+    rc, out, _ = verify(px)
+    assert rc == 1 and "line 4: checkpoint: bad signature" in out, out
+
+    # An edited stored body.
+    open(px.audit_path, "wb").write(good)
+    sha = lines(px.audit_path)[1]["response_body_sha256"]
+    with open(os.path.join(px.store, sha), "ab") as f:
+        f.write(b" ")
+    rc, out, _ = verify(px)
+    assert rc == 1 and "line 2: response_body_sha256" in out and "altered" in out, out
+    os.unlink(os.path.join(px.store, sha))
+    rc, out, _ = verify(px)
+    assert rc == 1 and "line 2: response_body_sha256" in out and "missing" in out, out
+
+    # The wrong key.
+    rc, _, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out",
+                          os.path.join(px.dir, "other")])
+    assert rc == 0, err
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--pubkey",
+                          os.path.join(px.dir, "other.pub.pem")])
+    assert rc == 1 and "line 4: checkpoint: signed by key" in out, out
+
+
+def test_reopen_keeps_the_chain_across_files():
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    px.send_signal(signal.SIGHUP)
+    poll_until(lambda: os.path.exists(px.audit_path), what="audit file reopened")
+    complete(px, "b")
+    px.stop()
+    old, new = lines(rotated), lines(px.audit_path)
+    assert old[-1]["checkpoint"]["reason"] == "reopen", old
+    last = open(rotated, "rb").read().split(b"\n")[-2]
+    assert new[0]["prev_sha256"] == hashlib.sha256(last).hexdigest()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
+    assert rc == 0, out
+    # out of order, the second file's first line does not follow on
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, rotated])
+    assert rc == 1 and "line 1: chain broken" in out, out
+
+
+def test_restart_resumes_the_chain():
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    px.stop()
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "b")
+    px2.stop()
+    assert verify(px)[0] == 0
+
+
+def replay(px, *args):
+    return run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", px.audit_path,
+                    "--admin", "127.0.0.1:%d" % px.admin_port] + list(args))
+
+
+def test_replay_reproduces_then_differs_after_the_replica_changes():
+    # tgi: its responses carry a system_fingerprint, so replay can say whether it still matches
+    sim, px = setup(checkpoint_lines=100, flavor="tgi")
+    rid = complete(px, "the same question").headers["x-detproxy-request-id"]
+    unseeded = complete(px, "casual", auth=False).headers["x-detproxy-request-id"]
+    rc, out, err = replay(px, "--request-id", rid)
+    assert rc == 0 and "reproduced" in out, out + err
+    rc, out, err = replay(px, "--request-id", unseeded, "--json")
+    res = json.loads(out)["results"][0]
+    assert rc == 0 and res["result"] == "not_replayable", out
+    assert "unseeded sampling" in res["why"], res
+    # The replica now generates differently while reporting the same identity.
+    sim_config(sim, quantization="int8", report_quantization="none")
+    rc, out, err = replay(px, "--all", "--json")
+    doc = json.loads(out)
+    assert rc == 1, out + err
+    first = doc["results"][0]
+    assert first["result"] == "differs" and first["divergence_offset"] >= 0, first
+    assert 0 <= first["similarity"] < 1 and first["fingerprint_matches"] is True, first
+    assert doc["summary"] == {"replayed": 2, "reproduced": 0, "differs": 1,
+                              "not_replayable": 1}, doc
+    # A new engine build: still differs, and the engine's fingerprint no longer matches.
+    sim_config(sim, framework_version="9.9.9")
+    rc, out, err = replay(px, "--request-id", rid)
+    assert rc == 1 and "differs" in out and "fingerprint_matches=no" in out, out + err
+    # No stored body: not replayable, saying so.
+    sha = lines(px.audit_path)[0]["forwarded_body_sha256"]
+    os.unlink(os.path.join(px.store, sha))
+    rc, out, _ = replay(px, "--request-id", rid)
+    assert rc == 0 and "not_replayable" in out and "no stored body" in out, out
+    # --since after everything selects nothing.
+    rc, out, _ = replay(px, "--all", "--since", "2999-01-01T00:00:00Z")
+    assert rc == 0 and out.startswith("0 replayed"), out
+    px.stop()
+
+
+def test_replay_without_a_replica_of_that_fingerprint():
+    sim, px = setup(checkpoint_lines=100)
+    rid = complete(px, "q").headers["x-detproxy-request-id"]
+    px.stop()
+    cfg = json.load(open(px.config_path))
+    cfg["pools"][0]["manifest"] = {"model": "m1"}
+    cfg["pools"][0]["replicas"][0]["attest"] = {"source": "vllm"}
+    px2 = start_proxy(config=cfg, directory=px.dir)
+    px2.audit_path = px.audit_path
+    rc, out, _ = replay(px2, "--request-id", rid)
+    assert rc == 0 and "no admitted replica with fingerprint" in out, out
+    px2.stop()
+
+
+def test_config_errors():
+    d = tempfile.mkdtemp(prefix="detproxy-evidence-")
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "pools": [{"name": "p", "models": ["*"], "replicas": [{"name": "r",
+                                                                   "url": "http://127.0.0.1:1"}]}],
+           "log": {"audit_path": "a.jsonl", "audit_store": "nope", "audit_signing_key": "k.pem",
+                   "audit_checkpoint_lines": 0}}
+    path = os.path.join(d, "c.json")
+    json.dump(cfg, open(path, "w"))
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", path])
+    assert rc == 1, out + err
+    text = out + err
+    assert "log.audit_store" in text and "log.audit_signing_key" in text, text
+    assert "log.audit_checkpoint_lines" in text, text
+
+
+if __name__ == "__main__":
+    run_tests(globals())
