@@ -1,0 +1,294 @@
+/* The audit chain (SPEC §15): prev_sha256 splicing, signed checkpoints, resuming a file's
+ * chain, the body store, and every break audit_verify_file must name. */
+#define _GNU_SOURCE /* memmem */
+#include <criterion/criterion.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "attest/audit_chain.h"
+#include "common/util.h"
+
+static char g_dir[64];
+static attest_key_t *g_priv, *g_pub, *g_other;
+
+static attest_key_t *load(const char *prefix, bool priv)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/%s.%s.pem", g_dir, prefix, priv ? "key" : "pub");
+    attest_key_t *k = NULL;
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_key_load(path, priv, &k, &err), 0, "%s", err.base ? err.base : "");
+    dp_buf_free(&err);
+    return k;
+}
+
+static void setup(void)
+{
+    snprintf(g_dir, sizeof(g_dir), "/tmp/dp-audit-unit-XXXXXX");
+    cr_assert(mkdtemp(g_dir));
+    char p[128];
+    dp_buf_t err = {0};
+    snprintf(p, sizeof(p), "%s/k", g_dir);
+    cr_assert_eq(attest_keygen(p, NULL, &err), 0);
+    snprintf(p, sizeof(p), "%s/o", g_dir);
+    cr_assert_eq(attest_keygen(p, NULL, &err), 0);
+    dp_buf_free(&err);
+    g_priv = load("k", true);
+    g_pub = load("k", false);
+    g_other = load("o", false);
+}
+
+static void teardown(void)
+{
+    attest_key_free(g_priv);
+    attest_key_free(g_pub);
+    attest_key_free(g_other);
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+TestSuite(audit, .init = setup, .fini = teardown);
+
+static void sha_of_line(const char *line, char out[65])
+{
+    const char *nl = strchr(line, '\n');
+    dp_sha256_hex(line, nl ? (size_t)(nl - line) : strlen(line), out);
+}
+
+Test(audit, append_splices_prev_and_chains)
+{
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_t out = {0};
+    cr_assert_eq(audit_chain_append(&c, "{\"a\":1}\n", 8, &out), 0);
+    cr_assert_str_eq(out.base, "{\"a\":1,\"prev_sha256\":\"" AUDIT_GENESIS "\"}\n");
+    char h1[65];
+    sha_of_line(out.base, h1);
+    cr_assert_str_eq(c.prev, h1);
+    size_t second = out.len;
+    cr_assert_eq(audit_chain_append(&c, "{}", 2, &out), 0);
+    dp_buf_appendc(&out, '\0');
+    char want[128];
+    snprintf(want, sizeof(want), "{\"prev_sha256\":\"%s\"}\n", h1);
+    cr_assert_str_eq(out.base + second, want);
+    cr_assert_eq(c.since_checkpoint, 2);
+    out.len--;
+    size_t len = out.len;
+    cr_assert_eq(audit_chain_append(&c, "[1]", 3, &out), -1);
+    cr_assert_eq(audit_chain_append(&c, "", 0, &out), -1);
+    cr_assert_eq(out.len, len, "a refused line appends nothing");
+    cr_assert_eq(c.since_checkpoint, 2);
+    dp_buf_free(&out);
+}
+
+Test(audit, checkpoint_is_signed_over_its_prefix)
+{
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_t out = {0};
+    audit_chain_append(&c, "{\"a\":1}", 7, &out);
+    char before[65];
+    memcpy(before, c.prev, 65);
+    size_t start = out.len;
+    cr_assert_eq(audit_chain_checkpoint(&c, g_priv, "interval", 1767225600000ull, &out), 0);
+    dp_buf_appendc(&out, '\0');
+    const char *cp = out.base + start;
+    cr_assert(strstr(cp, "{\"checkpoint\":{\"reason\":\"interval\",\"time\":"
+                         "\"2026-01-01T00:00:00.000Z\",\"lines\":1},\"prev_sha256\":\""));
+    cr_assert(strstr(cp, before));
+    cr_assert(strstr(cp, attest_key_id(g_pub)));
+    cr_assert_eq(c.since_checkpoint, 0);
+    char h[65];
+    sha_of_line(cp, h);
+    cr_assert_str_eq(c.prev, h);
+    const char *mark = strstr(cp, ",\"sig\":\"");
+    cr_assert(mark);
+    const char *b64 = mark + 8;
+    size_t blen = (size_t)(strchr(b64, '"') - b64);
+    dp_buf_t sig = {0};
+    cr_assert_eq(attest_b64_decode_any(b64, blen, &sig), 0);
+    cr_assert_eq(sig.len, 64);
+    cr_assert(attest_key_verify(g_pub, cp, (size_t)(mark - cp), sig.base, sig.len));
+    cr_assert_not(attest_key_verify(g_other, cp, (size_t)(mark - cp), sig.base, sig.len));
+    cr_assert_not(attest_key_verify(g_pub, cp, (size_t)(mark - cp) - 1, sig.base, sig.len));
+    /* a public key cannot sign */
+    cr_assert_eq(audit_chain_checkpoint(&c, g_pub, "interval", 0, &out), -1);
+    dp_buf_free(&sig);
+    dp_buf_free(&out);
+}
+
+/* A file of n lines with a checkpoint after every k, and one at the end. */
+static void write_file(const char *path, int n, int k, dp_buf_t *out)
+{
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_reset(out);
+    for (int i = 0; i < n; i++) {
+        char line[64];
+        int len = snprintf(line, sizeof(line), "{\"request_id\":\"r%d\",\"status\":200}", i);
+        audit_chain_append(&c, line, (size_t)len, out);
+        if ((i + 1) % k == 0)
+            audit_chain_checkpoint(&c, g_priv, "interval", 1, out);
+    }
+    if (c.since_checkpoint)
+        audit_chain_checkpoint(&c, g_priv, "shutdown", 1, out);
+    FILE *f = fopen(path, "w");
+    fwrite(out->base, 1, out->len, f);
+    fclose(f);
+}
+
+static void put(const char *path, const dp_buf_t *b)
+{
+    FILE *f = fopen(path, "w");
+    fwrite(b->base, 1, b->len, f);
+    fclose(f);
+}
+
+static uint64_t verify_break(const char *path, const attest_key_t *pub, const char *expect_prev,
+                             const char *why_part)
+{
+    audit_verify_opts_t o = {.pubkey = pub, .expect_prev = expect_prev};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1, "expected a break (%s)", why_part);
+    dp_buf_appendc(&why, '\0');
+    cr_assert(strstr(why.base, why_part), "'%s' does not say '%s'", why.base, why_part);
+    dp_buf_free(&why);
+    return r.bad_line;
+}
+
+Test(audit, verify_intact_and_every_break)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/a.jsonl", g_dir);
+    dp_buf_t good = {0}, bad = {0};
+    write_file(path, 5, 2, &good); /* r0 r1 cp r2 r3 cp r4 cp: 8 lines */
+    audit_verify_opts_t o = {.pubkey = g_pub};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert_eq(r.lines, 8);
+    cr_assert_eq(r.checkpoints, 3);
+    cr_assert_eq(r.signatures_checked, 3);
+    cr_assert_eq(r.unsigned_tail, 0);
+    cr_assert_str_eq(r.first_prev, AUDIT_GENESIS);
+    char last[65];
+    memcpy(last, r.last, 65);
+
+    /* Without a key: the chain is still checked, the signatures are not. */
+    o.pubkey = NULL;
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0);
+    cr_assert_eq(r.signatures_checked, 0);
+
+    /* A changed byte in line 1: line 2 names the break. */
+    dp_buf_reset(&bad);
+    dp_buf_append(&bad, good.base, good.len);
+    char *s = memmem(bad.base, bad.len, "200", 3);
+    s[2] = '1';
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "chain broken"), 2);
+
+    /* A deleted line. */
+    dp_buf_reset(&bad);
+    char *nl = memchr(good.base, '\n', good.len);
+    dp_buf_append(&bad, good.base, (size_t)(nl + 1 - good.base));
+    char *nl2 = memchr(nl + 1, '\n', good.len);
+    dp_buf_append(&bad, nl2 + 1, good.len - (size_t)(nl2 + 1 - good.base));
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "chain broken"), 2);
+
+    /* The wrong key. */
+    put(path, &good);
+    cr_assert_eq(verify_break(path, g_other, NULL, "not by the --pubkey"), 3);
+
+    /* A flipped signature byte (the next line then breaks too: the first break is named). */
+    dp_buf_reset(&bad);
+    dp_buf_append(&bad, good.base, good.len);
+    char *sig = memmem(bad.base, bad.len, ",\"sig\":\"", 8) + 8;
+    sig[0] = sig[0] == 'A' ? 'B' : 'A';
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "bad signature"), 3);
+
+    /* A torn last line. */
+    dp_buf_reset(&bad);
+    dp_buf_append(&bad, good.base, good.len - 5);
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "incomplete last line"), 8);
+
+    /* Not the file that follows the expected one. */
+    put(path, &good);
+    cr_assert_eq(verify_break(path, g_pub, last, "the previous file ended with"), 1);
+
+    /* Garbage. */
+    dp_buf_reset(&bad);
+    dp_buf_appends(&bad, "{\"a\":1}\n");
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "no prev_sha256"), 1);
+    dp_buf_reset(&bad);
+    dp_buf_appends(&bad, "not json\n");
+    put(path, &bad);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "not a JSON object"), 1);
+
+    dp_buf_free(&why);
+    dp_buf_free(&good);
+    dp_buf_free(&bad);
+}
+
+Test(audit, checkpoint_line_count_must_match)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/b.jsonl", g_dir);
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_t out = {0};
+    audit_chain_append(&c, "{\"x\":1}", 7, &out);
+    audit_chain_checkpoint(&c, g_priv, "interval", 1, &out);
+    audit_chain_append(&c, "{\"x\":2}", 7, &out);
+    c.since_checkpoint = 5; /* a checkpoint claiming lines that are not there */
+    audit_chain_checkpoint(&c, g_priv, "interval", 1, &out);
+    put(path, &out);
+    cr_assert_eq(verify_break(path, g_pub, NULL, "says 5 lines"), 4);
+    dp_buf_free(&out);
+}
+
+Test(audit, resume_continues_from_the_last_complete_line)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/c.jsonl", g_dir);
+    audit_chain_t c;
+    cr_assert_eq(audit_chain_resume(&c, path), 0, "absent file: genesis");
+    cr_assert_str_eq(c.prev, AUDIT_GENESIS);
+    dp_buf_t out = {0};
+    audit_chain_append(&c, "{\"x\":1}", 7, &out);
+    audit_chain_append(&c, "{\"x\":2}", 7, &out);
+    char want[65];
+    memcpy(want, c.prev, 65);
+    dp_buf_appends(&out, "{\"torn");
+    put(path, &out);
+    audit_chain_t d;
+    cr_assert_eq(audit_chain_resume(&d, path), 0);
+    cr_assert_str_eq(d.prev, want);
+    dp_buf_free(&out);
+}
+
+Test(audit, store_put_is_content_addressed)
+{
+    char hex[65];
+    dp_sha256_hex("body", 4, hex);
+    const char *op = NULL;
+    cr_assert_eq(audit_store_put(g_dir, hex, "body", 4, &op), 0);
+    cr_assert_eq(audit_store_put(g_dir, hex, "body", 4, &op), 0, "already there: fine");
+    char path[160];
+    snprintf(path, sizeof(path), "%s/%s", g_dir, hex);
+    dp_buf_t b = {0};
+    cr_assert_eq(dp_read_file(path, 100, &b), 0);
+    cr_assert_eq(b.len, 4);
+    cr_assert_eq(memcmp(b.base, "body", 4), 0);
+    dp_buf_free(&b);
+    cr_assert_lt(audit_store_put("/nonexistent-dir", hex, "body", 4, &op), 0);
+    cr_assert_str_eq(op, "open");
+}
