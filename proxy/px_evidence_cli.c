@@ -22,6 +22,7 @@
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
 #include "proxy/px_fetch.h"
+#include "proxy/tls.h"
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 
@@ -147,8 +148,9 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
 
 /* One blocking exchange on the replay's own loop. */
 static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint16_t port,
-                      const char *hostport, const char *method, const char *target,
-                      const char *bearer, const char *body, size_t len)
+                      px_tls_ctx_t *tls, const char *server_name, const char *hostport,
+                      const char *method, const char *target, const char *bearer,
+                      const char *body, size_t len)
 {
     struct sockaddr_storage ss;
     if (!px_resolve(host, port, &ss)) {
@@ -160,6 +162,8 @@ static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint1
     px_replica_upstream_opts(cfg, &uo);
     uo.max_idle = 1;
     px_upstream_t *u = px_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
+    if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
+        px_upstream_set_tls(u, tls, server_name ? server_name : host);
     px_fetch_opts_t o = {.method = method, .hostport = hostport, .target = target,
                          .bearer = bearer, .body = body, .body_len = len,
                          .max_bytes = REPLAY_MAX_BODY};
@@ -183,8 +187,8 @@ static int read_replicas(fetch_wait_t *w, const cfg_t *cfg, const cfg_addr_t *ad
     char hp[300];
     const char *h = admin->host;
     snprintf(hp, sizeof(hp), strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, (unsigned)admin->port);
-    int st = fetch_sync(w, cfg, h, admin->port, hp, "GET", "/admin/replicas", cfg->admin_token,
-                        NULL, 0);
+    int st = fetch_sync(w, cfg, h, admin->port, NULL, NULL, hp, "GET", "/admin/replicas",
+                        cfg->admin_token, NULL, 0);
     if (st != 200) {
         if (st)
             fprintf(stderr, "detproxy replay: GET /admin/replicas on %s: HTTP %d\n", hp, st);
@@ -373,21 +377,33 @@ static void replay_one(replay_t *rp, const cJSON *line)
         }
         cfg_url_t u = {0};
         const char *uwhy = NULL;
-        if (pick == NULL) {
+        const cfg_pool_t *pc = pick ? cfg_pool_by_name(rp->cfg, pick->pool) : NULL;
+        const char *server_name = NULL;
+        for (size_t k = 0; pc && k < pc->nreplicas; k++)
+            if (strcmp(pc->replicas[k].name, pick->name) == 0)
+                server_name = pc->replicas[k].server_name;
+        px_tls_ctx_t *tls = NULL;
+        dp_buf_t terr = {0};
+        if (pick == NULL || pc == NULL) {
             dp_buf_printf(&o.why, "no admitted replica with fingerprint %s", fp);
-        } else if (cfg_parse_url(pick->url, &u, &uwhy) != 0 || u.tls) {
-            dp_buf_printf(&o.why, "replica %s: %s", pick->name,
-                          u.tls ? "https replicas are not replayed (plain HTTP only)" : uwhy);
+        } else if (cfg_parse_url(pick->url, &u, &uwhy) != 0) {
+            dp_buf_printf(&o.why, "replica %s: %s", pick->name, uwhy);
+        } else if (u.tls && (tls = px_tls_client_ctx(pc->upstream_tls ? pc->upstream_tls->ca_file
+                                                                       : NULL,
+                                                     pc->upstream_tls
+                                                         ? pc->upstream_tls->client_cert_file
+                                                         : NULL,
+                                                     pc->upstream_tls
+                                                         ? pc->upstream_tls->client_key_file
+                                                         : NULL,
+                                                     &terr)) == NULL) {
+            dp_buf_printf(&o.why, "replica %s: TLS: %.*s", pick->name, (int)terr.len, terr.base);
         } else {
             o.replica = pick->name;
-            const cfg_pool_t *pc = NULL;
-            for (size_t k = 0; k < rp->cfg->npools; k++)
-                if (strcmp(rp->cfg->pools[k].name, pick->pool) == 0)
-                    pc = &rp->cfg->pools[k];
             char target[512];
             snprintf(target, sizeof(target), "%s%s", u.path ? u.path : "", route);
-            int st = fetch_sync(&rp->w, rp->cfg, u.host, u.port, u.hostport, "POST", target,
-                                pc ? pc->api_key : NULL, req.base, req.len);
+            int st = fetch_sync(&rp->w, rp->cfg, u.host, u.port, tls, server_name, u.hostport,
+                                "POST", target, pc->api_key, req.base, req.len);
             if (st != 200) {
                 if (st)
                     dp_buf_printf(&o.why, "replica answered HTTP %d", st);
@@ -406,6 +422,8 @@ static void replay_one(replay_t *rp, const cJSON *line)
             }
         }
         cfg_url_free(&u);
+        px_tls_ctx_unref(tls);
+        dp_buf_free(&terr);
     }
     report(rp, &o);
     free(got_fp);

@@ -136,9 +136,12 @@ cat > "$work/detproxy.json" <<JSON
     {"name": "default", "match": {"any": true},
      "sampling": {"temperature": {"default": 0.7, "max": 1.0}, "seed": {"derive": true}}}]},
   "shadow": {"rate": 0.7, "self_rate": 0.3, "max_inflight": 8},
-  "log": {"level": "info", "audit_path": "audit.jsonl"}
+  "log": {"level": "info", "audit_path": "audit.jsonl", "audit_store": "audit-store",
+          "audit_signing_key": "audit.key.pem", "audit_checkpoint_lines": 1000}
 }
 JSON
+mkdir -p "$work/audit-store"
+"$BIN" attest keygen --out "$work/audit" >/dev/null
 
 bold "1. Start detproxy (config validated first)"
 run "'$BIN' check -c '$work/detproxy.json'"
@@ -198,6 +201,21 @@ print(\"self:  %d samples, exact-match %.2f\" % (p[\"self\"][\"samples\"], p[\"s
 print(\"verdict:\", p[\"verdict\"], \" suspect:\", p[\"suspect\"])'"
 say "m3 reports the same checkpoint and quantization as m1 and m2, but its outputs drift:"
 say "cross pairs with m3 diverge far beyond the self-noise baseline, and detproxy names it."
+
+bold "6. Evidence: the audit trail is chained, signed, and replayable"
+say "The compliance tenant's bodies are in the store, named by the hashes on their audit lines."
+say "Each line names the SHA-256 of the one before; replay re-sends the stored body to an"
+say "admitted replica with the audited fingerprint and compares the answers:"
+run "'$BIN' replay -c '$work/detproxy.json' --audit '$work/audit.jsonl' --all"
+say "Stopping detproxy writes a signed shutdown checkpoint; then the whole file verifies:"
+kill -TERM "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true
+run "'$BIN' audit verify '$work/audit.jsonl' --pubkey '$work/audit.pub.pem' --store '$work/audit-store'"
+say "Edit one byte of a copy (status 200 -> 201) and the chain names the line after it:"
+sed 's/"status":200/"status":201/' "$work/audit.jsonl" > "$work/audit-tampered.jsonl"
+run "'$BIN' audit verify '$work/audit-tampered.jsonl' --pubkey '$work/audit.pub.pem' || true"
+"$BIN" run -c "$work/detproxy.json" 2>>"$work/detproxy.log" &
+pids+=($!)
+wait_http "$ADMIN" /healthz
 
 bold "Tour done."
 if [ "${DEMO_ONESHOT:-0}" = 1 ]; then exit 0; fi
