@@ -31,6 +31,30 @@ static void line_hash(const char *p, size_t n, char out[65])
     dp_sha256_hex(p, n, out);
 }
 
+#define CHECKPOINT_HEAD "{\"checkpoint\":"
+
+/* After a crash the file ends without its shutdown checkpoint: the next checkpoint must count
+ * the lines already there. buf[0..end) ends with '\n'; its first line is partial when
+ * first_partial (a tail of a larger file). */
+static uint64_t lines_since_checkpoint(const char *buf, size_t end, bool first_partial)
+{
+    uint64_t n = 0;
+    size_t e = end;
+    while (e > 0) {
+        size_t s = e - 1;
+        while (s > 0 && buf[s - 1] != '\n')
+            s--;
+        if (s == 0 && first_partial)
+            break;
+        if (e - s > strlen(CHECKPOINT_HEAD) &&
+            memcmp(buf + s, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0)
+            break;
+        n++;
+        e = s;
+    }
+    return n;
+}
+
 int audit_chain_resume(audit_chain_t *c, const char *path)
 {
     audit_chain_init(c);
@@ -59,10 +83,12 @@ int audit_chain_resume(audit_chain_t *c, const char *path)
             size_t start = end - 1;
             while (start > 0 && buf[start - 1] != '\n')
                 start--;
-            if (start > 0 || (off_t)want == size)
+            if (start > 0 || (off_t)want == size) {
                 line_hash(buf + start, end - start, c->prev);
-            else
+                c->since_checkpoint = lines_since_checkpoint(buf, end, (off_t)want < size);
+            } else {
                 rc = -EFBIG; /* a last line longer than AUDIT_TAIL_MAX is not ours */
+            }
         }
     }
     free(buf);

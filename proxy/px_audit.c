@@ -54,12 +54,14 @@ struct px_audit_s {
     uv_timer_t fsync_timer;
     px_series_t *m_errors;
     /* Set by the worker, read by the loop once it is done. */
-    char *w_path; /* the reopen target of the batch in flight */
+    char *w_path;  /* the file of the batch in flight (its reopen target with a split) */
+    char *w_store; /* the store of the batch in flight: a reload may change a->store meanwhile */
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
 };
 
 static void start_write(px_audit_t *a);
+static void batch_done(px_audit_t *a);
 
 static int open_file(const char *path)
 {
@@ -134,13 +136,13 @@ static void write_batch(px_audit_t *a)
     batch_t *b = &a->inflight;
     a->w_status = a->w_store_status = 0;
     for (size_t i = 0; i < b->nblobs; i++) {
-        int rc = audit_store_put(a->store, b->blobs[i].sha, b->blobs[i].bytes, b->blobs[i].n,
+        int rc = audit_store_put(a->w_store, b->blobs[i].sha, b->blobs[i].bytes, b->blobs[i].n,
                                  &a->w_store_op);
         if (rc != 0)
             a->w_store_status = rc; /* the line is still written: verify names the gap */
     }
     if (a->fd < 0)
-        a->fd = open_file(a->path); /* a failed open earlier: try again */
+        a->fd = open_file(a->w_path); /* a failed open earlier: try again */
     size_t split = b->split == SIZE_MAX ? b->lines.len : b->split;
     if (a->fd < 0) {
         a->w_op = "open";
@@ -179,16 +181,8 @@ static void after_work_cb(uv_work_t *req, int status)
 {
     px_audit_t *a = req->data;
     (void)status;
-    if (a->w_store_status != 0)
-        log_error(a, a->w_store_op, a->w_store_status);
-    if (a->w_status != 0)
-        log_error(a, a->w_op, a->w_status);
-    if (a->inflight.nblobs)
-        a->store_dirty = true;
-    a->dirty = true;
+    batch_done(a);
     a->writing = false;
-    free(a->w_path);
-    a->w_path = NULL;
     waiter_t *w = a->inflight.w;
     batch_clear(&a->inflight);
     run_waiters(w, a->w_status);
@@ -203,8 +197,22 @@ static void swap_batches(px_audit_t *a)
     if (a->inflight.w == NULL)
         a->inflight.tail = &a->inflight.w;
     batch_clear(&a->pending);
-    if (a->inflight.split != SIZE_MAX)
-        a->w_path = dp_xstrdup(a->path);
+    a->w_path = dp_xstrdup(a->path);
+    a->w_store = a->store ? dp_xstrdup(a->store) : NULL;
+}
+
+static void batch_done(px_audit_t *a)
+{
+    if (a->w_store_status != 0)
+        log_error(a, a->w_store_op, a->w_store_status);
+    if (a->w_status != 0)
+        log_error(a, a->w_op, a->w_status);
+    if (a->inflight.nblobs)
+        a->store_dirty = true;
+    a->dirty = true;
+    free(a->w_path);
+    free(a->w_store);
+    a->w_path = a->w_store = NULL;
 }
 
 static void start_write(px_audit_t *a)
@@ -386,13 +394,7 @@ void px_audit_close(px_audit_t *a)
     if (a->pending.lines.len || a->pending.nblobs || a->pending.split != SIZE_MAX) {
         swap_batches(a);
         write_batch(a);
-        if (a->w_store_status != 0)
-            log_error(a, a->w_store_op, a->w_store_status);
-        if (a->w_status != 0)
-            log_error(a, a->w_op, a->w_status);
-        free(a->w_path);
-        a->w_path = NULL;
-        a->store_dirty = a->store_dirty || a->inflight.nblobs;
+        batch_done(a);
     }
     sync_store(a);
     if (a->fd >= 0) {

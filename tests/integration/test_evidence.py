@@ -191,6 +191,21 @@ def test_restart_resumes_the_chain():
     assert verify(px)[0] == 0
 
 
+def test_crash_then_restart_keeps_the_chain_and_the_checkpoint_count():
+    sim, px = setup(checkpoint_lines=3)
+    complete(px, "a")
+    complete(px, "b")
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 2, what="two audit lines")
+    px.kill()  # no shutdown checkpoint
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "c")  # the third line since the last checkpoint: one is due now
+    px2.stop()
+    got = lines(px.audit_path)
+    assert got[3]["checkpoint"]["lines"] == 3, got[3]
+    rc, out, _ = verify(px)
+    assert rc == 0, out
+
+
 def replay(px, *args):
     return run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", px.audit_path,
                     "--admin", "127.0.0.1:%d" % px.admin_port] + list(args))

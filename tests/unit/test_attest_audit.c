@@ -272,6 +272,15 @@ Test(audit, resume_continues_from_the_last_complete_line)
     audit_chain_t d;
     cr_assert_eq(audit_chain_resume(&d, path), 0);
     cr_assert_str_eq(d.prev, want);
+    cr_assert_eq(d.since_checkpoint, 2, "no checkpoint yet: both lines count");
+    /* After a checkpoint, only the lines that follow it count (a crash after them). */
+    out.len -= strlen("{\"torn");
+    audit_chain_checkpoint(&c, g_priv, "interval", 1, &out);
+    audit_chain_append(&c, "{\"x\":3}", 7, &out);
+    put(path, &out);
+    cr_assert_eq(audit_chain_resume(&d, path), 0);
+    cr_assert_str_eq(d.prev, c.prev);
+    cr_assert_eq(d.since_checkpoint, 1);
     dp_buf_free(&out);
 }
 
