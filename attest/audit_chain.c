@@ -149,19 +149,20 @@ int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char
     return 0;
 }
 
-static bool write_all(int fd, const char *p, size_t n)
+int audit_write_all(int fd, const void *buf, size_t n)
 {
+    const char *p = buf;
     while (n > 0) {
         ssize_t r = write(fd, p, n);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
-            return false;
+            return -errno;
         }
         p += r;
         n -= (size_t)r;
     }
-    return true;
+    return 0;
 }
 
 int audit_store_put(const char *dir, const char *hex, const void *p, size_t n, const char **op)
@@ -180,10 +181,9 @@ int audit_store_put(const char *dir, const char *hex, const void *p, size_t n, c
         *op = "open";
         return -errno;
     }
-    int rc = 0;
-    if (!write_all(fd, p, n)) {
+    int rc = audit_write_all(fd, p, n);
+    if (rc != 0) {
         *op = "write";
-        rc = -errno;
     } else if (fsync(fd) != 0) {
         *op = "fsync";
         rc = -errno;

@@ -46,6 +46,9 @@ int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *o
 int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char *reason,
                            uint64_t wall_ms, dp_buf_t *out);
 
+/* write(2) until all n bytes are written (EINTR retried). 0 or a negative errno. */
+int audit_write_all(int fd, const void *p, size_t n);
+
 /* Store bytes as DIR/<hex> unless already there (same name, same bytes). 0 or negative errno;
  * *op names the failing step ("open", "write", "fsync", "rename"). */
 int audit_store_put(const char *dir, const char *hex, const void *p, size_t n, const char **op);

@@ -114,21 +114,6 @@ static void batch_free(batch_t *b)
     dp_buf_free(&b->lines);
 }
 
-static int write_fd(int fd, const char *p, size_t n)
-{
-    while (n > 0) {
-        ssize_t r = write(fd, p, n);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        p += r;
-        n -= (size_t)r;
-    }
-    return 0;
-}
-
 /* The batch's file work; on the thread pool (or on the loop at shutdown). Touches only the
  * batch, fd and the w_* fields: the loop leaves them alone while `writing`. */
 static void write_batch(px_audit_t *a)
@@ -147,7 +132,7 @@ static void write_batch(px_audit_t *a)
     if (a->fd < 0) {
         a->w_op = "open";
         a->w_status = UV_EBADF;
-    } else if ((a->w_status = write_fd(a->fd, b->lines.base, split)) != 0) {
+    } else if ((a->w_status = audit_write_all(a->fd, b->lines.base, split)) != 0) {
         a->w_op = "write";
     }
     if (b->split == SIZE_MAX)
@@ -165,7 +150,7 @@ static void write_batch(px_audit_t *a)
         }
         a->fd = fd;
     }
-    int rc = write_fd(a->fd, b->lines.base + split, b->lines.len - split);
+    int rc = audit_write_all(a->fd, b->lines.base + split, b->lines.len - split);
     if (rc != 0) {
         a->w_op = "write";
         a->w_status = rc;
