@@ -19,7 +19,7 @@ POLICY = {"tenants": [
 ]}
 
 
-def setup(checkpoint_lines=3, key=True, flavor="vllm"):
+def setup(checkpoint_lines=3, key=True, flavor="vllm", limits=None):
     d = tempfile.mkdtemp(prefix="detproxy-evidence-")
     sim = start_sim("--model", "m1", "--flavor", flavor)
     log = {"level": "info", "audit_path": "audit.jsonl", "audit_store": "store",
@@ -30,7 +30,8 @@ def setup(checkpoint_lines=3, key=True, flavor="vllm"):
                                 os.path.join(d, "audit")])
         assert rc == 0, err
         log["audit_signing_key"] = "audit.key.pem"
-    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=POLICY, log=log, directory=d)
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=POLICY, log=log, directory=d,
+                     limits=limits)
     px.dir = d
     px.audit_path = os.path.join(d, "audit.jsonl")
     px.store = os.path.join(d, "store")
@@ -92,6 +93,22 @@ def test_streamed_response_is_stored_as_forwarded():
     data = open(os.path.join(px.store, l["response_body_sha256"]), "rb").read()
     assert b"data: [DONE]" in data
     assert verify(px)[0] == 0
+
+
+def test_a_response_over_the_bound_is_hashed_not_stored():
+    sim, px = setup(limits={"max_response_rewrite_bytes": 16})
+    r = complete(px, "too long to keep")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    l = lines(px.audit_path)[0]
+    rc, out, _ = replay(px, "--request-id", l["request_id"])
+    assert rc == 0 and "no stored response body" in out, out
+    px.stop()
+    assert l["response_body_sha256"] == hashlib.sha256(r.body).hexdigest()
+    assert l["response_body_stored"] is False, l
+    assert not os.path.exists(os.path.join(px.store, l["response_body_sha256"]))
+    assert os.path.exists(os.path.join(px.store, l["forwarded_body_sha256"]))
+    rc, out, _ = verify(px)
+    assert rc == 0 and "1 stored bodies checked" in out, out
 
 
 def rewrite(path, fn):
