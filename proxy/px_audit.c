@@ -326,6 +326,11 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
         }
         blob_t *x = &p->blobs[p->nblobs++];
         memcpy(x->sha, b[i].sha256, 65);
+        if (b[i].take) {
+            x->n = b[i].take->len;
+            x->bytes = dp_buf_steal(b[i].take);
+            continue;
+        }
         x->bytes = dp_xmalloc(b[i].len ? b[i].len : 1);
         if (b[i].len)
             memcpy(x->bytes, b[i].base, b[i].len);

@@ -16,6 +16,8 @@
 
 #include <uv.h>
 
+#include "common/buf.h"
+
 typedef struct px_audit_s px_audit_t;
 
 /* Called once the line was handed to the kernel (or failed: status < 0). */
@@ -34,8 +36,9 @@ typedef struct {
     const char *sha256; /* 64 hex + NUL: the body's name in the store */
     const char *base;
     size_t len;
+    dp_buf_t *take; /* non-NULL: the bytes are this buffer's, taken (left empty), not copied */
 } px_audit_body_t;
-/* px_audit_write, storing bodies (copied; ignored without a store) before the line. */
+/* px_audit_write, storing bodies (copied or taken; ignored without a store) before the line. */
 void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
                            size_t nb, px_audit_cb cb, void *data);
 /* Reopen the file at path (rotation); pending lines go to the new file. */

@@ -629,9 +629,9 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
     px_audit_body_t bodies[2];
     size_t nb = 0;
     if (p->store && a.forwarded_sha256)
-        bodies[nb++] = (px_audit_body_t){p->fwd_sha, p->res.body.base, p->res.body.len};
+        bodies[nb++] = (px_audit_body_t){p->fwd_sha, p->res.body.base, p->res.body.len, NULL};
     if (p->store && resp_hex && !p->resp_over)
-        bodies[nb++] = (px_audit_body_t){resp_sha, p->resp_body.base, p->resp_body.len};
+        bodies[nb++] = (px_audit_body_t){resp_sha, NULL, 0, &p->resp_body};
     if (p->store && resp_hex && p->resp_over && line.len > 2) {
         line.len -= 2; /* "}\n": one more member, read by `audit verify` */
         dp_buf_appends(&line, ",\"response_body_stored\":false}\n");
