@@ -352,7 +352,7 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
     memset(r, 0, sizeof(*r));
     FILE *f = fopen(path, "re");
     if (f == NULL) {
-        dp_buf_printf(why, "%s: %s", path, strerror(errno));
+        dp_buf_appends(why, strerror(errno));
         return -1;
     }
     char prev[65];
@@ -381,7 +381,7 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
         }
     }
     if (rc == 0 && ferror(f)) {
-        dp_buf_printf(why, "%s: read error", path);
+        dp_buf_appends(why, "read error");
         rc = -1;
     }
     free(line);
