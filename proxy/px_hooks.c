@@ -428,7 +428,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
     static const char *const route_paths[] = {"/v1/completions", "/v1/chat/completions",
                                               "/v1/responses"};
     p->route = route_paths[route];
-    h->span = px_otel_start(px, req, p->route, h->traceparent);
+    h->span = px_otel_start(px, req, p->route, h->traceparent, &h->new_trace);
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     affinity_session_header(h, g, req);

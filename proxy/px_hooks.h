@@ -17,6 +17,7 @@ typedef struct {
     void *shadow;         /* shadow capture (px_shadow.c) */
     void *span;           /* OpenTelemetry span (px_otel.c), NULL when not sampled */
     char traceparent[56]; /* sent to the replica instead of the client's; "" = pass through */
+    bool new_trace;       /* traceparent starts a new trace: the client's tracestate is dropped */
     char seed[24];        /* decimal seed sent upstream, "" when none */
     char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
     char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was

@@ -235,9 +235,26 @@ static int parse_traceparent(dp_iovec_t v, uint8_t trace[16], uint8_t parent[8])
         (v.len > 55 && v.base[55] != '-'))
         return -1;
     if (!hex_field(v.base + 3, 32, trace) || !hex_field(v.base + 36, 16, parent) ||
-        dp_unhex(v.base + 53, 2, &flags, 1) != 0)
+        dp_unhex(v.base + 53, 2, &flags, 1) != 0 || (v.base[53] >= 'A' && v.base[53] <= 'F') ||
+        (v.base[54] >= 'A' && v.base[54] <= 'F'))
         return -1;
     return flags;
+}
+
+/* The caller's trace context: its flags, or -1 when there is none to continue (absent, invalid,
+ * or sent twice: which of two would be the parent is anyone's guess, so neither is). */
+static int client_trace(const px_req_t *req, uint8_t trace[16], uint8_t parent[8])
+{
+    const px_header_t *tp = NULL;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        const px_header_t *h = &req->headers[i];
+        if (!dp_strieq(h->name.base, h->name.len, "traceparent"))
+            continue;
+        if (tp)
+            return -1;
+        tp = h;
+    }
+    return tp ? parse_traceparent(tp->value, trace, parent) : -1;
 }
 
 static char *dup_or_null(const char *s)
@@ -245,15 +262,16 @@ static char *dup_or_null(const char *s)
     return s ? dp_xstrdup(s) : NULL;
 }
 
-px_span_t *px_otel_start(px_t *px, const px_req_t *req, const char *route, char traceparent[56])
+px_span_t *px_otel_start(px_t *px, const px_req_t *req, const char *route, char traceparent[56],
+                         bool *new_trace)
 {
     traceparent[0] = '\0';
+    *new_trace = false;
     const cfg_otel_t *o = px->gen->cfg->otel;
     if (o == NULL)
         return NULL;
     uint8_t trace[16], parent[8];
-    const px_header_t *h = px_req_header(req, "traceparent");
-    int flags = h ? parse_traceparent(h->value, trace, parent) : -1;
+    int flags = client_trace(req, trace, parent);
     bool sampled;
     if (flags >= 0) {
         sampled = flags & 1; /* parent-based: the caller decided */
@@ -270,6 +288,7 @@ px_span_t *px_otel_start(px_t *px, const px_req_t *req, const char *route, char 
         memcpy(s->parent, parent, 8);
         s->has_parent = true;
     } else {
+        *new_trace = true;
         do
             dp_random_bytes(s->trace, sizeof(s->trace));
         while (!s->trace[0] && !memcmp(s->trace, s->trace + 1, 15));

@@ -404,7 +404,8 @@ static void build_head(px_preq_t *q, px_replica_t *r)
         if (px_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
             dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
             (l > 11 && dp_memieq(n, "x-detproxy-", 11)) ||
-            (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")))
+            (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")) ||
+            (q->hooks.new_trace && dp_strieq(n, l, "tracestate")))
             continue;
         if (dp_strieq(n, l, "x-forwarded-for")) {
             xff = x;

@@ -172,6 +172,38 @@ def test_client_trace_is_kept_and_unsampled_passes_through():
     rec.stop()
 
 
+def test_a_new_trace_drops_the_callers_context():
+    """W3C trace context: an invalid traceparent, or two of them, starts a new trace, and the
+    caller's tracestate (which belongs to the trace not continued) is not sent with it."""
+    rec, sim, px = setup()
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    body = json.dumps({"model": "m1", "prompt": "x", "max_tokens": 3})
+    cases = [[("traceparent", "00-%s-%s-01" % ("0" * 32, parent)), ("tracestate", "v=1")],
+             [("traceparent", "00-%s-%s-0A" % (trace, parent)), ("tracestate", "v=1")],
+             [("tracestate", "v=1")],
+             [("traceparent", "00-%s-%s-01" % (trace, parent)),
+              ("traceparent", "00-%s-%s-01" % (trace[::-1], parent))]]
+    for hdrs in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", px.port, timeout=10)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(len(body)))
+        for k, v in hdrs:
+            conn.putheader(k, v)
+        conn.endheaders(body.encode())
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        assert r.status == 200, (hdrs, r.status)
+        s = span_for(rec, r.getheader("x-detproxy-request-id"))
+        assert "parentSpanId" not in s and s["traceId"] not in (trace, trace[::-1]), (hdrs, s)
+        h = last_headers(sim)
+        assert h["traceparent"] == "00-%s-%s-01" % (s["traceId"], s["spanId"]), (hdrs, h)
+        assert "tracestate" not in h, (hdrs, h)
+    px.stop()
+    rec.stop()
+
+
 def test_stream_and_responses_spans():
     rec, sim, px = setup()
     heads = {}
