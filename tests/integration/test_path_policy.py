@@ -96,6 +96,20 @@ def test_denied_parameters_hold_under_any_spelling():
     px.stop()
 
 
+def test_responses_is_policed_under_any_spelling():
+    """/v1/responses in this pool (no vLLM framework) cannot carry the bank tenant's derived
+    seed: every spelling gets the same 400 and none reaches the replica."""
+    sim, px, _ = setup()
+    before = len(sim_requests(sim))
+    for target in ("/v1/responses", "/v1/%72esponses", "//v1/./responses/", "/%76%31/responses",
+                   "/v1/x/../responses?api-version=1", "/v1/respons%65s/."):
+        r = post(px.port, target, {"model": "m1", "input": "hi"})
+        assert_openai_error(r, 400, "policy_violation")
+        assert r.json()["error"]["param"] == "seed", (target, r.json())
+    assert len(sim_requests(sim)) == before
+    px.stop()
+
+
 def test_unsafe_spellings_are_refused_before_the_replica():
     sim, px, _ = setup()
     before = len(sim_requests(sim))
