@@ -592,9 +592,8 @@ static void audit_done(void *data, int status)
 }
 
 /* Build and queue the audit line; with `then`, it runs once the line is written. */
-static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
-                        const px_replica_t *r, int status, const char *request_id,
-                        void (*then)(void *), void *data)
+static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, const px_replica_t *r,
+                        int status, const char *request_id, void (*then)(void *), void *data)
 {
     pol_t *p = h->policy;
     if (p == NULL || !p->audit || p->audited || px->audit == NULL)

@@ -12,29 +12,29 @@
 #include "proxy/px.h"
 
 typedef struct {
-    const char *tenant;   /* tenant name for labels and headers; "-" before matching */
-    void *policy;         /* policy state (px_hooks.c) */
-    void *shadow;         /* shadow capture (px_shadow.c) */
-    void *span;           /* OpenTelemetry span (px_otel.c), NULL when not sampled */
-    char traceparent[56]; /* sent to the replica instead of the client's; "" = pass through */
-    bool new_trace;       /* traceparent starts a new trace: the client's tracestate is dropped */
-    char seed[24];        /* decimal seed sent upstream, "" when none */
+    const char *tenant;    /* tenant name for labels and headers; "-" before matching */
+    void *policy;          /* policy state (px_hooks.c) */
+    void *shadow;          /* shadow capture (px_shadow.c) */
+    void *span;            /* OpenTelemetry span (px_otel.c), NULL when not sampled */
+    char traceparent[56];  /* sent to the replica instead of the client's; "" = pass through */
+    bool new_trace;        /* traceparent starts a new trace: the client's tracestate is dropped */
+    char seed[24];         /* decimal seed sent upstream, "" when none */
     char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
     char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was
                               admitted as (a manifest "accept" list gives several) */
     char error[256];
     bool inference;
     bool stream;
-    bool hold; /* the response is held whole for rewriting */
+    bool hold;              /* the response is held whole for rewriting */
     bool upstream_answered; /* a replica's response head arrived (its body is what is hashed) */
     bool fp_mismatch; /* upstream_fp differed from the replica's attested engine fingerprint */
     const cfg_tenant_t *tenant_cfg;
     /* detproxy's own refusal, for the audit line: static code, copied param ("" none). */
     const char *err_code;
     char err_param[64];
-    uint32_t retry_after_s; /* 429 rate_limited: the Retry-After value */
-    px_affinity_t affinity; /* routing key of an affinity pool, and where it led */
-    const char *affinity_header; /* session header seen (config string), NULL when none */
+    uint32_t retry_after_s;       /* 429 rate_limited: the Retry-After value */
+    px_affinity_t affinity;       /* routing key of an affinity pool, and where it led */
+    const char *affinity_header;  /* session header seen (config string), NULL when none */
     uint64_t affinity_header_key; /* its value's digest */
 } px_hooks_req_t;
 

@@ -71,13 +71,13 @@ struct px_preq_s {
     bool queued;
     bool paused_upstream;
     bool client_started;
-    bool audit_wait; /* the response's end waits for its audit line (px_hooks_before_end) */
+    bool audit_wait;      /* the response's end waits for its audit line (px_hooks_before_end) */
     bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
     dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0reason\0" */
     /* A held response (rewritten whole by a hook before it is sent), at most
      * limits.max_response_rewrite_bytes of it; beyond that it is passed through (release_held): */
     int held_status;
-    int64_t held_cl; /* the replica's Content-Length, -1 when it did not send one */
+    int64_t held_cl;    /* the replica's Content-Length, -1 when it did not send one */
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
     px_header_t *held_out; /* the head to send, built by prepare_held */
@@ -248,8 +248,7 @@ static void fail_client_why(px_preq_t *q, int status, const char *code, const ch
     dp_buf_appendc(&q->refusal, '\0');
     /* Set before the call: the audit module may run the callback from inside it. */
     q->audit_wait = true;
-    if (px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, status, q->id, send_refusal,
-                            q))
+    if (px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, status, q->id, send_refusal, q))
         return;
     q->audit_wait = false;
     send_refusal(q);
@@ -435,7 +434,7 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, "\r\n", 2);
     size_t vl;
     const char *via = px_self_via_line(&vl);
-    dp_buf_append(h, via, vl); /* after the client's own Via lines: order is the path */
+    dp_buf_append(h, via, vl);     /* after the client's own Via lines: order is the path */
     if (q->hooks.traceparent[0]) { /* W3C trace context: this request's span is the parent */
         dp_buf_append(h, "traceparent: ", 13);
         dp_buf_appends(h, q->hooks.traceparent);
@@ -476,8 +475,8 @@ static void send_upstream(px_preq_t *q)
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
     if (q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
-    q->up = px_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */,
-                          &up_cb, q);
+    q->up =
+        px_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
     if (q->stream_body)
         px_req_resume_body(q->req);
 }
@@ -595,8 +594,8 @@ static void held_head(px_preq_t *q, bool rewrite)
         nh += q->held_hdrs.base[i] == '\0';
     nh /= 2;
     size_t need = nh + 2 * PX_EXTRA_HEADERS;
-    px_header_t *out = need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack
-                                                             : dp_xmalloc(need * sizeof(*out));
+    px_header_t *out =
+        need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack : dp_xmalloc(need * sizeof(*out));
     size_t k = 0;
     const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
     while (p < end) {
@@ -685,8 +684,7 @@ static void deliver(void *data)
     q->audit_wait = false;
     if (q->req && q->held_out) {
         q->client_started = true;
-        px_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
-                      (int64_t)q->held_body.len);
+        px_resp_start(q->req, q->held_status, q->held_out, q->held_nout, (int64_t)q->held_body.len);
         px_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
     if (q->req) {
@@ -698,8 +696,8 @@ static void deliver(void *data)
 
 static void count_upstream_error(px_preq_t *q, px_replica_t *r, px_up_err_t err)
 {
-    px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name,
-                                 "replica", r->name, "kind", px_up_err_name(err), NULL),
+    px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name, "replica",
+                                 r->name, "kind", px_up_err_name(err), NULL),
                   1);
 }
 
@@ -1128,5 +1126,5 @@ static void on_drain(px_req_t *req)
     }
 }
 
-const px_handler_t px_proxy_handler = {on_head, on_body, on_complete, on_abort, on_drain,
-                                       on_reject};
+const px_handler_t px_proxy_handler = {on_head,  on_body,  on_complete,
+                                       on_abort, on_drain, on_reject};
