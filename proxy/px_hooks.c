@@ -181,8 +181,9 @@ static uint32_t rate_take(const cfg_tenant_t *t)
         b->tokens -= 1;
         return 0;
     }
-    double wait = (1 - b->tokens) / t->rate_rps;
-    return wait < 1 ? 1 : (uint32_t)ceil(wait);
+    /* A tiny rate (1e-20/s) waits longer than Retry-After's 32 bits: cap it, never cast it. */
+    double wait = ceil((1 - b->tokens) / t->rate_rps);
+    return wait < 1 ? 1 : wait >= UINT32_MAX ? UINT32_MAX : (uint32_t)wait;
 }
 
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req)

@@ -224,6 +224,20 @@ def test_rate_limit_is_per_tenant_429_with_retry_after():
     px.stop()
 
 
+def test_rate_limit_with_a_tiny_rate_still_limits():
+    # 1e-20 requests per second: the wait (1e20 s) does not fit Retry-After's whole seconds.
+    # It is capped, not cast (a cast gave 0 on x86-64: "no wait", and the limit let all through).
+    policy = {"tenants": [{"name": "glacial", "match": {"any": True},
+                           "rate_limit": {"requests_per_second": 1e-20, "burst": 1}}]}
+    sims, px = setup(policy=policy)
+    assert post_json(px.port, "/v1/completions", completion()).status == 200
+    for _ in range(3):
+        r = post_json(px.port, "/v1/completions", completion())
+        assert_openai_error(r, 429, "rate_limited")
+        assert int(r.headers["retry-after"]) == 4294967295, r.headers
+    px.stop()
+
+
 # ---- drain / enable ---------------------------------------------------------------------------
 
 def replica_view(px, name):
