@@ -138,7 +138,7 @@ def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
     while the body was still queued for policing on the thread pool: such clients could pile
     bodies up in the work queue with the budget showing none of them."""
     sim = start_sim("--model", MODEL)
-    size, n = 4 << 20, 4
+    size, n = 8 << 20, 4
     px = start_proxy(pools=[pool("p", [MODEL], [sim])],
                      limits={"max_body_bytes": size, "max_inflight_body_bytes": n * size},
                      env={"UV_THREADPOOL_SIZE": "1"})
@@ -151,7 +151,9 @@ def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
         s.sendall(head(len(b)) + b)
     for s in conns:
         s.close()  # a FIN after the whole body (a reset would discard its unread end)
-    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0, what="the clients gone")
+    # Polled tightly: policing four 8 MiB bodies on one worker takes far longer than this.
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0, interval=0.002,
+               what="the clients gone")
     # Their bodies are still in the work queue: so is their budget.
     s = connect(px.port)
     s.sendall(head(len(b)))
