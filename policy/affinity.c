@@ -40,15 +40,24 @@ static void cut_compact(cut_t *c, const jdoc_t *d, uint32_t tok)
     cut_append(c, c->scratch->base ? c->scratch->base : "", c->scratch->len);
 }
 
+/* A string's text, anything else its compact JSON (Responses input items are not checked). */
+static void cut_value(cut_t *c, const jdoc_t *d, uint32_t v)
+{
+    if (d->toks[v].type == JT_STR)
+        cut_string(c, d, v);
+    else
+        cut_compact(c, d, v);
+}
+
 /* A message's content: a string, an array of parts, or null (assistant tool calls). */
 static void cut_content(cut_t *c, const jdoc_t *d, uint32_t v)
 {
-    if (v == JDOC_NONE)
+    if (v == JDOC_NONE || d->toks[v].type == JT_NULL)
         return;
     const jtok_t *t = &d->toks[v];
-    if (t->type == JT_STR) {
-        cut_string(c, d, v);
-    } else if (t->type == JT_ARR) {
+    if (t->type != JT_ARR) {
+        cut_value(c, d, v);
+    } else {
         for (uint32_t part = v + 1; part < t->end && c->room; part = d->toks[part].end) {
             uint32_t ty = jdoc_get(d, part, "type");
             uint32_t tx = jdoc_get(d, part, "text");
@@ -65,13 +74,18 @@ static void cut_messages(cut_t *c, const jdoc_t *d, uint32_t arr)
 {
     const jtok_t *a = &d->toks[arr];
     for (uint32_t m = arr + 1; m < a->end && c->room; m = d->toks[m].end) {
+        if (d->toks[m].type != JT_OBJ) { /* a bare Responses input item */
+            cut_compact(c, d, m);
+            cut_append(c, "\n", 1);
+            continue;
+        }
         uint32_t role = jdoc_get(d, m, "role");
         if (role != JDOC_NONE)
-            cut_string(c, d, role);
+            cut_value(c, d, role);
         cut_append(c, "\n", 1);
         cut_content(c, d, jdoc_get(d, m, "content"));
         cut_append(c, "\n", 1);
-        if (role != JDOC_NONE && jdoc_str_eq(d, role, "user"))
+        if (role != JDOC_NONE && d->toks[role].type == JT_STR && jdoc_str_eq(d, role, "user"))
             break; /* the opening ends with the first question */
     }
 }
@@ -90,13 +104,24 @@ void policy_affinity_prefix(const policy_req_t *r, size_t max, dp_buf_t *out, dp
             cut_messages(&c, d, v);
         return;
     }
-    uint32_t v = jdoc_get(d, 0, "prompt");
-    if (v == JDOC_NONE)
+    if (route == POLICY_ROUTE_RESPONSES) {
+        /* instructions are the system prompt; input a string or items shaped like messages */
+        uint32_t ins = jdoc_get(d, 0, "instructions");
+        if (ins != JDOC_NONE && d->toks[ins].type == JT_STR) {
+            cut_append(&c, "system\n", 7);
+            cut_string(&c, d, ins);
+            cut_append(&c, "\n", 1);
+        }
+        uint32_t v = jdoc_get(d, 0, "input");
+        if (v != JDOC_NONE && d->toks[v].type == JT_ARR)
+            cut_messages(&c, d, v);
+        else if (v != JDOC_NONE)
+            cut_value(&c, d, v);
         return;
-    if (d->toks[v].type == JT_STR)
-        cut_string(&c, d, v);
-    else
-        cut_compact(&c, d, v);
+    }
+    uint32_t v = jdoc_get(d, 0, "prompt");
+    if (v != JDOC_NONE)
+        cut_value(&c, d, v);
 }
 
 bool policy_affinity_user(const policy_req_t *r, dp_buf_t *out)

@@ -316,7 +316,9 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out);
  * text is a string content unescaped, a content array's text parts' texts in order (other
  * parts as compact JSON) and "" for null. Later turns of a conversation repeat its opening, so
  * every turn gets the same bytes; the system prompt, the roles and the first question all
- * count. scratch is working space (kept by the caller to avoid allocations). Requires a
+ * count. Responses: "instructions" as a "system" message, then a string input's text or the
+ * input items as messages (items and fields that are not objects or strings as compact JSON).
+ * scratch is working space (kept by the caller to avoid allocations). Requires a
  * successful policy_parse. */
 void policy_affinity_prefix(const policy_req_t *r, size_t max, dp_buf_t *out, dp_buf_t *scratch);
 

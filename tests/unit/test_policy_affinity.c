@@ -178,3 +178,42 @@ Test(affinity_key, unparsed_request_has_no_bytes)
     cr_assert_eq(out.len, 0);
     cr_assert_not(policy_affinity_user(req, &out));
 }
+
+/* /v1/responses keys on its input (and instructions) like chat on its messages: without this
+ * every Responses request had the empty key and met one replica whatever its prompt. */
+static char *responses(const char *fields)
+{
+    char body[4096];
+    snprintf(body, sizeof(body), "{\"model\":\"m\",%s}", fields);
+    return prefix(POLICY_ROUTE_RESPONSES, body, 4096);
+}
+
+Test(affinity_key, responses_key_on_their_input)
+{
+    char *a = responses("\"input\":\"What is 2+2?\"");
+    char *b = responses("\"input\":\"What is 3+3?\"");
+    cr_assert_str_eq(a, "What is 2+2?");
+    cr_assert_str_neq(a, b);
+    char *c = responses("\"instructions\":\"You are terse.\",\"input\":[" U1 "]");
+    cr_assert_str_eq(c, "system\nYou are terse.\nuser\nWhat is 2+2?\n");
+    char *d = responses("\"instructions\":\"You are terse.\",\"input\":[" U1 "," A1 "," U2 "]");
+    cr_assert_str_eq(d, c); /* later turns share the opening */
+    free(a);
+    free(b);
+    free(c);
+    free(d);
+}
+
+/* Input items are the replica's to judge, so their shapes are not checked: a non-string role,
+ * a numeric content or a bare string item is keyed on its JSON, never read as a string. */
+Test(affinity_key, responses_items_of_any_shape)
+{
+    char *a = responses("\"input\":[{\"role\":7,\"content\":1},\"x\",[1]]");
+    cr_assert_str_eq(a, "7\n1\n\"x\"\n[1]\n");
+    char *b = responses("\"input\":[\"x\"]");
+    char *c = responses("\"input\":[\"y\"]");
+    cr_assert_str_neq(b, c);
+    free(a);
+    free(b);
+    free(c);
+}
