@@ -213,5 +213,49 @@ def test_other_balances_and_pass_through_carry_no_affinity_header():
     px.stop()
 
 
+def test_responses_requests_key_on_their_input():
+    # /v1/responses once keyed every request on the empty prompt: all met one replica.
+    sims, px = setup()
+    homes = {}
+    for i in range(12):
+        body = {"model": MODEL, "input": "responses question %d" % i, "max_output_tokens": 2,
+                "temperature": 0}
+        for _ in range(2):
+            r = post_json(px.port, "/v1/responses", body)
+            assert r.status == 200, r
+            homes.setdefault(i, set()).add(r.headers["x-detproxy-replica"])
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) > 1, homes  # 12 keys, 3 replicas
+    px.stop()
+
+
+def test_hostile_keys_are_answered():
+    # Shapes the key extraction must survive: empty and array prompts, content parts, a system
+    # prompt cut inside a UTF-8 sequence and inside an escape, 10k messages, odd Responses items,
+    # a session header that is long or empty, and a `user` that is not a string.
+    sims, px = setup(affinity={"key": "session", "prefix_bytes": 7})
+    big = "\u00e9" * 5 + "\u00e9"
+    bodies = [
+        ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 1}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1}),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "system", "content": "\u00e9\u00e9\u00e9\u00e9" + "\"x" * 3000},
+            {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "user": 5,
+                                  "messages": [{"role": "assistant", "content": "a"}] * 10000}),
+        ("/v1/responses", {"model": MODEL, "max_output_tokens": 1, "instructions": big,
+                           "input": [{"role": "user", "content": "q"}]}),
+    ]
+    for path, body in bodies:
+        for hdr in ({}, {"x-session-id": ""}, {"x-session-id": "s" * 6000}):
+            r = post_json(px.port, path, body, headers=hdr)
+            # the replica (not detproxy) refuses a `user` that is not a string
+            assert r.status == (400 if "user" in body else 200), (path, r)
+            assert r.headers["x-detproxy-affinity"] in ("hit", "spill", "fallback"), r
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
