@@ -426,10 +426,11 @@ def test_backpressure_pauses_generation():
         # Reading resumes generation.
         sock.settimeout(5)
         before = st["tokens_generated"]
-        for _ in range(200):
+        def drained_and_resumed():  # read until the sim is below its write watermark again
             sock.recv(65536)
-        poll_until(lambda: get_json(s.port, "/_sim/stats")["tokens_generated"] > before,
-                   what="generation resumed")
+            return get_json(s.port, "/_sim/stats")["tokens_generated"] > before
+
+        poll_until(drained_and_resumed, interval=0, what="generation resumed")
         sock.close()
         poll_until(lambda: get_json(s.port, "/_sim/stats")["inflight"] == 0, what="abort")
 
