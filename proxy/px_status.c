@@ -12,6 +12,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "attest/match.h"
 #include "attest/report.h"
 #include "common/util.h"
 #include "proxy/drift/drift.h"
@@ -185,30 +186,6 @@ static void replicas_table(dp_buf_t *b, const px_pool_t *p)
     dp_buf_appends(b, "</table>\n");
 }
 
-static const char *manifest_field(const cfg_manifest_t *m, attest_field_t f)
-{
-    if (m == NULL)
-        return NULL;
-    switch (f) {
-    case ATTEST_F_MODEL:
-        return m->model;
-    case ATTEST_F_CHECKPOINT:
-        return m->checkpoint_sha256;
-    case ATTEST_F_QUANTIZATION:
-        return m->quantization;
-    case ATTEST_F_DTYPE:
-        return m->dtype;
-    case ATTEST_F_FRAMEWORK_NAME:
-        return m->framework_name;
-    case ATTEST_F_FRAMEWORK_VERSION:
-        return m->framework_version;
-    case ATTEST_F_ENGINE_FINGERPRINT:
-        return m->engine_fingerprint;
-    default:
-        return NULL;
-    }
-}
-
 /* Rows: the identity fields; columns: the manifest, then each replica's attested value. A value
  * that differs from a pinned one is highlighted (class diff), an equal one marked same. */
 static void identity_table(dp_buf_t *b, const px_pool_t *p)
@@ -219,7 +196,7 @@ static void identity_table(dp_buf_t *b, const px_pool_t *p)
         tag_text(b, "<th><code>", p->replicas[k]->name, "</code></th>");
     dp_buf_appends(b, "</tr>\n");
     for (int f = 0; f < ATTEST_F__COUNT; f++) {
-        const char *want = manifest_field(m, (attest_field_t)f);
+        const char *want = attest_manifest_get(m, (attest_field_t)f);
         dp_buf_appends(b, "<tr data-field=\"");
         esc(b, attest_field_names[f]);
         dp_buf_appends(b, "\">");
