@@ -139,20 +139,26 @@ def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
     bodies up in the work queue with the budget showing none of them."""
     sim = start_sim("--model", MODEL)
     size, n = 8 << 20, 4
+    # A tenant deriving seeds: each body's RFC 8785 canonicalisation prints every one of its
+    # ~330k 17-digit numbers (~0.1 s a body in Release, several times that under ASan). With one
+    # worker thread the four bodies queue: the last is policed a good 0.3 s after the clients
+    # leave, while the next head below arrives within milliseconds.
     px = start_proxy(pools=[pool("p", [MODEL], [sim])],
                      limits={"max_body_bytes": size, "max_inflight_body_bytes": n * size},
+                     policy={"tenants": [{"name": "t", "match": {"any": True},
+                                          "sampling": {"seed": {"derive": True}}}]},
                      env={"UV_THREADPOOL_SIZE": "1"})
-    # An array prompt of one-digit tokens: slow to police (one worker: they queue), quick to send.
-    b = ('{"model":"%s","max_tokens":1,"prompt":[' % MODEL).encode()
-    b += b"1," * ((size - len(b) - 2) // 2)
+    b = ('{"model":"%s","max_tokens":1,"prompt":"x","extra":[' % MODEL).encode()
+    b += b"0.12345678901234567," * ((size - len(b) - 2) // 20)
     b = b[:-1] + b"]}"
     conns = [connect(px.port) for _ in range(n)]
     for s in conns:
         s.sendall(head(len(b)) + b)
+    admitted(px, n)
     for s in conns:
         s.close()  # a FIN after the whole body (a reset would discard its unread end)
-    # Polled tightly: policing four 8 MiB bodies on one worker takes far longer than this.
-    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0, interval=0.002,
+    # The proxy saw each client leave (their connections are closed) ...
+    poll_until(lambda: metric(px, "detproxy_connections") == 0, interval=0.002,
                what="the clients gone")
     # Their bodies are still in the work queue: so is their budget.
     s = connect(px.port)
@@ -161,7 +167,7 @@ def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
     s.close()
     assert b" 503 " in data.split(b"\r\n")[0], data[:300]
     # Once they are policed, every share is back.
-    poll_until(lambda: http("POST", px.port, "/v1/completions", body=body_of(size),
+    poll_until(lambda: http("POST", px.port, "/v1/completions", body=body_of(size // 2),
                             headers={"content-type": "application/json"}).status == 200,
                timeout=30, what="the budget back after policing")
     px.stop()
