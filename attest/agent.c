@@ -105,13 +105,13 @@ typedef struct {
     bool got[ATTEST_ADAPTER_MAX_PATHS];
     bool running;
     bool probing; /* the engine-fingerprint probe is in flight, its answer in bodies[0] */
-    int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
+    int known;    /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
     dp_buf_t last_error;
     /* The last refresh could not connect at all: attestations answer 503 with this reason
      * ("framework at http://127.0.0.1:8000: connection refused"), so the proxy reads a dead
      * engine as unreachable rather than as an identity mismatch. Empty otherwise. */
     dp_buf_t unreachable;
-    uint32_t retry_ms; /* the next retry after a failure; 0 after a success */
+    uint32_t retry_ms;   /* the next retry after a failure; 0 after a success */
     uint64_t started_ms; /* loop time the last refresh started */
 } fw_t;
 
@@ -560,8 +560,8 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
         /* Nothing listens (or the connect timed out): every other adapter would fail alike. */
         f->running = false;
         dp_buf_reset(&f->unreachable);
-        dp_buf_printf(&f->unreachable, "framework at http://%s%s: %s", f->url.hostport,
-                      f->url.path, detail ? detail : px_up_err_name(err));
+        dp_buf_printf(&f->unreachable, "framework at http://%s%s: %s", f->url.hostport, f->url.path,
+                      detail ? detail : px_up_err_name(err));
         fw_set(a, NULL, NULL, f->unreachable.base);
         fw_schedule(a, false);
         return;
@@ -659,7 +659,6 @@ static void on_fw_timer(uv_timer_t *t)
 }
 
 /* ---- HTTP ------------------------------------------------------------------------------- */
-
 
 static bool path_is(const px_req_t *req, const char *p)
 {
@@ -952,8 +951,7 @@ int attest_serve_main(int argc, char **argv)
         return ATTEST_EXIT_USAGE;
     }
     if ((tls_cert == NULL) != (tls_key == NULL)) {
-        fputs("detproxy attest serve: --tls-cert and --tls-key go together (try --help)\n",
-              stderr);
+        fputs("detproxy attest serve: --tls-cert and --tls-key go together (try --help)\n", stderr);
         return ATTEST_EXIT_USAGE;
     }
     cfg_addr_t addr = {0};

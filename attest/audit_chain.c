@@ -260,13 +260,11 @@ static int check_checkpoint(const char *line, size_t n, const cJSON *obj,
     /* The signed prefix ends where the last `,"sig":"` starts; the line must be exactly
      * prefix + that + the base64 the JSON says + "}. */
     const char *mark = NULL;
-    for (const char *p = line; (p = memmem(p, n - (size_t)(p - line), SIG_MARK,
-                                           strlen(SIG_MARK))) != NULL;
-         p++)
+    for (const char *p = line;
+         (p = memmem(p, n - (size_t)(p - line), SIG_MARK, strlen(SIG_MARK))) != NULL; p++)
         mark = p;
     size_t slen = strlen(sig->valuestring);
-    if (mark == NULL ||
-        (size_t)(mark - line) + strlen(SIG_MARK) + slen + 2 != n ||
+    if (mark == NULL || (size_t)(mark - line) + strlen(SIG_MARK) + slen + 2 != n ||
         memcmp(mark + strlen(SIG_MARK), sig->valuestring, slen) != 0) {
         dp_buf_appends(why, "checkpoint: sig must be the last member");
         return -1;
@@ -332,11 +330,10 @@ static int verify_line(const char *line, size_t n, const audit_verify_opts_t *o,
         *since = 0;
     } else {
         (*since)++;
-        if (o->store &&
-            (check_body(o->store, obj, "forwarded_body_sha256", "forwarded_body_stored", why,
-                        r) != 0 ||
-             check_body(o->store, obj, "response_body_sha256", "response_body_stored", why,
-                        r) != 0))
+        if (o->store && (check_body(o->store, obj, "forwarded_body_sha256", "forwarded_body_stored",
+                                    why, r) != 0 ||
+                         check_body(o->store, obj, "response_body_sha256", "response_body_stored",
+                                    why, r) != 0))
             goto out;
     }
     dp_sha256_hex(line, n, prev);

@@ -30,8 +30,8 @@
 #define AUDIT_LINE_MAX (1u << 20)
 
 typedef struct {
-    char prev[65];              /* hash of the last line appended */
-    uint64_t since_checkpoint;  /* lines appended since the last checkpoint */
+    char prev[65];             /* hash of the last line appended */
+    uint64_t since_checkpoint; /* lines appended since the last checkpoint */
 } audit_chain_t;
 
 void audit_chain_init(audit_chain_t *c);
@@ -61,10 +61,10 @@ typedef struct {
 
 typedef struct {
     uint64_t lines, checkpoints, signatures_checked, bodies_checked;
-    uint64_t unsigned_tail;  /* lines after the last checkpoint */
-    char first_prev[65];     /* what the first line names */
-    char last[65];           /* hash of the last line: the next file's expect_prev */
-    uint64_t bad_line;       /* 1-based line of the first break, 0 when intact */
+    uint64_t unsigned_tail; /* lines after the last checkpoint */
+    char first_prev[65];    /* what the first line names */
+    char last[65];          /* hash of the last line: the next file's expect_prev */
+    uint64_t bad_line;      /* 1-based line of the first break, 0 when intact */
 } audit_verify_result_t;
 
 /* Verify a whole file. 0 intact; -1 with the first break in *why (and r->bad_line; 0 when the

@@ -613,8 +613,7 @@ out:
 }
 
 /* Every file quiet for at least settled_ns before start_ns? (see attest_hash_opts_t) */
-static int settled(const attest_snapshot_t *s, uint64_t settled_ns, int64_t start_ns,
-                   dp_buf_t *err)
+static int settled(const attest_snapshot_t *s, uint64_t settled_ns, int64_t start_ns, dp_buf_t *err)
 {
     if (settled_ns == 0)
         return 0;
@@ -622,8 +621,8 @@ static int settled(const attest_snapshot_t *s, uint64_t settled_ns, int64_t star
     for (size_t i = 0; i < s->count; i++) {
         const attest_file_t *f = &s->files[i];
         if (f->ctime_ns > limit || f->mtime_ns > limit) {
-            errf(err, "file changed during hashing: %s (changed less than %llu ms ago)",
-                 f->relpath, (unsigned long long)(settled_ns / 1000000));
+            errf(err, "file changed during hashing: %s (changed less than %llu ms ago)", f->relpath,
+                 (unsigned long long)(settled_ns / 1000000));
             return -ESTALE;
         }
     }

@@ -96,20 +96,21 @@ int attest_snapshot_take_opts(const char *dir, const attest_walk_opts_t *opts,
                               attest_snapshot_t *out, dp_buf_t *err);
 
 /* Compare two snapshots. Returns true when they differ in the set of paths, a size, an mtime, a
- * ctime (rewritten in place with its mtime restored) or an inode (a file replaced by rename), and appends a short description of the first difference
- * to *why when why is non-NULL ("model-00001.safetensors: size 10 -> 12", "added: x", ...). */
+ * ctime (rewritten in place with its mtime restored) or an inode (a file replaced by rename), and
+ * appends a short description of the first difference to *why when why is non-NULL
+ * ("model-00001.safetensors: size 10 -> 12", "added: x", ...). */
 bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t *b, dp_buf_t *why);
 
 /* Hash DIR. On success returns 0, writes the 64-hex checkpoint hash (NUL-terminated) to out_hex,
  * and, when snap_out is non-NULL, hands over the listing the hash was computed from. Every file
  * is checked against it before and after it is read, and DIR is listed again once the whole
  * walk is done: a hash is returned only when no file changed (size, mtime, ctime, inode) from
- * the first listing to the end, so it never describes a half-written state. When lines is non-NULL the per-file
- * lines that were hashed are appended to it ("<hex>  <relpath>\n" each).
- * Errors (negative errno, reason appended to *err): unreadable directory or file, a symlink
- * loop, an unsupported file name, "file vanished during hashing: PATH", "file changed during
- * hashing: PATH (...)" and "directory changed during hashing: ..." (-ESTALE: try again once it
- * settles), -ECANCELED. opts may be NULL. */
+ * the first listing to the end, so it never describes a half-written state. When lines is non-NULL
+ * the per-file lines that were hashed are appended to it ("<hex>  <relpath>\n" each). Errors
+ * (negative errno, reason appended to *err): unreadable directory or file, a symlink loop, an
+ * unsupported file name, "file vanished during hashing: PATH", "file changed during hashing: PATH
+ * (...)" and "directory changed during hashing: ..." (-ESTALE: try again once it settles),
+ * -ECANCELED. opts may be NULL. */
 int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
                     attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err);
 

@@ -11,8 +11,8 @@
 #include "common/util.h"
 
 const char *const attest_field_names[ATTEST_F__COUNT] = {
-    "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
-    "engine_fingerprint",
+    "model",          "checkpoint_sha256", "quantization",       "dtype",
+    "framework.name", "framework.version", "engine_fingerprint",
 };
 
 /* Field f's slot in the struct: one switch instead of six copies of every accessor. */

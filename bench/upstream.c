@@ -262,8 +262,8 @@ int main(int argc, char **argv)
                   U.model);
 
     U.loop = uv_default_loop();
-    static const px_handler_t h = {.on_head = on_head, .on_complete = on_complete,
-                                   .on_abort = on_abort};
+    static const px_handler_t h = {
+        .on_head = on_head, .on_complete = on_complete, .on_abort = on_abort};
     px_server_limits_t lim;
     px_server_limits_default(&lim);
     lim.max_connections = 100000;

@@ -98,7 +98,8 @@ int dp_unhex(const char *hex, size_t hexlen, uint8_t *out, size_t n)
     if (hexlen != 2 * n)
         return -1;
     for (size_t i = 0; i < n; i++) {
-        int hi = dp_hexval((unsigned char)hex[2 * i]), lo = dp_hexval((unsigned char)hex[2 * i + 1]);
+        int hi = dp_hexval((unsigned char)hex[2 * i]),
+            lo = dp_hexval((unsigned char)hex[2 * i + 1]);
         if (hi < 0 || lo < 0)
             return -1;
         out[i] = (uint8_t)(hi << 4 | lo);
@@ -294,7 +295,8 @@ int dp_base64_decode(const char *s, size_t n, dp_buf_t *out)
     if (pad == 1 && n >= 2 && s[n - 2] == '=')
         return -1;
     dp_buf_reserve(out, n / 4 * 3);
-    int w = EVP_DecodeBlock((unsigned char *)out->base + out->len, (const unsigned char *)s, (int)n);
+    int w =
+        EVP_DecodeBlock((unsigned char *)out->base + out->len, (const unsigned char *)s, (int)n);
     if (w < 0)
         return -1;
     out->len += (size_t)w - pad;

@@ -9,7 +9,7 @@
 #include "common/buf.h"
 
 #define DP_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
-#define dp_container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#define dp_container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* Monotonic milliseconds / nanoseconds, and wall-clock milliseconds since the epoch. */
 uint64_t dp_now_ms(void);

@@ -22,14 +22,14 @@ static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "req
                                                "trusted_keys", NULL};
 static const char *const shadow_keys[] = {
     "rate", "self_rate", "max_inflight", "max_output_bytes", "quarantine", NULL};
-static const char *const log_keys[] = {"level",         "audit_path",        "access",
-                                        "audit_store",   "audit_signing_key",
-                                        "audit_checkpoint_lines", NULL};
+static const char *const log_keys[] = {"level",       "audit_path",        "access",
+                                       "audit_store", "audit_signing_key", "audit_checkpoint_lines",
+                                       NULL};
 static const char *const access_keys[] = {"enabled", "sample_rate", "fields", NULL};
 
 const char *const cfg_access_field_names[CFG_ACCESS__COUNT] = {
-    "tenant", "pool",    "replica", "code", "model", "remote", "upstream_ms",
-    "ttfb_ms", "tokens", "seed",    "policy"};
+    "tenant",      "pool",    "replica", "code", "model", "remote",
+    "upstream_ms", "ttfb_ms", "tokens",  "seed", "policy"};
 static const char *const tls_keys[] = {"cert_file", "key_file", "client_ca_file", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
 
@@ -75,8 +75,9 @@ void cfg_limits_dump(const cfg_limits_t *l, dp_jw_t *w)
     for (size_t i = 0; i < DP_ARRAY_SIZE(limit_fields); i++) {
         const limit_field_t *f = &limit_fields[i];
         const char *p = (const char *)l + f->off;
-        dp_jw_uint(w, f->key, f->wide ? *(const uint64_t *)(const void *)p
-                                      : *(const uint32_t *)(const void *)p);
+        dp_jw_uint(w, f->key,
+                   f->wide ? *(const uint64_t *)(const void *)p
+                           : *(const uint32_t *)(const void *)p);
     }
 }
 
@@ -278,8 +279,9 @@ static void parse_access_log(cfg_ctx_t *c, const cJSON *log, cfg_access_log_t *a
                         break;
             if (k == CFG_ACCESS__COUNT) {
                 size_t im = cfg_path_index(c, i);
-                cfg_err(c, NULL, "expected one of tenant, pool, replica, code, model, remote, "
-                                 "upstream_ms, ttfb_ms, tokens, seed, policy");
+                cfg_err(c, NULL,
+                        "expected one of tenant, pool, replica, code, model, remote, "
+                        "upstream_ms, ttfb_ms, tokens, seed, policy");
                 cfg_path_pop(c, im);
                 continue;
             }
@@ -410,8 +412,7 @@ static void check_source(cfg_ctx_t *c, const cfg_attestation_t *a, cfg_attest_so
                  "the agent signs its attestations but attestation.trusted_keys is empty: "
                  "every one will be rejected as untrusted");
     }
-    if (s == CFG_ATTEST_AGENT && a->ntrusted_keys > 0 &&
-        !a->require_signature)
+    if (s == CFG_ATTEST_AGENT && a->ntrusted_keys > 0 && !a->require_signature)
         cfg_warn(c, "attest",
                  "unsigned: attestation.require_signature is false, so an envelope stripped "
                  "of its signatures is admitted");

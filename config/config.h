@@ -32,8 +32,8 @@ void cfg_errors_free(cfg_errors_t *e);
 
 /* "host:port", "[v6]:port" or "http(s)://host[:port][/path]" split into parts. */
 typedef struct {
-    bool tls;       /* https:// */
-    char *host;     /* without brackets */
+    bool tls;   /* https:// */
+    char *host; /* without brackets */
     uint16_t port;
     char *path;     /* "" or "/prefix" without trailing slash; agent URLs keep their full path */
     char *hostport; /* value for a Host header: "host:port" ("[v6]:port") */
@@ -61,9 +61,9 @@ typedef struct cfg_manifest_s {
     char *framework_name;
     char *framework_version;
     char *engine_fingerprint; /* the engine's system_fingerprint (SPEC §4) */
-    cfg_canary_t *canary; /* NULL when absent */
+    cfg_canary_t *canary;     /* NULL when absent */
     char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
-    char fingerprint[20];  /* "fp_" + 16 hex, computed at load (SPEC §4) */
+    char fingerprint[20]; /* "fp_" + 16 hex, computed at load (SPEC §4) */
     /* "accept": further identities admitted during a rollout, each complete (fields it does not
      * list, and the canary, are copied from the manifest) with its own fingerprint; never
      * nested (their own accept is empty). */
@@ -102,7 +102,7 @@ typedef struct {
     uint8_t (*api_keys)[32]; /* SHA-256 digests of bearer tokens */
     size_t napi_keys;
     bool any_unknown_keys; /* {"any": true, "unknown_keys": true}: also requests with a token */
-    char *header_name; /* lowercase */
+    char *header_name;     /* lowercase */
     char *header_value;
     char *pool; /* NULL: route by model */
     cfg_rule_t rules[CFG_PARAM__COUNT];
@@ -153,7 +153,7 @@ typedef struct {
     uint16_t port;
     uint32_t refresh_ms;
     cfg_attest_source_t attest_source;
-    uint16_t attest_port; /* agent only */
+    uint16_t attest_port;  /* agent only */
     uint32_t max_replicas; /* addresses beyond it are ignored (default 64) */
 } cfg_discovery_t;
 
@@ -170,13 +170,17 @@ typedef enum {
 } cfg_balance_t;
 
 /* `balance: affinity` (SPEC §18): what a request's routing key is made of. */
-typedef enum { CFG_AFFINITY_PREFIX = 0, CFG_AFFINITY_SESSION, CFG_AFFINITY_SEED } cfg_affinity_key_t;
+typedef enum {
+    CFG_AFFINITY_PREFIX = 0,
+    CFG_AFFINITY_SESSION,
+    CFG_AFFINITY_SEED
+} cfg_affinity_key_t;
 
 typedef struct {
     cfg_affinity_key_t key;
-    uint32_t prefix_bytes;  /* how much of the prompt the prefix key covers */
-    char *session_header;   /* lowercase header name (key "session") */
-    double load_factor;     /* bounded loads: pass over a replica above this x mean + 1 */
+    uint32_t prefix_bytes; /* how much of the prompt the prefix key covers */
+    char *session_header;  /* lowercase header name (key "session") */
+    double load_factor;    /* bounded loads: pass over a replica above this x mean + 1 */
 } cfg_affinity_t;
 
 typedef struct {
@@ -185,13 +189,13 @@ typedef struct {
     size_t nmodels;
     cfg_manifest_t *manifest; /* NULL when the pool pins nothing */
     cfg_balance_t balance;
-    cfg_affinity_t affinity; /* balance == CFG_BALANCE_AFFINITY only */
+    cfg_affinity_t affinity;           /* balance == CFG_BALANCE_AFFINITY only */
     uint32_t max_inflight_per_replica; /* 0 = unlimited */
     uint32_t queue_limit;
     uint32_t queue_timeout_ms;
     cfg_replica_t *replicas;
     size_t nreplicas;
-    cfg_discovery_t *discovery; /* NULL when absent */
+    cfg_discovery_t *discovery;       /* NULL when absent */
     cfg_upstream_tls_t *upstream_tls; /* NULL when absent */
     char *api_key_file;
     char *api_key; /* file contents, trailing whitespace trimmed; never logged */
@@ -256,10 +260,10 @@ typedef struct {
 } cfg_access_log_t;
 
 typedef struct {
-    int level; /* dp_log_level_t */
-    char *audit_path; /* NULL: no audit file (an audit tenant then fails `check`) */
-    char *audit_store;       /* NULL: bodies are hashed, not stored (SPEC §15) */
-    char *audit_signing_key; /* NULL: the chain is written without signed checkpoints */
+    int level;                       /* dp_log_level_t */
+    char *audit_path;                /* NULL: no audit file (an audit tenant then fails `check`) */
+    char *audit_store;               /* NULL: bodies are hashed, not stored (SPEC §15) */
+    char *audit_signing_key;         /* NULL: the chain is written without signed checkpoints */
     uint32_t audit_checkpoint_lines; /* 1000 */
     cfg_access_log_t access;
 } cfg_log_t;
@@ -288,7 +292,7 @@ typedef struct cfg_s {
     cfg_policy_t *policy; /* never NULL: absent means one tenant "default" matching any */
     cfg_shadow_t shadow;
     cfg_log_t log;
-    cfg_tls_t *tls; /* NULL: plaintext listener */
+    cfg_tls_t *tls;   /* NULL: plaintext listener */
     cfg_otel_t *otel; /* NULL: no spans are exported */
     char *admin_token_file;
     char *admin_token; /* contents, trimmed; never logged */
@@ -303,7 +307,8 @@ void cfg_free(cfg_t *cfg);
 
 /* Parse a standalone manifest / policy document (used by `attest verify --manifest`, and by
  * cfg_load for referenced files). `path` prefixes error paths. */
-cfg_manifest_t *cfg_manifest_parse(const char *json, size_t len, const char *path, cfg_errors_t *errs);
+cfg_manifest_t *cfg_manifest_parse(const char *json, size_t len, const char *path,
+                                   cfg_errors_t *errs);
 void cfg_manifest_free(cfg_manifest_t *m);
 cfg_policy_t *cfg_policy_parse(const char *json, size_t len, const char *path, cfg_errors_t *errs);
 void cfg_policy_free(cfg_policy_t *p);

@@ -6,14 +6,17 @@
 
 #include "common/util.h"
 
-static const char *const manifest_keys[] = {
-    "model", "checkpoint_sha256", "quantization", "dtype", "framework", "engine_fingerprint",
-    "canary", "oms", "accept", NULL};
+static const char *const manifest_keys[] = {"model",        "checkpoint_sha256",
+                                            "quantization", "dtype",
+                                            "framework",    "engine_fingerprint",
+                                            "canary",       "oms",
+                                            "accept",       NULL};
 static const char *const oms_keys[] = {"signer", NULL};
 /* An accepted identity during a rollout: what differs from the manifest's own (no nesting). */
-static const char *const accept_keys[] = {"model",  "checkpoint_sha256", "quantization",
-                                          "dtype",  "framework", "engine_fingerprint",
-                                          "canary", "oms",       NULL};
+static const char *const accept_keys[] = {
+    "model",     "checkpoint_sha256",  "quantization", "dtype",
+    "framework", "engine_fingerprint", "canary",       "oms",
+    NULL};
 static const char *const framework_keys[] = {"name", "version", NULL};
 static const char *const canary_keys[] = {"prompt", "max_tokens", "expected_sha256", NULL};
 
@@ -129,8 +132,9 @@ static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
         return;
     }
     if (!cfg_manifest_pins(m))
-        cfg_err(c, NULL, "the manifest itself pins no identity, so every replica would be "
-                         "admitted: pin the identity being replaced at the top level");
+        cfg_err(c, NULL,
+                "the manifest itself pins no identity, so every replica would be "
+                "admitted: pin the identity being replaced at the top level");
     m->accept = dp_xcalloc((size_t)n, sizeof(*m->accept));
     const cJSON *it;
     cJSON_ArrayForEach(it, arr)
@@ -138,8 +142,9 @@ static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
         size_t im = cfg_path_index(c, m->naccept);
         cfg_manifest_t *e = &m->accept[m->naccept++];
         if (!cJSON_IsObject(it)) {
-            cfg_err(c, NULL, "expected an object (the identity fields that differ from the "
-                             "manifest's)");
+            cfg_err(c, NULL,
+                    "expected an object (the identity fields that differ from the "
+                    "manifest's)");
             cfg_path_pop(c, im);
             continue;
         }
@@ -162,8 +167,9 @@ static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
         }
         cfg_manifest_fingerprint(e, e->fingerprint);
         if (same_identity(e, m))
-            cfg_err(c, NULL, "the same identity as the manifest itself (%s): list only the "
-                             "fields that differ",
+            cfg_err(c, NULL,
+                    "the same identity as the manifest itself (%s): list only the "
+                    "fields that differ",
                     e->fingerprint);
         for (size_t k = 0; k + 1 < m->naccept; k++)
             if (same_identity(e, &m->accept[k])) {
@@ -244,9 +250,9 @@ const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i)
 
 bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
-    return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
-                         m->framework_name || m->framework_version || m->engine_fingerprint ||
-                         m->oms_signer);
+    return m != NULL &&
+           (m->model || m->checkpoint_sha256 || m->quantization || m->dtype || m->framework_name ||
+            m->framework_version || m->engine_fingerprint || m->oms_signer);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])

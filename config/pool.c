@@ -19,23 +19,16 @@ const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
 #define COUNT_MAX 1000000u
 #define AGENT_DEFAULT_PATH "/attestation"
 
-static const char *const pool_keys[] = {"name",
-                                        "models",
-                                        "manifest",
-                                        "balance",
-                                        "affinity",
-                                        "max_inflight_per_replica",
-                                        "queue_limit",
-                                        "queue_timeout_ms",
-                                        "replicas",
-                                        "discovery",
-                                        "upstream_tls",
-                                        "api_key_file",
-                                        NULL};
+static const char *const pool_keys[] = {
+    "name",        "models",           "manifest",
+    "balance",     "affinity",         "max_inflight_per_replica",
+    "queue_limit", "queue_timeout_ms", "replicas",
+    "discovery",   "upstream_tls",     "api_key_file",
+    NULL};
 static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
 static const char *const attest_keys[] = {"source", "url", NULL};
-static const char *const discovery_keys[] = {"dns", "port", "refresh_ms", "attest",
-                                             "max_replicas", NULL};
+static const char *const discovery_keys[] = {"dns",    "port",         "refresh_ms",
+                                             "attest", "max_replicas", NULL};
 static const char *const discovery_attest_keys[] = {"source", "port", NULL};
 static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "client_key_file",
                                                 NULL};

@@ -20,8 +20,8 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
         p = cfg_pool_for_model(cfg, m.base, m.len);
     }
     if (p == NULL) {
-        *err = (policy_error_t){.status = 404, .type = "invalid_request_error",
-                                .code = "model_not_found"};
+        *err = (policy_error_t){
+            .status = 404, .type = "invalid_request_error", .code = "model_not_found"};
         snprintf(err->param, sizeof(err->param), "model");
         snprintf(err->message, sizeof(err->message), "no pool serves this model");
         return -1;

@@ -87,7 +87,6 @@ size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
-
 /* SPEC §8: a request that carries credentials (any Authorization field) is served only by the
  * tenant they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a
  * mistyped key must not silently drop a compliance tenant's rules. */

@@ -237,8 +237,8 @@ typedef struct {
     bool in_str, esc;
     uint8_t held; /* bytes of a candidate key held back */
     char hold[24];
-    uint8_t vskip;    /* bytes of a null literal being replaced */
-    size_t rewritten; /* number of values replaced so far */
+    uint8_t vskip;                 /* bytes of a null literal being replaced */
+    size_t rewritten;              /* number of values replaced so far */
     char prev[POLICY_FP_PREV_MAX]; /* the stream's first non-empty value */
     char alt[POLICY_FP_PREV_MAX];  /* the first later one that differs from it, or "" */
     char cur[POLICY_FP_PREV_MAX];  /* the value being read */

@@ -36,7 +36,7 @@
 enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 
 #define LINGER_MS 2000
-#define PAUSED_CHECK_MS 1000 /* how often a client whose body reads are paused is looked at */
+#define PAUSED_CHECK_MS 1000      /* how often a client whose body reads are paused is looked at */
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
 #define REQ_CACHE_MAX 256
 
@@ -90,11 +90,11 @@ struct px_conn_s {
     bool keep_alive;
     bool first_request;
     bool in_feed;
-    bool kick; /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
-    char remote[48]; /* the peer, "ip:port": looked up once, on the first request */
+    bool kick;        /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
+    char remote[48];  /* the peer, "ip:port": looked up once, on the first request */
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
-    bool wait_drain; /* IDLE with responses queued above high-water: next request waits */
+    bool wait_drain;  /* IDLE with responses queued above high-water: next request waits */
     bool handshaking; /* on the server's pending-handshake list */
     px_conn_t *hs_prev, *hs_next;
 };
@@ -153,34 +153,62 @@ static void make_request_id(char out[24])
 static const char *reason_phrase(int status)
 {
     switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 201: return "Created";
-    case 202: return "Accepted";
-    case 204: return "No Content";
-    case 206: return "Partial Content";
-    case 301: return "Moved Permanently";
-    case 302: return "Found";
-    case 304: return "Not Modified";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 403: return "Forbidden";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 409: return "Conflict";
-    case 413: return "Content Too Large";
-    case 415: return "Unsupported Media Type";
-    case 417: return "Expectation Failed";
-    case 422: return "Unprocessable Content";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 502: return "Bad Gateway";
-    case 503: return "Service Unavailable";
-    case 504: return "Gateway Timeout";
-    default: return "Status";
+    case 100:
+        return "Continue";
+    case 200:
+        return "OK";
+    case 201:
+        return "Created";
+    case 202:
+        return "Accepted";
+    case 204:
+        return "No Content";
+    case 206:
+        return "Partial Content";
+    case 301:
+        return "Moved Permanently";
+    case 302:
+        return "Found";
+    case 304:
+        return "Not Modified";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 403:
+        return "Forbidden";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 408:
+        return "Request Timeout";
+    case 409:
+        return "Conflict";
+    case 413:
+        return "Content Too Large";
+    case 415:
+        return "Unsupported Media Type";
+    case 417:
+        return "Expectation Failed";
+    case 422:
+        return "Unprocessable Content";
+    case 429:
+        return "Too Many Requests";
+    case 431:
+        return "Request Header Fields Too Large";
+    case 500:
+        return "Internal Server Error";
+    case 501:
+        return "Not Implemented";
+    case 502:
+        return "Bad Gateway";
+    case 503:
+        return "Service Unavailable";
+    case 504:
+        return "Gateway Timeout";
+    default:
+        return "Status";
     }
 }
 
@@ -304,8 +332,7 @@ static void req_put(px_server_t *s, req_impl_t *q)
     hoff_t *hoff = q->hoff;
     px_header_t *hdrs = q->hdrs;
     size_t hcap = q->hcap, hdrs_cap = q->hdrs_cap;
-    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
-        hbuf.cap > 64 * 1024) {
+    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 || hbuf.cap > 64 * 1024) {
         dp_buf_free(&hbuf);
         dp_buf_free(&out);
         dp_buf_free(&body);
@@ -926,9 +953,8 @@ static bool conn_head_done(px_conn_t *c)
                 conn_overloaded(c);
                 return false;
             }
-            c->body_deadline = s->lim.client_body_timeout_ms
-                                   ? uv_now(s->loop) + s->lim.client_body_timeout_ms
-                                   : 0;
+            c->body_deadline =
+                s->lim.client_body_timeout_ms ? uv_now(s->loop) + s->lim.client_body_timeout_ms : 0;
         }
         if (q->framing.expect_continue && r->http_minor == 1)
             write_continue(c);
@@ -1204,8 +1230,7 @@ static void on_connection(uv_stream_t *ls, int status)
         /* This connection took the last descriptor: libuv sheds the next ones silently, and
          * requests already in flight could not open an upstream connection. Give it back and
          * say why. */
-        warn_accept_failed(s, nofd,
-                           "out of file descriptors: new connections are closed at once");
+        warn_accept_failed(s, nofd, "out of file descriptors: new connections are closed at once");
         conn_close(c);
         return;
     }
@@ -1752,8 +1777,8 @@ int px_resp_send(px_req_t *req, int status, const char *content_type, const char
     return px_resp_end(req);
 }
 
-int px_resp_error(px_req_t *req, int status, const char *type, const char *code,
-                  const char *param, const char *message, const px_header_t *extra, size_t nextra)
+int px_resp_error(px_req_t *req, int status, const char *type, const char *code, const char *param,
+                  const char *message, const px_header_t *extra, size_t nextra)
 {
     dp_buf_t b = {0};
     px_error_body(&b, type ? type : px_error_type_for_status(status), code, param, message);

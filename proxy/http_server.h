@@ -48,13 +48,13 @@ struct px_req_s {
     uint8_t http_major, http_minor;
     px_header_t *headers; /* names as received; compare with dp_strieq */
     size_t nheaders;
-    bool has_body;           /* Content-Length > 0 or chunked */
-    bool chunked;            /* request body used chunked framing */
-    int64_t content_length;  /* -1 when chunked or absent */
-    dp_buf_t body;           /* PX_BODY_BUFFER: the decoded body once on_complete runs */
-    uint64_t start_ns;       /* when the first byte of this request was read */
-    char remote[48];         /* client address, "ip:port" */
-    char id[24];             /* request id: 16 hex of random, unique per process */
+    bool has_body;          /* Content-Length > 0 or chunked */
+    bool chunked;           /* request body used chunked framing */
+    int64_t content_length; /* -1 when chunked or absent */
+    dp_buf_t body;          /* PX_BODY_BUFFER: the decoded body once on_complete runs */
+    uint64_t start_ns;      /* when the first byte of this request was read */
+    char remote[48];        /* client address, "ip:port" */
+    char id[24];            /* request id: 16 hex of random, unique per process */
 };
 
 typedef struct {
@@ -167,8 +167,8 @@ bool px_resp_started(const px_req_t *req);
 int px_resp_send(px_req_t *req, int status, const char *content_type, const char *body, size_t n,
                  const px_header_t *extra, size_t nextra);
 /* An OpenAI-shaped error: {"error":{"message","type","param","code"}}. param/code may be NULL. */
-int px_resp_error(px_req_t *req, int status, const char *type, const char *code,
-                  const char *param, const char *message, const px_header_t *extra, size_t nextra);
+int px_resp_error(px_req_t *req, int status, const char *type, const char *code, const char *param,
+                  const char *message, const px_header_t *extra, size_t nextra);
 
 /* Format the OpenAI error body into out (shared with code that sends errors by other means). */
 void px_error_body(dp_buf_t *out, const char *type, const char *code, const char *param,

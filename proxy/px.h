@@ -54,14 +54,14 @@ struct px_replica_s {
     struct sockaddr_storage addr;
     bool resolved;
     px_upstream_t *up;
-    px_upstream_t *shadow_up; /* shadow copies use their own connections (lazily created) */
+    px_upstream_t *shadow_up;     /* shadow copies use their own connections (lazily created) */
     struct px_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
     px_replica_state_t state;
     char *reasons[PX_MAX_REASONS];
     size_t nreasons;
     uint32_t inflight;
-    uint64_t requests;       /* lifetime requests sent */
-    uint64_t aff_id;         /* identity in the affinity order: px_aff_hash(name) */
+    uint64_t requests;         /* lifetime requests sent */
+    uint64_t aff_id;           /* identity in the affinity order: px_aff_hash(name) */
     uint64_t last_attested_at; /* wall ms, 0 = never */
     char fingerprint[20];    /* the accepted identity it was admitted as (manifest "accept"); "" */
     void *attest_state;      /* px_attest.c's per-replica state */
@@ -71,7 +71,7 @@ struct px_replica_s {
      * the attestation state, until /enable. Lives on the replica, so it survives reloads that
      * keep the replica's definition. */
     bool drained;
-    px_series_t *m_drained; /* detproxy_replica_drained */
+    px_series_t *m_drained;              /* detproxy_replica_drained */
     px_replica_t *live_prev, *live_next; /* every replica alive (px_gen.c) */
 };
 
@@ -127,9 +127,9 @@ struct px_s {
     bool draining;
     int exit_code;
     uint64_t started_ms;
-    void *attest;  /* px_attest.c */
-    void *shadow;  /* px_shadow.c */
-    void *audit;   /* px_audit.c */
+    void *attest; /* px_attest.c */
+    void *shadow; /* px_shadow.c */
+    void *audit;  /* px_audit.c */
     void *discovery;
     void *otel;               /* px_otel.c */
     struct px_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
@@ -173,8 +173,7 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 /* Pick an admitted replica with spare capacity (balance per pool config), skipping `avoid`.
  * An affinity pool follows aff's key when it has one (aff may be NULL) and sets aff->result.
  * NULL when none: *why tells whether none is admitted (0) or all are at their limit (1). */
-px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff,
-                             int *why);
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff, int *why);
 /* Admitted and not drained: may get client requests (and takes part in affinity orders). */
 bool px_replica_serving(const px_replica_t *r);
 /* Drain (true) or enable (false) a replica; logs "replica_drain" and sets the gauge. */

@@ -24,8 +24,8 @@ static void ms_value(dp_jw_t *w, const char *key, uint64_t ns)
 {
     uint64_t us = ns / 1000;
     char b[32];
-    int n = snprintf(b, sizeof(b), "%llu.%03u", (unsigned long long)(us / 1000),
-                     (unsigned)(us % 1000));
+    int n =
+        snprintf(b, sizeof(b), "%llu.%03u", (unsigned long long)(us / 1000), (unsigned)(us % 1000));
     dp_jw_raw(w, key, b, (size_t)n);
 }
 

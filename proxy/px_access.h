@@ -20,8 +20,8 @@ typedef struct {
     const char *code; /* "upstream", "local", "client_closed" or detproxy's error code */
     const char *pool, *replica;
     uint64_t duration_ns;
-    uint64_t upstream_ns; /* 0: no replica exchange ended */
-    uint64_t ttfb_ns;     /* 0: no response head from a replica */
+    uint64_t upstream_ns;        /* 0: no replica exchange ended */
+    uint64_t ttfb_ns;            /* 0: no response head from a replica */
     const px_hooks_req_t *hooks; /* NULL: refused before any handler state existed */
 } px_access_t;
 

@@ -136,8 +136,8 @@ static bool replica_admin(px_t *px, px_req_t *req)
     size_t n = 0;
     for (size_t i = 0; i < px->gen->npools; i++) {
         px_pool_t *pool = &px->gen->pools[i];
-        if (by_pool && !(strlen(pool->name) == only.len &&
-                         memcmp(pool->name, only.base, only.len) == 0))
+        if (by_pool &&
+            !(strlen(pool->name) == only.len && memcmp(pool->name, only.base, only.len) == 0))
             continue;
         for (size_t k = 0; k < pool->nreplicas; k++) {
             px_replica_t *r = pool->replicas[k];

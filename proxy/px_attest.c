@@ -29,7 +29,7 @@
 #include "proxy/px_self.h"
 
 #define PROBE_MAX_BYTES (64 << 10)
-#define RECHECK_MIN_MS 100       /* out-of-turn re-checks: at most this often */
+#define RECHECK_MIN_MS 100          /* out-of-turn re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 /* Checks running at once, over all replicas: 200 discovered addresses must not become 400
  * simultaneous connections. A check over the bound waits and starts within PACE_MS or so. */
@@ -187,20 +187,23 @@ static void canary_done(const px_canary_result_t *res, void *data)
     } else if (!rejected && !ok && a->admit_on_canary) {
         char why[200];
         if (res->expected[0])
-            snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
-                                       "admitted until the canary matches)",
+            snprintf(why, sizeof(why),
+                     "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
+                     "admitted until the canary matches)",
                      a->canary_last, res->expected);
         else
-            snprintf(why, sizeof(why), "canary not recorded: the manifest has no "
-                                       "canary.expected_sha256 (this replica's output hashes to "
-                                       "%s; 'detproxy attest canary' prints it)",
+            snprintf(why, sizeof(why),
+                     "canary not recorded: the manifest has no "
+                     "canary.expected_sha256 (this replica's output hashes to "
+                     "%s; 'detproxy attest canary' prints it)",
                      a->canary_last);
         set_state1(r, PX_REPLICA_PENDING, why);
     }
     if (rejected) {
         char why[160];
-        snprintf(why, sizeof(why), "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
-                                   "the last 3 checks",
+        snprintf(why, sizeof(why),
+                 "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
+                 "the last 3 checks",
                  a->canary_last, res->expected);
         set_state1(r, PX_REPLICA_REJECTED, why);
     } else if (!ok) {
@@ -218,9 +221,9 @@ static void canary_done(const px_canary_result_t *res, void *data)
 
 /* The engine-fingerprint probe: a temperature-0 completion to replica a->r over `up`, its body
  * built as the canary's is (px_canary.c; the canary itself goes through px_canary_start). */
-static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
-                              const char *model, const char *prompt, uint32_t max_tokens,
-                              bool seed, size_t max_bytes, px_fetch_cb cb)
+static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc, const char *model,
+                              const char *prompt, uint32_t max_tokens, bool seed, size_t max_bytes,
+                              px_fetch_cb cb)
 {
     dp_buf_t body = {0};
     px_canary_completion_body(model, prompt, max_tokens, seed, &body);
@@ -288,13 +291,15 @@ static void decide(att_t *a, attest_report_t *rep)
     const cfg_manifest_t *id = attest_manifest_identity(m, rep);
     px_pool_t *pool = px_gen_pool_by_name(a->px->gen, r->pool_name);
     snprintf(r->fingerprint, sizeof(r->fingerprint), "%s",
-             id ? id->fingerprint : pool ? pool->fingerprint : "");
+             id     ? id->fingerprint
+             : pool ? pool->fingerprint
+                    : "");
     /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
      * rejected) is admitted only once its canary output matches too: fail closed. An admitted
      * one stays until the 2-of-3 rule rejects it (SPEC §6). */
     bool canary = id && id->canary && r->up;
-    a->admit_on_canary = canary && r->state != PX_REPLICA_ADMITTED &&
-                         r->state != PX_REPLICA_QUARANTINED;
+    a->admit_on_canary =
+        canary && r->state != PX_REPLICA_ADMITTED && r->state != PX_REPLICA_QUARANTINED;
     if (!a->admit_on_canary && r->state != PX_REPLICA_QUARANTINED)
         set_state(r, PX_REPLICA_ADMITTED, NULL);
     if (canary) {
@@ -348,8 +353,8 @@ static void probe_start(att_t *a, attest_report_t *rep)
     attest_report_clear(&a->probed);
     a->probed = *rep;
     memset(rep, 0, sizeof(*rep)); /* moved */
-    a->probe = completion(a, a->up, pc, model, ATTEST_PROBE_PROMPT, 1, false, PROBE_MAX_BYTES,
-                          probe_done);
+    a->probe =
+        completion(a, a->up, pc, model, ATTEST_PROBE_PROMPT, 1, false, PROBE_MAX_BYTES, probe_done);
 }
 
 static void all_fetched(att_t *a)
@@ -370,8 +375,8 @@ static void all_fetched(att_t *a)
     if (r->attest.source == CFG_ATTEST_AGENT) {
         attest_verify_opts_t o = {&ctx(a->px)->keys, cur(a)->attestation.require_signature,
                                   a->nonce};
-        if (attest_envelope_verify(a->bodies[0].base ? a->bodies[0].base : "", a->bodies[0].len,
-                                   &o, &rep, &why) != 0) {
+        if (attest_envelope_verify(a->bodies[0].base ? a->bodies[0].base : "", a->bodies[0].len, &o,
+                                   &rep, &why) != 0) {
             count(r, "rejected");
             set_state1(r, PX_REPLICA_REJECTED, why.base ? why.base : "invalid attestation");
             check_end(a);
@@ -425,8 +430,8 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
             else
                 dp_buf_printf(&a->fail_reason, "attestation endpoint answered %d", status);
             /* An agent says why it cannot vouch (re-hashing after a change, hash failed). */
-            cJSON *doc = status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len)
-                                : NULL;
+            cJSON *doc =
+                status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len) : NULL;
             const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "error");
             const cJSON *msg = cJSON_GetObjectItemCaseSensitive(e, "message");
             const cJSON *code = cJSON_GetObjectItemCaseSensitive(e, "code");
@@ -599,8 +604,8 @@ static void att_adopt(px_t *px, px_replica_t *r)
         addr = (const struct sockaddr *)&ss;
     }
     a->up = px_upstream_new(px->loop, addr, &o);
-    px_replica_upstream_tls(r, a->up, r->attest.source == CFG_ATTEST_AGENT ? &r->attest.url
-                                                                          : &r->url);
+    px_replica_upstream_tls(r, a->up,
+                            r->attest.source == CFG_ATTEST_AGENT ? &r->attest.url : &r->url);
     uv_timer_start(&a->timer, timer_cb, 0, 0);
 }
 

@@ -42,8 +42,8 @@ typedef struct {
 struct px_audit_s {
     uv_loop_t *loop;
     char *path;
-    char *store;          /* NULL: bodies are not stored */
-    attest_key_t *key;    /* NULL: no checkpoints */
+    char *store;       /* NULL: bodies are not stored */
+    attest_key_t *key; /* NULL: no checkpoints */
     uint32_t checkpoint_lines;
     audit_chain_t chain;
     uv_file fd;
@@ -310,8 +310,8 @@ bool px_audit_stores(const px_audit_t *a)
 
 static void checkpoint(px_audit_t *a, const char *reason)
 {
-    if (a->key && audit_chain_checkpoint(&a->chain, a->key, reason, dp_wall_ms(),
-                                         &a->pending.lines) != 0)
+    if (a->key &&
+        audit_chain_checkpoint(&a->chain, a->key, reason, dp_wall_ms(), &a->pending.lines) != 0)
         log_error(a, "sign", UV_EINVAL);
 }
 

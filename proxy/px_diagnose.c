@@ -78,8 +78,8 @@ struct dg_s {
     attest_keyset_t keys;
     px_dg_run_t run;
     rio_t *io;
-    px_tls_ctx_t *tls;  /* the pool's upstream_tls, made on first https URL; NULL otherwise */
-    char *tls_err;      /* why it could not be made */
+    px_tls_ctx_t *tls; /* the pool's upstream_tls, made on first https URL; NULL otherwise */
+    char *tls_err;     /* why it could not be made */
     size_t *lane_busy; /* in-flight requests per lane */
     /* the current phase */
     const char *phase;
@@ -287,11 +287,14 @@ static void canary_done(const px_canary_result_t *res, void *data)
                                "canary' prints it)",
                                res->sha256);
         else
-            attest_reasons_add(&r->admit_reasons, "canary mismatch: output sha256 %.8s.. want %.8s..",
-                               res->sha256, res->expected);
+            attest_reasons_add(&r->admit_reasons,
+                               "canary mismatch: output sha256 %.8s.. want %.8s..", res->sha256,
+                               res->expected);
     }
     progress("[1/4] %s: canary %s%s%.8s%s", r->name,
-             !res->answered ? "not answered: " : res->matched ? "matches, sha256 " : "DIFFERS, sha256 ",
+             !res->answered ? "not answered: "
+             : res->matched ? "matches, sha256 "
+                            : "DIFFERS, sha256 ",
              !res->answered ? r->canary.err : "", res->answered ? res->sha256 : "",
              res->answered ? ".." : "");
     if (++d->done == d->total)
@@ -671,8 +674,8 @@ static int discover(dg_t *d, const cfg_discovery_t *disc)
                            .port = disc->attest_port,
                            .path = "/attestation",
                            .hostport = agent_hp};
-        replica_add(d, hostport, false, host, disc->port, hostport, "", disc->attest_source,
-                    &agent, NULL);
+        replica_add(d, hostport, false, host, disc->port, hostport, "", disc->attest_source, &agent,
+                    NULL);
     }
     freeaddrinfo(res);
     return 0;

@@ -78,12 +78,12 @@ typedef struct {
     /* step 1, behaviour: the manifest's canary (SPEC §6) sent as the proxy sends it, for the
      * identity the replica matched (a manifest "accept" entry may carry its own) */
     struct {
-        bool ran;           /* the manifest has a canary and it was sent */
-        bool answered;      /* HTTP 200 with choices[0].text */
-        bool matched;       /* its SHA-256 equals expected */
-        char sha256[65];    /* of the output text, when answered */
-        char expected[65];  /* the pinned expected_sha256; "" when not recorded */
-        char *err;          /* why not answered */
+        bool ran;          /* the manifest has a canary and it was sent */
+        bool answered;     /* HTTP 200 with choices[0].text */
+        bool matched;      /* its SHA-256 equals expected */
+        char sha256[65];   /* of the output text, when answered */
+        char expected[65]; /* the pinned expected_sha256; "" when not recorded */
+        char *err;         /* why not answered */
     } canary;
     /* steps 2 and 3 */
     px_dg_out_t sampling[PX_DG_SAMPLES];
@@ -143,10 +143,10 @@ typedef struct {
     bool unseeded_varies, seeds_honoured;
     px_dg_group_t *groups;
     size_t ngroups;
-    int ref_group;   /* -1: fewer than two replicas compared, or no majority */
+    int ref_group;             /* -1: fewer than two replicas compared, or no majority */
     const char *tie_broken_by; /* a tie between groups decided by "step 1" or "step 3"; NULL */
-    size_t compared; /* replicas compared in step 4 */
-    size_t answered; /* replicas that answered at least one completion request */
+    size_t compared;           /* replicas compared in step 4 */
+    size_t answered;           /* replicas that answered at least one completion request */
     px_dg_finding_t findings[PX_DG__CAUSES];
     size_t nfindings;
 } px_dg_run_t;

@@ -44,7 +44,6 @@ static bool same_out(const px_dg_out_t *a, const px_dg_out_t *b)
     return a->ok && b->ok && a->len == b->len && memcmp(a->text, b->text, a->len) == 0;
 }
 
-
 /* The value of f as step 1 saw it: NULL when the replica was not attested or does not say. */
 static const char *field_of(const px_dg_replica_t *r, attest_field_t f)
 {
@@ -303,8 +302,8 @@ static void analyse_outputs(px_dg_run_t *run)
                 bool any_odd = false;
                 for (size_t i = 0; i < run->n; i++) {
                     const px_dg_replica_t *r = &run->r[i];
-                    bool odd = rule == 0 ? r->st.meta_odd || canary_failed(r)
-                                         : r->st.conc_differ > 0;
+                    bool odd =
+                        rule == 0 ? r->st.meta_odd || canary_failed(r) : r->st.conc_differ > 0;
                     any_odd = any_odd || (r->st.group == (int)g && odd);
                 }
                 if (!any_odd) {
@@ -399,12 +398,14 @@ static void canary_findings(px_dg_run_t *run)
             continue;
         fd->replicas[i] = true;
         if (!r->canary.expected[0])
-            dp_buf_printf(&fd->detail, "%s%s's canary output hashes to %.8s.. and the manifest "
-                                       "pins no expected_sha256",
+            dp_buf_printf(&fd->detail,
+                          "%s%s's canary output hashes to %.8s.. and the manifest "
+                          "pins no expected_sha256",
                           first ? "" : "; ", r->name, r->canary.sha256);
         else
-            dp_buf_printf(&fd->detail, "%s%s's canary output differs from the manifest's "
-                                       "(sha256 %.8s.. want %.8s..): the proxy does not admit it",
+            dp_buf_printf(&fd->detail,
+                          "%s%s's canary output differs from the manifest's "
+                          "(sha256 %.8s.. want %.8s..): the proxy does not admit it",
                           first ? "" : "; ", r->name, r->canary.sha256, r->canary.expected);
         first = false;
     }
@@ -469,8 +470,8 @@ static void output_findings(px_dg_run_t *run)
         first = false;
         dp_buf_printf(b, "%s's temperature-0 output differs from %s (", r->name,
                       ref->count * 2 > run->compared ? "the majority"
-                      : run->tie_broken_by          ? "the replica(s) that pass"
-                                                    : "the reference");
+                      : run->tie_broken_by           ? "the replica(s) that pass"
+                                                     : "the reference");
         names(b, run, members);
         dp_buf_printf(b, ") at byte %lld, similarity %.2f", (long long)r->st.divergence_offset,
                       r->st.similarity);
@@ -691,8 +692,8 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
 {
     fprintf(f, "\nstep 1/4  metadata: what each replica attests to\n");
     tbl_t t = {.ncols = 10};
-    const char *hdr[] = {"replica",   "source", "model",  "checkpoint", "quantization",
-                         "dtype",     "framework", "signed", "canary",  "admission"};
+    const char *hdr[] = {"replica", "source",    "model",  "checkpoint", "quantization",
+                         "dtype",   "framework", "signed", "canary",     "admission"};
     for (size_t k = 0; k < t.ncols; k++)
         tbl_add(&t, "%s", hdr[k]);
     dp_buf_t b = {0};

@@ -35,7 +35,7 @@ typedef struct disc_s {
     struct {
         px_replica_t *r;
         uint64_t left_ms;
-    } *gone; /* addresses that left DNS lately, oldest first (see above) */
+    } * gone; /* addresses that left DNS lately, oldest first (see above) */
     size_t ngone;
     size_t last_capped; /* addresses ignored at the last refresh (logged when it changes) */
     struct disc_s *next;
@@ -55,8 +55,8 @@ static char *disc_key(const cfg_pool_t *p)
     const cfg_discovery_t *d = p->discovery;
     const cfg_manifest_t *m = p->manifest;
     dp_buf_t k = {0};
-    dp_buf_printf(&k, "%s:%u:%d:%u:%s:%s", d->dns, d->port, (int)d->attest_source,
-                  d->attest_port, m ? m->fingerprint : "",
+    dp_buf_printf(&k, "%s:%u:%d:%u:%s:%s", d->dns, d->port, (int)d->attest_source, d->attest_port,
+                  m ? m->fingerprint : "",
                   m && m->canary && m->canary->expected_sha256 ? m->canary->expected_sha256 : "");
     return dp_buf_steal(&k);
 }

@@ -86,8 +86,8 @@ int px_cmd_audit(int argc, char **argv)
     int rc = 0;
     char prev[65] = "";
     for (int i = optind; i < argc && rc == 0; i++) {
-        audit_verify_opts_t o = {.pubkey = key, .store = store,
-                                 .expect_prev = prev[0] ? prev : NULL};
+        audit_verify_opts_t o = {
+            .pubkey = key, .store = store, .expect_prev = prev[0] ? prev : NULL};
         audit_verify_result_t r;
         dp_buf_t why = {0};
         if (audit_verify_file(argv[i], &o, &r, &why) != 0) {
@@ -98,8 +98,8 @@ int px_cmd_audit(int argc, char **argv)
                 printf("%s: %.*s\n", argv[i], (int)why.len, why.base);
             rc = 1;
         } else {
-            printf("%s: ok: %llu lines, %llu checkpoints, ", argv[i],
-                   (unsigned long long)r.lines, (unsigned long long)r.checkpoints);
+            printf("%s: ok: %llu lines, %llu checkpoints, ", argv[i], (unsigned long long)r.lines,
+                   (unsigned long long)r.checkpoints);
             if (key)
                 printf("%llu signatures verified", (unsigned long long)r.signatures_checked);
             else
@@ -149,8 +149,8 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
 /* One blocking exchange on the replay's own loop. */
 static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint16_t port,
                       px_tls_ctx_t *tls, const char *server_name, const char *hostport,
-                      const char *method, const char *target, const char *bearer,
-                      const char *body, size_t len)
+                      const char *method, const char *target, const char *bearer, const char *body,
+                      size_t len)
 {
     struct sockaddr_storage ss;
     if (!px_resolve(host, port, &ss)) {
@@ -164,8 +164,12 @@ static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint1
     px_upstream_t *u = px_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
     if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
         px_upstream_set_tls(u, tls, server_name ? server_name : host);
-    px_fetch_opts_t o = {.method = method, .hostport = hostport, .target = target,
-                         .bearer = bearer, .body = body, .body_len = len,
+    px_fetch_opts_t o = {.method = method,
+                         .hostport = hostport,
+                         .target = target,
+                         .bearer = bearer,
+                         .body = body,
+                         .body_len = len,
                          .max_bytes = REPLAY_MAX_BODY};
     w->done = false;
     px_fetch(u, &o, fetched, w);
@@ -193,8 +197,10 @@ static int read_replicas(fetch_wait_t *w, const cfg_t *cfg, const cfg_addr_t *ad
         if (st)
             fprintf(stderr, "detproxy replay: GET /admin/replicas on %s: HTTP %d\n", hp, st);
         else
-            fprintf(stderr, "detproxy replay: GET /admin/replicas on %s: %.*s (is the proxy "
-                            "running?)\n", hp, (int)w->err.len, w->err.base);
+            fprintf(stderr,
+                    "detproxy replay: GET /admin/replicas on %s: %.*s (is the proxy "
+                    "running?)\n",
+                    hp, (int)w->err.len, w->err.base);
         return -1;
     }
     cJSON *doc = cJSON_ParseWithLength(w->body.base, w->body.len);
@@ -209,8 +215,7 @@ static int read_replicas(fetch_wait_t *w, const cfg_t *cfg, const cfg_addr_t *ad
         const cJSON *u = cJSON_GetObjectItemCaseSensitive(it, "url");
         const cJSON *s = cJSON_GetObjectItemCaseSensitive(it, "state");
         const cJSON *sv = cJSON_GetObjectItemCaseSensitive(it, "serving");
-        if (!cJSON_IsString(p) || !cJSON_IsString(nm) || !cJSON_IsString(u) ||
-            !cJSON_IsString(s))
+        if (!cJSON_IsString(p) || !cJSON_IsString(nm) || !cJSON_IsString(u) || !cJSON_IsString(s))
             continue;
         admin_replica_t *r = &(*out)[(*n)++];
         r->pool = dp_xstrdup(p->valuestring);
@@ -334,7 +339,9 @@ static void report(replay_t *rp, outcome_t *o)
     if (differs)
         printf(" offset=%lld similarity=%.3f fingerprint_matches=%s",
                (long long)o->cmp.divergence_offset, drift_sample_similarity(&o->cmp),
-               o->fp_matches < 0 ? "unknown" : o->fp_matches ? "yes" : "no");
+               o->fp_matches < 0 ? "unknown"
+               : o->fp_matches   ? "yes"
+                                 : "no");
     if (o->why.len)
         printf(" (%.*s)", (int)o->why.len, o->why.base);
     putchar('\n');
@@ -388,15 +395,11 @@ static void replay_one(replay_t *rp, const cJSON *line)
             dp_buf_printf(&o.why, "no admitted replica with fingerprint %s", fp);
         } else if (cfg_parse_url(pick->url, &u, &uwhy) != 0) {
             dp_buf_printf(&o.why, "replica %s: %s", pick->name, uwhy);
-        } else if (u.tls && (tls = px_tls_client_ctx(pc->upstream_tls ? pc->upstream_tls->ca_file
-                                                                       : NULL,
-                                                     pc->upstream_tls
-                                                         ? pc->upstream_tls->client_cert_file
-                                                         : NULL,
-                                                     pc->upstream_tls
-                                                         ? pc->upstream_tls->client_key_file
-                                                         : NULL,
-                                                     &terr)) == NULL) {
+        } else if (u.tls && (tls = px_tls_client_ctx(
+                                 pc->upstream_tls ? pc->upstream_tls->ca_file : NULL,
+                                 pc->upstream_tls ? pc->upstream_tls->client_cert_file : NULL,
+                                 pc->upstream_tls ? pc->upstream_tls->client_key_file : NULL,
+                                 &terr)) == NULL) {
             dp_buf_printf(&o.why, "replica %s: TLS: %.*s", pick->name, (int)terr.len, terr.base);
         } else {
             o.replica = pick->name;
@@ -453,27 +456,50 @@ int px_cmd_replay(int argc, char **argv)
     const char *cpath = NULL, *audit = NULL, *id = NULL, *since = NULL, *store = NULL;
     const char *admin = NULL;
     bool all = false, json = false;
-    static const struct option opts[] = {
-        {"config", required_argument, NULL, 'c'}, {"audit", required_argument, NULL, 'a'},
-        {"request-id", required_argument, NULL, 'r'}, {"all", no_argument, NULL, 'A'},
-        {"since", required_argument, NULL, 's'}, {"store", required_argument, NULL, 'S'},
-        {"json", no_argument, NULL, 'j'}, {"admin", required_argument, NULL, 'd'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                         {"audit", required_argument, NULL, 'a'},
+                                         {"request-id", required_argument, NULL, 'r'},
+                                         {"all", no_argument, NULL, 'A'},
+                                         {"since", required_argument, NULL, 's'},
+                                         {"store", required_argument, NULL, 'S'},
+                                         {"json", no_argument, NULL, 'j'},
+                                         {"admin", required_argument, NULL, 'd'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
     optind = 1;
     int c;
     while ((c = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
         switch (c) {
-        case 'c': cpath = optarg; break;
-        case 'a': audit = optarg; break;
-        case 'r': id = optarg; break;
-        case 'A': all = true; break;
-        case 's': since = optarg; break;
-        case 'S': store = optarg; break;
-        case 'j': json = true; break;
-        case 'd': admin = optarg; break;
-        case 'h': replay_usage(stdout); return 0;
-        default: replay_usage(stderr); return 2;
+        case 'c':
+            cpath = optarg;
+            break;
+        case 'a':
+            audit = optarg;
+            break;
+        case 'r':
+            id = optarg;
+            break;
+        case 'A':
+            all = true;
+            break;
+        case 's':
+            since = optarg;
+            break;
+        case 'S':
+            store = optarg;
+            break;
+        case 'j':
+            json = true;
+            break;
+        case 'd':
+            admin = optarg;
+            break;
+        case 'h':
+            replay_usage(stdout);
+            return 0;
+        default:
+            replay_usage(stderr);
+            return 2;
         }
     }
     if (optind < argc || !cpath || !audit || (id == NULL) == !all || (since && !all)) {

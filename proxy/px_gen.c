@@ -98,10 +98,10 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
     r->attest.source = d->attest.source;
     url_copy(&r->attest.url, &d->attest.url);
-    r->m_admitted = px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica",
-                                   d->name, NULL);
-    r->m_drained = px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica",
-                                  d->name, NULL);
+    r->m_admitted =
+        px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica", d->name, NULL);
+    r->m_drained =
+        px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica", d->name, NULL);
     r->resolved = px_resolve(r->url.host, r->url.port, &r->addr);
     if (r->url.tls || r->attest.url.tls) {
         const cfg_upstream_tls_t *ut = p->upstream_tls;
@@ -146,7 +146,6 @@ void px_replica_ref(px_replica_t *r)
 {
     r->refs++;
 }
-
 
 void px_replica_unref(px_replica_t *r)
 {
@@ -207,7 +206,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
     px_status_note_change(r, old);
     dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
-                                                                                     : DP_LOG_WARN,
+                                                                                    : DP_LOG_WARN,
                               "replica_state");
     if (w) {
         dp_jw_str(w, "pool", r->pool_name);
@@ -283,9 +282,9 @@ static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         return;
     const cfg_upstream_tls_t *ut = p->upstream_tls;
     dp_buf_t err = {0};
-    px_tls_ctx_t *fresh = px_tls_client_ctx(ut ? ut->ca_file : NULL,
-                                            ut ? ut->client_cert_file : NULL,
-                                            ut ? ut->client_key_file : NULL, &err);
+    px_tls_ctx_t *fresh =
+        px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                          ut ? ut->client_key_file : NULL, &err);
     if (fresh == NULL) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "tls_load_failed");
         if (w) {
@@ -336,8 +335,8 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
         p->m_duration = px_metrics_hist("detproxy_request_duration_seconds", px_latency_bounds,
                                         px_latency_nbounds, "pool", pc->name, NULL);
         for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
-            p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name,
-                                              "result", px_aff_result_names[k], NULL);
+            p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
+                                              px_aff_result_names[k], NULL);
         uv_timer_init(px->loop, &p->qtimer);
         p->qtimer.data = p;
         g->handles_open++;
@@ -396,8 +395,7 @@ void px_gen_unref(px_gen_t *g)
         gen_free_final(g);
 }
 
-px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status,
-                                     const char *code)
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
 {
     char st[12];
     snprintf(st, sizeof(st), "%d", status);

@@ -43,7 +43,7 @@ typedef struct pol_s {
     dp_buf_t resp_body;        /* with log.audit_store: those bytes, up to resp_cap */
     size_t resp_cap;
     bool store, resp_over;
-    policy_usage_t usage;      /* token counts from the response (detproxy_tokens_total) */
+    policy_usage_t usage; /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
     const char *route;
     uint64_t wall_ms;
@@ -638,8 +638,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     }
     p->then = then;
     p->then_data = data;
-    px_audit_write_bodies(px->audit, line.base, line.len, bodies, nb, then ? audit_done : NULL,
-                          p);
+    px_audit_write_bodies(px->audit, line.base, line.len, bodies, nb, then ? audit_done : NULL, p);
     dp_buf_free(&line);
     return then != NULL;
 }

@@ -37,10 +37,10 @@ void px_metrics_declare(void)
                       "Failed exchanges with replicas by kind.");
     px_metrics_family("detproxy_replica_admitted", PX_GAUGE,
                       "1 when the replica is admitted (gets traffic), else 0.");
-    px_metrics_family("detproxy_attestations_total", PX_COUNTER,
-                      "Attestation checks by result.");
-    px_metrics_family("detproxy_fingerprint_mismatch_total", PX_COUNTER,
-                      "Responses whose system_fingerprint differed from the replica's attested one.");
+    px_metrics_family("detproxy_attestations_total", PX_COUNTER, "Attestation checks by result.");
+    px_metrics_family(
+        "detproxy_fingerprint_mismatch_total", PX_COUNTER,
+        "Responses whose system_fingerprint differed from the replica's attested one.");
     px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
                       "Sampling parameters changed by policy.");
     px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
@@ -60,9 +60,8 @@ void px_metrics_declare(void)
                       "Audit lines that could not be written.");
     px_metrics_family("detproxy_build_info", PX_GAUGE,
                       "Always 1; the labels name the running build.");
-    px_metric_set(px_metrics_get("detproxy_build_info", "version", dp_version, "commit",
-                                 dp_commit, NULL),
-                  1);
+    px_metric_set(
+        px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
     px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
                       "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
 }
@@ -204,8 +203,8 @@ static void raise_nofile(void)
 static int listen_on(px_server_t *s, const cfg_addr_t *a, const char *what)
 {
     int r = px_server_listen(s, a->host, a->port);
-    dp_jw_t *w = dp_log_begin(r == 0 ? DP_LOG_INFO : DP_LOG_ERROR, r == 0 ? "listening"
-                                                                          : "listen_failed");
+    dp_jw_t *w =
+        dp_log_begin(r == 0 ? DP_LOG_INFO : DP_LOG_ERROR, r == 0 ? "listening" : "listen_failed");
     if (w) {
         dp_jw_str(w, "listener", what);
         dp_jw_str(w, "host", a->host);

@@ -24,7 +24,7 @@ static size_t g_nseries;
 static px_series_t g_sink; /* never rendered */
 
 const double px_latency_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                                    1,     2.5,  5,     10,   30,  60,  120};
+                                    1,     2.5,  5,     10,   30,  60,   120};
 const size_t px_latency_nbounds = sizeof(px_latency_bounds) / sizeof(px_latency_bounds[0]);
 
 static uint32_t hash(const char *s)
@@ -53,11 +53,11 @@ void px_metrics_family(const char *name, px_metric_type_t type, const char *help
 static size_t build_key(char *out, size_t cap, const char *name, va_list ap, size_t *labels_at)
 {
     size_t n = 0;
-#define PUT(c)                                                                                    \
-    do {                                                                                          \
-        if (n + 1 >= cap)                                                                         \
-            return 0;                                                                             \
-        out[n++] = (c);                                                                           \
+#define PUT(c)                                                                                     \
+    do {                                                                                           \
+        if (n + 1 >= cap)                                                                          \
+            return 0;                                                                              \
+        out[n++] = (c);                                                                            \
     } while (0)
     for (const char *p = name; *p; p++)
         PUT(*p);

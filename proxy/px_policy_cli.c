@@ -70,8 +70,8 @@ static int refused(const policy_error_t *e)
 {
     /* The proxy's own error writer, so the bytes are those a client would get. */
     dp_buf_t err = {0}, b = {0};
-    px_error_body(&err, px_error_type_for_status(e->status), e->code,
-                  e->param[0] ? e->param : NULL, e->message); /* {"error":{...}} */
+    px_error_body(&err, px_error_type_for_status(e->status), e->code, e->param[0] ? e->param : NULL,
+                  e->message); /* {"error":{...}} */
     dp_buf_printf(&b, "{\"status\":%d,", e->status);
     dp_buf_append(&b, err.base + 1, err.len - 1);
     dp_buf_appendc(&b, '\n');
@@ -161,12 +161,10 @@ done:
 
 static int policy_test(int argc, char **argv)
 {
-    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
-                                         {"header", required_argument, NULL, 'H'},
-                                         {"body", required_argument, NULL, 'b'},
-                                         {"path", required_argument, NULL, 'p'},
-                                         {"help", no_argument, NULL, 'h'},
-                                         {0}};
+    static const struct option opts[] = {
+        {"config", required_argument, NULL, 'c'}, {"header", required_argument, NULL, 'H'},
+        {"body", required_argument, NULL, 'b'},   {"path", required_argument, NULL, 'p'},
+        {"help", no_argument, NULL, 'h'},         {0}};
     const char *config = NULL, *body_path = NULL, *path = NULL;
     policy_header_t hdrs[MAX_HEADERS];
     size_t nh = 0;
@@ -222,8 +220,8 @@ static int policy_test(int argc, char **argv)
                           cfg->limits.max_body_bytes, &body);
     if (rd == -EFBIG) {
         /* limits.max_body_bytes: what the proxy's listener would answer. */
-        policy_error_t e = {.status = 413, .type = "invalid_request_error",
-                            .code = "body_too_large"};
+        policy_error_t e = {
+            .status = 413, .type = "invalid_request_error", .code = "body_too_large"};
         snprintf(e.message, sizeof(e.message), "request body too large");
         rc = refused(&e);
     } else if (rd != 0) {

@@ -64,7 +64,7 @@ struct px_preq_s {
      * client's own body, both alive until finish(): kept for the retry rule, never copied. */
     dp_iovec_t body;
     bool stream_body;
-    bool policing; /* the body is being policed on the thread pool */
+    bool policing;        /* the body is being policed on the thread pool */
     uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
@@ -859,10 +859,17 @@ static const struct {
     const char *path;
     size_t len;
 } unpoliced_routes[] = {
-    {"/completion", 11},    {"/completions", 12}, {"/chat/completions", 17},
-    {"/api/chat", 9},       {"/api/generate", 13}, {"/infill", 7},
-    {"/v1/messages", 12},   {"/generate", 9},      {"/generate_stream", 16},
-    {"/invocations", 12},   {"/inference/v1/generate", 22},
+    {"/completion", 11},
+    {"/completions", 12},
+    {"/chat/completions", 17},
+    {"/api/chat", 9},
+    {"/api/generate", 13},
+    {"/infill", 7},
+    {"/v1/messages", 12},
+    {"/generate", 9},
+    {"/generate_stream", 16},
+    {"/invocations", 12},
+    {"/inference/v1/generate", 22},
 };
 
 static route_t classify(const px_req_t *req)

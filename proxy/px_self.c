@@ -54,8 +54,7 @@ static bool is_loopback(const struct sockaddr *sa)
     if (sa->sa_family == AF_INET)
         return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24) == 127;
     const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
-    return IN6_IS_ADDR_LOOPBACK(a) ||
-           (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
+    return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
 }
 
 static bool is_wildcard(const struct sockaddr *sa)
@@ -134,8 +133,8 @@ bool px_self_is_listener(const px_t *px, const struct sockaddr *sa, const char *
          * dual-stack default, both. */
         bool v4ish = sa->sa_family == AF_INET ||
                      IN6_IS_ADDR_V4MAPPED(&((const struct sockaddr_in6 *)sa)->sin6_addr);
-        bool hit = is_wildcard(l) ? (l->sa_family == AF_INET6 || v4ish) && is_local(sa)
-                                  : same_ip(l, sa);
+        bool hit =
+            is_wildcard(l) ? (l->sa_family == AF_INET6 || v4ish) && is_local(sa) : same_ip(l, sa);
         if (hit) {
             if (what)
                 *what = names[i];

@@ -288,10 +288,10 @@ static void maybe_compare(shadow_t *s)
         ra = drift_sse_finish(&s->psse, &s->a);
         rb = drift_sse_finish(&s->ssse, &s->b);
     } else {
-        ra = drift_extract_json(s->pbody.base ? s->pbody.base : "", s->pbody.len, s->max_out,
-                                &s->a);
-        rb = drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len, s->max_out,
-                                &s->b);
+        ra =
+            drift_extract_json(s->pbody.base ? s->pbody.base : "", s->pbody.len, s->max_out, &s->a);
+        rb =
+            drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len, s->max_out, &s->b);
     }
     if (ra != 0 || rb != 0) {
         count(s->pool, s->kind, "error");
@@ -355,8 +355,7 @@ static void active_remove(shadow_t *s)
     c->inflight--;
 }
 
-static void sh_head(px_creq_t *c, int status, const px_header_t *h, size_t n,
-                    const px_framing_t *f)
+static void sh_head(px_creq_t *c, int status, const px_header_t *h, size_t n, const px_framing_t *f)
 {
     shadow_t *s = c->data;
     (void)h;
@@ -420,8 +419,7 @@ static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
 }
 
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
-                      const policy_result_t *res, const px_req_t *req, const char *body,
-                      size_t len)
+                      const policy_result_t *res, const px_req_t *req, const char *body, size_t len)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     shadow_ctx_t *c = ctx(px);

@@ -46,9 +46,9 @@ struct px_sock_s {
     px_sock_handshake_cb on_handshake; /* optional */
     uv_connect_t connect_req;
     px_tls_t *tls;
-    size_t queued;     /* bytes handed to uv_write and not yet completed */
-    size_t high_water; /* above: backpressure (see px_sock_over) */
-    size_t low_water;  /* drain reported when falling to this */
+    size_t queued;       /* bytes handed to uv_write and not yet completed */
+    size_t high_water;   /* above: backpressure (see px_sock_over) */
+    size_t low_water;    /* drain reported when falling to this */
     uint64_t last_write; /* uv_now() of the last write progress (for send-stall timeouts) */
     bool reading;
     bool closing;

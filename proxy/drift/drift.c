@@ -502,8 +502,9 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
         ha->accept_identity != hb->accept_identity) {
         s = ha->accept_identity ? a : b;
         int o = s == a ? b : a;
-        reason(v, "%s serves the rollout's accepted identity %s, %s the manifest's %s: the "
-                  "difference is the rollout's",
+        reason(v,
+               "%s serves the rollout's accepted identity %s, %s the manifest's %s: the "
+               "difference is the rollout's",
                p->replicas[s], hint_of(p, s)->fingerprint, p->replicas[o],
                hint_of(p, o)->fingerprint);
         return s;
@@ -522,8 +523,9 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
     if (self_ok && (exceeds(est(sa), est(sb)) || exceeds(est(sb), est(sa)))) {
         s = exceeds(est(sa), est(sb)) ? a : b;
         agg_t ss = s == a ? sa : sb, so = s == a ? sb : sa;
-        reason(v, "%s's self pairs diverge %.1f%% (n=%u) vs %s's %.1f%% (n=%u): the replica "
-                  "that disagrees with itself is the likelier odd one",
+        reason(v,
+               "%s's self pairs diverge %.1f%% (n=%u) vs %s's %.1f%% (n=%u): the replica "
+               "that disagrees with itself is the likelier odd one",
                p->replicas[s], pct(rate(ss)), ss.n, p->replicas[s == a ? b : a], pct(rate(so)),
                so.n);
         return s;
@@ -534,13 +536,14 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
                                                            : "both fail the canary";
     char self[96];
     if (self_ok)
-        snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)",
-                 pct(rate(sa)), sa.n, pct(rate(sb)), sb.n);
+        snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)", pct(rate(sa)),
+                 sa.n, pct(rate(sb)), sb.n);
     else
         snprintf(self, sizeof(self), "too few self samples (%u, %u; need %d each)", sa.n, sb.n,
                  DRIFT_MIN_PAIR_SAMPLES);
-    reason(v, "suspect undetermined: two replicas (%s, %s), %s, %s, same identity history: "
-              "cannot tell which; add a canary to the manifest or a third replica",
+    reason(v,
+           "suspect undetermined: two replicas (%s, %s), %s, %s, same identity history: "
+           "cannot tell which; add a canary to the manifest or a third replica",
            na, nb, canary, self);
     return -1;
 }

@@ -24,8 +24,8 @@ enum { MAXP = 4096 };
 
 static bool unres(unsigned c)
 {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '-' || c == '.' || c == '_' || c == '~';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '.' || c == '_' || c == '~';
 }
 
 /* The reference: returns the length or 0 when refused. */
@@ -40,7 +40,8 @@ static size_t naive(const char *in, size_t n, char *out)
         if (c == '#')
             return 0;
         if (c == '%') {
-            if (i + 2 >= n || dp_hexval((unsigned char)in[i + 1]) < 0 || dp_hexval((unsigned char)in[i + 2]) < 0)
+            if (i + 2 >= n || dp_hexval((unsigned char)in[i + 1]) < 0 ||
+                dp_hexval((unsigned char)in[i + 2]) < 0)
                 return 0;
             int h = dp_hexval((unsigned char)in[i + 1]), l = dp_hexval((unsigned char)in[i + 2]);
             unsigned d = (unsigned)(h * 16 + l);

@@ -134,10 +134,11 @@ static int reference(double v, char *best, int *bnd)
         uint64_t pick = 0;
         if (ok[0] && ok[1])
             pick = cmp_midpoint(v, m - 1, e) < 0 || (cmp_midpoint(v, m - 1, e) == 0 && (m & 1))
-                       ? m - 1 : m;
+                       ? m - 1
+                       : m;
         else if (ok[1] && ok[2])
-            pick = cmp_midpoint(v, m, e) < 0 || (cmp_midpoint(v, m, e) == 0 && !(m & 1)) ? m
-                                                                                         : m + 1;
+            pick =
+                cmp_midpoint(v, m, e) < 0 || (cmp_midpoint(v, m, e) == 0 && !(m & 1)) ? m : m + 1;
         else if (ok[1])
             pick = m;
         else if (ok[0])

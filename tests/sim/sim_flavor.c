@@ -436,8 +436,9 @@ static void llamacpp_props(const sim_identity_t *id, dp_buf_t *out)
     dp_jw_bool(&w, "ignore_eos", false);
     dp_jw_bool(&w, "stream", false);
     dp_jw_arr_begin(&w, "samplers");
-    static const char *const samplers[] = {"penalties", "dry",   "top_n_sigma", "top_k", "typ_p",
-                                           "top_p",     "min_p", "xtc",         "temperature"};
+    static const char *const samplers[] = {"penalties", "dry",   "top_n_sigma",
+                                           "top_k",     "typ_p", "top_p",
+                                           "min_p",     "xtc",   "temperature"};
     for (size_t i = 0; i < DP_ARRAY_SIZE(samplers); i++)
         dp_jw_str(&w, NULL, samplers[i]);
     dp_jw_arr_end(&w);

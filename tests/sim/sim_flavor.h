@@ -1,10 +1,10 @@
 /* What a simulated replica says about itself, in each serving framework's own shape. Pure:
  * an identity struct in, JSON bytes out.
  *
- * Each flavor exposes only what the real server exposes (docs/contributing/simulator.md lists the shapes and
- * where they come from), so the attestation adapters are tested against what they will really
- * see: vLLM has no dtype, quantization or checkpoint anywhere; TGI has a dtype but only a git
- * revision for the weights; SGLang dumps its server arguments (dtype, quantization); llama.cpp
+ * Each flavor exposes only what the real server exposes (docs/contributing/simulator.md lists the
+ * shapes and where they come from), so the attestation adapters are tested against what they will
+ * really see: vLLM has no dtype, quantization or checkpoint anywhere; TGI has a dtype but only a
+ * git revision for the weights; SGLang dumps its server arguments (dtype, quantization); llama.cpp
  * has a model path and a build string. */
 #ifndef SIM_FLAVOR_H
 #define SIM_FLAVOR_H

@@ -613,7 +613,6 @@ static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
 /* ---- /attestation ------------------------------------------------------------------------------
  */
 
-
 static void handle_attestation(sim_t *s, px_req_t *req)
 {
     dp_iovec_t nv;

@@ -137,8 +137,8 @@ Test(attest_llamacpp, probe_refuses_a_fingerprint_the_data_path_cannot_compare)
 {
     const char *bodies[] = {
         "{\"system_fingerprint\":\"fp-\\u00e9\"}", "{\"system_fingerprint\":\"fp-\xc3\xa9\"}",
-        "{\"system_fingerprint\":\"a\\\"b\"}",  "{\"system_fingerprint\":\"a\\\\b\"}",
-        "{\"system_fingerprint\":\"a\\tb\"}",   "{\"system_fingerprint\":\"a\\u007fb\"}",
+        "{\"system_fingerprint\":\"a\\\"b\"}",     "{\"system_fingerprint\":\"a\\\\b\"}",
+        "{\"system_fingerprint\":\"a\\tb\"}",      "{\"system_fingerprint\":\"a\\u007fb\"}",
     };
     for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++) {
         attest_report_t r = {0};

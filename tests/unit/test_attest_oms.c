@@ -338,8 +338,9 @@ Test(oms_rules, json_is_parsed_strictly_and_within_a_budget)
     cr_expect_eq(parse_statement(st.base, &why), -1);
     cr_expect(why.base && strstr(why.base, "a string holds \\u0000 (NUL)"), "%s", why.base);
     static const char raw_nul[] = "{\"mediaType\":\"a\0b\"}";
-    expect_bundle_refused(raw_nul, sizeof(raw_nul) - 1, "bundle: a control character inside a "
-                                                        "string");
+    expect_bundle_refused(raw_nul, sizeof(raw_nul) - 1,
+                          "bundle: a control character inside a "
+                          "string");
     /* 64 MiB of "0," would be 32M cJSON nodes, gigabytes: refused before parsing. */
     dp_buf_reset(&bundle);
     dp_buf_appends(&bundle, "{\"x\":[");

@@ -950,7 +950,9 @@ Test(config, manifest_accept_entries_inherit_and_get_their_own_fingerprint)
     cr_assert_str_eq(b->framework_version, "0.6.3");
     /* Each identity's fingerprint is SPEC §4's formula over its own fields. */
     char want[20];
-    cfg_manifest_t tmp = {.model = "m", .checkpoint_sha256 = H64, .framework_name = "vllm",
+    cfg_manifest_t tmp = {.model = "m",
+                          .checkpoint_sha256 = H64,
+                          .framework_name = "vllm",
                           .framework_version = "0.6.4"};
     cfg_manifest_fingerprint(&tmp, want);
     cr_assert_str_eq(a->fingerprint, want);
@@ -963,7 +965,8 @@ Test(config, manifest_accept_entry_may_differ_in_the_oms_signer_only)
 {
     /* A new publisher key for the same weights: the fingerprint is equal, the identity is not. */
     cfg_t *cfg = must_load(MANIFEST(
-        "{'model':'m','framework':{'name':'vllm'},'oms':{'signer':'" H64 "'},'accept':[{'oms':{'signer':"
+        "{'model':'m','framework':{'name':'vllm'},'oms':{'signer':'" H64
+        "'},'accept':[{'oms':{'signer':"
         "'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb'}},{'dtype':'bf16'}]}"));
     const cfg_manifest_t *m = cfg->pools[0].manifest;
     cr_assert_eq(m->naccept, 2);
@@ -1192,9 +1195,10 @@ Test(config, access_log_and_rate_limit_defaults)
 
 Test(config, dump_fills_defaults_and_redacts_secrets)
 {
-    cfg_t *cfg = must_load("{'pools':[" POOL "],'policy':{'tenants':["
-                           "{'name':'k','match':{'api_keys_sha256':['" H64 "']}},"
-                           "{'name':'h','match':{'header':{'name':'x-t','value':'hush-value'}}}]}}");
+    cfg_t *cfg =
+        must_load("{'pools':[" POOL "],'policy':{'tenants':["
+                  "{'name':'k','match':{'api_keys_sha256':['" H64 "']}},"
+                  "{'name':'h','match':{'header':{'name':'x-t','value':'hush-value'}}}]}}");
     dp_buf_t out = {0};
     cfg_dump_json(cfg, &out);
     dp_buf_appendc(&out, '\0');

@@ -237,11 +237,10 @@ Test(config_files, trusted_keys_imply_require_signature)
 {
     char sq[1024];
     copy_fixture("ed25519.pub.pem", "k.pem", 0644);
-    static const char agent[] =
-        "{'pools':[{'name':'p','models':['*'],'replicas':[{'name':'r1',"
-        "'url':'http://127.0.0.1:8001','attest':{'source':'agent',"
-        "'url':'http://127.0.0.1:9101/attestation'}}]}],"
-        "'attestation':{'trusted_keys':['%s']%s}}";
+    static const char agent[] = "{'pools':[{'name':'p','models':['*'],'replicas':[{'name':'r1',"
+                                "'url':'http://127.0.0.1:8001','attest':{'source':'agent',"
+                                "'url':'http://127.0.0.1:9101/attestation'}}]}],"
+                                "'attestation':{'trusted_keys':['%s']%s}}";
     snprintf(sq, sizeof(sq), agent, path_in("k.pem"), "");
     cfg_errors_t e = {0};
     cfg_t *cfg = must_load("c.json", sq, &e);

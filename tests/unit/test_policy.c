@@ -328,8 +328,8 @@ Test(rules, allow_params_is_an_allowlist)
     char *allow[] = {"model", "prompt", "max_tokens", "temperature"};
     t.allow_params = allow;
     t.nallow_params = 4;
-    cr_assert_eq(run(&t, "{\"model\":\"m\",\"prompt\":\"x\",\"temperature\":0.1}"), 0,
-                 "%s", err.message);
+    cr_assert_eq(run(&t, "{\"model\":\"m\",\"prompt\":\"x\",\"temperature\":0.1}"), 0, "%s",
+                 err.message);
     /* a forced seed is added by the policy, not by the client: allowed */
     cr_assert_eq(run(&t, "{\"model\":\"m\",\"prompt\":\"x\"}"), 0, "%s", err.message);
     static const char *const refused[][2] = {

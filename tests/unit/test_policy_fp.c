@@ -148,7 +148,7 @@ Test(fp_sse, whole_stream)
     feed_chunks(sse_in, sizeof(sse_in) - 1, NULL, 0, &out, &s);
     expect_out(&out, "whole");
     cr_assert_eq(s.rewritten, 5);
-    cr_assert_str_eq(s.prev, "fp_r1"); /* the first value */
+    cr_assert_str_eq(s.prev, "fp_r1");   /* the first value */
     cr_assert_str_eq(s.alt, "fp_multi"); /* the first that differs from it */
     dp_buf_free(&out);
 }

@@ -51,8 +51,7 @@ static double sample(uint64_t i)
     }
     case 3: {
         char b[40];
-        snprintf(b, sizeof(b), "%llue%d", (unsigned long long)(r % 100000),
-                 (int)(rng() % 40) - 25);
+        snprintf(b, sizeof(b), "%llue%d", (unsigned long long)(r % 100000), (int)(rng() % 40) - 25);
         d = strtod(b, NULL);
         break;
     }

@@ -71,8 +71,8 @@ Test(usage, bad_or_absent_values_are_ignored)
     expect_none("{\"usage\":{\"prompt_tokens\":-1,\"completion_tokens\":2}}");
     expect_none("{\"usage\":{\"prompt_tokens\":1.5,\"completion_tokens\":2}}");
     expect_none("{\"usage\":{\"prompt_tokens\":\"3\"}}");
-    expect_none("{\"usage\":{\"prompt_tokens\":3"); /* truncated */
-    expect("{\"usage\":{\"prompt_tokens\":3}}", 3, 0);  /* no completion: 0 */
+    expect_none("{\"usage\":{\"prompt_tokens\":3");    /* truncated */
+    expect("{\"usage\":{\"prompt_tokens\":3}}", 3, 0); /* no completion: 0 */
 }
 
 Test(usage, oversized_object_is_skipped_and_scanning_goes_on)
