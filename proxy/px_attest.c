@@ -229,7 +229,8 @@ static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc,
     px_canary_completion_body(model, prompt, max_tokens, seed, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
-    px_fetch_opts_t o = {.method = "POST",
+    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                         .method = "POST",
                          .hostport = a->r->url.hostport,
                          .target = target,
                          .bearer = pc ? pc->api_key : NULL,
@@ -516,7 +517,8 @@ static void check_start(att_t *a)
             snprintf(t, sizeof(t), "%s%s", r->url.path ? r->url.path : "", paths[i]);
         else
             snprintf(t, sizeof(t), "%s", paths[i]);
-        px_fetch_opts_t o = {.method = "GET",
+        px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                             .method = "GET",
                              .hostport = hostport,
                              .target = t,
                              .bearer = bearer,

@@ -11,6 +11,7 @@
 #include "common/jw.h"
 #include "common/util.h"
 #include "proxy/px_fetch.h"
+#include "proxy/px_self.h"
 
 struct px_canary_s {
     px_fetch_t *f;
@@ -98,7 +99,8 @@ px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_m
     px_canary_body(px_canary_model(pc, id), can, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
-    px_fetch_opts_t o = {.method = "POST",
+    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                         .method = "POST",
                          .hostport = hostport,
                          .target = target,
                          .bearer = pc->api_key,

@@ -34,6 +34,7 @@
 #include "proxy/px.h"
 #include "proxy/px_canary.h"
 #include "proxy/px_fetch.h"
+#include "proxy/px_self.h"
 #include "proxy/tls.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
@@ -240,7 +241,8 @@ static bool att_start(rio_t *io)
         char t[700];
         bool agent = r->source == CFG_ATTEST_AGENT;
         snprintf(t, sizeof(t), "%s%s", agent ? "" : io->path, paths[i]);
-        px_fetch_opts_t o = {.method = "GET",
+        px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                             .method = "GET",
                              .hostport = agent ? io->agent_hostport : io->hostport,
                              .target = t,
                              .bearer = d->pool->api_key,
@@ -442,7 +444,8 @@ static void job_start(rio_t *io, size_t k)
     j->out = io->outs[k];
     char target[600];
     snprintf(target, sizeof(target), "%s/v1/completions", io->path);
-    px_fetch_opts_t o = {.method = "POST",
+    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                         .method = "POST",
                          .hostport = io->hostport,
                          .target = target,
                          .bearer = d->pool->api_key,

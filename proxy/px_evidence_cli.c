@@ -22,6 +22,7 @@
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
 #include "proxy/px_fetch.h"
+#include "proxy/px_self.h"
 #include "proxy/tls.h"
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
@@ -164,7 +165,8 @@ static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint1
     px_upstream_t *u = px_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
     if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
         px_upstream_set_tls(u, tls, server_name ? server_name : host);
-    px_fetch_opts_t o = {.method = method,
+    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                         .method = method,
                          .hostport = hostport,
                          .target = target,
                          .bearer = bearer,

@@ -4,8 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proxy/px_self.h"
-
 struct px_fetch_s {
     px_creq_t *c;
     px_fetch_cb cb;
@@ -74,9 +72,8 @@ px_fetch_t *px_fetch(px_upstream_t *u, const px_fetch_opts_t *o, px_fetch_cb cb,
         dp_buf_printf(&req, "authorization: Bearer %s\r\n", o->bearer);
     if (o->extra_headers)
         dp_buf_appends(&req, o->extra_headers);
-    size_t vl;
-    const char *via = px_self_via_line(&vl);
-    dp_buf_append(&req, via, vl);
+    if (o->via)
+        dp_buf_appends(&req, o->via);
     if (o->body) {
         dp_buf_printf(&req, "content-type: application/json\r\ncontent-length: %zu\r\n\r\n",
                       o->body_len);

@@ -23,8 +23,9 @@ typedef struct {
     const char *bearer;   /* Authorization: Bearer ... or NULL */
     const char *body;     /* request body (JSON) or NULL */
     size_t body_len;
-    size_t max_bytes;     /* response body cap */
+    size_t max_bytes;          /* response body cap */
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
+    const char *via;           /* the sender's Via line (loop detection, px_self.h) or NULL */
 } px_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless px_fetch_cancel is called first. */

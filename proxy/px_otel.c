@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/px_fetch.h"
+#include "proxy/px_self.h"
 
 #define OTEL_QUEUE_SPANS 2048       /* finished spans waiting for export */
 #define OTEL_QUEUE_BYTES (8u << 20) /* and their serialised size */
@@ -107,7 +108,8 @@ static void export_now(px_t *px)
     c->ninflight = c->nqueued;
     c->nqueued = 0;
     dp_buf_reset(&c->queue);
-    px_fetch_opts_t o = {.method = "POST",
+    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                         .method = "POST",
                          .hostport = c->hostport,
                          .target = c->target,
                          .body = body.base,

@@ -30,7 +30,8 @@ static void init_token(void)
 const char *px_self_via_line(size_t *len)
 {
     init_token();
-    *len = g_line_len;
+    if (len)
+        *len = g_line_len;
     return g_line;
 }
 

@@ -15,7 +15,8 @@
 
 #include "proxy/px.h"
 
-/* The header line to add to an upstream request: "via: 1.1 detproxy-<16 hex>\r\n". */
+/* The header line to add to an upstream request: "via: 1.1 detproxy-<16 hex>\r\n" (NUL-
+ * terminated; len may be NULL). */
 const char *px_self_via_line(size_t *len);
 /* Does any Via header of req carry this process's token? */
 bool px_self_via_seen(const px_req_t *req);
