@@ -45,9 +45,9 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "config/config.h"
-#include "proxy/http_client.h"
-#include "proxy/tls.h"
-#include "proxy/http_server.h"
+#include "net/client.h"
+#include "net/tls.h"
+#include "net/server.h"
 
 #define DEFAULT_WATCH_MS 1000
 #define DEFAULT_FW_REFRESH_MS 10000

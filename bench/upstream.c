@@ -1,6 +1,6 @@
 /* bench-upstream: the one fast upstream every proxy in `make bench` shares.
  *
- * Single-threaded, on the project's own HTTP/1.1 server (proxy/http_server.h), so its per-request
+ * Single-threaded, on the project's own HTTP/1.1 server (net/server.h), so its per-request
  * cost is the server core and nothing else: every answer is a precomputed byte string.
  *
  *   POST /v1/chat/completions, POST /v1/completions
@@ -28,7 +28,7 @@
 
 #include "common/buf.h"
 #include "common/util.h"
-#include "proxy/http_server.h"
+#include "net/server.h"
 
 #define MAX_LISTEN 8
 

@@ -19,8 +19,8 @@
 
 #include "common/buf.h"
 #include "config/config.h"
-#include "proxy/http_client.h"
-#include "proxy/http_server.h"
+#include "net/client.h"
+#include "net/server.h"
 #include "proxy/px_affinity.h"
 #include "proxy/px_metrics.h"
 

@@ -10,7 +10,7 @@
 #include "attest/match.h"
 #include "common/jw.h"
 #include "common/util.h"
-#include "proxy/px_fetch.h"
+#include "net/fetch.h"
 #include "proxy/px_self.h"
 
 struct px_canary_s {

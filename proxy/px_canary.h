@@ -15,7 +15,7 @@
 
 #include "common/buf.h"
 #include "config/config.h"
-#include "proxy/http_client.h"
+#include "net/client.h"
 
 #define PX_CANARY_MAX_BYTES (1 << 20) /* response body cap */
 

@@ -17,7 +17,7 @@
 #include "proxy/cli.h"
 #include "proxy/px.h"
 #include "proxy/px_canary.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 static const char usage_text[] =
     "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"

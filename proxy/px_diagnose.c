@@ -33,9 +33,9 @@
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
 #include "proxy/px_canary.h"
-#include "proxy/px_fetch.h"
+#include "net/fetch.h"
 #include "proxy/px_self.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
 #define GIVE_UP_FAILURES 2

@@ -21,9 +21,9 @@
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
-#include "proxy/px_fetch.h"
+#include "net/fetch.h"
 #include "proxy/px_self.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 

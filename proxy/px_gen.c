@@ -8,7 +8,7 @@
 #include "proxy/px.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_status.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
                                               "quarantined"};

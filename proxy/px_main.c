@@ -19,7 +19,7 @@
 #include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 #define DRAIN_LIMIT_MS 30000
 

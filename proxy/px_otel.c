@@ -14,7 +14,7 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "proxy/px_fetch.h"
+#include "net/fetch.h"
 #include "proxy/px_self.h"
 
 #define OTEL_QUEUE_SPANS 2048       /* finished spans waiting for export */

@@ -14,7 +14,7 @@
 #include "common/util.h"
 #include "policy/policy.h"
 #include "proxy/cli.h"
-#include "proxy/http_server.h"
+#include "net/server.h"
 
 #define MAX_HEADERS 32
 

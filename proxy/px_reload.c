@@ -12,7 +12,7 @@
 #include "proxy/px_discovery.h"
 #include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
 {

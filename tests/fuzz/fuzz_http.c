@@ -4,7 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "proxy/http_validate.h"
+#include "net/validate.h"
 
 typedef struct {
     px_header_t h[64];

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "common/util.h"
-#include "proxy/http_path.h"
+#include "net/path.h"
 
 #define CHECK(c)                                                                                   \
     do {                                                                                           \

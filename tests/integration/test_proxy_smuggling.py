@@ -10,7 +10,7 @@ observables a client and the replica see:
     and (under DP_SANITIZE) it stops cleanly.
 
 Debian's llhttp 8.1 accepts the first four inputs (llhttp 9 and nginx reject them); detproxy
-validates heads and chunk framing itself (proxy/http_validate.c). Each smuggling payload hides
+validates heads and chunk framing itself (net/validate.c). Each smuggling payload hides
 a second request for /smuggled, which must never reach the replica.
 """
 

@@ -1,10 +1,10 @@
-/* Unit tests for proxy/http_validate: the byte-level head and chunk scanners and the header
+/* Unit tests for net/validate: the byte-level head and chunk scanners and the header
  * semantic checks that stand between llhttp 8.1 and request smuggling. */
 #include <criterion/criterion.h>
 #include <llhttp.h>
 #include <string.h>
 
-#include "proxy/http_validate.h"
+#include "net/validate.h"
 
 static int scan_head(const char *s, size_t n, size_t *consumed, int *status, const char **why)
 {

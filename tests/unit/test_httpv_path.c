@@ -4,7 +4,7 @@
 #include <criterion/parameterized.h>
 #include <string.h>
 
-#include "proxy/http_path.h"
+#include "net/path.h"
 
 static void expect(const char *in, const char *want)
 {

@@ -1,4 +1,4 @@
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-#include "proxy/http_validate.h"
+#include "net/validate.h"
 
 #include <string.h>
 

@@ -7,7 +7,7 @@
 #include <stddef.h>
 
 #include "common/buf.h"
-#include "proxy/http_client.h"
+#include "net/client.h"
 
 typedef struct px_fetch_s px_fetch_t;
 

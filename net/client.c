@@ -8,7 +8,7 @@
  *
  * Idle pooled connections keep reading: an EOF there removes them from the pool before a
  * request can race the server's keep-alive close; bytes there are a protocol error. */
-#include "proxy/http_client.h"
+#include "net/client.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +17,7 @@
 
 #include "common/buf.h"
 #include "common/util.h"
-#include "proxy/sock.h"
+#include "net/sock.h"
 
 enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
 

@@ -18,7 +18,7 @@
 
 #include <uv.h>
 
-#include "proxy/http_validate.h"
+#include "net/validate.h"
 
 typedef struct px_upstream_s px_upstream_t;
 typedef struct px_creq_s px_creq_t;

@@ -1,4 +1,4 @@
-#include "proxy/px_fetch.h"
+#include "net/fetch.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-#include "proxy/sock.h"
+#include "net/sock.h"
 
 #include <stdlib.h>
 #include <stdio.h>

@@ -13,7 +13,7 @@
  * Re-entrancy rule: handler callbacks may call px_resp_* (which can finish the request). The
  * parse loop therefore re-reads c->req after every callback, px_resp_end never parses the next
  * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
-#include "proxy/http_server.h"
+#include "net/server.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -30,8 +30,8 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "proxy/http_path.h"
-#include "proxy/sock.h"
+#include "net/path.h"
+#include "net/sock.h"
 
 enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 

@@ -1,5 +1,5 @@
 /* Request-path normalisation: one left-to-right pass, writing behind the read position. */
-#include "proxy/http_path.h"
+#include "net/path.h"
 
 #include <stdbool.h>
 

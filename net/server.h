@@ -24,7 +24,7 @@
 #include <uv.h>
 
 #include "common/buf.h"
-#include "proxy/http_validate.h"
+#include "net/validate.h"
 
 typedef struct px_server_s px_server_t;
 typedef struct px_conn_s px_conn_t;

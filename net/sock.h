@@ -17,7 +17,7 @@
 
 #include <uv.h>
 
-#include "proxy/tls.h"
+#include "net/tls.h"
 
 typedef struct px_sock_s px_sock_t;
 
