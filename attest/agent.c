@@ -46,8 +46,8 @@
 #include "common/util.h"
 #include "config/config.h"
 #include "net/client.h"
-#include "net/tls.h"
 #include "net/server.h"
+#include "net/tls.h"
 
 #define DEFAULT_WATCH_MS 1000
 #define DEFAULT_FW_REFRESH_MS 10000
@@ -92,13 +92,13 @@ typedef struct {
 /* Reading name and version from the co-located framework: one adapter at a time, its paths one
  * after the other, over one keep-alive upstream. */
 typedef struct {
-    px_upstream_t *up;
+    net_upstream_t *up;
     cfg_url_t url;
     char *api_key;
     const attest_adapter_t *only; /* --framework given: just this adapter */
     size_t adapter;               /* index into the probe order */
     size_t path;
-    px_creq_t *creq;
+    net_creq_t *creq;
     int status;
     bool too_big;
     dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
@@ -117,7 +117,7 @@ typedef struct {
 
 struct agent_s {
     uv_loop_t loop;
-    px_server_t *srv;
+    net_server_t *srv;
     uv_signal_t sigterm, sigint, sigpipe;
     uv_timer_t watch, fw_timer;
     int closes_pending;
@@ -505,14 +505,14 @@ static void fw_finish_adapter(agent_t *a)
     dp_buf_free(&why);
 }
 
-static void fw_on_head(px_creq_t *r, int status, const px_header_t *h, size_t n,
-                       const px_framing_t *fr)
+static void fw_on_head(net_creq_t *r, int status, const net_header_t *h, size_t n,
+                       const net_framing_t *fr)
 {
     agent_t *a = r->data;
     a->fw.status = status;
 }
 
-static void fw_on_body(px_creq_t *r, const char *p, size_t n)
+static void fw_on_body(net_creq_t *r, const char *p, size_t n)
 {
     agent_t *a = r->data;
     fw_t *f = &a->fw;
@@ -524,7 +524,7 @@ static void fw_on_body(px_creq_t *r, const char *p, size_t n)
     dp_buf_append(b, p, n);
 }
 
-static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
+static void fw_on_done(net_creq_t *r, net_up_err_t err, const char *detail)
 {
     agent_t *a = r->data;
     fw_t *f = &a->fw;
@@ -534,20 +534,20 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
     if (f->probing) {
         f->probing = false;
         f->running = false;
-        bool ok = err == PX_UP_OK && f->status == 200 && !f->too_big;
+        bool ok = err == NET_UP_OK && f->status == 200 && !f->too_big;
         attest_probe_parse(&(dp_iovec_t){ok ? (f->bodies[0].base ? f->bodies[0].base : "") : NULL,
                                          ok ? f->bodies[0].len : 0},
                            &a->ident);
         fw_schedule(a, true);
         return;
     }
-    f->got[f->path] = err == PX_UP_OK && f->status == 200 && !f->too_big;
+    f->got[f->path] = err == NET_UP_OK && f->status == 200 && !f->too_big;
     if (!f->got[f->path]) {
         /* Kept for the "not recognised" message: the operator needs to know what GET failed. */
         dp_buf_reset(&f->last_error);
         dp_buf_printf(&f->last_error, "GET %s: ", fw_adapter(f)->paths[f->path]);
-        if (err != PX_UP_OK)
-            dp_buf_printf(&f->last_error, "%s%s%s", px_up_err_name(err), detail ? " " : "",
+        if (err != NET_UP_OK)
+            dp_buf_printf(&f->last_error, "%s%s%s", net_up_err_name(err), detail ? " " : "",
                           detail ? detail : "");
         else if (f->too_big)
             dp_buf_appends(&f->last_error, "body too large");
@@ -556,12 +556,12 @@ static void fw_on_done(px_creq_t *r, px_up_err_t err, const char *detail)
         log_kv(DP_LOG_DEBUG, "framework_fetch_failed", "url", f->url.hostport, "error",
                f->last_error.base);
     }
-    if (err == PX_UP_CONNECT) {
+    if (err == NET_UP_CONNECT) {
         /* Nothing listens (or the connect timed out): every other adapter would fail alike. */
         f->running = false;
         dp_buf_reset(&f->unreachable);
         dp_buf_printf(&f->unreachable, "framework at http://%s%s: %s", f->url.hostport, f->url.path,
-                      detail ? detail : px_up_err_name(err));
+                      detail ? detail : net_up_err_name(err));
         fw_set(a, NULL, NULL, f->unreachable.base);
         fw_schedule(a, false);
         return;
@@ -595,10 +595,10 @@ static void fw_fetch(agent_t *a)
     if (f->api_key)
         dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
     dp_buf_appends(&head, "\r\n");
-    static const px_creq_cb_t cb = {
+    static const net_creq_cb_t cb = {
         .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
     uv_buf_t b = uv_buf_init(head.base, (unsigned)head.len);
-    f->creq = px_creq_start(f->up, &b, 1, false, false, &cb, a);
+    f->creq = net_creq_start(f->up, &b, 1, false, false, &cb, a);
     if (head.base)
         OPENSSL_cleanse(head.base, head.len);
     dp_buf_free(&head);
@@ -630,11 +630,11 @@ static void fw_probe(agent_t *a, const char *model)
     if (f->api_key)
         dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
     dp_buf_appends(&head, "\r\n");
-    static const px_creq_cb_t cb = {
+    static const net_creq_cb_t cb = {
         .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
     uv_buf_t b[2] = {uv_buf_init(head.base, (unsigned)head.len),
                      uv_buf_init(body.base, (unsigned)body.len)};
-    f->creq = px_creq_start(f->up, b, 2, false, false, &cb, a);
+    f->creq = net_creq_start(f->up, b, 2, false, false, &cb, a);
     OPENSSL_cleanse(head.base, head.len);
     dp_buf_free(&head);
     dp_buf_free(&body);
@@ -660,19 +660,19 @@ static void on_fw_timer(uv_timer_t *t)
 
 /* ---- HTTP ------------------------------------------------------------------------------- */
 
-static bool path_is(const px_req_t *req, const char *p)
+static bool path_is(const net_req_t *req, const char *p)
 {
     return req->path.len == strlen(p) && memcmp(req->path.base, p, req->path.len) == 0;
 }
 
-static const px_header_t no_store[] = {{DP_IOV("Cache-Control"), DP_IOV("no-store")}};
+static const net_header_t no_store[] = {{DP_IOV("Cache-Control"), DP_IOV("no-store")}};
 
-static void answer_attestation(agent_t *a, px_req_t *req)
+static void answer_attestation(agent_t *a, net_req_t *req)
 {
     dp_iovec_t nv;
-    if (!px_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
-        px_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
-                      "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
+    if (!net_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+        net_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
+                       "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
         return;
     }
     if (a->state != ST_READY) {
@@ -680,8 +680,8 @@ static void answer_attestation(agent_t *a, px_req_t *req)
         uint64_t secs = (dp_wall_ms() - a->state_since_ms) / 1000;
         dp_buf_printf(&msg, "%s (for %llus)", a->why_not_ready ? a->why_not_ready : "not ready",
                       (unsigned long long)secs);
-        px_resp_error(req, 503, "server_error", a->state == ST_HASHING ? "hashing" : "hash_failed",
-                      NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
+        net_resp_error(req, 503, "server_error", a->state == ST_HASHING ? "hashing" : "hash_failed",
+                       NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
         dp_buf_free(&msg);
         return;
     }
@@ -693,52 +693,52 @@ static void answer_attestation(agent_t *a, px_req_t *req)
     if (a->fw.unreachable.len) {
         /* Vouching for a model with no engine serving it would be wrong; saying so is the
          * agent's job, not an identity mismatch for the proxy to guess at. */
-        px_resp_error(req, 503, "server_error", "framework_unreachable", NULL,
-                      a->fw.unreachable.base, no_store, DP_ARRAY_SIZE(no_store));
+        net_resp_error(req, 503, "server_error", "framework_unreachable", NULL,
+                       a->fw.unreachable.base, no_store, DP_ARRAY_SIZE(no_store));
         return;
     }
     char *nonce = dp_xstrndup(nv.base, nv.len);
     dp_buf_t env = {0}, err = {0};
     if (attest_envelope_for(a->key, &a->ident, nonce, 0, &env, &err) == 0)
-        px_resp_send(req, 200, "application/json", env.base, env.len, no_store,
-                     DP_ARRAY_SIZE(no_store));
+        net_resp_send(req, 200, "application/json", env.base, env.len, no_store,
+                      DP_ARRAY_SIZE(no_store));
     else
-        px_resp_error(req, 500, "server_error", "signing_failed", NULL,
-                      err.base ? err.base : "signing failed", NULL, 0);
+        net_resp_error(req, 500, "server_error", "signing_failed", NULL,
+                       err.base ? err.base : "signing failed", NULL, 0);
     free(nonce);
     dp_buf_free(&env);
     dp_buf_free(&err);
 }
 
-static px_body_mode_t on_head(px_req_t *req)
+static net_body_mode_t on_head(net_req_t *req)
 {
-    agent_t *a = px_server_data(req->server);
+    agent_t *a = net_server_data(req->server);
     bool get = dp_strieq(req->method_name.base, req->method_name.len, "GET") ||
                dp_strieq(req->method_name.base, req->method_name.len, "HEAD");
     if (path_is(req, "/attestation") || path_is(req, "/healthz")) {
         if (!get) {
-            static const px_header_t allow[] = {{DP_IOV("Allow"), DP_IOV("GET, HEAD")}};
-            px_resp_error(req, 405, "invalid_request_error", "method_not_allowed", NULL, "use GET",
-                          allow, 1);
+            static const net_header_t allow[] = {{DP_IOV("Allow"), DP_IOV("GET, HEAD")}};
+            net_resp_error(req, 405, "invalid_request_error", "method_not_allowed", NULL, "use GET",
+                           allow, 1);
         } else if (path_is(req, "/healthz")) {
-            px_resp_send(req, 200, "text/plain", "ok\n", 3, NULL, 0);
+            net_resp_send(req, 200, "text/plain", "ok\n", 3, NULL, 0);
         } else {
             answer_attestation(a, req);
         }
     } else {
-        px_resp_error(req, 404, "invalid_request_error", "not_found", NULL,
-                      "not found: this agent serves GET /attestation?nonce=N and /healthz", NULL,
-                      0);
+        net_resp_error(req, 404, "invalid_request_error", "not_found", NULL,
+                       "not found: this agent serves GET /attestation?nonce=N and /healthz", NULL,
+                       0);
     }
-    return PX_BODY_BUFFER;
+    return NET_BODY_BUFFER;
 }
 
-static void on_complete(px_req_t *req)
+static void on_complete(net_req_t *req)
 {
     (void)req; /* every request was answered from on_head */
 }
 
-static void on_abort(px_req_t *req)
+static void on_abort(net_req_t *req)
 {
     (void)req; /* nothing per request outlives on_head */
 }
@@ -765,15 +765,15 @@ static void agent_stop(agent_t *a, const char *why)
     atomic_store(&a->cancel, 1); /* a running hash stops at its next read */
     log_kv(DP_LOG_INFO, "stopping", "reason", why, NULL, NULL);
     if (a->fw.creq) {
-        px_creq_cancel(a->fw.creq);
+        net_creq_cancel(a->fw.creq);
         a->fw.creq = NULL;
     }
     if (a->fw.up) {
-        px_upstream_free(a->fw.up);
+        net_upstream_free(a->fw.up);
         a->fw.up = NULL;
     }
     a->closes_pending++;
-    px_server_close(a->srv, server_closed, a);
+    net_server_close(a->srv, server_closed, a);
     uv_handle_t *hs[] = {(uv_handle_t *)&a->sigterm, (uv_handle_t *)&a->sigint,
                          (uv_handle_t *)&a->sigpipe, (uv_handle_t *)&a->watch,
                          (uv_handle_t *)&a->fw_timer};
@@ -1053,29 +1053,29 @@ int attest_serve_main(int argc, char **argv)
     if (uv_loop_init(&a->loop) != 0)
         goto out;
     loop_up = true;
-    px_handler_t h = {.on_head = on_head, .on_complete = on_complete, .on_abort = on_abort};
-    px_server_limits_t lim;
-    px_server_limits_default(&lim);
+    net_handler_t h = {.on_head = on_head, .on_complete = on_complete, .on_abort = on_abort};
+    net_server_limits_t lim;
+    net_server_limits_default(&lim);
     lim.max_body_bytes = 4096; /* GET only: every request is answered from its head */
-    a->srv = px_server_new(&a->loop, &h, a, &lim);
+    a->srv = net_server_new(&a->loop, &h, a, &lim);
     if (tls_cert) {
         warn_if_readable_by_others(tls_key, "tls_key");
         dp_buf_t terr = {0};
-        px_tls_ctx_t *tc = px_tls_server_ctx(tls_cert, tls_key, NULL, &terr);
+        net_tls_ctx_t *tc = net_tls_server_ctx(tls_cert, tls_key, NULL, &terr);
         if (tc == NULL) {
             fprintf(stderr, "detproxy attest serve: --tls-cert/--tls-key: %s\n", terr.base);
             dp_buf_free(&terr);
             rc = ATTEST_EXIT_RUNTIME;
             goto out;
         }
-        px_server_set_tls(a->srv, tc);
-        px_tls_ctx_unref(tc); /* the server holds its own reference */
+        net_server_set_tls(a->srv, tc);
+        net_tls_ctx_unref(tc); /* the server holds its own reference */
     }
-    int r = px_server_listen(a->srv, addr.host, addr.port);
+    int r = net_server_listen(a->srv, addr.host, addr.port);
     if (r != 0) {
         fprintf(stderr, "detproxy attest serve: cannot listen on %s: %s\n", listen, uv_strerror(r));
         a->closes_pending++;
-        px_server_close(a->srv, server_closed, a);
+        net_server_close(a->srv, server_closed, a);
         uv_run(&a->loop, UV_RUN_DEFAULT);
         goto out;
     }
@@ -1085,16 +1085,16 @@ int attest_serve_main(int argc, char **argv)
             fprintf(stderr, "detproxy attest serve: --framework-url: cannot resolve %s\n",
                     a->fw.url.host);
             a->closes_pending++;
-            px_server_close(a->srv, server_closed, a);
+            net_server_close(a->srv, server_closed, a);
             uv_run(&a->loop, UV_RUN_DEFAULT);
             goto out;
         }
-        px_upstream_opts_t uo = {.connect_timeout_ms = 2000,
-                                 .first_byte_timeout_ms = 5000,
-                                 .idle_timeout_ms = 5000,
-                                 .max_idle = 1,
-                                 .write_high_water = 65536};
-        a->fw.up = px_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);
+        net_upstream_opts_t uo = {.connect_timeout_ms = 2000,
+                                  .first_byte_timeout_ms = 5000,
+                                  .idle_timeout_ms = 5000,
+                                  .max_idle = 1,
+                                  .write_high_water = 65536};
+        a->fw.up = net_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);
     }
 
     uv_signal_init(&a->loop, &a->sigterm);
@@ -1113,7 +1113,7 @@ int attest_serve_main(int argc, char **argv)
 
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "listening");
     if (w) {
-        uint16_t port = px_server_port(a->srv);
+        uint16_t port = net_server_port(a->srv);
         dp_buf_t hp = {0};
         dp_buf_printf(&hp, strchr(addr.host, ':') ? "[%s]:%u" : "%s:%u", addr.host, port);
         dp_jw_str(w, "service", "detproxy-attest");

@@ -47,7 +47,7 @@ static up_t U;
  * response ended or the client left (on_abort). */
 typedef struct {
     uv_timer_t timer;
-    px_req_t *req;
+    net_req_t *req;
     bool chat;
     uint32_t sent;
 } stream_t;
@@ -123,8 +123,8 @@ static void stream_tick(uv_timer_t *t)
                          U.model, (unsigned long long)ts, last ? "\"length\"" : "null",
                          last ? "data: [DONE]\n\n" : "");
         st->sent++;
-        px_req_t *req = st->req;
-        if (px_resp_write(req, ev, (size_t)n) != 0 || st->req == NULL) {
+        net_req_t *req = st->req;
+        if (net_resp_write(req, ev, (size_t)n) != 0 || st->req == NULL) {
             if (st->req)
                 stream_close(st);
             return; /* on_abort (if due) finds req->data NULL */
@@ -134,18 +134,18 @@ static void stream_tick(uv_timer_t *t)
             return;
         }
     }
-    px_req_t *req = st->req;
+    net_req_t *req = st->req;
     req->data = NULL;
     st->req = NULL;
-    px_resp_end(req);
+    net_resp_end(req);
     stream_close(st);
 }
 
-static void start_stream(px_req_t *req, bool chat)
+static void start_stream(net_req_t *req, bool chat)
 {
-    px_header_t h[2] = {{DP_IOV("content-type"), DP_IOV("text/event-stream")},
-                        {DP_IOV("cache-control"), DP_IOV("no-cache")}};
-    if (px_resp_start(req, 200, h, 2, -1) != 0)
+    net_header_t h[2] = {{DP_IOV("content-type"), DP_IOV("text/event-stream")},
+                         {DP_IOV("cache-control"), DP_IOV("no-cache")}};
+    if (net_resp_start(req, 200, h, 2, -1) != 0)
         return;
     stream_t *st = dp_xcalloc(1, sizeof(*st));
     uv_timer_init(U.loop, &st->timer);
@@ -157,12 +157,12 @@ static void start_stream(px_req_t *req, bool chat)
     uv_timer_start(&st->timer, stream_tick, U.interval_ms, 0);
 }
 
-static px_body_mode_t on_head(px_req_t *req)
+static net_body_mode_t on_head(net_req_t *req)
 {
-    return PX_BODY_BUFFER;
+    return NET_BODY_BUFFER;
 }
 
-static void on_complete(px_req_t *req)
+static void on_complete(net_req_t *req)
 {
     static const char json[] = "application/json";
     U.requests++;
@@ -174,19 +174,19 @@ static void on_complete(px_req_t *req)
             return;
         }
         const dp_buf_t *b = chat ? &U.chat : &U.compl ;
-        px_resp_send(req, 200, json, b->base, b->len, NULL, 0);
+        net_resp_send(req, 200, json, b->base, b->len, NULL, 0);
     } else if (!post && iov_is(req->path, "/v1/models")) {
-        px_resp_send(req, 200, json, U.models.base, U.models.len, NULL, 0);
+        net_resp_send(req, 200, json, U.models.base, U.models.len, NULL, 0);
     } else if (!post && iov_is(req->path, "/version")) {
-        px_resp_send(req, 200, json, U.version.base, U.version.len, NULL, 0);
+        net_resp_send(req, 200, json, U.version.base, U.version.len, NULL, 0);
     } else if (!post && iov_is(req->path, "/health")) {
-        px_resp_send(req, 200, NULL, "", 0, NULL, 0);
+        net_resp_send(req, 200, NULL, "", 0, NULL, 0);
     } else {
-        px_resp_error(req, 404, "NotFoundError", NULL, NULL, "no such route", NULL, 0);
+        net_resp_error(req, 404, "NotFoundError", NULL, NULL, "no such route", NULL, 0);
     }
 }
 
-static void on_abort(px_req_t *req)
+static void on_abort(net_req_t *req)
 {
     stream_t *st = req->data;
     if (st)
@@ -262,10 +262,10 @@ int main(int argc, char **argv)
                   U.model);
 
     U.loop = uv_default_loop();
-    static const px_handler_t h = {
+    static const net_handler_t h = {
         .on_head = on_head, .on_complete = on_complete, .on_abort = on_abort};
-    px_server_limits_t lim;
-    px_server_limits_default(&lim);
+    net_server_limits_t lim;
+    net_server_limits_default(&lim);
     lim.max_connections = 100000;
     lim.client_idle_timeout_ms = 600000;
     lim.max_body_bytes = 64 * 1024 * 1024;
@@ -278,8 +278,8 @@ int main(int argc, char **argv)
         }
         memcpy(host, listens[i], (size_t)(colon - listens[i]));
         host[colon - listens[i]] = '\0';
-        px_server_t *s = px_server_new(U.loop, &h, NULL, &lim);
-        int r = px_server_listen(s, host, (uint16_t)atoi(colon + 1));
+        net_server_t *s = net_server_new(U.loop, &h, NULL, &lim);
+        int r = net_server_listen(s, host, (uint16_t)atoi(colon + 1));
         if (r != 0) {
             fprintf(stderr, "bench-upstream: listen %s: %s\n", listens[i], uv_strerror(r));
             return 3;

@@ -24,9 +24,9 @@ enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
 typedef struct uconn_s uconn_t;
 
 typedef struct creq_s {
-    px_creq_t pub;
+    net_creq_t pub;
     uconn_t *c;
-    px_creq_cb_t cb;
+    net_creq_cb_t cb;
     struct creq_s *next_free;
 } creq_t;
 
@@ -35,66 +35,66 @@ typedef struct {
 } hoff_t;
 
 struct uconn_s {
-    px_sock_t sock;
+    net_sock_t sock;
     uv_timer_t timer;
-    px_upstream_t *up;
+    net_upstream_t *up;
     uconn_t *next_idle, *prev_idle;
     creq_t *req;
     llhttp_t parser;
-    px_head_scan_t hs;
-    px_chunk_scan_t cs;
+    net_head_scan_t hs;
+    net_chunk_scan_t cs;
     dp_buf_t hbuf;
     hoff_t *hoff;
     size_t hcap, nh;
-    px_header_t *hdrs;
+    net_header_t *hdrs;
     size_t hdrs_cap;
     bool in_value;
     dp_buf_t outq; /* request bytes waiting for the connect */
     uint8_t phase;
     int closes_pending;
-    px_framing_t framing;
+    net_framing_t framing;
     uint64_t body_remaining;
     uint64_t last_read;
     bool head_done, msg_done;
     bool no_body, close_delimited;
     bool head_request;
-    bool req_ended;  /* the caller has handed us every request byte */
+    bool req_ended; /* the caller has handed us every request byte */
     bool paused;
     bool connected;
-    px_up_err_t deferred_err; /* reported by deferred_fail_cb */
+    net_up_err_t deferred_err; /* reported by deferred_fail_cb */
 };
 
-struct px_upstream_s {
+struct net_upstream_s {
     uv_loop_t *loop;
     struct sockaddr_storage addr;
-    px_upstream_opts_t o;
+    net_upstream_opts_t o;
     llhttp_settings_t settings;
     uconn_t *idle;
     size_t nidle;
     size_t refs; /* 1 for the owner + 1 per open connection */
     creq_t *free_reqs;
     size_t nfree;
-    px_tls_ctx_t *tls;
+    net_tls_ctx_t *tls;
     char *server_name;
     bool dead; /* the owner let go: no more pooling */
 };
 
-static const char *const err_names[PX_UP__COUNT] = {
-    "ok",         "connect",      "send",     "reused_closed", "closed", "first_byte_timeout",
+static const char *const err_names[NET_UP__COUNT] = {
+    "ok",           "connect",  "send",      "reused_closed", "closed", "first_byte_timeout",
     "idle_timeout", "protocol", "truncated",
 };
 
-const char *px_up_err_name(px_up_err_t e)
+const char *net_up_err_name(net_up_err_t e)
 {
-    return (unsigned)e < PX_UP__COUNT ? err_names[e] : "unknown";
+    return (unsigned)e < NET_UP__COUNT ? err_names[e] : "unknown";
 }
 
-bool px_up_err_retryable(px_up_err_t e)
+bool net_up_err_retryable(net_up_err_t e)
 {
-    return e == PX_UP_CONNECT || e == PX_UP_SEND || e == PX_UP_REUSED_CLOSED;
+    return e == NET_UP_CONNECT || e == NET_UP_SEND || e == NET_UP_REUSED_CLOSED;
 }
 
-static void up_unref(px_upstream_t *u)
+static void up_unref(net_upstream_t *u)
 {
     if (--u->refs > 0)
         return;
@@ -104,7 +104,7 @@ static void up_unref(px_upstream_t *u)
         free(q);
     }
     free(u->server_name);
-    px_tls_ctx_unref(u->tls);
+    net_tls_ctx_unref(u->tls);
     free(u);
 }
 
@@ -112,7 +112,7 @@ static void up_unref(px_upstream_t *u)
 
 static void idle_remove(uconn_t *c)
 {
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     if (c->prev_idle)
         c->prev_idle->next_idle = c->next_idle;
     else if (u->idle == c)
@@ -127,7 +127,7 @@ static void idle_remove(uconn_t *c)
 
 static void idle_push(uconn_t *c)
 {
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     c->prev_idle = NULL;
     c->next_idle = u->idle;
     if (u->idle)
@@ -141,22 +141,22 @@ static void idle_push(uconn_t *c)
  * timeout, mid-response idle timeout (checked lazily against last_read so a busy stream does
  * not restart a timer per read), or pooled-idle lifetime. */
 
-static void uconn_fail(uconn_t *c, px_up_err_t err, const char *detail);
+static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail);
 static void uconn_close(uconn_t *c);
 
 static void timer_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     switch (c->phase) {
     case UC_CONNECTING:
-        uconn_fail(c, PX_UP_CONNECT, "connect timeout");
+        uconn_fail(c, NET_UP_CONNECT, "connect timeout");
         return;
     case UC_HEAD:
         if (c->req && c->req->pub.response_started)
-            uconn_fail(c, PX_UP_IDLE_TIMEOUT, "response head stalled");
+            uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
         else
-            uconn_fail(c, PX_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+            uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
         return;
     case UC_BODY: {
         uint64_t now = uv_now(u->loop), idle = u->o.idle_timeout_ms;
@@ -164,7 +164,7 @@ static void timer_cb(uv_timer_t *t)
             uv_timer_start(&c->timer, timer_cb, c->paused ? idle : idle - (now - c->last_read), 0);
             return;
         }
-        uconn_fail(c, PX_UP_IDLE_TIMEOUT, "response stalled mid-body");
+        uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
         return;
     }
     case UC_IDLE:
@@ -186,7 +186,7 @@ static void uconn_handle_closed(uconn_t *c)
 {
     if (--c->closes_pending > 0)
         return;
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     dp_buf_free(&c->hbuf);
     dp_buf_free(&c->outq);
     free(c->hoff);
@@ -195,7 +195,7 @@ static void uconn_handle_closed(uconn_t *c)
     up_unref(u);
 }
 
-static void sock_closed(px_sock_t *s)
+static void sock_closed(net_sock_t *s)
 {
     uconn_handle_closed(s->owner);
 }
@@ -215,9 +215,9 @@ static void uconn_close_how(uconn_t *c, bool reset)
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
     if (reset)
-        px_sock_abort(&c->sock);
+        net_sock_abort(&c->sock);
     else
-        px_sock_close(&c->sock);
+        net_sock_close(&c->sock);
 }
 
 static void uconn_close(uconn_t *c)
@@ -225,7 +225,7 @@ static void uconn_close(uconn_t *c)
     uconn_close_how(c, false);
 }
 
-static void creq_free(px_upstream_t *u, creq_t *q)
+static void creq_free(net_upstream_t *u, creq_t *q)
 {
     if (u->nfree < 256) {
         q->next_free = u->free_reqs;
@@ -237,10 +237,10 @@ static void creq_free(px_upstream_t *u, creq_t *q)
 }
 
 /* End the exchange with an error: close the connection, then tell the caller. */
-static void uconn_fail(uconn_t *c, px_up_err_t err, const char *detail)
+static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail)
 {
     creq_t *q = c->req;
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     c->req = NULL;
     u->refs++; /* keep u alive across the callback */
     uconn_close(c);
@@ -256,25 +256,24 @@ static void uconn_fail(uconn_t *c, px_up_err_t err, const char *detail)
 static void uconn_done(uconn_t *c)
 {
     creq_t *q = c->req;
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     c->req = NULL;
     bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
                     c->sock.queued == 0 && c->outq.len == 0 &&
-                    llhttp_should_keep_alive(&c->parser) && !u->dead &&
-                    u->nidle < u->o.max_idle;
+                    llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle;
     u->refs++;
     if (reusable) {
         c->phase = UC_IDLE;
         c->paused = false;
         idle_push(c);
         uconn_arm(c, u->o.idle_timeout_ms);
-        px_sock_read_start(&c->sock);
+        net_sock_read_start(&c->sock);
     } else {
         uconn_close(c);
     }
     if (q) {
         if (q->cb.on_done)
-            q->cb.on_done(&q->pub, PX_UP_OK, NULL);
+            q->cb.on_done(&q->pub, NET_UP_OK, NULL);
         creq_free(u, q);
     }
     up_unref(u);
@@ -364,15 +363,15 @@ static bool uconn_head_done(uconn_t *c)
         c->hdrs[i].value = (dp_iovec_t){c->hbuf.base + c->hoff[i].vo, c->hoff[i].vl};
     }
     const char *reason = NULL;
-    if (px_response_check(c->hdrs, c->nh, llhttp_get_http_major(&c->parser),
-                          llhttp_get_http_minor(&c->parser), status, &c->framing, &reason) != 0) {
-        uconn_fail(c, PX_UP_PROTOCOL, reason);
+    if (net_response_check(c->hdrs, c->nh, llhttp_get_http_major(&c->parser),
+                           llhttp_get_http_minor(&c->parser), status, &c->framing, &reason) != 0) {
+        uconn_fail(c, NET_UP_PROTOCOL, reason);
         return false;
     }
     if (status >= 100 && status < 200) {
         /* Interim response (100 Continue, 103 Early Hints): skip it, a final one follows. */
         if (!c->msg_done) {
-            uconn_fail(c, PX_UP_PROTOCOL, "interim response with a body");
+            uconn_fail(c, NET_UP_PROTOCOL, "interim response with a body");
             return false;
         }
         llhttp_resume(&c->parser);
@@ -405,25 +404,25 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
         const char *reason = "invalid response";
         int status, r;
         if (c->phase == UC_IDLE || c->req == NULL) {
-            uconn_fail(c, PX_UP_PROTOCOL, "unsolicited bytes on an idle connection");
+            uconn_fail(c, NET_UP_PROTOCOL, "unsolicited bytes on an idle connection");
             return;
         }
         if (c->phase == UC_HEAD) {
-            r = px_head_scan(&c->hs, p, n, &used, &status, &reason);
-            if (r == PX_SCAN_ERROR) {
-                uconn_fail(c, PX_UP_PROTOCOL, reason);
+            r = net_head_scan(&c->hs, p, n, &used, &status, &reason);
+            if (r == NET_SCAN_ERROR) {
+                uconn_fail(c, NET_UP_PROTOCOL, reason);
                 return;
             }
             llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
             if (e != HPE_OK && e != HPE_PAUSED) {
-                uconn_fail(c, PX_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
+                uconn_fail(c, NET_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
                 return;
             }
             p += used;
             n -= used;
-            if (r == PX_SCAN_DONE) {
+            if (r == NET_SCAN_DONE) {
                 if (!c->head_done) {
-                    uconn_fail(c, PX_UP_PROTOCOL, "malformed response head");
+                    uconn_fail(c, NET_UP_PROTOCOL, "malformed response head");
                     return;
                 }
                 if (!uconn_head_done(c))
@@ -433,18 +432,18 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
         }
         /* UC_BODY */
         if (c->framing.chunked) {
-            r = px_chunk_scan(&c->cs, p, n, &used, &reason);
-            if (r == PX_SCAN_ERROR) {
-                uconn_fail(c, PX_UP_PROTOCOL, reason);
+            r = net_chunk_scan(&c->cs, p, n, &used, &reason);
+            if (r == NET_SCAN_ERROR) {
+                uconn_fail(c, NET_UP_PROTOCOL, reason);
                 return;
             }
         } else if (c->close_delimited) {
             used = n;
-            r = PX_SCAN_MORE;
+            r = NET_SCAN_MORE;
         } else {
             used = n < c->body_remaining ? n : (size_t)c->body_remaining;
             c->body_remaining -= used;
-            r = c->body_remaining == 0 ? PX_SCAN_DONE : PX_SCAN_MORE;
+            r = c->body_remaining == 0 ? NET_SCAN_DONE : NET_SCAN_MORE;
         }
         c->last_read = uv_now(c->up->loop);
         creq_t *q = c->req;
@@ -452,14 +451,14 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
         if (c->phase == UC_CLOSED || c->req != q)
             return; /* cancelled from on_body */
         if (e != HPE_OK && e != HPE_PAUSED) {
-            uconn_fail(c, PX_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
+            uconn_fail(c, NET_UP_PROTOCOL, llhttp_get_error_reason(&c->parser));
             return;
         }
         p += used;
         n -= used;
-        if (r == PX_SCAN_DONE) {
+        if (r == NET_SCAN_DONE) {
             if (!c->msg_done) {
-                uconn_fail(c, PX_UP_PROTOCOL, "malformed response body");
+                uconn_fail(c, NET_UP_PROTOCOL, "malformed response body");
                 return;
             }
             if (n > 0) {
@@ -474,7 +473,7 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
 
 /* ---- socket callbacks ---------------------------------------------------------------------- */
 
-static void sock_read(px_sock_t *s, const char *p, size_t n)
+static void sock_read(net_sock_t *s, const char *p, size_t n)
 {
     uconn_t *c = s->owner;
     if (c->req && !c->req->pub.response_started) {
@@ -485,37 +484,37 @@ static void sock_read(px_sock_t *s, const char *p, size_t n)
 }
 
 /* EOF or error from the socket: classify it for the retry rule. */
-static void sock_error(px_sock_t *s, int status)
+static void sock_error(net_sock_t *s, int status)
 {
     uconn_t *c = s->owner;
     /* A TLS failure after the handshake (an alert such as "certificate required" under TLS
      * 1.3) says more than "protocol error". */
-    const char *why = status == UV_EPROTO ? px_sock_tls_error(s) : uv_strerror(status);
+    const char *why = status == UV_EPROTO ? net_sock_tls_error(s) : uv_strerror(status);
     if (c->phase == UC_IDLE || c->req == NULL) {
         uconn_close(c); /* the server closed a pooled connection: just drop it */
         return;
     }
     creq_t *q = c->req;
     if (c->phase == UC_CONNECTING) {
-        uconn_fail(c, PX_UP_CONNECT,
-                   status == UV_EPROTO ? px_sock_tls_error(&c->sock) : uv_strerror(status));
+        uconn_fail(c, NET_UP_CONNECT,
+                   status == UV_EPROTO ? net_sock_tls_error(&c->sock) : uv_strerror(status));
         return;
     }
     if (!q->pub.response_started) {
         bool sent = c->req_ended && c->sock.queued == 0;
         if (q->pub.reused)
-            uconn_fail(c, PX_UP_REUSED_CLOSED, "reused connection closed before the response");
+            uconn_fail(c, NET_UP_REUSED_CLOSED, "reused connection closed before the response");
         else if (!sent)
-            uconn_fail(c, PX_UP_SEND, why);
+            uconn_fail(c, NET_UP_SEND, why);
         else
-            uconn_fail(c, PX_UP_CLOSED, status == UV_EOF ? "closed before the response" : why);
+            uconn_fail(c, NET_UP_CLOSED, status == UV_EOF ? "closed before the response" : why);
         return;
     }
     if (c->phase == UC_BODY && c->close_delimited && status == UV_EOF && c->sock.tls &&
-        !px_tls_peer_closed(c->sock.tls)) {
+        !net_tls_peer_closed(c->sock.tls)) {
         /* Over TLS only close_notify ends a close-delimited body: a bare TCP close may be an
          * attacker cutting the response short (RFC 8446 §6.1, RFC 9112 §9.8). */
-        uconn_fail(c, PX_UP_TRUNCATED, "TLS connection closed without close_notify");
+        uconn_fail(c, NET_UP_TRUNCATED, "TLS connection closed without close_notify");
         return;
     }
     if (c->phase == UC_BODY && c->close_delimited && status == UV_EOF) {
@@ -525,42 +524,42 @@ static void sock_error(px_sock_t *s, int status)
         uconn_done(c);
         return;
     }
-    uconn_fail(c, PX_UP_TRUNCATED, status == UV_EOF ? "closed mid-response" : why);
+    uconn_fail(c, NET_UP_TRUNCATED, status == UV_EOF ? "closed mid-response" : why);
 }
 
-static void sock_drain(px_sock_t *s)
+static void sock_drain(net_sock_t *s)
 {
     uconn_t *c = s->owner;
     if (c->req && c->req->cb.on_drain)
         c->req->cb.on_drain(&c->req->pub);
 }
 
-static void sock_connected(px_sock_t *s, int status)
+static void sock_connected(net_sock_t *s, int status)
 {
     uconn_t *c = s->owner;
     if (c->phase != UC_CONNECTING)
         return;
     if (status != 0) {
-        uconn_fail(c, PX_UP_CONNECT,
-                   status == UV_EPROTO ? px_sock_tls_error(&c->sock) : uv_strerror(status));
+        uconn_fail(c, NET_UP_CONNECT,
+                   status == UV_EPROTO ? net_sock_tls_error(&c->sock) : uv_strerror(status));
         return;
     }
     c->connected = true;
     c->phase = UC_HEAD;
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
-    px_sock_read_start(&c->sock);
+    net_sock_read_start(&c->sock);
     if (c->outq.len) {
         uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
-        int r = px_sock_write(&c->sock, &b, 1);
+        int r = net_sock_write(&c->sock, &b, 1);
         dp_buf_free(&c->outq);
         if (r != 0)
-            uconn_fail(c, PX_UP_SEND, uv_strerror(r));
+            uconn_fail(c, NET_UP_SEND, uv_strerror(r));
     }
 }
 
 /* ---- public API ---------------------------------------------------------------------------- */
 
-static void opts_fill(px_upstream_opts_t *o, const px_upstream_opts_t *in)
+static void opts_fill(net_upstream_opts_t *o, const net_upstream_opts_t *in)
 {
     if (in)
         *o = *in;
@@ -576,10 +575,10 @@ static void opts_fill(px_upstream_opts_t *o, const px_upstream_opts_t *in)
         o->write_high_water = 256 * 1024;
 }
 
-px_upstream_t *px_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
-                               const px_upstream_opts_t *opts)
+net_upstream_t *net_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
+                                 const net_upstream_opts_t *opts)
 {
-    px_upstream_t *u = dp_xcalloc(1, sizeof(*u));
+    net_upstream_t *u = dp_xcalloc(1, sizeof(*u));
     u->loop = loop;
     memcpy(&u->addr, addr,
            addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
@@ -594,46 +593,46 @@ px_upstream_t *px_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
     return u;
 }
 
-void px_upstream_set_opts(px_upstream_t *u, const px_upstream_opts_t *opts)
+void net_upstream_set_opts(net_upstream_t *u, const net_upstream_opts_t *opts)
 {
     opts_fill(&u->o, opts);
 }
 
-void px_upstream_set_tls(px_upstream_t *u, px_tls_ctx_t *tls, const char *server_name)
+void net_upstream_set_tls(net_upstream_t *u, net_tls_ctx_t *tls, const char *server_name)
 {
     if (tls)
-        px_tls_ctx_ref(tls);
-    px_tls_ctx_unref(u->tls);
+        net_tls_ctx_ref(tls);
+    net_tls_ctx_unref(u->tls);
     u->tls = tls;
     free(u->server_name);
     u->server_name = server_name ? dp_xstrdup(server_name) : NULL;
 }
 
-void px_upstream_flush_idle(px_upstream_t *u)
+void net_upstream_flush_idle(net_upstream_t *u)
 {
     while (u->idle)
         uconn_close(u->idle);
 }
 
-void px_upstream_free(px_upstream_t *u)
+void net_upstream_free(net_upstream_t *u)
 {
     u->dead = true;
-    px_upstream_flush_idle(u);
+    net_upstream_flush_idle(u);
     up_unref(u);
 }
 
-size_t px_upstream_idle(const px_upstream_t *u)
+size_t net_upstream_idle(const net_upstream_t *u)
 {
     return u->nidle;
 }
 
-static uconn_t *uconn_new(px_upstream_t *u)
+static uconn_t *uconn_new(net_upstream_t *u)
 {
     uconn_t *c = dp_xcalloc(1, sizeof(*c));
     c->up = u;
     u->refs++;
     c->closes_pending = 2;
-    px_sock_init(u->loop, &c->sock, c);
+    net_sock_init(u->loop, &c->sock, c);
     c->sock.on_read = sock_read;
     c->sock.on_error = sock_error;
     c->sock.on_drain = sock_drain;
@@ -642,9 +641,9 @@ static uconn_t *uconn_new(px_upstream_t *u)
     c->sock.high_water = u->o.write_high_water;
     c->sock.low_water = u->o.write_high_water / 4;
     if (u->tls) {
-        px_tls_t *t = px_tls_new_client(u->tls, u->server_name);
+        net_tls_t *t = net_tls_new_client(u->tls, u->server_name);
         if (t)
-            px_sock_use_tls(&c->sock, t);
+            net_sock_use_tls(&c->sock, t);
     }
     uv_timer_init(u->loop, &c->timer);
     c->timer.data = c;
@@ -654,16 +653,17 @@ static uconn_t *uconn_new(px_upstream_t *u)
     return c;
 }
 
-/* Report a connect failure from the loop, never from inside px_creq_start. */
+/* Report a connect failure from the loop, never from inside net_creq_start. */
 static void deferred_fail_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
     uconn_fail(c, c->deferred_err,
-               c->deferred_err == PX_UP_CONNECT ? "connect failed" : "pooled connection failed");
+               c->deferred_err == NET_UP_CONNECT ? "connect failed" : "pooled connection failed");
 }
 
-px_creq_t *px_creq_start(px_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
-                         bool body_follows, bool head_request, const px_creq_cb_t *cb, void *data)
+net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                           bool body_follows, bool head_request, const net_creq_cb_t *cb,
+                           void *data)
 {
     creq_t *q = u->free_reqs;
     if (q) {
@@ -702,28 +702,28 @@ px_creq_t *px_creq_start(px_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
         uconn_arm(c, u->o.connect_timeout_ms);
         if (u->tls && c->sock.tls == NULL) {
             /* No TLS state (out of memory): never fall back to plaintext to an https URL. */
-            c->deferred_err = PX_UP_CONNECT;
+            c->deferred_err = NET_UP_CONNECT;
             uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
-        } else if (px_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
-            c->deferred_err = PX_UP_CONNECT;
+        } else if (net_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
+            c->deferred_err = NET_UP_CONNECT;
             uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
         }
         return &q->pub;
     }
-    if (px_sock_write(&c->sock, bufs, nbufs) != 0) {
+    if (net_sock_write(&c->sock, bufs, nbufs) != 0) {
         /* A pooled connection that died under us: the classic keep-alive race. */
-        c->deferred_err = PX_UP_REUSED_CLOSED;
+        c->deferred_err = NET_UP_REUSED_CLOSED;
         uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
     }
     return &q->pub;
 }
 
-static inline creq_t *cimpl(px_creq_t *r)
+static inline creq_t *cimpl(net_creq_t *r)
 {
     return (creq_t *)r;
 }
 
-int px_creq_write(px_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
+int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
 {
     uconn_t *c = cimpl(r)->c;
     if (c == NULL || c->phase == UC_CLOSED)
@@ -735,44 +735,44 @@ int px_creq_write(px_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
     }
     if (c->msg_done || c->phase == UC_IDLE)
         return 0; /* the upstream already answered: the rest of the body is moot */
-    if (px_sock_write(&c->sock, bufs, nbufs) != 0) {
-        uconn_fail(c, r->response_started ? PX_UP_TRUNCATED : PX_UP_SEND, "write failed");
+    if (net_sock_write(&c->sock, bufs, nbufs) != 0) {
+        uconn_fail(c, r->response_started ? NET_UP_TRUNCATED : NET_UP_SEND, "write failed");
         return -1;
     }
     return 0;
 }
 
-void px_creq_end(px_creq_t *r)
+void net_creq_end(net_creq_t *r)
 {
     uconn_t *c = cimpl(r)->c;
     if (c)
         c->req_ended = true;
 }
 
-void px_creq_pause(px_creq_t *r)
+void net_creq_pause(net_creq_t *r)
 {
     uconn_t *c = cimpl(r)->c;
     if (c == NULL || c->paused || c->phase == UC_CLOSED)
         return;
     c->paused = true;
-    px_sock_read_stop(&c->sock);
+    net_sock_read_stop(&c->sock);
 }
 
-void px_creq_resume(px_creq_t *r)
+void net_creq_resume(net_creq_t *r)
 {
     uconn_t *c = cimpl(r)->c;
     if (c == NULL || !c->paused || c->phase == UC_CLOSED)
         return;
     c->paused = false;
     c->last_read = uv_now(c->up->loop);
-    px_sock_read_start(&c->sock);
+    net_sock_read_start(&c->sock);
 }
 
-void px_creq_cancel(px_creq_t *r)
+void net_creq_cancel(net_creq_t *r)
 {
     creq_t *q = cimpl(r);
     uconn_t *c = q->c;
-    px_upstream_t *u = c->up;
+    net_upstream_t *u = c->up;
     c->req = NULL;
     /* A reset: an upload stuck behind a replica that stopped reading would otherwise sit in
      * the kernel (and the replica keep the request) until it read it all. */
@@ -780,14 +780,14 @@ void px_creq_cancel(px_creq_t *r)
     creq_free(u, q);
 }
 
-size_t px_creq_pending(const px_creq_t *r)
+size_t net_creq_pending(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
     return c ? c->sock.queued + c->outq.len : 0;
 }
 
-bool px_creq_over(const px_creq_t *r)
+bool net_creq_over(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
-    return c && (px_sock_over(&c->sock) || c->outq.len > c->sock.high_water);
+    return c && (net_sock_over(&c->sock) || c->outq.len > c->sock.high_water);
 }

@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-struct px_fetch_s {
-    px_creq_t *c;
-    px_fetch_cb cb;
+struct net_fetch_s {
+    net_creq_t *c;
+    net_fetch_cb cb;
     void *data;
     int status;
     size_t max;
@@ -14,16 +14,16 @@ struct px_fetch_s {
     dp_buf_t body;
 };
 
-static void f_free(px_fetch_t *f)
+static void f_free(net_fetch_t *f)
 {
     dp_buf_free(&f->body);
     free(f);
 }
 
-static void on_head(px_creq_t *c, int status, const px_header_t *h, size_t n,
-                    const px_framing_t *fr)
+static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                    const net_framing_t *fr)
 {
-    px_fetch_t *f = c->data;
+    net_fetch_t *f = c->data;
     (void)h;
     (void)n;
     f->status = status;
@@ -31,9 +31,9 @@ static void on_head(px_creq_t *c, int status, const px_header_t *h, size_t n,
         f->too_big = true;
 }
 
-static void on_body(px_creq_t *c, const char *p, size_t n)
+static void on_body(net_creq_t *c, const char *p, size_t n)
 {
-    px_fetch_t *f = c->data;
+    net_fetch_t *f = c->data;
     if (f->too_big)
         return;
     if (f->body.len + n > f->max) {
@@ -43,25 +43,25 @@ static void on_body(px_creq_t *c, const char *p, size_t n)
     dp_buf_append(&f->body, p, n);
 }
 
-static void on_done(px_creq_t *c, px_up_err_t err, const char *detail)
+static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
-    px_fetch_t *f = c->data;
+    net_fetch_t *f = c->data;
     f->c = NULL;
-    if (err == PX_UP_OK && f->too_big) {
+    if (err == NET_UP_OK && f->too_big) {
         char why[96];
         snprintf(why, sizeof(why), "response body larger than %zu bytes", f->max);
-        f->cb(f, 0, &f->body, PX_UP_PROTOCOL, why, f->data);
+        f->cb(f, 0, &f->body, NET_UP_PROTOCOL, why, f->data);
     } else {
-        f->cb(f, err == PX_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
+        f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
     }
     f_free(f);
 }
 
-static const px_creq_cb_t fetch_cb = {on_head, on_body, on_done, NULL};
+static const net_creq_cb_t fetch_cb = {on_head, on_body, on_done, NULL};
 
-px_fetch_t *px_fetch(px_upstream_t *u, const px_fetch_opts_t *o, px_fetch_cb cb, void *data)
+net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {
-    px_fetch_t *f = dp_xcalloc(1, sizeof(*f));
+    net_fetch_t *f = dp_xcalloc(1, sizeof(*f));
     f->cb = cb;
     f->data = data;
     f->max = o->max_bytes ? o->max_bytes : 1 << 20;
@@ -82,14 +82,14 @@ px_fetch_t *px_fetch(px_upstream_t *u, const px_fetch_opts_t *o, px_fetch_cb cb,
         dp_buf_append(&req, "\r\n", 2);
     }
     uv_buf_t b = uv_buf_init(req.base, (unsigned)req.len);
-    f->c = px_creq_start(u, &b, 1, false, false, &fetch_cb, f);
+    f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
     dp_buf_free(&req);
     return f;
 }
 
-void px_fetch_cancel(px_fetch_t *f)
+void net_fetch_cancel(net_fetch_t *f)
 {
     if (f->c)
-        px_creq_cancel(f->c);
+        net_creq_cancel(f->c);
     f_free(f);
 }

@@ -11,7 +11,7 @@ static bool unreserved(unsigned char c)
            c == '.' || c == '_' || c == '~';
 }
 
-size_t dp_path_normalize(char *p, size_t n, const char **reason)
+size_t net_path_normalize(char *p, size_t n, const char **reason)
 {
     static const char hexu[] = "0123456789ABCDEF";
     size_t i = 0, o = 0;

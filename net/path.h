@@ -1,8 +1,8 @@
 /* Request-path normalisation (SPEC §7), as nginx does it before routing: what detproxy
  * classifies must be what an ASGI replica (vLLM, SGLang), which percent-decodes before routing,
  * will serve. Pure: no libuv, fuzzed on its own. */
-#ifndef DP_HTTP_PATH_H
-#define DP_HTTP_PATH_H
+#ifndef NET_PATH_H
+#define NET_PATH_H
 
 #include <stddef.h>
 
@@ -11,6 +11,6 @@
  * merge runs of '/', resolve "." and ".." segments (a trailing "." or ".." leaves a trailing
  * '/'). p starts with '/'. Returns the new length, or 0 with *reason set for an encoded '/'
  * (%2F), a malformed escape, a '#', or a ".." above the root: the request is a 400. */
-size_t dp_path_normalize(char *p, size_t n, const char **reason);
+size_t net_path_normalize(char *p, size_t n, const char **reason);
 
 #endif

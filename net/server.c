@@ -3,15 +3,15 @@
  * A connection moves through phases:
  *   IDLE  -> waiting for the first byte of a request (header timer from accept, then the
  *            keep-alive idle timer between requests)
- *   HEAD  -> reading the head: every byte goes through px_head_scan, then llhttp
- *   BODY  -> reading the body: chunked bytes through px_chunk_scan, Content-Length counted by
+ *   HEAD  -> reading the head: every byte goes through net_head_scan, then llhttp
+ *   BODY  -> reading the body: chunked bytes through net_chunk_scan, Content-Length counted by
  *            us; llhttp is fed exactly the bytes of this message, never the next one's
  *   WAIT  -> request complete, response in progress; further bytes are kept unparsed in
  *            `pending` (pipelining) until the response ends
  *   LINGER-> an error was answered; write side shut, input discarded until EOF or a timer
  *
- * Re-entrancy rule: handler callbacks may call px_resp_* (which can finish the request). The
- * parse loop therefore re-reads c->req after every callback, px_resp_end never parses the next
+ * Re-entrancy rule: handler callbacks may call net_resp_* (which can finish the request). The
+ * parse loop therefore re-reads c->req after every callback, net_resp_end never parses the next
  * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
 #include "net/server.h"
 
@@ -45,18 +45,18 @@ typedef struct {
 } hoff_t;
 
 typedef struct req_impl_s {
-    px_req_t r;
+    net_req_t r;
     struct req_impl_s *next_free;
     dp_buf_t hbuf; /* copies of the url, header names and values */
     hoff_t *hoff;
     size_t hcap;
-    px_header_t *hdrs;
+    net_header_t *hdrs;
     size_t hdrs_cap;
     uint32_t url_len;
     bool in_value;
     bool head_done, msg_done;
     bool handed; /* on_head was called: the handler knows this request */
-    px_body_mode_t mode;
+    net_body_mode_t mode;
     bool body_done;
     bool body_too_large;
     bool body_over_budget;
@@ -66,19 +66,19 @@ typedef struct req_impl_s {
     bool abort_notified;
     int64_t resp_remaining; /* -1 unless Content-Length framing */
     dp_buf_t out;           /* response head not yet written */
-    px_framing_t framing;
+    net_framing_t framing;
     struct req_impl_s *cork_prev, *cork_next; /* on the server's corked list while corked */
     bool corked;
 } req_impl_t;
 
-struct px_conn_s {
-    px_sock_t sock; /* first: the sock's owner is the conn */
+struct net_conn_s {
+    net_sock_t sock; /* first: the sock's owner is the conn */
     uv_timer_t timer;
-    px_server_t *srv;
-    px_conn_t *prev, *next;
+    net_server_t *srv;
+    net_conn_t *prev, *next;
     llhttp_t parser;
-    px_head_scan_t hs;
-    px_chunk_scan_t cs;
+    net_head_scan_t hs;
+    net_chunk_scan_t cs;
     uint8_t phase;
     req_impl_t *req;
     dp_buf_t pending;
@@ -96,10 +96,10 @@ struct px_conn_s {
     bool body_paused;
     bool wait_drain;  /* IDLE with responses queued above high-water: next request waits */
     bool handshaking; /* on the server's pending-handshake list */
-    px_conn_t *hs_prev, *hs_next;
+    net_conn_t *hs_prev, *hs_next;
 };
 
-struct px_server_s {
+struct net_server_s {
     uv_loop_t *loop;
     uv_tcp_t listener;
     bool listening, draining, closing, listener_open, check_open;
@@ -107,33 +107,33 @@ struct px_server_s {
      * still waiting when the loop finishes an iteration is flushed by `check`. */
     uv_check_t check;
     req_impl_t *corked;
-    px_handler_t h;
+    net_handler_t h;
     void *data;
-    px_server_limits_t lim;
+    net_server_limits_t lim;
     llhttp_settings_t settings;
     size_t nconns, ninflight;
     uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
-    px_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
+    net_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
     size_t nhandshakes;
     void (*on_overload)(const char *reason);
     uint64_t accepted;
-    px_conn_t *conns;
+    net_conn_t *conns;
     req_impl_t *free_reqs;
     size_t nfree;
     uint16_t port;
     struct sockaddr_storage bound; /* the listener's address, once listening */
-    px_tls_ctx_t *tls;
+    net_tls_ctx_t *tls;
     uint64_t last_accept_warn;
-    void (*drain_cb)(px_server_t *s);
+    void (*drain_cb)(net_server_t *s);
     void (*close_cb)(void *data);
     void *close_data;
 };
 
-static void conn_feed(px_conn_t *c, const char *p, size_t n);
-static void conn_close(px_conn_t *c);
-static void conn_reject(px_conn_t *c, int status, const char *reason);
-static void conn_to_idle(px_conn_t *c);
-static void maybe_server_done(px_server_t *s);
+static void conn_feed(net_conn_t *c, const char *p, size_t n);
+static void conn_close(net_conn_t *c);
+static void conn_reject(net_conn_t *c, int status, const char *reason);
+static void conn_to_idle(net_conn_t *c);
+static void maybe_server_done(net_server_t *s);
 
 /* ---- small helpers ---------------------------------------------------------------------- */
 
@@ -229,7 +229,7 @@ static const char *date_header(size_t *len)
     return buf;
 }
 
-const char *px_error_type_for_status(int status)
+const char *net_error_type_for_status(int status)
 {
     if (status == 401)
         return "authentication_error";
@@ -242,8 +242,8 @@ const char *px_error_type_for_status(int status)
     return "invalid_request_error";
 }
 
-void px_error_body(dp_buf_t *out, const char *type, const char *code, const char *param,
-                   const char *message)
+void net_error_body(dp_buf_t *out, const char *type, const char *code, const char *param,
+                    const char *message)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);
@@ -257,7 +257,7 @@ void px_error_body(dp_buf_t *out, const char *type, const char *code, const char
     dp_jw_obj_end(&w);
 }
 
-void px_server_limits_default(px_server_limits_t *l)
+void net_server_limits_default(net_server_limits_t *l)
 {
     memset(l, 0, sizeof(*l)); /* the bounds not set here are off (0) */
     l->max_header_bytes = 32768;
@@ -271,7 +271,7 @@ void px_server_limits_default(px_server_limits_t *l)
 
 /* ---- corking ------------------------------------------------------------------------------ */
 
-static void cork_remove(px_server_t *s, req_impl_t *q)
+static void cork_remove(net_server_t *s, req_impl_t *q)
 {
     if (!q->corked)
         return;
@@ -289,7 +289,7 @@ static void cork_remove(px_server_t *s, req_impl_t *q)
 
 static void check_cb(uv_check_t *h);
 
-static void cork_add(px_server_t *s, req_impl_t *q)
+static void cork_add(net_server_t *s, req_impl_t *q)
 {
     if (q->corked)
         return;
@@ -305,9 +305,9 @@ static void cork_add(px_server_t *s, req_impl_t *q)
 
 /* ---- request objects ----------------------------------------------------------------------- */
 
-static req_impl_t *req_get(px_conn_t *c)
+static req_impl_t *req_get(net_conn_t *c)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     req_impl_t *q = s->free_reqs;
     if (q) {
         s->free_reqs = q->next_free;
@@ -326,11 +326,11 @@ static req_impl_t *req_get(px_conn_t *c)
 }
 
 /* Return to the cache with buffers kept (capacity reuse), or free when the cache is full. */
-static void req_put(px_server_t *s, req_impl_t *q)
+static void req_put(net_server_t *s, req_impl_t *q)
 {
     dp_buf_t hbuf = q->hbuf, out = q->out, body = q->r.body;
     hoff_t *hoff = q->hoff;
-    px_header_t *hdrs = q->hdrs;
+    net_header_t *hdrs = q->hdrs;
     size_t hcap = q->hcap, hdrs_cap = q->hdrs_cap;
     if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 || hbuf.cap > 64 * 1024) {
         dp_buf_free(&hbuf);
@@ -358,7 +358,7 @@ static void req_put(px_server_t *s, req_impl_t *q)
 }
 
 /* Detach the finished request from its connection. */
-static void conn_release_req(px_conn_t *c)
+static void conn_release_req(net_conn_t *c)
 {
     req_impl_t *q = c->req;
     if (q == NULL)
@@ -376,7 +376,7 @@ static void conn_release_req(px_conn_t *c)
 
 static int on_url(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
     dp_buf_append(&q->hbuf, at, n);
     q->url_len += (uint32_t)n;
     return 0;
@@ -384,7 +384,7 @@ static int on_url(llhttp_t *p, const char *at, size_t n)
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
     if (q->in_value || q->r.nheaders == 0) {
         if (q->r.nheaders == q->hcap) {
             q->hcap = q->hcap ? q->hcap * 2 : 16;
@@ -402,7 +402,7 @@ static int on_header_field(llhttp_t *p, const char *at, size_t n)
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
     hoff_t *h = &q->hoff[q->r.nheaders - 1];
     if (!q->in_value) {
         q->in_value = true;
@@ -415,16 +415,16 @@ static int on_header_value(llhttp_t *p, const char *at, size_t n)
 
 static int on_headers_complete(llhttp_t *p)
 {
-    req_impl_t *q = ((px_conn_t *)p->data)->req;
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
     q->head_done = true;
     return 0;
 }
 
 /* Grow q's reservation of the server's body budget to `total` bytes; false (nothing taken)
  * when that would exceed max_inflight_body_bytes. */
-static bool body_reserve(px_conn_t *c, uint64_t total)
+static bool body_reserve(net_conn_t *c, uint64_t total)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     req_impl_t *q = c->req;
     uint64_t more = total - q->body_reserved;
     if (s->lim.max_inflight_body_bytes && s->body_bytes + more > s->lim.max_inflight_body_bytes)
@@ -434,7 +434,7 @@ static bool body_reserve(px_conn_t *c, uint64_t total)
     return true;
 }
 
-static void conn_overloaded(px_conn_t *c)
+static void conn_overloaded(net_conn_t *c)
 {
     if (c->srv->on_overload)
         c->srv->on_overload("body_budget");
@@ -443,11 +443,11 @@ static void conn_overloaded(px_conn_t *c)
 
 static int on_body(llhttp_t *p, const char *at, size_t n)
 {
-    px_conn_t *c = p->data;
+    net_conn_t *c = p->data;
     req_impl_t *q = c->req;
     if (q == NULL || q->resp_ended)
         return 0; /* answered early: the body is being discarded */
-    if (q->mode == PX_BODY_BUFFER) {
+    if (q->mode == NET_BODY_BUFFER) {
         if (q->r.body.len + n > c->srv->lim.max_body_bytes) {
             q->body_too_large = true;
             return HPE_USER;
@@ -465,7 +465,7 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
 
 static int on_message_complete(llhttp_t *p)
 {
-    px_conn_t *c = p->data;
+    net_conn_t *c = p->data;
     if (c->req)
         c->req->msg_done = true;
     return 0;
@@ -475,7 +475,7 @@ static int on_message_complete(llhttp_t *p)
 
 static void timer_cb(uv_timer_t *t);
 
-static void conn_arm(px_conn_t *c, uint64_t ms)
+static void conn_arm(net_conn_t *c, uint64_t ms)
 {
     c->kick = false;
     c->deadline = uv_now(c->srv->loop) + ms;
@@ -483,7 +483,7 @@ static void conn_arm(px_conn_t *c, uint64_t ms)
 }
 
 /* Parse pipelined bytes left behind by the previous response (zero-delay timer). */
-static void conn_kick(px_conn_t *c)
+static void conn_kick(net_conn_t *c)
 {
     c->kick = true;
     uv_timer_start(&c->timer, timer_cb, 0, 0);
@@ -492,7 +492,7 @@ static void conn_kick(px_conn_t *c)
 /* While body reads are paused libuv has no interest in the socket, so a reset from the client
  * raises no event. Ask the kernel: after a RST the socket is TCP_CLOSE. (A FIN is not taken
  * as "gone": the rest of the body may be waiting in the receive buffer before it.) */
-static bool conn_peer_reset(px_conn_t *c)
+static bool conn_peer_reset(net_conn_t *c)
 {
 #if defined(__linux__)
     uv_os_fd_t fd;
@@ -509,7 +509,7 @@ static bool conn_peer_reset(px_conn_t *c)
 }
 
 /* The next timer in PH_BODY: the idle wait, or sooner when the whole-body deadline is. */
-static uint64_t body_wait(const px_conn_t *c, uint64_t now, uint64_t idle_wait)
+static uint64_t body_wait(const net_conn_t *c, uint64_t now, uint64_t idle_wait)
 {
     uint64_t bd = c->body_deadline;
     if (bd == 0)
@@ -519,7 +519,7 @@ static uint64_t body_wait(const px_conn_t *c, uint64_t now, uint64_t idle_wait)
 
 static void timer_cb(uv_timer_t *t)
 {
-    px_conn_t *c = t->data;
+    net_conn_t *c = t->data;
     uint64_t now = uv_now(c->srv->loop);
     if (c->kick) {
         c->kick = false;
@@ -537,7 +537,7 @@ static void timer_cb(uv_timer_t *t)
         }
         if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
             !c->wait_drain)
-            px_sock_read_start(&c->sock);
+            net_sock_read_start(&c->sock);
         return;
     }
     switch (c->phase) {
@@ -553,7 +553,7 @@ static void timer_cb(uv_timer_t *t)
         return;
     }
     case PH_HEAD:
-        if (!px_head_scan_started(&c->hs)) {
+        if (!net_head_scan_started(&c->hs)) {
             conn_close(c);
             return;
         }
@@ -615,15 +615,15 @@ static void timer_cb(uv_timer_t *t)
 
 /* ---- connection lifecycle ------------------------------------------------------------------ */
 
-static void conn_abort_req(px_conn_t *c);
+static void conn_abort_req(net_conn_t *c);
 
 /* Last handle closed: only now does the handler hear about a request it still owned, so
- * on_abort never runs inside one of its own px_resp_* calls. */
-static void conn_handle_closed(px_conn_t *c)
+ * on_abort never runs inside one of its own net_resp_* calls. */
+static void conn_handle_closed(net_conn_t *c)
 {
     if (--c->closes_pending > 0)
         return;
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     conn_abort_req(c);
     if (c->prev)
         c->prev->next = c->next;
@@ -637,9 +637,9 @@ static void conn_handle_closed(px_conn_t *c)
     maybe_server_done(s);
 }
 
-static void sock_closed(px_sock_t *sk)
+static void sock_closed(net_sock_t *sk)
 {
-    conn_handle_closed((px_conn_t *)sk->owner);
+    conn_handle_closed((net_conn_t *)sk->owner);
 }
 
 static void timer_closed(uv_handle_t *h)
@@ -648,7 +648,7 @@ static void timer_closed(uv_handle_t *h)
 }
 
 /* Tell the handler its request is gone (once), then release it. */
-static void conn_abort_req(px_conn_t *c)
+static void conn_abort_req(net_conn_t *c)
 {
     req_impl_t *q = c->req;
     if (q == NULL)
@@ -663,9 +663,9 @@ static void conn_abort_req(px_conn_t *c)
 
 /* ---- pending TLS handshakes (max_pending_handshakes) -------------------------------------- */
 
-static void hs_remove(px_conn_t *c)
+static void hs_remove(net_conn_t *c)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     if (!c->handshaking)
         return;
     c->handshaking = false;
@@ -681,17 +681,17 @@ static void hs_remove(px_conn_t *c)
     s->nhandshakes--;
 }
 
-static void hs_done(px_sock_t *sk)
+static void hs_done(net_sock_t *sk)
 {
     hs_remove(sk->owner);
 }
 
 /* A new TLS connection starts its handshake; at the bound, the oldest pending one goes. */
-static void hs_add(px_conn_t *c)
+static void hs_add(net_conn_t *c)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     if (s->lim.max_pending_handshakes && s->nhandshakes >= s->lim.max_pending_handshakes) {
-        px_conn_t *old = s->hs_head;
+        net_conn_t *old = s->hs_head;
         uint64_t now = uv_now(s->loop);
         if (now - s->last_accept_warn >= 1000) {
             s->last_accept_warn = now;
@@ -716,7 +716,7 @@ static void hs_add(px_conn_t *c)
     c->sock.on_handshake = hs_done;
 }
 
-static void conn_close(px_conn_t *c)
+static void conn_close(net_conn_t *c)
 {
     if (c->phase == PH_CLOSED)
         return;
@@ -724,18 +724,18 @@ static void conn_close(px_conn_t *c)
     c->phase = PH_CLOSED;
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
-    px_sock_close(&c->sock);
+    net_sock_close(&c->sock);
 }
 
 /* Answer with an error and close, lingering so the client can read the answer even while
  * it is still sending (closing with unread input would reset the connection). */
-static void conn_reject(px_conn_t *c, int status, const char *reason)
+static void conn_reject(net_conn_t *c, int status, const char *reason)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "request_rejected");
     if (w) {
         char remote[48];
-        px_sock_peer(&c->sock, remote, sizeof(remote));
+        net_sock_peer(&c->sock, remote, sizeof(remote));
         dp_jw_int(w, "status", status);
         dp_jw_str(w, "reason", reason);
         dp_jw_str(w, "remote", remote);
@@ -760,7 +760,7 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
     }
     conn_abort_req(c);
     dp_buf_t body = {0};
-    px_error_body(&body, px_error_type_for_status(status), code, NULL, reason);
+    net_error_body(&body, net_error_type_for_status(status), code, NULL, reason);
     dp_buf_t head = {0};
     size_t dlen;
     const char *date = date_header(&dlen);
@@ -772,7 +772,7 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
                   body.len);
     uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
                         uv_buf_init(body.base, (unsigned)body.len)};
-    int r = px_sock_write(&c->sock, bufs, 2);
+    int r = net_sock_write(&c->sock, bufs, 2);
     dp_buf_free(&head);
     dp_buf_free(&body);
     if (r != 0) {
@@ -781,24 +781,24 @@ static void conn_reject(px_conn_t *c, int status, const char *reason)
     }
     c->phase = PH_LINGER;
     dp_buf_free(&c->pending);
-    px_sock_shutdown(&c->sock);
-    px_sock_read_start(&c->sock);
+    net_sock_shutdown(&c->sock);
+    net_sock_read_start(&c->sock);
     conn_arm(c, LINGER_MS);
 }
 
 /* A client that sends (or pipelines) requests without reading the responses would make us
  * queue every answer in memory: /v1/models is 40 bytes in, 400 out. Like nginx, take the next
  * request only once the queue is back under its low-water mark (sock_drain resumes). */
-static void conn_wait_drain(px_conn_t *c)
+static void conn_wait_drain(net_conn_t *c)
 {
     c->wait_drain = true;
-    px_sock_read_stop(&c->sock);
+    net_sock_read_stop(&c->sock);
     conn_arm(c, c->srv->lim.client_idle_timeout_ms);
 }
 
-static void conn_to_idle(px_conn_t *c)
+static void conn_to_idle(net_conn_t *c)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     c->phase = PH_IDLE;
     c->body_paused = false;
     memset(&c->hs, 0, sizeof(c->hs));
@@ -809,7 +809,7 @@ static void conn_to_idle(px_conn_t *c)
         conn_close(c);
         return;
     }
-    if (px_sock_over(&c->sock)) {
+    if (net_sock_over(&c->sock)) {
         conn_wait_drain(c);
         return;
     }
@@ -819,18 +819,18 @@ static void conn_to_idle(px_conn_t *c)
     }
     conn_arm(c, c->first_request ? s->lim.client_header_timeout_ms : s->lim.client_idle_timeout_ms);
     if (!c->read_paused)
-        px_sock_read_start(&c->sock);
+        net_sock_read_start(&c->sock);
 }
 
 /* The request is finished from both sides (response ended, body read): next one. */
-static void conn_request_done(px_conn_t *c)
+static void conn_request_done(net_conn_t *c)
 {
     bool keep = c->keep_alive;
     conn_release_req(c);
     c->first_request = false;
     if (!keep) {
         c->phase = PH_LINGER;
-        px_sock_shutdown(&c->sock);
+        net_sock_shutdown(&c->sock);
         conn_arm(c, LINGER_MS);
         return;
     }
@@ -839,7 +839,7 @@ static void conn_request_done(px_conn_t *c)
 
 /* ---- parsing --------------------------------------------------------------------------- */
 
-static void split_target(px_req_t *r)
+static void split_target(net_req_t *r)
 {
     const char *q = memchr(r->target.base, '?', r->target.len);
     if (q) {
@@ -853,10 +853,10 @@ static void split_target(px_req_t *r)
 
 /* SPEC §7: the path is normalised in place (it only shrinks) before any handler sees it, so
  * what is classified, policed and forwarded is what a percent-decoding replica would route. */
-static int normalize_target(px_req_t *r, const char **reason)
+static int normalize_target(net_req_t *r, const char **reason)
 {
     char *p = (char *)r->target.base;
-    size_t n = dp_path_normalize(p, r->path.len, reason);
+    size_t n = net_path_normalize(p, r->path.len, reason);
     if (n == 0)
         return 400;
     if (n != r->path.len) {
@@ -868,20 +868,20 @@ static int normalize_target(px_req_t *r, const char **reason)
     return 0;
 }
 
-static void write_continue(px_conn_t *c)
+static void write_continue(net_conn_t *c)
 {
     static const char msg[] = "HTTP/1.1 100 Continue\r\n\r\n";
     uv_buf_t b = uv_buf_init((char *)msg, sizeof(msg) - 1);
-    px_sock_write(&c->sock, &b, 1);
+    net_sock_write(&c->sock, &b, 1);
 }
 
 /* The head is complete and parsed: validate, hand to the handler, pick the body phase.
  * Returns false when the connection was rejected or closed. */
-static bool conn_head_done(px_conn_t *c)
+static bool conn_head_done(net_conn_t *c)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     req_impl_t *q = c->req;
-    px_req_t *r = &q->r;
+    net_req_t *r = &q->r;
     /* The header buffer no longer grows: pointers into it are stable from here on. */
     if (q->hdrs_cap < r->nheaders) {
         q->hdrs_cap = r->nheaders;
@@ -902,8 +902,8 @@ static bool conn_head_done(px_conn_t *c)
     r->http_minor = llhttp_get_http_minor(&c->parser);
 
     const char *reason = NULL;
-    int st = px_request_check(r->headers, r->nheaders, r->http_major, r->http_minor, r->method,
-                              r->target.base, r->target.len, &q->framing, &reason);
+    int st = net_request_check(r->headers, r->nheaders, r->http_major, r->http_minor, r->method,
+                               r->target.base, r->target.len, &q->framing, &reason);
     if (st == 0 && r->target.base[0] == '/')
         st = normalize_target(r, &reason);
     if (st != 0) {
@@ -916,7 +916,7 @@ static bool conn_head_done(px_conn_t *c)
     c->keep_alive = !q->framing.conn_close && !s->draining &&
                     (r->http_minor == 1 || q->framing.conn_keep_alive);
     if (c->remote[0] == '\0')
-        px_sock_peer(&c->sock, c->remote, sizeof(c->remote));
+        net_sock_peer(&c->sock, c->remote, sizeof(c->remote));
     memcpy(r->remote, c->remote, sizeof(r->remote));
     s->ninflight++;
     q->handed = true;
@@ -927,7 +927,7 @@ static bool conn_head_done(px_conn_t *c)
     memset(&c->cs, 0, sizeof(c->cs));
     uv_timer_stop(&c->timer);
 
-    q->mode = s->h.on_head ? s->h.on_head(r) : PX_BODY_BUFFER;
+    q->mode = s->h.on_head ? s->h.on_head(r) : NET_BODY_BUFFER;
     if (c->req != q || c->phase == PH_CLOSED || c->phase == PH_LINGER)
         return false; /* answered and closed inside on_head */
     if (q->resp_ended) {
@@ -940,13 +940,13 @@ static bool conn_head_done(px_conn_t *c)
         return true;
     }
     if (r->has_body) {
-        if (q->mode == PX_BODY_BUFFER && r->content_length > 0 &&
+        if (q->mode == NET_BODY_BUFFER && r->content_length > 0 &&
             (uint64_t)r->content_length > s->lim.max_body_bytes) {
             conn_reject(c, 413, "request body too large");
             return false;
         }
         c->body_deadline = 0;
-        if (q->mode == PX_BODY_BUFFER) {
+        if (q->mode == NET_BODY_BUFFER) {
             /* A known length is reserved whole now: memory stays within the budget however
              * slowly the bodies already admitted arrive. */
             if (r->content_length > 0 && !body_reserve(c, (uint64_t)r->content_length)) {
@@ -967,7 +967,7 @@ static bool conn_head_done(px_conn_t *c)
 }
 
 /* The request (head and body) has been received. */
-static void conn_msg_done(px_conn_t *c)
+static void conn_msg_done(net_conn_t *c)
 {
     req_impl_t *q = c->req;
     q->body_done = true;
@@ -978,9 +978,9 @@ static void conn_msg_done(px_conn_t *c)
         c->srv->h.on_complete(&q->r);
 }
 
-static void conn_feed(px_conn_t *c, const char *p, size_t n)
+static void conn_feed(net_conn_t *c, const char *p, size_t n)
 {
-    px_server_t *s = c->srv;
+    net_server_t *s = c->srv;
     c->in_feed = true;
     while (n > 0 && c->phase != PH_CLOSED) {
         size_t used = 0;
@@ -997,7 +997,7 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
             n = 0;
             if (c->pending.len > PENDING_LIMIT) {
                 c->read_paused = true;
-                px_sock_read_stop(&c->sock);
+                net_sock_read_stop(&c->sock);
             }
             continue;
         case PH_IDLE:
@@ -1005,7 +1005,7 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
                 conn_close(c);
                 goto out;
             }
-            if (c->wait_drain || px_sock_over(&c->sock)) {
+            if (c->wait_drain || net_sock_over(&c->sock)) {
                 /* Answers to earlier requests are still queued: keep the rest for later. */
                 dp_buf_append(&c->pending, p, n);
                 n = 0;
@@ -1019,20 +1019,20 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
                 conn_arm(c, s->lim.client_header_timeout_ms);
             continue;
         case PH_HEAD: {
-            r = px_head_scan(&c->hs, p, n, &used, &status, &reason);
-            if (r == PX_SCAN_ERROR) {
+            r = net_head_scan(&c->hs, p, n, &used, &status, &reason);
+            if (r == NET_SCAN_ERROR) {
                 conn_reject(c, status, reason);
                 goto out;
             }
             llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
-            /* Upgrade/CONNECT pause the parser; px_request_check refuses them with a reason. */
+            /* Upgrade/CONNECT pause the parser; net_request_check refuses them with a reason. */
             if (e != HPE_OK && !(e == HPE_PAUSED_UPGRADE && c->req->head_done)) {
                 conn_reject(c, 400, llhttp_get_error_reason(&c->parser));
                 goto out;
             }
             p += used;
             n -= used;
-            if (r != PX_SCAN_DONE)
+            if (r != NET_SCAN_DONE)
                 continue;
             if (!c->req->head_done) {
                 conn_reject(c, 400, "malformed request head");
@@ -1052,15 +1052,15 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
         case PH_BODY: {
             req_impl_t *q = c->req;
             if (q->r.chunked) {
-                r = px_chunk_scan(&c->cs, p, n, &used, &reason);
-                if (r == PX_SCAN_ERROR) {
+                r = net_chunk_scan(&c->cs, p, n, &used, &reason);
+                if (r == NET_SCAN_ERROR) {
                     conn_reject(c, 400, reason);
                     goto out;
                 }
             } else {
                 used = n < c->body_remaining ? n : (size_t)c->body_remaining;
                 c->body_remaining -= used;
-                r = c->body_remaining == 0 ? PX_SCAN_DONE : PX_SCAN_MORE;
+                r = c->body_remaining == 0 ? NET_SCAN_DONE : NET_SCAN_MORE;
             }
             c->last_read = uv_now(s->loop);
             llhttp_errno_t e = llhttp_execute(&c->parser, p, used);
@@ -1077,7 +1077,7 @@ static void conn_feed(px_conn_t *c, const char *p, size_t n)
             }
             p += used;
             n -= used;
-            if (r == PX_SCAN_DONE) {
+            if (r == NET_SCAN_DONE) {
                 if (!q->msg_done) {
                     conn_reject(c, 400, "malformed request body");
                     goto out;
@@ -1101,12 +1101,12 @@ out:
         conn_kick(c);
 }
 
-static void sock_read(px_sock_t *sk, const char *p, size_t n)
+static void sock_read(net_sock_t *sk, const char *p, size_t n)
 {
-    px_conn_t *c = sk->owner;
+    net_conn_t *c = sk->owner;
     if (c->phase == PH_BODY && c->body_paused) {
         dp_buf_append(&c->pending, p, n);
-        px_sock_read_stop(sk);
+        net_sock_read_stop(sk);
         return;
     }
     if (c->pending.len && c->phase != PH_WAIT && c->phase != PH_LINGER) {
@@ -1121,9 +1121,9 @@ static void sock_read(px_sock_t *sk, const char *p, size_t n)
     conn_feed(c, p, n);
 }
 
-static void sock_error(px_sock_t *sk, int status)
+static void sock_error(net_sock_t *sk, int status)
 {
-    px_conn_t *c = sk->owner;
+    net_conn_t *c = sk->owner;
     (void)status;
     if (c->phase == PH_WAIT && c->req && !c->req->resp_ended) {
         dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_disconnected");
@@ -1143,9 +1143,9 @@ static void sock_error(px_sock_t *sk, int status)
     conn_close(c);
 }
 
-static void sock_drain(px_sock_t *sk)
+static void sock_drain(net_sock_t *sk)
 {
-    px_conn_t *c = sk->owner;
+    net_conn_t *c = sk->owner;
     if (c->wait_drain) {
         c->wait_drain = false;
         if (c->phase == PH_IDLE)
@@ -1158,7 +1158,7 @@ static void sock_drain(px_sock_t *sk)
 
 /* ---- accept -------------------------------------------------------------------------------- */
 
-static void warn_accept_failed(px_server_t *s, int status, const char *detail)
+static void warn_accept_failed(net_server_t *s, int status, const char *detail)
 {
     uint64_t now = uv_now(s->loop);
     if (now - s->last_accept_warn < 1000)
@@ -1177,7 +1177,7 @@ static void warn_accept_failed(px_server_t *s, int status, const char *detail)
  * not call the connection callback at all (libuv 1.44, uv__server_io), so without this probe
  * an operator would never hear that connections are being shed. One fcntl + close per
  * accepted connection: noise next to the accept itself. */
-static int fd_headroom_error(const px_server_t *s)
+static int fd_headroom_error(const net_server_t *s)
 {
     uv_os_fd_t lfd;
     if (uv_fileno((const uv_handle_t *)&s->listener, &lfd) != 0)
@@ -1192,15 +1192,15 @@ static int fd_headroom_error(const px_server_t *s)
 
 static void on_connection(uv_stream_t *ls, int status)
 {
-    px_server_t *s = ls->data;
+    net_server_t *s = ls->data;
     if (status < 0) {
         /* EMFILE/ENFILE when libuv could not even shed the pending connection itself. */
         warn_accept_failed(s, status, NULL);
         return;
     }
-    px_conn_t *c = dp_xcalloc(1, sizeof(*c));
+    net_conn_t *c = dp_xcalloc(1, sizeof(*c));
     c->srv = s;
-    if (px_sock_init(s->loop, &c->sock, c) != 0) {
+    if (net_sock_init(s->loop, &c->sock, c) != 0) {
         free(c);
         return;
     }
@@ -1249,12 +1249,12 @@ static void on_connection(uv_stream_t *ls, int status)
     }
     uv_tcp_nodelay(&c->sock.tcp, 1);
     if (s->tls) {
-        px_tls_t *t = px_tls_new_server(s->tls);
+        net_tls_t *t = net_tls_new_server(s->tls);
         if (t == NULL) {
             conn_close(c);
             return;
         }
-        px_sock_use_tls(&c->sock, t);
+        net_sock_use_tls(&c->sock, t);
         hs_add(c);
     }
     s->accepted++;
@@ -1263,17 +1263,17 @@ static void on_connection(uv_stream_t *ls, int status)
 
 /* ---- server ---------------------------------------------------------------------------------- */
 
-px_server_t *px_server_new(uv_loop_t *loop, const px_handler_t *h, void *data,
-                           const px_server_limits_t *limits)
+net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data,
+                             const net_server_limits_t *limits)
 {
-    px_server_t *s = dp_xcalloc(1, sizeof(*s));
+    net_server_t *s = dp_xcalloc(1, sizeof(*s));
     s->loop = loop;
     s->h = *h;
     s->data = data;
     if (limits)
         s->lim = *limits;
     else
-        px_server_limits_default(&s->lim);
+        net_server_limits_default(&s->lim);
     if (s->lim.write_high_water == 0)
         s->lim.write_high_water = 256 * 1024;
     llhttp_settings_init(&s->settings);
@@ -1289,7 +1289,7 @@ px_server_t *px_server_new(uv_loop_t *loop, const px_handler_t *h, void *data,
     return s;
 }
 
-int px_server_listen(px_server_t *s, const char *host, uint16_t port)
+int net_server_listen(net_server_t *s, const char *host, uint16_t port)
 {
     struct sockaddr_storage ss;
     int r = strchr(host, ':') ? uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss)
@@ -1312,74 +1312,74 @@ int px_server_listen(px_server_t *s, const char *host, uint16_t port)
     return 0;
 }
 
-const struct sockaddr *px_server_bound(const px_server_t *s)
+const struct sockaddr *net_server_bound(const net_server_t *s)
 {
     return s->listening || s->bound.ss_family ? (const struct sockaddr *)&s->bound : NULL;
 }
 
-void px_server_set_tls(px_server_t *s, px_tls_ctx_t *ctx)
+void net_server_set_tls(net_server_t *s, net_tls_ctx_t *ctx)
 {
     if (ctx)
-        px_tls_ctx_ref(ctx);
-    px_tls_ctx_unref(s->tls);
+        net_tls_ctx_ref(ctx);
+    net_tls_ctx_unref(s->tls);
     s->tls = ctx;
 }
 
-void px_server_on_overload(px_server_t *s, void (*cb)(const char *reason))
+void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason))
 {
     s->on_overload = cb;
 }
 
-uint64_t px_server_body_bytes(const px_server_t *s)
+uint64_t net_server_body_bytes(const net_server_t *s)
 {
     return s->body_bytes;
 }
 
-uint16_t px_server_port(const px_server_t *s)
+uint16_t net_server_port(const net_server_t *s)
 {
     return s->port;
 }
 
-void *px_server_data(const px_server_t *s)
+void *net_server_data(const net_server_t *s)
 {
     return s->data;
 }
 
-uv_loop_t *px_server_loop(const px_server_t *s)
+uv_loop_t *net_server_loop(const net_server_t *s)
 {
     return s->loop;
 }
 
-void px_server_set_limits(px_server_t *s, const px_server_limits_t *limits)
+void net_server_set_limits(net_server_t *s, const net_server_limits_t *limits)
 {
     s->lim = *limits;
     if (s->lim.write_high_water == 0)
         s->lim.write_high_water = 256 * 1024;
 }
 
-size_t px_server_connections(const px_server_t *s)
+size_t net_server_connections(const net_server_t *s)
 {
     return s->nconns;
 }
 
-uint64_t px_server_accepted(const px_server_t *s)
+uint64_t net_server_accepted(const net_server_t *s)
 {
     return s->accepted;
 }
 
-size_t px_server_inflight(const px_server_t *s)
+size_t net_server_inflight(const net_server_t *s)
 {
     return s->ninflight;
 }
 
 static void listener_closed(uv_handle_t *h)
 {
-    px_server_t *s = h->data;
+    net_server_t *s = h->data;
     s->listener_open = false;
     maybe_server_done(s);
 }
 
-static void stop_listening(px_server_t *s)
+static void stop_listening(net_server_t *s)
 {
     if (s->listener_open && !uv_is_closing((uv_handle_t *)&s->listener)) {
         s->listening = false;
@@ -1389,17 +1389,17 @@ static void stop_listening(px_server_t *s)
 
 static void check_closed(uv_handle_t *h)
 {
-    px_server_t *s = h->data;
+    net_server_t *s = h->data;
     s->check_open = false;
     maybe_server_done(s);
 }
 
-static void maybe_server_done(px_server_t *s)
+static void maybe_server_done(net_server_t *s)
 {
     if (s->nconns > 0 || s->listener_open)
         return;
     if (s->draining && s->drain_cb) {
-        void (*cb)(px_server_t *) = s->drain_cb;
+        void (*cb)(net_server_t *) = s->drain_cb;
         s->drain_cb = NULL;
         cb(s);
     }
@@ -1421,19 +1421,19 @@ static void maybe_server_done(px_server_t *s)
             free(q->hdrs);
             free(q);
         }
-        px_tls_ctx_unref(s->tls);
+        net_tls_ctx_unref(s->tls);
         free(s);
         if (cb)
             cb(d);
     }
 }
 
-void px_server_drain(px_server_t *s, void (*done_cb)(px_server_t *s))
+void net_server_drain(net_server_t *s, void (*done_cb)(net_server_t *s))
 {
     s->draining = true;
     s->drain_cb = done_cb;
     stop_listening(s);
-    for (px_conn_t *c = s->conns, *next; c; c = next) {
+    for (net_conn_t *c = s->conns, *next; c; c = next) {
         next = c->next;
         c->keep_alive = false;
         if (c->phase == PH_IDLE && c->pending.len == 0)
@@ -1442,13 +1442,13 @@ void px_server_drain(px_server_t *s, void (*done_cb)(px_server_t *s))
     maybe_server_done(s);
 }
 
-void px_server_close(px_server_t *s, void (*done_cb)(void *data), void *data)
+void net_server_close(net_server_t *s, void (*done_cb)(void *data), void *data)
 {
     s->closing = true;
     s->close_cb = done_cb;
     s->close_data = data;
     stop_listening(s);
-    for (px_conn_t *c = s->conns, *next; c; c = next) {
+    for (net_conn_t *c = s->conns, *next; c; c = next) {
         next = c->next;
         conn_close(c);
     }
@@ -1457,7 +1457,7 @@ void px_server_close(px_server_t *s, void (*done_cb)(void *data), void *data)
 
 /* ---- request accessors -------------------------------------------------------------------- */
 
-const px_header_t *px_req_header(const px_req_t *req, const char *name)
+const net_header_t *net_req_header(const net_req_t *req, const char *name)
 {
     for (size_t i = 0; i < req->nheaders; i++)
         if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, name))
@@ -1465,7 +1465,7 @@ const px_header_t *px_req_header(const px_req_t *req, const char *name)
     return NULL;
 }
 
-bool px_req_query(const px_req_t *req, const char *name, dp_iovec_t *out)
+bool net_req_query(const net_req_t *req, const char *name, dp_iovec_t *out)
 {
     dp_iovec_t q = req->query;
     size_t nl = strlen(name);
@@ -1483,19 +1483,19 @@ bool px_req_query(const px_req_t *req, const char *name, dp_iovec_t *out)
     return false;
 }
 
-void px_req_pause_body(px_req_t *req)
+void net_req_pause_body(net_req_t *req)
 {
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (c->phase != PH_BODY || c->body_paused)
         return;
     c->body_paused = true;
-    px_sock_read_stop(&c->sock);
+    net_sock_read_stop(&c->sock);
     conn_arm(c, PAUSED_CHECK_MS); /* see conn_peer_reset */
 }
 
-void px_req_resume_body(px_req_t *req)
+void net_req_resume_body(net_req_t *req)
 {
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (!c->body_paused)
         return;
     c->body_paused = false;
@@ -1508,17 +1508,17 @@ void px_req_resume_body(px_req_t *req)
         return;
     }
     if (!c->read_paused)
-        px_sock_read_start(&c->sock);
+        net_sock_read_start(&c->sock);
 }
 
 /* ---- responses ----------------------------------------------------------------------------- */
 
-static inline req_impl_t *impl(px_req_t *r)
+static inline req_impl_t *impl(net_req_t *r)
 {
     return dp_container_of(r, req_impl_t, r);
 }
 
-uint64_t px_req_take_body_budget(px_req_t *req)
+uint64_t net_req_take_body_budget(net_req_t *req)
 {
     req_impl_t *q = impl(req);
     uint64_t n = q->body_reserved;
@@ -1526,22 +1526,22 @@ uint64_t px_req_take_body_budget(px_req_t *req)
     return n;
 }
 
-void px_server_return_body_budget(px_server_t *s, uint64_t bytes)
+void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
 {
     s->body_bytes -= bytes;
 }
 
-static bool conn_usable(px_req_t *req)
+static bool conn_usable(net_req_t *req)
 {
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     return c->req == impl(req) && c->phase != PH_CLOSED && c->phase != PH_LINGER;
 }
 
-int px_resp_start(px_req_t *req, int status, const px_header_t *hdrs, size_t nhdrs,
-                  int64_t content_length)
+int net_resp_start(net_req_t *req, int status, const net_header_t *hdrs, size_t nhdrs,
+                   int64_t content_length)
 {
     req_impl_t *q = impl(req);
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (!conn_usable(req) || q->resp_started)
         return -1;
     q->resp_started = true;
@@ -1595,7 +1595,7 @@ int px_resp_start(px_req_t *req, int status, const px_header_t *hdrs, size_t nhd
 }
 
 /* Write the pending head (if any) and up to three body pieces in one writev. */
-static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *p, size_t n,
+static int resp_emit(net_req_t *req, const char *pre, size_t prelen, const char *p, size_t n,
                      const char *post, size_t postlen)
 {
     req_impl_t *q = impl(req);
@@ -1614,9 +1614,9 @@ static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *
         bufs[nb++] = uv_buf_init((char *)post, (unsigned)postlen);
     if (nb == 0)
         return 0;
-    int r = px_sock_write(&req->conn->sock, bufs, nb);
+    int r = net_sock_write(&req->conn->sock, bufs, nb);
     if (r != 0) {
-        px_conn_t *c = req->conn;
+        net_conn_t *c = req->conn;
         conn_close(c);
         return -1;
     }
@@ -1625,7 +1625,7 @@ static int resp_emit(px_req_t *req, const char *pre, size_t prelen, const char *
 
 static void check_cb(uv_check_t *h)
 {
-    px_server_t *s = h->data;
+    net_server_t *s = h->data;
     while (s->corked) {
         req_impl_t *q = s->corked;
         cork_remove(s, q);
@@ -1634,7 +1634,7 @@ static void check_cb(uv_check_t *h)
     }
 }
 
-int px_resp_write(px_req_t *req, const char *p, size_t n)
+int net_resp_write(net_req_t *req, const char *p, size_t n)
 {
     req_impl_t *q = impl(req);
     if (!conn_usable(req) || !q->resp_started || q->resp_ended)
@@ -1655,11 +1655,11 @@ int px_resp_write(px_req_t *req, const char *p, size_t n)
     return resp_emit(req, NULL, 0, p, n, NULL, 0);
 }
 
-/* The handler gave the request up (px_resp_end, px_resp_abort, px_resp_send failed on a
+/* The handler gave the request up (net_resp_end, net_resp_abort, net_resp_send failed on a
  * connection that is already closing): it drops its pointers right after such a call, so the
  * on_abort still due from the close callback must not reach it. Before this, a handler that
- * freed its state after a failed px_resp_end got on_abort with req->data dangling (client
- * half-closed while the upstream response completed). px_resp_start and px_resp_write failing
+ * freed its state after a failed net_resp_end got on_abort with req->data dangling (client
+ * half-closed while the upstream response completed). net_resp_start and net_resp_write failing
  * do not disown: the handler keeps the request and hears on_abort. */
 static void resp_disown(req_impl_t *q)
 {
@@ -1667,17 +1667,17 @@ static void resp_disown(req_impl_t *q)
         q->resp_ended = true;
 }
 
-int px_resp_end(px_req_t *req)
+int net_resp_end(net_req_t *req)
 {
     req_impl_t *q = impl(req);
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (!conn_usable(req) || !q->resp_started || q->resp_ended) {
         resp_disown(q);
         return -1;
     }
     if (q->resp_remaining > 0 && !q->resp_no_body) {
         /* Shorter than announced: the client must not take it for a whole response. */
-        px_resp_abort(req);
+        net_resp_abort(req);
         return -1;
     }
     int r;
@@ -1695,14 +1695,14 @@ int px_resp_end(px_req_t *req)
         c->keep_alive = false;
         conn_release_req(c);
         c->phase = PH_LINGER;
-        px_sock_shutdown(&c->sock);
+        net_sock_shutdown(&c->sock);
         conn_arm(c, LINGER_MS);
         return 0;
     }
     if (!c->keep_alive) {
         conn_release_req(c);
         c->phase = PH_LINGER;
-        px_sock_shutdown(&c->sock);
+        net_sock_shutdown(&c->sock);
         conn_arm(c, LINGER_MS);
         return 0;
     }
@@ -1710,10 +1710,10 @@ int px_resp_end(px_req_t *req)
     return 0;
 }
 
-void px_resp_abort(px_req_t *req)
+void net_resp_abort(net_req_t *req)
 {
     req_impl_t *q = impl(req);
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (c->req != q)
         return;
     q->resp_ended = true; /* the handler is done with it: no on_abort */
@@ -1724,46 +1724,46 @@ void px_resp_abort(px_req_t *req)
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
     /* Deliver what was written, then close without the final chunk. */
-    px_sock_read_stop(&c->sock);
-    px_sock_close_after_flush(&c->sock);
+    net_sock_read_stop(&c->sock);
+    net_sock_close_after_flush(&c->sock);
 }
 
-int px_resp_raw_and_close(px_req_t *req, const char *p, size_t n)
+int net_resp_raw_and_close(net_req_t *req, const char *p, size_t n)
 {
     req_impl_t *q = impl(req);
-    px_conn_t *c = req->conn;
+    net_conn_t *c = req->conn;
     if (!conn_usable(req) || q->resp_started) {
         resp_disown(q);
         return -1;
     }
     q->resp_started = true;
     uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
-    int r = px_sock_write(&c->sock, &b, 1);
-    px_resp_abort(req);
+    int r = net_sock_write(&c->sock, &b, 1);
+    net_resp_abort(req);
     return r == 0 ? 0 : -1;
 }
 
-size_t px_resp_pending(const px_req_t *req)
+size_t net_resp_pending(const net_req_t *req)
 {
     return req->conn->sock.queued;
 }
 
-bool px_resp_started(const px_req_t *req)
+bool net_resp_started(const net_req_t *req)
 {
-    return impl((px_req_t *)req)->resp_started;
+    return impl((net_req_t *)req)->resp_started;
 }
 
-int px_resp_send(px_req_t *req, int status, const char *content_type, const char *body, size_t n,
-                 const px_header_t *extra, size_t nextra)
+int net_resp_send(net_req_t *req, int status, const char *content_type, const char *body, size_t n,
+                  const net_header_t *extra, size_t nextra)
 {
-    px_header_t hdrs[16];
+    net_header_t hdrs[16];
     size_t nh = 0;
     req_impl_t *q = impl(req);
     if (content_type)
-        hdrs[nh++] = (px_header_t){DP_IOV("content-type"), {content_type, strlen(content_type)}};
+        hdrs[nh++] = (net_header_t){DP_IOV("content-type"), {content_type, strlen(content_type)}};
     for (size_t i = 0; i < nextra && nh < DP_ARRAY_SIZE(hdrs); i++)
         hdrs[nh++] = extra[i];
-    if (px_resp_start(req, status, hdrs, nh, (int64_t)n) != 0) {
+    if (net_resp_start(req, status, hdrs, nh, (int64_t)n) != 0) {
         resp_disown(q);
         return -1;
     }
@@ -1774,15 +1774,15 @@ int px_resp_send(px_req_t *req, int status, const char *content_type, const char
             return -1;
         }
     }
-    return px_resp_end(req);
+    return net_resp_end(req);
 }
 
-int px_resp_error(px_req_t *req, int status, const char *type, const char *code, const char *param,
-                  const char *message, const px_header_t *extra, size_t nextra)
+int net_resp_error(net_req_t *req, int status, const char *type, const char *code,
+                   const char *param, const char *message, const net_header_t *extra, size_t nextra)
 {
     dp_buf_t b = {0};
-    px_error_body(&b, type ? type : px_error_type_for_status(status), code, param, message);
-    int r = px_resp_send(req, status, "application/json", b.base, b.len, extra, nextra);
+    net_error_body(&b, type ? type : net_error_type_for_status(status), code, param, message);
+    int r = net_resp_send(req, status, "application/json", b.base, b.len, extra, nextra);
     dp_buf_free(&b);
     return r;
 }

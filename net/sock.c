@@ -8,17 +8,17 @@
 
 /* One read buffer for the whole process: every read callback consumes or copies its bytes
  * before returning, and there is one event loop per process. */
-static char g_read_buf[PX_READ_BUF_SIZE];
+static char g_read_buf[NET_READ_BUF_SIZE];
 /* Decrypted bytes of one read (TLS): the same rule, consumed or copied before returning. */
 static dp_buf_t g_plain;
 /* Pieces of one TLS write gathered into one buffer (same rule: used within the call). */
 static dp_buf_t g_tls_gather;
 
-static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
+static int raw_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 
 typedef struct {
     uv_write_t req;
-    px_sock_t *sock;
+    net_sock_t *sock;
     size_t len;
     char data[];
 } write_req_t;
@@ -31,7 +31,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     buf->len = sizeof(g_read_buf);
 }
 
-static void fail(px_sock_t *s, int status)
+static void fail(net_sock_t *s, int status)
 {
     if (s->errored || s->closing)
         return;
@@ -41,50 +41,50 @@ static void fail(px_sock_t *s, int status)
 }
 
 /* Send whatever TLS produced (handshake messages, alerts, records). */
-static int tls_flush(px_sock_t *s)
+static int tls_flush(net_sock_t *s)
 {
-    if (px_tls_pending_out(s->tls) == 0)
+    if (net_tls_pending_out(s->tls) == 0)
         return 0;
     dp_buf_t out = {0};
-    px_tls_take_out(s->tls, &out);
+    net_tls_take_out(s->tls, &out);
     uv_buf_t b = uv_buf_init(out.base, (unsigned)out.len);
     int r = raw_write(s, &b, 1);
     dp_buf_free(&out);
     return r;
 }
 
-static void tls_read(px_sock_t *s, const char *p, size_t n)
+static void tls_read(net_sock_t *s, const char *p, size_t n)
 {
-    bool was_done = px_tls_handshake_done(s->tls);
+    bool was_done = net_tls_handshake_done(s->tls);
     dp_buf_reset(&g_plain);
-    int r = px_tls_feed(s->tls, p, n, &g_plain);
-    if (tls_flush(s) != 0 && r == PX_TLS_OK)
-        r = PX_TLS_ERROR;
-    if (r == PX_TLS_ERROR) {
-        px_sock_read_stop(s);
+    int r = net_tls_feed(s->tls, p, n, &g_plain);
+    if (tls_flush(s) != 0 && r == NET_TLS_OK)
+        r = NET_TLS_ERROR;
+    if (r == NET_TLS_ERROR) {
+        net_sock_read_stop(s);
         fail(s, UV_EPROTO);
         return;
     }
-    if (!was_done && px_tls_handshake_done(s->tls) && s->connecting) {
+    if (!was_done && net_tls_handshake_done(s->tls) && s->connecting) {
         s->connecting = false;
         if (s->on_connect)
             s->on_connect(s, 0);
         if (s->closing || s->errored)
             return;
-    } else if (!was_done && px_tls_handshake_done(s->tls) && s->on_handshake) {
+    } else if (!was_done && net_tls_handshake_done(s->tls) && s->on_handshake) {
         s->on_handshake(s);
     }
     if (g_plain.len && s->on_read)
         s->on_read(s, g_plain.base, g_plain.len);
-    if (r == PX_TLS_CLOSED && !s->closing) {
-        px_sock_read_stop(s);
+    if (r == NET_TLS_CLOSED && !s->closing) {
+        net_sock_read_stop(s);
         fail(s, UV_EOF);
     }
 }
 
 static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
-    px_sock_t *s = st->data;
+    net_sock_t *s = st->data;
     (void)buf;
     if (nread > 0) {
         if (s->tls)
@@ -94,12 +94,12 @@ static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         return;
     }
     if (nread < 0) {
-        px_sock_read_stop(s);
+        net_sock_read_stop(s);
         fail(s, (int)nread);
     }
 }
 
-int px_sock_init(uv_loop_t *loop, px_sock_t *s, void *owner)
+int net_sock_init(uv_loop_t *loop, net_sock_t *s, void *owner)
 {
     memset(s, 0, sizeof(*s));
     s->owner = owner;
@@ -110,7 +110,7 @@ int px_sock_init(uv_loop_t *loop, px_sock_t *s, void *owner)
     return r;
 }
 
-int px_sock_read_start(px_sock_t *s)
+int net_sock_read_start(net_sock_t *s)
 {
     if (s->reading || s->closing || s->errored)
         return 0;
@@ -120,7 +120,7 @@ int px_sock_read_start(px_sock_t *s)
     return r;
 }
 
-void px_sock_read_stop(px_sock_t *s)
+void net_sock_read_stop(net_sock_t *s)
 {
     if (!s->reading)
         return;
@@ -130,14 +130,14 @@ void px_sock_read_stop(px_sock_t *s)
 
 static void close_cb(uv_handle_t *h)
 {
-    px_sock_t *s = h->data;
-    px_tls_free(s->tls);
+    net_sock_t *s = h->data;
+    net_tls_free(s->tls);
     s->tls = NULL;
     if (s->on_close)
         s->on_close(s);
 }
 
-void px_sock_close(px_sock_t *s)
+void net_sock_close(net_sock_t *s)
 {
     if (s->closing)
         return;
@@ -146,7 +146,7 @@ void px_sock_close(px_sock_t *s)
     uv_close((uv_handle_t *)&s->tcp, close_cb);
 }
 
-void px_sock_abort(px_sock_t *s)
+void net_sock_abort(net_sock_t *s)
 {
     if (s->closing)
         return;
@@ -160,21 +160,21 @@ void px_sock_abort(px_sock_t *s)
 static void write_cb(uv_write_t *req, int status)
 {
     write_req_t *w = (write_req_t *)req;
-    px_sock_t *s = w->sock;
+    net_sock_t *s = w->sock;
     s->queued -= w->len;
     free(w);
     if (s->closing)
         return;
     if (status < 0) {
         if (s->close_on_flush)
-            px_sock_close(s);
+            net_sock_close(s);
         else
             fail(s, status);
         return;
     }
     s->last_write = uv_now(s->tcp.loop);
     if (s->queued == 0 && s->close_on_flush) {
-        px_sock_close(s);
+        net_sock_close(s);
         return;
     }
     if (s->above_high && s->queued <= s->low_water) {
@@ -184,7 +184,7 @@ static void write_cb(uv_write_t *req, int status)
     }
 }
 
-int px_sock_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
+int net_sock_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 {
     if (s->closing || s->errored)
         return UV_EPIPE;
@@ -200,17 +200,17 @@ int px_sock_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
             p = g_tls_gather.base;
             n = g_tls_gather.len;
         }
-        int r = n ? px_tls_write(s->tls, p, n) : PX_TLS_OK;
+        int r = n ? net_tls_write(s->tls, p, n) : NET_TLS_OK;
         if (g_tls_gather.cap > 1 << 20)
             dp_buf_free(&g_tls_gather);
-        if (r != PX_TLS_OK)
+        if (r != NET_TLS_OK)
             return UV_EPROTO;
         return tls_flush(s);
     }
     return raw_write(s, bufs, nbufs);
 }
 
-static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
+static int raw_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 {
     size_t total = 0;
     for (unsigned i = 0; i < nbufs; i++)
@@ -259,10 +259,10 @@ static int raw_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
     return 0;
 }
 
-void px_sock_close_after_flush(px_sock_t *s)
+void net_sock_close_after_flush(net_sock_t *s)
 {
     if (s->queued == 0 || s->errored)
-        px_sock_close(s);
+        net_sock_close(s);
     else
         s->close_on_flush = true;
 }
@@ -273,12 +273,12 @@ static void shutdown_cb(uv_shutdown_t *req, int status)
     free(req);
 }
 
-void px_sock_shutdown(px_sock_t *s)
+void net_sock_shutdown(net_sock_t *s)
 {
     if (s->closing || s->errored)
         return;
     if (s->tls) {
-        px_tls_shutdown(s->tls); /* close_notify, so the peer sees a clean end */
+        net_tls_shutdown(s->tls); /* close_notify, so the peer sees a clean end */
         tls_flush(s);
     }
     uv_shutdown_t *req = dp_xmalloc(sizeof(*req));
@@ -288,7 +288,7 @@ void px_sock_shutdown(px_sock_t *s)
 
 static void connect_cb(uv_connect_t *req, int status)
 {
-    px_sock_t *s = req->data;
+    net_sock_t *s = req->data;
     if (status == UV_ECANCELED || s->closing)
         return;
     if (status == 0)
@@ -296,8 +296,8 @@ static void connect_cb(uv_connect_t *req, int status)
     if (status == 0 && s->tls) {
         /* TCP is up: the connection is usable only once the handshake completes. */
         s->connecting = true;
-        if (px_tls_handshake(s->tls) != PX_TLS_OK || tls_flush(s) != 0 ||
-            px_sock_read_start(s) != 0) {
+        if (net_tls_handshake(s->tls) != NET_TLS_OK || tls_flush(s) != 0 ||
+            net_sock_read_start(s) != 0) {
             s->connecting = false;
             if (s->on_connect)
                 s->on_connect(s, UV_EPROTO);
@@ -308,23 +308,23 @@ static void connect_cb(uv_connect_t *req, int status)
         s->on_connect(s, status);
 }
 
-void px_sock_use_tls(px_sock_t *s, px_tls_t *t)
+void net_sock_use_tls(net_sock_t *s, net_tls_t *t)
 {
     s->tls = t;
 }
 
-const char *px_sock_tls_error(const px_sock_t *s)
+const char *net_sock_tls_error(const net_sock_t *s)
 {
-    return s->tls ? px_tls_error(s->tls) : "not a TLS connection";
+    return s->tls ? net_tls_error(s->tls) : "not a TLS connection";
 }
 
-int px_sock_connect(px_sock_t *s, const struct sockaddr *addr)
+int net_sock_connect(net_sock_t *s, const struct sockaddr *addr)
 {
     s->connect_req.data = s;
     return uv_tcp_connect(&s->connect_req, &s->tcp, addr, connect_cb);
 }
 
-void px_sock_peer(px_sock_t *s, char *out, size_t n)
+void net_sock_peer(net_sock_t *s, char *out, size_t n)
 {
     struct sockaddr_storage ss;
     int len = sizeof(ss);

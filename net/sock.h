@@ -9,8 +9,8 @@
  * TLS (issue 8) slots in under this same interface: s->tls, when set, turns reads into
  * decrypt-then-deliver and writes into encrypt-then-write, so connection code above never
  * knows which one it has. */
-#ifndef PX_SOCK_H
-#define PX_SOCK_H
+#ifndef NET_SOCK_H
+#define NET_SOCK_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -19,35 +19,35 @@
 
 #include "net/tls.h"
 
-typedef struct px_sock_s px_sock_t;
+typedef struct net_sock_s net_sock_t;
 
 /* Plaintext bytes read. n > 0. */
-typedef void (*px_sock_read_cb)(px_sock_t *s, const char *p, size_t n);
+typedef void (*net_sock_read_cb)(net_sock_t *s, const char *p, size_t n);
 /* The stream ended (UV_EOF) or failed (negative libuv error), on read or on write. Called at
  * most once; the owner decides whether to close. */
-typedef void (*px_sock_error_cb)(px_sock_t *s, int status);
-/* Queued bytes fell to the low-water mark after px_sock_write had queued above high-water. */
-typedef void (*px_sock_drain_cb)(px_sock_t *s);
+typedef void (*net_sock_error_cb)(net_sock_t *s, int status);
+/* Queued bytes fell to the low-water mark after net_sock_write had queued above high-water. */
+typedef void (*net_sock_drain_cb)(net_sock_t *s);
 /* Connect finished (status 0 or a negative libuv error), including a TLS handshake if any. */
-typedef void (*px_sock_connect_cb)(px_sock_t *s, int status);
+typedef void (*net_sock_connect_cb)(net_sock_t *s, int status);
 /* TLS server side: the handshake completed. */
-typedef void (*px_sock_handshake_cb)(px_sock_t *s);
-/* Handle closed: the owner may free the memory holding this px_sock_t. */
-typedef void (*px_sock_close_cb)(px_sock_t *s);
+typedef void (*net_sock_handshake_cb)(net_sock_t *s);
+/* Handle closed: the owner may free the memory holding this net_sock_t. */
+typedef void (*net_sock_close_cb)(net_sock_t *s);
 
-struct px_sock_s {
-    uv_tcp_t tcp; /* tcp.data points at this px_sock_t; never moves */
+struct net_sock_s {
+    uv_tcp_t tcp; /* tcp.data points at this net_sock_t; never moves */
     void *owner;
-    px_sock_read_cb on_read;
-    px_sock_error_cb on_error;
-    px_sock_drain_cb on_drain;
-    px_sock_connect_cb on_connect;
-    px_sock_close_cb on_close;
-    px_sock_handshake_cb on_handshake; /* optional */
+    net_sock_read_cb on_read;
+    net_sock_error_cb on_error;
+    net_sock_drain_cb on_drain;
+    net_sock_connect_cb on_connect;
+    net_sock_close_cb on_close;
+    net_sock_handshake_cb on_handshake; /* optional */
     uv_connect_t connect_req;
-    px_tls_t *tls;
+    net_tls_t *tls;
     size_t queued;       /* bytes handed to uv_write and not yet completed */
-    size_t high_water;   /* above: backpressure (see px_sock_over) */
+    size_t high_water;   /* above: backpressure (see net_sock_over) */
     size_t low_water;    /* drain reported when falling to this */
     uint64_t last_write; /* uv_now() of the last write progress (for send-stall timeouts) */
     bool reading;
@@ -59,37 +59,37 @@ struct px_sock_s {
 };
 
 /* Initialise around a fresh uv_tcp_t (server side: call, then uv_accept into &s->tcp). */
-int px_sock_init(uv_loop_t *loop, px_sock_t *s, void *owner);
+int net_sock_init(uv_loop_t *loop, net_sock_t *s, void *owner);
 /* Speak TLS on this stream (before reading or connecting); the sock owns t from here on.
- * Failures surface through on_error with UV_EPROTO; px_sock_tls_error says why. */
-void px_sock_use_tls(px_sock_t *s, px_tls_t *t);
-const char *px_sock_tls_error(const px_sock_t *s);
-int px_sock_read_start(px_sock_t *s);
-void px_sock_read_stop(px_sock_t *s);
+ * Failures surface through on_error with UV_EPROTO; net_sock_tls_error says why. */
+void net_sock_use_tls(net_sock_t *s, net_tls_t *t);
+const char *net_sock_tls_error(const net_sock_t *s);
+int net_sock_read_start(net_sock_t *s);
+void net_sock_read_stop(net_sock_t *s);
 /* Write bufs in order. Returns 0 (sent or queued) or a negative libuv error (the stream is
  * unusable; on_error is not called for it). Never keeps pointers into bufs. */
-int px_sock_write(px_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
+int net_sock_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 /* Connect to addr; on_connect fires once. */
-int px_sock_connect(px_sock_t *s, const struct sockaddr *addr);
+int net_sock_connect(net_sock_t *s, const struct sockaddr *addr);
 /* True while queued bytes are above the high-water mark. */
-static inline bool px_sock_over(const px_sock_t *s)
+static inline bool net_sock_over(const net_sock_t *s)
 {
     return s->queued > s->high_water;
 }
 /* Close now (pending writes are cancelled). on_close fires once from the loop. */
-void px_sock_close(px_sock_t *s);
+void net_sock_close(net_sock_t *s);
 /* Close now with a reset: the kernel also drops what it has not sent yet, and the peer learns
  * at once instead of after reading everything queued before the FIN (an abandoned upload to
  * a replica that stopped reading). on_close fires once from the loop. */
-void px_sock_abort(px_sock_t *s);
+void net_sock_abort(net_sock_t *s);
 /* Close after queued bytes are written (or fail). */
-void px_sock_close_after_flush(px_sock_t *s);
+void net_sock_close_after_flush(net_sock_t *s);
 /* Half-close the write side after queued bytes are written (lingering close). */
-void px_sock_shutdown(px_sock_t *s);
+void net_sock_shutdown(net_sock_t *s);
 /* "ip:port" of the peer into out (at least 48 bytes). */
-void px_sock_peer(px_sock_t *s, char *out, size_t n);
+void net_sock_peer(net_sock_t *s, char *out, size_t n);
 
 /* The loop-wide read buffer size (also the most one read callback delivers). */
-#define PX_READ_BUF_SIZE (64 * 1024)
+#define NET_READ_BUF_SIZE (64 * 1024)
 
 #endif

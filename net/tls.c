@@ -20,7 +20,7 @@ typedef struct sess_s {
     struct sess_s *next;
 } sess_t;
 
-struct px_tls_ctx_s {
+struct net_tls_ctx_s {
     int refs;
     SSL_CTX *ctx;
     bool server;
@@ -28,9 +28,9 @@ struct px_tls_ctx_s {
     size_t nsessions;
 };
 
-struct px_tls_s {
+struct net_tls_s {
     SSL *ssl;
-    px_tls_ctx_t *ctx;
+    net_tls_ctx_t *ctx;
     bool server;
     bool done;
     bool failed; /* a fatal error: OpenSSL has already made the session unresumable */
@@ -49,7 +49,7 @@ static void openssl_error(dp_buf_t *err, const char *what)
     ERR_clear_error();
 }
 
-static px_tls_ctx_t *ctx_new(bool server, dp_buf_t *err)
+static net_tls_ctx_t *ctx_new(bool server, dp_buf_t *err)
 {
     SSL_CTX *c = SSL_CTX_new(server ? TLS_server_method() : TLS_client_method());
     if (c == NULL) {
@@ -61,7 +61,7 @@ static px_tls_ctx_t *ctx_new(bool server, dp_buf_t *err)
     SSL_CTX_set_options(c, SSL_OP_NO_RENEGOTIATION | SSL_OP_NO_COMPRESSION |
                                SSL_OP_CIPHER_SERVER_PREFERENCE);
     SSL_CTX_set_mode(c, SSL_MODE_RELEASE_BUFFERS);
-    px_tls_ctx_t *t = dp_xcalloc(1, sizeof(*t));
+    net_tls_ctx_t *t = dp_xcalloc(1, sizeof(*t));
     t->refs = 1;
     t->ctx = c;
     t->server = server;
@@ -91,10 +91,10 @@ static int alpn_select(SSL *ssl, const unsigned char **out, unsigned char *outle
     return SSL_TLSEXT_ERR_ALERT_FATAL;
 }
 
-px_tls_ctx_t *px_tls_server_ctx(const char *cert_file, const char *key_file,
-                                const char *client_ca_file, dp_buf_t *err)
+net_tls_ctx_t *net_tls_server_ctx(const char *cert_file, const char *key_file,
+                                  const char *client_ca_file, dp_buf_t *err)
 {
-    px_tls_ctx_t *t = ctx_new(true, err);
+    net_tls_ctx_t *t = ctx_new(true, err);
     if (t == NULL)
         return NULL;
     SSL_CTX *c = t->ctx;
@@ -123,18 +123,18 @@ px_tls_ctx_t *px_tls_server_ctx(const char *cert_file, const char *key_file,
     SSL_CTX_set_session_id_context(c, sid, sizeof(sid) - 1);
     return t;
 fail:
-    px_tls_ctx_unref(t);
+    net_tls_ctx_unref(t);
     return NULL;
 }
 
 /* TLS 1.3 tickets arrive after the handshake: keep the newest session per server name. */
 static int new_session_cb(SSL *ssl, SSL_SESSION *sess)
 {
-    px_tls_t *t = SSL_get_ex_data(ssl, g_ex_index);
+    net_tls_t *t = SSL_get_ex_data(ssl, g_ex_index);
     if (t == NULL || t->name == NULL)
         return 0;
-    px_tls_ctx_t *c = t->ctx;
-    /* A connection made under trust settings since replaced (px_tls_ctx_replace): resuming
+    net_tls_ctx_t *c = t->ctx;
+    /* A connection made under trust settings since replaced (net_tls_ctx_replace): resuming
      * its session later would skip verification against the new ones. */
     if (SSL_get_SSL_CTX(ssl) != c->ctx)
         return 0;
@@ -156,10 +156,10 @@ static int new_session_cb(SSL *ssl, SSL_SESSION *sess)
     return 1; /* we keep the reference */
 }
 
-px_tls_ctx_t *px_tls_client_ctx(const char *ca_file, const char *cert_file, const char *key_file,
-                                dp_buf_t *err)
+net_tls_ctx_t *net_tls_client_ctx(const char *ca_file, const char *cert_file, const char *key_file,
+                                  dp_buf_t *err)
 {
-    px_tls_ctx_t *t = ctx_new(false, err);
+    net_tls_ctx_t *t = ctx_new(false, err);
     if (t == NULL)
         return NULL;
     SSL_CTX *c = t->ctx;
@@ -185,11 +185,11 @@ px_tls_ctx_t *px_tls_client_ctx(const char *ca_file, const char *cert_file, cons
     SSL_CTX_sess_set_new_cb(c, new_session_cb);
     return t;
 fail:
-    px_tls_ctx_unref(t);
+    net_tls_ctx_unref(t);
     return NULL;
 }
 
-static void sessions_free(px_tls_ctx_t *c)
+static void sessions_free(net_tls_ctx_t *c)
 {
     while (c->sessions) {
         sess_t *s = c->sessions;
@@ -201,7 +201,7 @@ static void sessions_free(px_tls_ctx_t *c)
     c->nsessions = 0;
 }
 
-void px_tls_ctx_replace(px_tls_ctx_t *c, px_tls_ctx_t *from)
+void net_tls_ctx_replace(net_tls_ctx_t *c, net_tls_ctx_t *from)
 {
     SSL_CTX_up_ref(from->ctx);
     SSL_CTX_free(c->ctx); /* live connections hold their own reference */
@@ -210,12 +210,12 @@ void px_tls_ctx_replace(px_tls_ctx_t *c, px_tls_ctx_t *from)
     sessions_free(c);
 }
 
-void px_tls_ctx_ref(px_tls_ctx_t *c)
+void net_tls_ctx_ref(net_tls_ctx_t *c)
 {
     c->refs++;
 }
 
-void px_tls_ctx_unref(px_tls_ctx_t *c)
+void net_tls_ctx_unref(net_tls_ctx_t *c)
 {
     if (c == NULL || --c->refs > 0)
         return;
@@ -224,7 +224,7 @@ void px_tls_ctx_unref(px_tls_ctx_t *c)
     free(c);
 }
 
-static px_tls_t *tls_new(px_tls_ctx_t *c, bool server)
+static net_tls_t *tls_new(net_tls_ctx_t *c, bool server)
 {
     SSL *ssl = SSL_new(c->ctx);
     BIO *rb = BIO_new(BIO_s_mem()), *wb = BIO_new(BIO_s_mem());
@@ -237,11 +237,11 @@ static px_tls_t *tls_new(px_tls_ctx_t *c, bool server)
     /* An empty memory BIO reports "retry", not EOF: that is what makes it a pipe. */
     BIO_set_mem_eof_return(rb, -1);
     SSL_set_bio(ssl, rb, wb);
-    px_tls_t *t = dp_xcalloc(1, sizeof(*t));
+    net_tls_t *t = dp_xcalloc(1, sizeof(*t));
     t->ssl = ssl;
     t->ctx = c;
     t->server = server;
-    px_tls_ctx_ref(c);
+    net_tls_ctx_ref(c);
     SSL_set_ex_data(ssl, g_ex_index, t);
     if (server)
         SSL_set_accept_state(ssl);
@@ -250,7 +250,7 @@ static px_tls_t *tls_new(px_tls_ctx_t *c, bool server)
     return t;
 }
 
-px_tls_t *px_tls_new_server(px_tls_ctx_t *c)
+net_tls_t *net_tls_new_server(net_tls_ctx_t *c)
 {
     return tls_new(c, true);
 }
@@ -261,9 +261,9 @@ static bool is_ip_literal(const char *s)
     return inet_pton(AF_INET, s, buf) == 1 || inet_pton(AF_INET6, s, buf) == 1;
 }
 
-px_tls_t *px_tls_new_client(px_tls_ctx_t *c, const char *server_name)
+net_tls_t *net_tls_new_client(net_tls_ctx_t *c, const char *server_name)
 {
-    px_tls_t *t = tls_new(c, false);
+    net_tls_t *t = tls_new(c, false);
     if (t == NULL)
         return NULL;
     if (server_name && server_name[0]) {
@@ -285,7 +285,7 @@ px_tls_t *px_tls_new_client(px_tls_ctx_t *c, const char *server_name)
     return t;
 }
 
-void px_tls_free(px_tls_t *t)
+void net_tls_free(net_tls_t *t)
 {
     if (t == NULL)
         return;
@@ -297,12 +297,12 @@ void px_tls_free(px_tls_t *t)
     if (t->done && !t->failed)
         SSL_set_shutdown(t->ssl, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
     SSL_free(t->ssl);
-    px_tls_ctx_unref(t->ctx);
+    net_tls_ctx_unref(t->ctx);
     free(t->name);
     free(t);
 }
 
-static int fail(px_tls_t *t, const char *what, int ssl_err)
+static int fail(net_tls_t *t, const char *what, int ssl_err)
 {
     t->failed = true;
     unsigned long e = ERR_get_error();
@@ -318,42 +318,42 @@ static int fail(px_tls_t *t, const char *what, int ssl_err)
         snprintf(t->err, sizeof(t->err), "%s: TLS error %d", what, ssl_err);
     }
     ERR_clear_error();
-    return PX_TLS_ERROR;
+    return NET_TLS_ERROR;
 }
 
-int px_tls_handshake(px_tls_t *t)
+int net_tls_handshake(net_tls_t *t)
 {
     if (t->done)
-        return PX_TLS_OK;
+        return NET_TLS_OK;
     /* SSL_get_error reads the thread's error queue: a stale entry left by any other OpenSSL
      * user on this thread would turn "want more input" into a fatal error. */
     ERR_clear_error();
     int r = SSL_do_handshake(t->ssl);
     if (r == 1) {
         t->done = true;
-        return PX_TLS_OK;
+        return NET_TLS_OK;
     }
     int e = SSL_get_error(t->ssl, r);
     if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
-        return PX_TLS_OK;
+        return NET_TLS_OK;
     return fail(t, "handshake", e);
 }
 
-bool px_tls_handshake_done(const px_tls_t *t)
+bool net_tls_handshake_done(const net_tls_t *t)
 {
     return t->done;
 }
 
-int px_tls_feed(px_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
+int net_tls_feed(net_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
 {
     if (n && BIO_write(SSL_get_rbio(t->ssl), p, (int)n) != (int)n)
         return fail(t, "input", 0);
     if (!t->done) {
-        int r = px_tls_handshake(t);
-        if (r != PX_TLS_OK || !t->done)
+        int r = net_tls_handshake(t);
+        if (r != NET_TLS_OK || !t->done)
             return r;
     }
-    ERR_clear_error(); /* see px_tls_handshake */
+    ERR_clear_error(); /* see net_tls_handshake */
     for (;;) {
         dp_buf_reserve(plain, 16384);
         int r = SSL_read(t->ssl, plain->base + plain->len, 16384);
@@ -364,16 +364,16 @@ int px_tls_feed(px_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
         }
         int e = SSL_get_error(t->ssl, r);
         if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
-            return PX_TLS_OK;
+            return NET_TLS_OK;
         if (e == SSL_ERROR_ZERO_RETURN)
-            return PX_TLS_CLOSED;
+            return NET_TLS_CLOSED;
         return fail(t, "read", e);
     }
 }
 
-int px_tls_write(px_tls_t *t, const char *p, size_t n)
+int net_tls_write(net_tls_t *t, const char *p, size_t n)
 {
-    ERR_clear_error(); /* see px_tls_handshake */
+    ERR_clear_error(); /* see net_tls_handshake */
     while (n > 0) {
         int r = SSL_write(t->ssl, p, n > 1 << 30 ? 1 << 30 : (int)n);
         if (r <= 0)
@@ -381,15 +381,15 @@ int px_tls_write(px_tls_t *t, const char *p, size_t n)
         p += r;
         n -= (size_t)r;
     }
-    return PX_TLS_OK;
+    return NET_TLS_OK;
 }
 
-size_t px_tls_pending_out(const px_tls_t *t)
+size_t net_tls_pending_out(const net_tls_t *t)
 {
     return BIO_ctrl_pending(SSL_get_wbio(t->ssl));
 }
 
-void px_tls_take_out(px_tls_t *t, dp_buf_t *out)
+void net_tls_take_out(net_tls_t *t, dp_buf_t *out)
 {
     BIO *wb = SSL_get_wbio(t->ssl);
     size_t n = BIO_ctrl_pending(wb);
@@ -403,19 +403,19 @@ void px_tls_take_out(px_tls_t *t, dp_buf_t *out)
     }
 }
 
-void px_tls_shutdown(px_tls_t *t)
+void net_tls_shutdown(net_tls_t *t)
 {
     if (t->done)
         SSL_shutdown(t->ssl);
     ERR_clear_error(); /* a failed close_notify is not worth an error, nor a stale queue entry */
 }
 
-const char *px_tls_error(const px_tls_t *t)
+const char *net_tls_error(const net_tls_t *t)
 {
     return t->err[0] ? t->err : "TLS error";
 }
 
-const char *px_tls_alpn(const px_tls_t *t)
+const char *net_tls_alpn(const net_tls_t *t)
 {
     static char buf[32];
     const unsigned char *p = NULL;
@@ -428,12 +428,12 @@ const char *px_tls_alpn(const px_tls_t *t)
     return buf;
 }
 
-bool px_tls_peer_closed(const px_tls_t *t)
+bool net_tls_peer_closed(const net_tls_t *t)
 {
     return (SSL_get_shutdown(t->ssl) & SSL_RECEIVED_SHUTDOWN) != 0;
 }
 
-bool px_tls_resumed(const px_tls_t *t)
+bool net_tls_resumed(const net_tls_t *t)
 {
     return SSL_session_reused(t->ssl) == 1;
 }

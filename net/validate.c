@@ -15,11 +15,10 @@ enum { HS_LINE_START = 0, HS_IN_LINE, HS_AFTER_CR, HS_DONE };
 
 /* Bytes that need a look inside a line: CR, LF, and controls other than HT. */
 static const uint8_t line_special[256] = {
-    [0] = 1,    [1] = 1,    [2] = 1,    [3] = 1,    [4] = 1,    [5] = 1,    [6] = 1,
-    [7] = 1,    [8] = 1,    [10] = 1,   [11] = 1,   [12] = 1,   [13] = 1,   [14] = 1,
-    [15] = 1,   [16] = 1,   [17] = 1,   [18] = 1,   [19] = 1,   [20] = 1,   [21] = 1,
-    [22] = 1,   [23] = 1,   [24] = 1,   [25] = 1,   [26] = 1,   [27] = 1,   [28] = 1,
-    [29] = 1,   [30] = 1,   [31] = 1,   [127] = 1,
+    [0] = 1,  [1] = 1,  [2] = 1,  [3] = 1,  [4] = 1,  [5] = 1,  [6] = 1,  [7] = 1,
+    [8] = 1,  [10] = 1, [11] = 1, [12] = 1, [13] = 1, [14] = 1, [15] = 1, [16] = 1,
+    [17] = 1, [18] = 1, [19] = 1, [20] = 1, [21] = 1, [22] = 1, [23] = 1, [24] = 1,
+    [25] = 1, [26] = 1, [27] = 1, [28] = 1, [29] = 1, [30] = 1, [31] = 1, [127] = 1,
 };
 
 static inline bool is_ctl(unsigned char c)
@@ -27,8 +26,8 @@ static inline bool is_ctl(unsigned char c)
     return (c < 0x20 && c != '\t') || c == 0x7f;
 }
 
-int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, int *status,
-                 const char **reason)
+int net_head_scan(net_head_scan_t *s, const char *p, size_t n, size_t *consumed, int *status,
+                  const char **reason)
 {
     const unsigned char *u = (const unsigned char *)p;
     size_t i = 0;
@@ -103,7 +102,7 @@ int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, i
             if (s->line_len == 0 && s->started) {
                 s->state = HS_DONE;
                 *consumed = i + 1;
-                return PX_SCAN_DONE;
+                return NET_SCAN_DONE;
             }
             /* An empty line before the start line is skipped; any other ends a line. */
             s->line_len = 0;
@@ -115,13 +114,13 @@ int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, i
         }
     }
     *consumed = n;
-    return PX_SCAN_MORE;
+    return NET_SCAN_MORE;
 fail:
     *consumed = i;
-    return PX_SCAN_ERROR;
+    return NET_SCAN_ERROR;
 }
 
-bool px_head_scan_started(const px_head_scan_t *s)
+bool net_head_scan_started(const net_head_scan_t *s)
 {
     return s->started || s->state == HS_AFTER_CR;
 }
@@ -142,9 +141,8 @@ enum {
     CS_DONE,
 };
 
-
-int px_chunk_scan(px_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
-                  const char **reason)
+int net_chunk_scan(net_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
+                   const char **reason)
 {
     const unsigned char *u = (const unsigned char *)p;
     uint32_t max_trailer = s->max_trailer_bytes ? s->max_trailer_bytes : 8192;
@@ -263,21 +261,20 @@ int px_chunk_scan(px_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
             }
             s->state = CS_DONE;
             *consumed = i + 1;
-            return PX_SCAN_DONE;
+            return NET_SCAN_DONE;
         default:
             *reason = "chunked body already complete";
             goto fail;
         }
     }
     *consumed = n;
-    return PX_SCAN_MORE;
+    return NET_SCAN_MORE;
 fail:
     *consumed = i;
-    return PX_SCAN_ERROR;
+    return NET_SCAN_ERROR;
 }
 
 /* ---- header semantics -------------------------------------------------------------------- */
-
 
 /* Does a comma-separated list value contain `token` (case-insensitive)? */
 static bool list_has(dp_iovec_t v, const char *token)
@@ -303,8 +300,8 @@ static bool host_char_ok(unsigned char c)
 }
 
 /* The rules shared by requests and responses: Content-Length and Transfer-Encoding. */
-static int check_framing(const px_header_t *h, size_t n, uint8_t major, uint8_t minor,
-                         px_framing_t *out, const char **reason)
+static int check_framing(const net_header_t *h, size_t n, uint8_t major, uint8_t minor,
+                         net_framing_t *out, const char **reason)
 {
     int ncl = 0, nte = 0;
     for (size_t i = 0; i < n; i++) {
@@ -350,9 +347,9 @@ static int check_framing(const px_header_t *h, size_t n, uint8_t major, uint8_t 
     return 0;
 }
 
-int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
-                     int method, const char *target, size_t target_len, px_framing_t *out,
-                     const char **reason)
+int net_request_check(const net_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
+                      int method, const char *target, size_t target_len, net_framing_t *out,
+                      const char **reason)
 {
     memset(out, 0, sizeof(*out));
     out->content_length = -1;
@@ -364,8 +361,8 @@ int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t
         *reason = "CONNECT is not supported";
         return 400;
     }
-    if (target_len == 0 || (target[0] != '/' && !(method == HTTP_OPTIONS && target_len == 1 &&
-                                                  target[0] == '*'))) {
+    if (target_len == 0 ||
+        (target[0] != '/' && !(method == HTTP_OPTIONS && target_len == 1 && target[0] == '*'))) {
         *reason = "request-target must be origin-form";
         return 400;
     }
@@ -406,8 +403,8 @@ int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t
     return 0;
 }
 
-int px_response_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
-                      int status, px_framing_t *out, const char **reason)
+int net_response_check(const net_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
+                       int status, net_framing_t *out, const char **reason)
 {
     memset(out, 0, sizeof(*out));
     out->content_length = -1;
@@ -426,21 +423,41 @@ int px_response_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_
     return check_framing(h, n, http_major, http_minor, out, reason);
 }
 
-bool px_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection)
+bool net_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection)
 {
     /* Switch on the length first: most end-to-end names fail here with no comparison at all
      * (this runs for every header of every request and response). */
     const char *cand = NULL, *cand2 = NULL;
     switch (len) {
-    case 2: cand = "te"; break;
-    case 7: cand = "trailer"; cand2 = "upgrade"; break;
-    case 10: cand = "connection"; cand2 = "keep-alive"; break;
-    case 14: cand = "content-length"; cand2 = "http2-settings"; break;
-    case 16: cand = "proxy-connection"; break;
-    case 17: cand = "transfer-encoding"; break;
-    case 18: cand = "proxy-authenticate"; break;
-    case 19: cand = "proxy-authorization"; break;
-    default: break;
+    case 2:
+        cand = "te";
+        break;
+    case 7:
+        cand = "trailer";
+        cand2 = "upgrade";
+        break;
+    case 10:
+        cand = "connection";
+        cand2 = "keep-alive";
+        break;
+    case 14:
+        cand = "content-length";
+        cand2 = "http2-settings";
+        break;
+    case 16:
+        cand = "proxy-connection";
+        break;
+    case 17:
+        cand = "transfer-encoding";
+        break;
+    case 18:
+        cand = "proxy-authenticate";
+        break;
+    case 19:
+        cand = "proxy-authorization";
+        break;
+    default:
+        break;
     }
     if ((cand && dp_memieq(name, cand, len)) || (cand2 && dp_memieq(name, cand2, len)))
         return true;

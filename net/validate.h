@@ -9,8 +9,8 @@
  *
  * Scanners are incremental: zero-initialise the state (then set limits), feed bytes as they
  * arrive; each call reports how many bytes it consumed and whether the element is complete. */
-#ifndef PX_HTTP_VALIDATE_H
-#define PX_HTTP_VALIDATE_H
+#ifndef NET_VALIDATE_H
+#define NET_VALIDATE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -21,12 +21,12 @@
 typedef struct {
     dp_iovec_t name;
     dp_iovec_t value;
-} px_header_t;
+} net_header_t;
 
 enum {
-    PX_SCAN_ERROR = -1, /* invalid input: see status and reason */
-    PX_SCAN_MORE = 0,   /* everything given was consumed; the element is not complete */
-    PX_SCAN_DONE = 1,   /* complete; *consumed tells where it ended */
+    NET_SCAN_ERROR = -1, /* invalid input: see status and reason */
+    NET_SCAN_MORE = 0,   /* everything given was consumed; the element is not complete */
+    NET_SCAN_DONE = 1,   /* complete; *consumed tells where it ended */
 };
 
 /* ---- message head (request or status line + header lines + empty line) ---- */
@@ -40,16 +40,16 @@ typedef struct {
     uint32_t lines; /* header lines seen (excluding the start line) */
     uint32_t line_len;
     bool started; /* a non-CRLF byte of the start line was seen */
-} px_head_scan_t;
+} net_head_scan_t;
 
-/* Scan n bytes. Returns PX_SCAN_DONE with *consumed = bytes up to and including the final LF,
- * PX_SCAN_MORE with *consumed = n, or PX_SCAN_ERROR with *status (400 or 431) and *reason.
+/* Scan n bytes. Returns NET_SCAN_DONE with *consumed = bytes up to and including the final LF,
+ * NET_SCAN_MORE with *consumed = n, or NET_SCAN_ERROR with *status (400 or 431) and *reason.
  * Leading empty lines before the start line are skipped (RFC 9112 §2.2) and count as
  * consumed. */
-int px_head_scan(px_head_scan_t *s, const char *p, size_t n, size_t *consumed, int *status,
-                 const char **reason);
+int net_head_scan(net_head_scan_t *s, const char *p, size_t n, size_t *consumed, int *status,
+                  const char **reason);
 /* True once any byte of a message was seen (decides 408 vs a silent idle close). */
-bool px_head_scan_started(const px_head_scan_t *s);
+bool net_head_scan_started(const net_head_scan_t *s);
 
 /* ---- chunked body framing ---- */
 
@@ -60,13 +60,13 @@ typedef struct {
     uint8_t digits;
     uint64_t remaining;
     uint32_t trailer_bytes;
-} px_chunk_scan_t;
+} net_chunk_scan_t;
 
-/* Scan n bytes of a chunked body. PX_SCAN_DONE when the last chunk and trailer section ended
- * (*consumed = bytes up to and including the final LF); PX_SCAN_MORE when more is needed;
- * PX_SCAN_ERROR with *reason otherwise. */
-int px_chunk_scan(px_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
-                  const char **reason);
+/* Scan n bytes of a chunked body. NET_SCAN_DONE when the last chunk and trailer section ended
+ * (*consumed = bytes up to and including the final LF); NET_SCAN_MORE when more is needed;
+ * NET_SCAN_ERROR with *reason otherwise. */
+int net_chunk_scan(net_chunk_scan_t *s, const char *p, size_t n, size_t *consumed,
+                   const char **reason);
 
 /* ---- header semantics ---- */
 
@@ -77,7 +77,7 @@ typedef struct {
     bool expect_continue; /* "Expect: 100-continue" */
     bool conn_close;      /* "Connection: close" */
     bool conn_keep_alive; /* "Connection: keep-alive" (matters for HTTP/1.0) */
-} px_framing_t;
+} net_framing_t;
 
 /* Validate a request's headers (method is llhttp_method_t). Returns 0, or the HTTP status to
  * answer (400, 417, 501) with *reason. Rejects: Content-Length that is not plain decimal
@@ -86,18 +86,18 @@ typedef struct {
  * missing Host on HTTP/1.1 or repeated Host or a Host with characters outside a host name;
  * Upgrade and CONNECT (never tunnelled); Expect other than 100-continue; a request-target
  * that is not origin-form (or "*" for OPTIONS). */
-int px_request_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
-                     int method, const char *target, size_t target_len, px_framing_t *out,
-                     const char **reason);
+int net_request_check(const net_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
+                      int method, const char *target, size_t target_len, net_framing_t *out,
+                      const char **reason);
 
 /* Validate a response's headers. Returns 0 or -1 with *reason. Same Content-Length and
  * Transfer-Encoding rules; no Host/Upgrade rules. A 101 is refused (we never upgrade). */
-int px_response_check(const px_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
-                      int status, px_framing_t *out, const char **reason);
+int net_response_check(const net_header_t *h, size_t n, uint8_t http_major, uint8_t http_minor,
+                       int status, net_framing_t *out, const char **reason);
 
 /* Hop-by-hop headers (RFC 9110 §7.6.1) plus those a proxy regenerates: true when `name` must not
  * be copied from one side to the other. Also true for any name listed in the message's
  * Connection header (pass the Connection value, may be NULL). */
-bool px_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection);
+bool net_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection);
 
 #endif

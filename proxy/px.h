@@ -20,6 +20,7 @@
 #include "common/buf.h"
 #include "config/config.h"
 #include "net/client.h"
+#include "net/resolve.h"
 #include "net/server.h"
 #include "proxy/px_affinity.h"
 #include "proxy/px_metrics.h"
@@ -53,9 +54,9 @@ struct px_replica_s {
     cfg_attest_t attest;
     struct sockaddr_storage addr;
     bool resolved;
-    px_upstream_t *up;
-    px_upstream_t *shadow_up;     /* shadow copies use their own connections (lazily created) */
-    struct px_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
+    net_upstream_t *up;
+    net_upstream_t *shadow_up;     /* shadow copies use their own connections (lazily created) */
+    struct net_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
     px_replica_state_t state;
     char *reasons[PX_MAX_REASONS];
     size_t nreasons;
@@ -120,8 +121,8 @@ struct px_gen_s {
 struct px_s {
     uv_loop_t *loop;
     px_gen_t *gen;
-    px_server_t *proxy;
-    px_server_t *admin;
+    net_server_t *proxy;
+    net_server_t *admin;
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t drain_timer;
     bool draining;
@@ -131,14 +132,11 @@ struct px_s {
     void *shadow; /* px_shadow.c */
     void *audit;  /* px_audit.c */
     void *discovery;
-    void *otel;               /* px_otel.c */
-    struct px_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
+    void *otel;                /* px_otel.c */
+    struct net_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
 };
 
 /* ---- generations and replicas (px_gen.c) ---- */
-
-/* host (numeric, or a name looked up with getaddrinfo: blocking) and port into out. */
-bool px_resolve(const char *host, uint16_t port, struct sockaddr_storage *out);
 
 /* Build a generation from a loaded config; reuses replicas of `prev` whose definition is
  * unchanged (prev may be NULL). Takes ownership of cfg. */
@@ -159,11 +157,11 @@ void px_replica_unref(px_replica_t *r);
 /* Change state with reasons (a NULL-terminated list of strings, copied); logs the transition
  * and updates detproxy_replica_admitted. */
 void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons);
-void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o);
+void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
 /* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
 /* TLS for an upstream of replica r (its own URL, or its agent's): no-op for http://. */
-void px_replica_upstream_tls(px_replica_t *r, px_upstream_t *u, const cfg_url_t *url);
+void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t *url);
 /* Add (taking the caller's reference) / remove (dropping the pool's reference). */
 void px_pool_push_replica(px_pool_t *p, px_replica_t *r);
 void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
@@ -185,7 +183,7 @@ void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out);
 
 /* ---- the proxy handler (px_proxy.c) ---- */
 
-extern const px_handler_t px_proxy_handler;
+extern const net_handler_t px_proxy_handler;
 /* A slot on replica r was released: dispatch queued requests of its pool. */
 void px_proxy_slot_freed(px_pool_t *p);
 void px_proxy_queue_timer_cb(uv_timer_t *t);
@@ -196,12 +194,12 @@ void px_proxy_free_caches(void);
 
 /* ---- admin (px_admin.c) ---- */
 
-extern const px_handler_t px_admin_handler;
+extern const net_handler_t px_admin_handler;
 
 /* ---- metrics families, listener limits (px_main.c) ---- */
 
 void px_metrics_declare(void);
 /* The client listener's limits from cfg (at start and on every reload). */
-void px_server_limits_for(const cfg_t *cfg, px_server_limits_t *l);
+void px_server_limits_for(const cfg_t *cfg, net_server_limits_t *l);
 
 #endif

@@ -8,19 +8,19 @@
 #include "proxy/px_admin.h"
 #include "proxy/px_status.h"
 
-static bool path_is(const px_req_t *req, const char *p)
+static bool path_is(const net_req_t *req, const char *p)
 {
     size_t n = strlen(p);
     return req->path.len == n && memcmp(req->path.base, p, n) == 0;
 }
 
-static void send_json(px_req_t *req, int status, dp_buf_t *b)
+static void send_json(net_req_t *req, int status, dp_buf_t *b)
 {
-    px_resp_send(req, status, "application/json", b->base, b->len, NULL, 0);
+    net_resp_send(req, status, "application/json", b->base, b->len, NULL, 0);
     dp_buf_free(b);
 }
 
-static void readyz(px_t *px, px_req_t *req)
+static void readyz(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
     dp_jw_t w;
@@ -81,7 +81,7 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
     dp_jw_obj_end(w);
 }
 
-static void replicas(px_t *px, px_req_t *req)
+static void replicas(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
     dp_jw_t w;
@@ -100,7 +100,7 @@ static void replicas(px_t *px, px_req_t *req)
 
 /* POST /admin/replicas/NAME/drain | /enable [?pool=P]: every replica of that name (in pool P
  * only, with ?pool). Answers the replicas changed, 404 when none has the name. */
-static bool replica_admin(px_t *px, px_req_t *req)
+static bool replica_admin(px_t *px, net_req_t *req)
 {
     static const char prefix[] = "/admin/replicas/";
     const size_t pl = sizeof(prefix) - 1;
@@ -123,11 +123,11 @@ static bool replica_admin(px_t *px, px_req_t *req)
     else
         return false;
     if (req->method != 3 /* POST */) {
-        px_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+        net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
         return true;
     }
     dp_iovec_t only = {0};
-    bool by_pool = px_req_query(req, "pool", &only);
+    bool by_pool = net_req_query(req, "pool", &only);
     dp_buf_t b = {0};
     dp_jw_t w;
     dp_jw_init(&w, &b);
@@ -156,7 +156,7 @@ static bool replica_admin(px_t *px, px_req_t *req)
         dp_buf_free(&b);
         dp_buf_printf(&b, "no replica is named %.*s%s%.*s", (int)nl, name,
                       by_pool ? " in pool " : "", (int)only.len, only.base);
-        px_resp_error(req, 404, NULL, "replica_not_found", NULL, b.base, NULL, 0);
+        net_resp_error(req, 404, NULL, "replica_not_found", NULL, b.base, NULL, 0);
         dp_buf_free(&b);
         return true;
     }
@@ -164,34 +164,34 @@ static bool replica_admin(px_t *px, px_req_t *req)
     return true;
 }
 
-static void config_dump(px_t *px, px_req_t *req)
+static void config_dump(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
     cfg_dump_json(px->gen->cfg, &b);
     send_json(req, 200, &b);
 }
 
-static void metrics(px_t *px, px_req_t *req)
+static void metrics(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
     px_admin_refresh_gauges(px);
     px_metrics_render(&b);
-    px_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
+    net_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
     dp_buf_free(&b);
 }
 
-static px_body_mode_t on_head(px_req_t *req)
+static net_body_mode_t on_head(net_req_t *req)
 {
-    return PX_BODY_BUFFER;
+    return NET_BODY_BUFFER;
 }
 
-static void on_complete(px_req_t *req)
+static void on_complete(net_req_t *req)
 {
-    px_t *px = px_server_data(req->server);
+    px_t *px = net_server_data(req->server);
     bool get = req->method == 1 /* GET */ || req->method == 2 /* HEAD */;
     if (path_is(req, "/healthz") && get) {
         static const char ok[] = "{\"status\":\"ok\"}";
-        px_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
         return;
     }
     if (path_is(req, "/readyz") && get) {
@@ -213,7 +213,7 @@ static void on_complete(px_req_t *req)
     else if (px_admin_extra_route(px, req) == 0)
         return;
     else
-        px_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
+        net_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
 }
 
-const px_handler_t px_admin_handler = {.on_head = on_head, .on_complete = on_complete};
+const net_handler_t px_admin_handler = {.on_head = on_head, .on_complete = on_complete};

@@ -23,9 +23,9 @@
 #include "attest/report.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "net/fetch.h"
 #include "proxy/px_admin.h"
 #include "proxy/px_canary.h"
-#include "net/fetch.h"
 #include "proxy/px_self.h"
 
 #define PROBE_MAX_BYTES (64 << 10)
@@ -46,15 +46,15 @@ typedef struct att_s {
     px_replica_t *r; /* NULL once the replica is gone */
     px_t *px;
     uv_timer_t timer;
-    px_upstream_t *up; /* to the agent, or to the replica for metadata (short timeouts) */
-    px_fetch_t *fetch[ATTEST_ADAPTER_MAX_PATHS];
+    net_upstream_t *up; /* to the agent, or to the replica for metadata (short timeouts) */
+    net_fetch_t *fetch[ATTEST_ADAPTER_MAX_PATHS];
     dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
     bool got[ATTEST_ADAPTER_MAX_PATHS];
     int pending;
     bool failed;
     dp_buf_t fail_reason;
     px_canary_t *canary;
-    px_fetch_t *probe;      /* the engine-fingerprint probe of a native check */
+    net_fetch_t *probe;     /* the engine-fingerprint probe of a native check */
     attest_report_t probed; /* the adapter's report while the probe runs */
     bool recheck;           /* a fingerprint mismatch arrived during a check: check again */
     char nonce[33];
@@ -221,23 +221,23 @@ static void canary_done(const px_canary_result_t *res, void *data)
 
 /* The engine-fingerprint probe: a temperature-0 completion to replica a->r over `up`, its body
  * built as the canary's is (px_canary.c; the canary itself goes through px_canary_start). */
-static px_fetch_t *completion(att_t *a, px_upstream_t *up, const cfg_pool_t *pc, const char *model,
-                              const char *prompt, uint32_t max_tokens, bool seed, size_t max_bytes,
-                              px_fetch_cb cb)
+static net_fetch_t *completion(att_t *a, net_upstream_t *up, const cfg_pool_t *pc,
+                               const char *model, const char *prompt, uint32_t max_tokens,
+                               bool seed, size_t max_bytes, net_fetch_cb cb)
 {
     dp_buf_t body = {0};
     px_canary_completion_body(model, prompt, max_tokens, seed, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
-    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                         .method = "POST",
-                         .hostport = a->r->url.hostport,
-                         .target = target,
-                         .bearer = pc ? pc->api_key : NULL,
-                         .body = body.base,
-                         .body_len = body.len,
-                         .max_bytes = max_bytes};
-    px_fetch_t *f = px_fetch(up, &o, cb, a);
+    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                          .method = "POST",
+                          .hostport = a->r->url.hostport,
+                          .target = target,
+                          .bearer = pc ? pc->api_key : NULL,
+                          .body = body.base,
+                          .body_len = body.len,
+                          .max_bytes = max_bytes};
+    net_fetch_t *f = net_fetch(up, &o, cb, a);
     dp_buf_free(&body);
     return f;
 }
@@ -320,7 +320,7 @@ static void fail(att_t *a, const char *reason)
 
 /* ---- the engine fingerprint probe (SPEC §5) ------------------------------------------------ */
 
-static void probe_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void probe_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                        const char *detail, void *data)
 {
     att_t *a = data;
@@ -403,7 +403,7 @@ out:
     dp_buf_free(&why);
 }
 
-static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
     att_t *a = data;
@@ -427,7 +427,7 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
             dp_buf_reset(&a->fail_reason);
             if (status == 0)
                 dp_buf_printf(&a->fail_reason, "attestation fetch failed (%s): %s",
-                              px_up_err_name(err), detail ? detail : "");
+                              net_up_err_name(err), detail ? detail : "");
             else
                 dp_buf_printf(&a->fail_reason, "attestation endpoint answered %d", status);
             /* An agent says why it cannot vouch (re-hashing after a change, hash failed). */
@@ -517,15 +517,15 @@ static void check_start(att_t *a)
             snprintf(t, sizeof(t), "%s%s", r->url.path ? r->url.path : "", paths[i]);
         else
             snprintf(t, sizeof(t), "%s", paths[i]);
-        px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                             .method = "GET",
-                             .hostport = hostport,
-                             .target = t,
-                             .bearer = bearer,
-                             .max_bytes = r->attest.source == CFG_ATTEST_AGENT
-                                              ? ATTEST_ENVELOPE_MAX_BYTES
-                                              : ATTEST_ADAPTER_MAX_BODY};
-        a->fetch[i] = px_fetch(a->up, &o, fetched, a);
+        net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                              .method = "GET",
+                              .hostport = hostport,
+                              .target = t,
+                              .bearer = bearer,
+                              .max_bytes = r->attest.source == CFG_ATTEST_AGENT
+                                               ? ATTEST_ENVELOPE_MAX_BYTES
+                                               : ATTEST_ADAPTER_MAX_BODY};
+        a->fetch[i] = net_fetch(a->up, &o, fetched, a);
     }
 }
 
@@ -546,7 +546,7 @@ static void att_teardown(att_t *a)
 {
     for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++) {
         if (a->fetch[i]) {
-            px_fetch_cancel(a->fetch[i]);
+            net_fetch_cancel(a->fetch[i]);
             a->fetch[i] = NULL;
         }
     }
@@ -555,11 +555,11 @@ static void att_teardown(att_t *a)
         a->canary = NULL;
     }
     if (a->probe) {
-        px_fetch_cancel(a->probe);
+        net_fetch_cancel(a->probe);
         a->probe = NULL;
     }
     if (a->up) {
-        px_upstream_free(a->up);
+        net_upstream_free(a->up);
         a->up = NULL;
     }
     if (a->r)
@@ -592,20 +592,20 @@ static void att_adopt(px_t *px, px_replica_t *r)
     uv_timer_init(px->loop, &a->timer);
     a->timer.data = a;
     /* Short timeouts: an attestation that takes longer than timeout_ms has failed. */
-    px_upstream_opts_t o = {0};
+    net_upstream_opts_t o = {0};
     uint32_t t = px->gen->cfg->attestation.timeout_ms;
     o.connect_timeout_ms = o.first_byte_timeout_ms = o.idle_timeout_ms = t;
     o.max_idle = 2;
     struct sockaddr_storage ss;
     const struct sockaddr *addr = (const struct sockaddr *)&r->addr;
     if (r->attest.source == CFG_ATTEST_AGENT) {
-        if (!px_resolve(r->attest.url.host, r->attest.url.port, &ss)) {
+        if (!net_resolve(r->attest.url.host, r->attest.url.port, &ss)) {
             set_state1(r, PX_REPLICA_UNREACHABLE, "attestation agent host did not resolve");
             return;
         }
         addr = (const struct sockaddr *)&ss;
     }
-    a->up = px_upstream_new(px->loop, addr, &o);
+    a->up = net_upstream_new(px->loop, addr, &o);
     px_replica_upstream_tls(r, a->up,
                             r->attest.source == CFG_ATTEST_AGENT ? &r->attest.url : &r->url);
     uv_timer_start(&a->timer, timer_cb, 0, 0);

@@ -14,7 +14,7 @@
 #include "proxy/px_self.h"
 
 struct px_canary_s {
-    px_fetch_t *f;
+    net_fetch_t *f;
     px_canary_cb cb;
     void *data;
     char expected[65];
@@ -46,7 +46,7 @@ void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
     px_canary_completion_body(model, can->prompt, can->max_tokens, true, out);
 }
 
-static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
     px_canary_t *c = data;
@@ -75,7 +75,7 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
                  n ? body->base : "(empty body)");
         res.error = why;
     } else {
-        snprintf(why, sizeof(why), "%s%s%s", px_up_err_name(err), detail ? ": " : "",
+        snprintf(why, sizeof(why), "%s%s%s", net_up_err_name(err), detail ? ": " : "",
                  detail ? detail : "");
         res.error = why;
     }
@@ -84,7 +84,7 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
     free(c);
 }
 
-px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
+px_canary_t *px_canary_start(net_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
                              const char *hostport, const char *base, px_canary_cb cb, void *data)
 {
     if (id == NULL)
@@ -99,15 +99,15 @@ px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_m
     px_canary_body(px_canary_model(pc, id), can, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
-    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                         .method = "POST",
-                         .hostport = hostport,
-                         .target = target,
-                         .bearer = pc->api_key,
-                         .body = body.base,
-                         .body_len = body.len,
-                         .max_bytes = PX_CANARY_MAX_BYTES};
-    c->f = px_fetch(u, &o, fetched, c);
+    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                          .method = "POST",
+                          .hostport = hostport,
+                          .target = target,
+                          .bearer = pc->api_key,
+                          .body = body.base,
+                          .body_len = body.len,
+                          .max_bytes = PX_CANARY_MAX_BYTES};
+    c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;
 }
@@ -116,6 +116,6 @@ void px_canary_cancel(px_canary_t *c)
 {
     if (c == NULL)
         return;
-    px_fetch_cancel(c->f);
+    net_fetch_cancel(c->f);
     free(c);
 }

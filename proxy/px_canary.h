@@ -45,7 +45,7 @@ void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
  * entries, which may carry their own; NULL means the manifest; it must have a canary) over u to
  * the replica at hostport with URL path prefix base ("" or "/prefix"). cb runs once from the
  * loop, unless cancelled. Nothing of pc or id is kept: a reload may free them meanwhile. */
-px_canary_t *px_canary_start(px_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
+px_canary_t *px_canary_start(net_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
                              const char *hostport, const char *base, px_canary_cb cb, void *data);
 void px_canary_cancel(px_canary_t *c);
 

@@ -14,10 +14,10 @@
 #include "attest/cli_int.h"
 #include "common/jw.h"
 #include "common/util.h"
+#include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/px.h"
 #include "proxy/px_canary.h"
-#include "net/tls.h"
 
 static const char usage_text[] =
     "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"
@@ -82,10 +82,10 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
         return 3;
     }
     int rc = 3;
-    px_tls_ctx_t *tls = NULL;
-    px_upstream_t *up = NULL;
+    net_tls_ctx_t *tls = NULL;
+    net_upstream_t *up = NULL;
     struct sockaddr_storage ss;
-    if (!px_resolve(url->host, url->port, &ss)) {
+    if (!net_resolve(url->host, url->port, &ss)) {
         dp_buf_t why = {0};
         dp_buf_printf(&why, "host name '%s' did not resolve", url->host);
         out->error = dp_buf_steal(&why);
@@ -94,18 +94,18 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
     if (url->tls) {
         const cfg_upstream_tls_t *ut = pool->upstream_tls;
         dp_buf_t err = {0};
-        tls = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                                ut ? ut->client_key_file : NULL, &err);
+        tls = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                 ut ? ut->client_key_file : NULL, &err);
         if (tls == NULL) {
             out->error = dp_buf_steal(&err);
             goto out;
         }
     }
-    px_upstream_opts_t o;
+    net_upstream_opts_t o;
     px_replica_upstream_opts(cfg, &o);
-    up = px_upstream_new(&loop, (struct sockaddr *)&ss, &o);
+    up = net_upstream_new(&loop, (struct sockaddr *)&ss, &o);
     if (tls)
-        px_upstream_set_tls(up, tls, server_name ? server_name : url->host);
+        net_upstream_set_tls(up, tls, server_name ? server_name : url->host);
     out->loop = &loop;
     px_canary_start(up, pool, id, url->hostport, url->path, on_result, out);
     while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
@@ -113,14 +113,14 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
     rc = out->answered ? 0 : 3;
 out:
     if (up)
-        px_upstream_free(up);
+        net_upstream_free(up);
     uv_run(&loop, UV_RUN_DEFAULT); /* idle keep-alive connections finish closing */
     if (uv_loop_close(&loop) == UV_EBUSY) {
         uv_walk(&loop, close_cb, NULL);
         uv_run(&loop, UV_RUN_DEFAULT);
         uv_loop_close(&loop);
     }
-    px_tls_ctx_unref(tls);
+    net_tls_ctx_unref(tls);
     return rc;
 }
 

@@ -3,7 +3,7 @@
  * one pool's replicas directly (no balancing, no policy rewrite), then a verdict.
  *
  * This file does the I/O: flags, config, a private uv loop, and every request, through the same
- * client code the proxy uses (px_fetch over px_upstream), so timeouts and framing checks are the
+ * client code the proxy uses (net_fetch over net_upstream), so timeouts and framing checks are the
  * proxy's. Steps run one after another; within a step, replicas run in parallel:
  *   1  attestation fetches, all at once (agent envelope / native adapter / GET /v1/models);
  *   2  per replica, 4 completions one at a time (unseeded x2, seeded x2);
@@ -29,13 +29,13 @@
 #include "attest/dsse.h"
 #include "attest/match.h"
 #include "common/util.h"
+#include "net/fetch.h"
+#include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
 #include "proxy/px_canary.h"
-#include "net/fetch.h"
 #include "proxy/px_self.h"
-#include "net/tls.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
 #define GIVE_UP_FAILURES 2
@@ -49,11 +49,11 @@ typedef struct {
     size_t idx;
     char *hostport, *path; /* the replica's base URL */
     char *agent_hostport, *agent_path;
-    px_upstream_t *up;     /* completions */
-    px_upstream_t *att_up; /* attestation: the agent, or the replica itself (short timeouts) */
-    size_t lane;           /* replicas with the same hostport share a lane */
+    net_upstream_t *up;     /* completions */
+    net_upstream_t *att_up; /* attestation: the agent, or the replica itself (short timeouts) */
+    size_t lane;            /* replicas with the same hostport share a lane */
     /* step 1 */
-    px_fetch_t *af[ATTEST_ADAPTER_MAX_PATHS];
+    net_fetch_t *af[ATTEST_ADAPTER_MAX_PATHS];
     dp_buf_t abody[ATTEST_ADAPTER_MAX_PATHS];
     bool agot[ATTEST_ADAPTER_MAX_PATHS];
     int apending;
@@ -79,9 +79,9 @@ struct dg_s {
     attest_keyset_t keys;
     px_dg_run_t run;
     rio_t *io;
-    px_tls_ctx_t *tls; /* the pool's upstream_tls, made on first https URL; NULL otherwise */
-    char *tls_err;     /* why it could not be made */
-    size_t *lane_busy; /* in-flight requests per lane */
+    net_tls_ctx_t *tls; /* the pool's upstream_tls, made on first https URL; NULL otherwise */
+    char *tls_err;      /* why it could not be made */
+    size_t *lane_busy;  /* in-flight requests per lane */
     /* the current phase */
     const char *phase;
     bool sequential;
@@ -171,7 +171,7 @@ static void att_finish(rio_t *io)
         uv_stop(&d->loop);
 }
 
-static void att_fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void att_fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                         const char *detail, void *data)
 {
     rio_t *io = data;
@@ -191,7 +191,7 @@ static void att_fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_e
         if (status == 0 || required) {
             io->afailed = true;
             if (status == 0)
-                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s", px_up_err_name(err),
+                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s", net_up_err_name(err),
                               detail ? detail : "");
             else
                 dp_buf_printf(&io->afail, "attestation endpoint answered %d", status);
@@ -241,14 +241,14 @@ static bool att_start(rio_t *io)
         char t[700];
         bool agent = r->source == CFG_ATTEST_AGENT;
         snprintf(t, sizeof(t), "%s%s", agent ? "" : io->path, paths[i]);
-        px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                             .method = "GET",
-                             .hostport = agent ? io->agent_hostport : io->hostport,
-                             .target = t,
-                             .bearer = d->pool->api_key,
-                             .max_bytes =
-                                 agent ? ATTEST_ENVELOPE_MAX_BYTES : ATTEST_ADAPTER_MAX_BODY};
-        io->af[i] = px_fetch(io->att_up, &o, att_fetched, io);
+        net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                              .method = "GET",
+                              .hostport = agent ? io->agent_hostport : io->hostport,
+                              .target = t,
+                              .bearer = d->pool->api_key,
+                              .max_bytes =
+                                  agent ? ATTEST_ENVELOPE_MAX_BYTES : ATTEST_ADAPTER_MAX_BODY};
+        io->af[i] = net_fetch(io->att_up, &o, att_fetched, io);
     }
     return true;
 }
@@ -390,7 +390,7 @@ static void http_error(px_dg_out_t *o, int status, const dp_buf_t *body)
     cJSON_Delete(doc);
 }
 
-static void job_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void job_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                      const char *detail, void *data)
 {
     job_t *j = data;
@@ -416,7 +416,7 @@ static void job_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_
     } else if (status != 0) {
         http_error(o, status, body);
     } else {
-        out_error(o, "%s%s%s", px_up_err_name(err), detail && *detail ? ": " : "",
+        out_error(o, "%s%s%s", net_up_err_name(err), detail && *detail ? ": " : "",
                   detail ? detail : "");
     }
     /* Transport failures in a row (refused, timed out, reset) mean the rest would only wait
@@ -425,7 +425,7 @@ static void job_done(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_
     px_dg_replica_t *r = &d->run.r[io->idx];
     if (io->transport_failures >= GIVE_UP_FAILURES && r->skip_reason == NULL) {
         dp_buf_t why = {0};
-        dp_buf_printf(&why, "%s (%s)", err == PX_UP_CONNECT ? "unreachable" : "not answering",
+        dp_buf_printf(&why, "%s (%s)", err == NET_UP_CONNECT ? "unreachable" : "not answering",
                       o->err);
         r->skip_reason = dp_buf_steal(&why);
         progress("%s %s: %s: skipping its remaining requests", d->phase, r->name, r->skip_reason);
@@ -444,17 +444,17 @@ static void job_start(rio_t *io, size_t k)
     j->out = io->outs[k];
     char target[600];
     snprintf(target, sizeof(target), "%s/v1/completions", io->path);
-    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                         .method = "POST",
-                         .hostport = io->hostport,
-                         .target = target,
-                         .bearer = d->pool->api_key,
-                         .body = io->bodies[k]->base,
-                         .body_len = io->bodies[k]->len,
-                         .max_bytes = OUTPUT_MAX_BYTES};
+    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                          .method = "POST",
+                          .hostport = io->hostport,
+                          .target = target,
+                          .bearer = d->pool->api_key,
+                          .body = io->bodies[k]->base,
+                          .body_len = io->bodies[k]->len,
+                          .max_bytes = OUTPUT_MAX_BYTES};
     io->inflight++;
     d->lane_busy[io->lane]++;
-    px_fetch(io->up, &o, job_done, j);
+    net_fetch(io->up, &o, job_done, j);
 }
 
 /* Start what the phase allows: one request per lane when sequential, else `limit` per replica.
@@ -561,13 +561,13 @@ static void build_body(dg_t *d, dp_buf_t *out, double temperature, bool seeded)
 
 /* The pool's client TLS context, as the proxy builds it (px_gen.c): its ca_file or the system
  * store, its client certificate. NULL (and d->tls_err) when it cannot be loaded. */
-static px_tls_ctx_t *pool_tls(dg_t *d)
+static net_tls_ctx_t *pool_tls(dg_t *d)
 {
     if (d->tls == NULL && d->tls_err == NULL) {
         const cfg_upstream_tls_t *ut = d->pool->upstream_tls;
         dp_buf_t err = {0};
-        d->tls = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                                   ut ? ut->client_key_file : NULL, &err);
+        d->tls = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                    ut ? ut->client_key_file : NULL, &err);
         if (d->tls == NULL)
             d->tls_err = dp_buf_steal(&err);
         dp_buf_free(&err);
@@ -604,42 +604,42 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
 
     /* https: verified exactly as the proxy verifies (SPEC §13): never plaintext to an https
      * port, never an unverified connection. */
-    px_upstream_opts_t o;
+    net_upstream_opts_t o;
     px_replica_upstream_opts(d->cfg, &o);
     o.max_idle = d->run.concurrency + 2;
     struct sockaddr_storage ss;
     if (tls && pool_tls(d) == NULL) {
         r->skip_reason = dp_xstrdup(d->tls_err);
-    } else if (!px_resolve(host, port, &ss)) {
+    } else if (!net_resolve(host, port, &ss)) {
         dp_buf_t why = {0};
         dp_buf_printf(&why, "host name '%s' did not resolve", host);
         r->skip_reason = dp_buf_steal(&why);
     } else {
-        io->up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &o);
+        io->up = net_upstream_new(&d->loop, (struct sockaddr *)&ss, &o);
         if (tls)
-            px_upstream_set_tls(io->up, d->tls, server_name ? server_name : host);
+            net_upstream_set_tls(io->up, d->tls, server_name ? server_name : host);
     }
     /* Attestation: short timeouts, as the proxy uses; an agent may live elsewhere. */
-    px_upstream_opts_t ao = {0};
+    net_upstream_opts_t ao = {0};
     ao.connect_timeout_ms = ao.first_byte_timeout_ms = ao.idle_timeout_ms =
         d->cfg->attestation.timeout_ms;
     ao.max_idle = 2;
     if (source == CFG_ATTEST_AGENT) {
         if (agent->tls && pool_tls(d) == NULL) {
             r->att_err = dp_xstrdup(d->tls_err);
-        } else if (!px_resolve(agent->host, agent->port, &ss)) {
+        } else if (!net_resolve(agent->host, agent->port, &ss)) {
             dp_buf_t why = {0};
             dp_buf_printf(&why, "agent host name '%s' did not resolve", agent->host);
             r->att_err = dp_buf_steal(&why);
         } else {
-            io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+            io->att_up = net_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
             if (agent->tls)
-                px_upstream_set_tls(io->att_up, d->tls, agent->host);
+                net_upstream_set_tls(io->att_up, d->tls, agent->host);
         }
     } else if (io->up) {
-        io->att_up = px_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
+        io->att_up = net_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
         if (tls)
-            px_upstream_set_tls(io->att_up, d->tls, server_name ? server_name : host);
+            net_upstream_set_tls(io->att_up, d->tls, server_name ? server_name : host);
     }
 }
 
@@ -880,9 +880,9 @@ static void dg_free(dg_t *d)
     for (size_t i = 0; i < d->run.n; i++) {
         rio_t *io = &d->io[i];
         if (io->up)
-            px_upstream_free(io->up);
+            net_upstream_free(io->up);
         if (io->att_up)
-            px_upstream_free(io->att_up);
+            net_upstream_free(io->att_up);
         io->up = io->att_up = NULL;
         for (size_t k = 0; k < ATTEST_ADAPTER_MAX_PATHS; k++)
             dp_buf_free(&io->abody[k]);
@@ -901,7 +901,7 @@ static void dg_free(dg_t *d)
     }
     free(d->io);
     free(d->lane_busy);
-    px_tls_ctx_unref(d->tls); /* upstreams hold their own references */
+    net_tls_ctx_unref(d->tls); /* upstreams hold their own references */
     d->tls = NULL;
     free(d->tls_err);
     d->tls_err = NULL;

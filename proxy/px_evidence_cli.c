@@ -18,12 +18,12 @@
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
+#include "net/fetch.h"
+#include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
-#include "net/fetch.h"
 #include "proxy/px_self.h"
-#include "net/tls.h"
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 
@@ -131,7 +131,7 @@ typedef struct {
     dp_buf_t err;
 } fetch_wait_t;
 
-static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
     (void)f;
@@ -143,41 +143,41 @@ static void fetched(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t
     if (body && body->len)
         dp_buf_append(&w->body, body->base, body->len);
     if (status == 0)
-        dp_buf_printf(&w->err, "%s%s%s", px_up_err_name(err), detail ? ": " : "",
+        dp_buf_printf(&w->err, "%s%s%s", net_up_err_name(err), detail ? ": " : "",
                       detail ? detail : "");
 }
 
 /* One blocking exchange on the replay's own loop. */
 static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint16_t port,
-                      px_tls_ctx_t *tls, const char *server_name, const char *hostport,
+                      net_tls_ctx_t *tls, const char *server_name, const char *hostport,
                       const char *method, const char *target, const char *bearer, const char *body,
                       size_t len)
 {
     struct sockaddr_storage ss;
-    if (!px_resolve(host, port, &ss)) {
+    if (!net_resolve(host, port, &ss)) {
         dp_buf_reset(&w->err);
         dp_buf_printf(&w->err, "host name '%s' did not resolve", host);
         return 0;
     }
-    px_upstream_opts_t uo;
+    net_upstream_opts_t uo;
     px_replica_upstream_opts(cfg, &uo);
     uo.max_idle = 1;
-    px_upstream_t *u = px_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
+    net_upstream_t *u = net_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
     if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
-        px_upstream_set_tls(u, tls, server_name ? server_name : host);
-    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                         .method = method,
-                         .hostport = hostport,
-                         .target = target,
-                         .bearer = bearer,
-                         .body = body,
-                         .body_len = len,
-                         .max_bytes = REPLAY_MAX_BODY};
+        net_upstream_set_tls(u, tls, server_name ? server_name : host);
+    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                          .method = method,
+                          .hostport = hostport,
+                          .target = target,
+                          .bearer = bearer,
+                          .body = body,
+                          .body_len = len,
+                          .max_bytes = REPLAY_MAX_BODY};
     w->done = false;
-    px_fetch(u, &o, fetched, w);
+    net_fetch(u, &o, fetched, w);
     while (!w->done)
         uv_run(&w->loop, UV_RUN_ONCE);
-    px_upstream_free(u);
+    net_upstream_free(u);
     uv_run(&w->loop, UV_RUN_NOWAIT);
     return w->status;
 }
@@ -391,13 +391,13 @@ static void replay_one(replay_t *rp, const cJSON *line)
         for (size_t k = 0; pc && k < pc->nreplicas; k++)
             if (strcmp(pc->replicas[k].name, pick->name) == 0)
                 server_name = pc->replicas[k].server_name;
-        px_tls_ctx_t *tls = NULL;
+        net_tls_ctx_t *tls = NULL;
         dp_buf_t terr = {0};
         if (pick == NULL || pc == NULL) {
             dp_buf_printf(&o.why, "no admitted replica with fingerprint %s", fp);
         } else if (cfg_parse_url(pick->url, &u, &uwhy) != 0) {
             dp_buf_printf(&o.why, "replica %s: %s", pick->name, uwhy);
-        } else if (u.tls && (tls = px_tls_client_ctx(
+        } else if (u.tls && (tls = net_tls_client_ctx(
                                  pc->upstream_tls ? pc->upstream_tls->ca_file : NULL,
                                  pc->upstream_tls ? pc->upstream_tls->client_cert_file : NULL,
                                  pc->upstream_tls ? pc->upstream_tls->client_key_file : NULL,
@@ -427,7 +427,7 @@ static void replay_one(replay_t *rp, const cJSON *line)
             }
         }
         cfg_url_free(&u);
-        px_tls_ctx_unref(tls);
+        net_tls_ctx_unref(tls);
         dp_buf_free(&terr);
     }
     report(rp, &o);

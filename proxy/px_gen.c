@@ -1,19 +1,19 @@
 /* Configuration generations, pools and replicas. */
-#include <netdb.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
 #include "common/util.h"
+#include "net/resolve.h"
+#include "net/tls.h"
 #include "proxy/px.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_status.h"
-#include "net/tls.h"
 
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
                                               "quarantined"};
 
-void px_replica_upstream_opts(const cfg_t *cfg, px_upstream_opts_t *o)
+void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
 {
     const cfg_limits_t *l = &cfg->limits;
     memset(o, 0, sizeof(*o));
@@ -45,26 +45,6 @@ static void url_copy(cfg_url_t *dst, const cfg_url_t *src)
     dst->host = src->host ? dp_xstrdup(src->host) : NULL;
     dst->path = src->path ? dp_xstrdup(src->path) : NULL;
     dst->hostport = src->hostport ? dp_xstrdup(src->hostport) : NULL;
-}
-
-/* Numeric hosts never block; names use getaddrinfo once, at start or reload (the loop is not
- * yet serving, or the cost is a one-off) or in the one-shot diagnose command; DNS discovery
- * resolves off the loop and passes numeric addresses. */
-bool px_resolve(const char *host, uint16_t port, struct sockaddr_storage *out)
-{
-    memset(out, 0, sizeof(*out));
-    if (uv_ip4_addr(host, port, (struct sockaddr_in *)out) == 0 ||
-        uv_ip6_addr(host, port, (struct sockaddr_in6 *)out) == 0)
-        return true;
-    struct addrinfo hints = {0}, *res = NULL;
-    hints.ai_socktype = SOCK_STREAM;
-    char ports[8];
-    snprintf(ports, sizeof(ports), "%u", port);
-    if (getaddrinfo(host, ports, &hints, &res) != 0 || res == NULL)
-        return false;
-    memcpy(out, res->ai_addr, res->ai_addrlen);
-    freeaddrinfo(res);
-    return true;
 }
 
 /* Every replica alive, so the last one of a (pool, name) can take its metric series with it:
@@ -102,12 +82,12 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
         px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica", d->name, NULL);
     r->m_drained =
         px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica", d->name, NULL);
-    r->resolved = px_resolve(r->url.host, r->url.port, &r->addr);
+    r->resolved = net_resolve(r->url.host, r->url.port, &r->addr);
     if (r->url.tls || r->attest.url.tls) {
         const cfg_upstream_tls_t *ut = p->upstream_tls;
         dp_buf_t err = {0};
-        r->tls_ctx = px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                                       ut ? ut->client_key_file : NULL, &err);
+        r->tls_ctx = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                        ut ? ut->client_key_file : NULL, &err);
         if (r->tls_ctx == NULL) {
             const char *why[] = {err.base, NULL};
             px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
@@ -117,10 +97,10 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
         }
         dp_buf_free(&err);
     }
-    px_upstream_opts_t o;
+    net_upstream_opts_t o;
     px_replica_upstream_opts(cfg, &o);
     if (r->resolved) {
-        r->up = px_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
+        r->up = net_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
         px_replica_upstream_tls(r, r->up, &r->url);
     }
     /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
@@ -133,13 +113,13 @@ static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p
     return r;
 }
 
-void px_replica_upstream_tls(px_replica_t *r, px_upstream_t *u, const cfg_url_t *url)
+void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t *url)
 {
     if (!url->tls || r->tls_ctx == NULL)
         return;
     /* server_name overrides the name checked for the replica itself, not for its agent. */
     const char *name = url == &r->url && r->server_name ? r->server_name : url->host;
-    px_upstream_set_tls(u, r->tls_ctx, name);
+    net_upstream_set_tls(u, r->tls_ctx, name);
 }
 
 void px_replica_ref(px_replica_t *r)
@@ -163,10 +143,10 @@ void px_replica_unref(px_replica_t *r)
         px_metrics_drop("pool", r->pool_name, "replica", r->name);
     px_attest_replica_free(r);
     if (r->up)
-        px_upstream_free(r->up);
+        net_upstream_free(r->up);
     if (r->shadow_up)
-        px_upstream_free(r->shadow_up);
-    px_tls_ctx_unref(r->tls_ctx);
+        net_upstream_free(r->shadow_up);
+    net_tls_ctx_unref(r->tls_ctx);
     for (size_t i = 0; i < r->nreasons; i++)
         free(r->reasons[i]);
     cfg_url_free(&r->url);
@@ -220,7 +200,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
         dp_log_end(w);
     }
     if (st != PX_REPLICA_ADMITTED && r->up)
-        px_upstream_flush_idle(r->up);
+        net_upstream_flush_idle(r->up);
 }
 
 void px_replica_set_drained(px_replica_t *r, bool drained)
@@ -239,7 +219,7 @@ void px_replica_set_drained(px_replica_t *r, bool drained)
     }
     /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
     if (drained && r->up)
-        px_upstream_flush_idle(r->up);
+        net_upstream_flush_idle(r->up);
 }
 
 /* ---- pools ------------------------------------------------------------------------------ */
@@ -282,9 +262,9 @@ static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         return;
     const cfg_upstream_tls_t *ut = p->upstream_tls;
     dp_buf_t err = {0};
-    px_tls_ctx_t *fresh =
-        px_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                          ut ? ut->client_key_file : NULL, &err);
+    net_tls_ctx_t *fresh =
+        net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                           ut ? ut->client_key_file : NULL, &err);
     if (fresh == NULL) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "tls_load_failed");
         if (w) {
@@ -296,12 +276,12 @@ static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         dp_buf_free(&err);
         return;
     }
-    px_tls_ctx_replace(r->tls_ctx, fresh);
-    px_tls_ctx_unref(fresh);
+    net_tls_ctx_replace(r->tls_ctx, fresh);
+    net_tls_ctx_unref(fresh);
     if (r->up)
-        px_upstream_flush_idle(r->up);
+        net_upstream_flush_idle(r->up);
     if (r->shadow_up)
-        px_upstream_flush_idle(r->shadow_up);
+        net_upstream_flush_idle(r->shadow_up);
 }
 
 static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
@@ -323,7 +303,7 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
     g->cfg = cfg;
     g->npools = cfg->npools;
     g->pools = dp_xcalloc(cfg->npools, sizeof(*g->pools));
-    px_upstream_opts_t uo;
+    net_upstream_opts_t uo;
     px_replica_upstream_opts(cfg, &uo);
     for (size_t i = 0; i < cfg->npools; i++) {
         px_pool_t *p = &g->pools[i];
@@ -347,7 +327,7 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
                 free(key);
                 px_replica_ref(r);
                 if (r->up)
-                    px_upstream_set_opts(r->up, &uo);
+                    net_upstream_set_opts(r->up, &uo);
                 replica_reload_tls(r, pc);
                 px_pool_push_replica(p, r);
             } else {

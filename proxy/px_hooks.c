@@ -142,7 +142,7 @@ const char *px_hooks_tenant(const px_hooks_req_t *h)
 
 static size_t header_lookup(void *ud, const char *lname, dp_iovec_t *value)
 {
-    const px_req_t *req = ud;
+    const net_req_t *req = ud;
     size_t n = 0;
     for (size_t i = 0; i < req->nheaders; i++) {
         if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, lname)) {
@@ -186,7 +186,7 @@ static uint32_t rate_take(const cfg_tenant_t *t)
     return wait < 1 ? 1 : wait >= UINT32_MAX ? UINT32_MAX : (uint32_t)wait;
 }
 
-int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req)
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req)
 {
     (void)px;
     policy_error_t err;
@@ -264,7 +264,7 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
 /* On the loop, while the client's request is alive (policing may move to a worker and the
  * client may leave meanwhile): the session header of the first session-keyed affinity pool
  * that the request carries, kept as its digest. */
-static void affinity_session_header(px_hooks_req_t *h, const px_gen_t *g, const px_req_t *req)
+static void affinity_session_header(px_hooks_req_t *h, const px_gen_t *g, const net_req_t *req)
 {
     for (size_t i = 0; i < g->cfg->npools; i++) {
         const cfg_pool_t *pc = &g->cfg->pools[i];
@@ -419,7 +419,7 @@ static void police_done(uv_work_t *w, int status)
     police_done_now(p);
 }
 
-int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data)
 {
@@ -475,28 +475,28 @@ static const char *fp_of(const px_hooks_req_t *h, const px_pool_t *pool)
     return h->fingerprint[0] ? h->fingerprint : pool->fingerprint;
 }
 
-void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
+void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_header_t *out,
                                size_t *n)
 {
     if (!h->inference)
         return;
     if (h->tenant_cfg)
-        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-tenant"), {h->tenant, strlen(h->tenant)}};
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-tenant"), {h->tenant, strlen(h->tenant)}};
     if (pool) {
         const char *fp = fp_of(h, pool);
-        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-fingerprint"), {fp, strlen(fp)}};
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-fingerprint"), {fp, strlen(fp)}};
     }
     if (h->seed[0])
-        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
     if (h->affinity.result != PX_AFF_NONE) {
         const char *v = px_aff_result_names[h->affinity.result];
-        out[(*n)++] = (px_header_t){DP_IOV("x-detproxy-affinity"), {v, strlen(v)}};
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-affinity"), {v, strlen(v)}};
     }
 }
 
 /* ---- responses ------------------------------------------------------------------------------ */
 
-bool px_hooks_hold_response(px_hooks_req_t *h, int status, const px_header_t *hdrs, size_t n)
+bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n)
 {
     if (!h->inference || h->stream || status < 200 || status >= 300)
         return false;
@@ -511,7 +511,7 @@ bool px_hooks_hold_response(px_hooks_req_t *h, int status, const px_header_t *hd
 }
 
 void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
-                               px_header_t *extra, size_t *nextra)
+                               net_header_t *extra, size_t *nextra)
 {
     pol_t *p = h->policy;
     if (p == NULL)
@@ -524,8 +524,8 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
     *body = p->out;
     p->out = t;
     if (h->upstream_fp[0])
-        extra[(*nextra)++] = (px_header_t){DP_IOV("x-detproxy-upstream-fingerprint"),
-                                           {h->upstream_fp, strlen(h->upstream_fp)}};
+        extra[(*nextra)++] = (net_header_t){DP_IOV("x-detproxy-upstream-fingerprint"),
+                                            {h->upstream_fp, strlen(h->upstream_fp)}};
 }
 
 static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
@@ -665,7 +665,7 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
 /* ---- dispatch and the end ----------------------------------------------------------------- */
 
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
-                         const px_req_t *req, const char *body, size_t len)
+                         const net_req_t *req, const char *body, size_t len)
 {
     pol_t *p = h->policy;
     /* Each accepted identity has its own fingerprint (SPEC §4 "accept"): the answer carries the
@@ -681,13 +681,13 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
     px_otel_replica(h->span, r->name, h->shadow != NULL);
 }
 
-void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err)
+void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err)
 {
     (void)h;
     /* Only a refused or timed-out connect says the replica is gone; the keep-alive race
      * (a pooled connection closed under us) is routine with vLLM's 5 s keep-alive. */
-    if (err == PX_UP_CONNECT || err == PX_UP_REUSED_CLOSED || err == PX_UP_CLOSED)
-        px_attest_connection_failed(px, r, err == PX_UP_CONNECT);
+    if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
+        px_attest_connection_failed(px, r, err == NET_UP_CONNECT);
 }
 
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,

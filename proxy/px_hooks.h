@@ -54,7 +54,7 @@ const char *px_hooks_tenant(const px_hooks_req_t *h);
 /* Every request: match a tenant, then take a token from its rate limit. 0; -1 with h->error
  * set when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
  * (429 rate_limited, h->error and h->retry_after_s set). */
-int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req);
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req);
 /* detproxy refused the request with code/param (param may be NULL): for the audit line. */
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
 /* Token usage seen in the response so far (prompt, completion): false when none. */
@@ -74,24 +74,24 @@ typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hook
  * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
  * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
  * loop with the same results. px_hooks_finish must not run before it. */
-int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, px_req_t *req,
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data);
 
 /* Headers every inference response carries (tenant, fingerprint, seed, affinity); out has
  * room. */
-void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, px_header_t *out,
+void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_header_t *out,
                                size_t *n);
 
 /* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? */
-bool px_hooks_hold_response(px_hooks_req_t *h, int status, const px_header_t *hdrs, size_t n);
+bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n);
 /* Rewrite a held body in place; may add headers (upstream fingerprint) to extra. */
 void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
-                               px_header_t *extra, size_t *nextra);
+                               net_header_t *extra, size_t *nextra);
 
 /* The request left for replica r (the first attempt or the retry). */
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
-                         const px_req_t *req, const char *body, size_t len);
+                         const net_req_t *req, const char *body, size_t len);
 /* Response body bytes from the replica: returns the bytes to forward (the input itself, or a
  * rewritten copy valid until the next call), after teeing them for shadow capture and audit
  * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */
@@ -107,7 +107,7 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data);
 /* An exchange with replica r failed with err. */
-void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, px_up_err_t err);
+void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err);
 /* The request is over (status 499 when the client went away). Releases hook state. */
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,
                      const char *request_id);

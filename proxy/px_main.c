@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "common/version.h"
+#include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/px.h"
 #include "proxy/px_admin.h"
@@ -19,7 +20,6 @@
 #include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
-#include "net/tls.h"
 
 #define DRAIN_LIMIT_MS 30000
 
@@ -78,9 +78,9 @@ static void usage(FILE *f)
           f);
 }
 
-void px_server_limits_for(const cfg_t *cfg, px_server_limits_t *l)
+void px_server_limits_for(const cfg_t *cfg, net_server_limits_t *l)
 {
-    px_server_limits_default(l);
+    net_server_limits_default(l);
     l->max_header_bytes = cfg->limits.max_header_bytes;
     l->max_headers = cfg->limits.max_headers;
     l->max_body_bytes = cfg->limits.max_body_bytes;
@@ -95,9 +95,9 @@ void px_server_limits_for(const cfg_t *cfg, px_server_limits_t *l)
 void px_admin_refresh_gauges(px_t *px)
 {
     px_metric_set(px_metrics_get("detproxy_connections", NULL),
-                  (double)px_server_connections(px->proxy));
+                  (double)net_server_connections(px->proxy));
     px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
-                  (double)px_server_inflight(px->proxy));
+                  (double)net_server_inflight(px->proxy));
     px_status_refresh_gauges(px);
 }
 
@@ -125,13 +125,13 @@ static void finish_shutdown(px_t *px)
         for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++) {
             px_replica_t *r = px->gen->pools[i].replicas[k];
             if (r->up)
-                px_upstream_flush_idle(r->up);
+                net_upstream_flush_idle(r->up);
             if (r->shadow_up)
-                px_upstream_flush_idle(r->shadow_up);
+                net_upstream_flush_idle(r->shadow_up);
         }
     }
     if (px->admin) {
-        px_server_close(px->admin, admin_closed, NULL);
+        net_server_close(px->admin, admin_closed, NULL);
         px->admin = NULL;
     }
     close_handle((uv_handle_t *)&px->sig_term);
@@ -140,9 +140,9 @@ static void finish_shutdown(px_t *px)
     close_handle((uv_handle_t *)&px->drain_timer);
 }
 
-static void proxy_drained(px_server_t *s)
+static void proxy_drained(net_server_t *s)
 {
-    px_t *px = px_server_data(s);
+    px_t *px = net_server_data(s);
     dp_log_msg(DP_LOG_INFO, "drained", NULL);
     finish_shutdown(px);
 }
@@ -157,12 +157,12 @@ static void drain_timeout(uv_timer_t *t)
     px_t *px = t->data;
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "drain_timeout");
     if (w) {
-        dp_jw_uint(w, "inflight", px_server_inflight(px->proxy));
+        dp_jw_uint(w, "inflight", net_server_inflight(px->proxy));
         dp_log_end(w);
     }
-    px_server_t *s = px->proxy;
+    net_server_t *s = px->proxy;
     px->proxy = NULL;
-    px_server_close(s, proxy_closed, NULL);
+    net_server_close(s, proxy_closed, NULL);
     finish_shutdown(px);
 }
 
@@ -175,11 +175,11 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "draining");
     if (w) {
         dp_jw_str(w, "signal", signum == SIGTERM ? "SIGTERM" : "SIGINT");
-        dp_jw_uint(w, "inflight", px_server_inflight(px->proxy));
+        dp_jw_uint(w, "inflight", net_server_inflight(px->proxy));
         dp_log_end(w);
     }
     uv_timer_start(&px->drain_timer, drain_timeout, DRAIN_LIMIT_MS, 0);
-    px_server_drain(px->proxy, proxy_drained);
+    net_server_drain(px->proxy, proxy_drained);
 }
 
 static void on_hup(uv_signal_t *h, int signum)
@@ -200,15 +200,15 @@ static void raise_nofile(void)
     }
 }
 
-static int listen_on(px_server_t *s, const cfg_addr_t *a, const char *what)
+static int listen_on(net_server_t *s, const cfg_addr_t *a, const char *what)
 {
-    int r = px_server_listen(s, a->host, a->port);
+    int r = net_server_listen(s, a->host, a->port);
     dp_jw_t *w =
         dp_log_begin(r == 0 ? DP_LOG_INFO : DP_LOG_ERROR, r == 0 ? "listening" : "listen_failed");
     if (w) {
         dp_jw_str(w, "listener", what);
         dp_jw_str(w, "host", a->host);
-        dp_jw_uint(w, "port", r == 0 ? px_server_port(s) : a->port);
+        dp_jw_uint(w, "port", r == 0 ? net_server_port(s) : a->port);
         if (r != 0)
             dp_jw_str(w, "error", uv_strerror(r));
         dp_log_end(w);
@@ -276,21 +276,21 @@ int px_cmd_run(int argc, char **argv)
                            cfg->log.audit_checkpoint_lines);
     }
 
-    px_server_limits_t lim;
+    net_server_limits_t lim;
     px_server_limits_for(cfg, &lim);
-    px.proxy = px_server_new(px.loop, &px_proxy_handler, &px, &lim);
-    px_server_on_overload(px.proxy, px_proxy_count_overload);
+    px.proxy = net_server_new(px.loop, &px_proxy_handler, &px, &lim);
+    net_server_on_overload(px.proxy, px_proxy_count_overload);
     if (px_tls_reload(&px) != 0) {
-        px_server_close(px.proxy, NULL, NULL);
+        net_server_close(px.proxy, NULL, NULL);
         px_gen_unref(px.gen);
         uv_run(px.loop, UV_RUN_DEFAULT);
         uv_loop_close(px.loop);
         px_metrics_reset();
         return 3;
     }
-    px_server_limits_t alim;
-    px_server_limits_default(&alim);
-    px.admin = px_server_new(px.loop, &px_admin_handler, &px, &alim);
+    net_server_limits_t alim;
+    net_server_limits_default(&alim);
+    px.admin = net_server_new(px.loop, &px_admin_handler, &px, &alim);
     /* Handlers before the "listening" lines: whoever waits for those may signal at once, and
      * the default action of SIGTERM/SIGHUP is to die without draining. */
     uv_signal_init(px.loop, &px.sig_term);
@@ -305,8 +305,8 @@ int px_cmd_run(int argc, char **argv)
         uv_close((uv_handle_t *)&px.sig_term, NULL);
         uv_close((uv_handle_t *)&px.sig_int, NULL);
         uv_close((uv_handle_t *)&px.sig_hup, NULL);
-        px_server_close(px.proxy, NULL, NULL);
-        px_server_close(px.admin, NULL, NULL);
+        net_server_close(px.proxy, NULL, NULL);
+        net_server_close(px.admin, NULL, NULL);
         px_gen_unref(px.gen);
         uv_run(px.loop, UV_RUN_DEFAULT);
         uv_loop_close(px.loop);
@@ -322,10 +322,10 @@ int px_cmd_run(int argc, char **argv)
     uv_run(px.loop, UV_RUN_DEFAULT);
 
     if (px.proxy)
-        px_server_close(px.proxy, NULL, NULL);
+        net_server_close(px.proxy, NULL, NULL);
     if (px.audit)
         px_audit_close(px.audit); /* flush and fsync: no audit line is lost on a clean exit */
-    px_tls_ctx_unref(px.tls);
+    net_tls_ctx_unref(px.tls);
     px_gen_unref(px.gen);
     px.gen = NULL;
     uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */

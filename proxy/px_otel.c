@@ -30,12 +30,12 @@ typedef struct {
     char *key; /* hostport + path of the endpoint the upstream below speaks to */
     char *hostport;
     char *target; /* <path>/v1/traces */
-    px_upstream_t *up;
+    net_upstream_t *up;
     uv_timer_t timer;
     bool timer_ready;
     dp_buf_t queue; /* serialised spans, comma-separated */
     size_t nqueued;
-    px_fetch_t *inflight;
+    net_fetch_t *inflight;
     size_t ninflight;
     bool failing; /* the last export failed: logged once until one succeeds */
 } otel_ctx_t;
@@ -66,7 +66,7 @@ static otel_ctx_t *ctx_of(px_t *px)
 
 static void export_now(px_t *px);
 
-static void exported(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_t err,
+static void exported(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                      const char *detail, void *data)
 {
     (void)f;
@@ -81,7 +81,7 @@ static void exported(px_fetch_t *f, int status, const dp_buf_t *body, px_up_err_
         if (w) {
             dp_jw_str(w, "endpoint", c->hostport);
             dp_jw_int(w, "status", status);
-            dp_jw_str(w, "error", status ? "bad status" : px_up_err_name(err));
+            dp_jw_str(w, "error", status ? "bad status" : net_up_err_name(err));
             dp_jw_str(w, "detail", detail ? detail : "");
             dp_jw_uint(w, "spans", c->ninflight);
             dp_log_end(w);
@@ -108,14 +108,14 @@ static void export_now(px_t *px)
     c->ninflight = c->nqueued;
     c->nqueued = 0;
     dp_buf_reset(&c->queue);
-    px_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                         .method = "POST",
-                         .hostport = c->hostport,
-                         .target = c->target,
-                         .body = body.base,
-                         .body_len = body.len,
-                         .max_bytes = 65536};
-    c->inflight = px_fetch(c->up, &o, exported, px);
+    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+                          .method = "POST",
+                          .hostport = c->hostport,
+                          .target = c->target,
+                          .body = body.base,
+                          .body_len = body.len,
+                          .max_bytes = 65536};
+    c->inflight = net_fetch(c->up, &o, exported, px);
     dp_buf_free(&body);
 }
 
@@ -127,13 +127,13 @@ static void on_timer(uv_timer_t *t)
 static void drop_ctx_upstream(otel_ctx_t *c)
 {
     if (c->inflight) {
-        px_fetch_cancel(c->inflight);
+        net_fetch_cancel(c->inflight);
         c->inflight = NULL;
         px_metric_add(count_series("failed"), (double)c->ninflight);
         c->ninflight = 0;
     }
     if (c->up)
-        px_upstream_free(c->up);
+        net_upstream_free(c->up);
     c->up = NULL;
     free(c->key);
     free(c->hostport);
@@ -166,7 +166,7 @@ void px_otel_sync(px_t *px)
     }
     drop_ctx_upstream(c);
     struct sockaddr_storage addr;
-    if (!px_resolve(o->endpoint.host, o->endpoint.port, &addr)) {
+    if (!net_resolve(o->endpoint.host, o->endpoint.port, &addr)) {
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "otel_endpoint_unresolved");
         if (w) {
             dp_jw_str(w, "endpoint", key.base);
@@ -175,13 +175,13 @@ void px_otel_sync(px_t *px)
         dp_buf_free(&key);
         return; /* spans are dropped (counted) until a reload resolves it */
     }
-    px_upstream_opts_t uo;
+    net_upstream_opts_t uo;
     px_replica_upstream_opts(px->gen->cfg, &uo);
     uo.connect_timeout_ms = OTEL_TIMEOUT_MS;
     uo.first_byte_timeout_ms = OTEL_TIMEOUT_MS;
     uo.idle_timeout_ms = OTEL_TIMEOUT_MS;
     uo.max_idle = 1;
-    c->up = px_upstream_new(px->loop, (struct sockaddr *)&addr, &uo);
+    c->up = net_upstream_new(px->loop, (struct sockaddr *)&addr, &uo);
     c->key = dp_buf_steal(&key);
     c->hostport = dp_xstrdup(o->endpoint.hostport);
     dp_buf_t t = {0};
@@ -245,11 +245,11 @@ static int parse_traceparent(dp_iovec_t v, uint8_t trace[16], uint8_t parent[8])
 
 /* The caller's trace context: its flags, or -1 when there is none to continue (absent, invalid,
  * or sent twice: which of two would be the parent is anyone's guess, so neither is). */
-static int client_trace(const px_req_t *req, uint8_t trace[16], uint8_t parent[8])
+static int client_trace(const net_req_t *req, uint8_t trace[16], uint8_t parent[8])
 {
-    const px_header_t *tp = NULL;
+    const net_header_t *tp = NULL;
     for (size_t i = 0; i < req->nheaders; i++) {
-        const px_header_t *h = &req->headers[i];
+        const net_header_t *h = &req->headers[i];
         if (!dp_strieq(h->name.base, h->name.len, "traceparent"))
             continue;
         if (tp)
@@ -264,7 +264,7 @@ static char *dup_or_null(const char *s)
     return s ? dp_xstrdup(s) : NULL;
 }
 
-px_span_t *px_otel_start(px_t *px, const px_req_t *req, const char *route, char traceparent[56],
+px_span_t *px_otel_start(px_t *px, const net_req_t *req, const char *route, char traceparent[56],
                          bool *new_trace)
 {
     traceparent[0] = '\0';

@@ -20,7 +20,7 @@ typedef struct px_span_s px_span_t;
  * trace id (or a new one) with this span as the parent; otherwise it is left empty and the
  * client's own header, if any, passes through unchanged. *new_trace is set when that value starts
  * a new trace (no valid client traceparent): the client's tracestate is then not forwarded. */
-px_span_t *px_otel_start(px_t *px, const px_req_t *req, const char *route, char traceparent[56],
+px_span_t *px_otel_start(px_t *px, const net_req_t *req, const char *route, char traceparent[56],
                          bool *new_trace);
 /* Post-policy request attributes (the span keeps copies). */
 void px_otel_request(px_span_t *s, const char *tenant, const px_pool_t *pool,

@@ -12,9 +12,9 @@
 
 #include "common/jw.h"
 #include "common/util.h"
+#include "net/server.h"
 #include "policy/policy.h"
 #include "proxy/cli.h"
-#include "net/server.h"
 
 #define MAX_HEADERS 32
 
@@ -70,8 +70,8 @@ static int refused(const policy_error_t *e)
 {
     /* The proxy's own error writer, so the bytes are those a client would get. */
     dp_buf_t err = {0}, b = {0};
-    px_error_body(&err, px_error_type_for_status(e->status), e->code, e->param[0] ? e->param : NULL,
-                  e->message); /* {"error":{...}} */
+    net_error_body(&err, net_error_type_for_status(e->status), e->code,
+                   e->param[0] ? e->param : NULL, e->message); /* {"error":{...}} */
     dp_buf_printf(&b, "{\"status\":%d,", e->status);
     dp_buf_append(&b, err.base + 1, err.len - 1);
     dp_buf_appendc(&b, '\n');

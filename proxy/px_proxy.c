@@ -51,11 +51,11 @@ static policy_route_t policy_route(route_t r)
 struct px_preq_s {
     px_t *px;
     px_gen_t *gen;
-    px_req_t *req; /* NULL once the client is gone */
+    net_req_t *req; /* NULL once the client is gone */
     px_pool_t *pool;
     px_replica_t *replica; /* holds a slot while set */
     px_replica_t *failed;  /* replica of the first attempt, avoided by the retry */
-    px_creq_t *up;
+    net_creq_t *up;
     route_t route;
     char id[24]; /* the request id, kept after the client request is gone */
     uint64_t start_ns;
@@ -80,9 +80,9 @@ struct px_preq_s {
     int64_t held_cl;    /* the replica's Content-Length, -1 when it did not send one */
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
-    px_header_t *held_out; /* the head to send, built by prepare_held */
+    net_header_t *held_out; /* the head to send, built by prepare_held */
     size_t held_nout;
-    px_header_t held_stack[32]; /* held_out when it fits */
+    net_header_t held_stack[32]; /* held_out when it fits */
     px_preq_t *qnext, *qprev;
     uint64_t qdeadline;
     int status;
@@ -168,21 +168,21 @@ static void preq_put(px_preq_t *q)
 
 #define PX_EXTRA_HEADERS 9 /* room callers leave for extra_headers() */
 
-static void extra_headers(px_preq_t *q, px_header_t *h, size_t *n)
+static void extra_headers(px_preq_t *q, net_header_t *h, size_t *n)
 {
-    h[(*n)++] = (px_header_t){DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}};
+    h[(*n)++] = (net_header_t){DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}};
     if (q->replica)
-        h[(*n)++] = (px_header_t){DP_IOV("x-detproxy-replica"),
-                                  {q->replica->name, strlen(q->replica->name)}};
+        h[(*n)++] = (net_header_t){DP_IOV("x-detproxy-replica"),
+                                   {q->replica->name, strlen(q->replica->name)}};
     px_hooks_response_headers(&q->hooks, q->pool, h, n);
 }
 
-static void retry_after_header(px_preq_t *q, px_header_t *h, size_t *n, char buf[12])
+static void retry_after_header(px_preq_t *q, net_header_t *h, size_t *n, char buf[12])
 {
     if (q->status != 429 || q->hooks.retry_after_s == 0)
         return;
     snprintf(buf, 12, "%u", q->hooks.retry_after_s);
-    h[(*n)++] = (px_header_t){DP_IOV("retry-after"), {buf, strlen(buf)}};
+    h[(*n)++] = (net_header_t){DP_IOV("retry-after"), {buf, strlen(buf)}};
 }
 
 /* Send the refusal fail_client prepared: at once, or from the audit callback once its audit
@@ -197,7 +197,7 @@ static void send_refusal(void *data)
         const char *message = q->refusal.base;
         const char *param = message + strlen(message) + 1;
         const char *reason = param + strlen(param) + 1;
-        px_header_t h[PX_EXTRA_HEADERS];
+        net_header_t h[PX_EXTRA_HEADERS];
         size_t n = 0;
         char ra[12];
         extra_headers(q, h, &n);
@@ -214,7 +214,7 @@ static void send_refusal(void *data)
                 dp_jw_str(w, "replica", q->replica->name);
             dp_log_end(w);
         }
-        px_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
+        net_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
         q->req = NULL;
     }
     if (waited && q->finish_deferred)
@@ -234,7 +234,7 @@ static void fail_client_why(px_preq_t *q, int status, const char *code, const ch
     if (q->req == NULL)
         return;
     if (q->client_started) {
-        px_resp_abort(q->req);
+        net_resp_abort(q->req);
         q->req = NULL;
         return;
     }
@@ -375,7 +375,7 @@ void px_proxy_slot_freed(px_pool_t *p)
  * its Host, the client's end-to-end headers minus the tenant's credential, our framing. */
 static void build_head(px_preq_t *q, px_replica_t *r)
 {
-    px_req_t *req = q->req;
+    net_req_t *req = q->req;
     dp_buf_t *h = &q->head;
     dp_buf_reset(h);
     dp_buf_reserve(h, 512 + req->target.len);
@@ -393,14 +393,14 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, " HTTP/1.1\r\nhost: ", 17);
     dp_buf_appends(h, r->url.hostport);
     dp_buf_append(h, "\r\n", 2);
-    const px_header_t *conn = px_req_header(req, "connection");
+    const net_header_t *conn = net_req_header(req, "connection");
     const dp_iovec_t *connv = conn ? &conn->value : NULL;
-    const px_header_t *xff = NULL;
+    const net_header_t *xff = NULL;
     for (size_t i = 0; i < req->nheaders; i++) {
-        const px_header_t *x = &req->headers[i];
+        const net_header_t *x = &req->headers[i];
         const char *n = x->name.base;
         size_t l = x->name.len;
-        if (px_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
+        if (net_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
             dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
             (l > 11 && dp_memieq(n, "x-detproxy-", 11)) ||
             (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")) ||
@@ -454,13 +454,13 @@ static void build_head(px_preq_t *q, px_replica_t *r)
     dp_buf_append(h, "\r\n", 2);
 }
 
-static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t n,
-                       const px_framing_t *f);
-static void up_on_body(px_creq_t *c, const char *p, size_t n);
-static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail);
-static void up_on_drain(px_creq_t *c);
+static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
+                       const net_framing_t *f);
+static void up_on_body(net_creq_t *c, const char *p, size_t n);
+static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
+static void up_on_drain(net_creq_t *c);
 
-static const px_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
+static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
 
 /* Send the request to q->replica, whose slot q holds. */
 static void send_upstream(px_preq_t *q)
@@ -476,9 +476,9 @@ static void send_upstream(px_preq_t *q)
     if (q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
     q->up =
-        px_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
+        net_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
     if (q->stream_body)
-        px_req_resume_body(q->req);
+        net_req_resume_body(q->req);
 }
 
 static void start_on(px_preq_t *q, px_replica_t *r)
@@ -516,7 +516,7 @@ static void dispatch(px_preq_t *q)
         return;
     }
     if (q->stream_body)
-        px_req_pause_body(q->req);
+        net_req_pause_body(q->req);
     queue_push(q);
 }
 
@@ -524,15 +524,15 @@ static void dispatch(px_preq_t *q)
 
 /* The end-to-end headers of a response: drop hop-by-hop ones, our own names (a replica may not
  * speak for detproxy) and Date (the server adds its own). */
-static bool forward_response_header(const px_header_t *h, const dp_iovec_t *connv)
+static bool forward_response_header(const net_header_t *h, const dp_iovec_t *connv)
 {
     const char *nm = h->name.base;
     size_t l = h->name.len;
-    return !(px_header_is_hop(nm, l, connv) || dp_strieq(nm, l, "date") ||
+    return !(net_header_is_hop(nm, l, connv) || dp_strieq(nm, l, "date") ||
              (l > 11 && dp_memieq(nm, "x-detproxy-", 11)));
 }
 
-static const dp_iovec_t *connection_value(const px_header_t *hdrs, size_t n)
+static const dp_iovec_t *connection_value(const net_header_t *hdrs, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "connection"))
@@ -540,8 +540,8 @@ static const dp_iovec_t *connection_value(const px_header_t *hdrs, size_t n)
     return NULL;
 }
 
-static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t n,
-                       const px_framing_t *f)
+static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
+                       const net_framing_t *f)
 {
     px_preq_t *q = c->data;
     if (q->req == NULL)
@@ -568,9 +568,9 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
         }
         return;
     }
-    px_header_t stackh[64];
+    net_header_t stackh[64];
     size_t cap = n + PX_EXTRA_HEADERS;
-    px_header_t *out = cap <= 64 ? stackh : dp_xmalloc(cap * sizeof(*out));
+    net_header_t *out = cap <= 64 ? stackh : dp_xmalloc(cap * sizeof(*out));
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
         if (forward_response_header(&hdrs[i], connv))
@@ -579,8 +579,8 @@ static void up_on_head(px_creq_t *c, int status, const px_header_t *hdrs, size_t
     q->client_started = true;
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
-    px_resp_start(q->req, status, out, k,
-                  px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
+    net_resp_start(q->req, status, out, k,
+                   px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
     if (out != stackh)
         free(out);
 }
@@ -594,7 +594,7 @@ static void held_head(px_preq_t *q, bool rewrite)
         nh += q->held_hdrs.base[i] == '\0';
     nh /= 2;
     size_t need = nh + 2 * PX_EXTRA_HEADERS;
-    px_header_t *out =
+    net_header_t *out =
         need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack : dp_xmalloc(need * sizeof(*out));
     size_t k = 0;
     const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
@@ -602,7 +602,7 @@ static void held_head(px_preq_t *q, bool rewrite)
         size_t nl = strlen(p);
         const char *v = p + nl + 1;
         size_t vl = strlen(v);
-        out[k++] = (px_header_t){{p, nl}, {v, vl}};
+        out[k++] = (net_header_t){{p, nl}, {v, vl}};
         p = v + vl + 1;
     }
     if (rewrite)
@@ -637,17 +637,17 @@ static void release_held(px_preq_t *q)
 {
     held_head(q, false);
     q->client_started = true;
-    px_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
+    net_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
     held_out_free(q);
     q->held_status = 0;
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
     if (q->req)
-        px_resp_write(q->req, v.base, v.len);
+        net_resp_write(q->req, v.base, v.len);
     dp_buf_free(&q->held_body);
     dp_buf_free(&q->held_hdrs);
 }
 
-static void up_on_body(px_creq_t *c, const char *p, size_t n)
+static void up_on_body(net_creq_t *c, const char *p, size_t n)
 {
     px_preq_t *q = c->data;
     if (q->req == NULL)
@@ -662,19 +662,19 @@ static void up_on_body(px_creq_t *c, const char *p, size_t n)
             return;
     }
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
-    px_resp_write(q->req, v.base, v.len);
+    net_resp_write(q->req, v.base, v.len);
     /* The client is slower than the replica: stop reading the replica until it drains. */
-    if (q->req && px_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
+    if (q->req && net_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
         q->paused_upstream = true;
-        px_creq_pause(c);
+        net_creq_pause(c);
     }
 }
 
-static void up_on_drain(px_creq_t *c)
+static void up_on_drain(net_creq_t *c)
 {
     px_preq_t *q = c->data;
     if (q->req && q->stream_body)
-        px_req_resume_body(q->req);
+        net_req_resume_body(q->req);
 }
 
 /* The last step of a successful exchange: send a held response, or the end of a streamed one. */
@@ -684,35 +684,36 @@ static void deliver(void *data)
     q->audit_wait = false;
     if (q->req && q->held_out) {
         q->client_started = true;
-        px_resp_start(q->req, q->held_status, q->held_out, q->held_nout, (int64_t)q->held_body.len);
-        px_resp_write(q->req, q->held_body.base, q->held_body.len);
+        net_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
+                       (int64_t)q->held_body.len);
+        net_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
     if (q->req) {
-        px_resp_end(q->req);
+        net_resp_end(q->req);
         q->req = NULL;
     }
     finish(q);
 }
 
-static void count_upstream_error(px_preq_t *q, px_replica_t *r, px_up_err_t err)
+static void count_upstream_error(px_preq_t *q, px_replica_t *r, net_up_err_t err)
 {
     px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name, "replica",
-                                 r->name, "kind", px_up_err_name(err), NULL),
+                                 r->name, "kind", net_up_err_name(err), NULL),
                   1);
 }
 
-static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
+static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     px_preq_t *q = c->data;
     q->up = NULL;
     q->up_end_ns = dp_now_ns();
     px_replica_t *r = q->replica;
-    if (err == PX_UP_OK) {
+    if (err == NET_UP_OK) {
         if (q->req && q->held_status) {
             prepare_held(q);
         } else if (q->req) {
             dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
-            px_resp_write(q->req, tail.base, tail.len);
+            net_resp_write(q->req, tail.base, tail.len);
         }
         /* An audited response completes only once its audit line is written (SPEC §8). The
          * flag is set before the call: the callback may run (and free q) inside it. */
@@ -730,7 +731,7 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
         dp_jw_str(w, "request_id", q->req ? q->req->id : "");
         dp_jw_str(w, "pool", q->pool->name);
         dp_jw_str(w, "replica", r->name);
-        dp_jw_str(w, "kind", px_up_err_name(err));
+        dp_jw_str(w, "kind", net_up_err_name(err));
         dp_jw_str(w, "detail", detail);
         dp_jw_bool(w, "response_started", q->client_started);
         dp_log_end(w);
@@ -743,16 +744,16 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
      * about the replica, so the request stays with its key's replica on a fresh connection
      * (the other pooled ones are as stale) instead of moving its key, and with it perhaps its
      * answer. Should that fail too, the retry rule below still applies. */
-    if (q->req && !q->client_started && can_resend && err == PX_UP_REUSED_CLOSED &&
+    if (q->req && !q->client_started && can_resend && err == NET_UP_REUSED_CLOSED &&
         !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
         q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
         q->reconnected = true;
-        px_upstream_flush_idle(r->up);
+        net_upstream_flush_idle(r->up);
         px_hooks_upstream_failed(&q->hooks, q->px, r, err);
         send_upstream(q);
         return;
     }
-    if (q->req && !q->client_started && !q->retried && can_resend && px_up_err_retryable(err)) {
+    if (q->req && !q->client_started && !q->retried && can_resend && net_up_err_retryable(err)) {
         px_t *px = q->px;
         q->retried = true;
         q->failed = r;
@@ -770,16 +771,16 @@ static void up_on_done(px_creq_t *c, px_up_err_t err, const char *detail)
     if (q->req) {
         if (q->client_started) {
             /* Mid-response: end without the final chunk so the client sees an error. */
-            px_resp_abort(q->req);
+            net_resp_abort(q->req);
             q->req = NULL;
             q->code = "upstream_error";
-        } else if (err == PX_UP_FIRST_BYTE_TIMEOUT || err == PX_UP_IDLE_TIMEOUT) {
+        } else if (err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT) {
             char msg[160];
             snprintf(msg, sizeof(msg), "replica %s timed out: %s", r->name, detail ? detail : "");
             fail_client(q, 504, "upstream_timeout", NULL, msg);
         } else {
             char msg[200];
-            snprintf(msg, sizeof(msg), "replica %s failed (%s): %s", r->name, px_up_err_name(err),
+            snprintf(msg, sizeof(msg), "replica %s failed (%s): %s", r->name, net_up_err_name(err),
                      detail ? detail : "");
             fail_client(q, 502, "upstream_error", NULL, msg);
         }
@@ -801,7 +802,7 @@ static void finish(px_preq_t *q)
     }
     px_pool_t *pool = q->pool;
     if (q->up) {
-        px_creq_cancel(q->up);
+        net_creq_cancel(q->up);
         q->up = NULL;
     }
     queue_remove(q);
@@ -872,7 +873,7 @@ static const struct {
     {"/inference/v1/generate", 22},
 };
 
-static route_t classify(const px_req_t *req)
+static route_t classify(const net_req_t *req)
 {
     const dp_iovec_t p = req->path;
     for (size_t i = 0; i < DP_ARRAY_SIZE(unpoliced_routes); i++)
@@ -930,17 +931,17 @@ static void answer_models(px_preq_t *q)
     }
     dp_jw_arr_end(&w);
     dp_jw_obj_end(&w);
-    px_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
+    net_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
     q->status = 200;
     q->code = "local";
-    px_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
+    net_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
     q->req = NULL;
     dp_buf_free(&b);
 }
 
-static px_body_mode_t on_head(px_req_t *req)
+static net_body_mode_t on_head(net_req_t *req)
 {
-    px_t *px = px_server_data(req->server);
+    px_t *px = net_server_data(req->server);
     px_preq_t *q = preq_get();
     q->px = px;
     q->gen = px->gen;
@@ -961,7 +962,7 @@ static px_body_mode_t on_head(px_req_t *req)
         fail_client(q, 508, "loop_detected", NULL,
                     "forwarding loop: the request already passed through this detproxy");
         finish(q);
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     }
     /* The tenant is known from the head alone: refuse before reading any body. */
     int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
@@ -971,23 +972,23 @@ static px_body_mode_t on_head(px_req_t *req)
         else
             fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
         finish(q);
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     }
     switch (q->route) {
     case ROUTE_MODELS:
         answer_models(q);
         finish(q);
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     case ROUTE_COMPLETIONS:
     case ROUTE_CHAT:
     case ROUTE_RESPONSES:
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     case ROUTE_UNPOLICED:
         fail_client(q, 404, "unpoliced_route", NULL,
                     "an engine-native generation route: detproxy polices only POST "
                     "/v1/completions, /v1/chat/completions and /v1/responses");
         finish(q);
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     case ROUTE_PASS:
         break;
     }
@@ -995,15 +996,15 @@ static px_body_mode_t on_head(px_req_t *req)
     if (q->gen->npools == 0) {
         fail_client(q, 404, "not_found", NULL, "no pool configured");
         finish(q);
-        return PX_BODY_BUFFER;
+        return NET_BODY_BUFFER;
     }
     q->pool = &q->gen->pools[0];
     q->stream_body = req->has_body;
     dispatch(q);
-    return PX_BODY_STREAM;
+    return NET_BODY_STREAM;
 }
 
-static void on_body(px_req_t *req, const char *p, size_t n)
+static void on_body(net_req_t *req, const char *p, size_t n)
 {
     px_preq_t *q = req->data;
     if (q == NULL || q->up == NULL)
@@ -1014,14 +1015,14 @@ static void on_body(px_req_t *req, const char *p, size_t n)
         int pl = snprintf(pre, sizeof(pre), "%zx\r\n", n);
         uv_buf_t b[3] = {uv_buf_init(pre, (unsigned)pl), uv_buf_init((char *)p, (unsigned)n),
                          uv_buf_init("\r\n", 2)};
-        r = px_creq_write(q->up, b, 3);
+        r = net_creq_write(q->up, b, 3);
     } else {
         uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
-        r = px_creq_write(q->up, &b, 1);
+        r = net_creq_write(q->up, &b, 1);
     }
     /* The replica takes the body slower than the client sends it: stop reading the client. */
-    if (r == 0 && q->up && px_creq_over(q->up))
-        px_req_pause_body(req);
+    if (r == 0 && q->up && net_creq_over(q->up))
+        net_req_pause_body(req);
 }
 
 /* The client went away (or the server refused the request, then on_reject said how). */
@@ -1051,7 +1052,7 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     q->policing = false;
     q->body = body;
     if (q->budget_held && q->px->proxy)
-        px_server_return_body_budget(q->px->proxy, q->budget_held);
+        net_server_return_body_budget(q->px->proxy, q->budget_held);
     q->budget_held = 0;
     if (q->req == NULL) { /* the client left while its body was being policed */
         client_gone(q);
@@ -1060,7 +1061,7 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     policed(q, rc, res);
 }
 
-static void on_complete(px_req_t *req)
+static void on_complete(net_req_t *req)
 {
     px_preq_t *q = req->data;
     if (q == NULL)
@@ -1069,9 +1070,9 @@ static void on_complete(px_req_t *req)
         if (q->stream_body && q->up) {
             if (req->chunked) {
                 uv_buf_t b = uv_buf_init("0\r\n\r\n", 5);
-                px_creq_write(q->up, &b, 1);
+                net_creq_write(q->up, &b, 1);
             }
-            px_creq_end(q->up);
+            net_creq_end(q->up);
         }
         return;
     }
@@ -1086,20 +1087,20 @@ static void on_complete(px_req_t *req)
     policed(q, rc, &res);
 }
 
-static void on_abort(px_req_t *req)
+static void on_abort(net_req_t *req)
 {
     px_preq_t *q = req->data;
     if (q == NULL)
         return;
     /* The worker still holds the body: so does the budget, until policed_later. */
     if (q->policing)
-        q->budget_held = px_req_take_body_budget(req);
+        q->budget_held = net_req_take_body_budget(req);
     q->req = NULL;
     if (q->audit_wait || q->policing)
         return; /* deliver() or policed_later() finishes it */
     if (q->up) {
         /* The client is gone: stop the replica's work now (GPU time is expensive). */
-        px_creq_cancel(q->up);
+        net_creq_cancel(q->up);
         q->up = NULL;
     }
     client_gone(q);
@@ -1108,7 +1109,7 @@ static void on_abort(px_req_t *req)
 /* The server refused the request itself (431, 413, 408, 400) and closes the connection. With
  * our request (on_abort follows) the refusal becomes its status; without one (the head never
  * parsed) it is counted here, with no pool and no tenant. */
-static void on_reject(px_server_t *s, px_req_t *req, int status, const char *code)
+static void on_reject(net_server_t *s, net_req_t *req, int status, const char *code)
 {
     px_preq_t *q = req ? req->data : NULL;
     if (q) {
@@ -1119,19 +1120,19 @@ static void on_reject(px_server_t *s, px_req_t *req, int status, const char *cod
         return;
     }
     px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
-    px_t *px = px_server_data(s);
+    px_t *px = net_server_data(s);
     px_access_t a = {.status = status, .code = code, .hooks = NULL};
     px_access_log(&px->gen->cfg->log.access, &a);
 }
 
-static void on_drain(px_req_t *req)
+static void on_drain(net_req_t *req)
 {
     px_preq_t *q = req->data;
     if (q && q->up && q->paused_upstream) {
         q->paused_upstream = false;
-        px_creq_resume(q->up);
+        net_creq_resume(q->up);
     }
 }
 
-const px_handler_t px_proxy_handler = {on_head,  on_body,  on_complete,
-                                       on_abort, on_drain, on_reject};
+const net_handler_t px_proxy_handler = {on_head,  on_body,  on_complete,
+                                        on_abort, on_drain, on_reject};

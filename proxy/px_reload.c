@@ -6,13 +6,13 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "net/tls.h"
 #include "proxy/px_admin.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
 #include "proxy/px_otel.h"
 #include "proxy/px_shadow.h"
-#include "net/tls.h"
 
 static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
 {
@@ -67,10 +67,10 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_gen_t *prev = px->gen;
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
-    px_server_limits_t lim;
+    net_server_limits_t lim;
     px_server_limits_for(cfg, &lim);
     if (px->proxy)
-        px_server_set_limits(px->proxy, &lim);
+        net_server_set_limits(px->proxy, &lim);
     dp_log_set_level((dp_log_level_t)cfg->log.level);
     if (audit_moved) {
         if (px->audit && cfg->log.audit_path)
@@ -106,15 +106,15 @@ int px_tls_reload(px_t *px)
         return 0;
     }
     dp_buf_t err = {0};
-    px_tls_ctx_t *c = px_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
+    net_tls_ctx_t *c = net_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
     if (c == NULL) {
         dp_log_msg(DP_LOG_ERROR, "tls_load_failed", err.base);
         dp_buf_free(&err);
         return -1;
     }
     if (px->proxy)
-        px_server_set_tls(px->proxy, c);
-    px_tls_ctx_unref(px->tls);
+        net_server_set_tls(px->proxy, c);
+    net_tls_ctx_unref(px->tls);
     px->tls = c;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");
     if (w) {
@@ -132,13 +132,13 @@ int px_reload(px_t *px, const char *why)
 
 /* ---- admin access and the routes other modules own ---------------------------------------- */
 
-int px_admin_authorize(px_t *px, px_req_t *req)
+int px_admin_authorize(px_t *px, net_req_t *req)
 {
     const char *tok = px->gen->cfg->admin_token;
     if (tok == NULL)
         return 0;
     /* As the tenant matcher: two Authorization fields are ambiguous and match nothing. */
-    const px_header_t *h = NULL;
+    const net_header_t *h = NULL;
     size_t n = 0;
     for (size_t i = 0; i < req->nheaders; i++) {
         if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, "authorization")) {
@@ -151,32 +151,32 @@ int px_admin_authorize(px_t *px, px_req_t *req)
     if (n == 1 && dp_bearer_token(h->value, &got) && got.len == tl &&
         dp_ct_equal(got.base, tok, tl))
         return 0;
-    static const px_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
-    px_resp_error(req, 401, NULL, "unauthorized", NULL,
-                  "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
+    static const net_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
+    net_resp_error(req, 401, NULL, "unauthorized", NULL,
+                   "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
     return -1;
 }
 
-static bool path_is(const px_req_t *req, const char *p)
+static bool path_is(const net_req_t *req, const char *p)
 {
     size_t n = strlen(p);
     return req->path.len == n && memcmp(req->path.base, p, n) == 0;
 }
 
-int px_admin_extra_route(px_t *px, px_req_t *req)
+int px_admin_extra_route(px_t *px, net_req_t *req)
 {
     if (path_is(req, "/admin/reload")) {
         if (req->method != 3 /* POST */) {
-            px_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+            net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
             return 0;
         }
         dp_buf_t msg = {0};
         int rc = px_reload_msg(px, "POST /admin/reload", &msg);
         if (rc == 0) {
             static const char ok[] = "{\"status\":\"reloaded\"}";
-            px_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+            net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
         } else {
-            px_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
+            net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
         }
         dp_buf_free(&msg);
         return 0;
@@ -184,7 +184,7 @@ int px_admin_extra_route(px_t *px, px_req_t *req)
     if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
         dp_buf_t b = {0};
         px_shadow_drift_json(px, &b);
-        px_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
         dp_buf_free(&b);
         return 0;
     }

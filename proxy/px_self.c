@@ -35,13 +35,13 @@ const char *px_self_via_line(size_t *len)
     return g_line;
 }
 
-bool px_self_via_seen(const px_req_t *req)
+bool px_self_via_seen(const net_req_t *req)
 {
     init_token();
     const char *tok = g_line + sizeof(VIA_NAME) - 1;
     size_t tl = sizeof(TOKEN_PREFIX) - 1 + TOKEN_HEX;
     for (size_t i = 0; i < req->nheaders; i++) {
-        const px_header_t *h = &req->headers[i];
+        const net_header_t *h = &req->headers[i];
         if (!dp_strieq(h->name.base, h->name.len, "via") || h->value.len < tl)
             continue;
         if (memmem(h->value.base, h->value.len, tok, tl) != NULL)
@@ -124,10 +124,10 @@ bool px_self_is_listener(const px_t *px, const struct sockaddr *sa, const char *
             ((struct sockaddr_in6 *)&lo)->sin6_addr = in6addr_loopback;
         sa = (const struct sockaddr *)&lo;
     }
-    const px_server_t *srv[2] = {px->proxy, px->admin};
+    const net_server_t *srv[2] = {px->proxy, px->admin};
     static const char *const names[2] = {"proxy", "admin"};
     for (int i = 0; i < 2; i++) {
-        const struct sockaddr *l = srv[i] ? px_server_bound(srv[i]) : NULL;
+        const struct sockaddr *l = srv[i] ? net_server_bound(srv[i]) : NULL;
         if (l == NULL || port_of(l) != port_of(sa))
             continue;
         /* An IPv4 wildcard takes only IPv4 (and v4-mapped) peers; a v6 one, with the usual

@@ -19,7 +19,7 @@
  * terminated; len may be NULL). */
 const char *px_self_via_line(size_t *len);
 /* Does any Via header of req carry this process's token? */
-bool px_self_via_seen(const px_req_t *req);
+bool px_self_via_seen(const net_req_t *req);
 /* Is sa (an upstream address) one of px's listeners? *what names which ("proxy", "admin"). A
  * wildcard listener (0.0.0.0, ::) is reached through every local address, loopback included. */
 bool px_self_is_listener(const px_t *px, const struct sockaddr *sa, const char **what);

@@ -20,8 +20,8 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/drift/drift.h"
-#include "proxy/px_self.h"
 #include "proxy/px_attest.h"
+#include "proxy/px_self.h"
 
 typedef struct shadow_s shadow_t;
 
@@ -57,7 +57,7 @@ struct shadow_s {
     dp_buf_t pbody;
     int pstatus;
     /* shadow capture */
-    px_creq_t *c;
+    net_creq_t *c;
     drift_sse_t ssse;
     dp_buf_t sbody;
     int sstatus;
@@ -355,7 +355,8 @@ static void active_remove(shadow_t *s)
     c->inflight--;
 }
 
-static void sh_head(px_creq_t *c, int status, const px_header_t *h, size_t n, const px_framing_t *f)
+static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                    const net_framing_t *f)
 {
     shadow_t *s = c->data;
     (void)h;
@@ -364,27 +365,27 @@ static void sh_head(px_creq_t *c, int status, const px_header_t *h, size_t n, co
     s->sstatus = status;
 }
 
-static void sh_body(px_creq_t *c, const char *p, size_t n)
+static void sh_body(net_creq_t *c, const char *p, size_t n)
 {
     shadow_t *s = c->data;
     capture(s, &s->ssse, &s->sbody, p, n);
 }
 
-static void sh_done(px_creq_t *c, px_up_err_t err, const char *detail)
+static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     shadow_t *s = c->data;
     s->c = NULL;
     active_remove(s);
-    if (err != PX_UP_OK) {
+    if (err != NET_UP_OK) {
         s->sfailed = true;
-        snprintf(s->sdetail, sizeof(s->sdetail), "%s: %s", px_up_err_name(err),
+        snprintf(s->sdetail, sizeof(s->sdetail), "%s: %s", net_up_err_name(err),
                  detail ? detail : "");
     }
     s->shadow_done = true;
     maybe_compare(s);
 }
 
-static const px_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL};
+static const net_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL};
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
@@ -419,7 +420,8 @@ static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
 }
 
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
-                      const policy_result_t *res, const px_req_t *req, const char *body, size_t len)
+                      const policy_result_t *res, const net_req_t *req, const char *body,
+                      size_t len)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     shadow_ctx_t *c = ctx(px);
@@ -451,9 +453,9 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         return NULL;
     }
     if (target->shadow_up == NULL) {
-        px_upstream_opts_t o;
+        net_upstream_opts_t o;
         px_replica_upstream_opts(px->gen->cfg, &o);
-        target->shadow_up = px_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
         px_replica_upstream_tls(target, target->shadow_up, &target->url);
     }
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
@@ -481,7 +483,7 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
     dp_buf_append(&head, "\r\n", 2);
     uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
                         uv_buf_init((char *)body, (unsigned)len)};
-    s->c = px_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
     dp_buf_free(&head);
     c->inflight++;
     s->next = c->active;
@@ -527,7 +529,7 @@ void px_shadow_stop(px_t *px)
         shadow_t *s = c->active;
         active_remove(s);
         if (s->c) {
-            px_creq_cancel(s->c);
+            net_creq_cancel(s->c);
             s->c = NULL;
         }
         s->sfailed = true;

@@ -9,7 +9,7 @@
 /* Decide whether to shadow this request (after it was dispatched to `primary`) and start the
  * copy. Returns a handle to feed the primary's output to, or NULL. */
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
-                      const policy_result_t *res, const px_req_t *req, const char *body,
+                      const policy_result_t *res, const net_req_t *req, const char *body,
                       size_t len);
 /* The primary response's body bytes, as forwarded. */
 void px_shadow_primary_bytes(void *s, const char *p, size_t n);

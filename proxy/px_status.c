@@ -350,7 +350,7 @@ static void recent_changes(dp_buf_t *b)
     dp_buf_appends(b, "</table>\n");
 }
 
-void px_status_page(px_t *px, px_req_t *req)
+void px_status_page(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
     page_head(&b);
@@ -382,13 +382,13 @@ void px_status_page(px_t *px, px_req_t *req)
     quarantines(&b, px);
     recent_changes(&b);
     dp_buf_appends(&b, "</body></html>\n");
-    static const px_header_t hdrs[] = {
+    static const net_header_t hdrs[] = {
         {DP_IOV("content-security-policy"),
          DP_IOV("default-src 'none'; style-src 'unsafe-inline'; form-action 'none'; "
                 "frame-ancestors 'none'")},
         {DP_IOV("cache-control"), DP_IOV("no-store")},
         {DP_IOV("x-content-type-options"), DP_IOV("nosniff")},
     };
-    px_resp_send(req, 200, "text/html; charset=utf-8", b.base, b.len, hdrs, DP_ARRAY_SIZE(hdrs));
+    net_resp_send(req, 200, "text/html; charset=utf-8", b.base, b.len, hdrs, DP_ARRAY_SIZE(hdrs));
     dp_buf_free(&b);
 }

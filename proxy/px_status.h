@@ -6,7 +6,7 @@
 #include "proxy/px.h"
 
 /* Render the HTML page into a 200 response. The caller has checked the admin token. */
-void px_status_page(px_t *px, px_req_t *req);
+void px_status_page(px_t *px, net_req_t *req);
 /* Record a replica state change (r->state is the new state) for the page's history. */
 void px_status_note_change(const px_replica_t *r, px_replica_state_t from);
 /* detproxy_drift_verdict{pool,verdict} and detproxy_replica_quarantined{pool,replica}. */

@@ -7,7 +7,7 @@
 #include "net/validate.h"
 
 typedef struct {
-    px_header_t h[64];
+    net_header_t h[64];
     size_t n;
     const char *url;
     size_t url_len;
@@ -45,13 +45,13 @@ static int on_value(llhttp_t *p, const char *at, size_t n)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     const char *p = (const char *)data;
-    px_head_scan_t hs = {0};
+    net_head_scan_t hs = {0};
     hs.max_bytes = 8192;
     hs.max_headers = 64;
     size_t used;
     int status;
     const char *why;
-    if (px_head_scan(&hs, p, size, &used, &status, &why) != PX_SCAN_DONE)
+    if (net_head_scan(&hs, p, size, &used, &status, &why) != NET_SCAN_DONE)
         return 0;
     llhttp_settings_t st;
     llhttp_settings_init(&st);
@@ -65,14 +65,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     llhttp_errno_t e = llhttp_execute(&parser, p, used);
     if (e != HPE_OK && e != HPE_PAUSED_UPGRADE)
         return 0;
-    px_framing_t f;
-    if (px_request_check(c.h, c.n, llhttp_get_http_major(&parser), llhttp_get_http_minor(&parser),
-                         llhttp_get_method(&parser), c.url ? c.url : "", c.url_len, &f, &why) != 0)
+    net_framing_t f;
+    if (net_request_check(c.h, c.n, llhttp_get_http_major(&parser), llhttp_get_http_minor(&parser),
+                          llhttp_get_method(&parser), c.url ? c.url : "", c.url_len, &f, &why) != 0)
         return 0;
     if (f.chunked) {
-        px_chunk_scan_t cs = {0};
+        net_chunk_scan_t cs = {0};
         size_t u2;
-        px_chunk_scan(&cs, p + used, size - used, &u2, &why);
+        net_chunk_scan(&cs, p + used, size - used, &u2, &why);
     }
     return 0;
 }

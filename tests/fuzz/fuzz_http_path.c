@@ -1,4 +1,4 @@
-/* libFuzzer target for the request-path normaliser (dp_path_normalize), differential against a
+/* libFuzzer target for the request-path normaliser (net_path_normalize), differential against a
  * second, deliberately naive implementation: decode every escape into a token list, split on
  * '/', resolve with a stack, join. Invariants, each an abort() when broken:
  *   - both accept or both refuse the same input;
@@ -113,7 +113,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t n = size + 1;
     size_t want = naive(a, n, b);
     const char *why = NULL;
-    size_t got = dp_path_normalize(a, n, &why);
+    size_t got = net_path_normalize(a, n, &why);
     CHECK((got == 0) == (want == 0));
     if (got == 0) {
         CHECK(why != NULL && why[0] != '\0');
@@ -140,7 +140,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
     }
     memcpy(b, a, got);
-    size_t again = dp_path_normalize(b, got, &why);
+    size_t again = net_path_normalize(b, got, &why);
     CHECK(again == got && memcmp(a, b, got) == 0);
     return 0;
 }

@@ -4,8 +4,9 @@
  * One job per inference request. A job embeds a uv_timer_t that drives generation one token
  * per tick (every --token-delay-ms, or every loop iteration at 0, so concurrent requests really
  * overlap and --noise can act). Lifetime rule: a job is freed only in its timer's close
- * callback. px_resp_* may call on_abort synchronously when a write fails, so after every px_resp_*
- * call the code checks job->req (cleared by on_abort) before touching the request again. */
+ * callback. net_resp_* may call on_abort synchronously when a write fails, so after every
+ * net_resp_* call the code checks job->req (cleared by on_abort) before touching the request again.
+ */
 #define _GNU_SOURCE
 #include "tests/sim/sim_server.h"
 
@@ -77,7 +78,7 @@ typedef struct job_s job_t;
 
 typedef struct {
     uv_loop_t *loop;
-    px_server_t *srv;
+    net_server_t *srv;
     uv_signal_t sigterm, sigint, sigpipe;
     sim_identity_t id;
     sim_lm_t lm;
@@ -116,7 +117,7 @@ typedef struct {
 struct job_s {
     uv_timer_t timer; /* timer.data = job; the job is freed in its close callback */
     sim_t *sim;
-    px_req_t *req; /* NULL once the response ended or the client left */
+    net_req_t *req; /* NULL once the response ended or the client left */
     job_t *prev, *next;
     sim_req_t rq;
     sim_fmt_ctx_t fmt;
@@ -147,25 +148,25 @@ static bool iov_is(dp_iovec_t v, const char *s)
     return strlen(s) == v.len && memcmp(v.base, s, v.len) == 0;
 }
 
-static bool method_is(const px_req_t *req, const char *m)
+static bool method_is(const net_req_t *req, const char *m)
 {
     return iov_is(req->method_name, m);
 }
 
-static bool is_get(const px_req_t *req)
+static bool is_get(const net_req_t *req)
 {
     return method_is(req, "GET") || method_is(req, "HEAD");
 }
 
-static void send_json(px_req_t *req, int status, const dp_buf_t *body)
+static void send_json(net_req_t *req, int status, const dp_buf_t *body)
 {
-    px_resp_send(req, status, "application/json", body->base, body->len, NULL, 0);
+    net_resp_send(req, status, "application/json", body->base, body->len, NULL, 0);
 }
 
-static void send_error(px_req_t *req, int status, const char *type, const char *param,
+static void send_error(net_req_t *req, int status, const char *type, const char *param,
                        const char *message)
 {
-    px_resp_error(req, status, type, NULL, param, message, NULL, 0);
+    net_resp_error(req, status, type, NULL, param, message, NULL, 0);
 }
 
 static void reload_lm(sim_t *s)
@@ -176,14 +177,14 @@ static void reload_lm(sim_t *s)
 /* ---- request log (test-only /_sim/ endpoints) ------------------------------------------------ */
 
 /* Header names lowercased; repeated names joined with ", " so the object has unique keys. */
-static void write_headers(dp_jw_t *w, const px_req_t *req)
+static void write_headers(dp_jw_t *w, const net_req_t *req)
 {
     dp_jw_obj_begin(w, "headers");
     bool *done = dp_xcalloc(req->nheaders + 1, sizeof(bool));
     for (size_t i = 0; i < req->nheaders; i++) {
         if (done[i])
             continue;
-        const px_header_t *h = &req->headers[i];
+        const net_header_t *h = &req->headers[i];
         char *name = dp_xstrndup(h->name.base, h->name.len);
         for (char *p = name; *p; p++)
             if (*p >= 'A' && *p <= 'Z')
@@ -191,7 +192,7 @@ static void write_headers(dp_jw_t *w, const px_req_t *req)
         dp_buf_t val = {0};
         dp_buf_append(&val, h->value.base, h->value.len);
         for (size_t j = i + 1; j < req->nheaders; j++) {
-            const px_header_t *o = &req->headers[j];
+            const net_header_t *o = &req->headers[j];
             if (!done[j] && dp_strieq(o->name.base, o->name.len, name)) {
                 done[j] = true;
                 dp_buf_append(&val, ", ", 2);
@@ -206,7 +207,7 @@ static void write_headers(dp_jw_t *w, const px_req_t *req)
     dp_jw_obj_end(w);
 }
 
-static char *request_json(const px_req_t *req, bool inference, size_t body_max)
+static char *request_json(const net_req_t *req, bool inference, size_t body_max)
 {
     dp_buf_t b = {0};
     dp_jw_t w;
@@ -225,7 +226,7 @@ static char *request_json(const px_req_t *req, bool inference, size_t body_max)
     return dp_buf_steal(&b);
 }
 
-static void record_request(sim_t *s, const px_req_t *req, bool inference)
+static void record_request(sim_t *s, const net_req_t *req, bool inference)
 {
     size_t slot = s->reqlog_count % REQLOG_SIZE;
     free(s->reqlog[slot]);
@@ -278,7 +279,7 @@ static void job_close(job_t *j)
     uv_close((uv_handle_t *)&j->timer, job_closed);
 }
 
-static job_t *job_new(sim_t *s, px_req_t *req)
+static job_t *job_new(sim_t *s, net_req_t *req)
 {
     job_t *j = dp_xcalloc(1, sizeof(*j));
     uv_timer_init(s->loop, &j->timer);
@@ -308,12 +309,12 @@ static sim_usage_t job_usage(const job_t *j)
     return u;
 }
 
-/* Detach the request from the job before a call that ends the response: after px_resp_end /
- * px_resp_abort the request must not be touched, and an on_abort fired from inside the call
+/* Detach the request from the job before a call that ends the response: after net_resp_end /
+ * net_resp_abort the request must not be touched, and an on_abort fired from inside the call
  * then finds no job. */
-static px_req_t *job_detach(job_t *j)
+static net_req_t *job_detach(job_t *j)
 {
-    px_req_t *req = j->req;
+    net_req_t *req = j->req;
     req->data = NULL;
     j->req = NULL;
     return req;
@@ -328,7 +329,7 @@ static void job_finish(job_t *j)
     if (j->rq.stream) {
         if (j->die) {
             /* Fewer tokens than DIE_AFTER_TOKENS were asked for: die before [DONE]. */
-            px_resp_abort(job_detach(j));
+            net_resp_abort(job_detach(j));
             goto done;
         }
         if (j->rq.api == SIM_API_RESPONSES) {
@@ -340,10 +341,10 @@ static void job_finish(job_t *j)
                 sim_fmt_chunk_usage(&out, &j->fmt, &u);
             sim_fmt_done(&out);
         }
-        r = px_resp_write(j->req, out.base, out.len);
+        r = net_resp_write(j->req, out.base, out.len);
         if (r != 0 || j->req == NULL)
             goto done; /* on_abort took the job */
-        r = px_resp_end(job_detach(j));
+        r = net_resp_end(job_detach(j));
     } else {
         sim_choice_t *cs = dp_xcalloc(j->nch, sizeof(*cs));
         for (size_t i = 0; i < j->nch; i++)
@@ -351,16 +352,16 @@ static void job_finish(job_t *j)
                                    j->ch[i].text.len, j->ch[i].g.finish};
         sim_fmt_response(&out, &j->fmt, cs, j->nch, &u);
         free(cs);
-        px_req_t *req = job_detach(j);
+        net_req_t *req = job_detach(j);
         if (j->die) {
             /* Announce the whole length, send half, hang up. */
-            px_header_t h = {DP_IOV("content-type"), DP_IOV("application/json")};
-            if (px_resp_start(req, 200, &h, 1, (int64_t)out.len) == 0 &&
-                px_resp_write(req, out.base, out.len / 2) == 0)
-                px_resp_abort(req);
+            net_header_t h = {DP_IOV("content-type"), DP_IOV("application/json")};
+            if (net_resp_start(req, 200, &h, 1, (int64_t)out.len) == 0 &&
+                net_resp_write(req, out.base, out.len / 2) == 0)
+                net_resp_abort(req);
             goto done;
         }
-        r = px_resp_send(req, 200, "application/json", out.base, out.len, NULL, 0);
+        r = net_resp_send(req, 200, "application/json", out.base, out.len, NULL, 0);
     }
     if (r == 0)
         s->st.completed++;
@@ -398,7 +399,7 @@ static void job_tick(job_t *j)
     }
     j->ticks++;
     if (j->rq.stream && out.len > 0) {
-        int r = px_resp_write(j->req, out.base, out.len);
+        int r = net_resp_write(j->req, out.base, out.len);
         if (r != 0 || j->req == NULL) {
             /* The connection is gone; on_abort has closed (or will close) the job. */
             dp_buf_free(&out);
@@ -406,7 +407,7 @@ static void job_tick(job_t *j)
         }
         if (j->die && j->ticks >= DIE_AFTER_TOKENS) {
             dp_buf_free(&out);
-            px_resp_abort(job_detach(j));
+            net_resp_abort(job_detach(j));
             job_close(j);
             return;
         }
@@ -416,7 +417,7 @@ static void job_tick(job_t *j)
         job_finish(j);
         return;
     }
-    if (j->rq.stream && px_resp_pending(j->req) > s->high_water) {
+    if (j->rq.stream && net_resp_pending(j->req) > s->high_water) {
         j->paused = true; /* resumed by on_drain */
         return;
     }
@@ -435,7 +436,7 @@ static void job_tick_cb(uv_timer_t *t)
  */
 
 /* TGI's own error shape for its validation failures (422). */
-static void send_tgi_validation(px_req_t *req, const char *message)
+static void send_tgi_validation(net_req_t *req, const char *message)
 {
     dp_buf_t b = {0};
     dp_jw_t w;
@@ -448,7 +449,7 @@ static void send_tgi_validation(px_req_t *req, const char *message)
     dp_buf_free(&b);
 }
 
-static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
+static void handle_inference(sim_t *s, net_req_t *req, sim_api_t api, bool die)
 {
     sim_req_t rq;
     sim_req_err_t err;
@@ -520,9 +521,9 @@ static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
     }
 
     if (rq.stream) {
-        px_header_t h[2] = {{DP_IOV("content-type"), DP_IOV("text/event-stream")},
-                            {DP_IOV("cache-control"), DP_IOV("no-cache")}};
-        if (px_resp_start(req, 200, h, 2, -1) != 0) {
+        net_header_t h[2] = {{DP_IOV("content-type"), DP_IOV("text/event-stream")},
+                             {DP_IOV("cache-control"), DP_IOV("no-cache")}};
+        if (net_resp_start(req, 200, h, 2, -1) != 0) {
             job_close(j);
             return;
         }
@@ -530,7 +531,7 @@ static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
         for (size_t i = 0; i < j->nch; i++)
             sim_fmt_chunk_role(&out, &j->fmt, (uint32_t)i);
         /* Send the head (and role chunks) now: a client sees the stream open at once. */
-        int r = px_resp_write(req, out.base ? out.base : "", out.len);
+        int r = net_resp_write(req, out.base ? out.base : "", out.len);
         dp_buf_free(&out);
         if (r != 0 || j->req == NULL)
             return;
@@ -541,28 +542,28 @@ static void handle_inference(sim_t *s, px_req_t *req, sim_api_t api, bool die)
 /* ---- faults -----------------------------------------------------------------------------------
  */
 
-/* Broken responses go out through px_resp_raw_and_close: the server would (rightly) frame and
+/* Broken responses go out through net_resp_raw_and_close: the server would (rightly) frame and
  * sanitise anything sent the normal way. */
-static void fault_garbage(sim_t *s, px_req_t *req)
+static void fault_garbage(sim_t *s, net_req_t *req)
 {
     static const char junk[] = "\x16\x03\x01\x02\x00 SSH-2.0-garbage \xff\xfe\x00 not http\r\n"
                                "\r\n\x01\x02\x03";
     (void)s;
-    px_resp_raw_and_close(req, junk, sizeof(junk) - 1);
+    net_resp_raw_and_close(req, junk, sizeof(junk) - 1);
 }
 
-static void fault_bad_framing(px_req_t *req)
+static void fault_bad_framing(net_req_t *req)
 {
     /* Both Content-Length and Transfer-Encoding: the classic smuggling response. */
     static const char resp[] = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                                "content-length: 19\r\ntransfer-encoding: chunked\r\n\r\n"
                                "13\r\n{\"error\":\"framing\"}\r\n0\r\n\r\n";
-    px_resp_raw_and_close(req, resp, sizeof(resp) - 1);
+    net_resp_raw_and_close(req, resp, sizeof(resp) - 1);
 }
 
 /* Apply the configured fault to this request, if any. Returns true when it took the request
  * (die_mid_stream only marks *die and lets generation start). */
-static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
+static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
 {
     *die = false;
     if (s->fault == SIM_FAULT_NONE || (!inference && !s->fault_all))
@@ -579,7 +580,7 @@ static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
     }
     switch (f) {
     case SIM_FAULT_CLOSE_BEFORE_RESPONSE:
-        px_resp_abort(req);
+        net_resp_abort(req);
         return true;
     case SIM_FAULT_HANG: {
         job_t *j = job_new(s, req);
@@ -598,7 +599,7 @@ static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
         return true;
     case SIM_FAULT_DIE_MID_STREAM:
         if (!inference) {
-            px_resp_abort(req);
+            net_resp_abort(req);
             return true;
         }
         *die = true;
@@ -613,10 +614,10 @@ static bool apply_fault(sim_t *s, px_req_t *req, bool inference, bool *die)
 /* ---- /attestation ------------------------------------------------------------------------------
  */
 
-static void handle_attestation(sim_t *s, px_req_t *req)
+static void handle_attestation(sim_t *s, net_req_t *req)
 {
     dp_iovec_t nv;
-    if (!px_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+    if (!net_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
         send_error(req, 400, "invalid_request_error", "nonce",
                    "nonce must be 1..128 characters of [A-Za-z0-9._~-]");
         return;
@@ -630,7 +631,7 @@ static void handle_attestation(sim_t *s, px_req_t *req)
     }
     case SIM_AFAULT_GARBAGE: {
         static const char g[] = "<html>this is not an attestation</html>\n";
-        px_resp_send(req, 200, "application/json", g, sizeof(g) - 1, NULL, 0);
+        net_resp_send(req, 200, "application/json", g, sizeof(g) - 1, NULL, 0);
         return;
     }
     case SIM_AFAULT_HUGE: {
@@ -638,7 +639,7 @@ static void handle_attestation(sim_t *s, px_req_t *req)
         memset(big, ' ', HUGE_ATTEST_BYTES);
         big[0] = '{';
         big[HUGE_ATTEST_BYTES - 1] = '}';
-        px_resp_send(req, 200, "application/json", big, HUGE_ATTEST_BYTES, NULL, 0);
+        net_resp_send(req, 200, "application/json", big, HUGE_ATTEST_BYTES, NULL, 0);
         free(big);
         return;
     }
@@ -812,12 +813,12 @@ static void write_stats(const sim_t *s, dp_buf_t *out)
     dp_jw_uint(&w, "tokens_generated", s->st.tokens);
     dp_jw_uint(&w, "hung", s->st.hung);
     dp_jw_uint(&w, "faults_injected", s->st.faults);
-    dp_jw_uint(&w, "connections", px_server_connections(s->srv));
-    dp_jw_uint(&w, "connections_total", px_server_accepted(s->srv));
+    dp_jw_uint(&w, "connections", net_server_connections(s->srv));
+    dp_jw_uint(&w, "connections_total", net_server_accepted(s->srv));
     dp_jw_obj_end(&w);
 }
 
-static void handle_sim(sim_t *s, px_req_t *req)
+static void handle_sim(sim_t *s, net_req_t *req)
 {
     dp_iovec_t p = req->path;
     dp_buf_t out = {0};
@@ -826,8 +827,8 @@ static void handle_sim(sim_t *s, px_req_t *req)
             send_error(req, 404, "not_found_error", NULL, "no inference request received yet");
             return;
         }
-        px_resp_send(req, 200, "application/json", s->last_inference, strlen(s->last_inference),
-                     NULL, 0);
+        net_resp_send(req, 200, "application/json", s->last_inference, strlen(s->last_inference),
+                      NULL, 0);
         return;
     }
     if (iov_is(p, "/_sim/requests") && is_get(req)) {
@@ -884,15 +885,15 @@ static void handle_sim(sim_t *s, px_req_t *req)
 /* ---- routing -----------------------------------------------------------------------------------
  */
 
-static px_body_mode_t on_head(px_req_t *req)
+static net_body_mode_t on_head(net_req_t *req)
 {
     req->data = NULL;
-    return PX_BODY_BUFFER;
+    return NET_BODY_BUFFER;
 }
 
-static void on_complete(px_req_t *req)
+static void on_complete(net_req_t *req)
 {
-    sim_t *s = px_server_data(req->server);
+    sim_t *s = net_server_data(req->server);
     dp_iovec_t p = req->path;
     if (p.len >= 6 && memcmp(p.base, "/_sim/", 6) == 0) {
         handle_sim(s, req);
@@ -935,11 +936,11 @@ static void on_complete(px_req_t *req)
         dp_buf_reset(&out);
         status = sim_flavor_not_found(&s->id, &out, &ctype);
     }
-    px_resp_send(req, status, ctype, out.base ? out.base : "", out.len, NULL, 0);
+    net_resp_send(req, status, ctype, out.base ? out.base : "", out.len, NULL, 0);
     dp_buf_free(&out);
 }
 
-static void on_abort(px_req_t *req)
+static void on_abort(net_req_t *req)
 {
     job_t *j = req->data;
     if (j == NULL)
@@ -958,7 +959,7 @@ static void on_abort(px_req_t *req)
     job_close(j);
 }
 
-static void on_drain(px_req_t *req)
+static void on_drain(net_req_t *req)
 {
     job_t *j = req->data;
     if (j == NULL || j->closing || !j->paused)
@@ -988,7 +989,7 @@ static void stop(sim_t *s, const char *why)
     s->stopping = true;
     dp_log_msg(DP_LOG_INFO, "stopping", why);
     /* In-flight requests get on_abort, which closes their jobs; hung jobs too. */
-    px_server_close(s->srv, server_closed, s);
+    net_server_close(s->srv, server_closed, s);
     while (s->jobs)
         job_close(s->jobs);
     uv_close((uv_handle_t *)&s->sigterm, signal_closed);
@@ -1029,30 +1030,30 @@ int sim_run(sim_config_t *cfg)
 
     s->loop = dp_xmalloc(sizeof(*s->loop));
     uv_loop_init(s->loop);
-    px_handler_t h = {
+    net_handler_t h = {
         .on_head = on_head, .on_complete = on_complete, .on_abort = on_abort, .on_drain = on_drain};
-    px_server_limits_t lim;
-    px_server_limits_default(&lim);
+    net_server_limits_t lim;
+    net_server_limits_default(&lim);
     s->high_water = lim.write_high_water;
-    s->srv = px_server_new(s->loop, &h, s, &lim);
+    s->srv = net_server_new(s->loop, &h, s, &lim);
     if (cfg->tls_cert || cfg->tls_key) {
         dp_buf_t terr = {0};
-        px_tls_ctx_t *tc = cfg->tls_cert && cfg->tls_key
-                               ? px_tls_server_ctx(cfg->tls_cert, cfg->tls_key, NULL, &terr)
-                               : NULL;
+        net_tls_ctx_t *tc = cfg->tls_cert && cfg->tls_key
+                                ? net_tls_server_ctx(cfg->tls_cert, cfg->tls_key, NULL, &terr)
+                                : NULL;
         if (tc == NULL) {
             dp_log_msg(DP_LOG_ERROR, "tls_failed",
                        terr.base ? terr.base : "--tls-cert and --tls-key go together");
             dp_buf_free(&terr);
-            px_server_close(s->srv, server_closed, s);
+            net_server_close(s->srv, server_closed, s);
             uv_run(s->loop, UV_RUN_DEFAULT);
             rc = 3;
             goto out_loop;
         }
-        px_server_set_tls(s->srv, tc);
-        px_tls_ctx_unref(tc);
+        net_server_set_tls(s->srv, tc);
+        net_tls_ctx_unref(tc);
     }
-    int r = px_server_listen(s->srv, cfg->host, cfg->port);
+    int r = net_server_listen(s->srv, cfg->host, cfg->port);
     if (r != 0) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "listen_failed");
         if (w) {
@@ -1063,7 +1064,7 @@ int sim_run(sim_config_t *cfg)
         }
         fprintf(stderr, "detproxy-sim: cannot listen on %s:%u: %s\n", cfg->host, cfg->port,
                 uv_strerror(r));
-        px_server_close(s->srv, server_closed, s);
+        net_server_close(s->srv, server_closed, s);
         uv_run(s->loop, UV_RUN_DEFAULT);
         rc = 3;
         goto out_loop;
@@ -1077,7 +1078,7 @@ int sim_run(sim_config_t *cfg)
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     uv_signal_start(&s->sigpipe, on_signal, SIGPIPE);
 
-    uint16_t port = px_server_port(s->srv);
+    uint16_t port = net_server_port(s->srv);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "listening");
     if (w) {
         dp_buf_t addr = {0};

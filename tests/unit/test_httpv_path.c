@@ -1,4 +1,4 @@
-/* dp_path_normalize: the spellings an ASGI replica routes as the same path normalise to one
+/* net_path_normalize: the spellings an ASGI replica routes as the same path normalise to one
  * string; the ones with no safe reading are refused. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
@@ -12,13 +12,13 @@ static void expect(const char *in, const char *want)
     size_t n = strlen(in);
     memcpy(b, in, n);
     const char *why = NULL;
-    size_t m = dp_path_normalize(b, n, &why);
+    size_t m = net_path_normalize(b, n, &why);
     cr_assert(m > 0, "%s refused: %s", in, why ? why : "?");
     cr_assert(m <= n);
     cr_assert(m == strlen(want) && memcmp(b, want, m) == 0, "%s -> %.*s, want %s", in, (int)m, b,
               want);
     /* idempotent */
-    size_t m2 = dp_path_normalize(b, m, &why);
+    size_t m2 = net_path_normalize(b, m, &why);
     cr_assert(m2 == m && memcmp(b, want, m) == 0, "%s: not idempotent", in);
 }
 
@@ -28,7 +28,7 @@ static void refuse(const char *in, const char *reason_part)
     size_t n = strlen(in);
     memcpy(b, in, n);
     const char *why = NULL;
-    cr_assert_eq(dp_path_normalize(b, n, &why), 0, "%s accepted", in);
+    cr_assert_eq(net_path_normalize(b, n, &why), 0, "%s accepted", in);
     cr_assert(why && strstr(why, reason_part), "%s: reason %s", in, why ? why : "(none)");
 }
 
