@@ -65,7 +65,7 @@ void policy_error_json(const policy_error_t *e, dp_buf_t *out);
 typedef size_t (*policy_header_cb)(void *ud, const char *lname, dp_iovec_t *value);
 
 /* A ready-made lookup over an array of (name, value) slices: pass a policy_headers_t as ud.
- * px_header_t has the same two members, so the proxy can fill one of these cheaply or supply
+ * net_header_t has the same two members, so the proxy can fill one of these cheaply or supply
  * its own callback over its own array. */
 typedef struct {
     dp_iovec_t name;
