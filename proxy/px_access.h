@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "config/config.h"
-#include "proxy/px_hooks.h"
+#include "proxy/px_pipeline.h"
 
 /* One finished request, as px_proxy.c knows it. Strings are borrowed; NULL prints null. */
 typedef struct {

@@ -16,8 +16,8 @@
 #include "proxy/px_attest.h"
 #include "proxy/px_audit.h"
 #include "proxy/px_discovery.h"
-#include "proxy/px_hooks.h"
 #include "proxy/px_otel.h"
+#include "proxy/px_pipeline.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
 

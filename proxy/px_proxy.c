@@ -19,7 +19,7 @@
 #include "common/util.h"
 #include "proxy/px.h"
 #include "proxy/px_access.h"
-#include "proxy/px_hooks.h"
+#include "proxy/px_pipeline.h"
 #include "proxy/px_self.h"
 
 typedef enum {
@@ -96,7 +96,7 @@ struct px_preq_s {
     char method[16];
     char path[256]; /* the first 255 bytes */
     char remote[48];
-    px_hooks_req_t hooks; /* policy / audit / shadow state (px_hooks.h) */
+    px_hooks_req_t hooks; /* policy / audit / shadow state (px_pipeline.h) */
 };
 
 static void dispatch(px_preq_t *q);

@@ -1,8 +1,8 @@
 /* The features layered on the proxy path — tenant policy (issue 3), audit, shadow sampling
  * (issue 5), attestation feedback (issue 4) — behind one small interface, so px_proxy.c stays
  * about moving bytes. Every function is called from the event loop for one request. */
-#ifndef PX_HOOKS_H
-#define PX_HOOKS_H
+#ifndef PX_PIPELINE_H
+#define PX_PIPELINE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -13,7 +13,7 @@
 
 typedef struct {
     const char *tenant;    /* tenant name for labels and headers; "-" before matching */
-    void *policy;          /* policy state (px_hooks.c) */
+    void *policy;          /* policy state (px_pipeline.c) */
     void *shadow;          /* shadow capture (px_shadow.c) */
     void *span;            /* OpenTelemetry span (px_otel.c), NULL when not sampled */
     char traceparent[56];  /* sent to the replica instead of the client's; "" = pass through */

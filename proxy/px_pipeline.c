@@ -1,6 +1,6 @@
 /* Hooks on the proxy path: tenant policy (SPEC §8), response fingerprints (§7) and the audit
  * trail. Shadow sampling joins through px_shadow.h. */
-#include "proxy/px_hooks.h"
+#include "proxy/px_pipeline.h"
 
 #include <math.h>
 #include <stdlib.h>
