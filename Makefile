@@ -4,6 +4,8 @@
 #   make test SANITIZE=1  the same under ASan+UBSan (build/asan)
 #   make demo             three simulated replicas + the proxy, a scripted tour, then serve
 #   make bench            benchmarks against nginx and HAProxy (bench/RESULTS.md)
+#   make valgrind         the integration tests with every `detproxy run` under memcheck
+#                         (build/valgrind; VALGRIND_TESTS=regex narrows them)
 #   make fuzz             libFuzzer targets for a bounded time (FUZZ_SECONDS, default 60)
 #   make image            the container image (deploy/docker/Dockerfile) with podman
 #                         (IMAGE, default localhost/detproxy:latest; scripts/image.sh)
@@ -22,7 +24,7 @@ FUZZ_SECONDS ?= 60
 MAKEFLAGS += --no-print-directory
 QUIET_BUILD = -- --no-print-directory
 
-.PHONY: all deps build test demo bench fuzz image clean format
+.PHONY: all deps build test demo bench fuzz image clean format valgrind
 all: build
 
 deps:
@@ -34,6 +36,16 @@ build: deps
 
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Not part of `make test` (memcheck is ~20x slower); run now and then, and before a release.
+VALGRIND_TESTS ?= .
+VALGRIND_EXCLUDE ?= test_image|test_hostile_soak|test_resource_bounds|test_budget_return
+valgrind: deps
+	@command -v valgrind >/dev/null || apt-get install -y -q valgrind >/dev/null
+	@cmake -S . -B build/valgrind -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_TESTS=OFF >/dev/null
+	@cmake --build build/valgrind -j $(JOBS) $(QUIET_BUILD)
+	@cd build/valgrind && DP_VALGRIND=1 ctest --output-on-failure -j $(JOBS) -L integration \
+	  -R '$(VALGRIND_TESTS)' -E '$(VALGRIND_EXCLUDE)' --timeout 1200
 
 demo: build
 	@BUILD=$(BUILD) scripts/demo.sh

@@ -38,7 +38,11 @@ import traceback
 SOURCE_DIR = os.environ.get(
     "DP_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 SANITIZE = os.environ.get("DP_SANITIZE", "0").lower() in ("1", "true", "on", "yes")
-SLOW = 4.0 if SANITIZE else 1.0  # multiply timeouts by this
+# DP_VALGRIND=1 (make valgrind): every `detproxy run` starts under memcheck; a process whose
+# log reports an error or a definite leak fails its test at stop(), like a sanitizer report.
+VALGRIND = os.environ.get("DP_VALGRIND", "0").lower() in ("1", "true", "on", "yes")
+SLOW = 10.0 if VALGRIND else 4.0 if SANITIZE else 1.0  # multiply timeouts by this
+_VG_DIR = os.path.join(os.environ.get("DP_ARTIFACT_DIR") or "/tmp", "valgrind")
 
 
 def _default_bin(name):
@@ -76,6 +80,14 @@ class Proc:
                  stdin=None):
         self.argv = [str(a) for a in argv]
         self.name = name or os.path.basename(self.argv[0])
+        self.vg_log = None
+        if VALGRIND and os.path.basename(self.argv[0]) == "detproxy" and "run" in self.argv[1:2]:
+            os.makedirs(_VG_DIR, exist_ok=True)
+            self.vg_log = os.path.join(_VG_DIR, "%s.%d.%d.log" % (
+                os.path.basename(sys.argv[0]).replace(".py", ""), os.getpid(), len(_live)))
+            self.argv = ["valgrind", "-q", "--leak-check=full", "--show-leak-kinds=definite",
+                         "--errors-for-leak-kinds=definite", "--error-exitcode=97",
+                         "--fair-sched=yes", "--log-file=" + self.vg_log] + self.argv
         self.ready_msg = ready_msg
         self.ready_count = ready_count
         self.logs = []
@@ -214,6 +226,12 @@ class Proc:
         return rc
 
     def check_sanitizer(self):
+        if self.vg_log and os.path.exists(self.vg_log):
+            with open(self.vg_log, errors="replace") as f:
+                report = f.read()
+            if report.strip():
+                raise ProcError("%s: valgrind report (%s):\n%s" % (self.name, self.vg_log,
+                                                                     report[-6000:]))
         text = self.stderr_text()
         for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
             if marker in text:
