@@ -120,14 +120,24 @@ bool dp_is_lower_hex(const char *s, size_t want_len)
 
 /* OpenSSL 3's one-shot SHA256() fetches the algorithm and allocates a context on every call
  * (EVP_Q_digest): on the request path that is three allocations per hash. Fetch once per
- * process, keep one context per thread (hashes also run in libuv's thread pool). */
+ * process, keep one context per thread (hashes also run in libuv's thread pool and on worker
+ * threads). The key's destructor frees a thread's context when the thread exits (libuv joins
+ * its pool at exit; workers are joined at shutdown), so none is lost. */
 static EVP_MD *g_sha256;
 static pthread_once_t g_sha256_once = PTHREAD_ONCE_INIT;
+static pthread_key_t g_ctx_key;
 static _Thread_local EVP_MD_CTX *t_ctx;
+
+static void ctx_free(void *c)
+{
+    EVP_MD_CTX_free(c);
+}
 
 static void sha256_fetch(void)
 {
     g_sha256 = EVP_MD_fetch(NULL, "SHA256", NULL);
+    if (pthread_key_create(&g_ctx_key, ctx_free) != 0)
+        abort();
 }
 
 uint64_t dp_mix64(uint64_t x)
@@ -143,8 +153,8 @@ uint64_t dp_mix64(uint64_t x)
 void dp_sha256(const void *p, size_t n, uint8_t out[32])
 {
     pthread_once(&g_sha256_once, sha256_fetch);
-    if (t_ctx == NULL)
-        t_ctx = EVP_MD_CTX_new();
+    if (t_ctx == NULL && (t_ctx = EVP_MD_CTX_new()) != NULL)
+        pthread_setspecific(g_ctx_key, t_ctx);
     unsigned len = 0;
     if (g_sha256 == NULL || t_ctx == NULL || EVP_DigestInit_ex(t_ctx, g_sha256, NULL) != 1 ||
         EVP_DigestUpdate(t_ctx, p, n) != 1 || EVP_DigestFinal_ex(t_ctx, out, &len) != 1)
