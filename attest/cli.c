@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "attest/cli_int.h"
+#include "attest/cli.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
 #include "attest/match.h"

@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "attest/cli_int.h"
+#include "attest/cli.h"
 #include "attest/oms.h"
 #include "common/jw.h"
 #include "common/util.h"

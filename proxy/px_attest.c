@@ -25,7 +25,7 @@
 #include "common/util.h"
 #include "net/fetch.h"
 #include "proxy/px_admin.h"
-#include "proxy/px_canary.h"
+#include "probe/canary.h"
 #include "proxy/px_self.h"
 
 #define PROBE_MAX_BYTES (64 << 10)

@@ -37,7 +37,7 @@
 #include <uv.h>
 
 #include "attest/adapters.h"
-#include "attest/cli_int.h"
+#include "attest/cli.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
 #include "attest/oms.h"

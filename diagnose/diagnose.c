@@ -14,7 +14,7 @@
  * requests failed below HTTP (refused, timed out) is given up: its remaining requests are
  * skipped, not each waited out.
  * px_diagnose_report.c judges the collected results and prints them. */
-#include "proxy/px_diagnose.h"
+#include "diagnose/diagnose.h"
 
 #include <netdb.h>
 #include <signal.h>
@@ -34,7 +34,7 @@
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
-#include "proxy/px_canary.h"
+#include "probe/canary.h"
 #include "proxy/px_self.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */

@@ -11,13 +11,13 @@
 
 #include <uv.h>
 
-#include "attest/cli_int.h"
+#include "attest/cli.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/px.h"
-#include "proxy/px_canary.h"
+#include "probe/canary.h"
 
 static const char usage_text[] =
     "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"

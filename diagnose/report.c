@@ -16,7 +16,7 @@
  *           a replica step 1 named); everyone else -> cross_replica_drift;
  *   and a replica that answered no completion request at all -> replica_error.
  * Causes are independent: each is something different to fix, so every one found is listed. */
-#include "proxy/px_diagnose.h"
+#include "diagnose/diagnose.h"
 
 #include <stdarg.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /* The canary request and the text it hashes (see px_canary.h). */
-#include "proxy/px_canary.h"
+#include "probe/canary.h"
 
 #include <stdio.h>
 #include <stdlib.h>
