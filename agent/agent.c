@@ -890,7 +890,7 @@ static void warn_if_readable_by_others(const char *path, const char *what)
                "readable by group or others; chmod 600 it");
 }
 
-int attest_serve_main(int argc, char **argv)
+int agent_cmd_serve(int argc, char **argv)
 {
     const char *listen = NULL, *dir = NULL, *model = NULL, *quant = NULL, *dtype = NULL;
     const char *fw_name = NULL, *fw_version = NULL, *fw_url = NULL, *fw_key_file = NULL;

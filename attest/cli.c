@@ -447,10 +447,10 @@ int attest_cmd_main(int argc, char **argv)
     if (strcmp(sub, "verify") == 0)
         return cmd_verify(argc - 1, argv + 1);
     if (strcmp(sub, "serve") == 0)
-        return attest_serve_main(argc - 1, argv + 1);
+        return agent_cmd_serve(argc - 1, argv + 1);
     if (strcmp(sub, "oms") == 0)
         return attest_oms_main(argc - 1, argv + 1);
-    /* `canary` is dispatched by main.c (proxy/px_canary_cmd.c): it needs the proxy's client. */
+    /* `canary` is dispatched by main.c (proxy/probe_canary_cmd.c): it needs the proxy's client. */
     fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
     return ATTEST_EXIT_USAGE;
 }

@@ -1,7 +1,7 @@
 /* Shared pieces of the `detproxy attest ...` command line (cli.c, agent.c, and
- * proxy/px_canary_cmd.c for `attest canary`, which needs the proxy's client). */
-#ifndef ATTEST_CLI_INT_H
-#define ATTEST_CLI_INT_H
+ * proxy/probe_canary_cmd.c for `attest canary`, which needs the proxy's client). */
+#ifndef ATTEST_CLI_H
+#define ATTEST_CLI_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -27,7 +27,7 @@ int attest_parse_args(const char *cmd, int argc, char **argv, const attest_opt_t
                       size_t nopts, const char **pos, size_t maxpos, size_t *npos);
 
 /* `detproxy attest serve ...` (agent.c). argv[0] is "serve". Returns the exit code. */
-int attest_serve_main(int argc, char **argv);
+int agent_cmd_serve(int argc, char **argv);
 /* `detproxy attest oms ...` (oms_cli.c). argv[0] is "oms". Returns the exit code. */
 int attest_oms_main(int argc, char **argv);
 

@@ -1,5 +1,5 @@
 /* `detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--json]`: send the pool
- * manifest's canary to one replica exactly as the proxy does (px_canary.c: the same body bytes,
+ * manifest's canary to one replica exactly as the proxy does (probe/canary.c: the same body bytes,
  * the same client code, the pool's api_key and upstream_tls) and print the expected_sha256 to
  * pin, with the text it hashed. Exit 0 when the replica answered (whether or not it matches
  * what is pinned: the output says), 2 for bad flags or values (unknown pool or replica, a
@@ -49,7 +49,7 @@ typedef struct {
     int status;
 } canary_out_t;
 
-static void on_result(const px_canary_result_t *res, void *data)
+static void on_result(const probe_canary_result_t *res, void *data)
 {
     canary_out_t *o = data;
     o->done = true;
@@ -107,7 +107,7 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
     if (tls)
         net_upstream_set_tls(up, tls, server_name ? server_name : url->host);
     out->loop = &loop;
-    px_canary_start(up, pool, id, url->hostport, url->path, on_result, out);
+    probe_canary_start(up, pool, id, url->hostport, url->path, on_result, out);
     while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
         ;
     rc = out->answered ? 0 : 3;
@@ -188,7 +188,7 @@ static void print_text(const char *json_path, const cfg_pool_t *pool, const char
                pinned);
 }
 
-int px_cmd_attest_canary(int argc, char **argv)
+int dg_cmd_attest_canary(int argc, char **argv)
 {
     const char *config = NULL, *config_long = NULL, *pool_name = NULL, *replica = NULL;
     const char *url_s = NULL, *accept_s = NULL;
@@ -300,7 +300,7 @@ int px_cmd_attest_canary(int argc, char **argv)
         url = &own;
     }
     dp_buf_printf(&shown, "%s://%s%s", url->tls ? "https" : "http", url->hostport, url->path);
-    px_canary_body(px_canary_model(pool, id), id->canary, &body);
+    probe_canary_body(probe_canary_model(pool, id), id->canary, &body);
     signal(SIGPIPE, SIG_IGN); /* a replica closing on us is an error code, not a signal */
     rc = ask(cfg, pool, id, url, server_name, &out);
     if (json)

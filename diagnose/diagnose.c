@@ -13,7 +13,7 @@
  * one lane, so a sequential phase never puts two requests on one server. A replica whose last two
  * requests failed below HTTP (refused, timed out) is given up: its remaining requests are
  * skipped, not each waited out.
- * px_diagnose_report.c judges the collected results and prints them. */
+ * report.c judges the collected results and prints them. */
 #include "diagnose/diagnose.h"
 
 #include <netdb.h>
@@ -61,7 +61,7 @@ typedef struct {
     dp_buf_t afail;
     char nonce[33];
     /* steps 2 and 3: the current phase's jobs */
-    px_dg_out_t **outs;
+    dg_out_t **outs;
     const dp_buf_t **bodies;
     size_t njobs, next, inflight, pdone;
     unsigned transport_failures;
@@ -69,7 +69,7 @@ typedef struct {
 
 typedef struct {
     rio_t *io;
-    px_dg_out_t *out;
+    dg_out_t *out;
 } job_t;
 
 struct dg_s {
@@ -77,7 +77,7 @@ struct dg_s {
     const cfg_t *cfg;
     const cfg_pool_t *pool;
     attest_keyset_t keys;
-    px_dg_run_t run;
+    dg_run_t run;
     rio_t *io;
     net_tls_ctx_t *tls; /* the pool's upstream_tls, made on first https URL; NULL otherwise */
     char *tls_err;      /* why it could not be made */
@@ -109,7 +109,7 @@ static void progress(const char *fmt, ...)
 static void att_finish(rio_t *io)
 {
     dg_t *d = io->d;
-    px_dg_replica_t *r = &d->run.r[io->idx];
+    dg_replica_t *r = &d->run.r[io->idx];
     dp_buf_t why = {0};
     attest_report_t rep = {0};
     if (io->afailed) {
@@ -175,7 +175,7 @@ static void att_fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up
                         const char *detail, void *data)
 {
     rio_t *io = data;
-    px_dg_replica_t *r = &io->d->run.r[io->idx];
+    dg_replica_t *r = &io->d->run.r[io->idx];
     size_t i = 0;
     while (i < ATTEST_ADAPTER_MAX_PATHS && io->af[i] != f)
         i++;
@@ -212,7 +212,7 @@ static void att_fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up
 static bool att_start(rio_t *io)
 {
     dg_t *d = io->d;
-    px_dg_replica_t *r = &d->run.r[io->idx];
+    dg_replica_t *r = &d->run.r[io->idx];
     if (io->att_up == NULL) {
         if (r->att_err == NULL)
             r->att_err = dp_xstrdup(r->skip_reason ? r->skip_reason : "not reachable");
@@ -267,11 +267,11 @@ static void step_metadata(dg_t *d)
 
 /* The proxy admits a replica whose metadata matches only once its canary matches too
  * (px_attest.c): diagnose's admission column says what the proxy would. */
-static void canary_done(const px_canary_result_t *res, void *data)
+static void canary_done(const probe_canary_result_t *res, void *data)
 {
     rio_t *io = data;
     dg_t *d = io->d;
-    px_dg_replica_t *r = &d->run.r[io->idx];
+    dg_replica_t *r = &d->run.r[io->idx];
     r->canary.answered = res->answered;
     r->canary.matched = res->matched;
     memcpy(r->canary.expected, res->expected, sizeof(r->canary.expected));
@@ -308,7 +308,7 @@ static void step_canary(dg_t *d)
     d->total = d->done = 0;
     for (size_t i = 0; i < d->run.n; i++) {
         rio_t *io = &d->io[i];
-        px_dg_replica_t *r = &d->run.r[i];
+        dg_replica_t *r = &d->run.r[i];
         const cfg_manifest_t *id = d->pool->manifest;
         if (r->att_ok)
             id = attest_manifest_identity(id, &r->report);
@@ -318,7 +318,7 @@ static void step_canary(dg_t *d)
             continue;
         r->canary.ran = true;
         d->total++;
-        px_canary_start(io->up, d->pool, id, io->hostport, io->path, canary_done, io);
+        probe_canary_start(io->up, d->pool, id, io->hostport, io->path, canary_done, io);
     }
     if (d->total) {
         progress("[1/4] canary: the manifest's canary prompt to %zu replica%s", d->total,
@@ -331,9 +331,9 @@ static void step_canary(dg_t *d)
 
 static void pump(dg_t *d);
 
-static void out_error(px_dg_out_t *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void out_error(dg_out_t *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-static void out_error(px_dg_out_t *o, const char *fmt, ...)
+static void out_error(dg_out_t *o, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -347,7 +347,7 @@ static void out_error(px_dg_out_t *o, const char *fmt, ...)
 
 static void phase_replica_done(rio_t *io)
 {
-    px_dg_replica_t *r = &io->d->run.r[io->idx];
+    dg_replica_t *r = &io->d->run.r[io->idx];
     size_t ok = 0;
     const char *err = NULL;
     for (size_t i = 0; i < io->njobs; i++) {
@@ -372,7 +372,7 @@ static void job_finished(rio_t *io)
 }
 
 /* A message for a non-200 answer: the OpenAI-shaped error's message when there is one. */
-static void http_error(px_dg_out_t *o, int status, const dp_buf_t *body)
+static void http_error(dg_out_t *o, int status, const dp_buf_t *body)
 {
     cJSON *doc = cJSON_ParseWithLength(body->base ? body->base : "", body->len);
     const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "error");
@@ -396,7 +396,7 @@ static void job_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_er
     job_t *j = data;
     rio_t *io = j->io;
     dg_t *d = io->d;
-    px_dg_out_t *o = j->out;
+    dg_out_t *o = j->out;
     (void)f;
     free(j);
     o->done = true;
@@ -422,7 +422,7 @@ static void job_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_er
     /* Transport failures in a row (refused, timed out, reset) mean the rest would only wait
      * out the same timeouts; an HTTP error is an answer and keeps the replica in. */
     io->transport_failures = status == 0 ? io->transport_failures + 1 : 0;
-    px_dg_replica_t *r = &d->run.r[io->idx];
+    dg_replica_t *r = &d->run.r[io->idx];
     if (io->transport_failures >= GIVE_UP_FAILURES && r->skip_reason == NULL) {
         dp_buf_t why = {0};
         dp_buf_printf(&why, "%s (%s)", err == NET_UP_CONNECT ? "unreachable" : "not answering",
@@ -466,7 +466,7 @@ static void pump(dg_t *d)
         const char *skip = d->run.r[i].skip_reason;
         while (io->next < io->njobs) {
             if (skip) {
-                px_dg_out_t *o = io->outs[io->next++];
+                dg_out_t *o = io->outs[io->next++];
                 o->done = true;
                 out_error(o, "skipped: %s", skip);
                 job_finished(io);
@@ -482,7 +482,7 @@ static void pump(dg_t *d)
 /* Run one phase of njobs requests per replica: slot(r, k) is where replica r's k-th result goes,
  * body(d, k) what it sends. Returns when every job has finished or been skipped. */
 static void run_phase(dg_t *d, const char *label, bool sequential, size_t njobs,
-                      px_dg_out_t *(*slot)(px_dg_replica_t *r, size_t k),
+                      dg_out_t *(*slot)(dg_replica_t *r, size_t k),
                       const dp_buf_t *(*body)(dg_t *d, size_t k))
 {
     d->phase = label;
@@ -513,17 +513,17 @@ static void run_phase(dg_t *d, const char *label, bool sequential, size_t njobs,
     }
 }
 
-static px_dg_out_t *slot_sampling(px_dg_replica_t *r, size_t k)
+static dg_out_t *slot_sampling(dg_replica_t *r, size_t k)
 {
     return &r->sampling[k];
 }
 
-static px_dg_out_t *slot_seq(px_dg_replica_t *r, size_t k)
+static dg_out_t *slot_seq(dg_replica_t *r, size_t k)
 {
     return &r->seq[k];
 }
 
-static px_dg_out_t *slot_conc(px_dg_replica_t *r, size_t k)
+static dg_out_t *slot_conc(dg_replica_t *r, size_t k)
 {
     return &r->conc[k];
 }
@@ -547,13 +547,13 @@ static void build_body(dg_t *d, dp_buf_t *out, double temperature, bool seeded)
     dp_jw_obj_begin(&w, NULL);
     dp_jw_str(&w, "model", d->run.model);
     dp_jw_str(&w, "prompt", d->run.prompt);
-    dp_jw_int(&w, "max_tokens", PX_DG_MAX_TOKENS);
+    dp_jw_int(&w, "max_tokens", DG_MAX_TOKENS);
     if (temperature <= 0)
         dp_jw_int(&w, "temperature", 0);
     else
         dp_jw_double(&w, "temperature", temperature);
     if (seeded)
-        dp_jw_int(&w, "seed", PX_DG_SEED);
+        dp_jw_int(&w, "seed", DG_SEED);
     dp_jw_obj_end(&w);
 }
 
@@ -580,15 +580,15 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
                         const cfg_url_t *agent, const char *server_name)
 {
     size_t i = d->run.n++;
-    px_dg_replica_t *r = &d->run.r[i];
+    dg_replica_t *r = &d->run.r[i];
     rio_t *io = &d->io[i];
     r->name = dp_xstrdup(name);
     dp_buf_t u = {0};
     dp_buf_printf(&u, "%s://%s%s", tls ? "https" : "http", hostport, path ? path : "");
     r->url = dp_buf_steal(&u);
     r->source = source;
-    r->seq = dp_xcalloc(d->run.repeat, sizeof(px_dg_out_t));
-    r->conc = dp_xcalloc(d->run.repeat, sizeof(px_dg_out_t));
+    r->seq = dp_xcalloc(d->run.repeat, sizeof(dg_out_t));
+    r->conc = dp_xcalloc(d->run.repeat, sizeof(dg_out_t));
     io->d = d;
     io->idx = i;
     io->hostport = dp_xstrdup(hostport);
@@ -725,8 +725,8 @@ static void usage(FILE *f)
             "Each request asks for %d tokens. Replicas are called with the pool's api_key_file.\n"
             "exit codes: 0 consistent, 1 a cause was found or the config is invalid,\n"
             "2 usage error, 3 runtime failure (no replica answered a completion request)\n",
-            PX_DG_TEMPERATURE, PX_DG_SEED, PX_DG_DEFAULT_PROMPT, PX_DG_DEFAULT_REPEAT,
-            PX_DG_MAX_REPEAT, PX_DG_DEFAULT_CONCURRENCY, PX_DG_MAX_CONCURRENCY, PX_DG_MAX_TOKENS);
+            DG_TEMPERATURE, DG_SEED, DG_DEFAULT_PROMPT, DG_DEFAULT_REPEAT, DG_MAX_REPEAT,
+            DG_DEFAULT_CONCURRENCY, DG_MAX_CONCURRENCY, DG_MAX_TOKENS);
 }
 
 static int usage_error(const char *fmt, const char *a, const char *b)
@@ -762,7 +762,7 @@ static int parse_args(int argc, char **argv, opts_t *o)
                   {NULL, "--repeat"},
                   {NULL, "--concurrency"}};
     bool seen[DP_ARRAY_SIZE(valued)] = {false};
-    *o = (opts_t){.repeat = PX_DG_DEFAULT_REPEAT, .concurrency = PX_DG_DEFAULT_CONCURRENCY};
+    *o = (opts_t){.repeat = DG_DEFAULT_REPEAT, .concurrency = DG_DEFAULT_CONCURRENCY};
     const char *repeat = NULL, *conc = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -816,12 +816,12 @@ static int parse_args(int argc, char **argv, opts_t *o)
     }
     if (o->config == NULL)
         return usage_error("missing -c CONFIG%s%s", "", "");
-    if (repeat && parse_uint("--repeat", repeat, 2, PX_DG_MAX_REPEAT, &o->repeat) != 0)
+    if (repeat && parse_uint("--repeat", repeat, 2, DG_MAX_REPEAT, &o->repeat) != 0)
         return 2;
-    if (conc && parse_uint("--concurrency", conc, 2, PX_DG_MAX_CONCURRENCY, &o->concurrency) != 0)
+    if (conc && parse_uint("--concurrency", conc, 2, DG_MAX_CONCURRENCY, &o->concurrency) != 0)
         return 2;
     if (o->prompt == NULL)
-        o->prompt = PX_DG_DEFAULT_PROMPT;
+        o->prompt = DG_DEFAULT_PROMPT;
     return 0;
 }
 
@@ -859,7 +859,7 @@ static void print_unanswered(const dg_t *d)
     fprintf(stderr, "detproxy diagnose: no replica of pool \"%s\" answered a completion request:",
             d->pool->name);
     for (size_t i = 0; i < d->run.n; i++) {
-        const px_dg_replica_t *r = &d->run.r[i];
+        const dg_replica_t *r = &d->run.r[i];
         const char *why = r->skip_reason ? r->skip_reason : r->st.seq.first_err;
         if (why == NULL)
             why = r->sampling[0].err;
@@ -909,7 +909,7 @@ static void dg_free(dg_t *d)
     dp_buf_free(&d->body_t0);
     dp_buf_free(&d->body_unseeded);
     dp_buf_free(&d->body_seeded);
-    px_dg_run_free(&d->run);
+    dg_run_free(&d->run);
 }
 
 static void runtime_failure_json(const dg_t *d, const char *msg)
@@ -926,7 +926,7 @@ static void runtime_failure_json(const dg_t *d, const char *msg)
     dp_buf_free(&out);
 }
 
-int px_cmd_diagnose(int argc, char **argv)
+int dg_cmd_diagnose(int argc, char **argv)
 {
     opts_t o;
     int rc = parse_args(argc, argv, &o);
@@ -977,7 +977,7 @@ int px_cmd_diagnose(int argc, char **argv)
         return 3;
     }
     size_t cap = pool->nreplicas + (pool->discovery ? DISCOVERY_MAX : 0);
-    d.run.r = dp_xcalloc(cap ? cap : 1, sizeof(px_dg_replica_t));
+    d.run.r = dp_xcalloc(cap ? cap : 1, sizeof(dg_replica_t));
     d.io = dp_xcalloc(cap ? cap : 1, sizeof(rio_t));
     d.lane_busy = dp_xcalloc(cap ? cap : 1, sizeof(size_t));
     for (size_t i = 0; i < pool->nreplicas; i++) {
@@ -1020,13 +1020,13 @@ int px_cmd_diagnose(int argc, char **argv)
         return 3;
     }
     build_body(&d, &d.body_t0, 0, false);
-    build_body(&d, &d.body_unseeded, PX_DG_TEMPERATURE, false);
-    build_body(&d, &d.body_seeded, PX_DG_TEMPERATURE, true);
+    build_body(&d, &d.body_unseeded, DG_TEMPERATURE, false);
+    build_body(&d, &d.body_seeded, DG_TEMPERATURE, true);
 
     progress("[2/4] sampling: 2 requests at temperature %.1f without a seed, 2 with seed %d, "
              "per replica, model %s",
-             PX_DG_TEMPERATURE, PX_DG_SEED, d.run.model);
-    run_phase(&d, "[2/4]", true, PX_DG_SAMPLES, slot_sampling, body_sampling);
+             DG_TEMPERATURE, DG_SEED, d.run.model);
+    run_phase(&d, "[2/4]", true, DG_SAMPLES, slot_sampling, body_sampling);
     progress("[3/4] single replica: %u sequential requests at temperature 0 per replica", o.repeat);
     run_phase(&d, "[3/4] sequential", true, o.repeat, slot_seq, body_t0);
     progress("[3/4] single replica: %u requests at temperature 0 per replica, %u in flight",
@@ -1034,19 +1034,19 @@ int px_cmd_diagnose(int argc, char **argv)
     run_phase(&d, "[3/4] concurrent", false, o.repeat, slot_conc, body_t0);
     progress("[4/4] across replicas: comparing");
 
-    px_dg_analyse(&d.run);
-    rc = px_dg_exit_code(&d.run);
+    dg_analyse(&d.run);
+    rc = dg_exit_code(&d.run);
     if (rc == 3) {
         print_unanswered(&d);
         if (o.json)
             runtime_failure_json(&d, "no replica answered a completion request");
     } else if (o.json) {
         dp_buf_t out = {0};
-        px_dg_print_json(&d.run, &out);
+        dg_print_json(&d.run, &out);
         fwrite(out.base, 1, out.len, stdout);
         dp_buf_free(&out);
     } else {
-        px_dg_print_text(&d.run, stdout);
+        dg_print_text(&d.run, stdout);
     }
     fflush(stdout);
     dg_free(&d);

@@ -2,16 +2,16 @@
  * into findings, and the two renderings (aligned tables, one JSON object).
  *
  * Split in two so the judgement is testable without a network:
- *   px_diagnose.c         the command: flags, config, its own uv loop, every request; it fills a
- *                         px_dg_run_t step by step;
- *   px_diagnose_report.c  pure: px_dg_analyse() judges a filled run (no libuv, no sockets) and
- *                         px_dg_print_text() / px_dg_print_json() render it.
+ *   diagnose.c  the command: flags, config, its own uv loop, every request; it fills a
+ *               dg_run_t step by step;
+ *   report.c    pure: dg_analyse() judges a filled run (no libuv, no sockets) and
+ *               dg_print_text() / dg_print_json() render it.
  *
- * Ownership: a px_dg_run_t owns its replicas, their outputs, reports and findings; borrowed
- * pointers (cfg, pool, model, prompt) must outlive it. px_dg_run_free releases what it owns.
+ * Ownership: a dg_run_t owns its replicas, their outputs, reports and findings; borrowed
+ * pointers (cfg, pool, model, prompt) must outlive it. dg_run_free releases what it owns.
  * The verdict rules are written down in docs/diagnose.md; keep the two in step. */
-#ifndef PX_DIAGNOSE_H
-#define PX_DIAGNOSE_H
+#ifndef DG_DIAGNOSE_H
+#define DG_DIAGNOSE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -22,15 +22,15 @@
 #include "common/buf.h"
 #include "config/config.h"
 
-#define PX_DG_MAX_TOKENS 32   /* long enough for a near-tie to show, short enough to be quick */
-#define PX_DG_TEMPERATURE 0.8 /* step 2 sampling temperature (SPEC §11) */
-#define PX_DG_SEED 1234       /* step 2 fixed seed */
-#define PX_DG_SAMPLES 4       /* step 2 per replica: unseeded, unseeded, seeded, seeded */
-#define PX_DG_DEFAULT_REPEAT 8
-#define PX_DG_DEFAULT_CONCURRENCY 4
-#define PX_DG_MAX_REPEAT 1000 /* unique counting is O(repeat^2) comparisons per replica */
-#define PX_DG_MAX_CONCURRENCY 256
-#define PX_DG_DEFAULT_PROMPT "Explain in two sentences why the sky is blue."
+#define DG_MAX_TOKENS 32   /* long enough for a near-tie to show, short enough to be quick */
+#define DG_TEMPERATURE 0.8 /* step 2 sampling temperature (SPEC §11) */
+#define DG_SEED 1234       /* step 2 fixed seed */
+#define DG_SAMPLES 4       /* step 2 per replica: unseeded, unseeded, seeded, seeded */
+#define DG_DEFAULT_REPEAT 8
+#define DG_DEFAULT_CONCURRENCY 4
+#define DG_MAX_REPEAT 1000 /* unique counting is O(repeat^2) comparisons per replica */
+#define DG_MAX_CONCURRENCY 256
+#define DG_DEFAULT_PROMPT "Explain in two sentences why the sky is blue."
 
 /* One completion request's result. */
 typedef struct {
@@ -39,7 +39,7 @@ typedef struct {
     char *text; /* the output text (drift_extract_json), NUL-terminated; NULL unless ok */
     size_t len;
     char *err; /* why not ok: "HTTP 404: ...", "connect: ...", "skipped: ..." */
-} px_dg_out_t;
+} dg_out_t;
 
 typedef struct {
     size_t requests; /* sent or skipped */
@@ -47,13 +47,13 @@ typedef struct {
     size_t unique; /* distinct texts among the ok ones */
     int first_ok;  /* index of the first ok output, -1 when none */
     const char *first_err;
-} px_dg_phase_t;
+} dg_phase_t;
 
-/* Step results per replica, filled by px_dg_analyse. Tri-states: -1 unknown (a request failed),
+/* Step results per replica, filled by dg_analyse. Tri-states: -1 unknown (a request failed),
  * 0 equal, 1 differ. */
 typedef struct {
     int unseeded, seeded;
-    px_dg_phase_t seq, conc;
+    dg_phase_t seq, conc;
     size_t conc_differ;        /* ok concurrent outputs that differ from the sequential one */
     size_t total_unique;       /* distinct texts over sequential and concurrent together */
     bool answered;             /* at least one completion request (any step) succeeded */
@@ -63,7 +63,7 @@ typedef struct {
     bool out_odd;              /* step 4: outside the reference group */
     int64_t divergence_offset; /* step 4, vs the reference output (-1 when equal) */
     double similarity;
-} px_dg_stats_t;
+} dg_stats_t;
 
 typedef struct {
     char *name;
@@ -86,31 +86,31 @@ typedef struct {
         char *err;         /* why not answered */
     } canary;
     /* steps 2 and 3 */
-    px_dg_out_t sampling[PX_DG_SAMPLES];
-    px_dg_out_t *seq; /* run->repeat each */
-    px_dg_out_t *conc;
+    dg_out_t sampling[DG_SAMPLES];
+    dg_out_t *seq; /* run->repeat each */
+    dg_out_t *conc;
     char *skip_reason; /* given up on (unresolvable, unreachable): later requests skipped */
-    px_dg_stats_t st;
-} px_dg_replica_t;
+    dg_stats_t st;
+} dg_replica_t;
 
 typedef enum {
-    PX_DG_CROSS_REPLICA_DRIFT = 0,
-    PX_DG_NONDETERMINISTIC_REPLICA,
-    PX_DG_BATCHING_NONDETERMINISM,
-    PX_DG_SEED_IGNORED,
-    PX_DG_UNSEEDED_SAMPLING,
-    PX_DG_UNATTESTED_REPLICA,
-    PX_DG_REPLICA_ERROR,
-    PX_DG__CAUSES
-} px_dg_cause_t;
+    DG_CROSS_REPLICA_DRIFT = 0,
+    DG_NONDETERMINISTIC_REPLICA,
+    DG_BATCHING_NONDETERMINISM,
+    DG_SEED_IGNORED,
+    DG_UNSEEDED_SAMPLING,
+    DG_UNATTESTED_REPLICA,
+    DG_REPLICA_ERROR,
+    DG__CAUSES
+} dg_cause_t;
 
-extern const char *const px_dg_cause_names[PX_DG__CAUSES];
+extern const char *const dg_cause_names[DG__CAUSES];
 
 typedef struct {
     bool found;
     bool *replicas; /* [run->n]: the replicas this finding names */
     dp_buf_t detail;
-} px_dg_finding_t;
+} dg_finding_t;
 
 /* A step 1 identity field on which the attested replicas disagree. */
 typedef struct {
@@ -118,13 +118,13 @@ typedef struct {
     const char *reference; /* the manifest's pin, else the unique plurality value, else NULL */
     bool reference_pinned; /* reference comes from the manifest */
     bool *odd;             /* [run->n]: reports a value other than reference (all, if none) */
-} px_dg_fielddiff_t;
+} dg_fielddiff_t;
 
 /* Step 4: replicas whose sequential output is identical form a group. */
 typedef struct {
     size_t first; /* a member replica (its output is the group's) */
     size_t count;
-} px_dg_group_t;
+} dg_group_t;
 
 typedef struct {
     /* inputs, borrowed */
@@ -134,36 +134,36 @@ typedef struct {
     const char *prompt;
     unsigned repeat, concurrency;
     /* collected, owned */
-    px_dg_replica_t *r;
+    dg_replica_t *r;
     size_t n;
-    /* judged by px_dg_analyse */
-    px_dg_fielddiff_t diffs[ATTEST_F__COUNT];
+    /* judged by dg_analyse */
+    dg_fielddiff_t diffs[ATTEST_F__COUNT];
     bool policy_pins;    /* every tenant that can reach the pool pins its sampling */
     dp_buf_t policy_why; /* one sentence saying why (or which tenant does not) */
     bool unseeded_varies, seeds_honoured;
-    px_dg_group_t *groups;
+    dg_group_t *groups;
     size_t ngroups;
     int ref_group;             /* -1: fewer than two replicas compared, or no majority */
     const char *tie_broken_by; /* a tie between groups decided by "step 1" or "step 3"; NULL */
     size_t compared;           /* replicas compared in step 4 */
     size_t answered;           /* replicas that answered at least one completion request */
-    px_dg_finding_t findings[PX_DG__CAUSES];
+    dg_finding_t findings[DG__CAUSES];
     size_t nfindings;
-} px_dg_run_t;
+} dg_run_t;
 
 /* Judge a run whose steps are filled in. Call once. */
-void px_dg_analyse(px_dg_run_t *run);
+void dg_analyse(dg_run_t *run);
 /* Exit code for an analysed run (SPEC §2): 0 consistent, 1 a finding, 3 nobody answered. */
-int px_dg_exit_code(const px_dg_run_t *run);
+int dg_exit_code(const dg_run_t *run);
 /* Render: tables per step and the verdict lines / one JSON object (with a trailing newline). */
-void px_dg_print_text(const px_dg_run_t *run, FILE *f);
-void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out);
-void px_dg_run_free(px_dg_run_t *run);
+void dg_print_text(const dg_run_t *run, FILE *f);
+void dg_print_json(const dg_run_t *run, dp_buf_t *out);
+void dg_run_free(dg_run_t *run);
 
 /* Does the config's policy pin sampling for every tenant whose requests can reach pool? A tenant
  * pins it when it forces, defaults or derives `seed`, or makes `temperature` 0 for every request
  * (force 0, or default 0 with max 0). Tenants after the first `"any": true` one never match and
  * are ignored. Appends one sentence saying why to *why. */
-bool px_dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why);
+bool dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why);
 
 #endif

@@ -27,7 +27,7 @@
 #include "common/util.h"
 #include "proxy/drift/drift.h"
 
-const char *const px_dg_cause_names[PX_DG__CAUSES] = {
+const char *const dg_cause_names[DG__CAUSES] = {
     "cross_replica_drift", "nondeterministic_replica", "batching_nondeterminism", "seed_ignored",
     "unseeded_sampling",   "unattested_replica",       "replica_error",
 };
@@ -39,13 +39,13 @@ static const attest_field_t cmp_fields[] = {ATTEST_F_CHECKPOINT, ATTEST_F_QUANTI
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
-static bool same_out(const px_dg_out_t *a, const px_dg_out_t *b)
+static bool same_out(const dg_out_t *a, const dg_out_t *b)
 {
     return a->ok && b->ok && a->len == b->len && memcmp(a->text, b->text, a->len) == 0;
 }
 
 /* The value of f as step 1 saw it: NULL when the replica was not attested or does not say. */
-static const char *field_of(const px_dg_replica_t *r, attest_field_t f)
+static const char *field_of(const dg_replica_t *r, attest_field_t f)
 {
     if (!r->att_ok || r->source == CFG_ATTEST_NONE)
         return NULL;
@@ -59,7 +59,7 @@ static void abbrev(dp_buf_t *out, const char *v)
 }
 
 /* "r1, r2, r3" for the replicas flagged in sel. */
-static void names(dp_buf_t *out, const px_dg_run_t *run, const bool *sel)
+static void names(dp_buf_t *out, const dg_run_t *run, const bool *sel)
 {
     bool first = true;
     for (size_t i = 0; i < run->n; i++) {
@@ -70,9 +70,9 @@ static void names(dp_buf_t *out, const px_dg_run_t *run, const bool *sel)
     }
 }
 
-static px_dg_finding_t *finding(px_dg_run_t *run, px_dg_cause_t c)
+static dg_finding_t *finding(dg_run_t *run, dg_cause_t c)
 {
-    px_dg_finding_t *f = &run->findings[c];
+    dg_finding_t *f = &run->findings[c];
     if (!f->found) {
         f->found = true;
         run->nfindings++;
@@ -101,7 +101,7 @@ static const char *tenant_pin(const cfg_tenant_t *t)
     return NULL;
 }
 
-bool px_dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why)
+bool dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why)
 {
     const cfg_policy_t *p = cfg->policy;
     dp_buf_t pinned = {0}, loose = {0};
@@ -138,7 +138,7 @@ bool px_dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why)
 
 /* ---- analysis -------------------------------------------------------------------------------- */
 
-static void phase_stats(const px_dg_out_t *o, size_t n, px_dg_phase_t *ps)
+static void phase_stats(const dg_out_t *o, size_t n, dg_phase_t *ps)
 {
     memset(ps, 0, sizeof(*ps));
     ps->requests = n;
@@ -159,16 +159,16 @@ static void phase_stats(const px_dg_out_t *o, size_t n, px_dg_phase_t *ps)
     }
 }
 
-static int pair_state(const px_dg_out_t *a, const px_dg_out_t *b)
+static int pair_state(const dg_out_t *a, const dg_out_t *b)
 {
     if (!a->ok || !b->ok)
         return -1;
     return same_out(a, b) ? 0 : 1;
 }
 
-static void replica_stats(const px_dg_run_t *run, px_dg_replica_t *r)
+static void replica_stats(const dg_run_t *run, dg_replica_t *r)
 {
-    px_dg_stats_t *st = &r->st;
+    dg_stats_t *st = &r->st;
     st->unseeded = pair_state(&r->sampling[0], &r->sampling[1]);
     st->seeded = pair_state(&r->sampling[2], &r->sampling[3]);
     phase_stats(r->seq, run->repeat, &st->seq);
@@ -180,7 +180,7 @@ static void replica_stats(const px_dg_run_t *run, px_dg_replica_t *r)
     /* Distinct texts over both phases: the concurrent ones new relative to the sequential. */
     st->total_unique = st->seq.unique;
     for (size_t i = 0; i < run->repeat; i++) {
-        const px_dg_out_t *c = &r->conc[i];
+        const dg_out_t *c = &r->conc[i];
         if (!c->ok)
             continue;
         bool in_seq = false;
@@ -194,16 +194,16 @@ static void replica_stats(const px_dg_run_t *run, px_dg_replica_t *r)
         st->total_unique += !seen;
     }
     st->answered = st->seq.ok + st->conc.ok > 0;
-    for (size_t i = 0; i < PX_DG_SAMPLES; i++)
+    for (size_t i = 0; i < DG_SAMPLES; i++)
         st->answered = st->answered || r->sampling[i].ok;
 }
 
-static void analyse_metadata(px_dg_run_t *run)
+static void analyse_metadata(dg_run_t *run)
 {
     const cfg_manifest_t *m = run->pool->manifest;
     for (size_t k = 0; k < DP_ARRAY_SIZE(cmp_fields); k++) {
         attest_field_t f = cmp_fields[k];
-        px_dg_fielddiff_t *d = &run->diffs[f];
+        dg_fielddiff_t *d = &run->diffs[f];
         d->odd = dp_xcalloc(run->n ? run->n : 1, sizeof(bool));
         /* Distinct values and how many replicas report each (O(n^2); n is a pool's size). */
         size_t ndistinct = 0, best = 0, best_count = 0;
@@ -252,22 +252,22 @@ static void analyse_metadata(px_dg_run_t *run)
 }
 
 /* The canary ran, was answered, and its output is not the pinned one (or none is pinned). */
-static bool canary_failed(const px_dg_replica_t *r)
+static bool canary_failed(const dg_replica_t *r)
 {
     return r->canary.ran && r->canary.answered && !r->canary.matched;
 }
 
-static const px_dg_out_t *seq_out(const px_dg_replica_t *r)
+static const dg_out_t *seq_out(const dg_replica_t *r)
 {
     return &r->seq[r->st.seq.first_ok];
 }
 
-static void analyse_outputs(px_dg_run_t *run)
+static void analyse_outputs(dg_run_t *run)
 {
-    run->groups = dp_xcalloc(run->n ? run->n : 1, sizeof(px_dg_group_t));
+    run->groups = dp_xcalloc(run->n ? run->n : 1, sizeof(dg_group_t));
     run->ref_group = -1;
     for (size_t i = 0; i < run->n; i++) {
-        px_dg_replica_t *r = &run->r[i];
+        dg_replica_t *r = &run->r[i];
         if (!r->st.stable)
             continue;
         run->compared++;
@@ -275,7 +275,7 @@ static void analyse_outputs(px_dg_run_t *run)
         while (g < run->ngroups && !same_out(seq_out(&run->r[run->groups[g].first]), seq_out(r)))
             g++;
         if (g == run->ngroups)
-            run->groups[run->ngroups++] = (px_dg_group_t){i, 0};
+            run->groups[run->ngroups++] = (dg_group_t){i, 0};
         run->groups[g].count++;
         r->st.group = (int)g;
     }
@@ -301,7 +301,7 @@ static void analyse_outputs(px_dg_run_t *run)
                     continue;
                 bool any_odd = false;
                 for (size_t i = 0; i < run->n; i++) {
-                    const px_dg_replica_t *r = &run->r[i];
+                    const dg_replica_t *r = &run->r[i];
                     bool odd =
                         rule == 0 ? r->st.meta_odd || canary_failed(r) : r->st.conc_differ > 0;
                     any_odd = any_odd || (r->st.group == (int)g && odd);
@@ -321,7 +321,7 @@ static void analyse_outputs(px_dg_run_t *run)
             run->ref_group = -1;
     }
     for (size_t i = 0; i < run->n; i++) {
-        px_dg_replica_t *r = &run->r[i];
+        dg_replica_t *r = &run->r[i];
         if (r->st.group < 0)
             continue;
         int against = run->ref_group;
@@ -330,7 +330,7 @@ static void analyse_outputs(px_dg_run_t *run)
         r->st.out_odd = r->st.group != run->ref_group;
         if (r->st.group == against)
             continue;
-        const px_dg_out_t *a = seq_out(&run->r[run->groups[against].first]), *b = seq_out(r);
+        const dg_out_t *a = seq_out(&run->r[run->groups[against].first]), *b = seq_out(r);
         drift_result_t res;
         drift_compare_bytes(a->text, a->len, b->text, b->len, &res);
         r->st.divergence_offset = res.divergence_offset;
@@ -338,14 +338,14 @@ static void analyse_outputs(px_dg_run_t *run)
     }
 }
 
-static void metadata_findings(px_dg_run_t *run)
+static void metadata_findings(dg_run_t *run)
 {
     for (size_t k = 0; k < DP_ARRAY_SIZE(cmp_fields); k++) {
         attest_field_t f = cmp_fields[k];
-        const px_dg_fielddiff_t *d = &run->diffs[f];
+        const dg_fielddiff_t *d = &run->diffs[f];
         if (!d->differs)
             continue;
-        px_dg_finding_t *fd = finding(run, PX_DG_CROSS_REPLICA_DRIFT);
+        dg_finding_t *fd = finding(run, DG_CROSS_REPLICA_DRIFT);
         dp_buf_t *b = &fd->detail;
         size_t nodd = 0;
         for (size_t i = 0; i < run->n; i++)
@@ -381,7 +381,7 @@ static void metadata_findings(px_dg_run_t *run)
 }
 
 /* A replica whose canary output is not the manifest's: the proxy does not admit it. */
-static void canary_findings(px_dg_run_t *run)
+static void canary_findings(dg_run_t *run)
 {
     size_t answered = 0, failed = 0;
     for (size_t i = 0; i < run->n; i++) {
@@ -390,10 +390,10 @@ static void canary_findings(px_dg_run_t *run)
     }
     if (failed == 0)
         return;
-    px_dg_finding_t *fd = finding(run, PX_DG_CROSS_REPLICA_DRIFT);
+    dg_finding_t *fd = finding(run, DG_CROSS_REPLICA_DRIFT);
     bool first = true;
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         if (!canary_failed(r))
             continue;
         fd->replicas[i] = true;
@@ -415,7 +415,7 @@ static void canary_findings(px_dg_run_t *run)
 }
 
 /* Two replicas disagree and nothing tells which is odd: say exactly what is missing. */
-static void why_no_reference(const px_dg_run_t *run, dp_buf_t *b)
+static void why_no_reference(const dg_run_t *run, dp_buf_t *b)
 {
     size_t ran = 0, matched = 0;
     for (size_t i = 0; i < run->n; i++) {
@@ -438,11 +438,11 @@ static void why_no_reference(const px_dg_run_t *run, dp_buf_t *b)
                       "manifest ('detproxy attest canary' records one) or a third replica");
 }
 
-static void output_findings(px_dg_run_t *run)
+static void output_findings(dg_run_t *run)
 {
     if (run->compared < 2 || run->ngroups < 2)
         return;
-    px_dg_finding_t *fd = finding(run, PX_DG_CROSS_REPLICA_DRIFT);
+    dg_finding_t *fd = finding(run, DG_CROSS_REPLICA_DRIFT);
     dp_buf_t *b = &fd->detail;
     if (run->ref_group < 0) {
         bool *sel = dp_xcalloc(run->n, sizeof(bool));
@@ -455,13 +455,13 @@ static void output_findings(px_dg_run_t *run)
         free(sel);
         return;
     }
-    const px_dg_group_t *ref = &run->groups[run->ref_group];
+    const dg_group_t *ref = &run->groups[run->ref_group];
     bool *members = dp_xcalloc(run->n, sizeof(bool));
     for (size_t i = 0; i < run->n; i++)
         members[i] = run->r[i].st.group == run->ref_group;
     bool first = true;
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         if (r->st.group < 0 || !r->st.out_odd)
             continue;
         fd->replicas[i] = true;
@@ -485,15 +485,15 @@ static void output_findings(px_dg_run_t *run)
     free(members);
 }
 
-static void replica_findings(px_dg_run_t *run)
+static void replica_findings(dg_run_t *run)
 {
     for (size_t i = 0; i < run->n; i++) {
-        px_dg_replica_t *r = &run->r[i];
-        const px_dg_stats_t *st = &r->st;
+        dg_replica_t *r = &run->r[i];
+        const dg_stats_t *st = &r->st;
         if (!st->answered) {
             if (run->answered == 0)
                 continue; /* nobody answered: a runtime failure, not a finding */
-            px_dg_finding_t *f = finding(run, PX_DG_REPLICA_ERROR);
+            dg_finding_t *f = finding(run, DG_REPLICA_ERROR);
             f->replicas[i] = true;
             const char *why = r->skip_reason ? r->skip_reason : st->seq.first_err;
             dp_buf_printf(&f->detail, "%s answered no completion request (%s)", r->name,
@@ -501,7 +501,7 @@ static void replica_findings(px_dg_run_t *run)
             continue;
         }
         if (r->source != CFG_ATTEST_NONE && !r->att_ok) {
-            px_dg_finding_t *f = finding(run, PX_DG_UNATTESTED_REPLICA);
+            dg_finding_t *f = finding(run, DG_UNATTESTED_REPLICA);
             f->replicas[i] = true;
             dp_buf_printf(&f->detail,
                           "%s could not be attested (%s): its identity is unverified "
@@ -509,14 +509,14 @@ static void replica_findings(px_dg_run_t *run)
                           r->name, r->att_err ? r->att_err : "no report");
         }
         if (st->seq.ok >= 2 && st->seq.unique > 1) {
-            px_dg_finding_t *f = finding(run, PX_DG_NONDETERMINISTIC_REPLICA);
+            dg_finding_t *f = finding(run, DG_NONDETERMINISTIC_REPLICA);
             f->replicas[i] = true;
             dp_buf_printf(&f->detail,
                           "%s gave %zu different outputs to %zu sequential "
                           "temperature-0 requests",
                           r->name, st->seq.unique, st->seq.ok);
         } else if (st->stable && st->conc.ok > 0 && (st->conc.unique > 1 || st->conc_differ > 0)) {
-            px_dg_finding_t *f = finding(run, PX_DG_BATCHING_NONDETERMINISM);
+            dg_finding_t *f = finding(run, DG_BATCHING_NONDETERMINISM);
             f->replicas[i] = true;
             dp_buf_printf(&f->detail,
                           "%s: %zu sequential outputs identical, but with %u in "
@@ -525,32 +525,32 @@ static void replica_findings(px_dg_run_t *run)
                           st->total_unique);
         }
         if (st->seeded == 1 && st->stable) {
-            px_dg_finding_t *f = finding(run, PX_DG_SEED_IGNORED);
+            dg_finding_t *f = finding(run, DG_SEED_IGNORED);
             f->replicas[i] = true;
             dp_buf_printf(&f->detail,
                           "%s gave different outputs to two requests with seed %d at "
                           "temperature %.1f",
-                          r->name, PX_DG_SEED, PX_DG_TEMPERATURE);
+                          r->name, DG_SEED, DG_TEMPERATURE);
         }
     }
-    if (run->findings[PX_DG_SEED_IGNORED].found)
-        dp_buf_appends(&run->findings[PX_DG_SEED_IGNORED].detail,
+    if (run->findings[DG_SEED_IGNORED].found)
+        dp_buf_appends(&run->findings[DG_SEED_IGNORED].detail,
                        ": seeds are not honoured there, so a policy seed cannot make sampling "
                        "repeatable (force temperature 0 instead)");
 }
 
-static void sampling_findings(px_dg_run_t *run)
+static void sampling_findings(dg_run_t *run)
 {
     if (!run->unseeded_varies || run->policy_pins)
         return;
-    px_dg_finding_t *f = finding(run, PX_DG_UNSEEDED_SAMPLING);
+    dg_finding_t *f = finding(run, DG_UNSEEDED_SAMPLING);
     bool *sel = f->replicas;
     for (size_t i = 0; i < run->n; i++)
         sel[i] = run->r[i].st.unseeded == 1;
     dp_buf_printf(&f->detail,
                   "two requests at temperature %.1f without a seed gave different "
                   "outputs on ",
-                  PX_DG_TEMPERATURE);
+                  DG_TEMPERATURE);
     names(&f->detail, run, sel);
     dp_buf_printf(&f->detail,
                   ", and %s: pin it with the policy (\"seed\": {\"derive\": true}, "
@@ -558,9 +558,9 @@ static void sampling_findings(px_dg_run_t *run)
                   run->policy_why.base);
 }
 
-void px_dg_analyse(px_dg_run_t *run)
+void dg_analyse(dg_run_t *run)
 {
-    for (size_t c = 0; c < PX_DG__CAUSES; c++)
+    for (size_t c = 0; c < DG__CAUSES; c++)
         run->findings[c].replicas = dp_xcalloc(run->n ? run->n : 1, sizeof(bool));
     bool any_seeded = false;
     run->seeds_honoured = true;
@@ -574,7 +574,7 @@ void px_dg_analyse(px_dg_run_t *run)
             run->seeds_honoured = false;
     }
     run->seeds_honoured = run->seeds_honoured && any_seeded;
-    run->policy_pins = px_dg_policy_pins(run->cfg, run->pool, &run->policy_why);
+    run->policy_pins = dg_policy_pins(run->cfg, run->pool, &run->policy_why);
     analyse_metadata(run);
     analyse_outputs(run);
     metadata_findings(run);
@@ -584,7 +584,7 @@ void px_dg_analyse(px_dg_run_t *run)
     sampling_findings(run);
 }
 
-int px_dg_exit_code(const px_dg_run_t *run)
+int dg_exit_code(const dg_run_t *run)
 {
     if (run->answered == 0)
         return 3;
@@ -653,7 +653,7 @@ static void tbl_print(tbl_t *t, FILE *f)
 }
 
 /* A short, printable excerpt of an output: control bytes as '?', cut at a UTF-8 boundary. */
-static void snippet(dp_buf_t *b, const px_dg_out_t *o, size_t max)
+static void snippet(dp_buf_t *b, const dg_out_t *o, size_t max)
 {
     size_t n = o->len;
     if (n > max) {
@@ -674,7 +674,7 @@ static const char *tri(int v, const char *eq, const char *ne)
     return v < 0 ? "failed" : v ? ne : eq;
 }
 
-static void canary_cell(tbl_t *t, const px_dg_replica_t *r)
+static void canary_cell(tbl_t *t, const dg_replica_t *r)
 {
     if (!r->canary.ran)
         tbl_add(t, "%s", "-");
@@ -688,7 +688,7 @@ static void canary_cell(tbl_t *t, const px_dg_replica_t *r)
         tbl_add(t, "MISMATCH %.8s..", r->canary.sha256);
 }
 
-static void print_metadata(const px_dg_run_t *run, FILE *f)
+static void print_metadata(const dg_run_t *run, FILE *f)
 {
     fprintf(f, "\nstep 1/4  metadata: what each replica attests to\n");
     tbl_t t = {.ncols = 10};
@@ -698,7 +698,7 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
         tbl_add(&t, "%s", hdr[k]);
     dp_buf_t b = {0};
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         const attest_report_t *rep = &r->report;
         tbl_add(&t, "%s", r->name);
         tbl_add(&t, "%s", cfg_attest_source_names[r->source]);
@@ -742,7 +742,7 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
     bool any = false;
     for (size_t k = 0; k < DP_ARRAY_SIZE(cmp_fields); k++) {
         attest_field_t fld = cmp_fields[k];
-        const px_dg_fielddiff_t *d = &run->diffs[fld];
+        const dg_fielddiff_t *d = &run->diffs[fld];
         if (!d->differs)
             continue;
         any = true;
@@ -781,18 +781,18 @@ static void print_metadata(const px_dg_run_t *run, FILE *f)
     dp_buf_free(&b);
 }
 
-static void print_sampling(const px_dg_run_t *run, FILE *f)
+static void print_sampling(const dg_run_t *run, FILE *f)
 {
     fprintf(f,
             "\nstep 2/4  sampling: two requests at temperature %.1f without a seed, then two "
             "with seed %d\n",
-            PX_DG_TEMPERATURE, PX_DG_SEED);
+            DG_TEMPERATURE, DG_SEED);
     tbl_t t = {.ncols = 3};
     tbl_add(&t, "replica");
     tbl_add(&t, "unseeded");
-    tbl_add(&t, "seed %d", PX_DG_SEED);
+    tbl_add(&t, "seed %d", DG_SEED);
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         tbl_add(&t, "%s", r->name);
         tbl_add(&t, "%s", tri(r->st.unseeded, "equal", "differ"));
         tbl_add(&t, "%s", tri(r->st.seeded, "equal", "differ"));
@@ -813,7 +813,7 @@ static void print_sampling(const px_dg_run_t *run, FILE *f)
             run->policy_pins ? " (so unseeded sampling is not listed as a cause)" : "");
 }
 
-static void print_single(const px_dg_run_t *run, FILE *f)
+static void print_single(const dg_run_t *run, FILE *f)
 {
     fprintf(f,
             "\nstep 3/4  single replica: %u requests at temperature 0 each, sequentially, "
@@ -825,7 +825,7 @@ static void print_single(const px_dg_run_t *run, FILE *f)
     for (size_t k = 0; k < t.ncols; k++)
         tbl_add(&t, "%s", hdr[k]);
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_stats_t *st = &run->r[i].st;
+        const dg_stats_t *st = &run->r[i].st;
         tbl_add(&t, "%s", run->r[i].name);
         tbl_add(&t, "%zu/%zu", st->seq.ok, st->seq.requests);
         tbl_add(&t, "%zu", st->seq.unique);
@@ -838,13 +838,13 @@ static void print_single(const px_dg_run_t *run, FILE *f)
     }
     tbl_print(&t, f);
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_phase_t *ps[] = {&run->r[i].st.seq, &run->r[i].st.conc};
+        const dg_phase_t *ps[] = {&run->r[i].st.seq, &run->r[i].st.conc};
         const char *err = ps[0]->first_err ? ps[0]->first_err : ps[1]->first_err;
         if (err)
             fprintf(f, "  %s: first error: %s\n", run->r[i].name, err);
     }
-    const px_dg_finding_t *nd = &run->findings[PX_DG_NONDETERMINISTIC_REPLICA];
-    const px_dg_finding_t *bn = &run->findings[PX_DG_BATCHING_NONDETERMINISM];
+    const dg_finding_t *nd = &run->findings[DG_NONDETERMINISTIC_REPLICA];
+    const dg_finding_t *bn = &run->findings[DG_BATCHING_NONDETERMINISM];
     if (!nd->found && !bn->found)
         fprintf(f, "  => every replica that answered is deterministic at temperature 0, alone and "
                    "under concurrency\n");
@@ -861,7 +861,7 @@ static void print_single(const px_dg_run_t *run, FILE *f)
     dp_buf_free(&b);
 }
 
-static void print_across(const px_dg_run_t *run, FILE *f)
+static void print_across(const dg_run_t *run, FILE *f)
 {
     fprintf(f, "\nstep 4/4  across replicas: the temperature-0 outputs compared\n");
     tbl_t t = {.ncols = 6};
@@ -870,7 +870,7 @@ static void print_across(const px_dg_run_t *run, FILE *f)
         tbl_add(&t, "%s", hdr[k]);
     dp_buf_t b = {0};
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         tbl_add(&t, "%s", r->name);
         if (r->st.group < 0) {
             tbl_add(&t, "%s", "-");
@@ -880,7 +880,7 @@ static void print_across(const px_dg_run_t *run, FILE *f)
                 tbl_add(&t, "%s", "");
             continue;
         }
-        const px_dg_out_t *o = seq_out(r);
+        const dg_out_t *o = seq_out(r);
         char hex[65];
         dp_sha256_hex(o->text, o->len, hex);
         tbl_add(&t, "%.8s..", hex);
@@ -915,14 +915,14 @@ static void print_across(const px_dg_run_t *run, FILE *f)
                     : "group whose metadata and canary step 1 did not question");
 }
 
-void px_dg_print_text(const px_dg_run_t *run, FILE *f)
+void dg_print_text(const dg_run_t *run, FILE *f)
 {
     fprintf(f, "detproxy diagnose: pool \"%s\", %zu %s, model %s\n", run->pool->name, run->n,
             run->n == 1 ? "replica" : "replicas", run->model);
     dp_buf_t p = {0};
-    px_dg_out_t fake = {.ok = true, .text = (char *)run->prompt, .len = strlen(run->prompt)};
+    dg_out_t fake = {.ok = true, .text = (char *)run->prompt, .len = strlen(run->prompt)};
     snippet(&p, &fake, 200);
-    fprintf(f, "prompt %s, max_tokens %d\n", p.base, PX_DG_MAX_TOKENS);
+    fprintf(f, "prompt %s, max_tokens %d\n", p.base, DG_MAX_TOKENS);
     dp_buf_free(&p);
     print_metadata(run, f);
     print_sampling(run, f);
@@ -931,9 +931,9 @@ void px_dg_print_text(const px_dg_run_t *run, FILE *f)
     fputc('\n', f);
     if (run->nfindings == 0)
         fprintf(f, "verdict: consistent\n");
-    for (size_t c = 0; c < PX_DG__CAUSES; c++)
+    for (size_t c = 0; c < DG__CAUSES; c++)
         if (run->findings[c].found)
-            fprintf(f, "verdict: %s: %s\n", px_dg_cause_names[c], run->findings[c].detail.base);
+            fprintf(f, "verdict: %s: %s\n", dg_cause_names[c], run->findings[c].detail.base);
 }
 
 /* ---- JSON rendering -------------------------------------------------------------------------- */
@@ -946,7 +946,7 @@ static void json_tri(dp_jw_t *w, const char *key, int v, const char *eq, const c
         dp_jw_str(w, key, v ? ne : eq);
 }
 
-static void json_names(dp_jw_t *w, const char *key, const px_dg_run_t *run, const bool *sel)
+static void json_names(dp_jw_t *w, const char *key, const dg_run_t *run, const bool *sel)
 {
     dp_jw_arr_begin(w, key);
     for (size_t i = 0; i < run->n; i++)
@@ -955,7 +955,7 @@ static void json_names(dp_jw_t *w, const char *key, const px_dg_run_t *run, cons
     dp_jw_arr_end(w);
 }
 
-static void json_phase(dp_jw_t *w, const char *key, const px_dg_phase_t *ps)
+static void json_phase(dp_jw_t *w, const char *key, const dg_phase_t *ps)
 {
     dp_jw_obj_begin(w, key);
     dp_jw_uint(w, "requests", ps->requests);
@@ -966,12 +966,12 @@ static void json_phase(dp_jw_t *w, const char *key, const px_dg_phase_t *ps)
 }
 
 /* Every distinct output of a replica in step 3, with how often each phase saw it. */
-static void json_outputs(dp_jw_t *w, const px_dg_run_t *run, const px_dg_replica_t *r)
+static void json_outputs(dp_jw_t *w, const dg_run_t *run, const dg_replica_t *r)
 {
     dp_jw_arr_begin(w, "outputs");
     size_t n = run->repeat;
     for (size_t k = 0; k < 2 * n; k++) {
-        const px_dg_out_t *o = k < n ? &r->seq[k] : &r->conc[k - n];
+        const dg_out_t *o = k < n ? &r->seq[k] : &r->conc[k - n];
         if (!o->ok)
             continue;
         bool seen = false;
@@ -1010,13 +1010,13 @@ static void json_manifest(dp_jw_t *w, const cfg_manifest_t *m)
     dp_jw_obj_end(w);
 }
 
-static void json_metadata(dp_jw_t *w, const px_dg_run_t *run)
+static void json_metadata(dp_jw_t *w, const dg_run_t *run)
 {
     dp_jw_obj_begin(w, "metadata");
     json_manifest(w, run->pool->manifest);
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "name", r->name);
         dp_jw_str(w, "url", r->url);
@@ -1052,7 +1052,7 @@ static void json_metadata(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_arr_begin(w, "differences");
     for (size_t k = 0; k < DP_ARRAY_SIZE(cmp_fields); k++) {
         attest_field_t f = cmp_fields[k];
-        const px_dg_fielddiff_t *d = &run->diffs[f];
+        const dg_fielddiff_t *d = &run->diffs[f];
         if (!d->differs)
             continue;
         dp_jw_obj_begin(w, NULL);
@@ -1074,20 +1074,20 @@ static void json_metadata(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_obj_end(w);
 }
 
-static void json_sampling(dp_jw_t *w, const px_dg_run_t *run)
+static void json_sampling(dp_jw_t *w, const dg_run_t *run)
 {
     dp_jw_obj_begin(w, "sampling");
-    dp_jw_double(w, "temperature", PX_DG_TEMPERATURE);
-    dp_jw_int(w, "seed", PX_DG_SEED);
+    dp_jw_double(w, "temperature", DG_TEMPERATURE);
+    dp_jw_int(w, "seed", DG_SEED);
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "name", r->name);
         json_tri(w, "unseeded", r->st.unseeded, "equal", "differ");
         json_tri(w, "seeded", r->st.seeded, "equal", "differ");
         const char *err = NULL;
-        for (size_t k = 0; k < PX_DG_SAMPLES && !err; k++)
+        for (size_t k = 0; k < DG_SAMPLES && !err; k++)
             err = r->sampling[k].ok ? NULL : r->sampling[k].err;
         dp_jw_str(w, "first_error", err);
         dp_jw_obj_end(w);
@@ -1100,7 +1100,7 @@ static void json_sampling(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_obj_end(w);
 }
 
-static void json_single(dp_jw_t *w, const px_dg_run_t *run)
+static void json_single(dp_jw_t *w, const dg_run_t *run)
 {
     dp_jw_obj_begin(w, "single_replica");
     dp_jw_int(w, "temperature", 0);
@@ -1108,7 +1108,7 @@ static void json_single(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_uint(w, "concurrency", run->concurrency);
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "name", r->name);
         json_phase(w, "sequential", &r->st.seq);
@@ -1126,7 +1126,7 @@ static void json_single(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_obj_end(w);
 }
 
-static void json_across(dp_jw_t *w, const px_dg_run_t *run)
+static void json_across(dp_jw_t *w, const dg_run_t *run)
 {
     dp_jw_obj_begin(w, "across_replicas");
     dp_jw_uint(w, "compared", run->compared);
@@ -1145,7 +1145,7 @@ static void json_across(dp_jw_t *w, const px_dg_run_t *run)
     }
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < run->n; i++) {
-        const px_dg_replica_t *r = &run->r[i];
+        const dg_replica_t *r = &run->r[i];
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "name", r->name);
         if (r->st.group < 0) {
@@ -1169,7 +1169,7 @@ static void json_across(dp_jw_t *w, const px_dg_run_t *run)
     dp_jw_obj_end(w);
 }
 
-void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out)
+void dg_print_json(const dg_run_t *run, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);
@@ -1177,7 +1177,7 @@ void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out)
     dp_jw_str(&w, "pool", run->pool->name);
     dp_jw_str(&w, "model", run->model);
     dp_jw_str(&w, "prompt", run->prompt);
-    dp_jw_int(&w, "max_tokens", PX_DG_MAX_TOKENS);
+    dp_jw_int(&w, "max_tokens", DG_MAX_TOKENS);
     dp_jw_uint(&w, "repeat", run->repeat);
     dp_jw_uint(&w, "concurrency", run->concurrency);
     dp_jw_obj_begin(&w, "steps");
@@ -1187,12 +1187,12 @@ void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out)
     json_across(&w, run);
     dp_jw_obj_end(&w);
     dp_jw_arr_begin(&w, "findings");
-    for (size_t c = 0; c < PX_DG__CAUSES; c++) {
-        const px_dg_finding_t *f = &run->findings[c];
+    for (size_t c = 0; c < DG__CAUSES; c++) {
+        const dg_finding_t *f = &run->findings[c];
         if (!f->found)
             continue;
         dp_jw_obj_begin(&w, NULL);
-        dp_jw_str(&w, "cause", px_dg_cause_names[c]);
+        dp_jw_str(&w, "cause", dg_cause_names[c]);
         json_names(&w, "replicas", run, f->replicas);
         dp_jw_str(&w, "detail", f->detail.base);
         dp_jw_obj_end(&w);
@@ -1202,33 +1202,33 @@ void px_dg_print_json(const px_dg_run_t *run, dp_buf_t *out)
     dp_jw_arr_begin(&w, "verdict");
     if (run->nfindings == 0)
         dp_jw_str(&w, NULL, "consistent");
-    for (size_t c = 0; c < PX_DG__CAUSES; c++) {
+    for (size_t c = 0; c < DG__CAUSES; c++) {
         if (!run->findings[c].found)
             continue;
         dp_buf_t line = {0};
-        dp_buf_printf(&line, "%s: %s", px_dg_cause_names[c], run->findings[c].detail.base);
+        dp_buf_printf(&line, "%s: %s", dg_cause_names[c], run->findings[c].detail.base);
         dp_jw_str(&w, NULL, line.base);
         dp_buf_free(&line);
     }
     dp_jw_arr_end(&w);
-    dp_jw_int(&w, "exit_code", px_dg_exit_code(run));
+    dp_jw_int(&w, "exit_code", dg_exit_code(run));
     dp_jw_obj_end(&w);
     dp_buf_appendc(out, '\n');
 }
 
 /* ---- cleanup --------------------------------------------------------------------------------- */
 
-static void out_free(px_dg_out_t *o)
+static void out_free(dg_out_t *o)
 {
     free(o->text);
     free(o->err);
     o->text = o->err = NULL;
 }
 
-void px_dg_run_free(px_dg_run_t *run)
+void dg_run_free(dg_run_t *run)
 {
     for (size_t i = 0; i < run->n; i++) {
-        px_dg_replica_t *r = &run->r[i];
+        dg_replica_t *r = &run->r[i];
         free(r->name);
         free(r->url);
         free(r->att_err);
@@ -1236,7 +1236,7 @@ void px_dg_run_free(px_dg_run_t *run)
         free(r->skip_reason);
         attest_report_clear(&r->report);
         attest_reasons_free(&r->admit_reasons);
-        for (size_t k = 0; k < PX_DG_SAMPLES; k++)
+        for (size_t k = 0; k < DG_SAMPLES; k++)
             out_free(&r->sampling[k]);
         for (size_t k = 0; r->seq && k < run->repeat; k++)
             out_free(&r->seq[k]);
@@ -1251,7 +1251,7 @@ void px_dg_run_free(px_dg_run_t *run)
         free(run->diffs[f].odd);
         run->diffs[f].odd = NULL;
     }
-    for (size_t c = 0; c < PX_DG__CAUSES; c++) {
+    for (size_t c = 0; c < DG__CAUSES; c++) {
         free(run->findings[c].replicas);
         run->findings[c].replicas = NULL;
         dp_buf_free(&run->findings[c].detail);

@@ -1,4 +1,4 @@
-/* The canary request and the text it hashes (see px_canary.h). */
+/* The canary request and the text it hashes (see canary.h). */
 #include "probe/canary.h"
 
 #include <stdio.h>
@@ -13,21 +13,21 @@
 #include "net/fetch.h"
 #include "proxy/px_self.h"
 
-struct px_canary_s {
+struct probe_canary_s {
     net_fetch_t *f;
-    px_canary_cb cb;
+    probe_canary_cb cb;
     void *data;
     char expected[65];
 };
 
-const char *px_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
+const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
     const cfg_manifest_t *m = id ? id : pc->manifest;
     return m && m->model ? m->model : pc->nmodels ? pc->models[0] : "";
 }
 
-void px_canary_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
-                               bool seed0, dp_buf_t *out)
+void probe_canary_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                                  bool seed0, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);
@@ -41,17 +41,17 @@ void px_canary_completion_body(const char *model, const char *prompt, uint32_t m
     dp_jw_obj_end(&w);
 }
 
-void px_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
+void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
 {
-    px_canary_completion_body(model, can->prompt, can->max_tokens, true, out);
+    probe_canary_completion_body(model, can->prompt, can->max_tokens, true, out);
 }
 
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
-    px_canary_t *c = data;
+    probe_canary_t *c = data;
     (void)f;
-    px_canary_result_t res = {.status = status};
+    probe_canary_result_t res = {.status = status};
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];
     cJSON *doc = NULL;
@@ -84,19 +84,20 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     free(c);
 }
 
-px_canary_t *px_canary_start(net_upstream_t *u, const cfg_pool_t *pc, const cfg_manifest_t *id,
-                             const char *hostport, const char *base, px_canary_cb cb, void *data)
+probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
+                                   const cfg_manifest_t *id, const char *hostport, const char *base,
+                                   probe_canary_cb cb, void *data)
 {
     if (id == NULL)
         id = pc->manifest;
     const cfg_canary_t *can = id->canary;
-    px_canary_t *c = dp_xcalloc(1, sizeof(*c));
+    probe_canary_t *c = dp_xcalloc(1, sizeof(*c));
     c->cb = cb;
     c->data = data;
     snprintf(c->expected, sizeof(c->expected), "%s",
              can->expected_sha256 ? can->expected_sha256 : ""); /* "": not recorded yet */
     dp_buf_t body = {0};
-    px_canary_body(px_canary_model(pc, id), can, &body);
+    probe_canary_body(probe_canary_model(pc, id), can, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
     net_fetch_opts_t o = {.via = px_self_via_line(NULL),
@@ -106,13 +107,13 @@ px_canary_t *px_canary_start(net_upstream_t *u, const cfg_pool_t *pc, const cfg_
                           .bearer = pc->api_key,
                           .body = body.base,
                           .body_len = body.len,
-                          .max_bytes = PX_CANARY_MAX_BYTES};
+                          .max_bytes = PROBE_CANARY_MAX_BYTES};
     c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;
 }
 
-void px_canary_cancel(px_canary_t *c)
+void probe_canary_cancel(probe_canary_t *c)
 {
     if (c == NULL)
         return;

@@ -55,7 +55,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "check") == 0)
         return cfg_cmd_check(argc - 1, argv + 1);
     if (strcmp(cmd, "attest") == 0 && argc > 2 && strcmp(argv[2], "canary") == 0)
-        return px_cmd_attest_canary(argc - 2, argv + 2);
+        return dg_cmd_attest_canary(argc - 2, argv + 2);
     if (strcmp(cmd, "attest") == 0)
         return attest_cmd_main(argc - 1, argv + 1);
     if (strcmp(cmd, "policy") == 0)
@@ -65,7 +65,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "replay") == 0)
         return px_cmd_replay(argc - 1, argv + 1);
     if (strcmp(cmd, "diagnose") == 0)
-        return px_cmd_diagnose(argc - 1, argv + 1);
+        return dg_cmd_diagnose(argc - 1, argv + 1);
     fprintf(stderr, "detproxy: unknown command '%s' (try --help)\n", cmd);
     return 2;
 }

@@ -53,7 +53,7 @@ typedef struct att_s {
     int pending;
     bool failed;
     dp_buf_t fail_reason;
-    px_canary_t *canary;
+    probe_canary_t *canary;
     net_fetch_t *probe;     /* the engine-fingerprint probe of a native check */
     attest_report_t probed; /* the adapter's report while the probe runs */
     bool recheck;           /* a fingerprint mismatch arrived during a check: check again */
@@ -153,7 +153,7 @@ static void check_end(att_t *a)
 
 /* ---- canary (SPEC §6) ----------------------------------------------------------------------- */
 
-static void canary_done(const px_canary_result_t *res, void *data)
+static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
     a->canary = NULL;
@@ -220,13 +220,13 @@ static void canary_done(const px_canary_result_t *res, void *data)
 }
 
 /* The engine-fingerprint probe: a temperature-0 completion to replica a->r over `up`, its body
- * built as the canary's is (px_canary.c; the canary itself goes through px_canary_start). */
+ * built as the canary's is (probe/canary.c; the canary itself goes through probe_canary_start). */
 static net_fetch_t *completion(att_t *a, net_upstream_t *up, const cfg_pool_t *pc,
                                const char *model, const char *prompt, uint32_t max_tokens,
                                bool seed, size_t max_bytes, net_fetch_cb cb)
 {
     dp_buf_t body = {0};
-    px_canary_completion_body(model, prompt, max_tokens, seed, &body);
+    probe_canary_completion_body(model, prompt, max_tokens, seed, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
     net_fetch_opts_t o = {.via = px_self_via_line(NULL),
@@ -246,7 +246,7 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
 {
     /* The replica's own upstream: the canary takes the path client traffic takes. */
     a->canary =
-        px_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path, canary_done, a);
+        probe_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path, canary_done, a);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
@@ -551,7 +551,7 @@ static void att_teardown(att_t *a)
         }
     }
     if (a->canary) {
-        px_canary_cancel(a->canary);
+        probe_canary_cancel(a->canary);
         a->canary = NULL;
     }
     if (a->probe) {
