@@ -11,14 +11,15 @@
  * network or read-only shared mount where inotify sees nothing of changes made elsewhere.
  *
  * With --framework-url the framework name and version come from the co-located server through
- * the native adapters (adapters.h), refreshed every --framework-refresh-ms, so a restarted
- * server on another version is reported as such. Not recognised: both are reported null
- * (unattested), never a stale value. Not reachable at all (connection refused, connect timeout):
- * GET /attestation answers 503 `framework_unreachable` naming the URL and the error, and the
- * agent retries after 100 ms, doubling up to 1 s, so an engine restart is seen within a second.
- * Each refresh that finds the framework then sends it a 1-token probe completion, and the
- * system_fingerprint on the answer goes into the payload as engine_fingerprint (SPEC §5), so
- * detproxy can check every response against it.
+ * the same check the proxy runs on a native replica (probe/probe.h: the adapter's endpoints,
+ * then a 1-token probe completion whose system_fingerprint goes into the payload as
+ * engine_fingerprint, SPEC §5, so detproxy can check every response against it), one adapter
+ * after the other until one names the framework, refreshed every --framework-refresh-ms, so a
+ * restarted server on another version is reported as such. Not recognised: both are reported
+ * null (unattested), never a stale value. Not answering at all (connection refused, timed out,
+ * reset): GET /attestation answers 503 `framework_unreachable` naming the URL and the error, and
+ * the agent retries after 100 ms, doubling up to 1 s, so an engine restart is seen within a
+ * second.
  *
  * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
  * happens on the loop thread only (common/log.h is single-threaded). */
@@ -36,7 +37,9 @@
 #include <openssl/crypto.h>
 #include <uv.h>
 
+#include "agent/agent.h"
 #include "attest/adapters.h"
+#include "attest/check.h"
 #include "attest/cli.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
@@ -46,8 +49,10 @@
 #include "common/util.h"
 #include "config/config.h"
 #include "net/client.h"
+#include "net/resolve.h"
 #include "net/server.h"
 #include "net/tls.h"
+#include "probe/probe.h"
 
 #define DEFAULT_WATCH_MS 1000
 #define DEFAULT_FW_REFRESH_MS 10000
@@ -89,23 +94,17 @@ typedef struct {
     oms_watch_t oms_watch;
 } job_t;
 
-/* Reading name and version from the co-located framework: one adapter at a time, its paths one
- * after the other, over one keep-alive upstream. */
+/* Reading name and version from the co-located framework: one adapter's check at a time
+ * (probe_start), over one keep-alive upstream. */
 typedef struct {
     net_upstream_t *up;
     cfg_url_t url;
     char *api_key;
     const attest_adapter_t *only; /* --framework given: just this adapter */
     size_t adapter;               /* index into the probe order */
-    size_t path;
-    net_creq_t *creq;
-    int status;
-    bool too_big;
-    dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
-    bool got[ATTEST_ADAPTER_MAX_PATHS];
+    probe_t *probe;               /* the check in flight */
     bool running;
-    bool probing; /* the engine-fingerprint probe is in flight, its answer in bodies[0] */
-    int known;    /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
+    int known; /* the last refresh found the framework: 1, did not: 0, none yet: -1 */
     dp_buf_t last_error;
     /* The last refresh could not connect at all: attestations answer 503 with this reason
      * ("framework at http://127.0.0.1:8000: connection refused"), so the proxy reads a dead
@@ -415,8 +414,7 @@ static const attest_adapter_t *fw_adapter(const fw_t *f)
                                                    : NULL;
 }
 
-static void fw_fetch(agent_t *a);
-static void fw_probe(agent_t *a, const char *model);
+static void fw_check(agent_t *a);
 static void on_fw_timer(uv_timer_t *t);
 
 /* The next refresh: the regular interval after a success; after a failure soon, with a
@@ -461,183 +459,71 @@ static void fw_set(agent_t *a, const char *name, const char *version, const char
         log_kv(DP_LOG_WARN, "framework_unknown", "url", a->fw.url.hostport, "error", why);
 }
 
-static void fw_finish_adapter(agent_t *a)
+/* One adapter's check answered. */
+static void fw_checked(attest_outcome_t *out, void *data)
 {
+    agent_t *a = data;
     fw_t *f = &a->fw;
-    const attest_adapter_t *ad = fw_adapter(f);
-    dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
-    bool usable = true;
-    for (size_t i = 0; i < ad->npaths; i++) {
-        if (f->got[i])
-            bodies[i] = (dp_iovec_t){f->bodies[i].base ? f->bodies[i].base : "", f->bodies[i].len};
-        else if (ad->required[i])
-            usable = false;
-    }
-    attest_report_t r = {0};
-    dp_buf_t why = {0};
-    if (usable && ad->parse(bodies, ad->npaths, &r, &why) == 0 && r.framework_name &&
-        r.framework_version) {
-        dp_buf_reset(&f->unreachable);
-        fw_set(a, r.framework_name, r.framework_version, NULL);
-        fw_probe(a, r.model); /* then fw_schedule(), when the probe is done */
-    } else {
-        f->adapter++;
-        f->path = 0;
-        if (fw_adapter(f) == NULL) {
-            f->running = false;
-            attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
-                                         "the co-located framework was not recognised");
-            dp_buf_reset(&f->unreachable); /* it answered: reachable, just not recognised */
-            dp_buf_t msg = {0};
-            const char *detail = why.base ? why.base : f->last_error.base;
-            dp_buf_printf(&msg, "framework at %s not recognised%s%s", f->url.hostport,
-                          detail ? " (last: " : "", detail ? detail : "");
-            if (detail)
-                dp_buf_appendc(&msg, ')');
-            fw_set(a, NULL, NULL, msg.base);
-            dp_buf_free(&msg);
-            fw_schedule(a, false);
-        } else {
-            fw_fetch(a);
-        }
-    }
-    attest_report_clear(&r);
-    dp_buf_free(&why);
-}
-
-static void fw_on_head(net_creq_t *r, int status, const net_header_t *h, size_t n,
-                       const net_framing_t *fr)
-{
-    agent_t *a = r->data;
-    a->fw.status = status;
-}
-
-static void fw_on_body(net_creq_t *r, const char *p, size_t n)
-{
-    agent_t *a = r->data;
-    fw_t *f = &a->fw;
-    dp_buf_t *b = &f->bodies[f->path];
-    if (f->too_big || b->len + n > ATTEST_ADAPTER_MAX_BODY) {
-        f->too_big = true;
-        return;
-    }
-    dp_buf_append(b, p, n);
-}
-
-static void fw_on_done(net_creq_t *r, net_up_err_t err, const char *detail)
-{
-    agent_t *a = r->data;
-    fw_t *f = &a->fw;
-    f->creq = NULL;
-    if (a->stopping)
-        return;
-    if (f->probing) {
-        f->probing = false;
-        f->running = false;
-        bool ok = err == NET_UP_OK && f->status == 200 && !f->too_big;
-        attest_probe_parse(&(dp_iovec_t){ok ? (f->bodies[0].base ? f->bodies[0].base : "") : NULL,
-                                         ok ? f->bodies[0].len : 0},
-                           &a->ident);
-        fw_schedule(a, true);
-        return;
-    }
-    f->got[f->path] = err == NET_UP_OK && f->status == 200 && !f->too_big;
-    if (!f->got[f->path]) {
-        /* Kept for the "not recognised" message: the operator needs to know what GET failed. */
-        dp_buf_reset(&f->last_error);
-        dp_buf_printf(&f->last_error, "GET %s: ", fw_adapter(f)->paths[f->path]);
-        if (err != NET_UP_OK)
-            dp_buf_printf(&f->last_error, "%s%s%s", net_up_err_name(err), detail ? " " : "",
-                          detail ? detail : "");
-        else if (f->too_big)
-            dp_buf_appends(&f->last_error, "body too large");
-        else
-            dp_buf_printf(&f->last_error, "HTTP %d", f->status);
-        log_kv(DP_LOG_DEBUG, "framework_fetch_failed", "url", f->url.hostport, "error",
-               f->last_error.base);
-    }
-    if (err == NET_UP_CONNECT) {
-        /* Nothing listens (or the connect timed out): every other adapter would fail alike. */
+    f->probe = NULL;
+    if (out->verdict == ATTEST_V_UNREACHABLE && out->status == 0) {
+        /* Nothing answers (refused, timed out, reset): every other adapter would fail alike. */
         f->running = false;
         dp_buf_reset(&f->unreachable);
         dp_buf_printf(&f->unreachable, "framework at http://%s%s: %s", f->url.hostport, f->url.path,
-                      detail ? detail : net_up_err_name(err));
+                      out->detail);
         fw_set(a, NULL, NULL, f->unreachable.base);
         fw_schedule(a, false);
         return;
     }
-    bool required_missing = !f->got[f->path] && fw_adapter(f)->required[f->path];
-    f->path++;
-    /* A required path failed: this adapter cannot work, skip its other paths. */
-    if (f->path < fw_adapter(f)->npaths && !required_missing)
-        fw_fetch(a);
-    else
-        fw_finish_adapter(a);
-}
-
-static void fw_fetch(agent_t *a)
-{
-    fw_t *f = &a->fw;
-    const attest_adapter_t *ad = fw_adapter(f);
-    if (f->path == 0) {
-        for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++) {
-            dp_buf_reset(&f->bodies[i]);
-            f->got[i] = false;
-        }
+    const attest_report_t *r = &out->report;
+    if (out->verdict == ATTEST_V_REPORTED && r->framework_name && r->framework_version) {
+        f->running = false;
+        dp_buf_reset(&f->unreachable);
+        fw_set(a, r->framework_name, r->framework_version, NULL);
+        if (r->engine_fingerprint)
+            attest_engine_fingerprint_set(&a->ident, r->engine_fingerprint);
+        else
+            attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
+                                         r->unattested_note[ATTEST_F_ENGINE_FINGERPRINT]);
+        fw_schedule(a, true);
+        return;
     }
-    f->status = 0;
-    f->too_big = false;
-    dp_buf_t head = {0};
-    dp_buf_printf(&head,
-                  "GET %s%s HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n"
-                  "User-Agent: detproxy-attest\r\n",
-                  f->url.path, ad->paths[f->path], f->url.hostport);
-    if (f->api_key)
-        dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
-    dp_buf_appends(&head, "\r\n");
-    static const net_creq_cb_t cb = {
-        .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
-    uv_buf_t b = uv_buf_init(head.base, (unsigned)head.len);
-    f->creq = net_creq_start(f->up, &b, 1, false, false, &cb, a);
-    if (head.base)
-        OPENSSL_cleanse(head.base, head.len);
-    dp_buf_free(&head);
+    /* Kept for the "not recognised" message: the operator needs to know what failed. */
+    dp_buf_reset(&f->last_error);
+    dp_buf_printf(&f->last_error, "%s: %s", fw_adapter(f)->name,
+                  attest_outcome_reason(out, "no framework name and version"));
+    log_kv(DP_LOG_DEBUG, "framework_check_failed", "url", f->url.hostport, "error",
+           f->last_error.base);
+    f->adapter++;
+    if (fw_adapter(f)) {
+        fw_check(a);
+        return;
+    }
+    f->running = false;
+    attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
+                                 "the co-located framework was not recognised");
+    dp_buf_reset(&f->unreachable); /* it answered: reachable, just not recognised */
+    dp_buf_t msg = {0};
+    dp_buf_printf(&msg, "framework at %s not recognised (last: %s)", f->url.hostport,
+                  f->last_error.base);
+    fw_set(a, NULL, NULL, msg.base);
+    dp_buf_free(&msg);
+    fw_schedule(a, false);
 }
 
-/* POST /v1/completions {"model","prompt","max_tokens":1,"temperature":0} to the framework. */
-static void fw_probe(agent_t *a, const char *model)
+static const char fw_headers[] = "user-agent: detproxy-attest\r\n";
+
+static void fw_check(agent_t *a)
 {
     fw_t *f = &a->fw;
-    f->probing = true;
-    f->path = 0;
-    f->status = 0;
-    f->too_big = false;
-    dp_buf_reset(&f->bodies[0]);
-    dp_buf_t body = {0}, head = {0};
-    dp_jw_t w;
-    dp_jw_init(&w, &body);
-    dp_jw_obj_begin(&w, NULL);
-    dp_jw_str(&w, "model", model ? model : a->ident.model ? a->ident.model : "");
-    dp_jw_str(&w, "prompt", ATTEST_PROBE_PROMPT);
-    dp_jw_uint(&w, "max_tokens", 1);
-    dp_jw_int(&w, "temperature", 0);
-    dp_jw_obj_end(&w);
-    dp_buf_printf(&head,
-                  "POST %s/v1/completions HTTP/1.1\r\nHost: %s\r\nAccept: application/json\r\n"
-                  "User-Agent: detproxy-attest\r\nContent-Type: application/json\r\n"
-                  "Content-Length: %zu\r\n",
-                  f->url.path, f->url.hostport, body.len);
-    if (f->api_key)
-        dp_buf_printf(&head, "Authorization: Bearer %s\r\n", f->api_key);
-    dp_buf_appends(&head, "\r\n");
-    static const net_creq_cb_t cb = {
-        .on_head = fw_on_head, .on_body = fw_on_body, .on_done = fw_on_done};
-    uv_buf_t b[2] = {uv_buf_init(head.base, (unsigned)head.len),
-                     uv_buf_init(body.base, (unsigned)body.len)};
-    f->creq = net_creq_start(f->up, b, 2, false, false, &cb, a);
-    OPENSSL_cleanse(head.base, head.len);
-    dp_buf_free(&head);
-    dp_buf_free(&body);
+    probe_opts_t o = {.up = f->up,
+                      .source = fw_adapter(f)->source,
+                      .hostport = f->url.hostport,
+                      .base = f->url.path,
+                      .bearer = f->api_key,
+                      .extra_headers = fw_headers,
+                      .model = a->ident.model};
+    f->probe = probe_start(&o, fw_checked, a);
 }
 
 static void fw_refresh(agent_t *a)
@@ -649,8 +535,7 @@ static void fw_refresh(agent_t *a)
     f->started_ms = uv_now(&a->loop);
     dp_buf_reset(&f->last_error);
     f->adapter = 0;
-    f->path = 0;
-    fw_fetch(a);
+    fw_check(a);
 }
 
 static void on_fw_timer(uv_timer_t *t)
@@ -764,10 +649,8 @@ static void agent_stop(agent_t *a, const char *why)
     a->stopping = true;
     atomic_store(&a->cancel, 1); /* a running hash stops at its next read */
     log_kv(DP_LOG_INFO, "stopping", "reason", why, NULL, NULL);
-    if (a->fw.creq) {
-        net_creq_cancel(a->fw.creq);
-        a->fw.creq = NULL;
-    }
+    probe_cancel(a->fw.probe);
+    a->fw.probe = NULL;
     if (a->fw.up) {
         net_upstream_free(a->fw.up);
         a->fw.up = NULL;
@@ -843,21 +726,6 @@ static int parse_ms(const char *flag, const char *v, uint32_t def, uint32_t *out
         return -1;
     }
     *out = (uint32_t)n;
-    return 0;
-}
-
-/* Numeric or DNS host of a URL to a socket address (once, at start). */
-static int resolve(const cfg_url_t *u, struct sockaddr_storage *ss)
-{
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
-    struct addrinfo *res = NULL;
-    char port[8];
-    snprintf(port, sizeof(port), "%u", u->port);
-    int r = getaddrinfo(u->host, port, &hints, &res);
-    if (r != 0 || res == NULL)
-        return -1;
-    memcpy(ss, res->ai_addr, res->ai_addrlen);
-    freeaddrinfo(res);
     return 0;
 }
 
@@ -1081,7 +949,7 @@ int agent_cmd_serve(int argc, char **argv)
     }
     if (fw_url) {
         struct sockaddr_storage ss;
-        if (resolve(&a->fw.url, &ss) != 0) {
+        if (!net_resolve(a->fw.url.host, a->fw.url.port, &ss)) {
             fprintf(stderr, "detproxy attest serve: --framework-url: cannot resolve %s\n",
                     a->fw.url.host);
             a->closes_pending++;
@@ -1136,8 +1004,6 @@ int agent_cmd_serve(int argc, char **argv)
 out:
     if (loop_up && uv_loop_close(&a->loop) != 0)
         log_kv(DP_LOG_WARN, "loop_not_empty_at_exit", NULL, NULL, NULL, NULL);
-    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
-        dp_buf_free(&a->fw.bodies[i]);
     dp_buf_free(&a->fw.last_error);
     dp_buf_free(&a->fw.unreachable);
     if (a->fw.api_key) {

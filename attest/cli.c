@@ -1,6 +1,6 @@
-/* `detproxy attest hash|keygen|verify|serve`: the offline tools around attestation, and the
- * dispatch to the agent (agent.c). Exit codes per SPEC §2: 0 ok, 1 verification or match
- * failed, 2 usage, 3 runtime failure. Results go to stdout, diagnostics to stderr. */
+/* `detproxy attest hash|keygen|verify|oms`: the offline tools around attestation. Exit codes per
+ * SPEC §2: 0 ok, 1 verification or match failed, 2 usage, 3 runtime failure. Results go to
+ * stdout, diagnostics to stderr. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +15,6 @@
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
-#include "proxy/cli.h"
 
 /* ---- argument parsing ----------------------------------------------------------------------- */
 
@@ -446,11 +445,9 @@ int attest_cmd_main(int argc, char **argv)
         return cmd_keygen(argc - 1, argv + 1);
     if (strcmp(sub, "verify") == 0)
         return cmd_verify(argc - 1, argv + 1);
-    if (strcmp(sub, "serve") == 0)
-        return agent_cmd_serve(argc - 1, argv + 1);
     if (strcmp(sub, "oms") == 0)
         return attest_oms_main(argc - 1, argv + 1);
-    /* `canary` is dispatched by main.c (proxy/probe_canary_cmd.c): it needs the proxy's client. */
+    /* `serve` (agent/) and `canary` (diagnose/) are dispatched by main.c: they need net/. */
     fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
     return ATTEST_EXIT_USAGE;
 }

@@ -1,5 +1,6 @@
-/* Shared pieces of the `detproxy attest ...` command line (cli.c, agent.c, and
- * proxy/probe_canary_cmd.c for `attest canary`, which needs the proxy's client). */
+/* The `detproxy attest ...` command line: its offline commands (cli.c, oms_cli.c), and the
+ * pieces shared with the two that need the network, `attest serve` (agent/agent.c) and
+ * `attest canary` (diagnose/canary_cmd.c). */
 #ifndef ATTEST_CLI_H
 #define ATTEST_CLI_H
 
@@ -26,8 +27,10 @@ typedef struct {
 int attest_parse_args(const char *cmd, int argc, char **argv, const attest_opt_t *opts,
                       size_t nopts, const char **pos, size_t maxpos, size_t *npos);
 
-/* `detproxy attest serve ...` (agent.c). argv[0] is "serve". Returns the exit code. */
-int agent_cmd_serve(int argc, char **argv);
+/* `detproxy attest hash|keygen|verify|oms` (cli.c). argv[0] is "attest". `attest serve` (the
+ * agent, agent/) and `attest canary` (diagnose/) need the network and are dispatched by main.c.
+ * Returns the exit code. */
+int attest_cmd_main(int argc, char **argv);
 /* `detproxy attest oms ...` (oms_cli.c). argv[0] is "oms". Returns the exit code. */
 int attest_oms_main(int argc, char **argv);
 

@@ -1,9 +1,9 @@
 /* `detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--json]`: send the pool
- * manifest's canary to one replica exactly as the proxy does (probe/canary.c: the same body bytes,
- * the same client code, the pool's api_key and upstream_tls) and print the expected_sha256 to
- * pin, with the text it hashed. Exit 0 when the replica answered (whether or not it matches
- * what is pinned: the output says), 2 for bad flags or values (unknown pool or replica, a
- * manifest without a canary), 3 when the replica could not be asked or did not answer. */
+ * manifest's canary to one replica exactly as the proxy does (probe/canary.c: the same body
+ * bytes, the same client code, the pool's api_key and upstream_tls) and print the expected_sha256
+ * to pin, with the text it hashed. Exit 0 when the replica answered (whether or not it matches what
+ * is pinned: the output says), 2 for bad flags or values (unknown pool or replica, a manifest
+ * without a canary), 3 when the replica could not be asked or did not answer. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,10 +14,10 @@
 #include "attest/cli.h"
 #include "common/jw.h"
 #include "common/util.h"
+#include "diagnose/diagnose.h"
+#include "net/resolve.h"
 #include "net/tls.h"
-#include "proxy/cli.h"
-#include "proxy/px.h"
-#include "probe/canary.h"
+#include "probe/probe.h"
 
 static const char usage_text[] =
     "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"
@@ -102,12 +102,12 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
         }
     }
     net_upstream_opts_t o;
-    px_replica_upstream_opts(cfg, &o);
+    probe_replica_upstream_opts(cfg, &o);
     up = net_upstream_new(&loop, (struct sockaddr *)&ss, &o);
     if (tls)
         net_upstream_set_tls(up, tls, server_name ? server_name : url->host);
     out->loop = &loop;
-    probe_canary_start(up, pool, id, url->hostport, url->path, on_result, out);
+    probe_canary_start(up, pool, id, url->hostport, url->path, NULL, on_result, out);
     while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
         ;
     rc = out->answered ? 0 : 3;

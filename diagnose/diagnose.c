@@ -25,17 +25,15 @@
 #include <cjson/cJSON.h>
 #include <uv.h>
 
-#include "attest/adapters.h"
+#include "attest/check.h"
 #include "attest/dsse.h"
 #include "attest/match.h"
 #include "common/util.h"
 #include "net/fetch.h"
+#include "net/resolve.h"
 #include "net/tls.h"
-#include "proxy/cli.h"
+#include "probe/probe.h"
 #include "proxy/drift/drift.h"
-#include "proxy/px.h"
-#include "probe/canary.h"
-#include "proxy/px_self.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
 #define GIVE_UP_FAILURES 2
@@ -52,14 +50,6 @@ typedef struct {
     net_upstream_t *up;     /* completions */
     net_upstream_t *att_up; /* attestation: the agent, or the replica itself (short timeouts) */
     size_t lane;            /* replicas with the same hostport share a lane */
-    /* step 1 */
-    net_fetch_t *af[ATTEST_ADAPTER_MAX_PATHS];
-    dp_buf_t abody[ATTEST_ADAPTER_MAX_PATHS];
-    bool agot[ATTEST_ADAPTER_MAX_PATHS];
-    int apending;
-    bool afailed;
-    dp_buf_t afail;
-    char nonce[33];
     /* steps 2 and 3: the current phase's jobs */
     dg_out_t **outs;
     const dp_buf_t **bodies;
@@ -106,55 +96,29 @@ static void progress(const char *fmt, ...)
 
 /* ---- step 1: attestation --------------------------------------------------------------------- */
 
-static void att_finish(rio_t *io)
+/* The proxy's check (probe/probe.h), judged as the proxy judges it: the same answers give the
+ * same verdict and the same reasons here as in /admin/replicas. */
+static void att_done(attest_outcome_t *out, void *data)
 {
+    rio_t *io = data;
     dg_t *d = io->d;
     dg_replica_t *r = &d->run.r[io->idx];
-    dp_buf_t why = {0};
-    attest_report_t rep = {0};
-    if (io->afailed) {
-        r->att_err = dp_xstrdup(io->afail.base ? io->afail.base : "attestation failed");
-    } else if (r->source == CFG_ATTEST_NONE) {
-        /* Nothing to attest: /v1/models answering is reachability, and names the model. */
-        cJSON *doc =
-            cJSON_ParseWithLength(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len);
-        const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "data"), 0);
-        const cJSON *id = cJSON_GetObjectItemCaseSensitive(m, "id");
-        if (cJSON_IsString(id))
-            attest_report_set(&rep, ATTEST_F_MODEL, id->valuestring);
-        cJSON_Delete(doc);
-        snprintf(rep.source, sizeof(rep.source), "none");
-        r->att_ok = true;
-    } else if (r->source == CFG_ATTEST_AGENT) {
-        attest_verify_opts_t o = {&d->keys, d->cfg->attestation.require_signature, io->nonce};
-        if (attest_envelope_verify(io->abody[0].base ? io->abody[0].base : "", io->abody[0].len, &o,
-                                   &rep, &why) == 0)
-            r->att_ok = true;
-        else
-            r->att_err = dp_xstrdup(why.base ? why.base : "invalid attestation");
-    } else {
-        const attest_adapter_t *ad = attest_adapter_for(r->source);
-        dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
-        for (size_t i = 0; i < ad->npaths; i++)
-            if (io->agot[i])
-                bodies[i] =
-                    (dp_iovec_t){io->abody[i].base ? io->abody[i].base : "", io->abody[i].len};
-        if (ad->parse(bodies, ad->npaths, &rep, &why) == 0)
-            r->att_ok = true;
-        else
-            r->att_err = dp_xstrdup(why.base ? why.base : "unreadable metadata");
-    }
+    attest_check_judge(out, d->pool->manifest, d->cfg->attestation.require_signature);
+    r->verdict = out->verdict;
+    r->admit_reasons = out->reasons;
+    memset(&out->reasons, 0, sizeof(out->reasons)); /* moved */
+    r->att_ok = out->verdict == ATTEST_V_ADMITTED || out->verdict == ATTEST_V_MISMATCH;
+    r->admitted = out->verdict == ATTEST_V_ADMITTED;
     if (r->att_ok) {
-        attest_report_copy(&r->report, &rep);
-        r->admitted = attest_admit(d->pool->manifest, &rep, d->cfg->attestation.require_signature,
-                                   &r->admit_reasons) == 0;
+        const attest_report_t *rep = &out->report;
+        attest_report_copy(&r->report, rep);
         dp_buf_t line = {0};
         dp_buf_printf(&line, "[1/4] %s: %s", r->name,
                       r->source == CFG_ATTEST_NONE ? "reachable (no attestation source)"
-                      : rep.is_signed              ? "attested, signed"
+                      : rep->is_signed             ? "attested, signed"
                                                    : "attested, unsigned");
         for (size_t f = ATTEST_F_CHECKPOINT; f < ATTEST_F__COUNT; f++) {
-            const char *v = attest_report_get(&rep, (attest_field_t)f);
+            const char *v = attest_report_get(rep, (attest_field_t)f);
             if (v) {
                 dp_buf_appendc(&line, ' ');
                 attest_abbrev(v, &line);
@@ -163,49 +127,12 @@ static void att_finish(rio_t *io)
         progress("%s", line.base);
         dp_buf_free(&line);
     } else {
+        r->att_err =
+            dp_xstrdup(r->admit_reasons.count ? r->admit_reasons.items[0] : "attestation failed");
         progress("[1/4] %s: not attested: %s", r->name, r->att_err);
     }
-    attest_report_clear(&rep);
-    dp_buf_free(&why);
     if (++d->done == d->total)
         uv_stop(&d->loop);
-}
-
-static void att_fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                        const char *detail, void *data)
-{
-    rio_t *io = data;
-    dg_replica_t *r = &io->d->run.r[io->idx];
-    size_t i = 0;
-    while (i < ATTEST_ADAPTER_MAX_PATHS && io->af[i] != f)
-        i++;
-    io->af[i] = NULL;
-    io->apending--;
-    if (status == 200) {
-        io->agot[i] = true;
-        dp_buf_append(&io->abody[i], body->base ? body->base : "", body->len);
-    } else if (!io->afailed) {
-        bool required = true;
-        if (r->source != CFG_ATTEST_AGENT && r->source != CFG_ATTEST_NONE)
-            required = attest_adapter_for(r->source)->required[i];
-        if (status == 0 || required) {
-            io->afailed = true;
-            if (status == 0)
-                dp_buf_printf(&io->afail, "attestation fetch failed (%s): %s", net_up_err_name(err),
-                              detail ? detail : "");
-            else
-                dp_buf_printf(&io->afail, "attestation endpoint answered %d", status);
-            cJSON *doc =
-                status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len) : NULL;
-            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(
-                cJSON_GetObjectItemCaseSensitive(doc, "error"), "message");
-            if (cJSON_IsString(msg))
-                dp_buf_printf(&io->afail, ": %.200s", msg->valuestring);
-            cJSON_Delete(doc);
-        }
-    }
-    if (io->apending == 0)
-        att_finish(io);
 }
 
 /* Start one replica's attestation; returns false when nothing was started (already judged). */
@@ -216,40 +143,22 @@ static bool att_start(rio_t *io)
     if (io->att_up == NULL) {
         if (r->att_err == NULL)
             r->att_err = dp_xstrdup(r->skip_reason ? r->skip_reason : "not reachable");
+        r->verdict = ATTEST_V_UNREACHABLE;
+        attest_reasons_add(&r->admit_reasons, "%s", r->att_err);
         progress("[1/4] %s: not attested: %s", r->name, r->att_err);
         return false;
     }
-    const char *paths[ATTEST_ADAPTER_MAX_PATHS] = {0};
-    char agent_target[600];
-    size_t npaths = 0;
-    if (r->source == CFG_ATTEST_AGENT) {
-        uint8_t raw[16];
-        dp_random_bytes(raw, sizeof(raw));
-        dp_hex(raw, sizeof(raw), io->nonce);
-        snprintf(agent_target, sizeof(agent_target), "%s?nonce=%s",
-                 io->agent_path[0] ? io->agent_path : "/attestation", io->nonce);
-        paths[npaths++] = agent_target;
-    } else if (r->source == CFG_ATTEST_NONE) {
-        paths[npaths++] = "/v1/models";
-    } else {
-        const attest_adapter_t *ad = attest_adapter_for(r->source);
-        for (size_t i = 0; i < ad->npaths; i++)
-            paths[npaths++] = ad->paths[i];
-    }
-    io->apending = (int)npaths;
-    for (size_t i = 0; i < npaths; i++) {
-        char t[700];
-        bool agent = r->source == CFG_ATTEST_AGENT;
-        snprintf(t, sizeof(t), "%s%s", agent ? "" : io->path, paths[i]);
-        net_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                              .method = "GET",
-                              .hostport = agent ? io->agent_hostport : io->hostport,
-                              .target = t,
-                              .bearer = d->pool->api_key,
-                              .max_bytes =
-                                  agent ? ATTEST_ENVELOPE_MAX_BYTES : ATTEST_ADAPTER_MAX_BODY};
-        io->af[i] = net_fetch(io->att_up, &o, att_fetched, io);
-    }
+    bool agent = r->source == CFG_ATTEST_AGENT;
+    probe_opts_t o = {.up = io->att_up,
+                      .source = r->source,
+                      .hostport = agent ? io->agent_hostport : io->hostport,
+                      .base = io->path,
+                      .agent_path = io->agent_path,
+                      .bearer = d->pool->api_key,
+                      .keys = &d->keys,
+                      .require_signature = d->cfg->attestation.require_signature,
+                      .model = probe_canary_model(d->pool, NULL)};
+    probe_start(&o, att_done, io);
     return true;
 }
 
@@ -318,7 +227,7 @@ static void step_canary(dg_t *d)
             continue;
         r->canary.ran = true;
         d->total++;
-        probe_canary_start(io->up, d->pool, id, io->hostport, io->path, canary_done, io);
+        probe_canary_start(io->up, d->pool, id, io->hostport, io->path, NULL, canary_done, io);
     }
     if (d->total) {
         progress("[1/4] canary: the manifest's canary prompt to %zu replica%s", d->total,
@@ -444,8 +353,7 @@ static void job_start(rio_t *io, size_t k)
     j->out = io->outs[k];
     char target[600];
     snprintf(target, sizeof(target), "%s/v1/completions", io->path);
-    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                          .method = "POST",
+    net_fetch_opts_t o = {.method = "POST",
                           .hostport = io->hostport,
                           .target = target,
                           .bearer = d->pool->api_key,
@@ -605,7 +513,7 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     /* https: verified exactly as the proxy verifies (SPEC §13): never plaintext to an https
      * port, never an unverified connection. */
     net_upstream_opts_t o;
-    px_replica_upstream_opts(d->cfg, &o);
+    probe_replica_upstream_opts(d->cfg, &o);
     o.max_idle = d->run.concurrency + 2;
     struct sockaddr_storage ss;
     if (tls && pool_tls(d) == NULL) {
@@ -620,10 +528,8 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
             net_upstream_set_tls(io->up, d->tls, server_name ? server_name : host);
     }
     /* Attestation: short timeouts, as the proxy uses; an agent may live elsewhere. */
-    net_upstream_opts_t ao = {0};
-    ao.connect_timeout_ms = ao.first_byte_timeout_ms = ao.idle_timeout_ms =
-        d->cfg->attestation.timeout_ms;
-    ao.max_idle = 2;
+    net_upstream_opts_t ao;
+    probe_attest_upstream_opts(d->cfg, &ao);
     if (source == CFG_ATTEST_AGENT) {
         if (agent->tls && pool_tls(d) == NULL) {
             r->att_err = dp_xstrdup(d->tls_err);
@@ -884,9 +790,6 @@ static void dg_free(dg_t *d)
         if (io->att_up)
             net_upstream_free(io->att_up);
         io->up = io->att_up = NULL;
-        for (size_t k = 0; k < ATTEST_ADAPTER_MAX_PATHS; k++)
-            dp_buf_free(&io->abody[k]);
-        dp_buf_free(&io->afail);
         free(io->hostport);
         free(io->path);
         free(io->agent_hostport);

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "attest/check.h"
 #include "attest/report.h"
 #include "common/buf.h"
 #include "config/config.h"
@@ -70,11 +71,12 @@ typedef struct {
     char *url; /* display form, "http://10.0.0.11:8000" */
     cfg_attest_source_t source;
     /* step 1 */
-    bool att_ok;            /* a report was obtained (source none: /v1/models answered) */
-    char *att_err;          /* why not */
-    attest_report_t report; /* source none: only model (from /v1/models), source "none" */
-    bool admitted;          /* what the proxy would decide (attest_admit, then the canary) */
-    attest_reasons_t admit_reasons;
+    attest_verdict_t verdict; /* the attestation check's (attest/check.h), before the canary */
+    bool att_ok;              /* a report was obtained (source none: /v1/models answered) */
+    char *att_err;            /* why not */
+    attest_report_t report;   /* source none: only model (from /v1/models), source "none" */
+    bool admitted; /* what the proxy would decide (the check's verdict, then the canary) */
+    attest_reasons_t admit_reasons; /* the check's reasons (as the proxy's), then the canary's */
     /* step 1, behaviour: the manifest's canary (SPEC §6) sent as the proxy sends it, for the
      * identity the replica matched (a manifest "accept" entry may carry its own) */
     struct {
@@ -165,5 +167,10 @@ void dg_run_free(dg_run_t *run);
  * (force 0, or default 0 with max 0). Tenants after the first `"any": true` one never match and
  * are ignored. Appends one sentence saying why to *why. */
 bool dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why);
+
+/* The commands (SPEC §2): `detproxy diagnose` (diagnose.c) and `detproxy attest canary`
+ * (canary_cmd.c). argv starts at the command's own name; they return the exit code. */
+int dg_cmd_diagnose(int argc, char **argv);
+int dg_cmd_attest_canary(int argc, char **argv);
 
 #endif

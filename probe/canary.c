@@ -1,5 +1,5 @@
-/* The canary request and the text it hashes (see canary.h). */
-#include "probe/canary.h"
+/* The canary request and the text it hashes (see probe.h). */
+#include "probe/probe.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,11 +7,10 @@
 
 #include <cjson/cJSON.h>
 
+#include "attest/check.h"
 #include "attest/match.h"
-#include "common/jw.h"
 #include "common/util.h"
 #include "net/fetch.h"
-#include "proxy/px_self.h"
 
 struct probe_canary_s {
     net_fetch_t *f;
@@ -26,24 +25,9 @@ const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
     return m && m->model ? m->model : pc->nmodels ? pc->models[0] : "";
 }
 
-void probe_canary_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
-                                  bool seed0, dp_buf_t *out)
-{
-    dp_jw_t w;
-    dp_jw_init(&w, out);
-    dp_jw_obj_begin(&w, NULL);
-    dp_jw_str(&w, "model", model);
-    dp_jw_str(&w, "prompt", prompt);
-    dp_jw_uint(&w, "max_tokens", max_tokens);
-    dp_jw_int(&w, "temperature", 0);
-    if (seed0)
-        dp_jw_int(&w, "seed", 0);
-    dp_jw_obj_end(&w);
-}
-
 void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
 {
-    probe_canary_completion_body(model, can->prompt, can->max_tokens, true, out);
+    attest_completion_body(model, can->prompt, can->max_tokens, true, out);
 }
 
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
@@ -86,7 +70,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 
 probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                                    const cfg_manifest_t *id, const char *hostport, const char *base,
-                                   probe_canary_cb cb, void *data)
+                                   const char *via, probe_canary_cb cb, void *data)
 {
     if (id == NULL)
         id = pc->manifest;
@@ -100,7 +84,7 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
     probe_canary_body(probe_canary_model(pc, id), can, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
-    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
+    net_fetch_opts_t o = {.via = via,
                           .method = "POST",
                           .hostport = hostport,
                           .target = target,

@@ -1,8 +1,13 @@
-/* detproxy: one binary, subcommands per SPEC §2. */
+/* detproxy: one binary, subcommands per SPEC §2. The top layer: the one file that includes
+ * every program module (proxy, agent, diagnose), to dispatch to them. */
 #include <stdio.h>
 #include <string.h>
 
+#include "agent/agent.h"
+#include "attest/cli.h"
 #include "common/version.h"
+#include "config/config.h"
+#include "diagnose/diagnose.h"
 #include "proxy/cli.h"
 
 static void usage(FILE *f)
@@ -56,6 +61,8 @@ int main(int argc, char **argv)
         return cfg_cmd_check(argc - 1, argv + 1);
     if (strcmp(cmd, "attest") == 0 && argc > 2 && strcmp(argv[2], "canary") == 0)
         return dg_cmd_attest_canary(argc - 2, argv + 2);
+    if (strcmp(cmd, "attest") == 0 && argc > 2 && strcmp(argv[2], "serve") == 0)
+        return agent_cmd_serve(argc - 2, argv + 2);
     if (strcmp(cmd, "attest") == 0)
         return attest_cmd_main(argc - 1, argv + 1);
     if (strcmp(cmd, "policy") == 0)

@@ -1,11 +1,10 @@
 /* Replica admission (SPEC §4-§6): one timer per replica re-attests it every interval_ms with a
- * fresh nonce, and at once after a failed connection. A check is:
- *   agent source:    GET <attest.url>?nonce=N  -> DSSE envelope -> verify (keys, nonce)
- *   native adapter:  GET its metadata endpoints -> parse what that framework exposes, then a
- *                    1-token probe completion for the engine's system_fingerprint
- *   no source:       GET /v1/models must answer 200 (reachability; nothing is pinned)
- * then attest_admit() against the pool manifest, and for admitted replicas of a manifest with a
- * canary, the canary prompt through the same upstream code as client traffic.
+ * fresh nonce, and at once after a failed connection. A check is probe_start() (probe/probe.h:
+ * the agent envelope, or a native adapter's endpoints and the engine-fingerprint probe, or
+ * GET /v1/models for reachability; the same check diagnose and the agent run), then
+ * attest_check_judge() against the pool manifest in force when it answers, and for admitted
+ * replicas of a manifest with a canary, the canary prompt through the same upstream code as
+ * client traffic.
  *
  * Per-replica state (att_t) outlives its replica by one close callback: when a replica is freed
  * (reload, discovery) its in-flight fetches are cancelled and the timer closes, then att_t goes. */
@@ -17,18 +16,16 @@
 
 #include <cjson/cJSON.h>
 
-#include "attest/adapters.h"
+#include "attest/check.h"
 #include "attest/dsse.h"
 #include "attest/match.h"
 #include "attest/report.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "net/fetch.h"
+#include "probe/probe.h"
 #include "proxy/px_admin.h"
-#include "probe/canary.h"
 #include "proxy/px_self.h"
 
-#define PROBE_MAX_BYTES (64 << 10)
 #define RECHECK_MIN_MS 100          /* out-of-turn re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 /* Checks running at once, over all replicas: 200 discovered addresses must not become 400
@@ -47,17 +44,9 @@ typedef struct att_s {
     px_t *px;
     uv_timer_t timer;
     net_upstream_t *up; /* to the agent, or to the replica for metadata (short timeouts) */
-    net_fetch_t *fetch[ATTEST_ADAPTER_MAX_PATHS];
-    dp_buf_t bodies[ATTEST_ADAPTER_MAX_PATHS];
-    bool got[ATTEST_ADAPTER_MAX_PATHS];
-    int pending;
-    bool failed;
-    dp_buf_t fail_reason;
+    probe_t *probe;     /* the check in flight */
     probe_canary_t *canary;
-    net_fetch_t *probe;     /* the engine-fingerprint probe of a native check */
-    attest_report_t probed; /* the adapter's report while the probe runs */
-    bool recheck;           /* a fingerprint mismatch arrived during a check: check again */
-    char nonce[33];
+    bool recheck; /* a fingerprint mismatch arrived during a check: check again */
     bool checking;
     uint64_t last_check_ms;
     attest_report_t report;
@@ -219,39 +208,17 @@ static void canary_done(const probe_canary_result_t *res, void *data)
     check_end(a);
 }
 
-/* The engine-fingerprint probe: a temperature-0 completion to replica a->r over `up`, its body
- * built as the canary's is (probe/canary.c; the canary itself goes through probe_canary_start). */
-static net_fetch_t *completion(att_t *a, net_upstream_t *up, const cfg_pool_t *pc,
-                               const char *model, const char *prompt, uint32_t max_tokens,
-                               bool seed, size_t max_bytes, net_fetch_cb cb)
-{
-    dp_buf_t body = {0};
-    probe_canary_completion_body(model, prompt, max_tokens, seed, &body);
-    char target[512];
-    snprintf(target, sizeof(target), "%s/v1/completions", a->r->url.path ? a->r->url.path : "");
-    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                          .method = "POST",
-                          .hostport = a->r->url.hostport,
-                          .target = target,
-                          .bearer = pc ? pc->api_key : NULL,
-                          .body = body.base,
-                          .body_len = body.len,
-                          .max_bytes = max_bytes};
-    net_fetch_t *f = net_fetch(up, &o, cb, a);
-    dp_buf_free(&body);
-    return f;
-}
-
 static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
     /* The replica's own upstream: the canary takes the path client traffic takes. */
-    a->canary =
-        probe_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path, canary_done, a);
+    a->canary = probe_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path,
+                                   px_self_via_line(NULL), canary_done, a);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
 
-static void decide(att_t *a, attest_report_t *rep)
+/* A REPORTED outcome, judged against the manifest in force now. */
+static void decide(att_t *a, attest_outcome_t *out)
 {
     px_replica_t *r = a->r;
     if (a->recheck) {
@@ -261,9 +228,9 @@ static void decide(att_t *a, attest_report_t *rep)
         return;
     }
     const cfg_pool_t *pc = pool_of(a->px, r);
-    attest_reasons_t why = {0};
     const cfg_manifest_t *m = pc ? pc->manifest : NULL;
-    int bad = attest_admit(m, rep, cur(a)->attestation.require_signature, &why);
+    attest_check_judge(out, m, cur(a)->attestation.require_signature);
+    const attest_report_t *rep = &out->report;
     for (int f = 0; a->have_report && f < ATTEST_F__COUNT; f++) {
         const char *was = attest_report_get(&a->report, (attest_field_t)f);
         const char *now = attest_report_get(rep, (attest_field_t)f);
@@ -276,16 +243,14 @@ static void decide(att_t *a, attest_report_t *rep)
     attest_report_copy(&a->report, rep);
     a->have_report = true;
     r->last_attested_at = dp_wall_ms();
-    if (bad) {
+    if (out->verdict != ATTEST_V_ADMITTED) {
         count(r, "rejected");
         r->fingerprint[0] = '\0'; /* no accepted identity */
-        set_state(r, PX_REPLICA_REJECTED, &why);
-        attest_reasons_free(&why);
+        set_state(r, PX_REPLICA_REJECTED, &out->reasons);
         attest_canary_reset(&a->canary_hist);
         check_end(a);
         return;
     }
-    attest_reasons_free(&why);
     count(r, "admitted");
     /* The identity it matched (one of several during a rollout) gives its responses their
      * fingerprint and its canary. */
@@ -310,145 +275,26 @@ static void decide(att_t *a, attest_report_t *rep)
     check_end(a);
 }
 
-static void fail(att_t *a, const char *reason)
-{
-    px_replica_t *r = a->r;
-    count(r, "unreachable");
-    set_state1(r, PX_REPLICA_UNREACHABLE, reason);
-    check_end(a);
-}
-
-/* ---- the engine fingerprint probe (SPEC §5) ------------------------------------------------ */
-
-static void probe_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                       const char *detail, void *data)
+static void checked(attest_outcome_t *out, void *data)
 {
     att_t *a = data;
-    (void)f;
-    (void)err;
-    (void)detail;
+    px_replica_t *r = a->r;
     a->probe = NULL;
-    dp_iovec_t b = {NULL, 0};
-    if (status == 200)
-        b = (dp_iovec_t){body->base ? body->base : "", body->len};
-    attest_probe_parse(&b, &a->probed);
-    if (status != 0 && status != 200) {
-        char why[96];
-        snprintf(why, sizeof(why), "the 1-token probe completion answered %d", status);
-        attest_report_set_unattested(&a->probed, ATTEST_F_ENGINE_FINGERPRINT, why);
-    }
-    attest_report_t rep = a->probed;
-    memset(&a->probed, 0, sizeof(a->probed));
-    decide(a, &rep);
-    attest_report_clear(&rep);
-}
-
-/* Send the probe with the model the engine reported (a vLLM answers 404 to any other name). */
-static void probe_start(att_t *a, attest_report_t *rep)
-{
-    const cfg_pool_t *pc = pool_of(a->px, a->r);
-    const char *model = rep->model                                  ? rep->model
-                        : pc && pc->manifest && pc->manifest->model ? pc->manifest->model
-                        : pc && pc->nmodels                         ? pc->models[0]
-                                                                    : "";
-    attest_report_clear(&a->probed);
-    a->probed = *rep;
-    memset(rep, 0, sizeof(*rep)); /* moved */
-    a->probe =
-        completion(a, a->up, pc, model, ATTEST_PROBE_PROMPT, 1, false, PROBE_MAX_BYTES, probe_done);
-}
-
-static void all_fetched(att_t *a)
-{
-    px_replica_t *r = a->r;
-    attest_report_t rep = {0};
-    dp_buf_t why = {0};
-    if (a->failed) {
-        fail(a, a->fail_reason.base);
-        goto out;
-    }
-    if (r->attest.source == CFG_ATTEST_NONE) {
-        rep.framework_name = NULL;
-        snprintf(rep.source, sizeof(rep.source), "none");
-        decide(a, &rep);
-        goto out;
-    }
-    if (r->attest.source == CFG_ATTEST_AGENT) {
-        attest_verify_opts_t o = {&ctx(a->px)->keys, cur(a)->attestation.require_signature,
-                                  a->nonce};
-        if (attest_envelope_verify(a->bodies[0].base ? a->bodies[0].base : "", a->bodies[0].len, &o,
-                                   &rep, &why) != 0) {
-            count(r, "rejected");
-            set_state1(r, PX_REPLICA_REJECTED, why.base ? why.base : "invalid attestation");
-            check_end(a);
-            goto out;
-        }
-        decide(a, &rep);
-        goto out;
-    }
-    const attest_adapter_t *ad = attest_adapter_for(r->attest.source);
-    dp_iovec_t bodies[ATTEST_ADAPTER_MAX_PATHS] = {{0}};
-    for (size_t i = 0; i < ad->npaths; i++)
-        if (a->got[i])
-            bodies[i] = (dp_iovec_t){a->bodies[i].base ? a->bodies[i].base : "", a->bodies[i].len};
-    if (ad->parse(bodies, ad->npaths, &rep, &why) != 0) {
-        count(r, "rejected");
-        set_state1(r, PX_REPLICA_REJECTED, why.base ? why.base : "unreadable metadata");
+    switch (out->verdict) {
+    case ATTEST_V_UNREACHABLE:
+        count(r, "unreachable");
+        set_state(r, PX_REPLICA_UNREACHABLE, &out->reasons);
         check_end(a);
-        goto out;
+        break;
+    case ATTEST_V_INVALID:
+        count(r, "rejected");
+        set_state(r, PX_REPLICA_REJECTED, &out->reasons);
+        check_end(a);
+        break;
+    default:
+        decide(a, out);
+        break;
     }
-    probe_start(a, &rep);
-out:
-    attest_report_clear(&rep);
-    dp_buf_free(&why);
-}
-
-static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                    const char *detail, void *data)
-{
-    att_t *a = data;
-    size_t i = 0;
-    while (i < ATTEST_ADAPTER_MAX_PATHS && a->fetch[i] != f)
-        i++;
-    a->fetch[i] = NULL;
-    a->pending--;
-    if (status == 200) {
-        a->got[i] = true;
-        dp_buf_reset(&a->bodies[i]);
-        dp_buf_append(&a->bodies[i], body->base ? body->base : "", body->len);
-    } else if (!a->failed) {
-        bool required = true;
-        if (a->r->attest.source != CFG_ATTEST_AGENT && a->r->attest.source != CFG_ATTEST_NONE) {
-            const attest_adapter_t *ad = attest_adapter_for(a->r->attest.source);
-            required = ad->required[i];
-        }
-        if (status == 0 || required) {
-            a->failed = true;
-            dp_buf_reset(&a->fail_reason);
-            if (status == 0)
-                dp_buf_printf(&a->fail_reason, "attestation fetch failed (%s): %s",
-                              net_up_err_name(err), detail ? detail : "");
-            else
-                dp_buf_printf(&a->fail_reason, "attestation endpoint answered %d", status);
-            /* An agent says why it cannot vouch (re-hashing after a change, hash failed). */
-            cJSON *doc =
-                status ? cJSON_ParseWithLength(body->base ? body->base : "", body->len) : NULL;
-            const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "error");
-            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(e, "message");
-            const cJSON *code = cJSON_GetObjectItemCaseSensitive(e, "code");
-            /* A live agent before a dead engine: the engine is what is unreachable, and the
-             * agent's message says where ("framework at http://..: connection refused"). */
-            if (cJSON_IsString(msg) && cJSON_IsString(code) &&
-                strcmp(code->valuestring, "framework_unreachable") == 0)
-                dp_buf_reset(&a->fail_reason);
-            if (cJSON_IsString(msg))
-                dp_buf_printf(&a->fail_reason, "%s%.200s", a->fail_reason.len ? ": " : "",
-                              msg->valuestring);
-            cJSON_Delete(doc);
-        }
-    }
-    if (a->pending == 0)
-        all_fetched(a);
 }
 
 static void check_start(att_t *a)
@@ -466,9 +312,7 @@ static void check_start(att_t *a)
     const cfg_pool_t *pc = pool_of(a->px, r);
     ctx(a->px)->running++;
     a->checking = true;
-    a->failed = false;
     a->last_check_ms = uv_now(a->px->loop);
-    memset(a->got, 0, sizeof(a->got));
     if (a->up == NULL) {
         /* Nothing to connect to (the host name did not resolve). */
         ctx(a->px)->running--;
@@ -488,45 +332,18 @@ static void check_start(att_t *a)
         check_end(a);
         return;
     }
-    const char *bearer = pc ? pc->api_key : NULL;
-    const char *hostport = r->url.hostport;
-    char target[600];
-    const char *paths[ATTEST_ADAPTER_MAX_PATHS] = {0};
-    size_t npaths = 0;
-    if (r->attest.source == CFG_ATTEST_AGENT) {
-        uint8_t raw[16];
-        dp_random_bytes(raw, sizeof(raw));
-        dp_hex(raw, sizeof(raw), a->nonce);
-        snprintf(target, sizeof(target), "%s?nonce=%s",
-                 r->attest.url.path && r->attest.url.path[0] ? r->attest.url.path : "/attestation",
-                 a->nonce);
-        paths[npaths++] = target;
-        hostport = r->attest.url.hostport;
-    } else if (r->attest.source == CFG_ATTEST_NONE) {
-        snprintf(target, sizeof(target), "%s/v1/models", r->url.path ? r->url.path : "");
-        paths[npaths++] = target;
-    } else {
-        const attest_adapter_t *ad = attest_adapter_for(r->attest.source);
-        for (size_t i = 0; i < ad->npaths; i++)
-            paths[npaths++] = ad->paths[i];
-    }
-    a->pending = (int)npaths;
-    for (size_t i = 0; i < npaths; i++) {
-        char t[700];
-        if (r->attest.source != CFG_ATTEST_AGENT && r->attest.source != CFG_ATTEST_NONE)
-            snprintf(t, sizeof(t), "%s%s", r->url.path ? r->url.path : "", paths[i]);
-        else
-            snprintf(t, sizeof(t), "%s", paths[i]);
-        net_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                              .method = "GET",
-                              .hostport = hostport,
-                              .target = t,
-                              .bearer = bearer,
-                              .max_bytes = r->attest.source == CFG_ATTEST_AGENT
-                                               ? ATTEST_ENVELOPE_MAX_BYTES
-                                               : ATTEST_ADAPTER_MAX_BODY};
-        a->fetch[i] = net_fetch(a->up, &o, fetched, a);
-    }
+    bool agent = r->attest.source == CFG_ATTEST_AGENT;
+    probe_opts_t o = {.up = a->up,
+                      .source = r->attest.source,
+                      .hostport = agent ? r->attest.url.hostport : r->url.hostport,
+                      .base = r->url.path,
+                      .agent_path = r->attest.url.path,
+                      .bearer = pc ? pc->api_key : NULL,
+                      .via = px_self_via_line(NULL),
+                      .keys = &ctx(a->px)->keys,
+                      .require_signature = cur(a)->attestation.require_signature,
+                      .model = pc ? probe_canary_model(pc, NULL) : NULL};
+    a->probe = probe_start(&o, checked, a);
 }
 
 /* ---- per-replica lifecycle ------------------------------------------------------------------ */
@@ -535,28 +352,16 @@ static void att_timer_closed(uv_handle_t *h)
 {
     att_t *a = h->data;
     attest_report_clear(&a->report);
-    attest_report_clear(&a->probed);
-    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++)
-        dp_buf_free(&a->bodies[i]);
-    dp_buf_free(&a->fail_reason);
     free(a);
 }
 
 static void att_teardown(att_t *a)
 {
-    for (size_t i = 0; i < ATTEST_ADAPTER_MAX_PATHS; i++) {
-        if (a->fetch[i]) {
-            net_fetch_cancel(a->fetch[i]);
-            a->fetch[i] = NULL;
-        }
-    }
+    probe_cancel(a->probe);
+    a->probe = NULL;
     if (a->canary) {
         probe_canary_cancel(a->canary);
         a->canary = NULL;
-    }
-    if (a->probe) {
-        net_fetch_cancel(a->probe);
-        a->probe = NULL;
     }
     if (a->up) {
         net_upstream_free(a->up);
@@ -591,11 +396,8 @@ static void att_adopt(px_t *px, px_replica_t *r)
     r->attest_state = a;
     uv_timer_init(px->loop, &a->timer);
     a->timer.data = a;
-    /* Short timeouts: an attestation that takes longer than timeout_ms has failed. */
-    net_upstream_opts_t o = {0};
-    uint32_t t = px->gen->cfg->attestation.timeout_ms;
-    o.connect_timeout_ms = o.first_byte_timeout_ms = o.idle_timeout_ms = t;
-    o.max_idle = 2;
+    net_upstream_opts_t o;
+    probe_attest_upstream_opts(px->gen->cfg, &o);
     struct sockaddr_storage ss;
     const struct sockaddr *addr = (const struct sockaddr *)&r->addr;
     if (r->attest.source == CFG_ATTEST_AGENT) {

@@ -6,6 +6,7 @@
 #include "common/util.h"
 #include "net/resolve.h"
 #include "net/tls.h"
+#include "probe/probe.h"
 #include "proxy/px.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_status.h"
@@ -15,11 +16,7 @@ const char *const px_replica_state_names[] = {"pending", "admitted", "rejected",
 
 void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
 {
-    const cfg_limits_t *l = &cfg->limits;
-    memset(o, 0, sizeof(*o));
-    o->connect_timeout_ms = l->upstream_connect_timeout_ms;
-    o->first_byte_timeout_ms = l->upstream_first_byte_timeout_ms;
-    o->idle_timeout_ms = l->upstream_idle_timeout_ms;
+    probe_replica_upstream_opts(cfg, o); /* the same for diagnose and `attest canary` */
 }
 
 /* Everything that defines a replica: if any of it changes on reload, it is a new replica. */

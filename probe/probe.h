@@ -1,0 +1,95 @@
+/* probe/: the attestation check's I/O, and the canary request (SPEC §4-§6).
+ *
+ * One check of one replica: the requests attest_check_plan() names (attest/check.h), sent at
+ * once over the caller's upstream through net_fetch; their answers read by attest_check_read();
+ * for a native source then the 1-token engine-fingerprint probe completion. The callback gets
+ * the outcome (UNREACHABLE, INVALID or REPORTED); the caller judges a REPORTED one with
+ * attest_check_judge() against the manifest in force then. The proxy's admission
+ * (proxy/px_attest.c), `detproxy diagnose` (diagnose/) and the agent's read of its co-located
+ * framework (agent/agent.c) all check through here, so they agree on what an answer means.
+ *
+ * This is the layer between the pure attest/ (no libuv) and the programs above it; it knows
+ * nothing of pools' runtime state, listeners or metrics. */
+#ifndef PROBE_PROBE_H
+#define PROBE_PROBE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attest/check.h"
+#include "config/config.h"
+#include "net/client.h"
+
+typedef struct probe_s probe_t;
+
+typedef struct {
+    net_upstream_t *up; /* to the agent (source agent) or to the replica; kept by the caller */
+    cfg_attest_source_t source;
+    const char *hostport;      /* Host header (the agent's or the replica's host:port) */
+    const char *base;          /* the replica's URL path prefix ("" or "/prefix") */
+    const char *agent_path;    /* source agent: attest.url's path (NULL or "": /attestation) */
+    const char *bearer;        /* Authorization: Bearer, or NULL */
+    const char *via;           /* the sender's Via line, or NULL */
+    const char *extra_headers; /* raw "name: value\r\n" lines, or NULL */
+    /* source agent: the trusted keys, read when the envelope arrives (they must outlive the
+     * check; a caller reloading them in place is fine) */
+    const attest_keyset_t *keys;
+    bool require_signature;
+    const char *model; /* native: the probe completion's model when the engine names none */
+} probe_opts_t;
+
+/* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it
+ * took); the rest is released after it returns. */
+typedef void (*probe_cb)(attest_outcome_t *out, void *data);
+
+/* Start a check. Strings in o are copied. cb runs once from the loop, unless cancelled. */
+probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data);
+/* Cancel a running check (its callback will not run). NULL is fine. */
+void probe_cancel(probe_t *p);
+
+/* The upstream options for requests to a replica (the config's upstream timeouts). */
+void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
+/* The upstream options for attestation requests: timeout_ms for every phase, 2 idle. */
+void probe_attest_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
+
+/* ---- the canary (SPEC §6) --------------------------------------------------------------------
+ * In one place: the proxy's admission check, `detproxy diagnose` and `detproxy attest canary`
+ * all send it through here, so a hash recorded with one is the hash the others compare (same
+ * body bytes, same client code, same rule for which text is hashed).
+ *
+ * The request: POST {base}/v1/completions {"model","prompt","max_tokens","temperature":0,
+ * "seed":0} on the replica's own upstream (the path client traffic takes), with the pool's
+ * api_key as bearer. The text hashed: choices[0].text of a 200 answer, as sent (no trimming). */
+
+#define PROBE_CANARY_MAX_BYTES (1 << 20) /* response body cap */
+
+typedef struct {
+    bool answered;    /* HTTP 200 with a string choices[0].text */
+    int status;       /* HTTP status; 0 when the exchange failed below HTTP */
+    const char *text; /* the output text hashed (valid during the callback), when answered */
+    size_t len;
+    char sha256[65];   /* hex SHA-256 of text, when answered */
+    char expected[65]; /* the expected_sha256 in force when the request was sent */
+    bool matched;      /* answered and sha256 == expected */
+    const char *error; /* why not answered (valid during the callback) */
+} probe_canary_result_t;
+
+typedef void (*probe_canary_cb)(const probe_canary_result_t *res, void *data);
+typedef struct probe_canary_s probe_canary_t;
+
+/* The model a canary asks for: the identity's (or manifest's) model, else the pool's first. */
+const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id);
+/* The request body, exactly as sent (appended to out). */
+void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
+/* Send the canary of accepted identity id (pc's manifest itself, or one of its "accept"
+ * entries, which may carry their own; NULL means the manifest; it must have a canary) over u to
+ * the replica at hostport with URL path prefix base ("" or "/prefix"), with the Via line via
+ * (or none). cb runs once from the loop, unless cancelled. Nothing of pc or id is kept: a
+ * reload may free them meanwhile. */
+probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
+                                   const cfg_manifest_t *id, const char *hostport, const char *base,
+                                   const char *via, probe_canary_cb cb, void *data);
+void probe_canary_cancel(probe_canary_t *c);
+
+#endif
