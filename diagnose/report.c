@@ -1022,7 +1022,7 @@ static void json_metadata(dp_jw_t *w, const dg_run_t *run)
         dp_jw_str(w, "url", r->url);
         dp_jw_str(w, "source", cfg_attest_source_names[r->source]);
         dp_jw_bool(w, "attested", r->att_ok && r->source != CFG_ATTEST_NONE);
-        dp_jw_str(w, "verdict", attest_verdict_names[r->verdict]);
+        dp_jw_str(w, "attestation", attest_verdict_names[r->verdict]);
         dp_jw_str(w, "error", r->att_ok ? NULL : r->att_err);
         if (r->att_ok)
             attest_report_write_json(&r->report, w, "report");

@@ -96,8 +96,8 @@ def test_proxy_and_diagnose_give_the_same_reasons():
                                           % dead_engine]), seen
     for name, (state, reasons) in seen.items():
         r = dg[name]
-        print("    diagnose: %s %s %s" % (name, r["verdict"], r["reasons"]))
-        assert STATE[r["verdict"]] == state, (name, r, state)
+        print("    diagnose: %s %s %s" % (name, r["attestation"], r["reasons"]))
+        assert STATE[r["attestation"]] == state, (name, r, state)
         assert r["reasons"] == reasons, (name, r["reasons"], reasons)
         assert r["admitted"] is (True if state == "admitted" else
                                  None if r["report"] is None else False), r
@@ -119,7 +119,7 @@ def test_a_pinned_engine_fingerprint_is_attested_by_both():
                                              "require_signature": False})
     assert proxy_reasons(px)["r1"] == ("admitted", [])
     r = diagnose_reasons(px.config_path)["r1"]
-    assert r["verdict"] == "admitted" and r["admitted"] is True and r["reasons"] == [], r
+    assert r["attestation"] == "admitted" and r["admitted"] is True and r["reasons"] == [], r
     assert r["report"]["engine_fingerprint"] == fp, r["report"]
     px.stop()
     s.stop()
