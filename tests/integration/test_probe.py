@@ -8,7 +8,10 @@ engine_fingerprint read "unattested" in diagnose and "admitted" in the proxy."""
 import hashlib
 import json
 import os
+import socket
 import tempfile
+import threading
+import time
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_process, start_sim)
@@ -123,6 +126,52 @@ def test_a_pinned_engine_fingerprint_is_attested_by_both():
     assert r["report"]["engine_fingerprint"] == fp, r["report"]
     px.stop()
     s.stop()
+
+
+def test_an_engine_that_accepts_but_never_answers_is_unreachable_for_the_agent():
+    """The agent reads its framework through the same check: an exchange that fails below HTTP
+    (here the first byte never comes) is framework_unreachable, as for the proxy. Before, only a
+    refused connect was; a hung engine cost each of the five adapter paths its 5 s timeout in
+    turn and then was reported as 'not recognised', with a signed envelope vouching for the
+    model."""
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(16)
+    port = lsn.getsockname()[1]
+    held = []
+    stop = threading.Event()
+
+    def hold():
+        lsn.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(lsn.accept()[0])
+            except OSError:
+                pass
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    d = os.path.join(TMP, "hung-model-dir")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write('{"arch": "toy"}')
+    agent = start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                           "--model-dir", d, "--model", MODEL, "--framework-url",
+                           "http://127.0.0.1:%d" % port], name="agent")
+    t0 = time.monotonic()
+    poll_until(lambda: "framework_unreachable" in http("GET", agent.port,
+                                                       "/attestation?nonce=n").text,
+               timeout=15, what="the agent reports the hung engine")
+    took = time.monotonic() - t0
+    err = http("GET", agent.port, "/attestation?nonce=n").json()["error"]
+    print("    hung engine -> framework_unreachable in %.1f s: %s" % (took, err["message"]))
+    assert err["message"].startswith("framework at http://127.0.0.1:%d: " % port), err
+    assert held, "the agent connected"
+    agent.stop()
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    lsn.close()
 
 
 if __name__ == "__main__":
