@@ -206,3 +206,18 @@ bool attest_canary_matches(const cfg_canary_t *canary, const char *text, size_t 
     dp_sha256_hex(text, n, hex);
     return strcmp(hex, canary->expected_sha256) == 0;
 }
+
+void attest_canary_reason(const char *sha256, const char *expected, attest_reasons_t *out)
+{
+    if (expected && expected[0])
+        attest_reasons_add(out,
+                           "canary mismatch: output sha256 %.8s.. want %.8s.. (not admitted "
+                           "until the canary matches)",
+                           sha256, expected);
+    else
+        attest_reasons_add(out,
+                           "canary not recorded: the manifest has no canary.expected_sha256 "
+                           "(this replica's output hashes to %s; 'detproxy attest canary' "
+                           "prints it)",
+                           sha256);
+}

@@ -54,5 +54,13 @@ void attest_canary_reset(attest_canary_t *c);
 void attest_canary_sha256(const char *text, size_t n, char out[65]);
 /* Does this output text match the manifest's canary? */
 bool attest_canary_matches(const cfg_canary_t *canary, const char *text, size_t n);
+/* Why an answered canary keeps a replica from being admitted (its metadata matched), in the
+ * words the proxy's /admin/replicas and `detproxy diagnose` both show: sha256 is the output's,
+ * expected the pinned expected_sha256 ("" when none is recorded yet):
+ *   "canary mismatch: output sha256 14801932.. want 8de3f2ff.. (not admitted until the canary
+ *    matches)"
+ *   "canary not recorded: the manifest has no canary.expected_sha256 (this replica's output
+ *    hashes to <64 hex>; 'detproxy attest canary' prints it)" */
+void attest_canary_reason(const char *sha256, const char *expected, attest_reasons_t *out);
 
 #endif

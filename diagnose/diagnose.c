@@ -192,15 +192,8 @@ static void canary_done(const probe_canary_result_t *res, void *data)
         r->admitted = false;
         if (!res->answered)
             attest_reasons_add(&r->admit_reasons, "canary not answered: %s", r->canary.err);
-        else if (!res->expected[0])
-            attest_reasons_add(&r->admit_reasons,
-                               "canary not recorded (output sha256 %.8s..; 'detproxy attest "
-                               "canary' prints it)",
-                               res->sha256);
         else
-            attest_reasons_add(&r->admit_reasons,
-                               "canary mismatch: output sha256 %.8s.. want %.8s..", res->sha256,
-                               res->expected);
+            attest_canary_reason(res->sha256, res->expected, &r->admit_reasons);
     }
     progress("[1/4] %s: canary %s%s%.8s%s", r->name,
              !res->answered ? "not answered: "

@@ -174,19 +174,10 @@ static void canary_done(const probe_canary_result_t *res, void *data)
         a->admit_on_canary = false;
         set_state(r, PX_REPLICA_ADMITTED, NULL);
     } else if (!rejected && !ok && a->admit_on_canary) {
-        char why[200];
-        if (res->expected[0])
-            snprintf(why, sizeof(why),
-                     "canary mismatch: output sha256 %.8s.. want %.8s.. (not "
-                     "admitted until the canary matches)",
-                     a->canary_last, res->expected);
-        else
-            snprintf(why, sizeof(why),
-                     "canary not recorded: the manifest has no "
-                     "canary.expected_sha256 (this replica's output hashes to "
-                     "%s; 'detproxy attest canary' prints it)",
-                     a->canary_last);
-        set_state1(r, PX_REPLICA_PENDING, why);
+        attest_reasons_t why = {0};
+        attest_canary_reason(a->canary_last, res->expected, &why);
+        set_state(r, PX_REPLICA_PENDING, &why);
+        attest_reasons_free(&why);
     }
     if (rejected) {
         char why[160];

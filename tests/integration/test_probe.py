@@ -36,10 +36,11 @@ def sim(quant, key):
 
 
 def proxy_reasons(px):
-    """{replica: (state, reasons)} once no replica is pending any more."""
+    """{replica: (state, reasons)} once every replica is judged (pending with a reason: its
+    canary did not match)."""
     def reps():
         return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
-    poll_until(lambda: all(r["state"] != "pending" for r in reps().values()),
+    poll_until(lambda: all(r["state"] != "pending" or r["reasons"] for r in reps().values()),
                what="every replica judged")
     return {n: (r["state"], r["reasons"]) for n, r in reps().items()}
 
@@ -125,6 +126,33 @@ def test_a_pinned_engine_fingerprint_is_attested_by_both():
     assert r["attestation"] == "admitted" and r["admitted"] is True and r["reasons"] == [], r
     assert r["report"]["engine_fingerprint"] == fp, r["report"]
     px.stop()
+    s.stop()
+
+
+def test_a_canary_that_does_not_match_reads_the_same_in_both():
+    """Metadata matches, the canary does not: the proxy keeps the replica pending and diagnose
+    does not admit it, with the same reason (diagnose had its own, shorter wording)."""
+    key, pub = keygen("canary")
+    s = sim("awq", key)
+    for expected, start in (("0" * 64, "canary mismatch: output sha256 "),
+                            (None, "canary not recorded: the manifest has no ")):
+        can = {"prompt": "Count: one, two,", "max_tokens": 8}
+        if expected:
+            can["expected_sha256"] = expected
+        p = pool("p", [MODEL], [s], manifest={"model": MODEL, "quantization": "awq",
+                                              "canary": can})
+        p["replicas"][0]["attest"] = {"source": "agent",
+                                      "url": "http://127.0.0.1:%d/attestation" % s.port}
+        # One check only (the next is a minute away): the first canary's verdict stays put.
+        px = start_proxy(pools=[p], ready=False,
+                         attestation={"interval_ms": 60000, "timeout_ms": 2000,
+                                      "require_signature": True, "trusted_keys": [pub]})
+        seen = proxy_reasons(px)
+        assert seen["r1"][0] == "pending" and seen["r1"][1][0].startswith(start), seen
+        r = diagnose_reasons(px.config_path)["r1"]
+        assert r["attestation"] == "admitted" and r["admitted"] is False, r
+        assert r["reasons"] == seen["r1"][1], (r["reasons"], seen)
+        px.stop()
     s.stop()
 
 

@@ -252,3 +252,23 @@ Test(attest_check, verdict_names)
     cr_assert_str_eq(attest_verdict_names[ATTEST_V_ADMITTED], "admitted");
     cr_assert_str_eq(attest_verdict_names[ATTEST_V_UNREACHABLE], "unreachable");
 }
+
+/* The canary's reason: diagnose said "canary mismatch: output sha256 X.. want Y.." and
+ * "canary not recorded (output sha256 X..; ...)" where the proxy said the sentences below. */
+Test(attest_check, canary_reasons_are_the_proxys)
+{
+    static const char got[] = "14801932aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    attest_reasons_t r = {0};
+    attest_canary_reason(got, "8de3f2ffbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",
+                         &r);
+    attest_canary_reason(got, "", &r);
+    cr_assert_eq(r.count, 2);
+    cr_assert_str_eq(r.items[0], "canary mismatch: output sha256 14801932.. want 8de3f2ff.. (not "
+                                 "admitted until the canary matches)");
+    cr_assert_str_eq(r.items[1],
+                     "canary not recorded: the manifest has no canary.expected_sha256 "
+                     "(this replica's output hashes to "
+                     "14801932aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa; "
+                     "'detproxy attest canary' prints it)");
+    attest_reasons_free(&r);
+}
