@@ -25,7 +25,6 @@
  * happens on the loop thread only (common/log.h is single-threaded). */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <netdb.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>

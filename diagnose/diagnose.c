@@ -5,7 +5,7 @@
  * This file does the I/O: flags, config, a private uv loop, and every request, through the same
  * client code the proxy uses (net_fetch over net_upstream), so timeouts and framing checks are the
  * proxy's. Steps run one after another; within a step, replicas run in parallel:
- *   1  attestation fetches, all at once (agent envelope / native adapter / GET /v1/models);
+ *   1  the proxy's attestation check (probe/probe.h), every replica at once, then the canary;
  *   2  per replica, 4 completions one at a time (unseeded x2, seeded x2);
  *   3a per replica, --repeat completions at temperature 0, one at a time;
  *   3b per replica, --repeat completions at temperature 0, --concurrency in flight.
