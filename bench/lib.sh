@@ -5,7 +5,7 @@ bench_tools() {
   local b=$1 here
   here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   local cflags=(-O2 -g -Wall -Wextra -Werror -Wno-unused-parameter -I"$here" -I/usr/share/include/llhttp)
-  local libs=("$b/proxy/libdp_net.a" "$b/proxy/libdp_httpv.a" "$b/common/libdp_common.a" "$b/libllhttp.a")
+  local libs=("$b/net/libdp_net.a" "$b/net/libdp_httpv.a" "$b/common/libdp_common.a" "$b/libllhttp.a")
   local l
   for l in "${libs[@]}"; do
     [ -f "$l" ] || { echo "bench: $l missing (build first)" >&2; return 1; }
@@ -15,7 +15,7 @@ bench_tools() {
   LOAD="$b/bench/bench-load"
   MCOUNT="$b/bench/malloc_count.so"
   TLSCOUNT="$b/bench/tls_count.so"
-  if [ ! -x "$UP" ] || [ "$here/bench/upstream.c" -nt "$UP" ] || [ "$b/proxy/libdp_net.a" -nt "$UP" ]; then
+  if [ ! -x "$UP" ] || [ "$here/bench/upstream.c" -nt "$UP" ] || [ "$b/net/libdp_net.a" -nt "$UP" ]; then
     cc "${cflags[@]}" "$here/bench/upstream.c" "${libs[@]}" $(pkg-config --libs libuv openssl) -o "$UP" || return 1
   fi
   if [ ! -x "$LOAD" ] || [ "$here/bench/openloop.c" -nt "$LOAD" ]; then

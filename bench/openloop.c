@@ -9,13 +9,16 @@
  *   sse    --conns streaming requests at a time, each re-sent when it ends, for --duration s.
  *          The upstream (bench/upstream.c) puts "@<CLOCK_MONOTONIC ns>" in every event; for
  *          each one we record (time the read returned) - (that stamp). Same clock, same host.
+ *          --ramp S opens stream i (connection and first request) at t0 + i*S/conns, so
+ *          thousands of streams neither flood the listener's accept backlog nor tick in phase;
+ *          recording starts --warmup s after the last one opened.
  *   idle   Open --conns connections, send one request on each (batches of 128, each waiting
  *          for its answers), print "READY n" and keep them all open and idle until SIGTERM or
  *          --duration s.
  *
  * Output: one line "LOADJSON {...}" on stdout (rate, sse), latencies in microseconds.
  * Usage: bench-load MODE --target HOST:PORT [--path P] [--body FILE] [--rate R] [--conns C]
- *                   [--duration S] [--warmup S]
+ *                   [--duration S] [--warmup S] [--ramp S] [--header "Name: value"]...
  *
  * Samples are kept whole (8 bytes each) and sorted at the end: exact percentiles, and a 5 s run
  * at 50k rps is only 2 MB. */
@@ -49,6 +52,7 @@ typedef struct {
     bool want_out;    /* EPOLLOUT armed */
     bool in_idle;     /* on the idle stack (rate mode) */
     bool sent_once;   /* idle mode: its one request went out */
+    bool opened;      /* sse: its ramp slot came (see --ramp) */
     size_t woff;      /* bytes of the request already written */
     uint64_t due_ns;  /* rate: when this request was due */
     uint64_t read_ns; /* when the current read returned */
@@ -74,7 +78,10 @@ static struct {
     size_t reqlen;
     double rate;
     int conns;
-    double duration, warmup;
+    double duration, warmup, ramp;
+    const char *hdrs[8];
+    int nhdrs;
+    int busy; /* connections with a request out or not yet connected (sse) */
     int ep;
     conn_t *c;
     samples_t lat;
@@ -214,8 +221,10 @@ static void conn_reset(conn_t *c)
 {
     epoll_ctl(G.ep, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
-    if (c->busy)
+    if (c->busy) {
         G.errors++;
+        G.busy--;
+    }
     G.reconnects++;
     conn_open(c);
 }
@@ -243,6 +252,7 @@ static void conn_flush(conn_t *c)
 static void conn_send(conn_t *c, uint64_t due)
 {
     c->busy = true;
+    G.busy++;
     c->complete = false;
     c->due_ns = due;
     c->woff = 0;
@@ -255,6 +265,7 @@ static void conn_send(conn_t *c, uint64_t due)
 static void response_done(conn_t *c, uint64_t t)
 {
     c->busy = false;
+    G.busy--;
     G.completed++;
     if (c->status < 200 || c->status > 299)
         G.non2xx++;
@@ -453,34 +464,48 @@ static uint64_t sse_end;
 
 static void sse_again(conn_t *c)
 {
-    if (now_ns() < sse_end)
+    if (c->opened && now_ns() < sse_end)
         conn_send(c, now_ns());
 }
 
 static int run_sse(void)
 {
-    connect_all();
+    G.c = calloc((size_t)G.conns, sizeof(conn_t));
     uint64_t t0 = now_ns();
-    G.record_from_ns = t0 + (uint64_t)(G.warmup * 1e9);
+    uint64_t ramp_ns = (uint64_t)(G.ramp * 1e9);
+    G.record_from_ns = t0 + ramp_ns + (uint64_t)(G.warmup * 1e9);
     sse_end = G.record_from_ns + (uint64_t)(G.duration * 1e9);
     uint64_t hard_end = sse_end + 10000000000ull;
+    int next = 0; /* the next stream to open */
     for (;;) {
         uint64_t t = now_ns();
-        bool any_busy = false;
-        for (int k = 0; k < G.conns; k++)
-            any_busy |= G.c[k].busy || !G.c[k].connected;
-        if ((t >= sse_end && !any_busy) || t > hard_end)
+        while (next < G.conns && t >= t0 + ramp_ns * (uint64_t)next / (uint64_t)G.conns) {
+            conn_t *c = &G.c[next++];
+            conn_open(c);
+            c->opened = true;
+        }
+        /* not connected yet counts as busy: it still owes its first stream */
+        int pending = G.busy;
+        for (int k = next - 1; k >= 0 && pending == 0 && t >= sse_end; k--)
+            pending += !G.c[k].connected;
+        if ((t >= sse_end && next == G.conns && pending == 0) || t > hard_end)
             break;
-        poll_once(50000000, sse_again);
+        int64_t to = 50000000;
+        if (next < G.conns) {
+            uint64_t due = t0 + ramp_ns * (uint64_t)next / (uint64_t)G.conns;
+            to = due > t ? (int64_t)(due - t) : 0;
+        }
+        poll_once(to, sse_again);
     }
     qsort(G.lat.v, G.lat.n, sizeof(uint64_t), cmp_u64);
-    printf("LOADJSON {\"mode\":\"sse\",\"streams\":%llu,\"errors\":%llu,\"non2xx\":%llu,"
-           "\"bad_chunks\":%llu,\"chunks\":%zu,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
+    printf("LOADJSON {\"mode\":\"sse\",\"conns\":%d,\"streams\":%llu,\"errors\":%llu,"
+           "\"non2xx\":%llu,\"reconnects\":%llu,\"bad_chunks\":%llu,\"chunks\":%zu,"
+           "\"seconds\":%.2f,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
            "\"p999_us\":%.1f,\"max_us\":%.1f}\n",
-           (unsigned long long)G.completed, (unsigned long long)G.errors,
-           (unsigned long long)G.non2xx, (unsigned long long)G.chunks_bad, G.lat.n,
-           pct_us(&G.lat, 50), pct_us(&G.lat, 90), pct_us(&G.lat, 99), pct_us(&G.lat, 99.9),
-           pct_us(&G.lat, 100));
+           G.conns, (unsigned long long)G.completed, (unsigned long long)G.errors,
+           (unsigned long long)G.non2xx, (unsigned long long)G.reconnects,
+           (unsigned long long)G.chunks_bad, G.lat.n, G.duration, pct_us(&G.lat, 50),
+           pct_us(&G.lat, 90), pct_us(&G.lat, 99), pct_us(&G.lat, 99.9), pct_us(&G.lat, 100));
     return 0;
 }
 
@@ -562,7 +587,8 @@ static char *read_file(const char *path, size_t *len)
 static int usage(void)
 {
     fputs("usage: bench-load rate|sse|idle --target HOST:PORT [--path P] [--body FILE]\n"
-          "       [--rate R] [--conns C] [--duration S] [--warmup S]\n",
+          "       [--rate R] [--conns C] [--duration S] [--warmup S] [--ramp S]\n"
+          "       [--header \"Name: value\"]...\n",
           stderr);
     return 2;
 }
@@ -600,6 +626,10 @@ int main(int argc, char **argv)
             G.duration = atof(v);
         else if (strcmp(a, "--warmup") == 0)
             G.warmup = atof(v);
+        else if (strcmp(a, "--ramp") == 0)
+            G.ramp = atof(v);
+        else if (strcmp(a, "--header") == 0 && G.nhdrs < 8)
+            G.hdrs[G.nhdrs++] = v;
         else
             return usage();
     }
@@ -618,11 +648,14 @@ int main(int argc, char **argv)
         size_t blen;
         char *b = read_file(body, &blen);
         size_t cap = blen + 512;
+        for (int k = 0; k < G.nhdrs; k++)
+            cap += strlen(G.hdrs[k]) + 2;
         G.req = malloc(cap);
-        int h = snprintf(G.req, cap,
-                         "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                         "Content-Length: %zu\r\n\r\n",
-                         G.path, target, blen);
+        int h = snprintf(G.req, cap, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n",
+                         G.path, target);
+        for (int k = 0; k < G.nhdrs; k++)
+            h += snprintf(G.req + h, cap - (size_t)h, "%s\r\n", G.hdrs[k]);
+        h += snprintf(G.req + h, cap - (size_t)h, "Content-Length: %zu\r\n\r\n", blen);
         memcpy(G.req + h, b, blen);
         G.reqlen = (size_t)h + blen;
         free(b);

@@ -4,7 +4,11 @@
 # each proxy's own peak, 3 SSE per-chunk added delay, 4 shadow rate 0 vs 1.0, 5 RSS with 10k
 # idle keep-alive connections, 6 `attest hash` vs sha256sum, 7 TLS on the client side (keep-alive
 # rps and handshakes per second against nginx and HAProxy with the same certificate; separate
-# TLS instances of the three proxies, started only when 7 is selected). Each load scenario runs its
+# TLS instances of the three proxies, started only when 7 is selected), 9 one vs two workers (detproxy
+# `workers`, HAProxy `nbthread`, nginx `worker_processes`), 10 256 KB long-context prompts at
+# concurrency 150, 11 thousands of concurrent SSE streams at 20 events/s, 12 control-plane work
+# (attestation every 100 ms, shadow + self sampling) on vs off in the data plane's p99. Each load
+# scenario runs its
 # targets interleaved (order rotated every round) for BENCH_ROUNDS rounds; the report gives
 # best and median. Prints the table and ratio lines and writes bench/RESULTS.md.
 #
@@ -21,19 +25,30 @@
 # BENCH_TLS_SECONDS (2, per scenario-7 load run),
 # BENCH_PROXY_CPU (0), BENCH_LOAD_CPU (1), BENCH_NICE (unset: no priority change; e.g. -10 to
 # raise the whole bench session's priority on a box shared with other work),
-# BENCH_RESULTS (bench/RESULTS.md; "-" to skip writing it), BENCH_KEEP=1 (keep the temp dir).
+# BENCH_BIG_KB (256), BENCH_BIG_CONNS (150), BENCH_BIG_RATE (unset: half the slowest proxy's peak),
+# BENCH_SSE_MANY (3000), BENCH_SSE_EPS (20 events/s per stream), BENCH_CP_RATE (unset: half of
+# detproxy's peak), BENCH_WORKERS2_CPUS ("0,1"),
+# BENCH_RESULTS (bench/RESULTS.md; "-" to skip writing it), BENCH_KEEP=1 (keep the temp dir),
+# BENCH_QUICK=1 (smoke: 1 round of 2 s, small 5/6/11; every scenario still runs).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 build=${BUILD:-build/release}
 case "$build" in /*) B=$build ;; *) B="$here/$build" ;; esac
-ROUNDS=${BENCH_ROUNDS:-5}
-DUR=${BENCH_SECONDS:-3}
+QUICK=${BENCH_QUICK:-0}
+q() { [ "$QUICK" = 1 ] && echo "$1" || echo "$2"; } # q QUICK_VALUE FULL_VALUE
+ROUNDS=${BENCH_ROUNDS:-$(q 1 5)}
+DUR=${BENCH_SECONDS:-$(q 2 3)}
 SSE_STREAMS=${BENCH_SSE_STREAMS:-8}
-SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6 7} "
-IDLE_CONNS=${BENCH_IDLE_CONNS:-10000}
-HASH_MB=${BENCH_HASH_MB:-2048}
-TLS_DUR=${BENCH_TLS_SECONDS:-2}
+SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6 7 9 10 11 12} "
+IDLE_CONNS=${BENCH_IDLE_CONNS:-$(q 2000 10000)}
+HASH_MB=${BENCH_HASH_MB:-$(q 256 2048)}
+TLS_DUR=${BENCH_TLS_SECONDS:-$(q 1 2)}
+BIG_KB=${BENCH_BIG_KB:-256}
+BIG_CONNS=${BENCH_BIG_CONNS:-150}
+SSE_MANY=${BENCH_SSE_MANY:-$(q 500 3000)}
+SSE_EPS=${BENCH_SSE_EPS:-20}
+W2_CPUS=${BENCH_WORKERS2_CPUS:-0,1}
 PCPU=${BENCH_PROXY_CPU:-0}
 LCPU=${BENCH_LOAD_CPU:-1}
 [ "$(nproc)" -lt 2 ] && LCPU=${BENCH_LOAD_CPU:-0} # one core: everything shares it
@@ -82,7 +97,7 @@ fi
 read -r -a PORTS <<<"$(python3 - <<'EOF'
 import socket
 ss = []
-for _ in range(17):
+for _ in range(26):
     s = socket.socket(); s.bind(("127.0.0.1", 0)); ss.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in ss))
 EOF
@@ -91,11 +106,14 @@ P_UP1=${PORTS[0]} P_UP2=${PORTS[1]} P_NG=${PORTS[2]} P_HA=${PORTS[3]}
 P_DP=${PORTS[4]} P_DPA=${PORTS[5]} P_S0=${PORTS[6]} P_S0A=${PORTS[7]} P_S1=${PORTS[8]} P_S1A=${PORTS[9]}
 P_HAS=${PORTS[10]}
 P_NGT=${PORTS[11]} P_HAT=${PORTS[12]} P_HATS=${PORTS[13]} P_DPT=${PORTS[14]} P_DPTA=${PORTS[15]}
+P_NG2=${PORTS[16]} P_HA2=${PORTS[17]} P_HA2S=${PORTS[18]} P_DP2=${PORTS[19]} P_DP2A=${PORTS[20]}
+P_CP0=${PORTS[21]} P_CP0A=${PORTS[22]} P_CP1=${PORTS[23]} P_CP1A=${PORTS[24]}
 
 declare -A PID PORT SSE_PORT
 PORT[direct]=$P_UP1 PORT[nginx]=$P_NG PORT[haproxy]=$P_HA PORT[detproxy]=$P_DP
 PORT[shadow0]=$P_S0 PORT[shadow1]=$P_S1
 PORT[nginx_tls]=$P_NGT PORT[haproxy_tls]=$P_HAT PORT[detproxy_tls]=$P_DPT
+PORT[nginx2]=$P_NG2 PORT[haproxy2]=$P_HA2 PORT[detproxy2]=$P_DP2 PORT[cp_off]=$P_CP0 PORT[cp_on]=$P_CP1
 SSE_PORT[direct]=$P_UP1 SSE_PORT[nginx]=$P_NG SSE_PORT[haproxy]=$P_HAS SSE_PORT[detproxy]=$P_DP
 
 # start NAME CPU CMD...: background, pinned, stderr to $work/NAME.log
@@ -142,6 +160,11 @@ cpu_json() { # "u0 s0" "u1 s1" -> "proxy_cpu_s":..,"proxy_user_s":..,"proxy_sys_
     u=(y[1]-x[1])/hz; s=(y[2]-x[2])/hz;
     printf "\"proxy_cpu_s\":%g,\"proxy_user_s\":%g,\"proxy_sys_s\":%g", u+s, u, s}'
 }
+nthreads() { # threads over the pids of NAME
+  local n=0 p
+  for p in $(pids_of "$1"); do n=$((n + $(awk '/^Threads:/{print $2}' "/proc/$p/status" 2>/dev/null || echo 0))); done
+  echo $n
+}
 cpu_sum() { awk -v a="$1" -v b="$2" -v hz="$HZ" 'BEGIN{split(a,x," "); split(b,y," "); print (y[1]+y[2]-x[1]-x[2])/hz}'; }
 HZ=$(getconf CLK_TCK)
 rss_kb() { # VmRSS and Pss (kB) summed over the pids of NAME, and VmRSS of its busiest process
@@ -172,17 +195,43 @@ start upstream "$LCPU" "$UP" --listen "127.0.0.1:$P_UP1" --listen "127.0.0.1:$P_
 PID[direct]=${PID[upstream]}
 
 mkdir -p "$work/nginx" "$work/haproxy"
-sed -e "s#@PREFIX@#$work/nginx#g; s#@PORT@#$P_NG#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@##; s#@TLS@##" \
-  bench/configs/nginx.conf.in >"$work/nginx/nginx.conf"
-sed -e "s#@PREFIX@#$work/haproxy#g; s#@PORT@#$P_HA#g; s#@SSE_PORT@#$P_HAS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@##" \
-  bench/configs/haproxy.cfg.in >"$work/haproxy/haproxy.cfg"
-dpconf() { # OUT PORT ADMIN_PORT SHADOW_RATE NREPLICAS [TLS_JSON]
+ngconf() { # NAME PORT WORKERS
+  mkdir -p "$work/$1"
+  sed -e "s#@PREFIX@#$work/$1#g; s#@PORT@#$2#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@WORKERS@#$3#g; s#@SSL@##; s#@TLS@##" \
+    bench/configs/nginx.conf.in >"$work/$1/nginx.conf"
+}
+haconf() { # NAME PORT SSE_PORT NBTHREAD
+  mkdir -p "$work/$1"
+  sed -e "s#@PREFIX@#$work/$1#g; s#@PORT@#$2#g; s#@SSE_PORT@#$3#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@NBTHREAD@#$4#g; s#@SSL@##" \
+    bench/configs/haproxy.cfg.in >"$work/$1/haproxy.cfg"
+}
+ngconf nginx "$P_NG" 1
+haconf haproxy "$P_HA" "$P_HAS" 1
+# dpconf OUT PORT ADMIN_PORT SHADOW_RATE NREPLICAS [TLS_JSON]; DP_WORKERS (the "workers" key's
+# value, empty: no key), DP_ATTEST_MS (10000) and DP_SELF_RATE (0.0) from the environment.
+dpconf_try() {
   local reps="{\"name\": \"u1\", \"url\": \"http://127.0.0.1:$P_UP1\", \"attest\": {\"source\": \"vllm\"}}"
   [ "$5" = 2 ] && reps="$reps, {\"name\": \"u2\", \"url\": \"http://127.0.0.1:$P_UP2\", \"attest\": {\"source\": \"vllm\"}}"
+  local w=${DP_WORKERS:-}
+  [ -n "$w" ] && w="\"workers\": $w,"
   sed -e "s#@PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@SHADOW_RATE@#$4#; s#@REPLICAS@#$reps#; s#@TLS@#${6:-}#" \
+    -e "s#@WORKERS@#$w#; s#@ATTEST_MS@#${DP_ATTEST_MS:-10000}#; s#@SELF_RATE@#${DP_SELF_RATE:-0.0}#" \
     bench/configs/detproxy.json.in >"$1"
-  "$DETPROXY" check -c "$1" >/dev/null || die "detproxy check $1"
+  "$DETPROXY" check -c "$1" >"$1.check" 2>&1
 }
+dpconf() { dpconf_try "$@" || { cat "$1.check" >&2; die "detproxy check $1"; }; }
+# `workers` (SPEC §3) may not be in this build yet: `detproxy check` rejecting the key says so.
+# Then every detproxy runs without it (one loop) and scenario 9 reports workers=2 as unsupported.
+DP_WORKERS1=
+WORKERS_WHY=
+if DP_WORKERS=2 dpconf_try "$work/workers_probe.json" "$P_DP2" "$P_DP2A" 0.0 1; then
+  DP_WORKERS1=1
+else
+  WORKERS_WHY=$(tr -d '"\\' <"$work/workers_probe.json.check" | tr '\n' ' ' | cut -c1-200)
+  log "note: this detproxy build has no \`workers\` (detproxy check: $WORKERS_WHY); scenario 9" \
+    "reports workers=2 as unsupported"
+fi
+export DP_WORKERS=$DP_WORKERS1
 dpconf "$work/detproxy.json" "$P_DP" "$P_DPA" 0.0 1
 dpconf "$work/shadow0.json" "$P_S0" "$P_S0A" 0.0 2
 dpconf "$work/shadow1.json" "$P_S1" "$P_S1A" 1.0 2
@@ -194,6 +243,29 @@ case "$SCEN" in *" 4 "*)
   start shadow0 "$PCPU" "$DETPROXY" run -c "$work/shadow0.json"
   start shadow1 "$PCPU" "$DETPROXY" run -c "$work/shadow1.json" ;;
 esac
+# Scenario 9's second instances: two workers / threads / processes, allowed both cpus.
+W2_PROXIES=()
+if [[ $SCEN == *" 9 "* ]]; then
+  ngconf nginx2 "$P_NG2" 2
+  haconf haproxy2 "$P_HA2" "$P_HA2S" 2
+  start nginx2 "$W2_CPUS" nginx -e "$work/nginx2/error.log" -p "$work/nginx2" -c "$work/nginx2/nginx.conf"
+  start haproxy2 "$W2_CPUS" haproxy -db -f "$work/haproxy2/haproxy.cfg"
+  W2_PROXIES=(nginx2 haproxy2)
+  if [ -n "$DP_WORKERS1" ]; then
+    DP_WORKERS=2 dpconf "$work/detproxy2.json" "$P_DP2" "$P_DP2A" 0.0 1
+    start detproxy2 "$W2_CPUS" "$DETPROXY" run -c "$work/detproxy2.json"
+    W2_PROXIES+=(detproxy2)
+  fi
+fi
+# Scenario 12: two replicas each; cp_on re-attests both every 100 ms (the minimum) and shadows
+# 5% of requests to the other replica and 5% to the same one (drift statistics), cp_off does
+# neither (attestation every 10 s, no shadows).
+if [[ $SCEN == *" 12 "* ]]; then
+  dpconf "$work/cp_off.json" "$P_CP0" "$P_CP0A" 0.0 2
+  DP_ATTEST_MS=100 DP_SELF_RATE=0.05 dpconf "$work/cp_on.json" "$P_CP1" "$P_CP1A" 0.05 2
+  start cp_off "$PCPU" "$DETPROXY" run -c "$work/cp_off.json"
+  start cp_on "$PCPU" "$DETPROXY" run -c "$work/cp_on.json"
+fi
 
 # Scenario 7's TLS instances: the same three configs (same upstream keep-alive, same policy)
 # with TLS on the client listener, one certificate for all. The certificate: a P-256 key and a
@@ -242,7 +314,13 @@ if [ -n "${PID[shadow0]:-}" ]; then
   wait_ok shadow0 "http://127.0.0.1:$P_S0A/readyz"
   wait_ok shadow1 "http://127.0.0.1:$P_S1A/readyz"
 fi
-for t in direct nginx haproxy detproxy ${PID[shadow0]:+shadow0 shadow1}; do
+[ -n "${PID[detproxy2]:-}" ] && wait_ok detproxy2 "http://127.0.0.1:$P_DP2A/readyz"
+if [ -n "${PID[cp_on]:-}" ]; then
+  wait_ok cp_off "http://127.0.0.1:$P_CP0A/readyz"
+  wait_ok cp_on "http://127.0.0.1:$P_CP1A/readyz"
+fi
+for t in direct nginx haproxy detproxy ${PID[shadow0]:+shadow0 shadow1} "${W2_PROXIES[@]}" \
+  ${PID[cp_on]:+cp_off cp_on}; do
   wait_ok "$t" "http://127.0.0.1:${PORT[$t]}$CHAT" POST "$BODY"
 done
 # The rewrite must really be on: a derived seed is reported back.
@@ -466,8 +544,142 @@ if [[ $SCEN == *" 7 "* ]]; then
   done
 fi
 
+# Peak VmRSS (kB, summed over a proxy's processes) while a command runs: sampled every 100 ms.
+# rss_watch_start NAME; ...; rss_watch_stop -> prints the peak.
+rss_watch_start() {
+  local name=$1
+  ( m=0; while :; do read -r r _ _ <<<"$(rss_kb "$name")"; [ "$r" -gt "$m" ] && m=$r; echo "$m" >"$work/rss_watch"; sleep 0.1; done ) &
+  RSS_WATCH=$!
+}
+rss_watch_stop() { kill "$RSS_WATCH" 2>/dev/null || true; wait "$RSS_WATCH" 2>/dev/null || true; cat "$work/rss_watch"; }
+
+# ---- scenario 9: one vs two workers --------------------------------------------------------
+# The same load as scenario 1 (64 connections here, so two event loops both have work) against
+# the one-worker instances (pinned to cpu PCPU) and the two-worker ones (allowed W2_CPUS, which
+# on this 2-vCPU box is shared with the load generator and the upstream: rps cannot double;
+# CPU per request staying flat is what says the workers do not contend).
+if [[ $SCEN == *" 9 "* ]]; then
+  T9=(nginx nginx2 haproxy haproxy2 detproxy "${PID[detproxy2]:+detproxy2}")
+  log "scenario 9: one vs two workers (detproxy workers, HAProxy nbthread, nginx worker_processes)," \
+    "wrk -t1 -c64 -d${DUR}s, $ROUNDS rounds${DP_WORKERS1:+}${WORKERS_WHY:+; detproxy workers=2 unsupported by this build}"
+  [ -z "$DP_WORKERS1" ] && emit "{\"scenario\":9,\"target\":\"detproxy2\",\"unsupported\":\"$WORKERS_WHY\"}"
+  for r in $(seq 0 "$ROUNDS"); do
+    for t in $(rotate "$r" ${T9[@]}); do
+      c0=$(cpu_ticks "$t")
+      out=$(BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c64 -d"$([ "$r" = 0 ] && echo 1 || echo "$DUR")s" \
+        -s bench/post.lua "http://127.0.0.1:${PORT[$t]}$CHAT")
+      c1=$(cpu_ticks "$t")
+      line=$(grep '^WRKJSON ' <<<"$out" | sed 's/^WRKJSON {//') || die "wrk gave no summary: $out"
+      [ "$r" -gt 0 ] && emit "{\"scenario\":9,\"target\":\"$t\",\"round\":$r,\"threads\":$(nthreads "$t"),$(cpu_json "$c0" "$c1"),$line"
+    done
+    [ "$r" -gt 0 ] && log "  scenario 9 round $r/$ROUNDS done"
+  done
+fi
+
+# ---- scenario 10: 256 KB long-context prompts at concurrency 150 ---------------------------
+# bench/gen_prompt.py writes one realistic long chat request (RAG documents in the system
+# prompt, ~55 turns). Per round and target: closed loop (wrk -c150: rps, latency, CPU per
+# request, peak RSS), then open loop at one fixed rate for all (bench-load rate, 150
+# connections): latency from the scheduled time, which minus direct's is what the proxy adds.
+if [[ $SCEN == *" 10 "* ]]; then
+  BIG=$work/chat_big.json
+  python3 bench/gen_prompt.py "$BIG" "$BIG_KB" 2>>"$work/gen_prompt.log" || die "gen_prompt.py failed"
+  big_bytes=$(stat -c %s "$BIG")
+  for t in direct nginx haproxy detproxy; do
+    wait_ok "$t" "http://127.0.0.1:${PORT[$t]}$CHAT" POST "$BIG"
+  done
+  rate10=${BENCH_BIG_RATE:-}
+  if [ -z "$rate10" ]; then
+    slow=
+    for t in nginx haproxy detproxy; do
+      p=$(BENCH_BODY=$BIG taskset -c "$LCPU" wrk -t1 -c"$BIG_CONNS" -d2s -s bench/post.lua \
+        "http://127.0.0.1:${PORT[$t]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2)
+      [ -n "$p" ] || die "scenario 10: no peak for $t"
+      slow=$(awk -v a="${slow:-$p}" -v b="$p" 'BEGIN{print (b < a ? b : a)}')
+    done
+    rate10=$(awk -v s="$slow" 'BEGIN{printf "%d", s / 2}')
+  fi
+  log "scenario 10: $big_bytes-byte chat prompts, $BIG_CONNS connections: wrk closed loop, then open loop at" \
+    "$rate10 rps (half the slowest proxy's peak), $ROUNDS rounds"
+  for r in $(seq 1 "$ROUNDS"); do
+    for t in $(rotate "$r" direct nginx haproxy detproxy); do
+      c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
+      rss_watch_start "$t"
+      out=$(BENCH_BODY=$BIG taskset -c "$LCPU" wrk -t1 -c"$BIG_CONNS" -d"${DUR}s" --timeout 10s \
+        -s bench/post.lua "http://127.0.0.1:${PORT[$t]}$CHAT")
+      rss=$(rss_watch_stop)
+      c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
+      line=$(grep '^WRKJSON ' <<<"$out" | sed 's/^WRKJSON {//') || die "wrk gave no summary: $out"
+      emit "{\"scenario\":10,\"target\":\"$t\",\"mode\":\"closed\",\"round\":$r,\"body_bytes\":$big_bytes,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
+      c0=$(cpu_ticks "$t")
+      out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
+        --body "$BIG" --rate "$rate10" --conns "$BIG_CONNS" --duration "$DUR" --warmup 1)
+      c1=$(cpu_ticks "$t")
+      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
+      emit "{\"scenario\":10,\"target\":\"$t\",\"mode\":\"open\",\"round\":$r,\"body_bytes\":$big_bytes,$(cpu_json "$c0" "$c1"),$line"
+    done
+    log "  scenario 10 round $r/$ROUNDS done"
+  done
+fi
+
+# ---- scenario 11: thousands of concurrent SSE streams at 20 events/s ------------------------
+# SSE_MANY streams, each 2 s of SSE_EPS events/s (the upstream's x-bench-* request headers),
+# re-sent as each ends; opened over 1 s so they neither flood the accept queue nor tick in
+# phase. Per-event transit is read time - the upstream's stamp; minus direct's (same round) it
+# is what the proxy adds. The proxy's CPU per event and its peak RSS are taken over the run.
+if [[ $SCEN == *" 11 "* ]]; then
+  ival=$((1000 / SSE_EPS))
+  SSE_SECS11=$(awk "BEGIN{d=$DUR; print (d<2?2:d)}")
+  log "scenario 11: $SSE_MANY concurrent SSE streams x $SSE_EPS events/s (${ival} ms apart), ramp 1 s," \
+    "warm-up 1 s, ${SSE_SECS11}s recorded per target, $ROUNDS rounds"
+  for r in $(seq 1 "$ROUNDS"); do
+    for t in $(rotate "$r" direct nginx haproxy detproxy); do
+      c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
+      rss_watch_start "$t"
+      out=$(taskset -c "$LCPU" "$LOAD" sse --target "127.0.0.1:${SSE_PORT[$t]}" --path $CHAT \
+        --body "$SBODY" --conns "$SSE_MANY" --duration "$SSE_SECS11" --warmup 1 --ramp 1 \
+        --header "x-bench-chunks: $((2 * SSE_EPS))" --header "x-bench-interval-ms: $ival")
+      rss=$(rss_watch_stop)
+      c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
+      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
+      emit "{\"scenario\":11,\"target\":\"$t\",\"round\":$r,\"eps\":$SSE_EPS,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
+    done
+    log "  scenario 11 round $r/$ROUNDS done"
+  done
+fi
+
+# ---- scenario 12: control-plane work vs the data plane's p99 --------------------------------
+if [[ $SCEN == *" 12 "* ]]; then
+  rate12=${BENCH_CP_RATE:-}
+  if [ -z "$rate12" ]; then
+    p=$(BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c$CONNS -d2s -s bench/post.lua \
+      "http://127.0.0.1:${PORT[cp_off]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2)
+    [ -n "$p" ] || die "scenario 12: no peak"
+    rate12=$(awk -v s="$p" 'BEGIN{printf "%d", s / 2}')
+  fi
+  log "scenario 12: detproxy with attestation every 100 ms + 5% cross / 5% self shadows vs without," \
+    "open loop at $rate12 rps (half of the plain one's peak), 64 connections, $ROUNDS rounds"
+  m12() { # metrics of interest from TARGET's admin port
+    local a=$([ "$1" = cp_off ] && echo "$P_CP0A" || echo "$P_CP1A")
+    (curl -s "http://127.0.0.1:$a/metrics" || true) |
+      (grep -E '^detproxy_(attestations_total|shadow_total)' || true) | tr '\n' ';' | sed 's/"/\\"/g'
+  }
+  for t in cp_off cp_on; do emit "{\"scenario\":12,\"target\":\"$t\",\"metrics_start\":\"$(m12 $t)\"}"; done
+  for r in $(seq 1 "$ROUNDS"); do
+    for t in $(rotate "$r" cp_off cp_on); do
+      c0=$(cpu_ticks "$t")
+      out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
+        --body "$BODY" --rate "$rate12" --conns 64 --duration "$DUR" --warmup 1)
+      c1=$(cpu_ticks "$t")
+      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
+      emit "{\"scenario\":12,\"target\":\"$t\",\"round\":$r,$(cpu_json "$c0" "$c1"),$line"
+    done
+  done
+  for t in cp_off cp_on; do emit "{\"scenario\":12,\"target\":\"$t\",\"metrics\":\"$(m12 $t)\"}"; done
+fi
+
 # ---- report ---------------------------------------------------------------------------------
-for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" upstream; do
+for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" "${W2_PROXIES[@]}" cp_off cp_on upstream; do
   [ -n "${PID[$t]:-}" ] || continue
   kill -0 "${PID[$t]}" 2>/dev/null || die "$t died during the run (log: $work/$t.log)"
 done
@@ -489,7 +701,8 @@ json.dump({
   "wrk": sh("wrk -v | head -1").split(" Copyright")[0],
   "detproxy": sh("git -C '$here' describe --always --dirty"),
   "rounds": $ROUNDS, "seconds": $DUR, "sse_streams": $SSE_STREAMS, "proxy_cpu": $PCPU, "load_cpu": $LCPU,
-  "tls_seconds": $TLS_DUR, "scenarios": "$(echo $SCEN)",
+  "tls_seconds": $TLS_DUR, "scenarios": "$(echo $SCEN)", "quick": $QUICK,
+  "big_conns": $BIG_CONNS, "sse_many": $SSE_MANY, "sse_eps": $SSE_EPS, "workers2_cpus": "$W2_CPUS",
   "nice": "${BENCH_NICE:-}", "elapsed_s": $(( $(date +%s) - t_start )),
 }, open(sys.argv[1], "w"))
 EOF

@@ -8,7 +8,10 @@
  *       "stream": true        -> SSE: --chunks events, one every --interval-ms, each carrying
  *                                "@<CLOCK_MONOTONIC ns at write>" as its content so a client on
  *                                the same host can compute per-chunk transit time; then
- *                                "data: [DONE]". Chunked transfer encoding.
+ *                                "data: [DONE]". Chunked transfer encoding. A request may set
+ *                                its own count and spacing with the headers x-bench-chunks and
+ *                                x-bench-interval-ms (scenario 11: thousands of long streams
+ *                                at 20 events/s beside scenario 3's short fast ones).
  *   GET /v1/models, GET /version  vLLM's metadata shapes (owned_by "vllm"), so detproxy's vllm
  *                                native adapter attests the replica against a manifest pinning
  *                                model + framework name/version.
@@ -50,6 +53,7 @@ typedef struct {
     net_req_t *req;
     bool chat;
     uint32_t sent;
+    uint32_t chunks, interval_ms;
 } stream_t;
 
 static bool iov_is(dp_iovec_t v, const char *s)
@@ -101,11 +105,11 @@ static void stream_tick(uv_timer_t *t)
     stream_t *st = t->data;
     char ev[512];
     int n;
-    if (st->sent < U.chunks) {
+    if (st->sent < st->chunks) {
         /* The timestamp is taken right before the write: what the client measures is transit
          * (kernel + any proxy), not this process's timer slack. */
         uint64_t ts = uv_hrtime();
-        bool last = st->sent + 1 == U.chunks;
+        bool last = st->sent + 1 == st->chunks;
         if (st->chat)
             n = snprintf(ev, sizeof(ev),
                          "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\","
@@ -130,7 +134,7 @@ static void stream_tick(uv_timer_t *t)
             return; /* on_abort (if due) finds req->data NULL */
         }
         if (!last) {
-            uv_timer_start(&st->timer, stream_tick, U.interval_ms, 0);
+            uv_timer_start(&st->timer, stream_tick, st->interval_ms, 0);
             return;
         }
     }
@@ -139,6 +143,23 @@ static void stream_tick(uv_timer_t *t)
     st->req = NULL;
     net_resp_end(req);
     stream_close(st);
+}
+
+/* A request header's value as a number in [lo, hi], or def when absent or out of range. */
+static uint32_t header_u32(const net_req_t *req, const char *name, uint32_t def, uint32_t lo,
+                           uint32_t hi)
+{
+    const net_header_t *h = net_req_header(req, name);
+    if (h == NULL || h->value.len == 0 || h->value.len > 9)
+        return def;
+    uint32_t v = 0;
+    for (size_t i = 0; i < h->value.len; i++) {
+        char c = h->value.base[i];
+        if (c < '0' || c > '9')
+            return def;
+        v = v * 10 + (uint32_t)(c - '0');
+    }
+    return v >= lo && v <= hi ? v : def;
 }
 
 static void start_stream(net_req_t *req, bool chat)
@@ -152,9 +173,11 @@ static void start_stream(net_req_t *req, bool chat)
     st->timer.data = st;
     st->req = req;
     st->chat = chat;
+    st->chunks = header_u32(req, "x-bench-chunks", U.chunks, 1, 100000);
+    st->interval_ms = header_u32(req, "x-bench-interval-ms", U.interval_ms, 0, 600000);
     req->data = st;
     U.streams++;
-    uv_timer_start(&st->timer, stream_tick, U.interval_ms, 0);
+    uv_timer_start(&st->timer, stream_tick, st->interval_ms, 0);
 }
 
 static net_body_mode_t on_head(net_req_t *req)
