@@ -24,7 +24,7 @@ FUZZ_SECONDS ?= 60
 MAKEFLAGS += --no-print-directory
 QUIET_BUILD = -- --no-print-directory
 
-.PHONY: all deps build test demo bench fuzz image clean format valgrind
+.PHONY: all deps build test demo bench bench-quick fuzz image clean format valgrind
 all: build
 
 deps:
@@ -52,6 +52,9 @@ demo: build
 
 bench: build
 	@BUILD=$(BUILD) bench/run.sh
+
+bench-quick: build
+	@BENCH_QUICK=1 BENCH_RESULTS=- BUILD=$(BUILD) bench/run.sh
 
 fuzz: deps
 	@CC=clang cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_FUZZ=ON -DDP_TESTS=OFF >/dev/null

@@ -6,6 +6,12 @@
  * before returning ("the read buffer is reused: copy what you keep past this callback"). That
  * keeps an idle connection at the size of its structs, not of a read buffer.
  *
+ * Small writes are batched per loop iteration: net_sock_write copies them into one loop-wide
+ * buffer and a uv_check handle writes every connection's batch after the iteration's I/O
+ * callbacks, so the peers' wake-ups come in one burst instead of one per callback (see
+ * net/sock.c, "Write batching"). Closing, shutting down or a large write flushes a
+ * connection's batch first, so bytes keep their order and are never dropped by a close.
+ *
  * TLS (issue 8) slots in under this same interface: s->tls, when set, turns reads into
  * decrypt-then-deliver and writes into encrypt-then-write, so connection code above never
  * knows which one it has. */
@@ -56,6 +62,9 @@ struct net_sock_s {
     bool above_high;     /* crossed high_water; on_drain due when back under low_water */
     bool close_on_flush; /* close once queued reaches 0 */
     bool connecting;     /* TLS client: on_connect waits for the handshake */
+    bool batched;        /* on its loop's write batch (see net/sock.c) */
+    bool in_batch;       /* batch_len bytes at batch_off wait for the end of the iteration */
+    size_t batch_off, batch_len;
 };
 
 /* Initialise around a fresh uv_tcp_t (server side: call, then uv_accept into &s->tcp). */
