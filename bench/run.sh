@@ -97,7 +97,7 @@ fi
 read -r -a PORTS <<<"$(python3 - <<'EOF'
 import socket
 ss = []
-for _ in range(26):
+for _ in range(27):
     s = socket.socket(); s.bind(("127.0.0.1", 0)); ss.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in ss))
 EOF
@@ -108,6 +108,7 @@ P_HAS=${PORTS[10]}
 P_NGT=${PORTS[11]} P_HAT=${PORTS[12]} P_HATS=${PORTS[13]} P_DPT=${PORTS[14]} P_DPTA=${PORTS[15]}
 P_NG2=${PORTS[16]} P_HA2=${PORTS[17]} P_HA2S=${PORTS[18]} P_DP2=${PORTS[19]} P_DP2A=${PORTS[20]}
 P_CP0=${PORTS[21]} P_CP0A=${PORTS[22]} P_CP1=${PORTS[23]} P_CP1A=${PORTS[24]}
+P_BL=${PORTS[25]} P_BLA=${PORTS[26]}
 
 declare -A PID PORT SSE_PORT
 PORT[direct]=$P_UP1 PORT[nginx]=$P_NG PORT[haproxy]=$P_HA PORT[detproxy]=$P_DP
@@ -239,6 +240,14 @@ dpconf "$work/shadow1.json" "$P_S1" "$P_S1A" 1.0 2
 start nginx "$PCPU" nginx -e "$work/nginx/error.log" -p "$work/nginx" -c "$work/nginx/nginx.conf"
 start haproxy "$PCPU" haproxy -db -f "$work/haproxy/haproxy.cfg"
 start detproxy "$PCPU" "$DETPROXY" run -c "$work/detproxy.json"
+# BENCH_BASELINE=/path/to/an/older/detproxy: scenario 1 runs it too, beside the others (a change's
+# before/after from one side-by-side run), same config on its own ports.
+if [ -n "${BENCH_BASELINE:-}" ]; then
+  sed -e "s#\"127.0.0.1:$P_DP\"#\"127.0.0.1:$P_BL\"#; s#\"127.0.0.1:$P_DPA\"#\"127.0.0.1:$P_BLA\"#" \
+    "$work/detproxy.json" >"$work/baseline.json"
+  start baseline "$PCPU" "$BENCH_BASELINE" run -c "$work/baseline.json"
+  PORT[baseline]=$P_BL
+fi
 case "$SCEN" in *" 4 "*)
   start shadow0 "$PCPU" "$DETPROXY" run -c "$work/shadow0.json"
   start shadow1 "$PCPU" "$DETPROXY" run -c "$work/shadow1.json" ;;
@@ -315,12 +324,13 @@ if [ -n "${PID[shadow0]:-}" ]; then
   wait_ok shadow1 "http://127.0.0.1:$P_S1A/readyz"
 fi
 [ -n "${PID[detproxy2]:-}" ] && wait_ok detproxy2 "http://127.0.0.1:$P_DP2A/readyz"
+[ -n "${PID[baseline]:-}" ] && wait_ok baseline "http://127.0.0.1:$P_BLA/readyz"
 if [ -n "${PID[cp_on]:-}" ]; then
   wait_ok cp_off "http://127.0.0.1:$P_CP0A/readyz"
   wait_ok cp_on "http://127.0.0.1:$P_CP1A/readyz"
 fi
 for t in direct nginx haproxy detproxy ${PID[shadow0]:+shadow0 shadow1} "${W2_PROXIES[@]}" \
-  ${PID[cp_on]:+cp_off cp_on}; do
+  ${PID[cp_on]:+cp_off cp_on} ${PID[baseline]:+baseline}; do
   wait_ok "$t" "http://127.0.0.1:${PORT[$t]}$CHAT" POST "$BODY"
 done
 # The rewrite must really be on: a derived seed is reported back.
@@ -360,9 +370,10 @@ wrk_run() { # SCENARIO TARGET ROUND SECONDS: one wrk run, with proxy and upstrea
 # ---- scenario 1: closed loop, 32 connections, 1 KB chat POSTs -------------------------------
 if [[ $SCEN == *" 1 "* ]]; then
   log "scenario 1: wrk -t1 -c$CONNS -d${DUR}s, 1 KB chat POST, $ROUNDS rounds (warm-up 1 s each)"
-  for t in direct nginx haproxy detproxy; do wrk_run 1 "$t" "" 1; done
+  T1=(direct nginx haproxy detproxy ${PID[baseline]:+baseline})
+  for t in "${T1[@]}"; do wrk_run 1 "$t" "" 1; done
   for r in $(seq 1 "$ROUNDS"); do
-    for t in $(rotate "$r" direct nginx haproxy detproxy); do wrk_run 1 "$t" "$r" "$DUR"; done
+    for t in $(rotate "$r" "${T1[@]}"); do wrk_run 1 "$t" "$r" "$DUR"; done
   done
 fi
 
@@ -576,6 +587,35 @@ if [[ $SCEN == *" 9 "* ]]; then
   done
 fi
 
+# ---- scenario 11: thousands of concurrent SSE streams at 20 events/s ------------------------
+# SSE_MANY streams, each 2 s of SSE_EPS events/s (the upstream's x-bench-* request headers),
+# re-sent as each ends; opened over 1 s so they neither flood the accept queue nor tick in
+# phase. Per-event transit is read time - the upstream's stamp; minus direct's (same round) it
+# is what the proxy adds. The proxy's CPU per event and its peak RSS are taken over the run.
+if [[ $SCEN == *" 11 "* ]]; then
+  ival=$((1000 / SSE_EPS))
+  SSE_SECS11=$(awk "BEGIN{d=$DUR; print (d<2?2:d)}")
+  log "scenario 11: $SSE_MANY concurrent SSE streams x $SSE_EPS events/s (${ival} ms apart), ramp 1 s," \
+    "warm-up 1 s, ${SSE_SECS11}s recorded per target, $ROUNDS rounds"
+  for r in $(seq 1 "$ROUNDS"); do
+    for t in $(rotate "$r" direct nginx haproxy detproxy); do
+      c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
+      read -r rss0 _ _ <<<"$(rss_kb "$t")"
+      rss_watch_start "$t"
+      w0=$(date +%s%N)
+      out=$(taskset -c "$LCPU" "$LOAD" sse --target "127.0.0.1:${SSE_PORT[$t]}" --path $CHAT \
+        --body "$SBODY" --conns "$SSE_MANY" --duration "$SSE_SECS11" --warmup 1 --ramp 1 \
+        --header "x-bench-chunks: $((2 * SSE_EPS))" --header "x-bench-interval-ms: $ival")
+      w1=$(date +%s%N)
+      rss=$(rss_watch_stop)
+      c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
+      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
+      emit "{\"scenario\":11,\"target\":\"$t\",\"round\":$r,\"eps\":$SSE_EPS,\"wall_s\":$(awk "BEGIN{print ($w1-$w0)/1e9}"),\"rss_before_kb\":$rss0,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
+    done
+    log "  scenario 11 round $r/$ROUNDS done"
+  done
+fi
+
 # ---- scenario 10: 256 KB long-context prompts at concurrency 150 ---------------------------
 # bench/gen_prompt.py writes one realistic long chat request (RAG documents in the system
 # prompt, ~55 turns). Per round and target: closed loop (wrk -c150: rps, latency, CPU per
@@ -585,6 +625,10 @@ if [[ $SCEN == *" 10 "* ]]; then
   BIG=$work/chat_big.json
   python3 bench/gen_prompt.py "$BIG" "$BIG_KB" 2>>"$work/gen_prompt.log" || die "gen_prompt.py failed"
   big_bytes=$(stat -c %s "$BIG")
+  for t in direct nginx haproxy detproxy; do
+    read -r r0 _ _ <<<"$(rss_kb "$t")"
+    emit "{\"scenario\":10,\"target\":\"$t\",\"rss_start_kb\":$r0}"
+  done
   for t in direct nginx haproxy detproxy; do
     wait_ok "$t" "http://127.0.0.1:${PORT[$t]}$CHAT" POST "$BIG"
   done
@@ -604,47 +648,22 @@ if [[ $SCEN == *" 10 "* ]]; then
   for r in $(seq 1 "$ROUNDS"); do
     for t in $(rotate "$r" direct nginx haproxy detproxy); do
       c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
+      read -r rss0 _ _ <<<"$(rss_kb "$t")"
       rss_watch_start "$t"
       out=$(BENCH_BODY=$BIG taskset -c "$LCPU" wrk -t1 -c"$BIG_CONNS" -d"${DUR}s" --timeout 10s \
         -s bench/post.lua "http://127.0.0.1:${PORT[$t]}$CHAT")
       rss=$(rss_watch_stop)
       c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
       line=$(grep '^WRKJSON ' <<<"$out" | sed 's/^WRKJSON {//') || die "wrk gave no summary: $out"
-      emit "{\"scenario\":10,\"target\":\"$t\",\"mode\":\"closed\",\"round\":$r,\"body_bytes\":$big_bytes,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
+      emit "{\"scenario\":10,\"target\":\"$t\",\"load\":\"closed\",\"round\":$r,\"body_bytes\":$big_bytes,\"rss_before_kb\":$rss0,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
       c0=$(cpu_ticks "$t")
       out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
         --body "$BIG" --rate "$rate10" --conns "$BIG_CONNS" --duration "$DUR" --warmup 1)
       c1=$(cpu_ticks "$t")
       line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
-      emit "{\"scenario\":10,\"target\":\"$t\",\"mode\":\"open\",\"round\":$r,\"body_bytes\":$big_bytes,$(cpu_json "$c0" "$c1"),$line"
+      emit "{\"scenario\":10,\"target\":\"$t\",\"load\":\"open\",\"round\":$r,\"body_bytes\":$big_bytes,$(cpu_json "$c0" "$c1"),$line"
     done
     log "  scenario 10 round $r/$ROUNDS done"
-  done
-fi
-
-# ---- scenario 11: thousands of concurrent SSE streams at 20 events/s ------------------------
-# SSE_MANY streams, each 2 s of SSE_EPS events/s (the upstream's x-bench-* request headers),
-# re-sent as each ends; opened over 1 s so they neither flood the accept queue nor tick in
-# phase. Per-event transit is read time - the upstream's stamp; minus direct's (same round) it
-# is what the proxy adds. The proxy's CPU per event and its peak RSS are taken over the run.
-if [[ $SCEN == *" 11 "* ]]; then
-  ival=$((1000 / SSE_EPS))
-  SSE_SECS11=$(awk "BEGIN{d=$DUR; print (d<2?2:d)}")
-  log "scenario 11: $SSE_MANY concurrent SSE streams x $SSE_EPS events/s (${ival} ms apart), ramp 1 s," \
-    "warm-up 1 s, ${SSE_SECS11}s recorded per target, $ROUNDS rounds"
-  for r in $(seq 1 "$ROUNDS"); do
-    for t in $(rotate "$r" direct nginx haproxy detproxy); do
-      c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
-      rss_watch_start "$t"
-      out=$(taskset -c "$LCPU" "$LOAD" sse --target "127.0.0.1:${SSE_PORT[$t]}" --path $CHAT \
-        --body "$SBODY" --conns "$SSE_MANY" --duration "$SSE_SECS11" --warmup 1 --ramp 1 \
-        --header "x-bench-chunks: $((2 * SSE_EPS))" --header "x-bench-interval-ms: $ival")
-      rss=$(rss_watch_stop)
-      c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
-      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
-      emit "{\"scenario\":11,\"target\":\"$t\",\"round\":$r,\"eps\":$SSE_EPS,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
-    done
-    log "  scenario 11 round $r/$ROUNDS done"
   done
 fi
 
@@ -679,7 +698,7 @@ if [[ $SCEN == *" 12 "* ]]; then
 fi
 
 # ---- report ---------------------------------------------------------------------------------
-for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" "${W2_PROXIES[@]}" cp_off cp_on upstream; do
+for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" "${W2_PROXIES[@]}" cp_off cp_on baseline upstream; do
   [ -n "${PID[$t]:-}" ] || continue
   kill -0 "${PID[$t]}" 2>/dev/null || die "$t died during the run (log: $work/$t.log)"
 done
@@ -703,7 +722,7 @@ json.dump({
   "rounds": $ROUNDS, "seconds": $DUR, "sse_streams": $SSE_STREAMS, "proxy_cpu": $PCPU, "load_cpu": $LCPU,
   "tls_seconds": $TLS_DUR, "scenarios": "$(echo $SCEN)", "quick": $QUICK,
   "big_conns": $BIG_CONNS, "sse_many": $SSE_MANY, "sse_eps": $SSE_EPS, "workers2_cpus": "$W2_CPUS",
-  "nice": "${BENCH_NICE:-}", "elapsed_s": $(( $(date +%s) - t_start )),
+  "nice": "${BENCH_NICE:-}", "baseline": "${BENCH_BASELINE:-}", "elapsed_s": $(( $(date +%s) - t_start )),
 }, open(sys.argv[1], "w"))
 EOF
 python3 bench/report.py report "$RES" "$meta" "$RESULTS_MD"
