@@ -301,10 +301,10 @@ if [[ $SCEN == *" 7 "* ]]; then
     chmod 600 ca.key key.pem combined.pem
     openssl verify -CAfile ca.pem cert.pem
   ) >"$work/tls.log" 2>&1 || { cat "$work/tls.log" >&2; die "could not make the TLS certificate"; }
-  sed -e "s#@PREFIX@#$work/nginx_tls#g; s#@PORT@#$P_NGT#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@SSL@# ssl#" \
+  sed -e "s#@PREFIX@#$work/nginx_tls#g; s#@PORT@#$P_NGT#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@WORKERS@#1#g; s#@SSL@# ssl#" \
     -e "s#@TLS@#ssl_certificate $tls/cert.pem; ssl_certificate_key $tls/key.pem; ssl_protocols TLSv1.2 TLSv1.3;#" \
     bench/configs/nginx.conf.in >"$work/nginx_tls/nginx.conf"
-  sed -e "s#@PREFIX@#$work/haproxy_tls#g; s#@PORT@#$P_HAT#g; s#@SSE_PORT@#$P_HATS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g" \
+  sed -e "s#@PREFIX@#$work/haproxy_tls#g; s#@PORT@#$P_HAT#g; s#@SSE_PORT@#$P_HATS#g; s#@UPSTREAM@#127.0.0.1:$P_UP1#g; s#@NBTHREAD@#1#g" \
     -e "s#@SSL@# ssl crt $tls/combined.pem alpn http/1.1 ssl-min-ver TLSv1.2#" \
     bench/configs/haproxy.cfg.in >"$work/haproxy_tls/haproxy.cfg"
   dpconf "$work/detproxy_tls.json" "$P_DPT" "$P_DPTA" 0.0 1 \
