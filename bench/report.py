@@ -341,13 +341,13 @@ def report(res, meta):
     if rows(res, 9) or [r for r in res if r.get("scenario") == 9]:
         say(workers_section(res, meta))
 
-    # ---- 11 ----
-    if rows(res, 11):
-        say(sse_many_section(res, meta))
-
     # ---- 10 ----
     if rows(res, 10):
         say(big_section(res, meta))
+
+    # ---- 11 ----
+    if rows(res, 11):
+        say(sse_many_section(res, meta))
 
     # ---- 12 ----
     if rows(res, 12):
@@ -371,6 +371,12 @@ def paired_diff(res, sc, a, b, key, mode=None, field="mode"):
     return med(xs)
 
 
+def ratio_line(res, sc, part):
+    """'**ratio:** ' and part(b) for each of nginx and HAProxy that ran scenario sc."""
+    parts = [part(b) for b in ("nginx", "haproxy") if rows(res, sc, b) and rows(res, sc, "detproxy")]
+    return ("**ratio:** " + "; ".join(parts) + "\n") if parts else ""
+
+
 def per_req_split(rs, n):
     """Median CPU, user, sys µs per unit over rows rs, n(row) units each."""
     c = [r["proxy_cpu_s"] * 1e6 / n(r) for r in rs if n(r)]
@@ -383,6 +389,9 @@ def workers_section(res, meta):
     out = []
     say = out.append
     say("### 9. One vs two workers, 1 KB chat POST, 64 connections (wrk -t1 -c64)\n")
+    if meta.get("spliced"):
+        say(f"From a separate run ({meta['date']}, load average {meta['load_start']} at start, "
+            f"nice {meta.get('nice') or 'unchanged'}), binaries from `{meta.get('build', '?')}`.\n")
     label = {"nginx": ("nginx", "worker_processes 1"), "nginx2": ("nginx", "worker_processes 2"),
              "haproxy": ("HAProxy", "nbthread 1"), "haproxy2": ("HAProxy", "nbthread 2"),
              "detproxy": ("detproxy", "workers 1"), "detproxy2": ("detproxy", "workers 2")}
@@ -474,18 +483,13 @@ def big_section(res, meta):
         "prompt), re-serialises it and sends the new body; nginx and HAProxy only move bytes. "
         "nginx buffers each body before sending it on (client_body_buffer_size 512k, in memory); "
         "HAProxy streams it through 16 KB buffers.\n")
-    parts = []
-    for b in ("nginx", "haproxy"):
-        if rows(res, 10, b):
-            dc = [r for r in rows(res, 10, "detproxy") if r.get("load") == "closed"]
-            bc = [r for r in rows(res, 10, b) if r.get("load") == "closed"]
-            c = ratio(per_req_split(dc, lambda r: r["requests"])[0],
-                      per_req_split(bc, lambda r: r["requests"])[0])
-            a99 = ratio(paired_diff(res, 10, "detproxy", "direct", lambda r: r["p99_us"], "open", "load"),
-                        paired_diff(res, 10, b, "direct", lambda r: r["p99_us"], "open", "load"))
-            parts.append(f"detproxy/{b} CPU/req {c:.2f}x, added p99 {a99:.2f}x")
-    if parts:
-        say("**ratio:** " + "; ".join(parts) + "\n")
+    def part(b):
+        cpu = lambda t: per_req_split([r for r in rows(res, 10, t) if r.get("load") == "closed"],
+                                      lambda r: r["requests"])[0]
+        add = lambda t: paired_diff(res, 10, t, "direct", lambda r: r["p99_us"], "open", "load")
+        return (f"detproxy/{b} CPU/req {ratio(cpu('detproxy'), cpu(b)):.2f}x, added p99 "
+                f"{ratio(add('detproxy'), add(b)):.2f}x")
+    say(ratio_line(res, 10, part))
     return "\n".join(out)
 
 
@@ -526,15 +530,11 @@ def sse_many_section(res, meta):
         "carry the whole event rate twice over, so direct's own transit is far from zero. detproxy "
         "parses every event (SSE framing and the JSON of each `data:` line, for "
         "`system_fingerprint` and usage) and rewrites it; nginx and HAProxy pass the bytes.\n")
-    parts = []
-    for b in ("nginx", "haproxy"):
-        if rows(res, 11, b):
-            d99 = paired_diff(res, 11, "detproxy", "direct", lambda r: r["p99_us"])
-            b99 = paired_diff(res, 11, b, "direct", lambda r: r["p99_us"])
-            c, _ = paired(res, 11, "detproxy", b, lambda r: r["proxy_cpu_s"])
-            parts.append(f"detproxy/{b} added p99 {ratio(d99, b99):.2f}x, CPU {c:.2f}x")
-    if parts:
-        say("**ratio:** " + "; ".join(parts) + "\n")
+    def part(b):
+        add = lambda t: paired_diff(res, 11, t, "direct", lambda r: r["p99_us"])
+        c, _ = paired(res, 11, "detproxy", b, lambda r: r["proxy_cpu_s"])
+        return f"detproxy/{b} added p99 {ratio(add('detproxy'), add(b)):.2f}x, CPU {c:.2f}x"
+    say(ratio_line(res, 11, part))
     return "\n".join(out)
 
 

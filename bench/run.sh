@@ -367,6 +367,20 @@ wrk_run() { # SCENARIO TARGET ROUND SECONDS: one wrk run, with proxy and upstrea
   return 0
 }
 
+wrk_peak() { # TARGET BODY CONNS: rps of a 2 s wrk run (empty when wrk gave none)
+  BENCH_BODY=$2 taskset -c "$LCPU" wrk -t1 -c"$3" -d2s -s bench/post.lua \
+    "http://127.0.0.1:${PORT[$1]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2
+}
+rate_run() { # SCENARIO TARGET ROUND RATE BODY CONNS EXTRA_JSON: one open-loop run, emitted
+  local c0 c1 out line
+  c0=$(cpu_ticks "$2")
+  out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$2]}" --path $CHAT \
+    --body "$5" --rate "$4" --conns "$6" --duration "$DUR" --warmup 1)
+  c1=$(cpu_ticks "$2")
+  line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
+  emit "{\"scenario\":$1,\"target\":\"$2\",\"round\":$3,$7$(cpu_json "$c0" "$c1"),$line"
+}
+
 # ---- scenario 1: closed loop, 32 connections, 1 KB chat POSTs -------------------------------
 if [[ $SCEN == *" 1 "* ]]; then
   log "scenario 1: wrk -t1 -c$CONNS -d${DUR}s, 1 KB chat POST, $ROUNDS rounds (warm-up 1 s each)"
@@ -385,16 +399,10 @@ if [[ $SCEN == *" 2 "* ]]; then
     "1 s warm-up + ${DUR}s"
   for r in $(seq 1 "$ROUNDS"); do
     for t in $(rotate "$r" nginx haproxy detproxy); do
-      peak=$(BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c$CONNS -d2s -s bench/post.lua \
-        "http://127.0.0.1:${PORT[$t]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2)
+      peak=$(wrk_peak "$t" "$BODY" $CONNS)
       [ -n "$peak" ] || die "scenario 2: no peak for $t"
       rate=$(awk "BEGIN{printf \"%d\", $peak/2}")
-      c0=$(cpu_ticks "$t")
-      out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
-        --body "$BODY" --rate "$rate" --conns 64 --duration "$DUR" --warmup 1)
-      c1=$(cpu_ticks "$t")
-      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
-      emit "{\"scenario\":2,\"target\":\"$t\",\"round\":$r,\"peak_rps\":$peak,$(cpu_json "$c0" "$c1"),$line"
+      rate_run 2 "$t" "$r" "$rate" "$BODY" 64 "\"peak_rps\":$peak,"
     done
   done
 fi
@@ -636,8 +644,7 @@ if [[ $SCEN == *" 10 "* ]]; then
   if [ -z "$rate10" ]; then
     slow=
     for t in nginx haproxy detproxy; do
-      p=$(BENCH_BODY=$BIG taskset -c "$LCPU" wrk -t1 -c"$BIG_CONNS" -d2s -s bench/post.lua \
-        "http://127.0.0.1:${PORT[$t]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2)
+      p=$(wrk_peak "$t" "$BIG" "$BIG_CONNS")
       [ -n "$p" ] || die "scenario 10: no peak for $t"
       slow=$(awk -v a="${slow:-$p}" -v b="$p" 'BEGIN{print (b < a ? b : a)}')
     done
@@ -656,12 +663,7 @@ if [[ $SCEN == *" 10 "* ]]; then
       c1=$(cpu_ticks "$t"); u1=$(cpu_ticks upstream)
       line=$(grep '^WRKJSON ' <<<"$out" | sed 's/^WRKJSON {//') || die "wrk gave no summary: $out"
       emit "{\"scenario\":10,\"target\":\"$t\",\"load\":\"closed\",\"round\":$r,\"body_bytes\":$big_bytes,\"rss_before_kb\":$rss0,\"rss_peak_kb\":$rss,$(cpu_json "$c0" "$c1"),\"upstream_cpu_s\":$(cpu_sum "$u0" "$u1"),$line"
-      c0=$(cpu_ticks "$t")
-      out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
-        --body "$BIG" --rate "$rate10" --conns "$BIG_CONNS" --duration "$DUR" --warmup 1)
-      c1=$(cpu_ticks "$t")
-      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
-      emit "{\"scenario\":10,\"target\":\"$t\",\"load\":\"open\",\"round\":$r,\"body_bytes\":$big_bytes,$(cpu_json "$c0" "$c1"),$line"
+      rate_run 10 "$t" "$r" "$rate10" "$BIG" "$BIG_CONNS" "\"load\":\"open\",\"body_bytes\":$big_bytes,"
     done
     log "  scenario 10 round $r/$ROUNDS done"
   done
@@ -671,8 +673,7 @@ fi
 if [[ $SCEN == *" 12 "* ]]; then
   rate12=${BENCH_CP_RATE:-}
   if [ -z "$rate12" ]; then
-    p=$(BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c$CONNS -d2s -s bench/post.lua \
-      "http://127.0.0.1:${PORT[cp_off]}$CHAT" | grep '^WRKJSON ' | grep -o '"rps":[0-9.]*' | cut -d: -f2)
+    p=$(wrk_peak cp_off "$BODY" $CONNS)
     [ -n "$p" ] || die "scenario 12: no peak"
     rate12=$(awk -v s="$p" 'BEGIN{printf "%d", s / 2}')
   fi
@@ -686,12 +687,7 @@ if [[ $SCEN == *" 12 "* ]]; then
   for t in cp_off cp_on; do emit "{\"scenario\":12,\"target\":\"$t\",\"metrics_start\":\"$(m12 $t)\"}"; done
   for r in $(seq 1 "$ROUNDS"); do
     for t in $(rotate "$r" cp_off cp_on); do
-      c0=$(cpu_ticks "$t")
-      out=$(taskset -c "$LCPU" "$LOAD" rate --target "127.0.0.1:${PORT[$t]}" --path $CHAT \
-        --body "$BODY" --rate "$rate12" --conns 64 --duration "$DUR" --warmup 1)
-      c1=$(cpu_ticks "$t")
-      line=$(grep '^LOADJSON ' <<<"$out" | sed 's/^LOADJSON {//') || die "bench-load: $out"
-      emit "{\"scenario\":12,\"target\":\"$t\",\"round\":$r,$(cpu_json "$c0" "$c1"),$line"
+      rate_run 12 "$t" "$r" "$rate12" "$BODY" 64 ""
     done
   done
   for t in cp_off cp_on; do emit "{\"scenario\":12,\"target\":\"$t\",\"metrics\":\"$(m12 $t)\"}"; done
@@ -722,7 +718,7 @@ json.dump({
   "rounds": $ROUNDS, "seconds": $DUR, "sse_streams": $SSE_STREAMS, "proxy_cpu": $PCPU, "load_cpu": $LCPU,
   "tls_seconds": $TLS_DUR, "scenarios": "$(echo $SCEN)", "quick": $QUICK,
   "big_conns": $BIG_CONNS, "sse_many": $SSE_MANY, "sse_eps": $SSE_EPS, "workers2_cpus": "$W2_CPUS",
-  "nice": "${BENCH_NICE:-}", "baseline": "${BENCH_BASELINE:-}", "elapsed_s": $(( $(date +%s) - t_start )),
+  "nice": "${BENCH_NICE:-}", "baseline": "${BENCH_BASELINE:-}", "build": "$B", "elapsed_s": $(( $(date +%s) - t_start )),
 }, open(sys.argv[1], "w"))
 EOF
 python3 bench/report.py report "$RES" "$meta" "$RESULTS_MD"
