@@ -651,7 +651,8 @@ int main(int argc, char **argv)
         for (int k = 0; k < G.nhdrs; k++)
             cap += strlen(G.hdrs[k]) + 2;
         G.req = malloc(cap);
-        int h = snprintf(G.req, cap, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n",
+        int h = snprintf(G.req, cap,
+                         "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n",
                          G.path, target);
         for (int k = 0; k < G.nhdrs; k++)
             h += snprintf(G.req + h, cap - (size_t)h, "%s\r\n", G.hdrs[k]);

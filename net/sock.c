@@ -42,10 +42,10 @@ typedef struct {
     uv_idle_t idle; /* active while bytes wait (see above) */
     int open_handles;
     uv_loop_t *loop;
-    dp_buf_t bytes;      /* every waiting connection's bytes, connection after connection */
-    net_sock_t **socks;  /* in first-write order; entries whose in_batch is false are skipped */
+    dp_buf_t bytes;     /* every waiting connection's bytes, connection after connection */
+    net_sock_t **socks; /* in first-write order; entries whose in_batch is false are skipped */
     size_t nsocks, cap;
-    size_t live;         /* open sockets on this loop */
+    size_t live; /* open sockets on this loop */
 } batch_t;
 
 static _Thread_local batch_t *g_batch;
