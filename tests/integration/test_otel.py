@@ -248,7 +248,9 @@ def test_stuck_collector_costs_requests_nothing():
     conn.close()
     print("%d requests in %.2f s with a stuck collector, slowest %.1f ms" % (n, took,
                                                                              worst * 1000))
-    assert worst < 0.5, worst
+    # A request that waited on the hung export would take its whole 10 s timeout; the bound is
+    # that mechanism's, not a speed target (this runs under ASan on a loaded machine too).
+    assert worst < 9.0, worst
     dropped = metric(px, "detproxy_otel_spans_total", result="dropped")
     assert dropped >= n - 2048 - 256, dropped
     # The hung export times out (10 s) and is counted as failed; nothing waits for it.
