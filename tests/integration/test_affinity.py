@@ -109,7 +109,12 @@ def test_max_inflight_still_holds_and_queued_requests_keep_their_key():
     t.start()
     poll_until(lambda: sim_stats(home_sim)["inflight"] == 1, what="home busy")
     rep, aff = complete(px, prompt)
-    assert rep != home and aff == "spill", (rep, aff)
+    # Either the retry rule moved it on ("spill"), or the 200 ms re-attestation had already
+    # taken home out of the order before the request came (a loaded machine): then it is the
+    # key's first choice ("hit"). Both must land on the same next replica.
+    assert rep != home and aff in ("spill", "hit"), (rep, aff)
+    if aff == "hit":
+        assert state(px, home) != "admitted", home
     t.join()
     assert max(sim_stats(s)["max_inflight_seen"] for s in sims) == 1
     px.stop()
@@ -143,7 +148,12 @@ def test_a_retry_goes_to_the_next_replica_in_the_keys_order():
     home_sim = sims[int(home[1:]) - 1]
     home_sim.stop()  # connection refused: the retry rule sends it on
     rep, aff = complete(px, prompt)
-    assert rep != home and aff == "spill", (rep, aff)
+    # Either the retry rule moved it on ("spill"), or the 200 ms re-attestation had already
+    # taken home out of the order before the request came (a loaded machine): then it is the
+    # key's first choice ("hit"). Both must land on the same next replica.
+    assert rep != home and aff in ("spill", "hit"), (rep, aff)
+    if aff == "hit":
+        assert state(px, home) != "admitted", home
     # Once the proxy has marked it gone, the key's order starts at that same next replica.
     poll_until(lambda: state(px, home) != "admitted", what="%s out" % home)
     assert complete(px, prompt) == (rep, "hit")
