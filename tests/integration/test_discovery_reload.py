@@ -200,33 +200,55 @@ def test_no_request_dropped_during_reloads_under_load():
 
 class HangingReplicas:
     """Accepts on 0.0.0.0:port (every loopback address) and never answers: counts how many
-    attestation connections are open at once."""
+    attestation connections are open at once. One thread with a selector sees a close as soon
+    as it is scheduled (a thread per connection saw them late on a loaded machine)."""
 
     def __init__(self, port):
+        import selectors
         import socket
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("0.0.0.0", port))
         self.lsock.listen(512)
+        self.lsock.setblocking(False)
         self.open = self.peak = self.total = 0
-        self.lock = threading.Lock()
-        serve_connections(self.lsock, self._hold)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.lsock, selectors.EVENT_READ)
+        self.closed = False
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def _hold(self, c):
-        with self.lock:
-            self.open += 1
-            self.total += 1
-            self.peak = max(self.peak, self.open)
-        try:
-            while c.recv(4096):
-                pass
-        except OSError:
-            pass
-        with self.lock:
-            self.open -= 1
-        c.close()
+    def _run(self):
+        import selectors
+        while not self.closed:
+            try:
+                events = self.sel.select(0.2)
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if key.fileobj is self.lsock:
+                    try:
+                        c, _ = self.lsock.accept()
+                    except OSError:
+                        continue
+                    c.setblocking(False)
+                    self.sel.register(c, selectors.EVENT_READ)
+                    self.open += 1
+                    self.total += 1
+                    self.peak = max(self.peak, self.open)
+                    continue
+                try:
+                    data = key.fileobj.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self.sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.open -= 1
 
     def close(self):
+        self.closed = True
         self.lsock.close()
 
 
