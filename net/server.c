@@ -1051,6 +1051,15 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
         }
         case PH_BODY: {
             req_impl_t *q = c->req;
+            if (c->body_paused) {
+                /* Paused from on_head (the request waits for a replica slot): body bytes that
+                 * came in the head's read wait too. Handing them to on_body would give them
+                 * to a handler that has nowhere to put them yet. */
+                dp_buf_append(&c->pending, p, n);
+                n = 0;
+                net_sock_read_stop(&c->sock);
+                continue;
+            }
             if (q->r.chunked) {
                 r = net_chunk_scan(&c->cs, p, n, &used, &reason);
                 if (r == NET_SCAN_ERROR) {

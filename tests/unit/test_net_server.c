@@ -1,0 +1,538 @@
+/* net/server over loopback, driven by raw client sockets: keep-alive, body framings both ways,
+ * pipelining in order, the limits and their statuses, the timeouts, body pause/resume, response
+ * backpressure against a slow reader, and the handler's lifetimes (on_abort, early answers). */
+#define _GNU_SOURCE /* memmem */
+#include "net_harness.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "net/server.h"
+
+static net_server_t *g_srv;
+static bool g_srv_closed;
+static int g_heads, g_completes, g_aborts, g_drains, g_rejects, g_reject_status;
+static const char *g_reject_code;
+static net_body_mode_t g_mode = NET_BODY_BUFFER;
+static bool g_pause_in_head;
+static net_req_t *g_req; /* the request a test answers itself (/hold, /slow, /big) */
+static dp_buf_t g_streamed;
+static int64_t g_content_length;
+static bool g_chunked;
+static char g_path[256];
+static dp_iovec_t g_query_b;
+static bool g_has_query_b;
+static char g_hdr_value[64];
+
+/* /big: a response far larger than the socket buffers, written while under high water. */
+#define BIG (16u << 20)
+static size_t g_big_written;
+static bool g_big_stalled;
+
+static bool is(const net_req_t *r, const char *path)
+{
+    return r->path.len == strlen(path) && memcmp(r->path.base, path, r->path.len) == 0;
+}
+
+static void big_pump(net_req_t *r)
+{
+    static char chunk[65536];
+    memset(chunk, 'x', sizeof(chunk));
+    while (g_big_written < BIG) {
+        if (net_resp_pending(r) > 64 * 1024) {
+            g_big_stalled = true;
+            return;
+        }
+        cr_assert_eq(net_resp_write(r, chunk, sizeof(chunk)), 0);
+        g_big_written += sizeof(chunk);
+    }
+    cr_assert_eq(net_resp_end(r), 0);
+    g_req = NULL;
+}
+
+static net_body_mode_t h_head(net_req_t *r)
+{
+    g_heads++;
+    g_content_length = r->content_length;
+    g_chunked = r->chunked;
+    snprintf(g_path, sizeof(g_path), "%.*s", (int)r->path.len, r->path.base);
+    g_has_query_b = net_req_query(r, "b", &g_query_b);
+    const net_header_t *h = net_req_header(r, "x-test");
+    snprintf(g_hdr_value, sizeof(g_hdr_value), "%.*s", h ? (int)h->value.len : 0,
+             h ? h->value.base : "");
+    if (is(r, "/early")) {
+        net_resp_error(r, 403, NULL, "denied", NULL, "not you", NULL, 0);
+        return NET_BODY_BUFFER;
+    }
+    if (g_pause_in_head) {
+        g_req = r;
+        net_req_pause_body(r);
+    }
+    return g_mode;
+}
+
+static void h_body(net_req_t *r, const char *p, size_t n)
+{
+    (void)r;
+    dp_buf_append(&g_streamed, p, n);
+}
+
+static void h_complete(net_req_t *r)
+{
+    g_completes++;
+    if (is(r, "/hold") || is(r, "/slow")) {
+        g_req = r;
+        return;
+    }
+    if (is(r, "/echo")) {
+        const dp_buf_t *b = g_mode == NET_BODY_BUFFER ? &r->body : &g_streamed;
+        net_resp_send(r, 200, "text/plain", b->base, b->len, NULL, 0);
+        return;
+    }
+    if (is(r, "/chunked")) {
+        cr_assert_eq(net_resp_start(r, 200, NULL, 0, -1), 0);
+        net_resp_write(r, "hello", 5);
+        net_resp_write(r, " ", 1);
+        net_resp_write(r, "world", 5);
+        net_resp_end(r);
+        return;
+    }
+    if (is(r, "/big")) {
+        g_req = r;
+        cr_assert_eq(net_resp_start(r, 200, NULL, 0, BIG), 0);
+        big_pump(r);
+        return;
+    }
+    net_resp_send(r, 200, "text/plain", r->path.base, r->path.len, NULL, 0);
+}
+
+static void h_abort(net_req_t *r)
+{
+    g_aborts++;
+    if (g_req == r)
+        g_req = NULL;
+}
+
+static void h_drain(net_req_t *r)
+{
+    g_drains++;
+    if (g_req == r && g_big_written < BIG) {
+        g_big_stalled = false;
+        big_pump(r);
+    }
+}
+
+static void h_reject(net_server_t *s, net_req_t *r, int status, const char *code)
+{
+    (void)s;
+    (void)r;
+    g_rejects++;
+    g_reject_status = status;
+    g_reject_code = code;
+}
+
+static const net_handler_t handler = {h_head, h_body, h_complete, h_abort, h_drain, h_reject};
+
+static void srv_start(const net_server_limits_t *lim)
+{
+    g_srv = net_server_new(&g_loop, &handler, NULL, lim);
+    cr_assert_eq(net_server_listen(g_srv, "127.0.0.1", 0), 0);
+    cr_assert_neq(net_server_port(g_srv), 0);
+}
+
+static net_server_limits_t limits(void)
+{
+    net_server_limits_t l;
+    net_server_limits_default(&l);
+    return l;
+}
+
+static void srv_closed(void *d)
+{
+    (void)d;
+    g_srv_closed = true;
+}
+
+static void setup(void)
+{
+    harness_init();
+}
+
+static void teardown(void)
+{
+    if (g_srv) {
+        net_server_close(g_srv, srv_closed, NULL);
+        RUN_UNTIL(g_srv_closed);
+        g_srv = NULL;
+    }
+    dp_buf_free(&g_streamed);
+    harness_fini();
+}
+
+TestSuite(net_server, .init = setup, .fini = teardown);
+
+/* The raw response bytes after the head, for a response that is the only one received. */
+static const char *body_of(const raw_t *r)
+{
+    const char *e = memmem(r->in.base, r->in.len, "\r\n\r\n", 4);
+    cr_assert_not_null(e, "no response head in: %s", r->in.base);
+    return e + 4;
+}
+
+Test(net_server, keep_alive_serves_requests_in_turn_on_one_connection)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/a") == 1);
+    raw_sends(&c, "GET /b HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/b") == 1);
+    cr_assert_eq(raw_count(&c, "HTTP/1.1 200 OK\r\n"), 2);
+    cr_assert_eq(raw_count(&c, "content-length: 2\r\n"), 2);
+    cr_assert_eq(raw_count(&c, "connection: close"), 0);
+    cr_assert_eq(net_server_accepted(g_srv), 1);
+    cr_assert_eq(net_server_connections(g_srv), 1);
+    cr_assert(!c.eof);
+    raw_close(&c);
+}
+
+Test(net_server, content_length_request_body_is_buffered_whole)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello");
+    run_idle();
+    cr_assert_eq(g_completes, 0, "completed before the body was read");
+    raw_sends(&c, " world");
+    RUN_UNTIL(raw_count(&c, "hello world") == 1);
+    cr_assert_eq(g_content_length, 11);
+    cr_assert(!g_chunked);
+    cr_assert_str_eq(body_of(&c), "hello world");
+    cr_assert_eq(raw_count(&c, "content-length: 11\r\n"), 1);
+    raw_close(&c);
+}
+
+Test(net_server, chunked_request_body_is_decoded)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  "5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "hello world") == 1);
+    cr_assert(g_chunked);
+    cr_assert_eq(g_content_length, -1);
+    cr_assert_str_eq(body_of(&c), "hello world");
+    raw_close(&c);
+}
+
+Test(net_server, unknown_length_response_is_chunked_to_http11)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /chunked HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "0\r\n\r\n") == 1);
+    cr_assert_eq(raw_count(&c, "transfer-encoding: chunked\r\n"), 1);
+    cr_assert_eq(raw_count(&c, "content-length"), 0);
+    cr_assert_str_eq(body_of(&c), "5\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\n\r\n");
+    raw_close(&c);
+}
+
+Test(net_server, unknown_length_response_is_close_delimited_to_http10)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /chunked HTTP/1.0\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(c.eof);
+    cr_assert_eq(c.err, UV_EOF);
+    cr_assert_eq(raw_count(&c, "transfer-encoding"), 0);
+    cr_assert_eq(raw_count(&c, "connection: close\r\n"), 1);
+    cr_assert_str_eq(body_of(&c), "hello world");
+    raw_close(&c);
+}
+
+Test(net_server, pipelined_requests_wait_for_the_response_before_them)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                  "GET /two HTTP/1.1\r\nHost: x\r\n\r\n"
+                  "GET /three HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_req != NULL);
+    run_idle();
+    cr_assert_eq(g_heads, 1, "a pipelined request was parsed before the first was answered");
+    cr_assert_eq(c.in.len, 0);
+    net_resp_send(g_req, 200, "text/plain", "one", 3, NULL, 0);
+    g_req = NULL;
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 200 OK") == 3);
+    const char *one = memmem(c.in.base, c.in.len, "\r\n\r\none", 7);
+    const char *two = memmem(c.in.base, c.in.len, "\r\n\r\n/two", 8);
+    const char *three = memmem(c.in.base, c.in.len, "\r\n\r\n/three", 10);
+    cr_assert(one && two && three && one < two && two < three, "out of order: %s", c.in.base);
+    cr_assert_eq(g_heads, 3);
+    cr_assert_eq(net_server_accepted(g_srv), 1);
+    raw_close(&c);
+}
+
+/* A rejection the server makes itself: status line, OpenAI error code, on_reject, close. */
+static void expect_reject(raw_t *c, int status, const char *code)
+{
+    RUN_UNTIL(c->eof);
+    char line[64];
+    snprintf(line, sizeof(line), "HTTP/1.1 %d ", status);
+    cr_assert_eq(strncmp(c->in.base, line, strlen(line)), 0, "got: %s", c->in.base);
+    char want[64];
+    snprintf(want, sizeof(want), "\"code\":\"%s\"", code);
+    cr_assert_eq(raw_count(c, want), 1, "got: %s", c->in.base);
+    cr_assert_eq(raw_count(c, "connection: close\r\n"), 1);
+    cr_assert_eq(g_rejects, 1);
+    cr_assert_eq(g_reject_status, status);
+    cr_assert_str_eq(g_reject_code, code);
+}
+
+Test(net_server, head_over_max_header_bytes_is_431)
+{
+    net_server_limits_t l = limits();
+    l.max_header_bytes = 1024;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    char big[2048];
+    memset(big, 'a', sizeof(big) - 1);
+    big[sizeof(big) - 1] = '\0';
+    raw_sends(&c, "GET / HTTP/1.1\r\nHost: x\r\nX-Big: ");
+    raw_sends(&c, big);
+    expect_reject(&c, 431, "headers_too_large");
+    cr_assert_eq(g_heads, 0);
+    raw_close(&c);
+}
+
+Test(net_server, more_than_max_headers_is_431)
+{
+    net_server_limits_t l = limits();
+    l.max_headers = 4;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET / HTTP/1.1\r\nHost: x\r\nA: 1\r\nB: 2\r\nC: 3\r\nD: 4\r\n\r\n");
+    expect_reject(&c, 431, "headers_too_large");
+    raw_close(&c);
+}
+
+Test(net_server, content_length_over_max_body_bytes_is_413_before_reading_it)
+{
+    net_server_limits_t l = limits();
+    l.max_body_bytes = 10;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\n");
+    expect_reject(&c, 413, "body_too_large");
+    cr_assert_eq(g_completes, 0);
+    raw_close(&c);
+}
+
+Test(net_server, chunked_body_growing_over_max_body_bytes_is_413)
+{
+    net_server_limits_t l = limits();
+    l.max_body_bytes = 10;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  "6\r\nhello \r\n");
+    run_idle();
+    cr_assert_eq(c.in.len, 0, "10 bytes are allowed");
+    raw_sends(&c, "5\r\nworld\r\n0\r\n\r\n");
+    expect_reject(&c, 413, "body_too_large");
+    cr_assert_eq(g_completes, 0);
+    raw_close(&c);
+}
+
+Test(net_server, partial_head_past_client_header_timeout_is_408)
+{
+    net_server_limits_t l = limits();
+    l.client_header_timeout_ms = 50;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET / HTTP/1.1\r\nHost: x\r\n");
+    expect_reject(&c, 408, "timeout");
+    raw_close(&c);
+}
+
+Test(net_server, silent_connection_is_closed_without_an_answer_at_header_timeout)
+{
+    net_server_limits_t l = limits();
+    l.client_header_timeout_ms = 50;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    RUN_UNTIL(c.eof);
+    cr_assert_eq(c.in.len, 0);
+    cr_assert_eq(g_rejects, 0);
+    raw_close(&c);
+}
+
+Test(net_server, keep_alive_connection_closes_quietly_at_idle_timeout)
+{
+    net_server_limits_t l = limits();
+    l.client_idle_timeout_ms = 50;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(c.eof);
+    cr_assert_eq(c.err, UV_EOF);
+    cr_assert_eq(raw_count(&c, "HTTP/1.1"), 1);
+    cr_assert_str_eq(body_of(&c), "/a");
+    RUN_UNTIL(net_server_connections(g_srv) == 0);
+    raw_close(&c);
+}
+
+Test(net_server, paused_body_is_not_read_until_resumed)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    g_mode = NET_BODY_STREAM;
+    g_pause_in_head = true;
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello");
+    RUN_UNTIL(g_heads == 1);
+    run_idle();
+    cr_assert_eq(g_streamed.len, 0, "read while paused");
+    cr_assert_eq(g_completes, 0);
+    net_req_resume_body(g_req);
+    RUN_UNTIL(g_completes == 1);
+    cr_assert_eq(g_streamed.len, 5);
+    cr_assert_eq(memcmp(g_streamed.base, "hello", 5), 0);
+    RUN_UNTIL(raw_count(&c, "\r\n\r\nhello") == 1);
+    raw_close(&c);
+}
+
+Test(net_server, slow_reader_holds_the_writer_at_high_water_then_drains)
+{
+    net_server_limits_t l = limits();
+    l.write_high_water = 64 * 1024;
+    srv_start(&l);
+    raw_t c;
+    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    raw_sends(&c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_big_stalled);
+    run_idle();
+    cr_assert(g_big_stalled);
+    cr_assert_lt(g_big_written, BIG / 2, "%zu bytes written to a reader that reads nothing",
+                 g_big_written);
+    cr_assert_eq(g_drains, 0);
+    raw_start_reading(&c);
+    RUN_UNTIL(g_req == NULL && c.in.len > BIG && body_of(&c) + BIG == c.in.base + c.in.len);
+    cr_assert_gt(g_drains, 0);
+    cr_assert_eq(g_big_written, BIG);
+    raw_close(&c);
+}
+
+Test(net_server, client_leaving_mid_response_gets_on_abort_once)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_req != NULL);
+    cr_assert_eq(net_server_inflight(g_srv), 1);
+    raw_close(&c);
+    RUN_UNTIL(g_aborts == 1);
+    cr_assert_null(g_req);
+    RUN_UNTIL(net_server_connections(g_srv) == 0);
+    cr_assert_eq(net_server_inflight(g_srv), 0);
+    cr_assert_eq(g_aborts, 1);
+}
+
+Test(net_server, answer_before_the_body_closes_the_connection)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc");
+    RUN_UNTIL(c.eof);
+    cr_assert_eq(strncmp(c.in.base, "HTTP/1.1 403 Forbidden\r\n", 24), 0, "%s", c.in.base);
+    cr_assert_eq(raw_count(&c, "connection: close\r\n"), 1);
+    cr_assert_eq(raw_count(&c, "\"code\":\"denied\""), 1);
+    cr_assert_eq(g_completes, 0);
+    cr_assert_eq(g_aborts, 0, "an answered request is not aborted");
+    raw_close(&c);
+}
+
+Test(net_server, smuggling_framing_is_400)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
+    expect_reject(&c, 400, "bad_request");
+    cr_assert_eq(g_heads, 0);
+    raw_close(&c);
+}
+
+Test(net_server, expect_100_continue_is_answered_before_the_body)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                  "Content-Length: 2\r\n\r\n");
+    RUN_UNTIL(c.in.len >= 25);
+    cr_assert_str_eq(c.in.base, "HTTP/1.1 100 Continue\r\n\r\n");
+    raw_sends(&c, "ok");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\nok") == 1);
+    raw_close(&c);
+}
+
+Test(net_server, target_is_normalised_and_query_and_headers_are_found)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /v1//x/../%63hat?a=1&bb=2&b=3 HTTP/1.1\r\nHost: x\r\nX-TEST: yes\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/v1/chat") == 1);
+    cr_assert_str_eq(g_path, "/v1/chat");
+    cr_assert(g_has_query_b);
+    cr_assert_eq(g_query_b.len, 1);
+    cr_assert_eq(g_query_b.base[0], '3');
+    cr_assert_str_eq(g_hdr_value, "yes");
+    raw_close(&c);
+}
+
+Test(net_server, connections_beyond_max_connections_are_closed_at_once)
+{
+    net_server_limits_t l = limits();
+    l.max_connections = 1;
+    srv_start(&l);
+    raw_t a, b;
+    raw_connect(&a, net_server_port(g_srv));
+    RUN_UNTIL(net_server_connections(g_srv) == 1);
+    raw_connect(&b, net_server_port(g_srv));
+    RUN_UNTIL(b.eof);
+    cr_assert_eq(b.in.len, 0);
+    raw_sends(&a, "GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&a, "\r\n\r\n/a") == 1);
+    raw_close(&b);
+    raw_close(&a);
+}
