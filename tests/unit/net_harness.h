@@ -63,6 +63,16 @@ static inline void run_idle(void)
         uv_run(&g_loop, UV_RUN_NOWAIT);
 }
 
+/* Drive the loop for ms: only to show that something does NOT happen within that time (a
+ * paused reader reads nothing, a suspended timeout does not fire). */
+static inline void run_for(uint64_t ms)
+{
+    g_timed_out = false;
+    uv_timer_start(&g_guard, guard_cb, ms, 0);
+    while (!g_timed_out)
+        uv_run(&g_loop, UV_RUN_ONCE);
+}
+
 static inline struct sockaddr_in loopback(uint16_t port)
 {
     struct sockaddr_in a;

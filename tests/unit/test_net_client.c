@@ -1,0 +1,520 @@
+/* net/client over loopback against scripted peers that answer with exact bytes: keep-alive
+ * reuse and its close race, the error classes and which of them are retryable (SPEC §7), both
+ * body framings, streamed request bodies, the timeouts, and response backpressure. */
+#define _GNU_SOURCE /* memmem */
+#include "net_harness.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "net/client.h"
+
+typedef struct {
+    int heads, status;
+    net_framing_t framing;
+    dp_buf_t body;
+    bool done, reused;
+    net_up_err_t err;
+    char detail[256];
+    bool pause_in_body; /* pause after the first body piece */
+    net_creq_t *r;
+} ex_t;
+
+static peer_t g_peer;
+static net_upstream_t *g_up;
+
+static void x_head(net_creq_t *r, int status, const net_header_t *h, size_t n,
+                   const net_framing_t *f)
+{
+    ex_t *x = r->data;
+    (void)h;
+    (void)n;
+    x->heads++;
+    x->status = status;
+    x->framing = *f;
+}
+
+static void x_body(net_creq_t *r, const char *p, size_t n)
+{
+    ex_t *x = r->data;
+    dp_buf_append(&x->body, p, n);
+    if (x->pause_in_body) {
+        x->pause_in_body = false;
+        net_creq_pause(r);
+    }
+}
+
+static void x_done(net_creq_t *r, net_up_err_t err, const char *detail)
+{
+    ex_t *x = r->data;
+    x->done = true;
+    x->err = err;
+    x->reused = r->reused;
+    snprintf(x->detail, sizeof(x->detail), "%s", detail ? detail : "");
+    x->r = NULL;
+}
+
+static const net_creq_cb_t x_cb = {x_head, x_body, x_done, NULL};
+
+static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
+{
+    memset(x, 0, sizeof(*x));
+    uv_buf_t b = uv_buf_init((char *)req, (unsigned)strlen(req));
+    x->r = net_creq_start(g_up, &b, 1, body_follows, head, &x_cb, x);
+    cr_assert_not_null(x->r);
+    cr_assert(!x->done, "a callback fired inside net_creq_start");
+}
+
+static void x_get(ex_t *x)
+{
+    x_start(x, "GET / HTTP/1.1\r\nhost: x\r\n\r\n", false, false);
+}
+
+static void x_expect(ex_t *x, net_up_err_t err)
+{
+    RUN_UNTIL(x->done);
+    cr_assert_eq(x->err, err, "got %s (%s), want %s", net_up_err_name(x->err), x->detail,
+                 net_up_err_name(err));
+}
+
+static void x_free(ex_t *x)
+{
+    dp_buf_free(&x->body);
+}
+
+static void up_new(const net_upstream_opts_t *o)
+{
+    struct sockaddr_in a = loopback(g_peer.port);
+    g_up = net_upstream_new(&g_loop, (struct sockaddr *)&a, o);
+}
+
+static void setup(void)
+{
+    harness_init();
+}
+
+static void teardown(void)
+{
+    if (g_up)
+        net_upstream_free(g_up);
+    g_up = NULL;
+    if (g_peer.port)
+        peer_stop(&g_peer);
+    harness_fini();
+}
+
+TestSuite(net_client, .init = setup, .fini = teardown);
+
+static void answer_ok(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+}
+
+static void answer_nothing(peer_conn_t *c, int nth)
+{
+    (void)c;
+    (void)nth;
+}
+
+static void close_on_request(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_conn_close(c);
+}
+
+Test(net_client, keep_alive_connection_is_pooled_and_reused)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(a.status, 200);
+    cr_assert(!a.reused);
+    cr_assert_eq(a.body.len, 2);
+    cr_assert_eq(memcmp(a.body.base, "ok", 2), 0);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    x_get(&b);
+    cr_assert_eq(net_upstream_idle(g_up), 0);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(b.reused);
+    cr_assert_eq(g_peer.nconns, 1);
+    cr_assert_eq(g_peer.requests, 2);
+    x_free(&a);
+    x_free(&b);
+}
+
+Test(net_client, reused_connection_closed_under_the_request_is_retryable)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    /* The server's keep-alive close crosses the next request: the FIN is on its way before the
+     * client's loop has seen it. */
+    peer_conn_close(g_peer.conns[0]);
+    x_get(&b);
+    cr_assert_eq(net_upstream_idle(g_up), 0, "the pooled connection was not taken");
+    x_expect(&b, NET_UP_REUSED_CLOSED);
+    cr_assert(b.reused);
+    cr_assert(net_up_err_retryable(b.err));
+    cr_assert_str_eq(net_up_err_name(b.err), "reused_closed");
+    cr_assert_eq(b.heads, 0);
+    x_free(&a);
+    x_free(&b);
+}
+
+Test(net_client, pooled_connection_the_server_closed_is_dropped_not_reused)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    peer_conn_close(g_peer.conns[0]);
+    RUN_UNTIL(net_upstream_idle(g_up) == 0);
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(!b.reused);
+    cr_assert_eq(g_peer.nconns, 2);
+    x_free(&a);
+    x_free(&b);
+}
+
+Test(net_client, fresh_connection_closed_before_a_response_is_not_retryable)
+{
+    peer_start(&g_peer, close_on_request);
+    up_new(NULL);
+    ex_t a;
+    x_get(&a);
+    x_expect(&a, NET_UP_CLOSED);
+    cr_assert(!net_up_err_retryable(a.err));
+    cr_assert_eq(g_peer.requests, 1);
+    x_free(&a);
+}
+
+Test(net_client, connection_refused_is_connect_and_retryable)
+{
+    /* A port that was just free: bind it, note it, close it. */
+    uv_tcp_t t;
+    uv_tcp_init(&g_loop, &t);
+    struct sockaddr_in a = loopback(0), b;
+    cr_assert_eq(uv_tcp_bind(&t, (struct sockaddr *)&a, 0), 0);
+    int len = sizeof(b);
+    uv_tcp_getsockname(&t, (struct sockaddr *)&b, &len);
+    uv_close((uv_handle_t *)&t, NULL);
+    run_idle();
+    g_up = net_upstream_new(&g_loop, (struct sockaddr *)&b, NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_CONNECT);
+    cr_assert(net_up_err_retryable(x.err));
+    cr_assert_str_eq(x.detail, uv_strerror(UV_ECONNREFUSED));
+    x_free(&x);
+}
+
+Test(net_client, no_answer_within_first_byte_timeout)
+{
+    peer_start(&g_peer, answer_nothing);
+    net_upstream_opts_t o = {.first_byte_timeout_ms = 50};
+    up_new(&o);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_FIRST_BYTE_TIMEOUT);
+    cr_assert(!net_up_err_retryable(x.err));
+    cr_assert_eq(g_peer.requests, 1);
+    cr_assert_eq(x.heads, 0);
+    x_free(&x);
+}
+
+static void stall_mid_body(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
+}
+
+Test(net_client, silence_mid_body_is_idle_timeout)
+{
+    peer_start(&g_peer, stall_mid_body);
+    net_upstream_opts_t o = {.idle_timeout_ms = 50};
+    up_new(&o);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_IDLE_TIMEOUT);
+    cr_assert_eq(x.status, 200);
+    cr_assert_eq(x.body.len, 3);
+    cr_assert_eq(net_upstream_idle(g_up), 0);
+    x_free(&x);
+}
+
+static void short_body_then_close(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789");
+    peer_conn_close(c);
+}
+
+Test(net_client, close_before_content_length_is_truncated)
+{
+    peer_start(&g_peer, short_body_then_close);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_TRUNCATED);
+    cr_assert(!net_up_err_retryable(x.err));
+    cr_assert_eq(x.body.len, 10);
+    x_free(&x);
+}
+
+static void chunked_then_close(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n");
+    peer_conn_close(c);
+}
+
+Test(net_client, close_before_the_last_chunk_is_truncated)
+{
+    peer_start(&g_peer, chunked_then_close);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_TRUNCATED);
+    cr_assert_eq(x.body.len, 5);
+    x_free(&x);
+}
+
+static void answer_in_pieces(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhel");
+}
+
+Test(net_client, content_length_body_arriving_in_pieces)
+{
+    peer_start(&g_peer, answer_in_pieces);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    RUN_UNTIL(x.body.len == 3);
+    cr_assert(!x.done);
+    cr_assert_eq(x.framing.content_length, 11);
+    peer_writes(g_peer.conns[0], "lo world");
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.body.len, 11);
+    cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
+static void answer_chunked(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                   "5\r\nhello\r\n6;x=y\r\n world\r\n0\r\ntrailer: 1\r\n\r\n");
+}
+
+Test(net_client, chunked_body_is_decoded_and_the_connection_pooled)
+{
+    peer_start(&g_peer, answer_chunked);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_OK);
+    cr_assert(x.framing.chunked);
+    cr_assert_eq(x.body.len, 11);
+    cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
+static void answer_close_delimited(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\n\r\nabc");
+    peer_conn_close(c);
+}
+
+Test(net_client, close_delimited_body_ends_at_eof)
+{
+    peer_start(&g_peer, answer_close_delimited);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.body.len, 3);
+    cr_assert_eq(net_upstream_idle(g_up), 0);
+    x_free(&x);
+}
+
+static void answer_head(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n");
+}
+
+Test(net_client, head_response_has_no_body_whatever_its_length)
+{
+    peer_start(&g_peer, answer_head);
+    up_new(NULL);
+    ex_t x;
+    x_start(&x, "HEAD / HTTP/1.1\r\nhost: x\r\n\r\n", false, true);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.body.len, 0);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
+static void answer_interim_first(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 100 Continue\r\n\r\n"
+                   "HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok");
+}
+
+Test(net_client, interim_response_is_skipped)
+{
+    peer_start(&g_peer, answer_interim_first);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.heads, 1);
+    cr_assert_eq(x.status, 201);
+    cr_assert_eq(x.body.len, 2);
+    x_free(&x);
+}
+
+static void answer_huge_head(peer_conn_t *c, int nth)
+{
+    static char line[70000];
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\nx-big: ");
+    memset(line, 'a', sizeof(line) - 1);
+    peer_writes(c, line);
+}
+
+Test(net_client, response_head_over_the_limit_is_protocol)
+{
+    peer_start(&g_peer, answer_huge_head);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_PROTOCOL);
+    cr_assert_eq(x.heads, 0);
+    cr_assert(!net_up_err_retryable(x.err));
+    x_free(&x);
+}
+
+static void answer_smuggled(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n"
+                   "0\r\n\r\n");
+}
+
+Test(net_client, ambiguous_framing_is_protocol)
+{
+    peer_start(&g_peer, answer_smuggled);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_PROTOCOL);
+    cr_assert_eq(x.heads, 0);
+    RUN_UNTIL(g_peer.conns[0] == NULL || g_peer.conns[0]->eof);
+    cr_assert_eq(net_upstream_idle(g_up), 0);
+    x_free(&x);
+}
+
+static void answer_then_junk(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+}
+
+Test(net_client, bytes_on_an_idle_pooled_connection_drop_it)
+{
+    peer_start(&g_peer, answer_then_junk);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    peer_writes(g_peer.conns[0], "HTTP/1.1 200 OK\r\n\r\n");
+    RUN_UNTIL(net_upstream_idle(g_up) == 0);
+    RUN_UNTIL(g_peer.conns[0]->eof);
+    x_free(&x);
+}
+
+static void answer_after_body(peer_conn_t *c, int nth)
+{
+    (void)c;
+    (void)nth; /* the test answers once the body is in */
+}
+
+Test(net_client, streamed_request_body_goes_out_exactly_as_written)
+{
+    peer_start(&g_peer, answer_after_body);
+    up_new(NULL);
+    ex_t x;
+    const char *head = "POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n";
+    x_start(&x, head, true, false);
+    uv_buf_t b1[3] = {uv_buf_init("5\r\n", 3), uv_buf_init("hello", 5), uv_buf_init("\r\n", 2)};
+    cr_assert_eq(net_creq_write(x.r, b1, 3), 0);
+    RUN_UNTIL(g_peer.nconns == 1 && g_peer.conns[0]->in.len == strlen(head) + 10);
+    uv_buf_t b2 = uv_buf_init("0\r\n\r\n", 5);
+    cr_assert_eq(net_creq_write(x.r, &b2, 1), 0);
+    net_creq_end(x.r);
+    dp_buf_t *in = &g_peer.conns[0]->in;
+    RUN_UNTIL(in->len == strlen(head) + 15);
+    cr_assert_eq(memcmp(in->base + strlen(head), "5\r\nhello\r\n0\r\n\r\n", 15), 0);
+    answer_ok(g_peer.conns[0], 1);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(net_upstream_idle(g_up), 1, "a fully sent request keeps the connection");
+    x_free(&x);
+}
+
+static void answer_hello(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhello");
+}
+
+Test(net_client, paused_response_is_not_read_and_does_not_time_out)
+{
+    peer_start(&g_peer, answer_hello);
+    net_upstream_opts_t o = {.idle_timeout_ms = 30};
+    up_new(&o);
+    ex_t x;
+    x_get(&x);
+    x.pause_in_body = true;
+    RUN_UNTIL(x.body.len == 5);
+    peer_writes(g_peer.conns[0], " world");
+    /* Three idle timeouts go by while paused: nothing is read, nothing times out. */
+    run_for(90);
+    cr_assert(!x.done, "%s", x.detail);
+    cr_assert_eq(x.body.len, 5);
+    net_creq_resume(x.r);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.body.len, 11);
+    cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
+    x_free(&x);
+}
+
+Test(net_client, cancel_resets_the_connection_without_a_callback)
+{
+    peer_start(&g_peer, answer_nothing);
+    up_new(NULL);
+    ex_t x;
+    x_get(&x);
+    RUN_UNTIL(g_peer.requests == 1);
+    net_creq_cancel(x.r);
+    RUN_UNTIL(g_peer.conns[0]->eof);
+    run_idle();
+    cr_assert(!x.done);
+    cr_assert_eq(net_upstream_idle(g_up), 0);
+    x_free(&x);
+}
