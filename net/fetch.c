@@ -10,7 +10,6 @@ struct net_fetch_s {
     void *data;
     int status;
     size_t max;
-    bool too_big;
     dp_buf_t body;
 };
 
@@ -18,6 +17,20 @@ static void f_free(net_fetch_t *f)
 {
     dp_buf_free(&f->body);
     free(f);
+}
+
+/* Over the cap: stop reading now. A replica that announces a huge body, or streams one without
+ * end, would otherwise hold the fetch (an attestation, a canary) for as long as it keeps
+ * sending, only for the body to be refused at its end. Runs inside on_head / on_body, where
+ * net_creq_cancel is allowed. */
+static void too_big(net_fetch_t *f)
+{
+    char why[96];
+    snprintf(why, sizeof(why), "response body larger than %zu bytes", f->max);
+    net_creq_cancel(f->c);
+    f->c = NULL;
+    f->cb(f, 0, &f->body, NET_UP_PROTOCOL, why, f->data);
+    f_free(f);
 }
 
 static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
@@ -28,16 +41,14 @@ static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
     (void)n;
     f->status = status;
     if (fr->content_length > 0 && (uint64_t)fr->content_length > f->max)
-        f->too_big = true;
+        too_big(f);
 }
 
 static void on_body(net_creq_t *c, const char *p, size_t n)
 {
     net_fetch_t *f = c->data;
-    if (f->too_big)
-        return;
     if (f->body.len + n > f->max) {
-        f->too_big = true;
+        too_big(f);
         return;
     }
     dp_buf_append(&f->body, p, n);
@@ -47,13 +58,7 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     net_fetch_t *f = c->data;
     f->c = NULL;
-    if (err == NET_UP_OK && f->too_big) {
-        char why[96];
-        snprintf(why, sizeof(why), "response body larger than %zu bytes", f->max);
-        f->cb(f, 0, &f->body, NET_UP_PROTOCOL, why, f->data);
-    } else {
-        f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
-    }
+    f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
     f_free(f);
 }
 

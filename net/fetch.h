@@ -12,7 +12,9 @@
 typedef struct net_fetch_s net_fetch_t;
 
 /* status: the HTTP status (0 when the exchange failed: see err/detail). body is valid during
- * the call. truncated: the body exceeded max_bytes (the exchange was cut short). */
+ * the call. A body over max_bytes (announced or streamed) ends the fetch as soon as it is seen,
+ * with status 0, NET_UP_PROTOCOL and "response body larger than N bytes"; the connection is
+ * reset, not read to its end. */
 typedef void (*net_fetch_cb)(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                              const char *detail, void *data);
 

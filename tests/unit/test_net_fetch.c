@@ -1,0 +1,327 @@
+/* net_fetch and net_creq against the real net_server over loopback: what a fetch sends, the
+ * response body cap (max_bytes), cancel, keep-alive between fetches, and chunked bodies in
+ * both directions between the two halves of net/. */
+#define _GNU_SOURCE /* memmem */
+#include "net_harness.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "net/client.h"
+#include "net/fetch.h"
+#include "net/server.h"
+
+static net_server_t *g_srv;
+static bool g_srv_closed;
+static net_upstream_t *g_up;
+static int g_aborts;
+static net_req_t *g_held;
+static uv_timer_t g_pump;
+static char g_seen[1024]; /* the request as the server saw it: "name: value\n" lines + body */
+
+static void note_header(const net_req_t *r, const char *name)
+{
+    const net_header_t *h = net_req_header(r, name);
+    if (h == NULL)
+        return;
+    size_t l = strlen(g_seen);
+    snprintf(g_seen + l, sizeof(g_seen) - l, "%s: %.*s\n", name, (int)h->value.len,
+             h->value.base);
+}
+
+static bool is(const net_req_t *r, const char *path)
+{
+    return r->path.len == strlen(path) && memcmp(r->path.base, path, r->path.len) == 0;
+}
+
+/* /endless: a chunked body that never ends, 4 KB a millisecond. */
+static void pump_cb(uv_timer_t *t)
+{
+    static char chunk[4096];
+    memset(chunk, 'z', sizeof(chunk));
+    if (g_held)
+        net_resp_write(g_held, chunk, sizeof(chunk));
+    (void)t;
+}
+
+static void h_complete(net_req_t *r)
+{
+    size_t l = (size_t)snprintf(g_seen, sizeof(g_seen), "%.*s %.*s\n", (int)r->method_name.len,
+                                r->method_name.base, (int)r->target.len, r->target.base);
+    (void)l;
+    note_header(r, "host");
+    note_header(r, "accept");
+    note_header(r, "authorization");
+    note_header(r, "x-extra");
+    note_header(r, "via");
+    note_header(r, "content-type");
+    note_header(r, "content-length");
+    size_t n = strlen(g_seen);
+    snprintf(g_seen + n, sizeof(g_seen) - n, "%.*s", (int)r->body.len, r->body.base);
+    if (is(r, "/echo")) {
+        /* Chunked, in two pieces. */
+        net_resp_start(r, 200, NULL, 0, -1);
+        size_t half = r->body.len / 2;
+        net_resp_write(r, r->body.base, half);
+        net_resp_write(r, r->body.base + half, r->body.len - half);
+        net_resp_end(r);
+    } else if (is(r, "/hundred") || is(r, "/sixteen")) {
+        static const char b[101] = "0123456789012345678901234567890123456789012345678901234567890"
+                                   "123456789012345678901234567890123456789";
+        size_t len = is(r, "/hundred") ? 100 : 16;
+        net_resp_send(r, 200, "application/json", b, len, NULL, 0);
+    } else if (is(r, "/huge-held")) {
+        g_held = r; /* announces a megabyte, sends ten bytes, then nothing */
+        net_resp_start(r, 200, NULL, 0, 1 << 20);
+        net_resp_write(r, "0123456789", 10);
+    } else if (is(r, "/endless")) {
+        g_held = r;
+        net_resp_start(r, 200, NULL, 0, -1);
+        uv_timer_start(&g_pump, pump_cb, 1, 1);
+    } else if (is(r, "/hold")) {
+        g_held = r;
+    } else {
+        net_resp_send(r, 200, "application/json", "{\"ok\":true}", 11, NULL, 0);
+    }
+}
+
+static void h_abort(net_req_t *r)
+{
+    g_aborts++;
+    if (g_held == r) {
+        g_held = NULL;
+        uv_timer_stop(&g_pump);
+    }
+}
+
+static const net_handler_t handler = {.on_complete = h_complete, .on_abort = h_abort};
+
+static void srv_closed(void *d)
+{
+    (void)d;
+    g_srv_closed = true;
+}
+
+static void setup(void)
+{
+    harness_init();
+    uv_timer_init(&g_loop, &g_pump);
+    g_srv = net_server_new(&g_loop, &handler, NULL, NULL);
+    cr_assert_eq(net_server_listen(g_srv, "127.0.0.1", 0), 0);
+    struct sockaddr_in a = loopback(net_server_port(g_srv));
+    g_up = net_upstream_new(&g_loop, (struct sockaddr *)&a, NULL);
+}
+
+static void teardown(void)
+{
+    uv_close((uv_handle_t *)&g_pump, NULL);
+    net_upstream_free(g_up);
+    net_server_close(g_srv, srv_closed, NULL);
+    RUN_UNTIL(g_srv_closed);
+    harness_fini();
+}
+
+TestSuite(net_fetch, .init = setup, .fini = teardown);
+
+typedef struct {
+    bool done;
+    int status;
+    net_up_err_t err;
+    char detail[128];
+    char body[256];
+    size_t len;
+} fr_t;
+
+static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                    const char *detail, void *data)
+{
+    fr_t *r = data;
+    (void)f;
+    cr_assert(!r->done, "the callback ran twice");
+    r->done = true;
+    r->status = status;
+    r->err = err;
+    snprintf(r->detail, sizeof(r->detail), "%s", detail ? detail : "");
+    r->len = body->len;
+    snprintf(r->body, sizeof(r->body), "%.*s", (int)body->len, body->base ? body->base : "");
+}
+
+static net_fetch_t *get(fr_t *r, const char *target, size_t max)
+{
+    memset(r, 0, sizeof(*r));
+    net_fetch_opts_t o = {.method = "GET", .hostport = "h:1", .target = target, .max_bytes = max};
+    return net_fetch(g_up, &o, fetched, r);
+}
+
+Test(net_fetch, get_sends_its_headers_and_returns_the_body)
+{
+    fr_t r = {0};
+    net_fetch_opts_t o = {.method = "GET",
+                          .hostport = "replica:8000",
+                          .target = "/v1/models?x=1",
+                          .bearer = "tok",
+                          .extra_headers = "x-extra: 1\r\n",
+                          .via = "via: 1.1 test\r\n"};
+    net_fetch(g_up, &o, fetched, &r);
+    cr_assert(!r.done);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.err, NET_UP_OK, "%s", r.detail);
+    cr_assert_eq(r.status, 200);
+    cr_assert_str_eq(r.body, "{\"ok\":true}");
+    cr_assert_str_eq(g_seen, "GET /v1/models?x=1\n"
+                             "host: replica:8000\n"
+                             "accept: application/json\n"
+                             "authorization: Bearer tok\n"
+                             "x-extra: 1\n"
+                             "via: 1.1 test\n");
+}
+
+Test(net_fetch, post_sends_a_json_body_with_its_length)
+{
+    fr_t r = {0};
+    net_fetch_opts_t o = {.method = "POST",
+                          .hostport = "h:1",
+                          .target = "/echo",
+                          .body = "{\"a\":1}",
+                          .body_len = 7};
+    net_fetch(g_up, &o, fetched, &r);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.err, NET_UP_OK, "%s", r.detail);
+    cr_assert_str_eq(r.body, "{\"a\":1}");
+    cr_assert_str_eq(g_seen, "POST /echo\nhost: h:1\naccept: application/json\n"
+                             "content-type: application/json\ncontent-length: 7\n{\"a\":1}");
+}
+
+Test(net_fetch, fetches_share_one_keep_alive_connection)
+{
+    fr_t a, b;
+    get(&a, "/", 0);
+    RUN_UNTIL(a.done);
+    get(&b, "/", 0);
+    RUN_UNTIL(b.done);
+    cr_assert_eq(a.status, 200);
+    cr_assert_eq(b.status, 200);
+    cr_assert_eq(net_server_accepted(g_srv), 1);
+}
+
+Test(net_fetch, body_of_exactly_max_bytes_is_accepted)
+{
+    fr_t r;
+    get(&r, "/sixteen", 16);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.err, NET_UP_OK, "%s", r.detail);
+    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.len, 16);
+}
+
+Test(net_fetch, content_length_over_max_bytes_fails)
+{
+    fr_t r;
+    get(&r, "/hundred", 50);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_PROTOCOL);
+    cr_assert_str_eq(r.detail, "response body larger than 50 bytes");
+}
+
+/* The cap is a bound on the fetch's time too: a replica announcing (or streaming) more than
+ * max_bytes is not read to its end. */
+Test(net_fetch, announced_length_over_max_bytes_fails_at_the_head)
+{
+    fr_t r;
+    get(&r, "/huge-held", 50);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.err, NET_UP_PROTOCOL);
+    cr_assert_str_eq(r.detail, "response body larger than 50 bytes");
+    RUN_UNTIL(g_aborts == 1);
+}
+
+Test(net_fetch, endless_chunked_body_is_cut_at_max_bytes)
+{
+    fr_t r;
+    get(&r, "/endless", 50000);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_PROTOCOL);
+    cr_assert_str_eq(r.detail, "response body larger than 50000 bytes");
+    RUN_UNTIL(g_aborts == 1);
+}
+
+Test(net_fetch, connect_failure_reports_status_0)
+{
+    net_upstream_free(g_up);
+    struct sockaddr_in a = loopback(net_server_port(g_srv));
+    net_server_close(g_srv, srv_closed, NULL);
+    RUN_UNTIL(g_srv_closed);
+    g_srv_closed = false;
+    g_srv = net_server_new(&g_loop, &handler, NULL, NULL); /* for the teardown; not listening */
+    g_up = net_upstream_new(&g_loop, (struct sockaddr *)&a, NULL);
+    fr_t r;
+    get(&r, "/", 0);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_CONNECT);
+}
+
+Test(net_fetch, cancel_means_no_callback)
+{
+    fr_t r;
+    net_fetch_t *f = get(&r, "/hold", 0);
+    RUN_UNTIL(g_held != NULL);
+    net_fetch_cancel(f);
+    RUN_UNTIL(g_aborts == 1);
+    run_idle();
+    cr_assert(!r.done);
+}
+
+/* The client streams a chunked body, the server decodes it and answers chunked. */
+typedef struct {
+    dp_buf_t body;
+    bool done, chunked;
+    net_up_err_t err;
+} ex_t;
+
+static void x_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                   const net_framing_t *f)
+{
+    ex_t *x = c->data;
+    (void)status;
+    (void)h;
+    (void)n;
+    x->chunked = f->chunked;
+}
+
+static void x_body(net_creq_t *c, const char *p, size_t n)
+{
+    dp_buf_append(&((ex_t *)c->data)->body, p, n);
+}
+
+static void x_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    ex_t *x = c->data;
+    (void)detail;
+    x->done = true;
+    x->err = err;
+}
+
+Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
+{
+    static const net_creq_cb_t cb = {x_head, x_body, x_done, NULL};
+    ex_t x = {0};
+    const char *head = "POST /echo HTTP/1.1\r\nhost: h\r\ntransfer-encoding: chunked\r\n\r\n";
+    uv_buf_t b = uv_buf_init((char *)head, (unsigned)strlen(head));
+    net_creq_t *c = net_creq_start(g_up, &b, 1, true, false, &cb, &x);
+    uv_buf_t p1 = uv_buf_init("5\r\nhello\r\n", 10), p2 = uv_buf_init("6\r\n world\r\n0\r\n\r\n", 16);
+    cr_assert_eq(net_creq_write(c, &p1, 1), 0);
+    run_idle();
+    cr_assert_eq(net_creq_write(c, &p2, 1), 0);
+    net_creq_end(c);
+    RUN_UNTIL(x.done);
+    cr_assert_eq(x.err, NET_UP_OK);
+    cr_assert(x.chunked);
+    cr_assert_eq(x.body.len, 11);
+    cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
+    cr_assert_eq(memcmp(g_seen, "POST /echo\nhost: h\nhello world", 30), 0, "%s", g_seen);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    dp_buf_free(&x.body);
+}
