@@ -97,6 +97,11 @@ static void h_complete(net_req_t *r)
         net_resp_end(r);
         return;
     }
+    if (is(r, "/sixtyfour")) {
+        static char b[65536];
+        net_resp_send(r, 200, "text/plain", b, sizeof(b), NULL, 0);
+        return;
+    }
     if (is(r, "/big")) {
         g_req = r;
         cr_assert_eq(net_resp_start(r, 200, NULL, 0, BIG), 0);
@@ -535,4 +540,123 @@ Test(net_server, connections_beyond_max_connections_are_closed_at_once)
     RUN_UNTIL(raw_count(&a, "\r\n\r\n/a") == 1);
     raw_close(&b);
     raw_close(&a);
+}
+
+Test(net_server, pipelining_client_that_does_not_read_is_not_answered_without_bound)
+{
+    net_server_limits_t l = limits();
+    l.write_high_water = 64 * 1024;
+    srv_start(&l);
+    raw_t c;
+    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    dp_buf_t reqs = {0};
+    for (int i = 0; i < 200; i++)
+        dp_buf_appends(&reqs, "GET /sixtyfour HTTP/1.1\r\nHost: x\r\n\r\n");
+    raw_send(&c, reqs.base, reqs.len);
+    dp_buf_free(&reqs);
+    RUN_UNTIL(g_completes > 0);
+    run_idle();
+    cr_assert_lt(g_completes, 100, "%d responses of 64 KB queued for a client reading nothing",
+                 g_completes);
+    raw_start_reading(&c);
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 200 OK") == 200);
+    cr_assert_eq(g_completes, 200);
+    raw_close(&c);
+}
+
+Test(net_server, head_response_announces_the_length_but_sends_no_body)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "HEAD /abc HTTP/1.1\r\nHost: x\r\n\r\nGET /z HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 200 OK") == 2 && raw_count(&c, "\r\n\r\n/z") == 1);
+    cr_assert_eq(raw_count(&c, "content-length: 4\r\n"), 1);
+    cr_assert_eq(raw_count(&c, "/abc"), 0, "a HEAD response carried a body");
+    raw_close(&c);
+}
+
+Test(net_server, connection_close_and_http10_keep_alive_are_honoured)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t a, b;
+    raw_connect(&a, net_server_port(g_srv));
+    raw_sends(&a, "GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    RUN_UNTIL(a.eof);
+    cr_assert_eq(raw_count(&a, "connection: close\r\n"), 1);
+    cr_assert_str_eq(body_of(&a), "/a");
+    raw_connect(&b, net_server_port(g_srv));
+    raw_sends(&b, "GET /b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+    RUN_UNTIL(raw_count(&b, "\r\n\r\n/b") == 1);
+    cr_assert_eq(raw_count(&b, "connection: keep-alive\r\n"), 1);
+    raw_sends(&b, "GET /c HTTP/1.0\r\n\r\n");
+    RUN_UNTIL(b.eof);
+    cr_assert_eq(raw_count(&b, "\r\n\r\n/c"), 1);
+    raw_close(&a);
+    raw_close(&b);
+}
+
+Test(net_server, buffered_body_past_client_body_timeout_is_408)
+{
+    net_server_limits_t l = limits();
+    l.client_body_timeout_ms = 50;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc");
+    expect_reject(&c, 408, "timeout");
+    cr_assert_eq(g_completes, 0);
+    raw_close(&c);
+}
+
+Test(net_server, bodies_over_the_inflight_body_budget_are_503)
+{
+    net_server_limits_t l = limits();
+    l.max_inflight_body_bytes = 100;
+    srv_start(&l);
+    raw_t a, b;
+    raw_connect(&a, net_server_port(g_srv));
+    raw_sends(&a, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 80\r\n\r\nabc");
+    RUN_UNTIL(g_heads == 1);
+    cr_assert_eq(net_server_body_bytes(g_srv), 80);
+    raw_connect(&b, net_server_port(g_srv));
+    raw_sends(&b, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n");
+    expect_reject(&b, 503, "overloaded");
+    raw_close(&a);
+    RUN_UNTIL(net_server_body_bytes(g_srv) == 0);
+    raw_close(&b);
+}
+
+static bool g_drained;
+
+static void drained(net_server_t *s)
+{
+    (void)s;
+    g_drained = true;
+}
+
+Test(net_server, drain_closes_idle_connections_and_finishes_the_busy_one)
+{
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t idle, busy;
+    raw_connect(&idle, net_server_port(g_srv));
+    raw_connect(&busy, net_server_port(g_srv));
+    raw_sends(&busy, "GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_req != NULL && net_server_connections(g_srv) == 2);
+    net_server_drain(g_srv, drained);
+    RUN_UNTIL(idle.eof);
+    cr_assert_eq(idle.in.len, 0);
+    cr_assert(!g_drained);
+    net_resp_send(g_req, 200, "text/plain", "bye", 3, NULL, 0);
+    g_req = NULL;
+    RUN_UNTIL(busy.eof);
+    cr_assert_eq(raw_count(&busy, "connection: close\r\n"), 1);
+    cr_assert_str_eq(body_of(&busy), "bye");
+    raw_close(&idle);
+    raw_close(&busy); /* ends the server's lingering close */
+    RUN_UNTIL(g_drained);
+    cr_assert_eq(net_server_connections(g_srv), 0);
 }
