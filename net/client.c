@@ -316,8 +316,11 @@ static int on_headers_complete(llhttp_t *p)
 {
     uconn_t *c = p->data;
     c->head_done = true;
-    /* 1 tells llhttp the response has no body (HEAD request). */
-    return c->head_request ? 1 : 0;
+    /* 1 tells llhttp the response has no body: a HEAD request's, and a 204 or 304 whatever
+     * length it announces (a 304's Content-Length is the representation's, RFC 9110 §8.6).
+     * llhttp would otherwise wait for that many body bytes that never come. */
+    int status = llhttp_get_status_code(p);
+    return c->head_request || status == 204 || status == 304 ? 1 : 0;
 }
 
 static int on_body(llhttp_t *p, const char *at, size_t n)

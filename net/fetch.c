@@ -40,7 +40,8 @@ static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
     (void)h;
     (void)n;
     f->status = status;
-    if (fr->content_length > 0 && (uint64_t)fr->content_length > f->max)
+    bool bodiless = status == 204 || status == 304; /* their length is not a body's */
+    if (!bodiless && fr->content_length > 0 && (uint64_t)fr->content_length > f->max)
         too_big(f);
 }
 

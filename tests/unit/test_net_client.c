@@ -518,3 +518,46 @@ Test(net_client, cancel_resets_the_connection_without_a_callback)
     cr_assert_eq(net_upstream_idle(g_up), 0);
     x_free(&x);
 }
+
+static void answer_304_with_length(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 304 Not Modified\r\ncontent-length: 100\r\n\r\n");
+}
+
+Test(net_client, status_304_with_a_length_has_no_body_and_keeps_the_connection)
+{
+    peer_start(&g_peer, answer_304_with_length);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(a.status, 304);
+    cr_assert_eq(net_upstream_idle(g_up), 1);
+    g_peer.script = answer_ok;
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(b.reused);
+    cr_assert_eq(b.body.len, 2);
+    x_free(&a);
+    x_free(&b);
+}
+
+static void answer_early_then_wait(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\n\r\n");
+}
+
+Test(net_client, answer_before_the_request_body_ends_is_not_pooled)
+{
+    peer_start(&g_peer, answer_early_then_wait);
+    up_new(NULL);
+    ex_t x;
+    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n", true, false);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.status, 413);
+    cr_assert_eq(net_upstream_idle(g_up), 0, "pooled with 100 body bytes still owed");
+    RUN_UNTIL(g_peer.conns[0] == NULL || g_peer.conns[0]->eof);
+    x_free(&x);
+}
