@@ -18,7 +18,7 @@ typedef struct {
     px_pool_t pool;
     px_replica_t reps[MAXR];
     px_replica_t *ptrs[MAXR];
-    char names[MAXR][8];
+    char names[MAXR][24];
 } tpool_t;
 
 /* Stands in for a replica's upstream: the router only checks that there is one. */
