@@ -204,7 +204,7 @@ struct peer_conn_s {
     uv_tcp_t tcp;
     peer_t *peer;
     dp_buf_t in;
-    size_t scanned; /* bytes of `in` already matched to heads */
+    size_t scanned; /* bytes of `in` already searched for the end of a head */
     int heads;
     bool eof, closed;
 };
@@ -248,6 +248,8 @@ static inline void peer_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
         if (c->peer->script)
             c->peer->script(c, c->heads);
     }
+    if (!c->closed && c->in.len >= 3 && c->scanned < c->in.len - 3)
+        c->scanned = c->in.len - 3; /* a head can only end past what was scanned */
 }
 
 static inline void peer_conn_closed(uv_handle_t *h)

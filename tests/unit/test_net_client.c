@@ -17,6 +17,7 @@ typedef struct {
     net_up_err_t err;
     char detail[256];
     bool pause_in_body; /* pause after the first body piece */
+    int drains;
     net_creq_t *r;
 } ex_t;
 
@@ -54,7 +55,12 @@ static void x_done(net_creq_t *r, net_up_err_t err, const char *detail)
     x->r = NULL;
 }
 
-static const net_creq_cb_t x_cb = {x_head, x_body, x_done, NULL};
+static void x_drain(net_creq_t *r)
+{
+    ((ex_t *)r->data)->drains++;
+}
+
+static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain};
 
 static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
 {
@@ -559,5 +565,39 @@ Test(net_client, answer_before_the_request_body_ends_is_not_pooled)
     cr_assert_eq(x.status, 413);
     cr_assert_eq(net_upstream_idle(g_up), 0, "pooled with 100 body bytes still owed");
     RUN_UNTIL(g_peer.conns[0] == NULL || g_peer.conns[0]->eof);
+    x_free(&x);
+}
+
+static void stop_reading(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    uv_read_stop((uv_stream_t *)&c->tcp); /* a replica that stopped reading the upload */
+}
+
+Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
+{
+    peer_start(&g_peer, stop_reading);
+    net_upstream_opts_t o = {.write_high_water = 64 * 1024};
+    up_new(&o);
+    ex_t x;
+    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
+    RUN_UNTIL(g_peer.requests == 1);
+    static char chunk[256 * 1024];
+    size_t sent = 0;
+    while (!net_creq_over(x.r) && sent < (64u << 20)) {
+        uv_buf_t b = uv_buf_init(chunk, sizeof(chunk));
+        cr_assert_eq(net_creq_write(x.r, &b, 1), 0);
+        sent += sizeof(chunk);
+        run_idle();
+    }
+    cr_assert(net_creq_over(x.r), "never over high water after %zu bytes", sent);
+    cr_assert_lt(sent, 64u << 20);
+    cr_assert_gt(net_creq_pending(x.r), 64 * 1024);
+    cr_assert_eq(x.drains, 0);
+    peer_conn_t *pc = g_peer.conns[0];
+    uv_read_start((uv_stream_t *)&pc->tcp, peer_alloc, peer_read);
+    RUN_UNTIL(x.drains == 1);
+    cr_assert_not(net_creq_over(x.r));
+    net_creq_cancel(x.r);
     x_free(&x);
 }

@@ -666,3 +666,20 @@ Test(net_server, drain_closes_idle_connections_and_finishes_the_busy_one)
     RUN_UNTIL(g_drained);
     cr_assert_eq(net_server_connections(g_srv), 0);
 }
+
+Test(net_server, client_that_stops_reading_a_response_is_cut_off_at_idle_timeout)
+{
+    net_server_limits_t l = limits();
+    l.write_high_water = 64 * 1024;
+    l.client_idle_timeout_ms = 100;
+    srv_start(&l);
+    raw_t c;
+    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    raw_sends(&c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_big_stalled);
+    RUN_UNTIL(g_aborts == 1);
+    cr_assert_null(g_req);
+    cr_assert_lt(g_big_written, BIG);
+    RUN_UNTIL(net_server_connections(g_srv) == 0);
+    raw_close(&c);
+}

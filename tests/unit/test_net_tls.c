@@ -63,6 +63,11 @@ static void write_cert(const char *cn, const char *san, const char *crt, const c
 
 static void h_complete(net_req_t *r)
 {
+    if (r->path.len == 4 && memcmp(r->path.base, "/raw", 4) == 0) {
+        /* A close-delimited body ended by a bare TCP close, no close_notify. */
+        net_resp_raw_and_close(r, "HTTP/1.1 200 OK\r\n\r\nabc", 22);
+        return;
+    }
     if (r->http_minor == 0) {
         /* close-delimited: ends with close_notify */
         net_resp_start(r, 200, NULL, 0, -1);
@@ -219,6 +224,47 @@ Test(net_tls, close_delimited_body_ended_by_close_notify_is_complete)
     net_creq_start(g_up, &b, 1, false, false, &cb, &done);
     RUN_UNTIL(done != 0);
     cr_assert_eq(done - 1, NET_UP_OK, "got %s", net_up_err_name((net_up_err_t)(done - 1)));
+}
+
+Test(net_tls, close_delimited_body_cut_without_close_notify_is_truncated)
+{
+    static const net_creq_cb_t cb = {NULL, NULL, x_done, NULL};
+    up_tls(g_crt, "localhost");
+    int done = 0;
+    const char *req = "GET /raw HTTP/1.1\r\nhost: localhost\r\n\r\n";
+    uv_buf_t b = uv_buf_init((char *)req, (unsigned)strlen(req));
+    net_creq_start(g_up, &b, 1, false, false, &cb, &done);
+    RUN_UNTIL(done != 0);
+    cr_assert_eq(done - 1, NET_UP_TRUNCATED, "got %s", net_up_err_name((net_up_err_t)(done - 1)));
+}
+
+Test(net_tls, stalled_handshakes_beyond_the_bound_close_the_oldest)
+{
+    net_server_limits_t l;
+    net_server_limits_default(&l);
+    l.max_pending_handshakes = 1;
+    net_server_set_limits(g_srv, &l);
+    raw_t a, b;
+    raw_connect(&a, net_server_port(g_srv)); /* TCP only: its handshake never starts */
+    RUN_UNTIL(net_server_connections(g_srv) == 1);
+    raw_connect(&b, net_server_port(g_srv));
+    RUN_UNTIL(a.eof);
+    run_idle();
+    cr_assert_not(b.eof, "the newer handshake was closed");
+    cr_assert_eq(net_server_connections(g_srv), 1);
+    raw_close(&a);
+    raw_close(&b);
+}
+
+Test(net_tls, plaintext_http_to_a_tls_listener_gets_no_http_answer)
+{
+    raw_t a;
+    raw_connect(&a, net_server_port(g_srv));
+    raw_sends(&a, "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(a.eof);
+    cr_assert_eq(raw_count(&a, "HTTP/1.1"), 0);
+    RUN_UNTIL(net_server_connections(g_srv) == 0);
+    raw_close(&a);
 }
 
 Test(net_tls, server_context_errors_name_the_file)
