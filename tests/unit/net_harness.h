@@ -3,7 +3,9 @@
  * share no code with what they test:
  *   raw_t   a client that writes exact bytes and collects every byte it is sent;
  *   peer_t  a server whose answer to each request head is a test-chosen script.
- * Each test runs in its own process (Criterion), so the globals here are per test. */
+ * Each test runs in its own process (Criterion), so the globals here are per test. Assertion
+ * messages print at most a bounded prefix of what was received: with --full-stats Criterion
+ * sends every message, passing ones too, and a megabyte-sized one stalls the test. */
 #ifndef NET_HARNESS_H
 #define NET_HARNESS_H
 
