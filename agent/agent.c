@@ -40,6 +40,7 @@
 #include "attest/adapters.h"
 #include "attest/check.h"
 #include "attest/cli.h"
+#include "attest/determinism.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
 #include "attest/oms.h"
@@ -142,6 +143,12 @@ struct agent_s {
     char *oms_bundle; /* --oms-bundle, NULL without */
     oms_trust_t oms_trust;
     oms_watch_t oms_watch; /* what the OMS result is about */
+
+    /* --determinism batch_invariant: the co-located vLLM's VLLM_BATCH_INVARIANT, re-read every
+     * --watch-interval-ms (a restarted server is a new process). det.proc NULL: not checked. */
+    attest_det_opts_t det;
+    int det_last; /* the last result logged: 1, 0, -1; 2 before the first */
+    dp_buf_t det_why;
 };
 
 /* ---- logging helpers -------------------------------------------------------------------- */
@@ -377,10 +384,29 @@ static void start_job(agent_t *a, bool full)
     }
 }
 
+/* ---- determinism (--determinism batch_invariant, SPEC §16) -------------------------------- */
+
+static void det_refresh(agent_t *a)
+{
+    if (a->det.proc == NULL)
+        return;
+    int rc = attest_vllm_batch_invariant(&a->det, &a->det_why);
+    if (rc == 1)
+        attest_report_set(&a->ident, ATTEST_F_DETERMINISM, "batch_invariant");
+    else
+        attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM, a->det_why.base);
+    if (rc != a->det_last) {
+        a->det_last = rc;
+        log_kv(rc == 1 ? DP_LOG_INFO : DP_LOG_WARN, "determinism", "batch_invariant",
+               rc == 1 ? "true" : rc == 0 ? "false" : "cannot_tell", "detail", a->det_why.base);
+    }
+}
+
 static void on_watch(uv_timer_t *t)
 {
     agent_t *a = t->data;
     uint64_t now = dp_now_ms();
+    det_refresh(a);
     if (a->job) {
         /* Workers must not log: report their progress from here, now and then. */
         if (a->job->full && now - a->last_progress_log_ms >= PROGRESS_LOG_MS) {
@@ -681,6 +707,8 @@ static const char serve_usage[] =
     "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
     "           [--framework-refresh-ms N] [--log-level L]\n"
     "           [--oms-bundle FILE --oms-pubkey PEM]\n"
+    "           [--determinism batch_invariant [--determinism-pid PID | "
+    "--determinism-process NAME]]\n"
     "\n"
     "The replica-side attestation agent. Hashes DIR at start (off the event loop) and whenever a\n"
     "file's size, mtime, ctime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
@@ -706,6 +734,16 @@ static const char serve_usage[] =
     "                              the directory at start and on every re-hash; the attestation\n"
     "                              then carries oms {verified, signer, root_digest} (SPEC §19)\n"
     "  --oms-pubkey PEM            the publisher's EC public key the bundle must verify with\n"
+    "  --determinism batch_invariant\n"
+    "                              attest determinism.mode (SPEC §16) when the co-located vLLM\n"
+    "                              runs with VLLM_BATCH_INVARIANT=1, read from its\n"
+    "                              /proc/PID/environ (needs a shared process namespace and the\n"
+    "                              server's uid or CAP_SYS_PTRACE; otherwise it says it cannot\n"
+    "                              tell, and the replica is not admitted as batch_invariant)\n"
+    "  --determinism-pid PID       the vLLM server's pid (default: find it by name)\n"
+    "  --determinism-process NAME  the command to look for in /proc (default vllm: \"vllm ...\",\n"
+    "                              \"python3 .../vllm ...\" or \"python -m vllm....\"); every\n"
+    "                              match must have the variable on\n"
     "  --tls-cert F, --tls-key F   serve over TLS (PEM certificate chain and key)\n"
     "\n"
     "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n";
@@ -725,6 +763,53 @@ static int parse_ms(const char *flag, const char *v, uint32_t def, uint32_t *out
         return -1;
     }
     *out = (uint32_t)n;
+    return 0;
+}
+
+static int parse_determinism(const char *mode, const char *pid, const char *process, pid_t *out)
+{
+    if (mode == NULL) {
+        if (pid || process) {
+            fputs("detproxy attest serve: --determinism-pid and --determinism-process need "
+                  "--determinism batch_invariant (try --help)\n",
+                  stderr);
+            return -1;
+        }
+        return 0;
+    }
+    if (strcmp(mode, "batch_invariant") != 0) {
+        fprintf(stderr,
+                "detproxy attest serve: --determinism %s: expected batch_invariant "
+                "(single_sequence is enforced by the proxy, there is nothing to attest) "
+                "(try --help)\n",
+                mode);
+        return -1;
+    }
+    if (pid && process) {
+        fputs("detproxy attest serve: --determinism-pid and --determinism-process exclude each "
+              "other (try --help)\n",
+              stderr);
+        return -1;
+    }
+    if (pid) {
+        char *end;
+        errno = 0;
+        long v = strtol(pid, &end, 10);
+        if (errno || *end || end == pid || v <= 0 || v > 0x3fffffff) {
+            fprintf(stderr, "detproxy attest serve: --determinism-pid %s: expected a process id "
+                            "(try --help)\n",
+                    pid);
+            return -1;
+        }
+        *out = (pid_t)v;
+    }
+    if (process && (process[0] == '\0' || strchr(process, '/'))) {
+        fprintf(stderr,
+                "detproxy attest serve: --determinism-process %s: expected a command name "
+                "without '/' (try --help)\n",
+                process);
+        return -1;
+    }
     return 0;
 }
 
@@ -763,6 +848,7 @@ int agent_cmd_serve(int argc, char **argv)
     const char *fw_name = NULL, *fw_version = NULL, *fw_url = NULL, *fw_key_file = NULL;
     const char *key_path = NULL, *watch_s = NULL, *refresh_s = NULL, *level_s = NULL;
     const char *tls_cert = NULL, *tls_key = NULL, *oms_bundle = NULL, *oms_pubkey = NULL;
+    const char *det_mode = NULL, *det_pid = NULL, *det_process = NULL;
     const attest_opt_t opts[] = {
         {.name = "--listen", .has_value = true, .val = &listen},
         {.name = "--model-dir", .has_value = true, .val = &dir},
@@ -781,6 +867,9 @@ int agent_cmd_serve(int argc, char **argv)
         {.name = "--tls-key", .has_value = true, .val = &tls_key},
         {.name = "--oms-bundle", .has_value = true, .val = &oms_bundle},
         {.name = "--oms-pubkey", .has_value = true, .val = &oms_pubkey},
+        {.name = "--determinism", .has_value = true, .val = &det_mode},
+        {.name = "--determinism-pid", .has_value = true, .val = &det_pid},
+        {.name = "--determinism-process", .has_value = true, .val = &det_process},
     };
     const char *pos[1];
     size_t npos;
@@ -817,6 +906,9 @@ int agent_cmd_serve(int argc, char **argv)
                 fw_name);
         return ATTEST_EXIT_USAGE;
     }
+    pid_t det_pidv = 0;
+    if (parse_determinism(det_mode, det_pid, det_process, &det_pidv) != 0)
+        return ATTEST_EXIT_USAGE;
     if ((tls_cert == NULL) != (tls_key == NULL)) {
         fputs("detproxy attest serve: --tls-cert and --tls-key go together (try --help)\n", stderr);
         return ATTEST_EXIT_USAGE;
@@ -861,6 +953,14 @@ int agent_cmd_serve(int argc, char **argv)
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_NAME, fw_url ? NULL : fw_name);
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_VERSION, fw_version);
     set_not_ready(a, ST_HASHING, "hashing the model directory");
+    if (det_mode) {
+        a->det = (attest_det_opts_t){.proc = "/proc",
+                                     .pid = det_pidv,
+                                     .process = det_process ? det_process : "vllm",
+                                     .self = getpid()};
+        a->det_last = 2;
+        det_refresh(a);
+    }
 
     if (key_path) {
         if (attest_key_load(key_path, true, &a->key, &err) != 0) {
@@ -1014,6 +1114,7 @@ out:
     oms_watch_free(&a->oms_watch);
     oms_trust_free(&a->oms_trust);
     free(a->oms_bundle);
+    dp_buf_free(&a->det_why);
     attest_report_clear(&a->ident);
     attest_key_free(a->key);
     free(a->why_not_ready);

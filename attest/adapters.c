@@ -143,6 +143,7 @@ static int parse_vllm(const dp_iovec_t *bodies, size_t nbodies, attest_report_t 
         note(out, ATTEST_F_FRAMEWORK_VERSION, "vllm GET /version gave no version");
     note(out, ATTEST_F_CHECKPOINT,
          "vllm adapter does not report it: run the agent for a content hash");
+    note(out, ATTEST_F_DETERMINISM, "vllm adapter cannot: run the agent with --determinism");
     rc = 0;
 out:
     cJSON_Delete(models);
@@ -266,6 +267,17 @@ static int parse_sglang(const dp_iovec_t *bodies, size_t nbodies, attest_report_
              "sglang reports quantization null (no --quantization flag; the checkpoint config "
              "may still quantize): start it with --quantization");
     note(out, ATTEST_F_CHECKPOINT, "sglang adapter does not report it: run the agent");
+    /* --enable-deterministic-inference (SGLang 0.5.3+): batch-invariant kernels. */
+    const cJSON *det = cJSON_GetObjectItemCaseSensitive(info, "enable_deterministic_inference");
+    if (cJSON_IsTrue(det))
+        attest_report_set(out, ATTEST_F_DETERMINISM, "batch_invariant");
+    else if (cJSON_IsFalse(det))
+        note(out, ATTEST_F_DETERMINISM, "sglang enable_deterministic_inference is false");
+    else if (det == NULL || cJSON_IsNull(det))
+        note(out, ATTEST_F_DETERMINISM,
+             "this SGLang's /get_server_info has no enable_deterministic_inference");
+    else
+        note(out, ATTEST_F_DETERMINISM, "sglang enable_deterministic_inference is not a boolean");
     rc = 0;
 out:
     cJSON_Delete(info);
@@ -331,6 +343,15 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
         note(out, ATTEST_F_QUANTIZATION,
              "this llama.cpp /props has no model_ftype (builds before it was added)");
     note(out, ATTEST_F_CHECKPOINT, "llamacpp adapter does not report it: run the agent");
+    /* One slot (--parallel 1) is one sequence at a time: no batch to vary with. */
+    const cJSON *slots = cJSON_GetObjectItemCaseSensitive(props, "total_slots");
+    if (cJSON_IsNumber(slots) && slots->valuedouble == 1)
+        attest_report_set(out, ATTEST_F_DETERMINISM, "batch_invariant");
+    else if (cJSON_IsNumber(slots))
+        note(out, ATTEST_F_DETERMINISM, "llamacpp total_slots is %.0f, batch_invariant needs 1",
+             slots->valuedouble >= 0 && slots->valuedouble < 1e9 ? slots->valuedouble : -1);
+    else
+        note(out, ATTEST_F_DETERMINISM, "this llama.cpp /props has no total_slots");
     rc = 0;
 out:
     cJSON_Delete(props);

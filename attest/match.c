@@ -25,6 +25,11 @@ const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f)
         return m->framework_version;
     case ATTEST_F_ENGINE_FINGERPRINT:
         return m->engine_fingerprint;
+    case ATTEST_F_DETERMINISM:
+        /* single_sequence is detproxy's own doing: nothing for a replica to attest. */
+        return m->determinism == CFG_DETERMINISM_BATCH_INVARIANT
+                   ? cfg_determinism_names[CFG_DETERMINISM_BATCH_INVARIANT]
+                   : NULL;
     default:
         return NULL;
     }
@@ -89,7 +94,7 @@ static int match_one(const cfg_manifest_t *m, const attest_report_t *r, attest_r
             /* Fail closed: a pinned field nobody vouches for is not a match. */
             dp_buf_reset(&who);
             if (r->unattested_note[f]) {
-                attest_abbrev(r->unattested_note[f], &who);
+                attest_abbrev_note(r->unattested_note[f], &who);
             } else {
                 source_phrase(r, &who);
                 dp_buf_appends(&who, strcmp(r->source, "agent") == 0 ? " did not report it"

@@ -12,7 +12,7 @@
 
 const char *const attest_field_names[ATTEST_F__COUNT] = {
     "model",          "checkpoint_sha256", "quantization",       "dtype",
-    "framework.name", "framework.version", "engine_fingerprint",
+    "framework.name", "framework.version", "engine_fingerprint", "determinism.mode",
 };
 
 /* Field f's slot in the struct: one switch instead of six copies of every accessor. */
@@ -33,6 +33,8 @@ static char **slot(attest_report_t *r, attest_field_t f)
         return &r->framework_version;
     case ATTEST_F_ENGINE_FINGERPRINT:
         return &r->engine_fingerprint;
+    case ATTEST_F_DETERMINISM:
+        return &r->determinism;
     default:
         return NULL;
     }
@@ -147,6 +149,41 @@ static int parse_oms(const cJSON *root, attest_report_t *out, dp_buf_t *why)
 
 /* ---- payload ------------------------------------------------------------------------------ */
 
+/* "determinism": only from an agent that checks it (a mode, or null with the note saying why). */
+static void write_determinism(const attest_report_t *r, dp_jw_t *w)
+{
+    const char *note = r->unattested_note[ATTEST_F_DETERMINISM];
+    if (r->determinism == NULL && note == NULL)
+        return;
+    dp_jw_obj_begin(w, "determinism");
+    dp_jw_str(w, "mode", r->determinism);
+    if (r->determinism == NULL)
+        dp_jw_str(w, "note", note);
+    dp_jw_obj_end(w);
+}
+
+/* "determinism": absent, or {"mode": "batch_invariant" | null, "note": string | absent}. */
+static int parse_determinism(const cJSON *root, attest_report_t *out, dp_buf_t *why)
+{
+    const cJSON *d = cJSON_GetObjectItemCaseSensitive(root, "determinism");
+    if (d == NULL || cJSON_IsNull(d))
+        return 0;
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(d, "mode");
+    const cJSON *note = cJSON_GetObjectItemCaseSensitive(d, "note");
+    if (!cJSON_IsObject(d) || (mode && !cJSON_IsNull(mode) && !cJSON_IsString(mode)) ||
+        (note && !cJSON_IsNull(note) && !cJSON_IsString(note))) {
+        if (why)
+            dp_buf_appends(why, "payload.determinism: expected an object with a string or null "
+                                "\"mode\" and an optional string \"note\"");
+        return -1;
+    }
+    if (cJSON_IsString(mode))
+        attest_report_set(out, ATTEST_F_DETERMINISM, mode->valuestring);
+    else if (cJSON_IsString(note))
+        attest_report_set_unattested(out, ATTEST_F_DETERMINISM, note->valuestring);
+    return 0;
+}
+
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
 {
     dp_jw_t w;
@@ -162,6 +199,7 @@ void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
     dp_jw_obj_end(&w);
     if (r->engine_fingerprint)
         dp_jw_str(&w, "engine_fingerprint", r->engine_fingerprint);
+    write_determinism(r, &w);
     dp_jw_str(&w, "nonce", r->nonce);
     dp_jw_str(&w, "issued_at", r->issued_at);
     write_oms(r, &w);
@@ -238,7 +276,7 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
             dp_buf_appends(why, "payload.issued_at: missing");
         goto out;
     }
-    if (parse_oms(root, out, why) != 0)
+    if (parse_oms(root, out, why) != 0 || parse_determinism(root, out, why) != 0)
         goto out;
     snprintf(out->source, sizeof(out->source), "agent");
     rc = 0;
@@ -261,6 +299,9 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
     dp_jw_str(w, "version", r->framework_version);
     dp_jw_obj_end(w);
     dp_jw_str(w, "engine_fingerprint", r->engine_fingerprint);
+    dp_jw_obj_begin(w, "determinism");
+    dp_jw_str(w, "mode", r->determinism);
+    dp_jw_obj_end(w);
     if (r->engine_hardware || r->engine_tp) {
         dp_jw_obj_begin(w, "engine");
         dp_jw_str(w, "hardware", r->engine_hardware);
@@ -324,23 +365,34 @@ void attest_reasons_join(const attest_reasons_t *r, const char *sep, dp_buf_t *o
     }
 }
 
+/* v cut to max bytes (max - 3 and "..." when longer), control characters as '?'. */
+static void sanitize(const char *v, size_t max, dp_buf_t *out)
+{
+    size_t n = strlen(v);
+    size_t keep = n > max ? max - 3 : n;
+    for (size_t i = 0; i < keep; i++) {
+        unsigned char c = (unsigned char)v[i];
+        dp_buf_appendc(out, c < 0x20 || c == 0x7f ? '?' : (char)c);
+    }
+    if (n > max)
+        dp_buf_appends(out, "...");
+}
+
 void attest_abbrev(const char *v, dp_buf_t *out)
 {
     if (v == NULL) {
         dp_buf_appends(out, "(none)");
         return;
     }
-    size_t n = strlen(v);
-    if (n == 64 && dp_is_lower_hex(v, 64)) {
+    if (strlen(v) == 64 && dp_is_lower_hex(v, 64)) {
         dp_buf_append(out, v, 8);
         dp_buf_appends(out, "..");
         return;
     }
-    size_t keep = n > 64 ? 61 : n;
-    for (size_t i = 0; i < keep; i++) {
-        unsigned char c = (unsigned char)v[i];
-        dp_buf_appendc(out, c < 0x20 || c == 0x7f ? '?' : (char)c);
-    }
-    if (n > 64)
-        dp_buf_appends(out, "...");
+    sanitize(v, 64, out);
+}
+
+void attest_abbrev_note(const char *v, dp_buf_t *out)
+{
+    sanitize(v ? v : "(none)", ATTEST_NOTE_MAX, out);
 }

@@ -23,11 +23,12 @@ typedef enum {
     ATTEST_F_FRAMEWORK_NAME,
     ATTEST_F_FRAMEWORK_VERSION,
     ATTEST_F_ENGINE_FINGERPRINT,
+    ATTEST_F_DETERMINISM, /* "batch_invariant" when the replica attests it (SPEC §16) */
     ATTEST_F__COUNT
 } attest_field_t;
 
 /* "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
- * "engine_fingerprint" */
+ * "engine_fingerprint", "determinism.mode" */
 extern const char *const attest_field_names[ATTEST_F__COUNT];
 
 /* Owned strings throughout; zero-initialise, release with attest_report_clear. */
@@ -39,6 +40,7 @@ typedef struct {
     char *framework_name;
     char *framework_version;
     char *engine_fingerprint; /* the system_fingerprint the engine puts on its responses */
+    char *determinism;        /* "batch_invariant" when attested (SPEC §16), else NULL */
     /* Parsed from a vLLM-form engine fingerprint (informational: not pinnable). NULL / 0 when
      * the fingerprint does not say. */
     char *engine_hardware; /* "H100" */
@@ -70,7 +72,9 @@ void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const ch
 
 /* The payload JSON an agent signs:
  * {"model","checkpoint_sha256","quantization","dtype","framework":{"name","version"},
- *  "nonce","issued_at"}, plus "oms":{"verified","signer","root_digest"} when oms_reported.
+ *  "nonce","issued_at"}, plus "oms":{"verified","signer","root_digest"} when oms_reported, and
+ * "determinism":{"mode": "batch_invariant" or null, "note": why not} when the agent checks it
+ * (--determinism; SPEC §16).
  * Unreported fields are written as null. Appends to out. */
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
 
@@ -106,5 +110,8 @@ void attest_reasons_join(const attest_reasons_t *r, const char *sep, dp_buf_t *o
 /* Append a value for a reason: 64-hex digests as the first 8 hex + "..", anything longer than
  * 64 bytes cut to 61 + "...", control characters as '?', NULL as "(none)". */
 void attest_abbrev(const char *v, dp_buf_t *out);
+/* The same for why a field is unattested: a sentence, so up to ATTEST_NOTE_MAX bytes. */
+#define ATTEST_NOTE_MAX 160
+void attest_abbrev_note(const char *v, dp_buf_t *out);
 
 #endif

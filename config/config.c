@@ -375,6 +375,28 @@ static void check_listeners(cfg_ctx_t *c, const cfg_t *cfg)
         cfg_err(c, "admin_listen", "overlaps listen (same port)");
 }
 
+/* A tenant requiring a determinism mode must have a pool that offers it (SPEC §16). */
+static void check_tenant_determinism(cfg_ctx_t *c, const cfg_t *cfg, const cfg_tenant_t *t,
+                                     const cfg_pool_t *pinned)
+{
+    cfg_determinism_t want = t->require_determinism;
+    if (want == CFG_DETERMINISM_NONE)
+        return;
+    const char *name = cfg_determinism_names[want];
+    if (pinned != NULL) {
+        if (cfg_pool_determinism(pinned) != want)
+            cfg_err(c, "require_determinism",
+                    "\"%s\", but its pool \"%s\" has determinism.mode \"%s\"", name,
+                    pinned->name, cfg_determinism_names[cfg_pool_determinism(pinned)]);
+        return;
+    }
+    for (size_t i = 0; i < cfg->npools; i++)
+        if (cfg_pool_determinism(&cfg->pools[i]) == want)
+            return;
+    cfg_err(c, "require_determinism",
+            "\"%s\", but no pool's manifest has determinism.mode \"%s\"", name, name);
+}
+
 static void check_tenants(cfg_ctx_t *c, const cfg_t *cfg, const char *policy_file)
 {
     if (cfg->policy == NULL)
@@ -385,8 +407,10 @@ static void check_tenants(cfg_ctx_t *c, const cfg_t *cfg, const char *policy_fil
     for (size_t i = 0; i < cfg->policy->ntenants; i++) {
         const cfg_tenant_t *t = &cfg->policy->tenants[i];
         size_t m = cfg_path_index(c, i);
-        if (t->pool != NULL && cfg_pool_by_name(cfg, t->pool) == NULL)
+        const cfg_pool_t *p = t->pool != NULL ? cfg_pool_by_name(cfg, t->pool) : NULL;
+        if (t->pool != NULL && p == NULL)
             cfg_err(c, "pool", "no pool is named \"%s\"", t->pool);
+        check_tenant_determinism(c, cfg, t, p);
         if (t->audit && cfg->log.audit_path == NULL)
             cfg_err(c, "audit", "requires log.audit_path");
         cfg_path_pop(c, m);
@@ -581,11 +605,24 @@ const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name)
     return NULL;
 }
 
-/* O(pools x models): a handful of each, and it runs once per request. */
+cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p)
+{
+    return p->manifest ? p->manifest->determinism : CFG_DETERMINISM_NONE;
+}
+
 const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len)
+{
+    return cfg_pool_for_model_mode(cfg, model, len, CFG_DETERMINISM_NONE);
+}
+
+/* O(pools x models): a handful of each, and it runs once per request. */
+const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
+                                          cfg_determinism_t mode)
 {
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
+        if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
+            continue;
         for (size_t j = 0; j < p->nmodels; j++) {
             const char *m = p->models[j];
             if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))

@@ -52,6 +52,16 @@ typedef struct {
     char *expected_sha256; /* 64 lowercase hex */
 } cfg_canary_t;
 
+/* "determinism": {"mode": ...} (SPEC §16). batch_invariant is attested by the replica;
+ * single_sequence is enforced by detproxy (one request in flight per replica). */
+typedef enum {
+    CFG_DETERMINISM_NONE = 0,
+    CFG_DETERMINISM_BATCH_INVARIANT,
+    CFG_DETERMINISM_SINGLE_SEQUENCE
+} cfg_determinism_t;
+
+extern const char *const cfg_determinism_names[]; /* "none", "batch_invariant", ... */
+
 /* Every field is optional; NULL means "not pinned". */
 typedef struct cfg_manifest_s {
     char *model;
@@ -64,6 +74,8 @@ typedef struct cfg_manifest_s {
     cfg_canary_t *canary;     /* NULL when absent */
     char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
     char fingerprint[20]; /* "fp_" + 16 hex, computed at load (SPEC §4) */
+    /* Not part of the fingerprint; accept[] entries inherit it (they cannot set their own). */
+    cfg_determinism_t determinism;
     /* "accept": further identities admitted during a rollout, each complete (fields it does not
      * list, and the canary, are copied from the manifest) with its own fingerprint; never
      * nested (their own accept is empty). */
@@ -116,6 +128,9 @@ typedef struct {
      * process). rate_rps 0: no limit. burst defaults to max(1, ceil(R)). */
     double rate_rps;
     uint32_t rate_burst;
+    /* "require_determinism": served only by pools whose manifest has that mode (SPEC §16);
+     * CFG_DETERMINISM_NONE: any pool. */
+    cfg_determinism_t require_determinism;
 } cfg_tenant_t;
 
 typedef struct {
@@ -190,7 +205,7 @@ typedef struct {
     cfg_manifest_t *manifest; /* NULL when the pool pins nothing */
     cfg_balance_t balance;
     cfg_affinity_t affinity;           /* balance == CFG_BALANCE_AFFINITY only */
-    uint32_t max_inflight_per_replica; /* 0 = unlimited */
+    uint32_t max_inflight_per_replica; /* 0 = unlimited; 1 on a single_sequence pool */
     uint32_t queue_limit;
     uint32_t queue_timeout_ms;
     cfg_replica_t *replicas;
@@ -323,6 +338,12 @@ const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i);
 /* Look-ups used by the router. */
 const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name);
 const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len);
+/* The first pool serving the model whose determinism mode is `mode` (CFG_DETERMINISM_NONE:
+ * any mode, as cfg_pool_for_model). */
+const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
+                                          cfg_determinism_t mode);
+/* The pool's manifest determinism mode (CFG_DETERMINISM_NONE without a manifest). */
+cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p);
 
 /* Parse "host:port" / "[v6]:port" (numeric host). 0 or -1 with a reason in *why. */
 int cfg_parse_addr(const char *s, cfg_addr_t *out, const char **why);

@@ -77,13 +77,20 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
     } else {
         dp_jw_null(w, "oms");
     }
+    if (m->determinism != CFG_DETERMINISM_NONE) {
+        dp_jw_obj_begin(w, "determinism");
+        dp_jw_str(w, "mode", cfg_determinism_names[m->determinism]);
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "determinism");
+    }
     dp_jw_str(w, "fingerprint", m->fingerprint);
     dp_jw_obj_end(w);
 }
 
 static void pool(dp_jw_t *w, const cfg_pool_t *p)
 {
-    static const char *const balance[] = {"least_inflight", "round_robin"};
+    static const char *const balance[] = {"least_inflight", "round_robin", "affinity"};
     dp_jw_obj_begin(w, NULL);
     dp_jw_str(w, "name", p->name);
     strs(w, "models", p->models, p->nmodels);
@@ -188,6 +195,8 @@ static void tenant(dp_jw_t *w, const cfg_tenant_t *t)
     dp_jw_obj_end(w);
     strs(w, "deny_params", t->deny_params, t->ndeny_params);
     dp_jw_bool(w, "audit", t->audit);
+    dp_jw_str(w, "require_determinism",
+              t->require_determinism ? cfg_determinism_names[t->require_determinism] : NULL);
     if (t->shadow_rate >= 0)
         dp_jw_double(w, "shadow_rate", t->shadow_rate);
     else

@@ -10,8 +10,12 @@ static const char *const manifest_keys[] = {"model",        "checkpoint_sha256",
                                             "quantization", "dtype",
                                             "framework",    "engine_fingerprint",
                                             "canary",       "oms",
-                                            "accept",       NULL};
+                                            "accept",       "determinism",
+                                            NULL};
 static const char *const oms_keys[] = {"signer", NULL};
+static const char *const determinism_keys[] = {"mode", NULL};
+
+const char *const cfg_determinism_names[] = {"none", "batch_invariant", "single_sequence"};
 /* An accepted identity during a rollout: what differs from the manifest's own (no nesting). */
 static const char *const accept_keys[] = {
     "model",     "checkpoint_sha256",  "quantization", "dtype",
@@ -81,6 +85,22 @@ static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     size_t mark = cfg_path_key(c, "oms");
     cfg_check_keys(c, o, oms_keys);
     get_sha256(c, o, "signer", true, &m->oms_signer);
+    cfg_path_pop(c, mark);
+}
+
+/* "determinism": {"mode": "batch_invariant" | "single_sequence"} (SPEC §16). */
+static void parse_determinism(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
+{
+    const cJSON *d = cfg_get_obj(c, obj, "determinism", false);
+    if (d == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "determinism");
+    cfg_check_keys(c, d, determinism_keys);
+    int mode;
+    if (cfg_get(d, "mode") == NULL)
+        cfg_err(c, "mode", "required: \"batch_invariant\" or \"single_sequence\"");
+    else if (cfg_get_enum(c, d, "mode", &cfg_determinism_names[1], 2, &mode))
+        m->determinism = (cfg_determinism_t)(mode + 1);
     cfg_path_pop(c, mark);
 }
 
@@ -158,6 +178,7 @@ static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
         inherit(&e->framework_version, m->framework_version);
         inherit(&e->engine_fingerprint, m->engine_fingerprint);
         inherit(&e->oms_signer, m->oms_signer);
+        e->determinism = m->determinism; /* a pool property: every identity must attest it */
         if (e->canary == NULL && m->canary != NULL) {
             e->canary = dp_xcalloc(1, sizeof(*e->canary));
             e->canary->prompt = dp_xstrdup(m->canary->prompt);
@@ -190,6 +211,7 @@ cfg_manifest_t *cfg_manifest_from_json(cfg_ctx_t *c, const cJSON *node)
     cfg_manifest_t *m = dp_xcalloc(1, sizeof(*m));
     cfg_check_keys(c, node, manifest_keys);
     parse_identity(c, node, m);
+    parse_determinism(c, node, m);
     cfg_manifest_fingerprint(m, m->fingerprint);
     parse_accept(c, node, m);
     return m;
@@ -252,7 +274,8 @@ bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
     return m != NULL &&
            (m->model || m->checkpoint_sha256 || m->quantization || m->dtype || m->framework_name ||
-            m->framework_version || m->engine_fingerprint || m->oms_signer);
+            m->framework_version || m->engine_fingerprint || m->oms_signer ||
+            m->determinism == CFG_DETERMINISM_BATCH_INVARIANT);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])

@@ -40,7 +40,7 @@ static const param_range_t param_ranges[CFG_PARAM__COUNT] = {
 static const char *const policy_keys[] = {"tenants", NULL};
 static const char *const tenant_keys[] = {
     "name",         "match", "pool",        "sampling",   "deny_params",
-    "allow_params", "audit", "shadow_rate", "rate_limit", NULL};
+    "allow_params", "audit", "shadow_rate", "rate_limit", "require_determinism", NULL};
 static const char *const rate_limit_keys[] = {"requests_per_second", "burst", NULL};
 static const char *const match_keys[] = {"api_keys_sha256", "header", "any", "unknown_keys", NULL};
 static const char *const header_keys[] = {"name", "value", NULL};
@@ -286,6 +286,9 @@ static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
     cfg_get_bool(c, node, "audit", &t->audit);
     cfg_get_num(c, node, "shadow_rate", 0, 1, &t->shadow_rate);
     parse_rate_limit(c, node, t);
+    int mode;
+    if (cfg_get_enum(c, node, "require_determinism", &cfg_determinism_names[1], 2, &mode))
+        t->require_determinism = (cfg_determinism_t)(mode + 1);
 }
 
 /* Duplicate names, and tenants that can never match because an earlier one matches anything. */

@@ -88,13 +88,31 @@ cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
 
 /* ---- attestation source ---------------------------------------------------------------- */
 
+/* SPEC §16: only SGLang's server info, llama.cpp's /props and the agent can attest
+ * batch_invariant. */
+static void warn_determinism_source(cfg_ctx_t *c, const cfg_manifest_t *m, cfg_attest_source_t s,
+                                    const char *key)
+{
+    if ((s != CFG_ATTEST_VLLM && s != CFG_ATTEST_TGI) || m == NULL ||
+        m->determinism != CFG_DETERMINISM_BATCH_INVARIANT)
+        return;
+    cfg_warn(c, key,
+             "the %s adapter cannot attest determinism.mode \"batch_invariant\": this replica "
+             "can never be admitted%s",
+             cfg_attest_source_names[s],
+             s == CFG_ATTEST_VLLM ? " (run the agent with --determinism batch_invariant beside it)"
+                                  : "");
+}
+
 /* No source configured: the native adapter the manifest's framework.name names; else none,
  * which is only sound when the pool pins nothing (nothing to attest). */
 static cfg_attest_source_t default_source(cfg_ctx_t *c, const cfg_manifest_t *m, const char *key)
 {
     for (int s = CFG_ATTEST_VLLM; m != NULL && m->framework_name && s <= CFG_ATTEST_LLAMACPP; s++)
-        if (strcmp(m->framework_name, cfg_attest_source_names[s]) == 0)
+        if (strcmp(m->framework_name, cfg_attest_source_names[s]) == 0) {
+            warn_determinism_source(c, m, (cfg_attest_source_t)s, key);
             return (cfg_attest_source_t)s;
+        }
     if (cfg_manifest_pins(m))
         cfg_err(c, key,
                 "required: the pool's manifest pins fields and its framework.name names no "
@@ -120,6 +138,7 @@ static bool get_source(cfg_ctx_t *c, const cJSON *obj, const cfg_manifest_t *m,
                  "the manifest pins framework.name \"%s\", which the %s adapter does not report: "
                  "this replica can never be admitted",
                  m->framework_name, cfg_attest_source_names[*out]);
+    warn_determinism_source(c, m, *out, "source");
     return true;
 }
 
@@ -283,7 +302,8 @@ static void parse_manifest_ref(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     }
     cfg_path_pop(c, mark);
     /* "{}" pins nothing: the pool then behaves as one without a manifest. */
-    if (m != NULL && !cfg_manifest_pins(m) && m->canary == NULL) {
+    if (m != NULL && !cfg_manifest_pins(m) && m->canary == NULL &&
+        m->determinism == CFG_DETERMINISM_NONE) {
         cfg_manifest_free(m);
         m = NULL;
     }
@@ -349,6 +369,20 @@ static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 
 /* ---- pools ----------------------------------------------------------------------------- */
 
+/* single_sequence (SPEC §16) is enforced through the pool's own admission: one request in
+ * flight per replica, whatever the pool says, so every path that takes a replica slot obeys it. */
+static void single_sequence_limit(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    if (cfg_pool_determinism(p) != CFG_DETERMINISM_SINGLE_SEQUENCE)
+        return;
+    if (cfg_get(node, "max_inflight_per_replica") != NULL && p->max_inflight_per_replica != 1)
+        cfg_warn(c, "max_inflight_per_replica",
+                 "%u is overridden: the manifest's determinism.mode \"single_sequence\" allows "
+                 "one request in flight per replica (effective value 1)",
+                 p->max_inflight_per_replica);
+    p->max_inflight_per_replica = 1;
+}
+
 static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 {
     p->balance = CFG_BALANCE_LEAST_INFLIGHT;
@@ -368,6 +402,7 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
         p->balance = (cfg_balance_t)balance;
     parse_affinity(c, node, p);
     cfg_get_u32(c, node, "max_inflight_per_replica", 0, COUNT_MAX, &p->max_inflight_per_replica);
+    single_sequence_limit(c, node, p);
     cfg_get_u32(c, node, "queue_limit", 0, COUNT_MAX, &p->queue_limit);
     cfg_get_u32(c, node, "queue_timeout_ms", 1, CFG_MS_MAX, &p->queue_timeout_ms);
     parse_upstream_tls(c, node, p);

@@ -167,6 +167,7 @@ enum {
     S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
+    S_CACHE_PROMPT, /* llama.cpp; forced false on single_sequence pools (SPEC §16) */
     S_NUMERIC_END,
     S_MODEL = S_NUMERIC_END,
     S_STREAM,
@@ -207,6 +208,7 @@ static const struct {
     [S_MIN_P] = {"min_p", 5, false},
     [S_REPETITION_PENALTY] = {"repetition_penalty", 18, false},
     [S_REPEAT_PENALTY] = {"repeat_penalty", 14, false},
+    [S_CACHE_PROMPT] = {"cache_prompt", 12, false},
     [S_MODEL] = {"model", 5, false},
     [S_STREAM] = {"stream", 6, false},
     [S_STREAM_OPTIONS] = {"stream_options", 14, false},
@@ -488,7 +490,7 @@ static int check_shape(const policy_req_t *r, policy_error_t *err)
 
 /* ---- the rule engine ------------------------------------------------------------------------ */
 
-enum { PV_ABSENT = 0, PV_NULL, PV_NUM, PV_OTHER, PV_REMOVED };
+enum { PV_ABSENT = 0, PV_NULL, PV_NUM, PV_OTHER, PV_REMOVED, PV_FALSE };
 
 typedef struct {
     uint8_t kind;
@@ -529,6 +531,9 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
     case PV_NULL:
         memcpy(out, "null", 5);
         break;
+    case PV_FALSE:
+        memcpy(out, "false", 6);
+        break;
     case PV_NUM:
         if (raw && rawlen < POLICY_VAL_LEN) {
             memcpy(out, raw, rawlen);
@@ -537,6 +542,14 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
             put_i64(out, v->i);
         } else {
             policy_es_number(v->d, out);
+        }
+        break;
+    case PV_OTHER: /* a value that is not ours (cache_prompt: true): as the client wrote it */
+        if (raw && rawlen < POLICY_VAL_LEN) {
+            memcpy(out, raw, rawlen);
+            out[rawlen] = '\0';
+        } else {
+            out[0] = '\0';
         }
         break;
     default:
@@ -613,6 +626,18 @@ static void remove_slot(apply_t *a, int s)
     a->dirty[s] = true;
 }
 
+/* Send s as false, whatever the request says. */
+static void force_false(apply_t *a, int s)
+{
+    pval_t *v = &a->cur[s];
+    if (v->kind == PV_FALSE)
+        return;
+    pval_t nv = {.kind = PV_FALSE};
+    record(a, s, POLICY_NORMALIZED, v, &nv);
+    *v = nv;
+    a->dirty[s] = true;
+}
+
 /* Set s to x when the request leaves it absent or null. */
 static void pin(apply_t *a, int s, double x)
 {
@@ -670,7 +695,8 @@ static int read_params(const policy_req_t *r, apply_t *a, policy_error_t *err)
         }
         if (t->type != JT_NUM) {
             if (s >= S_TYPED_END) {
-                v->kind = PV_OTHER; /* not ours to judge; never touched */
+                /* Not ours to judge; only normalisation may replace it. */
+                v->kind = t->type == JT_FALSE ? PV_FALSE : PV_OTHER;
                 continue;
             }
             policy_set_error(err, 400, "invalid_value", slots[s].name, "%s must be %s",
@@ -937,7 +963,8 @@ static void build_body(policy_req_t *r, const apply_t *a)
             jdoc_write_compact(d, k + 1, o);
     }
     for (int s = 0; s < S_NUMERIC_END; s++) {
-        if (!a->dirty[s] || a->orig[s].kind != PV_ABSENT || a->cur[s].kind != PV_NUM)
+        if (!a->dirty[s] || a->orig[s].kind != PV_ABSENT ||
+            (a->cur[s].kind != PV_NUM && a->cur[s].kind != PV_FALSE))
             continue;
         if (!first)
             dp_buf_appendc(o, ',');
@@ -950,8 +977,8 @@ static void build_body(policy_req_t *r, const apply_t *a)
     dp_buf_appendc(o, '}');
 }
 
-int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
-                 policy_result_t *out, policy_error_t *err)
+static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
+                 bool single_sequence, policy_result_t *out, policy_error_t *err)
 {
     memset(out, 0, offsetof(policy_result_t, changes));
     if (!r->parsed || t == NULL) {
@@ -1040,6 +1067,11 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     /* 4. framework normalisation. */
     fw_t fw = fw_parse(framework);
     normalize(&a, t, fw);
+    /* N8: llama.cpp documents its prompt cache as a source of nondeterminism (a cached prefix
+     * is evaluated in different batches than a fresh one), so a single_sequence pool turns it
+     * off on every request (SPEC §16). */
+    if (single_sequence && fw == FW_LLAMACPP)
+        force_false(&a, S_CACHE_PROMPT);
     /* The Responses API has no seed. vLLM takes one as an extra sampling field; elsewhere it
      * would be dropped without a word, and a forced or derived seed is a promise to the
      * tenant: refuse rather than break it. */
@@ -1092,4 +1124,18 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         out->body.len = d->srclen;
     }
     return 0;
+}
+
+int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
+                 policy_result_t *out, policy_error_t *err)
+{
+    return apply(r, t, framework, false, out, err);
+}
+
+int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
+                      policy_result_t *out, policy_error_t *err)
+{
+    const char *fw = pool->manifest ? pool->manifest->framework_name : NULL;
+    return apply(r, t, fw, cfg_pool_determinism(pool) == CFG_DETERMINISM_SINGLE_SEQUENCE, out,
+                 err);
 }

@@ -177,10 +177,17 @@ dp_iovec_t policy_model(const policy_req_t *r);
 int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
                  policy_result_t *out, policy_error_t *err);
 
+/* policy_apply for a pool: its manifest's framework.name, and on a single_sequence pool of
+ * llama.cpp also `cache_prompt: false` (SPEC §16; an override with action "normalized"). */
+int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
+                      policy_result_t *out, policy_error_t *err);
+
 /* Steps 2-4 in one call, as the proxy runs them and `detproxy policy test` shows them: parse
  * body, choose the pool (the tenant's `pool`, else the first whose `models` lists the model:
- * none is 404 model_not_found), apply t for that pool's framework. 0 with *pool and *out set,
- * or -1 with err set (and *pool NULL). */
+ * none is 404 model_not_found), apply t for that pool (policy_apply_pool). A tenant with
+ * require_determinism only considers pools with that mode: when the model is served, but not by
+ * such a pool, 404 determinism_unavailable (param "model"). 0 with *pool and *out set, or -1
+ * with err set (and *pool NULL). */
 int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, policy_route_t route,
                   const char *body, size_t len, const cfg_pool_t **pool, policy_result_t *out,
                   policy_error_t *err);

@@ -267,8 +267,17 @@ static void fail_unavailable(px_preq_t *q)
 {
     dp_buf_t why = {0}, msg = {0};
     px_pool_why_unavailable(q->pool, &why);
-    dp_buf_printf(&msg, "no attested replica is available in pool %s (request id %s)",
-                  q->pool->name, q->id);
+    /* A tenant that requires a determinism mode learns that this is what is missing (the
+     * replicas' own reasons stay in the log and on the admin listener, as for everyone). */
+    const cfg_tenant_t *t = q->hooks.tenant_cfg;
+    if (t && t->require_determinism != CFG_DETERMINISM_NONE)
+        dp_buf_printf(&msg,
+                      "no attested replica is available in pool %s, whose determinism.mode "
+                      "\"%s\" this tenant requires (request id %s)",
+                      q->pool->name, cfg_determinism_names[t->require_determinism], q->id);
+    else
+        dp_buf_printf(&msg, "no attested replica is available in pool %s (request id %s)",
+                      q->pool->name, q->id);
     fail_client_why(q, 503, "no_attested_replica", NULL, msg.base, why.base ? why.base : "");
     dp_buf_free(&why);
     dp_buf_free(&msg);

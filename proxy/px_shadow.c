@@ -443,6 +443,12 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         count(pool->name, kind, "not_comparable");
         return NULL;
     }
+    /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
+     * the pool (the primary's own, or one a client request may be sent to next). */
+    if (cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        count(pool->name, kind, "skipped");
+        return NULL;
+    }
     if (c->inflight >= sc->max_inflight) {
         count(pool->name, kind, "skipped");
         return NULL;

@@ -49,6 +49,7 @@ void sim_identity_defaults(sim_identity_t *id)
     dp_sha256_hex("sim", 3, sha);
     sim_identity_set(&id->checkpoint_sha256, sha);
     id->max_model_len = 4096;
+    id->total_slots = 4;
     id->created = dp_wall_ms() / 1000;
 }
 
@@ -391,6 +392,8 @@ static void sglang_server_info(const sim_identity_t *id, dp_buf_t *out)
     dp_jw_bool(&w, "delete_ckpt_after_loading", false);
     dp_jw_int(&w, "max_total_num_tokens", 500000);
     dp_jw_uint(&w, "max_req_input_len", id->max_model_len - 5);
+    /* ServerArgs field since sglang 0.5.3 (--enable-deterministic-inference). */
+    dp_jw_bool(&w, "enable_deterministic_inference", id->deterministic_inference);
     dp_jw_str(&w, "version", id->framework_version);
     dp_jw_obj_end(&w);
 }
@@ -445,7 +448,7 @@ static void llamacpp_props(const sim_identity_t *id, dp_buf_t *out)
     dp_jw_obj_end(&w);
     dp_jw_uint(&w, "n_ctx", id->max_model_len);
     dp_jw_obj_end(&w);
-    dp_jw_int(&w, "total_slots", 4);
+    dp_jw_uint(&w, "total_slots", id->total_slots);
     dp_jw_str(&w, "model_alias", id->model);
     dp_jw_str(&w, "model_ftype", llamacpp_ftype(id));
     dp_jw_str(&w, "model_path", path.base);

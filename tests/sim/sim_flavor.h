@@ -33,6 +33,8 @@ typedef struct {
     char *dtype;
     char *checkpoint_sha256;
     uint32_t max_model_len;
+    uint32_t total_slots;         /* llama.cpp /props total_slots (--parallel); default 4 */
+    bool deterministic_inference; /* SGLang enable_deterministic_inference; default false */
     uint64_t created; /* unix seconds, used for "created" fields */
 } sim_identity_t;
 

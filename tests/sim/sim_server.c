@@ -679,6 +679,8 @@ static void write_config(const sim_t *s, dp_buf_t *out)
     dp_jw_int(&w, "fault_count", s->fault_remaining);
     dp_jw_str(&w, "attest_fault", afault_names[s->attest_fault]);
     dp_jw_bool(&w, "attestation", s->key != NULL);
+    dp_jw_uint(&w, "total_slots", s->id.total_slots);
+    dp_jw_bool(&w, "deterministic_inference", s->id.deterministic_inference);
     dp_jw_obj_end(&w);
 }
 
@@ -755,6 +757,17 @@ static int config_apply(sim_t *s, const char *body, size_t n, dp_buf_t *why)
                                     "integer");
                 goto out;
             }
+        } else if (strcmp(k, "total_slots") == 0) {
+            double d = cJSON_IsNumber(it) ? it->valuedouble : 0;
+            if (!(d >= 1 && d <= 1024 && d == floor(d))) {
+                dp_buf_appends(why, "total_slots: expected an integer in [1, 1024]");
+                goto out;
+            }
+        } else if (strcmp(k, "deterministic_inference") == 0) {
+            if (!cJSON_IsBool(it)) {
+                dp_buf_appends(why, "deterministic_inference: expected a boolean");
+                goto out;
+            }
         } else if (strcmp(k, "attest_fault") == 0) {
             if (!cJSON_IsString(it) || sim_attest_fault_parse(it->valuestring) < 0) {
                 dp_buf_appends(why, "attest_fault: expected one of none, wrong_nonce, "
@@ -789,6 +802,10 @@ static int config_apply(sim_t *s, const char *body, size_t n, dp_buf_t *why)
             count_given = true;
         } else if (strcmp(k, "attest_fault") == 0) {
             s->attest_fault = (sim_attest_fault_t)sim_attest_fault_parse(it->valuestring);
+        } else if (strcmp(k, "total_slots") == 0) {
+            s->id.total_slots = (uint32_t)it->valuedouble;
+        } else if (strcmp(k, "deterministic_inference") == 0) {
+            s->id.deterministic_inference = cJSON_IsTrue(it);
         }
     }
     if (fault_given && !count_given)

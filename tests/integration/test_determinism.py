@@ -1,0 +1,418 @@
+"""Deterministic pools (SPEC §16, issue 14): manifest determinism.mode batch_invariant is admitted
+only when the replica attests it (SGLang's enable_deterministic_inference, llama.cpp's
+total_slots 1, vLLM's VLLM_BATCH_INVARIANT through the agent); single_sequence is enforced by
+detproxy (one request in flight per replica, cache_prompt false for llama.cpp); a tenant's
+require_determinism routes only to pools with that mode."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
+                     start_process, start_sim)
+from proxyutil import (client_requests, metric, pool, sim_config, sim_reset, sim_stats,
+                       start_proxy, write_config)
+
+MODEL = "det-model"
+TMP = tempfile.mkdtemp(prefix="detproxy-det-")
+
+
+def replicas(px):
+    return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
+
+
+def state(px, name):
+    return replicas(px)[name]["state"]
+
+
+def reasons(px, name):
+    return replicas(px)[name]["reasons"]
+
+
+def fast_attestation(interval=200):
+    return {"interval_ms": interval, "timeout_ms": 1000, "require_signature": False}
+
+
+def native_sims(flavor, settings):
+    sims = [start_sim("--model", MODEL, "--flavor", flavor) for _ in settings]
+    for s, kv in zip(sims, settings):
+        sim_config(s, **kv)
+    return sims
+
+
+def det_manifest(framework, mode="batch_invariant"):
+    return {"model": MODEL, "framework": {"name": framework}, "determinism": {"mode": mode}}
+
+
+def complete(px, headers=None, **body):
+    b = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+    b.update(body)
+    return post_json(px.port, "/v1/completions", b, headers=headers)
+
+
+# ---- batch_invariant, attested natively -----------------------------------------------------
+
+def test_sglang_admitted_only_with_deterministic_inference_and_ejected_when_it_goes():
+    on, off = native_sims("sglang", [{"deterministic_inference": True},
+                                     {"deterministic_inference": False}])
+    px = start_proxy(pools=[pool("p", [MODEL], [on, off], manifest=det_manifest("sglang"))],
+                     attestation=fast_attestation())
+    poll_until(lambda: state(px, "r2") == "rejected", what="r2 rejected")
+    assert state(px, "r1") == "admitted"
+    assert reasons(px, "r2") == [
+        "determinism.mode unattested (sglang enable_deterministic_inference is false)"], \
+        reasons(px, "r2")
+    rep = replicas(px)["r1"]["attestation"]["report"]
+    assert rep["determinism"] == {"mode": "batch_invariant"}, rep
+    for _ in range(10):
+        r = complete(px)
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r1", r
+    assert client_requests(off) == []
+    # The normal re-attestation cadence sees the flag go (a restart without it) and ejects.
+    sim_config(on, deterministic_inference=False)
+    sim_config(off, deterministic_inference=True)
+    poll_until(lambda: state(px, "r1") == "rejected" and state(px, "r2") == "admitted",
+               what="r1 ejected, r2 admitted")
+    assert complete(px).headers["x-detproxy-replica"] == "r2"
+    px.stop()
+
+
+def test_llamacpp_batch_invariant_needs_one_slot():
+    one, four = native_sims("llamacpp", [{"total_slots": 1}, {"total_slots": 4}])
+    px = start_proxy(pools=[pool("p", [MODEL], [one, four], manifest=det_manifest("llamacpp"))],
+                     attestation=fast_attestation())
+    poll_until(lambda: state(px, "r2") == "rejected", what="r2 rejected")
+    assert state(px, "r1") == "admitted"
+    assert reasons(px, "r2") == [
+        "determinism.mode unattested (llamacpp total_slots is 4, batch_invariant needs 1)"], \
+        reasons(px, "r2")
+    px.stop()
+
+
+def test_vllm_adapter_cannot_attest_it_and_check_says_so():
+    sim = start_sim("--model", MODEL)
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "pools": [pool("p", [MODEL], [sim], manifest=det_manifest("vllm"))]}
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", write_config(cfg)])
+    assert rc == 0, err
+    assert "pools[0].replicas[0].attest: the vllm adapter cannot attest determinism.mode " \
+        "\"batch_invariant\"" in out + err, out + err
+    px = start_proxy(pools=cfg["pools"], attestation=fast_attestation(), ready=False)
+    poll_until(lambda: state(px, "r1") == "rejected", what="rejected")
+    assert reasons(px, "r1") == [
+        "determinism.mode unattested (vllm adapter cannot: run the agent with --determinism)"]
+    px.stop()
+
+
+# ---- batch_invariant through the agent ------------------------------------------------------
+
+def model_dir():
+    d = os.path.join(TMP, "model")
+    if not os.path.isdir(d):
+        os.makedirs(d)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write('{"arch": "toy"}')
+        os.chmod(TMP, 0o755)
+        os.chmod(d, 0o755)
+        os.chmod(os.path.join(d, "config.json"), 0o644)
+    return d
+
+
+def fake_vllm(value, name=None):
+    """A process standing in for the vLLM server: sleeps with VLLM_BATCH_INVARIANT=value (None:
+    unset) in its environment. With a name, it runs as TMP/name (a symlink to python), so its
+    argv[0] is that name, as "vllm serve ..." would be."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
+    if value is not None:
+        env["VLLM_BATCH_INVARIANT"] = value
+    exe = sys.executable
+    if name:
+        exe = os.path.join(TMP, name)
+        if not os.path.exists(exe):
+            os.symlink(sys.executable, exe)
+    return subprocess.Popen([exe, "-c", "import time; time.sleep(600)"], env=env)
+
+
+def agent(*det_flags, user=None):
+    argv = [DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0", "--model-dir",
+            model_dir(), "--model", MODEL, "--framework", "vllm", "--framework-version", "0.11.0",
+            "--watch-interval-ms", "100"] + list(det_flags)
+    if user is None:
+        return start_process(argv, name="agent")
+    # Another uid than the server's: reading its environ is refused by the kernel.
+    return start_process(["setpriv", "--reuid=%d" % user, "--regid=%d" % user, "--clear-groups",
+                          "--"] + argv, name="agent")
+
+
+def agent_proxy(ag, sim):
+    p = pool("p", [MODEL], [sim], manifest={"model": MODEL, "determinism":
+                                            {"mode": "batch_invariant"}})
+    p["replicas"][0]["attest"] = {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % ag.port}
+    return start_proxy(pools=[p], attestation=fast_attestation(), ready=False)
+
+
+def test_agent_attests_vllm_batch_invariant_from_the_server_environment():
+    sim = start_sim("--model", MODEL)
+    srv = fake_vllm("1")
+    ag = agent("--determinism", "batch_invariant", "--determinism-pid", str(srv.pid))
+    px = agent_proxy(ag, sim)
+    poll_until(lambda: state(px, "r1") == "admitted", what="admitted")
+    assert replicas(px)["r1"]["attestation"]["report"]["determinism"]["mode"] == "batch_invariant"
+    assert complete(px).status == 200
+    # The server goes away (a restart is a new process): the agent cannot tell any more, and the
+    # next attestation ejects the replica with that reason.
+    srv.kill()
+    srv.wait()
+    poll_until(lambda: state(px, "r1") == "rejected", what="ejected")
+    why = reasons(px, "r1")
+    assert why and why[0].startswith("determinism.mode unattested (cannot tell: /proc/%d/environ"
+                                     % srv.pid), why
+    assert ag.find_logs("determinism"), ag.stderr_text()
+    px.stop()
+    ag.stop()
+
+
+def test_agent_off_or_unset_variable_is_rejected_naming_it():
+    for value, want in (("0", "VLLM_BATCH_INVARIANT=0 in pid %d"),
+                        (None, "VLLM_BATCH_INVARIANT is not set in pid %d"),
+                        ("true", "VLLM_BATCH_INVARIANT=true in pid %d")):
+        sim = start_sim("--model", MODEL)
+        srv = fake_vllm(value)
+        ag = agent("--determinism", "batch_invariant", "--determinism-pid", str(srv.pid))
+        px = agent_proxy(ag, sim)
+        poll_until(lambda: state(px, "r1") == "rejected", what="rejected")
+        assert reasons(px, "r1") == ["determinism.mode unattested (%s)" % (want % srv.pid)], \
+            reasons(px, "r1")
+        assert complete(px).status == 503
+        px.stop()
+        ag.stop()
+        srv.kill()
+        srv.wait()
+
+
+def test_agent_finds_the_server_by_name_and_every_match_must_have_it():
+    name = "vllm-d14-%d" % os.getpid()  # unique: no other process on the box is named so
+    sim = start_sim("--model", MODEL)
+    srv = fake_vllm("1", name=name)
+    ag = agent("--determinism", "batch_invariant", "--determinism-process", name)
+    px = agent_proxy(ag, sim)
+    poll_until(lambda: state(px, "r1") == "admitted", what="admitted")
+    other = fake_vllm("0", name=name)  # a second server process without it
+    poll_until(lambda: state(px, "r1") == "rejected", what="rejected")
+    assert reasons(px, "r1") == ["determinism.mode unattested (VLLM_BATCH_INVARIANT=0 in pid %d)"
+                                 % other.pid], reasons(px, "r1")
+    other.kill()
+    other.wait()
+    poll_until(lambda: state(px, "r1") == "admitted", what="admitted again")
+    srv.kill()
+    srv.wait()
+    poll_until(lambda: state(px, "r1") == "rejected", what="no server")
+    assert reasons(px, "r1")[0].startswith(
+        "determinism.mode unattested (cannot tell: no %s process in /proc" % name), \
+        reasons(px, "r1")
+    px.stop()
+    ag.stop()
+
+
+def test_agent_that_may_not_read_the_server_environment_says_it_cannot_tell():
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        print("    skipped: needs root and setpriv to run the agent as another uid")
+        return
+    sim = start_sim("--model", MODEL)
+    srv = fake_vllm("1")  # runs as root
+    ag = agent("--determinism", "batch_invariant", "--determinism-pid", str(srv.pid), user=65534)
+    px = agent_proxy(ag, sim)
+    poll_until(lambda: state(px, "r1") == "rejected", what="rejected")
+    why = reasons(px, "r1")
+    assert why == ["determinism.mode unattested (cannot tell: /proc/%d/environ: Permission "
+                   "denied (the agent needs the server's uid or CAP_SYS_PTRACE))" % srv.pid], why
+    report = replicas(px)["r1"]["attestation"]["report"]
+    assert report["unattested"]["determinism.mode"].endswith(
+        "(the agent needs the server's uid or CAP_SYS_PTRACE)"), report
+    px.stop()
+    ag.stop()
+    srv.kill()
+    srv.wait()
+
+
+def test_agent_determinism_flags_are_checked():
+    base = [DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0", "--model-dir", TMP,
+            "--model", "m", "--framework", "vllm", "--framework-version", "1"]
+    for flags, want in ((["--determinism", "single_sequence"], "expected batch_invariant"),
+                        (["--determinism-pid", "1"], "need --determinism batch_invariant"),
+                        (["--determinism", "batch_invariant", "--determinism-pid", "x"],
+                         "expected a process id"),
+                        (["--determinism", "batch_invariant", "--determinism-pid", "1",
+                          "--determinism-process", "vllm"], "exclude each other")):
+        rc, out, err = run_cmd(base + flags)
+        assert rc == 2 and want in err, (flags, rc, err)
+
+
+# ---- single_sequence ------------------------------------------------------------------------
+
+def concurrent(px, n, **body):
+    out = []
+
+    def one():
+        out.append(complete(px, **body))
+    ts = [threading.Thread(target=one) for _ in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def last_body(sim):
+    return json.loads(get_json(sim.port, "/_sim/last_request")["body"])
+
+
+def single_sequence_pool(sims, framework=None, **extra):
+    man = {"determinism": {"mode": "single_sequence"}}
+    if framework:
+        man.update(model=MODEL, framework={"name": framework})
+    return pool("p", [MODEL], sims, manifest=man, **extra)
+
+
+def test_single_sequence_never_has_two_requests_at_a_replica():
+    sims = [start_sim("--model", MODEL, "--token-delay-ms", "20") for _ in range(2)]
+    # Without it, the same load overlaps at the replicas: the measurement can see concurrency.
+    px = start_proxy(pools=[pool("p", [MODEL], sims, max_inflight_per_replica=4)])
+    assert all(r.status == 200 for r in concurrent(px, 8, max_tokens=5))
+    assert max(sim_stats(s)["max_inflight_seen"] for s in sims) > 1
+    px.stop()
+    for s in sims:
+        sim_reset(s)
+    cfg_pools = [single_sequence_pool(sims, max_inflight_per_replica=4)]
+    px = start_proxy(pools=cfg_pools, shadow={"rate": 1.0, "self_rate": 0.0})
+    res = concurrent(px, 8, max_tokens=5)
+    assert all(r.status == 200 for r in res), [r.status for r in res]
+    assert [sim_stats(s)["max_inflight_seen"] for s in sims] == [1, 1]
+    # Shadow copies would be a second sequence in flight: none is sent.
+    assert sum(sim_stats(s)["requests"] for s in sims) == 8
+    assert metric(px, "detproxy_shadow_total", pool="p", result="skipped") >= 8
+    cfg = get_json(px.admin_port, "/admin/config")
+    assert cfg["pools"][0]["max_inflight_per_replica"] == 1
+    assert cfg["pools"][0]["manifest"]["determinism"] == {"mode": "single_sequence"}
+    px.stop()
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
+    assert rc == 0, err
+    assert ("pools[0].max_inflight_per_replica: 4 is overridden: the manifest's "
+            "determinism.mode \"single_sequence\" allows one request in flight per replica "
+            "(effective value 1)") in out + err, out + err
+
+
+def test_single_sequence_llamacpp_forwards_cache_prompt_false():
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp")
+    # A long re-attestation interval: the 1-token probe must not become the last request.
+    quiet = {"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False}
+    px = start_proxy(pools=[single_sequence_pool([sim], framework="llamacpp")], attestation=quiet)
+    for body in ({"cache_prompt": True}, {}, {"cache_prompt": False}, {"cache_prompt": "yes"}):
+        r = complete(px, **body)
+        assert r.status == 200, r
+        assert last_body(sim)["cache_prompt"] is False, last_body(sim)
+    assert metric(px, "detproxy_policy_overrides_total", param="cache_prompt",
+                  action="normalized") == 3
+    px.stop()
+    # Other frameworks never get the llama.cpp key; nor does llama.cpp outside single_sequence.
+    vsim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[single_sequence_pool([vsim], framework="vllm")], attestation=quiet)
+    assert complete(px).status == 200
+    assert "cache_prompt" not in last_body(vsim)
+    px.stop()
+    lsim = start_sim("--model", MODEL, "--flavor", "llamacpp")
+    px = start_proxy(pools=[pool("p", [MODEL], [lsim],
+                                 manifest={"model": MODEL, "framework": {"name": "llamacpp"}})],
+                     attestation=quiet)
+    assert complete(px, cache_prompt=True).status == 200
+    assert last_body(lsim)["cache_prompt"] is True
+    px.stop()
+
+
+# ---- require_determinism --------------------------------------------------------------------
+
+STRICT = {"x-tenant": "strict", "content-type": "application/json"}
+
+
+def routing_setup():
+    fast = start_sim("--model", MODEL)
+    det = start_sim("--model", MODEL, "--flavor", "sglang")
+    sim_config(det, deterministic_inference=True)
+    other = start_sim("--model", "other")
+    pools = [pool("fast", [MODEL], [fast]),
+             pool("det", [MODEL], [det], manifest=det_manifest("sglang")),
+             pool("misc", ["other"], [other])]
+    pools[1]["replicas"][0]["name"] = "d1"
+    pools[2]["replicas"][0]["name"] = "o1"
+    policy = {"tenants": [
+        {"name": "strict", "match": {"header": {"name": "x-tenant", "value": "strict"}},
+         "require_determinism": "batch_invariant"},
+        {"name": "default", "match": {"any": True}}]}
+    px = start_proxy(pools=pools, policy=policy, attestation=fast_attestation())
+    return fast, det, px
+
+
+def test_require_determinism_routes_only_to_pools_with_that_mode():
+    fast, det, px = routing_setup()
+    for _ in range(5):
+        r = complete(px, headers=STRICT)
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "d1", r
+        r = complete(px)
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r1", r
+    # A model no batch_invariant pool serves: 404, naming the requirement.
+    r = post_json(px.port, "/v1/completions", {"model": "other", "prompt": "x"}, headers=STRICT)
+    assert r.status == 404, r
+    err = r.json()["error"]
+    assert err["code"] == "determinism_unavailable" and err["param"] == "model", err
+    assert "requires determinism batch_invariant" in err["message"], err
+    assert post_json(px.port, "/v1/completions", {"model": "other", "prompt": "x"}).status == 200
+    # The deterministic pool loses its replica: 503 naming why; other tenants keep being served.
+    sim_config(det, deterministic_inference=False)
+    poll_until(lambda: state(px, "d1") == "rejected", what="d1 rejected")
+    r = complete(px, headers=STRICT)
+    assert r.status == 503, r
+    err = r.json()["error"]
+    assert err["code"] == "no_attested_replica", err
+    assert ("no attested replica is available in pool det, whose determinism.mode "
+            "\"batch_invariant\" this tenant requires") in err["message"], err
+    assert complete(px).status == 200
+    px.stop()
+
+
+def test_config_errors_name_their_json_path():
+    sim = start_sim("--model", MODEL)
+
+    def check(pools, policy=None):
+        cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": pools}
+        if policy:
+            cfg["policy"] = policy
+        return run_cmd([DETPROXY_BIN, "check", "-c", write_config(cfg)])
+
+    for det, want in (({"mode": "fast"}, "pools[0].manifest.determinism.mode: must be one of "
+                                         "batch_invariant, single_sequence"),
+                      ({}, "pools[0].manifest.determinism.mode: required"),
+                      ({"mode": "single_sequence", "x": 1}, "pools[0].manifest.determinism.x"),
+                      ("single_sequence", "pools[0].manifest.determinism: expected an object")):
+        rc, out, err = check([pool("p", [MODEL], [sim], manifest={"determinism": det})])
+        assert rc == 1 and want in err, (det, rc, err)
+    plain = [pool("p", [MODEL], [sim])]
+    rc, out, err = check(plain, {"tenants": [{"name": "t", "match": {"any": True},
+                                              "require_determinism": "batch_invariant"}]})
+    assert rc == 1 and ("policy.tenants[0].require_determinism: \"batch_invariant\", but no "
+                        "pool's manifest has determinism.mode \"batch_invariant\"") in err, err
+    rc, out, err = check(plain, {"tenants": [{"name": "t", "match": {"any": True}, "pool": "p",
+                                              "require_determinism": "single_sequence"}]})
+    assert rc == 1 and ("policy.tenants[0].require_determinism: \"single_sequence\", but its "
+                        "pool \"p\" has determinism.mode \"none\"") in err, err
+    rc, out, err = check(plain, {"tenants": [{"name": "t", "match": {"any": True},
+                                              "require_determinism": "always"}]})
+    assert rc == 1 and "policy.tenants[0].require_determinism: must be one of" in err, err
+
+
+if __name__ == "__main__":
+    run_tests(globals())
