@@ -1,0 +1,127 @@
+/* Deterministic pools (SPEC §16), the policy side: cache_prompt false on single_sequence
+ * llama.cpp pools, and require_determinism choosing the pool. */
+#include <criterion/criterion.h>
+
+#include <string.h>
+
+#include "policy/policy.h"
+
+static const char CONFIG[] =
+    "{\"listen\":\"127.0.0.1:0\",\"admin_listen\":\"127.0.0.1:0\",\"pools\":["
+    "{\"name\":\"fast\",\"models\":[\"m\",\"other\"],\"replicas\":[{\"name\":\"a\","
+    "\"url\":\"http://127.0.0.1:1\"}]},"
+    "{\"name\":\"seq\",\"models\":[\"m\"],\"max_inflight_per_replica\":8,\"manifest\":{\"model\":"
+    "\"m\",\"framework\":{\"name\":\"llamacpp\"},\"determinism\":{\"mode\":\"single_sequence\"}},"
+    "\"replicas\":[{\"name\":\"b\",\"url\":\"http://127.0.0.1:2\"}]}],"
+    "\"policy\":{\"tenants\":[{\"name\":\"strict\",\"match\":{\"header\":{\"name\":\"x-t\","
+    "\"value\":\"s\"}},\"require_determinism\":\"single_sequence\"},"
+    "{\"name\":\"default\",\"match\":{\"any\":true}}]}}";
+
+static cfg_t *cfg;
+static cfg_errors_t errs;
+static policy_req_t *req;
+
+static void setup(void)
+{
+    memset(&errs, 0, sizeof(errs));
+    cr_assert_eq(cfg_load_string(CONFIG, sizeof(CONFIG) - 1, "/", &cfg, &errs), 0, "%s",
+                 errs.count ? errs.items[0] : "");
+    req = policy_req_new();
+}
+
+static void teardown(void)
+{
+    policy_req_free(req);
+    cfg_free(cfg);
+    cfg_errors_free(&errs);
+}
+
+TestSuite(determinism_policy, .init = setup, .fini = teardown);
+
+static int decide(int tenant, const char *body, const cfg_pool_t **pool, policy_result_t *res,
+                  policy_error_t *err)
+{
+    return policy_decide(cfg, &cfg->policy->tenants[tenant], req, POLICY_ROUTE_COMPLETIONS, body,
+                         strlen(body), pool, res, err);
+}
+
+Test(determinism_policy, single_sequence_pool_is_one_in_flight_and_check_warns)
+{
+    const cfg_pool_t *seq = cfg_pool_by_name(cfg, "seq");
+    cr_assert_eq(seq->max_inflight_per_replica, 1);
+    cr_assert_eq(cfg_pool_by_name(cfg, "fast")->max_inflight_per_replica, 0);
+    cr_assert_eq(errs.nwarnings, 1);
+    cr_assert_str_eq(errs.warnings[0],
+                     "pools[1].max_inflight_per_replica: 8 is overridden: the manifest's "
+                     "determinism.mode \"single_sequence\" allows one request in flight per "
+                     "replica (effective value 1)");
+}
+
+Test(determinism_policy, tenants_route_by_mode)
+{
+    const cfg_pool_t *pool;
+    policy_result_t res;
+    policy_error_t err;
+    cr_assert_eq(decide(1, "{\"model\":\"m\",\"prompt\":\"x\"}", &pool, &res, &err), 0);
+    cr_assert_str_eq(pool->name, "fast");
+    cr_assert_not(res.rewritten, "no cache_prompt on the plain pool");
+    policy_req_reset(req);
+    cr_assert_eq(decide(0, "{\"model\":\"m\",\"prompt\":\"x\"}", &pool, &res, &err), 0);
+    cr_assert_str_eq(pool->name, "seq");
+    policy_req_reset(req);
+    cr_assert_eq(decide(0, "{\"model\":\"other\",\"prompt\":\"x\"}", &pool, &res, &err), -1);
+    cr_assert_eq(err.status, 404);
+    cr_assert_str_eq(err.code, "determinism_unavailable");
+    cr_assert_str_eq(err.param, "model");
+    cr_assert_str_eq(err.message, "this tenant requires determinism single_sequence and no pool "
+                                  "with that determinism.mode serves this model");
+    policy_req_reset(req);
+    cr_assert_eq(decide(0, "{\"model\":\"nope\",\"prompt\":\"x\"}", &pool, &res, &err), -1);
+    cr_assert_str_eq(err.code, "model_not_found");
+}
+
+static void forwarded(const char *body, const char *want, const char *before)
+{
+    const cfg_pool_t *pool;
+    policy_result_t res;
+    policy_error_t err;
+    policy_req_reset(req);
+    cr_assert_eq(decide(0, body, &pool, &res, &err), 0, "%s", err.message);
+    cr_assert_eq((int)res.body.len, (int)strlen(want), "%.*s", (int)res.body.len, res.body.base);
+    cr_assert(memcmp(res.body.base, want, res.body.len) == 0, "%.*s", (int)res.body.len,
+              res.body.base);
+    if (before == NULL) {
+        cr_assert_eq(res.nchanges, 0);
+        return;
+    }
+    cr_assert_eq(res.nchanges, 1);
+    cr_assert_str_eq(res.changes[0].param, "cache_prompt");
+    cr_assert_eq(res.changes[0].action, POLICY_NORMALIZED);
+    cr_assert_str_eq(res.changes[0].before, before);
+    cr_assert_str_eq(res.changes[0].after, "false");
+}
+
+Test(determinism_policy, llamacpp_single_sequence_forwards_cache_prompt_false)
+{
+    forwarded("{\"model\":\"m\",\"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"prompt\":\"x\",\"cache_prompt\":false}", "");
+    forwarded("{\"model\":\"m\", \"cache_prompt\": true, \"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "true");
+    forwarded("{\"model\":\"m\",\"cache_prompt\":null,\"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "null");
+    forwarded("{\"model\":\"m\",\"cache_prompt\":\"yes\",\"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "\"yes\"");
+    /* Already false: the client's own bytes go, untouched. */
+    forwarded("{\"model\":\"m\", \"cache_prompt\":false, \"prompt\":\"x\"}",
+              "{\"model\":\"m\", \"cache_prompt\":false, \"prompt\":\"x\"}", NULL);
+}
+
+Test(determinism_policy, policy_apply_itself_never_touches_cache_prompt)
+{
+    policy_result_t res;
+    policy_error_t err;
+    static const char body[] = "{\"model\":\"m\",\"cache_prompt\":true,\"prompt\":\"x\"}";
+    cr_assert_eq(policy_parse(req, POLICY_ROUTE_COMPLETIONS, body, sizeof(body) - 1, &err), 0);
+    cr_assert_eq(policy_apply(req, &cfg->policy->tenants[1], "llamacpp", &res, &err), 0);
+    cr_assert_not(res.rewritten);
+}
