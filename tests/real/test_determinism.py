@@ -1,0 +1,161 @@
+"""Deterministic pools in front of real llama.cpp servers (issue 14, SPEC §16): `--kv-unified`
+replicas under concurrency give other temperature-0 outputs than each prompt alone; the same
+replicas in a `single_sequence` pool (one request in flight per replica, cache_prompt false) give
+the sequential outputs every time. The throughput both ways is the price, printed as a
+`measured: {...}` line (docs/policy.md quotes it).
+
+Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
+77 when it is missing or the Debian archive cannot be reached."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+
+from harness import SOURCE_DIR, free_port, get_json, post_json, run_tests  # noqa: E402
+from proxyutil import start_proxy  # noqa: E402
+
+SCRIPT = os.environ.get("DETPROXY_REAL_ENGINE") or os.path.join(SOURCE_DIR, "scripts",
+                                                                "real-engine.sh")
+TMP = tempfile.mkdtemp(prefix="detproxy-real-det-")
+# llama-server's unified KV cache (its default without -np) batches the slots' sequences
+# together: the batch a prompt lands in changes its temperature-0 output. -t 1: two replicas
+# share the two cores.
+FLAGS = ["--kv-unified", "-np", "4", "-t", "1"]
+PROMPTS = ["Entry %d of the ledger: the shop sold %d books and" % (i, 3 * i + 1)
+           for i in range(20)]
+MAX_TOKENS = 64
+ROUNDS = 4
+CONCURRENCY = 8
+
+
+def engine(*args, check=True):
+    r = subprocess.run([SCRIPT] + list(args), capture_output=True, text=True, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError("real-engine.sh %s: rc %d\n%s" % (" ".join(args), r.returncode,
+                                                              r.stderr[-2000:]))
+    return r
+
+
+def skip(why):
+    print("SKIPPED: " + why, flush=True)
+    sys.exit(77)
+
+
+if not os.access(SCRIPT, os.X_OK):
+    skip("no %s (real llama.cpp engine script)" % SCRIPT)
+_setup = engine("setup", check=False)
+if _setup.returncode == 77:
+    skip("the Debian archive cannot be reached to build the llama.cpp chroot")
+assert _setup.returncode == 0, _setup.stderr
+
+_started = []
+
+
+def replicas(n):
+    urls = []
+    for i in range(n):
+        name = "det-%d-%d" % (os.getpid(), i)
+        port = free_port()
+        _started.append(name)
+        for _ in range(3):  # start may misreport a live server as exited: try again
+            engine("stop", name)
+            if engine("start", name, str(port), "f16", "--", *FLAGS, check=False).returncode == 0:
+                break
+        else:
+            raise AssertionError("cannot start llama-server %s" % name)
+        urls.append("http://127.0.0.1:%d" % port)
+    return urls
+
+
+def proxy(urls, manifest=None):
+    pool = {"name": "p", "models": ["*"], "max_inflight_per_replica": 4,
+            "replicas": [{"name": "r%d" % (i + 1), "url": u} for i, u in enumerate(urls)]}
+    if manifest:
+        pool["manifest"] = manifest
+    return start_proxy(pools=[pool], directory=TMP, timeout=30,
+                       attestation={"interval_ms": 600000, "timeout_ms": 5000},
+                       policy={"tenants": [{"name": "t", "match": {"any": True}}]})
+
+
+def ask(px, prompt):
+    r = post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": prompt,
+                                               "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status == 200, r
+    return r.json()["choices"][0]["text"]
+
+
+def rounds(px, reference):
+    """ROUNDS passes over PROMPTS, CONCURRENCY at a time. Returns (prompts whose answer ever
+    differed from its sequential one, answers that differed, requests per second)."""
+    diverged, wrong, n = set(), 0, 0
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    for _ in range(ROUNDS):
+        todo = list(range(len(PROMPTS)))
+
+        def worker():
+            nonlocal wrong, n
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop()
+                text = ask(px, PROMPTS[i])
+                with lock:
+                    n += 1
+                    if text != reference[i]:
+                        wrong += 1
+                        diverged.add(i)
+        ts = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return diverged, wrong, n / (time.monotonic() - t0)
+
+
+def test_single_sequence_gives_the_sequential_answers_under_concurrency():
+    urls = replicas(2)
+    try:
+        seq = proxy(urls, manifest={"framework": {"name": "llamacpp"},
+                                    "determinism": {"mode": "single_sequence"}})
+        try:
+            # The reference: each prompt alone on its replica.
+            reference = [ask(seq, p) for p in PROMPTS]
+            seq_div, seq_wrong, seq_rps = rounds(seq, reference)
+        finally:
+            seq.stop()
+        plain = proxy(urls)
+        try:
+            plain_div, plain_wrong, plain_rps = rounds(plain, reference)
+        finally:
+            plain.stop()
+        total = ROUNDS * len(PROMPTS)
+        print("measured: " + json.dumps({
+            "flags": " ".join(FLAGS), "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS,
+            "requests_per_mode": total, "client_concurrency": CONCURRENCY,
+            "plain_prompts_diverged": len(plain_div), "plain_answers_diverged": plain_wrong,
+            "single_sequence_prompts_diverged": len(seq_div),
+            "single_sequence_answers_diverged": seq_wrong,
+            "plain_requests_per_s": round(plain_rps, 2),
+            "single_sequence_requests_per_s": round(seq_rps, 2)}), flush=True)
+        assert seq_wrong == 0, sorted(seq_div)
+        assert plain_wrong > 0, "the unified KV cache did not diverge under concurrency"
+    finally:
+        stop_all()
+
+
+def stop_all():
+    if _started:
+        engine("stop", *_started, check=False)
+        del _started[:]
+
+
+if __name__ == "__main__":
+    run_tests(globals())
