@@ -386,20 +386,46 @@ static void start_job(agent_t *a, bool full)
 
 /* ---- determinism (--determinism batch_invariant, SPEC §16) -------------------------------- */
 
-static void det_refresh(agent_t *a)
+static void det_set(agent_t *a, int rc, const char *why)
 {
-    if (a->det.proc == NULL)
-        return;
-    int rc = attest_vllm_batch_invariant(&a->det, &a->det_why);
     if (rc == 1)
         attest_report_set(&a->ident, ATTEST_F_DETERMINISM, "batch_invariant");
     else
-        attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM, a->det_why.base);
+        attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM, why);
     if (rc != a->det_last) {
         a->det_last = rc;
         log_kv(rc == 1 ? DP_LOG_INFO : DP_LOG_WARN, "determinism", "batch_invariant",
-               rc == 1 ? "true" : rc == 0 ? "false" : "cannot_tell", "detail", a->det_why.base);
+               rc == 1 ? "true" : rc == 0 ? "false" : "cannot_tell", "detail", why);
     }
+}
+
+/* SGLang and llama.cpp say it themselves (adapters.h): with --framework-url reading one of them,
+ * their answer is the agent's, and /proc is not looked at. */
+static bool det_by_adapter(const agent_t *a)
+{
+    const char *fw = a->ident.framework_name;
+    return a->fw.url.host && a->fw.known == 1 && fw &&
+           (strcmp(fw, "sglang") == 0 || strcmp(fw, "llamacpp") == 0);
+}
+
+static void det_from_adapter(agent_t *a, const attest_report_t *r)
+{
+    if (a->det.proc == NULL || !det_by_adapter(a))
+        return;
+    det_set(a, r->determinism ? 1 : 0,
+            r->determinism ? "batch_invariant" : r->unattested_note[ATTEST_F_DETERMINISM]);
+}
+
+static void det_refresh(agent_t *a)
+{
+    if (a->det.proc == NULL || det_by_adapter(a))
+        return;
+    if (a->fw.url.host && a->fw.known == -1) {
+        attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM, "framework not read yet");
+        return;
+    }
+    int rc = attest_vllm_batch_invariant(&a->det, &a->det_why);
+    det_set(a, rc, a->det_why.base);
 }
 
 static void on_watch(uv_timer_t *t)
@@ -505,6 +531,7 @@ static void fw_checked(attest_outcome_t *out, void *data)
         f->running = false;
         dp_buf_reset(&f->unreachable);
         fw_set(a, r->framework_name, r->framework_version, NULL);
+        det_from_adapter(a, r);
         if (r->engine_fingerprint)
             attest_engine_fingerprint_set(&a->ident, r->engine_fingerprint);
         else
@@ -739,7 +766,8 @@ static const char serve_usage[] =
     "                              runs with VLLM_BATCH_INVARIANT=1, read from its\n"
     "                              /proc/PID/environ (needs a shared process namespace and the\n"
     "                              server's uid or CAP_SYS_PTRACE; otherwise it says it cannot\n"
-    "                              tell, and the replica is not admitted as batch_invariant)\n"
+    "                              tell, and the replica is not admitted as batch_invariant);\n"
+    "                              an SGLang or llama.cpp at --framework-url answers itself\n"
     "  --determinism-pid PID       the vLLM server's pid (default: find it by name)\n"
     "  --determinism-process NAME  the command to look for in /proc (default vllm: \"vllm ...\",\n"
     "                              \"python3 .../vllm ...\" or \"python -m vllm....\"); every\n"
@@ -959,7 +987,11 @@ int agent_cmd_serve(int argc, char **argv)
                                      .process = det_process ? det_process : "vllm",
                                      .self = getpid()};
         a->det_last = 2;
-        det_refresh(a);
+        if (fw_url) /* which framework answers decides where to look: wait for its read */
+            attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM,
+                                         "framework not read yet");
+        else
+            det_refresh(a);
     }
 
     if (key_path) {

@@ -3,11 +3,11 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+
+#include "common/util.h"
 
 #define VAR "VLLM_BATCH_INVARIANT"
 #define ENVIRON_MAX ((size_t)1 << 20) /* ARG_MAX-sized environments are already absurd */
@@ -96,31 +96,12 @@ bool attest_cmdline_runs(const char *cmdline, size_t len, const char *name)
     return w2 && n2 >= nl && memcmp(w2, name, nl) == 0 && (n2 == nl || w2[nl] == '.');
 }
 
-/* Read a whole /proc file (at most max bytes). 0, or -errno. */
+/* A whole /proc file into out (reset first): 0, or -errno (-EFBIG past max, with what was
+ * read kept). */
 static int read_small(const char *path, size_t max, dp_buf_t *out)
 {
     dp_buf_reset(out);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    int rc = 0;
-    for (;;) {
-        dp_buf_reserve(out, 4096);
-        ssize_t r = read(fd, out->base + out->len, out->cap - out->len);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            rc = -errno;
-            break;
-        }
-        if (r == 0)
-            break;
-        out->len += (size_t)r;
-        if (out->len >= max)
-            break;
-    }
-    close(fd);
-    return rc;
+    return dp_read_file(path, max, out);
 }
 
 static const char *errno_hint(int e)
@@ -180,7 +161,8 @@ static int scan(const attest_det_opts_t *o, pid_t *pids, dp_buf_t *scratch)
             continue;
         char path[512];
         snprintf(path, sizeof(path), "%s/%ld/cmdline", o->proc, pid);
-        if (read_small(path, CMDLINE_MAX, scratch) == 0 &&
+        int rr = read_small(path, CMDLINE_MAX, scratch);
+        if ((rr == 0 || rr == -EFBIG) && /* a long command line: its first words are read */
             attest_cmdline_runs(scratch->base ? scratch->base : "", scratch->len, o->process))
             pids[n++] = (pid_t)pid;
     }

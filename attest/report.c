@@ -299,9 +299,6 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
     dp_jw_str(w, "version", r->framework_version);
     dp_jw_obj_end(w);
     dp_jw_str(w, "engine_fingerprint", r->engine_fingerprint);
-    dp_jw_obj_begin(w, "determinism");
-    dp_jw_str(w, "mode", r->determinism);
-    dp_jw_obj_end(w);
     if (r->engine_hardware || r->engine_tp) {
         dp_jw_obj_begin(w, "engine");
         dp_jw_str(w, "hardware", r->engine_hardware);
@@ -311,6 +308,9 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
             dp_jw_null(w, "tensor_parallel");
         dp_jw_obj_end(w);
     }
+    dp_jw_obj_begin(w, "determinism");
+    dp_jw_str(w, "mode", r->determinism);
+    dp_jw_obj_end(w);
     dp_jw_str(w, "nonce", r->nonce);
     dp_jw_str(w, "issued_at", r->issued_at);
     dp_jw_bool(w, "signed", r->is_signed);

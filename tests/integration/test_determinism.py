@@ -240,6 +240,25 @@ def test_agent_that_may_not_read_the_server_environment_says_it_cannot_tell():
     srv.wait()
 
 
+def test_agent_reading_sglang_takes_its_own_answer():
+    sim = start_sim("--model", MODEL, "--flavor", "sglang")
+    sim_config(sim, deterministic_inference=True)
+    ag = start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                        "--model-dir", model_dir(), "--model", MODEL, "--framework-url",
+                        "http://127.0.0.1:%d" % sim.port, "--framework-refresh-ms", "100",
+                        "--watch-interval-ms", "100", "--determinism", "batch_invariant"],
+                       name="agent")
+    px = agent_proxy(ag, sim)
+    poll_until(lambda: state(px, "r1") == "admitted", what="admitted")
+    sim_config(sim, deterministic_inference=False)
+    poll_until(lambda: state(px, "r1") == "rejected", what="ejected")
+    assert reasons(px, "r1") == [
+        "determinism.mode unattested (sglang enable_deterministic_inference is false)"], \
+        reasons(px, "r1")
+    px.stop()
+    ag.stop()
+
+
 def test_agent_determinism_flags_are_checked():
     base = [DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0", "--model-dir", TMP,
             "--model", "m", "--framework", "vllm", "--framework-version", "1"]

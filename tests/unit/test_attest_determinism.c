@@ -290,6 +290,15 @@ Test(determinism_env, a_fake_proc_tree)
     FAKE(12, "sleep\0100\0", "PATH=/bin\0");
     cr_assert_eq(check(0, "vllm", &why), 1, "%s", why.base);
     cr_assert_str_eq(why.base, "VLLM_BATCH_INVARIANT on in pid 10");
+    /* A server with a long command line (many flags) is still found by its first words. */
+    static char longcmd[10000];
+    memset(longcmd, 'x', sizeof(longcmd));
+    memcpy(longcmd, "vllm\0serve\0", 11);
+    fake_proc(15, longcmd, sizeof(longcmd), "VLLM_BATCH_INVARIANT=1\0", 23);
+    cr_assert_eq(check(0, "vllm", &why), 1, "%s", why.base);
+    cr_assert(strcmp(why.base, "VLLM_BATCH_INVARIANT on in pid 10 15") == 0 ||
+                  strcmp(why.base, "VLLM_BATCH_INVARIANT on in pid 15 10") == 0,
+              "%s", why.base);
     FAKE(11, "python3\0-m\0vllm.entrypoints.openai.api_server\0", "VLLM_BATCH_INVARIANT=0\0");
     cr_assert_eq(check(0, "vllm", &why), 0);
     cr_assert_str_eq(why.base, "VLLM_BATCH_INVARIANT=0 in pid 11");

@@ -233,12 +233,14 @@ Test(attest_report, copy_and_json)
     cr_assert_str_eq(out.base,
                      "{\"model\":\"m\",\"checkpoint_sha256\":null,\"quantization\":null,\"dtype\":"
                      "null,\"framework\":{\"name\":null,\"version\":null},"
-                     "\"engine_fingerprint\":null,\"nonce\":null,\"issued_at\":null,"
+                     "\"engine_fingerprint\":null,\"determinism\":{\"mode\":null},"
+                     "\"nonce\":null,\"issued_at\":null,"
                      "\"signed\":false,\"keyid\":null,\"source\":\"tgi\","
                      "\"unattested\":{\"checkpoint_sha256\":\"not reported\",\"quantization\":"
                      "\"not in /info\",\"dtype\":\"not reported\",\"framework.name\":\"not "
                      "reported\",\"framework.version\":\"not reported\","
-                     "\"engine_fingerprint\":\"not reported\"}}");
+                     "\"engine_fingerprint\":\"not reported\","
+                     "\"determinism.mode\":\"not reported\"}}");
     attest_report_clear(&c);
     dp_buf_free(&out);
 }
