@@ -395,7 +395,10 @@ static void det_set(agent_t *a, int rc, const char *why)
     if (rc != a->det_last) {
         a->det_last = rc;
         log_kv(rc == 1 ? DP_LOG_INFO : DP_LOG_WARN, "determinism", "batch_invariant",
-               rc == 1 ? "true" : rc == 0 ? "false" : "cannot_tell", "detail", why);
+               rc == 1   ? "true"
+               : rc == 0 ? "false"
+                         : "cannot_tell",
+               "detail", why);
     }
 }
 
@@ -824,8 +827,9 @@ static int parse_determinism(const char *mode, const char *pid, const char *proc
         errno = 0;
         long v = strtol(pid, &end, 10);
         if (errno || *end || end == pid || v <= 0 || v > 0x3fffffff) {
-            fprintf(stderr, "detproxy attest serve: --determinism-pid %s: expected a process id "
-                            "(try --help)\n",
+            fprintf(stderr,
+                    "detproxy attest serve: --determinism-pid %s: expected a process id "
+                    "(try --help)\n",
                     pid);
             return -1;
         }
@@ -988,8 +992,7 @@ int agent_cmd_serve(int argc, char **argv)
                                      .self = getpid()};
         a->det_last = 2;
         if (fw_url) /* which framework answers decides where to look: wait for its read */
-            attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM,
-                                         "framework not read yet");
+            attest_report_set_unattested(&a->ident, ATTEST_F_DETERMINISM, "framework not read yet");
         else
             det_refresh(a);
     }

@@ -91,8 +91,8 @@ bool attest_cmdline_runs(const char *cmdline, size_t len, const char *name)
         return false;
     if (base_is(w0, n0, name) || (w1 && base_is(w1, n1, name)))
         return true;
-    const char *w2 = w1 && n1 == 2 && memcmp(w1, "-m", 2) == 0 ? argv_word(cmdline, len, 2, &n2)
-                                                               : NULL;
+    const char *w2 =
+        w1 && n1 == 2 && memcmp(w1, "-m", 2) == 0 ? argv_word(cmdline, len, 2, &n2) : NULL;
     return w2 && n2 >= nl && memcmp(w2, name, nl) == 0 && (n2 == nl || w2[nl] == '.');
 }
 

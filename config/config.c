@@ -386,15 +386,15 @@ static void check_tenant_determinism(cfg_ctx_t *c, const cfg_t *cfg, const cfg_t
     if (pinned != NULL) {
         if (cfg_pool_determinism(pinned) != want)
             cfg_err(c, "require_determinism",
-                    "\"%s\", but its pool \"%s\" has determinism.mode \"%s\"", name,
-                    pinned->name, cfg_determinism_names[cfg_pool_determinism(pinned)]);
+                    "\"%s\", but its pool \"%s\" has determinism.mode \"%s\"", name, pinned->name,
+                    cfg_determinism_names[cfg_pool_determinism(pinned)]);
         return;
     }
     for (size_t i = 0; i < cfg->npools; i++)
         if (cfg_pool_determinism(&cfg->pools[i]) == want)
             return;
-    cfg_err(c, "require_determinism",
-            "\"%s\", but no pool's manifest has determinism.mode \"%s\"", name, name);
+    cfg_err(c, "require_determinism", "\"%s\", but no pool's manifest has determinism.mode \"%s\"",
+            name, name);
 }
 
 static void check_tenants(cfg_ctx_t *c, const cfg_t *cfg, const char *policy_file)

@@ -6,11 +6,16 @@
 
 #include "common/util.h"
 
-static const char *const manifest_keys[] = {"model",        "checkpoint_sha256",
-                                            "quantization", "dtype",
-                                            "framework",    "engine_fingerprint",
-                                            "canary",       "oms",
-                                            "accept",       "determinism",
+static const char *const manifest_keys[] = {"model",
+                                            "checkpoint_sha256",
+                                            "quantization",
+                                            "dtype",
+                                            "framework",
+                                            "engine_fingerprint",
+                                            "canary",
+                                            "oms",
+                                            "accept",
+                                            "determinism",
                                             NULL};
 static const char *const oms_keys[] = {"signer", NULL};
 static const char *const determinism_keys[] = {"mode", NULL};
@@ -272,10 +277,9 @@ const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i)
 
 bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
-    return m != NULL &&
-           (m->model || m->checkpoint_sha256 || m->quantization || m->dtype || m->framework_name ||
-            m->framework_version || m->engine_fingerprint || m->oms_signer ||
-            m->determinism == CFG_DETERMINISM_BATCH_INVARIANT);
+    return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
+                         m->framework_name || m->framework_version || m->engine_fingerprint ||
+                         m->oms_signer || m->determinism == CFG_DETERMINISM_BATCH_INVARIANT);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])

@@ -38,9 +38,12 @@ static const param_range_t param_ranges[CFG_PARAM__COUNT] = {
 };
 
 static const char *const policy_keys[] = {"tenants", NULL};
-static const char *const tenant_keys[] = {
-    "name",         "match", "pool",        "sampling",   "deny_params",
-    "allow_params", "audit", "shadow_rate", "rate_limit", "require_determinism", NULL};
+static const char *const tenant_keys[] = {"name",        "match",
+                                          "pool",        "sampling",
+                                          "deny_params", "allow_params",
+                                          "audit",       "shadow_rate",
+                                          "rate_limit",  "require_determinism",
+                                          NULL};
 static const char *const rate_limit_keys[] = {"requests_per_second", "burst", NULL};
 static const char *const match_keys[] = {"api_keys_sha256", "header", "any", "unknown_keys", NULL};
 static const char *const header_keys[] = {"name", "value", NULL};

@@ -1136,6 +1136,5 @@ int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *
                       policy_result_t *out, policy_error_t *err)
 {
     const char *fw = pool->manifest ? pool->manifest->framework_name : NULL;
-    return apply(r, t, fw, cfg_pool_determinism(pool) == CFG_DETERMINISM_SINGLE_SEQUENCE, out,
-                 err);
+    return apply(r, t, fw, cfg_pool_determinism(pool) == CFG_DETERMINISM_SINGLE_SEQUENCE, out, err);
 }

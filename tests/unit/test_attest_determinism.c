@@ -115,8 +115,7 @@ static void llamacpp(const char *slots, attest_report_t *r)
     dp_buf_t why = {0};
     dp_iovec_t b[2] = {IOV(props), NONE};
     memset(r, 0, sizeof(*r));
-    cr_assert_eq(attest_adapter_for(CFG_ATTEST_LLAMACPP)->parse(b, 2, r, &why), 0, "%s",
-                 why.base);
+    cr_assert_eq(attest_adapter_for(CFG_ATTEST_LLAMACPP)->parse(b, 2, r, &why), 0, "%s", why.base);
     dp_buf_free(&why);
 }
 
@@ -140,7 +139,8 @@ Test(determinism_adapters, llamacpp_total_slots)
     attest_report_clear(&r);
 }
 
-/* ---- match ------------------------------------------------------------------------------------ */
+/* ---- match ------------------------------------------------------------------------------------
+ */
 
 Test(determinism_match, batch_invariant_must_be_attested_single_sequence_pins_nothing)
 {
@@ -220,8 +220,8 @@ Test(determinism_env, vllm_reads_the_flag_as_int_not_zero)
     static const struct {
         const char *v;
         bool on;
-    } cases[] = {{"1", true}, {" 1\n", true}, {"2", true},    {"+1", true}, {"0", false},
-                 {"00", false}, {"", false},  {"true", false}, {"1x", false}, {"-0", false}};
+    } cases[] = {{"1", true},   {" 1\n", true}, {"2", true},     {"+1", true},  {"0", false},
+                 {"00", false}, {"", false},    {"true", false}, {"1x", false}, {"-0", false}};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         cr_assert_eq(attest_env_flag_on(cases[i].v, strlen(cases[i].v)), cases[i].on, "'%s'",
                      cases[i].v);
