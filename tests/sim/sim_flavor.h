@@ -35,7 +35,7 @@ typedef struct {
     uint32_t max_model_len;
     uint32_t total_slots;         /* llama.cpp /props total_slots (--parallel); default 4 */
     bool deterministic_inference; /* SGLang enable_deterministic_inference; default false */
-    uint64_t created; /* unix seconds, used for "created" fields */
+    uint64_t created;             /* unix seconds, used for "created" fields */
 } sim_identity_t;
 
 /* Parse "vllm|tgi|sglang|llamacpp"; -1 when unknown. */
