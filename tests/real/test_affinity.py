@@ -9,69 +9,27 @@ Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SK
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import SOURCE_DIR, free_port, post_json, run_tests  # noqa: E402
+from realutil import require_engine, servers, stop_servers  # noqa: E402
+from harness import post_json, run_tests  # noqa: E402 (realutil puts it on the path)
 from proxyutil import start_proxy  # noqa: E402
 
-SCRIPT = os.environ.get("DETPROXY_REAL_ENGINE") or os.path.join(SOURCE_DIR, "scripts",
-                                                                "real-engine.sh")
 TMP = tempfile.mkdtemp(prefix="detproxy-real-affinity-")
 # The model's context is lifted to 8192 so a slot holds a 2 KB system prompt and its history.
 FLAGS = ["-c", "16384", "--override-kv", "llama.context_length=int:8192"]
 SYSTEM = ("You are the support assistant of a small bookshop. Answer in one short sentence. "
           * 26)[:2048]
 
-
-def engine(*args, check=True):
-    r = subprocess.run([SCRIPT] + list(args), capture_output=True, text=True, timeout=600)
-    if check and r.returncode != 0:
-        raise AssertionError("real-engine.sh %s: rc %d\n%s" % (" ".join(args), r.returncode,
-                                                              r.stderr[-2000:]))
-    return r
-
-
-def skip(why):
-    print("SKIPPED: " + why, flush=True)
-    sys.exit(77)
-
-
-if not os.access(SCRIPT, os.X_OK):
-    skip("no %s (real llama.cpp engine script)" % SCRIPT)
-_setup = engine("setup", check=False)
-if _setup.returncode == 77:
-    skip("the Debian archive cannot be reached to build the llama.cpp chroot")
-assert _setup.returncode == 0, _setup.stderr
-
-_started = []
+require_engine()
 
 
 def replicas(*extra_flags):
-    """Start one llama-server per entry of extra_flags; returns their URLs."""
-    urls = []
-    for flags in extra_flags:
-        name = "aff-%d-%d" % (os.getpid(), len(_started))
-        port = free_port()
-        _started.append(name)
-        for _ in range(3):  # start may misreport a live server as exited: try again
-            engine("stop", name)
-            if engine("start", name, str(port), "f16", "--", *(FLAGS + list(flags)),
-                      check=False).returncode == 0:
-                break
-        else:
-            raise AssertionError("cannot start llama-server %s" % name)
-        urls.append("http://127.0.0.1:%d" % port)
-    return urls
-
-
-def stop_all():
-    if _started:
-        engine("stop", *_started, check=False)
-        del _started[:]
+    """One llama-server per entry of extra_flags (added to FLAGS); their URLs."""
+    return servers("aff", [FLAGS + list(f) for f in extra_flags])
 
 
 def proxy(urls):
@@ -115,7 +73,7 @@ def test_a_conversation_stays_on_the_replica_holding_its_history():
                                               3)}), flush=True)
     finally:
         px.stop()
-        stop_all()
+        stop_servers()
 
 
 def test_one_prompt_one_answer_in_a_pool_with_a_fa_off_replica():
@@ -137,11 +95,11 @@ def test_one_prompt_one_answer_in_a_pool_with_a_fa_off_replica():
                                          "prompts_homed_on_fa_off": met_r3}), flush=True)
     finally:
         px.stop()
-        stop_all()
+        stop_servers()
 
 
 if __name__ == "__main__":
     try:
         run_tests(globals())
     finally:
-        stop_all()
+        stop_servers()

@@ -9,19 +9,17 @@ Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SK
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import SOURCE_DIR, free_port, get_json, post_json, run_tests  # noqa: E402
+from realutil import require_engine, servers, stop_servers  # noqa: E402
+from harness import post_json, run_tests  # noqa: E402 (realutil puts it on the path)
 from proxyutil import start_proxy  # noqa: E402
 
-SCRIPT = os.environ.get("DETPROXY_REAL_ENGINE") or os.path.join(SOURCE_DIR, "scripts",
-                                                                "real-engine.sh")
 TMP = tempfile.mkdtemp(prefix="detproxy-real-det-")
 # llama-server's unified KV cache (its default without -np) batches the slots' sequences
 # together: the batch a prompt lands in changes its temperature-0 output. -t 1: two replicas
@@ -33,44 +31,7 @@ MAX_TOKENS = 64
 ROUNDS = 4
 CONCURRENCY = 8
 
-
-def engine(*args, check=True):
-    r = subprocess.run([SCRIPT] + list(args), capture_output=True, text=True, timeout=600)
-    if check and r.returncode != 0:
-        raise AssertionError("real-engine.sh %s: rc %d\n%s" % (" ".join(args), r.returncode,
-                                                              r.stderr[-2000:]))
-    return r
-
-
-def skip(why):
-    print("SKIPPED: " + why, flush=True)
-    sys.exit(77)
-
-
-if not os.access(SCRIPT, os.X_OK):
-    skip("no %s (real llama.cpp engine script)" % SCRIPT)
-_setup = engine("setup", check=False)
-if _setup.returncode == 77:
-    skip("the Debian archive cannot be reached to build the llama.cpp chroot")
-assert _setup.returncode == 0, _setup.stderr
-
-_started = []
-
-
-def replicas(n):
-    urls = []
-    for i in range(n):
-        name = "det-%d-%d" % (os.getpid(), i)
-        port = free_port()
-        _started.append(name)
-        for _ in range(3):  # start may misreport a live server as exited: try again
-            engine("stop", name)
-            if engine("start", name, str(port), "f16", "--", *FLAGS, check=False).returncode == 0:
-                break
-        else:
-            raise AssertionError("cannot start llama-server %s" % name)
-        urls.append("http://127.0.0.1:%d" % port)
-    return urls
+require_engine()
 
 
 def proxy(urls, manifest=None):
@@ -121,7 +82,7 @@ def rounds(px, reference):
 
 
 def test_single_sequence_gives_the_sequential_answers_under_concurrency():
-    urls = replicas(2)
+    urls = servers("det", [FLAGS, FLAGS])
     try:
         seq = proxy(urls, manifest={"framework": {"name": "llamacpp"},
                                     "determinism": {"mode": "single_sequence"}})
@@ -148,13 +109,7 @@ def test_single_sequence_gives_the_sequential_answers_under_concurrency():
         assert seq_wrong == 0, sorted(seq_div)
         assert plain_wrong > 0, "the unified KV cache did not diverge under concurrency"
     finally:
-        stop_all()
-
-
-def stop_all():
-    if _started:
-        engine("stop", *_started, check=False)
-        del _started[:]
+        stop_servers()
 
 
 if __name__ == "__main__":
