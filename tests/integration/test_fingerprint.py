@@ -251,7 +251,11 @@ def test_a_stream_is_checked_on_every_chunk_not_only_its_last():
         n += "fp-B" in chunks
         assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == n, \
             chunks
-    lines = [json.loads(x) for x in open(px.audit_path)]
+    # A stream's audit line follows its last byte to the client: wait for all four.
+    def audited():
+        return [json.loads(x) for x in open(px.audit_path) if x.endswith("\n")]
+    poll_until(lambda: len(audited()) >= 4, timeout=5, what="four audit lines")
+    lines = audited()
     flagged = [x["upstream_fingerprint"] for x in lines if x.get("fingerprint_mismatch")]
     assert flagged == ["fp-B"] * 3, lines
 
