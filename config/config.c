@@ -586,6 +586,8 @@ const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t
 {
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
+        if (p->is_candidate)
+            continue; /* a rollout under evaluation gets candidate copies, not clients */
         for (size_t j = 0; j < p->nmodels; j++) {
             const char *m = p->models[j];
             if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
