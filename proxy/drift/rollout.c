@@ -71,24 +71,28 @@ static double pct(double r)
 /* The baseline's noise: the larger divergence rate of its cross and self windows that hold
  * DRIFT_MIN_SAMPLES. The larger, because an equivalent candidate differs from the baseline at
  * least as its replicas differ from each other (cross) and from themselves (self); the smaller
- * would call batching noise a regression. */
+ * would call batching noise a regression. When neither holds enough alone but both together
+ * do, their pooled rate: both measure the baseline disagreeing with itself. */
 static void pick_noise(const drift_summary_t *cross, const drift_summary_t *self,
                        drift_rollout_verdict_t *v)
 {
-    bool cross_ok = cross && cross->samples >= DRIFT_MIN_SAMPLES;
-    bool self_ok = self && self->samples >= DRIFT_MIN_SAMPLES;
+    uint32_t nc = cross ? cross->samples : 0, ns = self ? self->samples : 0;
+    bool cross_ok = nc >= DRIFT_MIN_SAMPLES, self_ok = ns >= DRIFT_MIN_SAMPLES;
+    v->noise_rate = NAN;
+    v->noise_samples = 0;
+    v->noise_source = NULL;
     if (cross_ok && (!self_ok || cross->divergence_rate >= self->divergence_rate)) {
         v->noise_rate = cross->divergence_rate;
-        v->noise_samples = cross->samples;
+        v->noise_samples = nc;
         v->noise_source = "cross";
     } else if (self_ok) {
         v->noise_rate = self->divergence_rate;
-        v->noise_samples = self->samples;
+        v->noise_samples = ns;
         v->noise_source = "self";
-    } else {
-        v->noise_rate = NAN;
-        v->noise_samples = 0;
-        v->noise_source = NULL;
+    } else if (nc + ns >= DRIFT_MIN_SAMPLES) {
+        v->noise_rate = (double)(cross->diverged + self->diverged) / (nc + ns);
+        v->noise_samples = nc + ns;
+        v->noise_source = "cross+self";
     }
 }
 
@@ -109,7 +113,7 @@ void drift_rollout_judge(const drift_summary_t *candidate, const drift_summary_t
         if (v->noise_source == NULL)
             reason(v,
                    "baseline noise unknown: %u cross and %u self shadow samples in the "
-                   "baseline pool, need %d of either (shadow.rate, shadow.self_rate)",
+                   "baseline pool, need %d (shadow.rate, shadow.self_rate)",
                    cross ? cross->samples : 0, self ? self->samples : 0, DRIFT_MIN_SAMPLES);
         for (int o = 0; misses && o < ROLLOUT__NOUTCOMES; o++) {
             if (misses->n[o] == 0)

@@ -7,7 +7,8 @@
  * stay within what the baseline's own shadow samples show: cross pairs (one replica against
  * another) and self pairs (a replica against itself). The verdict compares the candidate's
  * divergence rate with the larger of the two (each counted only with DRIFT_MIN_SAMPLES in its
- * window), with the drift verdict's noise test (drift_rate_exceeds). Rules: docs/rollouts.md.
+ * window; with fewer in each but that many together, their pooled rate), with the drift
+ * verdict's noise test (drift_rate_exceeds). Rules: docs/rollouts.md.
  *
  * Ownership: a drift_rollout_t owns everything it holds; names and request ids are copied.
  * Not synchronised: one thread (the loop) adds, queries and renders. */
@@ -54,7 +55,7 @@ typedef struct {
     drift_summary_t candidate; /* the candidate's samples: rates, similarity, median offset */
     double noise_rate;         /* the baseline divergence an equivalent candidate should show */
     uint32_t noise_samples;    /* behind noise_rate; 0 when there is no usable baseline */
-    const char *noise_source;  /* "cross" or "self" (static), NULL without a baseline */
+    const char *noise_source;  /* "cross", "self", "cross+self" (static); NULL: no baseline */
     double excess;             /* candidate divergence rate - noise_rate (NaN without both) */
     char reasons[DRIFT_MAX_REASONS][DRIFT_REASON_MAX];
     int nreasons;

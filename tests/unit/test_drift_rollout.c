@@ -120,6 +120,22 @@ Test(rollout, noisy_baseline_absorbs_the_same_divergence)
 }
 
 /* The margins: 8 points above a quiet baseline stays below DRIFT_MARGIN_ABS. */
+/* Neither window holds DRIFT_MIN_SAMPLES alone, both together do: their pooled rate. */
+Test(rollout, pooled_noise_when_each_window_is_short)
+{
+    drift_rollout_t *r = drift_rollout_new("p", "c");
+    add_n(r, NULL, 40, 1.0, 3);
+    drift_summary_t cross = base(15, 1), self = base(25, 1);
+    drift_rollout_verdict_t v;
+    drift_rollout_verdict(r, NULL, &cross, &self, &v);
+    dump(&v);
+    cr_assert_eq(v.kind, ROLLOUT_DIVERGES);
+    cr_assert_str_eq(v.noise_source, "cross+self");
+    cr_assert_eq(v.noise_samples, 40);
+    cr_assert_float_eq(v.noise_rate, 0.05, 1e-12);
+    drift_rollout_free(r);
+}
+
 Test(rollout, small_excess_is_not_reported)
 {
     drift_rollout_t *r = drift_rollout_new("p", "c");
@@ -148,12 +164,12 @@ Test(rollout, insufficient_baseline_noise_names_the_shadow_keys)
 {
     drift_rollout_t *r = drift_rollout_new("p", "c");
     add_n(r, NULL, 50, 1.0, 3);
-    drift_summary_t cross = base(5, 0), self = base(29, 0);
+    drift_summary_t cross = base(5, 0), self = base(24, 0);
     drift_rollout_verdict_t v;
     drift_rollout_verdict(r, NULL, &cross, &self, &v);
     dump(&v);
     cr_assert_eq(v.kind, ROLLOUT_INSUFFICIENT_DATA);
-    cr_assert(has_reason(&v, "5 cross and 29 self shadow samples"));
+    cr_assert(has_reason(&v, "5 cross and 24 self shadow samples"));
     cr_assert(has_reason(&v, "shadow.self_rate"));
     cr_assert_null(v.noise_source);
     cr_assert(isnan(v.excess));
