@@ -58,12 +58,12 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
         net_upstream_set_tls(u, tls, server_name ? server_name : host);
     net_fetch_opts_t o = {.via = px_self_via_line(NULL),
                           .method = method,
-                         .hostport = hostport,
-                         .target = target,
-                         .bearer = bearer,
-                         .body = body,
-                         .body_len = len,
-                         .max_bytes = PX_CLI_MAX_BODY};
+                          .hostport = hostport,
+                          .target = target,
+                          .bearer = bearer,
+                          .body = body,
+                          .body_len = len,
+                          .max_bytes = PX_CLI_MAX_BODY};
     w->done = false;
     net_fetch(u, &o, fetched, w);
     while (!w->done)
@@ -71,6 +71,17 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
     net_upstream_free(u);
     uv_run(&w->loop, UV_RUN_NOWAIT);
     return w->status;
+}
+
+cfg_t *px_cli_load_config(const char *path)
+{
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    if (cfg_load(path, &cfg, &errs) != 0)
+        for (size_t i = 0; i < errs.count; i++)
+            fprintf(stderr, "%s: %s\n", path, errs.items[i]);
+    cfg_errors_free(&errs);
+    return cfg;
 }
 
 int px_cli_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg_addr_t *out)

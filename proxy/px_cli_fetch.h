@@ -35,6 +35,9 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
                  const char *method, const char *target, const char *bearer, const char *body,
                  size_t len);
 
+/* Load and validate the config at path; NULL after printing every error ("PATH: path: msg"). */
+cfg_t *px_cli_load_config(const char *path);
+
 /* Where the running proxy's admin API is: `flag` (--admin HOST:PORT) when given, else the
  * config's admin_listen. 0, or 2 (the usage exit code) after printing why, prefixed by cmd. A
  * host in *out is a copy: release it with free(out->host) (never the config's). */

@@ -435,15 +435,9 @@ int px_cmd_replay(int argc, char **argv)
               stderr);
         return 2;
     }
-    cfg_errors_t errs = {0};
-    cfg_t *cfg = NULL;
-    if (cfg_load(cpath, &cfg, &errs) != 0) {
-        for (size_t i = 0; i < errs.count; i++)
-            fprintf(stderr, "%s: %s\n", cpath, errs.items[i]);
-        cfg_errors_free(&errs);
+    cfg_t *cfg = px_cli_load_config(cpath);
+    if (cfg == NULL)
         return 2;
-    }
-    cfg_errors_free(&errs);
     cfg_addr_t aaddr;
     if (px_cli_admin_addr("detproxy replay", cfg, admin, &aaddr) != 0) {
         cfg_free(cfg);

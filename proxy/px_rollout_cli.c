@@ -190,15 +190,9 @@ int px_cmd_rollout(int argc, char **argv)
         fputs(CMD ": -c CONFIG is required\n", stderr);
         return 2;
     }
-    cfg_errors_t errs = {0};
-    cfg_t *cfg = NULL;
-    if (cfg_load(cpath, &cfg, &errs) != 0) {
-        for (size_t i = 0; i < errs.count; i++)
-            fprintf(stderr, "%s: %s\n", cpath, errs.items[i]);
-        cfg_errors_free(&errs);
+    cfg_t *cfg = px_cli_load_config(cpath);
+    if (cfg == NULL)
         return 2;
-    }
-    cfg_errors_free(&errs);
     if (pool && cfg_pool_by_name(cfg, pool) == NULL) {
         fprintf(stderr, CMD ": --pool %s: the configuration has no pool of that name\n", pool);
         cfg_free(cfg);

@@ -50,23 +50,8 @@ const char *drift_rollout_kind_name(drift_rollout_kind_t k)
 
 /* ---- the verdict ------------------------------------------------------------------------- */
 
-static void reason(drift_rollout_verdict_t *v, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static void reason(drift_rollout_verdict_t *v, const char *fmt, ...)
-{
-    if (v->nreasons >= DRIFT_MAX_REASONS)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(v->reasons[v->nreasons++], DRIFT_REASON_MAX, fmt, ap);
-    va_end(ap);
-}
-
-static double pct(double r)
-{
-    return isnan(r) ? 0 : 100.0 * r;
-}
+/* A reason line for the verdict (window.h). */
+#define reason(v, ...) drift_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
 
 /* The baseline's noise: the larger divergence rate of its cross and self windows that hold
  * DRIFT_MIN_SAMPLES. The larger, because an equivalent candidate differs from the baseline at
@@ -132,8 +117,8 @@ void drift_rollout_judge(const drift_summary_t *candidate, const drift_summary_t
         reason(v,
                "candidate diverges from the baseline in %.1f%% of samples (n=%u); the "
                "baseline's own %s pairs diverge %.1f%% (n=%u): %.1f points beyond the noise",
-               pct(c->divergence_rate), c->samples, v->noise_source, pct(v->noise_rate),
-               v->noise_samples, pct(v->excess));
+               drift_pct(c->divergence_rate), c->samples, v->noise_source, drift_pct(v->noise_rate),
+               v->noise_samples, drift_pct(v->excess));
         if (c->median_divergence_offset >= 0)
             reason(v, "median divergence offset %lld bytes, mean similarity %.3f",
                    (long long)c->median_divergence_offset, c->mean_similarity);
@@ -143,7 +128,7 @@ void drift_rollout_judge(const drift_summary_t *candidate, const drift_summary_t
     reason(v,
            "candidate diverges from the baseline in %.1f%% of samples (n=%u); the baseline's "
            "own %s pairs diverge %.1f%% (n=%u): within the noise",
-           pct(c->divergence_rate), c->samples, v->noise_source, pct(v->noise_rate),
+           drift_pct(c->divergence_rate), c->samples, v->noise_source, drift_pct(v->noise_rate),
            v->noise_samples);
 }
 

@@ -3,6 +3,8 @@
 #include "proxy/drift/window.h"
 
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -107,4 +109,19 @@ drift_rec_t drift_rec_of(const drift_result_t *r)
         .pair = DRIFT_REC_NO_PAIR,
         .match = r->match,
     };
+}
+
+void drift_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
+{
+    if (*n >= DRIFT_MAX_REASONS)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reasons[(*n)++], DRIFT_REASON_MAX, fmt, ap);
+    va_end(ap);
+}
+
+double drift_pct(double r)
+{
+    return isnan(r) ? 0 : 100.0 * r;
 }

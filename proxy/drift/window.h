@@ -1,6 +1,6 @@
 /* Private to proxy/drift: the sliding window of comparison records that the drift statistics
- * (drift.c) and the rollout statistics (rollout.c) both keep. Not part of the module's
- * contract; drift.h and rollout.h are.
+ * (drift.c) and the rollout statistics (rollout.c) both keep, and their reason lines. Not part of
+ * the module's contract; drift.h and rollout.h are.
  *
  * A window is a ring of DRIFT_WINDOW small records with running counts, allocated on its first
  * sample (12 KB). Running sums are recounted from the ring every time it wraps, which also
@@ -43,5 +43,12 @@ void drift_win_free(drift_win_t *w);
 void drift_win_filter(drift_win_t *w, const bool *drop);
 /* Samples, rates, mean similarity, lower median divergence offset, lifetime totals. */
 void drift_win_summary(const drift_win_t *w, drift_summary_t *s);
+
+/* Append a printf-formatted reason to reasons[*n] (DRIFT_REASON_MAX bytes each, truncated),
+ * unless DRIFT_MAX_REASONS are there already. */
+void drift_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* A rate as a percentage for a reason line (0 for NaN). */
+double drift_pct(double r);
 
 #endif
