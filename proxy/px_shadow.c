@@ -247,6 +247,8 @@ static void compare_work(uv_work_t *w)
     if (!s->result.match)
         drift_divlog_fill(&s->divlog, s->request_id, s->pool, s->primary, s->target, &s->result,
                           a->text.base, a->text.len, s->b.text.base, s->b.text.len);
+    if (s->candidate) /* two pools: equal replica names are still no self pair */
+        s->divlog.kind = DRIFT_CROSS;
 }
 
 static px_pool_t *live_pool(px_t *px, const char *name)
@@ -311,8 +313,9 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
     px_replica_set_state(r, PX_REPLICA_QUARANTINED, list);
 }
 
-/* A candidate sample: the rollout's statistics, its counter, and the divergence line naming
- * the candidate pool (the same shape as a drift shadow's, kind "candidate"). */
+/* A candidate sample: the rollout's statistics, its counter, and a divergence line of the same
+ * shape as a drift shadow's (kind cross; pair: the baseline's replica, the candidate's) naming
+ * the candidate pool and the tenant. */
 static void candidate_done(shadow_t *s)
 {
     drift_rollout_add(rollout(s->px, s->pool, s->candidate), s->tenant, s->request_id, &s->result);
