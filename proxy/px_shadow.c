@@ -37,6 +37,13 @@
 typedef struct shadow_s shadow_t;
 typedef struct tap_s tap_t;
 
+/* One candidate of one pool: its statistics, and its copies in flight (each candidate has
+ * shadow.max_inflight of its own, so a slow one does not starve the others). Never moves. */
+typedef struct rentry_s {
+    drift_rollout_t *stats;
+    uint32_t inflight;
+} rentry_t;
+
 typedef struct {
     char *name;
     drift_pool_t *dp;
@@ -48,11 +55,10 @@ typedef struct {
 typedef struct {
     dpool_t *pools;
     size_t npools;
-    drift_rollout_t **rollouts; /* per (baseline, candidate) pair of names */
+    struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
     size_t nrollouts;
-    uint32_t inflight;      /* drift shadows in flight */
-    uint32_t cand_inflight; /* candidate copies in flight (their own shadow.max_inflight) */
-    shadow_t *active;       /* exchanges in flight, for shutdown */
+    uint32_t inflight; /* drift shadows in flight */
+    shadow_t *active;  /* exchanges in flight, for shutdown */
     bool stopped;
 } shadow_ctx_t;
 
@@ -79,8 +85,9 @@ struct shadow_s {
     char *pool;
     char *primary;
     char *target;
-    char *candidate; /* the candidate pool; NULL for a drift shadow */
-    char *tenant;    /* candidates: the request's tenant (per-tenant rollout statistics) */
+    char *candidate;  /* the candidate pool; NULL for a drift shadow */
+    rentry_t *rentry; /* the candidate's entry (its in-flight count) */
+    char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
     drift_kind_t kind;
     char request_id[24];
     /* shadow capture */
@@ -173,15 +180,17 @@ static void count(const char *pool, drift_kind_t kind, const char *result)
 }
 
 /* The rollout statistics of candidate `cand` of pool `pool` (created empty on first use). */
-static drift_rollout_t *rollout(px_t *px, const char *pool, const char *cand)
+static rentry_t *rollout(px_t *px, const char *pool, const char *cand)
 {
     shadow_ctx_t *c = ctx(px);
     for (size_t i = 0; i < c->nrollouts; i++)
-        if (strcmp(drift_rollout_pool(c->rollouts[i]), pool) == 0 &&
-            strcmp(drift_rollout_candidate(c->rollouts[i]), cand) == 0)
+        if (strcmp(drift_rollout_pool(c->rollouts[i]->stats), pool) == 0 &&
+            strcmp(drift_rollout_candidate(c->rollouts[i]->stats), cand) == 0)
             return c->rollouts[i];
     c->rollouts = dp_xrealloc(c->rollouts, (c->nrollouts + 1) * sizeof(*c->rollouts));
-    return c->rollouts[c->nrollouts++] = drift_rollout_new(pool, cand);
+    rentry_t *e = dp_xcalloc(1, sizeof(*e));
+    e->stats = drift_rollout_new(pool, cand);
+    return c->rollouts[c->nrollouts++] = e;
 }
 
 static void count_candidate(const char *pool, const char *cand, const char *result)
@@ -199,7 +208,7 @@ static void candidate_miss(px_t *px, const char *pool, const char *cand, drift_r
     static const char *const names[] = {"skipped", "error", "not_comparable"};
     count_candidate(pool, cand, names[o]);
     if (!ctx(px)->stopped)
-        drift_rollout_miss(rollout(px, pool, cand), o, why);
+        drift_rollout_miss(rollout(px, pool, cand)->stats, o, why);
 }
 
 /* A copy that produced no comparison: its own counter says why. */
@@ -318,7 +327,7 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
  * the candidate pool and the tenant. */
 static void candidate_done(shadow_t *s)
 {
-    drift_rollout_add(rollout(s->px, s->pool, s->candidate), s->tenant, s->request_id, &s->result);
+    drift_rollout_add(s->rentry->stats, s->tenant, s->request_id, &s->result);
     count_candidate(s->pool, s->candidate, s->result.match ? "match" : "diverged");
     if (!s->result.match) {
         dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "candidate_divergence");
@@ -370,7 +379,15 @@ static void maybe_compare(shadow_t *s)
         return;
     s->compared = true;
     if (!t->ok || s->sfailed || s->sstatus != 200) {
-        count_error(s, t->ok ? s->sdetail : "the baseline's answer was not a complete 200");
+        char why[160];
+        if (!t->ok)
+            snprintf(why, sizeof(why), "the baseline's answer was not a complete 200 (%d)",
+                     t->status);
+        else if (s->sfailed)
+            snprintf(why, sizeof(why), "%s", s->sdetail);
+        else
+            snprintf(why, sizeof(why), "%s answered HTTP %d", s->target, s->sstatus);
+        count_error(s, why);
         dp_jw_t *j = dp_log_begin(DP_LOG_INFO, s->candidate ? "candidate_error" : "shadow_error");
         if (j) {
             dp_jw_str(j, "request_id", s->request_id);
@@ -455,7 +472,7 @@ void px_shadow_primary_done(void *v, int status)
 static void active_remove(shadow_t *s)
 {
     shadow_ctx_t *c = ctx(s->px);
-    uint32_t *inflight = s->candidate ? &c->cand_inflight : &c->inflight;
+    uint32_t *inflight = s->rentry ? &s->rentry->inflight : &c->inflight;
     if (s->prev)
         s->prev->next = s->next;
     else if (c->active == s)
@@ -466,7 +483,8 @@ static void active_remove(shadow_t *s)
     (*inflight)--;
 }
 
-static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n, const net_framing_t *f)
+static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                    const net_framing_t *f)
 {
     shadow_t *s = c->data;
     (void)h;
@@ -534,6 +552,7 @@ typedef struct {
     const char *tenant;
     const char *body;
     size_t len;
+    rentry_t *rentry; /* candidates only */
 } copy_spec_t;
 
 static tap_t *tap_for(void **tapp, const policy_result_t *res, size_t max_out)
@@ -569,6 +588,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_
     s->primary = dp_xstrdup(cs->primary->name);
     s->target = dp_xstrdup(target->name);
     s->candidate = cs->candidate ? dp_xstrdup(cs->candidate) : NULL;
+    s->rentry = cs->rentry;
     s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
     s->kind = cs->kind;
     memcpy(s->request_id, req->id, sizeof(s->request_id));
@@ -590,8 +610,8 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_
                         uv_buf_init((char *)cs->body, (unsigned)cs->len)};
     s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
     dp_buf_free(&head);
-    if (cs->candidate)
-        c->cand_inflight++;
+    if (s->rentry)
+        s->rentry->inflight++;
     else
         c->inflight++;
     s->next = c->active;
@@ -642,7 +662,7 @@ static void maybe_drift(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *pr
         count(pool->name, kind, "skipped");
         return;
     }
-    copy_spec_t cs = {pool, pool, primary, target, kind, NULL, NULL, body, len};
+    copy_spec_t cs = {pool, pool, primary, target, kind, NULL, NULL, body, len, NULL};
     start_copy(px, tap_for(tapp, res, sc->max_output_bytes), &cs, req);
 }
 
@@ -659,11 +679,10 @@ static bool serves_model(const cfg_pool_t *p, dp_iovec_t m)
  * baseline's post-policy body; when its pool does not list the request's model it gets its own
  * first model name instead (a vLLM server answers 404 for a name it does not serve). */
 static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *primary,
-                             const cfg_tenant_t *t, const policy_result_t *res, const net_req_t *req,
-                             const char *body, size_t len)
+                             const cfg_tenant_t *t, const policy_result_t *res,
+                             const net_req_t *req, const char *body, size_t len)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
-    shadow_ctx_t *c = ctx(px);
     for (size_t i = 0; i < pool->cfg->ncandidates; i++) {
         const cfg_candidate_t *cand = &pool->cfg->candidates[i];
         if (cand->rate <= 0 || uniform() >= cand->rate)
@@ -673,7 +692,8 @@ static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_
                            "neither temperature 0 nor a seed after policy");
             continue;
         }
-        if (c->cand_inflight >= sc->max_inflight) {
+        rentry_t *e = rollout(px, pool->name, cand->pool);
+        if (e->inflight >= sc->max_inflight) {
             candidate_miss(px, pool->name, cand->pool, ROLLOUT_SKIPPED,
                            "shadow.max_inflight candidate copies already in flight");
             continue;
@@ -687,8 +707,8 @@ static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_
             continue;
         }
         dp_buf_t renamed = {0};
-        copy_spec_t cs = {pool, cp, primary, target, DRIFT_CROSS, cand->pool, t ? t->name : NULL,
-                          body, len};
+        copy_spec_t cs = {pool, cp,  primary, target, DRIFT_CROSS, cand->pool, t ? t->name : NULL,
+                          body, len, e};
         if (cp->cfg->nmodels && !serves_model(cp->cfg, res->model) &&
             policy_replace_model(body, len, cp->cfg->models[0], &renamed) == 0) {
             cs.body = renamed.base;
@@ -700,7 +720,8 @@ static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_
 }
 
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
-                      const policy_result_t *res, const net_req_t *req, const char *body, size_t len)
+                      const policy_result_t *res, const net_req_t *req, const char *body,
+                      size_t len)
 {
     if (ctx(px)->stopped)
         return NULL;
@@ -743,7 +764,8 @@ void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf
         drift_pool_summary(dp, DRIFT_SELF, &self);
         for (size_t k = 0; k < p->cfg->ncandidates; k++) {
             const cfg_candidate_t *c = &p->cfg->candidates[k];
-            drift_rollout_render(&w, NULL, rollout(px, p->name, c->pool), c->rate, &cross, &self);
+            drift_rollout_render(&w, NULL, rollout(px, p->name, c->pool)->stats, c->rate, &cross,
+                                 &self);
         }
     }
     dp_jw_arr_end(&w);
@@ -789,8 +811,10 @@ void px_shadow_free(px_t *px)
         drift_pool_free(c->pools[i].dp);
     }
     free(c->pools);
-    for (size_t i = 0; i < c->nrollouts; i++)
-        drift_rollout_free(c->rollouts[i]);
+    for (size_t i = 0; i < c->nrollouts; i++) {
+        drift_rollout_free(c->rollouts[i]->stats);
+        free(c->rollouts[i]);
+    }
     free(c->rollouts);
     free(c);
     px->shadow = NULL;

@@ -2,8 +2,9 @@
 judged against the baseline's own noise on /admin/rollouts and by `detproxy rollout report`."""
 
 import json
+import time
 
-from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, sse, start_sim)
 from proxyutil import (client_requests, metric, pool, replica, sim_requests, start_proxy,
                        wait_all_admitted, write_config)
@@ -171,6 +172,39 @@ def test_candidate_without_admitted_replica_leaves_baseline_ready():
     rc, out, err = report(px)
     assert rc == 0 and "insufficient_data" in out, (rc, out, err)
     px.stop()
+
+
+def test_slow_or_failing_candidates_never_touch_the_answer():
+    base = baseline_sims()
+    slow = start_sim("--model", MODEL, "--quantization", "awq", "--token-delay-ms", "500")
+    wrong = start_sim("--model", "other")  # answers 404 for m1, which its pool claims to serve
+    px = start_proxy(pools=[pool("p", [MODEL], base,
+                                 candidates=[{"pool": "slow", "rate": 1.0},
+                                             {"pool": "wrong", "rate": 1.0}]),
+                            {"name": "slow", "models": [MODEL],
+                             "replicas": [replica("s1", slow)]},
+                            {"name": "wrong", "models": [MODEL],
+                             "replicas": [replica("w1", wrong)]}],
+                     shadow={"rate": 0, "self_rate": 0, "max_inflight": 2})
+    wait_all_admitted(px)
+    t0 = time.monotonic()
+    for i in range(6):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "q %d" % i,
+                                                    "max_tokens": 16, "temperature": 0})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] in ("r1", "r2"), r
+    took = time.monotonic() - t0
+    # The slow candidate takes 8 s per copy; six answers did not wait for one.
+    assert took < 4 * SLOW, took
+    assert metric(px, "detproxy_candidate_total", candidate="slow", result="skipped") == 4
+    poll_until(lambda: metric(px, "detproxy_candidate_total", candidate="wrong",
+                              result="error") == 6, what="6 errors of the wrong candidate")
+    (slow_r, wrong_r) = rollout(px)
+    assert "shadow.max_inflight candidate copies already in flight" in " ".join(
+        slow_r["reasons"]), slow_r["reasons"]
+    assert "6 candidate copies error (last: w1 answered HTTP 404)" in wrong_r["reasons"], \
+        wrong_r["reasons"]
+    assert slow_r["samples"] == 0 and wrong_r["samples"] == 0
+    px.stop()  # two slow copies still in flight: cancelled, a clean exit
 
 
 def test_report_errors():
