@@ -772,6 +772,16 @@ void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf
     dp_jw_obj_end(&w);
 }
 
+void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
+                               drift_rollout_verdict_t *v)
+{
+    drift_summary_t cross, self;
+    const drift_pool_t *dp = dpool(px, pool);
+    drift_pool_summary(dp, DRIFT_CROSS, &cross);
+    drift_pool_summary(dp, DRIFT_SELF, &self);
+    drift_rollout_verdict(rollout(px, pool, cand)->stats, NULL, &cross, &self, v);
+}
+
 const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)
 {
     return dpool(px, pool);

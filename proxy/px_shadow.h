@@ -33,6 +33,10 @@ struct drift_pool;
 const struct drift_pool *px_shadow_drift_pool(px_t *px, const char *pool);
 /* GET /admin/drift (SPEC §9). */
 void px_shadow_drift_json(px_t *px, dp_buf_t *out);
+/* The verdict of candidate `cand` of pool `pool` (status page). */
+struct drift_rollout_verdict_s;
+void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
+                               struct drift_rollout_verdict_s *v);
 /* GET /admin/rollouts (SPEC §14): every candidate of every pool (only the pool named
  * only[0..only_len) when only is not NULL), judged against that pool's drift windows. */
 void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_t *out);

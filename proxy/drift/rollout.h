@@ -50,7 +50,7 @@ typedef struct {
 } drift_rollout_misses_t;
 
 /* The verdict over one set of candidate samples (overall or one tenant's). */
-typedef struct {
+typedef struct drift_rollout_verdict_s {
     drift_rollout_kind_t kind;
     drift_summary_t candidate; /* the candidate's samples: rates, similarity, median offset */
     double noise_rate;         /* the baseline divergence an equivalent candidate should show */

@@ -97,6 +97,9 @@ def test_equivalent_candidate_and_its_copies_are_not_billed():
     assert metric(px, "detproxy_tokens_total", kind="completion") == completion
     assert len([a for a in px.find_logs("access") if a.get("pool") == "next"]) == 0
     assert len(px.find_logs("access")) == N
+    # The status page shows it beside the pool's drift.
+    page = http("GET", px.admin_port, "/").text
+    assert '<tr data-candidate="next" data-verdict="equivalent">' in page, page[-2000:]
     # The report: a table, exit 0; --json is the admin API's document.
     rc, out, err = report(px)
     assert rc == 0, (rc, out, err)
@@ -135,6 +138,7 @@ def test_diverging_candidate_serving_another_model_name():
     r2 = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
                                                 "temperature": 0})
     assert r2.status == 200 and r2.json()["model"] == MODEL, r2
+    assert 'data-candidate="next" data-verdict="diverges"' in http("GET", px.admin_port, "/").text
     rc, out, err = report(px)
     assert rc == 1, (rc, out, err)
     assert "diverges" in out and "example request ids:" in out, out
