@@ -209,9 +209,10 @@ typedef struct {
     char *api_key; /* file contents, trailing whitespace trimmed; never logged */
     cfg_candidate_t *candidates; /* SPEC §14 */
     size_t ncandidates;
-    /* Named in another pool's candidates: it only receives candidate copies (model routing
-     * passes over it, /readyz does not wait for it). */
+    /* Named in another pool's candidates: model routing passes over it. only_candidate: and no
+     * tenant pins it either, so it serves no client (/readyz does not wait for it). */
     bool is_candidate;
+    bool only_candidate;
 } cfg_pool_t;
 
 /* ---- top level --------------------------------------------------------------------------- */

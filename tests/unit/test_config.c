@@ -683,16 +683,28 @@ Test(config, candidates_resolve_and_leave_model_routing)
     cr_assert_str_eq(base->candidates[0].pool, "next");
     cr_assert_eq(base->candidates[0].index, 0);
     cr_assert_float_eq(base->candidates[0].rate, 0.25, 1e-12);
-    cr_assert(next->is_candidate);
-    cr_assert_not(base->is_candidate);
+    cr_assert(next->is_candidate && next->only_candidate);
+    cr_assert_not(base->is_candidate || base->only_candidate);
     /* Listed first for the same model, the candidate still gets no client traffic. */
     cr_assert_eq(cfg_pool_for_model(cfg, "m", 1), base);
     dp_buf_t out = {0};
     cfg_dump_json(cfg, &out);
     dp_buf_appendc(&out, '\0');
-    cr_assert_not_null(strstr(out.base, "\"candidates\":[{\"pool\":\"next\",\"rate\":0.25}]"),
-                       "%s", out.base);
+    cr_assert_not_null(strstr(out.base, "\"candidates\":[{\"pool\":\"next\",\"rate\":0.25}]"), "%s",
+                       out.base);
     dp_buf_free(&out);
+    cfg_free(cfg);
+}
+
+Test(config, a_pinned_candidate_still_serves_its_tenant)
+{
+    cfg_t *cfg = must_load("{'pools':[{'name':'base','models':['m'],'replicas':[" REPLICA "],"
+                           "'candidates':[{'pool':'next','rate':0.1}]},"
+                           "{'name':'next','models':['m'],'replicas':[" REPLICA "]}],"
+                           "'policy':{'tenants':[{'name':'qa','match':{'any':true},"
+                           "'pool':'next'}]}}");
+    cr_assert(cfg->pools[1].is_candidate);
+    cr_assert_not(cfg->pools[1].only_candidate, "qa's clients are served by it");
     cfg_free(cfg);
 }
 
