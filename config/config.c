@@ -419,6 +419,20 @@ static void check_tenants(cfg_ctx_t *c, const cfg_t *cfg, const char *policy_fil
     c->file = NULL;
 }
 
+/* A candidate pool a tenant pins still serves that tenant's clients. */
+static void mark_only_candidates(cfg_t *cfg)
+{
+    for (size_t i = 0; i < cfg->npools; i++) {
+        cfg_pool_t *p = &cfg->pools[i];
+        p->only_candidate = p->is_candidate;
+        for (size_t k = 0; p->name && cfg->policy && k < cfg->policy->ntenants; k++) {
+            const char *pin = cfg->policy->tenants[k].pool;
+            if (pin && strcmp(pin, p->name) == 0)
+                p->only_candidate = false;
+        }
+    }
+}
+
 /* Sources that can never pass: a native adapter (unsigned) under require_signature, and an
  * agent (always signed) with no key to trust. Warnings, as the replica merely stays rejected. */
 static void check_source(cfg_ctx_t *c, const cfg_attestation_t *a, cfg_attest_source_t s,
@@ -485,6 +499,7 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     const char *policy_file = parse_policy(c, doc, cfg);
     check_listeners(c, cfg);
     check_tenants(c, cfg, policy_file);
+    mark_only_candidates(cfg);
     check_signatures(c, cfg);
 }
 
@@ -621,6 +636,8 @@ const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, s
 {
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
+        if (p->is_candidate)
+            continue; /* a rollout under evaluation gets candidate copies, not clients */
         if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
             continue;
         for (size_t j = 0; j < p->nmodels; j++) {

@@ -198,6 +198,14 @@ typedef struct {
     double load_factor;    /* bounded loads: pass over a replica above this x mean + 1 */
 } cfg_affinity_t;
 
+/* SPEC §14: a fraction `rate` of the pool's comparable requests also goes to an admitted
+ * replica of pool `pool` (index `index` in cfg_t.pools), judged against the baseline's noise. */
+typedef struct {
+    char *pool;
+    size_t index;
+    double rate;
+} cfg_candidate_t;
+
 typedef struct {
     char *name;
     char **models; /* "*" matches any */
@@ -214,6 +222,12 @@ typedef struct {
     cfg_upstream_tls_t *upstream_tls; /* NULL when absent */
     char *api_key_file;
     char *api_key; /* file contents, trailing whitespace trimmed; never logged */
+    cfg_candidate_t *candidates; /* SPEC §14 */
+    size_t ncandidates;
+    /* Named in another pool's candidates: model routing passes over it. only_candidate: and no
+     * tenant pins it either, so it serves no client (/readyz does not wait for it). */
+    bool is_candidate;
+    bool only_candidate;
 } cfg_pool_t;
 
 /* ---- top level --------------------------------------------------------------------------- */
@@ -335,7 +349,7 @@ void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20]);
  * NULL past the end (or for a NULL manifest). */
 const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i);
 
-/* Look-ups used by the router. */
+/* Look-ups used by the router. cfg_pool_for_model passes over candidate pools. */
 const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name);
 const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len);
 /* The first pool serving the model whose determinism mode is `mode` (CFG_DETERMINISM_NONE:

@@ -99,6 +99,14 @@ static void pool(dp_jw_t *w, const cfg_pool_t *p)
     dp_jw_uint(w, "max_inflight_per_replica", p->max_inflight_per_replica);
     dp_jw_uint(w, "queue_limit", p->queue_limit);
     dp_jw_uint(w, "queue_timeout_ms", p->queue_timeout_ms);
+    dp_jw_arr_begin(w, "candidates");
+    for (size_t i = 0; i < p->ncandidates; i++) {
+        dp_jw_obj_begin(w, NULL);
+        dp_jw_str(w, "pool", p->candidates[i].pool);
+        dp_jw_double(w, "rate", p->candidates[i].rate);
+        dp_jw_obj_end(w);
+    }
+    dp_jw_arr_end(w);
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < p->nreplicas; i++) {
         const cfg_replica_t *r = &p->replicas[i];

@@ -24,7 +24,7 @@ static const char *const pool_keys[] = {
     "balance",     "affinity",         "max_inflight_per_replica",
     "queue_limit", "queue_timeout_ms", "replicas",
     "discovery",   "upstream_tls",     "api_key_file",
-    NULL};
+    "candidates",  NULL};
 static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
 static const char *const attest_keys[] = {"source", "url", NULL};
 static const char *const discovery_keys[] = {"dns",    "port",         "refresh_ms",
@@ -36,6 +36,7 @@ static const char *const balance_names[] = {"least_inflight", "round_robin", "af
 static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_header", "load_factor",
                                             NULL};
 static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
+static const char *const candidate_keys[] = {"pool", "rate", NULL};
 
 /* ---- shared readers -------------------------------------------------------------------- */
 
@@ -367,6 +368,98 @@ static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_path_pop(c, mark);
 }
 
+/* ---- candidates (SPEC §14) --------------------------------------------------------------- */
+
+/* The entries as written; names are checked against the other pools once all are read
+ * (check_candidates). */
+static void parse_candidates(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *arr = cfg_get_arr(c, node, "candidates", false);
+    if (arr == NULL)
+        return;
+    p->ncandidates = (size_t)cJSON_GetArraySize(arr);
+    p->candidates = dp_xcalloc(p->ncandidates + 1, sizeof(*p->candidates));
+    size_t mark = cfg_path_key(c, "candidates"), i = 0;
+    for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
+        size_t m = cfg_path_index(c, i);
+        cfg_candidate_t *k = &p->candidates[i];
+        k->rate = -1;
+        if (!cJSON_IsObject(it)) {
+            cfg_err(c, NULL, "expected an object {\"pool\": NAME, \"rate\": 0..1}");
+        } else {
+            cfg_check_keys(c, it, candidate_keys);
+            cfg_get_str(c, it, "pool", true, &k->pool);
+            if (cfg_get(it, "rate") == NULL)
+                cfg_err(c, "rate", "required (the fraction of comparable requests copied)");
+            else
+                cfg_get_num(c, it, "rate", 0.0, 1.0, &k->rate);
+        }
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
+/* Across pools, once all are read: every candidate names another pool, once. A candidate
+ * pool gets no client traffic, so candidates of its own would never be sampled (and rollouts
+ * would nest). Paths as written: pools[i].candidates[k].pool. */
+static const char *candidate_problem(const cfg_t *cfg, const cfg_pool_t *p, size_t k,
+                                     size_t *dup)
+{
+    const cfg_candidate_t *cand = &p->candidates[k];
+    for (size_t j = 0; j < k; j++) {
+        if (p->candidates[j].pool && strcmp(p->candidates[j].pool, cand->pool) == 0) {
+            *dup = j;
+            return "duplicate";
+        }
+    }
+    const cfg_pool_t *t = cfg_pool_by_name(cfg, cand->pool);
+    if (t == NULL)
+        return "unknown";
+    if (t == p)
+        return "a pool cannot be its own candidate";
+    return NULL;
+}
+
+static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
+{
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        cfg_pool_t *p = &cfg->pools[i];
+        size_t mi = cfg_path_index(c, i);
+        cfg_path_key(c, "candidates");
+        for (size_t k = 0; k < p->ncandidates; k++) {
+            cfg_candidate_t *cand = &p->candidates[k];
+            if (cand->pool == NULL)
+                continue;
+            size_t mk = cfg_path_index(c, k), dup = 0;
+            const char *why = candidate_problem(cfg, p, k, &dup);
+            if (why == NULL) {
+                cand->index = (size_t)(cfg_pool_by_name(cfg, cand->pool) - cfg->pools);
+                cfg->pools[cand->index].is_candidate = true;
+            } else if (strcmp(why, "duplicate") == 0) {
+                cfg_err(c, "pool", "duplicate candidate (also candidates[%zu])", dup);
+            } else if (strcmp(why, "unknown") == 0) {
+                cfg_err(c, "pool", "no pool is named \"%s\"", cand->pool);
+            } else {
+                cfg_err(c, "pool", "%s", why);
+            }
+            cfg_path_pop(c, mk);
+        }
+        cfg_path_pop(c, mi);
+    }
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        size_t mi = cfg_path_index(c, i);
+        if (p->is_candidate && p->ncandidates > 0)
+            cfg_err(c, "candidates",
+                    "pool %s is itself a candidate of another pool: a candidate gets no client "
+                    "traffic, so its own candidates would never be sampled",
+                    p->name);
+        cfg_path_pop(c, mi);
+    }
+    cfg_path_pop(c, mark);
+}
+
 /* ---- pools ----------------------------------------------------------------------------- */
 
 /* single_sequence (SPEC §16) is enforced through the pool's own admission: one request in
@@ -410,6 +503,7 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
         p->api_key = cfg_read_secret(c, "api_key_file", p->api_key_file);
     parse_replicas(c, node, p);
     parse_discovery(c, node, p);
+    parse_candidates(c, node, p);
     const cJSON *reps = cfg_get(node, "replicas");
     bool no_replicas = reps == NULL || (cJSON_IsArray(reps) && cJSON_GetArraySize(reps) == 0);
     if (no_replicas && cfg_get(node, "discovery") == NULL)
@@ -440,6 +534,7 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
         cfg_path_pop(c, m);
     }
     cfg_path_pop(c, mark);
+    check_candidates(c, cfg);
 }
 
 void cfg_secret_free(char *s)
@@ -474,5 +569,8 @@ void cfg_pool_free(cfg_pool_t *p)
     free(p->api_key_file);
     cfg_secret_free(p->api_key);
     free(p->affinity.session_header);
+    for (size_t i = 0; i < p->ncandidates; i++)
+        free(p->candidates[i].pool);
+    free(p->candidates);
     *p = (cfg_pool_t){0};
 }

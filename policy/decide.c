@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/jw.h"
+#include "policy/json.h"
 #include "policy/policy.h"
 
 int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, policy_route_t route,
@@ -38,4 +40,24 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
         return -1;
     *pool = p;
     return 0;
+}
+
+int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out)
+{
+    jdoc_t d;
+    jdoc_init(&d);
+    int rc = -1;
+    uint32_t tok;
+    if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0 &&
+        (tok = jdoc_get(&d, 0, "model")) != JDOC_NONE) {
+        const jtok_t *t = &d.toks[tok];
+        dp_buf_append(out, body, t->start);
+        dp_buf_appendc(out, '"');
+        dp_json_escape(out, model, strlen(model));
+        dp_buf_appendc(out, '"');
+        dp_buf_append(out, body + t->start + t->len, len - t->start - t->len);
+        rc = 0;
+    }
+    jdoc_free(&d);
+    return rc;
 }

@@ -192,6 +192,11 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
                   const char *body, size_t len, const cfg_pool_t **pool, policy_result_t *out,
                   policy_error_t *err);
 
+/* body (a JSON object) with its top-level `model` value replaced by the string `model`, every
+ * other byte kept as it was, appended to out: what a candidate pool serving another model name
+ * receives (SPEC §14). 0, or -1 (out untouched) when body is not an object with a `model`. */
+int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out);
+
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 
 /* v as ECMAScript's Number.prototype.toString prints it (shortest round-trip digits; 1e+21,

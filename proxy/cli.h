@@ -6,9 +6,10 @@
 #ifndef PX_CLI_H
 #define PX_CLI_H
 
-int px_cmd_run(int argc, char **argv);    /* proxy/px_main.c */
-int px_cmd_policy(int argc, char **argv); /* proxy/px_policy_cli.c: policy test */
-int px_cmd_audit(int argc, char **argv);  /* proxy/px_evidence_cli.c: audit verify */
-int px_cmd_replay(int argc, char **argv); /* proxy/px_evidence_cli.c */
+int px_cmd_run(int argc, char **argv);     /* proxy/px_main.c */
+int px_cmd_policy(int argc, char **argv);  /* proxy/px_policy_cli.c: policy test */
+int px_cmd_audit(int argc, char **argv);   /* proxy/px_evidence_cli.c: audit verify */
+int px_cmd_replay(int argc, char **argv);  /* proxy/px_evidence_cli.c */
+int px_cmd_rollout(int argc, char **argv); /* proxy/px_rollout_cli.c: rollout report */
 
 #endif

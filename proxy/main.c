@@ -29,6 +29,7 @@ static void usage(FILE *f)
           "  diagnose -c CONFIG       run the isolation steps against a pool's replicas\n"
           "  audit verify FILE        check an audit file's chain, signatures, stored bodies\n"
           "  replay -c CONFIG ...     re-send audited requests, say whether they reproduce\n"
+          "  rollout report -c CONFIG candidate pools judged against the baseline's noise\n"
           "  version, --version       print the version and the git commit it was built from\n"
           "\n"
           "Run 'detproxy <command> --help' for a command's options.\n"
@@ -71,6 +72,8 @@ int main(int argc, char **argv)
         return px_cmd_audit(argc - 1, argv + 1);
     if (strcmp(cmd, "replay") == 0)
         return px_cmd_replay(argc - 1, argv + 1);
+    if (strcmp(cmd, "rollout") == 0)
+        return px_cmd_rollout(argc - 1, argv + 1);
     if (strcmp(cmd, "diagnose") == 0)
         return dg_cmd_diagnose(argc - 1, argv + 1);
     fprintf(stderr, "detproxy: unknown command '%s' (try --help)\n", cmd);

@@ -30,7 +30,8 @@ static void readyz(px_t *px, net_req_t *req)
     dp_jw_arr_begin(&w, "unready_pools");
     for (size_t i = 0; i < px->gen->npools; i++) {
         px_pool_t *p = &px->gen->pools[i];
-        if (px_pool_has_admitted(p))
+        /* A candidate pool (SPEC §14) serves no client: the baseline does not wait for it. */
+        if (px_pool_has_admitted(p) || p->cfg->only_candidate)
             continue;
         ready = false;
         dp_buf_t why = {0};
@@ -40,6 +41,13 @@ static void readyz(px_t *px, net_req_t *req)
         dp_jw_str(&w, "reason", why.base);
         dp_jw_obj_end(&w);
         dp_buf_free(&why);
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_arr_begin(&w, "unready_candidate_pools"); /* shown, not waited for */
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        const px_pool_t *p = &px->gen->pools[i];
+        if (p->cfg->only_candidate && !px_pool_has_admitted(p))
+            dp_jw_str(&w, NULL, p->name);
     }
     dp_jw_arr_end(&w);
     if (px->draining)

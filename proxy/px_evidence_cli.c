@@ -18,12 +18,11 @@
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
-#include "net/fetch.h"
 #include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/drift/drift.h"
 #include "proxy/px.h"
-#include "proxy/px_self.h"
+#include "proxy/px_cli_fetch.h"
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 
@@ -121,90 +120,16 @@ int px_cmd_audit(int argc, char **argv)
 
 /* ---- replay ---------------------------------------------------------------------------------- */
 
-#define REPLAY_MAX_BODY (64u << 20)
-
-typedef struct {
-    uv_loop_t loop;
-    bool done;
-    int status;
-    dp_buf_t body;
-    dp_buf_t err;
-} fetch_wait_t;
-
-static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                    const char *detail, void *data)
-{
-    (void)f;
-    fetch_wait_t *w = data;
-    w->done = true;
-    w->status = status;
-    dp_buf_reset(&w->body);
-    dp_buf_reset(&w->err);
-    if (body && body->len)
-        dp_buf_append(&w->body, body->base, body->len);
-    if (status == 0)
-        dp_buf_printf(&w->err, "%s%s%s", net_up_err_name(err), detail ? ": " : "",
-                      detail ? detail : "");
-}
-
-/* One blocking exchange on the replay's own loop. */
-static int fetch_sync(fetch_wait_t *w, const cfg_t *cfg, const char *host, uint16_t port,
-                      net_tls_ctx_t *tls, const char *server_name, const char *hostport,
-                      const char *method, const char *target, const char *bearer, const char *body,
-                      size_t len)
-{
-    struct sockaddr_storage ss;
-    if (!net_resolve(host, port, &ss)) {
-        dp_buf_reset(&w->err);
-        dp_buf_printf(&w->err, "host name '%s' did not resolve", host);
-        return 0;
-    }
-    net_upstream_opts_t uo;
-    px_replica_upstream_opts(cfg, &uo);
-    uo.max_idle = 1;
-    net_upstream_t *u = net_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
-    if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
-        net_upstream_set_tls(u, tls, server_name ? server_name : host);
-    net_fetch_opts_t o = {.via = px_self_via_line(NULL),
-                          .method = method,
-                          .hostport = hostport,
-                          .target = target,
-                          .bearer = bearer,
-                          .body = body,
-                          .body_len = len,
-                          .max_bytes = REPLAY_MAX_BODY};
-    w->done = false;
-    net_fetch(u, &o, fetched, w);
-    while (!w->done)
-        uv_run(&w->loop, UV_RUN_ONCE);
-    net_upstream_free(u);
-    uv_run(&w->loop, UV_RUN_NOWAIT);
-    return w->status;
-}
-
 typedef struct {
     char *pool, *name, *url;
     bool serving;
 } admin_replica_t;
 
-static int read_replicas(fetch_wait_t *w, const cfg_t *cfg, const cfg_addr_t *admin,
+static int read_replicas(px_cli_fetch_t *w, const cfg_t *cfg, const cfg_addr_t *admin,
                          admin_replica_t **out, size_t *n)
 {
-    char hp[300];
-    const char *h = admin->host;
-    snprintf(hp, sizeof(hp), strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, (unsigned)admin->port);
-    int st = fetch_sync(w, cfg, h, admin->port, NULL, NULL, hp, "GET", "/admin/replicas",
-                        cfg->admin_token, NULL, 0);
-    if (st != 200) {
-        if (st)
-            fprintf(stderr, "detproxy replay: GET /admin/replicas on %s: HTTP %d\n", hp, st);
-        else
-            fprintf(stderr,
-                    "detproxy replay: GET /admin/replicas on %s: %.*s (is the proxy "
-                    "running?)\n",
-                    hp, (int)w->err.len, w->err.base);
+    if (px_cli_admin_get(w, "detproxy replay", cfg, admin, "/admin/replicas") != 0)
         return -1;
-    }
     cJSON *doc = cJSON_ParseWithLength(w->body.base, w->body.len);
     const cJSON *arr = cJSON_GetObjectItemCaseSensitive(doc, "replicas");
     *n = 0;
@@ -275,7 +200,7 @@ typedef struct {
     admin_replica_t *reps;
     size_t nreps;
     char (*fps)[20]; /* per config pool */
-    fetch_wait_t w;
+    px_cli_fetch_t w;
     bool json;
     dp_jw_t jw;
     dp_buf_t jout;
@@ -294,7 +219,7 @@ static bool read_stored(const replay_t *rp, const char *hex, dp_buf_t *out)
         return false;
     char path[4096];
     snprintf(path, sizeof(path), "%s/%s", rp->store, hex);
-    if (dp_read_file(path, REPLAY_MAX_BODY, out) != 0)
+    if (dp_read_file(path, PX_CLI_MAX_BODY, out) != 0)
         return false;
     char got[65];
     dp_sha256_hex(out->base, out->len, got);
@@ -407,8 +332,8 @@ static void replay_one(replay_t *rp, const cJSON *line)
             o.replica = pick->name;
             char target[512];
             snprintf(target, sizeof(target), "%s%s", u.path ? u.path : "", route);
-            int st = fetch_sync(&rp->w, rp->cfg, u.host, u.port, tls, server_name, u.hostport,
-                                "POST", target, pc->api_key, req.base, req.len);
+            int st = px_cli_fetch(&rp->w, rp->cfg, u.host, u.port, tls, server_name, u.hostport,
+                                  "POST", target, pc->api_key, req.base, req.len);
             if (st != 200) {
                 if (st)
                     dp_buf_printf(&o.why, "replica answered HTTP %d", st);
@@ -510,37 +435,18 @@ int px_cmd_replay(int argc, char **argv)
               stderr);
         return 2;
     }
-    cfg_errors_t errs = {0};
-    cfg_t *cfg = NULL;
-    if (cfg_load(cpath, &cfg, &errs) != 0) {
-        for (size_t i = 0; i < errs.count; i++)
-            fprintf(stderr, "%s: %s\n", cpath, errs.items[i]);
-        cfg_errors_free(&errs);
+    cfg_t *cfg = px_cli_load_config(cpath);
+    if (cfg == NULL)
         return 2;
-    }
-    cfg_errors_free(&errs);
-    cfg_addr_t aaddr = cfg->admin_listen;
-    cfg_addr_t au = {0};
-    const char *awhy = NULL;
-    if (admin) {
-        if (cfg_parse_addr(admin, &au, &awhy) != 0) {
-            fprintf(stderr, "detproxy replay: --admin %s: %s\n", admin, awhy);
-            free(au.host);
-            cfg_free(cfg);
-            return 2;
-        }
-        aaddr = au;
-    } else if (aaddr.port == 0) {
-        fputs("detproxy replay: admin_listen has port 0: say where the proxy's admin API is "
-              "with --admin HOST:PORT\n",
-              stderr);
+    cfg_addr_t aaddr;
+    if (px_cli_admin_addr("detproxy replay", cfg, admin, &aaddr) != 0) {
         cfg_free(cfg);
         return 2;
     }
     FILE *f = fopen(audit, "re");
     if (f == NULL) {
         fprintf(stderr, "detproxy replay: %s: %s\n", audit, strerror(errno));
-        free(au.host);
+        free(aaddr.host);
         cfg_free(cfg);
         return 2;
     }
@@ -548,7 +454,7 @@ int px_cmd_replay(int argc, char **argv)
     rp.fps = dp_xcalloc(cfg->npools + 1, sizeof(*rp.fps));
     for (size_t k = 0; k < cfg->npools; k++)
         cfg_manifest_fingerprint(cfg->pools[k].manifest, rp.fps[k]);
-    uv_loop_init(&rp.w.loop);
+    px_cli_fetch_init(&rp.w);
     int rc = 3;
     if (read_replicas(&rp.w, cfg, &aaddr, &rp.reps, &rp.nreps) == 0) {
         if (json) {
@@ -600,12 +506,9 @@ int px_cmd_replay(int argc, char **argv)
     }
     free(rp.reps);
     free(rp.fps);
-    dp_buf_free(&rp.w.body);
-    dp_buf_free(&rp.w.err);
     dp_buf_free(&rp.jout);
-    uv_run(&rp.w.loop, UV_RUN_DEFAULT);
-    uv_loop_close(&rp.w.loop);
-    free(au.host);
+    px_cli_fetch_free(&rp.w);
+    free(aaddr.host);
     cfg_free(cfg);
     return rc;
 }

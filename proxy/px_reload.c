@@ -181,6 +181,15 @@ int px_admin_extra_route(px_t *px, net_req_t *req)
         dp_buf_free(&msg);
         return 0;
     }
+    if (path_is(req, "/admin/rollouts") && (req->method == 1 || req->method == 2)) {
+        dp_iovec_t only = {0};
+        bool by_pool = net_req_query(req, "pool", &only);
+        dp_buf_t b = {0};
+        px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
     if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
         dp_buf_t b = {0};
         px_shadow_drift_json(px, &b);

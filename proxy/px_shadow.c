@@ -8,11 +8,21 @@
  * compared once both sides ended. Comparison (word-level Levenshtein) runs in libuv's thread
  * pool; the drift statistics, verdicts and quarantine decisions stay on the loop.
  *
- * A shadow (shadow_t) is freed on exactly one path: whichever of the primary's end
- * (px_shadow_primary_done) and the shadow exchange's end comes second runs maybe_compare, which
- * either drops the sample or hands it to the thread pool and frees it in compare_done. */
+ * Candidate pools (SPEC §14) ride the same machinery: with probability `rate` per candidate, a
+ * comparable request is also copied to an admitted replica of the candidate pool, and the
+ * comparison feeds that candidate's rollout statistics (proxy/drift/rollout.h) instead of the
+ * pool's drift statistics. Copies are not client requests: no tokens, rate limit, usage, access
+ * log line or detproxy_requests_total; detproxy_candidate_total counts them.
+ *
+ * The primary's output is captured once per request in a tap (tap_t), the handle px_hooks
+ * holds, whatever the number of copies (a drift shadow and any candidates). A copy (shadow_t)
+ * is freed on exactly one path: whichever of the primary's end (px_shadow_primary_done) and the
+ * copy's own exchange comes second runs maybe_compare, which either drops the sample or hands
+ * it to the thread pool and frees it in compare_done. Each copy holds a reference on its tap,
+ * and the request holds one until the primary ends; the tap goes with the last. */
 #include "proxy/px_shadow.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,10 +30,19 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/drift/drift.h"
+#include "proxy/drift/rollout.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_self.h"
 
 typedef struct shadow_s shadow_t;
+typedef struct tap_s tap_t;
+
+/* One candidate of one pool: its statistics, and its copies in flight (each candidate has
+ * shadow.max_inflight of its own, so a slow one does not starve the others). Never moves. */
+typedef struct rentry_s {
+    drift_rollout_t *stats;
+    uint32_t inflight;
+} rentry_t;
 
 typedef struct {
     char *name;
@@ -36,26 +55,41 @@ typedef struct {
 typedef struct {
     dpool_t *pools;
     size_t npools;
-    uint32_t inflight;
-    shadow_t *active; /* exchanges in flight, for shutdown */
+    struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
+    size_t nrollouts;
+    uint32_t inflight; /* drift shadows in flight */
+    shadow_t *active;  /* exchanges in flight, for shutdown */
     bool stopped;
 } shadow_ctx_t;
 
-struct shadow_s {
+/* The primary's output, captured once for every copy of the request. */
+struct tap_s {
     int refs;
+    bool stream;
+    size_t max_out;
+    drift_sse_t sse;
+    dp_buf_t body;
+    int status;
+    bool done;      /* the primary ended ... */
+    bool ok;        /* ... with a complete answer, extracted into out */
+    int extract_rc; /* drift_extract_json / drift_sse_finish of the primary */
+    drift_output_t out;
+    shadow_t *copies; /* waiting for the primary, linked by tap_next */
+};
+
+struct shadow_s {
     px_t *px;
+    tap_t *tap;
+    shadow_t *tap_next;
     shadow_t *prev, *next; /* on ctx->active while the exchange runs */
     char *pool;
     char *primary;
     char *target;
+    char *candidate;  /* the candidate pool; NULL for a drift shadow */
+    rentry_t *rentry; /* the candidate's entry (its in-flight count) */
+    char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
     drift_kind_t kind;
     char request_id[24];
-    bool stream;
-    size_t max_out;
-    /* primary capture */
-    drift_sse_t psse;
-    dp_buf_t pbody;
-    int pstatus;
     /* shadow capture */
     net_creq_t *c;
     drift_sse_t ssse;
@@ -63,11 +97,11 @@ struct shadow_s {
     int sstatus;
     bool sfailed;
     char sdetail[120];
-    bool primary_done, shadow_done;
+    bool shadow_done;
+    bool compared; /* maybe_compare ran: the copy is leaving */
     /* comparison (thread pool) */
     uv_work_t work;
-    drift_output_t a, b;
-    bool a_ok, b_ok;
+    drift_output_t b;
     drift_result_t result;
     drift_divlog_t divlog;
 };
@@ -145,31 +179,85 @@ static void count(const char *pool, drift_kind_t kind, const char *result)
                   1);
 }
 
-static void shadow_unref(shadow_t *s)
+/* The rollout statistics of candidate `cand` of pool `pool` (created empty on first use). */
+static rentry_t *rollout(px_t *px, const char *pool, const char *cand)
 {
-    if (--s->refs > 0)
+    shadow_ctx_t *c = ctx(px);
+    for (size_t i = 0; i < c->nrollouts; i++)
+        if (strcmp(drift_rollout_pool(c->rollouts[i]->stats), pool) == 0 &&
+            strcmp(drift_rollout_candidate(c->rollouts[i]->stats), cand) == 0)
+            return c->rollouts[i];
+    c->rollouts = dp_xrealloc(c->rollouts, (c->nrollouts + 1) * sizeof(*c->rollouts));
+    rentry_t *e = dp_xcalloc(1, sizeof(*e));
+    e->stats = drift_rollout_new(pool, cand);
+    return c->rollouts[c->nrollouts++] = e;
+}
+
+static void count_candidate(const char *pool, const char *cand, const char *result)
+{
+    px_metric_add(px_metrics_get("detproxy_candidate_total", "pool", pool, "candidate", cand,
+                                 "result", result, NULL),
+                  1);
+}
+
+/* A candidate copy that will give no sample: counted, and remembered with its reason for an
+ * insufficient_data verdict. */
+static void candidate_miss(px_t *px, const char *pool, const char *cand, drift_rollout_outcome_t o,
+                           const char *why)
+{
+    static const char *const names[] = {"skipped", "error", "not_comparable"};
+    count_candidate(pool, cand, names[o]);
+    if (!ctx(px)->stopped)
+        drift_rollout_miss(rollout(px, pool, cand)->stats, o, why);
+}
+
+/* A copy that produced no comparison: its own counter says why. */
+static void count_error(shadow_t *s, const char *why)
+{
+    if (s->candidate)
+        candidate_miss(s->px, s->pool, s->candidate, ROLLOUT_ERROR, why);
+    else
+        count(s->pool, s->kind, "error");
+}
+
+static void tap_unref(tap_t *t)
+{
+    if (--t->refs > 0)
         return;
-    drift_sse_free(&s->psse);
+    assert(t->copies == NULL);
+    drift_sse_free(&t->sse);
+    dp_buf_free(&t->body);
+    drift_output_free(&t->out);
+    free(t);
+}
+
+static void shadow_free(shadow_t *s)
+{
     drift_sse_free(&s->ssse);
-    dp_buf_free(&s->pbody);
     dp_buf_free(&s->sbody);
-    drift_output_free(&s->a);
     drift_output_free(&s->b);
     free(s->pool);
     free(s->primary);
     free(s->target);
+    free(s->candidate);
+    free(s->tenant);
+    tap_unref(s->tap);
     free(s);
 }
 
 /* ---- comparison and the verdict loop ----------------------------------------------------- */
 
+/* The tap's output is read-only once extracted: several copies may compare with it at once. */
 static void compare_work(uv_work_t *w)
 {
     shadow_t *s = w->data;
-    drift_compare(&s->a, &s->b, &s->result);
+    const drift_output_t *a = &s->tap->out;
+    drift_compare(a, &s->b, &s->result);
     if (!s->result.match)
         drift_divlog_fill(&s->divlog, s->request_id, s->pool, s->primary, s->target, &s->result,
-                          s->a.text.base, s->a.text.len, s->b.text.base, s->b.text.len);
+                          a->text.base, a->text.len, s->b.text.base, s->b.text.len);
+    if (s->candidate) /* two pools: equal replica names are still no self pair */
+        s->divlog.kind = DRIFT_CROSS;
 }
 
 static px_pool_t *live_pool(px_t *px, const char *name)
@@ -234,12 +322,32 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
     px_replica_set_state(r, PX_REPLICA_QUARANTINED, list);
 }
 
+/* A candidate sample: the rollout's statistics, its counter, and a divergence line of the same
+ * shape as a drift shadow's (kind cross; pair: the baseline's replica, the candidate's) naming
+ * the candidate pool and the tenant. */
+static void candidate_done(shadow_t *s)
+{
+    drift_rollout_add(s->rentry->stats, s->tenant, s->request_id, &s->result);
+    count_candidate(s->pool, s->candidate, s->result.match ? "match" : "diverged");
+    if (!s->result.match) {
+        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "candidate_divergence");
+        if (j) {
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_str(j, "tenant", s->tenant);
+            drift_divlog_write(&s->divlog, j);
+            dp_log_end(j);
+        }
+    }
+}
+
 static void compare_done(uv_work_t *w, int status)
 {
     shadow_t *s = w->data;
     px_t *px = s->px;
     (void)status;
-    if (!ctx(px)->stopped) {
+    if (!ctx(px)->stopped && s->candidate) {
+        candidate_done(s);
+    } else if (!ctx(px)->stopped) {
         dpool_t *e = dpool_entry(px, s->pool);
         drift_pool_t *dp = e->dp;
         drift_pool_add(dp, s->primary, s->target, &s->result);
@@ -259,92 +367,112 @@ static void compare_done(uv_work_t *w, int status)
         refresh_hints(px, s->pool, dp); /* kept in dp: every later verdict sees them */
         quarantine_loop(px, s->pool, dp);
     }
-    shadow_unref(s);
+    shadow_free(s);
 }
 
-/* Both sides ended: extract, then compare off the loop. */
+/* Both sides ended: extract the copy's output, then compare off the loop. Runs once per copy
+ * (the second of the two ends) and takes the copy away. */
 static void maybe_compare(shadow_t *s)
 {
-    if (!s->primary_done || !s->shadow_done)
+    tap_t *t = s->tap;
+    if (!t->done || !s->shadow_done || s->compared)
         return;
-    /* Clients commonly close right after `data: [DONE]`, before the chunked terminator: the
-     * primary then ends as 499, but its output was complete. */
-    bool primary_ok = s->pstatus == 200 || (s->stream && s->pstatus == 499 && s->psse.done);
-    if (!primary_ok || s->sfailed || s->sstatus != 200) {
-        count(s->pool, s->kind, "error");
-        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_error");
+    s->compared = true;
+    if (!t->ok || s->sfailed || s->sstatus != 200) {
+        char why[160];
+        if (!t->ok)
+            snprintf(why, sizeof(why), "the baseline's answer was not a complete 200 (%d)",
+                     t->status);
+        else if (s->sfailed)
+            snprintf(why, sizeof(why), "%s", s->sdetail);
+        else
+            snprintf(why, sizeof(why), "%s answered HTTP %d", s->target, s->sstatus);
+        count_error(s, why);
+        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, s->candidate ? "candidate_error" : "shadow_error");
         if (j) {
             dp_jw_str(j, "request_id", s->request_id);
-            dp_jw_int(j, "primary_status", s->pstatus);
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_int(j, "primary_status", t->status);
             dp_jw_int(j, "shadow_status", s->sstatus);
             dp_jw_str(j, "detail", s->sdetail);
             dp_log_end(j);
         }
-        shadow_unref(s);
+        shadow_free(s);
         return;
     }
-    int ra, rb;
-    if (s->stream) {
-        ra = drift_sse_finish(&s->psse, &s->a);
-        rb = drift_sse_finish(&s->ssse, &s->b);
-    } else {
-        ra =
-            drift_extract_json(s->pbody.base ? s->pbody.base : "", s->pbody.len, s->max_out, &s->a);
-        rb =
-            drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len, s->max_out, &s->b);
-    }
-    if (ra != 0 || rb != 0) {
-        count(s->pool, s->kind, "error");
+    int rb = t->stream ? drift_sse_finish(&s->ssse, &s->b)
+                       : drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len,
+                                            t->max_out, &s->b);
+    if (t->extract_rc != 0 || rb != 0) {
+        count_error(s, "an answer was unreadable");
         dp_jw_t *j = dp_log_begin(DP_LOG_WARN, "shadow_unreadable");
         if (j) {
             dp_jw_str(j, "request_id", s->request_id);
-            dp_jw_str(j, "side", ra != 0 ? "primary" : "shadow");
-            dp_jw_bool(j, "stream", s->stream);
-            dp_jw_uint(j, "primary_bytes", s->stream ? s->a.text.len : s->pbody.len);
-            dp_jw_uint(j, "shadow_bytes", s->stream ? s->b.text.len : s->sbody.len);
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_str(j, "side", t->extract_rc != 0 ? "primary" : "shadow");
+            dp_jw_bool(j, "stream", t->stream);
+            dp_jw_uint(j, "primary_bytes", t->stream ? t->out.text.len : t->body.len);
+            dp_jw_uint(j, "shadow_bytes", t->stream ? s->b.text.len : s->sbody.len);
             dp_log_end(j);
         }
-        shadow_unref(s);
+        shadow_free(s);
         return;
     }
     s->work.data = s;
     if (uv_queue_work(s->px->loop, &s->work, compare_work, compare_done) != 0) {
-        count(s->pool, s->kind, "error");
-        shadow_unref(s);
+        count_error(s, "the thread pool refused the comparison");
+        shadow_free(s);
     }
 }
 
 /* ---- capture -------------------------------------------------------------------------------- */
 
-static void capture(shadow_t *s, drift_sse_t *sse, dp_buf_t *body, const char *p, size_t n)
+static void capture(const tap_t *t, drift_sse_t *sse, dp_buf_t *body, const char *p, size_t n)
 {
-    if (s->stream) {
+    if (t->stream) {
         drift_sse_feed(sse, p, n);
         return;
     }
     /* A JSON body is captured up to the cap plus room for its envelope; beyond that the
      * extractor sees a truncated document and the sample counts as an error. */
-    if (body->len + n <= s->max_out + DRIFT_SSE_EVENT_SLACK)
+    if (body->len + n <= t->max_out + DRIFT_SSE_EVENT_SLACK)
         dp_buf_append(body, p, n);
 }
 
 void px_shadow_primary_bytes(void *v, const char *p, size_t n)
 {
-    shadow_t *s = v;
-    capture(s, &s->psse, &s->pbody, p, n);
+    tap_t *t = v;
+    capture(t, &t->sse, &t->body, p, n);
 }
 
 void px_shadow_primary_done(void *v, int status)
 {
-    shadow_t *s = v;
-    s->pstatus = status;
-    s->primary_done = true;
-    maybe_compare(s);
+    tap_t *t = v;
+    t->status = status;
+    t->done = true;
+    /* Clients commonly close right after `data: [DONE]`, before the chunked terminator: the
+     * primary then ends as 499, but its output was complete. */
+    t->ok = status == 200 || (t->stream && status == 499 && t->sse.done);
+    if (t->ok)
+        t->extract_rc = t->stream ? drift_sse_finish(&t->sse, &t->out)
+                                  : drift_extract_json(t->body.base ? t->body.base : "",
+                                                       t->body.len, t->max_out, &t->out);
+    dp_buf_free(&t->body);
+    shadow_t *s = t->copies;
+    t->copies = NULL; /* each copy now finishes on its own (maybe_compare) */
+    while (s) {
+        shadow_t *next = s->tap_next;
+        s->tap_next = NULL;
+        maybe_compare(s);
+        s = next;
+    }
+    tap_unref(t);
 }
 
 static void active_remove(shadow_t *s)
 {
     shadow_ctx_t *c = ctx(s->px);
+    uint32_t *inflight = s->rentry ? &s->rentry->inflight : &c->inflight;
     if (s->prev)
         s->prev->next = s->next;
     else if (c->active == s)
@@ -352,7 +480,7 @@ static void active_remove(shadow_t *s)
     if (s->next)
         s->next->prev = s->prev;
     s->prev = s->next = NULL;
-    c->inflight--;
+    (*inflight)--;
 }
 
 static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
@@ -368,7 +496,7 @@ static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
 static void sh_body(net_creq_t *c, const char *p, size_t n)
 {
     shadow_t *s = c->data;
-    capture(s, &s->ssse, &s->sbody, p, n);
+    capture(s->tap, &s->ssse, &s->sbody, p, n);
 }
 
 static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
@@ -393,6 +521,105 @@ const double px_shadow_similarity_bounds[] = {0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0
 const size_t px_shadow_similarity_nbounds =
     sizeof(px_shadow_similarity_bounds) / sizeof(px_shadow_similarity_bounds[0]);
 
+/* A replica to send a copy to, rotating for coverage: for a drift shadow another replica of the
+ * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
+ * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
+static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined)
+{
+    static uint32_t rr;
+    size_t n = p->nreplicas;
+    for (size_t k = 0; k < n; k++) {
+        px_replica_t *r = p->replicas[(rr + k) % n];
+        if (r == primary || r->up == NULL || r->drained)
+            continue;
+        if (r->state == PX_REPLICA_ADMITTED ||
+            (quarantined && r->state == PX_REPLICA_QUARANTINED)) {
+            rr += (uint32_t)k + 1;
+            return r;
+        }
+    }
+    return NULL;
+}
+
+/* What one copy is: where it goes and what it carries. */
+typedef struct {
+    px_pool_t *pool;    /* the pool of the request (the baseline of a candidate) */
+    px_pool_t *to_pool; /* the pool whose replica answers it (its api_key is sent) */
+    px_replica_t *primary;
+    px_replica_t *target;
+    drift_kind_t kind;
+    const char *candidate; /* NULL: a drift shadow */
+    const char *tenant;
+    const char *body;
+    size_t len;
+    rentry_t *rentry; /* candidates only */
+} copy_spec_t;
+
+static tap_t *tap_for(void **tapp, const policy_result_t *res, size_t max_out)
+{
+    if (*tapp == NULL) {
+        tap_t *t = dp_xcalloc(1, sizeof(*t));
+        t->refs = 1; /* the request's, until px_shadow_primary_done */
+        t->stream = res->stream;
+        t->max_out = max_out;
+        t->sse.max_output_bytes = max_out;
+        *tapp = t;
+    }
+    return *tapp;
+}
+
+static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_t *req)
+{
+    shadow_ctx_t *c = ctx(px);
+    px_replica_t *target = cs->target;
+    if (target->shadow_up == NULL) {
+        net_upstream_opts_t o;
+        px_replica_upstream_opts(px->gen->cfg, &o);
+        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+        px_replica_upstream_tls(target, target->shadow_up, &target->url);
+    }
+    shadow_t *s = dp_xcalloc(1, sizeof(*s));
+    s->px = px;
+    s->tap = t;
+    t->refs++;
+    s->tap_next = t->copies;
+    t->copies = s;
+    s->pool = dp_xstrdup(cs->pool->name);
+    s->primary = dp_xstrdup(cs->primary->name);
+    s->target = dp_xstrdup(target->name);
+    s->candidate = cs->candidate ? dp_xstrdup(cs->candidate) : NULL;
+    s->rentry = cs->rentry;
+    s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
+    s->kind = cs->kind;
+    memcpy(s->request_id, req->id, sizeof(s->request_id));
+    s->ssse.max_output_bytes = t->max_out;
+    dp_buf_t head = {0};
+    dp_buf_printf(&head,
+                  "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                  "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
+                  target->url.path ? target->url.path : "", (int)req->path.len, req->path.base,
+                  target->url.hostport, cs->len, req->id,
+                  cs->candidate ? "candidate" : drift_kind_name(cs->kind));
+    if (cs->to_pool->cfg->api_key)
+        dp_buf_printf(&head, "authorization: Bearer %s\r\n", cs->to_pool->cfg->api_key);
+    size_t vl;
+    const char *via = px_self_via_line(&vl);
+    dp_buf_append(&head, via, vl);
+    dp_buf_append(&head, "\r\n", 2);
+    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
+                        uv_buf_init((char *)cs->body, (unsigned)cs->len)};
+    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+    dp_buf_free(&head);
+    if (s->rentry)
+        s->rentry->inflight++;
+    else
+        c->inflight++;
+    s->next = c->active;
+    if (c->active)
+        c->active->prev = s;
+    c->active = s;
+}
+
 static double uniform(void)
 {
     uint64_t x;
@@ -401,34 +628,17 @@ static double uniform(void)
     return (double)(x >> 11) / 9007199254740992.0;
 }
 
-/* Another replica to compare with: admitted or quarantined (a quarantined replica must keep
- * getting shadows to show it recovered), never the primary. Rotates for coverage. */
-static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
-{
-    static uint32_t rr;
-    size_t n = p->nreplicas;
-    for (size_t k = 0; k < n; k++) {
-        px_replica_t *r = p->replicas[(rr + k) % n];
-        if (r == primary || r->up == NULL || r->drained)
-            continue;
-        if (r->state == PX_REPLICA_ADMITTED || r->state == PX_REPLICA_QUARANTINED) {
-            rr += (uint32_t)k + 1;
-            return r;
-        }
-    }
-    return NULL;
-}
-
-void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
-                      const policy_result_t *res, const net_req_t *req, const char *body,
-                      size_t len)
+/* SPEC §9: at most one drift shadow per request, cross or self. */
+static void maybe_drift(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *primary,
+                        const cfg_tenant_t *t, const policy_result_t *res, const net_req_t *req,
+                        const char *body, size_t len)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     shadow_ctx_t *c = ctx(px);
     double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
     double self = sc->self_rate;
-    if ((cross <= 0 && self <= 0) || c->stopped)
-        return NULL;
+    if (cross <= 0 && self <= 0)
+        return;
     /* One draw picks at most one kind: cross with probability `cross`, self with `self`
      * (scaled down together if they sum past 1). */
     double u = uniform() * (cross + self > 1 ? cross + self : 1);
@@ -438,10 +648,10 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
     else if (u < cross + self)
         kind = DRIFT_SELF;
     else
-        return NULL;
+        return;
     if (!res->comparable) {
         count(pool->name, kind, "not_comparable");
-        return NULL;
+        return;
     }
     /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
      * the pool (the primary's own, or one a client request may be sent to next). */
@@ -451,52 +661,80 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
     }
     if (c->inflight >= sc->max_inflight) {
         count(pool->name, kind, "skipped");
-        return NULL;
+        return;
     }
-    px_replica_t *target = kind == DRIFT_SELF ? primary : cross_target(pool, primary);
+    px_replica_t *target = kind == DRIFT_SELF ? primary : copy_target(pool, primary, true);
     if (target == NULL || target->up == NULL) {
         count(pool->name, kind, "skipped");
+        return;
+    }
+    copy_spec_t cs = {pool, pool, primary, target, kind, NULL, NULL, body, len, NULL};
+    start_copy(px, tap_for(tapp, res, sc->max_output_bytes), &cs, req);
+}
+
+static bool serves_model(const cfg_pool_t *p, dp_iovec_t m)
+{
+    for (size_t i = 0; i < p->nmodels; i++)
+        if (strcmp(p->models[i], "*") == 0 ||
+            (strlen(p->models[i]) == m.len && memcmp(p->models[i], m.base, m.len) == 0))
+            return true;
+    return false;
+}
+
+/* SPEC §14: each candidate of the pool, drawn apart with its own rate. The candidate gets the
+ * baseline's post-policy body; when its pool does not list the request's model it gets its own
+ * first model name instead (a vLLM server answers 404 for a name it does not serve). */
+static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *primary,
+                             const cfg_tenant_t *t, const policy_result_t *res,
+                             const net_req_t *req, const char *body, size_t len)
+{
+    const cfg_shadow_t *sc = &px->gen->cfg->shadow;
+    for (size_t i = 0; i < pool->cfg->ncandidates; i++) {
+        const cfg_candidate_t *cand = &pool->cfg->candidates[i];
+        if (cand->rate <= 0 || uniform() >= cand->rate)
+            continue;
+        if (!res->comparable) {
+            candidate_miss(px, pool->name, cand->pool, ROLLOUT_NOT_COMPARABLE,
+                           "neither temperature 0 nor a seed after policy");
+            continue;
+        }
+        rentry_t *e = rollout(px, pool->name, cand->pool);
+        if (e->inflight >= sc->max_inflight) {
+            candidate_miss(px, pool->name, cand->pool, ROLLOUT_SKIPPED,
+                           "shadow.max_inflight candidate copies already in flight");
+            continue;
+        }
+        px_pool_t *cp = &pool->gen->pools[cand->index]; /* pools follow the config's order */
+        px_replica_t *target = copy_target(cp, NULL, false);
+        if (target == NULL) {
+            char why[160];
+            snprintf(why, sizeof(why), "pool %s has no admitted replica", cp->name);
+            candidate_miss(px, pool->name, cand->pool, ROLLOUT_SKIPPED, why);
+            continue;
+        }
+        dp_buf_t renamed = {0};
+        copy_spec_t cs = {pool, cp,  primary, target, DRIFT_CROSS, cand->pool, t ? t->name : NULL,
+                          body, len, e};
+        if (cp->cfg->nmodels && !serves_model(cp->cfg, res->model) &&
+            policy_replace_model(body, len, cp->cfg->models[0], &renamed) == 0) {
+            cs.body = renamed.base;
+            cs.len = renamed.len;
+        }
+        start_copy(px, tap_for(tapp, res, sc->max_output_bytes), &cs, req);
+        dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
+    }
+}
+
+void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
+                      const policy_result_t *res, const net_req_t *req, const char *body,
+                      size_t len)
+{
+    if (ctx(px)->stopped)
         return NULL;
-    }
-    if (target->shadow_up == NULL) {
-        net_upstream_opts_t o;
-        px_replica_upstream_opts(px->gen->cfg, &o);
-        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
-        px_replica_upstream_tls(target, target->shadow_up, &target->url);
-    }
-    shadow_t *s = dp_xcalloc(1, sizeof(*s));
-    s->refs = 1; /* released once both sides have ended (maybe_compare) */
-    s->px = px;
-    s->pool = dp_xstrdup(pool->name);
-    s->primary = dp_xstrdup(primary->name);
-    s->target = dp_xstrdup(target->name);
-    s->kind = kind;
-    memcpy(s->request_id, req->id, sizeof(s->request_id));
-    s->stream = res->stream;
-    s->max_out = sc->max_output_bytes;
-    s->psse.max_output_bytes = s->ssse.max_output_bytes = sc->max_output_bytes;
-    dp_buf_t head = {0};
-    dp_buf_printf(&head,
-                  "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                  "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
-                  target->url.path ? target->url.path : "", (int)req->path.len, req->path.base,
-                  target->url.hostport, len, req->id, drift_kind_name(kind));
-    if (pool->cfg->api_key)
-        dp_buf_printf(&head, "authorization: Bearer %s\r\n", pool->cfg->api_key);
-    size_t vl;
-    const char *via = px_self_via_line(&vl);
-    dp_buf_append(&head, via, vl);
-    dp_buf_append(&head, "\r\n", 2);
-    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
-                        uv_buf_init((char *)body, (unsigned)len)};
-    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
-    dp_buf_free(&head);
-    c->inflight++;
-    s->next = c->active;
-    if (c->active)
-        c->active->prev = s;
-    c->active = s;
-    return s;
+    void *tap = NULL;
+    maybe_drift(px, &tap, pool, primary, t, res, req, body, len);
+    maybe_candidates(px, &tap, pool, primary, t, res, req, body, len);
+    return tap;
 }
 
 /* ---- admin and shutdown -------------------------------------------------------------------- */
@@ -513,6 +751,41 @@ void px_shadow_drift_json(px_t *px, dp_buf_t *out)
     }
     drift_render(out, v, n);
     free(v);
+}
+
+void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_t *out)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_uint(&w, "window", DRIFT_WINDOW);
+    dp_jw_arr_begin(&w, "rollouts");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        const px_pool_t *p = &px->gen->pools[i];
+        if (only && !(strlen(p->name) == only_len && memcmp(p->name, only, only_len) == 0))
+            continue;
+        drift_summary_t cross, self;
+        const drift_pool_t *dp = dpool(px, p->name);
+        drift_pool_summary(dp, DRIFT_CROSS, &cross);
+        drift_pool_summary(dp, DRIFT_SELF, &self);
+        for (size_t k = 0; k < p->cfg->ncandidates; k++) {
+            const cfg_candidate_t *c = &p->cfg->candidates[k];
+            drift_rollout_render(&w, NULL, rollout(px, p->name, c->pool)->stats, c->rate, &cross,
+                                 &self);
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+}
+
+void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
+                               drift_rollout_verdict_t *v)
+{
+    drift_summary_t cross, self;
+    const drift_pool_t *dp = dpool(px, pool);
+    drift_pool_summary(dp, DRIFT_CROSS, &cross);
+    drift_pool_summary(dp, DRIFT_SELF, &self);
+    drift_rollout_verdict(rollout(px, pool, cand)->stats, NULL, &cross, &self, v);
 }
 
 const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)
@@ -554,6 +827,11 @@ void px_shadow_free(px_t *px)
         drift_pool_free(c->pools[i].dp);
     }
     free(c->pools);
+    for (size_t i = 0; i < c->nrollouts; i++) {
+        drift_rollout_free(c->rollouts[i]->stats);
+        free(c->rollouts[i]);
+    }
+    free(c->rollouts);
     free(c);
     px->shadow = NULL;
 }

@@ -16,6 +16,7 @@
 #include "attest/report.h"
 #include "common/util.h"
 #include "proxy/drift/drift.h"
+#include "proxy/drift/rollout.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_shadow.h"
 
@@ -273,6 +274,33 @@ static void drift_summary_row(dp_buf_t *b, const char *kind, const drift_summary
         dp_buf_appends(b, "<td class=\"muted\">-</td><td class=\"muted\">-</td></tr>");
 }
 
+/* The pool's candidates (SPEC §14), one row each with the verdict's first reason. */
+static void candidates_section(dp_buf_t *b, px_t *px, const px_pool_t *p)
+{
+    if (p->cfg->ncandidates == 0)
+        return;
+    dp_buf_appends(b, "<h3>Candidates</h3><table class=\"candidates\"><tr><th>candidate</th>"
+                      "<th>rate</th><th>verdict</th><th>samples</th><th>exact match rate</th>"
+                      "<th>why</th></tr>");
+    for (size_t k = 0; k < p->cfg->ncandidates; k++) {
+        const cfg_candidate_t *c = &p->cfg->candidates[k];
+        drift_rollout_verdict_t v;
+        px_shadow_rollout_verdict(px, p->name, c->pool, &v);
+        const char *vn = drift_rollout_kind_name(v.kind);
+        tag_text(b, "<tr data-candidate=\"", c->pool, "\"");
+        dp_buf_printf(b, " data-verdict=\"%s\">", vn);
+        tag_text(b, "<td><code>", c->pool, "</code></td>");
+        dp_buf_printf(b, "<td>%g</td><td class=\"verdict\">%s</td><td>%u</td>", c->rate, vn,
+                      v.candidate.samples);
+        if (v.candidate.samples)
+            dp_buf_printf(b, "<td>%.3f</td>", v.candidate.exact_match_rate);
+        else
+            dp_buf_appends(b, "<td class=\"muted\">-</td>");
+        tag_text(b, "<td>", v.nreasons ? v.reasons[0] : "", "</td></tr>");
+    }
+    dp_buf_appends(b, "</table>");
+}
+
 static void drift_section(dp_buf_t *b, px_t *px, const px_pool_t *p)
 {
     const drift_pool_t *dp = px_shadow_drift_pool(px, p->name);
@@ -356,12 +384,12 @@ void px_status_page(px_t *px, net_req_t *req)
     page_head(&b);
     char now[32];
     dp_iso8601(now, dp_wall_ms());
-    dp_buf_printf(&b,
-                  "<h1>detproxy</h1><p class=\"muted\">%s &middot; up %llu s &middot; "
-                  "refreshes every %d s &middot; JSON: <code>/admin/replicas</code>, "
-                  "<code>/admin/drift</code>, <code>/metrics</code></p>\n",
-                  now, (unsigned long long)((dp_wall_ms() - px->started_ms) / 1000),
-                  PX_STATUS_REFRESH_S);
+    dp_buf_printf(
+        &b,
+        "<h1>detproxy</h1><p class=\"muted\">%s &middot; up %llu s &middot; "
+        "refreshes every %d s &middot; JSON: <code>/admin/replicas</code>, "
+        "<code>/admin/drift</code>, <code>/admin/rollouts</code>, <code>/metrics</code></p>\n",
+        now, (unsigned long long)((dp_wall_ms() - px->started_ms) / 1000), PX_STATUS_REFRESH_S);
     for (size_t i = 0; i < px->gen->npools; i++) {
         const px_pool_t *p = &px->gen->pools[i];
         dp_buf_appends(&b, "<section class=\"pool\" data-pool=\"");
@@ -377,6 +405,7 @@ void px_status_page(px_t *px, net_req_t *req)
         dp_buf_appends(&b, "<h3>Attested identity against the manifest</h3>");
         identity_table(&b, p);
         drift_section(&b, px, p);
+        candidates_section(&b, px, p);
         dp_buf_appends(&b, "</section>\n");
     }
     quarantines(&b, px);

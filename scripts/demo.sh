@@ -90,11 +90,13 @@ sim r4 $((BASE + 3)) "$LLAMA" "$CKPT" --quantization gptq --report-quantization 
 sim m1 $((BASE + 4)) "$MISTRAL" "$CKPT_M"
 sim m2 $((BASE + 5)) "$MISTRAL" "$CKPT_M"
 sim m3 $((BASE + 6)) "$MISTRAL" "$CKPT_M" --quantization gptq --report-quantization awq
-for i in 0 1 2 3 4 5 6; do wait_http $((BASE + i)) /health "$RSCHEME"; done
-say "Seven simulated vLLM replicas on 127.0.0.1:$BASE-$((BASE + 6)):"
+sim n1 $((BASE + 7)) "$LLAMA" "$CKPT" --quantization gptq           # the candidate build
+for i in 0 1 2 3 4 5 6 7; do wait_http $((BASE + i)) /health "$RSCHEME"; done
+say "Eight simulated vLLM replicas on 127.0.0.1:$BASE-$((BASE + 7)):"
 say "  pool llama:   r1 r2 (good), r3 (deployed from an older checkpoint), r4 (generates with"
 say "                gptq but reports awq: a replica that lies about itself)"
 say "  pool mistral: m1 m2 (good), m3 (same metadata, different outputs: silent drift)"
+say "  pool llama-next: n1, a gptq build of llama, candidate for a rollout (no client traffic)"
 
 # The canary's expected output hash comes from a replica known to be good.
 CANARY_TEXT=$(curl -s "$RSCHEME://127.0.0.1:$BASE/v1/completions" -H 'content-type: application/json' \
@@ -120,7 +122,13 @@ cat > "$work/detproxy.json" <<JSON
        {"name": "r1", "url": "$RSCHEME://127.0.0.1:$((BASE + 0))", "attest": $(agent $((BASE + 0)))},
        {"name": "r2", "url": "$RSCHEME://127.0.0.1:$((BASE + 1))", "attest": $(agent $((BASE + 1)))},
        {"name": "r3", "url": "$RSCHEME://127.0.0.1:$((BASE + 2))", "attest": $(agent $((BASE + 2)))},
-       {"name": "r4", "url": "$RSCHEME://127.0.0.1:$((BASE + 3))", "attest": $(agent $((BASE + 3)))}]},
+       {"name": "r4", "url": "$RSCHEME://127.0.0.1:$((BASE + 3))", "attest": $(agent $((BASE + 3)))}],
+     "candidates": [{"pool": "llama-next", "rate": 0.5}]},
+    {"name": "llama-next", "models": ["$LLAMA"], $UP_TLS_JSON
+     "manifest": {"model": "$LLAMA", "checkpoint_sha256": "$CKPT", "quantization": "gptq",
+                  "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"}},
+     "replicas": [
+       {"name": "n1", "url": "$RSCHEME://127.0.0.1:$((BASE + 7))", "attest": $(agent $((BASE + 7)))}]},
     {"name": "mistral", "models": ["$MISTRAL"], $UP_TLS_JSON
      "manifest": {"model": "$MISTRAL", "checkpoint_sha256": "$CKPT_M", "quantization": "awq",
                   "dtype": "float16", "framework": {"name": "vllm", "version": "0.6.3"}},
@@ -202,7 +210,19 @@ print(\"verdict:\", p[\"verdict\"], \" suspect:\", p[\"suspect\"])'"
 say "m3 reports the same checkpoint and quantization as m1 and m2, but its outputs drift:"
 say "cross pairs with m3 diverge far beyond the self-noise baseline, and detproxy names it."
 
-bold "6. Evidence: the audit trail is chained, signed, and replayable"
+bold "6. Rollout: is the gptq build of llama equivalent to what serves now?"
+say "Half of llama's comparable requests are also copied to the candidate pool llama-next;"
+say "clients only ever get llama's answers. Sending 80 temperature-0 requests to llama..."
+for i in $(seq 1 80); do
+  curl -s -o /dev/null "$P/v1/completions" \
+    -d "{\"model\":\"$LLAMA\",\"prompt\":\"rollout question $i\",\"max_tokens\":16,\"temperature\":0}"
+done
+sleep 0.5
+run "'$BIN' rollout report -c '$work/detproxy.json' --pool llama > '$work/rollout.txt' && rc=0 || rc=\$?; cut -c1-150 '$work/rollout.txt' | head -5; echo \"exit code: \$rc\""
+say "The candidate diverges far beyond llama's own cross/self noise: exit 1 stops a CD pipeline."
+run "curl -s $A/metrics | grep '^detproxy_candidate_total'"
+
+bold "7. Evidence: the audit trail is chained, signed, and replayable"
 say "The compliance tenant's bodies are in the store, named by the hashes on their audit lines."
 say "Each line names the SHA-256 of the one before; replay re-sends the stored body to an"
 say "admitted replica with the audited fingerprint and compares the answers:"

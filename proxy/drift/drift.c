@@ -11,6 +11,7 @@
  * Each record remembers its pair so that the evidence involving one replica can be removed from
  * the pool-wide windows when it is reset (re-admitted after quarantine). */
 #include "proxy/drift/drift.h"
+#include "proxy/drift/window.h"
 
 #include <errno.h>
 #include <math.h>
@@ -20,33 +21,16 @@
 #include <string.h>
 
 #define NPAIRS (DRIFT_MAX_REPLICAS * (DRIFT_MAX_REPLICAS + 1) / 2)
-#define PAIR_NONE UINT16_MAX
+#define PAIR_NONE DRIFT_REC_NO_PAIR
 
 _Static_assert(NPAIRS < PAIR_NONE, "pair slots must fit a record's uint16_t");
 
-typedef struct {
-    float similarity;
-    int32_t offset; /* -1 when matched; clamped to INT32_MAX */
-    uint16_t pair;  /* pair slot, or PAIR_NONE when a replica was not tracked */
-    uint8_t match;
-} rec_t;
-
-typedef struct {
-    rec_t *ring; /* DRIFT_WINDOW records, or NULL before the first sample */
-    uint32_t head;
-    uint32_t count;
-    uint32_t diverged;
-    double sim_sum;
-    uint64_t total;
-    uint64_t total_match;
-} win_t;
-
 struct drift_pool {
     char *name;
-    win_t kind[2];
-    char *replicas[DRIFT_MAX_REPLICAS]; /* slot names; NULL = free */
-    win_t recent[DRIFT_MAX_REPLICAS];   /* cross samples involving the replica */
-    win_t *pairs;                       /* NPAIRS windows, indexed by pair_index */
+    drift_win_t kind[2];
+    char *replicas[DRIFT_MAX_REPLICAS];     /* slot names; NULL = free */
+    drift_win_t recent[DRIFT_MAX_REPLICAS]; /* cross samples involving the replica */
+    drift_win_t *pairs;                     /* NPAIRS windows, indexed by pair_index */
     drift_hint_t hints[DRIFT_MAX_REPLICAS];
     bool hinted[DRIFT_MAX_REPLICAS];
 };
@@ -71,80 +55,12 @@ const char *drift_verdict_name(drift_verdict_kind_t v)
     return "insufficient_data";
 }
 
-/* ---- windows ------------------------------------------------------------------------------ */
-
-static uint32_t oldest(const win_t *w)
-{
-    return (w->head + DRIFT_WINDOW - w->count) % DRIFT_WINDOW;
-}
-
-/* Recount the running sums from the ring; also clears float error from add/subtract pairs. */
-static void win_recount(win_t *w)
-{
-    w->diverged = 0;
-    w->sim_sum = 0;
-    for (uint32_t k = 0, i = oldest(w); k < w->count; k++, i = (i + 1) % DRIFT_WINDOW) {
-        w->diverged += !w->ring[i].match;
-        w->sim_sum += w->ring[i].similarity;
-    }
-}
-
-static void win_push(win_t *w, rec_t r)
-{
-    if (w->ring == NULL)
-        w->ring = dp_xcalloc(DRIFT_WINDOW, sizeof(rec_t));
-    if (w->count == DRIFT_WINDOW) {
-        w->diverged -= !w->ring[w->head].match;
-        w->sim_sum -= w->ring[w->head].similarity;
-    } else {
-        w->count++;
-    }
-    w->ring[w->head] = r;
-    w->head = (w->head + 1) % DRIFT_WINDOW;
-    w->diverged += !r.match;
-    w->sim_sum += r.similarity;
-    w->total++;
-    w->total_match += r.match;
-    if (w->head == 0)
-        win_recount(w);
-}
-
-/* Empty the window, keeping lifetime totals. */
-static void win_clear(win_t *w)
-{
-    w->head = w->count = w->diverged = 0;
-    w->sim_sum = 0;
-}
-
-static void win_free(win_t *w)
-{
-    free(w->ring);
-    memset(w, 0, sizeof(*w));
-}
-
-/* Keep only records whose pair is not marked in drop[], preserving their order. */
-static void win_filter(win_t *w, const bool *drop)
-{
-    if (w->count == 0)
-        return;
-    rec_t *kept = dp_xmalloc(w->count * sizeof(*kept));
-    uint32_t n = 0;
-    for (uint32_t k = 0, i = oldest(w); k < w->count; k++, i = (i + 1) % DRIFT_WINDOW)
-        if (w->ring[i].pair == PAIR_NONE || !drop[w->ring[i].pair])
-            kept[n++] = w->ring[i];
-    memcpy(w->ring, kept, n * sizeof(*kept));
-    free(kept);
-    w->count = n;
-    w->head = n % DRIFT_WINDOW;
-    win_recount(w);
-}
-
 typedef struct {
     uint32_t n;
     uint32_t d;
 } agg_t;
 
-static agg_t win_agg(const win_t *w)
+static agg_t win_agg(const drift_win_t *w)
 {
     return (agg_t){w->count, w->diverged};
 }
@@ -152,35 +68,6 @@ static agg_t win_agg(const win_t *w)
 static double rate(agg_t a)
 {
     return a.n ? (double)a.d / a.n : NAN;
-}
-
-static int cmp_i32(const void *x, const void *y)
-{
-    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
-    return (a > b) - (a < b);
-}
-
-static void win_summary(const win_t *w, drift_summary_t *s)
-{
-    memset(s, 0, sizeof(*s));
-    s->samples = w->count;
-    s->diverged = w->diverged;
-    s->exact_match_rate = w->count ? (double)(w->count - w->diverged) / w->count : NAN;
-    s->divergence_rate = rate(win_agg(w));
-    s->mean_similarity = w->count ? w->sim_sum / w->count : NAN;
-    s->total_samples = w->total;
-    s->total_matches = w->total_match;
-    s->median_divergence_offset = -1;
-    if (w->diverged == 0)
-        return;
-    int32_t *v = dp_xmalloc(w->diverged * sizeof(*v));
-    uint32_t k = 0;
-    for (uint32_t j = 0, i = oldest(w); j < w->count; j++, i = (i + 1) % DRIFT_WINDOW)
-        if (!w->ring[i].match)
-            v[k++] = w->ring[i].offset;
-    qsort(v, k, sizeof(*v), cmp_i32);
-    s->median_divergence_offset = v[(k - 1) / 2];
-    free(v);
 }
 
 /* ---- pool --------------------------------------------------------------------------------- */
@@ -199,7 +86,7 @@ drift_pool_t *drift_pool_new(const char *name)
 {
     drift_pool_t *p = dp_xcalloc(1, sizeof(*p));
     p->name = dp_xstrdup(name);
-    p->pairs = dp_xcalloc(NPAIRS, sizeof(win_t));
+    p->pairs = dp_xcalloc(NPAIRS, sizeof(drift_win_t));
     return p;
 }
 
@@ -208,14 +95,14 @@ void drift_pool_free(drift_pool_t *p)
     if (p == NULL)
         return;
     for (int i = 0; i < 2; i++)
-        win_free(&p->kind[i]);
+        drift_win_free(&p->kind[i]);
     for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
         free(p->replicas[i]);
         p->replicas[i] = NULL;
-        win_free(&p->recent[i]);
+        drift_win_free(&p->recent[i]);
     }
     for (int i = 0; i < NPAIRS; i++)
-        win_free(&p->pairs[i]);
+        drift_win_free(&p->pairs[i]);
     free(p->pairs);
     p->pairs = NULL;
     free(p->name);
@@ -264,27 +151,24 @@ int drift_pool_add(drift_pool_t *p, const char *replica_a, const char *replica_b
     drift_kind_t kind = strcmp(replica_a, replica_b) == 0 ? DRIFT_SELF : DRIFT_CROSS;
     int ia = replica_slot(p, replica_a);
     int ib = kind == DRIFT_SELF ? ia : replica_slot(p, replica_b);
-    rec_t rec = {
-        .similarity = (float)r->similarity,
-        .offset = r->divergence_offset > INT32_MAX ? INT32_MAX : (int32_t)r->divergence_offset,
-        .pair = ia >= 0 && ib >= 0 ? (uint16_t)pair_index(ia, ib) : PAIR_NONE,
-        .match = r->match,
-    };
-    win_push(&p->kind[kind], rec);
+    drift_rec_t rec = drift_rec_of(r);
+    if (ia >= 0 && ib >= 0)
+        rec.pair = (uint16_t)pair_index(ia, ib);
+    drift_win_push(&p->kind[kind], rec);
     if (rec.pair != PAIR_NONE)
-        win_push(&p->pairs[rec.pair], rec);
+        drift_win_push(&p->pairs[rec.pair], rec);
     if (kind == DRIFT_CROSS) {
         if (ia >= 0)
-            win_push(&p->recent[ia], rec);
+            drift_win_push(&p->recent[ia], rec);
         if (ib >= 0)
-            win_push(&p->recent[ib], rec);
+            drift_win_push(&p->recent[ib], rec);
     }
     return 0;
 }
 
 void drift_pool_summary(const drift_pool_t *p, drift_kind_t kind, drift_summary_t *out)
 {
-    win_summary(&p->kind[kind == DRIFT_SELF], out);
+    drift_win_summary(&p->kind[kind == DRIFT_SELF], out);
 }
 
 int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
@@ -293,7 +177,7 @@ int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
     int ia = find_replica(p, a), ib = find_replica(p, b);
     if (ia < 0 || ib < 0)
         return -ENOENT;
-    win_summary(&p->pairs[pair_index(ia, ib)], out);
+    drift_win_summary(&p->pairs[pair_index(ia, ib)], out);
     return 0;
 }
 
@@ -303,14 +187,14 @@ static void reset_slot(drift_pool_t *p, int i)
     bool *drop = dp_xcalloc(NPAIRS, sizeof(bool));
     for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
         drop[pair_index(i, j)] = true;
-        win_clear(&p->pairs[pair_index(i, j)]);
+        drift_win_clear(&p->pairs[pair_index(i, j)]);
     }
-    win_clear(&p->recent[i]);
+    drift_win_clear(&p->recent[i]);
     for (int k = 0; k < 2; k++)
-        win_filter(&p->kind[k], drop);
+        drift_win_filter(&p->kind[k], drop);
     for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
         if (j != i && p->recent[j].ring)
-            win_filter(&p->recent[j], drop);
+            drift_win_filter(&p->recent[j], drop);
     free(drop);
 }
 
@@ -339,8 +223,8 @@ void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
         return;
     reset_slot(p, i);
     for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
-        win_free(&p->pairs[pair_index(i, j)]);
-    win_free(&p->recent[i]);
+        drift_win_free(&p->pairs[pair_index(i, j)]);
+    drift_win_free(&p->recent[i]);
     free(p->replicas[i]);
     p->replicas[i] = NULL;
     p->hinted[i] = false;
@@ -359,36 +243,27 @@ static est_t est(agg_t a)
     return (est_t){rate(a), a.n};
 }
 
-/* Does rate a exceed rate b beyond noise? Absolute margin, relative margin (Diffy's pair of
- * thresholds) and a z-test, each needed: the margins say what is worth reporting, the z-test
- * that it is not the luck of a small window. The variance uses the "plus two" estimate
- * (d+1)/(n+2) so that 0 of n still carries its uncertainty. Callers check minimum counts. */
-static bool exceeds(est_t a, est_t b)
+/* Absolute margin, relative margin (Diffy's pair of thresholds) and a z-test, each needed: the
+ * margins say what is worth reporting, the z-test that it is not the luck of a small window.
+ * The variance uses the "plus two" estimate (d+1)/(n+2) so that 0 of n still carries its
+ * uncertainty. Callers check minimum counts. */
+bool drift_rate_exceeds(double a, uint32_t na, double b, uint32_t nb)
 {
-    double diff = a.r - b.r;
-    if (!(diff >= DRIFT_MARGIN_ABS - 1e-9) || a.r < DRIFT_MARGIN_REL * b.r - 1e-9)
+    double diff = a - b;
+    if (!(diff >= DRIFT_MARGIN_ABS - 1e-9) || a < DRIFT_MARGIN_REL * b - 1e-9 || na == 0 || nb == 0)
         return false;
-    double pa = (a.r * a.n + 1.0) / (a.n + 2.0), pb = (b.r * b.n + 1.0) / (b.n + 2.0);
-    double var = pa * (1 - pa) / a.n + pb * (1 - pb) / b.n;
+    double pa = (a * na + 1.0) / (na + 2.0), pb = (b * nb + 1.0) / (nb + 2.0);
+    double var = pa * (1 - pa) / na + pb * (1 - pb) / nb;
     return diff * diff >= DRIFT_MARGIN_Z * DRIFT_MARGIN_Z * var;
 }
 
-static void reason(drift_verdict_t *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void reason(drift_verdict_t *v, const char *fmt, ...)
+static bool exceeds(est_t a, est_t b)
 {
-    if (v->nreasons >= DRIFT_MAX_REASONS)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(v->reasons[v->nreasons++], DRIFT_REASON_MAX, fmt, ap);
-    va_end(ap);
+    return drift_rate_exceeds(a.r, a.n, b.r, b.n);
 }
 
-static double pct(double r)
-{
-    return isnan(r) ? 0 : 100.0 * r;
-}
+/* A reason line for the verdict (window.h). */
+#define reason(v, ...) drift_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
 
 /* Everything the verdict reads, gathered in one pass over the pair windows. */
 typedef struct {
@@ -420,7 +295,7 @@ static void gather(const drift_pool_t *p, facts_t *f)
     double exp_sum = 0;
     for (int j = 1; j < DRIFT_MAX_REPLICAS; j++) {
         for (int i = 0; i < j; i++) {
-            const win_t *w = &p->pairs[pair_index(i, j)];
+            const drift_win_t *w = &p->pairs[pair_index(i, j)];
             if (w->count == 0)
                 continue;
             double e = w->count * (f->s[i] + f->s[j]) / 2;
@@ -526,8 +401,8 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
         reason(v,
                "%s's self pairs diverge %.1f%% (n=%u) vs %s's %.1f%% (n=%u): the replica "
                "that disagrees with itself is the likelier odd one",
-               p->replicas[s], pct(rate(ss)), ss.n, p->replicas[s == a ? b : a], pct(rate(so)),
-               so.n);
+               p->replicas[s], drift_pct(rate(ss)), ss.n, p->replicas[s == a ? b : a],
+               drift_pct(rate(so)), so.n);
         return s;
     }
     const char *canary = ha->canary == DRIFT_CANARY_UNKNOWN || hb->canary == DRIFT_CANARY_UNKNOWN
@@ -536,8 +411,8 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
                                                            : "both fail the canary";
     char self[96];
     if (self_ok)
-        snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)", pct(rate(sa)),
-                 sa.n, pct(rate(sb)), sb.n);
+        snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)",
+                 drift_pct(rate(sa)), sa.n, drift_pct(rate(sb)), sb.n);
     else
         snprintf(self, sizeof(self), "too few self samples (%u, %u; need %d each)", sa.n, sb.n,
                  DRIFT_MIN_PAIR_SAMPLES);
@@ -568,7 +443,8 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
     if (ncand > 0 || pool_drift) {
         v->kind = DRIFT_CROSS_REPLICA_DRIFT;
         reason(v, "cross pairs diverge %.1f%% (n=%u); self noise %.1f%% (n=%u) predicts %.1f%%",
-               pct(rate(cross)), cross.n, pct(rate(self)), self.n, pct(f->expected));
+               drift_pct(rate(cross)), cross.n, drift_pct(rate(self)), self.n,
+               drift_pct(f->expected));
         if (ncand == 1) {
             agg_t inv = f->inv[first];
             agg_t out = {f->pairs_all.n - inv.n, f->pairs_all.d - inv.d};
@@ -577,7 +453,7 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
             reason(v,
                    "%s disagrees with the others: %.1f%% of its cross samples diverge (n=%u) vs "
                    "%.1f%% of pairs without it (n=%u)",
-                   v->suspect, pct(rate(inv)), inv.n, pct(rate(out)), out.n);
+                   v->suspect, drift_pct(rate(inv)), inv.n, drift_pct(rate(out)), out.n);
         } else if (ncand > 1) {
             reason(v, "suspect undetermined: several replicas disagree (%s)", names);
         } else if (with_data == 2) {
@@ -598,16 +474,16 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
         }
         if (self_noisy)
             reason(v, "self pairs also diverge %.1f%%: batching noise besides the drift",
-                   pct(rate(self)));
+                   drift_pct(rate(self)));
     } else if (self_noisy) {
         v->kind = DRIFT_BATCHING_NONDETERMINISM;
         reason(v,
                "self pairs diverge %.1f%% (n=%u): a replica answers the same request "
                "differently",
-               pct(rate(self)), self.n);
+               drift_pct(rate(self)), self.n);
         if (cross_ok)
             reason(v, "cross pairs diverge %.1f%% (n=%u), within what self noise predicts (%.1f%%)",
-                   pct(rate(cross)), cross.n, pct(f->expected));
+                   drift_pct(rate(cross)), cross.n, drift_pct(f->expected));
     } else if (!cross_ok) {
         v->kind = DRIFT_INSUFFICIENT_DATA;
         reason(v, "%u cross samples in the window, need %d", cross.n, DRIFT_MIN_SAMPLES);
@@ -619,11 +495,11 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
         reason(v,
                "cross pairs diverge %.1f%% (n=%u) but %u self samples cannot tell drift from "
                "batching noise: raise shadow.self_rate",
-               pct(rate(cross)), cross.n, self.n);
+               drift_pct(rate(cross)), cross.n, self.n);
     } else {
         v->kind = DRIFT_CONSISTENT;
         reason(v, "cross pairs diverge %.1f%% (n=%u), self %.1f%% (n=%u): within the noise",
-               pct(rate(cross)), cross.n, pct(rate(self)), self.n);
+               drift_pct(rate(cross)), cross.n, drift_pct(rate(self)), self.n);
     }
 }
 
@@ -639,7 +515,7 @@ bool drift_pool_replica_recovered(const drift_pool_t *p, const char *replica)
     int i = find_replica(p, replica);
     if (i < 0)
         return false;
-    const win_t *w = &p->recent[i];
+    const drift_win_t *w = &p->recent[i];
     if (w->count < DRIFT_RECOVERY_SAMPLES)
         return false;
     uint32_t d = 0;
@@ -683,7 +559,7 @@ void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p)
     dp_jw_arr_begin(w, "pairs");
     for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
         for (int i = 0; i <= j; i++) {
-            const win_t *pw = &p->pairs[pair_index(i, j)];
+            const drift_win_t *pw = &p->pairs[pair_index(i, j)];
             if (p->replicas[i] == NULL || p->replicas[j] == NULL || pw->total == 0)
                 continue;
             dp_jw_obj_begin(w, NULL);
@@ -692,7 +568,7 @@ void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p)
             dp_jw_str(w, NULL, p->replicas[i]);
             dp_jw_str(w, NULL, p->replicas[j]);
             dp_jw_arr_end(w);
-            win_summary(pw, &s);
+            drift_win_summary(pw, &s);
             render_summary(w, &s, true);
             dp_jw_obj_end(w);
         }
@@ -704,7 +580,7 @@ void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p)
         if (p->replicas[i] == NULL)
             continue;
         dp_jw_obj_begin(w, p->replicas[i]);
-        win_summary(&p->recent[i], &s);
+        drift_win_summary(&p->recent[i], &s);
         dp_jw_uint(w, "cross_samples", s.samples);
         dp_jw_double(w, "cross_divergence_rate", s.divergence_rate);
         dp_jw_bool(w, "within_self_baseline", drift_pool_replica_recovered(p, p->replicas[i]));

@@ -200,6 +200,12 @@ void drift_pool_summary(const drift_pool_t *p, drift_kind_t kind, drift_summary_
 int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
                             drift_summary_t *out);
 
+/* Does divergence rate a (over na samples) exceed rate b (over nb) beyond noise? Both margins
+ * (DRIFT_MARGIN_ABS, DRIFT_MARGIN_REL) and a DRIFT_MARGIN_Z z-test must hold; false when either
+ * count is 0. The one noise test of the module: the drift verdict and the rollout verdict
+ * (rollout.h) both use it. */
+bool drift_rate_exceeds(double a, uint32_t na, double b, uint32_t nb);
+
 #define DRIFT_MAX_REASONS 4
 #define DRIFT_REASON_MAX 360
 

@@ -135,6 +135,18 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'admin_listen':'bad'"), "admin_listen", "expected host:port"},
     {CFG(",'listen':'127.0.0.1:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
     {CFG(",'listen':'0.0.0.0:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
+    /* candidates (SPEC §14) */
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':5},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates", "expected an array"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[5]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0]", "expected an object"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q'}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].rate", "required"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'rate':0.5}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].pool", "required"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':1.5}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].rate", "between"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':-0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].rate", "between"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':0.1,'model':'x'}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].model", "unknown key"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'nope','rate':0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].pool", "no pool is named \"nope\""},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'p','rate':0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].pool", "its own candidate"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':0.1},{'pool':'q','rate':0.2}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[1].pool", "duplicate candidate (also candidates[0])"},
+    {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "],'candidates':[{'pool':'p','rate':0.1}]}]}", "pools[1].candidates", "itself a candidate"},
     /* limits */
     {CFG(",'limits':5"), "limits", "expected an object"},
     {CFG(",'limits':{'max_header':5}"), "limits.max_header", "did you mean \"max_headers\""},
@@ -658,6 +670,52 @@ Test(config, affinity_defaults_and_fields)
     cfg_free(cfg);
     cfg = must_load(POOLF(",'balance':'affinity','affinity':{'key':'seed'}"));
     cr_assert_eq(cfg->pools[0].affinity.key, CFG_AFFINITY_SEED);
+    cfg_free(cfg);
+}
+
+Test(config, candidates_resolve_and_leave_model_routing)
+{
+    cfg_t *cfg = must_load("{'pools':[{'name':'next','models':['m'],'replicas':[" REPLICA "]},"
+                           "{'name':'base','models':['m'],'replicas':[" REPLICA "],"
+                           "'candidates':[{'pool':'next','rate':0.25}]}]}");
+    const cfg_pool_t *base = &cfg->pools[1], *next = &cfg->pools[0];
+    cr_assert_eq(base->ncandidates, 1);
+    cr_assert_str_eq(base->candidates[0].pool, "next");
+    cr_assert_eq(base->candidates[0].index, 0);
+    cr_assert_float_eq(base->candidates[0].rate, 0.25, 1e-12);
+    cr_assert(next->is_candidate && next->only_candidate);
+    cr_assert_not(base->is_candidate || base->only_candidate);
+    /* Listed first for the same model, the candidate still gets no client traffic. */
+    cr_assert_eq(cfg_pool_for_model(cfg, "m", 1), base);
+    dp_buf_t out = {0};
+    cfg_dump_json(cfg, &out);
+    dp_buf_appendc(&out, '\0');
+    cr_assert_not_null(strstr(out.base, "\"candidates\":[{\"pool\":\"next\",\"rate\":0.25}]"), "%s",
+                       out.base);
+    dp_buf_free(&out);
+    cfg_free(cfg);
+}
+
+Test(config, a_pinned_candidate_still_serves_its_tenant)
+{
+    cfg_t *cfg = must_load("{'pools':[{'name':'base','models':['m'],'replicas':[" REPLICA "],"
+                           "'candidates':[{'pool':'next','rate':0.1}]},"
+                           "{'name':'next','models':['m'],'replicas':[" REPLICA "]}],"
+                           "'policy':{'tenants':[{'name':'qa','match':{'any':true},"
+                           "'pool':'next'}]}}");
+    cr_assert(cfg->pools[1].is_candidate);
+    cr_assert_not(cfg->pools[1].only_candidate, "qa's clients are served by it");
+    cfg_free(cfg);
+}
+
+Test(config, dump_names_the_affinity_balance)
+{
+    cfg_t *cfg = must_load(POOLF(",'balance':'affinity'"));
+    dp_buf_t out = {0};
+    cfg_dump_json(cfg, &out); /* read past a two-entry name table before the fix */
+    dp_buf_appendc(&out, '\0');
+    cr_assert_not_null(strstr(out.base, "\"balance\":\"affinity\""), "%s", out.base);
+    dp_buf_free(&out);
     cfg_free(cfg);
 }
 

@@ -744,3 +744,28 @@ Test(rules, error_json_shape)
                                "\"code\":\"invalid_value\"}}");
     dp_buf_free(&out);
 }
+
+/* SPEC §14: a candidate pool serving another model name gets the baseline's body with only
+ * `model` changed; a seed above 2^53 and the members' order survive byte for byte. */
+Test(replace_model, keeps_every_other_byte)
+{
+    const char *in = "{\"seed\":9007199254740993,\"model\":\"m\\u0031\",\"prompt\":\"a\\\"b\"}";
+    dp_buf_t out = {0};
+    cr_assert_eq(policy_replace_model(in, strlen(in), "next/\"q\"", &out), 0);
+    cr_assert_eq(out.len, strlen("{\"seed\":9007199254740993,\"model\":\"next/\\\"q\\\"\","
+                                 "\"prompt\":\"a\\\"b\"}"));
+    cr_assert(memcmp(out.base,
+                     "{\"seed\":9007199254740993,\"model\":\"next/\\\"q\\\"\",\"prompt\":\"a\\\"b\"}",
+                     out.len) == 0,
+              "%.*s", (int)out.len, out.base);
+    dp_buf_free(&out);
+    cr_assert_eq(policy_replace_model("{\"prompt\":\"x\"}", 14, "m", &out), -1);
+    cr_assert_eq(policy_replace_model("[1]", 3, "m", &out), -1);
+    cr_assert_eq(policy_replace_model("{\"model\":", 9, "m", &out), -1);
+    cr_assert_eq(out.len, 0);
+    /* A nested "model" is not the request's. */
+    const char *nested = "{\"metadata\":{\"model\":\"x\"},\"model\":\"y\"}";
+    cr_assert_eq(policy_replace_model(nested, strlen(nested), "z", &out), 0);
+    cr_assert(memcmp(out.base, "{\"metadata\":{\"model\":\"x\"},\"model\":\"z\"}", out.len) == 0);
+    dp_buf_free(&out);
+}

@@ -1,0 +1,256 @@
+"""Candidate pools (SPEC §14, issue 14): copies of comparable requests to a candidate pool,
+judged against the baseline's own noise on /admin/rollouts and by `detproxy rollout report`."""
+
+import json
+import time
+
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, post_json, run_cmd,
+                     run_tests, sse, start_sim)
+from proxyutil import (client_requests, metric, pool, replica, sim_requests, start_proxy,
+                       wait_all_admitted, write_config)
+
+MODEL = "m1"
+N = 40  # requests per test: each gets a candidate copy (rate 1) and one drift shadow
+
+
+def baseline_sims():
+    return [start_sim("--model", MODEL, "--quantization", "awq") for _ in range(2)]
+
+
+def rollout_proxy(base, cand_replicas, cand_models=(MODEL,), shadow_rate=0.5, self_rate=0.5,
+                  cand_extra=None, ready=True):
+    cand = {"name": "next", "models": list(cand_models), "replicas": cand_replicas}
+    cand.update(cand_extra or {})
+    px = start_proxy(pools=[pool("p", [MODEL], base,
+                                 candidates=[{"pool": "next", "rate": 1.0}]), cand],
+                     shadow={"rate": shadow_rate, "self_rate": self_rate, "max_inflight": 8,
+                             "max_output_bytes": 65536},
+                     ready=ready)
+    return px
+
+
+def load(px, n, stream_every=0):
+    """n comparable requests, one at a time; returns the usage the clients were told."""
+    prompt_tokens = completion_tokens = 0
+    for i in range(n):
+        body = {"model": MODEL, "prompt": "rollout prompt %d about things" % i,
+                "max_tokens": 16, "temperature": 0}
+        if stream_every and i % stream_every == 0:
+            body["stream"] = True
+            got = [d for _, d in sse(px.port, "/v1/completions", body)]
+            assert got[-1] == "[DONE]", got[-3:]
+            continue
+        r = post_json(px.port, "/v1/completions", body)
+        assert r.status == 200, r
+        u = r.json()["usage"]
+        prompt_tokens += u["prompt_tokens"]
+        completion_tokens += u["completion_tokens"]
+    return prompt_tokens, completion_tokens
+
+
+def copies_ended(px, n):
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= n,
+               what="%d candidate copies ended" % n)
+    poll_until(lambda: metric(px, "detproxy_shadow_total", pool="p") >= n,
+               what="%d drift shadows ended" % n)
+
+
+def rollout(px, query=""):
+    doc = get_json(px.admin_port, "/admin/rollouts" + query)
+    assert doc["window"] == 1000, doc
+    return doc["rollouts"]
+
+
+def report(px, *args):
+    return run_cmd([DETPROXY_BIN, "rollout", "report", "-c", px.config_path,
+                    "--admin", "127.0.0.1:%d" % px.admin_port] + list(args))
+
+
+def test_equivalent_candidate_and_its_copies_are_not_billed():
+    base = baseline_sims()
+    cand = start_sim("--model", MODEL, "--quantization", "awq")
+    px = rollout_proxy(base, [replica("n1", cand)])
+    wait_all_admitted(px)
+    prompt, completion = load(px, N, stream_every=4)
+    copies_ended(px, N)
+    (r,) = rollout(px)
+    assert r["pool"] == "p" and r["candidate"] == "next" and r["rate"] == 1, r
+    assert r["verdict"] == "equivalent", json.dumps(r)[:800]
+    assert r["samples"] == N and r["exact_match_rate"] == 1.0 and r["mean_similarity"] == 1.0, r
+    assert r["median_divergence_offset"] is None and r["example_request_ids"] == [], r
+    assert r["baseline_noise"]["samples"] >= 30, r["baseline_noise"]
+    assert r["tenants"]["default"]["verdict"] == "equivalent", r["tenants"]
+    assert metric(px, "detproxy_candidate_total", pool="p", candidate="next",
+                  result="match") == N
+    # The candidate's replica got every copy, marked as such, with the baseline's request ids.
+    copies = [q for q in sim_requests(cand) if q["headers"].get("x-detproxy-shadow")]
+    assert copies and all(q["headers"]["x-detproxy-shadow"] == "candidate" for q in copies)
+    ids = {q["headers"]["x-detproxy-request-id"] for q in client_requests(base[0]) +
+           client_requests(base[1]) if not q["headers"].get("x-detproxy-shadow")}
+    assert {q["headers"]["x-detproxy-request-id"] for q in copies} <= ids
+    # Never billed to the tenant: requests, tokens and access lines count the clients only.
+    assert metric(px, "detproxy_requests_total") == N
+    assert metric(px, "detproxy_requests_total", pool="next") == 0
+    assert metric(px, "detproxy_tokens_total", pool="next") == 0
+    # (streams without stream_options.include_usage report no usage: nothing to count)
+    assert metric(px, "detproxy_tokens_total", kind="prompt") == prompt
+    assert metric(px, "detproxy_tokens_total", kind="completion") == completion
+    assert len([a for a in px.find_logs("access") if a.get("pool") == "next"]) == 0
+    assert len(px.find_logs("access")) == N
+    # The status page shows it beside the pool's drift.
+    page = http("GET", px.admin_port, "/").text
+    assert '<tr data-candidate="next" data-verdict="equivalent">' in page, page[-2000:]
+    # The report: a table, exit 0; --json is the admin API's document.
+    rc, out, err = report(px)
+    assert rc == 0, (rc, out, err)
+    assert "equivalent" in out and "next" in out and "within the noise" in out, out
+    rc, out, err = report(px, "--json", "--pool", "p")
+    assert rc == 0, (rc, out, err)
+    assert json.loads(out)["rollouts"][0]["verdict"] == "equivalent"
+    px.stop()
+
+
+def test_diverging_candidate_serving_another_model_name():
+    base = baseline_sims()
+    # A new checkpoint under its own served name, generating differently.
+    cand = start_sim("--model", "m1-next", "--quantization", "gptq")
+    px = rollout_proxy(base, [replica("n1", cand)], cand_models=["m1-next"])
+    wait_all_admitted(px)
+    load(px, N)
+    copies_ended(px, N)
+    (r,) = rollout(px, "?pool=p")
+    assert r["verdict"] == "diverges", json.dumps(r)[:800]
+    assert r["samples"] == N and r["exact_match_rate"] < 0.5, r
+    assert r["excess_divergence"] > 0.5 and r["median_divergence_offset"] is not None, r
+    assert 1 <= len(r["example_request_ids"]) <= 5, r
+    assert any("beyond the noise" in x for x in r["reasons"]), r["reasons"]
+    assert metric(px, "detproxy_candidate_total", pool="p", candidate="next",
+                  result="diverged") > N / 2
+    # The copies asked for the candidate's own model name (the sim answers 404 for another).
+    copies = [json.loads(q["body"]) for q in sim_requests(cand)
+              if q["headers"].get("x-detproxy-shadow") == "candidate"]
+    assert copies and all(c["model"] == "m1-next" for c in copies), copies[:2]
+    ids = set(r["example_request_ids"])
+    lines = px.find_logs("candidate_divergence")
+    assert lines and ids <= {l["request_id"] for l in lines}, (ids, lines[:2])
+    assert all(l["candidate"] == "next" and l["tenant"] == "default" for l in lines)
+    # The clients were answered by the baseline all along.
+    r2 = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                                "temperature": 0})
+    assert r2.status == 200 and r2.json()["model"] == MODEL, r2
+    assert 'data-candidate="next" data-verdict="diverges"' in http("GET", px.admin_port, "/").text
+    rc, out, err = report(px)
+    assert rc == 1, (rc, out, err)
+    assert "diverges" in out and "example request ids:" in out, out
+    rc, out, _ = report(px, "--json")
+    assert rc == 1 and json.loads(out)["rollouts"][0]["verdict"] == "diverges"
+    px.stop()
+
+
+def test_candidate_without_admitted_replica_leaves_baseline_ready():
+    base = baseline_sims()
+    dead = {"name": "n1", "url": "http://127.0.0.1:%d" % free_port()}
+    # start_proxy waits for /readyz 200: it is reached with the candidate never admitted.
+    px = rollout_proxy(base, [dead], shadow_rate=0, self_rate=0)
+    ready = get_json(px.admin_port, "/readyz")
+    assert ready["status"] == "ready" and ready["unready_pools"] == [], ready
+    assert ready["unready_candidate_pools"] == ["next"], ready
+    load(px, 5)
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next",
+                              result="skipped") == 5, what="5 copies skipped")
+    (r,) = rollout(px)
+    assert r["verdict"] == "insufficient_data", r
+    text = " ".join(r["reasons"])
+    assert "0 candidate samples in the window, need 30" in text, text
+    assert "5 candidate copies skipped (last: pool next has no admitted replica)" in text, text
+    assert "baseline noise unknown" in text and "shadow.self_rate" in text, text
+    assert r["copies_without_sample"]["skipped"] == 5, r
+    # Not comparable: counted apart, never copied.
+    r2 = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "warm",
+                                                "max_tokens": 4, "temperature": 0.9})
+    assert r2.status == 200, r2
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next",
+                              result="not_comparable") == 1, what="not_comparable counted")
+    # Clients cannot reach a candidate pool by its models: the baseline answers.
+    assert metric(px, "detproxy_requests_total", pool="p") == 6
+    rc, out, err = report(px)
+    assert rc == 0 and "insufficient_data" in out, (rc, out, err)
+    px.stop()
+
+
+def test_slow_or_failing_candidates_never_touch_the_answer():
+    base = baseline_sims()
+    slow = start_sim("--model", MODEL, "--quantization", "awq", "--token-delay-ms", "500")
+    wrong = start_sim("--model", "other")  # answers 404 for m1, which its pool claims to serve
+    px = start_proxy(pools=[pool("p", [MODEL], base,
+                                 candidates=[{"pool": "slow", "rate": 1.0},
+                                             {"pool": "wrong", "rate": 1.0}]),
+                            {"name": "slow", "models": [MODEL],
+                             "replicas": [replica("s1", slow)]},
+                            {"name": "wrong", "models": [MODEL],
+                             "replicas": [replica("w1", wrong)]}],
+                     shadow={"rate": 0, "self_rate": 0, "max_inflight": 2})
+    wait_all_admitted(px)
+    t0 = time.monotonic()
+    for i in range(6):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "q %d" % i,
+                                                    "max_tokens": 16, "temperature": 0})
+        assert r.status == 200 and r.headers["x-detproxy-replica"] in ("r1", "r2"), r
+    took = time.monotonic() - t0
+    # The slow candidate takes 8 s per copy; six answers did not wait for one.
+    assert took < 4 * SLOW, took
+    assert metric(px, "detproxy_candidate_total", candidate="slow", result="skipped") == 4
+    poll_until(lambda: metric(px, "detproxy_candidate_total", candidate="wrong",
+                              result="error") == 6, what="6 errors of the wrong candidate")
+    (slow_r, wrong_r) = rollout(px)
+    assert "shadow.max_inflight candidate copies already in flight" in " ".join(
+        slow_r["reasons"]), slow_r["reasons"]
+    assert "6 candidate copies error (last: w1 answered HTTP 404)" in wrong_r["reasons"], \
+        wrong_r["reasons"]
+    assert slow_r["samples"] == 0 and wrong_r["samples"] == 0
+    px.stop()  # two slow copies still in flight: cancelled, a clean exit
+
+
+def test_report_errors():
+    base = baseline_sims()
+    px = start_proxy(pools=[pool("p", [MODEL], base)])
+    rc, out, err = report(px)
+    assert rc == 0 and "no pool has candidates" in out, (rc, out, err)
+    rc, out, err = report(px, "--pool", "nope")
+    assert rc == 2 and "no pool of that name" in err, (rc, err)
+    port = px.admin_port
+    path = px.config_path
+    px.stop()
+    rc, out, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", path,
+                            "--admin", "127.0.0.1:%d" % port])
+    assert rc == 3 and "is the proxy running?" in err, (rc, err)
+    rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", path])
+    assert rc == 2 and "--admin" in err, err  # admin_listen has port 0
+    rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "--bogus"])
+    assert rc == 2, err
+    rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "lookup"])
+    assert rc == 2 and "unknown subcommand" in err, err
+    rc, out, _ = run_cmd([DETPROXY_BIN, "rollout", "--help"])
+    assert rc == 0 and "--pool" in out and "--json" in out
+
+
+def test_check_and_run_reject_bad_candidates():
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "pools": [{"name": "p", "models": ["m"], "replicas": [
+               {"name": "r1", "url": "http://127.0.0.1:1"}],
+               "candidates": [{"pool": "ghost", "rate": 0.1}, {"pool": "p", "rate": 2}]}]}
+    path = write_config(cfg)
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", path])
+    text = out + err
+    assert rc == 1, text
+    assert 'pools[0].candidates[0].pool: no pool is named "ghost"' in text, text
+    assert "pools[0].candidates[1].pool: a pool cannot be its own candidate" in text, text
+    assert "pools[0].candidates[1].rate" in text, text
+    rc, out, err = run_cmd([DETPROXY_BIN, "run", "-c", path], timeout=10)
+    details = [json.loads(l)["detail"] for l in (out + err).splitlines() if l.startswith("{")]
+    assert rc != 0 and 'pools[0].candidates[0].pool: no pool is named "ghost"' in details, \
+        (rc, out, err)
+
+
+if __name__ == "__main__":
+    run_tests(globals())
