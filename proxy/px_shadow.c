@@ -657,7 +657,7 @@ static void maybe_drift(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *pr
      * the pool (the primary's own, or one a client request may be sent to next). */
     if (cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
         count(pool->name, kind, "skipped");
-        return NULL;
+        return;
     }
     if (c->inflight >= sc->max_inflight) {
         count(pool->name, kind, "skipped");
