@@ -135,6 +135,11 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'admin_listen':'bad'"), "admin_listen", "expected host:port"},
     {CFG(",'listen':'127.0.0.1:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
     {CFG(",'listen':'0.0.0.0:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
+    /* workers */
+    {CFG(",'workers':65"), "workers", "must be between 0 and 64"},
+    {CFG(",'workers':-1"), "workers", "must be between 0 and 64"},
+    {CFG(",'workers':'2'"), "workers", "expected an integer"},
+    {CFG(",'workers':1.5"), "workers", "expected an integer"},
     /* limits */
     {CFG(",'limits':5"), "limits", "expected an object"},
     {CFG(",'limits':{'max_header':5}"), "limits.max_header", "did you mean \"max_headers\""},
