@@ -16,6 +16,7 @@
 #include "net/server.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -111,7 +112,7 @@ struct net_server_s {
     void *data;
     net_server_limits_t lim;
     llhttp_settings_t settings;
-    size_t nconns, ninflight;
+    atomic_size_t nconns, ninflight; /* read by other threads (px_workers_connections) */
     uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
     net_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
     size_t nhandshakes;
@@ -1300,15 +1301,29 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
 
 int net_server_listen(net_server_t *s, const char *host, uint16_t port)
 {
+    return net_server_listen_opts(s, host, port, false);
+}
+
+int net_server_listen_opts(net_server_t *s, const char *host, uint16_t port, bool reuseport)
+{
     struct sockaddr_storage ss;
     int r = strchr(host, ':') ? uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss)
                               : uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
     if (r != 0)
         return r;
-    if ((r = uv_tcp_init(s->loop, &s->listener)) != 0)
+    /* _ex creates the socket now, so SO_REUSEPORT can be set before the bind (libuv 1.44 has
+     * no bind flag for it). */
+    if ((r = uv_tcp_init_ex(s->loop, &s->listener, ss.ss_family)) != 0)
         return r;
     s->listener_open = true;
     s->listener.data = s;
+    if (reuseport) {
+        uv_os_fd_t fd;
+        int one = 1;
+        if (uv_fileno((uv_handle_t *)&s->listener, &fd) != 0 ||
+            setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one)) != 0)
+            return UV_ENOTSUP;
+    }
     if ((r = uv_tcp_bind(&s->listener, (struct sockaddr *)&ss, 0)) != 0)
         return r;
     if ((r = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection)) != 0)

@@ -101,6 +101,10 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
                              const net_server_limits_t *limits);
 /* Bind and listen. host is numeric IPv4/IPv6. Returns 0 or a negative libuv error. */
 int net_server_listen(net_server_t *s, const char *host, uint16_t port);
+/* The same with SO_REUSEPORT (Linux): several servers, one per loop thread, bind the same
+ * address and the kernel spreads new connections across them. UV_ENOTSUP when the kernel
+ * refuses the option. */
+int net_server_listen_opts(net_server_t *s, const char *host, uint16_t port, bool reuseport);
 /* The bound port (useful with port 0). */
 uint16_t net_server_port(const net_server_t *s);
 /* The address it listens on (NULL before net_server_listen succeeded). */

@@ -11,6 +11,19 @@
 #include "proxy/px_attest.h"
 #include "proxy/px_status.h"
 
+/* The reasons as one line, for workers (px_pool_why_unavailable). */
+static void publish_why(px_replica_t *r)
+{
+    dp_buf_t b = {0};
+    for (size_t k = 0; k < r->nreasons; k++) {
+        if (k)
+            dp_buf_append(&b, "; ", 2);
+        dp_buf_appends(&b, r->reasons[k]);
+    }
+    px_seqstr_set(&r->why, b.base ? b.base : "");
+    dp_buf_free(&b);
+}
+
 const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
                                               "quarantined"};
 
@@ -60,8 +73,11 @@ static bool name_alive(const px_replica_t *except)
 static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
                                  const cfg_replica_t *d, char *key)
 {
+    PX_ASSERT_CONTROL();
     px_replica_t *r = dp_xcalloc(1, sizeof(*r));
-    r->refs = 1;
+    atomic_init(&r->refs, 1);
+    r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
+    r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
     r->live_next = g_live;
     if (g_live)
         g_live->live_prev = r;
@@ -121,13 +137,30 @@ void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t
 
 void px_replica_ref(px_replica_t *r)
 {
-    r->refs++;
+    atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
+}
+
+static void replica_free(px_replica_t *r);
+
+static void replica_free_posted(net_mb_node_t *n)
+{
+    replica_free((px_replica_t *)((char *)n - offsetof(px_replica_t, free_node)));
 }
 
 void px_replica_unref(px_replica_t *r)
 {
-    if (--r->refs > 0)
+    if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) > 1)
         return;
+    if (!px_on_control()) { /* attestation state, metric series, upstreams: the control's */
+        px_control_post(r->px, &r->free_node, replica_free_posted);
+        return;
+    }
+    replica_free(r);
+}
+
+static void replica_free(px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
     if (r->live_prev)
         r->live_prev->live_next = r->live_next;
     else
@@ -143,6 +176,11 @@ void px_replica_unref(px_replica_t *r)
         net_upstream_free(r->up);
     if (r->shadow_up)
         net_upstream_free(r->shadow_up);
+    for (unsigned s = 1; r->px && s < r->px->nslots; s++)
+        if (r->wup[s] || r->wtls[s])
+            px_workers_free_upstream(r->px, s, r->wup[s], r->wtls[s]);
+    free(r->wup);
+    free(r->wtls);
     net_tls_ctx_unref(r->tls_ctx);
     for (size_t i = 0; i < r->nreasons; i++)
         free(r->reasons[i]);
@@ -157,6 +195,7 @@ void px_replica_unref(px_replica_t *r)
 
 void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons)
 {
+    PX_ASSERT_CONTROL();
     bool changed = st != r->state;
     bool reasons_changed = false;
     size_t n = 0;
@@ -175,6 +214,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
         for (size_t i = 0; i < n; i++)
             r->reasons[i] = dp_xstrdup(reasons[i]);
         r->nreasons = n;
+        publish_why(r);
     }
     if (!changed && !reasons_changed)
         return;
@@ -198,10 +238,13 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     }
     if (st != PX_REPLICA_ADMITTED && r->up)
         net_upstream_flush_idle(r->up);
+    if (st != PX_REPLICA_ADMITTED)
+        px_workers_flush_replica(r->px, r, false);
 }
 
 void px_replica_set_drained(px_replica_t *r, bool drained)
 {
+    PX_ASSERT_CONTROL();
     px_metric_set(r->m_drained, drained ? 1 : 0);
     if (r->drained == drained)
         return;
@@ -211,18 +254,21 @@ void px_replica_set_drained(px_replica_t *r, bool drained)
         dp_jw_str(w, "pool", r->pool_name);
         dp_jw_str(w, "replica", r->name);
         dp_jw_str(w, "state", px_replica_state_names[r->state]);
-        dp_jw_uint(w, "inflight", r->inflight);
+        dp_jw_uint(w, "inflight", atomic_load(&r->inflight));
         dp_log_end(w);
     }
     /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
     if (drained && r->up)
         net_upstream_flush_idle(r->up);
+    if (drained)
+        px_workers_flush_replica(r->px, r, false);
 }
 
 /* ---- pools ------------------------------------------------------------------------------ */
 
 void px_pool_push_replica(px_pool_t *p, px_replica_t *r)
 {
+    PX_ASSERT_CONTROL();
     if (p->nreplicas == p->cap) {
         p->cap = p->cap ? p->cap * 2 : 4;
         p->replicas = dp_xrealloc(p->replicas, p->cap * sizeof(*p->replicas));
@@ -279,6 +325,7 @@ static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         net_upstream_flush_idle(r->up);
     if (r->shadow_up)
         net_upstream_flush_idle(r->shadow_up);
+    px_workers_flush_replica(r->px, r, true);
 }
 
 static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
@@ -294,12 +341,17 @@ static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
 
 px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
 {
+    PX_ASSERT_CONTROL();
+    unsigned nslots = px->nslots ? px->nslots : 1;
     px_gen_t *g = dp_xcalloc(1, sizeof(*g));
-    g->refs = 1;
+    atomic_init(&g->refs, 1);
     g->px = px;
     g->cfg = cfg;
     g->npools = cfg->npools;
     g->pools = dp_xcalloc(cfg->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    g->cfg_refs = dp_xcalloc(1, sizeof(*g->cfg_refs));
+    *g->cfg_refs = 1;
     net_upstream_opts_t uo;
     px_replica_upstream_opts(cfg, &uo);
     for (size_t i = 0; i < cfg->npools; i++) {
@@ -314,9 +366,7 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
         for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
             p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
                                               px_aff_result_names[k], NULL);
-        uv_timer_init(px->loop, &p->qtimer);
-        p->qtimer.data = p;
-        g->handles_open++;
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
         for (size_t k = 0; k < pc->nreplicas; k++) {
             char *key = replica_key(pc, &pc->replicas[k]);
             px_replica_t *r = find_reusable(prev, key);
@@ -337,39 +387,94 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
 
 void px_gen_ref(px_gen_t *g)
 {
-    g->refs++;
+    atomic_fetch_add_explicit(&g->refs, 1, memory_order_relaxed);
 }
 
-static void gen_free_final(px_gen_t *g)
+static void gen_free(px_gen_t *g)
 {
-    free(g->pools);
-    cfg_free(g->cfg);
-    free(g);
-}
-
-static void qtimer_closed(uv_handle_t *h)
-{
-    px_pool_t *p = h->data;
-    px_gen_t *g = p->gen;
-    if (--g->handles_open == 0)
-        gen_free_final(g);
-}
-
-void px_gen_unref(px_gen_t *g)
-{
-    if (--g->refs > 0)
-        return;
+    PX_ASSERT_CONTROL();
     for (size_t i = 0; i < g->npools; i++) {
         px_pool_t *p = &g->pools[i];
         for (size_t k = 0; k < p->nreplicas; k++)
             px_replica_unref(p->replicas[k]);
         free(p->replicas);
-        p->replicas = NULL;
-        p->nreplicas = 0;
-        uv_close((uv_handle_t *)&p->qtimer, qtimer_closed);
+        free(p->slots);
     }
-    if (g->npools == 0)
-        gen_free_final(g);
+    free(g->pools);
+    free(g->m_overrides);
+    if (--*g->cfg_refs == 0) {
+        cfg_free(g->cfg);
+        free(g->cfg_refs);
+    }
+    free(g);
+}
+
+/* The same configuration and replicas, in a generation of its own (not yet published). */
+static px_gen_t *gen_clone(const px_gen_t *o)
+{
+    px_t *px = o->px;
+    unsigned nslots = px->nslots ? px->nslots : 1;
+    px_gen_t *g = dp_xcalloc(1, sizeof(*g));
+    atomic_init(&g->refs, 1);
+    g->px = px;
+    g->cfg = o->cfg;
+    g->cfg_refs = o->cfg_refs;
+    ++*g->cfg_refs;
+    g->npools = o->npools;
+    g->pools = dp_xcalloc(o->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    for (size_t i = 0; i < o->npools; i++) {
+        const px_pool_t *op = &o->pools[i];
+        px_pool_t *p = &g->pools[i];
+        p->gen = g;
+        p->cfg = op->cfg;
+        p->name = op->name;
+        memcpy(p->fingerprint, op->fingerprint, sizeof(p->fingerprint));
+        p->m_duration = op->m_duration;
+        memcpy(p->m_affinity, op->m_affinity, sizeof(p->m_affinity));
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
+        for (size_t k = 0; k < op->nreplicas; k++) {
+            px_replica_ref(op->replicas[k]);
+            px_pool_push_replica(p, op->replicas[k]);
+        }
+    }
+    return g;
+}
+
+px_gen_t *px_gen_writable(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (!px->gen->published)
+        return px->gen;
+    px_gen_t *old = px->gen;
+    px->gen = gen_clone(old);
+    px_gen_unref(old);
+    return px->gen;
+}
+
+void px_gen_publish(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (px->gen->published)
+        return;
+    px->gen->published = true;
+    px_workers_publish(px, px->gen);
+}
+
+static void gen_free_posted(net_mb_node_t *n)
+{
+    gen_free((px_gen_t *)((char *)n - offsetof(px_gen_t, free_node)));
+}
+
+void px_gen_unref(px_gen_t *g)
+{
+    if (atomic_fetch_sub_explicit(&g->refs, 1, memory_order_acq_rel) > 1)
+        return;
+    if (!px_on_control()) {
+        px_control_post(g->px, &g->free_node, gen_free_posted);
+        return;
+    }
+    gen_free(g);
 }
 
 px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
@@ -379,19 +484,20 @@ px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int statu
     if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
         return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
                               st, "code", code, NULL);
-    size_t n = DP_ARRAY_SIZE(p->m_requests);
-    for (size_t i = 0; i < n && p->m_requests[i].s; i++)
-        if (p->m_requests[i].tenant == tenant && p->m_requests[i].status == status &&
-            p->m_requests[i].code == code)
-            return p->m_requests[i].s;
+    px_pool_slot_t *sl = &p->slots[px_slot()];
+    size_t n = DP_ARRAY_SIZE(sl->m_requests);
+    for (size_t i = 0; i < n && sl->m_requests[i].s; i++)
+        if (sl->m_requests[i].tenant == tenant && sl->m_requests[i].status == status &&
+            sl->m_requests[i].code == code)
+            return sl->m_requests[i].s;
     px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
                                     "status", st, "code", code, NULL);
     for (size_t i = 0; i < n; i++) {
-        if (p->m_requests[i].s == NULL) {
-            p->m_requests[i].tenant = tenant;
-            p->m_requests[i].status = status;
-            p->m_requests[i].code = code;
-            p->m_requests[i].s = s;
+        if (sl->m_requests[i].s == NULL) {
+            sl->m_requests[i].tenant = tenant;
+            sl->m_requests[i].status = status;
+            sl->m_requests[i].code = code;
+            sl->m_requests[i].s = s;
             break;
         }
     }
@@ -401,19 +507,19 @@ px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int statu
 px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
                                     const char *param, int action, const char *action_name)
 {
-    size_t n = DP_ARRAY_SIZE(g->m_overrides);
-    for (size_t i = 0; i < n && g->m_overrides[i].s; i++)
-        if (g->m_overrides[i].tenant == t && g->m_overrides[i].param == param &&
-            g->m_overrides[i].action == action)
-            return g->m_overrides[i].s;
+    px_override_series_t *ov = g->m_overrides[px_slot()];
+    size_t n = DP_ARRAY_SIZE(g->m_overrides[0]);
+    for (size_t i = 0; i < n && ov[i].s; i++)
+        if (ov[i].tenant == t && ov[i].param == param && ov[i].action == action)
+            return ov[i].s;
     px_series_t *s = px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
                                     param, "action", action_name, NULL);
     for (size_t i = 0; i < n; i++) {
-        if (g->m_overrides[i].s == NULL) {
-            g->m_overrides[i].tenant = t;
-            g->m_overrides[i].param = param;
-            g->m_overrides[i].action = action;
-            g->m_overrides[i].s = s;
+        if (ov[i].s == NULL) {
+            ov[i].tenant = t;
+            ov[i].param = param;
+            ov[i].action = action;
+            ov[i].s = s;
             break;
         }
     }

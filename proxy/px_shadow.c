@@ -10,7 +10,12 @@
  *
  * A shadow (shadow_t) is freed on exactly one path: whichever of the primary's end
  * (px_shadow_primary_done) and the shadow exchange's end comes second runs maybe_compare, which
- * either drops the sample or hands it to the thread pool and frees it in compare_done. */
+ * either drops the sample or hands it to the thread pool and frees it in compare_done.
+ *
+ * Threads: the decision and the primary's capture happen on the worker that has the request
+ * (px_shadow_maybe, px_shadow_primary_bytes); the copy is sent, compared and counted on the
+ * control thread. Two messages cross (start, primary done), each always delivered; until the
+ * second, the primary's capture fields are the worker's and everything else the control's. */
 #include "proxy/px_shadow.h"
 
 #include <math.h>
@@ -33,17 +38,21 @@ typedef struct {
     char logged_suspect[DRIFT_NAME_MAX];
 } dpool_t;
 
-typedef struct {
+struct px_shadow_ctx_s {
     dpool_t *pools;
     size_t npools;
-    uint32_t inflight;
-    shadow_t *active; /* exchanges in flight, for shutdown */
-    bool stopped;
-} shadow_ctx_t;
+    atomic_uint inflight; /* taken on the workers, given back on the control thread */
+    shadow_t *active;     /* exchanges in flight, for shutdown */
+    atomic_bool stopped;
+};
+typedef struct px_shadow_ctx_s shadow_ctx_t;
 
 struct shadow_s {
     int refs;
     px_t *px;
+    net_mb_node_t start_node, done_node;
+    px_replica_t *target_r; /* a reference, until the exchange ended */
+    dp_buf_t head, body;    /* the copy to send (made on the worker) */
     shadow_t *prev, *next; /* on ctx->active while the exchange runs */
     char *pool;
     char *primary;
@@ -74,9 +83,16 @@ struct shadow_s {
 
 static shadow_ctx_t *ctx(px_t *px)
 {
-    if (px->shadow == NULL)
+    if (px->shadow == NULL) {
+        PX_ASSERT_CONTROL(); /* made at start (px_shadow_init), before any worker runs */
         px->shadow = dp_xcalloc(1, sizeof(shadow_ctx_t));
+    }
     return px->shadow;
+}
+
+void px_shadow_init(px_t *px)
+{
+    ctx(px);
 }
 
 static dpool_t *dpool_entry(px_t *px, const char *name)
@@ -153,6 +169,10 @@ static void shadow_unref(shadow_t *s)
     drift_sse_free(&s->ssse);
     dp_buf_free(&s->pbody);
     dp_buf_free(&s->sbody);
+    dp_buf_free(&s->head);
+    dp_buf_free(&s->body);
+    if (s->target_r)
+        px_replica_unref(s->target_r);
     drift_output_free(&s->a);
     drift_output_free(&s->b);
     free(s->pool);
@@ -239,7 +259,7 @@ static void compare_done(uv_work_t *w, int status)
     shadow_t *s = w->data;
     px_t *px = s->px;
     (void)status;
-    if (!ctx(px)->stopped) {
+    if (!atomic_load(&ctx(px)->stopped)) {
         dpool_t *e = dpool_entry(px, s->pool);
         drift_pool_t *dp = e->dp;
         drift_pool_add(dp, s->primary, s->target, &s->result);
@@ -334,12 +354,19 @@ void px_shadow_primary_bytes(void *v, const char *p, size_t n)
     capture(s, &s->psse, &s->pbody, p, n);
 }
 
+static void primary_done_posted(net_mb_node_t *n)
+{
+    shadow_t *s = (shadow_t *)((char *)n - offsetof(shadow_t, done_node));
+    s->primary_done = true;
+    maybe_compare(s);
+}
+
 void px_shadow_primary_done(void *v, int status)
 {
     shadow_t *s = v;
     s->pstatus = status;
-    s->primary_done = true;
-    maybe_compare(s);
+    /* From here the capture is the control thread's (the start message went first). */
+    px_control_post(s->px, &s->done_node, primary_done_posted);
 }
 
 static void active_remove(shadow_t *s)
@@ -352,7 +379,7 @@ static void active_remove(shadow_t *s)
     if (s->next)
         s->next->prev = s->prev;
     s->prev = s->next = NULL;
-    c->inflight--;
+    atomic_fetch_sub(&c->inflight, 1);
 }
 
 static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
@@ -405,13 +432,14 @@ static double uniform(void)
  * getting shadows to show it recovered), never the primary. Rotates for coverage. */
 static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
 {
-    static uint32_t rr;
+    static _Thread_local uint32_t rr;
     size_t n = p->nreplicas;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(rr + k) % n];
-        if (r == primary || r->up == NULL || r->drained)
+        if (r == primary || r->up == NULL || atomic_load(&r->drained))
             continue;
-        if (r->state == PX_REPLICA_ADMITTED || r->state == PX_REPLICA_QUARANTINED) {
+        px_replica_state_t st = px_replica_state(r);
+        if (st == PX_REPLICA_ADMITTED || st == PX_REPLICA_QUARANTINED) {
             rr += (uint32_t)k + 1;
             return r;
         }
@@ -419,15 +447,55 @@ static px_replica_t *cross_target(px_pool_t *p, const px_replica_t *primary)
     return NULL;
 }
 
+/* On the control thread: send the copy the worker prepared. */
+static void start_posted(net_mb_node_t *n)
+{
+    shadow_t *s = (shadow_t *)((char *)n - offsetof(shadow_t, start_node));
+    px_t *px = s->px;
+    shadow_ctx_t *c = ctx(px);
+    px_replica_t *target = s->target_r;
+    if (atomic_load(&c->stopped)) {
+        atomic_fetch_sub(&c->inflight, 1);
+        s->sfailed = true;
+        snprintf(s->sdetail, sizeof(s->sdetail), "shutting down");
+        s->shadow_done = true;
+        maybe_compare(s);
+        return;
+    }
+    if (target->shadow_up == NULL) {
+        net_upstream_opts_t o;
+        px_replica_upstream_opts(px->gen->cfg, &o);
+        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+        px_replica_upstream_tls(target, target->shadow_up, &target->url);
+    }
+    uv_buf_t bufs[2] = {uv_buf_init(s->head.base, (unsigned)s->head.len),
+                        uv_buf_init(s->body.base ? s->body.base : "", (unsigned)s->body.len)};
+    s->next = c->active;
+    if (c->active)
+        c->active->prev = s;
+    c->active = s;
+    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+}
+
+/* A shadow slot under shadow.max_inflight, across workers. */
+static bool take_inflight(shadow_ctx_t *c, uint32_t max)
+{
+    unsigned cur = atomic_load(&c->inflight);
+    while (cur < max)
+        if (atomic_compare_exchange_weak(&c->inflight, &cur, cur + 1))
+            return true;
+    return false;
+}
+
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
                       const policy_result_t *res, const net_req_t *req, const char *body,
                       size_t len)
 {
-    const cfg_shadow_t *sc = &px->gen->cfg->shadow;
-    shadow_ctx_t *c = ctx(px);
+    const cfg_shadow_t *sc = &pool->gen->cfg->shadow;
+    shadow_ctx_t *c = px->shadow;
     double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
     double self = sc->self_rate;
-    if ((cross <= 0 && self <= 0) || c->stopped)
+    if ((cross <= 0 && self <= 0) || c == NULL || atomic_load(&c->stopped))
         return NULL;
     /* One draw picks at most one kind: cross with probability `cross`, self with `self`
      * (scaled down together if they sum past 1). */
@@ -449,22 +517,14 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         count(pool->name, kind, "skipped");
         return NULL;
     }
-    if (c->inflight >= sc->max_inflight) {
-        count(pool->name, kind, "skipped");
-        return NULL;
-    }
     px_replica_t *target = kind == DRIFT_SELF ? primary : cross_target(pool, primary);
-    if (target == NULL || target->up == NULL) {
+    if (target == NULL || target->up == NULL || !take_inflight(c, sc->max_inflight)) {
         count(pool->name, kind, "skipped");
         return NULL;
-    }
-    if (target->shadow_up == NULL) {
-        net_upstream_opts_t o;
-        px_replica_upstream_opts(px->gen->cfg, &o);
-        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
-        px_replica_upstream_tls(target, target->shadow_up, &target->url);
     }
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
+    px_replica_ref(target);
+    s->target_r = target;
     s->refs = 1; /* released once both sides have ended (maybe_compare) */
     s->px = px;
     s->pool = dp_xstrdup(pool->name);
@@ -487,15 +547,9 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
     const char *via = px_self_via_line(&vl);
     dp_buf_append(&head, via, vl);
     dp_buf_append(&head, "\r\n", 2);
-    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
-                        uv_buf_init((char *)body, (unsigned)len)};
-    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
-    dp_buf_free(&head);
-    c->inflight++;
-    s->next = c->active;
-    if (c->active)
-        c->active->prev = s;
-    c->active = s;
+    s->head = head;
+    dp_buf_append(&s->body, body, len); /* the request's own bytes are gone before the copy */
+    px_control_post(px, &s->start_node, start_posted);
     return s;
 }
 
@@ -530,7 +584,7 @@ void px_shadow_stop(px_t *px)
     shadow_ctx_t *c = px->shadow;
     if (c == NULL)
         return;
-    c->stopped = true;
+    atomic_store(&c->stopped, true);
     while (c->active) {
         shadow_t *s = c->active;
         active_remove(s);
