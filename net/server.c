@@ -113,7 +113,9 @@ struct net_server_s {
     net_server_limits_t lim;
     llhttp_settings_t settings;
     atomic_size_t nconns, ninflight; /* read by other threads (px_workers_connections) */
-    uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
+    /* max_connections and max_inflight_body_bytes count here: this server's own, or those
+     * of a group of servers on several threads sharing one limit (net_server_share). */
+    net_server_shared_t own, *shared;
     net_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
     size_t nhandshakes;
     void (*on_overload)(const char *reason);
@@ -366,7 +368,7 @@ static void conn_release_req(net_conn_t *c)
         return;
     c->req = NULL;
     cork_remove(c->srv, q);
-    c->srv->body_bytes -= q->body_reserved;
+    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
     q->body_reserved = 0;
     if (q->handed)
         c->srv->ninflight--;
@@ -428,9 +430,12 @@ static bool body_reserve(net_conn_t *c, uint64_t total)
     net_server_t *s = c->srv;
     req_impl_t *q = c->req;
     uint64_t more = total - q->body_reserved;
-    if (s->lim.max_inflight_body_bytes && s->body_bytes + more > s->lim.max_inflight_body_bytes)
-        return false;
-    s->body_bytes += more;
+    uint64_t max = s->lim.max_inflight_body_bytes;
+    uint64_t cur = atomic_load(&s->shared->body_bytes);
+    do
+        if (max && cur + more > max)
+            return false;
+    while (!atomic_compare_exchange_weak(&s->shared->body_bytes, &cur, cur + more));
     q->body_reserved = total;
     return true;
 }
@@ -633,6 +638,7 @@ static void conn_handle_closed(net_conn_t *c)
     if (c->next)
         c->next->prev = c->prev;
     s->nconns--;
+    atomic_fetch_sub(&s->shared->conns, 1);
     dp_buf_free(&c->pending);
     free(c);
     maybe_server_done(s);
@@ -1222,6 +1228,7 @@ static void on_connection(uv_stream_t *ls, int status)
         s->conns->prev = c;
     s->conns = c;
     s->nconns++;
+    atomic_fetch_add(&s->shared->conns, 1);
     c->sock.on_read = sock_read;
     c->sock.on_error = sock_error;
     c->sock.on_drain = sock_drain;
@@ -1244,7 +1251,7 @@ static void on_connection(uv_stream_t *ls, int status)
         conn_close(c);
         return;
     }
-    if (s->nconns > s->lim.max_connections || s->draining) {
+    if (atomic_load(&s->shared->conns) > s->lim.max_connections || s->draining) {
         uint64_t now = uv_now(s->loop);
         if (now - s->last_accept_warn >= 1000) {
             s->last_accept_warn = now;
@@ -1293,6 +1300,7 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
     s->settings.on_headers_complete = on_headers_complete;
     s->settings.on_body = on_body;
     s->settings.on_message_complete = on_message_complete;
+    s->shared = &s->own;
     uv_check_init(loop, &s->check);
     s->check.data = s;
     s->check_open = true;
@@ -1356,7 +1364,7 @@ void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason))
 
 uint64_t net_server_body_bytes(const net_server_t *s)
 {
-    return s->body_bytes;
+    return atomic_load(&s->shared->body_bytes);
 }
 
 uint16_t net_server_port(const net_server_t *s)
@@ -1552,7 +1560,12 @@ uint64_t net_req_take_body_budget(net_req_t *req)
 
 void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
 {
-    s->body_bytes -= bytes;
+    atomic_fetch_sub(&s->shared->body_bytes, bytes);
+}
+
+void net_server_share(net_server_t *s, net_server_shared_t *shared)
+{
+    s->shared = shared;
 }
 
 static bool conn_usable(net_req_t *req)

@@ -167,6 +167,7 @@ struct px_s {
     px_gen_t *gen;   /* the control thread's current generation (workers: px_worker_gen) */
     net_server_t *admin;
     struct sockaddr_storage listen_bound; /* the client listener's address (every worker's) */
+    net_server_shared_t listen_shared;    /* the workers' listeners' limits, counted together */
     net_mailbox_t mb; /* work for the control thread, from the workers */
     px_worker_t *workers;
     unsigned nworkers;

@@ -111,12 +111,24 @@ bool px_control_try_post(px_t *px, net_mb_node_t *n, net_mb_fn fn)
     return net_mailbox_try_post(&px->mb, n, fn);
 }
 
+/* The client listener's limits for one worker: connections and buffered bodies are counted
+ * across the workers (net_server_share); pending TLS handshakes are each worker's to close
+ * oldest first, so each gets its share of the bound. */
+static void worker_limits(const px_t *px, const cfg_t *cfg, net_server_limits_t *l)
+{
+    px_server_limits_for(cfg, l);
+    if (l->max_pending_handshakes) {
+        uint32_t share = l->max_pending_handshakes / px->nworkers;
+        l->max_pending_handshakes = share ? share : 1;
+    }
+}
+
 static void apply_gen(px_worker_t *w, px_gen_t *g)
 {
     px_gen_t *old = w->gen;
     w->gen = g; /* the message's reference becomes ours */
     net_server_limits_t lim;
-    px_server_limits_for(g->cfg, &lim);
+    worker_limits(w->px, g->cfg, &lim);
     net_server_set_limits(w->srv, &lim);
     net_upstream_opts_t uo;
     px_replica_upstream_opts(g->cfg, &uo);
@@ -336,8 +348,9 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot)
     uv_timer_init(&w->loop, &w->qtimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
     net_server_limits_t lim;
-    px_server_limits_for(px->gen->cfg, &lim);
+    worker_limits(px, px->gen->cfg, &lim);
     w->srv = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
+    net_server_share(w->srv, &px->listen_shared);
     net_server_on_overload(w->srv, worker_overload);
     if (px->tls)
         net_server_set_tls(w->srv, px->tls);
@@ -388,8 +401,9 @@ int px_workers_start(px_t *px, const cfg_addr_t *a)
                        "SO_REUSEPORT refused: one worker accepts every connection");
             net_server_close(w->srv, NULL, NULL);
             net_server_limits_t lim;
-            px_server_limits_for(px->gen->cfg, &lim);
+            worker_limits(px, px->gen->cfg, &lim);
             w->srv = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
+            net_server_share(w->srv, &px->listen_shared);
             net_server_on_overload(w->srv, worker_overload);
             if (px->tls)
                 net_server_set_tls(w->srv, px->tls);
