@@ -263,8 +263,17 @@ static inline px_replica_state_t px_replica_state(const px_replica_t *r)
 {
     return atomic_load_explicit(&r->state, memory_order_acquire);
 }
+/* ---- replicas (px_replica.c) ---- */
+
 void px_replica_ref(px_replica_t *r);
+/* Any thread; the last reference frees it on the control thread. */
 void px_replica_unref(px_replica_t *r);
+/* What defines a replica (a reload reuses one whose key is unchanged), and a new one. */
+char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d);
+px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
+                                const cfg_replica_t *d, char *key);
+/* A replica carried over by a reload reads its TLS files again. */
+void px_replica_reload_tls(px_replica_t *r, const cfg_pool_t *p);
 /* Change state with reasons (a NULL-terminated list of strings, copied); logs the transition
  * and updates detproxy_replica_admitted. */
 void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons);
