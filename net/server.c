@@ -16,6 +16,7 @@
 #include "net/server.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -141,15 +142,22 @@ static void maybe_server_done(net_server_t *s);
 /* ---- small helpers ---------------------------------------------------------------------- */
 
 static uint64_t g_id_seed;
-static uint64_t g_id_counter;
+static atomic_uint_fast64_t g_id_counter; /* servers on several threads draw from one counter */
+static pthread_once_t g_id_once = PTHREAD_ONCE_INIT;
+
+static void id_seed_init(void)
+{
+    if (dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0 || g_id_seed == 0)
+        g_id_seed = dp_now_ns() | 1;
+}
 
 /* splitmix64 of a random seed plus a counter: unique per process (a bijection of the
  * counter) and unpredictable without the seed. */
 static void make_request_id(char out[24])
 {
-    if (g_id_seed == 0 && dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0)
-        g_id_seed = dp_now_ns() | 1;
-    uint64_t z = dp_mix64(g_id_seed + (++g_id_counter) * 0x9E3779B97F4A7C15ULL);
+    pthread_once(&g_id_once, id_seed_init);
+    uint64_t n = atomic_fetch_add_explicit(&g_id_counter, 1, memory_order_relaxed) + 1;
+    uint64_t z = dp_mix64(g_id_seed + n * 0x9E3779B97F4A7C15ULL);
     dp_hex(&z, 8, out);
 }
 

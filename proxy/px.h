@@ -220,9 +220,9 @@ void px_workers_drain(px_t *px, void (*done)(px_t *px));
 void px_workers_close(px_t *px);
 /* Stop the loops and join the threads (after drain or close); frees their state. */
 void px_workers_join(px_t *px);
-/* Idle keep-alive connections of r on every worker are closed (state change, drain, TLS files
- * rotated: reload_tls rebuilds each worker's TLS context first). */
-void px_workers_flush_replica(px_t *px, px_replica_t *r, bool reload_tls);
+/* Idle keep-alive connections of r on every worker are closed (state change, drain; TLS files
+ * rotated: `fresh`, else NULL, is the new trust each worker's TLS context takes first). */
+void px_workers_flush_replica(px_t *px, px_replica_t *r, struct net_tls_ctx_s *fresh);
 /* A worker's upstream of replica r is no longer used: it frees it on its own loop. */
 void px_workers_free_upstream(px_t *px, unsigned slot, net_upstream_t *u, struct net_tls_ctx_s *t);
 /* A slot of a pool that has waiters elsewhere was freed: the other workers look. */

@@ -19,6 +19,7 @@
 #include "proxy/px_discovery.h"
 #include "proxy/px_otel.h"
 #include "proxy/px_pipeline.h"
+#include "proxy/px_self.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
 
@@ -302,6 +303,7 @@ int px_cmd_run(int argc, char **argv)
                            cfg->log.audit_checkpoint_lines);
     }
     px_shadow_init(&px);
+    px_self_via_line(NULL); /* drawn once, here: the workers only read it */
     if (px_tls_reload(&px) != 0) {
         run_end(&px);
         return 3;

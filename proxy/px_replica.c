@@ -240,7 +240,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     if (st != PX_REPLICA_ADMITTED && r->up)
         net_upstream_flush_idle(r->up);
     if (st != PX_REPLICA_ADMITTED)
-        px_workers_flush_replica(r->px, r, false);
+        px_workers_flush_replica(r->px, r, NULL);
 }
 
 void px_replica_set_drained(px_replica_t *r, bool drained)
@@ -262,7 +262,7 @@ void px_replica_set_drained(px_replica_t *r, bool drained)
     if (drained && r->up)
         net_upstream_flush_idle(r->up);
     if (drained)
-        px_workers_flush_replica(r->px, r, false);
+        px_workers_flush_replica(r->px, r, NULL);
 }
 
 /* A replica carried over by a reload keeps its identity and attestation, but its TLS files
@@ -291,12 +291,12 @@ void px_replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         return;
     }
     net_tls_ctx_replace(r->tls_ctx, fresh);
-    net_tls_ctx_unref(fresh);
     if (r->up)
         net_upstream_flush_idle(r->up);
     if (r->shadow_up)
         net_upstream_flush_idle(r->shadow_up);
-    px_workers_flush_replica(r->px, r, true);
+    px_workers_flush_replica(r->px, r, fresh);
+    net_tls_ctx_unref(fresh);
 }
 
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def)

@@ -81,7 +81,6 @@ typedef struct {
     net_tls_ctx_t *tls;
     px_replica_t *r;
     net_upstream_t *up;
-    bool reload_tls;
 } wmsg_t;
 
 static wmsg_t *wmsg(px_worker_t *w)
@@ -184,9 +183,11 @@ static void on_flush(net_mb_node_t *n)
     wmsg_t *m = (wmsg_t *)n;
     px_replica_t *r = m->r;
     unsigned slot = m->w->slot;
-    if (m->reload_tls && r->wtls[slot] && r->tls_ctx) {
-        /* The control thread's context was just rebuilt from the files: take the same trust. */
-        net_tls_ctx_replace(r->wtls[slot], r->tls_ctx);
+    if (m->tls) {
+        /* The TLS files were read again (reload): this worker's context takes the new trust. */
+        if (r->wtls[slot])
+            net_tls_ctx_replace(r->wtls[slot], m->tls);
+        net_tls_ctx_unref(m->tls);
     }
     if (r->wup[slot])
         net_upstream_flush_idle(r->wup[slot]);
@@ -194,7 +195,7 @@ static void on_flush(net_mb_node_t *n)
     free(m);
 }
 
-void px_workers_flush_replica(px_t *px, px_replica_t *r, bool reload_tls)
+void px_workers_flush_replica(px_t *px, px_replica_t *r, net_tls_ctx_t *fresh)
 {
     PX_ASSERT_CONTROL();
     if (px == NULL || px->workers == NULL || px->workers_joined)
@@ -203,7 +204,10 @@ void px_workers_flush_replica(px_t *px, px_replica_t *r, bool reload_tls)
         wmsg_t *m = wmsg(&px->workers[i]);
         px_replica_ref(r);
         m->r = r;
-        m->reload_tls = reload_tls;
+        if (fresh) {
+            net_tls_ctx_ref(fresh);
+            m->tls = fresh;
+        }
         net_mailbox_post(&px->workers[i].mb, &m->node, on_flush);
     }
 }
