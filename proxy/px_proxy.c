@@ -425,10 +425,9 @@ void px_proxy_slot_freed(px_pool_t *p)
         q->replica = r; /* the pick took its slot */
         dispatch(q);
     }
-    /* Nothing waits here for this pool, but maybe on another worker: let them look. The fence
-     * pairs with queue_push's increment (a waiter either sees the free slot on its re-pick,
-     * or is seen here). */
-    atomic_thread_fence(memory_order_seq_cst);
+    /* Nothing waits here for this pool, but maybe on another worker: let them look. With the
+     * release (a seq_cst decrement) and this seq_cst load against queue_push's increment and
+     * dispatch's re-pick, a waiter either sees the free slot or is seen here. */
     if (atomic_load(&p->waiting) > 0)
         px_workers_wake(p->gen->px);
 }
@@ -613,7 +612,6 @@ static void dispatch(px_preq_t *q)
         net_req_pause_body(q->req);
     queue_push(q);
     /* A slot freed on another worker between the pick and the push: take it now. */
-    atomic_thread_fence(memory_order_seq_cst);
     r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
     if (r) {
         queue_remove(q);

@@ -11,9 +11,10 @@
 #include "common/util.h"
 #include "proxy/px.h"
 
+/* seq_cst (a plain load on x86): the re-pick after queueing relies on it (px_proxy.c). */
 static uint32_t inflight(const px_replica_t *r)
 {
-    return atomic_load_explicit(&r->inflight, memory_order_relaxed);
+    return atomic_load(&r->inflight);
 }
 
 static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
@@ -39,7 +40,7 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
 
 void px_replica_put_slot(px_replica_t *r)
 {
-    unsigned prev = atomic_fetch_sub_explicit(&r->inflight, 1, memory_order_acq_rel);
+    unsigned prev = atomic_fetch_sub(&r->inflight, 1);
     assert(prev > 0);
     (void)prev;
 }

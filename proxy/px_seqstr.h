@@ -1,5 +1,8 @@
 /* A short string one thread writes and others read without a lock: a sequence lock over
- * 64-bit atomic words (the reader retries when a write overlapped its copy). For what the
+ * 64-bit atomic words (the reader retries when a write overlapped its copy). No fences: the
+ * words are stored with release and loaded with acquire, so a reader that sees any word of a
+ * newer write also sees the sequence number that write made odd (Boehm, "Can seqlocks get
+ * along with programming language memory models?", 2012). For what the
  * control thread publishes to the workers a few times a minute at most: a replica's attested
  * fingerprints and the reasons it is out of service. */
 #ifndef PX_SEQSTR_H
@@ -28,9 +31,8 @@ static inline void px_seqstr_set_(atomic_uint *seq, _Atomic uint64_t *w, size_t 
         memcpy(tmp, s, n);
     unsigned v = atomic_load_explicit(seq, memory_order_relaxed);
     atomic_store_explicit(seq, v + 1, memory_order_relaxed); /* odd: a write is under way */
-    atomic_thread_fence(memory_order_release);
     for (size_t i = 0; i < nw; i++)
-        atomic_store_explicit(&w[i], tmp[i], memory_order_relaxed);
+        atomic_store_explicit(&w[i], tmp[i], memory_order_release);
     atomic_store_explicit(seq, v + 2, memory_order_release);
 }
 
@@ -43,8 +45,7 @@ static inline void px_seqstr_get_(const atomic_uint *seq, const _Atomic uint64_t
         if (a & 1)
             continue;
         for (size_t i = 0; i < nw; i++)
-            tmp[i] = atomic_load_explicit(&w[i], memory_order_relaxed);
-        atomic_thread_fence(memory_order_acquire);
+            tmp[i] = atomic_load_explicit(&w[i], memory_order_acquire);
         if (atomic_load_explicit(seq, memory_order_relaxed) == a)
             break;
     }
