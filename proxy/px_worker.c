@@ -148,15 +148,27 @@ static void on_gen(net_mb_node_t *n)
     free(m);
 }
 
-void px_workers_publish(px_t *px, px_gen_t *g)
+/* One message to every running worker; each takes its own reference of what it carries. */
+static void post_all(px_t *px, net_mb_fn fn, px_gen_t *g, net_tls_ctx_t *tls, px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
-    for (unsigned i = 0; px->workers && i < px->nworkers; i++) {
+    if (px == NULL || px->workers == NULL || px->workers_joined)
+        return;
+    for (unsigned i = 0; i < px->nworkers && px->workers[i].started; i++) {
         wmsg_t *m = wmsg(&px->workers[i]);
-        px_gen_ref(g);
-        m->gen = g;
-        net_mailbox_post(&px->workers[i].mb, &m->node, on_gen);
+        if ((m->gen = g) != NULL)
+            px_gen_ref(g);
+        if ((m->tls = tls) != NULL)
+            net_tls_ctx_ref(tls);
+        if ((m->r = r) != NULL)
+            px_replica_ref(r);
+        net_mailbox_post(&px->workers[i].mb, &m->node, fn);
     }
+}
+
+void px_workers_publish(px_t *px, px_gen_t *g)
+{
+    post_all(px, on_gen, g, NULL, NULL);
 }
 
 static void on_tls(net_mb_node_t *n)
@@ -169,13 +181,7 @@ static void on_tls(net_mb_node_t *n)
 
 void px_workers_set_tls(px_t *px, net_tls_ctx_t *c)
 {
-    PX_ASSERT_CONTROL();
-    for (unsigned i = 0; px->workers && i < px->nworkers && px->workers[i].started; i++) {
-        wmsg_t *m = wmsg(&px->workers[i]);
-        net_tls_ctx_ref(c);
-        m->tls = c;
-        net_mailbox_post(&px->workers[i].mb, &m->node, on_tls);
-    }
+    post_all(px, on_tls, NULL, c, NULL);
 }
 
 static void on_flush(net_mb_node_t *n)
@@ -197,19 +203,7 @@ static void on_flush(net_mb_node_t *n)
 
 void px_workers_flush_replica(px_t *px, px_replica_t *r, net_tls_ctx_t *fresh)
 {
-    PX_ASSERT_CONTROL();
-    if (px == NULL || px->workers == NULL || px->workers_joined)
-        return;
-    for (unsigned i = 0; i < px->nworkers && px->workers[i].started; i++) {
-        wmsg_t *m = wmsg(&px->workers[i]);
-        px_replica_ref(r);
-        m->r = r;
-        if (fresh) {
-            net_tls_ctx_ref(fresh);
-            m->tls = fresh;
-        }
-        net_mailbox_post(&px->workers[i].mb, &m->node, on_flush);
-    }
+    post_all(px, on_flush, NULL, fresh, r);
 }
 
 static void forget_up(px_worker_t *w, net_upstream_t *u)
@@ -341,6 +335,18 @@ static void worker_overload(const char *reason)
     px_proxy_count_overload(reason);
 }
 
+static net_server_t *worker_server(px_t *px, px_worker_t *w)
+{
+    net_server_limits_t lim;
+    worker_limits(px, px->gen->cfg, &lim);
+    net_server_t *s = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
+    net_server_share(s, &px->listen_shared);
+    net_server_on_overload(s, worker_overload);
+    if (px->tls)
+        net_server_set_tls(s, px->tls);
+    return s;
+}
+
 static int worker_init(px_t *px, px_worker_t *w, unsigned slot)
 {
     w->px = px;
@@ -351,13 +357,7 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot)
     net_mailbox_init(&w->mb, &w->loop, 0);
     uv_timer_init(&w->loop, &w->qtimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
-    net_server_limits_t lim;
-    worker_limits(px, px->gen->cfg, &lim);
-    w->srv = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
-    net_server_share(w->srv, &px->listen_shared);
-    net_server_on_overload(w->srv, worker_overload);
-    if (px->tls)
-        net_server_set_tls(w->srv, px->tls);
+    w->srv = worker_server(px, w);
     px_gen_ref(px->gen);
     w->gen = px->gen;
     char id[12];
@@ -395,7 +395,6 @@ int px_workers_start(px_t *px, const cfg_addr_t *a)
     /* The first binds the configured port (maybe 0); the others bind the port it got. */
     uint16_t port = a->port;
     bool reuse = px->nworkers > 1;
-    unsigned listening = 0;
     for (unsigned i = 0; i < px->nworkers; i++) {
         px_worker_t *w = &px->workers[i];
         int r = net_server_listen_opts(w->srv, a->host, port, reuse);
@@ -404,13 +403,7 @@ int px_workers_start(px_t *px, const cfg_addr_t *a)
             dp_log_msg(DP_LOG_WARN, "reuseport_unavailable",
                        "SO_REUSEPORT refused: one worker accepts every connection");
             net_server_close(w->srv, NULL, NULL);
-            net_server_limits_t lim;
-            worker_limits(px, px->gen->cfg, &lim);
-            w->srv = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
-            net_server_share(w->srv, &px->listen_shared);
-            net_server_on_overload(w->srv, worker_overload);
-            if (px->tls)
-                net_server_set_tls(w->srv, px->tls);
+            w->srv = worker_server(px, w);
             r = net_server_listen(w->srv, a->host, port);
             reuse = false;
         }
@@ -418,14 +411,12 @@ int px_workers_start(px_t *px, const cfg_addr_t *a)
             log_listening(a, r, port, px->nworkers);
             return r;
         }
-        listening++;
         port = net_server_port(w->srv);
         if (i == 0)
             memcpy(&px->listen_bound, net_server_bound(w->srv), sizeof(px->listen_bound));
         if (!reuse)
             break;
     }
-    (void)listening;
     log_listening(a, 0, port, px->nworkers);
     for (unsigned i = 0; i < px->nworkers; i++) {
         px->workers[i].started = true;
@@ -471,8 +462,7 @@ void px_workers_drain(px_t *px, void (*done)(px_t *px))
 {
     PX_ASSERT_CONTROL();
     g_drained_cb = done;
-    for (unsigned i = 0; i < px->nworkers; i++)
-        net_mailbox_post(&px->workers[i].mb, &wmsg(&px->workers[i])->node, on_drain);
+    post_all(px, on_drain, NULL, NULL, NULL);
 }
 
 static void on_close(net_mb_node_t *n)
@@ -489,8 +479,7 @@ void px_workers_close(px_t *px)
 {
     PX_ASSERT_CONTROL();
     g_drained_cb = NULL;
-    for (unsigned i = 0; i < px->nworkers; i++)
-        net_mailbox_post(&px->workers[i].mb, &wmsg(&px->workers[i])->node, on_close);
+    post_all(px, on_close, NULL, NULL, NULL);
 }
 
 static void on_stop(net_mb_node_t *n)
@@ -515,9 +504,7 @@ void px_workers_join(px_t *px)
     PX_ASSERT_CONTROL();
     if (px->workers == NULL || px->workers_joined)
         return;
-    for (unsigned i = 0; i < px->nworkers; i++)
-        if (px->workers[i].started)
-            net_mailbox_post(&px->workers[i].mb, &wmsg(&px->workers[i])->node, on_stop);
+    post_all(px, on_stop, NULL, NULL, NULL);
     for (unsigned i = 0; i < px->nworkers; i++)
         if (px->workers[i].started)
             uv_thread_join(&px->workers[i].thread);
@@ -548,18 +535,20 @@ void px_workers_join(px_t *px)
     }
 }
 
-size_t px_workers_connections(px_t *px)
+static size_t sum_servers(px_t *px, size_t (*count)(const net_server_t *s))
 {
     size_t n = 0;
-    for (unsigned i = 0; i < px->nworkers; i++)
-        n += px->workers[i].srv ? net_server_connections(px->workers[i].srv) : 0;
+    for (unsigned i = 0; px->workers && i < px->nworkers; i++)
+        n += px->workers[i].srv ? count(px->workers[i].srv) : 0; /* the counters are atomics */
     return n;
+}
+
+size_t px_workers_connections(px_t *px)
+{
+    return sum_servers(px, net_server_connections);
 }
 
 size_t px_workers_inflight(px_t *px)
 {
-    size_t n = 0;
-    for (unsigned i = 0; i < px->nworkers; i++)
-        n += px->workers[i].srv ? net_server_inflight(px->workers[i].srv) : 0;
-    return n;
+    return sum_servers(px, net_server_inflight);
 }
