@@ -198,8 +198,14 @@ static inline bool px_on_control(void)
 {
     return px_metrics_thread == 0;
 }
-/* The invariant "only the control thread does this", checked. */
-#define PX_ASSERT_CONTROL() assert(px_on_control())
+/* The invariant "only the control thread does this", checked in every build (release ones
+ * included: these are cold paths, and a violation is a data race waiting to happen). */
+_Noreturn void px_thread_violation(const char *func);
+#define PX_ASSERT_CONTROL()                                                                        \
+    do {                                                                                           \
+        if (!px_on_control())                                                                      \
+            px_thread_violation(__func__);                                                         \
+    } while (0)
 /* The generation new requests on this thread start under. */
 px_gen_t *px_current_gen(px_t *px);
 /* This worker (NULL on the control thread). */

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #endif
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,13 @@ struct px_worker_s {
 
 static _Thread_local px_worker_t *t_self;
 static const char *const listener_name = "proxy";
+
+void px_thread_violation(const char *func)
+{
+    fprintf(stderr, "detproxy: %s called on worker thread %u: only the control thread may\n",
+            func, px_slot());
+    abort();
+}
 
 px_worker_t *px_worker_self(void)
 {

@@ -121,7 +121,8 @@ def test_a_workers_change_needs_a_restart_and_says_so():
 
 
 def test_sigterm_drains_every_worker():
-    sim = start_sim("--model", "m1", "--token-delay-ms", "20")
+    # Each request takes 4 tokens x 150 ms: all 12 are still in flight when SIGTERM comes.
+    sim = start_sim("--model", "m1", "--token-delay-ms", "150")
     px = start_proxy(pools=[pool("p", ["m1"], [sim])], workers=2)
     results = []
     t = threading.Thread(target=load, args=(px, 12, 12, results, 0, ))
