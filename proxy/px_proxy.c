@@ -95,6 +95,7 @@ struct px_preq_s {
      * Always a static string: the label set stays bounded. */
     const char *code;
     bool rejected; /* the server answered (413, 408, ...): on_abort must not make it a 499 */
+    bool counted;  /* its metrics are in (count_request) */
     uint64_t up_start_ns, up_head_ns, up_end_ns; /* the last replica exchange */
     /* For the access log, which is written after the client request is gone: */
     char method[16];
@@ -105,6 +106,7 @@ struct px_preq_s {
 
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
+static void count_request(px_preq_t *q);
 
 /* Request contexts are recycled with their head buffer, so a steady stream of requests does
  * not touch malloc for them. Bounded: a burst does not pin memory forever. */
@@ -218,6 +220,7 @@ static void send_refusal(void *data)
                 dp_jw_str(w, "replica", q->replica->name);
             dp_log_end(w);
         }
+        count_request(q); /* before the answer: a client that reads it sees it counted */
         net_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
         q->req = NULL;
     }
@@ -790,6 +793,7 @@ static void deliver(void *data)
         net_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
     if (q->req) {
+        count_request(q); /* before the end: a client that read it sees it counted */
         net_resp_end(q->req);
         q->req = NULL;
     }
@@ -895,6 +899,31 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* ---- lifecycle ---------------------------------------------------------------------------- */
 
+/* detproxy_requests_total, the duration and the tokens, once: just before the response's last
+ * byte goes out where there is one (a scrape that follows a response sees it counted, whatever
+ * worker answered it), else in finish(). */
+static void count_request(px_preq_t *q)
+{
+    if (q->counted || q->status == 0)
+        return;
+    q->counted = true;
+    px_pool_t *pool = q->pool;
+    const char *code = q->code ? q->code : "upstream";
+    const char *tenant = px_hooks_tenant(&q->hooks);
+    px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
+    if (pool)
+        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    int64_t pt, ct;
+    if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                     pool->name, "kind", "prompt", NULL),
+                      (double)pt);
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                     pool->name, "kind", "completion", NULL),
+                      (double)ct);
+    }
+}
+
 static void finish(px_preq_t *q)
 {
     if (q->audit_wait) {
@@ -909,20 +938,8 @@ static void finish(px_preq_t *q)
     queue_remove(q);
     if (q->status) {
         const char *code = q->code ? q->code : "upstream";
-        const char *tenant = px_hooks_tenant(&q->hooks);
         uint64_t took = dp_now_ns() - q->start_ns;
-        px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
-        if (pool)
-            px_hist_observe(pool->m_duration, (double)took / 1e9);
-        int64_t pt, ct;
-        if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
-            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                         pool->name, "kind", "prompt", NULL),
-                          (double)pt);
-            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                         pool->name, "kind", "completion", NULL),
-                          (double)ct);
-        }
+        count_request(q);
         px_access_t a = {
             .request_id = q->id,
             .method = q->method,
@@ -1035,6 +1052,7 @@ static void answer_models(px_preq_t *q)
     net_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
     q->status = 200;
     q->code = "local";
+    count_request(q);
     net_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
     q->req = NULL;
     dp_buf_free(&b);
