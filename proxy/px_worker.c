@@ -136,7 +136,8 @@ static void apply_gen(px_worker_t *w, px_gen_t *g)
     w->gen = g; /* the message's reference becomes ours */
     net_server_limits_t lim;
     worker_limits(w->px, g->cfg, &lim);
-    net_server_set_limits(w->srv, &lim);
+    if (w->srv) /* NULL once closed (shutdown) */
+        net_server_set_limits(w->srv, &lim);
     net_upstream_opts_t uo;
     px_replica_upstream_opts(g->cfg, &uo);
     for (size_t i = 0; i < g->npools; i++)
@@ -182,7 +183,8 @@ void px_workers_publish(px_t *px, px_gen_t *g)
 static void on_tls(net_mb_node_t *n)
 {
     wmsg_t *m = (wmsg_t *)n;
-    net_server_set_tls(m->w->srv, m->tls);
+    if (m->w->srv)
+        net_server_set_tls(m->w->srv, m->tls);
     net_tls_ctx_unref(m->tls);
     free(m);
 }
@@ -462,7 +464,8 @@ static void worker_drained(net_server_t *s)
 static void on_drain(net_mb_node_t *n)
 {
     wmsg_t *m = (wmsg_t *)n;
-    net_server_drain(m->w->srv, worker_drained);
+    if (m->w->srv)
+        net_server_drain(m->w->srv, worker_drained);
     free(m);
 }
 
