@@ -1571,6 +1571,11 @@ void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
     atomic_fetch_sub(&s->shared->body_bytes, bytes);
 }
 
+void net_server_shared_return_body_budget(net_server_shared_t *shared, uint64_t bytes)
+{
+    atomic_fetch_sub(&shared->body_bytes, bytes);
+}
+
 void net_server_share(net_server_t *s, net_server_shared_t *shared)
 {
     s->shared = shared;

@@ -107,6 +107,9 @@ typedef struct net_server_shared_s {
     _Atomic uint64_t body_bytes;
 } net_server_shared_t;
 void net_server_share(net_server_t *s, net_server_shared_t *shared);
+/* net_server_return_body_budget for budget taken from servers sharing `shared`: valid after
+ * the server it came from is gone. */
+void net_server_shared_return_body_budget(net_server_shared_t *shared, uint64_t bytes);
 /* Bind and listen. host is numeric IPv4/IPv6. Returns 0 or a negative libuv error. */
 int net_server_listen(net_server_t *s, const char *host, uint16_t port);
 /* The same with SO_REUSEPORT (Linux): several servers, one per loop thread, bind the same

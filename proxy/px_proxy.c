@@ -54,7 +54,6 @@ static policy_route_t policy_route(route_t r)
 struct px_preq_s {
     px_t *px;
     px_gen_t *gen;
-    net_server_t *srv; /* the worker's listener it came in on */
     net_req_t *req; /* NULL once the client is gone */
     px_pool_t *pool;
     px_replica_t *replica; /* holds a slot while set */
@@ -1063,7 +1062,6 @@ static net_body_mode_t on_head(net_req_t *req)
     px_t *px = net_server_data(req->server);
     px_preq_t *q = preq_get();
     q->px = px;
-    q->srv = req->server;
     q->gen = px_current_gen(px);
     px_gen_ref(q->gen);
     px_worker_count_request();
@@ -1172,8 +1170,8 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     px_preq_t *q = data;
     q->policing = false;
     q->body = body;
-    if (q->budget_held)
-        net_server_return_body_budget(q->srv, q->budget_held);
+    if (q->budget_held) /* its listener may be gone (shutdown): the budget is the workers' */
+        net_server_shared_return_body_budget(&q->px->listen_shared, q->budget_held);
     q->budget_held = 0;
     if (q->req == NULL) { /* the client left while its body was being policed */
         client_gone(q);

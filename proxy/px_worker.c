@@ -507,7 +507,10 @@ static void on_stop(net_mb_node_t *n)
         net_upstream_flush_idle(w->ups[i]);
     uv_close((uv_handle_t *)&w->qtimer, NULL);
     uv_close((uv_handle_t *)&w->wake, NULL);
-    uv_stop(&w->loop);
+    /* The loop ends once what is still running here ends (a body being policed on the thread
+     * pool, closes): the mailbox no longer keeps it alive. What is posted after that runs on
+     * the control thread, after the join (px_workers_join). */
+    uv_unref((uv_handle_t *)&w->mb.async);
 }
 
 void px_workers_join(px_t *px)
