@@ -223,12 +223,13 @@ static const char *reason_phrase(int status)
     }
 }
 
-/* "date: ..." is the same for every response within a second: format it once. */
+/* "date: ..." is the same for every response within a second: format it once (per thread:
+ * servers run on several loop threads). */
 static const char *date_header(size_t *len)
 {
-    static char buf[64];
-    static size_t blen;
-    static time_t last;
+    static _Thread_local char buf[64];
+    static _Thread_local size_t blen;
+    static _Thread_local time_t last;
     time_t now = time(NULL);
     if (now != last) {
         struct tm tm;

@@ -424,7 +424,7 @@ const char *net_tls_error(const net_tls_t *t)
 
 const char *net_tls_alpn(const net_tls_t *t)
 {
-    static char buf[32];
+    static _Thread_local char buf[32]; /* per loop thread */
     const unsigned char *p = NULL;
     unsigned n = 0;
     SSL_get0_alpn_selected(t->ssl, &p, &n);
