@@ -1731,6 +1731,11 @@ int net_resp_end(net_req_t *req)
         net_resp_abort(req);
         return -1;
     }
+    /* The body's share of the budget goes back before the last byte leaves: a client that
+     * read this answer and sends its next body (to a server on another thread, sharing the
+     * budget) finds it free, as it would on one thread. The bytes go a moment later. */
+    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
+    q->body_reserved = 0;
     int r;
     if (q->resp_chunked && !q->resp_no_body)
         r = resp_emit(req, NULL, 0, "0\r\n\r\n", 5, NULL, 0);
