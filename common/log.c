@@ -6,11 +6,16 @@
 
 #include "common/util.h"
 
-static dp_log_level_t g_level = DP_LOG_INFO;
+static _Atomic dp_log_level_t g_level = DP_LOG_INFO; /* set on reload, read by workers */
 static int g_fd = 2;
-static dp_buf_t g_line;
-static dp_jw_t g_jw;
+static _Thread_local dp_buf_t g_line; /* per thread: workers log too */
+static _Thread_local dp_jw_t g_jw;
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
+
+void dp_log_thread_free(void)
+{
+    dp_buf_free(&g_line);
+}
 
 void dp_log_set_level(dp_log_level_t lvl)
 {

@@ -14,6 +14,9 @@ dp_log_level_t dp_log_get_level(void);
 int dp_log_level_parse(const char *s);
 /* Redirect log output (tests); default is fd 2. */
 void dp_log_set_fd(int fd);
+/* Free the calling thread's line buffer (a thread that ends). Lines are built per thread and
+ * written with one write(2) each, so threads never interleave within a line. */
+void dp_log_thread_free(void);
 
 /* Start a line; returns NULL when the level is filtered out (callers skip building fields).
  * Add fields with dp_jw_* then finish with dp_log_end, which writes the line in one write(2). */

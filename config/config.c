@@ -16,7 +16,8 @@
 
 static const char *const top_keys[] = {"listen", "admin_listen",     "limits", "attestation",
                                        "pools",  "policy",           "shadow", "log",
-                                       "tls",    "admin_token_file", "otel",   NULL};
+                                       "tls",    "admin_token_file", "otel",   "workers",
+                                       NULL};
 static const char *const otel_keys[] = {"endpoint", "sample_rate", NULL};
 static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
                                                "trusted_keys", NULL};
@@ -487,6 +488,7 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_check_keys(c, doc, top_keys);
     parse_addr_key(c, doc, "listen", &cfg->listen);
     parse_addr_key(c, doc, "admin_listen", &cfg->admin_listen);
+    cfg_get_u32(c, doc, "workers", 0, CFG_MAX_WORKERS, &cfg->workers);
     parse_limits(c, doc, &cfg->limits);
     parse_attestation(c, doc, &cfg->attestation);
     parse_shadow(c, doc, &cfg->shadow);

@@ -309,11 +309,16 @@ typedef struct {
     double sample_rate; /* for requests without a traceparent (default 1.0) */
 } cfg_otel_t;
 
+/* `workers` beyond this is a configuration error: past a few dozen cores a single proxy
+ * process is no longer the unit to scale (run several, as nginx and Envoy deployments do). */
+#define CFG_MAX_WORKERS 64
+
 typedef struct cfg_s {
     char *path; /* the file it was loaded from */
     char *dir;  /* its folder: relative paths resolve against it */
     cfg_addr_t listen;
     cfg_addr_t admin_listen;
+    uint32_t workers; /* event-loop threads serving clients; 0 = one per CPU (cfg_workers) */
     cfg_limits_t limits;
     cfg_attestation_t attestation;
     cfg_pool_t *pools;

@@ -229,6 +229,7 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     dp_jw_str(w, "config_path", cfg->path);
     addr(w, "listen", &cfg->listen);
     addr(w, "admin_listen", &cfg->admin_listen);
+    dp_jw_uint(w, "workers", cfg->workers);
     dp_jw_obj_begin(w, "limits");
     cfg_limits_dump(&cfg->limits, w);
     dp_jw_obj_end(w);

@@ -16,6 +16,8 @@
 #include "net/server.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -111,8 +113,10 @@ struct net_server_s {
     void *data;
     net_server_limits_t lim;
     llhttp_settings_t settings;
-    size_t nconns, ninflight;
-    uint64_t body_bytes; /* reserved by buffered request bodies (max_inflight_body_bytes) */
+    atomic_size_t nconns, ninflight; /* read by other threads (px_workers_connections) */
+    /* max_connections and max_inflight_body_bytes count here: this server's own, or those
+     * of a group of servers on several threads sharing one limit (net_server_share). */
+    net_server_shared_t own, *shared;
     net_conn_t *hs_head, *hs_tail; /* TLS handshakes in progress, oldest first */
     size_t nhandshakes;
     void (*on_overload)(const char *reason);
@@ -138,15 +142,22 @@ static void maybe_server_done(net_server_t *s);
 /* ---- small helpers ---------------------------------------------------------------------- */
 
 static uint64_t g_id_seed;
-static uint64_t g_id_counter;
+static atomic_uint_fast64_t g_id_counter; /* servers on several threads draw from one counter */
+static pthread_once_t g_id_once = PTHREAD_ONCE_INIT;
+
+static void id_seed_init(void)
+{
+    if (dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0 || g_id_seed == 0)
+        g_id_seed = dp_now_ns() | 1;
+}
 
 /* splitmix64 of a random seed plus a counter: unique per process (a bijection of the
  * counter) and unpredictable without the seed. */
 static void make_request_id(char out[24])
 {
-    if (g_id_seed == 0 && dp_random_bytes(&g_id_seed, sizeof(g_id_seed)) != 0)
-        g_id_seed = dp_now_ns() | 1;
-    uint64_t z = dp_mix64(g_id_seed + (++g_id_counter) * 0x9E3779B97F4A7C15ULL);
+    pthread_once(&g_id_once, id_seed_init);
+    uint64_t n = atomic_fetch_add_explicit(&g_id_counter, 1, memory_order_relaxed) + 1;
+    uint64_t z = dp_mix64(g_id_seed + n * 0x9E3779B97F4A7C15ULL);
     dp_hex(&z, 8, out);
 }
 
@@ -212,12 +223,13 @@ static const char *reason_phrase(int status)
     }
 }
 
-/* "date: ..." is the same for every response within a second: format it once. */
+/* "date: ..." is the same for every response within a second: format it once (per thread:
+ * servers run on several loop threads). */
 static const char *date_header(size_t *len)
 {
-    static char buf[64];
-    static size_t blen;
-    static time_t last;
+    static _Thread_local char buf[64];
+    static _Thread_local size_t blen;
+    static _Thread_local time_t last;
     time_t now = time(NULL);
     if (now != last) {
         struct tm tm;
@@ -365,7 +377,7 @@ static void conn_release_req(net_conn_t *c)
         return;
     c->req = NULL;
     cork_remove(c->srv, q);
-    c->srv->body_bytes -= q->body_reserved;
+    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
     q->body_reserved = 0;
     if (q->handed)
         c->srv->ninflight--;
@@ -427,9 +439,12 @@ static bool body_reserve(net_conn_t *c, uint64_t total)
     net_server_t *s = c->srv;
     req_impl_t *q = c->req;
     uint64_t more = total - q->body_reserved;
-    if (s->lim.max_inflight_body_bytes && s->body_bytes + more > s->lim.max_inflight_body_bytes)
-        return false;
-    s->body_bytes += more;
+    uint64_t max = s->lim.max_inflight_body_bytes;
+    uint64_t cur = atomic_load(&s->shared->body_bytes);
+    do
+        if (max && cur + more > max)
+            return false;
+    while (!atomic_compare_exchange_weak(&s->shared->body_bytes, &cur, cur + more));
     q->body_reserved = total;
     return true;
 }
@@ -632,6 +647,7 @@ static void conn_handle_closed(net_conn_t *c)
     if (c->next)
         c->next->prev = c->prev;
     s->nconns--;
+    atomic_fetch_sub(&s->shared->conns, 1);
     dp_buf_free(&c->pending);
     free(c);
     maybe_server_done(s);
@@ -1221,6 +1237,7 @@ static void on_connection(uv_stream_t *ls, int status)
         s->conns->prev = c;
     s->conns = c;
     s->nconns++;
+    atomic_fetch_add(&s->shared->conns, 1);
     c->sock.on_read = sock_read;
     c->sock.on_error = sock_error;
     c->sock.on_drain = sock_drain;
@@ -1243,7 +1260,7 @@ static void on_connection(uv_stream_t *ls, int status)
         conn_close(c);
         return;
     }
-    if (s->nconns > s->lim.max_connections || s->draining) {
+    if (atomic_load(&s->shared->conns) > s->lim.max_connections || s->draining) {
         uint64_t now = uv_now(s->loop);
         if (now - s->last_accept_warn >= 1000) {
             s->last_accept_warn = now;
@@ -1292,6 +1309,7 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
     s->settings.on_headers_complete = on_headers_complete;
     s->settings.on_body = on_body;
     s->settings.on_message_complete = on_message_complete;
+    s->shared = &s->own;
     uv_check_init(loop, &s->check);
     s->check.data = s;
     s->check_open = true;
@@ -1300,15 +1318,29 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
 
 int net_server_listen(net_server_t *s, const char *host, uint16_t port)
 {
+    return net_server_listen_opts(s, host, port, false);
+}
+
+int net_server_listen_opts(net_server_t *s, const char *host, uint16_t port, bool reuseport)
+{
     struct sockaddr_storage ss;
     int r = strchr(host, ':') ? uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss)
                               : uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
     if (r != 0)
         return r;
-    if ((r = uv_tcp_init(s->loop, &s->listener)) != 0)
+    /* _ex creates the socket now, so SO_REUSEPORT can be set before the bind (libuv 1.44 has
+     * no bind flag for it). */
+    if ((r = uv_tcp_init_ex(s->loop, &s->listener, ss.ss_family)) != 0)
         return r;
     s->listener_open = true;
     s->listener.data = s;
+    if (reuseport) {
+        uv_os_fd_t fd;
+        int one = 1;
+        if (uv_fileno((uv_handle_t *)&s->listener, &fd) != 0 ||
+            setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one)) != 0)
+            return UV_ENOTSUP;
+    }
     if ((r = uv_tcp_bind(&s->listener, (struct sockaddr *)&ss, 0)) != 0)
         return r;
     if ((r = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection)) != 0)
@@ -1341,7 +1373,7 @@ void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason))
 
 uint64_t net_server_body_bytes(const net_server_t *s)
 {
-    return s->body_bytes;
+    return atomic_load(&s->shared->body_bytes);
 }
 
 uint16_t net_server_port(const net_server_t *s)
@@ -1537,7 +1569,17 @@ uint64_t net_req_take_body_budget(net_req_t *req)
 
 void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
 {
-    s->body_bytes -= bytes;
+    atomic_fetch_sub(&s->shared->body_bytes, bytes);
+}
+
+void net_server_shared_return_body_budget(net_server_shared_t *shared, uint64_t bytes)
+{
+    atomic_fetch_sub(&shared->body_bytes, bytes);
+}
+
+void net_server_share(net_server_t *s, net_server_shared_t *shared)
+{
+    s->shared = shared;
 }
 
 static bool conn_usable(net_req_t *req)
@@ -1689,6 +1731,11 @@ int net_resp_end(net_req_t *req)
         net_resp_abort(req);
         return -1;
     }
+    /* The body's share of the budget goes back before the last byte leaves: a client that
+     * read this answer and sends its next body (to a server on another thread, sharing the
+     * budget) finds it free, as it would on one thread. The bytes go a moment later. */
+    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
+    q->body_reserved = 0;
     int r;
     if (q->resp_chunked && !q->resp_no_body)
         r = resp_emit(req, NULL, 0, "0\r\n\r\n", 5, NULL, 0);

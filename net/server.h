@@ -17,6 +17,7 @@
 #ifndef NET_SERVER_H
 #define NET_SERVER_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -99,8 +100,22 @@ void net_server_limits_default(net_server_limits_t *l);
 
 net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data,
                              const net_server_limits_t *limits);
+/* Servers on several loop threads serving one listen address: max_connections and
+ * max_inflight_body_bytes hold for them together (atomics; zero-initialise it, outlive them). */
+typedef struct net_server_shared_s {
+    atomic_size_t conns;
+    _Atomic uint64_t body_bytes;
+} net_server_shared_t;
+void net_server_share(net_server_t *s, net_server_shared_t *shared);
+/* net_server_return_body_budget for budget taken from servers sharing `shared`: valid after
+ * the server it came from is gone. */
+void net_server_shared_return_body_budget(net_server_shared_t *shared, uint64_t bytes);
 /* Bind and listen. host is numeric IPv4/IPv6. Returns 0 or a negative libuv error. */
 int net_server_listen(net_server_t *s, const char *host, uint16_t port);
+/* The same with SO_REUSEPORT (Linux): several servers, one per loop thread, bind the same
+ * address and the kernel spreads new connections across them. UV_ENOTSUP when the kernel
+ * refuses the option. */
+int net_server_listen_opts(net_server_t *s, const char *host, uint16_t port, bool reuseport);
 /* The bound port (useful with port 0). */
 uint16_t net_server_port(const net_server_t *s);
 /* The address it listens on (NULL before net_server_listen succeeded). */

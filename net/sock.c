@@ -6,13 +6,19 @@
 
 #include "common/buf.h"
 
-/* One read buffer for the whole process: every read callback consumes or copies its bytes
- * before returning, and there is one event loop per process. */
-static char g_read_buf[NET_READ_BUF_SIZE];
+/* One read buffer per thread (each event loop runs on its own thread): every read callback
+ * consumes or copies its bytes before returning. */
+static _Thread_local char g_read_buf[NET_READ_BUF_SIZE];
 /* Decrypted bytes of one read (TLS): the same rule, consumed or copied before returning. */
-static dp_buf_t g_plain;
+static _Thread_local dp_buf_t g_plain;
 /* Pieces of one TLS write gathered into one buffer (same rule: used within the call). */
-static dp_buf_t g_tls_gather;
+static _Thread_local dp_buf_t g_tls_gather;
+
+void net_sock_thread_free(void)
+{
+    dp_buf_free(&g_plain);
+    dp_buf_free(&g_tls_gather);
+}
 
 static int raw_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 static int raw_write_now(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);

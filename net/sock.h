@@ -100,5 +100,7 @@ void net_sock_peer(net_sock_t *s, char *out, size_t n);
 
 /* The loop-wide read buffer size (also the most one read callback delivers). */
 #define NET_READ_BUF_SIZE (64 * 1024)
+/* Free this thread's scratch buffers (a loop thread that ends). */
+void net_sock_thread_free(void);
 
 #endif

@@ -1,5 +1,7 @@
 #include "net/tls.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +23,7 @@ typedef struct sess_s {
 } sess_t;
 
 struct net_tls_ctx_s {
-    int refs;
+    atomic_int refs; /* a server context is shared by every worker's listener */
     SSL_CTX *ctx;
     bool server;
     sess_t *sessions;
@@ -39,6 +41,12 @@ struct net_tls_s {
 };
 
 static int g_ex_index = -1;
+static pthread_once_t g_ex_once = PTHREAD_ONCE_INIT; /* contexts are made on several threads */
+
+static void ex_index_init(void)
+{
+    g_ex_index = SSL_get_ex_new_index(0, NULL, NULL, NULL, NULL);
+}
 
 static void openssl_error(dp_buf_t *err, const char *what)
 {
@@ -65,8 +73,7 @@ static net_tls_ctx_t *ctx_new(bool server, dp_buf_t *err)
     t->refs = 1;
     t->ctx = c;
     t->server = server;
-    if (g_ex_index < 0)
-        g_ex_index = SSL_get_ex_new_index(0, NULL, NULL, NULL, NULL);
+    pthread_once(&g_ex_once, ex_index_init);
     return t;
 }
 
@@ -217,7 +224,7 @@ void net_tls_ctx_ref(net_tls_ctx_t *c)
 
 void net_tls_ctx_unref(net_tls_ctx_t *c)
 {
-    if (c == NULL || --c->refs > 0)
+    if (c == NULL || atomic_fetch_sub(&c->refs, 1) > 1)
         return;
     sessions_free(c);
     SSL_CTX_free(c->ctx);
@@ -417,7 +424,7 @@ const char *net_tls_error(const net_tls_t *t)
 
 const char *net_tls_alpn(const net_tls_t *t)
 {
-    static char buf[32];
+    static _Thread_local char buf[32]; /* per loop thread */
     const unsigned char *p = NULL;
     unsigned n = 0;
     SSL_get0_alpn_selected(t->ssl, &p, &n);

@@ -9,7 +9,7 @@
 /* Sampling needs no cryptographic randomness: a xorshift64* stream, seeded once. */
 static double sample_uniform(void)
 {
-    static uint64_t x;
+    static _Thread_local uint64_t x; /* one stream per worker */
     if (x == 0)
         x = (dp_now_ns() ^ 0x9E3779B97F4A7C15ULL) | 1;
     x ^= x >> 12;

@@ -33,11 +33,12 @@
 #define MAX_CONCURRENT_CHECKS 16
 #define PACE_MS 25
 
-typedef struct {
+struct px_attest_ctx_s {
     attest_keyset_t keys;
     bool stopped;
     uint32_t running; /* checks in flight (att_t.checking) */
-} att_ctx_t;
+};
+typedef struct px_attest_ctx_s att_ctx_t;
 
 typedef struct att_s {
     px_replica_t *r; /* NULL once the replica is gone */
@@ -233,10 +234,12 @@ static void decide(att_t *a, attest_outcome_t *out)
     attest_report_clear(&a->report);
     attest_report_copy(&a->report, rep);
     a->have_report = true;
+    px_seqstr_set(&r->engine_fp, a->report.engine_fingerprint); /* for the workers' checks */
     r->last_attested_at = dp_wall_ms();
     if (out->verdict != ATTEST_V_ADMITTED) {
         count(r, "rejected");
         r->fingerprint[0] = '\0'; /* no accepted identity */
+        px_seqstr_set(&r->wfingerprint, "");
         set_state(r, PX_REPLICA_REJECTED, &out->reasons);
         attest_canary_reset(&a->canary_hist);
         check_end(a);
@@ -251,6 +254,7 @@ static void decide(att_t *a, attest_outcome_t *out)
              id     ? id->fingerprint
              : pool ? pool->fingerprint
                     : "");
+    px_seqstr_set(&r->wfingerprint, r->fingerprint);
     /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
      * rejected) is admitted only once its canary output matches too: fail closed. An admitted
      * one stays until the 2-of-3 rule rejects it (SPEC §6). */
@@ -348,6 +352,7 @@ static void att_timer_closed(uv_handle_t *h)
 
 static void att_teardown(att_t *a)
 {
+    px_seqstr_set(&a->r->engine_fp, ""); /* no report: nothing to compare responses with */
     probe_cancel(a->probe);
     a->probe = NULL;
     if (a->canary) {
@@ -454,8 +459,54 @@ void px_attest_stop(px_t *px)
     px->attest = NULL;
 }
 
+/* What a worker saw, for the control thread to act on. */
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    px_replica_t *r;
+    bool deadmit;
+    char seen[136];
+} att_msg_t;
+
+static att_msg_t *att_msg(px_t *px, px_replica_t *r)
+{
+    att_msg_t *m = dp_xcalloc(1, sizeof(*m));
+    m->px = px;
+    m->r = r;
+    px_replica_ref(r);
+    return m;
+}
+
+static void att_msg_free(att_msg_t *m)
+{
+    px_replica_unref(m->r);
+    free(m);
+}
+
+static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit);
+
+static void connection_failed_posted(net_mb_node_t *n)
+{
+    att_msg_t *m = (att_msg_t *)n;
+    connection_failed_here(m->px, m->r, m->deadmit);
+    att_msg_free(m);
+}
+
 void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
 {
+    if (px_on_control()) {
+        connection_failed_here(px, r, deadmit);
+        return;
+    }
+    att_msg_t *m = att_msg(px, r);
+    m->deadmit = deadmit;
+    if (!px_control_try_post(px, &m->node, connection_failed_posted))
+        att_msg_free(m); /* the next failure asks again */
+}
+
+static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
+{
+    PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
     if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
         return;
@@ -465,17 +516,49 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
     recheck_soon(a);
 }
 
+static void mismatch_here(px_t *px, px_replica_t *r, const char *seen);
+
+static void mismatch_posted(net_mb_node_t *n)
+{
+    att_msg_t *m = (att_msg_t *)n;
+    mismatch_here(m->px, m->r, m->seen);
+    att_msg_free(m);
+}
+
+/* On the worker that has the response: compared with what the control thread published. */
 bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
 {
-    att_t *a = r->attest_state;
-    if (a == NULL || !a->have_report || a->report.engine_fingerprint == NULL || seen == NULL ||
-        seen[0] == '\0' || strcmp(seen, a->report.engine_fingerprint) == 0)
+    if (seen == NULL || seen[0] == '\0')
+        return false;
+    char attested[sizeof(r->engine_fp.w)];
+    px_seqstr_get(&r->engine_fp, attested);
+    if (attested[0] == '\0' || strcmp(seen, attested) == 0)
         return false;
     px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
                                  "replica", r->name, NULL),
                   1);
+    if (px_on_control()) {
+        mismatch_here(px, r, seen);
+        return true;
+    }
+    att_msg_t *m = att_msg(px, r);
+    snprintf(m->seen, sizeof(m->seen), "%s", seen);
+    /* Dropped when the control thread is far behind: the next such response asks again. */
+    if (!px_control_try_post(px, &m->node, mismatch_posted))
+        att_msg_free(m);
+    return true;
+}
+
+/* The control thread's half: out of service and re-attested, once per change. */
+static void mismatch_here(px_t *px, px_replica_t *r, const char *seen)
+{
+    PX_ASSERT_CONTROL();
+    att_t *a = r->attest_state;
+    if (a == NULL || !a->have_report || a->report.engine_fingerprint == NULL ||
+        strcmp(seen, a->report.engine_fingerprint) == 0)
+        return; /* re-attested in the meantime */
     if (r->state != PX_REPLICA_ADMITTED)
-        return true; /* already out of service, or already being re-attested */
+        return; /* already out of service, or already being re-attested */
     dp_buf_t why = {0};
     dp_buf_appends(&why, "engine fingerprint changed on a response: got ");
     attest_abbrev(seen, &why);
@@ -490,7 +573,6 @@ bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
         a->recheck = true;
     else if (ctx(px) && !ctx(px)->stopped)
         recheck_soon(a);
-    return true;
 }
 
 void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h)

@@ -10,6 +10,7 @@
 #include "common/buf.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "proxy/px.h"
 #include "proxy/px_metrics.h"
 
 #define FSYNC_EVERY_MS 1000
@@ -348,6 +349,105 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
         p->tail = &w->next;
     }
     start_write(a);
+}
+
+/* ---- from the workers ------------------------------------------------------------------------
+ *
+ * One writer, on the control thread, keeps the chain and the file; a worker's line travels
+ * there with copies of its bodies, and its completion travels back to the worker, so the
+ * worker's callback runs on the worker's loop once the write containing the line completed:
+ * the same guarantee as a write made here (a held response waits for its line). */
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    px_worker_t *w;
+    dp_buf_t line;
+    size_t nb;
+    char sha[2][65];
+    dp_buf_t bytes[2];
+    px_audit_cb cb;
+    void *data;
+    int status;
+} audit_msg_t;
+
+void px_worker_post(px_worker_t *w, net_mb_node_t *n, net_mb_fn fn);
+
+static void audit_msg_free(audit_msg_t *m)
+{
+    dp_buf_free(&m->line);
+    for (size_t i = 0; i < m->nb; i++)
+        dp_buf_free(&m->bytes[i]);
+    free(m);
+}
+
+static void completed_on_worker(net_mb_node_t *n)
+{
+    audit_msg_t *m = (audit_msg_t *)n;
+    px_audit_cb cb = m->cb;
+    void *data = m->data;
+    int status = m->status;
+    audit_msg_free(m);
+    cb(data, status);
+}
+
+static void written(void *data, int status)
+{
+    audit_msg_t *m = data;
+    m->status = status;
+    px_worker_post(m->w, &m->node, completed_on_worker);
+}
+
+static void write_posted(net_mb_node_t *n)
+{
+    audit_msg_t *m = (audit_msg_t *)n;
+    px_audit_t *a = m->px->audit;
+    if (a == NULL) { /* turned off by a reload in the meantime */
+        if (m->cb)
+            written(m, UV_ECANCELED);
+        else
+            audit_msg_free(m);
+        return;
+    }
+    px_audit_body_t b[2];
+    for (size_t i = 0; i < m->nb; i++)
+        b[i] = (px_audit_body_t){m->sha[i], NULL, 0, &m->bytes[i]};
+    px_audit_write_bodies(a, m->line.base, m->line.len, b, m->nb, m->cb ? written : NULL, m);
+    if (m->cb == NULL)
+        audit_msg_free(m);
+}
+
+void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t *b, size_t nb,
+                     px_audit_cb cb, void *data)
+{
+    if (px_on_control()) {
+        if (px->audit)
+            px_audit_write_bodies(px->audit, line, n, b, nb, cb, data);
+        else if (cb)
+            cb(data, UV_ECANCELED);
+        return;
+    }
+    audit_msg_t *m = dp_xcalloc(1, sizeof(*m));
+    m->px = px;
+    m->w = px_worker_self();
+    dp_buf_append(&m->line, line, n);
+    for (size_t i = 0; i < nb && i < 2; i++) {
+        memcpy(m->sha[i], b[i].sha256, 65);
+        if (b[i].take)
+            m->bytes[i] = *b[i].take, memset(b[i].take, 0, sizeof(*b[i].take));
+        else
+            dp_buf_append(&m->bytes[i], b[i].base ? b[i].base : "", b[i].len);
+        m->nb = i + 1;
+    }
+    m->cb = cb;
+    m->data = data;
+    /* Never wait for the writer: a line it cannot take now is a failed write (counted). */
+    if (!px_control_try_post(px, &m->node, write_posted)) {
+        px_metric_add(px_metrics_get("detproxy_audit_write_errors_total", NULL), 1);
+        dp_log_msg(DP_LOG_ERROR, "audit_write_failed", "the audit writer's queue is full");
+        audit_msg_free(m);
+        if (cb)
+            cb(data, UV_ENOBUFS);
+    }
 }
 
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data)

@@ -41,6 +41,12 @@ typedef struct {
 /* px_audit_write, storing bodies (copied or taken; ignored without a store) before the line. */
 void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
                            size_t nb, px_audit_cb cb, void *data);
+/* From any thread: px_audit_write_bodies on px->audit, on the control thread; cb runs on the
+ * calling thread's loop once the line is written (status < 0: failed, or the writer's queue
+ * was full). */
+struct px_s;
+void px_audit_submit(struct px_s *px, const char *line, size_t n, const px_audit_body_t *b,
+                     size_t nb, px_audit_cb cb, void *data);
 /* Reopen the file at path (rotation); pending lines go to the new file. */
 void px_audit_reopen(px_audit_t *a, const char *path);
 /* Flush everything synchronously, fsync, close and free (shutdown). Callbacks of pending lines

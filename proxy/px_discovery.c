@@ -43,9 +43,10 @@ typedef struct disc_s {
 
 #define GONE_REFRESHES 10
 
-typedef struct {
+struct px_discovery_s {
     disc_t *list;
-} disc_ctx_t;
+};
+typedef struct px_discovery_s disc_ctx_t;
 
 /* Everything discovered replicas were attested against: a reload that changes any of it
  * (the name, the port, how to attest, or the manifest they must match) starts over, so every
@@ -73,11 +74,34 @@ static void addr_name(const struct sockaddr *sa, char *out, size_t n, char *ip, 
 }
 
 /* Make pool p of the current generation hold exactly its static replicas plus ours. */
+static bool in_set(const disc_t *d, const px_replica_t *r)
+{
+    for (size_t k = 0; k < d->nreps; k++)
+        if (d->reps[k] == r)
+            return true;
+    return false;
+}
+
+static bool pool_matches(const disc_t *d, const px_pool_t *p)
+{
+    size_t ours = 0;
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        if (!p->replicas[i]->discovered)
+            continue;
+        if (!in_set(d, p->replicas[i]))
+            return false;
+        ours++;
+    }
+    return ours == d->nreps;
+}
+
 static void push_into_pool(disc_t *d)
 {
     px_pool_t *p = px_gen_pool_by_name(d->px->gen, d->pool);
-    if (p == NULL)
+    if (p == NULL || pool_matches(d, p))
         return;
+    /* Workers read the published generation's pools: change a copy, then publish it. */
+    p = px_gen_pool_by_name(px_gen_writable(d->px), d->pool);
     /* Drop discovered replicas that are no longer in our set. */
     for (size_t i = 0; i < p->nreplicas;) {
         px_replica_t *r = p->replicas[i];
@@ -282,6 +306,7 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     d->nreps = nnext;
     if (changed) {
         push_into_pool(d);
+        px_gen_publish(d->px);
         px_attest_sync(d->px);
     }
     uv_timer_start(&d->timer, timer_cb, dc->refresh_ms, 0);

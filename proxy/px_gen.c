@@ -1,4 +1,4 @@
-/* Configuration generations, pools and replicas. */
+/* Configuration generations and their pools (replicas: px_replica.c). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -6,233 +6,20 @@
 #include "common/util.h"
 #include "net/resolve.h"
 #include "net/tls.h"
-#include "probe/probe.h"
 #include "proxy/px.h"
 #include "proxy/px_attest.h"
 #include "proxy/px_status.h"
-
-const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
-                                              "quarantined"};
-
-void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
-{
-    probe_replica_upstream_opts(cfg, o); /* the same for diagnose and `attest canary` */
-}
-
-/* Everything that defines a replica: if any of it changes on reload, it is a new replica. */
-static char *replica_key(const cfg_pool_t *p, const cfg_replica_t *d)
-{
-    dp_buf_t k = {0};
-    dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s", p->name, d->name,
-                  d->url.tls ? "https" : "http", d->url.host, d->url.port, d->url.path,
-                  d->server_name ? d->server_name : "", (int)d->attest.source,
-                  d->attest.url.tls ? "https" : "http",
-                  d->attest.url.host ? d->attest.url.host : "", d->attest.url.port,
-                  d->attest.url.path ? d->attest.url.path : "",
-                  p->manifest ? p->manifest->fingerprint : "",
-                  p->upstream_tls && p->upstream_tls->ca_file ? p->upstream_tls->ca_file : "");
-    return dp_buf_steal(&k);
-}
-
-static void url_copy(cfg_url_t *dst, const cfg_url_t *src)
-{
-    memset(dst, 0, sizeof(*dst));
-    dst->tls = src->tls;
-    dst->port = src->port;
-    dst->host = src->host ? dp_xstrdup(src->host) : NULL;
-    dst->path = src->path ? dp_xstrdup(src->path) : NULL;
-    dst->hostport = src->hostport ? dp_xstrdup(src->hostport) : NULL;
-}
-
-/* Every replica alive, so the last one of a (pool, name) can take its metric series with it:
- * a reload may briefly hold an old and a new replica of one name, sharing their series. */
-static px_replica_t *g_live;
-
-static bool name_alive(const px_replica_t *except)
-{
-    for (const px_replica_t *r = g_live; r; r = r->live_next)
-        if (r != except && strcmp(r->name, except->name) == 0 &&
-            strcmp(r->pool_name, except->pool_name) == 0)
-            return true;
-    return false;
-}
-
-static px_replica_t *replica_new(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
-                                 const cfg_replica_t *d, char *key)
-{
-    px_replica_t *r = dp_xcalloc(1, sizeof(*r));
-    r->refs = 1;
-    r->live_next = g_live;
-    if (g_live)
-        g_live->live_prev = r;
-    g_live = r;
-    r->px = px;
-    r->key = key;
-    r->pool_name = dp_xstrdup(p->name);
-    r->name = dp_xstrdup(d->name);
-    r->aff_id = px_aff_hash(d->name, strlen(d->name));
-    url_copy(&r->url, &d->url);
-    r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
-    r->attest.source = d->attest.source;
-    url_copy(&r->attest.url, &d->attest.url);
-    r->m_admitted =
-        px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica", d->name, NULL);
-    r->m_drained =
-        px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica", d->name, NULL);
-    r->resolved = net_resolve(r->url.host, r->url.port, &r->addr);
-    if (r->url.tls || r->attest.url.tls) {
-        const cfg_upstream_tls_t *ut = p->upstream_tls;
-        dp_buf_t err = {0};
-        r->tls_ctx = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                                        ut ? ut->client_key_file : NULL, &err);
-        if (r->tls_ctx == NULL) {
-            const char *why[] = {err.base, NULL};
-            px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
-            dp_buf_free(&err);
-            r->resolved = false; /* nothing can reach it */
-            return r;
-        }
-        dp_buf_free(&err);
-    }
-    net_upstream_opts_t o;
-    px_replica_upstream_opts(cfg, &o);
-    if (r->resolved) {
-        r->up = net_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
-        px_replica_upstream_tls(r, r->up, &r->url);
-    }
-    /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
-     * admitted by px_attest on its first successful probe. */
-    r->state = PX_REPLICA_PENDING;
-    if (!r->resolved) {
-        const char *why[] = {"host name did not resolve", NULL};
-        px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
-    }
-    return r;
-}
-
-void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t *url)
-{
-    if (!url->tls || r->tls_ctx == NULL)
-        return;
-    /* server_name overrides the name checked for the replica itself, not for its agent. */
-    const char *name = url == &r->url && r->server_name ? r->server_name : url->host;
-    net_upstream_set_tls(u, r->tls_ctx, name);
-}
-
-void px_replica_ref(px_replica_t *r)
-{
-    r->refs++;
-}
-
-void px_replica_unref(px_replica_t *r)
-{
-    if (--r->refs > 0)
-        return;
-    if (r->live_prev)
-        r->live_prev->live_next = r->live_next;
-    else
-        g_live = r->live_next;
-    if (r->live_next)
-        r->live_next->live_prev = r->live_prev;
-    /* A discovered replica that left for good takes its series along (issue 11): otherwise
-     * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
-    if (r->discovered && !name_alive(r))
-        px_metrics_drop("pool", r->pool_name, "replica", r->name);
-    px_attest_replica_free(r);
-    if (r->up)
-        net_upstream_free(r->up);
-    if (r->shadow_up)
-        net_upstream_free(r->shadow_up);
-    net_tls_ctx_unref(r->tls_ctx);
-    for (size_t i = 0; i < r->nreasons; i++)
-        free(r->reasons[i]);
-    cfg_url_free(&r->url);
-    cfg_url_free(&r->attest.url);
-    free(r->server_name);
-    free(r->key);
-    free(r->pool_name);
-    free(r->name);
-    free(r);
-}
-
-void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons)
-{
-    bool changed = st != r->state;
-    bool reasons_changed = false;
-    size_t n = 0;
-    while (reasons && reasons[n] && n < PX_MAX_REASONS)
-        n++;
-    if (n != r->nreasons) {
-        reasons_changed = true;
-    } else {
-        for (size_t i = 0; i < n; i++)
-            if (strcmp(reasons[i], r->reasons[i]) != 0)
-                reasons_changed = true;
-    }
-    if (reasons_changed) {
-        for (size_t i = 0; i < r->nreasons; i++)
-            free(r->reasons[i]);
-        for (size_t i = 0; i < n; i++)
-            r->reasons[i] = dp_xstrdup(reasons[i]);
-        r->nreasons = n;
-    }
-    if (!changed && !reasons_changed)
-        return;
-    px_replica_state_t old = r->state;
-    r->state = st;
-    px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
-    px_status_note_change(r, old);
-    dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
-                                                                                    : DP_LOG_WARN,
-                              "replica_state");
-    if (w) {
-        dp_jw_str(w, "pool", r->pool_name);
-        dp_jw_str(w, "replica", r->name);
-        dp_jw_str(w, "from", px_replica_state_names[old]);
-        dp_jw_str(w, "to", px_replica_state_names[st]);
-        dp_jw_arr_begin(w, "reasons");
-        for (size_t i = 0; i < r->nreasons; i++)
-            dp_jw_str(w, NULL, r->reasons[i]);
-        dp_jw_arr_end(w);
-        dp_log_end(w);
-    }
-    if (st != PX_REPLICA_ADMITTED && r->up)
-        net_upstream_flush_idle(r->up);
-}
-
-void px_replica_set_drained(px_replica_t *r, bool drained)
-{
-    px_metric_set(r->m_drained, drained ? 1 : 0);
-    if (r->drained == drained)
-        return;
-    r->drained = drained;
-    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, drained ? "replica_drained" : "replica_enabled");
-    if (w) {
-        dp_jw_str(w, "pool", r->pool_name);
-        dp_jw_str(w, "replica", r->name);
-        dp_jw_str(w, "state", px_replica_state_names[r->state]);
-        dp_jw_uint(w, "inflight", r->inflight);
-        dp_log_end(w);
-    }
-    /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
-    if (drained && r->up)
-        net_upstream_flush_idle(r->up);
-}
 
 /* ---- pools ------------------------------------------------------------------------------ */
 
 void px_pool_push_replica(px_pool_t *p, px_replica_t *r)
 {
+    PX_ASSERT_CONTROL();
     if (p->nreplicas == p->cap) {
         p->cap = p->cap ? p->cap * 2 : 4;
         p->replicas = dp_xrealloc(p->replicas, p->cap * sizeof(*p->replicas));
     }
     p->replicas[p->nreplicas++] = r;
-}
-
-px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def)
-{
-    return replica_new(px, p->gen->cfg, p->cfg, def, replica_key(p->cfg, def));
 }
 
 void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
@@ -248,39 +35,6 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
     }
 }
 
-/* A replica carried over by a reload keeps its identity and attestation, but its TLS files
- * are read again: certificates are rotated in place (cert-manager, Vault), and a replaced CA
- * file must withdraw trust now, not at the next restart. Every upstream of the replica shares
- * r->tls_ctx, so replacing its contents reaches them all; pooled connections made under the
- * old settings are closed. If the new files do not load, the old settings stay. */
-static void replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
-{
-    if (r->tls_ctx == NULL)
-        return;
-    const cfg_upstream_tls_t *ut = p->upstream_tls;
-    dp_buf_t err = {0};
-    net_tls_ctx_t *fresh =
-        net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                           ut ? ut->client_key_file : NULL, &err);
-    if (fresh == NULL) {
-        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "tls_load_failed");
-        if (w) {
-            dp_jw_str(w, "pool", p->name);
-            dp_jw_str(w, "replica", r->name);
-            dp_jw_str(w, "detail", err.base ? err.base : "");
-            dp_log_end(w);
-        }
-        dp_buf_free(&err);
-        return;
-    }
-    net_tls_ctx_replace(r->tls_ctx, fresh);
-    net_tls_ctx_unref(fresh);
-    if (r->up)
-        net_upstream_flush_idle(r->up);
-    if (r->shadow_up)
-        net_upstream_flush_idle(r->shadow_up);
-}
-
 static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
 {
     if (prev == NULL)
@@ -294,12 +48,17 @@ static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
 
 px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
 {
+    PX_ASSERT_CONTROL();
+    unsigned nslots = px->nslots ? px->nslots : 1;
     px_gen_t *g = dp_xcalloc(1, sizeof(*g));
-    g->refs = 1;
+    atomic_init(&g->refs, 1);
     g->px = px;
     g->cfg = cfg;
     g->npools = cfg->npools;
     g->pools = dp_xcalloc(cfg->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    g->cfg_refs = dp_xcalloc(1, sizeof(*g->cfg_refs));
+    *g->cfg_refs = 1;
     net_upstream_opts_t uo;
     px_replica_upstream_opts(cfg, &uo);
     for (size_t i = 0; i < cfg->npools; i++) {
@@ -314,21 +73,19 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
         for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
             p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
                                               px_aff_result_names[k], NULL);
-        uv_timer_init(px->loop, &p->qtimer);
-        p->qtimer.data = p;
-        g->handles_open++;
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
         for (size_t k = 0; k < pc->nreplicas; k++) {
-            char *key = replica_key(pc, &pc->replicas[k]);
+            char *key = px_replica_key(pc, &pc->replicas[k]);
             px_replica_t *r = find_reusable(prev, key);
             if (r) {
                 free(key);
                 px_replica_ref(r);
                 if (r->up)
                     net_upstream_set_opts(r->up, &uo);
-                replica_reload_tls(r, pc);
+                px_replica_reload_tls(r, pc);
                 px_pool_push_replica(p, r);
             } else {
-                px_pool_push_replica(p, replica_new(px, cfg, pc, &pc->replicas[k], key));
+                px_pool_push_replica(p, px_replica_create(px, cfg, pc, &pc->replicas[k], key));
             }
         }
     }
@@ -337,39 +94,94 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
 
 void px_gen_ref(px_gen_t *g)
 {
-    g->refs++;
+    atomic_fetch_add_explicit(&g->refs, 1, memory_order_relaxed);
 }
 
-static void gen_free_final(px_gen_t *g)
+static void gen_free(px_gen_t *g)
 {
-    free(g->pools);
-    cfg_free(g->cfg);
-    free(g);
-}
-
-static void qtimer_closed(uv_handle_t *h)
-{
-    px_pool_t *p = h->data;
-    px_gen_t *g = p->gen;
-    if (--g->handles_open == 0)
-        gen_free_final(g);
-}
-
-void px_gen_unref(px_gen_t *g)
-{
-    if (--g->refs > 0)
-        return;
+    PX_ASSERT_CONTROL();
     for (size_t i = 0; i < g->npools; i++) {
         px_pool_t *p = &g->pools[i];
         for (size_t k = 0; k < p->nreplicas; k++)
             px_replica_unref(p->replicas[k]);
         free(p->replicas);
-        p->replicas = NULL;
-        p->nreplicas = 0;
-        uv_close((uv_handle_t *)&p->qtimer, qtimer_closed);
+        free(p->slots);
     }
-    if (g->npools == 0)
-        gen_free_final(g);
+    free(g->pools);
+    free(g->m_overrides);
+    if (--*g->cfg_refs == 0) {
+        cfg_free(g->cfg);
+        free(g->cfg_refs);
+    }
+    free(g);
+}
+
+/* The same configuration and replicas, in a generation of its own (not yet published). */
+static px_gen_t *gen_clone(const px_gen_t *o)
+{
+    px_t *px = o->px;
+    unsigned nslots = px->nslots ? px->nslots : 1;
+    px_gen_t *g = dp_xcalloc(1, sizeof(*g));
+    atomic_init(&g->refs, 1);
+    g->px = px;
+    g->cfg = o->cfg;
+    g->cfg_refs = o->cfg_refs;
+    ++*g->cfg_refs;
+    g->npools = o->npools;
+    g->pools = dp_xcalloc(o->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    for (size_t i = 0; i < o->npools; i++) {
+        const px_pool_t *op = &o->pools[i];
+        px_pool_t *p = &g->pools[i];
+        p->gen = g;
+        p->cfg = op->cfg;
+        p->name = op->name;
+        memcpy(p->fingerprint, op->fingerprint, sizeof(p->fingerprint));
+        p->m_duration = op->m_duration;
+        memcpy(p->m_affinity, op->m_affinity, sizeof(p->m_affinity));
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
+        for (size_t k = 0; k < op->nreplicas; k++) {
+            px_replica_ref(op->replicas[k]);
+            px_pool_push_replica(p, op->replicas[k]);
+        }
+    }
+    return g;
+}
+
+px_gen_t *px_gen_writable(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (!px->gen->published)
+        return px->gen;
+    px_gen_t *old = px->gen;
+    px->gen = gen_clone(old);
+    px_gen_unref(old);
+    return px->gen;
+}
+
+void px_gen_publish(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (px->gen->published)
+        return;
+    px->gen->published = true;
+    px_workers_publish(px, px->gen);
+}
+
+static void gen_free_posted(net_mb_node_t *n)
+{
+    gen_free((px_gen_t *)((char *)n - offsetof(px_gen_t, free_node)));
+}
+
+void px_gen_unref(px_gen_t *g)
+{
+    if (atomic_fetch_sub_explicit(&g->refs, 1, memory_order_acq_rel) > 1)
+        return;
+    if (!px_on_control()) {
+        px_control_post(g->px, &g->free_node, gen_free_posted);
+        return;
+    }
+    gen_free(g);
 }
 
 px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
@@ -379,19 +191,20 @@ px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int statu
     if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
         return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
                               st, "code", code, NULL);
-    size_t n = DP_ARRAY_SIZE(p->m_requests);
-    for (size_t i = 0; i < n && p->m_requests[i].s; i++)
-        if (p->m_requests[i].tenant == tenant && p->m_requests[i].status == status &&
-            p->m_requests[i].code == code)
-            return p->m_requests[i].s;
+    px_pool_slot_t *sl = &p->slots[px_slot()];
+    size_t n = DP_ARRAY_SIZE(sl->m_requests);
+    for (size_t i = 0; i < n && sl->m_requests[i].s; i++)
+        if (sl->m_requests[i].tenant == tenant && sl->m_requests[i].status == status &&
+            sl->m_requests[i].code == code)
+            return sl->m_requests[i].s;
     px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
                                     "status", st, "code", code, NULL);
     for (size_t i = 0; i < n; i++) {
-        if (p->m_requests[i].s == NULL) {
-            p->m_requests[i].tenant = tenant;
-            p->m_requests[i].status = status;
-            p->m_requests[i].code = code;
-            p->m_requests[i].s = s;
+        if (sl->m_requests[i].s == NULL) {
+            sl->m_requests[i].tenant = tenant;
+            sl->m_requests[i].status = status;
+            sl->m_requests[i].code = code;
+            sl->m_requests[i].s = s;
             break;
         }
     }
@@ -401,19 +214,19 @@ px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int statu
 px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
                                     const char *param, int action, const char *action_name)
 {
-    size_t n = DP_ARRAY_SIZE(g->m_overrides);
-    for (size_t i = 0; i < n && g->m_overrides[i].s; i++)
-        if (g->m_overrides[i].tenant == t && g->m_overrides[i].param == param &&
-            g->m_overrides[i].action == action)
-            return g->m_overrides[i].s;
+    px_override_series_t *ov = g->m_overrides[px_slot()];
+    size_t n = DP_ARRAY_SIZE(g->m_overrides[0]);
+    for (size_t i = 0; i < n && ov[i].s; i++)
+        if (ov[i].tenant == t && ov[i].param == param && ov[i].action == action)
+            return ov[i].s;
     px_series_t *s = px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
                                     param, "action", action_name, NULL);
     for (size_t i = 0; i < n; i++) {
-        if (g->m_overrides[i].s == NULL) {
-            g->m_overrides[i].tenant = t;
-            g->m_overrides[i].param = param;
-            g->m_overrides[i].action = action;
-            g->m_overrides[i].s = s;
+        if (ov[i].s == NULL) {
+            ov[i].tenant = t;
+            ov[i].param = param;
+            ov[i].action = action;
+            ov[i].s = s;
             break;
         }
     }

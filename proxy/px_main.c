@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "common/version.h"
+#include "net/sock.h"
 #include "net/tls.h"
 #include "proxy/cli.h"
 #include "proxy/px.h"
@@ -18,6 +19,7 @@
 #include "proxy/px_discovery.h"
 #include "proxy/px_otel.h"
 #include "proxy/px_pipeline.h"
+#include "proxy/px_self.h"
 #include "proxy/px_shadow.h"
 #include "proxy/px_status.h"
 
@@ -66,6 +68,10 @@ void px_metrics_declare(void)
         px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
     px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
                       "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
+    px_metrics_family("detproxy_worker_requests_total", PX_COUNTER,
+                      "Client requests each worker thread took (workers).");
+    px_metrics_family("detproxy_handoff_dropped_total", PX_COUNTER,
+                      "Messages from the workers the control thread's queue was too full to take.");
 }
 
 static void usage(FILE *f)
@@ -97,9 +103,11 @@ void px_server_limits_for(const cfg_t *cfg, net_server_limits_t *l)
 void px_admin_refresh_gauges(px_t *px)
 {
     px_metric_set(px_metrics_get("detproxy_connections", NULL),
-                  (double)net_server_connections(px->proxy));
+                  (double)px_workers_connections(px));
     px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
-                  (double)net_server_inflight(px->proxy));
+                  (double)px_workers_inflight(px));
+    px_metric_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
+                  (double)net_mailbox_dropped(&px->mb));
     px_status_refresh_gauges(px);
 }
 
@@ -122,6 +130,8 @@ static void finish_shutdown(px_t *px)
     px_attest_stop(px);
     px_shadow_stop(px);
     px_otel_stop(px);
+    px_workers_join(px); /* drained (or closed): their loops end, their threads exit */
+    net_mailbox_close(&px->mb); /* nothing posts to the control thread any more */
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
     for (size_t i = 0; i < px->gen->npools; i++) {
         for (size_t k = 0; k < px->gen->pools[i].nreplicas; k++) {
@@ -142,16 +152,10 @@ static void finish_shutdown(px_t *px)
     close_handle((uv_handle_t *)&px->drain_timer);
 }
 
-static void proxy_drained(net_server_t *s)
+static void proxy_drained(px_t *px)
 {
-    px_t *px = net_server_data(s);
     dp_log_msg(DP_LOG_INFO, "drained", NULL);
     finish_shutdown(px);
-}
-
-static void proxy_closed(void *data)
-{
-    (void)data;
 }
 
 static void drain_timeout(uv_timer_t *t)
@@ -159,12 +163,10 @@ static void drain_timeout(uv_timer_t *t)
     px_t *px = t->data;
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "drain_timeout");
     if (w) {
-        dp_jw_uint(w, "inflight", net_server_inflight(px->proxy));
+        dp_jw_uint(w, "inflight", px_workers_inflight(px));
         dp_log_end(w);
     }
-    net_server_t *s = px->proxy;
-    px->proxy = NULL;
-    net_server_close(s, proxy_closed, NULL);
+    px_workers_close(px);
     finish_shutdown(px);
 }
 
@@ -177,11 +179,11 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "draining");
     if (w) {
         dp_jw_str(w, "signal", signum == SIGTERM ? "SIGTERM" : "SIGINT");
-        dp_jw_uint(w, "inflight", net_server_inflight(px->proxy));
+        dp_jw_uint(w, "inflight", px_workers_inflight(px));
         dp_log_end(w);
     }
     uv_timer_start(&px->drain_timer, drain_timeout, DRAIN_LIMIT_MS, 0);
-    net_server_drain(px->proxy, proxy_drained);
+    px_workers_drain(px, proxy_drained);
 }
 
 static void on_hup(uv_signal_t *h, int signum)
@@ -200,6 +202,26 @@ static void raise_nofile(void)
         rl.rlim_cur = rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
     }
+}
+
+static void run_end(px_t *px)
+{
+    if (px->workers)
+        px_workers_join(px);
+    if (px->audit)
+        px_audit_close(px->audit); /* flush and fsync: no audit line is lost on a clean exit */
+    net_tls_ctx_unref(px->tls);
+    px_gen_unref(px->gen);
+    px->gen = NULL;
+    net_mailbox_close(&px->mb);      /* what the workers handed over last */
+    uv_run(px->loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
+    px_shadow_free(px);
+    px_proxy_free_caches();
+    px_hooks_free_caches();
+    net_sock_thread_free();
+    uv_loop_close(px->loop);
+    free(px->workers);
+    px_metrics_reset();
 }
 
 static int listen_on(net_server_t *s, const cfg_addr_t *a, const char *what)
@@ -270,24 +292,22 @@ int px_cmd_run(int argc, char **argv)
     px_t px = {0};
     px.loop = uv_default_loop();
     px.started_ms = dp_wall_ms();
+    px.nworkers = px_workers_resolve(cfg->workers);
+    px.nslots = px.nworkers + 1;
+    px_metrics_set_threads(px.nslots); /* before any series: cells are sized by it */
     px_metrics_declare();
+    net_mailbox_init(&px.mb, px.loop, 0);
     px.gen = px_gen_new(&px, cfg, NULL);
+    px.gen->published = true; /* the workers start with it */
     if (cfg->log.audit_path) {
         px.audit = px_audit_open(px.loop, cfg->log.audit_path);
         px_audit_configure(px.audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines);
     }
-
-    net_server_limits_t lim;
-    px_server_limits_for(cfg, &lim);
-    px.proxy = net_server_new(px.loop, &px_proxy_handler, &px, &lim);
-    net_server_on_overload(px.proxy, px_proxy_count_overload);
+    px_shadow_init(&px);
+    px_self_via_line(NULL); /* drawn once, here: the workers only read it */
     if (px_tls_reload(&px) != 0) {
-        net_server_close(px.proxy, NULL, NULL);
-        px_gen_unref(px.gen);
-        uv_run(px.loop, UV_RUN_DEFAULT);
-        uv_loop_close(px.loop);
-        px_metrics_reset();
+        run_end(&px);
         return 3;
     }
     net_server_limits_t alim;
@@ -302,40 +322,26 @@ int px_cmd_run(int argc, char **argv)
     uv_signal_start(&px.sig_term, on_stop_signal, SIGTERM);
     uv_signal_start(&px.sig_int, on_stop_signal, SIGINT);
     uv_signal_start(&px.sig_hup, on_hup, SIGHUP);
-    if (listen_on(px.proxy, &cfg->listen, "proxy") != 0 ||
+    if (px_workers_start(&px, &cfg->listen) != 0 ||
         listen_on(px.admin, &cfg->admin_listen, "admin") != 0) {
         uv_close((uv_handle_t *)&px.sig_term, NULL);
         uv_close((uv_handle_t *)&px.sig_int, NULL);
         uv_close((uv_handle_t *)&px.sig_hup, NULL);
-        net_server_close(px.proxy, NULL, NULL);
         net_server_close(px.admin, NULL, NULL);
-        px_gen_unref(px.gen);
-        uv_run(px.loop, UV_RUN_DEFAULT);
-        uv_loop_close(px.loop);
-        px_metrics_reset();
+        px.admin = NULL;
+        run_end(&px);
         return 3;
     }
     uv_timer_init(px.loop, &px.drain_timer);
     px.drain_timer.data = &px;
     px_attest_start(&px);
     px_discovery_sync(&px);
+    px_gen_publish(&px); /* discovery may have added replicas */
     px_otel_sync(&px);
 
     uv_run(px.loop, UV_RUN_DEFAULT);
 
-    if (px.proxy)
-        net_server_close(px.proxy, NULL, NULL);
-    if (px.audit)
-        px_audit_close(px.audit); /* flush and fsync: no audit line is lost on a clean exit */
-    net_tls_ctx_unref(px.tls);
-    px_gen_unref(px.gen);
-    px.gen = NULL;
-    uv_run(px.loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
-    px_shadow_free(&px);
-    px_proxy_free_caches();
-    px_hooks_free_caches();
-    uv_loop_close(px.loop);
-    px_metrics_reset();
+    run_end(&px);
     dp_log_msg(DP_LOG_INFO, "exit", NULL);
     return px.exit_code;
 }

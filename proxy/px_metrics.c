@@ -1,6 +1,7 @@
 #include "proxy/px_metrics.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -8,6 +9,7 @@
 #include <string.h>
 
 #include "common/jw.h"
+#include "common/util.h"
 
 #define NBUCKETS 1024 /* hash buckets; the series count is small (pools x replicas x labels) */
 
@@ -18,10 +20,30 @@ typedef struct family_s {
     struct family_s *next;
 } family_t;
 
-static px_series_t *g_table[NBUCKETS];
+static _Atomic(px_series_t *) g_table[NBUCKETS];
 static family_t *g_families;
 static size_t g_nseries;
-static px_series_t g_sink; /* never rendered */
+static px_series_t *g_retired; /* dropped series, freed at reset (px_metrics_drop) */
+static px_cell_t g_sink_cells[1 + 64];
+static px_series_t g_sink = {.cells = g_sink_cells}; /* never rendered */
+/* Creating, dropping, rendering and resetting: never a look-up of an existing series. */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned g_nthreads = 1;
+_Thread_local unsigned px_metrics_thread;
+
+void px_metrics_set_threads(unsigned n)
+{
+    pthread_mutex_lock(&g_mu);
+    /* Cells are sized at creation: changing it with series alive would overrun them. */
+    if (g_nseries == 0 && n >= 1 && n <= DP_ARRAY_SIZE(g_sink_cells))
+        g_nthreads = n;
+    pthread_mutex_unlock(&g_mu);
+}
+
+unsigned px_metrics_threads(void)
+{
+    return g_nthreads;
+}
 
 const double px_latency_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                     1,     2.5,  5,     10,   30,  60,   120};
@@ -37,15 +59,20 @@ static uint32_t hash(const char *s)
 
 void px_metrics_family(const char *name, px_metric_type_t type, const char *help)
 {
-    for (family_t *f = g_families; f; f = f->next)
+    pthread_mutex_lock(&g_mu);
+    family_t *f;
+    for (f = g_families; f; f = f->next)
         if (strcmp(f->name, name) == 0)
-            return;
-    family_t *f = dp_xcalloc(1, sizeof(*f));
-    f->name = dp_xstrdup(name);
-    f->help = dp_xstrdup(help);
-    f->type = type;
-    f->next = g_families;
-    g_families = f;
+            break;
+    if (f == NULL) {
+        f = dp_xcalloc(1, sizeof(*f));
+        f->name = dp_xstrdup(name);
+        f->help = dp_xstrdup(help);
+        f->type = type;
+        f->next = g_families;
+        g_families = f;
+    }
+    pthread_mutex_unlock(&g_mu);
 }
 
 /* The series key, name{k="v",...}, built into a caller's stack buffer: looking up an existing
@@ -102,17 +129,31 @@ static px_series_t *lookup(const char *name, px_metric_type_t type, va_list ap)
     if (n == 0)
         return &g_sink; /* absurdly long labels: counted nowhere rather than crash */
     uint32_t h = hash(stack) % NBUCKETS;
-    for (px_series_t *s = g_table[h]; s; s = s->next)
+    /* Lock-free: a chain only ever grows at its head (release store below) or loses members
+     * whose memory stays valid (px_metrics_drop). */
+    for (px_series_t *s = atomic_load_explicit(&g_table[h], memory_order_acquire); s;
+         s = atomic_load_explicit(&s->next, memory_order_acquire))
         if (strcmp(s->key, stack) == 0)
             return s;
-    px_series_t *s = dp_xcalloc(1, sizeof(*s));
-    s->key = dp_xstrdup(stack);
-    s->name = dp_xstrdup(name);
-    s->labels = dp_xstrndup(stack + labels_at, n - labels_at - 1);
-    s->type = type;
-    s->next = g_table[h];
-    g_table[h] = s;
-    g_nseries++;
+    pthread_mutex_lock(&g_mu);
+    px_series_t *s; /* again, under the lock: another thread may have just created it */
+    for (s = atomic_load_explicit(&g_table[h], memory_order_relaxed); s;
+         s = atomic_load_explicit(&s->next, memory_order_relaxed))
+        if (strcmp(s->key, stack) == 0)
+            break;
+    if (s == NULL) {
+        s = dp_xcalloc(1, sizeof(*s));
+        s->key = dp_xstrdup(stack);
+        s->name = dp_xstrdup(name);
+        s->labels = dp_xstrndup(stack + labels_at, n - labels_at - 1);
+        s->type = type;
+        s->cells = dp_xcalloc(g_nthreads, sizeof(*s->cells));
+        atomic_store_explicit(&s->next, atomic_load_explicit(&g_table[h], memory_order_relaxed),
+                              memory_order_relaxed);
+        atomic_store_explicit(&g_table[h], s, memory_order_release);
+        g_nseries++;
+    }
+    pthread_mutex_unlock(&g_mu);
     return s;
 }
 
@@ -131,24 +172,65 @@ px_series_t *px_metrics_hist(const char *name, const double *bounds, size_t nbou
     va_start(ap, nbounds);
     px_series_t *s = lookup(name, PX_HISTOGRAM, ap);
     va_end(ap);
-    if (s->bounds == NULL) {
-        s->type = PX_HISTOGRAM;
-        s->bounds = bounds;
-        s->nbounds = nbounds < PX_HIST_MAX_BUCKETS ? nbounds : PX_HIST_MAX_BUCKETS;
+    if (s->bounds == NULL && s != &g_sink) {
+        pthread_mutex_lock(&g_mu);
+        if (s->bounds == NULL) {
+            s->type = PX_HISTOGRAM;
+            s->nbounds = nbounds < PX_HIST_MAX_BUCKETS ? nbounds : PX_HIST_MAX_BUCKETS;
+            s->bounds = bounds;
+        }
+        pthread_mutex_unlock(&g_mu);
     }
     return s;
+}
+
+static void bump(_Atomic uint64_t *c, uint64_t n)
+{
+    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + n,
+                          memory_order_relaxed);
 }
 
 void px_hist_observe(px_series_t *s, double v)
 {
     /* Buckets are stored non-cumulative and summed at render: one increment per observation. */
+    px_cell_t *c = &s->cells[px_metrics_thread];
     size_t i = 0;
     while (i < s->nbounds && v > s->bounds[i])
         i++;
     if (i < s->nbounds)
-        s->buckets[i]++;
-    s->count++;
-    s->sum += v;
+        bump(&c->buckets[i], 1);
+    bump(&c->count, 1);
+    atomic_store_explicit(&c->sum, atomic_load_explicit(&c->sum, memory_order_relaxed) + v,
+                          memory_order_relaxed);
+}
+
+static uint64_t sum_u64(const px_series_t *s, size_t bucket) /* bucket SIZE_MAX: count */
+{
+    uint64_t n = 0;
+    for (unsigned t = 0; t < g_nthreads; t++)
+        n += atomic_load_explicit(bucket == SIZE_MAX ? &s->cells[t].count
+                                                     : &s->cells[t].buckets[bucket],
+                                  memory_order_relaxed);
+    return n;
+}
+
+uint64_t px_hist_bucket(const px_series_t *s, size_t i)
+{
+    return sum_u64(s, i);
+}
+
+uint64_t px_hist_count(const px_series_t *s)
+{
+    return sum_u64(s, SIZE_MAX);
+}
+
+double px_metric_value(const px_series_t *s)
+{
+    double v = atomic_load_explicit(&s->gauge, memory_order_relaxed);
+    for (unsigned t = 0; t < g_nthreads; t++)
+        v += atomic_load_explicit(s->type == PX_HISTOGRAM ? &s->cells[t].sum : &s->cells[t].value,
+                                  memory_order_relaxed);
+    return v;
 }
 
 static void series_free(px_series_t *s)
@@ -156,6 +238,7 @@ static void series_free(px_series_t *s)
     free(s->key);
     free(s->name);
     free(s->labels);
+    free(s->cells);
     free(s);
 }
 
@@ -179,14 +262,17 @@ size_t px_metrics_drop(const char *k1, const char *v1, const char *k2, const cha
     const char *want = pre + labels_at;
     size_t wl = n - labels_at - 1; /* without the closing brace */
     size_t dropped = 0;
+    pthread_mutex_lock(&g_mu);
     /* O(series): a replica leaves rarely (discovery), and the table is small. */
     for (size_t b = 0; b < NBUCKETS; b++) {
-        for (px_series_t **pp = &g_table[b]; *pp;) {
-            px_series_t *s = *pp;
+        for (_Atomic(px_series_t *) *pp = &g_table[b]; atomic_load(pp);) {
+            px_series_t *s = atomic_load(pp);
             if (strncmp(s->labels, want, wl) == 0 &&
                 (s->labels[wl] == '\0' || s->labels[wl] == ',')) {
-                *pp = s->next;
-                series_free(s);
+                /* Unlinked; s->next stays intact for a reader standing on s right now. */
+                atomic_store_explicit(pp, atomic_load(&s->next), memory_order_release);
+                s->retired_next = g_retired;
+                g_retired = s;
                 g_nseries--;
                 dropped++;
                 continue;
@@ -194,6 +280,7 @@ size_t px_metrics_drop(const char *k1, const char *v1, const char *k2, const cha
             pp = &s->next;
         }
     }
+    pthread_mutex_unlock(&g_mu);
     return dropped;
 }
 
@@ -230,10 +317,11 @@ static void render_value(dp_buf_t *o, double v)
 
 void px_metrics_render(dp_buf_t *o)
 {
+    pthread_mutex_lock(&g_mu);
     px_series_t **all = dp_xmalloc((g_nseries ? g_nseries : 1) * sizeof(*all));
     size_t n = 0;
     for (size_t b = 0; b < NBUCKETS; b++)
-        for (px_series_t *s = g_table[b]; s; s = s->next)
+        for (px_series_t *s = atomic_load(&g_table[b]); s; s = atomic_load(&s->next))
             all[n++] = s;
     qsort(all, n, sizeof(*all), cmp_series);
     const char *family = NULL;
@@ -253,20 +341,20 @@ void px_metrics_render(dp_buf_t *o)
         if (s->type != PX_HISTOGRAM) {
             dp_buf_appends(o, s->name);
             render_labels(o, s->labels, NULL);
-            render_value(o, s->value);
+            render_value(o, px_metric_value(s));
             continue;
         }
         uint64_t cum = 0;
         char le[48];
         for (size_t k = 0; k <= s->nbounds; k++) {
             if (k < s->nbounds) {
-                cum += s->buckets[k];
+                cum += sum_u64(s, k);
                 dp_buf_t tmp = {0};
                 dp_json_double(&tmp, s->bounds[k]);
                 snprintf(le, sizeof(le), "le=\"%s\"", tmp.base);
                 dp_buf_free(&tmp);
             } else {
-                cum = s->count;
+                cum = sum_u64(s, SIZE_MAX);
                 snprintf(le, sizeof(le), "le=\"+Inf\"");
             }
             dp_buf_appends(o, s->name);
@@ -277,27 +365,35 @@ void px_metrics_render(dp_buf_t *o)
         dp_buf_appends(o, s->name);
         dp_buf_append(o, "_sum", 4);
         render_labels(o, s->labels, NULL);
-        render_value(o, s->sum);
+        render_value(o, px_metric_value(s));
         dp_buf_appends(o, s->name);
         dp_buf_append(o, "_count", 6);
         render_labels(o, s->labels, NULL);
-        render_value(o, (double)s->count);
+        render_value(o, (double)sum_u64(s, SIZE_MAX));
     }
+    pthread_mutex_unlock(&g_mu);
     free(all);
 }
 
 void px_metrics_reset(void)
 {
+    pthread_mutex_lock(&g_mu);
     for (size_t b = 0; b < NBUCKETS; b++) {
-        px_series_t *s = g_table[b];
+        px_series_t *s = atomic_load(&g_table[b]);
         while (s) {
-            px_series_t *next = s->next;
+            px_series_t *next = atomic_load(&s->next);
             series_free(s);
             s = next;
         }
-        g_table[b] = NULL;
+        atomic_store(&g_table[b], NULL);
+    }
+    while (g_retired) {
+        px_series_t *s = g_retired;
+        g_retired = s->retired_next;
+        series_free(s);
     }
     g_nseries = 0;
+    g_nthreads = 1;
     while (g_families) {
         family_t *f = g_families;
         g_families = f->next;
@@ -305,4 +401,5 @@ void px_metrics_reset(void)
         free(f->help);
         free(f);
     }
+    pthread_mutex_unlock(&g_mu);
 }

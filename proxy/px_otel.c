@@ -26,7 +26,7 @@
 #define OTEL_TAIL_BYTES 16384       /* ...and from the end (a stream's last events) */
 #define OTEL_MAX_FINISH 8           /* finish reasons recorded (choices 0..7) */
 
-typedef struct {
+struct px_otel_ctx_s {
     char *key; /* hostport + path of the endpoint the upstream below speaks to */
     char *hostport;
     char *target; /* <path>/v1/traces */
@@ -38,7 +38,8 @@ typedef struct {
     net_fetch_t *inflight;
     size_t ninflight;
     bool failing; /* the last export failed: logged once until one succeeds */
-} otel_ctx_t;
+};
+typedef struct px_otel_ctx_s otel_ctx_t;
 
 struct px_span_s {
     uint8_t trace[16], span[8], parent[8];
@@ -269,7 +270,7 @@ px_span_t *px_otel_start(px_t *px, const net_req_t *req, const char *route, char
 {
     traceparent[0] = '\0';
     *new_trace = false;
-    const cfg_otel_t *o = px->gen->cfg->otel;
+    const cfg_otel_t *o = px_current_gen(px)->cfg->otel;
     if (o == NULL)
         return NULL;
     uint8_t trace[16], parent[8];
@@ -613,11 +614,55 @@ static void span_free(px_span_t *s)
     free(s);
 }
 
+static void end_here(px_t *px, px_span_t *s, int status, const char *request_id,
+                     const char *upstream_fingerprint);
+
+/* A finished span, from a worker to the exporter on the control thread. */
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    px_span_t *s;
+    int status;
+    char request_id[24];
+    char upstream_fp[128];
+    bool has_fp;
+} span_msg_t;
+
+static void end_posted(net_mb_node_t *n)
+{
+    span_msg_t *m = (span_msg_t *)n;
+    end_here(m->px, m->s, m->status, m->request_id, m->has_fp ? m->upstream_fp : NULL);
+    free(m);
+}
+
 void px_otel_end(px_t *px, px_span_t *s, int status, const char *request_id,
                  const char *upstream_fingerprint)
 {
     if (s == NULL)
         return;
+    if (px_on_control()) {
+        end_here(px, s, status, request_id, upstream_fingerprint);
+        return;
+    }
+    span_msg_t *m = dp_xmalloc(sizeof(*m));
+    m->px = px;
+    m->s = s;
+    m->status = status;
+    snprintf(m->request_id, sizeof(m->request_id), "%s", request_id ? request_id : "");
+    m->has_fp = upstream_fingerprint != NULL;
+    snprintf(m->upstream_fp, sizeof(m->upstream_fp), "%s",
+             upstream_fingerprint ? upstream_fingerprint : "");
+    if (!px_control_try_post(px, &m->node, end_posted)) {
+        px_metric_add(count_series("dropped"), 1); /* the control thread is that far behind */
+        span_free(s);
+        free(m);
+    }
+}
+
+static void end_here(px_t *px, px_span_t *s, int status, const char *request_id,
+                     const char *upstream_fingerprint)
+{
+    PX_ASSERT_CONTROL();
     otel_ctx_t *c = ctx_of(px);
     if (c == NULL || c->up == NULL || c->nqueued >= OTEL_QUEUE_SPANS ||
         c->queue.len >= OTEL_QUEUE_BYTES) {

@@ -3,6 +3,7 @@
 #include "proxy/px_pipeline.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,18 +54,24 @@ typedef struct pol_s {
 
 /* Per-tenant token buckets, keyed by tenant name so a reload that keeps a tenant keeps its
  * bucket (a reload must not be a way around the limit). Only tenants with a rate_limit get one;
- * a linear scan over them is fine at the tens of tenants a policy has. */
+ * a linear scan over them is fine at the tens of tenants a policy has.
+ *
+ * Every worker takes from the same bucket, lock-free: the bucket is GCRA's one number, the
+ * theoretical arrival time (seconds on the monotonic clock), advanced by compare-and-swap.
+ * A request is allowed when, after it, the bucket would be at most `burst` requests ahead of
+ * now: exactly a token bucket of that burst refilled at rate_rps. The list only grows at its
+ * head (a new tenant, under a mutex: cold) and lives until shutdown. */
 typedef struct bucket_s {
     struct bucket_s *next;
-    double tokens;
-    uint64_t last_ns;
+    _Atomic double tat;
     char name[];
 } bucket_t;
 
-static bucket_t *g_buckets;
+static _Atomic(bucket_t *) g_buckets;
+static pthread_mutex_t g_buckets_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static pol_t *g_free;
-static size_t g_nfree;
+static _Thread_local pol_t *g_free; /* per worker */
+static _Thread_local size_t g_nfree;
 
 /* Working space for affinity key bytes: one event loop per thread, and nothing in them outlives
  * a call. A huge escaped prompt may grow them; they are let go past 256 KiB. */
@@ -109,11 +116,17 @@ static void pol_put(pol_t *p)
 
 void px_hooks_free_caches(void)
 {
-    while (g_buckets) {
-        bucket_t *b = g_buckets;
-        g_buckets = b->next;
+    bucket_t *b = atomic_exchange(&g_buckets, NULL);
+    while (b) {
+        bucket_t *next = b->next;
         free(b);
+        b = next;
     }
+    px_hooks_thread_free();
+}
+
+void px_hooks_thread_free(void)
+{
     while (g_free) {
         pol_t *p = g_free;
         g_free = p->next_free;
@@ -153,18 +166,29 @@ static size_t header_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
+static bucket_t *bucket_find(const char *name)
+{
+    for (bucket_t *b = atomic_load_explicit(&g_buckets, memory_order_acquire); b; b = b->next)
+        if (strcmp(b->name, name) == 0)
+            return b;
+    return NULL;
+}
+
 static bucket_t *bucket_for(const cfg_tenant_t *t)
 {
-    for (bucket_t *b = g_buckets; b; b = b->next)
-        if (strcmp(b->name, t->name) == 0)
-            return b;
-    size_t n = strlen(t->name) + 1;
-    bucket_t *b = dp_xcalloc(1, sizeof(*b) + n);
-    memcpy(b->name, t->name, n);
-    b->tokens = t->rate_burst;
-    b->last_ns = dp_now_ns();
-    b->next = g_buckets;
-    g_buckets = b;
+    bucket_t *b = bucket_find(t->name);
+    if (b)
+        return b;
+    pthread_mutex_lock(&g_buckets_mu);
+    if ((b = bucket_find(t->name)) == NULL) {
+        size_t n = strlen(t->name) + 1;
+        b = dp_xcalloc(1, sizeof(*b) + n);
+        memcpy(b->name, t->name, n);
+        atomic_init(&b->tat, 0); /* in the past: the whole burst is available */
+        b->next = atomic_load_explicit(&g_buckets, memory_order_relaxed);
+        atomic_store_explicit(&g_buckets, b, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_buckets_mu);
     return b;
 }
 
@@ -172,18 +196,21 @@ static bucket_t *bucket_for(const cfg_tenant_t *t)
 static uint32_t rate_take(const cfg_tenant_t *t)
 {
     bucket_t *b = bucket_for(t);
-    uint64_t now = dp_now_ns();
-    b->tokens += (double)(now - b->last_ns) / 1e9 * t->rate_rps;
-    if (b->tokens > t->rate_burst)
-        b->tokens = t->rate_burst;
-    b->last_ns = now;
-    if (b->tokens >= 1) {
-        b->tokens -= 1;
-        return 0;
+    double now = (double)dp_now_ns() / 1e9;
+    double interval = 1.0 / t->rate_rps, ahead = (double)t->rate_burst * interval;
+    double tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
+    for (;;) {
+        double next = (tat > now ? tat : now) + interval;
+        if (next - now > ahead) {
+            /* A tiny rate (1e-20/s) waits longer than Retry-After's 32 bits: cap it, never
+             * cast it. */
+            double wait = ceil(next - ahead - now);
+            return wait < 1 ? 1 : wait >= UINT32_MAX ? UINT32_MAX : (uint32_t)wait;
+        }
+        if (atomic_compare_exchange_weak_explicit(&b->tat, &tat, next, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return 0;
     }
-    /* A tiny rate (1e-20/s) waits longer than Retry-After's 32 bits: cap it, never cast it. */
-    double wait = ceil((1 - b->tokens) / t->rate_rps);
-    return wait < 1 ? 1 : wait >= UINT32_MAX ? UINT32_MAX : (uint32_t)wait;
 }
 
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req)
@@ -361,17 +388,20 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
 /* Offloaded policing takes at most half the libuv thread pool; the rest of the jobs wait here in
  * arrival order. Audit writes, DNS and shadow comparisons share that pool: queued behind a few
  * dozen large bodies, every audited request (any tenant, any pool) waited seconds. */
-static pol_t *g_wait_head, *g_wait_tail;
-static unsigned g_policing, g_policing_max;
+/* The thread pool is the process's, shared by every worker: each takes its share of the half. */
+static _Thread_local pol_t *g_wait_head, *g_wait_tail;
+static _Thread_local unsigned g_policing, g_policing_max;
 
-static unsigned policing_max(void)
+static unsigned policing_max(px_t *px)
 {
     if (g_policing_max == 0) {
         const char *e = getenv("UV_THREADPOOL_SIZE"); /* as libuv reads it: default 4 */
         long n = e && *e ? strtol(e, NULL, 10) : 4;
         if (n > 1024)
             n = 1024;
-        g_policing_max = n >= 2 ? (unsigned)(n / 2) : 1;
+        n = n >= 2 ? n / 2 : 1;
+        n /= px->nworkers ? px->nworkers : 1;
+        g_policing_max = n >= 1 ? (unsigned)n : 1;
     }
     return g_policing_max;
 }
@@ -433,7 +463,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->wall_ms = dp_wall_ms();
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     affinity_session_header(h, g, req);
-    p->store = p->audit && px_audit_stores(px->audit);
+    p->store = p->audit && px->audit && g->cfg->log.audit_store; /* px_audit_configure's */
     p->resp_cap = g->cfg->limits.max_response_rewrite_bytes; /* the store keeps this much */
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc =
@@ -452,8 +482,8 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->done = done;
     p->done_data = done_data;
     p->work.data = p;
-    p->loop = px->loop;
-    if (g_policing < policing_max()) {
+    p->loop = px_worker_loop(px_worker_self());
+    if (g_policing < policing_max(px)) {
         if (police_start(p) != 0) {
             p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
             return policed(h, g, p, body, res);
@@ -597,7 +627,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
                         int status, const char *request_id, void (*then)(void *), void *data)
 {
     pol_t *p = h->policy;
-    if (p == NULL || !p->audit || p->audited || px->audit == NULL)
+    if (p == NULL || !p->audit || p->audited)
         return false;
     p->audited = true;
     char resp_sha[65];
@@ -638,7 +668,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     }
     p->then = then;
     p->then_data = data;
-    px_audit_write_bodies(px->audit, line.base, line.len, bodies, nb, then ? audit_done : NULL, p);
+    px_audit_submit(px, line.base, line.len, bodies, nb, then ? audit_done : NULL, p);
     dp_buf_free(&line);
     return then != NULL;
 }
@@ -670,8 +700,10 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
     pol_t *p = h->policy;
     /* Each accepted identity has its own fingerprint (SPEC §4 "accept"): the answer carries the
      * one of the replica it came from. */
-    if (r->fingerprint[0])
-        memcpy(h->fingerprint, r->fingerprint, sizeof(h->fingerprint));
+    char fp[24];
+    px_seqstr_get(&r->wfingerprint, fp); /* written by attestation, on the control thread */
+    if (fp[0])
+        memcpy(h->fingerprint, fp, sizeof(h->fingerprint));
     if (h->affinity.result != PX_AFF_NONE && pool->m_affinity[h->affinity.result])
         px_metric_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
     if (p == NULL)

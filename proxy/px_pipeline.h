@@ -47,7 +47,9 @@ typedef struct {
 } px_hooks_result_t;
 
 void px_hooks_init(px_hooks_req_t *h);
-/* Release recycled per-request objects (shutdown). */
+/* Release recycled per-request objects: this thread's (a loop thread that ends), and with
+ * free_caches the shared rate buckets too (shutdown, on the control thread). */
+void px_hooks_thread_free(void);
 void px_hooks_free_caches(void);
 const char *px_hooks_tenant(const px_hooks_req_t *h);
 

@@ -7,7 +7,10 @@
  *
  * A px_preq_t has one owner and one free path (preq_finish). It ends when the client's
  * response ended (or the client went away) and no upstream exchange is left running. A
- * replica slot (replica->inflight) is held exactly while preq->replica is set. */
+ * replica slot (replica->inflight) is held exactly while preq->replica is set.
+ *
+ * Everything here runs on a worker (px_worker.c): a request lives and ends on the worker that
+ * accepted its connection, with that worker's upstream pools, queues and caches. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +94,7 @@ struct px_preq_s {
      * Always a static string: the label set stays bounded. */
     const char *code;
     bool rejected; /* the server answered (413, 408, ...): on_abort must not make it a 499 */
+    bool counted;  /* its metrics are in (count_request) */
     uint64_t up_start_ns, up_head_ns, up_end_ns; /* the last replica exchange */
     /* For the access log, which is written after the client request is gone: */
     char method[16];
@@ -101,12 +105,13 @@ struct px_preq_s {
 
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
+static void count_request(px_preq_t *q);
 
 /* Request contexts are recycled with their head buffer, so a steady stream of requests does
  * not touch malloc for them. Bounded: a burst does not pin memory forever. */
 #define PREQ_CACHE_MAX 256
-static px_preq_t *g_preq_free;
-static size_t g_npreq_free;
+static _Thread_local px_preq_t *g_preq_free; /* per worker: no lock, no sharing */
+static _Thread_local size_t g_npreq_free;
 
 static px_preq_t *preq_get(void)
 {
@@ -214,6 +219,7 @@ static void send_refusal(void *data)
                 dp_jw_str(w, "replica", q->replica->name);
             dp_log_end(w);
         }
+        count_request(q); /* before the answer: a client that reads it sees it counted */
         net_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
         q->req = NULL;
     }
@@ -285,86 +291,130 @@ static void fail_unavailable(px_preq_t *q)
 
 /* ---- slots and the admission queue ------------------------------------------------------- */
 
+uv_timer_t *px_worker_qtimer(void);
+px_pool_slot_t **px_worker_qactive(void);
+void px_worker_count_request(void);
+
+static px_pool_slot_t *qslot(px_pool_t *p)
+{
+    return &p->slots[px_slot()];
+}
+
 static void slot_release(px_preq_t *q)
 {
     px_replica_t *r = q->replica;
     if (r == NULL)
         return;
     q->replica = NULL;
-    r->inflight--;
+    px_replica_put_slot(r);
     px_replica_unref(r);
     px_proxy_slot_freed(q->pool);
 }
 
+static void deactivate(px_pool_slot_t *sl)
+{
+    for (px_pool_slot_t **pp = px_worker_qactive(); *pp; pp = &(*pp)->active_next) {
+        if (*pp == sl) {
+            *pp = sl->active_next;
+            break;
+        }
+    }
+    sl->active_next = NULL;
+    sl->active = false;
+}
+
+/* The worker's one timer, at the earliest head deadline of its non-empty queues. */
+static void queue_arm(void)
+{
+    uv_timer_t *t = px_worker_qtimer();
+    uint64_t first = UINT64_MAX;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl; sl = sl->active_next)
+        if (sl->q_head->qdeadline < first)
+            first = sl->q_head->qdeadline;
+    if (first == UINT64_MAX) {
+        uv_timer_stop(t);
+        return;
+    }
+    uint64_t now = uv_now(t->loop);
+    uv_timer_start(t, px_proxy_queue_timer_cb, first > now ? first - now : 0, 0);
+}
+
 static void queue_remove(px_preq_t *q)
 {
-    px_pool_t *p = q->pool;
     if (!q->queued)
         return;
+    px_pool_t *p = q->pool;
+    px_pool_slot_t *sl = qslot(p);
     if (q->qprev)
         q->qprev->qnext = q->qnext;
     else
-        p->q_head = q->qnext;
+        sl->q_head = q->qnext;
     if (q->qnext)
         q->qnext->qprev = q->qprev;
     else
-        p->q_tail = q->qprev;
+        sl->q_tail = q->qprev;
     q->qnext = q->qprev = NULL;
     q->queued = false;
-    p->qlen--;
-    if (p->q_head == NULL)
-        uv_timer_stop(&p->qtimer);
-}
-
-static void queue_arm(px_pool_t *p)
-{
-    if (p->q_head == NULL)
-        return;
-    uint64_t now = uv_now(p->gen->px->loop);
-    uint64_t d = p->q_head->qdeadline;
-    uv_timer_start(&p->qtimer, px_proxy_queue_timer_cb, d > now ? d - now : 0, 0);
+    sl->qlen--;
+    atomic_fetch_sub(&p->waiting, 1);
+    if (sl->q_head == NULL) {
+        deactivate(sl);
+        queue_arm();
+    }
 }
 
 static void queue_push(px_preq_t *q)
 {
     px_pool_t *p = q->pool;
+    px_pool_slot_t *sl = qslot(p);
     q->queued = true;
-    q->qdeadline = uv_now(q->px->loop) + p->cfg->queue_timeout_ms;
-    q->qprev = p->q_tail;
+    q->qdeadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
+    q->qprev = sl->q_tail;
     q->qnext = NULL;
-    if (p->q_tail)
-        p->q_tail->qnext = q;
+    if (sl->q_tail)
+        sl->q_tail->qnext = q;
     else
-        p->q_head = q;
-    p->q_tail = q;
-    p->qlen++;
-    if (p->q_head == q)
-        queue_arm(p);
+        sl->q_head = q;
+    sl->q_tail = q;
+    sl->qlen++;
+    atomic_fetch_add(&p->waiting, 1); /* seq_cst: pairs with px_proxy_slot_freed's load */
+    if (!sl->active) {
+        sl->active = true;
+        sl->active_next = *px_worker_qactive();
+        *px_worker_qactive() = sl;
+        queue_arm();
+    }
 }
 
 void px_proxy_queue_timer_cb(uv_timer_t *t)
 {
-    px_pool_t *p = t->data;
-    uint64_t now = uv_now(p->gen->px->loop);
-    while (p->q_head && p->q_head->qdeadline <= now) {
-        px_preq_t *q = p->q_head;
+    uint64_t now = uv_now(t->loop);
+    /* One expired head at a time: failing it may empty its queue (and unlink it). */
+    for (;;) {
+        px_preq_t *q = NULL;
+        for (px_pool_slot_t *sl = *px_worker_qactive(); sl && !q; sl = sl->active_next)
+            if (sl->q_head->qdeadline <= now)
+                q = sl->q_head;
+        if (q == NULL)
+            break;
         queue_remove(q);
         fail_client(q, 504, "queue_timeout", NULL,
                     "timed out waiting for a replica slot (max_inflight_per_replica)");
         finish(q);
     }
-    queue_arm(p);
+    queue_arm();
 }
 
 void px_proxy_slot_freed(px_pool_t *p)
 {
-    while (p->q_head) {
+    px_pool_slot_t *sl = qslot(p);
+    while (sl->q_head) {
         int why;
-        px_replica_t *r = px_router_pick(p, NULL, &p->q_head->hooks.affinity, &why);
+        px_replica_t *r = px_router_pick(p, NULL, &sl->q_head->hooks.affinity, &why);
         if (r == NULL) {
             if (why == 0) {
                 /* Every replica left the admitted set while requests waited. */
-                px_preq_t *q = p->q_head;
+                px_preq_t *q = sl->q_head;
                 queue_remove(q);
                 fail_unavailable(q);
                 finish(q);
@@ -372,9 +422,42 @@ void px_proxy_slot_freed(px_pool_t *p)
             }
             return;
         }
-        px_preq_t *q = p->q_head;
+        px_preq_t *q = sl->q_head;
         queue_remove(q);
+        q->replica = r; /* the pick took its slot */
         dispatch(q);
+    }
+    /* Nothing waits here for this pool, but maybe on another worker: let them look. With the
+     * release (a seq_cst decrement) and this seq_cst load against queue_push's increment and
+     * dispatch's re-pick, a waiter either sees the free slot or is seen here. */
+    if (atomic_load(&p->waiting) > 0)
+        px_workers_wake(p->gen->px);
+}
+
+void px_proxy_dispatch_waiting(void)
+{
+    px_pool_t *pools[64];
+    size_t n = 0;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl && n < DP_ARRAY_SIZE(pools);
+         sl = sl->active_next)
+        pools[n++] = sl->q_head->pool;
+    /* A pool's queued requests hold its generation: each pointer stays valid while it has
+     * waiters, and a pool whose queue emptied is only looked at (nothing to dispatch). */
+    for (size_t i = 0; i < n; i++) {
+        px_pool_slot_t *sl = qslot(pools[i]);
+        if (!sl->active)
+            continue;
+        px_pool_t *p = pools[i];
+        while (sl->q_head) {
+            int why;
+            px_replica_t *r = px_router_pick(p, NULL, &sl->q_head->hooks.affinity, &why);
+            if (r == NULL)
+                break;
+            px_preq_t *q = sl->q_head;
+            queue_remove(q);
+            q->replica = r;
+            dispatch(q);
+        }
     }
 }
 
@@ -477,24 +560,23 @@ static void send_upstream(px_preq_t *q)
     px_replica_t *r = q->replica;
     q->up_start_ns = dp_now_ns();
     q->up_head_ns = q->up_end_ns = 0;
-    r->requests++;
+    atomic_fetch_add_explicit(&r->requests, 1, memory_order_relaxed);
     build_head(q, r);
     uv_buf_t bufs[2];
     unsigned nb = 0;
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
     if (q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
-    q->up =
-        net_creq_start(r->up, bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
+    q->up = net_creq_start(px_replica_worker_up(r, q->gen), bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
     if (q->stream_body)
         net_req_resume_body(q->req);
 }
 
+/* r's slot is taken (px_router_pick): q holds it from here. */
 static void start_on(px_preq_t *q, px_replica_t *r)
 {
     px_replica_ref(r);
     q->replica = r;
-    r->inflight++;
     send_upstream(q);
     px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
 }
@@ -507,7 +589,11 @@ void px_proxy_count_overload(const char *reason)
 static void dispatch(px_preq_t *q)
 {
     int why = 0;
-    px_replica_t *r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
+    /* From the queue, the slot came with the wake-up. */
+    px_replica_t *r = q->replica;
+    q->replica = NULL;
+    if (r == NULL)
+        r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
     if (r) {
         start_on(q, r);
         return;
@@ -517,7 +603,7 @@ static void dispatch(px_preq_t *q)
         finish(q);
         return;
     }
-    if (q->pool->qlen >= q->pool->cfg->queue_limit) {
+    if (atomic_load(&q->pool->waiting) >= q->pool->cfg->queue_limit) {
         px_proxy_count_overload("queue_full");
         fail_client(q, 503, "overloaded", NULL,
                     "every replica is at max_inflight_per_replica and the queue is full");
@@ -527,6 +613,14 @@ static void dispatch(px_preq_t *q)
     if (q->stream_body)
         net_req_pause_body(q->req);
     queue_push(q);
+    /* A slot freed on another worker between the pick and the push: take it now. */
+    r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
+    if (r) {
+        queue_remove(q);
+        if (q->stream_body)
+            net_req_resume_body(q->req);
+        start_on(q, r);
+    }
 }
 
 /* ---- upstream callbacks ------------------------------------------------------------------- */
@@ -698,6 +792,7 @@ static void deliver(void *data)
         net_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
     if (q->req) {
+        count_request(q); /* before the end: a client that read it sees it counted */
         net_resp_end(q->req);
         q->req = NULL;
     }
@@ -757,7 +852,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
         !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
         q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
         q->reconnected = true;
-        net_upstream_flush_idle(r->up);
+        net_upstream_flush_idle(px_replica_worker_up(r, q->gen));
         px_hooks_upstream_failed(&q->hooks, q->px, r, err);
         send_upstream(q);
         return;
@@ -803,6 +898,31 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* ---- lifecycle ---------------------------------------------------------------------------- */
 
+/* detproxy_requests_total, the duration and the tokens, once: just before the response's last
+ * byte goes out where there is one (a scrape that follows a response sees it counted, whatever
+ * worker answered it), else in finish(). */
+static void count_request(px_preq_t *q)
+{
+    if (q->counted || q->status == 0)
+        return;
+    q->counted = true;
+    px_pool_t *pool = q->pool;
+    const char *code = q->code ? q->code : "upstream";
+    const char *tenant = px_hooks_tenant(&q->hooks);
+    px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
+    if (pool)
+        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    int64_t pt, ct;
+    if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                     pool->name, "kind", "prompt", NULL),
+                      (double)pt);
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
+                                     pool->name, "kind", "completion", NULL),
+                      (double)ct);
+    }
+}
+
 static void finish(px_preq_t *q)
 {
     if (q->audit_wait) {
@@ -817,20 +937,8 @@ static void finish(px_preq_t *q)
     queue_remove(q);
     if (q->status) {
         const char *code = q->code ? q->code : "upstream";
-        const char *tenant = px_hooks_tenant(&q->hooks);
         uint64_t took = dp_now_ns() - q->start_ns;
-        px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
-        if (pool)
-            px_hist_observe(pool->m_duration, (double)took / 1e9);
-        int64_t pt, ct;
-        if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
-            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                         pool->name, "kind", "prompt", NULL),
-                          (double)pt);
-            px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                         pool->name, "kind", "completion", NULL),
-                          (double)ct);
-        }
+        count_request(q);
         px_access_t a = {
             .request_id = q->id,
             .method = q->method,
@@ -943,6 +1051,7 @@ static void answer_models(px_preq_t *q)
     net_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
     q->status = 200;
     q->code = "local";
+    count_request(q);
     net_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
     q->req = NULL;
     dp_buf_free(&b);
@@ -953,8 +1062,9 @@ static net_body_mode_t on_head(net_req_t *req)
     px_t *px = net_server_data(req->server);
     px_preq_t *q = preq_get();
     q->px = px;
-    q->gen = px->gen;
+    q->gen = px_current_gen(px);
     px_gen_ref(q->gen);
+    px_worker_count_request();
     q->req = req;
     req->data = q;
     memcpy(q->id, req->id, sizeof(q->id));
@@ -1060,8 +1170,8 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     px_preq_t *q = data;
     q->policing = false;
     q->body = body;
-    if (q->budget_held && q->px->proxy)
-        net_server_return_body_budget(q->px->proxy, q->budget_held);
+    if (q->budget_held) /* its listener may be gone (shutdown): the budget is the workers' */
+        net_server_shared_return_body_budget(&q->px->listen_shared, q->budget_held);
     q->budget_held = 0;
     if (q->req == NULL) { /* the client left while its body was being policed */
         client_gone(q);
@@ -1131,7 +1241,7 @@ static void on_reject(net_server_t *s, net_req_t *req, int status, const char *c
     px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
     px_t *px = net_server_data(s);
     px_access_t a = {.status = status, .code = code, .hooks = NULL};
-    px_access_log(&px->gen->cfg->log.access, &a);
+    px_access_log(&px_current_gen(px)->cfg->log.access, &a);
 }
 
 static void on_drain(net_req_t *req)

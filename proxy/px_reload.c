@@ -67,10 +67,6 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_gen_t *prev = px->gen;
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
-    net_server_limits_t lim;
-    px_server_limits_for(cfg, &lim);
-    if (px->proxy)
-        net_server_set_limits(px->proxy, &lim);
     dp_log_set_level((dp_log_level_t)cfg->log.level);
     if (audit_moved) {
         if (px->audit && cfg->log.audit_path)
@@ -82,10 +78,14 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines);
     px_discovery_sync(px);
+    px_gen_publish(px);
     px_attest_sync(px);
     px_otel_sync(px);
     px_tls_reload(px);
     px_gen_unref(prev);
+    if (px_workers_resolve(cfg->workers) != px->nworkers)
+        dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
+                   "a change of workers takes effect only after a restart");
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
     if (w) {
         dp_jw_str(w, "trigger", why);
@@ -100,7 +100,7 @@ int px_tls_reload(px_t *px)
 {
     const cfg_tls_t *t = px->gen->cfg->tls;
     if (t == NULL) {
-        if (px->tls && px->proxy)
+        if (px->tls && px->workers)
             dp_log_msg(DP_LOG_WARN, "tls_unchanged",
                        "turning TLS off needs a restart: the listener keeps TLS");
         return 0;
@@ -112,8 +112,7 @@ int px_tls_reload(px_t *px)
         dp_buf_free(&err);
         return -1;
     }
-    if (px->proxy)
-        net_server_set_tls(px->proxy, c);
+    px_workers_set_tls(px, c);
     net_tls_ctx_unref(px->tls);
     px->tls = c;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");

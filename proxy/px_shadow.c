@@ -19,11 +19,21 @@
  * is freed on exactly one path: whichever of the primary's end (px_shadow_primary_done) and the
  * copy's own exchange comes second runs maybe_compare, which either drops the sample or hands
  * it to the thread pool and frees it in compare_done. Each copy holds a reference on its tap,
- * and the request holds one until the primary ends; the tap goes with the last. */
+ * and the request holds one until the primary ends; the tap goes with the last.
+ *
+ * Threads: the worker that has the request draws the copies and captures the primary's output
+ * into the tap (px_shadow_maybe, px_shadow_primary_bytes); everything else runs on the control
+ * thread: choosing targets, the in-flight caps, sending, comparing and the statistics. Two
+ * messages cross, in this order: the plan (what was drawn, with a copy of the body; dropped and
+ * counted when the control thread's mailbox is full) and the primary's end (always delivered).
+ * Until the second, the tap's capture fields are the worker's; after it, the control thread's.
+ * The tap's immutable fields (stream, max_out) are read by both. */
 #include "proxy/px_shadow.h"
 
 #include <assert.h>
 #include <math.h>
+#include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,18 +62,22 @@ typedef struct {
     char logged_suspect[DRIFT_NAME_MAX];
 } dpool_t;
 
-typedef struct {
+/* The control thread's, but `stopped`, which workers read. */
+struct px_shadow_ctx_s {
     dpool_t *pools;
     size_t npools;
     struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
     size_t nrollouts;
     uint32_t inflight; /* drift shadows in flight */
     shadow_t *active;  /* exchanges in flight, for shutdown */
-    bool stopped;
-} shadow_ctx_t;
+    atomic_bool stopped;
+};
+typedef struct px_shadow_ctx_s shadow_ctx_t;
 
 /* The primary's output, captured once for every copy of the request. */
 struct tap_s {
+    px_t *px;
+    net_mb_node_t done_node; /* the primary's end, to the control thread */
     int refs;
     bool stream;
     size_t max_out;
@@ -79,6 +93,7 @@ struct tap_s {
 
 struct shadow_s {
     px_t *px;
+    px_replica_t *target_r; /* a reference, until the copy is freed */
     tap_t *tap;
     shadow_t *tap_next;
     shadow_t *prev, *next; /* on ctx->active while the exchange runs */
@@ -108,9 +123,16 @@ struct shadow_s {
 
 static shadow_ctx_t *ctx(px_t *px)
 {
-    if (px->shadow == NULL)
+    if (px->shadow == NULL) {
+        PX_ASSERT_CONTROL(); /* made at start (px_shadow_init), before any worker runs */
         px->shadow = dp_xcalloc(1, sizeof(shadow_ctx_t));
+    }
     return px->shadow;
+}
+
+void px_shadow_init(px_t *px)
+{
+    ctx(px);
 }
 
 static dpool_t *dpool_entry(px_t *px, const char *name)
@@ -207,7 +229,7 @@ static void candidate_miss(px_t *px, const char *pool, const char *cand, drift_r
 {
     static const char *const names[] = {"skipped", "error", "not_comparable"};
     count_candidate(pool, cand, names[o]);
-    if (!ctx(px)->stopped)
+    if (!atomic_load(&ctx(px)->stopped))
         drift_rollout_miss(rollout(px, pool, cand)->stats, o, why);
 }
 
@@ -241,6 +263,8 @@ static void shadow_free(shadow_t *s)
     free(s->target);
     free(s->candidate);
     free(s->tenant);
+    if (s->target_r)
+        px_replica_unref(s->target_r);
     tap_unref(s->tap);
     free(s);
 }
@@ -277,7 +301,7 @@ static size_t admitted_count(const px_pool_t *p)
 {
     size_t n = 0;
     for (size_t i = 0; i < p->nreplicas; i++)
-        n += p->replicas[i]->state == PX_REPLICA_ADMITTED;
+        n += px_replica_state(p->replicas[i]) == PX_REPLICA_ADMITTED;
     return n;
 }
 
@@ -302,7 +326,8 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
         return;
     for (size_t i = 0; i < p->nreplicas; i++) {
         px_replica_t *r = p->replicas[i];
-        if (r->state == PX_REPLICA_QUARANTINED && drift_pool_replica_recovered(dp, r->name)) {
+        if (px_replica_state(r) == PX_REPLICA_QUARANTINED &&
+            drift_pool_replica_recovered(dp, r->name)) {
             drift_pool_reset_replica(dp, r->name);
             const char *why[] = {"divergence back at the self baseline", NULL};
             px_replica_set_state(r, PX_REPLICA_ADMITTED, why);
@@ -313,7 +338,7 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
     if (v.kind != DRIFT_CROSS_REPLICA_DRIFT || !v.has_suspect || !v.suspect[0])
         return;
     px_replica_t *r = replica_named(p, v.suspect);
-    if (r == NULL || r->state != PX_REPLICA_ADMITTED || admitted_count(p) <= 1)
+    if (r == NULL || px_replica_state(r) != PX_REPLICA_ADMITTED || admitted_count(p) <= 1)
         return;
     char why[DRIFT_REASON_MAX + 64];
     snprintf(why, sizeof(why), "quarantined: cross_replica_drift suspect (%s)",
@@ -345,9 +370,10 @@ static void compare_done(uv_work_t *w, int status)
     shadow_t *s = w->data;
     px_t *px = s->px;
     (void)status;
-    if (!ctx(px)->stopped && s->candidate) {
+    bool stopped = atomic_load(&ctx(px)->stopped);
+    if (!stopped && s->candidate) {
         candidate_done(s);
-    } else if (!ctx(px)->stopped) {
+    } else if (!stopped) {
         dpool_t *e = dpool_entry(px, s->pool);
         drift_pool_t *dp = e->dp;
         drift_pool_add(dp, s->primary, s->target, &s->result);
@@ -445,10 +471,11 @@ void px_shadow_primary_bytes(void *v, const char *p, size_t n)
     capture(t, &t->sse, &t->body, p, n);
 }
 
-void px_shadow_primary_done(void *v, int status)
+/* On the control thread: the primary is over; every copy may now compare. */
+static void primary_done_posted(net_mb_node_t *n)
 {
-    tap_t *t = v;
-    t->status = status;
+    tap_t *t = (tap_t *)((char *)n - offsetof(tap_t, done_node));
+    int status = t->status;
     t->done = true;
     /* Clients commonly close right after `data: [DONE]`, before the chunked terminator: the
      * primary then ends as 499, but its output was complete. */
@@ -467,6 +494,14 @@ void px_shadow_primary_done(void *v, int status)
         s = next;
     }
     tap_unref(t);
+}
+
+void px_shadow_primary_done(void *v, int status)
+{
+    tap_t *t = v;
+    t->status = status;
+    /* From here the capture is the control thread's (the plan went first). */
+    px_control_post(t->px, &t->done_node, primary_done_posted);
 }
 
 static void active_remove(shadow_t *s)
@@ -526,14 +561,14 @@ const size_t px_shadow_similarity_nbounds =
  * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
 static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined)
 {
-    static uint32_t rr;
+    static uint32_t rr; /* control thread only */
     size_t n = p->nreplicas;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(rr + k) % n];
-        if (r == primary || r->up == NULL || r->drained)
+        if (r == primary || r->up == NULL || atomic_load(&r->drained))
             continue;
-        if (r->state == PX_REPLICA_ADMITTED ||
-            (quarantined && r->state == PX_REPLICA_QUARANTINED)) {
+        px_replica_state_t st = px_replica_state(r);
+        if (st == PX_REPLICA_ADMITTED || (quarantined && st == PX_REPLICA_QUARANTINED)) {
             rr += (uint32_t)k + 1;
             return r;
         }
@@ -541,11 +576,28 @@ static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool
     return NULL;
 }
 
+/* What the worker drew for one request, for the control thread to carry out. */
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    tap_t *tap; /* NULL when the request is not comparable: nothing will be compared */
+    char *pool, *primary, *tenant;
+    bool comparable;
+    bool drift; /* a drift shadow of `kind` was drawn */
+    drift_kind_t kind;
+    char **cands; /* candidate pools drawn */
+    size_t ncands;
+    dp_buf_t model; /* the request's model (a candidate may serve another name) */
+    dp_buf_t path;
+    dp_buf_t body; /* the post-policy body: the request's own bytes are gone before the copy */
+    char request_id[24];
+} plan_t;
+
 /* What one copy is: where it goes and what it carries. */
 typedef struct {
     px_pool_t *pool;    /* the pool of the request (the baseline of a candidate) */
     px_pool_t *to_pool; /* the pool whose replica answers it (its api_key is sent) */
-    px_replica_t *primary;
+    const char *primary;
     px_replica_t *target;
     drift_kind_t kind;
     const char *candidate; /* NULL: a drift shadow */
@@ -555,21 +607,10 @@ typedef struct {
     rentry_t *rentry; /* candidates only */
 } copy_spec_t;
 
-static tap_t *tap_for(void **tapp, const policy_result_t *res, size_t max_out)
+/* On the control thread. */
+static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *pl)
 {
-    if (*tapp == NULL) {
-        tap_t *t = dp_xcalloc(1, sizeof(*t));
-        t->refs = 1; /* the request's, until px_shadow_primary_done */
-        t->stream = res->stream;
-        t->max_out = max_out;
-        t->sse.max_output_bytes = max_out;
-        *tapp = t;
-    }
-    return *tapp;
-}
-
-static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_t *req)
-{
+    PX_ASSERT_CONTROL();
     shadow_ctx_t *c = ctx(px);
     px_replica_t *target = cs->target;
     if (target->shadow_up == NULL) {
@@ -580,25 +621,27 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_
     }
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
     s->px = px;
+    px_replica_ref(target);
+    s->target_r = target;
     s->tap = t;
     t->refs++;
     s->tap_next = t->copies;
     t->copies = s;
     s->pool = dp_xstrdup(cs->pool->name);
-    s->primary = dp_xstrdup(cs->primary->name);
+    s->primary = dp_xstrdup(cs->primary);
     s->target = dp_xstrdup(target->name);
     s->candidate = cs->candidate ? dp_xstrdup(cs->candidate) : NULL;
     s->rentry = cs->rentry;
     s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
     s->kind = cs->kind;
-    memcpy(s->request_id, req->id, sizeof(s->request_id));
+    memcpy(s->request_id, pl->request_id, sizeof(s->request_id));
     s->ssse.max_output_bytes = t->max_out;
     dp_buf_t head = {0};
     dp_buf_printf(&head,
                   "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
                   "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
-                  target->url.path ? target->url.path : "", (int)req->path.len, req->path.base,
-                  target->url.hostport, cs->len, req->id,
+                  target->url.path ? target->url.path : "", (int)pl->path.len,
+                  pl->path.base ? pl->path.base : "", target->url.hostport, cs->len, pl->request_id,
                   cs->candidate ? "candidate" : drift_kind_name(cs->kind));
     if (cs->to_pool->cfg->api_key)
         dp_buf_printf(&head, "authorization: Bearer %s\r\n", cs->to_pool->cfg->api_key);
@@ -607,7 +650,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const net_req_
     dp_buf_append(&head, via, vl);
     dp_buf_append(&head, "\r\n", 2);
     uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
-                        uv_buf_init((char *)cs->body, (unsigned)cs->len)};
+                        uv_buf_init((char *)(cs->body ? cs->body : ""), (unsigned)cs->len)};
     s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
     dp_buf_free(&head);
     if (s->rentry)
@@ -628,112 +671,180 @@ static double uniform(void)
     return (double)(x >> 11) / 9007199254740992.0;
 }
 
-/* SPEC §9: at most one drift shadow per request, cross or self. */
-static void maybe_drift(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *primary,
-                        const cfg_tenant_t *t, const policy_result_t *res, const net_req_t *req,
-                        const char *body, size_t len)
+static void plan_free(plan_t *pl)
+{
+    free(pl->pool);
+    free(pl->primary);
+    free(pl->tenant);
+    for (size_t i = 0; i < pl->ncands; i++)
+        free(pl->cands[i]);
+    free(pl->cands);
+    dp_buf_free(&pl->model);
+    dp_buf_free(&pl->path);
+    dp_buf_free(&pl->body);
+    free(pl);
+}
+
+/* SPEC §9: at most one drift shadow per request, cross or self (drawn on the worker). */
+static void start_drift(px_t *px, px_pool_t *pool, const plan_t *pl)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     shadow_ctx_t *c = ctx(px);
-    double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
-    double self = sc->self_rate;
-    if (cross <= 0 && self <= 0)
-        return;
-    /* One draw picks at most one kind: cross with probability `cross`, self with `self`
-     * (scaled down together if they sum past 1). */
-    double u = uniform() * (cross + self > 1 ? cross + self : 1);
-    drift_kind_t kind;
-    if (u < cross)
-        kind = DRIFT_CROSS;
-    else if (u < cross + self)
-        kind = DRIFT_SELF;
-    else
-        return;
-    if (!res->comparable) {
-        count(pool->name, kind, "not_comparable");
-        return;
-    }
-    /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
-     * the pool (the primary's own, or one a client request may be sent to next). */
-    if (cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
-        count(pool->name, kind, "skipped");
-        return;
-    }
     if (c->inflight >= sc->max_inflight) {
-        count(pool->name, kind, "skipped");
+        count(pool->name, pl->kind, "skipped");
         return;
     }
-    px_replica_t *target = kind == DRIFT_SELF ? primary : copy_target(pool, primary, true);
+    px_replica_t *primary = replica_named(pool, pl->primary);
+    px_replica_t *target = pl->kind == DRIFT_SELF ? primary : copy_target(pool, primary, true);
     if (target == NULL || target->up == NULL) {
-        count(pool->name, kind, "skipped");
+        count(pool->name, pl->kind, "skipped");
         return;
     }
-    copy_spec_t cs = {pool, pool, primary, target, kind, NULL, NULL, body, len, NULL};
-    start_copy(px, tap_for(tapp, res, sc->max_output_bytes), &cs, req);
+    copy_spec_t cs = {pool, pool, pl->primary,   target,       pl->kind,
+                      NULL, NULL, pl->body.base, pl->body.len, NULL};
+    start_copy(px, pl->tap, &cs, pl);
 }
 
-static bool serves_model(const cfg_pool_t *p, dp_iovec_t m)
+static bool serves_model(const cfg_pool_t *p, const dp_buf_t *m)
 {
     for (size_t i = 0; i < p->nmodels; i++)
         if (strcmp(p->models[i], "*") == 0 ||
-            (strlen(p->models[i]) == m.len && memcmp(p->models[i], m.base, m.len) == 0))
+            (strlen(p->models[i]) == m->len && memcmp(p->models[i], m->base, m->len) == 0))
             return true;
     return false;
 }
 
-/* SPEC §14: each candidate of the pool, drawn apart with its own rate. The candidate gets the
- * baseline's post-policy body; when its pool does not list the request's model it gets its own
- * first model name instead (a vLLM server answers 404 for a name it does not serve). */
-static void maybe_candidates(px_t *px, void **tapp, px_pool_t *pool, px_replica_t *primary,
-                             const cfg_tenant_t *t, const policy_result_t *res,
-                             const net_req_t *req, const char *body, size_t len)
+/* SPEC §14: a candidate drawn for the request. It gets the baseline's post-policy body; when its
+ * pool does not list the request's model it gets its own first model name instead (a vLLM
+ * server answers 404 for a name it does not serve). */
+static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const char *cand)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
-    for (size_t i = 0; i < pool->cfg->ncandidates; i++) {
-        const cfg_candidate_t *cand = &pool->cfg->candidates[i];
-        if (cand->rate <= 0 || uniform() >= cand->rate)
-            continue;
-        if (!res->comparable) {
-            candidate_miss(px, pool->name, cand->pool, ROLLOUT_NOT_COMPARABLE,
-                           "neither temperature 0 nor a seed after policy");
-            continue;
-        }
-        rentry_t *e = rollout(px, pool->name, cand->pool);
-        if (e->inflight >= sc->max_inflight) {
-            candidate_miss(px, pool->name, cand->pool, ROLLOUT_SKIPPED,
-                           "shadow.max_inflight candidate copies already in flight");
-            continue;
-        }
-        px_pool_t *cp = &pool->gen->pools[cand->index]; /* pools follow the config's order */
-        px_replica_t *target = copy_target(cp, NULL, false);
-        if (target == NULL) {
-            char why[160];
-            snprintf(why, sizeof(why), "pool %s has no admitted replica", cp->name);
-            candidate_miss(px, pool->name, cand->pool, ROLLOUT_SKIPPED, why);
-            continue;
-        }
-        dp_buf_t renamed = {0};
-        copy_spec_t cs = {pool, cp,  primary, target, DRIFT_CROSS, cand->pool, t ? t->name : NULL,
-                          body, len, e};
-        if (cp->cfg->nmodels && !serves_model(cp->cfg, res->model) &&
-            policy_replace_model(body, len, cp->cfg->models[0], &renamed) == 0) {
-            cs.body = renamed.base;
-            cs.len = renamed.len;
-        }
-        start_copy(px, tap_for(tapp, res, sc->max_output_bytes), &cs, req);
-        dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
+    if (!pl->comparable) {
+        candidate_miss(px, pool->name, cand, ROLLOUT_NOT_COMPARABLE,
+                       "neither temperature 0 nor a seed after policy");
+        return;
     }
+    rentry_t *e = rollout(px, pool->name, cand);
+    if (e->inflight >= sc->max_inflight) {
+        candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED,
+                       "shadow.max_inflight candidate copies already in flight");
+        return;
+    }
+    px_pool_t *cp = live_pool(px, cand);
+    px_replica_t *target = cp ? copy_target(cp, NULL, false) : NULL;
+    if (target == NULL) {
+        char why[160];
+        snprintf(why, sizeof(why), "pool %s has no admitted replica", cand);
+        candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
+        return;
+    }
+    dp_buf_t renamed = {0};
+    copy_spec_t cs = {pool, cp,         pl->primary,   target,       DRIFT_CROSS,
+                      cand, pl->tenant, pl->body.base, pl->body.len, e};
+    if (cp->cfg->nmodels && !serves_model(cp->cfg, &pl->model) &&
+        policy_replace_model(pl->body.base ? pl->body.base : "", pl->body.len, cp->cfg->models[0],
+                             &renamed) == 0) {
+        cs.body = renamed.base;
+        cs.len = renamed.len;
+    }
+    start_copy(px, pl->tap, &cs, pl);
+    dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
 }
 
+/* On the control thread: carry out what the worker drew. */
+static void plan_posted(net_mb_node_t *n)
+{
+    plan_t *pl = (plan_t *)((char *)n - offsetof(plan_t, node));
+    px_t *px = pl->px;
+    px_pool_t *pool = atomic_load(&ctx(px)->stopped) ? NULL : live_pool(px, pl->pool);
+    if (pool) { /* NULL: shutting down, or a reload took the pool away meanwhile */
+        if (pl->drift)
+            start_drift(px, pool, pl);
+        for (size_t i = 0; i < pl->ncands; i++)
+            start_candidate(px, pool, pl, pl->cands[i]);
+    }
+    plan_free(pl);
+}
+
+/* On the worker: the draws (SPEC §9 drift shadow, §14 candidates), then one message. */
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
                       const policy_result_t *res, const net_req_t *req, const char *body,
                       size_t len)
 {
-    if (ctx(px)->stopped)
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL || atomic_load(&c->stopped))
         return NULL;
-    void *tap = NULL;
-    maybe_drift(px, &tap, pool, primary, t, res, req, body, len);
-    maybe_candidates(px, &tap, pool, primary, t, res, req, body, len);
+    const cfg_shadow_t *sc = &pool->gen->cfg->shadow;
+    double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
+    double self = sc->self_rate;
+    bool drift = false;
+    drift_kind_t kind = DRIFT_CROSS;
+    if (cross > 0 || self > 0) {
+        /* One draw picks at most one kind: cross with probability `cross`, self with `self`
+         * (scaled down together if they sum past 1). */
+        double u = uniform() * (cross + self > 1 ? cross + self : 1);
+        if (u < cross)
+            drift = true;
+        else if (u < cross + self)
+            drift = true, kind = DRIFT_SELF;
+    }
+    if (drift && !res->comparable) {
+        count(pool->name, kind, "not_comparable");
+        drift = false;
+    }
+    /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
+     * the pool (the primary's own, or one a client request may be sent to next). */
+    if (drift && cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        count(pool->name, kind, "skipped");
+        drift = false;
+    }
+    char **cands = NULL;
+    size_t ncands = 0;
+    for (size_t i = 0; i < pool->cfg->ncandidates; i++) {
+        const cfg_candidate_t *cand = &pool->cfg->candidates[i];
+        if (cand->rate <= 0 || uniform() >= cand->rate)
+            continue;
+        cands = dp_xrealloc(cands, (ncands + 1) * sizeof(*cands));
+        cands[ncands++] = dp_xstrdup(cand->pool);
+    }
+    if (!drift && ncands == 0)
+        return NULL;
+    plan_t *pl = dp_xcalloc(1, sizeof(*pl));
+    pl->px = px;
+    pl->pool = dp_xstrdup(pool->name);
+    pl->primary = dp_xstrdup(primary->name);
+    pl->tenant = t && t->name ? dp_xstrdup(t->name) : NULL;
+    pl->comparable = res->comparable;
+    pl->drift = drift;
+    pl->kind = kind;
+    pl->cands = cands;
+    pl->ncands = ncands;
+    memcpy(pl->request_id, req->id, sizeof(pl->request_id));
+    if (res->comparable) {
+        dp_buf_append(&pl->model, res->model.base ? res->model.base : "", res->model.len);
+        dp_buf_append(&pl->path, req->path.base, req->path.len);
+        dp_buf_append(&pl->body, body, len);
+        tap_t *tp = dp_xcalloc(1, sizeof(*tp));
+        tp->px = px;
+        tp->refs = 1; /* the request's, until px_shadow_primary_done */
+        tp->stream = res->stream;
+        tp->max_out = sc->max_output_bytes;
+        tp->sse.max_output_bytes = sc->max_output_bytes;
+        pl->tap = tp;
+    }
+    tap_t *tap = pl->tap;
+    if (!px_control_try_post(px, &pl->node, plan_posted)) {
+        /* The control thread is behind (counted as a dropped hand-off): no copy this time. */
+        if (drift)
+            count(pool->name, kind, "skipped");
+        for (size_t i = 0; i < ncands; i++)
+            count_candidate(pool->name, cands[i], "skipped");
+        if (tap)
+            tap_unref(tap);
+        plan_free(pl);
+        return NULL;
+    }
     return tap;
 }
 
@@ -803,7 +914,7 @@ void px_shadow_stop(px_t *px)
     shadow_ctx_t *c = px->shadow;
     if (c == NULL)
         return;
-    c->stopped = true;
+    atomic_store(&c->stopped, true);
     while (c->active) {
         shadow_t *s = c->active;
         active_remove(s);

@@ -17,6 +17,8 @@ void px_shadow_primary_bytes(void *s, const char *p, size_t n);
 /* The primary is over (status 499: the client left; anything but 200 discards the sample). */
 void px_shadow_primary_done(void *s, int status);
 
+/* Make the shadow state (at start, before the workers run). */
+void px_shadow_init(px_t *px);
 /* Forget a replica's drift evidence (it left the pool: DNS discovery). */
 void px_shadow_forget_replica(px_t *px, const char *pool, const char *replica);
 /* Shutdown: cancel shadow exchanges in flight (their samples are dropped). */

@@ -236,19 +236,22 @@ static void similarity_svg(dp_buf_t *b, const char *pool, const char *kind)
     const int W = 320, H = 120, top = 18, base = H - 22;
     size_t nb = s->nbounds;
     uint64_t max = 1;
-    for (size_t i = 0; i < nb; i++)
-        if (s->buckets[i] > max)
-            max = s->buckets[i];
+    uint64_t count = px_hist_count(s), buckets[PX_HIST_MAX_BUCKETS];
+    for (size_t i = 0; i < nb; i++) {
+        buckets[i] = px_hist_bucket(s, i);
+        if (buckets[i] > max)
+            max = buckets[i];
+    }
     dp_buf_printf(b,
                   "<svg class=\"hist\" data-kind=\"%s\" data-samples=\"%llu\" width=\"%d\" "
                   "height=\"%d\" viewBox=\"0 0 %d %d\" role=\"img\">"
                   "<title>%s similarity, %llu samples</title>"
                   "<text x=\"4\" y=\"13\" font-size=\"12\">%s: %llu samples</text>",
-                  kind, (unsigned long long)s->count, W, H, W, H, kind,
-                  (unsigned long long)s->count, kind, (unsigned long long)s->count);
+                  kind, (unsigned long long)count, W, H, W, H, kind, (unsigned long long)count,
+                  kind, (unsigned long long)count);
     double bw = (double)(W - 8) / (double)nb;
     for (size_t i = 0; i < nb; i++) {
-        double h = (double)(base - top) * (double)s->buckets[i] / (double)max;
+        double h = (double)(base - top) * (double)buckets[i] / (double)max;
         double x = 4 + bw * (double)i;
         dp_buf_printf(b,
                       "<rect class=\"bar\" data-le=\"%g\" data-count=\"%llu\" x=\"%.1f\" "
@@ -256,9 +259,9 @@ static void similarity_svg(dp_buf_t *b, const char *pool, const char *kind)
                       "similarity &#8804; %g: %llu</title></rect>"
                       "<text x=\"%.1f\" y=\"%d\" font-size=\"10\" text-anchor=\"middle\">%g"
                       "</text>",
-                      s->bounds[i], (unsigned long long)s->buckets[i], x + 1, base - h, bw - 2, h,
+                      s->bounds[i], (unsigned long long)buckets[i], x + 1, base - h, bw - 2, h,
                       s->bounds[i] >= 1.0 ? "#4a4" : "#c55", s->bounds[i],
-                      (unsigned long long)s->buckets[i], x + bw / 2, H - 8, s->bounds[i]);
+                      (unsigned long long)buckets[i], x + bw / 2, H - 8, s->bounds[i]);
     }
     dp_buf_appends(b, "</svg>");
 }

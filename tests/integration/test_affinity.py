@@ -12,12 +12,13 @@ ANY = {"tenants": [{"name": "t", "match": {"any": True}}]}
 MANIFEST = {"model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}}
 
 
-def setup(n=3, affinity=None, sim_flags=(), **kw):
+def setup(n=3, affinity=None, sim_flags=(), workers=0, **kw):
     sims = [start_sim("--model", MODEL, *sim_flags) for _ in range(n)]
     p = pool("p", [MODEL], sims, balance="affinity", **kw)
     if affinity is not None:
         p["affinity"] = affinity
-    px = start_proxy(pools=[p], policy=ANY, attestation={"interval_ms": 200, "timeout_ms": 500})
+    px = start_proxy(pools=[p], policy=ANY, attestation={"interval_ms": 200, "timeout_ms": 500},
+                     workers=workers)
     return sims, px
 
 
@@ -163,7 +164,8 @@ def test_a_retry_goes_to_the_next_replica_in_the_keys_order():
 def test_the_keepalive_race_stays_with_the_keys_replica():
     # A pooled connection the replica closed says nothing about the replica: the request goes
     # to it again on a fresh connection, not to another replica (which might answer otherwise).
-    sims, px = setup()
+    # Keep-alive pools are per worker: one worker, so the second request finds the first's.
+    sims, px = setup(workers=1)
     prompt = "keep-alive race"
     home = complete(px, prompt)[0]  # leaves a pooled connection to home
     home_sim = sims[int(home[1:]) - 1]

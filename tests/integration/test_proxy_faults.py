@@ -30,9 +30,16 @@ def request_bytes(obj, path="/v1/completions"):
 QUIET = {"interval_ms": 600000}
 
 
+# These tests follow one data plane's upstream keep-alive pool and round-robin order, which are
+# per worker (SPEC §3 `workers`): with several, the request that "reuses the pooled connection"
+# may land on a worker that has none. So they run one worker; test_workers.py covers several.
+ONE_WORKER = 1
+
+
 def setup(*sim_flags, limits=None, n=1, **poolkw):
     sims = [start_sim("--model", "m1", *sim_flags) for _ in range(n)]
-    px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)], limits=limits, attestation=QUIET)
+    px = start_proxy(pools=[pool("p", ["m1"], sims, **poolkw)], limits=limits, attestation=QUIET,
+                     workers=ONE_WORKER)
     wait_all_admitted(px)  # round robin order and retries on "the other" need every replica
     return sims, px
 
@@ -69,7 +76,7 @@ def start_scripted(script):
     px = start_proxy(pools=[{"name": "p", "models": ["m1"],
                              "replicas": [{"name": "r1",
                                            "url": "http://127.0.0.1:%d" % up.port}]}],
-                     attestation=QUIET)
+                     attestation=QUIET, workers=ONE_WORKER)
     return up, px
 
 
@@ -292,7 +299,10 @@ def test_refused_replica_is_retried_on_the_other():
         r = post_json(px.port, "/v1/completions", COMPLETION)
         assert r.status == 200, r
         assert r.headers["x-detproxy-replica"] == "r2"
-    assert upstream_errors(px, "r1", "connect") == 1  # then r1 is no longer picked
+    # Then r1 is no longer picked: the worker hands the failed connect to the control thread,
+    # which takes r1 out of rotation; a request routed in that hop may try r1 once more (and is
+    # retried on r2 like the first).
+    assert 1 <= upstream_errors(px, "r1", "connect") <= 2
     assert len(client_requests(sims[1])) == 4
     px.stop()
 

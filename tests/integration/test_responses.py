@@ -163,7 +163,9 @@ def test_shadows_compare_responses_streams_and_bodies():
     sims = [start_sim("--model", "m1", "--quantization", "awq") for _ in range(2)]
     sims.append(start_sim("--model", "m1", "--quantization", "gptq", "--report-quantization",
                           "awq"))
-    px = proxy(sims, shadow={"rate": 1.0, "self_rate": 0.0, "max_inflight": 8})
+    # Room for every copy: workers run ahead of the control thread that sends the copies, so
+    # on a loaded box more than a few are in flight at once (shadow.max_inflight skips them).
+    px = proxy(sims, shadow={"rate": 1.0, "self_rate": 0.0, "max_inflight": 64})
     n = 60
     for i in range(n):
         body = {"model": "m1", "input": "compare %d" % i, "max_output_tokens": 10,

@@ -871,14 +871,20 @@ def test_upstream_tls_files_are_reloaded():
     up.stop()
 
 
+# Each thread keeps its own TLS session cache (the control thread's probes, each worker's
+# requests: SPEC §3 `workers`): each one's first handshake is a full one.
+RESUME_WORKERS = 2
+
+
 def resumption_case(maximum):
     """Every request on a new TLS connection (the replica closes after each answer): all but the
-    first handshake should resume."""
+    first handshake of each thread should resume."""
     up = TlsUpstream(server_context(PKI.server, maximum=maximum),
                      script=lambda k, c: (ok_response(completion_json(), close=True), "close"),
                      close_each=True)
     p = https_pool("p", [MODEL], ["https://localhost:%d" % up.port])
-    px = start_proxy(pools=[p], attestation={"interval_ms": 60000, "timeout_ms": 2000})
+    px = start_proxy(pools=[p], attestation={"interval_ms": 60000, "timeout_ms": 2000},
+                     workers=RESUME_WORKERS)
     for _ in range(6):
         r = post_json(px.port, "/v1/completions", BODY)
         assert r.status == 200, r
@@ -893,14 +899,15 @@ def resumption_case(maximum):
 def test_session_resumption_to_replicas_tls13():
     resumed, hs = resumption_case(None)
     assert hs[0]["version"] == "TLSv1.3"
-    assert resumed[0] is False and all(resumed[2:]), resumed
+    # TLS 1.3 tickets arrive after the handshake: a thread's second connection may be full too.
+    assert resumed[0] is False and resumed.count(False) <= 1 + 2 * RESUME_WORKERS, resumed
     print("    TLS 1.3: %d of %d connections resumed" % (sum(resumed), len(resumed)))
 
 
 def test_session_resumption_to_replicas_tls12():
     resumed, hs = resumption_case(ssl.TLSVersion.TLSv1_2)
     assert hs[0]["version"] == "TLSv1.2"
-    assert resumed[0] is False and all(resumed[1:]), resumed
+    assert resumed[0] is False and resumed.count(False) <= 1 + RESUME_WORKERS, resumed
     print("    TLS 1.2: %d of %d connections resumed" % (sum(resumed), len(resumed)))
 
 
@@ -1117,9 +1124,11 @@ def test_stalled_handshakes_are_bounded_oldest_first():
         except OSError:
             return True
 
-    poll_until(lambda: sum(1 for s in socks[:-bound] if closed(s)) == len(socks) - bound,
-               what="all but the newest %d stalled handshakes closed" % bound)
-    assert not any(closed(s) for s in socks[-bound:])
+    # Each worker closes its own oldest (a share of the bound each, SPEC §3 `workers`): the
+    # survivors are the newest of each worker's, so among the newest few times the bound.
+    poll_until(lambda: sum(1 for s in socks if not closed(s)) == bound,
+               what="all but %d stalled handshakes closed" % bound)
+    assert not any(not closed(s) for s in socks[:-4 * bound])
     grew = rss_kb(px) - base
     print("    200 stalled handshakes, bound %d: RSS grew %d kB" % (bound, grew))
     assert grew < 4 * 1024 * SLOW, grew  # unbounded: ~9.4 MB here (47 KB each), more under ASan

@@ -147,6 +147,11 @@ static const bad_case_t bad_cases[] = {
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'p','rate':0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].pool", "its own candidate"},
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':0.1},{'pool':'q','rate':0.2}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[1].pool", "duplicate candidate (also candidates[0])"},
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q','rate':0.1}]},{'name':'q','models':['q'],'replicas':[" REPLICA "],'candidates':[{'pool':'p','rate':0.1}]}]}", "pools[1].candidates", "itself a candidate"},
+    /* workers */
+    {CFG(",'workers':65"), "workers", "must be between 0 and 64"},
+    {CFG(",'workers':-1"), "workers", "must be between 0 and 64"},
+    {CFG(",'workers':'2'"), "workers", "expected an integer"},
+    {CFG(",'workers':1.5"), "workers", "expected an integer"},
     /* limits */
     {CFG(",'limits':5"), "limits", "expected an object"},
     {CFG(",'limits':{'max_header':5}"), "limits.max_header", "did you mean \"max_headers\""},

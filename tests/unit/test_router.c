@@ -19,6 +19,7 @@ typedef struct {
     px_replica_t reps[MAXR];
     px_replica_t *ptrs[MAXR];
     char names[MAXR][24];
+    px_pool_slot_t slots[1]; /* the calling thread's (this test runs as the control thread) */
 } tpool_t;
 
 /* Stands in for a replica's upstream: the router only checks that there is one. */
@@ -42,6 +43,7 @@ static void tpool_init(tpool_t *t, cfg_balance_t balance, uint32_t max_inflight,
     t->pool.name = "p";
     t->pool.replicas = t->ptrs;
     t->pool.nreplicas = n;
+    t->pool.slots = t->slots;
     for (size_t i = 0; i < n; i++) {
         size_t k = reversed ? n - 1 - i : i;
         px_replica_t *r = &t->reps[i];
@@ -64,14 +66,23 @@ static px_replica_t *rep(tpool_t *t, const char *name)
     return NULL;
 }
 
-/* The picked replica's name ("-" for none) and *why. */
+/* The picked replica's name ("-" for none) and *why. A pick takes a slot on what it picks
+ * (px_replica_take_slot); it is given back here, so each call sees the loads the test set. */
 static const char *pick(tpool_t *t, const char *avoid, px_affinity_t *aff, int *why)
 {
     int w = -1;
     px_replica_t *r = px_router_pick(&t->pool, avoid ? rep(t, avoid) : NULL, aff, &w);
     if (why)
         *why = w;
+    if (r)
+        px_replica_put_slot(r);
     return r ? r->name : "-";
+}
+
+/* What a replica's reasons look like to the router (the text the control thread publishes). */
+static void set_reasons(px_replica_t *r, const char *joined)
+{
+    px_seqstr_set(&r->why, joined);
 }
 
 Test(router, round_robin_takes_each_replica_in_turn)
@@ -157,6 +168,11 @@ Test(router, max_inflight_full_pool_is_why_1_and_a_free_slot_is_taken)
     cr_assert_eq(why, 1, "all at their limit is why 1");
     set_inflight(rep(&t, "r2"), 1);
     cr_assert_str_eq(pick(&t, NULL, NULL, &why), "r2");
+    /* The pick itself takes the free slot (compare-and-swap: exact across workers). */
+    cr_assert_not_null(px_router_pick(&t.pool, NULL, NULL, &why));
+    cr_assert_eq(atomic_load(&rep(&t, "r2")->inflight), 2);
+    cr_assert_null(px_router_pick(&t.pool, NULL, NULL, &why));
+    cr_assert_eq(why, 1);
     /* max_inflight 1, the single-sequence path: one in flight means full. */
     tpool_init(&t, CFG_BALANCE_ROUND_ROBIN, 1, 1, false);
     set_inflight(rep(&t, "r1"), 1);
@@ -295,9 +311,7 @@ Test(router, why_unavailable_lists_every_replica_with_its_reasons)
     tpool_init(&t, CFG_BALANCE_ROUND_ROBIN, 0, 3, false);
     px_replica_t *r1 = rep(&t, "r1");
     r1->state = PX_REPLICA_REJECTED;
-    r1->reasons[0] = "model digest mismatch";
-    r1->reasons[1] = "bad signature";
-    r1->nreasons = 2;
+    set_reasons(r1, "model digest mismatch; bad signature");
     rep(&t, "r2")->drained = true;
     rep(&t, "r3")->state = PX_REPLICA_UNREACHABLE;
     dp_buf_t b = {0};
