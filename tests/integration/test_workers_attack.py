@@ -1,0 +1,110 @@
+"""`workers` under attack: admission across workers with keep-alive clients (a connection stays
+on the worker that accepted it), queued requests while a reload swaps the generation, and the
+fairness of one replica slot shared by several workers."""
+
+import json
+import os
+import threading
+import time
+from http.client import HTTPConnection
+
+from harness import *
+from proxyutil import *
+
+WORKERS = {} if os.environ.get("ATTACK_NO_WORKERS") else {"workers": 2}
+
+
+def keepalive_clients(px, clients, per_client, max_tokens=4, timeout=60):
+    """`clients` threads, each with one persistent connection sending `per_client` completions
+    one after another. Returns the statuses and the codes of the failures."""
+    statuses, codes, lock = [], [], threading.Lock()
+
+    def run(k):
+        c = HTTPConnection("127.0.0.1", px.port, timeout=timeout)
+        for i in range(per_client):
+            body = json.dumps({"model": "m1", "prompt": "ka%d-%d" % (k, i),
+                               "max_tokens": max_tokens, "temperature": 0})
+            c.request("POST", "/v1/completions", body=body,
+                      headers={"content-type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+            with lock:
+                statuses.append(r.status)
+                if r.status != 200:
+                    try:
+                        codes.append(json.loads(data)["error"]["code"])
+                    except Exception:
+                        codes.append(data[:80])
+        c.close()
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return statuses, codes
+
+
+def test_one_slot_is_shared_fairly_by_keepalive_clients_on_two_workers():
+    # One replica with one slot, 12 keep-alive clients spread over 2 workers, each request
+    # ~30 ms. The worker that holds the slot must not keep handing it to its own queue while
+    # the other worker's queued requests wait until queue_timeout (504): the whole run takes
+    # ~12*12*30 ms = 4.3 s of replica time, more than the 2.5 s queue timeout, so a worker
+    # whose queue is never served fails requests.
+    sim = start_sim("--model", "m1", "--token-delay-ms", "7")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
+                                 queue_limit=1000, queue_timeout_ms=2500)], **WORKERS)
+    statuses, codes = keepalive_clients(px, 12, 12)
+    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    st = sim_stats(sim)
+    px.stop()
+    assert not WORKERS or all(c > 0 for c in counts), counts  # both workers had clients
+    assert st["max_inflight_seen"] == 1, st
+    assert statuses == [200] * len(statuses), (sorted(set(statuses)), codes[:5], counts)
+
+
+def test_requests_queued_across_a_reload_are_not_stranded():
+    # N = 1. A long request holds the slot; requests queue behind it; a reload publishes a new
+    # generation; more requests arrive (and queue in the new generation's pool). When the
+    # long request ends, every queued request, old generation or new, must go on at once, not
+    # wait for queue_timeout.
+    sim = start_sim("--model", "m1", "--token-delay-ms", "100")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
+                                 queue_limit=100, queue_timeout_ms=8000)],
+                     **WORKERS)
+    out, lock = [], threading.Lock()
+
+    def one(i, max_tokens):
+        t0 = time.monotonic()
+        r = post_json(px.port, "/v1/completions",
+                      {"model": "m1", "prompt": "g%d" % i, "max_tokens": max_tokens,
+                       "temperature": 0}, timeout=30)
+        with lock:
+            out.append((i, r.status, time.monotonic() - t0))
+    long_t = threading.Thread(target=one, args=(0, 10))  # ~1 s
+    long_t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the long request in flight")
+    old = [threading.Thread(target=one, args=(i, 1)) for i in range(1, 3)]
+    for t in old:
+        t.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") >= 3, what="2 queued")
+    cfg = json.load(open(px.config_path))
+    cfg["limits"] = {"max_headers": 99}
+    write_config(cfg, os.path.dirname(px.config_path))
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    new = [threading.Thread(target=one, args=(i, 1)) for i in range(3, 7)]
+    for t in new:
+        t.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") >= 7, what="6 queued")
+    for t in [long_t] + old + new:
+        t.join()
+    st = sim_stats(sim)
+    px.stop()
+    assert sorted(s for _, s, _ in out) == [200] * 7, out
+    # 1 s for the long one, then 6 x ~0.1 s one after another: far below the 8 s timeout.
+    slow = [(i, round(d, 2)) for i, _, d in out if d > 5]
+    assert slow == [], (slow, out)
+    assert st["max_inflight_seen"] == 1, st
+
+
+if __name__ == "__main__":
+    run_tests(globals())
