@@ -115,6 +115,9 @@ typedef struct px_pool_slot_s {
      * heads' deadlines (px_proxy.c). */
     px_preq_t *q_head, *q_tail;
     uint32_t qlen;
+    /* The head's ticket + 1 (0: empty), read by the other workers: a slot goes to the oldest
+     * head across them, so one worker's queue cannot keep it while another's waits. */
+    _Atomic uint64_t head_ticket;
     struct px_pool_slot_s *active_next; /* on the worker's list of non-empty queues */
     bool active;
     /* detproxy_requests_total series by (tenant, status, code): looked up once, then a
@@ -138,6 +141,7 @@ struct px_pool_s {
     size_t cap;
     px_pool_slot_t *slots; /* px->nslots */
     atomic_uint waiting;   /* requests queued on every worker together */
+    _Atomic uint64_t tickets; /* queue order across the workers (px_pool_slot_t.head_ticket) */
     px_series_t *m_duration;
     px_series_t *m_affinity[PX_AFF__COUNT]; /* detproxy_affinity_total by result (affinity) */
 };
@@ -173,6 +177,9 @@ struct px_s {
     unsigned nworkers;
     unsigned nslots;      /* 1 + nworkers: per-thread arrays (px_slot()) */
     unsigned ndrained;    /* workers whose listener drained (shutdown) */
+    /* Requests queued for a slot, every pool of every generation on every worker: a slot a
+     * request of one generation frees may be the one a request of another waits for. */
+    atomic_uint queued;
     bool workers_joined;  /* their loops are the control thread's to finish */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t drain_timer;

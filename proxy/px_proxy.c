@@ -88,6 +88,7 @@ struct px_preq_s {
     net_header_t held_stack[32]; /* held_out when it fits */
     px_preq_t *qnext, *qprev;
     uint64_t qdeadline;
+    uint64_t qticket; /* its place in the pool's queue order across workers */
     int status;
     /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
      * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
@@ -105,6 +106,7 @@ struct px_preq_s {
 
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
+static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl);
 static void count_request(px_preq_t *q);
 
 /* Request contexts are recycled with their head buffer, so a steady stream of requests does
@@ -339,6 +341,12 @@ static void queue_arm(void)
     uv_timer_start(t, px_proxy_queue_timer_cb, first > now ? first - now : 0, 0);
 }
 
+static void publish_head(px_pool_slot_t *sl)
+{
+    atomic_store_explicit(&sl->head_ticket, sl->q_head ? sl->q_head->qticket + 1 : 0,
+                          memory_order_relaxed);
+}
+
 static void queue_remove(px_preq_t *q)
 {
     if (!q->queued)
@@ -356,7 +364,9 @@ static void queue_remove(px_preq_t *q)
     q->qnext = q->qprev = NULL;
     q->queued = false;
     sl->qlen--;
+    publish_head(sl);
     atomic_fetch_sub(&p->waiting, 1);
+    atomic_fetch_sub(&p->gen->px->queued, 1);
     if (sl->q_head == NULL) {
         deactivate(sl);
         queue_arm();
@@ -369,6 +379,7 @@ static void queue_push(px_preq_t *q)
     px_pool_slot_t *sl = qslot(p);
     q->queued = true;
     q->qdeadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
+    q->qticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
     q->qprev = sl->q_tail;
     q->qnext = NULL;
     if (sl->q_tail)
@@ -377,7 +388,10 @@ static void queue_push(px_preq_t *q)
         sl->q_head = q;
     sl->q_tail = q;
     sl->qlen++;
+    if (sl->q_head == q)
+        publish_head(sl);
     atomic_fetch_add(&p->waiting, 1); /* seq_cst: pairs with px_proxy_slot_freed's load */
+    atomic_fetch_add(&p->gen->px->queued, 1);
     if (!sl->active) {
         sl->active = true;
         sl->active_next = *px_worker_qactive();
@@ -405,33 +419,61 @@ void px_proxy_queue_timer_cb(uv_timer_t *t)
     queue_arm();
 }
 
-void px_proxy_slot_freed(px_pool_t *p)
+/* Does another worker have a request for p that queued before this worker's head? */
+static bool older_head_elsewhere(const px_pool_t *p, const px_pool_slot_t *sl)
 {
-    px_pool_slot_t *sl = qslot(p);
+    uint64_t mine = sl->q_head->qticket + 1;
+    for (unsigned i = 1; i < p->gen->px->nslots; i++) {
+        uint64_t t = atomic_load_explicit(&p->slots[i].head_ticket, memory_order_relaxed);
+        if (&p->slots[i] != sl && t != 0 && t < mine)
+            return true;
+    }
+    return false;
+}
+
+/* Hand free slots to this worker's queue of p, oldest first across the workers: when another
+ * worker's head queued earlier, it is woken to take the slot and this queue waits. True when
+ * the queue is empty at the end. */
+static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl)
+{
     while (sl->q_head) {
-        int why;
-        px_replica_t *r = px_router_pick(p, NULL, &sl->q_head->hooks.affinity, &why);
-        if (r == NULL) {
-            if (why == 0) {
-                /* Every replica left the admitted set while requests waited. */
-                px_preq_t *q = sl->q_head;
-                queue_remove(q);
-                fail_unavailable(q);
-                finish(q);
-                continue;
-            }
-            return;
+        if (older_head_elsewhere(p, sl)) {
+            px_workers_wake(p->gen->px);
+            return false;
         }
+        int why;
         px_preq_t *q = sl->q_head;
+        px_replica_t *r = px_router_pick(p, NULL, &q->hooks.affinity, &why);
+        if (r == NULL) {
+            if (why != 0)
+                return false;
+            /* Every replica left the admitted set while requests waited. */
+            queue_remove(q);
+            fail_unavailable(q);
+            finish(q);
+            continue;
+        }
         queue_remove(q);
         q->replica = r; /* the pick took its slot */
         dispatch(q);
     }
-    /* Nothing waits here for this pool, but maybe on another worker: let them look. With the
-     * release (a seq_cst decrement) and this seq_cst load against queue_push's increment and
-     * dispatch's re-pick, a waiter either sees the free slot or is seen here. */
-    if (atomic_load(&p->waiting) > 0)
-        px_workers_wake(p->gen->px);
+    return true;
+}
+
+void px_proxy_slot_freed(px_pool_t *p)
+{
+    px_t *px = p->gen->px;
+    if (!serve_queue(p, qslot(p)))
+        return;
+    /* Nothing waits here for this pool, but maybe on another worker, or for this pool's
+     * replicas under another generation (a reload while requests queue): let them look. With
+     * the release (a seq_cst decrement) and these seq_cst loads against queue_push's
+     * increments and dispatch's serve_queue, a waiter either sees the free slot or is seen. */
+    if (atomic_load(&p->waiting) > 0 || atomic_load(&px->queued) > 0) {
+        px_workers_wake(px);
+        if (px_worker_self() && *px_worker_qactive())
+            px_proxy_dispatch_waiting(); /* this worker's queues of other generations */
+    }
 }
 
 void px_proxy_dispatch_waiting(void)
@@ -444,20 +486,15 @@ void px_proxy_dispatch_waiting(void)
     /* A pool's queued requests hold its generation: each pointer stays valid while it has
      * waiters, and a pool whose queue emptied is only looked at (nothing to dispatch). */
     for (size_t i = 0; i < n; i++) {
-        px_pool_slot_t *sl = qslot(pools[i]);
-        if (!sl->active)
-            continue;
         px_pool_t *p = pools[i];
-        while (sl->q_head) {
-            int why;
-            px_replica_t *r = px_router_pick(p, NULL, &sl->q_head->hooks.affinity, &why);
-            if (r == NULL)
-                break;
-            px_preq_t *q = sl->q_head;
-            queue_remove(q);
-            q->replica = r;
-            dispatch(q);
-        }
+        if (!qslot(p)->active)
+            continue;
+        /* The last waiter may fail and drop the generation's last reference: keep it. */
+        px_gen_t *g = p->gen;
+        px_gen_ref(g);
+        if (serve_queue(p, qslot(p)) && atomic_load(&p->waiting) > 0)
+            px_workers_wake(g->px); /* the wake-up was for a queue that emptied: pass it on */
+        px_gen_unref(g);
     }
 }
 
@@ -613,14 +650,9 @@ static void dispatch(px_preq_t *q)
     if (q->stream_body)
         net_req_pause_body(q->req);
     queue_push(q);
-    /* A slot freed on another worker between the pick and the push: take it now. */
-    r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
-    if (r) {
-        queue_remove(q);
-        if (q->stream_body)
-            net_req_resume_body(q->req);
-        start_on(q, r);
-    }
+    /* A slot freed on another worker between the pick and the push: hand it out now, to this
+     * queue's oldest or (woken) to an older waiter on another worker. q may be gone after. */
+    serve_queue(q->pool, qslot(q->pool));
 }
 
 /* ---- upstream callbacks ------------------------------------------------------------------- */
