@@ -4,6 +4,8 @@ fairness of one replica slot shared by several workers."""
 
 import json
 import os
+import socket
+import tempfile
 import threading
 import time
 from http.client import HTTPConnection
@@ -104,6 +106,90 @@ def test_requests_queued_across_a_reload_are_not_stranded():
     slow = [(i, round(d, 2)) for i, _, d in out if d > 5]
     assert slow == [], (slow, out)
     assert st["max_inflight_seen"] == 1, st
+
+
+def test_a_tenant_rate_limit_is_one_bucket_across_workers():
+    # burst 3, refilling every 20 s: of 24 requests spread over 2 workers (one connection
+    # each), exactly 3 pass, not 3 per worker.
+    sim = start_sim("--model", "m1")
+    policy = {"tenants": [{"name": "lim", "match": {"any": True},
+                           "rate_limit": {"requests_per_second": 0.05, "burst": 3}}]}
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=policy, **WORKERS)
+    out, lock = [], threading.Lock()
+
+    def one(i):
+        r = post_json(px.port, "/v1/completions",
+                      {"model": "m1", "prompt": "rl%d" % i, "max_tokens": 1})
+        with lock:
+            out.append(r.status)
+    in_parallel(24, one, workers=8)
+    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    px.stop()
+    assert not WORKERS or all(c > 0 for c in counts), counts
+    assert sorted(out) == [200] * 3 + [429] * 21, sorted(out)
+
+
+def test_clients_that_leave_while_queued_free_nothing_twice():
+    # N = 1: a long request holds the slot; 10 more queue (on both workers) and their clients
+    # hang up. The slot comes back once; later requests are served at once, one at a time.
+    sim = start_sim("--model", "m1", "--token-delay-ms", "60")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
+                                 queue_limit=100, queue_timeout_ms=10000)], **WORKERS)
+    long_t = threading.Thread(target=lambda: post_json(
+        px.port, "/v1/completions", {"model": "m1", "prompt": "hold", "max_tokens": 12}))
+    long_t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the long request in flight")
+    body = json.dumps({"model": "m1", "prompt": "gone", "max_tokens": 1}).encode()
+    socks = []
+    for i in range(10):
+        s = socket.create_connection(("127.0.0.1", px.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                  b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        socks.append(s)
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") >= 11, what="10 queued")
+    for s in socks:
+        s.close()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") <= 1, what="the queued gone")
+    long_t.join()
+    out = []
+    t0 = time.monotonic()
+    in_parallel(8, lambda i: out.append(post_json(
+        px.port, "/v1/completions", {"model": "m1", "prompt": "after%d" % i,
+                                     "max_tokens": 1}).status), workers=8)
+    took = time.monotonic() - t0
+    st = sim_stats(sim)
+    px.stop()
+    assert out == [200] * 8, out
+    assert took < 5, took
+    assert st["max_inflight_seen"] == 1, st
+    assert st["requests"] == 9, st  # the hung-up ones never reached the replica
+
+
+def test_an_audited_response_ends_after_its_line_on_every_worker():
+    # Audited tenant, 40 requests from 8 threads over 2 workers: when a client has its whole
+    # response, the audit line with its request id is already in the file.
+    sim = start_sim("--model", "m1")
+    d = tempfile.mkdtemp(prefix="detproxy-wattack-")
+    audit = os.path.join(d, "audit.jsonl")
+    policy = {"tenants": [{"name": "a", "match": {"any": True}, "audit": True}]}
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=policy,
+                     log={"level": "info", "audit_path": audit}, directory=d, **WORKERS)
+    missing, lock = [], threading.Lock()
+
+    def one(i):
+        r = post_json(px.port, "/v1/completions",
+                      {"model": "m1", "prompt": "au%d" % i, "max_tokens": 2})
+        rid = r.headers.get("x-detproxy-request-id")
+        with open(audit) as f:
+            ids = set(json.loads(l).get("request_id") for l in f if l.strip())
+        with lock:
+            if r.status != 200 or rid not in ids:
+                missing.append((i, r.status, rid))
+    in_parallel(40, one, workers=8)
+    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    px.stop()
+    assert not WORKERS or all(c > 0 for c in counts), counts
+    assert missing == [], missing
 
 
 if __name__ == "__main__":
