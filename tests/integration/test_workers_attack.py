@@ -192,5 +192,53 @@ def test_an_audited_response_ends_after_its_line_on_every_worker():
     assert missing == [], missing
 
 
+
+
+def test_a_swapped_replica_gets_no_request_after_its_first_mismatching_response():
+    # Two pinned llama.cpp replicas with one slot each, a queue in front, load from 8 threads
+    # on both workers. r1 is swapped for another build: the worker that sees the first
+    # mismatching response must stop sending to r1 at once (single-threaded detproxy took it
+    # out of service in the same call); waiting for the control thread lets the next queued
+    # request go to the swapped engine.
+    fp = "b11669-Debian"
+    sims = [start_sim("--flavor", "llamacpp", "--model", "tiny", "--framework-version", fp,
+                      "--quantization", "F16", "--token-delay-ms", "3") for _ in range(2)]
+    p = pool("p", ["tiny"], sims, manifest={"model": "tiny", "engine_fingerprint": fp},
+             balance="round_robin", max_inflight_per_replica=1, queue_limit=1000,
+             queue_timeout_ms=20000)
+    for r in p["replicas"]:
+        r["attest"] = {"source": "llamacpp"}
+    px = start_proxy(pools=[p], attestation={"interval_ms": 60000, "timeout_ms": 2000},
+                     **WORKERS)
+    poll_until(lambda: all(r["state"] == "admitted" for r in
+                           get_json(px.admin_port, "/admin/replicas")["replicas"]),
+               what="both admitted")
+    stop = threading.Event()
+
+    def run(k):
+        i = 0
+        while not stop.is_set():
+            post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": "s%d-%d" % (k, i),
+                                                   "max_tokens": 2, "temperature": 0})
+            i += 1
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    poll_until(lambda: sim_stats(sims[0])["requests"] > 30, what="r1 under load")
+    sim_config(sims[0], framework_version="b12000-Debian")
+    poll_until(lambda: metric(px, "detproxy_fingerprint_mismatch_total", replica="r1") >= 1,
+               what="the first mismatch")
+    after = sim_stats(sims[1])["requests"]
+    poll_until(lambda: sim_stats(sims[1])["requests"] > after + 100, timeout=20,
+               what="load goes on on r2")
+    stop.set()
+    for t in ts:
+        t.join()
+    n = metric(px, "detproxy_fingerprint_mismatch_total", replica="r1")
+    px.stop()
+    # r1 had one slot: the one request in flight at the swap is the only mismatching answer.
+    assert n == 1, n
+
+
 if __name__ == "__main__":
     run_tests(globals())
