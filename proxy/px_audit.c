@@ -440,14 +440,9 @@ void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t
     }
     m->cb = cb;
     m->data = data;
-    /* Never wait for the writer: a line it cannot take now is a failed write (counted). */
-    if (!px_control_try_post(px, &m->node, write_posted)) {
-        px_metric_add(px_metrics_get("detproxy_audit_write_errors_total", NULL), 1);
-        dp_log_msg(DP_LOG_ERROR, "audit_write_failed", "the audit writer's queue is full");
-        audit_msg_free(m);
-        if (cb)
-            cb(data, UV_ENOBUFS);
-    }
+    /* Always delivered (never dropped like a shadow sample): an audit line is evidence, and
+     * the lines waiting are bounded by the requests in flight (one each, max_connections). */
+    px_control_post(px, &m->node, write_posted);
 }
 
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data)
