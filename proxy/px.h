@@ -104,6 +104,10 @@ struct px_replica_s {
      * the attestation state, until /enable. Lives on the replica, so it survives reloads that
      * keep the replica's definition. */
     atomic_bool drained;
+    /* Set by a worker that saw the replica fail a connection or answer with another engine
+     * fingerprint, until the control thread has handled that (a mailbox hop later): no worker
+     * picks it meanwhile, as the single-threaded proxy changed its state in the same call. */
+    atomic_bool suspect;
     px_series_t *m_drained;              /* detproxy_replica_drained */
     px_replica_t *live_prev, *live_next; /* every replica alive (px_gen.c) */
 };

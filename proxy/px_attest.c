@@ -489,6 +489,7 @@ static void connection_failed_posted(net_mb_node_t *n)
 {
     att_msg_t *m = (att_msg_t *)n;
     connection_failed_here(m->px, m->r, m->deadmit);
+    atomic_store_explicit(&m->r->suspect, false, memory_order_release); /* its state says now */
     att_msg_free(m);
 }
 
@@ -500,8 +501,12 @@ void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
     }
     att_msg_t *m = att_msg(px, r);
     m->deadmit = deadmit;
-    if (!px_control_try_post(px, &m->node, connection_failed_posted))
+    if (deadmit)
+        atomic_store_explicit(&r->suspect, true, memory_order_release);
+    if (!px_control_try_post(px, &m->node, connection_failed_posted)) {
+        atomic_store_explicit(&r->suspect, false, memory_order_release);
         att_msg_free(m); /* the next failure asks again */
+    }
 }
 
 static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
@@ -522,6 +527,7 @@ static void mismatch_posted(net_mb_node_t *n)
 {
     att_msg_t *m = (att_msg_t *)n;
     mismatch_here(m->px, m->r, m->seen);
+    atomic_store_explicit(&m->r->suspect, false, memory_order_release); /* its state says now */
     att_msg_free(m);
 }
 
@@ -543,9 +549,12 @@ bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
     }
     att_msg_t *m = att_msg(px, r);
     snprintf(m->seen, sizeof(m->seen), "%s", seen);
+    atomic_store_explicit(&r->suspect, true, memory_order_release);
     /* Dropped when the control thread is far behind: the next such response asks again. */
-    if (!px_control_try_post(px, &m->node, mismatch_posted))
+    if (!px_control_try_post(px, &m->node, mismatch_posted)) {
+        atomic_store_explicit(&r->suspect, false, memory_order_release);
         att_msg_free(m);
+    }
     return true;
 }
 

@@ -50,7 +50,8 @@ void px_replica_put_slot(px_replica_t *r)
 bool px_replica_serving(const px_replica_t *r)
 {
     return px_replica_state(r) == PX_REPLICA_ADMITTED && r->up &&
-           !atomic_load_explicit(&r->drained, memory_order_acquire);
+           !atomic_load_explicit(&r->drained, memory_order_acquire) &&
+           !atomic_load_explicit(&r->suspect, memory_order_acquire);
 }
 
 bool px_pool_has_admitted(const px_pool_t *p)
@@ -150,8 +151,9 @@ void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
     dp_buf_printf(out, "pool %s has no admitted replica:", p->name);
     for (size_t i = 0; i < p->nreplicas; i++) {
         const px_replica_t *r = p->replicas[i];
-        dp_buf_printf(out, " %s %s%s", r->name, px_replica_state_names[px_replica_state(r)],
-                      atomic_load(&r->drained) ? " drained" : "");
+        dp_buf_printf(out, " %s %s%s%s", r->name, px_replica_state_names[px_replica_state(r)],
+                      atomic_load(&r->drained) ? " drained" : "",
+                      atomic_load(&r->suspect) ? " (suspect: a worker just saw it fail; re-checking)" : "");
         char why[PX_WHY_BYTES];
         px_seqstr_get(&r->why, why); /* any thread: the control one owns r->reasons */
         if (why[0])
