@@ -9,63 +9,28 @@ Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SK
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
 
-from harness import (DETPROXY_BIN, SOURCE_DIR, free_port, get_json, poll_until,  # noqa: E402
+from harness import (DETPROXY_BIN, get_json, poll_until,  # noqa: E402
                      post_json, run_cmd, run_tests)
 from proxyutil import metric, start_proxy  # noqa: E402
+from realutil import require_engine, servers, stop_servers  # noqa: E402
 
-SCRIPT = os.environ.get("DETPROXY_REAL_ENGINE") or os.path.join(SOURCE_DIR, "scripts",
-                                                                "real-engine.sh")
 TMP = tempfile.mkdtemp(prefix="detproxy-real-rollout-")
 MODEL = "tiny"
 N = 40          # comparable requests: each gets one drift shadow and a copy per candidate
 TOKENS = 32     # F16 and Q8_0 part within 16 tokens on every prompt measured
 
-
-def engine(*args, check=True):
-    r = subprocess.run([SCRIPT] + list(args), capture_output=True, text=True, timeout=600)
-    if check and r.returncode != 0:
-        raise AssertionError("real-engine.sh %s: rc %d\n%s" % (" ".join(args), r.returncode,
-                                                              r.stderr[-2000:]))
-    return r
-
-
-def skip(why):
-    print("SKIPPED: " + why, flush=True)
-    sys.exit(77)
-
-
-if not os.access(SCRIPT, os.X_OK):
-    skip("no %s (real llama.cpp engine script)" % SCRIPT)
-_setup = engine("setup", check=False)
-if _setup.returncode == 77:
-    skip("the Debian archive cannot be reached to build the llama.cpp chroot")
-assert _setup.returncode == 0, _setup.stderr
-
-_started = []
+require_engine()
 
 
 def server(model):
-    name = "roll-%d-%d" % (os.getpid(), len(_started))
-    port = free_port()
-    _started.append(name)
-    for _ in range(3):  # start may misreport a live server as exited: try again
-        engine("stop", name)
-        if engine("start", name, str(port), model, check=False).returncode == 0:
-            return port
-    raise AssertionError("cannot start llama-server %s (%s)" % (name, model))
-
-
-def stop_all():
-    if _started:
-        engine("stop", *_started, check=False)
-        del _started[:]
+    """One llama-server of `model` (f16, q8_0); its port."""
+    return int(servers("roll", [[]], model=model)[0].rsplit(":", 1)[1])
 
 
 def replica(name, port):
@@ -126,11 +91,11 @@ def test_same_file_is_equivalent_and_q8_0_diverges():
               flush=True)
     finally:
         px.stop()
-        stop_all()
+        stop_servers()
 
 
 if __name__ == "__main__":
     try:
         run_tests(globals())
     finally:
-        stop_all()
+        stop_servers()
