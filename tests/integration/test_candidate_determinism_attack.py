@@ -1,0 +1,68 @@
+"""Attack (issue 14): a candidate pool whose manifest is single_sequence. Candidate copies are
+sent by the control thread outside the pool's admission, so they must still obey SPEC §16 on
+the candidate's replicas: one sequence in flight per replica, and `cache_prompt: false` on a
+llama.cpp pool (the copy's body was shaped by the baseline's policy, not the candidate's)."""
+
+import json
+import threading
+
+from harness import get_json, poll_until, post_json, run_tests, start_sim
+from proxyutil import metric, pool, sim_stats, start_proxy
+
+MODEL = "m1"
+
+
+def concurrent(px, n, **extra):
+    out = []
+
+    def one(i):
+        body = {"model": MODEL, "prompt": "attack %d" % i, "max_tokens": 5, "temperature": 0}
+        body.update(extra)
+        out.append(post_json(px.port, "/v1/completions", body))
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def proxy(base, cand, framework=None):
+    man = {"determinism": {"mode": "single_sequence"}}
+    if framework:
+        man.update(model=MODEL, framework={"name": framework})
+    return start_proxy(
+        pools=[pool("p", [MODEL], base, candidates=[{"pool": "next", "rate": 1.0}]),
+               pool("next", [MODEL], cand, manifest=man)],
+        shadow={"rate": 0.0, "self_rate": 0.0, "max_inflight": 8, "max_output_bytes": 65536},
+        attestation={"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False})
+
+
+def test_single_sequence_candidate_never_has_two_copies_at_a_replica():
+    base = [start_sim("--model", MODEL) for _ in range(2)]
+    cand = start_sim("--model", MODEL, "--token-delay-ms", "30")
+    px = proxy(base, [cand])
+    res = concurrent(px, 8)
+    assert all(r.status == 200 for r in res), [r.status for r in res]
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 8,
+               what="8 candidate copies ended")
+    assert sim_stats(cand)["max_inflight_seen"] == 1, sim_stats(cand)
+    px.stop()
+
+
+def test_single_sequence_llamacpp_candidate_gets_cache_prompt_false():
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL, "--flavor", "llamacpp")
+    px = proxy(base, [cand], framework="llamacpp")
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3,
+                                               "temperature": 0, "cache_prompt": True})
+    assert r.status == 200, r
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 1,
+               what="the candidate copy ended")
+    body = json.loads(get_json(cand.port, "/_sim/last_request")["body"])
+    assert body.get("cache_prompt") is False, body
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
