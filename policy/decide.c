@@ -42,22 +42,51 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
     return 0;
 }
 
-int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out)
+/* body with its top-level `key` given the raw JSON `value`, every other byte kept; when body
+ * has no such key, inserted first if `insert`, else -1 (out untouched). */
+static int set_member(const char *body, size_t len, const char *key, const char *value, size_t vlen,
+                      bool insert, dp_buf_t *out)
 {
     jdoc_t d;
     jdoc_init(&d);
     int rc = -1;
-    uint32_t tok;
-    if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0 &&
-        (tok = jdoc_get(&d, 0, "model")) != JDOC_NONE) {
-        const jtok_t *t = &d.toks[tok];
-        dp_buf_append(out, body, t->start);
-        dp_buf_appendc(out, '"');
-        dp_json_escape(out, model, strlen(model));
-        dp_buf_appendc(out, '"');
-        dp_buf_append(out, body + t->start + t->len, len - t->start - t->len);
-        rc = 0;
+    if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0) {
+        uint32_t tok = jdoc_get(&d, 0, key);
+        if (tok != JDOC_NONE) {
+            const jtok_t *t = &d.toks[tok];
+            dp_buf_append(out, body, t->start);
+            dp_buf_append(out, value, vlen);
+            dp_buf_append(out, body + t->start + t->len, len - t->start - t->len);
+            rc = 0;
+        } else if (insert) {
+            const jtok_t *o = &d.toks[0];
+            dp_buf_append(out, body, o->start + 1);
+            dp_buf_appendc(out, '"');
+            dp_json_escape(out, key, strlen(key));
+            dp_buf_append(out, "\":", 2);
+            dp_buf_append(out, value, vlen);
+            if (o->aux > 0)
+                dp_buf_appendc(out, ',');
+            dp_buf_append(out, body + o->start + 1, len - o->start - 1);
+            rc = 0;
+        }
     }
     jdoc_free(&d);
     return rc;
+}
+
+int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out)
+{
+    dp_buf_t v = {0};
+    dp_buf_appendc(&v, '"');
+    dp_json_escape(&v, model, strlen(model));
+    dp_buf_appendc(&v, '"');
+    int rc = set_member(body, len, "model", v.base, v.len, false, out);
+    dp_buf_free(&v);
+    return rc;
+}
+
+int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out)
+{
+    return set_member(body, len, "cache_prompt", "false", 5, true, out);
 }

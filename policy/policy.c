@@ -1132,6 +1132,12 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     return apply(r, t, framework, false, out, err);
 }
 
+bool policy_pool_no_cache_prompt(const cfg_pool_t *pool)
+{
+    return cfg_pool_determinism(pool) == CFG_DETERMINISM_SINGLE_SEQUENCE &&
+           fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) == FW_LLAMACPP;
+}
+
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
                       policy_result_t *out, policy_error_t *err)
 {

@@ -196,6 +196,11 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
  * other byte kept as it was, appended to out: what a candidate pool serving another model name
  * receives (SPEC §14). 0, or -1 (out untouched) when body is not an object with a `model`. */
 int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out);
+/* Does this pool turn llama.cpp's prompt cache off on every request (a single_sequence pool of
+ * llama.cpp, SPEC §16)? Then body with `cache_prompt: false` (replaced, or inserted first),
+ * appended to out: what a candidate copy to such a pool carries. -1 when body is not an object. */
+bool policy_pool_no_cache_prompt(const cfg_pool_t *pool);
+int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 

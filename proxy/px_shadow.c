@@ -104,6 +104,7 @@ struct shadow_s {
     rentry_t *rentry; /* the candidate's entry (its in-flight count) */
     char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
     drift_kind_t kind;
+    bool holds_slot; /* a slot of target_r, until the exchange ends (single_sequence) */
     char request_id[24];
     /* shadow capture */
     net_creq_t *c;
@@ -253,8 +254,21 @@ static void tap_unref(tap_t *t)
     free(t);
 }
 
+/* The exchange ended: a client request queued for the replica's slot may go now (every
+ * queue lives on a worker). */
+static void release_slot(shadow_t *s)
+{
+    if (!s->holds_slot)
+        return;
+    s->holds_slot = false;
+    px_replica_put_slot(s->target_r);
+    if (atomic_load(&s->px->queued) > 0)
+        px_workers_wake(s->px);
+}
+
 static void shadow_free(shadow_t *s)
 {
+    release_slot(s);
     drift_sse_free(&s->ssse);
     dp_buf_free(&s->sbody);
     drift_output_free(&s->b);
@@ -516,6 +530,7 @@ static void active_remove(shadow_t *s)
         s->next->prev = s->prev;
     s->prev = s->next = NULL;
     (*inflight)--;
+    release_slot(s);
 }
 
 static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
@@ -559,7 +574,10 @@ const size_t px_shadow_similarity_nbounds =
 /* A replica to send a copy to, rotating for coverage: for a drift shadow another replica of the
  * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
  * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
-static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined)
+/* take_slot: the copy holds one of r's slots under the pool's max_inflight_per_replica while
+ * it runs (a single_sequence candidate: one sequence in flight per replica, SPEC §16). */
+static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined,
+                                 bool take_slot)
 {
     static uint32_t rr; /* control thread only */
     size_t n = p->nreplicas;
@@ -568,7 +586,8 @@ static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool
         if (r == primary || r->up == NULL || atomic_load(&r->drained))
             continue;
         px_replica_state_t st = px_replica_state(r);
-        if (st == PX_REPLICA_ADMITTED || (quarantined && st == PX_REPLICA_QUARANTINED)) {
+        if ((st == PX_REPLICA_ADMITTED || (quarantined && st == PX_REPLICA_QUARANTINED)) &&
+            (!take_slot || px_replica_take_slot(p, r))) {
             rr += (uint32_t)k + 1;
             return r;
         }
@@ -605,6 +624,7 @@ typedef struct {
     const char *body;
     size_t len;
     rentry_t *rentry; /* candidates only */
+    bool holds_slot;  /* target's slot was taken for the copy (copy_target take_slot) */
 } copy_spec_t;
 
 /* On the control thread. */
@@ -634,6 +654,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     s->rentry = cs->rentry;
     s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
     s->kind = cs->kind;
+    s->holds_slot = cs->holds_slot;
     memcpy(s->request_id, pl->request_id, sizeof(s->request_id));
     s->ssse.max_output_bytes = t->max_out;
     dp_buf_t head = {0};
@@ -695,13 +716,14 @@ static void start_drift(px_t *px, px_pool_t *pool, const plan_t *pl)
         return;
     }
     px_replica_t *primary = replica_named(pool, pl->primary);
-    px_replica_t *target = pl->kind == DRIFT_SELF ? primary : copy_target(pool, primary, true);
+    px_replica_t *target =
+        pl->kind == DRIFT_SELF ? primary : copy_target(pool, primary, true, false);
     if (target == NULL || target->up == NULL) {
         count(pool->name, pl->kind, "skipped");
         return;
     }
-    copy_spec_t cs = {pool, pool, pl->primary,   target,       pl->kind,
-                      NULL, NULL, pl->body.base, pl->body.len, NULL};
+    copy_spec_t cs = {pool, pool,          pl->primary,  target, pl->kind, NULL,
+                      NULL, pl->body.base, pl->body.len, NULL,   false};
     start_copy(px, pl->tap, &cs, pl);
 }
 
@@ -732,24 +754,35 @@ static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const c
         return;
     }
     px_pool_t *cp = live_pool(px, cand);
-    px_replica_t *target = cp ? copy_target(cp, NULL, false) : NULL;
+    bool single = cp && cfg_pool_determinism(cp->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE;
+    px_replica_t *target = cp ? copy_target(cp, NULL, false, single) : NULL;
     if (target == NULL) {
         char why[160];
-        snprintf(why, sizeof(why), "pool %s has no admitted replica", cand);
+        snprintf(why, sizeof(why),
+                 single ? "pool %s (single_sequence) has no admitted replica with a free slot"
+                        : "pool %s has no admitted replica",
+                 cand);
         candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
         return;
     }
-    dp_buf_t renamed = {0};
-    copy_spec_t cs = {pool, cp,         pl->primary,   target,       DRIFT_CROSS,
-                      cand, pl->tenant, pl->body.base, pl->body.len, e};
+    dp_buf_t renamed = {0}, nocache = {0};
+    copy_spec_t cs = {pool,         cp,   pl->primary, target,
+                      DRIFT_CROSS,  cand, pl->tenant,  pl->body.base,
+                      pl->body.len, e,    single};
     if (cp->cfg->nmodels && !serves_model(cp->cfg, &pl->model) &&
-        policy_replace_model(pl->body.base ? pl->body.base : "", pl->body.len, cp->cfg->models[0],
-                             &renamed) == 0) {
+        policy_replace_model(cs.body ? cs.body : "", cs.len, cp->cfg->models[0], &renamed) == 0) {
         cs.body = renamed.base;
         cs.len = renamed.len;
     }
+    /* The body was shaped by the baseline's policy: the candidate's own N8 rule still holds. */
+    if (policy_pool_no_cache_prompt(cp->cfg) &&
+        policy_force_cache_prompt_off(cs.body ? cs.body : "", cs.len, &nocache) == 0) {
+        cs.body = nocache.base;
+        cs.len = nocache.len;
+    }
     start_copy(px, pl->tap, &cs, pl);
     dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
+    dp_buf_free(&nocache);
 }
 
 /* On the control thread: carry out what the worker drew. */
