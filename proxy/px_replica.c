@@ -37,14 +37,17 @@ void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
 char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d)
 {
     dp_buf_t k = {0};
-    dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s", p->name, d->name,
+    /* determinism.mode is not in the manifest fingerprint (SPEC §4), but a replica admitted
+     * under another mode has not attested this one (SPEC §16). */
+    dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s\n%d", p->name, d->name,
                   d->url.tls ? "https" : "http", d->url.host, d->url.port, d->url.path,
                   d->server_name ? d->server_name : "", (int)d->attest.source,
                   d->attest.url.tls ? "https" : "http",
                   d->attest.url.host ? d->attest.url.host : "", d->attest.url.port,
                   d->attest.url.path ? d->attest.url.path : "",
                   p->manifest ? p->manifest->fingerprint : "",
-                  p->upstream_tls && p->upstream_tls->ca_file ? p->upstream_tls->ca_file : "");
+                  p->upstream_tls && p->upstream_tls->ca_file ? p->upstream_tls->ca_file : "",
+                  (int)cfg_pool_determinism(p));
     return dp_buf_steal(&k);
 }
 
@@ -303,4 +306,3 @@ px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_
 {
     return px_replica_create(px, p->gen->cfg, p->cfg, def, px_replica_key(p->cfg, def));
 }
-
