@@ -27,7 +27,7 @@ def concurrent(px, n, **extra):
     return out
 
 
-def proxy(base, cand, framework=None):
+def proxy(base, cand, framework=None, policy=None):
     man = {"determinism": {"mode": "single_sequence"}}
     if framework:
         man.update(model=MODEL, framework={"name": framework})
@@ -35,6 +35,7 @@ def proxy(base, cand, framework=None):
         pools=[pool("p", [MODEL], base, candidates=[{"pool": "next", "rate": 1.0}]),
                pool("next", [MODEL], cand, manifest=man)],
         shadow={"rate": 0.0, "self_rate": 0.0, "max_inflight": 8, "max_output_bytes": 65536},
+        **({"policy": policy} if policy else {}),
         attestation={"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False})
 
 
@@ -61,6 +62,33 @@ def test_single_sequence_llamacpp_candidate_gets_cache_prompt_false():
                what="the candidate copy ended")
     body = json.loads(get_json(cand.port, "/_sim/last_request")["body"])
     assert body.get("cache_prompt") is False, body
+    px.stop()
+
+
+def test_pinned_client_waits_for_the_copy_slot_and_is_then_served():
+    """The candidate pool is also a tenant's pinned pool: a copy holding the replica's one slot
+    makes the tenant's request queue, and the copy's end hands the slot on (no queue timeout)."""
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL, "--token-delay-ms", "100")
+    policy = {"tenants": [{"name": "pin", "match": {"header": {"name": "x-tenant",
+                                                               "value": "pin"}},
+                           "pool": "next"},
+                          {"name": "default", "match": {"any": True}}]}
+    px = proxy(base, [cand], policy=policy)
+    done = []
+    t = threading.Thread(target=lambda: done.append(concurrent(px, 4)))
+    t.start()
+    hdr = {"x-tenant": "pin", "content-type": "application/json"}
+    for i in range(4):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "pin %d" % i,
+                                                    "max_tokens": 5, "temperature": 0},
+                      headers=hdr)
+        assert r.status == 200 and r.headers["x-detproxy-replica"] == "r1", r
+    t.join()
+    assert all(r.status == 200 for r in done[0]), [r.status for r in done[0]]
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 4,
+               what="4 candidate copies ended")
+    assert sim_stats(cand)["max_inflight_seen"] == 1, sim_stats(cand)
     px.stop()
 
 
