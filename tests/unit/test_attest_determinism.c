@@ -270,6 +270,16 @@ static void fake_proc(int pid, const char *cmdline, size_t clen, const char *env
     fclose(f);
 }
 
+/* /proc/PID/stat with starttime (field 22) st; the command holds ") " as a real one may. */
+static void fake_stat(int pid, unsigned long long st)
+{
+    char path[256];
+    snprintf(path, sizeof(path), "%s/%d/stat", proc_root, pid);
+    FILE *f = fopen(path, "wb");
+    fprintf(f, "%d (vl) lm) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 %llu 19 20\n", pid, st);
+    fclose(f);
+}
+
 #define FAKE(pid, c, e) fake_proc(pid, c, sizeof(c) - 1, e, e ? sizeof(e) - 1 : 0)
 
 static int check(pid_t pid, const char *name, dp_buf_t *why)
@@ -310,6 +320,17 @@ Test(determinism_env, a_fake_proc_tree)
              "cannot tell: %s/13/environ: No such file or directory (the process is gone)",
              proc_root);
     cr_assert_str_eq(why.base, want);
+    /* --determinism-pid: a pid the kernel gave to another process (the server exited) is not
+     * the server that was checked, whatever its environment says. */
+    FAKE(20, "vllm\0serve\0", "VLLM_BATCH_INVARIANT=1\0");
+    fake_stat(20, 1000);
+    attest_det_opts_t o = {.proc = proc_root, .pid = 20, .self = 99};
+    cr_assert_eq(attest_vllm_batch_invariant(&o, &why), 1, "%s", why.base);
+    cr_assert_eq(attest_vllm_batch_invariant(&o, &why), 1, "%s", why.base);
+    fake_stat(20, 2000);
+    cr_assert_eq(attest_vllm_batch_invariant(&o, &why), -1);
+    cr_assert_str_eq(why.base, "cannot tell: pid 20 is another process now (started at 2000, "
+                               "the one checked at 1000)");
     FAKE(14, "x\0", "");
     cr_assert_eq(check(14, NULL, &why), -1);
     cr_assert(strstr(why.base, "/14/environ is empty") != NULL, "%s", why.base);
