@@ -22,13 +22,17 @@ typedef struct {
     pid_t pid;           /* > 0: exactly this process (--determinism-pid) */
     const char *process; /* else every process whose command is this name (--determinism-process) */
     pid_t self;          /* never this one (the agent itself) */
+    /* With pid: its start time (/proc/PID/stat starttime) at the first check, 0 before. A pid
+     * the kernel reused for another process is not the server that was checked. */
+    unsigned long long pid_start;
 } attest_det_opts_t;
 
 /* 1: every matching process has VLLM_BATCH_INVARIANT on; 0: one has it off or unset; -1: cannot
  * tell (no such process, unreadable environment). Either way other than 1, *why (reset first)
  * says why in a line short enough for a rejection reason ("VLLM_BATCH_INVARIANT is not set in
- * pid 123", "cannot tell: /proc/123/environ: Permission denied"); on 1 it names the pids. */
-int attest_vllm_batch_invariant(const attest_det_opts_t *o, dp_buf_t *why);
+ * pid 123", "cannot tell: /proc/123/environ: Permission denied", "cannot tell: pid 123 is
+ * another process now"); on 1 it names the pids. */
+int attest_vllm_batch_invariant(attest_det_opts_t *o, dp_buf_t *why);
 
 /* Does this command line (NUL-separated argv, as /proc/PID/cmdline) run `name`? argv[0]'s base
  * name is name ("vllm ..."), or argv[1]'s is (an interpreter running the script: "python3
