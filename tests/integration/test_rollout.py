@@ -200,13 +200,19 @@ def test_slow_or_failing_candidates_never_touch_the_answer():
     # The slow candidate takes 8 s per copy; six answers did not wait for one.
     assert took < 4 * SLOW, took
     assert metric(px, "detproxy_candidate_total", candidate="slow", result="skipped") == 4
-    poll_until(lambda: metric(px, "detproxy_candidate_total", candidate="wrong",
-                              result="error") == 6, what="6 errors of the wrong candidate")
+    # Each wrong copy fails at once, but the control thread may still hold two of them when
+    # the next request's copy is drawn (a loaded machine): that one is skipped, not lost.
+    def wrong(result):
+        return metric(px, "detproxy_candidate_total", candidate="wrong", result=result)
+    poll_until(lambda: wrong("error") + wrong("skipped") == 6,
+               what="6 copies of the wrong candidate ended")
+    errors = wrong("error")
+    assert errors >= 1, errors
     (slow_r, wrong_r) = rollout(px)
     assert "shadow.max_inflight candidate copies already in flight" in " ".join(
         slow_r["reasons"]), slow_r["reasons"]
-    assert "6 candidate copies error (last: w1 answered HTTP 404)" in wrong_r["reasons"], \
-        wrong_r["reasons"]
+    assert "%d candidate copies error (last: w1 answered HTTP 404)" % errors in \
+        wrong_r["reasons"], wrong_r["reasons"]
     assert slow_r["samples"] == 0 and wrong_r["samples"] == 0
     px.stop()  # two slow copies still in flight: cancelled, a clean exit
 
