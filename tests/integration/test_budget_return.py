@@ -126,10 +126,15 @@ def test_the_body_budget_is_returned_however_the_request_ends():
         abort(px)
         poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0,
                    what="%s: nothing in flight" % abort.__name__)
-        r = http("POST", px.port, "/v1/completions", body=full,
-                 headers={"content-type": "application/json"})
-        assert r.status == 200, (abort.__name__, r.status, r.body[:300])
-    assert metric(px, "detproxy_overload_rejections_total", reason="body_budget") in (0, None)
+        # A body still being policed on the thread pool after its client left keeps its
+        # budget until policing ends (the next test), so "nothing in flight" may come first:
+        # the budget must come back, soon; a leaked reservation never does.
+        def full_body_served():
+            r = http("POST", px.port, "/v1/completions", body=full,
+                     headers={"content-type": "application/json"})
+            assert r.status in (200, 503), (abort.__name__, r.status, r.body[:300])
+            return r.status == 200
+        poll_until(full_body_served, what="%s: a full body served again" % abort.__name__)
     px.stop()
 
 
