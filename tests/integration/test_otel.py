@@ -135,7 +135,9 @@ def test_chat_span_has_genai_attributes_and_a_new_trace():
     tp = last_headers(sim)["traceparent"]
     assert tp == "00-%s-%s-01" % (s["traceId"], s["spanId"]), (tp, s)
     assert "parentSpanId" not in s
-    assert metric(px, "detproxy_otel_spans_total", result="exported") >= 1
+    # Counted when the collector's answer is back at the proxy, a moment after it has the span.
+    poll_until(lambda: (metric(px, "detproxy_otel_spans_total", result="exported") or 0) >= 1,
+               what="the export counted")
     px.stop()
     rec.stop()
 
