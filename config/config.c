@@ -14,10 +14,9 @@
 #include "common/log.h"
 #include "common/util.h"
 
-static const char *const top_keys[] = {"listen", "admin_listen",     "limits", "attestation",
-                                       "pools",  "policy",           "shadow", "log",
-                                       "tls",    "admin_token_file", "otel",   "workers",
-                                       NULL};
+static const char *const top_keys[] = {
+    "listen", "admin_listen", "limits",           "attestation", "pools",   "policy", "shadow",
+    "log",    "tls",          "admin_token_file", "otel",        "workers", NULL};
 static const char *const otel_keys[] = {"endpoint", "sample_rate", NULL};
 static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
                                                "trusted_keys", NULL};

@@ -221,7 +221,7 @@ typedef struct {
     cfg_discovery_t *discovery;       /* NULL when absent */
     cfg_upstream_tls_t *upstream_tls; /* NULL when absent */
     char *api_key_file;
-    char *api_key; /* file contents, trailing whitespace trimmed; never logged */
+    char *api_key;               /* file contents, trailing whitespace trimmed; never logged */
     cfg_candidate_t *candidates; /* SPEC §14 */
     size_t ncandidates;
     /* Named in another pool's candidates: model routing passes over it. only_candidate: and no

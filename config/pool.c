@@ -19,12 +19,13 @@ const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
 #define COUNT_MAX 1000000u
 #define AGENT_DEFAULT_PATH "/attestation"
 
-static const char *const pool_keys[] = {
-    "name",        "models",           "manifest",
-    "balance",     "affinity",         "max_inflight_per_replica",
-    "queue_limit", "queue_timeout_ms", "replicas",
-    "discovery",   "upstream_tls",     "api_key_file",
-    "candidates",  NULL};
+static const char *const pool_keys[] = {"name",         "models",
+                                        "manifest",     "balance",
+                                        "affinity",     "max_inflight_per_replica",
+                                        "queue_limit",  "queue_timeout_ms",
+                                        "replicas",     "discovery",
+                                        "upstream_tls", "api_key_file",
+                                        "candidates",   NULL};
 static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
 static const char *const attest_keys[] = {"source", "url", NULL};
 static const char *const discovery_keys[] = {"dns",    "port",         "refresh_ms",
@@ -402,8 +403,7 @@ static void parse_candidates(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 /* Across pools, once all are read: every candidate names another pool, once. A candidate
  * pool gets no client traffic, so candidates of its own would never be sampled (and rollouts
  * would nest). Paths as written: pools[i].candidates[k].pool. */
-static const char *candidate_problem(const cfg_t *cfg, const cfg_pool_t *p, size_t k,
-                                     size_t *dup)
+static const char *candidate_problem(const cfg_t *cfg, const cfg_pool_t *p, size_t k, size_t *dup)
 {
     const cfg_candidate_t *cand = &p->candidates[k];
     for (size_t j = 0; j < k; j++) {

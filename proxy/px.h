@@ -78,8 +78,8 @@ struct px_replica_s {
     cfg_attest_t attest;
     struct sockaddr_storage addr;
     bool resolved;
-    net_upstream_t *up;            /* the control thread's (attestation canary); NULL: unreachable */
-    net_upstream_t *shadow_up;     /* shadow copies use their own connections (lazily created) */
+    net_upstream_t *up;        /* the control thread's (attestation canary); NULL: unreachable */
+    net_upstream_t *shadow_up; /* shadow copies use their own connections (lazily created) */
     struct net_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
     /* Each worker's keep-alive pool and TLS client context, made by the worker on first use. */
     net_upstream_t **wup;
@@ -87,7 +87,7 @@ struct px_replica_s {
     _Atomic px_replica_state_t state; /* written by the control thread only */
     char *reasons[PX_MAX_REASONS];    /* control thread only; workers read `why` */
     size_t nreasons;
-    PX_SEQSTR(PX_WHY_BYTES) why;      /* the reasons joined with "; " */
+    PX_SEQSTR(PX_WHY_BYTES) why; /* the reasons joined with "; " */
     /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
      * max_inflight_per_replica holds across workers (px_router.c). */
     atomic_uint inflight;
@@ -95,11 +95,11 @@ struct px_replica_s {
     uint64_t aff_id;               /* identity in the affinity order: px_aff_hash(name) */
     uint64_t last_attested_at;     /* wall ms, 0 = never */
     char fingerprint[20]; /* the accepted identity it was admitted as (manifest "accept"); "" */
-    PX_SEQSTR(24) wfingerprint;  /* the same, for workers */
-    PX_SEQSTR(136) engine_fp;    /* the engine fingerprint it attested ("" none), for workers */
-    void *attest_state;      /* px_attest.c's per-replica state */
-    px_series_t *m_admitted; /* detproxy_replica_admitted */
-    bool discovered;         /* added by DNS discovery */
+    PX_SEQSTR(24) wfingerprint; /* the same, for workers */
+    PX_SEQSTR(136) engine_fp;   /* the engine fingerprint it attested ("" none), for workers */
+    void *attest_state;         /* px_attest.c's per-replica state */
+    px_series_t *m_admitted;    /* detproxy_replica_admitted */
+    bool discovered;            /* added by DNS discovery */
     /* POST /admin/replicas/NAME/drain: out of rotation (in-flight requests finish), whatever
      * the attestation state, until /enable. Lives on the replica, so it survives reloads that
      * keep the replica's definition. */
@@ -143,8 +143,8 @@ struct px_pool_s {
     px_replica_t **replicas; /* fixed once the generation is published */
     size_t nreplicas;
     size_t cap;
-    px_pool_slot_t *slots; /* px->nslots */
-    atomic_uint waiting;   /* requests queued on every worker together */
+    px_pool_slot_t *slots;    /* px->nslots */
+    atomic_uint waiting;      /* requests queued on every worker together */
     _Atomic uint64_t tickets; /* queue order across the workers (px_pool_slot_t.head_ticket) */
     px_series_t *m_duration;
     px_series_t *m_affinity[PX_AFF__COUNT]; /* detproxy_affinity_total by result (affinity) */
@@ -176,15 +176,15 @@ struct px_s {
     net_server_t *admin;
     struct sockaddr_storage listen_bound; /* the client listener's address (every worker's) */
     net_server_shared_t listen_shared;    /* the workers' listeners' limits, counted together */
-    net_mailbox_t mb; /* work for the control thread, from the workers */
+    net_mailbox_t mb;                     /* work for the control thread, from the workers */
     px_worker_t *workers;
     unsigned nworkers;
-    unsigned nslots;      /* 1 + nworkers: per-thread arrays (px_slot()) */
-    unsigned ndrained;    /* workers whose listener drained (shutdown) */
+    unsigned nslots;   /* 1 + nworkers: per-thread arrays (px_slot()) */
+    unsigned ndrained; /* workers whose listener drained (shutdown) */
     /* Requests queued for a slot, every pool of every generation on every worker: a slot a
      * request of one generation frees may be the one a request of another waits for. */
     atomic_uint queued;
-    bool workers_joined;  /* their loops are the control thread's to finish */
+    bool workers_joined; /* their loops are the control thread's to finish */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t drain_timer;
     bool draining;
@@ -305,9 +305,10 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 
 /* ---- routing (px_router.c) ---- */
 
-/* Pick an admitted replica with spare capacity and take a slot on it (balance per pool config), skipping `avoid`.
- * An affinity pool follows aff's key when it has one (aff may be NULL) and sets aff->result.
- * NULL when none: *why tells whether none is admitted (0) or all are at their limit (1). */
+/* Pick an admitted replica with spare capacity and take a slot on it (balance per pool config),
+ * skipping `avoid`. An affinity pool follows aff's key when it has one (aff may be NULL) and sets
+ * aff->result. NULL when none: *why tells whether none is admitted (0) or all are at their limit
+ * (1). */
 px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff, int *why);
 /* Take a slot on r under the pool's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */

@@ -102,8 +102,7 @@ void px_server_limits_for(const cfg_t *cfg, net_server_limits_t *l)
 
 void px_admin_refresh_gauges(px_t *px)
 {
-    px_metric_set(px_metrics_get("detproxy_connections", NULL),
-                  (double)px_workers_connections(px));
+    px_metric_set(px_metrics_get("detproxy_connections", NULL), (double)px_workers_connections(px));
     px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
                   (double)px_workers_inflight(px));
     px_metric_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
@@ -130,7 +129,7 @@ static void finish_shutdown(px_t *px)
     px_attest_stop(px);
     px_shadow_stop(px);
     px_otel_stop(px);
-    px_workers_join(px); /* drained (or closed): their loops end, their threads exit */
+    px_workers_join(px);        /* drained (or closed): their loops end, their threads exit */
     net_mailbox_close(&px->mb); /* nothing posts to the control thread any more */
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
     for (size_t i = 0; i < px->gen->npools; i++) {
@@ -213,7 +212,7 @@ static void run_end(px_t *px)
     net_tls_ctx_unref(px->tls);
     px_gen_unref(px->gen);
     px->gen = NULL;
-    net_mailbox_close(&px->mb);      /* what the workers handed over last */
+    net_mailbox_close(&px->mb);       /* what the workers handed over last */
     uv_run(px->loop, UV_RUN_DEFAULT); /* let the last close callbacks run */
     px_shadow_free(px);
     px_proxy_free_caches();

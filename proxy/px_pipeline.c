@@ -464,7 +464,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->audit = h->tenant_cfg && h->tenant_cfg->audit;
     affinity_session_header(h, g, req);
     p->store = p->audit && px->audit && g->cfg->log.audit_store; /* px_audit_configure's */
-    p->resp_cap = g->cfg->limits.max_response_rewrite_bytes; /* the store keeps this much */
+    p->resp_cap = g->cfg->limits.max_response_rewrite_bytes;     /* the store keeps this much */
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);

@@ -604,7 +604,8 @@ static void send_upstream(px_preq_t *q)
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
     if (q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
-    q->up = net_creq_start(px_replica_worker_up(r, q->gen), bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */, &up_cb, q);
+    q->up = net_creq_start(px_replica_worker_up(r, q->gen), bufs, nb, q->stream_body,
+                           q->req->method == 2 /* HEAD */, &up_cb, q);
     if (q->stream_body)
         net_req_resume_body(q->req);
 }
@@ -946,11 +947,11 @@ static void count_request(px_preq_t *q)
         px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
     int64_t pt, ct;
     if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
-        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                     pool->name, "kind", "prompt", NULL),
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                     "kind", "prompt", NULL),
                       (double)pt);
-        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool",
-                                     pool->name, "kind", "completion", NULL),
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                     "kind", "completion", NULL),
                       (double)ct);
     }
 }

@@ -75,7 +75,7 @@ static bool name_alive(const px_replica_t *except)
 }
 
 px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
-                                 const cfg_replica_t *d, char *key)
+                                const cfg_replica_t *d, char *key)
 {
     PX_ASSERT_CONTROL();
     px_replica_t *r = dp_xcalloc(1, sizeof(*r));

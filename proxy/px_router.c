@@ -32,8 +32,8 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
     }
     unsigned cur = atomic_load_explicit(&r->inflight, memory_order_relaxed);
     while (cur < max)
-        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1,
-                                                  memory_order_acq_rel, memory_order_relaxed))
+        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1, memory_order_acq_rel,
+                                                  memory_order_relaxed))
             return true;
     return false;
 }
@@ -151,9 +151,10 @@ void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
     dp_buf_printf(out, "pool %s has no admitted replica:", p->name);
     for (size_t i = 0; i < p->nreplicas; i++) {
         const px_replica_t *r = p->replicas[i];
-        dp_buf_printf(out, " %s %s%s%s", r->name, px_replica_state_names[px_replica_state(r)],
-                      atomic_load(&r->drained) ? " drained" : "",
-                      atomic_load(&r->suspect) ? " (suspect: a worker just saw it fail; re-checking)" : "");
+        dp_buf_printf(
+            out, " %s %s%s%s", r->name, px_replica_state_names[px_replica_state(r)],
+            atomic_load(&r->drained) ? " drained" : "",
+            atomic_load(&r->suspect) ? " (suspect: a worker just saw it fail; re-checking)" : "");
         char why[PX_WHY_BYTES];
         px_seqstr_get(&r->why, why); /* any thread: the control one owns r->reasons */
         if (why[0])

@@ -126,11 +126,11 @@ bool px_self_is_listener(const px_t *px, const struct sockaddr *sa, const char *
     }
     static const char *const names[2] = {"proxy", "admin"};
     for (int i = 0; i < 2; i++) {
-        const struct sockaddr *l = i == 0 ? (px->listen_bound.ss_family
-                                                 ? (const struct sockaddr *)&px->listen_bound
-                                                 : NULL)
-                                 : px->admin ? net_server_bound(px->admin)
-                                             : NULL;
+        const struct sockaddr *l =
+            i == 0
+                ? (px->listen_bound.ss_family ? (const struct sockaddr *)&px->listen_bound : NULL)
+            : px->admin ? net_server_bound(px->admin)
+                        : NULL;
         if (l == NULL || port_of(l) != port_of(sa))
             continue;
         /* An IPv4 wildcard takes only IPv4 (and v4-mapped) peers; a v6 one, with the usual

@@ -48,8 +48,8 @@ static const char *const listener_name = "proxy";
 
 void px_thread_violation(const char *func)
 {
-    fprintf(stderr, "detproxy: %s called on worker thread %u: only the control thread may\n",
-            func, px_slot());
+    fprintf(stderr, "detproxy: %s called on worker thread %u: only the control thread may\n", func,
+            px_slot());
     abort();
 }
 

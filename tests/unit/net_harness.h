@@ -45,14 +45,14 @@ static inline void harness_fini(void)
 }
 
 /* Drive the loop until cond holds; fail after ms. */
-#define RUN_UNTIL_MS(cond, ms)                                                                    \
-    do {                                                                                          \
-        g_timed_out = false;                                                                      \
-        uv_timer_start(&g_guard, guard_cb, (ms), 0);                                              \
-        while (!(cond) && !g_timed_out)                                                           \
-            uv_run(&g_loop, UV_RUN_ONCE);                                                         \
-        uv_timer_stop(&g_guard);                                                                  \
-        cr_assert((cond), "timed out waiting for: %s", #cond);                                    \
+#define RUN_UNTIL_MS(cond, ms)                                                                     \
+    do {                                                                                           \
+        g_timed_out = false;                                                                       \
+        uv_timer_start(&g_guard, guard_cb, (ms), 0);                                               \
+        while (!(cond) && !g_timed_out)                                                            \
+            uv_run(&g_loop, UV_RUN_ONCE);                                                          \
+        uv_timer_stop(&g_guard);                                                                   \
+        cr_assert((cond), "timed out waiting for: %s", #cond);                                     \
     } while (0)
 #define RUN_UNTIL(cond) RUN_UNTIL_MS(cond, 2000)
 
@@ -188,9 +188,8 @@ static inline void raw_close(raw_t *r)
 static inline size_t raw_count(const raw_t *r, const char *s)
 {
     size_t n = 0, l = strlen(s);
-    for (const char *p = r->in.base; p && (p = memmem(p, r->in.len - (size_t)(p - r->in.base), s,
-                                                      l)) != NULL;
-         p += l)
+    for (const char *p = r->in.base;
+         p && (p = memmem(p, r->in.len - (size_t)(p - r->in.base), s, l)) != NULL; p += l)
         n++;
     return n;
 }
@@ -242,8 +241,8 @@ static inline void peer_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
     c->in.len += (size_t)n;
     c->in.base[c->in.len] = '\0';
     const char *e;
-    while (!c->closed && (e = memmem(c->in.base + c->scanned, c->in.len - c->scanned,
-                                     "\r\n\r\n", 4)) != NULL) {
+    while (!c->closed &&
+           (e = memmem(c->in.base + c->scanned, c->in.len - c->scanned, "\r\n\r\n", 4)) != NULL) {
         c->scanned = (size_t)(e - c->in.base) + 4;
         c->heads++;
         c->peer->requests++;

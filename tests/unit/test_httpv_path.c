@@ -111,7 +111,7 @@ Test(path, mixed_and_encoded_dot_segments)
     expect("/a/%2e", "/a/");
     expect("/%2e", "/");
     expect("/a/./b/./", "/a/b/");
-    expect("/a%2e%2e", "/a..");   /* dots inside a segment are not a dot segment */
+    expect("/a%2e%2e", "/a.."); /* dots inside a segment are not a dot segment */
     expect("/.../b/....", "/.../b/....");
     expect("/a/.b/..c/", "/a/.b/..c/");
 }

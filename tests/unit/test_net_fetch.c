@@ -25,8 +25,7 @@ static void note_header(const net_req_t *r, const char *name)
     if (h == NULL)
         return;
     size_t l = strlen(g_seen);
-    snprintf(g_seen + l, sizeof(g_seen) - l, "%s: %.*s\n", name, (int)h->value.len,
-             h->value.base);
+    snprintf(g_seen + l, sizeof(g_seen) - l, "%s: %.*s\n", name, (int)h->value.len, h->value.base);
 }
 
 static bool is(const net_req_t *r, const char *path)
@@ -179,11 +178,8 @@ Test(net_fetch, get_sends_its_headers_and_returns_the_body)
 Test(net_fetch, post_sends_a_json_body_with_its_length)
 {
     fr_t r = {0};
-    net_fetch_opts_t o = {.method = "POST",
-                          .hostport = "h:1",
-                          .target = "/echo",
-                          .body = "{\"a\":1}",
-                          .body_len = 7};
+    net_fetch_opts_t o = {
+        .method = "POST", .hostport = "h:1", .target = "/echo", .body = "{\"a\":1}", .body_len = 7};
     net_fetch(g_up, &o, fetched, &r);
     RUN_UNTIL(r.done);
     cr_assert_eq(r.err, NET_UP_OK, "%s", r.detail);
@@ -310,7 +306,8 @@ Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
     const char *head = "POST /echo HTTP/1.1\r\nhost: h\r\ntransfer-encoding: chunked\r\n\r\n";
     uv_buf_t b = uv_buf_init((char *)head, (unsigned)strlen(head));
     net_creq_t *c = net_creq_start(g_up, &b, 1, true, false, &cb, &x);
-    uv_buf_t p1 = uv_buf_init("5\r\nhello\r\n", 10), p2 = uv_buf_init("6\r\n world\r\n0\r\n\r\n", 16);
+    uv_buf_t p1 = uv_buf_init("5\r\nhello\r\n", 10),
+             p2 = uv_buf_init("6\r\n world\r\n0\r\n\r\n", 16);
     cr_assert_eq(net_creq_write(c, &p1, 1), 0);
     run_idle();
     cr_assert_eq(net_creq_write(c, &p2, 1), 0);

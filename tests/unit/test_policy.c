@@ -754,10 +754,11 @@ Test(replace_model, keeps_every_other_byte)
     cr_assert_eq(policy_replace_model(in, strlen(in), "next/\"q\"", &out), 0);
     cr_assert_eq(out.len, strlen("{\"seed\":9007199254740993,\"model\":\"next/\\\"q\\\"\","
                                  "\"prompt\":\"a\\\"b\"}"));
-    cr_assert(memcmp(out.base,
-                     "{\"seed\":9007199254740993,\"model\":\"next/\\\"q\\\"\",\"prompt\":\"a\\\"b\"}",
-                     out.len) == 0,
-              "%.*s", (int)out.len, out.base);
+    cr_assert(
+        memcmp(out.base,
+               "{\"seed\":9007199254740993,\"model\":\"next/\\\"q\\\"\",\"prompt\":\"a\\\"b\"}",
+               out.len) == 0,
+        "%.*s", (int)out.len, out.base);
     dp_buf_free(&out);
     cr_assert_eq(policy_replace_model("{\"prompt\":\"x\"}", 14, "m", &out), -1);
     cr_assert_eq(policy_replace_model("[1]", 3, "m", &out), -1);
