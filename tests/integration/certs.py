@@ -391,3 +391,25 @@ def client_hello(server_name="localhost", alpn=("http/1.1",)):
     except _ssl.SSLWantReadError:
         pass
     return out.read()
+
+
+def stalled_handshakes(port, n):
+    """n connections to port that each send half a ClientHello and then nothing."""
+    hello = client_hello()
+    socks = []
+    for _ in range(n):
+        s = _socket.create_connection(("127.0.0.1", port))
+        s.sendall(hello[:len(hello) // 2])
+        socks.append(s)
+    return socks
+
+
+def peer_closed(s):
+    """Has the other end closed s (reset counts)? Does not wait beyond 10 ms."""
+    s.settimeout(0.01)
+    try:
+        return s.recv(1) == b""
+    except _socket.timeout:
+        return False
+    except OSError:
+        return True

@@ -241,28 +241,15 @@ def test_a_swapped_replica_gets_no_request_after_its_first_mismatching_response(
 def test_max_pending_handshakes_below_the_worker_count_is_still_the_bound():
     # limits.max_pending_handshakes 1 with 2 workers: one stalled handshake survives, not one
     # per worker (the bound is the operator's, whatever `workers` is).
-    from certs import client_hello, shared_pki
+    from certs import peer_closed as closed, shared_pki, stalled_handshakes
     pki = shared_pki()
     sim = start_sim("--model", "m1")
     px = start_proxy(pools=[pool("p", ["m1"], [sim])],
                      tls={"cert_file": pki.server.crt, "key_file": pki.server.key},
                      limits={"max_pending_handshakes": 1, "client_header_timeout_ms": 60000},
                      workers=2)
-    hello = client_hello()
-    socks = []
-    for _ in range(40):
-        s = socket.create_connection(("127.0.0.1", px.port))
-        s.sendall(hello[:len(hello) // 2])
-        socks.append(s)
+    socks = stalled_handshakes(px.port, 40)
 
-    def closed(s):
-        s.settimeout(0.01)
-        try:
-            return s.recv(1) == b""
-        except socket.timeout:
-            return False
-        except OSError:
-            return True
     px.wait_log("tls_handshake_limit")
     # Every flood connection reached a worker: wait until the closes stop changing.
     last = [None]
