@@ -695,7 +695,6 @@ static void hs_remove(net_conn_t *c)
         s->hs_tail = c->hs_prev;
     c->hs_prev = c->hs_next = NULL;
     s->nhandshakes--;
-    atomic_fetch_sub(&s->shared->handshakes, 1);
 }
 
 static void hs_done(net_sock_t *sk)
@@ -703,13 +702,24 @@ static void hs_done(net_sock_t *sk)
     hs_remove(sk->owner);
 }
 
-/* A new TLS connection starts its handshake. The bound holds across the servers sharing
- * `shared` (every worker's): at it, this server's oldest pending handshake goes, or, when it
- * has none (the pending ones are other workers'), the newcomer. False: c was closed. */
-static bool hs_add(net_conn_t *c)
+/* A new TLS connection starts its handshake; at the bound, the oldest pending one goes. */
+static void hs_add(net_conn_t *c)
 {
     net_server_t *s = c->srv;
-    unsigned before = atomic_fetch_add(&s->shared->handshakes, 1);
+    if (s->lim.max_pending_handshakes && s->nhandshakes >= s->lim.max_pending_handshakes) {
+        net_conn_t *old = s->hs_head;
+        uint64_t now = uv_now(s->loop);
+        if (now - s->last_accept_warn >= 1000) {
+            s->last_accept_warn = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "tls_handshake_limit");
+            if (w) {
+                dp_jw_uint(w, "max_pending_handshakes", s->lim.max_pending_handshakes);
+                dp_jw_str(w, "action", "closed the oldest pending handshake");
+                dp_log_end(w);
+            }
+        }
+        conn_close(old); /* takes it off the list */
+    }
     c->handshaking = true;
     c->hs_prev = s->hs_tail;
     c->hs_next = NULL;
@@ -720,24 +730,6 @@ static bool hs_add(net_conn_t *c)
     s->hs_tail = c;
     s->nhandshakes++;
     c->sock.on_handshake = hs_done;
-    if (s->lim.max_pending_handshakes == 0 || before < s->lim.max_pending_handshakes)
-        return true;
-    net_conn_t *old = s->hs_head != c ? s->hs_head : NULL;
-    uint64_t now = uv_now(s->loop);
-    if (now - s->last_accept_warn >= 1000) {
-        s->last_accept_warn = now;
-        dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "tls_handshake_limit");
-        if (w) {
-            dp_jw_uint(w, "max_pending_handshakes", s->lim.max_pending_handshakes);
-            dp_jw_str(w, "action",
-                      old ? "closed the oldest pending handshake"
-                          : "closed the new connection (the pending handshakes are other "
-                            "workers')");
-            dp_log_end(w);
-        }
-    }
-    conn_close(old ? old : c); /* takes it off the list and the count */
-    return old != NULL;
 }
 
 static void conn_close(net_conn_t *c)
@@ -1289,8 +1281,7 @@ static void on_connection(uv_stream_t *ls, int status)
             return;
         }
         net_sock_use_tls(&c->sock, t);
-        if (!hs_add(c))
-            return;
+        hs_add(c);
     }
     s->accepted++;
     conn_to_idle(c);

@@ -100,13 +100,11 @@ void net_server_limits_default(net_server_limits_t *l);
 
 net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data,
                              const net_server_limits_t *limits);
-/* Servers on several loop threads serving one listen address: max_connections,
- * max_inflight_body_bytes and max_pending_handshakes hold for them together (atomics;
- * zero-initialise it, outlive them). */
+/* Servers on several loop threads serving one listen address: max_connections and
+ * max_inflight_body_bytes hold for them together (atomics; zero-initialise it, outlive them). */
 typedef struct net_server_shared_s {
     atomic_size_t conns;
     _Atomic uint64_t body_bytes;
-    atomic_uint handshakes;
 } net_server_shared_t;
 void net_server_share(net_server_t *s, net_server_shared_t *shared);
 /* net_server_return_body_budget for budget taken from servers sharing `shared`: valid after

@@ -118,12 +118,16 @@ bool px_control_try_post(px_t *px, net_mb_node_t *n, net_mb_fn fn)
     return net_mailbox_try_post(&px->mb, n, fn);
 }
 
-/* The client listener's limits for one worker: connections, buffered bodies and pending TLS
- * handshakes are counted across the workers (net_server_share). */
+/* The client listener's limits for one worker: connections and buffered bodies are counted
+ * across the workers (net_server_share); pending TLS handshakes are each worker's to close
+ * oldest first, so each gets its share of the bound. */
 static void worker_limits(const px_t *px, const cfg_t *cfg, net_server_limits_t *l)
 {
-    (void)px;
     px_server_limits_for(cfg, l);
+    if (l->max_pending_handshakes) {
+        uint32_t share = l->max_pending_handshakes / px->nworkers;
+        l->max_pending_handshakes = share ? share : 1;
+    }
 }
 
 static void apply_gen(px_worker_t *w, px_gen_t *g)

@@ -1110,8 +1110,8 @@ def test_stalled_handshakes_are_bounded_oldest_first():
     base = rss_kb(px)
     socks = stalled_handshakes(px.port, 200)
 
-    # The bound holds across the workers; each closes its own oldest (or a newcomer when the
-    # pending ones are another worker's): the survivors are among the newest few times the bound.
+    # Each worker closes its own oldest (a share of the bound each, SPEC §3 `workers`): the
+    # survivors are the newest of each worker's, so among the newest few times the bound.
     poll_until(lambda: sum(1 for s in socks if not peer_closed(s)) == bound,
                what="all but %d stalled handshakes closed" % bound)
     assert not any(not peer_closed(s) for s in socks[:-4 * bound])

@@ -238,33 +238,6 @@ def test_a_swapped_replica_gets_no_request_after_its_first_mismatching_response(
     px.stop()
     # r1 had one slot: the one request in flight at the swap is the only mismatching answer.
     assert n == 1, n
-def test_max_pending_handshakes_below_the_worker_count_is_still_the_bound():
-    # limits.max_pending_handshakes 1 with 2 workers: one stalled handshake survives, not one
-    # per worker (the bound is the operator's, whatever `workers` is).
-    from certs import peer_closed as closed, shared_pki, stalled_handshakes
-    pki = shared_pki()
-    sim = start_sim("--model", "m1")
-    px = start_proxy(pools=[pool("p", ["m1"], [sim])],
-                     tls={"cert_file": pki.server.crt, "key_file": pki.server.key},
-                     limits={"max_pending_handshakes": 1, "client_header_timeout_ms": 60000},
-                     workers=2)
-    socks = stalled_handshakes(px.port, 40)
-
-    px.wait_log("tls_handshake_limit")
-    # Every flood connection reached a worker: wait until the closes stop changing.
-    last = [None]
-
-    def settled():
-        n = sum(1 for s in socks if not closed(s))
-        same, last[0] = n == last[0], n
-        return same and n <= 2
-    poll_until(settled, interval=0.3, what="the closes settle")
-    alive = sum(1 for s in socks if not closed(s))
-    for s in socks:
-        s.close()
-    px.stop()
-    assert alive == 1, alive
-
 
 if __name__ == "__main__":
     run_tests(globals())
