@@ -33,7 +33,7 @@
 #include "net/resolve.h"
 #include "net/tls.h"
 #include "probe/probe.h"
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
 #define GIVE_UP_FAILURES 2

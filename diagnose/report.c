@@ -25,7 +25,7 @@
 #include "attest/match.h"
 #include "common/jw.h"
 #include "common/util.h"
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 const char *const dg_cause_names[DG__CAUSES] = {
     "cross_replica_drift", "nondeterministic_replica", "batching_nondeterminism", "seed_ignored",

@@ -8,7 +8,7 @@
 #include "common/version.h"
 #include "config/config.h"
 #include "diagnose/diagnose.h"
-#include "proxy/cli.h"
+#include "proxy/cli/cli.h"
 
 static void usage(FILE *f)
 {

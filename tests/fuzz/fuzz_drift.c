@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 #define CHECK(c)                                                                                   \
     do {                                                                                           \

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proxy/px_affinity.h"
+#include "proxy/core/affinity.h"
 
 #define NREP 5
 

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "common/jw.h"
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 static drift_result_t cmp(const char *a, const char *b)
 {

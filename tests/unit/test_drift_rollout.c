@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proxy/drift/rollout.h"
+#include "drift/rollout.h"
 
 static drift_result_t res(bool match, int64_t offset, double sim)
 {

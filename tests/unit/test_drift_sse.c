@@ -4,7 +4,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 /* Feed s in pieces cut at the given points (sorted, within len); returns the bytes consumed
  * through the [DONE] event, or the last negative code. */

@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proxy/drift/drift.h"
+#include "drift/drift.h"
 
 static drift_result_t res(bool match, int64_t offset, double sim)
 {

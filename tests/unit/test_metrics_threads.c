@@ -4,7 +4,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "proxy/px_metrics.h"
+#include "proxy/core/metrics.h"
 
 #define THREADS 4
 #define ADDS 100000

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proxy/px.h"
+#include "proxy/core/px.h"
 
 #define MAXR 8
 

@@ -1,0 +1,227 @@
+/* The admin listener (SPEC §10): health, readiness, metrics, replica state, the effective
+ * configuration, draining and enabling replicas. */
+#include <string.h>
+
+#include "common/jw.h"
+#include "common/util.h"
+#include "proxy/core/px.h"
+#include "proxy/control/admin.h"
+#include "proxy/control/status.h"
+
+static bool path_is(const net_req_t *req, const char *p)
+{
+    size_t n = strlen(p);
+    return req->path.len == n && memcmp(req->path.base, p, n) == 0;
+}
+
+static void send_json(net_req_t *req, int status, dp_buf_t *b)
+{
+    net_resp_send(req, status, "application/json", b->base, b->len, NULL, 0);
+    dp_buf_free(b);
+}
+
+static void readyz(px_t *px, net_req_t *req)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    bool ready = !px->draining;
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "unready_pools");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *p = &px->gen->pools[i];
+        /* A candidate pool (SPEC §14) serves no client: the baseline does not wait for it. */
+        if (px_pool_has_admitted(p) || p->cfg->only_candidate)
+            continue;
+        ready = false;
+        dp_buf_t why = {0};
+        px_pool_why_unavailable(p, &why);
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_str(&w, "pool", p->name);
+        dp_jw_str(&w, "reason", why.base);
+        dp_jw_obj_end(&w);
+        dp_buf_free(&why);
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_arr_begin(&w, "unready_candidate_pools"); /* shown, not waited for */
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        const px_pool_t *p = &px->gen->pools[i];
+        if (p->cfg->only_candidate && !px_pool_has_admitted(p))
+            dp_jw_str(&w, NULL, p->name);
+    }
+    dp_jw_arr_end(&w);
+    if (px->draining)
+        dp_jw_str(&w, "reason", "draining");
+    dp_jw_str(&w, "status", ready ? "ready" : "unready");
+    dp_jw_obj_end(&w);
+    send_json(req, ready ? 200 : 503, &b);
+}
+
+void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
+{
+    dp_jw_obj_begin(w, NULL);
+    dp_jw_str(w, "pool", r->pool_name);
+    dp_jw_str(w, "name", r->name);
+    char url[300];
+    snprintf(url, sizeof(url), "%s://%s%s", r->url.tls ? "https" : "http", r->url.hostport,
+             r->url.path ? r->url.path : "");
+    dp_jw_str(w, "url", url);
+    dp_jw_str(w, "state", px_replica_state_names[r->state]);
+    /* The accepted identity it was admitted as (its responses carry it). */
+    dp_jw_str(w, "fingerprint", r->fingerprint[0] ? r->fingerprint : NULL);
+    dp_jw_arr_begin(w, "reasons");
+    for (size_t i = 0; i < r->nreasons; i++)
+        dp_jw_str(w, NULL, r->reasons[i]);
+    dp_jw_arr_end(w);
+    px_attest_replica_json(w, r);
+    if (r->last_attested_at) {
+        char ts[32];
+        dp_iso8601(ts, r->last_attested_at);
+        dp_jw_str(w, "last_attested_at", ts);
+    } else {
+        dp_jw_null(w, "last_attested_at");
+    }
+    dp_jw_uint(w, "inflight", r->inflight);
+    dp_jw_uint(w, "requests", r->requests);
+    dp_jw_bool(w, "discovered", r->discovered);
+    dp_jw_bool(w, "drained", r->drained);
+    dp_jw_bool(w, "serving", px_replica_serving(r));
+    dp_jw_obj_end(w);
+}
+
+static void replicas(px_t *px, net_req_t *req)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "replicas");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *p = &px->gen->pools[i];
+        for (size_t k = 0; k < p->nreplicas; k++)
+            px_admin_replica_json(&w, p->replicas[k]);
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    send_json(req, 200, &b);
+}
+
+/* POST /admin/replicas/NAME/drain | /enable [?pool=P]: every replica of that name (in pool P
+ * only, with ?pool). Answers the replicas changed, 404 when none has the name. */
+static bool replica_admin(px_t *px, net_req_t *req)
+{
+    static const char prefix[] = "/admin/replicas/";
+    const size_t pl = sizeof(prefix) - 1;
+    const dp_iovec_t p = req->path;
+    if (p.len <= pl || memcmp(p.base, prefix, pl) != 0)
+        return false;
+    const char *name = p.base + pl;
+    const char *slash = p.base + p.len;
+    while (slash > name && slash[-1] != '/')
+        slash--;
+    if (slash <= name + 1)
+        return false;
+    slash--; /* at the '/' before the action */
+    size_t nl = (size_t)(slash - name), al = p.len - pl - nl - 1;
+    bool drain;
+    if (al == 5 && memcmp(slash + 1, "drain", 5) == 0)
+        drain = true;
+    else if (al == 6 && memcmp(slash + 1, "enable", 6) == 0)
+        drain = false;
+    else
+        return false;
+    if (req->method != 3 /* POST */) {
+        net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+        return true;
+    }
+    dp_iovec_t only = {0};
+    bool by_pool = net_req_query(req, "pool", &only);
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "replicas");
+    size_t n = 0;
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        px_pool_t *pool = &px->gen->pools[i];
+        if (by_pool &&
+            !(strlen(pool->name) == only.len && memcmp(pool->name, only.base, only.len) == 0))
+            continue;
+        for (size_t k = 0; k < pool->nreplicas; k++) {
+            px_replica_t *r = pool->replicas[k];
+            if (strlen(r->name) != nl || memcmp(r->name, name, nl) != 0)
+                continue;
+            px_replica_set_drained(r, drain);
+            if (!drain)
+                px_proxy_slot_freed(pool); /* queued requests may go to it now */
+            px_admin_replica_json(&w, r);
+            n++;
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    if (n == 0) {
+        dp_buf_free(&b);
+        dp_buf_printf(&b, "no replica is named %.*s%s%.*s", (int)nl, name,
+                      by_pool ? " in pool " : "", (int)only.len, only.base);
+        net_resp_error(req, 404, NULL, "replica_not_found", NULL, b.base, NULL, 0);
+        dp_buf_free(&b);
+        return true;
+    }
+    send_json(req, 200, &b);
+    return true;
+}
+
+static void config_dump(px_t *px, net_req_t *req)
+{
+    dp_buf_t b = {0};
+    cfg_dump_json(px->gen->cfg, &b);
+    send_json(req, 200, &b);
+}
+
+static void metrics(px_t *px, net_req_t *req)
+{
+    dp_buf_t b = {0};
+    px_admin_refresh_gauges(px);
+    px_metrics_render(&b);
+    net_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
+    dp_buf_free(&b);
+}
+
+static net_body_mode_t on_head(net_req_t *req)
+{
+    return NET_BODY_BUFFER;
+}
+
+static void on_complete(net_req_t *req)
+{
+    px_t *px = net_server_data(req->server);
+    bool get = req->method == 1 /* GET */ || req->method == 2 /* HEAD */;
+    if (path_is(req, "/healthz") && get) {
+        static const char ok[] = "{\"status\":\"ok\"}";
+        net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        return;
+    }
+    if (path_is(req, "/readyz") && get) {
+        readyz(px, req);
+        return;
+    }
+    if (px_admin_authorize(px, req) != 0)
+        return;
+    if (path_is(req, "/") && get)
+        px_status_page(px, req);
+    else if (path_is(req, "/metrics") && get)
+        metrics(px, req);
+    else if (path_is(req, "/admin/replicas") && get)
+        replicas(px, req);
+    else if (path_is(req, "/admin/config") && get)
+        config_dump(px, req);
+    else if (replica_admin(px, req))
+        return;
+    else if (px_admin_extra_route(px, req) == 0)
+        return;
+    else
+        net_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
+}
+
+const net_handler_t px_admin_handler = {.on_head = on_head, .on_complete = on_complete};

@@ -1,0 +1,200 @@
+/* Live reload (SIGHUP, POST /admin/reload): validate the whole new config first; on any error
+ * keep the old one and say why. On success new requests use the new generation while in-flight
+ * ones finish on the old; replicas whose definition is unchanged are carried over with their
+ * attestation state and keep-alive connections. */
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "net/tls.h"
+#include "proxy/control/admin.h"
+#include "proxy/control/attest.h"
+#include "proxy/obs/audit.h"
+#include "proxy/control/discovery.h"
+#include "proxy/obs/otel.h"
+#include "proxy/data/shadow.h"
+
+static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
+{
+    (void)px;
+    for (size_t i = 0; i < errs->count; i++) {
+        if (msg) {
+            if (i)
+                dp_buf_append(msg, "; ", 2);
+            dp_buf_appends(msg, errs->items[i]);
+        }
+    }
+    return (int)errs->count;
+}
+
+static bool addr_eq(const cfg_addr_t *a, const cfg_addr_t *b)
+{
+    return a->port == b->port && strcmp(a->host, b->host) == 0;
+}
+
+int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
+{
+    cfg_t *old = px->gen->cfg;
+    /* Log rotation: the audit file is reopened on every reload request, valid config or not. */
+    if (px->audit)
+        px_audit_reopen(px->audit, NULL);
+    cfg_errors_t errs = {0};
+    cfg_t *cfg = NULL;
+    int rc = cfg_load(old->path, &cfg, &errs);
+    for (size_t i = 0; i < errs.nwarnings; i++)
+        dp_log_msg(DP_LOG_WARN, "config_warning", errs.warnings[i]);
+    if (rc != 0) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "reload_failed");
+        if (w) {
+            dp_jw_str(w, "trigger", why);
+            dp_jw_str(w, "detail", "configuration invalid: keeping the running one");
+            dp_jw_arr_begin(w, "errors");
+            for (size_t i = 0; i < errs.count; i++)
+                dp_jw_str(w, NULL, errs.items[i]);
+            dp_jw_arr_end(w);
+            dp_log_end(w);
+        }
+        last_reload_errors(px, &errs, msg);
+        cfg_errors_free(&errs);
+        return -1;
+    }
+    cfg_errors_free(&errs);
+    if (!addr_eq(&cfg->listen, &old->listen) || !addr_eq(&cfg->admin_listen, &old->admin_listen))
+        dp_log_msg(DP_LOG_WARN, "reload_listen_unchanged",
+                   "listen/admin_listen changes take effect only after a restart");
+    bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
+                       (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
+    px_gen_t *prev = px->gen;
+    px_gen_t *g = px_gen_new(px, cfg, prev);
+    px->gen = g;
+    dp_log_set_level((dp_log_level_t)cfg->log.level);
+    if (audit_moved) {
+        if (px->audit && cfg->log.audit_path)
+            px_audit_reopen(px->audit, cfg->log.audit_path);
+        else if (cfg->log.audit_path)
+            px->audit = px_audit_open(px->loop, cfg->log.audit_path);
+    }
+    if (px->audit && cfg->log.audit_path)
+        px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
+                           cfg->log.audit_checkpoint_lines);
+    px_discovery_sync(px);
+    px_gen_publish(px);
+    px_attest_sync(px);
+    px_otel_sync(px);
+    px_tls_reload(px);
+    px_gen_unref(prev);
+    if (px_workers_resolve(cfg->workers) != px->nworkers)
+        dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
+                   "a change of workers takes effect only after a restart");
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
+    if (w) {
+        dp_jw_str(w, "trigger", why);
+        dp_jw_uint(w, "pools", cfg->npools);
+        dp_jw_uint(w, "tenants", cfg->policy->ntenants);
+        dp_log_end(w);
+    }
+    return 0;
+}
+
+int px_tls_reload(px_t *px)
+{
+    const cfg_tls_t *t = px->gen->cfg->tls;
+    if (t == NULL) {
+        if (px->tls && px->workers)
+            dp_log_msg(DP_LOG_WARN, "tls_unchanged",
+                       "turning TLS off needs a restart: the listener keeps TLS");
+        return 0;
+    }
+    dp_buf_t err = {0};
+    net_tls_ctx_t *c = net_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
+    if (c == NULL) {
+        dp_log_msg(DP_LOG_ERROR, "tls_load_failed", err.base);
+        dp_buf_free(&err);
+        return -1;
+    }
+    px_workers_set_tls(px, c);
+    net_tls_ctx_unref(px->tls);
+    px->tls = c;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");
+    if (w) {
+        dp_jw_str(w, "cert_file", t->cert_file);
+        dp_jw_bool(w, "client_certificates_required", t->client_ca_file != NULL);
+        dp_log_end(w);
+    }
+    return 0;
+}
+
+int px_reload(px_t *px, const char *why)
+{
+    return px_reload_msg(px, why, NULL);
+}
+
+/* ---- admin access and the routes other modules own ---------------------------------------- */
+
+int px_admin_authorize(px_t *px, net_req_t *req)
+{
+    const char *tok = px->gen->cfg->admin_token;
+    if (tok == NULL)
+        return 0;
+    /* As the tenant matcher: two Authorization fields are ambiguous and match nothing. */
+    const net_header_t *h = NULL;
+    size_t n = 0;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, "authorization")) {
+            h = &req->headers[i];
+            n++;
+        }
+    }
+    size_t tl = strlen(tok);
+    dp_iovec_t got;
+    if (n == 1 && dp_bearer_token(h->value, &got) && got.len == tl &&
+        dp_ct_equal(got.base, tok, tl))
+        return 0;
+    static const net_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
+    net_resp_error(req, 401, NULL, "unauthorized", NULL,
+                   "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
+    return -1;
+}
+
+static bool path_is(const net_req_t *req, const char *p)
+{
+    size_t n = strlen(p);
+    return req->path.len == n && memcmp(req->path.base, p, n) == 0;
+}
+
+int px_admin_extra_route(px_t *px, net_req_t *req)
+{
+    if (path_is(req, "/admin/reload")) {
+        if (req->method != 3 /* POST */) {
+            net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+            return 0;
+        }
+        dp_buf_t msg = {0};
+        int rc = px_reload_msg(px, "POST /admin/reload", &msg);
+        if (rc == 0) {
+            static const char ok[] = "{\"status\":\"reloaded\"}";
+            net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        } else {
+            net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
+        }
+        dp_buf_free(&msg);
+        return 0;
+    }
+    if (path_is(req, "/admin/rollouts") && (req->method == 1 || req->method == 2)) {
+        dp_iovec_t only = {0};
+        bool by_pool = net_req_query(req, "pool", &only);
+        dp_buf_t b = {0};
+        px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
+    if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
+        dp_buf_t b = {0};
+        px_shadow_drift_json(px, &b);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
+    return -1;
+}

@@ -1,0 +1,255 @@
+/* Configuration generations and their pools (replicas: px_replica.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "net/resolve.h"
+#include "net/tls.h"
+#include "proxy/core/px.h"
+#include "proxy/control/attest.h"
+#include "proxy/control/status.h"
+
+/* ---- pools ------------------------------------------------------------------------------ */
+
+void px_pool_push_replica(px_pool_t *p, px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
+    if (p->nreplicas == p->cap) {
+        p->cap = p->cap ? p->cap * 2 : 4;
+        p->replicas = dp_xrealloc(p->replicas, p->cap * sizeof(*p->replicas));
+    }
+    p->replicas[p->nreplicas++] = r;
+}
+
+void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
+{
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        if (p->replicas[i] == r) {
+            memmove(&p->replicas[i], &p->replicas[i + 1],
+                    (p->nreplicas - i - 1) * sizeof(*p->replicas));
+            p->nreplicas--;
+            px_replica_unref(r);
+            return;
+        }
+    }
+}
+
+static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
+{
+    if (prev == NULL)
+        return NULL;
+    for (size_t i = 0; i < prev->npools; i++)
+        for (size_t k = 0; k < prev->pools[i].nreplicas; k++)
+            if (strcmp(prev->pools[i].replicas[k]->key, key) == 0)
+                return prev->pools[i].replicas[k];
+    return NULL;
+}
+
+px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
+{
+    PX_ASSERT_CONTROL();
+    unsigned nslots = px->nslots ? px->nslots : 1;
+    px_gen_t *g = dp_xcalloc(1, sizeof(*g));
+    atomic_init(&g->refs, 1);
+    g->px = px;
+    g->cfg = cfg;
+    g->npools = cfg->npools;
+    g->pools = dp_xcalloc(cfg->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    g->cfg_refs = dp_xcalloc(1, sizeof(*g->cfg_refs));
+    *g->cfg_refs = 1;
+    net_upstream_opts_t uo;
+    px_replica_upstream_opts(cfg, &uo);
+    for (size_t i = 0; i < cfg->npools; i++) {
+        px_pool_t *p = &g->pools[i];
+        const cfg_pool_t *pc = &cfg->pools[i];
+        p->gen = g;
+        p->cfg = pc;
+        p->name = pc->name;
+        cfg_manifest_fingerprint(pc->manifest, p->fingerprint);
+        p->m_duration = px_metrics_hist("detproxy_request_duration_seconds", px_latency_bounds,
+                                        px_latency_nbounds, "pool", pc->name, NULL);
+        for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
+            p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
+                                              px_aff_result_names[k], NULL);
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
+        for (size_t k = 0; k < pc->nreplicas; k++) {
+            char *key = px_replica_key(pc, &pc->replicas[k]);
+            px_replica_t *r = find_reusable(prev, key);
+            if (r) {
+                free(key);
+                px_replica_ref(r);
+                if (r->up)
+                    net_upstream_set_opts(r->up, &uo);
+                px_replica_reload_tls(r, pc);
+                px_pool_push_replica(p, r);
+            } else {
+                px_pool_push_replica(p, px_replica_create(px, cfg, pc, &pc->replicas[k], key));
+            }
+        }
+    }
+    return g;
+}
+
+void px_gen_ref(px_gen_t *g)
+{
+    atomic_fetch_add_explicit(&g->refs, 1, memory_order_relaxed);
+}
+
+static void gen_free(px_gen_t *g)
+{
+    PX_ASSERT_CONTROL();
+    for (size_t i = 0; i < g->npools; i++) {
+        px_pool_t *p = &g->pools[i];
+        for (size_t k = 0; k < p->nreplicas; k++)
+            px_replica_unref(p->replicas[k]);
+        free(p->replicas);
+        free(p->slots);
+    }
+    free(g->pools);
+    free(g->m_overrides);
+    if (--*g->cfg_refs == 0) {
+        cfg_free(g->cfg);
+        free(g->cfg_refs);
+    }
+    free(g);
+}
+
+/* The same configuration and replicas, in a generation of its own (not yet published). */
+static px_gen_t *gen_clone(const px_gen_t *o)
+{
+    px_t *px = o->px;
+    unsigned nslots = px->nslots ? px->nslots : 1;
+    px_gen_t *g = dp_xcalloc(1, sizeof(*g));
+    atomic_init(&g->refs, 1);
+    g->px = px;
+    g->cfg = o->cfg;
+    g->cfg_refs = o->cfg_refs;
+    ++*g->cfg_refs;
+    g->npools = o->npools;
+    g->pools = dp_xcalloc(o->npools, sizeof(*g->pools));
+    g->m_overrides = dp_xcalloc(nslots, sizeof(*g->m_overrides));
+    for (size_t i = 0; i < o->npools; i++) {
+        const px_pool_t *op = &o->pools[i];
+        px_pool_t *p = &g->pools[i];
+        p->gen = g;
+        p->cfg = op->cfg;
+        p->name = op->name;
+        memcpy(p->fingerprint, op->fingerprint, sizeof(p->fingerprint));
+        p->m_duration = op->m_duration;
+        memcpy(p->m_affinity, op->m_affinity, sizeof(p->m_affinity));
+        p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
+        for (size_t k = 0; k < op->nreplicas; k++) {
+            px_replica_ref(op->replicas[k]);
+            px_pool_push_replica(p, op->replicas[k]);
+        }
+    }
+    return g;
+}
+
+px_gen_t *px_gen_writable(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (!px->gen->published)
+        return px->gen;
+    px_gen_t *old = px->gen;
+    px->gen = gen_clone(old);
+    px_gen_unref(old);
+    return px->gen;
+}
+
+void px_gen_publish(px_t *px)
+{
+    PX_ASSERT_CONTROL();
+    if (px->gen->published)
+        return;
+    px->gen->published = true;
+    px_workers_publish(px, px->gen);
+}
+
+static void gen_free_posted(net_mb_node_t *n)
+{
+    gen_free((px_gen_t *)((char *)n - offsetof(px_gen_t, free_node)));
+}
+
+void px_gen_unref(px_gen_t *g)
+{
+    if (atomic_fetch_sub_explicit(&g->refs, 1, memory_order_acq_rel) > 1)
+        return;
+    if (!px_on_control()) {
+        px_control_post(g->px, &g->free_node, gen_free_posted);
+        return;
+    }
+    gen_free(g);
+}
+
+px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
+{
+    char st[12];
+    snprintf(st, sizeof(st), "%d", status);
+    if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
+        return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
+                              st, "code", code, NULL);
+    px_pool_slot_t *sl = &p->slots[px_slot()];
+    size_t n = DP_ARRAY_SIZE(sl->m_requests);
+    for (size_t i = 0; i < n && sl->m_requests[i].s; i++)
+        if (sl->m_requests[i].tenant == tenant && sl->m_requests[i].status == status &&
+            sl->m_requests[i].code == code)
+            return sl->m_requests[i].s;
+    px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
+                                    "status", st, "code", code, NULL);
+    for (size_t i = 0; i < n; i++) {
+        if (sl->m_requests[i].s == NULL) {
+            sl->m_requests[i].tenant = tenant;
+            sl->m_requests[i].status = status;
+            sl->m_requests[i].code = code;
+            sl->m_requests[i].s = s;
+            break;
+        }
+    }
+    return s;
+}
+
+px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
+                                    const char *param, int action, const char *action_name)
+{
+    px_override_series_t *ov = g->m_overrides[px_slot()];
+    size_t n = DP_ARRAY_SIZE(g->m_overrides[0]);
+    for (size_t i = 0; i < n && ov[i].s; i++)
+        if (ov[i].tenant == t && ov[i].param == param && ov[i].action == action)
+            return ov[i].s;
+    px_series_t *s = px_metrics_get("detproxy_policy_overrides_total", "tenant", tenant, "param",
+                                    param, "action", action_name, NULL);
+    for (size_t i = 0; i < n; i++) {
+        if (ov[i].s == NULL) {
+            ov[i].tenant = t;
+            ov[i].param = param;
+            ov[i].action = action;
+            ov[i].s = s;
+            break;
+        }
+    }
+    return s;
+}
+
+px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name)
+{
+    for (size_t i = 0; i < g->npools; i++)
+        if (strcmp(g->pools[i].name, name) == 0)
+            return &g->pools[i];
+    return NULL;
+}
+
+px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len)
+{
+    for (size_t i = 0; i < g->npools; i++) {
+        const cfg_pool_t *pc = g->pools[i].cfg;
+        for (size_t k = 0; k < pc->nmodels; k++) {
+            const char *m = pc->models[k];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return &g->pools[i];
+        }
+    }
+    return NULL;
+}

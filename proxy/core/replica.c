@@ -1,0 +1,308 @@
+/* Replicas: identity, state (written by the control thread, read by every worker), the
+ * per-worker upstream slots, and the last reference's free on the control thread. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "net/resolve.h"
+#include "net/tls.h"
+#include "probe/probe.h"
+#include "proxy/core/px.h"
+#include "proxy/control/attest.h"
+#include "proxy/control/status.h"
+
+/* The reasons as one line, for workers (px_pool_why_unavailable). */
+static void publish_why(px_replica_t *r)
+{
+    dp_buf_t b = {0};
+    for (size_t k = 0; k < r->nreasons; k++) {
+        if (k)
+            dp_buf_append(&b, "; ", 2);
+        dp_buf_appends(&b, r->reasons[k]);
+    }
+    px_seqstr_set(&r->why, b.base ? b.base : "");
+    dp_buf_free(&b);
+}
+
+const char *const px_replica_state_names[] = {"pending", "admitted", "rejected", "unreachable",
+                                              "quarantined"};
+
+void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
+{
+    probe_replica_upstream_opts(cfg, o); /* the same for diagnose and `attest canary` */
+}
+
+/* Everything that defines a replica: if any of it changes on reload, it is a new replica. */
+char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d)
+{
+    dp_buf_t k = {0};
+    /* determinism.mode is not in the manifest fingerprint (SPEC §4), but a replica admitted
+     * under another mode has not attested this one (SPEC §16). */
+    dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s\n%d", p->name, d->name,
+                  d->url.tls ? "https" : "http", d->url.host, d->url.port, d->url.path,
+                  d->server_name ? d->server_name : "", (int)d->attest.source,
+                  d->attest.url.tls ? "https" : "http",
+                  d->attest.url.host ? d->attest.url.host : "", d->attest.url.port,
+                  d->attest.url.path ? d->attest.url.path : "",
+                  p->manifest ? p->manifest->fingerprint : "",
+                  p->upstream_tls && p->upstream_tls->ca_file ? p->upstream_tls->ca_file : "",
+                  (int)cfg_pool_determinism(p));
+    return dp_buf_steal(&k);
+}
+
+static void url_copy(cfg_url_t *dst, const cfg_url_t *src)
+{
+    memset(dst, 0, sizeof(*dst));
+    dst->tls = src->tls;
+    dst->port = src->port;
+    dst->host = src->host ? dp_xstrdup(src->host) : NULL;
+    dst->path = src->path ? dp_xstrdup(src->path) : NULL;
+    dst->hostport = src->hostport ? dp_xstrdup(src->hostport) : NULL;
+}
+
+/* Every replica alive, so the last one of a (pool, name) can take its metric series with it:
+ * a reload may briefly hold an old and a new replica of one name, sharing their series. */
+static px_replica_t *g_live;
+
+static bool name_alive(const px_replica_t *except)
+{
+    for (const px_replica_t *r = g_live; r; r = r->live_next)
+        if (r != except && strcmp(r->name, except->name) == 0 &&
+            strcmp(r->pool_name, except->pool_name) == 0)
+            return true;
+    return false;
+}
+
+px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
+                                const cfg_replica_t *d, char *key)
+{
+    PX_ASSERT_CONTROL();
+    px_replica_t *r = dp_xcalloc(1, sizeof(*r));
+    atomic_init(&r->refs, 1);
+    r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
+    r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
+    r->live_next = g_live;
+    if (g_live)
+        g_live->live_prev = r;
+    g_live = r;
+    r->px = px;
+    r->key = key;
+    r->pool_name = dp_xstrdup(p->name);
+    r->name = dp_xstrdup(d->name);
+    r->aff_id = px_aff_hash(d->name, strlen(d->name));
+    url_copy(&r->url, &d->url);
+    r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
+    r->attest.source = d->attest.source;
+    url_copy(&r->attest.url, &d->attest.url);
+    r->m_admitted =
+        px_metrics_get("detproxy_replica_admitted", "pool", p->name, "replica", d->name, NULL);
+    r->m_drained =
+        px_metrics_get("detproxy_replica_drained", "pool", p->name, "replica", d->name, NULL);
+    r->resolved = net_resolve(r->url.host, r->url.port, &r->addr);
+    if (r->url.tls || r->attest.url.tls) {
+        const cfg_upstream_tls_t *ut = p->upstream_tls;
+        dp_buf_t err = {0};
+        r->tls_ctx = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                        ut ? ut->client_key_file : NULL, &err);
+        if (r->tls_ctx == NULL) {
+            const char *why[] = {err.base, NULL};
+            px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
+            dp_buf_free(&err);
+            r->resolved = false; /* nothing can reach it */
+            return r;
+        }
+        dp_buf_free(&err);
+    }
+    net_upstream_opts_t o;
+    px_replica_upstream_opts(cfg, &o);
+    if (r->resolved) {
+        r->up = net_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
+        px_replica_upstream_tls(r, r->up, &r->url);
+    }
+    /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
+     * admitted by px_attest on its first successful probe. */
+    r->state = PX_REPLICA_PENDING;
+    if (!r->resolved) {
+        const char *why[] = {"host name did not resolve", NULL};
+        px_replica_set_state(r, PX_REPLICA_UNREACHABLE, why);
+    }
+    return r;
+}
+
+void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t *url)
+{
+    if (!url->tls || r->tls_ctx == NULL)
+        return;
+    /* server_name overrides the name checked for the replica itself, not for its agent. */
+    const char *name = url == &r->url && r->server_name ? r->server_name : url->host;
+    net_upstream_set_tls(u, r->tls_ctx, name);
+}
+
+void px_replica_ref(px_replica_t *r)
+{
+    atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
+}
+
+static void replica_free(px_replica_t *r);
+
+static void replica_free_posted(net_mb_node_t *n)
+{
+    replica_free((px_replica_t *)((char *)n - offsetof(px_replica_t, free_node)));
+}
+
+void px_replica_unref(px_replica_t *r)
+{
+    if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) > 1)
+        return;
+    if (!px_on_control()) { /* attestation state, metric series, upstreams: the control's */
+        px_control_post(r->px, &r->free_node, replica_free_posted);
+        return;
+    }
+    replica_free(r);
+}
+
+static void replica_free(px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
+    if (r->live_prev)
+        r->live_prev->live_next = r->live_next;
+    else
+        g_live = r->live_next;
+    if (r->live_next)
+        r->live_next->live_prev = r->live_prev;
+    /* A discovered replica that left for good takes its series along (issue 11): otherwise
+     * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
+    if (r->discovered && !name_alive(r))
+        px_metrics_drop("pool", r->pool_name, "replica", r->name);
+    px_attest_replica_free(r);
+    if (r->up)
+        net_upstream_free(r->up);
+    if (r->shadow_up)
+        net_upstream_free(r->shadow_up);
+    for (unsigned s = 1; r->px && s < r->px->nslots; s++)
+        if (r->wup[s] || r->wtls[s])
+            px_workers_free_upstream(r->px, s, r->wup[s], r->wtls[s]);
+    free(r->wup);
+    free(r->wtls);
+    net_tls_ctx_unref(r->tls_ctx);
+    for (size_t i = 0; i < r->nreasons; i++)
+        free(r->reasons[i]);
+    cfg_url_free(&r->url);
+    cfg_url_free(&r->attest.url);
+    free(r->server_name);
+    free(r->key);
+    free(r->pool_name);
+    free(r->name);
+    free(r);
+}
+
+void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons)
+{
+    PX_ASSERT_CONTROL();
+    bool changed = st != r->state;
+    bool reasons_changed = false;
+    size_t n = 0;
+    while (reasons && reasons[n] && n < PX_MAX_REASONS)
+        n++;
+    if (n != r->nreasons) {
+        reasons_changed = true;
+    } else {
+        for (size_t i = 0; i < n; i++)
+            if (strcmp(reasons[i], r->reasons[i]) != 0)
+                reasons_changed = true;
+    }
+    if (reasons_changed) {
+        for (size_t i = 0; i < r->nreasons; i++)
+            free(r->reasons[i]);
+        for (size_t i = 0; i < n; i++)
+            r->reasons[i] = dp_xstrdup(reasons[i]);
+        r->nreasons = n;
+        publish_why(r);
+    }
+    if (!changed && !reasons_changed)
+        return;
+    px_replica_state_t old = r->state;
+    r->state = st;
+    px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
+    px_status_note_change(r, old);
+    dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
+                                                                                    : DP_LOG_WARN,
+                              "replica_state");
+    if (w) {
+        dp_jw_str(w, "pool", r->pool_name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "from", px_replica_state_names[old]);
+        dp_jw_str(w, "to", px_replica_state_names[st]);
+        dp_jw_arr_begin(w, "reasons");
+        for (size_t i = 0; i < r->nreasons; i++)
+            dp_jw_str(w, NULL, r->reasons[i]);
+        dp_jw_arr_end(w);
+        dp_log_end(w);
+    }
+    if (st != PX_REPLICA_ADMITTED && r->up)
+        net_upstream_flush_idle(r->up);
+    if (st != PX_REPLICA_ADMITTED)
+        px_workers_flush_replica(r->px, r, NULL);
+}
+
+void px_replica_set_drained(px_replica_t *r, bool drained)
+{
+    PX_ASSERT_CONTROL();
+    px_metric_set(r->m_drained, drained ? 1 : 0);
+    if (r->drained == drained)
+        return;
+    r->drained = drained;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, drained ? "replica_drained" : "replica_enabled");
+    if (w) {
+        dp_jw_str(w, "pool", r->pool_name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "state", px_replica_state_names[r->state]);
+        dp_jw_uint(w, "inflight", atomic_load(&r->inflight));
+        dp_log_end(w);
+    }
+    /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
+    if (drained && r->up)
+        net_upstream_flush_idle(r->up);
+    if (drained)
+        px_workers_flush_replica(r->px, r, NULL);
+}
+
+/* A replica carried over by a reload keeps its identity and attestation, but its TLS files
+ * are read again: certificates are rotated in place (cert-manager, Vault), and a replaced CA
+ * file must withdraw trust now, not at the next restart. Every upstream of the replica shares
+ * r->tls_ctx, so replacing its contents reaches them all; pooled connections made under the
+ * old settings are closed. If the new files do not load, the old settings stay. */
+void px_replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
+{
+    if (r->tls_ctx == NULL)
+        return;
+    const cfg_upstream_tls_t *ut = p->upstream_tls;
+    dp_buf_t err = {0};
+    net_tls_ctx_t *fresh =
+        net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                           ut ? ut->client_key_file : NULL, &err);
+    if (fresh == NULL) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "tls_load_failed");
+        if (w) {
+            dp_jw_str(w, "pool", p->name);
+            dp_jw_str(w, "replica", r->name);
+            dp_jw_str(w, "detail", err.base ? err.base : "");
+            dp_log_end(w);
+        }
+        dp_buf_free(&err);
+        return;
+    }
+    net_tls_ctx_replace(r->tls_ctx, fresh);
+    if (r->up)
+        net_upstream_flush_idle(r->up);
+    if (r->shadow_up)
+        net_upstream_flush_idle(r->shadow_up);
+    px_workers_flush_replica(r->px, r, fresh);
+    net_tls_ctx_unref(fresh);
+}
+
+px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def)
+{
+    return px_replica_create(px, p->gen->cfg, p->cfg, def, px_replica_key(p->cfg, def));
+}

@@ -1,0 +1,742 @@
+/* Hooks on the proxy path: tenant policy (SPEC §8), response fingerprints (§7) and the audit
+ * trail. Shadow sampling joins through px_shadow.h. */
+#include "proxy/data/hooks.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "policy/policy.h"
+#include "proxy/control/attest.h"
+#include "proxy/obs/audit.h"
+#include "proxy/obs/otel.h"
+#include "proxy/data/shadow.h"
+
+/* Per inference request: kept apart from px_hooks_req_t so pass-through requests stay small.
+ * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
+ * which makes steady-state parsing allocation-free. */
+typedef struct pol_s {
+    struct pol_s *next_free; /* the free list; also the queue of work waiting for the pool */
+    policy_req_t *preq;
+    policy_result_t res;
+    bool applied;
+    bool audit;
+    bool audited;
+    bool sse_rewrite;
+    policy_sse_fp_t sse;
+    policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
+    dp_buf_t out;
+    dp_buf_t in; /* offloaded requests: the client's body, moved here for the worker */
+    /* Policy work on a large body runs on the libuv thread pool (see police()). */
+    uv_work_t work;
+    uv_loop_t *loop;
+    px_hooks_req_t *h;
+    px_gen_t *gen;
+    const px_pool_t *pool;
+    int rc;
+    policy_route_t proute;
+    px_hooks_policed_cb done;
+    void *done_data;
+    dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
+    dp_buf_t resp_body;        /* with log.audit_store: those bytes, up to resp_cap */
+    size_t resp_cap;
+    bool store, resp_over;
+    policy_usage_t usage; /* token counts from the response (detproxy_tokens_total) */
+    char fwd_sha[65];
+    const char *route;
+    uint64_t wall_ms;
+    void (*then)(void *);
+    void *then_data;
+} pol_t;
+
+/* Per-tenant token buckets, keyed by tenant name so a reload that keeps a tenant keeps its
+ * bucket (a reload must not be a way around the limit). Only tenants with a rate_limit get one;
+ * a linear scan over them is fine at the tens of tenants a policy has.
+ *
+ * Every worker takes from the same bucket, lock-free: the bucket is GCRA's one number, the
+ * theoretical arrival time (seconds on the monotonic clock), advanced by compare-and-swap.
+ * A request is allowed when, after it, the bucket would be at most `burst` requests ahead of
+ * now: exactly a token bucket of that burst refilled at rate_rps. The list only grows at its
+ * head (a new tenant, under a mutex: cold) and lives until shutdown. */
+typedef struct bucket_s {
+    struct bucket_s *next;
+    _Atomic double tat;
+    char name[];
+} bucket_t;
+
+static _Atomic(bucket_t *) g_buckets;
+static pthread_mutex_t g_buckets_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static _Thread_local pol_t *g_free; /* per worker */
+static _Thread_local size_t g_nfree;
+
+/* Working space for affinity key bytes: one event loop per thread, and nothing in them outlives
+ * a call. A huge escaped prompt may grow them; they are let go past 256 KiB. */
+static _Thread_local dp_buf_t g_key, g_scratch;
+
+static pol_t *pol_get(void)
+{
+    pol_t *p = g_free;
+    if (p) {
+        g_free = p->next_free;
+        g_nfree--;
+        policy_req_t *keep = p->preq;
+        dp_buf_t out = p->out, in = p->in;
+        memset(p, 0, sizeof(*p));
+        p->preq = keep;
+        dp_buf_reset(&out);
+        dp_buf_reset(&in);
+        p->out = out;
+        p->in = in;
+        return p;
+    }
+    p = dp_xcalloc(1, sizeof(*p));
+    p->preq = policy_req_new();
+    return p;
+}
+
+static void pol_put(pol_t *p)
+{
+    dp_buf_free(&p->resp_body);
+    if (g_nfree >= 256 || p->out.cap > 256 * 1024 || p->in.cap > 256 * 1024) {
+        policy_req_free(p->preq);
+        dp_buf_free(&p->out);
+        dp_buf_free(&p->in);
+        free(p);
+        return;
+    }
+    policy_req_reset(p->preq);
+    p->next_free = g_free;
+    g_free = p;
+    g_nfree++;
+}
+
+void px_hooks_free_caches(void)
+{
+    bucket_t *b = atomic_exchange(&g_buckets, NULL);
+    while (b) {
+        bucket_t *next = b->next;
+        free(b);
+        b = next;
+    }
+    px_hooks_thread_free();
+}
+
+void px_hooks_thread_free(void)
+{
+    while (g_free) {
+        pol_t *p = g_free;
+        g_free = p->next_free;
+        policy_req_free(p->preq);
+        dp_buf_free(&p->out);
+        dp_buf_free(&p->in);
+        free(p);
+    }
+    g_nfree = 0;
+    dp_buf_free(&g_key);
+    dp_buf_free(&g_scratch);
+}
+
+void px_hooks_init(px_hooks_req_t *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->tenant = "-";
+}
+
+const char *px_hooks_tenant(const px_hooks_req_t *h)
+{
+    return h->tenant;
+}
+
+/* ---- tenants -------------------------------------------------------------------------------- */
+
+static size_t header_lookup(void *ud, const char *lname, dp_iovec_t *value)
+{
+    const net_req_t *req = ud;
+    size_t n = 0;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, lname)) {
+            if (n++ == 0)
+                *value = req->headers[i].value;
+        }
+    }
+    return n;
+}
+
+static bucket_t *bucket_find(const char *name)
+{
+    for (bucket_t *b = atomic_load_explicit(&g_buckets, memory_order_acquire); b; b = b->next)
+        if (strcmp(b->name, name) == 0)
+            return b;
+    return NULL;
+}
+
+static bucket_t *bucket_for(const cfg_tenant_t *t)
+{
+    bucket_t *b = bucket_find(t->name);
+    if (b)
+        return b;
+    pthread_mutex_lock(&g_buckets_mu);
+    if ((b = bucket_find(t->name)) == NULL) {
+        size_t n = strlen(t->name) + 1;
+        b = dp_xcalloc(1, sizeof(*b) + n);
+        memcpy(b->name, t->name, n);
+        atomic_init(&b->tat, 0); /* in the past: the whole burst is available */
+        b->next = atomic_load_explicit(&g_buckets, memory_order_relaxed);
+        atomic_store_explicit(&g_buckets, b, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_buckets_mu);
+    return b;
+}
+
+/* Take one request from t's bucket: 0, or the whole seconds until one is available. */
+static uint32_t rate_take(const cfg_tenant_t *t)
+{
+    bucket_t *b = bucket_for(t);
+    double now = (double)dp_now_ns() / 1e9;
+    double interval = 1.0 / t->rate_rps, ahead = (double)t->rate_burst * interval;
+    double tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
+    for (;;) {
+        double next = (tat > now ? tat : now) + interval;
+        if (next - now > ahead) {
+            /* A tiny rate (1e-20/s) waits longer than Retry-After's 32 bits: cap it, never
+             * cast it. */
+            double wait = ceil(next - ahead - now);
+            return wait < 1 ? 1 : wait >= UINT32_MAX ? UINT32_MAX : (uint32_t)wait;
+        }
+        if (atomic_compare_exchange_weak_explicit(&b->tat, &tat, next, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return 0;
+    }
+}
+
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req)
+{
+    (void)px;
+    policy_error_t err;
+    const cfg_tenant_t *t = policy_match_tenant(g->cfg->policy, header_lookup, req, &err);
+    if (t == NULL) {
+        snprintf(h->error, sizeof(h->error), "%s", err.message);
+        return -1;
+    }
+    h->tenant_cfg = t;
+    h->tenant = t->name;
+    if (t->rate_rps > 0 && (h->retry_after_s = rate_take(t)) != 0) {
+        snprintf(h->error, sizeof(h->error),
+                 "tenant %s is over its rate limit (%g requests per second, burst %u): retry "
+                 "after %u s",
+                 t->name, t->rate_rps, t->rate_burst, h->retry_after_s);
+        return -2;
+    }
+    return 0;
+}
+
+void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param)
+{
+    h->err_code = code;
+    snprintf(h->err_param, sizeof(h->err_param), "%s", param ? param : "");
+}
+
+bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL || !p->usage.found)
+        return false;
+    *prompt = p->usage.prompt_tokens;
+    *completion = p->usage.completion_tokens;
+    return true;
+}
+
+void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key)
+{
+    const pol_t *p = h->policy;
+    dp_jw_arr_begin(w, key);
+    for (size_t i = 0; p && p->applied && i < p->res.nchanges; i++) {
+        char item[64];
+        snprintf(item, sizeof(item), "%s:%s", p->res.changes[i].param,
+                 policy_action_names[p->res.changes[i].action]);
+        dp_jw_str(w, NULL, item);
+    }
+    dp_jw_arr_end(w);
+}
+
+const char *px_hooks_model(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL)
+        return "";
+    dp_iovec_t m = policy_model(p->preq);
+    return m.base ? m.base : "";
+}
+
+/* ---- inference ------------------------------------------------------------------------------ */
+
+static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
+                            const policy_result_t *res)
+{
+    /* Param names are static strings in the policy module: pointer-stable cache keys. */
+    for (size_t i = 0; i < res->nchanges; i++) {
+        const policy_change_t *c = &res->changes[i];
+        px_metric_add(px_gen_override_series(g, t, tenant, c->param, (int)c->action,
+                                             policy_action_names[c->action]),
+                      1);
+    }
+}
+
+/* ---- affinity keys (SPEC §18) ---------------------------------------------------------------- */
+
+/* On the loop, while the client's request is alive (policing may move to a worker and the
+ * client may leave meanwhile): the session header of the first session-keyed affinity pool
+ * that the request carries, kept as its digest. */
+static void affinity_session_header(px_hooks_req_t *h, const px_gen_t *g, const net_req_t *req)
+{
+    for (size_t i = 0; i < g->cfg->npools; i++) {
+        const cfg_pool_t *pc = &g->cfg->pools[i];
+        dp_iovec_t v = {NULL, 0};
+        if (pc->balance != CFG_BALANCE_AFFINITY || pc->affinity.key != CFG_AFFINITY_SESSION)
+            continue;
+        if (header_lookup((void *)req, pc->affinity.session_header, &v) > 0 && v.len > 0) {
+            h->affinity_header = pc->affinity.session_header;
+            h->affinity_header_key = px_aff_hash(v.base, v.len);
+            return;
+        }
+    }
+}
+
+static void affinity_key(px_hooks_req_t *h, const pol_t *p, const cfg_affinity_t *a)
+{
+    dp_iovec_t v = {NULL, 0};
+    bool have = false;
+    if (a->key == CFG_AFFINITY_SEED && p->res.has_seed) {
+        v = (dp_iovec_t){h->seed, strlen(h->seed)};
+        have = true;
+    } else if (a->key == CFG_AFFINITY_SESSION) {
+        if (h->affinity_header && strcmp(h->affinity_header, a->session_header) == 0) {
+            h->affinity.key = h->affinity_header_key;
+            h->affinity.fallback = false;
+            h->affinity.has_key = true;
+            return;
+        }
+        if (policy_affinity_user(p->preq, &g_key)) {
+            v = (dp_iovec_t){g_key.base, g_key.len};
+            have = true;
+        }
+    }
+    h->affinity.fallback = !have && a->key != CFG_AFFINITY_PREFIX;
+    if (!have) {
+        policy_affinity_prefix(p->preq, a->prefix_bytes, &g_key, &g_scratch);
+        v = (dp_iovec_t){g_key.base ? g_key.base : "", g_key.len};
+    }
+    h->affinity.key = px_aff_hash(v.base, v.len);
+    h->affinity.has_key = true;
+    if (g_key.cap > 256 * 1024)
+        dp_buf_free(&g_key);
+    if (g_scratch.cap > 256 * 1024)
+        dp_buf_free(&g_scratch);
+}
+
+/* Parse and police the body, pick the pool, hash what will be forwarded. Touches only the
+ * request's own pol_t and immutable configuration (the generation is referenced by the request),
+ * so it may run on a thread-pool worker. 0, or -1 with p->err. */
+static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, policy_route_t route,
+                  const char *body, size_t len)
+{
+    const cfg_pool_t *pc;
+    if (policy_decide(g->cfg, t, p->preq, route, body, len, &pc, &p->res, &p->err) != 0)
+        return -1;
+    /* Pools are built in the config's order. */
+    p->pool = &g->pools[pc - g->cfg->pools];
+    p->applied = true;
+    if (p->audit)
+        dp_sha256_hex(p->res.body.base, p->res.body.len, p->fwd_sha);
+    return 0;
+}
+
+/* Back on the loop: metrics, headers, response rewriting state; the refusal otherwise. */
+static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
+                   px_hooks_result_t *res)
+{
+    if (p->rc != 0) {
+        *res = (px_hooks_result_t){p->err.status, p->err.code,
+                                   p->err.param[0] ? p->err.param : NULL, p->err.message, NULL};
+        px_otel_refused(h->span, p->err.code);
+        return -1;
+    }
+    px_pool_t *pool = (px_pool_t *)p->pool;
+    count_overrides(g, h->tenant_cfg, h->tenant, &p->res);
+    px_otel_request(h->span, h->tenant, pool, &p->res);
+    h->stream = p->res.stream;
+    if (p->res.has_seed)
+        snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
+    *body = p->res.body;
+    if (pool->cfg->balance == CFG_BALANCE_AFFINITY)
+        affinity_key(h, p, &pool->cfg->affinity);
+    if (p->audit)
+        p->resp_sha = dp_sha256_begin();
+    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", pool->fingerprint);
+    if (h->stream) {
+        p->sse_rewrite = true;
+        policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
+    }
+    res->pool = pool;
+    return 0;
+}
+
+/* Offloaded policing takes at most half the libuv thread pool; the rest of the jobs wait here in
+ * arrival order. Audit writes, DNS and shadow comparisons share that pool: queued behind a few
+ * dozen large bodies, every audited request (any tenant, any pool) waited seconds. */
+/* The thread pool is the process's, shared by every worker: each takes its share of the half. */
+static _Thread_local pol_t *g_wait_head, *g_wait_tail;
+static _Thread_local unsigned g_policing, g_policing_max;
+
+static unsigned policing_max(px_t *px)
+{
+    if (g_policing_max == 0) {
+        const char *e = getenv("UV_THREADPOOL_SIZE"); /* as libuv reads it: default 4 */
+        long n = e && *e ? strtol(e, NULL, 10) : 4;
+        if (n > 1024)
+            n = 1024;
+        n = n >= 2 ? n / 2 : 1;
+        n /= px->nworkers ? px->nworkers : 1;
+        g_policing_max = n >= 1 ? (unsigned)n : 1;
+    }
+    return g_policing_max;
+}
+
+static void police_work(uv_work_t *w)
+{
+    pol_t *p = w->data;
+    p->rc = police(p, p->gen, p->h->tenant_cfg, p->proute, p->in.base ? p->in.base : "", p->in.len);
+}
+
+static void police_done(uv_work_t *w, int status);
+
+static void police_done_now(pol_t *p)
+{
+    px_hooks_result_t res = {0};
+    dp_iovec_t body = {0};
+    int rc = policed(p->h, p->gen, p, &body, &res);
+    p->done(p->done_data, rc, body, &res);
+}
+
+/* 0, or the uv_queue_work error (the caller then polices on the loop). */
+static int police_start(pol_t *p)
+{
+    int rc = uv_queue_work(p->loop, &p->work, police_work, police_done);
+    if (rc == 0)
+        g_policing++;
+    return rc;
+}
+
+static void police_done(uv_work_t *w, int status)
+{
+    pol_t *p = w->data;
+    (void)status; /* work is never cancelled: the request waits for it even if its client left */
+    g_policing--;
+    if (g_wait_head) {
+        pol_t *next = g_wait_head;
+        g_wait_head = next->next_free;
+        if (g_wait_head == NULL)
+            g_wait_tail = NULL;
+        if (police_start(next) != 0) {
+            police_work(&next->work);
+            police_done_now(next);
+        }
+    }
+    police_done_now(p);
+}
+
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
+                       policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
+                       px_hooks_policed_cb done, void *done_data)
+{
+    h->inference = true;
+    pol_t *p = pol_get();
+    h->policy = p;
+    static const char *const route_paths[] = {"/v1/completions", "/v1/chat/completions",
+                                              "/v1/responses"};
+    p->route = route_paths[route];
+    h->span = px_otel_start(px, req, p->route, h->traceparent, &h->new_trace);
+    p->wall_ms = dp_wall_ms();
+    p->audit = h->tenant_cfg && h->tenant_cfg->audit;
+    affinity_session_header(h, g, req);
+    p->store = p->audit && px->audit && g->cfg->log.audit_store; /* px_audit_configure's */
+    p->resp_cap = g->cfg->limits.max_response_rewrite_bytes;     /* the store keeps this much */
+    if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
+        p->rc =
+            police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
+        return policed(h, g, p, body, res);
+    }
+    /* A large body: parsing, canonical JSON and hashing take milliseconds per megabyte; on the
+     * loop they would stall every other connection and the admin listener (issue 11). The body
+     * moves to the pol_t, so the worker never reads memory the client's connection owns. */
+    dp_buf_t mine = p->in;
+    p->in = req->body;
+    req->body = mine;
+    p->h = h;
+    p->gen = g;
+    p->proute = route;
+    p->done = done;
+    p->done_data = done_data;
+    p->work.data = p;
+    p->loop = px_worker_loop(px_worker_self());
+    if (g_policing < policing_max(px)) {
+        if (police_start(p) != 0) {
+            p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
+            return policed(h, g, p, body, res);
+        }
+    } else {
+        p->next_free = NULL;
+        if (g_wait_tail)
+            g_wait_tail->next_free = p;
+        else
+            g_wait_head = p;
+        g_wait_tail = p;
+    }
+    return 1;
+}
+
+/* Our fingerprint for this answer: the admitted identity's, else the pool's. */
+static const char *fp_of(const px_hooks_req_t *h, const px_pool_t *pool)
+{
+    return h->fingerprint[0] ? h->fingerprint : pool->fingerprint;
+}
+
+void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_header_t *out,
+                               size_t *n)
+{
+    if (!h->inference)
+        return;
+    if (h->tenant_cfg)
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-tenant"), {h->tenant, strlen(h->tenant)}};
+    if (pool) {
+        const char *fp = fp_of(h, pool);
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-fingerprint"), {fp, strlen(fp)}};
+    }
+    if (h->seed[0])
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
+    if (h->affinity.result != PX_AFF_NONE) {
+        const char *v = px_aff_result_names[h->affinity.result];
+        out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-affinity"), {v, strlen(v)}};
+    }
+}
+
+/* ---- responses ------------------------------------------------------------------------------ */
+
+bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n)
+{
+    if (!h->inference || h->stream || status < 200 || status >= 300)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type")) {
+            const dp_iovec_t v = hdrs[i].value;
+            h->hold = v.len >= 16 && dp_memieq(v.base, "application/json", 16);
+            return h->hold;
+        }
+    }
+    return false;
+}
+
+void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
+                               net_header_t *extra, size_t *nextra)
+{
+    pol_t *p = h->policy;
+    if (p == NULL)
+        return;
+    dp_buf_reset(&p->out);
+    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, fp_of(h, pool), &p->out,
+                               h->upstream_fp) != 1)
+        return; /* not a JSON object: forward it as it is */
+    dp_buf_t t = *body;
+    *body = p->out;
+    p->out = t;
+    if (h->upstream_fp[0])
+        extra[(*nextra)++] = (net_header_t){DP_IOV("x-detproxy-upstream-fingerprint"),
+                                            {h->upstream_fp, strlen(h->upstream_fp)}};
+}
+
+static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
+{
+    if (p)
+        policy_usage_feed(&p->usage, b, n);
+    if (p && p->resp_sha)
+        dp_sha256_update(p->resp_sha, b, n);
+    if (p && p->store && !p->resp_over) {
+        if (p->resp_body.len + n > p->resp_cap) {
+            p->resp_over = true; /* hashed, not stored: the line says so */
+            dp_buf_free(&p->resp_body);
+        } else {
+            dp_buf_append(&p->resp_body, b, n);
+        }
+    }
+    if (h->shadow)
+        px_shadow_primary_bytes(h->shadow, b, n);
+    px_otel_bytes(h->span, b, n);
+}
+
+dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
+{
+    pol_t *p = h->policy;
+    dp_iovec_t v = {b, n};
+    if (p && p->sse_rewrite) {
+        dp_buf_reset(&p->out);
+        policy_sse_fp_feed(&p->sse, b, n, &p->out);
+        v = (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len};
+    }
+    tee(h, p, v.base, v.len);
+    return v;
+}
+
+bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    return p && p->sse_rewrite;
+}
+
+dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->sse_rewrite)
+        return (dp_iovec_t){"", 0};
+    dp_buf_reset(&p->out);
+    policy_sse_fp_finish(&p->sse, &p->out);
+    if (p->sse.prev[0] && !h->upstream_fp[0])
+        snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
+    dp_iovec_t v = {p->out.base ? p->out.base : "", p->out.len};
+    tee(h, p, v.base, v.len);
+    return v;
+}
+
+/* ---- audit ---------------------------------------------------------------------------------- */
+
+static void audit_done(void *data, int status)
+{
+    pol_t *p = data;
+    (void)status; /* failures are logged and counted by px_audit */
+    void (*then)(void *) = p->then;
+    p->then = NULL;
+    if (then)
+        then(p->then_data);
+}
+
+/* Build and queue the audit line; with `then`, it runs once the line is written. */
+static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, const px_replica_t *r,
+                        int status, const char *request_id, void (*then)(void *), void *data)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->audit || p->audited)
+        return false;
+    p->audited = true;
+    char resp_sha[65];
+    dp_sha256_end_hex(p->resp_sha, resp_sha);
+    p->resp_sha = NULL;
+    /* No made-up hash: a body no replica sent has none (null), not the hash of nothing. */
+    const char *resp_hex = h->upstream_answered ? resp_sha : NULL;
+    dp_iovec_t model = policy_model(p->preq);
+    policy_audit_t a = {
+        .wall_ms = p->wall_ms,
+        .request_id = request_id,
+        .tenant = h->tenant,
+        .pool = pool ? pool->name : NULL,
+        .replica = r ? r->name : NULL,
+        .fingerprint = pool ? fp_of(h, pool) : NULL,
+        .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
+        .fingerprint_mismatch = h->fp_mismatch,
+        .route = p->route,
+        .model = model.base,
+        .result = p->applied ? &p->res : NULL,
+        .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
+        .response_sha256 = resp_hex,
+        .status = status,
+        .error_code = h->err_code,
+        .error_param = h->err_code && h->err_param[0] ? h->err_param : NULL,
+    };
+    dp_buf_t line = {0};
+    policy_audit_line(&a, &line);
+    px_audit_body_t bodies[2];
+    size_t nb = 0;
+    if (p->store && a.forwarded_sha256)
+        bodies[nb++] = (px_audit_body_t){p->fwd_sha, p->res.body.base, p->res.body.len, NULL};
+    if (p->store && resp_hex && !p->resp_over)
+        bodies[nb++] = (px_audit_body_t){resp_sha, NULL, 0, &p->resp_body};
+    if (p->store && resp_hex && p->resp_over && line.len > 2) {
+        line.len -= 2; /* "}\n": one more member, read by `audit verify` */
+        dp_buf_appends(&line, ",\"response_body_stored\":false}\n");
+    }
+    p->then = then;
+    p->then_data = data;
+    px_audit_submit(px, line.base, line.len, bodies, nb, then ? audit_done : NULL, p);
+    dp_buf_free(&line);
+    return then != NULL;
+}
+
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
+                         int status, const char *request_id, void (*then)(void *data), void *data)
+{
+    /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
+     * requests until it is re-attested. */
+    if (h->inference && r && status >= 200 && status < 300) {
+        h->fp_mismatch = px_attest_response_fingerprint(px, r, h->upstream_fp);
+        /* A stream whose fingerprint changed part-way: its later one is checked too, and it
+         * is the one audited when it is the one that differs. */
+        const pol_t *p = h->policy;
+        if (!h->fp_mismatch && p && p->sse_rewrite && p->sse.alt[0] &&
+            px_attest_response_fingerprint(px, r, p->sse.alt)) {
+            h->fp_mismatch = true;
+            snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.alt);
+        }
+    }
+    return write_audit(h, px, pool, r, status, request_id, then, data);
+}
+
+/* ---- dispatch and the end ----------------------------------------------------------------- */
+
+void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
+                         const net_req_t *req, const char *body, size_t len)
+{
+    pol_t *p = h->policy;
+    /* Each accepted identity has its own fingerprint (SPEC §4 "accept"): the answer carries the
+     * one of the replica it came from. */
+    char fp[24];
+    px_seqstr_get(&r->wfingerprint, fp); /* written by attestation, on the control thread */
+    if (fp[0])
+        memcpy(h->fingerprint, fp, sizeof(h->fingerprint));
+    if (h->affinity.result != PX_AFF_NONE && pool->m_affinity[h->affinity.result])
+        px_metric_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
+    if (p == NULL)
+        return;
+    if (h->shadow == NULL)
+        h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);
+    px_otel_replica(h->span, r->name, h->shadow != NULL);
+}
+
+void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err)
+{
+    (void)h;
+    /* Only a refused or timed-out connect says the replica is gone; the keep-alive race
+     * (a pooled connection closed under us) is routine with vLLM's 5 s keep-alive. */
+    if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
+        px_attest_connection_failed(px, r, err == NET_UP_CONNECT);
+}
+
+void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,
+                     const char *request_id)
+{
+    write_audit(h, px, pool, r, status, request_id, NULL, NULL);
+    px_otel_end(px, h->span, status, request_id, h->upstream_fp[0] ? h->upstream_fp : NULL);
+    h->span = NULL;
+    if (h->shadow) {
+        px_shadow_primary_done(h->shadow, status);
+        h->shadow = NULL;
+    }
+    pol_t *p = h->policy;
+    if (p) {
+        h->policy = NULL;
+        if (p->resp_sha)
+            dp_sha256_end_hex(p->resp_sha, (char[65]){0});
+        pol_put(p);
+    }
+}

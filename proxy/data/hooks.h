@@ -1,0 +1,117 @@
+/* The features layered on the proxy path — tenant policy (issue 3), audit, shadow sampling
+ * (issue 5), attestation feedback (issue 4) — behind one small interface, so px_proxy.c stays
+ * about moving bytes. Every function is called from the event loop for one request. */
+#ifndef PX_PIPELINE_H
+#define PX_PIPELINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/jw.h"
+#include "policy/policy.h"
+#include "proxy/core/px.h"
+
+typedef struct {
+    const char *tenant;    /* tenant name for labels and headers; "-" before matching */
+    void *policy;          /* policy state (px_pipeline.c) */
+    void *shadow;          /* shadow capture (px_shadow.c) */
+    void *span;            /* OpenTelemetry span (px_otel.c), NULL when not sampled */
+    char traceparent[56];  /* sent to the replica instead of the client's; "" = pass through */
+    bool new_trace;        /* traceparent starts a new trace: the client's tracestate is dropped */
+    char seed[24];         /* decimal seed sent upstream, "" when none */
+    char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
+    char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was
+                              admitted as (a manifest "accept" list gives several) */
+    char error[256];
+    bool inference;
+    bool stream;
+    bool hold;              /* the response is held whole for rewriting */
+    bool upstream_answered; /* a replica's response head arrived (its body is what is hashed) */
+    bool fp_mismatch; /* upstream_fp differed from the replica's attested engine fingerprint */
+    const cfg_tenant_t *tenant_cfg;
+    /* detproxy's own refusal, for the audit line: static code, copied param ("" none). */
+    const char *err_code;
+    char err_param[64];
+    uint32_t retry_after_s;       /* 429 rate_limited: the Retry-After value */
+    px_affinity_t affinity;       /* routing key of an affinity pool, and where it led */
+    const char *affinity_header;  /* session header seen (config string), NULL when none */
+    uint64_t affinity_header_key; /* its value's digest */
+} px_hooks_req_t;
+
+typedef struct {
+    int status; /* error to answer when px_hooks_inference fails */
+    const char *code;
+    const char *param;
+    const char *message;
+    px_pool_t *pool; /* on success: where to send it */
+} px_hooks_result_t;
+
+void px_hooks_init(px_hooks_req_t *h);
+/* Release recycled per-request objects: this thread's (a loop thread that ends), and with
+ * free_caches the shared rate buckets too (shutdown, on the control thread). */
+void px_hooks_thread_free(void);
+void px_hooks_free_caches(void);
+const char *px_hooks_tenant(const px_hooks_req_t *h);
+
+/* Every request: match a tenant, then take a token from its rate limit. 0; -1 with h->error
+ * set when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
+ * (429 rate_limited, h->error and h->retry_after_s set). */
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req);
+/* detproxy refused the request with code/param (param may be NULL): for the audit line. */
+void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
+/* Token usage seen in the response so far (prompt, completion): false when none. */
+bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);
+/* The policy's changes, for the access log: "param:action" items in out, comma-separated. */
+void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key);
+/* The model the request named ("" before the body was parsed). */
+const char *px_hooks_model(const px_hooks_req_t *h);
+
+/* Bodies from this size up are policed on the libuv thread pool, off the event loop. */
+#define PX_POLICY_OFFLOAD_BYTES (64 * 1024)
+
+typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hooks_result_t *res);
+
+/* Inference requests: validate and police the body, pick the pool, and point *body at the
+ * body to send (valid until px_hooks_finish). 0, or -1 with res->status/code/param/message
+ * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
+ * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
+ * loop with the same results. px_hooks_finish must not run before it. */
+int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
+                       policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
+                       px_hooks_policed_cb done, void *done_data);
+
+/* Headers every inference response carries (tenant, fingerprint, seed, affinity); out has
+ * room. */
+void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_header_t *out,
+                               size_t *n);
+
+/* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? */
+bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n);
+/* Rewrite a held body in place; may add headers (upstream fingerprint) to extra. */
+void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
+                               net_header_t *extra, size_t *nextra);
+
+/* The request left for replica r (the first attempt or the retry). */
+void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
+                         const net_req_t *req, const char *body, size_t len);
+/* Response body bytes from the replica: returns the bytes to forward (the input itself, or a
+ * rewritten copy valid until the next call), after teeing them for shadow capture and audit
+ * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */
+dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
+/* Whether px_hooks_response_bytes may change the body's length (a stream's fingerprints are
+ * rewritten): the replica's Content-Length then does not hold for what is forwarded. */
+bool px_hooks_rewrites_bytes(const px_hooks_req_t *h);
+dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
+
+/* The response is about to end with `status`. Returns true when an audit line is being written
+ * and then(data) will run once it is on its way to disk (end the response there); false when
+ * nothing needs waiting for. */
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
+                         int status, const char *request_id, void (*then)(void *data), void *data);
+/* An exchange with replica r failed with err. */
+void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err);
+/* The request is over (status 499 when the client went away). Releases hook state. */
+void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,
+                     const char *request_id);
+
+#endif

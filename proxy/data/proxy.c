@@ -1,0 +1,1290 @@
+/* The proxy listener's handler: one px_preq_t per client request.
+ *
+ * Inference routes (POST /v1/completions, /v1/chat/completions) are read whole, run through
+ * policy, routed by model, and sent with a fresh Content-Length; the bytes stay in memory so
+ * the retry rule (SPEC §7) can resend them. Everything else streams through to the first pool.
+ * Responses stream back as each upstream read completes, with backpressure both ways.
+ *
+ * A px_preq_t has one owner and one free path (preq_finish). It ends when the client's
+ * response ended (or the client went away) and no upstream exchange is left running. A
+ * replica slot (replica->inflight) is held exactly while preq->replica is set.
+ *
+ * Everything here runs on a worker (px_worker.c): a request lives and ends on the worker that
+ * accepted its connection, with that worker's upstream pools, queues and caches. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/jw.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "proxy/core/px.h"
+#include "proxy/obs/access.h"
+#include "proxy/data/hooks.h"
+#include "proxy/core/self.h"
+
+typedef enum {
+    ROUTE_PASS = 0,
+    ROUTE_COMPLETIONS,
+    ROUTE_CHAT,
+    ROUTE_RESPONSES,
+    ROUTE_MODELS,
+    ROUTE_UNPOLICED,
+} route_t;
+
+/* The canonical path of an inference route, and the policy's name for it. */
+static const char *const route_paths[] = {[ROUTE_COMPLETIONS] = "/v1/completions",
+                                          [ROUTE_CHAT] = "/v1/chat/completions",
+                                          [ROUTE_RESPONSES] = "/v1/responses"};
+
+static bool is_inference(route_t r)
+{
+    return r == ROUTE_COMPLETIONS || r == ROUTE_CHAT || r == ROUTE_RESPONSES;
+}
+
+static policy_route_t policy_route(route_t r)
+{
+    return r == ROUTE_CHAT        ? POLICY_ROUTE_CHAT
+           : r == ROUTE_RESPONSES ? POLICY_ROUTE_RESPONSES
+                                  : POLICY_ROUTE_COMPLETIONS;
+}
+
+struct px_preq_s {
+    px_t *px;
+    px_gen_t *gen;
+    net_req_t *req; /* NULL once the client is gone */
+    px_pool_t *pool;
+    px_replica_t *replica; /* holds a slot while set */
+    px_replica_t *failed;  /* replica of the first attempt, avoided by the retry */
+    net_creq_t *up;
+    route_t route;
+    char id[24]; /* the request id, kept after the client request is gone */
+    uint64_t start_ns;
+    dp_buf_t head; /* upstream request head */
+    /* Inference: the (post-policy) body to send. It points into the policy result or the
+     * client's own body, both alive until finish(): kept for the retry rule, never copied. */
+    dp_iovec_t body;
+    bool stream_body;
+    bool policing;        /* the body is being policed on the thread pool */
+    uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
+    bool retried;
+    bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
+    bool queued;
+    bool paused_upstream;
+    bool client_started;
+    bool audit_wait;      /* the response's end waits for its audit line (px_hooks_before_end) */
+    bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
+    dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0reason\0" */
+    /* A held response (rewritten whole by a hook before it is sent), at most
+     * limits.max_response_rewrite_bytes of it; beyond that it is passed through (release_held): */
+    int held_status;
+    int64_t held_cl;    /* the replica's Content-Length, -1 when it did not send one */
+    dp_buf_t held_hdrs; /* "name\0value\0" pairs */
+    dp_buf_t held_body;
+    net_header_t *held_out; /* the head to send, built by prepare_held */
+    size_t held_nout;
+    net_header_t held_stack[32]; /* held_out when it fits */
+    px_preq_t *qnext, *qprev;
+    uint64_t qdeadline;
+    uint64_t qticket; /* its place in the pool's queue order across workers */
+    int status;
+    /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
+     * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
+     * Always a static string: the label set stays bounded. */
+    const char *code;
+    bool rejected; /* the server answered (413, 408, ...): on_abort must not make it a 499 */
+    bool counted;  /* its metrics are in (count_request) */
+    uint64_t up_start_ns, up_head_ns, up_end_ns; /* the last replica exchange */
+    /* For the access log, which is written after the client request is gone: */
+    char method[16];
+    char path[256]; /* the first 255 bytes */
+    char remote[48];
+    px_hooks_req_t hooks; /* policy / audit / shadow state (px_pipeline.h) */
+};
+
+static void dispatch(px_preq_t *q);
+static void finish(px_preq_t *q);
+static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl);
+static void count_request(px_preq_t *q);
+
+/* Request contexts are recycled with their head buffer, so a steady stream of requests does
+ * not touch malloc for them. Bounded: a burst does not pin memory forever. */
+#define PREQ_CACHE_MAX 256
+static _Thread_local px_preq_t *g_preq_free; /* per worker: no lock, no sharing */
+static _Thread_local size_t g_npreq_free;
+
+static px_preq_t *preq_get(void)
+{
+    px_preq_t *q = g_preq_free;
+    if (q == NULL)
+        return dp_xcalloc(1, sizeof(*q));
+    g_preq_free = q->qnext;
+    g_npreq_free--;
+    /* Keep the buffers' capacity: a steady stream of requests reuses them. */
+    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body, rf = q->refusal;
+    memset(q, 0, sizeof(*q));
+    dp_buf_reset(&head);
+    dp_buf_reset(&hh);
+    dp_buf_reset(&hb);
+    dp_buf_reset(&rf);
+    q->head = head;
+    q->held_hdrs = hh;
+    q->held_body = hb;
+    q->refusal = rf;
+    return q;
+}
+
+void px_proxy_free_caches(void)
+{
+    while (g_preq_free) {
+        px_preq_t *q = g_preq_free;
+        g_preq_free = q->qnext;
+        dp_buf_free(&q->head);
+        dp_buf_free(&q->held_hdrs);
+        dp_buf_free(&q->held_body);
+        dp_buf_free(&q->refusal);
+        free(q);
+    }
+    g_npreq_free = 0;
+}
+
+static void held_out_free(px_preq_t *q);
+
+static void preq_put(px_preq_t *q)
+{
+    held_out_free(q);
+    if (q->held_body.cap > 64 * 1024)
+        dp_buf_free(&q->held_body);
+    if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384 ||
+        q->refusal.cap > 16384) {
+        dp_buf_free(&q->head);
+        dp_buf_free(&q->held_hdrs);
+        dp_buf_free(&q->held_body);
+        dp_buf_free(&q->refusal);
+        free(q);
+        return;
+    }
+    q->qnext = g_preq_free;
+    g_preq_free = q;
+    g_npreq_free++;
+}
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+#define PX_EXTRA_HEADERS 9 /* room callers leave for extra_headers() */
+
+static void extra_headers(px_preq_t *q, net_header_t *h, size_t *n)
+{
+    h[(*n)++] = (net_header_t){DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}};
+    if (q->replica)
+        h[(*n)++] = (net_header_t){DP_IOV("x-detproxy-replica"),
+                                   {q->replica->name, strlen(q->replica->name)}};
+    px_hooks_response_headers(&q->hooks, q->pool, h, n);
+}
+
+static void retry_after_header(px_preq_t *q, net_header_t *h, size_t *n, char buf[12])
+{
+    if (q->status != 429 || q->hooks.retry_after_s == 0)
+        return;
+    snprintf(buf, 12, "%u", q->hooks.retry_after_s);
+    h[(*n)++] = (net_header_t){DP_IOV("retry-after"), {buf, strlen(buf)}};
+}
+
+/* Send the refusal fail_client prepared: at once, or from the audit callback once its audit
+ * line is written (an audited client never holds an answer whose line is not on its way to
+ * disk, refusals included). Finishes q only when finish() was deferred to it. */
+static void send_refusal(void *data)
+{
+    px_preq_t *q = data;
+    bool waited = q->audit_wait;
+    q->audit_wait = false;
+    if (q->req) {
+        const char *message = q->refusal.base;
+        const char *param = message + strlen(message) + 1;
+        const char *reason = param + strlen(param) + 1;
+        net_header_t h[PX_EXTRA_HEADERS];
+        size_t n = 0;
+        char ra[12];
+        extra_headers(q, h, &n);
+        retry_after_header(q, h, &n, ra);
+        dp_jw_t *w = dp_log_begin(q->status >= 500 ? DP_LOG_WARN : DP_LOG_INFO, "request_failed");
+        if (w) {
+            dp_jw_str(w, "request_id", q->req->id);
+            dp_jw_int(w, "status", q->status);
+            dp_jw_str(w, "code", q->code);
+            dp_jw_str(w, "reason", reason);
+            if (q->pool)
+                dp_jw_str(w, "pool", q->pool->name);
+            if (q->replica)
+                dp_jw_str(w, "replica", q->replica->name);
+            dp_log_end(w);
+        }
+        count_request(q); /* before the answer: a client that reads it sees it counted */
+        net_resp_error(q->req, q->status, NULL, q->code, param[0] ? param : NULL, message, h, n);
+        q->req = NULL;
+    }
+    if (waited && q->finish_deferred)
+        finish(q);
+}
+
+/* Answer the client with an OpenAI-shaped error (if it is still there and nothing was sent).
+ * The caller calls finish(q) next, as always; for an audited tenant the answer (and the
+ * finish) may wait for the audit line. The log line gives `reason`, which may say more than
+ * the client is told. */
+static void fail_client_why(px_preq_t *q, int status, const char *code, const char *param,
+                            const char *message, const char *reason)
+{
+    q->status = status;
+    q->code = code;
+    px_hooks_refused(&q->hooks, code, param);
+    if (q->req == NULL)
+        return;
+    if (q->client_started) {
+        net_resp_abort(q->req);
+        q->req = NULL;
+        return;
+    }
+    /* message and param may live in buffers reused before the audit line is written. */
+    dp_buf_reset(&q->refusal);
+    dp_buf_appends(&q->refusal, message ? message : "");
+    dp_buf_appendc(&q->refusal, '\0');
+    dp_buf_appends(&q->refusal, param ? param : "");
+    dp_buf_appendc(&q->refusal, '\0');
+    dp_buf_appends(&q->refusal, reason ? reason : "");
+    dp_buf_appendc(&q->refusal, '\0');
+    /* Set before the call: the audit module may run the callback from inside it. */
+    q->audit_wait = true;
+    if (px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, status, q->id, send_refusal, q))
+        return;
+    q->audit_wait = false;
+    send_refusal(q);
+}
+
+static void fail_client(px_preq_t *q, int status, const char *code, const char *param,
+                        const char *message)
+{
+    fail_client_why(q, status, code, param, message, message);
+}
+
+/* 503 no_attested_replica. Why each replica is out (`quantization mismatch: got gptq want
+ * awq`) describes the fleet to whoever asks: the client is told the pool and its request id
+ * only; the reasons go to the log and stay on the admin listener (SPEC §7). */
+static void fail_unavailable(px_preq_t *q)
+{
+    dp_buf_t why = {0}, msg = {0};
+    px_pool_why_unavailable(q->pool, &why);
+    /* A tenant that requires a determinism mode learns that this is what is missing (the
+     * replicas' own reasons stay in the log and on the admin listener, as for everyone). */
+    const cfg_tenant_t *t = q->hooks.tenant_cfg;
+    if (t && t->require_determinism != CFG_DETERMINISM_NONE)
+        dp_buf_printf(&msg,
+                      "no attested replica is available in pool %s, whose determinism.mode "
+                      "\"%s\" this tenant requires (request id %s)",
+                      q->pool->name, cfg_determinism_names[t->require_determinism], q->id);
+    else
+        dp_buf_printf(&msg, "no attested replica is available in pool %s (request id %s)",
+                      q->pool->name, q->id);
+    fail_client_why(q, 503, "no_attested_replica", NULL, msg.base, why.base ? why.base : "");
+    dp_buf_free(&why);
+    dp_buf_free(&msg);
+}
+
+/* ---- slots and the admission queue ------------------------------------------------------- */
+
+uv_timer_t *px_worker_qtimer(void);
+px_pool_slot_t **px_worker_qactive(void);
+void px_worker_count_request(void);
+
+static px_pool_slot_t *qslot(px_pool_t *p)
+{
+    return &p->slots[px_slot()];
+}
+
+static void slot_release(px_preq_t *q)
+{
+    px_replica_t *r = q->replica;
+    if (r == NULL)
+        return;
+    q->replica = NULL;
+    px_replica_put_slot(r);
+    px_replica_unref(r);
+    px_proxy_slot_freed(q->pool);
+}
+
+static void deactivate(px_pool_slot_t *sl)
+{
+    for (px_pool_slot_t **pp = px_worker_qactive(); *pp; pp = &(*pp)->active_next) {
+        if (*pp == sl) {
+            *pp = sl->active_next;
+            break;
+        }
+    }
+    sl->active_next = NULL;
+    sl->active = false;
+}
+
+/* The worker's one timer, at the earliest head deadline of its non-empty queues. */
+static void queue_arm(void)
+{
+    uv_timer_t *t = px_worker_qtimer();
+    uint64_t first = UINT64_MAX;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl; sl = sl->active_next)
+        if (sl->q_head->qdeadline < first)
+            first = sl->q_head->qdeadline;
+    if (first == UINT64_MAX) {
+        uv_timer_stop(t);
+        return;
+    }
+    uint64_t now = uv_now(t->loop);
+    uv_timer_start(t, px_proxy_queue_timer_cb, first > now ? first - now : 0, 0);
+}
+
+static void publish_head(px_pool_slot_t *sl)
+{
+    atomic_store_explicit(&sl->head_ticket, sl->q_head ? sl->q_head->qticket + 1 : 0,
+                          memory_order_relaxed);
+}
+
+static void queue_remove(px_preq_t *q)
+{
+    if (!q->queued)
+        return;
+    px_pool_t *p = q->pool;
+    px_pool_slot_t *sl = qslot(p);
+    if (q->qprev)
+        q->qprev->qnext = q->qnext;
+    else
+        sl->q_head = q->qnext;
+    if (q->qnext)
+        q->qnext->qprev = q->qprev;
+    else
+        sl->q_tail = q->qprev;
+    q->qnext = q->qprev = NULL;
+    q->queued = false;
+    sl->qlen--;
+    publish_head(sl);
+    atomic_fetch_sub(&p->waiting, 1);
+    atomic_fetch_sub(&p->gen->px->queued, 1);
+    if (sl->q_head == NULL) {
+        deactivate(sl);
+        queue_arm();
+    }
+}
+
+static void queue_push(px_preq_t *q)
+{
+    px_pool_t *p = q->pool;
+    px_pool_slot_t *sl = qslot(p);
+    q->queued = true;
+    q->qdeadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
+    q->qticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
+    q->qprev = sl->q_tail;
+    q->qnext = NULL;
+    if (sl->q_tail)
+        sl->q_tail->qnext = q;
+    else
+        sl->q_head = q;
+    sl->q_tail = q;
+    sl->qlen++;
+    if (sl->q_head == q)
+        publish_head(sl);
+    atomic_fetch_add(&p->waiting, 1); /* seq_cst: pairs with px_proxy_slot_freed's load */
+    atomic_fetch_add(&p->gen->px->queued, 1);
+    if (!sl->active) {
+        sl->active = true;
+        sl->active_next = *px_worker_qactive();
+        *px_worker_qactive() = sl;
+        queue_arm();
+    }
+}
+
+void px_proxy_queue_timer_cb(uv_timer_t *t)
+{
+    uint64_t now = uv_now(t->loop);
+    /* One expired head at a time: failing it may empty its queue (and unlink it). */
+    for (;;) {
+        px_preq_t *q = NULL;
+        for (px_pool_slot_t *sl = *px_worker_qactive(); sl && !q; sl = sl->active_next)
+            if (sl->q_head->qdeadline <= now)
+                q = sl->q_head;
+        if (q == NULL)
+            break;
+        queue_remove(q);
+        fail_client(q, 504, "queue_timeout", NULL,
+                    "timed out waiting for a replica slot (max_inflight_per_replica)");
+        finish(q);
+    }
+    queue_arm();
+}
+
+/* Does another worker have a request for p that queued before this worker's head? */
+static bool older_head_elsewhere(const px_pool_t *p, const px_pool_slot_t *sl)
+{
+    uint64_t mine = sl->q_head->qticket + 1;
+    for (unsigned i = 1; i < p->gen->px->nslots; i++) {
+        uint64_t t = atomic_load_explicit(&p->slots[i].head_ticket, memory_order_relaxed);
+        if (&p->slots[i] != sl && t != 0 && t < mine)
+            return true;
+    }
+    return false;
+}
+
+/* Hand free slots to this worker's queue of p, oldest first across the workers: when another
+ * worker's head queued earlier, it is woken to take the slot and this queue waits. True when
+ * the queue is empty at the end. */
+static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl)
+{
+    while (sl->q_head) {
+        if (older_head_elsewhere(p, sl)) {
+            px_workers_wake(p->gen->px);
+            return false;
+        }
+        int why;
+        px_preq_t *q = sl->q_head;
+        px_replica_t *r = px_router_pick(p, NULL, &q->hooks.affinity, &why);
+        if (r == NULL) {
+            if (why != 0)
+                return false;
+            /* Every replica left the admitted set while requests waited. */
+            queue_remove(q);
+            fail_unavailable(q);
+            finish(q);
+            continue;
+        }
+        queue_remove(q);
+        q->replica = r; /* the pick took its slot */
+        dispatch(q);
+    }
+    return true;
+}
+
+void px_proxy_slot_freed(px_pool_t *p)
+{
+    px_t *px = p->gen->px;
+    if (!serve_queue(p, qslot(p)))
+        return;
+    /* Nothing waits here for this pool, but maybe on another worker, or for this pool's
+     * replicas under another generation (a reload while requests queue): let them look. With
+     * the release (a seq_cst decrement) and these seq_cst loads against queue_push's
+     * increments and dispatch's serve_queue, a waiter either sees the free slot or is seen. */
+    if (atomic_load(&p->waiting) > 0 || atomic_load(&px->queued) > 0) {
+        px_workers_wake(px);
+        if (px_worker_self() && *px_worker_qactive())
+            px_proxy_dispatch_waiting(); /* this worker's queues of other generations */
+    }
+}
+
+void px_proxy_dispatch_waiting(void)
+{
+    px_pool_t *pools[64];
+    size_t n = 0;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl && n < DP_ARRAY_SIZE(pools);
+         sl = sl->active_next)
+        pools[n++] = sl->q_head->pool;
+    /* A pool's queued requests hold its generation: each pointer stays valid while it has
+     * waiters, and a pool whose queue emptied is only looked at (nothing to dispatch). */
+    for (size_t i = 0; i < n; i++) {
+        px_pool_t *p = pools[i];
+        if (!qslot(p)->active)
+            continue;
+        /* The last waiter may fail and drop the generation's last reference: keep it. */
+        px_gen_t *g = p->gen;
+        px_gen_ref(g);
+        if (serve_queue(p, qslot(p)) && atomic_load(&p->waiting) > 0)
+            px_workers_wake(g->px); /* the wake-up was for a queue that emptied: pass it on */
+        px_gen_unref(g);
+    }
+}
+
+/* ---- upstream request --------------------------------------------------------------------- */
+
+/* Build the request head for replica r: origin-form target under the replica's path prefix,
+ * its Host, the client's end-to-end headers minus the tenant's credential, our framing. */
+static void build_head(px_preq_t *q, px_replica_t *r)
+{
+    net_req_t *req = q->req;
+    dp_buf_t *h = &q->head;
+    dp_buf_reset(h);
+    dp_buf_reserve(h, 512 + req->target.len);
+    dp_buf_append(h, req->method_name.base, req->method_name.len);
+    dp_buf_appendc(h, ' ');
+    dp_buf_appends(h, r->url.path ? r->url.path : "");
+    if (is_inference(q->route)) {
+        /* The canonical route (a trailing '/' dropped: a replica would only redirect), then
+         * the query as the client sent it. */
+        dp_buf_appends(h, route_paths[q->route]);
+        dp_buf_append(h, req->path.base + req->path.len, req->target.len - req->path.len);
+    } else {
+        dp_buf_append(h, req->target.base, req->target.len);
+    }
+    dp_buf_append(h, " HTTP/1.1\r\nhost: ", 17);
+    dp_buf_appends(h, r->url.hostport);
+    dp_buf_append(h, "\r\n", 2);
+    const net_header_t *conn = net_req_header(req, "connection");
+    const dp_iovec_t *connv = conn ? &conn->value : NULL;
+    const net_header_t *xff = NULL;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        const net_header_t *x = &req->headers[i];
+        const char *n = x->name.base;
+        size_t l = x->name.len;
+        if (net_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
+            dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
+            (l > 11 && dp_memieq(n, "x-detproxy-", 11)) ||
+            (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")) ||
+            (q->hooks.new_trace && dp_strieq(n, l, "tracestate")))
+            continue;
+        if (dp_strieq(n, l, "x-forwarded-for")) {
+            xff = x;
+            continue;
+        }
+        dp_buf_append(h, n, l);
+        dp_buf_append(h, ": ", 2);
+        dp_buf_append(h, x->value.base, x->value.len);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    /* The client's Authorization is a tenant credential for detproxy, never the replica's. */
+    const cfg_pool_t *pc = q->pool->cfg;
+    if (pc->api_key) {
+        dp_buf_append(h, "authorization: Bearer ", 22);
+        dp_buf_appends(h, pc->api_key);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    dp_buf_append(h, "x-forwarded-for: ", 17);
+    if (xff) {
+        dp_buf_append(h, xff->value.base, xff->value.len);
+        dp_buf_append(h, ", ", 2);
+    }
+    const char *colon = strrchr(req->remote, ':');
+    dp_buf_append(h, req->remote, colon ? (size_t)(colon - req->remote) : strlen(req->remote));
+    dp_buf_append(h, "\r\nx-detproxy-request-id: ", 25);
+    dp_buf_appends(h, req->id);
+    dp_buf_append(h, "\r\n", 2);
+    size_t vl;
+    const char *via = px_self_via_line(&vl);
+    dp_buf_append(h, via, vl);     /* after the client's own Via lines: order is the path */
+    if (q->hooks.traceparent[0]) { /* W3C trace context: this request's span is the parent */
+        dp_buf_append(h, "traceparent: ", 13);
+        dp_buf_appends(h, q->hooks.traceparent);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    if (is_inference(q->route)) {
+        dp_buf_append(h, "content-length: ", 16);
+        dp_buf_append_u64(h, q->body.len);
+        dp_buf_append(h, "\r\n", 2);
+    } else if (req->chunked) {
+        dp_buf_append(h, "transfer-encoding: chunked\r\n", 28);
+    } else if (req->content_length >= 0) {
+        dp_buf_append(h, "content-length: ", 16);
+        dp_buf_append_u64(h, (uint64_t)req->content_length);
+        dp_buf_append(h, "\r\n", 2);
+    }
+    dp_buf_append(h, "\r\n", 2);
+}
+
+static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
+                       const net_framing_t *f);
+static void up_on_body(net_creq_t *c, const char *p, size_t n);
+static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
+static void up_on_drain(net_creq_t *c);
+
+static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
+
+/* Send the request to q->replica, whose slot q holds. */
+static void send_upstream(px_preq_t *q)
+{
+    px_replica_t *r = q->replica;
+    q->up_start_ns = dp_now_ns();
+    q->up_head_ns = q->up_end_ns = 0;
+    atomic_fetch_add_explicit(&r->requests, 1, memory_order_relaxed);
+    build_head(q, r);
+    uv_buf_t bufs[2];
+    unsigned nb = 0;
+    bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
+    if (q->body.len)
+        bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
+    q->up = net_creq_start(px_replica_worker_up(r, q->gen), bufs, nb, q->stream_body,
+                           q->req->method == 2 /* HEAD */, &up_cb, q);
+    if (q->stream_body)
+        net_req_resume_body(q->req);
+}
+
+/* r's slot is taken (px_router_pick): q holds it from here. */
+static void start_on(px_preq_t *q, px_replica_t *r)
+{
+    px_replica_ref(r);
+    q->replica = r;
+    send_upstream(q);
+    px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
+}
+
+void px_proxy_count_overload(const char *reason)
+{
+    px_metric_add(px_metrics_get("detproxy_overload_rejections_total", "reason", reason, NULL), 1);
+}
+
+static void dispatch(px_preq_t *q)
+{
+    int why = 0;
+    /* From the queue, the slot came with the wake-up. */
+    px_replica_t *r = q->replica;
+    q->replica = NULL;
+    if (r == NULL)
+        r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
+    if (r) {
+        start_on(q, r);
+        return;
+    }
+    if (why == 0) {
+        fail_unavailable(q);
+        finish(q);
+        return;
+    }
+    if (atomic_load(&q->pool->waiting) >= q->pool->cfg->queue_limit) {
+        px_proxy_count_overload("queue_full");
+        fail_client(q, 503, "overloaded", NULL,
+                    "every replica is at max_inflight_per_replica and the queue is full");
+        finish(q);
+        return;
+    }
+    if (q->stream_body)
+        net_req_pause_body(q->req);
+    queue_push(q);
+    /* A slot freed on another worker between the pick and the push: hand it out now, to this
+     * queue's oldest or (woken) to an older waiter on another worker. q may be gone after. */
+    serve_queue(q->pool, qslot(q->pool));
+}
+
+/* ---- upstream callbacks ------------------------------------------------------------------- */
+
+/* The end-to-end headers of a response: drop hop-by-hop ones, our own names (a replica may not
+ * speak for detproxy) and Date (the server adds its own). */
+static bool forward_response_header(const net_header_t *h, const dp_iovec_t *connv)
+{
+    const char *nm = h->name.base;
+    size_t l = h->name.len;
+    return !(net_header_is_hop(nm, l, connv) || dp_strieq(nm, l, "date") ||
+             (l > 11 && dp_memieq(nm, "x-detproxy-", 11)));
+}
+
+static const dp_iovec_t *connection_value(const net_header_t *hdrs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "connection"))
+            return &hdrs[i].value;
+    return NULL;
+}
+
+static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
+                       const net_framing_t *f)
+{
+    px_preq_t *q = c->data;
+    if (q->req == NULL)
+        return;
+    q->status = status;
+    q->code = "upstream";
+    q->up_head_ns = dp_now_ns();
+    q->hooks.upstream_answered = true;
+    const dp_iovec_t *connv = connection_value(hdrs, n);
+    /* A response announced larger than what may be held is passed through from the start. */
+    if (px_hooks_hold_response(&q->hooks, status, hdrs, n) &&
+        (f->content_length < 0 ||
+         (uint64_t)f->content_length <= q->gen->cfg->limits.max_response_rewrite_bytes)) {
+        /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
+        q->held_status = status;
+        q->held_cl = f->content_length;
+        for (size_t i = 0; i < n; i++) {
+            if (!forward_response_header(&hdrs[i], connv))
+                continue;
+            dp_buf_append(&q->held_hdrs, hdrs[i].name.base, hdrs[i].name.len);
+            dp_buf_appendc(&q->held_hdrs, '\0');
+            dp_buf_append(&q->held_hdrs, hdrs[i].value.base, hdrs[i].value.len);
+            dp_buf_appendc(&q->held_hdrs, '\0');
+        }
+        return;
+    }
+    net_header_t stackh[64];
+    size_t cap = n + PX_EXTRA_HEADERS;
+    net_header_t *out = cap <= 64 ? stackh : dp_xmalloc(cap * sizeof(*out));
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (forward_response_header(&hdrs[i], connv))
+            out[k++] = hdrs[i];
+    extra_headers(q, out, &k);
+    q->client_started = true;
+    /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
+     * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
+    net_resp_start(q->req, status, out, k,
+                   px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
+    if (out != stackh)
+        free(out);
+}
+
+/* Build the head of a held response into q->held_out: the replica's kept headers, then (when
+ * rewrite) the rewritten body's, then ours. */
+static void held_head(px_preq_t *q, bool rewrite)
+{
+    size_t nh = 0;
+    for (size_t i = 0; i < q->held_hdrs.len; i++)
+        nh += q->held_hdrs.base[i] == '\0';
+    nh /= 2;
+    size_t need = nh + 2 * PX_EXTRA_HEADERS;
+    net_header_t *out =
+        need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack : dp_xmalloc(need * sizeof(*out));
+    size_t k = 0;
+    const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
+    while (p < end) {
+        size_t nl = strlen(p);
+        const char *v = p + nl + 1;
+        size_t vl = strlen(v);
+        out[k++] = (net_header_t){{p, nl}, {v, vl}};
+        p = v + vl + 1;
+    }
+    if (rewrite)
+        px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
+    extra_headers(q, out, &k);
+    q->held_out = out;
+    q->held_nout = k;
+}
+
+static void held_out_free(px_preq_t *q)
+{
+    if (q->held_out != q->held_stack)
+        free(q->held_out);
+    q->held_out = NULL;
+}
+
+/* The held response is complete: rewrite it and build its head. It is sent by deliver(), after
+ * its audit line (if any) is written, so an audited client never holds a byte of a response
+ * whose audit line is not on its way to disk. */
+static void prepare_held(px_preq_t *q)
+{
+    held_head(q, true);
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    (void)v; /* held bodies are never rewritten by the byte filter, only teed */
+}
+
+/* The held response outgrew limits.max_response_rewrite_bytes: send what is held unchanged
+ * and stream the rest, as for a response that was never held. The audit hash (teed by
+ * px_hooks_response_bytes) still covers every byte; the body keeps the replica's own
+ * system_fingerprint (the pool's is in x-detproxy-fingerprint). */
+static void release_held(px_preq_t *q)
+{
+    held_head(q, false);
+    q->client_started = true;
+    net_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
+    held_out_free(q);
+    q->held_status = 0;
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
+    if (q->req)
+        net_resp_write(q->req, v.base, v.len);
+    dp_buf_free(&q->held_body);
+    dp_buf_free(&q->held_hdrs);
+}
+
+static void up_on_body(net_creq_t *c, const char *p, size_t n)
+{
+    px_preq_t *q = c->data;
+    if (q->req == NULL)
+        return;
+    if (q->held_status) {
+        if (q->held_body.len + n <= q->gen->cfg->limits.max_response_rewrite_bytes) {
+            dp_buf_append(&q->held_body, p, n);
+            return;
+        }
+        release_held(q);
+        if (q->req == NULL)
+            return;
+    }
+    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
+    net_resp_write(q->req, v.base, v.len);
+    /* The client is slower than the replica: stop reading the replica until it drains. */
+    if (q->req && net_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
+        q->paused_upstream = true;
+        net_creq_pause(c);
+    }
+}
+
+static void up_on_drain(net_creq_t *c)
+{
+    px_preq_t *q = c->data;
+    if (q->req && q->stream_body)
+        net_req_resume_body(q->req);
+}
+
+/* The last step of a successful exchange: send a held response, or the end of a streamed one. */
+static void deliver(void *data)
+{
+    px_preq_t *q = data;
+    q->audit_wait = false;
+    if (q->req && q->held_out) {
+        q->client_started = true;
+        net_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
+                       (int64_t)q->held_body.len);
+        net_resp_write(q->req, q->held_body.base, q->held_body.len);
+    }
+    if (q->req) {
+        count_request(q); /* before the end: a client that read it sees it counted */
+        net_resp_end(q->req);
+        q->req = NULL;
+    }
+    finish(q);
+}
+
+static void count_upstream_error(px_preq_t *q, px_replica_t *r, net_up_err_t err)
+{
+    px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name, "replica",
+                                 r->name, "kind", net_up_err_name(err), NULL),
+                  1);
+}
+
+static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    px_preq_t *q = c->data;
+    q->up = NULL;
+    q->up_end_ns = dp_now_ns();
+    px_replica_t *r = q->replica;
+    if (err == NET_UP_OK) {
+        if (q->req && q->held_status) {
+            prepare_held(q);
+        } else if (q->req) {
+            dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
+            net_resp_write(q->req, tail.base, tail.len);
+        }
+        /* An audited response completes only once its audit line is written (SPEC §8). The
+         * flag is set before the call: the callback may run (and free q) inside it. */
+        q->audit_wait = q->req != NULL;
+        if (q->req && px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id,
+                                          deliver, q))
+            return;
+        q->audit_wait = false;
+        deliver(q);
+        return;
+    }
+    count_upstream_error(q, r, err);
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "upstream_error");
+    if (w) {
+        dp_jw_str(w, "request_id", q->req ? q->req->id : "");
+        dp_jw_str(w, "pool", q->pool->name);
+        dp_jw_str(w, "replica", r->name);
+        dp_jw_str(w, "kind", net_up_err_name(err));
+        dp_jw_str(w, "detail", detail);
+        dp_jw_bool(w, "response_started", q->client_started);
+        dp_log_end(w);
+    }
+    /* SPEC §7: retry once elsewhere only if nothing of the response was seen and the request
+     * either never fully left or raced a keep-alive close; and only when we still hold every
+     * byte of it. */
+    bool can_resend = !q->stream_body;
+    /* Affinity: a pooled connection the replica had closed (the keep-alive race) says nothing
+     * about the replica, so the request stays with its key's replica on a fresh connection
+     * (the other pooled ones are as stale) instead of moving its key, and with it perhaps its
+     * answer. Should that fail too, the retry rule below still applies. */
+    if (q->req && !q->client_started && can_resend && err == NET_UP_REUSED_CLOSED &&
+        !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
+        q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
+        q->reconnected = true;
+        net_upstream_flush_idle(px_replica_worker_up(r, q->gen));
+        px_hooks_upstream_failed(&q->hooks, q->px, r, err);
+        send_upstream(q);
+        return;
+    }
+    if (q->req && !q->client_started && !q->retried && can_resend && net_up_err_retryable(err)) {
+        px_t *px = q->px;
+        q->retried = true;
+        q->failed = r;
+        px_replica_ref(r); /* for q->failed */
+        px_replica_ref(r); /* for the call below: dispatch may finish (free) q */
+        slot_release(q);
+        dispatch(q);
+        /* Re-attestation after the retry left: with no other replica the retry goes to the
+         * same one (and fails with 502) rather than being refused as unattested. */
+        px_hooks_upstream_failed(NULL, px, r, err);
+        px_replica_unref(r);
+        return;
+    }
+    px_hooks_upstream_failed(&q->hooks, q->px, r, err);
+    if (q->req) {
+        if (q->client_started) {
+            /* Mid-response: end without the final chunk so the client sees an error. */
+            net_resp_abort(q->req);
+            q->req = NULL;
+            q->code = "upstream_error";
+        } else if (err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "replica %s timed out: %s", r->name, detail ? detail : "");
+            fail_client(q, 504, "upstream_timeout", NULL, msg);
+        } else {
+            char msg[200];
+            snprintf(msg, sizeof(msg), "replica %s failed (%s): %s", r->name, net_up_err_name(err),
+                     detail ? detail : "");
+            fail_client(q, 502, "upstream_error", NULL, msg);
+        }
+    }
+    if (q->status == 0) {
+        q->status = 502;
+        q->code = "upstream_error";
+    }
+    finish(q);
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------------- */
+
+/* detproxy_requests_total, the duration and the tokens, once: just before the response's last
+ * byte goes out where there is one (a scrape that follows a response sees it counted, whatever
+ * worker answered it), else in finish(). */
+static void count_request(px_preq_t *q)
+{
+    if (q->counted || q->status == 0)
+        return;
+    q->counted = true;
+    px_pool_t *pool = q->pool;
+    const char *code = q->code ? q->code : "upstream";
+    const char *tenant = px_hooks_tenant(&q->hooks);
+    px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
+    if (pool)
+        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    int64_t pt, ct;
+    if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                     "kind", "prompt", NULL),
+                      (double)pt);
+        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                     "kind", "completion", NULL),
+                      (double)ct);
+    }
+}
+
+static void finish(px_preq_t *q)
+{
+    if (q->audit_wait) {
+        q->finish_deferred = true; /* send_refusal finishes it once the audit line is out */
+        return;
+    }
+    px_pool_t *pool = q->pool;
+    if (q->up) {
+        net_creq_cancel(q->up);
+        q->up = NULL;
+    }
+    queue_remove(q);
+    if (q->status) {
+        const char *code = q->code ? q->code : "upstream";
+        uint64_t took = dp_now_ns() - q->start_ns;
+        count_request(q);
+        px_access_t a = {
+            .request_id = q->id,
+            .method = q->method,
+            .path = q->path,
+            .remote = q->remote[0] ? q->remote : NULL,
+            .status = q->status,
+            .code = code,
+            .pool = pool ? pool->name : NULL,
+            .replica = q->replica ? q->replica->name : NULL,
+            .duration_ns = took,
+            .upstream_ns = q->up_end_ns > q->up_start_ns ? q->up_end_ns - q->up_start_ns : 0,
+            .ttfb_ns = q->up_head_ns > q->up_start_ns ? q->up_head_ns - q->up_start_ns : 0,
+            .hooks = &q->hooks,
+        };
+        px_access_log(&q->gen->cfg->log.access, &a);
+    }
+    px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
+    slot_release(q);
+    if (q->failed)
+        px_replica_unref(q->failed);
+    px_gen_unref(q->gen);
+    preq_put(q);
+}
+
+/* req->path is already normalised (http_server.c, SPEC §7); a trailing '/' names the same
+ * route, as it does for an ASGI replica's redirect_slashes. */
+static bool path_is(dp_iovec_t p, const char *route, size_t n)
+{
+    return (p.len == n || (p.len == n + 1 && p.base[n] == '/')) && memcmp(p.base, route, n) == 0;
+}
+
+/* Generation routes an engine serves besides the two policed ones (llama.cpp server, vLLM,
+ * SGLang, TGI, Ollama's shapes): passed through, each would be a completion with no forced
+ * value, no seed and no audit line, so they are refused whatever the method. */
+static const struct {
+    const char *path;
+    size_t len;
+} unpoliced_routes[] = {
+    {"/completion", 11},
+    {"/completions", 12},
+    {"/chat/completions", 17},
+    {"/api/chat", 9},
+    {"/api/generate", 13},
+    {"/infill", 7},
+    {"/v1/messages", 12},
+    {"/generate", 9},
+    {"/generate_stream", 16},
+    {"/invocations", 12},
+    {"/inference/v1/generate", 22},
+};
+
+static route_t classify(const net_req_t *req)
+{
+    const dp_iovec_t p = req->path;
+    for (size_t i = 0; i < DP_ARRAY_SIZE(unpoliced_routes); i++)
+        if (path_is(p, unpoliced_routes[i].path, unpoliced_routes[i].len))
+            return ROUTE_UNPOLICED;
+    if (req->method == 3 /* POST */) {
+        if (path_is(p, "/v1/completions", 15))
+            return ROUTE_COMPLETIONS;
+        if (path_is(p, "/v1/chat/completions", 20))
+            return ROUTE_CHAT;
+        if (path_is(p, "/v1/responses", 13))
+            return ROUTE_RESPONSES;
+    }
+    if (req->method == 1 /* GET */ && path_is(p, "/v1/models", 10))
+        return ROUTE_MODELS;
+    return ROUTE_PASS;
+}
+
+/* GET /v1/models: every model of every pool with an admitted replica, OpenAI's list shape. */
+static void answer_models(px_preq_t *q)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "object", "list");
+    dp_jw_arr_begin(&w, "data");
+    uint64_t created = q->px->started_ms / 1000;
+    for (size_t i = 0; i < q->gen->npools; i++) {
+        px_pool_t *p = &q->gen->pools[i];
+        if (!px_pool_has_admitted(p))
+            continue;
+        for (size_t k = 0; k < p->cfg->nmodels; k++) {
+            if (strcmp(p->cfg->models[k], "*") == 0)
+                continue;
+            dp_jw_obj_begin(&w, NULL);
+            dp_jw_str(&w, "id", p->cfg->models[k]);
+            dp_jw_str(&w, "object", "model");
+            dp_jw_uint(&w, "created", created);
+            dp_jw_str(&w, "owned_by", "detproxy");
+            dp_jw_obj_begin(&w, "detproxy");
+            dp_jw_str(&w, "pool", p->name);
+            dp_jw_str(&w, "fingerprint", p->fingerprint);
+            /* Every accepted identity's (a manifest "accept" list: a rollout in progress). */
+            dp_jw_arr_begin(&w, "fingerprints");
+            const cfg_manifest_t *id;
+            for (size_t j = 0; (id = cfg_manifest_identity(p->cfg->manifest, j)) != NULL; j++)
+                dp_jw_str(&w, NULL, id->fingerprint);
+            if (p->cfg->manifest == NULL)
+                dp_jw_str(&w, NULL, p->fingerprint);
+            dp_jw_arr_end(&w);
+            dp_jw_obj_end(&w);
+            dp_jw_obj_end(&w);
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    net_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};
+    q->status = 200;
+    q->code = "local";
+    count_request(q);
+    net_resp_send(q->req, 200, "application/json", b.base, b.len, h, 1);
+    q->req = NULL;
+    dp_buf_free(&b);
+}
+
+static net_body_mode_t on_head(net_req_t *req)
+{
+    px_t *px = net_server_data(req->server);
+    px_preq_t *q = preq_get();
+    q->px = px;
+    q->gen = px_current_gen(px);
+    px_gen_ref(q->gen);
+    px_worker_count_request();
+    q->req = req;
+    req->data = q;
+    memcpy(q->id, req->id, sizeof(q->id));
+    snprintf(q->method, sizeof(q->method), "%.*s", (int)req->method_name.len,
+             req->method_name.base);
+    snprintf(q->path, sizeof(q->path), "%.*s", (int)req->path.len, req->path.base);
+    memcpy(q->remote, req->remote, sizeof(q->remote));
+    q->start_ns = req->start_ns;
+    q->route = classify(req);
+    px_hooks_init(&q->hooks);
+    /* Our own Via token: this request left detproxy and came back (a replica URL or a
+     * discovered address that leads to us). Forwarding it again would loop. */
+    if (px_self_via_seen(req)) {
+        fail_client(q, 508, "loop_detected", NULL,
+                    "forwarding loop: the request already passed through this detproxy");
+        finish(q);
+        return NET_BODY_BUFFER;
+    }
+    /* The tenant is known from the head alone: refuse before reading any body. */
+    int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
+    if (gate != 0) {
+        if (gate == -2)
+            fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
+        else
+            fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
+        finish(q);
+        return NET_BODY_BUFFER;
+    }
+    switch (q->route) {
+    case ROUTE_MODELS:
+        answer_models(q);
+        finish(q);
+        return NET_BODY_BUFFER;
+    case ROUTE_COMPLETIONS:
+    case ROUTE_CHAT:
+    case ROUTE_RESPONSES:
+        return NET_BODY_BUFFER;
+    case ROUTE_UNPOLICED:
+        fail_client(q, 404, "unpoliced_route", NULL,
+                    "an engine-native generation route: detproxy polices only POST "
+                    "/v1/completions, /v1/chat/completions and /v1/responses");
+        finish(q);
+        return NET_BODY_BUFFER;
+    case ROUTE_PASS:
+        break;
+    }
+    /* Pass-through: the first pool, streamed both ways. */
+    if (q->gen->npools == 0) {
+        fail_client(q, 404, "not_found", NULL, "no pool configured");
+        finish(q);
+        return NET_BODY_BUFFER;
+    }
+    q->pool = &q->gen->pools[0];
+    q->stream_body = req->has_body;
+    dispatch(q);
+    return NET_BODY_STREAM;
+}
+
+static void on_body(net_req_t *req, const char *p, size_t n)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL || q->up == NULL)
+        return;
+    int r;
+    if (req->chunked) {
+        char pre[20];
+        int pl = snprintf(pre, sizeof(pre), "%zx\r\n", n);
+        uv_buf_t b[3] = {uv_buf_init(pre, (unsigned)pl), uv_buf_init((char *)p, (unsigned)n),
+                         uv_buf_init("\r\n", 2)};
+        r = net_creq_write(q->up, b, 3);
+    } else {
+        uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
+        r = net_creq_write(q->up, &b, 1);
+    }
+    /* The replica takes the body slower than the client sends it: stop reading the client. */
+    if (r == 0 && q->up && net_creq_over(q->up))
+        net_req_pause_body(req);
+}
+
+/* The client went away (or the server refused the request, then on_reject said how). */
+static void client_gone(px_preq_t *q)
+{
+    if (!q->rejected) {
+        q->status = 499; /* nginx's "client closed request" */
+        q->code = "client_closed";
+    }
+    finish(q);
+}
+
+static void policed(px_preq_t *q, int rc, px_hooks_result_t *res)
+{
+    if (rc != 0) {
+        fail_client(q, res->status, res->code, res->param, res->message);
+        finish(q);
+        return;
+    }
+    q->pool = res->pool;
+    dispatch(q);
+}
+
+static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t *res)
+{
+    px_preq_t *q = data;
+    q->policing = false;
+    q->body = body;
+    if (q->budget_held) /* its listener may be gone (shutdown): the budget is the workers' */
+        net_server_shared_return_body_budget(&q->px->listen_shared, q->budget_held);
+    q->budget_held = 0;
+    if (q->req == NULL) { /* the client left while its body was being policed */
+        client_gone(q);
+        return;
+    }
+    policed(q, rc, res);
+}
+
+static void on_complete(net_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL)
+        return;
+    if (q->route == ROUTE_PASS) {
+        if (q->stream_body && q->up) {
+            if (req->chunked) {
+                uv_buf_t b = uv_buf_init("0\r\n\r\n", 5);
+                net_creq_write(q->up, &b, 1);
+            }
+            net_creq_end(q->up);
+        }
+        return;
+    }
+    /* Inference: policy, routing by model, then dispatch with the rewritten body. */
+    px_hooks_result_t res = {0};
+    int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, policy_route(q->route), &q->body,
+                                &res, policed_later, q);
+    if (rc == 1) {
+        q->policing = true; /* on the thread pool: policed_later() takes it from here */
+        return;
+    }
+    policed(q, rc, &res);
+}
+
+static void on_abort(net_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q == NULL)
+        return;
+    /* The worker still holds the body: so does the budget, until policed_later. */
+    if (q->policing)
+        q->budget_held = net_req_take_body_budget(req);
+    q->req = NULL;
+    if (q->audit_wait || q->policing)
+        return; /* deliver() or policed_later() finishes it */
+    if (q->up) {
+        /* The client is gone: stop the replica's work now (GPU time is expensive). */
+        net_creq_cancel(q->up);
+        q->up = NULL;
+    }
+    client_gone(q);
+}
+
+/* The server refused the request itself (431, 413, 408, 400) and closes the connection. With
+ * our request (on_abort follows) the refusal becomes its status; without one (the head never
+ * parsed) it is counted here, with no pool and no tenant. */
+static void on_reject(net_server_t *s, net_req_t *req, int status, const char *code)
+{
+    px_preq_t *q = req ? req->data : NULL;
+    if (q) {
+        q->rejected = true;
+        q->status = status;
+        q->code = code;
+        px_hooks_refused(&q->hooks, code, NULL);
+        return;
+    }
+    px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
+    px_t *px = net_server_data(s);
+    px_access_t a = {.status = status, .code = code, .hooks = NULL};
+    px_access_log(&px_current_gen(px)->cfg->log.access, &a);
+}
+
+static void on_drain(net_req_t *req)
+{
+    px_preq_t *q = req->data;
+    if (q && q->up && q->paused_upstream) {
+        q->paused_upstream = false;
+        net_creq_resume(q->up);
+    }
+}
+
+const net_handler_t px_proxy_handler = {on_head,  on_body,  on_complete,
+                                        on_abort, on_drain, on_reject};

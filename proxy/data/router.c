@@ -1,0 +1,164 @@
+/* Replica selection: admitted replicas only, with spare capacity, by the pool's balance.
+ *
+ * Any worker may pick any replica: state and drained are atomics the control thread writes,
+ * and a replica's in-flight count is shared by every worker. A pick reads the counts, then
+ * takes its slot with compare-and-swap (px_replica_take_slot); if another worker took the last
+ * one in between, it picks again, so max_inflight_per_replica holds exactly whichever workers
+ * the requests arrive on. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "proxy/core/px.h"
+
+/* seq_cst (a plain load on x86): the re-pick after queueing relies on it (px_proxy.c). */
+static uint32_t inflight(const px_replica_t *r)
+{
+    return atomic_load(&r->inflight);
+}
+
+static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
+{
+    uint32_t max = p->cfg->max_inflight_per_replica;
+    return max == 0 || inflight(r) < max;
+}
+
+bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
+{
+    uint32_t max = p->cfg->max_inflight_per_replica;
+    if (max == 0) {
+        atomic_fetch_add_explicit(&r->inflight, 1, memory_order_relaxed);
+        return true;
+    }
+    unsigned cur = atomic_load_explicit(&r->inflight, memory_order_relaxed);
+    while (cur < max)
+        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            return true;
+    return false;
+}
+
+void px_replica_put_slot(px_replica_t *r)
+{
+    unsigned prev = atomic_fetch_sub(&r->inflight, 1);
+    assert(prev > 0);
+    (void)prev;
+}
+
+/* The one eligibility rule: may replica r be sent new requests at all? Every balance, the
+ * affinity order and mean, and /readyz go through it. */
+bool px_replica_serving(const px_replica_t *r)
+{
+    return px_replica_state(r) == PX_REPLICA_ADMITTED && r->up &&
+           !atomic_load_explicit(&r->drained, memory_order_acquire) &&
+           !atomic_load_explicit(&r->suspect, memory_order_acquire);
+}
+
+bool px_pool_has_admitted(const px_pool_t *p)
+{
+    for (size_t i = 0; i < p->nreplicas; i++)
+        if (px_replica_serving(p->replicas[i]))
+            return true;
+    return false;
+}
+
+/* balance: affinity. The candidates live on the stack for the pools people run (a handful of
+ * replicas, 64 discovered at most by default). */
+static px_replica_t *pick_affinity(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff)
+{
+    size_t n = p->nreplicas;
+    px_aff_cand_t stack[64] = {{0}}; /* zeroed: gcc cannot see that n >= 1 here */
+    px_aff_cand_t *c = n <= DP_ARRAY_SIZE(stack) ? stack : dp_xmalloc(n * sizeof(*c));
+    for (size_t i = 0; i < n; i++) {
+        const px_replica_t *r = p->replicas[i];
+        bool member = px_replica_serving(r);
+        c[i] = (px_aff_cand_t){r->aff_id, inflight(r), member,
+                               member && r != avoid && has_capacity(p, r)};
+    }
+    px_aff_result_t res;
+    size_t k = px_aff_choose(aff->key, c, n, p->cfg->affinity.load_factor, &res);
+    if (c != stack)
+        free(c);
+    if (k == n) {
+        aff->result = PX_AFF_NONE;
+        return NULL;
+    }
+    aff->result = aff->fallback ? PX_AFF_FALLBACK : res;
+    return p->replicas[k];
+}
+
+/* least_inflight scans from a rotating start so ties spread across replicas instead of
+ * always landing on the first one; round_robin takes the next eligible one. O(replicas),
+ * which is a handful per pool. */
+static px_replica_t *pick_spread(px_pool_t *p, const px_replica_t *avoid)
+{
+    size_t n = p->nreplicas;
+    px_replica_t *best = NULL;
+    uint32_t start = p->slots[px_slot()].rr++;
+    for (size_t k = 0; k < n; k++) {
+        px_replica_t *r = p->replicas[(start + k) % n];
+        if (!px_replica_serving(r) || r == avoid || !has_capacity(p, r))
+            continue;
+        if (p->cfg->balance == CFG_BALANCE_ROUND_ROBIN) {
+            best = r;
+            break;
+        }
+        if (best == NULL || inflight(r) < inflight(best))
+            best = r;
+    }
+    return best;
+}
+
+static px_replica_t *pick_once(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff,
+                               bool keyed)
+{
+    /* Without a key (pass-through requests on an affinity pool) the pool spreads by load. */
+    px_replica_t *best = keyed ? pick_affinity(p, avoid, aff) : pick_spread(p, avoid);
+    if (best == NULL && avoid && px_replica_serving(avoid) && has_capacity(p, avoid)) {
+        best = (px_replica_t *)avoid; /* the only candidate left: better than failing */
+        if (keyed)
+            aff->result = aff->fallback ? PX_AFF_FALLBACK : PX_AFF_SPILL;
+    }
+    return best;
+}
+
+px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff, int *why)
+{
+    bool keyed = p->cfg->balance == CFG_BALANCE_AFFINITY && aff && aff->has_key;
+    if (p->nreplicas == 0) {
+        *why = 0;
+        return NULL;
+    }
+    /* A lost race for a slot means another worker filled it: that replica now shows as full,
+     * so each retry sees one fewer candidate. */
+    for (size_t tries = 0; tries <= p->nreplicas; tries++) {
+        px_replica_t *best = pick_once(p, avoid, aff, keyed);
+        if (best == NULL)
+            break;
+        if (px_replica_take_slot(p, best))
+            return best;
+    }
+    *why = px_pool_has_admitted(p) ? 1 : 0;
+    return NULL;
+}
+
+void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
+{
+    if (p->nreplicas == 0) {
+        dp_buf_printf(out, "pool %s has no replicas", p->name);
+        return;
+    }
+    dp_buf_printf(out, "pool %s has no admitted replica:", p->name);
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        const px_replica_t *r = p->replicas[i];
+        dp_buf_printf(
+            out, " %s %s%s%s", r->name, px_replica_state_names[px_replica_state(r)],
+            atomic_load(&r->drained) ? " drained" : "",
+            atomic_load(&r->suspect) ? " (suspect: a worker just saw it fail; re-checking)" : "");
+        char why[PX_WHY_BYTES];
+        px_seqstr_get(&r->why, why); /* any thread: the control one owns r->reasons */
+        if (why[0])
+            dp_buf_printf(out, " (%s)", why);
+        dp_buf_appendc(out, i + 1 < p->nreplicas ? ';' : '.');
+    }
+}

@@ -1,0 +1,981 @@
+/* Shadow sampling and drift (SPEC §9, issue 5).
+ *
+ * For a comparable request (post-policy temperature 0 or a seed), with probability shadow.rate
+ * (or the tenant's shadow_rate) the same post-policy body also goes to another replica
+ * ("cross"), or with probability shadow.self_rate to the primary's own replica again ("self",
+ * the noise baseline). The client never waits for a shadow: it runs on the replica's separate
+ * shadow connection pool, at most shadow.max_inflight at a time, and its result is only
+ * compared once both sides ended. Comparison (word-level Levenshtein) runs in libuv's thread
+ * pool; the drift statistics, verdicts and quarantine decisions stay on the loop.
+ *
+ * Candidate pools (SPEC §14) ride the same machinery: with probability `rate` per candidate, a
+ * comparable request is also copied to an admitted replica of the candidate pool, and the
+ * comparison feeds that candidate's rollout statistics (proxy/drift/rollout.h) instead of the
+ * pool's drift statistics. Copies are not client requests: no tokens, rate limit, usage, access
+ * log line or detproxy_requests_total; detproxy_candidate_total counts them.
+ *
+ * The primary's output is captured once per request in a tap (tap_t), the handle px_hooks
+ * holds, whatever the number of copies (a drift shadow and any candidates). A copy (shadow_t)
+ * is freed on exactly one path: whichever of the primary's end (px_shadow_primary_done) and the
+ * copy's own exchange comes second runs maybe_compare, which either drops the sample or hands
+ * it to the thread pool and frees it in compare_done. Each copy holds a reference on its tap,
+ * and the request holds one until the primary ends; the tap goes with the last.
+ *
+ * Threads: the worker that has the request draws the copies and captures the primary's output
+ * into the tap (px_shadow_maybe, px_shadow_primary_bytes); everything else runs on the control
+ * thread: choosing targets, the in-flight caps, sending, comparing and the statistics. Two
+ * messages cross, in this order: the plan (what was drawn, with a copy of the body; dropped and
+ * counted when the control thread's mailbox is full) and the primary's end (always delivered).
+ * Until the second, the tap's capture fields are the worker's; after it, the control thread's.
+ * The tap's immutable fields (stream, max_out) are read by both. */
+#include "proxy/data/shadow.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "drift/drift.h"
+#include "drift/rollout.h"
+#include "proxy/control/attest.h"
+#include "proxy/core/self.h"
+
+typedef struct shadow_s shadow_t;
+typedef struct tap_s tap_t;
+
+/* One candidate of one pool: its statistics, and its copies in flight (each candidate has
+ * shadow.max_inflight of its own, so a slow one does not starve the others). Never moves. */
+typedef struct rentry_s {
+    drift_rollout_t *stats;
+    uint32_t inflight;
+} rentry_t;
+
+typedef struct {
+    char *name;
+    drift_pool_t *dp;
+    /* The verdict last logged ("drift_verdict" lines, one per change, like replica_state). */
+    drift_verdict_kind_t logged;
+    char logged_suspect[DRIFT_NAME_MAX];
+} dpool_t;
+
+/* The control thread's, but `stopped`, which workers read. */
+struct px_shadow_ctx_s {
+    dpool_t *pools;
+    size_t npools;
+    struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
+    size_t nrollouts;
+    uint32_t inflight; /* drift shadows in flight */
+    shadow_t *active;  /* exchanges in flight, for shutdown */
+    atomic_bool stopped;
+};
+typedef struct px_shadow_ctx_s shadow_ctx_t;
+
+/* The primary's output, captured once for every copy of the request. */
+struct tap_s {
+    px_t *px;
+    net_mb_node_t done_node; /* the primary's end, to the control thread */
+    int refs;
+    bool stream;
+    size_t max_out;
+    drift_sse_t sse;
+    dp_buf_t body;
+    int status;
+    bool done;      /* the primary ended ... */
+    bool ok;        /* ... with a complete answer, extracted into out */
+    int extract_rc; /* drift_extract_json / drift_sse_finish of the primary */
+    drift_output_t out;
+    shadow_t *copies; /* waiting for the primary, linked by tap_next */
+};
+
+struct shadow_s {
+    px_t *px;
+    px_replica_t *target_r; /* a reference, until the copy is freed */
+    tap_t *tap;
+    shadow_t *tap_next;
+    shadow_t *prev, *next; /* on ctx->active while the exchange runs */
+    char *pool;
+    char *primary;
+    char *target;
+    char *candidate;  /* the candidate pool; NULL for a drift shadow */
+    rentry_t *rentry; /* the candidate's entry (its in-flight count) */
+    char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
+    drift_kind_t kind;
+    bool holds_slot; /* a slot of target_r, until the exchange ends (single_sequence) */
+    char request_id[24];
+    /* shadow capture */
+    net_creq_t *c;
+    drift_sse_t ssse;
+    dp_buf_t sbody;
+    int sstatus;
+    bool sfailed;
+    char sdetail[120];
+    bool shadow_done;
+    bool compared; /* maybe_compare ran: the copy is leaving */
+    /* comparison (thread pool) */
+    uv_work_t work;
+    drift_output_t b;
+    drift_result_t result;
+    drift_divlog_t divlog;
+};
+
+static shadow_ctx_t *ctx(px_t *px)
+{
+    if (px->shadow == NULL) {
+        PX_ASSERT_CONTROL(); /* made at start (px_shadow_init), before any worker runs */
+        px->shadow = dp_xcalloc(1, sizeof(shadow_ctx_t));
+    }
+    return px->shadow;
+}
+
+void px_shadow_init(px_t *px)
+{
+    ctx(px);
+}
+
+static dpool_t *dpool_entry(px_t *px, const char *name)
+{
+    shadow_ctx_t *c = ctx(px);
+    for (size_t i = 0; i < c->npools; i++)
+        if (strcmp(c->pools[i].name, name) == 0)
+            return &c->pools[i];
+    c->pools = dp_xrealloc(c->pools, (c->npools + 1) * sizeof(*c->pools));
+    dpool_t *e = &c->pools[c->npools++];
+    memset(e, 0, sizeof(*e));
+    e->name = dp_xstrdup(name);
+    e->dp = drift_pool_new(name);
+    e->logged = DRIFT_INSUFFICIENT_DATA;
+    return e;
+}
+
+static drift_pool_t *dpool(px_t *px, const char *name)
+{
+    return dpool_entry(px, name)->dp;
+}
+
+static void summary_json(dp_jw_t *w, const char *key, const drift_pool_t *dp, drift_kind_t k)
+{
+    drift_summary_t s;
+    drift_pool_summary(dp, k, &s);
+    dp_jw_obj_begin(w, key);
+    dp_jw_uint(w, "samples", s.samples);
+    dp_jw_double(w, "exact_match_rate", s.exact_match_rate);
+    dp_jw_double(w, "mean_similarity", s.mean_similarity);
+    dp_jw_obj_end(w);
+}
+
+/* One "drift_verdict" line when a pool's verdict (or its suspect) changes, with the numbers
+ * behind it: an operator greps one line instead of polling /admin/drift. */
+static void log_verdict_change(dpool_t *e)
+{
+    drift_verdict_t v;
+    drift_pool_verdict(e->dp, &v);
+    const char *suspect = v.has_suspect ? v.suspect : "";
+    if (v.kind == e->logged && strcmp(suspect, e->logged_suspect) == 0)
+        return;
+    dp_jw_t *w = dp_log_begin(v.kind == DRIFT_CROSS_REPLICA_DRIFT ? DP_LOG_WARN : DP_LOG_INFO,
+                              "drift_verdict");
+    if (w) {
+        dp_jw_str(w, "pool", e->name);
+        dp_jw_str(w, "from", drift_verdict_name(e->logged));
+        dp_jw_str(w, "to", drift_verdict_name(v.kind));
+        dp_jw_str(w, "suspect", suspect[0] ? suspect : NULL);
+        summary_json(w, "cross", e->dp, DRIFT_CROSS);
+        summary_json(w, "self", e->dp, DRIFT_SELF);
+        dp_jw_arr_begin(w, "reasons");
+        for (int i = 0; i < v.nreasons; i++)
+            dp_jw_str(w, NULL, v.reasons[i]);
+        dp_jw_arr_end(w);
+        dp_log_end(w);
+    }
+    e->logged = v.kind;
+    snprintf(e->logged_suspect, sizeof(e->logged_suspect), "%s", suspect);
+}
+
+static void count(const char *pool, drift_kind_t kind, const char *result)
+{
+    px_metric_add(px_metrics_get("detproxy_shadow_total", "pool", pool, "kind",
+                                 drift_kind_name(kind), "result", result, NULL),
+                  1);
+}
+
+/* The rollout statistics of candidate `cand` of pool `pool` (created empty on first use). */
+static rentry_t *rollout(px_t *px, const char *pool, const char *cand)
+{
+    shadow_ctx_t *c = ctx(px);
+    for (size_t i = 0; i < c->nrollouts; i++)
+        if (strcmp(drift_rollout_pool(c->rollouts[i]->stats), pool) == 0 &&
+            strcmp(drift_rollout_candidate(c->rollouts[i]->stats), cand) == 0)
+            return c->rollouts[i];
+    c->rollouts = dp_xrealloc(c->rollouts, (c->nrollouts + 1) * sizeof(*c->rollouts));
+    rentry_t *e = dp_xcalloc(1, sizeof(*e));
+    e->stats = drift_rollout_new(pool, cand);
+    return c->rollouts[c->nrollouts++] = e;
+}
+
+static void count_candidate(const char *pool, const char *cand, const char *result)
+{
+    px_metric_add(px_metrics_get("detproxy_candidate_total", "pool", pool, "candidate", cand,
+                                 "result", result, NULL),
+                  1);
+}
+
+/* A candidate copy that will give no sample: counted, and remembered with its reason for an
+ * insufficient_data verdict. */
+static void candidate_miss(px_t *px, const char *pool, const char *cand, drift_rollout_outcome_t o,
+                           const char *why)
+{
+    static const char *const names[] = {"skipped", "error", "not_comparable"};
+    count_candidate(pool, cand, names[o]);
+    if (!atomic_load(&ctx(px)->stopped))
+        drift_rollout_miss(rollout(px, pool, cand)->stats, o, why);
+}
+
+/* A copy that produced no comparison: its own counter says why. */
+static void count_error(shadow_t *s, const char *why)
+{
+    if (s->candidate)
+        candidate_miss(s->px, s->pool, s->candidate, ROLLOUT_ERROR, why);
+    else
+        count(s->pool, s->kind, "error");
+}
+
+static void tap_unref(tap_t *t)
+{
+    if (--t->refs > 0)
+        return;
+    assert(t->copies == NULL);
+    drift_sse_free(&t->sse);
+    dp_buf_free(&t->body);
+    drift_output_free(&t->out);
+    free(t);
+}
+
+/* The exchange ended: a client request queued for the replica's slot may go now (every
+ * queue lives on a worker). */
+static void release_slot(shadow_t *s)
+{
+    if (!s->holds_slot)
+        return;
+    s->holds_slot = false;
+    px_replica_put_slot(s->target_r);
+    if (atomic_load(&s->px->queued) > 0)
+        px_workers_wake(s->px);
+}
+
+static void shadow_free(shadow_t *s)
+{
+    release_slot(s);
+    drift_sse_free(&s->ssse);
+    dp_buf_free(&s->sbody);
+    drift_output_free(&s->b);
+    free(s->pool);
+    free(s->primary);
+    free(s->target);
+    free(s->candidate);
+    free(s->tenant);
+    if (s->target_r)
+        px_replica_unref(s->target_r);
+    tap_unref(s->tap);
+    free(s);
+}
+
+/* ---- comparison and the verdict loop ----------------------------------------------------- */
+
+/* The tap's output is read-only once extracted: several copies may compare with it at once. */
+static void compare_work(uv_work_t *w)
+{
+    shadow_t *s = w->data;
+    const drift_output_t *a = &s->tap->out;
+    drift_compare(a, &s->b, &s->result);
+    if (!s->result.match)
+        drift_divlog_fill(&s->divlog, s->request_id, s->pool, s->primary, s->target, &s->result,
+                          a->text.base, a->text.len, s->b.text.base, s->b.text.len);
+    if (s->candidate) /* two pools: equal replica names are still no self pair */
+        s->divlog.kind = DRIFT_CROSS;
+}
+
+static px_pool_t *live_pool(px_t *px, const char *name)
+{
+    return px->gen ? px_gen_pool_by_name(px->gen, name) : NULL;
+}
+
+static px_replica_t *replica_named(px_pool_t *p, const char *name)
+{
+    for (size_t i = 0; p && i < p->nreplicas; i++)
+        if (strcmp(p->replicas[i]->name, name) == 0)
+            return p->replicas[i];
+    return NULL;
+}
+
+static size_t admitted_count(const px_pool_t *p)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < p->nreplicas; i++)
+        n += px_replica_state(p->replicas[i]) == PX_REPLICA_ADMITTED;
+    return n;
+}
+
+/* What attestation knows beyond the samples, for naming one of two replicas (drift.h). */
+static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
+{
+    px_pool_t *p = live_pool(px, pool_name);
+    for (size_t i = 0; p && i < p->nreplicas; i++) {
+        drift_hint_t h;
+        px_attest_drift_hint(p->replicas[i], &h);
+        drift_pool_set_hint(dp, p->replicas[i]->name, &h);
+    }
+}
+
+/* SPEC §9 quarantine: the suspect of a cross_replica_drift verdict stops getting client traffic
+ * (but keeps getting shadows), never the pool's last admitted replica; it comes back once its
+ * divergence falls to the self baseline. */
+static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
+{
+    px_pool_t *p = live_pool(px, pool_name);
+    if (p == NULL || !px->gen->cfg->shadow.quarantine)
+        return;
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        px_replica_t *r = p->replicas[i];
+        if (px_replica_state(r) == PX_REPLICA_QUARANTINED &&
+            drift_pool_replica_recovered(dp, r->name)) {
+            drift_pool_reset_replica(dp, r->name);
+            const char *why[] = {"divergence back at the self baseline", NULL};
+            px_replica_set_state(r, PX_REPLICA_ADMITTED, why);
+        }
+    }
+    drift_verdict_t v;
+    drift_pool_verdict(dp, &v);
+    if (v.kind != DRIFT_CROSS_REPLICA_DRIFT || !v.has_suspect || !v.suspect[0])
+        return;
+    px_replica_t *r = replica_named(p, v.suspect);
+    if (r == NULL || px_replica_state(r) != PX_REPLICA_ADMITTED || admitted_count(p) <= 1)
+        return;
+    char why[DRIFT_REASON_MAX + 64];
+    snprintf(why, sizeof(why), "quarantined: cross_replica_drift suspect (%s)",
+             v.nreasons ? v.reasons[0] : "diverges from the other replicas");
+    const char *list[] = {why, NULL};
+    px_replica_set_state(r, PX_REPLICA_QUARANTINED, list);
+}
+
+/* A candidate sample: the rollout's statistics, its counter, and a divergence line of the same
+ * shape as a drift shadow's (kind cross; pair: the baseline's replica, the candidate's) naming
+ * the candidate pool and the tenant. */
+static void candidate_done(shadow_t *s)
+{
+    drift_rollout_add(s->rentry->stats, s->tenant, s->request_id, &s->result);
+    count_candidate(s->pool, s->candidate, s->result.match ? "match" : "diverged");
+    if (!s->result.match) {
+        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "candidate_divergence");
+        if (j) {
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_str(j, "tenant", s->tenant);
+            drift_divlog_write(&s->divlog, j);
+            dp_log_end(j);
+        }
+    }
+}
+
+static void compare_done(uv_work_t *w, int status)
+{
+    shadow_t *s = w->data;
+    px_t *px = s->px;
+    (void)status;
+    bool stopped = atomic_load(&ctx(px)->stopped);
+    if (!stopped && s->candidate) {
+        candidate_done(s);
+    } else if (!stopped) {
+        dpool_t *e = dpool_entry(px, s->pool);
+        drift_pool_t *dp = e->dp;
+        drift_pool_add(dp, s->primary, s->target, &s->result);
+        log_verdict_change(e);
+        count(s->pool, s->kind, s->result.match ? "match" : "diverged");
+        px_hist_observe(px_metrics_hist("detproxy_shadow_similarity", px_shadow_similarity_bounds,
+                                        px_shadow_similarity_nbounds, "pool", s->pool, "kind",
+                                        drift_kind_name(s->kind), NULL),
+                        drift_sample_similarity(&s->result));
+        if (!s->result.match) {
+            dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_divergence");
+            if (j) {
+                drift_divlog_write(&s->divlog, j); /* names the kind itself */
+                dp_log_end(j);
+            }
+        }
+        refresh_hints(px, s->pool, dp); /* kept in dp: every later verdict sees them */
+        quarantine_loop(px, s->pool, dp);
+    }
+    shadow_free(s);
+}
+
+/* Both sides ended: extract the copy's output, then compare off the loop. Runs once per copy
+ * (the second of the two ends) and takes the copy away. */
+static void maybe_compare(shadow_t *s)
+{
+    tap_t *t = s->tap;
+    if (!t->done || !s->shadow_done || s->compared)
+        return;
+    s->compared = true;
+    if (!t->ok || s->sfailed || s->sstatus != 200) {
+        char why[160];
+        if (!t->ok)
+            snprintf(why, sizeof(why), "the baseline's answer was not a complete 200 (%d)",
+                     t->status);
+        else if (s->sfailed)
+            snprintf(why, sizeof(why), "%s", s->sdetail);
+        else
+            snprintf(why, sizeof(why), "%s answered HTTP %d", s->target, s->sstatus);
+        count_error(s, why);
+        dp_jw_t *j = dp_log_begin(DP_LOG_INFO, s->candidate ? "candidate_error" : "shadow_error");
+        if (j) {
+            dp_jw_str(j, "request_id", s->request_id);
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_int(j, "primary_status", t->status);
+            dp_jw_int(j, "shadow_status", s->sstatus);
+            dp_jw_str(j, "detail", s->sdetail);
+            dp_log_end(j);
+        }
+        shadow_free(s);
+        return;
+    }
+    int rb = t->stream ? drift_sse_finish(&s->ssse, &s->b)
+                       : drift_extract_json(s->sbody.base ? s->sbody.base : "", s->sbody.len,
+                                            t->max_out, &s->b);
+    if (t->extract_rc != 0 || rb != 0) {
+        count_error(s, "an answer was unreadable");
+        dp_jw_t *j = dp_log_begin(DP_LOG_WARN, "shadow_unreadable");
+        if (j) {
+            dp_jw_str(j, "request_id", s->request_id);
+            dp_jw_str(j, "candidate", s->candidate);
+            dp_jw_str(j, "side", t->extract_rc != 0 ? "primary" : "shadow");
+            dp_jw_bool(j, "stream", t->stream);
+            dp_jw_uint(j, "primary_bytes", t->stream ? t->out.text.len : t->body.len);
+            dp_jw_uint(j, "shadow_bytes", t->stream ? s->b.text.len : s->sbody.len);
+            dp_log_end(j);
+        }
+        shadow_free(s);
+        return;
+    }
+    s->work.data = s;
+    if (uv_queue_work(s->px->loop, &s->work, compare_work, compare_done) != 0) {
+        count_error(s, "the thread pool refused the comparison");
+        shadow_free(s);
+    }
+}
+
+/* ---- capture -------------------------------------------------------------------------------- */
+
+static void capture(const tap_t *t, drift_sse_t *sse, dp_buf_t *body, const char *p, size_t n)
+{
+    if (t->stream) {
+        drift_sse_feed(sse, p, n);
+        return;
+    }
+    /* A JSON body is captured up to the cap plus room for its envelope; beyond that the
+     * extractor sees a truncated document and the sample counts as an error. */
+    if (body->len + n <= t->max_out + DRIFT_SSE_EVENT_SLACK)
+        dp_buf_append(body, p, n);
+}
+
+void px_shadow_primary_bytes(void *v, const char *p, size_t n)
+{
+    tap_t *t = v;
+    capture(t, &t->sse, &t->body, p, n);
+}
+
+/* On the control thread: the primary is over; every copy may now compare. */
+static void primary_done_posted(net_mb_node_t *n)
+{
+    tap_t *t = (tap_t *)((char *)n - offsetof(tap_t, done_node));
+    int status = t->status;
+    t->done = true;
+    /* Clients commonly close right after `data: [DONE]`, before the chunked terminator: the
+     * primary then ends as 499, but its output was complete. */
+    t->ok = status == 200 || (t->stream && status == 499 && t->sse.done);
+    if (t->ok)
+        t->extract_rc = t->stream ? drift_sse_finish(&t->sse, &t->out)
+                                  : drift_extract_json(t->body.base ? t->body.base : "",
+                                                       t->body.len, t->max_out, &t->out);
+    dp_buf_free(&t->body);
+    shadow_t *s = t->copies;
+    t->copies = NULL; /* each copy now finishes on its own (maybe_compare) */
+    while (s) {
+        shadow_t *next = s->tap_next;
+        s->tap_next = NULL;
+        maybe_compare(s);
+        s = next;
+    }
+    tap_unref(t);
+}
+
+void px_shadow_primary_done(void *v, int status)
+{
+    tap_t *t = v;
+    t->status = status;
+    /* From here the capture is the control thread's (the plan went first). */
+    px_control_post(t->px, &t->done_node, primary_done_posted);
+}
+
+static void active_remove(shadow_t *s)
+{
+    shadow_ctx_t *c = ctx(s->px);
+    uint32_t *inflight = s->rentry ? &s->rentry->inflight : &c->inflight;
+    if (s->prev)
+        s->prev->next = s->next;
+    else if (c->active == s)
+        c->active = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    s->prev = s->next = NULL;
+    (*inflight)--;
+    release_slot(s);
+}
+
+static void sh_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                    const net_framing_t *f)
+{
+    shadow_t *s = c->data;
+    (void)h;
+    (void)n;
+    (void)f;
+    s->sstatus = status;
+}
+
+static void sh_body(net_creq_t *c, const char *p, size_t n)
+{
+    shadow_t *s = c->data;
+    capture(s->tap, &s->ssse, &s->sbody, p, n);
+}
+
+static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    shadow_t *s = c->data;
+    s->c = NULL;
+    active_remove(s);
+    if (err != NET_UP_OK) {
+        s->sfailed = true;
+        snprintf(s->sdetail, sizeof(s->sdetail), "%s: %s", net_up_err_name(err),
+                 detail ? detail : "");
+    }
+    s->shadow_done = true;
+    maybe_compare(s);
+}
+
+static const net_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL};
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+const double px_shadow_similarity_bounds[] = {0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0};
+const size_t px_shadow_similarity_nbounds =
+    sizeof(px_shadow_similarity_bounds) / sizeof(px_shadow_similarity_bounds[0]);
+
+/* A replica to send a copy to, rotating for coverage: for a drift shadow another replica of the
+ * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
+ * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
+/* take_slot: the copy holds one of r's slots under the pool's max_inflight_per_replica while
+ * it runs (a single_sequence candidate: one sequence in flight per replica, SPEC §16). */
+static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined,
+                                 bool take_slot)
+{
+    static uint32_t rr; /* control thread only */
+    size_t n = p->nreplicas;
+    for (size_t k = 0; k < n; k++) {
+        px_replica_t *r = p->replicas[(rr + k) % n];
+        if (r == primary || r->up == NULL || atomic_load(&r->drained))
+            continue;
+        px_replica_state_t st = px_replica_state(r);
+        if ((st == PX_REPLICA_ADMITTED || (quarantined && st == PX_REPLICA_QUARANTINED)) &&
+            (!take_slot || px_replica_take_slot(p, r))) {
+            rr += (uint32_t)k + 1;
+            return r;
+        }
+    }
+    return NULL;
+}
+
+/* What the worker drew for one request, for the control thread to carry out. */
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    tap_t *tap; /* NULL when the request is not comparable: nothing will be compared */
+    char *pool, *primary, *tenant;
+    bool comparable;
+    bool drift; /* a drift shadow of `kind` was drawn */
+    drift_kind_t kind;
+    char **cands; /* candidate pools drawn */
+    size_t ncands;
+    dp_buf_t model; /* the request's model (a candidate may serve another name) */
+    dp_buf_t path;
+    dp_buf_t body; /* the post-policy body: the request's own bytes are gone before the copy */
+    char request_id[24];
+} plan_t;
+
+/* What one copy is: where it goes and what it carries. */
+typedef struct {
+    px_pool_t *pool;    /* the pool of the request (the baseline of a candidate) */
+    px_pool_t *to_pool; /* the pool whose replica answers it (its api_key is sent) */
+    const char *primary;
+    px_replica_t *target;
+    drift_kind_t kind;
+    const char *candidate; /* NULL: a drift shadow */
+    const char *tenant;
+    const char *body;
+    size_t len;
+    rentry_t *rentry; /* candidates only */
+    bool holds_slot;  /* target's slot was taken for the copy (copy_target take_slot) */
+} copy_spec_t;
+
+/* On the control thread. */
+static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *pl)
+{
+    PX_ASSERT_CONTROL();
+    shadow_ctx_t *c = ctx(px);
+    px_replica_t *target = cs->target;
+    if (target->shadow_up == NULL) {
+        net_upstream_opts_t o;
+        px_replica_upstream_opts(px->gen->cfg, &o);
+        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
+        px_replica_upstream_tls(target, target->shadow_up, &target->url);
+    }
+    shadow_t *s = dp_xcalloc(1, sizeof(*s));
+    s->px = px;
+    px_replica_ref(target);
+    s->target_r = target;
+    s->tap = t;
+    t->refs++;
+    s->tap_next = t->copies;
+    t->copies = s;
+    s->pool = dp_xstrdup(cs->pool->name);
+    s->primary = dp_xstrdup(cs->primary);
+    s->target = dp_xstrdup(target->name);
+    s->candidate = cs->candidate ? dp_xstrdup(cs->candidate) : NULL;
+    s->rentry = cs->rentry;
+    s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
+    s->kind = cs->kind;
+    s->holds_slot = cs->holds_slot;
+    memcpy(s->request_id, pl->request_id, sizeof(s->request_id));
+    s->ssse.max_output_bytes = t->max_out;
+    dp_buf_t head = {0};
+    dp_buf_printf(&head,
+                  "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                  "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
+                  target->url.path ? target->url.path : "", (int)pl->path.len,
+                  pl->path.base ? pl->path.base : "", target->url.hostport, cs->len, pl->request_id,
+                  cs->candidate ? "candidate" : drift_kind_name(cs->kind));
+    if (cs->to_pool->cfg->api_key)
+        dp_buf_printf(&head, "authorization: Bearer %s\r\n", cs->to_pool->cfg->api_key);
+    size_t vl;
+    const char *via = px_self_via_line(&vl);
+    dp_buf_append(&head, via, vl);
+    dp_buf_append(&head, "\r\n", 2);
+    uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
+                        uv_buf_init((char *)(cs->body ? cs->body : ""), (unsigned)cs->len)};
+    s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+    dp_buf_free(&head);
+    if (s->rentry)
+        s->rentry->inflight++;
+    else
+        c->inflight++;
+    s->next = c->active;
+    if (c->active)
+        c->active->prev = s;
+    c->active = s;
+}
+
+static double uniform(void)
+{
+    uint64_t x;
+    if (dp_random_bytes(&x, sizeof(x)) != 0)
+        x = dp_now_ns() * 0x9E3779B97F4A7C15ULL;
+    return (double)(x >> 11) / 9007199254740992.0;
+}
+
+static void plan_free(plan_t *pl)
+{
+    free(pl->pool);
+    free(pl->primary);
+    free(pl->tenant);
+    for (size_t i = 0; i < pl->ncands; i++)
+        free(pl->cands[i]);
+    free(pl->cands);
+    dp_buf_free(&pl->model);
+    dp_buf_free(&pl->path);
+    dp_buf_free(&pl->body);
+    free(pl);
+}
+
+/* SPEC §9: at most one drift shadow per request, cross or self (drawn on the worker). */
+static void start_drift(px_t *px, px_pool_t *pool, const plan_t *pl)
+{
+    const cfg_shadow_t *sc = &px->gen->cfg->shadow;
+    shadow_ctx_t *c = ctx(px);
+    if (c->inflight >= sc->max_inflight) {
+        count(pool->name, pl->kind, "skipped");
+        return;
+    }
+    px_replica_t *primary = replica_named(pool, pl->primary);
+    px_replica_t *target =
+        pl->kind == DRIFT_SELF ? primary : copy_target(pool, primary, true, false);
+    if (target == NULL || target->up == NULL) {
+        count(pool->name, pl->kind, "skipped");
+        return;
+    }
+    copy_spec_t cs = {pool, pool,          pl->primary,  target, pl->kind, NULL,
+                      NULL, pl->body.base, pl->body.len, NULL,   false};
+    start_copy(px, pl->tap, &cs, pl);
+}
+
+static bool serves_model(const cfg_pool_t *p, const dp_buf_t *m)
+{
+    for (size_t i = 0; i < p->nmodels; i++)
+        if (strcmp(p->models[i], "*") == 0 ||
+            (strlen(p->models[i]) == m->len && memcmp(p->models[i], m->base, m->len) == 0))
+            return true;
+    return false;
+}
+
+/* SPEC §14: a candidate drawn for the request. It gets the baseline's post-policy body; when its
+ * pool does not list the request's model it gets its own first model name instead (a vLLM
+ * server answers 404 for a name it does not serve). */
+static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const char *cand)
+{
+    const cfg_shadow_t *sc = &px->gen->cfg->shadow;
+    if (!pl->comparable) {
+        candidate_miss(px, pool->name, cand, ROLLOUT_NOT_COMPARABLE,
+                       "neither temperature 0 nor a seed after policy");
+        return;
+    }
+    rentry_t *e = rollout(px, pool->name, cand);
+    if (e->inflight >= sc->max_inflight) {
+        candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED,
+                       "shadow.max_inflight candidate copies already in flight");
+        return;
+    }
+    px_pool_t *cp = live_pool(px, cand);
+    bool single = cp && cfg_pool_determinism(cp->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE;
+    px_replica_t *target = cp ? copy_target(cp, NULL, false, single) : NULL;
+    if (target == NULL) {
+        char why[160];
+        snprintf(why, sizeof(why),
+                 single ? "pool %s (single_sequence) has no admitted replica with a free slot"
+                        : "pool %s has no admitted replica",
+                 cand);
+        candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
+        return;
+    }
+    dp_buf_t renamed = {0}, nocache = {0};
+    copy_spec_t cs = {pool,         cp,   pl->primary, target,
+                      DRIFT_CROSS,  cand, pl->tenant,  pl->body.base,
+                      pl->body.len, e,    single};
+    if (cp->cfg->nmodels && !serves_model(cp->cfg, &pl->model) &&
+        policy_replace_model(cs.body ? cs.body : "", cs.len, cp->cfg->models[0], &renamed) == 0) {
+        cs.body = renamed.base;
+        cs.len = renamed.len;
+    }
+    /* The body was shaped by the baseline's policy: the candidate's own N8 rule still holds. */
+    if (policy_pool_no_cache_prompt(cp->cfg) &&
+        policy_force_cache_prompt_off(cs.body ? cs.body : "", cs.len, &nocache) == 0) {
+        cs.body = nocache.base;
+        cs.len = nocache.len;
+    }
+    start_copy(px, pl->tap, &cs, pl);
+    dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
+    dp_buf_free(&nocache);
+}
+
+/* On the control thread: carry out what the worker drew. */
+static void plan_posted(net_mb_node_t *n)
+{
+    plan_t *pl = (plan_t *)((char *)n - offsetof(plan_t, node));
+    px_t *px = pl->px;
+    px_pool_t *pool = atomic_load(&ctx(px)->stopped) ? NULL : live_pool(px, pl->pool);
+    if (pool) { /* NULL: shutting down, or a reload took the pool away meanwhile */
+        if (pl->drift)
+            start_drift(px, pool, pl);
+        for (size_t i = 0; i < pl->ncands; i++)
+            start_candidate(px, pool, pl, pl->cands[i]);
+    }
+    plan_free(pl);
+}
+
+/* On the worker: the draws (SPEC §9 drift shadow, §14 candidates), then one message. */
+void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
+                      const policy_result_t *res, const net_req_t *req, const char *body,
+                      size_t len)
+{
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL || atomic_load(&c->stopped))
+        return NULL;
+    const cfg_shadow_t *sc = &pool->gen->cfg->shadow;
+    double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
+    double self = sc->self_rate;
+    bool drift = false;
+    drift_kind_t kind = DRIFT_CROSS;
+    if (cross > 0 || self > 0) {
+        /* One draw picks at most one kind: cross with probability `cross`, self with `self`
+         * (scaled down together if they sum past 1). */
+        double u = uniform() * (cross + self > 1 ? cross + self : 1);
+        if (u < cross)
+            drift = true;
+        else if (u < cross + self)
+            drift = true, kind = DRIFT_SELF;
+    }
+    if (drift && !res->comparable) {
+        count(pool->name, kind, "not_comparable");
+        drift = false;
+    }
+    /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
+     * the pool (the primary's own, or one a client request may be sent to next). */
+    if (drift && cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        count(pool->name, kind, "skipped");
+        drift = false;
+    }
+    char **cands = NULL;
+    size_t ncands = 0;
+    for (size_t i = 0; i < pool->cfg->ncandidates; i++) {
+        const cfg_candidate_t *cand = &pool->cfg->candidates[i];
+        if (cand->rate <= 0 || uniform() >= cand->rate)
+            continue;
+        cands = dp_xrealloc(cands, (ncands + 1) * sizeof(*cands));
+        cands[ncands++] = dp_xstrdup(cand->pool);
+    }
+    if (!drift && ncands == 0)
+        return NULL;
+    plan_t *pl = dp_xcalloc(1, sizeof(*pl));
+    pl->px = px;
+    pl->pool = dp_xstrdup(pool->name);
+    pl->primary = dp_xstrdup(primary->name);
+    pl->tenant = t && t->name ? dp_xstrdup(t->name) : NULL;
+    pl->comparable = res->comparable;
+    pl->drift = drift;
+    pl->kind = kind;
+    pl->cands = cands;
+    pl->ncands = ncands;
+    memcpy(pl->request_id, req->id, sizeof(pl->request_id));
+    if (res->comparable) {
+        dp_buf_append(&pl->model, res->model.base ? res->model.base : "", res->model.len);
+        dp_buf_append(&pl->path, req->path.base, req->path.len);
+        dp_buf_append(&pl->body, body, len);
+        tap_t *tp = dp_xcalloc(1, sizeof(*tp));
+        tp->px = px;
+        tp->refs = 1; /* the request's, until px_shadow_primary_done */
+        tp->stream = res->stream;
+        tp->max_out = sc->max_output_bytes;
+        tp->sse.max_output_bytes = sc->max_output_bytes;
+        pl->tap = tp;
+    }
+    tap_t *tap = pl->tap;
+    if (!px_control_try_post(px, &pl->node, plan_posted)) {
+        /* The control thread is behind (counted as a dropped hand-off): no copy this time. */
+        if (drift)
+            count(pool->name, kind, "skipped");
+        for (size_t i = 0; i < ncands; i++)
+            count_candidate(pool->name, cands[i], "skipped");
+        if (tap)
+            tap_unref(tap);
+        plan_free(pl);
+        return NULL;
+    }
+    return tap;
+}
+
+/* ---- admin and shutdown -------------------------------------------------------------------- */
+
+void px_shadow_drift_json(px_t *px, dp_buf_t *out)
+{
+    /* Every pool of the current configuration, including those never sampled yet. */
+    size_t n = px->gen->npools;
+    const drift_pool_t **v = dp_xcalloc(n ? n : 1, sizeof(*v));
+    for (size_t i = 0; i < n; i++) {
+        drift_pool_t *dp = dpool(px, px->gen->pools[i].name);
+        refresh_hints(px, px->gen->pools[i].name, dp);
+        v[i] = dp;
+    }
+    drift_render(out, v, n);
+    free(v);
+}
+
+void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_t *out)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_uint(&w, "window", DRIFT_WINDOW);
+    dp_jw_arr_begin(&w, "rollouts");
+    for (size_t i = 0; i < px->gen->npools; i++) {
+        const px_pool_t *p = &px->gen->pools[i];
+        if (only && !(strlen(p->name) == only_len && memcmp(p->name, only, only_len) == 0))
+            continue;
+        drift_summary_t cross, self;
+        const drift_pool_t *dp = dpool(px, p->name);
+        drift_pool_summary(dp, DRIFT_CROSS, &cross);
+        drift_pool_summary(dp, DRIFT_SELF, &self);
+        for (size_t k = 0; k < p->cfg->ncandidates; k++) {
+            const cfg_candidate_t *c = &p->cfg->candidates[k];
+            drift_rollout_render(&w, NULL, rollout(px, p->name, c->pool)->stats, c->rate, &cross,
+                                 &self);
+        }
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+}
+
+void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
+                               drift_rollout_verdict_t *v)
+{
+    drift_summary_t cross, self;
+    const drift_pool_t *dp = dpool(px, pool);
+    drift_pool_summary(dp, DRIFT_CROSS, &cross);
+    drift_pool_summary(dp, DRIFT_SELF, &self);
+    drift_rollout_verdict(rollout(px, pool, cand)->stats, NULL, &cross, &self, v);
+}
+
+const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)
+{
+    return dpool(px, pool);
+}
+
+void px_shadow_forget_replica(px_t *px, const char *pool, const char *replica)
+{
+    drift_pool_forget_replica(dpool(px, pool), replica);
+}
+
+void px_shadow_stop(px_t *px)
+{
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL)
+        return;
+    atomic_store(&c->stopped, true);
+    while (c->active) {
+        shadow_t *s = c->active;
+        active_remove(s);
+        if (s->c) {
+            net_creq_cancel(s->c);
+            s->c = NULL;
+        }
+        s->sfailed = true;
+        s->shadow_done = true;
+        maybe_compare(s);
+    }
+}
+
+void px_shadow_free(px_t *px)
+{
+    shadow_ctx_t *c = px->shadow;
+    if (c == NULL)
+        return;
+    for (size_t i = 0; i < c->npools; i++) {
+        free(c->pools[i].name);
+        drift_pool_free(c->pools[i].dp);
+    }
+    free(c->pools);
+    for (size_t i = 0; i < c->nrollouts; i++) {
+        drift_rollout_free(c->rollouts[i]->stats);
+        free(c->rollouts[i]);
+    }
+    free(c->rollouts);
+    free(c);
+    px->shadow = NULL;
+}
