@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "net/fetch.h"
+#include "net/resolve.h"
 #include "proxy/core/px.h"
 #include "proxy/core/self.h"
 

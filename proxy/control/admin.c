@@ -4,9 +4,16 @@
 
 #include "common/jw.h"
 #include "common/util.h"
-#include "proxy/core/px.h"
+#include "net/mailbox.h"
 #include "proxy/control/admin.h"
+#include "proxy/control/attest.h"
+#include "proxy/control/reload.h"
 #include "proxy/control/status.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/px.h"
+#include "proxy/data/admission.h"
+#include "proxy/data/shadow.h"
+#include "proxy/data/worker.h"
 
 static bool path_is(const net_req_t *req, const char *p)
 {
@@ -153,7 +160,7 @@ static bool replica_admin(px_t *px, net_req_t *req)
                 continue;
             px_replica_set_drained(r, drain);
             if (!drain)
-                px_proxy_slot_freed(pool); /* queued requests may go to it now */
+                px_admission_slot_freed(pool); /* queued requests may go to it now */
             px_admin_replica_json(&w, r);
             n++;
         }
@@ -172,6 +179,81 @@ static bool replica_admin(px_t *px, net_req_t *req)
     return true;
 }
 
+/* Bring gauges up to date before /metrics renders. */
+static void refresh_gauges(px_t *px)
+{
+    px_metric_set(px_metrics_get("detproxy_connections", NULL), (double)px_workers_connections(px));
+    px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
+                  (double)px_workers_inflight(px));
+    px_metric_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
+                  (double)net_mailbox_dropped(&px->mb));
+    px_status_refresh_gauges(px);
+}
+
+/* ---- access, and the routes that answer from other planes' state ----------------------- */
+
+static int authorize(px_t *px, net_req_t *req)
+{
+    const char *tok = px->gen->cfg->admin_token;
+    if (tok == NULL)
+        return 0;
+    /* As the tenant matcher: two Authorization fields are ambiguous and match nothing. */
+    const net_header_t *h = NULL;
+    size_t n = 0;
+    for (size_t i = 0; i < req->nheaders; i++) {
+        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, "authorization")) {
+            h = &req->headers[i];
+            n++;
+        }
+    }
+    size_t tl = strlen(tok);
+    dp_iovec_t got;
+    if (n == 1 && dp_bearer_token(h->value, &got) && got.len == tl &&
+        dp_ct_equal(got.base, tok, tl))
+        return 0;
+    static const net_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
+    net_resp_error(req, 401, NULL, "unauthorized", NULL,
+                   "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
+    return -1;
+}
+
+static int extra_route(px_t *px, net_req_t *req)
+{
+    if (path_is(req, "/admin/reload")) {
+        if (req->method != 3 /* POST */) {
+            net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+            return 0;
+        }
+        dp_buf_t msg = {0};
+        int rc = px_reload_msg(px, "POST /admin/reload", &msg);
+        if (rc == 0) {
+            static const char ok[] = "{\"status\":\"reloaded\"}";
+            net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        } else {
+            net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
+        }
+        dp_buf_free(&msg);
+        return 0;
+    }
+    if (path_is(req, "/admin/rollouts") && (req->method == 1 || req->method == 2)) {
+        dp_iovec_t only = {0};
+        bool by_pool = net_req_query(req, "pool", &only);
+        dp_buf_t b = {0};
+        px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
+    if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
+        dp_buf_t b = {0};
+        px_shadow_drift_json(px, &b);
+        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+        dp_buf_free(&b);
+        return 0;
+    }
+    return -1;
+}
+
 static void config_dump(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
@@ -182,7 +264,7 @@ static void config_dump(px_t *px, net_req_t *req)
 static void metrics(px_t *px, net_req_t *req)
 {
     dp_buf_t b = {0};
-    px_admin_refresh_gauges(px);
+    refresh_gauges(px);
     px_metrics_render(&b);
     net_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
     dp_buf_free(&b);
@@ -206,7 +288,7 @@ static void on_complete(net_req_t *req)
         readyz(px, req);
         return;
     }
-    if (px_admin_authorize(px, req) != 0)
+    if (authorize(px, req) != 0)
         return;
     if (path_is(req, "/") && get)
         px_status_page(px, req);
@@ -218,7 +300,7 @@ static void on_complete(net_req_t *req)
         config_dump(px, req);
     else if (replica_admin(px, req))
         return;
-    else if (px_admin_extra_route(px, req) == 0)
+    else if (extra_route(px, req) == 0)
         return;
     else
         net_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);

@@ -25,6 +25,10 @@
 #include "probe/probe.h"
 #include "proxy/control/admin.h"
 #include "proxy/core/self.h"
+#include "net/resolve.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/px.h"
 
 #define RECHECK_MIN_MS 100          /* out-of-turn re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
@@ -55,7 +59,6 @@ typedef struct att_s {
     attest_canary_t canary_hist;
     bool admit_on_canary; /* metadata matched; admission waits for a matching canary */
     char canary_last[65];
-    uint64_t identity_changed_ms; /* wall ms its attested identity last changed; 0 never */
 } att_t;
 
 static void check_start(att_t *a);
@@ -143,6 +146,15 @@ static void check_end(att_t *a)
 
 /* ---- canary (SPEC §6) ----------------------------------------------------------------------- */
 
+/* The canary's last verdict, where drift verdicts read it (replica.h). */
+static void publish_canary(att_t *a)
+{
+    const attest_canary_t *h = &a->canary_hist;
+    a->r->canary = h->count == 0 ? PX_CANARY_UNKNOWN
+                   : h->bits & 1 ? PX_CANARY_FAIL
+                                 : PX_CANARY_PASS;
+}
+
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
@@ -170,6 +182,7 @@ static void canary_done(const probe_canary_result_t *res, void *data)
     memcpy(a->canary_last, res->sha256, sizeof(a->canary_last));
     count(r, ok ? "canary_ok" : "canary_mismatch");
     bool rejected = attest_canary_record(&a->canary_hist, ok);
+    publish_canary(a);
     if (!rejected && ok && a->admit_on_canary) {
         /* Metadata matched and the model answered as expected: now it may take traffic. */
         a->admit_on_canary = false;
@@ -227,7 +240,7 @@ static void decide(att_t *a, attest_outcome_t *out)
         const char *was = attest_report_get(&a->report, (attest_field_t)f);
         const char *now = attest_report_get(rep, (attest_field_t)f);
         if (was == NULL ? now != NULL : now == NULL || strcmp(was, now) != 0) {
-            a->identity_changed_ms = dp_wall_ms(); /* a drift suspect hint (drift.h) */
+            r->identity_changed_ms = dp_wall_ms(); /* a drift suspect hint (drift.h) */
             break;
         }
     }
@@ -242,6 +255,7 @@ static void decide(att_t *a, attest_outcome_t *out)
         px_seqstr_set(&r->wfingerprint, "");
         set_state(r, PX_REPLICA_REJECTED, &out->reasons);
         attest_canary_reset(&a->canary_hist);
+        publish_canary(a);
         check_end(a);
         return;
     }
@@ -353,6 +367,8 @@ static void att_timer_closed(uv_handle_t *h)
 static void att_teardown(att_t *a)
 {
     px_seqstr_set(&a->r->engine_fp, ""); /* no report: nothing to compare responses with */
+    a->r->canary = PX_CANARY_UNKNOWN;
+    a->r->identity_changed_ms = 0;
     probe_cancel(a->probe);
     a->probe = NULL;
     if (a->canary) {
@@ -459,56 +475,6 @@ void px_attest_stop(px_t *px)
     px->attest = NULL;
 }
 
-/* What a worker saw, for the control thread to act on. */
-typedef struct {
-    net_mb_node_t node;
-    px_t *px;
-    px_replica_t *r;
-    bool deadmit;
-    char seen[136];
-} att_msg_t;
-
-static att_msg_t *att_msg(px_t *px, px_replica_t *r)
-{
-    att_msg_t *m = dp_xcalloc(1, sizeof(*m));
-    m->px = px;
-    m->r = r;
-    px_replica_ref(r);
-    return m;
-}
-
-static void att_msg_free(att_msg_t *m)
-{
-    px_replica_unref(m->r);
-    free(m);
-}
-
-static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit);
-
-static void connection_failed_posted(net_mb_node_t *n)
-{
-    att_msg_t *m = (att_msg_t *)n;
-    connection_failed_here(m->px, m->r, m->deadmit);
-    atomic_store_explicit(&m->r->suspect, false, memory_order_release); /* its state says now */
-    att_msg_free(m);
-}
-
-void px_attest_connection_failed(px_t *px, px_replica_t *r, bool deadmit)
-{
-    if (px_on_control()) {
-        connection_failed_here(px, r, deadmit);
-        return;
-    }
-    att_msg_t *m = att_msg(px, r);
-    m->deadmit = deadmit;
-    if (deadmit)
-        atomic_store_explicit(&r->suspect, true, memory_order_release);
-    if (!px_control_try_post(px, &m->node, connection_failed_posted)) {
-        atomic_store_explicit(&r->suspect, false, memory_order_release);
-        att_msg_free(m); /* the next failure asks again */
-    }
-}
-
 static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
 {
     PX_ASSERT_CONTROL();
@@ -519,43 +485,6 @@ static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
     if (deadmit && r->state == PX_REPLICA_ADMITTED)
         set_state1(r, PX_REPLICA_PENDING, "re-attesting after a failed connection");
     recheck_soon(a);
-}
-
-static void mismatch_here(px_t *px, px_replica_t *r, const char *seen);
-
-static void mismatch_posted(net_mb_node_t *n)
-{
-    att_msg_t *m = (att_msg_t *)n;
-    mismatch_here(m->px, m->r, m->seen);
-    atomic_store_explicit(&m->r->suspect, false, memory_order_release); /* its state says now */
-    att_msg_free(m);
-}
-
-/* On the worker that has the response: compared with what the control thread published. */
-bool px_attest_response_fingerprint(px_t *px, px_replica_t *r, const char *seen)
-{
-    if (seen == NULL || seen[0] == '\0')
-        return false;
-    char attested[sizeof(r->engine_fp.w)];
-    px_seqstr_get(&r->engine_fp, attested);
-    if (attested[0] == '\0' || strcmp(seen, attested) == 0)
-        return false;
-    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
-                                 "replica", r->name, NULL),
-                  1);
-    if (px_on_control()) {
-        mismatch_here(px, r, seen);
-        return true;
-    }
-    att_msg_t *m = att_msg(px, r);
-    snprintf(m->seen, sizeof(m->seen), "%s", seen);
-    atomic_store_explicit(&r->suspect, true, memory_order_release);
-    /* Dropped when the control thread is far behind: the next such response asks again. */
-    if (!px_control_try_post(px, &m->node, mismatch_posted)) {
-        atomic_store_explicit(&r->suspect, false, memory_order_release);
-        att_msg_free(m);
-    }
-    return true;
 }
 
 /* The control thread's half: out of service and re-attested, once per change. */
@@ -584,24 +513,6 @@ static void mismatch_here(px_t *px, px_replica_t *r, const char *seen)
         recheck_soon(a);
 }
 
-void px_attest_drift_hint(const px_replica_t *r, drift_hint_t *h)
-{
-    const att_t *a = r->attest_state;
-    memset(h, 0, sizeof(*h));
-    h->changed_ago_ms = UINT64_MAX;
-    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", r->fingerprint);
-    px_pool_t *p = r->px && r->px->gen ? px_gen_pool_by_name(r->px->gen, r->pool_name) : NULL;
-    h->accept_identity = r->fingerprint[0] && p && strcmp(r->fingerprint, p->fingerprint) != 0;
-    if (a == NULL)
-        return;
-    if (a->canary_hist.count)
-        h->canary = a->canary_hist.bits & 1 ? DRIFT_CANARY_FAIL : DRIFT_CANARY_PASS;
-    if (a->identity_changed_ms) {
-        uint64_t now = dp_wall_ms();
-        h->changed_ago_ms = now > a->identity_changed_ms ? now - a->identity_changed_ms : 0;
-    }
-}
-
 const attest_report_t *px_attest_report(const px_replica_t *r)
 {
     const att_t *a = r->attest_state;
@@ -626,4 +537,19 @@ void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)
         dp_jw_obj_end(w);
     }
     dp_jw_obj_end(w);
+}
+
+void px_attest_on_event(px_t *px, const px_event_t *ev)
+{
+    switch (ev->kind) {
+    case PX_EVENT_CONNECT_FAILED:
+        connection_failed_here(px, ev->r, true);
+        break;
+    case PX_EVENT_CONNECTION_LOST:
+        connection_failed_here(px, ev->r, false);
+        break;
+    case PX_EVENT_FINGERPRINT:
+        mismatch_here(px, ev->r, ev->seen);
+        break;
+    }
 }

@@ -20,6 +20,10 @@
 #include "common/log.h"
 #include "proxy/control/attest.h"
 #include "proxy/data/shadow.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/px.h"
+#include "proxy/data/worker.h"
 
 typedef struct disc_s {
     px_t *px;
@@ -306,7 +310,7 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     d->nreps = nnext;
     if (changed) {
         push_into_pool(d);
-        px_gen_publish(d->px);
+        px_workers_publish(d->px);
         px_attest_sync(d->px);
     }
     uv_timer_start(&d->timer, timer_cb, dc->refresh_ms, 0);

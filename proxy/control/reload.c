@@ -7,12 +7,16 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "net/tls.h"
-#include "proxy/control/admin.h"
 #include "proxy/control/attest.h"
+#include "proxy/control/reload.h"
 #include "proxy/obs/audit.h"
 #include "proxy/control/discovery.h"
 #include "proxy/obs/otel.h"
 #include "proxy/data/shadow.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/px.h"
+#include "proxy/data/worker.h"
 
 static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
 {
@@ -78,10 +82,10 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines);
     px_discovery_sync(px);
-    px_gen_publish(px);
+    px_workers_publish(px);
     px_attest_sync(px);
     px_otel_sync(px);
-    px_tls_reload(px);
+    px_reload_tls(px);
     px_gen_unref(prev);
     if (px_workers_resolve(cfg->workers) != px->nworkers)
         dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
@@ -96,7 +100,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     return 0;
 }
 
-int px_tls_reload(px_t *px)
+int px_reload_tls(px_t *px)
 {
     const cfg_tls_t *t = px->gen->cfg->tls;
     if (t == NULL) {
@@ -127,74 +131,4 @@ int px_tls_reload(px_t *px)
 int px_reload(px_t *px, const char *why)
 {
     return px_reload_msg(px, why, NULL);
-}
-
-/* ---- admin access and the routes other modules own ---------------------------------------- */
-
-int px_admin_authorize(px_t *px, net_req_t *req)
-{
-    const char *tok = px->gen->cfg->admin_token;
-    if (tok == NULL)
-        return 0;
-    /* As the tenant matcher: two Authorization fields are ambiguous and match nothing. */
-    const net_header_t *h = NULL;
-    size_t n = 0;
-    for (size_t i = 0; i < req->nheaders; i++) {
-        if (dp_strieq(req->headers[i].name.base, req->headers[i].name.len, "authorization")) {
-            h = &req->headers[i];
-            n++;
-        }
-    }
-    size_t tl = strlen(tok);
-    dp_iovec_t got;
-    if (n == 1 && dp_bearer_token(h->value, &got) && got.len == tl &&
-        dp_ct_equal(got.base, tok, tl))
-        return 0;
-    static const net_header_t www = {DP_IOV("www-authenticate"), DP_IOV("Bearer")};
-    net_resp_error(req, 401, NULL, "unauthorized", NULL,
-                   "admin endpoints need Authorization: Bearer <admin token>", &www, 1);
-    return -1;
-}
-
-static bool path_is(const net_req_t *req, const char *p)
-{
-    size_t n = strlen(p);
-    return req->path.len == n && memcmp(req->path.base, p, n) == 0;
-}
-
-int px_admin_extra_route(px_t *px, net_req_t *req)
-{
-    if (path_is(req, "/admin/reload")) {
-        if (req->method != 3 /* POST */) {
-            net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
-            return 0;
-        }
-        dp_buf_t msg = {0};
-        int rc = px_reload_msg(px, "POST /admin/reload", &msg);
-        if (rc == 0) {
-            static const char ok[] = "{\"status\":\"reloaded\"}";
-            net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
-        } else {
-            net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
-        }
-        dp_buf_free(&msg);
-        return 0;
-    }
-    if (path_is(req, "/admin/rollouts") && (req->method == 1 || req->method == 2)) {
-        dp_iovec_t only = {0};
-        bool by_pool = net_req_query(req, "pool", &only);
-        dp_buf_t b = {0};
-        px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
-        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
-        dp_buf_free(&b);
-        return 0;
-    }
-    if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
-        dp_buf_t b = {0};
-        px_shadow_drift_json(px, &b);
-        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
-        dp_buf_free(&b);
-        return 0;
-    }
-    return -1;
 }

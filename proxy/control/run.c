@@ -12,67 +12,22 @@
 #include "net/sock.h"
 #include "net/tls.h"
 #include "proxy/cli/cli.h"
-#include "proxy/core/px.h"
 #include "proxy/control/admin.h"
 #include "proxy/control/attest.h"
-#include "proxy/obs/audit.h"
 #include "proxy/control/discovery.h"
-#include "proxy/obs/otel.h"
-#include "proxy/data/hooks.h"
-#include "proxy/core/self.h"
-#include "proxy/data/shadow.h"
+#include "proxy/control/reload.h"
 #include "proxy/control/status.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/px.h"
+#include "proxy/core/self.h"
+#include "proxy/data/hooks.h"
+#include "proxy/data/proxy.h"
+#include "proxy/data/shadow.h"
+#include "proxy/data/worker.h"
+#include "proxy/obs/audit.h"
+#include "proxy/obs/otel.h"
 
 #define DRAIN_LIMIT_MS 30000
-
-void px_metrics_declare(void)
-{
-    px_metrics_family("detproxy_requests_total", PX_COUNTER,
-                      "Client requests by pool, tenant, final status and code (what answered).");
-    px_metrics_family("detproxy_tokens_total", PX_COUNTER,
-                      "Tokens the replicas reported in usage, by tenant, pool and kind.");
-    px_metrics_family("detproxy_replica_drained", PX_GAUGE,
-                      "1 while the replica is drained (POST /admin/replicas/NAME/drain).");
-    px_metrics_family("detproxy_request_duration_seconds", PX_HISTOGRAM,
-                      "Time from the first request byte to the end of the response.");
-    px_metrics_family("detproxy_upstream_errors_total", PX_COUNTER,
-                      "Failed exchanges with replicas by kind.");
-    px_metrics_family("detproxy_replica_admitted", PX_GAUGE,
-                      "1 when the replica is admitted (gets traffic), else 0.");
-    px_metrics_family("detproxy_attestations_total", PX_COUNTER, "Attestation checks by result.");
-    px_metrics_family(
-        "detproxy_fingerprint_mismatch_total", PX_COUNTER,
-        "Responses whose system_fingerprint differed from the replica's attested one.");
-    px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
-                      "Sampling parameters changed by policy.");
-    px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
-    px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
-                      "Word-level similarity of shadow samples.");
-    px_metrics_family("detproxy_candidate_total", PX_COUNTER,
-                      "Candidate-pool copies (SPEC 14) by baseline pool, candidate and result.");
-    px_metrics_family("detproxy_drift_verdict", PX_GAUGE,
-                      "1 for the pool's current drift verdict (SPEC 9), 0 for the others.");
-    px_metrics_family("detproxy_replica_quarantined", PX_GAUGE,
-                      "1 while the replica is quarantined for cross-replica drift.");
-    px_metrics_family("detproxy_otel_spans_total", PX_COUNTER,
-                      "OpenTelemetry spans by result (exported, dropped, failed).");
-    px_metrics_family("detproxy_affinity_total", PX_COUNTER,
-                      "Placements of affinity pools by result (hit, spill, fallback).");
-    px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
-    px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
-    px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
-                      "Audit lines that could not be written.");
-    px_metrics_family("detproxy_build_info", PX_GAUGE,
-                      "Always 1; the labels name the running build.");
-    px_metric_set(
-        px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
-    px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
-                      "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
-    px_metrics_family("detproxy_worker_requests_total", PX_COUNTER,
-                      "Client requests each worker thread took (workers).");
-    px_metrics_family("detproxy_handoff_dropped_total", PX_COUNTER,
-                      "Messages from the workers the control thread's queue was too full to take.");
-}
 
 static void usage(FILE *f)
 {
@@ -84,30 +39,6 @@ static void usage(FILE *f)
           "Signals: SIGTERM/SIGINT drain in-flight requests (up to 30 s) and exit 0;\n"
           "SIGHUP reloads the configuration.\n",
           f);
-}
-
-void px_server_limits_for(const cfg_t *cfg, net_server_limits_t *l)
-{
-    net_server_limits_default(l);
-    l->max_header_bytes = cfg->limits.max_header_bytes;
-    l->max_headers = cfg->limits.max_headers;
-    l->max_body_bytes = cfg->limits.max_body_bytes;
-    l->max_connections = cfg->limits.max_connections;
-    l->client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
-    l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
-    l->max_inflight_body_bytes = cfg->limits.max_inflight_body_bytes;
-    l->client_body_timeout_ms = cfg->limits.client_body_timeout_ms;
-    l->max_pending_handshakes = cfg->limits.max_pending_handshakes;
-}
-
-void px_admin_refresh_gauges(px_t *px)
-{
-    px_metric_set(px_metrics_get("detproxy_connections", NULL), (double)px_workers_connections(px));
-    px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
-                  (double)px_workers_inflight(px));
-    px_metric_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
-                  (double)net_mailbox_dropped(&px->mb));
-    px_status_refresh_gauges(px);
 }
 
 /* ---- shutdown ------------------------------------------------------------------------------ */
@@ -220,6 +151,7 @@ static void run_end(px_t *px)
     net_sock_thread_free();
     uv_loop_close(px->loop);
     free(px->workers);
+    free(px->threads);
     px_metrics_reset();
 }
 
@@ -291,11 +223,13 @@ int px_cmd_run(int argc, char **argv)
     px_t px = {0};
     px.loop = uv_default_loop();
     px.started_ms = dp_wall_ms();
-    px.nworkers = px_workers_resolve(cfg->workers);
-    px.nslots = px.nworkers + 1;
+    px_thread_init(&px, px_workers_resolve(cfg->workers));
     px_metrics_set_threads(px.nslots); /* before any series: cells are sized by it */
     px_metrics_declare();
-    net_mailbox_init(&px.mb, px.loop, 0);
+    /* What the control plane does with what replicas and requests tell it. */
+    px.replica_hooks.changed = px_status_note_change;
+    px.replica_hooks.freed = px_attest_replica_free;
+    px.on_event = px_attest_on_event;
     px.gen = px_gen_new(&px, cfg, NULL);
     px.gen->published = true; /* the workers start with it */
     if (cfg->log.audit_path) {
@@ -305,7 +239,7 @@ int px_cmd_run(int argc, char **argv)
     }
     px_shadow_init(&px);
     px_self_via_line(NULL); /* drawn once, here: the workers only read it */
-    if (px_tls_reload(&px) != 0) {
+    if (px_reload_tls(&px) != 0) {
         run_end(&px);
         return 3;
     }
@@ -321,7 +255,7 @@ int px_cmd_run(int argc, char **argv)
     uv_signal_start(&px.sig_term, on_stop_signal, SIGTERM);
     uv_signal_start(&px.sig_int, on_stop_signal, SIGINT);
     uv_signal_start(&px.sig_hup, on_hup, SIGHUP);
-    if (px_workers_start(&px, &cfg->listen) != 0 ||
+    if (px_workers_start(&px, &cfg->listen, &px_proxy_worker_ops) != 0 ||
         listen_on(px.admin, &cfg->admin_listen, "admin") != 0) {
         uv_close((uv_handle_t *)&px.sig_term, NULL);
         uv_close((uv_handle_t *)&px.sig_int, NULL);
@@ -335,7 +269,7 @@ int px_cmd_run(int argc, char **argv)
     px.drain_timer.data = &px;
     px_attest_start(&px);
     px_discovery_sync(&px);
-    px_gen_publish(&px); /* discovery may have added replicas */
+    px_workers_publish(&px); /* discovery may have added replicas */
     px_otel_sync(&px);
 
     uv_run(px.loop, UV_RUN_DEFAULT);

@@ -19,6 +19,9 @@
 #include "drift/rollout.h"
 #include "proxy/control/attest.h"
 #include "proxy/data/shadow.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/px.h"
 
 #define PX_STATUS_REFRESH_S 5
 #define PX_STATUS_CHANGES 32

@@ -1,4 +1,5 @@
-/* Configuration generations and their pools (replicas: px_replica.c). */
+/* Configuration generations: building one from a config (reusing the replicas a reload keeps),
+ * references, and the lookups every request makes. Pools: pool.c; replicas: replica.c. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -6,34 +7,9 @@
 #include "common/util.h"
 #include "net/resolve.h"
 #include "net/tls.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/px.h"
-#include "proxy/control/attest.h"
-#include "proxy/control/status.h"
-
-/* ---- pools ------------------------------------------------------------------------------ */
-
-void px_pool_push_replica(px_pool_t *p, px_replica_t *r)
-{
-    PX_ASSERT_CONTROL();
-    if (p->nreplicas == p->cap) {
-        p->cap = p->cap ? p->cap * 2 : 4;
-        p->replicas = dp_xrealloc(p->replicas, p->cap * sizeof(*p->replicas));
-    }
-    p->replicas[p->nreplicas++] = r;
-}
-
-void px_pool_remove_replica(px_pool_t *p, px_replica_t *r)
-{
-    for (size_t i = 0; i < p->nreplicas; i++) {
-        if (p->replicas[i] == r) {
-            memmove(&p->replicas[i], &p->replicas[i + 1],
-                    (p->nreplicas - i - 1) * sizeof(*p->replicas));
-            p->nreplicas--;
-            px_replica_unref(r);
-            return;
-        }
-    }
-}
 
 static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
 {
@@ -159,15 +135,6 @@ px_gen_t *px_gen_writable(px_t *px)
     return px->gen;
 }
 
-void px_gen_publish(px_t *px)
-{
-    PX_ASSERT_CONTROL();
-    if (px->gen->published)
-        return;
-    px->gen->published = true;
-    px_workers_publish(px, px->gen);
-}
-
 static void gen_free_posted(net_mb_node_t *n)
 {
     gen_free((px_gen_t *)((char *)n - offsetof(px_gen_t, free_node)));
@@ -177,44 +144,17 @@ void px_gen_unref(px_gen_t *g)
 {
     if (atomic_fetch_sub_explicit(&g->refs, 1, memory_order_acq_rel) > 1)
         return;
-    if (!px_on_control()) {
-        px_control_post(g->px, &g->free_node, gen_free_posted);
+    if (!px_thread_on_control()) {
+        px_thread_post_control(g->px, &g->free_node, gen_free_posted);
         return;
     }
     gen_free(g);
 }
 
-px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
-{
-    char st[12];
-    snprintf(st, sizeof(st), "%d", status);
-    if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
-        return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
-                              st, "code", code, NULL);
-    px_pool_slot_t *sl = &p->slots[px_slot()];
-    size_t n = DP_ARRAY_SIZE(sl->m_requests);
-    for (size_t i = 0; i < n && sl->m_requests[i].s; i++)
-        if (sl->m_requests[i].tenant == tenant && sl->m_requests[i].status == status &&
-            sl->m_requests[i].code == code)
-            return sl->m_requests[i].s;
-    px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
-                                    "status", st, "code", code, NULL);
-    for (size_t i = 0; i < n; i++) {
-        if (sl->m_requests[i].s == NULL) {
-            sl->m_requests[i].tenant = tenant;
-            sl->m_requests[i].status = status;
-            sl->m_requests[i].code = code;
-            sl->m_requests[i].s = s;
-            break;
-        }
-    }
-    return s;
-}
-
 px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,
                                     const char *param, int action, const char *action_name)
 {
-    px_override_series_t *ov = g->m_overrides[px_slot()];
+    px_override_series_t *ov = g->m_overrides[px_thread_slot()];
     size_t n = DP_ARRAY_SIZE(g->m_overrides[0]);
     for (size_t i = 0; i < n && ov[i].s; i++)
         if (ov[i].tenant == t && ov[i].param == param && ov[i].action == action)

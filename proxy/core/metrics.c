@@ -10,6 +10,7 @@
 
 #include "common/jw.h"
 #include "common/util.h"
+#include "common/version.h"
 
 #define NBUCKETS 1024 /* hash buckets; the series count is small (pools x replicas x labels) */
 
@@ -402,4 +403,53 @@ void px_metrics_reset(void)
         free(f);
     }
     pthread_mutex_unlock(&g_mu);
+}
+
+void px_metrics_declare(void)
+{
+    px_metrics_family("detproxy_requests_total", PX_COUNTER,
+                      "Client requests by pool, tenant, final status and code (what answered).");
+    px_metrics_family("detproxy_tokens_total", PX_COUNTER,
+                      "Tokens the replicas reported in usage, by tenant, pool and kind.");
+    px_metrics_family("detproxy_replica_drained", PX_GAUGE,
+                      "1 while the replica is drained (POST /admin/replicas/NAME/drain).");
+    px_metrics_family("detproxy_request_duration_seconds", PX_HISTOGRAM,
+                      "Time from the first request byte to the end of the response.");
+    px_metrics_family("detproxy_upstream_errors_total", PX_COUNTER,
+                      "Failed exchanges with replicas by kind.");
+    px_metrics_family("detproxy_replica_admitted", PX_GAUGE,
+                      "1 when the replica is admitted (gets traffic), else 0.");
+    px_metrics_family("detproxy_attestations_total", PX_COUNTER, "Attestation checks by result.");
+    px_metrics_family(
+        "detproxy_fingerprint_mismatch_total", PX_COUNTER,
+        "Responses whose system_fingerprint differed from the replica's attested one.");
+    px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
+                      "Sampling parameters changed by policy.");
+    px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
+    px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
+                      "Word-level similarity of shadow samples.");
+    px_metrics_family("detproxy_candidate_total", PX_COUNTER,
+                      "Candidate-pool copies (SPEC 14) by baseline pool, candidate and result.");
+    px_metrics_family("detproxy_drift_verdict", PX_GAUGE,
+                      "1 for the pool's current drift verdict (SPEC 9), 0 for the others.");
+    px_metrics_family("detproxy_replica_quarantined", PX_GAUGE,
+                      "1 while the replica is quarantined for cross-replica drift.");
+    px_metrics_family("detproxy_otel_spans_total", PX_COUNTER,
+                      "OpenTelemetry spans by result (exported, dropped, failed).");
+    px_metrics_family("detproxy_affinity_total", PX_COUNTER,
+                      "Placements of affinity pools by result (hit, spill, fallback).");
+    px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
+    px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
+    px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
+                      "Audit lines that could not be written.");
+    px_metrics_family("detproxy_build_info", PX_GAUGE,
+                      "Always 1; the labels name the running build.");
+    px_metric_set(
+        px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
+    px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
+                      "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
+    px_metrics_family("detproxy_worker_requests_total", PX_COUNTER,
+                      "Client requests each worker thread took (workers).");
+    px_metrics_family("detproxy_handoff_dropped_total", PX_COUNTER,
+                      "Messages from the workers the control thread's queue was too full to take.");
 }

@@ -85,4 +85,7 @@ void px_metrics_reset(void);
 extern const double px_latency_bounds[];
 extern const size_t px_latency_nbounds;
 
+/* Declare every family the proxy exports (once, at start, after px_metrics_set_threads). */
+void px_metrics_declare(void);
+
 #endif

@@ -1,5 +1,7 @@
 /* Replicas: identity, state (written by the control thread, read by every worker), the
- * per-worker upstream slots, and the last reference's free on the control thread. */
+ * slots requests hold on them, the per-worker upstreams (each worker's own, changed by
+ * messages that run on that worker), and the last reference's free on the control thread. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,9 +10,10 @@
 #include "net/resolve.h"
 #include "net/tls.h"
 #include "probe/probe.h"
+#include "proxy/core/affinity.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/px.h"
-#include "proxy/control/attest.h"
-#include "proxy/control/status.h"
 
 /* The reasons as one line, for workers (px_pool_why_unavailable). */
 static void publish_why(px_replica_t *r)
@@ -121,7 +124,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
         px_replica_upstream_tls(r, r->up, &r->url);
     }
     /* Until attestation has spoken, a replica gets no traffic; pools that pin nothing are
-     * admitted by px_attest on its first successful probe. */
+     * admitted by attestation on its first successful probe. */
     r->state = PX_REPLICA_PENDING;
     if (!r->resolved) {
         const char *why[] = {"host name did not resolve", NULL};
@@ -146,6 +149,70 @@ void px_replica_ref(px_replica_t *r)
 
 static void replica_free(px_replica_t *r);
 
+/* ---- each worker's upstream of a replica: changed on that worker ------------------------ */
+
+typedef struct {
+    net_mb_node_t node;
+    px_t *px;
+    px_replica_t *r; /* a reference (flush); NULL once the replica is gone (free) */
+    unsigned slot;
+    net_upstream_t *up;
+    net_tls_ctx_t *tls; /* a reference */
+} slot_msg_t;
+
+static slot_msg_t *slot_msg(px_replica_t *r, unsigned slot, net_upstream_t *up, net_tls_ctx_t *t)
+{
+    slot_msg_t *m = dp_xcalloc(1, sizeof(*m));
+    m->r = r;
+    m->slot = slot;
+    m->up = up;
+    m->tls = t;
+    return m;
+}
+
+static void flush_here(net_mb_node_t *n)
+{
+    slot_msg_t *m = (slot_msg_t *)n;
+    px_replica_t *r = m->r;
+    if (m->tls) {
+        /* The TLS files were read again (reload): this worker's context takes the new trust. */
+        if (r->wtls[m->slot])
+            net_tls_ctx_replace(r->wtls[m->slot], m->tls);
+        net_tls_ctx_unref(m->tls);
+    }
+    if (r->wup[m->slot])
+        net_upstream_flush_idle(r->wup[m->slot]);
+    px_replica_unref(r);
+    free(m);
+}
+
+void px_replica_flush_workers(px_replica_t *r, net_tls_ctx_t *fresh)
+{
+    PX_ASSERT_CONTROL();
+    for (unsigned s = 1; r->px && s < r->px->nslots; s++) {
+        px_replica_ref(r);
+        if (fresh)
+            net_tls_ctx_ref(fresh);
+        slot_msg_t *m = slot_msg(r, s, NULL, fresh);
+        if (!px_thread_post(r->px, s, &m->node, flush_here)) {
+            net_tls_ctx_unref(fresh);
+            px_replica_unref(r);
+            free(m);
+        }
+    }
+}
+
+/* On the worker: its upstream of a replica that is gone. One the worker's shutdown already
+ * closed is no longer on its list. */
+static void free_upstream_here(net_mb_node_t *n)
+{
+    slot_msg_t *m = (slot_msg_t *)n;
+    if (m->up && px_thread_forget_upstream(px_thread_of(m->px, m->slot), m->up))
+        net_upstream_free(m->up);
+    net_tls_ctx_unref(m->tls);
+    free(m);
+}
+
 static void replica_free_posted(net_mb_node_t *n)
 {
     replica_free((px_replica_t *)((char *)n - offsetof(px_replica_t, free_node)));
@@ -155,8 +222,8 @@ void px_replica_unref(px_replica_t *r)
 {
     if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) > 1)
         return;
-    if (!px_on_control()) { /* attestation state, metric series, upstreams: the control's */
-        px_control_post(r->px, &r->free_node, replica_free_posted);
+    if (!px_thread_on_control()) { /* attestation state, metric series, upstreams: control's */
+        px_thread_post_control(r->px, &r->free_node, replica_free_posted);
         return;
     }
     replica_free(r);
@@ -175,14 +242,24 @@ static void replica_free(px_replica_t *r)
      * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
     if (r->discovered && !name_alive(r))
         px_metrics_drop("pool", r->pool_name, "replica", r->name);
-    px_attest_replica_free(r);
+    if (r->px && r->px->replica_hooks.freed)
+        r->px->replica_hooks.freed(r);
     if (r->up)
         net_upstream_free(r->up);
     if (r->shadow_up)
         net_upstream_free(r->shadow_up);
-    for (unsigned s = 1; r->px && s < r->px->nslots; s++)
-        if (r->wup[s] || r->wtls[s])
-            px_workers_free_upstream(r->px, s, r->wup[s], r->wtls[s]);
+    for (unsigned s = 1; r->px && s < r->px->nslots; s++) {
+        if (r->wup[s] == NULL && r->wtls[s] == NULL)
+            continue;
+        slot_msg_t *m = slot_msg(NULL, s, r->wup[s], r->wtls[s]);
+        m->px = r->px;
+        /* A worker that never ran made nothing; one that was joined closed its upstreams at
+         * its stop: only its TLS context is left to release. */
+        if (!px_thread_post(r->px, s, &m->node, free_upstream_here)) {
+            net_tls_ctx_unref(m->tls);
+            free(m);
+        }
+    }
     free(r->wup);
     free(r->wtls);
     net_tls_ctx_unref(r->tls_ctx);
@@ -225,7 +302,8 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     px_replica_state_t old = r->state;
     r->state = st;
     px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
-    px_status_note_change(r, old);
+    if (r->px && r->px->replica_hooks.changed)
+        r->px->replica_hooks.changed(r, old);
     dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
                                                                                     : DP_LOG_WARN,
                               "replica_state");
@@ -243,7 +321,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
     if (st != PX_REPLICA_ADMITTED && r->up)
         net_upstream_flush_idle(r->up);
     if (st != PX_REPLICA_ADMITTED)
-        px_workers_flush_replica(r->px, r, NULL);
+        px_replica_flush_workers(r, NULL);
 }
 
 void px_replica_set_drained(px_replica_t *r, bool drained)
@@ -265,7 +343,7 @@ void px_replica_set_drained(px_replica_t *r, bool drained)
     if (drained && r->up)
         net_upstream_flush_idle(r->up);
     if (drained)
-        px_workers_flush_replica(r->px, r, NULL);
+        px_replica_flush_workers(r, NULL);
 }
 
 /* A replica carried over by a reload keeps its identity and attestation, but its TLS files
@@ -298,11 +376,44 @@ void px_replica_reload_tls(px_replica_t *r, const cfg_pool_t *p)
         net_upstream_flush_idle(r->up);
     if (r->shadow_up)
         net_upstream_flush_idle(r->shadow_up);
-    px_workers_flush_replica(r->px, r, fresh);
+    px_replica_flush_workers(r, fresh);
     net_tls_ctx_unref(fresh);
 }
 
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def)
 {
     return px_replica_create(px, p->gen->cfg, p->cfg, def, px_replica_key(p->cfg, def));
+}
+
+/* ---- slots ------------------------------------------------------------------------------ */
+
+bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
+{
+    uint32_t max = p->cfg->max_inflight_per_replica;
+    if (max == 0) {
+        atomic_fetch_add_explicit(&r->inflight, 1, memory_order_relaxed);
+        return true;
+    }
+    unsigned cur = atomic_load_explicit(&r->inflight, memory_order_relaxed);
+    while (cur < max)
+        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            return true;
+    return false;
+}
+
+void px_replica_put_slot(px_replica_t *r)
+{
+    unsigned prev = atomic_fetch_sub(&r->inflight, 1);
+    assert(prev > 0);
+    (void)prev;
+}
+
+/* The one eligibility rule: may replica r be sent new requests at all? Every balance, the
+ * affinity order and mean, and /readyz go through it. */
+bool px_replica_serving(const px_replica_t *r)
+{
+    return px_replica_state(r) == PX_REPLICA_ADMITTED && r->up &&
+           !atomic_load_explicit(&r->drained, memory_order_acquire) &&
+           !atomic_load_explicit(&r->suspect, memory_order_acquire);
 }

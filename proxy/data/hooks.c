@@ -10,10 +10,13 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "policy/policy.h"
-#include "proxy/control/attest.h"
+#include "proxy/core/event.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/px.h"
+#include "proxy/data/shadow.h"
+#include "proxy/obs/access.h"
 #include "proxy/obs/audit.h"
 #include "proxy/obs/otel.h"
-#include "proxy/data/shadow.h"
 
 /* Per inference request: kept apart from px_hooks_req_t so pass-through requests stay small.
  * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
@@ -250,26 +253,15 @@ bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completio
     return true;
 }
 
-void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key)
+void px_hooks_describe(const px_hooks_req_t *h, px_access_t *a)
 {
     const pol_t *p = h->policy;
-    dp_jw_arr_begin(w, key);
-    for (size_t i = 0; p && p->applied && i < p->res.nchanges; i++) {
-        char item[64];
-        snprintf(item, sizeof(item), "%s:%s", p->res.changes[i].param,
-                 policy_action_names[p->res.changes[i].action]);
-        dp_jw_str(w, NULL, item);
-    }
-    dp_jw_arr_end(w);
-}
-
-const char *px_hooks_model(const px_hooks_req_t *h)
-{
-    const pol_t *p = h->policy;
-    if (p == NULL)
-        return "";
-    dp_iovec_t m = policy_model(p->preq);
-    return m.base ? m.base : "";
+    a->tenant = h->tenant_cfg ? h->tenant : NULL;
+    a->seed = h->seed[0] ? h->seed : NULL;
+    a->has_usage = px_hooks_usage(h, &a->prompt_tokens, &a->completion_tokens);
+    a->policy = p && p->applied ? &p->res : NULL;
+    dp_iovec_t m = p ? policy_model(p->preq) : (dp_iovec_t){0};
+    a->model = m.base && m.base[0] ? m.base : NULL;
 }
 
 /* ---- inference ------------------------------------------------------------------------------ */
@@ -482,7 +474,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->done = done;
     p->done_data = done_data;
     p->work.data = p;
-    p->loop = px_worker_loop(px_worker_self());
+    p->loop = px_thread_self(px)->loop;
     if (g_policing < policing_max(px)) {
         if (police_start(p) != 0) {
             p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
@@ -673,18 +665,37 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     return then != NULL;
 }
 
+/* A response of r carried engine fingerprint `seen`: true when it differs from the one r
+ * attested (counted in detproxy_fingerprint_mismatch_total and told to the control plane,
+ * which takes r out of service and re-attests it: docs/attestation.md §5). A response without
+ * a fingerprint is not checked. */
+static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
+{
+    if (seen == NULL || seen[0] == '\0')
+        return false;
+    char attested[sizeof(r->engine_fp.w)];
+    px_seqstr_get(&r->engine_fp, attested); /* published by attestation */
+    if (attested[0] == '\0' || strcmp(seen, attested) == 0)
+        return false;
+    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
+                                 "replica", r->name, NULL),
+                  1);
+    px_event_post(px, &(px_event_t){.kind = PX_EVENT_FINGERPRINT, .r = r, .seen = seen});
+    return true;
+}
+
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data)
 {
     /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
      * requests until it is re-attested. */
     if (h->inference && r && status >= 200 && status < 300) {
-        h->fp_mismatch = px_attest_response_fingerprint(px, r, h->upstream_fp);
+        h->fp_mismatch = fingerprint_differs(px, r, h->upstream_fp);
         /* A stream whose fingerprint changed part-way: its later one is checked too, and it
          * is the one audited when it is the one that differs. */
         const pol_t *p = h->policy;
         if (!h->fp_mismatch && p && p->sse_rewrite && p->sse.alt[0] &&
-            px_attest_response_fingerprint(px, r, p->sse.alt)) {
+            fingerprint_differs(px, r, p->sse.alt)) {
             h->fp_mismatch = true;
             snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.alt);
         }
@@ -719,7 +730,9 @@ void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_
     /* Only a refused or timed-out connect says the replica is gone; the keep-alive race
      * (a pooled connection closed under us) is routine with vLLM's 5 s keep-alive. */
     if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
-        px_attest_connection_failed(px, r, err == NET_UP_CONNECT);
+        px_event_post(px, &(px_event_t){.kind = err == NET_UP_CONNECT ? PX_EVENT_CONNECT_FAILED
+                                                                      : PX_EVENT_CONNECTION_LOST,
+                                        .r = r});
 }
 
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,

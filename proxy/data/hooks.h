@@ -9,7 +9,11 @@
 
 #include "common/jw.h"
 #include "policy/policy.h"
+#include "proxy/core/affinity.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/px.h"
+#include "proxy/obs/access.h"
 
 typedef struct {
     const char *tenant;    /* tenant name for labels and headers; "-" before matching */
@@ -61,10 +65,9 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *re
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
 /* Token usage seen in the response so far (prompt, completion): false when none. */
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);
-/* The policy's changes, for the access log: "param:action" items in out, comma-separated. */
-void px_hooks_policy_actions(const px_hooks_req_t *h, dp_jw_t *w, const char *key);
-/* The model the request named ("" before the body was parsed). */
-const char *px_hooks_model(const px_hooks_req_t *h);
+/* What the access log shows of the request's policy state: tenant, model, seed, usage and the
+ * policy's changes (borrowed: valid until px_hooks_finish). */
+void px_hooks_describe(const px_hooks_req_t *h, px_access_t *a);
 
 /* Bodies from this size up are policed on the libuv thread pool, off the event loop. */
 #define PX_POLICY_OFFLOAD_BYTES (64 * 1024)

@@ -9,7 +9,7 @@
  * response ended (or the client went away) and no upstream exchange is left running. A
  * replica slot (replica->inflight) is held exactly while preq->replica is set.
  *
- * Everything here runs on a worker (px_worker.c): a request lives and ends on the worker that
+ * Everything here runs on a worker (data/worker.c): a request lives and ends on the worker that
  * accepted its connection, with that worker's upstream pools, queues and caches. */
 #include <math.h>
 #include <stdlib.h>
@@ -20,10 +20,16 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/px.h"
-#include "proxy/obs/access.h"
-#include "proxy/data/hooks.h"
 #include "proxy/core/self.h"
+#include "proxy/data/admission.h"
+#include "proxy/data/hooks.h"
+#include "proxy/data/proxy.h"
+#include "proxy/data/router.h"
+#include "proxy/data/worker.h"
+#include "proxy/obs/access.h"
 
 typedef enum {
     ROUTE_PASS = 0,
@@ -51,6 +57,8 @@ static policy_route_t policy_route(route_t r)
                                   : POLICY_ROUTE_COMPLETIONS;
 }
 
+typedef struct px_preq_s px_preq_t;
+
 struct px_preq_s {
     px_t *px;
     px_gen_t *gen;
@@ -71,7 +79,6 @@ struct px_preq_s {
     uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
-    bool queued;
     bool paused_upstream;
     bool client_started;
     bool audit_wait;      /* the response's end waits for its audit line (px_hooks_before_end) */
@@ -86,9 +93,8 @@ struct px_preq_s {
     net_header_t *held_out; /* the head to send, built by prepare_held */
     size_t held_nout;
     net_header_t held_stack[32]; /* held_out when it fits */
-    px_preq_t *qnext, *qprev;
-    uint64_t qdeadline;
-    uint64_t qticket; /* its place in the pool's queue order across workers */
+    px_admission_entry_t adm;    /* waiting for a slot (data/admission.c) */
+    px_preq_t *free_next;        /* on this thread's cache of recycled contexts */
     int status;
     /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
      * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
@@ -106,7 +112,6 @@ struct px_preq_s {
 
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
-static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl);
 static void count_request(px_preq_t *q);
 
 /* Request contexts are recycled with their head buffer, so a steady stream of requests does
@@ -120,7 +125,7 @@ static px_preq_t *preq_get(void)
     px_preq_t *q = g_preq_free;
     if (q == NULL)
         return dp_xcalloc(1, sizeof(*q));
-    g_preq_free = q->qnext;
+    g_preq_free = q->free_next;
     g_npreq_free--;
     /* Keep the buffers' capacity: a steady stream of requests reuses them. */
     dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body, rf = q->refusal;
@@ -140,7 +145,7 @@ void px_proxy_free_caches(void)
 {
     while (g_preq_free) {
         px_preq_t *q = g_preq_free;
-        g_preq_free = q->qnext;
+        g_preq_free = q->free_next;
         dp_buf_free(&q->head);
         dp_buf_free(&q->held_hdrs);
         dp_buf_free(&q->held_body);
@@ -166,7 +171,7 @@ static void preq_put(px_preq_t *q)
         free(q);
         return;
     }
-    q->qnext = g_preq_free;
+    q->free_next = g_preq_free;
     g_preq_free = q;
     g_npreq_free++;
 }
@@ -293,15 +298,6 @@ static void fail_unavailable(px_preq_t *q)
 
 /* ---- slots and the admission queue ------------------------------------------------------- */
 
-uv_timer_t *px_worker_qtimer(void);
-px_pool_slot_t **px_worker_qactive(void);
-void px_worker_count_request(void);
-
-static px_pool_slot_t *qslot(px_pool_t *p)
-{
-    return &p->slots[px_slot()];
-}
-
 static void slot_release(px_preq_t *q)
 {
     px_replica_t *r = q->replica;
@@ -310,193 +306,37 @@ static void slot_release(px_preq_t *q)
     q->replica = NULL;
     px_replica_put_slot(r);
     px_replica_unref(r);
-    px_proxy_slot_freed(q->pool);
+    px_admission_slot_freed(q->pool);
 }
 
-static void deactivate(px_pool_slot_t *sl)
+static px_preq_t *queued_request(px_admission_entry_t *e)
 {
-    for (px_pool_slot_t **pp = px_worker_qactive(); *pp; pp = &(*pp)->active_next) {
-        if (*pp == sl) {
-            *pp = sl->active_next;
-            break;
-        }
-    }
-    sl->active_next = NULL;
-    sl->active = false;
+    return (px_preq_t *)((char *)e - offsetof(px_preq_t, adm));
 }
 
-/* The worker's one timer, at the earliest head deadline of its non-empty queues. */
-static void queue_arm(void)
+static void queue_granted(px_admission_entry_t *e, px_replica_t *r)
 {
-    uv_timer_t *t = px_worker_qtimer();
-    uint64_t first = UINT64_MAX;
-    for (px_pool_slot_t *sl = *px_worker_qactive(); sl; sl = sl->active_next)
-        if (sl->q_head->qdeadline < first)
-            first = sl->q_head->qdeadline;
-    if (first == UINT64_MAX) {
-        uv_timer_stop(t);
-        return;
-    }
-    uint64_t now = uv_now(t->loop);
-    uv_timer_start(t, px_proxy_queue_timer_cb, first > now ? first - now : 0, 0);
+    px_preq_t *q = queued_request(e);
+    q->replica = r; /* the pick took its slot */
+    dispatch(q);
 }
 
-static void publish_head(px_pool_slot_t *sl)
+static void queue_expired(px_admission_entry_t *e)
 {
-    atomic_store_explicit(&sl->head_ticket, sl->q_head ? sl->q_head->qticket + 1 : 0,
-                          memory_order_relaxed);
+    px_preq_t *q = queued_request(e);
+    fail_client(q, 504, "queue_timeout", NULL,
+                "timed out waiting for a replica slot (max_inflight_per_replica)");
+    finish(q);
 }
 
-static void queue_remove(px_preq_t *q)
+static void queue_unavailable(px_admission_entry_t *e)
 {
-    if (!q->queued)
-        return;
-    px_pool_t *p = q->pool;
-    px_pool_slot_t *sl = qslot(p);
-    if (q->qprev)
-        q->qprev->qnext = q->qnext;
-    else
-        sl->q_head = q->qnext;
-    if (q->qnext)
-        q->qnext->qprev = q->qprev;
-    else
-        sl->q_tail = q->qprev;
-    q->qnext = q->qprev = NULL;
-    q->queued = false;
-    sl->qlen--;
-    publish_head(sl);
-    atomic_fetch_sub(&p->waiting, 1);
-    atomic_fetch_sub(&p->gen->px->queued, 1);
-    if (sl->q_head == NULL) {
-        deactivate(sl);
-        queue_arm();
-    }
+    px_preq_t *q = queued_request(e);
+    fail_unavailable(q);
+    finish(q);
 }
 
-static void queue_push(px_preq_t *q)
-{
-    px_pool_t *p = q->pool;
-    px_pool_slot_t *sl = qslot(p);
-    q->queued = true;
-    q->qdeadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
-    q->qticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
-    q->qprev = sl->q_tail;
-    q->qnext = NULL;
-    if (sl->q_tail)
-        sl->q_tail->qnext = q;
-    else
-        sl->q_head = q;
-    sl->q_tail = q;
-    sl->qlen++;
-    if (sl->q_head == q)
-        publish_head(sl);
-    atomic_fetch_add(&p->waiting, 1); /* seq_cst: pairs with px_proxy_slot_freed's load */
-    atomic_fetch_add(&p->gen->px->queued, 1);
-    if (!sl->active) {
-        sl->active = true;
-        sl->active_next = *px_worker_qactive();
-        *px_worker_qactive() = sl;
-        queue_arm();
-    }
-}
-
-void px_proxy_queue_timer_cb(uv_timer_t *t)
-{
-    uint64_t now = uv_now(t->loop);
-    /* One expired head at a time: failing it may empty its queue (and unlink it). */
-    for (;;) {
-        px_preq_t *q = NULL;
-        for (px_pool_slot_t *sl = *px_worker_qactive(); sl && !q; sl = sl->active_next)
-            if (sl->q_head->qdeadline <= now)
-                q = sl->q_head;
-        if (q == NULL)
-            break;
-        queue_remove(q);
-        fail_client(q, 504, "queue_timeout", NULL,
-                    "timed out waiting for a replica slot (max_inflight_per_replica)");
-        finish(q);
-    }
-    queue_arm();
-}
-
-/* Does another worker have a request for p that queued before this worker's head? */
-static bool older_head_elsewhere(const px_pool_t *p, const px_pool_slot_t *sl)
-{
-    uint64_t mine = sl->q_head->qticket + 1;
-    for (unsigned i = 1; i < p->gen->px->nslots; i++) {
-        uint64_t t = atomic_load_explicit(&p->slots[i].head_ticket, memory_order_relaxed);
-        if (&p->slots[i] != sl && t != 0 && t < mine)
-            return true;
-    }
-    return false;
-}
-
-/* Hand free slots to this worker's queue of p, oldest first across the workers: when another
- * worker's head queued earlier, it is woken to take the slot and this queue waits. True when
- * the queue is empty at the end. */
-static bool serve_queue(px_pool_t *p, px_pool_slot_t *sl)
-{
-    while (sl->q_head) {
-        if (older_head_elsewhere(p, sl)) {
-            px_workers_wake(p->gen->px);
-            return false;
-        }
-        int why;
-        px_preq_t *q = sl->q_head;
-        px_replica_t *r = px_router_pick(p, NULL, &q->hooks.affinity, &why);
-        if (r == NULL) {
-            if (why != 0)
-                return false;
-            /* Every replica left the admitted set while requests waited. */
-            queue_remove(q);
-            fail_unavailable(q);
-            finish(q);
-            continue;
-        }
-        queue_remove(q);
-        q->replica = r; /* the pick took its slot */
-        dispatch(q);
-    }
-    return true;
-}
-
-void px_proxy_slot_freed(px_pool_t *p)
-{
-    px_t *px = p->gen->px;
-    if (!serve_queue(p, qslot(p)))
-        return;
-    /* Nothing waits here for this pool, but maybe on another worker, or for this pool's
-     * replicas under another generation (a reload while requests queue): let them look. With
-     * the release (a seq_cst decrement) and these seq_cst loads against queue_push's
-     * increments and dispatch's serve_queue, a waiter either sees the free slot or is seen. */
-    if (atomic_load(&p->waiting) > 0 || atomic_load(&px->queued) > 0) {
-        px_workers_wake(px);
-        if (px_worker_self() && *px_worker_qactive())
-            px_proxy_dispatch_waiting(); /* this worker's queues of other generations */
-    }
-}
-
-void px_proxy_dispatch_waiting(void)
-{
-    px_pool_t *pools[64];
-    size_t n = 0;
-    for (px_pool_slot_t *sl = *px_worker_qactive(); sl && n < DP_ARRAY_SIZE(pools);
-         sl = sl->active_next)
-        pools[n++] = sl->q_head->pool;
-    /* A pool's queued requests hold its generation: each pointer stays valid while it has
-     * waiters, and a pool whose queue emptied is only looked at (nothing to dispatch). */
-    for (size_t i = 0; i < n; i++) {
-        px_pool_t *p = pools[i];
-        if (!qslot(p)->active)
-            continue;
-        /* The last waiter may fail and drop the generation's last reference: keep it. */
-        px_gen_t *g = p->gen;
-        px_gen_ref(g);
-        if (serve_queue(p, qslot(p)) && atomic_load(&p->waiting) > 0)
-            px_workers_wake(g->px); /* the wake-up was for a queue that emptied: pass it on */
-        px_gen_unref(g);
-    }
-}
+static const px_admission_ops_t queue_ops = {queue_granted, queue_expired, queue_unavailable};
 
 /* ---- upstream request --------------------------------------------------------------------- */
 
@@ -604,7 +444,7 @@ static void send_upstream(px_preq_t *q)
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
     if (q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
-    q->up = net_creq_start(px_replica_worker_up(r, q->gen), bufs, nb, q->stream_body,
+    q->up = net_creq_start(px_worker_upstream(r, q->gen), bufs, nb, q->stream_body,
                            q->req->method == 2 /* HEAD */, &up_cb, q);
     if (q->stream_body)
         net_req_resume_body(q->req);
@@ -650,10 +490,13 @@ static void dispatch(px_preq_t *q)
     }
     if (q->stream_body)
         net_req_pause_body(q->req);
-    queue_push(q);
+    q->adm.pool = q->pool;
+    q->adm.aff = &q->hooks.affinity;
+    q->adm.ops = &queue_ops;
+    px_admission_push(&q->adm);
     /* A slot freed on another worker between the pick and the push: hand it out now, to this
      * queue's oldest or (woken) to an older waiter on another worker. q may be gone after. */
-    serve_queue(q->pool, qslot(q->pool));
+    px_admission_serve(q->pool);
 }
 
 /* ---- upstream callbacks ------------------------------------------------------------------- */
@@ -885,7 +728,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
         !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
         q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
         q->reconnected = true;
-        net_upstream_flush_idle(px_replica_worker_up(r, q->gen));
+        net_upstream_flush_idle(px_worker_upstream(r, q->gen));
         px_hooks_upstream_failed(&q->hooks, q->px, r, err);
         send_upstream(q);
         return;
@@ -967,7 +810,7 @@ static void finish(px_preq_t *q)
         net_creq_cancel(q->up);
         q->up = NULL;
     }
-    queue_remove(q);
+    px_admission_remove(&q->adm);
     if (q->status) {
         const char *code = q->code ? q->code : "upstream";
         uint64_t took = dp_now_ns() - q->start_ns;
@@ -984,8 +827,8 @@ static void finish(px_preq_t *q)
             .duration_ns = took,
             .upstream_ns = q->up_end_ns > q->up_start_ns ? q->up_end_ns - q->up_start_ns : 0,
             .ttfb_ns = q->up_head_ns > q->up_start_ns ? q->up_head_ns - q->up_start_ns : 0,
-            .hooks = &q->hooks,
         };
+        px_hooks_describe(&q->hooks, &a);
         px_access_log(&q->gen->cfg->log.access, &a);
     }
     px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
@@ -1095,7 +938,7 @@ static net_body_mode_t on_head(net_req_t *req)
     px_t *px = net_server_data(req->server);
     px_preq_t *q = preq_get();
     q->px = px;
-    q->gen = px_current_gen(px);
+    q->gen = px_thread_gen(px);
     px_gen_ref(q->gen);
     px_worker_count_request();
     q->req = req;
@@ -1273,8 +1116,8 @@ static void on_reject(net_server_t *s, net_req_t *req, int status, const char *c
     }
     px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
     px_t *px = net_server_data(s);
-    px_access_t a = {.status = status, .code = code, .hooks = NULL};
-    px_access_log(&px_current_gen(px)->cfg->log.access, &a);
+    px_access_t a = {.status = status, .code = code};
+    px_access_log(&px_thread_gen(px)->cfg->log.access, &a);
 }
 
 static void on_drain(net_req_t *req)
@@ -1288,3 +1131,16 @@ static void on_drain(net_req_t *req)
 
 const net_handler_t px_proxy_handler = {on_head,  on_body,  on_complete,
                                         on_abort, on_drain, on_reject};
+
+static void worker_thread_exit(void)
+{
+    px_proxy_free_caches();
+    px_hooks_thread_free();
+}
+
+const px_worker_ops_t px_proxy_worker_ops = {
+    .handler = &px_proxy_handler,
+    .overload = px_proxy_count_overload,
+    .wake = px_admission_dispatch_waiting,
+    .thread_exit = worker_thread_exit,
+};

@@ -9,7 +9,9 @@
 #include <string.h>
 
 #include "common/util.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/px.h"
+#include "proxy/data/router.h"
 
 /* seq_cst (a plain load on x86): the re-pick after queueing relies on it (px_proxy.c). */
 static uint32_t inflight(const px_replica_t *r)
@@ -21,45 +23,6 @@ static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
 {
     uint32_t max = p->cfg->max_inflight_per_replica;
     return max == 0 || inflight(r) < max;
-}
-
-bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
-{
-    uint32_t max = p->cfg->max_inflight_per_replica;
-    if (max == 0) {
-        atomic_fetch_add_explicit(&r->inflight, 1, memory_order_relaxed);
-        return true;
-    }
-    unsigned cur = atomic_load_explicit(&r->inflight, memory_order_relaxed);
-    while (cur < max)
-        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1, memory_order_acq_rel,
-                                                  memory_order_relaxed))
-            return true;
-    return false;
-}
-
-void px_replica_put_slot(px_replica_t *r)
-{
-    unsigned prev = atomic_fetch_sub(&r->inflight, 1);
-    assert(prev > 0);
-    (void)prev;
-}
-
-/* The one eligibility rule: may replica r be sent new requests at all? Every balance, the
- * affinity order and mean, and /readyz go through it. */
-bool px_replica_serving(const px_replica_t *r)
-{
-    return px_replica_state(r) == PX_REPLICA_ADMITTED && r->up &&
-           !atomic_load_explicit(&r->drained, memory_order_acquire) &&
-           !atomic_load_explicit(&r->suspect, memory_order_acquire);
-}
-
-bool px_pool_has_admitted(const px_pool_t *p)
-{
-    for (size_t i = 0; i < p->nreplicas; i++)
-        if (px_replica_serving(p->replicas[i]))
-            return true;
-    return false;
 }
 
 /* balance: affinity. The candidates live on the stack for the pools people run (a handful of
@@ -94,7 +57,7 @@ static px_replica_t *pick_spread(px_pool_t *p, const px_replica_t *avoid)
 {
     size_t n = p->nreplicas;
     px_replica_t *best = NULL;
-    uint32_t start = p->slots[px_slot()].rr++;
+    uint32_t start = p->slots[px_thread_slot()].rr++;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(start + k) % n];
         if (!px_replica_serving(r) || r == avoid || !has_capacity(p, r))
@@ -140,25 +103,4 @@ px_replica_t *px_router_pick(px_pool_t *p, const px_replica_t *avoid, px_affinit
     }
     *why = px_pool_has_admitted(p) ? 1 : 0;
     return NULL;
-}
-
-void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
-{
-    if (p->nreplicas == 0) {
-        dp_buf_printf(out, "pool %s has no replicas", p->name);
-        return;
-    }
-    dp_buf_printf(out, "pool %s has no admitted replica:", p->name);
-    for (size_t i = 0; i < p->nreplicas; i++) {
-        const px_replica_t *r = p->replicas[i];
-        dp_buf_printf(
-            out, " %s %s%s%s", r->name, px_replica_state_names[px_replica_state(r)],
-            atomic_load(&r->drained) ? " drained" : "",
-            atomic_load(&r->suspect) ? " (suspect: a worker just saw it fail; re-checking)" : "");
-        char why[PX_WHY_BYTES];
-        px_seqstr_get(&r->why, why); /* any thread: the control one owns r->reasons */
-        if (why[0])
-            dp_buf_printf(out, " (%s)", why);
-        dp_buf_appendc(out, i + 1 < p->nreplicas ? ';' : '.');
-    }
 }

@@ -41,7 +41,10 @@
 #include "common/util.h"
 #include "drift/drift.h"
 #include "drift/rollout.h"
-#include "proxy/control/attest.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/px.h"
+#include "proxy/data/worker.h"
 #include "proxy/core/self.h"
 
 typedef struct shadow_s shadow_t;
@@ -319,13 +322,29 @@ static size_t admitted_count(const px_pool_t *p)
     return n;
 }
 
-/* What attestation knows beyond the samples, for naming one of two replicas (drift.h). */
+/* What attestation published about r that shadow samples cannot tell (for naming one of two
+ * replicas, drift.h): its last canary result, the identity it was admitted as (pool p's own or
+ * one of a rollout's accept list), when its identity last changed. */
+static void replica_hint(const px_pool_t *p, const px_replica_t *r, drift_hint_t *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->changed_ago_ms = UINT64_MAX;
+    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", r->fingerprint);
+    h->accept_identity = r->fingerprint[0] && strcmp(r->fingerprint, p->fingerprint) != 0;
+    if (r->canary != PX_CANARY_UNKNOWN)
+        h->canary = r->canary == PX_CANARY_FAIL ? DRIFT_CANARY_FAIL : DRIFT_CANARY_PASS;
+    if (r->identity_changed_ms) {
+        uint64_t now = dp_wall_ms();
+        h->changed_ago_ms = now > r->identity_changed_ms ? now - r->identity_changed_ms : 0;
+    }
+}
+
 static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
 {
     px_pool_t *p = live_pool(px, pool_name);
     for (size_t i = 0; p && i < p->nreplicas; i++) {
         drift_hint_t h;
-        px_attest_drift_hint(p->replicas[i], &h);
+        replica_hint(p, p->replicas[i], &h);
         drift_pool_set_hint(dp, p->replicas[i]->name, &h);
     }
 }
@@ -515,7 +534,7 @@ void px_shadow_primary_done(void *v, int status)
     tap_t *t = v;
     t->status = status;
     /* From here the capture is the control thread's (the plan went first). */
-    px_control_post(t->px, &t->done_node, primary_done_posted);
+    px_thread_post_control(t->px, &t->done_node, primary_done_posted);
 }
 
 static void active_remove(shadow_t *s)
@@ -867,7 +886,7 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         pl->tap = tp;
     }
     tap_t *tap = pl->tap;
-    if (!px_control_try_post(px, &pl->node, plan_posted)) {
+    if (!px_thread_try_post_control(px, &pl->node, plan_posted)) {
         /* The control thread is behind (counted as a dropped hand-off): no copy this time. */
         if (drift)
             count(pool->name, kind, "skipped");

@@ -3,9 +3,10 @@
  * messages between them and the control thread (net/mailbox.h).
  *
  * Control -> worker (always delivered): a generation to adopt, the listener's TLS context,
- * "flush replica r's idle connections", "free this upstream", drain, stop. Worker -> control:
- * the last reference of a generation or replica (freed there), and the hand-offs of
- * px_pipeline.c (audit lines, shadow samples, fingerprint mismatches, spans).
+ * drain, stop; and the messages of the objects whose per-worker data it is (a replica's
+ * upstreams: core/replica.c). Worker -> control: the last reference of a generation or replica
+ * (freed there), replica events (core/event.h), and the hand-offs of the request hooks (audit
+ * lines, shadow samples, spans).
  *
  * Shutdown: drain (every worker stops accepting and finishes its requests, then says so),
  * then stop (each loop ends, its thread frees its caches), then join; after the join the
@@ -13,6 +14,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #endif
+#include <assert.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,23 +24,21 @@
 #include "common/util.h"
 #include "net/sock.h"
 #include "net/tls.h"
+#include "proxy/core/gen.h"
 #include "proxy/core/px.h"
-#include "proxy/data/hooks.h"
+#include "proxy/data/worker.h"
 
 struct px_worker_s {
     px_t *px;
-    unsigned slot; /* 1..nworkers */
+    px_thread_t th; /* slot 1..nworkers; its gen is this worker's reference */
+    const px_worker_ops_t *ops;
     uv_thread_t thread;
     uv_loop_t loop;
     net_mailbox_t mb;
     net_server_t *srv;
-    px_gen_t *gen; /* this worker's reference */
     uv_timer_t qtimer;
     px_pool_slot_t *qactive; /* non-empty admission queues of this worker */
     uv_async_t wake;         /* another worker freed a slot */
-    /* Every upstream this worker made, for shutdown. */
-    net_upstream_t **ups;
-    size_t nups, capups;
     px_series_t *m_requests; /* detproxy_worker_requests_total{worker} */
     bool started;
 };
@@ -46,26 +46,9 @@ struct px_worker_s {
 static _Thread_local px_worker_t *t_self;
 static const char *const listener_name = "proxy";
 
-void px_thread_violation(const char *func)
-{
-    fprintf(stderr, "detproxy: %s called on worker thread %u: only the control thread may\n", func,
-            px_slot());
-    abort();
-}
-
 px_worker_t *px_worker_self(void)
 {
     return t_self;
-}
-
-uv_loop_t *px_worker_loop(px_worker_t *w)
-{
-    return &w->loop;
-}
-
-px_gen_t *px_current_gen(px_t *px)
-{
-    return t_self ? t_self->gen : px->gen;
 }
 
 unsigned px_workers_resolve(unsigned configured)
@@ -87,8 +70,6 @@ typedef struct {
     px_worker_t *w;
     px_gen_t *gen;
     net_tls_ctx_t *tls;
-    px_replica_t *r;
-    net_upstream_t *up;
 } wmsg_t;
 
 static wmsg_t *wmsg(px_worker_t *w)
@@ -98,24 +79,18 @@ static wmsg_t *wmsg(px_worker_t *w)
     return m;
 }
 
-void px_worker_post(px_worker_t *w, net_mb_node_t *n, net_mb_fn fn);
-void px_worker_post(px_worker_t *w, net_mb_node_t *n, net_mb_fn fn)
+void px_worker_limits(const cfg_t *cfg, net_server_limits_t *l)
 {
-    if (w->px->workers_joined) { /* its loop is the control thread's now (shutdown) */
-        fn(n);
-        return;
-    }
-    net_mailbox_post(&w->mb, n, fn);
-}
-
-void px_control_post(px_t *px, net_mb_node_t *n, net_mb_fn fn)
-{
-    net_mailbox_post(&px->mb, n, fn);
-}
-
-bool px_control_try_post(px_t *px, net_mb_node_t *n, net_mb_fn fn)
-{
-    return net_mailbox_try_post(&px->mb, n, fn);
+    net_server_limits_default(l);
+    l->max_header_bytes = cfg->limits.max_header_bytes;
+    l->max_headers = cfg->limits.max_headers;
+    l->max_body_bytes = cfg->limits.max_body_bytes;
+    l->max_connections = cfg->limits.max_connections;
+    l->client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
+    l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
+    l->max_inflight_body_bytes = cfg->limits.max_inflight_body_bytes;
+    l->client_body_timeout_ms = cfg->limits.client_body_timeout_ms;
+    l->max_pending_handshakes = cfg->limits.max_pending_handshakes;
 }
 
 /* The client listener's limits for one worker: connections and buffered bodies are counted
@@ -123,7 +98,7 @@ bool px_control_try_post(px_t *px, net_mb_node_t *n, net_mb_fn fn)
  * oldest first, so each gets its share of the bound. */
 static void worker_limits(const px_t *px, const cfg_t *cfg, net_server_limits_t *l)
 {
-    px_server_limits_for(cfg, l);
+    px_worker_limits(cfg, l);
     if (l->max_pending_handshakes) {
         uint32_t share = l->max_pending_handshakes / px->nworkers;
         l->max_pending_handshakes = share ? share : 1;
@@ -132,8 +107,8 @@ static void worker_limits(const px_t *px, const cfg_t *cfg, net_server_limits_t 
 
 static void apply_gen(px_worker_t *w, px_gen_t *g)
 {
-    px_gen_t *old = w->gen;
-    w->gen = g; /* the message's reference becomes ours */
+    px_gen_t *old = w->th.gen;
+    w->th.gen = g; /* the message's reference becomes ours */
     net_server_limits_t lim;
     worker_limits(w->px, g->cfg, &lim);
     if (w->srv) /* NULL once closed (shutdown) */
@@ -142,7 +117,7 @@ static void apply_gen(px_worker_t *w, px_gen_t *g)
     px_replica_upstream_opts(g->cfg, &uo);
     for (size_t i = 0; i < g->npools; i++)
         for (size_t k = 0; k < g->pools[i].nreplicas; k++) {
-            net_upstream_t *u = g->pools[i].replicas[k]->wup[w->slot];
+            net_upstream_t *u = g->pools[i].replicas[k]->wup[w->th.slot];
             if (u)
                 net_upstream_set_opts(u, &uo);
         }
@@ -158,7 +133,7 @@ static void on_gen(net_mb_node_t *n)
 }
 
 /* One message to every running worker; each takes its own reference of what it carries. */
-static void post_all(px_t *px, net_mb_fn fn, px_gen_t *g, net_tls_ctx_t *tls, px_replica_t *r)
+static void post_all(px_t *px, net_mb_fn fn, px_gen_t *g, net_tls_ctx_t *tls)
 {
     PX_ASSERT_CONTROL();
     if (px == NULL || px->workers == NULL || px->workers_joined)
@@ -169,15 +144,17 @@ static void post_all(px_t *px, net_mb_fn fn, px_gen_t *g, net_tls_ctx_t *tls, px
             px_gen_ref(g);
         if ((m->tls = tls) != NULL)
             net_tls_ctx_ref(tls);
-        if ((m->r = r) != NULL)
-            px_replica_ref(r);
         net_mailbox_post(&px->workers[i].mb, &m->node, fn);
     }
 }
 
-void px_workers_publish(px_t *px, px_gen_t *g)
+void px_workers_publish(px_t *px)
 {
-    post_all(px, on_gen, g, NULL, NULL);
+    PX_ASSERT_CONTROL();
+    if (px->gen->published)
+        return;
+    px->gen->published = true;
+    post_all(px, on_gen, px->gen, NULL);
 }
 
 static void on_tls(net_mb_node_t *n)
@@ -191,75 +168,15 @@ static void on_tls(net_mb_node_t *n)
 
 void px_workers_set_tls(px_t *px, net_tls_ctx_t *c)
 {
-    post_all(px, on_tls, NULL, c, NULL);
+    post_all(px, on_tls, NULL, c);
 }
 
-static void on_flush(net_mb_node_t *n)
-{
-    wmsg_t *m = (wmsg_t *)n;
-    px_replica_t *r = m->r;
-    unsigned slot = m->w->slot;
-    if (m->tls) {
-        /* The TLS files were read again (reload): this worker's context takes the new trust. */
-        if (r->wtls[slot])
-            net_tls_ctx_replace(r->wtls[slot], m->tls);
-        net_tls_ctx_unref(m->tls);
-    }
-    if (r->wup[slot])
-        net_upstream_flush_idle(r->wup[slot]);
-    px_replica_unref(r);
-    free(m);
-}
-
-void px_workers_flush_replica(px_t *px, px_replica_t *r, net_tls_ctx_t *fresh)
-{
-    post_all(px, on_flush, NULL, fresh, r);
-}
-
-static void forget_up(px_worker_t *w, net_upstream_t *u)
-{
-    for (size_t i = 0; i < w->nups; i++) {
-        if (w->ups[i] == u) {
-            w->ups[i] = w->ups[--w->nups];
-            return;
-        }
-    }
-}
-
-static void on_free_up(net_mb_node_t *n)
-{
-    wmsg_t *m = (wmsg_t *)n;
-    forget_up(m->w, m->up);
-    net_upstream_free(m->up);
-    net_tls_ctx_unref(m->tls);
-    free(m);
-}
-
-void px_workers_free_upstream(px_t *px, unsigned slot, net_upstream_t *u, net_tls_ctx_t *t)
-{
-    PX_ASSERT_CONTROL();
-    if (px->workers == NULL || !px->workers[slot - 1].started) {
-        net_tls_ctx_unref(t); /* never started: no loop ran, nothing was made on it */
-        return;
-    }
-    px_worker_t *w = &px->workers[slot - 1];
-    if (px->workers_joined) {
-        /* The worker is gone and so are its upstreams (freed at its stop); its TLS context
-         * is ours to release. */
-        net_tls_ctx_unref(t);
-        return;
-    }
-    wmsg_t *m = wmsg(w);
-    m->up = u;
-    m->tls = t;
-    net_mailbox_post(&w->mb, &m->node, on_free_up);
-}
-
-net_upstream_t *px_replica_worker_up(px_replica_t *r, const px_gen_t *g)
+net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g)
 {
     px_worker_t *w = t_self;
     assert(w != NULL);
-    net_upstream_t *u = r->wup[w->slot];
+    unsigned slot = w->th.slot;
+    net_upstream_t *u = r->wup[slot];
     if (u || !r->resolved)
         return u;
     net_upstream_opts_t o;
@@ -281,15 +198,11 @@ net_upstream_t *px_replica_worker_up(px_replica_t *r, const px_gen_t *g)
             t = r->tls_ctx;
             net_tls_ctx_ref(t);
         }
-        r->wtls[w->slot] = t;
+        r->wtls[slot] = t;
         net_upstream_set_tls(u, t, r->server_name ? r->server_name : r->url.host);
     }
-    r->wup[w->slot] = u;
-    if (w->nups == w->capups) {
-        w->capups = w->capups ? w->capups * 2 : 16;
-        w->ups = dp_xrealloc(w->ups, w->capups * sizeof(*w->ups));
-    }
-    w->ups[w->nups++] = u;
+    r->wup[slot] = u;
+    px_thread_add_upstream(&w->th, u);
     return u;
 }
 
@@ -297,8 +210,8 @@ net_upstream_t *px_replica_worker_up(px_replica_t *r, const px_gen_t *g)
 
 static void on_wake(uv_async_t *a)
 {
-    (void)a;
-    px_proxy_dispatch_waiting();
+    px_worker_t *w = a->data;
+    w->ops->wake();
 }
 
 void px_workers_wake(px_t *px)
@@ -308,19 +221,16 @@ void px_workers_wake(px_t *px)
             uv_async_send(&px->workers[i].wake);
 }
 
-px_pool_slot_t **px_worker_qactive(void);
 px_pool_slot_t **px_worker_qactive(void)
 {
     return &t_self->qactive;
 }
 
-uv_timer_t *px_worker_qtimer(void);
 uv_timer_t *px_worker_qtimer(void)
 {
     return &t_self->qtimer;
 }
 
-void px_worker_count_request(void);
 void px_worker_count_request(void)
 {
     px_metric_add(t_self->m_requests, 1);
@@ -332,44 +242,43 @@ static void worker_main(void *arg)
 {
     px_worker_t *w = arg;
     t_self = w;
-    px_metrics_thread = w->slot;
+    px_metrics_thread = w->th.slot;
     uv_run(&w->loop, UV_RUN_DEFAULT);
-    px_proxy_free_caches();
-    px_hooks_thread_free();
+    w->ops->thread_exit();
     net_sock_thread_free();
     dp_log_thread_free();
-}
-
-static void worker_overload(const char *reason)
-{
-    px_proxy_count_overload(reason);
 }
 
 static net_server_t *worker_server(px_t *px, px_worker_t *w)
 {
     net_server_limits_t lim;
     worker_limits(px, px->gen->cfg, &lim);
-    net_server_t *s = net_server_new(&w->loop, &px_proxy_handler, px, &lim);
+    net_server_t *s = net_server_new(&w->loop, w->ops->handler, px, &lim);
     net_server_share(s, &px->listen_shared);
-    net_server_on_overload(s, worker_overload);
+    net_server_on_overload(s, w->ops->overload);
     if (px->tls)
         net_server_set_tls(s, px->tls);
     return s;
 }
 
-static int worker_init(px_t *px, px_worker_t *w, unsigned slot)
+static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_ops_t *ops)
 {
     w->px = px;
-    w->slot = slot;
+    w->ops = ops;
+    w->th.slot = slot;
+    w->th.loop = &w->loop;
+    w->th.mb = &w->mb;
     int r = uv_loop_init(&w->loop);
     if (r != 0)
         return r;
     net_mailbox_init(&w->mb, &w->loop, 0);
     uv_timer_init(&w->loop, &w->qtimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
+    w->wake.data = w;
     w->srv = worker_server(px, w);
     px_gen_ref(px->gen);
-    w->gen = px->gen;
+    w->th.gen = px->gen;
+    px->threads[slot] = &w->th;
     char id[12];
     snprintf(id, sizeof(id), "%u", slot - 1);
     w->m_requests = px_metrics_get("detproxy_worker_requests_total", "worker", id, NULL);
@@ -391,12 +300,13 @@ static void log_listening(const cfg_addr_t *a, int r, uint16_t port, unsigned n)
     }
 }
 
-int px_workers_start(px_t *px, const cfg_addr_t *a)
+int px_workers_start(px_t *px, const cfg_addr_t *a, const px_worker_ops_t *ops)
 {
     PX_ASSERT_CONTROL();
+    assert(px->threads != NULL && px->nslots == px->nworkers + 1);
     px->workers = dp_xcalloc(px->nworkers, sizeof(*px->workers));
     for (unsigned i = 0; i < px->nworkers; i++) {
-        int r = worker_init(px, &px->workers[i], i + 1);
+        int r = worker_init(px, &px->workers[i], i + 1, ops);
         if (r != 0) {
             log_listening(a, r, a->port, px->nworkers);
             return r;
@@ -430,6 +340,7 @@ int px_workers_start(px_t *px, const cfg_addr_t *a)
     log_listening(a, 0, port, px->nworkers);
     for (unsigned i = 0; i < px->nworkers; i++) {
         px->workers[i].started = true;
+        px->workers[i].th.running = true;
         uv_thread_create(&px->workers[i].thread, worker_main, &px->workers[i]);
     }
     return 0;
@@ -458,7 +369,7 @@ static void worker_drained(net_server_t *s)
     px_t *px = net_server_data(s);
     drained_msg_t *m = dp_xcalloc(1, sizeof(*m));
     m->px = px;
-    px_control_post(px, &m->node, on_drained_ctl);
+    px_thread_post_control(px, &m->node, on_drained_ctl);
 }
 
 static void on_drain(net_mb_node_t *n)
@@ -473,7 +384,7 @@ void px_workers_drain(px_t *px, void (*done)(px_t *px))
 {
     PX_ASSERT_CONTROL();
     g_drained_cb = done;
-    post_all(px, on_drain, NULL, NULL, NULL);
+    post_all(px, on_drain, NULL, NULL);
 }
 
 static void on_close(net_mb_node_t *n)
@@ -490,7 +401,7 @@ void px_workers_close(px_t *px)
 {
     PX_ASSERT_CONTROL();
     g_drained_cb = NULL;
-    post_all(px, on_close, NULL, NULL, NULL);
+    post_all(px, on_close, NULL, NULL);
 }
 
 static void on_stop(net_mb_node_t *n)
@@ -503,8 +414,8 @@ static void on_stop(net_mb_node_t *n)
         w->srv = NULL;
     }
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
-    for (size_t i = 0; i < w->nups; i++)
-        net_upstream_flush_idle(w->ups[i]);
+    for (size_t i = 0; i < w->th.nups; i++)
+        net_upstream_flush_idle(w->th.ups[i]);
     uv_close((uv_handle_t *)&w->qtimer, NULL);
     uv_close((uv_handle_t *)&w->wake, NULL);
     /* The loop ends once what is still running here ends (a body being policed on the thread
@@ -518,7 +429,7 @@ void px_workers_join(px_t *px)
     PX_ASSERT_CONTROL();
     if (px->workers == NULL || px->workers_joined)
         return;
-    post_all(px, on_stop, NULL, NULL, NULL);
+    post_all(px, on_stop, NULL, NULL);
     for (unsigned i = 0; i < px->nworkers; i++)
         if (px->workers[i].started)
             uv_thread_join(&px->workers[i].thread);
@@ -535,14 +446,14 @@ void px_workers_join(px_t *px)
             uv_close((uv_handle_t *)&w->wake, NULL);
         }
         net_mailbox_close(&w->mb);
-        for (size_t k = 0; k < w->nups; k++)
-            net_upstream_free(w->ups[k]);
-        free(w->ups);
-        w->ups = NULL;
-        w->nups = 0;
-        if (w->gen) {
-            px_gen_unref(w->gen);
-            w->gen = NULL;
+        for (size_t k = 0; k < w->th.nups; k++)
+            net_upstream_free(w->th.ups[k]);
+        free(w->th.ups);
+        w->th.ups = NULL;
+        w->th.nups = w->th.capups = 0;
+        if (w->th.gen) {
+            px_gen_unref(w->th.gen);
+            w->th.gen = NULL;
         }
         uv_run(&w->loop, UV_RUN_DEFAULT);
         uv_loop_close(&w->loop);

@@ -49,7 +49,6 @@ void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
         return;
     uint32_t f = cfg->fields;
 #define HAS(x) (f & (1u << CFG_ACCESS_##x))
-    const px_hooks_req_t *h = a->hooks;
     dp_jw_str(w, "request_id", a->request_id);
     dp_jw_str(w, "method", a->method);
     dp_jw_str(w, "path", a->path);
@@ -57,19 +56,14 @@ void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
     ms_value(w, "duration_ms", a->duration_ns);
     if (HAS(CODE))
         dp_jw_str(w, "code", a->code);
-    static const px_hooks_req_t none = {.tenant = "-"};
-    if (h == NULL)
-        h = &none;
     if (HAS(TENANT))
-        dp_jw_str(w, "tenant", h->tenant_cfg ? h->tenant : NULL);
+        dp_jw_str(w, "tenant", a->tenant);
     if (HAS(POOL))
         dp_jw_str(w, "pool", a->pool);
     if (HAS(REPLICA))
         dp_jw_str(w, "replica", a->replica);
-    if (HAS(MODEL)) {
-        const char *m = px_hooks_model(h);
-        dp_jw_str(w, "model", m[0] ? m : NULL);
-    }
+    if (HAS(MODEL))
+        dp_jw_str(w, "model", a->model);
     if (HAS(REMOTE))
         dp_jw_str(w, "remote", a->remote);
     if (HAS(UPSTREAM_MS))
@@ -77,23 +71,31 @@ void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
     if (HAS(TTFB_MS))
         ms(w, "ttfb_ms", a->ttfb_ns);
     if (HAS(TOKENS)) {
-        int64_t p, c;
-        if (px_hooks_usage(h, &p, &c)) {
-            dp_jw_int(w, "prompt_tokens", p);
-            dp_jw_int(w, "completion_tokens", c);
+        if (a->has_usage) {
+            dp_jw_int(w, "prompt_tokens", a->prompt_tokens);
+            dp_jw_int(w, "completion_tokens", a->completion_tokens);
         } else {
             dp_jw_null(w, "prompt_tokens");
             dp_jw_null(w, "completion_tokens");
         }
     }
     if (HAS(SEED)) {
-        if (h->seed[0])
-            dp_jw_raw(w, "seed", h->seed, strlen(h->seed));
+        if (a->seed)
+            dp_jw_raw(w, "seed", a->seed, strlen(a->seed));
         else
             dp_jw_null(w, "seed");
     }
-    if (HAS(POLICY))
-        px_hooks_policy_actions(h, w, "policy");
+    if (HAS(POLICY)) {
+        /* "param:action" for each change policy made. */
+        dp_jw_arr_begin(w, "policy");
+        for (size_t i = 0; a->policy && i < a->policy->nchanges; i++) {
+            char item[64];
+            snprintf(item, sizeof(item), "%s:%s", a->policy->changes[i].param,
+                     policy_action_names[a->policy->changes[i].action]);
+            dp_jw_str(w, NULL, item);
+        }
+        dp_jw_arr_end(w);
+    }
 #undef HAS
     dp_log_end(w);
 }

@@ -9,9 +9,10 @@
 #include <stdint.h>
 
 #include "config/config.h"
-#include "proxy/data/hooks.h"
+#include "policy/policy.h"
 
-/* One finished request, as px_proxy.c knows it. Strings are borrowed; NULL prints null. */
+/* One finished request, as the request handler knows it. Strings are borrowed; NULL prints
+ * null. */
 typedef struct {
     const char *request_id;
     const char *method, *path;
@@ -20,9 +21,15 @@ typedef struct {
     const char *code; /* "upstream", "local", "client_closed" or detproxy's error code */
     const char *pool, *replica;
     uint64_t duration_ns;
-    uint64_t upstream_ns;        /* 0: no replica exchange ended */
-    uint64_t ttfb_ns;            /* 0: no response head from a replica */
-    const px_hooks_req_t *hooks; /* NULL: refused before any handler state existed */
+    uint64_t upstream_ns; /* 0: no replica exchange ended */
+    uint64_t ttfb_ns;     /* 0: no response head from a replica */
+    /* The request's policy state (NULL: refused before a tenant matched, none, not parsed): */
+    const char *tenant;
+    const char *model;
+    const char *seed; /* the decimal seed sent upstream */
+    bool has_usage;   /* the response reported token usage */
+    int64_t prompt_tokens, completion_tokens;
+    const policy_result_t *policy; /* the changes policy made */
 } px_access_t;
 
 void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a);

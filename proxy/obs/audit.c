@@ -360,7 +360,7 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
 typedef struct {
     net_mb_node_t node;
     px_t *px;
-    px_worker_t *w;
+    unsigned slot; /* the submitting worker's */
     dp_buf_t line;
     size_t nb;
     char sha[2][65];
@@ -369,8 +369,6 @@ typedef struct {
     void *data;
     int status;
 } audit_msg_t;
-
-void px_worker_post(px_worker_t *w, net_mb_node_t *n, net_mb_fn fn);
 
 static void audit_msg_free(audit_msg_t *m)
 {
@@ -394,7 +392,9 @@ static void written(void *data, int status)
 {
     audit_msg_t *m = data;
     m->status = status;
-    px_worker_post(m->w, &m->node, completed_on_worker);
+    /* A worker already stopped (shutdown): its loop is the control thread's now. */
+    if (!px_thread_post(m->px, m->slot, &m->node, completed_on_worker))
+        completed_on_worker(&m->node);
 }
 
 static void write_posted(net_mb_node_t *n)
@@ -419,7 +419,7 @@ static void write_posted(net_mb_node_t *n)
 void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t *b, size_t nb,
                      px_audit_cb cb, void *data)
 {
-    if (px_on_control()) {
+    if (px_thread_on_control()) {
         if (px->audit)
             px_audit_write_bodies(px->audit, line, n, b, nb, cb, data);
         else if (cb)
@@ -428,7 +428,7 @@ void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t
     }
     audit_msg_t *m = dp_xcalloc(1, sizeof(*m));
     m->px = px;
-    m->w = px_worker_self();
+    m->slot = px_thread_slot();
     dp_buf_append(&m->line, line, n);
     for (size_t i = 0; i < nb && i < 2; i++) {
         memcpy(m->sha[i], b[i].sha256, 65);
@@ -442,7 +442,7 @@ void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t
     m->data = data;
     /* Always delivered (never dropped like a shadow sample): an audit line is evidence, and
      * the lines waiting are bounded by the requests in flight (one each, max_connections). */
-    px_control_post(px, &m->node, write_posted);
+    px_thread_post_control(px, &m->node, write_posted);
 }
 
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data)

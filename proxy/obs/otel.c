@@ -15,6 +15,9 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
+#include "net/resolve.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/pool.h"
 #include "proxy/core/self.h"
 
 #define OTEL_QUEUE_SPANS 2048       /* finished spans waiting for export */
@@ -270,7 +273,7 @@ px_span_t *px_otel_start(px_t *px, const net_req_t *req, const char *route, char
 {
     traceparent[0] = '\0';
     *new_trace = false;
-    const cfg_otel_t *o = px_current_gen(px)->cfg->otel;
+    const cfg_otel_t *o = px_thread_gen(px)->cfg->otel;
     if (o == NULL)
         return NULL;
     uint8_t trace[16], parent[8];
@@ -640,7 +643,7 @@ void px_otel_end(px_t *px, px_span_t *s, int status, const char *request_id,
 {
     if (s == NULL)
         return;
-    if (px_on_control()) {
+    if (px_thread_on_control()) {
         end_here(px, s, status, request_id, upstream_fingerprint);
         return;
     }
@@ -652,7 +655,7 @@ void px_otel_end(px_t *px, px_span_t *s, int status, const char *request_id,
     m->has_fp = upstream_fingerprint != NULL;
     snprintf(m->upstream_fp, sizeof(m->upstream_fp), "%s",
              upstream_fingerprint ? upstream_fingerprint : "");
-    if (!px_control_try_post(px, &m->node, end_posted)) {
+    if (!px_thread_try_post_control(px, &m->node, end_posted)) {
         px_metric_add(count_series("dropped"), 1); /* the control thread is that far behind */
         span_free(s);
         free(m);

@@ -1,4 +1,5 @@
-/* The router (proxy/px.h, routing): which replica a request goes to under each balance, who is
+/* The router (proxy/data/router.h) and the eligibility rules of replicas and pools
+ * (proxy/core/replica.h, pool.h): which replica a request goes to under each balance, who is
  * eligible at all (admitted, reachable, not drained), max_inflight_per_replica and what *why
  * says when nothing is picked, `avoid` (a retry's failed replica), affinity's key stability,
  * bounded loads and fallback, and the text of a 503 / /readyz with no replica.
@@ -9,7 +10,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proxy/core/px.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/replica.h"
+#include "proxy/data/router.h"
 
 #define MAXR 8
 

@@ -1,0 +1,16 @@
+/* Live reload of the configuration and of the client listener's certificate. */
+#ifndef PX_RELOAD_H
+#define PX_RELOAD_H
+
+#include "common/buf.h"
+#include "proxy/core/px.h"
+
+/* Reload the configuration (SIGHUP, POST /admin/reload; why names the trigger). 0 on success;
+ * -1 when the new one is invalid (the running one stays), with the errors in msg if given. */
+int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg);
+int px_reload(px_t *px, const char *why);
+/* (Re)load the client listener's certificate from the current config (start, SIGHUP): new
+ * connections use the new one, open ones keep theirs. 0, or -1 (logged; the old one stays). */
+int px_reload_tls(px_t *px);
+
+#endif

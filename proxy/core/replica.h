@@ -1,0 +1,133 @@
+/* A replica: one inference server of a pool, its attested state and its connections.
+ *
+ * Replicas are refcounted and shared between generations when their definition is unchanged,
+ * so a reload keeps their attestation state and keep-alive pools. The control thread writes
+ * their state; workers read it (atomics, seqstr.h for text). Per worker (indexed by slot, see
+ * thread.h): a keep-alive pool and TLS context, touched by that worker only. The last
+ * reference frees a replica on the control thread, after px->replica_hooks.freed. */
+#ifndef PX_REPLICA_H
+#define PX_REPLICA_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "config/config.h"
+#include "net/client.h"
+#include "net/mailbox.h"
+#include "proxy/core/metrics.h"
+#include "proxy/core/seqstr.h"
+#include "proxy/core/types.h"
+
+typedef enum {
+    PX_REPLICA_PENDING = 0,
+    PX_REPLICA_ADMITTED,
+    PX_REPLICA_REJECTED,
+    PX_REPLICA_UNREACHABLE,
+    PX_REPLICA_QUARANTINED,
+} px_replica_state_t;
+
+extern const char *const px_replica_state_names[];
+
+#define PX_MAX_REASONS 8
+
+/* The reasons text workers log with a 503 (px_pool_why_unavailable). */
+#define PX_WHY_BYTES 512
+
+/* The canary's last verdict on a replica, as attestation publishes it. */
+typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary_t;
+
+struct px_replica_s {
+    atomic_int refs;
+    net_mb_node_t free_node; /* the last reference dropped on a worker: freed on control */
+    px_t *px;
+    char *key; /* identity for reload reuse: everything in its definition */
+    char *pool_name;
+    char *name;
+    cfg_url_t url;
+    char *server_name;
+    cfg_attest_t attest;
+    struct sockaddr_storage addr;
+    bool resolved;
+    net_upstream_t *up;        /* the control thread's (attestation canary); NULL: unreachable */
+    net_upstream_t *shadow_up; /* shadow copies use their own connections (lazily created) */
+    struct net_tls_ctx_s *tls_ctx; /* https replica or agent: verification, SNI, sessions */
+    /* Each worker's keep-alive pool and TLS client context, made by the worker on first use. */
+    net_upstream_t **wup;
+    struct net_tls_ctx_s **wtls;
+    _Atomic px_replica_state_t state; /* written by the control thread only */
+    char *reasons[PX_MAX_REASONS];    /* control thread only; workers read `why` */
+    size_t nreasons;
+    PX_SEQSTR(PX_WHY_BYTES) why; /* the reasons joined with "; " */
+    /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
+     * max_inflight_per_replica holds across workers (px_replica_take_slot). */
+    atomic_uint inflight;
+    atomic_uint_fast64_t requests; /* lifetime requests sent */
+    uint64_t aff_id;               /* identity in the affinity order: px_aff_hash(name) */
+    uint64_t last_attested_at;     /* wall ms, 0 = never */
+    char fingerprint[20]; /* the accepted identity it was admitted as (manifest "accept"); "" */
+    PX_SEQSTR(24) wfingerprint; /* the same, for workers */
+    PX_SEQSTR(136) engine_fp;   /* the engine fingerprint it attested ("" none), for workers */
+    /* What attestation knows that drift verdicts use (control thread only). */
+    px_canary_t canary;
+    uint64_t identity_changed_ms; /* wall ms its attested identity last changed; 0 never */
+    void *attest_state;           /* control/attest.c's per-replica state */
+    px_series_t *m_admitted;      /* detproxy_replica_admitted */
+    bool discovered;              /* added by DNS discovery */
+    /* POST /admin/replicas/NAME/drain: out of rotation (in-flight requests finish), whatever
+     * the attestation state, until /enable. Lives on the replica, so it survives reloads that
+     * keep the replica's definition. */
+    atomic_bool drained;
+    /* Set by a worker that saw the replica fail a connection or answer with another engine
+     * fingerprint, until the control thread has handled that (a mailbox hop later): no worker
+     * picks it meanwhile (core/event.c). */
+    atomic_bool suspect;
+    px_series_t *m_drained;              /* detproxy_replica_drained */
+    px_replica_t *live_prev, *live_next; /* every replica alive */
+};
+
+/* What the control plane does when a replica changes or goes; set once at start (members may
+ * be NULL). */
+typedef struct {
+    /* Its state changed (after the change, before the log line). */
+    void (*changed)(const px_replica_t *r, px_replica_state_t from);
+    /* Its last reference is gone: release what the control plane keeps on it. */
+    void (*freed)(px_replica_t *r);
+} px_replica_hooks_t;
+
+static inline px_replica_state_t px_replica_state(const px_replica_t *r)
+{
+    return atomic_load_explicit(&r->state, memory_order_acquire);
+}
+
+void px_replica_ref(px_replica_t *r);
+/* Any thread; the last reference frees it on the control thread. */
+void px_replica_unref(px_replica_t *r);
+/* What defines a replica (a reload reuses one whose key is unchanged), and a new one. */
+char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d);
+px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
+                                const cfg_replica_t *d, char *key);
+/* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
+px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
+/* A replica carried over by a reload reads its TLS files again. */
+void px_replica_reload_tls(px_replica_t *r, const cfg_pool_t *p);
+/* Change state with reasons (a NULL-terminated list of strings, copied); logs the transition
+ * and updates detproxy_replica_admitted. */
+void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons);
+/* Drain (true) or enable (false) a replica; logs "replica_drain" and sets the gauge. */
+void px_replica_set_drained(px_replica_t *r, bool drained);
+void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
+/* TLS for an upstream of replica r (its own URL, or its agent's): no-op for http://. */
+void px_replica_upstream_tls(px_replica_t *r, net_upstream_t *u, const cfg_url_t *url);
+/* Idle keep-alive connections of r on every worker are closed (state change, drain; TLS files
+ * rotated: `fresh`, else NULL, is the new trust each worker's TLS context takes first). */
+void px_replica_flush_workers(px_replica_t *r, struct net_tls_ctx_s *fresh);
+/* Admitted, not drained, not suspect: may get client requests (and takes part in affinity
+ * orders). The one eligibility rule: every balance, the affinity order and /readyz use it. */
+bool px_replica_serving(const px_replica_t *r);
+/* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
+ * when r is at its limit. px_router_pick takes the slot of what it returns. */
+bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);
+void px_replica_put_slot(px_replica_t *r);
+#endif

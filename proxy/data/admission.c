@@ -1,0 +1,202 @@
+/* The admission queue (admission.h). Per worker: a FIFO per pool (px_pool_slot_t) and one list
+ * of the non-empty ones, watched by the worker's one timer at the earliest head deadline. */
+#include <assert.h>
+#include <stdatomic.h>
+
+#include "common/util.h"
+#include "proxy/core/gen.h"
+#include "proxy/core/px.h"
+#include "proxy/data/admission.h"
+#include "proxy/data/router.h"
+#include "proxy/data/worker.h"
+
+static px_pool_slot_t *qslot(px_pool_t *p)
+{
+    return &p->slots[px_thread_slot()];
+}
+
+static void deactivate(px_pool_slot_t *sl)
+{
+    for (px_pool_slot_t **pp = px_worker_qactive(); *pp; pp = &(*pp)->active_next) {
+        if (*pp == sl) {
+            *pp = sl->active_next;
+            break;
+        }
+    }
+    sl->active_next = NULL;
+    sl->active = false;
+}
+
+static void timer_cb(uv_timer_t *t);
+
+/* The worker's one timer, at the earliest head deadline of its non-empty queues. */
+static void queue_arm(void)
+{
+    uv_timer_t *t = px_worker_qtimer();
+    uint64_t first = UINT64_MAX;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl; sl = sl->active_next)
+        if (sl->q_head->deadline < first)
+            first = sl->q_head->deadline;
+    if (first == UINT64_MAX) {
+        uv_timer_stop(t);
+        return;
+    }
+    uint64_t now = uv_now(t->loop);
+    uv_timer_start(t, timer_cb, first > now ? first - now : 0, 0);
+}
+
+static void publish_head(px_pool_slot_t *sl)
+{
+    atomic_store_explicit(&sl->head_ticket, sl->q_head ? sl->q_head->ticket + 1 : 0,
+                          memory_order_relaxed);
+}
+
+void px_admission_remove(px_admission_entry_t *e)
+{
+    if (!e->queued)
+        return;
+    px_pool_t *p = e->pool;
+    px_pool_slot_t *sl = qslot(p);
+    assert(sl->qlen > 0 && sl->q_head != NULL);
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        sl->q_head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        sl->q_tail = e->prev;
+    e->next = e->prev = NULL;
+    e->queued = false;
+    sl->qlen--;
+    publish_head(sl);
+    atomic_fetch_sub(&p->waiting, 1);
+    atomic_fetch_sub(&p->gen->px->queued, 1);
+    if (sl->q_head == NULL) {
+        deactivate(sl);
+        queue_arm();
+    }
+}
+
+void px_admission_push(px_admission_entry_t *e)
+{
+    assert(!e->queued && e->pool != NULL && e->ops != NULL);
+    px_pool_t *p = e->pool;
+    px_pool_slot_t *sl = qslot(p);
+    e->queued = true;
+    e->deadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
+    e->ticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
+    e->prev = sl->q_tail;
+    e->next = NULL;
+    if (sl->q_tail)
+        sl->q_tail->next = e;
+    else
+        sl->q_head = e;
+    sl->q_tail = e;
+    sl->qlen++;
+    if (sl->q_head == e)
+        publish_head(sl);
+    atomic_fetch_add(&p->waiting, 1); /* seq_cst: pairs with px_admission_slot_freed's load */
+    atomic_fetch_add(&p->gen->px->queued, 1);
+    if (!sl->active) {
+        sl->active = true;
+        sl->active_next = *px_worker_qactive();
+        *px_worker_qactive() = sl;
+        queue_arm();
+    }
+}
+
+static void timer_cb(uv_timer_t *t)
+{
+    uint64_t now = uv_now(t->loop);
+    /* One expired head at a time: failing it may empty its queue (and unlink it). */
+    for (;;) {
+        px_admission_entry_t *e = NULL;
+        for (px_pool_slot_t *sl = *px_worker_qactive(); sl && !e; sl = sl->active_next)
+            if (sl->q_head->deadline <= now)
+                e = sl->q_head;
+        if (e == NULL)
+            break;
+        px_admission_remove(e);
+        e->ops->expired(e);
+    }
+    queue_arm();
+}
+
+/* Does another worker have a request for p that queued before this worker's head? */
+static bool older_head_elsewhere(const px_pool_t *p, const px_pool_slot_t *sl)
+{
+    uint64_t mine = sl->q_head->ticket + 1;
+    for (unsigned i = 1; i < p->gen->px->nslots; i++) {
+        uint64_t t = atomic_load_explicit(&p->slots[i].head_ticket, memory_order_relaxed);
+        if (&p->slots[i] != sl && t != 0 && t < mine)
+            return true;
+    }
+    return false;
+}
+
+/* When another worker's head queued earlier, it is woken to take the slot and this queue
+ * waits. */
+bool px_admission_serve(px_pool_t *p)
+{
+    px_pool_slot_t *sl = qslot(p);
+    while (sl->q_head) {
+        if (older_head_elsewhere(p, sl)) {
+            px_workers_wake(p->gen->px);
+            return false;
+        }
+        int why;
+        px_admission_entry_t *e = sl->q_head;
+        px_replica_t *r = px_router_pick(p, NULL, e->aff, &why);
+        if (r == NULL) {
+            if (why != 0)
+                return false;
+            /* Every replica left the admitted set while requests waited. */
+            px_admission_remove(e);
+            e->ops->unavailable(e);
+            continue;
+        }
+        px_admission_remove(e);
+        e->ops->granted(e, r);
+    }
+    return true;
+}
+
+void px_admission_slot_freed(px_pool_t *p)
+{
+    px_t *px = p->gen->px;
+    if (!px_admission_serve(p))
+        return;
+    /* Nothing waits here for this pool, but maybe on another worker, or for this pool's
+     * replicas under another generation (a reload while requests queue): let them look. With
+     * the release (a seq_cst decrement) and these seq_cst loads against px_admission_push's
+     * increments and the dispatcher's px_admission_serve, a waiter either sees the free slot
+     * or is seen. */
+    if (atomic_load(&p->waiting) > 0 || atomic_load(&px->queued) > 0) {
+        px_workers_wake(px);
+        if (px_worker_self() && *px_worker_qactive())
+            px_admission_dispatch_waiting(); /* this worker's queues of other generations */
+    }
+}
+
+void px_admission_dispatch_waiting(void)
+{
+    px_pool_t *pools[64];
+    size_t n = 0;
+    for (px_pool_slot_t *sl = *px_worker_qactive(); sl && n < DP_ARRAY_SIZE(pools);
+         sl = sl->active_next)
+        pools[n++] = sl->q_head->pool;
+    /* A pool's queued requests hold its generation: each pointer stays valid while it has
+     * waiters, and a pool whose queue emptied is only looked at (nothing to dispatch). */
+    for (size_t i = 0; i < n; i++) {
+        px_pool_t *p = pools[i];
+        if (!qslot(p)->active)
+            continue;
+        /* The last waiter may fail and drop the generation's last reference: keep it. */
+        px_gen_t *g = p->gen;
+        px_gen_ref(g);
+        if (px_admission_serve(p) && atomic_load(&p->waiting) > 0)
+            px_workers_wake(g->px); /* the wake-up was for a queue that emptied: pass it on */
+        px_gen_unref(g);
+    }
+}

@@ -1,0 +1,50 @@
+/* The admission queue: requests waiting for a slot on a pool whose replicas are all at
+ * max_inflight_per_replica. Each worker queues its own requests (px_pool_slot_t, one per pool
+ * per thread), FIFO, with one timer for the heads' deadlines; a freed slot goes to the oldest
+ * head across the workers (tickets), so one worker's queue cannot keep it while another's
+ * waits. The queue knows nothing of requests: it links an entry the request embeds and calls
+ * back through the entry's ops. */
+#ifndef PX_ADMISSION_H
+#define PX_ADMISSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "proxy/core/affinity.h"
+#include "proxy/core/pool.h"
+#include "proxy/core/types.h"
+
+typedef struct {
+    /* A slot on r is the entry's (the pick took it); the entry has left the queue. */
+    void (*granted)(px_admission_entry_t *e, px_replica_t *r);
+    /* It waited the pool's queue_timeout_ms; it has left the queue. */
+    void (*expired)(px_admission_entry_t *e);
+    /* Every replica of the pool left the admitted set while it waited; it has left the queue. */
+    void (*unavailable)(px_admission_entry_t *e);
+} px_admission_ops_t;
+
+/* A waiting request's place in its pool's queue on this worker. Zeroed when unused. */
+struct px_admission_entry_s {
+    px_admission_entry_t *next, *prev;
+    px_pool_t *pool;
+    px_affinity_t *aff; /* the request's routing key (NULL: none) */
+    const px_admission_ops_t *ops;
+    uint64_t deadline; /* loop ms */
+    uint64_t ticket;   /* its place in the pool's queue order across workers */
+    bool queued;
+};
+
+/* Queue e (pool, aff and ops set) on this worker's queue of e->pool. */
+void px_admission_push(px_admission_entry_t *e);
+/* Take e out of its queue, if it is in one. */
+void px_admission_remove(px_admission_entry_t *e);
+/* Hand free slots of p to this worker's queue, oldest first across the workers. True when the
+ * queue is empty at the end. Callbacks run from here, and may free their entries. */
+bool px_admission_serve(px_pool_t *p);
+/* A slot on a replica of p was released: serve this worker's queue, and wake whoever else may
+ * be waiting (other workers, this worker's queues of other generations). */
+void px_admission_slot_freed(px_pool_t *p);
+/* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
+void px_admission_dispatch_waiting(void);
+
+#endif
