@@ -182,11 +182,12 @@ static bool replica_admin(px_t *px, net_req_t *req)
 /* Bring gauges up to date before /metrics renders. */
 static void refresh_gauges(px_t *px)
 {
-    px_metric_set(px_metrics_get("detproxy_connections", NULL), (double)px_workers_connections(px));
-    px_metric_set(px_metrics_get("detproxy_inflight_requests", NULL),
-                  (double)px_workers_inflight(px));
-    px_metric_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
-                  (double)net_mailbox_dropped(&px->mb));
+    px_metrics_set(px_metrics_get("detproxy_connections", NULL),
+                   (double)px_workers_connections(px));
+    px_metrics_set(px_metrics_get("detproxy_inflight_requests", NULL),
+                   (double)px_workers_inflight(px));
+    px_metrics_set(px_metrics_get("detproxy_handoff_dropped_total", "queue", "control", NULL),
+                   (double)net_mailbox_dropped(&px->mb));
     px_status_refresh_gauges(px);
 }
 

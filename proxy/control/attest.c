@@ -82,9 +82,9 @@ static att_ctx_t *ctx(px_t *px)
 
 static void count(const px_replica_t *r, const char *result)
 {
-    px_metric_add(px_metrics_get("detproxy_attestations_total", "pool", r->pool_name, "replica",
-                                 r->name, "result", result, NULL),
-                  1);
+    px_metrics_add(px_metrics_get("detproxy_attestations_total", "pool", r->pool_name, "replica",
+                                  r->name, "result", result, NULL),
+                   1);
 }
 
 /* The pool definition currently holding this replica (the generation may have changed). */
@@ -402,9 +402,9 @@ static void att_adopt(px_t *px, px_replica_t *r)
     a->r = r;
     a->px = px;
     /* Exported from the start at 0, so increase() sees the first mismatch. */
-    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
-                                 "replica", r->name, NULL),
-                  0);
+    px_metrics_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
+                                  "replica", r->name, NULL),
+                   0);
     r->attest_state = a;
     uv_timer_init(px->loop, &a->timer);
     a->timer.data = a;

@@ -70,14 +70,14 @@ void px_status_refresh_gauges(px_t *px)
         drift_verdict_t v;
         drift_pool_verdict(px_shadow_drift_pool(px, p->name), &v);
         for (size_t k = 0; k < DP_ARRAY_SIZE(kinds); k++)
-            px_metric_set(px_metrics_get("detproxy_drift_verdict", "pool", p->name, "verdict",
-                                         drift_verdict_name(kinds[k]), NULL),
-                          v.kind == kinds[k]);
+            px_metrics_set(px_metrics_get("detproxy_drift_verdict", "pool", p->name, "verdict",
+                                          drift_verdict_name(kinds[k]), NULL),
+                           v.kind == kinds[k]);
         for (size_t k = 0; k < p->nreplicas; k++) {
             const px_replica_t *r = p->replicas[k];
-            px_metric_set(px_metrics_get("detproxy_replica_quarantined", "pool", p->name, "replica",
-                                         r->name, NULL),
-                          r->state == PX_REPLICA_QUARANTINED);
+            px_metrics_set(px_metrics_get("detproxy_replica_quarantined", "pool", p->name,
+                                          "replica", r->name, NULL),
+                           r->state == PX_REPLICA_QUARANTINED);
         }
     }
 }
@@ -239,9 +239,9 @@ static void similarity_svg(dp_buf_t *b, const char *pool, const char *kind)
     const int W = 320, H = 120, top = 18, base = H - 22;
     size_t nb = s->nbounds;
     uint64_t max = 1;
-    uint64_t count = px_hist_count(s), buckets[PX_HIST_MAX_BUCKETS];
+    uint64_t count = px_metrics_count(s), buckets[PX_HIST_MAX_BUCKETS];
     for (size_t i = 0; i < nb; i++) {
-        buckets[i] = px_hist_bucket(s, i);
+        buckets[i] = px_metrics_bucket(s, i);
         if (buckets[i] > max)
             max = buckets[i];
     }

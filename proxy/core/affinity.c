@@ -3,9 +3,9 @@
 
 #include "common/util.h"
 
-const char *const px_aff_result_names[PX_AFF__COUNT] = {"", "hit", "spill", "fallback"};
+const char *const px_affinity_result_names[PX_AFF__COUNT] = {"", "hit", "spill", "fallback"};
 
-uint64_t px_aff_hash(const void *p, size_t n)
+uint64_t px_affinity_hash(const void *p, size_t n)
 {
     uint8_t d[32];
     dp_sha256(p, n, d);
@@ -17,12 +17,12 @@ uint64_t px_aff_hash(const void *p, size_t n)
 
 /* A full-avalanche mixer makes one key's scores for different replicas as good as independent
  * draws (keys and ids are already SHA-256 bits). */
-uint64_t px_aff_score(uint64_t key, uint64_t id)
+uint64_t px_affinity_score(uint64_t key, uint64_t id)
 {
     return dp_mix64(key ^ id);
 }
 
-bool px_aff_overloaded(uint32_t inflight, uint64_t total, size_t n, double load_factor)
+bool px_affinity_overloaded(uint32_t inflight, uint64_t total, size_t n, double load_factor)
 {
     if (n == 0)
         return false;
@@ -38,8 +38,8 @@ static bool before(uint64_t sa, uint64_t ida, uint64_t sb, uint64_t idb)
 
 /* One pass, O(n): the order is never materialised, since the first usable replica under its
  * bound is simply the best-scoring one among them. */
-size_t px_aff_choose(uint64_t key, const px_aff_cand_t *c, size_t n, double load_factor,
-                     px_aff_result_t *result)
+size_t px_affinity_choose(uint64_t key, const px_affinity_cand_t *c, size_t n, double load_factor,
+                          px_affinity_result_t *result)
 {
     uint64_t total = 0;
     size_t members = 0;
@@ -54,7 +54,7 @@ size_t px_aff_choose(uint64_t key, const px_aff_cand_t *c, size_t n, double load
     for (size_t i = 0; i < n; i++) {
         if (!c[i].member)
             continue;
-        uint64_t s = px_aff_score(key, c[i].id);
+        uint64_t s = px_affinity_score(key, c[i].id);
         if (top == n || before(s, c[i].id, s_top, c[top].id)) {
             top = i;
             s_top = s;
@@ -65,7 +65,7 @@ size_t px_aff_choose(uint64_t key, const px_aff_cand_t *c, size_t n, double load
             any = i;
             s_any = s;
         }
-        if (!px_aff_overloaded(c[i].inflight, total, members, load_factor) &&
+        if (!px_affinity_overloaded(c[i].inflight, total, members, load_factor) &&
             (under == n || before(s, c[i].id, s_under, c[under].id))) {
             under = i;
             s_under = s;

@@ -22,27 +22,27 @@ typedef enum {
     PX_AFF_SPILL,    /* a later one: the first was over its load bound, full, or failed */
     PX_AFF_FALLBACK, /* the configured key was missing (no session, no seed): prefix used */
     PX_AFF__COUNT
-} px_aff_result_t;
+} px_affinity_result_t;
 
 /* "", "hit", "spill", "fallback". */
-extern const char *const px_aff_result_names[PX_AFF__COUNT];
+extern const char *const px_affinity_result_names[PX_AFF__COUNT];
 
 /* A request's routing key, filled by the hooks before routing. */
 typedef struct {
     bool has_key;
     bool fallback; /* the key is the prefix standing in for a missing session or seed */
     uint64_t key;
-    px_aff_result_t result; /* set by the router for the latest placement */
+    px_affinity_result_t result; /* set by the router for the latest placement */
 } px_affinity_t;
 
 /* 64 bits of SHA-256 over the bytes: keys and replica identities. */
-uint64_t px_aff_hash(const void *p, size_t n);
+uint64_t px_affinity_hash(const void *p, size_t n);
 
 /* Rendezvous score of replica `id` for `key`. */
-uint64_t px_aff_score(uint64_t key, uint64_t id);
+uint64_t px_affinity_score(uint64_t key, uint64_t id);
 
 /* The bounded-load rule: is `inflight` over load_factor x (total / n) + 1? */
-bool px_aff_overloaded(uint32_t inflight, uint64_t total, size_t n, double load_factor);
+bool px_affinity_overloaded(uint32_t inflight, uint64_t total, size_t n, double load_factor);
 
 /* One replica as the chooser sees it. `member`: it takes part (admitted), so it is in the key's
  * order and in the mean; `usable`: it may take this request (a member with spare capacity that
@@ -52,13 +52,13 @@ typedef struct {
     uint32_t inflight;
     bool member;
     bool usable;
-} px_aff_cand_t;
+} px_affinity_cand_t;
 
 /* The index of the replica for `key`: the first usable one in the key's order that is not over
  * its load bound, else (every usable one is over it) the first usable one. n when none is
  * usable. *result is PX_AFF_HIT when that is the first member of the order, PX_AFF_SPILL
  * otherwise. */
-size_t px_aff_choose(uint64_t key, const px_aff_cand_t *c, size_t n, double load_factor,
-                     px_aff_result_t *result);
+size_t px_affinity_choose(uint64_t key, const px_affinity_cand_t *c, size_t n, double load_factor,
+                          px_affinity_result_t *result);
 
 #endif

@@ -44,11 +44,12 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
         p->cfg = pc;
         p->name = pc->name;
         cfg_manifest_fingerprint(pc->manifest, p->fingerprint);
-        p->m_duration = px_metrics_hist("detproxy_request_duration_seconds", px_latency_bounds,
-                                        px_latency_nbounds, "pool", pc->name, NULL);
+        p->m_duration =
+            px_metrics_hist("detproxy_request_duration_seconds", px_metrics_latency_bounds,
+                            px_metrics_latency_nbounds, "pool", pc->name, NULL);
         for (int k = PX_AFF_HIT; pc->balance == CFG_BALANCE_AFFINITY && k < PX_AFF__COUNT; k++)
             p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
-                                              px_aff_result_names[k], NULL);
+                                              px_affinity_result_names[k], NULL);
         p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
         for (size_t k = 0; k < pc->nreplicas; k++) {
             char *key = px_replica_key(pc, &pc->replicas[k]);

@@ -46,9 +46,10 @@ unsigned px_metrics_threads(void)
     return g_nthreads;
 }
 
-const double px_latency_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                                    1,     2.5,  5,     10,   30,  60,   120};
-const size_t px_latency_nbounds = sizeof(px_latency_bounds) / sizeof(px_latency_bounds[0]);
+const double px_metrics_latency_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                            1,     2.5,  5,     10,   30,  60,   120};
+const size_t px_metrics_latency_nbounds =
+    sizeof(px_metrics_latency_bounds) / sizeof(px_metrics_latency_bounds[0]);
 
 static uint32_t hash(const char *s)
 {
@@ -191,7 +192,7 @@ static void bump(_Atomic uint64_t *c, uint64_t n)
                           memory_order_relaxed);
 }
 
-void px_hist_observe(px_series_t *s, double v)
+void px_metrics_observe(px_series_t *s, double v)
 {
     /* Buckets are stored non-cumulative and summed at render: one increment per observation. */
     px_cell_t *c = &s->cells[px_metrics_thread];
@@ -215,17 +216,17 @@ static uint64_t sum_u64(const px_series_t *s, size_t bucket) /* bucket SIZE_MAX:
     return n;
 }
 
-uint64_t px_hist_bucket(const px_series_t *s, size_t i)
+uint64_t px_metrics_bucket(const px_series_t *s, size_t i)
 {
     return sum_u64(s, i);
 }
 
-uint64_t px_hist_count(const px_series_t *s)
+uint64_t px_metrics_count(const px_series_t *s)
 {
     return sum_u64(s, SIZE_MAX);
 }
 
-double px_metric_value(const px_series_t *s)
+double px_metrics_value(const px_series_t *s)
 {
     double v = atomic_load_explicit(&s->gauge, memory_order_relaxed);
     for (unsigned t = 0; t < g_nthreads; t++)
@@ -342,7 +343,7 @@ void px_metrics_render(dp_buf_t *o)
         if (s->type != PX_HISTOGRAM) {
             dp_buf_appends(o, s->name);
             render_labels(o, s->labels, NULL);
-            render_value(o, px_metric_value(s));
+            render_value(o, px_metrics_value(s));
             continue;
         }
         uint64_t cum = 0;
@@ -366,7 +367,7 @@ void px_metrics_render(dp_buf_t *o)
         dp_buf_appends(o, s->name);
         dp_buf_append(o, "_sum", 4);
         render_labels(o, s->labels, NULL);
-        render_value(o, px_metric_value(s));
+        render_value(o, px_metrics_value(s));
         dp_buf_appends(o, s->name);
         dp_buf_append(o, "_count", 6);
         render_labels(o, s->labels, NULL);
@@ -444,7 +445,7 @@ void px_metrics_declare(void)
                       "Audit lines that could not be written.");
     px_metrics_family("detproxy_build_info", PX_GAUGE,
                       "Always 1; the labels name the running build.");
-    px_metric_set(
+    px_metrics_set(
         px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
     px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
                       "Requests refused 503 overloaded, by reason (body_budget, queue_full).");

@@ -34,7 +34,7 @@ typedef struct px_series_s {
     char *name;
     char *labels; /* `a="x",b="y"` (escaped), may be "" */
     px_metric_type_t type;
-    _Atomic double gauge; /* px_metric_set */
+    _Atomic double gauge; /* px_metrics_set */
     px_cell_t *cells;     /* px_metrics_threads() of them, indexed by px_metrics_thread */
     /* histogram */
     const double *bounds;
@@ -55,22 +55,22 @@ void px_metrics_family(const char *name, px_metric_type_t type, const char *help
 px_series_t *px_metrics_get(const char *name, ...) __attribute__((sentinel));
 px_series_t *px_metrics_hist(const char *name, const double *bounds, size_t nbounds, ...)
     __attribute__((sentinel));
-static inline void px_metric_add(px_series_t *s, double v)
+static inline void px_metrics_add(px_series_t *s, double v)
 {
     _Atomic double *c = &s->cells[px_metrics_thread].value;
     atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + v,
                           memory_order_relaxed);
 }
-static inline void px_metric_set(px_series_t *s, double v)
+static inline void px_metrics_set(px_series_t *s, double v)
 {
     atomic_store_explicit(&s->gauge, v, memory_order_relaxed);
 }
 /* The value a scrape would show (gauge plus every thread's cell). */
-double px_metric_value(const px_series_t *s);
-void px_hist_observe(px_series_t *s, double v);
+double px_metrics_value(const px_series_t *s);
+void px_metrics_observe(px_series_t *s, double v);
 /* A histogram's observations in bucket i (not cumulative) and in all, summed over threads. */
-uint64_t px_hist_bucket(const px_series_t *s, size_t i);
-uint64_t px_hist_count(const px_series_t *s);
+uint64_t px_metrics_bucket(const px_series_t *s, size_t i);
+uint64_t px_metrics_count(const px_series_t *s);
 /* Forget every series (of any family) whose labels begin with k1="v1",k2="v2", e.g. ("pool",
  * "p", "replica", "10.0.0.7:8000"): a replica that is gone for good. They leave the table (and
  * /metrics) at once; their memory is kept until px_metrics_reset, since a lock-free look-up
@@ -82,8 +82,8 @@ void px_metrics_render(dp_buf_t *out);
 void px_metrics_reset(void);
 
 /* Latency buckets in seconds shared by duration histograms. */
-extern const double px_latency_bounds[];
-extern const size_t px_latency_nbounds;
+extern const double px_metrics_latency_bounds[];
+extern const size_t px_metrics_latency_nbounds;
 
 /* Declare every family the proxy exports (once, at start, after px_metrics_set_threads). */
 void px_metrics_declare(void);

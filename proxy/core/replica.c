@@ -93,7 +93,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
     r->key = key;
     r->pool_name = dp_xstrdup(p->name);
     r->name = dp_xstrdup(d->name);
-    r->aff_id = px_aff_hash(d->name, strlen(d->name));
+    r->aff_id = px_affinity_hash(d->name, strlen(d->name));
     url_copy(&r->url, &d->url);
     r->server_name = d->server_name ? dp_xstrdup(d->server_name) : NULL;
     r->attest.source = d->attest.source;
@@ -301,7 +301,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
         return;
     px_replica_state_t old = r->state;
     r->state = st;
-    px_metric_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
+    px_metrics_set(r->m_admitted, st == PX_REPLICA_ADMITTED ? 1 : 0);
     if (r->px && r->px->replica_hooks.changed)
         r->px->replica_hooks.changed(r, old);
     dp_jw_t *w = dp_log_begin(st == PX_REPLICA_ADMITTED || st == PX_REPLICA_PENDING ? DP_LOG_INFO
@@ -327,7 +327,7 @@ void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *co
 void px_replica_set_drained(px_replica_t *r, bool drained)
 {
     PX_ASSERT_CONTROL();
-    px_metric_set(r->m_drained, drained ? 1 : 0);
+    px_metrics_set(r->m_drained, drained ? 1 : 0);
     if (r->drained == drained)
         return;
     r->drained = drained;

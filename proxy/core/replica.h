@@ -64,7 +64,7 @@ struct px_replica_s {
      * max_inflight_per_replica holds across workers (px_replica_take_slot). */
     atomic_uint inflight;
     atomic_uint_fast64_t requests; /* lifetime requests sent */
-    uint64_t aff_id;               /* identity in the affinity order: px_aff_hash(name) */
+    uint64_t aff_id;               /* identity in the affinity order: px_affinity_hash(name) */
     uint64_t last_attested_at;     /* wall ms, 0 = never */
     char fingerprint[20]; /* the accepted identity it was admitted as (manifest "accept"); "" */
     PX_SEQSTR(24) wfingerprint; /* the same, for workers */

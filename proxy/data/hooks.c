@@ -272,9 +272,9 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
     /* Param names are static strings in the policy module: pointer-stable cache keys. */
     for (size_t i = 0; i < res->nchanges; i++) {
         const policy_change_t *c = &res->changes[i];
-        px_metric_add(px_gen_override_series(g, t, tenant, c->param, (int)c->action,
-                                             policy_action_names[c->action]),
-                      1);
+        px_metrics_add(px_gen_override_series(g, t, tenant, c->param, (int)c->action,
+                                              policy_action_names[c->action]),
+                       1);
     }
 }
 
@@ -292,7 +292,7 @@ static void affinity_session_header(px_hooks_req_t *h, const px_gen_t *g, const 
             continue;
         if (header_lookup((void *)req, pc->affinity.session_header, &v) > 0 && v.len > 0) {
             h->affinity_header = pc->affinity.session_header;
-            h->affinity_header_key = px_aff_hash(v.base, v.len);
+            h->affinity_header_key = px_affinity_hash(v.base, v.len);
             return;
         }
     }
@@ -322,7 +322,7 @@ static void affinity_key(px_hooks_req_t *h, const pol_t *p, const cfg_affinity_t
         policy_affinity_prefix(p->preq, a->prefix_bytes, &g_key, &g_scratch);
         v = (dp_iovec_t){g_key.base ? g_key.base : "", g_key.len};
     }
-    h->affinity.key = px_aff_hash(v.base, v.len);
+    h->affinity.key = px_affinity_hash(v.base, v.len);
     h->affinity.has_key = true;
     if (g_key.cap > 256 * 1024)
         dp_buf_free(&g_key);
@@ -511,7 +511,7 @@ void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_hea
     if (h->seed[0])
         out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-seed"), {h->seed, strlen(h->seed)}};
     if (h->affinity.result != PX_AFF_NONE) {
-        const char *v = px_aff_result_names[h->affinity.result];
+        const char *v = px_affinity_result_names[h->affinity.result];
         out[(*n)++] = (net_header_t){DP_IOV("x-detproxy-affinity"), {v, strlen(v)}};
     }
 }
@@ -677,9 +677,9 @@ static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
     px_seqstr_get(&r->engine_fp, attested); /* published by attestation */
     if (attested[0] == '\0' || strcmp(seen, attested) == 0)
         return false;
-    px_metric_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
-                                 "replica", r->name, NULL),
-                  1);
+    px_metrics_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
+                                  "replica", r->name, NULL),
+                   1);
     px_event_post(px, &(px_event_t){.kind = PX_EVENT_FINGERPRINT, .r = r, .seen = seen});
     return true;
 }
@@ -716,7 +716,7 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
     if (fp[0])
         memcpy(h->fingerprint, fp, sizeof(h->fingerprint));
     if (h->affinity.result != PX_AFF_NONE && pool->m_affinity[h->affinity.result])
-        px_metric_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
+        px_metrics_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
     if (p == NULL)
         return;
     if (h->shadow == NULL)

@@ -461,7 +461,7 @@ static void start_on(px_preq_t *q, px_replica_t *r)
 
 void px_proxy_count_overload(const char *reason)
 {
-    px_metric_add(px_metrics_get("detproxy_overload_rejections_total", "reason", reason, NULL), 1);
+    px_metrics_add(px_metrics_get("detproxy_overload_rejections_total", "reason", reason, NULL), 1);
 }
 
 static void dispatch(px_preq_t *q)
@@ -677,9 +677,9 @@ static void deliver(void *data)
 
 static void count_upstream_error(px_preq_t *q, px_replica_t *r, net_up_err_t err)
 {
-    px_metric_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name, "replica",
-                                 r->name, "kind", net_up_err_name(err), NULL),
-                  1);
+    px_metrics_add(px_metrics_get("detproxy_upstream_errors_total", "pool", q->pool->name,
+                                  "replica", r->name, "kind", net_up_err_name(err), NULL),
+                   1);
 }
 
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
@@ -785,17 +785,17 @@ static void count_request(px_preq_t *q)
     px_pool_t *pool = q->pool;
     const char *code = q->code ? q->code : "upstream";
     const char *tenant = px_hooks_tenant(&q->hooks);
-    px_metric_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
+    px_metrics_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
     if (pool)
-        px_hist_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+        px_metrics_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
     int64_t pt, ct;
     if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
-        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
-                                     "kind", "prompt", NULL),
-                      (double)pt);
-        px_metric_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
-                                     "kind", "completion", NULL),
-                      (double)ct);
+        px_metrics_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                      "kind", "prompt", NULL),
+                       (double)pt);
+        px_metrics_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
+                                      "kind", "completion", NULL),
+                       (double)ct);
     }
 }
 
@@ -1114,7 +1114,7 @@ static void on_reject(net_server_t *s, net_req_t *req, int status, const char *c
         px_hooks_refused(&q->hooks, code, NULL);
         return;
     }
-    px_metric_add(px_pool_requests_series(NULL, "-", status, code), 1);
+    px_metrics_add(px_pool_requests_series(NULL, "-", status, code), 1);
     px_t *px = net_server_data(s);
     px_access_t a = {.status = status, .code = code};
     px_access_log(&px_thread_gen(px)->cfg->log.access, &a);

@@ -30,16 +30,16 @@ static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
 static px_replica_t *pick_affinity(px_pool_t *p, const px_replica_t *avoid, px_affinity_t *aff)
 {
     size_t n = p->nreplicas;
-    px_aff_cand_t stack[64] = {{0}}; /* zeroed: gcc cannot see that n >= 1 here */
-    px_aff_cand_t *c = n <= DP_ARRAY_SIZE(stack) ? stack : dp_xmalloc(n * sizeof(*c));
+    px_affinity_cand_t stack[64] = {{0}}; /* zeroed: gcc cannot see that n >= 1 here */
+    px_affinity_cand_t *c = n <= DP_ARRAY_SIZE(stack) ? stack : dp_xmalloc(n * sizeof(*c));
     for (size_t i = 0; i < n; i++) {
         const px_replica_t *r = p->replicas[i];
         bool member = px_replica_serving(r);
-        c[i] = (px_aff_cand_t){r->aff_id, inflight(r), member,
-                               member && r != avoid && has_capacity(p, r)};
+        c[i] = (px_affinity_cand_t){r->aff_id, inflight(r), member,
+                                    member && r != avoid && has_capacity(p, r)};
     }
-    px_aff_result_t res;
-    size_t k = px_aff_choose(aff->key, c, n, p->cfg->affinity.load_factor, &res);
+    px_affinity_result_t res;
+    size_t k = px_affinity_choose(aff->key, c, n, p->cfg->affinity.load_factor, &res);
     if (c != stack)
         free(c);
     if (k == n) {

@@ -200,9 +200,9 @@ static void log_verdict_change(dpool_t *e)
 
 static void count(const char *pool, drift_kind_t kind, const char *result)
 {
-    px_metric_add(px_metrics_get("detproxy_shadow_total", "pool", pool, "kind",
-                                 drift_kind_name(kind), "result", result, NULL),
-                  1);
+    px_metrics_add(px_metrics_get("detproxy_shadow_total", "pool", pool, "kind",
+                                  drift_kind_name(kind), "result", result, NULL),
+                   1);
 }
 
 /* The rollout statistics of candidate `cand` of pool `pool` (created empty on first use). */
@@ -221,9 +221,9 @@ static rentry_t *rollout(px_t *px, const char *pool, const char *cand)
 
 static void count_candidate(const char *pool, const char *cand, const char *result)
 {
-    px_metric_add(px_metrics_get("detproxy_candidate_total", "pool", pool, "candidate", cand,
-                                 "result", result, NULL),
-                  1);
+    px_metrics_add(px_metrics_get("detproxy_candidate_total", "pool", pool, "candidate", cand,
+                                  "result", result, NULL),
+                   1);
 }
 
 /* A candidate copy that will give no sample: counted, and remembered with its reason for an
@@ -412,10 +412,11 @@ static void compare_done(uv_work_t *w, int status)
         drift_pool_add(dp, s->primary, s->target, &s->result);
         log_verdict_change(e);
         count(s->pool, s->kind, s->result.match ? "match" : "diverged");
-        px_hist_observe(px_metrics_hist("detproxy_shadow_similarity", px_shadow_similarity_bounds,
-                                        px_shadow_similarity_nbounds, "pool", s->pool, "kind",
-                                        drift_kind_name(s->kind), NULL),
-                        drift_sample_similarity(&s->result));
+        px_metrics_observe(px_metrics_hist("detproxy_shadow_similarity",
+                                           px_shadow_similarity_bounds,
+                                           px_shadow_similarity_nbounds, "pool", s->pool, "kind",
+                                           drift_kind_name(s->kind), NULL),
+                           drift_sample_similarity(&s->result));
         if (!s->result.match) {
             dp_jw_t *j = dp_log_begin(DP_LOG_INFO, "shadow_divergence");
             if (j) {

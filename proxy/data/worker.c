@@ -233,7 +233,7 @@ uv_timer_t *px_worker_qtimer(void)
 
 void px_worker_count_request(void)
 {
-    px_metric_add(t_self->m_requests, 1);
+    px_metrics_add(t_self->m_requests, 1);
 }
 
 /* ---- the thread ---------------------------------------------------------------------------- */

@@ -71,7 +71,7 @@ static int open_file(const char *path)
 
 static void log_error(px_audit_t *a, const char *what, int err)
 {
-    px_metric_add(a->m_errors, 1);
+    px_metrics_add(a->m_errors, 1);
     dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "audit_write_failed");
     if (w) {
         dp_jw_str(w, "path", a->path);

@@ -79,7 +79,7 @@ static void exported(net_fetch_t *f, int status, const dp_buf_t *body, net_up_er
     otel_ctx_t *c = ctx_of(px);
     c->inflight = NULL;
     bool ok = status >= 200 && status < 300;
-    px_metric_add(count_series(ok ? "exported" : "failed"), (double)c->ninflight);
+    px_metrics_add(count_series(ok ? "exported" : "failed"), (double)c->ninflight);
     if (!ok && !c->failing) {
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "otel_export_failed");
         if (w) {
@@ -133,7 +133,7 @@ static void drop_ctx_upstream(otel_ctx_t *c)
     if (c->inflight) {
         net_fetch_cancel(c->inflight);
         c->inflight = NULL;
-        px_metric_add(count_series("failed"), (double)c->ninflight);
+        px_metrics_add(count_series("failed"), (double)c->ninflight);
         c->ninflight = 0;
     }
     if (c->up)
@@ -204,7 +204,7 @@ void px_otel_stop(px_t *px)
     if (c == NULL)
         return;
     drop_ctx_upstream(c);
-    px_metric_add(count_series("dropped"), (double)c->nqueued);
+    px_metrics_add(count_series("dropped"), (double)c->nqueued);
     dp_buf_free(&c->queue);
     c->nqueued = 0;
     px->otel = NULL;
@@ -656,7 +656,7 @@ void px_otel_end(px_t *px, px_span_t *s, int status, const char *request_id,
     snprintf(m->upstream_fp, sizeof(m->upstream_fp), "%s",
              upstream_fingerprint ? upstream_fingerprint : "");
     if (!px_thread_try_post_control(px, &m->node, end_posted)) {
-        px_metric_add(count_series("dropped"), 1); /* the control thread is that far behind */
+        px_metrics_add(count_series("dropped"), 1); /* the control thread is that far behind */
         span_free(s);
         free(m);
     }
@@ -669,7 +669,7 @@ static void end_here(px_t *px, px_span_t *s, int status, const char *request_id,
     otel_ctx_t *c = ctx_of(px);
     if (c == NULL || c->up == NULL || c->nqueued >= OTEL_QUEUE_SPANS ||
         c->queue.len >= OTEL_QUEUE_BYTES) {
-        px_metric_add(count_series("dropped"), 1);
+        px_metrics_add(count_series("dropped"), 1);
         span_free(s);
         return;
     }

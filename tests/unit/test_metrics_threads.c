@@ -14,9 +14,10 @@ static void *adder(void *arg)
     px_metrics_thread = (unsigned)(uintptr_t)arg;
     for (int i = 0; i < ADDS; i++) {
         /* A look-up every time, as a request path without a cached pointer does. */
-        px_metric_add(px_metrics_get("t_total", "k", "v", NULL), 1);
-        px_hist_observe(px_metrics_hist("t_seconds", px_latency_bounds, px_latency_nbounds, NULL),
-                        0.001);
+        px_metrics_add(px_metrics_get("t_total", "k", "v", NULL), 1);
+        px_metrics_observe(px_metrics_hist("t_seconds", px_metrics_latency_bounds,
+                                           px_metrics_latency_nbounds, NULL),
+                           0.001);
     }
     return NULL;
 }
@@ -32,10 +33,11 @@ Test(metrics_threads, cells_sum_at_render)
     for (unsigned i = 0; i < THREADS; i++)
         pthread_join(t[i], NULL);
     px_series_t *s = px_metrics_get("t_total", "k", "v", NULL);
-    cr_assert_eq(px_metric_value(s), (double)THREADS * ADDS);
-    px_series_t *h = px_metrics_hist("t_seconds", px_latency_bounds, px_latency_nbounds, NULL);
-    cr_assert_eq(px_hist_count(h), (uint64_t)THREADS * ADDS);
-    cr_assert_eq(px_hist_bucket(h, 0), (uint64_t)THREADS * ADDS); /* 0.001 <= 0.005 */
+    cr_assert_eq(px_metrics_value(s), (double)THREADS * ADDS);
+    px_series_t *h =
+        px_metrics_hist("t_seconds", px_metrics_latency_bounds, px_metrics_latency_nbounds, NULL);
+    cr_assert_eq(px_metrics_count(h), (uint64_t)THREADS * ADDS);
+    cr_assert_eq(px_metrics_bucket(h, 0), (uint64_t)THREADS * ADDS); /* 0.001 <= 0.005 */
     dp_buf_t out = {0};
     px_metrics_render(&out);
     cr_assert(strstr(out.base, "t_total{k=\"v\"} 400000\n") != NULL, "%s", out.base);
@@ -50,9 +52,9 @@ Test(metrics_threads, a_gauge_is_one_shared_value)
     px_metrics_set_threads(3);
     px_series_t *g = px_metrics_get("t_gauge", NULL);
     px_metrics_thread = 2;
-    px_metric_set(g, 5);
+    px_metrics_set(g, 5);
     px_metrics_thread = 0;
-    px_metric_set(g, 7);
-    cr_assert_eq(px_metric_value(g), 7);
+    px_metrics_set(g, 7);
+    cr_assert_eq(px_metrics_value(g), 7);
     px_metrics_reset();
 }

@@ -55,7 +55,7 @@ static void tpool_init(tpool_t *t, cfg_balance_t balance, uint32_t max_inflight,
         r->pool_name = "p";
         r->state = PX_REPLICA_ADMITTED;
         r->up = (net_upstream_t *)&g_fake_upstream;
-        r->aff_id = px_aff_hash(r->name, strlen(r->name));
+        r->aff_id = px_affinity_hash(r->name, strlen(r->name));
         t->ptrs[i] = r;
     }
 }
@@ -213,7 +213,7 @@ Test(router, avoid_is_skipped_unless_it_is_the_only_one_left)
 
 static px_affinity_t key(const char *k)
 {
-    return (px_affinity_t){.has_key = true, .key = px_aff_hash(k, strlen(k))};
+    return (px_affinity_t){.has_key = true, .key = px_affinity_hash(k, strlen(k))};
 }
 
 Test(router, affinity_key_sticks_to_one_replica_whatever_the_listing_order)
