@@ -68,7 +68,7 @@ VLLM_IMAGE = re.compile(r"^vllm/vllm-openai:v(\d+\.\d+\.\d+)$")
 # resolve (RFC 2606), so it can never pull something real by accident.
 APP_PLACEHOLDER_IMAGE = "registry.example/your-app:latest"
 
-DRAIN_S = 30  # detproxy run: SIGTERM drains in-flight requests for up to 30 s (SPEC §7)
+DRAIN_S = 30  # detproxy run: SIGTERM drains in-flight requests for up to 30 s (docs/requests.md §5)
 BOOL_FLAGS = {"-h", "--help", "--json", "--list", "--progress", "--no-progress"}
 # Keys of a detproxy config whose values are file paths (docs/configuration.md).
 LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\])$")

@@ -1,4 +1,4 @@
-/* The router (proxy/px.h, routing): which replica a request goes to under each balance, who is
+/* The router (proxy/core/px.h, routing): which replica a request goes to under each balance, who is
  * eligible at all (admitted, reachable, not drained), max_inflight_per_replica and what *why
  * says when nothing is picked, `avoid` (a retry's failed replica), affinity's key stability,
  * bounded loads and fallback, and the text of a 503 / /readyz with no replica.
