@@ -1731,7 +1731,7 @@ def doc_commands(text):
 
 def declared_metrics():
     names = set()
-    for p in glob.glob(os.path.join(SOURCE_DIR, "proxy", "*.c")):
+    for p in glob.glob(os.path.join(SOURCE_DIR, "proxy", "**", "*.c"), recursive=True):
         with open(p, encoding="utf-8") as f:
             names.update(re.findall(r'px_metrics_family\(\s*"(detproxy_\w+)"', f.read()))
     return names
