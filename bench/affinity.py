@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Affinity routing on real llama.cpp replicas (issue 16, SPEC §18): prompt-cache reuse, time to
-first token and load spread for `affinity` vs `least_inflight` vs `round_robin`, and the
-determinism side (a pool with one `-fa off` replica).
+"""Affinity routing on real llama.cpp replicas (docs/configuration.md, "Affinity routing"):
+prompt-cache reuse, time to first token and load spread for `affinity` vs `least_inflight` vs
+`round_robin`, and the determinism side (a pool with one `-fa off` replica).
 
     bench/affinity.py [--engine real|sim] [--results bench/RESULTS.md] [--only cache|det]
 
@@ -325,7 +325,7 @@ def determinism(engines, balance, args, concurrency, load_factor=None):
 def markdown(res, meta):
     conv = [r for r in res if r["part"] == "conversations"]
     det = [r for r in res if r["part"] == "determinism"]
-    out = ["### 8. Affinity routing (issue 16): prompt cache, time to first token, determinism",
+    out = ["### 8. Affinity routing: prompt cache, time to first token, determinism",
            "",
            "- %s; engine: %s; detproxy %s; load average at start %s" % (
                meta["date"], meta["engine"], meta["version"], meta["load"]),

@@ -221,7 +221,8 @@ dpconf_try() {
   "$DETPROXY" check -c "$1" >"$1.check" 2>&1
 }
 dpconf() { dpconf_try "$@" || { cat "$1.check" >&2; die "detproxy check $1"; }; }
-# `workers` (SPEC §3) may not be in this build yet: `detproxy check` rejecting the key says so.
+# `workers` (docs/configuration.md) may not be in the build measured: `detproxy check` rejecting
+# the key says so.
 # Then every detproxy runs without it (one loop) and scenario 9 reports workers=2 as unsupported.
 DP_WORKERS1=
 WORKERS_WHY=

@@ -39,7 +39,7 @@ class Key:
         return _run(["openssl", "pkey", "-pubin", "-in", self.pub, "-outform", "DER"])
 
     def fingerprint(self):
-        """SPEC §19 signer: hex SHA-256 of the SubjectPublicKeyInfo DER."""
+        """The signer (docs/attestation.md §9): hex SHA-256 of the SubjectPublicKeyInfo DER."""
         return hashlib.sha256(self.der()).hexdigest()
 
     def hint(self):

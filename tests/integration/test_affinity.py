@@ -1,4 +1,4 @@
-"""Affinity routing end to end (SPEC §18, issue 16): one key, one replica; bounded loads spill;
+"""Affinity routing end to end (docs/configuration.md, "Affinity routing"): one key, one replica; bounded loads spill;
 a replica leaving moves only its keys and they come back; session and seed keys; the
 x-detproxy-affinity header and detproxy_affinity_total."""
 

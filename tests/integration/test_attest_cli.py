@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Black-box tests of `detproxy attest hash|keygen|verify|serve` against the real binary.
 
-The checkpoint hash is checked against the coreutils pipeline of SPEC §5 on a generated tree;
+The checkpoint hash is checked against the coreutils pipeline of docs/attestation.md §1 on a generated tree;
 signatures are checked independently with the openssl CLI; the agent is started for real and
 watched while its model directory changes under it. Python stdlib only.
 Env: DETPROXY_BIN (required), DETPROXY_SIM_BIN (optional: --framework-url tests).
@@ -357,7 +357,7 @@ class ServeTest(Tmp):
             self.assertLess(time.time() - t0, 10 * SLOW, "the new hash must not be late")
 
     def test_in_place_rewrite_with_mtime_restored_is_seen(self):
-        """Same size, mtime put back: only the ctime tells (issue 11 hole 9)."""
+        """Same size, mtime put back: only the ctime tells (docs/attestation.md §4, lifecycle)."""
         d = f"{self.tmp}/m"
         make_tree(d)
         victim = f"{d}/model-00002-of-00002.safetensors"

@@ -1,4 +1,4 @@
-"""Attestation end to end (SPEC §4-§6, issue 4): only replicas whose attested identity equals the
+"""Attestation end to end (docs/attestation.md, docs/configuration.md "Manifest"): only replicas whose attested identity equals the
 pool manifest get traffic; changes eject; the canary catches a replica that lies."""
 
 import hashlib
@@ -149,7 +149,7 @@ def test_no_admitted_replica_is_503_with_the_reasons_kept_off_the_client():
     e = r.json()["error"]
     rid = r.headers["x-detproxy-request-id"]
     assert e["code"] == "no_attested_replica"
-    # The client learns the pool and its request id, nothing about the fleet (SPEC §7).
+    # The client learns the pool and its request id, nothing about the fleet (docs/requests.md §4).
     assert e["message"] == "no attested replica is available in pool p (request id %s)" % rid, e
     # The reasons are on the admin listener and in the log line for that request id.
     ready = http("GET", px.admin_port, "/readyz")
@@ -324,7 +324,7 @@ class StrippingAgent:
 
 
 def test_stripping_the_signatures_is_refused_when_keys_are_trusted():
-    """Hole 5: with trusted_keys set and require_signature omitted, an envelope whose signatures
+    """With trusted_keys set and require_signature omitted, an envelope whose signatures
     were removed on the way (`[]` or no key at all) is rejected, and `check` warns when
     require_signature is turned off explicitly."""
     key, pub = keygen("pipeline")
@@ -361,7 +361,7 @@ def test_stripping_the_signatures_is_refused_when_keys_are_trusted():
 
 
 def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
-    """Issue 18 item 2: the agent reads the framework from --framework-url; killing that engine
+    """The agent reads the framework from --framework-url; killing that engine
     must read as `unreachable: framework at URL: connection refused`, not as an identity
     mismatch, and a restarted engine is re-admitted within about a second (not ~10 s)."""
     key, pub = keygen("pipeline")
@@ -413,7 +413,7 @@ def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
 
 
 def test_attest_canary_prints_the_hash_the_proxy_admits():
-    """Issue 18 item 4: `detproxy attest canary` sends the canary exactly as the proxy does; the
+    """`detproxy attest canary` sends the canary exactly as the proxy does; the
     hash it prints, pinned, admits the replica; unpinned, the proxy admits nothing and says why."""
     honest = sim()
     liar = sim(CKPT, "gptq", None, "--report-quantization", "awq")
@@ -497,7 +497,7 @@ def test_attest_canary_prints_the_hash_the_proxy_admits():
 
 
 def fingerprint(m):
-    """SPEC §4: fp_ + 16 hex of SHA-256 over the six identity fields (absent = empty)."""
+    """docs/configuration.md "Manifest": fp_ + 16 hex of SHA-256 over the six identity fields (absent = empty)."""
     fw = m.get("framework", {})
     fields = [m.get("model"), m.get("checkpoint_sha256"), m.get("quantization"), m.get("dtype"),
               fw.get("name"), fw.get("version")]

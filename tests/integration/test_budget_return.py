@@ -139,9 +139,9 @@ def test_the_body_budget_is_returned_however_the_request_ends():
 
 
 def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
-    """A client that sends a whole large body and leaves at once used to hand its budget back
-    while the body was still queued for policing on the thread pool: such clients could pile
-    bodies up in the work queue with the budget showing none of them."""
+    """A client that sends a whole large body and leaves at once keeps its budget held while the
+    body is still queued for policing on the thread pool: handed back earlier, such clients could
+    pile bodies up in the work queue with the budget showing none of them."""
     sim = start_sim("--model", MODEL)
     size, n = 8 << 20, 4
     # A tenant deriving seeds: each body's RFC 8785 canonicalisation prints every one of its

@@ -1,7 +1,8 @@
-"""Attack (issue 14): a candidate pool whose manifest is single_sequence. Candidate copies are
-sent by the control thread outside the pool's admission, so they must still obey SPEC §16 on
-the candidate's replicas: one sequence in flight per replica, and `cache_prompt: false` on a
-llama.cpp pool (the copy's body was shaped by the baseline's policy, not the candidate's)."""
+"""A candidate pool whose manifest is single_sequence. Candidate copies are sent by the control
+thread outside the pool's admission, so they must still obey the single_sequence rules
+(docs/configuration.md, "Deterministic pools") on the candidate's replicas: one sequence in flight
+per replica, and `cache_prompt: false` on a llama.cpp pool (the copy's body was shaped by the
+baseline's policy, not the candidate's)."""
 
 import json
 import threading

@@ -1,6 +1,7 @@
-"""Issue 11, hole 7 and the admin listener's Authorization handling: a Bearer token that matches
-no tenant is 401 invalid_api_key, never the {"any": true} tenant (SPEC §8), unless that tenant
-opts in with "unknown_keys": true; two Authorization fields are ambiguous on both listeners."""
+"""Tenant credentials and the admin listener's Authorization handling: a Bearer token that matches
+no tenant is 401 invalid_api_key, never the {"any": true} tenant (docs/policy.md §1), unless that
+tenant opts in with "unknown_keys": true; two Authorization fields are ambiguous on both
+listeners."""
 
 import hashlib
 import os

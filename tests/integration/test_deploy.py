@@ -68,7 +68,7 @@ VLLM_IMAGE = re.compile(r"^vllm/vllm-openai:v(\d+\.\d+\.\d+)$")
 # resolve (RFC 2606), so it can never pull something real by accident.
 APP_PLACEHOLDER_IMAGE = "registry.example/your-app:latest"
 
-DRAIN_S = 30  # detproxy run: SIGTERM drains in-flight requests for up to 30 s (SPEC §7)
+DRAIN_S = 30  # detproxy run: SIGTERM drains in-flight requests for up to 30 s (docs/requests.md §5)
 BOOL_FLAGS = {"-h", "--help", "--json", "--list", "--progress", "--no-progress"}
 # Keys of a detproxy config whose values are file paths (docs/configuration.md).
 LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\])$")
@@ -1731,7 +1731,7 @@ def doc_commands(text):
 
 def declared_metrics():
     names = set()
-    for p in glob.glob(os.path.join(SOURCE_DIR, "proxy", "*.c")):
+    for p in glob.glob(os.path.join(SOURCE_DIR, "proxy", "**", "*.c"), recursive=True):
         with open(p, encoding="utf-8") as f:
             names.update(re.findall(r'px_metrics_family\(\s*"(detproxy_\w+)"', f.read()))
     return names

@@ -1,4 +1,4 @@
-"""Deterministic pools (SPEC §16, issue 14): manifest determinism.mode batch_invariant is admitted
+"""Deterministic pools (docs/configuration.md, "Deterministic pools"): manifest determinism.mode batch_invariant is admitted
 only when the replica attests it (SGLang's enable_deterministic_inference, llama.cpp's
 total_slots 1, vLLM's VLLM_BATCH_INVARIANT through the agent); single_sequence is enforced by
 detproxy (one request in flight per replica, cache_prompt false for llama.cpp); a tenant's

@@ -1,4 +1,4 @@
-"""Attack (issue 14): determinism.mode is not part of the manifest fingerprint, so a reload that
+"""determinism.mode is not part of the manifest fingerprint, so a reload that
 adds `determinism: {mode: batch_invariant}` keeps the pool's replicas (same key) with their
 attestation state. A replica admitted before, which has never attested the mode (SGLang with
 enable_deterministic_inference false), must not keep serving as batch_invariant until the next

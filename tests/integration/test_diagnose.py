@@ -1,4 +1,4 @@
-"""`detproxy diagnose` (SPEC §11, issue 5): on crafted detproxy-sim pools it must name the right
+"""`detproxy diagnose` (docs/diagnose.md): on crafted detproxy-sim pools it must name the right
 cause, and only that cause: a replica with another quantization (cross_replica_drift), batching
 noise (batching_nondeterminism, not drift), unseeded sampling (unseeded_sampling unless the policy
 pins sampling), and a consistent pool (exit 0). Plus the JSON shape, usage errors (exit 2) and a
@@ -192,7 +192,7 @@ def canary_of(replica, prompt="Count: one, two,", n=12):
 
 
 def test_two_replicas_are_told_apart_by_the_canary():
-    # Issue 18 item 3: 1 vs 1 has no majority; the manifest's canary says which one is odd, and
+    # 1 vs 1 has no majority; the manifest's canary says which one is odd, and
     # the admission column says what the proxy decides (it rejects the liar on the canary).
     honest, liar = sim(), sim("gptq", "--report-quantization", "awq")
     can = canary_of(honest)

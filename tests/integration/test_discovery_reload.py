@@ -1,4 +1,4 @@
-"""DNS discovery and live reload (issue 7).
+"""DNS discovery and live reload (docs/configuration.md, "discovery"; docs/operations.md §4).
 
 Discovery: detproxy runs in a private mount namespace whose /etc/hosts is a file this test
 controls (glibc re-reads it on every lookup), so a name can resolve to several loopback
@@ -259,7 +259,7 @@ def replica_labels(px):
 
 
 def test_discovery_is_capped_paced_and_forgets_departed_replicas():
-    """Issue 11 hole 8: max_replicas caps a large answer, attestation runs at most 16 checks
+    """max_replicas caps a large answer, attestation runs at most 16 checks
     at once, and the series of addresses that left are dropped once they stay away."""
     if not namespaces_work():
         print("    note: unshare -m is not permitted here; discovery test not run")

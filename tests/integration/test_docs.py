@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The documentation holds together (issue 18 item 5):
+"""The documentation holds together:
 
 - every relative link in README.md and docs/ names a file that exists, and every `#anchor` a
   heading of that file (GitHub's anchor rules), so an operator never lands on a dead link;

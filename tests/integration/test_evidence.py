@@ -1,4 +1,4 @@
-"""Evidence (SPEC §15): stored bodies, the chained and signed audit trail, `audit verify` and
+"""Evidence (docs/operations.md, "Evidence"): stored bodies, the chained and signed audit trail, `audit verify` and
 `replay`, end to end against detproxy-sim."""
 
 import hashlib

@@ -1,4 +1,4 @@
-"""The engine fingerprint (SPEC §4, §5, issue 12): native adapters learn each replica's
+"""The engine fingerprint (docs/attestation.md, "The engine fingerprint"): native adapters learn each replica's
 system_fingerprint from a 1-token probe, a manifest may pin it, and every response's fingerprint
 is checked against what its replica attested, so a replica swapped under detproxy's feet is
 caught on its next response."""

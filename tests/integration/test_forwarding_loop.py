@@ -1,8 +1,8 @@
-"""detproxy must never be its own replica (issue 11 hole 6, SPEC §7).
+"""detproxy must never be its own replica (docs/requests.md §2, §4 `loop_detected`).
 
-A replica URL, or a discovered address, that leads back to detproxy's own listener used to be
-attested (through detproxy itself) and admitted; a client request then bounced through the
-proxy until max_connections stopped it. Now every forwarded request carries a Via entry with
+A replica URL, or a discovered address, that leads back to detproxy's own listener would be
+attested through detproxy itself and admitted, and a client request would then bounce through
+the proxy until max_connections stopped it. So every forwarded request carries a Via entry with
 this instance's token (a request that comes back with it is 508, never forwarded), and an
 address that is one of detproxy's own listeners is never admitted."""
 

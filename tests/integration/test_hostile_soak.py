@@ -1,9 +1,9 @@
-"""Issue 11, hole 2 and the soak: no request body under max_body_bytes may hold the event loop.
-The issue's case (an 8 MB body of 330k 17-digit numbers under a seed-deriving tenant held the
-loop for seconds) and a mix of other hostile bodies are sent while another client probes
-/healthz on the admin listener and small completions on the proxy. Timings are printed (the
-report's figures); the assertions only catch gross stalls (> 1 s), so they cannot flake on a
-busy machine, yet fail on the old code (3.4 s in a release build, ~12 s under ASan)."""
+"""No request body under max_body_bytes may hold the event loop (docs/security.md §2), and a soak.
+An 8 MB body of 330k 17-digit numbers under a seed-deriving tenant (which held the loop for seconds
+when policed on it) and a mix of other hostile bodies are sent while another client probes /healthz
+on the admin listener and small completions on the proxy. Timings are printed (the report's
+figures); the assertions only catch gross stalls (> 1 s), so they cannot flake on a busy machine,
+yet fail when the body is policed on the loop (3.4 s in a release build, ~12 s under ASan)."""
 
 import hashlib
 import json

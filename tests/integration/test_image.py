@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The container image, built and run by a real container engine (issue 15).
+"""The container image, built and run by a real container engine (docs/operations.md §8).
 
 - `scripts/image.sh` (`make image`) builds deploy/docker/Dockerfile with podman, within a time
   budget (DP_IMAGE_BUDGET_S, default 600 s), into a small image (< 32 MB);

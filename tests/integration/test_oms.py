@@ -1,4 +1,4 @@
-"""OpenSSF Model Signing (SPEC §19): `detproxy attest oms verify` against bundles made here with
+"""OpenSSF Model Signing (docs/attestation.md §9): `detproxy attest oms verify` against bundles made here with
 the openssl CLI (omsutil.py, independent of the C code), and the publisher -> agent -> proxy
 chain: the proxy admits a replica only when its agent verified a bundle from the pinned signer.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The official `openai` npm client's Responses API through detproxy (issue 15): create (whole
+"""The official `openai` npm client's Responses API through detproxy (docs/policy.md, "/v1/responses"): create (whole
 and streamed, via the client's own event parser), its output_text helper, headers via
 withResponse(), and a policy refusal surfacing as the client's APIError with status, code and
 param.

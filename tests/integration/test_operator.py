@@ -1,4 +1,4 @@
-"""What an operator sees, checks and changes (issue 18): refusals in metrics and audit lines, the
+"""What an operator sees, checks and changes (docs/operations.md §2, §5): refusals in metrics and audit lines, the
 access log, token counters, per-tenant rate limits, draining replicas, the effective
 configuration, `policy test`, `--version`, `check --strict`, and quiet builds."""
 
@@ -65,7 +65,7 @@ def wait_access(px, request_id):
     return px.wait_log(lambda l: l.get("msg") == "access" and l.get("request_id") == request_id)
 
 
-# ---- item 1: refusals are counted and audited ------------------------------------------------
+# ---- refusals are counted and audited -------------------------------------------------------
 
 def test_every_refusal_is_counted_with_status_and_code():
     # No catch-all tenant here, so a request without a known credential is a 401.
@@ -139,7 +139,7 @@ def test_refused_audit_lines_carry_the_error_and_no_made_up_hash():
     px.stop()
 
 
-# ---- item 7: the access log -------------------------------------------------------------------
+# ---- the access log --------------------------------------------------------------------------
 
 def test_access_log_line_per_request_with_fields():
     sims, px = setup()
@@ -470,7 +470,7 @@ def test_check_strict_fails_on_warnings():
     assert rc == 0 and err == "", (rc, out, err)
 
 
-# ---- item 8: quiet builds ---------------------------------------------------------------------
+# ---- quiet builds ----------------------------------------------------------------------------
 
 def test_build_output_is_quiet():
     """`make build` on an up-to-date tree prints nothing: no "Entering directory" walls, no

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""OpenTelemetry export (SPEC §17, issue 15) against a small OTLP/HTTP JSON receiver written for
+"""OpenTelemetry export (docs/operations.md §7) against a small OTLP/HTTP JSON receiver written for
 this test: one span per inference request with the GenAI semantic conventions and detproxy's
 own attributes, W3C traceparent propagated to the replica (the client's trace id kept), parent-
 based and ratio sampling, and a collector that hangs costing requests nothing: spans are dropped

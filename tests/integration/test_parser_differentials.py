@@ -1,6 +1,6 @@
-"""Issue 11, "make the whole class go away": every place where detproxy and a replica could read
-the same bytes differently has one rule (docs/security.md, "Parser differentials"), each checked
-here by what the replica actually received. Also the allow_params allowlist (SPEC §8)."""
+"""Every place where detproxy and a replica could read the same bytes differently has one rule
+(docs/security.md, "Parser differentials"), each checked here by what the replica actually
+received. Also the allow_params allowlist (docs/policy.md §2)."""
 
 import json
 import tempfile

@@ -1,7 +1,7 @@
-"""Issue 11, hole 1: an inference route spelled differently (percent-encoded letters, dot
-segments, doubled slashes, a trailing slash, a query string) is policed exactly like the
-canonical spelling, because an ASGI replica (vLLM, SGLang) percent-decodes before routing. Spellings
-with no safe reading (%2F, a path above the root) are a 400 and never reach the replica."""
+"""An inference route spelled differently (percent-encoded letters, dot segments, doubled slashes,
+a trailing slash, a query string) is policed exactly like the canonical spelling, because an ASGI
+replica (vLLM, SGLang) percent-decodes before routing. Spellings with no safe reading (%2F, a path
+above the root) are a 400 and never reach the replica (docs/requests.md §1)."""
 
 import hashlib
 import json

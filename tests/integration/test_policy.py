@@ -1,4 +1,4 @@
-"""Sampling policy end to end (SPEC §8, issue 3): what the replica actually received, read back
+"""Sampling policy end to end (docs/policy.md): what the replica actually received, read back
 through detproxy-sim's record of its last request."""
 
 import hashlib

@@ -1,9 +1,8 @@
-"""One attestation check (issue 13, probe/): the proxy's admission and `detproxy diagnose` run the
-same check, so for the same replicas they give the same verdict with the same reasons. Before,
-the two copies disagreed: diagnose read an agent's 503 framework_unreachable as
-"attestation endpoint answered 503: ..." where the proxy said "framework at URL: connection
-refused", and diagnose sent no engine-fingerprint probe, so a manifest pinning
-engine_fingerprint read "unattested" in diagnose and "admitted" in the proxy."""
+"""One attestation check (probe/): the proxy's admission and `detproxy diagnose` run the same
+check, so for the same replicas they give the same verdict with the same reasons (docs/diagnose.md
+§1). In particular an agent's 503 framework_unreachable reads "framework at URL: connection
+refused" in both, and both send the engine-fingerprint probe, so a manifest pinning
+engine_fingerprint is "admitted" in both, never "unattested" in diagnose alone."""
 
 import hashlib
 import json

@@ -258,10 +258,10 @@ def test_client_disconnects_mid_body_pass_through():
 
 def test_client_half_closes_while_response_completes():
     """Clients that send a request and at once half-close: the proxy takes the EOF as the
-    client leaving, while the replica's answer may complete in the same loop turn. (This race
-    freed the proxy's request state twice before net_resp_end disowned a closing request; the
-    garbage soak found it.) 200 rounds, eight at a time: each gets nothing or one whole
-    response, never a partial one; the proxy stays up, and ASan stays quiet."""
+    client leaving, while the replica's answer may complete in the same loop turn. (The race
+    frees the proxy's request state twice unless net_resp_end disowns a closing request.) 200
+    rounds, eight at a time: each gets nothing or one whole response, never a partial one; the
+    proxy stays up, and ASan stays quiet."""
     sim, px = setup()
     data = request_bytes(dict(COMPLETION, max_tokens=1))
     bad = []

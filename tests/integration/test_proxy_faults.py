@@ -31,7 +31,7 @@ QUIET = {"interval_ms": 600000}
 
 
 # These tests follow one data plane's upstream keep-alive pool and round-robin order, which are
-# per worker (SPEC §3 `workers`): with several, the request that "reuses the pooled connection"
+# per worker (docs/configuration.md `workers`): with several, the request that "reuses the pooled connection"
 # may land on a worker that has none. So they run one worker; test_workers.py covers several.
 ONE_WORKER = 1
 
@@ -50,7 +50,7 @@ def upstream_errors(px, replica_name, kind):
 
 
 def assert_serves_next(px, model="m1"):
-    # A failed connection sends the replica back to pending until re-attested (SPEC §5).
+    # A failed connection sends the replica back to pending until re-attested (docs/attestation.md, "Replica states").
     wait_http(px.admin_port, "/readyz", timeout=5)
     r = post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r

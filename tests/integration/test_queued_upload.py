@@ -1,9 +1,9 @@
 """A streamed (pass-through) upload that waits in a pool's queue keeps every byte of its body.
 
 With max_inflight_per_replica 1 and the replica busy, a POST the proxy does not police
-(/v1/embeddings) is queued with its body reads paused. The body bytes that arrived in the same
-read as the head used to reach the proxy's body callback anyway, with no upstream to take them,
-and were dropped: the replica then waited for a body short of its Content-Length.
+(/v1/embeddings) is queued with its body reads paused. The body bytes that arrive in the same
+read as the head must wait too: passed to the proxy's body callback with no upstream to take
+them they would be dropped, and the replica would wait for a body short of its Content-Length.
 (tests/unit/test_net_server.c paused_body_is_not_read_until_resumed is the net/ half.)
 """
 

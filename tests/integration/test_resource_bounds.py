@@ -1,4 +1,5 @@
-"""Memory bounds against hostile clients and replicas (issue 11 holes 3 and 4, SPEC §3).
+"""Memory bounds against hostile clients and replicas (docs/configuration.md, "limits";
+docs/security.md §7).
 
 - limits.max_inflight_body_bytes: request bodies buffered across all connections. Clients that
   stall with large bodies once took the proxy to max_connections x max_body_bytes; now a new
@@ -203,8 +204,8 @@ def fetch_digest(port, body, timeout=120):
 
 
 def test_a_huge_replica_answer_is_passed_through_not_held():
-    """Hole 3: a replica answering 256 MiB of JSON used to be held whole (RSS ~3x the body);
-    beyond max_response_rewrite_bytes it now streams through, audited over every byte."""
+    """A replica answering 256 MiB of JSON is not held whole (that took RSS to ~3x the body):
+    beyond max_response_rewrite_bytes it streams through, audited over every byte."""
     import hashlib
     import os
     import tempfile

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""/v1/responses end to end (SPEC §7, issue 15): policed like chat completions (temperature,
+"""/v1/responses end to end (docs/requests.md §1, docs/policy.md "/v1/responses"): policed like chat completions (temperature,
 top_p, max_output_tokens under max_tokens' rule), a forced or derived seed passed to vLLM (which
 takes it as an extra sampling field) and refused with a clear 400 where the pool's framework
 cannot honour it, fingerprint handling as for chat, streams relayed per read, and shadows

@@ -1,4 +1,4 @@
-"""Candidate pools (SPEC §14, issue 14): copies of comparable requests to a candidate pool,
+"""Candidate pools (docs/rollouts.md): copies of comparable requests to a candidate pool,
 judged against the baseline's own noise on /admin/rollouts and by `detproxy rollout report`."""
 
 import json

@@ -1,4 +1,4 @@
-"""Credentials and secret hygiene (SPEC §13, issue 8): the pool's api_key_file on every request
+"""Credentials and secret hygiene (docs/security.md §4, §5): the pool's api_key_file on every request
 to a replica (client traffic, metadata, attestation, canary, shadow) and the tenant's own
 credential on none; admin_token_file on the admin listener; and no secret — tenant keys, tokens,
 key files — in logs, audit lines, metrics, admin output or error bodies, after a run that used

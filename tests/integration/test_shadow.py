@@ -1,4 +1,4 @@
-"""Shadow sampling and drift verdicts end to end (SPEC §9, issue 5)."""
+"""Shadow sampling and drift verdicts end to end (docs/drift.md)."""
 
 import hashlib
 import json
@@ -90,7 +90,7 @@ def test_drifted_replica_is_named_and_quarantined():
     d = drift(px)
     assert d["verdict"] == "cross_replica_drift", json.dumps(d)[:800]
     assert d["suspect"] == "r3", d
-    # One "drift_verdict" line per change of verdict or suspect, with the numbers (issue 18).
+    # One "drift_verdict" line per change of verdict or suspect, with the numbers (docs/operations.md §2, log).
     v = px.wait_log(lambda l: l.get("msg") == "drift_verdict" and
                     l.get("to") == "cross_replica_drift" and l.get("suspect") == "r3")
     assert v["level"] == "warn" and v["pool"] == "p", v
@@ -152,7 +152,7 @@ def two_replica_pool(canary=None, interval=4000):
 
 
 def test_two_replicas_the_canary_names_the_suspect():
-    # Issue 18 item 3: with two replicas every cross pair involves both; the canary (ground
+    # With two replicas every cross pair involves both; the canary (ground
     # truth pinned in the manifest) says which one drifted.
     rs, px = two_replica_pool(canary=True)
     poll_until(lambda: drift(px)["suspect"] == "r2", timeout=15,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The admin status page `GET /` (SPEC §17) in a real browser: headless Chromium loads it from a
+"""The admin status page `GET /` (docs/operations.md §2) in a real browser: headless Chromium loads it from a
 running detproxy whose pool has a rejected replica (its agent-reported version carries HTML, as
 an attacker's would) and a drifted one, then the DOM Chromium built is checked and a screenshot
 is kept as a test artefact (DP_ARTIFACT_DIR, build/<type>/artifacts/status-page.png).

@@ -1,4 +1,4 @@
-"""TLS both ways (SPEC §13, issue 8): the client listener (ALPN, mTLS, handshake timeout,
+"""TLS both ways (docs/security.md §3): the client listener (ALPN, mTLS, handshake timeout,
 hostile handshakes, certificate reload) and verified upstreams (CA, SNI, host names, server_name,
 client certificates, session resumption, truncation), with certificates made by the openssl CLI
 (certs.py). After every hostile case the proxy serves the next request; under ASan stop() is
@@ -614,7 +614,7 @@ def test_bad_replica_certificates_are_refused_with_the_reason():
         why = " ".join(reps[(n, "r1")]["reasons"])
         assert "certificate" in why and phrase in why, (n, why)
         # The replica's only pool has nothing to route to: 503 naming the pool (the reasons
-        # are for the admin listener and the log, not for clients: SPEC §7).
+        # are for the admin listener and the log, not for clients: docs/requests.md §4).
         r = post_json(px.port, "/v1/completions", dict(BODY, model="m-" + n))
         assert r.status == 503, r
         err = r.json()["error"]
@@ -872,7 +872,7 @@ def test_upstream_tls_files_are_reloaded():
 
 
 # Each thread keeps its own TLS session cache (the control thread's probes, each worker's
-# requests: SPEC §3 `workers`): each one's first handshake is a full one.
+# requests: docs/configuration.md, "Top level", `workers`): each one's first handshake is a full one.
 RESUME_WORKERS = 2
 
 
@@ -1110,7 +1110,7 @@ def test_stalled_handshakes_are_bounded_oldest_first():
     base = rss_kb(px)
     socks = stalled_handshakes(px.port, 200)
 
-    # Each worker closes its own oldest (a share of the bound each, SPEC §3 `workers`): the
+    # Each worker closes its own oldest (a share of the bound each, docs/configuration.md `workers`): the
     # survivors are the newest of each worker's, so among the newest few times the bound.
     poll_until(lambda: sum(1 for s in socks if not peer_closed(s)) == bound,
                what="all but %d stalled handshakes closed" % bound)

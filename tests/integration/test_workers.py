@@ -1,4 +1,4 @@
-"""`workers`: several data-plane threads (SPEC §3). Requests spread over the workers, admission
+"""`workers`: several data-plane threads (docs/configuration.md, "Top level"). Requests spread over the workers, admission
 stays exact across them (max_inflight_per_replica 1 never lets a replica see two requests),
 and reload, drain and replica state changes reach every worker."""
 
@@ -59,7 +59,7 @@ def test_workers_zero_means_one_per_cpu_in_the_affinity_mask():
 
 def test_max_inflight_one_is_exact_across_workers():
     # 40 clients at once on 2 workers, one replica with one slot: every request is answered,
-    # and the replica never has two at a time (the single-sequence path, SPEC §7).
+    # and the replica never has two at a time (docs/requests.md §2, admission control).
     sim = start_sim("--model", "m1", "--token-delay-ms", "2")
     px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
                                  queue_limit=1000, queue_timeout_ms=60000)], workers=2)

@@ -1,7 +1,7 @@
-"""Affinity routing in front of real llama.cpp servers (issue 16, SPEC §18): the turns of one
-conversation meet one replica, whose prompt cache then covers each turn's whole history; and in
-a pool where one replica runs `-fa off` (same file and metadata, other temperature-0 outputs),
-every prompt gets one answer however often it is sent.
+"""Affinity routing in front of real llama.cpp servers (docs/configuration.md, "Affinity routing"):
+the turns of one conversation meet one replica, whose prompt cache then covers each turn's whole
+history; and in a pool where one replica runs `-fa off` (same file and metadata, other
+temperature-0 outputs), every prompt gets one answer however often it is sent.
 
 Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
 77 when it is missing or the Debian archive cannot be reached. Measured numbers are printed as

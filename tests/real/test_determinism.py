@@ -1,8 +1,8 @@
-"""Deterministic pools in front of real llama.cpp servers (issue 14, SPEC §16): `--kv-unified`
-replicas under concurrency give other temperature-0 outputs than each prompt alone; the same
-replicas in a `single_sequence` pool (one request in flight per replica, cache_prompt false) give
-the sequential outputs every time. The throughput both ways is the price, printed as a
-`measured: {...}` line (docs/policy.md quotes it).
+"""Deterministic pools in front of real llama.cpp servers (docs/configuration.md, "Deterministic
+pools"): `--kv-unified` replicas under concurrency give other temperature-0 outputs than each
+prompt alone; the same replicas in a `single_sequence` pool (one request in flight per replica,
+cache_prompt false) give the sequential outputs every time. The throughput both ways is the price,
+printed as a `measured: {...}` line (docs/policy.md quotes it).
 
 Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
 77 when it is missing or the Debian archive cannot be reached."""

@@ -1,6 +1,6 @@
-"""detproxy in front of real llama.cpp servers (issue 12): Debian sid's llama-server in a chroot,
-serving a tiny generated GGUF model (scripts/real-engine.sh). Everything the simulator stands in
-for elsewhere is checked here against the real thing:
+"""detproxy in front of real llama.cpp servers (docs/attestation.md §5, llama.cpp): Debian sid's
+llama-server in a chroot, serving a tiny generated GGUF model (scripts/real-engine.sh). Everything
+the simulator stands in for elsewhere is checked here against the real thing:
 
   seeds (forced and derived) make sampled output repeatable; streamed equals whole; every
   chunk's fingerprint is rewritten; a Q8_0 replica in an F16 pool is rejected by native
@@ -404,7 +404,7 @@ def test_kv_unified_replicas_under_load_are_batching_noise_not_drift():
              kv_unified_samples=d["cross"]["samples"] + d["self"]["samples"],
              kv_unified_verdict=d["verdict"])
     if SANITIZE and d["verdict"] == "cross_replica_drift":
-        # Known limit (reported): a self copy leaves with its primary and often shares its
+        # Known limit: a self copy leaves with its primary and often shares its
         # batch, so it can under-measure this noise; with the sanitizer's slower proxy the
         # cross rate was seen at 4x the self rate. Two replicas: no suspect, nothing ejected.
         print("NOTE: --kv-unified read as cross_replica_drift under the sanitizer build; "

@@ -1,7 +1,7 @@
-"""Candidate pools in front of real llama.cpp servers (issue 14, SPEC §14): a baseline pool of
-two F16 replicas with shadow sampling for its own noise, and two candidate pools getting a copy
-of every comparable request: the same F16 file (a redeploy: `equivalent`) and its Q8_0
-quantization (a new build of the model: `diverges`). `detproxy rollout report` gates on it.
+"""Candidate pools in front of real llama.cpp servers (docs/rollouts.md): a baseline pool of two
+F16 replicas with shadow sampling for its own noise, and two candidate pools getting a copy of
+every comparable request: the same F16 file (a redeploy: `equivalent`) and its Q8_0 quantization (a
+new build of the model: `diverges`). `detproxy rollout report` gates on it.
 
 Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
 77 when it is missing or the Debian archive cannot be reached. Measured numbers are printed as

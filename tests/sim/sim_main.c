@@ -1,5 +1,5 @@
-/* detproxy-sim: a replica simulator for tests, demos and users' own CI (SPEC §12).
- * Flags in, sim_run out; see docs/contributing/simulator.md. */
+/* detproxy-sim: a replica simulator for tests, demos and users' own CI
+ * (docs/contributing/simulator.md). Flags in, sim_run out. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-/* Rendezvous hashing with bounded loads (proxy/px_affinity.h): the key's order is stable and
+/* Rendezvous hashing with bounded loads (proxy/core/affinity.h): the key's order is stable and
  * independent of how the pool lists its replicas, a replica leaving moves only its own keys
  * (and they come back), keys spread evenly, and the load bound passes a busy replica over for
  * the next in the key's order. */

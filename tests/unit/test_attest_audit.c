@@ -1,5 +1,5 @@
-/* The audit chain (SPEC §15): prev_sha256 splicing, signed checkpoints, resuming a file's
- * chain, the body store, and every break audit_verify_file must name. */
+/* The audit chain (docs/operations.md "Evidence"): prev_sha256 splicing, signed checkpoints,
+ * resuming a file's chain, the body store, and every break audit_verify_file must name. */
 #define _GNU_SOURCE /* memmem */
 #include <criterion/criterion.h>
 

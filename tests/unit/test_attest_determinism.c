@@ -1,6 +1,6 @@
-/* Deterministic pools (SPEC §16), the attestation side: the manifest's determinism.mode, the
- * adapters that attest batch_invariant (SGLang, llama.cpp), the match, the agent's payload, and
- * the /proc reading behind `attest serve --determinism batch_invariant`. */
+/* Deterministic pools (docs/attestation.md §10), the attestation side: the manifest's
+ * determinism.mode, the adapters that attest batch_invariant (SGLang, llama.cpp), the match, the
+ * agent's payload, and the /proc reading behind `attest serve --determinism batch_invariant`. */
 #define _GNU_SOURCE /* mkdtemp */
 #include <criterion/criterion.h>
 

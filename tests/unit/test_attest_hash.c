@@ -1,5 +1,5 @@
-/* Checkpoint hashing (SPEC §5): the digest of a fixed tree, computed independently with the
- * coreutils pipeline when this test was written, and the failure modes: loops, unreadable,
+/* Checkpoint hashing (docs/attestation.md §1): the digest of a fixed tree, computed independently
+ * with the coreutils pipeline when this test was written, and the failure modes: loops, unreadable,
  * vanished and changing files, unsupported names. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -14,8 +14,9 @@
 
 #include "attest/hash.h"
 
-/* Computed with the SPEC §5 coreutils pipeline (find -L, hidden paths filtered, LC_ALL=C sort,
- * xargs sha256sum, sha256sum) on the tree make_tree builds, when this test was written. */
+/* Computed with the coreutils pipeline of docs/attestation.md §1 (find -L, hidden paths filtered,
+ * LC_ALL=C sort, xargs sha256sum, sha256sum) on the tree make_tree builds, when this test was
+ * written. */
 #define FIXTURE_DIGEST "bb28320c2afa0fda15467a619d18cc0bd08aadc034b6638df63903d042f4c93b"
 #define EMPTY_DIGEST "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -408,7 +409,7 @@ static void replace_same_size_and_time(void)
 }
 static void rewrite_in_place_keeping_mtime(void)
 {
-    /* Same size, same inode, mtime put back: only the ctime moved (issue 11). */
+    /* Same size, same inode, mtime put back: only the ctime moved (it cannot be set back). */
     char p[512];
     pathf(p, sizeof(p), "a.txt");
     struct stat st;
@@ -454,7 +455,7 @@ Test(attest_hash, snapshot_detects_changes)
 }
 
 /* settled_ns: a file changed within the timestamp granularity may still be changing in the same
- * tick, so the hash is refused until every file has been quiet that long (issue 11). */
+ * tick, so the hash is refused until every file has been quiet that long. */
 Test(attest_hash, recently_changed_files_are_not_vouched_for)
 {
     make_tree();

@@ -1,4 +1,5 @@
-/* Manifest match (SPEC §4), admission, canary history (SPEC §6), payload and report JSON. */
+/* Manifest match (docs/configuration.md "Manifest"), admission, canary history
+ * (docs/attestation.md §6), payload and report JSON. */
 #include <criterion/criterion.h>
 
 #include <string.h>

@@ -1,5 +1,5 @@
-/* OMS bundles (SPEC §19): the spec's published test vectors (tests/unit/data/oms, see its
- * README) checked the way the spec's validator checks them, and the predicate rules of OMS
+/* OMS bundles (docs/attestation.md §9): the spec's published test vectors (tests/unit/data/oms, see
+ * its README) checked the way the spec's validator checks them, and the predicate rules of OMS
  * §5-§6 one at a time on statements built here. Signatures and directories are exercised
  * end-to-end by tests/integration/test_oms.py with bundles signed by the openssl CLI. */
 #define _GNU_SOURCE

@@ -135,7 +135,7 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'admin_listen':'bad'"), "admin_listen", "expected host:port"},
     {CFG(",'listen':'127.0.0.1:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
     {CFG(",'listen':'0.0.0.0:9000','admin_listen':'127.0.0.1:9000'"), "admin_listen", "overlaps listen"},
-    /* candidates (SPEC §14) */
+    /* candidates (docs/configuration.md "Candidates") */
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':5},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates", "expected an array"},
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[5]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0]", "expected an object"},
     {"{'pools':[{'name':'p','models':['*'],'replicas':[" REPLICA "],'candidates':[{'pool':'q'}]},{'name':'q','models':['q'],'replicas':[" REPLICA "]}]}", "pools[0].candidates[0].rate", "required"},
@@ -220,7 +220,7 @@ static const bad_case_t bad_cases[] = {
     {"{'pools':[{'name':'p','models':[1],'replicas':[" REPLICA "]}]}", "pools[0].models[0]", "expected a string"},
     {"{'pools':[{'name':'p','models':'*','replicas':[" REPLICA "]}]}", "pools[0].models", "expected an array"},
     {POOLF(",'balance':'random'"), "pools[0].balance", "must be one of least_inflight, round_robin, affinity"},
-    /* affinity (SPEC §18) */
+    /* affinity (docs/configuration.md "Affinity routing") */
     {POOLF(",'affinity':{}"), "pools[0].affinity", "only with \"balance\": \"affinity\""},
     {POOLF(",'balance':'round_robin','affinity':{'key':'prefix'}"), "pools[0].affinity", "only with"},
     {POOLF(",'balance':'affinity','affinity':3"), "pools[0].affinity", "expected an object"},
@@ -305,7 +305,7 @@ static const bad_case_t bad_cases[] = {
     {POOLF(",'upstream_tls':{'client_key_file':'c.key'}"), "pools[0].upstream_tls.client_cert_file", "required with client_key_file"},
     {POOLF(",'upstream_tls':{'ca_file':'ca.crt'}"), "pools[0].upstream_tls.ca_file", "cannot read /nonexistent-config-dir/ca.crt"},
     {POOLF(",'upstream_tls':{'verify':false}"), "pools[0].upstream_tls.verify", "unknown key"},
-    /* manifest (SPEC §4) */
+    /* manifest (docs/configuration.md "Manifest") */
     {MANIFEST("[]"), "pools[0].manifest", "expected a file path or an object"},
     {MANIFEST("{'modle':'m'}"), "pools[0].manifest.modle", "did you mean \"model\""},
     {MANIFEST("{'model':5}"), "pools[0].manifest.model", "expected a string"},
@@ -336,7 +336,7 @@ static const bad_case_t bad_cases[] = {
     {MANIFEST("{'model':'m','dtype':'f16','accept':[{'dtype':'f16'}]}"), "pools[0].manifest.accept[0]", "the same identity as the manifest itself (fp_"},
     {MANIFEST("{'model':'m','accept':[{'dtype':'bf16'},{'dtype':'bf16'}]}"), "pools[0].manifest.accept[1]", "the same identity as accept[0] (fp_"},
     {MANIFEST("{'accept':[{'dtype':'bf16'}]}"), "pools[0].manifest.accept", "pins no identity, so every replica would be admitted"},
-    /* policy (SPEC §8) */
+    /* policy (docs/configuration.md "Policy") */
     {CFG(",'policy':5"), "policy", "expected a file path or an object"},
     {CFG(",'policy':'policies/p.json'"), "policy", "cannot read /nonexistent-config-dir/policies/p.json"},
     {CFG(",'policy':{}"), "policy.tenants", "required"},
@@ -717,7 +717,7 @@ Test(config, dump_names_the_affinity_balance)
 {
     cfg_t *cfg = must_load(POOLF(",'balance':'affinity'"));
     dp_buf_t out = {0};
-    cfg_dump_json(cfg, &out); /* read past a two-entry name table before the fix */
+    cfg_dump_json(cfg, &out); /* the balance name table has three entries: affinity must be named */
     dp_buf_appendc(&out, '\0');
     cr_assert_not_null(strstr(out.base, "\"balance\":\"affinity\""), "%s", out.base);
     dp_buf_free(&out);
@@ -1011,7 +1011,8 @@ Test(config, manifest_accept_entries_inherit_and_get_their_own_fingerprint)
     cr_assert_str_eq(a->canary->prompt, "p");
     cr_assert_eq(b->canary->max_tokens, 4);
     cr_assert_str_eq(b->framework_version, "0.6.3");
-    /* Each identity's fingerprint is SPEC §4's formula over its own fields. */
+    /* Each identity's fingerprint is the pool fingerprint's formula (docs/configuration.md
+     * "Manifest") over its own fields. */
     char want[20];
     cfg_manifest_t tmp = {.model = "m",
                           .checkpoint_sha256 = H64,
@@ -1061,7 +1062,7 @@ Test(config, pool_lookups)
     cfg_free(cfg);
 }
 
-/* ---- fingerprint (SPEC §4) ------------------------------------------------------------------ */
+/* ---- fingerprint (docs/configuration.md "Manifest") -------------------------------------- */
 
 /* Expected values from coreutils, e.g.
  *   printf 'meta-llama/Llama-3.1-8B-Instruct\n\n\n\nvllm\n0.6.3' | sha256sum  ->
@@ -1233,7 +1234,7 @@ Test(config, parse_addr)
     }
 }
 
-/* ---- issue 18: access log, rate limits, the effective configuration ------------------------ */
+/* ---- access log, rate limits, the effective configuration ---------------------------------- */
 
 Test(config, access_log_and_rate_limit_defaults)
 {

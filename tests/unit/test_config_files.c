@@ -231,8 +231,8 @@ Test(config_files, absolute_paths_are_kept)
     cfg_free(cfg);
 }
 
-/* SPEC §5 (issue 11): trusting a key means requiring signatures unless said otherwise, and an
- * explicit `false` beside trusted keys warns for each agent source. */
+/* docs/configuration.md "attestation": trusting a key means requiring signatures unless said
+ * otherwise, and an explicit `false` beside trusted keys warns for each agent source. */
 Test(config_files, trusted_keys_imply_require_signature)
 {
     char sq[1024];

@@ -1,5 +1,5 @@
 /* Drift comparison: byte match, divergence offset, word similarity, word Levenshtein, and the
- * divergence log record (SPEC §9). */
+ * divergence log record (docs/drift.md §2, §8). */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>

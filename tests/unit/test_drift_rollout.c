@@ -1,5 +1,5 @@
-/* Rollout statistics (SPEC §14): candidate samples judged against the baseline's own cross and
- * self noise, per candidate and per tenant, and the /admin/rollouts rendering. */
+/* Rollout statistics (docs/rollouts.md §3): candidate samples judged against the baseline's own
+ * cross and self noise, per candidate and per tenant, and the /admin/rollouts rendering. */
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -351,7 +351,7 @@ Test(drift_extract, errors)
     drift_output_free(&o);
 }
 
-/* /v1/responses (issue 15): the stream's output_text deltas and the whole response's
+/* /v1/responses (docs/drift.md §1): the stream's output_text deltas and the whole response's
  * output_text parts give the same bytes and the same finish (the status). */
 static const char responses_stream[] =
     "event: response.created\n"

@@ -271,7 +271,7 @@ Test(drift_verdict, two_replicas_drift_but_suspect_is_undetermined)
     drift_pool_free(p);
 }
 
-/* ---- two replicas: what else is known names the suspect (issue 18) -------------------------- */
+/* ---- two replicas: what else is known names the suspect (docs/drift.md §5) ----------------- */
 
 static drift_pool_t *two_drifting(int self2_diverged_of_30)
 {

@@ -1,4 +1,4 @@
-/* proxy/px_metrics: per-thread cells written concurrently, summed at scrape time; look-ups of
+/* proxy/core/metrics: per-thread cells written concurrently, summed at scrape time; look-ups of
  * one series from several threads find the same series. */
 #include <criterion/criterion.h>
 #include <pthread.h>

@@ -1,5 +1,6 @@
 /* net/client over loopback against scripted peers that answer with exact bytes: keep-alive
- * reuse and its close race, the error classes and which of them are retryable (SPEC §7), both
+ * reuse and its close race, the error classes and which of them are retryable (docs/requests.md
+ * §2, "Retries"), both
  * body framings, streamed request bodies, the timeouts, and response backpressure. */
 #define _GNU_SOURCE /* memmem */
 #include "net_harness.h"

@@ -376,7 +376,7 @@ Test(rules, max_tokens_aliases)
 
 Test(rules, compliance_tenant_from_the_demo)
 {
-    /* SPEC §8's bank tenant: temperature 0.9 arrives as 0, with seed 1234. */
+    /* The bank tenant of docs/policy.md §5: temperature 0.9 arrives as 0, with seed 1234. */
     cfg_tenant_t t = tenant("bank");
     r_force(&t, CFG_PARAM_TEMPERATURE, 0);
     r_force(&t, CFG_PARAM_TOP_P, 1);
@@ -745,8 +745,9 @@ Test(rules, error_json_shape)
     dp_buf_free(&out);
 }
 
-/* SPEC §14: a candidate pool serving another model name gets the baseline's body with only
- * `model` changed; a seed above 2^53 and the members' order survive byte for byte. */
+/* docs/configuration.md "Candidates": a candidate pool serving another model name gets the
+ * baseline's body with only `model` changed; a seed above 2^53 and the members' order survive byte
+ * for byte. */
 Test(replace_model, keeps_every_other_byte)
 {
     const char *in = "{\"seed\":9007199254740993,\"model\":\"m\\u0031\",\"prompt\":\"a\\\"b\"}";

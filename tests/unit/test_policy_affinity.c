@@ -1,5 +1,5 @@
-/* Affinity key bytes (SPEC §18): what the prefix key covers for completions and chat, and the
- * body's `user` for session keys. */
+/* Affinity key bytes (docs/configuration.md "Affinity routing"): what the prefix key covers for
+ * completions and chat, and the body's `user` for session keys. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
-/* Deterministic pools (SPEC §16), the policy side: cache_prompt false on single_sequence
- * llama.cpp pools, and require_determinism choosing the pool. */
+/* Deterministic pools (docs/configuration.md "Deterministic pools"), the policy side: cache_prompt
+ * false on single_sequence llama.cpp pools, and require_determinism choosing the pool. */
 #include <criterion/criterion.h>
 
 #include <string.h>

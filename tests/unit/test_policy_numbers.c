@@ -31,8 +31,8 @@ static double from_bits(uint64_t b)
 }
 
 /* The i-th sample: uniform bit patterns (every exponent), 17-significant-digit decimals (the
- * issue's hostile body), short decimals, integers around 2^53, powers of two and their
- * neighbours (lopsided intervals), subnormals. Finite only. */
+ * shape of a hostile 330k-number body), short decimals, integers around 2^53, powers of two and
+ * their neighbours (lopsided intervals), subnormals. Finite only. */
 static double sample(uint64_t i)
 {
     uint64_t r = rng();

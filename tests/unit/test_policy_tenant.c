@@ -1,4 +1,4 @@
-/* Tenant matching (SPEC §8 `match`). */
+/* Tenant matching (docs/policy.md §1, `match`). */
 #include <criterion/criterion.h>
 #include <string.h>
 
@@ -66,7 +66,7 @@ static const policy_header_t bad_credentials[][1] = {
     {H("Authorization", "Bearersk-ops")},    {H("Authorization", "")},
 };
 
-/* Issue 11 hole 7: a wrong key is not served as the catch-all tenant (SPEC §8). */
+/* A wrong key is not served as the catch-all tenant (docs/policy.md §1). */
 Test(tenant, malformed_or_unknown_credentials_are_401_not_the_catch_all)
 {
     for (size_t i = 0; i < sizeof(bad_credentials) / sizeof(bad_credentials[0]); i++) {

@@ -196,7 +196,7 @@ Test(sim_req, duplicate_keys_last_one_wins_as_in_python)
 }
 
 /* Seeds are read from the literal, not through a double: vLLM takes the whole int64 range, and
- * neighbours above 2^53 are different seeds (issue 11). */
+ * neighbours above 2^53 are different seeds. */
 Test(sim_req, seed_is_an_exact_int64)
 {
     static const struct {
