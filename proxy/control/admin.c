@@ -1,5 +1,5 @@
-/* The admin listener (SPEC §10): health, readiness, metrics, replica state, the effective
- * configuration, draining and enabling replicas. */
+/* The admin listener (docs/operations.md §2): health, readiness, metrics, replica state, the
+ * effective configuration, draining and enabling replicas. */
 #include <string.h>
 
 #include "common/jw.h"
@@ -37,7 +37,8 @@ static void readyz(px_t *px, net_req_t *req)
     dp_jw_arr_begin(&w, "unready_pools");
     for (size_t i = 0; i < px->gen->npools; i++) {
         px_pool_t *p = &px->gen->pools[i];
-        /* A candidate pool (SPEC §14) serves no client: the baseline does not wait for it. */
+        /* A candidate pool (docs/rollouts.md) serves no client: the baseline does not wait for it.
+         */
         if (px_pool_has_admitted(p) || p->cfg->only_candidate)
             continue;
         ready = false;

@@ -1,7 +1,7 @@
-/* Replica admission (SPEC §4-§6): one timer per replica re-attests it every interval_ms with a
- * fresh nonce, and at once after a failed connection. A check is probe_start() (probe/probe.h:
- * the agent envelope, or a native adapter's endpoints and the engine-fingerprint probe, or
- * GET /v1/models for reachability; the same check diagnose and the agent run), then
+/* Replica admission (docs/attestation.md §2-§6): one timer per replica re-attests it every
+ * interval_ms with a fresh nonce, and at once after a failed connection. A check is probe_start()
+ * (probe/probe.h: the agent envelope, or a native adapter's endpoints and the engine-fingerprint
+ * probe, or GET /v1/models for reachability; the same check diagnose and the agent run), then
  * attest_check_judge() against the pool manifest in force when it answers, and for admitted
  * replicas of a manifest with a canary, the canary prompt through the same upstream code as
  * client traffic.
@@ -144,7 +144,7 @@ static void check_end(att_t *a)
     schedule(a, next);
 }
 
-/* ---- canary (SPEC §6) ----------------------------------------------------------------------- */
+/* ---- canary (docs/attestation.md §6) ------------------------------------------------------ */
 
 /* The canary's last verdict, where drift verdicts read it (replica.h). */
 static void publish_canary(att_t *a)
@@ -271,7 +271,7 @@ static void decide(att_t *a, attest_outcome_t *out)
     px_seqstr_set(&r->wfingerprint, r->fingerprint);
     /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
      * rejected) is admitted only once its canary output matches too: fail closed. An admitted
-     * one stays until the 2-of-3 rule rejects it (SPEC §6). */
+     * one stays until the 2-of-3 rule rejects it (docs/attestation.md §6). */
     bool canary = id && id->canary && r->up;
     a->admit_on_canary =
         canary && r->state != PX_REPLICA_ADMITTED && r->state != PX_REPLICA_QUARANTINED;

@@ -1,16 +1,17 @@
-/* DNS discovery (SPEC §3 `discovery`): every refresh_ms, resolve the name's A/AAAA records off
- * the loop (uv_getaddrinfo runs in the thread pool), add new addresses as `pending` replicas
- * (attested before use), and drain removed ones: they leave the pool at once, and requests
+/* DNS discovery (docs/configuration.md "discovery"): every refresh_ms, resolve the name's A/AAAA
+ * records off the loop (uv_getaddrinfo runs in the thread pool), add new addresses as `pending`
+ * replicas (attested before use), and drain removed ones: they leave the pool at once, and requests
  * already on them finish (those hold references). A failed lookup keeps the last good set.
  *
  * Discovered replicas are owned here (one reference each) and pushed into the pool of the
  * current generation, so a reload keeps them (and their attestation state).
  *
- * Bounds (issue 11): at most `max_replicas` addresses per pool (addresses already known keep
- * their place; the rest of a larger answer is ignored and logged). An address that leaves is
- * kept aside, unattested, for GONE_REFRESHES refreshes: if it comes back it is the same replica
- * (its counters and series continue) but attested again before any traffic; if not, it is
- * freed and its metric series go with it. Attestation itself is paced by px_attest.c. */
+ * Bounds, so a DNS answer cannot grow the process without limit: at most `max_replicas` addresses
+ * per pool (addresses already known keep their place; the rest of a larger answer is ignored and
+ * logged). An address that leaves is kept aside, unattested, for GONE_REFRESHES refreshes: if it
+ * comes back it is the same replica (its counters and series continue) but attested again before
+ * any traffic; if not, it is freed and its metric series go with it. Attestation itself is paced by
+ * attest.c. */
 #include "proxy/control/discovery.h"
 
 #include <netdb.h>

@@ -1,4 +1,4 @@
-/* DNS discovery of replicas (SPEC §3 `discovery`). */
+/* DNS discovery of replicas (docs/configuration.md "discovery"). */
 #ifndef PX_DISCOVERY_H
 #define PX_DISCOVERY_H
 

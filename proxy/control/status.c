@@ -1,4 +1,5 @@
-/* The status page (SPEC §17): `GET /` on the admin listener, one self-contained HTML document.
+/* The status page (docs/operations.md §2): `GET /` on the admin listener, one self-contained HTML
+ * document.
  *
  * No script, no external asset (a strict Content-Security-Policy says so to the browser too),
  * a meta refresh every PX_STATUS_REFRESH_S seconds. Everything that is not a literal of this file
@@ -280,7 +281,7 @@ static void drift_summary_row(dp_buf_t *b, const char *kind, const drift_summary
         dp_buf_appends(b, "<td class=\"muted\">-</td><td class=\"muted\">-</td></tr>");
 }
 
-/* The pool's candidates (SPEC §14), one row each with the verdict's first reason. */
+/* The pool's candidates (docs/rollouts.md), one row each with the verdict's first reason. */
 static void candidates_section(dp_buf_t *b, px_t *px, const px_pool_t *p)
 {
     if (p->cfg->ncandidates == 0)

@@ -1,5 +1,5 @@
-/* The admin status page (SPEC §17, `GET /`) and the gauges derived from replica and drift
- * state. */
+/* The admin status page (docs/operations.md §2, `GET /`) and the gauges derived from replica and
+ * drift state. */
 #ifndef PX_STATUS_H
 #define PX_STATUS_H
 

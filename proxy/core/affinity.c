@@ -1,4 +1,4 @@
-/* Rendezvous hashing with bounded loads: see px_affinity.h. */
+/* Rendezvous hashing with bounded loads: see affinity.h. */
 #include "proxy/core/affinity.h"
 
 #include "common/util.h"

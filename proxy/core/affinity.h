@@ -1,4 +1,5 @@
-/* Affinity routing (SPEC §18): rendezvous hashing with bounded loads.
+/* Affinity routing (docs/configuration.md "Affinity routing"): rendezvous hashing with bounded
+ * loads.
  *
  * Every replica taking part gets a score for a request's key, score = dp_mix64(key ^ id), the
  * key's order is the replicas by descending score: a pure function of the key and the replicas'

@@ -429,10 +429,12 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
     px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
                       "Word-level similarity of shadow samples.");
-    px_metrics_family("detproxy_candidate_total", PX_COUNTER,
-                      "Candidate-pool copies (SPEC 14) by baseline pool, candidate and result.");
-    px_metrics_family("detproxy_drift_verdict", PX_GAUGE,
-                      "1 for the pool's current drift verdict (SPEC 9), 0 for the others.");
+    px_metrics_family(
+        "detproxy_candidate_total", PX_COUNTER,
+        "Candidate-pool copies (docs/rollouts.md) by baseline pool, candidate and result.");
+    px_metrics_family(
+        "detproxy_drift_verdict", PX_GAUGE,
+        "1 for the pool's current drift verdict (docs/drift.md §4), 0 for the others.");
     px_metrics_family("detproxy_replica_quarantined", PX_GAUGE,
                       "1 while the replica is quarantined for cross-replica drift.");
     px_metrics_family("detproxy_otel_spans_total", PX_COUNTER,

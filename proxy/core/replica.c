@@ -40,8 +40,9 @@ void px_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
 char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d)
 {
     dp_buf_t k = {0};
-    /* determinism.mode is not in the manifest fingerprint (SPEC §4), but a replica admitted
-     * under another mode has not attested this one (SPEC §16). */
+    /* determinism.mode is not in the manifest fingerprint (docs/configuration.md "Manifest"), but a
+     * replica admitted under another mode has not attested this one (docs/configuration.md
+     * "Deterministic pools"). */
     dp_buf_printf(&k, "%s\n%s\n%s://%s:%u%s\n%s\n%d\n%s://%s:%u%s\n%s\n%s\n%d", p->name, d->name,
                   d->url.tls ? "https" : "http", d->url.host, d->url.port, d->url.path,
                   d->server_name ? d->server_name : "", (int)d->attest.source,
@@ -238,7 +239,7 @@ static void replica_free(px_replica_t *r)
         g_live = r->live_next;
     if (r->live_next)
         r->live_next->live_prev = r->live_prev;
-    /* A discovered replica that left for good takes its series along (issue 11): otherwise
+    /* A discovered replica that left for good takes its series along: otherwise
      * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
     if (r->discovered && !name_alive(r))
         px_metrics_drop("pool", r->pool_name, "replica", r->name);

@@ -1,4 +1,4 @@
-/* Loop detection and self-admission (see px_self.h). */
+/* Loop detection and self-admission (see self.h). */
 #define _GNU_SOURCE /* memmem */
 #include "proxy/core/self.h"
 

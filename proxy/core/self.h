@@ -1,4 +1,4 @@
-/* Knowing ourselves (SPEC §7, issue 11): detproxy must never be its own replica.
+/* Knowing ourselves (docs/requests.md, docs/security.md): detproxy must never be its own replica.
  *
  * - Every request detproxy sends upstream (client traffic, shadow copies, attestation, canary)
  *   carries a `Via` entry with this process's random token; a request that arrives carrying it

@@ -1,5 +1,5 @@
-/* Hooks on the proxy path: tenant policy (SPEC §8), response fingerprints (§7) and the audit
- * trail. Shadow sampling joins through px_shadow.h. */
+/* Hooks on the proxy path: tenant policy (docs/policy.md), response fingerprints (docs/requests.md
+ * §3) and the audit trail. Shadow sampling joins through shadow.h. */
 #include "proxy/data/hooks.h"
 
 #include <math.h>
@@ -278,7 +278,8 @@ static void count_overrides(px_gen_t *g, const cfg_tenant_t *t, const char *tena
     }
 }
 
-/* ---- affinity keys (SPEC §18) ---------------------------------------------------------------- */
+/* ---- affinity keys (docs/configuration.md "Affinity routing")
+ * ------------------------------------------------------------ */
 
 /* On the loop, while the client's request is alive (policing may move to a worker and the
  * client may leave meanwhile): the session header of the first session-keyed affinity pool
@@ -463,7 +464,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
         return policed(h, g, p, body, res);
     }
     /* A large body: parsing, canonical JSON and hashing take milliseconds per megabyte; on the
-     * loop they would stall every other connection and the admin listener (issue 11). The body
+     * loop they would stall every other connection and the admin listener. The body
      * moves to the pol_t, so the worker never reads memory the client's connection owns. */
     dp_buf_t mine = p->in;
     p->in = req->body;
@@ -687,8 +688,8 @@ static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data)
 {
-    /* Continuous verification (SPEC §5): this response is delivered; the replica takes no new
-     * requests until it is re-attested. */
+    /* Continuous verification (docs/attestation.md §5): this response is delivered; the replica
+     * takes no new requests until it is re-attested. */
     if (h->inference && r && status >= 200 && status < 300) {
         h->fp_mismatch = fingerprint_differs(px, r, h->upstream_fp);
         /* A stream whose fingerprint changed part-way: its later one is checked too, and it
@@ -709,8 +710,8 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
                          const net_req_t *req, const char *body, size_t len)
 {
     pol_t *p = h->policy;
-    /* Each accepted identity has its own fingerprint (SPEC §4 "accept"): the answer carries the
-     * one of the replica it came from. */
+    /* Each accepted identity has its own fingerprint (docs/configuration.md "Manifest", "accept"):
+     * the answer carries the one of the replica it came from. */
     char fp[24];
     px_seqstr_get(&r->wfingerprint, fp); /* written by attestation, on the control thread */
     if (fp[0])

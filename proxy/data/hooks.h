@@ -1,8 +1,8 @@
-/* The features layered on the proxy path — tenant policy (issue 3), audit, shadow sampling
- * (issue 5), attestation feedback (issue 4) — behind one small interface, so px_proxy.c stays
+/* The features layered on the proxy path (tenant policy, audit, shadow sampling, the checks of
+ * what replicas answer) behind one small interface, so the request handler (proxy.c) stays
  * about moving bytes. Every function is called from the event loop for one request. */
-#ifndef PX_PIPELINE_H
-#define PX_PIPELINE_H
+#ifndef PX_HOOKS_H
+#define PX_HOOKS_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -17,9 +17,9 @@
 
 typedef struct {
     const char *tenant;    /* tenant name for labels and headers; "-" before matching */
-    void *policy;          /* policy state (px_pipeline.c) */
-    void *shadow;          /* shadow capture (px_shadow.c) */
-    void *span;            /* OpenTelemetry span (px_otel.c), NULL when not sampled */
+    void *policy;          /* policy state (hooks.c) */
+    void *shadow;          /* shadow capture (shadow.c) */
+    void *span;            /* OpenTelemetry span (obs/otel.c), NULL when not sampled */
     char traceparent[56];  /* sent to the replica instead of the client's; "" = pass through */
     bool new_trace;        /* traceparent starts a new trace: the client's tracestate is dropped */
     char seed[24];         /* decimal seed sent upstream, "" when none */

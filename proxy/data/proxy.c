@@ -2,8 +2,8 @@
  *
  * Inference routes (POST /v1/completions, /v1/chat/completions) are read whole, run through
  * policy, routed by model, and sent with a fresh Content-Length; the bytes stay in memory so
- * the retry rule (SPEC §7) can resend them. Everything else streams through to the first pool.
- * Responses stream back as each upstream read completes, with backpressure both ways.
+ * the retry rule (docs/requests.md §2) can resend them. Everything else streams through to the
+ * first pool. Responses stream back as each upstream read completes, with backpressure both ways.
  *
  * A px_preq_t has one owner and one free path (preq_finish). It ends when the client's
  * response ended (or the client went away) and no upstream exchange is left running. A
@@ -107,7 +107,7 @@ struct px_preq_s {
     char method[16];
     char path[256]; /* the first 255 bytes */
     char remote[48];
-    px_hooks_req_t hooks; /* policy / audit / shadow state (px_pipeline.h) */
+    px_hooks_req_t hooks; /* policy / audit / shadow state (hooks.h) */
 };
 
 static void dispatch(px_preq_t *q);
@@ -275,7 +275,7 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
 
 /* 503 no_attested_replica. Why each replica is out (`quantization mismatch: got gptq want
  * awq`) describes the fleet to whoever asks: the client is told the pool and its request id
- * only; the reasons go to the log and stay on the admin listener (SPEC §7). */
+ * only; the reasons go to the log and stay on the admin listener (docs/requests.md §4). */
 static void fail_unavailable(px_preq_t *q)
 {
     dp_buf_t why = {0}, msg = {0};
@@ -695,8 +695,8 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
             dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
             net_resp_write(q->req, tail.base, tail.len);
         }
-        /* An audited response completes only once its audit line is written (SPEC §8). The
-         * flag is set before the call: the callback may run (and free q) inside it. */
+        /* An audited response completes only once its audit line is written (docs/policy.md §7).
+         * The flag is set before the call: the callback may run (and free q) inside it. */
         q->audit_wait = q->req != NULL;
         if (q->req && px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id,
                                           deliver, q))
@@ -716,9 +716,9 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
         dp_jw_bool(w, "response_started", q->client_started);
         dp_log_end(w);
     }
-    /* SPEC §7: retry once elsewhere only if nothing of the response was seen and the request
-     * either never fully left or raced a keep-alive close; and only when we still hold every
-     * byte of it. */
+    /* docs/requests.md §2: retry once elsewhere only if nothing of the response was seen and the
+     * request either never fully left or raced a keep-alive close; and only when we still hold
+     * every byte of it. */
     bool can_resend = !q->stream_body;
     /* Affinity: a pooled connection the replica had closed (the keep-alive race) says nothing
      * about the replica, so the request stays with its key's replica on a fresh connection
@@ -839,8 +839,8 @@ static void finish(px_preq_t *q)
     preq_put(q);
 }
 
-/* req->path is already normalised (http_server.c, SPEC §7); a trailing '/' names the same
- * route, as it does for an ASGI replica's redirect_slashes. */
+/* req->path is already normalised (net/server.c, docs/requests.md §1); a trailing '/' names the
+ * same route, as it does for an ASGI replica's redirect_slashes. */
 static bool path_is(dp_iovec_t p, const char *route, size_t n)
 {
     return (p.len == n || (p.len == n + 1 && p.base[n] == '/')) && memcmp(p.base, route, n) == 0;

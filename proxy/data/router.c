@@ -13,7 +13,7 @@
 #include "proxy/core/px.h"
 #include "proxy/data/router.h"
 
-/* seq_cst (a plain load on x86): the re-pick after queueing relies on it (px_proxy.c). */
+/* seq_cst (a plain load on x86): the re-pick after queueing relies on it (data/admission.c). */
 static uint32_t inflight(const px_replica_t *r)
 {
     return atomic_load(&r->inflight);

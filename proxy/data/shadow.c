@@ -1,4 +1,4 @@
-/* Shadow sampling and drift (SPEC §9, issue 5).
+/* Shadow sampling and drift (docs/drift.md).
  *
  * For a comparable request (post-policy temperature 0 or a seed), with probability shadow.rate
  * (or the tenant's shadow_rate) the same post-policy body also goes to another replica
@@ -8,11 +8,11 @@
  * compared once both sides ended. Comparison (word-level Levenshtein) runs in libuv's thread
  * pool; the drift statistics, verdicts and quarantine decisions stay on the loop.
  *
- * Candidate pools (SPEC §14) ride the same machinery: with probability `rate` per candidate, a
- * comparable request is also copied to an admitted replica of the candidate pool, and the
- * comparison feeds that candidate's rollout statistics (proxy/drift/rollout.h) instead of the
- * pool's drift statistics. Copies are not client requests: no tokens, rate limit, usage, access
- * log line or detproxy_requests_total; detproxy_candidate_total counts them.
+ * Candidate pools (docs/rollouts.md) ride the same machinery: with probability `rate` per
+ * candidate, a comparable request is also copied to an admitted replica of the candidate pool, and
+ * the comparison feeds that candidate's rollout statistics (drift/rollout.h) instead of the pool's
+ * drift statistics. Copies are not client requests: no tokens, rate limit, usage, access log line
+ * or detproxy_requests_total; detproxy_candidate_total counts them.
  *
  * The primary's output is captured once per request in a tap (tap_t), the handle px_hooks
  * holds, whatever the number of copies (a drift shadow and any candidates). A copy (shadow_t)
@@ -349,9 +349,9 @@ static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
     }
 }
 
-/* SPEC §9 quarantine: the suspect of a cross_replica_drift verdict stops getting client traffic
- * (but keeps getting shadows), never the pool's last admitted replica; it comes back once its
- * divergence falls to the self baseline. */
+/* Quarantine (docs/drift.md §6): the suspect of a cross_replica_drift verdict stops getting client
+ * traffic (but keeps getting shadows), never the pool's last admitted replica; it comes back once
+ * its divergence falls to the self baseline. */
 static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
 {
     px_pool_t *p = live_pool(px, pool_name);
@@ -595,7 +595,8 @@ const size_t px_shadow_similarity_nbounds =
  * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
  * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
 /* take_slot: the copy holds one of r's slots under the pool's max_inflight_per_replica while
- * it runs (a single_sequence candidate: one sequence in flight per replica, SPEC §16). */
+ * it runs (a single_sequence candidate: one sequence in flight per replica, docs/configuration.md
+ * "Deterministic pools"). */
 static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined,
                                  bool take_slot)
 {
@@ -726,7 +727,7 @@ static void plan_free(plan_t *pl)
     free(pl);
 }
 
-/* SPEC §9: at most one drift shadow per request, cross or self (drawn on the worker). */
+/* docs/drift.md: at most one drift shadow per request, cross or self (drawn on the worker). */
 static void start_drift(px_t *px, px_pool_t *pool, const plan_t *pl)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
@@ -756,8 +757,8 @@ static bool serves_model(const cfg_pool_t *p, const dp_buf_t *m)
     return false;
 }
 
-/* SPEC §14: a candidate drawn for the request. It gets the baseline's post-policy body; when its
- * pool does not list the request's model it gets its own first model name instead (a vLLM
+/* docs/rollouts.md §2: a candidate drawn for the request. It gets the baseline's post-policy body;
+ * when its pool does not list the request's model it gets its own first model name instead (a vLLM
  * server answers 404 for a name it does not serve). */
 static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const char *cand)
 {
@@ -820,7 +821,8 @@ static void plan_posted(net_mb_node_t *n)
     plan_free(pl);
 }
 
-/* On the worker: the draws (SPEC §9 drift shadow, §14 candidates), then one message. */
+/* On the worker: the draws (a drift shadow, docs/drift.md; candidates, docs/rollouts.md), then one
+ * message. */
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
                       const policy_result_t *res, const net_req_t *req, const char *body,
                       size_t len)
@@ -846,8 +848,9 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
         count(pool->name, kind, "not_comparable");
         drift = false;
     }
-    /* single_sequence (SPEC §16): a copy would be a second sequence in flight on a replica of
-     * the pool (the primary's own, or one a client request may be sent to next). */
+    /* single_sequence (docs/configuration.md "Deterministic pools"): a copy would be a second
+     * sequence in flight on a replica of the pool (the primary's own, or one a client request may
+     * be sent to next). */
     if (drift && cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
         count(pool->name, kind, "skipped");
         drift = false;

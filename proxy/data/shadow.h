@@ -1,5 +1,5 @@
-/* Shadow sampling (SPEC §9): copies of comparable requests to a second replica ("cross") or the
- * same one ("self"), compared off the loop to tell drift from batching noise. */
+/* Shadow sampling (docs/drift.md): copies of comparable requests to a second replica ("cross") or
+ * the same one ("self"), compared off the loop to tell drift from batching noise. */
 #ifndef PX_SHADOW_H
 #define PX_SHADOW_H
 
@@ -7,7 +7,7 @@
 #include "proxy/core/px.h"
 
 /* Decide whether to shadow this request (after it was dispatched to `primary`) and to copy it
- * to the pool's candidates (SPEC §14), and start the copies. Returns one handle to feed the
+ * to the pool's candidates (docs/rollouts.md), and start the copies. Returns one handle to feed the
  * primary's output to, whatever the number of copies, or NULL when there is none. */
 void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cfg_tenant_t *t,
                       const policy_result_t *res, const net_req_t *req, const char *body,
@@ -33,13 +33,13 @@ extern const size_t px_shadow_similarity_nbounds;
 /* The drift statistics of the pool named `pool` (created empty on first use). */
 struct drift_pool;
 const struct drift_pool *px_shadow_drift_pool(px_t *px, const char *pool);
-/* GET /admin/drift (SPEC §9). */
+/* GET /admin/drift (docs/drift.md). */
 void px_shadow_drift_json(px_t *px, dp_buf_t *out);
 /* The verdict of candidate `cand` of pool `pool` (status page). */
 struct drift_rollout_verdict_s;
 void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
                                struct drift_rollout_verdict_s *v);
-/* GET /admin/rollouts (SPEC §14): every candidate of every pool (only the pool named
+/* GET /admin/rollouts (docs/rollouts.md): every candidate of every pool (only the pool named
  * only[0..only_len) when only is not NULL), judged against that pool's drift windows. */
 void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_t *out);
 

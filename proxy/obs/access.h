@@ -1,7 +1,7 @@
-/* The access log (issue 18, `log.access`): one "access" JSON line per client request at level
- * info, written when the request ends. Fields beyond the fixed ones (request_id, method, path,
- * status, duration_ms) are chosen by log.access.fields; answers below 400 are sampled by
- * log.access.sample_rate, refusals and failures always logged. */
+/* The access log (`log.access`, docs/configuration.md "log.access"): one "access" JSON line per
+ * client request at level info, written when the request ends. Fields beyond the fixed ones
+ * (request_id, method, path, status, duration_ms) are chosen by log.access.fields; answers below
+ * 400 are sampled by log.access.sample_rate, refusals and failures always logged. */
 #ifndef PX_ACCESS_H
 #define PX_ACCESS_H
 

@@ -1,7 +1,7 @@
-/* The audit trail file (SPEC §8, §15): JSON lines appended with O_APPEND through libuv's thread
- * pool, so a slow disk never blocks the event loop. fsync at most once a second and at
- * shutdown; reopened on SIGHUP for log rotation; a failed write is logged and counted
- * (detproxy_audit_write_errors_total), never fatal.
+/* The audit trail file (docs/policy.md §7, docs/operations.md "Evidence"): JSON lines appended with
+ * O_APPEND through libuv's thread pool, so a slow disk never blocks the event loop. fsync at most
+ * once a second and at shutdown; reopened on SIGHUP for log rotation; a failed write is logged and
+ * counted (detproxy_audit_write_errors_total), never fatal.
  *
  * Every line is hash-chained (attest/audit_chain.h; the chain resumes from the file's last line
  * at open and carries across reopens); with a signing key, a signed checkpoint line follows

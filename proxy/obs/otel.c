@@ -1,4 +1,4 @@
-/* OpenTelemetry spans over OTLP/HTTP JSON (SPEC §17); see px_otel.h for the shape of it.
+/* OpenTelemetry spans over OTLP/HTTP JSON (docs/operations.md §7); see otel.h for the shape of it.
  *
  * Attribute names follow the OpenTelemetry GenAI semantic conventions (gen_ai.*, openai.*),
  * plus detproxy.* for what only the proxy knows. Request values are the post-policy ones: what

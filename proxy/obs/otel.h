@@ -1,5 +1,5 @@
-/* OpenTelemetry spans for inference requests (SPEC §17): OTLP/HTTP with JSON encoding, GenAI
- * semantic conventions, W3C traceparent propagated to the replica.
+/* OpenTelemetry spans for inference requests (docs/operations.md §7): OTLP/HTTP with JSON encoding,
+ * GenAI semantic conventions, W3C traceparent propagated to the replica.
  *
  * A span is built while the request runs (a few fields copied, the response's first and last
  * bytes kept, bounded) and serialised once the request is over; finished spans wait in a bounded
