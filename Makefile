@@ -2,6 +2,8 @@
 #   make build            Release build in build/release
 #   make test             build + every unit and integration test (ctest)
 #   make test SANITIZE=1  the same under ASan+UBSan (build/asan)
+#   make test SANITIZE=thread  the same under ThreadSanitizer (build/tsan; not in CI, see
+#                         docs/contributing/architecture.md "Tests")
 #   make demo             three simulated replicas + the proxy, a scripted tour, then serve
 #   make bench            benchmarks against nginx and HAProxy (bench/RESULTS.md)
 #   make valgrind         the integration tests with every `detproxy run` under memcheck
@@ -14,6 +16,9 @@ JOBS ?= $(shell nproc)
 ifeq ($(SANITIZE),1)
 BUILD ?= build/asan
 CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON
+else ifeq ($(SANITIZE),thread)
+BUILD ?= build/tsan
+CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_TSAN=ON
 else
 BUILD ?= build/release
 CMAKE_FLAGS += -DCMAKE_BUILD_TYPE=Release

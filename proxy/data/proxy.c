@@ -11,6 +11,7 @@
  *
  * Everything here runs on a worker (data/worker.c): a request lives and ends on the worker that
  * accepted its connection, with that worker's upstream pools, queues and caches. */
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,8 +158,12 @@ void px_proxy_free_caches(void)
 
 static void held_out_free(px_preq_t *q);
 
+/* Only an ended request comes back here: no upstream exchange, no slot, no place in a queue,
+ * no policy or shadow state left (px_hooks_finish released them). */
 static void preq_put(px_preq_t *q)
 {
+    assert(q->up == NULL && q->replica == NULL && !q->adm.queued);
+    assert(q->hooks.policy == NULL && q->hooks.shadow == NULL && q->hooks.span == NULL);
     held_out_free(q);
     if (q->held_body.cap > 64 * 1024)
         dp_buf_free(&q->held_body);

@@ -20,7 +20,8 @@ log lines (`proc.logs`, `proc.wait_log(...)`); readiness is the first line whose
 "listening" (its "port" becomes `proc.port`; with ready_count=N it waits for N such lines, all in
 `proc.listeners`, and `proc.listener_port(field=value)` picks one). Every process is killed at exit (atexit), so a
 failing test never leaves a server behind. Under the sanitizer build (DP_SANITIZE=1) timeouts
-are scaled by SLOW and `stop()` fails on any AddressSanitizer/LeakSanitizer report.
+are scaled by SLOW and `stop()` fails on any AddressSanitizer/LeakSanitizer report; under
+ThreadSanitizer (DP_TSAN=1) on any data race it reports.
 """
 
 import atexit
@@ -38,10 +39,12 @@ import traceback
 SOURCE_DIR = os.environ.get(
     "DP_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 SANITIZE = os.environ.get("DP_SANITIZE", "0").lower() in ("1", "true", "on", "yes")
+# DP_TSAN=1 (make test SANITIZE=thread): a ThreadSanitizer warning fails the test at stop().
+TSAN = os.environ.get("DP_TSAN", "0").lower() in ("1", "true", "on", "yes")
 # DP_VALGRIND=1 (make valgrind): every `detproxy run` starts under memcheck; a process whose
 # log reports an error or a definite leak fails its test at stop(), like a sanitizer report.
 VALGRIND = os.environ.get("DP_VALGRIND", "0").lower() in ("1", "true", "on", "yes")
-SLOW = 10.0 if VALGRIND else 4.0 if SANITIZE else 1.0  # multiply timeouts by this
+SLOW = 10.0 if VALGRIND else 4.0 if SANITIZE or TSAN else 1.0  # multiply timeouts by this
 _VG_DIR = os.path.join(os.environ.get("DP_ARTIFACT_DIR") or "/tmp", "valgrind")
 
 
@@ -233,7 +236,8 @@ class Proc:
                 raise ProcError("%s: valgrind report (%s):\n%s" % (self.name, self.vg_log,
                                                                      report[-6000:]))
         text = self.stderr_text()
-        for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
+        for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                       "WARNING: ThreadSanitizer"):
             if marker in text:
                 raise ProcError("%s: sanitizer report:\n%s" % (self.name, text[-6000:]))
 
