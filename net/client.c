@@ -17,6 +17,7 @@
 
 #include "common/buf.h"
 #include "common/util.h"
+#include "net/hdrs.h"
 #include "net/sock.h"
 
 enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
@@ -30,10 +31,6 @@ typedef struct creq_s {
     struct creq_s *next_free;
 } creq_t;
 
-typedef struct {
-    uint32_t no, nl, vo, vl;
-} hoff_t;
-
 struct uconn_s {
     net_sock_t sock;
     uv_timer_t timer;
@@ -43,12 +40,7 @@ struct uconn_s {
     llhttp_t parser;
     net_head_scan_t hs;
     net_chunk_scan_t cs;
-    dp_buf_t hbuf;
-    hoff_t *hoff;
-    size_t hcap, nh;
-    net_header_t *hdrs;
-    size_t hdrs_cap;
-    bool in_value;
+    net_hdrs_t hd; /* the response head's names and values */
     dp_buf_t outq; /* request bytes waiting for the connect */
     uint8_t phase;
     int closes_pending;
@@ -187,10 +179,8 @@ static void uconn_handle_closed(uconn_t *c)
     if (--c->closes_pending > 0)
         return;
     net_upstream_t *u = c->up;
-    dp_buf_free(&c->hbuf);
+    net_hdrs_free(&c->hd);
     dp_buf_free(&c->outq);
-    free(c->hoff);
-    free(c->hdrs);
     free(c);
     up_unref(u);
 }
@@ -283,32 +273,13 @@ static void uconn_done(uconn_t *c)
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    uconn_t *c = p->data;
-    if (c->in_value || c->nh == 0) {
-        if (c->nh == c->hcap) {
-            c->hcap = c->hcap ? c->hcap * 2 : 16;
-            c->hoff = dp_xrealloc(c->hoff, c->hcap * sizeof(*c->hoff));
-        }
-        hoff_t *h = &c->hoff[c->nh++];
-        h->no = (uint32_t)c->hbuf.len;
-        h->nl = h->vo = h->vl = 0;
-        c->in_value = false;
-    }
-    c->hoff[c->nh - 1].nl += (uint32_t)n;
-    dp_buf_append(&c->hbuf, at, n);
+    net_hdrs_field(&((uconn_t *)p->data)->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    uconn_t *c = p->data;
-    hoff_t *h = &c->hoff[c->nh - 1];
-    if (!c->in_value) {
-        c->in_value = true;
-        h->vo = (uint32_t)c->hbuf.len;
-    }
-    h->vl += (uint32_t)n;
-    dp_buf_append(&c->hbuf, at, n);
+    net_hdrs_value(&((uconn_t *)p->data)->hd, at, n);
     return 0;
 }
 
@@ -346,9 +317,7 @@ static void head_reset(uconn_t *c)
     memset(&c->hs, 0, sizeof(c->hs));
     c->hs.max_bytes = 65536;
     c->hs.max_headers = 256;
-    dp_buf_reset(&c->hbuf);
-    c->nh = 0;
-    c->in_value = false;
+    net_hdrs_reset(&c->hd);
     c->head_done = c->msg_done = false;
 }
 
@@ -357,16 +326,10 @@ static void head_reset(uconn_t *c)
 static bool uconn_head_done(uconn_t *c)
 {
     int status = llhttp_get_status_code(&c->parser);
-    if (c->hdrs_cap < c->nh) {
-        c->hdrs_cap = c->nh;
-        c->hdrs = dp_xrealloc(c->hdrs, c->hdrs_cap * sizeof(*c->hdrs));
-    }
-    for (size_t i = 0; i < c->nh; i++) {
-        c->hdrs[i].name = (dp_iovec_t){c->hbuf.base + c->hoff[i].no, c->hoff[i].nl};
-        c->hdrs[i].value = (dp_iovec_t){c->hbuf.base + c->hoff[i].vo, c->hoff[i].vl};
-    }
+    const net_header_t *hdrs = net_hdrs_spans(&c->hd);
+    size_t nh = c->hd.n;
     const char *reason = NULL;
-    if (net_response_check(c->hdrs, c->nh, llhttp_get_http_major(&c->parser),
+    if (net_response_check(hdrs, nh, llhttp_get_http_major(&c->parser),
                            llhttp_get_http_minor(&c->parser), status, &c->framing, &reason) != 0) {
         uconn_fail(c, NET_UP_PROTOCOL, reason);
         return false;
@@ -387,7 +350,7 @@ static bool uconn_head_done(uconn_t *c)
     memset(&c->cs, 0, sizeof(c->cs));
     creq_t *q = c->req;
     if (q->cb.on_head)
-        q->cb.on_head(&q->pub, status, c->hdrs, c->nh, &c->framing);
+        q->cb.on_head(&q->pub, status, hdrs, nh, &c->framing);
     if (c->phase == UC_CLOSED || c->req != q)
         return false;
     if (c->msg_done) {

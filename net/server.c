@@ -32,6 +32,7 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "net/hdrs.h"
 #include "net/path.h"
 #include "net/sock.h"
 
@@ -42,20 +43,11 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
 #define REQ_CACHE_MAX 256
 
-typedef struct {
-    uint32_t no, nl, vo, vl;
-} hoff_t;
-
 typedef struct req_impl_s {
     net_req_t r;
     struct req_impl_s *next_free;
-    dp_buf_t hbuf; /* copies of the url, header names and values */
-    hoff_t *hoff;
-    size_t hcap;
-    net_header_t *hdrs;
-    size_t hdrs_cap;
-    uint32_t url_len;
-    bool in_value;
+    net_hdrs_t hd;    /* hd.buf: the request-target, then the header names and values */
+    uint32_t url_len; /* the request-target's bytes at the start of hd.buf */
     bool head_done, msg_done;
     bool handed; /* on_head was called: the handler knows this request */
     net_body_mode_t mode;
@@ -340,30 +332,23 @@ static req_impl_t *req_get(net_conn_t *c)
 /* Return to the cache with buffers kept (capacity reuse), or free when the cache is full. */
 static void req_put(net_server_t *s, req_impl_t *q)
 {
-    dp_buf_t hbuf = q->hbuf, out = q->out, body = q->r.body;
-    hoff_t *hoff = q->hoff;
-    net_header_t *hdrs = q->hdrs;
-    size_t hcap = q->hcap, hdrs_cap = q->hdrs_cap;
-    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 || hbuf.cap > 64 * 1024) {
-        dp_buf_free(&hbuf);
+    net_hdrs_t hd = q->hd;
+    dp_buf_t out = q->out, body = q->r.body;
+    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
+        hd.buf.cap > 64 * 1024) {
+        net_hdrs_free(&hd);
         dp_buf_free(&out);
         dp_buf_free(&body);
-        free(hoff);
-        free(hdrs);
         free(q);
         return;
     }
     memset(q, 0, sizeof(*q));
-    dp_buf_reset(&hbuf);
+    net_hdrs_reset(&hd);
     dp_buf_reset(&out);
     dp_buf_reset(&body);
-    q->hbuf = hbuf;
+    q->hd = hd;
     q->out = out;
     q->r.body = body;
-    q->hoff = hoff;
-    q->hcap = hcap;
-    q->hdrs = hdrs;
-    q->hdrs_cap = hdrs_cap;
     q->next_free = s->free_reqs;
     s->free_reqs = q;
     s->nfree++;
@@ -389,39 +374,20 @@ static void conn_release_req(net_conn_t *c)
 static int on_url(llhttp_t *p, const char *at, size_t n)
 {
     req_impl_t *q = ((net_conn_t *)p->data)->req;
-    dp_buf_append(&q->hbuf, at, n);
+    dp_buf_append(&q->hd.buf, at, n);
     q->url_len += (uint32_t)n;
     return 0;
 }
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((net_conn_t *)p->data)->req;
-    if (q->in_value || q->r.nheaders == 0) {
-        if (q->r.nheaders == q->hcap) {
-            q->hcap = q->hcap ? q->hcap * 2 : 16;
-            q->hoff = dp_xrealloc(q->hoff, q->hcap * sizeof(*q->hoff));
-        }
-        hoff_t *h = &q->hoff[q->r.nheaders++];
-        h->no = (uint32_t)q->hbuf.len;
-        h->nl = h->vo = h->vl = 0;
-        q->in_value = false;
-    }
-    q->hoff[q->r.nheaders - 1].nl += (uint32_t)n;
-    dp_buf_append(&q->hbuf, at, n);
+    net_hdrs_field(&((net_conn_t *)p->data)->req->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((net_conn_t *)p->data)->req;
-    hoff_t *h = &q->hoff[q->r.nheaders - 1];
-    if (!q->in_value) {
-        q->in_value = true;
-        h->vo = (uint32_t)q->hbuf.len;
-    }
-    h->vl += (uint32_t)n;
-    dp_buf_append(&q->hbuf, at, n);
+    net_hdrs_value(&((net_conn_t *)p->data)->req->hd, at, n);
     return 0;
 }
 
@@ -899,17 +865,9 @@ static bool conn_head_done(net_conn_t *c)
     req_impl_t *q = c->req;
     net_req_t *r = &q->r;
     /* The header buffer no longer grows: pointers into it are stable from here on. */
-    if (q->hdrs_cap < r->nheaders) {
-        q->hdrs_cap = r->nheaders;
-        q->hdrs = dp_xrealloc(q->hdrs, q->hdrs_cap * sizeof(*q->hdrs));
-    }
-    for (size_t i = 0; i < r->nheaders; i++) {
-        hoff_t *h = &q->hoff[i];
-        q->hdrs[i].name = (dp_iovec_t){q->hbuf.base + h->no, h->nl};
-        q->hdrs[i].value = (dp_iovec_t){q->hbuf.base + h->vo, h->vl};
-    }
-    r->headers = q->hdrs;
-    r->target = (dp_iovec_t){q->hbuf.base ? q->hbuf.base : "", q->url_len};
+    r->headers = net_hdrs_spans(&q->hd);
+    r->nheaders = q->hd.n;
+    r->target = (dp_iovec_t){q->hd.buf.base ? q->hd.buf.base : "", q->url_len};
     split_target(r);
     r->method = llhttp_get_method(&c->parser);
     const char *mname = llhttp_method_name((llhttp_method_t)r->method);
@@ -1455,11 +1413,9 @@ static void maybe_server_done(net_server_t *s)
         while (s->free_reqs) {
             req_impl_t *q = s->free_reqs;
             s->free_reqs = q->next_free;
-            dp_buf_free(&q->hbuf);
+            net_hdrs_free(&q->hd);
             dp_buf_free(&q->out);
             dp_buf_free(&q->r.body);
-            free(q->hoff);
-            free(q->hdrs);
             free(q);
         }
         net_tls_ctx_unref(s->tls);
