@@ -1,4 +1,4 @@
-/* Upstream connections and exchanges. See http_client.h.
+/* Upstream connections and exchanges. See net/client.h.
  *
  * A connection (uconn_t) is CONNECTING, then SENDING/HEAD (request going out, waiting for the
  * status line), BODY, and back to IDLE in its upstream's LIFO pool when the exchange ended

@@ -45,8 +45,8 @@ typedef enum {
 } net_up_err_t;
 
 const char *net_up_err_name(net_up_err_t e);
-/* SPEC §7's retry rule: only when nothing of the response was seen and either the request
- * never fully left, or a reused connection raced its keep-alive close. */
+/* The retry rule (docs/requests.md §2, "Retries"): only when nothing of the response was seen and
+ * either the request never fully left, or a reused connection raced its keep-alive close. */
 bool net_up_err_retryable(net_up_err_t e);
 
 typedef struct {

@@ -51,7 +51,8 @@ size_t net_mailbox_run(net_mailbox_t *mb)
 {
     size_t ran = 0;
     net_mb_node_t *n;
-    /* Callbacks may post to this mailbox again: those run on the next round, not forever. */
+    /* Callbacks may post to this mailbox again: those run on the next pass of this loop, not
+     * forever. */
     while ((n = atomic_exchange_explicit(&mb->head, NULL, memory_order_acquire)) != NULL) {
         net_mb_node_t *fifo = NULL; /* the stack is newest first */
         while (n) {

@@ -1,4 +1,4 @@
-/* HTTP/1.1 server connections. See http_server.h for the contract.
+/* HTTP/1.1 server connections. See net/server.h for the contract.
  *
  * A connection moves through phases:
  *   IDLE  -> waiting for the first byte of a request (header timer from accept, then the
@@ -833,8 +833,9 @@ static void split_target(net_req_t *r)
     }
 }
 
-/* SPEC §7: the path is normalised in place (it only shrinks) before any handler sees it, so
- * what is classified, policed and forwarded is what a percent-decoding replica would route. */
+/* docs/requests.md §1 ("Routes"): the path is normalised in place (it only shrinks) before any
+ * handler sees it, so what is classified, policed and forwarded is what a percent-decoding replica
+ * would route. */
 static int normalize_target(net_req_t *r, const char **reason)
 {
     char *p = (char *)r->target.base;
