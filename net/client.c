@@ -10,6 +10,7 @@
  * request can race the server's keep-alive close; bytes there are a protocol error. */
 #include "net/client.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -88,8 +89,11 @@ bool net_up_err_retryable(net_up_err_t e)
 
 static void up_unref(net_upstream_t *u)
 {
+    assert(u->refs > 0);
     if (--u->refs > 0)
         return;
+    /* Every connection held a reference: none is left, pooled or not. */
+    assert(u->dead && u->idle == NULL && u->nidle == 0);
     while (u->free_reqs) {
         creq_t *q = u->free_reqs;
         u->free_reqs = q->next_free;
@@ -111,15 +115,22 @@ static void idle_remove(uconn_t *c)
         u->idle = c->next_idle;
     else
         return; /* not pooled */
+    assert(u->nidle > 0);
     if (c->next_idle)
         c->next_idle->prev_idle = c->prev_idle;
     c->next_idle = c->prev_idle = NULL;
     u->nidle--;
 }
 
+/* Pool c: only a connection whose exchange ended cleanly, with nothing of it left to send,
+ * while the upstream still pools and has room (uconn_done decides). */
 static void idle_push(uconn_t *c)
 {
     net_upstream_t *u = c->up;
+    assert(c->phase == UC_IDLE && c->req == NULL);
+    assert(c->prev_idle == NULL && c->next_idle == NULL && u->idle != c); /* not pooled yet */
+    assert(c->sock.queued == 0 && c->outq.len == 0);
+    assert(!u->dead && u->nidle < u->o.max_idle);
     c->prev_idle = NULL;
     c->next_idle = u->idle;
     if (u->idle)
@@ -176,9 +187,13 @@ static void uconn_arm(uconn_t *c, uint64_t ms)
 
 static void uconn_handle_closed(uconn_t *c)
 {
+    assert(c->closes_pending > 0);
     if (--c->closes_pending > 0)
         return;
     net_upstream_t *u = c->up;
+    /* Closed by uconn_close_how only: no exchange attached, not in the pool. */
+    assert(c->phase == UC_CLOSED && c->req == NULL);
+    assert(c->prev_idle == NULL && c->next_idle == NULL && u->idle != c);
     net_hdrs_free(&c->hd);
     dp_buf_free(&c->outq);
     free(c);
@@ -195,8 +210,11 @@ static void timer_closed(uv_handle_t *h)
     uconn_handle_closed(h->data);
 }
 
+/* Every caller has detached the exchange first (uconn_fail and uconn_done report it after;
+ * net_creq_cancel wants no callback): one still attached would never hear on_done. */
 static void uconn_close_how(uconn_t *c, bool reset)
 {
+    assert(c->req == NULL);
     if (c->phase == UC_CLOSED)
         return;
     if (c->phase == UC_IDLE)
@@ -215,8 +233,11 @@ static void uconn_close(uconn_t *c)
     uconn_close_how(c, false);
 }
 
+/* q's exchange is over: its connection no longer points at it (the connection's memory is
+ * still there: it is freed only from its close callbacks, later in the loop). */
 static void creq_free(net_upstream_t *u, creq_t *q)
 {
+    assert(q->c != NULL && q->c->req != q);
     if (u->nfree < 256) {
         q->next_free = u->free_reqs;
         u->free_reqs = q;
@@ -645,6 +666,7 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
 
     uconn_t *c = u->idle;
     if (c) {
+        assert(c->phase == UC_IDLE && c->req == NULL);
         idle_remove(c);
         q->pub.reused = true;
         c->phase = UC_HEAD;

@@ -15,6 +15,7 @@
  * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
 #include "net/server.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -279,6 +280,7 @@ static void cork_remove(net_server_t *s, req_impl_t *q)
 {
     if (!q->corked)
         return;
+    assert(q->cork_prev != NULL || s->corked == q);
     q->corked = false;
     if (q->cork_prev)
         q->cork_prev->cork_next = q->cork_next;
@@ -297,6 +299,7 @@ static void cork_add(net_server_t *s, req_impl_t *q)
 {
     if (q->corked)
         return;
+    assert(q->cork_prev == NULL && q->cork_next == NULL);
     q->corked = true;
     q->cork_prev = NULL;
     q->cork_next = s->corked;
@@ -314,6 +317,9 @@ static req_impl_t *req_get(net_conn_t *c)
     net_server_t *s = c->srv;
     req_impl_t *q = s->free_reqs;
     if (q) {
+        /* req_put left it zeroed but for its buffers' capacity. */
+        assert(s->nfree > 0);
+        assert(q->r.conn == NULL && !q->corked && q->body_reserved == 0 && q->hd.n == 0);
         s->free_reqs = q->next_free;
         s->nfree--;
     } else {
@@ -329,9 +335,12 @@ static req_impl_t *req_get(net_conn_t *c)
     return q;
 }
 
-/* Return to the cache with buffers kept (capacity reuse), or free when the cache is full. */
+/* Return to the cache with buffers kept (capacity reuse), or free when the cache is full.
+ * q is detached already: off its connection, off the corked list, its budget given back. */
 static void req_put(net_server_t *s, req_impl_t *q)
 {
+    assert(q->r.conn->req != q);
+    assert(!q->corked && q->body_reserved == 0);
     net_hdrs_t hd = q->hd;
     dp_buf_t out = q->out, body = q->r.body;
     if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
@@ -364,8 +373,10 @@ static void conn_release_req(net_conn_t *c)
     cork_remove(c->srv, q);
     atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
     q->body_reserved = 0;
-    if (q->handed)
+    if (q->handed) {
+        assert(c->srv->ninflight > 0);
         c->srv->ninflight--;
+    }
     req_put(c->srv, q);
 }
 
@@ -404,6 +415,7 @@ static bool body_reserve(net_conn_t *c, uint64_t total)
 {
     net_server_t *s = c->srv;
     req_impl_t *q = c->req;
+    assert(total >= q->body_reserved); /* a reservation only grows */
     uint64_t more = total - q->body_reserved;
     uint64_t max = s->lim.max_inflight_body_bytes;
     uint64_t cur = atomic_load(&s->shared->body_bytes);
@@ -602,10 +614,18 @@ static void conn_abort_req(net_conn_t *c);
  * on_abort never runs inside one of its own net_resp_* calls. */
 static void conn_handle_closed(net_conn_t *c)
 {
+    assert(c->closes_pending > 0);
     if (--c->closes_pending > 0)
         return;
     net_server_t *s = c->srv;
+    /* Both handles closed, which only conn_close and net_resp_abort start, and off the
+     * handshake list (conn_close takes it off; a request to abort means the handshake ended). */
+    assert(c->phase == PH_CLOSED);
+    assert(!c->handshaking && c->hs_prev == NULL && c->hs_next == NULL);
     conn_abort_req(c);
+    assert(c->req == NULL);
+    assert(c->prev != NULL || s->conns == c);
+    assert(s->nconns > 0);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -650,6 +670,9 @@ static void hs_remove(net_conn_t *c)
     net_server_t *s = c->srv;
     if (!c->handshaking)
         return;
+    assert(s->nhandshakes > 0);
+    assert(c->hs_prev != NULL || s->hs_head == c);
+    assert(c->hs_next != NULL || s->hs_tail == c);
     c->handshaking = false;
     if (c->hs_prev)
         c->hs_prev->hs_next = c->hs_next;
@@ -672,8 +695,10 @@ static void hs_done(net_sock_t *sk)
 static void hs_add(net_conn_t *c)
 {
     net_server_t *s = c->srv;
+    assert(!c->handshaking);
     if (s->lim.max_pending_handshakes && s->nhandshakes >= s->lim.max_pending_handshakes) {
         net_conn_t *old = s->hs_head;
+        assert(old != NULL); /* nhandshakes > 0: the list is not empty */
         uint64_t now = uv_now(s->loop);
         if (now - s->last_accept_warn >= 1000) {
             s->last_accept_warn = now;
@@ -685,6 +710,7 @@ static void hs_add(net_conn_t *c)
             }
         }
         conn_close(old); /* takes it off the list */
+        assert(!old->handshaking);
     }
     c->handshaking = true;
     c->hs_prev = s->hs_tail;
@@ -781,6 +807,7 @@ static void conn_wait_drain(net_conn_t *c)
 static void conn_to_idle(net_conn_t *c)
 {
     net_server_t *s = c->srv;
+    assert(c->req == NULL); /* IDLE holds no request: the next byte starts one */
     c->phase = PH_IDLE;
     c->body_paused = false;
     memset(&c->hs, 0, sizeof(c->hs));
@@ -988,6 +1015,7 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
                     conn_wait_drain(c);
                 continue;
             }
+            assert(c->req == NULL);
             c->req = req_get(c);
             c->phase = PH_HEAD;
             if (!c->first_request)
@@ -1411,6 +1439,9 @@ static void maybe_server_done(net_server_t *s)
     if (s->closing) {
         void (*cb)(void *) = s->close_cb;
         void *d = s->close_data;
+        /* Every connection has gone through conn_handle_closed: nothing refers to s now. */
+        assert(s->conns == NULL && s->corked == NULL && s->ninflight == 0);
+        assert(s->hs_head == NULL && s->hs_tail == NULL && s->nhandshakes == 0);
         while (s->free_reqs) {
             req_impl_t *q = s->free_reqs;
             s->free_reqs = q->next_free;
