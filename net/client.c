@@ -608,7 +608,7 @@ void net_upstream_free(net_upstream_t *u)
     up_unref(u);
 }
 
-size_t net_upstream_idle(const net_upstream_t *u)
+size_t net_client_upstream_idle(const net_upstream_t *u)
 {
     return u->nidle;
 }
@@ -768,7 +768,7 @@ void net_creq_cancel(net_creq_t *r)
     creq_free(u, q);
 }
 
-size_t net_creq_pending(const net_creq_t *r)
+size_t net_client_creq_pending(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
     return c ? c->sock.queued + c->outq.len : 0;

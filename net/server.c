@@ -546,7 +546,7 @@ static void timer_cb(uv_timer_t *t)
         return;
     }
     case PH_HEAD:
-        if (!net_head_scan_started(&c->hs)) {
+        if (!net_validate_head_scan_started(&c->hs)) {
             conn_close(c);
             return;
         }
@@ -1792,7 +1792,7 @@ size_t net_resp_pending(const net_req_t *req)
     return req->conn->sock.queued;
 }
 
-bool net_resp_started(const net_req_t *req)
+bool net_server_resp_started(const net_req_t *req)
 {
     return impl((net_req_t *)req)->resp_started;
 }

@@ -122,7 +122,7 @@ fail:
     return NET_SCAN_ERROR;
 }
 
-bool net_head_scan_started(const net_head_scan_t *s)
+bool net_validate_head_scan_started(const net_head_scan_t *s)
 {
     return s->started || s->state == HS_AFTER_CR;
 }
