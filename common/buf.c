@@ -1,6 +1,8 @@
 #include "common/buf.h"
 
+#include <assert.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,8 +50,18 @@ char *dp_xstrndup(const char *s, size_t n)
     return p;
 }
 
+#ifndef NDEBUG
+/* What every function here relies on: a buffer is unallocated and empty (base NULL, cap 0, len
+ * 0), or has room for its bytes and the NUL after them (len < cap). */
+static bool buf_valid(const dp_buf_t *b)
+{
+    return b->base ? b->len < b->cap : b->cap == 0 && b->len == 0;
+}
+#endif
+
 void dp_buf_reserve(dp_buf_t *b, size_t extra)
 {
+    assert(buf_valid(b));
     size_t need = b->len + extra + 1;
     if (need <= b->cap)
         return;
@@ -58,10 +70,12 @@ void dp_buf_reserve(dp_buf_t *b, size_t extra)
         cap *= 2;
     b->base = dp_xrealloc(b->base, cap);
     b->cap = cap;
+    assert(buf_valid(b) && b->len + extra < b->cap);
 }
 
 void dp_buf_append(dp_buf_t *b, const void *p, size_t n)
 {
+    assert(p != NULL || n == 0);
     dp_buf_reserve(b, n);
     if (n)
         memcpy(b->base + b->len, p, n);
@@ -109,6 +123,7 @@ void dp_buf_append_u64(dp_buf_t *b, uint64_t v)
 
 void dp_buf_consume(dp_buf_t *b, size_t n)
 {
+    assert(buf_valid(b));
     if (n >= b->len) {
         b->len = 0;
     } else {
@@ -121,6 +136,7 @@ void dp_buf_consume(dp_buf_t *b, size_t n)
 
 void dp_buf_reset(dp_buf_t *b)
 {
+    assert(buf_valid(b));
     b->len = 0;
     if (b->base)
         b->base[0] = '\0';

@@ -1,5 +1,6 @@
 #include "common/log.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <string.h>
 #include <unistd.h>
@@ -42,6 +43,7 @@ int dp_log_level_parse(const char *s)
 
 dp_jw_t *dp_log_begin(dp_log_level_t lvl, const char *msg)
 {
+    assert(lvl >= DP_LOG_DEBUG && lvl <= DP_LOG_ERROR);
     if (lvl < g_level)
         return NULL;
     char ts[32];
@@ -59,6 +61,7 @@ void dp_log_end(dp_jw_t *w)
 {
     if (w == NULL)
         return;
+    assert(w == &g_jw); /* the line dp_log_begin started on this thread */
     dp_jw_obj_end(w);
     dp_buf_appendc(w->out, '\n');
     const char *p = w->out->base;

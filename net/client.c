@@ -1,4 +1,4 @@
-/* Upstream connections and exchanges. See http_client.h.
+/* Upstream connections and exchanges. See net/client.h.
  *
  * A connection (uconn_t) is CONNECTING, then SENDING/HEAD (request going out, waiting for the
  * status line), BODY, and back to IDLE in its upstream's LIFO pool when the exchange ended
@@ -10,6 +10,7 @@
  * request can race the server's keep-alive close; bytes there are a protocol error. */
 #include "net/client.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +18,7 @@
 
 #include "common/buf.h"
 #include "common/util.h"
+#include "net/hdrs.h"
 #include "net/sock.h"
 
 enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
@@ -30,10 +32,6 @@ typedef struct creq_s {
     struct creq_s *next_free;
 } creq_t;
 
-typedef struct {
-    uint32_t no, nl, vo, vl;
-} hoff_t;
-
 struct uconn_s {
     net_sock_t sock;
     uv_timer_t timer;
@@ -43,12 +41,7 @@ struct uconn_s {
     llhttp_t parser;
     net_head_scan_t hs;
     net_chunk_scan_t cs;
-    dp_buf_t hbuf;
-    hoff_t *hoff;
-    size_t hcap, nh;
-    net_header_t *hdrs;
-    size_t hdrs_cap;
-    bool in_value;
+    net_hdrs_t hd; /* the response head's names and values */
     dp_buf_t outq; /* request bytes waiting for the connect */
     uint8_t phase;
     int closes_pending;
@@ -96,8 +89,11 @@ bool net_up_err_retryable(net_up_err_t e)
 
 static void up_unref(net_upstream_t *u)
 {
+    assert(u->refs > 0);
     if (--u->refs > 0)
         return;
+    /* Every connection held a reference: none is left, pooled or not. */
+    assert(u->dead && u->idle == NULL && u->nidle == 0);
     while (u->free_reqs) {
         creq_t *q = u->free_reqs;
         u->free_reqs = q->next_free;
@@ -119,15 +115,22 @@ static void idle_remove(uconn_t *c)
         u->idle = c->next_idle;
     else
         return; /* not pooled */
+    assert(u->nidle > 0);
     if (c->next_idle)
         c->next_idle->prev_idle = c->prev_idle;
     c->next_idle = c->prev_idle = NULL;
     u->nidle--;
 }
 
+/* Pool c: only a connection whose exchange ended cleanly, with nothing of it left to send,
+ * while the upstream still pools and has room (uconn_done decides). */
 static void idle_push(uconn_t *c)
 {
     net_upstream_t *u = c->up;
+    assert(c->phase == UC_IDLE && c->req == NULL);
+    assert(c->prev_idle == NULL && c->next_idle == NULL && u->idle != c); /* not pooled yet */
+    assert(c->sock.queued == 0 && c->outq.len == 0);
+    assert(!u->dead && u->nidle < u->o.max_idle);
     c->prev_idle = NULL;
     c->next_idle = u->idle;
     if (u->idle)
@@ -184,13 +187,15 @@ static void uconn_arm(uconn_t *c, uint64_t ms)
 
 static void uconn_handle_closed(uconn_t *c)
 {
+    assert(c->closes_pending > 0);
     if (--c->closes_pending > 0)
         return;
     net_upstream_t *u = c->up;
-    dp_buf_free(&c->hbuf);
+    /* Closed by uconn_close_how only: no exchange attached, not in the pool. */
+    assert(c->phase == UC_CLOSED && c->req == NULL);
+    assert(c->prev_idle == NULL && c->next_idle == NULL && u->idle != c);
+    net_hdrs_free(&c->hd);
     dp_buf_free(&c->outq);
-    free(c->hoff);
-    free(c->hdrs);
     free(c);
     up_unref(u);
 }
@@ -205,8 +210,11 @@ static void timer_closed(uv_handle_t *h)
     uconn_handle_closed(h->data);
 }
 
+/* Every caller has detached the exchange first (uconn_fail and uconn_done report it after;
+ * net_creq_cancel wants no callback): one still attached would never hear on_done. */
 static void uconn_close_how(uconn_t *c, bool reset)
 {
+    assert(c->req == NULL);
     if (c->phase == UC_CLOSED)
         return;
     if (c->phase == UC_IDLE)
@@ -225,8 +233,11 @@ static void uconn_close(uconn_t *c)
     uconn_close_how(c, false);
 }
 
+/* q's exchange is over: its connection no longer points at it (the connection's memory is
+ * still there: it is freed only from its close callbacks, later in the loop). */
 static void creq_free(net_upstream_t *u, creq_t *q)
 {
+    assert(q->c != NULL && q->c->req != q);
     if (u->nfree < 256) {
         q->next_free = u->free_reqs;
         u->free_reqs = q;
@@ -283,32 +294,13 @@ static void uconn_done(uconn_t *c)
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    uconn_t *c = p->data;
-    if (c->in_value || c->nh == 0) {
-        if (c->nh == c->hcap) {
-            c->hcap = c->hcap ? c->hcap * 2 : 16;
-            c->hoff = dp_xrealloc(c->hoff, c->hcap * sizeof(*c->hoff));
-        }
-        hoff_t *h = &c->hoff[c->nh++];
-        h->no = (uint32_t)c->hbuf.len;
-        h->nl = h->vo = h->vl = 0;
-        c->in_value = false;
-    }
-    c->hoff[c->nh - 1].nl += (uint32_t)n;
-    dp_buf_append(&c->hbuf, at, n);
+    net_hdrs_field(&((uconn_t *)p->data)->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    uconn_t *c = p->data;
-    hoff_t *h = &c->hoff[c->nh - 1];
-    if (!c->in_value) {
-        c->in_value = true;
-        h->vo = (uint32_t)c->hbuf.len;
-    }
-    h->vl += (uint32_t)n;
-    dp_buf_append(&c->hbuf, at, n);
+    net_hdrs_value(&((uconn_t *)p->data)->hd, at, n);
     return 0;
 }
 
@@ -346,9 +338,7 @@ static void head_reset(uconn_t *c)
     memset(&c->hs, 0, sizeof(c->hs));
     c->hs.max_bytes = 65536;
     c->hs.max_headers = 256;
-    dp_buf_reset(&c->hbuf);
-    c->nh = 0;
-    c->in_value = false;
+    net_hdrs_reset(&c->hd);
     c->head_done = c->msg_done = false;
 }
 
@@ -357,16 +347,10 @@ static void head_reset(uconn_t *c)
 static bool uconn_head_done(uconn_t *c)
 {
     int status = llhttp_get_status_code(&c->parser);
-    if (c->hdrs_cap < c->nh) {
-        c->hdrs_cap = c->nh;
-        c->hdrs = dp_xrealloc(c->hdrs, c->hdrs_cap * sizeof(*c->hdrs));
-    }
-    for (size_t i = 0; i < c->nh; i++) {
-        c->hdrs[i].name = (dp_iovec_t){c->hbuf.base + c->hoff[i].no, c->hoff[i].nl};
-        c->hdrs[i].value = (dp_iovec_t){c->hbuf.base + c->hoff[i].vo, c->hoff[i].vl};
-    }
+    const net_header_t *hdrs = net_hdrs_spans(&c->hd);
+    size_t nh = c->hd.n;
     const char *reason = NULL;
-    if (net_response_check(c->hdrs, c->nh, llhttp_get_http_major(&c->parser),
+    if (net_response_check(hdrs, nh, llhttp_get_http_major(&c->parser),
                            llhttp_get_http_minor(&c->parser), status, &c->framing, &reason) != 0) {
         uconn_fail(c, NET_UP_PROTOCOL, reason);
         return false;
@@ -387,7 +371,7 @@ static bool uconn_head_done(uconn_t *c)
     memset(&c->cs, 0, sizeof(c->cs));
     creq_t *q = c->req;
     if (q->cb.on_head)
-        q->cb.on_head(&q->pub, status, c->hdrs, c->nh, &c->framing);
+        q->cb.on_head(&q->pub, status, hdrs, nh, &c->framing);
     if (c->phase == UC_CLOSED || c->req != q)
         return false;
     if (c->msg_done) {
@@ -624,7 +608,7 @@ void net_upstream_free(net_upstream_t *u)
     up_unref(u);
 }
 
-size_t net_upstream_idle(const net_upstream_t *u)
+size_t net_client_upstream_idle(const net_upstream_t *u)
 {
     return u->nidle;
 }
@@ -682,6 +666,7 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
 
     uconn_t *c = u->idle;
     if (c) {
+        assert(c->phase == UC_IDLE && c->req == NULL);
         idle_remove(c);
         q->pub.reused = true;
         c->phase = UC_HEAD;
@@ -783,7 +768,7 @@ void net_creq_cancel(net_creq_t *r)
     creq_free(u, q);
 }
 
-size_t net_creq_pending(const net_creq_t *r)
+size_t net_client_creq_pending(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
     return c ? c->sock.queued + c->outq.len : 0;

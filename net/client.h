@@ -45,8 +45,8 @@ typedef enum {
 } net_up_err_t;
 
 const char *net_up_err_name(net_up_err_t e);
-/* SPEC §7's retry rule: only when nothing of the response was seen and either the request
- * never fully left, or a reused connection raced its keep-alive close. */
+/* The retry rule (docs/requests.md §2, "Retries"): only when nothing of the response was seen and
+ * either the request never fully left, or a reused connection raced its keep-alive close. */
 bool net_up_err_retryable(net_up_err_t e);
 
 typedef struct {
@@ -78,7 +78,7 @@ struct net_tls_ctx_s;
 void net_upstream_set_tls(net_upstream_t *u, struct net_tls_ctx_s *ctx, const char *server_name);
 /* Release: idle connections close now; exchanges in flight finish normally, then it is freed. */
 void net_upstream_free(net_upstream_t *u);
-size_t net_upstream_idle(const net_upstream_t *u);
+size_t net_client_upstream_idle(const net_upstream_t *u);
 /* Close pooled idle connections (e.g. after the replica failed attestation). */
 void net_upstream_flush_idle(net_upstream_t *u);
 
@@ -95,7 +95,7 @@ void net_creq_pause(net_creq_t *r);
 void net_creq_resume(net_creq_t *r);
 /* Abort: close the connection at once, no further callbacks. */
 void net_creq_cancel(net_creq_t *r);
-size_t net_creq_pending(const net_creq_t *r);
+size_t net_client_creq_pending(const net_creq_t *r);
 bool net_creq_over(const net_creq_t *r);
 
 #endif

@@ -1,5 +1,6 @@
 #include "net/fetch.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,7 @@ static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
                     const net_framing_t *fr)
 {
     net_fetch_t *f = c->data;
+    assert(f->c == c); /* callbacks never fire inside net_creq_start, so f->c is set */
     (void)h;
     (void)n;
     f->status = status;
@@ -48,6 +50,7 @@ static void on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
 static void on_body(net_creq_t *c, const char *p, size_t n)
 {
     net_fetch_t *f = c->data;
+    assert(f->c == c);
     if (f->body.len + n > f->max) {
         too_big(f);
         return;
@@ -58,6 +61,7 @@ static void on_body(net_creq_t *c, const char *p, size_t n)
 static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     net_fetch_t *f = c->data;
+    assert(f->c == c);
     f->c = NULL;
     f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
     f_free(f);

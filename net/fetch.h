@@ -27,7 +27,7 @@ typedef struct {
     size_t body_len;
     size_t max_bytes;          /* response body cap */
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
-    const char *via;           /* the sender's Via line (loop detection, px_self.h) or NULL */
+    const char *via; /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
 } net_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */

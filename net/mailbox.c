@@ -1,5 +1,7 @@
 #include "net/mailbox.h"
 
+#include <assert.h>
+
 static void on_async(uv_async_t *a)
 {
     net_mailbox_run(a->data);
@@ -21,6 +23,8 @@ int net_mailbox_init(net_mailbox_t *mb, uv_loop_t *loop, uint32_t cap)
 
 static void push(net_mailbox_t *mb, net_mb_node_t *n, net_mb_fn fn)
 {
+    assert(mb->open); /* posting after net_mailbox_close is a bug */
+    assert(fn != NULL);
     n->fn = fn;
     net_mb_node_t *old = atomic_load_explicit(&mb->head, memory_order_relaxed);
     do
@@ -51,7 +55,8 @@ size_t net_mailbox_run(net_mailbox_t *mb)
 {
     size_t ran = 0;
     net_mb_node_t *n;
-    /* Callbacks may post to this mailbox again: those run on the next round, not forever. */
+    /* Callbacks may post to this mailbox again: those run on the next pass of this loop, not
+     * forever. */
     while ((n = atomic_exchange_explicit(&mb->head, NULL, memory_order_acquire)) != NULL) {
         net_mb_node_t *fifo = NULL; /* the stack is newest first */
         while (n) {
@@ -62,6 +67,8 @@ size_t net_mailbox_run(net_mailbox_t *mb)
         }
         while (fifo) {
             net_mb_node_t *next = fifo->next;
+            /* Each node was counted in `waiting` before it was pushed. */
+            assert(atomic_load_explicit(&mb->waiting, memory_order_relaxed) > 0);
             atomic_fetch_sub_explicit(&mb->waiting, 1, memory_order_relaxed);
             fifo->fn(fifo);
             fifo = next;
@@ -86,6 +93,7 @@ void net_mailbox_close(net_mailbox_t *mb)
         return;
     while (net_mailbox_run(mb) > 0)
         ;
+    assert(atomic_load_explicit(&mb->head, memory_order_relaxed) == NULL);
     mb->open = false;
     uv_close((uv_handle_t *)&mb->async, NULL);
 }

@@ -1,6 +1,7 @@
 /* Request-path normalisation: one left-to-right pass, writing behind the read position. */
 #include "net/path.h"
 
+#include <assert.h>
 #include <stdbool.h>
 
 #include "common/util.h"
@@ -14,6 +15,7 @@ static bool unreserved(unsigned char c)
 size_t net_path_normalize(char *p, size_t n, const char **reason)
 {
     static const char hexu[] = "0123456789ABCDEF";
+    assert(n > 0 && p[0] == '/');
     size_t i = 0, o = 0;
     bool trailing = false;
     /* Invariant: o <= i, and p[0..o) is "/seg/seg..." with no empty, "." or ".." segment. */
@@ -58,6 +60,7 @@ size_t net_path_normalize(char *p, size_t n, const char **reason)
             }
             i += 3;
         }
+        assert(o <= i);
         size_t len = o - s;
         bool dot = len == 1 && p[s] == '.', dotdot = len == 2 && p[s] == '.' && p[s + 1] == '.';
         trailing = false;
@@ -77,5 +80,6 @@ size_t net_path_normalize(char *p, size_t n, const char **reason)
     }
     if (o == 0 || trailing)
         p[o++] = '/';
+    assert(o <= n);
     return o;
 }

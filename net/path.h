@@ -1,6 +1,6 @@
-/* Request-path normalisation (SPEC §7), as nginx does it before routing: what detproxy
- * classifies must be what an ASGI replica (vLLM, SGLang), which percent-decodes before routing,
- * will serve. Pure: no libuv, fuzzed on its own. */
+/* Request-path normalisation, as nginx does it before routing (docs/requests.md §1, "Routes"):
+ * what detproxy classifies must be what an ASGI replica (vLLM, SGLang), which percent-decodes
+ * before routing, will serve. Pure: no libuv, fuzzed on its own. */
 #ifndef NET_PATH_H
 #define NET_PATH_H
 

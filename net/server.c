@@ -1,4 +1,4 @@
-/* HTTP/1.1 server connections. See http_server.h for the contract.
+/* HTTP/1.1 server connections. See net/server.h for the contract.
  *
  * A connection moves through phases:
  *   IDLE  -> waiting for the first byte of a request (header timer from accept, then the
@@ -15,6 +15,7 @@
  * request itself (a zero timer kicks it), and memory is only freed from close callbacks. */
 #include "net/server.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -32,6 +33,7 @@
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
+#include "net/hdrs.h"
 #include "net/path.h"
 #include "net/sock.h"
 
@@ -42,20 +44,11 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
 #define REQ_CACHE_MAX 256
 
-typedef struct {
-    uint32_t no, nl, vo, vl;
-} hoff_t;
-
 typedef struct req_impl_s {
     net_req_t r;
     struct req_impl_s *next_free;
-    dp_buf_t hbuf; /* copies of the url, header names and values */
-    hoff_t *hoff;
-    size_t hcap;
-    net_header_t *hdrs;
-    size_t hdrs_cap;
-    uint32_t url_len;
-    bool in_value;
+    net_hdrs_t hd;    /* hd.buf: the request-target, then the header names and values */
+    uint32_t url_len; /* the request-target's bytes at the start of hd.buf */
     bool head_done, msg_done;
     bool handed; /* on_head was called: the handler knows this request */
     net_body_mode_t mode;
@@ -287,6 +280,7 @@ static void cork_remove(net_server_t *s, req_impl_t *q)
 {
     if (!q->corked)
         return;
+    assert(q->cork_prev != NULL || s->corked == q);
     q->corked = false;
     if (q->cork_prev)
         q->cork_prev->cork_next = q->cork_next;
@@ -305,6 +299,7 @@ static void cork_add(net_server_t *s, req_impl_t *q)
 {
     if (q->corked)
         return;
+    assert(q->cork_prev == NULL && q->cork_next == NULL);
     q->corked = true;
     q->cork_prev = NULL;
     q->cork_next = s->corked;
@@ -322,6 +317,9 @@ static req_impl_t *req_get(net_conn_t *c)
     net_server_t *s = c->srv;
     req_impl_t *q = s->free_reqs;
     if (q) {
+        /* req_put left it zeroed but for its buffers' capacity. */
+        assert(s->nfree > 0);
+        assert(q->r.conn == NULL && !q->corked && q->body_reserved == 0 && q->hd.n == 0);
         s->free_reqs = q->next_free;
         s->nfree--;
     } else {
@@ -337,33 +335,29 @@ static req_impl_t *req_get(net_conn_t *c)
     return q;
 }
 
-/* Return to the cache with buffers kept (capacity reuse), or free when the cache is full. */
+/* Return to the cache with buffers kept (capacity reuse), or free when the cache is full.
+ * q is detached already: off its connection, off the corked list, its budget given back. */
 static void req_put(net_server_t *s, req_impl_t *q)
 {
-    dp_buf_t hbuf = q->hbuf, out = q->out, body = q->r.body;
-    hoff_t *hoff = q->hoff;
-    net_header_t *hdrs = q->hdrs;
-    size_t hcap = q->hcap, hdrs_cap = q->hdrs_cap;
-    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 || hbuf.cap > 64 * 1024) {
-        dp_buf_free(&hbuf);
+    assert(q->r.conn->req != q);
+    assert(!q->corked && q->body_reserved == 0);
+    net_hdrs_t hd = q->hd;
+    dp_buf_t out = q->out, body = q->r.body;
+    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
+        hd.buf.cap > 64 * 1024) {
+        net_hdrs_free(&hd);
         dp_buf_free(&out);
         dp_buf_free(&body);
-        free(hoff);
-        free(hdrs);
         free(q);
         return;
     }
     memset(q, 0, sizeof(*q));
-    dp_buf_reset(&hbuf);
+    net_hdrs_reset(&hd);
     dp_buf_reset(&out);
     dp_buf_reset(&body);
-    q->hbuf = hbuf;
+    q->hd = hd;
     q->out = out;
     q->r.body = body;
-    q->hoff = hoff;
-    q->hcap = hcap;
-    q->hdrs = hdrs;
-    q->hdrs_cap = hdrs_cap;
     q->next_free = s->free_reqs;
     s->free_reqs = q;
     s->nfree++;
@@ -379,8 +373,10 @@ static void conn_release_req(net_conn_t *c)
     cork_remove(c->srv, q);
     atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
     q->body_reserved = 0;
-    if (q->handed)
+    if (q->handed) {
+        assert(c->srv->ninflight > 0);
         c->srv->ninflight--;
+    }
     req_put(c->srv, q);
 }
 
@@ -389,39 +385,20 @@ static void conn_release_req(net_conn_t *c)
 static int on_url(llhttp_t *p, const char *at, size_t n)
 {
     req_impl_t *q = ((net_conn_t *)p->data)->req;
-    dp_buf_append(&q->hbuf, at, n);
+    dp_buf_append(&q->hd.buf, at, n);
     q->url_len += (uint32_t)n;
     return 0;
 }
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((net_conn_t *)p->data)->req;
-    if (q->in_value || q->r.nheaders == 0) {
-        if (q->r.nheaders == q->hcap) {
-            q->hcap = q->hcap ? q->hcap * 2 : 16;
-            q->hoff = dp_xrealloc(q->hoff, q->hcap * sizeof(*q->hoff));
-        }
-        hoff_t *h = &q->hoff[q->r.nheaders++];
-        h->no = (uint32_t)q->hbuf.len;
-        h->nl = h->vo = h->vl = 0;
-        q->in_value = false;
-    }
-    q->hoff[q->r.nheaders - 1].nl += (uint32_t)n;
-    dp_buf_append(&q->hbuf, at, n);
+    net_hdrs_field(&((net_conn_t *)p->data)->req->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    req_impl_t *q = ((net_conn_t *)p->data)->req;
-    hoff_t *h = &q->hoff[q->r.nheaders - 1];
-    if (!q->in_value) {
-        q->in_value = true;
-        h->vo = (uint32_t)q->hbuf.len;
-    }
-    h->vl += (uint32_t)n;
-    dp_buf_append(&q->hbuf, at, n);
+    net_hdrs_value(&((net_conn_t *)p->data)->req->hd, at, n);
     return 0;
 }
 
@@ -438,6 +415,7 @@ static bool body_reserve(net_conn_t *c, uint64_t total)
 {
     net_server_t *s = c->srv;
     req_impl_t *q = c->req;
+    assert(total >= q->body_reserved); /* a reservation only grows */
     uint64_t more = total - q->body_reserved;
     uint64_t max = s->lim.max_inflight_body_bytes;
     uint64_t cur = atomic_load(&s->shared->body_bytes);
@@ -568,7 +546,7 @@ static void timer_cb(uv_timer_t *t)
         return;
     }
     case PH_HEAD:
-        if (!net_head_scan_started(&c->hs)) {
+        if (!net_validate_head_scan_started(&c->hs)) {
             conn_close(c);
             return;
         }
@@ -636,10 +614,18 @@ static void conn_abort_req(net_conn_t *c);
  * on_abort never runs inside one of its own net_resp_* calls. */
 static void conn_handle_closed(net_conn_t *c)
 {
+    assert(c->closes_pending > 0);
     if (--c->closes_pending > 0)
         return;
     net_server_t *s = c->srv;
+    /* Both handles closed, which only conn_close and net_resp_abort start, and off the
+     * handshake list (conn_close takes it off; a request to abort means the handshake ended). */
+    assert(c->phase == PH_CLOSED);
+    assert(!c->handshaking && c->hs_prev == NULL && c->hs_next == NULL);
     conn_abort_req(c);
+    assert(c->req == NULL);
+    assert(c->prev != NULL || s->conns == c);
+    assert(s->nconns > 0);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -684,6 +670,9 @@ static void hs_remove(net_conn_t *c)
     net_server_t *s = c->srv;
     if (!c->handshaking)
         return;
+    assert(s->nhandshakes > 0);
+    assert(c->hs_prev != NULL || s->hs_head == c);
+    assert(c->hs_next != NULL || s->hs_tail == c);
     c->handshaking = false;
     if (c->hs_prev)
         c->hs_prev->hs_next = c->hs_next;
@@ -706,8 +695,10 @@ static void hs_done(net_sock_t *sk)
 static void hs_add(net_conn_t *c)
 {
     net_server_t *s = c->srv;
+    assert(!c->handshaking);
     if (s->lim.max_pending_handshakes && s->nhandshakes >= s->lim.max_pending_handshakes) {
         net_conn_t *old = s->hs_head;
+        assert(old != NULL); /* nhandshakes > 0: the list is not empty */
         uint64_t now = uv_now(s->loop);
         if (now - s->last_accept_warn >= 1000) {
             s->last_accept_warn = now;
@@ -719,6 +710,7 @@ static void hs_add(net_conn_t *c)
             }
         }
         conn_close(old); /* takes it off the list */
+        assert(!old->handshaking);
     }
     c->handshaking = true;
     c->hs_prev = s->hs_tail;
@@ -815,6 +807,7 @@ static void conn_wait_drain(net_conn_t *c)
 static void conn_to_idle(net_conn_t *c)
 {
     net_server_t *s = c->srv;
+    assert(c->req == NULL); /* IDLE holds no request: the next byte starts one */
     c->phase = PH_IDLE;
     c->body_paused = false;
     memset(&c->hs, 0, sizeof(c->hs));
@@ -867,8 +860,9 @@ static void split_target(net_req_t *r)
     }
 }
 
-/* SPEC §7: the path is normalised in place (it only shrinks) before any handler sees it, so
- * what is classified, policed and forwarded is what a percent-decoding replica would route. */
+/* docs/requests.md §1 ("Routes"): the path is normalised in place (it only shrinks) before any
+ * handler sees it, so what is classified, policed and forwarded is what a percent-decoding replica
+ * would route. */
 static int normalize_target(net_req_t *r, const char **reason)
 {
     char *p = (char *)r->target.base;
@@ -899,17 +893,9 @@ static bool conn_head_done(net_conn_t *c)
     req_impl_t *q = c->req;
     net_req_t *r = &q->r;
     /* The header buffer no longer grows: pointers into it are stable from here on. */
-    if (q->hdrs_cap < r->nheaders) {
-        q->hdrs_cap = r->nheaders;
-        q->hdrs = dp_xrealloc(q->hdrs, q->hdrs_cap * sizeof(*q->hdrs));
-    }
-    for (size_t i = 0; i < r->nheaders; i++) {
-        hoff_t *h = &q->hoff[i];
-        q->hdrs[i].name = (dp_iovec_t){q->hbuf.base + h->no, h->nl};
-        q->hdrs[i].value = (dp_iovec_t){q->hbuf.base + h->vo, h->vl};
-    }
-    r->headers = q->hdrs;
-    r->target = (dp_iovec_t){q->hbuf.base ? q->hbuf.base : "", q->url_len};
+    r->headers = net_hdrs_spans(&q->hd);
+    r->nheaders = q->hd.n;
+    r->target = (dp_iovec_t){q->hd.buf.base ? q->hd.buf.base : "", q->url_len};
     split_target(r);
     r->method = llhttp_get_method(&c->parser);
     const char *mname = llhttp_method_name((llhttp_method_t)r->method);
@@ -1029,6 +1015,7 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
                     conn_wait_drain(c);
                 continue;
             }
+            assert(c->req == NULL);
             c->req = req_get(c);
             c->phase = PH_HEAD;
             if (!c->first_request)
@@ -1452,14 +1439,15 @@ static void maybe_server_done(net_server_t *s)
     if (s->closing) {
         void (*cb)(void *) = s->close_cb;
         void *d = s->close_data;
+        /* Every connection has gone through conn_handle_closed: nothing refers to s now. */
+        assert(s->conns == NULL && s->corked == NULL && s->ninflight == 0);
+        assert(s->hs_head == NULL && s->hs_tail == NULL && s->nhandshakes == 0);
         while (s->free_reqs) {
             req_impl_t *q = s->free_reqs;
             s->free_reqs = q->next_free;
-            dp_buf_free(&q->hbuf);
+            net_hdrs_free(&q->hd);
             dp_buf_free(&q->out);
             dp_buf_free(&q->r.body);
-            free(q->hoff);
-            free(q->hdrs);
             free(q);
         }
         net_tls_ctx_unref(s->tls);
@@ -1804,7 +1792,7 @@ size_t net_resp_pending(const net_req_t *req)
     return req->conn->sock.queued;
 }
 
-bool net_resp_started(const net_req_t *req)
+bool net_server_resp_started(const net_req_t *req)
 {
     return impl((net_req_t *)req)->resp_started;
 }

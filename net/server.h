@@ -177,7 +177,7 @@ void net_resp_abort(net_req_t *req);
 int net_resp_raw_and_close(net_req_t *req, const char *p, size_t n);
 /* Bytes accepted by net_resp_write but not yet handed to the kernel. */
 size_t net_resp_pending(const net_req_t *req);
-bool net_resp_started(const net_req_t *req);
+bool net_server_resp_started(const net_req_t *req);
 /* Whole response in one call. */
 int net_resp_send(net_req_t *req, int status, const char *content_type, const char *body, size_t n,
                   const net_header_t *extra, size_t nextra);

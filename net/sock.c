@@ -1,5 +1,6 @@
 #include "net/sock.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -59,6 +60,7 @@ static _Thread_local batch_t *g_batch;
 static void batch_closed(uv_handle_t *h)
 {
     batch_t *b = h->data;
+    assert(b->open_handles > 0);
     if (--b->open_handles > 0)
         return;
     dp_buf_free(&b->bytes);
@@ -71,6 +73,9 @@ static void batch_flush_one(net_sock_t *s)
 {
     if (!s->in_batch)
         return;
+    /* Only a batched socket joins the batch, and the batch outlives its sockets. */
+    assert(s->batched && g_batch != NULL);
+    assert(s->batch_off + s->batch_len <= g_batch->bytes.len);
     s->in_batch = false;
     uv_buf_t ub = uv_buf_init(g_batch->bytes.base + s->batch_off, (unsigned)s->batch_len);
     s->batch_len = 0;
@@ -130,6 +135,7 @@ static void batch_leave(net_sock_t *s)
         return;
     batch_flush_one(s);
     s->batched = false;
+    assert(g_batch != NULL && g_batch->live > 0);
     if (--g_batch->live == 0) {
         uv_close((uv_handle_t *)&g_batch->check, batch_closed);
         uv_close((uv_handle_t *)&g_batch->idle, batch_closed);
@@ -141,6 +147,7 @@ static void batch_leave(net_sock_t *s)
 static bool batch_add(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs, size_t total)
 {
     batch_t *b = g_batch;
+    assert(s->batched && b != NULL && b->loop == s->tcp.loop);
     if (total + s->batch_len > BATCH_MAX_BYTES) {
         batch_flush_one(s);
         return false;
@@ -284,6 +291,7 @@ void net_sock_read_stop(net_sock_t *s)
 static void close_cb(uv_handle_t *h)
 {
     net_sock_t *s = h->data;
+    assert(s->closing); /* only net_sock_close and net_sock_abort close the handle */
     net_tls_free(s->tls);
     s->tls = NULL;
     if (s->on_close)
@@ -316,6 +324,7 @@ static void write_cb(uv_write_t *req, int status)
 {
     write_req_t *w = (write_req_t *)req;
     net_sock_t *s = w->sock;
+    assert(s->queued >= w->len);
     s->queued -= w->len;
     free(w);
     if (s->closing)
@@ -480,6 +489,7 @@ static void connect_cb(uv_connect_t *req, int status)
 
 void net_sock_use_tls(net_sock_t *s, net_tls_t *t)
 {
+    assert(s->tls == NULL); /* once per stream: a second one would leak the first */
     s->tls = t;
 }
 

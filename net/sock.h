@@ -12,9 +12,8 @@
  * net/sock.c, "Write batching"). Closing, shutting down or a large write flushes a
  * connection's batch first, so bytes keep their order and are never dropped by a close.
  *
- * TLS (issue 8) slots in under this same interface: s->tls, when set, turns reads into
- * decrypt-then-deliver and writes into encrypt-then-write, so connection code above never
- * knows which one it has. */
+ * TLS slots in under this same interface: s->tls, when set, turns reads into decrypt-then-deliver
+ * and writes into encrypt-then-write, so connection code above never knows which one it has. */
 #ifndef NET_SOCK_H
 #define NET_SOCK_H
 

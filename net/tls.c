@@ -1,5 +1,6 @@
 #include "net/tls.h"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -219,12 +220,17 @@ void net_tls_ctx_replace(net_tls_ctx_t *c, net_tls_ctx_t *from)
 
 void net_tls_ctx_ref(net_tls_ctx_t *c)
 {
+    assert(atomic_load(&c->refs) > 0); /* a reference is taken from a live holder */
     c->refs++;
 }
 
 void net_tls_ctx_unref(net_tls_ctx_t *c)
 {
-    if (c == NULL || atomic_fetch_sub(&c->refs, 1) > 1)
+    if (c == NULL)
+        return;
+    int refs = atomic_fetch_sub(&c->refs, 1);
+    assert(refs > 0);
+    if (refs > 1)
         return;
     sessions_free(c);
     SSL_CTX_free(c->ctx);
@@ -380,6 +386,7 @@ int net_tls_feed(net_tls_t *t, const char *p, size_t n, dp_buf_t *plain)
 
 int net_tls_write(net_tls_t *t, const char *p, size_t n)
 {
+    assert(t->done);
     ERR_clear_error(); /* see net_tls_handshake */
     while (n > 0) {
         int r = SSL_write(t->ssl, p, n > 1 << 30 ? 1 << 30 : (int)n);

@@ -1,6 +1,7 @@
-/* TLS for net_sock_t, with OpenSSL over memory BIOs: the socket layer hands received ciphertext
- * in and gets plaintext out, and encrypts writes into bytes it sends with its ordinary write
- * path. There is one code path for plaintext and TLS above net_sock_t (SPEC §13, issue 8).
+/* TLS for net_sock_t (what it offers and checks: docs/security.md §3, "TLS"), with OpenSSL over
+ * memory BIOs: the socket layer hands received ciphertext in and gets plaintext out, and encrypts
+ * writes into bytes it sends with its ordinary write path. There is one code path for plaintext
+ * and TLS above net_sock_t.
  *
  * Contexts are refcounted: a reload (SIGHUP) swaps in a new server context for new
  * connections while existing ones keep theirs. */

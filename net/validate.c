@@ -1,5 +1,6 @@
 #include "net/validate.h"
 
+#include <assert.h>
 #include <string.h>
 
 #include <llhttp.h>
@@ -70,6 +71,7 @@ int net_head_scan(net_head_scan_t *s, const char *p, size_t n, size_t *consumed,
         case HS_IN_LINE: {
             /* Fast path: skip ordinary bytes in bulk (most of a head). */
             if (!line_special[c]) {
+                assert(s->bytes <= s->max_bytes); /* checked for this byte above */
                 size_t j = i + 1;
                 size_t room = s->max_bytes - s->bytes; /* bytes still allowed */
                 size_t lim = n - i - 1 < room ? n - i - 1 : room;
@@ -120,7 +122,7 @@ fail:
     return NET_SCAN_ERROR;
 }
 
-bool net_head_scan_started(const net_head_scan_t *s)
+bool net_validate_head_scan_started(const net_head_scan_t *s)
 {
     return s->started || s->state == HS_AFTER_CR;
 }

@@ -49,7 +49,7 @@ typedef struct {
 int net_head_scan(net_head_scan_t *s, const char *p, size_t n, size_t *consumed, int *status,
                   const char **reason);
 /* True once any byte of a message was seen (decides 408 vs a silent idle close). */
-bool net_head_scan_started(const net_head_scan_t *s);
+bool net_validate_head_scan_started(const net_head_scan_t *s);
 
 /* ---- chunked body framing ---- */
 

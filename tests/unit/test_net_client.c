@@ -141,9 +141,9 @@ Test(net_client, keep_alive_connection_is_pooled_and_reused)
     cr_assert(!a.reused);
     cr_assert_eq(a.body.len, 2);
     cr_assert_eq(memcmp(a.body.base, "ok", 2), 0);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     x_get(&b);
-    cr_assert_eq(net_upstream_idle(g_up), 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
     x_expect(&b, NET_UP_OK);
     cr_assert(b.reused);
     cr_assert_eq(g_peer.nconns, 1);
@@ -159,12 +159,12 @@ Test(net_client, reused_connection_closed_under_the_request_is_retryable)
     ex_t a, b;
     x_get(&a);
     x_expect(&a, NET_UP_OK);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     /* The server's keep-alive close crosses the next request: the FIN is on its way before the
      * client's loop has seen it. */
     peer_conn_close(g_peer.conns[0]);
     x_get(&b);
-    cr_assert_eq(net_upstream_idle(g_up), 0, "the pooled connection was not taken");
+    cr_assert_eq(net_client_upstream_idle(g_up), 0, "the pooled connection was not taken");
     x_expect(&b, NET_UP_REUSED_CLOSED);
     cr_assert(b.reused);
     cr_assert(net_up_err_retryable(b.err));
@@ -182,7 +182,7 @@ Test(net_client, pooled_connection_the_server_closed_is_dropped_not_reused)
     x_get(&a);
     x_expect(&a, NET_UP_OK);
     peer_conn_close(g_peer.conns[0]);
-    RUN_UNTIL(net_upstream_idle(g_up) == 0);
+    RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
     x_get(&b);
     x_expect(&b, NET_UP_OK);
     cr_assert(!b.reused);
@@ -253,7 +253,7 @@ Test(net_client, silence_mid_body_is_idle_timeout)
     x_expect(&x, NET_UP_IDLE_TIMEOUT);
     cr_assert_eq(x.status, 200);
     cr_assert_eq(x.body.len, 3);
-    cr_assert_eq(net_upstream_idle(g_up), 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
     x_free(&x);
 }
 
@@ -313,7 +313,7 @@ Test(net_client, content_length_body_arriving_in_pieces)
     x_expect(&x, NET_UP_OK);
     cr_assert_eq(x.body.len, 11);
     cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     x_free(&x);
 }
 
@@ -334,7 +334,7 @@ Test(net_client, chunked_body_is_decoded_and_the_connection_pooled)
     cr_assert(x.framing.chunked);
     cr_assert_eq(x.body.len, 11);
     cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     x_free(&x);
 }
 
@@ -353,7 +353,7 @@ Test(net_client, close_delimited_body_ends_at_eof)
     x_get(&x);
     x_expect(&x, NET_UP_OK);
     cr_assert_eq(x.body.len, 3);
-    cr_assert_eq(net_upstream_idle(g_up), 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
     x_free(&x);
 }
 
@@ -371,7 +371,7 @@ Test(net_client, head_response_has_no_body_whatever_its_length)
     x_start(&x, "HEAD / HTTP/1.1\r\nhost: x\r\n\r\n", false, true);
     x_expect(&x, NET_UP_OK);
     cr_assert_eq(x.body.len, 0);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     x_free(&x);
 }
 
@@ -432,7 +432,7 @@ Test(net_client, ambiguous_framing_is_protocol)
     x_expect(&x, NET_UP_PROTOCOL);
     cr_assert_eq(x.heads, 0);
     RUN_UNTIL(g_peer.conns[0] == NULL || g_peer.conns[0]->eof);
-    cr_assert_eq(net_upstream_idle(g_up), 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
     x_free(&x);
 }
 
@@ -449,9 +449,9 @@ Test(net_client, bytes_on_an_idle_pooled_connection_drop_it)
     ex_t x;
     x_get(&x);
     x_expect(&x, NET_UP_OK);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     peer_writes(g_peer.conns[0], "HTTP/1.1 200 OK\r\n\r\n");
-    RUN_UNTIL(net_upstream_idle(g_up) == 0);
+    RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
     RUN_UNTIL(g_peer.conns[0]->eof);
     x_free(&x);
 }
@@ -480,7 +480,7 @@ Test(net_client, streamed_request_body_goes_out_exactly_as_written)
     cr_assert_eq(memcmp(in->base + strlen(head), "5\r\nhello\r\n0\r\n\r\n", 15), 0);
     answer_ok(g_peer.conns[0], 1);
     x_expect(&x, NET_UP_OK);
-    cr_assert_eq(net_upstream_idle(g_up), 1, "a fully sent request keeps the connection");
+    cr_assert_eq(net_client_upstream_idle(g_up), 1, "a fully sent request keeps the connection");
     x_free(&x);
 }
 
@@ -522,7 +522,7 @@ Test(net_client, cancel_resets_the_connection_without_a_callback)
     RUN_UNTIL(g_peer.conns[0]->eof);
     run_idle();
     cr_assert(!x.done);
-    cr_assert_eq(net_upstream_idle(g_up), 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
     x_free(&x);
 }
 
@@ -540,7 +540,7 @@ Test(net_client, status_304_with_a_length_has_no_body_and_keeps_the_connection)
     x_get(&a);
     x_expect(&a, NET_UP_OK);
     cr_assert_eq(a.status, 304);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     g_peer.script = answer_ok;
     x_get(&b);
     x_expect(&b, NET_UP_OK);
@@ -564,7 +564,7 @@ Test(net_client, answer_before_the_request_body_ends_is_not_pooled)
     x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n", true, false);
     x_expect(&x, NET_UP_OK);
     cr_assert_eq(x.status, 413);
-    cr_assert_eq(net_upstream_idle(g_up), 0, "pooled with 100 body bytes still owed");
+    cr_assert_eq(net_client_upstream_idle(g_up), 0, "pooled with 100 body bytes still owed");
     RUN_UNTIL(g_peer.conns[0] == NULL || g_peer.conns[0]->eof);
     x_free(&x);
 }
@@ -593,7 +593,7 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     }
     cr_assert(net_creq_over(x.r), "never over high water after %zu bytes", sent);
     cr_assert_lt(sent, 64u << 20);
-    cr_assert_gt(net_creq_pending(x.r), 64 * 1024);
+    cr_assert_gt(net_client_creq_pending(x.r), 64 * 1024);
     cr_assert_eq(x.drains, 0);
     peer_conn_t *pc = g_peer.conns[0];
     uv_read_start((uv_stream_t *)&pc->tcp, peer_alloc, peer_read);

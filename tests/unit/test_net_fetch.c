@@ -318,6 +318,6 @@ Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
     cr_assert_eq(x.body.len, 11);
     cr_assert_eq(memcmp(x.body.base, "hello world", 11), 0);
     cr_assert_eq(memcmp(g_seen, "POST /echo\nhost: h\nhello world", 30), 0, "%s", g_seen);
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     dp_buf_free(&x.body);
 }

@@ -170,7 +170,7 @@ Test(net_tls, https_by_name_then_reused_over_keep_alive)
     cr_assert_eq(a.err, NET_UP_OK, "%s", a.detail);
     cr_assert_eq(a.status, 200);
     cr_assert_str_eq(a.body, "secure");
-    cr_assert_eq(net_upstream_idle(g_up), 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
     get(&b);
     cr_assert_eq(b.err, NET_UP_OK, "%s", b.detail);
     cr_assert_str_eq(b.body, "secure");
