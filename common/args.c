@@ -99,8 +99,11 @@ static void display_name(const dp_arg_t *o, char *out, size_t n)
 
 int dp_args_scan(const dp_args_t *spec, int argc, char **argv, void *out, char *why, size_t whylen)
 {
+    uint64_t seen = 0; /* bit k: opts[k] was given */
     assert(spec->nopts <= DP_ARGS_MAX_OPTS);
-    uint64_t seen = 0;
+    if (spec->nopts > DP_ARGS_MAX_OPTS) /* a table this long is a bug: never shift past 63 */
+        return dp_arg_fail(why, whylen, "%zu options in one table, at most %d", spec->nopts,
+                           DP_ARGS_MAX_OPTS);
     bool only_pos = false;
     why[0] = '\0';
     for (int i = 1; i < argc; i++) {
