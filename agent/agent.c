@@ -1,4 +1,4 @@
-/* `detproxy attest serve`: the replica-side attestation agent (SPEC §5).
+/* `detproxy attest serve`: the replica-side attestation agent (docs/attestation.md §4).
  *
  * It hashes the model directory off the event loop (uv_queue_work), then answers
  * GET /attestation?nonce=N with a freshly signed DSSE envelope of
@@ -13,13 +13,13 @@
  * With --framework-url the framework name and version come from the co-located server through
  * the same check the proxy runs on a native replica (probe/probe.h: the adapter's endpoints,
  * then a 1-token probe completion whose system_fingerprint goes into the payload as
- * engine_fingerprint, SPEC §5, so detproxy can check every response against it), one adapter
- * after the other until one names the framework, refreshed every --framework-refresh-ms, so a
- * restarted server on another version is reported as such. Not recognised: both are reported
- * null (unattested), never a stale value. Not answering at all (connection refused, timed out,
- * reset): GET /attestation answers 503 `framework_unreachable` naming the URL and the error, and
- * the agent retries after 100 ms, doubling up to 1 s, so an engine restart is seen within a
- * second.
+ * engine_fingerprint (docs/attestation.md §5, "The engine fingerprint"), so detproxy can check
+ * every response against it), one adapter after the other until one names the framework,
+ * refreshed every --framework-refresh-ms, so a restarted server on another version is reported
+ * as such. Not recognised: both are reported null (unattested), never a stale value. Not
+ * answering at all (connection refused, timed out, reset): GET /attestation answers 503
+ * `framework_unreachable` naming the URL and the error, and the agent retries after 100 ms,
+ * doubling up to 1 s, so an engine restart is seen within a second.
  *
  * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
  * happens on the loop thread only (common/log.h is single-threaded). */
@@ -39,11 +39,11 @@
 #include "agent/agent.h"
 #include "attest/adapters.h"
 #include "attest/check.h"
-#include "attest/cli.h"
 #include "attest/determinism.h"
 #include "attest/dsse.h"
 #include "attest/hash.h"
 #include "attest/oms.h"
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -183,7 +183,8 @@ static void job_progress_cb(const attest_progress_t *p, void *data)
     atomic_store(&j->bytes_total, p->bytes_total);
 }
 
-/* ---- OMS (--oms-bundle, SPEC §19) ---------------------------------------------------------- */
+/* ---- OMS (--oms-bundle, docs/attestation.md §9)
+ * ---------------------------------------------------------- */
 
 static void oms_done(agent_t *a, job_t *j)
 {
@@ -384,7 +385,8 @@ static void start_job(agent_t *a, bool full)
     }
 }
 
-/* ---- determinism (--determinism batch_invariant, SPEC §16) -------------------------------- */
+/* ---- determinism (--determinism batch_invariant, docs/attestation.md §10)
+ * -------------------------------- */
 
 static void det_set(agent_t *a, int rc, const char *why)
 {
@@ -730,118 +732,201 @@ static void on_signal(uv_signal_t *h, int signum)
 
 /* ---- options -------------------------------------------------------------------------------- */
 
-static const char serve_usage[] =
-    "usage: detproxy attest serve --listen ADDR --model-dir DIR --model NAME\n"
-    "           [--quantization Q] [--dtype D]\n"
-    "           (--framework NAME --framework-version V | --framework-url URL [--framework NAME])\n"
-    "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
-    "           [--framework-refresh-ms N] [--log-level L]\n"
-    "           [--oms-bundle FILE --oms-pubkey PEM]\n"
-    "           [--determinism batch_invariant [--determinism-pid PID | "
-    "--determinism-process NAME]]\n"
-    "\n"
-    "The replica-side attestation agent. Hashes DIR at start (off the event loop) and whenever a\n"
-    "file's size, mtime, ctime or inode changes, and answers GET /attestation?nonce=N with a DSSE\n"
-    "envelope signed by KEY.pem (Ed25519, from `detproxy attest keygen`). While hashing, or after\n"
-    "a change until the new hash is ready, it answers 503 and vouches for nothing.\n"
-    "\n"
-    "  --listen ADDR               host:port to listen on (numeric host, e.g. 0.0.0.0:9101)\n"
-    "  --model-dir DIR             the model directory the replica serves from\n"
-    "  --model NAME                the served model name (what clients send as \"model\")\n"
-    "  --quantization Q, --dtype D reported as given; omitted = not reported (unattested)\n"
-    "  --framework NAME            vllm, tgi, sglang or llamacpp\n"
-    "  --framework-version V       the serving framework's version\n"
-    "  --framework-url URL         read name and version from the co-located server instead\n"
-    "                              (its own metadata endpoints), re-read every refresh\n"
-    "  --framework-api-key-file F  bearer token for --framework-url (e.g. vLLM --api-key)\n"
-    "  --key KEY.pem               signing key; without it envelopes are unsigned (a proxy with\n"
-    "                              require_signature rejects them)\n"
-    "  --watch-interval-ms N       how often to look for changes (default 1000)\n"
-    "  --framework-refresh-ms N    how often to re-read --framework-url (default 10000;\n"
-    "                              after a failure: 100 ms, doubling up to 1 s)\n"
-    "  --log-level L               debug, info, warn, error (default info)\n"
-    "  --oms-bundle FILE           the publisher's OpenSSF Model Signing bundle: verified against\n"
-    "                              the directory at start and on every re-hash; the attestation\n"
-    "                              then carries oms {verified, signer, root_digest} (SPEC §19)\n"
-    "  --oms-pubkey PEM            the publisher's EC public key the bundle must verify with\n"
-    "  --determinism batch_invariant\n"
-    "                              attest determinism.mode (SPEC §16) when the co-located vLLM\n"
-    "                              runs with VLLM_BATCH_INVARIANT=1, read from its\n"
-    "                              /proc/PID/environ (needs a shared process namespace and the\n"
-    "                              server's uid or CAP_SYS_PTRACE; otherwise it says it cannot\n"
-    "                              tell, and the replica is not admitted as batch_invariant);\n"
-    "                              an SGLang or llama.cpp at --framework-url answers itself\n"
-    "  --determinism-pid PID       the vLLM server's pid (default: find it by name)\n"
-    "  --determinism-process NAME  the command to look for in /proc (default vllm: \"vllm ...\",\n"
-    "                              \"python3 .../vllm ...\" or \"python -m vllm....\"); every\n"
-    "                              match must have the variable on\n"
-    "  --tls-cert F, --tls-key F   serve over TLS (PEM certificate chain and key)\n"
-    "\n"
-    "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n";
+typedef struct {
+    const char *listen, *dir, *model, *quant, *dtype;
+    const char *fw_name, *fw_version, *fw_url, *fw_key_file, *key_path;
+    const char *tls_cert, *tls_key, *oms_bundle, *oms_pubkey;
+    const char *det_mode, *det_pid, *det_process;
+    uint64_t watch_ms, refresh_ms;
+    int log_level; /* -1: not given */
+} serve_opts_t;
 
-static int parse_ms(const char *flag, const char *v, uint32_t def, uint32_t *out)
+static int parse_log_level(void *dst, const char *v, char *why, size_t n)
 {
-    if (v == NULL) {
-        *out = def;
-        return 0;
-    }
-    uint64_t n;
-    if (dp_parse_u64(v, strlen(v), &n) != 0 || n < 10 || n > 86400000) {
-        fprintf(stderr,
-                "detproxy attest serve: %s: expected milliseconds in 10..86400000 "
-                "(try --help)\n",
-                flag);
-        return -1;
-    }
-    *out = (uint32_t)n;
+    int *level = dst;
+    *level = dp_log_level_parse(v);
+    if (*level < 0)
+        return dp_arg_fail(why, n, "expected debug, info, warn or error, got '%s'", v);
     return 0;
 }
+
+static const dp_arg_t serve_table[] = {
+    {.name = "--listen",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, listen),
+     .meta = "ADDR",
+     .help = "host:port to listen on (numeric host, e.g. 0.0.0.0:9101;\n"
+             "[v6]:port; port 0 picks a free one and logs it)",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--model-dir",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, dir),
+     .meta = "DIR",
+     .help = "the model directory the replica serves from",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--model",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, model),
+     .meta = "NAME",
+     .help = "the served model name (what clients send as \"model\")",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--quantization",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, quant),
+     .meta = "Q",
+     .help = "reported as given; omitted = not reported (unattested)"},
+    {.name = "--dtype",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, dtype),
+     .meta = "D",
+     .help = "reported as given; omitted = not reported (unattested)"},
+    {.name = "--framework",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, fw_name),
+     .meta = "NAME",
+     .help = "vllm, tgi, sglang or llamacpp"},
+    {.name = "--framework-version",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, fw_version),
+     .meta = "V",
+     .help = "the serving framework's version"},
+    {.name = "--framework-url",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, fw_url),
+     .meta = "URL",
+     .help = "read name and version from the co-located server instead\n"
+             "(its own metadata endpoints), re-read every refresh"},
+    {.name = "--framework-api-key-file",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, fw_key_file),
+     .meta = "F",
+     .help = "bearer token for --framework-url (e.g. vLLM --api-key)"},
+    {.name = "--key",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, key_path),
+     .meta = "KEY.pem",
+     .help = "signing key; without it envelopes are unsigned (a proxy\n"
+             "with require_signature rejects them)"},
+    {.name = "--watch-interval-ms",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(serve_opts_t, watch_ms),
+     .meta = "N",
+     .help = "how often to look for changes (default " DP_ARGS_STR(DEFAULT_WATCH_MS) ")",
+     .min = 10,
+     .max = 86400000},
+    {.name = "--framework-refresh-ms",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(serve_opts_t, refresh_ms),
+     .meta = "N",
+     .help = "how often to re-read --framework-url (default " DP_ARGS_STR(
+         DEFAULT_FW_REFRESH_MS) ";\n"
+                                "after a failure: 100 ms, doubling up to 1 s)",
+     .min = 10,
+     .max = 86400000},
+    {.name = "--log-level",
+     .kind = DP_ARG_CALL,
+     .off = offsetof(serve_opts_t, log_level),
+     .meta = "L",
+     .help = "debug, info, warn, error (default info)",
+     .cb = parse_log_level},
+    {.name = "--oms-bundle",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, oms_bundle),
+     .meta = "FILE",
+     .help = "the publisher's OpenSSF Model Signing bundle: verified\n"
+             "against the directory at start and on every re-hash; the\n"
+             "attestation then carries oms {verified, signer, root_digest}\n"
+             "(docs/attestation.md §9)"},
+    {.name = "--oms-pubkey",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, oms_pubkey),
+     .meta = "PEM",
+     .help = "the publisher's EC public key the bundle must verify with"},
+    {.name = "--determinism",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, det_mode),
+     .meta = "batch_invariant",
+     .help = "attest determinism.mode (docs/attestation.md §10) when the\n"
+             "co-located vLLM runs with VLLM_BATCH_INVARIANT=1, read from\n"
+             "its /proc/PID/environ (needs a shared process namespace and\n"
+             "the server's uid or CAP_SYS_PTRACE; otherwise it says it\n"
+             "cannot tell, and the replica is not admitted as\n"
+             "batch_invariant); an SGLang or llama.cpp at --framework-url\n"
+             "answers itself"},
+    {.name = "--determinism-pid",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, det_pid),
+     .meta = "PID",
+     .help = "the vLLM server's pid (default: find it by name)"},
+    {.name = "--determinism-process",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, det_process),
+     .meta = "NAME",
+     .help = "the command to look for in /proc (default vllm: \"vllm ...\",\n"
+             "\"python3 .../vllm ...\" or \"python -m vllm....\"); every match\n"
+             "must have the variable on"},
+    {.name = "--tls-cert",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, tls_cert),
+     .meta = "F",
+     .help = "serve over TLS: the PEM certificate chain (with --tls-key)"},
+    {.name = "--tls-key",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, tls_key),
+     .meta = "F",
+     .help = "and its PEM private key"},
+};
+
+static const dp_args_t serve_spec = {
+    .prog = "detproxy attest serve",
+    .usage = "detproxy attest serve --listen ADDR --model-dir DIR --model NAME\n"
+             "           [--quantization Q] [--dtype D]\n"
+             "           (--framework NAME --framework-version V | --framework-url URL "
+             "[--framework NAME])\n"
+             "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
+             "           [--framework-refresh-ms N] [--log-level L]\n"
+             "           [--oms-bundle FILE --oms-pubkey PEM] [--tls-cert F --tls-key F]\n"
+             "           [--determinism batch_invariant [--determinism-pid PID | "
+             "--determinism-process NAME]]",
+    .about =
+        "The replica-side attestation agent (docs/attestation.md §4). Hashes DIR at start (off\n"
+        "the event loop) and whenever a file's size, mtime, ctime or inode changes, and answers\n"
+        "GET /attestation?nonce=N with a DSSE envelope signed by KEY.pem (Ed25519, from\n"
+        "`detproxy attest keygen`). While hashing, or after a change until the new hash is\n"
+        "ready, it answers 503 and vouches for nothing.",
+    .opts = serve_table,
+    .nopts = DP_ARRAY_SIZE(serve_table),
+    .epilog = "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.",
+};
 
 static int parse_determinism(const char *mode, const char *pid, const char *process, pid_t *out)
 {
     if (mode == NULL) {
-        if (pid || process) {
-            fputs("detproxy attest serve: --determinism-pid and --determinism-process need "
-                  "--determinism batch_invariant (try --help)\n",
-                  stderr);
-            return -1;
-        }
+        if (pid || process)
+            return dp_args_usage_error(&serve_spec, "--determinism-pid and --determinism-process "
+                                                    "need --determinism batch_invariant");
         return 0;
     }
-    if (strcmp(mode, "batch_invariant") != 0) {
-        fprintf(stderr,
-                "detproxy attest serve: --determinism %s: expected batch_invariant "
-                "(single_sequence is enforced by the proxy, there is nothing to attest) "
-                "(try --help)\n",
-                mode);
-        return -1;
-    }
-    if (pid && process) {
-        fputs("detproxy attest serve: --determinism-pid and --determinism-process exclude each "
-              "other (try --help)\n",
-              stderr);
-        return -1;
-    }
+    if (strcmp(mode, "batch_invariant") != 0)
+        return dp_args_usage_error(&serve_spec,
+                                   "--determinism %s: expected batch_invariant (single_sequence "
+                                   "is enforced by the proxy, there is nothing to attest)",
+                                   mode);
+    if (pid && process)
+        return dp_args_usage_error(
+            &serve_spec, "--determinism-pid and --determinism-process exclude each other");
     if (pid) {
         char *end;
         errno = 0;
         long v = strtol(pid, &end, 10);
-        if (errno || *end || end == pid || v <= 0 || v > 0x3fffffff) {
-            fprintf(stderr,
-                    "detproxy attest serve: --determinism-pid %s: expected a process id "
-                    "(try --help)\n",
-                    pid);
-            return -1;
-        }
+        if (errno || *end || end == pid || v <= 0 || v > 0x3fffffff)
+            return dp_args_usage_error(&serve_spec, "--determinism-pid %s: expected a process id",
+                                       pid);
         *out = (pid_t)v;
     }
-    if (process && (process[0] == '\0' || strchr(process, '/'))) {
-        fprintf(stderr,
-                "detproxy attest serve: --determinism-process %s: expected a command name "
-                "without '/' (try --help)\n",
-                process);
-        return -1;
-    }
+    if (process && (process[0] == '\0' || strchr(process, '/')))
+        return dp_args_usage_error(
+            &serve_spec, "--determinism-process %s: expected a command name without '/'", process);
     return 0;
 }
 
@@ -876,112 +961,53 @@ static void warn_if_readable_by_others(const char *path, const char *what)
 
 int agent_cmd_serve(int argc, char **argv)
 {
-    const char *listen = NULL, *dir = NULL, *model = NULL, *quant = NULL, *dtype = NULL;
-    const char *fw_name = NULL, *fw_version = NULL, *fw_url = NULL, *fw_key_file = NULL;
-    const char *key_path = NULL, *watch_s = NULL, *refresh_s = NULL, *level_s = NULL;
-    const char *tls_cert = NULL, *tls_key = NULL, *oms_bundle = NULL, *oms_pubkey = NULL;
-    const char *det_mode = NULL, *det_pid = NULL, *det_process = NULL;
-    const attest_opt_t opts[] = {
-        {.name = "--listen", .has_value = true, .val = &listen},
-        {.name = "--model-dir", .has_value = true, .val = &dir},
-        {.name = "--model", .has_value = true, .val = &model},
-        {.name = "--quantization", .has_value = true, .val = &quant},
-        {.name = "--dtype", .has_value = true, .val = &dtype},
-        {.name = "--framework", .has_value = true, .val = &fw_name},
-        {.name = "--framework-version", .has_value = true, .val = &fw_version},
-        {.name = "--framework-url", .has_value = true, .val = &fw_url},
-        {.name = "--framework-api-key-file", .has_value = true, .val = &fw_key_file},
-        {.name = "--key", .has_value = true, .val = &key_path},
-        {.name = "--watch-interval-ms", .has_value = true, .val = &watch_s},
-        {.name = "--framework-refresh-ms", .has_value = true, .val = &refresh_s},
-        {.name = "--log-level", .has_value = true, .val = &level_s},
-        {.name = "--tls-cert", .has_value = true, .val = &tls_cert},
-        {.name = "--tls-key", .has_value = true, .val = &tls_key},
-        {.name = "--oms-bundle", .has_value = true, .val = &oms_bundle},
-        {.name = "--oms-pubkey", .has_value = true, .val = &oms_pubkey},
-        {.name = "--determinism", .has_value = true, .val = &det_mode},
-        {.name = "--determinism-pid", .has_value = true, .val = &det_pid},
-        {.name = "--determinism-process", .has_value = true, .val = &det_process},
-    };
-    const char *pos[1];
-    size_t npos;
-    int pr = attest_parse_args("serve", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
-    if (pr == 1) {
-        fputs(serve_usage, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (pr < 0)
-        return ATTEST_EXIT_USAGE;
+    serve_opts_t o = {
+        .watch_ms = DEFAULT_WATCH_MS, .refresh_ms = DEFAULT_FW_REFRESH_MS, .log_level = -1};
+    int pr = dp_args_parse(&serve_spec, argc, argv, &o);
+    if (pr != 0)
+        return dp_args_exit(pr);
+    const char *listen = o.listen, *dir = o.dir, *model = o.model;
+    const char *fw_name = o.fw_name, *fw_version = o.fw_version, *fw_url = o.fw_url;
+    const char *key_path = o.key_path, *oms_bundle = o.oms_bundle, *oms_pubkey = o.oms_pubkey;
+    const char *det_mode = o.det_mode, *det_process = o.det_process;
+    const char *fw_key_file = o.fw_key_file, *tls_cert = o.tls_cert, *tls_key = o.tls_key;
 
-    const char *missing = !listen ? "--listen" : !dir ? "--model-dir" : !model ? "--model" : NULL;
-    if (missing) {
-        fprintf(stderr, "detproxy attest serve: %s is required (try --help)\n", missing);
-        return ATTEST_EXIT_USAGE;
-    }
-    if (fw_url == NULL && (fw_name == NULL || fw_version == NULL)) {
-        fputs("detproxy attest serve: give --framework and --framework-version, or "
-              "--framework-url (try --help)\n",
-              stderr);
-        return ATTEST_EXIT_USAGE;
-    }
-    if (fw_url && fw_version) {
-        fputs("detproxy attest serve: --framework-version and --framework-url exclude each "
-              "other (try --help)\n",
-              stderr);
-        return ATTEST_EXIT_USAGE;
-    }
+    if (fw_url == NULL && (fw_name == NULL || fw_version == NULL))
+        return dp_args_usage_error(&serve_spec,
+                                   "give --framework and --framework-version, or --framework-url");
+    if (fw_url && fw_version)
+        return dp_args_usage_error(&serve_spec,
+                                   "--framework-version and --framework-url exclude each other");
     const attest_adapter_t *only = NULL;
-    if (fw_url && fw_name && (only = attest_adapter_by_name(fw_name)) == NULL) {
-        fprintf(stderr,
-                "detproxy attest serve: --framework %s: with --framework-url it must be "
-                "vllm, tgi, sglang or llamacpp (try --help)\n",
-                fw_name);
-        return ATTEST_EXIT_USAGE;
-    }
+    if (fw_url && fw_name && (only = attest_adapter_by_name(fw_name)) == NULL)
+        return dp_args_usage_error(&serve_spec,
+                                   "--framework %s: with --framework-url it must be vllm, tgi, "
+                                   "sglang or llamacpp",
+                                   fw_name);
     pid_t det_pidv = 0;
-    if (parse_determinism(det_mode, det_pid, det_process, &det_pidv) != 0)
-        return ATTEST_EXIT_USAGE;
-    if ((tls_cert == NULL) != (tls_key == NULL)) {
-        fputs("detproxy attest serve: --tls-cert and --tls-key go together (try --help)\n", stderr);
-        return ATTEST_EXIT_USAGE;
-    }
+    if (parse_determinism(det_mode, o.det_pid, det_process, &det_pidv) != 0)
+        return DP_EXIT_USAGE;
+    if ((tls_cert == NULL) != (tls_key == NULL))
+        return dp_args_usage_error(&serve_spec, "--tls-cert and --tls-key go together");
     cfg_addr_t addr = {0};
     const char *why = NULL;
-    if (cfg_parse_addr(listen, &addr, &why) != 0) {
-        fprintf(stderr, "detproxy attest serve: --listen %s: %s (try --help)\n", listen,
-                why ? why : "invalid address");
-        return ATTEST_EXIT_USAGE;
-    }
-    uint32_t watch_ms = 0, refresh_ms = 0;
-    if (parse_ms("--watch-interval-ms", watch_s, DEFAULT_WATCH_MS, &watch_ms) != 0 ||
-        parse_ms("--framework-refresh-ms", refresh_s, DEFAULT_FW_REFRESH_MS, &refresh_ms) != 0) {
-        free(addr.host);
-        return ATTEST_EXIT_USAGE;
-    }
-    if (level_s) {
-        int lvl = dp_log_level_parse(level_s);
-        if (lvl < 0) {
-            fprintf(stderr,
-                    "detproxy attest serve: --log-level %s: expected debug, info, warn "
-                    "or error (try --help)\n",
-                    level_s);
-            free(addr.host);
-            return ATTEST_EXIT_USAGE;
-        }
-        dp_log_set_level((dp_log_level_t)lvl);
-    }
+    if (cfg_parse_addr(listen, &addr, &why) != 0)
+        return dp_args_usage_error(&serve_spec, "--listen %s: %s", listen,
+                                   why ? why : "invalid address");
+    if (o.log_level >= 0)
+        dp_log_set_level((dp_log_level_t)o.log_level);
 
-    int rc = ATTEST_EXIT_RUNTIME;
+    int rc = DP_EXIT_RUNTIME;
     agent_t *a = dp_xcalloc(1, sizeof(*a));
     dp_buf_t err = {0};
     bool loop_up = false;
     a->dir = dp_xstrdup(dir);
-    a->watch_ms = watch_ms;
-    a->fw_refresh_ms = refresh_ms;
+    a->watch_ms = (uint32_t)o.watch_ms;
+    a->fw_refresh_ms = (uint32_t)o.refresh_ms;
     snprintf(a->ident.source, sizeof(a->ident.source), "agent");
     attest_report_set(&a->ident, ATTEST_F_MODEL, model);
-    attest_report_set(&a->ident, ATTEST_F_QUANTIZATION, quant);
-    attest_report_set(&a->ident, ATTEST_F_DTYPE, dtype);
+    attest_report_set(&a->ident, ATTEST_F_QUANTIZATION, o.quant);
+    attest_report_set(&a->ident, ATTEST_F_DTYPE, o.dtype);
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_NAME, fw_url ? NULL : fw_name);
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_VERSION, fw_version);
     set_not_ready(a, ST_HASHING, "hashing the model directory");
@@ -1012,13 +1038,13 @@ int agent_cmd_serve(int argc, char **argv)
     if (!oms_bundle != !oms_pubkey) {
         fputs("detproxy attest serve: --oms-bundle and --oms-pubkey go together (try --help)\n",
               stderr);
-        rc = ATTEST_EXIT_USAGE;
+        rc = DP_EXIT_USAGE;
         goto out;
     }
     if (oms_pubkey) {
         if (oms_trust_load_pubkey(&a->oms_trust, oms_pubkey, &err) != 0) {
             fprintf(stderr, "detproxy attest serve: --oms-pubkey %s\n", err.base);
-            rc = ATTEST_EXIT_USAGE;
+            rc = DP_EXIT_USAGE;
             goto out;
         }
         a->oms_bundle = dp_xstrdup(oms_bundle);
@@ -1027,14 +1053,14 @@ int agent_cmd_serve(int argc, char **argv)
         if (cfg_parse_url(fw_url, &a->fw.url, &why) != 0) {
             fprintf(stderr, "detproxy attest serve: --framework-url %s: %s\n", fw_url,
                     why ? why : "invalid URL");
-            rc = ATTEST_EXIT_USAGE;
+            rc = DP_EXIT_USAGE;
             goto out;
         }
         if (a->fw.url.tls) {
             fputs("detproxy attest serve: --framework-url: use http:// to the co-located server "
                   "(it is reached over loopback or the pod network)\n",
                   stderr);
-            rc = ATTEST_EXIT_USAGE;
+            rc = DP_EXIT_USAGE;
             goto out;
         }
         a->fw.only = only;
@@ -1067,7 +1093,7 @@ int agent_cmd_serve(int argc, char **argv)
         if (tc == NULL) {
             fprintf(stderr, "detproxy attest serve: --tls-cert/--tls-key: %s\n", terr.base);
             dp_buf_free(&terr);
-            rc = ATTEST_EXIT_RUNTIME;
+            rc = DP_EXIT_RUNTIME;
             goto out;
         }
         net_server_set_tls(a->srv, tc);
@@ -1134,7 +1160,7 @@ int agent_cmd_serve(int argc, char **argv)
     start_job(a, true);
     uv_run(&a->loop, UV_RUN_DEFAULT);
     log_kv(DP_LOG_INFO, "stopped", NULL, NULL, NULL, NULL);
-    rc = ATTEST_EXIT_OK;
+    rc = DP_EXIT_OK;
 out:
     if (loop_up && uv_loop_close(&a->loop) != 0)
         log_kv(DP_LOG_WARN, "loop_not_empty_at_exit", NULL, NULL, NULL, NULL);

@@ -1,6 +1,6 @@
-/* `detproxy attest hash|keygen|verify|oms`: the offline tools around attestation. Exit codes per
- * SPEC §2: 0 ok, 1 verification or match failed, 2 usage, 3 runtime failure. Results go to
- * stdout, diagnostics to stderr. */
+/* `detproxy attest hash|keygen|verify|oms`: the offline tools around attestation. Exit codes
+ * (docs/README.md, "Commands"): 0 ok, 1 verification or match failed, 2 usage, 3 runtime
+ * failure. Results go to stdout, diagnostics to stderr. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,75 +12,10 @@
 #include "attest/dsse.h"
 #include "attest/hash.h"
 #include "attest/match.h"
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
-
-/* ---- argument parsing ----------------------------------------------------------------------- */
-
-static int usage_error(const char *cmd, const char *fmt, const char *arg)
-{
-    fprintf(stderr, "detproxy attest %s: ", cmd);
-    fprintf(stderr, fmt, arg);
-    fputs(" (try --help)\n", stderr);
-    return -1;
-}
-
-int attest_parse_args(const char *cmd, int argc, char **argv, const attest_opt_t *opts,
-                      size_t nopts, const char **pos, size_t maxpos, size_t *npos)
-{
-    *npos = 0;
-    bool only_pos = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!only_pos && strcmp(a, "--") == 0) {
-            only_pos = true;
-            continue;
-        }
-        if (only_pos || a[0] != '-' || a[1] == '\0') {
-            if (*npos == maxpos)
-                return usage_error(cmd, "unexpected argument '%s'", a);
-            pos[(*npos)++] = a;
-            continue;
-        }
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
-            return 1;
-        const char *eq = strchr(a, '=');
-        size_t nlen = eq ? (size_t)(eq - a) : strlen(a);
-        const attest_opt_t *o = NULL;
-        for (size_t k = 0; k < nopts; k++)
-            if (strlen(opts[k].name) == nlen && strncmp(opts[k].name, a, nlen) == 0)
-                o = &opts[k];
-        if (o == NULL) {
-            /* Name only: the value of a mistyped --secret=... must not end up in a log. */
-            char name[64];
-            snprintf(name, sizeof(name), "%.*s", (int)(nlen < 63 ? nlen : 63), a);
-            return usage_error(cmd, "unknown option '%s'", name);
-        }
-        if (!o->has_value) {
-            if (eq)
-                return usage_error(cmd, "%s takes no value", o->name);
-            *o->set = true;
-            continue;
-        }
-        const char *v = eq ? eq + 1 : NULL;
-        if (v == NULL) {
-            if (i + 1 >= argc)
-                return usage_error(cmd, "%s needs a value", o->name);
-            v = argv[++i];
-        }
-        if (v[0] == '\0')
-            return usage_error(cmd, "%s: empty value", o->name);
-        if (o->vals) {
-            if (*o->nvals == o->max_vals)
-                return usage_error(cmd, "%s given too many times", o->name);
-            o->vals[(*o->nvals)++] = v;
-        } else {
-            *o->val = v;
-        }
-    }
-    return 0;
-}
 
 /* ---- hash ----------------------------------------------------------------------------------- */
 
@@ -129,60 +64,70 @@ static void hash_progress_cb(const attest_progress_t *p, void *data)
     print_progress(p, pr, false);
 }
 
-static const char hash_usage[] =
-    "usage: detproxy attest hash [--list] [--progress | --no-progress] DIR\n"
-    "\n"
-    "Print the checkpoint hash of the model directory DIR (SPEC §5): SHA-256 over one line\n"
-    "\"<sha256>  <path>\\n\" per regular file (symlinks followed, dot-names skipped, sorted\n"
-    "bytewise). Reproduce it with coreutils:\n"
-    "  cd DIR && find -L . -type f ! -path '*/.*' -printf '%P\\n' | LC_ALL=C sort \\\n"
-    "    | xargs -d '\\n' sha256sum | sha256sum\n"
-    "\n"
-    "  --list          print the per-file lines instead (pipe them to sha256sum for the hash)\n"
-    "  --progress      always show progress on stderr (default: only above 256 MiB)\n"
-    "  --no-progress   never show progress\n"
-    "\n"
-    "Exit codes: 0 ok, 2 usage error, 3 the directory could not be hashed.\n";
+typedef struct {
+    bool list, progress, no_progress;
+    const char *dir_store[1];
+    dp_arg_list_t dir;
+} hash_opts_t;
+
+static const dp_arg_t hash_table[] = {
+    {.name = "--list",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(hash_opts_t, list),
+     .help = "print the per-file lines instead (pipe them to sha256sum for the hash)"},
+    {.name = "--progress",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(hash_opts_t, progress),
+     .help = "always show progress on stderr (default: only above 256 MiB)"},
+    {.name = "--no-progress",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(hash_opts_t, no_progress),
+     .help = "never show progress"},
+};
+
+static const dp_args_t hash_spec = {
+    .prog = "detproxy attest hash",
+    .usage = "detproxy attest hash [--list] [--progress | --no-progress] DIR",
+    .about =
+        "Print the checkpoint hash of the model directory DIR (docs/attestation.md §1): SHA-256\n"
+        "over one line \"<sha256>  <path>\\n\" per regular file (symlinks followed, dot-names\n"
+        "skipped, sorted bytewise). Reproduce it with coreutils:\n"
+        "  cd DIR && find -L . -type f ! -path '*/.*' -printf '%P\\n' | LC_ALL=C sort \\\n"
+        "    | xargs -d '\\n' sha256sum | sha256sum",
+    .opts = hash_table,
+    .nopts = DP_ARRAY_SIZE(hash_table),
+    .epilog = "Exit codes: 0 ok, 2 usage error, 3 the directory could not be hashed.",
+    .positional = true,
+    .pos_off = offsetof(hash_opts_t, dir),
+};
 
 static int cmd_hash(int argc, char **argv)
 {
-    bool list = false;
-    progress_t pr = {0};
-    const attest_opt_t opts[] = {
-        {.name = "--list", .set = &list},
-        {.name = "--progress", .set = &pr.force},
-        {.name = "--no-progress", .set = &pr.never},
-    };
-    const char *pos[1];
-    size_t npos;
-    int r = attest_parse_args("hash", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 1, &npos);
-    if (r == 1) {
-        fputs(hash_usage, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (r < 0)
-        return ATTEST_EXIT_USAGE;
-    if (npos != 1) {
-        usage_error("hash", "%s", "expected one directory");
-        return ATTEST_EXIT_USAGE;
-    }
+    hash_opts_t o = {0};
+    o.dir = DP_ARG_LIST_OF(o.dir_store);
+    int r = dp_args_parse(&hash_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    if (o.dir.n != 1)
+        return dp_args_usage_error(&hash_spec, "expected one directory");
+    progress_t pr = {.force = o.progress, .never = o.no_progress};
     pr.tty = isatty(2);
     pr.start_ns = pr.last_ns = dp_now_ns();
     attest_hash_opts_t ho = {.progress = hash_progress_cb, .progress_data = &pr};
     char hex[65];
     dp_buf_t lines = {0}, err = {0};
-    int rc = attest_hash_dir(pos[0], &ho, hex, NULL, list ? &lines : NULL, &err);
+    int rc = attest_hash_dir(o.dir.items[0], &ho, hex, NULL, o.list ? &lines : NULL, &err);
     if (rc != 0) {
         if (pr.shown && pr.tty)
             fputc('\n', stderr);
         fprintf(stderr, "detproxy attest hash: %s\n", err.base ? err.base : strerror(-rc));
-        r = ATTEST_EXIT_RUNTIME;
+        r = DP_EXIT_RUNTIME;
     } else {
-        if (list)
+        if (o.list)
             fwrite(lines.base ? lines.base : "", 1, lines.len, stdout);
         else
             printf("%s\n", hex);
-        r = fflush(stdout) == 0 ? ATTEST_EXIT_OK : ATTEST_EXIT_RUNTIME;
+        r = fflush(stdout) == 0 ? DP_EXIT_OK : DP_EXIT_RUNTIME;
     }
     dp_buf_free(&lines);
     dp_buf_free(&err);
@@ -191,62 +136,104 @@ static int cmd_hash(int argc, char **argv)
 
 /* ---- keygen --------------------------------------------------------------------------------- */
 
-static const char keygen_usage[] =
-    "usage: detproxy attest keygen --out PREFIX\n"
-    "\n"
-    "Write a new Ed25519 key pair: PREFIX.key.pem (PKCS#8, mode 0600; give it to the agent's\n"
-    "--key) and PREFIX.pub.pem (SubjectPublicKeyInfo; list it in attestation.trusted_keys).\n"
-    "Existing files are never overwritten. Prints the key id (hex SHA-256 of the public key\n"
-    "DER), the keyid that signed envelopes carry.\n"
-    "\n"
-    "Exit codes: 0 ok, 2 usage error, 3 the files could not be written.\n";
+typedef struct {
+    const char *out;
+} keygen_opts_t;
+
+static const dp_arg_t keygen_table[] = {
+    {.name = "--out",
+     .kind = DP_ARG_STR,
+     .off = offsetof(keygen_opts_t, out),
+     .meta = "PREFIX",
+     .help = "write PREFIX.key.pem and PREFIX.pub.pem",
+     .flags = DP_ARG_REQUIRED},
+};
+
+static const dp_args_t keygen_spec = {
+    .prog = "detproxy attest keygen",
+    .usage = "detproxy attest keygen --out PREFIX",
+    .about =
+        "Write a new Ed25519 key pair: PREFIX.key.pem (PKCS#8, mode 0600; give it to the agent's\n"
+        "--key) and PREFIX.pub.pem (SubjectPublicKeyInfo; list it in attestation.trusted_keys).\n"
+        "Existing files are never overwritten. Prints the key id (hex SHA-256 of the public key\n"
+        "DER), the keyid that signed envelopes carry.",
+    .opts = keygen_table,
+    .nopts = DP_ARRAY_SIZE(keygen_table),
+    .epilog = "Exit codes: 0 ok, 2 usage error, 3 the files could not be written.",
+};
 
 static int cmd_keygen(int argc, char **argv)
 {
-    const char *out = NULL;
-    const attest_opt_t opts[] = {{.name = "--out", .has_value = true, .val = &out}};
-    const char *pos[1];
-    size_t npos;
-    int r = attest_parse_args("keygen", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
-    if (r == 1) {
-        fputs(keygen_usage, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (r < 0)
-        return ATTEST_EXIT_USAGE;
-    if (out == NULL) {
-        usage_error("keygen", "%s", "--out PREFIX is required");
-        return ATTEST_EXIT_USAGE;
-    }
+    keygen_opts_t o = {0};
+    int r = dp_args_parse(&keygen_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    const char *out = o.out;
     char id[65];
     dp_buf_t err = {0};
     if (attest_keygen(out, id, &err) != 0) {
         fprintf(stderr, "detproxy attest keygen: %s\n", err.base ? err.base : "failed");
         dp_buf_free(&err);
-        return ATTEST_EXIT_RUNTIME;
+        return DP_EXIT_RUNTIME;
     }
     printf("wrote %s.key.pem (private, mode 0600) and %s.pub.pem\nkeyid %s\n", out, out, id);
     dp_buf_free(&err);
-    return ATTEST_EXIT_OK;
+    return DP_EXIT_OK;
 }
 
 /* ---- verify --------------------------------------------------------------------------------- */
 
 #define MAX_PUBKEYS 16
 
-static const char verify_usage[] =
-    "usage: detproxy attest verify --envelope FILE --pubkey PEM [--pubkey PEM ...]\n"
-    "                              [--manifest FILE] [--nonce N] [--json]\n"
-    "\n"
-    "Verify a signed attestation offline: the DSSE envelope's Ed25519 signature by one of the\n"
-    "trusted public keys, the payload's shape, and with --nonce that it answers that nonce.\n"
-    "With --manifest, also check the attested identity against the pinned manifest (SPEC §4;\n"
-    "the canary is behavioural and cannot be checked offline). FILE may be - for stdin.\n"
-    "\n"
-    "  --json   print {verified, reason, attestation, manifest} as one JSON object\n"
-    "\n"
-    "Exit codes: 0 verified (and matched), 1 verification or manifest match failed,\n"
-    "2 usage error, 3 a file could not be read or parsed.\n";
+typedef struct {
+    const char *envelope, *manifest, *nonce;
+    const char *pubkey_store[MAX_PUBKEYS];
+    dp_arg_list_t pubkeys;
+    bool json;
+} verify_opts_t;
+
+static const dp_arg_t verify_table[] = {
+    {.name = "--envelope",
+     .kind = DP_ARG_STR,
+     .off = offsetof(verify_opts_t, envelope),
+     .meta = "FILE",
+     .help = "the signed attestation (DSSE envelope JSON)"},
+    {.name = "--pubkey",
+     .kind = DP_ARG_LIST,
+     .off = offsetof(verify_opts_t, pubkeys),
+     .meta = "PEM",
+     .help = "a trusted Ed25519 public key (repeatable, up to " DP_ARGS_STR(MAX_PUBKEYS) ")"},
+    {.name = "--manifest",
+     .kind = DP_ARG_STR,
+     .off = offsetof(verify_opts_t, manifest),
+     .meta = "FILE",
+     .help = "also match the attested identity against this manifest"},
+    {.name = "--nonce",
+     .kind = DP_ARG_STR,
+     .off = offsetof(verify_opts_t, nonce),
+     .meta = "N",
+     .help = "the nonce the attestation must answer"},
+    {.name = "--json",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(verify_opts_t, json),
+     .help = "print {verified, reason, attestation, manifest} as one JSON object"},
+};
+
+static const dp_args_t verify_spec = {
+    .prog = "detproxy attest verify",
+    .usage = "detproxy attest verify --envelope FILE --pubkey PEM [--pubkey PEM ...]\n"
+             "                              [--manifest FILE] [--nonce N] [--json]",
+    .about =
+        "Verify a signed attestation offline: the DSSE envelope's Ed25519 signature by one of the\n"
+        "trusted public keys, the payload's shape, and with --nonce that it answers that nonce.\n"
+        "With --manifest, also check the attested identity against the pinned manifest\n"
+        "(docs/configuration.md, \"Manifest\"; the canary is behavioural and cannot be checked\n"
+        "offline). FILE may be - for stdin.",
+    .opts = verify_table,
+    .nopts = DP_ARRAY_SIZE(verify_table),
+    .epilog = "Exit codes: 0 verified (and matched), 1 verification or manifest match failed,\n"
+              "2 usage error, 3 a file could not be read or parsed.",
+};
 
 static int read_input(const char *path, size_t max, dp_buf_t *out)
 {
@@ -265,36 +252,17 @@ static void print_field(const char *label, const char *v, const char *note)
 
 static int cmd_verify(int argc, char **argv)
 {
-    const char *env_path = NULL, *manifest_path = NULL, *nonce = NULL;
-    const char *pubkeys[MAX_PUBKEYS];
-    size_t npub = 0;
-    bool json = false;
-    const attest_opt_t opts[] = {
-        {.name = "--envelope", .has_value = true, .val = &env_path},
-        {.name = "--pubkey",
-         .has_value = true,
-         .vals = pubkeys,
-         .nvals = &npub,
-         .max_vals = MAX_PUBKEYS},
-        {.name = "--manifest", .has_value = true, .val = &manifest_path},
-        {.name = "--nonce", .has_value = true, .val = &nonce},
-        {.name = "--json", .set = &json},
-    };
-    const char *pos[1];
-    size_t npos;
-    int r = attest_parse_args("verify", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
-    if (r == 1) {
-        fputs(verify_usage, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (r < 0)
-        return ATTEST_EXIT_USAGE;
-    if (env_path == NULL || npub == 0) {
-        usage_error("verify", "%s", "--envelope FILE and at least one --pubkey PEM are required");
-        return ATTEST_EXIT_USAGE;
-    }
+    verify_opts_t o = {0};
+    o.pubkeys = DP_ARG_LIST_OF(o.pubkey_store);
+    int r = dp_args_parse(&verify_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    if (o.envelope == NULL || o.pubkeys.n == 0)
+        return dp_args_usage_error(&verify_spec,
+                                   "--envelope FILE and at least one --pubkey PEM are required");
+    const char *env_path = o.envelope, *manifest_path = o.manifest, *nonce = o.nonce;
 
-    int rc = ATTEST_EXIT_RUNTIME;
+    int rc = DP_EXIT_RUNTIME;
     attest_keyset_t ks = {0};
     dp_buf_t env = {0}, mjson = {0}, err = {0}, why = {0}, out = {0};
     cfg_manifest_t *m = NULL;
@@ -302,9 +270,9 @@ static int cmd_verify(int argc, char **argv)
     attest_report_t rep = {0};
     attest_reasons_t mism = {0};
 
-    for (size_t i = 0; i < npub; i++) {
+    for (size_t i = 0; i < o.pubkeys.n; i++) {
         dp_buf_reset(&err);
-        if (attest_keyset_add_file(&ks, pubkeys[i], &err) != 0) {
+        if (attest_keyset_add_file(&ks, o.pubkeys.items[i], &err) != 0) {
             fprintf(stderr, "detproxy attest verify: --pubkey %s\n", err.base);
             goto out;
         }
@@ -337,9 +305,9 @@ static int cmd_verify(int argc, char **argv)
     attest_verify_opts_t vo = {.trusted = &ks, .require_signature = true, .expected_nonce = nonce};
     bool verified = attest_envelope_verify(env.base ? env.base : "", env.len, &vo, &rep, &why) == 0;
     int nmis = verified && m ? attest_manifest_match(m, &rep, &mism) : 0;
-    rc = verified && nmis == 0 ? ATTEST_EXIT_OK : ATTEST_EXIT_FAILED;
+    rc = verified && nmis == 0 ? DP_EXIT_OK : DP_EXIT_FAILED;
 
-    if (json) {
+    if (o.json) {
         dp_jw_t w;
         dp_jw_init(&w, &out);
         dp_jw_obj_begin(&w, NULL);
@@ -432,12 +400,12 @@ int attest_cmd_main(int argc, char **argv)
 {
     if (argc < 2) {
         fputs(attest_usage, stderr);
-        return ATTEST_EXIT_USAGE;
+        return DP_EXIT_USAGE;
     }
     const char *sub = argv[1];
     if (strcmp(sub, "--help") == 0 || strcmp(sub, "-h") == 0 || strcmp(sub, "help") == 0) {
         fputs(attest_usage, stdout);
-        return ATTEST_EXIT_OK;
+        return DP_EXIT_OK;
     }
     if (strcmp(sub, "hash") == 0)
         return cmd_hash(argc - 1, argv + 1);
@@ -449,5 +417,5 @@ int attest_cmd_main(int argc, char **argv)
         return attest_oms_main(argc - 1, argv + 1);
     /* `serve` (agent/) and `canary` (diagnose/) are dispatched by main.c: they need net/. */
     fprintf(stderr, "detproxy attest: unknown command '%s' (try --help)\n", sub);
-    return ATTEST_EXIT_USAGE;
+    return DP_EXIT_USAGE;
 }

@@ -1,38 +1,69 @@
 /* `detproxy attest oms verify`: verify an OpenSSF Model Signing bundle against a model
- * directory offline (SPEC §19). One line per finding; exit 0 verified, 1 not, 2 usage, 3 a
- * file could not be read. */
+ * directory offline (docs/attestation.md §9). One line per finding; exit 0 verified, 1 not,
+ * 2 usage, 3 a file could not be read. */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "attest/cli.h"
 #include "attest/oms.h"
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"
 
-static const char oms_verify_usage[] =
-    "usage: detproxy attest oms verify --model-dir DIR --bundle FILE\n"
-    "           (--pubkey PEM | --ca-file PEM) [--json]\n"
-    "\n"
-    "Verify an OpenSSF Model Signing v1.0 bundle (what `model_signing sign` writes, e.g.\n"
-    "model.sig) against the model directory DIR: the signature, the statement and predicate,\n"
-    "then every file as the bundle's serialization records it (files or shards, ignore paths,\n"
-    "symlink policy; .git, .gitignore, .gitattributes, .github and the bundle itself are\n"
-    "never model files).\n"
-    "\n"
-    "  --model-dir DIR  the model directory\n"
-    "  --bundle FILE    the OMS bundle (Sigstore bundle v0.3 JSON)\n"
-    "  --pubkey PEM     the publisher's EC public key (P-256, P-384, P-521): method \"key\"\n"
-    "  --ca-file PEM    CA certificates the signing certificate must chain to: method\n"
-    "                   \"certificate\"\n"
-    "  --json           one JSON object instead of lines\n"
-    "\n"
-    "Keyless (method \"sigstore\") bundles need the Sigstore trust root and Rekor and are not\n"
-    "supported offline: they are refused.\n"
-    "\n"
-    "Prints \"verified: method M, signer S, root_digest R, N resources\" or one line per\n"
-    "finding (\"changed file: P (...)\", \"extra file (not in the bundle): P\",\n"
-    "\"missing file: P\", \"signature: ...\").\n"
-    "Exit codes: 0 verified, 1 not verified, 2 usage error, 3 a file could not be read.\n";
+typedef struct {
+    const char *dir, *bundle, *pubkey, *ca;
+    bool json;
+} oms_opts_t;
+
+static const dp_arg_t oms_verify_table[] = {
+    {.name = "--model-dir",
+     .kind = DP_ARG_STR,
+     .off = offsetof(oms_opts_t, dir),
+     .meta = "DIR",
+     .help = "the model directory"},
+    {.name = "--bundle",
+     .kind = DP_ARG_STR,
+     .off = offsetof(oms_opts_t, bundle),
+     .meta = "FILE",
+     .help = "the OMS bundle (Sigstore bundle v0.3 JSON)"},
+    {.name = "--pubkey",
+     .kind = DP_ARG_STR,
+     .off = offsetof(oms_opts_t, pubkey),
+     .meta = "PEM",
+     .help = "the publisher's EC public key (P-256, P-384, P-521): method \"key\""},
+    {.name = "--ca-file",
+     .kind = DP_ARG_STR,
+     .off = offsetof(oms_opts_t, ca),
+     .meta = "PEM",
+     .help = "CA certificates the signing certificate must chain to: method\n\"certificate\""},
+    {.name = "--json",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(oms_opts_t, json),
+     .help = "one JSON object instead of lines"},
+};
+
+static const dp_args_t oms_verify_spec = {
+    .prog = "detproxy attest oms verify",
+    .usage = "detproxy attest oms verify --model-dir DIR --bundle FILE\n"
+             "           (--pubkey PEM | --ca-file PEM) [--json]",
+    .about =
+        "Verify an OpenSSF Model Signing v1.0 bundle (what `model_signing sign` writes, e.g.\n"
+        "model.sig) against the model directory DIR: the signature, the statement and predicate,\n"
+        "then every file as the bundle's serialization records it (files or shards, ignore paths,\n"
+        "symlink policy; .git, .gitignore, .gitattributes, .github and the bundle itself are\n"
+        "never model files).",
+    .opts = oms_verify_table,
+    .nopts = DP_ARRAY_SIZE(oms_verify_table),
+    .epilog =
+        "Keyless (method \"sigstore\") bundles need the Sigstore trust root and Rekor and are not\n"
+        "supported offline: they are refused.\n"
+        "\n"
+        "Prints \"verified: method M, signer S, root_digest R, N resources\" or one line per\n"
+        "finding (\"changed file: P (...)\", \"extra file (not in the bundle): P\",\n"
+        "\"missing file: P\", \"signature: ...\").\n"
+        "Exit codes: 0 verified, 1 not verified, 2 usage error, 3 a file could not be read.",
+};
 
 static void print_json(const oms_result_t *r)
 {
@@ -65,30 +96,15 @@ static void print_json(const oms_result_t *r)
 
 static int cmd_oms_verify(int argc, char **argv)
 {
-    const char *dir = NULL, *bundle = NULL, *pubkey = NULL, *ca = NULL;
-    bool json = false;
-    const attest_opt_t opts[] = {
-        {.name = "--model-dir", .has_value = true, .val = &dir},
-        {.name = "--bundle", .has_value = true, .val = &bundle},
-        {.name = "--pubkey", .has_value = true, .val = &pubkey},
-        {.name = "--ca-file", .has_value = true, .val = &ca},
-        {.name = "--json", .set = &json},
-    };
-    const char *pos[1];
-    size_t npos;
-    int r = attest_parse_args("oms verify", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
-    if (r == 1) {
-        fputs(oms_verify_usage, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (r < 0)
-        return ATTEST_EXIT_USAGE;
-    if (!dir || !bundle || (!pubkey && !ca)) {
-        fputs("detproxy attest oms verify: --model-dir, --bundle and one of --pubkey or "
-              "--ca-file are required (try --help)\n",
-              stderr);
-        return ATTEST_EXIT_USAGE;
-    }
+    oms_opts_t o = {0};
+    int r = dp_args_parse(&oms_verify_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    if (!o.dir || !o.bundle || (!o.pubkey && !o.ca))
+        return dp_args_usage_error(
+            &oms_verify_spec,
+            "--model-dir, --bundle and one of --pubkey or --ca-file are required");
+    const char *dir = o.dir, *bundle = o.bundle, *pubkey = o.pubkey, *ca = o.ca;
     oms_trust_t trust = {0};
     dp_buf_t err = {0};
     if ((pubkey && oms_trust_load_pubkey(&trust, pubkey, &err) != 0) ||
@@ -97,11 +113,11 @@ static int cmd_oms_verify(int argc, char **argv)
                 pubkey && !trust.pubkey ? "--pubkey" : "--ca-file", err.base);
         oms_trust_free(&trust);
         dp_buf_free(&err);
-        return ATTEST_EXIT_USAGE;
+        return DP_EXIT_USAGE;
     }
     oms_result_t res = {0};
     int rc = oms_verify(bundle, dir, &trust, NULL, &res);
-    if (json) {
+    if (o.json) {
         print_json(&res);
     } else if (res.verified) {
         printf("verified: method %s, signer %s, root_digest %s, %zu resources\n", res.method,
@@ -110,9 +126,9 @@ static int cmd_oms_verify(int argc, char **argv)
         for (size_t i = 0; i < res.findings.count; i++)
             printf("%s\n", res.findings.items[i]);
     }
-    r = rc == 0 ? ATTEST_EXIT_OK : rc > 0 ? ATTEST_EXIT_FAILED : ATTEST_EXIT_RUNTIME;
+    r = rc == 0 ? DP_EXIT_OK : rc > 0 ? DP_EXIT_FAILED : DP_EXIT_RUNTIME;
     if (fflush(stdout) != 0)
-        r = ATTEST_EXIT_RUNTIME;
+        r = DP_EXIT_RUNTIME;
     oms_result_clear(&res);
     oms_trust_free(&trust);
     dp_buf_free(&err);
@@ -124,10 +140,10 @@ int attest_oms_main(int argc, char **argv)
     if (argc >= 2 && strcmp(argv[1], "verify") == 0)
         return cmd_oms_verify(argc - 1, argv + 1);
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        fputs(oms_verify_usage, stdout);
-        return ATTEST_EXIT_OK;
+        dp_args_help(&oms_verify_spec, stdout);
+        return DP_EXIT_OK;
     }
     fputs("detproxy attest oms: expected 'verify' (try 'detproxy attest oms verify --help')\n",
           stderr);
-    return ATTEST_EXIT_USAGE;
+    return DP_EXIT_USAGE;
 }

@@ -1,6 +1,6 @@
 /* Micro-benchmark of the policy hot paths (no network): parse + apply + serialise a ~1 KB chat
- * body under the tenants of docs/policy.md (bank and default), the JSON fingerprint rewrite, and
- * the SSE fingerprint rewriter per event. Prints ns per operation.
+ * body under tenants as docs/policy.md §1 describes them, the JSON fingerprint rewrite, and the
+ * SSE fingerprint rewriter per event. Prints ns per operation.
  *
  * Build (Release flags matter):
  *   cc -O2 -I. bench/policy_bench.c build/release/policy/libdp_policy.a \

@@ -18,10 +18,11 @@
  *   GET /health                   200, empty.
  *
  * Usage: bench-upstream --listen HOST:PORT [--listen HOST:PORT ...] [--model NAME]
- *        [--framework-version V] [--chunks N] [--interval-ms MS]
+ *        [--framework-version V] [--chunks N] [--interval-ms MS]   (--help lists them)
  * Several --listen give several "replicas" in one process (shadow scenario). Runs until killed. */
 #define _GNU_SOURCE
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,7 @@
 
 #include <uv.h>
 
+#include "common/args.h"
 #include "common/buf.h"
 #include "common/util.h"
 #include "net/server.h"
@@ -216,52 +218,70 @@ static void on_abort(net_req_t *req)
         stream_close(st);
 }
 
-static void usage(FILE *f)
-{
-    fputs("usage: bench-upstream --listen HOST:PORT [--listen ...] [--model NAME]\n"
-          "       [--framework-version V] [--chunks N] [--interval-ms MS]\n",
-          f);
-}
+typedef struct {
+    const char *listen_store[MAX_LISTEN];
+    dp_arg_list_t listens;
+    const char *model, *fwv;
+    uint64_t chunks, interval_ms;
+} upstream_opts_t;
+
+static const dp_arg_t upstream_table[] = {
+    {.name = "--listen",
+     .kind = DP_ARG_LIST,
+     .off = offsetof(upstream_opts_t, listens),
+     .meta = "HOST:PORT",
+     .help = "a port to serve on, one \"replica\" each (repeatable, up to " DP_ARGS_STR(
+         MAX_LISTEN) ")"},
+    {.name = "--model",
+     .kind = DP_ARG_STR,
+     .off = offsetof(upstream_opts_t, model),
+     .meta = "NAME",
+     .help = "the model name it serves (default bench-model)"},
+    {.name = "--framework-version",
+     .kind = DP_ARG_STR,
+     .off = offsetof(upstream_opts_t, fwv),
+     .meta = "V",
+     .help = "the vLLM version GET /version reports (default 0.6.3)"},
+    {.name = "--chunks",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(upstream_opts_t, chunks),
+     .meta = "N",
+     .help = "SSE events per stream (default 20)",
+     .min = 1,
+     .max = 100000},
+    {.name = "--interval-ms",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(upstream_opts_t, interval_ms),
+     .meta = "MS",
+     .help = "between two SSE events (default 2)",
+     .max = 600000},
+};
+
+static const dp_args_t upstream_spec = {
+    .prog = "bench-upstream",
+    .usage = "bench-upstream --listen HOST:PORT [--listen ...] [--model NAME]\n"
+             "       [--framework-version V] [--chunks N] [--interval-ms MS]",
+    .about = "The upstream every proxy in `make bench` shares (bench/README.md). Runs until\n"
+             "killed.",
+    .opts = upstream_table,
+    .nopts = DP_ARRAY_SIZE(upstream_table),
+};
 
 int main(int argc, char **argv)
 {
-    const char *listens[MAX_LISTEN];
-    size_t nlisten = 0;
-    const char *fwv = "0.6.3";
-    U.model = "bench-model";
-    U.chunks = 20;
-    U.interval_ms = 2;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (strcmp(a, "--help") == 0) {
-            usage(stdout);
-            return 0;
-        }
-        if (v == NULL) {
-            usage(stderr);
-            return 2;
-        }
-        i++;
-        if (strcmp(a, "--listen") == 0 && nlisten < MAX_LISTEN)
-            listens[nlisten++] = v;
-        else if (strcmp(a, "--model") == 0)
-            U.model = v;
-        else if (strcmp(a, "--framework-version") == 0)
-            fwv = v;
-        else if (strcmp(a, "--chunks") == 0)
-            U.chunks = (uint32_t)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--interval-ms") == 0)
-            U.interval_ms = (uint32_t)strtoul(v, NULL, 10);
-        else {
-            usage(stderr);
-            return 2;
-        }
-    }
-    if (nlisten == 0 || U.chunks == 0) {
-        usage(stderr);
-        return 2;
-    }
+    upstream_opts_t o = {.model = "bench-model", .fwv = "0.6.3", .chunks = 20, .interval_ms = 2};
+    o.listens = DP_ARG_LIST_OF(o.listen_store);
+    int r = dp_args_parse(&upstream_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    if (o.listens.n == 0)
+        return dp_args_usage_error(&upstream_spec, "--listen HOST:PORT is required");
+    U.model = o.model;
+    U.chunks = (uint32_t)o.chunks;
+    U.interval_ms = (uint32_t)o.interval_ms;
+    const char **listens = o.listens.items;
+    size_t nlisten = o.listens.n;
+    const char *fwv = o.fwv;
     signal(SIGPIPE, SIG_IGN);
 
     dp_buf_printf(&U.models,

@@ -11,7 +11,7 @@
 
 #include <uv.h>
 
-#include "attest/cli.h"
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "diagnose/diagnose.h"
@@ -19,24 +19,61 @@
 #include "net/tls.h"
 #include "probe/probe.h"
 
-static const char usage_text[] =
-    "usage: detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"
-    "                              [--json]\n"
-    "\n"
-    "Send pool P's manifest canary (canary.prompt, max_tokens, temperature 0, seed 0) to one\n"
-    "replica exactly as the proxy does, and print the SHA-256 of its output text: the\n"
-    "canary.expected_sha256 to pin. --url asks a replica that is not in the config (a new one,\n"
-    "or one found by discovery) with the pool's api_key_file and upstream_tls.\n"
-    "\n"
-    "  -c, --config CONFIG  the proxy's configuration\n"
-    "  --pool P             the pool whose manifest has the canary\n"
-    "  --replica R          a replica of that pool, by name\n"
-    "  --url URL            or any replica, by URL (http://host:port[/prefix])\n"
-    "  --accept N           the canary of the manifest's accept[N] identity (a rollout's new\n"
-    "                       one, when it lists its own canary) instead of the manifest's\n"
-    "  --json               one JSON object instead of text\n"
-    "\n"
-    "Exit codes: 0 answered, 2 usage (unknown pool or replica, no canary), 3 no answer.\n";
+typedef struct {
+    const char *config, *pool, *replica, *url, *accept;
+    bool json;
+} canary_opts_t;
+
+static const dp_arg_t canary_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(canary_opts_t, config),
+     .meta = "CONFIG",
+     .help = "the proxy's configuration",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--pool",
+     .kind = DP_ARG_STR,
+     .off = offsetof(canary_opts_t, pool),
+     .meta = "P",
+     .help = "the pool whose manifest has the canary",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--replica",
+     .kind = DP_ARG_STR,
+     .off = offsetof(canary_opts_t, replica),
+     .meta = "R",
+     .help = "a replica of that pool, by name"},
+    {.name = "--url",
+     .kind = DP_ARG_STR,
+     .off = offsetof(canary_opts_t, url),
+     .meta = "URL",
+     .help = "or any replica, by URL (http://host:port[/prefix])"},
+    {.name = "--accept",
+     .kind = DP_ARG_STR,
+     .off = offsetof(canary_opts_t, accept),
+     .meta = "N",
+     .help = "the canary of the manifest's accept[N] identity (a rollout's new\n"
+             "one, when it lists its own canary) instead of the manifest's"},
+    {.name = "--json",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(canary_opts_t, json),
+     .help = "one JSON object instead of text"},
+};
+
+static const dp_args_t canary_spec = {
+    .prog = "detproxy attest canary",
+    .usage = "detproxy attest canary -c CONFIG --pool P (--replica R | --url URL) [--accept N]\n"
+             "                              [--json]",
+    .about =
+        "Send pool P's manifest canary (canary.prompt, max_tokens, temperature 0, seed 0) to one\n"
+        "replica exactly as the proxy does, and print the SHA-256 of its output text: the\n"
+        "canary.expected_sha256 to pin (docs/attestation.md §6, \"Recording a canary\"). --url\n"
+        "asks a replica that is not in the config (a new one, or one found by discovery) with\n"
+        "the pool's api_key_file and upstream_tls.",
+    .opts = canary_table,
+    .nopts = DP_ARRAY_SIZE(canary_table),
+    .epilog = "Exit codes: 0 answered, 2 usage (unknown pool or replica, no canary), 3 no answer.",
+};
 
 typedef struct {
     uv_loop_t *loop;
@@ -190,39 +227,14 @@ static void print_text(const char *json_path, const cfg_pool_t *pool, const char
 
 int dg_cmd_attest_canary(int argc, char **argv)
 {
-    const char *config = NULL, *config_long = NULL, *pool_name = NULL, *replica = NULL;
-    const char *url_s = NULL, *accept_s = NULL;
-    bool json = false;
-    const attest_opt_t opts[] = {
-        {.name = "-c", .has_value = true, .val = &config},
-        {.name = "--config", .has_value = true, .val = &config_long},
-        {.name = "--pool", .has_value = true, .val = &pool_name},
-        {.name = "--replica", .has_value = true, .val = &replica},
-        {.name = "--url", .has_value = true, .val = &url_s},
-        {.name = "--accept", .has_value = true, .val = &accept_s},
-        {.name = "--json", .set = &json},
-    };
-    const char *pos[1];
-    size_t npos;
-    int pr = attest_parse_args("canary", argc, argv, opts, DP_ARRAY_SIZE(opts), pos, 0, &npos);
-    if (pr == 1) {
-        fputs(usage_text, stdout);
-        return ATTEST_EXIT_OK;
-    }
-    if (pr < 0)
-        return ATTEST_EXIT_USAGE;
-    if (config == NULL)
-        config = config_long;
-    const char *missing = !config ? "-c CONFIG" : !pool_name ? "--pool" : NULL;
-    if (missing) {
-        fprintf(stderr, "detproxy attest canary: %s is required (try --help)\n", missing);
-        return ATTEST_EXIT_USAGE;
-    }
-    if ((replica == NULL) == (url_s == NULL)) {
-        fputs("detproxy attest canary: give one of --replica R and --url URL (try --help)\n",
-              stderr);
-        return ATTEST_EXIT_USAGE;
-    }
+    canary_opts_t o = {0};
+    int pr = dp_args_parse(&canary_spec, argc, argv, &o);
+    if (pr != 0)
+        return dp_args_exit(pr);
+    const char *config = o.config, *pool_name = o.pool, *replica = o.replica, *url_s = o.url;
+    const char *accept_s = o.accept;
+    if ((replica == NULL) == (url_s == NULL))
+        return dp_args_usage_error(&canary_spec, "give one of --replica R and --url URL");
 
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
@@ -233,9 +245,9 @@ int dg_cmd_attest_canary(int argc, char **argv)
     if (rc != 0) {
         fprintf(stderr, "detproxy attest canary: invalid config (see 'detproxy check -c %s')\n",
                 config);
-        return ATTEST_EXIT_FAILED;
+        return DP_EXIT_FAILED;
     }
-    rc = ATTEST_EXIT_USAGE;
+    rc = DP_EXIT_USAGE;
     dp_buf_t known = {0}, body = {0}, shown = {0};
     cfg_url_t own = {0};
     canary_out_t out = {0};
@@ -257,11 +269,10 @@ int dg_cmd_attest_canary(int argc, char **argv)
                  ? cfg_manifest_identity(pool->manifest, n + 1)
                  : NULL;
         if (id == NULL) {
-            fprintf(stderr,
-                    "detproxy attest canary: --accept %s: pool '%s' lists %zu accepted "
-                    "identit%s (accept[0..]) (try --help)\n",
-                    accept_s, pool_name, pool->manifest ? pool->manifest->naccept : 0,
-                    pool->manifest && pool->manifest->naccept == 1 ? "y" : "ies");
+            dp_args_usage_error(&canary_spec,
+                                "--accept %s: pool '%s' lists %zu accepted identit%s (accept[0..])",
+                                accept_s, pool_name, pool->manifest ? pool->manifest->naccept : 0,
+                                pool->manifest && pool->manifest->naccept == 1 ? "y" : "ies");
             goto done;
         }
         snprintf(json_path, sizeof(json_path), "pools[%zu].manifest.accept[%lu]", pi, n);
@@ -293,8 +304,7 @@ int dg_cmd_attest_canary(int argc, char **argv)
     } else {
         const char *why = NULL;
         if (cfg_parse_url(url_s, &own, &why) != 0) {
-            fprintf(stderr, "detproxy attest canary: --url %s: %s (try --help)\n", url_s,
-                    why ? why : "invalid URL");
+            dp_args_usage_error(&canary_spec, "--url %s: %s", url_s, why ? why : "invalid URL");
             goto done;
         }
         url = &own;
@@ -303,7 +313,7 @@ int dg_cmd_attest_canary(int argc, char **argv)
     probe_canary_body(probe_canary_model(pool, id), id->canary, &body);
     signal(SIGPIPE, SIG_IGN); /* a replica closing on us is an error code, not a signal */
     rc = ask(cfg, pool, id, url, server_name, &out);
-    if (json)
+    if (o.json)
         print_json(id, replica, shown.base, &body, &out, pool->name);
     else if (rc == 0)
         print_text(json_path, pool, replica, shown.base, &body, &out, id->canary->expected_sha256);

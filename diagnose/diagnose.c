@@ -1,6 +1,6 @@
 /* `detproxy diagnose -c CONFIG [--pool P] [--prompt TEXT] [--repeat N] [--concurrency C]
- * [--json]` (SPEC §11): the isolation steps for "same prompt, different outputs", run against
- * one pool's replicas directly (no balancing, no policy rewrite), then a verdict.
+ * [--json]` (docs/diagnose.md): the isolation steps for "same prompt, different outputs", run
+ * against one pool's replicas directly (no balancing, no policy rewrite), then a verdict.
  *
  * This file does the I/O: flags, config, a private uv loop, and every request, through the same
  * client code the proxy uses (net_fetch over net_upstream), so timeouts and framing checks are the
@@ -28,6 +28,7 @@
 #include "attest/check.h"
 #include "attest/dsse.h"
 #include "attest/match.h"
+#include "common/args.h"
 #include "common/util.h"
 #include "net/fetch.h"
 #include "net/resolve.h"
@@ -503,8 +504,8 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
             break;
         }
 
-    /* https: verified exactly as the proxy verifies (SPEC §13): never plaintext to an https
-     * port, never an unverified connection. */
+    /* https: verified exactly as the proxy verifies (docs/security.md §3, "Replicas and
+     * agents"): never plaintext to an https port, never an unverified connection. */
     net_upstream_opts_t o;
     probe_replica_upstream_opts(d->cfg, &o);
     o.max_idle = d->run.concurrency + 2;
@@ -587,142 +588,63 @@ static int discover(dg_t *d, const cfg_discovery_t *disc)
 
 typedef struct {
     const char *config, *pool, *prompt;
-    unsigned repeat, concurrency;
+    uint64_t repeat, concurrency;
     bool json;
 } opts_t;
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: detproxy diagnose -c CONFIG [--pool P] [--prompt TEXT] [--repeat N]\n"
-            "                         [--concurrency C] [--json]\n"
-            "\n"
-            "Find out why the same prompt gets different outputs from one pool, by running the\n"
-            "isolation steps against its replicas directly (no balancing, no policy rewrite):\n"
-            "  1 metadata  fetch each replica's attestation; compare checkpoint, quantization,\n"
-            "              dtype and framework across replicas (and with the manifest)\n"
-            "  2 sampling  the prompt twice at temperature %.1f without a seed, then twice with\n"
-            "              seed %d: does unseeded sampling vary, are seeds honoured?\n"
-            "  3 single    the prompt N times at temperature 0 to each replica, one at a time,\n"
-            "              then N more with C in flight: distinct outputs per replica\n"
-            "  4 across    do the replicas' temperature-0 outputs agree?\n"
-            "Tables go to stdout and progress to stderr. The last lines are one\n"
-            "'verdict: <cause>: <detail>' per cause found, or 'verdict: consistent'.\n"
-            "Causes: cross_replica_drift, nondeterministic_replica, batching_nondeterminism,\n"
-            "seed_ignored, unseeded_sampling, unattested_replica, replica_error\n"
-            "(docs/diagnose.md has the rules).\n"
-            "\n"
-            "options:\n"
-            "  -c, --config FILE    config file, as for 'detproxy run'\n"
-            "  -p, --pool NAME      pool to diagnose (default: the first in the config)\n"
-            "      --prompt TEXT    prompt to send (default: \"%s\")\n"
-            "      --repeat N       step 3 requests per replica and phase (default %d; 2..%d)\n"
-            "      --concurrency C  step 3 requests in flight per replica (default %d; 2..%d)\n"
-            "      --json           print one JSON object on stdout instead of tables\n"
-            "  -h, --help           show this help\n"
-            "\n"
-            "Each request asks for %d tokens. Replicas are called with the pool's api_key_file.\n"
-            "exit codes: 0 consistent, 1 a cause was found or the config is invalid,\n"
-            "2 usage error, 3 runtime failure (no replica answered a completion request)\n",
-            DG_TEMPERATURE, DG_SEED, DG_DEFAULT_PROMPT, DG_DEFAULT_REPEAT, DG_MAX_REPEAT,
-            DG_DEFAULT_CONCURRENCY, DG_MAX_CONCURRENCY, DG_MAX_TOKENS);
-}
+/* The help text's numbers are the constants themselves (DP_ARGS_STR), one help line per source
+ * line: */
+/* clang-format off */
+static const dp_arg_t diagnose_table[] = {
+    {.name = "--config", .shortopt = 'c', .kind = DP_ARG_STR, .off = offsetof(opts_t, config),
+     .meta = "CONFIG", .help = "config file, as for 'detproxy run'",
+     .flags = DP_ARG_ONCE | DP_ARG_REQUIRED},
+    {.name = "--pool", .shortopt = 'p', .kind = DP_ARG_STR, .off = offsetof(opts_t, pool),
+     .meta = "NAME", .help = "pool to diagnose (default: the first in the config)",
+     .flags = DP_ARG_ONCE},
+    {.name = "--prompt", .kind = DP_ARG_STR, .off = offsetof(opts_t, prompt),
+     .meta = "TEXT", .help = "prompt to send (default: \"" DG_DEFAULT_PROMPT "\")",
+     .flags = DP_ARG_ONCE},
+    {.name = "--repeat", .kind = DP_ARG_UINT, .off = offsetof(opts_t, repeat), .meta = "N",
+     .help = "step 3 requests per replica and phase (default " DP_ARGS_STR(DG_DEFAULT_REPEAT)
+             "; 2.." DP_ARGS_STR(DG_MAX_REPEAT) ")",
+     .flags = DP_ARG_ONCE, .min = 2, .max = DG_MAX_REPEAT},
+    {.name = "--concurrency", .kind = DP_ARG_UINT, .off = offsetof(opts_t, concurrency),
+     .meta = "C",
+     .help = "step 3 requests in flight per replica (default " DP_ARGS_STR(DG_DEFAULT_CONCURRENCY)
+             "; 2.." DP_ARGS_STR(DG_MAX_CONCURRENCY) ")",
+     .flags = DP_ARG_ONCE, .min = 2, .max = DG_MAX_CONCURRENCY},
+    {.name = "--json", .kind = DP_ARG_FLAG, .off = offsetof(opts_t, json),
+     .help = "print one JSON object on stdout instead of tables"},
+};
 
-static int usage_error(const char *fmt, const char *a, const char *b)
-{
-    fputs("detproxy diagnose: ", stderr);
-    fprintf(stderr, fmt, a, b);
-    fputs(" (try --help)\n", stderr);
-    return 2;
-}
-
-static int parse_uint(const char *flag, const char *v, unsigned lo, unsigned hi, unsigned *out)
-{
-    uint64_t n;
-    if (dp_parse_u64(v, strlen(v), &n) != 0 || n < lo || n > hi) {
-        char range[48];
-        snprintf(range, sizeof(range), "an integer in [%u, %u]", lo, hi);
-        fprintf(stderr, "detproxy diagnose: %s: expected %s, got '%s' (try --help)\n", flag, range,
-                v);
-        return 2;
-    }
-    *out = (unsigned)n;
-    return 0;
-}
-
-/* 0 with *o filled, 1 when --help was printed, or the exit code 2. */
-static int parse_args(int argc, char **argv, opts_t *o)
-{
-    static const struct {
-        const char *s, *l;
-    } valued[] = {{"-c", "--config"},
-                  {"-p", "--pool"},
-                  {NULL, "--prompt"},
-                  {NULL, "--repeat"},
-                  {NULL, "--concurrency"}};
-    bool seen[DP_ARRAY_SIZE(valued)] = {false};
-    *o = (opts_t){.repeat = DG_DEFAULT_REPEAT, .concurrency = DG_DEFAULT_CONCURRENCY};
-    const char *repeat = NULL, *conc = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-            usage(stdout);
-            return 1;
-        }
-        if (strcmp(a, "--json") == 0) {
-            o->json = true;
-            continue;
-        }
-        size_t k = 0;
-        const char *val = NULL;
-        for (; k < DP_ARRAY_SIZE(valued); k++) {
-            size_t ll = strlen(valued[k].l);
-            if ((valued[k].s && strcmp(a, valued[k].s) == 0) || strcmp(a, valued[k].l) == 0) {
-                if (i + 1 >= argc)
-                    return usage_error("missing value for %s%s", a, "");
-                val = argv[++i];
-                break;
-            }
-            if (strncmp(a, valued[k].l, ll) == 0 && a[ll] == '=') {
-                val = a + ll + 1;
-                break;
-            }
-        }
-        if (k == DP_ARRAY_SIZE(valued))
-            return usage_error("%s: '%s'", a[0] == '-' ? "unknown flag" : "unexpected argument", a);
-        if (seen[k])
-            return usage_error("%s given more than once%s", valued[k].l, "");
-        seen[k] = true;
-        if (*val == '\0')
-            return usage_error("empty value for %s%s", valued[k].l, "");
-        switch (k) {
-        case 0:
-            o->config = val;
-            break;
-        case 1:
-            o->pool = val;
-            break;
-        case 2:
-            o->prompt = val;
-            break;
-        case 3:
-            repeat = val;
-            break;
-        default:
-            conc = val;
-            break;
-        }
-    }
-    if (o->config == NULL)
-        return usage_error("missing -c CONFIG%s%s", "", "");
-    if (repeat && parse_uint("--repeat", repeat, 2, DG_MAX_REPEAT, &o->repeat) != 0)
-        return 2;
-    if (conc && parse_uint("--concurrency", conc, 2, DG_MAX_CONCURRENCY, &o->concurrency) != 0)
-        return 2;
-    if (o->prompt == NULL)
-        o->prompt = DG_DEFAULT_PROMPT;
-    return 0;
-}
+static const dp_args_t diagnose_spec = {
+    .prog = "detproxy diagnose",
+    .usage = "detproxy diagnose -c CONFIG [--pool P] [--prompt TEXT] [--repeat N]\n"
+             "                         [--concurrency C] [--json]",
+    .about =
+        "Find out why the same prompt gets different outputs from one pool, by running the\n"
+        "isolation steps against its replicas directly (no balancing, no policy rewrite):\n"
+        "  1 metadata  fetch each replica's attestation; compare checkpoint, quantization,\n"
+        "              dtype and framework across replicas (and with the manifest)\n"
+        "  2 sampling  the prompt twice at temperature " DP_ARGS_STR(DG_TEMPERATURE) " without a seed, then twice with\n"
+        "              seed " DP_ARGS_STR(DG_SEED) ": does unseeded sampling vary, are seeds honoured?\n"
+        "  3 single    the prompt N times at temperature 0 to each replica, one at a time,\n"
+        "              then N more with C in flight: distinct outputs per replica\n"
+        "  4 across    do the replicas' temperature-0 outputs agree?\n"
+        "Tables go to stdout and progress to stderr. The last lines are one\n"
+        "'verdict: <cause>: <detail>' per cause found, or 'verdict: consistent'.\n"
+        "Causes: cross_replica_drift, nondeterministic_replica, batching_nondeterminism,\n"
+        "seed_ignored, unseeded_sampling, unattested_replica, replica_error\n"
+        "(docs/diagnose.md has the rules).",
+    .opts = diagnose_table,
+    .nopts = DP_ARRAY_SIZE(diagnose_table),
+    .epilog =
+        "Each request asks for " DP_ARGS_STR(DG_MAX_TOKENS) " tokens. Replicas are called with the pool's api_key_file.\n"
+        "exit codes: 0 consistent, 1 a cause was found or the config is invalid,\n"
+        "2 usage error, 3 runtime failure (no replica answered a completion request)",
+};
+/* clang-format on */
 
 /* ---- the command ----------------------------------------------------------------------------- */
 
@@ -824,10 +746,12 @@ static void runtime_failure_json(const dg_t *d, const char *msg)
 
 int dg_cmd_diagnose(int argc, char **argv)
 {
-    opts_t o;
-    int rc = parse_args(argc, argv, &o);
+    opts_t o = {.repeat = DG_DEFAULT_REPEAT,
+                .concurrency = DG_DEFAULT_CONCURRENCY,
+                .prompt = DG_DEFAULT_PROMPT};
+    int rc = dp_args_parse(&diagnose_spec, argc, argv, &o);
     if (rc != 0)
-        return rc == 1 ? 0 : rc;
+        return dp_args_exit(rc);
 
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
@@ -865,8 +789,8 @@ int dg_cmd_diagnose(int argc, char **argv)
     d.run.cfg = cfg;
     d.run.pool = pool;
     d.run.prompt = o.prompt;
-    d.run.repeat = o.repeat;
-    d.run.concurrency = o.concurrency;
+    d.run.repeat = (unsigned)o.repeat;
+    d.run.concurrency = (unsigned)o.concurrency;
     if (uv_loop_init(&d.loop) != 0) {
         fprintf(stderr, "detproxy diagnose: cannot create an event loop\n");
         cfg_free(cfg);
@@ -899,7 +823,8 @@ int dg_cmd_diagnose(int argc, char **argv)
     load_keys(&d);
     progress("pool \"%s\": %zu replica%s; step 3 sends each %u requests one at a time, then %u "
              "with %u in flight",
-             pool->name, d.run.n, d.run.n == 1 ? "" : "s", o.repeat, o.repeat, o.concurrency);
+             pool->name, d.run.n, d.run.n == 1 ? "" : "s", d.run.repeat, d.run.repeat,
+             d.run.concurrency);
 
     step_metadata(&d);
     step_canary(&d);
@@ -923,11 +848,12 @@ int dg_cmd_diagnose(int argc, char **argv)
              "per replica, model %s",
              DG_TEMPERATURE, DG_SEED, d.run.model);
     run_phase(&d, "[2/4]", true, DG_SAMPLES, slot_sampling, body_sampling);
-    progress("[3/4] single replica: %u sequential requests at temperature 0 per replica", o.repeat);
-    run_phase(&d, "[3/4] sequential", true, o.repeat, slot_seq, body_t0);
+    progress("[3/4] single replica: %u sequential requests at temperature 0 per replica",
+             d.run.repeat);
+    run_phase(&d, "[3/4] sequential", true, d.run.repeat, slot_seq, body_t0);
     progress("[3/4] single replica: %u requests at temperature 0 per replica, %u in flight",
-             o.repeat, o.concurrency);
-    run_phase(&d, "[3/4] concurrent", false, o.repeat, slot_conc, body_t0);
+             d.run.repeat, d.run.concurrency);
+    run_phase(&d, "[3/4] concurrent", false, d.run.repeat, slot_conc, body_t0);
     progress("[4/4] across replicas: comparing");
 
     dg_analyse(&d.run);

@@ -1,5 +1,5 @@
-/* `detproxy diagnose` (SPEC §11): what the four isolation steps collect, the rules that turn it
- * into findings, and the two renderings (aligned tables, one JSON object).
+/* `detproxy diagnose` (docs/diagnose.md): what the four isolation steps collect, the rules that
+ * turn it into findings, and the two renderings (aligned tables, one JSON object).
  *
  * Split in two so the judgement is testable without a network:
  *   diagnose.c  the command: flags, config, its own uv loop, every request; it fills a
@@ -24,7 +24,7 @@
 #include "config/config.h"
 
 #define DG_MAX_TOKENS 32   /* long enough for a near-tie to show, short enough to be quick */
-#define DG_TEMPERATURE 0.8 /* step 2 sampling temperature (SPEC §11) */
+#define DG_TEMPERATURE 0.8 /* step 2 sampling temperature (docs/diagnose.md, "2. Sampling") */
 #define DG_SEED 1234       /* step 2 fixed seed */
 #define DG_SAMPLES 4       /* step 2 per replica: unseeded, unseeded, seeded, seeded */
 #define DG_DEFAULT_REPEAT 8
@@ -77,8 +77,8 @@ typedef struct {
     attest_report_t report;   /* source none: only model (from /v1/models), source "none" */
     bool admitted; /* what the proxy would decide (the check's verdict, then the canary) */
     attest_reasons_t admit_reasons; /* the check's reasons (as the proxy's), then the canary's */
-    /* step 1, behaviour: the manifest's canary (SPEC §6) sent as the proxy sends it, for the
-     * identity the replica matched (a manifest "accept" entry may carry its own) */
+    /* step 1, behaviour: the manifest's canary (docs/attestation.md §6) sent as the proxy sends
+     * it, for the identity the replica matched (a manifest "accept" entry may carry its own) */
     struct {
         bool ran;          /* the manifest has a canary and it was sent */
         bool answered;     /* HTTP 200 with choices[0].text */
@@ -155,7 +155,8 @@ typedef struct {
 
 /* Judge a run whose steps are filled in. Call once. */
 void dg_analyse(dg_run_t *run);
-/* Exit code for an analysed run (SPEC §2): 0 consistent, 1 a finding, 3 nobody answered. */
+/* Exit code for an analysed run (docs/diagnose.md, "Exit codes"): 0 consistent, 1 a finding,
+ * 3 nobody answered. */
 int dg_exit_code(const dg_run_t *run);
 /* Render: tables per step and the verdict lines / one JSON object (with a trailing newline). */
 void dg_print_text(const dg_run_t *run, FILE *f);
@@ -168,8 +169,9 @@ void dg_run_free(dg_run_t *run);
  * are ignored. Appends one sentence saying why to *why. */
 bool dg_policy_pins(const cfg_t *cfg, const cfg_pool_t *pool, dp_buf_t *why);
 
-/* The commands (SPEC §2): `detproxy diagnose` (diagnose.c) and `detproxy attest canary`
- * (canary_cmd.c). argv starts at the command's own name; they return the exit code. */
+/* The commands (docs/README.md, "Commands"): `detproxy diagnose` (diagnose.c) and
+ * `detproxy attest canary` (canary_cmd.c). argv starts at the command's own name; they return
+ * the exit code (DP_EXIT_* of common/args.h). */
 int dg_cmd_diagnose(int argc, char **argv);
 int dg_cmd_attest_canary(int argc, char **argv);
 

@@ -32,7 +32,8 @@ const char *const dg_cause_names[DG__CAUSES] = {
     "unseeded_sampling",   "unattested_replica",       "replica_error",
 };
 
-/* The identity fields compared across replicas (SPEC §11 step 1; model names are aliases). */
+/* The identity fields compared across replicas (docs/diagnose.md, "1. Metadata"; model names
+ * are aliases). */
 static const attest_field_t cmp_fields[] = {ATTEST_F_CHECKPOINT, ATTEST_F_QUANTIZATION,
                                             ATTEST_F_DTYPE, ATTEST_F_FRAMEWORK_NAME,
                                             ATTEST_F_FRAMEWORK_VERSION};

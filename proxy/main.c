@@ -1,10 +1,12 @@
-/* detproxy: one binary, subcommands per SPEC §2. The top layer: the one file that includes
- * every program module (proxy, agent, diagnose), to dispatch to them. */
+/* detproxy: one binary, one subcommand per command of docs/README.md, "Commands". The top
+ * layer: the one file that includes every program module (proxy, agent, diagnose), to dispatch
+ * to them. Each command parses its own options (common/args.h). */
 #include <stdio.h>
 #include <string.h>
 
 #include "agent/agent.h"
 #include "attest/cli.h"
+#include "common/args.h"
 #include "common/version.h"
 #include "config/config.h"
 #include "diagnose/diagnose.h"
@@ -37,6 +39,12 @@ static void usage(FILE *f)
           f);
 }
 
+static const dp_args_t version_spec = {
+    .prog = "detproxy version",
+    .usage = "detproxy version | detproxy --version",
+    .about = "Print the version and the git commit it was built from.",
+};
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -49,12 +57,11 @@ int main(int argc, char **argv)
         return 0;
     }
     if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "version") == 0) {
-        if (argc > 2) {
-            fprintf(stderr, "detproxy version: unexpected argument '%s'\n", argv[2]);
-            return 2;
-        }
+        int r = dp_args_parse(&version_spec, argc - 1, argv + 1, NULL);
+        if (r != 0)
+            return dp_args_exit(r);
         printf("detproxy %s (commit %s)\n", dp_version, dp_commit);
-        return 0;
+        return DP_EXIT_OK;
     }
     if (strcmp(cmd, "run") == 0)
         return px_cmd_run(argc - 1, argv + 1);

@@ -1,4 +1,5 @@
-/* `detproxy audit verify` and `detproxy replay` (SPEC §15): the evidence commands.
+/* `detproxy audit verify` and `detproxy replay` (docs/operations.md, "Evidence: stored bodies,
+ * chained audit, `audit verify`, `replay`"): the evidence commands.
  *
  * verify is offline (attest/audit_chain.c does the work). replay reads the audit file and the
  * body store, asks the running proxy's admin API which replicas are admitted, and re-sends each
@@ -7,7 +8,7 @@
  * with the shadow comparator (proxy/drift). Requests go one at a time: a replay is evidence, not
  * a load test. */
 #include <errno.h>
-#include <getopt.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include <cjson/cJSON.h>
 
 #include "attest/audit_chain.h"
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
@@ -26,52 +28,62 @@
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 
-static void audit_usage(FILE *f)
-{
-    fputs("usage: detproxy audit verify FILE... [--pubkey PEM] [--store DIR]\n"
-          "  Check the hash chain of each audit file (several files: in rotation order, the\n"
-          "  chain carried from one to the next), the checkpoint signatures (--pubkey: the\n"
-          "  public half of log.audit_signing_key) and, with --store, that every stored body\n"
-          "  is there and hashes to its name. Exit 1 at the first break, naming the line.\n",
-          f);
-}
+typedef struct {
+    const char *pubkey, *store;
+    dp_arg_list_t files;
+} audit_opts_t;
+
+static const dp_arg_t audit_table[] = {
+    {.name = "--pubkey",
+     .kind = DP_ARG_STR,
+     .off = offsetof(audit_opts_t, pubkey),
+     .meta = "PEM",
+     .help = "the public half of log.audit_signing_key: check the\n"
+             "checkpoint signatures with it"},
+    {.name = "--store",
+     .kind = DP_ARG_STR,
+     .off = offsetof(audit_opts_t, store),
+     .meta = "DIR",
+     .help = "the body store (log.audit_store): check that every stored\n"
+             "body is there and hashes to its name"},
+};
+
+static const dp_args_t audit_spec = {
+    .prog = "detproxy audit verify",
+    .usage = "detproxy audit verify FILE... [--pubkey PEM] [--store DIR]",
+    .about = "Check the hash chain of each audit file (several files: in rotation order, the\n"
+             "chain carried from one to the next), the checkpoint signatures and the stored\n"
+             "bodies (docs/operations.md, \"Evidence\"). Exit 1 at the first break, naming the\n"
+             "line.",
+    .opts = audit_table,
+    .nopts = DP_ARRAY_SIZE(audit_table),
+    .epilog = "Exit codes: 0 every file checks out, 1 a break (or a file that cannot be read),\n"
+              "2 usage error or an unusable --pubkey.",
+    .positional = true,
+    .pos_off = offsetof(audit_opts_t, files),
+};
 
 int px_cmd_audit(int argc, char **argv)
 {
     if (argc < 2 || strcmp(argv[1], "verify") != 0) {
         if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            audit_usage(stdout);
+            dp_args_help(&audit_spec, stdout);
             return 0;
         }
-        audit_usage(stderr);
+        dp_args_help(&audit_spec, stderr);
         return 2;
     }
     argc--;
     argv++;
-    const char *pub = NULL, *store = NULL;
-    static const struct option opts[] = {{"pubkey", required_argument, NULL, 'p'},
-                                         {"store", required_argument, NULL, 's'},
-                                         {"help", no_argument, NULL, 'h'},
-                                         {NULL, 0, NULL, 0}};
-    optind = 1;
-    int c;
-    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-        if (c == 'p') {
-            pub = optarg;
-        } else if (c == 's') {
-            store = optarg;
-        } else if (c == 'h') {
-            audit_usage(stdout);
-            return 0;
-        } else {
-            audit_usage(stderr);
-            return 2;
-        }
+    /* Every argument could be a FILE. */
+    audit_opts_t o = {
+        .files = {.items = dp_xcalloc((size_t)argc, sizeof(char *)), .max = (size_t)argc}};
+    int pr = dp_args_parse(&audit_spec, argc, argv, &o);
+    if (pr != 0 || o.files.n == 0) {
+        free(o.files.items);
+        return pr != 0 ? dp_args_exit(pr) : dp_args_usage_error(&audit_spec, "FILE is required");
     }
-    if (optind >= argc) {
-        fputs("detproxy audit verify: FILE is required\n", stderr);
-        return 2;
-    }
+    const char *pub = o.pubkey, *store = o.store;
     attest_key_t *key = NULL;
     if (pub) {
         dp_buf_t err = {0};
@@ -79,26 +91,28 @@ int px_cmd_audit(int argc, char **argv)
             fprintf(stderr, "detproxy audit verify: --pubkey %s: %.*s\n", pub, (int)err.len,
                     err.base ? err.base : "");
             dp_buf_free(&err);
+            free(o.files.items);
             return 2;
         }
         dp_buf_free(&err);
     }
     int rc = 0;
     char prev[65] = "";
-    for (int i = optind; i < argc && rc == 0; i++) {
-        audit_verify_opts_t o = {
+    for (size_t i = 0; i < o.files.n && rc == 0; i++) {
+        const char *file = o.files.items[i];
+        audit_verify_opts_t vo = {
             .pubkey = key, .store = store, .expect_prev = prev[0] ? prev : NULL};
         audit_verify_result_t r;
         dp_buf_t why = {0};
-        if (audit_verify_file(argv[i], &o, &r, &why) != 0) {
+        if (audit_verify_file(file, &vo, &r, &why) != 0) {
             if (r.bad_line)
-                printf("%s: line %llu: %.*s\n", argv[i], (unsigned long long)r.bad_line,
-                       (int)why.len, why.base);
+                printf("%s: line %llu: %.*s\n", file, (unsigned long long)r.bad_line, (int)why.len,
+                       why.base);
             else
-                printf("%s: %.*s\n", argv[i], (int)why.len, why.base);
+                printf("%s: %.*s\n", file, (int)why.len, why.base);
             rc = 1;
         } else {
-            printf("%s: ok: %llu lines, %llu checkpoints, ", argv[i], (unsigned long long)r.lines,
+            printf("%s: ok: %llu lines, %llu checkpoints, ", file, (unsigned long long)r.lines,
                    (unsigned long long)r.checkpoints);
             if (key)
                 printf("%llu signatures verified", (unsigned long long)r.signatures_checked);
@@ -115,6 +129,7 @@ int px_cmd_audit(int argc, char **argv)
         dp_buf_free(&why);
     }
     attest_key_free(key);
+    free(o.files.items);
     return rc;
 }
 
@@ -364,77 +379,82 @@ static void replay_one(replay_t *rp, const cJSON *line)
     dp_buf_free(&old);
 }
 
-static void replay_usage(FILE *f)
-{
-    fputs("usage: detproxy replay -c CONFIG --audit FILE (--request-id ID | --all [--since T])\n"
-          "                       [--store DIR] [--admin HOST:PORT] [--json]\n"
-          "  Re-send each audited request's stored forwarded body to an admitted replica whose\n"
-          "  pool has the audited fingerprint (the running proxy's admin API says which are\n"
-          "  admitted) and compare the output with the stored response: reproduced, differs\n"
-          "  (offset, similarity, whether the engine's fingerprint still matches) or\n"
-          "  not_replayable (why). --since T: lines whose time is T or later (ISO 8601, UTC).\n"
-          "  --store defaults to log.audit_store; --admin to admin_listen (give it when that\n"
-          "  port is 0). Exit 1 if any differs.\n",
-          f);
-}
+typedef struct {
+    const char *config, *audit, *id, *since, *store, *admin;
+    bool all, json;
+} replay_opts_t;
+
+static const dp_arg_t replay_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, config),
+     .meta = "CONFIG",
+     .help = "the proxy's configuration (pools, manifests, admin_listen)"},
+    {.name = "--audit",
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, audit),
+     .meta = "FILE",
+     .help = "the audit file"},
+    {.name = "--request-id",
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, id),
+     .meta = "ID",
+     .help = "replay this request"},
+    {.name = "--all",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(replay_opts_t, all),
+     .help = "replay every request of the file"},
+    {.name = "--since",
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, since),
+     .meta = "T",
+     .help = "with --all: lines whose time is T or later (ISO 8601, UTC)"},
+    {.name = "--store",
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, store),
+     .meta = "DIR",
+     .help = "the body store (default: log.audit_store)"},
+    {.name = "--admin",
+     .kind = DP_ARG_STR,
+     .off = offsetof(replay_opts_t, admin),
+     .meta = "HOST:PORT",
+     .help = "the running proxy's admin API (default: admin_listen; give\n"
+             "it when that port is 0)"},
+    {.name = "--json",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(replay_opts_t, json),
+     .help = "one JSON object: results[] and a summary"},
+};
+
+static const dp_args_t replay_spec = {
+    .prog = "detproxy replay",
+    .usage = "detproxy replay -c CONFIG --audit FILE (--request-id ID | --all [--since T])\n"
+             "                       [--store DIR] [--admin HOST:PORT] [--json]",
+    .about = "Re-send each audited request's stored forwarded body to an admitted replica whose\n"
+             "pool has the audited fingerprint (the running proxy's admin API says which are\n"
+             "admitted) and compare the output with the stored response: reproduced, differs\n"
+             "(offset, similarity, whether the engine's fingerprint still matches) or\n"
+             "not_replayable (why). See docs/operations.md, \"Evidence\".",
+    .opts = replay_table,
+    .nopts = DP_ARRAY_SIZE(replay_table),
+    .epilog = "Exit codes: 0 nothing differs, 1 a replay differs (or the request id is not in\n"
+              "the file), 2 usage error or unusable config, 3 the admin API could not be read.",
+};
 
 int px_cmd_replay(int argc, char **argv)
 {
-    const char *cpath = NULL, *audit = NULL, *id = NULL, *since = NULL, *store = NULL;
-    const char *admin = NULL;
-    bool all = false, json = false;
-    static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
-                                         {"audit", required_argument, NULL, 'a'},
-                                         {"request-id", required_argument, NULL, 'r'},
-                                         {"all", no_argument, NULL, 'A'},
-                                         {"since", required_argument, NULL, 's'},
-                                         {"store", required_argument, NULL, 'S'},
-                                         {"json", no_argument, NULL, 'j'},
-                                         {"admin", required_argument, NULL, 'd'},
-                                         {"help", no_argument, NULL, 'h'},
-                                         {NULL, 0, NULL, 0}};
-    optind = 1;
-    int c;
-    while ((c = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
-        switch (c) {
-        case 'c':
-            cpath = optarg;
-            break;
-        case 'a':
-            audit = optarg;
-            break;
-        case 'r':
-            id = optarg;
-            break;
-        case 'A':
-            all = true;
-            break;
-        case 's':
-            since = optarg;
-            break;
-        case 'S':
-            store = optarg;
-            break;
-        case 'j':
-            json = true;
-            break;
-        case 'd':
-            admin = optarg;
-            break;
-        case 'h':
-            replay_usage(stdout);
-            return 0;
-        default:
-            replay_usage(stderr);
-            return 2;
-        }
-    }
-    if (optind < argc || !cpath || !audit || (id == NULL) == !all || (since && !all)) {
-        fputs("detproxy replay: need -c CONFIG, --audit FILE and exactly one of --request-id "
-              "ID or --all (--since only with --all)\n",
-              stderr);
-        return 2;
-    }
+    replay_opts_t opt = {0};
+    int r = dp_args_parse(&replay_spec, argc, argv, &opt);
+    if (r != 0)
+        return dp_args_exit(r);
+    if (!opt.config || !opt.audit || (opt.id == NULL) == !opt.all || (opt.since && !opt.all))
+        return dp_args_usage_error(&replay_spec,
+                                   "need -c CONFIG, --audit FILE and exactly one of --request-id "
+                                   "ID or --all (--since only with --all)");
+    const char *cpath = opt.config, *audit = opt.audit, *id = opt.id, *since = opt.since;
+    const char *store = opt.store, *admin = opt.admin;
+    bool json = opt.json;
     cfg_t *cfg = px_cli_load_config(cpath);
     if (cfg == NULL)
         return 2;

@@ -1,4 +1,4 @@
-/* Blocking exchanges for the command-line tools (px_cli_fetch.h). */
+/* Blocking exchanges for the command-line tools (proxy/cli/fetch.h). */
 #include "proxy/cli/fetch.h"
 
 #include <stdio.h>
@@ -55,7 +55,9 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
     px_replica_upstream_opts(cfg, &uo);
     uo.max_idle = 1;
     net_upstream_t *u = net_upstream_new(&w->loop, (struct sockaddr *)&ss, &uo);
-    if (tls) /* verified exactly as the proxy verifies its replicas (SPEC §13) */
+    /* verified exactly as the proxy verifies its replicas (docs/security.md §3, "Replicas and
+     * agents") */
+    if (tls)
         net_upstream_set_tls(u, tls, server_name ? server_name : host);
     net_fetch_opts_t o = {.via = px_self_via_line(NULL),
                           .method = method,

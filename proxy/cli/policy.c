@@ -3,13 +3,14 @@
  * would be forwarded, the seed, and the audit line it would write. A refusal prints the same
  * status, code, param and message the proxy would answer with (exit 1). */
 #include <errno.h>
-#include <getopt.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "net/server.h"
@@ -17,37 +18,6 @@
 #include "proxy/cli/cli.h"
 
 #define MAX_HEADERS 32
-
-static void usage(FILE *f)
-{
-    fputs(
-        "usage: detproxy policy test -c CONFIG [-H 'Name: value']... --body FILE\n"
-        "                            [--path /v1/chat/completions|/v1/completions|/v1/responses]\n"
-        "\n"
-        "Run the policy on one request body exactly as the proxy would, without a replica,\n"
-        "and print one JSON object: the tenant matched, the pool, the seed, the overrides,\n"
-        "the body as it would be forwarded, and the audit line it would write.\n"
-        "A refusal prints {\"status\":N,\"error\":{...}} as the proxy would answer; exit 1.\n"
-        "\n"
-        "options:\n"
-        "  -c, --config FILE   config file (policy and pools)\n"
-        "  -H, --header H      a request header, 'Name: value' (repeatable), e.g.\n"
-        "                      -H 'Authorization: Bearer sk-...'\n"
-        "  --body FILE         the request body ('-' reads stdin)\n"
-        "  --path P            the route; default: chat when the body has \"messages\",\n"
-        "                      /v1/responses when it has \"input\", else completions\n"
-        "  -h, --help          this help\n"
-        "\n"
-        "exit codes: 0 accepted, 1 refused, 2 usage error, 3 config or file unreadable\n",
-        f);
-}
-
-static int usage_error(const char *what, const char *arg)
-{
-    fprintf(stderr, "detproxy policy test: %s%s%s (try --help)\n", what, arg ? ": " : "",
-            arg ? arg : "");
-    return 2;
-}
 
 static int parse_header(const char *s, policy_header_t *h)
 {
@@ -64,6 +34,87 @@ static int parse_header(const char *s, policy_header_t *h)
     h->value = (dp_iovec_t){v, vl};
     return 0;
 }
+
+typedef struct {
+    policy_header_t items[MAX_HEADERS];
+    size_t n;
+} headers_t;
+
+typedef struct {
+    const char *config, *body, *path;
+    headers_t hdrs;
+} policy_test_opts_t;
+
+static int add_header(void *dst, const char *v, char *why, size_t n)
+{
+    headers_t *h = dst;
+    if (h->n == MAX_HEADERS)
+        return dp_arg_fail(why, n, "at most %d headers", MAX_HEADERS);
+    if (parse_header(v, &h->items[h->n]) != 0)
+        return dp_arg_fail(why, n, "a header is 'Name: value', got '%s'", v);
+    h->n++;
+    return 0;
+}
+
+static int set_path(void *dst, const char *v, char *why, size_t n)
+{
+    if (strcmp(v, "/v1/chat/completions") != 0 && strcmp(v, "/v1/completions") != 0 &&
+        strcmp(v, "/v1/responses") != 0)
+        return dp_arg_fail(why, n,
+                           "expected /v1/chat/completions, /v1/completions or /v1/responses, "
+                           "got '%s'",
+                           v);
+    *(const char **)dst = v;
+    return 0;
+}
+
+static const dp_arg_t policy_test_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(policy_test_opts_t, config),
+     .meta = "CONFIG",
+     .help = "config file (policy and pools)",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--header",
+     .shortopt = 'H',
+     .kind = DP_ARG_CALL,
+     .off = offsetof(policy_test_opts_t, hdrs),
+     .meta = "H",
+     .help = "a request header, 'Name: value' (repeatable, up to " DP_ARGS_STR(
+         MAX_HEADERS) "),\n"
+                      "e.g. -H 'Authorization: Bearer sk-...'",
+     .cb = add_header},
+    {.name = "--body",
+     .kind = DP_ARG_STR,
+     .off = offsetof(policy_test_opts_t, body),
+     .meta = "FILE",
+     .help = "the request body ('-' reads stdin)",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--path",
+     .kind = DP_ARG_CALL,
+     .off = offsetof(policy_test_opts_t, path),
+     .meta = "P",
+     .help = "the route; default: chat when the body has \"messages\",\n"
+             "/v1/responses when it has \"input\", else completions",
+     .cb = set_path},
+};
+
+static const dp_args_t policy_test_spec = {
+    .prog = "detproxy policy test",
+    .usage =
+        "detproxy policy test -c CONFIG [-H 'Name: value']... --body FILE\n"
+        "                            [--path /v1/chat/completions|/v1/completions|/v1/responses]",
+    .about =
+        "Run the policy on one request body exactly as the proxy would, without a replica,\n"
+        "and print one JSON object: the tenant matched, the pool, the seed, the overrides,\n"
+        "the body as it would be forwarded, and the audit line it would write\n"
+        "(docs/policy.md). A refusal prints {\"status\":N,\"error\":{...}} as the proxy would\n"
+        "answer; exit 1.",
+    .opts = policy_test_table,
+    .nopts = DP_ARRAY_SIZE(policy_test_table),
+    .epilog = "exit codes: 0 accepted, 1 refused, 2 usage error, 3 config or file unreadable",
+};
 
 /* Print a refusal as the proxy answers it: {"status":N,"error":{...}}. */
 static int refused(const policy_error_t *e)
@@ -161,50 +212,11 @@ done:
 
 static int policy_test(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"config", required_argument, NULL, 'c'}, {"header", required_argument, NULL, 'H'},
-        {"body", required_argument, NULL, 'b'},   {"path", required_argument, NULL, 'p'},
-        {"help", no_argument, NULL, 'h'},         {0}};
-    const char *config = NULL, *body_path = NULL, *path = NULL;
-    policy_header_t hdrs[MAX_HEADERS];
-    size_t nh = 0;
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "c:H:h", opts, NULL)) != -1) {
-        switch (c) {
-        case 'c':
-            config = optarg;
-            break;
-        case 'H':
-            if (nh == MAX_HEADERS)
-                return usage_error("too many -H", NULL);
-            if (parse_header(optarg, &hdrs[nh++]) != 0)
-                return usage_error("a header is 'Name: value'", optarg);
-            break;
-        case 'b':
-            body_path = optarg;
-            break;
-        case 'p':
-            if (strcmp(optarg, "/v1/chat/completions") != 0 &&
-                strcmp(optarg, "/v1/completions") != 0 && strcmp(optarg, "/v1/responses") != 0)
-                return usage_error(
-                    "--path is /v1/chat/completions, /v1/completions or /v1/responses", optarg);
-            path = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            return usage_error("unknown or incomplete option", argv[optind - 1]);
-        }
-    }
-    if (optind < argc)
-        return usage_error("unexpected argument", argv[optind]);
-    if (config == NULL)
-        return usage_error("missing -c CONFIG", NULL);
-    if (body_path == NULL)
-        return usage_error("missing --body FILE", NULL);
+    policy_test_opts_t o = {0};
+    int r = dp_args_parse(&policy_test_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    const char *config = o.config, *body_path = o.body;
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
     if (cfg_load(config, &cfg, &errs) != 0) {
@@ -228,7 +240,7 @@ static int policy_test(int argc, char **argv)
         fprintf(stderr, "detproxy policy test: cannot read %s: %s\n", body_path, strerror(-rd));
         rc = 3;
     } else {
-        rc = run(cfg, hdrs, nh, &body, path);
+        rc = run(cfg, o.hdrs.items, o.hdrs.n, &body, o.path);
     }
     dp_buf_free(&body);
     cfg_free(cfg);
@@ -238,7 +250,7 @@ static int policy_test(int argc, char **argv)
 int px_cmd_policy(int argc, char **argv)
 {
     if (argc >= 2 && (strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0)) {
-        usage(stdout);
+        dp_args_help(&policy_test_spec, stdout);
         return 0;
     }
     if (argc < 2 || strcmp(argv[1], "test") != 0) {

@@ -1,36 +1,65 @@
-/* `detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]` (SPEC §14): the
- * running proxy's GET /admin/rollouts as a table, or as it is with --json. Exit 1 when any
+/* `detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]` (docs/rollouts.md):
+ * the running proxy's GET /admin/rollouts as a table, or as it is with --json. Exit 1 when any
  * candidate (or any tenant's samples of one) diverges, so a CD pipeline can gate a rollout on
  * it; 0 otherwise; 2 usage; 3 when the admin API cannot be read. */
-#include <getopt.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "common/args.h"
+#include "common/util.h"
 #include "config/config.h"
 #include "proxy/cli/cli.h"
 #include "proxy/cli/fetch.h"
 
 #define CMD "detproxy rollout report"
 
-static void usage(FILE *f)
-{
-    fputs("usage: detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]\n"
-          "  Candidate pools (a pool's \"candidates\") judged against the baseline pool's own\n"
-          "  noise, read from the running proxy's GET /admin/rollouts: per candidate and per\n"
-          "  tenant, samples, exact-match rate, mean similarity, median divergence offset and\n"
-          "  a verdict (equivalent, diverges, insufficient_data) with its reasons.\n"
-          "  -c, --config FILE   the proxy's configuration (admin_listen, admin_token_file)\n"
-          "  --pool P            only the candidates of baseline pool P\n"
-          "  --json              print the admin API's JSON instead of a table\n"
-          "  --admin HOST:PORT   the admin API, when admin_listen does not say (port 0)\n"
-          "Exit codes: 0 no candidate diverges, 1 one does, 2 usage error, 3 the admin API\n"
-          "could not be read.\n",
-          f);
-}
+typedef struct {
+    const char *config, *pool, *admin;
+    bool json;
+} rollout_opts_t;
+
+static const dp_arg_t rollout_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(rollout_opts_t, config),
+     .meta = "CONFIG",
+     .help = "the proxy's configuration (admin_listen, admin_token_file)",
+     .flags = DP_ARG_REQUIRED},
+    {.name = "--pool",
+     .kind = DP_ARG_STR,
+     .off = offsetof(rollout_opts_t, pool),
+     .meta = "P",
+     .help = "only the candidates of baseline pool P"},
+    {.name = "--json",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(rollout_opts_t, json),
+     .help = "print the admin API's JSON instead of a table"},
+    {.name = "--admin",
+     .kind = DP_ARG_STR,
+     .off = offsetof(rollout_opts_t, admin),
+     .meta = "HOST:PORT",
+     .help = "the admin API, when admin_listen does not say (port 0)"},
+};
+
+static const dp_args_t rollout_spec = {
+    .prog = CMD,
+    .usage = "detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]",
+    .about = "Candidate pools (a pool's \"candidates\") judged against the baseline pool's own\n"
+             "noise, read from the running proxy's GET /admin/rollouts: per candidate and per\n"
+             "tenant, samples, exact-match rate, mean similarity, median divergence offset and\n"
+             "a verdict (equivalent, diverges, insufficient_data) with its reasons\n"
+             "(docs/rollouts.md).",
+    .opts = rollout_table,
+    .nopts = DP_ARRAY_SIZE(rollout_table),
+    .epilog = "Exit codes: 0 no candidate diverges, 1 one does, 2 usage error, 3 the admin API\n"
+              "could not be read.",
+};
 
 static const char *str(const cJSON *o, const char *k)
 {
@@ -141,55 +170,20 @@ int px_cmd_rollout(int argc, char **argv)
 {
     if (argc < 2 || strcmp(argv[1], "report") != 0) {
         if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            usage(stdout);
+            dp_args_help(&rollout_spec, stdout);
             return 0;
         }
         if (argc >= 2)
             fprintf(stderr, "detproxy rollout: unknown subcommand '%s'\n", argv[1]);
-        usage(stderr);
+        dp_args_help(&rollout_spec, stderr);
         return 2;
     }
-    argc--;
-    argv++;
-    const char *cpath = NULL, *pool = NULL, *admin = NULL;
-    bool json = false;
-    static const struct option opts[] = {
-        {"config", required_argument, NULL, 'c'}, {"pool", required_argument, NULL, 'p'},
-        {"json", no_argument, NULL, 'j'},         {"admin", required_argument, NULL, 'a'},
-        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
-    optind = 1;
-    opterr = 0;
-    int c;
-    while ((c = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
-        switch (c) {
-        case 'c':
-            cpath = optarg;
-            break;
-        case 'p':
-            pool = optarg;
-            break;
-        case 'j':
-            json = true;
-            break;
-        case 'a':
-            admin = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            fprintf(stderr, CMD ": unknown or incomplete option '%s'\n", argv[optind - 1]);
-            return 2;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, CMD ": unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
-    if (cpath == NULL) {
-        fputs(CMD ": -c CONFIG is required\n", stderr);
-        return 2;
-    }
+    rollout_opts_t o = {0};
+    int r = dp_args_parse(&rollout_spec, argc - 1, argv + 1, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    const char *cpath = o.config, *pool = o.pool, *admin = o.admin;
+    bool json = o.json;
     cfg_t *cfg = px_cli_load_config(cpath);
     if (cfg == NULL)
         return 2;

@@ -1,56 +1,17 @@
 /* detproxy-sim: a replica simulator for tests, demos and users' own CI
- * (docs/contributing/simulator.md). Flags in, sim_run out. */
+ * (docs/contributing/simulator.md). Flags in (common/args.h), sim_run out. */
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/args.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "tests/sim/sim_flavor.h"
 #include "tests/sim/sim_server.h"
-
-static void usage(FILE *f)
-{
-    fputs("usage: detproxy-sim [options]\n"
-          "\n"
-          "A simulated OpenAI-compatible LLM replica with a deterministic toy model.\n"
-          "\n"
-          "  --listen ADDR               host:port to listen on; port 0 picks a free port\n"
-          "                              (default 127.0.0.1:8000; IPv6 as [::1]:8000)\n"
-          "  --flavor NAME               vllm | tgi | sglang | llamacpp (default vllm)\n"
-          "  --model NAME                served model name (default sim-model)\n"
-          "  --framework-version V       reported framework version (default per flavor:\n"
-          "                              vllm 0.6.3, tgi 2.0.4, sglang 0.3.5, llamacpp b11669)\n"
-          "  --quantization Q            quantization the model generates with (default none)\n"
-          "  --dtype D                   dtype (default float16)\n"
-          "  --checkpoint-sha256 HEX     checkpoint hash, 64 lowercase hex\n"
-          "                              (default sha256(\"sim\"))\n"
-          "  --token-delay-ms N          delay per generated token (default 0)\n"
-          "  --noise P                   with >= 2 requests in flight, flip each near-tied\n"
-          "                              token with probability P (default 0)\n"
-          "  --report-quantization Q     report Q while generating with --quantization\n"
-          "                              (a lying replica)\n"
-          "  --attest-key KEY.pem        also serve GET /attestation?nonce=N, signed with\n"
-          "                              this Ed25519 private key\n"
-          "  --tls-cert F, --tls-key F   serve HTTPS with this PEM certificate chain and key\n"
-          "  --log-level LEVEL           debug | info | warn | error (default info)\n"
-          "  --help                      print this help\n"
-          "\n"
-          "Logs are JSON lines on stderr; the first is {\"msg\":\"listening\",\"port\":N,...}.\n"
-          "Test-only endpoints live under /_sim/ (see docs/contributing/simulator.md).\n"
-          "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.\n",
-          f);
-}
-
-static int bad(const char *fmt, const char *a, const char *b)
-{
-    fputs("detproxy-sim: ", stderr);
-    fprintf(stderr, fmt, a, b);
-    fputc('\n', stderr);
-    return 2;
-}
 
 /* "host:port" or "[v6]:port" into host and port. */
 static int parse_listen(const char *s, char *host, size_t hostlen, uint16_t *port)
@@ -83,142 +44,191 @@ static int parse_listen(const char *s, char *host, size_t hostlen, uint16_t *por
     return 0;
 }
 
+typedef struct {
+    sim_config_t cfg;
+    uint64_t token_delay_ms;
+    bool version_given;
+} sim_opts_t;
+
+static int set_listen(void *dst, const char *v, char *why, size_t n)
+{
+    sim_config_t *c = dst;
+    if (parse_listen(v, c->host, sizeof(c->host), &c->port) != 0)
+        return dp_arg_fail(why, n, "expected host:port or [v6]:port, got '%s'", v);
+    return 0;
+}
+
+static int set_flavor(void *dst, const char *v, char *why, size_t n)
+{
+    int f = sim_flavor_parse(v);
+    if (f < 0)
+        return dp_arg_fail(why, n, "expected vllm, tgi, sglang or llamacpp, got '%s'", v);
+    *(sim_flavor_t *)dst = (sim_flavor_t)f;
+    return 0;
+}
+
+/* An owned identity string (sim_identity_set). */
+static int set_string(void *dst, const char *v, char *why, size_t n)
+{
+    sim_identity_set(dst, v);
+    return 0;
+}
+
+/* dst is the whole sim_opts_t (the option's off is 0): the flavor's default version is filled in
+ * after parsing unless this flag was given. */
+static int set_version(void *dst, const char *v, char *why, size_t n)
+{
+    sim_opts_t *o = dst;
+    sim_identity_set(&o->cfg.id.framework_version, v);
+    o->version_given = true;
+    return 0;
+}
+
+static int set_checkpoint(void *dst, const char *v, char *why, size_t n)
+{
+    if (!dp_is_lower_hex(v, 64))
+        return dp_arg_fail(why, n, "expected 64 lowercase hex, got '%s'", v);
+    sim_identity_set(dst, v);
+    return 0;
+}
+
+static int set_noise(void *dst, const char *v, char *why, size_t n)
+{
+    char *end;
+    errno = 0;
+    double p = strtod(v, &end);
+    if (errno != 0 || end == v || *end != '\0' || !(p >= 0 && p <= 1))
+        return dp_arg_fail(why, n, "expected a probability in [0, 1], got '%s'", v);
+    *(double *)dst = p;
+    return 0;
+}
+
+static int set_log_level(void *dst, const char *v, char *why, size_t n)
+{
+    int lvl = dp_log_level_parse(v);
+    if (lvl < 0)
+        return dp_arg_fail(why, n, "expected debug, info, warn or error, got '%s'", v);
+    dp_log_set_level((dp_log_level_t)lvl);
+    return 0;
+}
+
+#define ID(field) offsetof(sim_opts_t, cfg.id.field)
+
+static const dp_arg_t sim_table[] = {
+    {.name = "--listen",
+     .kind = DP_ARG_CALL,
+     .off = offsetof(sim_opts_t, cfg),
+     .meta = "ADDR",
+     .help = "host:port to listen on; port 0 picks a free port\n"
+             "(default 127.0.0.1:8000; IPv6 as [::1]:8000)",
+     .cb = set_listen},
+    {.name = "--flavor",
+     .kind = DP_ARG_CALL,
+     .off = ID(flavor),
+     .meta = "NAME",
+     .help = "vllm | tgi | sglang | llamacpp (default vllm)",
+     .cb = set_flavor},
+    {.name = "--model",
+     .kind = DP_ARG_CALL,
+     .off = ID(model),
+     .meta = "NAME",
+     .help = "served model name (default sim-model)",
+     .cb = set_string},
+    {.name = "--framework-version",
+     .kind = DP_ARG_CALL,
+     .meta = "V",
+     .help = "reported framework version (default per flavor:\n"
+             "vllm 0.6.3, tgi 2.0.4, sglang 0.3.5, llamacpp b11669)",
+     .cb = set_version},
+    {.name = "--quantization",
+     .kind = DP_ARG_CALL,
+     .off = ID(quantization),
+     .meta = "Q",
+     .help = "quantization the model generates with (default none)",
+     .cb = set_string},
+    {.name = "--dtype",
+     .kind = DP_ARG_CALL,
+     .off = ID(dtype),
+     .meta = "D",
+     .help = "dtype (default float16)",
+     .cb = set_string},
+    {.name = "--checkpoint-sha256",
+     .kind = DP_ARG_CALL,
+     .off = ID(checkpoint_sha256),
+     .meta = "HEX",
+     .help = "checkpoint hash, 64 lowercase hex\n"
+             "(default sha256(\"sim\"))",
+     .cb = set_checkpoint},
+    {.name = "--token-delay-ms",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(sim_opts_t, token_delay_ms),
+     .meta = "N",
+     .help = "delay per generated token (default 0)",
+     .max = 600000},
+    {.name = "--noise",
+     .kind = DP_ARG_CALL,
+     .off = offsetof(sim_opts_t, cfg.noise),
+     .meta = "P",
+     .help = "with >= 2 requests in flight, flip each near-tied\n"
+             "token with probability P (default 0)",
+     .cb = set_noise},
+    {.name = "--report-quantization",
+     .kind = DP_ARG_CALL,
+     .off = ID(report_quantization),
+     .meta = "Q",
+     .help = "report Q while generating with --quantization\n"
+             "(a lying replica; empty: no lie)",
+     .flags = DP_ARG_EMPTY_OK,
+     .cb = set_string},
+    {.name = "--attest-key",
+     .kind = DP_ARG_STR,
+     .off = offsetof(sim_opts_t, cfg.attest_key_path),
+     .meta = "KEY.pem",
+     .help = "also serve GET /attestation?nonce=N, signed with\n"
+             "this Ed25519 private key"},
+    {.name = "--tls-cert",
+     .kind = DP_ARG_STR,
+     .off = offsetof(sim_opts_t, cfg.tls_cert),
+     .meta = "F",
+     .help = "serve HTTPS with this PEM certificate chain (and --tls-key)"},
+    {.name = "--tls-key",
+     .kind = DP_ARG_STR,
+     .off = offsetof(sim_opts_t, cfg.tls_key),
+     .meta = "F",
+     .help = "and this PEM private key"},
+    {.name = "--log-level",
+     .kind = DP_ARG_CALL,
+     .meta = "LEVEL",
+     .help = "debug | info | warn | error (default info)",
+     .cb = set_log_level},
+};
+
+static const dp_args_t sim_spec = {
+    .prog = "detproxy-sim",
+    .usage = "detproxy-sim [options]",
+    .about = "A simulated OpenAI-compatible LLM replica with a deterministic toy model.",
+    .opts = sim_table,
+    .nopts = DP_ARRAY_SIZE(sim_table),
+    .epilog =
+        "Logs are JSON lines on stderr; the first is {\"msg\":\"listening\",\"port\":N,...}.\n"
+        "Test-only endpoints live under /_sim/ (see docs/contributing/simulator.md).\n"
+        "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.",
+};
+
 int main(int argc, char **argv)
 {
-    sim_config_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    sim_identity_defaults(&cfg.id);
-    snprintf(cfg.host, sizeof(cfg.host), "127.0.0.1");
-    cfg.port = 8000;
-    bool version_given = false;
-    int rc = 0;
-
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
-            usage(stdout);
-            goto out;
-        }
-        if (strncmp(arg, "--", 2) != 0) {
-            rc = bad("unexpected argument '%s'%s (try --help)", arg, "");
-            goto out;
-        }
-        /* --flag=value or --flag value */
-        char name[64];
-        const char *val = NULL;
-        const char *eq = strchr(arg, '=');
-        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (nl >= sizeof(name)) {
-            rc = bad("unknown flag '%s'%s (try --help)", arg, "");
-            goto out;
-        }
-        memcpy(name, arg, nl);
-        name[nl] = '\0';
-        static const char *const known[] = {"--listen",
-                                            "--flavor",
-                                            "--model",
-                                            "--framework-version",
-                                            "--quantization",
-                                            "--dtype",
-                                            "--checkpoint-sha256",
-                                            "--token-delay-ms",
-                                            "--noise",
-                                            "--report-quantization",
-                                            "--attest-key",
-                                            "--tls-cert",
-                                            "--tls-key",
-                                            "--log-level"};
-        bool ok = false;
-        for (size_t k = 0; k < DP_ARRAY_SIZE(known); k++)
-            ok = ok || strcmp(name, known[k]) == 0;
-        if (!ok) {
-            rc = bad("unknown flag '%s'%s (try --help)", name, "");
-            goto out;
-        }
-        if (eq) {
-            val = eq + 1;
-        } else if (i + 1 < argc) {
-            val = argv[++i];
-        } else {
-            rc = bad("%s needs a value%s", name, "");
-            goto out;
-        }
-
-        if (strcmp(name, "--listen") == 0) {
-            if (parse_listen(val, cfg.host, sizeof(cfg.host), &cfg.port) != 0) {
-                rc = bad("--listen: expected host:port or [v6]:port, got '%s'%s", val, "");
-                goto out;
-            }
-        } else if (strcmp(name, "--flavor") == 0) {
-            int f = sim_flavor_parse(val);
-            if (f < 0) {
-                rc = bad("--flavor: expected vllm, tgi, sglang or llamacpp, got '%s'%s", val, "");
-                goto out;
-            }
-            cfg.id.flavor = (sim_flavor_t)f;
-        } else if (strcmp(name, "--checkpoint-sha256") == 0) {
-            if (!dp_is_lower_hex(val, 64)) {
-                rc = bad("--checkpoint-sha256: expected 64 lowercase hex, got '%s'%s", val, "");
-                goto out;
-            }
-            sim_identity_set(&cfg.id.checkpoint_sha256, val);
-        } else if (strcmp(name, "--token-delay-ms") == 0) {
-            uint64_t v;
-            if (dp_parse_u64(val, strlen(val), &v) != 0 || v > 600000) {
-                rc = bad("--token-delay-ms: expected an integer 0..600000, got '%s'%s", val, "");
-                goto out;
-            }
-            cfg.token_delay_ms = (uint32_t)v;
-        } else if (strcmp(name, "--noise") == 0) {
-            char *end;
-            errno = 0;
-            double p = strtod(val, &end);
-            if (errno != 0 || end == val || *end != '\0' || !(p >= 0 && p <= 1)) {
-                rc = bad("--noise: expected a probability in [0, 1], got '%s'%s", val, "");
-                goto out;
-            }
-            cfg.noise = p;
-        } else if (strcmp(name, "--attest-key") == 0) {
-            if (val[0] == '\0') {
-                rc = bad("--attest-key: expected a path%s%s", "", "");
-                goto out;
-            }
-            cfg.attest_key_path = val;
-        } else if (strcmp(name, "--tls-cert") == 0) {
-            cfg.tls_cert = val;
-        } else if (strcmp(name, "--tls-key") == 0) {
-            cfg.tls_key = val;
-        } else if (strcmp(name, "--log-level") == 0) {
-            int lvl = dp_log_level_parse(val);
-            if (lvl < 0) {
-                rc = bad("--log-level: expected debug, info, warn or error, got '%s'%s", val, "");
-                goto out;
-            }
-            dp_log_set_level((dp_log_level_t)lvl);
-        } else {
-            /* the string identity flags; --report-quantization may be empty (= no lie) */
-            if (val[0] == '\0' && strcmp(name, "--report-quantization") != 0) {
-                rc = bad("%s: expected a non-empty value%s", name, "");
-                goto out;
-            }
-            if (strcmp(name, "--model") == 0)
-                sim_identity_set(&cfg.id.model, val);
-            else if (strcmp(name, "--framework-version") == 0) {
-                sim_identity_set(&cfg.id.framework_version, val);
-                version_given = true;
-            } else if (strcmp(name, "--quantization") == 0)
-                sim_identity_set(&cfg.id.quantization, val);
-            else if (strcmp(name, "--dtype") == 0)
-                sim_identity_set(&cfg.id.dtype, val);
-            else if (strcmp(name, "--report-quantization") == 0)
-                sim_identity_set(&cfg.id.report_quantization, val);
-        }
+    sim_opts_t o;
+    memset(&o, 0, sizeof(o));
+    sim_identity_defaults(&o.cfg.id);
+    snprintf(o.cfg.host, sizeof(o.cfg.host), "127.0.0.1");
+    o.cfg.port = 8000;
+    int r = dp_args_parse(&sim_spec, argc, argv, &o);
+    if (r != 0) {
+        sim_identity_free(&o.cfg.id);
+        return dp_args_exit(r);
     }
-    if (!version_given)
-        sim_identity_set(&cfg.id.framework_version, sim_flavor_default_version(cfg.id.flavor));
-    return sim_run(&cfg);
-
-out:
-    sim_identity_free(&cfg.id);
-    return rc;
+    o.cfg.token_delay_ms = (uint32_t)o.token_delay_ms;
+    if (!o.version_given)
+        sim_identity_set(&o.cfg.id.framework_version, sim_flavor_default_version(o.cfg.id.flavor));
+    return sim_run(&o.cfg);
 }
