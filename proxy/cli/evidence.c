@@ -140,10 +140,10 @@ typedef struct {
     bool serving;
 } admin_replica_t;
 
-static int read_replicas(px_cli_fetch_t *w, const cfg_t *cfg, const cfg_addr_t *admin,
+static int read_replicas(px_fetch_t *w, const cfg_t *cfg, const cfg_addr_t *admin,
                          admin_replica_t **out, size_t *n)
 {
-    if (px_cli_admin_get(w, "detproxy replay", cfg, admin, "/admin/replicas") != 0)
+    if (px_fetch_admin_get(w, "detproxy replay", cfg, admin, "/admin/replicas") != 0)
         return -1;
     cJSON *doc = cJSON_ParseWithLength(w->body.base, w->body.len);
     const cJSON *arr = cJSON_GetObjectItemCaseSensitive(doc, "replicas");
@@ -215,7 +215,7 @@ typedef struct {
     admin_replica_t *reps;
     size_t nreps;
     char (*fps)[20]; /* per config pool */
-    px_cli_fetch_t w;
+    px_fetch_t w;
     bool json;
     dp_jw_t jw;
     dp_buf_t jout;
@@ -234,7 +234,7 @@ static bool read_stored(const replay_t *rp, const char *hex, dp_buf_t *out)
         return false;
     char path[4096];
     snprintf(path, sizeof(path), "%s/%s", rp->store, hex);
-    if (dp_read_file(path, PX_CLI_MAX_BODY, out) != 0)
+    if (dp_read_file(path, PX_FETCH_MAX_BODY, out) != 0)
         return false;
     char got[65];
     dp_sha256_hex(out->base, out->len, got);
@@ -347,8 +347,8 @@ static void replay_one(replay_t *rp, const cJSON *line)
             o.replica = pick->name;
             char target[512];
             snprintf(target, sizeof(target), "%s%s", u.path ? u.path : "", route);
-            int st = px_cli_fetch(&rp->w, rp->cfg, u.host, u.port, tls, server_name, u.hostport,
-                                  "POST", target, pc->api_key, req.base, req.len);
+            int st = px_fetch(&rp->w, rp->cfg, u.host, u.port, tls, server_name, u.hostport, "POST",
+                              target, pc->api_key, req.base, req.len);
             if (st != 200) {
                 if (st)
                     dp_buf_printf(&o.why, "replica answered HTTP %d", st);
@@ -455,11 +455,11 @@ int px_cmd_replay(int argc, char **argv)
     const char *cpath = opt.config, *audit = opt.audit, *id = opt.id, *since = opt.since;
     const char *store = opt.store, *admin = opt.admin;
     bool json = opt.json;
-    cfg_t *cfg = px_cli_load_config(cpath);
+    cfg_t *cfg = px_fetch_config(cpath);
     if (cfg == NULL)
         return 2;
     cfg_addr_t aaddr;
-    if (px_cli_admin_addr("detproxy replay", cfg, admin, &aaddr) != 0) {
+    if (px_fetch_admin_addr("detproxy replay", cfg, admin, &aaddr) != 0) {
         cfg_free(cfg);
         return 2;
     }
@@ -474,7 +474,7 @@ int px_cmd_replay(int argc, char **argv)
     rp.fps = dp_xcalloc(cfg->npools + 1, sizeof(*rp.fps));
     for (size_t k = 0; k < cfg->npools; k++)
         cfg_manifest_fingerprint(cfg->pools[k].manifest, rp.fps[k]);
-    px_cli_fetch_init(&rp.w);
+    px_fetch_init(&rp.w);
     int rc = 3;
     if (read_replicas(&rp.w, cfg, &aaddr, &rp.reps, &rp.nreps) == 0) {
         if (json) {
@@ -527,7 +527,7 @@ int px_cmd_replay(int argc, char **argv)
     free(rp.reps);
     free(rp.fps);
     dp_buf_free(&rp.jout);
-    px_cli_fetch_free(&rp.w);
+    px_fetch_free(&rp.w);
     free(aaddr.host);
     cfg_free(cfg);
     return rc;

@@ -10,13 +10,13 @@
 #include "proxy/core/px.h"
 #include "proxy/core/self.h"
 
-void px_cli_fetch_init(px_cli_fetch_t *w)
+void px_fetch_init(px_fetch_t *w)
 {
     memset(w, 0, sizeof(*w));
     uv_loop_init(&w->loop);
 }
 
-void px_cli_fetch_free(px_cli_fetch_t *w)
+void px_fetch_free(px_fetch_t *w)
 {
     dp_buf_free(&w->body);
     dp_buf_free(&w->err);
@@ -28,7 +28,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
                     const char *detail, void *data)
 {
     (void)f;
-    px_cli_fetch_t *w = data;
+    px_fetch_t *w = data;
     w->done = true;
     w->status = status;
     dp_buf_reset(&w->body);
@@ -40,10 +40,9 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
                       detail ? detail : "");
 }
 
-int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t port,
-                 net_tls_ctx_t *tls, const char *server_name, const char *hostport,
-                 const char *method, const char *target, const char *bearer, const char *body,
-                 size_t len)
+int px_fetch(px_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t port, net_tls_ctx_t *tls,
+             const char *server_name, const char *hostport, const char *method, const char *target,
+             const char *bearer, const char *body, size_t len)
 {
     struct sockaddr_storage ss;
     if (!net_resolve(host, port, &ss)) {
@@ -66,7 +65,7 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
                           .bearer = bearer,
                           .body = body,
                           .body_len = len,
-                          .max_bytes = PX_CLI_MAX_BODY};
+                          .max_bytes = PX_FETCH_MAX_BODY};
     w->done = false;
     net_fetch(u, &o, fetched, w);
     while (!w->done)
@@ -76,7 +75,7 @@ int px_cli_fetch(px_cli_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t
     return w->status;
 }
 
-cfg_t *px_cli_load_config(const char *path)
+cfg_t *px_fetch_config(const char *path)
 {
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
@@ -87,7 +86,7 @@ cfg_t *px_cli_load_config(const char *path)
     return cfg;
 }
 
-int px_cli_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg_addr_t *out)
+int px_fetch_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg_addr_t *out)
 {
     const char *why = NULL;
     memset(out, 0, sizeof(*out));
@@ -112,14 +111,14 @@ int px_cli_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg_a
     return 0;
 }
 
-int px_cli_admin_get(px_cli_fetch_t *w, const char *cmd, const cfg_t *cfg, const cfg_addr_t *admin,
-                     const char *target)
+int px_fetch_admin_get(px_fetch_t *w, const char *cmd, const cfg_t *cfg, const cfg_addr_t *admin,
+                       const char *target)
 {
     char hp[300];
     const char *h = admin->host;
     snprintf(hp, sizeof(hp), strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, (unsigned)admin->port);
-    int st = px_cli_fetch(w, cfg, h, admin->port, NULL, NULL, hp, "GET", target, cfg->admin_token,
-                          NULL, 0);
+    int st =
+        px_fetch(w, cfg, h, admin->port, NULL, NULL, hp, "GET", target, cfg->admin_token, NULL, 0);
     if (st == 200)
         return 0;
     if (st)

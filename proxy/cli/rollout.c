@@ -184,7 +184,7 @@ int px_cmd_rollout(int argc, char **argv)
         return dp_args_exit(r);
     const char *cpath = o.config, *pool = o.pool, *admin = o.admin;
     bool json = o.json;
-    cfg_t *cfg = px_cli_load_config(cpath);
+    cfg_t *cfg = px_fetch_config(cpath);
     if (cfg == NULL)
         return 2;
     if (pool && cfg_pool_by_name(cfg, pool) == NULL) {
@@ -193,17 +193,17 @@ int px_cmd_rollout(int argc, char **argv)
         return 2;
     }
     cfg_addr_t addr;
-    if (px_cli_admin_addr(CMD, cfg, admin, &addr) != 0) {
+    if (px_fetch_admin_addr(CMD, cfg, admin, &addr) != 0) {
         cfg_free(cfg);
         return 2;
     }
     /* Pool names are of A-Z a-z 0-9 . _ - : / (config rule): nothing to escape in a query. */
     char target[300];
     snprintf(target, sizeof(target), "/admin/rollouts%s%s", pool ? "?pool=" : "", pool ? pool : "");
-    px_cli_fetch_t w;
-    px_cli_fetch_init(&w);
+    px_fetch_t w;
+    px_fetch_init(&w);
     int rc = 3;
-    if (px_cli_admin_get(&w, CMD, cfg, &addr, target) == 0) {
+    if (px_fetch_admin_get(&w, CMD, cfg, &addr, target) == 0) {
         cJSON *doc = cJSON_ParseWithLength(w.body.base, w.body.len);
         if (!cJSON_IsObject(doc)) {
             fprintf(stderr, CMD ": GET %s: the answer is not a JSON object\n", target);
@@ -216,7 +216,7 @@ int px_cmd_rollout(int argc, char **argv)
         }
         cJSON_Delete(doc);
     }
-    px_cli_fetch_free(&w);
+    px_fetch_free(&w);
     free(addr.host);
     cfg_free(cfg);
     return rc;

@@ -1,11 +1,12 @@
 /* `detproxy run`: load the config, start the listeners, serve until SIGTERM/SIGINT drains. */
-#include <getopt.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 
+#include "common/args.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "common/version.h"
@@ -29,17 +30,29 @@
 
 #define DRAIN_LIMIT_MS 30000
 
-static void usage(FILE *f)
-{
-    fputs("usage: detproxy run -c CONFIG\n"
-          "\n"
-          "Run the proxy in the foreground. Logs are JSON lines on stderr.\n"
-          "  -c, --config FILE   configuration file (see docs/configuration.md)\n"
-          "  -h, --help          this help\n"
-          "Signals: SIGTERM/SIGINT drain in-flight requests (up to 30 s) and exit 0;\n"
-          "SIGHUP reloads the configuration.\n",
-          f);
-}
+typedef struct {
+    const char *config;
+} run_opts_t;
+
+static const dp_arg_t run_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(run_opts_t, config),
+     .meta = "CONFIG",
+     .help = "configuration file (see docs/configuration.md)",
+     .flags = DP_ARG_REQUIRED},
+};
+
+static const dp_args_t run_spec = {
+    .prog = "detproxy run",
+    .usage = "detproxy run -c CONFIG",
+    .about = "Run the proxy in the foreground. Logs are JSON lines on stderr.",
+    .opts = run_table,
+    .nopts = DP_ARRAY_SIZE(run_table),
+    .epilog = "Signals: SIGTERM/SIGINT drain in-flight requests (up to 30 s) and exit 0;\n"
+              "SIGHUP reloads the configuration.",
+};
 
 /* ---- shutdown ------------------------------------------------------------------------------ */
 
@@ -173,34 +186,11 @@ static int listen_on(net_server_t *s, const cfg_addr_t *a, const char *what)
 
 int px_cmd_run(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"config", required_argument, NULL, 'c'}, {"help", no_argument, NULL, 'h'}, {0}};
-    const char *path = NULL;
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "c:h", opts, NULL)) != -1) {
-        switch (c) {
-        case 'c':
-            path = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            fprintf(stderr, "detproxy run: unknown or incomplete option '%s' (try --help)\n",
-                    argv[optind - 1]);
-            return 2;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "detproxy run: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
-    if (path == NULL) {
-        fprintf(stderr, "detproxy run: -c CONFIG is required\n");
-        return 2;
-    }
+    run_opts_t o = {0};
+    int r = dp_args_parse(&run_spec, argc, argv, &o);
+    if (r != 0)
+        return dp_args_exit(r);
+    const char *path = o.config;
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
     int rc = cfg_load(path, &cfg, &errs);
