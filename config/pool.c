@@ -1,5 +1,6 @@
 /* Pools: their replicas (listed or discovered), how each replica is attested, the manifest they
- * must match, and the TLS and credentials used to reach them. */
+ * must match, the TLS and credentials used to reach them, and the look-ups over the parsed pools
+ * (by name, by model, by determinism mode) that the router and the cross-section checks make. */
 #include "config/cfg_internal.h"
 
 #include <stdlib.h>
@@ -86,6 +87,45 @@ cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
     dp_buf_free(&text);
     free(full);
     return doc;
+}
+
+/* ---- look-ups -------------------------------------------------------------------------- */
+
+const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name)
+{
+    for (size_t i = 0; i < cfg->npools; i++)
+        if (cfg->pools[i].name != NULL && strcmp(cfg->pools[i].name, name) == 0)
+            return &cfg->pools[i];
+    return NULL;
+}
+
+cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p)
+{
+    return p->manifest ? p->manifest->determinism : CFG_DETERMINISM_NONE;
+}
+
+const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len)
+{
+    return cfg_pool_for_model_mode(cfg, model, len, CFG_DETERMINISM_NONE);
+}
+
+/* O(pools x models): a handful of each, and it runs once per request. */
+const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
+                                          cfg_determinism_t mode)
+{
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        if (p->is_candidate)
+            continue; /* a rollout under evaluation gets candidate copies, not clients */
+        if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
+            continue;
+        for (size_t j = 0; j < p->nmodels; j++) {
+            const char *m = p->models[j];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return p;
+        }
+    }
+    return NULL;
 }
 
 /* ---- attestation source ---------------------------------------------------------------- */
