@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <openssl/crypto.h>
-
 #include "common/util.h"
 
 const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
@@ -39,55 +37,6 @@ static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_head
                                             NULL};
 static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
 static const char *const candidate_keys[] = {"pool", "rate", NULL};
-
-/* ---- shared readers -------------------------------------------------------------------- */
-
-bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
-{
-    char *rel = NULL;
-    if (!cfg_get_str(c, obj, key, required, &rel))
-        return false;
-    free(*out);
-    *out = cfg_resolve(c->dir, rel);
-    free(rel);
-    return true;
-}
-
-bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out)
-{
-    char *s = NULL;
-    if (!cfg_get_str(c, obj, key, required, &s))
-        return false;
-    cfg_url_t u;
-    const char *why = NULL;
-    bool ok = cfg_parse_url(s, &u, &why) == 0;
-    if (ok) {
-        cfg_url_free(out);
-        *out = u;
-    } else {
-        cfg_err(c, key, "%s", why);
-    }
-    free(s);
-    return ok;
-}
-
-cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
-{
-    if (*rel == '\0') {
-        cfg_err(c, NULL, "expected a file path or an object");
-        return NULL;
-    }
-    char *full = cfg_resolve(c->dir, rel);
-    dp_buf_t text = {0};
-    cJSON *doc = NULL;
-    if (cfg_read_file(c, NULL, full, CFG_DOC_MAX, &text)) {
-        c->file = rel;
-        doc = cfg_parse_json(c, text.base, text.len);
-    }
-    dp_buf_free(&text);
-    free(full);
-    return doc;
-}
 
 /* ---- look-ups -------------------------------------------------------------------------- */
 
@@ -575,13 +524,6 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     }
     cfg_path_pop(c, mark);
     check_candidates(c, cfg);
-}
-
-void cfg_secret_free(char *s)
-{
-    if (s != NULL)
-        OPENSSL_cleanse(s, strlen(s));
-    free(s);
 }
 
 void cfg_pool_free(cfg_pool_t *p)
