@@ -324,16 +324,3 @@ void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
         break;
     }
 }
-
-int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
-{
-    jdoc_t d;
-    jdoc_init(&d);
-    int rc = jdoc_parse(&d, json, len, 0);
-    if (rc < 0)
-        policy_json_error(&d, err);
-    else
-        jcs_write(&d, 0, out);
-    jdoc_free(&d);
-    return rc;
-}

@@ -71,6 +71,21 @@ void policy_error_json(const policy_error_t *e, dp_buf_t *out)
     dp_jw_obj_end(&w);
 }
 
+/* ---- canonical JSON ------------------------------------------------------------------------ */
+
+int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
+{
+    jdoc_t d;
+    jdoc_init(&d);
+    int rc = jdoc_parse(&d, json, len, 0);
+    if (rc < 0)
+        policy_json_error(&d, err);
+    else
+        jcs_write(&d, 0, out);
+    jdoc_free(&d);
+    return rc;
+}
+
 /* ---- tenants ------------------------------------------------------------------------------- */
 
 size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
