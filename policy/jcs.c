@@ -264,7 +264,7 @@ void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t 
         } else if (cp == '\\') {
             dp_buf_append(out, "\\\\", 2);
         } else {
-            json_put_utf8(out, cp);
+            jdoc_put_utf8(out, cp);
         }
     }
     dp_buf_appendc(out, '"');

@@ -1,4 +1,4 @@
-#include "policy/json.h"
+#include "policy/jdoc.h"
 
 #include "common/util.h"
 
@@ -69,7 +69,6 @@ static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
     t->flags = 0;
     return d->ntoks++;
 }
-
 
 /* Four hex digits at p (bounds checked by the caller) or -1. */
 static int32_t hex4(const unsigned char *p)
@@ -395,7 +394,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
             d->toks[k].flags = f;
             if (f & JF_ESC) {
                 d->toks[k].aux = (uint32_t)d->keys.len;
-                json_unescape(src + s + 1, i - s - 2, &d->keys);
+                jdoc_unescape(src + s + 1, i - s - 2, &d->keys);
                 d->toks[k].aux2 = (uint32_t)(d->keys.len - d->toks[k].aux);
             }
             i = skip_ws(src, n, i);
@@ -541,7 +540,7 @@ bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
     }
     /* Escaped values are rare (a role spelled with \u escapes); decode on the side. */
     dp_buf_t b = {0};
-    json_unescape(d->src + t->start + 1, t->len - 2, &b);
+    jdoc_unescape(d->src + t->start + 1, t->len - 2, &b);
     bool eq = b.len == sl && memcmp(b.base, s, sl) == 0;
     dp_buf_free(&b);
     return eq;
@@ -551,7 +550,7 @@ void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 {
     const jtok_t *t = &d->toks[tok];
     if (t->flags & JF_ESC)
-        json_unescape(d->src + t->start + 1, t->len - 2, out);
+        jdoc_unescape(d->src + t->start + 1, t->len - 2, out);
     else
         dp_buf_append(out, d->src + t->start + 1, t->len - 2);
 }
@@ -647,7 +646,7 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
     out->base[out->len] = '\0';
 }
 
-void json_put_utf8(dp_buf_t *out, uint32_t cp)
+void jdoc_put_utf8(dp_buf_t *out, uint32_t cp)
 {
     char b[4];
     size_t n;
@@ -673,7 +672,7 @@ void json_put_utf8(dp_buf_t *out, uint32_t cp)
     dp_buf_append(out, b, n);
 }
 
-void json_unescape(const char *s, size_t n, dp_buf_t *out)
+void jdoc_unescape(const char *s, size_t n, dp_buf_t *out)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
@@ -710,7 +709,7 @@ void json_unescape(const char *s, size_t n, dp_buf_t *out)
                 i += 6;
                 cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
             }
-            json_put_utf8(out, cp);
+            jdoc_put_utf8(out, cp);
             break;
         }
         default: /* '"', '\\', '/' */
