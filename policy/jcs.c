@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "policy/jcs_pow10.h"
-#include "policy/policy_int.h"
+#include "policy/jcs.h"
 
 static size_t put_u64(char *o, uint64_t v)
 {
@@ -128,7 +128,7 @@ static int shortest(double v, char *out, int *k)
     return e + nd;
 }
 
-size_t policy_es_number(double v, char *out)
+size_t jcs_es_number(double v, char *out)
 {
     if (!isfinite(v)) {
         memcpy(out, "null", 5);
@@ -283,7 +283,7 @@ static void jcs_number(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
         return;
     }
     char b[32];
-    size_t n = policy_es_number(jdoc_num(d, tok), b);
+    size_t n = jcs_es_number(jdoc_num(d, tok), b);
     dp_buf_append(out, b, n);
 }
 

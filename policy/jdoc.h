@@ -105,12 +105,4 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
 void jdoc_unescape(const char *s, size_t n, dp_buf_t *out);
 void jdoc_put_utf8(dp_buf_t *out, uint32_t cp);
 
-/* ---- RFC 8785 (jcs.c) ---- */
-
-/* Canonical form of the subtree at tok. The tape must come from a parse without
- * JDOC_ALLOW_DUPS (objects carry their sorted member lists). */
-void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
-/* A raw, validated JSON string literal (quotes included) re-escaped the JCS way. */
-void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out);
-
 #endif

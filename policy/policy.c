@@ -10,6 +10,7 @@
 
 #include "common/jw.h"
 #include "common/util.h"
+#include "policy/jcs.h"
 #include "policy/policy_int.h"
 
 const char *const policy_action_names[POLICY_ACTION__COUNT] = {
@@ -556,7 +557,7 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
         } else if (slots[s].integer) {
             put_i64(out, v->i);
         } else {
-            policy_es_number(v->d, out);
+            jcs_es_number(v->d, out);
         }
         break;
     case PV_OTHER: /* a value that is not ours (cache_prompt: true): as the client wrote it */
@@ -754,7 +755,7 @@ static bool excluded_from_canon(int s)
 static void canon_value(int s, const pval_t *v, dp_buf_t *out)
 {
     char b[32];
-    size_t n = policy_es_number(slots[s].integer ? (double)v->i : v->d, b);
+    size_t n = jcs_es_number(slots[s].integer ? (double)v->i : v->d, b);
     dp_buf_append(out, b, n);
 }
 

@@ -204,14 +204,9 @@ int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 
-/* v as ECMAScript's Number.prototype.toString prints it (shortest round-trip digits; 1e+21,
- * 1e-7, -0 -> "0"); NaN and infinities, which JSON cannot carry, print "null". out must hold 32
- * bytes; returns the length (NUL-terminated). Uses snprintf/strtod: assumes the "C" numeric
- * locale (the proxy never calls setlocale). */
-size_t policy_es_number(double v, char *out);
-
 /* Canonicalise any JSON text (same strictness as policy_parse, any top-level type). 0 and the
- * JCS form appended to out, or -1 with err set. */
+ * JCS form appended to out, or -1 with err set. Numbers print as jcs_es_number (policy/jcs.h)
+ * prints them. */
 int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err);
 
 /* ---- response fingerprint (SPEC §7) -------------------------------------------------------- */
