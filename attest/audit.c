@@ -1,6 +1,6 @@
-/* Audit hash chain, checkpoints, body store and verifier (see audit_chain.h). */
+/* Audit hash chain, checkpoints, body store and verifier (see audit.h). */
 #define _GNU_SOURCE /* memmem */
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 
 #include <errno.h>
 #include <fcntl.h>

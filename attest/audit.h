@@ -14,8 +14,8 @@
  *
  * Store: DIR/<sha256 hex> holds the bytes whose hash names it (written to a temporary name,
  * fsynced, then renamed, so a name never points at partial bytes). */
-#ifndef ATTEST_AUDIT_CHAIN_H
-#define ATTEST_AUDIT_CHAIN_H
+#ifndef ATTEST_AUDIT_H
+#define ATTEST_AUDIT_H
 
 #include <stdbool.h>
 #include <stddef.h>

@@ -14,7 +14,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 #include "common/jw.h"
 #include "common/util.h"
 #include "config/config.h"
