@@ -444,7 +444,7 @@ static bool plain_ascii(const char *s)
     return true;
 }
 
-void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out)
+void attest_adapter_probe_parse(const dp_iovec_t *body, attest_report_t *out)
 {
     cJSON *doc = body && body->base ? cJSON_ParseWithLength(body->base, body->len) : NULL;
     const char *fp = cJSON_IsObject(doc) ? str_member(doc, "system_fingerprint") : NULL;

@@ -48,7 +48,7 @@ typedef struct {
 void attest_engine_fingerprint_set(attest_report_t *out, const char *fp);
 /* The probe's 200 body (NULL base: the probe failed): attests system_fingerprint, or notes
  * why engine_fingerprint is unattested. */
-void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out);
+void attest_adapter_probe_parse(const dp_iovec_t *body, attest_report_t *out);
 
 /* NULL for CFG_ATTEST_NONE / CFG_ATTEST_AGENT. */
 const attest_adapter_t *attest_adapter_for(cfg_attest_source_t source);

@@ -139,7 +139,7 @@ void attest_check_probe_read(attest_outcome_t *out, const attest_answer_t *a)
     dp_iovec_t b = {NULL, 0};
     if (a->status == 200)
         b = (dp_iovec_t){a->body ? a->body : "", a->len};
-    attest_probe_parse(&b, &out->report);
+    attest_adapter_probe_parse(&b, &out->report);
     if (a->status != 0 && a->status != 200) {
         char why[96];
         snprintf(why, sizeof(why), "the 1-token probe completion answered %d", a->status);
@@ -168,8 +168,8 @@ void attest_outcome_clear(attest_outcome_t *out)
     memset(out, 0, sizeof(*out));
 }
 
-void attest_completion_body(const char *model, const char *prompt, uint32_t max_tokens, bool seed0,
-                            dp_buf_t *out)
+void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                                  bool seed0, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);

@@ -112,7 +112,7 @@ void attest_outcome_clear(attest_outcome_t *out);
 
 /* A temperature-0 completion body {"model","prompt","max_tokens","temperature":0[,"seed":0]}
  * (appended to out): the engine-fingerprint probe's (no seed) and the canary's (seed 0). */
-void attest_completion_body(const char *model, const char *prompt, uint32_t max_tokens, bool seed0,
-                            dp_buf_t *out);
+void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                                  bool seed0, dp_buf_t *out);
 
 #endif
