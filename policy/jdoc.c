@@ -2,6 +2,7 @@
 
 #include "common/util.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -343,6 +344,7 @@ static int close_object(jdoc_t *d, uint32_t obj, int flags)
     uint32_t base = d->norder, k = 0;
     for (uint32_t i = obj + 1; i < t->end; i = d->toks[i + 1].end)
         d->order[base + k++] = i;
+    assert(k == n); /* aux counted the members: the list fills exactly the room reserved */
     d->norder += n;
     t->aux2 = base;
     uint32_t dup = sort_keys(d, d->order + base, n);
@@ -477,6 +479,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
             goto value_done;
         }
     close : {
+        assert(depth > 0); /* only a '}' or ']' state reaches here, inside a container */
         uint32_t c = stack[--depth];
         jtok_t *t = &d->toks[c];
         t->end = d->ntoks;
@@ -498,6 +501,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
 
 void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)
 {
+    assert(tok < d->ntoks && (d->toks[tok].flags & JF_KEY));
     const jtok_t *t = &d->toks[tok];
     if (t->flags & JF_ESC) {
         *p = d->keys.base + t->aux;
@@ -510,6 +514,7 @@ void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)
 
 uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name)
 {
+    assert(obj < d->ntoks);
     const jtok_t *t = &d->toks[obj];
     if (t->type != JT_OBJ)
         return JDOC_NONE;
@@ -526,6 +531,7 @@ uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name)
 
 bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
 {
+    assert(tok < d->ntoks);
     const jtok_t *t = &d->toks[tok];
     if (t->type != JT_STR)
         return false;
@@ -548,6 +554,7 @@ bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
 
 void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 {
+    assert(tok < d->ntoks && d->toks[tok].type == JT_STR);
     const jtok_t *t = &d->toks[tok];
     if (t->flags & JF_ESC)
         jdoc_unescape(d->src + t->start + 1, t->len - 2, out);
@@ -557,11 +564,13 @@ void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 
 double jdoc_num(const jdoc_t *d, uint32_t tok)
 {
+    assert(tok < d->ntoks && d->toks[tok].type == JT_NUM);
     return num_value(d->src + d->toks[tok].start, d->toks[tok].len);
 }
 
 int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out)
 {
+    assert(tok < d->ntoks);
     const jtok_t *t = &d->toks[tok];
     const char *p = d->src + t->start;
     size_t n = t->len, i = 0;
@@ -642,6 +651,7 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 {
     dp_buf_reserve(out, d->toks[tok].len);
     char *end = compact(d, tok, out->base + out->len);
+    assert((size_t)(end - out->base) - out->len <= d->toks[tok].len); /* within the reserve */
     out->len = (size_t)(end - out->base);
     out->base[out->len] = '\0';
 }

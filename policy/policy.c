@@ -1,5 +1,6 @@
 /* Tenant matching, request validation, the rule engine, seed derivation and framework
  * normalisation. Reads top to bottom in the order the proxy calls it. */
+#include <assert.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -541,6 +542,7 @@ static size_t put_i64(char *out, int64_t v)
 
 /* JSON text of a value. A value still as the client wrote it (raw != NULL) is quoted verbatim
  * when it fits: the audit shows what was sent, and no number formatting is spent on it. */
+_Static_assert(POLICY_VAL_LEN >= 32, "a value's text holds what jcs_es_number prints");
 static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, char *out)
 {
     switch (v->kind) {
@@ -574,12 +576,17 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
     }
 }
 
+/* A slot changes at most twice (its rule, then framework normalisation), so the changes of
+ * one request always fit. */
+_Static_assert(2 * S_NUMERIC_END <= POLICY_MAX_CHANGES, "every slot's changes fit");
 static void record(apply_t *a, int s, policy_action_t act, const pval_t *before,
                    const pval_t *after)
 {
     policy_result_t *o = a->out;
+    assert(s >= 0 && s < S_NUMERIC_END);
+    assert(o->nchanges < POLICY_MAX_CHANGES); /* at most two changes per slot: see above */
     if (o->nchanges == POLICY_MAX_CHANGES)
-        return; /* cannot happen: 13 slots, at most two changes each */
+        return;
     policy_change_t *c = &o->changes[o->nchanges++];
     c->param = slots[s].name;
     c->action = act;
