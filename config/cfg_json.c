@@ -2,6 +2,7 @@
  * Everything here reports and carries on, so one pass finds every problem in a document. */
 #include "config/cfg_internal.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,6 +80,7 @@ size_t cfg_path_index(cfg_ctx_t *c, size_t i)
 
 void cfg_path_pop(cfg_ctx_t *c, size_t mark)
 {
+    assert(mark <= c->path.len); /* marks pop in the order they were pushed */
     c->path.len = mark;
     if (c->path.base != NULL)
         c->path.base[mark] = '\0';

@@ -21,6 +21,8 @@ static const char *const oms_keys[] = {"signer", NULL};
 static const char *const determinism_keys[] = {"mode", NULL};
 
 const char *const cfg_determinism_names[] = {"none", "batch_invariant", "single_sequence"};
+_Static_assert(DP_ARRAY_SIZE(cfg_determinism_names) == CFG_DETERMINISM_SINGLE_SEQUENCE + 1,
+               "one name per cfg_determinism_t, which indexes the table");
 /* An accepted identity during a rollout: what differs from the manifest's own (no nesting). */
 static const char *const accept_keys[] = {
     "model",     "checkpoint_sha256",  "quantization", "dtype",

@@ -3,6 +3,7 @@
  * (by name, by model, by determinism mode) that the router and the cross-section checks make. */
 #include "config/cfg_internal.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,6 +11,8 @@
 
 const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
                                                "tgi",  "sglang", "llamacpp"};
+_Static_assert(DP_ARRAY_SIZE(cfg_attest_source_names) == CFG_ATTEST_LLAMACPP + 1,
+               "one name per cfg_attest_source_t, which indexes the table");
 
 /* The sources a config may name: every one but "none". */
 #define SOURCE_NAMES (&cfg_attest_source_names[CFG_ATTEST_AGENT])
@@ -423,6 +426,7 @@ static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
             size_t mk = cfg_path_index(c, k), dup = 0;
             const char *why = candidate_problem(cfg, p, k, &dup);
             if (why == NULL) {
+                assert(cfg_pool_by_name(cfg, cand->pool) != NULL); /* candidate_problem found it */
                 cand->index = (size_t)(cfg_pool_by_name(cfg, cand->pool) - cfg->pools);
                 cfg->pools[cand->index].is_candidate = true;
             } else if (strcmp(why, "duplicate") == 0) {
