@@ -2,6 +2,7 @@
 #define _GNU_SOURCE /* memmem */
 #include "attest/audit.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -102,6 +103,7 @@ int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *o
         n--;
     if (n < 2 || line[0] != '{' || line[n - 1] != '}')
         return -1;
+    assert(strlen(c->prev) == 64); /* the hash of the last line: audit_chain_init or _resume */
     size_t start = out->len;
     size_t body = n - 1;
     while (body > 1 && line[body - 1] == ' ')

@@ -1,6 +1,7 @@
 /* Manifest match, admission and canary history (see match.h). */
 #include "attest/match.h"
 
+#include <assert.h>
 #include <string.h>
 #include <strings.h>
 
@@ -187,6 +188,7 @@ bool attest_canary_record(attest_canary_t *c, bool matched)
 
 bool attest_canary_rejected(const attest_canary_t *c)
 {
+    assert(c->count <= 3); /* the window is the last three checks */
     unsigned window = c->bits & ((1u << c->count) - 1u);
     int mismatches = (window & 1u) + ((window >> 1) & 1u) + ((window >> 2) & 1u);
     return mismatches >= 2;

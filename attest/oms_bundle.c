@@ -13,6 +13,7 @@
 #include "common/util.h"
 
 const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
+_Static_assert(OMS_METHOD_SIGSTORE + 1 == DP_ARRAY_SIZE(oms_method_names), "a name per method");
 
 #define BUNDLE_MEDIA_TYPE "application/vnd.dev.sigstore.bundle.v0.3+json"
 #define BUNDLE_MEDIA_TYPE_ALT "application/vnd.dev.sigstore.bundle+json;version=0.3"
