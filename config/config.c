@@ -1,6 +1,6 @@
-/* Loading a config (SPEC §3, §13): the top-level sections, then the checks that span sections
- * (tenant -> pool, audit -> audit_path, admin exposure, signatures). Pools are in pool.c, the
- * manifest and policy documents in manifest.c and policy.c. */
+/* Loading a config (docs/configuration.md, docs/security.md): the top-level sections, then the
+ * checks that span sections (tenant -> pool, audit -> audit_path, admin exposure, signatures).
+ * Pools are in pool.c, the manifest and policy documents in manifest.c and policy.c. */
 #include "config/cfg_internal.h"
 
 #include <errno.h>
@@ -176,8 +176,9 @@ static void parse_attestation(cfg_ctx_t *c, const cJSON *doc, cfg_attestation_t 
     cfg_get_u32(c, o, "interval_ms", 100, CFG_MS_MAX, &a->interval_ms);
     cfg_get_u32(c, o, "timeout_ms", 1, CFG_MS_MAX, &a->timeout_ms);
     parse_trusted_keys(c, o, a);
-    /* SPEC §5: trusting keys means requiring signatures, unless said otherwise; without this
-     * an attacker on the path does better by stripping signatures than by forging them. */
+    /* Trusting keys means requiring signatures, unless said otherwise (docs/configuration.md,
+     * "attestation"); without this an attacker on the path does better by stripping signatures
+     * than by forging them. */
     a->require_signature = a->ntrusted_keys > 0;
     cfg_get_bool(c, o, "require_signature", &a->require_signature);
     if (a->require_signature && a->ntrusted_keys == 0 && cfg_get(o, "trusted_keys") == NULL)
@@ -375,7 +376,8 @@ static void check_listeners(cfg_ctx_t *c, const cfg_t *cfg)
         cfg_err(c, "admin_listen", "overlaps listen (same port)");
 }
 
-/* A tenant requiring a determinism mode must have a pool that offers it (SPEC §16). */
+/* A tenant requiring a determinism mode must have a pool that offers it (docs/configuration.md,
+ * "Deterministic pools"). */
 static void check_tenant_determinism(cfg_ctx_t *c, const cfg_t *cfg, const cfg_tenant_t *t,
                                      const cfg_pool_t *pinned)
 {

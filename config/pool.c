@@ -82,8 +82,8 @@ const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, s
 
 /* ---- attestation source ---------------------------------------------------------------- */
 
-/* SPEC §16: only SGLang's server info, llama.cpp's /props and the agent can attest
- * batch_invariant. */
+/* Only SGLang's server info, llama.cpp's /props and the agent can attest batch_invariant
+ * (docs/attestation.md §10). */
 static void warn_determinism_source(cfg_ctx_t *c, const cfg_manifest_t *m, cfg_attest_source_t s,
                                     const char *key)
 {
@@ -361,7 +361,7 @@ static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_path_pop(c, mark);
 }
 
-/* ---- candidates (SPEC §14) --------------------------------------------------------------- */
+/* ---- candidates (docs/configuration.md, "Candidates") ---------------------------------------- */
 
 /* The entries as written; names are checked against the other pools once all are read
  * (check_candidates). */
@@ -455,8 +455,9 @@ static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
 
 /* ---- pools ----------------------------------------------------------------------------- */
 
-/* single_sequence (SPEC §16) is enforced through the pool's own admission: one request in
- * flight per replica, whatever the pool says, so every path that takes a replica slot obeys it. */
+/* single_sequence (docs/configuration.md, "Deterministic pools") is enforced through the pool's own
+ * admission: one request in flight per replica, whatever the pool says, so every path that takes a
+ * replica slot obeys it. */
 static void single_sequence_limit(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 {
     if (cfg_pool_determinism(p) != CFG_DETERMINISM_SINGLE_SEQUENCE)
