@@ -1,4 +1,4 @@
-/* One audit line per request (SPEC §8): formatting only; the proxy owns the file. */
+/* One audit line per request (docs/policy.md §7): formatting only; the proxy owns the file. */
 #include <string.h>
 
 #include "common/jw.h"

@@ -1,5 +1,5 @@
-/* Response fingerprint rewriting (SPEC §7): a non-streamed JSON body gets the pool fingerprint
- * as its top-level system_fingerprint; SSE events get the same, byte-incrementally. */
+/* Response fingerprint rewriting (docs/policy.md §6): a non-streamed JSON body gets the pool
+ * fingerprint as its top-level system_fingerprint; SSE events get the same, byte-incrementally. */
 #include <assert.h>
 #include <string.h>
 

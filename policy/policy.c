@@ -104,9 +104,9 @@ size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
-/* SPEC §8: a request that carries credentials (any Authorization field) is served only by the
- * tenant they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a
- * mistyped key must not silently drop a compliance tenant's rules. */
+/* A request that carries credentials (any Authorization field) is served only by the tenant
+ * they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a mistyped key
+ * must not silently drop a compliance tenant's rules (docs/policy.md §1). */
 const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_cb lookup, void *ud,
                                         policy_error_t *err)
 {
@@ -184,7 +184,7 @@ enum {
     S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
-    S_CACHE_PROMPT, /* llama.cpp; forced false on single_sequence pools (SPEC §16) */
+    S_CACHE_PROMPT, /* llama.cpp; forced false on single_sequence pools (docs/policy.md §5, N8) */
     S_NUMERIC_END,
     S_MODEL = S_NUMERIC_END,
     S_STREAM,
@@ -848,7 +848,7 @@ static int64_t derive_seed(policy_req_t *r, const cfg_tenant_t *t, const apply_t
     return (int64_t)(x & 0x7fffffffu); /* mod 2^31 */
 }
 
-/* ---- framework normalisation (docs/policy.md has the table and the reasons) ---------------- */
+/* ---- framework normalisation (docs/policy.md has the table and the reasons) ------------------ */
 
 typedef enum { FW_NONE = 0, FW_VLLM, FW_TGI, FW_SGLANG, FW_LLAMACPP } fw_t;
 
@@ -1092,7 +1092,7 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     normalize(&a, t, fw);
     /* N8: llama.cpp documents its prompt cache as a source of nondeterminism (a cached prefix
      * is evaluated in different batches than a fresh one), so a single_sequence pool turns it
-     * off on every request (SPEC §16). */
+     * off on every request (docs/policy.md §5, N8). */
     if (single_sequence && fw == FW_LLAMACPP)
         force_false(&a, S_CACHE_PROMPT);
     /* The Responses API has no seed. vLLM takes one as an extra sampling field; elsewhere it
