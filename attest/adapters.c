@@ -363,7 +363,8 @@ out:
 
 /* ---- the engine fingerprint: a 1-token probe completion ------------------------------------ */
 
-/* vLLM's dtype word in its fingerprint, in the spelling manifests use (SPEC §4: "float16"). */
+/* vLLM's dtype word in its fingerprint, in the spelling manifests use ("float16":
+ * docs/attestation.md §5, "The engine fingerprint"). */
 static const char *dtype_word(const char *s, size_t n)
 {
     static const struct {

@@ -1,5 +1,5 @@
-/* The tamper-evident audit trail (SPEC §15): hash chain, signed checkpoints, content-addressed
- * body store, and the offline verifier behind `detproxy audit verify`.
+/* The tamper-evident audit trail (docs/operations.md, "Evidence"): hash chain, signed checkpoints,
+ * content-addressed body store, and the offline verifier behind `detproxy audit verify`.
  *
  * Chain: every line ends with "prev_sha256":"<hex>", the SHA-256 of the previous line's bytes as
  * written (without its '\n'). The first line of a file names the last line of the previous file

@@ -7,7 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-/* Exit codes (SPEC §2). */
+/* Exit codes (docs/README.md, "Commands"). */
 enum { ATTEST_EXIT_OK = 0, ATTEST_EXIT_FAILED = 1, ATTEST_EXIT_USAGE = 2, ATTEST_EXIT_RUNTIME = 3 };
 
 /* One long option. Values are borrowed from argv. A repeatable option appends to vals. */

@@ -47,7 +47,8 @@ static void source_phrase(const attest_report_t *r, dp_buf_t *out)
         dp_buf_printf(out, "%s adapter", r->source);
 }
 
-/* SPEC §19: the publisher's key, not just the pipeline's, must vouch for the files on disk. */
+/* The publisher's key, not just the pipeline's, must vouch for the files on disk
+ * (docs/attestation.md §9). */
 static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t *got,
                      dp_buf_t *want, attest_reasons_t *out)
 {

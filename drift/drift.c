@@ -1,5 +1,6 @@
 /* Drift statistics per pool: sliding windows, the verdict, suspect naming, quarantine queries
- * and the /admin/drift rendering (SPEC §9). Rules and thresholds are argued in docs/drift.md.
+ * and the /admin/drift rendering (docs/drift.md §7). Rules and thresholds are argued in
+ * docs/drift.md §3-§6.
  *
  * Layout: one window per kind for the whole pool, one per replica pair (a triangular array
  * over replica slots, the diagonal being each replica's self pair), and one per replica of the

@@ -1,4 +1,4 @@
-/* Private to proxy/drift: the sliding window of comparison records that the drift statistics
+/* Private to drift/: the sliding window of comparison records that the drift statistics
  * (drift.c) and the rollout statistics (rollout.c) both keep, and their reason lines. Not part of
  * the module's contract; drift.h and rollout.h are.
  *
