@@ -363,7 +363,8 @@ out:
 
 /* ---- the engine fingerprint: a 1-token probe completion ------------------------------------ */
 
-/* vLLM's dtype word in its fingerprint, in the spelling manifests use (SPEC §4: "float16"). */
+/* vLLM's dtype word in its fingerprint, in the spelling manifests use ("float16":
+ * docs/attestation.md §5, "The engine fingerprint"). */
 static const char *dtype_word(const char *s, size_t n)
 {
     static const struct {
@@ -444,7 +445,7 @@ static bool plain_ascii(const char *s)
     return true;
 }
 
-void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out)
+void attest_adapter_probe_parse(const dp_iovec_t *body, attest_report_t *out)
 {
     cJSON *doc = body && body->base ? cJSON_ParseWithLength(body->base, body->len) : NULL;
     const char *fp = cJSON_IsObject(doc) ? str_member(doc, "system_fingerprint") : NULL;

@@ -1,6 +1,6 @@
-/* Native attestation adapters (SPEC §3 attest.source): read what a serving framework says about
+/* Native attestation adapters (`attest.source`): read what a serving framework says about
  * itself through its own metadata endpoints, and report only what it truly exposes. Everything
- * else stays unattested, so a manifest pinning it fails closed (docs/attestation.md has the
+ * else stays unattested, so a manifest pinning it fails closed (docs/attestation.md §5 has the
  * capability table and the response shapes these parsers rely on, with sources).
  *
  * Use: GET every path in adapter->paths from the replica's base URL (with the pool's
@@ -36,7 +36,8 @@ typedef struct {
     int (*parse)(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *out, dp_buf_t *why);
 } attest_adapter_t;
 
-/* The engine fingerprint (SPEC §5): every native check also sends a 1-token completion,
+/* The engine fingerprint (docs/attestation.md §5, "The engine fingerprint"): every native
+ * check also sends a 1-token completion,
  * {"model":M,"prompt":"detproxy probe","max_tokens":1,"temperature":0}, and the engine's own
  * `system_fingerprint` on the answer is attested as engine_fingerprint. */
 #define ATTEST_PROBE_PROMPT "detproxy probe"
@@ -48,7 +49,7 @@ typedef struct {
 void attest_engine_fingerprint_set(attest_report_t *out, const char *fp);
 /* The probe's 200 body (NULL base: the probe failed): attests system_fingerprint, or notes
  * why engine_fingerprint is unattested. */
-void attest_probe_parse(const dp_iovec_t *body, attest_report_t *out);
+void attest_adapter_probe_parse(const dp_iovec_t *body, attest_report_t *out);
 
 /* NULL for CFG_ATTEST_NONE / CFG_ATTEST_AGENT. */
 const attest_adapter_t *attest_adapter_for(cfg_attest_source_t source);

@@ -1,6 +1,7 @@
 /* One attestation check, the pure part (see check.h). */
 #include "attest/check.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -36,6 +37,7 @@ void attest_check_plan(attest_check_t *c, cfg_attest_source_t source, const char
         q->required = true;
     } else {
         const attest_adapter_t *ad = attest_adapter_for(source);
+        assert(ad == NULL || ad->npaths <= ATTEST_CHECK_MAX_REQUESTS);
         for (size_t i = 0; ad && i < ad->npaths; i++) {
             attest_request_t *q = &c->requests[c->nrequests++];
             snprintf(q->target, sizeof(q->target), "%s%s", base, ad->paths[i]);
@@ -97,6 +99,8 @@ void attest_check_read(const attest_check_t *c, const attest_answer_t *answers,
     }
     dp_buf_t why = {0};
     out->verdict = ATTEST_V_REPORTED;
+    /* attest_check_plan gives an agent and a source of none their one request. */
+    assert((c->source != CFG_ATTEST_NONE && c->source != CFG_ATTEST_AGENT) || c->nrequests == 1);
     if (c->source == CFG_ATTEST_NONE) {
         /* Nothing to attest: /v1/models answering is reachability, and names the model. */
         cJSON *doc = cJSON_ParseWithLength(answers[0].body ? answers[0].body : "", answers[0].len);
@@ -139,7 +143,7 @@ void attest_check_probe_read(attest_outcome_t *out, const attest_answer_t *a)
     dp_iovec_t b = {NULL, 0};
     if (a->status == 200)
         b = (dp_iovec_t){a->body ? a->body : "", a->len};
-    attest_probe_parse(&b, &out->report);
+    attest_adapter_probe_parse(&b, &out->report);
     if (a->status != 0 && a->status != 200) {
         char why[96];
         snprintf(why, sizeof(why), "the 1-token probe completion answered %d", a->status);
@@ -168,8 +172,8 @@ void attest_outcome_clear(attest_outcome_t *out)
     memset(out, 0, sizeof(*out));
 }
 
-void attest_completion_body(const char *model, const char *prompt, uint32_t max_tokens, bool seed0,
-                            dp_buf_t *out)
+void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                                  bool seed0, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);

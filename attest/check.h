@@ -1,8 +1,9 @@
-/* One attestation check, its pure part (SPEC §4-§5): which requests a check of a replica makes
- * for its attest.source, what their answers mean, and the verdict with its reasons. No I/O: the
- * requests are sent by probe/probe.h, and the proxy's admission (proxy/px_attest.c),
- * `detproxy diagnose` and the agent's read of its co-located framework (agent/agent.c) all go
- * through both, so the same answers give every caller the same verdict and the same reasons.
+/* One attestation check, its pure part (docs/attestation.md §2, §4-§6): which requests a check of a
+ * replica makes for its attest.source, what their answers mean, and the verdict with its reasons.
+ * No I/O: the requests are sent by probe/probe.h, and the proxy's admission
+ * (proxy/control/attest.c), `detproxy diagnose` and the agent's read of its co-located framework
+ * (agent/agent.c) all go through both, so the same answers give every caller the same verdict and
+ * the same reasons.
  *
  *   attest_check_plan         the GETs:  agent   <attest.url path, or /attestation>?nonce=N
  *                                        native  every adapter path under the replica's base URL
@@ -112,7 +113,7 @@ void attest_outcome_clear(attest_outcome_t *out);
 
 /* A temperature-0 completion body {"model","prompt","max_tokens","temperature":0[,"seed":0]}
  * (appended to out): the engine-fingerprint probe's (no seed) and the canary's (seed 0). */
-void attest_completion_body(const char *model, const char *prompt, uint32_t max_tokens, bool seed0,
-                            dp_buf_t *out);
+void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
+                                  bool seed0, dp_buf_t *out);
 
 #endif

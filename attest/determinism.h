@@ -1,6 +1,6 @@
-/* Batch invariance of a co-located vLLM server (SPEC §16), for `attest serve --determinism
- * batch_invariant`: vLLM runs batch-invariant kernels when its process was started with
- * VLLM_BATCH_INVARIANT set to a non-zero integer (vllm/envs.py reads int(value) != 0), and
+/* Batch invariance of a co-located vLLM server (docs/attestation.md §10), for `attest serve
+ * --determinism batch_invariant`: vLLM runs batch-invariant kernels when its process was started
+ * with VLLM_BATCH_INVARIANT set to a non-zero integer (vllm/envs.py reads int(value) != 0), and
  * says so nowhere else, so the agent reads the server's environment from /proc/PID/environ.
  *
  * That needs the agent to see the server's processes (a pod with shareProcessNamespace: true,

@@ -1,4 +1,4 @@
-/* Signed attestations: Ed25519 keys and DSSE envelopes (SPEC §5).
+/* Signed attestations: Ed25519 keys and DSSE envelopes (docs/attestation.md §2, §3).
  *
  * Envelope: {"payloadType":"application/vnd.detproxy.attestation+json","payload":"<base64>",
  *            "signatures":[{"keyid":"<hex sha256 of pubkey DER>","sig":"<base64>"}]}

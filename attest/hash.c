@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "attest/hash.h"
 
+#include <assert.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -93,9 +94,19 @@ static void add_file(walk_t *w, const char *rel, const struct stat *st)
     s->total_bytes += f->size;
 }
 
+/* Is the directory st one of those on the current path (entering it again would loop)? */
+static bool on_path(const walk_t *w, const struct stat *st)
+{
+    for (int i = 0; i < w->depth; i++)
+        if (w->stack[i].dev == st->st_dev && w->stack[i].ino == st->st_ino)
+            return true;
+    return false;
+}
+
 /* List the directory open on fd (ownership of fd passes here). Recurses into subdirectories. */
 static int walk_dir(walk_t *w, int fd)
 {
+    assert(w->opts != NULL);
     dp_buf_t tmp = {0};
     int rc = 0;
     DIR *d = fdopendir(fd);
@@ -189,13 +200,11 @@ static int walk_dir(walk_t *w, int fd)
             add_file(w, rel, &st);
             continue;
         }
-        for (int i = 0; i < w->depth; i++) {
-            if (w->stack[i].dev == st.st_dev && w->stack[i].ino == st.st_ino) {
-                rc = -ELOOP;
-                errf(w->err, "symlink loop: %s leads back to an ancestor directory",
-                     full_path(&tmp, w->root, rel));
-                goto close_dir;
-            }
+        if (on_path(w, &st)) {
+            rc = -ELOOP;
+            errf(w->err, "symlink loop: %s leads back to an ancestor directory",
+                 full_path(&tmp, w->root, rel));
+            break;
         }
         if (w->depth >= ATTEST_HASH_MAX_DEPTH) {
             rc = -ELOOP;
@@ -222,6 +231,7 @@ static int walk_dir(walk_t *w, int fd)
             errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(-rc));
             break;
         }
+        assert(w->depth < ATTEST_HASH_MAX_DEPTH); /* checked before the open */
         w->stack[w->depth].dev = cst.st_dev;
         w->stack[w->depth].ino = cst.st_ino;
         w->depth++;
@@ -230,7 +240,6 @@ static int walk_dir(walk_t *w, int fd)
         if (rc != 0)
             break;
     }
-close_dir:
     closedir(d);
     w->rel.len = base_len;
     if (w->rel.base)

@@ -1,9 +1,9 @@
-/* Checkpoint hashing (SPEC §5) and cheap change detection for a model directory.
+/* Checkpoint hashing (docs/attestation.md §1) and cheap change detection for a model directory.
  *
- * The checkpoint hash is defined so that the coreutils pipeline in SPEC §5 (find -L, the
- * hidden-path filter, LC_ALL=C sort, xargs sha256sum, sha256sum; see docs/attestation.md)
- * reproduces it: every regular file under DIR (symlinks followed, any path component starting
- * with '.' skipped), relative path with '/' separators, sorted bytewise; one line per file
+ * The checkpoint hash is defined so that the coreutils pipeline of docs/attestation.md §1
+ * (find -L, the hidden-path filter, LC_ALL=C sort, xargs sha256sum, sha256sum) reproduces it: every
+ * regular file under DIR (symlinks followed, any path component starting with '.' skipped),
+ * relative path with '/' separators, sorted bytewise; one line per file
  * "<sha256 hex>  <relpath>\n"; the checkpoint hash is the SHA-256 of all lines concatenated.
  *
  * Where the pipeline and the definition could disagree we fail instead of picking one:
@@ -69,8 +69,9 @@ typedef struct {
     uint64_t settled_ns;
 } attest_hash_opts_t;
 
-/* How a directory is walked. Zero-initialised: the checkpoint rules above (SPEC §5). The OMS
- * verifier (oms.h) sets its own (dotfiles included, recorded ignore paths, symlink policy). */
+/* How a directory is walked. Zero-initialised: the checkpoint rules above (docs/attestation.md
+ * §1). The OMS verifier (oms.h) sets its own (dotfiles included, recorded ignore paths, symlink
+ * policy). */
 typedef struct {
     bool include_hidden;     /* list names starting with '.' too */
     bool any_file_name;      /* do not refuse names with '\n', '\r' or '\\' */

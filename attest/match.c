@@ -1,6 +1,7 @@
 /* Manifest match, admission and canary history (see match.h). */
 #include "attest/match.h"
 
+#include <assert.h>
 #include <string.h>
 #include <strings.h>
 
@@ -46,7 +47,8 @@ static void source_phrase(const attest_report_t *r, dp_buf_t *out)
         dp_buf_printf(out, "%s adapter", r->source);
 }
 
-/* SPEC §19: the publisher's key, not just the pipeline's, must vouch for the files on disk. */
+/* The publisher's key, not just the pipeline's, must vouch for the files on disk
+ * (docs/attestation.md §9). */
 static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t *got,
                      dp_buf_t *want, attest_reasons_t *out)
 {
@@ -187,6 +189,7 @@ bool attest_canary_record(attest_canary_t *c, bool matched)
 
 bool attest_canary_rejected(const attest_canary_t *c)
 {
+    assert(c->count <= 3); /* the window is the last three checks */
     unsigned window = c->bits & ((1u << c->count) - 1u);
     int mismatches = (window & 1u) + ((window >> 1) & 1u) + ((window >> 2) & 1u);
     return mismatches >= 2;

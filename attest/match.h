@@ -1,5 +1,5 @@
-/* Admission decisions (SPEC §4, §6): does a report match the pool's pinned manifest, and has a
- * replica failed its behavioural canary. Pure functions, no I/O. */
+/* Admission decisions (docs/attestation.md §6): does a report match the pool's pinned manifest, and
+ * has a replica failed its behavioural canary. Pure functions, no I/O. */
 #ifndef ATTEST_MATCH_H
 #define ATTEST_MATCH_H
 
@@ -35,7 +35,7 @@ const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f);
 int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require_signature,
                  attest_reasons_t *out);
 
-/* ---- canary (SPEC §6) -----------------------------------------------------------------------
+/* ---- canary (docs/attestation.md §6) ---------------------------------------------------------
  * The last three completed canary checks of one replica, newest in bit 0. Zero-initialise.
  * Only completed checks are recorded: a canary request that failed or timed out says nothing
  * about the model and is the reachability logic's business. */

@@ -248,7 +248,7 @@ int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signe
             dp_buf_t tmp = {0};
             dp_buf_printf(why,
                           "signature: the bundle names key %s (publicKey.hint), --pubkey is %.8s..",
-                          oms_shown(b->key_hint, &tmp), der);
+                          oms_bundle_shown(b->key_hint, &tmp), der);
             dp_buf_free(&tmp);
             return -1;
         }
@@ -304,7 +304,7 @@ static bool exclude_cb(const char *rel, void *data)
             if (strcmp(rel, default_ignores[i]) == 0)
                 return true;
     if (w->b->nignore > 0 &&
-        bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *), oms_cmp_strp) != NULL)
+        bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *), oms_bundle_cmp_strp) != NULL)
         return true;
     return w->bundle_rel && strcmp(rel, w->bundle_rel) == 0;
 }
@@ -379,7 +379,7 @@ static int check_file(walk_ctx_t *w, attest_filehasher_t *fh, const char *dir,
                       const attest_file_t *f, dp_buf_t *digests, dp_buf_t *err)
 {
     const oms_bundle_t *b = w->b;
-    if (!oms_utf8_valid(f->relpath)) {
+    if (!oms_bundle_utf8_valid(f->relpath)) {
         finding(w, "extra file (its name is not valid UTF-8, so it cannot be signed): %s%s",
                 f->relpath, NULL);
         return 0;

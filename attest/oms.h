@@ -1,6 +1,6 @@
 /* OpenSSF Model Signing (OMS) v1.0 bundles: parse, verify the signature, verify a model
- * directory against the signed manifest (SPEC §19; the OMS spec, ossf/model-signing-spec
- * spec/v1.0.md, is the reference for every rule cited as "OMS §n" below).
+ * directory against the signed manifest (docs/attestation.md §9; the OMS spec,
+ * ossf/model-signing-spec spec/v1.0.md, is the reference for every rule cited as "OMS §n" below).
  *
  * A bundle is a Sigstore bundle v0.3 holding a DSSE envelope (payloadType
  * application/vnd.in-toto+json) whose payload is an in-toto Statement v1 with predicateType
@@ -68,8 +68,8 @@ int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err);
 /* Load PEM CA certificates (the trust anchors for method "certificate"). 0 or -1 + reason. */
 int oms_trust_load_ca(oms_trust_t *t, const char *path, dp_buf_t *err);
 void oms_trust_free(oms_trust_t *t);
-/* Hex SHA-256 of the SubjectPublicKeyInfo DER of the loaded --pubkey (the SPEC §19 signer
- * fingerprint); "" when no key is loaded. */
+/* Hex SHA-256 of the SubjectPublicKeyInfo DER of the loaded --pubkey (the manifest's oms.signer,
+ * docs/attestation.md §9); "" when no key is loaded. */
 void oms_trust_pubkey_fingerprint(const oms_trust_t *t, char out[65]);
 
 /* Verify the DSSE signature with the bundle's method. On success writes the signer fingerprint
@@ -111,9 +111,9 @@ int oms_verify(const char *bundle_path, const char *dir, const oms_trust_t *t,
                const attest_hash_opts_t *opts, oms_result_t *out);
 void oms_result_clear(oms_result_t *r);
 
-/* The checkpoint hash (SPEC §5) and the OMS manifest must describe the same files: every file
- * of the checkpoint listing ckpt (with the per-file lines attest_hash_snapshot wrote, in the
- * same order) must be one the OMS verification covered, the same inode, size and mtime, and,
+/* The checkpoint hash (docs/attestation.md §1) and the OMS manifest must describe the same files:
+ * every file of the checkpoint listing ckpt (with the per-file lines attest_hash_snapshot wrote, in
+ * the same order) must be one the OMS verification covered, the same inode, size and mtime, and,
  * when the bundle hashes whole files with sha256, with the same digest. The bundle file itself
  * is exempt (it lies in the model directory by convention; its signature vouches for it).
  * Appends one finding per file that is not; returns how many. */

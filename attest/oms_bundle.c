@@ -13,6 +13,7 @@
 #include "common/util.h"
 
 const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
+_Static_assert(OMS_METHOD_SIGSTORE + 1 == DP_ARRAY_SIZE(oms_method_names), "a name per method");
 
 #define BUNDLE_MEDIA_TYPE "application/vnd.dev.sigstore.bundle.v0.3+json"
 #define BUNDLE_MEDIA_TYPE_ALT "application/vnd.dev.sigstore.bundle+json;version=0.3"
@@ -23,7 +24,7 @@ const char *const oms_method_names[3] = {"key", "certificate", "sigstore"};
 #define OMS_MAX_CHAIN 10
 
 /* A value from the bundle for a message: sanitised and cut (attest_abbrev). */
-const char *oms_shown(const char *v, dp_buf_t *tmp)
+const char *oms_bundle_shown(const char *v, dp_buf_t *tmp)
 {
     dp_buf_reset(tmp);
     attest_abbrev(v, tmp);
@@ -50,7 +51,7 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
         for (size_t i = 0; !ok && allowed[i]; i++)
             ok = strcmp(a->string, allowed[i]) == 0;
         if (!ok) {
-            dp_buf_printf(why, "%s: unknown member \"%s\"", where, oms_shown(a->string, &t));
+            dp_buf_printf(why, "%s: unknown member \"%s\"", where, oms_bundle_shown(a->string, &t));
             dp_buf_free(&t);
             return -1;
         }
@@ -66,7 +67,8 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
     int rc = 0;
     for (size_t i = 1; i < n && rc == 0; i++) {
         if (strcmp(m[i - 1]->string, m[i]->string) == 0) {
-            dp_buf_printf(why, "%s: duplicate member \"%s\"", where, oms_shown(m[i]->string, &t));
+            dp_buf_printf(why, "%s: duplicate member \"%s\"", where,
+                          oms_bundle_shown(m[i]->string, &t));
             rc = -1;
         }
     }
@@ -175,7 +177,7 @@ static int b64(const char *s, dp_buf_t *out)
     return attest_b64_decode_any(s, strlen(s), out);
 }
 
-bool oms_utf8_valid(const char *s)
+bool oms_bundle_utf8_valid(const char *s)
 {
     const unsigned char *p = (const unsigned char *)s;
     while (*p) {
@@ -217,7 +219,7 @@ static const char *path_problem(const char *p)
         return "empty";
     if (p[0] == '/')
         return "absolute (starts with '/')";
-    if (!oms_utf8_valid(p))
+    if (!oms_bundle_utf8_valid(p))
         return "not valid UTF-8";
     const char *c = p;
     for (;;) {
@@ -428,7 +430,7 @@ static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
     if (strcmp(ptype, OMS_PAYLOAD_TYPE) != 0) {
         dp_buf_t t = {0};
         dp_buf_printf(why, "dsseEnvelope.payloadType: expected \"%s\", got \"%s\"",
-                      OMS_PAYLOAD_TYPE, oms_shown(ptype, &t));
+                      OMS_PAYLOAD_TYPE, oms_bundle_shown(ptype, &t));
         dp_buf_free(&t);
         return -1;
     }
@@ -474,7 +476,7 @@ static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
     return 0;
 }
 
-int oms_cmp_strp(const void *a, const void *b)
+int oms_bundle_cmp_strp(const void *a, const void *b)
 {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
@@ -505,7 +507,7 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
         b->shards = true;
     } else {
         dp_buf_printf(why, "%s.method: expected \"files\" or \"shards\", got \"%s\"", W,
-                      oms_shown(method, &t));
+                      oms_bundle_shown(method, &t));
         goto out;
     }
     size_t k = 0;
@@ -513,7 +515,7 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
         k++;
     if (k == DP_ARRAY_SIZE(hash_types)) {
         dp_buf_printf(why, "%s.hash_type: expected sha256, blake2b or blake3, got \"%s\"", W,
-                      oms_shown(ht, &t));
+                      oms_bundle_shown(ht, &t));
         goto out;
     }
     if (hash_types[k].md == NULL) {
@@ -573,13 +575,13 @@ static int parse_serialization(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why
             b->ignore[b->nignore++] = p;
             if (problem) {
                 dp_buf_printf(why, "%s.ignore_paths[%zu] \"%s\": %s", W, b->nignore - 1,
-                              oms_shown(e->valuestring, &t), problem);
+                              oms_bundle_shown(e->valuestring, &t), problem);
                 goto out;
             }
         }
     }
     if (b->nignore > 1) /* looked up for every entry of the walk */
-        qsort(b->ignore, b->nignore, sizeof(*b->ignore), oms_cmp_strp);
+        qsort(b->ignore, b->nignore, sizeof(*b->ignore), oms_bundle_cmp_strp);
     rc = 0;
 out:
     dp_buf_free(&t);
@@ -656,7 +658,7 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
             if (split_shard(r) != 0) {
                 dp_buf_printf(why,
                               "%s.name \"%s\": expected \"<path>:<start>:<end>\" (method shards)",
-                              where, oms_shown(name, &t));
+                              where, oms_bundle_shown(name, &t));
                 goto out;
             }
         } else {
@@ -664,25 +666,25 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
         }
         const char *problem = path_problem(r->path);
         if (problem) {
-            dp_buf_printf(why, "%s.name \"%s\": %s", where, oms_shown(name, &t), problem);
+            dp_buf_printf(why, "%s.name \"%s\": %s", where, oms_bundle_shown(name, &t), problem);
             goto out;
         }
         if (b->shards && (r->start >= r->end || r->start % b->shard_size != 0 ||
                           r->end - r->start > b->shard_size)) {
             dp_buf_printf(why, "%s.name \"%s\": not a shard of shard_size %llu", where,
-                          oms_shown(name, &t), (unsigned long long)b->shard_size);
+                          oms_bundle_shown(name, &t), (unsigned long long)b->shard_size);
             goto out;
         }
         if (i > 0 && strcmp(b->res[i - 1].name, name) >= 0) {
             dp_buf_printf(why,
                           "%s.name \"%s\": resources are not sorted by name (or repeat one): it "
                           "follows \"%s\"",
-                          where, oms_shown(name, &t), b->res[i - 1].name);
+                          where, oms_bundle_shown(name, &t), b->res[i - 1].name);
             goto out;
         }
         if (strcmp(alg, b->hash_type) != 0) {
             dp_buf_printf(why, "%s.algorithm: \"%s\" differs from serialization.hash_type \"%s\"",
-                          where, oms_shown(alg, &t), b->hash_type);
+                          where, oms_bundle_shown(alg, &t), b->hash_type);
             goto out;
         }
         if (!dp_is_lower_hex(digest, strlen(digest))) {
@@ -711,7 +713,7 @@ static int parse_resources(oms_bundle_t *b, const cJSON *pred, dp_buf_t *why)
             dp_buf_printf(why,
                           "predicate.resources: the shards of \"%s\" do not cover it contiguously "
                           "(at \"%s\")",
-                          oms_shown(r->path, &t), r->name);
+                          oms_bundle_shown(r->path, &t), r->name);
             goto out;
         }
     }
@@ -748,7 +750,7 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
     }
     if (strcmp(pt, OMS_PREDICATE_TYPE) != 0) {
         dp_buf_printf(why, "statement.predicateType: expected \"%s\", got \"%s\"",
-                      OMS_PREDICATE_TYPE, oms_shown(pt, &t));
+                      OMS_PREDICATE_TYPE, oms_bundle_shown(pt, &t));
         goto out;
     }
     if (check_members(st, "statement", st_keys, why) != 0)
@@ -758,7 +760,7 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
         goto out;
     if (strcmp(type, OMS_STATEMENT_TYPE) != 0) {
         dp_buf_printf(why, "statement._type: expected \"%s\", got \"%s\"", OMS_STATEMENT_TYPE,
-                      oms_shown(type, &t));
+                      oms_bundle_shown(type, &t));
         goto out;
     }
     const cJSON *subj = member(st, "subject");
@@ -776,7 +778,7 @@ static int parse_statement(oms_bundle_t *b, dp_buf_t *why)
         if (!cJSON_IsString(d) || !dp_is_lower_hex(d->valuestring, strlen(d->valuestring)) ||
             d->valuestring[0] == '\0') {
             dp_buf_printf(why, "statement.subject[0].digest.%s: expected lowercase hex",
-                          oms_shown(d->string, &t));
+                          oms_bundle_shown(d->string, &t));
             goto out;
         }
     }
@@ -842,7 +844,7 @@ int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t 
     if (strcmp(mt, BUNDLE_MEDIA_TYPE) != 0 && strcmp(mt, BUNDLE_MEDIA_TYPE_ALT) != 0) {
         dp_buf_t t = {0};
         dp_buf_printf(why, "bundle.mediaType: expected \"%s\" (Sigstore bundle v0.3), got \"%s\"",
-                      BUNDLE_MEDIA_TYPE, oms_shown(mt, &t));
+                      BUNDLE_MEDIA_TYPE, oms_bundle_shown(mt, &t));
         dp_buf_free(&t);
         goto out;
     }

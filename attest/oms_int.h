@@ -37,9 +37,9 @@ struct oms_bundle_s {
 };
 
 /* A value from the bundle for a message: sanitised and cut (attest_abbrev); tmp is reset. */
-const char *oms_shown(const char *v, dp_buf_t *tmp);
-bool oms_utf8_valid(const char *s);
+const char *oms_bundle_shown(const char *v, dp_buf_t *tmp);
+bool oms_bundle_utf8_valid(const char *s);
 /* strcmp for qsort/bsearch over an array of char *. */
-int oms_cmp_strp(const void *a, const void *b);
+int oms_bundle_cmp_strp(const void *a, const void *b);
 
 #endif

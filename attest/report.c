@@ -1,6 +1,7 @@
 /* Attestation reports, payload JSON, reasons (see report.h). */
 #include "attest/report.h"
 
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,7 @@ void attest_report_clear(attest_report_t *r)
 {
     for (int f = 0; f < ATTEST_F__COUNT; f++) {
         char **p = slot(r, (attest_field_t)f);
+        assert(p != NULL); /* slot() has a case for every field */
         free(*p);
         *p = NULL;
         free(r->unattested_note[f]);
@@ -88,6 +90,7 @@ void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
 {
     memset(dst, 0, sizeof(*dst));
     for (int f = 0; f < ATTEST_F__COUNT; f++) {
+        assert(slot(dst, (attest_field_t)f) != NULL);
         *slot(dst, (attest_field_t)f) = dup_or_null(attest_report_get(src, (attest_field_t)f));
         dst->unattested_note[f] = dup_or_null(src->unattested_note[f]);
     }
@@ -368,6 +371,7 @@ void attest_reasons_join(const attest_reasons_t *r, const char *sep, dp_buf_t *o
 /* v cut to max bytes (max - 3 and "..." when longer), control characters as '?'. */
 static void sanitize(const char *v, size_t max, dp_buf_t *out)
 {
+    assert(max > 3);
     size_t n = strlen(v);
     size_t keep = n > max ? max - 3 : n;
     for (size_t i = 0; i < keep; i++) {

@@ -1,5 +1,5 @@
-/* What a replica says it is: the attestation report, its payload JSON (SPEC §5), and the list of
- * human-readable reasons that every attestation decision carries.
+/* What a replica says it is: the attestation report, its payload JSON (docs/attestation.md §2), and
+ * the list of human-readable reasons that every attestation decision carries.
  *
  * A report comes from one of two places: the payload of a verified DSSE envelope (source
  * "agent", see dsse.h) or a native adapter reading a framework's own metadata (source "vllm",
@@ -14,7 +14,8 @@
 #include "common/buf.h"
 #include "common/jw.h"
 
-/* The identity fields a manifest can pin, in SPEC §4 order. */
+/* The identity fields a manifest can pin, in the order docs/configuration.md "Manifest" lists
+ * them. */
 typedef enum {
     ATTEST_F_MODEL = 0,
     ATTEST_F_CHECKPOINT,
@@ -23,7 +24,7 @@ typedef enum {
     ATTEST_F_FRAMEWORK_NAME,
     ATTEST_F_FRAMEWORK_VERSION,
     ATTEST_F_ENGINE_FINGERPRINT,
-    ATTEST_F_DETERMINISM, /* "batch_invariant" when the replica attests it (SPEC §16) */
+    ATTEST_F_DETERMINISM, /* "batch_invariant" when attested (docs/attestation.md §10) */
     ATTEST_F__COUNT
 } attest_field_t;
 
@@ -40,7 +41,7 @@ typedef struct {
     char *framework_name;
     char *framework_version;
     char *engine_fingerprint; /* the system_fingerprint the engine puts on its responses */
-    char *determinism;        /* "batch_invariant" when attested (SPEC §16), else NULL */
+    char *determinism;        /* "batch_invariant" when attested (docs/attestation.md §10) */
     /* Parsed from a vLLM-form engine fingerprint (informational: not pinnable). NULL / 0 when
      * the fingerprint does not say. */
     char *engine_hardware; /* "H100" */
@@ -53,7 +54,7 @@ typedef struct {
     bool is_signed;  /* a trusted signature verified over this payload */
     char keyid[65];  /* hex SHA-256 of the signer's SubjectPublicKeyInfo DER; "" when unsigned */
     char source[16]; /* "agent", "vllm", "tgi", "sglang", "llamacpp" */
-    /* OMS (SPEC §19): only an agent started with --oms-bundle reports these. */
+    /* OMS (docs/attestation.md §9): only an agent started with --oms-bundle reports these. */
     bool oms_reported;
     bool oms_verified;        /* it verified the publisher's bundle against the directory */
     char oms_signer[65];      /* hex SHA-256 of the signer's public key DER; "" unless verified */
@@ -74,7 +75,7 @@ void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const ch
  * {"model","checkpoint_sha256","quantization","dtype","framework":{"name","version"},
  *  "nonce","issued_at"}, plus "oms":{"verified","signer","root_digest"} when oms_reported, and
  * "determinism":{"mode": "batch_invariant" or null, "note": why not} when the agent checks it
- * (--determinism; SPEC §16).
+ * (--determinism; docs/attestation.md §10).
  * Unreported fields are written as null. Appends to out. */
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
 

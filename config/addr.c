@@ -183,3 +183,34 @@ void cfg_url_free(cfg_url_t *u)
     free(u->hostport);
     *u = (cfg_url_t){0};
 }
+
+bool cfg_addr_is_loopback(const char *host)
+{
+    struct in_addr a4;
+    struct in6_addr a6;
+    if (inet_pton(AF_INET, host, &a4) == 1)
+        return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host, &a6) != 1)
+        return false;
+    if (IN6_IS_ADDR_LOOPBACK(&a6))
+        return true;
+    return IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127;
+}
+
+bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out)
+{
+    char *s = NULL;
+    if (!cfg_get_str(c, obj, key, required, &s))
+        return false;
+    cfg_url_t u;
+    const char *why = NULL;
+    bool ok = cfg_parse_url(s, &u, &why) == 0;
+    if (ok) {
+        cfg_url_free(out);
+        *out = u;
+    } else {
+        cfg_err(c, key, "%s", why);
+    }
+    free(s);
+    return ok;
+}

@@ -66,6 +66,8 @@ const cJSON *cfg_get_arr(cfg_ctx_t *c, const cJSON *obj, const char *key, bool r
 
 /* A non-empty string without control characters; *out is a fresh copy (free the old one). */
 bool cfg_get_str(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out);
+/* A path at obj[key], resolved against the config's folder. */
+bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out);
 /* Free text (a prompt): any non-empty string, newlines included. */
 bool cfg_get_text(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out);
 bool cfg_get_uint(cfg_ctx_t *c, const cJSON *obj, const char *key, uint64_t lo, uint64_t hi,
@@ -96,18 +98,28 @@ bool cfg_valid_hostname(const char *s);
 bool cfg_valid_header_name(const char *s);
 /* ASCII-lowercase s in place (header names are matched lowercase). */
 void cfg_lowercase(char *s);
-bool cfg_addr_is_loopback(const char *host);
 
 /* Join a possibly relative path onto dir. Caller frees. */
 char *cfg_resolve(const char *dir, const char *p);
+
+/* ---- addresses and URLs (addr.c) ---- */
+
+/* An http(s) URL at obj[key]. */
+bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out);
+bool cfg_addr_is_loopback(const char *host);
 
 /* ---- files (files.c) ---- */
 
 /* Read a file of at most max bytes into out; reports "cannot read ..." at key. */
 bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out);
+/* Read and parse the manifest or policy file a config value names (relative to the config).
+ * On success c->file is set to rel, so errors inside name the file; the caller clears it. */
+cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel);
 /* Read a secret: trailing whitespace trimmed, non-empty, at most 4 KiB, no control characters.
  * Warns when group or others may access it. NULL after reporting; never echoes content. */
 char *cfg_read_secret(cfg_ctx_t *c, const char *key, const char *path);
+/* Wipe, then free. */
+void cfg_secret_free(char *s);
 /* Warn when a secret file is accessible by group or others. */
 void cfg_check_secret_mode(cfg_ctx_t *c, const char *key, const char *path);
 /* PEM checks, each reporting at key. */
@@ -117,20 +129,15 @@ bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_pat
 bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path);
 bool cfg_check_ed25519_privkey(cfg_ctx_t *c, const char *key, const char *path);
 
-/* ---- pool.c ---- */
+/* ---- config.c ---- */
 
-/* A path (resolved against the config's folder) / an http(s) URL at obj[key]. */
-bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out);
-bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out);
-/* Read and parse the manifest or policy file a config value names (relative to the config).
- * On success c->file is set to rel, so errors inside name the file; the caller clears it. */
-cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel);
-void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg);
 /* Every limits.* key with its value (config.c owns the table of them). */
 void cfg_limits_dump(const cfg_limits_t *l, dp_jw_t *w);
+
+/* ---- pool.c ---- */
+
+void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg);
 void cfg_pool_free(cfg_pool_t *p);
-/* Wipe, then free. */
-void cfg_secret_free(char *s);
 
 /* ---- manifest.c / policy.c: parse an already-parsed node at the context's path ----
  * They return what they could read even when they reported errors (NULL only when the node is

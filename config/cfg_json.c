@@ -2,7 +2,7 @@
  * Everything here reports and carries on, so one pass finds every problem in a document. */
 #include "config/cfg_internal.h"
 
-#include <arpa/inet.h>
+#include <assert.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,6 +80,7 @@ size_t cfg_path_index(cfg_ctx_t *c, size_t i)
 
 void cfg_path_pop(cfg_ctx_t *c, size_t mark)
 {
+    assert(mark <= c->path.len); /* marks pop in the order they were pushed */
     c->path.len = mark;
     if (c->path.base != NULL)
         c->path.base[mark] = '\0';
@@ -307,6 +308,17 @@ bool cfg_get_str(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required,
     return true;
 }
 
+bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
+{
+    char *rel = NULL;
+    if (!cfg_get_str(c, obj, key, required, &rel))
+        return false;
+    free(*out);
+    *out = cfg_resolve(c->dir, rel);
+    free(rel);
+    return true;
+}
+
 bool cfg_get_text(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
 {
     const cJSON *v = cfg_get(obj, key);
@@ -519,19 +531,6 @@ bool cfg_valid_hostname(const char *s)
         label++;
     }
     return true;
-}
-
-bool cfg_addr_is_loopback(const char *host)
-{
-    struct in_addr a4;
-    struct in6_addr a6;
-    if (inet_pton(AF_INET, host, &a4) == 1)
-        return (ntohl(a4.s_addr) >> 24) == 127;
-    if (inet_pton(AF_INET6, host, &a6) != 1)
-        return false;
-    if (IN6_IS_ADDR_LOOPBACK(&a6))
-        return true;
-    return IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127;
 }
 
 char *cfg_resolve(const char *dir, const char *p)

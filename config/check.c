@@ -1,5 +1,6 @@
 /* `detproxy check -c CONFIG [--strict]`: load the config as `run` would and print every
- * problem. Exit 0 valid, 1 invalid (or, with --strict, any warning), 2 usage (SPEC §2). */
+ * problem. Exit 0 valid, 1 invalid (or, with --strict, any warning), 2 usage (docs/README.md,
+ * "Commands"). */
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>

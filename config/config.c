@@ -1,6 +1,6 @@
-/* Loading a config (SPEC §3, §13): the top-level sections, then the checks that span sections
- * (tenant -> pool, audit -> audit_path, admin exposure, signatures). Pools are in pool.c, the
- * manifest and policy documents in manifest.c and policy.c. */
+/* Loading a config (docs/configuration.md, docs/security.md): the top-level sections, then the
+ * checks that span sections (tenant -> pool, audit -> audit_path, admin exposure, signatures).
+ * Pools are in pool.c, the manifest and policy documents in manifest.c and policy.c. */
 #include "config/cfg_internal.h"
 
 #include <errno.h>
@@ -176,8 +176,9 @@ static void parse_attestation(cfg_ctx_t *c, const cJSON *doc, cfg_attestation_t 
     cfg_get_u32(c, o, "interval_ms", 100, CFG_MS_MAX, &a->interval_ms);
     cfg_get_u32(c, o, "timeout_ms", 1, CFG_MS_MAX, &a->timeout_ms);
     parse_trusted_keys(c, o, a);
-    /* SPEC §5: trusting keys means requiring signatures, unless said otherwise; without this
-     * an attacker on the path does better by stripping signatures than by forging them. */
+    /* Trusting keys means requiring signatures, unless said otherwise (docs/configuration.md,
+     * "attestation"); without this an attacker on the path does better by stripping signatures
+     * than by forging them. */
     a->require_signature = a->ntrusted_keys > 0;
     cfg_get_bool(c, o, "require_signature", &a->require_signature);
     if (a->require_signature && a->ntrusted_keys == 0 && cfg_get(o, "trusted_keys") == NULL)
@@ -375,7 +376,8 @@ static void check_listeners(cfg_ctx_t *c, const cfg_t *cfg)
         cfg_err(c, "admin_listen", "overlaps listen (same port)");
 }
 
-/* A tenant requiring a determinism mode must have a pool that offers it (SPEC §16). */
+/* A tenant requiring a determinism mode must have a pool that offers it (docs/configuration.md,
+ * "Deterministic pools"). */
 static void check_tenant_determinism(cfg_ctx_t *c, const cfg_t *cfg, const cfg_tenant_t *t,
                                      const cfg_pool_t *pinned)
 {
@@ -609,43 +611,4 @@ void cfg_free(cfg_t *cfg)
     free(cfg->admin_token_file);
     cfg_secret_free(cfg->admin_token);
     free(cfg);
-}
-
-/* ---- look-ups -------------------------------------------------------------------------- */
-
-const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name)
-{
-    for (size_t i = 0; i < cfg->npools; i++)
-        if (cfg->pools[i].name != NULL && strcmp(cfg->pools[i].name, name) == 0)
-            return &cfg->pools[i];
-    return NULL;
-}
-
-cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p)
-{
-    return p->manifest ? p->manifest->determinism : CFG_DETERMINISM_NONE;
-}
-
-const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len)
-{
-    return cfg_pool_for_model_mode(cfg, model, len, CFG_DETERMINISM_NONE);
-}
-
-/* O(pools x models): a handful of each, and it runs once per request. */
-const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
-                                          cfg_determinism_t mode)
-{
-    for (size_t i = 0; i < cfg->npools; i++) {
-        const cfg_pool_t *p = &cfg->pools[i];
-        if (p->is_candidate)
-            continue; /* a rollout under evaluation gets candidate copies, not clients */
-        if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
-            continue;
-        for (size_t j = 0; j < p->nmodels; j++) {
-            const char *m = p->models[j];
-            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
-                return p;
-        }
-    }
-    return NULL;
 }

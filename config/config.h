@@ -1,5 +1,6 @@
-/* Configuration: load and validate a detproxy config file (SPEC §3), with its manifests (§4),
- * policy (§8) and security settings (§13), into plain immutable structs.
+/* Configuration: load and validate a detproxy config file (docs/configuration.md), with its
+ * manifests (its "Manifest" section), policy (docs/policy.md) and security settings
+ * (docs/security.md), into plain immutable structs.
  *
  * Ownership: cfg_load returns one heap object that owns everything reachable from it; free it
  * with cfg_free. A loaded config is never mutated, so a live reload can build a new one beside
@@ -44,7 +45,7 @@ typedef struct {
     uint16_t port;
 } cfg_addr_t;
 
-/* ---- manifest (SPEC §4) -------------------------------------------------------------------- */
+/* ---- manifest (docs/configuration.md, "Manifest") -------------------------------------------- */
 
 typedef struct {
     char *prompt;
@@ -52,8 +53,9 @@ typedef struct {
     char *expected_sha256; /* 64 lowercase hex */
 } cfg_canary_t;
 
-/* "determinism": {"mode": ...} (SPEC §16). batch_invariant is attested by the replica;
- * single_sequence is enforced by detproxy (one request in flight per replica). */
+/* "determinism": {"mode": ...} (docs/configuration.md, "Deterministic pools"). batch_invariant is
+ * attested by the replica; single_sequence is enforced by detproxy (one request in flight per
+ * replica). */
 typedef enum {
     CFG_DETERMINISM_NONE = 0,
     CFG_DETERMINISM_BATCH_INVARIANT,
@@ -70,10 +72,11 @@ typedef struct cfg_manifest_s {
     char *dtype;
     char *framework_name;
     char *framework_version;
-    char *engine_fingerprint; /* the engine's system_fingerprint (SPEC §4) */
+    char *engine_fingerprint; /* the engine's system_fingerprint (docs/attestation.md §5) */
     cfg_canary_t *canary;     /* NULL when absent */
-    char *oms_signer;     /* "oms": {"signer": 64 lowercase hex} (SPEC §19), NULL when absent */
-    char fingerprint[20]; /* "fp_" + 16 hex, computed at load (SPEC §4) */
+    /* "oms": {"signer": 64 lowercase hex} (docs/attestation.md §9), NULL when absent */
+    char *oms_signer;
+    char fingerprint[20]; /* "fp_" + 16 hex, computed at load (docs/configuration.md, "Manifest") */
     /* Not part of the fingerprint; accept[] entries inherit it (they cannot set their own). */
     cfg_determinism_t determinism;
     /* "accept": further identities admitted during a rollout, each complete (fields it does not
@@ -83,7 +86,7 @@ typedef struct cfg_manifest_s {
     size_t naccept;
 } cfg_manifest_t;
 
-/* ---- policy (SPEC §8) ---------------------------------------------------------------------- */
+/* ---- policy (docs/configuration.md, "Policy"; docs/policy.md) -------------------------------- */
 
 typedef enum {
     CFG_PARAM_TEMPERATURE = 0,
@@ -128,8 +131,8 @@ typedef struct {
      * process). rate_rps 0: no limit. burst defaults to max(1, ceil(R)). */
     double rate_rps;
     uint32_t rate_burst;
-    /* "require_determinism": served only by pools whose manifest has that mode (SPEC §16);
-     * CFG_DETERMINISM_NONE: any pool. */
+    /* "require_determinism": served only by pools whose manifest has that mode
+     * (docs/configuration.md, "Deterministic pools"); CFG_DETERMINISM_NONE: any pool. */
     cfg_determinism_t require_determinism;
 } cfg_tenant_t;
 
@@ -184,7 +187,8 @@ typedef enum {
     CFG_BALANCE_AFFINITY,
 } cfg_balance_t;
 
-/* `balance: affinity` (SPEC §18): what a request's routing key is made of. */
+/* `balance: affinity` (docs/configuration.md, "Affinity routing"): what a request's routing key is
+ * made of. */
 typedef enum {
     CFG_AFFINITY_PREFIX = 0,
     CFG_AFFINITY_SESSION,
@@ -198,8 +202,9 @@ typedef struct {
     double load_factor;    /* bounded loads: pass over a replica above this x mean + 1 */
 } cfg_affinity_t;
 
-/* SPEC §14: a fraction `rate` of the pool's comparable requests also goes to an admitted
- * replica of pool `pool` (index `index` in cfg_t.pools), judged against the baseline's noise. */
+/* A fraction `rate` of the pool's comparable requests also goes to an admitted replica of pool
+ * `pool` (index `index` in cfg_t.pools), judged against the baseline's noise
+ * (docs/configuration.md, "Candidates"; docs/rollouts.md). */
 typedef struct {
     char *pool;
     size_t index;
@@ -222,7 +227,7 @@ typedef struct {
     cfg_upstream_tls_t *upstream_tls; /* NULL when absent */
     char *api_key_file;
     char *api_key;               /* file contents, trailing whitespace trimmed; never logged */
-    cfg_candidate_t *candidates; /* SPEC §14 */
+    cfg_candidate_t *candidates; /* docs/configuration.md, "Candidates" */
     size_t ncandidates;
     /* Named in another pool's candidates: model routing passes over it. only_candidate: and no
      * tenant pins it either, so it serves no client (/readyz does not wait for it). */
@@ -291,7 +296,7 @@ typedef struct {
 typedef struct {
     int level;                       /* dp_log_level_t */
     char *audit_path;                /* NULL: no audit file (an audit tenant then fails `check`) */
-    char *audit_store;               /* NULL: bodies are hashed, not stored (SPEC §15) */
+    char *audit_store;               /* NULL: bodies are hashed, not stored (docs/operations.md) */
     char *audit_signing_key;         /* NULL: the chain is written without signed checkpoints */
     uint32_t audit_checkpoint_lines; /* 1000 */
     cfg_access_log_t access;
@@ -303,7 +308,7 @@ typedef struct {
     char *client_ca_file; /* NULL: no mTLS */
 } cfg_tls_t;
 
-/* SPEC §17: OpenTelemetry export (OTLP/HTTP JSON). */
+/* OpenTelemetry export, OTLP/HTTP JSON (docs/configuration.md, "otel"; docs/operations.md §7). */
 typedef struct {
     cfg_url_t endpoint; /* collector base URL; spans go to <endpoint>/v1/traces */
     double sample_rate; /* for requests without a traceparent (default 1.0) */
@@ -347,8 +352,9 @@ void cfg_manifest_free(cfg_manifest_t *m);
 cfg_policy_t *cfg_policy_parse(const char *json, size_t len, const char *path, cfg_errors_t *errs);
 void cfg_policy_free(cfg_policy_t *p);
 
-/* Pool fingerprint (SPEC §4): "fp_" + 16 hex of SHA-256 over the six manifest fields joined by
- * '\n' (absent = empty). out must hold 20 bytes. A NULL manifest fingerprints all-empty. */
+/* Pool fingerprint (docs/configuration.md, "Manifest"): "fp_" + 16 hex of SHA-256 over the six
+ * manifest fields joined by '\n' (absent = empty). out must hold 20 bytes. A NULL manifest
+ * fingerprints all-empty. */
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20]);
 /* Accepted identity i of a manifest: 0 is the manifest itself, 1..naccept its accept[] entries;
  * NULL past the end (or for a NULL manifest). */

@@ -1,5 +1,6 @@
-/* Files a config names: secrets, certificates, keys. They are checked at load so `detproxy check`
- * and a reload catch a missing or wrong file before the proxy needs it.
+/* Files a config names: the manifest and policy files it references, secrets, certificates,
+ * keys. They are checked at load so `detproxy check` and a reload catch a missing or wrong file
+ * before the proxy needs it.
  *
  * Secrets: contents never reach a message (only the file's path does), and the buffers holding
  * them are wiped before they are freed. */
@@ -38,6 +39,24 @@ bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, 
     else if (rc != 0)
         cfg_err(c, key, "cannot read %s: %s", path, strerror(-rc));
     return rc == 0;
+}
+
+cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
+{
+    if (*rel == '\0') {
+        cfg_err(c, NULL, "expected a file path or an object");
+        return NULL;
+    }
+    char *full = cfg_resolve(c->dir, rel);
+    dp_buf_t text = {0};
+    cJSON *doc = NULL;
+    if (cfg_read_file(c, NULL, full, CFG_DOC_MAX, &text)) {
+        c->file = rel;
+        doc = cfg_parse_json(c, text.base, text.len);
+    }
+    dp_buf_free(&text);
+    free(full);
+    return doc;
 }
 
 static void wipe(dp_buf_t *b)
@@ -80,6 +99,13 @@ char *cfg_read_secret(cfg_ctx_t *c, const char *key, const char *path)
 out:
     wipe(&b);
     return secret;
+}
+
+void cfg_secret_free(char *s)
+{
+    if (s != NULL)
+        OPENSSL_cleanse(s, strlen(s));
+    free(s);
 }
 
 /* ---- PEM ------------------------------------------------------------------------------- */

@@ -1,4 +1,4 @@
-/* Manifests (SPEC §4): the identity a pool pins, and its fingerprint. */
+/* Manifests (docs/configuration.md, "Manifest"): the identity a pool pins, and its fingerprint. */
 #include "config/cfg_internal.h"
 
 #include <stdlib.h>
@@ -21,6 +21,8 @@ static const char *const oms_keys[] = {"signer", NULL};
 static const char *const determinism_keys[] = {"mode", NULL};
 
 const char *const cfg_determinism_names[] = {"none", "batch_invariant", "single_sequence"};
+_Static_assert(DP_ARRAY_SIZE(cfg_determinism_names) == CFG_DETERMINISM_SINGLE_SEQUENCE + 1,
+               "one name per cfg_determinism_t, which indexes the table");
 /* An accepted identity during a rollout: what differs from the manifest's own (no nesting). */
 static const char *const accept_keys[] = {
     "model",     "checkpoint_sha256",  "quantization", "dtype",
@@ -81,7 +83,8 @@ static void parse_canary(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_path_pop(c, mark);
 }
 
-/* "oms": {"signer": "<hex SHA-256 of the publisher's public key DER>"} (SPEC §19). */
+/* "oms": {"signer": "<hex SHA-256 of the publisher's public key DER>"}
+ * (docs/attestation.md §9). */
 static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
 {
     const cJSON *o = cfg_get_obj(c, obj, "oms", false);
@@ -93,7 +96,8 @@ static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_path_pop(c, mark);
 }
 
-/* "determinism": {"mode": "batch_invariant" | "single_sequence"} (SPEC §16). */
+/* "determinism": {"mode": "batch_invariant" | "single_sequence"}
+ * (docs/configuration.md, "Deterministic pools"). */
 static void parse_determinism(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
 {
     const cJSON *d = cfg_get_obj(c, obj, "determinism", false);
@@ -133,8 +137,8 @@ static bool same_str(const char *x, const char *y)
     return x == NULL ? y == NULL : y != NULL && strcmp(x, y) == 0;
 }
 
-/* The fingerprint covers the SPEC §4 fields; the engine fingerprint and the OMS signer are
- * pinned beside them. */
+/* The fingerprint covers the six identity fields (docs/configuration.md, "Manifest"); the engine
+ * fingerprint and the OMS signer are pinned beside them. */
 static bool same_identity(const cfg_manifest_t *a, const cfg_manifest_t *b)
 {
     return strcmp(a->fingerprint, b->fingerprint) == 0 &&

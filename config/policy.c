@@ -1,5 +1,6 @@
-/* Policies (SPEC §8): tenants, how a request is matched to one, and its sampling rules.
- * Validation guarantees what cfg_rule_t promises, so policy/ can apply rules without checks. */
+/* Policies (docs/configuration.md, "Policy"; docs/policy.md): tenants, how a request is matched to
+ * one, and its sampling rules. Validation guarantees what cfg_rule_t promises, so policy/ can apply
+ * rules without checks. */
 #include "config/cfg_internal.h"
 
 #include <math.h>

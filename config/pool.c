@@ -1,16 +1,18 @@
 /* Pools: their replicas (listed or discovered), how each replica is attested, the manifest they
- * must match, and the TLS and credentials used to reach them. */
+ * must match, the TLS and credentials used to reach them, and the look-ups over the parsed pools
+ * (by name, by model, by determinism mode) that the router and the cross-section checks make. */
 #include "config/cfg_internal.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <openssl/crypto.h>
 
 #include "common/util.h"
 
 const char *const cfg_attest_source_names[] = {"none", "agent",  "vllm",
                                                "tgi",  "sglang", "llamacpp"};
+_Static_assert(DP_ARRAY_SIZE(cfg_attest_source_names) == CFG_ATTEST_LLAMACPP + 1,
+               "one name per cfg_attest_source_t, which indexes the table");
 
 /* The sources a config may name: every one but "none". */
 #define SOURCE_NAMES (&cfg_attest_source_names[CFG_ATTEST_AGENT])
@@ -39,59 +41,49 @@ static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_head
 static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
 static const char *const candidate_keys[] = {"pool", "rate", NULL};
 
-/* ---- shared readers -------------------------------------------------------------------- */
+/* ---- look-ups -------------------------------------------------------------------------- */
 
-bool cfg_get_path(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, char **out)
+const cfg_pool_t *cfg_pool_by_name(const cfg_t *cfg, const char *name)
 {
-    char *rel = NULL;
-    if (!cfg_get_str(c, obj, key, required, &rel))
-        return false;
-    free(*out);
-    *out = cfg_resolve(c->dir, rel);
-    free(rel);
-    return true;
+    for (size_t i = 0; i < cfg->npools; i++)
+        if (cfg->pools[i].name != NULL && strcmp(cfg->pools[i].name, name) == 0)
+            return &cfg->pools[i];
+    return NULL;
 }
 
-bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out)
+cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p)
 {
-    char *s = NULL;
-    if (!cfg_get_str(c, obj, key, required, &s))
-        return false;
-    cfg_url_t u;
-    const char *why = NULL;
-    bool ok = cfg_parse_url(s, &u, &why) == 0;
-    if (ok) {
-        cfg_url_free(out);
-        *out = u;
-    } else {
-        cfg_err(c, key, "%s", why);
-    }
-    free(s);
-    return ok;
+    return p->manifest ? p->manifest->determinism : CFG_DETERMINISM_NONE;
 }
 
-cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)
+const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t len)
 {
-    if (*rel == '\0') {
-        cfg_err(c, NULL, "expected a file path or an object");
-        return NULL;
+    return cfg_pool_for_model_mode(cfg, model, len, CFG_DETERMINISM_NONE);
+}
+
+/* O(pools x models): a handful of each, and it runs once per request. */
+const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
+                                          cfg_determinism_t mode)
+{
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        if (p->is_candidate)
+            continue; /* a rollout under evaluation gets candidate copies, not clients */
+        if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
+            continue;
+        for (size_t j = 0; j < p->nmodels; j++) {
+            const char *m = p->models[j];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return p;
+        }
     }
-    char *full = cfg_resolve(c->dir, rel);
-    dp_buf_t text = {0};
-    cJSON *doc = NULL;
-    if (cfg_read_file(c, NULL, full, CFG_DOC_MAX, &text)) {
-        c->file = rel;
-        doc = cfg_parse_json(c, text.base, text.len);
-    }
-    dp_buf_free(&text);
-    free(full);
-    return doc;
+    return NULL;
 }
 
 /* ---- attestation source ---------------------------------------------------------------- */
 
-/* SPEC §16: only SGLang's server info, llama.cpp's /props and the agent can attest
- * batch_invariant. */
+/* Only SGLang's server info, llama.cpp's /props and the agent can attest batch_invariant
+ * (docs/attestation.md §10). */
 static void warn_determinism_source(cfg_ctx_t *c, const cfg_manifest_t *m, cfg_attest_source_t s,
                                     const char *key)
 {
@@ -369,7 +361,7 @@ static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_path_pop(c, mark);
 }
 
-/* ---- candidates (SPEC §14) --------------------------------------------------------------- */
+/* ---- candidates (docs/configuration.md, "Candidates") ---------------------------------------- */
 
 /* The entries as written; names are checked against the other pools once all are read
  * (check_candidates). */
@@ -434,6 +426,7 @@ static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
             size_t mk = cfg_path_index(c, k), dup = 0;
             const char *why = candidate_problem(cfg, p, k, &dup);
             if (why == NULL) {
+                assert(cfg_pool_by_name(cfg, cand->pool) != NULL); /* candidate_problem found it */
                 cand->index = (size_t)(cfg_pool_by_name(cfg, cand->pool) - cfg->pools);
                 cfg->pools[cand->index].is_candidate = true;
             } else if (strcmp(why, "duplicate") == 0) {
@@ -462,8 +455,9 @@ static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
 
 /* ---- pools ----------------------------------------------------------------------------- */
 
-/* single_sequence (SPEC §16) is enforced through the pool's own admission: one request in
- * flight per replica, whatever the pool says, so every path that takes a replica slot obeys it. */
+/* single_sequence (docs/configuration.md, "Deterministic pools") is enforced through the pool's own
+ * admission: one request in flight per replica, whatever the pool says, so every path that takes a
+ * replica slot obeys it. */
 static void single_sequence_limit(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 {
     if (cfg_pool_determinism(p) != CFG_DETERMINISM_SINGLE_SEQUENCE)
@@ -535,13 +529,6 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     }
     cfg_path_pop(c, mark);
     check_candidates(c, cfg);
-}
-
-void cfg_secret_free(char *s)
-{
-    if (s != NULL)
-        OPENSSL_cleanse(s, strlen(s));
-    free(s);
 }
 
 void cfg_pool_free(cfg_pool_t *p)

@@ -1,4 +1,4 @@
-/* Comparison of two outputs (SPEC §9): byte match, first differing byte, word similarity.
+/* Comparison of two outputs (docs/drift.md §2): byte match, first differing byte, word similarity.
  *
  * Runs in uv_queue_work threads: no globals, no logging, only the heap. The word distance
  * trims the common prefix and suffix first, which is exact for unit-cost Levenshtein and makes

@@ -1,5 +1,6 @@
 /* Drift statistics per pool: sliding windows, the verdict, suspect naming, quarantine queries
- * and the /admin/drift rendering (SPEC §9). Rules and thresholds are argued in docs/drift.md.
+ * and the /admin/drift rendering (docs/drift.md §7). Rules and thresholds are argued in
+ * docs/drift.md §3-§6.
  *
  * Layout: one window per kind for the whole pool, one per replica pair (a triangular array
  * over replica slots, the diagonal being each replica's self pair), and one per replica of the
@@ -151,7 +152,7 @@ int drift_pool_add(drift_pool_t *p, const char *replica_a, const char *replica_b
     drift_kind_t kind = strcmp(replica_a, replica_b) == 0 ? DRIFT_SELF : DRIFT_CROSS;
     int ia = replica_slot(p, replica_a);
     int ib = kind == DRIFT_SELF ? ia : replica_slot(p, replica_b);
-    drift_rec_t rec = drift_rec_of(r);
+    drift_rec_t rec = drift_win_rec_of(r);
     if (ia >= 0 && ib >= 0)
         rec.pair = (uint16_t)pair_index(ia, ib);
     drift_win_push(&p->kind[kind], rec);
@@ -263,7 +264,7 @@ static bool exceeds(est_t a, est_t b)
 }
 
 /* A reason line for the verdict (window.h). */
-#define reason(v, ...) drift_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
+#define reason(v, ...) drift_win_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
 
 /* Everything the verdict reads, gathered in one pass over the pair windows. */
 typedef struct {
@@ -401,8 +402,8 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
         reason(v,
                "%s's self pairs diverge %.1f%% (n=%u) vs %s's %.1f%% (n=%u): the replica "
                "that disagrees with itself is the likelier odd one",
-               p->replicas[s], drift_pct(rate(ss)), ss.n, p->replicas[s == a ? b : a],
-               drift_pct(rate(so)), so.n);
+               p->replicas[s], drift_win_pct(rate(ss)), ss.n, p->replicas[s == a ? b : a],
+               drift_win_pct(rate(so)), so.n);
         return s;
     }
     const char *canary = ha->canary == DRIFT_CANARY_UNKNOWN || hb->canary == DRIFT_CANARY_UNKNOWN
@@ -412,7 +413,7 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
     char self[96];
     if (self_ok)
         snprintf(self, sizeof(self), "equal self-noise (%.1f%% n=%u, %.1f%% n=%u)",
-                 drift_pct(rate(sa)), sa.n, drift_pct(rate(sb)), sb.n);
+                 drift_win_pct(rate(sa)), sa.n, drift_win_pct(rate(sb)), sb.n);
     else
         snprintf(self, sizeof(self), "too few self samples (%u, %u; need %d each)", sa.n, sb.n,
                  DRIFT_MIN_PAIR_SAMPLES);
@@ -443,8 +444,8 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
     if (ncand > 0 || pool_drift) {
         v->kind = DRIFT_CROSS_REPLICA_DRIFT;
         reason(v, "cross pairs diverge %.1f%% (n=%u); self noise %.1f%% (n=%u) predicts %.1f%%",
-               drift_pct(rate(cross)), cross.n, drift_pct(rate(self)), self.n,
-               drift_pct(f->expected));
+               drift_win_pct(rate(cross)), cross.n, drift_win_pct(rate(self)), self.n,
+               drift_win_pct(f->expected));
         if (ncand == 1) {
             agg_t inv = f->inv[first];
             agg_t out = {f->pairs_all.n - inv.n, f->pairs_all.d - inv.d};
@@ -453,7 +454,7 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
             reason(v,
                    "%s disagrees with the others: %.1f%% of its cross samples diverge (n=%u) vs "
                    "%.1f%% of pairs without it (n=%u)",
-                   v->suspect, drift_pct(rate(inv)), inv.n, drift_pct(rate(out)), out.n);
+                   v->suspect, drift_win_pct(rate(inv)), inv.n, drift_win_pct(rate(out)), out.n);
         } else if (ncand > 1) {
             reason(v, "suspect undetermined: several replicas disagree (%s)", names);
         } else if (with_data == 2) {
@@ -474,16 +475,16 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
         }
         if (self_noisy)
             reason(v, "self pairs also diverge %.1f%%: batching noise besides the drift",
-                   drift_pct(rate(self)));
+                   drift_win_pct(rate(self)));
     } else if (self_noisy) {
         v->kind = DRIFT_BATCHING_NONDETERMINISM;
         reason(v,
                "self pairs diverge %.1f%% (n=%u): a replica answers the same request "
                "differently",
-               drift_pct(rate(self)), self.n);
+               drift_win_pct(rate(self)), self.n);
         if (cross_ok)
             reason(v, "cross pairs diverge %.1f%% (n=%u), within what self noise predicts (%.1f%%)",
-                   drift_pct(rate(cross)), cross.n, drift_pct(f->expected));
+                   drift_win_pct(rate(cross)), cross.n, drift_win_pct(f->expected));
     } else if (!cross_ok) {
         v->kind = DRIFT_INSUFFICIENT_DATA;
         reason(v, "%u cross samples in the window, need %d", cross.n, DRIFT_MIN_SAMPLES);
@@ -495,11 +496,11 @@ void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v)
         reason(v,
                "cross pairs diverge %.1f%% (n=%u) but %u self samples cannot tell drift from "
                "batching noise: raise shadow.self_rate",
-               drift_pct(rate(cross)), cross.n, self.n);
+               drift_win_pct(rate(cross)), cross.n, self.n);
     } else {
         v->kind = DRIFT_CONSISTENT;
         reason(v, "cross pairs diverge %.1f%% (n=%u), self %.1f%% (n=%u): within the noise",
-               drift_pct(rate(cross)), cross.n, drift_pct(rate(self)), self.n);
+               drift_win_pct(rate(cross)), cross.n, drift_win_pct(rate(self)), self.n);
     }
 }
 

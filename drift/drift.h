@@ -1,4 +1,4 @@
-/* Drift: the pure half of shadow comparison (SPEC §9). No libuv, no sockets, no logging.
+/* Drift: the pure half of shadow comparison (docs/drift.md). No libuv, no sockets, no logging.
  *
  * Four parts, in the order a shadow sample goes through them:
  *   1. extraction: the output text and finish_reason(s) of a response body, either whole
@@ -36,7 +36,7 @@
 
 /* ---- limits and thresholds (see docs/drift.md for why these values) ---------------------- */
 
-#define DRIFT_DEFAULT_MAX_OUTPUT 1048576 /* shadow.max_output_bytes default (SPEC §3) */
+#define DRIFT_DEFAULT_MAX_OUTPUT 1048576 /* shadow.max_output_bytes default */
 #define DRIFT_MAX_CHOICES 128            /* choices[].index beyond this is an error */
 #define DRIFT_SSE_EVENT_SLACK 65536      /* one SSE event may be max_output + this long */
 #define DRIFT_MAX_WORDS 4096 /* words per side given to the exact Levenshtein (after trimming) */
@@ -166,7 +166,7 @@ typedef enum {
 } drift_verdict_kind_t;
 
 const char *drift_kind_name(drift_kind_t k);            /* "cross", "self" */
-const char *drift_verdict_name(drift_verdict_kind_t v); /* "consistent", ... as in SPEC §9 */
+const char *drift_verdict_name(drift_verdict_kind_t v); /* "consistent", ... (docs/drift.md §4) */
 
 typedef struct drift_pool drift_pool_t;
 
@@ -245,10 +245,10 @@ typedef struct {
  * (DRIFT_MAX_REPLICAS^2 / 2): microseconds, cheap enough to call after every sample. */
 void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v);
 
-/* Quarantine loop (SPEC §9 shadow.quarantine). is_suspect: the verdict is cross_replica_drift
- * and names this replica. recovered: the replica's last DRIFT_RECOVERY_SAMPLES cross samples
- * diverge at most DRIFT_RECOVERY_MARGIN above the self baseline (false with fewer samples).
- * A quarantined replica must keep getting cross shadows for recovery to be observable. */
+/* Quarantine loop (shadow.quarantine, docs/drift.md §6). is_suspect: the verdict is
+ * cross_replica_drift and names this replica. recovered: the replica's last DRIFT_RECOVERY_SAMPLES
+ * cross samples diverge at most DRIFT_RECOVERY_MARGIN above the self baseline (false with fewer
+ * samples). A quarantined replica must keep getting cross shadows for recovery to be observable. */
 bool drift_pool_is_suspect(const drift_pool_t *p, const char *replica);
 bool drift_pool_replica_recovered(const drift_pool_t *p, const char *replica);
 

@@ -1,4 +1,4 @@
-/* Output extraction: whole JSON bodies and incremental SSE streams (SPEC §9 "output compared").
+/* Output extraction: whole JSON bodies and incremental SSE streams (docs/drift.md §1).
  *
  * Both paths collect text per choice index and concatenate in index order at the end, so a
  * streamed n>1 response (whose choices' deltas interleave) yields the same bytes as the same
@@ -101,13 +101,13 @@ static int acc_choice(drift_acc_t *a, const cJSON *ch, int pos)
     return 0;
 }
 
-/* /v1/responses (issue 15). A whole response ("object": "response") has its text in the
- * output_text parts of its message items, in order, and its finish in "status" ("completed",
- * "incomplete"). A stream's events carry a "type": response.output_text.delta adds its delta,
- * the terminal response.completed / response.incomplete gives the status (its embedded copy of
- * the whole output is not added again), response.failed and error are errors, and every other
- * event type is ignored. All text goes to choice 0, so both forms give the same bytes.
- * 1 when root was a Responses object or event (handled), 0 when it is not one. -1 on error. */
+/* /v1/responses. A whole response ("object": "response") has its text in the output_text parts
+ * of its message items, in order, and its finish in "status" ("completed", "incomplete"). A
+ * stream's events carry a "type": response.output_text.delta adds its delta, the terminal
+ * response.completed / response.incomplete gives the status (its embedded copy of the whole output
+ * is not added again), response.failed and error are errors, and every other event type is ignored.
+ * All text goes to choice 0, so both forms give the same bytes. 1 when root was a Responses object
+ * or event (handled), 0 when it is not one. -1 on error. */
 static int acc_responses(drift_acc_t *a, const cJSON *root)
 {
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "type");

@@ -51,7 +51,7 @@ const char *drift_rollout_kind_name(drift_rollout_kind_t k)
 /* ---- the verdict ------------------------------------------------------------------------- */
 
 /* A reason line for the verdict (window.h). */
-#define reason(v, ...) drift_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
+#define reason(v, ...) drift_win_reason((v)->reasons, &(v)->nreasons, __VA_ARGS__)
 
 /* The baseline's noise: the larger divergence rate of its cross and self windows that hold
  * DRIFT_MIN_SAMPLES. The larger, because an equivalent candidate differs from the baseline at
@@ -117,8 +117,8 @@ void drift_rollout_judge(const drift_summary_t *candidate, const drift_summary_t
         reason(v,
                "candidate diverges from the baseline in %.1f%% of samples (n=%u); the "
                "baseline's own %s pairs diverge %.1f%% (n=%u): %.1f points beyond the noise",
-               drift_pct(c->divergence_rate), c->samples, v->noise_source, drift_pct(v->noise_rate),
-               v->noise_samples, drift_pct(v->excess));
+               drift_win_pct(c->divergence_rate), c->samples, v->noise_source,
+               drift_win_pct(v->noise_rate), v->noise_samples, drift_win_pct(v->excess));
         if (c->median_divergence_offset >= 0)
             reason(v, "median divergence offset %lld bytes, mean similarity %.3f",
                    (long long)c->median_divergence_offset, c->mean_similarity);
@@ -128,8 +128,8 @@ void drift_rollout_judge(const drift_summary_t *candidate, const drift_summary_t
     reason(v,
            "candidate diverges from the baseline in %.1f%% of samples (n=%u); the baseline's "
            "own %s pairs diverge %.1f%% (n=%u): within the noise",
-           drift_pct(c->divergence_rate), c->samples, v->noise_source, drift_pct(v->noise_rate),
-           v->noise_samples);
+           drift_win_pct(c->divergence_rate), c->samples, v->noise_source,
+           drift_win_pct(v->noise_rate), v->noise_samples);
 }
 
 /* ---- samples ----------------------------------------------------------------------------- */
@@ -180,7 +180,7 @@ static series_t *tenant_series(drift_rollout_t *r, const char *tenant, bool crea
 
 static void series_add(series_t *s, const char *request_id, const drift_result_t *res)
 {
-    drift_win_push(&s->win, drift_rec_of(res));
+    drift_win_push(&s->win, drift_win_rec_of(res));
     if (res->match || request_id == NULL || request_id[0] == '\0')
         return;
     snprintf(s->examples[s->next], ROLLOUT_ID_MAX, "%s", request_id);

@@ -1,5 +1,5 @@
-/* Rollout statistics (SPEC §14): a candidate pool judged against its baseline pool's own noise.
- * Pure: no libuv, no sockets, no logging (like drift.h, whose comparison results feed it).
+/* Rollout statistics (docs/rollouts.md §3): a candidate pool judged against its baseline pool's own
+ * noise. Pure: no libuv, no sockets, no logging (like drift.h, whose comparison results feed it).
  *
  * A candidate sample is one comparable request answered by the baseline (the client's answer)
  * and, as a copy, by the candidate; drift_compare says whether they match. An equivalent

@@ -101,7 +101,7 @@ void drift_win_summary(const drift_win_t *w, drift_summary_t *s)
     free(v);
 }
 
-drift_rec_t drift_rec_of(const drift_result_t *r)
+drift_rec_t drift_win_rec_of(const drift_result_t *r)
 {
     return (drift_rec_t){
         .similarity = (float)r->similarity,
@@ -111,7 +111,7 @@ drift_rec_t drift_rec_of(const drift_result_t *r)
     };
 }
 
-void drift_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
+void drift_win_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
 {
     if (*n >= DRIFT_MAX_REASONS)
         return;
@@ -121,7 +121,7 @@ void drift_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ..
     va_end(ap);
 }
 
-double drift_pct(double r)
+double drift_win_pct(double r)
 {
     return isnan(r) ? 0 : 100.0 * r;
 }

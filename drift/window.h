@@ -1,4 +1,4 @@
-/* Private to proxy/drift: the sliding window of comparison records that the drift statistics
+/* Private to drift/: the sliding window of comparison records that the drift statistics
  * (drift.c) and the rollout statistics (rollout.c) both keep, and their reason lines. Not part of
  * the module's contract; drift.h and rollout.h are.
  *
@@ -33,7 +33,7 @@ typedef struct {
 } drift_win_t;
 
 /* The record of one comparison result (pair DRIFT_REC_NO_PAIR). */
-drift_rec_t drift_rec_of(const drift_result_t *r);
+drift_rec_t drift_win_rec_of(const drift_result_t *r);
 void drift_win_push(drift_win_t *w, drift_rec_t r);
 /* Empty the window, keeping lifetime totals. */
 void drift_win_clear(drift_win_t *w);
@@ -46,9 +46,9 @@ void drift_win_summary(const drift_win_t *w, drift_summary_t *s);
 
 /* Append a printf-formatted reason to reasons[*n] (DRIFT_REASON_MAX bytes each, truncated),
  * unless DRIFT_MAX_REASONS are there already. */
-void drift_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
+void drift_win_reason(char (*reasons)[DRIFT_REASON_MAX], int *n, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* A rate as a percentage for a reason line (0 for NaN). */
-double drift_pct(double r);
+double drift_win_pct(double r);
 
 #endif

@@ -1,5 +1,6 @@
-/* The request bytes affinity routing keys on (SPEC §18): the prompt's start for `prefix`, the
- * body's `user` for `session`. Reads the tape policy_parse left; never reparses. */
+/* The request bytes affinity routing keys on (docs/configuration.md, "Affinity routing"): the
+ * prompt's start for `prefix`, the body's `user` for `session`. Reads the tape policy_parse
+ * left; never reparses. */
 #include <string.h>
 
 #include "policy/policy_int.h"

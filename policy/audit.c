@@ -1,8 +1,9 @@
-/* One audit line per request (SPEC §8): formatting only; the proxy owns the file. */
+/* One audit line per request (docs/policy.md §7): formatting only; the proxy owns the file. */
 #include <string.h>
 
 #include "common/jw.h"
 #include "common/util.h"
+#include "policy/jcs.h"
 #include "policy/policy_int.h"
 
 void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
@@ -32,7 +33,7 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
     dp_jw_bool(&w, "seed_derived", r && r->seed_derived);
     if (r && r->has_temperature) {
         char b[32];
-        size_t n = policy_es_number(r->temperature, b);
+        size_t n = jcs_es_number(r->temperature, b);
         dp_jw_raw(&w, "temperature", b, n);
     } else {
         dp_jw_null(&w, "temperature");

@@ -4,7 +4,7 @@
 #include <string.h>
 
 #include "common/jw.h"
-#include "policy/json.h"
+#include "policy/jdoc.h"
 #include "policy/policy.h"
 
 int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, policy_route_t route,

@@ -1,5 +1,6 @@
-/* Response fingerprint rewriting (SPEC §7): a non-streamed JSON body gets the pool fingerprint
- * as its top-level system_fingerprint; SSE events get the same, byte-incrementally. */
+/* Response fingerprint rewriting (docs/policy.md §6): a non-streamed JSON body gets the pool
+ * fingerprint as its top-level system_fingerprint; SSE events get the same, byte-incrementally. */
+#include <assert.h>
 #include <string.h>
 
 #include "common/jw.h"
@@ -7,6 +8,8 @@
 
 static const char FP_KEY[] = "system_fingerprint";
 #define FP_KEY_LEN (sizeof(FP_KEY) - 1)
+/* The SSE rewriter holds back at most the quoted key. */
+_Static_assert(FP_KEY_LEN + 2 <= sizeof(((policy_sse_fp_t *)0)->hold), "hold fits \"key\"");
 
 static void prev_put(char *prev, size_t *n, unsigned char c)
 {
@@ -347,6 +350,7 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
             }
             break;
         case J_KEY:
+            assert(s->held >= 1 && (size_t)s->held <= FP_KEY_LEN + 1); /* '"' and a prefix */
             if (c == '"' && (size_t)s->held - 1 == FP_KEY_LEN) {
                 s->hold[s->held++] = '"';
                 flush_held(s, out);

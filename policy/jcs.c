@@ -1,11 +1,12 @@
 /* RFC 8785 JSON Canonicalization Scheme: ECMAScript number printing and canonical
  * serialisation of a validated token tape. */
+#include <assert.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "policy/jcs_pow10.h"
-#include "policy/policy_int.h"
+#include "policy/jcs.h"
 
 static size_t put_u64(char *o, uint64_t v)
 {
@@ -67,6 +68,7 @@ static inline uint64_t rop(uint64_t g1, uint64_t g0, uint64_t cp)
 /* v = c 2^q, c > 0: *f 10^*e is the shortest, closest decimal that reads back as v. */
 static void sf_decimal(int q, uint64_t c, uint64_t *f, int *e)
 {
+    assert(c > 0);
     uint64_t out = c & 1, cb = c << 2, cbr = cb + 2, cbl;
     int k;
     if (c != SF_C_MIN || q == SF_Q_MIN) {
@@ -76,6 +78,7 @@ static void sf_decimal(int q, uint64_t c, uint64_t *f, int *e)
         cbl = cb - 1;
         k = flog10_3q_pow2(q);
     }
+    assert(k - SF_K_MIN >= 0 && (size_t)(k - SF_K_MIN) < sizeof(jcs_g) / sizeof(jcs_g[0]));
     int h = q + flog2pow10(-k) + 2;
     uint64_t g1 = jcs_g[k - SF_K_MIN][0], g0 = jcs_g[k - SF_K_MIN][1];
     uint64_t vb = rop(g1, g0, cb << h);
@@ -110,6 +113,7 @@ static void sf_decimal(int q, uint64_t c, uint64_t *f, int *e)
  * and finite. */
 static int shortest(double v, char *out, int *k)
 {
+    assert(v > 0 && isfinite(v));
     uint64_t bits;
     memcpy(&bits, &v, sizeof(bits));
     uint64_t t = bits & (SF_C_MIN - 1), f;
@@ -128,7 +132,7 @@ static int shortest(double v, char *out, int *k)
     return e + nd;
 }
 
-size_t policy_es_number(double v, char *out)
+size_t jcs_es_number(double v, char *out)
 {
     if (!isfinite(v)) {
         memcpy(out, "null", 5);
@@ -181,6 +185,7 @@ size_t policy_es_number(double v, char *out)
         out[o++] = x < 0 ? '-' : '+';
         o += put_u64(out + o, (uint64_t)(x < 0 ? -x : x));
     }
+    assert(o < 32); /* the caller's buffer holds 32 bytes */
     out[o] = '\0';
     return o;
 }
@@ -200,6 +205,7 @@ static uint32_t hex4(const unsigned char *p)
  * validated, so escapes are well formed and surrogates paired. */
 void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out)
 {
+    assert(n >= 2 && raw[0] == '"' && raw[n - 1] == '"');
     if (!has_escapes) { /* raw JSON strings hold no control, quote or backslash bytes */
         dp_buf_append(out, raw, n);
         return;
@@ -264,7 +270,7 @@ void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t 
         } else if (cp == '\\') {
             dp_buf_append(out, "\\\\", 2);
         } else {
-            json_put_utf8(out, cp);
+            jdoc_put_utf8(out, cp);
         }
     }
     dp_buf_appendc(out, '"');
@@ -283,7 +289,7 @@ static void jcs_number(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
         return;
     }
     char b[32];
-    size_t n = policy_es_number(jdoc_num(d, tok), b);
+    size_t n = jcs_es_number(jdoc_num(d, tok), b);
     dp_buf_append(out, b, n);
 }
 
@@ -292,6 +298,8 @@ void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
     const jtok_t *t = &d->toks[tok];
     switch (t->type) {
     case JT_OBJ:
+        /* The sorted member list exists only when the parse checked duplicates. */
+        assert(t->aux == 0 || (d->order != NULL && t->aux2 + t->aux <= d->norder));
         dp_buf_appendc(out, '{');
         for (uint32_t m = 0; m < t->aux; m++) {
             uint32_t k = d->order[t->aux2 + m];
@@ -323,17 +331,4 @@ void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
         dp_buf_append(out, d->src + t->start, t->len);
         break;
     }
-}
-
-int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
-{
-    jdoc_t d;
-    jdoc_init(&d);
-    int rc = jdoc_parse(&d, json, len, 0);
-    if (rc < 0)
-        policy_json_error(&d, err);
-    else
-        jcs_write(&d, 0, out);
-    jdoc_free(&d);
-    return rc;
 }

@@ -1,5 +1,6 @@
 /* Tenant matching, request validation, the rule engine, seed derivation and framework
  * normalisation. Reads top to bottom in the order the proxy calls it. */
+#include <assert.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 
 #include "common/jw.h"
 #include "common/util.h"
+#include "policy/jcs.h"
 #include "policy/policy_int.h"
 
 const char *const policy_action_names[POLICY_ACTION__COUNT] = {
@@ -71,6 +73,21 @@ void policy_error_json(const policy_error_t *e, dp_buf_t *out)
     dp_jw_obj_end(&w);
 }
 
+/* ---- canonical JSON ------------------------------------------------------------------------ */
+
+int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
+{
+    jdoc_t d;
+    jdoc_init(&d);
+    int rc = jdoc_parse(&d, json, len, 0);
+    if (rc < 0)
+        policy_json_error(&d, err);
+    else
+        jcs_write(&d, 0, out);
+    jdoc_free(&d);
+    return rc;
+}
+
 /* ---- tenants ------------------------------------------------------------------------------- */
 
 size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
@@ -87,9 +104,9 @@ size_t policy_headers_lookup(void *ud, const char *lname, dp_iovec_t *value)
     return n;
 }
 
-/* SPEC §8: a request that carries credentials (any Authorization field) is served only by the
- * tenant they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a
- * mistyped key must not silently drop a compliance tenant's rules. */
+/* A request that carries credentials (any Authorization field) is served only by the tenant
+ * they name, never by {"any": true} (unless "unknown_keys": true, for gateways): a mistyped key
+ * must not silently drop a compliance tenant's rules (docs/policy.md §1). */
 const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_cb lookup, void *ud,
                                         policy_error_t *err)
 {
@@ -167,7 +184,7 @@ enum {
     S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
-    S_CACHE_PROMPT, /* llama.cpp; forced false on single_sequence pools (SPEC §16) */
+    S_CACHE_PROMPT, /* llama.cpp; forced false on single_sequence pools (docs/policy.md §5, N8) */
     S_NUMERIC_END,
     S_MODEL = S_NUMERIC_END,
     S_STREAM,
@@ -525,6 +542,7 @@ static size_t put_i64(char *out, int64_t v)
 
 /* JSON text of a value. A value still as the client wrote it (raw != NULL) is quoted verbatim
  * when it fits: the audit shows what was sent, and no number formatting is spent on it. */
+_Static_assert(POLICY_VAL_LEN >= 32, "a value's text holds what jcs_es_number prints");
 static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, char *out)
 {
     switch (v->kind) {
@@ -541,7 +559,7 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
         } else if (slots[s].integer) {
             put_i64(out, v->i);
         } else {
-            policy_es_number(v->d, out);
+            jcs_es_number(v->d, out);
         }
         break;
     case PV_OTHER: /* a value that is not ours (cache_prompt: true): as the client wrote it */
@@ -558,12 +576,17 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
     }
 }
 
+/* A slot changes at most twice (its rule, then framework normalisation), so the changes of
+ * one request always fit. */
+_Static_assert(2 * S_NUMERIC_END <= POLICY_MAX_CHANGES, "every slot's changes fit");
 static void record(apply_t *a, int s, policy_action_t act, const pval_t *before,
                    const pval_t *after)
 {
     policy_result_t *o = a->out;
+    assert(s >= 0 && s < S_NUMERIC_END);
+    assert(o->nchanges < POLICY_MAX_CHANGES); /* at most two changes per slot: see above */
     if (o->nchanges == POLICY_MAX_CHANGES)
-        return; /* cannot happen: 13 slots, at most two changes each */
+        return;
     policy_change_t *c = &o->changes[o->nchanges++];
     c->param = slots[s].name;
     c->action = act;
@@ -739,7 +762,7 @@ static bool excluded_from_canon(int s)
 static void canon_value(int s, const pval_t *v, dp_buf_t *out)
 {
     char b[32];
-    size_t n = policy_es_number(slots[s].integer ? (double)v->i : v->d, b);
+    size_t n = jcs_es_number(slots[s].integer ? (double)v->i : v->d, b);
     dp_buf_append(out, b, n);
 }
 
@@ -825,7 +848,7 @@ static int64_t derive_seed(policy_req_t *r, const cfg_tenant_t *t, const apply_t
     return (int64_t)(x & 0x7fffffffu); /* mod 2^31 */
 }
 
-/* ---- framework normalisation (docs/policy.md has the table and the reasons) ---------------- */
+/* ---- framework normalisation (docs/policy.md has the table and the reasons) ------------------ */
 
 typedef enum { FW_NONE = 0, FW_VLLM, FW_TGI, FW_SGLANG, FW_LLAMACPP } fw_t;
 
@@ -1069,7 +1092,7 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     normalize(&a, t, fw);
     /* N8: llama.cpp documents its prompt cache as a source of nondeterminism (a cached prefix
      * is evaluated in different batches than a fresh one), so a single_sequence pool turns it
-     * off on every request (SPEC §16). */
+     * off on every request (docs/policy.md §5, N8). */
     if (single_sequence && fw == FW_LLAMACPP)
         force_false(&a, S_CACHE_PROMPT);
     /* The Responses API has no seed. vLLM takes one as an extra sampling field; elsewhere it

@@ -1,6 +1,7 @@
-/* Sampling policy (SPEC §8 and the policy parts of §7): tenant matching, strict request-body
- * validation, the rule engine (force / default / min / max / derive), framework normalisation,
- * RFC 8785 canonical JSON, response fingerprint rewriting (JSON and SSE) and audit lines.
+/* Sampling policy (docs/policy.md, and the policy parts of docs/requests.md): tenant matching,
+ * strict request-body validation, the rule engine (force / default / min / max / derive), framework
+ * normalisation, RFC 8785 canonical JSON, response fingerprint rewriting (JSON and SSE) and audit
+ * lines.
  *
  * Pure: no libuv, no sockets, no files, no globals; safe to call from any thread as long as one
  * policy_req_t is used by one thread at a time. Hostile input is the normal case: every function
@@ -57,7 +58,7 @@ typedef struct {
 /* Append the error as one JSON object (no newline). */
 void policy_error_json(const policy_error_t *e, dp_buf_t *out);
 
-/* ---- tenants (SPEC §8 `match`) ------------------------------------------------------------- */
+/* ---- tenants (docs/policy.md §1) ------------------------------------------------------------- */
 
 /* Header lookup supplied by the caller. `lname` is a lowercase, NUL-terminated field name.
  * Returns how many header fields have that name (ASCII case-insensitively) and sets *value to
@@ -136,7 +137,7 @@ typedef struct {
     bool seed_derived;
     bool has_temperature; /* post-policy temperature sent upstream */
     double temperature;
-    bool comparable; /* temperature 0 or a seed: eligible for shadowing (SPEC §9) */
+    bool comparable; /* temperature 0 or a seed: eligible for shadowing (docs/drift.md) */
     bool has_top_p;  /* post-policy top_p and output length sent upstream (spans) */
     double top_p;
     bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
@@ -178,7 +179,8 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
                  policy_result_t *out, policy_error_t *err);
 
 /* policy_apply for a pool: its manifest's framework.name, and on a single_sequence pool of
- * llama.cpp also `cache_prompt: false` (SPEC §16; an override with action "normalized"). */
+ * llama.cpp also `cache_prompt: false` (docs/policy.md §5, N8; an override with action
+ * "normalized"). */
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
                       policy_result_t *out, policy_error_t *err);
 
@@ -194,27 +196,24 @@ int policy_decide(const cfg_t *cfg, const cfg_tenant_t *t, policy_req_t *r, poli
 
 /* body (a JSON object) with its top-level `model` value replaced by the string `model`, every
  * other byte kept as it was, appended to out: what a candidate pool serving another model name
- * receives (SPEC §14). 0, or -1 (out untouched) when body is not an object with a `model`. */
+ * receives (docs/rollouts.md §2). 0, or -1 (out untouched) when body is not an object with a
+ * `model`. */
 int policy_replace_model(const char *body, size_t len, const char *model, dp_buf_t *out);
 /* Does this pool turn llama.cpp's prompt cache off on every request (a single_sequence pool of
- * llama.cpp, SPEC §16)? Then body with `cache_prompt: false` (replaced, or inserted first),
- * appended to out: what a candidate copy to such a pool carries. -1 when body is not an object. */
+ * llama.cpp, docs/configuration.md "Deterministic pools")? Then body with `cache_prompt: false`
+ * (replaced, or inserted first), appended to out: what a candidate copy to such a pool carries. -1
+ * when body is not an object. */
 bool policy_pool_no_cache_prompt(const cfg_pool_t *pool);
 int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 
-/* v as ECMAScript's Number.prototype.toString prints it (shortest round-trip digits; 1e+21,
- * 1e-7, -0 -> "0"); NaN and infinities, which JSON cannot carry, print "null". out must hold 32
- * bytes; returns the length (NUL-terminated). Uses snprintf/strtod: assumes the "C" numeric
- * locale (the proxy never calls setlocale). */
-size_t policy_es_number(double v, char *out);
-
 /* Canonicalise any JSON text (same strictness as policy_parse, any top-level type). 0 and the
- * JCS form appended to out, or -1 with err set. */
+ * JCS form appended to out, or -1 with err set. Numbers print as jcs_es_number (policy/jcs.h)
+ * prints them. */
 int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err);
 
-/* ---- response fingerprint (SPEC §7) -------------------------------------------------------- */
+/* ---- response fingerprint (docs/policy.md §6) ------------------------------------------------ */
 
 #define POLICY_FP_PREV_MAX 128
 
@@ -290,7 +289,7 @@ typedef struct {
 
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n);
 
-/* ---- audit (SPEC §8 `audit: true`) --------------------------------------------------------- */
+/* ---- audit (docs/policy.md §7) --------------------------------------------------------------- */
 
 /* What one audit line records; the proxy fills it (borrowed pointers, NULL prints null) and
  * owns the file. */
@@ -300,7 +299,7 @@ typedef struct {
     const char *tenant;
     const char *pool;
     const char *replica;
-    const char *fingerprint;          /* pool fingerprint (SPEC §4) */
+    const char *fingerprint;          /* pool fingerprint (docs/configuration.md, "Manifest") */
     const char *upstream_fingerprint; /* the replica's own system_fingerprint, if any */
     bool fingerprint_mismatch;        /* it differed from what the replica attested */
     const char *route;                /* "/v1/chat/completions" */
@@ -323,7 +322,7 @@ typedef struct {
  * "error":{"code","param"} (param null when none). */
 void policy_audit_line(const policy_audit_t *a, dp_buf_t *out);
 
-/* ---- affinity keys (SPEC §18) -------------------------------------------------------------- */
+/* ---- affinity keys (docs/configuration.md, "Affinity routing") ------------------------------- */
 
 /* The bytes a `prefix` affinity key is the digest of: the start of the prompt as the replica
  * sees it (policy never rewrites `prompt` or `messages`), cut at max bytes, appended to out

@@ -2,7 +2,7 @@
 #ifndef DP_POLICY_INT_H
 #define DP_POLICY_INT_H
 
-#include "policy/json.h"
+#include "policy/jdoc.h"
 #include "policy/policy.h"
 
 /* Fill err (status 400 unless told otherwise); message is printf-formatted and truncated. */

@@ -1,7 +1,8 @@
-/* Token usage from responses (issue 18): an incremental scanner over a response body, JSON or
- * SSE, that finds each `"usage": {...}` object and keeps the last one's prompt_tokens and
- * completion_tokens. Only the usage object itself is copied (at most POLICY_USAGE_CAP bytes);
- * everything else is one state-machine step per byte. */
+/* Token usage from responses, for detproxy_tokens_total and the access log's tokens
+ * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
+ * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
+ * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); everything else is one
+ * state-machine step per byte. */
 #include <cjson/cJSON.h>
 #include <string.h>
 

@@ -27,7 +27,7 @@ const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
 
 void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
 {
-    attest_completion_body(model, can->prompt, can->max_tokens, true, out);
+    attest_check_completion_body(model, can->prompt, can->max_tokens, true, out);
 }
 
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,

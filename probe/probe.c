@@ -78,8 +78,8 @@ static void completion_done(net_fetch_t *f, int status, const dp_buf_t *body, ne
 static void completion_start(probe_t *p)
 {
     dp_buf_t body = {0};
-    attest_completion_body(attest_check_probe_model(&p->out, p->model), ATTEST_PROBE_PROMPT, 1,
-                           false, &body);
+    attest_check_completion_body(attest_check_probe_model(&p->out, p->model), ATTEST_PROBE_PROMPT,
+                                 1, false, &body);
     char target[600];
     snprintf(target, sizeof(target), "%s/v1/completions", p->base);
     net_fetch_opts_t o = {.via = p->via,

@@ -1,11 +1,11 @@
-/* probe/: the attestation check's I/O, and the canary request (SPEC §4-§6).
+/* probe/: the attestation check's I/O, and the canary request (docs/attestation.md §4-§6).
  *
  * One check of one replica: the requests attest_check_plan() names (attest/check.h), sent at
  * once over the caller's upstream through net_fetch; their answers read by attest_check_read();
  * for a native source then the 1-token engine-fingerprint probe completion. The callback gets
  * the outcome (UNREACHABLE, INVALID or REPORTED); the caller judges a REPORTED one with
  * attest_check_judge() against the manifest in force then. The proxy's admission
- * (proxy/px_attest.c), `detproxy diagnose` (diagnose/) and the agent's read of its co-located
+ * (proxy/control/attest.c), `detproxy diagnose` (diagnose/) and the agent's read of its co-located
  * framework (agent/agent.c) all check through here, so they agree on what an answer means.
  *
  * This is the layer between the pure attest/ (no libuv) and the programs above it; it knows
@@ -53,7 +53,7 @@ void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
 /* The upstream options for attestation requests: timeout_ms for every phase, 2 idle. */
 void probe_attest_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
 
-/* ---- the canary (SPEC §6) --------------------------------------------------------------------
+/* ---- the canary (docs/attestation.md §6) ------------------------------------------------------
  * In one place: the proxy's admission check, `detproxy diagnose` and `detproxy attest canary`
  * all send it through here, so a hash recorded with one is the hash the others compare (same
  * body bytes, same client code, same rule for which text is hashed).

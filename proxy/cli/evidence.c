@@ -15,7 +15,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 #include "common/args.h"
 #include "common/jw.h"
 #include "common/util.h"

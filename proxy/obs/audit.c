@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 #include "common/buf.h"
 #include "common/log.h"
 #include "common/util.h"

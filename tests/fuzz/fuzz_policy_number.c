@@ -1,4 +1,4 @@
-/* libFuzzer target for the ECMAScript number printer (policy_es_number), differential against
+/* libFuzzer target for the ECMAScript number printer (jcs_es_number), differential against
  * strtod and against a slow reference that finds the shortest round-trip digits by search
  * (snprintf "%.*e" at every precision 1-17 plus both neighbours of each candidate, closest to
  * the value, ties to even: ECMA-262 Number::toString). Invariants, each an abort():
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "policy/policy.h"
+#include "policy/jcs.h"
 
 #define CHECK(c)                                                                                   \
     do {                                                                                           \
@@ -202,7 +202,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         v = strtod(t, NULL);
     }
     char out[40];
-    size_t len = policy_es_number(v, out);
+    size_t len = jcs_es_number(v, out);
     CHECK(len == strlen(out) && len < 32);
     if (!isfinite(v)) {
         CHECK(strcmp(out, "null") == 0);

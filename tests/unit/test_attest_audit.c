@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 #include "common/util.h"
 
 static char g_dir[64];

@@ -92,7 +92,7 @@ Test(attest_llamacpp, probe_learns_the_build_as_engine_fingerprint)
 {
     dp_buf_t c = slurp("completion-1tok.json");
     attest_report_t r = {0};
-    attest_probe_parse(&(dp_iovec_t){c.base, c.len}, &r);
+    attest_adapter_probe_parse(&(dp_iovec_t){c.base, c.len}, &r);
     cr_assert_str_eq(r.engine_fingerprint, "b11669-Debian");
     cr_assert_null(r.engine_hardware); /* not vLLM's form: nothing more to read from it */
     cr_assert_null(r.framework_name);
@@ -111,15 +111,15 @@ Test(attest_llamacpp, probe_learns_the_build_as_engine_fingerprint)
 Test(attest_llamacpp, probe_failures_leave_it_unattested)
 {
     attest_report_t r = {0};
-    attest_probe_parse(&(dp_iovec_t){NULL, 0}, &r);
+    attest_adapter_probe_parse(&(dp_iovec_t){NULL, 0}, &r);
     cr_assert_null(r.engine_fingerprint);
     cr_assert_str_eq(r.unattested_note[ATTEST_F_ENGINE_FINGERPRINT],
                      "the 1-token probe completion failed");
     const char *nofp = "{\"choices\":[{\"text\":\"x\"}]}";
-    attest_probe_parse(&(dp_iovec_t){nofp, strlen(nofp)}, &r);
+    attest_adapter_probe_parse(&(dp_iovec_t){nofp, strlen(nofp)}, &r);
     cr_assert_str_eq(r.unattested_note[ATTEST_F_ENGINE_FINGERPRINT],
                      "the engine puts no system_fingerprint on responses");
-    attest_probe_parse(&(dp_iovec_t){"[1", 2}, &r);
+    attest_adapter_probe_parse(&(dp_iovec_t){"[1", 2}, &r);
     cr_assert_str_eq(r.unattested_note[ATTEST_F_ENGINE_FINGERPRINT],
                      "the probe completion is not JSON");
     cfg_manifest_t man = {.engine_fingerprint = "b1"};
@@ -142,7 +142,7 @@ Test(attest_llamacpp, probe_refuses_a_fingerprint_the_data_path_cannot_compare)
     };
     for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++) {
         attest_report_t r = {0};
-        attest_probe_parse(&(dp_iovec_t){bodies[i], strlen(bodies[i])}, &r);
+        attest_adapter_probe_parse(&(dp_iovec_t){bodies[i], strlen(bodies[i])}, &r);
         cr_assert_null(r.engine_fingerprint, "%s", bodies[i]);
         cr_assert_str_eq(r.unattested_note[ATTEST_F_ENGINE_FINGERPRINT],
                          "the engine's system_fingerprint is not plain visible ASCII", "%s",
@@ -151,7 +151,7 @@ Test(attest_llamacpp, probe_refuses_a_fingerprint_the_data_path_cannot_compare)
     }
     const char *ok = "{\"system_fingerprint\":\"vllm-0.11.0 H100/x_y:z+1\"}";
     attest_report_t r = {0};
-    attest_probe_parse(&(dp_iovec_t){ok, strlen(ok)}, &r);
+    attest_adapter_probe_parse(&(dp_iovec_t){ok, strlen(ok)}, &r);
     cr_assert_str_eq(r.engine_fingerprint, "vllm-0.11.0 H100/x_y:z+1");
     attest_report_clear(&r);
 }

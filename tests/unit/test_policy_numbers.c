@@ -1,4 +1,4 @@
-/* The ECMAScript number printer (policy_es_number) against its two references: strtod (every
+/* The ECMAScript number printer (jcs_es_number) against its two references: strtod (every
  * output reads back as the same double, and no shorter digit string would) and V8 itself
  * (node's JSON.stringify on a large generated sample). */
 #include <criterion/criterion.h>
@@ -11,7 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "policy/policy.h"
+#include "policy/jcs.h"
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 
@@ -94,7 +94,7 @@ Test(es_number, strtod_round_trip_and_shortest)
         char out[40];
         /* Criterion runs with --full-stats, which records every passing assertion: inside the
          * loops assert only on failure. */
-        size_t n = policy_es_number(v, out);
+        size_t n = jcs_es_number(v, out);
         if (n != strlen(out))
             cr_assert_fail("%a: length %zu for %s", v, n, out);
         double back = strtod(out, NULL);
@@ -173,7 +173,7 @@ Test(es_number, matches_v8_json_stringify)
             cr_assert_fail("node printed only %llu lines", (unsigned long long)i);
         *nl = '\0';
         char out[40];
-        policy_es_number(v[i], out);
+        jcs_es_number(v[i], out);
         if (strcmp(out, line) != 0 && mismatches++ < 10)
             cr_log_error("%a: we print %s, V8 prints %s", v[i], out, line);
         line = nl + 1;

@@ -1,7 +1,8 @@
-/* Audit hash chain, checkpoints, body store and verifier (see audit_chain.h). */
+/* Audit hash chain, checkpoints, body store and verifier (see audit.h). */
 #define _GNU_SOURCE /* memmem */
-#include "attest/audit_chain.h"
+#include "attest/audit.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -102,6 +103,7 @@ int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *o
         n--;
     if (n < 2 || line[0] != '{' || line[n - 1] != '}')
         return -1;
+    assert(strlen(c->prev) == 64); /* the hash of the last line: audit_chain_init or _resume */
     size_t start = out->len;
     size_t body = n - 1;
     while (body > 1 && line[body - 1] == ' ')

@@ -1,7 +1,8 @@
-#include "policy/json.h"
+#include "policy/jdoc.h"
 
 #include "common/util.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,7 +70,6 @@ static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
     t->flags = 0;
     return d->ntoks++;
 }
-
 
 /* Four hex digits at p (bounds checked by the caller) or -1. */
 static int32_t hex4(const unsigned char *p)
@@ -344,6 +344,7 @@ static int close_object(jdoc_t *d, uint32_t obj, int flags)
     uint32_t base = d->norder, k = 0;
     for (uint32_t i = obj + 1; i < t->end; i = d->toks[i + 1].end)
         d->order[base + k++] = i;
+    assert(k == n); /* aux counted the members: the list fills exactly the room reserved */
     d->norder += n;
     t->aux2 = base;
     uint32_t dup = sort_keys(d, d->order + base, n);
@@ -395,7 +396,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
             d->toks[k].flags = f;
             if (f & JF_ESC) {
                 d->toks[k].aux = (uint32_t)d->keys.len;
-                json_unescape(src + s + 1, i - s - 2, &d->keys);
+                jdoc_unescape(src + s + 1, i - s - 2, &d->keys);
                 d->toks[k].aux2 = (uint32_t)(d->keys.len - d->toks[k].aux);
             }
             i = skip_ws(src, n, i);
@@ -478,6 +479,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
             goto value_done;
         }
     close : {
+        assert(depth > 0); /* only a '}' or ']' state reaches here, inside a container */
         uint32_t c = stack[--depth];
         jtok_t *t = &d->toks[c];
         t->end = d->ntoks;
@@ -499,6 +501,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
 
 void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)
 {
+    assert(tok < d->ntoks && (d->toks[tok].flags & JF_KEY));
     const jtok_t *t = &d->toks[tok];
     if (t->flags & JF_ESC) {
         *p = d->keys.base + t->aux;
@@ -511,6 +514,7 @@ void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)
 
 uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name)
 {
+    assert(obj < d->ntoks);
     const jtok_t *t = &d->toks[obj];
     if (t->type != JT_OBJ)
         return JDOC_NONE;
@@ -527,6 +531,7 @@ uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name)
 
 bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
 {
+    assert(tok < d->ntoks);
     const jtok_t *t = &d->toks[tok];
     if (t->type != JT_STR)
         return false;
@@ -541,7 +546,7 @@ bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
     }
     /* Escaped values are rare (a role spelled with \u escapes); decode on the side. */
     dp_buf_t b = {0};
-    json_unescape(d->src + t->start + 1, t->len - 2, &b);
+    jdoc_unescape(d->src + t->start + 1, t->len - 2, &b);
     bool eq = b.len == sl && memcmp(b.base, s, sl) == 0;
     dp_buf_free(&b);
     return eq;
@@ -549,20 +554,23 @@ bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
 
 void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 {
+    assert(tok < d->ntoks && d->toks[tok].type == JT_STR);
     const jtok_t *t = &d->toks[tok];
     if (t->flags & JF_ESC)
-        json_unescape(d->src + t->start + 1, t->len - 2, out);
+        jdoc_unescape(d->src + t->start + 1, t->len - 2, out);
     else
         dp_buf_append(out, d->src + t->start + 1, t->len - 2);
 }
 
 double jdoc_num(const jdoc_t *d, uint32_t tok)
 {
+    assert(tok < d->ntoks && d->toks[tok].type == JT_NUM);
     return num_value(d->src + d->toks[tok].start, d->toks[tok].len);
 }
 
 int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out)
 {
+    assert(tok < d->ntoks);
     const jtok_t *t = &d->toks[tok];
     const char *p = d->src + t->start;
     size_t n = t->len, i = 0;
@@ -643,11 +651,12 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 {
     dp_buf_reserve(out, d->toks[tok].len);
     char *end = compact(d, tok, out->base + out->len);
+    assert((size_t)(end - out->base) - out->len <= d->toks[tok].len); /* within the reserve */
     out->len = (size_t)(end - out->base);
     out->base[out->len] = '\0';
 }
 
-void json_put_utf8(dp_buf_t *out, uint32_t cp)
+void jdoc_put_utf8(dp_buf_t *out, uint32_t cp)
 {
     char b[4];
     size_t n;
@@ -673,7 +682,7 @@ void json_put_utf8(dp_buf_t *out, uint32_t cp)
     dp_buf_append(out, b, n);
 }
 
-void json_unescape(const char *s, size_t n, dp_buf_t *out)
+void jdoc_unescape(const char *s, size_t n, dp_buf_t *out)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
@@ -710,7 +719,7 @@ void json_unescape(const char *s, size_t n, dp_buf_t *out)
                 i += 6;
                 cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
             }
-            json_put_utf8(out, cp);
+            jdoc_put_utf8(out, cp);
             break;
         }
         default: /* '"', '\\', '/' */

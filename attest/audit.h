@@ -1,5 +1,5 @@
-/* The tamper-evident audit trail (SPEC §15): hash chain, signed checkpoints, content-addressed
- * body store, and the offline verifier behind `detproxy audit verify`.
+/* The tamper-evident audit trail (docs/operations.md, "Evidence"): hash chain, signed checkpoints,
+ * content-addressed body store, and the offline verifier behind `detproxy audit verify`.
  *
  * Chain: every line ends with "prev_sha256":"<hex>", the SHA-256 of the previous line's bytes as
  * written (without its '\n'). The first line of a file names the last line of the previous file
@@ -14,8 +14,8 @@
  *
  * Store: DIR/<sha256 hex> holds the bytes whose hash names it (written to a temporary name,
  * fsynced, then renamed, so a name never points at partial bytes). */
-#ifndef ATTEST_AUDIT_CHAIN_H
-#define ATTEST_AUDIT_CHAIN_H
+#ifndef ATTEST_AUDIT_H
+#define ATTEST_AUDIT_H
 
 #include <stdbool.h>
 #include <stddef.h>

@@ -15,8 +15,8 @@
  * Memory: every array in jdoc_t grows with dp_xrealloc and is kept by jdoc_reset, so a reused
  * jdoc_t allocates nothing once warm. Token offsets are 32-bit: inputs of 4 GiB or more are
  * refused. Spans point into the caller's input, which must outlive the jdoc_t's use of it. */
-#ifndef DP_POLICY_JSON_H
-#define DP_POLICY_JSON_H
+#ifndef DP_POLICY_JDOC_H
+#define DP_POLICY_JDOC_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -102,15 +102,7 @@ int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn);
 void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
 
 /* Unescape JSON string contents (no quotes; already validated) into out. */
-void json_unescape(const char *s, size_t n, dp_buf_t *out);
-void json_put_utf8(dp_buf_t *out, uint32_t cp);
-
-/* ---- RFC 8785 (jcs.c) ---- */
-
-/* Canonical form of the subtree at tok. The tape must come from a parse without
- * JDOC_ALLOW_DUPS (objects carry their sorted member lists). */
-void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
-/* A raw, validated JSON string literal (quotes included) re-escaped the JCS way. */
-void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out);
+void jdoc_unescape(const char *s, size_t n, dp_buf_t *out);
+void jdoc_put_utf8(dp_buf_t *out, uint32_t cp);
 
 #endif
