@@ -5,9 +5,8 @@
 #ifndef ATTEST_CLI_H
 #define ATTEST_CLI_H
 
-/* `detproxy attest hash|keygen|verify|oms` (cli.c). argv[0] is "attest". `attest serve` (the
- * agent, agent/) and `attest canary` (diagnose/) need the network and are dispatched by main.c.
- * Returns the exit code. */
+/* `detproxy attest hash|keygen|verify|oms` (cli.c). argv[0] is "attest". Returns the exit
+ * code. */
 int attest_cmd_main(int argc, char **argv);
 /* `detproxy attest oms ...` (oms_cli.c). argv[0] is "oms". Returns the exit code. */
 int attest_oms_main(int argc, char **argv);
