@@ -2,69 +2,44 @@
  * problem. Exit 0 valid, 1 invalid (or, with --strict, any warning), 2 usage (docs/README.md,
  * "Commands"). */
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "common/args.h"
+#include "common/util.h"
 #include "config/config.h"
 
-static void usage(FILE *f)
-{
-    fputs("usage: detproxy check -c CONFIG [--strict]\n"
-          "\n"
-          "Validate a config file with the manifests, policy, keys, certificates and secret\n"
-          "files it names. Prints each problem as 'error: <json path>: <message>' (warnings as\n"
-          "'warning: ...') on stderr, and a one-line summary on stdout when valid.\n"
-          "\n"
-          "options:\n"
-          "  -c, --config FILE   config file to check\n"
-          "  --strict            warnings are errors (for CI): a replica that can never be\n"
-          "                      admitted, a secret file readable by others, ... exit 1\n"
-          "  -h, --help          show this help\n"
-          "\n"
-          "exit codes: 0 valid, 1 invalid (or a warning under --strict), 2 usage error\n",
-          f);
-}
+typedef struct {
+    const char *config;
+    bool strict;
+} check_opts_t;
 
-static int usage_error(const char *what, const char *arg)
-{
-    fprintf(stderr, "detproxy check: %s%s%s (try --help)\n", what, arg ? ": " : "", arg ? arg : "");
-    return 2;
-}
+static const dp_arg_t check_table[] = {
+    {.name = "--config",
+     .shortopt = 'c',
+     .kind = DP_ARG_STR,
+     .off = offsetof(check_opts_t, config),
+     .meta = "CONFIG",
+     .help = "config file to check",
+     .flags = DP_ARG_REQUIRED | DP_ARG_ONCE},
+    {.name = "--strict",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(check_opts_t, strict),
+     .help = "warnings are errors (for CI): a replica that can never be\n"
+             "admitted, a secret file readable by others, ... exit 1"},
+};
 
-/* 0 with *config set, 1 for --help (already printed), or the exit code 2. */
-static int parse_args(int argc, char **argv, const char **config, bool *strict)
-{
-    *config = NULL;
-    *strict = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *val = NULL;
-        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-            usage(stdout);
-            return 1;
-        }
-        if (strcmp(a, "--strict") == 0) {
-            *strict = true;
-            continue;
-        }
-        if (strncmp(a, "--config=", 9) == 0) {
-            val = a + 9;
-        } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
-            if (i + 1 >= argc)
-                return usage_error("missing value for", a);
-            val = argv[++i];
-        } else {
-            return usage_error(a[0] == '-' ? "unknown flag" : "unexpected argument", a);
-        }
-        if (*config != NULL)
-            return usage_error("config given more than once", NULL);
-        if (*val == '\0')
-            return usage_error("empty value for", a);
-        *config = val;
-    }
-    if (*config == NULL)
-        return usage_error("missing -c CONFIG", NULL);
-    return 0;
-}
+static const dp_args_t check_spec = {
+    .prog = "detproxy check",
+    .usage = "detproxy check -c CONFIG [--strict]",
+    .about = "Validate a config file with the manifests, policy, keys, certificates and secret\n"
+             "files it names. Prints each problem as 'error: <json path>: <message>' (warnings as\n"
+             "'warning: ...') on stderr, and a one-line summary on stdout when valid.",
+    .opts = check_table,
+    .nopts = DP_ARRAY_SIZE(check_table),
+    .epilog = "exit codes: 0 valid, 1 invalid (or a warning under --strict), 2 usage error",
+};
 
 static const char *plural(size_t n, const char *one, const char *many)
 {
@@ -89,11 +64,12 @@ static void print_summary(const cfg_t *cfg)
 
 int cfg_cmd_check(int argc, char **argv)
 {
-    const char *path;
-    bool strict;
-    int rc = parse_args(argc, argv, &path, &strict);
+    check_opts_t o = {0};
+    int rc = dp_args_parse(&check_spec, argc, argv, &o);
     if (rc != 0)
-        return rc == 1 ? 0 : rc;
+        return dp_args_exit(rc);
+    const char *path = o.config;
+    bool strict = o.strict;
 
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;

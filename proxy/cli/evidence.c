@@ -5,7 +5,7 @@
  * body store, asks the running proxy's admin API which replicas are admitted, and re-sends each
  * stored forwarded body straight to an admitted replica of a pool whose fingerprint (computed
  * from the config's manifests, as the proxy does) is the audited one; the outputs are compared
- * with the shadow comparator (proxy/drift). Requests go one at a time: a replay is evidence, not
+ * with the shadow comparator (drift/). Requests go one at a time: a replay is evidence, not
  * a load test. */
 #include <errno.h>
 #include <stddef.h>

@@ -3,7 +3,7 @@
  * once a second and at shutdown; reopened on SIGHUP for log rotation; a failed write is logged and
  * counted (detproxy_audit_write_errors_total), never fatal.
  *
- * Every line is hash-chained (attest/audit_chain.h; the chain resumes from the file's last line
+ * Every line is hash-chained (attest/audit.h; the chain resumes from the file's last line
  * at open and carries across reopens); with a signing key, a signed checkpoint line follows
  * every checkpoint_lines lines, closes the old file at reopen and the file at shutdown. With a
  * store, the bodies queued with a line are written (content-addressed) before that line. */
