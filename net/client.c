@@ -292,15 +292,21 @@ static void uconn_done(uconn_t *c)
 
 /* ---- llhttp callbacks (record only) -------------------------------------------------------- */
 
+/* A chunked response's trailers come through the same callbacks: dropped, as the request's
+ * are (net/server.c), so the head's spans stay valid for the exchange. */
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    net_hdrs_field(&((uconn_t *)p->data)->hd, at, n);
+    uconn_t *c = p->data;
+    if (!c->head_done)
+        net_hdrs_field(&c->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    net_hdrs_value(&((uconn_t *)p->data)->hd, at, n);
+    uconn_t *c = p->data;
+    if (!c->head_done)
+        net_hdrs_value(&c->hd, at, n);
     return 0;
 }
 

@@ -390,15 +390,22 @@ static int on_url(llhttp_t *p, const char *at, size_t n)
     return 0;
 }
 
+/* Fields after the head are a chunked body's trailers (llhttp reports them through the same
+ * callbacks). They are dropped, never forwarded (net_chunk_scan bounds their size), and must not
+ * touch the head's buffer: the request's header spans point into it until the request ends. */
 static int on_header_field(llhttp_t *p, const char *at, size_t n)
 {
-    net_hdrs_field(&((net_conn_t *)p->data)->req->hd, at, n);
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
+    if (!q->head_done)
+        net_hdrs_field(&q->hd, at, n);
     return 0;
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t n)
 {
-    net_hdrs_value(&((net_conn_t *)p->data)->req->hd, at, n);
+    req_impl_t *q = ((net_conn_t *)p->data)->req;
+    if (!q->head_done)
+        net_hdrs_value(&q->hd, at, n);
     return 0;
 }
 

@@ -364,6 +364,28 @@ def test_expect_continue_over_max_body_bytes_is_413_without_100():
 # ---- a rejected request behind a good one on the same connection ---------------------------
 
 
+def test_request_trailers_are_dropped_and_never_corrupt_the_head():
+    """A chunked inference request with trailers (a few bytes, then near the 8 KiB bound): the
+    body is policed and forwarded with the client's own headers intact (the trailers arrive
+    after the head was handed out and must not move its bytes), the trailers themselves are not
+    forwarded, and the proxy serves the next request."""
+    sim, px, _ = setup()
+    for size in (10, 500, 8000):
+        body = json.dumps(COMPLETION).encode()
+        data = post(b"Host: x\r\nX-Client-Tag: keep-me\r\nTransfer-Encoding: chunked\r\n"
+                    b"Connection: close\r\n",
+                    b"%x\r\n%s\r\n0\r\nX-Trailer: %s\r\n\r\n" % (len(body), body, b"T" * size))
+        out, closed = exchange(px.port, data, timeout=5)
+        r = parse_response(out)
+        assert r.status == 200, (size, out[:300])
+        got = client_requests(sim)[-1]
+        assert got["headers"].get("x-client-tag") == "keep-me", (size, got["headers"])
+        assert "x-trailer" not in got["headers"], (size, got["headers"])
+        assert all(k.isascii() and k.replace("-", "").isalnum() for k in got["headers"]), got
+    assert_serves_next(px, sim, seen_before=3)
+    px.stop()
+
+
 def test_pipelined_bad_request_after_good_one():
     """A good request answered in full, then the 400 for the smuggling attempt behind it, then
     the close: nothing after it is parsed."""
