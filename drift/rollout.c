@@ -286,6 +286,12 @@ void drift_rollout_render(dp_jw_t *w, const char *key, const drift_rollout_t *r,
     dp_jw_obj_begin(w, "copies_without_sample");
     for (int o = 0; o < ROLLOUT__NOUTCOMES; o++)
         dp_jw_uint(w, outcome_names[o], r->misses.n[o]);
+    /* Why the last copy of each kind became no sample: an operator's first question. */
+    dp_jw_obj_begin(w, "last_reason");
+    for (int o = 0; o < ROLLOUT__NOUTCOMES; o++)
+        if (r->misses.n[o])
+            dp_jw_str(w, outcome_names[o], r->misses.last[o]);
+    dp_jw_obj_end(w);
     dp_jw_obj_end(w);
     dp_jw_obj_begin(w, "tenants");
     for (size_t i = 0; i < r->ntenants; i++) {
