@@ -7,6 +7,7 @@
 
 #include <openssl/crypto.h>
 
+#include "attest/adapters.h"
 #include "common/util.h"
 #include "net/fetch.h"
 
@@ -25,6 +26,7 @@ struct probe_s {
     dp_buf_t body[ATTEST_CHECK_MAX_REQUESTS];
     char *error[ATTEST_CHECK_MAX_REQUESTS], *detail[ATTEST_CHECK_MAX_REQUESTS];
     net_fetch_t *completion; /* the engine-fingerprint probe */
+    char *known_fp;          /* probe_opts_t.known_fingerprint */
     attest_outcome_t out;
 };
 
@@ -49,6 +51,7 @@ static void probe_free(probe_t *p)
     free(p->via);
     free(p->extra);
     free(p->model);
+    free(p->known_fp);
     attest_outcome_clear(&p->out);
     free(p);
 }
@@ -114,10 +117,16 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     if (--p->pending > 0)
         return;
     attest_check_read(&p->plan, p->ans, p->keys, p->require_signature, &p->out);
-    if (attest_check_wants_probe(&p->plan, &p->out))
+    if (attest_check_wants_probe(&p->plan, &p->out) && p->known_fp == NULL) {
         completion_start(p);
-    else
-        finish(p);
+        return;
+    }
+    if (attest_check_wants_probe(&p->plan, &p->out) && p->known_fp[0])
+        attest_engine_fingerprint_set(&p->out.report, p->known_fp);
+    else if (attest_check_wants_probe(&p->plan, &p->out))
+        attest_report_set_unattested(&p->out.report, ATTEST_F_ENGINE_FINGERPRINT,
+                                     "no free slot on the replica for the 1-token probe");
+    finish(p);
 }
 
 probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
@@ -132,6 +141,7 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     p->via = dup_or_null(o->via);
     p->extra = dup_or_null(o->extra_headers);
     p->model = dup_or_null(o->model);
+    p->known_fp = dup_or_null(o->known_fingerprint);
     p->keys = o->keys;
     p->require_signature = o->require_signature;
     attest_check_plan(&p->plan, o->source, p->base, o->agent_path);

@@ -37,6 +37,11 @@ typedef struct {
     const attest_keyset_t *keys;
     bool require_signature;
     const char *model; /* native: the probe completion's model when the engine names none */
+    /* native: the engine fingerprint is already known (client responses carried it since the
+     * last check, or the caller could not get the replica a free slot for the completion):
+     * no probe completion is sent and this value is the outcome's ("": unattested, the
+     * caller found no slot and knows none). NULL: probe. */
+    const char *known_fingerprint;
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it

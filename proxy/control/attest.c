@@ -29,6 +29,7 @@
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
+#include "proxy/data/worker.h"
 
 #define RECHECK_MIN_MS 100          /* out-of-turn re-checks: at most this often */
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
@@ -36,6 +37,9 @@
  * simultaneous connections. A check over the bound waits and starts within PACE_MS or so. */
 #define MAX_CONCURRENT_CHECKS 16
 #define PACE_MS 25
+/* The probe completion and the canary wait for a free slot on the replica, looking this often,
+ * for at most the attestation timeout_ms. */
+#define SLOT_RETRY_MS 10
 
 struct px_attest_ctx_s {
     attest_keyset_t keys;
@@ -53,6 +57,13 @@ typedef struct att_s {
     probe_canary_t *canary;
     bool recheck; /* a fingerprint mismatch arrived during a check: check again */
     bool checking;
+    /* One of the replica's admission slots, held by the check's own request to it (the probe
+     * completion, then the canary): they are requests like any other there. */
+    bool holds_slot;
+    uint64_t slot_wait_ns; /* when the wait for a slot began; 0: not waiting */
+    /* The next check probes whatever client responses carried: something happened to the
+     * replica (a failed connection, another fingerprint on a response). */
+    bool must_probe;
     uint64_t last_check_ms;
     attest_report_t report;
     bool have_report;
@@ -124,8 +135,44 @@ static void recheck_soon(att_t *a)
     schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
 }
 
+/* A slot on the replica for one of our requests to it, under its pool's
+ * max_inflight_per_replica: never while clients of the pool wait for one. */
+static bool take_slot(att_t *a)
+{
+    px_pool_t *p = px_gen_pool_by_name(a->px->gen, a->r->pool_name);
+    if (p == NULL || atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, a->r))
+        return false;
+    a->holds_slot = true;
+    return true;
+}
+
+static void put_slot(att_t *a)
+{
+    if (!a->holds_slot)
+        return;
+    a->holds_slot = false;
+    px_replica_put_slot(a->r);
+    if (atomic_load(&a->px->queued) > 0) /* a client queued for it: its worker looks */
+        px_workers_wake(a->px);
+}
+
+/* Waiting for a slot: true while the wait is shorter than the attestation timeout (the caller
+ * looks again in SLOT_RETRY_MS); false once it is over (the wait is forgotten). */
+static bool keep_waiting(att_t *a)
+{
+    uint64_t now = dp_now_ns();
+    if (a->slot_wait_ns == 0)
+        a->slot_wait_ns = now;
+    if (now - a->slot_wait_ns < (uint64_t)cur(a)->attestation.timeout_ms * 1000000u)
+        return true;
+    a->slot_wait_ns = 0;
+    return false;
+}
+
 static void check_end(att_t *a)
 {
+    if (a->r)
+        put_slot(a);
     if (a->checking)
         ctx(a->px)->running--;
     a->checking = false;
@@ -213,6 +260,41 @@ static void canary_done(const probe_canary_result_t *res, void *data)
     check_end(a);
 }
 
+static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *id);
+
+static void canary_try(att_t *a);
+
+static void canary_retry_cb(uv_timer_t *t)
+{
+    canary_try(t->data);
+}
+
+/* The canary waits for a free slot (at most timeout_ms), or is skipped this interval and
+ * counted (detproxy_attestations_total{result="canary_skipped"}): a replica waiting for its
+ * canary to be admitted stays out until one runs. */
+static void canary_try(att_t *a)
+{
+    const cfg_pool_t *pc = pool_of(a->px, a->r);
+    const cfg_manifest_t *id = pc && pc->manifest && a->have_report
+                                   ? attest_manifest_identity(pc->manifest, &a->report)
+                                   : NULL;
+    if (id == NULL || id->canary == NULL || a->r->up == NULL || ctx(a->px)->stopped) {
+        check_end(a); /* a reload removed the canary meanwhile */
+        return;
+    }
+    if (!take_slot(a)) {
+        if (keep_waiting(a)) {
+            uv_timer_start(&a->timer, canary_retry_cb, SLOT_RETRY_MS, 0);
+            return;
+        }
+        count(a->r, "canary_skipped");
+        check_end(a);
+        return;
+    }
+    a->slot_wait_ns = 0;
+    canary_start(a, pc, id);
+}
+
 static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
     /* The replica's own upstream: the canary takes the path client traffic takes. */
@@ -278,7 +360,7 @@ static void decide(att_t *a, attest_outcome_t *out)
     if (!a->admit_on_canary && r->state != PX_REPLICA_QUARANTINED)
         set_state(r, PX_REPLICA_ADMITTED, NULL);
     if (canary) {
-        canary_start(a, pc, id);
+        canary_try(a);
         return;
     }
     check_end(a);
@@ -289,6 +371,7 @@ static void checked(attest_outcome_t *out, void *data)
     att_t *a = data;
     px_replica_t *r = a->r;
     a->probe = NULL;
+    put_slot(a); /* the probe completion's, if it sent one */
     switch (out->verdict) {
     case ATTEST_V_UNREACHABLE:
         count(r, "unreachable");
@@ -319,6 +402,31 @@ static void check_start(att_t *a)
         return;
     }
     const cfg_pool_t *pc = pool_of(a->px, r);
+    /* A native source's check ends with a 1-token probe completion to the replica. Not needed
+     * when a client response carried the attested engine fingerprint during the interval; else
+     * it holds a slot like any request there, waiting for one at most timeout_ms, after which
+     * the fingerprint attested last stands for this check. */
+    const char *known = NULL;
+    bool native = r->attest.source != CFG_ATTEST_AGENT && r->attest.source != CFG_ATTEST_NONE;
+    if (native && a->up) {
+        const char *last = a->have_report ? a->report.engine_fingerprint : NULL;
+        uint64_t seen = atomic_load_explicit(&r->fp_seen_ns, memory_order_relaxed);
+        uint64_t now = dp_now_ns();
+        if (last && seen && !a->must_probe && r->state == PX_REPLICA_ADMITTED &&
+            now - seen <= (uint64_t)cur(a)->attestation.interval_ms * 1000000u) {
+            known = last;
+        } else if (!take_slot(a)) {
+            if (keep_waiting(a)) {
+                schedule(a, SLOT_RETRY_MS);
+                return;
+            }
+            known = last ? last : "";
+            count(r, "probe_skipped");
+        }
+        a->slot_wait_ns = 0;
+        if (known == NULL)
+            a->must_probe = false;
+    }
     ctx(a->px)->running++;
     a->checking = true;
     a->last_check_ms = uv_now(a->px->loop);
@@ -351,7 +459,8 @@ static void check_start(att_t *a)
                       .via = px_self_via_line(NULL),
                       .keys = &ctx(a->px)->keys,
                       .require_signature = cur(a)->attestation.require_signature,
-                      .model = pc ? probe_canary_model(pc, NULL) : NULL};
+                      .model = pc ? probe_canary_model(pc, NULL) : NULL,
+                      .known_fingerprint = known};
     a->probe = probe_start(&o, checked, a);
 }
 
@@ -366,6 +475,7 @@ static void att_timer_closed(uv_handle_t *h)
 
 static void att_teardown(att_t *a)
 {
+    put_slot(a);
     px_seqstr_set(&a->r->engine_fp, ""); /* no report: nothing to compare responses with */
     a->r->canary = PX_CANARY_UNKNOWN;
     a->r->identity_changed_ms = 0;
@@ -479,6 +589,8 @@ static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
 {
     PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
+    if (a != NULL)
+        a->must_probe = true;
     if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
         return;
     /* A restarted replica may come back as something else: no new requests until re-admitted. */
@@ -495,6 +607,7 @@ static void mismatch_here(px_t *px, px_replica_t *r, const char *seen)
     if (a == NULL || !a->have_report || a->report.engine_fingerprint == NULL ||
         strcmp(seen, a->report.engine_fingerprint) == 0)
         return; /* re-attested in the meantime */
+    a->must_probe = true;
     if (r->state != PX_REPLICA_ADMITTED)
         return; /* already out of service, or already being re-attested */
     dp_buf_t why = {0};

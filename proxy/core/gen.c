@@ -11,17 +11,6 @@
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
 
-static px_replica_t *find_reusable(px_gen_t *prev, const char *key)
-{
-    if (prev == NULL)
-        return NULL;
-    for (size_t i = 0; i < prev->npools; i++)
-        for (size_t k = 0; k < prev->pools[i].nreplicas; k++)
-            if (strcmp(prev->pools[i].replicas[k]->key, key) == 0)
-                return prev->pools[i].replicas[k];
-    return NULL;
-}
-
 px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
 {
     PX_ASSERT_CONTROL();
@@ -51,12 +40,17 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
             p->m_affinity[k] = px_metrics_get("detproxy_affinity_total", "pool", pc->name, "result",
                                               px_affinity_result_names[k], NULL);
         p->slots = dp_xcalloc(nslots, sizeof(*p->slots));
+        /* Queue order goes on across the reload: tickets keep counting from the old pool's. */
+        px_pool_t *op = prev ? px_gen_pool_by_name(prev, pc->name) : NULL;
+        if (op)
+            atomic_store(&p->tickets, atomic_load(&op->tickets));
         for (size_t k = 0; k < pc->nreplicas; k++) {
             char *key = px_replica_key(pc, &pc->replicas[k]);
-            px_replica_t *r = find_reusable(prev, key);
+            /* The same replica whenever its definition is the same, whichever generation
+             * still holds it: its attestation, keep-alive pools and in-flight count go on. */
+            px_replica_t *r = px_replica_find_live(key);
             if (r) {
                 free(key);
-                px_replica_ref(r);
                 if (r->up)
                     net_upstream_set_opts(r->up, &uo);
                 px_replica_reload_tls(r, pc);

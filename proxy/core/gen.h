@@ -37,8 +37,9 @@ struct px_gen_s {
     px_override_series_t (*m_overrides)[64];
 };
 
-/* Build a generation from a loaded config; reuses replicas of `prev` whose definition is
- * unchanged (prev may be NULL). Takes ownership of cfg. */
+/* Build a generation from a loaded config. A replica whose definition is that of a replica
+ * still alive (in `prev`, or held only by requests in flight) is that replica; pools go on with
+ * prev's queue tickets (prev may be NULL). Takes ownership of cfg. */
 px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev);
 /* The control thread's current generation, to change before publishing: itself while not yet
  * published, else a copy that replaces it (published generations are never mutated). */

@@ -453,6 +453,8 @@ void px_metrics_declare(void)
                       "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
     px_metrics_family("detproxy_worker_requests_total", PX_COUNTER,
                       "Client requests each worker thread took (workers).");
+    px_metrics_family("detproxy_shadow_copies", PX_GAUGE,
+                      "Shadow and candidate copies waiting for a free slot or running.");
     px_metrics_family("detproxy_handoff_dropped_total", PX_COUNTER,
                       "Messages from the workers the control thread's queue was too full to take.");
 }

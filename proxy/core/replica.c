@@ -78,6 +78,22 @@ static bool name_alive(const px_replica_t *except)
     return false;
 }
 
+px_replica_t *px_replica_find_live(const char *key)
+{
+    PX_ASSERT_CONTROL();
+    for (px_replica_t *r = g_live; r; r = r->live_next) {
+        if (strcmp(r->key, key) != 0)
+            continue;
+        /* A reference unless its last one is gone (its free is on its way to this thread). */
+        int n = atomic_load_explicit(&r->refs, memory_order_relaxed);
+        while (n > 0)
+            if (atomic_compare_exchange_weak_explicit(&r->refs, &n, n + 1, memory_order_acq_rel,
+                                                      memory_order_relaxed))
+                return r;
+    }
+    return NULL;
+}
+
 px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
                                 const cfg_replica_t *d, char *key)
 {

@@ -69,6 +69,9 @@ struct px_replica_s {
     char fingerprint[20]; /* the accepted identity it was admitted as (manifest "accept"); "" */
     PX_SEQSTR(24) wfingerprint; /* the same, for workers */
     PX_SEQSTR(136) engine_fp;   /* the engine fingerprint it attested ("" none), for workers */
+    /* When a client response last carried that fingerprint (dp_now_ns; 0 never): written by
+     * workers, read by attestation, which then needs no probe completion of its own. */
+    _Atomic uint64_t fp_seen_ns;
     /* What attestation knows that drift verdicts use (control thread only). */
     px_canary_t canary;
     uint64_t identity_changed_ms; /* wall ms its attested identity last changed; 0 never */
@@ -108,6 +111,10 @@ void px_replica_unref(px_replica_t *r);
 char *px_replica_key(const cfg_pool_t *p, const cfg_replica_t *d);
 px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
                                 const cfg_replica_t *d, char *key);
+/* A replica alive with this key (any generation's, or one only in-flight requests still hold:
+ * a reload removed it), with a new reference; NULL when none. Reusing it keeps its in-flight
+ * count, so max_inflight_per_replica holds across a removal and a re-adding. */
+px_replica_t *px_replica_find_live(const char *key);
 /* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
 /* A replica carried over by a reload reads its TLS files again. */

@@ -676,8 +676,12 @@ static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
         return false;
     char attested[sizeof(r->engine_fp.w)];
     px_seqstr_get(&r->engine_fp, attested); /* published by attestation */
-    if (attested[0] == '\0' || strcmp(seen, attested) == 0)
+    if (attested[0] == '\0')
         return false;
+    if (strcmp(seen, attested) == 0) {
+        atomic_store_explicit(&r->fp_seen_ns, dp_now_ns(), memory_order_relaxed);
+        return false;
+    }
     px_metrics_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
                                   "replica", r->name, NULL),
                    1);

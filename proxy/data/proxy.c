@@ -836,8 +836,17 @@ static void finish(px_preq_t *q)
         px_hooks_describe(&q->hooks, &a);
         px_access_log(&q->gen->cfg->log.access, &a);
     }
-    px_hooks_finish(&q->hooks, q->px, pool, q->replica, q->status, q->id);
-    slot_release(q);
+    /* The slot is free before the hooks end the request: a copy of it waiting for the
+     * replica (docs/drift.md) finds it so, not taken by the request it copies. */
+    px_replica_t *r = q->replica;
+    if (r)
+        px_replica_put_slot(r);
+    px_hooks_finish(&q->hooks, q->px, pool, r, q->status, q->id);
+    if (r) {
+        q->replica = NULL;
+        px_replica_unref(r);
+        px_admission_slot_freed(q->pool);
+    }
     if (q->failed)
         px_replica_unref(q->failed);
     px_gen_unref(q->gen);

@@ -73,6 +73,14 @@ struct px_shadow_ctx_s {
     size_t nrollouts;
     uint32_t inflight; /* drift shadows in flight */
     shadow_t *active;  /* exchanges in flight, for shutdown */
+    /* Copies still waiting for a free slot after their primary ended: tried every
+     * COPY_RETRY_MS, never while clients wait, for at most COPY_WAIT_MS. */
+    struct plan_s *waiting;
+    uint32_t nwaiting;
+    uint32_t nactive;      /* exchanges on `active` */
+    px_series_t *m_copies; /* detproxy_shadow_copies: nwaiting + nactive */
+    uv_timer_t retry;
+    bool retry_armed, retry_init;
     atomic_bool stopped;
 };
 typedef struct px_shadow_ctx_s shadow_ctx_t;
@@ -92,6 +100,9 @@ struct tap_s {
     int extract_rc; /* drift_extract_json / drift_sse_finish of the primary */
     drift_output_t out;
     shadow_t *copies; /* waiting for the primary, linked by tap_next */
+    /* Copies that found no free slot on their replica while the primary ran: tried again
+     * once it ended (at N = 1 the primary held the slot a copy to its replica needs). */
+    struct plan_s *later;
 };
 
 struct shadow_s {
@@ -107,7 +118,7 @@ struct shadow_s {
     rentry_t *rentry; /* the candidate's entry (its in-flight count) */
     char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
     drift_kind_t kind;
-    bool holds_slot; /* a slot of target_r, until the exchange ends (single_sequence) */
+    bool holds_slot; /* a slot of target_r, until the exchange ends */
     char request_id[24];
     /* shadow capture */
     net_creq_t *c;
@@ -125,13 +136,26 @@ struct shadow_s {
     drift_divlog_t divlog;
 };
 
+/* How long a copy may wait for its replica to have a slot no client wants, and how often it
+ * looks: long enough to find the gap between a replica's requests at N = 1, short enough that
+ * the copy still says something about the replica as it is now. */
+#define COPY_WAIT_MS 2000
+#define COPY_RETRY_MS 5
+
 static shadow_ctx_t *ctx(px_t *px)
 {
     if (px->shadow == NULL) {
         PX_ASSERT_CONTROL(); /* made at start (px_shadow_init), before any worker runs */
         px->shadow = dp_xcalloc(1, sizeof(shadow_ctx_t));
+        px->shadow->m_copies = px_metrics_get("detproxy_shadow_copies", NULL);
     }
     return px->shadow;
+}
+
+/* Copies waiting for a slot or running: 0 once every copy drawn has ended (counted). */
+static void copies_changed(shadow_ctx_t *c)
+{
+    px_metrics_set(c->m_copies, (double)(c->nwaiting + c->nactive));
 }
 
 void px_shadow_init(px_t *px)
@@ -250,7 +274,7 @@ static void tap_unref(tap_t *t)
 {
     if (--t->refs > 0)
         return;
-    assert(t->copies == NULL);
+    assert(t->copies == NULL && t->later == NULL);
     drift_sse_free(&t->sse);
     dp_buf_free(&t->body);
     drift_output_free(&t->out);
@@ -505,6 +529,8 @@ void px_shadow_primary_bytes(void *v, const char *p, size_t n)
     capture(t, &t->sse, &t->body, p, n);
 }
 
+static void carry_out_later(px_t *px, tap_t *t);
+
 /* On the control thread: the primary is over; every copy may now compare. */
 static void primary_done_posted(net_mb_node_t *n)
 {
@@ -527,6 +553,8 @@ static void primary_done_posted(net_mb_node_t *n)
         maybe_compare(s);
         s = next;
     }
+    if (t->later)
+        carry_out_later(t->px, t);
     tap_unref(t);
 }
 
@@ -550,6 +578,8 @@ static void active_remove(shadow_t *s)
         s->next->prev = s->prev;
     s->prev = s->next = NULL;
     (*inflight)--;
+    c->nactive--;
+    copies_changed(c);
     release_slot(s);
 }
 
@@ -593,31 +623,51 @@ const size_t px_shadow_similarity_nbounds =
 
 /* A replica to send a copy to, rotating for coverage: for a drift shadow another replica of the
  * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
- * recovered), never the primary; for a candidate copy any serving replica of the candidate. */
-/* take_slot: the copy holds one of r's slots under the pool's max_inflight_per_replica while
- * it runs (a single_sequence candidate: one sequence in flight per replica, docs/configuration.md
- * "Deterministic pools"). */
+ * recovered), never the primary; for a candidate copy any serving replica of the candidate.
+ *
+ * A copy is a request like any other at the replica: it holds one of the replica's slots under
+ * the pool's max_inflight_per_replica while it runs, so with N = 1 a replica never has a copy
+ * beside another request (docs/drift.md, "Which requests are copied, and where"). It never goes
+ * ahead of a client: none is taken while requests of the pool wait for a slot. NULL when there
+ * is no replica to send it to; *busy then says whether one could take it but had no free slot. */
 static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool quarantined,
-                                 bool take_slot)
+                                 bool *busy)
 {
     static uint32_t rr; /* control thread only */
     size_t n = p->nreplicas;
+    *busy = false;
     for (size_t k = 0; k < n; k++) {
         px_replica_t *r = p->replicas[(rr + k) % n];
         if (r == primary || r->up == NULL || atomic_load(&r->drained))
             continue;
         px_replica_state_t st = px_replica_state(r);
-        if ((st == PX_REPLICA_ADMITTED || (quarantined && st == PX_REPLICA_QUARANTINED)) &&
-            (!take_slot || px_replica_take_slot(p, r))) {
-            rr += (uint32_t)k + 1;
-            return r;
+        if (st != PX_REPLICA_ADMITTED && !(quarantined && st == PX_REPLICA_QUARANTINED))
+            continue;
+        if (atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, r)) {
+            *busy = true;
+            continue;
         }
+        rr += (uint32_t)k + 1;
+        return r;
     }
     return NULL;
 }
 
+/* The same replica again (a self copy): its slot, under the same rules. */
+static px_replica_t *self_target(px_pool_t *p, px_replica_t *primary, bool *busy)
+{
+    *busy = false;
+    if (primary == NULL || primary->up == NULL)
+        return NULL;
+    if (atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, primary)) {
+        *busy = true;
+        return NULL;
+    }
+    return primary;
+}
+
 /* What the worker drew for one request, for the control thread to carry out. */
-typedef struct {
+typedef struct plan_s {
     net_mb_node_t node;
     px_t *px;
     tap_t *tap; /* NULL when the request is not comparable: nothing will be compared */
@@ -625,12 +675,14 @@ typedef struct {
     bool comparable;
     bool drift; /* a drift shadow of `kind` was drawn */
     drift_kind_t kind;
-    char **cands; /* candidate pools drawn */
+    char **cands; /* candidate pools drawn (NULL once carried out: see tap_t.later) */
     size_t ncands;
     dp_buf_t model; /* the request's model (a candidate may serve another name) */
     dp_buf_t path;
     dp_buf_t body; /* the post-policy body: the request's own bytes are gone before the copy */
     char request_id[24];
+    struct plan_s *wnext; /* on the context's list of plans waiting for a slot */
+    uint64_t deadline_ns; /* ... until then (dp_now_ns) */
 } plan_t;
 
 /* What one copy is: where it goes and what it carries. */
@@ -645,8 +697,10 @@ typedef struct {
     const char *body;
     size_t len;
     rentry_t *rentry; /* candidates only */
-    bool holds_slot;  /* target's slot was taken for the copy (copy_target take_slot) */
 } copy_spec_t;
+
+/* What became of a copy the control thread was asked for. */
+typedef enum { COPY_STARTED, COPY_SKIPPED, COPY_BUSY } copy_rc_t;
 
 /* On the control thread. */
 static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *pl)
@@ -666,8 +720,10 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     s->target_r = target;
     s->tap = t;
     t->refs++;
-    s->tap_next = t->copies;
-    t->copies = s;
+    if (!t->done) { /* else it compares on its own end (maybe_compare) */
+        s->tap_next = t->copies;
+        t->copies = s;
+    }
     s->pool = dp_xstrdup(cs->pool->name);
     s->primary = dp_xstrdup(cs->primary);
     s->target = dp_xstrdup(target->name);
@@ -675,7 +731,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     s->rentry = cs->rentry;
     s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
     s->kind = cs->kind;
-    s->holds_slot = cs->holds_slot;
+    s->holds_slot = true; /* copy_target or self_target took it */
     memcpy(s->request_id, pl->request_id, sizeof(s->request_id));
     s->ssse.max_output_bytes = t->max_out;
     dp_buf_t head = {0};
@@ -703,6 +759,8 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     if (c->active)
         c->active->prev = s;
     c->active = s;
+    c->nactive++;
+    copies_changed(c);
 }
 
 static double uniform(void)
@@ -727,25 +785,30 @@ static void plan_free(plan_t *pl)
     free(pl);
 }
 
-/* docs/drift.md: at most one drift shadow per request, cross or self (drawn on the worker). */
-static void start_drift(px_t *px, px_pool_t *pool, const plan_t *pl)
+/* docs/drift.md: at most one drift shadow per request, cross or self (drawn on the worker).
+ * COPY_BUSY (not counted) when its replica has no free slot and this is not the last try. */
+static copy_rc_t start_drift(px_t *px, px_pool_t *pool, const plan_t *pl, bool last_try)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     shadow_ctx_t *c = ctx(px);
     if (c->inflight >= sc->max_inflight) {
         count(pool->name, pl->kind, "skipped");
-        return;
+        return COPY_SKIPPED;
     }
     px_replica_t *primary = replica_named(pool, pl->primary);
-    px_replica_t *target =
-        pl->kind == DRIFT_SELF ? primary : copy_target(pool, primary, true, false);
-    if (target == NULL || target->up == NULL) {
+    bool busy;
+    px_replica_t *target = pl->kind == DRIFT_SELF ? self_target(pool, primary, &busy)
+                                                  : copy_target(pool, primary, true, &busy);
+    if (target == NULL) {
+        if (busy && !last_try)
+            return COPY_BUSY;
         count(pool->name, pl->kind, "skipped");
-        return;
+        return COPY_SKIPPED;
     }
-    copy_spec_t cs = {pool, pool,          pl->primary,  target, pl->kind, NULL,
-                      NULL, pl->body.base, pl->body.len, NULL,   false};
+    copy_spec_t cs = {pool, pool, pl->primary,   target,       pl->kind,
+                      NULL, NULL, pl->body.base, pl->body.len, NULL};
     start_copy(px, pl->tap, &cs, pl);
+    return COPY_STARTED;
 }
 
 static bool serves_model(const cfg_pool_t *p, const dp_buf_t *m)
@@ -760,36 +823,38 @@ static bool serves_model(const cfg_pool_t *p, const dp_buf_t *m)
 /* docs/rollouts.md §2: a candidate drawn for the request. It gets the baseline's post-policy body;
  * when its pool does not list the request's model it gets its own first model name instead (a vLLM
  * server answers 404 for a name it does not serve). */
-static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const char *cand)
+static copy_rc_t start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const char *cand,
+                                 bool last_try)
 {
     const cfg_shadow_t *sc = &px->gen->cfg->shadow;
     if (!pl->comparable) {
         candidate_miss(px, pool->name, cand, ROLLOUT_NOT_COMPARABLE,
                        "neither temperature 0 nor a seed after policy");
-        return;
+        return COPY_SKIPPED;
     }
     rentry_t *e = rollout(px, pool->name, cand);
     if (e->inflight >= sc->max_inflight) {
         candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED,
                        "shadow.max_inflight candidate copies already in flight");
-        return;
+        return COPY_SKIPPED;
     }
     px_pool_t *cp = live_pool(px, cand);
-    bool single = cp && cfg_pool_determinism(cp->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE;
-    px_replica_t *target = cp ? copy_target(cp, NULL, false, single) : NULL;
+    bool busy = false;
+    px_replica_t *target = cp ? copy_target(cp, NULL, false, &busy) : NULL;
     if (target == NULL) {
+        if (busy && !last_try)
+            return COPY_BUSY;
         char why[160];
         snprintf(why, sizeof(why),
-                 single ? "pool %s (single_sequence) has no admitted replica with a free slot"
-                        : "pool %s has no admitted replica",
+                 busy ? "pool %s has no admitted replica with a free slot (clients first)"
+                      : "pool %s has no admitted replica",
                  cand);
         candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
-        return;
+        return COPY_SKIPPED;
     }
     dp_buf_t renamed = {0}, nocache = {0};
-    copy_spec_t cs = {pool,         cp,   pl->primary, target,
-                      DRIFT_CROSS,  cand, pl->tenant,  pl->body.base,
-                      pl->body.len, e,    single};
+    copy_spec_t cs = {pool, cp,         pl->primary,   target,       DRIFT_CROSS,
+                      cand, pl->tenant, pl->body.base, pl->body.len, e};
     if (cp->cfg->nmodels && !serves_model(cp->cfg, &pl->model) &&
         policy_replace_model(cs.body ? cs.body : "", cs.len, cp->cfg->models[0], &renamed) == 0) {
         cs.body = renamed.base;
@@ -804,19 +869,124 @@ static void start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, const c
     start_copy(px, pl->tap, &cs, pl);
     dp_buf_free(&renamed); /* the request bytes were copied into the exchange */
     dp_buf_free(&nocache);
+    return COPY_STARTED;
 }
 
-/* On the control thread: carry out what the worker drew. */
+/* Carry out the copies of pl still to do; with last_try false, those whose replica has no free
+ * slot stay in pl (true when any did). */
+static bool carry_out(px_t *px, px_pool_t *pool, plan_t *pl, bool last_try)
+{
+    bool busy = false;
+    if (pl->drift) {
+        pl->drift = start_drift(px, pool, pl, last_try) == COPY_BUSY;
+        busy |= pl->drift;
+    }
+    for (size_t i = 0; i < pl->ncands; i++) {
+        if (pl->cands[i] == NULL)
+            continue;
+        if (start_candidate(px, pool, pl, pl->cands[i], last_try) == COPY_BUSY) {
+            busy = true;
+            continue;
+        }
+        free(pl->cands[i]);
+        pl->cands[i] = NULL;
+    }
+    return busy;
+}
+
+/* On the control thread: carry out what the worker drew. Copies that find their replica busy
+ * wait for the primary's end (its own slot frees then) and are tried once more. */
 static void plan_posted(net_mb_node_t *n)
 {
     plan_t *pl = (plan_t *)((char *)n - offsetof(plan_t, node));
     px_t *px = pl->px;
     px_pool_t *pool = atomic_load(&ctx(px)->stopped) ? NULL : live_pool(px, pl->pool);
-    if (pool) { /* NULL: shutting down, or a reload took the pool away meanwhile */
+    /* NULL: shutting down, or a reload took the pool away meanwhile */
+    if (pool && carry_out(px, pool, pl, false)) {
+        assert(pl->tap != NULL && !pl->tap->done && pl->tap->later == NULL);
+        pl->tap->later = pl;
+        return;
+    }
+    plan_free(pl);
+}
+
+/* The primary ended: the copies that waited for a slot get their last try. Pointless when
+ * the primary has no complete answer to compare with: those count as errors, as a copy would. */
+static void retry_cb(uv_timer_t *timer);
+
+/* Keep pl (and its tap) until a slot frees or COPY_WAIT_MS passed; false when as many copies
+ * wait already as shadow.max_inflight allows in flight. */
+static bool wait_for_slot(px_t *px, plan_t *pl)
+{
+    shadow_ctx_t *c = ctx(px);
+    if (c->nwaiting >= px->gen->cfg->shadow.max_inflight)
+        return false;
+    if (!c->retry_init) {
+        uv_timer_init(px->loop, &c->retry);
+        c->retry.data = px;
+        c->retry_init = true;
+    }
+    pl->tap->refs++;
+    pl->deadline_ns = dp_now_ns() + (uint64_t)COPY_WAIT_MS * 1000000u;
+    pl->wnext = c->waiting;
+    c->waiting = pl;
+    c->nwaiting++;
+    copies_changed(c);
+    if (!c->retry_armed) {
+        uv_timer_start(&c->retry, retry_cb, COPY_RETRY_MS, COPY_RETRY_MS);
+        c->retry_armed = true;
+    }
+    return true;
+}
+
+static void unwait(shadow_ctx_t *c, plan_t **pp)
+{
+    plan_t *pl = *pp;
+    *pp = pl->wnext;
+    c->nwaiting--;
+    copies_changed(c);
+    tap_unref(pl->tap);
+    plan_free(pl);
+}
+
+/* Every COPY_RETRY_MS while copies wait: those that find a free slot (and no client waiting
+ * for it) start; those past COPY_WAIT_MS are counted as skipped. */
+static void retry_cb(uv_timer_t *timer)
+{
+    px_t *px = timer->data;
+    shadow_ctx_t *c = ctx(px);
+    uint64_t now = dp_now_ns();
+    for (plan_t **pp = &c->waiting; *pp;) {
+        plan_t *pl = *pp;
+        px_pool_t *pool = atomic_load(&c->stopped) ? NULL : live_pool(px, pl->pool);
+        if (pool && carry_out(px, pool, pl, now >= pl->deadline_ns) && now < pl->deadline_ns) {
+            pp = &pl->wnext;
+            continue;
+        }
+        unwait(c, pp);
+    }
+    if (c->waiting == NULL) {
+        uv_timer_stop(&c->retry);
+        c->retry_armed = false;
+    }
+}
+
+static void carry_out_later(px_t *px, tap_t *t)
+{
+    plan_t *pl = t->later;
+    t->later = NULL;
+    px_pool_t *pool = atomic_load(&ctx(px)->stopped) ? NULL : live_pool(px, pl->pool);
+    if (pool && t->ok) {
+        if (carry_out(px, pool, pl, false) && wait_for_slot(px, pl))
+            return;
+        carry_out(px, pool, pl, true); /* the list is full: counted as skipped */
+    } else if (pool) {
+        static const char why[] = "the baseline's answer was not a complete 200";
         if (pl->drift)
-            start_drift(px, pool, pl);
+            count(pool->name, pl->kind, "error");
         for (size_t i = 0; i < pl->ncands; i++)
-            start_candidate(px, pool, pl, pl->cands[i]);
+            if (pl->cands[i])
+                candidate_miss(px, pool->name, pl->cands[i], ROLLOUT_ERROR, why);
     }
     plan_free(pl);
 }
@@ -971,6 +1141,17 @@ void px_shadow_stop(px_t *px)
     if (c == NULL)
         return;
     atomic_store(&c->stopped, true);
+    while (c->waiting) {
+        plan_t *pl = c->waiting;
+        if (pl->drift)
+            count(pl->pool, pl->kind, "skipped");
+        for (size_t i = 0; i < pl->ncands; i++)
+            if (pl->cands[i])
+                count_candidate(pl->pool, pl->cands[i], "skipped");
+        unwait(c, &c->waiting);
+    }
+    if (c->retry_init && !uv_is_closing((uv_handle_t *)&c->retry))
+        uv_close((uv_handle_t *)&c->retry, NULL);
     while (c->active) {
         shadow_t *s = c->active;
         active_remove(s);

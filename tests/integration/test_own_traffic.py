@@ -1,0 +1,188 @@
+"""Every request detproxy sends to a replica holds one of its admission slots, whatever its kind
+(docs/drift.md, "Which requests are copied, and where"; docs/attestation.md §5): client
+requests, drift shadows (cross and self), candidate copies, the attestation probe completion and
+the canary. With max_inflight_per_replica 1 a replica therefore never runs two sequences at once,
+and at temperature 0 every answer equals the same prompt sent alone (the simulator's `--noise`
+flips near-tied tokens whenever requests overlap, as batching does). A replica's in-flight count
+survives a reload that removes it and adds it back while its request still runs."""
+
+import hashlib
+import json
+import threading
+
+from harness import get_json, http, poll_until, post_json, run_tests, start_sim
+from proxyutil import metric, pool, sim_stats, start_proxy
+
+MODEL = "tiny"
+FP = "b11669-Debian"
+
+
+def llama_sim(*extra):
+    return start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version", FP,
+                     "--quantization", "F16", *extra)
+
+
+def canary(prompt, n):
+    alone = llama_sim()
+    r = post_json(alone.port, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                  "max_tokens": n, "temperature": 0, "seed": 0})
+    alone.stop()
+    return {"prompt": prompt, "max_tokens": n,
+            "expected_sha256": hashlib.sha256(r.json()["choices"][0]["text"].encode()).hexdigest()}
+
+
+def native_pool(name, sims, man, slots, **extra):
+    p = pool(name, [MODEL], sims, manifest=man, max_inflight_per_replica=slots, queue_limit=1000,
+             queue_timeout_ms=30000, **extra)
+    for r in p["replicas"]:
+        r["attest"] = {"source": "llamacpp"}
+    return p
+
+
+def load(px, clients, per_client, max_tokens=8):
+    """clients threads, each sending per_client distinct prompts at temperature 0. Returns
+    {prompt: text}."""
+    out, errors, lock = {}, [], threading.Lock()
+
+    def run(k):
+        try:
+            send(k)
+        except Exception as e:  # noqa: BLE001 (reported after the join)
+            errors.append(repr(e))
+
+    def send(k):
+        for i in range(per_client):
+            prompt = "own traffic %d %d: the next words are" % (k, i)
+            r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                       "max_tokens": max_tokens,
+                                                       "temperature": 0}, timeout=60)
+            assert r.status == 200, r
+            with lock:
+                out[prompt] = r.json()["choices"][0]["text"]
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[:3]
+    return out
+
+
+def own_traffic_mix(slots, noise="0.5", clients=3, per_client=40):
+    """Two baseline replicas and a candidate, `slots` each (max_inflight_per_replica), with
+    drift shadows (cross and self), candidate copies at rate 1, a canary and native attestation
+    every 100 ms, two workers; `clients` clients at temperature 0. Returns (proxy, sims, answers,
+    counts) once the clients are done and the copies settled. With noise, overlapping requests
+    flip tokens (and a canary beside a client request would fail)."""
+    can = canary("Count: one, two,", 6)
+    man = {"model": MODEL, "engine_fingerprint": FP, "canary": can}
+    base = [llama_sim("--noise", noise, "--token-delay-ms", "2") for _ in range(2)]
+    cand = [llama_sim("--noise", noise, "--token-delay-ms", "2")]
+    px = start_proxy(
+        pools=[native_pool("p", base, man, slots, candidates=[{"pool": "next", "rate": 1.0}]),
+               native_pool("next", cand, man, slots)],
+        shadow={"rate": 0.5, "self_rate": 0.5, "max_inflight": 8, "max_output_bytes": 65536},
+        attestation={"interval_ms": 100, "timeout_ms": 1000, "require_signature": False},
+        workers=2)
+    poll_until(lambda: all(r["state"] == "admitted" for r in
+                           get_json(px.admin_port, "/admin/replicas")["replicas"]),
+               what="every replica admitted")
+    for s in base + cand:
+        http("POST", s.port, "/_sim/reset")
+    answers = load(px, clients=clients, per_client=per_client)
+
+    def shadow(result=None):
+        return metric(px, "detproxy_shadow_total", pool="p",
+                      **({"result": result} if result else {}))
+    poll_until(lambda: metric(px, "detproxy_shadow_copies") == 0, timeout=15,
+               what="every copy ended (a copy waits 2 s at most for a slot)")
+    counts = {k: shadow(k) for k in ("match", "diverged", "skipped", "error")}
+    counts["candidate"] = {k: metric(px, "detproxy_candidate_total", pool="p", result=k)
+                           for k in ("match", "diverged", "skipped", "error")}
+    counts["canaries"] = sum(metric(px, "detproxy_attestations_total", result=k)
+                             for k in ("canary_ok", "canary_mismatch"))
+    counts["at_replicas"] = sum(sim_stats(s)["requests"] for s in base + cand)
+    return px, base + cand, answers, counts
+
+
+def coverage_line(slots, answers, c):
+    n = len(answers)
+    drift = c["match"] + c["diverged"] + c["skipped"] + c["error"]
+    cand = sum(c["candidate"].values())
+    return ("N = %d: %d client requests; drift shadows drawn %d, compared %d, skipped %d "
+            "(%.0f per 100 requests); candidate copies %d, compared %d, skipped %d (%.0f per 100); "
+            "%d canaries; %d requests at the replicas"
+            % (slots, n, drift, c["match"] + c["diverged"], c["skipped"],
+               100.0 * c["skipped"] / n, cand, c["candidate"]["match"] + c["candidate"]["diverged"],
+               c["candidate"]["skipped"], 100.0 * c["candidate"]["skipped"] / n, c["canaries"],
+               c["at_replicas"]))
+
+
+def test_with_one_slot_no_replica_ever_runs_two_requests_of_any_kind():
+    px, sims, answers, c = own_traffic_mix(1)
+    # Every kind of our own traffic ran meanwhile...
+    assert c["match"] + c["diverged"] > 0 and c["canaries"] > 0, c
+    assert c["candidate"]["match"] + c["candidate"]["diverged"] > 0, c
+    assert c["at_replicas"] > len(answers) + c["canaries"], c
+    # ... and no replica ever had two requests at once,
+    for s in sims:
+        assert sim_stats(s)["max_inflight_seen"] == 1, sim_stats(s)
+    # so every answer is the one the prompt gets alone, and no copy diverged.
+    alone = llama_sim("--noise", "0.5")
+    for prompt, text in answers.items():
+        r = post_json(alone.port, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                      "max_tokens": 8, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == text, prompt
+    assert c["diverged"] == 0 and c["candidate"]["diverged"] == 0, c
+    print("    measured: " + coverage_line(1, answers, c))
+    px.stop()
+
+
+def test_with_four_slots_a_replica_has_at_most_four_requests_of_any_kind():
+    px, sims, answers, c = own_traffic_mix(4, noise="0")
+    for s in sims:
+        assert sim_stats(s)["max_inflight_seen"] <= 4, sim_stats(s)
+    assert c["match"] + c["diverged"] > 0, c
+    print("    measured: " + coverage_line(4, answers, c))
+    px.stop()
+
+
+def test_a_replica_removed_and_added_back_keeps_its_in_flight_count():
+    slow = start_sim("--model", MODEL, "--token-delay-ms", "100")
+    other = start_sim("--model", MODEL)
+    p = pool("p", [MODEL], [slow], max_inflight_per_replica=1)
+    px = start_proxy(pools=[p], attestation={"interval_ms": 600000})
+    first = []
+    t = threading.Thread(target=lambda: first.append(post_json(
+        px.port, "/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": 20,
+                                     "temperature": 0}, timeout=60)))
+    t.start()
+    poll_until(lambda: sim_stats(slow)["inflight"] == 1, what="the long request running")
+
+    def reload_with(sims):
+        with open(px.config_path) as f:
+            cfg = json.load(f)
+        cfg["pools"][0]["replicas"] = [{"name": "r%d" % (i + 1),
+                                        "url": "http://127.0.0.1:%d" % s.port}
+                                       for i, s in enumerate(sims)]
+        with open(px.config_path, "w") as f:
+            json.dump(cfg, f)
+        r = http("POST", px.admin_port, "/admin/reload")
+        assert r.status == 200, r.text
+    reload_with([other])  # r1 is now `other`: the slow replica left the pool...
+    reload_with([slow])   # ... and came back, its first request still running
+    poll_until(lambda: any(r["state"] == "admitted" for r in
+                           get_json(px.admin_port, "/admin/replicas")["replicas"]),
+               what="r1 admitted again")
+    second = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "next",
+                                                    "max_tokens": 2, "temperature": 0},
+                       timeout=60)
+    t.join()
+    assert first[0].status == 200 and second.status == 200, (first, second)
+    # The second waited for the first: the replica kept its count across both reloads.
+    assert sim_stats(slow)["max_inflight_seen"] == 1, sim_stats(slow)
+    px.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
