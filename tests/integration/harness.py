@@ -238,8 +238,10 @@ class Proc:
         text = self.stderr_text()
         for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
                        "WARNING: ThreadSanitizer"):
-            if marker in text:
-                raise ProcError("%s: sanitizer report:\n%s" % (self.name, text[-6000:]))
+            at = text.find(marker)
+            if at >= 0:  # the report from its first line (log lines may follow it)
+                raise ProcError("%s: sanitizer report:\n%s" % (self.name,
+                                                                 text[max(0, at - 200):at + 8000]))
 
     def kill(self):
         if self.alive():
