@@ -139,12 +139,21 @@ void px_shadow_init(px_t *px)
     ctx(px);
 }
 
-static dpool_t *dpool_entry(px_t *px, const char *name)
+/* The pool's drift entry, or NULL when it has none yet. */
+static dpool_t *dpool_find(shadow_ctx_t *c, const char *name)
 {
-    shadow_ctx_t *c = ctx(px);
     for (size_t i = 0; i < c->npools; i++)
         if (strcmp(c->pools[i].name, name) == 0)
             return &c->pools[i];
+    return NULL;
+}
+
+static dpool_t *dpool_entry(px_t *px, const char *name)
+{
+    shadow_ctx_t *c = ctx(px);
+    dpool_t *found = dpool_find(c, name);
+    if (found)
+        return found;
     c->pools = dp_xrealloc(c->pools, (c->npools + 1) * sizeof(*c->pools));
     dpool_t *e = &c->pools[c->npools++];
     memset(e, 0, sizeof(*e));
@@ -328,25 +337,28 @@ static size_t admitted_count(const px_pool_t *p)
 static void replica_hint(const px_pool_t *p, const px_replica_t *r, drift_hint_t *h)
 {
     memset(h, 0, sizeof(*h));
-    h->changed_ago_ms = UINT64_MAX;
     snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", r->fingerprint);
     h->accept_identity = r->fingerprint[0] && strcmp(r->fingerprint, p->fingerprint) != 0;
     if (r->canary != PX_CANARY_UNKNOWN)
         h->canary = r->canary == PX_CANARY_FAIL ? DRIFT_CANARY_FAIL : DRIFT_CANARY_PASS;
-    if (r->identity_changed_ms) {
-        uint64_t now = dp_wall_ms();
-        h->changed_ago_ms = now > r->identity_changed_ms ? now - r->identity_changed_ms : 0;
-    }
+    h->identity_changed_ms = r->identity_changed_ms;
 }
 
+/* The hints of every replica of the pool, from what attestation published now. A hint that
+ * shows a new identity starts that replica's windows again (drift_pool_set_hint): the verdict
+ * may change here, and is logged when it does. */
 static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
 {
     px_pool_t *p = live_pool(px, pool_name);
+    bool changed = false;
     for (size_t i = 0; p && i < p->nreplicas; i++) {
         drift_hint_t h;
         replica_hint(p, p->replicas[i], &h);
-        drift_pool_set_hint(dp, p->replicas[i]->name, &h);
+        changed |= drift_pool_set_hint(dp, p->replicas[i]->name, &h);
     }
+    dpool_t *e = changed ? dpool_find(ctx(px), pool_name) : NULL;
+    if (e)
+        log_verdict_change(e);
 }
 
 /* Quarantine (docs/drift.md §6): the suspect of a cross_replica_drift verdict stops getting client
