@@ -30,7 +30,8 @@ void px_shadow_free(px_t *px);
 extern const double px_shadow_similarity_bounds[];
 extern const size_t px_shadow_similarity_nbounds;
 
-/* The drift statistics of the pool named `pool` (created empty on first use). */
+/* The drift statistics of the pool named `pool` (created empty on first use), with the hints
+ * refreshed from what attestation published (the status page and the verdict gauge judge now). */
 struct drift_pool;
 const struct drift_pool *px_shadow_drift_pool(px_t *px, const char *pool);
 /* GET /admin/drift (docs/drift.md). */
