@@ -10,10 +10,15 @@
  * 26 MB; a 5-replica pool: 264 KB).
  *
  * Each record remembers its pair so that the evidence involving one replica can be removed from
- * the pool-wide windows when it is reset (re-admitted after quarantine). */
+ * the pool-wide windows when its windows start again (a re-admission or an identity change).
+ *
+ * History (docs/drift.md §5): each replica's last change, and per cross pair the stretch its
+ * window belongs to: which replica's change started it, and how its first samples went. With
+ * two replicas that names the one whose change the divergence followed. */
 #include "drift/drift.h"
 #include "drift/window.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -21,10 +26,37 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
+
 #define NPAIRS (DRIFT_MAX_REPLICAS * (DRIFT_MAX_REPLICAS + 1) / 2)
 #define PAIR_NONE DRIFT_REC_NO_PAIR
 
 _Static_assert(NPAIRS < PAIR_NONE, "pair slots must fit a record's uint16_t");
+
+#define NO_SLOT (-1)
+
+/* A replica's last history change (drift_pool_replica_changed). */
+typedef struct {
+    bool set;
+    uint64_t at_ms;
+    char what[DRIFT_CHANGE_MAX];
+} change_t;
+
+/* The stretch of samples a cross pair's window belongs to. A stretch starts with a window,
+ * except when the window starts again while the pair diverges: the divergence predates the
+ * change, so the stretch (and who started it) carries on into the new window, until that
+ * window's first DRIFT_ONSET_SAMPLES samples no longer diverge (pair_diverging). */
+typedef struct {
+    int8_t starter;  /* the slot whose change started it; NO_SLOT: none, or none alone */
+    bool carried;    /* it goes on from before the window's last start */
+    uint8_t early_n; /* its first DRIFT_ONSET_SAMPLES samples ... */
+    uint8_t early_d; /* ... and how many of them diverged */
+    uint8_t carry_n; /* while carried: the new window's first DRIFT_ONSET_SAMPLES samples ... */
+    uint8_t carry_d; /* ... and how many of them diverged */
+} stretch_t;
+
+_Static_assert(DRIFT_MAX_REPLICAS <= INT8_MAX, "slots must fit a stretch's int8_t");
+_Static_assert(DRIFT_ONSET_SAMPLES <= UINT8_MAX, "carry counts must fit a uint8_t");
 
 struct drift_pool {
     char *name;
@@ -32,8 +64,13 @@ struct drift_pool {
     char *replicas[DRIFT_MAX_REPLICAS];     /* slot names; NULL = free */
     drift_win_t recent[DRIFT_MAX_REPLICAS]; /* cross samples involving the replica */
     drift_win_t *pairs;                     /* NPAIRS windows, indexed by pair_index */
+    stretch_t *stretch;                     /* NPAIRS, the cross pairs' history */
+    change_t changes[DRIFT_MAX_REPLICAS];
     drift_hint_t hints[DRIFT_MAX_REPLICAS];
     bool hinted[DRIFT_MAX_REPLICAS];
+    /* The identity_changed_ms of each replica's previous hint (a later one is a change). */
+    uint64_t identity_seen[DRIFT_MAX_REPLICAS];
+    bool identity_known[DRIFT_MAX_REPLICAS];
 };
 
 const char *drift_kind_name(drift_kind_t k)
@@ -83,18 +120,20 @@ static uint32_t pair_index(int i, int j)
     return (uint32_t)(j * (j + 1) / 2 + i);
 }
 
-drift_pool_t *drift_pool_new(const char *name)
+static const stretch_t no_stretch = {.starter = NO_SLOT};
+
+/* Everything but the name, as drift_pool_new makes it. */
+static void pool_init(drift_pool_t *p)
 {
-    drift_pool_t *p = dp_xcalloc(1, sizeof(*p));
-    p->name = dp_xstrdup(name);
     p->pairs = dp_xcalloc(NPAIRS, sizeof(drift_win_t));
-    return p;
+    p->stretch = dp_xmalloc(NPAIRS * sizeof(stretch_t));
+    for (int k = 0; k < NPAIRS; k++)
+        p->stretch[k] = no_stretch;
 }
 
-void drift_pool_free(drift_pool_t *p)
+/* Release everything but the name; the pool is left zeroed apart from it. */
+static void pool_release(drift_pool_t *p)
 {
-    if (p == NULL)
-        return;
     for (int i = 0; i < 2; i++)
         drift_win_free(&p->kind[i]);
     for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
@@ -106,9 +145,35 @@ void drift_pool_free(drift_pool_t *p)
         drift_win_free(&p->pairs[i]);
     free(p->pairs);
     p->pairs = NULL;
+    free(p->stretch);
+    p->stretch = NULL;
+    char *name = p->name;
+    memset(p, 0, sizeof(*p));
+    p->name = name;
+}
+
+drift_pool_t *drift_pool_new(const char *name)
+{
+    drift_pool_t *p = dp_xcalloc(1, sizeof(*p));
+    p->name = dp_xstrdup(name);
+    pool_init(p);
+    return p;
+}
+
+void drift_pool_free(drift_pool_t *p)
+{
+    if (p == NULL)
+        return;
+    pool_release(p);
     free(p->name);
     p->name = NULL;
     free(p);
+}
+
+void drift_pool_clear(drift_pool_t *p)
+{
+    pool_release(p);
+    pool_init(p);
 }
 
 const char *drift_pool_name(const drift_pool_t *p)
@@ -144,6 +209,48 @@ static bool name_ok(const char *s)
     return s && s[0] && strnlen(s, DRIFT_NAME_MAX) < DRIFT_NAME_MAX;
 }
 
+/* The self-noise baseline of gather(): the pool's self rate with DRIFT_MIN_SAMPLES of them
+ * (else 0), and each replica's own self rate once its self pair has DRIFT_MIN_PAIR_SAMPLES. */
+static double pool_self_rate(const drift_pool_t *p)
+{
+    agg_t self = win_agg(&p->kind[DRIFT_SELF]);
+    return self.n >= DRIFT_MIN_SAMPLES ? rate(self) : 0;
+}
+
+static double self_rate(const drift_pool_t *p, int i, double pool_s)
+{
+    agg_t own = win_agg(&p->pairs[pair_index(i, i)]);
+    return own.n >= DRIFT_MIN_PAIR_SAMPLES ? rate(own) : pool_s;
+}
+
+/* Samples a of cross pair (i, j) diverge: one of them did, and at a rate at least
+ * DRIFT_MARGIN_ABS above what the two replicas' self noise predicts. No significance test:
+ * this tells whether a divergence predates a change or follows it, from the few samples around
+ * the change there may be. */
+static bool pair_diverging(const drift_pool_t *p, int i, int j, agg_t a)
+{
+    double pool_s = pool_self_rate(p);
+    double expected = (self_rate(p, i, pool_s) + self_rate(p, j, pool_s)) / 2;
+    return a.d > 0 && rate(a) >= expected + DRIFT_MARGIN_ABS - 1e-9;
+}
+
+/* One sample of cross pair (i, j), for its stretch. */
+static void stretch_add(drift_pool_t *p, int i, int j, bool match)
+{
+    stretch_t *st = &p->stretch[pair_index(i, j)];
+    if (st->early_n < DRIFT_ONSET_SAMPLES) {
+        st->early_n++;
+        st->early_d += !match;
+    }
+    if (!st->carried || st->carry_n >= DRIFT_ONSET_SAMPLES)
+        return;
+    st->carry_n++;
+    st->carry_d += !match;
+    if (st->carry_n == DRIFT_ONSET_SAMPLES &&
+        !pair_diverging(p, i, j, (agg_t){st->carry_n, st->carry_d}))
+        *st = no_stretch; /* the divergence it carried is over: no change started what follows */
+}
+
 int drift_pool_add(drift_pool_t *p, const char *replica_a, const char *replica_b,
                    const drift_result_t *r)
 {
@@ -158,6 +265,8 @@ int drift_pool_add(drift_pool_t *p, const char *replica_a, const char *replica_b
     drift_win_push(&p->kind[kind], rec);
     if (rec.pair != PAIR_NONE)
         drift_win_push(&p->pairs[rec.pair], rec);
+    if (rec.pair != PAIR_NONE && kind == DRIFT_CROSS)
+        stretch_add(p, ia, ib, r->match);
     if (kind == DRIFT_CROSS) {
         if (ia >= 0)
             drift_win_push(&p->recent[ia], rec);
@@ -182,9 +291,38 @@ int drift_pool_pair_summary(const drift_pool_t *p, const char *a, const char *b,
     return 0;
 }
 
-/* Remove the windowed evidence involving slot i; lifetime totals stay. */
-static void reset_slot(drift_pool_t *p, int i)
+/* Cross pair (i, j)'s window starts again because slot `by` changed (NO_SLOT: evidence
+ * dropped, no change): the rules of docs/drift.md §5, "History". Call before its window is
+ * cleared. */
+static void stretch_restart(drift_pool_t *p, int i, int j, int by)
 {
+    stretch_t *st = &p->stretch[pair_index(i, j)];
+    const drift_win_t *w = &p->pairs[pair_index(i, j)];
+    if (w->count == 0) {
+        /* Nothing was seen since the last start: the stretch is still the same replica's, or
+         * no one's (two changes with no sample between them cannot be told apart). */
+        if (!st->carried && st->starter != by)
+            st->starter = NO_SLOT;
+        return;
+    }
+    if (pair_diverging(p, i, j, win_agg(w))) {
+        /* Already diverging: the divergence is not this change's doing. */
+        st->carried = true;
+        st->carry_n = st->carry_d = 0;
+        return;
+    }
+    /* The pair agreed up to the change: what it does from here follows the change. */
+    *st = no_stretch;
+    st->starter = (int8_t)by;
+}
+
+/* Remove the windowed evidence involving slot i; lifetime totals stay. by: the slot whose
+ * change this is (i), or NO_SLOT. */
+static void reset_slot(drift_pool_t *p, int i, int by)
+{
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
+        if (j != i && p->replicas[j])
+            stretch_restart(p, i, j, by);
     bool *drop = dp_xcalloc(NPAIRS, sizeof(bool));
     for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
         drop[pair_index(i, j)] = true;
@@ -203,18 +341,38 @@ void drift_pool_reset_replica(drift_pool_t *p, const char *replica)
 {
     int i = find_replica(p, replica);
     if (i >= 0) {
-        reset_slot(p, i);
+        reset_slot(p, i, NO_SLOT);
         p->hinted[i] = false;
     }
 }
 
-void drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h)
+void drift_pool_replica_changed(drift_pool_t *p, const char *replica, const char *what,
+                                uint64_t at_ms)
 {
     int i = find_replica(p, replica);
     if (i < 0)
         return;
+    reset_slot(p, i, i);
+    p->hinted[i] = false;
+    change_t *c = &p->changes[i];
+    c->set = true;
+    c->at_ms = at_ms;
+    snprintf(c->what, sizeof(c->what), "%s", what ? what : "changed");
+}
+
+bool drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h)
+{
+    int i = find_replica(p, replica);
+    if (i < 0)
+        return false;
+    bool changed = p->identity_known[i] && h->identity_changed_ms > p->identity_seen[i];
+    p->identity_seen[i] = h->identity_changed_ms;
+    p->identity_known[i] = true;
+    if (changed)
+        drift_pool_replica_changed(p, replica, "attested identity changed", h->identity_changed_ms);
     p->hints[i] = *h;
     p->hinted[i] = true;
+    return changed;
 }
 
 void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
@@ -222,13 +380,18 @@ void drift_pool_forget_replica(drift_pool_t *p, const char *replica)
     int i = find_replica(p, replica);
     if (i < 0)
         return;
-    reset_slot(p, i);
-    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++)
+    reset_slot(p, i, NO_SLOT);
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
         drift_win_free(&p->pairs[pair_index(i, j)]);
+        p->stretch[pair_index(i, j)] = no_stretch;
+    }
     drift_win_free(&p->recent[i]);
     free(p->replicas[i]);
     p->replicas[i] = NULL;
     p->hinted[i] = false;
+    memset(&p->changes[i], 0, sizeof(p->changes[i]));
+    p->identity_seen[i] = 0;
+    p->identity_known[i] = false;
 }
 
 /* ---- verdict ------------------------------------------------------------------------------ */
@@ -288,11 +451,9 @@ static void gather(const drift_pool_t *p, facts_t *f)
     f->cross = win_agg(&p->kind[DRIFT_CROSS]);
     f->self = win_agg(&p->kind[DRIFT_SELF]);
     f->base_ok = f->self.n >= DRIFT_MIN_SAMPLES;
-    double pool_s = f->base_ok ? rate(f->self) : 0;
-    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++) {
-        agg_t own = win_agg(&p->pairs[pair_index(i, i)]);
-        f->s[i] = own.n >= DRIFT_MIN_PAIR_SAMPLES ? rate(own) : pool_s;
-    }
+    double pool_s = pool_self_rate(p);
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++)
+        f->s[i] = self_rate(p, i, pool_s);
     double exp_sum = 0;
     for (int j = 1; j < DRIFT_MAX_REPLICAS; j++) {
         for (int i = 0; i < j; i++) {
@@ -348,13 +509,22 @@ static int find_candidates(const drift_pool_t *p, const facts_t *f, int *first, 
 
 static const drift_hint_t *hint_of(const drift_pool_t *p, int i)
 {
-    static const drift_hint_t none = {.changed_ago_ms = UINT64_MAX};
+    static const drift_hint_t none = {0};
     return p->hinted[i] ? &p->hints[i] : &none;
 }
 
-static bool recent(const drift_hint_t *h)
+/* The slot of a or b whose change their pair's divergence followed, or NO_SLOT: the change
+ * started the pair's stretch after the pair had agreed, and the stretch's first
+ * DRIFT_ONSET_SAMPLES samples already diverge (pair_diverging): the divergence began with it
+ * (docs/drift.md §5, "History"). */
+static int divergence_follows_change(const drift_pool_t *p, int a, int b)
 {
-    return h->changed_ago_ms < DRIFT_IDENTITY_RECENT_MS;
+    const stretch_t *st = &p->stretch[pair_index(a, b)];
+    if ((st->starter != a && st->starter != b) ||
+        !pair_diverging(p, a, b, (agg_t){st->early_n, st->early_d}))
+        return NO_SLOT;
+    assert(p->changes[st->starter].set); /* only a change starts a stretch */
+    return st->starter;
 }
 
 /* Two replicas a and b (slots), both with cross samples: name the one the hints point at
@@ -385,12 +555,18 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
                hint_of(p, o)->fingerprint);
         return s;
     }
-    /* 3. Only one of them changed lately (restarted as something else, upgraded). */
-    if (recent(ha) != recent(hb)) {
-        s = recent(ha) ? a : b;
-        reason(v, "%s's attested identity changed %llu s ago; %s's has not in the last %d min",
-               p->replicas[s], (unsigned long long)(hint_of(p, s)->changed_ago_ms / 1000),
-               p->replicas[s == a ? b : a], DRIFT_IDENTITY_RECENT_MS / 60000);
+    /* 3. History: the divergence began just after one of them changed (a restart seen as a
+     * re-admission, a new identity), and they had agreed before. */
+    s = divergence_follows_change(p, a, b);
+    if (s != NO_SLOT) {
+        const change_t *c = &p->changes[s];
+        const stretch_t *st = &p->stretch[pair_index(a, b)];
+        char at[32];
+        dp_iso8601(at, c->at_ms);
+        reason(v,
+               "%s changed just before its pair with %s began to diverge: %s at %s; %u of the "
+               "pair's first %u samples after it diverged, and the pair agreed before",
+               p->replicas[s], p->replicas[s == a ? b : a], c->what, at, st->early_d, st->early_n);
         return s;
     }
     /* 4. Self noise: the replica that does not even agree with itself. */
@@ -418,8 +594,9 @@ static int two_replica_suspect(const drift_pool_t *p, int a, int b, drift_verdic
         snprintf(self, sizeof(self), "too few self samples (%u, %u; need %d each)", sa.n, sb.n,
                  DRIFT_MIN_PAIR_SAMPLES);
     reason(v,
-           "suspect undetermined: two replicas (%s, %s), %s, %s, same identity history: "
-           "cannot tell which; add a canary to the manifest or a third replica",
+           "suspect undetermined: two replicas (%s, %s), %s, %s, no restart, re-admission or "
+           "identity change of one just before their pair began to diverge: cannot tell which; "
+           "add a canary to the manifest or a third replica",
            na, nb, canary, self);
     return -1;
 }
@@ -585,6 +762,17 @@ void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p)
         dp_jw_uint(w, "cross_samples", s.samples);
         dp_jw_double(w, "cross_divergence_rate", s.divergence_rate);
         dp_jw_bool(w, "within_self_baseline", drift_pool_replica_recovered(p, p->replicas[i]));
+        const change_t *c = &p->changes[i];
+        if (c->set) {
+            char at[32];
+            dp_iso8601(at, c->at_ms);
+            dp_jw_obj_begin(w, "last_change");
+            dp_jw_str(w, "what", c->what);
+            dp_jw_str(w, "at", at);
+            dp_jw_obj_end(w);
+        } else {
+            dp_jw_null(w, "last_change");
+        }
         dp_jw_obj_end(w);
     }
     dp_jw_obj_end(w);

@@ -53,7 +53,7 @@
 #define DRIFT_SELF_NOISE_MIN 3     /* ... with at least this many diverged self samples */
 #define DRIFT_RECOVERY_SAMPLES 50  /* recent cross samples a quarantined replica is judged on */
 #define DRIFT_RECOVERY_MARGIN 0.05 /* recovered when recent rate <= baseline + this */
-#define DRIFT_IDENTITY_RECENT_MS 3600000 /* an identity change this recent points at a replica */
+#define DRIFT_ONSET_SAMPLES 30     /* a change's doing diverges in this many samples after it */
 
 /* ---- 1. extraction ------------------------------------------------------------------------ */
 
@@ -219,14 +219,29 @@ typedef enum {
 
 typedef struct {
     drift_canary_t canary;
-    char fingerprint[20];    /* the accepted identity it was admitted as; "" unknown */
-    bool accept_identity;    /* that identity is a manifest "accept" entry (a rollout's new one) */
-    uint64_t changed_ago_ms; /* since its attested identity last changed; UINT64_MAX never */
+    char fingerprint[20]; /* the accepted identity it was admitted as; "" unknown */
+    bool accept_identity; /* that identity is a manifest "accept" entry (a rollout's new one) */
+    uint64_t identity_changed_ms; /* wall ms its attested identity last changed; 0 never */
 } drift_hint_t;
 
 /* Replace what is known about a replica the pool tracks (ignored for an untracked name: it has
- * no samples to explain). Call before a verdict; reset and forget clear it. */
-void drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h);
+ * no samples to explain). Call before a verdict; reset, a change and forget clear it. A hint
+ * whose identity_changed_ms is later than the one the previous hint carried is a change of the
+ * replica's history: drift_pool_replica_changed(p, replica, "attested identity changed", that
+ * time) runs first, and true is returned. */
+bool drift_pool_set_hint(drift_pool_t *p, const char *replica, const drift_hint_t *h);
+
+/* A replica's history changed: it was re-admitted (back to admitted after being out: restarted,
+ * unreachable, rejected or quarantined) or its attested identity changed. Verdicts follow the
+ * present: every window it is in starts again (its cross pairs and its self pair, its recent
+ * ring, its samples in the pool-wide windows; lifetime totals stay), and the change is
+ * remembered for naming one of two replicas (docs/drift.md §5, "History"). `what` says what
+ * happened, for the reasons ("re-admitted from unreachable"; copied, truncated to
+ * DRIFT_CHANGE_MAX); at_ms is when (wall ms). Ignored for an untracked replica: it has no
+ * samples yet. */
+#define DRIFT_CHANGE_MAX 48
+void drift_pool_replica_changed(drift_pool_t *p, const char *replica, const char *what,
+                                uint64_t at_ms);
 
 typedef struct {
     drift_verdict_kind_t kind;
@@ -237,12 +252,13 @@ typedef struct {
 } drift_verdict_t;
 
 /* Verdict over the current windows and hints (rules in docs/drift.md). With two replicas the
- * suspect is named from the hints, in this order: the only one failing the canary; the only one
- * on a rollout's accept identity when their fingerprints differ; the only one whose identity
- * changed within DRIFT_IDENTITY_RECENT_MS; the one whose self pairs diverge beyond the other's
- * (both with DRIFT_MIN_PAIR_SAMPLES). Else a reason says which of these was missing.
- * One pass over the pair slots
- * (DRIFT_MAX_REPLICAS^2 / 2): microseconds, cheap enough to call after every sample. */
+ * suspect is named, in this order: the only one failing the canary; the only one on a rollout's
+ * accept identity when their fingerprints differ; the one whose change (drift_pool_replica_changed)
+ * started their pair's window, when the pair agreed before it and the window's first
+ * DRIFT_ONSET_SAMPLES samples already diverge DRIFT_MARGIN_ABS beyond their self noise; the one
+ * whose self pairs diverge beyond the other's (both with DRIFT_MIN_PAIR_SAMPLES). Else a reason
+ * says which of these was missing. One pass over the pair slots (DRIFT_MAX_REPLICAS^2 / 2):
+ * microseconds, cheap enough to call after every sample. */
 void drift_pool_verdict(const drift_pool_t *p, drift_verdict_t *v);
 
 /* Quarantine loop (shadow.quarantine, docs/drift.md §6). is_suspect: the verdict is
@@ -253,11 +269,13 @@ bool drift_pool_is_suspect(const drift_pool_t *p, const char *replica);
 bool drift_pool_replica_recovered(const drift_pool_t *p, const char *replica);
 
 /* Drop the windowed evidence involving a replica (its pairs, its recent samples, and its
- * samples in the pool-wide windows), keeping lifetime totals. Call when a quarantined replica is
- * re-admitted, or re-attested as something new, so the old evidence does not convict it again.
- * forget also releases the replica's slot (a replica gone from the pool, e.g. by discovery). */
+ * samples in the pool-wide windows), keeping lifetime totals, without recording a change (a
+ * history change does this and more: drift_pool_replica_changed). forget also releases the
+ * replica's slot (a replica gone from the pool, e.g. by discovery). clear forgets every sample,
+ * total, change and hint of the pool, as if it had just been made (POST /admin/drift/reset). */
 void drift_pool_reset_replica(drift_pool_t *p, const char *replica);
 void drift_pool_forget_replica(drift_pool_t *p, const char *replica);
+void drift_pool_clear(drift_pool_t *p);
 
 /* ---- 4. rendering -------------------------------------------------------------------------- */
 

@@ -1,5 +1,5 @@
 /* The admin listener (docs/operations.md §2): health, readiness, metrics, replica state, the
- * effective configuration, draining and enabling replicas. */
+ * effective configuration, draining and enabling replicas, drift statistics and their reset. */
 #include <string.h>
 
 #include "common/jw.h"
@@ -219,6 +219,23 @@ static int authorize(px_t *px, net_req_t *req)
     return -1;
 }
 
+/* POST /admin/drift/reset[?pool=P] (docs/drift.md §7): the drift statistics of every pool (of
+ * pool P) start over; 404 when no pool is named P. */
+static void drift_reset(px_t *px, net_req_t *req)
+{
+    dp_iovec_t only = {0};
+    bool by_pool = net_req_query(req, "pool", &only);
+    dp_buf_t b = {0};
+    if (px_shadow_drift_reset(px, by_pool ? only.base : NULL, only.len, &b) != 0) {
+        dp_buf_free(&b);
+        dp_buf_printf(&b, "no pool is named %.*s", (int)only.len, only.base ? only.base : "");
+        net_resp_error(req, 404, NULL, "pool_not_found", NULL, b.base, NULL, 0);
+        dp_buf_free(&b);
+        return;
+    }
+    send_json(req, 200, &b);
+}
+
 static int extra_route(px_t *px, net_req_t *req)
 {
     if (path_is(req, "/admin/reload")) {
@@ -244,6 +261,14 @@ static int extra_route(px_t *px, net_req_t *req)
         px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
         net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
         dp_buf_free(&b);
+        return 0;
+    }
+    if (path_is(req, "/admin/drift/reset")) {
+        if (req->method != 3 /* POST */) {
+            net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
+            return 0;
+        }
+        drift_reset(px, req);
         return 0;
     }
     if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {

@@ -184,6 +184,14 @@ static int listen_on(net_server_t *s, const cfg_addr_t *a, const char *what)
     return r;
 }
 
+/* px->replica_hooks.changed: the status page's history, and the drift windows a replica back
+ * in service starts again. */
+static void replica_changed(const px_replica_t *r, px_replica_state_t from)
+{
+    px_status_note_change(r, from);
+    px_shadow_replica_changed(r, from);
+}
+
 int px_cmd_run(int argc, char **argv)
 {
     run_opts_t o = {0};
@@ -217,7 +225,7 @@ int px_cmd_run(int argc, char **argv)
     px_metrics_set_threads(px.nslots); /* before any series: cells are sized by it */
     px_metrics_declare();
     /* What the control plane does with what replicas and requests tell it. */
-    px.replica_hooks.changed = px_status_note_change;
+    px.replica_hooks.changed = replica_changed;
     px.replica_hooks.freed = px_attest_replica_free;
     px.on_event = px_attest_on_event;
     px.gen = px_gen_new(&px, cfg, NULL);

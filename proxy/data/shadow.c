@@ -31,6 +31,7 @@
 #include "proxy/data/shadow.h"
 
 #include <assert.h>
+#include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -163,12 +164,21 @@ void px_shadow_init(px_t *px)
     ctx(px);
 }
 
-static dpool_t *dpool_entry(px_t *px, const char *name)
+/* The pool's drift entry, or NULL when it has none yet. */
+static dpool_t *dpool_find(shadow_ctx_t *c, const char *name)
 {
-    shadow_ctx_t *c = ctx(px);
     for (size_t i = 0; i < c->npools; i++)
         if (strcmp(c->pools[i].name, name) == 0)
             return &c->pools[i];
+    return NULL;
+}
+
+static dpool_t *dpool_entry(px_t *px, const char *name)
+{
+    shadow_ctx_t *c = ctx(px);
+    dpool_t *found = dpool_find(c, name);
+    if (found)
+        return found;
     c->pools = dp_xrealloc(c->pools, (c->npools + 1) * sizeof(*c->pools));
     dpool_t *e = &c->pools[c->npools++];
     memset(e, 0, sizeof(*e));
@@ -352,25 +362,48 @@ static size_t admitted_count(const px_pool_t *p)
 static void replica_hint(const px_pool_t *p, const px_replica_t *r, drift_hint_t *h)
 {
     memset(h, 0, sizeof(*h));
-    h->changed_ago_ms = UINT64_MAX;
     snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", r->fingerprint);
     h->accept_identity = r->fingerprint[0] && strcmp(r->fingerprint, p->fingerprint) != 0;
     if (r->canary != PX_CANARY_UNKNOWN)
         h->canary = r->canary == PX_CANARY_FAIL ? DRIFT_CANARY_FAIL : DRIFT_CANARY_PASS;
-    if (r->identity_changed_ms) {
-        uint64_t now = dp_wall_ms();
-        h->changed_ago_ms = now > r->identity_changed_ms ? now - r->identity_changed_ms : 0;
-    }
+    h->identity_changed_ms = r->identity_changed_ms;
 }
 
+/* The hints of every replica of the pool, from what attestation published now. A hint that
+ * shows a new identity starts that replica's windows again (drift_pool_set_hint): the verdict
+ * may change here, and is logged when it does. */
 static void refresh_hints(px_t *px, const char *pool_name, drift_pool_t *dp)
 {
     px_pool_t *p = live_pool(px, pool_name);
+    bool changed = false;
     for (size_t i = 0; p && i < p->nreplicas; i++) {
         drift_hint_t h;
         replica_hint(p, p->replicas[i], &h);
-        drift_pool_set_hint(dp, p->replicas[i]->name, &h);
+        changed |= drift_pool_set_hint(dp, p->replicas[i]->name, &h);
     }
+    dpool_t *e = changed ? dpool_find(ctx(px), pool_name) : NULL;
+    if (e)
+        log_verdict_change(e);
+}
+
+/* Verdicts follow the present (docs/drift.md §5, "History"): a replica back in service after
+ * being out (a restart shows as pending or unreachable, then admitted; also rejected or
+ * quarantined, then admitted) starts every window it is in again, and the change is remembered
+ * for naming one of two replicas. A replica whose pool has no drift statistics yet has nothing
+ * to restart. */
+void px_shadow_replica_changed(const px_replica_t *r, px_replica_state_t from)
+{
+    PX_ASSERT_CONTROL();
+    shadow_ctx_t *c = r->px ? r->px->shadow : NULL;
+    if (c == NULL || from == PX_REPLICA_ADMITTED || px_replica_state(r) != PX_REPLICA_ADMITTED)
+        return;
+    dpool_t *e = dpool_find(c, r->pool_name);
+    if (e == NULL)
+        return;
+    char what[DRIFT_CHANGE_MAX];
+    snprintf(what, sizeof(what), "re-admitted from %s", px_replica_state_names[from]);
+    drift_pool_replica_changed(e->dp, r->name, what, dp_wall_ms());
+    log_verdict_change(e);
 }
 
 /* Quarantine (docs/drift.md §6): the suspect of a cross_replica_drift verdict stops getting client
@@ -385,7 +418,8 @@ static void quarantine_loop(px_t *px, const char *pool_name, drift_pool_t *dp)
         px_replica_t *r = p->replicas[i];
         if (px_replica_state(r) == PX_REPLICA_QUARANTINED &&
             drift_pool_replica_recovered(dp, r->name)) {
-            drift_pool_reset_replica(dp, r->name);
+            /* Re-admitted: its windows start again (px_shadow_replica_changed), or the old
+             * evidence would convict it at once. */
             const char *why[] = {"divergence back at the self baseline", NULL};
             px_replica_set_state(r, PX_REPLICA_ADMITTED, why);
         }
@@ -1127,7 +1161,42 @@ void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
 
 const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)
 {
-    return dpool(px, pool);
+    drift_pool_t *dp = dpool(px, pool);
+    refresh_hints(px, pool, dp); /* the page and the gauges judge what attestation knows now */
+    return dp;
+}
+
+int px_shadow_drift_reset(px_t *px, const char *only, size_t only_len, dp_buf_t *out)
+{
+    PX_ASSERT_CONTROL();
+    const px_gen_t *g = px->gen;
+    bool found = false;
+    for (size_t i = 0; only && i < g->npools; i++)
+        found |=
+            strlen(g->pools[i].name) == only_len && memcmp(g->pools[i].name, only, only_len) == 0;
+    if (only && !found)
+        return -ENOENT;
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_arr_begin(&w, "reset");
+    for (size_t i = 0; i < g->npools; i++) {
+        const char *name = g->pools[i].name;
+        if (only && !(strlen(name) == only_len && memcmp(name, only, only_len) == 0))
+            continue;
+        dpool_t *e = dpool_entry(px, name);
+        drift_pool_clear(e->dp);
+        dp_jw_t *l = dp_log_begin(DP_LOG_INFO, "drift_reset");
+        if (l) {
+            dp_jw_str(l, "pool", name);
+            dp_log_end(l);
+        }
+        log_verdict_change(e);
+        dp_jw_str(&w, NULL, name);
+    }
+    dp_jw_arr_end(&w);
+    dp_jw_obj_end(&w);
+    return 0;
 }
 
 void px_shadow_forget_replica(px_t *px, const char *pool, const char *replica)

@@ -30,11 +30,19 @@ void px_shadow_free(px_t *px);
 extern const double px_shadow_similarity_bounds[];
 extern const size_t px_shadow_similarity_nbounds;
 
-/* The drift statistics of the pool named `pool` (created empty on first use). */
+/* The drift statistics of the pool named `pool` (created empty on first use), with the hints
+ * refreshed from what attestation published (the status page and the verdict gauge judge now). */
 struct drift_pool;
 const struct drift_pool *px_shadow_drift_pool(px_t *px, const char *pool);
 /* GET /admin/drift (docs/drift.md). */
 void px_shadow_drift_json(px_t *px, dp_buf_t *out);
+/* POST /admin/drift/reset[?pool=P] (docs/drift.md §7): every pool's drift statistics start over
+ * (only the pool named only[0..only_len) when only is not NULL); out gets {"reset":[names]}.
+ * Returns 0, or -ENOENT when the current configuration has no such pool. */
+int px_shadow_drift_reset(px_t *px, const char *only, size_t only_len, dp_buf_t *out);
+/* A replica's state changed (px->replica_hooks.changed): back in service after being out, it
+ * starts every drift window it is in again (docs/drift.md §5, "History"). */
+void px_shadow_replica_changed(const px_replica_t *r, px_replica_state_t from);
 /* The verdict of candidate `cand` of pool `pool` (status page). */
 struct drift_rollout_verdict_s;
 void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,

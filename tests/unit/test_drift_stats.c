@@ -264,8 +264,9 @@ Test(drift_verdict, two_replicas_drift_but_suspect_is_undetermined)
     /* Says exactly why: nothing else is known about them. */
     cr_assert_str_eq(v.reasons[1],
                      "suspect undetermined: two replicas (r1, r2), no canary result, equal "
-                     "self-noise (0.0% n=30, 0.0% n=30), same identity history: cannot tell "
-                     "which; add a canary to the manifest or a third replica");
+                     "self-noise (0.0% n=30, 0.0% n=30), no restart, re-admission or identity "
+                     "change of one just before their pair began to diverge: cannot tell which; "
+                     "add a canary to the manifest or a third replica");
     cr_assert_not(drift_pool_is_suspect(p, "r1"));
     cr_assert_not(drift_pool_is_suspect(p, "r2"));
     drift_pool_free(p);
@@ -282,9 +283,11 @@ static drift_pool_t *two_drifting(int self2_diverged_of_30)
     return p;
 }
 
-static drift_hint_t hint(drift_canary_t canary, const char *fp, bool accept, uint64_t ago)
+static drift_hint_t hint(drift_canary_t canary, const char *fp, bool accept,
+                         uint64_t identity_changed_ms)
 {
-    drift_hint_t h = {.canary = canary, .accept_identity = accept, .changed_ago_ms = ago};
+    drift_hint_t h = {
+        .canary = canary, .accept_identity = accept, .identity_changed_ms = identity_changed_ms};
     snprintf(h.fingerprint, sizeof(h.fingerprint), "%s", fp);
     return h;
 }
@@ -292,8 +295,8 @@ static drift_hint_t hint(drift_canary_t canary, const char *fp, bool accept, uin
 Test(drift_two, the_canary_names_the_one_that_fails_it)
 {
     drift_pool_t *p = two_drifting(0);
-    drift_hint_t ok = hint(DRIFT_CANARY_PASS, "fp_a", false, UINT64_MAX);
-    drift_hint_t bad = hint(DRIFT_CANARY_FAIL, "fp_a", false, UINT64_MAX);
+    drift_hint_t ok = hint(DRIFT_CANARY_PASS, "fp_a", false, 0);
+    drift_hint_t bad = hint(DRIFT_CANARY_FAIL, "fp_a", false, 0);
     drift_pool_set_hint(p, "r1", &bad);
     drift_pool_set_hint(p, "r2", &ok);
     drift_pool_set_hint(p, "r9", &ok); /* untracked: ignored */
@@ -320,8 +323,8 @@ Test(drift_two, the_canary_names_the_one_that_fails_it)
 Test(drift_two, a_rollout_identity_is_named_when_fingerprints_differ)
 {
     drift_pool_t *p = two_drifting(0);
-    drift_hint_t old = hint(DRIFT_CANARY_UNKNOWN, "fp_old", false, UINT64_MAX);
-    drift_hint_t nu = hint(DRIFT_CANARY_UNKNOWN, "fp_new", true, UINT64_MAX);
+    drift_hint_t old = hint(DRIFT_CANARY_UNKNOWN, "fp_old", false, 0);
+    drift_hint_t nu = hint(DRIFT_CANARY_UNKNOWN, "fp_new", true, 0);
     drift_pool_set_hint(p, "r1", &old);
     drift_pool_set_hint(p, "r2", &nu);
     drift_verdict_t v = verdict(p);
@@ -331,21 +334,37 @@ Test(drift_two, a_rollout_identity_is_named_when_fingerprints_differ)
     drift_pool_free(p);
 }
 
-Test(drift_two, a_recent_identity_change_is_named)
+Test(drift_two, an_identity_change_before_the_divergence_is_named)
 {
-    drift_pool_t *p = two_drifting(0);
-    drift_hint_t still = hint(DRIFT_CANARY_PASS, "fp_a", false, UINT64_MAX);
-    drift_hint_t changed = hint(DRIFT_CANARY_PASS, "fp_a", false, 120000);
-    drift_pool_set_hint(p, "r1", &still);
-    drift_pool_set_hint(p, "r2", &changed);
+    /* The pair agrees; then r2's attested identity changes (a later identity_changed_ms than
+     * its previous hint) and from there on the pair diverges. */
+    drift_pool_t *p = drift_pool_new("x");
+    add_n(p, "r1", "r2", 40, 0.0);
+    add_n(p, "r1", "r1", 30, 0.0);
+    add_n(p, "r2", "r2", 30, 0.0);
+    drift_hint_t still = hint(DRIFT_CANARY_PASS, "fp_a", false, 0);
+    drift_hint_t old = hint(DRIFT_CANARY_PASS, "fp_a", false, 1700000000000);
+    drift_hint_t changed = hint(DRIFT_CANARY_PASS, "fp_a", false, 1700000120000);
+    cr_assert_not(drift_pool_set_hint(p, "r1", &still));
+    cr_assert_not(drift_pool_set_hint(p, "r2", &old)); /* the first one seen: no change */
+    cr_assert_not(drift_pool_set_hint(p, "r2", &old));
+    cr_assert(drift_pool_set_hint(p, "r2", &changed));
+    drift_summary_t s;
+    drift_pool_pair_summary(p, "r1", "r2", &s);
+    cr_assert_eq(s.samples, 0); /* a new window for r2's pairs */
+    add_n(p, "r1", "r2", 40, 1.0);
+    add_n(p, "r2", "r2", 10, 0.0);
     drift_verdict_t v = verdict(p);
+    cr_assert_eq(v.kind, DRIFT_CROSS_REPLICA_DRIFT, "%s", drift_verdict_name(v.kind));
     cr_assert_str_eq(v.suspect, "r2");
-    cr_assert_str_eq(v.reasons[1],
-                     "r2's attested identity changed 120 s ago; r1's has not in the last 60 min");
-    /* An hour later it no longer points anywhere. */
-    changed.changed_ago_ms = DRIFT_IDENTITY_RECENT_MS;
-    drift_pool_set_hint(p, "r2", &changed);
-    cr_assert_not(verdict(p).has_suspect);
+    cr_assert_str_eq(v.reasons[1], "r2 changed just before its pair with r1 began to diverge: "
+                                   "attested identity changed at 2023-11-14T22:15:20.000Z; 30 of "
+                                   "the pair's first 30 samples after it diverged, and the pair "
+                                   "agreed before");
+    /* An older or equal time is no change. */
+    cr_assert_not(drift_pool_set_hint(p, "r2", &changed));
+    cr_assert_not(drift_pool_set_hint(p, "r2", &old));
+    cr_assert_str_eq(verdict(p).suspect, "r2");
     drift_pool_free(p);
 }
 
