@@ -643,6 +643,12 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
         snprintf(s->sdetail, sizeof(s->sdetail), "%s: %s", net_up_err_name(err),
                  detail ? detail : "");
     }
+    /* A copy's failed connection says what a client's would (a quarantined replica gets only
+     * copies): the replica may have restarted as something else. */
+    if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
+        px_event_post(s->px, &(px_event_t){.kind = err == NET_UP_CONNECT ? PX_EVENT_CONNECT_FAILED
+                                                                         : PX_EVENT_CONNECTION_LOST,
+                                           .r = s->target_r});
     s->shadow_done = true;
     maybe_compare(s);
 }
