@@ -21,6 +21,16 @@
  * `framework_unreachable` naming the URL and the error, and the agent retries after 100 ms,
  * doubling up to 1 s, so an engine restart is seen within a second.
  *
+ * With --framework-url the agent measures rather than repeats (docs/attestation.md §4, "What the
+ * agent measures"): each read's quantization, dtype and model path are the engine's
+ * (attest/engine.h merges them with the flags; a flag that differs is a contradiction the proxy
+ * rejects), and what is hashed is the model the engine loaded, reached through
+ * /proc/PID/root when the engine's process is visible (the one listening on the URL's port, or
+ * --engine-pid). A new process on that port is noticed from /proc/net/tcp before every answer
+ * and every watch tick: the agent stops vouching and measures it again at once. The target of
+ * the hash changes with the engine's report: target_gen numbers the targets, so that a job
+ * still running for an older one is cancelled and its result dropped.
+ *
  * Threads: the loop thread owns everything; a job's worker touches only its job_t. Logging
  * happens on the loop thread only (common/log.h is single-threaded). */
 #define _GNU_SOURCE
@@ -41,6 +51,7 @@
 #include "attest/check.h"
 #include "attest/determinism.h"
 #include "attest/dsse.h"
+#include "attest/engine.h"
 #include "attest/hash.h"
 #include "attest/oms.h"
 #include "common/args.h"
@@ -69,29 +80,39 @@
 #define SETTLED_MS 1000
 #define PROGRESS_LOG_MS 10000
 
-typedef enum { ST_HASHING = 0, ST_READY, ST_FAILED } agent_state_t;
+/* ST_MEASURING: the engine at --framework-url has not been read yet, or is another process
+ * than the one measured: nothing is vouched for until its report is read again. */
+typedef enum { ST_HASHING = 0, ST_READY, ST_FAILED, ST_MEASURING } agent_state_t;
 
 typedef struct agent_s agent_t;
 
-/* One unit of work for the thread pool: a full hash, or a listing only (change check). */
+/* One unit of work for the thread pool: a full hash, or a listing only (change check), of the
+ * model (a folder, or one file). */
 typedef struct {
     uv_work_t work;
     agent_t *a;
     bool full;
-    char *dir;
+    unsigned gen; /* the agent's target_gen when queued: a result for an older target is dropped */
+    char *path;
     char hex[65];
     attest_snapshot_t snap;
+    bool file; /* path is one file (its snapshot has one entry) */
     dp_buf_t err;
     int rc;
     uint64_t start_ns, end_ns;
     atomic_uint_fast64_t bytes_done, bytes_total;
-    const atomic_int *cancel;
+    atomic_int cancel; /* set when the agent stops or measures another model */
     /* --oms-bundle: the bundle verified against the directory (full jobs), and what a later
      * check compares against (every job). */
     const char *oms_bundle;
     const oms_trust_t *oms_trust;
     oms_result_t oms;
     oms_watch_t oms_watch;
+    /* pid > 0: which of the model's files the engine's process has open or mapped
+     * (attest_loaded_t, or a negative errno), and another GGUF file it has instead. */
+    pid_t pid;
+    int loaded;
+    dp_buf_t other;
 } job_t;
 
 /* Reading name and version from the co-located framework: one adapter's check at a time
@@ -114,6 +135,19 @@ typedef struct {
     uint64_t started_ms; /* loop time the last refresh started */
 } fw_t;
 
+/* The engine process behind --framework-url, as far as /proc shows it (attest/engine.h). */
+typedef struct {
+    struct sockaddr_storage addr; /* the URL's address */
+    uint64_t sock_ino;        /* the listening socket of the engine last measured; 0: none seen */
+    int64_t read_ino;         /* the listener when the read in flight started (< 0: unknown) */
+    pid_t pid;                /* its process; 0: not seen (other namespace, no access) */
+    unsigned long long start; /* that process's start time */
+    bool local;               /* an address of this host: its listener can be looked up */
+    pid_t fixed;              /* --engine-pid, 0 without */
+    unsigned long long fixed_start;
+    int loaded_last; /* the last "loaded" result logged; -100 before the first */
+} eng_t;
+
 struct agent_s {
     uv_loop_t loop;
     net_server_t *srv;
@@ -122,7 +156,20 @@ struct agent_s {
     int closes_pending;
     bool stopping;
 
-    char *dir;
+    char *dir; /* --model-dir; NULL when not given (only with --framework-url) */
+    /* What the checkpoint hash is of: --model-dir, or, with --framework-url, the model the
+     * engine reports having loaded as the agent reaches it (target_measured). NULL: nothing to
+     * hash (the engine's model cannot be seen and there is no --model-dir to repeat). */
+    char *target;
+    bool target_measured;
+    char *engine_path; /* the engine's own path for target (logs), NULL for --model-dir */
+    unsigned target_gen;
+    bool confirm; /* ST_MEASURING: a listing of the unchanged target decides */
+    /* Why the checkpoint is not vouched for although (or because no) hash is at hand: the
+     * engine's model is out of sight or the engine is not recognised (ckpt_why), or its
+     * process has another model open or mapped (loaded_why). Empty: the hash stands. */
+    dp_buf_t ckpt_why, loaded_why;
+    char *flag_quant, *flag_dtype; /* --quantization, --dtype */
     attest_key_t *key;
     attest_report_t ident; /* the identity flags; checkpoint comes from the hash */
     uint32_t watch_ms, fw_refresh_ms;
@@ -136,9 +183,9 @@ struct agent_s {
     uint64_t last_progress_log_ms;
 
     job_t *job; /* at most one in flight */
-    atomic_int cancel;
 
     fw_t fw;
+    eng_t eng;
 
     char *oms_bundle; /* --oms-bundle, NULL without */
     oms_trust_t oms_trust;
@@ -172,6 +219,23 @@ static void set_not_ready(agent_t *a, agent_state_t st, const char *why)
     free(a->why_not_ready);
     a->why_not_ready = why ? dp_xstrdup(why) : NULL;
     a->state_since_ms = dp_wall_ms();
+}
+
+/* The checkpoint the payload carries, from the hash and what withdraws it. */
+static void publish_checkpoint(agent_t *a)
+{
+    attest_report_t *r = &a->ident;
+    const dp_buf_t *why = a->loaded_why.len ? &a->loaded_why : &a->ckpt_why;
+    r->measured &= ~(1u << ATTEST_F_CHECKPOINT);
+    if (why->len) {
+        attest_report_set_unattested(r, ATTEST_F_CHECKPOINT, why->base);
+    } else if (a->hex[0]) {
+        attest_report_set(r, ATTEST_F_CHECKPOINT, a->hex);
+        if (a->target_measured)
+            r->measured |= 1u << ATTEST_F_CHECKPOINT;
+    } else {
+        attest_report_set(r, ATTEST_F_CHECKPOINT, NULL);
+    }
 }
 
 /* ---- hashing jobs ----------------------------------------------------------------------- */
@@ -215,31 +279,55 @@ static void oms_done(agent_t *a, job_t *j)
     }
 }
 
+static bool is_regular_file(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
 static void job_run(uv_work_t *w)
 {
     job_t *j = dp_container_of(w, job_t, work);
     j->start_ns = dp_now_ns();
+    /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
+    bool oms = j->oms_bundle && !is_regular_file(j->path);
     if (j->full) {
         attest_hash_opts_t o = {.progress = job_progress_cb,
                                 .progress_data = j,
-                                .cancel = j->cancel,
+                                .cancel = &j->cancel,
                                 .settled_ns = SETTLED_MS * 1000000ull};
         dp_buf_t lines = {0};
-        if (j->oms_bundle)
-            j->rc = oms_watch_take(j->oms_bundle, j->dir, &j->oms_watch, &j->err);
-        if (j->rc == 0)
-            j->rc = attest_hash_dir(j->dir, &o, j->hex, &j->snap, j->oms_bundle ? &lines : NULL,
-                                    &j->err);
-        if (j->rc == 0 && j->oms_bundle) {
-            attest_hash_opts_t oo = {.cancel = j->cancel};
-            oms_verify_checkpoint(j->oms_bundle, j->dir, j->oms_trust, &oo, &j->snap, &lines,
-                                  &j->oms);
+        if (oms) {
+            j->rc = oms_watch_take(j->oms_bundle, j->path, &j->oms_watch, &j->err);
+            if (j->rc == 0)
+                j->rc = attest_hash_dir(j->path, &o, j->hex, &j->snap, &lines, &j->err);
+            if (j->rc == 0) {
+                attest_hash_opts_t oo = {.cancel = &j->cancel};
+                oms_verify_checkpoint(j->oms_bundle, j->path, j->oms_trust, &oo, &j->snap, &lines,
+                                      &j->oms);
+            }
+        } else {
+            j->rc = attest_hash_path(j->path, &o, j->hex, &j->snap, &j->file, &j->err);
+            if (j->rc == 0 && j->oms_bundle)
+                attest_reasons_add(&j->oms.findings,
+                                   "%s is one file: an OMS bundle covers a model directory",
+                                   j->path);
         }
         dp_buf_free(&lines);
     } else {
-        j->rc = attest_snapshot_take(j->dir, &j->snap, &j->err);
-        if (j->rc == 0 && j->oms_bundle)
-            j->rc = oms_watch_take(j->oms_bundle, j->dir, &j->oms_watch, &j->err);
+        j->rc = attest_snapshot_take_path(j->path, &j->snap, &j->file, &j->err);
+        if (j->rc == 0 && oms)
+            j->rc = oms_watch_take(j->oms_bundle, j->path, &j->oms_watch, &j->err);
+    }
+    if (j->rc == 0 && j->pid > 0) {
+        /* A one-file snapshot is listed from the file's folder (attest_hash_path). */
+        const char *slash = strrchr(j->path, '/');
+        char *root = !j->file           ? dp_xstrdup(j->path)
+                     : slash == NULL    ? dp_xstrdup(".")
+                     : slash == j->path ? dp_xstrdup("/")
+                                        : dp_xstrndup(j->path, (size_t)(slash - j->path));
+        j->loaded = attest_proc_loaded("/proc", j->pid, root, &j->snap, &j->other);
+        free(root);
     }
     j->end_ns = dp_now_ns();
 }
@@ -250,7 +338,8 @@ static void job_free(job_t *j)
     oms_watch_free(&j->oms_watch);
     oms_result_clear(&j->oms);
     dp_buf_free(&j->err);
-    free(j->dir);
+    dp_buf_free(&j->other);
+    free(j->path);
     free(j);
 }
 
@@ -265,19 +354,55 @@ static void schedule_retry(agent_t *a, int rc)
 
 static void start_job(agent_t *a, bool full);
 
+/* What the engine's process has open or mapped of the model it reports (logged when it
+ * changes). Its having another GGUF file and none of the reported one means the engine runs
+ * something else than it says: the checkpoint is then not vouched for. */
+static void loaded_done(agent_t *a, job_t *j)
+{
+    if (j->pid <= 0 || !a->target_measured)
+        return;
+    dp_buf_reset(&a->loaded_why);
+    if (j->loaded == ATTEST_LOADED_NOT_SEEN && j->other.len)
+        dp_buf_printf(&a->loaded_why,
+                      "the engine reports %.200s, but its process has %.200s open or mapped "
+                      "instead",
+                      a->engine_path ? a->engine_path : a->target, j->other.base);
+    publish_checkpoint(a);
+    if (j->loaded == a->eng.loaded_last)
+        return;
+    a->eng.loaded_last = j->loaded;
+    dp_jw_t *w = dp_log_begin(j->loaded == ATTEST_LOADED_NOT_SEEN ? DP_LOG_WARN : DP_LOG_INFO,
+                              "engine_loaded");
+    if (w) {
+        dp_jw_int(w, "pid", j->pid);
+        dp_jw_str(w, "model_path", a->engine_path);
+        dp_jw_str(w, "seen",
+                  j->loaded == ATTEST_LOADED_MAPPED     ? "mapped"
+                  : j->loaded == ATTEST_LOADED_OPEN     ? "open"
+                  : j->loaded == ATTEST_LOADED_NOT_SEEN ? "neither open nor mapped"
+                                                        : strerror(-j->loaded));
+        if (j->other.len)
+            dp_jw_str(w, "instead", j->other.base);
+        dp_log_end(w);
+    }
+}
+
 static void hash_done(agent_t *a, job_t *j)
 {
     if (j->rc != 0) {
         const char *e = j->err.base ? j->err.base : strerror(-j->rc);
         bool changing = j->rc == -ESTALE || j->rc == -ENOENT;
         dp_buf_t why = {0};
-        dp_buf_printf(&why, "%s%s", e, changing ? "; re-hashing once the directory settles" : "");
+        dp_buf_printf(&why, "%s%s", e,
+                      changing ? j->file ? "; re-hashing once the file settles"
+                                         : "; re-hashing once the directory settles"
+                               : "");
         set_not_ready(a, ST_FAILED, why.base);
         dp_buf_free(&why);
         schedule_retry(a, j->rc);
         dp_jw_t *w = dp_log_begin(changing ? DP_LOG_WARN : DP_LOG_ERROR, "hash_failed");
         if (w) {
-            dp_jw_str(w, "dir", a->dir);
+            dp_jw_str(w, "dir", a->target);
             dp_jw_str(w, "error", e);
             dp_jw_uint(w, "retry_in_ms", a->retry_delay_ms);
             dp_log_end(w);
@@ -293,11 +418,15 @@ static void hash_done(agent_t *a, job_t *j)
     memset(&j->snap, 0, sizeof(j->snap));
     set_not_ready(a, ST_READY, NULL);
     a->retry_delay_ms = 0;
-    attest_report_set(&a->ident, ATTEST_F_CHECKPOINT, a->hex);
+    publish_checkpoint(a);
     oms_done(a, j);
+    loaded_done(a, j);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "hashed");
     if (w) {
-        dp_jw_str(w, "dir", a->dir);
+        dp_jw_str(w, "dir", a->target);
+        if (a->engine_path)
+            dp_jw_str(w, "model_path", a->engine_path);
+        dp_jw_bool(w, "measured", a->target_measured);
         dp_jw_str(w, "checkpoint_sha256", a->hex);
         if (previous[0])
             dp_jw_str(w, "previous", previous);
@@ -313,13 +442,15 @@ static void hash_done(agent_t *a, job_t *j)
 
 static void check_done(agent_t *a, job_t *j)
 {
-    if (a->state != ST_READY)
+    bool confirming = a->state == ST_MEASURING && a->confirm;
+    if (a->state != ST_READY && !confirming)
         return; /* a hash finished or failed meanwhile: nothing to compare with */
     if (j->rc != 0) {
         const char *e = j->err.base ? j->err.base : strerror(-j->rc);
+        a->confirm = false;
         set_not_ready(a, ST_FAILED, e);
         schedule_retry(a, j->rc);
-        log_kv(DP_LOG_ERROR, "model_dir_unreadable", "dir", a->dir, "error", e);
+        log_kv(DP_LOG_ERROR, "model_dir_unreadable", "dir", a->target, "error", e);
         return;
     }
     dp_buf_t why = {0};
@@ -327,15 +458,34 @@ static void check_done(agent_t *a, job_t *j)
         (a->oms_bundle && oms_watch_differs(&a->oms_watch, &j->oms_watch, &why))) {
         /* Stop vouching for the old hash now: it no longer describes the files on disk. */
         dp_buf_t msg = {0};
-        dp_buf_printf(&msg, "model directory changed (%s); re-hashing", why.base);
+        dp_buf_printf(&msg, "model %s changed (%s); re-hashing", j->file ? "file" : "directory",
+                      why.base);
+        a->confirm = false;
         set_not_ready(a, ST_HASHING, msg.base);
-        log_kv(DP_LOG_WARN, "model_changed", "dir", a->dir, "change", why.base);
+        log_kv(DP_LOG_WARN, "model_changed", "dir", a->target, "change", why.base);
         dp_buf_free(&msg);
         dp_buf_free(&why);
         start_job(a, true);
         return;
     }
     dp_buf_free(&why);
+    loaded_done(a, j);
+    if (confirming) {
+        /* A new engine process loaded the same, unchanged files: the hash still describes them. */
+        a->confirm = false;
+        set_not_ready(a, ST_READY, NULL);
+    }
+}
+
+/* Start the work the state asks for, when none is in flight. */
+static void kick(agent_t *a)
+{
+    if (a->job || a->stopping || a->target == NULL)
+        return;
+    if (a->state == ST_HASHING)
+        start_job(a, true);
+    else if (a->state == ST_MEASURING && a->confirm)
+        start_job(a, false);
 }
 
 static void job_after(uv_work_t *w, int status)
@@ -343,26 +493,29 @@ static void job_after(uv_work_t *w, int status)
     job_t *j = dp_container_of(w, job_t, work);
     agent_t *a = j->a;
     a->job = NULL;
-    if (!a->stopping && status == 0) {
+    if (!a->stopping && status == 0 && j->gen == a->target_gen) {
         if (j->full)
             hash_done(a, j);
         else
             check_done(a, j);
     }
     job_free(j);
+    if (!a->stopping)
+        kick(a); /* the target changed while this one ran: its work now */
 }
 
 static void start_job(agent_t *a, bool full)
 {
-    if (a->job || a->stopping)
+    if (a->job || a->stopping || a->target == NULL)
         return;
     job_t *j = dp_xcalloc(1, sizeof(*j));
     j->a = a;
     j->full = full;
-    j->dir = dp_xstrdup(a->dir);
-    j->cancel = &a->cancel;
+    j->gen = a->target_gen;
+    j->path = dp_xstrdup(a->target);
     j->oms_bundle = a->oms_bundle;
     j->oms_trust = &a->oms_trust;
+    j->pid = a->target_measured ? a->eng.pid : 0;
     if (full) {
         if (a->state == ST_FAILED) {
             /* Keep the failure visible while retrying: it is what the operator must fix. */
@@ -373,7 +526,7 @@ static void start_job(agent_t *a, bool full)
         } else if (a->state != ST_HASHING) {
             set_not_ready(a, ST_HASHING, "hashing the model directory");
         }
-        log_kv(DP_LOG_INFO, "hashing", "dir", a->dir, NULL, NULL);
+        log_kv(DP_LOG_INFO, "hashing", "dir", a->target, "model_path", a->engine_path);
     }
     a->job = j;
     int r = uv_queue_work(&a->loop, &j->work, job_run, job_after);
@@ -383,6 +536,16 @@ static void start_job(agent_t *a, bool full)
         set_not_ready(a, ST_FAILED, "cannot queue hashing work");
         schedule_retry(a, r);
     }
+}
+
+/* The running job is about an older target: it stops at its next read and its result is
+ * dropped (job_after compares generations). */
+static void retarget(agent_t *a)
+{
+    a->target_gen++;
+    dp_buf_reset(&a->loaded_why); /* it was about the files of the old target */
+    if (a->job)
+        atomic_store(&a->job->cancel, 1);
 }
 
 /* ---- determinism (--determinism batch_invariant, docs/attestation.md §10)
@@ -433,11 +596,14 @@ static void det_refresh(agent_t *a)
     det_set(a, rc, a->det_why.base);
 }
 
+static void eng_check(agent_t *a);
+
 static void on_watch(uv_timer_t *t)
 {
     agent_t *a = t->data;
     uint64_t now = dp_now_ms();
     det_refresh(a);
+    eng_check(a);
     if (a->job) {
         /* Workers must not log: report their progress from here, now and then. */
         if (a->job->full && now - a->last_progress_log_ms >= PROGRESS_LOG_MS) {
@@ -455,6 +621,209 @@ static void on_watch(uv_timer_t *t)
         start_job(a, false);
     else if (a->state == ST_FAILED && now >= a->retry_at_ms)
         start_job(a, true);
+}
+
+/* ---- measuring the engine (docs/attestation.md §4, "What the agent measures") ------------- */
+
+static void fw_refresh(agent_t *a);
+
+/* The listening socket of --framework-url's port, as the agent's network namespace shows it:
+ * its inode, 0 when nothing listens, negative when /proc/net cannot be read. */
+static int64_t eng_listener(const agent_t *a)
+{
+    return attest_proc_listener("/proc", (const struct sockaddr *)&a->eng.addr);
+}
+
+/* Has the engine become another process since it was measured? One read of /proc/net/tcp,
+ * made before every answer and every watch tick, so that a restarted engine is measured again
+ * at once instead of at the next framework refresh. */
+static void eng_check(agent_t *a)
+{
+    if (a->fw.up == NULL || !a->eng.local || a->eng.sock_ino == 0)
+        return; /* never seen listening (another host, another network namespace) */
+    int64_t ino = eng_listener(a);
+    if (ino < 0 || (uint64_t)ino == a->eng.sock_ino)
+        return;
+    if (ino == 0) {
+        /* Nothing listens on the port: a connection is refused, as the next read will find. */
+        if (a->fw.unreachable.len == 0) {
+            dp_buf_printf(&a->fw.unreachable, "framework at http://%s%s: connection refused",
+                          a->fw.url.hostport, a->fw.url.path);
+            log_kv(DP_LOG_WARN, "engine_gone", "url", a->fw.url.hostport, "detail",
+                   "its listening socket is closed");
+        }
+    } else if (a->state != ST_MEASURING || a->confirm) {
+        dp_buf_t msg = {0};
+        dp_buf_printf(&msg,
+                      "the engine at http://%s is another process now (its listening socket "
+                      "changed); measuring it again",
+                      a->fw.url.hostport);
+        retarget(a); /* whatever ran was about the process measured before */
+        a->confirm = false;
+        set_not_ready(a, ST_MEASURING, msg.base);
+        log_kv(DP_LOG_WARN, "engine_changed", "url", a->fw.url.hostport, "detail", msg.base);
+        dp_buf_free(&msg);
+    }
+    /* A new process is read now (a read already under way started before the change and is
+     * read again when it ends); a port nobody listens on waits for the retry schedule. */
+    if (ino > 0 && !a->fw.running)
+        fw_refresh(a);
+}
+
+/* After a read: which process answered it. false: the listener changed while it ran (the
+ * answer may be the old process's): read again. *changed: another process than measured. */
+static bool eng_identify(agent_t *a, bool *changed)
+{
+    eng_t *e = &a->eng;
+    *changed = false;
+    int64_t ino = eng_listener(a);
+    if (e->read_ino >= 0 && ino >= 0 && ino != e->read_ino)
+        return false;
+    pid_t pid = e->pid;
+    if (!e->local)
+        ino = -1; /* another host's port: a local listener on it is not the engine */
+    if (ino > 0 && (uint64_t)ino != e->sock_ino) {
+        *changed = e->sock_ino != 0;
+        e->sock_ino = (uint64_t)ino;
+        pid = e->fixed ? e->fixed : attest_proc_socket_owner("/proc", (uint64_t)ino, getpid());
+    } else if (ino <= 0 && e->fixed) {
+        pid = e->fixed;
+    }
+    if (e->fixed) {
+        /* --engine-pid: that process while it lives, never one the kernel gave its pid since. */
+        unsigned long long st = attest_proc_start_time("/proc", e->fixed);
+        if (e->fixed_start == 0)
+            e->fixed_start = st;
+        if (st == 0 || st != e->fixed_start)
+            pid = 0;
+    }
+    unsigned long long start = pid > 0 ? attest_proc_start_time("/proc", pid) : 0;
+    if (pid != e->pid || start != e->start) {
+        *changed = *changed || (e->pid != 0 && (pid != e->pid || start != e->start));
+        e->pid = pid;
+        e->start = start;
+        dp_jw_t *w = dp_log_begin(pid > 0 ? DP_LOG_INFO : DP_LOG_WARN, "engine_process");
+        if (w) {
+            dp_jw_str(w, "url", a->fw.url.hostport);
+            if (pid > 0) {
+                dp_jw_int(w, "pid", pid);
+                dp_jw_uint(w, "start_time", start);
+            } else {
+                dp_jw_null(w, "pid");
+                dp_jw_str(w, "detail",
+                          e->fixed ? "--engine-pid is gone or another process now"
+                                   : "the process listening on the port is not visible (another "
+                                     "PID namespace, or not the agent's uid)");
+            }
+            if (e->sock_ino)
+                dp_jw_uint(w, "socket_inode", e->sock_ino);
+            dp_log_end(w);
+        }
+    }
+    return true;
+}
+
+static bool streq_null(const char *x, const char *y)
+{
+    return x == NULL ? y == NULL : y != NULL && strcmp(x, y) == 0;
+}
+
+/* A read of the engine recognised it: sign what it reports instead of the flags, find the
+ * model it loaded, and hash that (off the loop) when it is another one than hashed. */
+static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
+{
+    attest_engine_merge(r, a->flag_quant, a->flag_dtype, &a->ident);
+    dp_buf_t why = {0};
+    attest_located_t l;
+    bool always_local = strcmp(r->source, "llamacpp") == 0; /* -m names a GGUF file */
+    attest_locate_t loc =
+        attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
+    char *target = NULL;
+    bool measured = false;
+    if (loc == ATTEST_LOC_FOUND) {
+        struct stat ds;
+        /* --model-dir must be the loaded model or a folder above it: anything else names files
+         * the engine is not serving. */
+        if (a->dir && (stat(a->dir, &ds) != 0 || !attest_located_under(&l, &ds)))
+            attest_report_add_contradiction(&a->ident, "model_dir", a->dir, r->model_path);
+        target = l.path;
+        l.path = NULL;
+        measured = true;
+    } else if (a->dir) {
+        target = dp_xstrdup(a->dir); /* a Hub id, or a path out of sight: the flag's folder */
+    }
+    attest_located_free(&l);
+    if (loc == ATTEST_LOC_NOT_LOCAL && target == NULL) {
+        dp_buf_reset(&why);
+        dp_buf_printf(&why,
+                      "the engine loaded %.200s, not a local path: give the agent --model-dir "
+                      "for a content hash",
+                      r->model_path ? r->model_path : "a model it does not name");
+    }
+    bool changed = !streq_null(target, a->target) || measured != a->target_measured;
+    free(a->engine_path);
+    a->engine_path = measured && r->model_path ? dp_xstrdup(r->model_path) : NULL;
+    if (target == NULL) {
+        /* The engine's model cannot be reached, and there is no --model-dir to repeat:
+         * nothing is hashed, and the checkpoint is not vouched for, with the reason. */
+        if (changed || a->state != ST_READY) {
+            retarget(a);
+            free(a->target);
+            a->target = NULL;
+            a->target_measured = false;
+            a->hex[0] = '\0';
+            attest_snapshot_free(&a->snap);
+            a->confirm = false;
+            set_not_ready(a, ST_READY, NULL);
+            log_kv(DP_LOG_WARN, "checkpoint_unattested", "model_path", r->model_path, "detail",
+                   why.base);
+        }
+        dp_buf_reset(&a->ckpt_why);
+        dp_buf_appends(&a->ckpt_why, why.base);
+        publish_checkpoint(a);
+        dp_buf_free(&why);
+        return;
+    }
+    dp_buf_free(&why);
+    dp_buf_reset(&a->ckpt_why);
+    if (changed) {
+        /* Another model than the one hashed: vouch for nothing until it is hashed. */
+        retarget(a);
+        free(a->target);
+        a->target = target;
+        a->target_measured = measured;
+        a->hex[0] = '\0';
+        attest_snapshot_free(&a->snap);
+        publish_checkpoint(a);
+        a->confirm = false;
+        dp_buf_t msg = {0};
+        if (measured)
+            dp_buf_printf(&msg, "hashing %.200s, the model the engine loaded",
+                          r->model_path ? r->model_path : target);
+        else
+            dp_buf_appends(&msg, "hashing the model directory");
+        set_not_ready(a, ST_HASHING, msg.base);
+        dp_buf_free(&msg);
+        kick(a);
+        return;
+    }
+    free(target);
+    publish_checkpoint(a); /* a note from an earlier read no longer applies */
+    if (new_engine && a->hex[0]) {
+        /* A new process loaded the same path: a listing shows whether the files are the ones
+         * hashed (cheap), instead of reading gigabytes again. */
+        retarget(a);
+        a->confirm = true;
+        set_not_ready(a, ST_MEASURING, "checking the model files of the new engine process");
+        kick(a);
+    } else if (a->state == ST_MEASURING && !a->confirm) {
+        if (a->hex[0]) {
+            set_not_ready(a, ST_READY, NULL);
+        } else {
+            set_not_ready(a, ST_HASHING, "hashing the model directory");
+            kick(a);
+        }
+    }
 }
 
 /* ---- framework name and version from --framework-url ------------------------------------ */
@@ -534,6 +903,13 @@ static void fw_checked(attest_outcome_t *out, void *data)
     const attest_report_t *r = &out->report;
     if (out->verdict == ATTEST_V_REPORTED && r->framework_name && r->framework_version) {
         f->running = false;
+        bool new_engine = false;
+        if (!eng_identify(a, &new_engine)) {
+            /* Another process took the port while this read ran: it may have read the old
+             * one. Read the one there now. */
+            fw_refresh(a);
+            return;
+        }
         dp_buf_reset(&f->unreachable);
         fw_set(a, r->framework_name, r->framework_version, NULL);
         det_from_adapter(a, r);
@@ -542,6 +918,7 @@ static void fw_checked(attest_outcome_t *out, void *data)
         else
             attest_report_set_unattested(&a->ident, ATTEST_F_ENGINE_FINGERPRINT,
                                          r->unattested_note[ATTEST_F_ENGINE_FINGERPRINT]);
+        measure(a, r, new_engine);
         fw_schedule(a, true);
         return;
     }
@@ -565,6 +942,21 @@ static void fw_checked(attest_outcome_t *out, void *data)
                   f->last_error.base);
     fw_set(a, NULL, NULL, msg.base);
     dp_buf_free(&msg);
+    /* Nothing to measure: the flags are all there is (repeated). Before any read recognised
+     * the engine, --model-dir is hashed as declared; after one did, the model hashed then is
+     * kept (the files are still watched) but not vouched for: what this engine runs now is
+     * unknown. */
+    attest_report_t none = {0};
+    bool new_engine = false;
+    eng_identify(a, &new_engine);
+    if (a->target_measured) {
+        attest_engine_merge(&none, a->flag_quant, a->flag_dtype, &a->ident);
+        dp_buf_reset(&a->ckpt_why);
+        dp_buf_printf(&a->ckpt_why, "the engine at %s was not recognised", f->url.hostport);
+        publish_checkpoint(a);
+    } else {
+        measure(a, &none, new_engine);
+    }
     fw_schedule(a, false);
 }
 
@@ -590,6 +982,7 @@ static void fw_refresh(agent_t *a)
         return;
     f->running = true;
     f->started_ms = uv_now(&a->loop);
+    a->eng.read_ino = a->eng.local ? eng_listener(a) : -1;
     dp_buf_reset(&f->last_error);
     f->adapter = 0;
     fw_check(a);
@@ -617,16 +1010,8 @@ static void answer_attestation(agent_t *a, net_req_t *req)
                        "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
         return;
     }
-    if (a->state != ST_READY) {
-        dp_buf_t msg = {0};
-        uint64_t secs = (dp_wall_ms() - a->state_since_ms) / 1000;
-        dp_buf_printf(&msg, "%s (for %llus)", a->why_not_ready ? a->why_not_ready : "not ready",
-                      (unsigned long long)secs);
-        net_resp_error(req, 503, "server_error", a->state == ST_HASHING ? "hashing" : "hash_failed",
-                       NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
-        dp_buf_free(&msg);
-        return;
-    }
+    /* An engine that is another process than the one measured is measured again first. */
+    eng_check(a);
     /* Each attestation also starts a fresh framework read (at most every FW_ON_DEMAND_MS), so
      * the proxy's next check sees an engine that died since the last one, instead of waiting
      * for --framework-refresh-ms. This answer carries the previous read. */
@@ -637,6 +1022,19 @@ static void answer_attestation(agent_t *a, net_req_t *req)
          * agent's job, not an identity mismatch for the proxy to guess at. */
         net_resp_error(req, 503, "server_error", "framework_unreachable", NULL,
                        a->fw.unreachable.base, no_store, DP_ARRAY_SIZE(no_store));
+        return;
+    }
+    if (a->state != ST_READY) {
+        dp_buf_t msg = {0};
+        uint64_t secs = (dp_wall_ms() - a->state_since_ms) / 1000;
+        dp_buf_printf(&msg, "%s (for %llus)", a->why_not_ready ? a->why_not_ready : "not ready",
+                      (unsigned long long)secs);
+        net_resp_error(req, 503, "server_error",
+                       a->state == ST_HASHING     ? "hashing"
+                       : a->state == ST_MEASURING ? "measuring"
+                                                  : "hash_failed",
+                       NULL, msg.base, no_store, DP_ARRAY_SIZE(no_store));
+        dp_buf_free(&msg);
         return;
     }
     char *nonce = dp_xstrndup(nv.base, nv.len);
@@ -704,7 +1102,8 @@ static void agent_stop(agent_t *a, const char *why)
     if (a->stopping)
         return;
     a->stopping = true;
-    atomic_store(&a->cancel, 1); /* a running hash stops at its next read */
+    if (a->job)
+        atomic_store(&a->job->cancel, 1); /* a running hash stops at its next read */
     log_kv(DP_LOG_INFO, "stopping", "reason", why, NULL, NULL);
     probe_cancel(a->fw.probe);
     a->fw.probe = NULL;
@@ -736,7 +1135,7 @@ typedef struct {
     const char *listen, *dir, *model, *quant, *dtype;
     const char *fw_name, *fw_version, *fw_url, *fw_key_file, *key_path;
     const char *tls_cert, *tls_key, *oms_bundle, *oms_pubkey;
-    const char *det_mode, *det_pid, *det_process;
+    const char *det_mode, *det_pid, *det_process, *engine_pid;
     uint64_t watch_ms, refresh_ms;
     int log_level; /* -1: not given */
 } serve_opts_t;
@@ -762,8 +1161,9 @@ static const dp_arg_t serve_table[] = {
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, dir),
      .meta = "DIR",
-     .help = "the model directory the replica serves from",
-     .flags = DP_ARG_REQUIRED},
+     .help = "the model directory (or file) the replica serves from; with\n"
+             "--framework-url the model the engine reports is hashed instead,\n"
+             "and DIR must be it or a folder above it"},
     {.name = "--model",
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, model),
@@ -774,12 +1174,14 @@ static const dp_arg_t serve_table[] = {
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, quant),
      .meta = "Q",
-     .help = "reported as given; omitted = not reported (unattested)"},
+     .help = "reported as given, unless --framework-url's engine reports\n"
+             "its own (then a differing flag is a contradiction);\n"
+             "omitted = not reported (unattested)"},
     {.name = "--dtype",
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, dtype),
      .meta = "D",
-     .help = "reported as given; omitted = not reported (unattested)"},
+     .help = "the same for the dtype"},
     {.name = "--framework",
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, fw_name),
@@ -794,8 +1196,16 @@ static const dp_arg_t serve_table[] = {
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, fw_url),
      .meta = "URL",
-     .help = "read name and version from the co-located server instead\n"
-             "(its own metadata endpoints), re-read every refresh"},
+     .help = "measure the co-located server: name, version, quantization,\n"
+             "dtype and the model it loaded from its own metadata endpoints\n"
+             "(re-read every refresh, and at once when another process\n"
+             "listens there), and hash that model"},
+    {.name = "--engine-pid",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, engine_pid),
+     .meta = "PID",
+     .help = "the --framework-url server's pid (default: the process\n"
+             "listening on its port, found through /proc)"},
     {.name = "--framework-api-key-file",
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, fw_key_file),
@@ -879,10 +1289,10 @@ static const dp_arg_t serve_table[] = {
 
 static const dp_args_t serve_spec = {
     .prog = "detproxy attest serve",
-    .usage = "detproxy attest serve --listen ADDR --model-dir DIR --model NAME\n"
+    .usage = "detproxy attest serve --listen ADDR [--model-dir DIR] --model NAME\n"
              "           [--quantization Q] [--dtype D]\n"
-             "           (--framework NAME --framework-version V | --framework-url URL "
-             "[--framework NAME])\n"
+             "           (--framework NAME --framework-version V --model-dir DIR |\n"
+             "            --framework-url URL [--framework NAME] [--engine-pid PID])\n"
              "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
              "           [--framework-refresh-ms N] [--log-level L]\n"
              "           [--oms-bundle FILE --oms-pubkey PEM] [--tls-cert F --tls-key F]\n"
@@ -893,7 +1303,9 @@ static const dp_args_t serve_spec = {
         "the event loop) and whenever a file's size, mtime, ctime or inode changes, and answers\n"
         "GET /attestation?nonce=N with a DSSE envelope signed by KEY.pem (Ed25519, from\n"
         "`detproxy attest keygen`). While hashing, or after a change until the new hash is\n"
-        "ready, it answers 503 and vouches for nothing.",
+        "ready, it answers 503 and vouches for nothing. With --framework-url it measures:\n"
+        "the engine's own report and the model it loaded are signed, not the flags, and a\n"
+        "flag the engine contradicts is listed so that the proxy rejects the replica.",
     .opts = serve_table,
     .nopts = DP_ARRAY_SIZE(serve_table),
     .epilog = "Exit codes: 0 stopped by SIGTERM/SIGINT, 2 usage error, 3 runtime failure.",
@@ -927,6 +1339,21 @@ static int parse_determinism(const char *mode, const char *pid, const char *proc
     if (process && (process[0] == '\0' || strchr(process, '/')))
         return dp_args_usage_error(
             &serve_spec, "--determinism-process %s: expected a command name without '/'", process);
+    return 0;
+}
+
+static int parse_engine_pid(const char *pid, const char *fw_url, pid_t *out)
+{
+    if (pid == NULL)
+        return 0;
+    if (fw_url == NULL)
+        return dp_args_usage_error(&serve_spec, "--engine-pid needs --framework-url");
+    char *end;
+    errno = 0;
+    long v = strtol(pid, &end, 10);
+    if (errno || *end || end == pid || v <= 0 || v > 0x3fffffff)
+        return dp_args_usage_error(&serve_spec, "--engine-pid %s: expected a process id", pid);
+    *out = (pid_t)v;
     return 0;
 }
 
@@ -975,6 +1402,10 @@ int agent_cmd_serve(int argc, char **argv)
     if (fw_url == NULL && (fw_name == NULL || fw_version == NULL))
         return dp_args_usage_error(&serve_spec,
                                    "give --framework and --framework-version, or --framework-url");
+    if (fw_url == NULL && dir == NULL)
+        return dp_args_usage_error(&serve_spec,
+                                   "--model-dir is required without --framework-url (with it, "
+                                   "the model the engine reports is hashed)");
     if (fw_url && fw_version)
         return dp_args_usage_error(&serve_spec,
                                    "--framework-version and --framework-url exclude each other");
@@ -984,8 +1415,9 @@ int agent_cmd_serve(int argc, char **argv)
                                    "--framework %s: with --framework-url it must be vllm, tgi, "
                                    "sglang or llamacpp",
                                    fw_name);
-    pid_t det_pidv = 0;
-    if (parse_determinism(det_mode, o.det_pid, det_process, &det_pidv) != 0)
+    pid_t det_pidv = 0, engine_pidv = 0;
+    if (parse_determinism(det_mode, o.det_pid, det_process, &det_pidv) != 0 ||
+        parse_engine_pid(o.engine_pid, fw_url, &engine_pidv) != 0)
         return DP_EXIT_USAGE;
     if ((tls_cert == NULL) != (tls_key == NULL))
         return dp_args_usage_error(&serve_spec, "--tls-cert and --tls-key go together");
@@ -1001,7 +1433,14 @@ int agent_cmd_serve(int argc, char **argv)
     agent_t *a = dp_xcalloc(1, sizeof(*a));
     dp_buf_t err = {0};
     bool loop_up = false;
-    a->dir = dp_xstrdup(dir);
+    a->dir = dir ? dp_xstrdup(dir) : NULL;
+    /* Without --framework-url the flags are all there is: --model-dir is hashed. With it, the
+     * first read of the engine says what to hash. */
+    a->target = fw_url ? NULL : dp_xstrdup(dir);
+    a->flag_quant = o.quant ? dp_xstrdup(o.quant) : NULL;
+    a->flag_dtype = o.dtype ? dp_xstrdup(o.dtype) : NULL;
+    a->eng.fixed = engine_pidv;
+    a->eng.loaded_last = -100;
     a->watch_ms = (uint32_t)o.watch_ms;
     a->fw_refresh_ms = (uint32_t)o.refresh_ms;
     snprintf(a->ident.source, sizeof(a->ident.source), "agent");
@@ -1010,7 +1449,10 @@ int agent_cmd_serve(int argc, char **argv)
     attest_report_set(&a->ident, ATTEST_F_DTYPE, o.dtype);
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_NAME, fw_url ? NULL : fw_name);
     attest_report_set(&a->ident, ATTEST_F_FRAMEWORK_VERSION, fw_version);
-    set_not_ready(a, ST_HASHING, "hashing the model directory");
+    if (fw_url)
+        set_not_ready(a, ST_MEASURING, "reading the engine at --framework-url");
+    else
+        set_not_ready(a, ST_HASHING, "hashing the model directory");
     if (det_mode) {
         a->det = (attest_det_opts_t){.proc = "/proc",
                                      .pid = det_pidv,
@@ -1123,6 +1565,8 @@ int agent_cmd_serve(int argc, char **argv)
                                   .max_idle = 1,
                                   .write_high_water = 65536};
         a->fw.up = net_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);
+        a->eng.addr = ss;
+        a->eng.local = attest_addr_is_local((struct sockaddr *)&ss);
     }
 
     uv_signal_init(&a->loop, &a->sigterm);
@@ -1157,7 +1601,7 @@ int agent_cmd_serve(int argc, char **argv)
         dp_log_end(w);
         dp_buf_free(&hp);
     }
-    start_job(a, true);
+    start_job(a, true); /* --model-dir (without --framework-url; with it, measure() starts it) */
     uv_run(&a->loop, UV_RUN_DEFAULT);
     log_kv(DP_LOG_INFO, "stopped", NULL, NULL, NULL, NULL);
     rc = DP_EXIT_OK;
@@ -1176,10 +1620,16 @@ out:
     oms_trust_free(&a->oms_trust);
     free(a->oms_bundle);
     dp_buf_free(&a->det_why);
+    dp_buf_free(&a->ckpt_why);
+    dp_buf_free(&a->loaded_why);
     attest_report_clear(&a->ident);
     attest_key_free(a->key);
     free(a->why_not_ready);
     free(a->dir);
+    free(a->target);
+    free(a->engine_path);
+    free(a->flag_quant);
+    free(a->flag_dtype);
     free(a);
     free(addr.host);
     dp_buf_free(&err);

@@ -74,6 +74,13 @@ static void note(attest_report_t *r, attest_field_t f, const char *fmt, ...)
     attest_report_set_unattested(r, f, tmp);
 }
 
+/* What the engine says it loaded (report.h, model_path): kept beside the identity, not in it. */
+static void set_model_path(attest_report_t *out, const char *path)
+{
+    free(out->model_path);
+    out->model_path = path && path[0] ? dp_xstrdup(path) : NULL;
+}
+
 static void begin(attest_report_t *out, const char *name)
 {
     attest_report_clear(out);
@@ -125,6 +132,7 @@ static int parse_vllm(const dp_iovec_t *bodies, size_t nbodies, attest_report_t 
         goto out;
     }
     attest_report_set(out, ATTEST_F_MODEL, str_member(base, "id"));
+    set_model_path(out, str_member(base, "root"));
     const char *owner = str_member(base, "owned_by");
     if (owner)
         attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, owner);
@@ -170,6 +178,7 @@ static int parse_tgi(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *
         goto out;
     }
     const char *model = NULL, *dtype = NULL, *version = NULL, *router = NULL;
+    const char *quant = str_member(info, "quantize"); /* not in released /info shapes */
     if (typed_str("tgi", "/info", info, "model_id", &model, why) != 0 ||
         typed_str("tgi", "/info", info, "model_dtype", &dtype, why) != 0 ||
         typed_str("tgi", "/info", info, "version", &version, why) != 0 ||
@@ -180,6 +189,7 @@ static int parse_tgi(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *
         goto out;
     }
     attest_report_set(out, ATTEST_F_MODEL, model);
+    set_model_path(out, model); /* --model-id: a Hub id, or the local folder it loaded */
 
     /* Name: the router says which server this is; before the router field existed, the /info
      * shape (model_id + version + max_concurrent_requests) is TGI's own. */
@@ -208,7 +218,11 @@ static int parse_tgi(const dp_iovec_t *bodies, size_t nbodies, attest_report_t *
     }
     note(out, ATTEST_F_CHECKPOINT,
          "tgi reports only model_sha, the Hub revision, not a content hash: run the agent");
-    note(out, ATTEST_F_QUANTIZATION, "tgi adapter does not report it (--quantize is not in /info)");
+    if (quant)
+        attest_report_set(out, ATTEST_F_QUANTIZATION, quant); /* a build whose /info has it */
+    else
+        note(out, ATTEST_F_QUANTIZATION,
+             "tgi adapter does not report it (--quantize is not in /info)");
     rc = 0;
 out:
     cJSON_Delete(info);
@@ -247,6 +261,7 @@ static int parse_sglang(const dp_iovec_t *bodies, size_t nbodies, attest_report_
         goto out;
     }
     attest_report_set(out, ATTEST_F_MODEL, served ? served : path);
+    set_model_path(out, path);
     if (version) {
         attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, "sglang");
         attest_report_set(out, ATTEST_F_FRAMEWORK_VERSION, version);
@@ -313,6 +328,7 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
     if (typed_str("llamacpp", "/props", props, "build_info", &build, why) != 0 ||
         typed_str("llamacpp", "/props", props, "model_ftype", &ftype, why) != 0)
         goto out;
+    set_model_path(out, str_member(props, "model_path")); /* the GGUF file -m named */
     if (build) {
         attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, "llamacpp");
         attest_report_set(out, ATTEST_F_FRAMEWORK_VERSION, build);

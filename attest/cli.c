@@ -74,7 +74,8 @@ static const dp_arg_t hash_table[] = {
     {.name = "--list",
      .kind = DP_ARG_FLAG,
      .off = offsetof(hash_opts_t, list),
-     .help = "print the per-file lines instead (pipe them to sha256sum for the hash)"},
+     .help = "print the per-file lines instead (pipe them to sha256sum for the hash;\n"
+             "for a FILE: its sha256sum line)"},
     {.name = "--progress",
      .kind = DP_ARG_FLAG,
      .off = offsetof(hash_opts_t, progress),
@@ -87,16 +88,18 @@ static const dp_arg_t hash_table[] = {
 
 static const dp_args_t hash_spec = {
     .prog = "detproxy attest hash",
-    .usage = "detproxy attest hash [--list] [--progress | --no-progress] DIR",
+    .usage = "detproxy attest hash [--list] [--progress | --no-progress] DIR|FILE",
     .about =
         "Print the checkpoint hash of the model directory DIR (docs/attestation.md §1): SHA-256\n"
         "over one line \"<sha256>  <path>\\n\" per regular file (symlinks followed, dot-names\n"
         "skipped, sorted bytewise). Reproduce it with coreutils:\n"
         "  cd DIR && find -L . -type f ! -path '*/.*' -printf '%P\\n' | LC_ALL=C sort \\\n"
-        "    | xargs -d '\\n' sha256sum | sha256sum",
+        "    | xargs -d '\\n' sha256sum | sha256sum\n"
+        "A model that is one FILE (a GGUF) hashes to the SHA-256 of its bytes: what\n"
+        "`sha256sum FILE` prints and Hugging Face shows for the file.",
     .opts = hash_table,
     .nopts = DP_ARRAY_SIZE(hash_table),
-    .epilog = "Exit codes: 0 ok, 2 usage error, 3 the directory could not be hashed.",
+    .epilog = "Exit codes: 0 ok, 2 usage error, 3 the directory or file could not be hashed.",
     .positional = true,
     .pos_off = offsetof(hash_opts_t, dir),
 };
@@ -109,14 +112,23 @@ static int cmd_hash(int argc, char **argv)
     if (r != 0)
         return dp_args_exit(r);
     if (o.dir.n != 1)
-        return dp_args_usage_error(&hash_spec, "expected one directory");
+        return dp_args_usage_error(&hash_spec, "expected one directory or file");
     progress_t pr = {.force = o.progress, .never = o.no_progress};
     pr.tty = isatty(2);
     pr.start_ns = pr.last_ns = dp_now_ns();
     attest_hash_opts_t ho = {.progress = hash_progress_cb, .progress_data = &pr};
     char hex[65];
     dp_buf_t lines = {0}, err = {0};
-    int rc = attest_hash_dir(o.dir.items[0], &ho, hex, NULL, o.list ? &lines : NULL, &err);
+    const char *target = o.dir.items[0];
+    struct stat st;
+    int rc;
+    if (stat(target, &st) == 0 && S_ISREG(st.st_mode)) {
+        rc = attest_hash_path(target, &ho, hex, NULL, NULL, &err);
+        if (rc == 0 && o.list) /* the line sha256sum prints */
+            dp_buf_printf(&lines, "%s  %s\n", hex, target);
+    } else {
+        rc = attest_hash_dir(target, &ho, hex, NULL, o.list ? &lines : NULL, &err);
+    }
     if (rc != 0) {
         if (pr.shown && pr.tty)
             fputc('\n', stderr);
@@ -228,11 +240,13 @@ static const dp_args_t verify_spec = {
         "trusted public keys, the payload's shape, and with --nonce that it answers that nonce.\n"
         "With --manifest, also check the attested identity against the pinned manifest\n"
         "(docs/configuration.md, \"Manifest\"; the canary is behavioural and cannot be checked\n"
-        "offline). FILE may be - for stdin.",
+        "offline). A payload listing contradictions (a flag of the agent that its engine\n"
+        "contradicts, docs/attestation.md §4) fails as the proxy rejects it. FILE may be - for\n"
+        "stdin.",
     .opts = verify_table,
     .nopts = DP_ARRAY_SIZE(verify_table),
-    .epilog = "Exit codes: 0 verified (and matched), 1 verification or manifest match failed,\n"
-              "2 usage error, 3 a file could not be read or parsed.",
+    .epilog = "Exit codes: 0 verified (and matched), 1 verification or manifest match failed or\n"
+              "a contradiction is listed, 2 usage error, 3 a file could not be read or parsed.",
 };
 
 static int read_input(const char *path, size_t max, dp_buf_t *out)
@@ -304,7 +318,9 @@ static int cmd_verify(int argc, char **argv)
 
     attest_verify_opts_t vo = {.trusted = &ks, .require_signature = true, .expected_nonce = nonce};
     bool verified = attest_envelope_verify(env.base ? env.base : "", env.len, &vo, &rep, &why) == 0;
-    int nmis = verified && m ? attest_manifest_match(m, &rep, &mism) : 0;
+    /* The proxy's judgement, the signature aside (checked above): contradictions, then the
+     * manifest. */
+    int nmis = verified ? attest_admit(m, &rep, false, &mism) : 0;
     rc = verified && nmis == 0 ? DP_EXIT_OK : DP_EXIT_FAILED;
 
     if (o.json) {
@@ -347,6 +363,14 @@ static int cmd_verify(int argc, char **argv)
                     rep.unattested_note[ATTEST_F_FRAMEWORK_NAME]);
         print_field("framework.version", rep.framework_version,
                     rep.unattested_note[ATTEST_F_FRAMEWORK_VERSION]);
+        if (rep.model_path)
+            printf("  %-18s %s\n", "model_path", rep.model_path);
+        for (size_t i = 0; i < rep.ncontradictions; i++)
+            printf("  %-18s %s %s, the engine %s\n", "CONTRADICTION",
+                   attest_contradiction_flag(rep.contradictions[i].field)
+                       ? attest_contradiction_flag(rep.contradictions[i].field)
+                       : rep.contradictions[i].field,
+                   rep.contradictions[i].flag, rep.contradictions[i].engine);
         printf("  %-18s %s%s\n", "nonce", rep.nonce, nonce ? " (matches --nonce)" : "");
         printf("  %-18s %s\n", "issued_at", rep.issued_at);
         if (m) {
@@ -382,7 +406,7 @@ static const char attest_usage[] =
     "usage: detproxy attest <command> [options]\n"
     "\n"
     "commands:\n"
-    "  hash DIR                 print the checkpoint hash of a model directory\n"
+    "  hash DIR|FILE            print the checkpoint hash of a model directory or file\n"
     "  keygen --out PREFIX      write an Ed25519 key pair PREFIX.key.pem, PREFIX.pub.pem\n"
     "  oms verify --model-dir DIR --bundle FILE (--pubkey PEM | --ca-file PEM)\n"
     "                           verify an OpenSSF Model Signing bundle against a directory\n"

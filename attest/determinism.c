@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attest/engine.h"
 #include "common/util.h"
 
 #define VAR "VLLM_BATCH_INVARIANT"
@@ -146,25 +147,10 @@ static int check_pid(const char *proc, pid_t pid, dp_buf_t *scratch, dp_buf_t *w
     return 1;
 }
 
-/* Field 22 of /proc/PID/stat (after the parenthesised command, which may hold anything): the
- * process's start time, 0 when unreadable. */
-static unsigned long long start_time(const char *proc, pid_t pid, dp_buf_t *scratch)
-{
-    char path[512];
-    snprintf(path, sizeof(path), "%s/%d/stat", proc, (int)pid);
-    if (read_small(path, 4096, scratch) != 0 || scratch->len == 0)
-        return 0;
-    dp_buf_appendc(scratch, '\0');
-    const char *p = strrchr(scratch->base, ')');
-    for (int field = 2; p && field < 22; field++) /* p at the space before field + 1 */
-        p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
-}
-
 /* An explicit pid is the process checked first: 0, or -1 with *why when the kernel reused it. */
-static int same_process(attest_det_opts_t *o, dp_buf_t *scratch, dp_buf_t *why)
+static int same_process(attest_det_opts_t *o, dp_buf_t *why)
 {
-    unsigned long long st = start_time(o->proc, o->pid, scratch);
+    unsigned long long st = attest_proc_start_time(o->proc, o->pid);
     if (st == 0)
         return 0; /* gone or unreadable: the environ read says which */
     if (o->pid_start == 0)
@@ -210,7 +196,7 @@ int attest_vllm_batch_invariant(attest_det_opts_t *o, dp_buf_t *why)
     int n = 1, rc;
     if (o->pid > 0) {
         pids[0] = o->pid;
-        if (same_process(o, &scratch, why) != 0) {
+        if (same_process(o, why) != 0) {
             rc = -1;
             goto out;
         }

@@ -115,6 +115,19 @@ bool attest_snapshot_differs(const attest_snapshot_t *a, const attest_snapshot_t
 int attest_hash_dir(const char *dir, const attest_hash_opts_t *opts, char out_hex[65],
                     attest_snapshot_t *snap_out, dp_buf_t *lines, dp_buf_t *err);
 
+/* A model that is one file (a GGUF) or a folder. For a regular file (symlinks followed) the
+ * hash is the SHA-256 of its bytes, what `sha256sum FILE` prints and Hugging Face shows for the
+ * file (docs/attestation.md §1), and the snapshot has one entry (relpath: the file's name), so
+ * attest_snapshot_differs tells when it changes; for a directory, attest_hash_dir (no per-file
+ * lines). The file is checked as a folder's files are (same inode, size, mtime and ctime from
+ * before its read to after, and the path still naming it), and settled_ns applies. *is_file
+ * (may be NULL) says which it was. */
+int attest_hash_path(const char *path, const attest_hash_opts_t *opts, char out_hex[65],
+                     attest_snapshot_t *snap_out, bool *is_file, dp_buf_t *err);
+/* The listing attest_hash_path compares against: one entry for a file, the folder's otherwise. */
+int attest_snapshot_take_path(const char *path, attest_snapshot_t *out, bool *is_file,
+                              dp_buf_t *err);
+
 /* Hash one already-listed snapshot's files against DIR (the second half of attest_hash_dir). */
 int attest_hash_snapshot(const char *dir, const attest_snapshot_t *snap,
                          const attest_hash_opts_t *opts, char out_hex[65], dp_buf_t *lines,

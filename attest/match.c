@@ -75,10 +75,13 @@ static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t
     return 1;
 }
 
-/* llama.cpp names GGUF file types in capitals ("Q8_0"); manifests may write "q8_0". */
+/* llama.cpp names GGUF file types in capitals ("Q8_0"); manifests may write "q8_0". That holds
+ * for its own adapter and for an agent that measured a llama.cpp engine. */
 static bool quant_caseless(const attest_report_t *r)
 {
-    return strcmp(r->source, "llamacpp") == 0;
+    return strcmp(r->source, "llamacpp") == 0 ||
+           (strcmp(r->source, "agent") == 0 && (r->measured & (1u << ATTEST_F_QUANTIZATION)) &&
+            r->framework_name && strcmp(r->framework_name, "llamacpp") == 0);
 }
 
 /* One identity, its accept list ignored. */
@@ -162,6 +165,30 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
     return n;
 }
 
+/* A flag the engine contradicts is a replica that is not what its operator says, whatever the
+ * manifest pins (docs/attestation.md §4): one reason per contradiction, naming both values. */
+static int contradictions(const attest_report_t *r, attest_reasons_t *out)
+{
+    dp_buf_t flag = {0}, engine = {0};
+    for (size_t i = 0; i < r->ncontradictions; i++) {
+        const attest_contradiction_t *c = &r->contradictions[i];
+        const char *name = attest_contradiction_flag(c->field);
+        dp_buf_reset(&flag);
+        dp_buf_reset(&engine);
+        attest_abbrev_note(c->flag, &flag);
+        attest_abbrev_note(c->engine, &engine);
+        if (name)
+            attest_reasons_add(out, "agent: %s %s contradicts the engine's %s", name, flag.base,
+                               engine.base);
+        else
+            attest_reasons_add(out, "agent: %.32s %s contradicts the engine's %s", c->field,
+                               flag.base, engine.base);
+    }
+    dp_buf_free(&flag);
+    dp_buf_free(&engine);
+    return (int)r->ncontradictions;
+}
+
 int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require_signature,
                  attest_reasons_t *out)
 {
@@ -174,6 +201,7 @@ int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require
         dp_buf_free(&who);
         n++;
     }
+    n += contradictions(r, out);
     return n + attest_manifest_match(m, r, out);
 }
 

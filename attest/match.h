@@ -28,10 +28,12 @@ const cfg_manifest_t *attest_manifest_identity(const cfg_manifest_t *m, const at
 /* The value a manifest pins for field f, or NULL when it pins nothing there (or m is NULL). */
 const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f);
 
-/* The whole admission check for one attestation: the signature policy, then the manifest.
- * With require_signature an unsigned report is rejected ("unsigned attestation (vllm adapter)
- * but attestation.require_signature is true"). Returns 0 when admitted, else the number of
- * reasons appended. */
+/* The whole admission check for one attestation: the signature policy, the agent's
+ * contradictions, then the manifest. With require_signature an unsigned report is rejected
+ * ("unsigned attestation (vllm adapter) but attestation.require_signature is true"); a report
+ * carrying contradictions is rejected whatever the manifest pins, one reason each ("agent:
+ * --quantization F16 contradicts the engine's Q8_0"). Returns 0 when admitted, else the number
+ * of reasons appended. */
 int attest_admit(const cfg_manifest_t *m, const attest_report_t *r, bool require_signature,
                  attest_reasons_t *out);
 

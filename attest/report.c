@@ -65,6 +65,43 @@ void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const ch
     r->unattested_note[f] = note ? dp_xstrdup(note) : NULL;
 }
 
+void attest_report_add_contradiction(attest_report_t *r, const char *field, const char *flag,
+                                     const char *engine)
+{
+    r->contradictions =
+        dp_xrealloc(r->contradictions, (r->ncontradictions + 1) * sizeof(*r->contradictions));
+    attest_contradiction_t *c = &r->contradictions[r->ncontradictions++];
+    c->field = dp_xstrdup(field ? field : "");
+    c->flag = dp_xstrdup(flag ? flag : "");
+    c->engine = dp_xstrdup(engine ? engine : "");
+}
+
+void attest_report_clear_contradictions(attest_report_t *r)
+{
+    for (size_t i = 0; i < r->ncontradictions; i++) {
+        free(r->contradictions[i].field);
+        free(r->contradictions[i].flag);
+        free(r->contradictions[i].engine);
+    }
+    free(r->contradictions);
+    r->contradictions = NULL;
+    r->ncontradictions = 0;
+}
+
+const char *attest_contradiction_flag(const char *field)
+{
+    static const struct {
+        const char *field, *flag;
+    } flags[] = {{"quantization", "--quantization"},
+                 {"dtype", "--dtype"},
+                 {"model_dir", "--model-dir"},
+                 {"model", "--model"}};
+    for (size_t i = 0; field && i < DP_ARRAY_SIZE(flags); i++)
+        if (strcmp(field, flags[i].field) == 0)
+            return flags[i].flag;
+    return NULL;
+}
+
 void attest_report_clear(attest_report_t *r)
 {
     for (int f = 0; f < ATTEST_F__COUNT; f++) {
@@ -76,6 +113,8 @@ void attest_report_clear(attest_report_t *r)
         r->unattested_note[f] = NULL;
     }
     free(r->engine_hardware);
+    free(r->model_path);
+    attest_report_clear_contradictions(r);
     free(r->nonce);
     free(r->issued_at);
     memset(r, 0, sizeof(*r));
@@ -96,6 +135,11 @@ void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
     }
     dst->engine_hardware = dup_or_null(src->engine_hardware);
     dst->engine_tp = src->engine_tp;
+    dst->model_path = dup_or_null(src->model_path);
+    dst->measured = src->measured;
+    for (size_t i = 0; i < src->ncontradictions; i++)
+        attest_report_add_contradiction(dst, src->contradictions[i].field,
+                                        src->contradictions[i].flag, src->contradictions[i].engine);
     dst->nonce = dup_or_null(src->nonce);
     dst->issued_at = dup_or_null(src->issued_at);
     dst->is_signed = src->is_signed;
@@ -187,6 +231,146 @@ static int parse_determinism(const cJSON *root, attest_report_t *out, dp_buf_t *
     return 0;
 }
 
+static const char *str_of(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* ---- what a measuring agent adds (docs/attestation.md §4) ---------------------------------- */
+
+static void write_measured(const attest_report_t *r, dp_jw_t *w)
+{
+    if (r->measured == 0)
+        return;
+    dp_jw_arr_begin(w, "measured");
+    for (int f = 0; f < ATTEST_F__COUNT; f++)
+        if (r->measured & (1u << f))
+            dp_jw_str(w, NULL, attest_field_names[f]);
+    dp_jw_arr_end(w);
+}
+
+static void write_contradictions(const attest_report_t *r, dp_jw_t *w)
+{
+    if (r->ncontradictions == 0)
+        return;
+    dp_jw_arr_begin(w, "contradictions");
+    for (size_t i = 0; i < r->ncontradictions; i++) {
+        dp_jw_obj_begin(w, NULL);
+        dp_jw_str(w, "field", r->contradictions[i].field);
+        dp_jw_str(w, "flag", r->contradictions[i].flag);
+        dp_jw_str(w, "engine", r->contradictions[i].engine);
+        dp_jw_obj_end(w);
+    }
+    dp_jw_arr_end(w);
+}
+
+/* Why a null field is null, for the fields that have a note (determinism has its own object). */
+static void write_unattested_notes(const attest_report_t *r, dp_jw_t *w)
+{
+    bool any = false;
+    for (int f = 0; f < ATTEST_F__COUNT; f++) {
+        if (f == ATTEST_F_DETERMINISM || attest_report_get(r, (attest_field_t)f) != NULL ||
+            r->unattested_note[f] == NULL)
+            continue;
+        if (!any)
+            dp_jw_obj_begin(w, "unattested");
+        any = true;
+        dp_jw_str(w, attest_field_names[f], r->unattested_note[f]);
+    }
+    if (any)
+        dp_jw_obj_end(w);
+}
+
+static int field_by_name(const char *name)
+{
+    for (int f = 0; f < ATTEST_F__COUNT; f++)
+        if (strcmp(name, attest_field_names[f]) == 0)
+            return f;
+    return -1;
+}
+
+/* "model_path", "measured", "contradictions", "unattested": each optional; a wrong type rejects
+ * the payload, names this build does not know are ignored. */
+static int parse_measurement(const cJSON *root, attest_report_t *out, dp_buf_t *why)
+{
+    const cJSON *mp = cJSON_GetObjectItemCaseSensitive(root, "model_path");
+    if (mp && !cJSON_IsNull(mp)) {
+        if (!cJSON_IsString(mp)) {
+            if (why)
+                dp_buf_appends(why, "payload.model_path: expected a string");
+            return -1;
+        }
+        out->model_path = dp_xstrdup(mp->valuestring);
+    }
+    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(root, "measured"), *e;
+    if (ms && !cJSON_IsNull(ms)) {
+        if (!cJSON_IsArray(ms)) {
+            if (why)
+                dp_buf_appends(why, "payload.measured: expected an array of field names");
+            return -1;
+        }
+        cJSON_ArrayForEach(e, ms)
+        {
+            if (!cJSON_IsString(e)) {
+                if (why)
+                    dp_buf_appends(why, "payload.measured: expected an array of field names");
+                return -1;
+            }
+            int f = field_by_name(e->valuestring);
+            if (f >= 0)
+                out->measured |= 1u << f;
+        }
+    }
+    const cJSON *cs = cJSON_GetObjectItemCaseSensitive(root, "contradictions");
+    if (cs && !cJSON_IsNull(cs)) {
+        if (!cJSON_IsArray(cs)) {
+            if (why)
+                dp_buf_appends(why, "payload.contradictions: expected an array");
+            return -1;
+        }
+        size_t i = 0;
+        cJSON_ArrayForEach(e, cs)
+        {
+            const char *field = str_of(e, "field"), *flag = str_of(e, "flag"),
+                       *engine = str_of(e, "engine");
+            if (!cJSON_IsObject(e) || field == NULL || flag == NULL || engine == NULL) {
+                if (why)
+                    dp_buf_printf(why,
+                                  "payload.contradictions[%zu]: expected an object with string "
+                                  "field, flag and engine",
+                                  i);
+                return -1;
+            }
+            attest_report_add_contradiction(out, field, flag, engine);
+            i++;
+        }
+    }
+    const cJSON *un = cJSON_GetObjectItemCaseSensitive(root, "unattested");
+    if (un && !cJSON_IsNull(un)) {
+        if (!cJSON_IsObject(un)) {
+            if (why)
+                dp_buf_appends(why, "payload.unattested: expected an object of strings");
+            return -1;
+        }
+        cJSON_ArrayForEach(e, un)
+        {
+            if (!cJSON_IsString(e)) {
+                if (why)
+                    dp_buf_printf(why, "payload.unattested.%.64s: expected a string", e->string);
+                return -1;
+            }
+            int f = field_by_name(e->string);
+            /* A note explains a null; it never replaces a value the payload carries. */
+            if (f >= 0 && f != ATTEST_F_DETERMINISM && attest_report_get(out, f) == NULL) {
+                free(out->unattested_note[f]);
+                out->unattested_note[f] = dp_xstrdup(e->valuestring);
+            }
+        }
+    }
+    return 0;
+}
+
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
 {
     dp_jw_t w;
@@ -203,6 +387,11 @@ void attest_payload_build(const attest_report_t *r, dp_buf_t *out)
     if (r->engine_fingerprint)
         dp_jw_str(&w, "engine_fingerprint", r->engine_fingerprint);
     write_determinism(r, &w);
+    if (r->model_path)
+        dp_jw_str(&w, "model_path", r->model_path);
+    write_measured(r, &w);
+    write_contradictions(r, &w);
+    write_unattested_notes(r, &w);
     dp_jw_str(&w, "nonce", r->nonce);
     dp_jw_str(&w, "issued_at", r->issued_at);
     write_oms(r, &w);
@@ -279,7 +468,8 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
             dp_buf_appends(why, "payload.issued_at: missing");
         goto out;
     }
-    if (parse_oms(root, out, why) != 0 || parse_determinism(root, out, why) != 0)
+    if (parse_oms(root, out, why) != 0 || parse_determinism(root, out, why) != 0 ||
+        parse_measurement(root, out, why) != 0)
         goto out;
     snprintf(out->source, sizeof(out->source), "agent");
     rc = 0;
@@ -323,6 +513,10 @@ void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *
         dp_jw_null(w, "keyid");
     dp_jw_str(w, "source", r->source);
     write_oms(r, w);
+    if (r->model_path)
+        dp_jw_str(w, "model_path", r->model_path);
+    write_measured(r, w);
+    write_contradictions(r, w);
     dp_jw_obj_begin(w, "unattested");
     for (int f = 0; f < ATTEST_F__COUNT; f++)
         if (attest_report_get(r, (attest_field_t)f) == NULL)

@@ -32,6 +32,16 @@ typedef enum {
  * "engine_fingerprint", "determinism.mode" */
 extern const char *const attest_field_names[ATTEST_F__COUNT];
 
+/* A flag the agent was started with that the engine's own report contradicts
+ * (docs/attestation.md §4, "What the agent measures"): the engine's value is the one attested,
+ * and the proxy rejects the replica naming both. field is "quantization", "dtype" or
+ * "model_dir" (a newer agent may name others). Owned strings. */
+typedef struct {
+    char *field;
+    char *flag;   /* the flag's value */
+    char *engine; /* what the engine reports */
+} attest_contradiction_t;
+
 /* Owned strings throughout; zero-initialise, release with attest_report_clear. */
 typedef struct {
     char *model;
@@ -49,6 +59,14 @@ typedef struct {
     /* Why a NULL field above is not reported, e.g. "vllm adapter does not report it". NULL:
      * the default wording for the source is used. Indexed by attest_field_t. */
     char *unattested_note[ATTEST_F__COUNT];
+    /* What the engine reports having loaded: llama.cpp /props model_path, SGLang model_path,
+     * vLLM /v1/models root, TGI model_id (a local path or a Hub id). NULL when not reported. */
+    char *model_path;
+    /* Agent only: bit (1u << f) set for each field measured (read from the engine, or hashed
+     * from the files it loaded) rather than repeated from the agent's flags. */
+    unsigned measured;
+    attest_contradiction_t *contradictions;
+    size_t ncontradictions;
     char *nonce;     /* agent only: echoed from the request */
     char *issued_at; /* agent only: RFC 3339 UTC, "2026-11-29T17:30:46.123Z" */
     bool is_signed;  /* a trusted signature verified over this payload */
@@ -70,12 +88,23 @@ const char *attest_report_get(const attest_report_t *r, attest_field_t f);
 void attest_report_set(attest_report_t *r, attest_field_t f, const char *v);
 /* Mark field f unattested with a note (the value, if any, is cleared). */
 void attest_report_set_unattested(attest_report_t *r, attest_field_t f, const char *note);
+/* Append a contradiction (copies of the three strings). */
+void attest_report_add_contradiction(attest_report_t *r, const char *field, const char *flag,
+                                     const char *engine);
+/* Drop every contradiction. */
+void attest_report_clear_contradictions(attest_report_t *r);
+/* The agent flag a contradiction's field stands for: "--quantization", "--dtype",
+ * "--model-dir"; NULL for a field this build does not know. */
+const char *attest_contradiction_flag(const char *field);
 
 /* The payload JSON an agent signs:
  * {"model","checkpoint_sha256","quantization","dtype","framework":{"name","version"},
  *  "nonce","issued_at"}, plus "oms":{"verified","signer","root_digest"} when oms_reported, and
  * "determinism":{"mode": "batch_invariant" or null, "note": why not} when the agent checks it
- * (--determinism; docs/attestation.md §10).
+ * (--determinism; docs/attestation.md §10). An agent that measures its engine (--framework-url,
+ * docs/attestation.md §4) adds "model_path", "measured" (the names of the measured fields),
+ * "contradictions" ([{"field","flag","engine"}]) and "unattested" ({field: why it is null}),
+ * each only when it has something to say.
  * Unreported fields are written as null. Appends to out. */
 void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
 
@@ -83,14 +112,18 @@ void attest_payload_build(const attest_report_t *r, dp_buf_t *out);
  * to "agent", is_signed false; left empty on failure).
  * Strict about types, lenient about extra keys (a newer agent may add fields): the root must be
  * an object; the six identity fields may each be a string, null or absent (= not reported);
- * checkpoint_sha256 must be 64 lowercase hex; nonce and issued_at must be strings.
+ * checkpoint_sha256 must be 64 lowercase hex; nonce and issued_at must be strings; model_path a
+ * string, measured an array of strings (names this build does not know are ignored),
+ * contradictions an array of objects with string field, flag and engine, unattested an object
+ * of strings, when present.
  * Returns 0, or -1 with a reason such as "payload.dtype: expected a string" appended to *why. */
 int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_buf_t *why);
 
 /* Write the report as a JSON object (for /admin/replicas and `attest verify --json`):
  * {model, checkpoint_sha256, quantization, dtype, framework{name,version}, nonce, issued_at,
- *  signed, keyid, source, unattested{field: note}}, and oms{verified, signer, root_digest} when
- * reported. key is the member name or NULL. */
+ *  signed, keyid, source, unattested{field: note}}, oms{verified, signer, root_digest} when
+ * reported, and model_path, measured[], contradictions[] when there are any. key is the member
+ * name or NULL. */
 void attest_report_write_json(const attest_report_t *r, dp_jw_t *w, const char *key);
 
 /* ---- reasons --------------------------------------------------------------------------------

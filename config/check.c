@@ -62,6 +62,37 @@ static void print_summary(const cfg_t *cfg)
     putchar('\n');
 }
 
+/* A pool whose model nothing is known to measure: its replicas are attested by an agent, which
+ * measures its engine only when started with --framework-url (a flag of the agent, not of this
+ * config), and its manifest has no canary, the one check of what the engine actually runs
+ * (docs/attestation.md §4, §6). Native adapters read the engine's own report; a pool without a
+ * manifest pins nothing. One warning per pool, at its first agent source. */
+static size_t warn_unmeasured(const cfg_t *cfg)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        if (p->manifest == NULL || p->manifest->canary != NULL)
+            continue;
+        char at[96] = "";
+        for (size_t j = 0; j < p->nreplicas && at[0] == '\0'; j++)
+            if (p->replicas[j].attest.source == CFG_ATTEST_AGENT)
+                snprintf(at, sizeof(at), "pools[%zu].replicas[%zu].attest", i, j);
+        if (at[0] == '\0' && p->discovery && p->discovery->attest_source == CFG_ATTEST_AGENT)
+            snprintf(at, sizeof(at), "pools[%zu].discovery.attest", i);
+        if (at[0] == '\0')
+            continue;
+        fprintf(stderr,
+                "warning: %s: an agent measures its engine only when started with "
+                "--framework-url, which this config cannot show, and the manifest has no canary: "
+                "if the agent repeats its flags, nothing checks what the engine runs (add "
+                "manifest.canary; docs/attestation.md §4)\n",
+                at);
+        n++;
+    }
+    return n;
+}
+
 int cfg_cmd_check(int argc, char **argv)
 {
     check_opts_t o = {0};
@@ -78,9 +109,9 @@ int cfg_cmd_check(int argc, char **argv)
         fprintf(stderr, "error: %s\n", errs.items[i]);
     for (size_t i = 0; i < errs.nwarnings; i++)
         fprintf(stderr, "warning: %s\n", errs.warnings[i]);
-    if (strict && rc == 0 && errs.nwarnings > 0) {
-        fprintf(stderr, "error: --strict: %zu %s\n", errs.nwarnings,
-                plural(errs.nwarnings, "warning", "warnings"));
+    size_t nwarn = errs.nwarnings + (cfg != NULL ? warn_unmeasured(cfg) : 0);
+    if (strict && rc == 0 && nwarn > 0) {
+        fprintf(stderr, "error: --strict: %zu %s\n", nwarn, plural(nwarn, "warning", "warnings"));
         rc = 1;
     }
     if (cfg != NULL && rc == 0)

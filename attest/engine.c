@@ -1,0 +1,520 @@
+/* The engine an agent measures: /proc, its model's path, flags against its report (engine.h). */
+#define _GNU_SOURCE
+#include "attest/engine.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include "common/util.h"
+
+#define NET_TABLE_MAX ((size_t)64 << 20) /* a host with a million sockets is past caring */
+#define MAPS_MAX ((size_t)256 << 20)
+
+/* ---- /proc/net/tcp ------------------------------------------------------------------------ */
+
+/* n hex digits at p into *v: false unless all are hex. */
+static bool hex_u32(const char *p, size_t n, uint32_t *v)
+{
+    uint32_t x = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = p[i];
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                       : -1;
+        if (d < 0)
+            return false;
+        x = x << 4 | (uint32_t)d;
+    }
+    *v = x;
+    return true;
+}
+
+/* The kernel prints an address as its 32-bit words, each in the host's byte order ("%08X" of
+ * the raw word: 127.0.0.1 is 0100007F on x86), so a word copied back is the address's bytes. */
+static bool parse_addr(const char *p, size_t n, uint8_t *out, size_t alen)
+{
+    if (n != alen * 2)
+        return false;
+    for (size_t w = 0; w < alen / 4; w++) {
+        uint32_t word;
+        if (!hex_u32(p + w * 8, 8, &word))
+            return false;
+        memcpy(out + w * 4, &word, 4);
+    }
+    return true;
+}
+
+static bool all_zero(const uint8_t *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i])
+            return false;
+    return true;
+}
+
+/* Would a connection to want (4 or 16 bytes) reach a socket bound to local? */
+static bool addr_serves(const uint8_t *local, size_t llen, const uint8_t *want, size_t wlen)
+{
+    if (all_zero(local, llen))
+        return true; /* a wildcard: every address, a v6 one also v4 (dual stack) */
+    if (llen == wlen)
+        return memcmp(local, want, llen) == 0;
+    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    return llen == 16 && wlen == 4 && memcmp(local, mapped, 12) == 0 &&
+           memcmp(local + 12, want, 4) == 0;
+}
+
+uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr)
+{
+    uint8_t want[16];
+    size_t wlen;
+    uint16_t port;
+    if (addr->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)addr;
+        memcpy(want, &a->sin_addr, 4);
+        wlen = 4;
+        port = ntohs(a->sin_port);
+    } else if (addr->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)addr;
+        memcpy(want, &a->sin6_addr, 16);
+        wlen = 16;
+        port = ntohs(a->sin6_port);
+        if (!v6)
+            return 0; /* a v4 socket never serves a v6 address */
+    } else {
+        return 0;
+    }
+    size_t alen = v6 ? 16 : 4;
+    const char *end = table + len;
+    const char *line = memchr(table, '\n', len); /* the header line */
+    while (line && line < end) {
+        line++;
+        const char *eol = memchr(line, '\n', (size_t)(end - line));
+        if (eol == NULL)
+            eol = end;
+        /* "sl: local rem st tx:rx tr:when retrnsmt uid timeout inode ..." */
+        const char *f[10];
+        size_t fl[10], nf = 0;
+        for (const char *p = line; p < eol && nf < 10;) {
+            while (p < eol && (*p == ' ' || *p == '\t'))
+                p++;
+            const char *s = p;
+            while (p < eol && *p != ' ' && *p != '\t')
+                p++;
+            if (p > s) {
+                f[nf] = s;
+                fl[nf++] = (size_t)(p - s);
+            }
+        }
+        line = eol;
+        const char *colon = nf == 10 ? memchr(f[1], ':', fl[1]) : NULL;
+        uint32_t lport, st;
+        uint8_t local[16];
+        if (colon == NULL || !hex_u32(colon + 1, (size_t)(f[1] + fl[1] - colon - 1), &lport) ||
+            !hex_u32(f[3], fl[3], &st) || st != 0x0A /* TCP_LISTEN */ || lport != port ||
+            !parse_addr(f[1], (size_t)(colon - f[1]), local, alen) ||
+            !addr_serves(local, alen, want, wlen))
+            continue;
+        char num[24];
+        if (fl[9] >= sizeof(num))
+            continue;
+        memcpy(num, f[9], fl[9]);
+        num[fl[9]] = '\0';
+        uint64_t ino = strtoull(num, NULL, 10);
+        if (ino != 0)
+            return ino;
+    }
+    return 0;
+}
+
+bool attest_addr_is_local(const struct sockaddr *addr)
+{
+    if (addr->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)addr;
+        if ((ntohl(a->sin_addr.s_addr) >> 24) == 127)
+            return true;
+    } else if (addr->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)addr;
+        if (IN6_IS_ADDR_LOOPBACK(&a->sin6_addr))
+            return true;
+    } else {
+        return false;
+    }
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0)
+        return false;
+    bool local = false;
+    for (const struct ifaddrs *i = ifs; i && !local; i = i->ifa_next) {
+        const struct sockaddr *x = i->ifa_addr;
+        if (x == NULL || x->sa_family != addr->sa_family)
+            continue;
+        if (x->sa_family == AF_INET)
+            local = memcmp(&((const struct sockaddr_in *)x)->sin_addr,
+                           &((const struct sockaddr_in *)addr)->sin_addr, 4) == 0;
+        else
+            local = memcmp(&((const struct sockaddr_in6 *)x)->sin6_addr,
+                           &((const struct sockaddr_in6 *)addr)->sin6_addr, 16) == 0;
+    }
+    freeifaddrs(ifs);
+    return local;
+}
+
+int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr)
+{
+    static const char *const tables[] = {"net/tcp", "net/tcp6"};
+    int readable = 0, last = -ENOENT;
+    dp_buf_t b = {0};
+    uint64_t ino = 0;
+    for (size_t i = 0; i < 2 && ino == 0; i++) {
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", proc, tables[i]);
+        dp_buf_reset(&b);
+        int r = dp_read_file(path, NET_TABLE_MAX, &b);
+        if (r != 0) {
+            last = r;
+            continue;
+        }
+        readable++;
+        ino = attest_net_listener(b.base ? b.base : "", b.len, i == 1, addr);
+    }
+    dp_buf_free(&b);
+    if (readable == 0)
+        return last;
+    return (int64_t)ino;
+}
+
+pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self)
+{
+    char want[48];
+    snprintf(want, sizeof(want), "socket:[%llu]", (unsigned long long)ino);
+    size_t wl = strlen(want);
+    DIR *d = opendir(proc);
+    if (d == NULL)
+        return 0;
+    pid_t found = 0;
+    struct dirent *e;
+    while (found == 0 && (e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end != '\0' || pid <= 0 || pid == (long)self)
+            continue;
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%ld/fd", proc, pid);
+        DIR *fds = opendir(path);
+        if (fds == NULL)
+            continue; /* gone, or not ours to look into */
+        struct dirent *fe;
+        while ((fe = readdir(fds)) != NULL) {
+            if (fe->d_name[0] == '.')
+                continue;
+            char link[64];
+            ssize_t n = readlinkat(dirfd(fds), fe->d_name, link, sizeof(link));
+            if (n == (ssize_t)wl && memcmp(link, want, wl) == 0) {
+                found = (pid_t)pid;
+                break;
+            }
+        }
+        closedir(fds);
+    }
+    closedir(d);
+    return found;
+}
+
+unsigned long long attest_proc_start_time(const char *proc, pid_t pid)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%d/stat", proc, (int)pid);
+    dp_buf_t b = {0};
+    unsigned long long st = 0;
+    if (dp_read_file(path, 4096, &b) == 0 && b.len > 0) {
+        dp_buf_appendc(&b, '\0');
+        /* After the parenthesised command, which may hold anything, spaces included. */
+        const char *p = strrchr(b.base, ')');
+        for (int field = 2; p && field < 22; field++) /* p at the space before field + 1 */
+            p = strchr(p + 1, ' ');
+        st = p ? strtoull(p + 1, NULL, 10) : 0;
+    }
+    dp_buf_free(&b);
+    return st;
+}
+
+/* ---- the model's path ----------------------------------------------------------------------- */
+
+void attest_located_free(attest_located_t *l)
+{
+    free(l->path);
+    l->path = NULL;
+    l->prefix = 0;
+}
+
+static void located(attest_located_t *l, const char *prefix, const char *path)
+{
+    dp_buf_t b = {0};
+    dp_buf_appends(&b, prefix);
+    if (prefix[0] && path[0] != '/')
+        dp_buf_appendc(&b, '/');
+    dp_buf_appends(&b, path);
+    l->path = dp_buf_steal(&b);
+    l->prefix = strlen(prefix);
+}
+
+attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *engine_path,
+                                     bool always_local, attest_located_t *l, dp_buf_t *why)
+{
+    memset(l, 0, sizeof(*l));
+    char prefix[512];
+    struct stat direct, via;
+    if (engine_path == NULL || engine_path[0] == '\0') {
+        dp_buf_appends(why, "the engine reports no model path");
+        return always_local ? ATTEST_LOC_NOT_VISIBLE : ATTEST_LOC_NOT_LOCAL;
+    }
+    if (engine_path[0] == '/') {
+        bool have_direct = stat(engine_path, &direct) == 0;
+        bool have_via = false;
+        if (pid > 0) {
+            snprintf(prefix, sizeof(prefix), "%s/%d/root", proc, (int)pid);
+            dp_buf_t p = {0};
+            dp_buf_printf(&p, "%s%s", prefix, engine_path);
+            have_via = stat(p.base, &via) == 0;
+            dp_buf_free(&p);
+        }
+        /* The same file both ways: the plain path, which outlives this process. */
+        if (have_direct &&
+            (!have_via || (direct.st_dev == via.st_dev && direct.st_ino == via.st_ino))) {
+            located(l, "", engine_path);
+            return ATTEST_LOC_FOUND;
+        }
+        if (have_via) {
+            located(l, prefix, engine_path);
+            return ATTEST_LOC_FOUND;
+        }
+        struct stat root;
+        if (pid <= 0)
+            dp_buf_printf(why,
+                          "the engine loaded %.200s, which the agent cannot see (mount the model "
+                          "at the same path, or share the engine's process namespace)",
+                          engine_path);
+        else if (stat(prefix, &root) != 0)
+            dp_buf_printf(why,
+                          "the engine loaded %.200s, which the agent cannot see (%s: %s; the "
+                          "agent needs the engine's uid or CAP_SYS_PTRACE)",
+                          engine_path, prefix, strerror(errno));
+        else
+            dp_buf_printf(why,
+                          "the engine loaded %.200s, which is not there, neither here nor in "
+                          "the engine's root (%s): deleted or moved since it was loaded?",
+                          engine_path, prefix);
+        return ATTEST_LOC_NOT_VISIBLE;
+    }
+    if (pid > 0) {
+        snprintf(prefix, sizeof(prefix), "%s/%d/cwd", proc, (int)pid);
+        dp_buf_t p = {0};
+        dp_buf_printf(&p, "%s/%s", prefix, engine_path);
+        bool have = stat(p.base, &via) == 0;
+        dp_buf_free(&p);
+        if (have) {
+            located(l, prefix, engine_path);
+            return ATTEST_LOC_FOUND;
+        }
+    }
+    if (!always_local)
+        return ATTEST_LOC_NOT_LOCAL; /* "meta-llama/Llama-3.1-8B-Instruct": fetched, not a path */
+    dp_buf_printf(why,
+                  "the engine loaded %.200s, relative to its working directory, which the agent "
+                  "cannot see (share the engine's process namespace)",
+                  engine_path);
+    return ATTEST_LOC_NOT_VISIBLE;
+}
+
+bool attest_located_under(const attest_located_t *l, const struct stat *dir)
+{
+    dp_buf_t p = {0};
+    dp_buf_appends(&p, l->path);
+    bool under = false;
+    for (;;) {
+        struct stat st;
+        if (stat(p.base, &st) == 0 && st.st_dev == dir->st_dev && st.st_ino == dir->st_ino) {
+            under = true;
+            break;
+        }
+        /* Up to the engine's root (l->prefix, or the agent's "/"), not above it. */
+        if (p.len <= l->prefix || (l->prefix == 0 && p.len <= 1))
+            break;
+        const char *slash = strrchr(p.base, '/');
+        if (slash == NULL)
+            break;
+        size_t up = (size_t)(slash - p.base);
+        if (l->prefix == 0 && up == 0)
+            up = 1; /* "/models" -> "/" */
+        if (up < l->prefix)
+            break;
+        p.len = up;
+        p.base[up] = '\0';
+    }
+    dp_buf_free(&p);
+    return under;
+}
+
+/* ---- open or mapped ------------------------------------------------------------------------ */
+
+bool attest_maps_has(const char *maps, size_t len, uint64_t dev, uint64_t ino, const char *path)
+{
+    const char *end = maps + len;
+    for (const char *line = maps; line < end;) {
+        const char *eol = memchr(line, '\n', (size_t)(end - line));
+        if (eol == NULL)
+            eol = end;
+        /* "start-end perms offset major:minor inode   path" */
+        unsigned maj, min;
+        unsigned long long i;
+        int at = 0;
+        char buf[4096];
+        size_t n = (size_t)(eol - line) < sizeof(buf) - 1 ? (size_t)(eol - line) : sizeof(buf) - 1;
+        memcpy(buf, line, n);
+        buf[n] = '\0';
+        line = eol + 1;
+        if (sscanf(buf, "%*s %*s %*s %x:%x %llu %n", &maj, &min, &i, &at) < 3 || i == 0)
+            continue;
+        if ((uint64_t)makedev(maj, min) == dev && i == ino)
+            return true;
+        /* Overlay filesystems show the lower file's device and inode: the path then tells. */
+        if (path && at > 0 && strcmp(buf + at, path) == 0)
+            return true;
+    }
+    return false;
+}
+
+static bool is_gguf(const char *path)
+{
+    size_t n = strlen(path);
+    return n > 5 && strcasecmp(path + n - 5, ".gguf") == 0;
+}
+
+/* The first mapped GGUF file's path (the text after the inode), if any. */
+static void maps_first_gguf(const char *maps, size_t len, dp_buf_t *out)
+{
+    const char *end = maps + len;
+    for (const char *line = maps; line < end;) {
+        const char *eol = memchr(line, '\n', (size_t)(end - line));
+        if (eol == NULL)
+            eol = end;
+        const char *slash = memchr(line, '/', (size_t)(eol - line));
+        if (slash) {
+            char *p = dp_xstrndup(slash, (size_t)(eol - slash));
+            bool hit = is_gguf(p);
+            if (hit)
+                dp_buf_appends(out, p);
+            free(p);
+            if (hit)
+                return;
+        }
+        line = eol + 1;
+    }
+}
+
+int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const attest_snapshot_t *snap,
+                       dp_buf_t *other)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%d/maps", proc, (int)pid);
+    dp_buf_t maps = {0}, full = {0};
+    int rc = dp_read_file(path, MAPS_MAX, &maps);
+    if (rc != 0 && rc != -EFBIG) {
+        dp_buf_free(&maps);
+        return rc;
+    }
+    const char *m = maps.base ? maps.base : "";
+    attest_loaded_t seen = ATTEST_LOADED_NOT_SEEN;
+    for (size_t i = 0; i < snap->count && seen == ATTEST_LOADED_NOT_SEEN; i++) {
+        const attest_file_t *f = &snap->files[i];
+        dp_buf_reset(&full);
+        dp_buf_printf(&full, "%s/%s", root, f->relpath);
+        char *real = realpath(full.base, NULL);
+        if (attest_maps_has(m, maps.len, f->dev, f->ino, real))
+            seen = ATTEST_LOADED_MAPPED;
+        free(real);
+    }
+    snprintf(path, sizeof(path), "%s/%d/fd", proc, (int)pid);
+    DIR *fds = seen == ATTEST_LOADED_NOT_SEEN ? opendir(path) : NULL;
+    struct dirent *e;
+    while (fds && seen == ATTEST_LOADED_NOT_SEEN && (e = readdir(fds)) != NULL) {
+        struct stat st;
+        if (e->d_name[0] == '.' || fstatat(dirfd(fds), e->d_name, &st, 0) != 0 ||
+            !S_ISREG(st.st_mode))
+            continue;
+        for (size_t i = 0; i < snap->count; i++)
+            if (snap->files[i].dev == (uint64_t)st.st_dev &&
+                snap->files[i].ino == (uint64_t)st.st_ino) {
+                seen = ATTEST_LOADED_OPEN;
+                break;
+            }
+        if (seen == ATTEST_LOADED_NOT_SEEN && other && other->len == 0) {
+            char link[4096];
+            ssize_t n = readlinkat(dirfd(fds), e->d_name, link, sizeof(link) - 1);
+            if (n > 0) {
+                link[n] = '\0';
+                if (is_gguf(link))
+                    dp_buf_appends(other, link);
+            }
+        }
+    }
+    if (fds)
+        closedir(fds);
+    if (seen == ATTEST_LOADED_NOT_SEEN && other && other->len == 0)
+        maps_first_gguf(m, maps.len, other);
+    if (seen != ATTEST_LOADED_NOT_SEEN && other)
+        dp_buf_reset(other);
+    dp_buf_free(&maps);
+    dp_buf_free(&full);
+    return (int)seen;
+}
+
+/* ---- flags against the engine's report ---------------------------------------------------- */
+
+static void merge_field(const attest_report_t *engine, attest_field_t f, const char *field,
+                        const char *flag, attest_report_t *ident)
+{
+    const char *v = attest_report_get(engine, f);
+    ident->measured &= ~(1u << f);
+    if (v == NULL) {
+        /* The engine does not say: the flag is all there is (repeated, not measured). */
+        attest_report_set(ident, f, flag);
+        return;
+    }
+    char *keep = dp_xstrdup(v);
+    attest_report_set(ident, f, keep);
+    ident->measured |= 1u << f;
+    /* "q8_0" and "Q8_0" are one GGUF type, "AWQ" and "awq" one method: spelling is no
+     * contradiction. */
+    if (flag && strcasecmp(flag, keep) != 0)
+        attest_report_add_contradiction(ident, field, flag, keep);
+    free(keep);
+}
+
+void attest_engine_merge(const attest_report_t *engine, const char *flag_quantization,
+                         const char *flag_dtype, attest_report_t *ident)
+{
+    attest_report_clear_contradictions(ident);
+    merge_field(engine, ATTEST_F_QUANTIZATION, "quantization", flag_quantization, ident);
+    merge_field(engine, ATTEST_F_DTYPE, "dtype", flag_dtype, ident);
+    static const attest_field_t from_engine[] = {
+        ATTEST_F_FRAMEWORK_NAME, ATTEST_F_FRAMEWORK_VERSION, ATTEST_F_ENGINE_FINGERPRINT};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(from_engine); i++) {
+        attest_field_t f = from_engine[i];
+        if (attest_report_get(engine, f))
+            ident->measured |= 1u << f;
+        else
+            ident->measured &= ~(1u << f);
+    }
+    free(ident->model_path);
+    ident->model_path = engine->model_path ? dp_xstrdup(engine->model_path) : NULL;
+}

@@ -1,0 +1,108 @@
+/* The engine an agent measures (docs/attestation.md §4, "What the agent measures"): which
+ * process serves --framework-url, where the model that engine reports having loaded is from the
+ * agent's side, whether that process has it open or mapped, and how the agent's flags weigh
+ * against the engine's own report.
+ *
+ * The agent sees the engine's process only when it shares the engine's network namespace (the
+ * listening socket in /proc/net/tcp) and PID namespace (the socket among /proc/PID/fd), with the
+ * engine's uid or CAP_SYS_PTRACE (the kernel's rule for another process's fd, maps, root and
+ * cwd). Everything here answers "not seen" rather than guess when it cannot look.
+ *
+ * Synchronous reads of /proc (in-memory files) and stat(); no libuv. attest_proc_loaded reads a
+ * process's whole maps file: the agent calls it from a worker thread. */
+#ifndef ATTEST_ENGINE_H
+#define ATTEST_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include "attest/hash.h"
+#include "attest/report.h"
+#include "common/buf.h"
+
+/* ---- the process serving a port ---------------------------------------------------------- */
+
+/* The inode of the socket listening on addr's port, with addr or a wildcard (0.0.0.0, ::) as its
+ * local address (a v6 socket also for a v4 addr: dual stack, or ::ffff:a.b.c.d), in one table
+ * of /proc/net/tcp (v6 false) or /proc/net/tcp6 (v6 true) text. addr is AF_INET or AF_INET6.
+ * 0: no such socket in this table. */
+uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr);
+
+/* Is addr one of this host's own (loopback, or an address of one of its interfaces)? Only then
+ * is a socket listening on its port the engine's rather than another host's port number. */
+bool attest_addr_is_local(const struct sockaddr *addr);
+
+/* The same over proc's net/tcp and net/tcp6 ("/proc": the agent's own network namespace):
+ * the inode, 0 when none listens there, or a negative errno when neither table can be read. */
+int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr);
+
+/* The process holding socket:[ino] among its fds, never self: its pid, or 0 when no process
+ * the agent may look into holds it. Reads every /proc/PID/fd it may: call it when the
+ * listening socket changed, not on every check. */
+pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self);
+
+/* Field 22 of /proc/PID/stat, the process's start time in clock ticks since boot: another
+ * value for the same pid is another process. 0 when unreadable. */
+unsigned long long attest_proc_start_time(const char *proc, pid_t pid);
+
+/* ---- the engine's model, from the agent's side ------------------------------------------- */
+
+typedef enum {
+    ATTEST_LOC_FOUND = 0,   /* l->path reaches it */
+    ATTEST_LOC_NOT_LOCAL,   /* not a path on this machine: a Hub id ("org/name") */
+    ATTEST_LOC_NOT_VISIBLE, /* a local path the agent cannot reach (*why says why) */
+} attest_locate_t;
+
+typedef struct {
+    char *path;    /* the model as the agent opens it (owned) */
+    size_t prefix; /* bytes of path before the engine's own path: "/proc/41/root" when reached
+                    * through the engine's root, 0 when path is the engine's path itself */
+} attest_located_t;
+
+/* Where the engine_path the engine reports is from here. Absolute: the path itself when it
+ * exists and (with pid > 0) is the same file as PROC/PID/root/PATH, else through
+ * PROC/PID/root (another mount namespace or a chroot). Relative: through PROC/PID/cwd (pid > 0);
+ * without it, a llama.cpp path (always_local: -m names a file) is NOT_VISIBLE, anything else
+ * NOT_LOCAL (SGLang, vLLM and TGI take Hub ids). *l is filled only for FOUND; release it with
+ * attest_located_free. */
+attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *engine_path,
+                                     bool always_local, attest_located_t *l, dp_buf_t *why);
+void attest_located_free(attest_located_t *l);
+
+/* Is the folder dir (stat'ed as *dir) the located model itself or a folder above it, on the
+ * engine's side of l->prefix? Compared by device and inode, so across mount namespaces. */
+bool attest_located_under(const attest_located_t *l, const struct stat *dir);
+
+/* ---- what the engine's process has open or mapped --------------------------------------- */
+
+typedef enum {
+    ATTEST_LOADED_NOT_SEEN = 0, /* neither (--no-mmap reads the file and closes it) */
+    ATTEST_LOADED_OPEN,         /* one of snap's files among /proc/PID/fd */
+    ATTEST_LOADED_MAPPED,       /* one of snap's files in /proc/PID/maps */
+} attest_loaded_t;
+
+/* Does the text of a maps file map a file with this device and inode, or at this path? */
+bool attest_maps_has(const char *maps, size_t len, uint64_t dev, uint64_t ino, const char *path);
+
+/* Which of snap's files (listed from root: the located path, or its folder for a one-file
+ * snapshot) the process has mapped or open. When it has none of them, *other gets the first
+ * GGUF file it does have mapped or open (the engine runs another model than it reports), if
+ * any. Negative errno when its maps cannot be read (the agent lacks the access). */
+int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const attest_snapshot_t *snap,
+                       dp_buf_t *other);
+
+/* ---- flags against the engine's report (pure) ------------------------------------------- */
+
+/* Into ident, from what the engine reported (a native check of --framework-url): quantization
+ * and dtype are the engine's when it reports them (their measured bits set; a flag that differs
+ * other than in case is a contradiction, field "quantization" or "dtype"), else the flag's, else
+ * unattested; model_path is the engine's. Every contradiction ident carried before is dropped
+ * first: each framework read states them anew. */
+void attest_engine_merge(const attest_report_t *engine, const char *flag_quantization,
+                         const char *flag_dtype, attest_report_t *ident);
+
+#endif

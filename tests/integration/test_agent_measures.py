@@ -1,0 +1,324 @@
+"""The agent measures; it does not repeat (docs/attestation.md §4, "What the agent measures").
+
+With --framework-url the agent signs what the engine reports (llama.cpp /props model_ftype and
+model_path) and the SHA-256 of the model file the engine loaded, not its own flags: a flag the
+engine contradicts is listed, and the proxy rejects the replica with a reason naming both values.
+Against detproxy-sim's llamacpp flavor (a quantization swapped at runtime through /_sim/config)
+and against a small fake llama-server written here that really opens and maps a GGUF file, so
+that the path, the hash, the process check and a restart on the same port are exercised.
+
+Also: `detproxy attest hash FILE` is `sha256sum FILE`, and `detproxy check` warns about a pool
+whose agents may only repeat their flags and that has no canary."""
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, run_cmd,
+                     run_tests, start_process, start_sim)
+from proxyutil import pool, sim_config, start_proxy, write_config
+
+TMP = tempfile.mkdtemp(prefix="detproxy-measures-")
+MODEL = "tiny"
+INTERVAL = 500  # the proxy's attestation.interval_ms
+
+
+def keygen(name):
+    prefix = os.path.join(TMP, name)
+    if not os.path.exists(prefix + ".key.pem"):
+        rc, _, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", prefix])
+        assert rc == 0, err
+    return prefix + ".key.pem", prefix + ".pub.pem"
+
+
+def agent(fw_port, *flags):
+    key, _ = keygen("pipeline")
+    return start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                          "--model", MODEL, "--framework-url", "http://127.0.0.1:%d" % fw_port,
+                          "--key", key, "--watch-interval-ms", "200"] + list(flags),
+                         name="agent")
+
+
+def agent_proxy(ag, engine_port, manifest):
+    _, pub = keygen("pipeline")
+    p = {"name": "p", "models": [MODEL], "manifest": manifest,
+         "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % engine_port,
+                       "attest": {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % ag.port}}]}
+    return start_proxy(pools=[p], directory=tempfile.mkdtemp(dir=TMP), ready=False,
+                       attestation={"interval_ms": INTERVAL, "timeout_ms": 2000,
+                                    "require_signature": True, "trusted_keys": [pub]})
+
+
+def replica(px):
+    return get_json(px.admin_port, "/admin/replicas")["replicas"][0]
+
+
+def payload(ag, nonce="n"):
+    r = http("GET", ag.port, "/attestation?nonce=" + nonce)
+    if r.status != 200:
+        return r.status, r.json()
+    return 200, json.loads(base64.b64decode(r.json()["payload"]))
+
+
+def sha256_file(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+# ---- detproxy-sim: a quantization swapped under the same process ---------------------------
+
+
+def test_a_quantization_swap_is_caught_within_two_intervals_naming_both():
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian")  # unquantized float16: model_ftype F16
+    ag = agent(sim.port, "--quantization", "F16")
+    px = agent_proxy(ag, sim.port, {"model": MODEL, "quantization": "F16"})
+    poll_until(lambda: replica(px)["state"] == "admitted", what="admitted")
+    rep = replica(px)["attestation"]["report"]
+    assert rep["quantization"] == "F16" and "quantization" in rep["measured"], rep
+    assert rep["model_path"] == "/models/%s.gguf" % MODEL, rep
+    # The sim's /models is nowhere: the agent says so rather than hash anything else.
+    assert rep["checkpoint_sha256"] is None, rep
+    assert "cannot see" in rep["unattested"]["checkpoint_sha256"] or \
+        "not there" in rep["unattested"]["checkpoint_sha256"], rep
+    sim_config(sim, quantization="Q8_0")
+    t0 = time.monotonic()
+    poll_until(lambda: replica(px)["state"] == "rejected", interval=0.01, what="rejected")
+    took = time.monotonic() - t0
+    reasons = replica(px)["reasons"]
+    print("    Q8_0 swapped in -> rejected in %.0f ms (proxy interval %d ms): %s" % (
+        took * 1000, INTERVAL, reasons))
+    assert took <= (2 * INTERVAL / 1000 + 0.3) * SLOW, took
+    assert "agent: --quantization F16 contradicts the engine's Q8_0" in reasons, reasons
+    assert "quantization mismatch: got Q8_0 want F16" in reasons, reasons
+    # The signed payload itself says it.
+    st, p = payload(ag)
+    assert st == 200 and p["quantization"] == "Q8_0", p
+    assert p["contradictions"] == [{"field": "quantization", "flag": "F16", "engine": "Q8_0"}], p
+    # `attest verify` judges it as the proxy does.
+    env = os.path.join(TMP, "contradicted.json")
+    with open(env, "w") as f:
+        f.write(http("GET", ag.port, "/attestation?nonce=v").text)
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "verify", "--envelope", env, "--pubkey",
+                            keygen("pipeline")[1], "--nonce", "v"])
+    assert rc == 1 and "CONTRADICTION      --quantization F16, the engine Q8_0" in out, (rc, out)
+    # Back to F16: the same replica is admitted again, the contradiction gone.
+    sim_config(sim, quantization="none")
+    poll_until(lambda: replica(px)["state"] == "admitted", what="re-admitted")
+    assert "contradictions" not in replica(px)["attestation"]["report"]
+    px.stop()
+    ag.stop()
+    sim.stop()
+
+
+def test_without_framework_url_the_agent_repeats_its_flags():
+    """Flags only: an agent told F16 signs F16 whatever the engine runs (what --framework-url
+    exists to prevent; docs/attestation.md §4)."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--quantization", "Q8_0")
+    d = os.path.join(TMP, "flags-only")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "tiny.gguf"), "wb") as f:
+        f.write(b"GGUF")
+    key, _ = keygen("pipeline")
+    ag = start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                        "--model", MODEL, "--model-dir", d, "--quantization", "F16",
+                        "--framework", "llamacpp", "--framework-version", "b11669", "--key",
+                        key], name="agent")
+    poll_until(lambda: payload(ag)[0] == 200, what="hashed")
+    p = payload(ag)[1]
+    assert p["quantization"] == "F16" and "measured" not in p, p
+    assert "contradictions" not in p, p
+    ag.stop()
+    sim.stop()
+
+
+# ---- a fake llama-server that really loads a GGUF file ------------------------------------
+
+FAKE = r'''
+import json, mmap, os, signal, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port, path, ftype, mapped = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+f = open(mapped, "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # llama.cpp maps its GGUF the same way
+f.close()
+BUILD = "b11669-Debian"
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def send(self, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def do_GET(self):
+        if self.path == "/props":
+            self.send({"build_info": BUILD, "model_ftype": ftype, "model_path": path,
+                       "total_slots": 4, "model_alias": "tiny"})
+        elif self.path == "/v1/models":
+            self.send({"object": "list", "data": [{"id": "tiny", "owned_by": "llamacpp"}]})
+        else:
+            self.send_error(404)
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(n)
+        self.send({"choices": [{"index": 0, "text": " x", "finish_reason": "length"}],
+                   "system_fingerprint": BUILD, "object": "text_completion"})
+
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+srv = ThreadingHTTPServer(("127.0.0.1", port), H)
+sys.stderr.write(json.dumps({"msg": "listening", "port": srv.server_address[1]}) + "\n")
+sys.stderr.flush()
+srv.serve_forever()
+'''
+
+
+def fake_engine(port, path, ftype, mapped=None):
+    script = os.path.join(TMP, "fake_llama_server.py")
+    if not os.path.exists(script):
+        with open(script, "w") as f:
+            f.write(FAKE)
+    return start_process([sys.executable, script, str(port), path, ftype, mapped or path],
+                         name="fake-llama-server")
+
+
+def gguf(name, content):
+    d = os.path.join(TMP, "models")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, name)
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + content * 4096)
+    return path
+
+
+def test_the_loaded_gguf_file_is_hashed_and_a_restart_is_measured_at_once():
+    f16 = gguf("tiny-f16.gguf", b"f16 weights ")
+    q8 = gguf("tiny-q8_0.gguf", b"q8_0 weights")
+    port = free_port()
+    eng = fake_engine(port, f16, "F16")
+    models = os.path.dirname(f16)
+    ag = agent(port, "--quantization", "F16", "--model-dir", models)
+    poll_until(lambda: payload(ag)[0] == 200, what="the agent measured the engine")
+    p = payload(ag)[1]
+    assert p["checkpoint_sha256"] == sha256_file(f16), p
+    assert set(p["measured"]) >= {"quantization", "checkpoint_sha256"}, p
+    assert p["model_path"] == f16 and "contradictions" not in p, p
+    assert any(r.get("seen") == "mapped" for r in ag.find_logs("engine_loaded")), ag.find_logs(
+        "engine_loaded")
+    # `detproxy attest hash FILE` prints the value to pin: sha256sum's.
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "hash", f16])
+    assert rc == 0 and out.strip() == sha256_file(f16), (rc, out, err)
+    rc, out, _ = run_cmd([DETPROXY_BIN, "attest", "hash", "--list", f16])
+    if shutil.which("sha256sum"):
+        assert out == subprocess.run(["sha256sum", f16], capture_output=True,
+                                     text=True).stdout, out
+
+    px = agent_proxy(ag, port, {"model": MODEL, "quantization": "F16",
+                                "checkpoint_sha256": sha256_file(f16)})
+    poll_until(lambda: replica(px)["state"] == "admitted", what="admitted")
+    # The engine restarts on the same port with the Q8_0 file: another process, another file.
+    eng.stop()
+    eng = fake_engine(port, q8, "Q8_0")
+    t0 = time.monotonic()
+    poll_until(lambda: payload(ag, "x")[0] == 200 and
+               payload(ag, "x")[1]["checkpoint_sha256"] == sha256_file(q8), interval=0.01,
+               what="the new file measured")
+    measured = time.monotonic() - t0
+    poll_until(lambda: replica(px)["state"] == "rejected", interval=0.01, what="rejected")
+    ejected = time.monotonic() - t0
+    reasons = replica(px)["reasons"]
+    print("    engine restarted on Q8_0: agent signs the new file's hash after %.0f ms, proxy "
+          "rejects after %.0f ms (interval %d ms): %s" % (measured * 1000, ejected * 1000,
+                                                          INTERVAL, reasons))
+    assert "agent: --quantization F16 contradicts the engine's Q8_0" in reasons, reasons
+    assert any(r.startswith("checkpoint_sha256 mismatch: got %s" % sha256_file(q8)[:8])
+               for r in reasons), reasons
+    assert ejected <= (2 * INTERVAL / 1000 + 1) * SLOW, ejected
+    # The new process was found by its listening socket.
+    procs = ag.find_logs("engine_process")
+    assert procs and procs[-1]["pid"] == eng.popen.pid, (procs, eng.popen.pid)
+    px.stop()
+    ag.stop()
+    eng.stop()
+
+
+def test_a_model_dir_the_engine_did_not_load_is_a_contradiction():
+    f16 = gguf("tiny-f16.gguf", b"f16 weights ")
+    elsewhere = os.path.join(TMP, "elsewhere")
+    os.makedirs(elsewhere, exist_ok=True)
+    port = free_port()
+    eng = fake_engine(port, f16, "F16")
+    ag = agent(port, "--model-dir", elsewhere)
+    px = agent_proxy(ag, port, {"model": MODEL})
+    poll_until(lambda: replica(px)["state"] == "rejected", what="rejected")
+    reasons = replica(px)["reasons"]
+    assert reasons == ["agent: --model-dir %s contradicts the engine's %s" % (elsewhere, f16)], \
+        reasons
+    # What is signed is still the file the engine loaded, not the folder the flag names.
+    assert replica(px)["attestation"]["report"]["checkpoint_sha256"] == sha256_file(f16)
+    px.stop()
+    ag.stop()
+    eng.stop()
+
+
+def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():
+    reported = gguf("tiny-f16.gguf", b"f16 weights ")
+    really = gguf("tiny-q4_0.gguf", b"q4_0 weights")
+    port = free_port()
+    eng = fake_engine(port, reported, "F16", mapped=really)
+    ag = agent(port)
+    poll_until(lambda: payload(ag)[0] == 200 and payload(ag)[1]["checkpoint_sha256"] is None
+               and "checkpoint_sha256" in payload(ag)[1].get("unattested", {}),
+               what="checkpoint withdrawn")
+    note = payload(ag)[1]["unattested"]["checkpoint_sha256"]
+    assert note == ("the engine reports %s, but its process has %s open or mapped instead" % (
+        reported, really)), note
+    ag.stop()
+    eng.stop()
+
+
+# ---- detproxy check ----------------------------------------------------------------------
+
+
+def test_check_warns_about_a_pool_nothing_measures():
+    sim = start_sim("--model", MODEL)
+    _, pub = keygen("pipeline")
+    d = tempfile.mkdtemp(dir=TMP)
+
+    def check(manifest, attest):
+        p = pool("p", [MODEL], [sim], manifest=manifest)
+        p["replicas"][0]["attest"] = attest
+        cfg = {"attestation": {"require_signature": attest["source"] == "agent",
+                               "trusted_keys": [pub]} if attest["source"] == "agent" else {},
+               "pools": [p]}
+        return run_cmd([DETPROXY_BIN, "check", "--strict", "-c", write_config(cfg, d)])
+    agent_src = {"source": "agent", "url": "http://127.0.0.1:9101/attestation"}
+    rc, out, err = check({"model": MODEL, "quantization": "awq"}, agent_src)
+    assert rc == 1 and "pools[0].replicas[0].attest: an agent measures its engine only when " \
+        "started with --framework-url" in err and "--strict: 1 warning" in err, (rc, err)
+    # A canary checks what the engine runs: no warning.
+    rc, out, err = check({"model": MODEL, "quantization": "awq",
+                          "canary": {"prompt": "Count: one, two,", "max_tokens": 8,
+                                     "expected_sha256": "0" * 64}}, agent_src)
+    assert rc == 0 and err == "", (rc, err)
+    # A native adapter reads the engine's own report: no warning.
+    rc, out, err = check({"model": MODEL, "framework": {"name": "vllm"}}, {"source": "vllm"})
+    assert rc == 0 and err == "", (rc, err)
+    sim.stop()
+
+
+if __name__ == "__main__":
+    try:
+        run_tests(globals())
+    finally:
+        shutil.rmtree(TMP, ignore_errors=True)

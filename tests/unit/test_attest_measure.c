@@ -1,0 +1,551 @@
+/* What a measuring agent signs (docs/attestation.md §4, "What the agent measures"): the
+ * contradictions judgement, the payload's new members and their backward compatibility, the
+ * single-file hash, flags against the engine's report, and the /proc readings that find the
+ * engine's process and model (attest/engine.h). */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include "attest/adapters.h"
+#include "attest/engine.h"
+#include "attest/hash.h"
+#include "attest/match.h"
+#include "common/util.h"
+
+static char tmp[256];
+
+static void make_tmp(void)
+{
+    snprintf(tmp, sizeof(tmp), "/tmp/dp-measure-XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+}
+
+static void write_file(const char *path, const void *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "%s", path);
+    cr_assert_eq(fwrite(data, 1, n, f), n);
+    fclose(f);
+}
+
+static void rm_tree(void)
+{
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp);
+    cr_assert_eq(system(cmd), 0);
+}
+
+/* ---- contradictions: the proxy's judgement ----------------------------------------------- */
+
+static void measured_llamacpp(attest_report_t *r)
+{
+    memset(r, 0, sizeof(*r));
+    strcpy(r->source, "agent");
+    r->is_signed = true;
+    attest_report_set(r, ATTEST_F_MODEL, "tiny");
+    attest_report_set(r, ATTEST_F_QUANTIZATION, "Q8_0");
+    attest_report_set(r, ATTEST_F_FRAMEWORK_NAME, "llamacpp");
+    attest_report_set(r, ATTEST_F_FRAMEWORK_VERSION, "b11669-Debian");
+    r->measured = 1u << ATTEST_F_QUANTIZATION;
+}
+
+Test(attest_measure, a_contradiction_rejects_naming_both_values)
+{
+    attest_report_t r;
+    measured_llamacpp(&r);
+    attest_report_add_contradiction(&r, "quantization", "F16", "Q8_0");
+    cfg_manifest_t m = {.model = "tiny"};
+    attest_reasons_t why = {0};
+    cr_assert_eq(attest_admit(&m, &r, true, &why), 1);
+    cr_assert_str_eq(why.items[0], "agent: --quantization F16 contradicts the engine's Q8_0");
+    attest_reasons_free(&why);
+    /* Whatever the manifest pins, or without one: the agent's operator said something false. */
+    cr_assert_eq(attest_admit(NULL, &r, false, &why), 1);
+    attest_reasons_free(&why);
+    /* Pinned too: the mismatch follows the contradiction, both naming both values. */
+    m.quantization = "F16";
+    cr_assert_eq(attest_admit(&m, &r, true, &why), 2);
+    cr_assert_str_eq(why.items[0], "agent: --quantization F16 contradicts the engine's Q8_0");
+    cr_assert_str_eq(why.items[1], "quantization mismatch: got Q8_0 want F16");
+    attest_reasons_free(&why);
+    attest_report_clear(&r);
+}
+
+Test(attest_measure, model_dir_and_unknown_fields_are_named_too)
+{
+    attest_report_t r;
+    measured_llamacpp(&r);
+    attest_report_add_contradiction(&r, "model_dir", "/srv/models/llama", "/models/tiny.gguf");
+    attest_report_add_contradiction(&r, "rope\x01scaling", "x", "y");
+    attest_reasons_t why = {0};
+    cr_assert_eq(attest_admit(NULL, &r, false, &why), 2);
+    cr_assert_str_eq(why.items[0], "agent: --model-dir /srv/models/llama contradicts the engine's "
+                                   "/models/tiny.gguf");
+    cr_assert_str_eq(why.items[1], "agent: rope\x01scaling x contradicts the engine's y");
+    attest_reasons_free(&why);
+    attest_report_clear(&r);
+}
+
+Test(attest_measure, a_measured_llamacpp_quantization_compares_caselessly)
+{
+    attest_report_t r;
+    measured_llamacpp(&r);
+    cfg_manifest_t m = {.quantization = "q8_0"};
+    attest_reasons_t why = {0};
+    cr_assert_eq(attest_manifest_match(&m, &r, &why), 0);
+    /* Repeated from a flag, the agent's value is compared as written. */
+    r.measured = 0;
+    cr_assert_eq(attest_manifest_match(&m, &r, &why), 1);
+    attest_reasons_free(&why);
+    attest_report_clear(&r);
+}
+
+/* ---- the payload ------------------------------------------------------------------------- */
+
+Test(attest_measure, payload_round_trips_the_measurement)
+{
+    attest_report_t r;
+    measured_llamacpp(&r);
+    attest_report_set(&r, ATTEST_F_ENGINE_FINGERPRINT, "b11669-Debian");
+    r.measured |= 1u << ATTEST_F_FRAMEWORK_NAME | 1u << ATTEST_F_ENGINE_FINGERPRINT;
+    r.model_path = dp_xstrdup("/models/tiny-q8_0.gguf");
+    attest_report_add_contradiction(&r, "quantization", "F16", "Q8_0");
+    attest_report_set_unattested(&r, ATTEST_F_CHECKPOINT, "the engine loaded x, out of sight");
+    r.nonce = dp_xstrdup("n1");
+    r.issued_at = dp_xstrdup("2026-01-01T00:00:00.000Z");
+    dp_buf_t p = {0}, why = {0};
+    attest_payload_build(&r, &p);
+    cr_assert(strstr(p.base, "\"model_path\":\"/models/tiny-q8_0.gguf\""), "%s", p.base);
+    cr_assert(strstr(p.base, "\"measured\":[\"quantization\",\"framework.name\","
+                             "\"engine_fingerprint\"]"),
+              "%s", p.base);
+    cr_assert(strstr(p.base, "\"contradictions\":[{\"field\":\"quantization\",\"flag\":\"F16\","
+                             "\"engine\":\"Q8_0\"}]"),
+              "%s", p.base);
+    cr_assert(strstr(p.base,
+                     "\"unattested\":{\"checkpoint_sha256\":\"the engine loaded x, out of sight\""),
+              "%s", p.base);
+    attest_report_t back = {0};
+    cr_assert_eq(attest_payload_parse(p.base, p.len, &back, &why), 0, "%s", why.base);
+    cr_assert_str_eq(back.model_path, "/models/tiny-q8_0.gguf");
+    cr_assert_eq(back.measured, r.measured);
+    cr_assert_eq(back.ncontradictions, 1);
+    cr_assert_str_eq(back.contradictions[0].field, "quantization");
+    cr_assert_str_eq(back.contradictions[0].flag, "F16");
+    cr_assert_str_eq(back.contradictions[0].engine, "Q8_0");
+    cr_assert_str_eq(back.unattested_note[ATTEST_F_CHECKPOINT],
+                     "the engine loaded x, out of sight");
+    /* The copy the proxy keeps carries it all. */
+    attest_report_t copy;
+    attest_report_copy(&copy, &back);
+    cr_assert_eq(copy.ncontradictions, 1);
+    cr_assert_str_eq(copy.contradictions[0].engine, "Q8_0");
+    cr_assert_str_eq(copy.model_path, back.model_path);
+    attest_report_clear(&copy);
+    attest_report_clear(&back);
+    attest_report_clear(&r);
+    dp_buf_free(&p);
+    dp_buf_free(&why);
+}
+
+Test(attest_measure, payloads_without_the_new_members_parse_as_before)
+{
+    static const char old[] =
+        "{\"model\":\"m\",\"checkpoint_sha256\":null,\"quantization\":\"awq\","
+        "\"dtype\":null,\"framework\":{\"name\":\"vllm\",\"version\":\"1\"},"
+        "\"nonce\":\"n\",\"issued_at\":\"t\"}";
+    attest_report_t r = {0};
+    dp_buf_t why = {0};
+    cr_assert_eq(attest_payload_parse(old, sizeof(old) - 1, &r, &why), 0, "%s", why.base);
+    cr_assert_null(r.model_path);
+    cr_assert_eq(r.measured, 0);
+    cr_assert_eq(r.ncontradictions, 0);
+    attest_reasons_t reasons = {0};
+    cr_assert_eq(attest_admit(NULL, &r, false, &reasons), 0);
+    /* And a payload with none of them builds without them. */
+    dp_buf_t p = {0};
+    attest_payload_build(&r, &p);
+    cr_assert_null(strstr(p.base, "measured"));
+    cr_assert_null(strstr(p.base, "contradictions"));
+    cr_assert_null(strstr(p.base, "model_path"));
+    cr_assert_null(strstr(p.base, "unattested"));
+    attest_report_clear(&r);
+    dp_buf_free(&p);
+    dp_buf_free(&why);
+}
+
+Test(attest_measure, wrong_types_reject_the_payload)
+{
+    static const char *const bad[][2] = {
+        {"\"model_path\":3", "payload.model_path: expected a string"},
+        {"\"measured\":\"quantization\"", "payload.measured: expected an array of field names"},
+        {"\"measured\":[1]", "payload.measured: expected an array of field names"},
+        {"\"contradictions\":{}", "payload.contradictions: expected an array"},
+        {"\"contradictions\":[{\"field\":\"dtype\",\"flag\":\"x\"}]",
+         "payload.contradictions[0]: expected an object with string field, flag and engine"},
+        {"\"unattested\":[]", "payload.unattested: expected an object of strings"},
+        {"\"unattested\":{\"dtype\":1}", "payload.unattested.dtype: expected a string"},
+    };
+    for (size_t i = 0; i < DP_ARRAY_SIZE(bad); i++) {
+        char json[512];
+        snprintf(json, sizeof(json), "{\"model\":\"m\",%s,\"nonce\":\"n\",\"issued_at\":\"t\"}",
+                 bad[i][0]);
+        attest_report_t r = {0};
+        dp_buf_t why = {0};
+        cr_assert_eq(attest_payload_parse(json, strlen(json), &r, &why), -1, "%s", json);
+        cr_assert_str_eq(why.base, bad[i][1]);
+        dp_buf_free(&why);
+    }
+    /* Names this build does not know are ignored (a newer agent may measure more), and a note
+     * never replaces a value. */
+    static const char ok[] = "{\"model\":\"m\",\"dtype\":\"float16\",\"measured\":[\"rope\","
+                             "\"dtype\"],\"unattested\":{\"rope\":\"x\",\"dtype\":\"y\"},"
+                             "\"nonce\":\"n\",\"issued_at\":\"t\"}";
+    attest_report_t r = {0};
+    cr_assert_eq(attest_payload_parse(ok, sizeof(ok) - 1, &r, NULL), 0);
+    cr_assert_eq(r.measured, 1u << ATTEST_F_DTYPE);
+    cr_assert_null(r.unattested_note[ATTEST_F_DTYPE]);
+    attest_report_clear(&r);
+}
+
+/* ---- the single-file hash ----------------------------------------------------------------- */
+
+static void sha256_hex(const void *data, size_t n, char out[65])
+{
+    uint8_t md[32];
+    unsigned len = 0;
+    cr_assert_eq(EVP_Digest(data, n, md, &len, EVP_sha256(), NULL), 1);
+    dp_hex(md, 32, out);
+}
+
+Test(attest_measure, a_gguf_file_hashes_to_its_own_sha256, .init = make_tmp, .fini = rm_tree)
+{
+    /* Bigger than one read, so the file is streamed in several. */
+    size_t n = (size_t)9 << 20;
+    uint8_t *data = malloc(n);
+    memcpy(data, "GGUF", 4);
+    for (size_t i = 4; i < n; i++)
+        data[i] = (uint8_t)(i * 2654435761u >> 13);
+    char path[300], want[65], hex[65], cmd[400];
+    snprintf(path, sizeof(path), "%s/tiny-f16.gguf", tmp);
+    write_file(path, data, n);
+    sha256_hex(data, n, want);
+    free(data);
+    attest_snapshot_t snap;
+    bool is_file = false;
+    dp_buf_t err = {0};
+    attest_hash_opts_t o = {.read_size = 1 << 20};
+    cr_assert_eq(attest_hash_path(path, &o, hex, &snap, &is_file, &err), 0, "%s", err.base);
+    cr_assert(is_file);
+    cr_assert_str_eq(hex, want);
+    cr_assert_eq(snap.count, 1);
+    cr_assert_str_eq(snap.files[0].relpath, "tiny-f16.gguf");
+    /* The value sha256sum prints (and Hugging Face shows), when coreutils is here. */
+    snprintf(cmd, sizeof(cmd), "sha256sum '%s' 2>/dev/null", path);
+    FILE *p = popen(cmd, "r");
+    char line[200] = "";
+    if (p && fgets(line, sizeof(line), p))
+        cr_assert_eq(strncmp(line, hex, 64), 0, "sha256sum: %s", line);
+    if (p)
+        pclose(p);
+    /* Its listing tells when the file changes. */
+    attest_snapshot_t now;
+    cr_assert_eq(attest_snapshot_take_path(path, &now, &is_file, &err), 0);
+    cr_assert_not(attest_snapshot_differs(&snap, &now, NULL));
+    attest_snapshot_free(&now);
+    write_file(path, "GGUF", 4);
+    cr_assert_eq(attest_snapshot_take_path(path, &now, NULL, &err), 0);
+    dp_buf_t why = {0};
+    cr_assert(attest_snapshot_differs(&snap, &now, &why));
+    cr_assert(strstr(why.base, "tiny-f16.gguf: size"), "%s", why.base);
+    attest_snapshot_free(&now);
+    attest_snapshot_free(&snap);
+    dp_buf_free(&why);
+    dp_buf_free(&err);
+}
+
+Test(attest_measure, a_folder_hashes_as_attest_hash_dir, .init = make_tmp, .fini = rm_tree)
+{
+    char path[300], a[65], b[65];
+    snprintf(path, sizeof(path), "%s/config.json", tmp);
+    write_file(path, "{}", 2);
+    bool is_file = true;
+    cr_assert_eq(attest_hash_path(tmp, NULL, a, NULL, &is_file, NULL), 0);
+    cr_assert_not(is_file);
+    cr_assert_eq(attest_hash_dir(tmp, NULL, b, NULL, NULL, NULL), 0);
+    cr_assert_str_eq(a, b);
+    dp_buf_t err = {0};
+    snprintf(path, sizeof(path), "%s/nope.gguf", tmp);
+    cr_assert_eq(attest_hash_path(path, NULL, a, NULL, NULL, &err), -ENOENT);
+    cr_assert(strstr(err.base, "nope.gguf: No such file or directory"), "%s", err.base);
+    dp_buf_free(&err);
+}
+
+/* ---- flags against the engine ------------------------------------------------------------- */
+
+Test(attest_measure, the_engine_wins_and_a_differing_flag_is_listed)
+{
+    attest_report_t engine = {0}, ident = {0};
+    strcpy(engine.source, "llamacpp");
+    attest_report_set(&engine, ATTEST_F_QUANTIZATION, "Q8_0");
+    attest_report_set(&engine, ATTEST_F_FRAMEWORK_NAME, "llamacpp");
+    engine.model_path = dp_xstrdup("/models/tiny-q8_0.gguf");
+    attest_report_add_contradiction(&ident, "dtype", "stale", "from an earlier read");
+    attest_engine_merge(&engine, "F16", "float16", &ident);
+    cr_assert_str_eq(ident.quantization, "Q8_0");
+    cr_assert_str_eq(ident.dtype, "float16", "llama.cpp reports no dtype: the flag's");
+    cr_assert_eq(ident.measured, 1u << ATTEST_F_QUANTIZATION | 1u << ATTEST_F_FRAMEWORK_NAME);
+    cr_assert_eq(ident.ncontradictions, 1, "each read states them anew");
+    cr_assert_str_eq(ident.contradictions[0].field, "quantization");
+    cr_assert_str_eq(ident.contradictions[0].flag, "F16");
+    cr_assert_str_eq(ident.contradictions[0].engine, "Q8_0");
+    cr_assert_str_eq(ident.model_path, "/models/tiny-q8_0.gguf");
+    /* Spelling is no contradiction; no flag, nothing to contradict. */
+    attest_engine_merge(&engine, "q8_0", NULL, &ident);
+    cr_assert_eq(ident.ncontradictions, 0);
+    cr_assert_str_eq(ident.quantization, "Q8_0");
+    cr_assert_null(ident.dtype);
+    attest_report_clear(&engine);
+    attest_report_clear(&ident);
+}
+
+Test(attest_measure, every_adapter_reports_the_path_it_loaded)
+{
+    static const struct {
+        cfg_attest_source_t src;
+        const char *body, *path;
+    } cases[] = {
+        {CFG_ATTEST_LLAMACPP,
+         "{\"build_info\":\"b1\",\"model_ftype\":\"Q8_0\",\"model_path\":\"/m/t.gguf\"}",
+         "/m/t.gguf"},
+        {CFG_ATTEST_SGLANG,
+         "{\"model_path\":\"/models/llama\",\"served_model_name\":\"l\",\"version\":\"0.3\"}",
+         "/models/llama"},
+        {CFG_ATTEST_VLLM,
+         "{\"data\":[{\"id\":\"l\",\"owned_by\":\"vllm\",\"root\":\"/models/llama\"}]}",
+         "/models/llama"},
+        {CFG_ATTEST_TGI,
+         "{\"model_id\":\"/data\",\"version\":\"2\",\"router\":\"text-generation-router\"}",
+         "/data"},
+    };
+    for (size_t i = 0; i < DP_ARRAY_SIZE(cases); i++) {
+        const attest_adapter_t *ad = attest_adapter_for(cases[i].src);
+        dp_iovec_t b[2] = {{cases[i].body, strlen(cases[i].body)}, {NULL, 0}};
+        attest_report_t r = {0};
+        dp_buf_t why = {0};
+        cr_assert_eq(ad->parse(b, ad->npaths, &r, &why), 0, "%s: %s", ad->name, why.base);
+        cr_assert_str_eq(r.model_path, cases[i].path, "%s", ad->name);
+        attest_report_clear(&r);
+        dp_buf_free(&why);
+    }
+    /* A TGI whose /info has quantize reports it; released ones do not have it. */
+    static const char tgi[] = "{\"model_id\":\"m\",\"version\":\"2\",\"quantize\":\"awq\"}";
+    dp_iovec_t b = {tgi, sizeof(tgi) - 1};
+    attest_report_t r = {0};
+    dp_buf_t why = {0};
+    cr_assert_eq(attest_adapter_for(CFG_ATTEST_TGI)->parse(&b, 1, &r, &why), 0);
+    cr_assert_str_eq(r.quantization, "awq");
+    attest_report_clear(&r);
+}
+
+/* ---- /proc: the listener, the process, the model ------------------------------------------ */
+
+static const char tcp4[] =
+    "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout "
+    "inode\n"
+    "   0: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 "
+    "111 1 0000000000000000 20 4 30 10 -1\n"
+    "   1: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
+    "222 1 0000000000000000 100 0 0 10 0\n"
+    "   2: 00000000:1F92 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
+    "333 1 0000000000000000 100 0 0 10 0\n"
+    "   3: 0500000A:1F93 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
+    "444 1 0000000000000000 100 0 0 10 0\n";
+static const char tcp6[] =
+    "  sl  local_address                         remote_address                        st "
+    "tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    "   0: 00000000000000000000000000000000:1F94 00000000000000000000000000000000:0000 0A "
+    "00000000:00000000 00:00000000 00000000     0        0 555 1 0000000000000000 100 0 0 10 0\n"
+    "   1: 0000000000000000FFFF00000100007F:1F95 00000000000000000000000000000000:0000 0A "
+    "00000000:00000000 00:00000000 00000000     0        0 666 1 0000000000000000 100 0 0 10 0\n";
+
+static struct sockaddr_in v4(const char *ip, uint16_t port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, ip, &a.sin_addr);
+    return a;
+}
+
+Test(attest_measure, the_listener_of_a_port_is_found_in_proc_net_tcp)
+{
+    /* Little-endian words, as the kernel prints them on this (x86) machine. */
+    uint32_t probe = 1;
+    if (*(uint8_t *)&probe != 1)
+        cr_skip_test("the sample tables are a little-endian host's");
+    struct sockaddr_in a = v4("127.0.0.1", 8080);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 0,
+                 "8080 is an established connection, not a listener");
+    a = v4("127.0.0.1", 8081);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 222);
+    a = v4("127.0.0.1", 8082); /* 0.0.0.0:8082 serves every address */
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 333);
+    a = v4("127.0.0.1", 8083); /* bound to 10.0.0.5 only */
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 0);
+    a = v4("10.0.0.5", 8083);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 444);
+    a = v4("127.0.0.1", 8084); /* [::]:8084, dual stack */
+    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a), 555);
+    a = v4("127.0.0.1", 8085); /* [::ffff:127.0.0.1]:8085 */
+    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a), 666);
+    struct sockaddr_in6 s6 = {.sin6_family = AF_INET6, .sin6_port = htons(8082)};
+    inet_pton(AF_INET6, "::1", &s6.sin6_addr);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&s6), 0,
+                 "a v4 socket never serves a v6 address");
+    cr_assert_eq(attest_net_listener("", 0, false, (struct sockaddr *)&a), 0);
+}
+
+Test(attest_measure, this_process_is_found_by_its_listening_socket)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = v4("127.0.0.1", 0);
+    socklen_t len = sizeof(a);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(listen(fd, 1), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    cr_assert(attest_addr_is_local((struct sockaddr *)&a));
+    struct sockaddr_in far = v4("192.0.2.1", 80); /* TEST-NET-1: nobody's address */
+    cr_assert_not(attest_addr_is_local((struct sockaddr *)&far));
+    int64_t ino = attest_proc_listener("/proc", (struct sockaddr *)&a);
+    cr_assert_gt(ino, 0);
+    struct stat st;
+    cr_assert_eq(fstat(fd, &st), 0);
+    cr_assert_eq((uint64_t)ino, (uint64_t)st.st_ino);
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, 0), getpid());
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, getpid()), 0, "never self");
+    cr_assert_gt(attest_proc_start_time("/proc", getpid()), 0);
+    close(fd);
+    cr_assert_eq(attest_proc_listener("/proc", (struct sockaddr *)&a), 0, "closed: none");
+}
+
+/* A fake /proc/41 whose root is a folder of the test: the engine in a chroot or another mount
+ * namespace, whose /models the agent does not have. */
+static void fake_engine_root(char *proc, char *root)
+{
+    char p[400];
+    snprintf(root, 300, "%s/engine-root", tmp);
+    snprintf(p, sizeof(p), "%s/models/llama", root);
+    char cmd[1200];
+    snprintf(cmd, sizeof(cmd), "mkdir -p '%s' '%s/proc/41'", p, tmp);
+    cr_assert_eq(system(cmd), 0);
+    snprintf(p, sizeof(p), "%s/models/llama/tiny.gguf", root);
+    write_file(p, "GGUF", 4);
+    snprintf(proc, 300, "%s/proc", tmp);
+    snprintf(p, sizeof(p), "%s/proc/41/root", tmp);
+    cr_assert_eq(symlink(root, p), 0);
+    snprintf(p, sizeof(p), "%s/proc/41/cwd", tmp);
+    char models[400];
+    snprintf(models, sizeof(models), "%s/models", root);
+    cr_assert_eq(symlink(models, p), 0);
+}
+
+Test(attest_measure, the_engines_model_is_found_through_its_root, .init = make_tmp, .fini = rm_tree)
+{
+    char proc[300], root[300], dir[400];
+    fake_engine_root(proc, root);
+    attest_located_t l;
+    dp_buf_t why = {0};
+    cr_assert_eq(attest_engine_locate(proc, 41, "/models/llama/tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_FOUND, "%s", why.base);
+    char want[400];
+    snprintf(want, sizeof(want), "%s/41/root/models/llama/tiny.gguf", proc);
+    cr_assert_str_eq(l.path, want);
+    /* --model-dir: the file itself, its folder, a folder above it; not another folder. */
+    struct stat st;
+    snprintf(dir, sizeof(dir), "%s/models/llama", root);
+    cr_assert_eq(stat(dir, &st), 0);
+    cr_assert(attest_located_under(&l, &st));
+    snprintf(dir, sizeof(dir), "%s/models/llama/tiny.gguf", root);
+    cr_assert_eq(stat(dir, &st), 0);
+    cr_assert(attest_located_under(&l, &st));
+    cr_assert_eq(stat(root, &st), 0);
+    cr_assert(attest_located_under(&l, &st), "the engine's / is above everything it has");
+    cr_assert_eq(stat(tmp, &st), 0);
+    cr_assert_not(attest_located_under(&l, &st), "above the engine's root is not its folder");
+    attest_located_free(&l);
+    /* Relative: through its working directory. */
+    cr_assert_eq(attest_engine_locate(proc, 41, "llama/tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_FOUND);
+    attest_located_free(&l);
+    /* Not there, or out of sight. */
+    dp_buf_reset(&why);
+    cr_assert_eq(attest_engine_locate(proc, 41, "/models/other.gguf", true, &l, &why),
+                 ATTEST_LOC_NOT_VISIBLE);
+    cr_assert(strstr(why.base, "neither here nor in the engine's root"), "%s", why.base);
+    dp_buf_reset(&why);
+    cr_assert_eq(attest_engine_locate(proc, 0, "/models/llama/tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_NOT_VISIBLE);
+    cr_assert(strstr(why.base, "share the engine's process namespace"), "%s", why.base);
+    dp_buf_reset(&why);
+    cr_assert_eq(attest_engine_locate(proc, 0, "tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_NOT_VISIBLE);
+    /* A Hub id is no path: SGLang, vLLM and TGI fetch it. */
+    cr_assert_eq(attest_engine_locate(proc, 0, "meta-llama/Llama-3.1-8B", false, &l, &why),
+                 ATTEST_LOC_NOT_LOCAL);
+    cr_assert_eq(attest_engine_locate(proc, 41, "meta-llama/Llama-3.1-8B", false, &l, &why),
+                 ATTEST_LOC_NOT_LOCAL);
+    /* A path both sides see alike is taken as it is (it outlives the process). */
+    cr_assert_eq(attest_engine_locate(proc, 0, want, true, &l, &why), ATTEST_LOC_FOUND);
+    cr_assert_str_eq(l.path, want);
+    cr_assert_eq(l.prefix, 0);
+    attest_located_free(&l);
+    dp_buf_free(&why);
+}
+
+Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .fini = rm_tree)
+{
+    char path[300], other[300];
+    snprintf(path, sizeof(path), "%s/tiny.gguf", tmp);
+    snprintf(other, sizeof(other), "%s/other.gguf", tmp);
+    write_file(path, "GGUF....", 8);
+    write_file(other, "GGUF----", 8);
+    attest_snapshot_t snap;
+    cr_assert_eq(attest_snapshot_take_path(path, &snap, NULL, NULL), 0);
+    dp_buf_t instead = {0};
+    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
+                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert_eq(instead.len, 0);
+    /* Another GGUF open: the process runs something other than the reported file. */
+    int ofd = open(other, O_RDONLY);
+    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
+                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert_str_eq(instead.base, other);
+    dp_buf_reset(&instead);
+    int fd = open(path, O_RDONLY);
+    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead), ATTEST_LOADED_OPEN);
+    void *m = mmap(NULL, 8, PROT_READ, MAP_PRIVATE, fd, 0);
+    cr_assert_neq(m, MAP_FAILED);
+    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead), ATTEST_LOADED_MAPPED);
+    cr_assert_eq(instead.len, 0);
+    munmap(m, 8);
+    close(fd);
+    close(ofd);
+    /* A maps line names its device as major:minor in hex. */
+    static const char maps[] = "7f00-7f10 r--s 00000000 fd:01 1234   /models/t.gguf\n"
+                               "7f10-7f20 r-xp 00000000 00:00 0\n";
+    cr_assert(attest_maps_has(maps, sizeof(maps) - 1, makedev(0xfd, 1), 1234, NULL));
+    cr_assert_not(attest_maps_has(maps, sizeof(maps) - 1, makedev(0xfd, 2), 1234, NULL));
+    cr_assert(attest_maps_has(maps, sizeof(maps) - 1, 7, 7, "/models/t.gguf"), "by its path");
+    attest_snapshot_free(&snap);
+    dp_buf_free(&instead);
+}
