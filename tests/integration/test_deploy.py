@@ -1513,6 +1513,19 @@ def test_k8s_agent_admitted_by_gateway():
         with open(host_man, encoding="utf-8") as fh:
             man = json.load(fh)
         man["checkpoint_sha256"] = digest
+        if man.get("canary"):
+            # ... and the canary's hash, as `detproxy attest canary` records it from a replica
+            # one trusts: the same server, its greedy answer to the canary prompt.
+            ref = start_sim("--flavor", "vllm", "--model", va.get("--served-model-name"),
+                            "--framework-version", version, "--quantization", va["--quantization"],
+                            "--dtype", va["--dtype"], "--checkpoint-sha256", digest)
+            can = man["canary"]
+            r = post_json(ref.port, "/v1/completions",
+                          {"model": man["model"], "prompt": can["prompt"],
+                           "max_tokens": can["max_tokens"], "temperature": 0, "seed": 0})
+            can["expected_sha256"] = hashlib.sha256(
+                r.json()["choices"][0]["text"].encode()).hexdigest()
+            ref.stop()
         os.remove(host_man)
         with open(host_man, "w", encoding="utf-8") as fh:
             json.dump(man, fh)

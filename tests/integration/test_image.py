@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from harness import (DETPROXY_BIN, SLOW, SOURCE_DIR, free_port, get_json, http, poll_until,
-                     post_json, run_tests)
+                     post_json, run_tests, start_sim)
 
 SKIP = 77
 IMAGE = os.environ.get("DP_TEST_IMAGE", "localhost/detproxy:test")
@@ -296,15 +296,27 @@ def playable_sidecar_pod(ports, d):
     cfg["attestation"]["interval_ms"] = 1000
     model = pool["models"][0]
     man = json.loads(cms["detproxy-manifests"]["data"]["llama.json"])
+    sim_args = ["--flavor", man["framework"]["name"], "--framework-version",
+                man["framework"]["version"], "--model", model, "--quantization",
+                man.get("quantization", "none"), "--dtype", man.get("dtype", "float16"),
+                "--checkpoint-sha256", man["checkpoint_sha256"]]
+    if man.get("canary"):
+        # The manifest's canary hash is a placeholder to record from a trusted replica: record
+        # it from the same simulator, run here, as `detproxy attest canary` would.
+        ref = start_sim(*sim_args)
+        can = man["canary"]
+        r = post_json(ref.port, "/v1/completions",
+                      {"model": man.get("model", model), "prompt": can["prompt"],
+                       "max_tokens": can["max_tokens"], "temperature": 0, "seed": 0})
+        can["expected_sha256"] = hashlib.sha256(
+            r.json()["choices"][0]["text"].encode()).hexdigest()
+        ref.stop()
     # The app: the simulator, as the replica the manifest pins.
     app = [c for c in spec["containers"] if c["name"] == "app"][0]
     app["image"] = IMAGE
     app["command"] = ["detproxy-sim"]
-    app["args"] = ["--listen", "127.0.0.1:%d" % ports["sim"], "--flavor",
-                   man["framework"]["name"], "--framework-version", man["framework"]["version"],
-                   "--model", model, "--quantization", man.get("quantization", "none"),
-                   "--dtype", man.get("dtype", "float16"), "--checkpoint-sha256",
-                   man["checkpoint_sha256"], "--attest-key", "/etc/sim/pipeline.key.pem"]
+    app["args"] = ["--listen", "127.0.0.1:%d" % ports["sim"]] + sim_args + [
+        "--attest-key", "/etc/sim/pipeline.key.pem"]
     app.pop("lifecycle", None)  # preStop sleep: podman 4.3 does not know the sleep action
     app["ports"] = [{"name": "http", "containerPort": ports["sim"]}]
     app.setdefault("volumeMounts", []).append({"name": "sim-key", "mountPath": "/etc/sim",
