@@ -4,12 +4,14 @@
 #   - crun fails here (cgroup v1/v2 hybrid layout): runc is made the engine's runtime;
 #   - setrlimit inside containers fails unless containers.conf has default_ulimits = [];
 #   - no registry: debian:bookworm-slim (the Dockerfile's base) is made locally with
-#     `mmdebstrap --variant=minbase bookworm` and `podman import`.
+#     `mmdebstrap --variant=minbase bookworm` and `podman import`;
+#   - `podman kube play` builds its pause image around catatonit, which podman only recommends
+#     (and this script installs without recommends).
 # Idempotent; run as root. Exit 0 when podman is ready, else non-zero with the reason.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for p in podman runc mmdebstrap; do
+for p in podman runc mmdebstrap catatonit; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

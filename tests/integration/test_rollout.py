@@ -23,7 +23,9 @@ def rollout_proxy(base, cand_replicas, cand_models=(MODEL,), shadow_rate=0.5, se
     cand.update(cand_extra or {})
     px = start_proxy(pools=[pool("p", [MODEL], base,
                                  candidates=[{"pool": "next", "rate": 1.0}]), cand],
-                     shadow={"rate": shadow_rate, "self_rate": self_rate, "max_inflight": 8,
+                     # Room for every copy of a test's load: under a loaded box the candidate
+                     # answers slower than the baseline, and a copy over the bound is skipped.
+                     shadow={"rate": shadow_rate, "self_rate": self_rate, "max_inflight": 64,
                              "max_output_bytes": 65536},
                      ready=ready)
     return px

@@ -5,8 +5,10 @@ slot (docs/drift.md, "Which requests are copied, and where"; docs/attestation.md
 requests take a slot"). A recording relay in front of each server counts generation requests in
 flight: never two, and every answer at temperature 0 equals the same prompt sent alone. Prints a
 `measured:` line (answers compared, overlaps, copies skipped). Copies themselves may still
-differ: a self copy right after its primary meets llama.cpp's prompt cache (`cache_prompt`),
-another numerical path; a `single_sequence` pool turns that cache off.
+differ where they meet llama.cpp's prompt cache, another numerical path: the clients here send
+`cache_prompt: false` (their copies carry the same body; a `single_sequence` pool forces it),
+since with the cache a prompt's answer depends on what the slot served before, one at a time
+or not.
 
 Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
 77 when it is missing or the Debian archive cannot be reached."""
@@ -126,7 +128,8 @@ class Relay:
 def alone(url, prompt, **extra):
     """The server's answer to prompt sent directly, nothing else on it."""
     port = int(url.rsplit(":", 1)[1])
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "cache_prompt": False}
     body.update(extra)
     r = post_json(port, "/v1/completions", body, timeout=60)
     assert r.status == 200, r
@@ -174,7 +177,8 @@ def test_one_slot_holds_for_every_request_we_send():
                     try:
                         r = post_json(px.port, "/v1/completions",
                                       {"model": "tiny", "prompt": PROMPTS[i],
-                                       "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=120)
+                                       "max_tokens": MAX_TOKENS, "temperature": 0,
+                                       "cache_prompt": False}, timeout=120)
                         assert r.status == 200, r
                         if r.json()["choices"][0]["text"] != reference[i]:
                             with lock:
