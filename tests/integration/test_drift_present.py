@@ -62,10 +62,12 @@ class Load:
                 return got
             assert self.sent - start < limit, "%s: not after %d requests: %s" % (
                 what, self.sent - start, json.dumps(drift(self.px))[:900])
+            # Every shadow of the batch ended (counted once each) before the verdict is read;
+            # counted from here, as other requests of the test draw shadows too.
+            ended = metric(self.px, "detproxy_shadow_total", pool="p")
             load(self.px, batch, self.sent)
             self.sent += batch
-            # Every shadow of the batch ended (counted once each) before the verdict is read.
-            poll_until(lambda: metric(self.px, "detproxy_shadow_total", pool="p") >= self.sent,
+            poll_until(lambda: metric(self.px, "detproxy_shadow_total", pool="p") >= ended + batch,
                        what="every shadow of %d requests ended" % self.sent)
 
 
@@ -160,7 +162,9 @@ def test_a_restarted_replica_is_named_quarantined_and_cleared_when_fixed():
         "requests_to_consistent_after_fix": consistent_req,
         "s_to_consistent_after_fix": round(consistent_s, 2)}), flush=True)
 
-    # The operator starts the statistics over: the gauge follows.
+    # The operator starts the statistics over: the gauge follows. (The ten requests above drew
+    # shadows too: every copy has ended first.)
+    poll_until(lambda: metric(px, "detproxy_shadow_copies") == 0, what="every copy ended")
     r = http("POST", px.admin_port, "/admin/drift/reset")
     assert r.status == 200 and r.json() == {"reset": ["p"]}, r
     d = drift(px)
