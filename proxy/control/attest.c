@@ -140,7 +140,7 @@ static void recheck_soon(att_t *a)
 static bool take_slot(att_t *a)
 {
     px_pool_t *p = px_gen_pool_by_name(a->px->gen, a->r->pool_name);
-    if (p == NULL || atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, a->r))
+    if (p == NULL || !px_replica_take_spare_slot(p, a->r))
         return false;
     a->holds_slot = true;
     return true;

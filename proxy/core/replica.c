@@ -419,6 +419,11 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
     return false;
 }
 
+bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r)
+{
+    return atomic_load(&p->waiting) == 0 && px_replica_take_slot(p, r);
+}
+
 void px_replica_put_slot(px_replica_t *r)
 {
     unsigned prev = atomic_fetch_sub(&r->inflight, 1);

@@ -136,5 +136,8 @@ bool px_replica_serving(const px_replica_t *r);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */
 bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);
+/* The same for detproxy's own requests (copies, the probe, the canary): never while requests of
+ * the pool wait in the admission queue, so they never go ahead of a client. */
+bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r);
 void px_replica_put_slot(px_replica_t *r);
 #endif

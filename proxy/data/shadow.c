@@ -683,7 +683,7 @@ static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool
         px_replica_state_t st = px_replica_state(r);
         if (st != PX_REPLICA_ADMITTED && !(quarantined && st == PX_REPLICA_QUARANTINED))
             continue;
-        if (atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, r)) {
+        if (!px_replica_take_spare_slot(p, r)) {
             *busy = true;
             continue;
         }
@@ -699,7 +699,7 @@ static px_replica_t *self_target(px_pool_t *p, px_replica_t *primary, bool *busy
     *busy = false;
     if (primary == NULL || primary->up == NULL)
         return NULL;
-    if (atomic_load(&p->waiting) > 0 || !px_replica_take_slot(p, primary)) {
+    if (!px_replica_take_spare_slot(p, primary)) {
         *busy = true;
         return NULL;
     }
