@@ -309,8 +309,10 @@ def test_noise_only_under_concurrency():
         def one(_):
             return text_of(post_json(s.port, "/v1/completions", body).json())
 
+        # Two rounds of 8 in flight: with near-ties flipped at p = 0.5, two distinct outputs
+        # among 8 answers (and none new) happened by chance under a loaded CI machine.
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
-            parallel = set(ex.map(one, range(8)))
+            parallel = set(ex.map(one, range(16)))
         st = get_json(s.port, "/_sim/stats")
         assert st["max_inflight_seen"] >= 2, st
         assert len(parallel | sequential) >= 3, (parallel, sequential)
