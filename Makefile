@@ -10,7 +10,10 @@
 #                         (build/valgrind; VALGRIND_TESTS=regex narrows them)
 #   make fuzz             libFuzzer targets for a bounded time (FUZZ_SECONDS, default 60)
 #   make image            the container image (deploy/docker/Dockerfile) with podman
-#                         (IMAGE, default localhost/detproxy:latest; scripts/image.sh)
+#                         (IMAGE, default localhost/detproxy:latest; scripts/image.sh); as root
+#                         it sets podman up first (scripts/podman-setup.sh)
+#   make image IMAGE_FROM=host  the same image from the binaries in build/release and the
+#                         libraries they load: nothing from any archive
 SANITIZE ?= 0
 JOBS ?= $(shell nproc)
 ifeq ($(SANITIZE),1)
@@ -66,8 +69,9 @@ fuzz: deps
 	@cmake --build build/fuzz -j $(JOBS) --target fuzzers $(QUIET_BUILD)
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/run.sh build/fuzz
 
+IMAGE_FROM ?= source
 image:
-	@scripts/image.sh
+	@IMAGE_FROM=$(IMAGE_FROM) BUILD=$(BUILD) scripts/image.sh
 
 format:
 	@git ls-files '*.c' '*.h' | xargs clang-format -i

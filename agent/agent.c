@@ -263,6 +263,9 @@ static void oms_done(agent_t *a, job_t *j)
     snprintf(r->oms_signer, sizeof(r->oms_signer), "%s", j->oms.verified ? j->oms.signer : "");
     snprintf(r->oms_root_digest, sizeof(r->oms_root_digest), "%s",
              j->oms.verified ? j->oms.root_digest : "");
+    bool keyless = j->oms.verified && j->oms.signed_at > 0;
+    snprintf(r->oms_identity, sizeof(r->oms_identity), "%s", keyless ? a->oms_trust.identity : "");
+    snprintf(r->oms_issuer, sizeof(r->oms_issuer), "%s", keyless ? a->oms_trust.issuer : "");
     dp_jw_t *w = dp_log_begin(j->oms.verified ? DP_LOG_INFO : DP_LOG_ERROR,
                               j->oms.verified ? "oms_verified" : "oms_not_verified");
     if (w) {
@@ -270,6 +273,11 @@ static void oms_done(agent_t *a, job_t *j)
         dp_jw_str(w, "method", j->oms.method);
         dp_jw_str(w, "signer", j->oms.signer[0] ? j->oms.signer : NULL);
         dp_jw_str(w, "root_digest", j->oms.root_digest[0] ? j->oms.root_digest : NULL);
+        if (keyless) {
+            dp_jw_str(w, "identity", r->oms_identity);
+            dp_jw_str(w, "issuer", r->oms_issuer);
+            dp_jw_int(w, "signed_at", j->oms.signed_at);
+        }
         dp_jw_arr_begin(w, "findings");
         for (size_t i = 0; i < j->oms.findings.count && i < 100; i++)
             dp_jw_str(w, NULL, j->oms.findings.items[i]);
@@ -971,7 +979,10 @@ static void fw_check(agent_t *a)
                       .base = f->url.path,
                       .bearer = f->api_key,
                       .extra_headers = fw_headers,
-                      .model = a->ident.model};
+                      .model = a->ident.model,
+                      /* The agent's requests to its engine are outside the proxy's admission
+                       * slots: where the metadata names the fingerprint, send no completion. */
+                      .metadata_fingerprint = true};
     f->probe = probe_start(&o, fw_checked, a);
 }
 
@@ -1135,6 +1146,9 @@ typedef struct {
     const char *listen, *dir, *model, *quant, *dtype;
     const char *fw_name, *fw_version, *fw_url, *fw_key_file, *key_path;
     const char *tls_cert, *tls_key, *oms_bundle, *oms_pubkey;
+    const char *oms_root, *oms_identity, *oms_issuer;
+    dp_arg_list_t oms_ignore;
+    const char *oms_ignore_store[256];
     const char *det_mode, *det_pid, *det_process, *engine_pid;
     uint64_t watch_ms, refresh_ms;
     int log_level; /* -1: not given */
@@ -1252,6 +1266,29 @@ static const dp_arg_t serve_table[] = {
      .off = offsetof(serve_opts_t, oms_pubkey),
      .meta = "PEM",
      .help = "the publisher's EC public key the bundle must verify with"},
+    {.name = "--oms-trusted-root",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, oms_root),
+     .meta = "FILE",
+     .help = "for a keyless (Sigstore) bundle instead: the trusted_root.json\n"
+             "its certificate and Rekor entry must verify against, with\n"
+             "--oms-identity and --oms-issuer"},
+    {.name = "--oms-identity",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, oms_identity),
+     .meta = "ID",
+     .help = "the identity (email, URI) the keyless certificate must name"},
+    {.name = "--oms-issuer",
+     .kind = DP_ARG_STR,
+     .off = offsetof(serve_opts_t, oms_issuer),
+     .meta = "URL",
+     .help = "the OIDC issuer the keyless certificate must name"},
+    {.name = "--oms-ignore-path",
+     .kind = DP_ARG_LIST,
+     .off = offsetof(serve_opts_t, oms_ignore),
+     .meta = "P",
+     .help = "leave P (inside --model-dir; absolute, or relative to the\n"
+             "working directory) out of the OMS verification (repeatable)"},
     {.name = "--determinism",
      .kind = DP_ARG_STR,
      .off = offsetof(serve_opts_t, det_mode),
@@ -1295,7 +1332,9 @@ static const dp_args_t serve_spec = {
              "            --framework-url URL [--framework NAME] [--engine-pid PID])\n"
              "           [--key KEY.pem] [--framework-api-key-file F] [--watch-interval-ms N]\n"
              "           [--framework-refresh-ms N] [--log-level L]\n"
-             "           [--oms-bundle FILE --oms-pubkey PEM] [--tls-cert F --tls-key F]\n"
+             "           [--oms-bundle FILE (--oms-pubkey PEM | --oms-trusted-root FILE\n"
+             "            --oms-identity ID --oms-issuer URL) [--oms-ignore-path P]...]\n"
+             "           [--tls-cert F --tls-key F]\n"
              "           [--determinism batch_invariant [--determinism-pid PID | "
              "--determinism-process NAME]]",
     .about =
@@ -1390,6 +1429,7 @@ int agent_cmd_serve(int argc, char **argv)
 {
     serve_opts_t o = {
         .watch_ms = DEFAULT_WATCH_MS, .refresh_ms = DEFAULT_FW_REFRESH_MS, .log_level = -1};
+    o.oms_ignore = DP_ARG_LIST_OF(o.oms_ignore_store);
     int pr = dp_args_parse(&serve_spec, argc, argv, &o);
     if (pr != 0)
         return dp_args_exit(pr);
@@ -1477,15 +1517,40 @@ int agent_cmd_serve(int argc, char **argv)
                "them",
                NULL, NULL);
     }
-    if (!oms_bundle != !oms_pubkey) {
-        fputs("detproxy attest serve: --oms-bundle and --oms-pubkey go together (try --help)\n",
+    const char *oms_root = o.oms_root;
+    bool oms_keyless = oms_root || o.oms_identity || o.oms_issuer;
+    if (oms_keyless && (!oms_root || !o.oms_identity || !o.oms_issuer)) {
+        fputs("detproxy attest serve: --oms-trusted-root, --oms-identity and --oms-issuer go "
+              "together (try --help)\n",
               stderr);
         rc = DP_EXIT_USAGE;
         goto out;
     }
-    if (oms_pubkey) {
-        if (oms_trust_load_pubkey(&a->oms_trust, oms_pubkey, &err) != 0) {
-            fprintf(stderr, "detproxy attest serve: --oms-pubkey %s\n", err.base);
+    if (!oms_bundle != !(oms_pubkey || oms_keyless) || (oms_pubkey && oms_keyless) ||
+        (o.oms_ignore.n > 0 && !oms_bundle)) {
+        fputs("detproxy attest serve: --oms-bundle goes with one of --oms-pubkey or "
+              "--oms-trusted-root (try --help)\n",
+              stderr);
+        rc = DP_EXIT_USAGE;
+        goto out;
+    }
+    if (o.oms_ignore.n > 0 && !dir) {
+        fputs("detproxy attest serve: --oms-ignore-path needs --model-dir\n", stderr);
+        rc = DP_EXIT_USAGE;
+        goto out;
+    }
+    if (oms_bundle) {
+        const char *bad = NULL;
+        if (oms_pubkey && oms_trust_load_pubkey(&a->oms_trust, oms_pubkey, &err) != 0)
+            bad = "--oms-pubkey";
+        else if (oms_root && oms_trust_load_sigstore(&a->oms_trust, oms_root, o.oms_identity,
+                                                     o.oms_issuer, &err) != 0)
+            bad = "--oms-trusted-root";
+        for (size_t i = 0; !bad && i < o.oms_ignore.n; i++)
+            if (oms_trust_add_ignore(&a->oms_trust, dir, o.oms_ignore.items[i], &err) != 0)
+                bad = "--oms-ignore-path";
+        if (bad) {
+            fprintf(stderr, "detproxy attest serve: %s %s\n", bad, err.base);
             rc = DP_EXIT_USAGE;
             goto out;
         }

@@ -332,6 +332,10 @@ static int parse_llamacpp(const dp_iovec_t *bodies, size_t nbodies, attest_repor
     if (build) {
         attest_report_set(out, ATTEST_F_FRAMEWORK_NAME, "llamacpp");
         attest_report_set(out, ATTEST_F_FRAMEWORK_VERSION, build);
+        /* llama-server answers every completion with system_fingerprint = build_info: the
+         * engine fingerprint is read here, and no probe completion is needed (one request
+         * fewer beside client traffic on a one-sequence server). */
+        attest_report_set(out, ATTEST_F_ENGINE_FINGERPRINT, build);
     } else {
         note(out, ATTEST_F_FRAMEWORK_NAME, "this llama.cpp /props has no build_info");
         note(out, ATTEST_F_FRAMEWORK_VERSION, "this llama.cpp /props has no build_info");

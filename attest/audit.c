@@ -22,6 +22,8 @@ void audit_chain_init(audit_chain_t *c)
 {
     memcpy(c->prev, AUDIT_GENESIS, sizeof(c->prev));
     c->since_checkpoint = 0;
+    c->seq = 0;
+    c->checkpoint[0] = '\0';
 }
 
 /* The hash of a line as the chain sees it: its bytes without the '\n'. */
@@ -56,9 +58,80 @@ static uint64_t lines_since_checkpoint(const char *buf, size_t end, bool first_p
     return n;
 }
 
+/* The seq of a checkpoint line (0 when it has none: written before checkpoints were numbered). */
+static uint64_t checkpoint_seq(const char *p, size_t n)
+{
+    cJSON *o = cJSON_ParseWithLength(p, n);
+    const cJSON *s =
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "checkpoint"), "seq");
+    uint64_t seq = cJSON_IsNumber(s) && s->valuedouble >= 1 ? (uint64_t)s->valuedouble : 0;
+    cJSON_Delete(o);
+    return seq;
+}
+
+static bool is_checkpoint(const char *p, size_t n)
+{
+    return n > strlen(CHECKPOINT_HEAD) && memcmp(p, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0;
+}
+
+/* The last checkpoint of buf[0..end) (complete lines; the first one partial when
+ * first_partial): its seq and hash into c. false when there is none. */
+static bool last_checkpoint(audit_chain_t *c, const char *buf, size_t end, bool first_partial)
+{
+    size_t e = end;
+    while (e > 0) {
+        size_t s = e - 1;
+        while (s > 0 && buf[s - 1] != '\n')
+            s--;
+        if (s == 0 && first_partial)
+            return false;
+        if (is_checkpoint(buf + s, e - 1 - s)) {
+            c->seq = checkpoint_seq(buf + s, e - 1 - s);
+            line_hash(buf + s, e - s, c->checkpoint);
+            return true;
+        }
+        e = s;
+    }
+    return false;
+}
+
+/* The last checkpoint of a file too large to read whole: one pass forward. */
+static void scan_checkpoints(audit_chain_t *c, int fd)
+{
+    int d = dup(fd);
+    FILE *f = d >= 0 ? fdopen(d, "r") : NULL;
+    if (f == NULL) {
+        if (d >= 0)
+            close(d);
+        return;
+    }
+    rewind(f);
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t got;
+    while ((got = getline(&line, &cap, f)) > 0) {
+        size_t n = (size_t)got;
+        if (line[n - 1] != '\n')
+            break;
+        if (is_checkpoint(line, n - 1)) {
+            c->seq = checkpoint_seq(line, n - 1);
+            line_hash(line, n, c->checkpoint);
+        }
+    }
+    free(line);
+    fclose(f);
+}
+
 int audit_chain_resume(audit_chain_t *c, const char *path)
 {
+    return audit_chain_resume_torn(c, path, NULL);
+}
+
+int audit_chain_resume_torn(audit_chain_t *c, const char *path, audit_torn_t *torn)
+{
     audit_chain_init(c);
+    if (torn)
+        memset(torn, 0, sizeof(*torn));
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return errno == ENOENT ? 0 : -errno;
@@ -76,25 +149,62 @@ int audit_chain_resume(audit_chain_t *c, const char *path)
     if (got < 0) {
         rc = -errno;
     } else {
-        /* The last complete line: a torn tail (crash mid-write) is left for verify to name. */
+        /* The last complete line; a torn tail (crash mid-write) after it is described. */
         size_t end = (size_t)got;
         while (end > 0 && buf[end - 1] != '\n')
             end--;
-        if (end > 0) {
-            size_t start = end - 1;
-            while (start > 0 && buf[start - 1] != '\n')
-                start--;
-            if (start > 0 || (off_t)want == size) {
-                line_hash(buf + start, end - start, c->prev);
-                c->since_checkpoint = lines_since_checkpoint(buf, end, (off_t)want < size);
-            } else {
-                rc = -EFBIG; /* a last line longer than AUDIT_TAIL_MAX is not ours */
+        bool partial = (off_t)want < size;
+        if (end == 0 && partial) {
+            rc = -EFBIG; /* no line end in the whole tail: not a file of ours */
+        } else {
+            if (torn && end < (size_t)got) {
+                torn->torn = true;
+                torn->offset = (uint64_t)(size - (off_t)got + (off_t)end);
+                torn->len = (uint64_t)((size_t)got - end);
+                dp_sha256_hex(buf + end, (size_t)got - end, torn->sha256);
+            }
+            if (end > 0) {
+                size_t start = end - 1;
+                while (start > 0 && buf[start - 1] != '\n')
+                    start--;
+                if (start > 0 || !partial) {
+                    line_hash(buf + start, end - start, c->prev);
+                    c->since_checkpoint = lines_since_checkpoint(buf, end, partial);
+                    if (!last_checkpoint(c, buf, end, partial) && partial)
+                        scan_checkpoints(c, fd);
+                } else {
+                    rc = -EFBIG; /* a last line longer than AUDIT_TAIL_MAX is not ours */
+                }
             }
         }
     }
     free(buf);
     close(fd);
+    if (rc != 0)
+        audit_chain_init(c);
     return rc;
+}
+
+void audit_chain_repair(audit_chain_t *c, const audit_torn_t *t, const char *file, uint64_t wall_ms,
+                        dp_buf_t *out)
+{
+    char ts[32];
+    dp_iso8601(ts, wall_ms);
+    dp_buf_t line = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &line);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_obj_begin(&w, "repair");
+    dp_jw_str(&w, "reason", "torn_tail");
+    dp_jw_str(&w, "file", file);
+    dp_jw_uint(&w, "torn_offset", t->offset);
+    dp_jw_uint(&w, "torn_bytes", t->len);
+    dp_jw_str(&w, "torn_sha256", t->sha256);
+    dp_jw_str(&w, "time", ts);
+    dp_jw_obj_end(&w);
+    dp_jw_obj_end(&w);
+    audit_chain_append(c, line.base, line.len, out);
+    dp_buf_free(&line);
 }
 
 int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out)
@@ -133,6 +243,7 @@ int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char
     dp_jw_str(&w, "reason", reason);
     dp_jw_str(&w, "time", ts);
     dp_jw_uint(&w, "lines", c->since_checkpoint);
+    dp_jw_uint(&w, "seq", c->seq + 1);
     dp_jw_obj_end(&w);
     dp_jw_str(&w, "prev_sha256", c->prev);
     dp_jw_str(&w, "keyid", attest_key_id(key));
@@ -146,6 +257,8 @@ int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char
     dp_base64_encode(sig, sizeof(sig), out);
     dp_buf_appends(out, "\"}");
     line_hash(out->base + start, out->len - start, c->prev);
+    memcpy(c->checkpoint, c->prev, sizeof(c->checkpoint));
+    c->seq++;
     dp_buf_appendc(out, '\n');
     c->since_checkpoint = 0;
     return 0;
@@ -213,7 +326,7 @@ static bool is_hex64(const char *s)
 }
 
 static int check_body(const char *store, const cJSON *obj, const char *field, const char *flag,
-                      dp_buf_t *why, audit_verify_result_t *r)
+                      dp_buf_t *why, uint64_t *checked)
 {
     const cJSON *h = cJSON_GetObjectItemCaseSensitive(obj, field);
     if (!cJSON_IsString(h))
@@ -242,7 +355,44 @@ static int check_body(const char *store, const cJSON *obj, const char *field, co
                       h->valuestring, got);
         return -1;
     }
-    r->bodies_checked++;
+    (*checked)++;
+    return 0;
+}
+
+static int check_repair(const cJSON *rep, const audit_verify_opts_t *o, audit_verify_result_t *r,
+                        dp_buf_t *why)
+{
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(rep, "torn_offset");
+    const cJSON *len = cJSON_GetObjectItemCaseSensitive(rep, "torn_bytes");
+    const cJSON *sha = cJSON_GetObjectItemCaseSensitive(rep, "torn_sha256");
+    const cJSON *file = cJSON_GetObjectItemCaseSensitive(rep, "file");
+    if (!cJSON_IsNumber(off) || !cJSON_IsNumber(len) || !cJSON_IsString(sha) ||
+        !cJSON_IsString(file) || !is_hex64(sha->valuestring)) {
+        dp_buf_appends(why, "repair: malformed (want torn_offset, torn_bytes, torn_sha256, file)");
+        return -1;
+    }
+    if (r->lines != 1) {
+        dp_buf_appends(why, "repair: only a file's first line repairs the previous file");
+        return -1;
+    }
+    if (o->expect_torn && ((uint64_t)off->valuedouble != o->expect_torn->offset ||
+                           (uint64_t)len->valuedouble != o->expect_torn->len ||
+                           strcmp(sha->valuestring, o->expect_torn->sha256) != 0)) {
+        dp_buf_printf(why,
+                      "repair: names %.0f torn bytes at offset %.0f (SHA-256 %.12s..), the "
+                      "previous file ends with %llu at %llu (%.12s..)",
+                      len->valuedouble, off->valuedouble, sha->valuestring,
+                      (unsigned long long)o->expect_torn->len,
+                      (unsigned long long)o->expect_torn->offset, o->expect_torn->sha256);
+        return -1;
+    }
+    if (o->expect_prev && !o->expect_torn) {
+        dp_buf_appends(why, "repair: the previous file given does not end with a torn line");
+        return -1;
+    }
+    r->repaired = true;
+    r->repaired_offset = (uint64_t)off->valuedouble;
+    snprintf(r->repaired_file, sizeof(r->repaired_file), "%s", file->valuestring);
     return 0;
 }
 
@@ -275,6 +425,33 @@ static int check_checkpoint(const char *line, size_t n, const cJSON *obj,
         dp_buf_printf(why, "checkpoint: says %.0f lines since the previous one, found %llu",
                       lines->valuedouble, (unsigned long long)since);
         return -1;
+    }
+    const cJSON *seqj = cJSON_GetObjectItemCaseSensitive(cp, "seq");
+    uint64_t seq = cJSON_IsNumber(seqj) && seqj->valuedouble >= 1 ? (uint64_t)seqj->valuedouble : 0;
+    uint64_t before = r->last_seq ? r->last_seq : o->prev_seq;
+    if (seq && before && seq != before + 1) {
+        dp_buf_printf(why, "checkpoint: seq %llu follows seq %llu (checkpoints were removed)",
+                      (unsigned long long)seq, (unsigned long long)before);
+        return -1;
+    }
+    if (seq) {
+        if (r->first_seq == 0)
+            r->first_seq = seq;
+        r->last_seq = seq;
+        char h[65];
+        dp_sha256_hex(line, n, h);
+        for (size_t i = 0; i < o->nanchors; i++) {
+            if (o->anchors[i].seq != seq)
+                continue;
+            if (strcmp(o->anchors[i].sha256, h) != 0) {
+                dp_buf_printf(why,
+                              "checkpoint seq %llu hashes to %.12s.., the anchor says %.12s.. "
+                              "(the history up to it was rewritten)",
+                              (unsigned long long)seq, h, o->anchors[i].sha256);
+                return -1;
+            }
+            o->anchors[i].found = true;
+        }
     }
     r->checkpoints++;
     if (o->pubkey == NULL)
@@ -325,7 +502,16 @@ static int verify_line(const char *line, size_t n, const audit_verify_opts_t *o,
                       ps->valuestring, prev);
         goto out;
     }
-    if (cJSON_GetObjectItemCaseSensitive(obj, "checkpoint")) {
+    const cJSON *rep = cJSON_GetObjectItemCaseSensitive(obj, "repair");
+    if (rep) {
+        if (check_repair(rep, o, r, why) != 0)
+            goto out;
+        (*since)++;
+    } else if (r->lines == 1 && o->expect_torn) {
+        dp_buf_appends(why, "the previous file ends with a torn line and this file does not "
+                            "start with its repair line");
+        goto out;
+    } else if (cJSON_GetObjectItemCaseSensitive(obj, "checkpoint")) {
         if (check_checkpoint(line, n, obj, o, *seen_checkpoint, *since, why, r) != 0)
             goto out;
         *seen_checkpoint = true;
@@ -333,9 +519,11 @@ static int verify_line(const char *line, size_t n, const audit_verify_opts_t *o,
     } else {
         (*since)++;
         if (o->store && (check_body(o->store, obj, "forwarded_body_sha256", "forwarded_body_stored",
-                                    why, r) != 0 ||
+                                    why, &r->bodies_checked) != 0 ||
                          check_body(o->store, obj, "response_body_sha256", "response_body_stored",
-                                    why, r) != 0))
+                                    why, &r->bodies_checked) != 0 ||
+                         check_body(o->store, obj, "attestation_sha256", "attestation_stored", why,
+                                    &r->evidence_checked) != 0))
             goto out;
     }
     dp_sha256_hex(line, n, prev);
@@ -366,7 +554,16 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
         r->lines++;
         size_t n = (size_t)got;
         if (n == 0 || line[n - 1] != '\n') {
-            dp_buf_appends(why, "incomplete last line (no newline: a torn write?)");
+            if (o->allow_torn) {
+                r->lines--;
+                r->torn.torn = true;
+                r->torn.offset = (uint64_t)ftello(f) - n;
+                r->torn.len = n;
+                dp_sha256_hex(line, n, r->torn.sha256);
+                break;
+            }
+            dp_buf_appends(why, "incomplete last line (no newline: a torn write, repaired by the "
+                                "next file's first line if the proxy restarted)");
             rc = -1;
         } else if (n - 1 > AUDIT_LINE_MAX) {
             dp_buf_appends(why, "line too long");

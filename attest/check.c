@@ -99,6 +99,16 @@ void attest_check_read(const attest_check_t *c, const attest_answer_t *answers,
     }
     dp_buf_t why = {0};
     out->verdict = ATTEST_V_REPORTED;
+    if (c->source == CFG_ATTEST_AGENT) {
+        dp_buf_append(&out->evidence, answers[0].body ? answers[0].body : "", answers[0].len);
+    } else {
+        for (size_t i = 0; i < c->nrequests; i++) {
+            dp_buf_printf(&out->evidence, "GET %s %d %zu\n", c->requests[i].target,
+                          answers[i].status, answers[i].len);
+            dp_buf_append(&out->evidence, answers[i].body ? answers[i].body : "", answers[i].len);
+            dp_buf_appendc(&out->evidence, '\n');
+        }
+    }
     /* attest_check_plan gives an agent and a source of none their one request. */
     assert((c->source != CFG_ATTEST_NONE && c->source != CFG_ATTEST_AGENT) || c->nrequests == 1);
     if (c->source == CFG_ATTEST_NONE) {
@@ -133,6 +143,13 @@ bool attest_check_wants_probe(const attest_check_t *c, const attest_outcome_t *o
            c->source != CFG_ATTEST_NONE;
 }
 
+const char *attest_check_metadata_fingerprint(const attest_check_t *c, const attest_outcome_t *out)
+{
+    if (out->verdict != ATTEST_V_REPORTED || c->source != CFG_ATTEST_LLAMACPP)
+        return NULL;
+    return out->report.framework_version; /* build_info (attest/adapters.c) */
+}
+
 const char *attest_check_probe_model(const attest_outcome_t *out, const char *fallback)
 {
     return out->report.model ? out->report.model : fallback ? fallback : "";
@@ -140,6 +157,9 @@ const char *attest_check_probe_model(const attest_outcome_t *out, const char *fa
 
 void attest_check_probe_read(attest_outcome_t *out, const attest_answer_t *a)
 {
+    dp_buf_printf(&out->evidence, "POST /v1/completions %d %zu\n", a->status, a->len);
+    dp_buf_append(&out->evidence, a->body ? a->body : "", a->len);
+    dp_buf_appendc(&out->evidence, '\n');
     dp_iovec_t b = {NULL, 0};
     if (a->status == 200)
         b = (dp_iovec_t){a->body ? a->body : "", a->len};
@@ -169,6 +189,7 @@ void attest_outcome_clear(attest_outcome_t *out)
 {
     attest_report_clear(&out->report);
     attest_reasons_free(&out->reasons);
+    dp_buf_free(&out->evidence);
     memset(out, 0, sizeof(*out));
 }
 

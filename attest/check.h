@@ -73,6 +73,11 @@ typedef struct {
                                * mismatch (attest_admit) */
     int status;               /* UNREACHABLE: the failing answer's status (0: below HTTP) */
     char detail[256];         /* UNREACHABLE below HTTP: the answer's detail (or error) alone */
+    /* REPORTED and after: the bytes the verdict rests on, as an auditor can judge them again
+     * (docs/operations.md, "Evidence"): an agent's signed envelope verbatim; for a native
+     * source each answer as "GET <target> <status> <length>\n<body>\n", then the probe
+     * completion's as "POST /v1/completions <status> <length>\n<body>\n" when one was sent. */
+    dp_buf_t evidence;
 } attest_outcome_t;
 
 /* The requests for a replica with this source. base: the replica's URL path prefix ("" or
@@ -97,6 +102,10 @@ void attest_check_read(const attest_check_t *c, const attest_answer_t *answers,
 
 /* A REPORTED outcome of a native source: send the engine-fingerprint probe now. */
 bool attest_check_wants_probe(const attest_check_t *c, const attest_outcome_t *out);
+/* The engine fingerprint the metadata itself names, or NULL: llama.cpp's /props build_info,
+ * which llama-server sends as system_fingerprint on every response. A caller that cannot put
+ * its probe under the proxy's admission slots (the agent) uses it instead of the probe. */
+const char *attest_check_metadata_fingerprint(const attest_check_t *c, const attest_outcome_t *out);
 /* The model the probe asks for: the one the engine reported (a vLLM answers 404 to any other
  * name), else fallback. */
 const char *attest_check_probe_model(const attest_outcome_t *out, const char *fallback);

@@ -52,7 +52,7 @@ static void source_phrase(const attest_report_t *r, dp_buf_t *out)
 static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t *got,
                      dp_buf_t *want, attest_reasons_t *out)
 {
-    if (m->oms_signer == NULL)
+    if (m->oms_signer == NULL && m->oms_identity == NULL)
         return 0;
     if (!r->oms_reported) {
         attest_reasons_add(out, "oms unattested (%s)",
@@ -65,14 +65,22 @@ static int oms_match(const cfg_manifest_t *m, const attest_report_t *r, dp_buf_t
         attest_reasons_add(out, "oms bundle not verified by the agent (see its log)");
         return 1;
     }
-    if (strcmp(r->oms_signer, m->oms_signer) == 0)
-        return 0;
-    dp_buf_reset(got);
-    dp_buf_reset(want);
-    attest_abbrev(r->oms_signer, got);
-    attest_abbrev(m->oms_signer, want);
-    attest_reasons_add(out, "oms.signer mismatch: got %s want %s", got->base, want->base);
-    return 1;
+    /* Keyless: the key is ephemeral, the identity and its issuer are the publisher. */
+    const char *const field[] = {"signer", "identity", "issuer"};
+    const char *const have[] = {r->oms_signer, r->oms_identity, r->oms_issuer};
+    const char *const pin[] = {m->oms_signer, m->oms_identity, m->oms_issuer};
+    int n = 0;
+    for (size_t i = 0; i < 3; i++) {
+        if (pin[i] == NULL || strcmp(have[i], pin[i]) == 0)
+            continue;
+        dp_buf_reset(got);
+        dp_buf_reset(want);
+        attest_abbrev(have[i][0] ? have[i] : "(none: not a keyless bundle)", got);
+        attest_abbrev(pin[i], want);
+        attest_reasons_add(out, "oms.%s mismatch: got %s want %s", field[i], got->base, want->base);
+        n++;
+    }
+    return n;
 }
 
 /* llama.cpp names GGUF file types in capitals ("Q8_0"); manifests may write "q8_0". That holds
@@ -256,4 +264,43 @@ void attest_canary_reason(const char *sha256, const char *expected, attest_reaso
                            "(this replica's output hashes to %s; 'detproxy attest canary' "
                            "prints it)",
                            sha256);
+}
+
+cfg_attest_source_t attest_engine_source(const attest_report_t *attested)
+{
+    for (int s = CFG_ATTEST_VLLM; attested->framework_name && s <= CFG_ATTEST_LLAMACPP; s++)
+        if (strcmp(attested->framework_name, cfg_attest_source_names[s]) == 0)
+            return (cfg_attest_source_t)s;
+    return CFG_ATTEST_NONE;
+}
+
+void attest_engine_reason(const attest_report_t *attested, const attest_report_t *engine,
+                          attest_reasons_t *out)
+{
+    static const attest_field_t shown[] = {ATTEST_F_QUANTIZATION, ATTEST_F_DTYPE,
+                                           ATTEST_F_FRAMEWORK_VERSION, ATTEST_F_ENGINE_FINGERPRINT};
+    const char *src = cfg_attest_source_names[attest_engine_source(attested)];
+    dp_buf_t diff = {0}, all = {0};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(shown); i++) {
+        const char *eng = attest_report_get(engine, shown[i]);
+        const char *att = attest_report_get(attested, shown[i]);
+        if (eng == NULL)
+            continue;
+        dp_buf_printf(&all, "%s%s %s", all.len ? ", " : "", attest_field_names[shown[i]], eng);
+        if (att == NULL || strcasecmp(eng, att) != 0)
+            dp_buf_printf(&diff, "%s%s %s (attested %s)", diff.len ? ", " : "",
+                          attest_field_names[shown[i]], eng, att ? att : "none");
+    }
+    const char *em = engine->model_path, *am = attested->model_path;
+    if (em && am && strcmp(em, am) != 0)
+        dp_buf_printf(&diff, "%smodel_path %s (attested %s)", diff.len ? ", " : "", em, am);
+    if (diff.len)
+        attest_reasons_add(out, "the engine itself (%s metadata) reports %s", src, diff.base);
+    else if (all.len)
+        attest_reasons_add(out,
+                           "the engine itself (%s metadata) agrees with the attested identity "
+                           "(%s): what changed is not in its metadata",
+                           src, all.base);
+    dp_buf_free(&diff);
+    dp_buf_free(&all);
 }

@@ -64,5 +64,13 @@ bool attest_canary_matches(const cfg_canary_t *canary, const char *text, size_t 
  *   "canary not recorded: the manifest has no canary.expected_sha256 (this replica's output
  *    hashes to <64 hex>; 'detproxy attest canary' prints it)" */
 void attest_canary_reason(const char *sha256, const char *expected, attest_reasons_t *out);
+/* After a canary mismatch of a replica attested by its agent (a signed identity): the native
+ * adapter that reads the engine the identity names ("llamacpp": CFG_ATTEST_LLAMACPP), or
+ * CFG_ATTEST_NONE when there is none. */
+cfg_attest_source_t attest_engine_source(const attest_report_t *attested);
+/* The reason that says what the engine itself (report `engine`, read with that adapter) says
+ * beside the attested identity: the fields that differ, or that none of them does. */
+void attest_engine_reason(const attest_report_t *attested, const attest_report_t *engine,
+                          attest_reasons_t *out);
 
 #endif

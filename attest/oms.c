@@ -117,12 +117,137 @@ int oms_trust_load_ca(oms_trust_t *t, const char *path, dp_buf_t *err)
     return 0;
 }
 
+int oms_trust_load_sigstore(oms_trust_t *t, const char *root_path, const char *identity,
+                            const char *issuer, dp_buf_t *err)
+{
+    static const char *const what[] = {"identity", "issuer"};
+    const char *v[] = {identity, issuer};
+    for (size_t i = 0; i < 2; i++) {
+        size_t n = v[i] ? strlen(v[i]) : 0;
+        if (n == 0 || n > SIGSTORE_NAME_MAX || !oms_bundle_utf8_valid(v[i])) {
+            dp_buf_printf(err, "%s: expected 1 to %d bytes of UTF-8", what[i], SIGSTORE_NAME_MAX);
+            return -1;
+        }
+        for (size_t j = 0; j < n; j++) {
+            if ((unsigned char)v[i][j] < 0x20 || v[i][j] == 0x7f) {
+                dp_buf_printf(err, "%s: a control character", what[i]);
+                return -1;
+            }
+        }
+    }
+    sigstore_root_t *r = NULL;
+    if (sigstore_root_load(root_path, &r, err) != 0)
+        return -1;
+    sigstore_root_free(t->sigstore_root);
+    free(t->identity);
+    free(t->issuer);
+    t->sigstore_root = r;
+    t->identity = dp_xstrdup(identity);
+    t->issuer = dp_xstrdup(issuer);
+    return 0;
+}
+
+/* Lexically normalised absolute path: no ".", "..", empty components or trailing '/'. */
+static char *normalise(const char *p)
+{
+    char *out = dp_xmalloc(strlen(p) + 2);
+    size_t n = 0;
+    const char *c = p;
+    while (*c) {
+        while (*c == '/')
+            c++;
+        const char *e = strchrnul(c, '/');
+        size_t len = (size_t)(e - c);
+        if (len == 0 || (len == 1 && c[0] == '.')) {
+            /* skip */
+        } else if (len == 2 && c[0] == '.' && c[1] == '.') {
+            while (n > 0 && out[n - 1] != '/')
+                n--;
+            if (n > 0)
+                n--;
+        } else {
+            out[n++] = '/';
+            memcpy(out + n, c, len);
+            n += len;
+        }
+        c = e;
+    }
+    if (n == 0)
+        out[n++] = '/';
+    out[n] = '\0';
+    return out;
+}
+
+/* The absolute form of p with symlinks resolved in its parent directory when that exists (the
+ * model directory is compared in its realpath form). */
+static char *resolve(const char *p)
+{
+    char *abs = NULL;
+    if (p[0] == '/') {
+        abs = normalise(p);
+    } else {
+        char *cwd = getcwd(NULL, 0);
+        if (cwd == NULL)
+            return NULL;
+        dp_buf_t b = {0};
+        dp_buf_printf(&b, "%s/%s", cwd, p);
+        abs = normalise(b.base);
+        dp_buf_free(&b);
+        free(cwd);
+    }
+    char *slash = strrchr(abs, '/');
+    if (slash == abs || slash[1] == '\0')
+        return abs;
+    *slash = '\0';
+    char *parent = realpath(abs, NULL);
+    *slash = '/';
+    if (parent == NULL)
+        return abs;
+    dp_buf_t b = {0};
+    dp_buf_printf(&b, "%s%s", strcmp(parent, "/") == 0 ? "" : parent, slash);
+    free(parent);
+    free(abs);
+    return dp_buf_steal(&b);
+}
+
+int oms_trust_add_ignore(oms_trust_t *t, const char *dir, const char *path, dp_buf_t *err)
+{
+    char *d = realpath(dir, NULL), *p = path[0] ? resolve(path) : NULL;
+    int rc = -1;
+    if (d == NULL) {
+        dp_buf_printf(err, "%s: the model directory: %s", dir, strerror(errno));
+        goto out;
+    }
+    size_t n = strlen(d);
+    /* Strictly inside: "d/x" (p has no trailing '/'; d "/" is the one realpath ending in '/'). */
+    bool inside =
+        p && strncmp(p, d, n) == 0 && (n == 1 ? p[1] != '\0' : p[n] == '/' && p[n + 1] != '\0');
+    if (!inside) {
+        dp_buf_printf(err, "%s: not inside the model directory %s", path, dir);
+        goto out;
+    }
+    char *rel = dp_xstrdup(p + n + (n > 1));
+    t->ignore = dp_xrealloc(t->ignore, (t->nignore + 1) * sizeof(*t->ignore));
+    t->ignore[t->nignore++] = rel;
+    qsort(t->ignore, t->nignore, sizeof(*t->ignore), oms_bundle_cmp_strp);
+    rc = 0;
+out:
+    free(d);
+    free(p);
+    return rc;
+}
+
 void oms_trust_free(oms_trust_t *t)
 {
     EVP_PKEY_free(t->pubkey);
     X509_STORE_free(t->ca_store);
-    t->pubkey = NULL;
-    t->ca_store = NULL;
+    sigstore_root_free(t->sigstore_root);
+    free(t->identity);
+    free(t->issuer);
+    for (size_t i = 0; i < t->nignore; i++)
+        free(t->ignore[i]);
+    free(t->ignore);
+    memset(t, 0, sizeof(*t));
 }
 
 void oms_trust_pubkey_fingerprint(const oms_trust_t *t, char out[65])
@@ -171,16 +296,11 @@ static EVP_PKEY *cert_key(const oms_bundle_t *b, X509_STORE *store, dp_buf_t *wh
                       X509_verify_cert_error_string(e));
         goto out;
     }
-    /* As model_signing verifies: the leaf must be meant for signing (keyUsage
-     * digitalSignature, or extendedKeyUsage codeSigning), not any certificate the CA issued
-     * (a TLS server certificate, a CA certificate). */
-    uint32_t ku = X509_get_key_usage(leaf); /* UINT32_MAX: no keyUsage extension */
-    bool for_signing = ku != UINT32_MAX && (ku & KU_DIGITAL_SIGNATURE);
-    if (X509_get_extension_flags(leaf) & EXFLAG_XKUSAGE)
-        for_signing = for_signing || (X509_get_extended_key_usage(leaf) & XKU_CODE_SIGN);
-    if (!for_signing) {
-        dp_buf_printf(why, "certificate: the signing certificate is not for signing (keyUsage "
-                           "has no digitalSignature and extendedKeyUsage no codeSigning)");
+    /* RFC 5280 key usage: a certificate the CA issued for something else (a TLS server or
+     * client, a CA) cannot sign a model. */
+    const char *usage = sigstore_signing_usage_problem(leaf);
+    if (usage) {
+        dp_buf_printf(why, "certificate: the signing certificate is not for signing: %s", usage);
         goto out;
     }
     k = X509_get_pubkey(leaf);
@@ -210,18 +330,34 @@ static bool sig_verifies(EVP_PKEY *k, const dp_buf_t *pae, const dp_buf_t *sig)
 }
 
 int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signer[65],
-                         dp_buf_t *why)
+                         int64_t *signed_at, dp_buf_t *why)
 {
     signer[0] = '\0';
+    if (signed_at)
+        *signed_at = 0;
     EVP_PKEY *k = NULL;
     bool owned = false;
     switch (b->method) {
-    case OMS_METHOD_SIGSTORE:
-        dp_buf_printf(why,
-                      "signature: method sigstore (keyless, Fulcio + Rekor) is not supported "
-                      "offline: it needs the Sigstore trust root and transparency log; sign with a "
-                      "key or a certificate instead");
-        return -1;
+    case OMS_METHOD_SIGSTORE: {
+        if (t->sigstore_root == NULL) {
+            dp_buf_printf(why, "signature: the bundle is keyless (method sigstore): give "
+                               "--trusted-root, --identity and --issuer");
+            return -1;
+        }
+        sigstore_bundle_t sb = {.cert = &b->certs[0],
+                                .material = b->material,
+                                .payload_type = OMS_PAYLOAD_TYPE,
+                                .payload = &b->payload,
+                                .sigs = b->sigs,
+                                .nsigs = b->nsigs};
+        sigstore_result_t sr;
+        if (sigstore_verify(t->sigstore_root, t->identity, t->issuer, &sb, &sr, why) != 0)
+            return -1;
+        memcpy(signer, sr.signer, 65);
+        if (signed_at)
+            *signed_at = sr.signed_at;
+        return 0;
+    }
     case OMS_METHOD_CERTIFICATE:
         if (t->ca_store == NULL) {
             dp_buf_printf(
@@ -291,6 +427,7 @@ static const char *const default_ignores[] = {".git", ".gitignore", ".gitattribu
 
 typedef struct {
     const oms_bundle_t *b;
+    const oms_trust_t *t;
     char *bundle_rel; /* the bundle's path inside the model directory, or NULL */
     attest_reasons_t *findings;
     int nfindings;
@@ -305,6 +442,9 @@ static bool exclude_cb(const char *rel, void *data)
                 return true;
     if (w->b->nignore > 0 &&
         bsearch(&rel, w->b->ignore, w->b->nignore, sizeof(char *), oms_bundle_cmp_strp) != NULL)
+        return true;
+    if (w->t && w->t->nignore > 0 &&
+        bsearch(&rel, w->t->ignore, w->t->nignore, sizeof(char *), oms_bundle_cmp_strp) != NULL)
         return true;
     return w->bundle_rel && strcmp(rel, w->bundle_rel) == 0;
 }
@@ -431,10 +571,11 @@ static int check_file(walk_ctx_t *w, attest_filehasher_t *fh, const char *dir,
 }
 
 int oms_verify_dir(const oms_bundle_t *b, const char *dir, const char *bundle_path,
-                   const attest_hash_opts_t *opts, attest_reasons_t *findings,
+                   const oms_trust_t *t, const attest_hash_opts_t *opts, attest_reasons_t *findings,
                    attest_snapshot_t *snap_out, dp_buf_t *err)
 {
-    walk_ctx_t w = {.b = b, .bundle_rel = bundle_relpath(dir, bundle_path), .findings = findings};
+    walk_ctx_t w = {
+        .b = b, .t = t, .bundle_rel = bundle_relpath(dir, bundle_path), .findings = findings};
     attest_walk_opts_t wo = {.include_hidden = true,
                              .any_file_name = true,
                              .no_follow_symlinks = !b->allow_symlinks,
@@ -522,11 +663,11 @@ int oms_verify(const char *bundle_path, const char *dir, const oms_trust_t *t,
     }
     out->method = oms_method_names[out->bundle->method];
     memcpy(out->root_digest, out->bundle->root_digest, sizeof(out->root_digest));
-    if (oms_verify_signature(out->bundle, t, out->signer, &why) != 0) {
+    if (oms_verify_signature(out->bundle, t, out->signer, &out->signed_at, &why) != 0) {
         attest_reasons_add(&out->findings, "%s", why.base);
         goto out;
     }
-    rc = oms_verify_dir(out->bundle, dir, bundle_path, opts, &out->findings, &out->snap, &why);
+    rc = oms_verify_dir(out->bundle, dir, bundle_path, t, opts, &out->findings, &out->snap, &why);
     if (rc < 0)
         attest_reasons_add(&out->findings, "model directory: %s",
                            why.base ? why.base : strerror(-rc));

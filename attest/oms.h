@@ -11,8 +11,9 @@
  * Signing methods verified here: "key" (ECDSA P-256/P-384/P-521 with SHA-256/384/512 over the
  * DSSE PAE, against a public key given by the operator) and "certificate" (the leaf of
  * verificationMaterial.x509CertificateChain validated against a CA file, then the same ECDSA
- * check with the leaf's key). Keyless "sigstore" bundles need Fulcio roots and Rekor and are
- * refused as not supported offline. Hash types: sha256, blake2b (BLAKE2b-512); blake3 is refused.
+ * check with the leaf's key) and "sigstore" (keyless: a Fulcio certificate and its Rekor entry,
+ * verified offline against a trusted root, attest/sigstore.h). Hash types: sha256, blake2b
+ * (BLAKE2b-512); blake3 is refused.
  *
  * Blocking file I/O, no libuv, no logging: the agent runs it on a worker thread. Every reason
  * buffer (why, err) must be non-NULL. */
@@ -25,6 +26,7 @@
 
 #include "attest/hash.h"
 #include "attest/report.h"
+#include "attest/sigstore.h"
 #include "common/buf.h"
 
 #define OMS_PREDICATE_TYPE "https://model_signing/signature/v1.0"
@@ -56,39 +58,56 @@ oms_method_t oms_bundle_method(const oms_bundle_t *b);
 const char *oms_bundle_root_digest(const oms_bundle_t *b);
 size_t oms_bundle_resource_count(const oms_bundle_t *b);
 
-/* What the operator trusts: a public key (method "key") and/or a CA file (method
- * "certificate"). Zero-initialise; release with oms_trust_free. */
+/* What the operator trusts and expects: a public key (method "key"), a CA file (method
+ * "certificate"), a Sigstore trusted root with the identity and issuer the certificate must
+ * name (method "sigstore"), and paths to leave out of the model besides those the bundle
+ * records. Zero-initialise; release with oms_trust_free. */
 typedef struct {
-    void *pubkey;   /* EVP_PKEY */
-    void *ca_store; /* X509_STORE */
+    void *pubkey;                   /* EVP_PKEY */
+    void *ca_store;                 /* X509_STORE */
+    sigstore_root_t *sigstore_root; /* with identity and issuer */
+    char *identity, *issuer;
+    char **ignore; /* model-relative, sorted */
+    size_t nignore;
 } oms_trust_t;
 
 /* Load an EC public key (P-256, P-384 or P-521; PEM SubjectPublicKeyInfo). 0 or -1 + reason. */
 int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err);
 /* Load PEM CA certificates (the trust anchors for method "certificate"). 0 or -1 + reason. */
 int oms_trust_load_ca(oms_trust_t *t, const char *path, dp_buf_t *err);
+/* Method "sigstore": load the trusted root (trusted_root.json) and keep the identity (a SAN:
+ * email, URI or username) and OIDC issuer URL the signing certificate must carry. 0 or -1 +
+ * reason (which of the three is wrong). */
+int oms_trust_load_sigstore(oms_trust_t *t, const char *root_path, const char *identity,
+                            const char *issuer, dp_buf_t *err);
+/* Leave path out of the model directory dir, as `model_signing verify --ignore-paths` does:
+ * path is absolute or relative to the working directory and must lie inside dir (a file or a
+ * directory, which need not exist). 0, or -1 with the reason. */
+int oms_trust_add_ignore(oms_trust_t *t, const char *dir, const char *path, dp_buf_t *err);
 void oms_trust_free(oms_trust_t *t);
 /* Hex SHA-256 of the SubjectPublicKeyInfo DER of the loaded --pubkey (the manifest's oms.signer,
  * docs/attestation.md §9); "" when no key is loaded. */
 void oms_trust_pubkey_fingerprint(const oms_trust_t *t, char out[65]);
 
-/* Verify the DSSE signature with the bundle's method. On success writes the signer fingerprint
- * (hex SHA-256 of the verifying key's SubjectPublicKeyInfo DER: the --pubkey, or the leaf
- * certificate's key) and returns 0; else -1 with a reason. */
+/* Verify the DSSE signature with the bundle's method (for "sigstore" every step of
+ * sigstore_verify). On success writes the signer fingerprint (hex SHA-256 of the verifying
+ * key's SubjectPublicKeyInfo DER: the --pubkey, or the leaf certificate's key) and, for
+ * "sigstore", the verified signing time to *signed_at (else 0; signed_at may be NULL), and
+ * returns 0; else -1 with a reason. */
 int oms_verify_signature(const oms_bundle_t *b, const oms_trust_t *t, char signer[65],
-                         dp_buf_t *why);
+                         int64_t *signed_at, dp_buf_t *why);
 
 /* Verify DIR against the manifest (OMS §8.4): enumerate with the recorded rules (default
  * exclusions .git, .gitignore, .gitattributes, .github at the top level; the recorded
- * ignore_paths as exact relative paths; the bundle file itself when it lies inside DIR;
- * allow_symlinks as recorded), hash with hash_type (whole files, or shard_size ranges), and
- * append one finding per problem: "changed file: P (...)", "extra file (not in the bundle): P",
+ * ignore_paths and t's ignore paths as exact relative paths; the bundle file itself when it lies
+ * inside DIR; allow_symlinks as recorded), hash with hash_type (whole files, or shard_size ranges),
+ * and append one finding per problem: "changed file: P (...)", "extra file (not in the bundle): P",
  * "missing file: P", "symlink not allowed (allow_symlinks is false): P", ...
  * bundle_path may be NULL. snap_out (may be NULL) receives the listing that was verified.
  * Returns 0 when every file matches, 1 with findings, or a negative errno when DIR cannot be
  * read (reason appended to *err). */
 int oms_verify_dir(const oms_bundle_t *b, const char *dir, const char *bundle_path,
-                   const attest_hash_opts_t *opts, attest_reasons_t *findings,
+                   const oms_trust_t *t, const attest_hash_opts_t *opts, attest_reasons_t *findings,
                    attest_snapshot_t *snap_out, dp_buf_t *err);
 
 /* Everything for one bundle file and one directory. */
@@ -97,6 +116,7 @@ typedef struct {
     const char *method;   /* oms_method_names[...], NULL when the bundle did not parse */
     char signer[65];      /* "" unless the signature verified */
     char root_digest[65]; /* "" unless the bundle parsed */
+    int64_t signed_at;    /* method sigstore: the verified signing time (Unix s), else 0 */
     attest_reasons_t findings;
     attest_snapshot_t snap;          /* the OMS listing (empty unless the directory was walked) */
     oms_bundle_t *bundle;            /* NULL unless it parsed */

@@ -77,6 +77,19 @@ static int check_members(const cJSON *obj, const char *where, const char *const 
     return rc;
 }
 
+/* No object anywhere below node holds a member twice: readers that keep the first or the last
+ * of two would see different bundles (a certificate, a time). */
+static int no_duplicates_below(const cJSON *node, dp_buf_t *why)
+{
+    for (const cJSON *c = node->child; c; c = c->next) {
+        if (cJSON_IsObject(c) && check_members(c, "bundle", NULL, why) != 0)
+            return -1;
+        if ((cJSON_IsObject(c) || cJSON_IsArray(c)) && no_duplicates_below(c, why) != 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* A bundle and its statement are parsed before the signature is checked, so their JSON is
  * hostile until then. Each '{', '[', ',' and ':' outside strings starts at most one value; a
  * 100k-file statement needs about 500k, and without a cap 64 MiB of "0," would be 32M nodes
@@ -249,6 +262,7 @@ void oms_bundle_free(oms_bundle_t *b)
     for (size_t i = 0; i < b->ncerts; i++)
         dp_buf_free(&b->certs[i]);
     free(b->certs);
+    cJSON_Delete(b->material);
     dp_buf_free(&b->payload);
     for (size_t i = 0; i < b->nsigs; i++)
         dp_buf_free(&b->sigs[i]);
@@ -405,14 +419,24 @@ static int parse_material(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
         return parse_tlog(vm, false, why);
     }
     b->method = OMS_METHOD_SIGSTORE;
-    if (!cJSON_IsObject(cert) || get_str(cert, "verificationMaterial.certificate", "rawBytes", true,
-                                         true, &bad, why) == NULL) {
+    const char *raw = NULL;
+    if (!cJSON_IsObject(cert) || (raw = get_str(cert, "verificationMaterial.certificate",
+                                                "rawBytes", true, true, &bad, why)) == NULL) {
         if (!bad)
             dp_buf_printf(why,
                           "verificationMaterial.certificate: expected an object with rawBytes");
         return -1;
     }
-    return parse_tlog(vm, true, why);
+    b->certs = dp_xcalloc(1, sizeof(*b->certs));
+    b->ncerts = 1;
+    if (b64(raw, &b->certs[0]) != 0) {
+        dp_buf_printf(why, "verificationMaterial.certificate.rawBytes: expected base64 DER");
+        return -1;
+    }
+    if (parse_tlog(vm, true, why) != 0)
+        return -1;
+    b->material = cJSON_Duplicate(vm, true);
+    return 0;
 }
 
 static int parse_envelope(oms_bundle_t *b, const cJSON *root, dp_buf_t *why)
@@ -835,7 +859,7 @@ int oms_bundle_parse(const char *json, size_t len, oms_bundle_t **out, dp_buf_t 
         dp_buf_printf(why, "bundle: expected a JSON object");
         goto out;
     }
-    if (check_members(root, "bundle", root_keys, why) != 0)
+    if (check_members(root, "bundle", root_keys, why) != 0 || no_duplicates_below(root, why) != 0)
         goto out;
     bool bad = false;
     const char *mt = get_str(root, "bundle", "mediaType", true, false, &bad, why);

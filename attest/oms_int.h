@@ -17,8 +17,10 @@ struct oms_bundle_s {
     oms_method_t method;
     char *key_hint;   /* publicKey.hint, or NULL */
     dp_buf_t key_raw; /* publicKey.rawBytes decoded (older bundles), empty if absent */
-    dp_buf_t *certs;  /* x509CertificateChain.certificates[].rawBytes decoded, leaf first */
+    dp_buf_t *certs;  /* x509CertificateChain.certificates[].rawBytes decoded, leaf first; for
+                       * method sigstore the one verificationMaterial.certificate */
     size_t ncerts;
+    void *material;   /* method sigstore: a copy of verificationMaterial (cJSON), else NULL */
     dp_buf_t payload; /* the decoded DSSE payload (the signed bytes) */
     dp_buf_t *sigs;   /* decoded signatures */
     size_t nsigs;

@@ -149,6 +149,8 @@ void attest_report_copy(attest_report_t *dst, const attest_report_t *src)
     dst->oms_verified = src->oms_verified;
     memcpy(dst->oms_signer, src->oms_signer, sizeof(dst->oms_signer));
     memcpy(dst->oms_root_digest, src->oms_root_digest, sizeof(dst->oms_root_digest));
+    memcpy(dst->oms_identity, src->oms_identity, sizeof(dst->oms_identity));
+    memcpy(dst->oms_issuer, src->oms_issuer, sizeof(dst->oms_issuer));
 }
 
 static void write_oms(const attest_report_t *r, dp_jw_t *w)
@@ -159,6 +161,10 @@ static void write_oms(const attest_report_t *r, dp_jw_t *w)
     dp_jw_bool(w, "verified", r->oms_verified);
     dp_jw_str(w, "signer", r->oms_signer[0] ? r->oms_signer : NULL);
     dp_jw_str(w, "root_digest", r->oms_root_digest[0] ? r->oms_root_digest : NULL);
+    if (r->oms_identity[0]) {
+        dp_jw_str(w, "identity", r->oms_identity);
+        dp_jw_str(w, "issuer", r->oms_issuer);
+    }
     dp_jw_obj_end(w);
 }
 
@@ -190,6 +196,29 @@ static int parse_oms(const cJSON *root, attest_report_t *out, dp_buf_t *why)
             return -1;
         }
         memcpy(dst[i], s->valuestring, 65);
+    }
+    /* A keyless signer: identity and issuer together, only with verified. */
+    static const char *const names[] = {"identity", "issuer"};
+    char *ndst[] = {out->oms_identity, out->oms_issuer};
+    int present = 0;
+    for (size_t i = 0; i < 2; i++) {
+        const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, names[i]);
+        if (s == NULL)
+            continue;
+        size_t n = cJSON_IsString(s) ? strlen(s->valuestring) : 0;
+        if (!out->oms_verified || n == 0 || n > ATTEST_OMS_NAME_MAX) {
+            if (why)
+                dp_buf_printf(why, "payload.oms.%s: expected 1 to %d bytes, with verified true",
+                              names[i], ATTEST_OMS_NAME_MAX);
+            return -1;
+        }
+        memcpy(ndst[i], s->valuestring, n + 1);
+        present++;
+    }
+    if (present == 1) {
+        if (why)
+            dp_buf_appends(why, "payload.oms: identity and issuer go together");
+        return -1;
     }
     return 0;
 }

@@ -28,6 +28,9 @@ typedef enum {
     ATTEST_F__COUNT
 } attest_field_t;
 
+/* The longest identity or issuer a keyless OMS signer may have (SIGSTORE_NAME_MAX). */
+#define ATTEST_OMS_NAME_MAX 512
+
 /* "model", "checkpoint_sha256", "quantization", "dtype", "framework.name", "framework.version",
  * "engine_fingerprint", "determinism.mode" */
 extern const char *const attest_field_names[ATTEST_F__COUNT];
@@ -77,6 +80,10 @@ typedef struct {
     bool oms_verified;        /* it verified the publisher's bundle against the directory */
     char oms_signer[65];      /* hex SHA-256 of the signer's public key DER; "" unless verified */
     char oms_root_digest[65]; /* the bundle's root digest; "" unless verified */
+    /* a keyless (Sigstore) bundle: the certificate's identity and OIDC issuer it verified;
+     * "" otherwise */
+    char oms_identity[ATTEST_OMS_NAME_MAX + 1];
+    char oms_issuer[ATTEST_OMS_NAME_MAX + 1];
 } attest_report_t;
 
 void attest_report_clear(attest_report_t *r);

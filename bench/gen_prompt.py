@@ -52,6 +52,9 @@ def content(rng, size):
 
 
 def main():
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
     out = sys.argv[1]
     kib = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     target = kib * 1024

@@ -54,6 +54,7 @@ taskset -c "$LCPU" "$UP" --listen "127.0.0.1:$P_UP" 2>"$work/up.log" &
 pids+=($!)
 reps="{\"name\": \"u1\", \"url\": \"http://127.0.0.1:$P_UP\", \"attest\": {\"source\": \"vllm\"}}"
 sed -e "s#@PORT@#$P_DP#; s#@ADMIN_PORT@#$P_DPA#; s#@SHADOW_RATE@#0.0#; s#@REPLICAS@#$reps#" \
+  -e "s#@TLS@##; s#@WORKERS@##; s#@ATTEST_MS@#10000#; s#@SELF_RATE@#0.0#" \
   bench/configs/detproxy.json.in >"$work/dp.json"
 
 wait_ready() { # PID

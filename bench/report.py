@@ -446,7 +446,7 @@ def big_section(res, meta):
     def start_mb(t):
         r = [x for x in res if x.get("scenario") == 10 and x.get("target") == t and "rss_start_kb" in x]
         return fmt(r[0]["rss_start_kb"] / 1024, 1) if r else "-"
-    for t in ["direct"] + PROXIES:
+    for t in ["direct"] + PROXIES + ["detproxy_forced", "baseline"]:
         cl = [r for r in rows(res, 10, t) if r.get("load") == "closed"]
         op = [r for r in rows(res, 10, t) if r.get("load") == "open"]
         if not cl:
@@ -456,7 +456,10 @@ def big_section(res, meta):
         add50 = paired_diff(res, 10, t, "direct", lambda r: r["p50_us"], "open", "load")
         add99 = paired_diff(res, 10, t, "direct", lambda r: r["p99_us"], "open", "load")
         oc, _, _ = per_req_split(op, lambda r: r["completed"])
-        body.append([t if t != "direct" else "direct (no proxy)",
+        label = {"direct": "direct (no proxy)", "detproxy": "detproxy (seed derived)",
+                 "detproxy_forced": "detproxy (seed forced)",
+                 "baseline": "detproxy baseline (derived)"}.get(t, t)
+        body.append([label,
                      fmt(med([r["rps"] for r in cl])),
                      fmt(med([r["p50_us"] for r in cl]) / 1000, 1),
                      fmt(med([r["p99_us"] for r in cl]) / 1000, 1),
@@ -480,7 +483,9 @@ def big_section(res, meta):
         "prompt is bench/gen_prompt.py's: RAG documents in the system message and ~55 long turns "
         "(prose, code with escapes, non-ASCII). detproxy parses all of it, applies the policy "
         "(temperature forced, seed derived from the canonical JSON: a SHA-256 over the whole "
-        "prompt), re-serialises it and sends the new body; nginx and HAProxy only move bytes. "
+        "prompt), and sends the client's bytes with the new values spliced in (writev); the forced "
+        "row is the same policy with `seed: {force: 42}` (no canonical form, no hash); nginx and "
+        "HAProxy only move bytes. "
         "nginx buffers each body before sending it on (client_body_buffer_size 512k, in memory); "
         "HAProxy streams it through 16 KB buffers.\n")
     def part(b):
@@ -490,7 +495,55 @@ def big_section(res, meta):
         return (f"detproxy/{b} CPU/req {ratio(cpu('detproxy'), cpu(b)):.2f}x, added p99 "
                 f"{ratio(add('detproxy'), add(b)):.2f}x")
     say(ratio_line(res, 10, part))
+    y = big_yardstick(res, meta)
+    if y:
+        say("")
+        say(y)
     return "\n".join(out)
+
+
+def big_closed(res, t):
+    return [r for r in rows(res, 10, t) if r.get("load") == "closed"]
+
+
+def big_yardstick(res, meta):
+    """Scenario 10's numbers the targets are stated in: requests per CPU-second against HAProxy,
+    a derived seed's user time against OpenSSL's SHA-256 over the body, RSS per prompt."""
+    sha = [r for r in res if r.get("scenario") == 10 and r.get("target") == "sha256"]
+    lines = []
+    if sha and sha[0].get("openssl_kbytes_s"):
+        b = sha[0]["body_bytes"]
+        sha_us = b / (sha[0]["openssl_kbytes_s"] * 1000) * 1e6
+        for t, what in [("detproxy", "derived seed"), ("baseline", "baseline, derived seed")]:
+            cl = big_closed(res, t)
+            if not cl:
+                continue
+            _, u, _ = per_req_split(cl, lambda r: r["requests"])
+            lines.append(f"- {what}: user {u:.0f} µs per prompt = {u / sha_us:.2f}x the SHA-256 "
+                         f"yardstick (`openssl speed -evp sha256 -bytes {b}`: "
+                         f"{sha[0]['openssl_kbytes_s'] / 1000:,.0f} MB/s, {sha_us:.0f} µs per body)")
+    for t in ["detproxy_forced", "detproxy", "baseline"]:
+        cl, ha = big_closed(res, t), big_closed(res, "haproxy")
+        if not cl or not ha:
+            continue
+        c = per_req_split(cl, lambda r: r["requests"])[0]
+        h = per_req_split(ha, lambda r: r["requests"])[0]
+        lines.append(f"- {t}: requests per CPU-second {1e6 / c:,.0f} = {h / c:.2f}x HAProxy's "
+                     f"({1e6 / h:,.0f})")
+    conns = meta.get("big_conns", 150)
+    # detproxy's instances only: nginx's and HAProxy's buffers are already at their size at the
+    # scenario's start (earlier scenarios grew them), so their growth says nothing.
+    for t in ["detproxy_forced", "detproxy", "baseline"]:
+        cl = big_closed(res, t)
+        st = [x for x in res if x.get("scenario") == 10 and x.get("target") == t and "rss_start_kb" in x]
+        if not cl or not st:
+            continue
+        b = cl[0]["body_bytes"]
+        per = (max(r["rss_peak_kb"] for r in cl) - st[0]["rss_start_kb"]) * 1024 / conns
+        lines.append(f"- {t}: peak RSS over its RSS at the scenario's start, per in-flight prompt: "
+                     f"{per / 1024:,.0f} KiB = {per / b:.2f}x the prompt ({conns} in flight; "
+                     f"{st[0]['rss_start_kb'] / 1024:,.1f} MB at start)")
+    return "\n".join(lines)
 
 
 def sse_many_section(res, meta):
@@ -501,7 +554,7 @@ def sse_many_section(res, meta):
     eps = rs0[0]["eps"]
     say(f"### 11. {n:,} concurrent SSE streams at {eps} events/s each\n")
     body = []
-    for t in ["direct"] + PROXIES:
+    for t in ["direct"] + PROXIES + ["baseline"]:
         rs = rows(res, 11, t)
         if not rs:
             continue

@@ -7,7 +7,8 @@
 # TLS instances of the three proxies, started only when 7 is selected), 9 one vs two workers (detproxy
 # `workers`, HAProxy `nbthread`, nginx `worker_processes`), 10 256 KB long-context prompts at
 # concurrency 150, 11 thousands of concurrent SSE streams at 20 events/s, 12 control-plane work
-# (attestation every 100 ms, shadow + self sampling) on vs off in the data plane's p99. Each load
+# (attestation every 100 ms, shadow + self sampling) on vs off in the data plane's p99, 13 ordinary
+# clients against 200 slow-body clients (bench/body_budget.py, after the report). Each load
 # scenario runs its
 # targets interleaved (order rotated every round) for BENCH_ROUNDS rounds; the report gives
 # best and median. Prints the table and ratio lines and writes bench/RESULTS.md.
@@ -40,7 +41,7 @@ q() { [ "$QUICK" = 1 ] && echo "$1" || echo "$2"; } # q QUICK_VALUE FULL_VALUE
 ROUNDS=${BENCH_ROUNDS:-$(q 1 5)}
 DUR=${BENCH_SECONDS:-$(q 2 3)}
 SSE_STREAMS=${BENCH_SSE_STREAMS:-8}
-SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6 7 9 10 11 12} "
+SCEN=" ${BENCH_SCENARIOS:-1 2 3 4 5 6 7 9 10 11 12 13} "
 IDLE_CONNS=${BENCH_IDLE_CONNS:-$(q 2000 10000)}
 HASH_MB=${BENCH_HASH_MB:-$(q 256 2048)}
 TLS_DUR=${BENCH_TLS_SECONDS:-$(q 1 2)}
@@ -97,7 +98,7 @@ fi
 read -r -a PORTS <<<"$(python3 - <<'EOF'
 import socket
 ss = []
-for _ in range(27):
+for _ in range(29):
     s = socket.socket(); s.bind(("127.0.0.1", 0)); ss.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in ss))
 EOF
@@ -108,7 +109,7 @@ P_HAS=${PORTS[10]}
 P_NGT=${PORTS[11]} P_HAT=${PORTS[12]} P_HATS=${PORTS[13]} P_DPT=${PORTS[14]} P_DPTA=${PORTS[15]}
 P_NG2=${PORTS[16]} P_HA2=${PORTS[17]} P_HA2S=${PORTS[18]} P_DP2=${PORTS[19]} P_DP2A=${PORTS[20]}
 P_CP0=${PORTS[21]} P_CP0A=${PORTS[22]} P_CP1=${PORTS[23]} P_CP1A=${PORTS[24]}
-P_BL=${PORTS[25]} P_BLA=${PORTS[26]}
+P_BL=${PORTS[25]} P_BLA=${PORTS[26]} P_DF=${PORTS[27]} P_DFA=${PORTS[28]}
 
 declare -A PID PORT SSE_PORT
 PORT[direct]=$P_UP1 PORT[nginx]=$P_NG PORT[haproxy]=$P_HA PORT[detproxy]=$P_DP
@@ -247,7 +248,16 @@ if [ -n "${BENCH_BASELINE:-}" ]; then
   sed -e "s#\"127.0.0.1:$P_DP\"#\"127.0.0.1:$P_BL\"#; s#\"127.0.0.1:$P_DPA\"#\"127.0.0.1:$P_BLA\"#" \
     "$work/detproxy.json" >"$work/baseline.json"
   start baseline "$PCPU" "$BENCH_BASELINE" run -c "$work/baseline.json"
-  PORT[baseline]=$P_BL
+  PORT[baseline]=$P_BL SSE_PORT[baseline]=$P_BL
+fi
+# Scenario 10's second detproxy: the same policy with the seed forced instead of derived, so the
+# long prompt is validated and spliced but no canonical form is hashed.
+if [[ $SCEN == *" 10 "* ]]; then
+  sed -e "s#\"127.0.0.1:$P_DP\"#\"127.0.0.1:$P_DF\"#; s#\"127.0.0.1:$P_DPA\"#\"127.0.0.1:$P_DFA\"#" \
+    -e 's#"seed": { "derive": true }#"seed": { "force": 42 }#' "$work/detproxy.json" >"$work/detproxy_forced.json"
+  grep -q '"force": 42' "$work/detproxy_forced.json" || die "could not make the forced-seed config"
+  start detproxy_forced "$PCPU" "$DETPROXY" run -c "$work/detproxy_forced.json"
+  PORT[detproxy_forced]=$P_DF
 fi
 case "$SCEN" in *" 4 "*)
   start shadow0 "$PCPU" "$DETPROXY" run -c "$work/shadow0.json"
@@ -326,6 +336,7 @@ if [ -n "${PID[shadow0]:-}" ]; then
 fi
 [ -n "${PID[detproxy2]:-}" ] && wait_ok detproxy2 "http://127.0.0.1:$P_DP2A/readyz"
 [ -n "${PID[baseline]:-}" ] && wait_ok baseline "http://127.0.0.1:$P_BLA/readyz"
+[ -n "${PID[detproxy_forced]:-}" ] && wait_ok detproxy_forced "http://127.0.0.1:$P_DFA/readyz"
 if [ -n "${PID[cp_on]:-}" ]; then
   wait_ok cp_off "http://127.0.0.1:$P_CP0A/readyz"
   wait_ok cp_on "http://127.0.0.1:$P_CP1A/readyz"
@@ -568,10 +579,11 @@ fi
 # rss_watch_start NAME; ...; rss_watch_stop -> prints the peak.
 rss_watch_start() {
   local name=$1
-  ( m=0; while :; do read -r r _ _ <<<"$(rss_kb "$name")"; [ "$r" -gt "$m" ] && m=$r; echo "$m" >"$work/rss_watch"; sleep 0.1; done ) &
+  # written aside and renamed: a kill mid-write must not leave the file empty
+  ( m=0; while :; do read -r r _ _ <<<"$(rss_kb "$name")"; [ "$r" -gt "$m" ] && m=$r; echo "$m" >"$work/rss_watch.new"; mv -f "$work/rss_watch.new" "$work/rss_watch"; sleep 0.1; done ) &
   RSS_WATCH=$!
 }
-rss_watch_stop() { kill "$RSS_WATCH" 2>/dev/null || true; wait "$RSS_WATCH" 2>/dev/null || true; cat "$work/rss_watch"; }
+rss_watch_stop() { kill "$RSS_WATCH" 2>/dev/null || true; wait "$RSS_WATCH" 2>/dev/null || true; cat "$work/rss_watch"; rm -f "$work/rss_watch"; }
 
 # ---- scenario 9: one vs two workers --------------------------------------------------------
 # The same load as scenario 1 (64 connections here, so two event loops both have work) against
@@ -607,7 +619,7 @@ if [[ $SCEN == *" 11 "* ]]; then
   log "scenario 11: $SSE_MANY concurrent SSE streams x $SSE_EPS events/s (${ival} ms apart), ramp 1 s," \
     "warm-up 1 s, ${SSE_SECS11}s recorded per target, $ROUNDS rounds"
   for r in $(seq 1 "$ROUNDS"); do
-    for t in $(rotate "$r" direct nginx haproxy detproxy); do
+    for t in $(rotate "$r" direct nginx haproxy detproxy ${PID[baseline]:+baseline}); do
       c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
       read -r rss0 _ _ <<<"$(rss_kb "$t")"
       rss_watch_start "$t"
@@ -634,11 +646,15 @@ if [[ $SCEN == *" 10 "* ]]; then
   BIG=$work/chat_big.json
   python3 bench/gen_prompt.py "$BIG" "$BIG_KB" 2>>"$work/gen_prompt.log" || die "gen_prompt.py failed"
   big_bytes=$(stat -c %s "$BIG")
-  for t in direct nginx haproxy detproxy; do
+  T10=(direct nginx haproxy detproxy ${PID[detproxy_forced]:+detproxy_forced} ${PID[baseline]:+baseline})
+  # The yardstick for a derived seed: OpenSSL's own SHA-256 over one body, on this machine.
+  sha_kbs=$(openssl speed -evp sha256 -bytes "$big_bytes" -seconds 2 2>/dev/null | awk '/^sha256/ {print $2}' | tr -d k)
+  emit "{\"scenario\":10,\"target\":\"sha256\",\"body_bytes\":$big_bytes,\"openssl_kbytes_s\":${sha_kbs:-0}}"
+  for t in "${T10[@]}"; do
     read -r r0 _ _ <<<"$(rss_kb "$t")"
     emit "{\"scenario\":10,\"target\":\"$t\",\"rss_start_kb\":$r0}"
   done
-  for t in direct nginx haproxy detproxy; do
+  for t in "${T10[@]}"; do
     wait_ok "$t" "http://127.0.0.1:${PORT[$t]}$CHAT" POST "$BIG"
   done
   rate10=${BENCH_BIG_RATE:-}
@@ -654,7 +670,7 @@ if [[ $SCEN == *" 10 "* ]]; then
   log "scenario 10: $big_bytes-byte chat prompts, $BIG_CONNS connections: wrk closed loop, then open loop at" \
     "$rate10 rps (half the slowest proxy's peak), $ROUNDS rounds"
   for r in $(seq 1 "$ROUNDS"); do
-    for t in $(rotate "$r" direct nginx haproxy detproxy); do
+    for t in $(rotate "$r" "${T10[@]}"); do
       c0=$(cpu_ticks "$t"); u0=$(cpu_ticks upstream)
       read -r rss0 _ _ <<<"$(rss_kb "$t")"
       rss_watch_start "$t"
@@ -695,7 +711,7 @@ if [[ $SCEN == *" 12 "* ]]; then
 fi
 
 # ---- report ---------------------------------------------------------------------------------
-for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" "${W2_PROXIES[@]}" cp_off cp_on baseline upstream; do
+for t in nginx haproxy detproxy shadow0 shadow1 "${TLS_PROXIES[@]}" "${W2_PROXIES[@]}" cp_off cp_on baseline detproxy_forced upstream; do
   [ -n "${PID[$t]:-}" ] || continue
   kill -0 "${PID[$t]}" 2>/dev/null || die "$t died during the run (log: $work/$t.log)"
 done
@@ -723,4 +739,15 @@ json.dump({
 }, open(sys.argv[1], "w"))
 EOF
 python3 bench/report.py report "$RES" "$meta" "$RESULTS_MD"
+# ---- scenario 13: the body budget against 200 slow-body clients ------------------------------
+# Its own program (ordinary clients' success and latency with and without slow ones, against
+# detproxy only, and BENCH_BASELINE beside it when set); it puts section 13 into the file just
+# written. Exits non-zero when ordinary clients fall under 99% success.
+if [[ $SCEN == *" 13 "* ]]; then
+  log "scenario 13: 8 ordinary keep-alive clients, without and with 200 slow-body clients" \
+    "(declaring 8 MiB; 16 bytes or 2 MiB sent, then a byte a second)"
+  DETPROXY_BIN="$DETPROXY" DETPROXY_SIM_BIN="$B/tests/sim/detproxy-sim" \
+    python3 bench/body_budget.py --seconds "$(q 2 10)" --results "$RESULTS_MD" \
+    ${BENCH_BASELINE:+--baseline "$BENCH_BASELINE"} || die "scenario 13 (bench/body_budget.py)"
+fi
 log "done in $(( $(date +%s) - t_start )) s"

@@ -1,6 +1,20 @@
 #include "common/buf.h"
 
 #include <assert.h>
+#include <pthread.h>
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) && !defined(__SANITIZE_ADDRESS__)
+#define __SANITIZE_ADDRESS__ 1 /* clang's spelling of GCC's macro */
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define STASH_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define STASH_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define STASH_POISON(p, n) ((void)(p), (void)(n))
+#define STASH_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -71,6 +85,134 @@ void dp_buf_reserve(dp_buf_t *b, size_t extra)
     b->base = dp_xrealloc(b->base, cap);
     b->cap = cap;
     assert(buf_valid(b) && b->len + extra < b->cap);
+}
+
+/* ---- a thread's stash of large buffers ------------------------------------------------------
+ * Request bodies of hundreds of KiB come and go at the rate clients send them. Each one
+ * allocated afresh is a new mapping (net/server.c fixes glibc's mmap threshold so that freed
+ * bodies go back to the kernel): its pages fault in, zeroed, as the body is copied in, and its
+ * munmap flushes the TLB of every CPU the process runs on. Released ones kept per thread are
+ * reused warm. The stash is bounded, so resident memory still follows the bodies being
+ * held. Under AddressSanitizer a stashed buffer is poisoned: a pointer kept into a released
+ * body is caught as it would be after free(). */
+#define STASH_SLOTS 64
+#define STASH_BYTES (16u << 20)
+
+typedef struct {
+    char *base[STASH_SLOTS];
+    size_t cap[STASH_SLOTS];
+    unsigned n;
+    size_t bytes;
+} stash_t;
+
+static pthread_key_t g_stash_key;
+static pthread_once_t g_stash_once = PTHREAD_ONCE_INIT;
+
+static void stash_destroy(void *v)
+{
+    stash_t *st = v;
+    for (unsigned i = 0; i < st->n; i++) {
+        STASH_UNPOISON(st->base[i], st->cap[i]);
+        free(st->base[i]);
+    }
+    free(st);
+}
+
+static void stash_key_make(void)
+{
+    if (pthread_key_create(&g_stash_key, stash_destroy) != 0)
+        oom();
+}
+
+static stash_t *stash_get(bool make)
+{
+    pthread_once(&g_stash_once, stash_key_make);
+    stash_t *st = pthread_getspecific(g_stash_key);
+    if (st == NULL && make) {
+        st = dp_xcalloc(1, sizeof(*st));
+        if (pthread_setspecific(g_stash_key, st) != 0)
+            oom();
+    }
+    return st;
+}
+
+/* Take entry i out, keeping the others oldest first. */
+static char *stash_remove(stash_t *st, unsigned i, size_t *cap)
+{
+    char *base = st->base[i];
+    *cap = st->cap[i];
+    st->bytes -= *cap;
+    st->n--;
+    memmove(&st->base[i], &st->base[i + 1], (st->n - i) * sizeof(st->base[0]));
+    memmove(&st->cap[i], &st->cap[i + 1], (st->n - i) * sizeof(st->cap[0]));
+    STASH_UNPOISON(base, *cap);
+    return base;
+}
+
+/* The stashed buffer that fits need best, at most half again as big (a reused buffer's pages
+ * are all resident), taken out of the stash; NULL when none fits. */
+static char *stash_take(size_t need, size_t *cap)
+{
+    stash_t *st = stash_get(false);
+    if (st == NULL)
+        return NULL;
+    unsigned best = st->n;
+    for (unsigned i = 0; i < st->n; i++)
+        if (st->cap[i] >= need && st->cap[i] - need <= need / 2 &&
+            (best == st->n || st->cap[i] < st->cap[best]))
+            best = i;
+    return best == st->n ? NULL : stash_remove(st, best, cap);
+}
+
+void dp_buf_release(dp_buf_t *b)
+{
+    assert(buf_valid(b));
+    if (b->cap < DP_BUF_STASH_MIN || b->cap > DP_BUF_STASH_MAX) {
+        dp_buf_free(b);
+        return;
+    }
+    /* The newest buffers are what the traffic sends now: the oldest make room for them, so a
+     * burst of one size cannot leave the stash full of buffers nothing fits any more. */
+    stash_t *st = stash_get(true);
+    while (st->n == STASH_SLOTS || st->bytes + b->cap > STASH_BYTES) {
+        size_t cap;
+        free(stash_remove(st, 0, &cap));
+    }
+    STASH_POISON(b->base, b->cap);
+    st->base[st->n] = b->base;
+    st->cap[st->n] = b->cap;
+    st->n++;
+    st->bytes += b->cap;
+    *b = (dp_buf_t){0};
+}
+
+void dp_buf_stash_free(void)
+{
+    stash_t *st = stash_get(false);
+    if (st == NULL)
+        return;
+    pthread_setspecific(g_stash_key, NULL);
+    stash_destroy(st);
+}
+
+void dp_buf_reserve_exact(dp_buf_t *b, size_t extra)
+{
+    assert(buf_valid(b));
+    size_t need = b->len + extra + 1;
+    if (need <= b->cap)
+        return;
+    size_t cap;
+    char *base = need >= DP_BUF_STASH_MIN ? stash_take(need, &cap) : NULL;
+    if (base) {
+        if (b->base)
+            memcpy(base, b->base, b->len + 1);
+        free(b->base);
+        b->base = base;
+        b->cap = cap;
+        return;
+    }
+    b->base = dp_xrealloc(b->base, need);
+    b->cap = need;
 }
 
 void dp_buf_append(dp_buf_t *b, const void *p, size_t n)

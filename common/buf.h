@@ -24,6 +24,21 @@ typedef struct {
 } dp_buf_t;
 
 void dp_buf_reserve(dp_buf_t *b, size_t extra);
+/* As dp_buf_reserve, but when it must grow it grows to exactly len + extra (and the NUL): for
+ * a buffer whose final size is known, one allocation and no copy as it fills. A large one is
+ * taken from this thread's stash of released buffers when one fits (dp_buf_release). */
+void dp_buf_reserve_exact(dp_buf_t *b, size_t extra);
+/* Buffers of this capacity and up to DP_BUF_STASH_MAX are kept by dp_buf_release: what a
+ * dp_buf_reserve_exact of up to 1 MiB can take (a kept buffer serves a need it exceeds by at
+ * most half). */
+#define DP_BUF_STASH_MIN (64 * 1024)
+#define DP_BUF_STASH_MAX (1536 * 1024 + 2)
+/* Free b's memory, or keep it for reuse by this thread's next dp_buf_reserve_exact when its
+ * capacity is in [DP_BUF_STASH_MIN, DP_BUF_STASH_MAX] (a request body of hundreds of KiB).
+ * The thread keeps at most 64 buffers and 16 MiB, the newest: resident memory outside any
+ * budget. Leaves b empty. The stash is freed when the thread exits, or by dp_buf_stash_free. */
+void dp_buf_release(dp_buf_t *b);
+void dp_buf_stash_free(void);
 void dp_buf_append(dp_buf_t *b, const void *p, size_t n);
 void dp_buf_appends(dp_buf_t *b, const char *s);
 void dp_buf_appendc(dp_buf_t *b, char c);

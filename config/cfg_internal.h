@@ -134,6 +134,12 @@ bool cfg_check_ed25519_privkey(cfg_ctx_t *c, const char *key, const char *path);
 /* Every limits.* key with its value (config.c owns the table of them). */
 void cfg_limits_dump(const cfg_limits_t *l, dp_jw_t *w);
 
+/* ---- fleet.c ---- */
+
+void cfg_parse_fleet(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg);
+void cfg_fleet_free(cfg_fleet_t *f);
+void cfg_fleet_dump(const cfg_fleet_t *f, dp_jw_t *w);
+
 /* ---- pool.c ---- */
 
 void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg);

@@ -16,14 +16,19 @@
 
 static const char *const top_keys[] = {
     "listen", "admin_listen", "limits",           "attestation", "pools",   "policy", "shadow",
-    "log",    "tls",          "admin_token_file", "otel",        "workers", NULL};
+    "log",    "tls",          "admin_token_file", "otel",        "workers", "fleet",  NULL};
 static const char *const otel_keys[] = {"endpoint", "sample_rate", NULL};
 static const char *const attestation_keys[] = {"interval_ms", "timeout_ms", "require_signature",
                                                "trusted_keys", NULL};
 static const char *const shadow_keys[] = {
     "rate", "self_rate", "max_inflight", "max_output_bytes", "quarantine", NULL};
-static const char *const log_keys[] = {"level",       "audit_path",        "access",
-                                       "audit_store", "audit_signing_key", "audit_checkpoint_lines",
+static const char *const log_keys[] = {"level",
+                                       "audit_path",
+                                       "access",
+                                       "audit_store",
+                                       "audit_signing_key",
+                                       "audit_checkpoint_lines",
+                                       "audit_fail",
                                        NULL};
 static const char *const access_keys[] = {"enabled", "sample_rate", "fields", NULL};
 
@@ -32,6 +37,7 @@ const char *const cfg_access_field_names[CFG_ACCESS__COUNT] = {
     "upstream_ms", "ttfb_ms", "tokens",  "seed", "policy"};
 static const char *const tls_keys[] = {"cert_file", "key_file", "client_ca_file", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
+const char *const cfg_audit_fail_names[2] = {"closed", "open"};
 
 /* limits: every one an unsigned integer with a default and a range. */
 typedef struct {
@@ -221,10 +227,16 @@ static void parse_otel(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
+/* Set while cfg_load_reader runs: the audit trail's files are read by whoever loads the config
+ * that way (replay), never written, so their folders and the signing key need not be there. */
+static _Thread_local bool g_reader;
+
 /* The audit file is opened for append at start: it may not exist yet, but its folder must, and
  * one of the two must be writable. */
 static void check_audit_path(cfg_ctx_t *c, const char *path)
 {
+    if (g_reader)
+        return;
     struct stat st;
     if (stat(path, &st) == 0) {
         if (!S_ISREG(st.st_mode))
@@ -249,6 +261,8 @@ static void check_audit_path(cfg_ctx_t *c, const char *path)
  * now, so a typo fails `check` rather than every audited request. */
 static void check_audit_store(cfg_ctx_t *c, const char *dir)
 {
+    if (g_reader)
+        return;
     struct stat st;
     if (stat(dir, &st) != 0)
         cfg_err(c, "audit_store", "cannot use %s: %s", dir, strerror(errno));
@@ -305,9 +319,12 @@ static void parse_log(cfg_ctx_t *c, const cJSON *doc, cfg_log_t *l)
         check_audit_path(c, l->audit_path);
     if (cfg_get_path(c, o, "audit_store", false, &l->audit_store))
         check_audit_store(c, l->audit_store);
-    if (cfg_get_path(c, o, "audit_signing_key", false, &l->audit_signing_key))
+    if (cfg_get_path(c, o, "audit_signing_key", false, &l->audit_signing_key) && !g_reader)
         cfg_check_ed25519_privkey(c, "audit_signing_key", l->audit_signing_key);
     cfg_get_u32(c, o, "audit_checkpoint_lines", 1, 100000000, &l->audit_checkpoint_lines);
+    int fail = l->audit_fail_open ? 1 : 0;
+    if (cfg_get_enum(c, o, "audit_fail", cfg_audit_fail_names, 2, &fail))
+        l->audit_fail_open = fail == 1;
     if ((l->audit_store || l->audit_signing_key) && l->audit_path == NULL)
         cfg_err(c, l->audit_store ? "audit_store" : "audit_signing_key", "requires log.audit_path");
     parse_access_log(c, o, &l->access);
@@ -458,6 +475,12 @@ static void check_source(cfg_ctx_t *c, const cfg_attestation_t *a, cfg_attest_so
                  "of its signatures is admitted");
 }
 
+bool cfg_pool_require_signature(const cfg_t *cfg, const cfg_pool_t *p)
+{
+    return p->require_signature >= 0 ? p->require_signature != 0
+                                     : cfg->attestation.require_signature;
+}
+
 static void check_signatures(cfg_ctx_t *c, const cfg_t *cfg)
 {
     bool agent_seen = false;
@@ -465,15 +488,24 @@ static void check_signatures(cfg_ctx_t *c, const cfg_t *cfg)
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
         size_t m = cfg_path_index(c, i);
+        /* The pool's own setting, with the top level's keys. */
+        cfg_attestation_t a = cfg->attestation;
+        a.require_signature = cfg_pool_require_signature(cfg, p);
+        if (p->require_signature == 1 && a.ntrusted_keys == 0) {
+            size_t k = cfg_path_key(c, "attestation");
+            cfg_err(c, "require_signature",
+                    "needs attestation.trusted_keys (the keys to check signatures with)");
+            cfg_path_pop(c, k);
+        }
         if (p->discovery != NULL) {
             size_t d = cfg_path_key(c, "discovery");
-            check_source(c, &cfg->attestation, p->discovery->attest_source, &agent_seen);
+            check_source(c, &a, p->discovery->attest_source, &agent_seen);
             cfg_path_pop(c, d);
         }
         size_t r = cfg_path_key(c, "replicas");
         for (size_t j = 0; j < p->nreplicas; j++) {
             size_t k = cfg_path_index(c, j);
-            check_source(c, &cfg->attestation, p->replicas[j].attest.source, &agent_seen);
+            check_source(c, &a, p->replicas[j].attest.source, &agent_seen);
             cfg_path_pop(c, k);
         }
         cfg_path_pop(c, r);
@@ -496,6 +528,7 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     parse_otel(c, doc, cfg);
     parse_log(c, doc, &cfg->log);
     parse_tls(c, doc, cfg);
+    cfg_parse_fleet(c, doc, cfg);
     if (cfg_get_path(c, doc, "admin_token_file", false, &cfg->admin_token_file))
         cfg->admin_token = cfg_read_secret(c, "admin_token_file", cfg->admin_token_file);
     cfg_parse_pools(c, doc, cfg);
@@ -572,6 +605,14 @@ done:
     return rc;
 }
 
+int cfg_load_reader(const char *path, cfg_t **out, cfg_errors_t *errs)
+{
+    g_reader = true;
+    int rc = cfg_load(path, out, errs);
+    g_reader = false;
+    return rc;
+}
+
 int cfg_load_string(const char *json, size_t len, const char *dir, cfg_t **out, cfg_errors_t *errs)
 {
     cfg_errors_t local = {0};
@@ -608,6 +649,7 @@ void cfg_free(cfg_t *cfg)
     if (cfg->otel != NULL)
         cfg_url_free(&cfg->otel->endpoint);
     free(cfg->otel);
+    cfg_fleet_free(cfg->fleet);
     free(cfg->admin_token_file);
     cfg_secret_free(cfg->admin_token);
     free(cfg);

@@ -74,8 +74,10 @@ typedef struct cfg_manifest_s {
     char *framework_version;
     char *engine_fingerprint; /* the engine's system_fingerprint (docs/attestation.md §5) */
     cfg_canary_t *canary;     /* NULL when absent */
-    /* "oms": {"signer": 64 lowercase hex} (docs/attestation.md §9), NULL when absent */
+    /* "oms" (docs/attestation.md §9): {"signer": 64 lowercase hex} pins a key or certificate
+     * signer, {"identity": ID, "issuer": URL} a keyless one; NULL when absent */
     char *oms_signer;
+    char *oms_identity, *oms_issuer; /* both or neither */
     char fingerprint[20]; /* "fp_" + 16 hex, computed at load (docs/configuration.md, "Manifest") */
     /* Not part of the fingerprint; accept[] entries inherit it (they cannot set their own). */
     cfg_determinism_t determinism;
@@ -211,6 +213,17 @@ typedef struct {
     double rate;
 } cfg_candidate_t;
 
+/* One entry of a pool's `passthrough` list (docs/configuration.md, "Pass-through routes"):
+ * "[METHOD ]/exact/path" or "[METHOD ]/prefix*". Paths are compared with the request's
+ * normalised path (no query), byte for byte. */
+typedef struct {
+    char *text;   /* as written, for messages and the config dump */
+    char *method; /* NULL: any method */
+    char *path;   /* without the trailing '*' */
+    size_t len;
+    bool prefix;
+} cfg_passthrough_t;
+
 typedef struct {
     char *name;
     char **models; /* "*" matches any */
@@ -229,10 +242,17 @@ typedef struct {
     char *api_key;               /* file contents, trailing whitespace trimmed; never logged */
     cfg_candidate_t *candidates; /* docs/configuration.md, "Candidates" */
     size_t ncandidates;
+    /* What a policed tenant may send through unpoliced besides GET and HEAD (docs/policy.md §2,
+     * "Routes and pass-through"). */
+    cfg_passthrough_t *passthrough;
+    size_t npassthrough;
     /* Named in another pool's candidates: model routing passes over it. only_candidate: and no
      * tenant pins it either, so it serves no client (/readyz does not wait for it). */
     bool is_candidate;
     bool only_candidate;
+    /* pools[].attestation.require_signature: 1 or 0, or -1 when not set (the top-level
+     * attestation.require_signature applies); read it with cfg_pool_require_signature. */
+    int require_signature;
 } cfg_pool_t;
 
 /* ---- top level --------------------------------------------------------------------------- */
@@ -299,6 +319,8 @@ typedef struct {
     char *audit_store;               /* NULL: bodies are hashed, not stored (docs/operations.md) */
     char *audit_signing_key;         /* NULL: the chain is written without signed checkpoints */
     uint32_t audit_checkpoint_lines; /* 1000 */
+    bool audit_fail_open; /* "audit_fail": "open" serves an audited request whose line cannot be
+                           * written (counted); "closed" (default) refuses it 503 */
     cfg_access_log_t access;
 } cfg_log_t;
 
@@ -313,6 +335,20 @@ typedef struct {
     cfg_url_t endpoint; /* collector base URL; spans go to <endpoint>/v1/traces */
     double sample_rate; /* for requests without a traceparent (default 1.0) */
 } cfg_otel_t;
+
+/* Fleet: instances sharing their verdicts through etcd (docs/fleet.md, "Configuration"). */
+#define CFG_FLEET_MAX_ENDPOINTS 16
+typedef struct {
+    char *name;     /* keys live under /detproxy/<name>/ */
+    char *instance; /* this instance's name (default: host name and admin port) */
+    cfg_url_t *endpoints;
+    size_t nendpoints;
+    char *ca_file, *cert_file, *key_file; /* etcd.tls (NULL: system store, no client cert) */
+    char *username;
+    char *password_file;
+    char *password; /* contents, trimmed; never logged */
+    uint32_t lease_ttl_ms;
+} cfg_fleet_t;
 
 /* `workers` beyond this is a configuration error: past a few dozen cores a single proxy
  * process is no longer the unit to scale (run several, as nginx and Envoy deployments do). */
@@ -331,8 +367,9 @@ typedef struct cfg_s {
     cfg_policy_t *policy; /* never NULL: absent means one tenant "default" matching any */
     cfg_shadow_t shadow;
     cfg_log_t log;
-    cfg_tls_t *tls;   /* NULL: plaintext listener */
-    cfg_otel_t *otel; /* NULL: no spans are exported */
+    cfg_tls_t *tls;     /* NULL: plaintext listener */
+    cfg_otel_t *otel;   /* NULL: no spans are exported */
+    cfg_fleet_t *fleet; /* NULL: this instance decides alone */
     char *admin_token_file;
     char *admin_token; /* contents, trimmed; never logged */
 } cfg_t;
@@ -340,6 +377,10 @@ typedef struct cfg_s {
 /* Load and validate. On success returns 0 and *out; on failure returns -1, *out NULL, and errs
  * holds at least one error. Warnings may be set either way. */
 int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs);
+/* cfg_load for a reader of the audit trail (replay): log.audit_path's folder, audit_store and
+ * audit_signing_key are not checked (they are the production host's). */
+int cfg_load_reader(const char *path, cfg_t **out, cfg_errors_t *errs);
+extern const char *const cfg_audit_fail_names[2]; /* closed, open */
 /* Same, from JSON text; dir resolves relative paths. */
 int cfg_load_string(const char *json, size_t len, const char *dir, cfg_t **out, cfg_errors_t *errs);
 void cfg_free(cfg_t *cfg);
@@ -390,6 +431,9 @@ void cfg_url_free(cfg_url_t *u);
 
 /* The effective configuration as one JSON object (GET /admin/config), appended to out:
  * defaults filled in, secrets redacted (config/dump.c says which). */
+/* Whether pool p admits only signed attestations: its own attestation.require_signature, else
+ * the top level's. */
+bool cfg_pool_require_signature(const cfg_t *cfg, const cfg_pool_t *p);
 void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out);
 
 /* `detproxy check -c CONFIG` (config/check.c); argv[0] is "check". Returns the exit code. */

@@ -70,9 +70,14 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
     } else {
         dp_jw_null(w, "canary");
     }
-    if (m->oms_signer) {
+    if (m->oms_signer || m->oms_identity) {
         dp_jw_obj_begin(w, "oms");
-        dp_jw_str(w, "signer", m->oms_signer);
+        if (m->oms_signer)
+            dp_jw_str(w, "signer", m->oms_signer);
+        if (m->oms_identity) {
+            dp_jw_str(w, "identity", m->oms_identity);
+            dp_jw_str(w, "issuer", m->oms_issuer);
+        }
         dp_jw_obj_end(w);
     } else {
         dp_jw_null(w, "oms");
@@ -88,7 +93,7 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
     dp_jw_obj_end(w);
 }
 
-static void pool(dp_jw_t *w, const cfg_pool_t *p)
+static void pool(dp_jw_t *w, const cfg_t *cfg, const cfg_pool_t *p)
 {
     static const char *const balance[] = {"least_inflight", "round_robin", "affinity"};
     dp_jw_obj_begin(w, NULL);
@@ -106,6 +111,10 @@ static void pool(dp_jw_t *w, const cfg_pool_t *p)
         dp_jw_double(w, "rate", p->candidates[i].rate);
         dp_jw_obj_end(w);
     }
+    dp_jw_arr_end(w);
+    dp_jw_arr_begin(w, "passthrough");
+    for (size_t i = 0; i < p->npassthrough; i++)
+        dp_jw_str(w, NULL, p->passthrough[i].text);
     dp_jw_arr_end(w);
     dp_jw_arr_begin(w, "replicas");
     for (size_t i = 0; i < p->nreplicas; i++) {
@@ -148,6 +157,9 @@ static void pool(dp_jw_t *w, const cfg_pool_t *p)
     }
     dp_jw_str(w, "api_key_file", p->api_key_file);
     secret(w, "api_key", p->api_key);
+    dp_jw_obj_begin(w, "attestation");
+    dp_jw_bool(w, "require_signature", cfg_pool_require_signature(cfg, p));
+    dp_jw_obj_end(w);
     dp_jw_obj_end(w);
 }
 
@@ -242,7 +254,7 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     dp_jw_obj_end(w);
     dp_jw_arr_begin(w, "pools");
     for (size_t i = 0; i < cfg->npools; i++)
-        pool(w, &cfg->pools[i]);
+        pool(w, cfg, &cfg->pools[i]);
     dp_jw_arr_end(w);
     dp_jw_obj_begin(w, "policy");
     dp_jw_arr_begin(w, "tenants");
@@ -263,6 +275,7 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     dp_jw_str(w, "audit_store", cfg->log.audit_store);
     dp_jw_str(w, "audit_signing_key", cfg->log.audit_signing_key);
     dp_jw_uint(w, "audit_checkpoint_lines", cfg->log.audit_checkpoint_lines);
+    dp_jw_str(w, "audit_fail", cfg_audit_fail_names[cfg->log.audit_fail_open]);
     dp_jw_obj_begin(w, "access");
     dp_jw_bool(w, "enabled", cfg->log.access.enabled);
     dp_jw_double(w, "sample_rate", cfg->log.access.sample_rate);
@@ -282,6 +295,7 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     } else {
         dp_jw_null(w, "tls");
     }
+    cfg_fleet_dump(cfg->fleet, w);
     dp_jw_str(w, "admin_token_file", cfg->admin_token_file);
     secret(w, "admin_token", cfg->admin_token);
     dp_jw_obj_end(w);

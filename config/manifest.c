@@ -17,7 +17,7 @@ static const char *const manifest_keys[] = {"model",
                                             "accept",
                                             "determinism",
                                             NULL};
-static const char *const oms_keys[] = {"signer", NULL};
+static const char *const oms_keys[] = {"signer", "identity", "issuer", NULL};
 static const char *const determinism_keys[] = {"mode", NULL};
 
 const char *const cfg_determinism_names[] = {"none", "batch_invariant", "single_sequence"};
@@ -83,7 +83,8 @@ static void parse_canary(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
     cfg_path_pop(c, mark);
 }
 
-/* "oms": {"signer": "<hex SHA-256 of the publisher's public key DER>"}
+/* "oms": {"signer": "<hex SHA-256 of the publisher's public key DER>"} and/or, for a keyless
+ * (Sigstore) publisher, {"identity": "<certificate SAN>", "issuer": "<OIDC issuer URL>"}
  * (docs/attestation.md §9). */
 static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
 {
@@ -92,7 +93,15 @@ static void parse_oms(cfg_ctx_t *c, const cJSON *obj, cfg_manifest_t *m)
         return;
     size_t mark = cfg_path_key(c, "oms");
     cfg_check_keys(c, o, oms_keys);
-    get_sha256(c, o, "signer", true, &m->oms_signer);
+    get_sha256(c, o, "signer", false, &m->oms_signer);
+    cfg_get_str(c, o, "identity", false, &m->oms_identity);
+    cfg_get_str(c, o, "issuer", false, &m->oms_issuer);
+    if (!m->oms_identity != !m->oms_issuer)
+        cfg_err(c, m->oms_identity ? "issuer" : "identity",
+                "required with %s: a keyless signer is an identity and its OIDC issuer",
+                m->oms_identity ? "identity" : "issuer");
+    else if (!m->oms_signer && !m->oms_identity)
+        cfg_err(c, NULL, "needs signer (a key or certificate) or identity and issuer (keyless)");
     cfg_path_pop(c, mark);
 }
 
@@ -143,7 +152,8 @@ static bool same_identity(const cfg_manifest_t *a, const cfg_manifest_t *b)
 {
     return strcmp(a->fingerprint, b->fingerprint) == 0 &&
            same_str(a->engine_fingerprint, b->engine_fingerprint) &&
-           same_str(a->oms_signer, b->oms_signer);
+           same_str(a->oms_signer, b->oms_signer) && same_str(a->oms_identity, b->oms_identity) &&
+           same_str(a->oms_issuer, b->oms_issuer);
 }
 
 /* "accept": [{...}, ...]: identities admitted beside the manifest's own while a rollout runs.
@@ -186,7 +196,11 @@ static void parse_accept(cfg_ctx_t *c, const cJSON *node, cfg_manifest_t *m)
         inherit(&e->framework_name, m->framework_name);
         inherit(&e->framework_version, m->framework_version);
         inherit(&e->engine_fingerprint, m->engine_fingerprint);
-        inherit(&e->oms_signer, m->oms_signer);
+        if (!e->oms_signer && !e->oms_identity) { /* "oms" is one pin: inherited whole */
+            inherit(&e->oms_signer, m->oms_signer);
+            inherit(&e->oms_identity, m->oms_identity);
+            inherit(&e->oms_issuer, m->oms_issuer);
+        }
         e->determinism = m->determinism; /* a pool property: every identity must attest it */
         if (e->canary == NULL && m->canary != NULL) {
             e->canary = dp_xcalloc(1, sizeof(*e->canary));
@@ -253,6 +267,8 @@ static void manifest_clear(cfg_manifest_t *m)
     free(m->framework_name);
     free(m->framework_version);
     free(m->oms_signer);
+    free(m->oms_identity);
+    free(m->oms_issuer);
     free(m->engine_fingerprint);
     if (m->canary != NULL) {
         free(m->canary->prompt);
@@ -281,9 +297,10 @@ const cfg_manifest_t *cfg_manifest_identity(const cfg_manifest_t *m, size_t i)
 
 bool cfg_manifest_pins(const cfg_manifest_t *m)
 {
-    return m != NULL && (m->model || m->checkpoint_sha256 || m->quantization || m->dtype ||
-                         m->framework_name || m->framework_version || m->engine_fingerprint ||
-                         m->oms_signer || m->determinism == CFG_DETERMINISM_BATCH_INVARIANT);
+    return m != NULL &&
+           (m->model || m->checkpoint_sha256 || m->quantization || m->dtype || m->framework_name ||
+            m->framework_version || m->engine_fingerprint || m->oms_signer || m->oms_identity ||
+            m->determinism == CFG_DETERMINISM_BATCH_INVARIANT);
 }
 
 void cfg_manifest_fingerprint(const cfg_manifest_t *m, char out[20])

@@ -21,13 +21,14 @@ _Static_assert(DP_ARRAY_SIZE(cfg_attest_source_names) == CFG_ATTEST_LLAMACPP + 1
 #define COUNT_MAX 1000000u
 #define AGENT_DEFAULT_PATH "/attestation"
 
-static const char *const pool_keys[] = {"name",         "models",
-                                        "manifest",     "balance",
-                                        "affinity",     "max_inflight_per_replica",
-                                        "queue_limit",  "queue_timeout_ms",
-                                        "replicas",     "discovery",
-                                        "upstream_tls", "api_key_file",
-                                        "candidates",   NULL};
+static const char *const pool_keys[] = {
+    "name",        "models",           "manifest",
+    "balance",     "affinity",         "max_inflight_per_replica",
+    "queue_limit", "queue_timeout_ms", "replicas",
+    "discovery",   "upstream_tls",     "api_key_file",
+    "candidates",  "passthrough",      "attestation",
+    NULL};
+static const char *const pool_attestation_keys[] = {"require_signature", NULL};
 static const char *const replica_keys[] = {"name", "url", "server_name", "attest", NULL};
 static const char *const attest_keys[] = {"source", "url", NULL};
 static const char *const discovery_keys[] = {"dns",    "port",         "refresh_ms",
@@ -453,6 +454,102 @@ static void check_candidates(cfg_ctx_t *c, cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
+/* ---- passthrough (docs/configuration.md, "Pass-through routes") ------------------------------ */
+
+static bool tchar(char ch)
+{
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+           strchr("!#$%&'*+-.^_`|~", ch) != NULL;
+}
+
+/* Why `path` (the part after an optional method) can never equal a normalised request path
+ * (docs/requests.md §1), or NULL when it can. */
+static const char *pattern_problem(const char *path, size_t n, bool prefix)
+{
+    if (n == 0 || path[0] != '/')
+        return "the path must start with '/'";
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)path[i];
+        if (ch <= 0x20 || ch >= 0x7f)
+            return "spaces, control characters and non-ASCII bytes never reach a route";
+        if (ch == '*')
+            return "'*' is allowed only at the end (a prefix)";
+        if (ch == '?' || ch == '#')
+            return "the query and fragment are not part of the path compared";
+        if (ch == '%')
+            return "percent-escapes are decoded before the comparison: write the character";
+        if (ch == '/' && i + 1 < n && path[i + 1] == '/')
+            return "'//' is merged before the comparison";
+    }
+    /* Dot segments are resolved first; a prefix may end inside a segment ("/v1/fi*"). */
+    for (size_t i = 0; i < n; i++) {
+        if (path[i] != '/' || i + 1 >= n || path[i + 1] != '.')
+            continue;
+        size_t e = i + 2 < n && path[i + 2] == '.' ? i + 3 : i + 2;
+        if ((e == n && !prefix) || (e < n && path[e] == '/'))
+            return "'.' and '..' segments are resolved before the comparison";
+    }
+    return NULL;
+}
+
+static void parse_passthrough_entry(cfg_ctx_t *c, const cJSON *it, cfg_passthrough_t *e)
+{
+    if (!cJSON_IsString(it) || it->valuestring[0] == '\0') {
+        cfg_err(c, NULL, "expected a string \"[METHOD ]/path\" or \"[METHOD ]/prefix*\"");
+        return;
+    }
+    const char *s = it->valuestring;
+    const char *sp = s[0] == '/' ? NULL : strchr(s, ' ');
+    const char *path = sp ? sp + 1 : s;
+    if (sp != NULL) {
+        for (const char *m = s; m < sp; m++) {
+            if (!tchar(*m)) {
+                cfg_err(c, NULL, "\"%s\": the method must be an HTTP token (\"POST\")", s);
+                return;
+            }
+        }
+        if (sp == s) {
+            cfg_err(c, NULL, "\"%s\": expected \"METHOD /path\" with one space", s);
+            return;
+        }
+    }
+    size_t n = strlen(path);
+    bool prefix = n > 0 && path[n - 1] == '*';
+    const char *why = pattern_problem(path, prefix ? n - 1 : n, prefix);
+    if (why != NULL) {
+        cfg_err(c, NULL, "\"%s\": %s", s, why);
+        return;
+    }
+    if (sp != NULL && (sp - s == 3 && memcmp(s, "GET", 3) == 0)) {
+        cfg_warn(c, NULL, "\"%s\": GET always passes through; the entry changes nothing", s);
+    }
+    e->text = dp_xstrdup(s);
+    e->method = sp ? dp_xstrndup(s, (size_t)(sp - s)) : NULL;
+    e->path = dp_xstrndup(path, prefix ? n - 1 : n);
+    e->len = prefix ? n - 1 : n;
+    e->prefix = prefix;
+}
+
+static void parse_passthrough(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    const cJSON *arr = cfg_get_arr(c, node, "passthrough", false);
+    if (arr == NULL)
+        return;
+    p->npassthrough = (size_t)cJSON_GetArraySize(arr);
+    p->passthrough = dp_xcalloc(p->npassthrough + 1, sizeof(*p->passthrough));
+    size_t mark = cfg_path_key(c, "passthrough"), i = 0;
+    for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
+        size_t m = cfg_path_index(c, i);
+        parse_passthrough_entry(c, it, &p->passthrough[i]);
+        for (size_t j = 0; j < i && p->passthrough[i].text; j++)
+            if (p->passthrough[j].text &&
+                strcmp(p->passthrough[j].text, p->passthrough[i].text) == 0)
+                cfg_err(c, NULL, "duplicate entry (also passthrough[%zu])", j);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
 /* ---- pools ----------------------------------------------------------------------------- */
 
 /* single_sequence (docs/configuration.md, "Deterministic pools") is enforced through the pool's own
@@ -468,6 +565,22 @@ static void single_sequence_limit(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p
                  "one request in flight per replica (effective value 1)",
                  p->max_inflight_per_replica);
     p->max_inflight_per_replica = 1;
+}
+
+/* pools[].attestation: what differs from the top-level attestation for this pool (a candidate
+ * pool attested natively beside a baseline whose agents sign: docs/rollouts.md). */
+static void parse_pool_attestation(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
+{
+    p->require_signature = -1;
+    const cJSON *o = cfg_get_obj(c, node, "attestation", false);
+    if (o == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "attestation");
+    cfg_check_keys(c, o, pool_attestation_keys);
+    bool req;
+    if (cfg_get_bool(c, o, "require_signature", &req))
+        p->require_signature = req;
+    cfg_path_pop(c, mark);
 }
 
 static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
@@ -498,6 +611,8 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     parse_replicas(c, node, p);
     parse_discovery(c, node, p);
     parse_candidates(c, node, p);
+    parse_pool_attestation(c, node, p);
+    parse_passthrough(c, node, p);
     const cJSON *reps = cfg_get(node, "replicas");
     bool no_replicas = reps == NULL || (cJSON_IsArray(reps) && cJSON_GetArraySize(reps) == 0);
     if (no_replicas && cfg_get(node, "discovery") == NULL)
@@ -559,5 +674,11 @@ void cfg_pool_free(cfg_pool_t *p)
     for (size_t i = 0; i < p->ncandidates; i++)
         free(p->candidates[i].pool);
     free(p->candidates);
+    for (size_t i = 0; i < p->npassthrough; i++) {
+        free(p->passthrough[i].text);
+        free(p->passthrough[i].method);
+        free(p->passthrough[i].path);
+    }
+    free(p->passthrough);
     *p = (cfg_pool_t){0};
 }

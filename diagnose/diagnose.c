@@ -34,6 +34,7 @@
 #include "net/resolve.h"
 #include "net/tls.h"
 #include "probe/probe.h"
+#include "probe/relay.h"
 #include "drift/drift.h"
 
 #define OUTPUT_MAX_BYTES ((size_t)4 << 20) /* a 32-token completion is a few hundred bytes */
@@ -46,7 +47,11 @@ typedef struct dg_s dg_t;
 typedef struct {
     dg_t *d;
     size_t idx;
-    char *hostport, *path; /* the replica's base URL */
+    char *hostport, *path;  /* Host and path prefix of its requests (the relay's, when relayed) */
+    char *endpoint, *rpath; /* the replica URL's own host:port and path prefix */
+    const char *bearer;     /* Authorization of its requests: the pool's key, or the admin token */
+    char *extra;            /* extra header lines (the relay's replica names), or NULL */
+    bool relayed;           /* through the running proxy, which serves this replica */
     char *agent_hostport, *agent_path;
     net_upstream_t *up;     /* completions */
     net_upstream_t *att_up; /* attestation: the agent, or the replica itself (short timeouts) */
@@ -70,6 +75,10 @@ struct dg_s {
     attest_keyset_t keys;
     dg_run_t run;
     rio_t *io;
+    /* Through the running proxy's admin relay (probe/relay.h), for each replica it serves:
+     * every request to it then takes the pool's admission slots. */
+    probe_relay_t relay;
+    bool relayed;
     net_tls_ctx_t *tls; /* the pool's upstream_tls, made on first https URL; NULL otherwise */
     char *tls_err;      /* why it could not be made */
     size_t *lane_busy;  /* in-flight requests per lane */
@@ -104,7 +113,7 @@ static void att_done(attest_outcome_t *out, void *data)
     rio_t *io = data;
     dg_t *d = io->d;
     dg_replica_t *r = &d->run.r[io->idx];
-    attest_check_judge(out, d->pool->manifest, d->cfg->attestation.require_signature);
+    attest_check_judge(out, d->pool->manifest, cfg_pool_require_signature(d->cfg, d->pool));
     r->verdict = out->verdict;
     r->admit_reasons = out->reasons;
     memset(&out->reasons, 0, sizeof(out->reasons)); /* moved */
@@ -153,11 +162,12 @@ static bool att_start(rio_t *io)
     probe_opts_t o = {.up = io->att_up,
                       .source = r->source,
                       .hostport = agent ? io->agent_hostport : io->hostport,
-                      .base = io->path,
+                      .base = agent ? io->rpath : io->path,
                       .agent_path = io->agent_path,
-                      .bearer = d->pool->api_key,
+                      .bearer = agent ? d->pool->api_key : io->bearer,
+                      .extra_headers = agent ? NULL : io->extra,
                       .keys = &d->keys,
-                      .require_signature = d->cfg->attestation.require_signature,
+                      .require_signature = cfg_pool_require_signature(d->cfg, d->pool),
                       .model = probe_canary_model(d->pool, NULL)};
     probe_start(&o, att_done, io);
     return true;
@@ -174,6 +184,38 @@ static void step_metadata(dg_t *d)
 }
 
 /* ---- step 1, behaviour: the canary ---------------------------------------------------------- */
+
+/* After a canary mismatch of an agent-attested replica, what the engine itself reports, as the
+ * proxy adds it (proxy/control/attest.c): the same reasons in both. */
+static void engine_read_done(attest_outcome_t *out, void *data)
+{
+    rio_t *io = data;
+    dg_t *d = io->d;
+    dg_replica_t *r = &d->run.r[io->idx];
+    if (out->verdict == ATTEST_V_REPORTED)
+        attest_engine_reason(&r->report, &out->report, &r->admit_reasons);
+    if (++d->done == d->total)
+        uv_stop(&d->loop);
+}
+
+static void engine_read_start(rio_t *io)
+{
+    dg_t *d = io->d;
+    dg_replica_t *r = &d->run.r[io->idx];
+    cfg_attest_source_t src = attest_engine_source(&r->report);
+    if (src == CFG_ATTEST_NONE || r->source != CFG_ATTEST_AGENT || io->up == NULL)
+        return;
+    probe_opts_t o = {.up = io->up,
+                      .source = src,
+                      .hostport = io->hostport,
+                      .base = io->path,
+                      .bearer = io->bearer,
+                      .extra_headers = io->extra,
+                      .known_fingerprint = "", /* metadata only: never a completion */
+                      .metadata_fingerprint = true};
+    d->total++;
+    probe_start(&o, engine_read_done, io);
+}
 
 /* The proxy admits a replica whose metadata matches only once its canary matches too
  * (px_attest.c): diagnose's admission column says what the proxy would. */
@@ -195,6 +237,8 @@ static void canary_done(const probe_canary_result_t *res, void *data)
             attest_reasons_add(&r->admit_reasons, "canary not answered: %s", r->canary.err);
         else
             attest_canary_reason(res->sha256, res->expected, &r->admit_reasons);
+        if (res->answered)
+            engine_read_start(io);
     }
     progress("[1/4] %s: canary %s%s%.8s%s", r->name,
              !res->answered ? "not answered: "
@@ -221,7 +265,11 @@ static void step_canary(dg_t *d)
             continue;
         r->canary.ran = true;
         d->total++;
-        probe_canary_start(io->up, d->pool, id, io->hostport, io->path, NULL, canary_done, io);
+        const probe_route_t to = {.hostport = io->hostport,
+                                  .base = io->path,
+                                  .bearer = io->bearer,
+                                  .extra_headers = io->extra};
+        probe_canary_start(io->up, d->pool, id, &to, canary_done, io);
     }
     if (d->total) {
         progress("[1/4] canary: the manifest's canary prompt to %zu replica%s", d->total,
@@ -350,7 +398,8 @@ static void job_start(rio_t *io, size_t k)
     net_fetch_opts_t o = {.method = "POST",
                           .hostport = io->hostport,
                           .target = target,
-                          .bearer = d->pool->api_key,
+                          .bearer = io->bearer,
+                          .extra_headers = io->extra,
                           .body = io->bodies[k]->base,
                           .body_len = io->bodies[k]->len,
                           .max_bytes = OUTPUT_MAX_BYTES};
@@ -493,13 +542,32 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     r->conc = dp_xcalloc(d->run.repeat, sizeof(dg_out_t));
     io->d = d;
     io->idx = i;
-    io->hostport = dp_xstrdup(hostport);
-    io->path = dp_xstrdup(path ? path : "");
+    io->endpoint = dp_xstrdup(hostport);
+    io->rpath = dp_xstrdup(path ? path : "");
+    const cfg_url_t me = {.tls = tls,
+                          .host = (char *)host,
+                          .port = port,
+                          .path = (char *)(path ? path : ""),
+                          .hostport = (char *)hostport};
+    const probe_relay_replica_t *via =
+        d->relayed ? probe_relay_lookup(&d->relay, d->pool->name, &me) : NULL;
+    io->relayed = via != NULL;
+    io->hostport = dp_xstrdup(via ? d->relay.hostport : hostport);
+    io->path = dp_xstrdup(via ? PROBE_RELAY_BASE : io->rpath);
+    io->bearer = via ? d->relay.bearer : d->pool->api_key;
+    if (via) {
+        dp_buf_t h = {0};
+        probe_relay_headers(via->pool, via->name, &h);
+        io->extra = dp_buf_steal(&h);
+    } else if (d->relayed) {
+        d->run.relayed = false; /* not every request shares the proxy's slots */
+        progress("%s: the running detproxy has no replica at %s: directly to it", name, r->url);
+    }
     io->agent_hostport = dp_xstrdup(agent && agent->hostport ? agent->hostport : "");
     io->agent_path = dp_xstrdup(agent && agent->path ? agent->path : "");
     io->lane = i;
     for (size_t k = 0; k < i; k++)
-        if (strcmp(d->io[k].hostport, hostport) == 0) {
+        if (strcmp(d->io[k].endpoint, hostport) == 0) {
             io->lane = d->io[k].lane;
             break;
         }
@@ -510,7 +578,10 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
     probe_replica_upstream_opts(d->cfg, &o);
     o.max_idle = d->run.concurrency + 2;
     struct sockaddr_storage ss;
-    if (tls && pool_tls(d) == NULL) {
+    if (io->relayed) {
+        /* The proxy holds the replica's address, TLS and credentials; this talks to the relay. */
+        io->up = net_upstream_new(&d->loop, (struct sockaddr *)&d->relay.addr, &o);
+    } else if (tls && pool_tls(d) == NULL) {
         r->skip_reason = dp_xstrdup(d->tls_err);
     } else if (!net_resolve(host, port, &ss)) {
         dp_buf_t why = {0};
@@ -536,6 +607,8 @@ static void replica_add(dg_t *d, const char *name, bool tls, const char *host, u
             if (agent->tls)
                 net_upstream_set_tls(io->att_up, d->tls, agent->host);
         }
+    } else if (io->up && io->relayed) {
+        io->att_up = net_upstream_new(&d->loop, (struct sockaddr *)&d->relay.addr, &ao);
     } else if (io->up) {
         io->att_up = net_upstream_new(&d->loop, (struct sockaddr *)&ss, &ao);
         if (tls)
@@ -707,6 +780,9 @@ static void dg_free(dg_t *d)
         io->up = io->att_up = NULL;
         free(io->hostport);
         free(io->path);
+        free(io->endpoint);
+        free(io->rpath);
+        free(io->extra);
         free(io->agent_hostport);
         free(io->agent_path);
     }
@@ -719,6 +795,7 @@ static void dg_free(dg_t *d)
     }
     free(d->io);
     free(d->lane_busy);
+    probe_relay_free(&d->relay);
     net_tls_ctx_unref(d->tls); /* upstreams hold their own references */
     d->tls = NULL;
     free(d->tls_err);
@@ -796,6 +873,19 @@ int dg_cmd_diagnose(int argc, char **argv)
         cfg_free(cfg);
         return 3;
     }
+    dp_buf_t note = {0};
+    d.relayed = probe_relay_find(&d.loop, cfg, NULL, 0, &d.relay, &note) == 1;
+    d.run.relayed = d.relayed;
+    if (d.relayed)
+        progress("through the running detproxy (admin %s): every request to a replica it serves "
+                 "takes the pool's admission slots (max_inflight_per_replica %u%s)",
+                 d.relay.hostport, pool->max_inflight_per_replica,
+                 pool->max_inflight_per_replica ? "" : ": unlimited");
+    else
+        progress("directly to the replicas: %s; these requests do not share the proxy's "
+                 "admission slots",
+                 note.base);
+    dp_buf_free(&note);
     size_t cap = pool->nreplicas + (pool->discovery ? DISCOVERY_MAX : 0);
     d.run.r = dp_xcalloc(cap ? cap : 1, sizeof(dg_replica_t));
     d.io = dp_xcalloc(cap ? cap : 1, sizeof(rio_t));

@@ -135,6 +135,9 @@ typedef struct {
     const char *model;
     const char *prompt;
     unsigned repeat, concurrency;
+    /* through the running proxy's admin relay: the concurrent phase is bounded by the pool's
+     * max_inflight_per_replica, as client traffic is */
+    bool relayed;
     /* collected, owned */
     dg_replica_t *r;
     size_t n;

@@ -820,6 +820,12 @@ static void print_single(const dg_run_t *run, FILE *f)
             "\nstep 3/4  single replica: %u requests at temperature 0 each, sequentially, "
             "then %u in flight\n",
             run->repeat, run->concurrency);
+    unsigned lim = run->pool->max_inflight_per_replica;
+    if (run->relayed && lim && lim < run->concurrency)
+        fprintf(f,
+                "  (through the running proxy: at most %u in flight per replica, its "
+                "max_inflight_per_replica, as for client traffic)\n",
+                lim);
     tbl_t t = {.ncols = 6};
     const char *hdr[] = {"replica",       "sequential ok", "distinct",
                          "concurrent ok", "distinct",      "differ from sequential"};
@@ -1182,6 +1188,7 @@ void dg_print_json(const dg_run_t *run, dp_buf_t *out)
     dp_jw_int(&w, "max_tokens", DG_MAX_TOKENS);
     dp_jw_uint(&w, "repeat", run->repeat);
     dp_jw_uint(&w, "concurrency", run->concurrency);
+    dp_jw_bool(&w, "through_proxy", run->relayed);
     dp_jw_obj_begin(&w, "steps");
     json_metadata(&w, run);
     json_sampling(&w, run);

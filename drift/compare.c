@@ -270,6 +270,7 @@ void drift_divlog_fill(drift_divlog_t *rec, const char *request_id, const char *
     rec->replica_a = replica_a;
     rec->replica_b = replica_b;
     rec->kind = strcmp(replica_a, replica_b) == 0 ? DRIFT_SELF : DRIFT_CROSS;
+    rec->candidate = false;
     rec->divergence_offset = r->divergence_offset;
     rec->similarity = r->similarity;
     rec->finish_differs = r->finish_differs;
@@ -283,7 +284,7 @@ void drift_divlog_write(const drift_divlog_t *rec, dp_jw_t *w)
 {
     dp_jw_str(w, "request_id", rec->request_id);
     dp_jw_str(w, "pool", rec->pool);
-    dp_jw_str(w, "kind", drift_kind_name(rec->kind));
+    dp_jw_str(w, "kind", rec->candidate ? "candidate" : drift_kind_name(rec->kind));
     dp_jw_arr_begin(w, "pair");
     dp_jw_str(w, NULL, rec->replica_a);
     dp_jw_str(w, NULL, rec->replica_b);

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/util.h"
 
 #define NPAIRS (DRIFT_MAX_REPLICAS * (DRIFT_MAX_REPLICAS + 1) / 2)
@@ -802,4 +804,67 @@ void drift_render(dp_buf_t *out, const drift_pool_t *const *pools, size_t n)
         drift_render_pool(&w, pools[i]->name, pools[i]);
     dp_jw_obj_end(&w);
     dp_jw_obj_end(&w);
+}
+
+/* ---- 5. pooled statistics ------------------------------------------------------------------ */
+
+void drift_pool_export(const drift_pool_t *p, dp_jw_t *w, const char *key)
+{
+    drift_summary_t s;
+    dp_jw_arr_begin(w, key);
+    for (int j = 0; j < DRIFT_MAX_REPLICAS; j++) {
+        for (int i = 0; i <= j; i++) {
+            const drift_win_t *pw = &p->pairs[pair_index(i, j)];
+            if (p->replicas[i] == NULL || p->replicas[j] == NULL || pw->count == 0)
+                continue;
+            drift_win_summary(pw, &s);
+            dp_jw_arr_begin(w, NULL);
+            dp_jw_str(w, NULL, p->replicas[i]);
+            dp_jw_str(w, NULL, p->replicas[j]);
+            dp_jw_uint(w, NULL, pw->count);
+            dp_jw_uint(w, NULL, pw->diverged);
+            dp_jw_double(w, NULL, pw->sim_sum);
+            dp_jw_int(w, NULL, s.median_divergence_offset);
+            dp_jw_arr_end(w);
+        }
+    }
+    dp_jw_arr_end(w);
+}
+
+int drift_pool_import(drift_pool_t *p, const cJSON *pairs)
+{
+    if (!cJSON_IsArray(pairs))
+        return -EINVAL;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, pairs)
+    {
+        const cJSON *a = cJSON_GetArrayItem(e, 0), *b = cJSON_GetArrayItem(e, 1),
+                    *n = cJSON_GetArrayItem(e, 2), *d = cJSON_GetArrayItem(e, 3),
+                    *sim = cJSON_GetArrayItem(e, 4), *off = cJSON_GetArrayItem(e, 5);
+        if (!cJSON_IsString(a) || !cJSON_IsString(b) || !cJSON_IsNumber(n) || !cJSON_IsNumber(d) ||
+            !cJSON_IsNumber(sim) || !cJSON_IsNumber(off) || n->valuedouble < 0 ||
+            n->valuedouble > DRIFT_WINDOW || d->valuedouble < 0 || d->valuedouble > n->valuedouble)
+            return -EINVAL;
+        uint32_t nn = (uint32_t)n->valuedouble, dd = (uint32_t)d->valuedouble;
+        /* Matches have similarity 1; the diverged ones share the rest of the sum. */
+        double dsim = dd ? (sim->valuedouble - (double)(nn - dd)) / dd : 1.0;
+        dsim = dsim < 0 ? 0 : dsim > 1 ? 1 : dsim;
+        int64_t o = off->valuedouble < 0 ? 0 : (int64_t)off->valuedouble;
+        for (uint32_t k = 0; k < nn; k++) {
+            /* The diverged samples spread evenly among the matches. */
+            bool div = (uint64_t)(k + 1) * dd / nn > (uint64_t)k * dd / nn;
+            drift_result_t r = {
+                .match = !div, .divergence_offset = div ? o : -1, .similarity = div ? dsim : 1.0};
+            if (drift_pool_add(p, a->valuestring, b->valuestring, &r) != 0)
+                return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+void drift_pool_copy_hints(drift_pool_t *dst, const drift_pool_t *src)
+{
+    for (int i = 0; i < DRIFT_MAX_REPLICAS; i++)
+        if (src->replicas[i] && src->hinted[i])
+            drift_pool_set_hint(dst, src->replicas[i], &src->hints[i]);
 }

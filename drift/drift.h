@@ -286,6 +286,23 @@ void drift_render_pool(dp_jw_t *w, const char *key, const drift_pool_t *p);
 /* The whole GET /admin/drift body: {"window":1000,"pools":{"<name>":{...},...}}. */
 void drift_render(dp_buf_t *out, const drift_pool_t *const *pools, size_t n);
 
+/* ---- 5. pooled statistics (a fleet's instances, docs/fleet.md) --------------------------- */
+
+/* The pool's window aggregates as a JSON array under key (NULL inside an array): one
+ * [a, b, samples, diverged, similarity_sum, median_divergence_offset] per pair with samples
+ * (a == b: a self pair). What a fleet member publishes. */
+void drift_pool_export(const drift_pool_t *p, dp_jw_t *w, const char *key);
+/* Add one exported array to p, each pair's samples as that many samples (matches at similarity
+ * 1, the diverged ones spread evenly, at the median offset, sharing the rest of the similarity
+ * sum): summing every member's export into a fresh pool gives the fleet's windows, and
+ * drift_pool_verdict the fleet's verdict. 0, or -EINVAL for a malformed array (what was added
+ * before it stays). */
+struct cJSON;
+int drift_pool_import(drift_pool_t *p, const struct cJSON *pairs);
+/* What src knows about its replicas besides samples (drift_pool_set_hint), for dst's tracked
+ * ones. */
+void drift_pool_copy_hints(drift_pool_t *dst, const drift_pool_t *src);
+
 /* A divergence log line's fields. The strings are borrowed from the caller and must outlive the
  * record; the outputs themselves are only hashed, never kept or logged. */
 typedef struct {
@@ -300,6 +317,7 @@ typedef struct {
     size_t len_a, len_b;
     char sha256_a[65]; /* lowercase hex of each side's extracted text */
     char sha256_b[65];
+    bool candidate; /* a candidate pool's copy (docs/rollouts.md): logged as kind "candidate" */
 } drift_divlog_t;
 
 void drift_divlog_fill(drift_divlog_t *rec, const char *request_id, const char *pool,

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "drift/window.h"
 
 /* One set of samples with the most recent diverged request ids. */
@@ -301,4 +303,50 @@ void drift_rollout_render(dp_jw_t *w, const char *key, const drift_rollout_t *r,
     }
     dp_jw_obj_end(w);
     dp_jw_obj_end(w);
+}
+
+/* ---- pooled statistics -------------------------------------------------------------------- */
+
+void drift_rollout_export(const drift_rollout_t *r, dp_jw_t *w, const char *key)
+{
+    drift_summary_t s;
+    drift_win_summary(&r->all.win, &s);
+    dp_jw_arr_begin(w, key);
+    dp_jw_uint(w, NULL, r->all.win.count);
+    dp_jw_uint(w, NULL, r->all.win.diverged);
+    dp_jw_double(w, NULL, r->all.win.sim_sum);
+    dp_jw_int(w, NULL, s.median_divergence_offset);
+    for (int o = 0; o < ROLLOUT__NOUTCOMES; o++)
+        dp_jw_uint(w, NULL, r->misses.n[o]);
+    dp_jw_arr_end(w);
+}
+
+int drift_rollout_import(drift_rollout_t *r, const cJSON *a)
+{
+    const cJSON *v[4 + ROLLOUT__NOUTCOMES];
+    if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != 4 + ROLLOUT__NOUTCOMES)
+        return -EINVAL;
+    for (int i = 0; i < 4 + ROLLOUT__NOUTCOMES; i++) {
+        v[i] = cJSON_GetArrayItem(a, i);
+        if (!cJSON_IsNumber(v[i]) || (i != 3 && v[i]->valuedouble < 0) || v[i]->valuedouble > 1e15)
+            return -EINVAL;
+    }
+    double n = v[0]->valuedouble, d = v[1]->valuedouble;
+    if (n > DRIFT_WINDOW || d > n)
+        return -EINVAL;
+    uint32_t nn = (uint32_t)n, dd = (uint32_t)d;
+    /* Matches have similarity 1; the diverged ones share the rest of the sum. */
+    double dsim = dd ? (v[2]->valuedouble - (double)(nn - dd)) / dd : 1.0;
+    dsim = dsim < 0 ? 0 : dsim > 1 ? 1 : dsim;
+    int64_t off = v[3]->valuedouble < 0 ? 0 : (int64_t)v[3]->valuedouble;
+    for (uint32_t k = 0; k < nn; k++) {
+        /* The diverged samples spread evenly among the matches. */
+        bool div = (uint64_t)(k + 1) * dd / nn > (uint64_t)k * dd / nn;
+        drift_result_t res = {
+            .match = !div, .divergence_offset = div ? off : -1, .similarity = div ? dsim : 1.0};
+        drift_win_push(&r->all.win, drift_win_rec_of(&res));
+    }
+    for (int o = 0; o < ROLLOUT__NOUTCOMES; o++)
+        r->misses.n[o] += (uint64_t)v[4 + o]->valuedouble;
+    return 0;
 }

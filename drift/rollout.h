@@ -97,4 +97,17 @@ void drift_rollout_verdict(const drift_rollout_t *r, const char *tenant,
 void drift_rollout_render(dp_jw_t *w, const char *key, const drift_rollout_t *r, double rate,
                           const drift_summary_t *cross, const drift_summary_t *self);
 
+/* ---- pooled statistics (a fleet's instances, docs/fleet.md) ------------------------------ */
+
+/* The candidate's overall window as a JSON array under key (NULL inside an array):
+ * [samples, diverged, similarity_sum, median_divergence_offset, skipped, error, not_comparable]
+ * (the last three: copies without a sample, lifetime counts). What a fleet member publishes. */
+void drift_rollout_export(const drift_rollout_t *r, dp_jw_t *w, const char *key);
+/* Add one exported array to r's overall samples, re-created as drift_pool_import does (matches
+ * at similarity 1, the diverged ones spread evenly at the median offset, sharing the rest of the
+ * similarity sum), and its copy counts to r's. 0, or -EINVAL for a malformed array (r
+ * unchanged). Tenants are not pooled. */
+struct cJSON;
+int drift_rollout_import(drift_rollout_t *r, const struct cJSON *a);
+
 #endif

@@ -69,6 +69,8 @@ struct net_upstream_s {
     size_t nfree;
     net_tls_ctx_t *tls;
     char *server_name;
+    void (*on_idle_close)(void *data);
+    void *idle_close_data;
     bool dead; /* the owner let go: no more pooling */
 };
 
@@ -484,7 +486,12 @@ static void sock_error(net_sock_t *s, int status)
      * 1.3) says more than "protocol error". */
     const char *why = status == UV_EPROTO ? net_sock_tls_error(s) : uv_strerror(status);
     if (c->phase == UC_IDLE || c->req == NULL) {
-        uconn_close(c); /* the server closed a pooled connection: just drop it */
+        net_upstream_t *u = c->up;
+        u->refs++;      /* keep u alive across the callback */
+        uconn_close(c); /* the server closed a pooled connection: drop it, and say so */
+        if (!u->dead && u->on_idle_close)
+            u->on_idle_close(u->idle_close_data);
+        up_unref(u);
         return;
     }
     creq_t *q = c->req;
@@ -605,6 +612,12 @@ void net_upstream_flush_idle(net_upstream_t *u)
 {
     while (u->idle)
         uconn_close(u->idle);
+}
+
+void net_upstream_on_idle_close(net_upstream_t *u, void (*cb)(void *data), void *data)
+{
+    u->on_idle_close = cb;
+    u->idle_close_data = data;
 }
 
 void net_upstream_free(net_upstream_t *u)
@@ -758,6 +771,8 @@ void net_creq_resume(net_creq_t *r)
     if (c == NULL || !c->paused || c->phase == UC_CLOSED)
         return;
     c->paused = false;
+    /* The peer's silence counts from now: the loop's cached time may be a whole pause old. */
+    uv_update_time(c->up->loop);
     c->last_read = uv_now(c->up->loop);
     net_sock_read_start(&c->sock);
 }

@@ -81,6 +81,10 @@ void net_upstream_free(net_upstream_t *u);
 size_t net_client_upstream_idle(const net_upstream_t *u);
 /* Close pooled idle connections (e.g. after the replica failed attestation). */
 void net_upstream_flush_idle(net_upstream_t *u);
+/* Call cb(data) whenever the server closes (or resets) one of u's pooled idle connections:
+ * the server went away or restarted, or its keep-alive timeout ran out; the two look alike
+ * from here. Exchanges that fail report their own error through on_done. NULL: no call. */
+void net_upstream_on_idle_close(net_upstream_t *u, void (*cb)(void *data), void *data);
 
 /* Start an exchange: bufs hold the request head (and body, if any) ready to send. With
  * body_follows the caller streams the rest with net_creq_write and ends with net_creq_end.

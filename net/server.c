@@ -17,9 +17,10 @@
 
 #include <assert.h>
 #include <errno.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
@@ -29,6 +30,7 @@
 #include <unistd.h>
 
 #include <llhttp.h>
+#include <malloc.h>
 
 #include "common/jw.h"
 #include "common/log.h"
@@ -43,6 +45,47 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define PAUSED_CHECK_MS 1000      /* how often a client whose body reads are paused is looked at */
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
 #define REQ_CACHE_MAX 256
+#define BUDGET_STEP (16 * 1024) /* a body's reservation grows by at least this much at a time */
+#define BUDGET_RETRY_MS 50      /* a body waiting for shed bodies' room tries again this often */
+#define BUDGET_WAIT_MS 2000     /* ... and is answered 503 after this long */
+#define BUDGET_STALL_NS (1000 * 1000000ull) /* no byte for this long: slower than any sender */
+#define REQ_CACHE_BODY_MAX (64 * 1024)      /* bigger body buffers go to dp_buf_release */
+/* A body of known length up to this size gets a buffer of its whole size once a quarter of it
+ * has arrived: one allocation, no more copies and no half-used doubling. Until then it grows
+ * as any buffer does, so a sender that declares a length and stops makes us hold (or map) at
+ * most 4x what it sent, which the body budget bounds. Longer bodies grow by doubling. */
+#define BODY_PRESIZE_MAX (1024 * 1024)
+_Static_assert(BODY_PRESIZE_MAX + 1 + (BODY_PRESIZE_MAX + 1) / 2 <= DP_BUF_STASH_MAX,
+               "a released body buffer must be one a presized body can take again");
+
+enum { SHED_NONE = 0, SHED_SLOW, SHED_SHARE };
+
+/* One client address's part of the body budget: IPv4 address, or IPv6 /64 (one host's
+ * addresses, as one subscriber's SLAAC prefix). Lives while a request refers to it. */
+typedef struct net_budget_addr_s {
+    struct net_budget_addr_s *next; /* bucket chain */
+    uint8_t key[9];                 /* family byte, then 4 (IPv4) or 8 (IPv6 /64) bytes */
+    uint32_t refs;
+    uint64_t held; /* bytes of the budget its requests hold */
+} budget_addr_t;
+
+/* A NET_BODY_BUFFER body being read: a candidate for shedding. Everything here but `received`
+ * and `last_ns` is under the books' lock; those two are written by the owning loop only. */
+typedef struct net_budget_hold_s {
+    struct net_budget_hold_s *prev, *next; /* shared->holds */
+    bool listed;
+    net_server_t *srv;
+    net_conn_t *conn;
+    uint64_t start_ns;
+    _Atomic uint64_t received;
+    _Atomic uint64_t last_ns; /* dp_now_ns() of its last bytes */
+    uint8_t shed;             /* SHED_*: marked; its own loop closes it */
+    bool shed_taken;          /* its loop has seen the mark */
+    uint64_t shed_bytes;      /* its reservation when marked (counted in shared->shedding) */
+    uint64_t shed_rate;       /* for the log line: bytes/s, its address's bytes and share */
+    uint64_t shed_addr_held, shed_share;
+    char shed_for[24]; /* the request it made room for */
+} budget_hold_t;
 
 typedef struct req_impl_s {
     net_req_t r;
@@ -55,7 +98,9 @@ typedef struct req_impl_s {
     bool body_done;
     bool body_too_large;
     bool body_over_budget;
-    uint64_t body_reserved; /* this request's share of the server's body_bytes */
+    uint64_t body_reserved; /* this request's share of the server's body_bytes (books' lock) */
+    budget_addr_t *addr;    /* its client address's books, from its body's start (lock) */
+    budget_hold_t hold;     /* on the shed candidates while its body is read */
     bool resp_started, resp_ended;
     bool resp_chunked, resp_no_body, resp_head_pending;
     bool abort_notified;
@@ -92,6 +137,11 @@ struct net_conn_s {
     bool wait_drain;  /* IDLE with responses queued above high-water: next request waits */
     bool handshaking; /* on the server's pending-handshake list */
     net_conn_t *hs_prev, *hs_next;
+    uint8_t addr_key[9]; /* the peer for the body budget's fair share (see budget_addr_t) */
+    bool budget_wait;    /* the body waits for room being freed: reads stopped */
+    uint64_t wait_since; /* uv_now() when that wait began (0: not waiting) */
+    uint64_t promised;   /* room held back for this body while it waits (books' lock) */
+    net_conn_t *bw_prev, *bw_next; /* the server's waiting bodies */
 };
 
 struct net_server_s {
@@ -120,6 +170,13 @@ struct net_server_s {
     uint16_t port;
     struct sockaddr_storage bound; /* the listener's address, once listening */
     net_tls_ctx_t *tls;
+    /* The body budget: woken from any thread when a body of this server is to be shed or
+     * room came free for one that waits. */
+    uv_async_t wake;
+    bool wake_open;
+    net_server_t *grp_next; /* shared->servers, under the books' lock */
+    size_t nwait;           /* bodies waiting (bw_head), under the books' lock */
+    net_conn_t *bw_head;
     uint64_t last_accept_warn;
     void (*drain_cb)(net_server_t *s);
     void (*close_cb)(void *data);
@@ -131,6 +188,10 @@ static void conn_close(net_conn_t *c);
 static void conn_reject(net_conn_t *c, int status, const char *reason);
 static void conn_to_idle(net_conn_t *c);
 static void maybe_server_done(net_server_t *s);
+static void conn_arm(net_conn_t *c, uint64_t ms);
+static void conn_kick(net_conn_t *c);
+static void budget_unwait(net_conn_t *c);
+static void budget_release(net_server_t *s, struct req_impl_s *q);
 
 /* ---- small helpers ---------------------------------------------------------------------- */
 
@@ -320,6 +381,7 @@ static req_impl_t *req_get(net_conn_t *c)
         /* req_put left it zeroed but for its buffers' capacity. */
         assert(s->nfree > 0);
         assert(q->r.conn == NULL && !q->corked && q->body_reserved == 0 && q->hd.n == 0);
+        assert(q->addr == NULL && !q->hold.listed);
         s->free_reqs = q->next_free;
         s->nfree--;
     } else {
@@ -340,11 +402,16 @@ static req_impl_t *req_get(net_conn_t *c)
 static void req_put(net_server_t *s, req_impl_t *q)
 {
     assert(q->r.conn->req != q);
-    assert(!q->corked && q->body_reserved == 0);
+    assert(!q->corked && q->body_reserved == 0 && q->addr == NULL && !q->hold.listed);
     net_hdrs_t hd = q->hd;
     dp_buf_t out = q->out, body = q->r.body;
-    if (s->nfree >= REQ_CACHE_MAX || s->closing || body.cap > 1024 * 1024 ||
-        hd.buf.cap > 64 * 1024) {
+    /* A cached body buffer is memory outside the body budget: only small ones are kept with
+     * the request; a large one goes to the thread's bounded stash for the next large body. */
+    if (body.cap > REQ_CACHE_BODY_MAX) {
+        dp_buf_release(&body);
+        q->r.body = body;
+    }
+    if (s->nfree >= REQ_CACHE_MAX || s->closing || hd.buf.cap > 64 * 1024) {
         net_hdrs_free(&hd);
         dp_buf_free(&out);
         dp_buf_free(&body);
@@ -371,13 +438,518 @@ static void conn_release_req(net_conn_t *c)
         return;
     c->req = NULL;
     cork_remove(c->srv, q);
-    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
-    q->body_reserved = 0;
+    budget_unwait(c);
+    budget_release(c->srv, q);
     if (q->handed) {
         assert(c->srv->ninflight > 0);
         c->srv->ninflight--;
     }
     req_put(c->srv, q);
+}
+
+/* ---- the body budget ----------------------------------------------------------------------
+ *
+ * max_inflight_body_bytes bounds the NET_BODY_BUFFER bodies held by every server of a group
+ * (net_server_share): one set of books, `shared`, under one spin lock, for every worker thread.
+ * A body reserves what has arrived, before llhttp sees it (conn_feed), never what it declares:
+ * a connection that declares 8 MiB and sends nothing holds nothing. The sum of reservations
+ * never exceeds the budget, however many bodies grow at once: each growth is checked and taken
+ * under the lock.
+ *
+ * When a body cannot grow, the budget is full: bodies still being read are shed to make room
+ * (budget_make_room), and the body waits (reads stopped, what it read kept in `pending`) until
+ * their loops have closed them and given their share back. Who may be shed:
+ * - The fair share is the budget over the client addresses holding some of it (the growing
+ *   body's counted too). An address over its share yields first: any of its bodies may be shed
+ *   for a body of an address within its share.
+ * - Otherwise a body is shed only for a faster one (bytes per second since its request began):
+ *   a client trickling its body loses its room to one that sends it.
+ * - Slowest first, those of over-share addresses before the others; nothing is shed unless
+ *   what may be shed covers the whole need, and then the body is refused 503 at once.
+ * The victims are marked here and closed by their own loop (the server's `wake` async): 503 when
+ * their address was over its share, 408 when they were too slow, each with a `body_shed` log
+ * line and an on_overload("body_shed"). */
+
+static void books_lock(net_server_shared_t *b)
+{
+    for (unsigned spins = 0;; spins++) {
+        if (!atomic_load_explicit(&b->lock, memory_order_relaxed) &&
+            !atomic_exchange_explicit(&b->lock, true, memory_order_acquire))
+            return;
+        if (spins >= 64)
+            sched_yield(); /* the holder may be off its core: let it run */
+    }
+}
+
+static void books_unlock(net_server_shared_t *b)
+{
+    atomic_store_explicit(&b->lock, false, memory_order_release);
+}
+
+/* The fair-share key of a peer: IPv4 (IPv4-mapped IPv6 too) by address, IPv6 by /64. */
+static void addr_key_of(const struct sockaddr_storage *ss, uint8_t key[9])
+{
+    memset(key, 0, 9);
+    if (ss->ss_family == AF_INET) {
+        key[0] = 4;
+        memcpy(key + 1, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+    } else if (ss->ss_family == AF_INET6) {
+        const uint8_t *a = ((const struct sockaddr_in6 *)ss)->sin6_addr.s6_addr;
+        static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        if (memcmp(a, mapped, 12) == 0) {
+            key[0] = 4;
+            memcpy(key + 1, a + 12, 4);
+        } else {
+            key[0] = 6;
+            memcpy(key + 1, a, 8);
+        }
+    }
+}
+
+static size_t addr_bucket(const uint8_t key[9])
+{
+    uint64_t h;
+    memcpy(&h, key + 1, 8);
+    return (size_t)(dp_mix64(h ^ key[0]) % NET_BUDGET_BUCKETS);
+}
+
+/* Lock held. The address's books with one more reference (created when new). */
+static budget_addr_t *addr_ref(net_server_shared_t *b, const uint8_t key[9])
+{
+    budget_addr_t **head = &b->addrs[addr_bucket(key)];
+    for (budget_addr_t *a = *head; a; a = a->next)
+        if (memcmp(a->key, key, 9) == 0) {
+            a->refs++;
+            return a;
+        }
+    budget_addr_t *a = dp_xcalloc(1, sizeof(*a));
+    memcpy(a->key, key, 9);
+    a->refs = 1;
+    a->next = *head;
+    *head = a;
+    return a;
+}
+
+/* Lock held. Drop a reference; the last one frees it (it holds nothing by then). */
+static void addr_unref(net_server_shared_t *b, budget_addr_t *a)
+{
+    assert(a->refs > 0);
+    if (--a->refs > 0)
+        return;
+    assert(a->held == 0);
+    budget_addr_t **pp = &b->addrs[addr_bucket(a->key)];
+    while (*pp != a)
+        pp = &(*pp)->next;
+    *pp = a->next;
+    free(a);
+}
+
+/* Lock held. Move q's reservation by delta (positive: take; negative: give back). */
+static void books_move(net_server_shared_t *b, req_impl_t *q, int64_t delta)
+{
+    atomic_store_explicit(&b->body_bytes,
+                          atomic_load_explicit(&b->body_bytes, memory_order_relaxed) +
+                              (uint64_t)delta,
+                          memory_order_relaxed);
+    q->body_reserved += (uint64_t)delta;
+    budget_addr_t *a = q->addr;
+    if (a) {
+        bool was = a->held > 0;
+        a->held += (uint64_t)delta;
+        if (!was && a->held > 0)
+            b->naddrs++;
+        else if (was && a->held == 0)
+            b->naddrs--;
+    }
+}
+
+/* Lock held: room came free; tell the servers whose bodies wait for it. */
+static void books_freed(net_server_shared_t *b)
+{
+    if (b->nwaiting == 0)
+        return;
+    for (net_server_t *s = b->servers; s; s = s->grp_next)
+        if (s->nwait)
+            uv_async_send(&s->wake);
+}
+
+/* Lock held. Take q off the shed candidates (its body is read, or it is going away). */
+static void hold_unlist(net_server_shared_t *b, req_impl_t *q)
+{
+    budget_hold_t *h = &q->hold;
+    if (!h->listed)
+        return;
+    if (h->prev)
+        h->prev->next = h->next;
+    else
+        b->holds = h->next;
+    if (h->next)
+        h->next->prev = h->prev;
+    h->prev = h->next = NULL;
+    h->listed = false;
+    if (h->shed) {
+        assert(b->shedding >= h->shed_bytes);
+        b->shedding -= h->shed_bytes;
+        h->shed = SHED_NONE;
+    }
+}
+
+/* A buffered body starts: books for its address, a place among the shed candidates. */
+static void budget_begin(net_conn_t *c)
+{
+    net_server_t *s = c->srv;
+    net_server_shared_t *b = s->shared;
+    req_impl_t *q = c->req;
+    books_lock(b);
+    q->addr = addr_ref(b, c->addr_key);
+    budget_hold_t *h = &q->hold;
+    h->srv = s;
+    h->conn = c;
+    h->start_ns = q->r.start_ns;
+    atomic_store_explicit(&h->received, 0, memory_order_relaxed);
+    atomic_store_explicit(&h->last_ns, q->r.start_ns, memory_order_relaxed);
+    h->prev = NULL;
+    h->next = b->holds;
+    if (b->holds)
+        b->holds->prev = h;
+    b->holds = h;
+    h->listed = true;
+    books_unlock(b);
+}
+
+/* The body has been read: no longer a candidate; its reservation stays until the response. */
+static void budget_body_done(net_server_t *s, req_impl_t *q)
+{
+    if (!q->hold.listed)
+        return;
+    books_lock(s->shared);
+    hold_unlist(s->shared, q);
+    books_unlock(s->shared);
+}
+
+/* Give back all q holds, and its place in the books. */
+static void budget_release(net_server_t *s, req_impl_t *q)
+{
+    if (q->body_reserved == 0 && q->addr == NULL && !q->hold.listed)
+        return;
+    net_server_shared_t *b = s->shared;
+    books_lock(b);
+    hold_unlist(b, q);
+    bool freed = q->body_reserved > 0;
+    books_move(b, q, -(int64_t)q->body_reserved);
+    if (q->addr)
+        addr_unref(b, q->addr);
+    q->addr = NULL;
+    if (freed)
+        books_freed(b);
+    books_unlock(b);
+}
+
+static uint64_t rate_of(uint64_t bytes, uint64_t start_ns, uint64_t now_ns)
+{
+    uint64_t ns = now_ns > start_ns ? now_ns - start_ns : 0;
+    if (ns < 100000)
+        ns = 100000; /* a body read within 0.1 ms of its head counts as read in 0.1 ms */
+    return (uint64_t)((double)bytes * 1e9 / (double)ns);
+}
+
+/* How fast a body being read arrives, for shedding: bytes per second since its request began,
+ * and 0 once it has sent nothing for BUDGET_STALL_NS (a small body cannot show a high rate in
+ * its one read; a stalled one, however fast it began, is the slowest there is). */
+static uint64_t hold_rate(budget_hold_t *h, uint64_t now_ns)
+{
+    uint64_t last = atomic_load_explicit(&h->last_ns, memory_order_relaxed);
+    if (now_ns > last && now_ns - last >= BUDGET_STALL_NS)
+        return 0;
+    return rate_of(atomic_load_explicit(&h->received, memory_order_relaxed), h->start_ns, now_ns);
+}
+
+/* May h be shed for q, which wants `more` (its address over the share: q_over) at `rate`? Sets
+ * *over (h's address is over the share, counting q's `more` when it is q's too) and *hr. */
+static bool shed_eligible(budget_hold_t *h, const req_impl_t *q, uint64_t more, uint64_t share,
+                          bool q_over, uint64_t rate, uint64_t now_ns, bool *over, uint64_t *hr)
+{
+    const req_impl_t *v = dp_container_of(h, req_impl_t, hold);
+    if (v == q || h->shed || v->body_reserved == 0)
+        return false;
+    *over = v->addr->held + (v->addr == q->addr ? more : 0) > share;
+    *hr = hold_rate(h, now_ns);
+    /* Fairness: an over-share address yields to one within its share, at any speed. Speed:
+     * a slower body yields to a faster one, unless only q's address is over its share. */
+    return (*over && !q_over) || ((*over || !q_over) && *hr < rate);
+}
+
+/* Lock held. The budget is `deficit` bytes short for q, which wants `more` with `rate`: mark
+ * bodies to shed (the order in the section comment). true when what is marked, with what was
+ * marked before, covers it (q waits); false when nothing may be shed for it (nothing marked). */
+static bool budget_make_room(net_server_t *s, req_impl_t *q, uint64_t more, uint64_t deficit,
+                             uint64_t rate, uint64_t now_ns)
+{
+    net_server_shared_t *b = s->shared;
+    if (b->shedding >= deficit)
+        return true; /* bodies being shed already free enough */
+    deficit -= b->shedding;
+    size_t naddrs = b->naddrs + (q->addr->held == 0 ? 1 : 0);
+    uint64_t share = s->lim.max_inflight_body_bytes / naddrs;
+    bool q_over = q->addr->held + more > share;
+    /* Two passes: the sum of what may be shed, then the victims one by one (O(k x bodies
+     * being read); it runs only while the budget is full). */
+    uint64_t can = 0;
+    for (budget_hold_t *h = b->holds; h; h = h->next) {
+        bool over;
+        uint64_t vr;
+        if (shed_eligible(h, q, more, share, q_over, rate, now_ns, &over, &vr))
+            can += dp_container_of(h, req_impl_t, hold)->body_reserved;
+    }
+    if (can < deficit)
+        return false;
+    while (deficit > 0) {
+        budget_hold_t *best = NULL;
+        bool best_over = false;
+        uint64_t best_rate = 0;
+        for (budget_hold_t *h = b->holds; h; h = h->next) {
+            bool over;
+            uint64_t vr;
+            if (!shed_eligible(h, q, more, share, q_over, rate, now_ns, &over, &vr))
+                continue;
+            if (best == NULL || (over && !best_over) || (over == best_over && vr < best_rate)) {
+                best = h;
+                best_over = over;
+                best_rate = vr;
+            }
+        }
+        assert(best != NULL); /* the first pass summed at least the deficit */
+        req_impl_t *v = dp_container_of(best, req_impl_t, hold);
+        /* Shed for fairness when q could not have taken it for speed alone. */
+        best->shed = best_over && !q_over ? SHED_SHARE : SHED_SLOW;
+        best->shed_taken = false;
+        best->shed_bytes = v->body_reserved;
+        best->shed_rate = best_rate;
+        best->shed_addr_held = v->addr->held;
+        best->shed_share = share;
+        memcpy(best->shed_for, q->r.id, sizeof(best->shed_for));
+        b->shedding += v->body_reserved;
+        deficit = deficit > v->body_reserved ? deficit - v->body_reserved : 0;
+        uv_async_send(&best->srv->wake);
+    }
+    return true;
+}
+
+/* Lock held. Room for `more` is held back for c until it tries again: what the bodies shed for
+ * it give back goes to it, not to a body that happens to read first. */
+static void budget_promise(net_conn_t *c, uint64_t more)
+{
+    net_server_shared_t *b = c->srv->shared;
+    assert(b->promised >= c->promised);
+    b->promised = b->promised - c->promised + more;
+    c->promised = more;
+}
+
+/* Lock held: c waits for room (its loop's wake, or BUDGET_RETRY_MS, tries again). */
+static void budget_wait(net_conn_t *c, uint64_t now, uint64_t more)
+{
+    net_server_t *s = c->srv;
+    if (c->wait_since == 0)
+        c->wait_since = now;
+    budget_promise(c, more);
+    if (c->budget_wait)
+        return;
+    c->budget_wait = true;
+    c->bw_prev = NULL;
+    c->bw_next = s->bw_head;
+    if (s->bw_head)
+        s->bw_head->bw_prev = c;
+    s->bw_head = c;
+    s->nwait++;
+    s->shared->nwaiting++;
+}
+
+/* c no longer waits: it tries again (keeping its promise, until budget_grow settles it) or,
+ * with `forget`, goes away. */
+static void budget_unwait_opt(net_conn_t *c, bool forget)
+{
+    if (!c->budget_wait && !(forget && c->promised))
+        return;
+    net_server_t *s = c->srv;
+    books_lock(s->shared);
+    if (forget)
+        budget_promise(c, 0);
+    if (!c->budget_wait) {
+        books_unlock(s->shared);
+        return;
+    }
+    c->budget_wait = false;
+    if (c->bw_prev)
+        c->bw_prev->bw_next = c->bw_next;
+    else
+        s->bw_head = c->bw_next;
+    if (c->bw_next)
+        c->bw_next->bw_prev = c->bw_prev;
+    c->bw_prev = c->bw_next = NULL;
+    assert(s->nwait > 0 && s->shared->nwaiting > 0);
+    s->nwait--;
+    s->shared->nwaiting--;
+    books_unlock(s->shared);
+}
+
+static void budget_unwait(net_conn_t *c)
+{
+    budget_unwait_opt(c, true);
+}
+
+enum { BUDGET_OK = 0, BUDGET_WAIT = 1, BUDGET_REFUSED = -1 };
+
+/* Room for `extra` more bytes of c's buffered body (a read's worth, not yet parsed): BUDGET_OK
+ * (reserved), BUDGET_WAIT (bodies are being shed for it: keep the bytes, stop reading, try
+ * again when woken) or BUDGET_REFUSED (answer 503). */
+static int budget_grow(net_conn_t *c, uint64_t extra)
+{
+    net_server_t *s = c->srv;
+    net_server_shared_t *b = s->shared;
+    req_impl_t *q = c->req;
+    uint64_t max = s->lim.max_inflight_body_bytes;
+    uint64_t limit =
+        q->r.content_length > 0 ? (uint64_t)q->r.content_length : s->lim.max_body_bytes;
+    uint64_t need = q->r.body.len + extra;
+    if (need > limit)
+        need = limit; /* past it the body is refused 413 (on_body) before it is held */
+    if (need <= q->body_reserved) {
+        c->wait_since = 0;
+        if (c->promised) {
+            books_lock(b);
+            budget_promise(c, 0);
+            books_unlock(b);
+        }
+        return BUDGET_OK;
+    }
+    uint64_t ahead = (need + BUDGET_STEP - 1) / BUDGET_STEP * BUDGET_STEP;
+    if (ahead > limit)
+        ahead = limit;
+    uint64_t now = uv_now(s->loop);
+    int rc = BUDGET_OK;
+    books_lock(b);
+    /* What others wait for is not free, however it came free. */
+    uint64_t cur =
+        atomic_load_explicit(&b->body_bytes, memory_order_relaxed) + (b->promised - c->promised);
+    if (max == 0 || cur + (ahead - q->body_reserved) <= max) {
+        books_move(b, q, (int64_t)(ahead - q->body_reserved));
+    } else if (cur + (need - q->body_reserved) <= max) {
+        books_move(b, q, (int64_t)(need - q->body_reserved)); /* no step ahead while full */
+    } else if (c->wait_since && now - c->wait_since >= BUDGET_WAIT_MS) {
+        rc = BUDGET_REFUSED;
+    } else {
+        uint64_t more = need - q->body_reserved;
+        uint64_t rate = rate_of(need, q->r.start_ns, dp_now_ns());
+        if (budget_make_room(s, q, more, cur + more - max, rate, dp_now_ns())) {
+            budget_wait(c, now, more);
+            rc = BUDGET_WAIT;
+        } else {
+            rc = BUDGET_REFUSED;
+        }
+    }
+    if (rc != BUDGET_WAIT)
+        budget_promise(c, 0);
+    books_unlock(b);
+    if (rc == BUDGET_OK)
+        c->wait_since = 0;
+    return rc;
+}
+
+static void conn_overloaded(net_conn_t *c)
+{
+    if (c->srv->on_overload)
+        c->srv->on_overload("body_budget");
+    conn_reject(c, 503, "too many request bodies buffered (limits.max_inflight_body_bytes)");
+}
+
+/* Close c, marked to be shed by budget_make_room (on whichever thread): log why, count it. */
+static void conn_shed(net_conn_t *c, const budget_hold_t *h)
+{
+    net_server_t *s = c->srv;
+    req_impl_t *q = c->req;
+    uint64_t received = atomic_load_explicit(&q->hold.received, memory_order_relaxed);
+    bool share = h->shed == SHED_SHARE;
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "body_shed");
+    if (w) {
+        dp_jw_str(w, "request_id", q->r.id);
+        dp_jw_str(w, "remote", c->remote);
+        dp_jw_str(w, "reason", share ? "address_over_share" : "slowest");
+        dp_jw_int(w, "status", share ? 503 : 408);
+        dp_jw_uint(w, "received_bytes", received);
+        dp_jw_int(w, "content_length", q->r.content_length);
+        dp_jw_uint(w, "elapsed_ms", (dp_now_ns() - q->r.start_ns) / 1000000);
+        dp_jw_uint(w, "bytes_per_second", h->shed_rate);
+        dp_jw_uint(w, "address_bytes", h->shed_addr_held);
+        dp_jw_uint(w, "address_share", h->shed_share);
+        dp_jw_uint(w, "max_inflight_body_bytes", s->lim.max_inflight_body_bytes);
+        dp_jw_str(w, "for_request_id", h->shed_for);
+        dp_log_end(w);
+    }
+    if (s->on_overload)
+        s->on_overload("body_shed");
+    if (share)
+        conn_reject(c, 503,
+                    "this client address holds more than its share of the request body budget "
+                    "(limits.max_inflight_body_bytes) while others wait");
+    else
+        conn_reject(c, 408,
+                    "request body too slow while the request body budget is full "
+                    "(limits.max_inflight_body_bytes)");
+}
+
+/* From any thread's uv_async_send: shed this server's marked bodies, then let its waiting
+ * bodies try again. */
+static void wake_cb(uv_async_t *a)
+{
+    net_server_t *s = a->data;
+    net_server_shared_t *b = s->shared;
+    for (;;) {
+        budget_hold_t info, *found = NULL;
+        books_lock(b);
+        for (budget_hold_t *h = b->holds; h; h = h->next)
+            if (h->srv == s && h->shed && !h->shed_taken) {
+                h->shed_taken = true;
+                found = h;
+                memcpy(&info, h, sizeof(info)); /* fields are read after the lock */
+                break;
+            }
+        books_unlock(b);
+        if (found == NULL)
+            break;
+        /* Only this loop unlists its own holds, and a listed one's connection is reading
+         * its body (conn_close, conn_msg_done and the release unlist it). */
+        assert(info.conn->phase == PH_BODY && &info.conn->req->hold == found);
+        conn_shed(info.conn, &info);
+    }
+    while (s->bw_head) {
+        net_conn_t *c = s->bw_head;
+        budget_unwait_opt(c, false);
+        conn_kick(c); /* parses what it kept, from the loop */
+    }
+}
+
+/* Join the group whose books count this server's bodies. */
+static void budget_join(net_server_t *s, net_server_shared_t *b)
+{
+    books_lock(b);
+    s->shared = b;
+    s->grp_next = b->servers;
+    b->servers = s;
+    books_unlock(b);
+}
+
+static void budget_leave(net_server_t *s)
+{
+    net_server_shared_t *b = s->shared;
+    books_lock(b);
+    assert(s->nwait == 0);
+    net_server_t **pp = &b->servers;
+    while (*pp && *pp != s)
+        pp = &(*pp)->grp_next;
+    if (*pp)
+        *pp = s->grp_next;
+    s->grp_next = NULL;
+    books_unlock(b);
 }
 
 /* ---- llhttp callbacks: they only record; the parse loop acts ---------------------------- */
@@ -416,31 +988,6 @@ static int on_headers_complete(llhttp_t *p)
     return 0;
 }
 
-/* Grow q's reservation of the server's body budget to `total` bytes; false (nothing taken)
- * when that would exceed max_inflight_body_bytes. */
-static bool body_reserve(net_conn_t *c, uint64_t total)
-{
-    net_server_t *s = c->srv;
-    req_impl_t *q = c->req;
-    assert(total >= q->body_reserved); /* a reservation only grows */
-    uint64_t more = total - q->body_reserved;
-    uint64_t max = s->lim.max_inflight_body_bytes;
-    uint64_t cur = atomic_load(&s->shared->body_bytes);
-    do
-        if (max && cur + more > max)
-            return false;
-    while (!atomic_compare_exchange_weak(&s->shared->body_bytes, &cur, cur + more));
-    q->body_reserved = total;
-    return true;
-}
-
-static void conn_overloaded(net_conn_t *c)
-{
-    if (c->srv->on_overload)
-        c->srv->on_overload("body_budget");
-    conn_reject(c, 503, "too many request bodies buffered (limits.max_inflight_body_bytes)");
-}
-
 static int on_body(llhttp_t *p, const char *at, size_t n)
 {
     net_conn_t *c = p->data;
@@ -452,11 +999,19 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
             q->body_too_large = true;
             return HPE_USER;
         }
-        if (q->r.body.len + n > q->body_reserved && !body_reserve(c, q->r.body.len + n)) {
+        /* conn_feed reserved room for every byte of this read before llhttp saw it. */
+        if (q->r.body.len + n > q->body_reserved) {
             q->body_over_budget = true;
             return HPE_USER;
         }
-        dp_buf_append(&q->r.body, at, n);
+        dp_buf_t *body = &q->r.body;
+        int64_t cl = q->r.content_length;
+        if (body->len + n + 1 > body->cap && cl > 0 && cl <= BODY_PRESIZE_MAX &&
+            (uint64_t)cl >= body->len + n && (body->len + n) * 4 >= (uint64_t)cl)
+            dp_buf_reserve_exact(body, (size_t)cl - body->len);
+        dp_buf_append(body, at, n);
+        atomic_store_explicit(&q->hold.received, q->r.body.len, memory_order_relaxed);
+        atomic_store_explicit(&q->hold.last_ns, dp_now_ns(), memory_order_relaxed);
     } else if (c->srv->h.on_body) {
         c->srv->h.on_body(&q->r, at, n);
     }
@@ -524,13 +1079,16 @@ static void timer_cb(uv_timer_t *t)
     if (c->kick) {
         c->kick = false;
         bool body = c->phase == PH_BODY;
-        if ((c->phase == PH_IDLE || (body && !c->body_paused)) && c->pending.len) {
+        if ((c->phase == PH_IDLE || (body && !c->body_paused && !c->budget_wait)) &&
+            c->pending.len) {
             c->read_paused = false;
             dp_buf_t pend = c->pending;
             memset(&c->pending, 0, sizeof(c->pending));
             conn_feed(c, pend.base, pend.len);
             dp_buf_free(&pend);
         }
+        if (c->phase == PH_BODY && c->budget_wait)
+            return; /* waits again: reads stay stopped, the retry timer is armed */
         if (c->phase == PH_BODY) {
             c->last_read = uv_now(c->srv->loop);
             conn_arm(c, body_wait(c, c->last_read, c->srv->lim.client_idle_timeout_ms));
@@ -562,6 +1120,12 @@ static void timer_cb(uv_timer_t *t)
     case PH_BODY: {
         uint64_t idle = c->srv->lim.client_idle_timeout_ms;
         uint64_t bd = c->body_deadline;
+        if (c->budget_wait) {
+            /* Waiting for room, not for the client: try again (budget_grow bounds the wait). */
+            budget_unwait_opt(c, false);
+            conn_kick(c);
+            return;
+        }
         if (bd && now >= bd && !c->body_paused) {
             conn_reject(c, 408, "request body not received in time (client_body_timeout_ms)");
             return;
@@ -736,6 +1300,9 @@ static void conn_close(net_conn_t *c)
     if (c->phase == PH_CLOSED)
         return;
     hs_remove(c);
+    budget_unwait(c);
+    if (c->req)
+        budget_body_done(c->srv, c->req); /* no longer one to shed; its share goes on close */
     c->phase = PH_CLOSED;
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);
@@ -924,8 +1491,14 @@ static bool conn_head_done(net_conn_t *c)
     r->has_body = r->chunked || r->content_length > 0;
     c->keep_alive = !q->framing.conn_close && !s->draining &&
                     (r->http_minor == 1 || q->framing.conn_keep_alive);
-    if (c->remote[0] == '\0')
+    if (c->remote[0] == '\0') {
         net_sock_peer(&c->sock, c->remote, sizeof(c->remote));
+        struct sockaddr_storage ss;
+        int sslen = sizeof(ss);
+        memset(&ss, 0, sizeof(ss));
+        uv_tcp_getpeername(&c->sock.tcp, (struct sockaddr *)&ss, &sslen);
+        addr_key_of(&ss, c->addr_key);
+    }
     memcpy(r->remote, c->remote, sizeof(r->remote));
     s->ninflight++;
     q->handed = true;
@@ -956,12 +1529,9 @@ static bool conn_head_done(net_conn_t *c)
         }
         c->body_deadline = 0;
         if (q->mode == NET_BODY_BUFFER) {
-            /* A known length is reserved whole now: memory stays within the budget however
-             * slowly the bodies already admitted arrive. */
-            if (r->content_length > 0 && !body_reserve(c, (uint64_t)r->content_length)) {
-                conn_overloaded(c);
-                return false;
-            }
+            /* Nothing is reserved for what the head declares: room is taken as bytes come
+             * (conn_feed), so a connection that declares 8 MiB and stalls holds none. */
+            budget_begin(c);
             c->body_deadline =
                 s->lim.client_body_timeout_ms ? uv_now(s->loop) + s->lim.client_body_timeout_ms : 0;
         }
@@ -980,6 +1550,7 @@ static void conn_msg_done(net_conn_t *c)
 {
     req_impl_t *q = c->req;
     q->body_done = true;
+    budget_body_done(c->srv, q);
     c->phase = PH_WAIT;
     /* While the response is produced, watch for a client that stops reading it. */
     conn_arm(c, c->srv->lim.client_idle_timeout_ms);
@@ -1061,7 +1632,7 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
         }
         case PH_BODY: {
             req_impl_t *q = c->req;
-            if (c->body_paused) {
+            if (c->body_paused || c->budget_wait) {
                 /* Paused from on_head (the request waits for a replica slot): body bytes that
                  * came in the head's read wait too. Handing them to on_body would give them
                  * to a handler that has nowhere to put them yet. */
@@ -1069,6 +1640,23 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
                 n = 0;
                 net_sock_read_stop(&c->sock);
                 continue;
+            }
+            if (q->mode == NET_BODY_BUFFER && !q->resp_ended) {
+                /* Room for this read before llhttp copies it: a chunked read's framing
+                 * counts too (the decoded bytes are fewer), bounded by max_body_bytes. */
+                int br = budget_grow(
+                    c, q->r.chunked || n < c->body_remaining ? n : (size_t)c->body_remaining);
+                if (br == BUDGET_WAIT) {
+                    dp_buf_append(&c->pending, p, n);
+                    n = 0;
+                    net_sock_read_stop(&c->sock);
+                    conn_arm(c, BUDGET_RETRY_MS);
+                    continue;
+                }
+                if (br == BUDGET_REFUSED) {
+                    conn_overloaded(c);
+                    goto out;
+                }
             }
             if (q->r.chunked) {
                 r = net_chunk_scan(&c->cs, p, n, &used, &reason);
@@ -1123,7 +1711,7 @@ out:
 static void sock_read(net_sock_t *sk, const char *p, size_t n)
 {
     net_conn_t *c = sk->owner;
-    if (c->phase == PH_BODY && c->body_paused) {
+    if (c->phase == PH_BODY && (c->body_paused || c->budget_wait)) {
         dp_buf_append(&c->pending, p, n);
         net_sock_read_stop(sk);
         return;
@@ -1283,9 +1871,24 @@ static void on_connection(uv_stream_t *ls, int status)
 
 /* ---- server ---------------------------------------------------------------------------------- */
 
+static pthread_once_t g_malloc_once = PTHREAD_ONCE_INIT;
+
+/* Buffered bodies of hundreds of KiB come and go at the rate clients send them. glibc's sliding
+ * mmap threshold (raised to the size of each large block freed) would put them on the heap,
+ * where what is freed stays resident: under churn from slow clients the process held twice
+ * max_inflight_body_bytes. A fixed threshold keeps large bodies in mappings of their own, given
+ * back to the kernel when freed, so resident memory follows the budget. */
+static void malloc_tune(void)
+{
+#if defined(__GLIBC__)
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+#endif
+}
+
 net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data,
                              const net_server_limits_t *limits)
 {
+    pthread_once(&g_malloc_once, malloc_tune);
     net_server_t *s = dp_xcalloc(1, sizeof(*s));
     s->loop = loop;
     s->h = *h;
@@ -1303,10 +1906,14 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
     s->settings.on_headers_complete = on_headers_complete;
     s->settings.on_body = on_body;
     s->settings.on_message_complete = on_message_complete;
-    s->shared = &s->own;
+    budget_join(s, &s->own);
     uv_check_init(loop, &s->check);
     s->check.data = s;
     s->check_open = true;
+    uv_async_init(loop, &s->wake, wake_cb);
+    s->wake.data = s;
+    s->wake_open = true;
+    uv_unref((uv_handle_t *)&s->wake); /* an idle server does not keep its loop running */
     return s;
 }
 
@@ -1429,6 +2036,13 @@ static void check_closed(uv_handle_t *h)
     maybe_server_done(s);
 }
 
+static void wake_closed(uv_handle_t *h)
+{
+    net_server_t *s = h->data;
+    s->wake_open = false;
+    maybe_server_done(s);
+}
+
 static void maybe_server_done(net_server_t *s)
 {
     if (s->nconns > 0 || s->listener_open)
@@ -1438,9 +2052,13 @@ static void maybe_server_done(net_server_t *s)
         s->drain_cb = NULL;
         cb(s);
     }
-    if (s->closing && s->check_open) {
-        if (!uv_is_closing((uv_handle_t *)&s->check))
+    if (s->closing && (s->check_open || s->wake_open)) {
+        if (s->check_open && !uv_is_closing((uv_handle_t *)&s->check))
             uv_close((uv_handle_t *)&s->check, check_closed);
+        if (s->wake_open && !uv_is_closing((uv_handle_t *)&s->wake)) {
+            budget_leave(s); /* no thread sends to `wake` once it is off the group */
+            uv_close((uv_handle_t *)&s->wake, wake_closed);
+        }
         return;
     }
     if (s->closing) {
@@ -1557,24 +2175,46 @@ static inline req_impl_t *impl(net_req_t *r)
 uint64_t net_req_take_body_budget(net_req_t *req)
 {
     req_impl_t *q = impl(req);
+    net_server_shared_t *b = req->server->shared;
+    books_lock(b);
+    hold_unlist(b, q);
     uint64_t n = q->body_reserved;
+    if (q->addr) {
+        /* The bytes stay in the budget; the address no longer answers for them. */
+        budget_addr_t *a = q->addr;
+        assert(a->held >= n);
+        a->held -= n;
+        if (n && a->held == 0)
+            b->naddrs--;
+        addr_unref(b, a);
+        q->addr = NULL;
+    }
     q->body_reserved = 0;
+    books_unlock(b);
     return n;
-}
-
-void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
-{
-    atomic_fetch_sub(&s->shared->body_bytes, bytes);
 }
 
 void net_server_shared_return_body_budget(net_server_shared_t *shared, uint64_t bytes)
 {
-    atomic_fetch_sub(&shared->body_bytes, bytes);
+    books_lock(shared);
+    uint64_t cur = atomic_load_explicit(&shared->body_bytes, memory_order_relaxed);
+    assert(cur >= bytes);
+    atomic_store_explicit(&shared->body_bytes, cur - bytes, memory_order_relaxed);
+    if (bytes)
+        books_freed(shared);
+    books_unlock(shared);
+}
+
+void net_server_return_body_budget(net_server_t *s, uint64_t bytes)
+{
+    net_server_shared_return_body_budget(s->shared, bytes);
 }
 
 void net_server_share(net_server_t *s, net_server_shared_t *shared)
 {
-    s->shared = shared;
+    assert(s->nconns == 0); /* before any connection: the books move with no body in them */
+    budget_leave(s);
+    budget_join(s, shared);
 }
 
 static bool conn_usable(net_req_t *req)
@@ -1729,8 +2369,7 @@ int net_resp_end(net_req_t *req)
     /* The body's share of the budget goes back before the last byte leaves: a client that
      * read this answer and sends its next body (to a server on another thread, sharing the
      * budget) finds it free, as it would on one thread. The bytes go a moment later. */
-    atomic_fetch_sub(&c->srv->shared->body_bytes, q->body_reserved);
-    q->body_reserved = 0;
+    budget_release(c->srv, q);
     int r;
     if (q->resp_chunked && !q->resp_no_body)
         r = resp_emit(req, NULL, 0, "0\r\n\r\n", 5, NULL, 0);
@@ -1771,6 +2410,7 @@ void net_resp_abort(net_req_t *req)
     if (c->phase == PH_CLOSED)
         return; /* already closing: the close callback releases the request */
     conn_release_req(c);
+    budget_unwait(c);
     c->phase = PH_CLOSED;
     uv_timer_stop(&c->timer);
     uv_close((uv_handle_t *)&c->timer, timer_closed);

@@ -85,9 +85,12 @@ typedef struct {
     uint32_t client_header_timeout_ms;
     uint32_t client_idle_timeout_ms;
     size_t write_high_water; /* net_resp_pending above this: stop producing (default 256 KiB) */
-    /* Bytes of NET_BODY_BUFFER bodies held across all connections (0: no bound). A request
-     * whose body would exceed it is answered 503 `overloaded`; admitted ones keep their share
-     * until they end. A Content-Length body reserves its whole length when its head is read. */
+    /* Bytes of NET_BODY_BUFFER bodies held across all connections (0: no bound). A body
+     * reserves what has arrived (in steps of 16 KiB, never past its Content-Length), not what
+     * it declares. When a body cannot grow, bodies still being read are shed to make room
+     * (those of client addresses over their fair share first, then the slowest; see
+     * docs/configuration.md, "limits"); when nothing can be, it is answered 503 `overloaded`.
+     * Admitted bodies keep their share until their response ends. */
     uint64_t max_inflight_body_bytes;
     uint32_t client_body_timeout_ms; /* the whole read of a NET_BODY_BUFFER body (0: none) */
     /* TLS connections still in their handshake (0: no bound). Each holds ~47 KB of OpenSSL
@@ -101,10 +104,21 @@ void net_server_limits_default(net_server_limits_t *l);
 net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data,
                              const net_server_limits_t *limits);
 /* Servers on several loop threads serving one listen address: max_connections and
- * max_inflight_body_bytes hold for them together (atomics; zero-initialise it, outlive them). */
+ * max_inflight_body_bytes hold for them together (zero-initialise it, outlive them). */
+#define NET_BUDGET_BUCKETS 1024
 typedef struct net_server_shared_s {
     atomic_size_t conns;
-    _Atomic uint64_t body_bytes;
+    _Atomic uint64_t body_bytes; /* read without the lock; written under it */
+    /* The body budget's books, private to net/server.c, under `lock` (a spin lock: held for
+     * a few loads and stores, or one walk over the bodies being read when the budget is full). */
+    atomic_bool lock;
+    uint64_t shedding;               /* reservations of bodies marked to be shed */
+    size_t naddrs;                   /* client addresses holding some of the budget */
+    size_t nwaiting;                 /* bodies waiting for room, over every server */
+    uint64_t promised;               /* room held back for them */
+    struct net_budget_hold_s *holds; /* bodies being read, on every server of the group */
+    struct net_server_s *servers;    /* the group, to wake a server whose bodies wait */
+    struct net_budget_addr_s *addrs[NET_BUDGET_BUCKETS]; /* per client address (IPv6: /64) */
 } net_server_shared_t;
 void net_server_share(net_server_t *s, net_server_shared_t *shared);
 /* net_server_return_body_budget for budget taken from servers sharing `shared`: valid after
@@ -138,13 +152,16 @@ size_t net_server_connections(const net_server_t *s);
 /* Connections accepted since start. */
 uint64_t net_server_accepted(const net_server_t *s);
 size_t net_server_inflight(const net_server_t *s);
-/* Tell cb whenever the server itself refuses a request 503 (reason: "body_budget"). */
+/* Tell cb whenever the server itself refuses a request 503 (reason "body_budget": no room
+ * in max_inflight_body_bytes) or sheds a body being read to make room (reason "body_shed",
+ * answered 408 or 503). */
 void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason));
 /* Bytes of buffered request bodies reserved right now (max_inflight_body_bytes). */
 uint64_t net_server_body_bytes(const net_server_t *s);
 /* The handler keeps the request's body past the request (a worker thread still reads it after
  * the client left): the request's share of the body budget moves to the caller, who gives it
- * back with net_server_return_body_budget once the body is freed. Returns the bytes taken. */
+ * back with net_server_return_body_budget once the body is freed. Returns the bytes taken.
+ * From here the bytes count in the budget but no longer in the client address's share. */
 uint64_t net_req_take_body_budget(net_req_t *req);
 void net_server_return_body_budget(net_server_t *s, uint64_t bytes);
 

@@ -57,6 +57,7 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
     dp_jw_arr_end(&w);
     dp_jw_str(&w, "forwarded_body_sha256", a->forwarded_sha256);
     dp_jw_str(&w, "response_body_sha256", a->response_sha256);
+    dp_jw_str(&w, "attestation_sha256", a->attestation_sha256);
     if (a->error_code) {
         dp_jw_obj_begin(&w, "error");
         dp_jw_str(&w, "code", a->error_code);

@@ -40,7 +40,8 @@ int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_
     prev[0] = '\0';
     dp_buf_reset(out);
     jdoc_t d;
-    jdoc_init(&d);
+    jtok_t toks[128]; /* a completion's top level and its choices fit: no allocation */
+    jdoc_init_with(&d, toks, 128);
     /* Duplicates are not refused here: a replica's response is forwarded, not policed; every
      * top-level copy of the key is rewritten. */
     if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) < 0) {

@@ -8,6 +8,8 @@
 #include "policy/jcs_pow10.h"
 #include "policy/jcs.h"
 
+#include <openssl/evp.h>
+
 static size_t put_u64(char *o, uint64_t v)
 {
     char t[24];
@@ -200,24 +202,91 @@ static uint32_t hex4(const unsigned char *p)
     return (uint32_t)(hexv(p[0]) << 12 | hexv(p[1]) << 8 | hexv(p[2]) << 4 | hexv(p[3]));
 }
 
+/* ---- output: a buffer, or a buffer staged into SHA-256 ---------------------------------- */
+
+/* Staged bytes are hashed once this many wait; a run of at least half of it is hashed where it
+ * lies (a prompt's strings go straight from the request body into the digest). */
+#define JCS_STAGE 8192
+
+static void feed(jcs_out_t *o, const void *p, size_t n)
+{
+    if (!o->begun) {
+        EVP_DigestInit_ex(o->sha, o->md, NULL);
+        o->begun = true;
+    }
+    EVP_DigestUpdate(o->sha, p, n);
+}
+
+void jcs_flush(jcs_out_t *o)
+{
+    if (o->sha && o->buf->len) {
+        feed(o, o->buf->base, o->buf->len);
+        dp_buf_reset(o->buf);
+    }
+}
+
+void jcs_emit(jcs_out_t *o, const char *p, size_t n)
+{
+    if (o->sha && o->buf->len + n > JCS_STAGE) {
+        jcs_flush(o);
+        if (n >= JCS_STAGE / 2) {
+            feed(o, p, n);
+            return;
+        }
+    }
+    dp_buf_append(o->buf, p, n);
+}
+
+static inline void emitc(jcs_out_t *o, char c)
+{
+    jcs_emit(o, &c, 1);
+}
+
+static void put_utf8(jcs_out_t *o, uint32_t cp)
+{
+    char b[4];
+    size_t n;
+    if (cp < 0x80) {
+        b[0] = (char)cp;
+        n = 1;
+    } else if (cp < 0x800) {
+        b[0] = (char)(0xC0 | cp >> 6);
+        b[1] = (char)(0x80 | (cp & 0x3F));
+        n = 2;
+    } else if (cp < 0x10000) {
+        b[0] = (char)(0xE0 | cp >> 12);
+        b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        b[2] = (char)(0x80 | (cp & 0x3F));
+        n = 3;
+    } else {
+        b[0] = (char)(0xF0 | cp >> 18);
+        b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        b[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        b[3] = (char)(0x80 | (cp & 0x3F));
+        n = 4;
+    }
+    jcs_emit(o, b, n);
+}
+
 /* RFC 8785 §3.2.2.2: escape '"', '\\' and controls (short forms for \b \t \n \f \r, else
  * \u00xx lowercase); everything else, non-ASCII included, is written as UTF-8. The input was
  * validated, so escapes are well formed and surrogates paired. */
-void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out)
+void jcs_write_raw_string_to(const char *raw, size_t n, bool has_escapes, jcs_out_t *out)
 {
     assert(n >= 2 && raw[0] == '"' && raw[n - 1] == '"');
-    if (!has_escapes) { /* raw JSON strings hold no control, quote or backslash bytes */
-        dp_buf_append(out, raw, n);
+    if (!has_escapes) { /* validated literals hold no raw control, quote or backslash byte, and
+                           \" \\ \b \f \n \r \t are already how RFC 8785 writes them */
+        jcs_emit(out, raw, n);
         return;
     }
     static const char hexd[] = "0123456789abcdef";
     const unsigned char *p = (const unsigned char *)raw + 1;
     size_t m = n - 2, i = 0;
-    dp_buf_appendc(out, '"');
+    emitc(out, '"');
     while (i < m) {
         const unsigned char *bs = memchr(p + i, '\\', m - i);
         size_t run = bs ? (size_t)(bs - (p + i)) : m - i;
-        dp_buf_append(out, (const char *)p + i, run);
+        jcs_emit(out, (const char *)p + i, run);
         i += run;
         if (i >= m)
             break;
@@ -226,13 +295,13 @@ void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t 
         uint32_t cp;
         switch (e) {
         case '"':
-            dp_buf_append(out, "\\\"", 2);
+            jcs_emit(out, "\\\"", 2);
             continue;
         case '\\':
-            dp_buf_append(out, "\\\\", 2);
+            jcs_emit(out, "\\\\", 2);
             continue;
         case '/':
-            dp_buf_appendc(out, '/');
+            emitc(out, '/');
             continue;
         case 'b':
         case 'f':
@@ -240,7 +309,7 @@ void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t 
         case 'r':
         case 't': {
             char s[2] = {'\\', (char)e};
-            dp_buf_append(out, s, 2);
+            jcs_emit(out, s, 2);
             continue;
         }
         default: /* 'u' */
@@ -260,75 +329,87 @@ void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t 
                              : cp == '\r' ? "\\r"
                                           : NULL;
             if (sf) {
-                dp_buf_append(out, sf, 2);
+                jcs_emit(out, sf, 2);
             } else {
                 char u[6] = {'\\', 'u', '0', '0', hexd[cp >> 4], hexd[cp & 15]};
-                dp_buf_append(out, u, 6);
+                jcs_emit(out, u, 6);
             }
         } else if (cp == '"') {
-            dp_buf_append(out, "\\\"", 2);
+            jcs_emit(out, "\\\"", 2);
         } else if (cp == '\\') {
-            dp_buf_append(out, "\\\\", 2);
+            jcs_emit(out, "\\\\", 2);
         } else {
-            jdoc_put_utf8(out, cp);
+            put_utf8(out, cp);
         }
     }
-    dp_buf_appendc(out, '"');
+    emitc(out, '"');
 }
 
-static void jcs_number(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
+static void jcs_number(const jdoc_t *d, uint32_t tok, jcs_out_t *out)
 {
     const jtok_t *t = &d->toks[tok];
     const char *p = d->src + t->start;
     /* Integer literals below 10^15 print as themselves (JSON forbids leading zeros); "-0" is 0. */
     if ((t->flags & JF_INT) && t->len - ((t->flags & JF_NEG) ? 1 : 0) <= 15) {
         if (t->len == 2 && p[0] == '-' && p[1] == '0')
-            dp_buf_appendc(out, '0');
+            emitc(out, '0');
         else
-            dp_buf_append(out, p, t->len);
+            jcs_emit(out, p, t->len);
         return;
     }
     char b[32];
     size_t n = jcs_es_number(jdoc_num(d, tok), b);
-    dp_buf_append(out, b, n);
+    jcs_emit(out, b, n);
 }
 
-void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
+void jcs_write_to(const jdoc_t *d, uint32_t tok, jcs_out_t *out)
 {
     const jtok_t *t = &d->toks[tok];
     switch (t->type) {
     case JT_OBJ:
         /* The sorted member list exists only when the parse checked duplicates. */
         assert(t->aux == 0 || (d->order != NULL && t->aux2 + t->aux <= d->norder));
-        dp_buf_appendc(out, '{');
+        emitc(out, '{');
         for (uint32_t m = 0; m < t->aux; m++) {
             uint32_t k = d->order[t->aux2 + m];
             if (m)
-                dp_buf_appendc(out, ',');
-            jcs_write_raw_string(d->src + d->toks[k].start, d->toks[k].len,
-                                 d->toks[k].flags & JF_ESC, out);
-            dp_buf_appendc(out, ':');
-            jcs_write(d, k + 1, out);
+                emitc(out, ',');
+            jcs_write_raw_string_to(d->src + d->toks[k].start, d->toks[k].len,
+                                    d->toks[k].flags & JF_REESC, out);
+            emitc(out, ':');
+            jcs_write_to(d, k + 1, out);
         }
-        dp_buf_appendc(out, '}');
+        emitc(out, '}');
         break;
     case JT_ARR:
-        dp_buf_appendc(out, '[');
+        emitc(out, '[');
         for (uint32_t i = tok + 1; i < t->end; i = d->toks[i].end) {
             if (i != tok + 1)
-                dp_buf_appendc(out, ',');
-            jcs_write(d, i, out);
+                emitc(out, ',');
+            jcs_write_to(d, i, out);
         }
-        dp_buf_appendc(out, ']');
+        emitc(out, ']');
         break;
     case JT_STR:
-        jcs_write_raw_string(d->src + t->start, t->len, t->flags & JF_ESC, out);
+        jcs_write_raw_string_to(d->src + t->start, t->len, t->flags & JF_REESC, out);
         break;
     case JT_NUM:
         jcs_number(d, tok, out);
         break;
     default: /* true, false, null */
-        dp_buf_append(out, d->src + t->start, t->len);
+        jcs_emit(out, d->src + t->start, t->len);
         break;
     }
+}
+
+void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
+{
+    jcs_out_t o = {out, NULL, NULL, false};
+    jcs_write_to(d, tok, &o);
+}
+
+void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out)
+{
+    jcs_out_t o = {out, NULL, NULL, false};
+    jcs_write_raw_string_to(raw, n, has_escapes, &o);
 }

@@ -20,7 +20,26 @@ size_t jcs_es_number(double v, char *out);
 /* Canonical form of the subtree at tok. The tape must come from a parse without
  * JDOC_ALLOW_DUPS (objects carry their sorted member lists). */
 void jcs_write(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
-/* A raw, validated JSON string literal (quotes included) re-escaped the JCS way. */
+/* A raw, validated JSON string literal (quotes included) re-escaped the JCS way. has_escapes:
+ * it may hold an escape RFC 8785 writes differently (\u, \/: the tape's JF_REESC); false copies
+ * it as it is. */
 void jcs_write_raw_string(const char *raw, size_t n, bool has_escapes, dp_buf_t *out);
+
+/* Where canonical bytes go: appended to buf; or, with sha (an EVP_MD_CTX) and md (its EVP_MD),
+ * staged in buf and fed to the digest once more than a stage's worth is written, long runs
+ * straight from the source, so no canonical copy of a large body exists. The digest is begun
+ * at the first feed: a form that fits one stage stays in buf (begun false) for a one-shot hash.
+ * jcs_flush feeds what is staged. */
+typedef struct {
+    dp_buf_t *buf;
+    void *sha;
+    const void *md;
+    bool begun;
+} jcs_out_t;
+
+void jcs_emit(jcs_out_t *o, const char *p, size_t n);
+void jcs_flush(jcs_out_t *o);
+void jcs_write_to(const jdoc_t *d, uint32_t tok, jcs_out_t *o);
+void jcs_write_raw_string_to(const char *raw, size_t n, bool has_escapes, jcs_out_t *o);
 
 #endif

@@ -3,6 +3,7 @@
 #include "common/util.h"
 
 #include <assert.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,9 +38,18 @@ void jdoc_reset(jdoc_t *d)
     d->err_tok = JDOC_NONE;
 }
 
+void jdoc_init_with(jdoc_t *d, jtok_t *toks, uint32_t cap)
+{
+    jdoc_init(d);
+    d->toks = toks;
+    d->cap = cap;
+    d->toks_borrowed = true;
+}
+
 void jdoc_free(jdoc_t *d)
 {
-    free(d->toks);
+    if (!d->toks_borrowed)
+        free(d->toks);
     free(d->order);
     free(d->tmp);
     dp_buf_free(&d->keys);
@@ -57,7 +67,14 @@ static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
 {
     if (d->ntoks == d->cap) {
         uint32_t ncap = d->cap ? d->cap * 2 : 64;
-        d->toks = dp_xrealloc(d->toks, (size_t)ncap * sizeof(jtok_t));
+        if (d->toks_borrowed) {
+            jtok_t *t = dp_xmalloc((size_t)ncap * sizeof(jtok_t));
+            memcpy(t, d->toks, (size_t)d->ntoks * sizeof(jtok_t));
+            d->toks = t;
+            d->toks_borrowed = false;
+        } else {
+            d->toks = dp_xrealloc(d->toks, (size_t)ncap * sizeof(jtok_t));
+        }
         d->cap = ncap;
     }
     jtok_t *t = &d->toks[d->ntoks];
@@ -90,20 +107,98 @@ static inline bool swar_special(uint64_t x)
     return (t & highs) != 0;
 }
 
+/* ---- plain string runs: AVX2, SSE2 or eight bytes at a time ------------------------------ */
+
+/* The first byte at or after i that ends a plain run (a control, '"', '\\' or non-ASCII), or
+ * a position near n from which the byte loop goes on: vector loads never pass n. One signed
+ * compare catches controls and non-ASCII together (bytes >= 0x80 are negative). */
+typedef size_t (*plain_run_fn)(const unsigned char *p, size_t i, size_t n);
+
+static inline size_t plain_run_swar(const unsigned char *p, size_t i, size_t n)
+{
+    while (i + 8 <= n) {
+        uint64_t x;
+        memcpy(&x, p + i, 8);
+        if (swar_special(x))
+            break;
+        i += 8;
+    }
+    return i;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+__attribute__((target("sse2"))) static inline size_t plain_run_sse2(const unsigned char *p,
+                                                                    size_t i, size_t n)
+{
+    const __m128i q = _mm_set1_epi8('"'), b = _mm_set1_epi8('\\'), sp = _mm_set1_epi8(0x20);
+    while (i + 16 <= n) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(const void *)(p + i));
+        __m128i m = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, q), _mm_cmpeq_epi8(x, b)),
+                                 _mm_cmplt_epi8(x, sp));
+        unsigned mask = (unsigned)_mm_movemask_epi8(m);
+        if (mask)
+            return i + (size_t)__builtin_ctz(mask);
+        i += 16;
+    }
+    return plain_run_swar(p, i, n);
+}
+
+__attribute__((target("avx2"))) static inline size_t plain_run_avx2(const unsigned char *p,
+                                                                    size_t i, size_t n)
+{
+    const __m256i q = _mm256_set1_epi8('"'), b = _mm256_set1_epi8('\\'),
+                  sp = _mm256_set1_epi8(0x20);
+    while (i + 32 <= n) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+        __m256i m =
+            _mm256_or_si256(_mm256_or_si256(_mm256_cmpeq_epi8(x, q), _mm256_cmpeq_epi8(x, b)),
+                            _mm256_cmpgt_epi8(sp, x));
+        unsigned mask = (unsigned)_mm256_movemask_epi8(m);
+        if (mask)
+            return i + (size_t)__builtin_ctz(mask);
+        i += 32;
+    }
+    return plain_run_sse2(p, i, n);
+}
+#define JDOC_HAVE_X86 1
+#endif
+
+/* 0 unset, else JDOC_SIMD_* + 1; set once (the CPU does not change), or by jdoc_simd_select. */
+static _Atomic int g_simd;
+
+static int simd_supported(void)
+{
+#ifdef JDOC_HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        return JDOC_SIMD_AVX2;
+    if (__builtin_cpu_supports("sse2"))
+        return JDOC_SIMD_SSE2;
+#endif
+    return JDOC_SIMD_SCALAR;
+}
+
+int jdoc_simd_select(int max)
+{
+    int best = simd_supported();
+    int level = max < best ? max : best;
+    if (level < JDOC_SIMD_SCALAR)
+        level = JDOC_SIMD_SCALAR;
+    atomic_store_explicit(&g_simd, level + 1, memory_order_relaxed);
+    return level;
+}
+
 /* Validate the string starting at the quote at *pos; leaves *pos after the closing quote. */
-static int scan_string(jdoc_t *d, size_t *pos, uint8_t *flags)
+static inline __attribute__((always_inline)) int
+scan_string_with(jdoc_t *d, size_t *pos, uint8_t *flags, const plain_run_fn run)
 {
     const unsigned char *p = (const unsigned char *)d->src;
     size_t n = d->srclen, i = *pos + 1;
     for (;;) {
-        /* Plain ASCII runs are most of every prompt: eight bytes per step. */
-        while (i + 8 <= n) {
-            uint64_t x;
-            memcpy(&x, p + i, 8);
-            if (swar_special(x))
-                break;
-            i += 8;
-        }
+        /* Plain ASCII runs are most of every prompt: 32, 16 or 8 bytes per step. */
+        i = run(p, i, n);
         while (i < n && !str_special[p[i]])
             i++;
         if (i >= n)
@@ -118,9 +213,12 @@ static int scan_string(jdoc_t *d, size_t *pos, uint8_t *flags)
             if (i + 1 >= n)
                 return fail(d, "unterminated string", *pos);
             switch (p[i + 1]) {
+            case '/':
+                *flags |= JF_REESC;
+                i += 2;
+                continue;
             case '"':
             case '\\':
-            case '/':
             case 'b':
             case 'f':
             case 'n':
@@ -129,6 +227,7 @@ static int scan_string(jdoc_t *d, size_t *pos, uint8_t *flags)
                 i += 2;
                 continue;
             case 'u':
+                *flags |= JF_REESC;
                 break;
             default:
                 return fail(d, "invalid escape in string", i);
@@ -186,6 +285,43 @@ static int scan_string(jdoc_t *d, size_t *pos, uint8_t *flags)
             if ((p[i + k] & 0xC0) != 0x80)
                 return fail(d, "invalid UTF-8 in string", i);
         i += need + 1;
+    }
+}
+
+typedef int (*scan_string_fn)(jdoc_t *d, size_t *pos, uint8_t *flags);
+
+/* One copy of the string scanner per vector unit, each with its plain-run loop inlined. */
+static int scan_string_swar(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    return scan_string_with(d, pos, flags, plain_run_swar);
+}
+
+#ifdef JDOC_HAVE_X86
+__attribute__((target("sse2"))) static int scan_string_sse2(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    return scan_string_with(d, pos, flags, plain_run_sse2);
+}
+
+__attribute__((target("avx2"))) static int scan_string_avx2(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    return scan_string_with(d, pos, flags, plain_run_avx2);
+}
+#endif
+
+static scan_string_fn scan_string_pick(void)
+{
+    int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
+    if (v == 0)
+        v = jdoc_simd_select(JDOC_SIMD_AVX2) + 1;
+    switch (v - 1) {
+#ifdef JDOC_HAVE_X86
+    case JDOC_SIMD_AVX2:
+        return scan_string_avx2;
+    case JDOC_SIMD_SSE2:
+        return scan_string_sse2;
+#endif
+    default:
+        return scan_string_swar;
     }
 }
 
@@ -373,6 +509,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
     d->srclen = n;
     if (n >= UINT32_MAX)
         return fail(d, "document too large", 0);
+    const scan_string_fn scan_string = scan_string_pick();
     uint32_t stack[JDOC_MAX_DEPTH + 1];
     int depth = 0;
     size_t i = skip_ws(src, n, 0);

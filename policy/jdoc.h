@@ -31,10 +31,12 @@
 typedef enum { JT_OBJ = 1, JT_ARR, JT_STR, JT_NUM, JT_TRUE, JT_FALSE, JT_NULL } jtype_t;
 
 enum {
-    JF_ESC = 1, /* string: has at least one backslash escape */
-    JF_KEY = 2, /* string: an object member's key */
-    JF_INT = 4, /* number: no fraction and no exponent */
-    JF_NEG = 8, /* number: starts with '-' */
+    JF_ESC = 1,    /* string: has at least one backslash escape */
+    JF_KEY = 2,    /* string: an object member's key */
+    JF_INT = 4,    /* number: no fraction and no exponent */
+    JF_NEG = 8,    /* number: starts with '-' */
+    JF_REESC = 16, /* string: has a \u or \/ escape, which RFC 8785 writes differently; without
+                      one the literal is already canonical (\" \\ \b \f \n \r \t are kept) */
 };
 
 /* One token. Objects are followed by key, value, key, value...; arrays by their elements;
@@ -60,7 +62,8 @@ typedef struct {
     uint32_t norder, ordercap;
     uint32_t *tmp; /* merge-sort scratch */
     uint32_t tmpcap;
-    dp_buf_t keys; /* decoded bytes of escaped keys */
+    bool toks_borrowed; /* toks is the caller's array (jdoc_init_with): copied out to grow */
+    dp_buf_t keys;      /* decoded bytes of escaped keys */
     /* set when jdoc_parse fails */
     const char *err;
     size_t err_at;
@@ -73,6 +76,9 @@ enum {
 };
 
 void jdoc_init(jdoc_t *d);
+/* jdoc_init with the caller's token array (cap entries) used first: a small document (a
+ * response body, a usage object) is parsed without allocating. toks must outlive d. */
+void jdoc_init_with(jdoc_t *d, jtok_t *toks, uint32_t cap);
 void jdoc_reset(jdoc_t *d);
 void jdoc_free(jdoc_t *d);
 
@@ -94,6 +100,13 @@ void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
 double jdoc_num(const jdoc_t *d, uint32_t tok);
 /* Integer literal to int64; -1 when it does not fit. */
 int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out);
+
+/* String scanning: the widest vector unit the CPU has (checked at run time), or a portable
+ * eight-bytes-at-a-time loop; all of them accept and refuse exactly the same inputs. */
+enum { JDOC_SIMD_SCALAR = 0, JDOC_SIMD_SSE2, JDOC_SIMD_AVX2 };
+/* Use at most level max (tests run every path this way); returns the level now in use. The
+ * default is the best the CPU supports. Process-wide. */
+int jdoc_simd_select(int max);
 
 /* Compare two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts keys. */
 int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include <openssl/crypto.h>
+#include <openssl/evp.h>
 
 #include "common/jw.h"
 #include "common/util.h"
@@ -160,7 +161,10 @@ const cfg_tenant_t *policy_match_tenant(const cfg_policy_t *pol, policy_header_c
                          "two Authorization fields: ambiguous credentials match no tenant");
     else if (hit == NULL && nauth == 1)
         policy_set_error(err, 401, "invalid_api_key", NULL,
-                         "the credentials in Authorization match no tenant");
+                         "the credentials in Authorization match no tenant (an {\"any\": true} "
+                         "tenant takes requests without credentials only; give it "
+                         "\"unknown_keys\": true to serve clients that always send a key, such "
+                         "as the OpenAI SDKs)");
     else if (hit == NULL)
         policy_set_error(err, 401, "invalid_api_key", NULL,
                          "no tenant matched this request: missing credentials");
@@ -180,6 +184,7 @@ enum {
     S_FREQUENCY_PENALTY,
     S_MAX_COMPLETION_TOKENS, /* aliases governed by max_tokens' rule */
     S_N_PREDICT,
+    S_MAX_NEW_TOKENS,    /* TGI's and SGLang's native name, ruled wherever it is sent */
     S_MAX_OUTPUT_TOKENS, /* /v1/responses' max_tokens, governed by its rule */
     S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
@@ -221,6 +226,7 @@ static const struct {
     [S_FREQUENCY_PENALTY] = {"frequency_penalty", 17, false},
     [S_MAX_COMPLETION_TOKENS] = {"max_completion_tokens", 21, true},
     [S_N_PREDICT] = {"n_predict", 9, true},
+    [S_MAX_NEW_TOKENS] = {"max_new_tokens", 14, true},
     [S_MAX_OUTPUT_TOKENS] = {"max_output_tokens", 17, true},
     [S_MIN_P] = {"min_p", 5, false},
     [S_REPETITION_PENALTY] = {"repetition_penalty", 18, false},
@@ -241,8 +247,12 @@ struct policy_req_s {
     bool parsed;
     uint32_t key[S__COUNT]; /* key token of each known top-level member, or JDOC_NONE */
     dp_buf_t model;
-    dp_buf_t out;   /* rewritten body */
-    dp_buf_t canon; /* tenant name + "\n" + canonical request, for derive */
+    dp_buf_t edits; /* the new bytes of a rewritten body (values, added members) */
+    dp_buf_t flat;  /* policy_body's joined copy */
+    bool flat_ok;
+    dp_buf_t canon; /* staging for the canonical request's SHA-256 (derive) */
+    EVP_MD *md;     /* SHA-256, fetched once per policy_req_t */
+    EVP_MD_CTX *mdctx;
 };
 
 policy_req_t *policy_req_new(void)
@@ -257,7 +267,9 @@ void policy_req_reset(policy_req_t *r)
     jdoc_reset(&r->doc);
     r->parsed = false;
     dp_buf_reset(&r->model);
-    dp_buf_reset(&r->out);
+    dp_buf_reset(&r->edits);
+    dp_buf_reset(&r->flat);
+    r->flat_ok = false;
     dp_buf_reset(&r->canon);
 }
 
@@ -267,8 +279,11 @@ void policy_req_free(policy_req_t *r)
         return;
     jdoc_free(&r->doc);
     dp_buf_free(&r->model);
-    dp_buf_free(&r->out);
+    dp_buf_free(&r->edits);
+    dp_buf_free(&r->flat);
     dp_buf_free(&r->canon);
+    EVP_MD_CTX_free(r->mdctx);
+    EVP_MD_free(r->md);
     free(r);
 }
 
@@ -701,6 +716,32 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
     }
 }
 
+/* Every count a rule governs is an integer >= 1 once the rules ran (docs/policy.md §3, "Counts").
+ * Engines read 0 and negative lengths as "no limit" (llama.cpp: n_predict -1 is infinite) or
+ * as something of their own, so a -1 under `max: 100` would void the cap. A rule with a `min`
+ * has already raised such a value (a clamp); what is still below 1 is refused, naming the key
+ * the client sent. The rules themselves cannot produce one: config/ holds count rules to >= 1. */
+static int check_counts(const apply_t *a, const cfg_tenant_t *t, policy_error_t *err)
+{
+    static const int counts[] = {S_MAX_TOKENS,     S_MAX_COMPLETION_TOKENS, S_N_PREDICT,
+                                 S_MAX_NEW_TOKENS, S_MAX_OUTPUT_TOKENS,     S_N};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(counts); i++) {
+        int s = counts[i];
+        const cfg_rule_t *rule = &t->rules[s == S_N ? CFG_PARAM_N : CFG_PARAM_MAX_TOKENS];
+        /* max_output_tokens is a length only on /v1/responses; elsewhere no rule reads it. */
+        if (s == S_MAX_OUTPUT_TOKENS && a->r->route != POLICY_ROUTE_RESPONSES)
+            continue;
+        if (!governed(rule) || a->cur[s].kind != PV_NUM || a->cur[s].i >= 1)
+            continue;
+        policy_set_error(err, 400, "invalid_value", slots[s].name,
+                         "%s must be an integer of at least 1 (got %lld): this tenant's policy "
+                         "limits it",
+                         slots[s].name, (long long)a->cur[s].i);
+        return -1;
+    }
+    return 0;
+}
+
 /* Read and type-check the numeric slots. */
 static int read_params(const policy_req_t *r, apply_t *a, policy_error_t *err)
 {
@@ -759,26 +800,23 @@ static bool excluded_from_canon(int s)
     return s == S_SEED || s == S_STREAM || s == S_STREAM_OPTIONS || s == S_USER;
 }
 
-static void canon_value(int s, const pval_t *v, dp_buf_t *out)
+static size_t canon_value(int s, const pval_t *v, char b[32])
 {
-    char b[32];
-    size_t n = jcs_es_number(slots[s].integer ? (double)v->i : v->d, b);
-    dp_buf_append(out, b, n);
+    return jcs_es_number(slots[s].integer ? (double)v->i : v->d, b);
 }
 
 /* tenant name + "\n" + RFC 8785 form of the post-rule body without seed, stream,
- * stream_options and user. The top-level object is merged from the tape's presorted member
- * list and the (ASCII-named) parameters the rules added. */
-static void build_canonical(policy_req_t *r, const cfg_tenant_t *t, const apply_t *a)
+ * stream_options and user, written to o. The top-level object is merged from the tape's
+ * presorted member list and the (ASCII-named) parameters the rules added. */
+static void write_canonical(const policy_req_t *r, const cfg_tenant_t *t, const apply_t *a,
+                            jcs_out_t *o)
 {
     const jdoc_t *d = &r->doc;
     const jtok_t *root = &d->toks[0];
-    dp_buf_t *c = &r->canon;
-    dp_buf_reset(c);
-    dp_buf_reserve(c, d->srclen + 64);
-    dp_buf_appends(c, t->name ? t->name : "");
-    dp_buf_appendc(c, '\n');
-    dp_buf_appendc(c, '{');
+    char nb[32];
+    const char *tn = t->name ? t->name : "";
+    jcs_emit(o, tn, strlen(tn));
+    jcs_emit(o, "\n{", 2);
     int added[S_NUMERIC_END], na = 0;
     for (int s = 0; s < S_NUMERIC_END; s++) {
         if (s == S_SEED || a->orig[s].kind != PV_ABSENT || a->cur[s].kind != PV_NUM)
@@ -809,12 +847,12 @@ static void build_canonical(policy_req_t *r, const cfg_tenant_t *t, const apply_
         if (take_added) {
             int s = added[ai++];
             if (!first)
-                dp_buf_appendc(c, ',');
+                jcs_emit(o, ",", 1);
             first = false;
-            dp_buf_appendc(c, '"');
-            dp_buf_append(c, slots[s].name, slots[s].len);
-            dp_buf_append(c, "\":", 2);
-            canon_value(s, &a->cur[s], c);
+            jcs_emit(o, "\"", 1);
+            jcs_emit(o, slots[s].name, slots[s].len);
+            jcs_emit(o, "\":", 2);
+            jcs_emit(o, nb, canon_value(s, &a->cur[s], nb));
             continue;
         }
         mi++;
@@ -824,24 +862,42 @@ static void build_canonical(policy_req_t *r, const cfg_tenant_t *t, const apply_
         if (s >= 0 && s < S_NUMERIC_END && a->dirty[s] && a->cur[s].kind == PV_REMOVED)
             continue;
         if (!first)
-            dp_buf_appendc(c, ',');
+            jcs_emit(o, ",", 1);
         first = false;
         const jtok_t *kt = &d->toks[k];
-        jcs_write_raw_string(d->src + kt->start, kt->len, kt->flags & JF_ESC, c);
-        dp_buf_appendc(c, ':');
+        jcs_write_raw_string_to(d->src + kt->start, kt->len, kt->flags & JF_REESC, o);
+        jcs_emit(o, ":", 1);
         if (s >= 0 && s < S_NUMERIC_END && a->dirty[s])
-            canon_value(s, &a->cur[s], c);
+            jcs_emit(o, nb, canon_value(s, &a->cur[s], nb));
         else
-            jcs_write(d, k + 1, c);
+            jcs_write_to(d, k + 1, o);
     }
-    dp_buf_appendc(c, '}');
+    jcs_emit(o, "}", 1);
 }
 
+/* The seed is the SHA-256 of the canonical form mod 2^31. The form is never held whole: it is
+ * staged in a small buffer and fed to the digest as it is written, the long strings of a prompt
+ * straight from the request body. */
 static int64_t derive_seed(policy_req_t *r, const cfg_tenant_t *t, const apply_t *a)
 {
-    uint8_t h[32];
-    build_canonical(r, t, a);
-    dp_sha256(r->canon.base, r->canon.len, h);
+    uint8_t h[32] = {0};
+    unsigned hl = 0;
+    if (r->md == NULL)
+        r->md = EVP_MD_fetch(NULL, "SHA256", NULL);
+    if (r->mdctx == NULL)
+        r->mdctx = EVP_MD_CTX_new();
+    dp_buf_reset(&r->canon);
+    /* No digest object (out of memory): the whole form in the buffer, hashed in one go. */
+    jcs_out_t o = {&r->canon, r->md && r->mdctx ? r->mdctx : NULL, r->md, false};
+    write_canonical(r, t, a, &o);
+    if (o.begun) {
+        jcs_flush(&o);
+        EVP_DigestFinal_ex(r->mdctx, h, &hl);
+    } else {
+        dp_sha256(r->canon.base, r->canon.len, h); /* fitted one stage: no digest begun */
+    }
+    if (r->canon.cap > 64 * 1024)
+        dp_buf_free(&r->canon);
     uint64_t x = 0;
     for (int i = 0; i < 8; i++)
         x = x << 8 | h[i];
@@ -959,45 +1015,121 @@ static void body_value(int s, const pval_t *v, dp_buf_t *out)
     dp_buf_appends(out, b);
 }
 
-/* Compact re-serialisation: members in the client's order, changed ones rewritten in place,
- * removed ones dropped, added ones appended in slot order. */
-static void build_body(policy_req_t *r, const apply_t *a)
+/* A piece of the forwarded body: from the client's bytes (off into src), or from r->edits
+ * (edit set: off into the edits buffer, which may still move while it grows). */
+typedef struct {
+    size_t off, len;
+    bool edit;
+} piece_t;
+
+static void piece(piece_t *pc, size_t *n, size_t off, size_t len, bool edit)
+{
+    if (len == 0)
+        return;
+    assert(*n < POLICY_MAX_PARTS);
+    pc[(*n)++] = (piece_t){off, len, edit};
+}
+
+/* The rewrite as splices of the client's bytes, in the client's member order: a changed value
+ * replaced in place, a removed member cut with its comma, added members (in slot order) before
+ * the closing brace. Whitespace the client sent stays where it was. */
+static void build_parts(policy_req_t *r, const apply_t *a, policy_result_t *out)
 {
     const jdoc_t *d = &r->doc;
     const jtok_t *root = &d->toks[0];
-    dp_buf_t *o = &r->out;
-    dp_buf_reset(o);
-    dp_buf_reserve(o, d->srclen + 160);
-    dp_buf_appendc(o, '{');
-    bool first = true;
+    dp_buf_t *e = &r->edits;
+    dp_buf_reset(e);
+    piece_t pc[POLICY_MAX_PARTS];
+    size_t np = 0, pos = 0, last_end = 0;
+    bool emitted = false; /* a member is kept (as it was or with a new value) before this one */
     for (uint32_t k = 1; k < root->end; k = d->toks[k + 1].end) {
         int s = slot_of_tok(r, k);
-        bool changed = s >= 0 && s < S_NUMERIC_END && a->dirty[s];
-        if (changed && a->cur[s].kind == PV_REMOVED)
+        const jtok_t *v = &d->toks[k + 1];
+        size_t vs = v->start, ve = (size_t)v->start + v->len;
+        if (!(s >= 0 && s < S_NUMERIC_END && a->dirty[s])) {
+            emitted = true;
+            last_end = ve;
             continue;
-        if (!first)
-            dp_buf_appendc(o, ',');
-        first = false;
-        dp_buf_append(o, d->src + d->toks[k].start, d->toks[k].len);
-        dp_buf_appendc(o, ':');
-        if (changed)
-            body_value(s, &a->cur[s], o);
-        else
-            jdoc_write_compact(d, k + 1, o);
+        }
+        if (a->cur[s].kind == PV_REMOVED) {
+            uint32_t next = d->toks[k + 1].end;
+            if (emitted) { /* cut from the comma after the last kept member */
+                if (last_end > pos)
+                    piece(pc, &np, pos, last_end - pos, false);
+                pos = ve;
+            } else { /* first: cut up to the next key (its comma with it) */
+                size_t ks = d->toks[k].start;
+                piece(pc, &np, pos, ks - pos, false);
+                pos = next < root->end ? d->toks[next].start : ve;
+            }
+            continue;
+        }
+        piece(pc, &np, pos, vs - pos, false);
+        size_t eo = e->len;
+        body_value(s, &a->cur[s], e);
+        piece(pc, &np, eo, e->len - eo, true);
+        pos = ve;
+        emitted = true;
+        last_end = ve;
     }
+    size_t close = (size_t)root->start + root->len - 1; /* the closing brace */
+    size_t eo = e->len;
     for (int s = 0; s < S_NUMERIC_END; s++) {
         if (!a->dirty[s] || a->orig[s].kind != PV_ABSENT ||
             (a->cur[s].kind != PV_NUM && a->cur[s].kind != PV_FALSE))
             continue;
-        if (!first)
-            dp_buf_appendc(o, ',');
-        first = false;
-        dp_buf_appendc(o, '"');
-        dp_buf_append(o, slots[s].name, slots[s].len);
-        dp_buf_append(o, "\":", 2);
-        body_value(s, &a->cur[s], o);
+        if (emitted)
+            dp_buf_appendc(e, ',');
+        emitted = true;
+        dp_buf_appendc(e, '"');
+        dp_buf_append(e, slots[s].name, slots[s].len);
+        dp_buf_append(e, "\":", 2);
+        body_value(s, &a->cur[s], e);
     }
-    dp_buf_appendc(o, '}');
+    if (e->len > eo) {
+        /* after the last kept member's value, so the client's spacing before the brace stays */
+        size_t at = last_end > pos ? last_end : pos;
+        if (at > close)
+            at = close;
+        piece(pc, &np, pos, at - pos, false);
+        piece(pc, &np, eo, e->len - eo, true);
+        pos = at;
+    }
+    piece(pc, &np, pos, d->srclen - pos, false);
+    out->nparts = np;
+    out->body_len = 0;
+    for (size_t i = 0; i < np; i++) {
+        out->parts[i].base = (pc[i].edit ? e->base : d->src) + pc[i].off;
+        out->parts[i].len = pc[i].len;
+        out->body_len += pc[i].len;
+    }
+}
+
+dp_iovec_t policy_body(policy_req_t *r, const policy_result_t *res)
+{
+    if (res->nparts <= 1)
+        return res->nparts ? res->parts[0] : (dp_iovec_t){"", 0};
+    if (!r->flat_ok) {
+        dp_buf_reset(&r->flat);
+        dp_buf_reserve(&r->flat, res->body_len);
+        for (size_t i = 0; i < res->nparts; i++)
+            dp_buf_append(&r->flat, res->parts[i].base, res->parts[i].len);
+        r->flat_ok = true;
+    }
+    return (dp_iovec_t){r->flat.base, r->flat.len};
+}
+
+void policy_body_sha256_hex(const policy_result_t *res, char out[65])
+{
+    if (res->nparts <= 1) {
+        dp_sha256_hex(res->nparts ? res->parts[0].base : "", res->nparts ? res->parts[0].len : 0,
+                      out);
+        return;
+    }
+    dp_sha256_ctx_t *c = dp_sha256_begin();
+    for (size_t i = 0; i < res->nparts; i++)
+        dp_sha256_update(c, res->parts[i].base, res->parts[i].len);
+    dp_sha256_end_hex(c, out);
 }
 
 static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
@@ -1074,14 +1206,17 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     if (responses && a.cur[S_MAX_TOKENS].kind == PV_NUM &&
         a.cur[S_MAX_OUTPUT_TOKENS].kind == PV_NUM)
         apply_rule(&a, S_MAX_OUTPUT_TOKENS, &t->rules[S_MAX_TOKENS]);
-    /* Aliases of max_tokens: vLLM prefers max_completion_tokens, llama.cpp n_predict; either
-     * would otherwise carry an unpoliced length past the rule. Only present ones are ruled. */
+    /* Aliases of max_tokens: vLLM prefers max_completion_tokens, llama.cpp n_predict, TGI and
+     * SGLang name it max_new_tokens; each would otherwise carry an unpoliced length past the
+     * rule. Only present ones are ruled. */
     const cfg_rule_t *mt = &t->rules[CFG_PARAM_MAX_TOKENS];
-    for (int s = S_MAX_COMPLETION_TOKENS; s <= S_N_PREDICT; s++) {
+    for (int s = S_MAX_COMPLETION_TOKENS; s <= S_MAX_NEW_TOKENS; s++) {
         if (a.cur[s].kind != PV_NUM)
             continue;
         apply_rule(&a, s, mt); /* present, so a default cannot apply */
     }
+    if (check_counts(&a, t, err) < 0)
+        return -1;
     if (t->rules[CFG_PARAM_SEED].derive && a.cur[S_SEED].kind != PV_NUM) {
         set_int(&a, S_SEED, POLICY_DERIVED, derive_seed(r, t, &a));
         out->seed_derived = true;
@@ -1126,7 +1261,7 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         out->top_p = a.cur[S_TOP_P].d;
     }
     static const int lengths[] = {S_MAX_OUTPUT_TOKENS, S_MAX_TOKENS, S_MAX_COMPLETION_TOKENS,
-                                  S_N_PREDICT};
+                                  S_N_PREDICT, S_MAX_NEW_TOKENS};
     for (size_t i = responses ? 0 : 1; i < sizeof(lengths) / sizeof(lengths[0]); i++) {
         if (a.cur[lengths[i]].kind == PV_NUM) {
             out->has_max_tokens = true;
@@ -1137,14 +1272,14 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
     bool dirty = false;
     for (int s = 0; s < S_NUMERIC_END; s++)
         dirty |= a.dirty[s];
+    r->flat_ok = false;
     if (dirty) {
-        build_body(r, &a);
-        out->body.base = r->out.base;
-        out->body.len = r->out.len;
+        build_parts(r, &a, out);
         out->rewritten = true;
     } else {
-        out->body.base = d->src;
-        out->body.len = d->srclen;
+        out->parts[0] = (dp_iovec_t){d->src, d->srclen};
+        out->nparts = 1;
+        out->body_len = d->srclen;
     }
     return 0;
 }

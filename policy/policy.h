@@ -13,7 +13,7 @@
  *     policy_match_tenant's return value, which points into the cfg_policy_t.
  *   - policy_parse borrows the body: it must stay unchanged and alive until policy_req_reset /
  *     policy_req_free, because the tape and policy_result_t.body may point into it.
- *   - Everything in a policy_result_t (body, model) points into the body or into the
+ *   - Everything in a policy_result_t (parts, model) points into the body or into the
  *     policy_req_t's own buffers: valid until policy_req_reset / policy_req_free. Copy what you
  *     keep longer (the audit line, shadow copies).
  *   - Bearer tokens are hashed from the header slice in place; nothing here copies a token, logs
@@ -25,7 +25,8 @@
  *   2. policy_parse               once the whole body is read: strict JSON + `model`
  *   3. policy_model               route by model (or by the tenant's `pool`)
  *   4. policy_apply               with the tenant and the chosen pool's manifest framework name
- *   5. forward result.body        with a fresh Content-Length; headers from the result
+ *   5. forward result.parts       with a fresh Content-Length (body_len); headers from the
+ *                                 result; policy_body when one contiguous copy is needed
  *   6. policy_fp_rewrite_json / policy_sse_fp_*  on the response
  *   7. policy_audit_line          when the tenant has `audit: true`
  * A policy_req_t can be reused for the next request on the same connection (policy_req_reset),
@@ -124,11 +125,18 @@ typedef struct {
     char after[POLICY_VAL_LEN];  /* JSON text of the value sent upstream, "" when removed */
 } policy_change_t;
 
+/* Pieces of the forwarded body: at most two per rewritten parameter plus the tail. */
+#define POLICY_MAX_PARTS 40
+
 typedef struct {
-    /* The body to forward: the client's own bytes when nothing changed (rewritten == false),
-     * else a compact re-serialisation (client whitespace dropped, every untouched value copied
-     * byte for byte, changed parameters rewritten in place, added ones appended). */
-    dp_iovec_t body;
+    /* The body to forward, as splices sent in order (writev): the client's own bytes in one
+     * piece when nothing changed (rewritten == false); else untouched spans of them with the
+     * new bytes between (a changed value replaced in place, a removed member cut with its
+     * comma, added members inserted before the closing brace). Client whitespace is kept.
+     * Pieces point into the body policy_parse read and into the policy_req_t. */
+    dp_iovec_t parts[POLICY_MAX_PARTS];
+    size_t nparts;
+    size_t body_len; /* sum of the parts' lengths */
     bool rewritten;
     dp_iovec_t model; /* unescaped, NUL-terminated at model.base[model.len] */
     bool stream;
@@ -170,7 +178,8 @@ dp_iovec_t policy_model(const policy_req_t *r);
  *      n integers; seed in [0, 2^63-1]); `prompt` (completions) or `messages` (chat); a JSON
  *      null parameter counts as absent -> 400 invalid_value naming the parameter;
  *   3. rules per parameter (force, default, min/max), max_tokens' rule also governing the
- *      aliases max_completion_tokens and n_predict when present, then seed derivation;
+ *      aliases max_completion_tokens, n_predict and max_new_tokens when present; a governed
+ *      count still below 1 after them -> 400 invalid_value naming it; then seed derivation;
  *   4. normalisation for `framework` (the pool manifest's framework.name: "vllm", "tgi",
  *      "sglang", "llamacpp", a few aliases; NULL or unknown: none). See docs/policy.md.
  * The same policy_req_t may be applied again (another tenant or framework) without reparsing.
@@ -183,6 +192,15 @@ int policy_apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
  * "normalized"). */
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
                       policy_result_t *out, policy_error_t *err);
+
+/* The forwarded body of a successful policy_apply in one piece: parts[0] itself when there is
+ * one, else the parts joined into a buffer of r (made once per apply). Valid until the next
+ * apply / reset / free. For the readers that need contiguous bytes (shadow copies, stored
+ * audit bodies, `detproxy policy test`); the send path uses the parts. */
+dp_iovec_t policy_body(policy_req_t *r, const policy_result_t *res);
+
+/* SHA-256 of the parts, as of policy_body's bytes, without joining them. */
+void policy_body_sha256_hex(const policy_result_t *res, char out[65]);
 
 /* Steps 2-4 in one call, as the proxy runs them and `detproxy policy test` shows them: parse
  * body, choose the pool (the tenant's `pool`, else the first whose `models` lists the model:
@@ -301,8 +319,11 @@ typedef struct {
     const char *replica;
     const char *fingerprint;          /* pool fingerprint (docs/configuration.md, "Manifest") */
     const char *upstream_fingerprint; /* the replica's own system_fingerprint, if any */
-    bool fingerprint_mismatch;        /* it differed from what the replica attested */
-    const char *route;                /* "/v1/chat/completions" */
+    /* SHA-256 of the attestation evidence its replica was admitted on (docs/operations.md,
+     * "Evidence"), NULL when none or no replica */
+    const char *attestation_sha256;
+    bool fingerprint_mismatch; /* it differed from what the replica attested */
+    const char *route;         /* "/v1/chat/completions" */
     const char *model;
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
     const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */

@@ -3,36 +3,42 @@
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
  * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); everything else is one
  * state-machine step per byte. */
-#include <cjson/cJSON.h>
 #include <string.h>
 
+#include "policy/jdoc.h"
 #include "policy/policy.h"
 
 enum { ST_SCAN = 0, ST_AFTER_KEY, ST_AFTER_COLON, ST_CAPTURE };
 
-static bool number(const cJSON *o, const char *key, int64_t *out)
+static bool number(const jdoc_t *d, const char *key, int64_t *out)
 {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 1e15 ||
-        v->valuedouble != (double)(int64_t)v->valuedouble)
+    uint32_t t = jdoc_get(d, 0, key);
+    if (t == JDOC_NONE || d->toks[t].type != JT_NUM)
         return false;
-    *out = (int64_t)v->valuedouble;
+    double v = jdoc_num(d, t);
+    if (v < 0 || v > 1e15 || v != (double)(int64_t)v)
+        return false;
+    *out = (int64_t)v;
     return true;
 }
 
+/* The captured object, parsed on the stack (the first of duplicate keys counts). */
 static void captured(policy_usage_t *u)
 {
-    cJSON *o = cJSON_ParseWithLength(u->cap, u->clen);
+    jdoc_t d;
+    jtok_t toks[64];
+    jdoc_init_with(&d, toks, 64);
     int64_t p, c;
-    if (cJSON_IsObject(o) && number(o, "prompt_tokens", &p)) {
+    if (jdoc_parse(&d, u->cap, u->clen, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0 &&
+        number(&d, "prompt_tokens", &p)) {
         /* A usage chunk without completion_tokens (an embeddings-shaped body) counts 0. */
-        if (!number(o, "completion_tokens", &c))
+        if (!number(&d, "completion_tokens", &c))
             c = 0;
         u->found = true;
         u->prompt_tokens = p;
         u->completion_tokens = c;
     }
-    cJSON_Delete(o);
+    jdoc_free(&d);
 }
 
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
@@ -68,6 +74,25 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
                 u->st = ST_SCAN;
             }
             continue;
+        }
+        if (u->st == ST_SCAN && !u->in_str) {
+            /* Between strings only a quote starts anything: skip to it. */
+            const char *q = memchr(p + i, '"', n - i);
+            if (q == NULL)
+                return;
+            i = (size_t)(q - p);
+            ch = '"';
+        } else if (u->in_str && !u->esc && u->klen == 0xff) {
+            /* Inside a string that cannot be the key: only '\\', '"' and a newline matter. */
+            while (i < n && p[i] != '"' && p[i] != '\\' && p[i] != '\n')
+                i++;
+            if (i == n)
+                return;
+            ch = p[i];
+            if (ch == '\n') {
+                u->in_str = u->esc = false;
+                continue;
+            }
         }
         if (u->in_str) {
             if (u->esc) {

@@ -69,8 +69,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 }
 
 probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
-                                   const cfg_manifest_t *id, const char *hostport, const char *base,
-                                   const char *via, probe_canary_cb cb, void *data)
+                                   const cfg_manifest_t *id, const probe_route_t *to,
+                                   probe_canary_cb cb, void *data)
 {
     if (id == NULL)
         id = pc->manifest;
@@ -83,12 +83,13 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
     dp_buf_t body = {0};
     probe_canary_body(probe_canary_model(pc, id), can, &body);
     char target[512];
-    snprintf(target, sizeof(target), "%s/v1/completions", base ? base : "");
-    net_fetch_opts_t o = {.via = via,
+    snprintf(target, sizeof(target), "%s/v1/completions", to->base ? to->base : "");
+    net_fetch_opts_t o = {.via = to->via,
                           .method = "POST",
-                          .hostport = hostport,
+                          .hostport = to->hostport,
                           .target = target,
-                          .bearer = pc->api_key,
+                          .bearer = to->bearer,
+                          .extra_headers = to->extra_headers,
                           .body = body.base,
                           .body_len = body.len,
                           .max_bytes = PROBE_CANARY_MAX_BYTES};

@@ -27,6 +27,7 @@ struct probe_s {
     char *error[ATTEST_CHECK_MAX_REQUESTS], *detail[ATTEST_CHECK_MAX_REQUESTS];
     net_fetch_t *completion; /* the engine-fingerprint probe */
     char *known_fp;          /* probe_opts_t.known_fingerprint */
+    bool metadata_fp;        /* probe_opts_t.metadata_fingerprint */
     attest_outcome_t out;
 };
 
@@ -117,6 +118,15 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     if (--p->pending > 0)
         return;
     attest_check_read(&p->plan, p->ans, p->keys, p->require_signature, &p->out);
+    const char *named =
+        p->metadata_fp ? attest_check_metadata_fingerprint(&p->plan, &p->out) : NULL;
+    if (named && attest_check_wants_probe(&p->plan, &p->out)) {
+        char *fp = dp_xstrdup(named);
+        attest_engine_fingerprint_set(&p->out.report, fp);
+        free(fp);
+        finish(p);
+        return;
+    }
     if (attest_check_wants_probe(&p->plan, &p->out) && p->known_fp == NULL) {
         completion_start(p);
         return;
@@ -142,6 +152,7 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     p->extra = dup_or_null(o->extra_headers);
     p->model = dup_or_null(o->model);
     p->known_fp = dup_or_null(o->known_fingerprint);
+    p->metadata_fp = o->metadata_fingerprint;
     p->keys = o->keys;
     p->require_signature = o->require_signature;
     attest_check_plan(&p->plan, o->source, p->base, o->agent_path);

@@ -23,6 +23,17 @@
 
 typedef struct probe_s probe_t;
 
+/* Where one replica's requests go (directly, or through the admin relay: probe/relay.h): Host, the
+ * path prefix before the replica's own paths, the Authorization bearer, the sender's Via line and
+ * extra header lines (each NULL when unused). */
+typedef struct {
+    const char *hostport;
+    const char *base;
+    const char *bearer;
+    const char *via;
+    const char *extra_headers;
+} probe_route_t;
+
 typedef struct {
     net_upstream_t *up; /* to the agent (source agent) or to the replica; kept by the caller */
     cfg_attest_source_t source;
@@ -42,6 +53,9 @@ typedef struct {
      * no probe completion is sent and this value is the outcome's ("": unattested, the
      * caller found no slot and knows none). NULL: probe. */
     const char *known_fingerprint;
+    /* native: take the engine fingerprint from the metadata where it names one
+     * (attest_check_metadata_fingerprint) and send no probe completion then. */
+    bool metadata_fingerprint;
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it
@@ -89,12 +103,11 @@ const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id);
 void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
 /* Send the canary of accepted identity id (pc's manifest itself, or one of its "accept"
  * entries, which may carry their own; NULL means the manifest; it must have a canary) over u to
- * the replica at hostport with URL path prefix base ("" or "/prefix"), with the Via line via
- * (or none). cb runs once from the loop, unless cancelled. Nothing of pc or id is kept: a
- * reload may free them meanwhile. */
+ * the replica as route `to` says (strings used only during the call). cb runs once from the loop,
+ * unless cancelled. Nothing of pc or id is kept: a reload may free them meanwhile. */
 probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
-                                   const cfg_manifest_t *id, const char *hostport, const char *base,
-                                   const char *via, probe_canary_cb cb, void *data);
+                                   const cfg_manifest_t *id, const probe_route_t *to,
+                                   probe_canary_cb cb, void *data);
 void probe_canary_cancel(probe_canary_t *c);
 
 #endif

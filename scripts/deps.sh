@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [extra-package ...]
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libuv1-dev libcjson-dev libssl-dev libcriterion-dev
-      node-llhttp curl ca-certificates python3 python3-yaml openssl clang "$@")
+      node-llhttp curl ca-certificates python3 python3-yaml openssl clang etcd-server "$@")
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

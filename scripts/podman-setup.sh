@@ -7,11 +7,26 @@
 #     `mmdebstrap --variant=minbase bookworm` and `podman import`;
 #   - `podman kube play` builds its pause image around catatonit, which podman only recommends
 #     (and this script installs without recommends).
-# Idempotent; run as root. Exit 0 when podman is ready, else non-zero with the reason.
+#
+#   scripts/podman-setup.sh             # everything, the base image included
+#   scripts/podman-setup.sh --no-base   # podman and its config only: for an image that needs no
+#                                       # base (`make image IMAGE_FROM=host`)
+#
+# `make image` runs it (scripts/image.sh). Idempotent; run as root. Packages are installed only
+# when missing. Exit 0 when podman is ready, else non-zero with the reason.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
+base=1
+case "${1:-}" in
+  "") ;;
+  --no-base) base=0 ;;
+  *) echo "usage: podman-setup.sh [--no-base]" >&2; exit 2 ;;
+esac
+[ "$(id -u)" -eq 0 ] || { echo "podman-setup: run as root" >&2; exit 1; }
+pkgs=(podman runc catatonit)
+[ $base -eq 1 ] && pkgs+=(mmdebstrap)
 need=()
-for p in podman runc mmdebstrap catatonit; do
+for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -22,6 +37,7 @@ fi
 conf=/etc/containers/containers.conf
 if ! grep -qs '^# detproxy podman-setup' "$conf"; then
   [ -f "$conf" ] && cp "$conf" "$conf.before-detproxy"
+  install -d /etc/containers
   cat >>"$conf" <<'CONF'
 # detproxy podman-setup (scripts/podman-setup.sh): this VM's needs, see that script.
 [containers]
@@ -29,6 +45,11 @@ default_ulimits = []
 [engine]
 runtime = "runc"
 CONF
+fi
+if [ $base -eq 0 ]; then
+  podman info >/dev/null
+  echo "podman-setup: ok (no base image)" >&2
+  exit 0
 fi
 if ! podman image exists docker.io/library/debian:bookworm-slim; then
   tmp=$(mktemp -d)
@@ -38,4 +59,4 @@ if ! podman image exists docker.io/library/debian:bookworm-slim; then
   podman import "$tmp/base.tar" docker.io/library/debian:bookworm-slim >/dev/null
 fi
 podman run --rm --network none docker.io/library/debian:bookworm-slim true
-echo "podman-setup: ok"
+echo "podman-setup: ok" >&2

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
 #include "net/fetch.h"
 #include "net/resolve.h"
 #include "proxy/core/px.h"
@@ -40,9 +41,20 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
                       detail ? detail : "");
 }
 
+static void deadline_cb(uv_timer_t *t)
+{
+    px_fetch_t *w = t->data;
+    w->timed_out = true;
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+    (void)h;
+}
+
 int px_fetch(px_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t port, net_tls_ctx_t *tls,
              const char *server_name, const char *hostport, const char *method, const char *target,
-             const char *bearer, const char *body, size_t len)
+             const char *bearer, const char *extra_headers, const char *body, size_t len)
 {
     struct sockaddr_storage ss;
     if (!net_resolve(host, port, &ss)) {
@@ -63,13 +75,36 @@ int px_fetch(px_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t port, n
                           .hostport = hostport,
                           .target = target,
                           .bearer = bearer,
+                          .extra_headers = extra_headers,
                           .body = body,
                           .body_len = len,
                           .max_bytes = PX_FETCH_MAX_BODY};
     w->done = false;
-    net_fetch(u, &o, fetched, w);
-    while (!w->done)
+    w->timed_out = false;
+    uint64_t now = dp_now_ns();
+    if (w->deadline_ns && now >= w->deadline_ns) {
+        net_upstream_free(u);
+        dp_buf_reset(&w->err);
+        dp_buf_appends(&w->err, "deadline: --timeout passed");
+        return 0;
+    }
+    uv_timer_t timer;
+    uv_timer_init(&w->loop, &timer);
+    timer.data = w;
+    if (w->deadline_ns)
+        uv_timer_start(&timer, deadline_cb, (w->deadline_ns - now) / 1000000 + 1, 0);
+    net_fetch_t *f = net_fetch(u, &o, fetched, w);
+    while (!w->done && !w->timed_out)
         uv_run(&w->loop, UV_RUN_ONCE);
+    if (!w->done) {
+        net_fetch_cancel(f);
+        w->status = 0;
+        dp_buf_reset(&w->body);
+        dp_buf_reset(&w->err);
+        dp_buf_appends(&w->err, "deadline: --timeout passed");
+    }
+    uv_close((uv_handle_t *)&timer, timer_closed);
+    uv_run(&w->loop, UV_RUN_NOWAIT);
     net_upstream_free(u);
     uv_run(&w->loop, UV_RUN_NOWAIT);
     return w->status;
@@ -111,21 +146,75 @@ int px_fetch_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg
     return 0;
 }
 
+void px_fetch_escape(const char *s, size_t n, dp_buf_t *out)
+{
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == 0x7f) {
+            char e[4] = {'\\', 'x', hex[c >> 4], hex[c & 15]};
+            dp_buf_append(out, e, 4);
+        } else {
+            dp_buf_appendc(out, (char)c);
+        }
+    }
+}
+
+const char *px_fetch_safe(unsigned slot, const char *s)
+{
+    static dp_buf_t bufs[4];
+    dp_buf_t *b = &bufs[slot & 3];
+    dp_buf_reset(b);
+    if (s)
+        px_fetch_escape(s, strlen(s), b);
+    return b->base ? b->base : "";
+}
+
+static void admin_hostport(const cfg_addr_t *admin, char *hp, size_t n)
+{
+    const char *h = admin->host;
+    snprintf(hp, n, strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, (unsigned)admin->port);
+}
+
+int px_fetch_admin_post(px_fetch_t *w, const char *cmd, const cfg_t *cfg, const cfg_addr_t *admin,
+                        const char *target, const char *extra_headers, const char *body, size_t len)
+{
+    char hp[300];
+    admin_hostport(admin, hp, sizeof(hp));
+    int st = px_fetch(w, cfg, admin->host, admin->port, NULL, NULL, hp, "POST", target,
+                      cfg->admin_token, extra_headers, body, len);
+    if (st == 0) {
+        dp_buf_t e = {0};
+        px_fetch_escape(w->err.base ? w->err.base : "", w->err.len, &e);
+        fprintf(stderr, "%s: POST %s on %s: %s (is the proxy running?)\n", cmd, target, hp,
+                e.base ? e.base : "");
+        dp_buf_free(&e);
+    }
+    return st;
+}
+
 int px_fetch_admin_get(px_fetch_t *w, const char *cmd, const cfg_t *cfg, const cfg_addr_t *admin,
                        const char *target)
 {
     char hp[300];
-    const char *h = admin->host;
-    snprintf(hp, sizeof(hp), strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, (unsigned)admin->port);
-    int st =
-        px_fetch(w, cfg, h, admin->port, NULL, NULL, hp, "GET", target, cfg->admin_token, NULL, 0);
+    admin_hostport(admin, hp, sizeof(hp));
+    int st = px_fetch(w, cfg, admin->host, admin->port, NULL, NULL, hp, "GET", target,
+                      cfg->admin_token, NULL, NULL, 0);
     if (st == 200)
         return 0;
+    /* The answer is remote text: escaped, so it cannot forge a line on the terminal. */
+    dp_buf_t e = {0};
     if (st)
-        fprintf(stderr, "%s: GET %s on %s: HTTP %d %.*s\n", cmd, target, hp, st,
-                (int)(w->body.len > 300 ? 300 : w->body.len), w->body.base ? w->body.base : "");
+        px_fetch_escape(w->body.base ? w->body.base : "", w->body.len > 300 ? 300 : w->body.len,
+                        &e);
     else
-        fprintf(stderr, "%s: GET %s on %s: %.*s (is the proxy running?)\n", cmd, target, hp,
-                (int)w->err.len, w->err.base ? w->err.base : "");
+        px_fetch_escape(w->err.base ? w->err.base : "", w->err.len, &e);
+    if (st)
+        fprintf(stderr, "%s: GET %s on %s: HTTP %d %s\n", cmd, target, hp, st,
+                e.base ? e.base : "");
+    else
+        fprintf(stderr, "%s: GET %s on %s: %s (is the proxy running?)\n", cmd, target, hp,
+                e.base ? e.base : "");
+    dp_buf_free(&e);
     return -1;
 }

@@ -18,7 +18,8 @@
 
 typedef struct {
     uv_loop_t loop;
-    bool done;
+    uint64_t deadline_ns; /* dp_now_ns() past which an exchange is cut (0: none) */
+    bool done, timed_out;
     int status;    /* of the last exchange; 0 when it failed (err says why) */
     dp_buf_t body; /* its response body */
     dp_buf_t err;
@@ -29,10 +30,11 @@ void px_fetch_init(px_fetch_t *w);
 void px_fetch_free(px_fetch_t *w);
 
 /* One exchange with host:port (tls: verified as the proxy verifies its replicas; NULL for
- * plain HTTP). Returns the HTTP status, or 0 with w->err set. */
+ * plain HTTP). Returns the HTTP status, or 0 with w->err set ("deadline" once w->deadline_ns
+ * has passed: a replica dripping bytes resets every per-phase timeout, never this one). */
 int px_fetch(px_fetch_t *w, const cfg_t *cfg, const char *host, uint16_t port, net_tls_ctx_t *tls,
              const char *server_name, const char *hostport, const char *method, const char *target,
-             const char *bearer, const char *body, size_t len);
+             const char *bearer, const char *extra_headers, const char *body, size_t len);
 
 /* Load and validate the config at path; NULL after printing every error ("PATH: path: msg"). */
 cfg_t *px_fetch_config(const char *path);
@@ -41,6 +43,20 @@ cfg_t *px_fetch_config(const char *path);
  * config's admin_listen. 0, or 2 (the usage exit code) after printing why, prefixed by cmd. A
  * host in *out is a copy: release it with free(out->host) (never the config's). */
 int px_fetch_admin_addr(const char *cmd, const cfg_t *cfg, const char *flag, cfg_addr_t *out);
+
+/* POST body to target on the admin API with the config's admin token (and extra header lines,
+ * or NULL): the HTTP status (w->body holds the answer), or 0 after printing, prefixed by cmd,
+ * why it could not connect. */
+int px_fetch_admin_post(px_fetch_t *w, const char *cmd, const cfg_t *cfg, const cfg_addr_t *admin,
+                        const char *target, const char *extra_headers, const char *body,
+                        size_t len);
+
+/* Append s[0..n) to out for a terminal: control characters (ESC, CR, ...) and DEL as \xHH, so
+ * text from a replica or an admin API can neither move the cursor nor forge a line. */
+void px_fetch_escape(const char *s, size_t n, dp_buf_t *out);
+/* The same into a static buffer per call slot (0..3), for printf: valid until that slot is
+ * used again. NULL prints as "". */
+const char *px_fetch_safe(unsigned slot, const char *s);
 
 /* GET target from the admin API with the config's admin token. 0 on 200 (w->body holds it);
  * otherwise -1 after printing, prefixed by cmd, the status or why it could not connect. */

@@ -164,7 +164,8 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
     }
     char fp[20], fwd[65];
     cfg_manifest_fingerprint(pool->manifest, fp);
-    dp_sha256_hex(res.body.base, res.body.len, fwd);
+    dp_iovec_t sent = policy_body(r, &res);
+    dp_sha256_hex(sent.base, sent.len, fwd);
     dp_buf_t out = {0};
     dp_jw_t w;
     dp_jw_init(&w, &out);
@@ -181,7 +182,7 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
     dp_jw_bool(&w, "seed_derived", res.seed_derived);
     dp_jw_bool(&w, "rewritten", res.rewritten);
     /* The body is valid JSON (policy wrote or validated it): embed it as it would be sent. */
-    dp_jw_raw(&w, "body", res.body.base, res.body.len);
+    dp_jw_raw(&w, "body", sent.base, sent.len);
     dp_jw_bool(&w, "audited", t->audit);
     /* The line the proxy would append for an audited tenant. Replica, status and response
      * hash are the replica's to give: null here, and status as a success would have it. */

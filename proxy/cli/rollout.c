@@ -1,7 +1,10 @@
-/* `detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]` (docs/rollouts.md):
- * the running proxy's GET /admin/rollouts as a table, or as it is with --json. Exit 1 when any
- * candidate (or any tenant's samples of one) diverges, so a CD pipeline can gate a rollout on
- * it; 0 otherwise; 2 usage; 3 when the admin API cannot be read. */
+/* `detproxy rollout report -c CONFIG [--pool P] [--candidate C] [--fleet] [--json]
+ * [--admin HOST:PORT]` (docs/rollouts.md): the running proxy's GET /admin/rollouts as a table,
+ * or as JSON; --fleet: its "fleet" member instead (the fleet's pooled verdicts, docs/fleet.md).
+ * Exit 1 when a candidate (or any tenant's samples of one) diverges, so a CD pipeline can gate a
+ * rollout on it (--candidate: that one only); 0 otherwise; 2 usage; 3 when the admin API cannot be
+ * read or its answer is not the admin API's. Only pools and candidates the config names are shown
+ * or judged, and every string of the answer is escaped for the terminal. */
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -19,8 +22,8 @@
 #define CMD "detproxy rollout report"
 
 typedef struct {
-    const char *config, *pool, *admin;
-    bool json;
+    const char *config, *pool, *candidate, *admin;
+    bool json, fleet;
 } rollout_opts_t;
 
 static const dp_arg_t rollout_table[] = {
@@ -36,6 +39,15 @@ static const dp_arg_t rollout_table[] = {
      .off = offsetof(rollout_opts_t, pool),
      .meta = "P",
      .help = "only the candidates of baseline pool P"},
+    {.name = "--candidate",
+     .kind = DP_ARG_STR,
+     .off = offsetof(rollout_opts_t, candidate),
+     .meta = "C",
+     .help = "only candidate pool C (the exit code gates it alone)"},
+    {.name = "--fleet",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(rollout_opts_t, fleet),
+     .help = "the fleet's verdicts (samples pooled over its members) instead of this instance's"},
     {.name = "--json",
      .kind = DP_ARG_FLAG,
      .off = offsetof(rollout_opts_t, json),
@@ -49,7 +61,8 @@ static const dp_arg_t rollout_table[] = {
 
 static const dp_args_t rollout_spec = {
     .prog = CMD,
-    .usage = "detproxy rollout report -c CONFIG [--pool P] [--json] [--admin HOST:PORT]",
+    .usage = "detproxy rollout report -c CONFIG [--pool P] [--candidate C] [--fleet]\n"
+             "                               [--json] [--admin HOST:PORT]",
     .about = "Candidate pools (a pool's \"candidates\") judged against the baseline pool's own\n"
              "noise, read from the running proxy's GET /admin/rollouts: per candidate and per\n"
              "tenant, samples, exact-match rate, mean similarity, median divergence offset and\n"
@@ -57,8 +70,9 @@ static const dp_args_t rollout_spec = {
              "(docs/rollouts.md).",
     .opts = rollout_table,
     .nopts = DP_ARRAY_SIZE(rollout_table),
-    .epilog = "Exit codes: 0 no candidate diverges, 1 one does, 2 usage error, 3 the admin API\n"
-              "could not be read.",
+    .epilog = "Exit codes: 0 no candidate diverges (--candidate: that one does not), 1 one\n"
+              "does, 2 usage error, 3 the admin API could not be read or did not answer with\n"
+              "a rollouts array (--fleet: the proxy is in no fleet).",
 };
 
 static const char *str(const cJSON *o, const char *k)
@@ -98,13 +112,14 @@ static void row(const char *pool, const char *label, const cJSON *o, const cJSON
         snprintf(nz, sizeof(nz), noise ? "unknown" : "");
     }
     const char *v = str(o, "verdict");
-    printf("%-16s %-22s %-18s %7.0f %7s %10s %10s  %s\n", pool, label, v ? v : "?",
-           num(o, "samples"), exact, sim, off, nz);
+    printf("%-16s %-22s %-18s %7.0f %7s %10s %10s  %s\n", px_fetch_safe(0, pool),
+           px_fetch_safe(1, label), v ? px_fetch_safe(2, v) : "?", num(o, "samples"), exact, sim,
+           off, px_fetch_safe(3, nz));
     const cJSON *it;
     cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(o, "reasons"))
     {
         if (cJSON_IsString(it))
-            printf("%-16s   - %s\n", "", it->valuestring);
+            printf("%-16s   - %s\n", "", px_fetch_safe(0, it->valuestring));
     }
     const cJSON *ex = cJSON_GetObjectItemCaseSensitive(o, "example_request_ids");
     if (v && strcmp(v, "diverges") == 0 && cJSON_GetArraySize(ex) > 0) {
@@ -112,17 +127,40 @@ static void row(const char *pool, const char *label, const cJSON *o, const cJSON
         cJSON_ArrayForEach(it, ex)
         {
             if (cJSON_IsString(it))
-                printf(" %s", it->valuestring);
+                printf(" %s", px_fetch_safe(0, it->valuestring));
         }
         putchar('\n');
     }
 }
 
-static void table(const cJSON *doc, const char *only)
+/* A rollout the config has: baseline and candidate both pools of the config, the candidate
+ * among the baseline's candidates, and the one asked for (--candidate). Anything else in the
+ * answer is not shown and gates nothing. */
+static bool wanted(const cfg_t *cfg, const cJSON *r, const char *cand_only)
+{
+    const char *pool = str(r, "pool"), *cand = str(r, "candidate");
+    if (!pool || !cand || (cand_only && strcmp(cand, cand_only) != 0))
+        return false;
+    const cfg_pool_t *p = cfg_pool_by_name(cfg, pool);
+    if (p == NULL || cfg_pool_by_name(cfg, cand) == NULL)
+        return false;
+    for (size_t i = 0; i < p->ncandidates; i++)
+        if (strcmp(p->candidates[i].pool, cand) == 0)
+            return true;
+    return false;
+}
+
+static void table(const cfg_t *cfg, const cJSON *doc, const char *only, const char *cand_only)
 {
     const cJSON *arr = cJSON_GetObjectItemCaseSensitive(doc, "rollouts");
-    if (cJSON_GetArraySize(arr) == 0) {
-        if (only)
+    size_t shown = 0;
+    const cJSON *r;
+    cJSON_ArrayForEach(r, arr) shown += wanted(cfg, r, cand_only);
+    if (shown == 0) {
+        if (cand_only)
+            printf("candidate %s has no rollout%s%s\n", cand_only, only ? " in pool " : "",
+                   only ? only : "");
+        else if (only)
             printf("pool %s has no candidates\n", only);
         else
             printf("no pool has candidates (a pool's \"candidates\": [{\"pool\", \"rate\"}])\n");
@@ -130,28 +168,29 @@ static void table(const cJSON *doc, const char *only)
     }
     printf("%-16s %-22s %-18s %7s %7s %10s %10s  %s\n", "POOL", "CANDIDATE", "VERDICT", "SAMPLES",
            "EXACT", "SIMILARITY", "MEDIAN_OFF", "BASELINE NOISE");
-    const cJSON *r;
     cJSON_ArrayForEach(r, arr)
     {
         const char *pool = str(r, "pool"), *cand = str(r, "candidate");
-        if (!pool || !cand)
+        if (!wanted(cfg, r, cand_only))
             continue;
         row(pool, cand, r, cJSON_GetObjectItemCaseSensitive(r, "baseline_noise"));
         const cJSON *t;
         cJSON_ArrayForEach(t, cJSON_GetObjectItemCaseSensitive(r, "tenants"))
         {
             char label[160];
-            snprintf(label, sizeof(label), "  tenant %s", t->string);
+            snprintf(label, sizeof(label), "  tenant %s", t->string ? t->string : "?");
             row("", label, t, NULL);
         }
     }
 }
 
-static bool any_diverges(const cJSON *doc)
+static bool any_diverges(const cfg_t *cfg, const cJSON *doc, const char *cand_only)
 {
     const cJSON *r;
     cJSON_ArrayForEach(r, cJSON_GetObjectItemCaseSensitive(doc, "rollouts"))
     {
+        if (!wanted(cfg, r, cand_only))
+            continue;
         const char *v = str(r, "verdict");
         if (v && strcmp(v, "diverges") == 0)
             return true;
@@ -182,13 +221,18 @@ int px_cmd_rollout(int argc, char **argv)
     int r = dp_args_parse(&rollout_spec, argc - 1, argv + 1, &o);
     if (r != 0)
         return dp_args_exit(r);
-    const char *cpath = o.config, *pool = o.pool, *admin = o.admin;
+    const char *cpath = o.config, *pool = o.pool, *admin = o.admin, *cand = o.candidate;
     bool json = o.json;
     cfg_t *cfg = px_fetch_config(cpath);
     if (cfg == NULL)
         return 2;
     if (pool && cfg_pool_by_name(cfg, pool) == NULL) {
         fprintf(stderr, CMD ": --pool %s: the configuration has no pool of that name\n", pool);
+        cfg_free(cfg);
+        return 2;
+    }
+    if (cand && cfg_pool_by_name(cfg, cand) == NULL) {
+        fprintf(stderr, CMD ": --candidate %s: the configuration has no pool of that name\n", cand);
         cfg_free(cfg);
         return 2;
     }
@@ -204,17 +248,36 @@ int px_cmd_rollout(int argc, char **argv)
     px_fetch_init(&w);
     int rc = 3;
     if (px_fetch_admin_get(&w, CMD, cfg, &addr, target) == 0) {
-        cJSON *doc = cJSON_ParseWithLength(w.body.base, w.body.len);
-        if (!cJSON_IsObject(doc)) {
-            fprintf(stderr, CMD ": GET %s: the answer is not a JSON object\n", target);
+        cJSON *all = cJSON_ParseWithLength(w.body.base, w.body.len);
+        cJSON *doc = all;
+        if (o.fleet && cJSON_IsObject(all) &&
+            cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(all, "rollouts")))
+            doc = cJSON_GetObjectItemCaseSensitive(all, "fleet");
+        if (o.fleet && doc == NULL) {
+            fprintf(stderr,
+                    CMD ": --fleet: the proxy is in no fleet (its config has no fleet section)\n");
+        } else if (!cJSON_IsObject(doc) ||
+                   !cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(doc, "rollouts"))) {
+            fprintf(stderr,
+                    CMD ": GET %s: the answer is not the admin API's (no JSON object with "
+                        "a rollouts array)\n",
+                    target);
         } else {
-            if (json)
-                printf("%.*s\n", (int)w.body.len, w.body.base);
-            else
-                table(doc, pool);
-            rc = any_diverges(doc) ? 1 : 0;
+            if (json) {
+                /* Re-printed from the parse, without the rollouts the config does not have. */
+                cJSON *arr = cJSON_GetObjectItemCaseSensitive(doc, "rollouts");
+                for (int i = cJSON_GetArraySize(arr) - 1; i >= 0; i--)
+                    if (!wanted(cfg, cJSON_GetArrayItem(arr, i), cand))
+                        cJSON_DeleteItemFromArray(arr, i);
+                char *txt = cJSON_PrintUnformatted(doc);
+                printf("%s\n", txt ? txt : "{}");
+                free(txt);
+            } else {
+                table(cfg, doc, pool, cand);
+            }
+            rc = any_diverges(cfg, doc, cand) ? 1 : 0;
         }
-        cJSON_Delete(doc);
+        cJSON_Delete(all);
     }
     px_fetch_free(&w);
     free(addr.host);

@@ -6,7 +6,10 @@
 #include "common/util.h"
 #include "net/mailbox.h"
 #include "proxy/control/admin.h"
+#include "proxy/control/audit_admin.h"
+#include "proxy/control/fleet.h"
 #include "proxy/control/attest.h"
+#include "proxy/control/relay.h"
 #include "proxy/control/reload.h"
 #include "proxy/control/status.h"
 #include "proxy/core/gen.h"
@@ -58,6 +61,8 @@ static void readyz(px_t *px, net_req_t *req)
             dp_jw_str(&w, NULL, p->name);
     }
     dp_jw_arr_end(&w);
+    if (!px_audit_admin_ready(px, &w))
+        ready = false;
     if (px->draining)
         dp_jw_str(&w, "reason", "draining");
     dp_jw_str(&w, "status", ready ? "ready" : "unready");
@@ -94,6 +99,7 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
     dp_jw_bool(w, "discovered", r->discovered);
     dp_jw_bool(w, "drained", r->drained);
     dp_jw_bool(w, "serving", px_replica_serving(r));
+    dp_jw_bool(w, "unverified", atomic_load(&r->unverified));
     dp_jw_obj_end(w);
 }
 
@@ -144,6 +150,13 @@ static bool replica_admin(px_t *px, net_req_t *req)
     }
     dp_iovec_t only = {0};
     bool by_pool = net_req_query(req, "pool", &only);
+    /* ?reason=TEXT: recorded with the drain where the fleet shows it (docs/fleet.md). */
+    dp_iovec_t why = {0};
+    char reason[128];
+    if (net_req_query(req, "reason", &why) && why.len > 0)
+        snprintf(reason, sizeof(reason), "%.*s", (int)why.len, why.base);
+    else
+        snprintf(reason, sizeof(reason), "operator %s", drain ? "drain" : "enable");
     dp_buf_t b = {0};
     dp_jw_t w;
     dp_jw_init(&w, &b);
@@ -160,6 +173,7 @@ static bool replica_admin(px_t *px, net_req_t *req)
             if (strlen(r->name) != nl || memcmp(r->name, name, nl) != 0)
                 continue;
             px_replica_set_drained(r, drain);
+            px_fleet_drained(px, r, drain, reason);
             if (!drain)
                 px_admission_slot_freed(pool); /* queued requests may go to it now */
             px_admin_replica_json(&w, r);
@@ -259,6 +273,7 @@ static int extra_route(px_t *px, net_req_t *req)
         bool by_pool = net_req_query(req, "pool", &only);
         dp_buf_t b = {0};
         px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+        px_fleet_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
         net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
         dp_buf_free(&b);
         return 0;
@@ -271,9 +286,16 @@ static int extra_route(px_t *px, net_req_t *req)
         drift_reset(px, req);
         return 0;
     }
+    if (path_is(req, "/admin/fleet") && (req->method == 1 || req->method == 2)) {
+        dp_buf_t b = {0};
+        px_fleet_json(px, &b);
+        send_json(req, 200, &b);
+        return 0;
+    }
     if (path_is(req, "/admin/drift") && (req->method == 1 || req->method == 2)) {
         dp_buf_t b = {0};
         px_shadow_drift_json(px, &b);
+        px_fleet_drift_json(px, &b);
         net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
         dp_buf_free(&b);
         return 0;
@@ -325,7 +347,9 @@ static void on_complete(net_req_t *req)
         replicas(px, req);
     else if (path_is(req, "/admin/config") && get)
         config_dump(px, req);
-    else if (replica_admin(px, req))
+    else if (replica_admin(px, req) || px_relay_route(px, req))
+        return;
+    else if (px_audit_admin_route(px, req))
         return;
     else if (extra_route(px, req) == 0)
         return;
@@ -333,4 +357,5 @@ static void on_complete(net_req_t *req)
         net_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
 }
 
-const net_handler_t px_admin_handler = {.on_head = on_head, .on_complete = on_complete};
+const net_handler_t px_admin_handler = {
+    .on_head = on_head, .on_complete = on_complete, .on_abort = px_relay_abort};

@@ -24,14 +24,18 @@
 #include "common/util.h"
 #include "probe/probe.h"
 #include "proxy/control/admin.h"
+#include "proxy/control/fleet.h"
 #include "proxy/core/self.h"
 #include "net/resolve.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
+#include "proxy/data/admission.h"
 #include "proxy/data/worker.h"
 
-#define RECHECK_MIN_MS 100          /* out-of-turn re-checks: at most this often */
+#define RECHECK_MIN_MS 100 /* out-of-turn re-checks: at most this often */
+/* ... but a held replica's (clients wait for it; each is one cheap read, no probe or canary) */
+#define HOLD_RECHECK_MIN_MS 10
 #define UNREACHABLE_RECHECK_MS 1000 /* an unreachable replica is retried at least this often */
 /* Checks running at once, over all replicas: 200 discovered addresses must not become 400
  * simultaneous connections. A check over the bound waits and starts within PACE_MS or so. */
@@ -55,7 +59,8 @@ typedef struct att_s {
     net_upstream_t *up; /* to the agent, or to the replica for metadata (short timeouts) */
     probe_t *probe;     /* the check in flight */
     probe_canary_t *canary;
-    bool recheck; /* a fingerprint mismatch arrived during a check: check again */
+    probe_t *engine_read; /* after a canary mismatch: the engine's own metadata */
+    bool recheck; /* a fingerprint mismatch or a close arrived during a check: check again */
     bool checking;
     /* One of the replica's admission slots, held by the check's own request to it (the probe
      * completion, then the canary): they are requests like any other there. */
@@ -70,6 +75,17 @@ typedef struct att_s {
     attest_canary_t canary_hist;
     bool admit_on_canary; /* metadata matched; admission waits for a matching canary */
     char canary_last[65];
+    char canary_bad[65]; /* the output hash of the last mismatching canary */
+    /* Something this instance saw (a failed connection, another fingerprint on a response)
+     * wants a check here, whoever holds the replica's attestation duty in the fleet. */
+    bool local_due;
+    /* The replica was held (px_replica_t.unverified) when this check began: it is about
+     * identity (no canary on an admitted replica, no probe completion), and out of turn. */
+    bool hold_check;
+    uint64_t seq;          /* this check's number (px_replica_t.check_begun) */
+    uint64_t periodic_ms;  /* loop time the next regular check is due (0: none scheduled yet) */
+    uint32_t unreach_ms;   /* the re-check interval while unreachable after a hold (0: regular) */
+    char verdict_from[64]; /* the fleet member whose verdict is in force; "": checked here */
 } att_t;
 
 static void check_start(att_t *a);
@@ -98,11 +114,25 @@ static void count(const px_replica_t *r, const char *result)
                    1);
 }
 
+/* A check that matched the metadata and had a canary counts as what it left the replica:
+ * admitted (serving after it), or pending (waiting for its canary to match). */
+static void count_outcome(const px_replica_t *r)
+{
+    count(r, px_replica_state(r) == PX_REPLICA_ADMITTED ? "admitted" : "pending");
+}
+
 /* The pool definition currently holding this replica (the generation may have changed). */
+
 static const cfg_pool_t *pool_of(px_t *px, const px_replica_t *r)
 {
     px_pool_t *p = px_gen_pool_by_name(px->gen, r->pool_name);
     return p ? p->cfg : NULL;
+}
+
+/* The pool's signature rule; the top level's for a replica whose pool a reload removed. */
+static bool require_signature(const att_t *a, const cfg_pool_t *pc)
+{
+    return pc ? cfg_pool_require_signature(cur(a), pc) : cur(a)->attestation.require_signature;
 }
 
 static void set_state(px_replica_t *r, px_replica_state_t st, const attest_reasons_t *why)
@@ -129,10 +159,15 @@ static void schedule(att_t *a, uint64_t ms)
 
 /* Check again as soon as allowed: at most every RECHECK_MIN_MS, so a replica that keeps
  * failing connections or flapping its fingerprint cannot drive a storm of checks. */
-static void recheck_soon(att_t *a)
+static void recheck_after(att_t *a, uint64_t pace)
 {
     uint64_t since = uv_now(a->px->loop) - a->last_check_ms;
-    schedule(a, since >= RECHECK_MIN_MS ? 0 : RECHECK_MIN_MS - since);
+    schedule(a, since >= pace ? 0 : pace - since);
+}
+
+static void recheck_soon(att_t *a)
+{
+    recheck_after(a, atomic_load(&a->r->unverified) ? HOLD_RECHECK_MIN_MS : RECHECK_MIN_MS);
 }
 
 /* A slot on the replica for one of our requests to it, under its pool's
@@ -151,9 +186,37 @@ static void put_slot(att_t *a)
     if (!a->holds_slot)
         return;
     a->holds_slot = false;
-    px_replica_put_slot(a->r);
-    if (atomic_load(&a->px->queued) > 0) /* a client queued for it: its worker looks */
-        px_workers_wake(a->px);
+    px_admission_own_slot_done(a->px, a->r);
+}
+
+/* A check numbered seq has its verdict (the replica's state says it): a hold set before it
+ * began goes (core/replica.h: hold_after), and clients queued meanwhile are woken to look; a
+ * request waiting for a check begun from its number on may open its new connection. */
+static void settle(px_t *px, px_replica_t *r, uint64_t seq)
+{
+    uint64_t was = atomic_load(&r->check_settled);
+    while (was < seq && !atomic_compare_exchange_weak(&r->check_settled, &was, seq)) {
+    }
+    bool released = false;
+    if (atomic_load(&r->unverified) && seq > atomic_load(&r->hold_after)) {
+        atomic_store(&r->unverified, false);
+        /* A worker that held it meanwhile (hold_after first, then the flag) keeps its hold. */
+        if (seq <= atomic_load(&r->hold_after))
+            atomic_store(&r->unverified, true);
+        else
+            released = true;
+    }
+    /* Requests waiting with a slot on r for this verdict (data/proxy.c) look again, once the
+     * hold is gone; queued ones when it went. */
+    if (atomic_load(&px->conn_waiting) > 0 || (released && atomic_load(&px->queued) > 0))
+        px_workers_wake(px);
+}
+
+/* No check will decide (no attestation state, stopping, nothing to connect to): settled by a
+ * number of its own, so neither the hold nor a cold start waits for ever. */
+static void release_unchecked(px_t *px, px_replica_t *r)
+{
+    settle(px, r, atomic_fetch_add(&r->check_begun, 1) + 1);
 }
 
 /* Waiting for a slot: true while the wait is shorter than the attestation timeout (the caller
@@ -169,8 +232,18 @@ static bool keep_waiting(att_t *a)
     return false;
 }
 
+/* This check has its verdict (the replica's state says it): settle() by its number. Called
+ * before a canary too, which can take a generation's time and judges an admitted replica on
+ * its own; settling the same number twice is harmless. */
+static void settle_hold(att_t *a)
+{
+    if (a->seq)
+        settle(a->px, a->r, a->seq);
+}
+
 static void check_end(att_t *a)
 {
+    bool checked_here = a->checking && a->r && !a->recheck;
     if (a->r)
         put_slot(a);
     if (a->checking)
@@ -178,6 +251,11 @@ static void check_end(att_t *a)
     a->checking = false;
     if (a->r == NULL)
         return;
+    settle_hold(a);
+    if (checked_here) {
+        a->verdict_from[0] = '\0';
+        px_fleet_attested(a->px, a->r, a->have_report ? &a->report : NULL);
+    }
     if (a->recheck) {
         a->recheck = false;
         recheck_soon(a);
@@ -185,9 +263,27 @@ static void check_end(att_t *a)
     }
     /* A replica that went away usually comes back soon (restart, reschedule): look again
      * sooner than the interval so it is re-admitted, or caught as something else, quickly. */
-    uint32_t next = cur(a)->attestation.interval_ms;
-    if (a->r->state == PX_REPLICA_UNREACHABLE && next > UNREACHABLE_RECHECK_MS)
-        next = UNREACHABLE_RECHECK_MS;
+    uint64_t now = uv_now(a->px->loop), next = cur(a)->attestation.interval_ms;
+    if (a->hold_check) /* out of turn: the regular checks (and canaries) keep their beat */
+        next = a->periodic_ms > now ? a->periodic_ms - now : 0;
+    else
+        a->periodic_ms = now + next;
+    /* An engine that just went away under a hold (a restart, most often) is looked for every
+     * RECHECK_MIN_MS at first, backing off to UNREACHABLE_RECHECK_MS: a fast restart is back
+     * in service within a tenth of a second of answering. */
+    if (a->r->state == PX_REPLICA_UNREACHABLE) {
+        if (a->hold_check)
+            a->unreach_ms = RECHECK_MIN_MS;
+        else if (a->unreach_ms)
+            a->unreach_ms = a->unreach_ms * 2 < UNREACHABLE_RECHECK_MS ? a->unreach_ms * 2
+                                                                       : UNREACHABLE_RECHECK_MS;
+        uint64_t cap = a->unreach_ms ? a->unreach_ms : UNREACHABLE_RECHECK_MS;
+        if (next > cap)
+            next = cap;
+    } else {
+        a->unreach_ms = 0;
+    }
+    a->hold_check = false;
     schedule(a, next);
 }
 
@@ -200,6 +296,63 @@ static void publish_canary(att_t *a)
     a->r->canary = h->count == 0 ? PX_CANARY_UNKNOWN
                    : h->bits & 1 ? PX_CANARY_FAIL
                                  : PX_CANARY_PASS;
+}
+
+/* ---- after a canary mismatch: what the engine itself says ---------------------------------- */
+
+/* One more reason on r, in whatever state it is in now. */
+static void add_reason(px_replica_t *r, const char *reason)
+{
+    attest_reasons_t why = {0}; /* copies: px_replica_set_state frees r's own */
+    for (size_t n = 0; n < r->nreasons && n < PX_MAX_REASONS - 1; n++) {
+        if (strcmp(r->reasons[n], reason) == 0) {
+            attest_reasons_free(&why);
+            return;
+        }
+        attest_reasons_add(&why, "%s", r->reasons[n]);
+    }
+    attest_reasons_add(&why, "%s", reason);
+    set_state(r, r->state, &why);
+    attest_reasons_free(&why);
+}
+
+/* The canary says the model behaves otherwise than the identity it was attested as: the
+ * engine's own metadata (GETs only: no sequence, no slot) says what differs, or that nothing
+ * the engine reports does. The reason goes beside the canary's on /admin/replicas and the
+ * status page. */
+static void engine_read_done(attest_outcome_t *out, void *data)
+{
+    att_t *a = data;
+    a->engine_read = NULL;
+    px_replica_t *r = a->r;
+    if (out->verdict != ATTEST_V_REPORTED || !a->have_report ||
+        (r->state != PX_REPLICA_REJECTED && r->state != PX_REPLICA_PENDING))
+        return; /* no answer, or it recovered meanwhile */
+    attest_reasons_t why = {0};
+    attest_engine_reason(&a->report, &out->report, &why);
+    if (why.count)
+        add_reason(r, why.items[0]);
+    attest_reasons_free(&why);
+}
+
+static void engine_read_start(att_t *a)
+{
+    cfg_attest_source_t src = a->have_report ? attest_engine_source(&a->report) : CFG_ATTEST_NONE;
+    const cfg_pool_t *pc = pool_of(a->px, a->r);
+    /* A native source's identity is the engine's metadata already: only a signed one (the
+     * agent's) can differ from what the engine says. */
+    if (src == CFG_ATTEST_NONE || a->r->attest.source != CFG_ATTEST_AGENT || a->engine_read ||
+        a->r->up == NULL || pc == NULL)
+        return;
+    probe_opts_t o = {.up = a->r->up,
+                      .source = src,
+                      .hostport = a->r->url.hostport,
+                      .base = a->r->url.path,
+                      .bearer = pc->api_key,
+                      .via = px_self_via_line(NULL),
+                      .known_fingerprint = "", /* never a completion: metadata only */
+                      .metadata_fingerprint = true};
+    a->engine_read = probe_start(&o, engine_read_done, a);
 }
 
 static void canary_done(const probe_canary_result_t *res, void *data)
@@ -222,11 +375,14 @@ static void canary_done(const probe_canary_result_t *res, void *data)
             dp_jw_str(w, "detail", res->error);
             dp_log_end(w);
         }
+        count_outcome(r);
         check_end(a);
         return;
     }
     bool ok = res->matched;
     memcpy(a->canary_last, res->sha256, sizeof(a->canary_last));
+    if (!ok)
+        memcpy(a->canary_bad, res->sha256, sizeof(a->canary_bad));
     count(r, ok ? "canary_ok" : "canary_mismatch");
     bool rejected = attest_canary_record(&a->canary_hist, ok);
     publish_canary(a);
@@ -239,14 +395,27 @@ static void canary_done(const probe_canary_result_t *res, void *data)
         attest_canary_reason(a->canary_last, res->expected, &why);
         set_state(r, PX_REPLICA_PENDING, &why);
         attest_reasons_free(&why);
+        engine_read_start(a);
     }
+    if (rejected)
+        count(r, "rejected");
+    else
+        count_outcome(r);
     if (rejected) {
-        char why[160];
-        snprintf(why, sizeof(why),
-                 "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of "
-                 "the last 3 checks",
-                 a->canary_last, res->expected);
+        char why[200];
+        if (ok) /* recovering: this one matched, two of the last three did not */
+            snprintf(why, sizeof(why),
+                     "canary mismatch in 2 of the last 3 checks (the last mismatch: output "
+                     "sha256 %.8s.. want %.8s..; the latest check matched)",
+                     a->canary_bad, res->expected);
+        else
+            snprintf(why, sizeof(why),
+                     "canary mismatch: output sha256 %.8s.. want %.8s.. in 2 of the last 3 "
+                     "checks",
+                     a->canary_last, res->expected);
         set_state1(r, PX_REPLICA_REJECTED, why);
+        if (!ok)
+            engine_read_start(a);
     } else if (!ok) {
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "canary_mismatch");
         if (w) {
@@ -283,11 +452,15 @@ static void canary_try(att_t *a)
         return;
     }
     if (!take_slot(a)) {
-        if (keep_waiting(a)) {
+        /* Held meanwhile: clients wait behind the hold for the check that follows this one,
+         * so this canary would only wait for slots they block: skipped, not waited for. */
+        if (!atomic_load(&a->r->unverified) && keep_waiting(a)) {
             uv_timer_start(&a->timer, canary_retry_cb, SLOT_RETRY_MS, 0);
             return;
         }
+        a->slot_wait_ns = 0;
         count(a->r, "canary_skipped");
+        count_outcome(a->r);
         check_end(a);
         return;
     }
@@ -298,8 +471,11 @@ static void canary_try(att_t *a)
 static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *id)
 {
     /* The replica's own upstream: the canary takes the path client traffic takes. */
-    a->canary = probe_canary_start(a->r->up, pc, id, a->r->url.hostport, a->r->url.path,
-                                   px_self_via_line(NULL), canary_done, a);
+    const probe_route_t to = {.hostport = a->r->url.hostport,
+                              .base = a->r->url.path,
+                              .bearer = pc->api_key,
+                              .via = px_self_via_line(NULL)};
+    a->canary = probe_canary_start(a->r->up, pc, id, &to, canary_done, a);
 }
 
 /* ---- the metadata check ---------------------------------------------------------------------- */
@@ -316,7 +492,7 @@ static void decide(att_t *a, attest_outcome_t *out)
     }
     const cfg_pool_t *pc = pool_of(a->px, r);
     const cfg_manifest_t *m = pc ? pc->manifest : NULL;
-    attest_check_judge(out, m, cur(a)->attestation.require_signature);
+    attest_check_judge(out, m, require_signature(a, pc));
     const attest_report_t *rep = &out->report;
     for (int f = 0; a->have_report && f < ATTEST_F__COUNT; f++) {
         const char *was = attest_report_get(&a->report, (attest_field_t)f);
@@ -331,6 +507,8 @@ static void decide(att_t *a, attest_outcome_t *out)
     a->have_report = true;
     px_seqstr_set(&r->engine_fp, a->report.engine_fingerprint); /* for the workers' checks */
     r->last_attested_at = dp_wall_ms();
+    /* What admitted it, for the audit lines of the requests it serves from now on. */
+    px_replica_set_evidence(r, out->verdict == ATTEST_V_ADMITTED ? &out->evidence : NULL);
     if (out->verdict != ATTEST_V_ADMITTED) {
         count(r, "rejected");
         r->fingerprint[0] = '\0'; /* no accepted identity */
@@ -341,7 +519,6 @@ static void decide(att_t *a, attest_outcome_t *out)
         check_end(a);
         return;
     }
-    count(r, "admitted");
     /* The identity it matched (one of several during a rollout) gives its responses their
      * fingerprint and its canary. */
     const cfg_manifest_t *id = attest_manifest_identity(m, rep);
@@ -353,13 +530,18 @@ static void decide(att_t *a, attest_outcome_t *out)
     px_seqstr_set(&r->wfingerprint, r->fingerprint);
     /* With a canary, a replica that is not admitted yet (new, back from unreachable, or
      * rejected) is admitted only once its canary output matches too: fail closed. An admitted
-     * one stays until the 2-of-3 rule rejects it (docs/attestation.md §6). */
-    bool canary = id && id->canary && r->up;
+     * one stays until the 2-of-3 rule rejects it (docs/attestation.md §6). A check asked for by a
+     * hold leaves an admitted replica's canary to the regular checks: it is about identity, and
+     * idle replicas ask for one every few seconds. */
+    bool canary = id && id->canary && r->up && !(a->hold_check && r->state == PX_REPLICA_ADMITTED);
     a->admit_on_canary =
         canary && r->state != PX_REPLICA_ADMITTED && r->state != PX_REPLICA_QUARANTINED;
     if (!a->admit_on_canary && r->state != PX_REPLICA_QUARANTINED)
         set_state(r, PX_REPLICA_ADMITTED, NULL);
+    if (!canary)
+        count(r, "admitted"); /* with a canary, its answer decides what this check counts */
     if (canary) {
+        settle_hold(a);
         canary_try(a);
         return;
     }
@@ -394,7 +576,17 @@ static void check_start(att_t *a)
     px_replica_t *r = a->r;
     if (r == NULL || a->checking || ctx(a->px)->stopped)
         return;
-    if (ctx(a->px)->running >= MAX_CONCURRENT_CHECKS) {
+    /* In a fleet, another member may hold this replica's attestation duty: its published
+     * verdict is applied here instead (px_attest_apply_verdict). */
+    if (!a->local_due && !px_fleet_should_attest(a->px, r)) {
+        schedule(a, cur(a)->attestation.interval_ms);
+        return;
+    }
+    /* Held: clients wait for this check, so it neither queues behind other replicas' checks
+     * (each replica asks at most every HOLD_RECHECK_MIN_MS) nor waits for a slot for its
+     * probe. */
+    bool held = atomic_load(&r->unverified);
+    if (!held && ctx(a->px)->running >= MAX_CONCURRENT_CHECKS) {
         /* Jittered, so waiting checks do not all retry in the same tick. */
         uint8_t j;
         dp_random_bytes(&j, 1);
@@ -403,20 +595,24 @@ static void check_start(att_t *a)
     }
     const cfg_pool_t *pc = pool_of(a->px, r);
     /* A native source's check ends with a 1-token probe completion to the replica. Not needed
-     * when a client response carried the attested engine fingerprint during the interval; else
-     * it holds a slot like any request there, waiting for one at most timeout_ms, after which
-     * the fingerprint attested last stands for this check. */
+     * when a client response carried the attested engine fingerprint during the interval, nor
+     * for a check a hold asked for on an admitted replica (its metadata says which model the
+     * engine runs; clients wait for this check); else it holds a slot like any request there,
+     * waiting for one at most timeout_ms, after which the fingerprint attested last stands for
+     * this check. */
     const char *known = NULL;
     bool native = r->attest.source != CFG_ATTEST_AGENT && r->attest.source != CFG_ATTEST_NONE;
     if (native && a->up) {
         const char *last = a->have_report ? a->report.engine_fingerprint : NULL;
         uint64_t seen = atomic_load_explicit(&r->fp_seen_ns, memory_order_relaxed);
         uint64_t now = dp_now_ns();
-        if (last && seen && !a->must_probe && r->state == PX_REPLICA_ADMITTED &&
-            now - seen <= (uint64_t)cur(a)->attestation.interval_ms * 1000000u) {
+        bool recent = seen && now - seen <= (uint64_t)cur(a)->attestation.interval_ms * 1000000u;
+        if (last && !a->must_probe && r->state == PX_REPLICA_ADMITTED && (recent || held)) {
             known = last;
         } else if (!take_slot(a)) {
-            if (keep_waiting(a)) {
+            /* Clients queued behind a held replica wait for this check: its metadata decides
+             * then, without waiting for a slot they would have to give up first. */
+            if (!held && keep_waiting(a)) {
                 schedule(a, SLOT_RETRY_MS);
                 return;
             }
@@ -429,11 +625,21 @@ static void check_start(att_t *a)
     }
     ctx(a->px)->running++;
     a->checking = true;
+    a->local_due = false;
+    a->hold_check = held;
+    /* Every check goes over a new connection: a pooled one may still reach an engine a
+     * balancer has since switched away from, and the checks that clients' new connections
+     * wait for must see what a new connection reaches (one connect per check). */
+    if (a->up)
+        net_upstream_flush_idle(a->up);
+    a->seq = atomic_fetch_add(&r->check_begun, 1) + 1;
     a->last_check_ms = uv_now(a->px->loop);
     if (a->up == NULL) {
         /* Nothing to connect to (the host name did not resolve). */
         ctx(a->px)->running--;
         a->checking = false;
+        a->seq = 0;
+        release_unchecked(a->px, r);
         schedule(a, cur(a)->attestation.interval_ms);
         return;
     }
@@ -458,7 +664,7 @@ static void check_start(att_t *a)
                       .bearer = pc ? pc->api_key : NULL,
                       .via = px_self_via_line(NULL),
                       .keys = &ctx(a->px)->keys,
-                      .require_signature = cur(a)->attestation.require_signature,
+                      .require_signature = require_signature(a, pc),
                       .model = pc ? probe_canary_model(pc, NULL) : NULL,
                       .known_fingerprint = known};
     a->probe = probe_start(&o, checked, a);
@@ -481,6 +687,8 @@ static void att_teardown(att_t *a)
     a->r->identity_changed_ms = 0;
     probe_cancel(a->probe);
     a->probe = NULL;
+    probe_cancel(a->engine_read);
+    a->engine_read = NULL;
     if (a->canary) {
         probe_canary_cancel(a->canary);
         a->canary = NULL;
@@ -489,8 +697,10 @@ static void att_teardown(att_t *a)
         net_upstream_free(a->up);
         a->up = NULL;
     }
-    if (a->r)
+    if (a->r) {
         a->r->attest_state = NULL;
+        release_unchecked(a->px, a->r);
+    }
     a->r = NULL;
     if (a->checking && ctx(a->px))
         ctx(a->px)->running--;
@@ -550,9 +760,12 @@ static void load_keys(px_t *px)
     }
 }
 
+static bool apply_verdict(px_replica_t *r, const px_fleet_verdict_t *v);
+
 void px_attest_start(px_t *px)
 {
     px->attest = dp_xcalloc(1, sizeof(att_ctx_t));
+    px_fleet_set_verdict_sink(px, apply_verdict);
     px_attest_sync(px);
 }
 
@@ -585,18 +798,43 @@ void px_attest_stop(px_t *px)
     px->attest = NULL;
 }
 
-static void connection_failed_here(px_t *px, px_replica_t *r, bool deadmit)
+static void connection_failed_here(px_t *px, px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
-    if (a != NULL)
+    if (a != NULL) {
         a->must_probe = true;
+        a->local_due = true;
+    }
     if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
         return;
     /* A restarted replica may come back as something else: no new requests until re-admitted. */
-    if (deadmit && r->state == PX_REPLICA_ADMITTED)
+    if (r->state == PX_REPLICA_ADMITTED)
         set_state1(r, PX_REPLICA_PENDING, "re-attesting after a failed connection");
     recheck_soon(a);
+}
+
+/* The replica closed a connection, or a request needs a new one to it: it may be another engine
+ * now (a restart on the same port, or a balancer's switch, answers the next connection). It stays
+ * unverified, taking no new requests, until a check that begins after this one has its verdict;
+ * the check starts at once (or after the one in flight, whose answer may predate the restart
+ * and so admits nothing). A keep-alive timeout looks the same from here, so an idle replica
+ * costs a check per close it makes and one when traffic comes back. */
+static void hold_here(px_t *px, px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
+    att_t *a = r->attest_state;
+    if (a == NULL || r->attest.source == CFG_ATTEST_NONE || ctx(px) == NULL || ctx(px)->stopped) {
+        release_unchecked(px, r); /* nothing here would ever re-check it */
+        return;
+    }
+    a->local_due = true;
+    /* Held even if a check that began before this event released it meanwhile. */
+    atomic_store(&r->unverified, true);
+    if (a->checking)
+        a->recheck = true;
+    else
+        recheck_soon(a);
 }
 
 /* The control thread's half: out of service and re-attested, once per change. */
@@ -608,6 +846,7 @@ static void mismatch_here(px_t *px, px_replica_t *r, const char *seen)
         strcmp(seen, a->report.engine_fingerprint) == 0)
         return; /* re-attested in the meantime */
     a->must_probe = true;
+    a->local_due = true;
     if (r->state != PX_REPLICA_ADMITTED)
         return; /* already out of service, or already being re-attested */
     dp_buf_t why = {0};
@@ -637,6 +876,7 @@ void px_attest_replica_json(dp_jw_t *w, const px_replica_t *r)
     const att_t *a = r->attest_state;
     dp_jw_obj_begin(w, "attestation");
     dp_jw_str(w, "source", cfg_attest_source_names[r->attest.source]);
+    dp_jw_str(w, "verdict_from", a && a->verdict_from[0] ? a->verdict_from : NULL);
     if (a && a->have_report) {
         attest_report_write_json(&a->report, w, "report");
     } else {
@@ -656,13 +896,50 @@ void px_attest_on_event(px_t *px, const px_event_t *ev)
 {
     switch (ev->kind) {
     case PX_EVENT_CONNECT_FAILED:
-        connection_failed_here(px, ev->r, true);
+        connection_failed_here(px, ev->r);
         break;
-    case PX_EVENT_CONNECTION_LOST:
-        connection_failed_here(px, ev->r, false);
+    case PX_EVENT_PEER_CLOSED:
+    case PX_EVENT_NEW_CONNECTION:
+        hold_here(px, ev->r);
         break;
     case PX_EVENT_FINGERPRINT:
         mismatch_here(px, ev->r, ev->seen);
         break;
     }
+}
+
+/* The fleet's verdict sink (px_fleet_set_verdict_sink). */
+static bool apply_verdict(px_replica_t *r, const px_fleet_verdict_t *v)
+{
+    PX_ASSERT_CONTROL();
+    att_t *a = r->attest_state;
+    /* A check of our own in flight or due decides instead. */
+    if (a == NULL || a->checking || a->local_due || ctx(a->px) == NULL || ctx(a->px)->stopped)
+        return false;
+    for (int f = 0; a->have_report && f < ATTEST_F__COUNT; f++) {
+        const char *was = attest_report_get(&a->report, (attest_field_t)f);
+        const char *now = v->report ? attest_report_get(v->report, (attest_field_t)f) : NULL;
+        if (was == NULL ? now != NULL : now == NULL || strcmp(was, now) != 0) {
+            r->identity_changed_ms = dp_wall_ms();
+            break;
+        }
+    }
+    attest_report_clear(&a->report);
+    a->have_report = v->report != NULL;
+    if (v->report)
+        attest_report_copy(&a->report, v->report);
+    /* Responses here are still compared with the attested engine fingerprint. */
+    px_seqstr_set(&r->engine_fp, a->have_report ? a->report.engine_fingerprint : "");
+    r->last_attested_at = v->at_ms;
+    snprintf(r->fingerprint, sizeof(r->fingerprint), "%s",
+             v->state == PX_REPLICA_ADMITTED && v->fingerprint ? v->fingerprint : "");
+    px_seqstr_set(&r->wfingerprint, r->fingerprint);
+    px_replica_set_evidence(r, v->state == PX_REPLICA_ADMITTED ? v->evidence : NULL);
+    r->canary = v->canary;
+    snprintf(a->verdict_from, sizeof(a->verdict_from), "%s", v->origin);
+    /* A quarantine is the fleet's drift verdict, lifted on its own (fleet.c). */
+    if (r->state != PX_REPLICA_QUARANTINED)
+        px_replica_set_state(r, v->state, v->reasons);
+    count(r, "fleet_verdict");
+    return true;
 }

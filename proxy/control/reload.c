@@ -76,11 +76,11 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         if (px->audit && cfg->log.audit_path)
             px_audit_reopen(px->audit, cfg->log.audit_path);
         else if (cfg->log.audit_path)
-            px->audit = px_audit_open(px->loop, cfg->log.audit_path);
+            px->audit = px_audit_open(px->loop, cfg->log.audit_path, NULL);
     }
     if (px->audit && cfg->log.audit_path)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
-                           cfg->log.audit_checkpoint_lines);
+                           cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);
     px_discovery_sync(px);
     px_workers_publish(px);
     px_attest_sync(px);

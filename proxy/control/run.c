@@ -1,10 +1,14 @@
 /* `detproxy run`: load the config, start the listeners, serve until SIGTERM/SIGINT drains. */
+#include <errno.h>
+#include <netdb.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "common/args.h"
 #include "common/log.h"
@@ -16,6 +20,7 @@
 #include "proxy/control/admin.h"
 #include "proxy/control/attest.h"
 #include "proxy/control/discovery.h"
+#include "proxy/control/fleet.h"
 #include "proxy/control/reload.h"
 #include "proxy/control/status.h"
 #include "proxy/core/gen.h"
@@ -70,6 +75,7 @@ static void admin_closed(void *data)
 static void finish_shutdown(px_t *px)
 {
     px_discovery_stop(px);
+    px_fleet_stop(px);
     px_attest_stop(px);
     px_shadow_stop(px);
     px_otel_stop(px);
@@ -184,12 +190,51 @@ static int listen_on(net_server_t *s, const cfg_addr_t *a, const char *what)
     return r;
 }
 
-/* px->replica_hooks.changed: the status page's history, and the drift windows a replica back
- * in service starts again. */
+/* Whether something already listens on a: a bind without SO_REUSEPORT (SO_REUSEADDR only, so
+ * TIME_WAIT connections of a previous run do not count) fails exactly when a socket is bound
+ * there. The listeners themselves use SO_REUSEPORT, which would let a second `detproxy run` on
+ * the same config share the port silently and take half the traffic. Port 0: nothing to
+ * check. 0 free; -1 taken (logged, naming the address). */
+static int port_taken(const cfg_addr_t *a, const char *what)
+{
+    if (a->port == 0)
+        return 0;
+    char port[8];
+    snprintf(port, sizeof(port), "%u", (unsigned)a->port);
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(a->host, port, &hints, &res) != 0 || res == NULL)
+        return 0; /* the listener itself reports an address that does not resolve */
+    int taken = 0;
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 && errno == EADDRINUSE)
+            taken = -1;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    if (taken) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "listen_failed");
+        if (w) {
+            dp_jw_str(w, "listener", what);
+            dp_jw_str(w, "host", a->host);
+            dp_jw_uint(w, "port", a->port);
+            dp_jw_str(w, "error", "address already in use (another detproxy on this config?)");
+            dp_log_end(w);
+        }
+    }
+    return taken;
+}
+
+/* px->replica_hooks.changed: the status page's history, the drift windows a replica back in
+ * service starts again, and the fleet (a quarantine decided here). */
 static void replica_changed(const px_replica_t *r, px_replica_state_t from)
 {
     px_status_note_change(r, from);
     px_shadow_replica_changed(r, from);
+    px_fleet_replica_changed(r, from);
 }
 
 int px_cmd_run(int argc, char **argv)
@@ -230,12 +275,23 @@ int px_cmd_run(int argc, char **argv)
     px.on_event = px_attest_on_event;
     px.gen = px_gen_new(&px, cfg, NULL);
     px.gen->published = true; /* the workers start with it */
-    if (cfg->log.audit_path) {
-        px.audit = px_audit_open(px.loop, cfg->log.audit_path);
-        px_audit_configure(px.audit, cfg->log.audit_store, cfg->log.audit_signing_key,
-                           cfg->log.audit_checkpoint_lines);
-    }
     px_shadow_init(&px);
+    if (cfg->log.audit_path) {
+        /* One writer per audit trail: a second instance exits here, before it binds a port or
+         * writes a byte (the lock's holder is named in the audit_locked line). */
+        px.audit = px_audit_open(px.loop, cfg->log.audit_path, NULL);
+        if (px.audit == NULL ||
+            px_audit_configure(px.audit, cfg->log.audit_store, cfg->log.audit_signing_key,
+                               cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open) == -2) {
+            run_end(&px);
+            return 3;
+        }
+    }
+    /* Nothing is bound yet: a second instance on this config stops here. */
+    if (port_taken(&cfg->listen, "client") != 0 || port_taken(&cfg->admin_listen, "admin") != 0) {
+        run_end(&px);
+        return 3;
+    }
     px_self_via_line(NULL); /* drawn once, here: the workers only read it */
     if (px_reload_tls(&px) != 0) {
         run_end(&px);
@@ -265,6 +321,7 @@ int px_cmd_run(int argc, char **argv)
     }
     uv_timer_init(px.loop, &px.drain_timer);
     px.drain_timer.data = &px;
+    px_fleet_start(&px);
     px_attest_start(&px);
     px_discovery_sync(&px);
     px_workers_publish(&px); /* discovery may have added replicas */

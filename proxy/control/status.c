@@ -19,6 +19,7 @@
 #include "drift/drift.h"
 #include "drift/rollout.h"
 #include "proxy/control/attest.h"
+#include "proxy/control/fleet.h"
 #include "proxy/data/shadow.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
@@ -129,12 +130,49 @@ static void when(dp_buf_t *b, uint64_t wall_ms)
     esc(b, ts);
 }
 
+/* A long hex value (a checkpoint hash, a digest: 64 characters) would set its column's width
+ * alone, and the identity table has one column per replica: it is shown as its first 12 and
+ * last 4 characters, the whole value in the title attribute (the browser shows it on hover) and
+ * in data-full. Shorter values and other text are shown whole and wrap where they must. */
+#define PX_STATUS_SHORT_MIN 24
+#define PX_STATUS_SHORT_HEAD 12
+#define PX_STATUS_SHORT_TAIL 4
+
+static bool long_hex(const char *s)
+{
+    size_t n = strlen(s);
+    if (n < PX_STATUS_SHORT_MIN)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f') ||
+              (s[i] >= 'A' && s[i] <= 'F')))
+            return false;
+    return true;
+}
+
+static void code_value(dp_buf_t *b, const char *v)
+{
+    if (!long_hex(v)) {
+        tag_text(b, "<code>", v, "</code>");
+        return;
+    }
+    size_t n = strlen(v);
+    /* Hex only: nothing to escape. */
+    dp_buf_printf(b, "<code class=\"short\" title=\"%s\" data-full=\"%s\">%.*s&hellip;%s</code>", v,
+                  v, PX_STATUS_SHORT_HEAD, v, v + n - PX_STATUS_SHORT_TAIL);
+}
+
 static const char STYLE[] =
     "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}"
     "h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.2em;margin:1.4em 0 .4em}"
     "h3{font-size:1em;margin:1em 0 .3em}"
     "table{border-collapse:collapse;margin:.3em 0;background:#fff}"
     "th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}"
+    /* What replicas report may be one long word (a hash in a reason, a version string): it
+     * breaks anywhere rather than widen the page; the page's own words never break. */
+    "li.reason,td.reason,span.reason,table.identity td code{overflow-wrap:anywhere}"
+    ".state{white-space:nowrap}code.short{white-space:nowrap;cursor:help;border-bottom:1px dotted "
+    "#999}"
     "th{background:#eee}code{font-size:.95em}.muted{color:#777}"
     ".state{font-weight:600;padding:0 .4em;border-radius:3px}"
     ".state-admitted{background:#d4f4d4}.state-pending{background:#eee}"
@@ -206,9 +244,11 @@ static void identity_table(dp_buf_t *b, const px_pool_t *p)
         esc(b, attest_field_names[f]);
         dp_buf_appends(b, "\">");
         tag_text(b, "<th>", attest_field_names[f], "</th>");
-        if (want)
-            tag_text(b, "<td class=\"manifest\"><code>", want, "</code></td>");
-        else
+        if (want) {
+            dp_buf_appends(b, "<td class=\"manifest\">");
+            code_value(b, want);
+            dp_buf_appends(b, "</td>");
+        } else
             dp_buf_appends(b, "<td class=\"manifest muted\">not pinned</td>");
         for (size_t k = 0; k < p->nreplicas; k++) {
             const px_replica_t *r = p->replicas[k];
@@ -219,7 +259,7 @@ static void identity_table(dp_buf_t *b, const px_pool_t *p)
             esc(b, r->name);
             dp_buf_appends(b, "\">");
             if (got)
-                tag_text(b, "<code>", got, "</code>");
+                code_value(b, got);
             else
                 dp_buf_appends(b, rep ? "<span class=\"muted\">not reported</span>"
                                       : "<span class=\"muted\">no report</span>");
@@ -303,7 +343,7 @@ static void candidates_section(dp_buf_t *b, px_t *px, const px_pool_t *p)
             dp_buf_printf(b, "<td>%.3f</td>", v.candidate.exact_match_rate);
         else
             dp_buf_appends(b, "<td class=\"muted\">-</td>");
-        tag_text(b, "<td>", v.nreasons ? v.reasons[0] : "", "</td></tr>");
+        tag_text(b, "<td class=\"reason\">", v.nreasons ? v.reasons[0] : "", "</td></tr>");
     }
     dp_buf_appends(b, "</table>");
 }
@@ -378,7 +418,7 @@ static void recent_changes(dp_buf_t *b)
         dp_buf_printf(b, "<td>%s</td><td><span class=\"state state-%s\">%s</span></td>",
                       px_replica_state_names[c->from], px_replica_state_names[c->to],
                       px_replica_state_names[c->to]);
-        tag_text(b, "<td>", c->reason, "</td></tr>");
+        tag_text(b, "<td class=\"reason\">", c->reason, "</td></tr>");
     }
     if (n == 0)
         dp_buf_appends(b, "<tr><td colspan=\"6\" class=\"muted\">none yet</td></tr>");
@@ -395,7 +435,8 @@ void px_status_page(px_t *px, net_req_t *req)
         &b,
         "<h1>detproxy</h1><p class=\"muted\">%s &middot; up %llu s &middot; "
         "refreshes every %d s &middot; JSON: <code>/admin/replicas</code>, "
-        "<code>/admin/drift</code>, <code>/admin/rollouts</code>, <code>/metrics</code></p>\n",
+        "<code>/admin/drift</code>, <code>/admin/rollouts</code>, <code>/admin/fleet</code>, "
+        "<code>/metrics</code></p>\n",
         now, (unsigned long long)((dp_wall_ms() - px->started_ms) / 1000), PX_STATUS_REFRESH_S);
     for (size_t i = 0; i < px->gen->npools; i++) {
         const px_pool_t *p = &px->gen->pools[i];
@@ -414,6 +455,12 @@ void px_status_page(px_t *px, net_req_t *req)
         drift_section(&b, px, p);
         candidates_section(&b, px, p);
         dp_buf_appends(&b, "</section>\n");
+    }
+    if (px_fleet_enabled(px)) {
+        dp_buf_t fl = {0};
+        px_fleet_summary(px, &fl);
+        tag_text(&b, "<h2>Fleet</h2><p id=\"fleet\">", fl.base, "</p>\n");
+        dp_buf_free(&fl);
     }
     quarantines(&b, px);
     recent_changes(&b);

@@ -38,6 +38,22 @@ static bool before(uint64_t sa, uint64_t ida, uint64_t sb, uint64_t idb)
 
 /* One pass, O(n): the order is never materialised, since the first usable replica under its
  * bound is simply the best-scoring one among them. */
+size_t px_affinity_home(uint64_t key, const px_affinity_cand_t *c, size_t n)
+{
+    size_t top = n;
+    uint64_t s_top = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!c[i].member)
+            continue;
+        uint64_t s = px_affinity_score(key, c[i].id);
+        if (top == n || before(s, c[i].id, s_top, c[top].id)) {
+            top = i;
+            s_top = s;
+        }
+    }
+    return top;
+}
+
 size_t px_affinity_choose(uint64_t key, const px_affinity_cand_t *c, size_t n, double load_factor,
                           px_affinity_result_t *result)
 {
@@ -49,16 +65,12 @@ size_t px_affinity_choose(uint64_t key, const px_affinity_cand_t *c, size_t n, d
             members++;
         }
     }
-    size_t top = n, under = n, any = n;
-    uint64_t s_top = 0, s_under = 0, s_any = 0;
+    size_t top = px_affinity_home(key, c, n), under = n, any = n;
+    uint64_t s_under = 0, s_any = 0;
     for (size_t i = 0; i < n; i++) {
         if (!c[i].member)
             continue;
         uint64_t s = px_affinity_score(key, c[i].id);
-        if (top == n || before(s, c[i].id, s_top, c[top].id)) {
-            top = i;
-            s_top = s;
-        }
         if (!c[i].usable)
             continue;
         if (any == n || before(s, c[i].id, s_any, c[any].id)) {

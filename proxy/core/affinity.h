@@ -61,5 +61,7 @@ typedef struct {
  * otherwise. */
 size_t px_affinity_choose(uint64_t key, const px_affinity_cand_t *c, size_t n, double load_factor,
                           px_affinity_result_t *result);
+/* The key's home: the first member in its order, usable or not (n when there is none). */
+size_t px_affinity_home(uint64_t key, const px_affinity_cand_t *c, size_t n);
 
 #endif

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "common/util.h"
+#include "net/client.h"
 #include "proxy/core/px.h"
 
 typedef struct {
@@ -26,10 +27,24 @@ static void event_posted(net_mb_node_t *n)
     free(m);
 }
 
+/* Hold r (unverified) until a check that begins from now on has its verdict: hold_after rises
+ * to the number of the latest check begun (never falls: another thread may have held it for a
+ * later one), then the flag is set. */
+static void hold_replica(px_replica_t *r)
+{
+    uint64_t begun = atomic_load(&r->check_begun), was = atomic_load(&r->hold_after);
+    while (was < begun && !atomic_compare_exchange_weak(&r->hold_after, &was, begun)) {
+    }
+    atomic_store(&r->unverified, true);
+}
+
 void px_event_post(px_t *px, const px_event_t *ev)
 {
     if (px->on_event == NULL)
         return;
+    bool hold = ev->kind == PX_EVENT_PEER_CLOSED || ev->kind == PX_EVENT_NEW_CONNECTION;
+    if (hold)
+        hold_replica(ev->r);
     if (px_thread_on_control()) {
         px->on_event(px, ev);
         return;
@@ -41,13 +56,63 @@ void px_event_post(px_t *px, const px_event_t *ev)
     px_replica_ref(ev->r);
     if (ev->seen)
         snprintf(m->seen, sizeof(m->seen), "%s", ev->seen);
-    m->suspect = ev->kind != PX_EVENT_CONNECTION_LOST;
+    m->suspect = !hold;
     if (m->suspect)
         atomic_store_explicit(&ev->r->suspect, true, memory_order_release);
+    /* Not posted: a hold stays (fail closed) until the next regular check's verdict lifts it. */
     if (!px_thread_try_post_control(px, &m->node, event_posted)) {
         if (m->suspect)
             atomic_store_explicit(&ev->r->suspect, false, memory_order_release);
         px_replica_unref(m->r);
         free(m);
     }
+}
+
+bool px_event_err_holds(int net_up_err)
+{
+    switch ((net_up_err_t)net_up_err) {
+    case NET_UP_SEND:
+    case NET_UP_REUSED_CLOSED:
+    case NET_UP_CLOSED:
+    case NET_UP_TRUNCATED:
+        return true;
+    default:
+        return false;
+    }
+}
+
+void px_event_upstream_failed(px_t *px, px_replica_t *r, int net_up_err)
+{
+    if (net_up_err == NET_UP_CONNECT)
+        px_event_post(px, &(px_event_t){.kind = PX_EVENT_CONNECT_FAILED, .r = r});
+    else if (px_event_err_holds(net_up_err))
+        px_event_post(px, &(px_event_t){.kind = PX_EVENT_PEER_CLOSED, .r = r});
+}
+
+static void idle_closed(void *data)
+{
+    px_replica_t *r = data;
+    px_event_post(r->px, &(px_event_t){.kind = PX_EVENT_PEER_CLOSED, .r = r});
+}
+
+void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)
+{
+    net_upstream_on_idle_close(u, idle_closed, r);
+}
+
+bool px_event_new_connection(px_t *px, px_replica_t *r, net_upstream_t *u, uint64_t *want)
+{
+    if (u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0)
+        return true;
+    if (*want && atomic_load(&r->check_settled) >= *want) {
+        if (!atomic_load(&r->unverified))
+            return true;
+        *want = 0; /* held again since (another close): the check after that one decides */
+    }
+    if (*want == 0)
+        *want = atomic_load(&r->check_begun) + 1;
+    /* Asked for (again, if a full mailbox dropped the first ask). */
+    if (!atomic_load(&r->unverified))
+        px_event_post(px, &(px_event_t){.kind = PX_EVENT_NEW_CONNECTION, .r = r});
+    return false;
 }

@@ -9,8 +9,15 @@
 typedef enum {
     /* A connect was refused or timed out: no new requests until it is attested again. */
     PX_EVENT_CONNECT_FAILED,
-    /* A connection closed under a request: attest it again soon. */
-    PX_EVENT_CONNECTION_LOST,
+    /* The replica closed a connection (a pooled idle one, or one under a request): its engine
+     * may have restarted as something else. It takes no new requests (they queue) until a
+     * check that began after this has said what it is (px_replica_t.unverified). */
+    PX_EVENT_PEER_CLOSED,
+    /* A request needs a new connection to the replica (none pooled is free): the engine that
+     * answers it may have replaced the one attested (a restart, a switch behind a balancer).
+     * Held as for PX_EVENT_PEER_CLOSED; the request waits for the check
+     * (px_event_new_connection). */
+    PX_EVENT_NEW_CONNECTION,
     /* A response carried another engine fingerprint than the one attested. */
     PX_EVENT_FINGERPRINT,
 } px_event_kind_t;
@@ -25,8 +32,31 @@ typedef void (*px_event_cb)(px_t *px, const px_event_t *ev);
 
 /* Tell the control plane: at once on the control thread, else through its mailbox. A replica
  * that failed a connect or changed fingerprint is suspect (no worker picks it) until the event
- * is handled. Dropped when the control thread is far behind: the next request that sees the
- * same tells it again. Nothing happens while no handler is set. */
+ * is handled; one that closed a connection is unverified until re-checked. Dropped when the
+ * control thread is far behind: the next request that sees the same tells it again. Nothing
+ * happens while no handler is set. */
 void px_event_post(px_t *px, const px_event_t *ev);
+
+/* What a failed exchange with r says (net_up_err_t): a refused or timed-out connect says the
+ * replica is gone (out of service until re-admitted); a connection it closed or reset says it
+ * may have restarted (held until re-checked; the keep-alive race is routine with vLLM's 5 s
+ * keep-alive, so that costs a check, not the replica's place). Our own timeouts say nothing of
+ * its identity. */
+void px_event_upstream_failed(px_t *px, px_replica_t *r, int net_up_err);
+/* Does a failed exchange with this error hold its replica (PX_EVENT_PEER_CLOSED)? */
+bool px_event_err_holds(int net_up_err);
+/* u is r's, for client requests or copies: a pooled connection r closes is posted as
+ * PX_EVENT_PEER_CLOSED. Not for attestation's own connections: their keep-alive closes would
+ * each start the next check, for ever. */
+struct net_upstream_s;
+void px_event_watch_closes(px_replica_t *r, struct net_upstream_s *u);
+/* May a request be sent to r over u, this thread's pool of connections to r, now? Yes when a
+ * pooled connection is free (every one was opened under the rule below), or r is not attested
+ * at all. Else it needs a new connection: only once a check of r begun after the request
+ * needed it has its verdict (*want, the request's, 0 at first, records which). Until then
+ * false, with r held (unverified) and that check asked for (PX_EVENT_NEW_CONNECTION); the
+ * workers are woken when it has its verdict. Requests that need connections at once share
+ * one check. */
+bool px_event_new_connection(px_t *px, px_replica_t *r, struct net_upstream_s *u, uint64_t *want);
 
 #endif

@@ -450,7 +450,8 @@ void px_metrics_declare(void)
     px_metrics_set(
         px_metrics_get("detproxy_build_info", "version", dp_version, "commit", dp_commit, NULL), 1);
     px_metrics_family("detproxy_overload_rejections_total", PX_COUNTER,
-                      "Requests refused 503 overloaded, by reason (body_budget, queue_full).");
+                      "Requests refused 503 overloaded, by reason (body_budget, queue_full), and "
+                      "request bodies shed from a full body budget (body_shed).");
     px_metrics_family("detproxy_worker_requests_total", PX_COUNTER,
                       "Client requests each worker thread took (workers).");
     px_metrics_family("detproxy_shadow_copies", PX_GAUGE,

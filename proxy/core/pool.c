@@ -38,6 +38,20 @@ bool px_pool_has_admitted(const px_pool_t *p)
     return false;
 }
 
+bool px_pool_all_drained(const px_pool_t *p)
+{
+    size_t drained = 0;
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        const px_replica_t *r = p->replicas[i];
+        if (px_replica_state(r) != PX_REPLICA_ADMITTED)
+            continue;
+        if (!atomic_load(&r->drained))
+            return false; /* admitted, not drained: out for another reason (suspect) */
+        drained++;
+    }
+    return drained > 0;
+}
+
 void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
 {
     if (p->nreplicas == 0) {

@@ -60,6 +60,8 @@ void px_pool_remove_replica(px_pool_t *p, px_replica_t *r);
 bool px_pool_has_admitted(const px_pool_t *p);
 /* Human-readable reasons why a pool has no admitted replica (for 503 and /readyz). */
 void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out);
+/* No replica serves only because operators drained every admitted one (at least one is). */
+bool px_pool_all_drained(const px_pool_t *p);
 /* This thread's detproxy_requests_total series (cached; see px_pool_slot_t). p NULL: a
  * request refused before any pool was chosen (label pool="-"). code is static. */
 px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status,

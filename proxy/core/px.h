@@ -40,6 +40,9 @@ struct px_s {
     /* Requests queued for a slot, every pool of every generation on every worker: a slot a
      * request of one generation frees may be the one a request of another waits for. */
     atomic_uint queued;
+    /* Requests holding a replica's slot while they wait for the check their new connection
+     * needs (data/proxy.c): the check's verdict wakes the workers for them too. */
+    atomic_uint conn_waiting;
     bool workers_joined; /* their loops are the control thread's to finish */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t drain_timer;
@@ -54,6 +57,7 @@ struct px_s {
     px_audit_t *audit;
     px_discovery_t *discovery;
     px_otel_ctx_t *otel;
+    px_fleet_t *fleet;         /* NULL without a fleet section */
     struct net_tls_ctx_s *tls; /* client listener's server context (NULL: plaintext) */
 };
 

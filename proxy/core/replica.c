@@ -100,6 +100,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
     PX_ASSERT_CONTROL();
     px_replica_t *r = dp_xcalloc(1, sizeof(*r));
     atomic_init(&r->refs, 1);
+    uv_mutex_init(&r->ev_lock);
     r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
     r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
     r->live_next = g_live;
@@ -284,6 +285,8 @@ static void replica_free(px_replica_t *r)
         free(r->reasons[i]);
     cfg_url_free(&r->url);
     cfg_url_free(&r->attest.url);
+    dp_buf_free(&r->evidence);
+    uv_mutex_destroy(&r->ev_lock);
     free(r->server_name);
     free(r->key);
     free(r->pool_name);
@@ -424,11 +427,60 @@ bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r)
     return atomic_load(&p->waiting) == 0 && px_replica_take_slot(p, r);
 }
 
+/* Decrement *c when it is above 0; false when it was 0. */
+static bool dec_positive(atomic_uint *c)
+{
+    unsigned v = atomic_load(c);
+    while (v > 0)
+        if (atomic_compare_exchange_weak(c, &v, v - 1))
+            return true;
+    return false;
+}
+
 void px_replica_put_slot(px_replica_t *r)
 {
+    if (dec_positive(&r->held)) { /* an operator request waits for it: it is passed on */
+        atomic_fetch_add(&r->granted, 1);
+        return;
+    }
     unsigned prev = atomic_fetch_sub(&r->inflight, 1);
     assert(prev > 0);
     (void)prev;
+}
+
+void px_replica_hold_slot(px_replica_t *r)
+{
+    atomic_fetch_add(&r->held, 1);
+}
+
+/* The caller's unit of held + granted goes away: one of the two is above 0 (units are
+ * fungible between the waiters; put_slot may be moving one from held to granted meanwhile). */
+static bool drop_hold(px_replica_t *r)
+{
+    for (;;) {
+        if (dec_positive(&r->held))
+            return false;
+        if (dec_positive(&r->granted))
+            return true; /* it had been passed a slot */
+    }
+}
+
+bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r)
+{
+    if (dec_positive(&r->granted))
+        return true;
+    /* A slot freed before the hold was seen stays free: take it, and the hold goes. */
+    if (!px_replica_take_slot(p, r))
+        return false;
+    if (drop_hold(r))
+        px_replica_put_slot(r); /* a second one came meanwhile: passed on or freed */
+    return true;
+}
+
+void px_replica_unhold_slot(px_replica_t *r)
+{
+    if (drop_hold(r))
+        px_replica_put_slot(r);
 }
 
 /* The one eligibility rule: may replica r be sent new requests at all? Every balance, the
@@ -438,4 +490,29 @@ bool px_replica_serving(const px_replica_t *r)
     return px_replica_state(r) == PX_REPLICA_ADMITTED && r->up &&
            !atomic_load_explicit(&r->drained, memory_order_acquire) &&
            !atomic_load_explicit(&r->suspect, memory_order_acquire);
+}
+
+void px_replica_set_evidence(px_replica_t *r, dp_buf_t *ev)
+{
+    PX_ASSERT_CONTROL();
+    char sha[65] = "";
+    if (ev && ev->len)
+        dp_sha256_hex(ev->base, ev->len, sha);
+    uv_mutex_lock(&r->ev_lock);
+    dp_buf_free(&r->evidence);
+    if (ev && ev->len)
+        r->evidence = *ev;
+    if (ev)
+        memset(ev, 0, sizeof(*ev));
+    memcpy(r->evidence_sha, sha, sizeof(sha));
+    uv_mutex_unlock(&r->ev_lock);
+}
+
+void px_replica_get_evidence(px_replica_t *r, char sha[65], dp_buf_t *bytes)
+{
+    uv_mutex_lock(&r->ev_lock);
+    memcpy(sha, r->evidence_sha, 65);
+    if (bytes && r->evidence.len)
+        dp_buf_append(bytes, r->evidence.base, r->evidence.len);
+    uv_mutex_unlock(&r->ev_lock);
 }

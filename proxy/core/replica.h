@@ -63,6 +63,16 @@ struct px_replica_s {
     /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
      * max_inflight_per_replica holds across workers (px_replica_take_slot). */
     atomic_uint inflight;
+    /* Operator requests (the admin relay) that waited in vain for a spare slot hold the next
+     * one freed here: px_replica_put_slot passes it to them (granted) instead of freeing it, so
+     * a busy pool cannot starve them. held + granted = how many wait. */
+    atomic_uint held, granted;
+    /* The attestation evidence in force (attest_outcome_t.evidence of the check that admitted
+     * it) and its SHA-256, "" when none: audit lines name it (attestation_sha256) and the
+     * audit store keeps its bytes. The control thread sets it, workers copy it: ev_lock. */
+    uv_mutex_t ev_lock;
+    dp_buf_t evidence;
+    char evidence_sha[65];
     atomic_uint_fast64_t requests; /* lifetime requests sent */
     uint64_t aff_id;               /* identity in the affinity order: px_affinity_hash(name) */
     uint64_t last_attested_at;     /* wall ms, 0 = never */
@@ -86,6 +96,20 @@ struct px_replica_s {
      * fingerprint, until the control thread has handled that (a mailbox hop later): no worker
      * picks it meanwhile (core/event.c). */
     atomic_bool suspect;
+    /* Set by a thread that saw the replica close a connection, or that needs a new one to it
+     * (PX_EVENT_PEER_CLOSED, PX_EVENT_NEW_CONNECTION): it may be another engine now. It stays
+     * serving, but takes no new client requests or copies (they queue, and routing counts it
+     * full) until a check begun after that has its verdict (control/attest.c settle). */
+    atomic_bool unverified;
+    /* New connections: a request that needs one to r (none pooled is free) waits for a check
+     * begun after it did (px_event_new_connection): nothing says the engine that answers a new
+     * connection is the one attested. check_begun numbers r's checks as they start and
+     * check_settled is the number of the latest one with a verdict (the control thread writes
+     * both). */
+    atomic_uint_fast64_t check_begun, check_settled;
+    /* The hold lifts with the verdict of a check numbered above this (the latest check begun
+     * when a thread last held the replica: core/event.c). */
+    atomic_uint_fast64_t hold_after;
     px_series_t *m_drained;              /* detproxy_replica_drained */
     px_replica_t *live_prev, *live_next; /* every replica alive */
 };
@@ -139,5 +163,19 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);
 /* The same for detproxy's own requests (copies, the probe, the canary): never while requests of
  * the pool wait in the admission queue, so they never go ahead of a client. */
 bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r);
+/* Give a slot back (a held one passes to a waiting operator request: px_replica_hold_slot). */
 void px_replica_put_slot(px_replica_t *r);
+/* Control thread: the evidence in force becomes ev (taken, left empty; NULL or empty: none). */
+void px_replica_set_evidence(px_replica_t *r, dp_buf_t *ev);
+/* Any thread: the SHA-256 of the evidence in force ("" when none) into sha, and when bytes is
+ * not NULL a copy of them (appended). */
+void px_replica_get_evidence(px_replica_t *r, char sha[65], dp_buf_t *bytes);
+/* An operator request that found no spare slot for long enough claims the next slot freed on
+ * r: one request ahead of the pool's queue, once. Then poll px_replica_take_held_slot until it
+ * says yes, or give up with px_replica_unhold_slot. */
+void px_replica_hold_slot(px_replica_t *r);
+/* True when the held slot is the caller's now (counted in r->inflight). */
+bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r);
+/* Give up a hold; a slot that was passed on meanwhile is freed. */
+void px_replica_unhold_slot(px_replica_t *r);
 #endif

@@ -17,5 +17,6 @@ typedef struct px_shadow_ctx_s px_shadow_ctx_t; /* data/shadow.c */
 typedef struct px_audit_s px_audit_t;           /* obs/audit.c */
 typedef struct px_discovery_s px_discovery_t;   /* control/discovery.c */
 typedef struct px_otel_ctx_s px_otel_ctx_t;     /* obs/otel.c */
+typedef struct px_fleet_s px_fleet_t;           /* control/fleet.c */
 
 #endif

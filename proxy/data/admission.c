@@ -179,6 +179,13 @@ void px_admission_slot_freed(px_pool_t *p)
     }
 }
 
+void px_admission_own_slot_done(px_t *px, px_replica_t *r)
+{
+    px_replica_put_slot(r);
+    if (atomic_load(&px->queued) > 0)
+        px_workers_wake(px);
+}
+
 void px_admission_dispatch_waiting(void)
 {
     px_pool_t *pools[64];

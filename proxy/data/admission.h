@@ -44,6 +44,10 @@ bool px_admission_serve(px_pool_t *p);
 /* A slot on a replica of p was released: serve this worker's queue, and wake whoever else may
  * be waiting (other workers, this worker's queues of other generations). */
 void px_admission_slot_freed(px_pool_t *p);
+/* A slot taken with px_replica_take_spare_slot (one of detproxy's own requests: a copy, the
+ * probe, the canary, an admin relay) goes back to r; any thread. A client queued for a slot of
+ * its pool, on whichever worker, is woken to look. */
+void px_admission_own_slot_done(px_t *px, px_replica_t *r);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
 void px_admission_dispatch_waiting(void);
 

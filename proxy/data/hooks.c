@@ -28,6 +28,8 @@ typedef struct pol_s {
     bool applied;
     bool audit;
     bool audited;
+    bool audit_fail_open; /* log.audit_fail of the request's generation */
+    bool audit_failed;    /* its line (or bodies) could not be written */
     bool sse_rewrite;
     policy_sse_fp_t sse;
     policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
@@ -49,6 +51,10 @@ typedef struct pol_s {
     bool store, resp_over;
     policy_usage_t usage; /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
+    /* audit tenants: the replica's attestation evidence when the request left (its SHA-256,
+     * and with a store its bytes, unless this worker stored them already) */
+    char att_sha[65];
+    dp_buf_t att_ev;
     const char *route;
     uint64_t wall_ms;
     void (*then)(void *);
@@ -71,6 +77,13 @@ typedef struct bucket_s {
 } bucket_t;
 
 static _Atomic(bucket_t *) g_buckets;
+/* A fleet's live members (docs/fleet.md): each instance refills at rate_rps / this. */
+static _Atomic uint32_t g_rate_share = 1;
+
+void px_hooks_set_rate_share(uint32_t members)
+{
+    atomic_store_explicit(&g_rate_share, members ? members : 1, memory_order_relaxed);
+}
 static pthread_mutex_t g_buckets_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static _Thread_local pol_t *g_free; /* per worker */
@@ -104,7 +117,12 @@ static pol_t *pol_get(void)
 static void pol_put(pol_t *p)
 {
     dp_buf_free(&p->resp_body);
-    if (g_nfree >= 256 || p->out.cap > 256 * 1024 || p->in.cap > 256 * 1024) {
+    dp_buf_free(&p->att_ev);
+    /* A large body is not kept with a cached pol_t (256 of them would hold 64 MiB outside the
+     * body budget): it goes to the thread's bounded stash, for the next large body. */
+    if (p->in.cap >= DP_BUF_STASH_MIN)
+        dp_buf_release(&p->in);
+    if (g_nfree >= 256 || p->out.cap > 256 * 1024) {
         policy_req_free(p->preq);
         dp_buf_free(&p->out);
         dp_buf_free(&p->in);
@@ -200,11 +218,15 @@ static uint32_t rate_take(const cfg_tenant_t *t)
 {
     bucket_t *b = bucket_for(t);
     double now = (double)dp_now_ns() / 1e9;
-    double interval = 1.0 / t->rate_rps, ahead = (double)t->rate_burst * interval;
+    double share = atomic_load_explicit(&g_rate_share, memory_order_relaxed);
+    double interval = share / t->rate_rps, ahead = (double)t->rate_burst * interval;
     double tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
     for (;;) {
-        double next = (tat > now ? tat : now) + interval;
-        if (next - now > ahead) {
+        double base = tat > now ? tat : now;
+        double next = base + interval;
+        /* How far ahead the bucket would be, summed without (now + x) - now, whose rounding
+         * made a burst of 1 refuse even the first request. */
+        if ((base - now) + interval > ahead) {
             /* A tiny rate (1e-20/s) waits longer than Retry-After's 32 bits: cap it, never
              * cast it. */
             double wait = ceil(next - ahead - now);
@@ -261,7 +283,8 @@ void px_hooks_describe(const px_hooks_req_t *h, px_access_t *a)
     a->has_usage = px_hooks_usage(h, &a->prompt_tokens, &a->completion_tokens);
     a->policy = p && p->applied ? &p->res : NULL;
     dp_iovec_t m = p ? policy_model(p->preq) : (dp_iovec_t){0};
-    a->model = m.base && m.base[0] ? m.base : NULL;
+    a->model = m.base && m.len ? m.base : NULL;
+    a->model_len = m.len;
 }
 
 /* ---- inference ------------------------------------------------------------------------------ */
@@ -344,7 +367,7 @@ static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, policy_route_t r
     p->pool = &g->pools[pc - g->cfg->pools];
     p->applied = true;
     if (p->audit)
-        dp_sha256_hex(p->res.body.base, p->res.body.len, p->fwd_sha);
+        policy_body_sha256_hex(&p->res, p->fwd_sha);
     return 0;
 }
 
@@ -364,7 +387,8 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     h->stream = p->res.stream;
     if (p->res.has_seed)
         snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
-    *body = p->res.body;
+    /* The bytes are the policed body's parts (px_hooks_body_parts): only the length here. */
+    *body = (dp_iovec_t){NULL, p->res.body_len};
     if (pool->cfg->balance == CFG_BALANCE_AFFINITY)
         affinity_key(h, p, &pool->cfg->affinity);
     if (p->audit)
@@ -442,6 +466,14 @@ static void police_done(uv_work_t *w, int status)
     police_done_now(p);
 }
 
+/* Fail closed (log.audit_fail, docs/operations.md "Evidence"): while the writer's last write
+ * failed (a full disk), an audited request is refused before it reaches a replica; its refusal's
+ * own line is the probe that finds the disk writable again. */
+static bool audit_refuses(px_t *px, const pol_t *p)
+{
+    return !p->audit_fail_open && !px_audit_writable(px->audit);
+}
+
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data)
@@ -458,6 +490,15 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     affinity_session_header(h, g, req);
     p->store = p->audit && px->audit && g->cfg->log.audit_store; /* px_audit_configure's */
     p->resp_cap = g->cfg->limits.max_response_rewrite_bytes;     /* the store keeps this much */
+    p->audit_fail_open = g->cfg->log.audit_fail_open;
+    if (p->audit && audit_refuses(px, p)) {
+        *res = (px_hooks_result_t){503, "audit_unavailable", NULL,
+                                   "the audit trail cannot be written: this tenant's requests "
+                                   "are refused until it can (log.audit_fail: closed)",
+                                   NULL};
+        px_otel_refused(h->span, res->code);
+        return -1;
+    }
     if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
@@ -608,11 +649,26 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
 static void audit_done(void *data, int status)
 {
     pol_t *p = data;
-    (void)status; /* failures are logged and counted by px_audit */
+    /* The writer logs and counts the failed write; this counts what became of the answer. */
+    if (status != 0) {
+        p->audit_failed = true;
+        px_metrics_add(px_metrics_get("detproxy_audit_unwritten_total", "action",
+                                      p->audit_fail_open ? "served" : "refused", NULL),
+                       1);
+    }
     void (*then)(void *) = p->then;
     p->then = NULL;
     if (then)
         then(p->then_data);
+}
+
+/* The evidence the replica was admitted on, as this request leaves for it (a retry's replica
+ * replaces the first's); with a store, its bytes go there with the line (content-addressed:
+ * the writer skips a file that is there already, so each evidence is one file). */
+static void audit_evidence(pol_t *p, px_replica_t *r)
+{
+    dp_buf_reset(&p->att_ev);
+    px_replica_get_evidence(r, p->att_sha, p->store ? &p->att_ev : NULL);
 }
 
 /* Build and queue the audit line; with `then`, it runs once the line is written. */
@@ -643,16 +699,21 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .result = p->applied ? &p->res : NULL,
         .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
         .response_sha256 = resp_hex,
+        .attestation_sha256 = r && p->att_sha[0] ? p->att_sha : NULL,
         .status = status,
         .error_code = h->err_code,
         .error_param = h->err_code && h->err_param[0] ? h->err_param : NULL,
     };
     dp_buf_t line = {0};
     policy_audit_line(&a, &line);
-    px_audit_body_t bodies[2];
+    px_audit_body_t bodies[3];
     size_t nb = 0;
-    if (p->store && a.forwarded_sha256)
-        bodies[nb++] = (px_audit_body_t){p->fwd_sha, p->res.body.base, p->res.body.len, NULL};
+    if (p->store && a.attestation_sha256 && p->att_ev.len)
+        bodies[nb++] = (px_audit_body_t){p->att_sha, NULL, 0, &p->att_ev};
+    if (p->store && a.forwarded_sha256) {
+        dp_iovec_t fb = policy_body(p->preq, &p->res);
+        bodies[nb++] = (px_audit_body_t){p->fwd_sha, fb.base, fb.len, NULL};
+    }
     if (p->store && resp_hex && !p->resp_over)
         bodies[nb++] = (px_audit_body_t){resp_sha, NULL, 0, &p->resp_body};
     if (p->store && resp_hex && p->resp_over && line.len > 2) {
@@ -689,6 +750,12 @@ static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
     return true;
 }
 
+bool px_hooks_audit_refused(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    return p && p->audit_failed && !p->audit_fail_open;
+}
+
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data)
 {
@@ -710,6 +777,26 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
 
 /* ---- dispatch and the end ----------------------------------------------------------------- */
 
+/* Could px_shadow_maybe draw a copy of this request (a cross or self rate, or a candidate
+ * pool)? Only then is a rewritten body joined into one piece for it. */
+static bool may_shadow(const px_t *px, const px_pool_t *pool, const cfg_tenant_t *t)
+{
+    if (px->shadow == NULL)
+        return false;
+    const cfg_shadow_t *sc = &pool->gen->cfg->shadow;
+    double cross = t && t->shadow_rate >= 0 ? t->shadow_rate : sc->rate;
+    return cross > 0 || sc->self_rate > 0 || pool->cfg->ncandidates > 0;
+}
+
+size_t px_hooks_body_parts(const px_hooks_req_t *h, const dp_iovec_t **parts)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL || !p->applied)
+        return 0;
+    *parts = p->res.parts;
+    return p->res.nparts;
+}
+
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
                          const net_req_t *req, const char *body, size_t len)
 {
@@ -724,20 +811,19 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
         px_metrics_add(pool->m_affinity[h->affinity.result], 1); /* each attempt: a retry too */
     if (p == NULL)
         return;
-    if (h->shadow == NULL)
-        h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, body, len);
+    if (p->audit)
+        audit_evidence(p, r);
+    if (h->shadow == NULL && may_shadow(px, pool, h->tenant_cfg)) {
+        dp_iovec_t b = p->applied ? policy_body(p->preq, &p->res) : (dp_iovec_t){body, len};
+        h->shadow = px_shadow_maybe(px, pool, r, h->tenant_cfg, &p->res, req, b.base, b.len);
+    }
     px_otel_replica(h->span, r->name, h->shadow != NULL);
 }
 
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err)
 {
     (void)h;
-    /* Only a refused or timed-out connect says the replica is gone; the keep-alive race
-     * (a pooled connection closed under us) is routine with vLLM's 5 s keep-alive. */
-    if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
-        px_event_post(px, &(px_event_t){.kind = err == NET_UP_CONNECT ? PX_EVENT_CONNECT_FAILED
-                                                                      : PX_EVENT_CONNECTION_LOST,
-                                        .r = r});
+    px_event_upstream_failed(px, r, err);
 }
 
 void px_hooks_finish(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r, int status,

@@ -57,6 +57,10 @@ void px_hooks_thread_free(void);
 void px_hooks_free_caches(void);
 const char *px_hooks_tenant(const px_hooks_req_t *h);
 
+/* The fleet's share of every tenant's rate_limit: refills run at rate_rps / members (1: alone).
+ * Any thread; the control plane sets it when the fleet's live members change. */
+void px_hooks_set_rate_share(uint32_t members);
+
 /* Every request: match a tenant, then take a token from its rate limit. 0; -1 with h->error
  * set when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
  * (429 rate_limited, h->error and h->retry_after_s set). */
@@ -74,14 +78,19 @@ void px_hooks_describe(const px_hooks_req_t *h, px_access_t *a);
 
 typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hooks_result_t *res);
 
-/* Inference requests: validate and police the body, pick the pool, and point *body at the
- * body to send (valid until px_hooks_finish). 0, or -1 with res->status/code/param/message
+/* Inference requests: validate and police the body, pick the pool, and set body->len to the
+ * length of the body to send (body->base NULL: its bytes are px_hooks_body_parts, valid until
+ * px_hooks_finish). 0, or -1 with res->status/code/param/message
  * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
  * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
  * loop with the same results. px_hooks_finish must not run before it. */
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data);
+
+/* The policed body to send, as pieces in order (the client's bytes and the policy's new ones,
+ * written with one writev): their count, 0 before policing succeeded. */
+size_t px_hooks_body_parts(const px_hooks_req_t *h, const dp_iovec_t **parts);
 
 /* Headers every inference response carries (tenant, fingerprint, seed, affinity); out has
  * room. */
@@ -111,6 +120,10 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
  * nothing needs waiting for. */
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data);
+/* After px_hooks_before_end's then(): the audit line (or its stored bodies) could not be written
+ * and log.audit_fail is closed, so the answer must not be delivered (503 audit_unavailable, or a
+ * cut stream when its bytes were already sent). */
+bool px_hooks_audit_refused(const px_hooks_req_t *h);
 /* An exchange with replica r failed with err. */
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err);
 /* The request is over (status 499 when the client went away). Releases hook state. */

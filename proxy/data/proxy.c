@@ -31,6 +31,7 @@
 #include "proxy/data/router.h"
 #include "proxy/data/worker.h"
 #include "proxy/obs/access.h"
+#include "policy/routes.h"
 
 typedef enum {
     ROUTE_PASS = 0,
@@ -80,8 +81,21 @@ struct px_preq_s {
     uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
+    /* A new connection to want_r (compared, never followed) waits for check `want` of it
+     * (px_event_new_connection); meanwhile the request holds its slot on this worker's list. */
+    const px_replica_t *want_r;
+    uint64_t want;
+    struct px_preq_s *cw_next, *cw_prev;
+    bool cw_listed;
+    uint64_t cw_since_ms;
     bool paused_upstream;
     bool client_started;
+    /* An inference response streamed as SSE: a replica that fails mid-stream gets the client
+     * an error event (sse_error_event). sse_tail holds the last bytes sent, to know whether
+     * the stream stands between events. */
+    bool sse;
+    char sse_tail[4];
+    size_t sse_sent;
     bool audit_wait;      /* the response's end waits for its audit line (px_hooks_before_end) */
     bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
     dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0reason\0" */
@@ -278,7 +292,8 @@ static void fail_client(px_preq_t *q, int status, const char *code, const char *
     fail_client_why(q, status, code, param, message, message);
 }
 
-/* 503 no_attested_replica. Why each replica is out (`quantization mismatch: got gptq want
+/* 503 no_attested_replica (all_replicas_drained when operators took every admitted one out).
+ * Why each replica is out (`quantization mismatch: got gptq want
  * awq`) describes the fleet to whoever asks: the client is told the pool and its request id
  * only; the reasons go to the log and stay on the admin listener (docs/requests.md §4). */
 static void fail_unavailable(px_preq_t *q)
@@ -288,15 +303,23 @@ static void fail_unavailable(px_preq_t *q)
     /* A tenant that requires a determinism mode learns that this is what is missing (the
      * replicas' own reasons stay in the log and on the admin listener, as for everyone). */
     const cfg_tenant_t *t = q->hooks.tenant_cfg;
-    if (t && t->require_determinism != CFG_DETERMINISM_NONE)
+    const char *code = "no_attested_replica";
+    if (px_pool_all_drained(q->pool)) {
+        code = "all_replicas_drained";
+        dp_buf_printf(&msg,
+                      "every attested replica of pool %s is drained by an operator (request id "
+                      "%s)",
+                      q->pool->name, q->id);
+    } else if (t && t->require_determinism != CFG_DETERMINISM_NONE) {
         dp_buf_printf(&msg,
                       "no attested replica is available in pool %s, whose determinism.mode "
                       "\"%s\" this tenant requires (request id %s)",
                       q->pool->name, cfg_determinism_names[t->require_determinism], q->id);
-    else
+    } else {
         dp_buf_printf(&msg, "no attested replica is available in pool %s (request id %s)",
                       q->pool->name, q->id);
-    fail_client_why(q, 503, "no_attested_replica", NULL, msg.base, why.base ? why.base : "");
+    }
+    fail_client_why(q, 503, code, NULL, msg.base, why.base ? why.base : "");
     dp_buf_free(&why);
     dp_buf_free(&msg);
 }
@@ -444,10 +467,16 @@ static void send_upstream(px_preq_t *q)
     q->up_head_ns = q->up_end_ns = 0;
     atomic_fetch_add_explicit(&r->requests, 1, memory_order_relaxed);
     build_head(q, r);
-    uv_buf_t bufs[2];
+    uv_buf_t bufs[1 + POLICY_MAX_PARTS];
     unsigned nb = 0;
     bufs[nb++] = uv_buf_init(q->head.base, (unsigned)q->head.len);
-    if (q->body.len)
+    const dp_iovec_t *parts;
+    size_t np = px_hooks_body_parts(&q->hooks, &parts);
+    /* A policed body goes out as it lies: the client's bytes with the policy's few new ones
+     * between them, in one writev with the head. */
+    for (size_t i = 0; i < np; i++)
+        bufs[nb++] = uv_buf_init((char *)parts[i].base, (unsigned)parts[i].len);
+    if (np == 0 && q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
     q->up = net_creq_start(px_worker_upstream(r, q->gen), bufs, nb, q->stream_body,
                            q->req->method == 2 /* HEAD */, &up_cb, q);
@@ -455,18 +484,114 @@ static void send_upstream(px_preq_t *q)
         net_req_resume_body(q->req);
 }
 
+/* q holds a slot on q->replica (and a reference): send it there. */
+static void started(px_preq_t *q)
+{
+    send_upstream(q);
+    px_hooks_dispatched(&q->hooks, q->px, q->pool, q->replica, q->req, q->body.base, q->body.len);
+}
+
 /* r's slot is taken (px_router_pick): q holds it from here. */
 static void start_on(px_preq_t *q, px_replica_t *r)
 {
     px_replica_ref(r);
     q->replica = r;
-    send_upstream(q);
-    px_hooks_dispatched(&q->hooks, q->px, q->pool, r, q->req, q->body.base, q->body.len);
+    started(q);
 }
 
 void px_proxy_count_overload(const char *reason)
 {
     px_metrics_add(px_metrics_get("detproxy_overload_rejections_total", "reason", reason, NULL), 1);
+}
+
+/* ---- requests waiting for the check their new connection needs (core/event.h) ---------- */
+
+static _Thread_local px_preq_t *t_cwait;
+
+static void cwait_push(px_preq_t *q)
+{
+    q->cw_prev = NULL;
+    q->cw_next = t_cwait;
+    if (t_cwait)
+        t_cwait->cw_prev = q;
+    t_cwait = q;
+    q->cw_listed = true;
+    q->cw_since_ms = dp_now_ns() / 1000000u;
+    atomic_fetch_add(&q->px->conn_waiting, 1);
+}
+
+static void cwait_remove(px_preq_t *q)
+{
+    if (!q->cw_listed)
+        return;
+    if (q->cw_prev)
+        q->cw_prev->cw_next = q->cw_next;
+    else
+        t_cwait = q->cw_next;
+    if (q->cw_next)
+        q->cw_next->cw_prev = q->cw_prev;
+    q->cw_next = q->cw_prev = NULL;
+    q->cw_listed = false;
+    atomic_fetch_sub(&q->px->conn_waiting, 1);
+}
+
+/* May q go to r now, as far as identity goes? */
+static bool may_connect(px_preq_t *q, px_replica_t *r)
+{
+    if (q->want_r != r) {
+        q->want_r = r;
+        q->want = 0;
+    }
+    return px_event_new_connection(q->px, r, px_worker_upstream(r, q->gen), &q->want);
+}
+
+static void dispatch(px_preq_t *q);
+
+/* One waiting request whose wait is over: its check let it through (sent), its replica left
+ * service (routed again) or it waited queue_timeout_ms (504). False: it waits on. */
+static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
+{
+    px_replica_t *r = q->replica;
+    if (!px_replica_serving(r)) {
+        cwait_remove(q);
+        slot_release(q);
+        dispatch(q);
+    } else if (may_connect(q, r)) {
+        cwait_remove(q);
+        started(q);
+    } else if (now_ms >= q->cw_since_ms + q->pool->cfg->queue_timeout_ms) {
+        cwait_remove(q);
+        slot_release(q);
+        fail_client(q, 504, "queue_timeout", NULL,
+                    "timed out waiting for the replica's check before a new connection to it");
+        finish(q);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+/* A verdict came (or another wake-up): look at this worker's waiting requests. Each one
+ * settled leaves the list, and what it set off may change the list: start over after it.
+ * The clock is read again each time, since a request routed again may be back on the list
+ * with a later cw_since_ms. */
+static void cwait_look(void)
+{
+    for (bool again = true; again;) {
+        again = false;
+        uint64_t now_ms = dp_now_ns() / 1000000u;
+        for (px_preq_t *q = t_cwait; q; q = q->cw_next)
+            if (cwait_settle(q, now_ms)) {
+                again = true;
+                break;
+            }
+    }
+}
+
+static void worker_wake(void)
+{
+    px_admission_dispatch_waiting();
+    cwait_look();
 }
 
 static void dispatch(px_preq_t *q)
@@ -477,8 +602,20 @@ static void dispatch(px_preq_t *q)
     q->replica = NULL;
     if (r == NULL)
         r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
-    if (r) {
+    if (r && may_connect(q, r)) {
         start_on(q, r);
+        return;
+    }
+    /* A new connection to r waits for a check of r begun from now on (held meanwhile, so
+     * other requests go elsewhere): the request keeps its slot on r and waits on this worker's
+     * list, so that a replica gets its first connection rather than lose every request to
+     * replicas already connected. */
+    if (r) {
+        px_replica_ref(r);
+        q->replica = r;
+        if (q->stream_body)
+            net_req_pause_body(q->req);
+        cwait_push(q);
         return;
     }
     if (why == 0) {
@@ -489,7 +626,8 @@ static void dispatch(px_preq_t *q)
     if (atomic_load(&q->pool->waiting) >= q->pool->cfg->queue_limit) {
         px_proxy_count_overload("queue_full");
         fail_client(q, 503, "overloaded", NULL,
-                    "every replica is at max_inflight_per_replica and the queue is full");
+                    "every replica is at max_inflight_per_replica or held for a re-check, and "
+                    "the queue is full");
         finish(q);
         return;
     }
@@ -522,6 +660,56 @@ static const dp_iovec_t *connection_value(const net_header_t *hdrs, size_t n)
         if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "connection"))
             return &hdrs[i].value;
     return NULL;
+}
+
+static bool is_event_stream(const net_header_t *hdrs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type"))
+            return hdrs[i].value.len >= 17 &&
+                   dp_memieq(hdrs[i].value.base, "text/event-stream", 17);
+    return false;
+}
+
+/* Remember the last bytes of an SSE stream sent to the client. */
+static void sse_track(px_preq_t *q, const char *p, size_t n)
+{
+    if (!q->sse || n == 0)
+        return;
+    size_t keep = sizeof(q->sse_tail);
+    if (n >= keep) {
+        memcpy(q->sse_tail, p + n - keep, keep);
+    } else {
+        memmove(q->sse_tail, q->sse_tail + n, keep - n);
+        memcpy(q->sse_tail + keep - n, p, n);
+    }
+    q->sse_sent += n;
+}
+
+/* The stream stands between two events: nothing sent yet, or the last line was empty. */
+static bool sse_at_boundary(const px_preq_t *q)
+{
+    const char *t = q->sse_tail;
+    if (q->sse_sent == 0)
+        return true;
+    if (q->sse_sent >= 2 && ((t[2] == '\n' && t[3] == '\n') || (t[2] == '\r' && t[3] == '\r')))
+        return true;
+    return q->sse_sent >= 3 && t[1] == '\n' && t[2] == '\r' && t[3] == '\n';
+}
+
+/* The replica failed mid-stream: tell the client in the stream itself, as OpenAI's API does
+ * (`data: {"error":{...}}`), before the response ends without its last chunk. An event the
+ * replica left half-written is ended first, so the error is an event of its own. */
+static void sse_error_event(px_preq_t *q, const char *message)
+{
+    dp_buf_t b = {0};
+    if (!sse_at_boundary(q))
+        dp_buf_append(&b, "\n\n", 2);
+    dp_buf_append(&b, "data: ", 6);
+    net_error_body(&b, "server_error", "upstream_error", NULL, message);
+    dp_buf_append(&b, "\n\n", 2);
+    net_resp_write(q->req, b.base, b.len);
+    dp_buf_free(&b);
 }
 
 static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
@@ -561,6 +749,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
             out[k++] = hdrs[i];
     extra_headers(q, out, &k);
     q->client_started = true;
+    q->sse = is_inference(q->route) && status >= 200 && status < 300 && is_event_stream(hdrs, n);
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
     net_resp_start(q->req, status, out, k,
@@ -646,6 +835,7 @@ static void up_on_body(net_creq_t *c, const char *p, size_t n)
             return;
     }
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
+    sse_track(q, v.base, v.len);
     net_resp_write(q->req, v.base, v.len);
     /* The client is slower than the replica: stop reading the replica until it drains. */
     if (q->req && net_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
@@ -666,6 +856,20 @@ static void deliver(void *data)
 {
     px_preq_t *q = data;
     q->audit_wait = false;
+    if (q->req && px_hooks_audit_refused(&q->hooks)) {
+        /* Fail closed: no answer leaves without its audit line (docs/operations.md). */
+        if (q->client_started) {
+            net_resp_abort(q->req);
+            q->req = NULL;
+        } else {
+            held_out_free(q);
+            fail_client(q, 503, "audit_unavailable", NULL,
+                        "the audit trail cannot be written: the answer is withheld "
+                        "(log.audit_fail: closed)");
+        }
+        finish(q);
+        return;
+    }
     if (q->req && q->held_out) {
         q->client_started = true;
         net_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
@@ -725,17 +929,20 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
      * request either never fully left or raced a keep-alive close; and only when we still hold
      * every byte of it. */
     bool can_resend = !q->stream_body;
-    /* Affinity: a pooled connection the replica had closed (the keep-alive race) says nothing
-     * about the replica, so the request stays with its key's replica on a fresh connection
-     * (the other pooled ones are as stale) instead of moving its key, and with it perhaps its
-     * answer. Should that fail too, the retry rule below still applies. */
+    /* Affinity: a pooled connection the replica had closed (the keep-alive race) need not say
+     * the replica is gone, so the request is routed again by its key, without counting as its
+     * retry, rather than moved away for good (and with it perhaps its answer). The close holds
+     * the replica until re-checked (it may be another engine now): the request waits in the
+     * queue for that, or spills to the key's next replica while it lasts. The other pooled
+     * connections are as stale. Should that fail too, the retry rule below still applies. */
     if (q->req && !q->client_started && can_resend && err == NET_UP_REUSED_CLOSED &&
         !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
         q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {
         q->reconnected = true;
         net_upstream_flush_idle(px_worker_upstream(r, q->gen));
         px_hooks_upstream_failed(&q->hooks, q->px, r, err);
-        send_upstream(q);
+        slot_release(q);
+        dispatch(q);
         return;
     }
     if (q->req && !q->client_started && !q->retried && can_resend && net_up_err_retryable(err)) {
@@ -745,17 +952,33 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
         px_replica_ref(r); /* for q->failed */
         px_replica_ref(r); /* for the call below: dispatch may finish (free) q */
         slot_release(q);
+        /* A connection the replica closed holds it before the retry is routed: with no other
+         * replica the retry waits for the re-check instead of meeting what may be another
+         * engine. A failed connect tells attestation after the retry left: with no other
+         * replica that goes to the same one (and fails with 502) rather than being refused as
+         * unattested. */
+        bool hold = px_event_err_holds(err);
+        if (hold)
+            px_hooks_upstream_failed(NULL, px, r, err);
         dispatch(q);
-        /* Re-attestation after the retry left: with no other replica the retry goes to the
-         * same one (and fails with 502) rather than being refused as unattested. */
-        px_hooks_upstream_failed(NULL, px, r, err);
+        if (!hold)
+            px_hooks_upstream_failed(NULL, px, r, err);
         px_replica_unref(r);
         return;
     }
     px_hooks_upstream_failed(&q->hooks, q->px, r, err);
     if (q->req) {
         if (q->client_started) {
-            /* Mid-response: end without the final chunk so the client sees an error. */
+            /* Mid-response: end without the final chunk so the client sees an error; a
+             * stream says so in an event first. */
+            if (q->sse) {
+                char msg[200];
+                snprintf(msg, sizeof(msg),
+                         "replica %s failed mid-stream (%s): the response is incomplete "
+                         "(request id %s)",
+                         r->name, net_up_err_name(err), q->id);
+                sse_error_event(q, msg);
+            }
             net_resp_abort(q->req);
             q->req = NULL;
             q->code = "upstream_error";
@@ -816,6 +1039,10 @@ static void finish(px_preq_t *q)
         q->up = NULL;
     }
     px_admission_remove(&q->adm);
+    if (q->cw_listed) { /* never sent: its slot goes back, and no replica is named */
+        cwait_remove(q);
+        slot_release(q);
+    }
     if (q->status) {
         const char *code = q->code ? q->code : "upstream";
         uint64_t took = dp_now_ns() - q->start_ns;
@@ -853,49 +1080,24 @@ static void finish(px_preq_t *q)
     preq_put(q);
 }
 
-/* req->path is already normalised (net/server.c, docs/requests.md §1); a trailing '/' names the
- * same route, as it does for an ASGI replica's redirect_slashes. */
-static bool path_is(dp_iovec_t p, const char *route, size_t n)
-{
-    return (p.len == n || (p.len == n + 1 && p.base[n] == '/')) && memcmp(p.base, route, n) == 0;
-}
-
-/* Generation routes an engine serves besides the two policed ones (llama.cpp server, vLLM,
- * SGLang, TGI, Ollama's shapes): passed through, each would be a completion with no forced
- * value, no seed and no audit line, so they are refused whatever the method. */
-static const struct {
-    const char *path;
-    size_t len;
-} unpoliced_routes[] = {
-    {"/completion", 11},
-    {"/completions", 12},
-    {"/chat/completions", 17},
-    {"/api/chat", 9},
-    {"/api/generate", 13},
-    {"/infill", 7},
-    {"/v1/messages", 12},
-    {"/generate", 9},
-    {"/generate_stream", 16},
-    {"/invocations", 12},
-    {"/inference/v1/generate", 22},
-};
-
+/* req->path is already normalised (net/server.c, docs/requests.md §1): policy/routes.c names
+ * the policed routes and the engine generation routes refused for everyone. */
 static route_t classify(const net_req_t *req)
 {
-    const dp_iovec_t p = req->path;
-    for (size_t i = 0; i < DP_ARRAY_SIZE(unpoliced_routes); i++)
-        if (path_is(p, unpoliced_routes[i].path, unpoliced_routes[i].len))
-            return ROUTE_UNPOLICED;
-    if (req->method == 3 /* POST */) {
-        if (path_is(p, "/v1/completions", 15))
-            return ROUTE_COMPLETIONS;
-        if (path_is(p, "/v1/chat/completions", 20))
-            return ROUTE_CHAT;
-        if (path_is(p, "/v1/responses", 13))
-            return ROUTE_RESPONSES;
-    }
-    if (req->method == 1 /* GET */ && path_is(p, "/v1/models", 10))
+    switch (policy_routes_classify(req->method_name, req->path)) {
+    case POLICY_CLASS_COMPLETIONS:
+        return ROUTE_COMPLETIONS;
+    case POLICY_CLASS_CHAT:
+        return ROUTE_CHAT;
+    case POLICY_CLASS_RESPONSES:
+        return ROUTE_RESPONSES;
+    case POLICY_CLASS_MODELS:
         return ROUTE_MODELS;
+    case POLICY_CLASS_GENERATION:
+        return ROUTE_UNPOLICED;
+    case POLICY_CLASS_PASS:
+        break;
+    }
     return ROUTE_PASS;
 }
 
@@ -1007,7 +1209,22 @@ static net_body_mode_t on_head(net_req_t *req)
         finish(q);
         return NET_BODY_BUFFER;
     }
-    q->pool = &q->gen->pools[0];
+    /* Default-deny for a policed tenant: a route nobody listed may generate (docs/policy.md
+     * §2, "Routes and pass-through"), so only GET, HEAD and the pool's passthrough list go
+     * through. */
+    px_pool_t *pass = &q->gen->pools[0];
+    if (!policy_routes_passthrough(pass->cfg, q->hooks.tenant_cfg, req->method_name, req->path)) {
+        char msg[320];
+        snprintf(msg, sizeof(msg),
+                 "%.*s on this path is not a policed route and not in pool %s's passthrough "
+                 "list: detproxy polices only POST /v1/completions, /v1/chat/completions and "
+                 "/v1/responses; an operator can allow a route with pools[].passthrough",
+                 (int)req->method_name.len, req->method_name.base, pass->name);
+        fail_client(q, 404, "unpoliced_route", NULL, msg);
+        finish(q);
+        return NET_BODY_BUFFER;
+    }
+    q->pool = pass;
     q->stream_body = req->has_body;
     dispatch(q);
     return NET_BODY_STREAM;
@@ -1034,12 +1251,15 @@ static void on_body(net_req_t *req, const char *p, size_t n)
         net_req_pause_body(req);
 }
 
-/* The client went away (or the server refused the request, then on_reject said how). */
+/* The client went away (or the server refused the request, then on_reject said how), or
+ * detproxy closed its connection itself at the end of the shutdown drain: 503 drain_closed,
+ * as nothing more of the response would have come (docs/configuration.md, "log.access"). */
 static void client_gone(px_preq_t *q)
 {
     if (!q->rejected) {
-        q->status = 499; /* nginx's "client closed request" */
-        q->code = "client_closed";
+        bool cut = px_worker_closing();
+        q->status = cut ? 503 : 499; /* 499: nginx's "client closed request" */
+        q->code = cut ? "drain_closed" : "client_closed";
     }
     finish(q);
 }
@@ -1155,6 +1375,6 @@ static void worker_thread_exit(void)
 const px_worker_ops_t px_proxy_worker_ops = {
     .handler = &px_proxy_handler,
     .overload = px_proxy_count_overload,
-    .wake = px_admission_dispatch_waiting,
+    .wake = worker_wake,
     .thread_exit = worker_thread_exit,
 };

@@ -19,10 +19,12 @@ static uint32_t inflight(const px_replica_t *r)
     return atomic_load(&r->inflight);
 }
 
+/* An unverified replica (it closed a connection; core/replica.h) counts as full until it is
+ * re-checked: requests queue for it rather than reach what may be another engine process. */
 static bool has_capacity(const px_pool_t *p, const px_replica_t *r)
 {
     uint32_t max = p->cfg->max_inflight_per_replica;
-    return max == 0 || inflight(r) < max;
+    return (max == 0 || inflight(r) < max) && !atomic_load(&r->unverified);
 }
 
 /* balance: affinity. The candidates live on the stack for the pools people run (a handful of
@@ -40,6 +42,13 @@ static px_replica_t *pick_affinity(px_pool_t *p, const px_replica_t *avoid, px_a
     }
     px_affinity_result_t res;
     size_t k = px_affinity_choose(aff->key, c, n, p->cfg->affinity.load_factor, &res);
+    /* A key whose home is held for a re-check waits for it (queued) rather than spill: the
+     * check is short, and a spilled request may get another answer (another prefix cache). */
+    if (res == PX_AFF_SPILL) {
+        size_t home = px_affinity_home(aff->key, c, n);
+        if (home != n && p->replicas[home] != avoid && atomic_load(&p->replicas[home]->unverified))
+            k = n;
+    }
     if (c != stack)
         free(c);
     if (k == n) {

@@ -45,6 +45,7 @@
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
+#include "proxy/data/admission.h"
 #include "proxy/data/worker.h"
 #include "proxy/core/self.h"
 
@@ -298,9 +299,7 @@ static void release_slot(shadow_t *s)
     if (!s->holds_slot)
         return;
     s->holds_slot = false;
-    px_replica_put_slot(s->target_r);
-    if (atomic_load(&s->px->queued) > 0)
-        px_workers_wake(s->px);
+    px_admission_own_slot_done(s->px, s->target_r);
 }
 
 static void shadow_free(shadow_t *s)
@@ -331,8 +330,10 @@ static void compare_work(uv_work_t *w)
     if (!s->result.match)
         drift_divlog_fill(&s->divlog, s->request_id, s->pool, s->primary, s->target, &s->result,
                           a->text.base, a->text.len, s->b.text.base, s->b.text.len);
-    if (s->candidate) /* two pools: equal replica names are still no self pair */
+    if (s->candidate) { /* two pools: equal replica names are still no self pair */
         s->divlog.kind = DRIFT_CROSS;
+        s->divlog.candidate = true;
+    }
 }
 
 static px_pool_t *live_pool(px_t *px, const char *name)
@@ -645,10 +646,7 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
     }
     /* A copy's failed connection says what a client's would (a quarantined replica gets only
      * copies): the replica may have restarted as something else. */
-    if (err == NET_UP_CONNECT || err == NET_UP_REUSED_CLOSED || err == NET_UP_CLOSED)
-        px_event_post(s->px, &(px_event_t){.kind = err == NET_UP_CONNECT ? PX_EVENT_CONNECT_FAILED
-                                                                         : PX_EVENT_CONNECTION_LOST,
-                                           .r = s->target_r});
+    px_event_upstream_failed(s->px, s->target_r, err);
     s->shadow_done = true;
     maybe_compare(s);
 }
@@ -660,6 +658,27 @@ static const net_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL};
 const double px_shadow_similarity_bounds[] = {0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0};
 const size_t px_shadow_similarity_nbounds =
     sizeof(px_shadow_similarity_bounds) / sizeof(px_shadow_similarity_bounds[0]);
+
+/* A slot on r for a copy: not while r is held (unverified, core/replica.h); a copy never waits,
+ * so it is skipped meanwhile, counted as busy. A copy's first connection asks for no check of
+ * its own: a copy that meets a replaced engine moves drift statistics, never a client's
+ * answer, and the close that replaced it held the replica already. Control thread. */
+static net_upstream_t *copy_upstream(px_t *px, px_replica_t *r)
+{
+    if (r->shadow_up == NULL) {
+        net_upstream_opts_t o;
+        px_replica_upstream_opts(px->gen->cfg, &o);
+        r->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&r->addr, &o);
+        px_replica_upstream_tls(r, r->shadow_up, &r->url);
+        px_event_watch_closes(r, r->shadow_up);
+    }
+    return r->shadow_up;
+}
+
+static bool copy_slot(px_pool_t *p, px_replica_t *r)
+{
+    return !atomic_load(&r->unverified) && px_replica_take_spare_slot(p, r);
+}
 
 /* A replica to send a copy to, rotating for coverage: for a drift shadow another replica of the
  * pool, admitted or quarantined (a quarantined replica must keep getting shadows to show it
@@ -683,7 +702,7 @@ static px_replica_t *copy_target(px_pool_t *p, const px_replica_t *primary, bool
         px_replica_state_t st = px_replica_state(r);
         if (st != PX_REPLICA_ADMITTED && !(quarantined && st == PX_REPLICA_QUARANTINED))
             continue;
-        if (!px_replica_take_spare_slot(p, r)) {
+        if (!copy_slot(p, r)) {
             *busy = true;
             continue;
         }
@@ -699,7 +718,7 @@ static px_replica_t *self_target(px_pool_t *p, px_replica_t *primary, bool *busy
     *busy = false;
     if (primary == NULL || primary->up == NULL)
         return NULL;
-    if (!px_replica_take_spare_slot(p, primary)) {
+    if (!copy_slot(p, primary)) {
         *busy = true;
         return NULL;
     }
@@ -748,12 +767,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     PX_ASSERT_CONTROL();
     shadow_ctx_t *c = ctx(px);
     px_replica_t *target = cs->target;
-    if (target->shadow_up == NULL) {
-        net_upstream_opts_t o;
-        px_replica_upstream_opts(px->gen->cfg, &o);
-        target->shadow_up = net_upstream_new(px->loop, (struct sockaddr *)&target->addr, &o);
-        px_replica_upstream_tls(target, target->shadow_up, &target->url);
-    }
+    copy_upstream(px, target);
     shadow_t *s = dp_xcalloc(1, sizeof(*s));
     s->px = px;
     px_replica_ref(target);
@@ -1163,6 +1177,11 @@ void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
     drift_pool_summary(dp, DRIFT_CROSS, &cross);
     drift_pool_summary(dp, DRIFT_SELF, &self);
     drift_rollout_verdict(rollout(px, pool, cand)->stats, NULL, &cross, &self, v);
+}
+
+const drift_rollout_t *px_shadow_rollout_stats(px_t *px, const char *pool, const char *cand)
+{
+    return rollout(px, pool, cand)->stats;
 }
 
 const drift_pool_t *px_shadow_drift_pool(px_t *px, const char *pool)

@@ -47,6 +47,9 @@ void px_shadow_replica_changed(const px_replica_t *r, px_replica_state_t from);
 struct drift_rollout_verdict_s;
 void px_shadow_rollout_verdict(px_t *px, const char *pool, const char *cand,
                                struct drift_rollout_verdict_s *v);
+/* The rollout statistics of candidate `cand` of pool `pool` (what a fleet member publishes). */
+struct drift_rollout;
+const struct drift_rollout *px_shadow_rollout_stats(px_t *px, const char *pool, const char *cand);
 /* GET /admin/rollouts (docs/rollouts.md): every candidate of every pool (only the pool named
  * only[0..only_len) when only is not NULL), judged against that pool's drift windows. */
 void px_shadow_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_t *out);

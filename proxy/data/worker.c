@@ -44,6 +44,7 @@ struct px_worker_s {
 };
 
 static _Thread_local px_worker_t *t_self;
+static _Thread_local bool t_closing; /* px_worker_closing */
 static const char *const listener_name = "proxy";
 
 px_worker_t *px_worker_self(void)
@@ -182,6 +183,7 @@ net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g)
     net_upstream_opts_t o;
     px_replica_upstream_opts(g->cfg, &o);
     u = net_upstream_new(&w->loop, (struct sockaddr *)&r->addr, &o);
+    px_event_watch_closes(r, u);
     if (r->url.tls && r->tls_ctx) {
         /* Each worker has its own context: session caches are not shared between threads. */
         const cfg_pool_t *pc = NULL;
@@ -387,9 +389,15 @@ void px_workers_drain(px_t *px, void (*done)(px_t *px))
     post_all(px, on_drain, NULL, NULL);
 }
 
+bool px_worker_closing(void)
+{
+    return t_closing;
+}
+
 static void on_close(net_mb_node_t *n)
 {
     wmsg_t *m = (wmsg_t *)n;
+    t_closing = true; /* for good: the aborts run in the connections' close callbacks, later */
     if (m->w->srv) {
         net_server_close(m->w->srv, NULL, NULL);
         m->w->srv = NULL;
@@ -409,6 +417,7 @@ static void on_stop(net_mb_node_t *n)
     wmsg_t *m = (wmsg_t *)n;
     px_worker_t *w = m->w;
     free(m);
+    t_closing = true;
     if (w->srv) {
         net_server_close(w->srv, NULL, NULL);
         w->srv = NULL;

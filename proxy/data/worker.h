@@ -5,6 +5,7 @@
 #ifndef PX_WORKER_H
 #define PX_WORKER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include <uv.h>
@@ -39,6 +40,9 @@ void px_workers_set_tls(px_t *px, struct net_tls_ctx_s *c);
 void px_workers_drain(px_t *px, void (*done)(px_t *px));
 /* Close every listener at once (the drain timed out). */
 void px_workers_close(px_t *px);
+/* This worker is closing its connections itself (the drain timed out, or the loop stops): a
+ * request that ends now was cut by detproxy, not by its client. */
+bool px_worker_closing(void);
 /* Stop the loops and join the threads (after drain or close); frees their state. */
 void px_workers_join(px_t *px);
 /* A slot of a pool that has waiters elsewhere was freed: the other workers look. */

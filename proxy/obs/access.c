@@ -62,8 +62,13 @@ void px_access_log(const cfg_access_log_t *cfg, const px_access_t *a)
         dp_jw_str(w, "pool", a->pool);
     if (HAS(REPLICA))
         dp_jw_str(w, "replica", a->replica);
-    if (HAS(MODEL))
-        dp_jw_str(w, "model", a->model);
+    if (HAS(MODEL)) {
+        /* Whole, escaped: routing reads every byte of it, so the log does too. */
+        if (a->model)
+            dp_jw_strn(w, "model", a->model, a->model_len);
+        else
+            dp_jw_null(w, "model");
+    }
     if (HAS(REMOTE))
         dp_jw_str(w, "remote", a->remote);
     if (HAS(UPSTREAM_MS))

@@ -25,7 +25,8 @@ typedef struct {
     uint64_t ttfb_ns;     /* 0: no response head from a replica */
     /* The request's policy state (NULL: refused before a tenant matched, none, not parsed): */
     const char *tenant;
-    const char *model;
+    const char *model; /* model_len bytes: a model name may hold NUL ("\u0000") */
+    size_t model_len;
     const char *seed; /* the decimal seed sent upstream */
     bool has_usage;   /* the response reported token usage */
     int64_t prompt_tokens, completion_tokens;

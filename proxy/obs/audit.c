@@ -2,24 +2,24 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "attest/audit.h"
 #include "common/buf.h"
 #include "common/log.h"
 #include "common/util.h"
-#include "proxy/core/px.h"
 #include "proxy/core/metrics.h"
+#include "proxy/core/px.h"
 
 #define FSYNC_EVERY_MS 1000
-
-typedef struct waiter_s {
-    px_audit_cb cb;
-    void *data;
-    struct waiter_s *next;
-} waiter_t;
 
 typedef struct {
     char sha[65];
@@ -27,42 +27,70 @@ typedef struct {
     size_t n;
 } blob_t;
 
-/* One batch: the bodies first, then the lines. With `split` set, the lines before it close the
- * old file (its reopen checkpoint is the last of them) and the rest open the new one. */
+typedef enum { E_LINE, E_CHECKPOINT, E_REOPEN } entry_kind_t;
+
+/* One step of a batch, in file order: a line (with its bodies), a checkpoint, or the switch to
+ * the reopened file. */
 typedef struct {
-    dp_buf_t lines;
+    entry_kind_t kind;
+    const char *reason; /* E_CHECKPOINT: static */
+    size_t off, len;    /* E_LINE: its bytes in batch.raw */
+    size_t blob0, nblob;
+    px_audit_cb cb;
+    void *data;
+    int status;
+    bool in_file; /* its bytes are in the segment being written */
+} entry_t;
+
+typedef struct {
+    dp_buf_t raw;
     blob_t *blobs;
-    size_t nblobs, cap;
-    size_t split; /* SIZE_MAX: no reopen in this batch */
-    waiter_t *w, **tail;
+    size_t nblobs, bcap;
+    entry_t *e;
+    size_t ne, ecap;
+    bool has_reopen;
 } batch_t;
 
-/* Lines accumulate in `pending` while one batch (`inflight`) is written on the thread pool: at
- * most one at a time keeps lines in order, and batches them under load. The chain advances when
- * a line is queued, so its order is the file's order. */
+/* Entries accumulate in `pending` while one batch (`inflight`) is written on the thread pool: at
+ * most one at a time keeps lines in order, and batches them under load. The chain is advanced
+ * by the batch as it is written and kept only for what reached the file. */
 struct px_audit_s {
     uv_loop_t *loop;
     char *path;
-    char *store;       /* NULL: bodies are not stored */
-    attest_key_t *key; /* NULL: no checkpoints */
+    char *store;            /* NULL: bodies are not stored */
+    attest_key_t *key;      /* NULL: no checkpoints */
+    attest_key_t **retired; /* keys replaced while a batch used them: freed after it */
+    size_t nretired;
     uint32_t checkpoint_lines;
-    audit_chain_t chain;
+    bool fail_closed;
+    audit_chain_t chain; /* what is on disk; the batch in flight owns it while `writing` */
     uv_file fd;
+    int lock_fd, store_lock_fd;
+    int file_lock_fd; /* a flock on the audit file itself (lock_path), or -1 */
     batch_t pending, inflight;
     uv_work_t work;
     uv_fs_t fsync_req;
     bool writing, syncing, dirty, store_dirty, closing;
+    _Atomic bool writable;
     uv_timer_t fsync_timer;
-    px_series_t *m_errors;
+    px_series_t *m_errors, *m_seq, *m_writable;
+    uint64_t lines, errors;
+    bool head_unsaved; /* saving the chain's head in the lock file failed (logged once) */
+    uint64_t anchor_seq;
+    char anchor_sha[65];
     /* Set by the worker, read by the loop once it is done. */
-    char *w_path;  /* the file of the batch in flight (its reopen target with a split) */
+    char *w_path;  /* the file of the batch in flight (its reopen target with a reopen) */
     char *w_store; /* the store of the batch in flight: a reload may change a->store meanwhile */
+    const attest_key_t *w_key;
+    uint32_t w_lines;
+    bool w_closed;
+    dp_buf_t w_out;
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
+    uint64_t w_failed_lines;
 };
 
 static void start_write(px_audit_t *a);
-static void batch_done(px_audit_t *a);
 
 static int open_file(const char *path)
 {
@@ -71,7 +99,6 @@ static int open_file(const char *path)
 
 static void log_error(px_audit_t *a, const char *what, int err)
 {
-    px_metrics_add(a->m_errors, 1);
     dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "audit_write_failed");
     if (w) {
         dp_jw_str(w, "path", a->path);
@@ -81,86 +108,413 @@ static void log_error(px_audit_t *a, const char *what, int err)
     }
 }
 
-static void run_waiters(waiter_t *w, int status)
+/* ---- the lock -------------------------------------------------------------------------------- */
+
+/* Take an exclusive flock on lockpath (created if needed) and write our pid into it. The file is
+ * never removed: removing it would let a third process lock a new file while a second still
+ * holds the old one. Returns the fd, or -1 with *err saying why (the holder's pid). */
+static int take_lock(const char *lockpath, const char *what, dp_buf_t *err)
 {
-    while (w) {
-        waiter_t *next = w->next;
-        if (w->cb)
-            w->cb(w->data, status);
-        free(w);
-        w = next;
+    int fd = open(lockpath, O_RDWR | O_CREAT | O_CLOEXEC, 0640);
+    if (fd < 0) {
+        dp_buf_printf(err, "%s: cannot open its lock file %s: %s", what, lockpath, strerror(errno));
+        return -1;
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char pid[32] = "";
+        ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+        pid[n > 0 ? n : 0] = '\0';
+        pid[strcspn(pid, "\n")] = '\0';
+        if (e == EWOULDBLOCK)
+            dp_buf_printf(err,
+                          "%s is in use by another detproxy (pid %s holds %s): two instances on "
+                          "one audit trail would interleave it",
+                          what, pid[0] ? pid : "unknown", lockpath);
+        else
+            dp_buf_printf(err, "%s: cannot lock %s: %s", what, lockpath, strerror(e));
+        close(fd);
+        return -1;
+    }
+    /* The second line the last holder left (save_head's chain head) stays after our pid, as
+     * it was, for load_head to judge (at most a head's length of it, ended by a newline). */
+    char old[256], buf[32 + sizeof(old)];
+    ssize_t got = pread(fd, old, sizeof(old) - 1, 0);
+    old[got > 0 ? got : 0] = '\0';
+    char *second = strchr(old, '\n');
+    second = second && second[1] ? second + 1 : NULL;
+    int n = second ? snprintf(buf, sizeof(buf), "%ld\n%.*s\n", (long)getpid(),
+                              (int)strcspn(second, "\n"), second)
+                   : snprintf(buf, sizeof(buf), "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)n, 0) != n) {
+        /* the lock holds without the pid; only the message of a second instance is poorer */
+    }
+    return fd;
+}
+
+/* The chain's head after each batch, as the lock file's second line ("chain PREV SEQ CHECKPOINT
+ * SINCE", fixed width, so each write replaces the last): when logrotate has moved the file
+ * away and detproxy starts again on an empty one, the new file continues the chain from here
+ * instead of from genesis, and `audit verify old new` reads one chain. */
+static void save_head(px_audit_t *a)
+{
+    char line[192];
+    int pl = snprintf(line, sizeof(line), "%ld\n", (long)getpid());
+    int n = snprintf(line + pl, sizeof(line) - (size_t)pl,
+                     "chain %s %020" PRIu64 " %s %020" PRIu64 "\n", a->chain.prev, a->chain.seq,
+                     a->chain.checkpoint[0] ? a->chain.checkpoint : AUDIT_GENESIS,
+                     a->chain.since_checkpoint);
+    if (n > 0 && pwrite(a->lock_fd, line + pl, (size_t)n, pl) != n && !a->head_unsaved) {
+        a->head_unsaved = true; /* said once: the trail itself is unaffected */
+        log_error(a, "save_chain_head", -errno);
     }
 }
 
-static void batch_init(batch_t *b)
+/* Is p n lowercase hex digits (hex) or n decimal digits, followed by `end`? */
+static bool field(const char *p, size_t n, bool hex, char end)
 {
-    b->split = SIZE_MAX;
-    b->w = NULL;
-    b->tail = &b->w;
+    for (size_t i = 0; i < n; i++)
+        if (!(p[i] >= '0' && p[i] <= '9') && !(hex && p[i] >= 'a' && p[i] <= 'f'))
+            return false;
+    return p[n] == end;
 }
+
+/* The head the lock file keeps (save_head) into *c. 1: there is one; 0: none (a new trail, or
+ * a lock file from before heads were kept); -1: a second line that is not one of ours. */
+static int load_head(int lock_fd, audit_chain_t *c)
+{
+    char buf[256];
+    ssize_t got = pread(lock_fd, buf, sizeof(buf) - 1, 0);
+    buf[got > 0 ? got : 0] = '\0';
+    const char *nl = strchr(buf, '\n');
+    if (nl == NULL || nl[1] == '\0')
+        return 0;
+    /* "chain " PREV(64 hex) ' ' SEQ(20 digits) ' ' CHECKPOINT(64 hex) ' ' SINCE(20 digits) '\n' */
+    const char *h = nl + 1;
+    if ((size_t)(buf + (got > 0 ? got : 0) - h) < 178 || strncmp(h, "chain ", 6) != 0 ||
+        !field(h + 6, 64, true, ' ') || !field(h + 71, 20, false, ' ') ||
+        !field(h + 92, 64, true, ' ') || !field(h + 157, 20, false, '\n'))
+        return -1;
+    audit_chain_t t;
+    audit_chain_init(&t);
+    memcpy(t.prev, h + 6, 64);
+    t.prev[64] = '\0';
+    t.seq = strtoull(h + 71, NULL, 10);
+    memcpy(t.checkpoint, h + 92, 64);
+    t.checkpoint[64] = '\0';
+    t.since_checkpoint = strtoull(h + 157, NULL, 10);
+    if (strcmp(t.checkpoint, AUDIT_GENESIS) == 0)
+        t.checkpoint[0] = '\0';
+    *c = t;
+    return 1;
+}
+
+/* The file's one name: symlinks, "." and ".." resolved (of its folder when it does not exist
+ * yet), so every way of naming it reaches the same lock file. */
+static int canonical(const char *path, char out[PATH_MAX])
+{
+    if (realpath(path, out) != NULL)
+        return 0;
+    const char *slash = strrchr(path, '/');
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    if (slash == path)
+        snprintf(dir, sizeof(dir), "/");
+    char rdir[PATH_MAX];
+    if (realpath(dir, rdir) == NULL)
+        return -1;
+    const char *base = slash ? slash + 1 : path;
+    if (snprintf(out, PATH_MAX, "%s/%s", strcmp(rdir, "/") == 0 ? "" : rdir, base) >= PATH_MAX)
+        return -1;
+    return 0;
+}
+
+/* Two locks for one writer: PATH.lock beside the file's canonical name (it names the holder's
+ * pid, and holds across rotations), and a flock on the file itself, which a hard link to it
+ * shares. The second fd goes to *file_fd. */
+static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
+{
+    char real[PATH_MAX], lp[PATH_MAX + 8];
+    if (canonical(path, real) != 0) {
+        dp_buf_printf(err, "audit file %s: its folder cannot be resolved: %s", path,
+                      strerror(errno));
+        return -1;
+    }
+    if (snprintf(lp, sizeof(lp), "%s.lock", real) >= (int)sizeof(lp)) {
+        dp_buf_printf(err, "audit file %s: name too long", path);
+        return -1;
+    }
+    char what[PATH_MAX + 64];
+    snprintf(what, sizeof(what), "audit file %s", path);
+    int fd = take_lock(lp, what, err);
+    if (fd < 0)
+        return -1;
+    int ffd = open(real, O_RDONLY | O_CREAT | O_CLOEXEC, 0640);
+    if (ffd < 0) {
+        /* not creatable: the writer's own open says why (and fails closed) */
+    } else if (flock(ffd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        dp_buf_printf(err, "%s is in use by another detproxy under another name (a hard link: %s)",
+                      what, e == EWOULDBLOCK ? "locked" : strerror(e));
+        close(ffd);
+        close(fd);
+        return -1;
+    }
+    *file_fd = ffd;
+    return fd;
+}
+
+static void log_locked(const dp_buf_t *why)
+{
+    dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "audit_locked");
+    if (w) {
+        dp_jw_strn(w, "detail", why->base ? why->base : "", why->len);
+        dp_log_end(w);
+    }
+}
+
+/* ---- batches --------------------------------------------------------------------------------- */
 
 static void batch_clear(batch_t *b)
 {
     for (size_t i = 0; i < b->nblobs; i++)
         free(b->blobs[i].bytes);
     b->nblobs = 0;
-    dp_buf_reset(&b->lines);
-    batch_init(b);
+    b->ne = 0;
+    b->has_reopen = false;
+    dp_buf_reset(&b->raw);
 }
 
 static void batch_free(batch_t *b)
 {
     batch_clear(b);
     free(b->blobs);
-    dp_buf_free(&b->lines);
+    free(b->e);
+    dp_buf_free(&b->raw);
+}
+
+static bool batch_empty(const batch_t *b)
+{
+    return b->ne == 0;
+}
+
+static entry_t *batch_add(batch_t *b, entry_kind_t kind)
+{
+    if (b->ne == b->ecap) {
+        b->ecap = b->ecap ? b->ecap * 2 : 16;
+        b->e = dp_xrealloc(b->e, b->ecap * sizeof(*b->e));
+    }
+    entry_t *e = &b->e[b->ne++];
+    memset(e, 0, sizeof(*e));
+    e->kind = kind;
+    e->blob0 = b->nblobs;
+    return e;
+}
+
+/* Write w_out (the segment of entries [from, to) that is in it) to the file; on a failure cut
+ * the file back to where it was and fail those entries. 0 or a negative errno. */
+static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c)
+{
+    batch_t *b = &a->inflight;
+    int rc = 0;
+    if (a->w_out.len == 0)
+        goto done;
+    if (a->fd < 0)
+        a->fd = open_file(a->w_path); /* a failed open earlier: try again */
+    if (a->fd < 0) {
+        a->w_op = "open";
+        rc = -errno;
+        goto done;
+    }
+    struct stat st;
+    off_t was = fstat(a->fd, &st) == 0 ? st.st_size : -1;
+    rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
+    if (rc != 0) {
+        a->w_op = "write";
+        /* A partial write (ENOSPC) would leave a fragment the next line is appended to: the file
+         * goes back to its last complete line, where the chain still is. */
+        if (was >= 0 && ftruncate(a->fd, was) != 0)
+            a->w_op = "write (and cutting back its partial line failed)";
+    }
+done:
+    if (rc == 0) {
+        a->chain = *c;
+    } else {
+        *c = a->chain;
+        for (size_t i = from; i < to; i++)
+            if (b->e[i].in_file && b->e[i].kind == E_LINE)
+                b->e[i].status = rc;
+    }
+    for (size_t i = from; i < to; i++)
+        b->e[i].in_file = false;
+    dp_buf_reset(&a->w_out);
+    return rc;
 }
 
 /* The batch's file work; on the thread pool (or on the loop at shutdown). Touches only the
- * batch, fd and the w_* fields: the loop leaves them alone while `writing`. */
+ * batch, fd, chain and the w_* fields: the loop leaves them alone while `writing`. */
 static void write_batch(px_audit_t *a)
 {
     batch_t *b = &a->inflight;
     a->w_status = a->w_store_status = 0;
-    for (size_t i = 0; i < b->nblobs; i++) {
-        int rc = audit_store_put(a->w_store, b->blobs[i].sha, b->blobs[i].bytes, b->blobs[i].n,
-                                 &a->w_store_op);
-        if (rc != 0)
-            a->w_store_status = rc; /* the line is still written: verify names the gap */
-    }
-    if (a->fd < 0)
-        a->fd = open_file(a->w_path); /* a failed open earlier: try again */
-    size_t split = b->split == SIZE_MAX ? b->lines.len : b->split;
-    if (a->fd < 0) {
-        a->w_op = "open";
-        a->w_status = UV_EBADF;
-    } else if ((a->w_status = audit_write_all(a->fd, b->lines.base, split)) != 0) {
-        a->w_op = "write";
-    }
-    if (b->split == SIZE_MAX)
-        return;
-    int fd = open_file(a->w_path);
-    if (fd < 0) {
-        a->w_op = "open";
-        a->w_status = -errno;
-        if (a->fd < 0)
-            return;
-    } else {
-        if (a->fd >= 0) {
-            fsync(a->fd); /* the old file is finished: make it whole on disk now */
-            close(a->fd);
+    a->w_failed_lines = 0;
+    audit_chain_t c = a->chain;
+    size_t seg = 0;
+    int failed = 0; /* once a segment failed, the rest of the batch is not written */
+    for (size_t i = 0; i < b->ne; i++) {
+        entry_t *e = &b->e[i];
+        if (e->kind == E_REOPEN) {
+            if (failed == 0 && (failed = flush_segment(a, seg, i, &c)) != 0)
+                a->w_status = failed;
+            seg = i + 1;
+            int fd = open_file(a->w_path);
+            if (fd < 0) {
+                a->w_op = "open";
+                a->w_status = -errno;
+                continue; /* stay on the old file */
+            }
+            if (a->fd >= 0) {
+                fsync(a->fd); /* the old file is finished: make it whole on disk now */
+                close(a->fd);
+            }
+            a->fd = fd;
+            failed = 0; /* a new file (perhaps another disk): try it */
+            continue;
         }
-        a->fd = fd;
+        if (failed) {
+            if (e->kind == E_LINE)
+                e->status = failed;
+            continue;
+        }
+        if (e->kind == E_CHECKPOINT) {
+            if (a->w_key &&
+                audit_chain_checkpoint(&c, a->w_key, e->reason, dp_wall_ms(), &a->w_out) != 0) {
+                a->w_op = "sign";
+                a->w_status = UV_EINVAL;
+            }
+            continue;
+        }
+        int bs = 0;
+        for (size_t k = e->blob0; k < e->blob0 + e->nblob && a->w_store; k++) {
+            int rc = audit_store_put(a->w_store, b->blobs[k].sha, b->blobs[k].bytes, b->blobs[k].n,
+                                     &a->w_store_op);
+            if (rc != 0)
+                bs = a->w_store_status = rc;
+        }
+        e->status = bs;
+        if (bs != 0 && a->w_closed)
+            continue; /* fail closed: the request is refused, so no line says it was answered */
+        if (audit_chain_append(&c, b->raw.base + e->off, e->len, &a->w_out) != 0) {
+            e->status = UV_EINVAL;
+            a->w_op = "format";
+            a->w_status = UV_EINVAL;
+            continue;
+        }
+        e->in_file = true;
+        if (a->w_key && c.since_checkpoint >= a->w_lines &&
+            audit_chain_checkpoint(&c, a->w_key, "interval", dp_wall_ms(), &a->w_out) != 0) {
+            a->w_op = "sign";
+            a->w_status = UV_EINVAL;
+        }
     }
-    int rc = audit_write_all(a->fd, b->lines.base + split, b->lines.len - split);
-    if (rc != 0) {
-        a->w_op = "write";
-        a->w_status = rc;
-    }
+    if (failed == 0 && (failed = flush_segment(a, seg, b->ne, &c)) != 0)
+        a->w_status = failed;
+    for (size_t i = 0; i < b->ne; i++)
+        if (b->e[i].kind == E_LINE && b->e[i].status != 0)
+            a->w_failed_lines++;
 }
 
 static void work_cb(uv_work_t *req)
 {
     write_batch(req->data);
+}
+
+static void note_anchor(px_audit_t *a)
+{
+    if (a->chain.seq == a->anchor_seq && strcmp(a->chain.checkpoint, a->anchor_sha) == 0)
+        return;
+    if (a->anchor_sha[0])
+        px_metrics_drop("audit", "checkpoint", NULL, NULL); /* one anchor series at a time */
+    a->anchor_seq = a->chain.seq;
+    memcpy(a->anchor_sha, a->chain.checkpoint, sizeof(a->anchor_sha));
+    if (a->anchor_sha[0] == '\0')
+        return;
+    px_metrics_set(a->m_seq, (double)a->anchor_seq);
+    char seq[24];
+    snprintf(seq, sizeof(seq), "%llu", (unsigned long long)a->anchor_seq);
+    px_metrics_set(px_metrics_get("detproxy_audit_checkpoint_info", "audit", "checkpoint", "seq",
+                                  seq, "sha256", a->anchor_sha, NULL),
+                   1);
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "audit_checkpoint");
+    if (w) {
+        dp_jw_str(w, "path", a->path);
+        dp_jw_uint(w, "seq", a->anchor_seq);
+        dp_jw_str(w, "sha256", a->anchor_sha);
+        dp_log_end(w);
+    }
+}
+
+/* The file is empty (new, or rotated away): the lock file kept the chain's head (found 1), or
+ * its second line is not one (-1: the chain starts at genesis, which `audit verify` across
+ * the files will show as a break at this file's first line). */
+static void log_head(px_audit_t *a, int found)
+{
+    dp_jw_t *w = dp_log_begin(found > 0 ? DP_LOG_INFO : DP_LOG_WARN,
+                              found > 0 ? "audit_chain_continued" : "audit_chain_head_unreadable");
+    if (w) {
+        dp_jw_str(w, "path", a->path);
+        if (found > 0) {
+            dp_jw_str(w, "prev_sha256", a->chain.prev);
+            dp_jw_uint(w, "checkpoint_seq", a->chain.seq);
+        }
+        dp_jw_str(w, "detail",
+                  found > 0 ? "the file is empty: its first line continues the chain the lock "
+                              "file's head names (the previous file, rotated away)"
+                            : "the file is empty and the lock file's second line is not a chain "
+                              "head: the chain starts at genesis here");
+        dp_log_end(w);
+    }
+}
+
+/* Back on the loop: errors, state, then every line's callback with its own status. */
+static void batch_done(px_audit_t *a)
+{
+    batch_t *b = &a->inflight;
+    if (a->w_store_status != 0)
+        log_error(a, a->w_store_op, a->w_store_status);
+    if (a->w_status != 0)
+        log_error(a, a->w_op, a->w_status);
+    bool ok = a->w_status == 0 && a->w_store_status == 0;
+    atomic_store_explicit(&a->writable, ok, memory_order_relaxed);
+    px_metrics_set(a->m_writable, ok ? 1 : 0);
+    if (a->w_failed_lines)
+        px_metrics_add(a->m_errors, (double)a->w_failed_lines);
+    a->errors += a->w_failed_lines;
+    if (b->nblobs)
+        a->store_dirty = true;
+    a->dirty = true;
+    save_head(a);
+    free(a->w_path);
+    free(a->w_store);
+    a->w_path = a->w_store = NULL;
+    a->w_key = NULL;
+    for (size_t i = 0; i < a->nretired; i++)
+        attest_key_free(a->retired[i]);
+    a->nretired = 0;
+    note_anchor(a);
+}
+
+static void run_callbacks(px_audit_t *a, batch_t *b)
+{
+    for (size_t i = 0; i < b->ne; i++) {
+        entry_t *e = &b->e[i];
+        if (e->kind != E_LINE)
+            continue;
+        if (e->status == 0)
+            a->lines++;
+        if (e->cb)
+            e->cb(e->data, e->status);
+    }
 }
 
 static void after_work_cb(uv_work_t *req, int status)
@@ -169,9 +523,9 @@ static void after_work_cb(uv_work_t *req, int status)
     (void)status;
     batch_done(a);
     a->writing = false;
-    waiter_t *w = a->inflight.w;
+    /* Callbacks may queue more lines (into pending): the batch is cleared after them. */
+    run_callbacks(a, &a->inflight);
     batch_clear(&a->inflight);
-    run_waiters(w, a->w_status);
     start_write(a);
 }
 
@@ -180,31 +534,17 @@ static void swap_batches(px_audit_t *a)
     batch_t t = a->inflight;
     a->inflight = a->pending;
     a->pending = t;
-    if (a->inflight.w == NULL)
-        a->inflight.tail = &a->inflight.w;
     batch_clear(&a->pending);
     a->w_path = dp_xstrdup(a->path);
     a->w_store = a->store ? dp_xstrdup(a->store) : NULL;
-}
-
-static void batch_done(px_audit_t *a)
-{
-    if (a->w_store_status != 0)
-        log_error(a, a->w_store_op, a->w_store_status);
-    if (a->w_status != 0)
-        log_error(a, a->w_op, a->w_status);
-    if (a->inflight.nblobs)
-        a->store_dirty = true;
-    a->dirty = true;
-    free(a->w_path);
-    free(a->w_store);
-    a->w_path = a->w_store = NULL;
+    a->w_key = a->key;
+    a->w_lines = a->checkpoint_lines;
+    a->w_closed = a->fail_closed;
 }
 
 static void start_write(px_audit_t *a)
 {
-    if (a->writing || a->closing ||
-        (a->pending.lines.len == 0 && a->pending.nblobs == 0 && a->pending.split == SIZE_MAX))
+    if (a->writing || a->closing || batch_empty(&a->pending))
         return;
     swap_batches(a);
     a->writing = true;
@@ -251,25 +591,103 @@ static void fsync_timer_cb(uv_timer_t *t)
         a->syncing = false;
 }
 
-static void resume_chain(px_audit_t *a, const char *path)
+/* ---- open: resume the chain, repair a torn tail ---------------------------------------------- */
+
+/* The file ends with bytes after its last '\n' (a crash mid-write): set it aside as
+ * PATH.torn-TIME, untouched, and start PATH with a repair line that names the fragment and
+ * chains from the last complete line. */
+static void repair_torn(px_audit_t *a, const audit_torn_t *t)
 {
-    int rc = audit_chain_resume(&a->chain, path);
+    char ts[32], rotated[4200];
+    uint64_t now = dp_wall_ms();
+    dp_iso8601(ts, now);
+    /* 2026-01-02T03:04:05.678Z -> 20260102T030405Z: a name without ':' */
+    char compact[24];
+    size_t k = 0;
+    for (const char *p = ts; *p && *p != '.' && k < sizeof(compact) - 2; p++)
+        if (*p != '-' && *p != ':')
+            compact[k++] = *p;
+    compact[k++] = 'Z';
+    compact[k] = '\0';
+    snprintf(rotated, sizeof(rotated), "%s.torn-%s", a->path, compact);
+    if (rename(a->path, rotated) != 0) {
+        log_error(a, "rotate_torn", -errno);
+        return; /* appending after the fragment: verify names the break */
+    }
+    const char *base = strrchr(rotated, '/');
+    base = base ? base + 1 : rotated;
+    dp_buf_t out = {0};
+    audit_chain_repair(&a->chain, t, base, now, &out);
+    int fd = open_file(a->path);
+    int rc = fd < 0 ? -errno : audit_write_all(fd, out.base, out.len);
+    if (rc == 0 && fsync(fd) != 0)
+        rc = -errno;
+    if (fd >= 0)
+        close(fd);
+    dp_buf_free(&out);
     if (rc != 0)
-        log_error(a, "resume_chain", rc);
+        log_error(a, "write", rc);
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "audit_torn_tail");
+    if (w) {
+        dp_jw_str(w, "path", a->path);
+        dp_jw_str(w, "set_aside", rotated);
+        dp_jw_uint(w, "torn_offset", t->offset);
+        dp_jw_uint(w, "torn_bytes", t->len);
+        dp_jw_str(w, "torn_sha256", t->sha256);
+        dp_log_end(w);
+    }
 }
 
-px_audit_t *px_audit_open(uv_loop_t *loop, const char *path)
+px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
 {
+    dp_buf_t why = {0};
+    int file_lock = -1;
+    int lock = lock_path(path, &file_lock, &why);
+    if (lock < 0) {
+        log_locked(&why);
+        if (err)
+            dp_buf_append(err, why.base, why.len);
+        dp_buf_free(&why);
+        return NULL;
+    }
+    dp_buf_free(&why);
     px_audit_t *a = dp_xcalloc(1, sizeof(*a));
     a->loop = loop;
     a->path = dp_xstrdup(path);
-    batch_init(&a->pending);
-    batch_init(&a->inflight);
+    a->lock_fd = lock;
+    a->file_lock_fd = file_lock;
+    a->store_lock_fd = -1;
+    a->checkpoint_lines = 1000;
+    a->fail_closed = true;
+    atomic_init(&a->writable, true);
+    px_metrics_family("detproxy_audit_writable", PX_GAUGE,
+                      "1 while the audit trail's last write succeeded, 0 after a failed one.");
+    px_metrics_family("detproxy_audit_checkpoint_seq", PX_GAUGE,
+                      "The seq of the audit trail's latest signed checkpoint (the anchor).");
+    px_metrics_family("detproxy_audit_checkpoint_info", PX_GAUGE,
+                      "Always 1; seq and sha256 of the latest checkpoint line (the anchor).");
     a->m_errors = px_metrics_get("detproxy_audit_write_errors_total", NULL);
-    resume_chain(a, path);
+    a->m_seq = px_metrics_get("detproxy_audit_checkpoint_seq", NULL);
+    a->m_writable = px_metrics_get("detproxy_audit_writable", NULL);
+    px_metrics_set(a->m_writable, 1);
+    audit_torn_t torn;
+    struct stat st;
+    bool empty = stat(path, &st) != 0 || st.st_size == 0;
+    int rc = audit_chain_resume_torn(&a->chain, path, &torn);
+    if (rc != 0)
+        log_error(a, "resume_chain", rc);
+    else if (torn.torn)
+        repair_torn(a, &torn);
+    else if (empty && (rc = load_head(lock, &a->chain)) != 0)
+        log_head(a, rc);
+    a->anchor_sha[0] = '\0';
+    note_anchor(a);
     a->fd = open_file(path);
-    if (a->fd < 0)
+    if (a->fd < 0) {
         log_error(a, "open", -errno);
+        atomic_store(&a->writable, false);
+        px_metrics_set(a->m_writable, 0);
+    }
     uv_timer_init(loop, &a->fsync_timer);
     a->fsync_timer.data = a;
     uv_timer_start(&a->fsync_timer, fsync_timer_cb, FSYNC_EVERY_MS, FSYNC_EVERY_MS);
@@ -278,17 +696,36 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path)
 }
 
 int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key,
-                       uint32_t checkpoint_lines)
+                       uint32_t checkpoint_lines, bool fail_closed)
 {
-    free(a->store);
-    a->store = store ? dp_xstrdup(store) : NULL;
-    a->checkpoint_lines = checkpoint_lines ? checkpoint_lines : 1000;
-    attest_key_t *k = NULL;
     int rc = 0;
+    if ((store == NULL) != (a->store == NULL) || (store && strcmp(store, a->store) != 0)) {
+        if (a->store_lock_fd >= 0)
+            close(a->store_lock_fd);
+        a->store_lock_fd = -1;
+        free(a->store);
+        a->store = NULL;
+        if (store) {
+            char lp[4096], what[4200];
+            snprintf(lp, sizeof(lp), "%s/.lock", store);
+            snprintf(what, sizeof(what), "audit store %s", store);
+            dp_buf_t why = {0};
+            a->store_lock_fd = take_lock(lp, what, &why);
+            if (a->store_lock_fd < 0) {
+                log_locked(&why);
+                rc = -2;
+            } else {
+                a->store = dp_xstrdup(store);
+            }
+            dp_buf_free(&why);
+        }
+    }
+    a->checkpoint_lines = checkpoint_lines ? checkpoint_lines : 1000;
+    a->fail_closed = fail_closed;
+    attest_key_t *k = NULL;
     if (signing_key) {
         dp_buf_t err = {0};
-        rc = attest_key_load(signing_key, true, &k, &err);
-        if (rc != 0) {
+        if (attest_key_load(signing_key, true, &k, &err) != 0) {
             dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "audit_signing_key_failed");
             if (w) {
                 dp_jw_str(w, "path", signing_key);
@@ -296,10 +733,17 @@ int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key
                 dp_log_end(w);
             }
             k = NULL;
+            if (rc == 0)
+                rc = -1;
         }
         dp_buf_free(&err);
     }
-    attest_key_free(a->key);
+    if (a->writing && a->key) {
+        a->retired = dp_xrealloc(a->retired, (a->nretired + 1) * sizeof(*a->retired));
+        a->retired[a->nretired++] = a->key;
+    } else {
+        attest_key_free(a->key);
+    }
     a->key = k;
     return rc;
 }
@@ -309,23 +753,37 @@ bool px_audit_stores(const px_audit_t *a)
     return a && a->store != NULL;
 }
 
-static void checkpoint(px_audit_t *a, const char *reason)
+bool px_audit_writable(const px_audit_t *a)
 {
-    if (a->key &&
-        audit_chain_checkpoint(&a->chain, a->key, reason, dp_wall_ms(), &a->pending.lines) != 0)
-        log_error(a, "sign", UV_EINVAL);
+    return a && atomic_load_explicit(&a->writable, memory_order_relaxed);
+}
+
+void px_audit_state(const px_audit_t *a, px_audit_state_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->seq = a->anchor_seq;
+    memcpy(out->sha256, a->anchor_sha, sizeof(out->sha256));
+    out->lines = a->lines;
+    out->errors = a->errors;
+    out->path = a->path;
+    out->store = a->store;
+    out->writable = px_audit_writable(a);
+    out->signing = a->key != NULL;
+    out->fail_closed = a->fail_closed;
 }
 
 void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
                            size_t nb, px_audit_cb cb, void *data)
 {
     batch_t *p = &a->pending;
+    entry_t *e = batch_add(p, E_LINE);
     for (size_t i = 0; a->store && i < nb; i++) {
-        if (p->nblobs == p->cap) {
-            p->cap = p->cap ? p->cap * 2 : 8;
-            p->blobs = dp_xrealloc(p->blobs, p->cap * sizeof(*p->blobs));
+        if (p->nblobs == p->bcap) {
+            p->bcap = p->bcap ? p->bcap * 2 : 8;
+            p->blobs = dp_xrealloc(p->blobs, p->bcap * sizeof(*p->blobs));
         }
         blob_t *x = &p->blobs[p->nblobs++];
+        e->nblob++;
         memcpy(x->sha, b[i].sha256, 65);
         if (b[i].take) {
             x->n = b[i].take->len;
@@ -337,17 +795,11 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
             memcpy(x->bytes, b[i].base, b[i].len);
         x->n = b[i].len;
     }
-    if (audit_chain_append(&a->chain, line, n, &p->lines) != 0)
-        log_error(a, "format", UV_EINVAL);
-    if (a->key && a->chain.since_checkpoint >= a->checkpoint_lines)
-        checkpoint(a, "interval");
-    if (cb) {
-        waiter_t *w = dp_xcalloc(1, sizeof(*w));
-        w->cb = cb;
-        w->data = data;
-        *p->tail = w;
-        p->tail = &w->next;
-    }
+    e->off = p->raw.len;
+    dp_buf_append(&p->raw, line, n);
+    e->len = n;
+    e->cb = cb;
+    e->data = data;
     start_write(a);
 }
 
@@ -363,8 +815,8 @@ typedef struct {
     unsigned slot; /* the submitting worker's */
     dp_buf_t line;
     size_t nb;
-    char sha[2][65];
-    dp_buf_t bytes[2];
+    char sha[PX_AUDIT_MAX_BODIES][65];
+    dp_buf_t bytes[PX_AUDIT_MAX_BODIES];
     px_audit_cb cb;
     void *data;
     int status;
@@ -401,14 +853,14 @@ static void write_posted(net_mb_node_t *n)
 {
     audit_msg_t *m = (audit_msg_t *)n;
     px_audit_t *a = m->px->audit;
-    if (a == NULL) { /* turned off by a reload in the meantime */
+    if (a == NULL) { /* turned off by a reload in the meantime, or its file is locked */
         if (m->cb)
             written(m, UV_ECANCELED);
         else
             audit_msg_free(m);
         return;
     }
-    px_audit_body_t b[2];
+    px_audit_body_t b[PX_AUDIT_MAX_BODIES];
     for (size_t i = 0; i < m->nb; i++)
         b[i] = (px_audit_body_t){m->sha[i], NULL, 0, &m->bytes[i]};
     px_audit_write_bodies(a, m->line.base, m->line.len, b, m->nb, m->cb ? written : NULL, m);
@@ -419,6 +871,8 @@ static void write_posted(net_mb_node_t *n)
 void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t *b, size_t nb,
                      px_audit_cb cb, void *data)
 {
+    if (nb > PX_AUDIT_MAX_BODIES)
+        nb = PX_AUDIT_MAX_BODIES;
     if (px_thread_on_control()) {
         if (px->audit)
             px_audit_write_bodies(px->audit, line, n, b, nb, cb, data);
@@ -430,7 +884,7 @@ void px_audit_submit(px_t *px, const char *line, size_t n, const px_audit_body_t
     m->px = px;
     m->slot = px_thread_slot();
     dp_buf_append(&m->line, line, n);
-    for (size_t i = 0; i < nb && i < 2; i++) {
+    for (size_t i = 0; i < nb; i++) {
         memcpy(m->sha[i], b[i].sha256, 65);
         if (b[i].take)
             m->bytes[i] = *b[i].take, memset(b[i].take, 0, sizeof(*b[i].take));
@@ -453,14 +907,31 @@ void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, v
 void px_audit_reopen(px_audit_t *a, const char *path)
 {
     if (path && strcmp(path, a->path) != 0) {
+        dp_buf_t why = {0};
+        int file_lock = -1;
+        int lock = lock_path(path, &file_lock, &why);
+        if (lock < 0) {
+            log_locked(&why);
+            dp_buf_free(&why);
+            return;
+        }
+        dp_buf_free(&why);
+        close(a->lock_fd);
+        if (a->file_lock_fd >= 0)
+            close(a->file_lock_fd);
+        a->lock_fd = lock;
+        a->file_lock_fd = file_lock;
         free(a->path);
         a->path = dp_xstrdup(path);
     }
     /* A checkpoint closes the old file; the new file's first line names it. Two reopens before
-     * a batch starts: the first one's split stands, the second is folded into it. */
-    checkpoint(a, "reopen");
-    if (a->pending.split == SIZE_MAX)
-        a->pending.split = a->pending.lines.len;
+     * a batch starts: the second is folded into the first. */
+    if (a->key)
+        batch_add(&a->pending, E_CHECKPOINT)->reason = "reopen";
+    if (!a->pending.has_reopen) {
+        batch_add(&a->pending, E_REOPEN);
+        a->pending.has_reopen = true;
+    }
     start_write(a);
 }
 
@@ -475,11 +946,13 @@ void px_audit_close(px_audit_t *a)
     while (a->writing || a->syncing)
         uv_run(a->loop, UV_RUN_ONCE);
     a->closing = true;
-    checkpoint(a, "shutdown");
-    if (a->pending.lines.len || a->pending.nblobs || a->pending.split != SIZE_MAX) {
+    if (a->key)
+        batch_add(&a->pending, E_CHECKPOINT)->reason = "shutdown";
+    if (!batch_empty(&a->pending)) {
         swap_batches(a);
         write_batch(a);
         batch_done(a);
+        run_callbacks(a, &a->inflight);
     }
     sync_store(a);
     if (a->fd >= 0) {
@@ -487,13 +960,21 @@ void px_audit_close(px_audit_t *a)
         close(a->fd);
         a->fd = -1;
     }
-    run_waiters(a->inflight.w, 0);
-    run_waiters(a->pending.w, 0);
+    for (size_t i = 0; i < a->pending.ne; i++) /* queued by the callbacks above: not written */
+        a->pending.e[i].status = UV_ECANCELED;
+    run_callbacks(a, &a->pending);
     batch_free(&a->pending);
     batch_free(&a->inflight);
+    dp_buf_free(&a->w_out);
     attest_key_free(a->key);
+    free(a->retired);
     free(a->store);
     free(a->path);
+    if (a->store_lock_fd >= 0)
+        close(a->store_lock_fd);
+    if (a->file_lock_fd >= 0)
+        close(a->file_lock_fd);
+    close(a->lock_fd);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);
 }

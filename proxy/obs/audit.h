@@ -1,12 +1,23 @@
 /* The audit trail file (docs/policy.md §7, docs/operations.md "Evidence"): JSON lines appended with
  * O_APPEND through libuv's thread pool, so a slow disk never blocks the event loop. fsync at most
- * once a second and at shutdown; reopened on SIGHUP for log rotation; a failed write is logged and
- * counted (detproxy_audit_write_errors_total), never fatal.
+ * once a second and at shutdown; reopened on SIGHUP for log rotation.
  *
- * Every line is hash-chained (attest/audit.h; the chain resumes from the file's last line
- * at open and carries across reopens); with a signing key, a signed checkpoint line follows
- * every checkpoint_lines lines, closes the old file at reopen and the file at shutdown. With a
- * store, the bodies queued with a line are written (content-addressed) before that line. */
+ * One writer: the file (and the store) are locked for the life of the process (PATH.lock,
+ * STORE/.lock, flock(2), holding the writer's pid), so a second instance on the same files
+ * refuses to start instead of interleaving lines.
+ *
+ * Every line is hash-chained (attest/audit.h); the chain resumes from the file's last complete
+ * line at open and carries across reopens. A file whose last line a crash tore is set aside at
+ * open (PATH.torn-TIME) and the new file starts with a repair line naming the torn bytes. With a
+ * signing key, a signed checkpoint line (numbered: seq) follows every checkpoint_lines lines,
+ * closes the old file at reopen and the file at shutdown; the latest one is the anchor
+ * (px_audit_anchor: logged as audit_checkpoint, exported as a metric, served by the admin API).
+ *
+ * Lines are chained when their batch is written, not when queued: a batch that fails (a full
+ * disk) is cut back out of the file (ftruncate to where it started) and the chain stays at the
+ * last line on disk, so a write error never leaves a fragment or a gap in the chain. Each line's
+ * callback gets its own status. With fail_closed, a line whose stored bodies cannot be written
+ * is not written either (its request is refused: no line claims an answer nobody got). */
 #ifndef PX_AUDIT_H
 #define PX_AUDIT_H
 
@@ -20,17 +31,36 @@
 
 typedef struct px_audit_s px_audit_t;
 
-/* Called once the line was handed to the kernel (or failed: status < 0). */
+/* Called once the line was handed to the kernel (status 0) or could not be (status < 0). */
 typedef void (*px_audit_cb)(void *data, int status);
 
-px_audit_t *px_audit_open(uv_loop_t *loop, const char *path);
+/* Lock PATH.lock, recover a torn tail, open the file. NULL when another process holds the lock
+ * (logged as audit_locked, naming its pid) or the lock file cannot be made; *err (may be NULL)
+ * then says why. */
+px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err);
 /* Queue one line (copied). cb (may be NULL) runs once the write containing it completed. */
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data);
-/* Store folder (NULL: none), signing key file (NULL: no checkpoints), checkpoint interval;
- * at start and on reload. A key that does not load is logged and means no checkpoints; -1. */
+/* Store folder (NULL: none), signing key file (NULL: no checkpoints), checkpoint interval,
+ * and whether a line whose bodies failed is dropped (fail_closed); at start and on reload.
+ * 0; -1 when the key does not load (logged: no checkpoints); -2 when another process holds
+ * the store's lock (logged; bodies are then not stored). */
 int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key,
-                       uint32_t checkpoint_lines);
+                       uint32_t checkpoint_lines, bool fail_closed);
 bool px_audit_stores(const px_audit_t *a);
+/* false from a failed write until a write succeeds again; any thread (a relaxed read). */
+bool px_audit_writable(const px_audit_t *a);
+
+typedef struct {
+    uint64_t seq;      /* 0: no checkpoint yet */
+    char sha256[65];   /* of the checkpoint line */
+    uint64_t lines;    /* lines written since start */
+    uint64_t errors;   /* failed writes since start */
+    const char *path;  /* borrowed */
+    const char *store; /* borrowed, NULL none */
+    bool writable, signing, fail_closed;
+} px_audit_state_t;
+/* The writer's state for the admin API (control thread). */
+void px_audit_state(const px_audit_t *a, px_audit_state_t *out);
 
 typedef struct {
     const char *sha256; /* 64 hex + NUL: the body's name in the store */
@@ -42,15 +72,17 @@ typedef struct {
 void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
                            size_t nb, px_audit_cb cb, void *data);
 /* From any thread: px_audit_write_bodies on px->audit, on the control thread; cb runs on the
- * calling thread's loop once the line is written (status < 0: failed, or the writer's queue
- * was full). */
+ * calling thread's loop once the line is written (status < 0: failed, or there is no writer).
+ * At most PX_AUDIT_MAX_BODIES bodies. */
+#define PX_AUDIT_MAX_BODIES 3
 struct px_s;
 void px_audit_submit(struct px_s *px, const char *line, size_t n, const px_audit_body_t *b,
                      size_t nb, px_audit_cb cb, void *data);
-/* Reopen the file at path (rotation); pending lines go to the new file. */
+/* Reopen the file at path (rotation); pending lines go to the new file. A new path whose lock
+ * another process holds is refused (logged): the writer stays on its file. */
 void px_audit_reopen(px_audit_t *a, const char *path);
-/* Flush everything synchronously, fsync, close and free (shutdown). Callbacks of pending lines
- * run with their status before it returns. */
+/* Flush everything synchronously, fsync, close, unlock and free (shutdown). Callbacks of
+ * pending lines run with their status before it returns. */
 void px_audit_close(px_audit_t *a);
 
 #endif

@@ -10,15 +10,20 @@
  *     rules and the normalisation reach a fixpoint; a TGI tenant forcing top_p 1 still logs
  *     "forced" then "removed" each time, so the change list need not be empty), same seed;
  *   - a seed sent upstream is within [0, 2^63-1]; a derived one below 2^31;
+ *   - every count a tenant's rule governs (max_tokens and each alias, n) is forwarded as an
+ *     integer >= 1 or not at all (docs/policy.md §3, "Counts");
  *   - policy_jcs output is accepted by policy_jcs and maps to itself;
  *   - the SSE rewriter produces the same bytes whatever the split point.
  *
  * Build: clang -fsanitize=fuzzer,address,undefined, linked with dp_policy compiled with
  * -fsanitize=fuzzer-no-link,address,undefined (the DP_FUZZ CMake option). Seed corpus:
  * tests/fuzz/corpus/policy/. */
+#define _GNU_SOURCE /* memmem */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <cjson/cJSON.h>
 
 #include "policy/policy.h"
 
@@ -62,6 +67,34 @@ static void tenants_init(cfg_tenant_t t[3])
 
 static const char *const frameworks[] = {NULL, "vllm", "tgi", "sglang", "llamacpp", "other"};
 
+/* The forwarded body's counts: each one t governs is absent, or a number >= 1. cJSON reads
+ * numbers as doubles, which keeps "below 1" exact. The body has no duplicate keys (refused). */
+static void check_counts(const cfg_tenant_t *t, const char *body, size_t n)
+{
+    static const struct {
+        const char *key;
+        cfg_param_t rule;
+    } counts[] = {{"max_tokens", CFG_PARAM_MAX_TOKENS},
+                  {"max_completion_tokens", CFG_PARAM_MAX_TOKENS},
+                  {"n_predict", CFG_PARAM_MAX_TOKENS},
+                  {"max_new_tokens", CFG_PARAM_MAX_TOKENS},
+                  {"n", CFG_PARAM_N}};
+    /* cJSON ends strings at a NUL: "n\u0000x" would read as the key n. */
+    if (memmem(body, n, "\\u0000", 6) != NULL)
+        return;
+    cJSON *doc = cJSON_ParseWithLength(body, n);
+    if (doc == NULL) /* numbers cJSON cannot read (longer than it takes): nothing to check */
+        return;
+    for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
+        const cfg_rule_t *r = &t->rules[counts[i].rule];
+        if (!(r->has_force || r->has_default || r->has_min || r->has_max))
+            continue;
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(doc, counts[i].key);
+        CHECK(v == NULL || cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble >= 1));
+    }
+    cJSON_Delete(doc);
+}
+
 static void check_requests(const uint8_t sel, const char *body, size_t n)
 {
     static cfg_tenant_t t[3];
@@ -87,15 +120,18 @@ static void check_requests(const uint8_t sel, const char *body, size_t n)
     CHECK(res.nchanges <= POLICY_MAX_CHANGES);
     CHECK(!res.has_seed || res.seed <= (uint64_t)INT64_MAX);
     CHECK(!res.seed_derived || res.seed < 2147483648u);
-    CHECK(res.rewritten || (res.body.base == body && res.body.len == n));
+    CHECK(res.rewritten || (policy_body(r, &res).base == body && policy_body(r, &res).len == n));
     CHECK(res.comparable == ((res.has_temperature && res.temperature == 0) || res.has_seed));
+    CHECK(!res.has_max_tokens || !(tn->rules[CFG_PARAM_MAX_TOKENS].has_max) || res.max_tokens >= 1);
+    check_counts(tn, policy_body(r, &res).base, policy_body(r, &res).len);
 
     /* The forwarded body is policed again and nothing moves. */
-    CHECK(policy_parse(r2, route, res.body.base, res.body.len, &err) == 0);
+    CHECK(policy_parse(r2, route, policy_body(r, &res).base, policy_body(r, &res).len, &err) == 0);
     dp_iovec_t m1 = res.model, m2 = policy_model(r2);
     CHECK(same(m1.base, m1.len, m2.base, m2.len));
     CHECK(policy_apply(r2, tn, fw, &res2, &err) == 0);
-    CHECK(same(res2.body.base, res2.body.len, res.body.base, res.body.len));
+    CHECK(same(policy_body(r2, &res2).base, policy_body(r2, &res2).len, policy_body(r, &res).base,
+               policy_body(r, &res).len));
     CHECK(res.rewritten || !res2.rewritten);
     CHECK(res2.has_seed == res.has_seed && res2.seed == res.seed);
     CHECK(res2.stream == res.stream);

@@ -106,7 +106,8 @@ class Factory:
 
     def leaf(self, ca, name, cn, dns=(), ips=(), client=False, start=None, end=None,
              days=365):
-        """A leaf signed by ca. start/end: "YYYYMMDDHHMMSSZ" (both or neither)."""
+        """A leaf signed by ca. start/end: "YYYYMMDDHHMMSSZ" (both or neither). client="both":
+        server and client use (etcd's gateway dials its own server with its certificate)."""
         key = self.key(name)
         csr = self.path(name + ".csr")
         _run(["openssl", "req", "-new", "-key", key, "-out", csr, "-subj", "/CN=" + cn])
@@ -115,7 +116,8 @@ class Factory:
         with open(ext, "w") as f:
             f.write("[ leaf ]\nbasicConstraints = critical, CA:false\n"
                     "keyUsage = critical, digitalSignature, keyEncipherment\n")
-            f.write("extendedKeyUsage = %s\n" % ("clientAuth" if client else "serverAuth"))
+            f.write("extendedKeyUsage = %s\n" % ("serverAuth, clientAuth" if client == "both"
+                                                  else "clientAuth" if client else "serverAuth"))
             if sans:
                 f.write("subjectAltName = %s\n" % ", ".join(sans))
         crt = self.path(name + ".crt")

@@ -28,6 +28,7 @@ import atexit
 import http.client as _hc
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,7 +66,18 @@ _live = []  # every Proc not yet reaped
 
 def free_port(host="127.0.0.1"):
     """A port that was free a moment ago. Prefer port 0 + the "listening" line where the binary
-    supports it: this one can race with other processes."""
+    supports it: this one can race with other processes. It is drawn at random below the
+    kernel's ephemeral range (ip_local_port_range starts at 32768), where no bind to port 0 or
+    outgoing connection of another test can take it before its user listens."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

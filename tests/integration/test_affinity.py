@@ -162,8 +162,9 @@ def test_a_retry_goes_to_the_next_replica_in_the_keys_order():
 
 
 def test_the_keepalive_race_stays_with_the_keys_replica():
-    # A pooled connection the replica closed says nothing about the replica: the request goes
-    # to it again on a fresh connection, not to another replica (which might answer otherwise).
+    # A pooled connection the replica closed need not say the replica is gone: the request is
+    # routed by its key again, and waits for the re-check the close asked for (the replica may
+    # be another engine now) rather than go to another replica (which might answer otherwise).
     # Keep-alive pools are per worker: one worker, so the second request finds the first's.
     sims, px = setup(workers=1)
     prompt = "keep-alive race"
@@ -174,7 +175,8 @@ def test_the_keepalive_race_stays_with_the_keys_replica():
     assert metric(px, "detproxy_upstream_errors_total", pool="p", replica=home,
                   kind="reused_closed") == 1
     assert sim_stats(home_sim)["faults_injected"] == 1
-    assert metric(px, "detproxy_affinity_total", pool="p", result="hit") == 2  # one placement each
+    # one placement each, and the second's again after the race
+    assert metric(px, "detproxy_affinity_total", pool="p", result="hit") == 3
     px.stop()
 
 

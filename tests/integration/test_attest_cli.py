@@ -83,6 +83,17 @@ class HashTest(Tmp):
         self.assertEqual(rc, 0, err)
         self.assertEqual(out.strip(), coreutils_hash(d))
 
+    def test_a_single_gguf_file_is_its_sha256(self):
+        # llama.cpp models are one file: its hash is what sha256sum and Hugging Face show.
+        import hashlib
+        f = f"{self.tmp}/tiny-Q8_0.gguf"
+        data = os.urandom(300000)
+        with open(f, "wb") as fh:
+            fh.write(data)
+        rc, out, err = run("hash", f)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), hashlib.sha256(data).hexdigest())
+
     def test_list_piped_to_sha256sum_is_the_hash(self):
         d = f"{self.tmp}/model"
         make_tree(d)

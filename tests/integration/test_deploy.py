@@ -7,7 +7,8 @@ artifact is checked statically and, where a binary of this repo can run it, by r
 - deploy/**/*.yaml parse (multi-document); Kubernetes objects hang together (selectors match pod
   labels, Services reach named container ports, mounts name volumes, ConfigMap/Secret items
   exist in the YAML or are created by the commands in deploy/k8s/README.md), images are only
-  detproxy:* (deploy/docker/Dockerfile) or vllm/vllm-openai:vX.Y.Z, the namespace's Pod Security
+  detproxy:* (deploy/docker/Dockerfile), vllm/vllm-openai:vX.Y.Z or quay.io/coreos/etcd:v3.5.Z,
+  the namespace's Pod Security
   "restricted" rules hold, and drain timing fits detproxy's 30 s drain;
 - every detproxy command line (Kubernetes command/args on top of the Dockerfile's ENTRYPOINT and
   CMD, the Dockerfile itself, the systemd units) uses subcommands and flags that
@@ -17,6 +18,11 @@ artifact is checked statically and, where a binary of this repo can run it, by r
 - each embedded config, written with its mounts into a temporary root (placeholder keys from
   `detproxy attest keygen`), passes `detproxy check`; every path it names is provided by a mount
   of its container; it runs, and its probe paths answer as the probes expect;
+- the etcd StatefulSet (etcd.yaml): 3 members with peer and client TLS from a Secret, stable
+  names, one volume each, anti-affinity, probes on the plain metrics port, every flag one that
+  `etcd --help` lists; the fleet gateway's endpoints are its members; three members started
+  with its exact flags (names resolved through a private /etc/hosts) are joined over TLS by
+  three gateways running the shipped fleet config;
 - the vLLM pod's agent, started with the StatefulSet's exact flags against a simulated vLLM of the
   same model, quantization, dtype and version, is admitted by the gateway config's manifest,
   trusted key and policy;
@@ -44,10 +50,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import *  # noqa: E402,F401,F403
 from harness import SOURCE_DIR, DETPROXY_BIN, SIM_BIN  # noqa: E402
+from certs import Factory  # noqa: E402
 
 try:
     import yaml
@@ -64,6 +72,10 @@ LB = os.path.join(DEPLOY, "lb")
 
 DETPROXY_IMAGE = re.compile(r"^detproxy(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 VLLM_IMAGE = re.compile(r"^vllm/vllm-openai:v(\d+\.\d+\.\d+)$")
+# The fleet's store: the etcd project's own release image, pinned to a 3.5 patch release (the
+# maintained line, whose JSON gateway detproxy speaks; etcd.yaml's header says why this one).
+ETCD_IMAGE = re.compile(r"^quay\.io/coreos/etcd:v(3\.5\.\d+)$")
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
 # The one image that is not ours: the application in sidecar.yaml, in a domain that cannot
 # resolve (RFC 2606), so it can never pull something real by accident.
 APP_PLACEHOLDER_IMAGE = "registry.example/your-app:latest"
@@ -399,8 +411,29 @@ class Keys:
         os.makedirs(self.dir, exist_ok=True)
         self.pairs = {}
         self.token = hashlib.sha256(os.urandom(16)).hexdigest()
+        self.tls = None
 
-    def content(self, key, where):
+    def cert_files(self, secret):
+        """ca.crt, tls.crt, tls.key of a cert-manager-style Secret: etcd-tls holds the member
+        certificate (every member's name, server and client use), any other one a client
+        certificate from the same CA (README.md's openssl commands make the same)."""
+        if self.tls is None:
+            f = Factory(os.path.join(self.dir, "etcd-pki"))
+            ca = f.ca("etcd-ca", "etcd CA")
+            names = [u.split("//")[1].split(":")[0] for d, ns in etcd_sets(MODEL or model())
+                     for u in etcd_member_urls(d, ns, "https", 2379)]
+            member = f.leaf(ca, "etcd-member", "etcd", names + ["localhost"], ["127.0.0.1"],
+                            client="both")
+            client = f.leaf(ca, "etcd-client", "detproxy", client=True)
+            self.tls = (ca, member, client)
+        ca, member, client = self.tls
+        leaf = member if secret == "etcd-tls" else client
+        return {"ca.crt": ca.crt, "tls.crt": leaf.crt, "tls.key": leaf.key}
+
+    def content(self, key, where, secret=None):
+        if key in ("ca.crt", "tls.crt", "tls.key"):
+            with open(self.cert_files(secret)[key], "rb") as f:
+                return f.read()
         for suffix in (".key.pem", ".pub.pem"):
             if key.endswith(suffix):
                 prefix = key[:-len(suffix)]
@@ -422,7 +455,9 @@ def readme_created(m, what):
     out = {}
     pat = r"create\s+secret\s+generic" if what == "secret" else r"create\s+configmap"
     for mm in re.finditer(pat + r"\s+(\S+)((?:\s+--from-file=\S+)+)", m.readme):
-        keys = {kv.split("=")[1] for kv in re.findall(r"--from-file=(\S+)", mm.group(2))}
+        # --from-file=KEY=PATH, or --from-file=PATH (the key is the file's name).
+        keys = {kv.split("=", 1)[0] if "=" in kv else os.path.basename(kv)
+                for kv in re.findall(r"--from-file=(\S+)", mm.group(2))}
         out.setdefault(mm.group(1), set()).update(keys)
     return out
 
@@ -453,14 +488,15 @@ def source_files(m, ns, src_kind, src, where, keys):
     for it in items:
         need(it["key"] in created[name], "%s: README.md creates %s %s without the key %r" % (
             where, src_kind, name, it["key"]))
-        out[it["path"]] = (keys.content(it["key"], where), it.get("mode"))
+        out[it["path"]] = (keys.content(it["key"], where, name), it.get("mode"))
     return out
 
 
-def materialize(m, ns, pod, c, root, keys, where):
-    """Write what container c sees under root (root + mountPath). Returns
-    [(mountPath, kind, writable)]."""
+def materialize(m, ns, pod, c, root, keys, where, claims=()):
+    """Write what container c sees under root (root + mountPath); claims: the names of a
+    StatefulSet's volumeClaimTemplates. Returns [(mountPath, kind, writable)]."""
     vols = {v["name"]: v for v in pod.get("volumes", []) or []}
+    vols.update({n: {"name": n, "persistentVolumeClaim": {"claimName": n}} for n in claims})
     fs_group = (pod.get("securityContext") or {}).get("fsGroup")
     mounts = []
     for vm in c.get("volumeMounts", []) or []:
@@ -529,6 +565,12 @@ def config_path_refs(cfg):
         out.append(("attestation.trusted_keys[%d]" % i, k))
     if isinstance((cfg.get("log") or {}).get("audit_path"), str):
         out.append(("log.audit_path", cfg["log"]["audit_path"]))
+    etcd = (cfg.get("fleet") or {}).get("etcd") or {}
+    for k in ("ca", "cert", "key"):
+        if isinstance((etcd.get("tls") or {}).get(k), str):
+            out.append(("fleet.etcd.tls." + k, etcd["tls"][k]))
+    if isinstance(etcd.get("password_file"), str):
+        out.append(("fleet.etcd.password_file", etcd["password_file"]))
     for i, p in enumerate(cfg.get("pools") or []):
         if isinstance(p.get("manifest"), str):
             out.append(("pools[%d].manifest" % i, p["manifest"]))
@@ -642,7 +684,8 @@ def check_k8s_structure(m):
                                                                             labels))
         pods.append((ns, labels, tpl["spec"], (f, d)))
         spec = tpl["spec"]
-        vols = [v["name"] for v in spec.get("volumes", []) or []]
+        vols = [v["name"] for v in spec.get("volumes", []) or []] + [
+            v["metadata"]["name"] for v in d["spec"].get("volumeClaimTemplates", []) or []]
         need(len(vols) == len(set(vols)), "%s: duplicate volume names" % ident(f, d))
         names = [c["name"] for c, _, _ in all_containers(spec)]
         need(len(names) == len(set(names)), "%s: duplicate container names" % ident(f, d))
@@ -766,10 +809,10 @@ def check_k8s_images(m):
     for f, d, ns, tpl in m.workloads():
         for c, _, _ in all_containers(tpl["spec"]):
             img = c.get("image", "")
-            ok = DETPROXY_IMAGE.match(img) or VLLM_IMAGE.match(img) or (
+            ok = DETPROXY_IMAGE.match(img) or VLLM_IMAGE.match(img) or ETCD_IMAGE.match(img) or (
                 img == APP_PLACEHOLDER_IMAGE and f == "sidecar.yaml")
-            need(ok, "%s: image %r is neither detproxy:* (deploy/docker/Dockerfile) nor "
-                 "vllm/vllm-openai:vX.Y.Z" % (ident(f, d, c), img))
+            need(ok, "%s: image %r is neither detproxy:* (deploy/docker/Dockerfile), "
+                 "vllm/vllm-openai:vX.Y.Z nor quay.io/coreos/etcd:v3.5.Z" % (ident(f, d, c), img))
 
 
 def effective(pod, c, key):
@@ -815,6 +858,7 @@ def check_k8s_security(m):
                 need(effective(pod, c, "runAsUser") == uid, "%s: runAsUser %r is not the "
                      "image's USER %d (files in the image are owned by it)" % (
                          w, effective(pod, c, "runAsUser"), uid))
+            if DETPROXY_IMAGE.match(c["image"]) or ETCD_IMAGE.match(c["image"]):
                 res = c.get("resources") or {}
                 need((res.get("requests") or {}).get("cpu") and (res.get("requests") or {}).get(
                     "memory"), "%s: needs cpu and memory requests" % w)
@@ -1035,6 +1079,192 @@ def check_vllm_agent(m):
                  "not vLLM's --port %d" % (who, vport))
     need(seen, "no vLLM workload found")
 
+# ---- etcd and the fleet gateways ---------------------------------------------------------------
+
+
+def etcd_sets(m):
+    """(StatefulSet, namespace) of every workload running the etcd image."""
+    return [(d, ns) for f, d, ns, tpl in m.workloads() if any(
+        ETCD_IMAGE.match(c.get("image", "")) for c, _, _ in all_containers(tpl["spec"]))]
+
+
+def etcd_member_urls(d, ns, scheme, port):
+    """The stable URL of each member: <set>-<i>.<service>.<namespace>.svc.cluster.local."""
+    return ["%s://%s-%d.%s.%s.svc.cluster.local:%d" % (
+        scheme, d["metadata"]["name"], i, d["spec"].get("serviceName"), ns, port)
+        for i in range(d["spec"].get("replicas", 1))]
+
+
+def etcd_flags(argv, where):
+    """{flag: value} of an etcd command line (--flag=value, or a bare --flag: "true")."""
+    out = {}
+    for a in argv:
+        mm = re.match(r"^--([a-z0-9-]+)(?:=(.*))?$", a)
+        need(mm, "%s: etcd argument %r is not --flag or --flag=value" % (where, a))
+        need(mm.group(1) not in out, "%s: --%s twice" % (where, mm.group(1)))
+        out[mm.group(1)] = mm.group(2) if mm.group(2) is not None else "true"
+    return out
+
+
+_etcd_help = None
+
+
+def etcd_help():
+    global _etcd_help
+    if _etcd_help is None and ETCD:
+        rc, o, e = run_cmd([ETCD, "--help"])
+        _etcd_help = o + e
+    return _etcd_help
+
+
+def etcd_container(pod):
+    return next(c for c, _, _ in all_containers(pod) if ETCD_IMAGE.match(c.get("image", "")))
+
+
+def fleet_configs(m):
+    """(entry, fleet section) of every `detproxy run` container whose config has one."""
+    out = []
+    for entry in detproxy_containers(m):
+        f, d, ns, pod, c, cmd, opts = entry
+        if cmd == ("run",):
+            fl = embedded_config(m, ns, pod, c, opts).get("fleet")
+            if fl:
+                out.append((entry, fl))
+    return out
+
+
+def check_etcd(m):
+    sets = etcd_sets(m)
+    need(sets, "no etcd StatefulSet (etcd.yaml): the fleet gateways have no store")
+    for d, ns in sets:
+        tpl = d["spec"]["template"]
+        pod, labels = tpl["spec"], tpl["metadata"].get("labels", {})
+        c = etcd_container(pod)
+        w = ident("etcd.yaml", d, c)
+        need(d["kind"] == "StatefulSet", "%s: etcd runs in a StatefulSet (stable names, a volume "
+             "each)" % w)
+        n = d["spec"].get("replicas", 1)
+        need(n >= 3 and n % 2 == 1, "%s: replicas %r: an odd number, at least 3 (a majority "
+             "survives the loss of one)" % (w, n))
+        need(d["spec"].get("podManagementPolicy") == "Parallel", "%s: podManagementPolicy must "
+             "be Parallel: with OrderedReady the first member waits for a quorum from members "
+             "not created yet" % w)
+        svc = m.find("Service", ns, d["spec"]["serviceName"])
+        need(svc["spec"].get("publishNotReadyAddresses") is True, "%s: Service %s needs "
+             "publishNotReadyAddresses: true (members resolve each other before any is "
+             "Ready)" % (w, svc["metadata"]["name"]))
+        need({2379, 2380} <= {p["port"] for p in svc["spec"]["ports"]}, "%s: Service %s must "
+             "have the client (2379) and peer (2380) ports" % (w, svc["metadata"]["name"]))
+        aa = ((pod.get("affinity") or {}).get("podAntiAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution") or []
+        need(any(t.get("topologyKey") == "kubernetes.io/hostname" and all(
+            labels.get(k) == v for k, v in ((t.get("labelSelector") or {}).get(
+                "matchLabels") or {}).items()) for t in aa),
+             "%s: needs a required podAntiAffinity on kubernetes.io/hostname selecting its own "
+             "pods (one member per node)" % w)
+        env = {e["name"]: e for e in c.get("env", []) or []}
+        need(((env.get("POD_NAME") or {}).get("valueFrom") or {}).get("fieldRef", {}).get(
+            "fieldPath") == "metadata.name", "%s: POD_NAME must come from the downward API "
+             "(metadata.name)" % w)
+        argv = (c.get("command") or []) + (c.get("args") or [])
+        need(argv[:1] == ["/usr/local/bin/etcd"], "%s: runs %r, not /usr/local/bin/etcd (the "
+             "image's binary)" % (w, argv[:1]))
+        flags = etcd_flags(argv[1:], w)
+        helptext = etcd_help()
+        if helptext:
+            for k in flags:
+                need(re.search(r"--%s\b" % re.escape(k), helptext), "%s: --%s is not a flag "
+                     "of etcd (`etcd --help`)" % (w, k))
+        else:
+            note("etcd is not installed: its flags are not checked against `etcd --help`")
+        sts, svc_name = d["metadata"]["name"], d["spec"]["serviceName"]
+        peers = etcd_member_urls(d, ns, "https", 2380)
+        want = {
+            "name": "$(POD_NAME)",
+            "initial-cluster": ",".join("%s-%d=%s" % (sts, i, u) for i, u in enumerate(peers)),
+            "initial-cluster-state": "new",
+            "listen-client-urls": "https://0.0.0.0:2379",
+            "listen-peer-urls": "https://0.0.0.0:2380",
+            "advertise-client-urls": "https://$(POD_NAME).%s.%s.svc.cluster.local:2379" % (
+                svc_name, ns),
+            "initial-advertise-peer-urls": "https://$(POD_NAME).%s.%s.svc.cluster.local:2380" % (
+                svc_name, ns),
+            "client-cert-auth": "true",
+            "peer-client-cert-auth": "true",
+        }
+        for k, v in want.items():
+            need(flags.get(k) == v, "%s: --%s is %r, expected %r" % (w, k, flags.get(k), v))
+        # TLS files from a Secret volume, each an item of it; the data on a claim template.
+        vols = {v["name"]: v for v in pod.get("volumes", []) or []}
+        claims = {v["metadata"]["name"] for v in d["spec"].get("volumeClaimTemplates", []) or []}
+        mounts = {vm["mountPath"].rstrip("/"): vm["name"] for vm in c.get("volumeMounts", [])}
+
+        def mount(path):
+            for mp, name in sorted(mounts.items(), key=lambda x: -len(x[0])):
+                if path.startswith(mp + "/"):
+                    return mp, name
+            raise Bad("%s: %s is on no volume mount" % (w, path))
+
+        for k in ("cert-file", "key-file", "trusted-ca-file", "peer-cert-file", "peer-key-file",
+                  "peer-trusted-ca-file"):
+            need(flags.get(k), "%s: --%s is missing (peer and client TLS)" % (w, k))
+            mp, name = mount(flags[k])
+            sec = (vols.get(name) or {}).get("secret")
+            need(sec, "%s: --%s %s is not on a Secret volume" % (w, k, flags[k]))
+            need(flags[k][len(mp) + 1:] in [it["path"] for it in sec.get("items") or []],
+                 "%s: --%s %s is no item of Secret %s" % (w, k, flags[k], sec["secretName"]))
+        mp, name = mount(flags.get("data-dir", "/default.etcd"))
+        need(name in claims, "%s: --data-dir is not on a volumeClaimTemplate (a member's data "
+             "must outlive its pod)" % w)
+        # The kubelet has no client certificate: it probes the plain metrics listener.
+        mm = re.match(r"^http://0\.0\.0\.0:(\d+)$", flags.get("listen-metrics-urls", ""))
+        need(mm, "%s: --listen-metrics-urls must be http://0.0.0.0:PORT (what the kubelet "
+             "probes)" % w)
+        need(c.get("startupProbe") and c.get("livenessProbe") and c.get("readinessProbe"),
+             "%s: needs startup, liveness and readiness probes" % w)
+        for kind, pr in probes(c):
+            hg = pr.get("httpGet") or {}
+            need(port_number(c, hg.get("port"), w) == int(mm.group(1)) and
+                 hg.get("path", "").startswith("/health"), "%s: %s must GET /health on the "
+                 "metrics port %s" % (w, kind, mm.group(1)))
+        cports = {p["containerPort"] for p in c.get("ports", [])}
+        need({2379, 2380, int(mm.group(1))} <= cports, "%s: container ports %s" % (w, cports))
+    # The fleet gateways: every member, over https, with a client certificate; let in.
+    found = fleet_configs(m)
+    need(found, "no gateway config has a fleet section (gateway-fleet.json)")
+    members = {u for d, ns in sets for u in etcd_member_urls(d, ns, "https", 2379)}
+    for (f, d, ns, pod, c, cmd, opts), fl in found:
+        w = ident(f, d, c)
+        eps = (fl.get("etcd") or {}).get("endpoints") or []
+        need(set(eps) == members and len(eps) == len(members), "%s: fleet.etcd.endpoints %s "
+             "are not the etcd members %s" % (w, eps, sorted(members)))
+        tls = (fl.get("etcd") or {}).get("tls") or {}
+        need(tls.get("ca") and tls.get("cert") and tls.get("key"), "%s: fleet.etcd.tls needs "
+             "ca, cert and key: the members require a client certificate" % w)
+        need(d["spec"].get("replicas", 1) >= 3, "%s: a fleet gateway of %r pods" % (
+            w, d["spec"].get("replicas", 1)))
+        glabels = d["spec"]["template"]["metadata"].get("labels", {})
+        ok = False
+        for pf, pd in m.kind("NetworkPolicy"):
+            psel = pd["spec"].get("podSelector", {}).get("matchLabels", {})
+            if not any(all(s_["spec"]["template"]["metadata"]["labels"].get(k) == v
+                           for k, v in psel.items()) for s_, _ in sets):
+                continue
+            for rule in pd["spec"].get("ingress", []):
+                if any(p["port"] == 2379 for p in rule.get("ports", [])) and any(all(
+                        glabels.get(k) == v for k, v in fr.get("podSelector", {}).get(
+                            "matchLabels", {}).items()) for fr in rule.get("from", [])):
+                    ok = True
+        need(ok, "%s: no NetworkPolicy lets its pods (labels %r) reach etcd's port 2379" % (
+            w, glabels))
+
+
+
+def rootfs_collects_libs():
+    """deploy/docker/rootfs.sh, which the build stage runs, collects the binaries' libraries."""
+    with open(os.path.join(DEPLOY, "docker", "rootfs.sh")) as f:
+        return "ldd" in f.read()
+
 
 def check_dockerfile(m):
     stages = dockerfile_stages(m.dockerfile)
@@ -1043,11 +1273,13 @@ def check_dockerfile(m):
     # Every stage is Debian 12; the runtime stage may instead be `scratch` holding only what the
     # build stage collected from Debian 12 (a distroless root file system).
     for s in stages:
-        need(s["from"] == "debian:bookworm-slim" or (s is final and s["from"] == "scratch"),
+        debian = s["from"] in ("debian:bookworm-slim", "docker.io/library/debian:bookworm-slim")
+        need(debian or (s is final and s["from"] == "scratch"),
              "Dockerfile: FROM %s, expected debian:bookworm-slim (Debian 12, what the project "
              "builds and tests on)" % s["from"])
     if final["from"] == "scratch":
-        need(any(i == "RUN" and "ldd" in a for i, a in build["ins"]),
+        need(any(i == "RUN" and ("ldd" in a or ("rootfs.sh" in a and rootfs_collects_libs()))
+                 for i, a in build["ins"]),
              "Dockerfile: a scratch runtime stage needs the build stage to collect the binaries' "
              "shared libraries (ldd)")
         need(any(i == "COPY" and a.split()[:1] == ["--from=" + str(build["name"])] and
@@ -1097,6 +1329,21 @@ def check_dockerfile(m):
             need(parts[0] == "--from=" + build["name"], "Dockerfile: %s copies from an unknown "
                  "stage" % args)
             copied[os.path.basename(parts[-1])] = (parts[1], parts[-1])
+    # deploy/docker/rootfs.sh OUT DETPROXY DETPROXY_SIM puts both binaries under
+    # OUT/rootfs/usr/local/bin, and the runtime stage copies OUT/rootfs/ whole.
+    for ins, args in build["ins"]:
+        words = args.split()
+        tool = [k for k, w in enumerate(words) if w.endswith("rootfs.sh")]
+        if ins != "RUN" or not tool or len(words) < tool[0] + 4:
+            continue
+        out, det, sim = words[tool[0] + 1:tool[0] + 4]
+        need(any(i == "COPY" and a.startswith("--from=") and out + "/rootfs" in a
+                 for i, a in final["ins"]),
+             "Dockerfile: the runtime stage does not copy %s/rootfs" % out)
+        copied["detproxy"] = (os.path.normpath(os.path.join(workdir, det)),
+                              "/usr/local/bin/detproxy")
+        copied["detproxy-sim"] = (os.path.normpath(os.path.join(workdir, sim)),
+                                  "/usr/local/bin/detproxy-sim")
     for binpath, name in ((DETPROXY_BIN, "detproxy"), (SIM_BIN, "detproxy-sim")):
         need(name in copied, "Dockerfile: the runtime stage does not copy %s" % name)
         bdir = os.path.dirname(os.path.abspath(binpath))
@@ -1396,7 +1643,8 @@ def test_k8s_agent_admitted_by_gateway():
     try:
         keys = Keys(tmp)
         # The vLLM pod.
-        (f, sts, ns, tpl), = [w for w in m.workloads() if w[1]["kind"] == "StatefulSet"]
+        (f, sts, ns, tpl), = [w for w in m.workloads() if w[1]["kind"] == "StatefulSet" and any(
+        VLLM_IMAGE.match(c.get("image", "")) for c, _, _ in all_containers(w[3]["spec"]))]
         pod = tpl["spec"]
         vllm = next(c for c, _, _ in all_containers(pod) if VLLM_IMAGE.match(c["image"]))
         va = vllm_args(vllm)
@@ -1556,6 +1804,121 @@ def test_k8s_agent_admitted_by_gateway():
             else "(static)", fp))
         px.stop()
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+def test_k8s_etcd_statefulset_and_fleet_gateways():
+    check_etcd(model())
+
+
+def test_k8s_etcd_members_joined_by_fleet_gateways():
+    """The etcd StatefulSet as shipped and the fleet gateway as shipped fit together: three
+    members started with the StatefulSet's exact flags (changed only in where things are on this
+    host: $(POD_NAME) expanded, 0.0.0.0 the member's own loopback address as its pod IP, files
+    under a temporary root), peer and client TLS from certificates made as README.md says, their
+    stable names resolved through a private /etc/hosts; then three gateways running
+    gateway-fleet.json (listeners on loopback port 0, so each is given the instance name its pod
+    name would give it) reach them by those names over https and form one fleet."""
+    if ETCD is None:
+        note("etcd is not installed (scripts/deps.sh installs etcd-server): not run")
+        return
+    if not _namespaces_work():
+        note("unshare -m is not permitted: the members' names cannot be resolved here: not run")
+        return
+    m = model()
+    (d, ns), = etcd_sets(m)
+    pod = d["spec"]["template"]["spec"]
+    c = etcd_container(pod)
+    claims = [v["metadata"]["name"] for v in d["spec"].get("volumeClaimTemplates", [])]
+    tmp = tempfile.mkdtemp(prefix="dp-deploy-")
+    procs = []
+    try:
+        keys = Keys(tmp)
+        base = "127.%d.%d." % (os.getpid() % 200 + 20, os.getpid() // 200 % 250 + 1)
+        names = [u.split("//")[1].split(":")[0] for u in etcd_member_urls(d, ns, "https", 2379)]
+        addrs = [base + str(10 + i) for i in range(len(names))]
+        hosts = os.path.join(tmp, "hosts")
+        with open(hosts, "w", encoding="utf-8") as fh:
+            fh.write("127.0.0.1 localhost\n")
+            for a, n in zip(addrs, names):
+                fh.write("%s %s\n" % (a, n))
+        wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+                   hosts]
+        argv = (c.get("command") or []) + (c.get("args") or [])
+        metrics_port = int(etcd_flags(argv[1:], "etcd")["listen-metrics-urls"].rsplit(":", 1)[1])
+        for i, addr in enumerate(addrs):
+            root = tempfile.mkdtemp(prefix="etcd-%d-" % i, dir=tmp)
+            materialize(m, ns, pod, c, root, keys, "etcd-%d" % i, claims=claims)
+            env = {"POD_NAME": "%s-%d" % (d["metadata"]["name"], i)}
+            out = [ETCD]
+            for a in argv[1:]:
+                a = re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda mm: env[mm.group(1)], a)
+                a = a.replace("0.0.0.0", addr)
+                k, eq, v = a.partition("=")
+                if eq and v.startswith("/"):
+                    a = "%s=%s" % (k, os.path.join(root, v.lstrip("/")))
+                out.append(a)
+            log = open(os.path.join(tmp, "etcd-%d.log" % i), "wb")
+            procs.append(subprocess.Popen(wrapper + out, stdout=log, stderr=log))
+            log.close()
+
+        def healthy(addr, path):
+            try:
+                with urllib.request.urlopen("http://%s:%d%s" % (addr, metrics_port, path),
+                                            timeout=2) as r:
+                    return r.status == 200 and json.loads(r.read()).get("health") == "true"
+            except (OSError, ValueError):
+                return False
+
+        for i, addr in enumerate(addrs):
+            for p in procs:
+                need(p.poll() is None, "an etcd member exited: %s" % open(os.path.join(
+                    tmp, "etcd-%d.log" % procs.index(p)), errors="replace").read()[-2000:])
+            for kind, pr in probes(c):
+                path = pr["httpGet"]["path"]
+                poll_until(lambda: healthy(addr, path), timeout=30 * SLOW,
+                           what="etcd-%d %s %s" % (i, kind, path))
+        (entry, fl), = fleet_configs(m)
+        gws = []
+        for i in range(3):
+            rc_ = RunConfig(m, entry, tmp, keys)
+
+            def patch(cfg, i=i):
+                cfg["listen"] = "127.0.0.1:0"
+                cfg["admin_listen"] = "127.0.0.1:0"
+                cfg["fleet"]["instance"] = "detproxy-fleet-%d" % i
+
+            path = rc_.write(patch)
+            px = start_process(wrapper + [DETPROXY_BIN, "run", "-c", path], ready_count=2,
+                               name="fleet gateway %d" % i)
+            gws.append((px, rc_.token()))
+
+        def fleet_view(px, tok):
+            r = http("GET", px.listener_port(listener="admin"), "/admin/fleet",
+                     headers={"Authorization": "Bearer " + tok})
+            return r.json() if r.status == 200 else {}
+
+        def formed():
+            views = [fleet_view(px, tok) for px, tok in gws]
+            return all(v.get("connected") and len(v.get("members", [])) == 3 for v in views)
+
+        poll_until(formed, timeout=30 * SLOW, interval=0.2,
+                   what="three fleet gateways connected to etcd, each seeing 3 members")
+        v = fleet_view(*gws[0])
+        need(v["fleet"] == fl["name"] and v["endpoint"].rsplit(":", 1)[0] in names,
+             "fleet %r through %r" % (v["fleet"], v["endpoint"]))
+        print("     3 etcd members (TLS, the StatefulSet's flags) joined by 3 gateways as "
+              "fleet %s; gateway 0 through %s" % (v["fleet"], v["endpoint"]))
+        for px, _ in gws:
+            px.stop()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -1831,6 +2194,10 @@ def _with_unbuilt_flag(m):
         _help_cache[key] = real
 
 
+def _etcd_set(m):
+    return etcd_sets(m)[0][0]
+
+
 def test_checks_catch_mistakes():
     def agent_args(m, fn):
         for f, d, pod, c in _containers_named(m, "attest"):
@@ -1869,6 +2236,34 @@ def test_checks_catch_mistakes():
         ("image from elsewhere", check_k8s_images,
          lambda m: first(m, "detproxy").__setitem__("image", "docker.io/library/nginx:1.25"),
          r"image"),
+        ("unpinned etcd image", check_k8s_images,
+         lambda m: first(m, "etcd").__setitem__("image", "quay.io/coreos/etcd:latest"), r"image"),
+        ("etcd flag typo", check_etcd,
+         lambda m: first(m, "etcd")["args"].append("--client-cert-atuh"),
+         r"--client-cert-atuh is not a flag" if etcd_help() else r"--client-cert-auth"),
+        ("etcd started one by one", check_etcd,
+         lambda m: _etcd_set(m)["spec"].__setitem__("podManagementPolicy", "OrderedReady"),
+         r"podManagementPolicy"),
+        ("etcd member missing from --initial-cluster", check_etcd,
+         lambda m: first(m, "etcd").__setitem__("args", [
+             a.rsplit(",", 1)[0] if a.startswith("--initial-cluster=") else a
+             for a in first(m, "etcd")["args"]]), r"--initial-cluster is"),
+        ("etcd without client certificates", check_etcd,
+         lambda m: first(m, "etcd")["args"].remove("--client-cert-auth"), r"--client-cert-auth"),
+        ("etcd data on no claim", check_etcd,
+         lambda m: _etcd_set(m)["spec"].pop("volumeClaimTemplates"), r"volumeClaimTemplate"),
+        ("etcd without anti-affinity", check_etcd,
+         lambda m: _etcd_set(m)["spec"]["template"]["spec"].pop("affinity"), r"podAntiAffinity"),
+        ("etcd probe on the TLS port", check_etcd,
+         lambda m: first(m, "etcd")["readinessProbe"]["httpGet"].__setitem__("port", "client"),
+         r"metrics port"),
+        ("fleet endpoint naming no member", check_etcd,
+         lambda m: _cm_json(m, "detproxy-config", "gateway-fleet.json", lambda c: c["fleet"][
+             "etcd"]["endpoints"].__setitem__(2, "https://etcd-3.etcd.llm.svc.cluster.local:2379")),
+         r"are not the etcd members"),
+        ("fleet without a client certificate", check_etcd,
+         lambda m: _cm_json(m, "detproxy-config", "gateway-fleet.json",
+                            lambda c: c["fleet"]["etcd"].pop("tls")), r"client certificate"),
         ("unpinned vLLM image", check_k8s_images,
          lambda m: first(m, "vllm").__setitem__("image", "vllm/vllm-openai:latest"), r"image"),
         ("agent quantization differs from vLLM", check_vllm_agent,
@@ -1907,7 +2302,7 @@ def test_checks_catch_mistakes():
          r"no such path"),
         ("Dockerfile binary path", check_dockerfile,
          lambda m: setattr(m, "dockerfile", m.dockerfile.replace(
-             "build/release/proxy/detproxy /usr", "build/proxy/detproxy /usr")),
+             "rootfs.sh /out build/release/proxy/detproxy", "rootfs.sh /out build/proxy/detproxy")),
          r"CMake builds it"),
         ("Dockerfile runs as root", check_dockerfile,
          lambda m: setattr(m, "dockerfile", m.dockerfile.replace("USER 10001:10001",

@@ -196,20 +196,23 @@ def test_reset_one_pool_unknown_pools_methods_and_the_admin_token():
     def samples(p):
         doc = get_json(px.admin_port, "/admin/drift", headers=auth)["pools"][p]
         return doc["cross"]["samples_total"] + doc["self"]["samples_total"]
-    assert samples("p") == 20
+    # Every request drew a copy; a copy meeting a replica held for its first connection's
+    # re-check is skipped (docs/attestation.md), so most, not all, were compared.
+    n = samples("p")
+    assert n >= 10, n
     # The admin token, as on every admin route.
     assert http("POST", px.admin_port, "/admin/drift/reset").status == 401
     assert http("POST", px.admin_port, "/admin/drift/reset",
                 headers={"authorization": "Bearer wrong"}).status == 401
-    assert samples("p") == 20
+    assert samples("p") == n
     r = http("GET", px.admin_port, "/admin/drift/reset", headers=auth)
     assert r.status == 405, r
     r = http("POST", px.admin_port, "/admin/drift/reset?pool=nope", headers=auth)
     assert r.status == 404 and "no pool is named nope" in r.text, r
-    assert samples("p") == 20
+    assert samples("p") == n
     r = http("POST", px.admin_port, "/admin/drift/reset?pool=q", headers=auth)
     assert r.status == 200 and r.json() == {"reset": ["q"]}, r
-    assert samples("p") == 20  # only the pool named
+    assert samples("p") == n  # only the pool named
     r = http("POST", px.admin_port, "/admin/drift/reset?pool=p", headers=auth)
     assert r.status == 200 and r.json() == {"reset": ["p"]}, r
     assert samples("p") == 0

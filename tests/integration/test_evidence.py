@@ -7,8 +7,9 @@ import os
 import signal
 import tempfile
 
-from harness import DETPROXY_BIN, poll_until, post_json, run_cmd, run_tests, sse, start_sim
-from proxyutil import pool, sim_config, start_proxy
+from harness import (DETPROXY_BIN, poll_until, post_json, run_cmd, run_tests, sse, start_sim,
+                     http)
+from proxyutil import pool, sim_config, sim_stats, start_proxy
 
 KEY = "sk-bank-evidence-0001"
 AUTH = {"authorization": "Bearer " + KEY, "content-type": "application/json"}
@@ -81,7 +82,31 @@ def test_chain_checkpoints_and_store_verify():
     assert [l["request_id"] for l in got if "request_id" in l] == ids
     rc, out, err = verify(px)
     assert rc == 0, out + err
-    assert "6 lines, 2 checkpoints, 2 signatures verified, 8 stored bodies checked" in out, out
+    assert "6 lines, 2 checkpoints (seq 1..2), 2 signatures verified, 8 stored bodies checked" in out, out
+
+
+def test_each_line_names_the_attestation_it_was_served_under():
+    """attestation_sha256: the SHA-256 of the evidence that admitted the replica (here the
+    native adapter's answers), kept in the store; verify --store checks it is there."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "one")
+    complete(px, "two")
+    audited = [l for l in lines(px.audit_path) if "request_id" in l]
+    shas = {l["attestation_sha256"] for l in audited}
+    assert len(shas) == 1 and None not in shas, audited
+    sha = shas.pop()
+    with open(os.path.join(px.store, sha), "rb") as f:
+        ev = f.read()
+    assert hashlib.sha256(ev).hexdigest() == sha
+    # What the adapter answered, framed per request: an auditor can judge it again.
+    assert ev.startswith(b"GET /"), ev[:80]
+    rc, out, err = verify(px)
+    assert rc == 0 and "2 lines' attestation evidence found" in out, out + err
+    os.unlink(os.path.join(px.store, sha))
+    rc, out, err = verify(px)
+    assert rc == 1 and "attestation_sha256 %s..: stored body missing" % sha[:12] in out + err, \
+        out + err
+    px.stop()
 
 
 def test_streamed_response_is_stored_as_forwarded():
@@ -208,6 +233,45 @@ def test_restart_resumes_the_chain():
     assert verify(px)[0] == 0
 
 
+def test_a_restart_after_logrotate_continues_the_chain_in_the_new_file():
+    """logrotate moves the file away while detproxy is stopped (or between a stop and a start):
+    the new file's first line names the old file's last, from the head the lock file kept, so
+    the two verify as one chain; without it the new file starts at genesis (a break)."""
+    sim, px = setup(checkpoint_lines=2)
+    for p in ("a", "b", "c"):
+        complete(px, p)
+    px.stop()
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "d")
+    px2.stop()
+    assert px2.find_logs("audit_chain_continued"), "no audit_chain_continued line"
+    last = open(rotated, "rb").read().split(b"\n")[-2]
+    assert lines(px.audit_path)[0]["prev_sha256"] == hashlib.sha256(last).hexdigest()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
+    assert rc == 0, out
+    # the checkpoint numbering goes on too: seq 1..2 in the old file, 3.. in the new one
+    seqs = [l["checkpoint"]["seq"] for f in (rotated, px.audit_path) for l in lines(f)
+            if "checkpoint" in l]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    # A second line in the lock file that is not a head (garbage, a negative seq) is said at
+    # start, and the chain starts at genesis rather than from made-up numbers.
+    lock = os.path.realpath(px.audit_path) + ".lock"
+    pid = open(lock).read().split("\n")[0]
+    for bad in ("garbage", "chain %s -0000000000000000001 %s 00000000000000000000"
+                % ("a" * 64, "0" * 64)):
+        os.rename(px.audit_path, rotated)
+        with open(lock, "w") as f:
+            f.write(pid + "\n" + bad + "\n")
+        px3 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+        complete(px3, "e")
+        px3.stop()
+        assert px3.find_logs("audit_chain_head_unreadable"), bad
+        assert lines(px.audit_path)[0]["prev_sha256"] == "0" * 64
+
+
 def test_crash_then_restart_keeps_the_chain_and_the_checkpoint_count():
     sim, px = setup(checkpoint_lines=3)
     complete(px, "a")
@@ -224,8 +288,8 @@ def test_crash_then_restart_keeps_the_chain_and_the_checkpoint_count():
 
 
 def replay(px, *args):
-    return run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", px.audit_path,
-                    "--admin", "127.0.0.1:%d" % px.admin_port] + list(args))
+    return run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", px.audit_path]
+                   + list(args))
 
 
 def test_replay_reproduces_then_differs_after_the_replica_changes():
@@ -248,7 +312,7 @@ def test_replay_reproduces_then_differs_after_the_replica_changes():
     assert first["result"] == "differs" and first["divergence_offset"] >= 0, first
     assert 0 <= first["similarity"] < 1 and first["fingerprint_matches"] is True, first
     assert doc["summary"] == {"replayed": 2, "reproduced": 0, "differs": 1,
-                              "not_replayable": 1}, doc
+                              "not_replayable": 1, "deadline_passed": False}, doc
     # A new engine build: still differs, and the engine's fingerprint no longer matches.
     sim_config(sim, framework_version="9.9.9")
     rc, out, err = replay(px, "--request-id", rid)
@@ -264,6 +328,46 @@ def test_replay_reproduces_then_differs_after_the_replica_changes():
     px.stop()
 
 
+def test_replay_through_the_proxy_takes_its_slots():
+    """replay --admin sends each replay through the running proxy's admin relay: on a limit-1
+    pool with clients running the replica never has two requests at once."""
+    import threading
+    d = tempfile.mkdtemp(prefix="detproxy-evidence-")
+    sim = start_sim("--model", "m1", "--flavor", "tgi", "--token-delay-ms", "3")
+    p = pool("p", ["m1"], [sim], max_inflight_per_replica=1, queue_timeout_ms=60000)
+    os.mkdir(os.path.join(d, "store"))
+    px = start_proxy(pools=[p], policy=POLICY, directory=d,
+                     log={"level": "info", "audit_path": "audit.jsonl", "audit_store": "store"})
+    px.audit_path = os.path.join(d, "audit.jsonl")
+    for i in range(6):
+        complete(px, "replayed question %d" % i)
+    # The six lines, before the clients below add theirs (audited too).
+    replayed = os.path.join(d, "replayed.jsonl")
+    with open(px.audit_path) as f, open(replayed, "w") as out:
+        out.write(f.read())
+    http("POST", sim.port, "/_sim/reset")
+    stop = threading.Event()
+
+    def clients():
+        while not stop.is_set():
+            complete(px, "client beside the replay")
+    ts = [threading.Thread(target=clients) for _ in range(2)]
+    for t in ts:
+        t.start()
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", replayed,
+                            "--all", "--admin", "127.0.0.1:%d" % px.admin_port, "--json"],
+                           timeout=120)
+    stop.set()
+    for t in ts:
+        t.join()
+    doc = json.loads(out)
+    assert rc == 0 and doc["summary"]["reproduced"] >= 6, out + err
+    assert sim_stats(sim)["max_inflight_seen"] == 1, sim_stats(sim)
+    relayed = px.find_logs("admin_relay")
+    assert len(relayed) >= 6 and all(l["status"] == 200 for l in relayed), relayed[:2]
+    px.stop()
+
+
 def test_replay_without_a_replica_of_that_fingerprint():
     sim, px = setup(checkpoint_lines=100)
     rid = complete(px, "q").headers["x-detproxy-request-id"]
@@ -274,7 +378,7 @@ def test_replay_without_a_replica_of_that_fingerprint():
     px2 = start_proxy(config=cfg, directory=px.dir)
     px2.audit_path = px.audit_path
     rc, out, _ = replay(px2, "--request-id", rid)
-    assert rc == 0 and "no admitted replica with fingerprint" in out, out
+    assert rc == 0 and "no replica of the config attests identity" in out, out
     px2.stop()
 
 

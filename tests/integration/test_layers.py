@@ -43,6 +43,7 @@ LAYERS = {
     "drift/": 2,
     "net/": 3,
     "probe/": 4,
+    "fleet/": 4,
     "proxy/core/": 5,
     "agent/": 5,
     "diagnose/": 5,
@@ -55,7 +56,7 @@ LAYERS = {
     "proxy/main.c": 9,
 }
 PURE = 2  # layers up to this one link no libuv
-EXEMPT = ("tests/unit/", "tests/fuzz/", "build", ".git/")
+EXEMPT = ("tests/unit/", "tests/fuzz/", "tests/oracle/", "build", ".git/")
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]', re.M)
 
 

@@ -161,14 +161,32 @@ def test_certificate_method_against_a_ca_file():
     # A key-method flag for a certificate bundle says what is missing.
     assert_findings(d, b, ["signature: the bundle is signed with a certificate (method "
                            "certificate): give --ca-file"])
-    # A certificate the same CA issued for something else (TLS, or none stated) cannot sign a
-    # model; digitalSignature or codeSigning alone can.
-    for name, exts, ok in [("tls", "keyUsage=critical,keyEncipherment\n"
-                                   "extendedKeyUsage=serverAuth\n", False),
-                           ("bare", "subjectAltName=DNS:publisher\n", False),
-                           ("subca", "basicConstraints=critical,CA:TRUE\n"
-                                     "keyUsage=critical,keyCertSign\n", False),
-                           ("codesign", "extendedKeyUsage=codeSigning\n", True)]:
+    # RFC 5280: keyUsage must allow digitalSignature and, when an extendedKeyUsage is present,
+    # it must include codeSigning. A TLS server or client certificate the same CA issued, a CA
+    # certificate, or a code-signing EKU without the key usage cannot sign a model.
+    refused = {
+        "tls-server": ("keyUsage=critical,digitalSignature,keyEncipherment\n"
+                       "extendedKeyUsage=serverAuth\n",
+                       "extendedKeyUsage has no codeSigning (a TLS or other certificate cannot "
+                       "sign)"),
+        "tls-client": ("keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
+                       "extendedKeyUsage has no codeSigning (a TLS or other certificate cannot "
+                       "sign)"),
+        "certsign": ("keyUsage=critical,keyCertSign\nextendedKeyUsage=codeSigning\n",
+                     "keyUsage has no digitalSignature"),
+        "subca": ("basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign\n",
+                  "keyUsage has no digitalSignature"),
+        "eku-only": ("extendedKeyUsage=codeSigning\n",
+                     "no keyUsage extension (a signing certificate needs digitalSignature)"),
+        "bare": ("subjectAltName=DNS:publisher\n",
+                 "no keyUsage extension (a signing certificate needs digitalSignature)"),
+    }
+    accepted = {"ku-only": "keyUsage=critical,digitalSignature\n",
+                "ku-and-eku": "keyUsage=digitalSignature\nextendedKeyUsage=codeSigning,"
+                              "emailProtection\n"}
+    cases = [(n, e, why) for n, (e, why) in refused.items()] + \
+        [(n, e, None) for n, e in accepted.items()]
+    for name, exts, why in cases:
         crt = os.path.join(TMP, "leaf-%s.crt" % name)
         with open(ext, "w") as f:
             f.write(exts)
@@ -177,12 +195,11 @@ def test_certificate_method_against_a_ca_file():
         bb = os.path.join(TMP, "cert-%s.sig" % name)
         oms.write_bundle(bb, oms.statement(d), leaf_key, chain=[crt, ca_crt])
         rc, lines, err = verify(d, bb, ca=ca_crt)
-        if ok:
+        if why is None:
             assert rc == 0, (name, lines, err)
         else:
-            assert rc == 1 and lines == ["certificate: the signing certificate is not for signing "
-                                         "(keyUsage has no digitalSignature and extendedKeyUsage "
-                                         "no codeSigning)"], (name, lines)
+            assert rc == 1 and lines == ["certificate: the signing certificate is not for "
+                                         "signing: " + why], (name, lines)
 
 
 # ---- oms verify: tampering -------------------------------------------------------------------
@@ -307,14 +324,22 @@ def test_schema_errors_are_clear():
 
 
 def test_published_vectors_through_the_command_line():
-    """The spec's vectors (tests/unit/data/oms): the sigstore one is refused as offline-
-    unsupported; the invalid ones name what is wrong."""
+    """The spec's vectors (tests/unit/data/oms): the sigstore one needs a trusted root (then its
+    signature verifies and the files are what differs); the invalid ones name what is wrong."""
     v = os.path.join(SOURCE_DIR, "tests", "unit", "data", "oms", "v1.0")
     d = model_dir("vectors", {"signme-1": b"a", "signme-2": b"b"})
-    rc, lines, _ = verify(d, os.path.join(v, "valid", "sigstore.bundle.json"),
-                          key("publisher").pub)
-    assert rc == 1 and lines[0].startswith("signature: method sigstore (keyless, Fulcio + Rekor)"
-                                           " is not supported offline"), lines
+    sig = os.path.join(v, "valid", "sigstore.bundle.json")
+    rc, lines, _ = verify(d, sig, key("publisher").pub)
+    assert rc == 1 and lines == ["signature: the bundle is keyless (method sigstore): give "
+                                 "--trusted-root, --identity and --issuer"], lines
+    root = os.path.join(SOURCE_DIR, "tests", "fixtures", "sigstore", "trusted_root.json")
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "oms", "verify", "--model-dir", d, "--bundle",
+                            sig, "--trusted-root", root, "--identity", "stefanb@us.ibm.com",
+                            "--issuer", "https://sigstore.verify.ibm.com/oauth2"])
+    lines = out.splitlines()
+    assert rc == 1 and "changed file: signme-1 (sha256 ca978112ca1bbdca.. signed " \
+        "f6310066c7320497..)" in lines and not any(l.startswith("signature") for l in lines), (
+        lines, err)
     rc, lines, _ = verify(d, os.path.join(v, "invalid", "missing-envelope.bundle.json"),
                           key("publisher").pub)
     assert rc == 1 and lines == ["bundle.dsseEnvelope: missing"], lines

@@ -224,6 +224,16 @@ def test_rate_limit_is_per_tenant_429_with_retry_after():
     px.stop()
 
 
+def test_rate_limit_with_a_burst_of_one_lets_the_first_request_through():
+    # Rounding in (now + interval) - now once made burst 1 refuse even the first request.
+    policy = {"tenants": [{"name": "single", "match": {"any": True},
+                           "rate_limit": {"requests_per_second": 0.1, "burst": 1}}]}
+    sims, px = setup(policy=policy)
+    assert post_json(px.port, "/v1/completions", completion()).status == 200
+    assert_openai_error(post_json(px.port, "/v1/completions", completion()), 429, "rate_limited")
+    px.stop()
+
+
 def test_rate_limit_with_a_tiny_rate_still_limits():
     # 1e-20 requests per second: the wait (1e20 s) does not fit Retry-After's whole seconds.
     # It is capped, not cast (a cast gave 0 on x86-64: "no wait", and the limit let all through).
@@ -284,8 +294,9 @@ def test_drain_and_enable_without_reload():
     other_name = "r2" if inflight_on == "r1" else "r1"
     assert http("POST", px.admin_port, "/admin/replicas/%s/drain?pool=p" % other_name).status \
         == 200
-    assert_openai_error(post_json(px.port, "/v1/completions", completion()), 503,
-                        "no_attested_replica")
+    r = post_json(px.port, "/v1/completions", completion())
+    assert_openai_error(r, 503, "all_replicas_drained")
+    assert "drained by an operator" in r.json()["error"]["message"], r.text
     assert http("GET", px.admin_port, "/readyz").status == 503
     assert http("POST", px.admin_port, "/admin/replicas/%s/enable" % inflight_on).status == 200
     assert post_json(px.port, "/v1/completions",
@@ -342,6 +353,26 @@ def policy_test(cfg_path, body, *headers, path=None):
     return rc, (json.loads(out) if out.strip() else None), err
 
 
+def test_the_example_config_serves_sdk_clients_with_a_dummy_key():
+    """The OpenAI SDKs always send Authorization: the shipped catch-all takes unknown keys
+    (unknown_keys), and a policy without it says how to fix the 401."""
+    from harness import SOURCE_DIR
+    examples = os.path.join(SOURCE_DIR, "config", "examples", "detproxy.json")
+    body = {"model": "meta-llama/Llama-3.1-8B-Instruct",
+            "messages": [{"role": "user", "content": "hi"}]}
+    rc, out, err = policy_test(examples, body, "Authorization: Bearer sk-dummy",
+                               path="/v1/chat/completions")
+    assert rc == 0 and out["tenant"] == "default", (rc, out, err)
+    d = tempfile.mkdtemp(prefix="detproxy-sdk-")
+    cfg = write_config({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+                        "pools": [{"name": "p", "models": ["*"],
+                                   "replicas": [{"name": "r1", "url": "http://127.0.0.1:9"}]}],
+                        "policy": {"tenants": [{"name": "all", "match": {"any": True}}]}}, d)
+    rc, out, err = policy_test(cfg, body, "Authorization: Bearer sk-dummy",
+                               path="/v1/chat/completions")
+    assert rc == 1 and "\"unknown_keys\": true" in out["error"]["message"], (rc, out, err)
+
+
 def test_policy_test_shows_the_decision_and_matches_the_proxy():
     sims, px = setup()
     cfg = px.config_path
@@ -353,13 +384,13 @@ def test_policy_test_shows_the_decision_and_matches_the_proxy():
     assert out["audited"] is True and out["fingerprint"].startswith("fp_"), out
     line = out["audit_line"]
     assert line["tenant"] == "bank" and line["seed"] == 1234 and line["replica"] is None, line
-    assert line["forwarded_body_sha256"] == hashlib.sha256(
-        json.dumps(out["body"], separators=(",", ":")).encode()).hexdigest()
-    # What the proxy really forwards is the body shown.
+    # What the proxy really forwards is the body shown, and the line hashes those very bytes
+    # (the client's own, with the policy's values spliced in).
     r = post_json(px.port, "/v1/completions", completion(temperature=0.9), headers=BANK)
     assert r.status == 200
-    sent = json.loads(get_json(sims[0].port, "/_sim/last_request")["body"])
-    assert sent == out["body"], (sent, out["body"])
+    raw = get_json(sims[0].port, "/_sim/last_request")["body"]
+    assert json.loads(raw) == out["body"], (raw, out["body"])
+    assert line["forwarded_body_sha256"] == hashlib.sha256(raw.encode()).hexdigest(), raw
     # Chat is recognised from the body; derive-less default tenant: no seed.
     rc, out, _ = policy_test(cfg, {"model": "m1", "messages": [{"role": "user", "content": "x"}]})
     assert rc == 0 and out["tenant"] == "default" and out["seed"] is None, out

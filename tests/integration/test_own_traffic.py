@@ -1,17 +1,22 @@
 """Every request detproxy sends to a replica holds one of its admission slots, whatever its kind
 (docs/drift.md, "Which requests are copied, and where"; docs/attestation.md §5): client
 requests, drift shadows (cross and self), candidate copies, the attestation probe completion and
-the canary. With max_inflight_per_replica 1 a replica therefore never runs two sequences at once,
+the canary, and `detproxy diagnose` run beside the proxy (through its admin relay). With
+max_inflight_per_replica 1 a replica therefore never runs two sequences at once,
 and at temperature 0 every answer equals the same prompt sent alone (the simulator's `--noise`
 flips near-tied tokens whenever requests overlap, as batching does). A replica's in-flight count
 survives a reload that removes it and adds it back while its request still runs."""
 
 import hashlib
 import json
+import os
+import tempfile
 import threading
+import time
 
-from harness import get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import metric, pool, sim_stats, start_proxy
+from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
+                     run_tests, start_sim)
+from proxyutil import metric, pool, sim_reset, sim_stats, start_proxy
 
 MODEL = "tiny"
 FP = "b11669-Debian"
@@ -182,6 +187,147 @@ def test_a_replica_removed_and_added_back_keeps_its_in_flight_count():
     # The second waited for the first: the replica kept its count across both reloads.
     assert sim_stats(slow)["max_inflight_seen"] == 1, sim_stats(slow)
     px.stop()
+
+
+def test_diagnose_beside_the_proxy_goes_through_its_slots():
+    """diagnose on the running proxy's own config sends every request (the native probe
+    completion, the canary, its sequential and concurrent phases) through the admin relay: on
+    a limit-1 pool with clients running the replica still never sees two at once. The same
+    command with the proxy stopped says it talks to the replicas directly."""
+    can = canary("Count: one, two,", 6)
+    man = {"model": MODEL, "engine_fingerprint": FP, "canary": can}
+    sims = [llama_sim("--noise", "0.5", "--token-delay-ms", "2") for _ in range(2)]
+    px = start_proxy(pools=[native_pool("p", sims, man, 1)],
+                     admin_listen="127.0.0.1:%d" % free_port(),
+                     attestation={"interval_ms": 600000, "require_signature": False})
+    for s in sims:
+        http("POST", s.port, "/_sim/reset")
+    result = {}
+    t = threading.Thread(target=lambda: result.update(zip(
+        ("rc", "out", "err"), run_cmd([DETPROXY_BIN, "diagnose", "-c", px.config_path, "--json",
+                                       "--repeat", "6", "--concurrency", "4"], timeout=120))))
+    t.start()
+    answers = load(px, clients=3, per_client=10)
+    t.join()
+    assert result["rc"] in (0, 1), result
+    assert "through the running detproxy" in result["err"], result["err"]
+    doc = json.loads(result["out"])
+    assert doc["through_proxy"] is True, doc
+    # 4 sampling + 6 sequential + 6 concurrent completions and the canary, per replica
+    for s in sims:
+        st = sim_stats(s)
+        assert st["max_inflight_seen"] == 1, st
+    assert sum(sim_stats(s)["requests"] for s in sims) >= len(answers) + 2 * 17
+    # Nothing overlapped, so batching noise never acted: diagnose found none either.
+    assert "batching_nondeterminism" not in {f["cause"] for f in doc["findings"]}, doc
+    # The relay's answers are counted per replica in the log, and the admin relay refuses what
+    # it cannot place.
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions", body="{}",
+             headers={"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "nope"})
+    assert r.status == 404 and r.json()["error"]["code"] == "replica_not_found", r
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions", body="{}")
+    assert r.status == 400 and r.json()["error"]["code"] == "invalid_relay", r
+    px.stop()
+    rc, out, err = run_cmd([DETPROXY_BIN, "diagnose", "-c", px.config_path, "--json",
+                            "--repeat", "2", "--concurrency", "2"], timeout=120)
+    assert "directly to the replicas: no detproxy answers on admin" in err, err
+    assert json.loads(out)["through_proxy"] is False
+
+
+KEY = "sk-own-traffic-0001"
+AUTH = {"authorization": "Bearer " + KEY, "content-type": "application/json"}
+POLICY = {"tenants": [
+    {"name": "bank", "match": {"api_keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()]},
+     "sampling": {"temperature": {"force": 0}, "seed": {"force": 7},
+                  "max_tokens": {"max": 100}}, "audit": True},
+]}
+
+
+def canary_m1(model, prompt, n, *flags):
+    """A manifest canary whose expected output is what a fresh sim with these flags answers."""
+    alone = start_sim("--model", model, *flags)
+    r = post_json(alone.port, "/v1/completions", {"model": model, "prompt": prompt,
+                                                  "max_tokens": n, "temperature": 0, "seed": 0})
+    alone.stop()
+    return {"prompt": prompt, "max_tokens": n,
+            "expected_sha256": hashlib.sha256(r.json()["choices"][0]["text"].encode()).hexdigest()}
+
+
+def long_request(px, out, prompt="long running client request", n=30, headers=AUTH):
+    t = threading.Thread(target=lambda: out.append(post_json(
+        px.port, "/v1/completions", {"model": "m1", "prompt": prompt, "max_tokens": n},
+        headers=headers, timeout=120)))
+    t.start()
+    return t
+
+
+def test_replay_through_the_proxy_sends_its_canary_under_the_slot_too():
+    """replay --admin: its own attestation of a replica the proxy serves (the canary, a native
+    probe) goes through the relay as well, so on a limit-1 pool with a client request running
+    the replica never has two at once."""
+    d = tempfile.mkdtemp(prefix="detproxy-own-")
+    os.mkdir(os.path.join(d, "store"))
+    can = canary_m1("m1", "Count: one, two,", 4)
+    sim = start_sim("--model", "m1", "--token-delay-ms", "60")
+    p = pool("p", ["m1"], [sim], max_inflight_per_replica=1, queue_timeout_ms=60000,
+             manifest={"model": "m1", "canary": can})
+    p["replicas"][0]["attest"] = {"source": "vllm"}
+    px = start_proxy(pools=[p], policy=POLICY, directory=d,
+                     attestation={"interval_ms": 600000},
+                     log={"level": "info", "audit_path": "audit.jsonl", "audit_store": "store"})
+    r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "audited", "max_tokens": 2},
+                  headers=AUTH)
+    assert r.status == 200, r
+    audit = os.path.join(d, "audit.jsonl")
+    sim_reset(sim)
+    first = []
+    t = long_request(px, first)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the client request running")
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", audit,
+                            "--all", "--admin", "127.0.0.1:%d" % px.admin_port, "--json"],
+                           timeout=120)
+    t.join()
+    st = sim_stats(sim)
+    px.stop()
+    assert st["max_inflight_seen"] == 1, (st, out, err)
+
+
+def test_diagnose_beside_a_proxy_with_an_edited_config_still_takes_its_slots():
+    """The running proxy is found by its replicas (URLs), not by byte-equal configs: with the
+    config file edited and not reloaded (only log.level), diagnose still goes through the relay
+    and the limit-1 replica never has two requests at once."""
+    sim = start_sim("--model", "m1", "--token-delay-ms", "20")
+    p = pool("p", ["m1"], [sim], max_inflight_per_replica=1, queue_timeout_ms=60000)
+    px = start_proxy(pools=[p], admin_listen="127.0.0.1:%d" % free_port(),
+                     attestation={"interval_ms": 600000})
+    cfg = json.load(open(px.config_path))
+    cfg.setdefault("log", {})["level"] = "warn"
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    sim_reset(sim)
+    first = []
+    t = long_request(px, first, n=60, headers=None)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the client request running")
+    rc, out, err = run_cmd([DETPROXY_BIN, "diagnose", "-c", px.config_path, "--json",
+                            "--repeat", "2", "--concurrency", "2"], timeout=120)
+    t.join()
+    st = sim_stats(sim)
+    px.stop()
+    assert st["max_inflight_seen"] == 1, (st, err)
+
+
+def test_the_relay_refuses_head_at_once():
+    """HEAD is no relay method (an answer without the body its length announces cannot be passed
+    on whole): 405 at once, not a wait for the replica's idle timeout."""
+    sim = start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], limits={"upstream_idle_timeout_ms": 3000})
+    assert http("HEAD", sim.port, "/v1/models").status == 200
+    # The replica's idle timeout is 3 s: a relay that waited for a body would not answer within
+    # this request's own 2 s timeout.
+    r = http("HEAD", px.admin_port, "/admin/relay/v1/models",
+             headers={"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1"}, timeout=2)
+    px.stop()
+    assert r.status == 405, r.status
 
 
 if __name__ == "__main__":

@@ -25,15 +25,18 @@ POLICY = {"tenants": [
 ]}
 
 
-def setup(flavor="vllm", policy=POLICY, audit_path=None, manifest=None, wrapper=()):
+def setup(flavor="vllm", policy=POLICY, audit_path=None, manifest=None, wrapper=(),
+          audit_fail=None):
     sim = start_sim("--model", "m1", "--flavor", flavor)
     d = tempfile.mkdtemp(prefix="detproxy-policy-")
     audit_path = audit_path or os.path.join(d, "audit.jsonl")
     p = pool("p", ["m1"], [sim])
     if manifest:
         p["manifest"] = manifest
-    px = start_proxy(pools=[p], policy=policy, log={"level": "info", "audit_path": audit_path},
-                     directory=d, wrapper=wrapper)
+    log = {"level": "info", "audit_path": audit_path}
+    if audit_fail:
+        log["audit_fail"] = audit_fail
+    px = start_proxy(pools=[p], policy=policy, log=log, directory=d, wrapper=wrapper)
     px.audit_path = audit_path
     return sim, px
 
@@ -231,9 +234,10 @@ def test_audit_reopens_on_sighup_and_survives_write_failure():
     assert len(open(rotated).readlines()) == 1
     assert len(open(px.audit_path).readlines()) == 1
     px.stop()
-    # A disk that refuses writes (a 600-byte file size limit: EFBIG): requests are still
-    # served, each failure is logged and counted, and the process does not die of SIGXFSZ.
-    sim2, px2 = setup(wrapper=["prlimit", "--fsize=600"])
+    # A disk that refuses writes (a 600-byte file size limit: EFBIG), with log.audit_fail
+    # "open": requests are still served, each failure is logged and counted, and the process
+    # does not die of SIGXFSZ. With the default ("closed") the answers are withheld.
+    sim2, px2 = setup(wrapper=["prlimit", "--fsize=600"], audit_fail="open")
     for i in range(3):
         r = post_json(px2.port, "/v1/completions", {"model": "m1", "prompt": "c%d" % i},
                       headers=AUTH)
@@ -241,6 +245,12 @@ def test_audit_reopens_on_sighup_and_survives_write_failure():
     px2.wait_log("audit_write_failed")
     assert metric(px2, "detproxy_audit_write_errors_total") >= 1
     px2.stop()
+    sim3, px3 = setup(wrapper=["prlimit", "--fsize=600"])
+    codes = [post_json(px3.port, "/v1/completions", {"model": "m1", "prompt": "d%d" % i},
+                       headers=AUTH) for i in range(4)]
+    assert any(r.status == 503 and r.json()["error"]["code"] == "audit_unavailable"
+               for r in codes), [r.status for r in codes]
+    px3.stop()
 
 
 if __name__ == "__main__":

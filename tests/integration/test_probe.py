@@ -14,7 +14,7 @@ import time
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_process, start_sim)
-from proxyutil import pool, start_proxy
+from proxyutil import metric, pool, start_proxy
 
 MODEL = "org/model-a"
 CKPT = hashlib.sha256(b"checkpoint-a").hexdigest()
@@ -146,8 +146,17 @@ def test_a_canary_that_does_not_match_reads_the_same_in_both():
         px = start_proxy(pools=[p], ready=False,
                          attestation={"interval_ms": 60000, "timeout_ms": 2000,
                                       "require_signature": True, "trusted_keys": [pub]})
+        proxy_reasons(px)
+        # What the engine itself says follows the canary's reason (its metadata is read after
+        # the mismatch): here it agrees with the signed identity.
+        poll_until(lambda: len(proxy_reasons(px)["r1"][1]) == 2, what="the engine's own report")
         seen = proxy_reasons(px)
         assert seen["r1"][0] == "pending" and seen["r1"][1][0].startswith(start), seen
+        assert seen["r1"][1][1].startswith("the engine itself (vllm metadata) agrees with the "
+                                           "attested identity (framework.version 0.6.3"), seen
+        # The check matched the metadata, but the replica is not admitted: not counted so.
+        assert metric(px, "detproxy_attestations_total", replica="r1", result="admitted") == 0
+        assert metric(px, "detproxy_attestations_total", replica="r1", result="pending") >= 1
         r = diagnose_reasons(px.config_path)["r1"]
         assert r["attestation"] == "admitted" and r["admitted"] is False, r
         assert r["reasons"] == seen["r1"][1], (r["reasons"], seen)

@@ -135,7 +135,8 @@ def test_diverging_candidate_serving_another_model_name():
     ids = set(r["example_request_ids"])
     lines = px.find_logs("candidate_divergence")
     assert lines and ids <= {l["request_id"] for l in lines}, (ids, lines[:2])
-    assert all(l["candidate"] == "next" and l["tenant"] == "default" for l in lines)
+    assert all(l["candidate"] == "next" and l["tenant"] == "default" and l["kind"] == "candidate"
+               for l in lines), lines[:2]
     # The clients were answered by the baseline all along.
     r2 = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
                                                 "temperature": 0})

@@ -4,22 +4,44 @@ running detproxy whose pool has a rejected replica (its agent-reported version c
 an attacker's would) and a drifted one, then the DOM Chromium built is checked and a screenshot
 is kept as a test artefact (DP_ARTIFACT_DIR, build/<type>/artifacts/status-page.png).
 
+The replicas sign their own attestations with a full checkpoint hash the manifest pins, so the
+identity table holds five 64-character hashes side by side: at 1,280 px the page must not
+scroll sideways (document.documentElement.scrollWidth, read over the DevTools protocol), each
+hash shown short with the whole value in its title.
+
 Without Debian's `chromium` the browser test exits 77 (ctest SKIP_RETURN_CODE, shown as
 skipped); the HTTP-level checks run either way."""
 
+import hashlib
 import html.parser
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 
-from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
+from harness import (DETPROXY_BIN, SLOW, get_json, http, poll_until, post_json, run_cmd,
+                     run_tests, start_sim)
 from proxyutil import in_parallel, pool, start_proxy
 
 MODEL = "org/status-model"
 EVIL = "0.6.3<script>document.title='pwned'</script><img src=x onerror=alert(1)>"
 SKIP = 77
+CKPT = hashlib.sha256(b"status page checkpoint").hexdigest()
+OTHER = hashlib.sha256(b"another checkpoint").hexdigest()  # the rejected replica's
+WIDTH = 1280  # a laptop's screen: the page must fit it
+KEYS = {}
+
+
+def keys():
+    """(private, public) PEM paths of one signing key for every simulated replica."""
+    if not KEYS:
+        prefix = os.path.join(tempfile.mkdtemp(prefix="detproxy-status-key-"), "pipeline")
+        rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", prefix])
+        assert rc == 0, err
+        KEYS.update(key=prefix + ".key.pem", pub=prefix + ".pub.pem")
+    return KEYS["key"], KEYS["pub"]
 
 
 class Dom(html.parser.HTMLParser):
@@ -56,21 +78,26 @@ def parse(text):
 
 
 def sims():
-    base = ["--model", MODEL, "--flavor", "vllm", "--quantization", "awq"]
-    good = [start_sim(*base, "--framework-version", "0.6.3") for _ in range(2)]
-    drifted = start_sim(*base, "--framework-version", "0.6.3", "--quantization", "gptq",
-                        "--report-quantization", "awq")
-    rejected = start_sim(*base, "--framework-version", EVIL)
+    base = ["--model", MODEL, "--flavor", "vllm", "--quantization", "awq", "--attest-key",
+            keys()[0]]
+    good = [start_sim(*base, "--checkpoint-sha256", CKPT, "--framework-version", "0.6.3")
+            for _ in range(2)]
+    drifted = start_sim(*base, "--checkpoint-sha256", CKPT, "--framework-version", "0.6.3",
+                        "--quantization", "gptq", "--report-quantization", "awq")
+    # Another checkpoint too: the identity table's widest row has two different hashes.
+    rejected = start_sim(*base, "--checkpoint-sha256", OTHER, "--framework-version", EVIL)
     return good + [drifted, rejected]
 
 
 def proxy(rs, ready=True, **top):
     p = pool("p", [MODEL], rs,
-             manifest={"model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}})
-    for r in p["replicas"]:
-        r["attest"] = {"source": "vllm"}
+             manifest={"model": MODEL, "checkpoint_sha256": CKPT,
+                       "framework": {"name": "vllm", "version": "0.6.3"}})
+    for r, s in zip(p["replicas"], rs):
+        r["attest"] = {"source": "agent", "url": "http://127.0.0.1:%d/attestation" % s.port}
     return start_proxy(pools=[p], attestation={"interval_ms": 300, "timeout_ms": 3000,
-                                               "require_signature": False},
+                                               "require_signature": True,
+                                               "trusted_keys": [keys()[1]]},
                        shadow={"rate": 0.7, "self_rate": 0.3, "max_inflight": 8,
                                "quarantine": True}, ready=ready, **top)
 
@@ -118,7 +145,16 @@ def check_dom(text, where):
     assert vcells and vcells[0][1]["class"] == "diff", vcells
     same = [e for e in d.elems if e[0] == "td" and e[1].get("data-replica") == "r1" and
             e[1].get("class") == "same"]
-    assert len(same) == 3, same  # model, framework.name, framework.version match the pins
+    # model, checkpoint_sha256, framework.name, framework.version match the pins
+    assert len(same) == 4, same
+    # The hashes: short on the page, whole in the title (shown on hover) and in data-full.
+    ck = [e for e in d.elems if e[0] == "code" and e[1].get("class") == "short"]
+    assert len(ck) == 5, ck  # the manifest's and each replica's
+    for e, want in zip(ck, [CKPT] * 4 + [OTHER]):
+        assert e[1]["title"] == want and e[1]["data-full"] == want, e
+        assert e[2] == want[:12] + "\u2026" + want[-4:], e
+    assert any("checkpoint_sha256 mismatch" in e[2] for e in d.find("li", **{"class": "reason"})
+               ), "no checkpoint reason"
     assert cells
     # Drift per pool, with the similarity distributions as SVG.
     dr = d.find("div", **{"class": "drift"})
@@ -196,13 +232,110 @@ def test_page_in_headless_chromium():
     shot = os.path.join(art, "status-page.png")
     if os.path.exists(shot):
         os.unlink(shot)
-    browse(exe, url, "--screenshot=" + shot, "--window-size=1280,1800",
+    browse(exe, url, "--screenshot=" + shot, "--window-size=%d,1800" % WIDTH,
            "--hide-scrollbars")
     with open(shot, "rb") as f:
         head = f.read(8)
     assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(shot) > 10000, shot
     print("status page screenshot: %s (%d bytes)" % (shot, os.path.getsize(shot)), flush=True)
+    # Readable at 1,280 px: nothing wider than the window, so no sideways scrolling.
+    m = measure(exe, url, WIDTH)
+    print("at %d px: scrollWidth %d, identity table %d px wide" % (WIDTH, m["scroll"],
+                                                                  m["identity"]), flush=True)
+    assert m["scroll"] <= WIDTH, m
+    assert 0 < m["identity"] <= WIDTH, m
     px.stop()
+
+
+class Cdp:
+    """The Chrome DevTools protocol over --remote-debugging-pipe: JSON messages ending in NUL,
+    commands to the browser on its fd 3, answers and events from its fd 4."""
+
+    def __init__(self, exe, *args):
+        self.prof = tempfile.mkdtemp(prefix="detproxy-chromium-")
+        to_r, self.to_w = os.pipe()
+        self.from_r, from_w = os.pipe()
+        os.set_inheritable(to_r, True)
+        os.set_inheritable(from_w, True)
+
+        def fds():
+            os.dup2(to_r, 3)
+            os.dup2(from_w, 4)
+        self.proc = subprocess.Popen(
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-dev-shm-usage", "--user-data-dir=" + self.prof,
+             "--remote-debugging-pipe", *args, "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=fds,
+            close_fds=False)
+        os.close(to_r)
+        os.close(from_w)
+        self.buf = b""
+        self.next_id = 0
+        self.events = []
+
+    def recv(self):
+        while b"\0" not in self.buf:
+            chunk = os.read(self.from_r, 65536)
+            assert chunk, "chromium closed the DevTools pipe"
+            self.buf += chunk
+        msg, self.buf = self.buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method, session=None, **params):
+        self.next_id += 1
+        msg = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = session
+        os.write(self.to_w, json.dumps(msg).encode() + b"\0")
+        while True:
+            m = self.recv()
+            if m.get("id") == self.next_id:
+                assert "error" not in m, (method, m["error"])
+                return m["result"]
+            self.events.append(m)
+
+    def wait_event(self, method):
+        while True:
+            for i, m in enumerate(self.events):
+                if m.get("method") == method:
+                    return self.events.pop(i)
+            self.events.append(self.recv())
+
+    def close(self):
+        try:
+            self.call("Browser.close")
+        except (AssertionError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10 * SLOW)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.to_w)
+        os.close(self.from_r)
+        shutil.rmtree(self.prof, ignore_errors=True)
+
+
+def measure(exe, url, width):
+    """The page laid out at WIDTH CSS px: the document's scrollWidth and the identity table's
+    width, read by the browser itself."""
+    cdp = Cdp(exe, "--window-size=%d,900" % width)
+    try:
+        target = [t for t in cdp.call("Target.getTargets")["targetInfos"]
+                  if t["type"] == "page"][0]["targetId"]
+        sess = cdp.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        cdp.call("Emulation.setDeviceMetricsOverride", sess, width=width, height=900,
+                 deviceScaleFactor=1, mobile=False)
+        cdp.call("Page.enable", sess)
+        cdp.call("Page.navigate", sess, url=url)
+        cdp.wait_event("Page.loadEventFired")
+        expr = ("JSON.stringify({scroll: document.documentElement.scrollWidth, "
+                "identity: document.querySelector('table.identity').getBoundingClientRect()"
+                ".width})")
+        r = cdp.call("Runtime.evaluate", sess, expression=expr, returnByValue=True)
+        return json.loads(r["result"]["value"])
+    finally:
+        cdp.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """detproxy's own requests in front of real llama.cpp servers whose outputs depend on the batch
 (`--kv-unified -np 4`): with max_inflight_per_replica 1, drift shadows (cross and self), a
-candidate pool's copies, the canary and native attestation every 100 ms all hold the replica's one
-slot (docs/drift.md, "Which requests are copied, and where"; docs/attestation.md, "Our own
+candidate pool's copies, the canary, native attestation every 100 ms and a `detproxy diagnose`
+run beside the proxy (through its admin relay) all hold the replica's one slot (docs/drift.md, "Which requests are copied, and where"; docs/attestation.md, "Our own
 requests take a slot"). A recording relay in front of each server counts generation requests in
 flight: never two, and every answer at temperature 0 equals the same prompt sent alone. Prints a
 `measured:` line (answers compared, overlaps, copies skipped). Copies themselves may still
@@ -25,7 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from realutil import require_engine, servers, stop_servers  # noqa: E402
-from harness import get_json, poll_until, post_json, run_tests  # noqa: E402
+from harness import (DETPROXY_BIN, free_port, get_json, poll_until, post_json, run_cmd,  # noqa: E402
+                     run_tests)
 from proxyutil import metric, start_proxy  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="detproxy-real-own-")
@@ -156,6 +157,7 @@ def test_one_slot_holds_for_every_request_we_send():
         px = start_proxy(pools=[pool("p", relays[:2], candidates=[{"pool": "next", "rate": 1.0}]),
                                 pool("next", relays[2:])],
                          directory=TMP, timeout=30, workers=2,
+                         admin_listen="127.0.0.1:%d" % free_port(),
                          shadow={"rate": 0.5, "self_rate": 0.5, "max_inflight": 8,
                                  "max_output_bytes": 65536},
                          attestation={"interval_ms": 100, "timeout_ms": 5000},
@@ -185,11 +187,17 @@ def test_one_slot_holds_for_every_request_we_send():
                                 wrong.append(i)
                     except Exception as e:  # noqa: BLE001 (reported below)
                         errors.append(repr(e))
+            diag = {}
             ts = [threading.Thread(target=client) for _ in range(CLIENTS)]
+            ts.append(threading.Thread(target=lambda: diag.update(zip(
+                ("rc", "out", "err"),
+                run_cmd([DETPROXY_BIN, "diagnose", "-c", px.config_path, "--pool", "p", "--json",
+                         "--repeat", "4", "--concurrency", "4"], timeout=600)))))
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
+            assert diag["rc"] in (0, 1) and json.loads(diag["out"])["through_proxy"], diag
             took = time.monotonic() - t0
             assert not errors, errors[:3]
             poll_until(lambda: metric(px, "detproxy_shadow_copies") == 0, timeout=30,
@@ -207,6 +215,7 @@ def test_one_slot_holds_for_every_request_we_send():
                 "max_generations_in_flight_per_server": [r.max_seen for r in relays],
                 "generations_at_servers": sum(r.generations for r in relays),
                 "drift_shadows": shadow, "candidate_copies": cand, "canaries": canaries,
+                "diagnose_verdicts": [f["cause"] for f in json.loads(diag["out"])["findings"]],
                 "shadows_skipped_per_100_requests": round(100.0 * shadow["skipped"] / n, 1)}),
                 flush=True)
             assert [r.max_seen for r in relays] == [1, 1, 1], [r.max_seen for r in relays]

@@ -98,7 +98,7 @@ Test(audit, checkpoint_is_signed_over_its_prefix)
     dp_buf_appendc(&out, '\0');
     const char *cp = out.base + start;
     cr_assert(strstr(cp, "{\"checkpoint\":{\"reason\":\"interval\",\"time\":"
-                         "\"2026-01-01T00:00:00.000Z\",\"lines\":1},\"prev_sha256\":\""));
+                         "\"2026-01-01T00:00:00.000Z\",\"lines\":1,\"seq\":1},\"prev_sha256\":\""));
     cr_assert(strstr(cp, before));
     cr_assert(strstr(cp, attest_key_id(g_pub)));
     cr_assert_eq(c.since_checkpoint, 0);
@@ -300,4 +300,99 @@ Test(audit, store_put_is_content_addressed)
     dp_buf_free(&b);
     cr_assert_lt(audit_store_put("/nonexistent-dir", hex, "body", 4, &op), 0);
     cr_assert_str_eq(op, "open");
+}
+
+Test(audit, checkpoints_are_numbered_and_resumed)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/s.jsonl", g_dir);
+    dp_buf_t out = {0};
+    write_file(path, 5, 2, &out); /* checkpoints 1, 2, 3 */
+    cr_assert(memmem(out.base, out.len, "\"seq\":3}", 8));
+    audit_chain_t c;
+    cr_assert_eq(audit_chain_resume(&c, path), 0);
+    cr_assert_eq(c.seq, 3);
+    cr_assert_str_eq(c.checkpoint, c.prev, "the last line is checkpoint 3");
+    dp_buf_free(&out);
+}
+
+Test(audit, anchors_seq_gaps_and_rewrites)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/n.jsonl", g_dir);
+    dp_buf_t out = {0};
+    write_file(path, 4, 2, &out); /* r0 r1 cp1 r2 r3 cp2 */
+    audit_chain_t c;
+    cr_assert_eq(audit_chain_resume(&c, path), 0);
+    audit_anchor_t a = {.seq = 2};
+    memcpy(a.sha256, c.checkpoint, 65);
+    audit_verify_opts_t o = {.anchors = &a, .nanchors = 1};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert(a.found);
+    cr_assert_eq(r.first_seq, 1);
+    cr_assert_eq(r.last_seq, 2);
+    a.sha256[0] = a.sha256[0] == 'a' ? 'b' : 'a';
+    a.found = false;
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1);
+    dp_buf_appendc(&why, '\0');
+    cr_assert(strstr(why.base, "rewritten"), "%s", why.base);
+    /* The previous file ended at seq 5: this file's seq 1 is a gap (or a restart elsewhere). */
+    dp_buf_reset(&why);
+    audit_verify_opts_t o2 = {.prev_seq = 5};
+    cr_assert_eq(audit_verify_file(path, &o2, &r, &why), -1);
+    dp_buf_appendc(&why, '\0');
+    cr_assert(strstr(why.base, "seq 1 follows seq 5"), "%s", why.base);
+    dp_buf_free(&why);
+    dp_buf_free(&out);
+}
+
+Test(audit, a_torn_tail_is_described_and_repaired)
+{
+    char path[128], next[128];
+    snprintf(path, sizeof(path), "%s/t.jsonl", g_dir);
+    snprintf(next, sizeof(next), "%s/t2.jsonl", g_dir);
+    dp_buf_t out = {0};
+    audit_chain_t c;
+    audit_chain_init(&c);
+    audit_chain_append(&c, "{\"x\":1}", 7, &out);
+    size_t whole = out.len;
+    dp_buf_appends(&out, "{\"x\":2,\"to");
+    put(path, &out);
+    audit_torn_t t;
+    cr_assert_eq(audit_chain_resume_torn(&c, path, &t), 0);
+    cr_assert(t.torn);
+    cr_assert_eq(t.offset, whole);
+    cr_assert_eq(t.len, 10);
+    char want[65];
+    dp_sha256_hex("{\"x\":2,\"to", 10, want);
+    cr_assert_str_eq(t.sha256, want);
+    dp_buf_t rep = {0};
+    audit_chain_repair(&c, &t, "t.jsonl.torn-X", 1, &rep);
+    audit_chain_append(&c, "{\"x\":3}", 7, &rep);
+    put(next, &rep);
+    /* The torn file alone: a break. Both, in order: whole, and the repair reported. */
+    audit_verify_opts_t o = {0};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1);
+    o.allow_torn = true;
+    dp_buf_reset(&why);
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert(r.torn.torn);
+    audit_torn_t seen = r.torn;
+    char last[65];
+    memcpy(last, r.last, 65);
+    audit_verify_opts_t o2 = {.expect_prev = last, .expect_torn = &seen};
+    cr_assert_eq(audit_verify_file(next, &o2, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert(r.repaired);
+    cr_assert_eq(r.repaired_offset, whole);
+    /* A repair line after an intact file: a break. */
+    audit_verify_opts_t o3 = {.expect_prev = last};
+    dp_buf_reset(&why);
+    cr_assert_eq(audit_verify_file(next, &o3, &r, &why), -1);
+    dp_buf_free(&why);
+    dp_buf_free(&rep);
+    dp_buf_free(&out);
 }

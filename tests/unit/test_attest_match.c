@@ -289,3 +289,63 @@ Test(attest_match, accept_admits_any_listed_identity_and_names_which)
     attest_reasons_free(&why);
     attest_report_clear(&r);
 }
+
+/* A keyless OMS signer (docs/attestation.md §9): identity and issuer round-trip through the
+ * payload and are what a manifest's oms.identity/issuer pin. */
+Test(attest_match, keyless_oms_identity_and_issuer)
+{
+    attest_report_t r;
+    agent_report(&r);
+    r.nonce = strdup("n-1");
+    r.issued_at = strdup("2026-11-29T17:30:46.123Z");
+    r.oms_reported = r.oms_verified = true;
+    strcpy(r.oms_signer, H1);
+    strcpy(r.oms_root_digest, H2);
+    strcpy(r.oms_identity, "release@example.com");
+    strcpy(r.oms_issuer, "https://accounts.google.com");
+    dp_buf_t p = {0}, why = {0};
+    attest_payload_build(&r, &p);
+    attest_report_t back = {0};
+    cr_assert_eq(attest_payload_parse(p.base, p.len, &back, &why), 0, "%s", why.base);
+    cr_expect_str_eq(back.oms_identity, "release@example.com");
+    cr_expect_str_eq(back.oms_issuer, "https://accounts.google.com");
+
+    cfg_manifest_t m = full_manifest();
+    m.oms_identity = "release@example.com";
+    m.oms_issuer = "https://accounts.google.com";
+    attest_reasons_t out = {0};
+    cr_expect_eq(attest_manifest_match(&m, &back, &out), 0);
+    attest_reasons_free(&out);
+    m.oms_issuer = "https://github.com/login/oauth";
+    cr_expect_eq(attest_manifest_match(&m, &back, &out), 1);
+    cr_expect_str_eq(out.items[0], "oms.issuer mismatch: got https://accounts.google.com want "
+                                   "https://github.com/login/oauth");
+    attest_reasons_free(&out);
+
+    /* Identity without issuer, or with verified false, or empty, is not a payload. */
+    static const char *const bad[] = {
+        "\"oms\":{\"verified\":true,\"signer\":\"" H1 "\",\"root_digest\":\"" H2
+        "\",\"identity\":\"a@b\"}",
+        "\"oms\":{\"verified\":false,\"identity\":\"a@b\",\"issuer\":\"https://x\"}",
+        "\"oms\":{\"verified\":true,\"signer\":\"" H1 "\",\"root_digest\":\"" H2
+        "\",\"identity\":\"\",\"issuer\":\"https://x\"}"};
+    const char *o = strstr(p.base, "\"oms\":{");
+    const char *e = o ? strchr(o, '}') : NULL;
+    cr_assert(o && e);
+    for (size_t i = 0; i < DP_ARRAY_SIZE(bad); i++) {
+        dp_buf_t j = {0};
+        dp_buf_append(&j, p.base, (size_t)(o - p.base));
+        dp_buf_appends(&j, bad[i]);
+        dp_buf_appends(&j, e + 1);
+        attest_report_t x = {0};
+        dp_buf_reset(&why);
+        cr_expect_eq(attest_payload_parse(j.base, j.len, &x, &why), -1, "%s", j.base);
+        cr_expect(why.base && strstr(why.base, "payload.oms"), "%s", why.base);
+        attest_report_clear(&x);
+        dp_buf_free(&j);
+    }
+    attest_report_clear(&back);
+    attest_report_clear(&r);
+    dp_buf_free(&p);
+    dp_buf_free(&why);
+}

@@ -352,3 +352,43 @@ Test(oms_rules, json_is_parsed_strictly_and_within_a_budget)
     dp_buf_free(&bundle);
     dp_buf_free(&why);
 }
+
+/* The trusted root (attest/sigstore.h): the public-good one parses; broken ones are refused with
+ * the member named. */
+Test(sigstore_root, parse)
+{
+    char *p = NULL;
+    cr_assert(asprintf(&p, "%s/tests/fixtures/sigstore/trusted_root.json", DP_SOURCE_DIR) > 0);
+    sigstore_root_t *r = NULL;
+    dp_buf_t err = {0};
+    cr_assert_eq(sigstore_root_load(p, &r, &err), 0, "%s", err.base);
+    sigstore_root_free(r);
+    free(p);
+    static const struct {
+        const char *json, *want;
+    } bad[] = {
+        {"[]", "not a JSON object"},
+        {"{\"mediaType\":\"application/json\"}", "mediaType: expected"},
+        {"{\"mediaType\":\"application/vnd.dev.sigstore.trustedroot+json;version=0.1\"}",
+         "certificateAuthorities: expected an array"},
+        {"{\"mediaType\":\"application/vnd.dev.sigstore.trustedroot+json;version=0.1\","
+         "\"tlogs\":[{\"publicKey\":{\"rawBytes\":\"AAAA\"},\"logId\":{\"keyId\":\"AAAA\"}}]}",
+         "tlogs[0].logId.keyId: expected 32 bytes"},
+        {"{\"mediaType\":\"application/vnd.dev.sigstore.trustedroot+json;version=0.1\","
+         "\"tlogs\":[{\"publicKey\":{\"rawBytes\":\"AAAA\"},\"logId\":{\"keyId\":"
+         "\"wNI9atQGlz+VWfO6LRygH4QUfY/8W4RFwiT5i5WRgB0=\"}}]}",
+         "tlogs[0].publicKey.rawBytes: not a SubjectPublicKeyInfo"},
+        {"{\"mediaType\":\"application/vnd.dev.sigstore.trustedroot+json;version=0.1\","
+         "\"certificateAuthorities\":[]}",
+         "needs at least one of each"},
+    };
+    for (size_t i = 0; i < DP_ARRAY_SIZE(bad); i++) {
+        dp_buf_reset(&err);
+        r = NULL;
+        cr_expect_eq(sigstore_root_parse(bad[i].json, strlen(bad[i].json), &r, &err), -1);
+        cr_expect_null(r);
+        cr_expect(err.base && strstr(err.base, bad[i].want), "%s: got %s, want %s", bad[i].json,
+                  err.base, bad[i].want);
+    }
+    dp_buf_free(&err);
+}

@@ -287,3 +287,80 @@ Test(rollout, render_json)
     dp_buf_free(&out);
     drift_rollout_free(r);
 }
+
+/* ---- pooled statistics (a fleet's members) ------------------------------------------------ */
+
+static char *export_of(const drift_rollout_t *r)
+{
+    dp_buf_t b = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &b);
+    drift_rollout_export(r, &w, NULL);
+    return dp_buf_steal(&b);
+}
+
+Test(rollout, exports_of_two_members_sum_to_the_fleet_window)
+{
+    drift_rollout_t *a = drift_rollout_new("p", "next"), *b = drift_rollout_new("p", "next");
+    add_n(a, "t1", 20, 0.5, 12);
+    add_n(b, NULL, 20, 0.25, 12);
+    drift_rollout_miss(a, ROLLOUT_ERROR, "timeout");
+    drift_rollout_miss(b, ROLLOUT_ERROR, "reset");
+    drift_rollout_miss(b, ROLLOUT_SKIPPED, NULL);
+    drift_rollout_t *fleet = drift_rollout_new("p", "next");
+    char *ea = export_of(a), *eb = export_of(b);
+    cJSON *ja = cJSON_Parse(ea), *jb = cJSON_Parse(eb);
+    cr_assert_eq(drift_rollout_import(fleet, ja), 0, "%s", ea);
+    cr_assert_eq(drift_rollout_import(fleet, jb), 0, "%s", eb);
+    drift_summary_t s;
+    drift_rollout_summary(fleet, NULL, &s);
+    cr_assert_eq(s.samples, 40);
+    cr_assert_eq(s.diverged, 15); /* 10 + 5 */
+    cr_assert_eq(s.median_divergence_offset, 12);
+    cr_assert_float_eq(s.mean_similarity, (25 + 15 * 0.4) / 40.0, 1e-6);
+    /* 40 samples: a verdict, where each member alone (20) has none. */
+    drift_summary_t quiet = base(100, 0);
+    drift_rollout_verdict_t v;
+    drift_rollout_verdict(a, NULL, &quiet, &quiet, &v);
+    cr_assert_eq(v.kind, ROLLOUT_INSUFFICIENT_DATA);
+    drift_rollout_verdict(fleet, NULL, &quiet, &quiet, &v);
+    cr_assert_eq(v.kind, ROLLOUT_DIVERGES);
+    /* Copy counts add up; tenants are not pooled. */
+    char *ef = export_of(fleet);
+    cr_assert(strstr(ef, ",1,2,0]") != NULL, "%s", ef);
+    cr_assert_eq(drift_rollout_summary(fleet, "t1", &s), -ENOENT);
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    free(ea);
+    free(eb);
+    free(ef);
+    drift_rollout_free(a);
+    drift_rollout_free(b);
+    drift_rollout_free(fleet);
+}
+
+Test(rollout, malformed_exports_are_refused_and_change_nothing)
+{
+    static const char *const bad[] = {
+        "{}",
+        "[1,0,1,-1,0,0]",         /* too short */
+        "[2,3,2,-1,0,0,0]",       /* more diverged than samples */
+        "[1001,0,1001,-1,0,0,0]", /* more than a window */
+        "[-1,0,0,-1,0,0,0]",      /* negative */
+        "[1,0,1,-1,\"x\",0,0]",   /* not a number */
+        "[1,0,1,-1,0,0,1e300]",   /* absurd count */
+    };
+    drift_rollout_t *r = drift_rollout_new("p", "next");
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cJSON *j = cJSON_Parse(bad[i]);
+        cr_assert_eq(drift_rollout_import(r, j), -EINVAL, "%s", bad[i]);
+        cJSON_Delete(j);
+    }
+    drift_summary_t s;
+    drift_rollout_summary(r, NULL, &s);
+    cr_assert_eq(s.samples, 0);
+    char *e = export_of(r);
+    cr_assert_str_eq(e, "[0,0,0,-1,0,0,0]");
+    free(e);
+    drift_rollout_free(r);
+}

@@ -87,9 +87,10 @@ static void forwarded(const char *body, const char *want, const char *before)
     policy_error_t err;
     policy_req_reset(req);
     cr_assert_eq(decide(0, body, &pool, &res, &err), 0, "%s", err.message);
-    cr_assert_eq((int)res.body.len, (int)strlen(want), "%.*s", (int)res.body.len, res.body.base);
-    cr_assert(memcmp(res.body.base, want, res.body.len) == 0, "%.*s", (int)res.body.len,
-              res.body.base);
+    cr_assert_eq((int)policy_body(req, &res).len, (int)strlen(want), "%.*s",
+                 (int)policy_body(req, &res).len, policy_body(req, &res).base);
+    cr_assert(memcmp(policy_body(req, &res).base, want, policy_body(req, &res).len) == 0, "%.*s",
+              (int)policy_body(req, &res).len, policy_body(req, &res).base);
     if (before == NULL) {
         cr_assert_eq(res.nchanges, 0);
         return;
@@ -106,7 +107,7 @@ Test(determinism_policy, llamacpp_single_sequence_forwards_cache_prompt_false)
     forwarded("{\"model\":\"m\",\"prompt\":\"x\"}",
               "{\"model\":\"m\",\"prompt\":\"x\",\"cache_prompt\":false}", "");
     forwarded("{\"model\":\"m\", \"cache_prompt\": true, \"prompt\":\"x\"}",
-              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "true");
+              "{\"model\":\"m\", \"cache_prompt\": false, \"prompt\":\"x\"}", "true");
     forwarded("{\"model\":\"m\",\"cache_prompt\":null,\"prompt\":\"x\"}",
               "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "null");
     forwarded("{\"model\":\"m\",\"cache_prompt\":\"yes\",\"prompt\":\"x\"}",

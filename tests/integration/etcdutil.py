@@ -1,0 +1,157 @@
+"""A real etcd cluster on loopback for the fleet tests (Debian's etcd-server, /usr/bin/etcd).
+
+    c = EtcdCluster(3)          # starts 3 members, waits for a leader
+    c.endpoints()               # ["http://127.0.0.1:P", ...] for the fleet config
+    c.stop_member(i) / c.start_member(i) / c.kill_leader()
+    c.stop()                    # every member, data directories removed
+
+tls=pki (certs.PKI) serves https with client certificates required; auth=True makes user
+root (password in c.password_file) and turns authentication on. Missing etcd: ETCD is None and
+tests exit 77 (skipped).
+"""
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+import ssl
+
+from harness import SLOW, free_port
+
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+
+
+def b64(s):
+    return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
+
+
+class EtcdCluster:
+    def __init__(self, n=3, tls=None, auth=False, timeout=20):
+        assert ETCD, "etcd is not installed"
+        self.n = n
+        self.tls = tls
+        self.dir = tempfile.mkdtemp(prefix="detproxy-etcd-")
+        self.client_ports = [free_port() for _ in range(n)]
+        self.peer_ports = [free_port() for _ in range(n)]
+        self.procs = [None] * n
+        if tls:
+            self.server = tls.factory.leaf(tls.ca, "etcd-" + os.path.basename(self.dir), "etcd",
+                                           ("localhost",), ("127.0.0.1",), client="both")
+        self.token = None
+        scheme = "https" if tls else "http"
+        self.urls = ["%s://127.0.0.1:%d" % (scheme, p) for p in self.client_ports]
+        self.cluster = ",".join("e%d=http://127.0.0.1:%d" % (i, self.peer_ports[i])
+                                for i in range(n))
+        for i in range(n):
+            self.start_member(i, new=True)
+        self.wait_healthy(timeout)
+        self.password_file = None
+        if auth:
+            self.password = "s3cret-etcd"
+            self.password_file = os.path.join(self.dir, "etcd.pass")
+            with open(self.password_file, "w") as f:
+                f.write(self.password + "\n")
+            os.chmod(self.password_file, 0o600)
+            self.call("/v3/auth/user/add", {"name": "root", "password": self.password})
+            self.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+            self.call("/v3/auth/enable", {})
+            self.token = self.call("/v3/auth/authenticate",
+                                   {"name": "root", "password": self.password})["token"]
+
+    def endpoints(self):
+        return list(self.urls)
+
+    def start_member(self, i, new=False):
+        argv = [ETCD, "--name", "e%d" % i, "--data-dir", os.path.join(self.dir, "e%d" % i),
+                "--listen-client-urls", self.urls[i], "--advertise-client-urls", self.urls[i],
+                "--listen-peer-urls", "http://127.0.0.1:%d" % self.peer_ports[i],
+                "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % self.peer_ports[i],
+                "--initial-cluster", self.cluster, "--initial-cluster-state", "new",
+                "--initial-cluster-token", os.path.basename(self.dir),
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--logger", "zap", "--log-outputs", os.path.join(self.dir, "e%d.log" % i)]
+        if self.tls:
+            argv += ["--cert-file", self.server.crt, "--key-file", self.server.key,
+                     "--trusted-ca-file", self.tls.ca.crt, "--client-cert-auth"]
+        self.procs[i] = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+
+    def stop_member(self, i, sig=signal.SIGTERM):
+        p = self.procs[i]
+        if p is None:
+            return
+        p.send_signal(sig)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        self.procs[i] = None
+
+    def running(self):
+        return [i for i in range(self.n) if self.procs[i] is not None]
+
+    def _ctx(self):
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.ca.crt)
+        ctx.load_cert_chain(self.tls.client.crt, self.tls.client.key)
+        return ctx
+
+    def call(self, path, body, member=None, timeout=3):
+        """POST body to one member's gateway (the first running one by default)."""
+        i = self.running()[0] if member is None else member
+        req = urllib.request.Request(self.urls[i] + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        if self.token:
+            req.add_header("authorization", self.token)
+        with urllib.request.urlopen(req, timeout=timeout, context=self._ctx()) as r:
+            text = r.read().decode()
+        return json.loads(text.splitlines()[0]) if text else {}
+
+    def status(self, i):
+        return self.call("/v3/maintenance/status", {}, member=i, timeout=1)
+
+    def leader(self):
+        for i in self.running():
+            try:
+                s = self.status(i)
+            except Exception:
+                continue
+            if s.get("leader") and s["leader"] == s["header"]["member_id"]:
+                return i
+        return None
+
+    def wait_healthy(self, timeout=20):
+        deadline = time.monotonic() + timeout * SLOW
+        while time.monotonic() < deadline:
+            if self.leader() is not None:
+                try:
+                    self.call("/v3/kv/range", {"key": b64("/health-probe")})
+                    return
+                except Exception:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError("etcd cluster without a leader after %ss" % timeout)
+
+    def kill_leader(self):
+        i = self.leader()
+        assert i is not None
+        self.stop_member(i, sig=signal.SIGKILL)
+        return i
+
+    def get_prefix(self, prefix):
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        r = self.call("/v3/kv/range", {"key": b64(prefix), "range_end": b64(end)})
+        return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode()
+                for kv in r.get("kvs", [])}
+
+    def stop(self):
+        for i in range(self.n):
+            self.stop_member(i)
+        shutil.rmtree(self.dir, ignore_errors=True)

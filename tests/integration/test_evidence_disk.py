@@ -1,0 +1,127 @@
+"""A full disk under the audit trail (docs/operations.md, "Evidence"): with log.audit_fail
+"closed" no answer leaves without its audit line, /readyz says so, and the file stays a
+verifiable chain; with "open" answers are served and counted. Needs a 300 KB tmpfs (root, mount
+permitted): skipped (77) with the reason otherwise."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from harness import DETPROXY_BIN, http, poll_until, post_json, run_cmd, run_tests, start_sim
+from proxyutil import pool, start_proxy
+from test_evidence import AUTH, POLICY
+
+MNT = None
+
+
+def mount():
+    global MNT
+    MNT = tempfile.mkdtemp(prefix="detproxy-full-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", MNT],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print("SKIP: cannot mount a 300k tmpfs here (%s): the full-disk tests need root and "
+              "mount permission" % (r.stderr.strip() or r.returncode), flush=True)
+        sys.exit(77)
+
+
+def umount():
+    subprocess.run(["umount", MNT], capture_output=True)
+
+
+def proxy(mode):
+    d = tempfile.mkdtemp(prefix="detproxy-disk-", dir=MNT)
+    os.mkdir(os.path.join(d, "store"))
+    sim = start_sim("--model", "m1")
+    log = {"level": "info", "audit_path": os.path.join(d, "audit.jsonl"),
+           "audit_store": os.path.join(d, "store"), "audit_fail": mode}
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=POLICY, log=log,
+                     directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
+    px.audit_path = log["audit_path"]
+    return px
+
+
+def fill():
+    """Leave the filesystem without a free byte."""
+    with open(os.path.join(MNT, "filler"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+        try:
+            while True:
+                f.write(b"x")
+        except OSError:
+            pass
+
+
+def send(px, n, size=200):
+    out = []
+    for i in range(n):
+        r = post_json(px.port, "/v1/completions",
+                      {"model": "m1", "prompt": "disk %d %s" % (i, "y" * size), "max_tokens": 8},
+                      headers=AUTH)
+        out.append(r)
+    return out
+
+
+def test_fail_closed_refuses_what_cannot_be_audited():
+    px = proxy("closed")
+    first = send(px, 5)
+    assert all(r.status == 200 for r in first)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 5, what="five lines")
+    # Each request stores ~3 KB of bodies: the disk fills part-way through, to the last byte.
+    rs = send(px, 140, size=3000)
+    ok = [r.headers["x-detproxy-request-id"] for r in rs if r.status == 200]
+    refused = [r for r in rs if r.status == 503]
+    assert refused, [r.status for r in rs]
+    for r in refused:
+        assert r.json()["error"]["code"] == "audit_unavailable", r.body
+    ready = http("GET", px.admin_port, "/readyz")
+    assert ready.status == 503 and ready.json()["audit"]["writable"] is False, ready.body
+    audited = {json.loads(l)["request_id"] for l in open(px.audit_path) if "request_id" in l}
+    # No answer without its line.
+    missing = [i for i in ok + [r.headers["x-detproxy-request-id"] for r in first]
+               if i not in audited]
+    assert not missing, (len(missing), len(ok), len(refused))
+    metrics = http("GET", px.admin_port, "/metrics").body.decode()
+    assert 'detproxy_audit_unwritten_total{action="refused"}' in metrics
+    assert "detproxy_audit_writable 0" in metrics
+    # Space again: the next audited request is served and the trail is whole.
+    for f in [n for n in os.listdir(os.path.join(os.path.dirname(px.audit_path), "store")) if len(n) == 64]:
+        os.unlink(os.path.join(os.path.dirname(px.audit_path), "store", f))
+    poll_until(lambda: post_json(px.port, "/v1/completions",
+                                 {"model": "m1", "prompt": "again", "max_tokens": 8},
+                                 headers=AUTH).status == 200, what="served again")
+    assert http("GET", px.admin_port, "/readyz").status == 200
+    px.stop()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures"])
+    assert rc == 0, out
+    assert ok, "the disk filled before any request of the run was served"
+    print("closed: %d served with a line, %d refused 503 audit_unavailable" % (len(ok), len(refused)))
+
+
+def test_fail_open_serves_and_counts():
+    px = proxy("open")
+    send(px, 2)
+    fill()
+    rs = send(px, 40)
+    assert all(r.status == 200 for r in rs), [r.status for r in rs]
+    metrics = http("GET", px.admin_port, "/metrics").body.decode()
+    assert 'detproxy_audit_unwritten_total{action="served"}' in metrics, metrics
+    assert http("GET", px.admin_port, "/readyz").status == 200
+    os.unlink(os.path.join(MNT, "filler"))
+    px.stop()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures"])
+    assert rc == 0, out
+
+
+if __name__ == "__main__":
+    mount()
+    try:
+        run_tests(globals())
+    finally:
+        umount()

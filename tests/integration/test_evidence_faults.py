@@ -1,0 +1,375 @@
+"""Evidence that survives faults (docs/operations.md, "Evidence"): one writer per audit trail, a
+torn tail repaired at restart, anchors that catch a file cut back, `audit verify`'s exit codes,
+and `replay` from the config, the audit file and the store alone."""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
+                     run_tests, start_process, start_sim)
+from proxyutil import pool, start_proxy, write_config
+from test_evidence import AUTH, complete, lines, setup, verify
+
+
+def test_a_second_instance_refuses_to_start_and_writes_nothing():
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "one")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    before = open(px.audit_path, "rb").read()
+    rc, out, err = run_cmd([DETPROXY_BIN, "run", "-c", px.config_path], timeout=10)
+    assert rc == 3, out + err
+    assert "audit_locked" in err and "pid %d" % px.popen.pid in err, err
+    assert open(px.audit_path, "rb").read() == before
+    complete(px, "two")  # the first one still serves, alone
+    px.stop()
+    assert verify(px)[0] == 0
+
+
+def test_a_second_instance_on_the_client_port_refuses_to_start():
+    # No audit trail, admin on port 0: only the client port says the config is in use.
+    sim = start_sim("--model", "m1")
+    port = free_port()
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], listen="127.0.0.1:%d" % port)
+    rc, out, err = run_cmd([DETPROXY_BIN, "run", "-c", px.config_path], timeout=10)
+    assert rc == 3 and "address already in use" in err, out + err
+    px.stop()
+
+
+def test_kill_mid_load_then_a_torn_tail_is_repaired_at_restart():
+    sim, px = setup(checkpoint_lines=5)
+    stop = threading.Event()
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            try:
+                post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "l%d" % i,
+                                                       "max_tokens": 4}, headers=AUTH, timeout=5)
+            except Exception:
+                return
+            i += 1
+    ts = [threading.Thread(target=load) for _ in range(4)]
+    for t in ts:
+        t.start()
+    poll_until(lambda: len(open(px.audit_path).readlines()) >= 20, what="lines under load")
+    px.kill()
+    stop.set()
+    for t in ts:
+        t.join()
+    # What a kill inside write(2) leaves: part of a line, no newline. The kill itself may have
+    # left one already (Linux stops a write to a file between pages when SIGKILL arrives): the
+    # torn tail is everything after the last complete line.
+    frag = b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn'
+    with open(px.audit_path, "ab") as f:
+        f.write(frag)
+    raw = open(px.audit_path, "rb").read()
+    tail_at = raw.rfind(b"\n") + 1
+    tail = raw[tail_at:]
+    rc, out, _ = verify(px)
+    assert rc == 1 and "incomplete last line" in out, out
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "after the crash")
+    px2.stop()
+    torn = [f for f in os.listdir(px.dir) if f.startswith("audit.jsonl.torn-")]
+    assert len(torn) == 1, os.listdir(px.dir)
+    assert open(os.path.join(px.dir, torn[0]), "rb").read() == raw
+    rep = lines(px.audit_path)[0]["repair"]
+    assert rep["torn_offset"] == tail_at and rep["torn_bytes"] == len(tail), rep
+    assert rep["torn_sha256"] == hashlib.sha256(tail).hexdigest(), rep
+    assert any(l.get("msg") == "audit_torn_tail" for l in px2.logs)
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", os.path.join(px.dir, torn[0]),
+                          px.audit_path, "--pubkey", px.pub, "--store", px.store])
+    assert rc == 0, out
+    assert "repair: starts after the torn last line" in out and "checked" in out, out
+    # the repair line must match the fragment: another fragment is a break
+    with open(os.path.join(px.dir, torn[0]), "ab") as f:
+        f.write(b"x")
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", os.path.join(px.dir, torn[0]),
+                          px.audit_path, "--pubkey", px.pub])
+    assert rc == 1 and "repair: names" in out, out
+
+
+def test_anchor_catches_a_file_cut_back_to_an_earlier_checkpoint():
+    sim, px = setup(checkpoint_lines=2)
+    for i in range(6):
+        complete(px, "a%d" % i)
+    poll_until(lambda: get_json(px.admin_port, "/admin/audit")["anchor"] is not None,
+               what="an anchor")
+    poll_until(lambda: get_json(px.admin_port, "/admin/audit")["anchor"]["seq"] == 3,
+               what="checkpoint 3")
+    st = get_json(px.admin_port, "/admin/audit")
+    assert st["writable"] is True and st["audit_fail"] == "closed", st
+    anchor = st["anchor"]
+    metrics = http("GET", px.admin_port, "/metrics").body.decode()
+    assert "detproxy_audit_checkpoint_seq 3" in metrics, metrics
+    assert 'sha256="%s"' % anchor["sha256"] in metrics
+    logged = [l for l in px.logs if l.get("msg") == "audit_checkpoint"]
+    assert logged and logged[-1]["seq"] == 3 and logged[-1]["sha256"] == anchor["sha256"], logged
+    px.stop()
+    got = lines(px.audit_path)
+    cps = [l["checkpoint"]["seq"] for l in got if "checkpoint" in l]
+    assert cps == [1, 2, 3, 4], cps  # the last one at shutdown
+    raw = open(px.audit_path, "rb").read().split(b"\n")
+    assert hashlib.sha256(raw[8]).hexdigest() == anchor["sha256"]
+    a = "%d:%s" % (anchor["seq"], anchor["sha256"])
+    rc, out, _ = verify(px, None, "--anchor", a)
+    assert rc == 0 and "anchor seq 3: ok" in out, out
+    # Cut back to checkpoint 2: the chain still verifies, the anchor does not.
+    open(px.audit_path, "wb").write(b"\n".join(raw[:6]) + b"\n")
+    rc, out, _ = verify(px)
+    assert rc == 0, out
+    rc, out, _ = verify(px, None, "--anchor", a)
+    assert rc == 1 and "anchor seq 3: not in the chain: it ends at checkpoint seq 2" in out, out
+    # The oldest lines removed (a file starting after checkpoint 1): reported, and caught by an
+    # older anchor.
+    first = "1:" + hashlib.sha256(raw[2]).hexdigest()
+    open(px.audit_path, "wb").write(b"\n".join(raw[3:-1]) + b"\n")
+    rc, out, _ = verify(px)
+    assert rc == 0 and "the chain does not start here" in out, out
+    rc, out, _ = verify(px, None, "--anchor", first)
+    assert rc == 1 and "older files were removed" in out, out
+    # A rewritten history under the anchor: its hash no longer matches.
+    rc, out, _ = verify(px, None, "--anchor", "3:" + "0" * 64)
+    assert rc == 1 and "history up to it was rewritten" in out, out
+
+
+def test_verify_without_pubkey_says_signatures_not_checked():
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "x")
+    px.stop()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path])
+    assert rc == 4 and "chain ok, signatures NOT checked" in out, out
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures"])
+    assert rc == 0, out
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures",
+                            "--pubkey", px.pub])
+    assert rc == 2, out + err
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--anchor", "x"])
+    assert rc == 2, out + err
+
+
+def test_replay_standalone_from_a_copied_config():
+    sim1 = start_sim("--model", "m1")
+    sim2 = start_sim("--model", "m1")
+    _, first = setup(checkpoint_lines=100)
+    first.stop()
+    cfg = json.load(open(first.config_path))
+    cfg["pools"] = [pool("p", ["m1"], [sim1, sim2])]
+    px = start_proxy(config=cfg, directory=first.dir)
+    px.dir = first.dir
+    ids = [complete(px, "q%d" % i) for i in range(6)]
+    px.stop()
+    got = [l for l in lines(os.path.join(px.dir, "audit.jsonl")) if "request_id" in l]
+    answered = {l["request_id"]: l["replica"] for l in got}
+    assert set(answered.values()) == {"r1", "r2"}, answered
+    # The auditor's sandbox: no running proxy, the production paths do not exist there.
+    box = os.path.join(px.dir, "sandbox")
+    os.mkdir(box)
+    shutil.copy(os.path.join(px.dir, "audit.jsonl"), box)
+    shutil.copytree(os.path.join(px.dir, "store"), os.path.join(box, "store"))
+    cfg["log"] = dict(cfg["log"], audit_path="/nonexistent/detproxy/audit.jsonl",
+                      audit_store="/nonexistent/detproxy/store",
+                      audit_signing_key="/nonexistent/audit.key.pem")
+    path = write_config(cfg, box)
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", path, "--audit",
+                            os.path.join(box, "audit.jsonl"), "--store",
+                            os.path.join(box, "store"), "--all", "--json"])
+    assert rc == 0, out + err
+    doc = json.loads(out)
+    assert doc["summary"]["reproduced"] == 6, doc
+    for r in doc["results"]:
+        assert r["replica"] == answered[r["request_id"]], (r, answered)
+
+
+class _Fake(BaseHTTPRequestHandler):
+    body = b""
+    ctype = "text/html"
+
+    def _answer(self):
+        self.send_response(200)
+        self.send_header("content-type", self.ctype)
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *a):
+        pass
+
+
+def _fake_admin(body, ctype="application/json"):
+    h = type("H", (_Fake,), {"body": body, "ctype": ctype})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), h)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_garbage_admin_answers_exit_3_and_remote_text_is_escaped():
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "x")
+    px.stop()
+    html = _fake_admin(b"<html>not an admin api</html>", "text/html")
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit",
+                            px.audit_path, "--all", "--admin",
+                            "127.0.0.1:%d" % html.server_address[1]])
+    assert rc == 3 and "not the admin API's" in err, out + err
+    rc, out, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", px.config_path, "--admin",
+                            "127.0.0.1:%d" % html.server_address[1]])
+    assert rc == 3, out + err
+    for doc in ({"rollouts": "x"}, {"nope": []}):
+        srv = _fake_admin(json.dumps(doc).encode())
+        rc, out, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", px.config_path,
+                                "--admin", "127.0.0.1:%d" % srv.server_address[1]])
+        assert rc == 3 and "rollouts array" in err, out + err
+    # A hostile answer: a rollout of pools the config does not have, and ESC sequences.
+    forged = {"rollouts": [{"pool": "p", "candidate": "evil\u001b[2J", "verdict": "diverges"},
+                           {"pool": "ghost", "candidate": "c", "verdict": "diverges"}]}
+    srv = _fake_admin(json.dumps(forged).encode())
+    rc, out, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", px.config_path, "--admin",
+                            "127.0.0.1:%d" % srv.server_address[1]])
+    assert rc == 0 and "\x1b" not in out and "ghost" not in out, out + err
+    bad = _fake_admin(b"\x1b[31mFAKE: all candidates equivalent\x1b[0m", "text/plain")
+    bad.RequestHandlerClass.do_GET = lambda self: (self.send_response(500), self.send_header(
+        "content-length", str(len(self.body))), self.end_headers(), self.wfile.write(self.body))
+    rc, out, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", px.config_path, "--admin",
+                            "127.0.0.1:%d" % bad.server_address[1]])
+    assert rc == 3 and "\x1b" not in err and "\\x1b[31mFAKE" in err, err
+
+
+
+def test_rollout_report_gates_one_candidate():
+    sims = [start_sim("--model", "m1") for _ in range(3)]
+    cfg = {"pools": [pool("p", ["m1"], [sims[0]], candidates=[{"pool": "c1", "rate": 0.5},
+                                                            {"pool": "c2", "rate": 0.5}]),
+                     pool("c1", ["m1"], [sims[1]]), pool("c2", ["m1"], [sims[2]])]}
+    path = write_config(dict(cfg, listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
+    srv = _fake_admin(json.dumps({"rollouts": [
+        {"pool": "p", "candidate": "c1", "verdict": "diverges", "samples": 30},
+        {"pool": "p", "candidate": "c2", "verdict": "equivalent", "samples": 30}]}).encode())
+    admin = "127.0.0.1:%d" % srv.server_address[1]
+
+    def report(*a):
+        return run_cmd([DETPROXY_BIN, "rollout", "report", "-c", path, "--admin", admin] + list(a))
+    rc, out, err = report()
+    assert rc == 1 and "c1" in out and "c2" in out, out + err
+    rc, out, err = report("--candidate", "c2")
+    assert rc == 0 and "c2" in out and "c1" not in out, out + err
+    rc, out, err = report("--candidate", "c1", "--json")
+    assert rc == 1 and [r["candidate"] for r in json.loads(out)["rollouts"]] == ["c1"], out
+    rc, out, err = report("--candidate", "nope")
+    assert rc == 2, out + err
+
+
+class _Drip(BaseHTTPRequestHandler):
+    """A replica that answers /v1/models at once and completions one byte a second."""
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        b = json.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", "1000")
+        self.end_headers()
+        try:
+            for _ in range(1000):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(1)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def test_replay_has_an_overall_deadline():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    d = tempfile.mkdtemp(prefix="detproxy-drip-")
+    os.mkdir(os.path.join(d, "store"))
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "pools": [{"name": "p", "models": ["m1"], "replicas": [
+               {"name": "r1", "url": "http://127.0.0.1:%d" % srv.server_address[1]}]}],
+           "log": {"audit_path": os.path.join(d, "audit.jsonl"),
+                   "audit_store": os.path.join(d, "store")}}
+    px = start_proxy(config=cfg, directory=d)
+    fp = get_json(px.admin_port, "/admin/replicas")["replicas"][0]["fingerprint"]
+    px.stop()
+    body, old = b'{"model":"m1","prompt":"x","temperature":0}', b'{"choices":[{"text":"a"}]}'
+    for b in (body, old):
+        open(os.path.join(d, "store", hashlib.sha256(b).hexdigest()), "wb").write(b)
+    line = {"request_id": "drip1", "route": "/v1/completions", "fingerprint": fp, "pool": "p",
+            "replica": "r1", "temperature": 0,
+            "forwarded_body_sha256": hashlib.sha256(body).hexdigest(),
+            "response_body_sha256": hashlib.sha256(old).hexdigest()}
+    open(os.path.join(d, "audit.jsonl"), "w").write(json.dumps(line) + "\n")
+    t0 = time.monotonic()
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit",
+                            os.path.join(d, "audit.jsonl"), "--all", "--timeout", "3"],
+                           timeout=30)
+    took = time.monotonic() - t0
+    assert rc == 3 and "--timeout passed" in out, out + err
+    assert took < 10, took
+    srv.shutdown()
+
+
+def test_a_second_instance_through_a_symlink_or_a_hard_link_is_refused():
+    """One writer per audit trail, whatever the name: a second instance whose audit_path is a
+    symlink to the live file (its store another folder) refuses to start, and the chain stays
+    whole."""
+    d = tempfile.mkdtemp(prefix="detproxy-lock-")
+    os.mkdir(os.path.join(d, "store"))
+    os.mkdir(os.path.join(d, "store2"))
+    sim = start_sim("--model", "m1")
+    policy = {"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]}
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=policy, directory=d,
+                     log={"level": "info", "audit_path": "audit.jsonl", "audit_store": "store"})
+    for i in range(2):
+        assert post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "a%d" % i}).status == 200
+    os.symlink(os.path.join(d, "audit.jsonl"), os.path.join(d, "link.jsonl"))
+    other = tempfile.mkdtemp(prefix="detproxy-lock-")
+    os.link(os.path.join(d, "audit.jsonl"), os.path.join(other, "hard.jsonl"))
+    os.mkdir(os.path.join(other, "store3"))
+    second = None
+    for path, store in ((os.path.join(d, "link.jsonl"), os.path.join(d, "store2")),
+                        (os.path.join(other, "hard.jsonl"), os.path.join(other, "store3"))):
+        cfg = json.load(open(px.config_path))
+        cfg["log"]["audit_path"] = path
+        cfg["log"]["audit_store"] = store
+        try:
+            second = start_proxy(config=cfg, directory=tempfile.mkdtemp(prefix="detproxy-lock-"),
+                                 timeout=5)
+        except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+            assert "in use by another detproxy" in str(e), e
+        if second is not None:
+            break
+    if second is not None:
+        for i in range(2):
+            post_json(second.port, "/v1/completions", {"model": "m1", "prompt": "b%d" % i})
+        post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "c"})
+        second.stop()
+    px.stop()
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", os.path.join(d, "audit.jsonl"),
+                            "--no-signatures"])
+    assert second is None, "a second instance ran on the live audit file: verify says " + out
+    assert rc == 0, out + err
+
+
+if __name__ == "__main__":
+    run_tests(globals())

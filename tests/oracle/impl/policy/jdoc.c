@@ -1,0 +1,730 @@
+#include "policy/jdoc.h"
+
+#include "common/util.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 1 for bytes that end the fast path inside a string: controls, '"', '\\' and non-ASCII. */
+static const uint8_t str_special[256] = {
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+};
+
+void jdoc_init(jdoc_t *d)
+{
+    memset(d, 0, sizeof(*d));
+    d->err_tok = JDOC_NONE;
+}
+
+void jdoc_reset(jdoc_t *d)
+{
+    d->src = NULL;
+    d->srclen = 0;
+    d->ntoks = 0;
+    d->norder = 0;
+    dp_buf_reset(&d->keys);
+    d->err = NULL;
+    d->err_at = 0;
+    d->err_tok = JDOC_NONE;
+}
+
+void jdoc_free(jdoc_t *d)
+{
+    free(d->toks);
+    free(d->order);
+    free(d->tmp);
+    dp_buf_free(&d->keys);
+    jdoc_init(d);
+}
+
+static int fail(jdoc_t *d, const char *why, size_t at)
+{
+    d->err = why;
+    d->err_at = at;
+    return -1;
+}
+
+static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
+{
+    if (d->ntoks == d->cap) {
+        uint32_t ncap = d->cap ? d->cap * 2 : 64;
+        d->toks = dp_xrealloc(d->toks, (size_t)ncap * sizeof(jtok_t));
+        d->cap = ncap;
+    }
+    jtok_t *t = &d->toks[d->ntoks];
+    t->start = (uint32_t)start;
+    t->len = 0;
+    t->end = d->ntoks + 1;
+    t->aux = 0;
+    t->aux2 = 0;
+    t->type = type;
+    t->flags = 0;
+    return d->ntoks++;
+}
+
+/* Four hex digits at p (bounds checked by the caller) or -1. */
+static int32_t hex4(const unsigned char *p)
+{
+    int a = dp_hexval(p[0]), b = dp_hexval(p[1]), c = dp_hexval(p[2]), e = dp_hexval(p[3]);
+    if ((a | b | c | e) < 0)
+        return -1;
+    return (int32_t)(a << 12 | b << 8 | c << 4 | e);
+}
+
+/* Any byte of x a control, '"', '\\' or non-ASCII? May report false positives (borrows
+ * propagate past a real hit), never false negatives; the byte loop sorts them out. */
+static inline bool swar_special(uint64_t x)
+{
+    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    uint64_t q = x ^ (ones * '"'), b = x ^ (ones * '\\');
+    uint64_t t = ((q - ones) & ~q) | ((b - ones) & ~b) | (x - ones * 0x20) | x;
+    return (t & highs) != 0;
+}
+
+/* Validate the string starting at the quote at *pos; leaves *pos after the closing quote. */
+static int scan_string(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    const unsigned char *p = (const unsigned char *)d->src;
+    size_t n = d->srclen, i = *pos + 1;
+    for (;;) {
+        /* Plain ASCII runs are most of every prompt: eight bytes per step. */
+        while (i + 8 <= n) {
+            uint64_t x;
+            memcpy(&x, p + i, 8);
+            if (swar_special(x))
+                break;
+            i += 8;
+        }
+        while (i < n && !str_special[p[i]])
+            i++;
+        if (i >= n)
+            return fail(d, "unterminated string", *pos);
+        unsigned char c = p[i];
+        if (c == '"') {
+            *pos = i + 1;
+            return 0;
+        }
+        if (c == '\\') {
+            *flags |= JF_ESC;
+            if (i + 1 >= n)
+                return fail(d, "unterminated string", *pos);
+            switch (p[i + 1]) {
+            case '"':
+            case '\\':
+            case '/':
+            case 'b':
+            case 'f':
+            case 'n':
+            case 'r':
+            case 't':
+                i += 2;
+                continue;
+            case 'u':
+                break;
+            default:
+                return fail(d, "invalid escape in string", i);
+            }
+            if (i + 6 > n)
+                return fail(d, "truncated \\u escape", i);
+            int32_t cp = hex4(p + i + 2);
+            if (cp < 0)
+                return fail(d, "invalid \\u escape", i);
+            if (cp >= 0xDC00 && cp <= 0xDFFF)
+                return fail(d, "lone surrogate in \\u escape", i);
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                if (i + 12 > n || p[i + 6] != '\\' || p[i + 7] != 'u')
+                    return fail(d, "lone surrogate in \\u escape", i);
+                int32_t lo = hex4(p + i + 8);
+                if (lo < 0xDC00 || lo > 0xDFFF)
+                    return fail(d, "lone surrogate in \\u escape", i);
+                i += 12;
+            } else {
+                i += 6;
+            }
+            continue;
+        }
+        if (c < 0x20)
+            return fail(d, "control character in string", i);
+        /* Non-ASCII: one well-formed UTF-8 sequence (RFC 3629 table 3-7). */
+        size_t need;
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) {
+            need = 1;
+        } else if (c == 0xE0) {
+            need = 2;
+            lo = 0xA0;
+        } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
+            need = 2;
+        } else if (c == 0xED) {
+            need = 2;
+            hi = 0x9F;
+        } else if (c == 0xF0) {
+            need = 3;
+            lo = 0x90;
+        } else if (c >= 0xF1 && c <= 0xF3) {
+            need = 3;
+        } else if (c == 0xF4) {
+            need = 3;
+            hi = 0x8F;
+        } else {
+            return fail(d, "invalid UTF-8 in string", i);
+        }
+        if (i + need >= n)
+            return fail(d, "invalid UTF-8 in string", i);
+        if (p[i + 1] < lo || p[i + 1] > hi)
+            return fail(d, "invalid UTF-8 in string", i);
+        for (size_t k = 2; k <= need; k++)
+            if ((p[i + k] & 0xC0) != 0x80)
+                return fail(d, "invalid UTF-8 in string", i);
+        i += need + 1;
+    }
+}
+
+/* strtod wants a terminator; numbers are short, so copy to the stack. */
+static double num_value(const char *p, size_t len)
+{
+    char tmp[64];
+    if (len < sizeof(tmp)) {
+        memcpy(tmp, p, len);
+        tmp[len] = '\0';
+        return strtod(tmp, NULL);
+    }
+    char *h = dp_xstrndup(p, len);
+    double v = strtod(h, NULL);
+    free(h);
+    return v;
+}
+
+static bool is_digit(unsigned char c)
+{
+    return c >= '0' && c <= '9';
+}
+
+static int scan_number(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    const unsigned char *p = (const unsigned char *)d->src;
+    size_t n = d->srclen, i = *pos, start = *pos, intdigits = 1;
+    uint8_t f = JF_INT;
+    long exp = 0;
+    if (p[i] == '-') {
+        f |= JF_NEG;
+        i++;
+    }
+    if (i >= n)
+        return fail(d, "invalid number", start);
+    if (p[i] == '0') {
+        i++;
+    } else if (p[i] >= '1' && p[i] <= '9') {
+        size_t d0 = i;
+        while (i < n && is_digit(p[i]))
+            i++;
+        intdigits = i - d0;
+    } else {
+        return fail(d, "invalid number", start);
+    }
+    if (i < n && p[i] == '.') {
+        f &= (uint8_t)~JF_INT;
+        i++;
+        if (i >= n || !is_digit(p[i]))
+            return fail(d, "invalid number", start);
+        while (i < n && is_digit(p[i]))
+            i++;
+    }
+    if (i < n && (p[i] == 'e' || p[i] == 'E')) {
+        bool eneg = false;
+        f &= (uint8_t)~JF_INT;
+        i++;
+        if (i < n && (p[i] == '+' || p[i] == '-'))
+            eneg = p[i++] == '-';
+        if (i >= n || !is_digit(p[i]))
+            return fail(d, "invalid number", start);
+        while (i < n && is_digit(p[i])) {
+            if (exp < 100000)
+                exp = exp * 10 + (p[i] - '0');
+            i++;
+        }
+        if (eneg)
+            exp = -exp;
+    }
+    *pos = i;
+    *flags = f;
+    /* No request needs a longer number, and strtod on megabytes of digits would stall the
+     * event loop (cJSON refuses anything past 63 characters). */
+    if (i - start > JDOC_MAX_NUMBER)
+        return fail(d, "number too long", start);
+    /* A number that overflows a double has no canonical form (RFC 8785 §3.2.2.3) and means
+     * different things to different backends: refuse it. |v| < 10^(intdigits + exp), so only
+     * numbers near DBL_MAX's 10^308 need strtod's verdict; 1e-5 and 2.5E+3 skip it. */
+    if ((long)intdigits + exp > 300 && !isfinite(num_value(d->src + start, i - start)))
+        return fail(d, "number out of range", start);
+    return 0;
+}
+
+static int key_cmp(const jdoc_t *d, uint32_t a, uint32_t b)
+{
+    const char *pa, *pb;
+    size_t na, nb;
+    jdoc_key(d, a, &pa, &na);
+    jdoc_key(d, b, &pb, &nb);
+    return jdoc_utf16_cmp(pa, na, pb, nb);
+}
+
+/* Sort v[0..n) of key tokens; returns the index i>0 with v[i-1] == v[i] if any duplicate
+ * exists, else 0. Insertion sort below 16 keys (request objects), bottom-up merge above, so a
+ * hostile object with 100k keys costs n log n. */
+static uint32_t sort_keys(jdoc_t *d, uint32_t *v, uint32_t n)
+{
+    if (n < 2)
+        return 0;
+    if (n <= 16) {
+        for (uint32_t i = 1; i < n; i++) {
+            uint32_t x = v[i], j = i;
+            while (j > 0 && key_cmp(d, v[j - 1], x) > 0) {
+                v[j] = v[j - 1];
+                j--;
+            }
+            v[j] = x;
+        }
+    } else {
+        if (d->tmpcap < n) {
+            d->tmp = dp_xrealloc(d->tmp, (size_t)n * sizeof(uint32_t));
+            d->tmpcap = n;
+        }
+        uint32_t *src = v, *dst = d->tmp;
+        for (uint32_t w = 1; w < n; w *= 2) {
+            for (uint32_t lo = 0; lo < n; lo += 2 * w) {
+                uint32_t mid = lo + w < n ? lo + w : n;
+                uint32_t hi = lo + 2 * w < n ? lo + 2 * w : n;
+                uint32_t a = lo, b = mid, k = lo;
+                while (a < mid && b < hi)
+                    dst[k++] = key_cmp(d, src[a], src[b]) <= 0 ? src[a++] : src[b++];
+                while (a < mid)
+                    dst[k++] = src[a++];
+                while (b < hi)
+                    dst[k++] = src[b++];
+            }
+            uint32_t *t = src;
+            src = dst;
+            dst = t;
+        }
+        if (src != v)
+            memcpy(v, src, (size_t)n * sizeof(uint32_t));
+    }
+    for (uint32_t i = 1; i < n; i++)
+        if (key_cmp(d, v[i - 1], v[i]) == 0)
+            return i;
+    return 0;
+}
+
+static int close_object(jdoc_t *d, uint32_t obj, int flags)
+{
+    jtok_t *t = &d->toks[obj];
+    if (flags & JDOC_ALLOW_DUPS)
+        return 0;
+    uint32_t n = t->aux;
+    t->aux2 = d->norder;
+    if (n == 0)
+        return 0; /* also keeps d->order, maybe still NULL, out of pointer arithmetic */
+    if (d->norder + n > d->ordercap) {
+        uint32_t ncap = d->ordercap ? d->ordercap : 64;
+        while (ncap < d->norder + n)
+            ncap *= 2;
+        d->order = dp_xrealloc(d->order, (size_t)ncap * sizeof(uint32_t));
+        d->ordercap = ncap;
+    }
+    uint32_t base = d->norder, k = 0;
+    for (uint32_t i = obj + 1; i < t->end; i = d->toks[i + 1].end)
+        d->order[base + k++] = i;
+    assert(k == n); /* aux counted the members: the list fills exactly the room reserved */
+    d->norder += n;
+    t->aux2 = base;
+    uint32_t dup = sort_keys(d, d->order + base, n);
+    if (dup) {
+        uint32_t a = d->order[base + dup - 1], b = d->order[base + dup];
+        uint32_t later = a > b ? a : b;
+        d->err_tok = later;
+        return fail(d, "duplicate key", d->toks[later].start);
+    }
+    return 0;
+}
+
+static size_t skip_ws(const char *p, size_t n, size_t i)
+{
+    while (i < n && (p[i] == ' ' || p[i] == '\n' || p[i] == '\r' || p[i] == '\t'))
+        i++;
+    return i;
+}
+
+enum { S_VALUE, S_KEY_OR_CLOSE, S_KEY, S_VALUE_OR_CLOSE, S_COMMA_OR_CLOSE };
+
+int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
+{
+    jdoc_reset(d);
+    d->src = src;
+    d->srclen = n;
+    if (n >= UINT32_MAX)
+        return fail(d, "document too large", 0);
+    uint32_t stack[JDOC_MAX_DEPTH + 1];
+    int depth = 0;
+    size_t i = skip_ws(src, n, 0);
+    if ((flags & JDOC_OBJECT_ONLY) && (i >= n || src[i] != '{'))
+        return fail(d, "not a JSON object", i);
+    int state = S_VALUE;
+    for (;;) {
+        i = skip_ws(src, n, i);
+        if (state == S_KEY_OR_CLOSE || state == S_KEY) {
+            if (i < n && src[i] == '}' && state == S_KEY_OR_CLOSE)
+                goto close;
+            if (i >= n || src[i] != '"')
+                return fail(d, "expected a string key", i);
+            d->toks[stack[depth - 1]].aux++;
+            uint8_t f = JF_KEY;
+            size_t s = i;
+            if (scan_string(d, &i, &f) < 0)
+                return -1;
+            uint32_t k = push_tok(d, JT_STR, s);
+            d->toks[k].len = (uint32_t)(i - s);
+            d->toks[k].flags = f;
+            if (f & JF_ESC) {
+                d->toks[k].aux = (uint32_t)d->keys.len;
+                jdoc_unescape(src + s + 1, i - s - 2, &d->keys);
+                d->toks[k].aux2 = (uint32_t)(d->keys.len - d->toks[k].aux);
+            }
+            i = skip_ws(src, n, i);
+            if (i >= n || src[i] != ':')
+                return fail(d, "expected ':'", i);
+            i++;
+            state = S_VALUE;
+            continue;
+        }
+        if (state == S_VALUE_OR_CLOSE) {
+            if (i < n && src[i] == ']')
+                goto close;
+            state = S_VALUE;
+        }
+        if (state == S_COMMA_OR_CLOSE) {
+            uint32_t top = stack[depth - 1];
+            bool is_obj = d->toks[top].type == JT_OBJ;
+            if (i < n && src[i] == ',') {
+                i++;
+                state = is_obj ? S_KEY : S_VALUE;
+                continue;
+            }
+            if (i < n && src[i] == (is_obj ? '}' : ']'))
+                goto close;
+            return fail(d, is_obj ? "expected ',' or '}'" : "expected ',' or ']'", i);
+        }
+        /* S_VALUE */
+        if (i >= n)
+            return fail(d, "unexpected end of input", i);
+        if (depth > 0 && d->toks[stack[depth - 1]].type == JT_ARR)
+            d->toks[stack[depth - 1]].aux++;
+        {
+            unsigned char c = (unsigned char)src[i];
+            size_t s = i;
+            uint32_t t;
+            uint8_t f = 0;
+            switch (c) {
+            case '{':
+            case '[':
+                if (depth == JDOC_MAX_DEPTH)
+                    return fail(d, "nested too deeply", i);
+                t = push_tok(d, c == '{' ? JT_OBJ : JT_ARR, s);
+                stack[depth++] = t;
+                i++;
+                state = c == '{' ? S_KEY_OR_CLOSE : S_VALUE_OR_CLOSE;
+                continue;
+            case '"':
+                if (scan_string(d, &i, &f) < 0)
+                    return -1;
+                t = push_tok(d, JT_STR, s);
+                break;
+            case 't':
+                if (n - i < 4 || memcmp(src + i, "true", 4) != 0)
+                    return fail(d, "invalid literal", i);
+                i += 4;
+                t = push_tok(d, JT_TRUE, s);
+                break;
+            case 'f':
+                if (n - i < 5 || memcmp(src + i, "false", 5) != 0)
+                    return fail(d, "invalid literal", i);
+                i += 5;
+                t = push_tok(d, JT_FALSE, s);
+                break;
+            case 'n':
+                if (n - i < 4 || memcmp(src + i, "null", 4) != 0)
+                    return fail(d, "invalid literal", i);
+                i += 4;
+                t = push_tok(d, JT_NULL, s);
+                break;
+            default:
+                if (c != '-' && !is_digit(c))
+                    return fail(d, "unexpected character", i);
+                if (scan_number(d, &i, &f) < 0)
+                    return -1;
+                t = push_tok(d, JT_NUM, s);
+                break;
+            }
+            d->toks[t].len = (uint32_t)(i - s);
+            d->toks[t].flags = f;
+            goto value_done;
+        }
+    close : {
+        assert(depth > 0); /* only a '}' or ']' state reaches here, inside a container */
+        uint32_t c = stack[--depth];
+        jtok_t *t = &d->toks[c];
+        t->end = d->ntoks;
+        t->len = (uint32_t)(i + 1 - t->start);
+        i++;
+        if (t->type == JT_OBJ && close_object(d, c, flags) < 0)
+            return -1;
+    }
+    value_done:
+        if (depth == 0) {
+            i = skip_ws(src, n, i);
+            if (i != n)
+                return fail(d, "trailing bytes after the JSON value", i);
+            return 0;
+        }
+        state = S_COMMA_OR_CLOSE;
+    }
+}
+
+void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)
+{
+    assert(tok < d->ntoks && (d->toks[tok].flags & JF_KEY));
+    const jtok_t *t = &d->toks[tok];
+    if (t->flags & JF_ESC) {
+        *p = d->keys.base + t->aux;
+        *n = t->aux2;
+    } else {
+        *p = d->src + t->start + 1;
+        *n = t->len - 2;
+    }
+}
+
+uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name)
+{
+    assert(obj < d->ntoks);
+    const jtok_t *t = &d->toks[obj];
+    if (t->type != JT_OBJ)
+        return JDOC_NONE;
+    size_t nl = strlen(name);
+    for (uint32_t i = obj + 1; i < t->end; i = d->toks[i + 1].end) {
+        const char *k;
+        size_t kn;
+        jdoc_key(d, i, &k, &kn);
+        if (kn == nl && memcmp(k, name, nl) == 0)
+            return i + 1;
+    }
+    return JDOC_NONE;
+}
+
+bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s)
+{
+    assert(tok < d->ntoks);
+    const jtok_t *t = &d->toks[tok];
+    if (t->type != JT_STR)
+        return false;
+    size_t sl = strlen(s);
+    if (!(t->flags & JF_ESC))
+        return t->len - 2 == sl && memcmp(d->src + t->start + 1, s, sl) == 0;
+    if (t->flags & JF_KEY) {
+        const char *k;
+        size_t kn;
+        jdoc_key(d, tok, &k, &kn);
+        return kn == sl && memcmp(k, s, sl) == 0;
+    }
+    /* Escaped values are rare (a role spelled with \u escapes); decode on the side. */
+    dp_buf_t b = {0};
+    jdoc_unescape(d->src + t->start + 1, t->len - 2, &b);
+    bool eq = b.len == sl && memcmp(b.base, s, sl) == 0;
+    dp_buf_free(&b);
+    return eq;
+}
+
+void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
+{
+    assert(tok < d->ntoks && d->toks[tok].type == JT_STR);
+    const jtok_t *t = &d->toks[tok];
+    if (t->flags & JF_ESC)
+        jdoc_unescape(d->src + t->start + 1, t->len - 2, out);
+    else
+        dp_buf_append(out, d->src + t->start + 1, t->len - 2);
+}
+
+double jdoc_num(const jdoc_t *d, uint32_t tok)
+{
+    assert(tok < d->ntoks && d->toks[tok].type == JT_NUM);
+    return num_value(d->src + d->toks[tok].start, d->toks[tok].len);
+}
+
+int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out)
+{
+    assert(tok < d->ntoks);
+    const jtok_t *t = &d->toks[tok];
+    const char *p = d->src + t->start;
+    size_t n = t->len, i = 0;
+    bool neg = false;
+    if (!(t->flags & JF_INT))
+        return -1;
+    if (p[0] == '-') {
+        neg = true;
+        i = 1;
+    }
+    uint64_t v = 0, lim = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    for (; i < n; i++) {
+        uint64_t dg = (uint64_t)(p[i] - '0');
+        if (v > (lim - dg) / 10)
+            return -1;
+        v = v * 10 + dg;
+    }
+    *out = neg ? (int64_t)(0 - v) : (int64_t)v;
+    return 0;
+}
+
+int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn)
+{
+    const unsigned char *x = (const unsigned char *)a, *y = (const unsigned char *)b;
+    size_t n = an < bn ? an : bn, i = 0;
+    while (i < n && x[i] == y[i])
+        i++;
+    if (i == n)
+        return an < bn ? -1 : an > bn ? 1 : 0;
+    /* UTF-8 byte order is code point order; UTF-16 differs only where a supplementary character
+     * (a surrogate pair, 0xD800..) meets U+E000..U+FFFF. The differing byte's character starts
+     * at the same offset in both strings, since everything before it is equal. */
+    size_t s = i;
+    while (s > 0 && (x[s] & 0xC0) == 0x80)
+        s--;
+    unsigned char la = x[s], lb = y[s];
+    bool a_sup = la >= 0xF0, b_sup = lb >= 0xF0;
+    bool a_hi = la == 0xEE || la == 0xEF, b_hi = lb == 0xEE || lb == 0xEF;
+    if (a_sup && b_hi)
+        return -1;
+    if (b_sup && a_hi)
+        return 1;
+    return x[i] < y[i] ? -1 : 1;
+}
+
+/* Writes at w, which has room for the subtree's raw length: dropping whitespace never grows
+ * it, since every token and separator is copied from the input. Returns the new end. */
+static char *compact(const jdoc_t *d, uint32_t tok, char *w)
+{
+    const jtok_t *t = &d->toks[tok];
+    if (t->type == JT_OBJ) {
+        *w++ = '{';
+        for (uint32_t i = tok + 1; i < t->end; i = d->toks[i + 1].end) {
+            if (i != tok + 1)
+                *w++ = ',';
+            memcpy(w, d->src + d->toks[i].start, d->toks[i].len);
+            w += d->toks[i].len;
+            *w++ = ':';
+            w = compact(d, i + 1, w);
+        }
+        *w++ = '}';
+    } else if (t->type == JT_ARR) {
+        *w++ = '[';
+        for (uint32_t i = tok + 1; i < t->end; i = d->toks[i].end) {
+            if (i != tok + 1)
+                *w++ = ',';
+            w = compact(d, i, w);
+        }
+        *w++ = ']';
+    } else {
+        memcpy(w, d->src + t->start, t->len);
+        w += t->len;
+    }
+    return w;
+}
+
+void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
+{
+    dp_buf_reserve(out, d->toks[tok].len);
+    char *end = compact(d, tok, out->base + out->len);
+    assert((size_t)(end - out->base) - out->len <= d->toks[tok].len); /* within the reserve */
+    out->len = (size_t)(end - out->base);
+    out->base[out->len] = '\0';
+}
+
+void jdoc_put_utf8(dp_buf_t *out, uint32_t cp)
+{
+    char b[4];
+    size_t n;
+    if (cp < 0x80) {
+        b[0] = (char)cp;
+        n = 1;
+    } else if (cp < 0x800) {
+        b[0] = (char)(0xC0 | cp >> 6);
+        b[1] = (char)(0x80 | (cp & 0x3F));
+        n = 2;
+    } else if (cp < 0x10000) {
+        b[0] = (char)(0xE0 | cp >> 12);
+        b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        b[2] = (char)(0x80 | (cp & 0x3F));
+        n = 3;
+    } else {
+        b[0] = (char)(0xF0 | cp >> 18);
+        b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        b[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        b[3] = (char)(0x80 | (cp & 0x3F));
+        n = 4;
+    }
+    dp_buf_append(out, b, n);
+}
+
+void jdoc_unescape(const char *s, size_t n, dp_buf_t *out)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        const unsigned char *bs = memchr(p + i, '\\', n - i);
+        size_t run = bs ? (size_t)(bs - (p + i)) : n - i;
+        dp_buf_append(out, s + i, run);
+        i += run;
+        if (i >= n)
+            break;
+        char e = s[i + 1];
+        i += 2;
+        switch (e) {
+        case 'b':
+            dp_buf_appendc(out, '\b');
+            break;
+        case 'f':
+            dp_buf_appendc(out, '\f');
+            break;
+        case 'n':
+            dp_buf_appendc(out, '\n');
+            break;
+        case 'r':
+            dp_buf_appendc(out, '\r');
+            break;
+        case 't':
+            dp_buf_appendc(out, '\t');
+            break;
+        case 'u': {
+            uint32_t cp = (uint32_t)hex4(p + i);
+            i += 4;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                uint32_t lo = (uint32_t)hex4(p + i + 2);
+                i += 6;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            }
+            jdoc_put_utf8(out, cp);
+            break;
+        }
+        default: /* '"', '\\', '/' */
+            dp_buf_appendc(out, e);
+            break;
+        }
+    }
+}

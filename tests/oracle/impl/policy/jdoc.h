@@ -1,0 +1,108 @@
+/* Policy-internal: a strict, single-pass JSON scanner that produces a flat token tape.
+ *
+ * Not part of the module's contract (policy.h is); shared by policy.c, jcs.c and
+ * fingerprint.c. Why not cJSON for request bodies: cJSON keeps the first of two duplicate keys
+ * (Python backends keep the last), turns every number into a double (a seed above 2^53 would
+ * change), truncates strings at \u0000 and rejects numbers longer than 63 characters. The tape
+ * keeps exact spans of the client's bytes, so untouched values are forwarded byte-for-byte.
+ *
+ * What the scanner accepts is RFC 8259 JSON plus these refusals: invalid UTF-8 anywhere (also
+ * overlong forms, UTF-8-encoded surrogates, > U+10FFFF), \u escapes that leave a lone surrogate,
+ * nesting deeper than JDOC_MAX_DEPTH, number literals longer than JDOC_MAX_NUMBER bytes or that
+ * overflow a double, and duplicate keys in any
+ * object (compared after unescaping: "a" and "\u0061" are one key).
+ *
+ * Memory: every array in jdoc_t grows with dp_xrealloc and is kept by jdoc_reset, so a reused
+ * jdoc_t allocates nothing once warm. Token offsets are 32-bit: inputs of 4 GiB or more are
+ * refused. Spans point into the caller's input, which must outlive the jdoc_t's use of it. */
+#ifndef DP_POLICY_JDOC_H
+#define DP_POLICY_JDOC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/buf.h"
+
+#define JDOC_MAX_DEPTH 64
+#define JDOC_MAX_NUMBER 512 /* bytes in one number literal */
+#define JDOC_NONE UINT32_MAX
+
+typedef enum { JT_OBJ = 1, JT_ARR, JT_STR, JT_NUM, JT_TRUE, JT_FALSE, JT_NULL } jtype_t;
+
+enum {
+    JF_ESC = 1, /* string: has at least one backslash escape */
+    JF_KEY = 2, /* string: an object member's key */
+    JF_INT = 4, /* number: no fraction and no exponent */
+    JF_NEG = 8, /* number: starts with '-' */
+};
+
+/* One token. Objects are followed by key, value, key, value...; arrays by their elements;
+ * `end` is the index just past the token's subtree, so siblings are reached without a walk. */
+typedef struct {
+    uint32_t start; /* first byte (the quote for strings, the bracket for containers) */
+    uint32_t len;   /* raw byte length, quotes and brackets included */
+    uint32_t end;
+    uint32_t aux;  /* containers: child count (members for objects); escaped keys: offset of the
+                      decoded key in jdoc_t.keys */
+    uint32_t aux2; /* objects: offset of their sorted member list in jdoc_t.order;
+                      escaped keys: decoded length */
+    uint8_t type;
+    uint8_t flags;
+} jtok_t;
+
+typedef struct {
+    const char *src;
+    size_t srclen;
+    jtok_t *toks;
+    uint32_t ntoks, cap;
+    uint32_t *order; /* per object: its key tokens sorted by JCS order (UTF-16 code units) */
+    uint32_t norder, ordercap;
+    uint32_t *tmp; /* merge-sort scratch */
+    uint32_t tmpcap;
+    dp_buf_t keys; /* decoded bytes of escaped keys */
+    /* set when jdoc_parse fails */
+    const char *err;
+    size_t err_at;
+    uint32_t err_tok; /* duplicate key: the second key token; else JDOC_NONE */
+} jdoc_t;
+
+enum {
+    JDOC_OBJECT_ONLY = 1, /* the top-level value must be an object */
+    JDOC_ALLOW_DUPS = 2,  /* skip duplicate detection and key sorting (response bodies) */
+};
+
+void jdoc_init(jdoc_t *d);
+void jdoc_reset(jdoc_t *d);
+void jdoc_free(jdoc_t *d);
+
+/* Scan and validate src[0..n). 0 on success; -1 with d->err (static text) and d->err_at (byte
+ * offset) set. The tape is valid until the next jdoc_parse/reset/free. */
+int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags);
+
+/* Decoded bytes of a key token (escaped keys live in d->keys: don't hold the pointer across
+ * another parse). */
+void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n);
+/* Member value of object `obj` whose key equals name, or JDOC_NONE. Linear: objects in request
+ * bodies are small, and dedup already ran. */
+uint32_t jdoc_get(const jdoc_t *d, uint32_t obj, const char *name);
+/* A string token's contents equal s (after unescaping)? */
+bool jdoc_str_eq(const jdoc_t *d, uint32_t tok, const char *s);
+/* Append the unescaped contents of string token tok. */
+void jdoc_str_decode(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
+/* Value of a number token as a double (correctly rounded, strtod). */
+double jdoc_num(const jdoc_t *d, uint32_t tok);
+/* Integer literal to int64; -1 when it does not fit. */
+int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out);
+
+/* Compare two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts keys. */
+int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn);
+
+/* Append the raw text of the subtree at tok with insignificant whitespace removed. */
+void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
+
+/* Unescape JSON string contents (no quotes; already validated) into out. */
+void jdoc_unescape(const char *s, size_t n, dp_buf_t *out);
+void jdoc_put_utf8(dp_buf_t *out, uint32_t cp);
+
+#endif

@@ -1,0 +1,54 @@
+/* Every exported name of the oracle policy gets an oracle_ prefix, so the old tape-and-reserialise
+ * implementation links beside the one the proxy runs (force-included into
+ * tests/oracle/impl/policy/*.c). */
+#ifndef DP_ORACLE_NAMES_H
+#define DP_ORACLE_NAMES_H
+#define jcs_es_number oracle_jcs_es_number
+#define jcs_write oracle_jcs_write
+#define jcs_write_raw_string oracle_jcs_write_raw_string
+#define jdoc_free oracle_jdoc_free
+#define jdoc_get oracle_jdoc_get
+#define jdoc_init oracle_jdoc_init
+#define jdoc_int64 oracle_jdoc_int64
+#define jdoc_key oracle_jdoc_key
+#define jdoc_num oracle_jdoc_num
+#define jdoc_parse oracle_jdoc_parse
+#define jdoc_put_utf8 oracle_jdoc_put_utf8
+#define jdoc_reset oracle_jdoc_reset
+#define jdoc_str_decode oracle_jdoc_str_decode
+#define jdoc_str_eq oracle_jdoc_str_eq
+#define jdoc_unescape oracle_jdoc_unescape
+#define jdoc_utf16_cmp oracle_jdoc_utf16_cmp
+#define jdoc_write_compact oracle_jdoc_write_compact
+#define policy_action_names oracle_policy_action_names
+#define policy_affinity_prefix oracle_policy_affinity_prefix
+#define policy_affinity_user oracle_policy_affinity_user
+#define policy_apply oracle_policy_apply
+#define policy_apply_pool oracle_policy_apply_pool
+#define policy_audit_line oracle_policy_audit_line
+#define policy_decide oracle_policy_decide
+#define policy_error_json oracle_policy_error_json
+#define policy_force_cache_prompt_off oracle_policy_force_cache_prompt_off
+#define policy_fp_rewrite_json oracle_policy_fp_rewrite_json
+#define policy_headers_lookup oracle_policy_headers_lookup
+#define policy_jcs oracle_policy_jcs
+#define policy_json_error oracle_policy_json_error
+#define policy_match_tenant oracle_policy_match_tenant
+#define policy_model oracle_policy_model
+#define policy_parse oracle_policy_parse
+#define policy_pool_no_cache_prompt oracle_policy_pool_no_cache_prompt
+#define policy_replace_model oracle_policy_replace_model
+#define policy_req_doc oracle_policy_req_doc
+#define policy_req_free oracle_policy_req_free
+#define policy_req_new oracle_policy_req_new
+#define policy_req_reset oracle_policy_req_reset
+#define policy_routes_classify oracle_policy_routes_classify
+#define policy_routes_entry_matches oracle_policy_routes_entry_matches
+#define policy_routes_passthrough oracle_policy_routes_passthrough
+#define policy_routes_tenant_policed oracle_policy_routes_tenant_policed
+#define policy_set_error oracle_policy_set_error
+#define policy_sse_fp_feed oracle_policy_sse_fp_feed
+#define policy_sse_fp_finish oracle_policy_sse_fp_finish
+#define policy_sse_fp_init oracle_policy_sse_fp_init
+#define policy_usage_feed oracle_policy_usage_feed
+#endif

@@ -1,0 +1,158 @@
+/* common/buf.c: exact reservations and the thread's stash of large buffers. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <string.h>
+
+#include "common/buf.h"
+
+Test(buf, an_exact_reservation_allocates_what_is_asked_and_keeps_the_bytes)
+{
+    dp_buf_t b = {0};
+    dp_buf_append(&b, "abc", 3);
+    dp_buf_reserve_exact(&b, 1000);
+    cr_assert_eq(b.cap, 3 + 1000 + 1);
+    cr_assert_str_eq(b.base, "abc");
+    dp_buf_reserve_exact(&b, 10); /* room already: nothing moves */
+    cr_assert_eq(b.cap, 1004);
+    dp_buf_free(&b);
+}
+
+Test(buf, a_released_large_buffer_is_reused_by_the_next_exact_reservation_that_fits)
+{
+    dp_buf_stash_free();
+    dp_buf_t a = {0};
+    dp_buf_reserve_exact(&a, 300000);
+    memset(a.base, 'x', 300000);
+    char *first = a.base;
+    dp_buf_release(&a);
+    cr_assert_null(a.base);
+    cr_assert_eq(a.cap, 0);
+
+    dp_buf_t b = {0};
+    dp_buf_append(&b, "head", 4);
+    dp_buf_reserve_exact(&b, 250000 - 4);
+    cr_assert_eq(b.base, first, "the stashed buffer was not reused");
+    cr_assert_eq(b.cap, 300001);
+    cr_assert_str_eq(b.base, "head", "the bytes already there move with the buffer");
+    dp_buf_free(&b);
+    dp_buf_stash_free();
+}
+
+Test(buf, a_stashed_buffer_much_bigger_than_needed_is_left_alone)
+{
+    dp_buf_stash_free();
+    dp_buf_t a = {0};
+    dp_buf_reserve_exact(&a, 1 << 20);
+    char *big = a.base;
+    dp_buf_release(&a);
+    dp_buf_t b = {0};
+    dp_buf_reserve_exact(&b, 100000); /* a 1 MiB buffer would hold 10x the body resident */
+    cr_assert_neq(b.base, big);
+    cr_assert_eq(b.cap, 100001);
+    dp_buf_free(&b);
+    dp_buf_stash_free();
+}
+
+Test(buf, small_buffers_are_freed_and_large_ones_come_back_from_the_stash)
+{
+    dp_buf_stash_free();
+    dp_buf_t small = {0};
+    dp_buf_reserve_exact(&small, 1000);
+    dp_buf_release(&small); /* freed: LeakSanitizer would see a leak otherwise */
+    cr_assert_null(small.base);
+    for (int i = 0; i < 40; i++) {
+        dp_buf_t b = {0};
+        dp_buf_reserve_exact(&b, 512 * 1024 - 1);
+        static char *once;
+        if (i == 0)
+            once = b.base;
+        cr_assert_eq(b.base, once, "each reservation reuses what the one before released");
+        dp_buf_release(&b);
+    }
+    dp_buf_stash_free();
+}
+
+/* 40 buffers of 512 KiB released together: the stash keeps 16 MiB of them, the newest 32,
+ * and every one of those comes back. */
+Test(buf, a_full_stash_keeps_the_newest_buffers)
+{
+    dp_buf_stash_free();
+    enum { N = 40, KEPT = 32 };
+    dp_buf_t hold[N];
+    char *was[N];
+    for (int i = 0; i < N; i++) {
+        hold[i] = (dp_buf_t){0};
+        dp_buf_reserve_exact(&hold[i], 512 * 1024 - 1);
+        was[i] = hold[i].base;
+    }
+    for (int i = 0; i < N; i++)
+        dp_buf_release(&hold[i]);
+    for (int i = 0; i < N; i++) {
+        hold[i] = (dp_buf_t){0};
+        dp_buf_reserve_exact(&hold[i], 512 * 1024 - 1);
+    }
+    for (int k = N - KEPT; k < N; k++) {
+        bool back = false;
+        for (int i = 0; i < N; i++)
+            back |= hold[i].base == was[k];
+        cr_assert(back, "released buffer %d of %d was not reused", k, N);
+    }
+    for (int i = 0; i < N; i++)
+        for (int j = i + 1; j < N; j++)
+            cr_assert_neq(hold[i].base, hold[j].base, "one buffer handed out twice");
+    for (int i = 0; i < N; i++)
+        dp_buf_free(&hold[i]);
+    dp_buf_stash_free();
+}
+
+/* A buffer bigger than any body that takes from the stash would only sit there: it is freed
+ * (a chunked 8 MiB body's 16 MiB buffer would otherwise fill the whole stash). */
+Test(buf, a_buffer_no_presized_body_can_use_is_not_kept)
+{
+    dp_buf_stash_free();
+    dp_buf_t big = {0};
+    dp_buf_reserve(&big, 3u << 20);
+    dp_buf_release(&big);
+    dp_buf_t b = {0};
+    dp_buf_reserve_exact(&b, (DP_BUF_STASH_MAX - 2) * 2 / 3);
+    cr_assert_eq(b.cap, (DP_BUF_STASH_MAX - 2) * 2 / 3 + 1, "got a kept buffer of %zu", b.cap);
+    char *kept = b.base; /* one a presized body can use is kept */
+    dp_buf_release(&b);
+    dp_buf_t again = {0};
+    dp_buf_reserve_exact(&again, (DP_BUF_STASH_MAX - 2) * 2 / 3);
+    cr_assert_eq(again.base, kept);
+    dp_buf_free(&again);
+    dp_buf_stash_free();
+}
+
+static void *thread_releases(void *arg)
+{
+    (void)arg;
+    dp_buf_t b = {0};
+    dp_buf_reserve_exact(&b, 200000);
+    dp_buf_release(&b);
+    return NULL; /* the stash goes with the thread: LeakSanitizer would say otherwise */
+}
+
+Test(buf, a_threads_stash_is_freed_when_the_thread_exits)
+{
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, thread_releases, NULL), 0);
+    cr_assert_eq(pthread_join(t, NULL), 0);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+/* A pointer kept into a released body is caught while the buffer waits in the stash, as it
+ * would be after free(). */
+Test(buf, reading_a_stashed_buffer_is_caught_by_asan, .exit_code = 1)
+{
+    dp_buf_stash_free();
+    dp_buf_t b = {0};
+    dp_buf_reserve_exact(&b, 100000);
+    memset(b.base, 'x', 100000);
+    volatile char *stale = b.base;
+    dp_buf_release(&b);
+    cr_assert_eq(stale[10], 'x', "not reached: ASan stops the process on the read");
+}
+#endif
