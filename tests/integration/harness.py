@@ -62,6 +62,7 @@ SIM_BIN = os.environ.get("DETPROXY_SIM_BIN") or _default_bin("detproxy-sim")
 DETPROXY_BIN = os.environ.get("DETPROXY_BIN") or _default_bin("detproxy")
 
 _live = []  # every Proc not yet reaped
+_given = set()  # ports free_port returned in this process
 
 
 def free_port(host="127.0.0.1"):
@@ -72,11 +73,14 @@ def free_port(host="127.0.0.1"):
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(20000, 32768)
+        if port in _given:  # given out already, maybe not listened on yet
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _given.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

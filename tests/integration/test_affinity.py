@@ -4,7 +4,7 @@ x-detproxy-affinity header and detproxy_affinity_total."""
 
 import threading
 
-from harness import get_json, http, poll_until, post_json, run_tests, start_sim
+from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
 from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
 
 MODEL = "m1"
@@ -17,7 +17,8 @@ def setup(n=3, affinity=None, sim_flags=(), workers=0, **kw):
     p = pool("p", [MODEL], sims, balance="affinity", **kw)
     if affinity is not None:
         p["affinity"] = affinity
-    px = start_proxy(pools=[p], policy=ANY, attestation={"interval_ms": 200, "timeout_ms": 500},
+    px = start_proxy(pools=[p], policy=ANY, attestation={"interval_ms": 200,
+                                                        "timeout_ms": int(500 * SLOW)},
                      workers=workers)
     return sims, px
 
@@ -112,10 +113,9 @@ def test_max_inflight_still_holds_and_queued_requests_keep_their_key():
     rep, aff = complete(px, prompt)
     # Either the retry rule moved it on ("spill"), or the 200 ms re-attestation had already
     # taken home out of the order before the request came (a loaded machine): then it is the
-    # key's first choice ("hit"). Both must land on the same next replica.
+    # key's first choice ("hit"; the next check may have admitted it again since). Both must
+    # land on another replica.
     assert rep != home and aff in ("spill", "hit"), (rep, aff)
-    if aff == "hit":
-        assert state(px, home) != "admitted", home
     t.join()
     assert max(sim_stats(s)["max_inflight_seen"] for s in sims) == 1
     px.stop()
@@ -151,10 +151,9 @@ def test_a_retry_goes_to_the_next_replica_in_the_keys_order():
     rep, aff = complete(px, prompt)
     # Either the retry rule moved it on ("spill"), or the 200 ms re-attestation had already
     # taken home out of the order before the request came (a loaded machine): then it is the
-    # key's first choice ("hit"). Both must land on the same next replica.
+    # key's first choice ("hit"; the next check may have admitted it again since). Both must
+    # land on another replica.
     assert rep != home and aff in ("spill", "hit"), (rep, aff)
-    if aff == "hit":
-        assert state(px, home) != "admitted", home
     # Once the proxy has marked it gone, the key's order starts at that same next replica.
     poll_until(lambda: state(px, home) != "admitted", what="%s out" % home)
     assert complete(px, prompt) == (rep, "hit")

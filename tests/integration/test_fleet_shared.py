@@ -400,8 +400,10 @@ def test_rate_limit_by_share_of_live_members():
     alone = allowed_in(pxs[0], 3.0)
     print("rate_limit 4/s burst 2 over 3 s through one instance: %d allowed with 2 members, "
           "%d alone" % (shared, alone))
-    assert 6 <= shared <= 9, shared  # 2 + 2/s x 3 s
-    assert 12 <= alone <= 15, alone  # 2 + 4/s x 3 s
+    # 2 + 2/s x 3 s and 2 + 4/s x 3 s; one more each for the request begun as the window ends
+    # (its token accrues while it waits for its answer).
+    assert 6 <= shared <= 10, shared
+    assert 12 <= alone <= 16, alone
     pxs[0].stop()
     cluster.stop()
 

@@ -45,6 +45,31 @@ def stalled(port, body, keep, chunked=False):
     return s, rest
 
 
+class KeepArriving:
+    """Send one more byte of each held body every 0.2 s until end(). A body that has sent
+    nothing for a second is the slowest there is and may be shed for any newcomer; on a loaded
+    machine the steps of a test can take that long. Stops short of any body's end."""
+
+    def __init__(self, held):
+        self.held = [list(h) for h in held]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.wait(0.2):
+            for h in self.held:
+                if len(h[1]) > 1:
+                    h[0].sendall(h[1][:1])
+                    h[1] = h[1][1:]
+
+    def end(self):
+        """Stop; the held (socket, rest) pairs, rest now what is still unsent."""
+        self.stop.set()
+        self.thread.join()
+        return [tuple(h) for h in self.held]
+
+
 def read_response(s, timeout=10):
     """Read one whole response from s (keep-alive: the connection stays open)."""
     data = b""
@@ -69,7 +94,8 @@ def test_bodies_over_the_inflight_budget_are_503_and_admitted_ones_finish():
     px = start_proxy(pools=[pool("p", [MODEL], [sim])],
                      limits={"max_body_bytes": MiB, "max_inflight_body_bytes": 4 * MiB})
     body = body_of(MiB)
-    held = [stalled(px.port, body, 10) for _ in range(4)]
+    held = [stalled(px.port, body, 4096) for _ in range(4)]
+    arriving = KeepArriving(held)
     poll_until(lambda: inflight(px) == 4, what="four bodies admitted")
     # The budget is spent by bodies that are arriving (none has stalled for a second): a
     # fifth body (Content-Length or chunked) that arrives more slowly than they did may shed
@@ -87,6 +113,7 @@ def test_bodies_over_the_inflight_budget_are_503_and_admitted_ones_finish():
         assert "max_inflight_body_bytes" in err["message"], err
         s.close()
     assert metric(px, "detproxy_overload_rejections_total", reason="body_budget") == 2
+    held = arriving.end()
     # Requests without a body are untouched by the budget.
     assert get_json(px.port, "/v1/models")["object"] == "list"
     # The admitted ones finish normally.

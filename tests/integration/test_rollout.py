@@ -98,6 +98,7 @@ def test_equivalent_candidate_and_its_copies_are_not_billed():
     assert metric(px, "detproxy_tokens_total", kind="prompt") == prompt
     assert metric(px, "detproxy_tokens_total", kind="completion") == completion
     assert len([a for a in px.find_logs("access") if a.get("pool") == "next"]) == 0
+    poll_until(lambda: len(px.find_logs("access")) >= N, what="the access lines")
     assert len(px.find_logs("access")) == N
     # The status page shows it beside the pool's drift.
     page = http("GET", px.admin_port, "/").text

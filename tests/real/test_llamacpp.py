@@ -182,11 +182,12 @@ def fa_prompt():
     return _fa_prompt[0]
 
 
-def load(px, n, parallel=1, max_tokens=LONG):
+def load(px, n, parallel=1, max_tokens=LONG, first=0):
+    """n completions of prompts numbered first.., `parallel` at a time."""
     errors = []
 
     def worker(k):
-        for i in range(k, n, parallel):
+        for i in range(first + k, first + n, parallel):
             r = post_json(px.port, "/v1/completions",
                           {"model": MODEL, "prompt": "prompt number %d about things" % i,
                            "max_tokens": max_tokens, "temperature": 0}, timeout=120)
@@ -409,9 +410,12 @@ def test_kv_unified_replicas_under_load_are_batching_noise_not_drift():
                manifest={"quantization": "F16"},
                shadow={"rate": 0.5, "self_rate": 0.5, "max_inflight": 8,
                        "max_output_bytes": 65536, "quarantine": True})
+    # Every request its own prompt, as in real traffic: a prompt sent again tends to flip (or
+    # not) again, so repeats would make the samples anything but independent, which the
+    # verdict's test assumes.
     n = 0
     while n < 400:
-        load(px, 40, parallel=4, max_tokens=128)
+        load(px, 40, parallel=4, max_tokens=128, first=n)
         n += 40
         d = drift(px)
         if d["verdict"] not in ("insufficient_data", "consistent"):
