@@ -558,7 +558,14 @@ static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
         dispatch(q);
     } else if (may_connect(q, r)) {
         cwait_remove(q);
-        started(q);
+        /* The verdict it waited for may have taken r out of service: the state is written
+         * before the check is settled, so it is read again after. */
+        if (px_replica_serving(r)) {
+            started(q);
+        } else {
+            slot_release(q);
+            dispatch(q);
+        }
     } else if (now_ms >= q->cw_since_ms + q->pool->cfg->queue_timeout_ms) {
         cwait_remove(q);
         slot_release(q);
