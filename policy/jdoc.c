@@ -796,27 +796,7 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out)
 void jdoc_put_utf8(dp_buf_t *out, uint32_t cp)
 {
     char b[4];
-    size_t n;
-    if (cp < 0x80) {
-        b[0] = (char)cp;
-        n = 1;
-    } else if (cp < 0x800) {
-        b[0] = (char)(0xC0 | cp >> 6);
-        b[1] = (char)(0x80 | (cp & 0x3F));
-        n = 2;
-    } else if (cp < 0x10000) {
-        b[0] = (char)(0xE0 | cp >> 12);
-        b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        b[2] = (char)(0x80 | (cp & 0x3F));
-        n = 3;
-    } else {
-        b[0] = (char)(0xF0 | cp >> 18);
-        b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-        b[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        b[3] = (char)(0x80 | (cp & 0x3F));
-        n = 4;
-    }
-    dp_buf_append(out, b, n);
+    dp_buf_append(out, b, jdoc_utf8_encode(cp, b));
 }
 
 void jdoc_unescape(const char *s, size_t n, dp_buf_t *out)

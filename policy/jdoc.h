@@ -118,4 +118,29 @@ void jdoc_write_compact(const jdoc_t *d, uint32_t tok, dp_buf_t *out);
 void jdoc_unescape(const char *s, size_t n, dp_buf_t *out);
 void jdoc_put_utf8(dp_buf_t *out, uint32_t cp);
 
+/* The UTF-8 bytes of code point cp (at most U+10FFFF) into b; their number. */
+static inline size_t jdoc_utf8_encode(uint32_t cp, char b[4])
+{
+    if (cp < 0x80) {
+        b[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        b[0] = (char)(0xC0 | cp >> 6);
+        b[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        b[0] = (char)(0xE0 | cp >> 12);
+        b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        b[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    b[0] = (char)(0xF0 | cp >> 18);
+    b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    b[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    b[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
 #endif
