@@ -162,6 +162,21 @@ def rss_kb(proc):
     raise AssertionError("no VmRSS for pid %d" % proc.popen.pid)
 
 
+def read_response(s, timeout=10):
+    """Read one whole response from s (keep-alive: the connection stays open)."""
+    data = b""
+    deadline = time.monotonic() + timeout * SLOW
+    while time.monotonic() < deadline:
+        if b"\r\n\r\n" in data and parse_response(data).complete:
+            return parse_response(data)
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return parse_response(data)
+
+
 def read_until_close(s, timeout=10):
     """Read from socket s until the peer closes. Returns (bytes, closed): closed is False when
     the timeout passed first. A reset counts as closed."""

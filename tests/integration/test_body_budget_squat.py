@@ -13,8 +13,8 @@ import threading
 import time
 
 from harness import SLOW, http, poll_until, run_tests, start_sim
-from proxyutil import assert_openai_error, metric, parse_response, pool, read_until_close, \
-    start_proxy
+from proxyutil import assert_openai_error, metric, parse_response, pool, read_response, \
+    read_until_close, start_proxy
 
 MODEL = "m1"
 KiB = 1 << 10
@@ -132,21 +132,6 @@ def test_slow_bodies_that_fill_the_budget_are_shed_for_ordinary_clients():
     for s in slow:
         s.close()
     px.stop()
-
-
-def read_response(s, timeout=10):
-    """One whole response from s (the connection may stay open)."""
-    data = b""
-    deadline = time.monotonic() + timeout * SLOW
-    while time.monotonic() < deadline:
-        if b"\r\n\r\n" in data and parse_response(data).complete:
-            break
-        s.settimeout(max(0.01, deadline - time.monotonic()))
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return parse_response(data)
 
 
 def readable(s, timeout=0.5):

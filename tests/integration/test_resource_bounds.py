@@ -15,7 +15,7 @@ import time
 
 from harness import SLOW, get_json, http, poll_until, run_tests, start_sim
 from proxyutil import (assert_openai_error, metric, parse_response, pool, read_request,
-                       read_until_close, rss_kb, serve_connections, start_proxy)
+                       read_response, read_until_close, rss_kb, serve_connections, start_proxy)
 
 MODEL = "m1"
 MiB = 1 << 20
@@ -68,21 +68,6 @@ class KeepArriving:
         self.stop.set()
         self.thread.join()
         return [tuple(h) for h in self.held]
-
-
-def read_response(s, timeout=10):
-    """Read one whole response from s (keep-alive: the connection stays open)."""
-    data = b""
-    deadline = time.monotonic() + timeout * SLOW
-    while time.monotonic() < deadline:
-        if b"\r\n\r\n" in data and parse_response(data).complete:
-            return parse_response(data)
-        s.settimeout(max(0.01, deadline - time.monotonic()))
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return parse_response(data)
 
 
 def inflight(px):
