@@ -79,9 +79,13 @@ typedef struct att_s {
     /* Something this instance saw (a failed connection, another fingerprint on a response)
      * wants a check here, whoever holds the replica's attestation duty in the fleet. */
     bool local_due;
-    /* The replica was held (px_replica_t.unverified) when this check began: it is about
-     * identity (no canary on an admitted replica, no probe completion), and out of turn. */
+    /* Clients wait for this check: the replica was held (px_replica_t.unverified) or a request
+     * wanted a new connection to it (conn_wanted) when it began. It is about identity (no
+     * canary on an admitted replica, no probe completion), and out of turn. */
     bool hold_check;
+    /* A request wanted a new connection while this check ran: another check follows it (this
+     * one's verdict still stands; it began before that need). */
+    bool wanted_after;
     uint64_t seq;          /* this check's number (px_replica_t.check_begun) */
     uint64_t periodic_ms;  /* loop time the next regular check is due (0: none scheduled yet) */
     uint32_t unreach_ms;   /* the re-check interval while unreachable after a hold (0: regular) */
@@ -170,6 +174,13 @@ static void recheck_soon(att_t *a)
     recheck_after(a, atomic_load(&a->r->unverified) ? HOLD_RECHECK_MIN_MS : RECHECK_MIN_MS);
 }
 
+/* Clients wait for a check of r: it is held, or a request wants a new connection to it (and
+ * may hold one of its slots meanwhile). Our own requests to r then never wait for a slot. */
+static bool clients_wait(const px_replica_t *r)
+{
+    return atomic_load(&r->unverified) || atomic_load(&r->conn_wanted);
+}
+
 /* A slot on the replica for one of our requests to it, under its pool's
  * max_inflight_per_replica: never while clients of the pool wait for one. */
 static bool take_slot(att_t *a)
@@ -256,9 +267,14 @@ static void check_end(att_t *a)
         a->verdict_from[0] = '\0';
         px_fleet_attested(a->px, a->r, a->have_report ? &a->report : NULL);
     }
-    if (a->recheck) {
-        a->recheck = false;
-        recheck_soon(a);
+    if (a->recheck || a->wanted_after) {
+        bool wanted = a->wanted_after && !a->recheck;
+        a->recheck = a->wanted_after = false;
+        if (wanted)
+            recheck_after(a, HOLD_RECHECK_MIN_MS);
+        else
+            recheck_soon(a);
+        a->hold_check = false;
         return;
     }
     /* A replica that went away usually comes back soon (restart, reschedule): look again
@@ -452,9 +468,10 @@ static void canary_try(att_t *a)
         return;
     }
     if (!take_slot(a)) {
-        /* Held meanwhile: clients wait behind the hold for the check that follows this one,
-         * so this canary would only wait for slots they block: skipped, not waited for. */
-        if (!atomic_load(&a->r->unverified) && keep_waiting(a)) {
+        /* Held or wanted meanwhile: clients wait for the check that follows this one (some
+         * with a slot), so this canary would only wait for slots they block: skipped, not
+         * waited for. */
+        if (!clients_wait(a->r) && keep_waiting(a)) {
             uv_timer_start(&a->timer, canary_retry_cb, SLOT_RETRY_MS, 0);
             return;
         }
@@ -582,10 +599,10 @@ static void check_start(att_t *a)
         schedule(a, cur(a)->attestation.interval_ms);
         return;
     }
-    /* Held: clients wait for this check, so it neither queues behind other replicas' checks
-     * (each replica asks at most every HOLD_RECHECK_MIN_MS) nor waits for a slot for its
-     * probe. */
-    bool held = atomic_load(&r->unverified);
+    /* Held, or wanted for a new connection: clients wait for this check, so it neither queues
+     * behind other replicas' checks (each replica asks at most every HOLD_RECHECK_MIN_MS) nor
+     * waits for a slot for its probe. */
+    bool held = clients_wait(r);
     if (!held && ctx(a->px)->running >= MAX_CONCURRENT_CHECKS) {
         /* Jittered, so waiting checks do not all retry in the same tick. */
         uint8_t j;
@@ -627,6 +644,9 @@ static void check_start(att_t *a)
     a->checking = true;
     a->local_due = false;
     a->hold_check = held;
+    /* Cleared before the number is drawn: a request that still saw it set drew its own number
+     * first, so this check is one it waits for (px_event_new_connection). */
+    atomic_store(&r->conn_wanted, false);
     /* Every check goes over a new connection: a pooled one may still reach an engine a
      * balancer has since switched away from, and the checks that clients' new connections
      * wait for must see what a new connection reaches (one connect per check). */
@@ -814,27 +834,42 @@ static void connection_failed_here(px_t *px, px_replica_t *r)
     recheck_soon(a);
 }
 
-/* The replica closed a connection, or a request needs a new one to it: it may be another engine
- * now (a restart on the same port, or a balancer's switch, answers the next connection). It stays
- * unverified, taking no new requests, until a check that begins after this one has its verdict;
- * the check starts at once (or after the one in flight, whose answer may predate the restart
- * and so admits nothing). A keep-alive timeout looks the same from here, so an idle replica
- * costs a check per close it makes and one when traffic comes back. */
-static void hold_here(px_t *px, px_replica_t *r)
+/* A check that clients wait for, out of turn: at once, or after the one in flight (which began
+ * before the need and so decides nothing for it). False when nothing here would ever check r:
+ * then it is settled unchecked, so no wait lasts for ever. */
+static bool check_wanted_here(px_t *px, px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
     if (a == NULL || r->attest.source == CFG_ATTEST_NONE || ctx(px) == NULL || ctx(px)->stopped) {
-        release_unchecked(px, r); /* nothing here would ever re-check it */
-        return;
+        atomic_store(&r->conn_wanted, false);
+        release_unchecked(px, r);
+        return false;
     }
     a->local_due = true;
+    if (a->checking)
+        a->wanted_after = true;
+    else
+        recheck_after(a, HOLD_RECHECK_MIN_MS);
+    return true;
+}
+
+/* The replica closed a connection: it may be another engine now (a restart on the same port, or
+ * a balancer's switch, answers the next connection). It stays unverified, taking no new
+ * requests, until a check that begins after this one has its verdict; the check starts at once
+ * (or after the one in flight, whose answer may predate the restart and so admits nothing). A
+ * keep-alive timeout looks the same from here, so an idle replica costs a check per close it
+ * makes and one when traffic comes back. */
+static void hold_here(px_t *px, px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
+    if (!check_wanted_here(px, r))
+        return;
+    att_t *a = r->attest_state;
+    if (a->checking) /* what it read may predate the close: it admits nothing */
+        a->recheck = true;
     /* Held even if a check that began before this event released it meanwhile. */
     atomic_store(&r->unverified, true);
-    if (a->checking)
-        a->recheck = true;
-    else
-        recheck_soon(a);
 }
 
 /* The control thread's half: out of service and re-attested, once per change. */
@@ -899,8 +934,10 @@ void px_attest_on_event(px_t *px, const px_event_t *ev)
         connection_failed_here(px, ev->r);
         break;
     case PX_EVENT_PEER_CLOSED:
-    case PX_EVENT_NEW_CONNECTION:
         hold_here(px, ev->r);
+        break;
+    case PX_EVENT_NEW_CONNECTION:
+        check_wanted_here(px, ev->r);
         break;
     case PX_EVENT_FINGERPRINT:
         mismatch_here(px, ev->r, ev->seen);

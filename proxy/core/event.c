@@ -42,7 +42,7 @@ void px_event_post(px_t *px, const px_event_t *ev)
 {
     if (px->on_event == NULL)
         return;
-    bool hold = ev->kind == PX_EVENT_PEER_CLOSED || ev->kind == PX_EVENT_NEW_CONNECTION;
+    bool hold = ev->kind == PX_EVENT_PEER_CLOSED;
     if (hold)
         hold_replica(ev->r);
     if (px_thread_on_control()) {
@@ -56,13 +56,16 @@ void px_event_post(px_t *px, const px_event_t *ev)
     px_replica_ref(ev->r);
     if (ev->seen)
         snprintf(m->seen, sizeof(m->seen), "%s", ev->seen);
-    m->suspect = !hold;
+    m->suspect = !hold && ev->kind != PX_EVENT_NEW_CONNECTION;
     if (m->suspect)
         atomic_store_explicit(&ev->r->suspect, true, memory_order_release);
-    /* Not posted: a hold stays (fail closed) until the next regular check's verdict lifts it. */
+    /* Not posted: a hold stays (fail closed) until the next regular check's verdict lifts it;
+     * a wanted check is asked for again by the next request that needs it. */
     if (!px_thread_try_post_control(px, &m->node, event_posted)) {
         if (m->suspect)
             atomic_store_explicit(&ev->r->suspect, false, memory_order_release);
+        if (ev->kind == PX_EVENT_NEW_CONNECTION)
+            atomic_store(&ev->r->conn_wanted, false);
         px_replica_unref(m->r);
         free(m);
     }
@@ -104,15 +107,19 @@ bool px_event_new_connection(px_t *px, px_replica_t *r, net_upstream_t *u, uint6
 {
     if (u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0)
         return true;
-    if (*want && atomic_load(&r->check_settled) >= *want) {
-        if (!atomic_load(&r->unverified))
-            return true;
-        *want = 0; /* held again since (another close): the check after that one decides */
-    }
     if (*want == 0)
         *want = atomic_load(&r->check_begun) + 1;
-    /* Asked for (again, if a full mailbox dropped the first ask). */
-    if (!atomic_load(&r->unverified))
+    /* A close seen since (a hold) is decided by a check begun after it, not before. */
+    uint64_t need = atomic_load(&r->hold_after) + 1;
+    if (need < *want)
+        need = *want;
+    if (atomic_load(&r->check_settled) >= need) {
+        *want = 0; /* spent on this connection: the next one asks again */
+        return true;
+    }
+    /* Asked for once until a check begins (control/attest.c clears the flag first, so a
+     * request that saw it set numbered its wait before that check did). */
+    if (!atomic_exchange(&r->conn_wanted, true))
         px_event_post(px, &(px_event_t){.kind = PX_EVENT_NEW_CONNECTION, .r = r});
     return false;
 }

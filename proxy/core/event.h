@@ -15,8 +15,9 @@ typedef enum {
     PX_EVENT_PEER_CLOSED,
     /* A request needs a new connection to the replica (none pooled is free): the engine that
      * answers it may have replaced the one attested (a restart, a switch behind a balancer).
-     * Held as for PX_EVENT_PEER_CLOSED; the request waits for the check
-     * (px_event_new_connection). */
+     * That request waits for a check begun after it asked (px_event_new_connection); the
+     * replica is not held, since requests over the pooled connections meet the engine that was
+     * attested when those were opened. */
     PX_EVENT_NEW_CONNECTION,
     /* A response carried another engine fingerprint than the one attested. */
     PX_EVENT_FINGERPRINT,
@@ -53,10 +54,10 @@ void px_event_watch_closes(px_replica_t *r, struct net_upstream_s *u);
 /* May a request be sent to r over u, this thread's pool of connections to r, now? Yes when a
  * pooled connection is free (every one was opened under the rule below), or r is not attested
  * at all. Else it needs a new connection: only once a check of r begun after the request
- * needed it has its verdict (*want, the request's, 0 at first, records which). Until then
- * false, with r held (unverified) and that check asked for (PX_EVENT_NEW_CONNECTION); the
- * workers are woken when it has its verdict. Requests that need connections at once share
- * one check. */
+ * needed it, and after any close that held r since, has its verdict (*want, the request's, 0
+ * at first, records which; spent when this says yes). Until then false, with that check asked
+ * for (PX_EVENT_NEW_CONNECTION); the workers are woken when it has its verdict. Requests that
+ * need connections at once share one check. */
 bool px_event_new_connection(px_t *px, px_replica_t *r, struct net_upstream_s *u, uint64_t *want);
 
 #endif

@@ -96,8 +96,8 @@ struct px_replica_s {
      * fingerprint, until the control thread has handled that (a mailbox hop later): no worker
      * picks it meanwhile (core/event.c). */
     atomic_bool suspect;
-    /* Set by a thread that saw the replica close a connection, or that needs a new one to it
-     * (PX_EVENT_PEER_CLOSED, PX_EVENT_NEW_CONNECTION): it may be another engine now. It stays
+    /* Set by a thread that saw the replica close a connection (PX_EVENT_PEER_CLOSED): it may be
+     * another engine now. It stays
      * serving, but takes no new client requests or copies (they queue, and routing counts it
      * full) until a check begun after that has its verdict (control/attest.c settle). */
     atomic_bool unverified;
@@ -110,6 +110,9 @@ struct px_replica_s {
     /* The hold lifts with the verdict of a check numbered above this (the latest check begun
      * when a thread last held the replica: core/event.c). */
     atomic_uint_fast64_t hold_after;
+    /* A check is asked for by a request that needs a new connection (PX_EVENT_NEW_CONNECTION)
+     * and has not begun yet: the requests that need one meanwhile share it. */
+    atomic_bool conn_wanted;
     px_series_t *m_drained;              /* detproxy_replica_drained */
     px_replica_t *live_prev, *live_next; /* every replica alive */
 };

@@ -613,8 +613,8 @@ static void dispatch(px_preq_t *q)
         start_on(q, r);
         return;
     }
-    /* A new connection to r waits for a check of r begun from now on (held meanwhile, so
-     * other requests go elsewhere): the request keeps its slot on r and waits on this worker's
+    /* A new connection to r waits for a check of r begun from now on (requests over r's pooled
+     * connections go on meanwhile): the request keeps its slot on r and waits on this worker's
      * list, so that a replica gets its first connection rather than lose every request to
      * replicas already connected. */
     if (r) {
@@ -623,6 +623,9 @@ static void dispatch(px_preq_t *q)
         if (q->stream_body)
             net_req_pause_body(q->req);
         cwait_push(q);
+        /* A verdict that came between the look above and the push woke no one (settle() saw
+         * no waiter): look once more now that the wait is counted. */
+        cwait_settle(q, dp_now_ns() / 1000000u);
         return;
     }
     if (why == 0) {

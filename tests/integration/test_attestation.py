@@ -323,6 +323,17 @@ def test_a_restart_while_no_connection_is_open_is_checked_before_the_first_reque
     px.stop()
 
 
+def accept_each(ls, handler):
+    """Accept on ls until it is closed: handler(conn), called as each is accepted, returns what
+    serves it on a thread of its own."""
+    while True:
+        try:
+            c, _ = ls.accept()
+        except OSError:
+            return
+        threading.Thread(target=handler(c), daemon=True).start()
+
+
 class NatFront:
     """A TCP front standing in for an engine restart behind NAT (a container runtime's or an L4
     balancer's): after switch(port), the connections opened before it get no FIN; the next
@@ -344,13 +355,10 @@ class NatFront:
         self.ls.close()
 
     def _accept(self):
-        while True:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._pipe, args=(c, len(self.backends) - 1),
-                             daemon=True).start()
+        def handler(c):
+            gen = len(self.backends) - 1  # the backend in force when it connected
+            return lambda: self._pipe(c, gen)
+        accept_each(self.ls, handler)
 
     def _pipe(self, c, gen):
         try:
@@ -434,6 +442,83 @@ def test_a_blue_green_switch_never_serves_from_the_new_engine():
     assert sim_stats(b)["requests"] == 0, codes
     px.stop()
     front.close()
+
+
+class GatedAgent:
+    """The replica's agent behind a gate: GET /attestation is passed to the sim's own once the
+    gate is open, and `asked` counts the reads that arrived."""
+
+    def __init__(self, sim_port):
+        self.sim_port = sim_port
+        self.gate = threading.Event()
+        self.gate.set()
+        self.asked = 0
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.port = self.ls.getsockname()[1]
+        threading.Thread(target=accept_each, args=(self.ls, lambda c: lambda: self._serve(c)),
+                         daemon=True).start()
+
+    def _serve(self, c):
+        with c:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                d = c.recv(4096)
+                if not d:
+                    return
+                head += d
+            target = head.split(b" ")[1].decode()
+            self.asked += 1
+            self.gate.wait(30)
+            r = http("GET", self.sim_port, target)
+            body = r.body
+            c.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (r.status, len(body))
+                      + body)
+
+    def close(self):
+        self.gate.set()
+        self.ls.close()
+
+
+def test_a_check_for_a_new_connection_holds_back_only_the_request_that_needs_it():
+    """A request that needs a new connection waits for its check; the replica is not held for
+    it: with that check stuck at the agent, a request that finds the pooled connection free is
+    answered at once, and the waiting one is sent once the check has its verdict."""
+    key, pub = keygen("pipeline")
+    a = sim(CKPT, "awq", key, "--token-delay-ms", "40")
+    agent = GatedAgent(a.port)
+    p = agent_pool([a])
+    p["replicas"][0]["attest"]["url"] = "http://127.0.0.1:%d/attestation" % agent.port
+    px = start_proxy(pools=[p], attestation=attestation(interval=60000, timeout=20000,
+                                                         keys=[pub]), workers=1)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    assert post_json(px.port, "/v1/completions", body).status == 200  # one pooled connection
+    agent.gate.clear()
+    asked = agent.asked
+    with ThreadPoolExecutor(2) as ex:
+        # The first takes the pooled connection for ~400 ms; the second needs a new one and
+        # asks for a check, which the agent holds.
+        slow = ex.submit(post_json, px.port, "/v1/completions", dict(body, max_tokens=10))
+        poll_until(lambda: sim_stats(a)["inflight"] == 1, what="the first request at the sim")
+        waiting = ex.submit(post_json, px.port, "/v1/completions", body)
+        poll_until(lambda: agent.asked > asked, what="the new connection's check at the agent")
+        assert slow.result().status == 200
+        # The pooled connection is free again: the next request goes over it at once.
+        t0 = time.monotonic()
+        r = post_json(px.port, "/v1/completions", body)
+        took = time.monotonic() - t0
+        assert r.status == 200, r
+        print("    a request over the pooled connection beside a stuck check: %.0f ms"
+              % (took * 1000))
+        assert replicas(px)["r1"]["unverified"] is False
+        agent.gate.set()
+        assert waiting.result().status == 200
+    assert took < 2.0 * SLOW, took
+    assert sim_stats(a)["requests"] == 4
+    px.stop()
+    agent.close()
 
 
 def test_a_held_replicas_check_does_not_queue_behind_other_pools_checks():

@@ -22,7 +22,7 @@ def llama(version=BUILD, quant="F16"):
                      "--quantization", quant)
 
 
-def setup(sims, manifest=None, interval=60000, model=MODEL):
+def setup(sims, manifest=None, interval=60000, model=MODEL, **kw):
     d = tempfile.mkdtemp(prefix="detproxy-fp-")
     p = pool("p", [model], sims, manifest=manifest or {"model": MODEL},
              balance="round_robin")
@@ -30,7 +30,7 @@ def setup(sims, manifest=None, interval=60000, model=MODEL):
         r["attest"] = {"source": "llamacpp"}
     px = start_proxy(pools=[p], directory=d, policy=AUDIT_POLICY,
                      attestation={"interval_ms": interval, "timeout_ms": 2000},
-                     log={"level": "info", "audit_path": os.path.join(d, "audit.jsonl")})
+                     log={"level": "info", "audit_path": os.path.join(d, "audit.jsonl")}, **kw)
     px.audit_path = os.path.join(d, "audit.jsonl")
     return px
 
@@ -118,10 +118,12 @@ def reply(obj):
 class HeldProbes:
     """A llama.cpp played by a script: its probes (POST /v1/completions) answer "fp-A", the
     first at once and every later one only when released; chat completions answer "fp-B", once
-    `chats` of them have arrived."""
+    `chats` of them have arrived, after the first `warm` ones, which answer at once and carry no
+    fingerprint (they leave a pooled connection behind)."""
 
-    def __init__(self, chats=1):
+    def __init__(self, chats=1, warm=0):
         self.chats = threading.Barrier(chats)
+        self.warm = warm
         self.arrived = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)
         self.probes = 0
@@ -140,6 +142,11 @@ class HeldProbes:
                 self.gate.acquire(timeout=20)
             return reply({"object": "text_completion", "system_fingerprint": "fp-A",
                           "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+        if self.warm > 0:
+            self.warm -= 1
+            return reply({"object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "y"},
+                 "finish_reason": "stop"}]})
         self.chats.wait(timeout=20)
         if self.stream is not None:
             b = b"".join(b"data: %s\n\n" % json.dumps(
@@ -153,16 +160,19 @@ class HeldProbes:
 
 
 def test_a_check_already_under_way_when_a_mismatch_arrives_does_not_readmit():
-    rep = HeldProbes()
-    px = setup([rep], manifest={"model": "m1"}, interval=200, model="m1")
+    rep = HeldProbes(warm=1)
+    px = setup([rep], manifest={"model": "m1"}, interval=1000, model="m1", workers=1)
     assert replicas(px)["r1"]["attestation"]["report"]["engine_fingerprint"] == "fp-A"
     try:
+        # A first request opens a connection (after its own check) that stays pooled in the one
+        # worker: the response below comes over it, not after a check of its own.
+        chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        assert post_json(px.port, "/v1/chat/completions", chat).status == 200
         # The periodic check is under way, its probe held: then a response shows fp-B.
         assert rep.arrived.acquire(timeout=10), "no periodic probe"
-        chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
         r = post_json(px.port, "/v1/chat/completions", chat)
         assert r.status == 200 and r.headers["x-detproxy-upstream-fingerprint"] == "fp-B", r
-        assert replicas(px)["r1"]["state"] == "pending"
+        assert replicas(px)["r1"]["state"] == "pending", replicas(px)["r1"]
         # The check that began before the mismatch ends with the old answer: stale, not an
         # admission. The replica stays out until a check that began after it passes.
         rep.gate.release()

@@ -68,12 +68,15 @@ class Relay:
 
     def up(self, c, u, state):
         while True:
-            data = c.recv(65536)
+            try:
+                data = c.recv(65536)
+            except OSError:  # closed by down(): the server closed the connection
+                data = b""
             if not data:
                 u.close()
                 return
             with self.lock:
-                if state["at_start"]:
+                if state["at_start"] and not state.get("closed"):
                     state["at_start"] = False
                     line = data.split(b"\r\n", 1)[0]
                     if line.startswith(b"POST ") and b"completions" in line:
@@ -81,16 +84,27 @@ class Relay:
                         self.generations += 1
                         self.inflight += 1
                         self.max_seen = max(self.max_seen, self.inflight)
-            u.sendall(data)
+            try:
+                u.sendall(data)
+            except OSError:
+                # The server had closed the connection (its keep-alive ran out as detproxy
+                # reused it): this request gets no response and generates nothing.
+                self.end(state)
+                return
 
     def down(self, u, c, state):
         """Forward the responses; at the end of each (found before its last bytes go out, so
         the next request cannot arrive first) the connection's request is over."""
         buf = b""
         while True:
-            data = u.recv(65536)
+            try:
+                data = u.recv(65536)
+            except OSError:  # closed by up(): detproxy closed the connection
+                data = b""
             if not data:
                 self.end(state)
+                with self.lock:
+                    state["closed"] = True  # what up() still reads here is never answered
                 c.close()
                 return
             buf += data
