@@ -267,14 +267,10 @@ static void check_end(att_t *a)
         a->verdict_from[0] = '\0';
         px_fleet_attested(a->px, a->r, a->have_report ? &a->report : NULL);
     }
-    if (a->recheck || a->wanted_after) {
-        bool wanted = a->wanted_after && !a->recheck;
+    if (a->recheck) {
         a->recheck = a->wanted_after = false;
-        if (wanted)
-            recheck_after(a, HOLD_RECHECK_MIN_MS);
-        else
-            recheck_soon(a);
         a->hold_check = false;
+        recheck_soon(a);
         return;
     }
     /* A replica that went away usually comes back soon (restart, reschedule): look again
@@ -300,6 +296,15 @@ static void check_end(att_t *a)
         a->unreach_ms = 0;
     }
     a->hold_check = false;
+    /* A request wanted a new connection while this check ran: the next one is its, as soon as
+     * the pace allows. */
+    if (a->wanted_after) {
+        a->wanted_after = false;
+        uint64_t since = now - a->last_check_ms;
+        uint64_t pace = since >= HOLD_RECHECK_MIN_MS ? 0 : HOLD_RECHECK_MIN_MS - since;
+        if (next > pace)
+            next = pace;
+    }
     schedule(a, next);
 }
 
@@ -643,7 +648,11 @@ static void check_start(att_t *a)
     ctx(a->px)->running++;
     a->checking = true;
     a->local_due = false;
-    a->hold_check = held;
+    /* Out of turn, a check clients wait for is about identity; one that falls due on the
+     * regular beat stays a regular check (its canary runs after its verdict has released
+     * them), so a steady stream of new connections cannot starve the canary. */
+    uint64_t now_ms = uv_now(a->px->loop);
+    a->hold_check = held && a->periodic_ms != 0 && now_ms < a->periodic_ms;
     /* Cleared before the number is drawn: a request that still saw it set drew its own number
      * first, so this check is one it waits for (px_event_new_connection). */
     atomic_store(&r->conn_wanted, false);
@@ -719,6 +728,7 @@ static void att_teardown(att_t *a)
     }
     if (a->r) {
         a->r->attest_state = NULL;
+        atomic_store(&a->r->conn_wanted, false);
         release_unchecked(a->px, a->r);
     }
     a->r = NULL;

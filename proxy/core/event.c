@@ -105,8 +105,10 @@ void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)
 
 bool px_event_new_connection(px_t *px, px_replica_t *r, net_upstream_t *u, uint64_t *want)
 {
-    if (u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0)
+    if (u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0) {
+        *want = 0; /* a new connection later is a new need */
         return true;
+    }
     if (*want == 0)
         *want = atomic_load(&r->check_begun) + 1;
     /* A close seen since (a hold) is decided by a check begun after it, not before. */
@@ -118,8 +120,10 @@ bool px_event_new_connection(px_t *px, px_replica_t *r, net_upstream_t *u, uint6
         return true;
     }
     /* Asked for once until a check begins (control/attest.c clears the flag first, so a
-     * request that saw it set numbered its wait before that check did). */
-    if (!atomic_exchange(&r->conn_wanted, true))
+     * request that saw it set numbered its wait before that check did); not at all once the
+     * check it waits for has begun (every check begun is settled, and the settle wakes it). */
+    if (px->on_event && atomic_load(&r->check_begun) < need && !atomic_load(&r->conn_wanted) &&
+        !atomic_exchange(&r->conn_wanted, true))
         px_event_post(px, &(px_event_t){.kind = PX_EVENT_NEW_CONNECTION, .r = r});
     return false;
 }

@@ -332,6 +332,7 @@ static void slot_release(px_preq_t *q)
     if (r == NULL)
         return;
     q->replica = NULL;
+    q->want_r = NULL; /* routed again: its next need of a connection is a new one */
     px_replica_put_slot(r);
     px_replica_unref(r);
     px_admission_slot_freed(q->pool);
@@ -508,12 +509,27 @@ void px_proxy_count_overload(const char *reason)
 
 static _Thread_local px_preq_t *t_cwait;
 
+/* Waiting requests look again this often even with no verdict to wake them: an ask a full
+ * mailbox dropped is made again, and queue_timeout_ms is kept to within this. */
+#define CWAIT_LOOK_MS 50
+
+static void cwait_look(void);
+
+static void cwait_timer_cb(uv_timer_t *t)
+{
+    (void)t;
+    cwait_look();
+}
+
 static void cwait_push(px_preq_t *q)
 {
     q->cw_prev = NULL;
     q->cw_next = t_cwait;
+    uv_timer_t *t = px_worker_cwtimer();
     if (t_cwait)
         t_cwait->cw_prev = q;
+    else if (t)
+        uv_timer_start(t, cwait_timer_cb, CWAIT_LOOK_MS, CWAIT_LOOK_MS);
     t_cwait = q;
     q->cw_listed = true;
     q->cw_since_ms = dp_now_ns() / 1000000u;
@@ -533,6 +549,9 @@ static void cwait_remove(px_preq_t *q)
     q->cw_next = q->cw_prev = NULL;
     q->cw_listed = false;
     atomic_fetch_sub(&q->px->conn_waiting, 1);
+    uv_timer_t *t = px_worker_cwtimer();
+    if (t_cwait == NULL && t)
+        uv_timer_stop(t);
 }
 
 /* May q go to r now, as far as identity goes? */

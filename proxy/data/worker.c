@@ -37,6 +37,7 @@ struct px_worker_s {
     net_mailbox_t mb;
     net_server_t *srv;
     uv_timer_t qtimer;
+    uv_timer_t cwtimer; /* requests waiting for a check before a new connection (data/proxy.c) */
     px_pool_slot_t *qactive; /* non-empty admission queues of this worker */
     uv_async_t wake;         /* another worker freed a slot */
     px_series_t *m_requests; /* detproxy_worker_requests_total{worker} */
@@ -233,6 +234,11 @@ uv_timer_t *px_worker_qtimer(void)
     return &t_self->qtimer;
 }
 
+uv_timer_t *px_worker_cwtimer(void)
+{
+    return t_self ? &t_self->cwtimer : NULL;
+}
+
 void px_worker_count_request(void)
 {
     px_metrics_add(t_self->m_requests, 1);
@@ -275,6 +281,7 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_
         return r;
     net_mailbox_init(&w->mb, &w->loop, 0);
     uv_timer_init(&w->loop, &w->qtimer);
+    uv_timer_init(&w->loop, &w->cwtimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
     w->wake.data = w;
     w->srv = worker_server(px, w);
@@ -426,6 +433,7 @@ static void on_stop(net_mb_node_t *n)
     for (size_t i = 0; i < w->th.nups; i++)
         net_upstream_flush_idle(w->th.ups[i]);
     uv_close((uv_handle_t *)&w->qtimer, NULL);
+    uv_close((uv_handle_t *)&w->cwtimer, NULL);
     uv_close((uv_handle_t *)&w->wake, NULL);
     /* The loop ends once what is still running here ends (a body being policed on the thread
      * pool, closes): the mailbox no longer keeps it alive. What is posted after that runs on
@@ -452,6 +460,7 @@ void px_workers_join(px_t *px)
         }
         if (!w->started) {
             uv_close((uv_handle_t *)&w->qtimer, NULL);
+            uv_close((uv_handle_t *)&w->cwtimer, NULL);
             uv_close((uv_handle_t *)&w->wake, NULL);
         }
         net_mailbox_close(&w->mb);

@@ -58,6 +58,9 @@ net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g);
 /* This worker's admission state (data/admission.c): its non-empty queues and their timer. */
 px_pool_slot_t **px_worker_qactive(void);
 uv_timer_t *px_worker_qtimer(void);
+/* The timer of this worker's requests waiting for a check before a new connection (NULL off
+ * the workers). */
+uv_timer_t *px_worker_cwtimer(void);
 /* detproxy_worker_requests_total of this worker. */
 void px_worker_count_request(void);
 

@@ -521,6 +521,32 @@ def test_a_check_for_a_new_connection_holds_back_only_the_request_that_needs_it(
     agent.close()
 
 
+def test_a_request_waiting_for_its_check_times_out_on_time_without_a_verdict():
+    """The wait for a new connection's check is bounded by queue_timeout_ms even while no
+    verdict comes to wake the request (the check is stuck at the agent)."""
+    key, pub = keygen("pipeline")
+    a = sim(key=key)
+    agent = GatedAgent(a.port)
+    p = agent_pool([a], queue_timeout_ms=300)
+    p["replicas"][0]["attest"]["url"] = "http://127.0.0.1:%d/attestation" % agent.port
+    px = start_proxy(pools=[p], attestation=attestation(interval=60000, timeout=20000,
+                                                         keys=[pub]))
+    agent.gate.clear()
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    took = time.monotonic() - t0
+    assert r.status == 504 and r.json()["error"]["code"] == "queue_timeout", r
+    print("    queue_timeout_ms 300 while the check is stuck: answered after %.0f ms"
+          % (took * 1000))
+    assert took < 1.0 * SLOW, took
+    agent.gate.set()
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert r.status == 200, r
+    assert sim_stats(a)["requests"] == 1
+    px.stop()
+    agent.close()
+
+
 def test_a_held_replicas_check_does_not_queue_behind_other_pools_checks():
     """Checks run at most 16 at a time, but one that clients wait for (a hold) goes first: with
     20 replicas of another pool whose agents never answer filling every place, a request to a
