@@ -54,6 +54,7 @@ struct uconn_s {
     bool req_ended; /* the caller has handed us every request byte */
     bool paused;
     bool connected;
+    bool held;                 /* connected, request bytes kept back until net_creq_release */
     net_up_err_t deferred_err; /* reported by deferred_fail_cb */
 };
 
@@ -471,6 +472,10 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
 static void sock_read(net_sock_t *s, const char *p, size_t n)
 {
     uconn_t *c = s->owner;
+    if (c->held) {
+        uconn_fail(c, NET_UP_PROTOCOL, "the upstream spoke before the request was sent");
+        return;
+    }
     if (c->req && !c->req->pub.response_started) {
         c->req->pub.response_started = true;
         c->req->pub.first_byte_ns = dp_now_ns();
@@ -495,6 +500,10 @@ static void sock_error(net_sock_t *s, int status)
         return;
     }
     creq_t *q = c->req;
+    if (c->held) { /* closed before anything was sent: the request never left */
+        uconn_fail(c, NET_UP_SEND, status == UV_EOF ? "closed before the request was sent" : why);
+        return;
+    }
     if (c->phase == UC_CONNECTING) {
         uconn_fail(c, NET_UP_CONNECT,
                    status == UV_EPROTO ? net_sock_tls_error(&c->sock) : uv_strerror(status));
@@ -546,8 +555,15 @@ static void sock_connected(net_sock_t *s, int status)
     }
     c->connected = true;
     c->phase = UC_HEAD;
-    uconn_arm(c, c->up->o.first_byte_timeout_ms);
     net_sock_read_start(&c->sock);
+    if (c->req && c->req->cb.on_connected) {
+        /* Held: no timer (the caller bounds the wait), nothing sent until released. */
+        c->held = true;
+        uv_timer_stop(&c->timer);
+        c->req->cb.on_connected(&c->req->pub); /* may release or cancel: c is not used after */
+        return;
+    }
+    uconn_arm(c, c->up->o.first_byte_timeout_ms);
     if (c->outq.len) {
         uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
         int r = net_sock_write(&c->sock, &b, 1);
@@ -664,7 +680,9 @@ static void deferred_fail_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
     uconn_fail(c, c->deferred_err,
-               c->deferred_err == NET_UP_CONNECT ? "connect failed" : "pooled connection failed");
+               c->deferred_err == NET_UP_CONNECT ? "connect failed"
+               : c->deferred_err == NET_UP_SEND  ? "write failed"
+                                                 : "pooled connection failed");
 }
 
 net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
@@ -735,7 +753,7 @@ int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
     uconn_t *c = cimpl(r)->c;
     if (c == NULL || c->phase == UC_CLOSED)
         return -1;
-    if (c->phase == UC_CONNECTING) {
+    if (c->phase == UC_CONNECTING || c->held) {
         for (unsigned i = 0; i < nbufs; i++)
             dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
         return 0;
@@ -775,6 +793,24 @@ void net_creq_resume(net_creq_t *r)
     uv_update_time(c->up->loop);
     c->last_read = uv_now(c->up->loop);
     net_sock_read_start(&c->sock);
+}
+
+void net_creq_release(net_creq_t *r)
+{
+    uconn_t *c = cimpl(r)->c;
+    if (c == NULL || !c->held || c->phase == UC_CLOSED)
+        return;
+    c->held = false;
+    uconn_arm(c, c->up->o.first_byte_timeout_ms);
+    if (c->outq.len) {
+        uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
+        int rc = net_sock_write(&c->sock, &b, 1);
+        dp_buf_free(&c->outq);
+        if (rc != 0) {
+            c->deferred_err = NET_UP_SEND;
+            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+        }
+    }
 }
 
 void net_creq_cancel(net_creq_t *r)

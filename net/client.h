@@ -59,6 +59,10 @@ typedef struct {
     void (*on_done)(net_creq_t *r, net_up_err_t err, const char *detail);
     /* Request bytes queued toward the upstream fell below the low-water mark. */
     void (*on_drain)(net_creq_t *r);
+    /* Optional. When set and the exchange opens a new connection, the connection is held once
+     * established: nothing is sent (request bytes wait) until net_creq_release, and this is
+     * called (it may release or cancel r at once). A pooled connection is never held. */
+    void (*on_connected)(net_creq_t *r);
 } net_creq_cb_t;
 
 struct net_creq_s {
@@ -99,6 +103,9 @@ void net_creq_pause(net_creq_t *r);
 void net_creq_resume(net_creq_t *r);
 /* Abort: close the connection at once, no further callbacks. */
 void net_creq_cancel(net_creq_t *r);
+/* Send what a held exchange (net_creq_cb_t.on_connected) has waiting, and what follows; a no-op
+ * for one not held. A failure is reported through on_done, from the loop. */
+void net_creq_release(net_creq_t *r);
 size_t net_client_creq_pending(const net_creq_t *r);
 bool net_creq_over(const net_creq_t *r);
 

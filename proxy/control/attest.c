@@ -654,7 +654,7 @@ static void check_start(att_t *a)
     uint64_t now_ms = uv_now(a->px->loop);
     a->hold_check = held && a->periodic_ms != 0 && now_ms < a->periodic_ms;
     /* Cleared before the number is drawn: a request that still saw it set drew its own number
-     * first, so this check is one it waits for (px_event_new_connection). */
+     * first, so this check is one it waits for (px_event_connection_checked). */
     atomic_store(&r->conn_wanted, false);
     /* Every check goes over a new connection: a pooled one may still reach an engine a
      * balancer has since switched away from, and the checks that clients' new connections

@@ -103,22 +103,23 @@ void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)
     net_upstream_on_idle_close(u, idle_closed, r);
 }
 
-bool px_event_new_connection(px_t *px, px_replica_t *r, net_upstream_t *u, uint64_t *want)
+bool px_event_pooled_ok(const px_replica_t *r, net_upstream_t *u)
 {
-    if (u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0) {
-        *want = 0; /* a new connection later is a new need */
+    return u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0;
+}
+
+bool px_event_connection_checked(px_t *px, px_replica_t *r, uint64_t *want)
+{
+    if (r->attest.source == CFG_ATTEST_NONE)
         return true;
-    }
     if (*want == 0)
         *want = atomic_load(&r->check_begun) + 1;
     /* A close seen since (a hold) is decided by a check begun after it, not before. */
     uint64_t need = atomic_load(&r->hold_after) + 1;
     if (need < *want)
         need = *want;
-    if (atomic_load(&r->check_settled) >= need) {
-        *want = 0; /* spent on this connection: the next one asks again */
+    if (atomic_load(&r->check_settled) >= need)
         return true;
-    }
     /* Asked for once until a check begins (control/attest.c clears the flag first, so a
      * request that saw it set numbered its wait before that check did); not at all once the
      * check it waits for has begun (every check begun is settled, and the settle wakes it). */

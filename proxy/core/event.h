@@ -13,11 +13,11 @@ typedef enum {
      * may have restarted as something else. It takes no new requests (they queue) until a
      * check that began after this has said what it is (px_replica_t.unverified). */
     PX_EVENT_PEER_CLOSED,
-    /* A request needs a new connection to the replica (none pooled is free): the engine that
+    /* A new connection to the replica is established, nothing sent on it yet: the engine that
      * answers it may have replaced the one attested (a restart, a switch behind a balancer).
-     * That request waits for a check begun after it asked (px_event_new_connection); the
-     * replica is not held, since requests over the pooled connections meet the engine that was
-     * attested when those were opened. */
+     * Its request waits for a check begun after that (px_event_connection_checked); the
+     * replica is not held, since requests over the pooled connections meet the engine that
+     * was attested when those were let through. */
     PX_EVENT_NEW_CONNECTION,
     /* A response carried another engine fingerprint than the one attested. */
     PX_EVENT_FINGERPRINT,
@@ -51,13 +51,18 @@ bool px_event_err_holds(int net_up_err);
  * each start the next check, for ever. */
 struct net_upstream_s;
 void px_event_watch_closes(px_replica_t *r, struct net_upstream_s *u);
-/* May a request be sent to r over u, this thread's pool of connections to r, now? Yes when a
- * pooled connection is free (every one was opened under the rule below), or r is not attested
- * at all. Else it needs a new connection: only once a check of r begun after the request
- * needed it, and after any close that held r since, has its verdict (*want, the request's, 0
- * at first, records which; spent when this says yes). Until then false, with that check asked
- * for (PX_EVENT_NEW_CONNECTION); the workers are woken when it has its verdict. Requests that
- * need connections at once share one check. */
-bool px_event_new_connection(px_t *px, px_replica_t *r, struct net_upstream_s *u, uint64_t *want);
+/* May a request be sent to r over u, this thread's pool of connections to r, as it is? Yes
+ * when a pooled connection is free (every one was opened under the rule below), or r is not
+ * attested at all. Else the request needs a new connection. */
+bool px_event_pooled_ok(const px_replica_t *r, struct net_upstream_s *u);
+/* A new connection to r has been established (held: nothing sent on it yet). May the request
+ * be sent on it? Only once a check of r begun after the connection was established, and after
+ * any close that held r since, has its verdict (*want records which: 0 before the first call,
+ * which must come after the connect). Until then false, with that check asked for
+ * (PX_EVENT_NEW_CONNECTION); the workers are woken when it has its verdict. Requests whose
+ * connections came up at once share one check. An engine switched in before the connection
+ * was established is the one the check meets (unless the switch is undone while it runs); one
+ * switched in after meets the check, and the connection stays with the engine it reached. */
+bool px_event_connection_checked(px_t *px, px_replica_t *r, uint64_t *want);
 
 #endif

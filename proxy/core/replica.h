@@ -101,11 +101,11 @@ struct px_replica_s {
      * serving, but takes no new client requests or copies (they queue, and routing counts it
      * full) until a check begun after that has its verdict (control/attest.c settle). */
     atomic_bool unverified;
-    /* New connections: a request that needs one to r (none pooled is free) waits for a check
-     * begun after it did (px_event_new_connection): nothing says the engine that answers a new
-     * connection is the one attested. check_begun numbers r's checks as they start and
-     * check_settled is the number of the latest one with a verdict (the control thread writes
-     * both). */
+    /* New connections: one opened to r (none pooled is free) carries nothing until a check
+     * begun after it was established has its verdict (px_event_connection_checked): nothing
+     * says the engine that answers a new connection is the one attested. check_begun numbers r's
+     * checks as they start and check_settled is the number of the latest one with a verdict (the
+     * control thread writes both). */
     atomic_uint_fast64_t check_begun, check_settled;
     /* The hold lifts with the verdict of a check numbered above this (the latest check begun
      * when a thread last held the replica: core/event.c). */

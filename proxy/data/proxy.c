@@ -81,10 +81,11 @@ struct px_preq_s {
     uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
-    /* A new connection to want_r (compared, never followed) waits for check `want` of it
-     * (px_event_new_connection); meanwhile the request holds its slot on this worker's list. */
-    const px_replica_t *want_r;
+    /* A new connection, once established and before anything is sent on it, waits for check
+     * `want` of its replica (px_event_connection_checked); meanwhile the request holds its slot
+     * and the connection, on this worker's list. */
     uint64_t want;
+    bool conn_held;
     struct px_preq_s *cw_next, *cw_prev;
     bool cw_listed;
     uint64_t cw_since_ms;
@@ -332,7 +333,6 @@ static void slot_release(px_preq_t *q)
     if (r == NULL)
         return;
     q->replica = NULL;
-    q->want_r = NULL; /* routed again: its next need of a connection is a new one */
     px_replica_put_slot(r);
     px_replica_unref(r);
     px_admission_slot_freed(q->pool);
@@ -458,7 +458,12 @@ static void up_on_body(net_creq_t *c, const char *p, size_t n);
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
 static void up_on_drain(net_creq_t *c);
 
-static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain};
+static void up_on_connected(net_creq_t *c);
+
+static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain, NULL};
+/* A new connection to an attested replica: held once established, until its check. */
+static const net_creq_cb_t up_cb_held = {up_on_head, up_on_body, up_on_done, up_on_drain,
+                                         up_on_connected};
 
 /* Send the request to q->replica, whose slot q holds. */
 static void send_upstream(px_preq_t *q)
@@ -480,16 +485,41 @@ static void send_upstream(px_preq_t *q)
     if (np == 0 && q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
     q->up = net_creq_start(px_worker_upstream(r, q->gen), bufs, nb, q->stream_body,
-                           q->req->method == 2 /* HEAD */, &up_cb, q);
-    if (q->stream_body)
+                           q->req->method == 2 /* HEAD */, q->conn_held ? &up_cb_held : &up_cb, q);
+    if (q->stream_body && !q->conn_held)
         net_req_resume_body(q->req);
 }
 
-/* q holds a slot on q->replica (and a reference): send it there. */
+/* q holds a slot on q->replica (and a reference): send it there (over a held new connection,
+ * px_event_pooled_ok false: it is dispatched once its check lets it go). */
 static void started(px_preq_t *q)
 {
     send_upstream(q);
+    if (!q->conn_held)
+        px_hooks_dispatched(&q->hooks, q->px, q->pool, q->replica, q->req, q->body.base,
+                            q->body.len);
+}
+
+/* Its check let a held request go: what waits on its connection is sent. */
+static void conn_release(px_preq_t *q)
+{
+    q->conn_held = false;
+    net_creq_release(q->up);
+    if (q->stream_body)
+        net_req_resume_body(q->req);
     px_hooks_dispatched(&q->hooks, q->px, q->pool, q->replica, q->req, q->body.base, q->body.len);
+}
+
+/* A held request that will not be sent where it waited: its connection is closed unused. */
+static void conn_drop(px_preq_t *q)
+{
+    if (q->up) {
+        net_creq_cancel(q->up);
+        q->up = NULL;
+    }
+    if (q->conn_held && q->replica)
+        atomic_fetch_sub_explicit(&q->replica->requests, 1, memory_order_relaxed);
+    q->conn_held = false;
 }
 
 /* r's slot is taken (px_router_pick): q holds it from here. */
@@ -554,16 +584,6 @@ static void cwait_remove(px_preq_t *q)
         uv_timer_stop(t);
 }
 
-/* May q go to r now, as far as identity goes? */
-static bool may_connect(px_preq_t *q, px_replica_t *r)
-{
-    if (q->want_r != r) {
-        q->want_r = r;
-        q->want = 0;
-    }
-    return px_event_new_connection(q->px, r, px_worker_upstream(r, q->gen), &q->want);
-}
-
 static void dispatch(px_preq_t *q);
 
 /* One waiting request whose wait is over: its check let it through (sent), its replica left
@@ -573,20 +593,23 @@ static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
     px_replica_t *r = q->replica;
     if (!px_replica_serving(r)) {
         cwait_remove(q);
+        conn_drop(q);
         slot_release(q);
         dispatch(q);
-    } else if (may_connect(q, r)) {
+    } else if (px_event_connection_checked(q->px, r, &q->want)) {
         cwait_remove(q);
         /* The verdict it waited for may have taken r out of service: the state is written
          * before the check is settled, so it is read again after. */
         if (px_replica_serving(r)) {
-            started(q);
+            conn_release(q);
         } else {
+            conn_drop(q);
             slot_release(q);
             dispatch(q);
         }
     } else if (now_ms >= q->cw_since_ms + q->pool->cfg->queue_timeout_ms) {
         cwait_remove(q);
+        conn_drop(q);
         slot_release(q);
         fail_client(q, 504, "queue_timeout", NULL,
                     "timed out waiting for the replica's check before a new connection to it");
@@ -595,6 +618,17 @@ static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
         return false;
     }
     return true;
+}
+
+/* A held new connection is up: it waits for a check begun from now on. */
+static void up_on_connected(net_creq_t *c)
+{
+    px_preq_t *q = c->data;
+    q->want = 0;
+    cwait_push(q);
+    /* A verdict that came between the look above and the push woke no one (settle() saw no
+     * waiter): the first look is made now that the wait is counted. */
+    cwait_settle(q, dp_now_ns() / 1000000u);
 }
 
 /* A verdict came (or another wake-up): look at this worker's waiting requests. Each one
@@ -628,23 +662,16 @@ static void dispatch(px_preq_t *q)
     q->replica = NULL;
     if (r == NULL)
         r = px_router_pick(q->pool, q->failed, &q->hooks.affinity, &why);
-    if (r && may_connect(q, r)) {
-        start_on(q, r);
-        return;
-    }
-    /* A new connection to r waits for a check of r begun from now on (requests over r's pooled
-     * connections go on meanwhile): the request keeps its slot on r and waits on this worker's
-     * list, so that a replica gets its first connection rather than lose every request to
-     * replicas already connected. */
+    /* A new connection to an attested r is opened at once and held: nothing is sent on it
+     * until a check of r begun after it was established has its verdict (up_on_connected;
+     * requests over r's pooled connections go on meanwhile). The request keeps its slot on r,
+     * so that a replica gets its first connection rather than lose every request to replicas
+     * already connected. */
     if (r) {
-        px_replica_ref(r);
-        q->replica = r;
-        if (q->stream_body)
+        q->conn_held = !px_event_pooled_ok(r, px_worker_upstream(r, q->gen));
+        if (q->conn_held && q->stream_body)
             net_req_pause_body(q->req);
-        cwait_push(q);
-        /* A verdict that came between the look above and the push woke no one (settle() saw
-         * no waiter): look once more now that the wait is counted. */
-        cwait_settle(q, dp_now_ns() / 1000000u);
+        start_on(q, r);
         return;
     }
     if (why == 0) {
@@ -926,6 +953,11 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     q->up = NULL;
     q->up_end_ns = dp_now_ns();
     px_replica_t *r = q->replica;
+    /* A held connection failed (connect, or closed before anything was sent): the request
+     * leaves the wait list and follows the rules for a request that never left. */
+    if (q->cw_listed)
+        cwait_remove(q);
+    q->conn_held = false;
     if (err == NET_UP_OK) {
         if (q->req && q->held_status) {
             prepare_held(q);

@@ -446,10 +446,12 @@ def test_a_blue_green_switch_never_serves_from_the_new_engine():
 
 class GatedAgent:
     """The replica's agent behind a gate: GET /attestation is passed to the sim's own once the
-    gate is open, and `asked` counts the reads that arrived."""
+    gate is open (fetch_first: at once, and only its answer waits for the gate), and `asked`
+    counts the reads that arrived."""
 
-    def __init__(self, sim_port):
+    def __init__(self, sim_port, fetch_first=False):
         self.sim_port = sim_port
+        self.fetch_first = fetch_first
         self.gate = threading.Event()
         self.gate.set()
         self.asked = 0
@@ -469,9 +471,10 @@ class GatedAgent:
                     return
                 head += d
             target = head.split(b" ")[1].decode()
+            r = http("GET", self.sim_port, target) if self.fetch_first else None
             self.asked += 1
             self.gate.wait(30)
-            r = http("GET", self.sim_port, target)
+            r = r or http("GET", self.sim_port, target)
             body = r.body
             c.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (r.status, len(body))
@@ -518,6 +521,46 @@ def test_a_check_for_a_new_connection_holds_back_only_the_request_that_needs_it(
     assert took < 2.0 * SLOW, took
     assert sim_stats(a)["requests"] == 4
     px.stop()
+    agent.close()
+
+
+def test_a_switch_while_the_check_runs_never_serves_from_the_new_engine():
+    """A balancer switches to another engine while a new connection's check waits for the
+    agent, which has already read the old engine. Connections opened before the switch reach
+    the old engine, which that check attested; connections opened after it reach the new one
+    and wait for a check begun after them, which rejects the replica. Nothing is sent to the
+    new engine (the check comes after the connection, not before it)."""
+    key, pub = keygen("pipeline")
+    a, b = sim(key=key), sim(OTHER, "awq", key)
+    front = NatFront(a.port, keep_old=True)
+    agent = GatedAgent(front.port, fetch_first=True)
+    p = pool("p", [MODEL], [a], manifest=manifest(), queue_timeout_ms=5000)
+    p["replicas"][0]["url"] = "http://127.0.0.1:%d" % front.port
+    p["replicas"][0]["attest"] = {"source": "agent",
+                                  "url": "http://127.0.0.1:%d/attestation" % agent.port}
+    px = start_proxy(pools=[p], attestation=attestation(interval=60000, timeout=10000,
+                                                         keys=[pub]), workers=2)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    assert post_json(px.port, "/v1/completions", body).status == 200
+    agent.gate.clear()
+    asked = agent.asked
+    with ThreadPoolExecutor(8) as ex:
+        burst = [ex.submit(post_json, px.port, "/v1/completions", dict(body, prompt="b%d" % i))
+                 for i in range(8)]
+        poll_until(lambda: agent.asked > asked, what="a new connection's check at the agent")
+        front.switch(b.port)  # the agent has read the old engine already
+        time.sleep(0.05)
+        after = [ex.submit(post_json, px.port, "/v1/completions", dict(body, prompt="c%d" % i))
+                 for i in range(8)]
+        agent.gate.set()
+        codes = [f.result().status for f in burst + after]
+    poll_until(lambda: post_json(px.port, "/v1/completions", body).status != 200 and
+               state(px, "r1") == "rejected", what="r1 rejected as the new engine")
+    print("    answers: %s; old engine %d, new engine %d requests"
+          % (sorted(codes), sim_stats(a)["requests"], sim_stats(b)["requests"]))
+    assert sim_stats(b)["requests"] == 0, codes
+    px.stop()
+    front.close()
     agent.close()
 
 

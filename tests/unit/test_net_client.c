@@ -61,7 +61,7 @@ static void x_drain(net_creq_t *r)
     ((ex_t *)r->data)->drains++;
 }
 
-static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain};
+static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain, NULL};
 
 static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
 {
@@ -602,4 +602,87 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     cr_assert_not(net_creq_over(x.r));
     net_creq_cancel(x.r);
     x_free(&x);
+}
+
+/* ---- held new connections (net_creq_cb_t.on_connected, net_creq_release) ------------------ */
+
+static int g_connected;
+static bool g_release_at_once;
+
+static void x_connected(net_creq_t *r)
+{
+    g_connected++;
+    if (g_release_at_once)
+        net_creq_release(r);
+}
+
+static const net_creq_cb_t x_held_cb = {x_head, x_body, x_done, x_drain, x_connected};
+
+/* A server answering 200, for exchanges over held new connections. */
+static void held_peer(bool release_at_once)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(NULL);
+    g_connected = 0;
+    g_release_at_once = release_at_once;
+}
+
+static void x_start_held(ex_t *x)
+{
+    memset(x, 0, sizeof(*x));
+    static const char req[] = "GET / HTTP/1.1\r\nhost: x\r\n\r\n";
+    uv_buf_t b = uv_buf_init((char *)req, sizeof(req) - 1);
+    x->r = net_creq_start(g_up, &b, 1, false, false, &x_held_cb, x);
+    cr_assert_not_null(x->r);
+}
+
+Test(net_client, a_held_connection_sends_nothing_until_released)
+{
+    held_peer(false);
+    ex_t a;
+    x_start_held(&a);
+    RUN_UNTIL(g_connected == 1);
+    /* Connected and held: a few more loop passes, and still nothing reached the server. */
+    for (int i = 0; i < 20; i++)
+        uv_run(&g_loop, UV_RUN_NOWAIT);
+    cr_assert_eq(g_peer.nconns, 1);
+    cr_assert_eq(g_peer.requests, 0, "a held connection sent its request");
+    cr_assert(!a.done);
+    net_creq_release(a.r);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(g_peer.requests, 1);
+    cr_assert_eq(a.status, 200);
+    /* Pooled like any other once its exchange ended; reused without being held. */
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    ex_t b;
+    x_start_held(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(b.reused);
+    cr_assert_eq(g_connected, 1, "a pooled connection was held");
+    x_free(&a);
+    x_free(&b);
+}
+
+Test(net_client, a_held_connection_the_server_closes_fails_as_never_sent)
+{
+    held_peer(false);
+    ex_t a;
+    x_start_held(&a);
+    RUN_UNTIL(g_connected == 1 && g_peer.nconns == 1);
+    peer_conn_close(g_peer.conns[0]);
+    x_expect(&a, NET_UP_SEND);
+    cr_assert(net_up_err_retryable(a.err), "a request that never left is retryable");
+    cr_assert_eq(g_peer.requests, 0);
+    x_free(&a);
+}
+
+Test(net_client, a_connection_released_in_its_callback_goes_on_at_once)
+{
+    held_peer(true);
+    ex_t a;
+    x_start_held(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(g_connected, 1);
+    cr_assert_eq(a.status, 200);
+    x_free(&a);
 }
