@@ -472,8 +472,8 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
 static void sock_read(net_sock_t *s, const char *p, size_t n)
 {
     uconn_t *c = s->owner;
-    if (c->held) {
-        uconn_fail(c, NET_UP_PROTOCOL, "the upstream spoke before the request was sent");
+    if (c->held) { /* nothing of ours left: the request is as good as never sent */
+        uconn_fail(c, NET_UP_SEND, "the upstream spoke before the request was sent");
         return;
     }
     if (c->req && !c->req->pub.response_started) {

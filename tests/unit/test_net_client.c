@@ -686,3 +686,17 @@ Test(net_client, a_connection_released_in_its_callback_goes_on_at_once)
     cr_assert_eq(a.status, 200);
     x_free(&a);
 }
+
+Test(net_client, a_held_connection_the_server_speaks_on_first_fails_as_never_sent)
+{
+    held_peer(false);
+    ex_t a;
+    x_start_held(&a);
+    RUN_UNTIL(g_connected == 1 && g_peer.nconns == 1);
+    peer_writes(g_peer.conns[0], "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno");
+    x_expect(&a, NET_UP_SEND);
+    cr_assert_eq(a.heads, 0, "unrequested bytes were taken for the response");
+    cr_assert(net_up_err_retryable(a.err));
+    cr_assert_eq(g_peer.requests, 0);
+    x_free(&a);
+}
