@@ -543,6 +543,18 @@ static void sock_drain(net_sock_t *s)
         c->req->cb.on_drain(&c->req->pub);
 }
 
+/* The request bytes that waited for the connection (or its release) go out: 0, or the write's
+ * error. */
+static int outq_send(uconn_t *c)
+{
+    if (c->outq.len == 0)
+        return 0;
+    uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
+    int r = net_sock_write(&c->sock, &b, 1);
+    dp_buf_free(&c->outq);
+    return r;
+}
+
 static void sock_connected(net_sock_t *s, int status)
 {
     uconn_t *c = s->owner;
@@ -564,13 +576,9 @@ static void sock_connected(net_sock_t *s, int status)
         return;
     }
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
-    if (c->outq.len) {
-        uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
-        int r = net_sock_write(&c->sock, &b, 1);
-        dp_buf_free(&c->outq);
-        if (r != 0)
-            uconn_fail(c, NET_UP_SEND, uv_strerror(r));
-    }
+    int r = outq_send(c);
+    if (r != 0)
+        uconn_fail(c, NET_UP_SEND, uv_strerror(r));
 }
 
 /* ---- public API ---------------------------------------------------------------------------- */
@@ -802,14 +810,9 @@ void net_creq_release(net_creq_t *r)
         return;
     c->held = false;
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
-    if (c->outq.len) {
-        uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
-        int rc = net_sock_write(&c->sock, &b, 1);
-        dp_buf_free(&c->outq);
-        if (rc != 0) {
-            c->deferred_err = NET_UP_SEND;
-            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
-        }
+    if (outq_send(c) != 0) { /* reported from the loop, never inside the caller's call */
+        c->deferred_err = NET_UP_SEND;
+        uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
     }
 }
 

@@ -163,10 +163,16 @@ static void schedule(att_t *a, uint64_t ms)
 
 /* Check again as soon as allowed: at most every RECHECK_MIN_MS, so a replica that keeps
  * failing connections or flapping its fingerprint cannot drive a storm of checks. */
-static void recheck_after(att_t *a, uint64_t pace)
+/* How long until a check may start under this pace (ms since the last one began). */
+static uint64_t pace_left(const att_t *a, uint64_t pace)
 {
     uint64_t since = uv_now(a->px->loop) - a->last_check_ms;
-    schedule(a, since >= pace ? 0 : pace - since);
+    return since >= pace ? 0 : pace - since;
+}
+
+static void recheck_after(att_t *a, uint64_t pace)
+{
+    schedule(a, pace_left(a, pace));
 }
 
 static void recheck_soon(att_t *a)
@@ -300,8 +306,7 @@ static void check_end(att_t *a)
      * the pace allows. */
     if (a->wanted_after) {
         a->wanted_after = false;
-        uint64_t since = now - a->last_check_ms;
-        uint64_t pace = since >= HOLD_RECHECK_MIN_MS ? 0 : HOLD_RECHECK_MIN_MS - since;
+        uint64_t pace = pace_left(a, HOLD_RECHECK_MIN_MS);
         if (next > pace)
             next = pace;
     }

@@ -591,22 +591,22 @@ static void dispatch(px_preq_t *q);
 static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
 {
     px_replica_t *r = q->replica;
-    if (!px_replica_serving(r)) {
+    bool serving = px_replica_serving(r);
+    if (serving && px_event_connection_checked(q->px, r, &q->want)) {
+        /* The verdict it waited for may have taken r out of service: the state is written
+         * before the check is settled, so it is read again after. */
+        serving = px_replica_serving(r);
+        if (serving) {
+            cwait_remove(q);
+            conn_release(q);
+            return true;
+        }
+    }
+    if (!serving) {
         cwait_remove(q);
         conn_drop(q);
         slot_release(q);
         dispatch(q);
-    } else if (px_event_connection_checked(q->px, r, &q->want)) {
-        cwait_remove(q);
-        /* The verdict it waited for may have taken r out of service: the state is written
-         * before the check is settled, so it is read again after. */
-        if (px_replica_serving(r)) {
-            conn_release(q);
-        } else {
-            conn_drop(q);
-            slot_release(q);
-            dispatch(q);
-        }
     } else if (now_ms >= q->cw_since_ms + q->pool->cfg->queue_timeout_ms) {
         cwait_remove(q);
         conn_drop(q);
