@@ -4,7 +4,9 @@
  *
  * Build (Release flags matter):
  *   cc -O2 -I. bench/policy_bench.c build/release/policy/libdp_policy.a \
- *      build/release/common/libdp_common.a -lssl -lcrypto -lm -o policy_bench
+ *      build/release/config/libdp_config.a build/release/common/libdp_common.a -lcjson -lssl \
+ *      -lcrypto -lm -o policy_bench
+ * Run: policy_bench [ITERS [BODY_FILE]] (BODY_FILE: e.g. bench/gen_prompt.py's long prompt)
  * or in CMake: add_executable(policy_bench bench/policy_bench.c)
  *              target_link_libraries(policy_bench PRIVATE dp_policy) */
 #include <stdio.h>
@@ -60,32 +62,35 @@ static const char sse_event[] =
     "\"choices\":[{\"index\":0,\"delta\":{\"content\":\" compliance\"},\"logprobs\":null,"
     "\"finish_reason\":null}]}\n\n";
 
+static const char *g_body = chat_body;
+static size_t g_body_len = sizeof(chat_body) - 1;
+
 static void bench_apply(const char *label, const cfg_tenant_t *t, const char *fw, int iters)
 {
     policy_req_t *r = policy_req_new();
     policy_result_t res;
     policy_error_t err;
-    size_t len = strlen(chat_body);
+    size_t len = g_body_len;
     unsigned long long sink = 0;
     for (int i = 0; i < 1000; i++) { /* warm the buffers */
-        policy_parse(r, POLICY_ROUTE_CHAT, chat_body, len, &err);
+        policy_parse(r, POLICY_ROUTE_CHAT, g_body, len, &err);
         policy_apply(r, t, fw, &res, &err);
     }
     double dt = 1e30;
     for (int round = 0; round < ROUNDS; round++) {
         double t0 = now_ns();
         for (int i = 0; i < iters; i++) {
-            if (policy_parse(r, POLICY_ROUTE_CHAT, chat_body, len, &err) < 0 ||
+            if (policy_parse(r, POLICY_ROUTE_CHAT, g_body, len, &err) < 0 ||
                 policy_apply(r, t, fw, &res, &err) < 0) {
                 fprintf(stderr, "%s: %s\n", label, err.message);
                 exit(1);
             }
-            sink += res.body.len + res.seed;
+            sink += res.body_len + res.seed;
         }
         double x = (now_ns() - t0) / iters;
         dt = x < dt ? x : dt;
     }
-    printf("%-44s %8.0f ns/req  (%zu B in, %zu B out, %s)  [%llu]\n", label, dt, len, res.body.len,
+    printf("%-44s %8.0f ns/req  (%zu B in, %zu B out, %s)  [%llu]\n", label, dt, len, res.body_len,
            res.rewritten ? "rewritten" : "unchanged", sink % 10);
     policy_req_free(r);
 }
@@ -93,6 +98,16 @@ static void bench_apply(const char *label, const cfg_tenant_t *t, const char *fw
 int main(int argc, char **argv)
 {
     int iters = argc > 1 ? atoi(argv[1]) : 200000;
+    if (argc > 2) { /* a request body from a file, e.g. bench/gen_prompt.py's long prompt */
+        FILE *f = fopen(argv[2], "rb");
+        static char big[8 << 20];
+        if (!f || (g_body_len = fread(big, 1, sizeof(big), f)) == 0) {
+            fprintf(stderr, "policy_bench: cannot read %s\n", argv[2]);
+            return 1;
+        }
+        fclose(f);
+        g_body = big;
+    }
 
     cfg_tenant_t none, bank, dflt;
     memset(&none, 0, sizeof(none));
@@ -109,7 +124,7 @@ int main(int argc, char **argv)
     dflt.rules[CFG_PARAM_SEED] = (cfg_rule_t){.derive = true};
 
     printf("policy_bench: best of %d rounds of %d iterations, chat body %zu bytes\n", ROUNDS, iters,
-           strlen(chat_body));
+           g_body_len);
     bench_apply("parse+apply, no rules (original bytes)", &none, NULL, iters);
     bench_apply("parse+apply+serialise, bank (force x3)", &bank, NULL, iters);
     bench_apply("parse+apply+serialise, bank on vllm", &bank, "vllm", iters);

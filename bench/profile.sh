@@ -47,7 +47,11 @@ import socket
 ss=[socket.socket() for _ in range(6)]
 [s.bind(("127.0.0.1",0)) for s in ss]
 print(" ".join(str(s.getsockname()[1]) for s in ss))')"
-BODY=bench/chat_1k.json
+# PROFILE_BODY: the request body (default the 1 KB chat POST; bench/gen_prompt.py writes the
+# long prompt), PROFILE_CONNS: wrk's connections, PROFILE_SEED=force: a forced seed instead of
+# a derived one (no canonical form hashed).
+BODY=${PROFILE_BODY:-bench/chat_1k.json}
+CONNS=${PROFILE_CONNS:-32}
 URL_PATH=/v1/chat/completions
 
 taskset -c "$LCPU" "$UP" --listen "127.0.0.1:$P_UP" 2>"$work/up.log" &
@@ -56,6 +60,10 @@ reps="{\"name\": \"u1\", \"url\": \"http://127.0.0.1:$P_UP\", \"attest\": {\"sou
 sed -e "s#@PORT@#$P_DP#; s#@ADMIN_PORT@#$P_DPA#; s#@SHADOW_RATE@#0.0#; s#@REPLICAS@#$reps#" \
   -e "s#@TLS@##; s#@WORKERS@##; s#@ATTEST_MS@#10000#; s#@SELF_RATE@#0.0#" \
   bench/configs/detproxy.json.in >"$work/dp.json"
+if [ "${PROFILE_SEED:-derive}" = force ]; then
+  sed -i 's#"seed": { "derive": true }#"seed": { "force": 42 }#' "$work/dp.json"
+  grep -q '"force": 42' "$work/dp.json" || die "could not make the forced-seed config"
+fi
 
 wait_ready() { # PID
   local i
@@ -84,14 +92,14 @@ part() {
 
 # ---- perf ---------------------------------------------------------------------------------------
 if part perf; then
-log "perf: wrk -c32 8 s, sampling detproxy for 5 s"
+log "perf: wrk -c$CONNS 8 s, sampling detproxy for 5 s"
 taskset -c "$PCPU" "$DP" run -c "$work/dp.json" 2>"$work/dp.log" &
 dp=$!
 pids+=($dp)
 wait_ready $dp
-BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c32 -d1s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >/dev/null
+BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c"$CONNS" -d1s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >/dev/null
 c0=$(ticks $dp)
-BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c32 -d8s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >"$work/wrk.out" &
+BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c"$CONNS" -d8s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >"$work/wrk.out" &
 wp=$!
 sleep 1.5
 perf record -e cpu-clock -F 999 --call-graph dwarf,16384 -p $dp -o "$work/perf.data" -- sleep 5 \
@@ -100,7 +108,7 @@ wait $wp
 c1=$(ticks $dp)
 n=$(grep WRKJSON "$work/wrk.out" | wrk_reqs)
 {
-  echo "# perf record -e cpu-clock -F 999 --call-graph dwarf, detproxy under wrk -t1 -c32 (1 KB chat POST)"
+  echo "# perf record -e cpu-clock -F 999 --call-graph dwarf, detproxy under wrk -t1 -c$CONNS ($(stat -c %s "$BODY")-byte chat POST)"
   echo "# wrk: $(grep WRKJSON "$work/wrk.out")"
   echo "# detproxy CPU over the 8 s run: $(awk "BEGIN{printf \"%.1f\", ($c1-$c0)/$HZ*1e6/$n}") us/request ($n requests)"
   echo
@@ -128,15 +136,15 @@ MALLOC_COUNT_FILE="$work/mc.txt" LD_PRELOAD="$MCOUNT" taskset -c "$PCPU" "$DP" r
 dp=$!
 pids+=($dp)
 wait_ready $dp
-BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c32 -d1s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >/dev/null
+BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c"$CONNS" -d1s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >/dev/null
 sleep 0.3
 cp "$work/mc.txt" "$work/mc0.txt"
-BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c32 -d5s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >"$work/wrk.out"
+BENCH_BODY=$BODY taskset -c "$LCPU" wrk -t1 -c"$CONNS" -d5s -s bench/post.lua "http://127.0.0.1:$P_DP$URL_PATH" >"$work/wrk.out"
 sleep 0.3
 cp "$work/mc.txt" "$work/mc1.txt"
 n=$(grep WRKJSON "$work/wrk.out" | wrk_reqs)
 {
-  echo "# allocation calls per request (LD_PRELOAD bench/malloc_count.c), $n requests, wrk -c32"
+  echo "# allocation calls per request (LD_PRELOAD bench/malloc_count.c), $n requests, wrk -c$CONNS"
   join "$work/mc0.txt" "$work/mc1.txt" | awk -v n="$n" '{printf "%-9s %10.2f per request\n", $1, ($3-$2)/n}'
   echo
 } >"$OUT/allocs.txt"

@@ -20,6 +20,14 @@ static const uint8_t str_special[256] = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
 };
 
+/* The same for a document already known to be valid UTF-8 (utf8_valid_avx2): non-ASCII bytes
+ * are plain text, only controls, '"' and '\\' end a run. */
+static const uint8_t str_special_utf8ok[256] = {
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0,
+};
+
 void jdoc_init(jdoc_t *d)
 {
     memset(d, 0, sizeof(*d));
@@ -162,6 +170,131 @@ __attribute__((target("avx2"))) static inline size_t plain_run_avx2(const unsign
     }
     return plain_run_sse2(p, i, n);
 }
+/* As plain_run_avx2 for a document already validated as UTF-8: an unsigned compare, so
+ * non-ASCII bytes stay in the run. */
+__attribute__((target("avx2"))) static inline size_t plain_run_avx2_utf8ok(const unsigned char *p,
+                                                                           size_t i, size_t n)
+{
+    const __m256i q = _mm256_set1_epi8('"'), b = _mm256_set1_epi8('\\'), c = _mm256_set1_epi8(0x1f);
+    while (i + 32 <= n) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+        __m256i ctl = _mm256_cmpeq_epi8(_mm256_min_epu8(x, c), x); /* x <= 0x1f */
+        __m256i m =
+            _mm256_or_si256(_mm256_or_si256(_mm256_cmpeq_epi8(x, q), _mm256_cmpeq_epi8(x, b)), ctl);
+        unsigned mask = (unsigned)_mm256_movemask_epi8(m);
+        if (mask)
+            return i + (size_t)__builtin_ctz(mask);
+        i += 32;
+    }
+    return i;
+}
+
+/* UTF-8 validation 32 bytes at a time: the lookup method of Keiser and Lemire, "Validating
+ * UTF-8 In Less Than One Instruction Per Byte" (2021). Each byte is classified together with
+ * the byte before it by three 16-entry tables, indexed by the earlier byte's high and low
+ * nibble and this byte's high nibble; a bit set in all three names an error of that pair.
+ * The second and third continuations of 3- and 4-byte sequences are checked separately,
+ * from the bytes two and three before. */
+enum {
+    U8_TOO_SHORT = 1 << 0,      /* lead byte followed by ASCII or another lead */
+    U8_TOO_LONG = 1 << 1,       /* ASCII followed by a continuation */
+    U8_OVERLONG_3 = 1 << 2,     /* E0 80..9F */
+    U8_TOO_LARGE = 1 << 3,      /* F4 90..BF, F5..FF 90..BF: above U+10FFFF */
+    U8_SURROGATE = 1 << 4,      /* ED A0..BF */
+    U8_OVERLONG_2 = 1 << 5,     /* C0..C1 80..BF */
+    U8_TOO_LARGE_1000 = 1 << 6, /* F5..FF 80..8F */
+    U8_OVERLONG_4 = 1 << 6,     /* F0 80..8F (shares the bit: never confused, see byte_1_low) */
+    U8_TWO_CONTS = 1 << 7,      /* continuation followed by continuation */
+    U8_CARRY = U8_TOO_SHORT | U8_TOO_LONG | U8_TWO_CONTS,
+};
+
+#define U8_T16(...) _mm256_setr_epi8(__VA_ARGS__, __VA_ARGS__)
+/* The 32 bytes ending k before `in`'s first byte: the tail of prev, then in. */
+#define U8_PREV(in, prev, k)                                                                       \
+    _mm256_alignr_epi8((in), _mm256_permute2x128_si256((prev), (in), 0x21), 16 - (k))
+
+__attribute__((target("avx2"))) static inline __m256i u8_block(__m256i in, __m256i prev)
+{
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i byte_1_high = U8_T16(
+        U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG,
+        U8_TOO_LONG, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS,
+        U8_TOO_SHORT | U8_OVERLONG_2, U8_TOO_SHORT, U8_TOO_SHORT | U8_OVERLONG_3 | U8_SURROGATE,
+        (char)(U8_TOO_SHORT | U8_TOO_LARGE | U8_TOO_LARGE_1000 | U8_OVERLONG_4));
+    const __m256i byte_1_low =
+        U8_T16((char)(U8_CARRY | U8_OVERLONG_3 | U8_OVERLONG_2 | U8_OVERLONG_4),
+               (char)(U8_CARRY | U8_OVERLONG_2), (char)U8_CARRY, (char)U8_CARRY,
+               (char)(U8_CARRY | U8_TOO_LARGE), (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000 | U8_SURROGATE),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
+               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000));
+    const __m256i byte_2_high =
+        U8_T16(U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT,
+               U8_TOO_SHORT, U8_TOO_SHORT,
+               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_OVERLONG_3 |
+                      U8_TOO_LARGE_1000 | U8_OVERLONG_4),
+               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_OVERLONG_3 | U8_TOO_LARGE),
+               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_SURROGATE | U8_TOO_LARGE),
+               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_SURROGATE | U8_TOO_LARGE),
+               U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT);
+    __m256i prev1 = U8_PREV(in, prev, 1);
+    __m256i sc = _mm256_and_si256(
+        _mm256_and_si256(
+            _mm256_shuffle_epi8(byte_1_high, _mm256_and_si256(_mm256_srli_epi16(prev1, 4), lo4)),
+            _mm256_shuffle_epi8(byte_1_low, _mm256_and_si256(prev1, lo4))),
+        _mm256_shuffle_epi8(byte_2_high, _mm256_and_si256(_mm256_srli_epi16(in, 4), lo4)));
+    /* Bytes two after a 3- or 4-byte lead, or three after a 4-byte lead, must be
+     * continuations: exactly where TWO_CONTS may, and must, be set. */
+    __m256i third = _mm256_subs_epu8(U8_PREV(in, prev, 2), _mm256_set1_epi8(0xe0 - 0x80));
+    __m256i fourth = _mm256_subs_epu8(U8_PREV(in, prev, 3), _mm256_set1_epi8(0xf0 - 0x80));
+    __m256i must23 = _mm256_and_si256(_mm256_or_si256(third, fourth), _mm256_set1_epi8((char)0x80));
+    return _mm256_xor_si256(must23, sc);
+}
+
+/* Nonzero where a sequence begun in the last three bytes of in needs bytes after them. */
+__attribute__((target("avx2"))) static inline __m256i u8_incomplete(__m256i in)
+{
+    const __m256i max = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         (char)(0xf0 - 1), (char)(0xe0 - 1), (char)(0xc0 - 1));
+    return _mm256_subs_epu8(in, max);
+}
+
+__attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char *p, size_t n)
+{
+    __m256i prev = _mm256_setzero_si256(), err = prev, incomplete = prev;
+    size_t i = 0;
+    for (;; i += 32) {
+        __m256i in;
+        bool last = i + 32 > n;
+        if (!last) {
+            in = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+        } else { /* the tail, padded with ASCII NULs: a sequence cut by the end is too short */
+            unsigned char tail[32] = {0};
+            memcpy(tail, p + i, n - i);
+            in = _mm256_loadu_si256((const __m256i *)(const void *)tail);
+        }
+        if (_mm256_movemask_epi8(in) == 0) {
+            err = _mm256_or_si256(err, incomplete);
+            incomplete = _mm256_setzero_si256();
+        } else {
+            err = _mm256_or_si256(err, u8_block(in, prev));
+            incomplete = u8_incomplete(in);
+        }
+        prev = in;
+        if (last)
+            return _mm256_testz_si256(err, err) != 0;
+    }
+}
+#undef U8_T16
+#undef U8_PREV
 #define JDOC_HAVE_X86 1
 #endif
 
@@ -190,16 +323,53 @@ int jdoc_simd_select(int max)
     return level;
 }
 
+/* The length of the well-formed multi-byte UTF-8 sequence at p (p[0] >= 0x80, avail bytes
+ * readable), or 0 when it is ill-formed or cut short (RFC 3629 table 3-7). */
+static inline size_t utf8_seq_len(const unsigned char *p, size_t avail)
+{
+    unsigned char c = p[0], lo = 0x80, hi = 0xBF;
+    size_t need;
+    if (c >= 0xC2 && c <= 0xDF) {
+        need = 1;
+    } else if (c == 0xE0) {
+        need = 2;
+        lo = 0xA0;
+    } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
+        need = 2;
+    } else if (c == 0xED) {
+        need = 2;
+        hi = 0x9F;
+    } else if (c == 0xF0) {
+        need = 3;
+        lo = 0x90;
+    } else if (c >= 0xF1 && c <= 0xF3) {
+        need = 3;
+    } else if (c == 0xF4) {
+        need = 3;
+        hi = 0x8F;
+    } else {
+        return 0;
+    }
+    if (avail <= need || p[1] < lo || p[1] > hi)
+        return 0;
+    for (size_t k = 2; k <= need; k++)
+        if ((p[k] & 0xC0) != 0x80)
+            return 0;
+    return need + 1;
+}
+
 /* Validate the string starting at the quote at *pos; leaves *pos after the closing quote. */
-static inline __attribute__((always_inline)) int
-scan_string_with(jdoc_t *d, size_t *pos, uint8_t *flags, const plain_run_fn run)
+static inline __attribute__((always_inline)) int scan_string_with(jdoc_t *d, size_t *pos,
+                                                                  uint8_t *flags,
+                                                                  const plain_run_fn run,
+                                                                  const uint8_t *special)
 {
     const unsigned char *p = (const unsigned char *)d->src;
     size_t n = d->srclen, i = *pos + 1;
     for (;;) {
         /* Plain ASCII runs are most of every prompt: 32, 16 or 8 bytes per step. */
         i = run(p, i, n);
-        while (i < n && !str_special[p[i]])
+        while (i < n && !special[p[i]])
             i++;
         if (i >= n)
             return fail(d, "unterminated string", *pos);
@@ -254,37 +424,10 @@ scan_string_with(jdoc_t *d, size_t *pos, uint8_t *flags, const plain_run_fn run)
         if (c < 0x20)
             return fail(d, "control character in string", i);
         /* Non-ASCII: one well-formed UTF-8 sequence (RFC 3629 table 3-7). */
-        size_t need;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) {
-            need = 1;
-        } else if (c == 0xE0) {
-            need = 2;
-            lo = 0xA0;
-        } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
-            need = 2;
-        } else if (c == 0xED) {
-            need = 2;
-            hi = 0x9F;
-        } else if (c == 0xF0) {
-            need = 3;
-            lo = 0x90;
-        } else if (c >= 0xF1 && c <= 0xF3) {
-            need = 3;
-        } else if (c == 0xF4) {
-            need = 3;
-            hi = 0x8F;
-        } else {
+        size_t len = utf8_seq_len(p + i, n - i);
+        if (len == 0)
             return fail(d, "invalid UTF-8 in string", i);
-        }
-        if (i + need >= n)
-            return fail(d, "invalid UTF-8 in string", i);
-        if (p[i + 1] < lo || p[i + 1] > hi)
-            return fail(d, "invalid UTF-8 in string", i);
-        for (size_t k = 2; k <= need; k++)
-            if ((p[i + k] & 0xC0) != 0x80)
-                return fail(d, "invalid UTF-8 in string", i);
-        i += need + 1;
+        i += len;
     }
 }
 
@@ -293,22 +436,58 @@ typedef int (*scan_string_fn)(jdoc_t *d, size_t *pos, uint8_t *flags);
 /* One copy of the string scanner per vector unit, each with its plain-run loop inlined. */
 static int scan_string_swar(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
-    return scan_string_with(d, pos, flags, plain_run_swar);
+    return scan_string_with(d, pos, flags, plain_run_swar, str_special);
 }
 
 #ifdef JDOC_HAVE_X86
 __attribute__((target("sse2"))) static int scan_string_sse2(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
-    return scan_string_with(d, pos, flags, plain_run_sse2);
+    return scan_string_with(d, pos, flags, plain_run_sse2, str_special);
 }
 
 __attribute__((target("avx2"))) static int scan_string_avx2(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
-    return scan_string_with(d, pos, flags, plain_run_avx2);
+    return scan_string_with(d, pos, flags, plain_run_avx2, str_special);
+}
+
+/* For a document utf8_valid_avx2 accepted: a multi-byte sequence never holds an ASCII byte,
+ * so no string of it can hold ill-formed UTF-8 and the per-sequence check is skipped. */
+__attribute__((target("avx2"))) static int scan_string_avx2_utf8ok(jdoc_t *d, size_t *pos,
+                                                                   uint8_t *flags)
+{
+    return scan_string_with(d, pos, flags, plain_run_avx2_utf8ok, str_special_utf8ok);
 }
 #endif
 
-static scan_string_fn scan_string_pick(void)
+/* Well-formed UTF-8 by RFC 3629's table, a byte at a time after an ASCII fast path. */
+static bool utf8_valid_scalar(const unsigned char *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        size_t len = p[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
+        if (len == 0)
+            return false;
+        i += len;
+    }
+    return true;
+}
+
+bool jdoc_utf8_valid(const char *p, size_t n)
+{
+    int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
+    if (v == 0)
+        v = jdoc_simd_select(JDOC_SIMD_AVX2) + 1;
+#ifdef JDOC_HAVE_X86
+    if (v - 1 == JDOC_SIMD_AVX2)
+        return utf8_valid_avx2((const unsigned char *)p, n);
+#endif
+    return utf8_valid_scalar((const unsigned char *)p, n);
+}
+
+/* With AVX2 the whole document is first validated as UTF-8 (a fraction of a cycle per byte),
+ * so that strings are scanned only for controls, quotes and escapes. A document that fails is
+ * scanned by the checking path, which names the first error exactly as every level does. */
+static scan_string_fn scan_string_pick(const char *src, size_t n)
 {
     int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
     if (v == 0)
@@ -316,7 +495,8 @@ static scan_string_fn scan_string_pick(void)
     switch (v - 1) {
 #ifdef JDOC_HAVE_X86
     case JDOC_SIMD_AVX2:
-        return scan_string_avx2;
+        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
+                                                              : scan_string_avx2;
     case JDOC_SIMD_SSE2:
         return scan_string_sse2;
 #endif
@@ -509,7 +689,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
     d->srclen = n;
     if (n >= UINT32_MAX)
         return fail(d, "document too large", 0);
-    const scan_string_fn scan_string = scan_string_pick();
+    const scan_string_fn scan_string = scan_string_pick(src, n);
     uint32_t stack[JDOC_MAX_DEPTH + 1];
     int depth = 0;
     size_t i = skip_ws(src, n, 0);

@@ -108,6 +108,9 @@ enum { JDOC_SIMD_SCALAR = 0, JDOC_SIMD_SSE2, JDOC_SIMD_AVX2 };
  * default is the best the CPU supports. Process-wide. */
 int jdoc_simd_select(int max);
 
+/* Is p[0..n) well-formed UTF-8 (RFC 3629)? 32 bytes at a time with AVX2, else a byte loop. */
+bool jdoc_utf8_valid(const char *p, size_t n);
+
 /* Compare two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts keys. */
 int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn);
 

@@ -1,12 +1,15 @@
 /* libFuzzer target: the policy module against its oracle, the implementation it replaced
  * (tests/oracle/). Every disagreement tests/oracle/diff.h defines (accept/refuse, error, seed,
  * forwarded bytes, canonical form, response fingerprint) aborts with the reason on stderr.
+ * The vector UTF-8 validator is checked against the byte loop on every input as well (the
+ * parse falls back to the checking path when it refuses, so only this sees a false refusal).
  * Input: byte 0 selects route, tenant and framework; the rest is the body. Seed corpus:
  * tests/fuzz/corpus/policy/ (the module's) and tests/fuzz/corpus/policy_oracle/. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "policy/jdoc.h"
 #include "tests/oracle/diff.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -18,6 +21,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (diff_check(copy, size, why, sizeof(why)) != 0) {
         fprintf(stderr, "oracle disagreement: %s\n", why);
         abort();
+    }
+    if (size > 0 && jdoc_simd_select(JDOC_SIMD_AVX2) == JDOC_SIMD_AVX2) {
+        bool vec = jdoc_utf8_valid((const char *)copy + 1, size - 1);
+        jdoc_simd_select(JDOC_SIMD_SCALAR);
+        bool bytes = jdoc_utf8_valid((const char *)copy + 1, size - 1);
+        jdoc_simd_select(JDOC_SIMD_AVX2);
+        if (vec != bytes) {
+            fprintf(stderr, "UTF-8 validators disagree: vector %d, byte loop %d\n", vec, bytes);
+            abort();
+        }
     }
     free(copy);
     return 0;

@@ -182,3 +182,99 @@ Test(oracle, every_simd_level)
     }
     jdoc_simd_select(JDOC_SIMD_AVX2);
 }
+
+/* jdoc_parse's verdict and error position for body at SIMD level `level`. */
+static void parse_at(int level, const char *body, size_t n, int *rc, const char **err, size_t *at)
+{
+    jdoc_simd_select(level);
+    jdoc_t d;
+    jdoc_init(&d);
+    *rc = jdoc_parse(&d, body, n, JDOC_OBJECT_ONLY);
+    *err = d.err;
+    *at = d.err_at;
+    jdoc_free(&d);
+}
+
+/* The AVX2 path validates a whole document's UTF-8 first (32 bytes at a time, each byte with
+ * the three before it) and only then scans its strings; every other level checks each
+ * sequence where a string holds it. Every one- to four-byte sequence built from the bytes
+ * where UTF-8's rules change, inside a string and outside one, at offsets around the first
+ * 32-byte boundary and at the end of the document, gets the same UTF-8 verdict from the
+ * vector and the byte-loop validators, and the same parse verdict and error at the same byte
+ * from both levels. */
+Test(oracle, utf8_validation_matches_at_every_level)
+{
+    static const unsigned char edge[] = {0x00, 0x1f, 'a',  0x7f, 0x80, 0x8f, 0x90, 0x9f,
+                                         0xa0, 0xbf, 0xc0, 0xc1, 0xc2, 0xdf, 0xe0, 0xe1,
+                                         0xec, 0xed, 0xee, 0xef, 0xf0, 0xf1, 0xf3, 0xf4,
+                                         0xf5, 0xf7, 0xf8, 0xfe, 0xff, '"',  '\\'};
+    const size_t ne = sizeof(edge);
+    if (jdoc_simd_select(JDOC_SIMD_AVX2) != JDOC_SIMD_AVX2) {
+        cr_log_warn("no AVX2 on this CPU: only the checking path runs here");
+        return;
+    }
+    size_t cases = 0, accepted = 0;
+    /* and each edge byte before a well-formed four-byte sequence (an error after a lead byte
+     * that only the fifth byte shows) */
+    static const unsigned char four[][4] = {
+        {0xf0, 0x90, 0x80, 0x80}, {0xf1, 0x80, 0x80, 0x80}, {0xf4, 0x8f, 0xbf, 0xbf}};
+    unsigned char seq[5] = {0};
+    for (size_t len = 1; len <= 5; len++) {
+        size_t total = len == 5 ? ne * (sizeof(four) / sizeof(four[0])) : 1;
+        for (size_t k = 0; k < len && len < 5; k++)
+            total *= ne;
+        for (size_t idx = 0; idx < total; idx++) {
+            size_t x = idx;
+            if (len == 5) {
+                seq[0] = edge[x % ne];
+                memcpy(seq + 1, four[x / ne], 4);
+            } else {
+                for (size_t k = 0; k < len; k++, x /= ne)
+                    seq[k] = edge[x % ne];
+            }
+            for (int where = 0; where < 3; where++) {
+                /* where 0: in a string, at offsets across byte 32; 1: the string's last
+                 * bytes, cut by the end of the document; 2: outside any string */
+                char buf[96];
+                size_t n = 0;
+                const char *head = where == 2 ? "{\"k\":" : "{\"k\":\"";
+                memcpy(buf, head, strlen(head));
+                n = strlen(head);
+                size_t pad = where == 1 ? 0 : 20 + idx % 17; /* puts seq at 25..42 */
+                memset(buf + n, 'x', pad);
+                n += pad;
+                memcpy(buf + n, seq, len);
+                n += len;
+                if (where == 0) {
+                    memcpy(buf + n, "\"}", 2);
+                    n += 2;
+                }
+                jdoc_simd_select(JDOC_SIMD_AVX2);
+                bool ok_v = jdoc_utf8_valid(buf, n);
+                jdoc_simd_select(JDOC_SIMD_SCALAR);
+                bool ok_s = jdoc_utf8_valid(buf, n);
+                int rc_v, rc_s;
+                const char *err_v, *err_s;
+                size_t at_v, at_s;
+                parse_at(JDOC_SIMD_AVX2, buf, n, &rc_v, &err_v, &at_v);
+                parse_at(JDOC_SIMD_SCALAR, buf, n, &rc_s, &err_s, &at_s);
+                /* plain comparisons: a criterion assertion per case (millions) would pass each
+                 * one to the runner */
+                if (ok_v != ok_s || rc_v != rc_s ||
+                    (rc_s < 0 && (strcmp(err_v, err_s) != 0 || at_v != at_s)))
+                    cr_assert_fail(
+                        "%02x %02x %02x %02x %02x (len %zu, where %d): UTF-8 valid %d / %d;"
+                        " parse %d (%s at %zu) / %d (%s at %zu)",
+                        seq[0], seq[1], seq[2], seq[3], seq[4], len, where, ok_v, ok_s, rc_v,
+                        rc_v < 0 ? err_v : "-", at_v, rc_s, rc_s < 0 ? err_s : "-", at_s);
+                accepted += rc_s == 0;
+                cases++;
+            }
+        }
+    }
+    jdoc_simd_select(JDOC_SIMD_AVX2);
+    /* the cases include both kinds in numbers: a test of a validator that accepted, or
+     * refused, everything would fail here */
+    cr_assert_gt(accepted, 500, "%zu of %zu accepted", accepted, cases);
+    cr_assert_gt(cases - accepted, 100000, "%zu of %zu accepted", accepted, cases);
+}
