@@ -28,10 +28,25 @@ static const uint8_t str_special_utf8ok[256] = {
     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0,
 };
 
+static const char over_budget[] = "over its budget of tokens and slow steps";
+
 void jdoc_init(jdoc_t *d)
 {
     memset(d, 0, sizeof(*d));
     d->err_tok = JDOC_NONE;
+    d->budget = UINT32_MAX;
+}
+
+/* Count `slow` more slow steps; has the parse used up its budget? */
+static inline bool over_budget_now(jdoc_t *d, uint32_t slow)
+{
+    d->nslow += slow;
+    return (uint64_t)d->ntoks * JDOC_TOKEN_UNITS + d->nslow > d->budget;
+}
+
+bool jdoc_over_budget(const jdoc_t *d)
+{
+    return d->err == over_budget;
 }
 
 void jdoc_reset(jdoc_t *d)
@@ -40,6 +55,7 @@ void jdoc_reset(jdoc_t *d)
     d->srclen = 0;
     d->ntoks = 0;
     d->norder = 0;
+    d->nslow = 0;
     dp_buf_reset(&d->keys);
     d->err = NULL;
     d->err_at = 0;
@@ -380,6 +396,8 @@ static inline __attribute__((always_inline)) int scan_string_with(jdoc_t *d, siz
         }
         if (c == '\\') {
             *flags |= JF_ESC;
+            if (over_budget_now(d, 1))
+                return fail(d, over_budget, i);
             if (i + 1 >= n)
                 return fail(d, "unterminated string", *pos);
             switch (p[i + 1]) {
@@ -424,6 +442,8 @@ static inline __attribute__((always_inline)) int scan_string_with(jdoc_t *d, siz
         if (c < 0x20)
             return fail(d, "control character in string", i);
         /* Non-ASCII: one well-formed UTF-8 sequence (RFC 3629 table 3-7). */
+        if (over_budget_now(d, 1))
+            return fail(d, over_budget, i);
         size_t len = utf8_seq_len(p + i, n - i);
         if (len == 0)
             return fail(d, "invalid UTF-8 in string", i);
@@ -697,6 +717,8 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
         return fail(d, "not a JSON object", i);
     int state = S_VALUE;
     for (;;) {
+        if (over_budget_now(d, 0))
+            return fail(d, over_budget, i);
         i = skip_ws(src, n, i);
         if (state == S_KEY_OR_CLOSE || state == S_KEY) {
             if (i < n && src[i] == '}' && state == S_KEY_OR_CLOSE)

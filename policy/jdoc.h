@@ -53,6 +53,10 @@ typedef struct {
     uint8_t flags;
 } jtok_t;
 
+/* A token's work units against a slow step's one: canonicalising a number (parse, then
+ * shortest round-trip print) costs ~180 ns, an escape or a checked character 6-30 ns. */
+#define JDOC_TOKEN_UNITS 8
+
 typedef struct {
     const char *src;
     size_t srclen;
@@ -64,6 +68,13 @@ typedef struct {
     uint32_t tmpcap;
     bool toks_borrowed; /* toks is the caller's array (jdoc_init_with): copied out to grow */
     dp_buf_t keys;      /* decoded bytes of escaped keys */
+    /* The most work units jdoc_parse may meet before it stops with jdoc_over_budget(): a
+     * token is JDOC_TOKEN_UNITS, a slow step one (an escape, or a multi-byte character checked
+     * one at a time: all of them without AVX2, those of a document that is not valid UTF-8
+     * with it). What a body costs to parse, canonicalise and police grows with these, not with
+     * its bytes. UINT32_MAX (jdoc_init's) for no limit; kept by jdoc_reset. */
+    uint32_t budget;
+    uint32_t nslow; /* slow steps met so far */
     /* set when jdoc_parse fails */
     const char *err;
     size_t err_at;
@@ -107,6 +118,9 @@ enum { JDOC_SIMD_SCALAR = 0, JDOC_SIMD_SSE2, JDOC_SIMD_AVX2 };
 /* Use at most level max (tests run every path this way); returns the level now in use. The
  * default is the best the CPU supports. Process-wide. */
 int jdoc_simd_select(int max);
+
+/* Did the last jdoc_parse stop at jdoc_t.budget (not a verdict on the document)? */
+bool jdoc_over_budget(const jdoc_t *d);
 
 /* Is p[0..n) well-formed UTF-8 (RFC 3629)? 32 bytes at a time with AVX2, else a byte loop. */
 bool jdoc_utf8_valid(const char *p, size_t n);

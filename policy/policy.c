@@ -262,6 +262,19 @@ policy_req_t *policy_req_new(void)
     return r;
 }
 
+static const char over_budget_code[] = "over_budget";
+
+void policy_req_set_budget(policy_req_t *r, uint32_t values)
+{
+    uint64_t units = (uint64_t)values * JDOC_TOKEN_UNITS;
+    r->doc.budget = values == 0 || units > UINT32_MAX ? UINT32_MAX : (uint32_t)units;
+}
+
+bool policy_over_budget(const policy_error_t *err)
+{
+    return err->code == over_budget_code;
+}
+
 void policy_req_reset(policy_req_t *r)
 {
     jdoc_reset(&r->doc);
@@ -310,7 +323,10 @@ int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t
     policy_req_reset(r);
     jdoc_t *d = &r->doc;
     if (jdoc_parse(d, body, len, JDOC_OBJECT_ONLY) < 0) {
-        policy_json_error(d, err);
+        if (jdoc_over_budget(d))
+            *err = (policy_error_t){.status = 0, .code = over_budget_code};
+        else
+            policy_json_error(d, err);
         return -1;
     }
     for (int s = 0; s < S__COUNT; s++)

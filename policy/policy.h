@@ -161,6 +161,13 @@ policy_req_t *policy_req_new(void);
 void policy_req_reset(policy_req_t *r);
 void policy_req_free(policy_req_t *r);
 
+/* Stop policy_parse once the body holds more than `values` JSON values' worth of work (an
+ * escape costs an eighth of one, jdoc_t.budget; 0: no limit, the default): it then fails with
+ * policy_over_budget(err), a bound on the work, not a verdict on the body. Kept across
+ * policy_req_reset. */
+void policy_req_set_budget(policy_req_t *r, uint32_t values);
+bool policy_over_budget(const policy_error_t *err);
+
 /* Validate body strictly (a JSON object; valid UTF-8 everywhere including escapes; nesting at
  * most 64 deep; no duplicate key in any object; no number literal longer than 512 bytes or
  * overflowing a double) and extract

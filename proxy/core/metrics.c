@@ -441,6 +441,10 @@ void px_metrics_declare(void)
                       "OpenTelemetry spans by result (exported, dropped, failed).");
     px_metrics_family("detproxy_affinity_total", PX_COUNTER,
                       "Placements of affinity pools by result (hit, spill, fallback).");
+    px_metrics_family("detproxy_policy_offloaded_total", PX_COUNTER,
+                      "Request bodies policed on the thread pool: too large or too dense for "
+                      "the event loop.");
+    px_metrics_get("detproxy_policy_offloaded_total", NULL); /* shown from 0 */
     px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,

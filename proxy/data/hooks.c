@@ -499,14 +499,19 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
         px_otel_refused(h->span, res->code);
         return -1;
     }
-    if (req->body.len < PX_POLICY_OFFLOAD_BYTES) {
+    if (req->body.len <= PX_POLICY_LOOP_BYTES) {
+        /* The parse stops at the budget: a body found too dense is parsed again on the pool. */
+        policy_req_set_budget(p->preq, PX_POLICY_LOOP_VALUES);
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
-        return policed(h, g, p, body, res);
+        policy_req_set_budget(p->preq, 0);
+        if (p->rc == 0 || !policy_over_budget(&p->err))
+            return policed(h, g, p, body, res);
     }
-    /* A large body: parsing, canonical JSON and hashing take milliseconds per megabyte; on the
-     * loop they would stall every other connection and the admin listener. The body
-     * moves to the pol_t, so the worker never reads memory the client's connection owns. */
+    /* A large or dense body: parsing, canonical JSON and hashing would take milliseconds on
+     * the loop, and stall every other connection and the admin listener. The body moves to
+     * the pol_t, so the worker never reads memory the client's connection owns. */
+    px_metrics_add(px_metrics_get("detproxy_policy_offloaded_total", NULL), 1);
     dp_buf_t mine = p->in;
     p->in = req->body;
     req->body = mine;

@@ -73,15 +73,20 @@ bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completio
  * policy's changes (borrowed: valid until px_hooks_finish). */
 void px_hooks_describe(const px_hooks_req_t *h, px_access_t *a);
 
-/* Bodies from this size up are policed on the libuv thread pool, off the event loop. */
-#define PX_POLICY_OFFLOAD_BYTES (64 * 1024)
+/* A body is policed on the event loop when it is at most PX_POLICY_LOOP_BYTES long and its
+ * parse meets at most PX_POLICY_LOOP_VALUES JSON values' worth of work (an escape an eighth of
+ * one: policy_req_set_budget): what parsing, canonicalising and policing cost grows with those
+ * and with the bytes hashed, so such a body holds the loop about a millisecond at most
+ * (docs/policy.md, "Known limits"). Any other goes to the libuv thread pool. */
+#define PX_POLICY_LOOP_BYTES (512 * 1024)
+#define PX_POLICY_LOOP_VALUES 4096
 
 typedef void (*px_hooks_policed_cb)(void *data, int rc, dp_iovec_t body, px_hooks_result_t *res);
 
 /* Inference requests: validate and police the body, pick the pool, and set body->len to the
  * length of the body to send (body->base NULL: its bytes are px_hooks_body_parts, valid until
  * px_hooks_finish). 0, or -1 with res->status/code/param/message
- * describing the refusal; or, for a body of PX_POLICY_OFFLOAD_BYTES or more, 1: the work runs
+ * describing the refusal; or, for a body too large or too dense for the loop, 1: the work runs
  * on the thread pool (req->body is taken over) and done(data, rc, body, res) is called on the
  * loop with the same results. px_hooks_finish must not run before it. */
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,

@@ -1,6 +1,6 @@
 """The request-body budget (limits.max_inflight_body_bytes) comes back on every way a request
 can end: a client closing or resetting mid-body, a Content-Length lie, 413 mid-chunked, 408,
-pipelined requests, bodies large enough to be policed on the thread pool. Each abort spends
+pipelined requests, bodies policed on the loop and on the thread pool. Each abort spends
 the whole budget, so a leaked reservation makes the next full body a 503."""
 
 import socket
@@ -101,9 +101,19 @@ def abort_pipelined(px):
 
 
 def abort_whole_then_close(px):
-    # A whole body (policed on the thread pool: >= 64 KiB), then gone before the answer.
+    # A whole body, then gone before the answer.
     s = connect(px.port)
     s.sendall(head(LIMIT) + body_of(LIMIT))
+    reset(s)
+
+
+def abort_dense_then_close(px):
+    # A whole body dense enough to be policed on the thread pool, then gone before the answer.
+    b = ('{"model":"%s","max_tokens":1,"prompt":"x","extra":[' % MODEL).encode()
+    b += b"1," * ((LIMIT - len(b) - 2) // 2)
+    b = b[:-1] + b"]}"
+    s = connect(px.port)
+    s.sendall(head(len(b)) + b)
     reset(s)
 
 
@@ -115,7 +125,8 @@ def abort_whole_pipelined_then_close(px):
 
 
 ABORTS = [abort_close, abort_reset, abort_cl_lie_fin, abort_chunked_close, abort_chunked_413,
-          abort_408, abort_pipelined, abort_whole_then_close, abort_whole_pipelined_then_close]
+          abort_408, abort_pipelined, abort_whole_then_close, abort_dense_then_close,
+          abort_whole_pipelined_then_close]
 
 
 def test_the_body_budget_is_returned_however_the_request_ends():

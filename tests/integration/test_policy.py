@@ -253,5 +253,43 @@ def test_audit_reopens_on_sighup_and_survives_write_failure():
     px3.stop()
 
 
+def test_long_prompts_are_policed_on_the_loop_and_dense_or_huge_bodies_on_the_pool():
+    """What policing a body costs grows with its JSON values and escapes, and the bytes hashed:
+    a long prompt (few values) is policed on the event loop, a body with more values than the
+    loop's budget, or longer than 512 KiB, on the thread pool. Each is policed in full either
+    way: the derived seed reaches the replica, and a body refused on the pool is refused with the
+    same error as on the loop."""
+    sim, px = setup()
+    offloaded = lambda: metric(px, "detproxy_policy_offloaded_total")
+    assert offloaded() == 0
+
+    def send(body):
+        r = http("POST", px.port, "/v1/chat/completions", body=json.dumps(body).encode(),
+                 headers={"content-type": "application/json"}, timeout=60)
+        assert r.status == 200, r
+        assert last_body(sim)["seed"] == int(r.headers["x-detproxy-seed"])
+        return r
+
+    prose = chat("a long retrieved context, line after line of it\n" * 5500)  # ~270 KB
+    send(prose)
+    assert offloaded() == 0
+    # 1,500 short messages: ~7,500 values in ~60 KB
+    dense = chat("x")
+    dense["messages"] = [{"role": "user", "content": "m%d" % i} for i in range(1500)]
+    send(dense)
+    assert offloaded() == 1
+    send(chat("a long retrieved context, line after line of it\n" * 11000))  # ~540 KB
+    assert offloaded() == 2
+    # A refusal found on the pool is the loop's: the error at the same byte.
+    bad = json.dumps(dense).encode()[:-1] + b",}"
+    for body in (bad, json.dumps(prose).encode()[:-1] + b",}"):
+        r = http("POST", px.port, "/v1/chat/completions", body=body,
+                 headers={"content-type": "application/json"})
+        assert r.status == 400 and r.json()["error"]["code"] == "invalid_json", r
+        assert ("at byte %d" % (len(body) - 1)) in r.json()["error"]["message"], r.json()
+    assert offloaded() == 3
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())

@@ -291,6 +291,43 @@ Test(policy_json, stricter_than_cjson)
 
 /* ---- RFC 8785 ------------------------------------------------------------------------------- */
 
+/* A budget bounds the parse's work, not the body: values count eight units, escapes and
+ * characters checked one at a time one each. Over it the parse stops with policy_over_budget
+ * (no verdict); the same body parses in full without one, whether it is valid or not. */
+Test(policy_json, budget_stops_the_parse_and_is_no_verdict)
+{
+    dp_buf_t b = {0};
+    dp_buf_appends(&b, "{\"model\":\"m\",\"messages\":[");
+    for (int i = 0; i < 40; i++)
+        dp_buf_appends(&b, i ? ",1" : "1"); /* 40 values */
+    dp_buf_appends(&b, "],\"p\":\"");
+    for (int i = 0; i < 100; i++)
+        dp_buf_appends(&b, "\\n"); /* 100 escapes */
+    dp_buf_appends(&b, "\"}");
+    policy_error_t err;
+    /* 47 values (the 40, the object, the array, 3 keys, 2 strings: 8 units each) and 100
+     * escapes: 476 units, 59.5 values' worth */
+    policy_req_set_budget(req, 59);
+    cr_assert_eq(parse_n(b.base, b.len, &err), -1);
+    cr_assert(policy_over_budget(&err), "%s", err.message);
+    policy_req_set_budget(req, 60);
+    cr_assert_eq(parse_n(b.base, b.len, &err), 0, "%s", err.message);
+    cr_assert_not(policy_over_budget(&err));
+    /* a refusal within the budget is the body's own; past it, none */
+    b.base[b.len - 1] = ',';
+    cr_assert_eq(parse_n(b.base, b.len, &err), -1);
+    cr_assert_not(policy_over_budget(&err));
+    cr_assert_str_eq(err.code, "invalid_json");
+    policy_req_set_budget(req, 10);
+    cr_assert_eq(parse_n(b.base, b.len, &err), -1);
+    cr_assert(policy_over_budget(&err));
+    policy_req_set_budget(req, 0);
+    cr_assert_eq(parse_n(b.base, b.len, &err), -1);
+    cr_assert_str_eq(err.code, "invalid_json");
+    cr_assert_eq(err.status, 400);
+    dp_buf_free(&b);
+}
+
 TestSuite(jcs);
 
 static double from_bits(uint64_t b)
