@@ -39,6 +39,8 @@ void dp_buf_reserve_exact(dp_buf_t *b, size_t extra);
  * budget. Leaves b empty. The stash is freed when the thread exits, or by dp_buf_stash_free. */
 void dp_buf_release(dp_buf_t *b);
 void dp_buf_stash_free(void);
+/* Bytes this thread's stash holds now. */
+size_t dp_buf_stash_bytes(void);
 void dp_buf_append(dp_buf_t *b, const void *p, size_t n);
 void dp_buf_appends(dp_buf_t *b, const char *s);
 void dp_buf_appendc(dp_buf_t *b, char c);

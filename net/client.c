@@ -594,7 +594,7 @@ static void opts_fill(net_upstream_opts_t *o, const net_upstream_opts_t *in)
     if (o->idle_timeout_ms == 0)
         o->idle_timeout_ms = 60000;
     if (o->max_idle == 0)
-        o->max_idle = 64;
+        o->max_idle = 1024;
     if (o->write_high_water == 0)
         o->write_high_water = 256 * 1024;
 }

@@ -27,7 +27,9 @@ typedef struct {
     uint32_t connect_timeout_ms;
     uint32_t first_byte_timeout_ms;
     uint32_t idle_timeout_ms; /* silence mid-response; also how long a pooled connection idles */
-    uint32_t max_idle;        /* idle connections kept per upstream (default 64) */
+    uint32_t max_idle;        /* idle connections kept per upstream (default 1024: fewer than the
+                               * requests sent to one replica at once, and a burst closes and reopens
+                               * connections, each new one waiting for its identity check) */
     size_t write_high_water;  /* request bytes queued above this: net_creq_over() */
 } net_upstream_opts_t;
 

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/buf.h"
 
@@ -78,7 +79,7 @@ Test(buf, small_buffers_are_freed_and_large_ones_come_back_from_the_stash)
 Test(buf, a_full_stash_keeps_the_newest_buffers)
 {
     dp_buf_stash_free();
-    enum { N = 40, KEPT = 32 };
+    enum { N = 160, KEPT = 128 }; /* 80 MiB of 512 KiB buffers into a 64 MiB stash */
     dp_buf_t hold[N];
     char *was[N];
     for (int i = 0; i < N; i++) {
@@ -103,6 +104,34 @@ Test(buf, a_full_stash_keeps_the_newest_buffers)
             cr_assert_neq(hold[i].base, hold[j].base, "one buffer handed out twice");
     for (int i = 0; i < N; i++)
         dp_buf_free(&hold[i]);
+    dp_buf_stash_free();
+}
+
+/* Buffers the stash held through a whole decay window (2 s) without one being taken are freed
+ * at its next use; one taken and given back in the window stays. */
+Test(buf, buffers_nothing_took_for_a_window_are_freed)
+{
+    dp_buf_stash_free();
+    enum { N = 4 };
+    dp_buf_t b[N];
+    for (int i = 0; i < N; i++) {
+        b[i] = (dp_buf_t){0};
+        dp_buf_reserve_exact(&b[i], 256 * 1024);
+    }
+    size_t one = b[0].cap;
+    for (int i = 0; i < N; i++)
+        dp_buf_release(&b[i]);
+    cr_assert_eq(dp_buf_stash_bytes(), N * one);
+    usleep(2100 * 1000);                     /* the window that started at the first release ends */
+    dp_buf_reserve_exact(&b[0], 256 * 1024); /* a new window: all four stashed at its start */
+    cr_assert_eq(dp_buf_stash_bytes(), (N - 1) * one, "a buffer was freed too early");
+    dp_buf_release(&b[0]);
+    usleep(2100 * 1000);
+    /* three stayed stashed through the whole window: freed now; the one in use remains */
+    dp_buf_reserve_exact(&b[0], 256 * 1024);
+    cr_assert_eq(b[0].cap, one);
+    cr_assert_eq(dp_buf_stash_bytes(), 0, "buffers idle for a whole window were kept");
+    dp_buf_free(&b[0]);
     dp_buf_stash_free();
 }
 
