@@ -96,12 +96,12 @@ void dp_buf_reserve(dp_buf_t *b, size_t extra)
  * reused warm. The stash must absorb the swing between bodies arriving and bodies finished:
  * 64 buffers were too few for 150 clients sending 254 KiB prompts on one worker (every body a
  * fresh mapping again: CPU per request 2.5x). It is bounded (256 buffers, 64 MiB), and it
- * decays: buffers the last STASH_DECAY_MS never reached for are freed at the next use, so
+ * decays: buffers the last DP_BUF_STASH_DECAY_MS never reached for are freed at the next use
+ * (or by dp_buf_stash_decay on a timer), so
  * resident memory follows the bodies being held. Under AddressSanitizer a stashed buffer is
  * poisoned: a pointer kept into a released body is caught as it would be after free(). */
 #define STASH_SLOTS 256
 #define STASH_BYTES (64u << 20)
-#define STASH_DECAY_MS 2000
 
 typedef struct {
     char *base[STASH_SLOTS];
@@ -163,7 +163,7 @@ static void stash_decay(stash_t *st)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     uint64_t now = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-    if (now - st->window_ms < STASH_DECAY_MS)
+    if (now - st->window_ms < DP_BUF_STASH_DECAY_MS)
         return;
     for (unsigned idle = st->low; idle > 0 && st->n > 0; idle--) {
         size_t cap;
@@ -226,6 +226,13 @@ void dp_buf_stash_free(void)
         return;
     pthread_setspecific(g_stash_key, NULL);
     stash_destroy(st);
+}
+
+void dp_buf_stash_decay(void)
+{
+    stash_t *st = stash_get(false);
+    if (st)
+        stash_decay(st);
 }
 
 size_t dp_buf_stash_bytes(void)

@@ -39,6 +39,11 @@ void dp_buf_reserve_exact(dp_buf_t *b, size_t extra);
  * budget. Leaves b empty. The stash is freed when the thread exits, or by dp_buf_stash_free. */
 void dp_buf_release(dp_buf_t *b);
 void dp_buf_stash_free(void);
+/* Free the stashed buffers that the last window (DP_BUF_STASH_DECAY_MS) never reached for,
+ * as each use of the stash does: a thread that may stop taking large bodies calls it on a
+ * timer, so that after a burst its stash falls back within two windows. */
+#define DP_BUF_STASH_DECAY_MS 2000
+void dp_buf_stash_decay(void);
 /* Bytes this thread's stash holds now. */
 size_t dp_buf_stash_bytes(void);
 void dp_buf_append(dp_buf_t *b, const void *p, size_t n);

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/buf.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/sock.h"
@@ -38,6 +39,7 @@ struct px_worker_s {
     net_server_t *srv;
     uv_timer_t qtimer;
     uv_timer_t cwtimer; /* requests waiting for a check before a new connection (data/proxy.c) */
+    uv_timer_t stimer;  /* the large-buffer stash's decay, so that it falls back after a burst */
     px_pool_slot_t *qactive; /* non-empty admission queues of this worker */
     uv_async_t wake;         /* another worker freed a slot */
     px_series_t *m_requests; /* detproxy_worker_requests_total{worker} */
@@ -269,6 +271,12 @@ static net_server_t *worker_server(px_t *px, px_worker_t *w)
     return s;
 }
 
+static void stash_decay_cb(uv_timer_t *t)
+{
+    (void)t;
+    dp_buf_stash_decay();
+}
+
 static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_ops_t *ops)
 {
     w->px = px;
@@ -282,6 +290,9 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_
     net_mailbox_init(&w->mb, &w->loop, 0);
     uv_timer_init(&w->loop, &w->qtimer);
     uv_timer_init(&w->loop, &w->cwtimer);
+    uv_timer_init(&w->loop, &w->stimer);
+    uv_timer_start(&w->stimer, stash_decay_cb, DP_BUF_STASH_DECAY_MS, DP_BUF_STASH_DECAY_MS);
+    uv_unref((uv_handle_t *)&w->stimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
     w->wake.data = w;
     w->srv = worker_server(px, w);
@@ -434,6 +445,7 @@ static void on_stop(net_mb_node_t *n)
         net_upstream_flush_idle(w->th.ups[i]);
     uv_close((uv_handle_t *)&w->qtimer, NULL);
     uv_close((uv_handle_t *)&w->cwtimer, NULL);
+    uv_close((uv_handle_t *)&w->stimer, NULL);
     uv_close((uv_handle_t *)&w->wake, NULL);
     /* The loop ends once what is still running here ends (a body being policed on the thread
      * pool, closes): the mailbox no longer keeps it alive. What is posted after that runs on
@@ -461,6 +473,7 @@ void px_workers_join(px_t *px)
         if (!w->started) {
             uv_close((uv_handle_t *)&w->qtimer, NULL);
             uv_close((uv_handle_t *)&w->cwtimer, NULL);
+            uv_close((uv_handle_t *)&w->stimer, NULL);
             uv_close((uv_handle_t *)&w->wake, NULL);
         }
         net_mailbox_close(&w->mb);

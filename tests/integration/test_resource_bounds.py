@@ -262,5 +262,33 @@ def test_a_huge_replica_answer_is_passed_through_not_held():
     px.stop()
 
 
+def test_memory_kept_for_large_bodies_falls_back_after_a_burst():
+    """Body buffers of 64 KiB to 1.5 MiB are kept per worker for the next large body (a fresh
+    mapping per body is dear); after a burst they are freed within two 2 s windows, without
+    any further request (docs/configuration.md, "Memory beside the budget")."""
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], workers=1)
+    base = rss_kb(px)
+    body = body_of(1 * MiB)
+    out = []
+
+    def send():
+        out.append(http("POST", px.port, "/v1/completions", body=body,
+                        headers={"content-type": "application/json"}, timeout=60).status)
+
+    ts = [threading.Thread(target=send) for _ in range(32)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert out == [200] * 32, out
+    held = rss_kb(px) - base
+    # 32 bodies of 1 MiB read at once: their buffers stay stashed for the next large body
+    assert held > 16 * 1024, "%d KiB held after the burst" % held
+    poll_until(lambda: rss_kb(px) - base < held - 16 * 1024, timeout=10 * SLOW, interval=0.2,
+               what="the stashed buffers freed (%d KiB held after the burst)" % held)
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
