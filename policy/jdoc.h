@@ -54,8 +54,13 @@ typedef struct {
 } jtok_t;
 
 /* A token's work units against a slow step's one: canonicalising a number (parse, then
- * shortest round-trip print) costs ~180 ns, an escape or a checked character 6-30 ns. */
+ * shortest round-trip print) costs ~180 ns, an escape or a checked character 6-30 ns. A number
+ * literal also costs a unit per JDOC_NUMBER_BYTES of its digits (strtod of 120 digits: ~560
+ * ns), and an object's key sort one per JDOC_KEY_BYTE_LEVELS key bytes compared (its keys'
+ * bytes times ceil(log2(members)): ~0.8 ns each). */
 #define JDOC_TOKEN_UNITS 8
+#define JDOC_NUMBER_BYTES 8
+#define JDOC_KEY_BYTE_LEVELS 32
 
 typedef struct {
     const char *src;
@@ -71,8 +76,9 @@ typedef struct {
     /* The most work units jdoc_parse may meet before it stops with jdoc_over_budget(): a
      * token is JDOC_TOKEN_UNITS, a slow step one (an escape, or a multi-byte character checked
      * one at a time: all of them without AVX2, those of a document that is not valid UTF-8
-     * with it). What a body costs to parse, canonicalise and police grows with these, not with
-     * its bytes. UINT32_MAX (jdoc_init's) for no limit; kept by jdoc_reset. */
+     * with it), long numbers and key sorts more (JDOC_NUMBER_BYTES, JDOC_KEY_BYTE_LEVELS).
+     * What a body costs to parse, canonicalise and police grows with these, not with its
+     * bytes. UINT32_MAX (jdoc_init's) for no limit; kept by jdoc_reset. */
     uint32_t budget;
     uint32_t nslow; /* slow steps met so far */
     /* set when jdoc_parse fails */

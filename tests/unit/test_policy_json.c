@@ -328,6 +328,43 @@ Test(policy_json, budget_stops_the_parse_and_is_no_verdict)
     dp_buf_free(&b);
 }
 
+/* What the budget also charges beyond tokens and escapes: the key sort of an object with
+ * many long keys, and long number literals. Each body below fits the budget by its tokens
+ * alone and is refused it only for that cost. */
+Test(policy_json, budget_charges_key_sorts_and_long_numbers)
+{
+    policy_error_t err;
+    dp_buf_t keys = {0}, nums = {0};
+    /* 64 keys of 200 bytes: 12,800 key bytes x 6 levels / 32 = 2,400 units (300 values) */
+    dp_buf_appends(&keys, "{\"model\":\"m\",\"messages\":[],\"x\":{");
+    for (int i = 0; i < 64; i++) {
+        dp_buf_appends(&keys, i ? ",\"" : "\"");
+        for (int k = 0; k < 196; k++)
+            dp_buf_appendc(&keys, 'k');
+        dp_buf_printf(&keys, "%04d\":0", i);
+    }
+    dp_buf_appends(&keys, "}}");
+    /* 40 numbers of 160 digits: 40 x 160 / 8 = 800 units (100 values) */
+    dp_buf_appends(&nums, "{\"model\":\"m\",\"messages\":[],\"x\":[");
+    for (int i = 0; i < 40; i++) {
+        dp_buf_appends(&nums, i ? ",1." : "1.");
+        for (int k = 0; k < 158; k++)
+            dp_buf_appendc(&nums, (char)('0' + k % 10));
+    }
+    dp_buf_appends(&nums, "]}");
+    policy_req_set_budget(req, 250); /* 2,000 units: more than either body's tokens */
+    cr_assert_eq(parse_n(keys.base, keys.len, &err), -1);
+    cr_assert(policy_over_budget(&err), "the key sort was not charged");
+    policy_req_set_budget(req, 120);
+    cr_assert_eq(parse_n(nums.base, nums.len, &err), -1);
+    cr_assert(policy_over_budget(&err), "the long numbers were not charged");
+    policy_req_set_budget(req, 0);
+    cr_assert_eq(parse_n(keys.base, keys.len, &err), 0, "%s", err.message);
+    cr_assert_eq(parse_n(nums.base, nums.len, &err), 0, "%s", err.message);
+    dp_buf_free(&keys);
+    dp_buf_free(&nums);
+}
+
 TestSuite(jcs);
 
 static double from_bits(uint64_t b)
