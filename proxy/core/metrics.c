@@ -445,6 +445,9 @@ void px_metrics_declare(void)
                       "Request bodies policed on the thread pool: too large or too dense for "
                       "the event loop.");
     px_metrics_get("detproxy_policy_offloaded_total", NULL); /* shown from 0 */
+    px_metrics_family("detproxy_body_stash_bytes", PX_GAUGE,
+                      "Bytes of released request-body buffers a worker keeps for the next large "
+                      "body (updated every 2 s).");
     px_metrics_family("detproxy_connections", PX_GAUGE, "Open client connections.");
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,

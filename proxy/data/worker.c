@@ -43,6 +43,7 @@ struct px_worker_s {
     px_pool_slot_t *qactive; /* non-empty admission queues of this worker */
     uv_async_t wake;         /* another worker freed a slot */
     px_series_t *m_requests; /* detproxy_worker_requests_total{worker} */
+    px_series_t *m_stash;    /* detproxy_body_stash_bytes{worker} */
     bool started;
 };
 
@@ -273,8 +274,9 @@ static net_server_t *worker_server(px_t *px, px_worker_t *w)
 
 static void stash_decay_cb(uv_timer_t *t)
 {
-    (void)t;
+    px_worker_t *w = t->data;
     dp_buf_stash_decay();
+    px_metrics_set(w->m_stash, (double)dp_buf_stash_bytes());
 }
 
 static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_ops_t *ops)
@@ -291,6 +293,7 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_
     uv_timer_init(&w->loop, &w->qtimer);
     uv_timer_init(&w->loop, &w->cwtimer);
     uv_timer_init(&w->loop, &w->stimer);
+    w->stimer.data = w;
     uv_timer_start(&w->stimer, stash_decay_cb, DP_BUF_STASH_DECAY_MS, DP_BUF_STASH_DECAY_MS);
     uv_unref((uv_handle_t *)&w->stimer);
     uv_async_init(&w->loop, &w->wake, on_wake);
@@ -302,6 +305,7 @@ static int worker_init(px_t *px, px_worker_t *w, unsigned slot, const px_worker_
     char id[12];
     snprintf(id, sizeof(id), "%u", slot - 1);
     w->m_requests = px_metrics_get("detproxy_worker_requests_total", "worker", id, NULL);
+    w->m_stash = px_metrics_get("detproxy_body_stash_bytes", "worker", id, NULL);
     return 0;
 }
 
