@@ -493,13 +493,17 @@ static bool utf8_valid_scalar(const unsigned char *p, size_t n)
     return true;
 }
 
-bool jdoc_utf8_valid(const char *p, size_t n)
+/* The level in use: the best the CPU has unless jdoc_simd_select chose one. */
+static int simd_level(void)
 {
     int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
-    if (v == 0)
-        v = jdoc_simd_select(JDOC_SIMD_AVX2) + 1;
+    return v ? v - 1 : jdoc_simd_select(JDOC_SIMD_AVX2);
+}
+
+bool jdoc_utf8_valid(const char *p, size_t n)
+{
 #ifdef JDOC_HAVE_X86
-    if (v - 1 == JDOC_SIMD_AVX2)
+    if (simd_level() == JDOC_SIMD_AVX2)
         return utf8_valid_avx2((const unsigned char *)p, n);
 #endif
     return utf8_valid_scalar((const unsigned char *)p, n);
@@ -510,10 +514,7 @@ bool jdoc_utf8_valid(const char *p, size_t n)
  * scanned by the checking path, which names the first error exactly as every level does. */
 static scan_string_fn scan_string_pick(const char *src, size_t n)
 {
-    int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
-    if (v == 0)
-        v = jdoc_simd_select(JDOC_SIMD_AVX2) + 1;
-    switch (v - 1) {
+    switch (simd_level()) {
 #ifdef JDOC_HAVE_X86
     case JDOC_SIMD_AVX2:
         return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
