@@ -41,8 +41,11 @@ struct uconn_s {
     llhttp_t parser;
     net_head_scan_t hs;
     net_chunk_scan_t cs;
-    net_hdrs_t hd; /* the response head's names and values */
-    dp_buf_t outq; /* request bytes waiting for the connect */
+    net_hdrs_t hd;  /* the response head's names and values */
+    dp_buf_t outq;  /* request bytes waiting for the connect (after the lent ones) */
+    uv_buf_t *lent; /* the caller's start bytes, waiting where they lie (start_bufs_kept) */
+    unsigned nlent;
+    size_t lent_len;
     uint8_t phase;
     int closes_pending;
     net_framing_t framing;
@@ -132,7 +135,7 @@ static void idle_push(uconn_t *c)
     net_upstream_t *u = c->up;
     assert(c->phase == UC_IDLE && c->req == NULL);
     assert(c->prev_idle == NULL && c->next_idle == NULL && u->idle != c); /* not pooled yet */
-    assert(c->sock.queued == 0 && c->outq.len == 0);
+    assert(c->sock.queued == 0 && c->outq.len == 0 && c->nlent == 0);
     assert(!u->dead && u->nidle < u->o.max_idle);
     c->prev_idle = NULL;
     c->next_idle = u->idle;
@@ -215,9 +218,19 @@ static void timer_closed(uv_handle_t *h)
 
 /* Every caller has detached the exchange first (uconn_fail and uconn_done report it after;
  * net_creq_cancel wants no callback): one still attached would never hear on_done. */
+/* Forget the caller's lent bytes: they are not ours past the exchange. */
+static void lent_drop(uconn_t *c)
+{
+    free(c->lent);
+    c->lent = NULL;
+    c->nlent = 0;
+    c->lent_len = 0;
+}
+
 static void uconn_close_how(uconn_t *c, bool reset)
 {
     assert(c->req == NULL);
+    lent_drop(c);
     if (c->phase == UC_CLOSED)
         return;
     if (c->phase == UC_IDLE)
@@ -273,7 +286,7 @@ static void uconn_done(uconn_t *c)
     net_upstream_t *u = c->up;
     c->req = NULL;
     bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
-                    c->sock.queued == 0 && c->outq.len == 0 &&
+                    c->nlent == 0 && c->sock.queued == 0 && c->outq.len == 0 &&
                     llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle;
     u->refs++;
     if (reusable) {
@@ -547,10 +560,14 @@ static void sock_drain(net_sock_t *s)
  * error. */
 static int outq_send(uconn_t *c)
 {
-    if (c->outq.len == 0)
-        return 0;
-    uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
-    int r = net_sock_write(&c->sock, &b, 1);
+    int r = 0;
+    if (c->nlent) /* the socket copies what it does not take now */
+        r = net_sock_write(&c->sock, c->lent, c->nlent);
+    lent_drop(c);
+    if (r == 0 && c->outq.len) {
+        uv_buf_t b = uv_buf_init(c->outq.base, (unsigned)c->outq.len);
+        r = net_sock_write(&c->sock, &b, 1);
+    }
     dp_buf_free(&c->outq);
     return r;
 }
@@ -730,8 +747,17 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
     llhttp_reset(&c->parser);
 
     if (c->phase == UC_CONNECTING) {
-        for (unsigned i = 0; i < nbufs; i++)
-            dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
+        assert(c->outq.len == 0 && c->nlent == 0);
+        if (cb->start_bufs_kept && nbufs) {
+            c->lent = dp_xmalloc(nbufs * sizeof(*c->lent));
+            memcpy(c->lent, bufs, nbufs * sizeof(*c->lent));
+            c->nlent = nbufs;
+            for (unsigned i = 0; i < nbufs; i++)
+                c->lent_len += bufs[i].len;
+        } else {
+            for (unsigned i = 0; i < nbufs; i++)
+                dp_buf_append(&c->outq, bufs[i].base, bufs[i].len);
+        }
         uconn_arm(c, u->o.connect_timeout_ms);
         if (u->tls && c->sock.tls == NULL) {
             /* No TLS state (out of memory): never fall back to plaintext to an https URL. */
@@ -831,11 +857,11 @@ void net_creq_cancel(net_creq_t *r)
 size_t net_client_creq_pending(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
-    return c ? c->sock.queued + c->outq.len : 0;
+    return c ? c->sock.queued + c->outq.len + c->lent_len : 0;
 }
 
 bool net_creq_over(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
-    return c && (net_sock_over(&c->sock) || c->outq.len > c->sock.high_water);
+    return c && (net_sock_over(&c->sock) || c->outq.len + c->lent_len > c->sock.high_water);
 }

@@ -65,6 +65,10 @@ typedef struct {
      * established: nothing is sent (request bytes wait) until net_creq_release, and this is
      * called (it may release or cancel r at once). A pooled connection is never held. */
     void (*on_connected)(net_creq_t *r);
+    /* The bytes given to net_creq_start stay where they are until the exchange ends (on_done
+     * or net_creq_cancel): a new connection then sends them from there once established,
+     * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
+    bool start_bufs_kept;
 } net_creq_cb_t;
 
 struct net_creq_s {

@@ -460,10 +460,13 @@ static void up_on_drain(net_creq_t *c);
 
 static void up_on_connected(net_creq_t *c);
 
-static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain, NULL};
+/* The head (q->head), the body (the server's, until the request is freed) and the policy's
+ * parts (px_hooks_finish) all outlive the exchange: finish() and on_abort cancel it first. So a
+ * new connection sends them from where they lie. */
+static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain, NULL, true};
 /* A new connection to an attested replica: held once established, until its check. */
-static const net_creq_cb_t up_cb_held = {up_on_head, up_on_body, up_on_done, up_on_drain,
-                                         up_on_connected};
+static const net_creq_cb_t up_cb_held = {up_on_head,  up_on_body,      up_on_done,
+                                         up_on_drain, up_on_connected, true};
 
 /* Send the request to q->replica, whose slot q holds. */
 static void send_upstream(px_preq_t *q)
@@ -1386,13 +1389,15 @@ static void on_abort(net_req_t *req)
     if (q->policing)
         q->budget_held = net_req_take_body_budget(req);
     q->req = NULL;
-    if (q->audit_wait || q->policing)
-        return; /* deliver() or policed_later() finishes it */
     if (q->up) {
-        /* The client is gone: stop the replica's work now (GPU time is expensive). */
+        /* The client is gone: stop the replica's work now (GPU time is expensive). The
+         * request's bytes go with the client, and a connection not yet established still
+         * points at them (up_cb). */
         net_creq_cancel(q->up);
         q->up = NULL;
     }
+    if (q->audit_wait || q->policing)
+        return; /* deliver() or policed_later() finishes it */
     client_gone(q);
 }
 

@@ -61,7 +61,7 @@ static void x_drain(net_creq_t *r)
     ((ex_t *)r->data)->drains++;
 }
 
-static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain, NULL};
+static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain, NULL, false};
 
 static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
 {
@@ -616,7 +616,7 @@ static void x_connected(net_creq_t *r)
         net_creq_release(r);
 }
 
-static const net_creq_cb_t x_held_cb = {x_head, x_body, x_done, x_drain, x_connected};
+static const net_creq_cb_t x_held_cb = {x_head, x_body, x_done, x_drain, x_connected, false};
 
 /* A server answering 200, for exchanges over held new connections. */
 static void held_peer(bool release_at_once)
@@ -699,4 +699,85 @@ Test(net_client, a_held_connection_the_server_speaks_on_first_fails_as_never_sen
     cr_assert(net_up_err_retryable(a.err));
     cr_assert_eq(g_peer.requests, 0);
     x_free(&a);
+}
+
+/* ---- start bytes sent from where they lie (net_creq_cb_t.start_bufs_kept) ----------------- */
+
+static const net_creq_cb_t x_kept_cb = {x_head, x_body, x_done, x_drain, NULL, true};
+static const net_creq_cb_t x_kept_held_cb = {x_head, x_body, x_done, x_drain, x_connected, true};
+
+/* The request as the peer received it on its first connection. */
+static const char *peer_got(void)
+{
+    return g_peer.nconns ? g_peer.conns[0]->in.base : "";
+}
+
+/* Start "GET /a" over a new connection, overwrite the caller's buffer with "GET /b" at once,
+ * and return whether the peer received the request as it was at the start. */
+static bool sent_as_at_start(const net_creq_cb_t *cb)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(NULL);
+    char req[] = "GET /a HTTP/1.1\r\nhost: x\r\n\r\n";
+    uv_buf_t b = uv_buf_init(req, sizeof(req) - 1);
+    ex_t x;
+    memset(&x, 0, sizeof(x));
+    x.r = net_creq_start(g_up, &b, 1, false, false, cb, &x);
+    cr_assert_not_null(x.r);
+    req[5] = 'b'; /* still connecting */
+    x_expect(&x, NET_UP_OK);
+    x_free(&x);
+    cr_assert(strstr(peer_got(), "GET /a ") || strstr(peer_got(), "GET /b "), "got: %s",
+              peer_got());
+    return strstr(peer_got(), "GET /a ") != NULL;
+}
+
+Test(net_client, kept_start_bytes_are_sent_from_the_callers_memory_once_connected)
+{
+    cr_assert_not(sent_as_at_start(&x_kept_cb), "a copy taken at the start was sent");
+}
+
+Test(net_client, start_bytes_not_kept_are_copied_at_the_start)
+{
+    cr_assert(sent_as_at_start(&x_cb), "the caller's later bytes were sent");
+}
+
+/* A held connection sends the kept bytes at its release, then streamed bytes after them; a
+ * cancelled one never reads them again (the buffer is freed at once: ASan would see a read). */
+Test(net_client, kept_start_bytes_wait_for_the_release_and_precede_streamed_ones)
+{
+    held_peer(false);
+    char *head = strdup("POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n\r\n");
+    uv_buf_t b = uv_buf_init(head, (unsigned)strlen(head));
+    ex_t a;
+    memset(&a, 0, sizeof(a));
+    a.r = net_creq_start(g_up, &b, 1, true, false, &x_kept_held_cb, &a);
+    uv_buf_t body = uv_buf_init("ab", 2);
+    cr_assert_eq(net_creq_write(a.r, &body, 1), 0);
+    cr_assert_eq(net_client_creq_pending(a.r), strlen(head) + 2);
+    RUN_UNTIL(g_connected == 1 && g_peer.nconns == 1);
+    body = uv_buf_init("cd", 2);
+    cr_assert_eq(net_creq_write(a.r, &body, 1), 0);
+    net_creq_end(a.r);
+    net_creq_release(a.r);
+    x_expect(&a, NET_UP_OK);
+    cr_assert(strstr(peer_got(), "\r\n\r\nabcd") != NULL, "got: %s", peer_got());
+    free(head);
+
+    ex_t c; /* a second exchange while the first connection is busy in the pool: a new one */
+    char *h2 = strdup("GET /c HTTP/1.1\r\nhost: x\r\n\r\n");
+    b = uv_buf_init(h2, (unsigned)strlen(h2));
+    ex_t d;
+    memset(&d, 0, sizeof(d));
+    d.r = net_creq_start(g_up, &b, 1, false, false, &x_kept_held_cb, &d); /* reuses a's */
+    memset(&c, 0, sizeof(c));
+    c.r = net_creq_start(g_up, &b, 1, false, false, &x_kept_held_cb, &c); /* a new one */
+    net_creq_cancel(c.r);
+    x_expect(&d, NET_UP_OK);
+    free(h2);
+    for (int i = 0; i < 20; i++)
+        uv_run(&g_loop, UV_RUN_NOWAIT);
+    cr_assert_eq(g_peer.requests, 2, "the cancelled exchange sent its bytes");
+    x_free(&a);
+    x_free(&d);
 }
