@@ -307,3 +307,54 @@ Test(net_sock_batch, a_writer_producing_a_lot_in_one_callback_is_not_held_back, 
     cr_expect_gt(j.seen_at_once[0], 0, "all 100 KB waited for the end of the iteration");
     env_close(&e, c, 1);
 }
+
+/* 8 connections, 5 rounds of 8,000 bytes each, one connection after another: 320 KB in one
+ * callback. Each connection's batch stays under its own bound, but the loop's batch would hold
+ * their sum: past its total bound the writes go at once, so the last round reaches every peer
+ * inside the callback (without the bound, each connection's last 8,000 bytes would wait). */
+enum { MANY = 8, ROUNDS = 5, CHUNK = 8000 };
+
+typedef struct {
+    conn_t *c;
+    size_t got[MANY];
+    int fired;
+} many_t;
+
+static void many_cb(uv_timer_t *t)
+{
+    many_t *m = t->data;
+    static char chunk[CHUNK + 1];
+    memset(chunk, 'm', CHUNK);
+    for (int r = 0; r < ROUNDS; r++)
+        for (int i = 0; i < MANY; i++)
+            cr_assert_eq(write_str(&m->c[i], chunk), 0);
+    static char buf[ROUNDS * CHUNK + 1];
+    for (int i = 0; i < MANY; i++) {
+        ssize_t n;
+        while (m->got[i] < sizeof(buf) - 1 &&
+               (n = recv(m->c[i].peer, buf, sizeof(buf) - 1 - m->got[i], MSG_DONTWAIT)) > 0)
+            m->got[i] += (size_t)n;
+    }
+    m->fired = 1;
+}
+
+Test(net_sock_batch, the_loops_whole_batch_is_bounded, .timeout = 60)
+{
+    env_t e;
+    env_init(&e);
+    conn_t c[MANY];
+    for (int i = 0; i < MANY; i++)
+        conn_open(&e, &c[i]);
+    many_t m = {.c = c};
+    uv_timer_t t;
+    uv_timer_init(&e.loop, &t);
+    t.data = &m;
+    uv_timer_start(&t, many_cb, 0, 0);
+    while (!m.fired)
+        uv_run(&e.loop, UV_RUN_ONCE);
+    for (int i = 0; i < MANY; i++)
+        cr_expect_eq(m.got[i], (size_t)ROUNDS * CHUNK, "connection %d: %zu bytes at once", i,
+                     m.got[i]);
+    uv_close((uv_handle_t *)&t, NULL);
+    env_close(&e, c, MANY);
+}
