@@ -286,6 +286,15 @@ void policy_req_reset(policy_req_t *r)
     dp_buf_reset(&r->canon);
 }
 
+void policy_req_trim(policy_req_t *r)
+{
+    uint32_t budget = r->doc.budget; /* kept across requests, as policy_req_reset keeps it */
+    jdoc_free(&r->doc);
+    r->doc.budget = budget;
+    r->parsed = false;
+    dp_buf_free(&r->canon);
+}
+
 void policy_req_free(policy_req_t *r)
 {
     if (r == NULL)

@@ -159,6 +159,10 @@ typedef struct policy_req_s policy_req_t;
 policy_req_t *policy_req_new(void);
 /* Forget the current request but keep the buffers for the next one. */
 void policy_req_reset(policy_req_t *r);
+/* The parse is done with: the request's model, body (policy_body) and result stay valid, the
+ * token tape and the canonical-form staging are freed (the next parse allocates them again).
+ * For a request that lives long, a stream, which would otherwise hold them to its end. */
+void policy_req_trim(policy_req_t *r);
 void policy_req_free(policy_req_t *r);
 
 /* Stop policy_parse once the body holds more than `values` JSON values' worth of work (an

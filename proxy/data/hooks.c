@@ -397,6 +397,7 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     if (h->stream) {
         p->sse_rewrite = true;
         policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
+        policy_req_trim(p->preq); /* nothing reads the parse again; a stream lives long */
     }
     res->pool = pool;
     return 0;

@@ -547,6 +547,22 @@ Test(rules, derive_known_answer)
     cr_assert_eq(res.seed, 916057937u);
 }
 
+/* A stream's request is trimmed once it is policed: what is read after it (the body sent, the
+ * model, the result) stays, the parse is gone, and the next request parses as if fresh. */
+Test(rules, a_trimmed_request_keeps_its_body_model_and_result)
+{
+    cfg_tenant_t t = deriving("default");
+    const char *b = "{\"model\":\"\\u006d\"," CHAT_HI ",\"temperature\":0.5}";
+    cr_assert_eq(derived(&t, b), 1173673760u);
+    policy_req_trim(req);
+    policy_req_trim(req); /* idempotent */
+    expect_body("{\"model\":\"\\u006d\"," CHAT_HI ",\"temperature\":0.5,\"seed\":1173673760}");
+    dp_iovec_t m = policy_model(req);
+    cr_assert(m.len == 1 && m.base[0] == 'm' && m.base[1] == '\0');
+    policy_req_reset(req);
+    cr_assert_eq(derived(&t, "{\"model\":\"m\"," CHAT_HI ",\"temperature\":0.5}"), 1173673760u);
+}
+
 Test(rules, derive_ignores_key_order_whitespace_spelling)
 {
     cfg_tenant_t t = deriving("default");
