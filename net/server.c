@@ -1006,10 +1006,16 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
         }
         dp_buf_t *body = &q->r.body;
         int64_t cl = q->r.content_length;
-        if (body->len + n + 1 > body->cap && cl > 0 && cl <= BODY_PRESIZE_MAX &&
-            (uint64_t)cl >= body->len + n && (body->len + n) * 4 >= (uint64_t)cl)
-            dp_buf_reserve_exact(body, (size_t)cl - body->len);
-        dp_buf_append(body, at, n);
+        if (at == body->base + body->len) {
+            /* Read straight into the body (sock_read_target): already in place. */
+            body->len += n;
+            body->base[body->len] = '\0';
+        } else {
+            if (body->len + n + 1 > body->cap && cl > 0 && cl <= BODY_PRESIZE_MAX &&
+                (uint64_t)cl >= body->len + n && (body->len + n) * 4 >= (uint64_t)cl)
+                dp_buf_reserve_exact(body, (size_t)cl - body->len);
+            dp_buf_append(body, at, n);
+        }
         atomic_store_explicit(&q->hold.received, q->r.body.len, memory_order_relaxed);
         atomic_store_explicit(&q->hold.last_ns, dp_now_ns(), memory_order_relaxed);
     } else if (c->srv->h.on_body) {
@@ -1708,6 +1714,31 @@ out:
         conn_kick(c);
 }
 
+/* A body with a Content-Length, buffered whole, read once its buffer has room (on_body sizes
+ * it once a quarter has come): the rest is read from the socket straight into it, not into the
+ * loop's read buffer and copied. Only what the body still lacks, so the next request's bytes
+ * never land in it; and never while earlier bytes wait in `pending` (they come first). */
+#define READ_INTO_MIN (16 * 1024)
+
+static char *sock_read_target(net_sock_t *sk, size_t *len)
+{
+    net_conn_t *c = sk->owner;
+    req_impl_t *q = c->req;
+    if (c->phase != PH_BODY || q == NULL || q->mode != NET_BODY_BUFFER || q->resp_ended ||
+        q->r.chunked || c->body_paused || c->budget_wait || c->pending.len || c->in_feed)
+        return NULL;
+    dp_buf_t *b = &q->r.body;
+    size_t room = b->cap > b->len ? b->cap - b->len - 1 : 0; /* the NUL keeps its byte */
+    size_t want = c->body_remaining < room ? (size_t)c->body_remaining : room;
+    if (want == 0 || (want < READ_INTO_MIN && want < c->body_remaining))
+        return NULL;
+    if (want > NET_READ_BUF_SIZE)
+        want = NET_READ_BUF_SIZE; /* no larger than any other read: one sender must not hold
+                                   * the loop longer per read than with the read buffer */
+    *len = want;
+    return b->base + b->len;
+}
+
 static void sock_read(net_sock_t *sk, const char *p, size_t n)
 {
     net_conn_t *c = sk->owner;
@@ -1821,6 +1852,7 @@ static void on_connection(uv_stream_t *ls, int status)
     s->nconns++;
     atomic_fetch_add(&s->shared->conns, 1);
     c->sock.on_read = sock_read;
+    c->sock.read_target = sock_read_target;
     c->sock.on_error = sock_error;
     c->sock.on_drain = sock_drain;
     c->sock.on_close = sock_closed;

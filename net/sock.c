@@ -187,8 +187,15 @@ typedef struct {
 
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
-    (void)h;
+    net_sock_t *s = h->data;
+    size_t len = 0;
+    char *p = s->read_target && !s->tls ? s->read_target(s, &len) : NULL;
     (void)suggested;
+    if (p) {
+        buf->base = p;
+        buf->len = len;
+        return;
+    }
     buf->base = g_read_buf;
     buf->len = sizeof(g_read_buf);
 }
@@ -247,12 +254,11 @@ static void tls_read(net_sock_t *s, const char *p, size_t n)
 static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
     net_sock_t *s = st->data;
-    (void)buf;
     if (nread > 0) {
         if (s->tls)
-            tls_read(s, g_read_buf, (size_t)nread);
+            tls_read(s, buf->base, (size_t)nread);
         else if (s->on_read)
-            s->on_read(s, g_read_buf, (size_t)nread);
+            s->on_read(s, buf->base, (size_t)nread);
         return;
     }
     if (nread < 0) {

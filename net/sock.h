@@ -39,6 +39,9 @@ typedef void (*net_sock_connect_cb)(net_sock_t *s, int status);
 typedef void (*net_sock_handshake_cb)(net_sock_t *s);
 /* Handle closed: the owner may free the memory holding this net_sock_t. */
 typedef void (*net_sock_close_cb)(net_sock_t *s);
+/* Where the next read may land instead of the loop's read buffer: *len bytes at the returned
+ * address (they are then what on_read gets), or NULL for the read buffer. Plain TCP only. */
+typedef char *(*net_sock_read_target_cb)(net_sock_t *s, size_t *len);
 
 struct net_sock_s {
     uv_tcp_t tcp; /* tcp.data points at this net_sock_t; never moves */
@@ -48,7 +51,8 @@ struct net_sock_s {
     net_sock_drain_cb on_drain;
     net_sock_connect_cb on_connect;
     net_sock_close_cb on_close;
-    net_sock_handshake_cb on_handshake; /* optional */
+    net_sock_handshake_cb on_handshake;  /* optional */
+    net_sock_read_target_cb read_target; /* optional */
     uv_connect_t connect_req;
     net_tls_t *tls;
     size_t queued;       /* bytes handed to uv_write and not yet completed */

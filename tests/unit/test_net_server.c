@@ -257,6 +257,36 @@ Test(net_server, a_body_gets_its_whole_buffer_only_once_a_quarter_of_it_is_in)
     raw_close(&c);
 }
 
+/* Once a body's buffer is sized, the rest of it is read from the socket straight into the
+ * buffer. Exactly the rest: a pipelined request in the same segment as the body's end is not
+ * read into it, and comes out as its own request. */
+Test(net_server, a_body_read_straight_into_its_buffer_keeps_its_bytes_and_the_next_request)
+{
+    enum { LEN = 200000 };
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    static char body[LEN + 1];
+    for (size_t i = 0; i < LEN; i++)
+        body[i] = (char)('a' + (i * 7 + i / 251) % 26);
+    raw_sends(&c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    raw_send(&c, body, LEN / 2); /* past a quarter: the buffer is sized to the whole body */
+    run_idle();
+    static char rest[LEN / 2 + 128];
+    memcpy(rest, body + LEN / 2, LEN / 2);
+    static const char next[] = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello";
+    memcpy(rest + LEN / 2, next, sizeof(next) - 1);
+    raw_send(&c, rest, LEN / 2 + sizeof(next) - 1);
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 200 OK") == 2 && c.in.len >= LEN + 5);
+    cr_assert_eq(g_completes, 2);
+    const char *b = body_of(&c);
+    cr_assert(memcmp(b, body, LEN) == 0, "the echoed body differs");
+    const char *e = memmem(b + LEN, c.in.len - (size_t)(b + LEN - c.in.base), "\r\n\r\n", 4);
+    cr_assert(e && strncmp(e + 4, "hello", 5) == 0, "second request: %.200s", b + LEN);
+    raw_close(&c);
+}
+
 Test(net_server, chunked_request_body_is_decoded)
 {
     net_server_limits_t l = limits();
