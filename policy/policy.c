@@ -253,6 +253,12 @@ struct policy_req_s {
     dp_buf_t canon; /* staging for the canonical request's SHA-256 (derive) */
     EVP_MD *md;     /* SHA-256, fetched once per policy_req_t */
     EVP_MD_CTX *mdctx;
+    /* The storage of policy_result_t's parts and changes, grown to the most a request of this
+     * policy_req_t needed (a handful) and kept for the next. */
+    dp_iovec_t *parts;
+    dp_iovec_t whole; /* parts of a body forwarded as it came */
+    policy_change_t *changes;
+    uint32_t parts_cap, changes_cap;
 };
 
 policy_req_t *policy_req_new(void)
@@ -304,6 +310,8 @@ void policy_req_free(policy_req_t *r)
     dp_buf_free(&r->edits);
     dp_buf_free(&r->flat);
     dp_buf_free(&r->canon);
+    free(r->parts);
+    free(r->changes);
     EVP_MD_CTX_free(r->mdctx);
     EVP_MD_free(r->md);
     free(r);
@@ -560,7 +568,7 @@ typedef struct {
     pval_t cur[S_NUMERIC_END];
     bool dirty[S_NUMERIC_END];
     policy_result_t *out;
-    const policy_req_t *r;
+    policy_req_t *r; /* also keeps the result's parts and changes */
 } apply_t;
 
 static size_t put_i64(char *out, int64_t v)
@@ -627,7 +635,13 @@ static void record(apply_t *a, int s, policy_action_t act, const pval_t *before,
     assert(o->nchanges < POLICY_MAX_CHANGES); /* at most two changes per slot: see above */
     if (o->nchanges == POLICY_MAX_CHANGES)
         return;
-    policy_change_t *c = &o->changes[o->nchanges++];
+    policy_req_t *r = a->r;
+    if (o->nchanges == r->changes_cap) {
+        r->changes_cap = r->changes_cap ? 2 * r->changes_cap : 4;
+        r->changes = dp_xrealloc(r->changes, r->changes_cap * sizeof(*r->changes));
+    }
+    o->changes = r->changes;
+    policy_change_t *c = &r->changes[o->nchanges++];
     c->param = slots[s].name;
     c->action = act;
     const char *raw = NULL;
@@ -1121,11 +1135,16 @@ static void build_parts(policy_req_t *r, const apply_t *a, policy_result_t *out)
         pos = at;
     }
     piece(pc, &np, pos, d->srclen - pos, false);
+    if (np > r->parts_cap) {
+        r->parts_cap = np < 8 ? 8 : (uint32_t)np;
+        r->parts = dp_xrealloc(r->parts, r->parts_cap * sizeof(*r->parts));
+    }
+    out->parts = r->parts;
     out->nparts = np;
     out->body_len = 0;
     for (size_t i = 0; i < np; i++) {
-        out->parts[i].base = (pc[i].edit ? e->base : d->src) + pc[i].off;
-        out->parts[i].len = pc[i].len;
+        r->parts[i].base = (pc[i].edit ? e->base : d->src) + pc[i].off;
+        r->parts[i].len = pc[i].len;
         out->body_len += pc[i].len;
     }
 }
@@ -1160,7 +1179,7 @@ void policy_body_sha256_hex(const policy_result_t *res, char out[65])
 static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
                  bool single_sequence, policy_result_t *out, policy_error_t *err)
 {
-    memset(out, 0, offsetof(policy_result_t, changes));
+    *out = (policy_result_t){0};
     if (!r->parsed || t == NULL) {
         policy_set_error(err, 400, "invalid_value", NULL, "request was not parsed");
         return -1;
@@ -1302,7 +1321,8 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
         build_parts(r, &a, out);
         out->rewritten = true;
     } else {
-        out->parts[0] = (dp_iovec_t){d->src, d->srclen};
+        r->whole = (dp_iovec_t){d->src, d->srclen};
+        out->parts = &r->whole;
         out->nparts = 1;
         out->body_len = d->srclen;
     }

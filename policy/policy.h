@@ -134,7 +134,7 @@ typedef struct {
      * new bytes between (a changed value replaced in place, a removed member cut with its
      * comma, added members inserted before the closing brace). Client whitespace is kept.
      * Pieces point into the body policy_parse read and into the policy_req_t. */
-    dp_iovec_t parts[POLICY_MAX_PARTS];
+    const dp_iovec_t *parts; /* nparts of them, kept by the policy_req_t */
     size_t nparts;
     size_t body_len; /* sum of the parts' lengths */
     bool rewritten;
@@ -150,8 +150,11 @@ typedef struct {
     double top_p;
     bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
     int64_t max_tokens;
+    /* Kept by the policy_req_t, sized to what its requests needed: a result is a few dozen
+     * bytes that live as long as the request (a stream's whole life), not room for the most
+     * any request could change. */
+    const policy_change_t *changes;
     size_t nchanges;
-    policy_change_t changes[POLICY_MAX_CHANGES];
 } policy_result_t;
 
 typedef struct policy_req_s policy_req_t;

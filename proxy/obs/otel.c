@@ -325,7 +325,10 @@ void px_otel_request(px_span_t *s, const char *tenant, const px_pool_t *pool,
     s->stream = res->stream;
     s->has_policy = true;
     s->res = *res;
-    s->res.nparts = 0; /* the body pieces are the request's, gone by export time */
+    s->res.parts = NULL; /* the body pieces and changes are the request's, gone by export */
+    s->res.nparts = 0;
+    s->res.changes = NULL;
+    s->res.nchanges = 0;
     s->res.model = (dp_iovec_t){0};
     for (size_t i = 0; i < res->nchanges; i++) {
         dp_buf_printf(&s->overrides, "%s=%s", res->changes[i].param,

@@ -234,9 +234,12 @@ Test(audit, one_json_line)
     r.seed = 1234;
     r.has_temperature = true;
     r.temperature = 0;
+    static const policy_change_t changes[] = {
+        {"temperature", POLICY_FORCED, "0.9", "0"},
+        {"top_p", POLICY_NORMALIZED, "1", ""},
+    };
+    r.changes = changes;
     r.nchanges = 2;
-    r.changes[0] = (policy_change_t){"temperature", POLICY_FORCED, "0.9", "0"};
-    r.changes[1] = (policy_change_t){"top_p", POLICY_NORMALIZED, "1", ""};
     policy_audit_t a = {
         .wall_ms = 1700000000123ull,
         .request_id = "req-1",
