@@ -593,9 +593,16 @@ static void sock_connected(net_sock_t *s, int status)
         return;
     }
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
+    bool was_over = c->outq.len + c->lent_len > c->sock.high_water;
     int r = outq_send(c);
-    if (r != 0)
+    if (r != 0) {
         uconn_fail(c, NET_UP_SEND, uv_strerror(r));
+        return;
+    }
+    /* A caller paused on net_creq_over by the bytes that waited here: when the socket took
+     * them without going over high water itself, no socket drain will come, so this is it. */
+    if (was_over && !net_sock_over(&c->sock))
+        sock_drain(&c->sock); /* may cancel the request: c is not used after */
 }
 
 /* ---- public API ---------------------------------------------------------------------------- */

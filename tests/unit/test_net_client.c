@@ -604,6 +604,26 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     x_free(&x);
 }
 
+/* A caller that paused its upload because the bytes waiting for the connect passed high water
+ * hears on_drain once the connect hands them to a socket that took them: nothing else would
+ * wake it (a socket that never went over high water never drains). */
+Test(net_client, upload_over_high_water_while_connecting_drains_once_connected)
+{
+    peer_start(&g_peer, answer_nothing);
+    net_upstream_opts_t o = {.write_high_water = 64 * 1024};
+    up_new(&o);
+    ex_t x;
+    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n", true, false);
+    static char chunk[96 * 1024];
+    uv_buf_t b = uv_buf_init(chunk, sizeof(chunk));
+    cr_assert_eq(net_creq_write(x.r, &b, 1), 0); /* still connecting: it waits */
+    cr_assert(net_creq_over(x.r));
+    RUN_UNTIL(x.drains == 1);
+    cr_assert_not(net_creq_over(x.r));
+    net_creq_cancel(x.r);
+    x_free(&x);
+}
+
 /* ---- held new connections (net_creq_cb_t.on_connected, net_creq_release) ------------------ */
 
 static int g_connected;
