@@ -108,9 +108,9 @@ struct px_preq_s {
     dp_buf_t held_body;
     net_header_t *held_out; /* the head to send, built by prepare_held */
     size_t held_nout;
-    net_header_t held_stack[32]; /* held_out when it fits */
-    px_admission_entry_t adm;    /* waiting for a slot (data/admission.c) */
-    px_preq_t *free_next;        /* on this thread's cache of recycled contexts */
+    struct held_head_s *held_box; /* held_out's home when it came from the cache */
+    px_admission_entry_t adm;     /* waiting for a slot (data/admission.c) */
+    px_preq_t *free_next;         /* on this thread's cache of recycled contexts */
     int status;
     /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
      * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
@@ -157,8 +157,24 @@ static px_preq_t *preq_get(void)
     return q;
 }
 
+/* The head of a held response is built in an array from a per-worker cache, not in the
+ * request context: only a response being held has one, so a stream carries none. */
+#define HELD_HEAD_MAX 32
+typedef struct held_head_s {
+    struct held_head_s *next;
+    net_header_t h[HELD_HEAD_MAX];
+} held_head_t;
+static _Thread_local held_head_t *g_held_free;
+static _Thread_local size_t g_nheld_free;
+
 void px_proxy_free_caches(void)
 {
+    while (g_held_free) {
+        held_head_t *h = g_held_free;
+        g_held_free = h->next;
+        free(h);
+    }
+    g_nheld_free = 0;
     while (g_preq_free) {
         px_preq_t *q = g_preq_free;
         g_preq_free = q->free_next;
@@ -826,8 +842,20 @@ static void held_head(px_preq_t *q, bool rewrite)
         nh += q->held_hdrs.base[i] == '\0';
     nh /= 2;
     size_t need = nh + 2 * PX_EXTRA_HEADERS;
-    net_header_t *out =
-        need <= DP_ARRAY_SIZE(q->held_stack) ? q->held_stack : dp_xmalloc(need * sizeof(*out));
+    net_header_t *out;
+    if (need <= HELD_HEAD_MAX) {
+        held_head_t *box = g_held_free;
+        if (box) {
+            g_held_free = box->next;
+            g_nheld_free--;
+        } else {
+            box = dp_xmalloc(sizeof(*box));
+        }
+        q->held_box = box;
+        out = box->h;
+    } else {
+        out = dp_xmalloc(need * sizeof(*out));
+    }
     size_t k = 0;
     const char *p = q->held_hdrs.base, *end = p + q->held_hdrs.len;
     while (p < end) {
@@ -846,8 +874,17 @@ static void held_head(px_preq_t *q, bool rewrite)
 
 static void held_out_free(px_preq_t *q)
 {
-    if (q->held_out != q->held_stack)
+    held_head_t *box = q->held_box;
+    if (box && g_nheld_free < PREQ_CACHE_MAX) {
+        box->next = g_held_free;
+        g_held_free = box;
+        g_nheld_free++;
+    } else if (box) {
+        free(box);
+    } else {
         free(q->held_out);
+    }
+    q->held_box = NULL;
     q->held_out = NULL;
 }
 
