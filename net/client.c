@@ -572,6 +572,13 @@ static int outq_send(uconn_t *c)
     return r;
 }
 
+/* The bytes waiting for the connection (or its release) are above the socket's high water:
+ * net_creq_over() says so while they wait. */
+static bool waiting_over(const uconn_t *c)
+{
+    return c->outq.len + c->lent_len > c->sock.high_water;
+}
+
 static void sock_connected(net_sock_t *s, int status)
 {
     uconn_t *c = s->owner;
@@ -593,7 +600,7 @@ static void sock_connected(net_sock_t *s, int status)
         return;
     }
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
-    bool was_over = c->outq.len + c->lent_len > c->sock.high_water;
+    bool was_over = waiting_over(c);
     int r = outq_send(c);
     if (r != 0) {
         uconn_fail(c, NET_UP_SEND, uv_strerror(r));
@@ -870,5 +877,5 @@ size_t net_client_creq_pending(const net_creq_t *r)
 bool net_creq_over(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
-    return c && (net_sock_over(&c->sock) || c->outq.len + c->lent_len > c->sock.high_water);
+    return c && (net_sock_over(&c->sock) || waiting_over(c));
 }
