@@ -322,6 +322,10 @@ static int simd_supported(void)
 {
 #ifdef JDOC_HAVE_X86
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+        __builtin_cpu_supports("popcnt"))
+        return JDOC_SIMD_AVX512;
     if (__builtin_cpu_supports("avx2"))
         return JDOC_SIMD_AVX2;
     if (__builtin_cpu_supports("sse2"))
@@ -375,81 +379,109 @@ static inline size_t utf8_seq_len(const unsigned char *p, size_t avail)
     return need + 1;
 }
 
-/* Validate the string starting at the quote at *pos; leaves *pos after the closing quote. */
-static inline __attribute__((always_inline)) int scan_string_with(jdoc_t *d, size_t *pos,
-                                                                  uint8_t *flags,
-                                                                  const plain_run_fn run,
-                                                                  const uint8_t *special)
+/* One byte that ends a plain run, p[*ip], inside the string whose quote is at *pos: the closing
+ * quote (1, *pos left after it), an escape or a non-ASCII sequence (0, *ip moved past it), or
+ * an error (-1). */
+static inline __attribute__((always_inline)) int scan_special(jdoc_t *d, size_t *pos, size_t *ip,
+                                                              uint8_t *flags)
 {
     const unsigned char *p = (const unsigned char *)d->src;
-    size_t n = d->srclen, i = *pos + 1;
-    for (;;) {
+    size_t n = d->srclen, i = *ip;
+    unsigned char c = p[i];
+    if (c == '"') {
+        *pos = i + 1;
+        return 1;
+    }
+    if (c == '\\') {
+        *flags |= JF_ESC;
+        if (over_budget_now(d, 1))
+            return fail(d, over_budget, i);
+        if (i + 1 >= n)
+            return fail(d, "unterminated string", *pos);
+        switch (p[i + 1]) {
+        case '/':
+            *flags |= JF_REESC;
+            *ip = i + 2;
+            return 0;
+        case '"':
+        case '\\':
+        case 'b':
+        case 'f':
+        case 'n':
+        case 'r':
+        case 't':
+            *ip = i + 2;
+            return 0;
+        case 'u':
+            *flags |= JF_REESC;
+            break;
+        default:
+            return fail(d, "invalid escape in string", i);
+        }
+        if (i + 6 > n)
+            return fail(d, "truncated \\u escape", i);
+        int32_t cp = hex4(p + i + 2);
+        if (cp < 0)
+            return fail(d, "invalid \\u escape", i);
+        if (cp >= 0xDC00 && cp <= 0xDFFF)
+            return fail(d, "lone surrogate in \\u escape", i);
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (i + 12 > n || p[i + 6] != '\\' || p[i + 7] != 'u')
+                return fail(d, "lone surrogate in \\u escape", i);
+            int32_t lo = hex4(p + i + 8);
+            if (lo < 0xDC00 || lo > 0xDFFF)
+                return fail(d, "lone surrogate in \\u escape", i);
+            *ip = i + 12;
+        } else {
+            *ip = i + 6;
+        }
+        return 0;
+    }
+    if (c < 0x20)
+        return fail(d, "control character in string", i);
+    /* Non-ASCII: one well-formed UTF-8 sequence (RFC 3629 table 3-7). */
+    if (over_budget_now(d, 1))
+        return fail(d, over_budget, i);
+    size_t len = utf8_seq_len(p + i, n - i);
+    if (len == 0)
+        return fail(d, "invalid UTF-8 in string", i);
+    *ip = i + len;
+    return 0;
+}
+
+/* Scan the string from *ip (inside the string whose quote is at *pos) through at least byte
+ * `through`, a special byte at a time; 1 when the string ended first, 0 or -1 as scan_special. */
+static inline __attribute__((always_inline)) int scan_through(jdoc_t *d, size_t *pos, size_t *ip,
+                                                              size_t through, uint8_t *flags,
+                                                              const plain_run_fn run,
+                                                              const uint8_t *special)
+{
+    const unsigned char *p = (const unsigned char *)d->src;
+    size_t n = d->srclen, i = *ip;
+    do {
         /* Plain ASCII runs are most of every prompt: 32, 16 or 8 bytes per step. */
         i = run(p, i, n);
         while (i < n && !special[p[i]])
             i++;
         if (i >= n)
             return fail(d, "unterminated string", *pos);
-        unsigned char c = p[i];
-        if (c == '"') {
-            *pos = i + 1;
-            return 0;
-        }
-        if (c == '\\') {
-            *flags |= JF_ESC;
-            if (over_budget_now(d, 1))
-                return fail(d, over_budget, i);
-            if (i + 1 >= n)
-                return fail(d, "unterminated string", *pos);
-            switch (p[i + 1]) {
-            case '/':
-                *flags |= JF_REESC;
-                i += 2;
-                continue;
-            case '"':
-            case '\\':
-            case 'b':
-            case 'f':
-            case 'n':
-            case 'r':
-            case 't':
-                i += 2;
-                continue;
-            case 'u':
-                *flags |= JF_REESC;
-                break;
-            default:
-                return fail(d, "invalid escape in string", i);
-            }
-            if (i + 6 > n)
-                return fail(d, "truncated \\u escape", i);
-            int32_t cp = hex4(p + i + 2);
-            if (cp < 0)
-                return fail(d, "invalid \\u escape", i);
-            if (cp >= 0xDC00 && cp <= 0xDFFF)
-                return fail(d, "lone surrogate in \\u escape", i);
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-                if (i + 12 > n || p[i + 6] != '\\' || p[i + 7] != 'u')
-                    return fail(d, "lone surrogate in \\u escape", i);
-                int32_t lo = hex4(p + i + 8);
-                if (lo < 0xDC00 || lo > 0xDFFF)
-                    return fail(d, "lone surrogate in \\u escape", i);
-                i += 12;
-            } else {
-                i += 6;
-            }
-            continue;
-        }
-        if (c < 0x20)
-            return fail(d, "control character in string", i);
-        /* Non-ASCII: one well-formed UTF-8 sequence (RFC 3629 table 3-7). */
-        if (over_budget_now(d, 1))
-            return fail(d, over_budget, i);
-        size_t len = utf8_seq_len(p + i, n - i);
-        if (len == 0)
-            return fail(d, "invalid UTF-8 in string", i);
-        i += len;
-    }
+        int r = scan_special(d, pos, &i, flags);
+        if (r != 0)
+            return r;
+    } while (i <= through);
+    *ip = i;
+    return 0;
+}
+
+/* Validate the string starting at the quote at *pos; leaves *pos after the closing quote. */
+static inline __attribute__((always_inline)) int scan_string_with(jdoc_t *d, size_t *pos,
+                                                                  uint8_t *flags,
+                                                                  const plain_run_fn run,
+                                                                  const uint8_t *special)
+{
+    size_t i = *pos + 1;
+    int r = scan_through(d, pos, &i, SIZE_MAX, flags, run, special);
+    return r < 0 ? -1 : 0;
 }
 
 typedef int (*scan_string_fn)(jdoc_t *d, size_t *pos, uint8_t *flags);
@@ -478,6 +510,126 @@ __attribute__((target("avx2"))) static int scan_string_avx2_utf8ok(jdoc_t *d, si
 {
     return scan_string_with(d, pos, flags, plain_run_avx2_utf8ok, str_special_utf8ok);
 }
+
+/* ---- strings 64 bytes at a time, escapes as bit masks (AVX-512) -------------------------- */
+
+/* The bytes right after each run of backslashes of odd length: the escaped characters other
+ * than a backslash. A run that starts on an even bit ends, counted with its escaped byte, on
+ * an odd one exactly when its length is odd, and the other way round; adding a run's first
+ * bit to the run carries to the byte after it. Langdale and Lemire, "Parsing Gigabytes of JSON
+ * per Second" (2019), section 3.1.1. The caller keeps a run that reaches bit 63 out of use:
+ * its carry leaves the word. */
+static inline uint64_t escaped_after_odd_runs(uint64_t bs)
+{
+    const uint64_t even = 0x5555555555555555ull;
+    uint64_t starts = bs & ~(bs << 1);
+    uint64_t after_even = (bs + (starts & even)) & ~bs;
+    uint64_t after_odd = (bs + (starts & ~even)) & ~bs;
+    return (after_even & ~even) | (after_odd & even);
+}
+
+/* For each byte b < 0x80: b itself when "\\b" is an escape that RFC 8785 writes as it is
+ * ('"' b f n r t; a backslash never follows an odd run), else 0xFF, a byte a document that
+ * passed the UTF-8 check never holds. "\\/" and "\\u" are left to scan_special. */
+static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
+    /* 0x00 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x08 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x10 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x18 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x20 */ 0xff, 0xff, '"',  0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x28 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x30 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x38 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x40 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x48 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x50 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x58 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x60 */ 0xff, 0xff, 'b',  0xff, 0xff, 0xff, 'f',  0xff,
+    /* 0x68 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 'n',  0xff,
+    /* 0x70 */ 0xff, 0xff, 'r',  0xff, 't',  0xff, 0xff, 0xff,
+    /* 0x78 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+};
+
+/* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
+ * backslashes, controls and bytes that may follow a backslash (one byte lookup for all 64);
+ * from them, with no branch per escape, the escaped bytes, the closing quote and whether
+ * anything needs a closer look: a control, "\\/", "\\u", an invalid escape or a budget about
+ * to run out. Such a block, and the tail shorter than 64 bytes, go through scan_special a byte
+ * at a time as at every other level, so errors and their positions are the same. */
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,bmi,popcnt"))) static int
+scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    const unsigned char *p = (const unsigned char *)d->src;
+    const __m512i quote = _mm512_set1_epi8('"'), bslash = _mm512_set1_epi8('\\'),
+                  space = _mm512_set1_epi8(0x20);
+    const __m512i kept_lo = _mm512_load_si512((const void *)esc_kept),
+                  kept_hi = _mm512_load_si512((const void *)(esc_kept + 64));
+    size_t n = d->srclen, i = *pos + 1;
+    for (;;) {
+        size_t through = SIZE_MAX; /* where the byte loop may hand back; the end by default */
+        while (i + 64 <= n) {
+            __m512i x = _mm512_loadu_si512((const void *)(p + i));
+            uint64_t q = _mm512_cmpeq_epi8_mask(x, quote);
+            uint64_t bs = _mm512_cmpeq_epi8_mask(x, bslash);
+            uint64_t ctl = _mm512_cmplt_epu8_mask(x, space);
+            if (bs == 0) { /* most blocks: no escape, and a key or value ends at its first quote */
+                uint64_t in = q ? (q & -q) - 1 : ~0ull;
+                if (ctl & in) {
+                    through = i + (size_t)__builtin_ctzll(ctl & in);
+                    break;
+                }
+                if (q) {
+                    *pos = i + (size_t)__builtin_ctzll(q) + 1;
+                    return 0;
+                }
+                i += 64;
+                continue;
+            }
+            uint64_t kept =
+                _mm512_cmpeq_epi8_mask(_mm512_permutex2var_epi8(kept_lo, x, kept_hi), x);
+            /* A run of backslashes that reaches the block's end starts the next block. */
+            /* (a branch, not arithmetic on the masks: the next block's load must not wait for
+             * this block's) */
+            uint64_t avail = ~0ull;
+            size_t step = 64;
+            if (__builtin_expect((int64_t)bs < 0, 0)) {
+                if (~bs == 0) {
+                    through = i + 63;
+                    break;
+                }
+                step = 64 - (size_t)__builtin_clzll(~bs);
+                avail = ~0ull >> __builtin_clzll(~bs);
+            }
+            uint64_t escd = escaped_after_odd_runs(bs);
+            uint64_t end = q & ~escd & avail;
+            uint64_t in = end ? (end & -end) - 1 : avail; /* the string's bytes in this block */
+            uint64_t bad = (ctl | (escd & ~kept)) & in;
+            if (bad) {
+                through = i + (size_t)__builtin_ctzll(bad);
+                break;
+            }
+            /* every escape is two bytes: "\\\\" or a backslash and an escaped byte */
+            uint32_t nesc =
+                (uint32_t)(__builtin_popcountll(bs & in) + __builtin_popcountll(escd & in)) / 2;
+            if (nesc) {
+                if ((uint64_t)d->ntoks * JDOC_TOKEN_UNITS + d->nslow + nesc > d->budget) {
+                    through = i + 63; /* the byte loop finds the escape that runs it out */
+                    break;
+                }
+                d->nslow += nesc;
+                *flags |= JF_ESC;
+            }
+            if (end) {
+                *pos = i + (size_t)__builtin_ctzll(end) + 1;
+                return 0;
+            }
+            i += step;
+        }
+        int r = scan_through(d, pos, &i, through, flags, plain_run_avx2_utf8ok, str_special_utf8ok);
+        if (r != 0)
+            return r < 0 ? -1 : 0;
+    }
+}
 #endif
 
 /* Well-formed UTF-8 by RFC 3629's table, a byte at a time after an ASCII fast path. */
@@ -497,13 +649,13 @@ static bool utf8_valid_scalar(const unsigned char *p, size_t n)
 static int simd_level(void)
 {
     int v = atomic_load_explicit(&g_simd, memory_order_relaxed);
-    return v ? v - 1 : jdoc_simd_select(JDOC_SIMD_AVX2);
+    return v ? v - 1 : jdoc_simd_select(JDOC_SIMD_BEST);
 }
 
 bool jdoc_utf8_valid(const char *p, size_t n)
 {
 #ifdef JDOC_HAVE_X86
-    if (simd_level() == JDOC_SIMD_AVX2)
+    if (simd_level() >= JDOC_SIMD_AVX2)
         return utf8_valid_avx2((const unsigned char *)p, n);
 #endif
     return utf8_valid_scalar((const unsigned char *)p, n);
@@ -516,6 +668,9 @@ static scan_string_fn scan_string_pick(const char *src, size_t n)
 {
     switch (simd_level()) {
 #ifdef JDOC_HAVE_X86
+    case JDOC_SIMD_AVX512:
+        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
+                                                              : scan_string_avx2;
     case JDOC_SIMD_AVX2:
         return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
                                                               : scan_string_avx2;

@@ -120,7 +120,13 @@ int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out);
 
 /* String scanning: the widest vector unit the CPU has (checked at run time), or a portable
  * eight-bytes-at-a-time loop; all of them accept and refuse exactly the same inputs. */
-enum { JDOC_SIMD_SCALAR = 0, JDOC_SIMD_SSE2, JDOC_SIMD_AVX2 };
+enum {
+    JDOC_SIMD_SCALAR = 0,
+    JDOC_SIMD_SSE2,
+    JDOC_SIMD_AVX2,
+    JDOC_SIMD_AVX512, /* AVX-512 BW and VBMI: strings 64 bytes a step, escapes as bit masks */
+    JDOC_SIMD_BEST = JDOC_SIMD_AVX512
+};
 /* Use at most level max (tests run every path this way); returns the level now in use. The
  * default is the best the CPU supports. Process-wide. */
 int jdoc_simd_select(int max);
