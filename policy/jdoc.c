@@ -604,8 +604,9 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
             uint64_t end = q & ~escd & avail;
             uint64_t in = end ? (end & -end) - 1 : avail; /* the string's bytes in this block */
             uint64_t bad = (ctl | (escd & ~kept)) & in;
-            if (bad) {
-                through = i + (size_t)__builtin_ctzll(bad);
+            if (bad) { /* the byte loop takes the block up to its last such byte: a block
+                          dense with "\\u" or "\\/" is looked at as a block only once */
+                through = i + 63 - (size_t)__builtin_clzll(bad);
                 break;
             }
             /* every escape is two bytes: "\\\\" or a backslash and an escaped byte */
