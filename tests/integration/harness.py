@@ -29,10 +29,12 @@ import http.client as _hc
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -60,6 +62,26 @@ def _default_bin(name):
 
 SIM_BIN = os.environ.get("DETPROXY_SIM_BIN") or _default_bin("detproxy-sim")
 DETPROXY_BIN = os.environ.get("DETPROXY_BIN") or _default_bin("detproxy")
+
+# Every temporary file and directory a test process makes through tempfile's defaults lands in
+# one directory of its own, removed when that process exits, so a run leaves nothing behind in
+# /tmp. Only this module's process removes it (a child forked from it runs no cleanup of its
+# own). DP_KEEP_TMP=1 keeps it and prints where it is, to look at after a failure.
+_TMP_OWNER = os.getpid()
+_TMP_ROOT = tempfile.mkdtemp(prefix="dp-run-")
+os.chmod(_TMP_ROOT, 0o711)  # traversable, as /tmp is, by the other uids some tests run as
+tempfile.tempdir = _TMP_ROOT
+
+
+@atexit.register
+def _remove_tmp():
+    if os.getpid() != _TMP_OWNER:
+        return
+    if os.environ.get("DP_KEEP_TMP", "0").lower() in ("1", "true", "on", "yes"):
+        print("DP_KEEP_TMP: kept %s" % _TMP_ROOT, file=sys.stderr)
+        return
+    shutil.rmtree(_TMP_ROOT, ignore_errors=True)
+
 
 _live = []  # every Proc not yet reaped
 _given = set()  # ports free_port returned in this process

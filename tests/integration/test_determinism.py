@@ -4,6 +4,7 @@ total_slots 1, vLLM's VLLM_BATCH_INVARIANT through the agent); single_sequence i
 detproxy (one request in flight per replica, cache_prompt false for llama.cpp); a tenant's
 require_determinism routes only to pools with that mode."""
 
+import atexit
 import json
 import os
 import shutil
@@ -134,7 +135,19 @@ def fake_vllm(value, name=None):
         exe = os.path.join(TMP, name)
         if not os.path.exists(exe):
             os.symlink(sys.executable, exe)
-    return subprocess.Popen([exe, "-c", "import time; time.sleep(600)"], env=env)
+    p = subprocess.Popen([exe, "-c", "import time; time.sleep(600)"], env=env)
+    _fakes.append(p)
+    return p
+
+
+_fakes = []  # killed at exit: a failed test must not leave one holding ctest's output open
+
+
+@atexit.register
+def _kill_fakes():
+    for p in _fakes:
+        if p.poll() is None:
+            p.kill()
 
 
 def agent(*det_flags, user=None):
