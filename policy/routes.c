@@ -91,18 +91,21 @@ static bool is_read(dp_iovec_t method)
 
 policy_class_t policy_routes_classify(dp_iovec_t method, dp_iovec_t path)
 {
+    /* The policed routes first: they are nearly every request, and no generation route's
+     * pattern matches one of them (tests/unit/test_policy_routes.c checks), so the order
+     * changes no answer. */
+    if (iov_eq(method, "POST")) {
+        if (route_matches("/v1/chat/completions", path))
+            return POLICY_CLASS_CHAT;
+        if (route_matches("/v1/completions", path))
+            return POLICY_CLASS_COMPLETIONS;
+        if (route_matches("/v1/responses", path))
+            return POLICY_CLASS_RESPONSES;
+    }
     for (size_t i = 0; i < DP_ARRAY_SIZE(generation_routes); i++)
         if ((generation_routes[i].any_method || !is_read(method)) &&
             route_matches(generation_routes[i].pattern, path))
             return POLICY_CLASS_GENERATION;
-    if (iov_eq(method, "POST")) {
-        if (route_matches("/v1/completions", path))
-            return POLICY_CLASS_COMPLETIONS;
-        if (route_matches("/v1/chat/completions", path))
-            return POLICY_CLASS_CHAT;
-        if (route_matches("/v1/responses", path))
-            return POLICY_CLASS_RESPONSES;
-    }
     if (iov_eq(method, "GET") && route_matches("/v1/models", path))
         return POLICY_CLASS_MODELS;
     return POLICY_CLASS_PASS;

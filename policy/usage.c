@@ -1,8 +1,8 @@
 /* Token usage from responses, for detproxy_tokens_total and the access log's tokens
  * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
- * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); everything else is one
- * state-machine step per byte. */
+ * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); between strings the scan
+ * jumps to the next quote, inside one to the next quote, backslash or newline. */
 #include <string.h>
 
 #include "policy/jdoc.h"
@@ -82,10 +82,21 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
                 return;
             i = (size_t)(q - p);
             ch = '"';
-        } else if (u->in_str && !u->esc && u->klen == 0xff) {
-            /* Inside a string that cannot be the key: only '\\', '"' and a newline matter. */
-            while (i < n && p[i] != '"' && p[i] != '\\' && p[i] != '\n')
-                i++;
+        } else if (u->in_str && !u->esc) {
+            /* Inside a string only '\\', '"' and a newline matter; the bytes before them are
+             * the key's while it may still be "usage". */
+            size_t j = i;
+            while (j < n && p[j] != '"' && p[j] != '\\' && p[j] != '\n')
+                j++;
+            if (u->klen != 0xff) {
+                if (j - i <= sizeof(u->key) - u->klen) {
+                    memcpy(u->key + u->klen, p + i, j - i);
+                    u->klen = (uint8_t)(u->klen + (j - i));
+                } else {
+                    u->klen = 0xff;
+                }
+            }
+            i = j;
             if (i == n)
                 return;
             ch = p[i];
@@ -100,13 +111,9 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
                 u->klen = 0xff; /* an escaped key is never "usage" as engines write it */
             } else if (ch == '\\') {
                 u->esc = true;
-            } else if (ch == '"') {
+            } else { /* the closing quote (every other byte was taken above) */
                 u->in_str = false;
                 u->st = u->klen == 5 && memcmp(u->key, "usage", 5) == 0 ? ST_AFTER_KEY : ST_SCAN;
-            } else if (u->klen < sizeof(u->key)) {
-                u->key[u->klen++] = ch;
-            } else {
-                u->klen = 0xff;
             }
             continue;
         }

@@ -33,6 +33,21 @@ Test(classify, policed_routes)
     cr_assert_eq(cls("POST", "/v1/models"), POLICY_CLASS_PASS);
 }
 
+/* No engine-generation pattern matches a policed path (with or without its trailing '/'):
+ * classification tries the policed routes first, which is only the same answer because of
+ * this. A method that is neither POST nor a read shows it: only a generation route would
+ * classify such a request as anything but a pass. */
+Test(classify, no_generation_pattern_matches_a_policed_path)
+{
+    static const char *const paths[] = {"/v1/completions",      "/v1/completions/",
+                                        "/v1/chat/completions", "/v1/chat/completions/",
+                                        "/v1/responses",        "/v1/responses/"};
+    for (size_t i = 0; i < sizeof(paths) / sizeof(paths[0]); i++) {
+        cr_assert_eq(cls("PUT", paths[i]), POLICY_CLASS_PASS, "%s", paths[i]);
+        cr_assert_eq(cls("GET", paths[i]), POLICY_CLASS_PASS, "%s", paths[i]);
+    }
+}
+
 Test(classify, engine_generation_routes_whatever_the_method)
 {
     static const char *const paths[] = {

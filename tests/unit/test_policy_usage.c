@@ -57,6 +57,11 @@ Test(usage, keys_and_quotes_inside_strings_never_match)
     expect_none("{\"text\":\"\\\"usage\\\": {\\\"prompt_tokens\\\": 1}\"}");
     expect_none("{\"usage_notes\":{\"prompt_tokens\":1,\"completion_tokens\":2}}");
     expect_none("{\"xusage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}");
+    /* keys as long as the key buffer and one longer, then the real key */
+    expect_none("{\"usageabc\":{\"prompt_tokens\":1},\"usageabcd\":{\"prompt_tokens\":1}}");
+    expect(
+        "{\"abcdefgh\":1,\"abcdefghi\":2,\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":6}}",
+        5, 6);
     /* a string value that looks like usage followed by an object elsewhere */
     expect_none("{\"a\":\"usage\",\"b\":{\"prompt_tokens\":1}}");
     /* after the text containing it, the real one still counts */
