@@ -41,38 +41,61 @@ static void captured(policy_usage_t *u)
     jdoc_free(&d);
 }
 
+/* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
+ * input ends, or it outgrows u->cap (then it is skipped, as no engine's usage is that large).
+ * Returns the index of the last byte taken. The state lives in locals while it runs: a store
+ * into u->cap may alias any field of *u, which would otherwise be reloaded after each byte. */
+static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
+{
+    bool in_str = u->in_str, esc = u->esc;
+    unsigned depth = u->depth, clen = u->clen;
+    size_t j = i;
+    for (; j < n; j++) {
+        char ch = p[j];
+        if (ch == '\n') /* no string holds one (see policy_usage_feed) */
+            in_str = esc = false;
+        if (clen >= sizeof(u->cap)) {
+            u->st = ST_SCAN;
+            break;
+        }
+        u->cap[clen++] = ch;
+        if (in_str) {
+            if (esc)
+                esc = false;
+            else if (ch == '\\')
+                esc = true;
+            else if (ch == '"')
+                in_str = false;
+        } else if (ch == '"') {
+            in_str = true;
+        } else if (ch == '{') {
+            depth++;
+        } else if (ch == '}' && --depth == 0) {
+            u->clen = (uint16_t)clen;
+            captured(u);
+            u->st = ST_SCAN;
+            break;
+        }
+    }
+    u->in_str = in_str;
+    u->esc = esc;
+    u->depth = (uint16_t)depth;
+    u->clen = (uint16_t)clen;
+    return j;
+}
+
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         char ch = p[i];
+        if (u->st == ST_CAPTURE) {
+            i = capture(u, p, i, n);
+            continue;
+        }
         if (ch == '\n') {
             /* JSON strings hold no raw newline: a newline ends any string (and an SSE event
              * line), so a truncated event cannot leave the scanner inside a string. */
             u->in_str = u->esc = false;
-            if (u->st != ST_CAPTURE)
-                continue;
-        }
-        if (u->st == ST_CAPTURE) {
-            if (u->clen >= sizeof(u->cap)) {
-                u->st = ST_SCAN; /* not a usage object of any engine we know: skip it */
-                continue;
-            }
-            u->cap[u->clen++] = ch;
-            if (u->in_str) {
-                if (u->esc)
-                    u->esc = false;
-                else if (ch == '\\')
-                    u->esc = true;
-                else if (ch == '"')
-                    u->in_str = false;
-            } else if (ch == '"') {
-                u->in_str = true;
-            } else if (ch == '{') {
-                u->depth++;
-            } else if (ch == '}' && --u->depth == 0) {
-                captured(u);
-                u->st = ST_SCAN;
-            }
             continue;
         }
         if (u->st == ST_SCAN && !u->in_str) {
