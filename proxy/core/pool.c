@@ -76,16 +76,18 @@ void px_pool_why_unavailable(const px_pool_t *p, dp_buf_t *out)
 px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status, const char *code)
 {
     char st[12];
-    snprintf(st, sizeof(st), "%d", status);
-    if (p == NULL) /* refused before a pool was chosen: rare enough for a hash probe */
+    if (p == NULL) { /* refused before a pool was chosen: rare enough for a hash probe */
+        snprintf(st, sizeof(st), "%d", status);
         return px_metrics_get("detproxy_requests_total", "pool", "-", "tenant", tenant, "status",
                               st, "code", code, NULL);
+    }
     px_pool_slot_t *sl = &p->slots[px_thread_slot()];
     size_t n = DP_ARRAY_SIZE(sl->m_requests);
     for (size_t i = 0; i < n && sl->m_requests[i].s; i++)
         if (sl->m_requests[i].tenant == tenant && sl->m_requests[i].status == status &&
             sl->m_requests[i].code == code)
             return sl->m_requests[i].s;
+    snprintf(st, sizeof(st), "%d", status);
     px_series_t *s = px_metrics_get("detproxy_requests_total", "pool", p->name, "tenant", tenant,
                                     "status", st, "code", code, NULL);
     for (size_t i = 0; i < n; i++) {
@@ -98,4 +100,27 @@ px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int statu
         }
     }
     return s;
+}
+
+void px_pool_tokens_series(px_pool_t *p, const char *tenant, px_series_t **prompt,
+                           px_series_t **completion)
+{
+    px_pool_slot_t *sl = &p->slots[px_thread_slot()];
+    size_t n = DP_ARRAY_SIZE(sl->m_tokens), i;
+    for (i = 0; i < n && sl->m_tokens[i].prompt; i++) {
+        if (sl->m_tokens[i].tenant == tenant) {
+            *prompt = sl->m_tokens[i].prompt;
+            *completion = sl->m_tokens[i].completion;
+            return;
+        }
+    }
+    *prompt = px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", p->name, "kind",
+                             "prompt", NULL);
+    *completion = px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", p->name, "kind",
+                                 "completion", NULL);
+    if (i < n) { /* more tenants than slots: the rest are looked up each time */
+        sl->m_tokens[i].tenant = tenant;
+        sl->m_tokens[i].prompt = *prompt;
+        sl->m_tokens[i].completion = *completion;
+    }
 }

@@ -36,6 +36,11 @@ typedef struct px_pool_slot_s {
         int status;
         px_series_t *s;
     } m_requests[16];
+    /* detproxy_tokens_total's two series (prompt, completion) by tenant, the same way. */
+    struct {
+        const char *tenant;
+        px_series_t *prompt, *completion;
+    } m_tokens[8];
 } px_pool_slot_t;
 
 struct px_pool_s {
@@ -66,5 +71,9 @@ bool px_pool_all_drained(const px_pool_t *p);
  * request refused before any pool was chosen (label pool="-"). code is static. */
 px_series_t *px_pool_requests_series(px_pool_t *p, const char *tenant, int status,
                                      const char *code);
+/* detproxy_tokens_total{tenant, pool, kind="prompt"|"completion"} for tenant (the same stable
+ * pointer rule), looked up once per worker. */
+void px_pool_tokens_series(px_pool_t *p, const char *tenant, px_series_t **prompt,
+                           px_series_t **completion);
 
 #endif

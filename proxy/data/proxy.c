@@ -1119,12 +1119,10 @@ static void count_request(px_preq_t *q)
         px_metrics_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
     int64_t pt, ct;
     if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
-        px_metrics_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
-                                      "kind", "prompt", NULL),
-                       (double)pt);
-        px_metrics_add(px_metrics_get("detproxy_tokens_total", "tenant", tenant, "pool", pool->name,
-                                      "kind", "completion", NULL),
-                       (double)ct);
+        px_series_t *prompt, *completion;
+        px_pool_tokens_series(pool, tenant, &prompt, &completion);
+        px_metrics_add(prompt, (double)pt);
+        px_metrics_add(completion, (double)ct);
     }
 }
 

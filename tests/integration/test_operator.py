@@ -200,6 +200,12 @@ def test_token_counters_from_usage_json_and_sse():
                   kind="prompt") == 2 * usage["prompt_tokens"]
     text = http("GET", px.admin_port, "/metrics").text
     assert "# TYPE detproxy_tokens_total counter" in text
+    # another tenant's tokens count in its own series, and the first tenant's stay as they were
+    r = post_json(px.port, "/v1/completions", completion(max_tokens=5), headers=BANK)
+    assert r.status == 200, r.text
+    poll_until(lambda: metric(px, "detproxy_tokens_total", tenant="bank", kind="completion") ==
+               r.json()["usage"]["completion_tokens"], what="the bank tenant's tokens counted")
+    assert metric(px, "detproxy_tokens_total", tenant="default", kind="completion") == 9
     px.stop()
 
 
