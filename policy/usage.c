@@ -15,7 +15,14 @@ static bool number(const jdoc_t *d, const char *key, int64_t *out)
     uint32_t t = jdoc_get(d, 0, key);
     if (t == JDOC_NONE || d->toks[t].type != JT_NUM)
         return false;
-    double v = jdoc_num(d, t);
+    int64_t i;
+    if (jdoc_int64(d, t, &i) == 0) { /* what engines send: no strtod */
+        if (i < 0 || i > (int64_t)1e15)
+            return false;
+        *out = i;
+        return true;
+    }
+    double v = jdoc_num(d, t); /* 3.0, 1e2, or an integer too long for int64 */
     if (v < 0 || v > 1e15 || v != (double)(int64_t)v)
         return false;
     *out = (int64_t)v;

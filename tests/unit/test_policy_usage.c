@@ -78,6 +78,12 @@ Test(usage, bad_or_absent_values_are_ignored)
     expect_none("{\"usage\":{\"prompt_tokens\":\"3\"}}");
     expect_none("{\"usage\":{\"prompt_tokens\":3");    /* truncated */
     expect("{\"usage\":{\"prompt_tokens\":3}}", 3, 0); /* no completion: 0 */
+    /* integral values however written count; past 10^15 nothing does */
+    expect("{\"usage\":{\"prompt_tokens\":3.0,\"completion_tokens\":2e0}}", 3, 2);
+    expect("{\"usage\":{\"prompt_tokens\":1000000000000000,\"completion_tokens\":0}}",
+           1000000000000000, 0);
+    expect_none("{\"usage\":{\"prompt_tokens\":1000000000000001}}");
+    expect_none("{\"usage\":{\"prompt_tokens\":99999999999999999999}}");
 }
 
 Test(usage, oversized_object_is_skipped_and_scanning_goes_on)
