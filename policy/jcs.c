@@ -225,8 +225,23 @@ void jcs_flush(jcs_out_t *o)
     }
 }
 
+/* Does n more bytes fit o's buffer as it is, with no stage to hash first? (Most writes are a
+ * brace, a comma or a short key: they are stored here, not through dp_buf_append.) */
+static inline bool fits(const jcs_out_t *o, size_t n)
+{
+    size_t len = o->buf->len + n;
+    return len < o->buf->cap && !(o->sha && len > JCS_STAGE);
+}
+
 void jcs_emit(jcs_out_t *o, const char *p, size_t n)
 {
+    if (fits(o, n)) {
+        dp_buf_t *b = o->buf;
+        memcpy(b->base + b->len, p, n);
+        b->len += n;
+        b->base[b->len] = '\0';
+        return;
+    }
     if (o->sha && o->buf->len + n > JCS_STAGE) {
         jcs_flush(o);
         if (n >= JCS_STAGE / 2) {
@@ -239,6 +254,12 @@ void jcs_emit(jcs_out_t *o, const char *p, size_t n)
 
 static inline void emitc(jcs_out_t *o, char c)
 {
+    if (fits(o, 1)) {
+        dp_buf_t *b = o->buf;
+        b->base[b->len++] = c;
+        b->base[b->len] = '\0';
+        return;
+    }
     jcs_emit(o, &c, 1);
 }
 
