@@ -1,4 +1,5 @@
-/* common/buf.c: exact reservations and the thread's stash of large buffers. */
+/* common/buf.c: exact reservations and the thread's stash of large buffers; common/util.h's
+ * case-insensitive comparisons. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -6,6 +7,7 @@
 #include <unistd.h>
 
 #include "common/buf.h"
+#include "common/util.h"
 
 Test(buf, an_exact_reservation_allocates_what_is_asked_and_keeps_the_bytes)
 {
@@ -185,3 +187,19 @@ Test(buf, reading_a_stashed_buffer_is_caught_by_asan, .exit_code = 1)
     cr_assert_eq(stale[10], 'x', "not reached: ASan stops the process on the read");
 }
 #endif
+
+/* Header names compare ASCII case-insensitively, whole: a prefix, a longer name or a name
+ * holding a NUL is another name. */
+Test(util, strieq_compares_whole_names_ignoring_ascii_case)
+{
+    cr_assert(dp_strieq("Content-Type", 12, "content-type"));
+    cr_assert(dp_strieq("HOST", 4, "host"));
+    cr_assert(dp_strieq("", 0, ""));
+    cr_assert_not(dp_strieq("Host", 3, "host"));  /* a prefix */
+    cr_assert_not(dp_strieq("Hosts", 5, "host")); /* longer */
+    cr_assert_not(dp_strieq("ho\0t", 4, "host")); /* a NUL inside */
+    cr_assert_not(dp_strieq("h\xc3st", 5, "host"));
+    cr_assert_not(dp_strieq("Hozt", 4, "host"));
+    cr_assert(dp_memieq("AbC", "aBc", 3));
+    cr_assert_not(dp_memieq("[", "{", 1)); /* 0x5b and 0x7b differ only by 0x20: not letters */
+}
