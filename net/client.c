@@ -59,6 +59,10 @@ struct uconn_s {
     bool connected;
     bool held;                 /* connected, request bytes kept back until net_creq_release */
     net_up_err_t deferred_err; /* reported by deferred_fail_cb */
+    /* The timer's deadline for its phase (uv_now() ms), and, while it runs timer_cb (not a
+     * deferred failure), when it fires: no later than the deadline (uconn_arm). */
+    uint64_t deadline, timer_due;
+    bool timer_lazy;
 };
 
 struct net_upstream_s {
@@ -153,10 +157,18 @@ static void idle_push(uconn_t *c)
 static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail);
 static void uconn_close(uconn_t *c);
 
+static void uconn_arm(uconn_t *c, uint64_t ms);
+
 static void timer_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
     net_upstream_t *u = c->up;
+    uint64_t now = uv_now(u->loop);
+    if (now < c->deadline) { /* set early, the deadline moved on since (uconn_arm) */
+        c->timer_lazy = false;
+        uconn_arm(c, c->deadline - now);
+        return;
+    }
     switch (c->phase) {
     case UC_CONNECTING:
         uconn_fail(c, NET_UP_CONNECT, "connect timeout");
@@ -168,9 +180,9 @@ static void timer_cb(uv_timer_t *t)
             uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
         return;
     case UC_BODY: {
-        uint64_t now = uv_now(u->loop), idle = u->o.idle_timeout_ms;
+        uint64_t idle = u->o.idle_timeout_ms;
         if (c->paused || now - c->last_read < idle) {
-            uv_timer_start(&c->timer, timer_cb, c->paused ? idle : idle - (now - c->last_read), 0);
+            uconn_arm(c, c->paused ? idle : idle - (now - c->last_read));
             return;
         }
         uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
@@ -184,9 +196,28 @@ static void timer_cb(uv_timer_t *t)
     }
 }
 
+/* The timer, for `ms` from now. One already due no later than that is left alone: when it
+ * fires before the deadline, timer_cb sets it again for the rest. A pooled connection moves
+ * its deadline later on every exchange (first byte, body, pooled idle) and reaches it rarely,
+ * so this saves a timer-heap removal and insertion each time. */
 static void uconn_arm(uconn_t *c, uint64_t ms)
 {
+    c->deadline = uv_now(c->up->loop) + ms;
+    if (c->timer_lazy && uv_is_active((uv_handle_t *)&c->timer) && c->timer_due <= c->deadline)
+        return;
+    c->timer_due = c->deadline;
+    c->timer_lazy = true;
     uv_timer_start(&c->timer, timer_cb, ms, 0);
+}
+
+static void deferred_fail_cb(uv_timer_t *t);
+
+/* Report err from the loop, never inside the caller's call. */
+static void uconn_defer_fail(uconn_t *c, net_up_err_t err)
+{
+    c->deferred_err = err;
+    c->timer_lazy = false;
+    uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
 }
 
 /* ---- connection teardown ------------------------------------------------------------------ */
@@ -775,18 +806,15 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
         uconn_arm(c, u->o.connect_timeout_ms);
         if (u->tls && c->sock.tls == NULL) {
             /* No TLS state (out of memory): never fall back to plaintext to an https URL. */
-            c->deferred_err = NET_UP_CONNECT;
-            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+            uconn_defer_fail(c, NET_UP_CONNECT);
         } else if (net_sock_connect(&c->sock, (const struct sockaddr *)&u->addr) != 0) {
-            c->deferred_err = NET_UP_CONNECT;
-            uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+            uconn_defer_fail(c, NET_UP_CONNECT);
         }
         return &q->pub;
     }
     if (net_sock_write(&c->sock, bufs, nbufs) != 0) {
         /* A pooled connection that died under us: the classic keep-alive race. */
-        c->deferred_err = NET_UP_REUSED_CLOSED;
-        uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+        uconn_defer_fail(c, NET_UP_REUSED_CLOSED);
     }
     return &q->pub;
 }
@@ -851,8 +879,7 @@ void net_creq_release(net_creq_t *r)
     c->held = false;
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
     if (outq_send(c) != 0) { /* reported from the loop, never inside the caller's call */
-        c->deferred_err = NET_UP_SEND;
-        uv_timer_start(&c->timer, deferred_fail_cb, 0, 0);
+        uconn_defer_fail(c, NET_UP_SEND);
     }
 }
 

@@ -124,6 +124,7 @@ struct net_conn_s {
     dp_buf_t pending;
     uint64_t body_remaining;
     uint64_t deadline;      /* absolute uv_now() ms for the current timer purpose */
+    uint64_t timer_due;     /* when the timer, while active, fires (may be before deadline) */
     uint64_t body_deadline; /* uv_now() by which a buffered body must be read (0: none) */
     uint64_t last_read;     /* uv_now() of the last read, for idle checks in BODY */
     int closes_pending;
@@ -1036,10 +1037,17 @@ static int on_message_complete(llhttp_t *p)
 
 static void timer_cb(uv_timer_t *t);
 
+/* The connection's one timer, for `ms` from now. A timer already due no later than that is
+ * left alone: when it fires before the deadline, timer_cb sets it again for the rest. A
+ * keep-alive connection moves its deadline later several times a request (head, body, idle)
+ * and reaches it rarely, so this saves a timer-heap removal and insertion each time. */
 static void conn_arm(net_conn_t *c, uint64_t ms)
 {
     c->kick = false;
     c->deadline = uv_now(c->srv->loop) + ms;
+    if (uv_is_active((uv_handle_t *)&c->timer) && c->timer_due <= c->deadline)
+        return;
+    c->timer_due = c->deadline;
     uv_timer_start(&c->timer, timer_cb, ms, 0);
 }
 
@@ -1047,6 +1055,7 @@ static void conn_arm(net_conn_t *c, uint64_t ms)
 static void conn_kick(net_conn_t *c)
 {
     c->kick = true;
+    c->timer_due = uv_now(c->srv->loop);
     uv_timer_start(&c->timer, timer_cb, 0, 0);
 }
 
@@ -1082,6 +1091,11 @@ static void timer_cb(uv_timer_t *t)
 {
     net_conn_t *c = t->data;
     uint64_t now = uv_now(c->srv->loop);
+    if (!c->kick && now < c->deadline) { /* set early, the deadline moved on since (conn_arm) */
+        c->timer_due = c->deadline;
+        uv_timer_start(&c->timer, timer_cb, c->deadline - now, 0);
+        return;
+    }
     if (c->kick) {
         c->kick = false;
         bool body = c->phase == PH_BODY;

@@ -478,6 +478,42 @@ Test(net_server, keep_alive_connection_closes_quietly_at_idle_timeout)
     raw_close(&c);
 }
 
+/* The connection's timer is left running when a deadline moves later (a keep-alive request
+ * moves it from the header timeout to the idle one): firing early, it sets itself again for
+ * the rest. So the header timeout does not end a connection that is idle, the idle timeout
+ * still does, and a new request still gets the header timeout. */
+Test(net_server, a_deadline_moved_later_is_kept_by_a_timer_that_fired_early)
+{
+    net_server_limits_t l = limits();
+    l.client_header_timeout_ms = 40;
+    l.client_idle_timeout_ms = 400;
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    raw_sends(&c, "GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/a") == 1);
+    uint64_t t0 = uv_now(&g_loop);
+    run_for(150); /* several header timeouts, well inside the idle one */
+    cr_assert_not(c.eof, "closed after %llu ms idle", (unsigned long long)(uv_now(&g_loop) - t0));
+    raw_sends(&c, "GET /b HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/b") == 1);
+    /* idle again: closed quietly at the idle timeout, not before 400 ms */
+    t0 = uv_now(&g_loop);
+    RUN_UNTIL(c.eof);
+    cr_assert_geq(uv_now(&g_loop) - t0, 350);
+    cr_assert_eq(raw_count(&c, "HTTP/1.1"), 2);
+    raw_close(&c);
+    /* a partial head on a fresh connection still gets the header timeout's 408 */
+    raw_t d;
+    raw_connect(&d, net_server_port(g_srv));
+    raw_sends(&d, "GET /c HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&d, "\r\n\r\n/c") == 1);
+    dp_buf_reset(&d.in);
+    raw_sends(&d, "GET / HTTP/1.1\r\nHost: x\r\n");
+    expect_reject(&d, 408, "timeout");
+    raw_close(&d);
+}
+
 Test(net_server, paused_body_is_not_read_until_resumed)
 {
     net_server_limits_t l = limits();
