@@ -3,6 +3,7 @@
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
  * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); between strings the scan
  * jumps to the next quote, inside one to the next quote, backslash or newline. */
+#include <stdint.h>
 #include <string.h>
 
 #include "policy/jdoc.h"
@@ -46,6 +47,30 @@ static void captured(policy_usage_t *u)
         u->completion_tokens = c;
     }
     jdoc_free(&d);
+}
+
+/* The first '"', '\\' or newline at or after j (n if none): eight bytes a step, each tested
+ * for the three at once (a byte equal to c leaves a zero byte in x ^ c). */
+static inline size_t str_stop(const char *p, size_t j, size_t n)
+{
+    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    while (j + 8 <= n) {
+        uint64_t x;
+        memcpy(&x, p + j, 8);
+        uint64_t q = x ^ (ones * '"'), b = x ^ (ones * '\\'), l = x ^ (ones * '\n');
+        uint64_t t = (((q - ones) & ~q) | ((b - ones) & ~b) | ((l - ones) & ~l)) & highs;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (t) /* the lowest flag is exact (a borrow only runs upward from a zero byte) */
+            return j + (size_t)__builtin_ctzll(t) / 8;
+#else
+        if (t) /* the first bytes in memory are the high ones: the byte loop finds it */
+            break;
+#endif
+        j += 8;
+    }
+    while (j < n && p[j] != '"' && p[j] != '\\' && p[j] != '\n')
+        j++;
+    return j;
 }
 
 /* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
@@ -115,9 +140,7 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
         } else if (u->in_str && !u->esc) {
             /* Inside a string only '\\', '"' and a newline matter; the bytes before them are
              * the key's while it may still be "usage". */
-            size_t j = i;
-            while (j < n && p[j] != '"' && p[j] != '\\' && p[j] != '\n')
-                j++;
+            size_t j = str_stop(p, i, n);
             if (u->klen != 0xff) {
                 if (j - i <= sizeof(u->key) - u->klen) {
                     memcpy(u->key + u->klen, p + i, j - i);
