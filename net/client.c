@@ -165,7 +165,6 @@ static void timer_cb(uv_timer_t *t)
     net_upstream_t *u = c->up;
     uint64_t now = uv_now(u->loop);
     if (now < c->deadline) { /* set early, the deadline moved on since (uconn_arm) */
-        c->timer_lazy = false;
         uconn_arm(c, c->deadline - now);
         return;
     }

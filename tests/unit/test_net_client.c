@@ -801,3 +801,33 @@ Test(net_client, kept_start_bytes_wait_for_the_release_and_precede_streamed_ones
     x_free(&a);
     x_free(&d);
 }
+
+static void ok_then_nothing(peer_conn_t *c, int nth)
+{
+    if (nth == 1)
+        answer_ok(c, nth);
+}
+
+/* An upstream connection's timer is left running when a deadline moves later: a pooled
+ * connection (pooled-idle deadline 200 ms) reused 100 ms later must get its whole first-byte
+ * timeout (600 ms), not fail when the pooled-idle timer it kept fires. */
+Test(net_client, a_reused_connection_gets_its_whole_first_byte_timeout)
+{
+    peer_start(&g_peer, ok_then_nothing);
+    net_upstream_opts_t o = {.idle_timeout_ms = 200, .first_byte_timeout_ms = 600};
+    up_new(&o);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    run_for(100);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    uint64_t t0 = uv_now(&g_loop);
+    x_get(&b);
+    RUN_UNTIL_MS(b.done, 3000);
+    cr_assert(b.reused);
+    cr_assert_eq(b.err, NET_UP_FIRST_BYTE_TIMEOUT, "%s", net_up_err_name(b.err));
+    cr_assert_geq(uv_now(&g_loop) - t0, 580, "failed after %llu ms",
+                  (unsigned long long)(uv_now(&g_loop) - t0));
+    x_free(&a);
+    x_free(&b);
+}
