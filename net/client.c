@@ -198,7 +198,9 @@ static void timer_cb(uv_timer_t *t)
 /* The timer, for `ms` from now. One already due no later than that is left alone: when it
  * fires before the deadline, timer_cb sets it again for the rest. A pooled connection moves
  * its deadline later on every exchange (first byte, body, pooled idle) and reaches it rarely,
- * so this saves a timer-heap removal and insertion each time. */
+ * so this saves a timer-heap removal and insertion each time. Every start of c->timer goes
+ * through here or uconn_defer_fail (which clears timer_lazy): a start elsewhere would let this
+ * keep the wrong timer. */
 static void uconn_arm(uconn_t *c, uint64_t ms)
 {
     c->deadline = uv_now(c->up->loop) + ms;

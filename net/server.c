@@ -1038,9 +1038,10 @@ static int on_message_complete(llhttp_t *p)
 static void timer_cb(uv_timer_t *t);
 
 /* The connection's one timer, for `ms` from now. A timer already due no later than that is
- * left alone: when it fires before the deadline, timer_cb sets it again for the rest. A
- * keep-alive connection moves its deadline later several times a request (head, body, idle)
- * and reaches it rarely, so this saves a timer-heap removal and insertion each time. */
+ * left alone: when it fires before the deadline, timer_cb sets it again for the rest, so a
+ * deadline moved later (the idle timeout after each response) costs no timer-heap removal and
+ * insertion. Every start of c->timer goes through here or conn_kick, which keep timer_due
+ * true: a start elsewhere would let this keep the wrong timer. */
 static void conn_arm(net_conn_t *c, uint64_t ms)
 {
     c->kick = false;
