@@ -226,6 +226,15 @@ static inline char lower(char c)
     return c >= 'A' && c <= 'Z' ? (char)(c + 32) : c;
 }
 
+bool dp_strieq(const char *a, size_t alen, const char *b)
+{
+    size_t i = 0;
+    for (; i < alen; i++)
+        if (b[i] == '\0' || lower(a[i]) != lower(b[i]))
+            return false;
+    return b[i] == '\0';
+}
+
 bool dp_memieq(const char *a, const char *b, size_t n)
 {
     for (size_t i = 0; i < n; i++)

@@ -5,7 +5,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "common/buf.h"
 
@@ -54,15 +53,10 @@ int dp_random_bytes(void *p, size_t n);
 /* Strict unsigned decimal: 1+ digits, no sign, no spaces, no overflow. 0 or -1. */
 int dp_parse_u64(const char *s, size_t n, uint64_t *out);
 
+/* ASCII case-insensitive equality of a length-delimited string with a C string. */
+bool dp_strieq(const char *a, size_t alen, const char *b);
 /* ASCII case-insensitive equality of two n-byte strings. */
 bool dp_memieq(const char *a, const char *b, size_t n);
-/* ASCII case-insensitive equality of a length-delimited string with a C string. Inline: b is
- * nearly always a literal, whose length the compiler knows, so a header of another length
- * (most of them) is told apart without a call. */
-static inline bool dp_strieq(const char *a, size_t alen, const char *b)
-{
-    return alen == strlen(b) && dp_memieq(a, b, alen);
-}
 
 /* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);
