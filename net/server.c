@@ -1093,8 +1093,7 @@ static void timer_cb(uv_timer_t *t)
     net_conn_t *c = t->data;
     uint64_t now = uv_now(c->srv->loop);
     if (!c->kick && now < c->deadline) { /* set early, the deadline moved on since (conn_arm) */
-        c->timer_due = c->deadline;
-        uv_timer_start(&c->timer, timer_cb, c->deadline - now, 0);
+        conn_arm(c, c->deadline - now);
         return;
     }
     if (c->kick) {

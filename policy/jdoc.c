@@ -587,9 +587,9 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
             }
             uint64_t kept =
                 _mm512_cmpeq_epi8_mask(_mm512_permutex2var_epi8(kept_lo, x, kept_hi), x);
-            /* A run of backslashes that reaches the block's end starts the next block. */
-            /* (a branch, not arithmetic on the masks: the next block's load must not wait for
-             * this block's) */
+            /* A run of backslashes that reaches the block's end starts the next block (a
+             * branch, not arithmetic on the masks: the next block's load must not wait for
+             * this block's). */
             uint64_t avail = ~0ull;
             size_t step = 64;
             if (__builtin_expect((int64_t)bs < 0, 0)) {
@@ -597,8 +597,9 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
                     through = i + 63;
                     break;
                 }
-                step = 64 - (size_t)__builtin_clzll(~bs);
-                avail = ~0ull >> __builtin_clzll(~bs);
+                unsigned run = (unsigned)__builtin_clzll(~bs); /* the run's length */
+                step = 64 - run;
+                avail = ~0ull >> run;
             }
             uint64_t escd = escaped_after_odd_runs(bs);
             uint64_t end = q & ~escd & avail;
