@@ -59,6 +59,12 @@ def test_same_file_is_equivalent_and_q8_0_diverges():
                            "max_tokens": TOKENS, "temperature": 0}, timeout=120)
             assert r.status == 200, (r.status, r.body[:300])
             assert r.headers["x-detproxy-replica"] in ("b1", "b2"), r.headers
+            # One request at a time, its drift copy included: the replicas run one sequence
+            # each and copies yield to clients (docs/rollouts.md), so a client sending back to
+            # back can keep a copy's replica busy past its wait and the baseline's noise
+            # samples would depend on timing. Waiting here makes every copy a sample.
+            poll_until(lambda: metric(px, "detproxy_shadow_total", pool="p") >= i + 1,
+                       timeout=120, what="the drift shadow of request %d ended" % i)
         for cand in ("same-f16", "q8"):
             poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p",
                                       candidate=cand) >= N,
@@ -77,6 +83,7 @@ def test_same_file_is_equivalent_and_q8_0_diverges():
                                            "mean_similarity", "median_divergence_offset",
                                            "excess_divergence")},
             "q8_0_reasons": q8_r["reasons"]}), flush=True)
+        assert same_r["baseline_noise"]["samples"] == N, same_r["baseline_noise"]
         assert same_r["verdict"] == "equivalent", json.dumps(same_r)[:1000]
         assert same_r["samples"] >= 30 and same_r["exact_match_rate"] == 1.0, same_r
         assert q8_r["verdict"] == "diverges", json.dumps(q8_r)[:1000]
