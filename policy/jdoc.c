@@ -20,8 +20,8 @@ static const uint8_t str_special[256] = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
 };
 
-/* The same for a document already known to be valid UTF-8 (utf8_valid_avx2): non-ASCII bytes
- * are plain text, only controls, '"' and '\\' end a run. */
+/* The same for a document already known to be valid UTF-8 (utf8_valid_avx2 or utf8_valid_avx512):
+ * non-ASCII bytes are plain text, only controls, '"' and '\\' end a run. */
 static const uint8_t str_special_utf8ok[256] = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
     0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -225,7 +225,65 @@ enum {
     U8_CARRY = U8_TOO_SHORT | U8_TOO_LONG | U8_TWO_CONTS,
 };
 
-#define U8_T16(...) _mm256_setr_epi8(__VA_ARGS__, __VA_ARGS__)
+/* The three tables, 16 entries each; every vector width repeats them in each 16-byte lane (the
+ * byte shuffles look up within a lane). */
+#define U8_TL (U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000)
+#define U8_CONT2 (U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS)
+static const uint8_t u8_byte_1_high[16] __attribute__((aligned(16))) = {
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TOO_LONG,
+    U8_TWO_CONTS,
+    U8_TWO_CONTS,
+    U8_TWO_CONTS,
+    U8_TWO_CONTS,
+    U8_TOO_SHORT | U8_OVERLONG_2,
+    U8_TOO_SHORT,
+    U8_TOO_SHORT | U8_OVERLONG_3 | U8_SURROGATE,
+    U8_TOO_SHORT | U8_TOO_LARGE | U8_TOO_LARGE_1000 | U8_OVERLONG_4};
+static const uint8_t u8_byte_1_low[16]
+    __attribute__((aligned(16))) = {U8_CARRY | U8_OVERLONG_3 | U8_OVERLONG_2 | U8_OVERLONG_4,
+                                    U8_CARRY | U8_OVERLONG_2,
+                                    U8_CARRY,
+                                    U8_CARRY,
+                                    U8_CARRY | U8_TOO_LARGE,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL,
+                                    U8_TL | U8_SURROGATE,
+                                    U8_TL,
+                                    U8_TL};
+static const uint8_t u8_byte_2_high[16]
+    __attribute__((aligned(16))) = {U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_CONT2 | U8_OVERLONG_3 | U8_TOO_LARGE_1000 | U8_OVERLONG_4,
+                                    U8_CONT2 | U8_OVERLONG_3 | U8_TOO_LARGE,
+                                    U8_CONT2 | U8_SURROGATE | U8_TOO_LARGE,
+                                    U8_CONT2 | U8_SURROGATE | U8_TOO_LARGE,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT,
+                                    U8_TOO_SHORT};
+#undef U8_TL
+#undef U8_CONT2
+
+#define U8_T256(t) _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(const void *)(t)))
 /* The 32 bytes ending k before `in`'s first byte: the tail of prev, then in. */
 #define U8_PREV(in, prev, k)                                                                       \
     _mm256_alignr_epi8((in), _mm256_permute2x128_si256((prev), (in), 0x21), 16 - (k))
@@ -233,40 +291,13 @@ enum {
 __attribute__((target("avx2"))) static inline __m256i u8_block(__m256i in, __m256i prev)
 {
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i byte_1_high = U8_T16(
-        U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG, U8_TOO_LONG,
-        U8_TOO_LONG, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS, (char)U8_TWO_CONTS,
-        U8_TOO_SHORT | U8_OVERLONG_2, U8_TOO_SHORT, U8_TOO_SHORT | U8_OVERLONG_3 | U8_SURROGATE,
-        (char)(U8_TOO_SHORT | U8_TOO_LARGE | U8_TOO_LARGE_1000 | U8_OVERLONG_4));
-    const __m256i byte_1_low =
-        U8_T16((char)(U8_CARRY | U8_OVERLONG_3 | U8_OVERLONG_2 | U8_OVERLONG_4),
-               (char)(U8_CARRY | U8_OVERLONG_2), (char)U8_CARRY, (char)U8_CARRY,
-               (char)(U8_CARRY | U8_TOO_LARGE), (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000 | U8_SURROGATE),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000),
-               (char)(U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000));
-    const __m256i byte_2_high =
-        U8_T16(U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT,
-               U8_TOO_SHORT, U8_TOO_SHORT,
-               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_OVERLONG_3 |
-                      U8_TOO_LARGE_1000 | U8_OVERLONG_4),
-               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_OVERLONG_3 | U8_TOO_LARGE),
-               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_SURROGATE | U8_TOO_LARGE),
-               (char)(U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS | U8_SURROGATE | U8_TOO_LARGE),
-               U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT, U8_TOO_SHORT);
     __m256i prev1 = U8_PREV(in, prev, 1);
     __m256i sc = _mm256_and_si256(
-        _mm256_and_si256(
-            _mm256_shuffle_epi8(byte_1_high, _mm256_and_si256(_mm256_srli_epi16(prev1, 4), lo4)),
-            _mm256_shuffle_epi8(byte_1_low, _mm256_and_si256(prev1, lo4))),
-        _mm256_shuffle_epi8(byte_2_high, _mm256_and_si256(_mm256_srli_epi16(in, 4), lo4)));
+        _mm256_and_si256(_mm256_shuffle_epi8(U8_T256(u8_byte_1_high),
+                                             _mm256_and_si256(_mm256_srli_epi16(prev1, 4), lo4)),
+                         _mm256_shuffle_epi8(U8_T256(u8_byte_1_low), _mm256_and_si256(prev1, lo4))),
+        _mm256_shuffle_epi8(U8_T256(u8_byte_2_high),
+                            _mm256_and_si256(_mm256_srli_epi16(in, 4), lo4)));
     /* Bytes two after a 3- or 4-byte lead, or three after a 4-byte lead, must be
      * continuations: exactly where TWO_CONTS may, and must, be set. */
     __m256i third = _mm256_subs_epu8(U8_PREV(in, prev, 2), _mm256_set1_epi8(0xe0 - 0x80));
@@ -310,8 +341,74 @@ __attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char 
             return _mm256_testz_si256(err, err) != 0;
     }
 }
-#undef U8_T16
+#undef U8_T256
 #undef U8_PREV
+
+/* The same method 64 bytes at a time. The bytes before `in` come from one two-source byte
+ * permute (VBMI) instead of AVX2's lane swap and align; the tail is a masked load, padded
+ * with NULs as above, and never reads past the end. */
+#define U8_T512(t) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(const void *)(t)))
+#define U8_X512_ATTR __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi")))
+
+/* Byte i of prev_idx[k - 1] is 64 - k + i: in a two-source permute of (prev, in), the bytes
+ * ending k before in's first. */
+static const uint8_t u8_prev_idx[3][64] __attribute__((aligned(64))) = {
+#define U8_IDX(k)                                                                                  \
+    {                                                                                              \
+        U8_R16(64 - (k)), U8_R16(80 - (k)), U8_R16(96 - (k)), U8_R16(112 - (k))                    \
+    }
+#define U8_R16(b)                                                                                  \
+    (b), (b) + 1, (b) + 2, (b) + 3, (b) + 4, (b) + 5, (b) + 6, (b) + 7, (b) + 8, (b) + 9,          \
+        (b) + 10, (b) + 11, (b) + 12, (b) + 13, (b) + 14, (b) + 15
+    U8_IDX(1), U8_IDX(2), U8_IDX(3)
+#undef U8_R16
+#undef U8_IDX
+};
+
+U8_X512_ATTR static inline __m512i u8_block512(__m512i in, __m512i prev)
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    __m512i prev1 =
+        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[0]), in);
+    __m512i prev2 =
+        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[1]), in);
+    __m512i prev3 =
+        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[2]), in);
+    __m512i sc = _mm512_and_si512(
+        _mm512_and_si512(_mm512_shuffle_epi8(U8_T512(u8_byte_1_high),
+                                             _mm512_and_si512(_mm512_srli_epi16(prev1, 4), lo4)),
+                         _mm512_shuffle_epi8(U8_T512(u8_byte_1_low), _mm512_and_si512(prev1, lo4))),
+        _mm512_shuffle_epi8(U8_T512(u8_byte_2_high),
+                            _mm512_and_si512(_mm512_srli_epi16(in, 4), lo4)));
+    __m512i third = _mm512_subs_epu8(prev2, _mm512_set1_epi8(0xe0 - 0x80));
+    __m512i fourth = _mm512_subs_epu8(prev3, _mm512_set1_epi8(0xf0 - 0x80));
+    __m512i must23 = _mm512_and_si512(_mm512_or_si512(third, fourth), _mm512_set1_epi8((char)0x80));
+    return _mm512_xor_si512(must23, sc);
+}
+
+U8_X512_ATTR static bool utf8_valid_avx512(const unsigned char *p, size_t n)
+{
+    /* Nonzero where a sequence begun in a block's last three bytes needs bytes after them. */
+    const __m512i max =
+        _mm512_set_epi64((long long)0xbfdfefffffffffffull, -1, -1, -1, -1, -1, -1, -1);
+    __m512i prev = _mm512_setzero_si512(), err = prev, incomplete = prev;
+    for (size_t i = 0;; i += 64) {
+        bool last = i + 64 > n;
+        __m512i in = last ? _mm512_maskz_loadu_epi8((1ull << (n - i)) - 1, p + i)
+                          : _mm512_loadu_si512((const void *)(p + i));
+        if (_mm512_movepi8_mask(in) == 0) {
+            err = _mm512_or_si512(err, incomplete);
+            incomplete = _mm512_setzero_si512();
+        } else {
+            err = _mm512_or_si512(err, u8_block512(in, prev));
+            incomplete = _mm512_subs_epu8(in, max);
+        }
+        prev = in;
+        if (last)
+            return _mm512_test_epi8_mask(err, err) == 0;
+    }
+}
+#undef U8_T512
 #define JDOC_HAVE_X86 1
 #endif
 
@@ -550,7 +647,7 @@ static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
     /* 0x78 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 };
 
-/* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
+/* For a document utf8_valid_avx512 accepted. Each 64-byte block gives masks of its quotes,
  * backslashes, controls and bytes that may follow a backslash (one byte lookup for all 64);
  * from them, with no branch per escape, the escaped bytes, the closing quote and whether
  * anything needs a closer look: a control, "\\/", "\\u", an invalid escape or a budget about
@@ -660,22 +757,25 @@ static int simd_level(void)
 bool jdoc_utf8_valid(const char *p, size_t n)
 {
 #ifdef JDOC_HAVE_X86
-    if (simd_level() >= JDOC_SIMD_AVX2)
+    int level = simd_level();
+    if (level >= JDOC_SIMD_AVX512)
+        return utf8_valid_avx512((const unsigned char *)p, n);
+    if (level >= JDOC_SIMD_AVX2)
         return utf8_valid_avx2((const unsigned char *)p, n);
 #endif
     return utf8_valid_scalar((const unsigned char *)p, n);
 }
 
-/* With AVX2 the whole document is first validated as UTF-8 (a fraction of a cycle per byte),
- * so that strings are scanned only for controls, quotes and escapes. A document that fails is
- * scanned by the checking path, which names the first error exactly as every level does. */
+/* With AVX2 or AVX-512 the whole document is first validated as UTF-8 (a fraction of a cycle per
+ * byte), so that strings are scanned only for controls, quotes and escapes. A document that fails
+ * is scanned by the checking path, which names the first error exactly as every level does. */
 static scan_string_fn scan_string_pick(const char *src, size_t n)
 {
     switch (simd_level()) {
 #ifdef JDOC_HAVE_X86
     case JDOC_SIMD_AVX512:
-        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
-                                                              : scan_string_avx2;
+        return utf8_valid_avx512((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
+                                                                : scan_string_avx2;
     case JDOC_SIMD_AVX2:
         return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
                                                               : scan_string_avx2;

@@ -22,15 +22,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fprintf(stderr, "oracle disagreement: %s\n", why);
         abort();
     }
-    if (size > 0 && jdoc_simd_select(JDOC_SIMD_BEST) >= JDOC_SIMD_AVX2) {
-        bool vec = jdoc_utf8_valid((const char *)copy + 1, size - 1);
+    int top = jdoc_simd_select(JDOC_SIMD_BEST);
+    if (size > 0 && top >= JDOC_SIMD_AVX2) {
         jdoc_simd_select(JDOC_SIMD_SCALAR);
         bool bytes = jdoc_utf8_valid((const char *)copy + 1, size - 1);
-        jdoc_simd_select(JDOC_SIMD_BEST);
-        if (vec != bytes) {
-            fprintf(stderr, "UTF-8 validators disagree: vector %d, byte loop %d\n", vec, bytes);
-            abort();
+        for (int level = JDOC_SIMD_AVX2; level <= top; level++) {
+            jdoc_simd_select(level);
+            bool vec = jdoc_utf8_valid((const char *)copy + 1, size - 1);
+            if (vec != bytes) {
+                fprintf(stderr, "UTF-8 validators disagree: level %d %d, byte loop %d\n", level,
+                        vec, bytes);
+                abort();
+            }
         }
+        jdoc_simd_select(JDOC_SIMD_BEST);
     }
     free(copy);
     return 0;
