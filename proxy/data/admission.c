@@ -84,15 +84,22 @@ void px_admission_push(px_admission_entry_t *e)
     px_pool_t *p = e->pool;
     px_pool_slot_t *sl = qslot(p);
     e->queued = true;
-    e->deadline = uv_now(px_worker_qtimer()->loop) + p->cfg->queue_timeout_ms;
+    e->deadline = uv_now(px_worker_qtimer()->loop) + e->wait_ms;
     e->ticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
-    e->prev = sl->q_tail;
-    e->next = NULL;
-    if (sl->q_tail)
-        sl->q_tail->next = e;
+    /* The timer watches heads only, so the queue stays in deadline order. */
+    px_admission_entry_t *after = sl->q_tail;
+    while (after && after->deadline > e->deadline)
+        after = after->prev;
+    e->prev = after;
+    e->next = after ? after->next : sl->q_head;
+    if (e->next)
+        e->next->prev = e;
+    else
+        sl->q_tail = e;
+    if (after)
+        after->next = e;
     else
         sl->q_head = e;
-    sl->q_tail = e;
     sl->qlen++;
     if (sl->q_head == e)
         publish_head(sl);

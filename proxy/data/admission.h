@@ -29,12 +29,15 @@ struct px_admission_entry_s {
     px_pool_t *pool;
     px_affinity_t *aff; /* the request's routing key (NULL: none) */
     const px_admission_ops_t *ops;
+    uint64_t wait_ms;  /* set by the caller: how long it may wait */
     uint64_t deadline; /* loop ms */
     uint64_t ticket;   /* its place in the pool's queue order across workers */
     bool queued;
 };
 
-/* Queue e (pool, aff and ops set) on this worker's queue of e->pool. */
+/* Queue e (pool, aff, ops and wait_ms set) on this worker's queue of e->pool: FIFO, but ahead
+ * of every entry whose deadline comes later (a request back in the queue with less than the
+ * whole queue_timeout_ms left has waited longer than they have). */
 void px_admission_push(px_admission_entry_t *e);
 /* Take e out of its queue, if it is in one. */
 void px_admission_remove(px_admission_entry_t *e);

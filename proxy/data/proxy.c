@@ -88,7 +88,10 @@ struct px_preq_s {
     bool conn_held;
     struct px_preq_s *cw_next, *cw_prev;
     bool cw_listed;
-    uint64_t cw_since_ms;
+    uint64_t cw_until_ms;
+    /* queue_timeout_ms bounds all of a request's waiting (wait_begin), in dp_now_ms: */
+    uint64_t wait_since_ms; /* the wait under way began */
+    uint64_t waited_ms;     /* the waits before it took */
     bool paused_upstream;
     bool client_started;
     /* An inference response streamed as SSE: a replica that fails mid-stream gets the client
@@ -359,19 +362,40 @@ static px_preq_t *queued_request(px_admission_entry_t *e)
     return (px_preq_t *)((char *)e - offsetof(px_preq_t, adm));
 }
 
+/* A wait for a slot or for a check begins: when it must end. queue_timeout_ms bounds the sum
+ * of a request's waits, not each one: a request routed again after its replica left service
+ * while it waited, or retried, waits only for what is left, so a replica that keeps failing
+ * its checks cannot keep a client waiting a multiple of it. */
+static uint64_t wait_begin(px_preq_t *q, uint64_t now_ms)
+{
+    uint64_t t = q->pool->cfg->queue_timeout_ms;
+    q->wait_since_ms = now_ms;
+    return now_ms + (q->waited_ms < t ? t - q->waited_ms : 0);
+}
+
+static void wait_end(px_preq_t *q)
+{
+    q->waited_ms += dp_now_ms() - q->wait_since_ms;
+}
+
 static void queue_granted(px_admission_entry_t *e, px_replica_t *r)
 {
     px_preq_t *q = queued_request(e);
+    wait_end(q);
     q->replica = r; /* the pick took its slot */
     dispatch(q);
 }
 
-static void queue_expired(px_admission_entry_t *e)
+static void fail_queue_timeout(px_preq_t *q)
 {
-    px_preq_t *q = queued_request(e);
     fail_client(q, 504, "queue_timeout", NULL,
                 "timed out waiting for a replica slot (max_inflight_per_replica)");
     finish(q);
+}
+
+static void queue_expired(px_admission_entry_t *e)
+{
+    fail_queue_timeout(queued_request(e));
 }
 
 static void queue_unavailable(px_admission_entry_t *e)
@@ -581,7 +605,7 @@ static void cwait_push(px_preq_t *q)
         uv_timer_start(t, cwait_timer_cb, CWAIT_LOOK_MS, CWAIT_LOOK_MS);
     t_cwait = q;
     q->cw_listed = true;
-    q->cw_since_ms = dp_now_ns() / 1000000u;
+    q->cw_until_ms = wait_begin(q, dp_now_ms());
     atomic_fetch_add(&q->px->conn_waiting, 1);
 }
 
@@ -597,6 +621,7 @@ static void cwait_remove(px_preq_t *q)
         q->cw_next->cw_prev = q->cw_prev;
     q->cw_next = q->cw_prev = NULL;
     q->cw_listed = false;
+    wait_end(q);
     atomic_fetch_sub(&q->px->conn_waiting, 1);
     uv_timer_t *t = px_worker_cwtimer();
     if (t_cwait == NULL && t)
@@ -626,7 +651,7 @@ static bool cwait_settle(px_preq_t *q, uint64_t now_ms)
         conn_drop(q);
         slot_release(q);
         dispatch(q);
-    } else if (now_ms >= q->cw_since_ms + q->pool->cfg->queue_timeout_ms) {
+    } else if (now_ms >= q->cw_until_ms) {
         cwait_remove(q);
         conn_drop(q);
         slot_release(q);
@@ -652,8 +677,8 @@ static void up_on_connected(net_creq_t *c)
 
 /* A verdict came (or another wake-up): look at this worker's waiting requests. Each one
  * settled leaves the list, and what it set off may change the list: start over after it.
- * The clock is read again each time, since a request routed again may be back on the list
- * with a later cw_since_ms. */
+ * The clock is read again each time: settling one may take a while (a request routed again
+ * starts on another replica). */
 static void cwait_look(void)
 {
     for (bool again = true; again;) {
@@ -706,8 +731,14 @@ static void dispatch(px_preq_t *q)
         finish(q);
         return;
     }
+    uint64_t now_ms = dp_now_ms(), until = wait_begin(q, now_ms);
+    if (now_ms >= until) { /* routed again with nothing left of its wait */
+        fail_queue_timeout(q);
+        return;
+    }
     if (q->stream_body)
         net_req_pause_body(q->req);
+    q->adm.wait_ms = until - now_ms;
     q->adm.pool = q->pool;
     q->adm.aff = &q->hooks.affinity;
     q->adm.ops = &queue_ops;
