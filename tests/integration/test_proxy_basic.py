@@ -248,6 +248,53 @@ def test_sigterm_drains_inflight_and_exits_zero():
     assert px.wait(10 * SLOW) == 0
 
 
+def _responses(data):
+    """The HTTP/1.1 responses in data, read back to back: [(status, headers, body)]."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, data[:200]
+        lines = head.decode("latin-1").split("\r\n")
+        hdrs = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+        n = int(hdrs["content-length"])
+        out.append((int(lines[0].split()[1]), hdrs, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def test_sigterm_ends_a_pipelined_connection_with_connection_close():
+    """Requests pipelined behind one in flight when the drain begins: the responses sent after
+    it say `Connection: close` and the connection ends after the first of them, so a client
+    knows that the requests left unanswered were never processed and may send them again."""
+    sims = [start_sim("--model", "m1", "--token-delay-ms", "100")]
+    px = start_proxy(pools=[pool("p", ["m1"], sims)])
+    body = json.dumps(dict(COMPLETION, max_tokens=4)).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.settimeout(30 * SLOW)
+    s.sendall(one * 3)
+    poll_until(lambda: sim_stats(sims[0])["inflight"] == 1, what="the first request in flight")
+    px.send_signal(signal.SIGTERM)
+    px.wait_log("draining")
+    data = b""
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        data += d
+    s.close()
+    got = _responses(data)
+    print("    %d of 3 pipelined requests answered; Connection: %s"
+          % (len(got), [h.get("connection") for _, h, _ in got]))
+    assert got and got[0][0] == 200, got
+    assert got[-1][1].get("connection", "").lower() == "close", got
+    # nothing after the first response that says close
+    assert [h.get("connection", "").lower() for _, h, _ in got].index("close") == len(got) - 1
+    assert sim_stats(sims[0])["requests"] == len(got)
+    assert px.wait(10 * SLOW) == 0
+
+
 def _refused(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
