@@ -23,6 +23,8 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
     if (a->fingerprint_mismatch)
         dp_jw_bool(&w, "fingerprint_mismatch", true);
     dp_jw_str(&w, "route", a->route);
+    if (a->method)
+        dp_jw_str(&w, "method", a->method);
     dp_jw_str(&w, "model", a->model);
     dp_jw_int(&w, "status", a->status);
     const policy_result_t *r = a->result;

@@ -338,7 +338,10 @@ typedef struct {
     const char *attestation_sha256;
     bool fingerprint_mismatch; /* it differed from what the replica attested */
     const char *route;         /* "/v1/chat/completions" */
-    const char *model;
+    /* A request refused from its head (a route that is not policed, the rate limit): its
+     * method, written as "method" (the route is its path); NULL for a policed route */
+    const char *method;
+    const char *model;             /* NULL: no body was read */
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
     const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */
     const char *response_sha256;   /* hex SHA-256 of the response body sent to the client;
@@ -350,7 +353,7 @@ typedef struct {
 
 /* Append one JSON line (with its '\n') to out:
  * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint",
- *  "fingerprint_mismatch" (only when true),"route",
+ *  "fingerprint_mismatch" (only when true),"route","method" (only when set),
  *  "model","status","seed","seed_derived","temperature","params":[{"param","action","before",
  *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
  * absent/removed (with "removed":true for the latter). A refusal adds

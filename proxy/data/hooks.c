@@ -56,6 +56,7 @@ typedef struct pol_s {
     char att_sha[65];
     dp_buf_t att_ev;
     const char *route;
+    const char *method; /* refused from its head (px_hooks_audit_head): no body was read */
     uint64_t wall_ms;
     void (*then)(void *);
     void *then_data;
@@ -257,6 +258,19 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *re
         return -2;
     }
     return 0;
+}
+
+void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path)
+{
+    if (h->policy || h->tenant_cfg == NULL || !h->tenant_cfg->audit)
+        return;
+    pol_t *p = pol_get();
+    h->policy = p;
+    p->route = path;
+    p->method = method;
+    p->wall_ms = dp_wall_ms();
+    p->audit = true;
+    p->audit_fail_open = g->cfg->log.audit_fail_open;
 }
 
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param)
@@ -701,7 +715,8 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
         .fingerprint_mismatch = h->fp_mismatch,
         .route = p->route,
-        .model = model.base,
+        .method = p->method,
+        .model = p->method ? NULL : model.base,
         .result = p->applied ? &p->res : NULL,
         .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
         .response_sha256 = resp_hex,

@@ -1308,9 +1308,10 @@ static net_body_mode_t on_head(net_req_t *req)
     /* The tenant is known from the head alone: refuse before reading any body. */
     int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
     if (gate != 0) {
-        if (gate == -2)
+        if (gate == -2) {
+            px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
             fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
-        else
+        } else
             fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
         finish(q);
         return NET_BODY_BUFFER;
@@ -1325,6 +1326,7 @@ static net_body_mode_t on_head(net_req_t *req)
     case ROUTE_RESPONSES:
         return NET_BODY_BUFFER;
     case ROUTE_UNPOLICED:
+        px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
         fail_client(q, 404, "unpoliced_route", NULL,
                     "an engine-native generation route: detproxy polices only POST "
                     "/v1/completions, /v1/chat/completions and /v1/responses");
@@ -1350,6 +1352,7 @@ static net_body_mode_t on_head(net_req_t *req)
                  "list: detproxy polices only POST /v1/completions, /v1/chat/completions and "
                  "/v1/responses; an operator can allow a route with pools[].passthrough",
                  (int)req->method_name.len, req->method_name.base, pass->name);
+        px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
         fail_client(q, 404, "unpoliced_route", NULL, msg);
         finish(q);
         return NET_BODY_BUFFER;
@@ -1435,6 +1438,10 @@ static void on_complete(net_req_t *req)
         }
         return;
     }
+    /* Refused from its head, the answer waiting for its audit line (fail_client): the body
+     * was only read to be discarded. */
+    if (q->status != 0)
+        return;
     /* Inference: policy, routing by model, then dispatch with the rewritten body. */
     px_hooks_result_t res = {0};
     int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, policy_route(q->route), &q->body,

@@ -139,6 +139,43 @@ def test_refused_audit_lines_carry_the_error_and_no_made_up_hash():
     px.stop()
 
 
+def test_an_audited_tenants_requests_refused_from_the_head_are_audited():
+    """An audited tenant's attempt at an engine-native generation route, at a route that is
+    not in the passthrough list, or over its rate limit, is refused before any body is read,
+    and still gets its audit line: the method and path it tried, the refusal, nothing
+    forwarded. Another tenant's refusals write none."""
+    policy = {"tenants": [
+        {"name": "bank", "match": {"api_keys_sha256": [BANK_SHA]},
+         "sampling": {"temperature": {"force": 0}}, "audit": True,
+         "rate_limit": {"requests_per_second": 0.05, "burst": 2}},
+        {"name": "default", "match": {"any": True}, "sampling": {"temperature": {"force": 0}}},
+    ]}
+    sims, px = setup(policy=policy)
+    gen = http("POST", px.port, "/generate", body=json.dumps({"inputs": "hi"}),
+               headers=dict(BANK, **{"content-type": "application/json"}))
+    assert gen.status == 404 and gen.json()["error"]["code"] == "unpoliced_route", gen
+    tok = http("POST", px.port, "/tokenize?x=1", body="{}", headers=BANK)
+    assert tok.status == 404 and tok.json()["error"]["code"] == "unpoliced_route", tok
+    assert http("POST", px.port, "/generate", body="{}").status == 404  # not audited
+    over = http("GET", px.port, "/v1/models", headers=BANK)
+    assert over.status == 429, over
+    lines = {l["request_id"]: l for l in audit_lines(px)}
+    assert len(lines) == 3, lines
+    for r, method, path, status, code in ((gen, "POST", "/generate", 404, "unpoliced_route"),
+                                          (tok, "POST", "/tokenize", 404, "unpoliced_route"),
+                                          (over, "GET", "/v1/models", 429, "rate_limited")):
+        a = lines[r.headers["x-detproxy-request-id"]]
+        assert a["tenant"] == "bank" and a["method"] == method and a["route"] == path, a
+        assert a["status"] == status and a["error"]["code"] == code, a
+        assert a["model"] is None and a["params"] == [] and a["seed"] is None, a
+        assert a["pool"] is None and a["replica"] is None, a
+        assert a["forwarded_body_sha256"] is None and a["response_body_sha256"] is None, a
+    assert sim_stats(sims[0])["requests"] == 0
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", "--no-signatures", px.audit_path])
+    assert rc == 0 and "3 lines" in out and "chain ok" in out, (rc, out, err)
+    px.stop()
+
+
 # ---- the access log --------------------------------------------------------------------------
 
 def test_access_log_line_per_request_with_fields():

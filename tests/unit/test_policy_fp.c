@@ -299,6 +299,24 @@ Test(audit, one_json_line)
     cJSON *e = cJSON_GetObjectItem(j, "error");
     cr_assert_str_eq(cJSON_GetObjectItem(e, "code")->valuestring, "policy_violation");
     cr_assert_str_eq(cJSON_GetObjectItem(e, "param")->valuestring, "logit_bias");
+    cr_assert_null(cJSON_GetObjectItem(j, "method"), "only a refusal from the head has one");
+    cJSON_Delete(j);
+    dp_buf_free(&out);
+
+    /* refused from the head: the method and path tried, no model */
+    a.route = "/generate";
+    a.method = "POST";
+    a.model = NULL;
+    a.status = 404;
+    a.error_code = "unpoliced_route";
+    a.error_param = NULL;
+    policy_audit_line(&a, &out);
+    j = cJSON_ParseWithLengthOpts(out.base, out.len + 1, NULL, 0);
+    cr_assert_not_null(j);
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "method")->valuestring, "POST");
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "route")->valuestring, "/generate");
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(j, "model")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "param")));
     cJSON_Delete(j);
     dp_buf_free(&out);
 }
