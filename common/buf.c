@@ -1,4 +1,5 @@
 #include "common/buf.h"
+#include "common/util.h"
 
 #include <assert.h>
 #include <pthread.h>
@@ -300,13 +301,8 @@ void dp_buf_printf(dp_buf_t *b, const char *fmt, ...)
 
 void dp_buf_append_u64(dp_buf_t *b, uint64_t v)
 {
-    char tmp[24];
-    char *p = tmp + sizeof(tmp);
-    do {
-        *--p = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    dp_buf_append(b, p, (size_t)(tmp + sizeof(tmp) - p));
+    char tmp[21];
+    dp_buf_append(b, tmp, dp_u64_dec(v, tmp));
 }
 
 void dp_buf_consume(dp_buf_t *b, size_t n)

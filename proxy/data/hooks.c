@@ -276,7 +276,7 @@ void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, con
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param)
 {
     h->err_code = code;
-    snprintf(h->err_param, sizeof(h->err_param), "%s", param ? param : "");
+    dp_copy_str(h->err_param, sizeof(h->err_param), param ? param : "", param ? strlen(param) : 0);
 }
 
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion)
@@ -400,14 +400,15 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     px_otel_request(h->span, h->tenant, pool, &p->res);
     h->stream = p->res.stream;
     if (p->res.has_seed)
-        snprintf(h->seed, sizeof(h->seed), "%llu", (unsigned long long)p->res.seed);
+        dp_u64_dec(p->res.seed, h->seed);
     /* The bytes are the policed body's parts (px_hooks_body_parts): only the length here. */
     *body = (dp_iovec_t){NULL, p->res.body_len};
     if (pool->cfg->balance == CFG_BALANCE_AFFINITY)
         affinity_key(h, p, &pool->cfg->affinity);
     if (p->audit)
         p->resp_sha = dp_sha256_begin();
-    snprintf(h->fingerprint, sizeof(h->fingerprint), "%s", pool->fingerprint);
+    dp_copy_str(h->fingerprint, sizeof(h->fingerprint), pool->fingerprint,
+                strlen(pool->fingerprint));
     if (h->stream) {
         p->sse_rewrite = true;
         policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */

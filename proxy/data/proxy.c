@@ -1290,9 +1290,8 @@ static net_body_mode_t on_head(net_req_t *req)
     q->req = req;
     req->data = q;
     memcpy(q->id, req->id, sizeof(q->id));
-    snprintf(q->method, sizeof(q->method), "%.*s", (int)req->method_name.len,
-             req->method_name.base);
-    snprintf(q->path, sizeof(q->path), "%.*s", (int)req->path.len, req->path.base);
+    dp_copy_str(q->method, sizeof(q->method), req->method_name.base, req->method_name.len);
+    dp_copy_str(q->path, sizeof(q->path), req->path.base, req->path.len);
     memcpy(q->remote, req->remote, sizeof(q->remote));
     q->start_ns = req->start_ns;
     q->route = classify(req);

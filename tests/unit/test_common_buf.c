@@ -3,6 +3,7 @@
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -202,4 +203,29 @@ Test(util, strieq_compares_whole_names_ignoring_ascii_case)
     cr_assert_not(dp_strieq("Hozt", 4, "host"));
     cr_assert(dp_memieq("AbC", "aBc", 3));
     cr_assert_not(dp_memieq("[", "{", 1)); /* 0x5b and 0x7b differ only by 0x20: not letters */
+}
+
+/* Decimal writing and bounded copies, as snprintf("%llu") and snprintf("%.*s") write them. */
+Test(util, u64_dec_and_copy_str_write_what_snprintf_writes)
+{
+    static const uint64_t vs[] = {0, 7, 10, 99, 100, 1234, 4294967295u, 4294967296u,
+                                  18446744073709551615u};
+    for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++) {
+        char got[21], want[32];
+        size_t n = dp_u64_dec(vs[i], got);
+        int wn = snprintf(want, sizeof(want), "%llu", (unsigned long long)vs[i]);
+        cr_assert_str_eq(got, want);
+        cr_assert_eq(n, (size_t)wn);
+    }
+    dp_buf_t b = {0};
+    dp_buf_append_u64(&b, 18446744073709551615u);
+    cr_assert_str_eq(b.base, "18446744073709551615");
+    dp_buf_free(&b);
+    char dst[8];
+    dp_copy_str(dst, sizeof(dst), "POST /x", 4);
+    cr_assert_str_eq(dst, "POST");
+    dp_copy_str(dst, sizeof(dst), "0123456789", 10); /* cut to cap - 1 */
+    cr_assert_str_eq(dst, "0123456");
+    dp_copy_str(dst, sizeof(dst), NULL, 0);
+    cr_assert_str_eq(dst, "");
 }
