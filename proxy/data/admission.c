@@ -85,7 +85,12 @@ void px_admission_push(px_admission_entry_t *e)
     px_pool_slot_t *sl = qslot(p);
     e->queued = true;
     e->deadline = uv_now(px_worker_qtimer()->loop) + e->wait_ms;
-    e->ticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
+    /* Back in the queue (routed again, retried), a request keeps its place in the order
+     * across workers. */
+    if (!e->ticketed) {
+        e->ticket = atomic_fetch_add_explicit(&p->tickets, 1, memory_order_relaxed);
+        e->ticketed = true;
+    }
     /* The timer watches heads only, so the queue stays in deadline order. */
     px_admission_entry_t *after = sl->q_tail;
     while (after && after->deadline > e->deadline)
@@ -110,6 +115,8 @@ void px_admission_push(px_admission_entry_t *e)
         sl->active_next = *px_worker_qactive();
         *px_worker_qactive() = sl;
         queue_arm();
+    } else if (sl->q_head == e) {
+        queue_arm(); /* ahead of the old head: its deadline may be the earliest now */
     }
 }
 

@@ -32,6 +32,7 @@ struct px_admission_entry_s {
     uint64_t wait_ms;  /* set by the caller: how long it may wait */
     uint64_t deadline; /* loop ms */
     uint64_t ticket;   /* its place in the pool's queue order across workers */
+    bool ticketed;     /* ticket is set: kept when the entry is queued again */
     bool queued;
 };
 

@@ -386,16 +386,16 @@ static void queue_granted(px_admission_entry_t *e, px_replica_t *r)
     dispatch(q);
 }
 
-static void fail_queue_timeout(px_preq_t *q)
+static void fail_queue_timeout(px_preq_t *q, const char *message)
 {
-    fail_client(q, 504, "queue_timeout", NULL,
-                "timed out waiting for a replica slot (max_inflight_per_replica)");
+    fail_client(q, 504, "queue_timeout", NULL, message);
     finish(q);
 }
 
 static void queue_expired(px_admission_entry_t *e)
 {
-    fail_queue_timeout(queued_request(e));
+    fail_queue_timeout(queued_request(e),
+                       "timed out waiting for a replica slot (max_inflight_per_replica)");
 }
 
 static void queue_unavailable(px_admission_entry_t *e)
@@ -733,7 +733,8 @@ static void dispatch(px_preq_t *q)
     }
     uint64_t now_ms = dp_now_ms(), until = wait_begin(q, now_ms);
     if (now_ms >= until) { /* routed again with nothing left of its wait */
-        fail_queue_timeout(q);
+        fail_queue_timeout(q, "timed out: its waits for replica slots and for checks of new "
+                              "connections took queue_timeout_ms");
         return;
     }
     if (q->stream_body)

@@ -591,26 +591,28 @@ def test_a_request_waiting_for_its_check_times_out_on_time_without_a_verdict():
 
 
 def test_a_request_routed_again_waits_only_for_what_is_left_of_queue_timeout():
-    """queue_timeout_ms bounds all of a request's waiting, not each wait. A request waits with
-    its new connection for r1's check; the check finds another engine behind r1 and takes it out
-    of service; the request is routed again and queues for r2, busy with a long answer. It is
-    refused 504 when queue_timeout_ms has passed since it began to wait, not that long after it
-    queued."""
+    """queue_timeout_ms bounds all of a request's waiting, not each wait. W waits with its new
+    connection for r1's check; meanwhile X queues for r2, busy with a long answer; the check
+    finds another engine behind r1 and takes it out of service; W is routed again and queues
+    too, ahead of X (it began to wait first), with what is left of its wait. Each is refused
+    504 when queue_timeout_ms has passed since it began to wait: W not a whole wait after it
+    queued again, nor when X's wait ends; X not sooner for W's."""
     key, pub = keygen("pipeline")
     a, b, c = sim(key=key), sim(OTHER, "awq", key), sim(CKPT, "awq", key)
     front = NatFront(a.port)
     agent = GatedAgent(front.port)
-    wait_ms = 2000
-    p = agent_pool([a, c], queue_timeout_ms=wait_ms, max_inflight_per_replica=1)
+    wait_s = 3.0
+    p = agent_pool([a, c], queue_timeout_ms=int(wait_s * 1000), max_inflight_per_replica=1)
     p["replicas"][0]["url"] = "http://127.0.0.1:%d" % front.port
     p["replicas"][0]["attest"]["url"] = "http://127.0.0.1:%d/attestation" % agent.port
     agent.gate.clear()  # r1 is not admitted yet: the long answer goes to r2
+    # One worker: W and X in one queue, watched by one timer.
     px = start_proxy(pools=[p], attestation=attestation(interval=60000, timeout=20000,
-                                                         keys=[pub]))
+                                                         keys=[pub]), workers=1)
     poll_until(lambda: state(px, "r2") == "admitted", what="r2 admitted")
-    sim_config(c, token_delay_ms=8000)
+    sim_config(c, token_delay_ms=10000)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-    with ThreadPoolExecutor(2) as ex:
+    with ThreadPoolExecutor(3) as ex:
         busy = ex.submit(post_json, px.port, "/v1/completions", body, timeout=60)
         poll_until(lambda: sim_stats(c)["inflight"] == 1, what="r2 busy")
         agent.gate.set()
@@ -618,20 +620,27 @@ def test_a_request_routed_again_waits_only_for_what_is_left_of_queue_timeout():
         agent.gate.clear()
         front.switch(b.port)  # new connections to r1 reach another engine
         asked = agent.asked
-        t0 = time.monotonic()
-        waiting = ex.submit(post_json, px.port, "/v1/completions", dict(body, prompt="y"),
-                            timeout=60)
-        poll_until(lambda: agent.asked > asked, what="the check the new connection waits for")
-        time.sleep(0.7 * wait_ms / 1000)  # most of the wait goes by before the verdict
+        t_w = time.monotonic()
+        w = ex.submit(post_json, px.port, "/v1/completions", dict(body, prompt="w"), timeout=60)
+        poll_until(lambda: agent.asked > asked, what="the check W's new connection waits for")
+        time.sleep(0.3 * wait_s)
+        t_x = time.monotonic()
+        x = ex.submit(post_json, px.port, "/v1/completions", dict(body, prompt="x"), timeout=60)
+        time.sleep(0.4 * wait_s)  # most of W's wait goes by before the verdict
         agent.gate.set()
-        r = waiting.result()
-        took = time.monotonic() - t0
-        print("    queue_timeout_ms %d; 70%% of it waiting for r1's check, the rest queued for"
-              " r2: answered %d after %.0f ms" % (wait_ms, r.status, took * 1000))
-        assert r.status == 504 and r.json()["error"]["code"] == "queue_timeout", r
-        # The whole wait again from the queue would take 1.7x; the verdict's round trip is
-        # all the slack allowed.
-        assert took < 1.3 * wait_ms / 1000, took
+        rw = w.result()
+        took_w = time.monotonic() - t_w
+        rx = x.result()
+        took_x = time.monotonic() - t_x
+        print("    queue_timeout_ms %d: W (70%% of it waiting for r1's check, then queued) "
+              "answered %d after %.0f ms; X (queued) %d after %.0f ms"
+              % (wait_s * 1000, rw.status, took_w * 1000, rx.status, took_x * 1000))
+        for r in (rw, rx):
+            assert r.status == 504 and r.json()["error"]["code"] == "queue_timeout", r
+        # The verdict's round trip is all the slack allowed: a whole wait again from the
+        # queue would be 1.7x, waiting for X's deadline 1.3x.
+        assert took_w < 1.15 * wait_s, took_w
+        assert 0.95 * wait_s <= took_x < 1.15 * wait_s, took_x
         assert state(px, "r1") == "rejected"
         assert sim_stats(b)["requests"] == 0
         assert busy.result().status == 200
