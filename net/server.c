@@ -1019,7 +1019,7 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
         }
         atomic_store_explicit(&q->hold.received, q->r.body.len, memory_order_relaxed);
         atomic_store_explicit(&q->hold.last_ns, dp_now_ns(), memory_order_relaxed);
-    } else if (c->srv->h.on_body) {
+    } else if (q->mode == NET_BODY_STREAM && c->srv->h.on_body) {
         c->srv->h.on_body(&q->r, at, n);
     }
     return 0;
@@ -1555,7 +1555,7 @@ static bool conn_head_done(net_conn_t *c)
             c->body_deadline =
                 s->lim.client_body_timeout_ms ? uv_now(s->loop) + s->lim.client_body_timeout_ms : 0;
         }
-        if (q->framing.expect_continue && r->http_minor == 1)
+        if (q->framing.expect_continue && r->http_minor == 1 && q->mode != NET_BODY_DISCARD)
             write_continue(c);
         c->last_read = uv_now(s->loop);
         /* on_head may already have paused the body (the request waits for a replica slot). */

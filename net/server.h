@@ -34,6 +34,11 @@ typedef struct net_req_s net_req_t;
 typedef enum {
     NET_BODY_BUFFER = 0, /* collect the whole body in req->body (bounded by max_body_bytes) */
     NET_BODY_STREAM = 1, /* hand each decoded piece to on_body as it is read */
+    /* Answered, or to be answered, without it (a refusal from the head that waits for its
+     * audit line): the body is read and dropped, with no size limit, budget, body timeout or
+     * 100 Continue, so nothing but a broken framing or an idle client changes the answer;
+     * on_body is not called. */
+    NET_BODY_DISCARD = 2,
 } net_body_mode_t;
 
 struct net_req_s {

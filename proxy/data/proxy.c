@@ -1303,9 +1303,11 @@ static net_body_mode_t on_head(net_req_t *req)
         fail_client(q, 508, "loop_detected", NULL,
                     "forwarding loop: the request already passed through this detproxy");
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     }
-    /* The tenant is known from the head alone: refuse before reading any body. */
+    /* The tenant is known from the head alone: refuse before reading any body. A refusal
+     * from the head returns NET_BODY_DISCARD: while its answer waits for the audit line, the
+     * body is dropped as it comes, and no limit of a body it does not want replaces it. */
     int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
     if (gate != 0) {
         if (gate == -2) {
@@ -1314,13 +1316,13 @@ static net_body_mode_t on_head(net_req_t *req)
         } else
             fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     }
     switch (q->route) {
     case ROUTE_MODELS:
         answer_models(q);
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     case ROUTE_COMPLETIONS:
     case ROUTE_CHAT:
     case ROUTE_RESPONSES:
@@ -1331,7 +1333,7 @@ static net_body_mode_t on_head(net_req_t *req)
                     "an engine-native generation route: detproxy polices only POST "
                     "/v1/completions, /v1/chat/completions and /v1/responses");
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     case ROUTE_PASS:
         break;
     }
@@ -1339,7 +1341,7 @@ static net_body_mode_t on_head(net_req_t *req)
     if (q->gen->npools == 0) {
         fail_client(q, 404, "not_found", NULL, "no pool configured");
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     }
     /* Default-deny for a policed tenant: a route nobody listed may generate (docs/policy.md
      * §2, "Routes and pass-through"), so only GET, HEAD and the pool's passthrough list go
@@ -1355,7 +1357,7 @@ static net_body_mode_t on_head(net_req_t *req)
         px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
         fail_client(q, 404, "unpoliced_route", NULL, msg);
         finish(q);
-        return NET_BODY_BUFFER;
+        return NET_BODY_DISCARD;
     }
     q->pool = pass;
     q->stream_body = req->has_body;
@@ -1438,8 +1440,7 @@ static void on_complete(net_req_t *req)
         }
         return;
     }
-    /* Refused from its head, the answer waiting for its audit line (fail_client): the body
-     * was only read to be discarded. */
+    /* Refused from its head, the answer waiting for its audit line (fail_client). */
     if (q->status != 0)
         return;
     /* Inference: policy, routing by model, then dispatch with the rewritten body. */

@@ -143,36 +143,55 @@ def test_an_audited_tenants_requests_refused_from_the_head_are_audited():
     """An audited tenant's attempt at an engine-native generation route, at a route that is
     not in the passthrough list, or over its rate limit, is refused before any body is read,
     and still gets its audit line: the method and path it tried, the refusal, nothing
-    forwarded. Another tenant's refusals write none."""
+    forwarded. While the answer waits for its line the body is dropped as it comes: a body
+    over max_body_bytes does not turn the refusal into a 413, and no 100 Continue invites
+    one. Another tenant's refusals write none."""
     policy = {"tenants": [
         {"name": "bank", "match": {"api_keys_sha256": [BANK_SHA]},
          "sampling": {"temperature": {"force": 0}}, "audit": True,
-         "rate_limit": {"requests_per_second": 0.05, "burst": 2}},
+         "rate_limit": {"requests_per_second": 0.05, "burst": 3}},
         {"name": "default", "match": {"any": True}, "sampling": {"temperature": {"force": 0}}},
     ]}
-    sims, px = setup(policy=policy)
-    gen = http("POST", px.port, "/generate", body=json.dumps({"inputs": "hi"}),
+    sims, px = setup(policy=policy, limits={"max_body_bytes": 1000})
+    big = "x" * 5000
+    gen = http("POST", px.port, "/generate", body=big,
                headers=dict(BANK, **{"content-type": "application/json"}))
     assert gen.status == 404 and gen.json()["error"]["code"] == "unpoliced_route", gen
     tok = http("POST", px.port, "/tokenize?x=1", body="{}", headers=BANK)
     assert tok.status == 404 and tok.json()["error"]["code"] == "unpoliced_route", tok
     assert http("POST", px.port, "/generate", body="{}").status == 404  # not audited
-    over = http("GET", px.port, "/v1/models", headers=BANK)
-    assert over.status == 429, over
+    # Expect: 100-continue on a refused route: the refusal, not an invitation to send.
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+              b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n" % BANK_KEY.encode())
+    s.settimeout(10)
+    first = s.recv(4096)
+    s.close()
+    assert first.startswith(b"HTTP/1.1 404"), first[:100]
+    cont_id = re.search(rb"x-detproxy-request-id: ([0-9a-f]+)", first, re.I).group(1).decode()
+    over = http("POST", px.port, "/v1/completions", body=big,
+                headers=dict(BANK, **{"content-type": "application/json"}))
+    assert over.status == 429 and over.headers.get("retry-after"), over
     lines = {l["request_id"]: l for l in audit_lines(px)}
-    assert len(lines) == 3, lines
-    for r, method, path, status, code in ((gen, "POST", "/generate", 404, "unpoliced_route"),
-                                          (tok, "POST", "/tokenize", 404, "unpoliced_route"),
-                                          (over, "GET", "/v1/models", 429, "rate_limited")):
-        a = lines[r.headers["x-detproxy-request-id"]]
+    assert len(lines) == 4, lines
+    ids = {r.headers["x-detproxy-request-id"]: r for r in (gen, tok, over)}
+    for rid, method, path, status, code in (
+            (gen.headers["x-detproxy-request-id"], "POST", "/generate", 404, "unpoliced_route"),
+            (tok.headers["x-detproxy-request-id"], "POST", "/tokenize", 404, "unpoliced_route"),
+            (cont_id, "POST", "/api/generate", 404, "unpoliced_route"),
+            (over.headers["x-detproxy-request-id"], "POST", "/v1/completions", 429,
+             "rate_limited")):
+        a = lines[rid]
         assert a["tenant"] == "bank" and a["method"] == method and a["route"] == path, a
         assert a["status"] == status and a["error"]["code"] == code, a
         assert a["model"] is None and a["params"] == [] and a["seed"] is None, a
         assert a["pool"] is None and a["replica"] is None, a
         assert a["forwarded_body_sha256"] is None and a["response_body_sha256"] is None, a
+    assert len(ids) == 3
+    assert metric(px, "detproxy_requests_total", code="body_too_large") == 0
     assert sim_stats(sims[0])["requests"] == 0
     rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", "--no-signatures", px.audit_path])
-    assert rc == 0 and "3 lines" in out and "chain ok" in out, (rc, out, err)
+    assert rc == 0 and "4 lines" in out and "chain ok" in out, (rc, out, err)
     px.stop()
 
 
