@@ -1,5 +1,4 @@
 #include "common/buf.h"
-#include "common/util.h"
 
 #include <assert.h>
 #include <pthread.h>
@@ -297,6 +296,19 @@ void dp_buf_printf(dp_buf_t *b, const char *fmt, ...)
     vsnprintf(b->base + b->len, (size_t)n + 1, fmt, ap);
     va_end(ap);
     b->len += (size_t)n;
+}
+
+size_t dp_u64_dec(uint64_t v, char out[21])
+{
+    char tmp[20];
+    size_t n = 0;
+    do {
+        tmp[sizeof(tmp) - ++n] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    memcpy(out, tmp + sizeof(tmp) - n, n);
+    out[n] = '\0';
+    return n;
 }
 
 void dp_buf_append_u64(dp_buf_t *b, uint64_t v)

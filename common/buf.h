@@ -50,6 +50,8 @@ void dp_buf_append(dp_buf_t *b, const void *p, size_t n);
 void dp_buf_appends(dp_buf_t *b, const char *s);
 void dp_buf_appendc(dp_buf_t *b, char c);
 void dp_buf_printf(dp_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* v in decimal into out, NUL-terminated (at most 20 digits); its length. */
+size_t dp_u64_dec(uint64_t v, char out[21]);
 void dp_buf_append_u64(dp_buf_t *b, uint64_t v);
 /* Drop the first n bytes, keeping the rest (used for partially consumed input). */
 void dp_buf_consume(dp_buf_t *b, size_t n);

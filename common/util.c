@@ -221,19 +221,6 @@ int dp_parse_u64(const char *s, size_t n, uint64_t *out)
     return 0;
 }
 
-size_t dp_u64_dec(uint64_t v, char out[21])
-{
-    char tmp[20];
-    size_t n = 0;
-    do {
-        tmp[sizeof(tmp) - ++n] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    memcpy(out, tmp + sizeof(tmp) - n, n);
-    out[n] = '\0';
-    return n;
-}
-
 void dp_copy_str(char *dst, size_t cap, const char *src, size_t n)
 {
     if (n >= cap)

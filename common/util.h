@@ -52,8 +52,6 @@ int dp_random_bytes(void *p, size_t n);
 
 /* Strict unsigned decimal: 1+ digits, no sign, no spaces, no overflow. 0 or -1. */
 int dp_parse_u64(const char *s, size_t n, uint64_t *out);
-/* v in decimal into out, NUL-terminated (at most 20 digits); its length. */
-size_t dp_u64_dec(uint64_t v, char out[21]);
 /* The first n bytes of src (at most cap - 1 of them) into dst, NUL-terminated (cap > 0): what
  * snprintf(dst, cap, "%.*s", n, src) writes, without the format parsing. */
 void dp_copy_str(char *dst, size_t cap, const char *src, size_t n);

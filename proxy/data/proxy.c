@@ -1313,8 +1313,9 @@ static net_body_mode_t on_head(net_req_t *req)
         if (gate == -2) {
             px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
             fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
-        } else
+        } else {
             fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
+        }
         finish(q);
         return NET_BODY_DISCARD;
     }
