@@ -208,8 +208,8 @@ Test(util, strieq_compares_whole_names_ignoring_ascii_case)
 /* Decimal writing and bounded copies, as snprintf("%llu") and snprintf("%.*s") write them. */
 Test(util, u64_dec_and_copy_str_write_what_snprintf_writes)
 {
-    static const uint64_t vs[] = {0, 7, 10, 99, 100, 1234, 4294967295u, 4294967296u,
-                                  18446744073709551615u};
+    static const uint64_t vs[] = {
+        0, 7, 10, 99, 100, 1234, 4294967295u, 4294967296u, 18446744073709551615u};
     for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++) {
         char got[21], want[32];
         size_t n = dp_u64_dec(vs[i], got);
