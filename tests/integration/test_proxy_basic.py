@@ -9,7 +9,8 @@ import time
 
 from harness import (SLOW, get_json, http, poll_until, post_json, raw_request, run_tests, sse,
                      start_sim)
-from proxyutil import metric, pool, sim_stats, start_proxy, wait_all_admitted
+from proxyutil import (metric, parse_response, pool, read_until_close, sim_stats, start_proxy,
+                       wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
@@ -248,20 +249,6 @@ def test_sigterm_drains_inflight_and_exits_zero():
     assert px.wait(10 * SLOW) == 0
 
 
-def _responses(data):
-    """The HTTP/1.1 responses in data, read back to back: [(status, headers, body)]."""
-    out = []
-    while data:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        assert sep, data[:200]
-        lines = head.decode("latin-1").split("\r\n")
-        hdrs = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
-        n = int(hdrs["content-length"])
-        out.append((int(lines[0].split()[1]), hdrs, rest[:n]))
-        data = rest[n:]
-    return out
-
-
 def test_sigterm_ends_a_pipelined_connection_with_connection_close():
     """Requests pipelined behind one in flight when the drain begins: the responses sent after
     it say `Connection: close` and the connection ends after the first of them, so a client
@@ -271,26 +258,26 @@ def test_sigterm_ends_a_pipelined_connection_with_connection_close():
     body = json.dumps(dict(COMPLETION, max_tokens=4)).encode()
     one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    s = socket.create_connection(("127.0.0.1", px.port))
-    s.settimeout(30 * SLOW)
-    s.sendall(one * 3)
-    poll_until(lambda: sim_stats(sims[0])["inflight"] == 1, what="the first request in flight")
-    px.send_signal(signal.SIGTERM)
-    px.wait_log("draining")
-    data = b""
-    while True:
-        d = s.recv(65536)
-        if not d:
-            break
-        data += d
-    s.close()
-    got = _responses(data)
-    print("    %d of 3 pipelined requests answered; Connection: %s"
-          % (len(got), [h.get("connection") for _, h, _ in got]))
-    assert got and got[0][0] == 200, got
-    assert got[-1][1].get("connection", "").lower() == "close", got
+    with socket.create_connection(("127.0.0.1", px.port)) as s:
+        s.sendall(one * 3)
+        poll_until(lambda: sim_stats(sims[0])["inflight"] == 1,
+                   what="the first request in flight")
+        px.send_signal(signal.SIGTERM)
+        px.wait_log("draining")
+        data, closed = read_until_close(s, 30)
+    assert closed, data[-300:]
+    got = []
+    while data:
+        r = parse_response(data)
+        assert r.complete, r
+        got.append(r)
+        data = r.rest
+    conns = [r.headers.get("connection", "").lower() for r in got]
+    print("    %d of 3 pipelined requests answered; Connection: %s" % (len(got), conns))
+    assert got and got[0].status == 200, got
+    assert conns[-1] == "close", got
     # nothing after the first response that says close
-    assert [h.get("connection", "").lower() for _, h, _ in got].index("close") == len(got) - 1
+    assert conns.index("close") == len(got) - 1
     assert sim_stats(sims[0])["requests"] == len(got)
     assert px.wait(10 * SLOW) == 0
 
