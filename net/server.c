@@ -1574,7 +1574,7 @@ static void conn_msg_done(net_conn_t *c)
     c->phase = PH_WAIT;
     /* While the response is produced, watch for a client that stops reading it. */
     conn_arm(c, c->srv->lim.client_idle_timeout_ms);
-    if (c->srv->h.on_complete)
+    if (c->srv->h.on_complete && q->mode != NET_BODY_DISCARD)
         c->srv->h.on_complete(&q->r);
 }
 

@@ -37,7 +37,7 @@ typedef enum {
     /* Answered, or to be answered, without it (a refusal from the head that waits for its
      * audit line): the body is read and dropped, with no size limit, budget, body timeout or
      * 100 Continue, so nothing but a broken framing or an idle client changes the answer;
-     * on_body is not called. */
+     * neither on_body nor on_complete is called. */
     NET_BODY_DISCARD = 2,
 } net_body_mode_t;
 
@@ -70,7 +70,7 @@ typedef struct {
     net_body_mode_t (*on_head)(net_req_t *req);
     /* NET_BODY_STREAM only: decoded body bytes; valid only during the call. */
     void (*on_body)(net_req_t *req, const char *p, size_t n);
-    /* The request (and its body) is complete. */
+    /* The request (and its body) is complete; not called for NET_BODY_DISCARD. */
     void (*on_complete)(net_req_t *req);
     /* The client went away, or the server failed the request, before net_resp_end. */
     void (*on_abort)(net_req_t *req);

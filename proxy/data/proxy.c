@@ -1441,9 +1441,6 @@ static void on_complete(net_req_t *req)
         }
         return;
     }
-    /* Refused from its head, the answer waiting for its audit line (fail_client). */
-    if (q->status != 0)
-        return;
     /* Inference: policy, routing by model, then dispatch with the rewritten body. */
     px_hooks_result_t res = {0};
     int rc = px_hooks_inference(&q->hooks, q->px, q->gen, req, policy_route(q->route), &q->body,
