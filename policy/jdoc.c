@@ -20,7 +20,7 @@ static const uint8_t str_special[256] = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
 };
 
-/* The same for a document already known to be valid UTF-8 (utf8_valid_avx2 or utf8_valid_avx512):
+/* The same for a document already known to be valid UTF-8 (utf8_valid_avx2):
  * non-ASCII bytes are plain text, only controls, '"' and '\\' end a run. */
 static const uint8_t str_special_utf8ok[256] = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -225,8 +225,8 @@ enum {
     U8_CARRY = U8_TOO_SHORT | U8_TOO_LONG | U8_TWO_CONTS,
 };
 
-/* The three tables, 16 entries each; every vector width repeats them in each 16-byte lane (the
- * byte shuffles look up within a lane). */
+/* The three tables, 16 entries each, repeated in each 16-byte lane (the byte shuffles look up
+ * within a lane). */
 #define U8_TL (U8_CARRY | U8_TOO_LARGE | U8_TOO_LARGE_1000)
 #define U8_CONT2 (U8_TOO_LONG | U8_OVERLONG_2 | U8_TWO_CONTS)
 static const uint8_t u8_byte_1_high[16] __attribute__((aligned(16))) = {
@@ -344,71 +344,6 @@ __attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char 
 #undef U8_T256
 #undef U8_PREV
 
-/* The same method 64 bytes at a time. The bytes before `in` come from one two-source byte
- * permute (VBMI) instead of AVX2's lane swap and align; the tail is a masked load, padded
- * with NULs as above, and never reads past the end. */
-#define U8_T512(t) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(const void *)(t)))
-#define U8_X512_ATTR __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi")))
-
-/* Byte i of prev_idx[k - 1] is 64 - k + i: in a two-source permute of (prev, in), the bytes
- * ending k before in's first. */
-static const uint8_t u8_prev_idx[3][64] __attribute__((aligned(64))) = {
-#define U8_IDX(k)                                                                                  \
-    {                                                                                              \
-        U8_R16(64 - (k)), U8_R16(80 - (k)), U8_R16(96 - (k)), U8_R16(112 - (k))                    \
-    }
-#define U8_R16(b)                                                                                  \
-    (b), (b) + 1, (b) + 2, (b) + 3, (b) + 4, (b) + 5, (b) + 6, (b) + 7, (b) + 8, (b) + 9,          \
-        (b) + 10, (b) + 11, (b) + 12, (b) + 13, (b) + 14, (b) + 15
-    U8_IDX(1), U8_IDX(2), U8_IDX(3)
-#undef U8_R16
-#undef U8_IDX
-};
-
-U8_X512_ATTR static inline __m512i u8_block512(__m512i in, __m512i prev)
-{
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    __m512i prev1 =
-        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[0]), in);
-    __m512i prev2 =
-        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[1]), in);
-    __m512i prev3 =
-        _mm512_permutex2var_epi8(prev, _mm512_load_si512((const void *)u8_prev_idx[2]), in);
-    __m512i sc = _mm512_and_si512(
-        _mm512_and_si512(_mm512_shuffle_epi8(U8_T512(u8_byte_1_high),
-                                             _mm512_and_si512(_mm512_srli_epi16(prev1, 4), lo4)),
-                         _mm512_shuffle_epi8(U8_T512(u8_byte_1_low), _mm512_and_si512(prev1, lo4))),
-        _mm512_shuffle_epi8(U8_T512(u8_byte_2_high),
-                            _mm512_and_si512(_mm512_srli_epi16(in, 4), lo4)));
-    __m512i third = _mm512_subs_epu8(prev2, _mm512_set1_epi8(0xe0 - 0x80));
-    __m512i fourth = _mm512_subs_epu8(prev3, _mm512_set1_epi8(0xf0 - 0x80));
-    __m512i must23 = _mm512_and_si512(_mm512_or_si512(third, fourth), _mm512_set1_epi8((char)0x80));
-    return _mm512_xor_si512(must23, sc);
-}
-
-U8_X512_ATTR static bool utf8_valid_avx512(const unsigned char *p, size_t n)
-{
-    /* Nonzero where a sequence begun in a block's last three bytes needs bytes after them. */
-    const __m512i max =
-        _mm512_set_epi64((long long)0xbfdfefffffffffffull, -1, -1, -1, -1, -1, -1, -1);
-    __m512i prev = _mm512_setzero_si512(), err = prev, incomplete = prev;
-    for (size_t i = 0;; i += 64) {
-        bool last = i + 64 > n;
-        __m512i in = last ? _mm512_maskz_loadu_epi8((1ull << (n - i)) - 1, p + i)
-                          : _mm512_loadu_si512((const void *)(p + i));
-        if (_mm512_movepi8_mask(in) == 0) {
-            err = _mm512_or_si512(err, incomplete);
-            incomplete = _mm512_setzero_si512();
-        } else {
-            err = _mm512_or_si512(err, u8_block512(in, prev));
-            incomplete = _mm512_subs_epu8(in, max);
-        }
-        prev = in;
-        if (last)
-            return _mm512_test_epi8_mask(err, err) == 0;
-    }
-}
-#undef U8_T512
 #define JDOC_HAVE_X86 1
 #endif
 
@@ -647,7 +582,7 @@ static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
     /* 0x78 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 };
 
-/* For a document utf8_valid_avx512 accepted. Each 64-byte block gives masks of its quotes,
+/* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
  * backslashes, controls and bytes that may follow a backslash (one byte lookup for all 64);
  * from them, with no branch per escape, the escaped bytes, the closing quote and whether
  * anything needs a closer look: a control, "\\/", "\\u", an invalid escape or a budget about
@@ -758,8 +693,6 @@ bool jdoc_utf8_valid(const char *p, size_t n)
 {
 #ifdef JDOC_HAVE_X86
     int level = simd_level();
-    if (level >= JDOC_SIMD_AVX512)
-        return utf8_valid_avx512((const unsigned char *)p, n);
     if (level >= JDOC_SIMD_AVX2)
         return utf8_valid_avx2((const unsigned char *)p, n);
 #endif
@@ -768,14 +701,17 @@ bool jdoc_utf8_valid(const char *p, size_t n)
 
 /* With AVX2 or AVX-512 the whole document is first validated as UTF-8 (a fraction of a cycle per
  * byte), so that strings are scanned only for controls, quotes and escapes. A document that fails
- * is scanned by the checking path, which names the first error exactly as every level does. */
+ * is scanned by the checking path, which names the first error exactly as every level does.
+ * Both levels validate 32 bytes a step: a 64-byte validator (three VBMI byte permutes for the
+ * bytes before each block) measured 1.5-2x the AVX2 one's time on an Intel Xeon, where those
+ * permutes are several micro-ops each, and gained only 12% on an AMD EPYC (bench/PROFILE.md). */
 static scan_string_fn scan_string_pick(const char *src, size_t n)
 {
     switch (simd_level()) {
 #ifdef JDOC_HAVE_X86
     case JDOC_SIMD_AVX512:
-        return utf8_valid_avx512((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
-                                                                : scan_string_avx2;
+        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
+                                                              : scan_string_avx2;
     case JDOC_SIMD_AVX2:
         return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
                                                               : scan_string_avx2;

@@ -326,13 +326,13 @@ static void parse_at(int level, const char *body, size_t n, int *rc, const char 
     jdoc_free(&d);
 }
 
-/* The AVX2 and AVX-512 paths validate a whole document's UTF-8 first (32 or 64 bytes at a
- * time, each byte with the three before it) and only then scan its strings; every other level
- * checks each sequence where a string holds it. Every one- to four-byte sequence built from the
- * bytes where UTF-8's rules change, inside a string and outside one, at offsets around the
- * first 32- and 64-byte boundaries and at the end of the document (there too on both sides of
- * byte 64), gets the same UTF-8 verdict from each vector validator and the byte loop, and the
- * same parse verdict and error at the same byte at each level. */
+/* The AVX2 and AVX-512 paths validate a whole document's UTF-8 first (32 bytes at a time, each
+ * byte with the three before it) and only then scan its strings (AVX-512: 64 bytes a step);
+ * every other level checks each sequence where a string holds it. Every one- to four-byte
+ * sequence built from the bytes where UTF-8's rules change, inside a string and outside one, at
+ * offsets around the first 32- and 64-byte boundaries and at the end of the document (there too
+ * on both sides of byte 64), gets the same UTF-8 verdict at each vector level and from the byte
+ * loop, and the same parse verdict and error at the same byte at each level. */
 Test(oracle, utf8_validation_matches_at_every_level)
 {
     static const unsigned char edge[] = {0x00, 0x1f, 'a',  0x7f, 0x80, 0x8f, 0x90, 0x9f,
@@ -346,7 +346,7 @@ Test(oracle, utf8_validation_matches_at_every_level)
         return;
     }
     if (top < JDOC_SIMD_AVX512)
-        cr_log_warn("no AVX-512 on this CPU: its validator is not compared here");
+        cr_log_warn("no AVX-512 on this CPU: its string scanner is not compared here");
     size_t cases = 0, accepted = 0;
     /* and each edge byte before a well-formed four-byte sequence (an error after a lead byte
      * that only the fifth byte shows) */
