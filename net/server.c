@@ -1331,9 +1331,37 @@ static void conn_close(net_conn_t *c)
 
 /* Answer with an error and close, lingering so the client can read the answer even while
  * it is still sending (closing with unread input would reset the connection). */
+/* A body nobody wants (NET_BODY_DISCARD) whose framing breaks, or whose client stalls, while
+ * its request's answer is still to come (a refusal waiting for its audit line) does not change
+ * that answer: it is the request's, and may already be on record. Reading stops, the answer
+ * goes out when the handler gives it, and the connection closes after it, as after any answer
+ * given before the body ended. True when c's request is such. */
+static bool discard_broken(net_conn_t *c, int status, const char *reason)
+{
+    req_impl_t *q = c->req;
+    if (c->phase != PH_BODY || q == NULL || q->mode != NET_BODY_DISCARD || q->resp_started)
+        return false;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "request_body_dropped");
+    if (w) {
+        dp_jw_str(w, "request_id", q->r.id);
+        dp_jw_int(w, "status", status); /* what a wanted body's breakage would have answered */
+        dp_jw_str(w, "reason", reason);
+        dp_log_end(w);
+    }
+    c->keep_alive = false;
+    c->phase = PH_WAIT;
+    c->read_paused = true;
+    net_sock_read_stop(&c->sock);
+    dp_buf_free(&c->pending);
+    conn_arm(c, c->srv->lim.client_idle_timeout_ms);
+    return true;
+}
+
 static void conn_reject(net_conn_t *c, int status, const char *reason)
 {
     net_server_t *s = c->srv;
+    if (discard_broken(c, status, reason))
+        return;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "request_rejected");
     if (w) {
         char remote[48];

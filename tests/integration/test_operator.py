@@ -15,8 +15,8 @@ import threading
 
 from harness import (DETPROXY_BIN, SANITIZE, SOURCE_DIR, get_json, http, poll_until, post_json,
                      run_cmd, run_tests, sse, start_sim)
-from proxyutil import (assert_openai_error, exchange, metric, parse_response, pool, sim_stats,
-                       start_proxy, write_config)
+from proxyutil import (assert_openai_error, exchange, metric, parse_response, pool,
+                       read_until_close, sim_stats, start_proxy, write_config)
 
 BANK_KEY = "sk-bank-operator-0001"
 BANK_SHA = hashlib.sha256(BANK_KEY.encode()).hexdigest()
@@ -192,6 +192,34 @@ def test_an_audited_tenants_requests_refused_from_the_head_are_audited():
     assert sim_stats(sims[0])["requests"] == 0
     rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", "--no-signatures", px.audit_path])
     assert rc == 0 and "4 lines" in out and "chain ok" in out, (rc, out, err)
+    px.stop()
+
+
+def test_a_refused_requests_broken_body_does_not_change_the_answer_on_record():
+    """A refusal from the head waits for its audit line before it is sent. A body that breaks
+    its chunked framing meanwhile (here in the same packet as the head, so before the line is
+    written) does not turn the answer into a 400: the client gets the refusal the line
+    records, and the connection closes after it."""
+    policy = {"tenants": [
+        {"name": "bank", "match": {"api_keys_sha256": [BANK_SHA]},
+         "sampling": {"temperature": {"force": 0}}, "audit": True},
+    ]}
+    sims, px = setup(policy=policy)
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\nzz\r\nnot a chunk\r\n" % BANK_KEY.encode())
+    data, closed = read_until_close(s)
+    s.close()
+    assert closed, data[:300]
+    r = parse_response(data)
+    assert r.status == 404 and json.loads(r.body)["error"]["code"] == "unpoliced_route", data[:400]
+    assert r.headers.get("connection") == "close" and r.complete and r.rest == b"", data[:400]
+    rid = r.headers["x-detproxy-request-id"]
+    (line,) = [l for l in audit_lines(px) if l["request_id"] == rid]
+    assert line["status"] == 404 and line["error"]["code"] == "unpoliced_route", line
+    px.wait_log("request_body_dropped")
+    assert metric(px, "detproxy_requests_total", code="bad_request") == 0
+    assert sim_stats(sims[0])["requests"] == 0
     px.stop()
 
 
