@@ -56,6 +56,7 @@ typedef struct pol_s {
     char att_sha[65];
     dp_buf_t att_ev;
     const char *route;
+    char *route_copy;   /* refused from its head: the whole path tried (route points here) */
     const char *method; /* refused from its head (px_hooks_audit_head): no body was read */
     uint64_t wall_ms;
     void (*then)(void *);
@@ -117,6 +118,8 @@ static pol_t *pol_get(void)
 
 static void pol_put(pol_t *p)
 {
+    free(p->route_copy);
+    p->route_copy = NULL;
     dp_buf_free(&p->resp_body);
     dp_buf_free(&p->att_ev);
     /* A large body is not kept with a cached pol_t (256 of them would hold 64 MiB outside the
@@ -260,13 +263,15 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *re
     return 0;
 }
 
-void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path)
+void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path,
+                         size_t path_len)
 {
     if (h->policy || h->tenant_cfg == NULL || !h->tenant_cfg->audit)
         return;
     pol_t *p = pol_get();
     h->policy = p;
-    p->route = path;
+    p->route_copy = dp_xstrndup(path, path_len);
+    p->route = p->route_copy;
     p->method = method;
     p->wall_ms = dp_wall_ms();
     p->audit = true;

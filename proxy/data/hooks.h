@@ -67,8 +67,10 @@ void px_hooks_set_rate_share(uint32_t members);
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req);
 /* An audited tenant's request about to be refused from its head alone (a route that is not
  * policed, the rate limit): it gets an audit line too, written by the refusal as any other's.
- * method and path must live until the request finishes. No-op for other tenants. */
-void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path);
+ * method must live until the request finishes; the path (all path_len bytes) is copied. No-op
+ * for other tenants. */
+void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path,
+                         size_t path_len);
 /* detproxy refused the request with code/param (param may be NULL): for the audit line. */
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
 /* Token usage seen in the response so far (prompt, completion): false when none. */

@@ -1311,7 +1311,7 @@ static net_body_mode_t on_head(net_req_t *req)
     int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
     if (gate != 0) {
         if (gate == -2) {
-            px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
+            px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
             fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
         } else {
             fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
@@ -1329,7 +1329,7 @@ static net_body_mode_t on_head(net_req_t *req)
     case ROUTE_RESPONSES:
         return NET_BODY_BUFFER;
     case ROUTE_UNPOLICED:
-        px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
+        px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
         fail_client(q, 404, "unpoliced_route", NULL,
                     "an engine-native generation route: detproxy polices only POST "
                     "/v1/completions, /v1/chat/completions and /v1/responses");
@@ -1355,7 +1355,7 @@ static net_body_mode_t on_head(net_req_t *req)
                  "list: detproxy polices only POST /v1/completions, /v1/chat/completions and "
                  "/v1/responses; an operator can allow a route with pools[].passthrough",
                  (int)req->method_name.len, req->method_name.base, pass->name);
-        px_hooks_audit_head(&q->hooks, q->gen, q->method, q->path);
+        px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
         fail_client(q, 404, "unpoliced_route", NULL, msg);
         finish(q);
         return NET_BODY_DISCARD;

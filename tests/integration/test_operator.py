@@ -199,7 +199,7 @@ def test_a_refused_requests_broken_body_does_not_change_the_answer_on_record():
     """A refusal from the head waits for its audit line before it is sent. A body that breaks
     its chunked framing meanwhile (here in the same packet as the head, so before the line is
     written) does not turn the answer into a 400: the client gets the refusal the line
-    records, and the connection closes after it."""
+    records, and the connection closes after it. The line's route is the whole path."""
     policy = {"tenants": [
         {"name": "bank", "match": {"api_keys_sha256": [BANK_SHA]},
          "sampling": {"temperature": {"force": 0}}, "audit": True},
@@ -219,6 +219,13 @@ def test_a_refused_requests_broken_body_does_not_change_the_answer_on_record():
     assert line["status"] == 404 and line["error"]["code"] == "unpoliced_route", line
     px.wait_log("request_body_dropped")
     assert metric(px, "detproxy_requests_total", code="bad_request") == 0
+    # The line's route is the whole path tried, however long.
+    long_path = "/" + "r" * 600
+    far = http("POST", px.port, long_path + "?q=1", body="{}", headers=BANK)
+    assert far.status == 404, far
+    (line,) = [l for l in audit_lines(px)
+               if l["request_id"] == far.headers["x-detproxy-request-id"]]
+    assert line["route"] == long_path, len(line["route"])
     assert sim_stats(sims[0])["requests"] == 0
     px.stop()
 
