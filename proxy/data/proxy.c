@@ -581,6 +581,10 @@ void px_proxy_count_overload(const char *reason)
 /* ---- requests waiting for the check their new connection needs (core/event.h) ---------- */
 
 static _Thread_local px_preq_t *t_cwait;
+/* cwait_look's place in the list: the next waiter it looks at (kept right when that one
+ * leaves the list while another is settled), and whether a look was asked for during one. */
+static _Thread_local px_preq_t *t_cw_next;
+static _Thread_local bool t_cw_looking, t_cw_again;
 
 /* Waiting requests look again this often even with no verdict to wake them: an ask a full
  * mailbox dropped is made again, and queue_timeout_ms is kept to within this. */
@@ -613,6 +617,8 @@ static void cwait_remove(px_preq_t *q)
 {
     if (!q->cw_listed)
         return;
+    if (t_cw_next == q)
+        t_cw_next = q->cw_next;
     if (q->cw_prev)
         q->cw_prev->cw_next = q->cw_next;
     else
@@ -675,21 +681,30 @@ static void up_on_connected(net_creq_t *c)
     cwait_settle(q, dp_now_ns() / 1000000u);
 }
 
-/* A verdict came (or another wake-up): look at this worker's waiting requests. Each one
- * settled leaves the list, and what it set off may change the list: start over after it.
- * The clock is read again each time: settling one may take a while (a request routed again
- * starts on another replica). */
+/* A verdict came (or another wake-up): look at each of this worker's waiting requests once.
+ * Settling one may change the list: the settled one leaves it, and what it set off may add
+ * waiters at the head (already looked at when they came) or take others out (cwait_remove
+ * moves the place on). So one pass is O(n) however many settle, where starting over after
+ * each was O(n^2) with many waiters in front of the settled ones. A look asked for during a
+ * pass (a settle that woke the worker) makes another pass. The clock is read again after each
+ * settle: one may take a while (a request routed again starts on another replica). */
 static void cwait_look(void)
 {
-    for (bool again = true; again;) {
-        again = false;
-        uint64_t now_ms = dp_now_ns() / 1000000u;
-        for (px_preq_t *q = t_cwait; q; q = q->cw_next)
-            if (cwait_settle(q, now_ms)) {
-                again = true;
-                break;
-            }
+    if (t_cw_looking) {
+        t_cw_again = true;
+        return;
     }
+    t_cw_looking = true;
+    do {
+        t_cw_again = false;
+        uint64_t now_ms = dp_now_ns() / 1000000u;
+        for (px_preq_t *q = t_cwait; q; q = t_cw_next) {
+            t_cw_next = q->cw_next;
+            if (cwait_settle(q, now_ms))
+                now_ms = dp_now_ns() / 1000000u;
+        }
+    } while (t_cw_again);
+    t_cw_looking = false;
 }
 
 static void worker_wake(void)
