@@ -569,16 +569,18 @@ static inline uint64_t escaped_after_odd_runs(uint64_t bs)
     return (after_even & ~even) | (after_odd & even);
 }
 
-/* For each byte b < 0x80: b itself when "\\b" is an escape that RFC 8785 writes as it is
- * ('"' b f n r t; a backslash never follows an odd run), else 0xFF, a byte a document that
- * passed the UTF-8 check never holds. "\\/" and "\\u" are left to scan_special. */
+/* For each byte b < 0x80: b itself when "\\b" is an escape the block scanner takes as it is
+ * ('"' b f n r t, which RFC 8785 writes as they are, and '/', which it writes unescaped: the
+ * scanner marks the string JF_REESC; a backslash never follows an odd run), else 0xFF, a byte
+ * a document that passed the UTF-8 check never holds. "\\u" is left to scan_special (its hex
+ * digits and surrogates are checked there). */
 static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
     /* 0x00 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x08 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x10 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x18 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x20 */ 0xff, 0xff, '"',  0xff, 0xff, 0xff, 0xff, 0xff,
-    /* 0x28 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    /* 0x28 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, '/',
     /* 0x30 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x38 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     /* 0x40 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
@@ -594,8 +596,8 @@ static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
 /* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
  * backslashes, controls and bytes that may follow a backslash (one byte lookup for all 64);
  * from them, with no branch per escape, the escaped bytes, the closing quote and whether
- * anything needs a closer look: a control, "\\/", "\\u", an invalid escape or a budget about
- * to run out. Such a block, and the tail shorter than 64 bytes, go through scan_special a byte
+ * anything needs a closer look: a control, "\\u", an invalid escape or a budget about to run
+ * out. Such a block, and the tail shorter than 64 bytes, go through scan_special a byte
  * at a time as at every other level, so errors and their positions are the same. */
 __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,bmi,popcnt"))) static int
 scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
@@ -664,6 +666,9 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
                 }
                 d->nslow += nesc;
                 *flags |= JF_ESC;
+                /* "\\/" (PHP's json_encode writes every '/' so): RFC 8785 writes '/' */
+                if (_mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('/')) & escd & in)
+                    *flags |= JF_REESC;
             }
             if (end) {
                 *pos = i + (size_t)__builtin_ctzll(end) + 1;
