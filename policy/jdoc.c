@@ -367,7 +367,8 @@ static int simd_supported(void)
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
         __builtin_cpu_supports("popcnt"))
         return JDOC_SIMD_AVX512;
-    if (__builtin_cpu_supports("avx2"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+        __builtin_cpu_supports("popcnt"))
         return JDOC_SIMD_AVX2;
     if (__builtin_cpu_supports("sse2"))
         return JDOC_SIMD_SSE2;
@@ -544,15 +545,8 @@ __attribute__((target("avx2"))) static int scan_string_avx2(jdoc_t *d, size_t *p
     return scan_string_with(d, pos, flags, plain_run_avx2, str_special);
 }
 
-/* For a document utf8_valid_avx2 accepted: a multi-byte sequence never holds an ASCII byte,
- * so no string of it can hold ill-formed UTF-8 and the per-sequence check is skipped. */
-__attribute__((target("avx2"))) static int scan_string_avx2_utf8ok(jdoc_t *d, size_t *pos,
-                                                                   uint8_t *flags)
-{
-    return scan_string_with(d, pos, flags, plain_run_avx2_utf8ok, str_special_utf8ok);
-}
-
-/* ---- strings 64 bytes at a time, escapes as bit masks (AVX-512) -------------------------- */
+/* ---- strings 64 bytes at a time, escapes as bit masks (AVX2 and AVX-512)
+ * -------------------------- */
 
 /* The bytes right after each run of backslashes of odd length: the escaped characters other
  * than a backslash. A run that starts on an even bit ends, counted with its escaped byte, on
@@ -593,28 +587,32 @@ static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
     /* 0x78 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 };
 
+/* The masks of one 64-byte block at p: its quotes, backslashes and controls. */
+typedef struct {
+    uint64_t q, bs, ctl;
+} blk_masks_t;
+
 /* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
- * backslashes, controls and bytes that may follow a backslash (one byte lookup for all 64);
- * from them, with no branch per escape, the escaped bytes, the closing quote and whether
- * anything needs a closer look: a control, "\\u", an invalid escape or a budget about to run
- * out. Such a block, and the tail shorter than 64 bytes, go through scan_special a byte
- * at a time as at every other level, so errors and their positions are the same. */
-__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,bmi,popcnt"))) static int
-scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+ * backslashes and controls, and, when it holds a backslash, of the bytes that may follow one as
+ * they are and of its slashes; from them, with no branch per escape, the escaped bytes, the
+ * closing quote and whether anything needs a closer look: a control, "\\u", an invalid escape
+ * or a budget about to run out. Such a block, and the tail shorter than 64 bytes, go through
+ * scan_special a byte at a time as at every other level, so errors and their positions are the
+ * same. One loop for both vector widths: `masks`, `kept` and `slashes` read the block at p. */
+static inline __attribute__((always_inline)) int
+scan_string_blocks(jdoc_t *d, size_t *pos, uint8_t *flags,
+                   void (*const masks)(const unsigned char *p, blk_masks_t *m),
+                   uint64_t (*const kept_of)(const unsigned char *p),
+                   uint64_t (*const slashes)(const unsigned char *p))
 {
     const unsigned char *p = (const unsigned char *)d->src;
-    const __m512i quote = _mm512_set1_epi8('"'), bslash = _mm512_set1_epi8('\\'),
-                  space = _mm512_set1_epi8(0x20);
-    const __m512i kept_lo = _mm512_load_si512((const void *)esc_kept),
-                  kept_hi = _mm512_load_si512((const void *)(esc_kept + 64));
     size_t n = d->srclen, i = *pos + 1;
     for (;;) {
         size_t through = SIZE_MAX; /* where the byte loop may hand back; the end by default */
         while (i + 64 <= n) {
-            __m512i x = _mm512_loadu_si512((const void *)(p + i));
-            uint64_t q = _mm512_cmpeq_epi8_mask(x, quote);
-            uint64_t bs = _mm512_cmpeq_epi8_mask(x, bslash);
-            uint64_t ctl = _mm512_cmplt_epu8_mask(x, space);
+            blk_masks_t m;
+            masks(p + i, &m);
+            uint64_t q = m.q, bs = m.bs, ctl = m.ctl;
             if (bs == 0) { /* most blocks: no escape, and a key or value ends at its first quote */
                 uint64_t in = q ? (q & -q) - 1 : ~0ull;
                 if (ctl & in) {
@@ -628,8 +626,7 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
                 i += 64;
                 continue;
             }
-            uint64_t kept =
-                _mm512_cmpeq_epi8_mask(_mm512_permutex2var_epi8(kept_lo, x, kept_hi), x);
+            uint64_t kept = kept_of(p + i);
             /* A run of backslashes that reaches the block's end starts the next block (a
              * branch, not arithmetic on the masks: the next block's load must not wait for
              * this block's). */
@@ -667,7 +664,7 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
                 d->nslow += nesc;
                 *flags |= JF_ESC;
                 /* "\\/" (PHP's json_encode writes every '/' so): RFC 8785 writes '/' */
-                if (_mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('/')) & escd & in)
+                if (slashes(p + i) & escd & in)
                     *flags |= JF_REESC;
             }
             if (end) {
@@ -680,6 +677,88 @@ scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
         if (r != 0)
             return r < 0 ? -1 : 0;
     }
+}
+
+/* 64 bytes as two halves of 32. */
+__attribute__((target("avx2"))) static inline void blk_masks_avx2(const unsigned char *p,
+                                                                  blk_masks_t *m)
+{
+    const __m256i quote = _mm256_set1_epi8('"'), bslash = _mm256_set1_epi8('\\'),
+                  c = _mm256_set1_epi8(0x1f);
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
+#define BLK_MASK(v) ((uint64_t)(uint32_t)_mm256_movemask_epi8(v))
+    m->q = BLK_MASK(_mm256_cmpeq_epi8(lo, quote)) | BLK_MASK(_mm256_cmpeq_epi8(hi, quote)) << 32;
+    m->bs = BLK_MASK(_mm256_cmpeq_epi8(lo, bslash)) | BLK_MASK(_mm256_cmpeq_epi8(hi, bslash)) << 32;
+    m->ctl = BLK_MASK(_mm256_cmpeq_epi8(_mm256_min_epu8(lo, c), lo)) | /* x <= 0x1f */
+             BLK_MASK(_mm256_cmpeq_epi8(_mm256_min_epu8(hi, c), hi)) << 32;
+}
+
+/* The bytes esc_kept keeps ('"' b f n r t /), each half by seven compares. */
+__attribute__((target("avx2"))) static inline __m256i kept_half_avx2(__m256i x)
+{
+    __m256i k = _mm256_cmpeq_epi8(x, _mm256_set1_epi8('"'));
+    k = _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('b')));
+    k = _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('f')));
+    k = _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('n')));
+    k = _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('r')));
+    k = _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('t')));
+    return _mm256_or_si256(k, _mm256_cmpeq_epi8(x, _mm256_set1_epi8('/')));
+}
+
+__attribute__((target("avx2"))) static inline uint64_t kept_avx2(const unsigned char *p)
+{
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
+    return BLK_MASK(kept_half_avx2(lo)) | BLK_MASK(kept_half_avx2(hi)) << 32;
+}
+
+__attribute__((target("avx2"))) static inline uint64_t slashes_avx2(const unsigned char *p)
+{
+    const __m256i sl = _mm256_set1_epi8('/');
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
+    return BLK_MASK(_mm256_cmpeq_epi8(lo, sl)) | BLK_MASK(_mm256_cmpeq_epi8(hi, sl)) << 32;
+}
+#undef BLK_MASK
+
+#define X512_ATTR __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,bmi,popcnt")))
+
+X512_ATTR static inline void blk_masks_avx512(const unsigned char *p, blk_masks_t *m)
+{
+    __m512i x = _mm512_loadu_si512((const void *)p);
+    m->q = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('"'));
+    m->bs = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('\\'));
+    m->ctl = _mm512_cmplt_epu8_mask(x, _mm512_set1_epi8(0x20));
+}
+
+/* One byte lookup for all 64 (VBMI): a byte is kept where esc_kept maps it to itself. */
+X512_ATTR static inline uint64_t kept_avx512(const unsigned char *p)
+{
+    __m512i x = _mm512_loadu_si512((const void *)p);
+    __m512i lo = _mm512_load_si512((const void *)esc_kept),
+            hi = _mm512_load_si512((const void *)(esc_kept + 64));
+    return _mm512_cmpeq_epi8_mask(_mm512_permutex2var_epi8(lo, x, hi), x);
+}
+
+X512_ATTR static inline uint64_t slashes_avx512(const unsigned char *p)
+{
+    return _mm512_cmpeq_epi8_mask(_mm512_loadu_si512((const void *)p), _mm512_set1_epi8('/'));
+}
+
+X512_ATTR static int scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    return scan_string_blocks(d, pos, flags, blk_masks_avx512, kept_avx512, slashes_avx512);
+}
+#undef X512_ATTR
+
+/* The same 64 bytes a step with AVX2 (two 32-byte halves). A document utf8_valid_avx2
+ * accepted holds no ill-formed sequence, and a multi-byte sequence never holds an ASCII byte, so
+ * no string of it can hold ill-formed UTF-8: the per-sequence check is skipped. */
+__attribute__((target("avx2,bmi,popcnt"))) static int
+scan_string_avx2_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+{
+    return scan_string_blocks(d, pos, flags, blk_masks_avx2, kept_avx2, slashes_avx2);
 }
 #endif
 

@@ -123,8 +123,9 @@ int jdoc_int64(const jdoc_t *d, uint32_t tok, int64_t *out);
 enum {
     JDOC_SIMD_SCALAR = 0,
     JDOC_SIMD_SSE2,
-    JDOC_SIMD_AVX2,
-    JDOC_SIMD_AVX512, /* AVX-512 BW and VBMI: strings 64 bytes a step, escapes as bit masks */
+    JDOC_SIMD_AVX2,   /* with BMI and POPCNT: strings 64 bytes a step (two halves), escapes as
+                         bit masks, after the whole document is validated as UTF-8 */
+    JDOC_SIMD_AVX512, /* AVX-512 BW and VBMI: the same with one 64-byte vector */
     JDOC_SIMD_BEST = JDOC_SIMD_AVX512
 };
 /* Use at most level max (tests run every path this way); returns the level now in use. The
