@@ -25,6 +25,10 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
     dp_jw_str(&w, "route", a->route);
     if (a->method)
         dp_jw_str(&w, "method", a->method);
+    if (a->route_sha256) {
+        dp_jw_uint(&w, "route_bytes", a->route_bytes);
+        dp_jw_str(&w, "route_sha256", a->route_sha256);
+    }
     dp_jw_str(&w, "model", a->model);
     dp_jw_int(&w, "status", a->status);
     const policy_result_t *r = a->result;

@@ -341,6 +341,10 @@ typedef struct {
     /* A request refused from its head (a route that is not policed, the rate limit): its
      * method, written as "method" (the route is its path); NULL for a policed route */
     const char *method;
+    /* Set when route is a path cut at POLICY_AUDIT_ROUTE_MAX bytes: the whole path's length
+     * and hex SHA-256, written as "route_bytes" and "route_sha256" */
+    uint64_t route_bytes;
+    const char *route_sha256;
     const char *model;             /* NULL: no body was read */
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
     const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */
@@ -351,9 +355,14 @@ typedef struct {
     const char *error_param;       /* the parameter it names, NULL when none */
 } policy_audit_t;
 
+/* A refused path longer than this is audited as its first this many bytes, with its length and
+ * SHA-256: escaped, a line stays far below the audit file's line limit (attest/audit.h). */
+#define POLICY_AUDIT_ROUTE_MAX 8192
+
 /* Append one JSON line (with its '\n') to out:
  * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint",
- *  "fingerprint_mismatch" (only when true),"route","method" (only when set),
+ *  "fingerprint_mismatch" (only when true),"route","method" (only when set),"route_bytes" and
+ *  "route_sha256" (only when the route was cut),
  *  "model","status","seed","seed_derived","temperature","params":[{"param","action","before",
  *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
  * absent/removed (with "removed":true for the latter). A refusal adds

@@ -56,7 +56,10 @@ typedef struct pol_s {
     char att_sha[65];
     dp_buf_t att_ev;
     const char *route;
-    char *route_copy;   /* refused from its head: the whole path tried (route points here) */
+    char *route_copy; /* refused from its head: the path tried (route points here), cut at
+                         POLICY_AUDIT_ROUTE_MAX bytes, with the whole one's length and hash */
+    uint64_t route_bytes;
+    char route_sha[65];
     const char *method; /* refused from its head (px_hooks_audit_head): no body was read */
     uint64_t wall_ms;
     void (*then)(void *);
@@ -270,6 +273,11 @@ void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, con
         return;
     pol_t *p = pol_get();
     h->policy = p;
+    if (path_len > POLICY_AUDIT_ROUTE_MAX) {
+        p->route_bytes = path_len;
+        dp_sha256_hex(path, path_len, p->route_sha);
+        path_len = POLICY_AUDIT_ROUTE_MAX;
+    }
     p->route_copy = dp_xstrndup(path, path_len);
     p->route = p->route_copy;
     p->method = method;
@@ -722,6 +730,8 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .fingerprint_mismatch = h->fp_mismatch,
         .route = p->route,
         .method = p->method,
+        .route_bytes = p->route_bytes,
+        .route_sha256 = p->route_sha[0] ? p->route_sha : NULL,
         .model = p->method ? NULL : model.base,
         .result = p->applied ? &p->res : NULL,
         .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,

@@ -67,8 +67,9 @@ void px_hooks_set_rate_share(uint32_t members);
 int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req);
 /* An audited tenant's request about to be refused from its head alone (a route that is not
  * policed, the rate limit): it gets an audit line too, written by the refusal as any other's.
- * method must live until the request finishes; the path (all path_len bytes) is copied. No-op
- * for other tenants. */
+ * method must live until the request finishes; the path is copied (its first
+ * POLICY_AUDIT_ROUTE_MAX bytes when longer, with its length and SHA-256). No-op for other
+ * tenants. */
 void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path,
                          size_t path_len);
 /* detproxy refused the request with code/param (param may be NULL): for the audit line. */

@@ -199,12 +199,13 @@ def test_a_refused_requests_broken_body_does_not_change_the_answer_on_record():
     """A refusal from the head waits for its audit line before it is sent. A body that breaks
     its chunked framing meanwhile (here in the same packet as the head, so before the line is
     written) does not turn the answer into a 400: the client gets the refusal the line
-    records, and the connection closes after it. The line's route is the whole path."""
+    records, and the connection closes after it. The line's route is the whole path up to
+    8 KiB."""
     policy = {"tenants": [
         {"name": "bank", "match": {"api_keys_sha256": [BANK_SHA]},
          "sampling": {"temperature": {"force": 0}}, "audit": True},
     ]}
-    sims, px = setup(policy=policy)
+    sims, px = setup(policy=policy, limits={"max_header_bytes": 131072})
     s = socket.create_connection(("127.0.0.1", px.port))
     s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
               b"Transfer-Encoding: chunked\r\n\r\nzz\r\nnot a chunk\r\n" % BANK_KEY.encode())
@@ -226,6 +227,19 @@ def test_a_refused_requests_broken_body_does_not_change_the_answer_on_record():
     (line,) = [l for l in audit_lines(px)
                if l["request_id"] == far.headers["x-detproxy-request-id"]]
     assert line["route"] == long_path, len(line["route"])
+    assert "route_bytes" not in line and "route_sha256" not in line, line
+    # Past 8 KiB the line keeps the first 8,192 bytes, with the whole path's length and hash,
+    # so that every line stays within what audit verify reads.
+    huge_path = "/" + "%22" * 20000
+    far = http("POST", px.port, huge_path, body="{}", headers=BANK)
+    assert far.status == 404, far
+    (line,) = [l for l in audit_lines(px)
+               if l["request_id"] == far.headers["x-detproxy-request-id"]]
+    assert line["route"] == huge_path[:8192], len(line["route"])
+    assert line["route_bytes"] == len(huge_path), line["route_bytes"]
+    assert line["route_sha256"] == hashlib.sha256(huge_path.encode()).hexdigest(), line
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", "--no-signatures", px.audit_path])
+    assert rc == 0 and "chain ok" in out, (rc, out, err)
     assert sim_stats(sims[0])["requests"] == 0
     px.stop()
 
