@@ -582,9 +582,8 @@ void px_proxy_count_overload(const char *reason)
 
 static _Thread_local px_preq_t *t_cwait;
 /* cwait_look's place in the list: the next waiter it looks at (kept right when that one
- * leaves the list while another is settled), and whether a look was asked for during one. */
+ * leaves the list while another is settled). */
 static _Thread_local px_preq_t *t_cw_next;
-static _Thread_local bool t_cw_looking, t_cw_again;
 
 /* Waiting requests look again this often even with no verdict to wake them: an ask a full
  * mailbox dropped is made again, and queue_timeout_ms is kept to within this. */
@@ -683,28 +682,21 @@ static void up_on_connected(net_creq_t *c)
 
 /* A verdict came (or another wake-up): look at each of this worker's waiting requests once.
  * Settling one may change the list: the settled one leaves it, and what it set off may add
- * waiters at the head (already looked at when they came) or take others out (cwait_remove
- * moves the place on). So one pass is O(n) however many settle, where starting over after
- * each was O(n^2) with many waiters in front of the settled ones. A look asked for during a
- * pass (a settle that woke the worker) makes another pass. The clock is read again after each
- * settle: one may take a while (a request routed again starts on another replica). */
+ * waiters at the head (each looked at when it came: up_on_connected) or take others out
+ * (cwait_remove moves the place on). So a look is O(n) however many settle, where starting
+ * over after each was O(n^2) with many waiters in front of the settled ones. A look never
+ * runs inside another: it is called from the worker's timer and from its wake-up, both
+ * callbacks of the loop, and verdicts reach a worker through that wake-up. The clock is read
+ * again after each settle: one may take a while (a request routed again starts on another
+ * replica). */
 static void cwait_look(void)
 {
-    if (t_cw_looking) {
-        t_cw_again = true;
-        return;
+    uint64_t now_ms = dp_now_ns() / 1000000u;
+    for (px_preq_t *q = t_cwait; q; q = t_cw_next) {
+        t_cw_next = q->cw_next;
+        if (cwait_settle(q, now_ms))
+            now_ms = dp_now_ns() / 1000000u;
     }
-    t_cw_looking = true;
-    do {
-        t_cw_again = false;
-        uint64_t now_ms = dp_now_ns() / 1000000u;
-        for (px_preq_t *q = t_cwait; q; q = t_cw_next) {
-            t_cw_next = q->cw_next;
-            if (cwait_settle(q, now_ms))
-                now_ms = dp_now_ns() / 1000000u;
-        }
-    } while (t_cw_again);
-    t_cw_looking = false;
 }
 
 static void worker_wake(void)
