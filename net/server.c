@@ -1329,8 +1329,6 @@ static void conn_close(net_conn_t *c)
     net_sock_close(&c->sock);
 }
 
-/* Answer with an error and close, lingering so the client can read the answer even while
- * it is still sending (closing with unread input would reset the connection). */
 /* A body nobody wants (NET_BODY_DISCARD) whose framing breaks, or whose client stalls, while
  * its request's answer is still to come (a refusal waiting for its audit line) does not change
  * that answer: it is the request's, and may already be on record. Reading stops, the answer
@@ -1357,6 +1355,9 @@ static bool discard_broken(net_conn_t *c, int status, const char *reason)
     return true;
 }
 
+/* Answer with an error and close, lingering so the client can read the answer even while
+ * it is still sending (closing with unread input would reset the connection); a request whose
+ * unwanted body broke keeps the answer it has (discard_broken). */
 static void conn_reject(net_conn_t *c, int status, const char *reason)
 {
     net_server_t *s = c->srv;
