@@ -134,12 +134,13 @@ int main(int argc, char **argv)
     {
         dp_buf_t out = {0};
         char prev[POLICY_FP_PREV_MAX];
+        policy_usage_t usage = {0};
         size_t len = strlen(resp_body);
         double dt = 1e30;
         for (int round = 0; round < ROUNDS; round++) {
             double t0 = now_ns();
             for (int i = 0; i < iters; i++)
-                policy_fp_rewrite_json(resp_body, len, "fp_0123456789abcdef", &out, prev);
+                policy_fp_rewrite_json(resp_body, len, "fp_0123456789abcdef", &out, prev, &usage);
             double x = (now_ns() - t0) / iters;
             dt = x < dt ? x : dt;
         }

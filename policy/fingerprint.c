@@ -35,7 +35,7 @@ static void append_fp_value(dp_buf_t *out, const char *fp)
 }
 
 int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_t *out,
-                           char prev[POLICY_FP_PREV_MAX])
+                           char prev[POLICY_FP_PREV_MAX], policy_usage_t *usage)
 {
     prev[0] = '\0';
     dp_buf_reset(out);
@@ -48,6 +48,8 @@ int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_
         jdoc_free(&d);
         return 0;
     }
+    if (usage)
+        policy_usage_take_json(usage, &d);
     dp_buf_reserve(out, len + 48);
     const jtok_t *root = &d.toks[0];
     size_t pos = 0, pn = 0;

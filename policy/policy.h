@@ -255,9 +255,12 @@ int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
  * or 0 when the body is not a valid JSON object (an error page, truncated JSON): forward it
  * untouched. prev receives the replica's own string value, unescaped, for
  * x-detproxy-upstream-fingerprint: "" when absent or not a string; bytes outside visible ASCII
- * become '?' so it is always a safe header value; truncated to POLICY_FP_PREV_MAX-1. */
+ * become '?' so it is always a safe header value; truncated to POLICY_FP_PREV_MAX-1.
+ * usage, when not NULL, takes the body's top-level usage from the same parse (see
+ * policy_usage_feed). */
+typedef struct policy_usage policy_usage_t;
 int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_t *out,
-                           char prev[POLICY_FP_PREV_MAX]);
+                           char prev[POLICY_FP_PREV_MAX], policy_usage_t *usage);
 
 /* Streamed (SSE) responses: an incremental rewriter. In every `data:` event whose JSON is an
  * object, the first top-level "system_fingerprint" whose value is a string or null gets fp
@@ -306,8 +309,14 @@ void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
  * response body: a non-streamed JSON body, or an SSE stream whose usage arrives in a chunk
  * (vLLM's stream_options.include_usage, llama.cpp's last chunk). Any depth, any number of
  * reads; the last usage object seen wins (continuous usage stats are cumulative). Keys and
- * quotes inside string values never match. Zero-initialise; feed every byte. */
-typedef struct {
+ * quotes inside string values never match. Zero-initialise; feed every byte.
+ *
+ * A non-streamed JSON body that policy_fp_rewrite_json parsed needs no scan: its usage is its
+ * top-level member's, read from the parse (each top-level "usage" whose value is an object,
+ * the last with a prompt_tokens winning, the first of duplicate keys inside it counting). When
+ * the body has one, taken is set and feeding the same bytes afterwards changes nothing; a body
+ * without a top-level usage object leaves the struct to the scanner. */
+struct policy_usage {
     uint8_t st;
     bool in_str, esc;
     uint8_t klen; /* bytes of the current string kept in key; 0xff: not a plain short key */
@@ -316,8 +325,9 @@ typedef struct {
     uint16_t clen;
     char cap[512]; /* the usage object being captured */
     bool found;
+    bool taken; /* read from a parsed body's top level: feeding more changes nothing */
     int64_t prompt_tokens, completion_tokens;
-} policy_usage_t;
+};
 
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n);
 

@@ -11,6 +11,8 @@ void policy_set_error(policy_error_t *err, int status, const char *code, const c
 
 /* Turn a failed jdoc_parse into a 400 with a clear message. */
 void policy_json_error(const jdoc_t *d, policy_error_t *err);
+/* The usage of a body parsed whole (see policy_usage_t). */
+void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d);
 
 /* The parsed request's tape (root object at token 0) and its route; for the module's other
  * readers of a parsed request (affinity.c). Valid until policy_req_reset / policy_req_free. */

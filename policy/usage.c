@@ -1,19 +1,20 @@
 /* Token usage from responses, for detproxy_tokens_total and the access log's tokens
  * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
- * the usage object itself is copied (at most POLICY_USAGE_CAP bytes); between strings the scan
- * jumps to the next quote, inside one to the next quote, backslash or newline. */
+ * the usage object itself is copied (at most sizeof cap bytes); between strings the scan
+ * jumps to the next quote, inside one to the next quote, backslash or newline. A body parsed
+ * whole for its fingerprint gives its top-level usage from that parse, and is not scanned. */
+#include <assert.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "policy/jdoc.h"
-#include "policy/policy.h"
+#include "policy/policy_int.h"
 
 enum { ST_SCAN = 0, ST_AFTER_KEY, ST_AFTER_COLON, ST_CAPTURE };
 
-static bool number(const jdoc_t *d, const char *key, int64_t *out)
+static bool number(const jdoc_t *d, uint32_t obj, const char *key, int64_t *out)
 {
-    uint32_t t = jdoc_get(d, 0, key);
+    uint32_t t = jdoc_get(d, obj, key);
     if (t == JDOC_NONE || d->toks[t].type != JT_NUM)
         return false;
     int64_t i;
@@ -30,23 +31,44 @@ static bool number(const jdoc_t *d, const char *key, int64_t *out)
     return true;
 }
 
-/* The captured object, parsed on the stack (the first of duplicate keys counts). */
-static void captured(policy_usage_t *u)
+/* The usage object at token obj of d (the first of duplicate keys counts). */
+static void read_usage(policy_usage_t *u, const jdoc_t *d, uint32_t obj)
 {
-    jdoc_t d;
-    jtok_t toks[64];
-    jdoc_init_with(&d, toks, 64);
     int64_t p, c;
-    if (jdoc_parse(&d, u->cap, u->clen, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0 &&
-        number(&d, "prompt_tokens", &p)) {
+    if (number(d, obj, "prompt_tokens", &p)) {
         /* A usage chunk without completion_tokens (an embeddings-shaped body) counts 0. */
-        if (!number(&d, "completion_tokens", &c))
+        if (!number(d, obj, "completion_tokens", &c))
             c = 0;
         u->found = true;
         u->prompt_tokens = p;
         u->completion_tokens = c;
     }
+}
+
+/* The captured object, parsed on the stack. */
+static void captured(policy_usage_t *u)
+{
+    jdoc_t d;
+    jtok_t toks[64];
+    jdoc_init_with(&d, toks, 64);
+    if (jdoc_parse(&d, u->cap, u->clen, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0)
+        read_usage(u, &d, 0);
     jdoc_free(&d);
+}
+
+void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d)
+{
+    assert(d->ntoks > 0 && d->toks[0].type == JT_OBJ);
+    const jtok_t *root = &d->toks[0];
+    for (uint32_t k = 1; k < root->end; k = d->toks[k + 1].end) {
+        const char *kp;
+        size_t kn;
+        jdoc_key(d, k, &kp, &kn);
+        if (kn == 5 && memcmp(kp, "usage", 5) == 0 && d->toks[k + 1].type == JT_OBJ) {
+            u->taken = true;
+            read_usage(u, d, k + 1);
+        }
+    }
 }
 
 /* The first '"', '\\' or newline at or after j (n if none): eight bytes a step, each tested
@@ -118,6 +140,8 @@ static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
 {
+    if (u->taken)
+        return;
     for (size_t i = 0; i < n; i++) {
         char ch = p[i];
         if (u->st == ST_CAPTURE) {

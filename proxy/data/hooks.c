@@ -616,7 +616,7 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
         return;
     dp_buf_reset(&p->out);
     if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, fp_of(h, pool), &p->out,
-                               h->upstream_fp) != 1)
+                               h->upstream_fp, &p->usage) != 1)
         return; /* not a JSON object: forward it as it is */
     dp_buf_t t = *body;
     *body = p->out;

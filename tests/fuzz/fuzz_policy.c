@@ -154,12 +154,12 @@ static void check_fingerprint(uint8_t sel, const char *p, size_t n)
     static const char fp[] = "fp_0123456789abcdef";
     dp_buf_t out = {0}, whole = {0}, split = {0};
     char prev[POLICY_FP_PREV_MAX];
-    if (policy_fp_rewrite_json(p, n, fp, &out, prev)) {
+    if (policy_fp_rewrite_json(p, n, fp, &out, prev, NULL)) {
         /* Still a JSON object, and rewriting again only reports our own fingerprint. */
         dp_buf_t again = {0};
         char prev2[POLICY_FP_PREV_MAX];
         CHECK(strlen(prev) < POLICY_FP_PREV_MAX);
-        CHECK(policy_fp_rewrite_json(out.base, out.len, fp, &again, prev2) == 1);
+        CHECK(policy_fp_rewrite_json(out.base, out.len, fp, &again, prev2, NULL) == 1);
         CHECK(strcmp(prev2, fp) == 0);
         CHECK(same(again.base, again.len, out.base, out.len));
         dp_buf_free(&again);

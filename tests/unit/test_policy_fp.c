@@ -17,7 +17,7 @@ static void rewrite(const char *in, const char *want, const char *want_prev)
 {
     dp_buf_t out = {0};
     char prev[POLICY_FP_PREV_MAX];
-    cr_assert_eq(policy_fp_rewrite_json(in, strlen(in), FP, &out, prev), 1, "%s", in);
+    cr_assert_eq(policy_fp_rewrite_json(in, strlen(in), FP, &out, prev, NULL), 1, "%s", in);
     cr_assert_str_eq(out.base, want);
     cr_assert_str_eq(prev, want_prev);
     dp_buf_free(&out);
@@ -52,7 +52,7 @@ Test(fp_json, leaves_non_json_alone)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         dp_buf_t out = {0};
         char prev[POLICY_FP_PREV_MAX];
-        cr_assert_eq(policy_fp_rewrite_json(bad[i], strlen(bad[i]), FP, &out, prev), 0, "%s",
+        cr_assert_eq(policy_fp_rewrite_json(bad[i], strlen(bad[i]), FP, &out, prev, NULL), 0, "%s",
                      bad[i]);
         cr_assert_eq(out.len, 0);
         dp_buf_free(&out);
@@ -67,7 +67,7 @@ Test(fp_json, long_previous_value_truncated)
         dp_buf_appendc(&in, 'a');
     dp_buf_appends(&in, "\"}");
     char prev[POLICY_FP_PREV_MAX];
-    cr_assert_eq(policy_fp_rewrite_json(in.base, in.len, FP, &out, prev), 1);
+    cr_assert_eq(policy_fp_rewrite_json(in.base, in.len, FP, &out, prev, NULL), 1);
     cr_assert_eq(strlen(prev), POLICY_FP_PREV_MAX - 1);
     dp_buf_free(&in);
     dp_buf_free(&out);

@@ -105,3 +105,76 @@ Test(usage, a_truncated_event_does_not_leave_the_scanner_in_a_string)
            "data: {\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":2}}\n\n",
            8, 2);
 }
+
+/* The body parsed whole for its fingerprint (policy_fp_rewrite_json) gives its usage. */
+static policy_usage_t take(const char *s)
+{
+    policy_usage_t u;
+    memset(&u, 0, sizeof(u));
+    dp_buf_t out = {0};
+    char prev[POLICY_FP_PREV_MAX];
+    policy_fp_rewrite_json(s, strlen(s), "fp_x", &out, prev, &u);
+    dp_buf_free(&out);
+    return u;
+}
+
+static void expect_taken(const char *s, int64_t p, int64_t c)
+{
+    policy_usage_t u = take(s);
+    cr_assert(u.taken && u.found, "no usage taken from %s", s);
+    cr_assert_eq(u.prompt_tokens, p, "%s", s);
+    cr_assert_eq(u.completion_tokens, c, "%s", s);
+    /* and the scan of the same bytes that follows changes nothing */
+    policy_usage_feed(&u, s, strlen(s));
+    policy_usage_feed(&u, "{\"usage\":{\"prompt_tokens\":99}}", 30);
+    cr_assert_eq(u.prompt_tokens, p, "%s", s);
+    cr_assert_eq(u.completion_tokens, c, "%s", s);
+}
+
+Test(usage, a_parsed_body_gives_its_top_level_usage)
+{
+    expect_taken("{\"id\":\"x\",\"choices\":[{\"text\":\"hi\"}],\"usage\":{\"prompt_tokens\":12,"
+                 "\"total_tokens\":17,\"completion_tokens\":5}}",
+                 12, 5);
+    expect_taken("{\"usage\":{\"prompt_tokens\":3}}", 3, 0);
+    /* the top level's, not a nested object's that comes after it */
+    expect_taken("{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2},\"choices\":[{\"usage\":"
+                 "{\"prompt_tokens\":7,\"completion_tokens\":8}}]}",
+                 1, 2);
+    /* duplicates: the last top-level one with a prompt_tokens, the first key inside it */
+    expect_taken("{\"usage\":{\"prompt_tokens\":1},\"usage\":{\"prompt_tokens\":4,"
+                 "\"prompt_tokens\":5,\"completion_tokens\":6},\"usage\":{\"x\":1}}",
+                 4, 6);
+    /* an escaped spelling of the key is the key, as for system_fingerprint */
+    expect_taken("{\"us\\u0061ge\":{\"prompt_tokens\":2,\"completion_tokens\":3}}", 2, 3);
+    /* no copy is made, so no size limit applies */
+    char big[2048];
+    int n = snprintf(big, sizeof(big), "{\"usage\":{\"pad\":\"");
+    memset(big + n, 'x', 700);
+    n += 700;
+    snprintf(big + n, sizeof(big) - (size_t)n, "\",\"prompt_tokens\":9,\"completion_tokens\":1}}");
+    expect_taken(big, 9, 1);
+    /* a top-level usage object without counts is taken, and counts nothing */
+    policy_usage_t u = take("{\"usage\":{\"prompt_tokens\":-1},\"x\":{\"usage\":{\"prompt_tokens\":"
+                            "2}}}");
+    cr_assert(u.taken);
+    cr_assert_not(u.found);
+}
+
+Test(usage, a_body_without_a_top_level_usage_object_is_left_to_the_scan)
+{
+    const char *nested =
+        "{\"choices\":[{\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":8}}]}";
+    const char *cases[] = {nested, "{\"usage\":null}", "{\"usage\":[1]}", "not json",
+                           "{\"usage\":{\"prompt_tokens\":1}"};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        policy_usage_t u = take(cases[i]);
+        cr_assert_not(u.taken, "%s", cases[i]);
+        cr_assert_not(u.found, "%s", cases[i]);
+    }
+    policy_usage_t u = take(nested);
+    policy_usage_feed(&u, nested, strlen(nested));
+    cr_assert(u.found);
+    cr_assert_eq(u.prompt_tokens, 7);
+    cr_assert_eq(u.completion_tokens, 8);
+}
