@@ -88,20 +88,26 @@ static int fail(jdoc_t *d, const char *why, size_t at)
     return -1;
 }
 
-static uint32_t push_tok(jdoc_t *d, uint8_t type, size_t start)
+static __attribute__((noinline, cold)) void grow_toks(jdoc_t *d)
 {
-    if (d->ntoks == d->cap) {
-        uint32_t ncap = d->cap ? d->cap * 2 : 64;
-        if (d->toks_borrowed) {
-            jtok_t *t = dp_xmalloc((size_t)ncap * sizeof(jtok_t));
-            memcpy(t, d->toks, (size_t)d->ntoks * sizeof(jtok_t));
-            d->toks = t;
-            d->toks_borrowed = false;
-        } else {
-            d->toks = dp_xrealloc(d->toks, (size_t)ncap * sizeof(jtok_t));
-        }
-        d->cap = ncap;
+    uint32_t ncap = d->cap ? d->cap * 2 : 64;
+    if (d->toks_borrowed) {
+        jtok_t *t = dp_xmalloc((size_t)ncap * sizeof(jtok_t));
+        memcpy(t, d->toks, (size_t)d->ntoks * sizeof(jtok_t));
+        d->toks = t;
+        d->toks_borrowed = false;
+    } else {
+        d->toks = dp_xrealloc(d->toks, (size_t)ncap * sizeof(jtok_t));
     }
+    d->cap = ncap;
+}
+
+/* Inlined at each of its few call sites: a token per value and key is the parse's rhythm. */
+static inline __attribute__((always_inline)) uint32_t push_tok(jdoc_t *d, uint8_t type,
+                                                               size_t start)
+{
+    if (__builtin_expect(d->ntoks == d->cap, 0))
+        grow_toks(d);
     jtok_t *t = &d->toks[d->ntoks];
     t->start = (uint32_t)start;
     t->len = 0;
@@ -992,9 +998,13 @@ static int close_object(jdoc_t *d, uint32_t obj, int flags)
     return 0;
 }
 
-static size_t skip_ws(const char *p, size_t n, size_t i)
+/* JSON's four whitespace bytes, as bits of a mask indexed by the byte (all are below 64). */
+#define WS_BITS ((1ull << ' ') | (1ull << '\n') | (1ull << '\r') | (1ull << '\t'))
+
+static inline size_t skip_ws(const char *p, size_t n, size_t i)
 {
-    while (i < n && (p[i] == ' ' || p[i] == '\n' || p[i] == '\r' || p[i] == '\t'))
+    /* Between tokens there is mostly no whitespace or one space: one compare decides. */
+    while (i < n && (unsigned char)p[i] <= ' ' && (WS_BITS >> (unsigned char)p[i] & 1))
         i++;
     return i;
 }
