@@ -235,18 +235,28 @@ static inline char lower(char c)
     return c >= 'A' && c <= 'Z' ? (char)(c + 32) : c;
 }
 
-bool dp_strieq(const char *a, size_t alen, const char *b)
+/* Each ASCII capital of the eight bytes in x made small (bytes from 0x80 are left alone): a
+ * byte's low seven bits plus 0x80 - 'A' carry into its top bit when they are at least 'A', plus
+ * 0x80 - 'Z' - 1 when they are above 'Z'; the capitals gain 0x20. */
+static inline uint64_t lower8(uint64_t x)
 {
-    size_t i = 0;
-    for (; i < alen; i++)
-        if (b[i] == '\0' || lower(a[i]) != lower(b[i]))
-            return false;
-    return b[i] == '\0';
+    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    uint64_t low7 = x & ~highs;
+    uint64_t upper = (low7 + ones * (0x80 - 'A')) & ~(low7 + ones * (0x80 - 'Z' - 1)) & ~x & highs;
+    return x | upper >> 2;
 }
 
 bool dp_memieq(const char *a, const char *b, size_t n)
 {
-    for (size_t i = 0; i < n; i++)
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) { /* header names: eight bytes a step */
+        uint64_t x, y;
+        memcpy(&x, a + i, 8);
+        memcpy(&y, b + i, 8);
+        if (x != y && lower8(x) != lower8(y))
+            return false;
+    }
+    for (; i < n; i++)
         if (lower(a[i]) != lower(b[i]))
             return false;
     return true;

@@ -56,10 +56,15 @@ int dp_parse_u64(const char *s, size_t n, uint64_t *out);
  * snprintf(dst, cap, "%.*s", n, src) writes, without the format parsing. */
 void dp_copy_str(char *dst, size_t cap, const char *src, size_t n);
 
-/* ASCII case-insensitive equality of a length-delimited string with a C string. */
-bool dp_strieq(const char *a, size_t alen, const char *b);
 /* ASCII case-insensitive equality of two n-byte strings. */
 bool dp_memieq(const char *a, const char *b, size_t n);
+/* ASCII case-insensitive equality of a length-delimited string with a C string. Inline, so that
+ * a literal b's length is a constant: most calls (a header's name against each of the few that
+ * detproxy reads) end at the length test. */
+static inline bool dp_strieq(const char *a, size_t alen, const char *b)
+{
+    return alen == __builtin_strlen(b) && dp_memieq(a, b, alen);
+}
 
 /* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);

@@ -203,6 +203,20 @@ Test(util, strieq_compares_whole_names_ignoring_ascii_case)
     cr_assert_not(dp_strieq("Hozt", 4, "host"));
     cr_assert(dp_memieq("AbC", "aBc", 3));
     cr_assert_not(dp_memieq("[", "{", 1)); /* 0x5b and 0x7b differ only by 0x20: not letters */
+    /* eight bytes a step, and the tail a byte at a time, against the byte-wise definition */
+    cr_assert(dp_memieq("X-DetProxy-Tenant", "x-detproxy-tenant", 17));
+    cr_assert_not(dp_memieq("x-detproxy-tenanT", "x-detproxy-tenanu", 17));
+    for (int c = 0; c < 256; c++) {
+        for (int d = 0; d < 256; d++) {
+            char x[9] = "abcdefgh", y[9] = "ABCDEFGH";
+            x[c % 8] = (char)c;
+            y[c % 8] = (char)d;
+            bool same =
+                c == d || ((c | 0x20) == (d | 0x20) && (c | 0x20) >= 'a' && (c | 0x20) <= 'z');
+            cr_assert_eq(dp_memieq(x, y, 8), same, "0x%02x 0x%02x", c, d);
+            cr_assert_eq(dp_memieq(x + 7, y + 7, 1), c % 8 != 7 || same, "0x%02x 0x%02x", c, d);
+        }
+    }
 }
 
 /* Decimal writing and bounded copies, as snprintf("%llu") and snprintf("%.*s") write them. */
