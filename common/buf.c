@@ -261,7 +261,7 @@ void dp_buf_reserve_exact(dp_buf_t *b, size_t extra)
     b->cap = need;
 }
 
-void dp_buf_append(dp_buf_t *b, const void *p, size_t n)
+void dp_buf_append_grow(dp_buf_t *b, const void *p, size_t n)
 {
     assert(p != NULL || n == 0);
     dp_buf_reserve(b, n);
@@ -274,13 +274,6 @@ void dp_buf_append(dp_buf_t *b, const void *p, size_t n)
 void dp_buf_appends(dp_buf_t *b, const char *s)
 {
     dp_buf_append(b, s, strlen(s));
-}
-
-void dp_buf_appendc(dp_buf_t *b, char c)
-{
-    dp_buf_reserve(b, 1);
-    b->base[b->len++] = c;
-    b->base[b->len] = '\0';
 }
 
 void dp_buf_printf(dp_buf_t *b, const char *fmt, ...)

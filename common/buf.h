@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* A borrowed view of bytes; never owns them. */
 typedef struct {
@@ -35,7 +36,7 @@ void dp_buf_reserve_exact(dp_buf_t *b, size_t extra);
 #define DP_BUF_STASH_MAX (1536 * 1024 + 2)
 /* Free b's memory, or keep it for reuse by this thread's next dp_buf_reserve_exact when its
  * capacity is in [DP_BUF_STASH_MIN, DP_BUF_STASH_MAX] (a request body of hundreds of KiB).
- * The thread keeps at most 64 buffers and 16 MiB, the newest: resident memory outside any
+ * The thread keeps at most 256 buffers and 64 MiB, the newest: resident memory outside any
  * budget. Leaves b empty. The stash is freed when the thread exits, or by dp_buf_stash_free. */
 void dp_buf_release(dp_buf_t *b);
 void dp_buf_stash_free(void);
@@ -46,9 +47,26 @@ void dp_buf_stash_free(void);
 void dp_buf_stash_decay(void);
 /* Bytes this thread's stash holds now. */
 size_t dp_buf_stash_bytes(void);
-void dp_buf_append(dp_buf_t *b, const void *p, size_t n);
+/* dp_buf_append and dp_buf_appendc when b must grow first. */
+void dp_buf_append_grow(dp_buf_t *b, const void *p, size_t n);
+/* Inline: heads, JSON and log lines are built from many short pieces, and a piece that fits
+ * (nearly every one) is then a bounds test and a copy the compiler sees the length of. */
+static inline void dp_buf_append(dp_buf_t *b, const void *p, size_t n)
+{
+    if (n >= b->cap - b->len) { /* no room for n bytes and the NUL (cap 0: always) */
+        dp_buf_append_grow(b, p, n);
+        return;
+    }
+    if (n)
+        memcpy(b->base + b->len, p, n);
+    b->len += n;
+    b->base[b->len] = '\0';
+}
+static inline void dp_buf_appendc(dp_buf_t *b, char c)
+{
+    dp_buf_append(b, &c, 1);
+}
 void dp_buf_appends(dp_buf_t *b, const char *s);
-void dp_buf_appendc(dp_buf_t *b, char c);
 void dp_buf_printf(dp_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* v in decimal into out, NUL-terminated (at most 20 digits); its length. */
 size_t dp_u64_dec(uint64_t v, char out[21]);
