@@ -123,7 +123,11 @@ static size_t build_key(char *out, size_t cap, const char *name, va_list ap, siz
     return n;
 }
 
-static px_series_t *lookup(const char *name, px_metric_type_t type, va_list ap)
+/* The series for name and its labels, created on first use. A histogram's bounds are set
+ * before the series is published and never written again, so a thread that finds it without
+ * the lock reads them as they will stay. */
+static px_series_t *lookup(const char *name, px_metric_type_t type, const double *bounds,
+                           size_t nbounds, va_list ap)
 {
     char stack[512];
     size_t labels_at = 0;
@@ -149,6 +153,10 @@ static px_series_t *lookup(const char *name, px_metric_type_t type, va_list ap)
         s->name = dp_xstrdup(name);
         s->labels = dp_xstrndup(stack + labels_at, n - labels_at - 1);
         s->type = type;
+        if (bounds) {
+            s->nbounds = nbounds < PX_HIST_MAX_BUCKETS ? nbounds : PX_HIST_MAX_BUCKETS;
+            s->bounds = bounds;
+        }
         s->cells = dp_xcalloc(g_nthreads, sizeof(*s->cells));
         atomic_store_explicit(&s->next, atomic_load_explicit(&g_table[h], memory_order_relaxed),
                               memory_order_relaxed);
@@ -163,7 +171,7 @@ px_series_t *px_metrics_get(const char *name, ...)
 {
     va_list ap;
     va_start(ap, name);
-    px_series_t *s = lookup(name, PX_COUNTER, ap);
+    px_series_t *s = lookup(name, PX_COUNTER, NULL, 0, ap);
     va_end(ap);
     return s;
 }
@@ -172,17 +180,8 @@ px_series_t *px_metrics_hist(const char *name, const double *bounds, size_t nbou
 {
     va_list ap;
     va_start(ap, nbounds);
-    px_series_t *s = lookup(name, PX_HISTOGRAM, ap);
+    px_series_t *s = lookup(name, PX_HISTOGRAM, bounds, nbounds, ap);
     va_end(ap);
-    if (s->bounds == NULL && s != &g_sink) {
-        pthread_mutex_lock(&g_mu);
-        if (s->bounds == NULL) {
-            s->type = PX_HISTOGRAM;
-            s->nbounds = nbounds < PX_HIST_MAX_BUCKETS ? nbounds : PX_HIST_MAX_BUCKETS;
-            s->bounds = bounds;
-        }
-        pthread_mutex_unlock(&g_mu);
-    }
     return s;
 }
 

@@ -53,6 +53,8 @@ unsigned px_metrics_threads(void);
 void px_metrics_family(const char *name, px_metric_type_t type, const char *help);
 /* Find or create a series. `labels` pairs: k1, v1, k2, v2, ..., NULL. */
 px_series_t *px_metrics_get(const char *name, ...) __attribute__((sentinel));
+/* The same for a histogram; bounds (kept, not copied) are fixed when the series is created:
+ * a name and labels first looked up with px_metrics_get stay a counter. */
 px_series_t *px_metrics_hist(const char *name, const double *bounds, size_t nbounds, ...)
     __attribute__((sentinel));
 static inline void px_metrics_add(px_series_t *s, double v)
