@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "attest/audit.h"
 #include "common/buf.h"
 #include "common/log.h"
@@ -426,7 +428,13 @@ static void write_batch(px_audit_t *a)
 
 static void work_cb(uv_work_t *req)
 {
-    write_batch(req->data);
+    px_audit_t *a = req->data;
+    write_batch(a);
+    /* Signing a checkpoint gives this pool thread OpenSSL state of its own (its error queue).
+     * OpenSSL frees it as the thread exits, unless OPENSSL_cleanup has run by then, which at
+     * exit it has: libuv joins its pool later. Freed after each batch that may have signed. */
+    if (a->w_key)
+        OPENSSL_thread_stop();
 }
 
 static void note_anchor(px_audit_t *a)
