@@ -521,10 +521,8 @@ static void sock_read(net_sock_t *s, const char *p, size_t n)
         uconn_fail(c, NET_UP_SEND, "the upstream spoke before the request was sent");
         return;
     }
-    if (c->req && !c->req->pub.response_started) {
+    if (c->req)
         c->req->pub.response_started = true;
-        c->req->pub.first_byte_ns = dp_now_ns();
-    }
     uconn_feed(c, p, n);
 }
 
@@ -770,7 +768,6 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
     }
     q->cb = *cb;
     q->pub.data = data;
-    q->pub.start_ns = dp_now_ns();
 
     uconn_t *c = u->idle;
     if (c) {

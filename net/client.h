@@ -72,11 +72,9 @@ typedef struct {
 } net_creq_cb_t;
 
 struct net_creq_s {
-    void *data;             /* the caller's */
-    bool response_started;  /* a response byte arrived */
-    bool reused;            /* the connection came from the idle pool */
-    uint64_t start_ns;      /* net_creq_start time */
-    uint64_t first_byte_ns; /* first response byte time (0 before) */
+    void *data;            /* the caller's */
+    bool response_started; /* a response byte arrived */
+    bool reused;           /* the connection came from the idle pool */
 };
 
 net_upstream_t *net_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,
