@@ -1123,8 +1123,9 @@ static void timer_cb(uv_timer_t *t)
         /* Waiting for a slow reader to take its responses: cut it off only once nothing was
          * written for the idle timeout, as in PH_WAIT. */
         uint64_t idle = c->srv->lim.client_idle_timeout_ms;
-        if (c->wait_drain && now - c->sock.last_write < idle) {
-            conn_arm(c, idle - (now - c->sock.last_write));
+        uint64_t progress = c->wait_drain ? net_sock_last_progress(&c->sock) : 0;
+        if (c->wait_drain && now - progress < idle) {
+            conn_arm(c, idle - (now - progress));
             return;
         }
         conn_close(c); /* idle or never-started connection: close silently */
@@ -1177,7 +1178,7 @@ static void timer_cb(uv_timer_t *t)
         /* A client that stopped reading a response: cut it off once nothing was written for
          * the idle timeout. A long silent generation (nothing queued) is not its fault. */
         uint64_t idle = c->srv->lim.client_idle_timeout_ms;
-        if (c->sock.queued > 0 && now - c->sock.last_write >= idle) {
+        if (c->sock.queued > 0 && now - net_sock_last_progress(&c->sock) >= idle) {
             dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
             if (w) {
                 dp_jw_str(w, "request_id", c->req ? c->req->r.id : "");

@@ -1,9 +1,11 @@
 #include "net/sock.h"
 
 #include <assert.h>
+#include <linux/sockios.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/ioctl.h>
 
 #include "common/buf.h"
 
@@ -409,8 +411,10 @@ static int raw_write_now(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
             done = (size_t)r;
         else if (r != UV_EAGAIN && r != UV_ENOSYS)
             return r;
-        if (done == total)
+        if (done == total) {
+            s->handed += total;
             return 0;
+        }
     }
     /* Queue the rest in one copy: the caller's buffers are not ours to keep. */
     size_t rest = total - done;
@@ -439,6 +443,7 @@ static int raw_write_now(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
     if (s->queued == 0)
         s->last_write = uv_now(s->tcp.loop);
     s->queued += rest;
+    s->handed += total;
     if (s->queued > s->high_water)
         s->above_high = true;
     return 0;
@@ -512,6 +517,25 @@ int net_sock_connect(net_sock_t *s, const struct sockaddr *addr)
 {
     s->connect_req.data = s;
     return uv_tcp_connect(&s->connect_req, &s->tcp, addr, connect_cb);
+}
+
+uint64_t net_sock_last_progress(net_sock_t *s)
+{
+    if (s->queued == 0 || s->closing)
+        return s->last_write;
+    /* Bytes still in the kernel's send queue, not yet acknowledged by the peer. */
+    uv_os_fd_t fd;
+    int unacked = 0;
+    if (uv_fileno((const uv_handle_t *)&s->tcp, &fd) != 0 || ioctl(fd, SIOCOUTQ, &unacked) != 0)
+        return s->last_write;
+    uint64_t held = uv_stream_get_write_queue_size((const uv_stream_t *)&s->tcp) +
+                    (uint64_t)(unacked > 0 ? unacked : 0);
+    uint64_t taken = s->handed > held ? s->handed - held : 0;
+    if (taken > s->taken) {
+        s->taken = taken;
+        s->last_write = uv_now(s->tcp.loop);
+    }
+    return s->last_write;
 }
 
 void net_sock_peer(net_sock_t *s, char *out, size_t n)

@@ -58,7 +58,9 @@ struct net_sock_s {
     size_t queued;       /* bytes handed to uv_write and not yet completed */
     size_t high_water;   /* above: backpressure (see net_sock_over) */
     size_t low_water;    /* drain reported when falling to this */
-    uint64_t last_write; /* uv_now() of the last write progress (for send-stall timeouts) */
+    uint64_t last_write; /* uv_now() of the last write progress seen (net_sock_last_progress) */
+    uint64_t handed;     /* bytes ever written to the socket or handed to uv_write */
+    uint64_t taken;      /* of them, acknowledged by the peer when last looked at */
     bool reading;
     bool closing;
     bool errored;
@@ -88,6 +90,14 @@ static inline bool net_sock_over(const net_sock_t *s)
 {
     return s->queued > s->high_water;
 }
+/* uv_now() of the last time the peer was seen taking bytes: a write completing, or, looked at
+ * now, bytes that left libuv's queue and the kernel's send queue since the last look. A write
+ * completes only once all of it is in the kernel, and the kernel makes room for more only
+ * when a third of its send buffer is free, so a peer reading slowly but steadily can complete
+ * nothing for longer than any idle timeout while its bytes flow all along. For send-stall
+ * timeouts: called when one expires, it cuts off a reader that took nothing for between one
+ * and two of them. */
+uint64_t net_sock_last_progress(net_sock_t *s);
 /* Close now (pending writes are cancelled). on_close fires once from the loop. */
 void net_sock_close(net_sock_t *s);
 /* Close now with a reset: the kernel also drops what it has not sent yet, and the peer learns

@@ -461,6 +461,43 @@ def test_pipelining_client_that_does_not_read_is_bounded():
     px.stop()
 
 
+def test_a_pipelining_client_that_reads_slowly_but_steadily_is_not_cut_off():
+    """A client that pipelines 20k requests and then reads its answers at ~160 KB/s, far
+    slower than they are made: the kernel's send buffer fills (megabytes, autotuned) and it
+    makes room for more only once a third of it is free, so for seconds no write completes.
+    The client still takes bytes all along, so client_idle_timeout_ms (1 s here) must not cut
+    it off: progress is the peer taking bytes, not a write completing."""
+    sim, px = setup(limits={"client_idle_timeout_ms": 1000})
+    n = 20000
+    req = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    data = req * (n - 1) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    s.connect(("127.0.0.1", px.port))
+    sender = threading.Thread(target=s.sendall, args=(data,), daemon=True)
+    sender.start()
+    s.settimeout(30 * SLOW)
+    count, tail, total = 0, b"", 0
+    marker = b"HTTP/1.1 200 OK\r\n"
+    slow_until = time.monotonic() + 5.0  # five idle timeouts of slow reading, then all of it
+    while True:
+        slow = time.monotonic() < slow_until
+        chunk = s.recv(8192 if slow else 1 << 20)
+        if not chunk:
+            break
+        total += len(chunk)
+        window = tail + chunk
+        count += window.count(marker)
+        tail = window[-(len(marker) - 1):]
+        if slow:
+            time.sleep(0.05)  # time is the input: the client's reading rate
+    sender.join(timeout=10)
+    s.close()
+    assert count == n, (count, total)
+    assert_serves_next(px)
+    px.stop()
+
+
 # ---- file descriptors ----------------------------------------------------------------------
 
 
