@@ -419,15 +419,9 @@ def test_pipelined_slow_stream_then_fast_requests_in_order():
     px.stop()
 
 
-def test_pipelining_client_that_does_not_read_is_bounded():
-    """100k pipelined GET /v1/models (36 bytes in, ~450 out, answered by the proxy itself)
-    from a client that does not read: the proxy must not queue 45 MB of answers. It stops
-    taking requests while the answers are unread, and answers all of them, in order, once
-    the client reads."""
-    sim, px = setup()
-    assert_serves_next(px)
-    base = rss_kb(px)
-    n = 100000
+def pipeline_models(px, n):
+    """n pipelined GET /v1/models (36 bytes in, ~450 out, answered by the proxy itself), the
+    last with Connection: close, sent from a thread; the client socket and that thread."""
     req = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     data = req * (n - 1) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     s = socket.socket()
@@ -435,6 +429,39 @@ def test_pipelining_client_that_does_not_read_is_bounded():
     s.connect(("127.0.0.1", px.port))
     sender = threading.Thread(target=s.sendall, args=(data,), daemon=True)
     sender.start()
+    return s, sender
+
+
+def read_answers(s, slow_for=0.0):
+    """Read to the close: (answers counted, bytes). For the first slow_for seconds, 8 KB every
+    50 ms (~160 KB/s); then as fast as they come."""
+    s.settimeout(30 * SLOW)
+    count, tail, total = 0, b"", 0
+    marker = b"HTTP/1.1 200 OK\r\n"
+    slow_until = time.monotonic() + slow_for
+    while True:
+        slow = time.monotonic() < slow_until
+        chunk = s.recv(8192 if slow else 1 << 20)
+        if not chunk:
+            break
+        total += len(chunk)
+        window = tail + chunk
+        count += window.count(marker)
+        tail = window[-(len(marker) - 1):]  # too short to hold a whole marker: none counted twice
+        if slow:
+            time.sleep(0.05)  # time is the input: the client's reading rate
+    return count, total
+
+
+def test_pipelining_client_that_does_not_read_is_bounded():
+    """100k pipelined requests from a client that does not read: the proxy must not queue
+    45 MB of answers. It stops taking requests while the answers are unread, and answers all
+    of them, in order, once the client reads."""
+    sim, px = setup()
+    assert_serves_next(px)
+    base = rss_kb(px)
+    n = 100000
+    s, sender = pipeline_models(px, n)
     time.sleep(2.0)  # time is the input: a client that does not read for two seconds
     grown = rss_kb(px) - base
     # ASan keeps freed memory in quarantine, so it grows with the requests handled until the
@@ -442,17 +469,7 @@ def test_pipelining_client_that_does_not_read_is_bounded():
     bound = (80 if SANITIZE else 10) * 1024
     assert grown < bound, "proxy RSS grew by %d KiB for unread answers" % grown
     # Now read everything: n answers, in order, then the close.
-    s.settimeout(30 * SLOW)
-    count, tail, total = 0, b"", 0
-    marker = b"HTTP/1.1 200 OK\r\n"
-    while True:
-        chunk = s.recv(1 << 20)
-        if not chunk:
-            break
-        total += len(chunk)
-        window = tail + chunk
-        count += window.count(marker)
-        tail = window[-(len(marker) - 1):]  # too short to hold a whole marker: none counted twice
+    count, total = read_answers(s)
     sender.join(timeout=10)
     s.close()
     assert count == n, (count, total)
@@ -469,28 +486,8 @@ def test_a_pipelining_client_that_reads_slowly_but_steadily_is_not_cut_off():
     it off: progress is the peer taking bytes, not a write completing."""
     sim, px = setup(limits={"client_idle_timeout_ms": 1000})
     n = 20000
-    req = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-    data = req * (n - 1) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    s.connect(("127.0.0.1", px.port))
-    sender = threading.Thread(target=s.sendall, args=(data,), daemon=True)
-    sender.start()
-    s.settimeout(30 * SLOW)
-    count, tail, total = 0, b"", 0
-    marker = b"HTTP/1.1 200 OK\r\n"
-    slow_until = time.monotonic() + 5.0  # five idle timeouts of slow reading, then all of it
-    while True:
-        slow = time.monotonic() < slow_until
-        chunk = s.recv(8192 if slow else 1 << 20)
-        if not chunk:
-            break
-        total += len(chunk)
-        window = tail + chunk
-        count += window.count(marker)
-        tail = window[-(len(marker) - 1):]
-        if slow:
-            time.sleep(0.05)  # time is the input: the client's reading rate
+    s, sender = pipeline_models(px, n)
+    count, total = read_answers(s, slow_for=5.0)  # five idle timeouts of slow reading
     sender.join(timeout=10)
     s.close()
     assert count == n, (count, total)
