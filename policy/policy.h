@@ -256,8 +256,8 @@ int policy_jcs(const char *json, size_t len, dp_buf_t *out, policy_error_t *err)
  * untouched. prev receives the replica's own string value, unescaped, for
  * x-detproxy-upstream-fingerprint: "" when absent or not a string; bytes outside visible ASCII
  * become '?' so it is always a safe header value; truncated to POLICY_FP_PREV_MAX-1.
- * usage, when not NULL, takes the body's top-level usage from the same parse (see
- * policy_usage_feed). */
+ * usage, when not NULL, takes the body's usage from the same parse where it can (see
+ * policy_usage_t). */
 typedef struct policy_usage policy_usage_t;
 int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_t *out,
                            char prev[POLICY_FP_PREV_MAX], policy_usage_t *usage);
@@ -311,11 +311,11 @@ void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
  * reads; the last usage object seen wins (continuous usage stats are cumulative). Keys and
  * quotes inside string values never match. Zero-initialise; feed every byte.
  *
- * A non-streamed JSON body that policy_fp_rewrite_json parsed needs no scan: its usage is its
- * top-level member's, read from the parse (each top-level "usage" whose value is an object,
- * the last with a prompt_tokens winning, the first of duplicate keys inside it counting). When
- * the body has one, taken is set and feeding the same bytes afterwards changes nothing; a body
- * without a top-level usage object leaves the struct to the scanner. */
+ * A non-streamed JSON body that policy_fp_rewrite_json parsed needs no scan when the scan's
+ * answer is plain from the parse: its only "usage" key (spelled plainly, at any depth) is a
+ * member of the top level and its object fits the scan's copy. The counts are then read from
+ * the parse, taken is set, and feeding the same bytes afterwards changes nothing. Any other
+ * body is left to the scan, so a body counts the same whether or not it was parsed. */
 struct policy_usage {
     uint8_t st;
     bool in_str, esc;

@@ -3,7 +3,8 @@
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
  * the usage object itself is copied (at most sizeof cap bytes); between strings the scan
  * jumps to the next quote, inside one to the next quote, backslash or newline. A body parsed
- * whole for its fingerprint gives its top-level usage from that parse, and is not scanned. */
+ * whole for its fingerprint whose one usage object is a top-level member gives it from that
+ * parse, and is not scanned. */
 #include <assert.h>
 #include <stdint.h>
 #include <string.h>
@@ -59,14 +60,28 @@ static void captured(policy_usage_t *u)
 void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d)
 {
     assert(d->ntoks > 0 && d->toks[0].type == JT_OBJ);
+    /* The scan counts every "usage" key spelled plainly, at any depth, whose object fits its
+     * copy. The parse answers alone only where that is one member of the top level: any other
+     * shape is left to the scan, so a held body and one passed through count alike. */
+    uint32_t key = JDOC_NONE;
+    for (uint32_t k = 1; k < d->ntoks; k++) {
+        const jtok_t *t = &d->toks[k];
+        if ((t->flags & (JF_KEY | JF_ESC)) != JF_KEY || t->len != 7 ||
+            memcmp(d->src + t->start + 1, "usage", 5) != 0)
+            continue;
+        if (key != JDOC_NONE)
+            return;
+        key = k;
+    }
+    if (key == JDOC_NONE || d->toks[key + 1].type != JT_OBJ ||
+        d->toks[key + 1].len > sizeof(u->cap))
+        return;
     const jtok_t *root = &d->toks[0];
     for (uint32_t k = 1; k < root->end; k = d->toks[k + 1].end) {
-        const char *kp;
-        size_t kn;
-        jdoc_key(d, k, &kp, &kn);
-        if (kn == 5 && memcmp(kp, "usage", 5) == 0 && d->toks[k + 1].type == JT_OBJ) {
+        if (k == key) {
             u->taken = true;
-            read_usage(u, d, k + 1);
+            read_usage(u, d, key + 1);
+            return;
         }
     }
 }

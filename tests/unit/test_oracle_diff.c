@@ -108,6 +108,27 @@ Test(oracle, splice_edges)
         check_all_selectors(bodies[i], bodies[i], strlen(bodies[i]));
 }
 
+/* Response shapes where a usage read from the parse's top level and the scan could differ:
+ * a held body must count what the scan counts. */
+Test(oracle, usage_shapes)
+{
+    static const char *const bodies[] = {
+        "{\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":5},\"choices\":[{\"usage\":"
+        "{\"prompt_tokens\":9,\"completion_tokens\":9}}]}",
+        "{\"choices\":[{\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}],\"usage\":{}}",
+        "{\"usage\":{\"prompt_tokens\":\"7\"},\"x\":{\"usage\":{\"prompt_tokens\":7}}}",
+        "{\"us\\u0061ge\":{\"prompt_tokens\":10,\"completion_tokens\":5}}",
+        "{\"usage\":{\"prompt_tokens\":1},\"usage\":{\"prompt_tokens\":2}}",
+        "{\"system_fingerprint\":{\"usage\":{\"prompt_tokens\":3}}}",
+        "{\"usage\":{\"prompt_tokens\":4,\"prompt_tokens\":5,\"completion_tokens\":6}}",
+    };
+    for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++)
+        check_all_selectors(bodies[i], bodies[i], strlen(bodies[i]));
+    char big[1024];
+    int n = snprintf(big, sizeof(big), "{\"usage\":{\"d\":\"%0600d\",\"prompt_tokens\":10}}", 0);
+    check_all_selectors(big, big, (size_t)n);
+}
+
 /* A response or usage object with more tokens than the parsers' stack arrays (they move to the
  * heap mid-parse): same rewrite as the oracle's, and the usage scanner still reads it. */
 Test(oracle, past_the_stack_token_arrays)

@@ -106,7 +106,8 @@ Test(usage, a_truncated_event_does_not_leave_the_scanner_in_a_string)
            8, 2);
 }
 
-/* The body parsed whole for its fingerprint (policy_fp_rewrite_json) gives its usage. */
+/* The body parsed whole for its fingerprint (policy_fp_rewrite_json) gives its usage where the
+ * scan's answer is plain from the parse. */
 static policy_usage_t take(const char *s)
 {
     policy_usage_t u;
@@ -129,52 +130,60 @@ static void expect_taken(const char *s, int64_t p, int64_t c)
     policy_usage_feed(&u, "{\"usage\":{\"prompt_tokens\":99}}", 30);
     cr_assert_eq(u.prompt_tokens, p, "%s", s);
     cr_assert_eq(u.completion_tokens, c, "%s", s);
+    /* what the scan alone finds */
+    expect(s, p, c);
 }
 
-Test(usage, a_parsed_body_gives_its_top_level_usage)
+Test(usage, a_parsed_body_gives_its_one_top_level_usage)
 {
     expect_taken("{\"id\":\"x\",\"choices\":[{\"text\":\"hi\"}],\"usage\":{\"prompt_tokens\":12,"
                  "\"total_tokens\":17,\"completion_tokens\":5}}",
                  12, 5);
     expect_taken("{\"usage\":{\"prompt_tokens\":3}}", 3, 0);
-    /* the top level's, not a nested object's that comes after it */
-    expect_taken("{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2},\"choices\":[{\"usage\":"
-                 "{\"prompt_tokens\":7,\"completion_tokens\":8}}]}",
-                 1, 2);
-    /* duplicates: the last top-level one with a prompt_tokens, the first key inside it */
-    expect_taken("{\"usage\":{\"prompt_tokens\":1},\"usage\":{\"prompt_tokens\":4,"
-                 "\"prompt_tokens\":5,\"completion_tokens\":6},\"usage\":{\"x\":1}}",
-                 4, 6);
-    /* an escaped spelling of the key is the key, as for system_fingerprint */
-    expect_taken("{\"us\\u0061ge\":{\"prompt_tokens\":2,\"completion_tokens\":3}}", 2, 3);
-    /* no copy is made, so no size limit applies */
+    /* the first of duplicate keys inside it, as the scan's own parse of the object */
+    expect_taken("{\"usage\":{\"prompt_tokens\":4,\"prompt_tokens\":5,\"completion_tokens\":6}}", 4,
+                 6);
+    /* a top-level usage object without counts is taken, and counts nothing, as scanned */
+    policy_usage_t u = take("{\"usage\":{\"prompt_tokens\":-1},\"x\":1}");
+    cr_assert(u.taken);
+    cr_assert_not(u.found);
+}
+
+/* Shapes where the parse's top level and the scan could differ: the scan decides, so a held
+ * body counts as one passed through unparsed (too large to hold) does. */
+Test(usage, other_shapes_are_left_to_the_scan)
+{
     char big[2048];
     int n = snprintf(big, sizeof(big), "{\"usage\":{\"pad\":\"");
     memset(big + n, 'x', 700);
     n += 700;
     snprintf(big + n, sizeof(big) - (size_t)n, "\",\"prompt_tokens\":9,\"completion_tokens\":1}}");
-    expect_taken(big, 9, 1);
-    /* a top-level usage object without counts is taken, and counts nothing */
-    policy_usage_t u = take("{\"usage\":{\"prompt_tokens\":-1},\"x\":{\"usage\":{\"prompt_tokens\":"
-                            "2}}}");
-    cr_assert(u.taken);
-    cr_assert_not(u.found);
-}
-
-Test(usage, a_body_without_a_top_level_usage_object_is_left_to_the_scan)
-{
-    const char *nested =
-        "{\"choices\":[{\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":8}}]}";
-    const char *cases[] = {nested, "{\"usage\":null}", "{\"usage\":[1]}", "not json",
-                           "{\"usage\":{\"prompt_tokens\":1}"};
+    const char *cases[] = {
+        /* nested only, nested after the top level's, nested before an empty top-level one */
+        "{\"choices\":[{\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":8}}]}",
+        "{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2},\"choices\":[{\"usage\":"
+        "{\"prompt_tokens\":7,\"completion_tokens\":8}}]}",
+        "{\"choices\":[{\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}],\"usage\":{}}",
+        /* two top-level ones */
+        "{\"usage\":{\"prompt_tokens\":1},\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":6}}",
+        /* an escaped spelling (the scan never matches one), a value that is not an object */
+        "{\"us\\u0061ge\":{\"prompt_tokens\":2,\"completion_tokens\":3}}",
+        "{\"usage\":null}",
+        "{\"usage\":[1]}",
+        /* larger than the scan's copy */
+        big,
+        /* not JSON */
+        "not json",
+        "{\"usage\":{\"prompt_tokens\":1}",
+    };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         policy_usage_t u = take(cases[i]);
         cr_assert_not(u.taken, "%s", cases[i]);
         cr_assert_not(u.found, "%s", cases[i]);
+        policy_usage_t scanned = feed(cases[i], strlen(cases[i]));
+        policy_usage_feed(&u, cases[i], strlen(cases[i]));
+        cr_assert_eq(u.found, scanned.found, "%s", cases[i]);
+        cr_assert_eq(u.prompt_tokens, scanned.prompt_tokens, "%s", cases[i]);
+        cr_assert_eq(u.completion_tokens, scanned.completion_tokens, "%s", cases[i]);
     }
-    policy_usage_t u = take(nested);
-    policy_usage_feed(&u, nested, strlen(nested));
-    cr_assert(u.found);
-    cr_assert_eq(u.prompt_tokens, 7);
-    cr_assert_eq(u.completion_tokens, 8);
 }
