@@ -80,6 +80,13 @@ Test(oracle, bench_bodies)
     }
 }
 
+/* Each of n NUL-terminated bodies under every selector. */
+static void check_strings(const char *const *bodies, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        check_all_selectors(bodies[i], bodies[i], strlen(bodies[i]));
+}
+
 /* The splice rewrite's edges: removals first, last, in the middle and in a row, with and
  * without client whitespace, additions after them, and every value shape before a change. */
 Test(oracle, splice_edges)
@@ -104,8 +111,7 @@ Test(oracle, splice_edges)
         "{\"model\":\"m\",\"prompt\":\"p\",\"\\u0074op_p\":1}",
         "{\"model\":\"m\",\"prompt\":\"p\",\"temperature\":0,\"temperature\\u0000\":1}",
     };
-    for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++)
-        check_all_selectors(bodies[i], bodies[i], strlen(bodies[i]));
+    check_strings(bodies, sizeof(bodies) / sizeof(bodies[0]));
 }
 
 /* Response shapes where a usage read from the parse's top level and the scan could differ:
@@ -122,8 +128,7 @@ Test(oracle, usage_shapes)
         "{\"system_fingerprint\":{\"usage\":{\"prompt_tokens\":3}}}",
         "{\"usage\":{\"prompt_tokens\":4,\"prompt_tokens\":5,\"completion_tokens\":6}}",
     };
-    for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++)
-        check_all_selectors(bodies[i], bodies[i], strlen(bodies[i]));
+    check_strings(bodies, sizeof(bodies) / sizeof(bodies[0]));
     char big[1024];
     int n = snprintf(big, sizeof(big), "{\"usage\":{\"d\":\"%0600d\",\"prompt_tokens\":10}}", 0);
     check_all_selectors(big, big, (size_t)n);
