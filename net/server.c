@@ -1190,15 +1190,46 @@ static void timer_cb(uv_timer_t *t)
         conn_arm(c, idle);
         return;
     }
-    case PH_LINGER:
+    case PH_LINGER: {
+        /* The answer's last bytes are still leaving: the client has the idle timeout to take
+         * them, as in PH_WAIT. Once they are out, LINGER_MS more for it to read them and
+         * send what it still has, then close. */
+        uint64_t progress = net_sock_last_progress(&c->sock);
+        uint64_t wait = c->sock.queued > 0 ? c->srv->lim.client_idle_timeout_ms : LINGER_MS;
+        if (now - progress < wait) {
+            uint64_t left = wait - (now - progress);
+            conn_arm(c, left < LINGER_MS ? left : LINGER_MS);
+            return;
+        }
+        if (c->sock.queued > 0) {
+            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
+            if (w) {
+                dp_jw_str(w, "during", "the end of an answer");
+                dp_log_end(w);
+            }
+        }
         conn_close(c);
         return;
+    }
     default:
         return;
     }
 }
 
 /* ---- connection lifecycle ------------------------------------------------------------------ */
+
+/* The connection ends after its last answer: the rest of that answer is written, then a FIN
+ * (after TLS close_notify unless the answer was cut), and what the client still sends is read
+ * and dropped (closing on unread input would reset the connection, and the client could lose
+ * the answer's end) until timer_cb closes it. */
+static void conn_linger(net_conn_t *c, bool cut)
+{
+    c->phase = PH_LINGER;
+    dp_buf_free(&c->pending);
+    net_sock_shutdown(&c->sock, !cut);
+    net_sock_read_start(&c->sock);
+    conn_arm(c, LINGER_MS);
+}
 
 static void conn_abort_req(net_conn_t *c);
 
@@ -1411,11 +1442,7 @@ static void conn_reject(net_conn_t *c, int status, const char *reason)
         conn_close(c);
         return;
     }
-    c->phase = PH_LINGER;
-    dp_buf_free(&c->pending);
-    net_sock_shutdown(&c->sock);
-    net_sock_read_start(&c->sock);
-    conn_arm(c, LINGER_MS);
+    conn_linger(c, false);
 }
 
 /* A client that sends (or pipelines) requests without reading the responses would make us
@@ -1462,9 +1489,7 @@ static void conn_request_done(net_conn_t *c)
     conn_release_req(c);
     c->first_request = false;
     if (!keep) {
-        c->phase = PH_LINGER;
-        net_sock_shutdown(&c->sock);
-        conn_arm(c, LINGER_MS);
+        conn_linger(c, false);
         return;
     }
     conn_to_idle(c);
@@ -2457,19 +2482,15 @@ int net_resp_end(net_req_t *req)
     }
     q->resp_ended = true;
     if (!q->body_done) {
-        /* Early answer: the rest of the body is discarded by closing after the flush. */
+        /* Early answer: the rest of the body is read and dropped while the connection lingers. */
         c->keep_alive = false;
         conn_release_req(c);
-        c->phase = PH_LINGER;
-        net_sock_shutdown(&c->sock);
-        conn_arm(c, LINGER_MS);
+        conn_linger(c, false);
         return 0;
     }
     if (!c->keep_alive) {
         conn_release_req(c);
-        c->phase = PH_LINGER;
-        net_sock_shutdown(&c->sock);
-        conn_arm(c, LINGER_MS);
+        conn_linger(c, false);
         return 0;
     }
     conn_request_done(c);
@@ -2487,12 +2508,9 @@ void net_resp_abort(net_req_t *req)
         return; /* already closing: the close callback releases the request */
     conn_release_req(c);
     budget_unwait(c);
-    c->phase = PH_CLOSED;
-    uv_timer_stop(&c->timer);
-    uv_close((uv_handle_t *)&c->timer, timer_closed);
-    /* Deliver what was written, then close without the final chunk. */
-    net_sock_read_stop(&c->sock);
-    net_sock_close_after_flush(&c->sock);
+    /* Deliver what was written, then end the connection without the final chunk: a lingering
+     * close, so a client that stops reading is cut off as in any other (timer_cb). */
+    conn_linger(c, true);
 }
 
 int net_resp_raw_and_close(net_req_t *req, const char *p, size_t n)

@@ -342,17 +342,10 @@ static void write_cb(uv_write_t *req, int status)
     if (s->closing)
         return;
     if (status < 0) {
-        if (s->close_on_flush)
-            net_sock_close(s);
-        else
-            fail(s, status);
+        fail(s, status);
         return;
     }
     s->last_write = uv_now(s->tcp.loop);
-    if (s->queued == 0 && s->close_on_flush) {
-        net_sock_close(s);
-        return;
-    }
     if (s->above_high && s->queued <= s->low_water) {
         s->above_high = false;
         if (s->on_drain)
@@ -449,27 +442,17 @@ static int raw_write_now(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
     return 0;
 }
 
-void net_sock_close_after_flush(net_sock_t *s)
-{
-    if (s->batched)
-        batch_flush_one(s);
-    if (s->queued == 0 || s->errored)
-        net_sock_close(s);
-    else
-        s->close_on_flush = true;
-}
-
 static void shutdown_cb(uv_shutdown_t *req, int status)
 {
     (void)status;
     free(req);
 }
 
-void net_sock_shutdown(net_sock_t *s)
+void net_sock_shutdown(net_sock_t *s, bool notify)
 {
     if (s->closing || s->errored)
         return;
-    if (s->tls) {
+    if (s->tls && notify) {
         net_tls_shutdown(s->tls); /* close_notify, so the peer sees a clean end */
         tls_flush(s);
     }

@@ -64,11 +64,10 @@ struct net_sock_s {
     bool reading;
     bool closing;
     bool errored;
-    bool above_high;     /* crossed high_water; on_drain due when back under low_water */
-    bool close_on_flush; /* close once queued reaches 0 */
-    bool connecting;     /* TLS client: on_connect waits for the handshake */
-    bool batched;        /* on its loop's write batch (see net/sock.c) */
-    bool in_batch;       /* batch_len bytes at batch_off wait for the end of the iteration */
+    bool above_high; /* crossed high_water; on_drain due when back under low_water */
+    bool connecting; /* TLS client: on_connect waits for the handshake */
+    bool batched;    /* on its loop's write batch (see net/sock.c) */
+    bool in_batch;   /* batch_len bytes at batch_off wait for the end of the iteration */
     size_t batch_off, batch_len;
 };
 
@@ -104,10 +103,10 @@ void net_sock_close(net_sock_t *s);
  * at once instead of after reading everything queued before the FIN (an abandoned upload to
  * a replica that stopped reading). on_close fires once from the loop. */
 void net_sock_abort(net_sock_t *s);
-/* Close after queued bytes are written (or fail). */
-void net_sock_close_after_flush(net_sock_t *s);
-/* Half-close the write side after queued bytes are written (lingering close). */
-void net_sock_shutdown(net_sock_t *s);
+/* Half-close the write side after queued bytes are written (lingering close). With TLS,
+ * close_notify goes first when notify is set; without it, a peer reading to the close can tell
+ * the stream was cut (an aborted answer). */
+void net_sock_shutdown(net_sock_t *s, bool notify);
 /* "ip:port" of the peer into out (at least 48 bytes). */
 void net_sock_peer(net_sock_t *s, char *out, size_t n);
 

@@ -9,12 +9,15 @@ the next request (after re-attesting the replica where a failed connection made 
 """
 
 import json
+import socket
+import struct
+import threading
 import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, sim_config, sim_stats, start_proxy,
-                       wait_all_admitted)
+                       parse_response, pool, read_request, serve_connections, sim_config,
+                       sim_stats, start_proxy, wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -101,6 +104,87 @@ def test_replica_dies_mid_stream_client_sees_no_final_chunk():
     assert upstream_errors(px, "r1", "truncated") == 1
     assert len(client_requests(sims[0])) == 1  # never retried once bytes reached the client
     assert_serves_next(px)
+    px.stop()
+
+
+def send_queue(local_port, remote_port):
+    """Bytes the kernel holds unsent or unacknowledged on a loopback TCP socket, from
+    /proc/net/tcp (its tx_queue), or None when there is no such socket."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if (int(fields[1].split(":")[1], 16) == local_port and
+                    int(fields[2].split(":")[1], 16) == remote_port):
+                return int(fields[4].split(":")[0], 16)
+    return None
+
+
+def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
+    """The replica streams to a client that reads nothing, until the kernel holds all it will
+    of the answer and detproxy starts queueing the rest itself; then the replica resets. The
+    cut answer's queued bytes still go out, but a client that never takes them must not hold
+    the connection: client_idle_timeout_ms (3 s here) ends it as it ends any answer."""
+    ev = b'data: {"choices":[{"index":0,"text":"' + b"a" * 200 + b'"}]}\n\n'
+    chunk = b"%x\r\n" % len(ev) + ev + b"\r\n"
+    piece = chunk * (8192 // len(chunk))
+    full, reset = threading.Event(), threading.Event()
+
+    def handle(c):
+        buf = b""
+        while True:
+            r = read_request(c, buf)
+            if r is None:
+                return
+            head, _, buf = r
+            if head.startswith(b"GET"):  # the reachability attestation
+                models = ScriptedUpstream.MODELS
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(models) + models)
+                continue
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            while not full.is_set():
+                c.sendall(piece)
+                time.sleep(0.02)
+            c.sendall(piece)  # lands in detproxy's own queue, under its high-water mark
+            time.sleep(0.2)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()
+            reset.set()
+            return
+
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(16)
+    serve_connections(ls, handle)
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "replicas": [{"name": "r1",
+                                           "url": "http://127.0.0.1:%d" % ls.getsockname()[1]}]}],
+                     limits={"client_idle_timeout_ms": 3000}, attestation=QUIET,
+                     workers=ONE_WORKER)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", px.port))
+    s.sendall(request_bytes(dict(COMPLETION, max_tokens=50, stream=True)))
+    s.settimeout(10)
+    assert s.recv(100).startswith(b"HTTP/1.1 200")  # and nothing read from here on
+    # The kernel's send queue to the client grows until it is full; then detproxy queues.
+    client_port = s.getsockname()[1]
+    last, since, deadline = None, time.monotonic(), time.monotonic() + 60 * SLOW
+    while time.monotonic() - since < 0.3:
+        assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
+        q = send_queue(px.port, client_port)
+        if q != last:
+            last, since = q, time.monotonic()
+        time.sleep(0.05)
+    full.set()
+    assert reset.wait(10)
+    px.wait_log("upstream_error", timeout=5)
+    poll_until(lambda: metric(px, "detproxy_connections") == 0, timeout=15 * SLOW,
+               what="the connection of a client not reading a cut answer closed")
+    s.close()
+    ls.close()
     px.stop()
 
 

@@ -250,7 +250,7 @@ Test(net_sock_batch, a_close_right_after_a_write_still_sends_it, .timeout = 60)
 static void act_write_shutdown(conn_t *c, int n)
 {
     cr_assert_eq(write_str(&c[0], "then FIN"), 0);
-    net_sock_shutdown(&c[0].s);
+    net_sock_shutdown(&c[0].s, true);
 }
 
 Test(net_sock_batch, a_shutdown_after_a_write_sends_the_bytes_before_the_fin, .timeout = 60)
