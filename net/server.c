@@ -1241,8 +1241,8 @@ static void conn_handle_closed(net_conn_t *c)
     if (--c->closes_pending > 0)
         return;
     net_server_t *s = c->srv;
-    /* Both handles closed, which only conn_close and net_resp_abort start, and off the
-     * handshake list (conn_close takes it off; a request to abort means the handshake ended). */
+    /* Both handles closed, which only conn_close starts, and off the handshake list
+     * (conn_close takes it off). */
     assert(c->phase == PH_CLOSED);
     assert(!c->handshaking && c->hs_prev == NULL && c->hs_next == NULL);
     conn_abort_req(c);
@@ -1831,7 +1831,8 @@ static void sock_read(net_sock_t *sk, const char *p, size_t n)
 static void sock_error(net_sock_t *sk, int status)
 {
     net_conn_t *c = sk->owner;
-    (void)status;
+    if (c->phase == PH_LINGER && status == UV_EOF && c->sock.queued > 0)
+        return; /* done sending, not reading: the answer's rest still goes, timer_cb closes */
     if (c->phase == PH_WAIT && c->req && !c->req->resp_ended) {
         dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_disconnected");
         if (w) {

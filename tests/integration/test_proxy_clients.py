@@ -499,26 +499,31 @@ def test_a_slow_reader_gets_all_of_the_last_answer_before_the_close():
     """Connection: close and an answer of 4.4 MB (the model list of a pool with 20,000 models),
     read at ~640 KB/s: after the answer the connection lingers, and the linger must not end
     while the client is still taking the answer's bytes (it once ended 2 s after the answer
-    was queued, dropping what detproxy still held of it)."""
+    was queued, dropping what detproxy still held of it), nor when the client, done sending,
+    half-closes its side."""
     sim = start_sim("--model", "m1")
     models = ["m1"] + ["model-%05d-%s" % (i, "x" * 40) for i in range(20000)]
     px = start_proxy(pools=[pool("p", models, [sim])], attestation={"interval_ms": 600000})
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-    s.connect(("127.0.0.1", px.port))
-    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    s.settimeout(30 * SLOW)
-    data = b""
-    while True:
-        chunk = s.recv(32768)
-        if not chunk:
-            break
-        data += chunk
-        time.sleep(0.05)  # time is the input: the client's reading rate
-    s.close()
-    r = parse_response(data)
-    assert r.status == 200 and r.complete, (len(data), data[:200])
-    assert len(r.json()["data"]) == len(models)
+    for half_close in (False, True):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        s.connect(("127.0.0.1", px.port))
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if half_close:
+            time.sleep(0.2)  # the answer is queued first: a half-close before it is a disconnect
+            s.shutdown(socket.SHUT_WR)
+        s.settimeout(30 * SLOW)
+        data = b""
+        while True:
+            chunk = s.recv(32768)
+            if not chunk:
+                break
+            data += chunk
+            time.sleep(0.05)  # time is the input: the client's reading rate
+        s.close()
+        r = parse_response(data)
+        assert r.status == 200 and r.complete, (half_close, len(data), data[:200])
+        assert len(r.json()["data"]) == len(models)
     px.stop()
 
 
