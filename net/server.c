@@ -1088,6 +1088,28 @@ static uint64_t body_wait(const net_conn_t *c, uint64_t now, uint64_t idle_wait)
     return bd <= now ? 0 : bd - now < idle_wait ? bd - now : idle_wait;
 }
 
+/* Milliseconds until `wait` has passed since the client last took bytes queued for it
+ * (net_sock_last_progress); 0 once it has. */
+static uint64_t send_wait_left(net_conn_t *c, uint64_t now, uint64_t wait)
+{
+    uint64_t since = now - net_sock_last_progress(&c->sock);
+    return since < wait ? wait - since : 0;
+}
+
+/* A client that took none of the bytes queued for it for client_idle_timeout_ms: the line says
+ * which request's answer, or what it was waiting for when no request is left. */
+static void log_send_timeout(const char *request_id, const char *during)
+{
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
+    if (w) {
+        if (request_id)
+            dp_jw_str(w, "request_id", request_id);
+        if (during)
+            dp_jw_str(w, "during", during);
+        dp_log_end(w);
+    }
+}
+
 static void timer_cb(uv_timer_t *t)
 {
     net_conn_t *c = t->data;
@@ -1122,10 +1144,10 @@ static void timer_cb(uv_timer_t *t)
     case PH_IDLE: {
         /* Waiting for a slow reader to take its responses: cut it off only once nothing was
          * written for the idle timeout, as in PH_WAIT. */
-        uint64_t idle = c->srv->lim.client_idle_timeout_ms;
-        uint64_t progress = c->wait_drain ? net_sock_last_progress(&c->sock) : 0;
-        if (c->wait_drain && now - progress < idle) {
-            conn_arm(c, idle - (now - progress));
+        uint64_t left =
+            c->wait_drain ? send_wait_left(c, now, c->srv->lim.client_idle_timeout_ms) : 0;
+        if (left) {
+            conn_arm(c, left);
             return;
         }
         conn_close(c); /* idle or never-started connection: close silently */
@@ -1178,12 +1200,8 @@ static void timer_cb(uv_timer_t *t)
         /* A client that stopped reading a response: cut it off once nothing was written for
          * the idle timeout. A long silent generation (nothing queued) is not its fault. */
         uint64_t idle = c->srv->lim.client_idle_timeout_ms;
-        if (c->sock.queued > 0 && now - net_sock_last_progress(&c->sock) >= idle) {
-            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
-            if (w) {
-                dp_jw_str(w, "request_id", c->req ? c->req->r.id : "");
-                dp_log_end(w);
-            }
+        if (c->sock.queued > 0 && send_wait_left(c, now, idle) == 0) {
+            log_send_timeout(c->req ? c->req->r.id : "", NULL);
             conn_close(c);
             return;
         }
@@ -1194,20 +1212,15 @@ static void timer_cb(uv_timer_t *t)
         /* The answer's last bytes are still leaving: the client has the idle timeout to take
          * them, as in PH_WAIT. Once they are out, LINGER_MS more for it to read them and
          * send what it still has, then close. */
-        uint64_t progress = net_sock_last_progress(&c->sock);
-        uint64_t wait = c->sock.queued > 0 ? c->srv->lim.client_idle_timeout_ms : LINGER_MS;
-        if (now - progress < wait) {
-            uint64_t left = wait - (now - progress);
+        bool sending = c->sock.queued > 0;
+        uint64_t left =
+            send_wait_left(c, now, sending ? c->srv->lim.client_idle_timeout_ms : LINGER_MS);
+        if (left) {
             conn_arm(c, left < LINGER_MS ? left : LINGER_MS);
             return;
         }
-        if (c->sock.queued > 0) {
-            dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "client_send_timeout");
-            if (w) {
-                dp_jw_str(w, "during", "the end of an answer");
-                dp_log_end(w);
-            }
-        }
+        if (sending)
+            log_send_timeout(NULL, "the end of an answer");
         conn_close(c);
         return;
     }
