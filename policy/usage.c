@@ -114,6 +114,9 @@ static inline size_t str_stop(const char *p, size_t j, size_t n)
  * input ends, or it outgrows u->cap (then it is skipped, as no engine's usage is that large).
  * Returns the index of the last byte taken. The state lives in locals while it runs: a store
  * into u->cap may alias any field of *u, which would otherwise be reloaded after each byte. */
+/* Copy the usage object's bytes from p[i] on. Returns the index of the first byte it did not
+ * take: n, the byte after the object's closing brace, or the byte that found the copy full
+ * (which the scan then reads, with the string state the copy kept). */
 static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 {
     bool in_str = u->in_str, esc = u->esc;
@@ -125,6 +128,7 @@ static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
             in_str = esc = false;
         if (clen >= sizeof(u->cap)) {
             u->st = ST_SCAN;
+            u->klen = 0xff; /* a string cut here is a value's, or a key inside the object */
             break;
         }
         u->cap[clen++] = ch;
@@ -143,6 +147,7 @@ static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
             u->clen = (uint16_t)clen;
             captured(u);
             u->st = ST_SCAN;
+            j++;
             break;
         }
     }
@@ -158,11 +163,12 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
     if (u->taken)
         return;
     for (size_t i = 0; i < n; i++) {
-        char ch = p[i];
         if (u->st == ST_CAPTURE) {
             i = capture(u, p, i, n);
-            continue;
+            if (i == n)
+                return;
         }
+        char ch = p[i];
         if (ch == '\n') {
             /* JSON strings hold no raw newline: a newline ends any string (and an SSE event
              * line), so a truncated event cannot leave the scanner inside a string. */

@@ -98,6 +98,23 @@ Test(usage, oversized_object_is_skipped_and_scanning_goes_on)
     expect(big, 4, 6);
 }
 
+Test(usage, the_byte_that_finds_the_copy_full_is_still_scanned)
+{
+    /* The object's 513th byte (the copy holds 512) is the quote that ends a string. Skipped,
+     * the scan would stay inside a string to the end, and miss the top-level usage after it
+     * (no newline in a JSON body resets it). */
+    char big[2048];
+    int n = snprintf(big, sizeof(big), "{\"choices\":[{\"usage\":{\"a\":\"");
+    int obj = n - 6; /* where the nested object's '{' is */
+    memset(big + n, 'x', (size_t)(obj + 512 - n));
+    n = obj + 512;
+    snprintf(big + n, sizeof(big) - (size_t)n,
+             "\"}}],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}");
+    cr_assert_eq(big[obj], '{');
+    cr_assert_eq(big[obj + 512], '"');
+    expect(big, 7, 3);
+}
+
 Test(usage, a_truncated_event_does_not_leave_the_scanner_in_a_string)
 {
     /* The first event is cut inside a string; the newline resets, the next event counts. */
