@@ -17,6 +17,7 @@
 #endif
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,8 @@ static bool buf_valid(const dp_buf_t *b)
 void dp_buf_reserve(dp_buf_t *b, size_t extra)
 {
     assert(buf_valid(b));
+    if (extra > SIZE_MAX / 2 - b->len) /* no allocation that large can succeed: and need, */
+        oom();                         /* or the doubling below, would wrap around */
     size_t need = b->len + extra + 1;
     if (need <= b->cap)
         return;
@@ -244,6 +247,8 @@ size_t dp_buf_stash_bytes(void)
 void dp_buf_reserve_exact(dp_buf_t *b, size_t extra)
 {
     assert(buf_valid(b));
+    if (extra > SIZE_MAX / 2 - b->len)
+        oom();
     size_t need = b->len + extra + 1;
     if (need <= b->cap)
         return;

@@ -2,7 +2,9 @@
  * case-insensitive comparisons. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -191,6 +193,22 @@ Test(buf, reading_a_stashed_buffer_is_caught_by_asan, .exit_code = 1)
 
 /* Header names compare ASCII case-insensitively, whole: a prefix, a longer name or a name
  * holding a NUL is another name. */
+/* A size no allocation can meet is out of memory (abort), never a length that wraps around to
+ * "fits" and lets the caller write past the buffer. */
+Test(buf, a_reservation_too_large_to_meet_aborts, .signal = SIGABRT)
+{
+    dp_buf_t b = {0};
+    dp_buf_appends(&b, "abc");
+    dp_buf_reserve(&b, SIZE_MAX - 2);
+}
+
+Test(buf, an_exact_reservation_too_large_to_meet_aborts, .signal = SIGABRT)
+{
+    dp_buf_t b = {0};
+    dp_buf_appends(&b, "abc");
+    dp_buf_reserve_exact(&b, SIZE_MAX - 2);
+}
+
 Test(util, strieq_compares_whole_names_ignoring_ascii_case)
 {
     cr_assert(dp_strieq("Content-Type", 12, "content-type"));
