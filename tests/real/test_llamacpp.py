@@ -6,7 +6,8 @@ the simulator stands in for elsewhere is checked here against the real thing:
   chunk's fingerprint is rewritten; a Q8_0 replica in an F16 pool is rejected by native
   attestation, and caught when it replaces an F16 one in place; the `-fa off` replica (same
   metadata, other outputs) is named by /admin/drift and quarantined; `--kv-unified` replicas
-  under concurrent load read as batching_nondeterminism; `detproxy diagnose` names each cause;
+  under concurrent load show batching noise, and neither is named or leaves service (the
+  verdict itself may read drift there: docs/drift.md, "Known limits"); `detproxy diagnose` names each cause;
   the official `openai` npm client streams through detproxy.
 
 When the Debian archive cannot be reached, the suite prints SKIPPED and exits 77 (ctest's
@@ -130,9 +131,12 @@ def replica(name, port, source="llamacpp"):
     return {"name": name, "url": "http://127.0.0.1:%d" % port, "attest": {"source": source}}
 
 
-def proxy(ports, manifest=None, policy=None, shadow=None, interval=5000, ready=True, **top):
+def proxy(ports, manifest=None, policy=None, shadow=None, interval=5000, ready=True, slots=0,
+          **top):
     p = {"name": "p", "models": [MODEL], "balance": "round_robin",
          "replicas": [replica("r%d" % (i + 1), port) for i, port in enumerate(ports)]}
+    if slots:
+        p["max_inflight_per_replica"] = slots
     if manifest is not None:
         p["manifest"] = manifest
     cfg = {"attestation": {"interval_ms": interval, "timeout_ms": 3000}}
@@ -412,37 +416,50 @@ def test_the_fa_off_replica_is_named_by_drift_and_quarantined():
     px.stop()
 
 
-def test_kv_unified_replicas_under_load_are_batching_noise_not_drift():
-    px = proxy([server("kvu", "f16", "--kv-unified"), server("kvu2", "f16", "--kv-unified")],
-               manifest={"quantization": "F16"},
+def test_kv_unified_replicas_under_load_show_batching_noise_and_nobody_is_ejected():
+    # As many requests per replica as the engine has slots (-np 4), and more HTTP threads than
+    # connections detproxy may hold open to it, as docs/drift.md ("Known limits") tells an
+    # operator: llama-server serves each connection, idle keep-alive ones too, on one of its
+    # -np + 2 threads, so with more open a check's new connection waits past timeout_ms, the
+    # replica is unreachable for a moment, and its return restarts the drift windows.
+    flags = ("--kv-unified", "--threads-http", "16")
+    px = proxy([server("kvh", "f16", *flags), server("kvh2", "f16", *flags)],
+               manifest={"quantization": "F16"}, slots=4,
                shadow={"rate": 0.5, "self_rate": 0.5, "max_inflight": 8,
                        "max_output_bytes": 65536, "quarantine": True})
     # Every request its own prompt, as in real traffic: a prompt sent again tends to flip (or
     # not) again, so repeats would make the samples anything but independent, which the
-    # verdict's test assumes.
+    # verdict's test assumes. Read once each kind has 100 samples.
     n = 0
-    while n < 400:
+    while n < 800:
         load(px, 40, parallel=4, max_tokens=128, first=n)
         n += 40
         d = drift(px)
-        if d["verdict"] not in ("insufficient_data", "consistent"):
+        if d["cross"]["samples"] >= 100 and d["self"]["samples"] >= 100:
             break
     measured(kv_unified_self_rate=divergence(d["self"]),
              kv_unified_cross_rate=divergence(d["cross"]),
              kv_unified_cross_samples=d["cross"]["samples"],
              kv_unified_self_samples=d["self"]["samples"],
              kv_unified_verdict=d["verdict"], kv_unified_requests=n)
-    if SANITIZE and d["verdict"] == "cross_replica_drift":
-        # Known limit: a self copy leaves with its primary and often shares its
-        # batch, so it can under-measure this noise; with the sanitizer's slower proxy the
-        # cross rate was seen at 4x the self rate. Two replicas: no suspect, nothing ejected.
-        print("NOTE: --kv-unified read as cross_replica_drift under the sanitizer build; "
-              "no suspect named", flush=True)
-        assert d["suspect"] is None, d["suspect"]
+    assert d["cross"]["samples"] >= 100 and d["self"]["samples"] >= 100, json.dumps(d)[:900]
+    # The batching noise is seen: a replica does not agree with itself.
+    self_diverged = d["self"]["samples"] - round(d["self"]["exact_match_rate"] *
+                                                 d["self"]["samples"])
+    assert self_diverged >= 3 and divergence(d["self"]) >= 0.02, d["self"]
+    if d["verdict"] == "cross_replica_drift":
+        # Known limit (docs/drift.md): on this engine a cross pair diverges up to 3x as often
+        # as a self pair, so the verdict can read drift. Two replicas: no suspect, nobody out.
+        print("NOTE: --kv-unified read as cross_replica_drift: %s" % d["reasons"], flush=True)
     else:
         assert d["verdict"] == "batching_nondeterminism", json.dumps(d)[:900]
+    assert d["suspect"] is None, d
     states = {n: (r["state"], r["reasons"]) for n, r in replicas(px).items()}
     assert all(s == "admitted" for s, _ in states.values()), states
+    # Never out of service meanwhile (a return would have restarted the windows).
+    left = [(r["replica"], r["to"], r["reasons"]) for r in px.find_logs("replica_state")
+            if r["from"] == "admitted"]
+    assert not left, left
     px.stop()
 
 
