@@ -132,6 +132,16 @@ Test(oracle, usage_shapes)
     char big[1024];
     int n = snprintf(big, sizeof(big), "{\"usage\":{\"d\":\"%0600d\",\"prompt_tokens\":10}}", 0);
     check_all_selectors(big, big, (size_t)n);
+    /* The usage copy fills on the quote that ends a string: both scan that byte on, and find
+     * the top-level usage after it (x, not digits: a long run of digits is no plain number). */
+    char pad[507];
+    memset(pad, 'x', 506);
+    pad[506] = '\0';
+    n = snprintf(big, sizeof(big),
+                 "{\"choices\":[{\"usage\":{\"a\":\"%s\"}}],\"usage\":"
+                 "{\"prompt_tokens\":7,\"completion_tokens\":3}}",
+                 pad);
+    check_all_selectors(big, big, (size_t)n);
 }
 
 /* A response or usage object with more tokens than the parsers' stack arrays (they move to the

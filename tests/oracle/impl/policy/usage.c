@@ -46,11 +46,12 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
             if (u->st != ST_CAPTURE)
                 continue;
         }
+        if (u->st == ST_CAPTURE && u->clen >= sizeof(u->cap)) {
+            /* Not a usage object of any engine we know: skip it, and scan this byte on. */
+            u->st = ST_SCAN;
+            u->klen = 0xff; /* a string cut here is a value's, or a key inside the object */
+        }
         if (u->st == ST_CAPTURE) {
-            if (u->clen >= sizeof(u->cap)) {
-                u->st = ST_SCAN; /* not a usage object of any engine we know: skip it */
-                continue;
-            }
             u->cap[u->clen++] = ch;
             if (u->in_str) {
                 if (u->esc)
