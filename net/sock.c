@@ -211,15 +211,22 @@ static void fail(net_sock_t *s, int status)
         s->on_error(s, status);
 }
 
-/* Send whatever TLS produced (handshake messages, alerts, records). */
+/* Send whatever TLS produced (handshake messages, alerts, records). After net_sock_shutdown
+ * it is taken and dropped: OpenSSL still writes on its own while reading (a no_renegotiation
+ * alert answering a TLS 1.2 peer's ClientHello, once a cut answer sent no close_notify), the
+ * peer can receive nothing after our FIN anyway, and a write failing there would close the
+ * lingering connection with the rest of its answer still queued. */
 static int tls_flush(net_sock_t *s)
 {
     if (net_tls_pending_out(s->tls) == 0)
         return 0;
     dp_buf_t out = {0};
     net_tls_take_out(s->tls, &out);
-    uv_buf_t b = uv_buf_init(out.base, (unsigned)out.len);
-    int r = raw_write(s, &b, 1);
+    int r = 0;
+    if (!s->write_shut) {
+        uv_buf_t b = uv_buf_init(out.base, (unsigned)out.len);
+        r = raw_write(s, &b, 1);
+    }
     dp_buf_free(&out);
     return r;
 }
@@ -355,7 +362,7 @@ static void write_cb(uv_write_t *req, int status)
 
 int net_sock_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 {
-    if (s->closing || s->errored)
+    if (s->closing || s->errored || s->write_shut)
         return UV_EPIPE;
     if (s->tls) {
         /* One SSL_write for all the pieces: a response head and body then share a record
@@ -450,7 +457,7 @@ static void shutdown_cb(uv_shutdown_t *req, int status)
 
 void net_sock_shutdown(net_sock_t *s, bool notify)
 {
-    if (s->closing || s->errored)
+    if (s->closing || s->errored || s->write_shut)
         return;
     if (s->tls && notify) {
         net_tls_shutdown(s->tls); /* close_notify, so the peer sees a clean end */
@@ -461,6 +468,7 @@ void net_sock_shutdown(net_sock_t *s, bool notify)
     uv_shutdown_t *req = dp_xmalloc(sizeof(*req));
     if (uv_shutdown(req, (uv_stream_t *)&s->tcp, shutdown_cb) != 0)
         free(req);
+    s->write_shut = true;
 }
 
 static void connect_cb(uv_connect_t *req, int status)

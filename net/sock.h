@@ -66,6 +66,7 @@ struct net_sock_s {
     bool errored;
     bool above_high; /* crossed high_water; on_drain due when back under low_water */
     bool connecting; /* TLS client: on_connect waits for the handshake */
+    bool write_shut; /* uv_shutdown requested: nothing more may be written (net_sock_shutdown) */
     bool batched;    /* on its loop's write batch (see net/sock.c) */
     bool in_batch;   /* batch_len bytes at batch_off wait for the end of the iteration */
     size_t batch_off, batch_len;
@@ -105,7 +106,8 @@ void net_sock_close(net_sock_t *s);
 void net_sock_abort(net_sock_t *s);
 /* Half-close the write side after queued bytes are written (lingering close). With TLS,
  * close_notify goes first when notify is set; without it, a peer reading to the close can tell
- * the stream was cut (an aborted answer). */
+ * the stream was cut (an aborted answer). From here net_sock_write fails with UV_EPIPE, and
+ * what TLS still produces on its own while reading is dropped (see tls_flush). */
 void net_sock_shutdown(net_sock_t *s, bool notify);
 /* "ip:port" of the peer into out (at least 48 bytes). */
 void net_sock_peer(net_sock_t *s, char *out, size_t n);

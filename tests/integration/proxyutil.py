@@ -162,6 +162,18 @@ def rss_kb(proc):
     raise AssertionError("no VmRSS for pid %d" % proc.popen.pid)
 
 
+def send_queue(local_port, remote_port):
+    """Bytes the kernel holds unsent or unacknowledged on a loopback TCP socket, from
+    /proc/net/tcp (its tx_queue), or None when there is no such socket."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if (int(fields[1].split(":")[1], 16) == local_port and
+                    int(fields[2].split(":")[1], 16) == remote_port):
+                return int(fields[4].split(":")[0], 16)
+    return None
+
+
 def read_response(s, timeout=10):
     """Read one whole response from s (keep-alive: the connection stays open)."""
     data = b""

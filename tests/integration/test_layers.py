@@ -56,7 +56,7 @@ LAYERS = {
     "proxy/main.c": 9,
 }
 PURE = 2  # layers up to this one link no libuv
-EXEMPT = ("tests/unit/", "tests/fuzz/", "tests/oracle/", "build", ".git/")
+EXEMPT = ("tests/unit/", "tests/fuzz/", "tests/oracle/", "tests/tlsclient/", "build", ".git/")
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]', re.M)
 
 

@@ -16,8 +16,8 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, read_request, serve_connections, sim_config,
-                       sim_stats, start_proxy, wait_all_admitted)
+                       parse_response, pool, read_request, send_queue, serve_connections,
+                       sim_config, sim_stats, start_proxy, wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -105,18 +105,6 @@ def test_replica_dies_mid_stream_client_sees_no_final_chunk():
     assert len(client_requests(sims[0])) == 1  # never retried once bytes reached the client
     assert_serves_next(px)
     px.stop()
-
-
-def send_queue(local_port, remote_port):
-    """Bytes the kernel holds unsent or unacknowledged on a loopback TCP socket, from
-    /proc/net/tcp (its tx_queue), or None when there is no such socket."""
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if (int(fields[1].split(":")[1], 16) == local_port and
-                    int(fields[2].split(":")[1], 16) == remote_port):
-                return int(fields[4].split(":")[0], 16)
-    return None
 
 
 def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
