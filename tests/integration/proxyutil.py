@@ -320,6 +320,26 @@ def serve_connections(lsock, handle):
     threading.Thread(target=loop, daemon=True).start()
 
 
+def serve_until_stream(c):
+    """A replica's side of connection c for a test that writes a stream itself: GETs (the
+    proxy's reachability attestation) are answered with ScriptedUpstream.MODELS, and the first
+    other request with a chunked text/event-stream head. True then (the caller writes the
+    chunks), False when the proxy closed first."""
+    buf = b""
+    while True:
+        r = read_request(c, buf)
+        if r is None:
+            return False
+        head, _, buf = r
+        if not head.startswith(b"GET"):
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            return True
+        models = ScriptedUpstream.MODELS
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(models) + models)
+
+
 class ScriptedUpstream:
     """A replica played by a few lines of Python on a socket (as HAProxy's reg-tests do), for
     bytes detproxy-sim cannot produce. GET /v1/models (the proxy's reachability attestation)

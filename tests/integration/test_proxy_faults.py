@@ -16,7 +16,7 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, read_request, send_queue, serve_connections,
+                       parse_response, pool, send_queue, serve_connections, serve_until_stream,
                        sim_config, sim_stats, start_proxy, wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
@@ -118,28 +118,16 @@ def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
     full, reset = threading.Event(), threading.Event()
 
     def handle(c):
-        buf = b""
-        while True:
-            r = read_request(c, buf)
-            if r is None:
-                return
-            head, _, buf = r
-            if head.startswith(b"GET"):  # the reachability attestation
-                models = ScriptedUpstream.MODELS
-                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n" % len(models) + models)
-                continue
-            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                      b"Transfer-Encoding: chunked\r\n\r\n")
-            while not full.is_set():
-                c.sendall(piece)
-                time.sleep(0.02)
-            c.sendall(piece)  # lands in detproxy's own queue, under its high-water mark
-            time.sleep(0.2)
-            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            c.close()
-            reset.set()
+        if not serve_until_stream(c):
             return
+        while not full.is_set():
+            c.sendall(piece)
+            time.sleep(0.02)
+        c.sendall(piece)  # lands in detproxy's own queue, under its high-water mark
+        time.sleep(0.2)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+        reset.set()
 
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

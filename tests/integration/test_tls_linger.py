@@ -28,8 +28,8 @@ import time
 
 from certs import shared_pki
 from harness import DETPROXY_BIN, SLOW, poll_until, run_tests, start_sim
-from proxyutil import (ScriptedUpstream, metric, parse_response, pool, read_request, send_queue,
-                       serve_connections, start_proxy)
+from proxyutil import (metric, parse_response, pool, send_queue, serve_connections,
+                       serve_until_stream, start_proxy)
 
 SKIP = 77
 BUILD_DIR = os.environ.get("DP_BUILD_DIR") or os.path.dirname(os.path.dirname(DETPROXY_BIN))
@@ -110,22 +110,9 @@ def test_a_renegotiation_request_while_a_cut_answer_lingers_loses_none_of_it():
     done = threading.Event()
 
     def handle(c):
-        buf = b""
-        while True:
-            r = read_request(c, buf)
-            if r is None:
-                return
-            head, _, buf = r
-            if head.startswith(b"GET"):  # the reachability attestation
-                models = ScriptedUpstream.MODELS
-                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n" % len(models) + models)
-                continue
-            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                      b"Transfer-Encoding: chunked\r\n\r\n")
+        if serve_until_stream(c):
             streams.put(c)  # the test writes the stream and hangs up
             done.wait(60)
-            return
 
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
