@@ -127,10 +127,14 @@ static bool diff_json_number(const char *p, size_t n)
 static bool diff_usage_comparable(const char *p, size_t n)
 {
     size_t br = 0;
+    bool in_str = false; /* no backslash gets this far: a quote always opens or closes */
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)p[i];
         if (c >= 0x80 || c == '\\' || (c < 0x20 && c != '\t' && c != '\n' && c != '\r'))
             return false; /* cJSON also skips control bytes as whitespace */
+        if (c < 0x20 && in_str)
+            return false; /* a raw tab in a string: cJSON takes it, jdoc does not */
+        in_str ^= c == '"';
         br += c == '{' || c == '[';
         if (br > 32)
             return false;
