@@ -174,6 +174,20 @@ def send_queue(local_port, remote_port):
     return None
 
 
+def wait_send_queue_full(local_port, remote_port, quiet=0.3, timeout=30):
+    """Until the kernel's send queue to a peer that stopped reading holds still for `quiet`
+    seconds (it holds all it will): that size."""
+    last, since = None, time.monotonic()
+    deadline = since + timeout * SLOW
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
+        q = send_queue(local_port, remote_port)
+        if q != last:
+            last, since = q, time.monotonic()
+        time.sleep(0.02)
+    return last
+
+
 def read_response(s, timeout=10):
     """Read one whole response from s (keep-alive: the connection stays open)."""
     data = b""
@@ -338,6 +352,18 @@ def serve_until_stream(c):
         models = ScriptedUpstream.MODELS
         c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(models) + models)
+
+
+def serve_replica(handle, model="m1"):
+    """A replica played by handle(conn), on a thread per connection: (its listening socket,
+    pool "p" of it serving model). Close the socket to stop it."""
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(16)
+    serve_connections(ls, handle)
+    url = "http://127.0.0.1:%d" % ls.getsockname()[1]
+    return ls, {"name": "p", "models": [model], "replicas": [{"name": "r1", "url": url}]}
 
 
 class ScriptedUpstream:

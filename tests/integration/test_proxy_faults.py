@@ -16,8 +16,8 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, send_queue, serve_connections, serve_until_stream,
-                       sim_config, sim_stats, start_proxy, wait_all_admitted)
+                       parse_response, pool, serve_replica, serve_until_stream, sim_config,
+                       sim_stats, start_proxy, wait_all_admitted, wait_send_queue_full)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -129,16 +129,9 @@ def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
         c.close()
         reset.set()
 
-    ls = socket.socket()
-    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(16)
-    serve_connections(ls, handle)
-    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
-                             "replicas": [{"name": "r1",
-                                           "url": "http://127.0.0.1:%d" % ls.getsockname()[1]}]}],
-                     limits={"client_idle_timeout_ms": 3000}, attestation=QUIET,
-                     workers=ONE_WORKER)
+    ls, replica_pool = serve_replica(handle)
+    px = start_proxy(pools=[replica_pool], limits={"client_idle_timeout_ms": 3000},
+                     attestation=QUIET, workers=ONE_WORKER)
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", px.port))
@@ -146,14 +139,7 @@ def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
     s.settimeout(10)
     assert s.recv(100).startswith(b"HTTP/1.1 200")  # and nothing read from here on
     # The kernel's send queue to the client grows until it is full; then detproxy queues.
-    client_port = s.getsockname()[1]
-    last, since, deadline = None, time.monotonic(), time.monotonic() + 60 * SLOW
-    while time.monotonic() - since < 0.3:
-        assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
-        q = send_queue(px.port, client_port)
-        if q != last:
-            last, since = q, time.monotonic()
-        time.sleep(0.05)
+    wait_send_queue_full(px.port, s.getsockname()[1], timeout=60)
     full.set()
     assert reset.wait(10)
     px.wait_log("upstream_error", timeout=5)

@@ -19,7 +19,6 @@ queued when the client speaks.
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ import time
 
 from certs import shared_pki
 from harness import DETPROXY_BIN, SLOW, poll_until, run_tests, start_sim
-from proxyutil import (metric, parse_response, pool, send_queue, serve_connections,
-                       serve_until_stream, start_proxy)
+from proxyutil import (metric, parse_response, pool, send_queue, serve_replica,
+                       serve_until_stream, start_proxy, wait_send_queue_full)
 
 SKIP = 77
 BUILD_DIR = os.environ.get("DP_BUILD_DIR") or os.path.dirname(os.path.dirname(DETPROXY_BIN))
@@ -77,19 +76,6 @@ class Poke:
         return fields, data
 
 
-def wait_send_queue_full(px_port, client_port, quiet=0.3):
-    """Until the kernel's send queue to a client that stopped reading holds still for `quiet`
-    seconds (it holds all it will): that size."""
-    last, since, deadline = None, time.monotonic(), time.monotonic() + 30 * SLOW
-    while time.monotonic() - since < quiet:
-        assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
-        q = send_queue(px_port, client_port)
-        if q != last:
-            last, since = q, time.monotonic()
-        time.sleep(0.02)
-    return last
-
-
 # ---- an answer cut without close_notify ---------------------------------------------------
 
 EVENT = b'data: {"choices":[{"index":0,"text":"' + b"a" * 200 + b'"}]}\n\n'
@@ -114,15 +100,8 @@ def test_a_renegotiation_request_while_a_cut_answer_lingers_loses_none_of_it():
             streams.put(c)  # the test writes the stream and hangs up
             done.wait(60)
 
-    ls = socket.socket()
-    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(16)
-    serve_connections(ls, handle)
-    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
-                             "replicas": [{"name": "r1",
-                                           "url": "http://127.0.0.1:%d" % ls.getsockname()[1]}]}],
-                     attestation=QUIET, workers=1, tls=tls_listener())
+    ls, replica_pool = serve_replica(handle)
+    px = start_proxy(pools=[replica_pool], attestation=QUIET, workers=1, tls=tls_listener())
     body = json.dumps({"model": "m1", "prompt": "hello", "max_tokens": 50,
                        "stream": True}).encode()
     req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
