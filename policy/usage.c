@@ -112,11 +112,10 @@ static inline size_t str_stop(const char *p, size_t j, size_t n)
 
 /* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
  * input ends, or it outgrows u->cap (then it is skipped, as no engine's usage is that large).
- * Returns the index of the last byte taken. The state lives in locals while it runs: a store
- * into u->cap may alias any field of *u, which would otherwise be reloaded after each byte. */
-/* Copy the usage object's bytes from p[i] on. Returns the index of the first byte it did not
- * take: n, the byte after the object's closing brace, or the byte that found the copy full
- * (which the scan then reads, with the string state the copy kept). */
+ * Returns the index of the first byte it did not take: n, the byte after the closing brace, or
+ * the byte that found the copy full (which the scan then reads, with the string state the copy
+ * kept). The state lives in locals while it runs: a store into u->cap may alias any field of
+ * *u, which would otherwise be reloaded after each byte. */
 static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 {
     bool in_str = u->in_str, esc = u->esc;

@@ -133,7 +133,7 @@ static bool diff_usage_comparable(const char *p, size_t n)
         if (c >= 0x80 || c == '\\' || (c < 0x20 && c != '\t' && c != '\n' && c != '\r'))
             return false; /* cJSON also skips control bytes as whitespace */
         if (c < 0x20 && in_str)
-            return false; /* a raw tab in a string: cJSON takes it, jdoc does not */
+            return false; /* a raw control byte in a string: cJSON takes it, jdoc does not */
         in_str ^= c == '"';
         br += c == '{' || c == '[';
         if (br > 32)
