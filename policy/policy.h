@@ -315,9 +315,15 @@ void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
  * answer is plain from the parse: its only "usage" key (spelled plainly, at any depth) is a
  * member of the top level and its object fits the scan's copy. The counts are then read from
  * the parse, taken is set, and feeding the same bytes afterwards changes nothing. Any other
- * body is left to the scan, so a body counts the same whether or not it was parsed. */
+ * body is left to the scan, so a body counts the same whether or not it was parsed.
+ *
+ * Set sse before the first byte when the body is an event stream: a line end (CR or LF) then
+ * ends a usage object still being copied, so an event cut inside one (a replica that failed
+ * mid-event) does not run on into the events after it and hide their usage. A JSON body may
+ * hold line ends between its tokens, so without sse they are whitespace. */
 struct policy_usage {
     uint8_t st;
+    bool sse;
     bool in_str, esc;
     uint8_t klen; /* bytes of the current string kept in key; 0xff: not a plain short key */
     char key[8];

@@ -2,7 +2,8 @@
  * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
  * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
  * the usage object itself is copied (at most sizeof cap bytes); between strings the scan
- * jumps to the next quote, inside one to the next quote, backslash or newline. A body parsed
+ * jumps to the next quote, inside one to the next quote, backslash or newline; in an event
+ * stream a line end also ends a copy, as an event cut inside a usage object. A body parsed
  * whole for its fingerprint whose one usage object is a top-level member gives it from that
  * parse, and is not scanned. */
 #include <assert.h>
@@ -111,18 +112,25 @@ static inline size_t str_stop(const char *p, size_t j, size_t n)
 }
 
 /* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
- * input ends, or it outgrows u->cap (then it is skipped, as no engine's usage is that large).
- * Returns the index of the first byte it did not take: n, the byte after the closing brace, or
- * the byte that found the copy full (which the scan then reads, with the string state the copy
- * kept). The state lives in locals while it runs: a store into u->cap may alias any field of
+ * input ends, it outgrows u->cap (then it is skipped, as no engine's usage is that large) or,
+ * in an event stream, its line ends (then it is skipped: the event was cut). Returns the index
+ * of the first byte it did not take: n, the byte after the closing brace, or the byte that
+ * found the copy full or ended the line (which the scan then reads, with the string state the
+ * copy kept). The state lives in locals while it runs: a store into u->cap may alias any field of
  * *u, which would otherwise be reloaded after each byte. */
 static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 {
+    const bool sse = u->sse;
     bool in_str = u->in_str, esc = u->esc;
     unsigned depth = u->depth, clen = u->clen;
     size_t j = i;
     for (; j < n; j++) {
         char ch = p[j];
+        if (sse && (ch == '\n' || ch == '\r')) { /* the event ended inside the object */
+            u->st = ST_SCAN;
+            in_str = esc = false;
+            break;
+        }
         if (ch == '\n') /* no string holds one (see policy_usage_feed) */
             in_str = esc = false;
         if (clen >= sizeof(u->cap)) {

@@ -626,6 +626,13 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
                                             {h->upstream_fp, strlen(h->upstream_fp)}};
 }
 
+void px_hooks_event_stream(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p)
+        p->usage.sse = true;
+}
+
 static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
 {
     if (p)

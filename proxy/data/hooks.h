@@ -118,6 +118,9 @@ void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_
 /* The request left for replica r (the first attempt or the retry). */
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,
                          const net_req_t *req, const char *body, size_t len);
+/* The response is an event stream: called once, before its first body byte, so the token
+ * usage scan reads it event by event (a cut event does not hide the next one's usage). */
+void px_hooks_event_stream(px_hooks_req_t *h);
 /* Response body bytes from the replica: returns the bytes to forward (the input itself, or a
  * rewritten copy valid until the next call), after teeing them for shadow capture and audit
  * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */

@@ -864,6 +864,8 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     extra_headers(q, out, &k);
     q->client_started = true;
     q->sse = is_inference(q->route) && status >= 200 && status < 300 && is_event_stream(hdrs, n);
+    if (q->sse)
+        px_hooks_event_stream(&q->hooks);
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
     net_resp_start(q->req, status, out, k,

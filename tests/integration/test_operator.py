@@ -16,7 +16,8 @@ import threading
 from harness import (DETPROXY_BIN, SANITIZE, SOURCE_DIR, get_json, http, poll_until, post_json,
                      run_cmd, run_tests, sse, start_sim)
 from proxyutil import (assert_openai_error, exchange, metric, parse_response, pool,
-                       read_until_close, sim_stats, start_proxy, write_config)
+                       read_until_close, serve_replica, serve_until_stream, sim_stats,
+                       start_proxy, write_config)
 
 BANK_KEY = "sk-bank-operator-0001"
 BANK_SHA = hashlib.sha256(BANK_KEY.encode()).hexdigest()
@@ -312,6 +313,35 @@ def test_token_counters_from_usage_json_and_sse():
                r.json()["usage"]["completion_tokens"], what="the bank tenant's tokens counted")
     assert metric(px, "detproxy_tokens_total", tenant="default", kind="completion") == 9
     px.stop()
+
+
+def test_a_stream_event_cut_inside_its_usage_does_not_hide_the_next_usage():
+    # A replica's stream whose first usage event is cut off mid-object (as one that failed and
+    # was restarted behind a router might send): the usage event after it still counts.
+    events = [b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":\n\n',
+              b'data: {"choices":[{"index":0,"text":"x"}],"usage":null}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":7}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    def handle(c):
+        with c:
+            if serve_until_stream(c):
+                for e in events:
+                    c.sendall(b"%x\r\n%s\r\n" % (len(e), e))
+                c.sendall(b"0\r\n\r\n")
+                serve_until_stream(c)  # until the proxy closes
+
+    ls, replica_pool = serve_replica(handle)
+    px = start_proxy(pools=[replica_pool], policy={"tenants": [POLICY["tenants"][-1]]})
+    try:
+        got = list(sse(px.port, "/v1/completions", completion(stream=True)))
+        assert got[-1][1] == "[DONE]", got
+        poll_until(lambda: metric(px, "detproxy_tokens_total", kind="completion") == 7,
+                   what="the complete usage event's tokens counted")
+        assert metric(px, "detproxy_tokens_total", kind="prompt") == 11
+    finally:
+        px.stop()
+        ls.close()
 
 
 def test_rate_limit_is_per_tenant_429_with_retry_after():

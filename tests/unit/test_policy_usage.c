@@ -6,25 +6,36 @@
 
 #include "policy/policy.h"
 
-/* Feed s in pieces of `step` bytes (1 = byte by byte). */
-static policy_usage_t feed(const char *s, size_t step)
+/* Feed s in pieces of `step` bytes (1 = byte by byte), as an event stream if sse. */
+static policy_usage_t feed_as(const char *s, size_t step, bool sse)
 {
     policy_usage_t u;
     memset(&u, 0, sizeof(u));
+    u.sse = sse;
     size_t n = strlen(s);
     for (size_t i = 0; i < n; i += step)
         policy_usage_feed(&u, s + i, i + step <= n ? step : n - i);
     return u;
 }
 
-static void expect(const char *s, int64_t p, int64_t c)
+static policy_usage_t feed(const char *s, size_t step)
+{
+    return feed_as(s, step, false);
+}
+
+static void expect_as(const char *s, bool sse, int64_t p, int64_t c)
 {
     for (size_t step = 1; step <= strlen(s); step++) {
-        policy_usage_t u = feed(s, step);
+        policy_usage_t u = feed_as(s, step, sse);
         cr_assert(u.found, "no usage found with step %zu in %s", step, s);
         cr_assert_eq(u.prompt_tokens, p, "step %zu", step);
         cr_assert_eq(u.completion_tokens, c, "step %zu", step);
     }
+}
+
+static void expect(const char *s, int64_t p, int64_t c)
+{
+    expect_as(s, false, p, c);
 }
 
 static void expect_none(const char *s)
@@ -121,6 +132,33 @@ Test(usage, a_truncated_event_does_not_leave_the_scanner_in_a_string)
     expect("data: {\"choices\":[{\"text\":\"unterminated\n\n"
            "data: {\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":2}}\n\n",
            8, 2);
+}
+
+Test(usage, an_event_cut_inside_its_usage_does_not_hide_the_next_ones)
+{
+    static const char *const cut[] = {
+        "data: {\"usage\":{\"prompt_tokens\":5,\n\n",           /* between members */
+        "data: {\"usage\":{\"note\":\"unterminated\n\n",        /* inside a string in it */
+        "data: {\"usage\":{\"a\":{\"b\":1\r\n\r\n",             /* inside an object in it */
+        "data: {\"usage\":{\"prompt_tokens\":5,\r\r",           /* CR-only line ends */
+        "data: {\"usage\":{\"prompt_tokens\":5,\"x\":\"\\\n\n", /* after a backslash */
+    };
+    const char *next = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":8,"
+                       "\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+    char body[512];
+    for (size_t i = 0; i < sizeof(cut) / sizeof(cut[0]); i++) {
+        snprintf(body, sizeof(body), "%s%s", cut[i], next);
+        expect_as(body, true, 8, 2);
+    }
+    /* What an event stream's complete usage events give is unchanged. */
+    expect_as("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}"
+              "\r\n\r\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,"
+              "\"completion_tokens\":9}}\n\ndata: [DONE]\n\n",
+              true, 7, 9);
+    /* A JSON body's line ends are whitespace, even inside its usage object. */
+    expect(
+        "{\n  \"usage\" : {\n    \"prompt_tokens\": 3,\r\n    \"completion_tokens\": 4\n  }\n}\n",
+        3, 4);
 }
 
 /* The body parsed whole for its fingerprint (policy_fp_rewrite_json) gives its usage where the
