@@ -87,16 +87,19 @@ void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d)
     }
 }
 
-/* The first '"', '\\' or newline at or after j (n if none): eight bytes a step, each tested
- * for the three at once (a byte equal to c leaves a zero byte in x ^ c). */
-static inline size_t str_stop(const char *p, size_t j, size_t n)
+/* The first '"', '\\', newline or `cr` (a line's other end, see line_cr) at or after j (n if
+ * none): eight bytes a step, each tested for the four at once (a byte equal to c leaves a zero
+ * byte in x ^ c). */
+static inline size_t str_stop(const char *p, size_t j, size_t n, char cr)
 {
     const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
     while (j + 8 <= n) {
         uint64_t x;
         memcpy(&x, p + j, 8);
-        uint64_t q = x ^ (ones * '"'), b = x ^ (ones * '\\'), l = x ^ (ones * '\n');
-        uint64_t t = (((q - ones) & ~q) | ((b - ones) & ~b) | ((l - ones) & ~l)) & highs;
+        uint64_t q = x ^ (ones * '"'), b = x ^ (ones * '\\'), l = x ^ (ones * '\n'),
+                 r = x ^ (ones * (unsigned char)cr);
+        uint64_t t =
+            (((q - ones) & ~q) | ((b - ones) & ~b) | ((l - ones) & ~l) | ((r - ones) & ~r)) & highs;
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         if (t) /* the lowest flag is exact (a borrow only runs upward from a zero byte) */
             return j + (size_t)__builtin_ctzll(t) / 8;
@@ -106,9 +109,25 @@ static inline size_t str_stop(const char *p, size_t j, size_t n)
 #endif
         j += 8;
     }
-    while (j < n && p[j] != '"' && p[j] != '\\' && p[j] != '\n')
+    while (j < n && p[j] != '"' && p[j] != '\\' && p[j] != '\n' && p[j] != cr)
         j++;
     return j;
+}
+
+/* The byte besides a newline that ends a line: a carriage return in an event stream (where a
+ * CR alone ends a line), else a newline again (in a JSON body a CR is whitespace). */
+static inline char line_cr(const policy_usage_t *u)
+{
+    return u->sse ? '\r' : '\n';
+}
+
+/* A line ended: no JSON string holds a raw line end, so a string in progress was cut there.
+ * In an event stream the event's line is over: a key found before it no longer counts. */
+static inline void line_end(policy_usage_t *u)
+{
+    u->in_str = u->esc = false;
+    if (u->sse)
+        u->st = ST_SCAN;
 }
 
 /* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
@@ -121,18 +140,19 @@ static inline size_t str_stop(const char *p, size_t j, size_t n)
 static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 {
     const bool sse = u->sse;
+    const char cr = line_cr(u);
     bool in_str = u->in_str, esc = u->esc;
     unsigned depth = u->depth, clen = u->clen;
     size_t j = i;
     for (; j < n; j++) {
         char ch = p[j];
-        if (sse && (ch == '\n' || ch == '\r')) { /* the event ended inside the object */
-            u->st = ST_SCAN;
+        if ((unsigned char)ch <= '\r' && (ch == '\n' || ch == cr)) { /* see line_end */
             in_str = esc = false;
-            break;
+            if (sse) { /* the event ended inside the object */
+                u->st = ST_SCAN;
+                break;
+            }
         }
-        if (ch == '\n') /* no string holds one (see policy_usage_feed) */
-            in_str = esc = false;
         if (clen >= sizeof(u->cap)) {
             u->st = ST_SCAN;
             u->klen = 0xff; /* a string cut here is a value's, or a key inside the object */
@@ -169,6 +189,7 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
 {
     if (u->taken)
         return;
+    const char cr = line_cr(u);
     for (size_t i = 0; i < n; i++) {
         if (u->st == ST_CAPTURE) {
             i = capture(u, p, i, n);
@@ -176,10 +197,8 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
                 return;
         }
         char ch = p[i];
-        if (ch == '\n') {
-            /* JSON strings hold no raw newline: a newline ends any string (and an SSE event
-             * line), so a truncated event cannot leave the scanner inside a string. */
-            u->in_str = u->esc = false;
+        if (ch == '\n' || ch == cr) { /* a truncated event cannot leave the scan in a string */
+            line_end(u);
             continue;
         }
         if (u->st == ST_SCAN && !u->in_str) {
@@ -190,9 +209,9 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
             i = (size_t)(q - p);
             ch = '"';
         } else if (u->in_str && !u->esc) {
-            /* Inside a string only '\\', '"' and a newline matter; the bytes before them are
+            /* Inside a string only '\\', '"' and a line end matter; the bytes before them are
              * the key's while it may still be "usage". */
-            size_t j = str_stop(p, i, n);
+            size_t j = str_stop(p, i, n, cr);
             if (u->klen != 0xff) {
                 if (j - i <= sizeof(u->key) - u->klen) {
                     memcpy(u->key + u->klen, p + i, j - i);
@@ -205,8 +224,8 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
             if (i == n)
                 return;
             ch = p[i];
-            if (ch == '\n') {
-                u->in_str = u->esc = false;
+            if (ch == '\n' || ch == cr) {
+                line_end(u);
                 continue;
             }
         }

@@ -38,10 +38,15 @@ static void expect(const char *s, int64_t p, int64_t c)
     expect_as(s, false, p, c);
 }
 
-static void expect_none(const char *s)
+static void expect_none_as(const char *s, bool sse)
 {
     for (size_t step = 1; step <= strlen(s); step++)
-        cr_assert_not(feed(s, step).found, "found usage with step %zu in %s", step, s);
+        cr_assert_not(feed_as(s, step, sse).found, "found usage with step %zu in %s", step, s);
+}
+
+static void expect_none(const char *s)
+{
+    expect_none_as(s, false);
 }
 
 Test(usage, non_streamed_json_body)
@@ -145,11 +150,25 @@ Test(usage, an_event_cut_inside_its_usage_does_not_hide_the_next_ones)
     };
     const char *next = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":8,"
                        "\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
-    char body[512];
+    char body[2048];
     for (size_t i = 0; i < sizeof(cut) / sizeof(cut[0]); i++) {
         snprintf(body, sizeof(body), "%s%s", cut[i], next);
         expect_as(body, true, 8, 2);
     }
+    /* Cut inside a string outside any usage object, and inside one that outgrew the copy (the
+     * scan, not the copy, meets the line end), with each kind of line end. */
+    static const char *const ends[] = {"\n\n", "\r\n\r\n", "\r\r"};
+    for (size_t e = 0; e < 3; e++) {
+        snprintf(body, sizeof(body), "data: {\"choices\":[{\"text\":\"abc%s%s", ends[e], next);
+        expect_as(body, true, 8, 2);
+        int k = snprintf(body, sizeof(body), "data: {\"usage\":{\"note\":\"");
+        memset(body + k, 'x', 600);
+        snprintf(body + k + 600, sizeof(body) - (size_t)k - 600, "\\%s%s", ends[e], next);
+        expect_as(body, true, 8, 2);
+    }
+    /* A key whose line ended is not followed on the next line. */
+    expect_none_as("data: {\"usage\"\n\n: {\"prompt_tokens\":9,\"completion_tokens\":9}\n\n", true);
+    expect("{\"usage\"\n:\n{\"prompt_tokens\":9,\"completion_tokens\":9}}", 9, 9);
     /* What an event stream's complete usage events give is unchanged. */
     expect_as("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}"
               "\r\n\r\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,"
