@@ -156,12 +156,13 @@ static bool diff_usage_comparable(const char *p, size_t n)
     return true;
 }
 
-/* Usage fed whole, then in two reads split at cut. */
-static void diff_usage(const char *p, size_t n, size_t cut, policy_usage_t *whole,
+/* Usage fed whole, then in two reads split at cut; as an event stream if sse. */
+static void diff_usage(const char *p, size_t n, size_t cut, bool sse, policy_usage_t *whole,
                        policy_usage_t *split)
 {
     memset(whole, 0, sizeof(*whole));
     memset(split, 0, sizeof(*split));
+    whole->sse = split->sse = sse;
     policy_usage_feed(whole, p, n);
     policy_usage_feed(split, p, cut);
     policy_usage_feed(split, p + cut, n - cut);
@@ -175,6 +176,12 @@ static void diff_usage(const char *p, size_t n, size_t cut, policy_usage_t *whol
     } while (0)
 
 /* 0 when both agree on data; -1 with why set. */
+static bool diff_usage_same(const policy_usage_t *a, const policy_usage_t *b)
+{
+    return a->found == b->found && (!a->found || (a->prompt_tokens == b->prompt_tokens &&
+                                                  a->completion_tokens == b->completion_tokens));
+}
+
 static int diff_check(const uint8_t *data, size_t size, char *why, size_t whylen)
 {
     static cfg_tenant_t tenants[5];
@@ -245,11 +252,19 @@ static int diff_check(const uint8_t *data, size_t size, char *why, size_t whylen
         policy_usage_t a, b;
         int64_t op = 0, oc = 0;
         size_t cut = n ? (size_t)sel * 7919 % (n + 1) : 0;
-        diff_usage(body, n, cut, &a, &b);
+        diff_usage(body, n, cut, false, &a, &b);
         bool ou = oracle_usage(body, n, &op, &oc);
         if (a.found != b.found || a.prompt_tokens != b.prompt_tokens ||
             a.completion_tokens != b.completion_tokens)
             DIFF_FAIL("usage differs by read split at %zu", cut);
+        /* Read as an event stream: the same at any split, and the same as a JSON body where
+         * no line ends (a line end is all the two modes read differently). */
+        policy_usage_t sa, sb;
+        diff_usage(body, n, cut, true, &sa, &sb);
+        if (!diff_usage_same(&sa, &sb))
+            DIFF_FAIL("event-stream usage differs by read split at %zu", cut);
+        if (!memchr(body, '\n', n) && !memchr(body, '\r', n) && !diff_usage_same(&sa, &a))
+            DIFF_FAIL("a body without line ends counts differently as an event stream");
         if (diff_usage_comparable(body, n) &&
             (a.found != ou || (ou && (a.prompt_tokens != op || a.completion_tokens != oc))))
             DIFF_FAIL("usage: new %d %lld/%lld, oracle %d %lld/%lld", a.found,
@@ -271,8 +286,7 @@ static int diff_check(const uint8_t *data, size_t size, char *why, size_t whylen
         memset(&su, 0, sizeof(su));
         policy_usage_feed(&tu, nf.base, nf.len);
         policy_usage_feed(&su, nf.base, nf.len);
-        if (tu.found != su.found || (su.found && (tu.prompt_tokens != su.prompt_tokens ||
-                                                  tu.completion_tokens != su.completion_tokens)))
+        if (!diff_usage_same(&tu, &su))
             DIFF_FAIL("usage from the parse %d %lld/%lld, from the scan %d %lld/%lld", tu.found,
                       (long long)tu.prompt_tokens, (long long)tu.completion_tokens, su.found,
                       (long long)su.prompt_tokens, (long long)su.completion_tokens);
