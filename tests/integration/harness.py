@@ -26,6 +26,7 @@ ThreadSanitizer (DP_TSAN=1) on any data race it reports.
 
 import atexit
 import http.client as _hc
+import itertools
 import json
 import os
 import random
@@ -49,6 +50,7 @@ TSAN = os.environ.get("DP_TSAN", "0").lower() in ("1", "true", "on", "yes")
 VALGRIND = os.environ.get("DP_VALGRIND", "0").lower() in ("1", "true", "on", "yes")
 SLOW = 10.0 if VALGRIND else 4.0 if SANITIZE or TSAN else 1.0  # multiply timeouts by this
 _VG_DIR = os.path.join(os.environ.get("DP_ARTIFACT_DIR") or "/tmp", "valgrind")
+_vg_seq = itertools.count()  # names each memcheck log: one file per detproxy process
 
 
 def _default_bin(name):
@@ -124,8 +126,8 @@ class Proc:
         self.vg_log = None
         if VALGRIND and os.path.basename(self.argv[0]) == "detproxy" and "run" in self.argv[1:2]:
             os.makedirs(_VG_DIR, exist_ok=True)
-            self.vg_log = os.path.join(_VG_DIR, "%s.%d.%d.log" % (
-                os.path.basename(sys.argv[0]).replace(".py", ""), os.getpid(), len(_live)))
+            self.vg_log = os.path.join(_VG_DIR, "%s.%d.%d.log" % (  # one per process started
+                os.path.basename(sys.argv[0]).replace(".py", ""), os.getpid(), next(_vg_seq)))
             self.argv = ["valgrind", "-q", "--leak-check=full", "--show-leak-kinds=definite",
                          "--errors-for-leak-kinds=definite", "--error-exitcode=97",
                          "--fair-sched=yes", "--log-file=" + self.vg_log] + self.argv

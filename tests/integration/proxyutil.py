@@ -176,9 +176,11 @@ def send_queue(local_port, remote_port):
 
 def wait_send_queue_full(local_port, remote_port, quiet=0.3, timeout=30):
     """Until the kernel's send queue to a peer that stopped reading holds still for `quiet`
-    seconds (it holds all it will): that size."""
+    seconds, scaled by SLOW as a slower build fills it in longer pauses (it holds all it will):
+    that size."""
     last, since = None, time.monotonic()
     deadline = since + timeout * SLOW
+    quiet *= SLOW
     while time.monotonic() - since < quiet:
         assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
         q = send_queue(local_port, remote_port)

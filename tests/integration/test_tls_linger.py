@@ -118,7 +118,13 @@ def test_a_renegotiation_request_while_a_cut_answer_lingers_loses_none_of_it():
         before = send_queue(px.port, client.port)
         up.sendall(PIECE)
         pieces += 1
-        moved = time.monotonic() + 0.3
+        # Once detproxy has read the piece, give it time to pass it on: a slower build (under
+        # a sanitizer) would otherwise be sent more than its queue holds, stop reading the
+        # replica as it should, and never see the hang-up.
+        me, peer = up.getsockname()[1], up.getpeername()[1]
+        while send_queue(me, peer) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        moved = time.monotonic() + 0.3 * SLOW
         while time.monotonic() < moved and send_queue(px.port, client.port) == before:
             time.sleep(0.005)
         if send_queue(px.port, client.port) == before:
