@@ -175,13 +175,14 @@ static void diff_usage(const char *p, size_t n, size_t cut, bool sse, policy_usa
         goto out;                                                                                  \
     } while (0)
 
-/* 0 when both agree on data; -1 with why set. */
+/* The same counts found, or none in both. */
 static bool diff_usage_same(const policy_usage_t *a, const policy_usage_t *b)
 {
     return a->found == b->found && (!a->found || (a->prompt_tokens == b->prompt_tokens &&
                                                   a->completion_tokens == b->completion_tokens));
 }
 
+/* 0 when both agree on data; -1 with why set. */
 static int diff_check(const uint8_t *data, size_t size, char *why, size_t whylen)
 {
     static cfg_tenant_t tenants[5];
