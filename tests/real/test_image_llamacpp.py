@@ -80,7 +80,12 @@ def test_the_host_image_serves_real_llamacpp_replicas():
                 return False
         poll_until(ready, timeout=60, interval=0.2, what="detproxy container ready")
         ready_s = time.monotonic() - t0
-        reps = get_json(ports["admin"], "/admin/replicas")["replicas"]
+        # /readyz turns 200 with the first admitted replica; the other's first attestation may
+        # still be in flight, so wait for both to settle before judging them.
+        def settled():
+            reps = get_json(ports["admin"], "/admin/replicas")["replicas"]
+            return all(r["state"] != "pending" for r in reps) and reps
+        reps = poll_until(settled, timeout=30, interval=0.2, what="both replicas attested")
         assert [r["state"] for r in reps] == ["admitted", "admitted"], reps
         for r in reps:
             rep = r["attestation"]["report"]
