@@ -296,12 +296,20 @@ int dp_read_fd(int fd, size_t max, dp_buf_t *out)
     return rc;
 }
 
+/* The largest input EVP_EncodeBlock takes at once: a multiple of 3 whose encoding fits an int. */
+#define B64_PIECE ((size_t)3 << 28)
+
 void dp_base64_encode(const void *p, size_t n, dp_buf_t *out)
 {
-    size_t need = 4 * ((n + 2) / 3);
-    dp_buf_reserve(out, need);
-    int w = EVP_EncodeBlock((unsigned char *)out->base + out->len, p, (int)n);
-    out->len += (size_t)w;
+    dp_buf_reserve(out, 4 * ((n + 2) / 3));
+    const unsigned char *in = p;
+    do { /* OpenSSL counts in int: whole groups of three, a piece at a time */
+        size_t k = n < B64_PIECE ? n : B64_PIECE;
+        int w = EVP_EncodeBlock((unsigned char *)out->base + out->len, in, (int)k);
+        out->len += (size_t)w;
+        in += k;
+        n -= k;
+    } while (n > 0);
     out->base[out->len] = '\0';
 }
 
@@ -324,11 +332,21 @@ int dp_base64_decode(const char *s, size_t n, dp_buf_t *out)
     if (pad == 1 && n >= 2 && s[n - 2] == '=')
         return -1;
     dp_buf_reserve(out, n / 4 * 3);
-    int w =
-        EVP_DecodeBlock((unsigned char *)out->base + out->len, (const unsigned char *)s, (int)n);
-    if (w < 0)
-        return -1;
-    out->len += (size_t)w - pad;
+    size_t len0 = out->len;
+    do { /* whole groups of four; only the last piece can hold padding */
+        size_t k = n < B64_PIECE / 3 * 4 ? n : B64_PIECE / 3 * 4;
+        int w = EVP_DecodeBlock((unsigned char *)out->base + out->len, (const unsigned char *)s,
+                                (int)k);
+        if (w < 0) {
+            out->len = len0;
+            out->base[len0] = '\0';
+            return -1;
+        }
+        out->len += (size_t)w;
+        s += k;
+        n -= k;
+    } while (n > 0);
+    out->len -= pad;
     out->base[out->len] = '\0';
     return 0;
 }

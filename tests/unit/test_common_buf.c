@@ -261,3 +261,41 @@ Test(util, u64_dec_and_copy_str_write_what_snprintf_writes)
     dp_copy_str(dst, sizeof(dst), NULL, 0);
     cr_assert_str_eq(dst, "");
 }
+
+Test(util, base64_round_trips_every_length_and_appends_to_what_is_there)
+{
+    unsigned char raw[64];
+    for (size_t i = 0; i < sizeof(raw); i++)
+        raw[i] = (unsigned char)(i * 37 + 11);
+    for (size_t n = 0; n <= sizeof(raw); n++) {
+        dp_buf_t enc = {0}, dec = {0};
+        dp_buf_append(&enc, "x", 1);
+        dp_base64_encode(raw, n, &enc);
+        cr_assert_eq(enc.len, 1 + 4 * ((n + 2) / 3), "n=%zu", n);
+        cr_assert_eq(strlen(enc.base), enc.len);
+        dp_buf_append(&dec, "y", 1);
+        cr_assert_eq(dp_base64_decode(enc.base + 1, enc.len - 1, &dec), 0, "n=%zu", n);
+        cr_assert_eq(dec.len, 1 + n, "n=%zu", n);
+        cr_assert(dec.base[0] == 'y' && memcmp(dec.base + 1, raw, n) == 0, "n=%zu", n);
+        dp_buf_free(&enc);
+        dp_buf_free(&dec);
+    }
+}
+
+Test(util, base64_refuses_what_is_not_padded_standard_base64_and_keeps_the_buffer)
+{
+    static const char *const bad[] = {"abc",  "ab=c", "a===",   "=abc", "ab-_",
+                                      "ab c", "Zg=",  "Zm9v\n", "Z===", "Zg==Zg=="};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        dp_buf_t out = {0};
+        dp_buf_append(&out, "keep", 4);
+        cr_assert_neq(dp_base64_decode(bad[i], strlen(bad[i]), &out), 0, "%s", bad[i]);
+        cr_assert_eq(out.len, 4, "%s", bad[i]);
+        cr_assert_str_eq(out.base, "keep", "%s", bad[i]);
+        dp_buf_free(&out);
+    }
+    dp_buf_t out = {0};
+    cr_assert_eq(dp_base64_decode("Zm9vYg==", 8, &out), 0);
+    cr_assert_str_eq(out.base, "foob");
+    dp_buf_free(&out);
+}
