@@ -90,21 +90,13 @@ static int int_member(const cJSON *o, const char *k, int64_t *out)
     return 0;
 }
 
-/* RFC 3339 UTC ("2021-01-12T11:53:27Z", fractions ignored) to Unix seconds. */
+/* RFC 3339 ("2021-01-12T11:53:27Z", fractions dropped) to Unix seconds. */
 static int parse_time(const char *s, int64_t *out)
 {
-    struct tm tm = {0};
-    const char *e = s ? strptime(s, "%Y-%m-%dT%H:%M:%S", &tm) : NULL;
-    if (e == NULL)
+    int64_t ms;
+    if (dp_parse_time_ms(s, &ms) != 0)
         return -1;
-    if (*e == '.') {
-        e++;
-        while (*e >= '0' && *e <= '9')
-            e++;
-    }
-    if (strcmp(e, "Z") != 0)
-        return -1;
-    *out = (int64_t)timegm(&tm);
+    *out = ms >= 0 ? ms / 1000 : -((-ms + 999) / 1000);
     return 0;
 }
 

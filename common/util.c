@@ -47,6 +47,78 @@ void dp_iso8601(char *out, uint64_t wall_ms)
     out[n] = '\0';
 }
 
+/* n decimal digits at s (no sign, no space), or -1. */
+static int digits(const char *s, int n)
+{
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v;
+}
+
+/* Days from 1970-01-01 to y-m-d of the proleptic Gregorian calendar (H. Hinnant's
+ * days_from_civil): no struct tm, no normalising of a 30 February. */
+static int64_t days_from_civil(int64_t y, int m, int d)
+{
+    y -= m <= 2;
+    int64_t era = (y >= 0 ? y : y - 399) / 400;
+    int64_t yoe = y - era * 400;
+    int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+int dp_parse_time_ms(const char *s, int64_t *ms)
+{
+    static const int mdays[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    if (s == NULL || strlen(s) < 10 || s[4] != '-' || s[7] != '-')
+        return -1;
+    int y = digits(s, 4), mo = digits(s + 5, 2), d = digits(s + 8, 2);
+    if (y < 0 || mo < 1 || mo > 12 || d < 1 || d > mdays[mo - 1])
+        return -1;
+    bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    if (mo == 2 && d == 29 && !leap)
+        return -1;
+    int64_t t = days_from_civil(y, mo, d) * 86400;
+    int frac = 0;
+    const char *e = s + 10;
+    if (*e != '\0') {
+        if ((*e != 'T' && *e != 't') || strlen(e) < 9 || e[3] != ':' || e[6] != ':')
+            return -1;
+        int h = digits(e + 1, 2), mi = digits(e + 4, 2), sec = digits(e + 7, 2);
+        if (h < 0 || h > 23 || mi < 0 || mi > 59 || sec < 0 || sec > 60) /* 60: a leap second */
+            return -1;
+        t += h * 3600 + mi * 60 + sec;
+        e += 9;
+        if (*e == '.') {
+            int n = 0;
+            for (e++; *e >= '0' && *e <= '9'; e++, n++)
+                if (n < 3)
+                    frac += (*e - '0') * (n == 0 ? 100 : n == 1 ? 10 : 1);
+            if (n == 0)
+                return -1;
+        }
+        if (*e == 'Z' || *e == 'z') {
+            e++;
+        } else if ((*e == '+' || *e == '-') && strlen(e) == 6 && e[3] == ':') {
+            int oh = digits(e + 1, 2), om = digits(e + 4, 2);
+            if (oh < 0 || oh > 23 || om < 0 || om > 59)
+                return -1;
+            t -= (*e == '+' ? 1 : -1) * (oh * 3600 + om * 60);
+            e += 6;
+        } else {
+            return -1;
+        }
+        if (*e != '\0')
+            return -1;
+    }
+    *ms = t * 1000 + frac;
+    return 0;
+}
+
 void dp_hex(const void *p, size_t n, char *out)
 {
     static const char digits[] = "0123456789abcdef";

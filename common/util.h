@@ -17,6 +17,10 @@ uint64_t dp_now_ns(void);
 uint64_t dp_wall_ms(void);
 /* "2026-11-29T17:30:46.123Z" into out (at least 25 bytes). */
 void dp_iso8601(char *out, uint64_t wall_ms);
+/* An RFC 3339 time ("2026-11-29T17:30:46Z", "...46.123+01:00", "t" and "z" too) or a date
+ * alone (its midnight UTC) to milliseconds since the epoch (digits past the millisecond are
+ * dropped); -1 for anything else, a day the month does not have included. */
+int dp_parse_time_ms(const char *s, int64_t *ms);
 
 /* The value of one hex digit (either case), or -1. */
 int dp_hexval(unsigned char c);

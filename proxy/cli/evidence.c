@@ -735,7 +735,8 @@ static const dp_arg_t replay_table[] = {
      .kind = DP_ARG_STR,
      .off = offsetof(replay_opts_t, since),
      .meta = "T",
-     .help = "with --all: lines whose time is T or later (ISO 8601, UTC)"},
+     .help = "with --all: lines whose time is T or later (RFC 3339, e.g.\n"
+             "2026-12-01T09:00:00Z, or a date: its midnight UTC)"},
     {.name = "--store",
      .kind = DP_ARG_STR,
      .off = offsetof(replay_opts_t, store),
@@ -790,7 +791,10 @@ int px_cmd_replay(int argc, char **argv)
         return dp_args_usage_error(&replay_spec,
                                    "need -c CONFIG, --audit FILE and exactly one of --request-id "
                                    "ID or --all (--since only with --all)");
-    const char *audit = opt.audit, *id = opt.id, *since = opt.since;
+    const char *audit = opt.audit, *id = opt.id;
+    int64_t since = INT64_MIN;
+    if (opt.since && dp_parse_time_ms(opt.since, &since) != 0)
+        return dp_args_usage_error(&replay_spec, "--since: not an RFC 3339 time or date");
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
     if (cfg_load_reader(opt.config, &cfg, &errs) != 0)
@@ -851,9 +855,12 @@ int px_cmd_replay(int argc, char **argv)
         ssize_t n;
         while ((n = getline(&line, &cap, f)) > 0) {
             cJSON *o = cJSON_ParseWithLength(line, (size_t)n);
-            const char *rid = jstr(o, "request_id"), *t = jstr(o, "time");
-            bool want = cJSON_IsObject(o) && !cJSON_GetObjectItemCaseSensitive(o, "checkpoint") &&
-                        rid && (id ? strcmp(rid, id) == 0 : !since || (t && strcmp(t, since) >= 0));
+            const char *rid = jstr(o, "request_id");
+            int64_t t;
+            bool want =
+                cJSON_IsObject(o) && !cJSON_GetObjectItemCaseSensitive(o, "checkpoint") && rid &&
+                (id ? strcmp(rid, id) == 0
+                    : !opt.since || (dp_parse_time_ms(jstr(o, "time"), &t) == 0 && t >= since));
             if (want) {
                 found++;
                 if (!rp.deadline_hit && rp.w.deadline_ns && dp_now_ns() >= rp.w.deadline_ns)

@@ -325,6 +325,14 @@ def test_replay_reproduces_then_differs_after_the_replica_changes():
     # --since after everything selects nothing.
     rc, out, _ = replay(px, "--all", "--since", "2999-01-01T00:00:00Z")
     assert rc == 0 and out.startswith("0 replayed"), out
+    # --since is compared as a time: the first line's own second (written with milliseconds)
+    # selects it, in UTC or in another offset; a value that is not a time is a usage error.
+    first = lines(px.audit_path)[0]["time"]  # "2026-12-04T03:20:01.234Z"
+    for since in (first[:19] + "Z", first[:19] + "+00:00", first[:10]):
+        rc, out, err = replay(px, "--all", "--since", since)
+        assert "\n2 replayed: " in out, (since, out + err)
+    rc, out, err = replay(px, "--all", "--since", "yesterday")
+    assert rc == 2 and "--since" in err and out == "", (out, err)
     px.stop()
 
 

@@ -299,3 +299,48 @@ Test(util, base64_refuses_what_is_not_padded_standard_base64_and_keeps_the_buffe
     cr_assert_str_eq(out.base, "foob");
     dp_buf_free(&out);
 }
+
+Test(util, rfc3339_times_and_dates_parse_to_milliseconds)
+{
+    static const struct {
+        const char *s;
+        int64_t ms;
+    } good[] = {
+        {"1970-01-01T00:00:00Z", 0},
+        {"2026-12-01", 1796083200000},
+        {"2026-12-01T00:00:00Z", 1796083200000},
+        {"2026-12-01t00:00:00.250z", 1796083200250},
+        {"2026-12-01T00:00:00.2509999Z", 1796083200250},
+        {"2026-12-01T01:30:00+01:30", 1796083200000},
+        {"2026-11-30T23:00:00-01:00", 1796083200000},
+        {"2024-02-29T12:00:00Z", 1709208000000},
+        {"2000-02-29", 951782400000},
+    };
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        int64_t ms = -1;
+        cr_assert_eq(dp_parse_time_ms(good[i].s, &ms), 0, "%s", good[i].s);
+        cr_assert_eq(ms, good[i].ms, "%s: %lld", good[i].s, (long long)ms);
+    }
+    static const char *const bad[] = {
+        "yesterday",
+        "2026-12-1",
+        "2026-13-01",
+        "2026-02-30",
+        "2025-02-29",
+        "1900-02-29",
+        "2026-12-01T",
+        "2026-12-01T24:00:00Z",
+        "2026-12-01T10:00:00",
+        "2026-12-01T10:00:00.Z",
+        "2026-12-01T10:00:00+0100",
+        "2026-12-01T10:00:00Zjunk",
+        "2026-12-01 10:00:00Z",
+        "",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int64_t ms = 7;
+        cr_assert_neq(dp_parse_time_ms(bad[i], &ms), 0, "%s", bad[i]);
+        cr_assert_eq(ms, 7, "%s", bad[i]);
+    }
+    cr_assert_neq(dp_parse_time_ms(NULL, &(int64_t){0}), 0);
+}
