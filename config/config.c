@@ -514,6 +514,55 @@ static void check_signatures(cfg_ctx_t *c, const cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
+/* A fleet keys its shared entries by pool and replica name (verdicts/<pool>/<replica>): a '/'
+ * in either would let two pairs share a key. */
+static void check_fleet_names(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    if (cfg->fleet == NULL)
+        return;
+    static const char why[] = "no '/' with a fleet: pool and replica names are parts of its etcd "
+                              "keys";
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        size_t m = cfg_path_index(c, i);
+        if (p->name && strchr(p->name, '/'))
+            cfg_err(c, "name", "%s", why);
+        size_t r = cfg_path_key(c, "replicas");
+        for (size_t j = 0; j < p->nreplicas; j++) {
+            size_t k = cfg_path_index(c, j);
+            if (p->replicas[j].name && strchr(p->replicas[j].name, '/'))
+                cfg_err(c, "name", "%s", why);
+            cfg_path_pop(c, k);
+        }
+        cfg_path_pop(c, r);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
+/* A rollout's verdict measures a candidate against the baseline's own noise, which only shadow
+ * pairs give: with no cross or self rate anywhere every candidate stays insufficient_data. */
+static void check_rollout_noise(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    if (cfg->shadow.rate > 0 || cfg->shadow.self_rate > 0)
+        return;
+    for (size_t k = 0; cfg->policy && k < cfg->policy->ntenants; k++)
+        if (cfg->policy->tenants[k].shadow_rate > 0)
+            return;
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        if (cfg->pools[i].ncandidates == 0)
+            continue;
+        size_t m = cfg_path_index(c, i);
+        cfg_warn(c, "candidates",
+                 "no shadow.rate, shadow.self_rate or tenant shadow_rate: the baseline has no "
+                 "noise figure, so every candidate's verdict stays insufficient_data");
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
 /* ---- loading --------------------------------------------------------------------------- */
 
 static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
@@ -537,6 +586,8 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     check_tenants(c, cfg, policy_file);
     mark_only_candidates(cfg);
     check_signatures(c, cfg);
+    check_fleet_names(c, cfg);
+    check_rollout_noise(c, cfg);
 }
 
 /* Takes ownership of path (NULL for a string config). */

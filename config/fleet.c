@@ -13,8 +13,9 @@ static const char *const fleet_keys[] = {"name", "instance", "etcd", "lease_ttl_
 static const char *const etcd_keys[] = {"endpoints", "tls", "username", "password_file", NULL};
 static const char *const etcd_tls_keys[] = {"ca", "cert", "key", NULL};
 
-/* Instance names go into etcd keys and metric labels: the name rule plus ':' (host:port). */
-static bool valid_instance(const char *s)
+/* Fleet and instance names are segments of etcd keys (and instance names metric labels):
+ * letters, digits and the characters of extra, never '/'. */
+static bool key_segment(const char *s, const char *extra)
 {
     size_t n = strlen(s);
     if (n == 0 || n > CFG_NAME_MAX)
@@ -22,7 +23,7 @@ static bool valid_instance(const char *s)
     for (size_t i = 0; i < n; i++) {
         char ch = s[i];
         if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-              ch == '-' || ch == '_' || ch == '.' || ch == ':'))
+              strchr(extra, ch) != NULL))
             return false;
     }
     return true;
@@ -113,9 +114,9 @@ void cfg_parse_fleet(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_fleet_t *f = dp_xcalloc(1, sizeof(*f));
     cfg->fleet = f;
     f->lease_ttl_ms = 10000;
-    if (cfg_get_str(c, o, "name", true, &f->name) && !cfg_valid_name(f->name))
-        cfg_err(c, "name", "use letters, digits, '-', '_' and '.' (it is part of etcd keys)");
-    if (cfg_get_str(c, o, "instance", false, &f->instance) && !valid_instance(f->instance))
+    if (cfg_get_str(c, o, "name", true, &f->name) && !key_segment(f->name, "-_."))
+        cfg_err(c, "name", "use letters, digits, '-', '_' and '.' (at most %d)", CFG_NAME_MAX);
+    if (cfg_get_str(c, o, "instance", false, &f->instance) && !key_segment(f->instance, "-_.:"))
         cfg_err(c, "instance", "use letters, digits, '-', '_', '.' and ':' (at most %d)",
                 CFG_NAME_MAX);
     cfg_get_u32(c, o, "lease_ttl_ms", 2000, 600000, &f->lease_ttl_ms);

@@ -110,6 +110,18 @@ def test_check_names_fleet_errors():
                  "fleet.etcd.endpoints[0]", "fleet.etcd.endpoints[1]", "fleet.etcd.tls",
                  "fleet.etcd.password_file"):
         assert want in text, (want, text)
+    # The fleet's name and the pool and replica names are segments of its etcd keys: a '/'
+    # would let fleet "x/instances" write into fleet "x"'s member list.
+    path = write_config({
+        "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+        "pools": [{"name": "a/b", "models": [MODEL],
+                   "replicas": [{"name": "r/1", "url": "http://127.0.0.1:1"}]}],
+        "fleet": {"name": "x/instances", "etcd": {"endpoints": ["http://127.0.0.1:2379"]}}})
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", path])
+    text = out + err
+    assert rc != 0, text
+    for want in ("fleet.name", "pools[0].name", "pools[0].replicas[0].name"):
+        assert want in text, (want, text)
 
 
 def test_drain_reaches_every_instance_within_a_second():
