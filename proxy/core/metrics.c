@@ -451,6 +451,10 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
                       "Audit lines that could not be written.");
+    px_metrics_family("detproxy_audit_write_failures_total", PX_COUNTER,
+                      "Audited requests whose audit line or stored bodies could not be written, "
+                      "by what became of the answer (served under audit_fail open, refused "
+                      "under closed).");
     px_metrics_family("detproxy_build_info", PX_GAUGE,
                       "Always 1; the labels name the running build.");
     px_metrics_set(

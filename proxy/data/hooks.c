@@ -693,7 +693,7 @@ static void audit_done(void *data, int status)
     /* The writer logs and counts the failed write; this counts what became of the answer. */
     if (status != 0) {
         p->audit_failed = true;
-        px_metrics_add(px_metrics_get("detproxy_audit_unwritten_total", "action",
+        px_metrics_add(px_metrics_get("detproxy_audit_write_failures_total", "action",
                                       p->audit_fail_open ? "served" : "refused", NULL),
                        1);
     }

@@ -88,7 +88,7 @@ def test_fail_closed_refuses_what_cannot_be_audited():
                if i not in audited]
     assert not missing, (len(missing), len(ok), len(refused))
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
-    assert 'detproxy_audit_unwritten_total{action="refused"}' in metrics
+    assert 'detproxy_audit_write_failures_total{action="refused"}' in metrics
     assert "detproxy_audit_writable 0" in metrics
     # Space again: the next audited request is served and the trail is whole.
     for f in [n for n in os.listdir(os.path.join(os.path.dirname(px.audit_path), "store")) if len(n) == 64]:
@@ -111,7 +111,7 @@ def test_fail_open_serves_and_counts():
     rs = send(px, 40)
     assert all(r.status == 200 for r in rs), [r.status for r in rs]
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
-    assert 'detproxy_audit_unwritten_total{action="served"}' in metrics, metrics
+    assert 'detproxy_audit_write_failures_total{action="served"}' in metrics, metrics
     assert http("GET", px.admin_port, "/readyz").status == 200
     os.unlink(os.path.join(MNT, "filler"))
     px.stop()

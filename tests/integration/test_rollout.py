@@ -262,5 +262,23 @@ def test_check_and_run_reject_bad_candidates():
         (rc, out, err)
 
 
+def test_check_warns_when_the_baseline_has_no_noise_figure():
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "pools": [{"name": "p", "models": ["m"],
+                      "replicas": [{"name": "r1", "url": "http://127.0.0.1:1"}],
+                      "candidates": [{"pool": "next", "rate": 0.1}]},
+                     {"name": "next", "models": ["m"],
+                      "replicas": [{"name": "r1", "url": "http://127.0.0.1:2"}]}]}
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c", write_config(cfg)])
+    assert rc == 1 and "pools[0].candidates: no shadow.rate" in out + err, (rc, out, err)
+    # Any shadow pairs (a self rate, or one tenant's cross rate) give the baseline its noise.
+    for extra in ({"shadow": {"self_rate": 0.01}},
+                  {"policy": {"tenants": [{"name": "t", "match": {"any": True},
+                                           "shadow_rate": 0.05}]}}):
+        rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c",
+                                write_config(dict(cfg, **extra))])
+        assert rc == 0 and "shadow" not in out + err, (extra, rc, out, err)
+
+
 if __name__ == "__main__":
     run_tests(globals())
