@@ -1241,7 +1241,20 @@ static route_t classify(const net_req_t *req)
     return ROUTE_PASS;
 }
 
-/* GET /v1/models: every model of every pool with an admitted replica, OpenAI's list shape. */
+/* Whether the caller's inference requests for model m reach pool p: a tenant's pinned pool
+ * takes all of them; otherwise m goes where model routing sends it for the tenant's
+ * determinism mode (the first pool listing it, candidate pools passed over). */
+static bool model_reaches(const px_preq_t *q, const px_pool_t *p, const char *m)
+{
+    const cfg_tenant_t *t = q->hooks.tenant_cfg;
+    if (t && t->pool)
+        return strcmp(t->pool, p->name) == 0;
+    cfg_determinism_t need = t ? t->require_determinism : CFG_DETERMINISM_NONE;
+    return cfg_pool_for_model_mode(q->gen->cfg, m, strlen(m), need) == p->cfg;
+}
+
+/* GET /v1/models: OpenAI's list shape, with each model the caller's requests would reach on a
+ * pool with an admitted replica: what a client may ask for and get served. */
 static void answer_models(px_preq_t *q)
 {
     dp_buf_t b = {0};
@@ -1256,7 +1269,7 @@ static void answer_models(px_preq_t *q)
         if (!px_pool_has_admitted(p))
             continue;
         for (size_t k = 0; k < p->cfg->nmodels; k++) {
-            if (strcmp(p->cfg->models[k], "*") == 0)
+            if (strcmp(p->cfg->models[k], "*") == 0 || !model_reaches(q, p, p->cfg->models[k]))
                 continue;
             dp_jw_obj_begin(&w, NULL);
             dp_jw_str(&w, "id", p->cfg->models[k]);

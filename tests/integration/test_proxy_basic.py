@@ -67,6 +67,36 @@ def test_models_lists_pools_with_fingerprint():
     px.stop()
 
 
+def test_models_lists_only_what_the_caller_would_be_served():
+    """A model listed twice is routed to its first pool, a candidate pool gets no clients and a
+    pinned tenant reaches only its pool: /v1/models lists what each caller's requests reach."""
+    sims = [start_sim("--model", m) for m in ("m1", "m2", "m3")]
+    policy = {"tenants": [
+        {"name": "pinned", "match": {"header": {"name": "x-tenant", "value": "pinned"}},
+         "pool": "b"},
+        {"name": "default", "match": {"any": True}}]}
+    px = start_proxy(pools=[pool("a", ["m1"], sims[:1], candidates=[{"pool": "c", "rate": 0.5}]),
+                            pool("b", ["m1", "m2"], sims[1:2]), pool("c", ["m3"], sims[2:])],
+                     policy=policy)
+    wait_all_admitted(px)
+
+    def listed(headers=None):
+        r = http("GET", px.port, "/v1/models", headers=headers or {})
+        assert r.status == 200, r
+        return sorted((d["id"], d["detproxy"]["pool"]) for d in r.json()["data"])
+
+    assert listed() == [("m1", "a"), ("m2", "b")]
+    for model, status in (("m1", 200), ("m2", 200), ("m3", 404)):
+        r = post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
+        assert r.status == status, (model, r)
+    assert listed({"x-tenant": "pinned"}) == [("m1", "b"), ("m2", "b")]
+    before = sim_stats(sims[1])["requests"]
+    r = post_json(px.port, "/v1/completions", dict(COMPLETION, model="m2"),
+                  headers={"x-tenant": "pinned"})
+    assert r.status == 200 and sim_stats(sims[1])["requests"] == before + 1, r
+    px.stop()
+
+
 def test_unknown_model_is_404_openai_shaped():
     sims, px = setup(1)
     r = post_json(px.port, "/v1/completions", dict(COMPLETION, model="nope"))
