@@ -1241,16 +1241,56 @@ static route_t classify(const net_req_t *req)
     return ROUTE_PASS;
 }
 
-/* Whether the caller's inference requests for model m reach pool p: a tenant's pinned pool
- * takes all of them; otherwise m goes where model routing sends it for the tenant's
- * determinism mode (the first pool listing it, candidate pools passed over). */
-static bool model_reaches(const px_preq_t *q, const px_pool_t *p, const char *m)
+/* Whether the caller's inference requests may be routed to pool p at all: a tenant's pinned
+ * pool alone; otherwise a pool that is not a candidate, of the tenant's determinism mode. */
+static bool pool_routable(const cfg_tenant_t *t, const cfg_pool_t *p)
 {
-    const cfg_tenant_t *t = q->hooks.tenant_cfg;
     if (t && t->pool)
         return strcmp(t->pool, p->name) == 0;
     cfg_determinism_t need = t ? t->require_determinism : CFG_DETERMINISM_NONE;
-    return cfg_pool_for_model_mode(q->gen->cfg, m, strlen(m), need) == p->cfg;
+    return !p->is_candidate && (need == CFG_DETERMINISM_NONE || cfg_pool_determinism(p) == need);
+}
+
+typedef struct {
+    const char *model;
+    uint32_t at; /* its place in the config's pools' model lists, in order */
+} model_ref_t;
+
+static int model_ref_cmp(const void *a, const void *b)
+{
+    const model_ref_t *x = a, *y = b;
+    int c = strcmp(x->model, y->model);
+    return c != 0 ? c : (x->at > y->at) - (x->at < y->at);
+}
+
+/* reach[at]: the model at that place is where the caller's requests for it go. Model routing
+ * takes the first routable pool listing the model or "*": so a model counts at its first
+ * place among routable pools, and nothing after a routable pool's "*" counts. Sorted, not
+ * looked up per model, as a pool may list thousands. */
+static void models_reached(const cfg_t *cfg, const cfg_tenant_t *t, bool **reach)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < cfg->npools; i++)
+        n += cfg->pools[i].nmodels;
+    model_ref_t *refs = dp_xcalloc(n + 1, sizeof(*refs));
+    *reach = dp_xcalloc(n + 1, sizeof(**reach));
+    size_t nrefs = 0, at = 0;
+    bool wild = false;
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        bool routable = !wild && pool_routable(t, p);
+        for (size_t k = 0; k < p->nmodels; k++, at++) {
+            if (routable && strcmp(p->models[k], "*") == 0)
+                wild = true;
+            else if (routable)
+                refs[nrefs++] = (model_ref_t){p->models[k], (uint32_t)at};
+        }
+    }
+    qsort(refs, nrefs, sizeof(*refs), model_ref_cmp);
+    for (size_t j = 0; j < nrefs; j++)
+        if (j == 0 || strcmp(refs[j].model, refs[j - 1].model) != 0)
+            (*reach)[refs[j].at] = true;
+    free(refs);
 }
 
 /* GET /v1/models: OpenAI's list shape, with each model the caller's requests would reach on a
@@ -1264,12 +1304,14 @@ static void answer_models(px_preq_t *q)
     dp_jw_str(&w, "object", "list");
     dp_jw_arr_begin(&w, "data");
     uint64_t created = q->px->started_ms / 1000;
-    for (size_t i = 0; i < q->gen->npools; i++) {
+    bool *reach;
+    models_reached(q->gen->cfg, q->hooks.tenant_cfg, &reach);
+    for (size_t i = 0, at = 0; i < q->gen->npools; at += q->gen->pools[i++].cfg->nmodels) {
         px_pool_t *p = &q->gen->pools[i];
         if (!px_pool_has_admitted(p))
             continue;
         for (size_t k = 0; k < p->cfg->nmodels; k++) {
-            if (strcmp(p->cfg->models[k], "*") == 0 || !model_reaches(q, p, p->cfg->models[k]))
+            if (!reach[at + k])
                 continue;
             dp_jw_obj_begin(&w, NULL);
             dp_jw_str(&w, "id", p->cfg->models[k]);
@@ -1291,6 +1333,7 @@ static void answer_models(px_preq_t *q)
             dp_jw_obj_end(&w);
         }
     }
+    free(reach);
     dp_jw_arr_end(&w);
     dp_jw_obj_end(&w);
     net_header_t h[1] = {{DP_IOV("x-detproxy-request-id"), {q->req->id, strlen(q->req->id)}}};

@@ -68,15 +68,17 @@ def test_models_lists_pools_with_fingerprint():
 
 
 def test_models_lists_only_what_the_caller_would_be_served():
-    """A model listed twice is routed to its first pool, a candidate pool gets no clients and a
-    pinned tenant reaches only its pool: /v1/models lists what each caller's requests reach."""
-    sims = [start_sim("--model", m) for m in ("m1", "m2", "m3")]
+    """A model listed twice is routed to its first pool, a candidate pool gets no clients, a
+    "*" pool takes every model not listed before it and a pinned tenant reaches only its pool:
+    /v1/models lists what each caller's requests reach."""
+    sims = [start_sim("--model", m) for m in ("m1", "m2", "m3", "m4", "m4")]
     policy = {"tenants": [
         {"name": "pinned", "match": {"header": {"name": "x-tenant", "value": "pinned"}},
          "pool": "b"},
         {"name": "default", "match": {"any": True}}]}
     px = start_proxy(pools=[pool("a", ["m1"], sims[:1], candidates=[{"pool": "c", "rate": 0.5}]),
-                            pool("b", ["m1", "m2"], sims[1:2]), pool("c", ["m3"], sims[2:])],
+                            pool("b", ["m1", "m2"], sims[1:2]), pool("c", ["m3"], sims[2:3]),
+                            pool("w", ["*"], sims[3:4]), pool("d", ["m4"], sims[4:])],
                      policy=policy)
     wait_all_admitted(px)
 
@@ -85,10 +87,16 @@ def test_models_lists_only_what_the_caller_would_be_served():
         assert r.status == 200, r
         return sorted((d["id"], d["detproxy"]["pool"]) for d in r.json()["data"])
 
+    # m3 only on the candidate, m4 behind w's "*" (which is not a model to list).
     assert listed() == [("m1", "a"), ("m2", "b")]
-    for model, status in (("m1", 200), ("m2", 200), ("m3", 404)):
+    for model, status in (("m1", 200), ("m2", 200)):
         r = post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
         assert r.status == status, (model, r)
+    before = [sim_stats(x)["requests"] for x in sims[2:]]
+    for model in ("m3", "m4"):  # both go to w (its replica serves m4 alone: m3 is its 404)
+        post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
+    after = [sim_stats(x)["requests"] for x in sims[2:]]
+    assert [a - b for a, b in zip(after, before)] == [0, 2, 0], (before, after)
     assert listed({"x-tenant": "pinned"}) == [("m1", "b"), ("m2", "b")]
     before = sim_stats(sims[1])["requests"]
     r = post_json(px.port, "/v1/completions", dict(COMPLETION, model="m2"),
