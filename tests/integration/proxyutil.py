@@ -162,16 +162,26 @@ def rss_kb(proc):
     raise AssertionError("no VmRSS for pid %d" % proc.popen.pid)
 
 
-def send_queue(local_port, remote_port):
-    """Bytes the kernel holds unsent or unacknowledged on a loopback TCP socket, from
-    /proc/net/tcp (its tx_queue), or None when there is no such socket."""
+def _tcp_queue(local_port, remote_port, which):
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
             fields = line.split()
             if (int(fields[1].split(":")[1], 16) == local_port and
                     int(fields[2].split(":")[1], 16) == remote_port):
-                return int(fields[4].split(":")[0], 16)
+                return int(fields[4].split(":")[which], 16)
     return None
+
+
+def send_queue(local_port, remote_port):
+    """Bytes the kernel holds unsent or unacknowledged on a loopback TCP socket, from
+    /proc/net/tcp (its tx_queue), or None when there is no such socket."""
+    return _tcp_queue(local_port, remote_port, 0)
+
+
+def recv_queue(local_port, remote_port):
+    """Bytes received on a loopback TCP socket that its owner has not read yet (rx_queue), or
+    None when there is no such socket."""
+    return _tcp_queue(local_port, remote_port, 1)
 
 
 def wait_send_queue_full(local_port, remote_port, quiet=0.3, timeout=30):

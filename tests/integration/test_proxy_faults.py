@@ -16,8 +16,8 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, serve_replica, serve_until_stream, sim_config,
-                       sim_stats, start_proxy, wait_all_admitted, wait_send_queue_full)
+                       parse_response, pool, recv_queue, send_queue, serve_replica,
+                       serve_until_stream, sim_config, sim_stats, start_proxy, wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -115,19 +115,25 @@ def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
     ev = b'data: {"choices":[{"index":0,"text":"' + b"a" * 200 + b'"}]}\n\n'
     chunk = b"%x\r\n" % len(ev) + ev + b"\r\n"
     piece = chunk * (8192 // len(chunk))
-    full, reset = threading.Event(), threading.Event()
+    more, taken, last = threading.Semaphore(0), threading.Semaphore(0), threading.Event()
+    up = {}
 
     def handle(c):
         if not serve_until_stream(c):
             return
-        while not full.is_set():
+        up["detproxy"], up["replica"] = c.getpeername()[1], c.getsockname()[1]
+        while True:  # one piece per turn of the test's loop, so detproxy never queues many
+            more.acquire()
             c.sendall(piece)
-            time.sleep(0.02)
-        c.sendall(piece)  # lands in detproxy's own queue, under its high-water mark
-        time.sleep(0.2)
+            taken.release()
+            if last.is_set():
+                break
+        # The last piece is in detproxy's own queue, under its high-water mark: detproxy still
+        # reads the replica and sees the reset.
+        poll_until(lambda: not recv_queue(up["detproxy"], up["replica"]), timeout=10,
+                   interval=0.005, what="detproxy reading the last piece")
         c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.close()
-        reset.set()
 
     ls, replica_pool = serve_replica(handle)
     px = start_proxy(pools=[replica_pool], limits={"client_idle_timeout_ms": 3000},
@@ -138,10 +144,24 @@ def test_a_client_not_reading_an_aborted_stream_is_still_cut_off():
     s.sendall(request_bytes(dict(COMPLETION, max_tokens=50, stream=True)))
     s.settimeout(10)
     assert s.recv(100).startswith(b"HTTP/1.1 200")  # and nothing read from here on
-    # The kernel's send queue to the client grows until it is full; then detproxy queues.
-    wait_send_queue_full(px.port, s.getsockname()[1], timeout=60)
-    full.set()
-    assert reset.wait(10)
+    me = s.getsockname()[1]
+    # Piece by piece: once detproxy has read one, it either grows the kernel's send queue to
+    # the client or, the queue being full, stays in detproxy's own.
+    for _ in range(1000):
+        before = send_queue(px.port, me)
+        more.release()
+        assert taken.acquire(timeout=10 * SLOW)
+        poll_until(lambda: not recv_queue(up["detproxy"], up["replica"]), timeout=10,
+                   interval=0.005, what="detproxy reading the piece")
+        moved = time.monotonic() + 0.3 * SLOW
+        while time.monotonic() < moved and send_queue(px.port, me) == before:
+            time.sleep(0.005)
+        if send_queue(px.port, me) == before:
+            break
+    else:
+        raise AssertionError("the client's send queue never filled")
+    last.set()
+    more.release()
     px.wait_log("upstream_error", timeout=5)
     poll_until(lambda: metric(px, "detproxy_connections") == 0, timeout=15 * SLOW,
                what="the connection of a client not reading a cut answer closed")

@@ -27,7 +27,7 @@ import time
 
 from certs import shared_pki
 from harness import DETPROXY_BIN, SLOW, poll_until, run_tests, start_sim
-from proxyutil import (metric, parse_response, pool, send_queue, serve_replica,
+from proxyutil import (metric, parse_response, pool, recv_queue, send_queue, serve_replica,
                        serve_until_stream, start_proxy, wait_send_queue_full)
 
 SKIP = 77
@@ -122,7 +122,7 @@ def test_a_renegotiation_request_while_a_cut_answer_lingers_loses_none_of_it():
         # a sanitizer) would otherwise be sent more than its queue holds, stop reading the
         # replica as it should, and never see the hang-up.
         me, peer = up.getsockname()[1], up.getpeername()[1]
-        while send_queue(me, peer) and time.monotonic() < deadline:
+        while recv_queue(peer, me) and time.monotonic() < deadline:
             time.sleep(0.005)
         moved = time.monotonic() + 0.3 * SLOW
         while time.monotonic() < moved and send_queue(px.port, client.port) == before:
