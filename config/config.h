@@ -341,6 +341,7 @@ typedef struct {
 typedef struct {
     char *name;     /* keys live under /detproxy/<name>/ */
     char *instance; /* this instance's name (default: host name and admin port) */
+    bool instance_default; /* instance was not set: the admin port is the one bound at start */
     cfg_url_t *endpoints;
     size_t nendpoints;
     char *ca_file, *cert_file, *key_file; /* etcd.tls (NULL: system store, no client cert) */

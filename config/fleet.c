@@ -122,7 +122,9 @@ void cfg_parse_fleet(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_get_u32(c, o, "lease_ttl_ms", 2000, 600000, &f->lease_ttl_ms);
     parse_etcd(c, o, f);
     if (f->instance == NULL) {
-        /* The host name and the admin port: unique per pod, and per process on one host. */
+        /* The host name and the admin port: unique per pod, and per process on one host (with
+         * admin_listen port 0, `run` puts the port it bound in place of the 0). */
+        f->instance_default = true;
         char host[256] = "";
         if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0')
             snprintf(host, sizeof(host), "detproxy");

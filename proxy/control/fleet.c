@@ -1439,7 +1439,14 @@ void px_fleet_start(px_t *px)
     dp_buf_t b = {0};
     dp_buf_printf(&b, "/detproxy/%s/", c->name);
     f->prefix = dp_buf_steal(&b);
-    f->instance = dp_xstrdup(c->instance);
+    const char *colon = strrchr(c->instance, ':');
+    if (c->instance_default && colon && px->admin) { /* the port bound, as admin port 0 is */
+        dp_buf_printf(&b, "%.*s:%u", (int)(colon - c->instance), c->instance,
+                      (unsigned)net_server_port(px->admin));
+        f->instance = dp_buf_steal(&b);
+    } else {
+        f->instance = dp_xstrdup(c->instance);
+    }
     f->ttl_ms = c->lease_ttl_ms;
     config_fingerprint(px->gen->cfg, f->fp);
     snprintf(f->ref_fp, sizeof(f->ref_fp), "%s", f->fp);

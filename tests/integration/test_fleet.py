@@ -124,6 +124,33 @@ def test_check_names_fleet_errors():
         assert want in text, (want, text)
 
 
+def test_an_instance_without_a_name_is_the_host_name_and_its_admin_port():
+    """docs/fleet.md, "Configuration": with no `instance`, an instance is named `host:admin
+    port`, so two on one host are two members; with admin_listen port 0 (as here), the port it
+    bound."""
+    cluster = etcdutil.EtcdCluster(1)
+    sims = [start_sim("--model", MODEL)]
+    f = fleet_cfg(cluster, None)
+    del f["instance"]
+    pxs = [start_proxy(pools=[pool("p", [MODEL], sims)], fleet=f) for _ in range(2)]
+    ports = [p.admin_port for p in pxs]
+    names = ["%s:%d" % (socket.gethostname(), port) for port in ports]
+    got = [fleet(p)["instance"] for p in pxs]
+    assert got == names, (got, names)
+    wait_members(pxs, 2)
+    for p in pxs:
+        got = fleet(p)
+        assert sorted(m["instance"] for m in got["members"]) == sorted(names), got
+    kv = cluster.get_prefix("/detproxy/t/instances/")
+    assert sorted(kv) == sorted("/detproxy/t/instances/" + n for n in names), kv
+    for n, port in zip(names, ports):
+        assert json.loads(kv["/detproxy/t/instances/" + n])["admin_listen"] == \
+            "127.0.0.1:%d" % port, kv
+    for p in pxs:
+        p.stop()
+    cluster.stop()
+
+
 def test_drain_reaches_every_instance_within_a_second():
     cluster = etcdutil.EtcdCluster(3)
     sims = [start_sim("--model", MODEL) for _ in range(2)]
