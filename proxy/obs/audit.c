@@ -441,8 +441,11 @@ static void note_anchor(px_audit_t *a)
 {
     if (a->chain.seq == a->anchor_seq && strcmp(a->chain.checkpoint, a->anchor_sha) == 0)
         return;
-    if (a->anchor_sha[0])
-        px_metrics_drop("audit", "checkpoint", NULL, NULL); /* one anchor series at a time */
+    if (a->anchor_sha[0]) { /* one anchor series at a time: the old one goes */
+        char old[24];
+        snprintf(old, sizeof(old), "%llu", (unsigned long long)a->anchor_seq);
+        px_metrics_drop("seq", old, "sha256", a->anchor_sha);
+    }
     a->anchor_seq = a->chain.seq;
     memcpy(a->anchor_sha, a->chain.checkpoint, sizeof(a->anchor_sha));
     if (a->anchor_sha[0] == '\0')
@@ -450,9 +453,9 @@ static void note_anchor(px_audit_t *a)
     px_metrics_set(a->m_seq, (double)a->anchor_seq);
     char seq[24];
     snprintf(seq, sizeof(seq), "%llu", (unsigned long long)a->anchor_seq);
-    px_metrics_set(px_metrics_get("detproxy_audit_checkpoint_info", "audit", "checkpoint", "seq",
-                                  seq, "sha256", a->anchor_sha, NULL),
-                   1);
+    px_metrics_set(
+        px_metrics_get("detproxy_audit_checkpoint_info", "seq", seq, "sha256", a->anchor_sha, NULL),
+        1);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "audit_checkpoint");
     if (w) {
         dp_jw_str(w, "path", a->path);

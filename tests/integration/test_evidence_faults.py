@@ -5,6 +5,7 @@ and `replay` from the config, the audit file and the store alone."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -137,6 +138,45 @@ def test_anchor_catches_a_file_cut_back_to_an_earlier_checkpoint():
     # A rewritten history under the anchor: its hash no longer matches.
     rc, out, _ = verify(px, None, "--anchor", "3:" + "0" * 64)
     assert rc == 1 and "history up to it was rewritten" in out, out
+
+
+def checkpoint_info(px):
+    """(seq, sha256) of every detproxy_audit_checkpoint_info series on /metrics."""
+    out = []
+    for line in http("GET", px.admin_port, "/metrics").text.splitlines():
+        if line.startswith("detproxy_audit_checkpoint_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.partition("}")[0]))
+            assert line.endswith("} 1") and sorted(labels) == ["seq", "sha256"], line
+            out.append((labels.get("seq"), labels.get("sha256")))
+    return out
+
+
+def latest_checkpoint(path):
+    """(seq, SHA-256 of the line) of the last complete checkpoint line in an audit file, or
+    None before the first."""
+    with open(path, "rb") as f:
+        raw = [l for l in f.read().split(b"\n")[:-1] if b'"checkpoint"' in l]
+    if not raw:
+        return None
+    return str(json.loads(raw[-1])["checkpoint"]["seq"]), hashlib.sha256(raw[-1]).hexdigest()
+
+
+def test_the_checkpoint_info_metric_names_the_latest_checkpoint_line():
+    """docs/operations.md, "Anchors": detproxy_audit_checkpoint_info{seq,sha256} is one series,
+    the seq and SHA-256 of the latest checkpoint line in the audit file, moved to each new one."""
+    sim, px = setup(checkpoint_lines=2)
+    assert checkpoint_info(px) == []  # no checkpoint yet
+    for seq in (1, 2, 3):
+        complete(px, "c%d" % (2 * seq))
+        complete(px, "c%d" % (2 * seq + 1))
+        poll_until(lambda: (latest_checkpoint(px.audit_path) or ("0",))[0] == str(seq),
+                   what="checkpoint %d in the file" % seq)
+        want = latest_checkpoint(px.audit_path)
+        poll_until(lambda: checkpoint_info(px) == [want],
+                   what="the info metric at checkpoint %d" % seq)
+    assert want == (str(get_json(px.admin_port, "/admin/audit")["anchor"]["seq"]),
+                    get_json(px.admin_port, "/admin/audit")["anchor"]["sha256"])
+    px.stop()
 
 
 def test_verify_without_pubkey_says_signatures_not_checked():
