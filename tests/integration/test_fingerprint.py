@@ -1,7 +1,8 @@
 """The engine fingerprint (docs/attestation.md, "The engine fingerprint"): native adapters learn each replica's
 system_fingerprint from a 1-token probe, a manifest may pin it, and every response's fingerprint
 is checked against what its replica attested, so a replica swapped under detproxy's feet is
-caught on its next response."""
+caught on its next response. A client response that carried the attested fingerprint during the
+interval stands in for the periodic check's probe."""
 
 import json
 import os
@@ -9,8 +10,9 @@ import tempfile
 import threading
 import time
 
-from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import ScriptedUpstream, exchange, metric, pool, sim_config, sim_requests, start_proxy
+from harness import SLOW, get_json, poll_until, post_json, run_tests, sse, start_sim
+from proxyutil import (ScriptedUpstream, exchange, metric, pool, sim_config, sim_requests,
+                       sim_stats, start_proxy)
 
 MODEL = "tiny"
 BUILD = "b11669-Debian"
@@ -107,6 +109,46 @@ def test_without_a_pin_the_new_engine_is_re_attested_and_readmitted():
     poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", timeout=5, what="readmitted")
     assert complete(px).status == 200
     assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == 1
+
+
+def test_a_client_response_with_the_fingerprint_stands_in_for_the_periodic_probe():
+    """docs/attestation.md, "Our own requests take a slot": while client responses carry the
+    replica's attested fingerprint, its periodic checks send no probe completion (counted at the
+    replica: every completion it gets is a client's); once the traffic stops they probe again."""
+    interval = 0.5 * SLOW  # a slower build's responses still come many per interval
+    s = llama()
+    px = setup([s], interval=int(interval * 1000))
+    poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", what="r1 admitted")
+    sent = 0
+
+    def checks():
+        return metric(px, "detproxy_attestations_total", pool="p", replica="r1",
+                      result="admitted")
+
+    def probes():  # completions the replica got that no client sent
+        return sim_stats(s)["requests"] - sent
+
+    def client_traffic(until):
+        nonlocal sent
+        while not until():
+            assert complete(px, prompt="steady %d" % sent).status == 200
+            sent += 1
+            time.sleep(0.02)  # pacing: steady, tens of responses per interval
+
+    # Traffic first, until two checks ended after it began (the first may have begun before
+    # it, and probed): from here on every regular check finds a response within its interval.
+    c0 = checks()
+    client_traffic(lambda: sent > 0 and checks() >= c0 + 2)
+    c1, p1, t1 = checks(), probes(), time.monotonic()
+    client_traffic(lambda: time.monotonic() - t1 >= 5 * interval and checks() >= c1 + 4)
+    c2, p2 = checks(), probes()
+    assert p2 == p1, "%d probes over %d checks with steady client traffic" % (p2 - p1, c2 - c1)
+    # No client traffic: the checks probe again, each interval.
+    poll_until(lambda: probes() >= p2 + 2, timeout=10 * interval, what="two probes while idle")
+    last = [q for q in sim_requests(s) if q["inference"]][-1]
+    assert "x-detproxy-request-id" not in last["headers"], last
+    body = json.loads(last["body"])
+    assert body["prompt"] == "detproxy probe" and body["max_tokens"] == 1, body
 
 
 def reply(obj):

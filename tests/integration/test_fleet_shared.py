@@ -2,8 +2,8 @@
 replica per interval whatever the number of instances (counted at the simulator), the others
 applying its published verdict, the duty handed over when its holder is SIGKILLed, every
 instance attesting everything itself again while etcd is away; a drifting replica found through
-two instances avoided by the third; drift and rollout statistics pooled over the fleet; rate limits by share;
-audit checkpoints anchored in etcd."""
+two instances avoided by the third, and served by it again once fixed; drift and rollout statistics
+pooled over the fleet; rate limits by share; audit checkpoints anchored in etcd."""
 
 import json
 import os
@@ -15,7 +15,7 @@ import time
 
 from harness import (DETPROXY_BIN, SLOW, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_sim)
-from proxyutil import metric, pool, start_proxy
+from proxyutil import metric, pool, sim_config, start_proxy
 import etcdutil
 
 if etcdutil.ETCD is None:
@@ -208,7 +208,10 @@ def load(px, n, first, parallel=2):
         t.join()
 
 
-def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third():
+def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third_until_fixed():
+    """docs/fleet.md, "Quarantines": a replica quarantined through a and b is quarantined on c,
+    which compared nothing; fixed, it recovers where it was compared, its origin re-admits it
+    and the lift reaches c, which serves it again."""
     cluster = etcdutil.EtcdCluster(1)
     # r3 reports the same identity but generates otherwise (another quantization).
     sims = [start_sim("--model", MODEL, "--quantization", "awq", *extra)
@@ -240,6 +243,39 @@ def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third():
         assert r.status == 200 and r.headers["x-detproxy-replica"] != "r3", r.headers
     print("drifting r3 quarantined on the third instance after %d requests through the other "
           "two" % sent)
+    # Fixed: a and b see its fresh cross samples back at the self baseline and re-admit it
+    # (drift.md §6); the origin's key goes, and c, which sends nothing meanwhile (it would
+    # compare r3 itself), lifts the fleet's quarantine.
+    origin = q[0]["origin"]
+    sim_config(sims[2], quantization="awq")
+    fixed_at = sent
+    while not all(replicas(p)["r3"]["state"] == "admitted" for p in (a, b)):
+        assert sent - fixed_at < 2000, "%d requests since the fix: r3 still out on a or b: %r" % (
+            sent - fixed_at, [replicas(p)["r3"] for p in (a, b)])
+        load(a, 40, sent)
+        load(b, 40, sent + 40)
+        sent += 80
+        poll_until(lambda: metric(a, "detproxy_shadow_total", pool="p") +
+                   metric(b, "detproxy_shadow_total", pool="p") >= sent, timeout=20 * SLOW,
+                   what="the shadows of %d requests ended" % sent)
+    poll_until(lambda: replicas(c)["r3"]["state"] == "admitted", timeout=5 * SLOW,
+               what="the lifted quarantine on c")
+    lifted = c.wait_log(lambda l: l.get("msg") == "replica_state" and l.get("replica") == "r3"
+                        and l.get("from") == "quarantined")
+    assert lifted["to"] == "admitted", lifted
+    assert lifted["reasons"] == ["fleet quarantine lifted by %s" % origin], lifted
+    assert fleet(c)["quarantines"] == [], fleet(c)
+    assert metric(c, "detproxy_fleet_events_total", kind="quarantine_lifted") == 1
+    for p in pxs:
+        served = set()
+        for i in range(12):
+            r = post_json(p.port, "/v1/completions", {"model": MODEL, "prompt": "x%d" % i,
+                                                      "max_tokens": 4, "temperature": 0})
+            assert r.status == 200, r
+            served.add(r.headers["x-detproxy-replica"])
+        assert served == {"r1", "r2", "r3"}, (p.admin_port, served)
+    print("fixed r3 back on every instance after %d requests through a and b" % (
+        sent - fixed_at))
     for p in pxs:
         p.stop()
     cluster.stop()
