@@ -222,15 +222,22 @@ def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third_un
         timeout=15 * SLOW, interval=0.1, what="settled, every replica admitted")
     a, b, c = pxs
     sent = 0
-    # Shadows only through a and b; c serves nothing until it is asked below.
-    while replicas(c)["r3"]["state"] != "quarantined":
-        assert sent < 2000, "%d requests through a and b: r3 not quarantined on c" % sent
-        load(a, 40, sent)
-        load(b, 40, sent + 40)
-        sent += 80
-        poll_until(lambda: metric(a, "detproxy_shadow_total", pool="p") +
-                   metric(b, "detproxy_shadow_total", pool="p") >= sent, timeout=20 * SLOW,
-                   what="the shadows of %d requests ended" % sent)
+
+    def load_until(done, what):
+        """Requests with shadows through a and b (c serves nothing until asked), 80 at a time
+        until done(); at most 2,000 of them."""
+        nonlocal sent
+        start = sent
+        while not done():
+            assert sent - start < 2000, "%d requests through a and b: %s" % (sent - start, what)
+            load(a, 40, sent)
+            load(b, 40, sent + 40)
+            sent += 80
+            poll_until(lambda: metric(a, "detproxy_shadow_total", pool="p") +
+                       metric(b, "detproxy_shadow_total", pool="p") >= sent,
+                       timeout=20 * SLOW, what="the shadows of %d requests ended" % sent)
+
+    load_until(lambda: replicas(c)["r3"]["state"] == "quarantined", "r3 not quarantined on c")
     r3 = replicas(c)["r3"]
     why = " ".join(r3["reasons"])
     assert "quarantined by fleet member gw-" in why, r3
@@ -248,16 +255,8 @@ def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third_un
     # compare r3 itself), lifts the fleet's quarantine.
     origin = q[0]["origin"]
     sim_config(sims[2], quantization="awq")
-    fixed_at = sent
-    while not all(replicas(p)["r3"]["state"] == "admitted" for p in (a, b)):
-        assert sent - fixed_at < 2000, "%d requests since the fix: r3 still out on a or b: %r" % (
-            sent - fixed_at, [replicas(p)["r3"] for p in (a, b)])
-        load(a, 40, sent)
-        load(b, 40, sent + 40)
-        sent += 80
-        poll_until(lambda: metric(a, "detproxy_shadow_total", pool="p") +
-                   metric(b, "detproxy_shadow_total", pool="p") >= sent, timeout=20 * SLOW,
-                   what="the shadows of %d requests ended" % sent)
+    load_until(lambda: all(replicas(p)["r3"]["state"] == "admitted" for p in (a, b)),
+               "since the fix, r3 still out on a or b")
     poll_until(lambda: replicas(c)["r3"]["state"] == "admitted", timeout=5 * SLOW,
                what="the lifted quarantine on c")
     lifted = c.wait_log(lambda l: l.get("msg") == "replica_state" and l.get("replica") == "r3"
