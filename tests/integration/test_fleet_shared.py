@@ -255,6 +255,7 @@ def test_drifting_replica_found_through_two_instances_is_avoided_by_the_third_un
     # compare r3 itself), lifts the fleet's quarantine.
     origin = q[0]["origin"]
     sim_config(sims[2], quantization="awq")
+    fixed_at = sent
     load_until(lambda: all(replicas(p)["r3"]["state"] == "admitted" for p in (a, b)),
                "since the fix, r3 still out on a or b")
     poll_until(lambda: replicas(c)["r3"]["state"] == "admitted", timeout=5 * SLOW,
