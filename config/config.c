@@ -541,23 +541,44 @@ static void check_fleet_names(cfg_ctx_t *c, const cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
+/* Whether pool p's clients can get shadow copies: a self rate, or a cross rate (a tenant's
+ * shadow_rate in place of shadow.rate) of a tenant that can reach p; never on a
+ * single_sequence pool, where a copy would be a second sequence in flight. */
+static bool pool_has_shadows(const cfg_t *cfg, const cfg_pool_t *p)
+{
+    if (cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE)
+        return false;
+    if (cfg->shadow.self_rate > 0)
+        return true;
+    if (cfg->policy == NULL || cfg->policy->ntenants == 0)
+        return cfg->shadow.rate > 0;
+    for (size_t k = 0; k < cfg->policy->ntenants; k++) {
+        const cfg_tenant_t *t = &cfg->policy->tenants[k];
+        if (t->pool && (p->name == NULL || strcmp(t->pool, p->name) != 0))
+            continue; /* pinned elsewhere */
+        if ((t->shadow_rate >= 0 ? t->shadow_rate : cfg->shadow.rate) > 0)
+            return true;
+    }
+    return false;
+}
+
 /* A rollout's verdict measures a candidate against the baseline's own noise, which only shadow
- * pairs give: with no cross or self rate anywhere every candidate stays insufficient_data. */
+ * pairs give: a baseline that gets none keeps every candidate at insufficient_data. */
 static void check_rollout_noise(cfg_ctx_t *c, const cfg_t *cfg)
 {
-    if (cfg->shadow.rate > 0 || cfg->shadow.self_rate > 0)
-        return;
-    for (size_t k = 0; cfg->policy && k < cfg->policy->ntenants; k++)
-        if (cfg->policy->tenants[k].shadow_rate > 0)
-            return;
     size_t mark = cfg_path_key(c, "pools");
     for (size_t i = 0; i < cfg->npools; i++) {
-        if (cfg->pools[i].ncandidates == 0)
+        const cfg_pool_t *p = &cfg->pools[i];
+        if (p->ncandidates == 0 || pool_has_shadows(cfg, p))
             continue;
         size_t m = cfg_path_index(c, i);
         cfg_warn(c, "candidates",
-                 "no shadow.rate, shadow.self_rate or tenant shadow_rate: the baseline has no "
-                 "noise figure, so every candidate's verdict stays insufficient_data");
+                 "%s: the baseline has no noise figure, so every candidate's "
+                 "verdict stays insufficient_data",
+                 cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE
+                     ? "a single_sequence pool gets no shadow copies"
+                     : "no shadow.self_rate, and no cross rate (shadow.rate, or a tenant's "
+                       "shadow_rate) for a tenant this pool serves");
         cfg_path_pop(c, m);
     }
     cfg_path_pop(c, mark);

@@ -270,14 +270,32 @@ def test_check_warns_when_the_baseline_has_no_noise_figure():
                      {"name": "next", "models": ["m"],
                       "replicas": [{"name": "r1", "url": "http://127.0.0.1:2"}]}]}
     rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c", write_config(cfg)])
-    assert rc == 1 and "pools[0].candidates: no shadow.rate" in out + err, (rc, out, err)
-    # Any shadow pairs (a self rate, or one tenant's cross rate) give the baseline its noise.
+    assert rc == 1 and "pools[0].candidates: no shadow.self_rate" in out + err, (rc, out, err)
+    # Any shadow pairs the pool's clients can get (a self rate, or the cross rate of a tenant
+    # that reaches it) give the baseline its noise.
+    def tenants(*ts):
+        return {"policy": {"tenants": [dict(t, match={"header": {"name": "x-t", "value": t["name"]}})
+                                       for t in ts]}}
     for extra in ({"shadow": {"self_rate": 0.01}},
-                  {"policy": {"tenants": [{"name": "t", "match": {"any": True},
-                                           "shadow_rate": 0.05}]}}):
+                  tenants({"name": "t", "shadow_rate": 0.05}),
+                  dict(shadow={"rate": 0.5}, **tenants({"name": "t"},
+                                                        {"name": "u", "shadow_rate": 0})),
+                  tenants({"name": "t", "pool": "p", "shadow_rate": 0.05})):
         rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c",
                                 write_config(dict(cfg, **extra))])
         assert rc == 0 and "shadow" not in out + err, (extra, rc, out, err)
+    # None: the global rate overridden to 0, the only rate on a tenant pinned elsewhere, or a
+    # single_sequence pool (no copies at all).
+    single = dict(cfg, shadow={"rate": 0.5, "self_rate": 0.5})
+    single["pools"] = [dict(cfg["pools"][0], manifest={"model": "m", "determinism": {
+        "mode": "single_sequence"}}), cfg["pools"][1]]
+    for bad in (dict(cfg, shadow={"rate": 0.5}, **tenants({"name": "t", "shadow_rate": 0})),
+                dict(cfg, **tenants({"name": "t", "pool": "next", "shadow_rate": 1},
+                                    {"name": "u"})),
+                single):
+        rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c", write_config(bad)])
+        assert rc == 1 and "pools[0].candidates: " in out + err, (bad, rc, out, err)
+    assert "single_sequence pool gets no shadow copies" in out + err, out + err
 
 
 if __name__ == "__main__":
