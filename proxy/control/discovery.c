@@ -43,6 +43,7 @@ typedef struct disc_s {
     } * gone; /* addresses that left DNS lately, oldest first (see above) */
     size_t ngone;
     size_t last_capped; /* addresses ignored at the last refresh (logged when it changes) */
+    size_t last_taken;  /* addresses whose name a configured replica has (logged the same way) */
     struct disc_s *next;
 } disc_t;
 
@@ -239,7 +240,7 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     /* The new set, by name ("10.0.0.11:8000"); duplicates (A records repeated per socktype)
      * collapse. */
     px_replica_t **next = NULL;
-    size_t nnext = 0, capped = 0;
+    size_t nnext = 0, capped = 0, taken = 0;
     bool changed = false;
     /* Two passes: addresses already known first, so a larger answer never displaces them. */
     for (int pass = 0; pass < 2; pass++) {
@@ -255,6 +256,15 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
                 dup = strcmp(next[k]->name, name) == 0;
             if (dup)
                 continue;
+            /* A configured replica already has this name: two replicas of one name would share
+             * its metrics, its admin drain and, in a fleet, its etcd keys. */
+            bool named = false;
+            for (size_t k = 0; k < p->cfg->nreplicas && !named; k++)
+                named = strcmp(p->cfg->replicas[k].name, name) == 0;
+            if (named) {
+                taken += pass == 0;
+                continue;
+            }
             px_replica_t *r = NULL;
             for (size_t k = 0; k < d->nreps && r == NULL; k++)
                 if (strcmp(d->reps[k]->name, name) == 0)
@@ -276,6 +286,18 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
         }
     }
     uv_freeaddrinfo(res);
+    if (taken != d->last_taken) {
+        d->last_taken = taken;
+        dp_jw_t *w = dp_log_begin(taken ? DP_LOG_WARN : DP_LOG_INFO, "discovery_name_taken");
+        if (w) {
+            dp_jw_str(w, "pool", d->pool);
+            dp_jw_uint(w, "ignored", taken);
+            dp_jw_str(w, "detail",
+                      "an address named like a configured replica of the pool is "
+                      "that replica's, not a second one");
+            dp_log_end(w);
+        }
+    }
     if (capped != d->last_capped) {
         d->last_capped = capped;
         dp_jw_t *w = dp_log_begin(capped ? DP_LOG_WARN : DP_LOG_INFO, "discovery_capped");

@@ -98,6 +98,23 @@ def test_discovery_adds_and_drains_replicas():
     px.stop()
 
 
+def test_an_address_named_like_a_configured_replica_is_not_a_second_one():
+    """A static replica named "127.0.0.1:P" and discovery of localhost port P: the address is
+    that replica, not a second replica of the same name (which would share its metrics, its
+    drain and a fleet's etcd keys)."""
+    sim = start_sim("--model", "m1")
+    name = "127.0.0.1:%d" % sim.port
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "replicas": [{"name": name, "url": "http://" + name}],
+                             "discovery": {"dns": "localhost", "port": sim.port,
+                                           "refresh_ms": 100}}])
+    line = px.wait_log("discovery_name_taken")
+    assert line["pool"] == "p" and line["ignored"] == 1, line
+    names = [r["name"] for r in get_json(px.admin_port, "/admin/replicas")["replicas"]]
+    assert names.count(name) == 1, names
+    px.stop()
+
+
 def test_reload_applies_policy_and_keeps_old_on_error():
     sim = start_sim("--model", "m1")
     cfg = {"pools": [pool("p", ["m1"], [sim])],
