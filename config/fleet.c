@@ -114,8 +114,8 @@ void cfg_parse_fleet(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_fleet_t *f = dp_xcalloc(1, sizeof(*f));
     cfg->fleet = f;
     f->lease_ttl_ms = 10000;
-    if (cfg_get_str(c, o, "name", true, &f->name) && !key_segment(f->name, "-_."))
-        cfg_err(c, "name", "use letters, digits, '-', '_' and '.' (at most %d)", CFG_NAME_MAX);
+    if (cfg_get_str(c, o, "name", true, &f->name) && !key_segment(f->name, "-_.:"))
+        cfg_err(c, "name", "use letters, digits, '-', '_', '.' and ':' (at most %d)", CFG_NAME_MAX);
     if (cfg_get_str(c, o, "instance", false, &f->instance) && !key_segment(f->instance, "-_.:"))
         cfg_err(c, "instance", "use letters, digits, '-', '_', '.' and ':' (at most %d)",
                 CFG_NAME_MAX);
