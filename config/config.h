@@ -228,6 +228,11 @@ typedef struct {
     char *name;
     char **models; /* "*" matches any */
     size_t nmodels;
+    /* models but "*", in byte order, for the per-request look-up (a pool may list thousands of
+     * adapters); NULL in a pool not built by the parser: models is then scanned. */
+    const char **models_sorted;
+    size_t nmodels_sorted;
+    bool any_model;           /* models holds "*" */
     cfg_manifest_t *manifest; /* NULL when the pool pins nothing */
     cfg_balance_t balance;
     cfg_affinity_t affinity;           /* balance == CFG_BALANCE_AFFINITY only */
@@ -339,8 +344,8 @@ typedef struct {
 /* Fleet: instances sharing their verdicts through etcd (docs/fleet.md, "Configuration"). */
 #define CFG_FLEET_MAX_ENDPOINTS 16
 typedef struct {
-    char *name;     /* keys live under /detproxy/<name>/ */
-    char *instance; /* this instance's name (default: host name and admin port) */
+    char *name;            /* keys live under /detproxy/<name>/ */
+    char *instance;        /* this instance's name (default: host name and admin port) */
     bool instance_default; /* instance was not set: the admin port is the one bound at start */
     cfg_url_t *endpoints;
     size_t nendpoints;

@@ -62,7 +62,54 @@ const cfg_pool_t *cfg_pool_for_model(const cfg_t *cfg, const char *model, size_t
     return cfg_pool_for_model_mode(cfg, model, len, CFG_DETERMINISM_NONE);
 }
 
-/* O(pools x models): a handful of each, and it runs once per request. */
+static int str_order(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void index_models(cfg_pool_t *p)
+{
+    p->models_sorted = dp_xcalloc(p->nmodels + 1, sizeof(*p->models_sorted));
+    for (size_t j = 0; j < p->nmodels; j++) {
+        if (strcmp(p->models[j], "*") == 0)
+            p->any_model = true;
+        else
+            p->models_sorted[p->nmodels_sorted++] = p->models[j];
+    }
+    qsort(p->models_sorted, p->nmodels_sorted, sizeof(*p->models_sorted), str_order);
+}
+
+/* Does p take requests for model (len bytes, not NUL-terminated)? A binary search in byte
+ * order, as strcmp sorted it. */
+static bool pool_lists(const cfg_pool_t *p, const char *model, size_t len)
+{
+    if (p->models_sorted == NULL) {
+        for (size_t j = 0; j < p->nmodels; j++) {
+            const char *m = p->models[j];
+            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
+                return true;
+        }
+        return false;
+    }
+    if (p->any_model)
+        return true;
+    size_t lo = 0, hi = p->nmodels_sorted;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2, n = strlen(p->models_sorted[mid]);
+        int c = len && n ? memcmp(model, p->models_sorted[mid], len < n ? len : n) : 0;
+        if (c == 0)
+            c = (len > n) - (len < n);
+        if (c == 0)
+            return true;
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return false;
+}
+
+/* O(pools x log models), once per request. */
 const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, size_t len,
                                           cfg_determinism_t mode)
 {
@@ -72,11 +119,8 @@ const cfg_pool_t *cfg_pool_for_model_mode(const cfg_t *cfg, const char *model, s
             continue; /* a rollout under evaluation gets candidate copies, not clients */
         if (mode != CFG_DETERMINISM_NONE && cfg_pool_determinism(p) != mode)
             continue;
-        for (size_t j = 0; j < p->nmodels; j++) {
-            const char *m = p->models[j];
-            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
-                return p;
-        }
+        if (pool_lists(p, model, len))
+            return p;
     }
     return NULL;
 }
@@ -595,7 +639,8 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     cfg_check_keys(c, node, pool_keys);
     if (cfg_get_str(c, node, "name", true, &p->name) && !cfg_valid_name(p->name))
         cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
-    cfg_get_str_array(c, node, "models", true, false, &p->models, &p->nmodels);
+    if (cfg_get_str_array(c, node, "models", true, false, &p->models, &p->nmodels))
+        index_models(p);
     parse_manifest_ref(c, node, p);
     int balance;
     if (cfg_get_enum(c, node, "balance", balance_names, DP_ARRAY_SIZE(balance_names), &balance))
@@ -650,6 +695,7 @@ void cfg_pool_free(cfg_pool_t *p)
 {
     free(p->name);
     cfg_str_array_free(p->models, p->nmodels);
+    free(p->models_sorted);
     cfg_manifest_free(p->manifest);
     for (size_t i = 0; i < p->nreplicas; i++) {
         cfg_replica_t *r = &p->replicas[i];

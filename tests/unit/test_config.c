@@ -1062,6 +1062,36 @@ Test(config, pool_lookups)
     cfg_free(cfg);
 }
 
+/* A pool of thousands of models (LoRA adapters) is searched, not scanned: every name is found in
+ * its pool, and nothing else is (prefixes, extensions, an embedded NUL, a name of the later
+ * pool that the first does not list). */
+Test(config, pool_lookups_in_a_long_model_list)
+{
+    enum { N = 3000 };
+    char *json = malloc(N * 24 + 512), *o = json;
+    o += sprintf(o, "{'pools':[{'name':'a','replicas':[%s],'models':[", REPLICA);
+    for (unsigned i = 0; i < N; i++) /* listed out of order: 1,009 is prime to 3,000 */
+        o += sprintf(o, "%s'lora-%u'", i ? "," : "", (i * 1009u) % N);
+    sprintf(o, ",'zzz']},{'name':'b','replicas':[%s],'models':['lora-1','other','*']}]}", REPLICA);
+    cfg_t *cfg = must_load(json);
+    free(json);
+    const cfg_pool_t *a = &cfg->pools[0], *b = &cfg->pools[1];
+    cr_assert_eq(a->nmodels_sorted, N + 1);
+    char name[32];
+    for (unsigned i = 0; i < N; i++) {
+        int n = snprintf(name, sizeof(name), "lora-%u", i);
+        cr_assert_eq(cfg_pool_for_model(cfg, name, (size_t)n), a, "%s", name);
+        name[n] = 'x'; /* one byte longer than any listed name that is its prefix */
+        cr_assert_eq(cfg_pool_for_model(cfg, name, (size_t)n + 1), b, "%.*s", n + 1, name);
+    }
+    cr_assert_eq(cfg_pool_for_model(cfg, "zzz", 3), a);
+    cr_assert_eq(cfg_pool_for_model(cfg, "lora-", 5), b);
+    cr_assert_eq(cfg_pool_for_model(cfg, "lora-1\0", 7), b);
+    cr_assert_eq(cfg_pool_for_model(cfg, "", 0), b);
+    cr_assert(!a->any_model && b->any_model);
+    cfg_free(cfg);
+}
+
 /* ---- fingerprint (docs/configuration.md "Manifest") -------------------------------------- */
 
 /* Expected values from coreutils, e.g.
