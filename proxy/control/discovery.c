@@ -256,11 +256,13 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
                 dup = strcmp(next[k]->name, name) == 0;
             if (dup)
                 continue;
-            /* A configured replica already has this name: two replicas of one name would share
-             * its metrics, its admin drain and, in a fleet, its etcd keys. */
+            /* A configured replica of the pool already has this name: two replicas of one name
+             * would share its metrics, its admin drain and, in a fleet, its etcd keys. (A reload
+             * that configures an address discovery already found takes over our replica, as
+             * its definition is the same: that one stays ours.) */
             bool named = false;
-            for (size_t k = 0; k < p->cfg->nreplicas && !named; k++)
-                named = strcmp(p->cfg->replicas[k].name, name) == 0;
+            for (size_t k = 0; k < p->nreplicas && !named; k++)
+                named = !p->replicas[k]->discovered && strcmp(p->replicas[k]->name, name) == 0;
             if (named) {
                 taken += pass == 0;
                 continue;

@@ -115,6 +115,48 @@ def test_an_address_named_like_a_configured_replica_is_not_a_second_one():
     px.stop()
 
 
+def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
+    """Discovery found 127.0.0.2:P; a reload lists it as a configured replica too (same name and
+    URL, so the same replica): later refreshes keep it, once, and it goes on serving."""
+    if not namespaces_work():
+        print("    note: unshare -m is not permitted here; discovery test not run")
+        return
+    port = 18800 + os.getpid() % 200
+    d = tempfile.mkdtemp(prefix="detproxy-disc-")
+    hosts = os.path.join(d, "hosts")
+    write_hosts(hosts, ["127.0.0.2"])
+    sims = sims_on(["127.0.0.2", "127.0.0.3"], port)
+    name = "127.0.0.2:%d" % port
+    cfg = {"pools": [{"name": "p", "models": ["m1"],
+                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 100}}]}
+    wrapper = ["unshare", "-m", "sh", "-c",
+               'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
+    px = start_proxy(config=cfg, wrapper=wrapper)
+    poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
+               what="the discovered replica admitted")
+    with open(px.config_path) as f:
+        cfg = json.load(f)
+    cfg["pools"][0]["replicas"] = [{"name": name, "url": "http://" + name}]
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("reloaded")
+    # A new record: once it is in, discovery has refreshed since the reload.
+    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    poll_until(lambda: replicas(px).get("127.0.0.3:%d" % port, {}).get("state") == "admitted",
+               what="a refresh after the reload")
+    names = [r["name"] for r in get_json(px.admin_port, "/admin/replicas")["replicas"]]
+    assert names.count(name) == 1 and replicas(px)[name]["state"] == "admitted", names
+    before = requests_seen(sims[0])
+    for i in range(10):
+        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "r%d" % i,
+                                                   "max_tokens": 2})
+        assert r.status == 200, r
+    assert requests_seen(sims[0]) > before
+    assert not any(l.get("msg") == "discovery_removed" for l in list(px.logs)), px.logs
+    px.stop()
+
+
 def test_reload_applies_policy_and_keeps_old_on_error():
     sim = start_sim("--model", "m1")
     cfg = {"pools": [pool("p", ["m1"], [sim])],
