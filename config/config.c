@@ -556,6 +556,9 @@ static bool pool_has_shadows(const cfg_t *cfg, const cfg_pool_t *p)
         const cfg_tenant_t *t = &cfg->policy->tenants[k];
         if (t->pool && (p->name == NULL || strcmp(t->pool, p->name) != 0))
             continue; /* pinned elsewhere */
+        if (!t->pool && t->require_determinism != CFG_DETERMINISM_NONE &&
+            cfg_pool_determinism(p) != t->require_determinism)
+            continue; /* routed only to pools of its determinism mode */
         if ((t->shadow_rate >= 0 ? t->shadow_rate : cfg->shadow.rate) > 0)
             return true;
     }

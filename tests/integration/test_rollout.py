@@ -286,15 +286,22 @@ def test_check_warns_when_the_baseline_has_no_noise_figure():
         assert rc == 0 and "shadow" not in out + err, (extra, rc, out, err)
     # None: the global rate overridden to 0, the only rate on a tenant pinned elsewhere, or a
     # single_sequence pool (no copies at all).
+    manifest = {"model": "m", "framework": {"name": "llamacpp"},
+                "determinism": {"mode": "single_sequence"}}
+    exact = {"name": "exact", "models": ["m"], "manifest": manifest,
+             "replicas": [{"name": "r1", "url": "http://127.0.0.1:3"}]}
     single = dict(cfg, shadow={"rate": 0.5, "self_rate": 0.5})
-    single["pools"] = [dict(cfg["pools"][0], manifest={"model": "m", "determinism": {
-        "mode": "single_sequence"}}), cfg["pools"][1]]
+    single["pools"] = [dict(cfg["pools"][0], manifest=manifest), cfg["pools"][1]]
     for bad in (dict(cfg, shadow={"rate": 0.5}, **tenants({"name": "t", "shadow_rate": 0})),
                 dict(cfg, **tenants({"name": "t", "pool": "next", "shadow_rate": 1},
                                     {"name": "u"})),
+                dict(cfg, pools=cfg["pools"] + [exact],
+                     **tenants({"name": "t", "require_determinism": "single_sequence",
+                                "shadow_rate": 1}, {"name": "u"})),
                 single):
         rc, out, err = run_cmd([DETPROXY_BIN, "check", "--strict", "-c", write_config(bad)])
-        assert rc == 1 and "pools[0].candidates: " in out + err, (bad, rc, out, err)
+        assert rc == 1 and "pools[0].candidates: " in out + err and "error: pools" not in err \
+            and "--strict: 1 warning" in err, (bad, rc, out, err)
     assert "single_sequence pool gets no shadow copies" in out + err, out + err
 
 
