@@ -47,6 +47,19 @@ def write_hosts(path, addresses):
             f.write("%s %s\n" % (a, NAME))
 
 
+def hosts_file(addresses):
+    """A hosts file this test controls, naming NAME at addresses."""
+    path = os.path.join(tempfile.mkdtemp(prefix="detproxy-disc-"), "hosts")
+    write_hosts(path, addresses)
+    return path
+
+
+def start_discovering(cfg, hosts, **kw):
+    """detproxy in a private mount namespace whose /etc/hosts is the file at hosts."""
+    wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
+    return start_proxy(config=cfg, wrapper=wrapper, **kw)
+
+
 def replicas(px):
     return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
 
@@ -56,15 +69,11 @@ def test_discovery_adds_and_drains_replicas():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
     port = 18600 + os.getpid() % 200
-    d = tempfile.mkdtemp(prefix="detproxy-disc-")
-    hosts = os.path.join(d, "hosts")
-    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    hosts = hosts_file(["127.0.0.2", "127.0.0.3"])
     sims = sims_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"], port)
     cfg = {"pools": [{"name": "p", "models": ["m1"],
                       "discovery": {"dns": NAME, "port": port, "refresh_ms": 200}}]}
-    wrapper = ["unshare", "-m", "sh", "-c",
-               'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
-    px = start_proxy(config=cfg, wrapper=wrapper)
+    px = start_discovering(cfg, hosts)
     names = lambda: sorted(replicas(px))
     poll_until(lambda: names() == ["127.0.0.2:%d" % port, "127.0.0.3:%d" % port],
                what="two discovered replicas")
@@ -122,16 +131,12 @@ def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
     port = 18800 + os.getpid() % 200
-    d = tempfile.mkdtemp(prefix="detproxy-disc-")
-    hosts = os.path.join(d, "hosts")
-    write_hosts(hosts, ["127.0.0.2"])
+    hosts = hosts_file(["127.0.0.2"])
     sims = sims_on(["127.0.0.2", "127.0.0.3"], port)
     name = "127.0.0.2:%d" % port
     cfg = {"pools": [{"name": "p", "models": ["m1"],
                       "discovery": {"dns": NAME, "port": port, "refresh_ms": 100}}]}
-    wrapper = ["unshare", "-m", "sh", "-c",
-               'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
-    px = start_proxy(config=cfg, wrapper=wrapper)
+    px = start_discovering(cfg, hosts)
     poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
                what="the discovered replica admitted")
     with open(px.config_path) as f:
@@ -324,17 +329,14 @@ def test_discovery_is_capped_paced_and_forgets_departed_replicas():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
     port = 19000 + os.getpid() % 400
-    d = tempfile.mkdtemp(prefix="detproxy-disc-cap-")
-    hosts = os.path.join(d, "hosts")
     many = ["127.0.1.%d" % i for i in range(1, 201)]
-    write_hosts(hosts, many)
+    hosts = hosts_file(many)
     hang = HangingReplicas(port)
     cfg = {"pools": [{"name": "p", "models": ["m1"],
                       "discovery": {"dns": NAME, "port": port, "refresh_ms": 200,
                                     "max_replicas": 64}}],
            "attestation": {"interval_ms": 10000, "timeout_ms": 1000}}
-    wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
-    px = start_proxy(config=cfg, wrapper=wrapper, ready=False)
+    px = start_discovering(cfg, hosts, ready=False)
     poll_until(lambda: len(replicas(px)) == 64, what="64 discovered replicas")
     line = px.wait_log("discovery_capped")
     assert line["ignored"] == 200 - 64 and line["max_replicas"] == 64, line
@@ -360,15 +362,12 @@ def test_a_returning_address_keeps_its_history_and_is_attested_again():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
     port = 18200 + os.getpid() % 300
-    d = tempfile.mkdtemp(prefix="detproxy-disc-back-")
-    hosts = os.path.join(d, "hosts")
-    write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])
+    hosts = hosts_file(["127.0.0.2", "127.0.0.3"])
     sims = sims_on(["127.0.0.2", "127.0.0.3"], port)
     cfg = {"pools": [{"name": "p", "models": ["m1"],
                       "discovery": {"dns": NAME, "port": port, "refresh_ms": 300}}],
            "attestation": {"interval_ms": 200, "timeout_ms": 1000}}
-    wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]
-    px = start_proxy(config=cfg, wrapper=wrapper)
+    px = start_discovering(cfg, hosts)
     name = "127.0.0.3:%d" % port
     from proxyutil import metric
     poll_until(lambda: metric(px, "detproxy_attestations_total", pool="p", replica=name,
