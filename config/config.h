@@ -197,6 +197,8 @@ typedef enum {
     CFG_AFFINITY_SEED
 } cfg_affinity_key_t;
 
+extern const char *const cfg_affinity_key_names[3]; /* "prefix", "session", "seed" */
+
 typedef struct {
     cfg_affinity_key_t key;
     uint32_t prefix_bytes; /* how much of the prompt the prefix key covers */

@@ -45,13 +45,14 @@ static void secret(dp_jw_t *w, const char *key, const char *value)
     dp_jw_str(w, key, value ? REDACTED : NULL);
 }
 
-static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
+/* A manifest under key (NULL in an array), its accept[] entries nested the same way. */
+static void manifest(dp_jw_t *w, const char *key, const cfg_manifest_t *m)
 {
     if (m == NULL) {
-        dp_jw_null(w, "manifest");
+        dp_jw_null(w, key);
         return;
     }
-    dp_jw_obj_begin(w, "manifest");
+    dp_jw_obj_begin(w, key);
     dp_jw_str(w, "model", m->model);
     dp_jw_str(w, "checkpoint_sha256", m->checkpoint_sha256);
     dp_jw_str(w, "quantization", m->quantization);
@@ -90,6 +91,10 @@ static void manifest(dp_jw_t *w, const cfg_manifest_t *m)
         dp_jw_null(w, "determinism");
     }
     dp_jw_str(w, "fingerprint", m->fingerprint);
+    dp_jw_arr_begin(w, "accept");
+    for (size_t i = 0; i < m->naccept; i++)
+        manifest(w, NULL, &m->accept[i]);
+    dp_jw_arr_end(w);
     dp_jw_obj_end(w);
 }
 
@@ -99,8 +104,18 @@ static void pool(dp_jw_t *w, const cfg_t *cfg, const cfg_pool_t *p)
     dp_jw_obj_begin(w, NULL);
     dp_jw_str(w, "name", p->name);
     strs(w, "models", p->models, p->nmodels);
-    manifest(w, p->manifest);
+    manifest(w, "manifest", p->manifest);
     dp_jw_str(w, "balance", balance[p->balance]);
+    if (p->balance == CFG_BALANCE_AFFINITY) {
+        dp_jw_obj_begin(w, "affinity");
+        dp_jw_str(w, "key", cfg_affinity_key_names[p->affinity.key]);
+        dp_jw_uint(w, "prefix_bytes", p->affinity.prefix_bytes);
+        dp_jw_str(w, "session_header", p->affinity.session_header);
+        dp_jw_double(w, "load_factor", p->affinity.load_factor);
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "affinity");
+    }
     dp_jw_uint(w, "max_inflight_per_replica", p->max_inflight_per_replica);
     dp_jw_uint(w, "queue_limit", p->queue_limit);
     dp_jw_uint(w, "queue_timeout_ms", p->queue_timeout_ms);
@@ -205,6 +220,7 @@ static void tenant(dp_jw_t *w, const cfg_tenant_t *t)
         break;
     case CFG_MATCH_ANY:
         dp_jw_bool(w, "any", true);
+        dp_jw_bool(w, "unknown_keys", t->any_unknown_keys);
         break;
     }
     dp_jw_obj_end(w);
@@ -214,6 +230,10 @@ static void tenant(dp_jw_t *w, const cfg_tenant_t *t)
         rule(w, cfg_param_names[i], &t->rules[i]);
     dp_jw_obj_end(w);
     strs(w, "deny_params", t->deny_params, t->ndeny_params);
+    if (t->allow_params)
+        strs(w, "allow_params", t->allow_params, t->nallow_params);
+    else
+        dp_jw_null(w, "allow_params"); /* any top-level key */
     dp_jw_bool(w, "audit", t->audit);
     dp_jw_str(w, "require_determinism",
               t->require_determinism ? cfg_determinism_names[t->require_determinism] : NULL);
@@ -286,6 +306,14 @@ void cfg_dump_json(const cfg_t *cfg, dp_buf_t *out)
     dp_jw_arr_end(w);
     dp_jw_obj_end(w);
     dp_jw_obj_end(w);
+    if (cfg->otel) {
+        dp_jw_obj_begin(w, "otel");
+        url(w, "endpoint", &cfg->otel->endpoint);
+        dp_jw_double(w, "sample_rate", cfg->otel->sample_rate);
+        dp_jw_obj_end(w);
+    } else {
+        dp_jw_null(w, "otel");
+    }
     if (cfg->tls) {
         dp_jw_obj_begin(w, "tls");
         dp_jw_str(w, "cert_file", cfg->tls->cert_file);

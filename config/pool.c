@@ -39,7 +39,7 @@ static const char *const upstream_tls_keys[] = {"ca_file", "client_cert_file", "
 static const char *const balance_names[] = {"least_inflight", "round_robin", "affinity"};
 static const char *const affinity_keys[] = {"key", "prefix_bytes", "session_header", "load_factor",
                                             NULL};
-static const char *const affinity_key_names[] = {"prefix", "session", "seed"};
+const char *const cfg_affinity_key_names[3] = {"prefix", "session", "seed"};
 static const char *const candidate_keys[] = {"pool", "rate", NULL};
 
 /* ---- look-ups -------------------------------------------------------------------------- */
@@ -394,7 +394,8 @@ static void parse_affinity(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     size_t mark = cfg_path_key(c, "affinity");
     cfg_check_keys(c, o, affinity_keys);
     int key;
-    if (cfg_get_enum(c, o, "key", affinity_key_names, DP_ARRAY_SIZE(affinity_key_names), &key))
+    if (cfg_get_enum(c, o, "key", cfg_affinity_key_names, DP_ARRAY_SIZE(cfg_affinity_key_names),
+                     &key))
         a->key = (cfg_affinity_key_t)key;
     cfg_get_u32(c, o, "prefix_bytes", 1, 16u << 20, &a->prefix_bytes);
     if (cfg_get_str(c, o, "session_header", false, &a->session_header)) {

@@ -449,6 +449,33 @@ def test_drain_and_enable_without_reload():
 
 # ---- GET /admin/config ------------------------------------------------------------------------
 
+def test_admin_config_shows_the_keys_a_fleet_compares():
+    """Every key in force is in the dump (a fleet hashes it to find instances whose config
+    differs): OpenTelemetry, affinity, a manifest's accepted identities, allow_params and
+    unknown_keys, each with its defaults filled in."""
+    sim = start_sim("--model", "m1")
+    p = pool("p", ["m1"], [sim], balance="affinity", affinity={"key": "session"},
+             manifest={"model": "m1", "quantization": "awq", "framework": {"name": "vllm"},
+                       "accept": [{"quantization": "gptq"}]})
+    px = start_proxy(pools=[p], ready=False,
+                     otel={"endpoint": "http://127.0.0.1:9", "sample_rate": 0.5},
+                     policy={"tenants": [{"name": "t", "match": {"any": True,
+                                                                   "unknown_keys": True},
+                                          "allow_params": ["model", "prompt"]}]})
+    c = get_json(px.admin_port, "/admin/config")
+    assert c["otel"] == {"endpoint": "http://127.0.0.1:9", "sample_rate": 0.5}, c["otel"]
+    got = c["pools"][0]
+    assert got["affinity"] == {"key": "session", "prefix_bytes": 4096,
+                               "session_header": "x-session-id", "load_factor": 1.25}, got
+    accept = got["manifest"]["accept"]
+    assert [a["quantization"] for a in accept] == ["gptq"] and accept[0]["model"] == "m1", accept
+    assert accept[0]["fingerprint"] != got["manifest"]["fingerprint"], accept
+    t = c["policy"]["tenants"][0]
+    assert t["match"] == {"any": True, "unknown_keys": True}, t
+    assert t["allow_params"] == ["model", "prompt"], t
+    px.stop()
+
+
 def test_admin_config_fills_defaults_and_redacts_secrets():
     d = tempfile.mkdtemp(prefix="detproxy-operator-")
     key_file = os.path.join(d, "vllm-key")
