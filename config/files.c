@@ -206,5 +206,8 @@ bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path)
 
 bool cfg_check_ed25519_privkey(cfg_ctx_t *c, const char *key, const char *path)
 {
-    return check_ed25519(c, key, path, true);
+    bool ok = check_ed25519(c, key, path, true);
+    if (ok)
+        cfg_check_secret_mode(c, key, path);
+    return ok;
 }

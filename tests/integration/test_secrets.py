@@ -552,10 +552,20 @@ def test_secret_files_readable_by_others_are_a_warning_naming_the_file():
         os.chmod(f, 0o600)
     rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
     assert rc == 0 and "warning" not in err, err
-    # The agent warns for its secrets as well: the signing key and the TLS key.
+    # The audit chain's signing key is a secret too.
     rc, _, e = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", os.path.join(d, "sign")])
     assert rc == 0, e
     os.chmod(os.path.join(d, "sign.key.pem"), 0o644)
+    with open(px.config_path) as f:
+        cfg = json.load(f)
+    cfg["log"] = {"audit_path": os.path.join(d, "audit.jsonl"),
+                  "audit_signing_key": os.path.join(d, "sign.key.pem")}
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
+    assert rc == 0 and "log.audit_signing_key" in err and "sign.key.pem" in err, err
+    assert not any(l in err for l in pem_body_lines(os.path.join(d, "sign.key.pem")))
+    # The agent warns for its secrets as well: the signing key and the TLS key.
     os.chmod(os.path.join(d, "tls.key"), 0o644)
     model_dir = os.path.join(d, "model")
     os.makedirs(model_dir)
