@@ -92,6 +92,14 @@ static bool quant_caseless(const attest_report_t *r)
             r->framework_name && strcmp(r->framework_name, "llamacpp") == 0);
 }
 
+bool attest_value_matches(const attest_report_t *r, attest_field_t f, const char *v)
+{
+    const char *g = attest_report_get(r, f);
+    return g && v &&
+           (strcmp(g, v) == 0 ||
+            (f == ATTEST_F_QUANTIZATION && quant_caseless(r) && strcasecmp(g, v) == 0));
+}
+
 /* One identity, its accept list ignored. */
 static int match_one(const cfg_manifest_t *m, const attest_report_t *r, attest_reasons_t *out)
 {
@@ -117,8 +125,7 @@ static int match_one(const cfg_manifest_t *m, const attest_report_t *r, attest_r
             n++;
             continue;
         }
-        if (strcmp(g, w) == 0 ||
-            (f == ATTEST_F_QUANTIZATION && quant_caseless(r) && strcasecmp(g, w) == 0))
+        if (attest_value_matches(r, f, w))
             continue;
         dp_buf_reset(&got);
         dp_buf_reset(&want);

@@ -25,6 +25,10 @@ int attest_manifest_match(const cfg_manifest_t *m, const attest_report_t *r, att
  * does (or m is NULL). Its fingerprint is the one put on that replica's responses. */
 const cfg_manifest_t *attest_manifest_identity(const cfg_manifest_t *m, const attest_report_t *r);
 
+/* Whether report r's value for field f equals v as admission compares them: byte-equal, but
+ * a quantization in any case where llama.cpp names it ("Q8_0" for a manifest's "q8_0"). */
+bool attest_value_matches(const attest_report_t *r, attest_field_t f, const char *v);
+
 /* The value a manifest pins for field f, or NULL when it pins nothing there (or m is NULL). */
 const char *attest_manifest_get(const cfg_manifest_t *m, attest_field_t f);
 

@@ -53,6 +53,19 @@ static const char *field_of(const dg_replica_t *r, attest_field_t f)
     return attest_report_get(&r->report, f);
 }
 
+/* Does replica r report v for f, as admission would judge it (a llama.cpp quantization in any
+ * case)? */
+static bool same_value(const dg_replica_t *r, attest_field_t f, const char *v)
+{
+    return field_of(r, f) && attest_value_matches(&r->report, f, v);
+}
+
+/* Two replicas report the same f when either's rule says so. */
+static bool agree(const dg_replica_t *a, const dg_replica_t *b, attest_field_t f)
+{
+    return same_value(a, f, field_of(b, f)) || same_value(b, f, field_of(a, f));
+}
+
 /* A replica-supplied value made safe and short for a message or a table cell. */
 static void abbrev(dp_buf_t *out, const char *v)
 {
@@ -214,18 +227,14 @@ static void analyse_metadata(dg_run_t *run)
             if (v == NULL)
                 continue;
             bool earlier = false;
-            for (size_t j = 0; j < i && !earlier; j++) {
-                const char *w = field_of(&run->r[j], f);
-                earlier = w && strcmp(v, w) == 0;
-            }
+            for (size_t j = 0; j < i && !earlier; j++)
+                earlier = agree(&run->r[j], &run->r[i], f);
             if (earlier)
                 continue;
             ndistinct++;
             size_t count = 0;
-            for (size_t j = i; j < run->n; j++) {
-                const char *w = field_of(&run->r[j], f);
-                count += w && strcmp(v, w) == 0;
-            }
+            for (size_t j = i; j < run->n; j++)
+                count += agree(&run->r[j], &run->r[i], f);
             if (count > best_count) {
                 best = i;
                 best_count = count;
@@ -245,7 +254,7 @@ static void analyse_metadata(dg_run_t *run)
         }
         for (size_t i = 0; i < run->n; i++) {
             const char *v = field_of(&run->r[i], f);
-            d->odd[i] = v && (d->reference == NULL || strcmp(v, d->reference) != 0);
+            d->odd[i] = v && (d->reference == NULL || !same_value(&run->r[i], f, d->reference));
             if (d->odd[i])
                 run->r[i].st.meta_odd = true;
         }

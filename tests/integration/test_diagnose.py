@@ -168,6 +168,21 @@ def test_other_quantization_is_cross_replica_drift_naming_it():
     assert "[3/4]" in err and "diagnose:" in err, err  # progress goes to stderr
 
 
+def test_a_llamacpp_quantization_is_compared_in_any_case_as_admission_does():
+    """llama.cpp names file types in capitals: a manifest's "q8_0" admits "Q8_0", and step 1
+    names only the replica with another quantization, not those that match it."""
+    sims = [start_sim("--model", MODEL, "--flavor", "llamacpp", "--quantization", q)
+            for q in ("Q8_0", "Q8_0", "Q4_K_M")]
+    man = {"model": MODEL, "quantization": "q8_0", "framework": {"name": "llamacpp"}}
+    rc, doc, err = diagnose(config(sims, policy=PIN_SEEDS, manifest=man))
+    meta = doc["steps"]["metadata"]
+    diffs = {d["field"]: d for d in meta["differences"]}
+    assert diffs["quantization"]["odd"] == ["r3"], meta["differences"]
+    reps = {r["name"]: r for r in meta["replicas"]}
+    assert reps["r1"]["admitted"] and reps["r2"]["admitted"] and not reps["r3"]["admitted"], reps
+    assert causes(doc)["cross_replica_drift"]["replicas"] == ["r3"], doc["findings"]
+
+
 def test_replica_with_the_same_metadata_but_other_outputs_is_named_by_its_outputs():
     # r3 reports awq (its metadata is in line) but generates as gptq: only step 4 can see it.
     sims = [sim(), sim(), sim("gptq", "--report-quantization", "awq")]
