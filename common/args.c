@@ -192,6 +192,27 @@ int dp_args_usage_error(const dp_args_t *spec, const char *fmt, ...)
     return DP_EXIT_USAGE;
 }
 
+int dp_args_subcommand(const dp_args_t *spec, int argc, char **argv, const char *sub)
+{
+    if (argc >= 2 && strcmp(argv[1], sub) == 0)
+        return -1;
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        dp_args_help(spec, stdout);
+        return DP_EXIT_OK;
+    }
+    /* The command without its subcommand: spec->prog is "detproxy audit verify". */
+    size_t n = strlen(spec->prog), k = strlen(sub);
+    if (n > k && spec->prog[n - k - 1] == ' ' && strcmp(spec->prog + n - k, sub) == 0)
+        n -= k + 1;
+    if (argc < 2)
+        fprintf(stderr, "%.*s: missing subcommand (expected %s; try --help)\n", (int)n, spec->prog,
+                sub);
+    else
+        fprintf(stderr, "%.*s: unknown subcommand '%s' (expected %s; try --help)\n", (int)n,
+                spec->prog, argv[1], sub);
+    return DP_EXIT_USAGE;
+}
+
 /* ---- help ----------------------------------------------------------------------------------- */
 
 /* "  -c, --config FILE" or "      --list": the first column of an option's entry. */

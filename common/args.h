@@ -110,4 +110,9 @@ void dp_args_help(const dp_args_t *spec, FILE *f);
 int dp_args_usage_error(const dp_args_t *spec, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* A command with one subcommand (`detproxy audit verify`): -1 when argv[1] is sub (parse the
+ * rest); else the exit code after --help on stdout (0), or after a one-line usage error naming
+ * the missing or unknown subcommand (2). */
+int dp_args_subcommand(const dp_args_t *spec, int argc, char **argv, const char *sub);
+
 #endif

@@ -108,14 +108,9 @@ static int parse_anchor(const char *s, audit_anchor_t *a)
 
 int px_cmd_audit(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "verify") != 0) {
-        if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            dp_args_help(&audit_spec, stdout);
-            return 0;
-        }
-        dp_args_help(&audit_spec, stderr);
-        return 2;
-    }
+    int sub = dp_args_subcommand(&audit_spec, argc, argv, "verify");
+    if (sub >= 0)
+        return sub;
     argc--;
     argv++;
     /* Every argument could be a FILE. */

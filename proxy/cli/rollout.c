@@ -207,16 +207,9 @@ static bool any_diverges(const cfg_t *cfg, const cJSON *doc, const char *cand_on
 
 int px_cmd_rollout(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "report") != 0) {
-        if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            dp_args_help(&rollout_spec, stdout);
-            return 0;
-        }
-        if (argc >= 2)
-            fprintf(stderr, "detproxy rollout: unknown subcommand '%s'\n", argv[1]);
-        dp_args_help(&rollout_spec, stderr);
-        return 2;
-    }
+    int sub = dp_args_subcommand(&rollout_spec, argc, argv, "report");
+    if (sub >= 0)
+        return sub;
     rollout_opts_t o = {0};
     int r = dp_args_parse(&rollout_spec, argc - 1, argv + 1, &o);
     if (r != 0)

@@ -238,8 +238,14 @@ def test_report_errors():
     assert rc == 2 and "--admin" in err, err  # admin_listen has port 0
     rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "--bogus"])
     assert rc == 2, err
-    rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "lookup"])
-    assert rc == 2 and "unknown subcommand" in err, err
+    # A missing or unknown subcommand is one line naming it, as for audit.
+    for argv, want in ((["rollout", "lookup"], "detproxy rollout: unknown subcommand 'lookup'"),
+                       (["rollout"], "detproxy rollout: missing subcommand (expected report"),
+                       (["audit", "bogus"], "detproxy audit: unknown subcommand 'bogus'"),
+                       (["audit"], "detproxy audit: missing subcommand (expected verify")):
+        rc, out, err = run_cmd([DETPROXY_BIN] + argv)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith(want), \
+            (argv, rc, out, err)
     rc, out, _ = run_cmd([DETPROXY_BIN, "rollout", "--help"])
     assert rc == 0 and "--pool" in out and "--json" in out
 
