@@ -60,12 +60,6 @@ static bool same_value(const dg_replica_t *r, attest_field_t f, const char *v)
     return field_of(r, f) && attest_value_matches(&r->report, f, v);
 }
 
-/* Two replicas report the same f when either's rule says so. */
-static bool agree(const dg_replica_t *a, const dg_replica_t *b, attest_field_t f)
-{
-    return same_value(a, f, field_of(b, f)) || same_value(b, f, field_of(a, f));
-}
-
 /* A replica-supplied value made safe and short for a message or a table cell. */
 static void abbrev(dp_buf_t *out, const char *v)
 {
@@ -219,7 +213,9 @@ static void analyse_metadata(dg_run_t *run)
         attest_field_t f = cmp_fields[k];
         dg_fielddiff_t *d = &run->diffs[f];
         d->odd = dp_xcalloc(run->n ? run->n : 1, sizeof(bool));
-        /* Distinct values and how many replicas report each (O(n^2); n is a pool's size). */
+        /* Distinct values, byte for byte, and how many replicas report each (O(n^2); n is a
+         * pool's size). Each replica is then judged against the reference by admission's own
+         * rule (attest_value_matches: a llama.cpp quantization in any case). */
         size_t ndistinct = 0, best = 0, best_count = 0;
         bool best_tied = false;
         for (size_t i = 0; i < run->n; i++) {
@@ -227,14 +223,18 @@ static void analyse_metadata(dg_run_t *run)
             if (v == NULL)
                 continue;
             bool earlier = false;
-            for (size_t j = 0; j < i && !earlier; j++)
-                earlier = agree(&run->r[j], &run->r[i], f);
+            for (size_t j = 0; j < i && !earlier; j++) {
+                const char *w = field_of(&run->r[j], f);
+                earlier = w && strcmp(v, w) == 0;
+            }
             if (earlier)
                 continue;
             ndistinct++;
             size_t count = 0;
-            for (size_t j = i; j < run->n; j++)
-                count += agree(&run->r[j], &run->r[i], f);
+            for (size_t j = i; j < run->n; j++) {
+                const char *w = field_of(&run->r[j], f);
+                count += w && strcmp(v, w) == 0;
+            }
             if (count > best_count) {
                 best = i;
                 best_count = count;

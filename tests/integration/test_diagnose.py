@@ -181,6 +181,28 @@ def test_a_llamacpp_quantization_is_compared_in_any_case_as_admission_does():
     reps = {r["name"]: r for r in meta["replicas"]}
     assert reps["r1"]["admitted"] and reps["r2"]["admitted"] and not reps["r3"]["admitted"], reps
     assert causes(doc)["cross_replica_drift"]["replicas"] == ["r3"], doc["findings"]
+    # The case rule is the engine's: an agent that only declares "q8_0" (no measurement) is
+    # held to the pin byte for byte, as admission holds it, and named.
+    key, pub = keygen("caseless")
+    sims = [start_sim("--model", MODEL, "--flavor", "llamacpp", "--quantization", "Q8_0"),
+            start_sim("--model", MODEL, "--flavor", "llamacpp", "--quantization", "Q8_0",
+                      "--report-quantization", "q8_0", "--attest-key", key)]
+    path = config(sims, policy=PIN_SEEDS, manifest=dict(man, quantization="Q8_0"),
+                  attestation={"require_signature": False, "trusted_keys": [pub]})
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["pools"][0]["replicas"][1]["attest"] = {
+        "source": "agent", "url": "http://127.0.0.1:%d/attestation" % sims[1].port}
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    rc, doc, err = diagnose(path)
+    meta = doc["steps"]["metadata"]
+    reps = {r["name"]: r for r in meta["replicas"]}
+    assert reps["r1"]["admitted"] and not reps["r2"]["admitted"], reps
+    diffs = {d["field"]: d for d in meta["differences"]}
+    assert diffs["quantization"]["odd"] == ["r2"], meta["differences"]
+    assert "r2 differs in quantization (q8_0 vs Q8_0 pinned" in \
+        causes(doc)["cross_replica_drift"]["detail"], doc["findings"]
 
 
 def test_replica_with_the_same_metadata_but_other_outputs_is_named_by_its_outputs():
