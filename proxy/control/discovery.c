@@ -258,8 +258,8 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
                 continue;
             /* A configured replica of the pool already has this name: two replicas of one name
              * would share its metrics, its admin drain and, in a fleet, its etcd keys. (A reload
-             * that configures an address discovery already found takes over our replica, as
-             * its definition is the same: that one stays ours.) */
+             * that configures an address discovery found takes over that very replica, as its
+             * definition is the same: it is the config's from then on.) */
             bool named = false;
             for (size_t k = 0; k < p->nreplicas && !named; k++)
                 named = !p->replicas[k]->discovered && strcmp(p->replicas[k]->name, name) == 0;
@@ -315,6 +315,10 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
         bool kept = false;
         for (size_t j = 0; j < nnext && !kept; j++)
             kept = next[j] == d->reps[k];
+        if (!kept && !d->reps[k]->discovered) {
+            px_replica_unref(d->reps[k]); /* taken over by the config: not ours to drain */
+            continue;
+        }
         if (!kept) {
             changed = true;
             dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "discovery_removed");

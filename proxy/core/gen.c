@@ -51,6 +51,9 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev)
             px_replica_t *r = px_replica_find_live(key);
             if (r) {
                 free(key);
+                /* An address discovery found and the config now lists is the config's: it
+                 * stays whatever DNS says next (discovery lets go of it at its refresh). */
+                r->discovered = false;
                 if (r->up)
                     net_upstream_set_opts(r->up, &uo);
                 px_replica_reload_tls(r, pc);

@@ -126,7 +126,8 @@ def test_an_address_named_like_a_configured_replica_is_not_a_second_one():
 
 def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
     """Discovery found 127.0.0.2:P; a reload lists it as a configured replica too (same name and
-    URL, so the same replica): later refreshes keep it, once, and it goes on serving."""
+    URL, so the same replica): from then on it is configured. Later refreshes keep it, once,
+    it goes on serving, and DNS dropping the address does not take it out."""
     if not namespaces_work():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
@@ -159,6 +160,18 @@ def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
         assert r.status == 200, r
     assert requests_seen(sims[0]) > before
     assert not any(l.get("msg") == "discovery_removed" for l in list(px.logs)), px.logs
+    # It is the config's now: DNS no longer naming it changes nothing (a restart would give
+    # the same). Once 127.0.0.4 is in, discovery has refreshed since the record went.
+    write_hosts(hosts, ["127.0.0.3", "127.0.0.4"])
+    poll_until(lambda: "127.0.0.4:%d" % port in replicas(px), what="a refresh without .2")
+    r2 = replicas(px)[name]
+    assert r2["state"] == "admitted" and r2["discovered"] is False, r2
+    before = requests_seen(sims[0])
+    for i in range(10):
+        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "s%d" % i,
+                                                   "max_tokens": 2})
+        assert r.status == 200, r
+    assert requests_seen(sims[0]) > before
     px.stop()
 
 
