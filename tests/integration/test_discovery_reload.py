@@ -153,12 +153,16 @@ def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
                what="a refresh after the reload")
     names = [r["name"] for r in get_json(px.admin_port, "/admin/replicas")["replicas"]]
     assert names.count(name) == 1 and replicas(px)[name]["state"] == "admitted", names
-    before = requests_seen(sims[0])
-    for i in range(10):
-        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "r%d" % i,
-                                                   "max_tokens": 2})
-        assert r.status == 200, r
-    assert requests_seen(sims[0]) > before
+
+    def serves_it(tag):
+        before = requests_seen(sims[0])
+        for i in range(10):
+            r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "%s%d" % (tag, i),
+                                                       "max_tokens": 2})
+            assert r.status == 200, r
+        assert requests_seen(sims[0]) > before, tag
+
+    serves_it("r")
     assert not any(l.get("msg") == "discovery_removed" for l in list(px.logs)), px.logs
     # It is the config's now: DNS no longer naming it changes nothing (a restart would give
     # the same). Once 127.0.0.4 is in, discovery has refreshed since the record went.
@@ -166,12 +170,7 @@ def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
     poll_until(lambda: "127.0.0.4:%d" % port in replicas(px), what="a refresh without .2")
     r2 = replicas(px)[name]
     assert r2["state"] == "admitted" and r2["discovered"] is False, r2
-    before = requests_seen(sims[0])
-    for i in range(10):
-        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "s%d" % i,
-                                                   "max_tokens": 2})
-        assert r.status == 200, r
-    assert requests_seen(sims[0]) > before
+    serves_it("s")
     px.stop()
 
 
