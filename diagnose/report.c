@@ -245,7 +245,6 @@ static void analyse_metadata(dg_run_t *run)
         }
         if (ndistinct < 2)
             continue;
-        d->differs = true;
         if (attest_manifest_get(m, f)) {
             d->reference = attest_manifest_get(m, f);
             d->reference_pinned = true;
@@ -256,8 +255,10 @@ static void analyse_metadata(dg_run_t *run)
             const char *v = field_of(&run->r[i], f);
             d->odd[i] = v && (d->reference == NULL || !same_value(&run->r[i], f, d->reference));
             if (d->odd[i])
-                run->r[i].st.meta_odd = true;
+                run->r[i].st.meta_odd = d->differs = true;
         }
+        /* Values that differ only as admission allows (a llama.cpp quantization's case) are no
+         * difference: d->differs stays false. */
     }
 }
 

@@ -203,6 +203,15 @@ def test_a_llamacpp_quantization_is_compared_in_any_case_as_admission_does():
     assert diffs["quantization"]["odd"] == ["r2"], meta["differences"]
     assert "r2 differs in quantization (q8_0 vs Q8_0 pinned" in \
         causes(doc)["cross_replica_drift"]["detail"], doc["findings"]
+    # Two llama.cpp replicas whose names differ only in case are both admitted: no difference.
+    sims = [start_sim("--model", MODEL, "--flavor", "llamacpp", "--quantization", "Q8_0"),
+            start_sim("--model", MODEL, "--flavor", "llamacpp", "--quantization", "Q8_0",
+                      "--report-quantization", "q8_0")]
+    rc, doc, err = diagnose(config(sims, policy=PIN_SEEDS, manifest=dict(man, quantization="Q8_0")))
+    meta = doc["steps"]["metadata"]
+    assert all(r["admitted"] for r in meta["replicas"]), meta["replicas"]
+    assert "quantization" not in [d["field"] for d in meta["differences"]], meta["differences"]
+    assert "quantization" not in json.dumps(doc["findings"]), doc["findings"]
 
 
 def test_replica_with_the_same_metadata_but_other_outputs_is_named_by_its_outputs():
