@@ -121,7 +121,9 @@ static void push_into_pool(disc_t *d)
         px_pool_remove_replica(p, r); /* shifts the array */
     }
     for (size_t k = 0; k < d->nreps; k++) {
-        bool present = false;
+        /* One the config took over (gen.c) is the config's to place: a reload that listed it
+         * and then dropped it again has dropped it. The next refresh lets go of it. */
+        bool present = !d->reps[k]->discovered;
         for (size_t i = 0; i < p->nreplicas && !present; i++)
             present = p->replicas[i] == d->reps[k];
         if (!present) {
@@ -158,8 +160,8 @@ static px_replica_t *gone_take(disc_t *d, const char *name)
 {
     for (size_t i = 0; i < d->ngone; i++) {
         px_replica_t *r = d->gone[i].r;
-        if (strcmp(r->name, name) != 0)
-            continue;
+        if (!r->discovered || strcmp(r->name, name) != 0)
+            continue; /* (a replica the config took over is no longer ours to bring back) */
         memmove(&d->gone[i], &d->gone[i + 1], (d->ngone - i - 1) * sizeof(*d->gone));
         d->ngone--;
         const char *why[] = {"back in DNS: attesting again", NULL};
@@ -269,7 +271,7 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
             }
             px_replica_t *r = NULL;
             for (size_t k = 0; k < d->nreps && r == NULL; k++)
-                if (strcmp(d->reps[k]->name, name) == 0)
+                if (d->reps[k]->discovered && strcmp(d->reps[k]->name, name) == 0)
                     r = d->reps[k];
             if ((r != NULL) != (pass == 0))
                 continue;
