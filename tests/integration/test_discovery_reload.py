@@ -60,6 +60,20 @@ def start_discovering(cfg, hosts, **kw):
     return start_proxy(config=cfg, wrapper=wrapper, **kw)
 
 
+def discovering_127_0_0_2(port, refresh_ms, serving=("127.0.0.2",)):
+    """Sims on `serving`, and detproxy discovering NAME at port with 127.0.0.2 in its hosts
+    file, once it admitted 127.0.0.2:port: (px, the hosts file, the sims, cfg, that name)."""
+    hosts = hosts_file(["127.0.0.2"])
+    sims = sims_on(list(serving), port)
+    name = "127.0.0.2:%d" % port
+    cfg = {"pools": [{"name": "p", "models": ["m1"],
+                      "discovery": {"dns": NAME, "port": port, "refresh_ms": refresh_ms}}]}
+    px = start_discovering(cfg, hosts)
+    poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
+               what="the discovered replica admitted")
+    return px, hosts, sims, cfg, name
+
+
 def replicas(px):
     return {r["name"]: r for r in get_json(px.admin_port, "/admin/replicas")["replicas"]}
 
@@ -132,14 +146,7 @@ def test_a_reload_that_configures_a_discovered_address_keeps_it_serving():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
     port = 18800 + os.getpid() % 200
-    hosts = hosts_file(["127.0.0.2"])
-    sims = sims_on(["127.0.0.2", "127.0.0.3"], port)
-    name = "127.0.0.2:%d" % port
-    cfg = {"pools": [{"name": "p", "models": ["m1"],
-                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 100}}]}
-    px = start_discovering(cfg, hosts)
-    poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
-               what="the discovered replica admitted")
+    px, hosts, sims, cfg, name = discovering_127_0_0_2(port, 100, ("127.0.0.2", "127.0.0.3"))
     with open(px.config_path) as f:
         cfg = json.load(f)
     cfg["pools"][0]["replicas"] = [{"name": name, "url": "http://" + name}]
@@ -181,15 +188,7 @@ def test_a_found_address_listed_and_then_unlisted_is_not_left_behind():
     if not namespaces_work():
         print("    note: unshare -m is not permitted here; discovery test not run")
         return
-    port = 19400 + os.getpid() % 200
-    hosts = hosts_file(["127.0.0.2"])
-    sims_on(["127.0.0.2"], port)
-    name = "127.0.0.2:%d" % port
-    cfg = {"pools": [{"name": "p", "models": ["m1"],
-                      "discovery": {"dns": NAME, "port": port, "refresh_ms": 600000}}]}
-    px = start_discovering(cfg, hosts)
-    poll_until(lambda: replicas(px).get(name, {}).get("state") == "admitted",
-               what="the discovered replica admitted")
+    px, _, _, cfg, name = discovering_127_0_0_2(19400 + os.getpid() % 200, 600000)
     for listed in (True, False):
         cfg["pools"][0]["replicas"] = [{"name": name, "url": "http://" + name}] if listed else []
         with open(px.config_path, "w") as f:
