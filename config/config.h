@@ -231,7 +231,7 @@ typedef struct {
     char **models; /* "*" matches any */
     size_t nmodels;
     /* models but "*", in byte order, for the per-request look-up (a pool may list thousands of
-     * adapters); NULL in a pool not built by the parser: models is then scanned. */
+     * adapters); built with models at load. */
     const char **models_sorted;
     size_t nmodels_sorted;
     bool any_model;           /* models holds "*" */

@@ -83,14 +83,6 @@ static void index_models(cfg_pool_t *p)
  * order, as strcmp sorted it. */
 static bool pool_lists(const cfg_pool_t *p, const char *model, size_t len)
 {
-    if (p->models_sorted == NULL) {
-        for (size_t j = 0; j < p->nmodels; j++) {
-            const char *m = p->models[j];
-            if (strcmp(m, "*") == 0 || (strlen(m) == len && memcmp(m, model, len) == 0))
-                return true;
-        }
-        return false;
-    }
     if (p->any_model)
         return true;
     size_t lo = 0, hi = p->nmodels_sorted;
