@@ -547,6 +547,31 @@ Test(rules, derive_known_answer)
     cr_assert_eq(res.seed, 916057937u);
 }
 
+/* Strings around the canonical form's stage sizes: short runs copied into the stage, long ones
+ * hashed where they lie, one after the other in order (1023 and 1024 bytes straddle the run
+ * hashed in place; 9000 is more than a whole stage). */
+Test(rules, derive_known_answer_long_strings)
+{
+    /* python3: the same formula as above over these five contents */
+    static const struct {
+        size_t n;
+        char c;
+    } parts[] = {{1023, 'a'}, {1024, 'b'}, {5000, 'c'}, {9000, 'd'}, {1, 'x'}};
+    static const char *roles[] = {"user", "assistant", "user", "user", "user"};
+    dp_buf_t b = {0};
+    dp_buf_appends(&b, "{\"model\":\"m\",\"messages\":[");
+    for (size_t i = 0; i < 5; i++) {
+        dp_buf_printf(&b, "%s{\"role\":\"%s\",\"content\":\"", i ? "," : "", roles[i]);
+        for (size_t k = 0; k < parts[i].n; k++)
+            dp_buf_appendc(&b, parts[i].c);
+        dp_buf_appends(&b, "\"}");
+    }
+    dp_buf_appends(&b, "],\"temperature\":0.5}");
+    cfg_tenant_t t = deriving("default");
+    cr_assert_eq(derived(&t, b.base), 751461751u);
+    dp_buf_free(&b);
+}
+
 /* A stream's request is trimmed once it is policed: what is read after it (the body sent, the
  * model, the result) stays, the parse is gone, and the next request parses as if fresh. */
 Test(rules, a_trimmed_request_keeps_its_body_model_and_result)
