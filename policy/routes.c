@@ -82,6 +82,11 @@ static const struct {
     {"/inference/v1/generate", true},
     {"/v1/audio/transcriptions", true},
     {"/v1/audio/translations", true},
+    /* SGLang: its Vertex AI prediction route (the default of AIP_PREDICT_ROUTE), and the batch
+     * API, whose POST runs every chat or completion request of an uploaded file; reading a
+     * batch's state (GET) generates nothing */
+    {"/vertex_generate", true},
+    {"/v1/batches", false},
 };
 
 static bool is_read(dp_iovec_t method)

@@ -145,7 +145,11 @@ NATIVE = [("POST", "/chat/completions", CHAT), ("POST", "/completions", COMPLETI
           ("POST", "/generate", COMPLETION), ("PUT", "/generate", COMPLETION),
           ("POST", "/generate_stream", COMPLETION), ("POST", "/invocations", CHAT),
           ("POST", "/inference/v1/generate", COMPLETION), ("POST", "/api/generate", COMPLETION),
-          ("POST", "/%63hat/completions/", CHAT), ("POST", "/v1/../completion?x=1", COMPLETION)]
+          ("POST", "/%63hat/completions/", CHAT), ("POST", "/v1/../completion?x=1", COMPLETION),
+          ("POST", "/vertex_generate",
+           {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"temperature": 1.7}}}),
+          ("POST", "/v1/batches", {"input_file_id": "f1", "endpoint": "/v1/chat/completions",
+                                   "completion_window": "24h"})]
 
 
 def test_engine_native_generation_routes_are_refused():

@@ -692,6 +692,24 @@ Test(rules, vllm_pins_generation_config_fields)
                      "\"frequency_penalty\":0,\"min_p\":0,\"repetition_penalty\":1}");
 }
 
+/* /v1/responses has no n: a governed n is not filled in there (the length is, as
+ * max_output_tokens), and an n the client sends anyway is still ruled. */
+Test(rules, responses_gets_no_n_filled_in)
+{
+    cfg_tenant_t t = tenant("t");
+    r_max(&t, CFG_PARAM_N, 1);
+    r_max(&t, CFG_PARAM_MAX_TOKENS, 16);
+    const char *b = "{\"model\":\"m\",\"input\":\"hi\"}";
+    cr_assert_eq(run_fw(&t, POLICY_ROUTE_RESPONSES, b, "vllm"), 0, "%s", err.message);
+    expect_body("{\"model\":\"m\",\"input\":\"hi\",\"max_output_tokens\":16}");
+    cr_assert_null(change_for("n", POLICY_NORMALIZED));
+    cr_assert_eq(
+        run_fw(&t, POLICY_ROUTE_RESPONSES, "{\"model\":\"m\",\"input\":\"hi\",\"n\":3}", "vllm"),
+        0);
+    expect_body("{\"model\":\"m\",\"input\":\"hi\",\"n\":1,\"max_output_tokens\":16}");
+    cr_assert_not_null(change_for("n", POLICY_CLAMPED));
+}
+
 Test(rules, sglang_like_vllm)
 {
     cfg_tenant_t t = tenant("t");

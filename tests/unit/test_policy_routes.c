@@ -65,6 +65,7 @@ Test(classify, engine_generation_routes_whatever_the_method)
         "/inference/v1/generate",
         "/v1/audio/transcriptions",
         "/v1/audio/translations",
+        "/vertex_generate",
         "/v2/models/m/infer",
         "/v2/models/llama-3/versions/1/infer",
         "/v2/models/m/generate",
@@ -84,6 +85,16 @@ Test(classify, tgi_root_generates_on_post_only)
     cr_assert_eq(cls("PUT", "/"), POLICY_CLASS_GENERATION);
     cr_assert_eq(cls("GET", "/"), POLICY_CLASS_PASS);
     cr_assert_eq(cls("HEAD", "/"), POLICY_CLASS_PASS);
+}
+
+/* A batch's POST runs the requests of an uploaded file; its state is read with GET. */
+Test(classify, batch_creation_is_refused_its_state_is_read)
+{
+    cr_assert_eq(cls("POST", "/v1/batches"), POLICY_CLASS_GENERATION);
+    cr_assert_eq(cls("POST", "/v1/batches/"), POLICY_CLASS_GENERATION);
+    cr_assert_eq(cls("GET", "/v1/batches"), POLICY_CLASS_PASS);
+    cr_assert_eq(cls("HEAD", "/v1/batches"), POLICY_CLASS_PASS);
+    cr_assert_eq(cls("GET", "/v1/batches/b1"), POLICY_CLASS_PASS);
 }
 
 Test(classify, near_misses_pass)
