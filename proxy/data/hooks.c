@@ -503,6 +503,22 @@ static bool audit_refuses(px_t *px, const pol_t *p)
     return !p->audit_fail_open && !px_audit_writable(px->audit);
 }
 
+/* A coded body (gzip, br, ...) cannot be read, and so not policed: a replica or a gateway
+ * behind us that decodes it would otherwise see what no rule looked at. "identity" is no
+ * coding (RFC 9110 §8.4.1). */
+static bool content_coded(const net_req_t *req)
+{
+    for (size_t i = 0; i < req->nheaders; i++) {
+        const net_header_t *hd = &req->headers[i];
+        if (!dp_strieq(hd->name.base, hd->name.len, "content-encoding"))
+            continue;
+        dp_iovec_t v = dp_trim_ows(hd->value);
+        if (!dp_strieq(v.base, v.len, "identity"))
+            return true;
+    }
+    return false;
+}
+
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data)
@@ -525,6 +541,14 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                                    "the audit trail cannot be written: this tenant's requests "
                                    "are refused until it can (log.audit_fail: closed)",
                                    NULL};
+        px_otel_refused(h->span, res->code);
+        return -1;
+    }
+    if (content_coded(req)) {
+        *res = (px_hooks_result_t){.status = 415,
+                                   .code = "unsupported_content_encoding",
+                                   .message = "a request body with Content-Encoding cannot be "
+                                              "policed; send it as plain JSON"};
         px_otel_refused(h->span, res->code);
         return -1;
     }

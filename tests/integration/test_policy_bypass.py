@@ -11,6 +11,7 @@ client and the access log are told when a stream ends early.
   OpenAI-style error event (docs/requests.md, docs/configuration.md "log.access").
 """
 
+import gzip
 import hashlib
 import json
 import os
@@ -101,6 +102,35 @@ def test_passthrough_entries_are_validated_with_their_path():
     assert "pools[0].passthrough[1]" in errs and "must start with '/'" in errs, errs
     assert "pools[0].passthrough[2]" in errs and "only at the end" in errs, errs
     sim.stop()
+
+
+# ---- content coding -------------------------------------------------------------------------
+
+def send_coded(port, data, coding, auth=AUTH):
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            "content-encoding: %s\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n"
+            % (coding, len(data), "authorization: %s\r\n" % auth if auth else ""))
+    return parse_response(raw_request(port, head.encode() + data))
+
+
+def test_a_coded_body_is_refused_415_before_the_replica():
+    """A body detproxy cannot read cannot be policed: gzip is refused with its reason, for every
+    tenant, and a plain body that claims a coding is refused too (a decoding hop behind us would
+    not see the JSON the rules looked at). `identity` is no coding."""
+    sim, px = setup()
+    before = len(client_requests(sim))
+    plain = json.dumps(dict(CHAT, temperature=1.7)).encode()
+    for data, coding, auth in ((gzip.compress(plain), "gzip", AUTH), (plain, "gzip", AUTH),
+                               (plain, "br", None), (plain, " GZIP ", AUTH)):
+        err = assert_openai_error(send_coded(px.port, data, coding, auth), 415,
+                                  "unsupported_content_encoding")
+        assert "Content-Encoding" in err["message"], err
+    assert len(client_requests(sim)) == before, client_requests(sim)[before:]
+    r = send_coded(px.port, plain, "Identity")
+    assert r.status == 200, r
+    got = client_requests(sim)[before:]
+    assert len(got) == 1 and json.loads(got[0]["body"])["temperature"] == 0, got
+    px.stop()
 
 
 # ---- counts ---------------------------------------------------------------------------------
