@@ -808,7 +808,12 @@ static bool fingerprint_differs(px_t *px, px_replica_t *r, const char *seen)
     if (attested[0] == '\0')
         return false;
     if (strcmp(seen, attested) == 0) {
-        atomic_store_explicit(&r->fp_seen_ns, dp_now_ns(), memory_order_relaxed);
+        /* Written at most once a millisecond: a store per response would move this cache line
+         * between the workers' cores on every answer, and attestation reads it against an
+         * interval of seconds. */
+        uint64_t now = dp_now_ns();
+        if (now - atomic_load_explicit(&r->fp_seen_ns, memory_order_relaxed) >= 1000000u)
+            atomic_store_explicit(&r->fp_seen_ns, now, memory_order_relaxed);
         return false;
     }
     px_metrics_add(px_metrics_get("detproxy_fingerprint_mismatch_total", "pool", r->pool_name,
