@@ -428,6 +428,10 @@ static bool uconn_head_done(uconn_t *c)
         q->cb.on_head(&q->pub, status, hdrs, nh, &c->framing);
     if (c->phase == UC_CLOSED || c->req != q)
         return false;
+    if (q->pub.refuse) {
+        uconn_fail(c, NET_UP_PROTOCOL, q->pub.refuse);
+        return false;
+    }
     if (c->msg_done) {
         uconn_done(c);
         return false;

@@ -75,6 +75,9 @@ struct net_creq_s {
     void *data;            /* the caller's */
     bool response_started; /* a response byte arrived */
     bool reused;           /* the connection came from the idle pool */
+    /* Set by on_head to refuse the response it was shown (static text saying why): the exchange
+     * ends as NET_UP_PROTOCOL with that detail, and no byte of the body is read. */
+    const char *refuse;
 };
 
 net_upstream_t *net_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,

@@ -440,6 +440,7 @@ static void build_head(px_preq_t *q, px_replica_t *r)
         size_t l = x->name.len;
         if (net_header_is_hop(n, l, connv) || dp_strieq(n, l, "host") ||
             dp_strieq(n, l, "authorization") || dp_strieq(n, l, "expect") ||
+            (is_inference(q->route) && dp_strieq(n, l, "accept-encoding")) ||
             (l > 11 && dp_memieq(n, "x-detproxy-", 11)) ||
             (q->hooks.traceparent[0] && dp_strieq(n, l, "traceparent")) ||
             (q->hooks.new_trace && dp_strieq(n, l, "tracestate")))
@@ -479,7 +480,9 @@ static void build_head(px_preq_t *q, px_replica_t *r)
         dp_buf_append(h, "\r\n", 2);
     }
     if (is_inference(q->route)) {
-        dp_buf_append(h, "content-length: ", 16);
+        /* An answer detproxy rewrites and checks must come uncoded; with no Accept-Encoding at
+         * all a server may pick any coding (RFC 9110 §12.5.3). */
+        dp_buf_append(h, "accept-encoding: identity\r\ncontent-length: ", 43);
         dp_buf_append_u64(h, q->body.len);
         dp_buf_append(h, "\r\n", 2);
     } else if (req->chunked) {
@@ -826,12 +829,43 @@ static void sse_error_event(px_preq_t *q, const char *message)
     dp_buf_free(&b);
 }
 
+/* Why a successful answer to an inference request cannot be checked, or NULL. Its fingerprint
+ * is rewritten and compared, and its usage read, in a JSON body or in an event stream, the one
+ * the request asked for; a coded body (detproxy asks for identity) or the other type would
+ * pass all of that by unread (docs/requests.md §2). */
+static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *hdrs, size_t n)
+{
+    const dp_iovec_t *type = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const char *nm = hdrs[i].name.base;
+        size_t l = hdrs[i].name.len;
+        if (dp_strieq(nm, l, "content-type")) {
+            type = &hdrs[i].value;
+        } else if (dp_strieq(nm, l, "content-encoding")) {
+            dp_iovec_t v = dp_trim_ows(hdrs[i].value);
+            if (!dp_strieq(v.base, v.len, "identity"))
+                return "the answer has a Content-Encoding, which detproxy did not ask for and "
+                       "cannot check";
+        }
+    }
+    if (q->hooks.stream)
+        return type && type->len >= 17 && dp_memieq(type->base, "text/event-stream", 17)
+                   ? NULL
+                   : "a streamed request was answered without Content-Type text/event-stream";
+    return type && type->len >= 16 && dp_memieq(type->base, "application/json", 16)
+               ? NULL
+               : "the answer's Content-Type is not application/json";
+}
+
 static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
                        const net_framing_t *f)
 {
     px_preq_t *q = c->data;
     if (q->req == NULL)
         return;
+    if (is_inference(q->route) && status >= 200 && status < 300 &&
+        (c->refuse = unverifiable_answer(q, hdrs, n)) != NULL)
+        return; /* up_on_done: 502, and the replica is checked again */
     q->status = status;
     q->code = "upstream";
     q->up_head_ns = dp_now_ns();

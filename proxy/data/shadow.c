@@ -791,7 +791,8 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     dp_buf_t head = {0};
     dp_buf_printf(&head,
                   "POST %s%.*s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                  "content-length: %zu\r\nx-detproxy-request-id: %s\r\nx-detproxy-shadow: %s\r\n",
+                  "accept-encoding: identity\r\ncontent-length: %zu\r\nx-detproxy-request-id: "
+                  "%s\r\nx-detproxy-shadow: %s\r\n",
                   target->url.path ? target->url.path : "", (int)pl->path.len,
                   pl->path.base ? pl->path.base : "", target->url.hostport, cs->len, pl->request_id,
                   cs->candidate ? "candidate" : drift_kind_name(cs->kind));

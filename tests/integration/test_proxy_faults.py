@@ -484,5 +484,27 @@ def test_replica_500_is_passed_on_not_retried():
     px.stop()
 
 
+# ---- an answer detproxy cannot read ----------------------------------------------------------
+
+
+def test_an_answer_detproxy_cannot_read_is_refused_502():
+    """An inference answer is rewritten and checked in JSON or in an event stream, the one the
+    request asked for: a coded body, or another type, would carry its own system_fingerprint to
+    the client unchecked. It is refused 502 before a byte reaches the client, and detproxy asks
+    for uncoded answers whatever the client accepts."""
+    sims, px = setup()
+    for fault, why in (("coded", "Content-Encoding"), ("wrong_type", "Content-Type")):
+        for stream in (False, True):
+            sim_config(sims[0], fault=fault, fault_count=1)
+            r = post_json(px.port, "/v1/completions", dict(COMPLETION, stream=stream))
+            err = assert_openai_error(r, 502, "upstream_error")
+            assert why in err["message"] and "fp_unchecked" not in r.body.decode(), (fault, err)
+    assert upstream_errors(px, "r1", "protocol") == 4
+    r = post_json(px.port, "/v1/completions", COMPLETION, headers={"accept-encoding": "gzip, br"})
+    assert r.status == 200, r
+    assert client_requests(sims[0])[-1]["headers"]["accept-encoding"] == "identity"
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())

@@ -44,7 +44,7 @@
 
 static const char *const fault_names[SIM_FAULT__COUNT] = {
     "none",           "close_before_response", "hang",     "garbage",
-    "die_mid_stream", "bad_framing",           "error_500"};
+    "die_mid_stream", "bad_framing",           "error_500", "coded", "wrong_type"};
 static const char *const afault_names[SIM_AFAULT__COUNT] = {
     "none", "wrong_nonce", "bad_signature", "unsigned", "garbage", "huge", "hang"};
 
@@ -561,6 +561,24 @@ static void fault_bad_framing(net_req_t *req)
     net_resp_raw_and_close(req, resp, sizeof(resp) - 1);
 }
 
+/* A 200 completion whose fingerprint is not the replica's own, with a head that makes it
+ * unreadable to a proxy that checks it: a Content-Encoding (the body itself is plain: the head
+ * is what is tested), or a type that is neither JSON nor an event stream. */
+static void fault_unreadable(net_req_t *req, sim_fault_t f)
+{
+    static const char body[] = "{\"object\":\"text_completion\",\"system_fingerprint\":"
+                               "\"fp_unchecked\",\"choices\":[{\"index\":0,\"text\":\"x\","
+                               "\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":1,"
+                               "\"completion_tokens\":1,\"total_tokens\":2}}";
+    dp_buf_t b = {0};
+    dp_buf_printf(&b, "HTTP/1.1 200 OK\r\ncontent-type: %s\r\n%scontent-length: %zu\r\n\r\n%s",
+                  f == SIM_FAULT_CODED ? "application/json" : "text/plain",
+                  f == SIM_FAULT_CODED ? "content-encoding: gzip\r\n" : "", sizeof(body) - 1,
+                  body);
+    net_resp_raw_and_close(req, b.base, b.len);
+    dp_buf_free(&b);
+}
+
 /* Apply the configured fault to this request, if any. Returns true when it took the request
  * (die_mid_stream only marks *die and lets generation start). */
 static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
@@ -596,6 +614,10 @@ static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
         return true;
     case SIM_FAULT_ERROR_500:
         send_error(req, 500, "InternalServerError", NULL, "simulated replica failure");
+        return true;
+    case SIM_FAULT_CODED:
+    case SIM_FAULT_WRONG_TYPE:
+        fault_unreadable(req, f);
         return true;
     case SIM_FAULT_DIE_MID_STREAM:
         if (!inference) {
@@ -741,7 +763,8 @@ static int config_apply(sim_t *s, const char *body, size_t n, dp_buf_t *why)
         } else if (strcmp(k, "fault") == 0) {
             if (!cJSON_IsString(it) || sim_fault_parse(it->valuestring) < 0) {
                 dp_buf_appends(why, "fault: expected one of none, close_before_response, hang, "
-                                    "garbage, die_mid_stream, bad_framing, error_500");
+                                    "garbage, die_mid_stream, bad_framing, error_500, coded, "
+                                    "wrong_type");
                 goto out;
             }
         } else if (strcmp(k, "fault_scope") == 0) {

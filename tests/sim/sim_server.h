@@ -18,6 +18,8 @@ typedef enum {
     SIM_FAULT_DIE_MID_STREAM,        /* a few tokens, then close without the final chunk */
     SIM_FAULT_BAD_FRAMING,           /* both Content-Length and Transfer-Encoding */
     SIM_FAULT_ERROR_500,             /* an OpenAI-shaped 500 */
+    SIM_FAULT_CODED,                 /* a 200 that says Content-Encoding: gzip */
+    SIM_FAULT_WRONG_TYPE,            /* a 200 JSON answer sent as text/plain */
     SIM_FAULT__COUNT
 } sim_fault_t;
 
