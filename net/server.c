@@ -1903,10 +1903,7 @@ static int fd_headroom_error(const net_server_t *s)
     uv_os_fd_t lfd;
     if (uv_fileno((const uv_handle_t *)&s->listener, &lfd) != 0)
         return 0;
-    /* dup, not fcntl(F_DUPFD_CLOEXEC): ThreadSanitizer does not see an fd made by fcntl, and
-     * took its close for a race with the last owner of that number. detproxy never execs, and
-     * the fd lives for one close, so close-on-exec would change nothing. */
-    int probe = dup(lfd);
+    int probe = fcntl(lfd, F_DUPFD_CLOEXEC, 0);
     if (probe >= 0) {
         close(probe);
         return 0;
