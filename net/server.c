@@ -2520,11 +2520,28 @@ void net_resp_abort(net_req_t *req)
     q->resp_ended = true; /* the handler is done with it: no on_abort */
     if (c->phase == PH_CLOSED)
         return; /* already closing: the close callback releases the request */
+    if (q->resp_head_pending && resp_emit(req, NULL, 0, NULL, 0, NULL, 0) != 0)
+        return; /* the write failed: conn_close released it */
     conn_release_req(c);
     budget_unwait(c);
     /* Deliver what was written, then end the connection without the final chunk: a lingering
      * close, so a client that stops reading is cut off as in any other (timer_cb). */
     conn_linger(c, true);
+}
+
+bool net_resp_unstart(net_req_t *req)
+{
+    req_impl_t *q = impl(req);
+    if (!q->resp_head_pending || q->resp_ended)
+        return false;
+    cork_remove(req->server, q);
+    q->resp_head_pending = false;
+    q->resp_started = false;
+    q->resp_chunked = false;
+    q->resp_no_body = false;
+    q->resp_remaining = -1;
+    dp_buf_reset(&q->out);
+    return true;
 }
 
 int net_resp_raw_and_close(net_req_t *req, const char *p, size_t n)

@@ -192,8 +192,13 @@ int net_resp_start(net_req_t *req, int status, const net_header_t *hdrs, size_t 
 int net_resp_write(net_req_t *req, const char *p, size_t n);
 int net_resp_end(net_req_t *req);
 /* Give up mid-response: close the connection without completing the framing, so the client
- * sees an error rather than a clean truncated success. on_abort is not called. */
+ * sees an error rather than a clean truncated success. A head not yet written goes out first.
+ * on_abort is not called. */
 void net_resp_abort(net_req_t *req);
+/* Take back a response whose head has not been written yet (net_resp_start waits for the first
+ * body bytes or the end of the loop pass): true, and another response may be started; false
+ * once a byte of it went to the socket. */
+bool net_resp_unstart(net_req_t *req);
 /* Test simulators only: write raw bytes (no framing, no head) and close the connection after
  * they are flushed. For injecting broken responses; never used by the proxy. */
 int net_resp_raw_and_close(net_req_t *req, const char *p, size_t n);

@@ -1143,6 +1143,12 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
         return;
     }
     px_hooks_upstream_failed(&q->hooks, q->px, r, err);
+    /* A head that has not left yet (it waits for the body's first bytes, and the failure came
+     * with them) is taken back: the client is told 502 instead of getting nothing at all. */
+    if (q->req && q->client_started && net_resp_unstart(q->req)) {
+        q->client_started = false;
+        q->sse = false;
+    }
     if (q->req) {
         if (q->client_started) {
             /* Mid-response: end without the final chunk so the client sees an error; a

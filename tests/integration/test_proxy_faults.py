@@ -484,6 +484,23 @@ def test_replica_500_is_passed_on_not_retried():
     px.stop()
 
 
+def test_a_head_and_a_broken_body_in_one_read_get_a_502_not_nothing():
+    """The replica's head and a malformed body arrive together: detproxy had the head ready
+    for the client but had not written it when the body failed. The client gets a 502 in
+    OpenAI's shape, not a closed connection with no answer at all; a non-2xx answer (passed
+    through unread) the same."""
+    heads = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+             b"transfer-encoding: chunked\r\n\r\nzz\r\n",
+             b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
+             b"transfer-encoding: chunked\r\n\r\n5;a=1\x01\r\n")
+    up, px = start_scripted(lambda k, conn, req: (heads[k % 2], False))
+    for stream in (True, False):
+        r = post_json(px.port, "/v1/completions", dict(COMPLETION, stream=stream))
+        assert_openai_error(r, 502, "upstream_error")
+    assert upstream_errors(px, "r1", "protocol") == 2
+    px.stop()
+
+
 # ---- an answer detproxy cannot read ----------------------------------------------------------
 
 

@@ -123,8 +123,8 @@ def test_smuggling_chunk_data_without_crlf_pass_through_is_400():
     """A pass-through route streams the body: the head (and the chunk before the bad framing)
     may already be on its way, but the replica never gets a complete request and the upstream
     exchange is cancelled at once."""
-    up = ScriptedUpstream(lambda k, c, q: (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
-                                           True))
+    up = ScriptedUpstream(lambda k, c, q: (b"HTTP/1.1 200 OK\r\nContent-Type: application/json"
+                                           b"\r\nContent-Length: 2\r\n\r\n{}", True))
     px = start_proxy(pools=[{"name": "p", "models": ["m1"], "replicas": [
         {"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}])
     data = post(b"Host: x\r\nTransfer-Encoding: chunked\r\n", b"2\r\n{}XX0\r\n\r\n" + SMUGGLED,

@@ -945,9 +945,11 @@ def one_response(port, data, timeout=10):
 
 def test_a_replica_dropping_tls_mid_stream_gives_an_incomplete_response():
     part = b'data: {"choices":[{"text":"partial"}]}\n\n'
-    cl_head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    # Event streams, as the streamed request asks for (another type is refused 502 at once).
+    cl_head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Content-Length: 1000\r\n\r\n")
-    nolen_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+    nolen_head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                  b"Connection: close\r\n\r\n")
     # name: (bytes the replica sends, how it ends the connection, whole response expected)
     cases = {
         # Head + one chunk, then the TCP connection ends without close_notify.

@@ -923,7 +923,7 @@ static void normalize(apply_t *a, const cfg_tenant_t *t, fw_t fw)
     if (governed(&R[S_MAX_TOKENS]) && R[S_MAX_TOKENS].has_max)
         pin(a, a->r->route == POLICY_ROUTE_RESPONSES ? S_MAX_OUTPUT_TOKENS : S_MAX_TOKENS,
             R[S_MAX_TOKENS].max);
-    if (governed(&R[S_N]))
+    if (governed(&R[S_N]) && a->r->route != POLICY_ROUTE_RESPONSES) /* it has no n */
         pin(a, S_N, clamp_rule(&R[S_N], 1));
     if (governed(&R[S_PRESENCE_PENALTY]) && fw != FW_TGI)
         pin(a, S_PRESENCE_PENALTY, clamp_rule(&R[S_PRESENCE_PENALTY], 0));
