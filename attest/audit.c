@@ -36,26 +36,9 @@ static void line_hash(const char *p, size_t n, char out[65])
 
 #define CHECKPOINT_HEAD "{\"checkpoint\":"
 
-/* After a crash the file ends without its shutdown checkpoint: the next checkpoint must count
- * the lines already there. buf[0..end) ends with '\n'; its first line is partial when
- * first_partial (a tail of a larger file). */
-static uint64_t lines_since_checkpoint(const char *buf, size_t end, bool first_partial)
+static bool is_checkpoint(const char *p, size_t n)
 {
-    uint64_t n = 0;
-    size_t e = end;
-    while (e > 0) {
-        size_t s = e - 1;
-        while (s > 0 && buf[s - 1] != '\n')
-            s--;
-        if (s == 0 && first_partial)
-            break;
-        if (e - s > strlen(CHECKPOINT_HEAD) &&
-            memcmp(buf + s, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0)
-            break;
-        n++;
-        e = s;
-    }
-    return n;
+    return n > strlen(CHECKPOINT_HEAD) && memcmp(p, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0;
 }
 
 /* The seq of a checkpoint line (0 when it has none: written before checkpoints were numbered). */
@@ -69,57 +52,107 @@ static uint64_t checkpoint_seq(const char *p, size_t n)
     return seq;
 }
 
-static bool is_checkpoint(const char *p, size_t n)
+/* The checkpoint line p[0..n) (without its '\n') is the chain's last: its seq and hash into c. */
+static void take_checkpoint(audit_chain_t *c, const char *p, size_t n)
 {
-    return n > strlen(CHECKPOINT_HEAD) && memcmp(p, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0;
+    c->seq = checkpoint_seq(p, n);
+    dp_sha256_hex(p, n, c->checkpoint);
 }
 
-/* The last checkpoint of buf[0..end) (complete lines; the first one partial when
- * first_partial): its seq and hash into c. false when there is none. */
-static bool last_checkpoint(audit_chain_t *c, const char *buf, size_t end, bool first_partial)
+/* After a crash the file ends without its shutdown checkpoint: the next checkpoint must count
+ * the lines already there. Walks buf[0..end) (complete lines, ending with '\n') back to its last
+ * checkpoint: the lines after it are counted into c->since_checkpoint, its seq and hash go to
+ * c. Its first line is partial when first_partial (a tail of a larger file) and is neither
+ * counted nor taken as a checkpoint: *rest is then set to the length of that partial line
+ * with its '\n', where the walk must go on in the file. true when a checkpoint was found. */
+static bool tail_checkpoint(audit_chain_t *c, const char *buf, size_t end, bool first_partial,
+                            size_t *rest)
 {
     size_t e = end;
     while (e > 0) {
         size_t s = e - 1;
         while (s > 0 && buf[s - 1] != '\n')
             s--;
-        if (s == 0 && first_partial)
+        if (s == 0 && first_partial) {
+            *rest = e;
             return false;
+        }
         if (is_checkpoint(buf + s, e - 1 - s)) {
-            c->seq = checkpoint_seq(buf + s, e - 1 - s);
-            line_hash(buf + s, e - s, c->checkpoint);
+            take_checkpoint(c, buf + s, e - 1 - s);
             return true;
         }
+        c->since_checkpoint++;
         e = s;
     }
+    *rest = 0;
     return false;
 }
 
-/* The last checkpoint of a file too large to read whole: one pass forward. */
-static void scan_checkpoints(audit_chain_t *c, int fd)
+#define BACK_CHUNK (64u * 1024)
+
+/* The walk of tail_checkpoint, beyond the part of the file held in memory: the file's complete
+ * lines before offset `end` (0 or just after a '\n') are read backwards in BACK_CHUNK pieces,
+ * counted into c->since_checkpoint up to the last checkpoint, whose line (bounded by
+ * AUDIT_LINE_MAX; a longer one is not ours and is counted as a line) gives c its seq and hash.
+ * Memory stays bounded whatever the distance to that checkpoint. 0 or a negative errno. */
+static int back_to_checkpoint(audit_chain_t *c, int fd, off_t end)
 {
-    int d = dup(fd);
-    FILE *f = d >= 0 ? fdopen(d, "r") : NULL;
-    if (f == NULL) {
-        if (d >= 0)
-            close(d);
-        return;
-    }
-    rewind(f);
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t got;
-    while ((got = getline(&line, &cap, f)) > 0) {
-        size_t n = (size_t)got;
-        if (line[n - 1] != '\n')
-            break;
-        if (is_checkpoint(line, n - 1)) {
-            c->seq = checkpoint_seq(line, n - 1);
-            line_hash(line, n, c->checkpoint);
+    const size_t head = strlen(CHECKPOINT_HEAD);
+    char *buf = dp_xmalloc(BACK_CHUNK);
+    off_t lo = end, hi = end; /* buf holds the file's bytes [lo, hi) */
+    off_t e = end;            /* the end (after its '\n') of the line being looked at */
+    int rc = 0;
+    while (e > 0) {
+        /* Find the line's start: after the last '\n' before e - 1, or the file's start. */
+        off_t s = e - 1;
+        for (;;) {
+            if (s == 0)
+                break;
+            if (s <= lo) {
+                off_t from = s > (off_t)BACK_CHUNK ? s - (off_t)BACK_CHUNK : 0;
+                ssize_t got = pread(fd, buf, (size_t)(s - from), from);
+                if (got != (ssize_t)(s - from)) {
+                    rc = got < 0 ? -errno : -EIO;
+                    goto out;
+                }
+                lo = from;
+                hi = s;
+            }
+            const char *nl = memrchr(buf, '\n', (size_t)(s - lo));
+            if (nl) {
+                s = lo + (off_t)(nl - buf) + 1;
+                break;
+            }
+            s = lo;
         }
+        size_t n = (size_t)(e - 1 - s); /* the line without its '\n' */
+        char h[sizeof(CHECKPOINT_HEAD)];
+        bool cp = false;
+        if (n > head) {
+            if (s + (off_t)head <= hi && s >= lo) {
+                memcpy(h, buf + (s - lo), head);
+            } else if (pread(fd, h, head, s) != (ssize_t)head) {
+                rc = -EIO;
+                goto out;
+            }
+            cp = memcmp(h, CHECKPOINT_HEAD, head) == 0 && n <= AUDIT_LINE_MAX;
+        }
+        if (cp) {
+            char *line = dp_xmalloc(n);
+            ssize_t got = pread(fd, line, n, s);
+            if (got == (ssize_t)n)
+                take_checkpoint(c, line, n);
+            else
+                rc = got < 0 ? -errno : -EIO;
+            free(line);
+            goto out;
+        }
+        c->since_checkpoint++;
+        e = s;
     }
-    free(line);
-    fclose(f);
+out:
+    free(buf);
+    return rc;
 }
 
 int audit_chain_resume(audit_chain_t *c, const char *path)
@@ -169,9 +202,9 @@ int audit_chain_resume_torn(audit_chain_t *c, const char *path, audit_torn_t *to
                     start--;
                 if (start > 0 || !partial) {
                     line_hash(buf + start, end - start, c->prev);
-                    c->since_checkpoint = lines_since_checkpoint(buf, end, partial);
-                    if (!last_checkpoint(c, buf, end, partial) && partial)
-                        scan_checkpoints(c, fd);
+                    size_t rest = 0;
+                    if (!tail_checkpoint(c, buf, end, partial, &rest) && partial)
+                        rc = back_to_checkpoint(c, fd, size - (off_t)got + (off_t)rest);
                 } else {
                     rc = -EFBIG; /* a last line longer than AUDIT_TAIL_MAX is not ours */
                 }

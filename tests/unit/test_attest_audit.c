@@ -396,3 +396,69 @@ Test(audit, a_torn_tail_is_described_and_repaired)
     dp_buf_free(&rep);
     dp_buf_free(&out);
 }
+
+/* A crash far from the last checkpoint: more than AUDIT_TAIL_MAX of lines after it. Resume must
+ * count every one of them (the next checkpoint says how many) and still find that checkpoint,
+ * and a file with no checkpoint at all counts all its lines. */
+Test(audit, resume_counts_lines_beyond_the_tail_window)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/big.jsonl", g_dir);
+    dp_buf_t out = {0};
+    audit_chain_t c;
+    audit_chain_init(&c);
+    char pad[301];
+    memset(pad, 'x', sizeof(pad) - 1);
+    pad[sizeof(pad) - 1] = '\0';
+    char line[400];
+    for (int i = 0; i < 3; i++) {
+        int len = snprintf(line, sizeof(line), "{\"request_id\":\"a%d\",\"pad\":\"%s\"}", i, pad);
+        audit_chain_append(&c, line, (size_t)len, &out);
+    }
+    audit_chain_checkpoint(&c, g_priv, "reopen", 1, &out);
+    char cp[65];
+    memcpy(cp, c.checkpoint, 65);
+    size_t before = out.len;
+    const int n = 5000; /* ~1.8 MiB */
+    for (int i = 0; i < n; i++) {
+        int len = snprintf(line, sizeof(line), "{\"request_id\":\"r%d\",\"pad\":\"%s\"}", i, pad);
+        audit_chain_append(&c, line, (size_t)len, &out);
+    }
+    cr_assert_gt(out.len - before, 3 * (size_t)AUDIT_TAIL_MAX / 2);
+    size_t whole = out.len;
+    dp_buf_appends(&out, "{\"request_id\":\"torn");
+    put(path, &out);
+    audit_chain_t d;
+    audit_torn_t t;
+    cr_assert_eq(audit_chain_resume_torn(&d, path, &t), 0);
+    cr_assert_str_eq(d.prev, c.prev);
+    cr_assert_eq(d.since_checkpoint, (uint64_t)n, "counted %llu lines since the checkpoint",
+                 (unsigned long long)d.since_checkpoint);
+    cr_assert_eq(d.seq, 1);
+    cr_assert_str_eq(d.checkpoint, cp);
+    cr_assert(t.torn);
+    cr_assert_eq(t.offset, whole);
+    /* The next checkpoint's count verifies. */
+    out.len = whole;
+    audit_chain_checkpoint(&d, g_priv, "shutdown", 1, &out);
+    put(path, &out);
+    audit_verify_opts_t o = {.pubkey = g_pub};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert_eq(r.signatures_checked, 2);
+    /* No checkpoint anywhere: every line counts. */
+    audit_chain_init(&c);
+    dp_buf_reset(&out);
+    for (int i = 0; i < n; i++) {
+        int len = snprintf(line, sizeof(line), "{\"request_id\":\"r%d\",\"pad\":\"%s\"}", i, pad);
+        audit_chain_append(&c, line, (size_t)len, &out);
+    }
+    put(path, &out);
+    cr_assert_eq(audit_chain_resume(&d, path), 0);
+    cr_assert_eq(d.since_checkpoint, (uint64_t)n);
+    cr_assert_eq(d.seq, 0);
+    cr_assert_str_eq(d.checkpoint, "");
+    dp_buf_free(&why);
+    dp_buf_free(&out);
+}
