@@ -616,6 +616,11 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
     free(line);
     fclose(f);
     r->unsigned_tail = since;
-    memcpy(r->last, prev, sizeof(prev));
+    /* A file without a complete line adds nothing to the chain: its head is the previous
+     * file's, passed through to the next. */
+    if (r->lines == 0 && o->expect_prev)
+        snprintf(r->last, sizeof(r->last), "%s", o->expect_prev);
+    else
+        memcpy(r->last, prev, sizeof(prev));
     return rc;
 }

@@ -101,7 +101,8 @@ typedef struct {
     uint64_t evidence_checked;    /* lines whose attestation evidence was found in the store */
     uint64_t unsigned_tail;       /* lines after the last checkpoint */
     char first_prev[65];          /* what the first line names */
-    char last[65];                /* hash of the last line: the next file's expect_prev */
+    char last[65];                /* hash of the last line: the next file's expect_prev (no
+                                   * complete line: expect_prev, passed through) */
     uint64_t first_seq, last_seq; /* checkpoint seqs seen (0: none) */
     audit_torn_t torn;            /* with allow_torn: the torn last line */
     bool repaired;                /* the first line is a repair line */

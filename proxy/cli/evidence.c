@@ -34,7 +34,9 @@
 
 /* ---- audit verify ---------------------------------------------------------------------------- */
 
-#define EXIT_UNSIGNED 4 /* the chain holds, but no --pubkey checked who wrote it */
+/* The chain holds, but no signature shows who wrote it: no --pubkey, or a --pubkey that found
+ * no checkpoint to check. */
+#define EXIT_UNSIGNED 4
 #define MAX_ANCHORS 64
 
 typedef struct {
@@ -83,7 +85,8 @@ static const dp_args_t audit_spec = {
     .nopts = DP_ARRAY_SIZE(audit_table),
     .epilog = "Exit codes: 0 every file checks out, 1 a break, an anchor the chain lacks, or a\n"
               "file that cannot be read, 2 usage error or an unusable --pubkey, 4 the chain\n"
-              "holds but signatures were NOT checked (no --pubkey, no --no-signatures).",
+              "holds but signatures were NOT checked (no --pubkey, no --no-signatures), or\n"
+              "--pubkey found no checkpoint to check: no line is signed.",
     .positional = true,
     .pos_off = offsetof(audit_opts_t, files),
 };
@@ -149,7 +152,7 @@ int px_cmd_audit(int argc, char **argv)
     }
     char prev[65] = "";
     audit_torn_t torn = {0};
-    uint64_t prev_seq = 0, first_seq = 0, last_seq = 0;
+    uint64_t prev_seq = 0, first_seq = 0, last_seq = 0, lines = 0, signatures = 0;
     bool first = true;
     for (size_t i = 0; i < o.files.n && rc == 0; i++) {
         const char *file = o.files.items[i];
@@ -189,6 +192,19 @@ int px_cmd_audit(int argc, char **argv)
             printf(", %llu lines after the last checkpoint (not signed yet)",
                    (unsigned long long)r.unsigned_tail);
         putchar('\n');
+        lines += r.lines;
+        signatures += r.signatures_checked;
+        if (r.lines == 0 && !r.torn.torn) {
+            /* Nothing in it: the chain (head, torn last line, seq) passes through unchanged. */
+            if (prev[0])
+                printf("%s: empty: the chain passes through it (the next file continues from "
+                       "%.12s..)\n",
+                       file, prev);
+            else
+                printf("%s: empty: the chain starts with the next file\n", file);
+            dp_buf_free(&why);
+            continue;
+        }
         if (r.repaired)
             printf("%s: repair: starts after the torn last line of %s (%s at offset %llu; the "
                    "chain continues from its last complete line)\n",
@@ -216,6 +232,13 @@ int px_cmd_audit(int argc, char **argv)
         memcpy(prev, r.last, sizeof(prev));
         dp_buf_free(&why);
     }
+    if (rc == 0 && torn.torn) {
+        /* Only empty files followed the torn one: nothing repairs it. */
+        printf("%s: the torn last line of an earlier file is not repaired: no later file "
+               "starts with its repair line\n",
+               o.files.items[o.files.n - 1]);
+        rc = 1;
+    }
     for (size_t i = 0; i < o.anchors.n && rc == 0; i++) {
         const audit_anchor_t *a = &anchors[i];
         if (a->found) {
@@ -238,6 +261,21 @@ int px_cmd_audit(int argc, char **argv)
     if (rc == 0 && key == NULL && !o.no_signatures) {
         printf("chain ok, signatures NOT checked: give --pubkey (or --no-signatures to accept "
                "that)\n");
+        rc = EXIT_UNSIGNED;
+    }
+    /* A chain anyone can recompute proves nothing about its writer: with --pubkey, at least one
+     * checkpoint must vouch for the lines before it. Lines after the last one are reported
+     * per file above. */
+    if (rc == 0 && key && signatures == 0) {
+        if (lines == 0)
+            printf("no signature verified: the files hold no line\n");
+        else
+            printf("chain ok, but NO signature verified: no checkpoint covers any of the %llu "
+                   "lines, so nothing shows they were written with the signing key (a trail "
+                   "rewritten without the key looks the same). An honest trail has none yet "
+                   "when it never reached audit_checkpoint_lines and was not stopped cleanly: "
+                   "reload or stop detproxy to write a checkpoint, then verify again\n",
+                   (unsigned long long)lines);
         rc = EXIT_UNSIGNED;
     }
 done:

@@ -101,7 +101,8 @@ def test_each_line_names_the_attestation_it_was_served_under():
     # What the adapter answered, framed per request: an auditor can judge it again.
     assert ev.startswith(b"GET /"), ev[:80]
     rc, out, err = verify(px)
-    assert rc == 0 and "2 lines' attestation evidence found" in out, out + err
+    # 4, not 0: no checkpoint signs these two lines yet (the proxy is still running).
+    assert rc == 4 and "2 lines' attestation evidence found" in out, out + err
     os.unlink(os.path.join(px.store, sha))
     rc, out, err = verify(px)
     assert rc == 1 and "attestation_sha256 %s..: stored body missing" % sha[:12] in out + err, \
@@ -285,6 +286,72 @@ def test_crash_then_restart_keeps_the_chain_and_the_checkpoint_count():
     assert got[3]["checkpoint"]["lines"] == 3, got[3]
     rc, out, _ = verify(px)
     assert rc == 0, out
+
+
+def test_with_a_pubkey_a_trail_no_checkpoint_signs_does_not_pass():
+    """A chain anyone can recompute: rewritten from genesis without its checkpoints it still
+    holds, so with --pubkey verify exits 4 (nothing signed), not 0. An honest trail that
+    crashed before its first checkpoint looks the same until a clean stop signs it."""
+    sim, px = setup(checkpoint_lines=100)
+    for i in range(3):
+        complete(px, "q%d" % i)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 3, what="three audit lines")
+    px.kill()  # no shutdown checkpoint: nothing signed yet
+    rc, out, _ = verify(px)
+    assert rc == 4 and "NO signature verified" in out and "3 lines" in out, out
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "q3")
+    px2.stop()
+    rc, out, _ = verify(px)
+    assert rc == 0 and "1 signatures verified" in out, out
+
+    def forge(r):
+        out, prev = [], "0" * 64
+        for b in r:
+            o = json.loads(b)
+            if "checkpoint" in o:
+                continue
+            o["status"] = 500
+            o["prev_sha256"] = prev
+            s = json.dumps(o, separators=(",", ":")).encode()
+            out.append(s)
+            prev = hashlib.sha256(s).hexdigest()
+        return out
+    rewrite(px.audit_path, forge)
+    rc, out, _ = verify(px)
+    assert rc == 4 and "0 checkpoints" in out and "NO signature verified" in out, out
+    # Knowingly without signatures, the chain alone is what is asked for.
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures"])
+    assert rc == 0, out
+
+
+def test_an_empty_rotated_file_passes_the_chain_through():
+    """Two rotations with no line between leave an empty file (no key: no reopen checkpoint
+    fills it); verified in rotation order, the chain goes through it to the next file."""
+    sim, px = setup(checkpoint_lines=100, key=False)
+    complete(px, "a")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    for n in (2, 1):
+        os.rename(px.audit_path, "%s.%d" % (px.audit_path, n))
+        px.send_signal(signal.SIGHUP)
+        poll_until(lambda: os.path.exists(px.audit_path), what="audit file reopened")
+    complete(px, "b")
+    px.stop()
+    files = [px.audit_path + ".2", px.audit_path + ".1", px.audit_path]
+    assert os.path.getsize(files[1]) == 0
+    head = hashlib.sha256(open(files[0], "rb").read().split(b"\n")[-2]).hexdigest()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify"] + files + ["--no-signatures"])
+    assert rc == 0, out
+    assert "audit.jsonl.1: empty: the chain passes through it (the next file continues from %s..)" \
+        % head[:12] in out, out
+    # The empty file does not hide a break: out of order, the chain still fails.
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", files[2], files[1], files[0],
+                          "--no-signatures"])
+    assert rc == 1 and "line 1: chain broken" in out, out
+    # An empty first file: the chain starts with the next one.
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", files[1], files[0],
+                          "--no-signatures"])
+    assert rc == 0 and "empty: the chain starts with the next file" in out, out
 
 
 def replay(px, *args):
