@@ -303,6 +303,30 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
 /* End of stream: append any held bytes. */
 void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
 
+/* ---- the end of an audited stream ------------------------------------------------------------ */
+
+/* A stream's closing event: `data: [DONE]` (completions, chat) or `event: response.completed`,
+ * `.incomplete` or `.failed` (the Responses API; the space after the colon is optional). For a
+ * tenant whose answers may not exist without their audit line, that event and everything after
+ * it wait until the line is written: a client that reads to the end never sees a finished
+ * answer the trail does not hold. The gate reads line starts only (a line that cannot be one
+ * of those is passed on as soon as that is plain), so it keeps at most
+ * POLICY_SSE_END_MAX bytes of an undecided line. Zero-initialise. */
+#define POLICY_SSE_END_MAX 27
+typedef struct {
+    bool holding; /* the closing event began: every byte from it on is held */
+    bool mid;     /* inside a line already passed on */
+    uint8_t npre;
+    char pre[POLICY_SSE_END_MAX]; /* the current line's start, not passed on yet */
+} policy_sse_end_t;
+
+/* The next n bytes of the stream (as the client would get them): what may go now is appended
+ * to out, what must wait to held. */
+void policy_sse_end_feed(policy_sse_end_t *g, const char *p, size_t n, dp_buf_t *out,
+                         dp_buf_t *held);
+/* The stream ended: a last line without its line end is judged as it is. */
+void policy_sse_end_finish(policy_sse_end_t *g, dp_buf_t *out, dp_buf_t *held);
+
 /* ---- token usage (detproxy_tokens_total) ---------------------------------------------------- */
 
 /* Incremental scanner for `"usage": {"prompt_tokens": P, "completion_tokens": C, ...}` in a

@@ -32,6 +32,11 @@ typedef struct pol_s {
     bool audit_failed;    /* its line (or bodies) could not be written */
     bool sse_rewrite;
     policy_sse_fp_t sse;
+    /* A stream of an audited tenant under log.audit_fail: closed: its closing event waits
+     * for the audit line (px_hooks_stream_end). */
+    bool gate;
+    policy_sse_end_t end;
+    dp_buf_t gate_out, end_held;
     policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
     dp_buf_t out;
     dp_buf_t in; /* offloaded requests: the client's body, moved here for the worker */
@@ -125,6 +130,8 @@ static void pol_put(pol_t *p)
     p->route_copy = NULL;
     dp_buf_free(&p->resp_body);
     dp_buf_free(&p->att_ev);
+    dp_buf_free(&p->gate_out);
+    dp_buf_free(&p->end_held);
     /* A large body is not kept with a cached pol_t (256 of them would hold 64 MiB outside the
      * body budget): it goes to the thread's bounded stash, for the next large body. */
     if (p->in.cap >= DP_BUF_STASH_MIN)
@@ -424,6 +431,7 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
                 strlen(pool->fingerprint));
     if (h->stream) {
         p->sse_rewrite = true;
+        p->gate = p->audit && !p->audit_fail_open;
         policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
         policy_req_trim(p->preq); /* nothing reads the parse again; a stream lives long */
     }
@@ -676,6 +684,26 @@ static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
     px_otel_bytes(h->span, b, n);
 }
 
+/* What of v goes to the client now, when the stream's end is gated (else v itself). */
+static dp_iovec_t gated(pol_t *p, dp_iovec_t v, bool last)
+{
+    if (p == NULL || !p->gate)
+        return v;
+    dp_buf_reset(&p->gate_out);
+    policy_sse_end_feed(&p->end, v.base, v.len, &p->gate_out, &p->end_held);
+    if (last)
+        policy_sse_end_finish(&p->end, &p->gate_out, &p->end_held);
+    return (dp_iovec_t){p->gate_out.base ? p->gate_out.base : "", p->gate_out.len};
+}
+
+dp_iovec_t px_hooks_stream_end(px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    if (p == NULL || !p->gate)
+        return (dp_iovec_t){"", 0};
+    return (dp_iovec_t){p->end_held.base ? p->end_held.base : "", p->end_held.len};
+}
+
 dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
 {
     pol_t *p = h->policy;
@@ -685,8 +713,8 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
         policy_sse_fp_feed(&p->sse, b, n, &p->out);
         v = (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len};
     }
-    tee(h, p, v.base, v.len);
-    return v;
+    tee(h, p, v.base, v.len); /* the audit hashes and keeps the answer whole, held part too */
+    return gated(p, v, false);
 }
 
 bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
@@ -706,7 +734,7 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
         snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
     dp_iovec_t v = {p->out.base ? p->out.base : "", p->out.len};
     tee(h, p, v.base, v.len);
-    return v;
+    return gated(p, v, true);
 }
 
 /* ---- audit ---------------------------------------------------------------------------------- */

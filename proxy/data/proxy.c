@@ -1048,6 +1048,9 @@ static void deliver(void *data)
         net_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
     if (q->req) {
+        dp_iovec_t end = px_hooks_stream_end(&q->hooks); /* held for the audit line */
+        if (end.len)
+            net_resp_write(q->req, end.base, end.len);
         count_request(q); /* before the end: a client that read it sees it counted */
         net_resp_end(q->req);
         q->req = NULL;

@@ -5,6 +5,7 @@ permitted): skipped (77) with the reason otherwise."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,54 @@ def test_fail_closed_refuses_what_cannot_be_audited():
     assert rc == 0, out
     assert ok, "the disk filled before any request of the run was served"
     print("closed: %d served with a line, %d refused 503 audit_unavailable" % (len(ok), len(refused)))
+
+
+def stream_raw(px, prompt, on_first_event=None):
+    """A streamed completion read off the socket: (every byte the client got, closed cleanly
+    with the chunked terminator?). on_first_event runs once the first event has arrived."""
+    body = json.dumps({"model": "m1", "prompt": prompt, "max_tokens": 6, "stream": True}).encode()
+    head = ("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            "authorization: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (AUTH["authorization"], len(body))).encode()
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.settimeout(30)
+    s.sendall(head + body)
+    got = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        if on_first_event and b"data: {" in got + chunk and b"data: {" not in got:
+            on_first_event()
+        got += chunk
+    s.close()
+    return got, got.endswith(b"\r\n0\r\n\r\n")
+
+
+def test_fail_closed_withholds_a_streams_end_when_its_line_cannot_be_written():
+    """A stream cannot be withheld whole once its tokens flow; its closing event can. When the
+    disk fills during the stream, the client never gets `data: [DONE]` (or a clean end), so no
+    client reads a finished answer that has no audit line."""
+    d = tempfile.mkdtemp(prefix="detproxy-disk-", dir=MNT)
+    sim = start_sim("--model", "m1", "--token-delay-ms", "100")
+    os.mkdir(os.path.join(d, "store"))
+    # The store: a new file per body, which a full disk refuses (a line may still fit the slack
+    # of the trail's last page).
+    log = {"level": "info", "audit_path": os.path.join(d, "audit.jsonl"),
+           "audit_store": os.path.join(d, "store"), "audit_fail": "closed"}
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], policy=POLICY, log=log,
+                     directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
+    got, clean = stream_raw(px, "room on the disk")
+    assert clean and b"data: [DONE]" in got, got[-200:]
+    got, clean = stream_raw(px, "the disk fills", on_first_event=fill)
+    assert b"data: {" in got, got[:300]
+    assert b"[DONE]" not in got and not clean, got[-300:]
+    lines = [json.loads(l) for l in open(log["audit_path"]) if "request_id" in l]
+    assert len(lines) == 1, lines
+    metrics = http("GET", px.admin_port, "/metrics").body.decode()
+    assert 'detproxy_audit_write_failures_total{action="refused"} 1' in metrics, metrics
+    os.unlink(os.path.join(MNT, "filler"))
+    px.stop()
 
 
 def test_fail_open_serves_and_counts():
