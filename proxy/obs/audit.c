@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* renameat2 */
 #include "proxy/obs/audit.h"
 
 #include <errno.h>
@@ -22,6 +23,7 @@
 #include "proxy/core/px.h"
 
 #define FSYNC_EVERY_MS 1000
+#define TORN_NAMES 999 /* PATH.torn-TIME.1 .. .999 after PATH.torn-TIME itself */
 
 typedef struct {
     char sha[65];
@@ -604,12 +606,32 @@ static void fsync_timer_cb(uv_timer_t *t)
 
 /* ---- open: resume the chain, repair a torn tail ---------------------------------------------- */
 
-/* The file ends with bytes after its last '\n' (a crash mid-write): set it aside as
- * PATH.torn-TIME, untouched, and start PATH with a repair line that names the fragment and
- * chains from the last complete line. */
+/* Move from to the name to, never replacing a file there: renameat2(RENAME_NOREPLACE), or where
+ * the filesystem or kernel lacks it, link(2) then unlink(2) (link fails on a name taken just the
+ * same). 0 or a negative errno, -EEXIST when the name is taken. */
+static int move_noreplace(const char *from, const char *to)
+{
+    if (renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE) == 0)
+        return 0;
+    if (errno != EINVAL && errno != ENOSYS)
+        return -errno;
+    if (link(from, to) != 0)
+        return -errno;
+    if (unlink(from) != 0) {
+        int e = -errno;
+        unlink(to); /* back to the one name it had */
+        return e;
+    }
+    return 0;
+}
+
+/* The file ends with bytes after its last '\n' (a crash mid-write): set it aside, untouched, as
+ * PATH.torn-TIME, or PATH.torn-TIME.1, .2, ... when that name is taken (a crash loop repairs more
+ * than once a second: the earlier file must stay), and start PATH with a repair line that names
+ * the set-aside file and the fragment and chains from the last complete line. */
 static void repair_torn(px_audit_t *a, const audit_torn_t *t)
 {
-    char ts[32], rotated[4200];
+    char ts[32], stamp[4120], rotated[4200];
     uint64_t now = dp_wall_ms();
     dp_iso8601(ts, now);
     /* 2026-01-02T03:04:05.678Z -> 20260102T030405Z: a name without ':' */
@@ -620,9 +642,15 @@ static void repair_torn(px_audit_t *a, const audit_torn_t *t)
             compact[k++] = *p;
     compact[k++] = 'Z';
     compact[k] = '\0';
-    snprintf(rotated, sizeof(rotated), "%s.torn-%s", a->path, compact);
-    if (rename(a->path, rotated) != 0) {
-        log_error(a, "rotate_torn", -errno);
+    snprintf(stamp, sizeof(stamp), "%s.torn-%s", a->path, compact);
+    int rc = -EEXIST;
+    for (int i = 0; i <= TORN_NAMES && rc == -EEXIST; i++) {
+        int n = i == 0 ? snprintf(rotated, sizeof(rotated), "%s", stamp)
+                       : snprintf(rotated, sizeof(rotated), "%s.%d", stamp, i);
+        rc = n < (int)sizeof(rotated) ? move_noreplace(a->path, rotated) : -ENAMETOOLONG;
+    }
+    if (rc != 0) {
+        log_error(a, "rotate_torn", rc);
         return; /* appending after the fragment: verify names the break */
     }
     const char *base = strrchr(rotated, '/');
@@ -630,7 +658,7 @@ static void repair_torn(px_audit_t *a, const audit_torn_t *t)
     dp_buf_t out = {0};
     audit_chain_repair(&a->chain, t, base, now, &out);
     int fd = open_file(a->path);
-    int rc = fd < 0 ? -errno : audit_write_all(fd, out.base, out.len);
+    rc = fd < 0 ? -errno : audit_write_all(fd, out.base, out.len);
     if (rc == 0 && fsync(fd) != 0)
         rc = -errno;
     if (fd >= 0)

@@ -8,7 +8,8 @@
  *
  * Every line is hash-chained (attest/audit.h); the chain resumes from the file's last complete
  * line at open and carries across reopens. A file whose last line a crash tore is set aside at
- * open (PATH.torn-TIME) and the new file starts with a repair line naming the torn bytes. With a
+ * open (PATH.torn-TIME, or PATH.torn-TIME.N when that name is taken: never replacing a file) and
+ * the new file starts with a repair line naming that file and the torn bytes. With a
  * signing key, a signed checkpoint line (numbered: seq) follows every checkpoint_lines lines,
  * closes the old file at reopen and the file at shutdown; the latest one is the anchor
  * (px_audit_anchor: logged as audit_checkpoint, exported as a metric, served by the admin API).

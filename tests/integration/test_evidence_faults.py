@@ -411,5 +411,54 @@ def test_a_second_instance_through_a_symlink_or_a_hard_link_is_refused():
     assert rc == 0, out + err
 
 
+def crash_with_a_torn_tail(px, frag):
+    """SIGKILL px, then append what a kill inside write(2) leaves: part of a line."""
+    px.kill()
+    with open(px.audit_path, "ab") as f:
+        f.write(frag)
+
+
+def test_a_torn_tail_set_aside_never_replaces_another():
+    """Two repairs in one second (a crash loop under Restart=) must not share a set-aside name:
+    every PATH.torn-TIME name the repairs could draw already exists (as it would after an
+    earlier repair that second), and each repair picks a free name, PATH.torn-TIME.N, leaves
+    the others as they were, and names the file it used in its repair line and its log."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "before the crashes")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    now = int(time.time())
+    taken = {}
+    for t in range(now - 2, now + 120):
+        name = "audit.jsonl.torn-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t))
+        taken[name] = b"an earlier set-aside file %d\n" % t
+        with open(os.path.join(px.dir, name), "wb") as f:
+            f.write(taken[name])
+    frag = b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn'
+    d, path, set_aside = px.dir, px.audit_path, []
+    for i in range(2):
+        crash_with_a_torn_tail(px, frag)
+        raw = open(path, "rb").read()
+        px = start_proxy(config=json.load(open(px.config_path)), directory=d)
+        px.audit_path = path
+        complete(px, "after crash %d" % i)
+        poll_until(lambda: len(open(path).readlines()) >= 2, what="the new line")
+        logged = px.wait_log("audit_torn_tail")["set_aside"]
+        name = os.path.basename(logged)
+        assert os.path.realpath(logged) == os.path.realpath(os.path.join(d, name)), logged
+        assert name not in taken and name not in set_aside, (name, set_aside)
+        assert re.fullmatch(r"audit\.jsonl\.torn-\d{8}T\d{6}Z\.\d+", name), name
+        assert open(logged, "rb").read() == raw, name
+        assert lines(path)[0]["repair"]["file"] == name
+        set_aside.append(name)
+    px.stop()
+    for name, body in taken.items():
+        assert open(os.path.join(d, name), "rb").read() == body, name
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify"] +
+                         [os.path.join(d, n) for n in set_aside] +
+                         [path, "--pubkey", os.path.join(d, "audit.pub.pem"),
+                          "--store", os.path.join(d, "store")])
+    assert rc == 0, out
+
+
 if __name__ == "__main__":
     run_tests(globals())
