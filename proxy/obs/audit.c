@@ -70,7 +70,12 @@ struct px_audit_s {
     audit_chain_t chain; /* what is on disk; the batch in flight owns it while `writing` */
     uv_file fd;
     int lock_fd, store_lock_fd;
-    int file_lock_fd; /* a flock on the audit file itself (lock_path), or -1 */
+    /* A flock on the file the writer appends to (lock_path at open; moved with it by
+     * follow_lock), or -1; lock_dev and lock_ino name that file. Kept by the loop: the batch in
+     * flight reads a copy (w_lock_*) and hands a new lock back in w_lock_fd. */
+    int file_lock_fd;
+    dev_t lock_dev;
+    ino_t lock_ino;
     batch_t pending, inflight;
     uv_work_t work;
     uv_fs_t fsync_req;
@@ -92,6 +97,11 @@ struct px_audit_s {
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
     uint64_t w_failed_lines;
+    dev_t w_lock_dev; /* the file locked: the loop's at the start, then the batch's own */
+    ino_t w_lock_ino;
+    bool w_lock_held; /* the loop holds a lock on (w_lock_dev, w_lock_ino) */
+    int w_lock_fd;    /* a lock the batch took on the file it moved to, or -1 */
+    bool w_locked;    /* the file it was to move to is locked by another process */
 };
 
 static void start_write(px_audit_t *a);
@@ -235,7 +245,8 @@ static int canonical(const char *path, char out[PATH_MAX])
 
 /* Two locks for one writer: PATH.lock beside the file's canonical name (it names the holder's
  * pid, and holds across rotations), and a flock on the file itself, which a hard link to it
- * shares. The second fd goes to *file_fd. */
+ * shares (moved to each new file the writer appends to: follow_lock, open_live). The second fd
+ * goes to *file_fd. */
 static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
 {
     char real[PATH_MAX], lp[PATH_MAX + 8];
@@ -266,6 +277,59 @@ static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
     }
     *file_fd = ffd;
     return fd;
+}
+
+/* The lock for the file fd has open, which the writer is to append to next. 0 when that is the
+ * file (*dev, *ino) already locked (held): a second flock of it, through another open file
+ * description, would conflict with our own. Otherwise the file is flocked through a duplicate of
+ * fd, so the lock is on the very file written whatever its name is by now: 0 with *lk that new
+ * fd and (*dev, *ino) naming the file. A negative errno otherwise, -EWOULDBLOCK when another
+ * process holds its lock (a hard link to it is another writer's audit file). Any thread. */
+static int lock_file_of(int fd, bool held, dev_t *dev, ino_t *ino, int *lk)
+{
+    struct stat st;
+    *lk = -1;
+    if (fstat(fd, &st) != 0)
+        return -errno;
+    if (held && st.st_dev == *dev && st.st_ino == *ino)
+        return 0;
+    int l = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (l < 0)
+        return -errno;
+    if (flock(l, LOCK_EX | LOCK_NB) != 0) {
+        int e = -errno;
+        close(l);
+        return e;
+    }
+    *lk = l;
+    *dev = st.st_dev;
+    *ino = st.st_ino;
+    return 0;
+}
+
+/* The loop's file lock becomes fd (-1: none), on the file it names; the old lock is released. */
+static void set_file_lock(px_audit_t *a, int fd)
+{
+    struct stat st;
+    if (a->file_lock_fd >= 0)
+        close(a->file_lock_fd);
+    a->file_lock_fd = fd;
+    bool known = fd >= 0 && fstat(fd, &st) == 0;
+    a->lock_dev = known ? st.st_dev : 0;
+    a->lock_ino = known ? st.st_ino : 0;
+}
+
+/* On the loop with no batch in flight (at open): the file lock moves to a->fd's file, if it is
+ * not there yet. 0 or a negative errno (-EWOULDBLOCK: another process holds that file's lock). */
+static int follow_lock(px_audit_t *a)
+{
+    dev_t dev = a->lock_dev;
+    ino_t ino = a->lock_ino;
+    int lk;
+    int rc = lock_file_of(a->fd, a->file_lock_fd >= 0, &dev, &ino, &lk);
+    if (rc == 0 && lk >= 0)
+        set_file_lock(a, lk);
+    return rc;
 }
 
 static void log_locked(const dp_buf_t *why)
@@ -315,6 +379,37 @@ static entry_t *batch_add(batch_t *b, entry_kind_t kind)
     return e;
 }
 
+/* Open w_path for the batch, the file lock moved to it (thread pool: the lock the batch takes
+ * goes back to the loop in w_lock_fd). The fd, or -1 with *err the negative errno and *op what
+ * failed: "lock" with w_locked set when another process holds the file's lock, so that nothing
+ * of ours is written into another writer's file. */
+static int open_live(px_audit_t *a, int *err, const char **op)
+{
+    int fd = open_file(a->w_path);
+    if (fd < 0) {
+        *err = -errno;
+        *op = "open";
+        return -1;
+    }
+    int lk;
+    int rc =
+        lock_file_of(fd, a->w_lock_held || a->w_lock_fd >= 0, &a->w_lock_dev, &a->w_lock_ino, &lk);
+    if (rc != 0) {
+        close(fd);
+        *err = rc;
+        *op = "lock";
+        if (rc == -EWOULDBLOCK)
+            a->w_locked = true;
+        return -1;
+    }
+    if (lk >= 0) {
+        if (a->w_lock_fd >= 0)
+            close(a->w_lock_fd); /* taken earlier in this batch, on a file it leaves now */
+        a->w_lock_fd = lk;
+    }
+    return fd;
+}
+
 /* Write w_out (the segment of entries [from, to) that is in it) to the file; on a failure cut
  * the file back to where it was and fail those entries. 0 or a negative errno. */
 static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c)
@@ -323,13 +418,8 @@ static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c
     int rc = 0;
     if (a->w_out.len == 0)
         goto done;
-    if (a->fd < 0)
-        a->fd = open_file(a->w_path); /* a failed open earlier: try again */
-    if (a->fd < 0) {
-        a->w_op = "open";
-        rc = -errno;
-        goto done;
-    }
+    if (a->fd < 0 && (a->fd = open_live(a, &rc, &a->w_op)) < 0)
+        goto done; /* a failed open earlier was tried again, and failed again */
     struct stat st;
     off_t was = fstat(a->fd, &st) == 0 ? st.st_size : -1;
     rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
@@ -356,7 +446,8 @@ done:
 }
 
 /* The batch's file work; on the thread pool (or on the loop at shutdown). Touches only the
- * batch, fd, chain and the w_* fields: the loop leaves them alone while `writing`. */
+ * batch, fd, chain and the w_* fields: the loop leaves them alone while `writing`. The file lock
+ * stays the loop's: a new file's lock comes back in w_lock_fd, for batch_done. */
 static void write_batch(px_audit_t *a)
 {
     batch_t *b = &a->inflight;
@@ -371,11 +462,17 @@ static void write_batch(px_audit_t *a)
             if (failed == 0 && (failed = flush_segment(a, seg, i, &c)) != 0)
                 a->w_status = failed;
             seg = i + 1;
-            int fd = open_file(a->w_path);
+            int err;
+            const char *op;
+            int fd = open_live(a, &err, &op);
             if (fd < 0) {
-                a->w_op = "open";
-                a->w_status = -errno;
-                continue; /* stay on the old file */
+                /* Stay on the old file. A new file whose lock another process holds is that
+                 * process's to write: audit_locked says so, and the lines go on in the old. */
+                if (err != -EWOULDBLOCK) {
+                    a->w_op = op;
+                    a->w_status = err;
+                }
+                continue;
             }
             if (a->fd >= 0) {
                 fsync(a->fd); /* the old file is finished: make it whole on disk now */
@@ -507,6 +604,24 @@ static void batch_done(px_audit_t *a)
         a->store_dirty = true;
     a->dirty = true;
     save_head(a);
+    if (a->w_lock_fd >= 0) {
+        /* The batch moved to a new file and locked it: the old file's lock goes. Unless a reopen
+         * onto another path took that one's lock meanwhile: its E_REOPEN is next. */
+        if (strcmp(a->w_path, a->path) == 0)
+            set_file_lock(a, a->w_lock_fd);
+        else
+            close(a->w_lock_fd);
+        a->w_lock_fd = -1;
+    }
+    if (a->w_locked) {
+        dp_buf_t why = {0};
+        dp_buf_printf(&why,
+                      "audit file %s is in use by another detproxy under another name (a hard "
+                      "link: locked): lines go on in the file open before it",
+                      a->w_path);
+        log_locked(&why);
+        dp_buf_free(&why);
+    }
     free(a->w_path);
     free(a->w_store);
     a->w_path = a->w_store = NULL;
@@ -553,6 +668,11 @@ static void swap_batches(px_audit_t *a)
     a->w_key = a->key;
     a->w_lines = a->checkpoint_lines;
     a->w_closed = a->fail_closed;
+    a->w_lock_dev = a->lock_dev;
+    a->w_lock_ino = a->lock_ino;
+    a->w_lock_held = a->file_lock_fd >= 0;
+    a->w_lock_fd = -1;
+    a->w_locked = false;
 }
 
 static void start_write(px_audit_t *a)
@@ -627,9 +747,11 @@ static int move_noreplace(const char *from, const char *to)
 
 /* The file ends with bytes after its last '\n' (a crash mid-write): set it aside, untouched, as
  * PATH.torn-TIME, or PATH.torn-TIME.1, .2, ... when that name is taken (a crash loop repairs more
- * than once a second: the earlier file must stay), and start PATH with a repair line that names
- * the set-aside file and the fragment and chains from the last complete line. */
-static void repair_torn(px_audit_t *a, const audit_torn_t *t)
+ * than once a second: the earlier file must stay), and start a new PATH (a->fd, the file lock
+ * moved to it) with a repair line that names the set-aside file and the fragment and chains from
+ * the last complete line. 0; a negative errno with *why saying so when the new file's lock is
+ * another process's (nothing is written to it: the caller refuses to start). */
+static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
 {
     char ts[32], stamp[4120], rotated[4200];
     uint64_t now = dp_wall_ms();
@@ -651,21 +773,8 @@ static void repair_torn(px_audit_t *a, const audit_torn_t *t)
     }
     if (rc != 0) {
         log_error(a, "rotate_torn", rc);
-        return; /* appending after the fragment: verify names the break */
+        return 0; /* appending after the fragment: verify names the break */
     }
-    const char *base = strrchr(rotated, '/');
-    base = base ? base + 1 : rotated;
-    dp_buf_t out = {0};
-    audit_chain_repair(&a->chain, t, base, now, &out);
-    int fd = open_file(a->path);
-    rc = fd < 0 ? -errno : audit_write_all(fd, out.base, out.len);
-    if (rc == 0 && fsync(fd) != 0)
-        rc = -errno;
-    if (fd >= 0)
-        close(fd);
-    dp_buf_free(&out);
-    if (rc != 0)
-        log_error(a, "write", rc);
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "audit_torn_tail");
     if (w) {
         dp_jw_str(w, "path", a->path);
@@ -675,6 +784,26 @@ static void repair_torn(px_audit_t *a, const audit_torn_t *t)
         dp_jw_str(w, "torn_sha256", t->sha256);
         dp_log_end(w);
     }
+    a->fd = open_file(a->path);
+    int open_err = a->fd < 0 ? -errno : 0;
+    if (a->fd >= 0 && (rc = follow_lock(a)) != 0) {
+        dp_buf_printf(why,
+                      "audit file %s is in use by another detproxy under another name (a hard "
+                      "link: %s): the file the torn-tail repair started is not ours to write",
+                      a->path, rc == -EWOULDBLOCK ? "locked" : strerror(-rc));
+        return rc;
+    }
+    const char *base = strrchr(rotated, '/');
+    base = base ? base + 1 : rotated;
+    dp_buf_t out = {0};
+    audit_chain_repair(&a->chain, t, base, now, &out);
+    rc = a->fd < 0 ? open_err : audit_write_all(a->fd, out.base, out.len);
+    if (rc == 0 && fsync(a->fd) != 0)
+        rc = -errno;
+    dp_buf_free(&out);
+    if (rc != 0)
+        log_error(a, "write", rc);
+    return 0;
 }
 
 px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
@@ -694,7 +823,10 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     a->loop = loop;
     a->path = dp_xstrdup(path);
     a->lock_fd = lock;
-    a->file_lock_fd = file_lock;
+    a->file_lock_fd = -1;
+    set_file_lock(a, file_lock);
+    a->fd = -1;
+    a->w_lock_fd = -1;
     a->store_lock_fd = -1;
     a->checkpoint_lines = 1000;
     a->fail_closed = true;
@@ -712,21 +844,44 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     audit_torn_t torn;
     struct stat st;
     bool empty = stat(path, &st) != 0 || st.st_size == 0;
+    int refused = 0;
     int rc = audit_chain_resume_torn(&a->chain, path, &torn);
     if (rc != 0)
         log_error(a, "resume_chain", rc);
     else if (torn.torn)
-        repair_torn(a, &torn);
+        refused = repair_torn(a, &torn, &why);
     else if (empty && (rc = load_head(lock, &a->chain)) != 0)
         log_head(a, rc);
-    a->anchor_sha[0] = '\0';
-    note_anchor(a);
-    a->fd = open_file(path);
-    if (a->fd < 0) {
+    if (refused == 0 && a->fd < 0)
+        a->fd = open_file(path);
+    if (refused == 0 && a->fd < 0) {
         log_error(a, "open", -errno);
         atomic_store(&a->writable, false);
         px_metrics_set(a->m_writable, 0);
+    } else if (refused == 0 && (refused = follow_lock(a)) != 0) {
+        /* the file at path is no longer the one lock_path locked (moved meanwhile) */
+        dp_buf_printf(&why,
+                      "audit file %s is in use by another detproxy under another name (a "
+                      "hard link: %s)",
+                      path, refused == -EWOULDBLOCK ? "locked" : strerror(-refused));
     }
+    if (refused != 0) {
+        /* Another writer's file: refused like a locked trail, nothing of ours in it. */
+        log_locked(&why);
+        if (err)
+            dp_buf_append(err, why.base, why.len);
+        dp_buf_free(&why);
+        px_metrics_set(a->m_writable, 0);
+        if (a->fd >= 0)
+            close(a->fd);
+        set_file_lock(a, -1);
+        close(a->lock_fd);
+        free(a->path);
+        free(a);
+        return NULL;
+    }
+    a->anchor_sha[0] = '\0';
+    note_anchor(a);
     uv_timer_init(loop, &a->fsync_timer);
     a->fsync_timer.data = a;
     uv_timer_start(&a->fsync_timer, fsync_timer_cb, FSYNC_EVERY_MS, FSYNC_EVERY_MS);
@@ -956,10 +1111,8 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         }
         dp_buf_free(&why);
         close(a->lock_fd);
-        if (a->file_lock_fd >= 0)
-            close(a->file_lock_fd);
         a->lock_fd = lock;
-        a->file_lock_fd = file_lock;
+        set_file_lock(a, file_lock);
         free(a->path);
         a->path = dp_xstrdup(path);
     }

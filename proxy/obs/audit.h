@@ -4,7 +4,8 @@
  *
  * One writer: the file (and the store) are locked for the life of the process (PATH.lock,
  * STORE/.lock, flock(2), holding the writer's pid), so a second instance on the same files
- * refuses to start instead of interleaving lines.
+ * refuses to start instead of interleaving lines. A flock on the file written, which a hard link
+ * to it shares, moves with it: to the new file at a reopen and after a torn-tail repair.
  *
  * Every line is hash-chained (attest/audit.h); the chain resumes from the file's last complete
  * line at open and carries across reopens. A file whose last line a crash tore is set aside at
@@ -36,8 +37,8 @@ typedef struct px_audit_s px_audit_t;
 typedef void (*px_audit_cb)(void *data, int status);
 
 /* Lock PATH.lock, recover a torn tail, open the file. NULL when another process holds the lock
- * (logged as audit_locked, naming its pid) or the lock file cannot be made; *err (may be NULL)
- * then says why. */
+ * (logged as audit_locked, naming its pid), the file's own lock (a hard link: also the file a
+ * torn-tail repair started), or the lock file cannot be made; *err (may be NULL) then says why. */
 px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err);
 /* Queue one line (copied). cb (may be NULL) runs once the write containing it completed. */
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data);
@@ -79,8 +80,10 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
 struct px_s;
 void px_audit_submit(struct px_s *px, const char *line, size_t n, const px_audit_body_t *b,
                      size_t nb, px_audit_cb cb, void *data);
-/* Reopen the file at path (rotation); pending lines go to the new file. A new path whose lock
- * another process holds is refused (logged): the writer stays on its file. */
+/* Reopen the file at path (rotation); pending lines go to the new file, and the file lock with
+ * them (kept when it is the same file). A new path whose lock another process holds is refused
+ * (logged), and so is a new file whose flock another process holds (logged as audit_locked when
+ * the batch meets it): the writer stays on its file. */
 void px_audit_reopen(px_audit_t *a, const char *path);
 /* Flush everything synchronously, fsync, close, unlock and free (shutdown). Callbacks of
  * pending lines run with their status before it returns. */

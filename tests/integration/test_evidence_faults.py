@@ -2,11 +2,13 @@
 torn tail repaired at restart, anchors that catch a file cut back, `audit verify`'s exit codes,
 and `replay` from the config, the audit file and the store alone."""
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 import threading
@@ -411,6 +413,7 @@ def test_a_second_instance_through_a_symlink_or_a_hard_link_is_refused():
     assert rc == 0, out + err
 
 
+
 def crash_with_a_torn_tail(px, frag):
     """SIGKILL px, then append what a kill inside write(2) leaves: part of a line."""
     px.kill()
@@ -457,6 +460,97 @@ def test_a_torn_tail_set_aside_never_replaces_another():
                          [os.path.join(d, n) for n in set_aside] +
                          [path, "--pubkey", os.path.join(d, "audit.pub.pem"),
                           "--store", os.path.join(d, "store")])
+    assert rc == 0, out
+
+
+def second_instance_on(px, audit_path):
+    """Start another detproxy whose audit_path is audit_path (its store its own): the Proc when
+    it started, None when it refused because the trail is in use."""
+    cfg = json.load(open(px.config_path))
+    other = os.path.dirname(audit_path)
+    os.makedirs(os.path.join(other, "store"), exist_ok=True)
+    cfg["log"]["audit_path"] = audit_path
+    cfg["log"]["audit_store"] = os.path.join(other, "store")
+    if cfg["log"].get("audit_signing_key"):
+        cfg["log"]["audit_signing_key"] = os.path.join(os.path.dirname(px.config_path),
+                                                       cfg["log"]["audit_signing_key"])
+    try:
+        return start_proxy(config=cfg, directory=tempfile.mkdtemp(prefix="detproxy-lock-"),
+                           timeout=5)
+    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+        assert "in use by another detproxy" in str(e), e
+        return None
+
+
+def test_the_live_file_stays_locked_after_a_rotation_and_a_torn_repair():
+    """The flock that stops a second instance on a hard link to the live file moves with the
+    live file: to the new file after `mv` + SIGHUP, and to the file a torn-tail repair starts
+    at restart. A SIGHUP that rotated nothing keeps the lock it has (no conflict with itself)."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    px.send_signal(signal.SIGHUP)  # nothing rotated: the same file, the same lock
+    complete(px, "b")
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    px.send_signal(signal.SIGHUP)
+    complete(px, "c")  # answered once its line is in the new file, which is locked by then
+    assert not px.find_logs("audit_locked"), px.find_logs("audit_locked")
+    other = tempfile.mkdtemp(prefix="detproxy-lock-")
+    hard = os.path.join(other, "hard.jsonl")
+    os.link(px.audit_path, hard)
+    second = second_instance_on(px, hard)
+    if second is not None:
+        complete(second, "second")
+        second.stop()
+    complete(px, "d")
+    px.stop()
+    assert second is None, "a second instance started on a hard link to the rotated-to file"
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
+    assert rc == 0, out
+
+    # A torn tail at restart: the repair moves the file away and starts a new one.
+    crash_with_a_torn_tail(px, b'{"request_id":"torn')
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "e")
+    assert px2.find_logs("audit_torn_tail")
+    hard2 = os.path.join(tempfile.mkdtemp(prefix="detproxy-lock-"), "hard.jsonl")
+    os.link(px.audit_path, hard2)
+    second = second_instance_on(px, hard2)
+    if second is not None:
+        complete(second, "second")
+        second.stop()
+    px2.stop()
+    assert second is None, "a second instance started on a hard link to the repaired file"
+
+
+def test_a_reopen_onto_a_file_another_process_locks_stays_on_the_old_file():
+    """After a rotation the new file at PATH is one another writer holds the flock of (a hard
+    link to its live file): the reopen says audit_locked and the lines stay in the file open
+    before, never interleaved with the other writer's; the next SIGHUP after the lock is
+    released moves to the new file, and the files verify as one chain."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    theirs = open(px.audit_path, "ab")
+    fcntl.flock(theirs, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("audit_locked")
+    complete(px, "b")
+    assert os.path.getsize(px.audit_path) == 0
+    assert len(lines(rotated)) == 3, lines(rotated)  # a, the reopen checkpoint, b
+    theirs.close()
+    px.send_signal(signal.SIGHUP)
+    complete(px, "c")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the line in the new file")
+    assert len(px.find_logs("audit_locked")) == 1, px.find_logs("audit_locked")
+    px.stop()
+    got = lines(px.audit_path)
+    assert [l.get("checkpoint", {}).get("reason") for l in lines(rotated)][-1] == "reopen"
+    assert "request_id" in got[0], got
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
     assert rc == 0, out
 
 
