@@ -34,7 +34,7 @@ typedef struct pol_s {
     policy_sse_fp_t sse;
     /* A stream of an audited tenant under log.audit_fail: closed: its closing event waits
      * for the audit line (px_hooks_stream_end). */
-    bool gate;
+    bool gate, end_over; /* end_over: more followed the closing event than resp_cap */
     policy_sse_end_t end;
     dp_buf_t gate_out, end_held;
     policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
@@ -690,18 +690,28 @@ static dp_iovec_t gated(pol_t *p, dp_iovec_t v, bool last)
     if (p == NULL || !p->gate)
         return v;
     dp_buf_reset(&p->gate_out);
+    if (p->end.holding && p->end_held.len + v.len > p->resp_cap) {
+        /* A stream goes on long after its closing event: not held without bound. */
+        p->end_over = true;
+        dp_buf_free(&p->end_held);
+        return (dp_iovec_t){"", 0};
+    }
     policy_sse_end_feed(&p->end, v.base, v.len, &p->gate_out, &p->end_held);
     if (last)
         policy_sse_end_finish(&p->end, &p->gate_out, &p->end_held);
     return (dp_iovec_t){p->gate_out.base ? p->gate_out.base : "", p->gate_out.len};
 }
 
-dp_iovec_t px_hooks_stream_end(px_hooks_req_t *h)
+bool px_hooks_stream_end(px_hooks_req_t *h, dp_iovec_t *end)
 {
     const pol_t *p = h->policy;
+    *end = (dp_iovec_t){"", 0};
     if (p == NULL || !p->gate)
-        return (dp_iovec_t){"", 0};
-    return (dp_iovec_t){p->end_held.base ? p->end_held.base : "", p->end_held.len};
+        return true;
+    if (p->end_over)
+        return false;
+    *end = (dp_iovec_t){p->end_held.base ? p->end_held.base : "", p->end_held.len};
+    return true;
 }
 
 dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)

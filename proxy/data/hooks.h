@@ -130,9 +130,10 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
 bool px_hooks_rewrites_bytes(const px_hooks_req_t *h);
 dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
 /* A stream of an audited tenant under log.audit_fail: closed keeps its closing event (and what
- * follows it) out of what px_hooks_response_bytes/_tail return: those bytes, to send once the
- * audit line is written (empty for any other response). */
-dp_iovec_t px_hooks_stream_end(px_hooks_req_t *h);
+ * follows it) out of what px_hooks_response_bytes/_tail return: those bytes into *end, to send
+ * once the audit line is written (empty for any other response). false when more than
+ * limits.max_response_rewrite_bytes followed that event: the answer is broken, end it so. */
+bool px_hooks_stream_end(px_hooks_req_t *h, dp_iovec_t *end);
 
 /* The response is about to end with `status`. Returns true when an audit line is being written
  * and then(data) will run once it is on its way to disk (end the response there); false when

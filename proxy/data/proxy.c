@@ -1047,8 +1047,13 @@ static void deliver(void *data)
                        (int64_t)q->held_body.len);
         net_resp_write(q->req, q->held_body.base, q->held_body.len);
     }
+    dp_iovec_t end = {"", 0}; /* a stream's closing event, held for the audit line */
+    if (q->req && !px_hooks_stream_end(&q->hooks, &end)) {
+        net_resp_abort(q->req); /* a replica that streamed on and on after it */
+        q->req = NULL;
+        q->code = "upstream_error";
+    }
     if (q->req) {
-        dp_iovec_t end = px_hooks_stream_end(&q->hooks); /* held for the audit line */
         if (end.len)
             net_resp_write(q->req, end.base, end.len);
         count_request(q); /* before the end: a client that read it sees it counted */

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from harness import DETPROXY_BIN, http, poll_until, post_json, run_cmd, run_tests, start_sim
-from proxyutil import pool, start_proxy
+from proxyutil import ScriptedUpstream, pool, start_proxy
 from test_evidence import AUTH, POLICY
 
 MNT = None
@@ -150,6 +150,25 @@ def test_fail_closed_withholds_a_streams_end_when_its_line_cannot_be_written():
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
     assert 'detproxy_audit_write_failures_total{action="refused"} 1' in metrics, metrics
     os.unlink(os.path.join(MNT, "filler"))
+    px.stop()
+
+
+def test_a_stream_going_on_after_its_closing_event_is_not_held_without_bound():
+    """What follows a held closing event is held too, up to max_response_rewrite_bytes: a
+    replica that streams on and on after `data: [DONE]` gets its answer ended as broken, not
+    kept in memory."""
+    events = b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n' + b"data: more\n\n" * 2000
+    resp = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events))
+    up = ScriptedUpstream(lambda k, c, q: (resp, False))
+    d = tempfile.mkdtemp(prefix="detproxy-disk-")
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"], "replicas": [
+        {"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}], policy=POLICY,
+        log={"level": "info", "audit_path": os.path.join(d, "audit.jsonl"),
+             "audit_fail": "closed"},
+        limits={"max_response_rewrite_bytes": 4096}, directory=d)
+    got, clean = stream_raw(px, "on and on")
+    assert b'"text":"a"' in got and b"[DONE]" not in got and not clean, got[-200:]
     px.stop()
 
 
