@@ -840,6 +840,9 @@ static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *h
         const char *nm = hdrs[i].name.base;
         size_t l = hdrs[i].name.len;
         if (dp_strieq(nm, l, "content-type")) {
+            /* Every reader takes the first; a client may take another. */
+            if (type)
+                return "the answer has more than one Content-Type";
             type = &hdrs[i].value;
         } else if (dp_strieq(nm, l, "content-encoding")) {
             dp_iovec_t v = dp_trim_ows(hdrs[i].value);
@@ -865,7 +868,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
         return;
     if (is_inference(q->route) && status >= 200 && status < 300 &&
         (c->refuse = unverifiable_answer(q, hdrs, n)) != NULL)
-        return; /* up_on_done: 502, and the replica is checked again */
+        return; /* up_on_done answers the client 502 */
     q->status = status;
     q->code = "upstream";
     q->up_head_ns = dp_now_ns();

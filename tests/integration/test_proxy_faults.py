@@ -523,5 +523,20 @@ def test_an_answer_detproxy_cannot_read_is_refused_502():
     px.stop()
 
 
+def test_an_answer_with_two_content_types_is_refused_502():
+    """detproxy reads the first Content-Type; a client may read the other. Either way the answer
+    would pass unchecked by one of them: it is refused."""
+    for stream, types in ((False, (b"text/plain", b"application/json")),
+                          (True, (b"text/plain", b"text/event-stream")),
+                          (False, (b"application/json", b"text/plain"))):
+        resp = (b"HTTP/1.1 200 OK\r\n" + b"".join(b"Content-Type: %s\r\n" % t for t in types) +
+                b"Content-Length: %d\r\n\r\n" % len(OK_BODY) + OK_BODY)
+        up, px = start_scripted(lambda k, c, q, resp=resp: (resp, False))
+        err = assert_openai_error(post_json(px.port, "/v1/completions",
+                                            dict(COMPLETION, stream=stream)), 502, "upstream_error")
+        assert "more than one Content-Type" in err["message"], err
+        px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())
