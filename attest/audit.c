@@ -240,7 +240,9 @@ void audit_chain_repair(audit_chain_t *c, const audit_torn_t *t, const char *fil
     dp_buf_free(&line);
 }
 
-int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out)
+/* audit_chain_append, with `extra` (members, NULL none) spliced in just before prev_sha256. */
+static int chain_append(audit_chain_t *c, const char *line, size_t n, const char *extra,
+                        dp_buf_t *out)
 {
     while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == ' '))
         n--;
@@ -254,6 +256,10 @@ int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *o
     dp_buf_append(out, line, n - 1);
     if (line[body - 1] != '{')
         dp_buf_appendc(out, ',');
+    if (extra) {
+        dp_buf_appends(out, extra);
+        dp_buf_appendc(out, ',');
+    }
     dp_buf_appends(out, "\"prev_sha256\":\"");
     dp_buf_append(out, c->prev, 64);
     dp_buf_appends(out, "\"}");
@@ -261,6 +267,16 @@ int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *o
     dp_buf_appendc(out, '\n');
     c->since_checkpoint++;
     return 0;
+}
+
+int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out)
+{
+    return chain_append(c, line, n, NULL, out);
+}
+
+int audit_chain_append_unstored(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out)
+{
+    return chain_append(c, line, n, AUDIT_UNSTORED_MEMBER, out);
 }
 
 int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char *reason,
@@ -358,8 +374,12 @@ static bool is_hex64(const char *s)
     return true;
 }
 
+/* The body obj's `field` names, in the store: 0 when it is there with the bytes its name hashes
+ * to (counted in *checked), or when the line says it was not stored: `flag` false (too large),
+ * or the line's bodies_stored false (unstored) and no file has its name (counted in *r's
+ * unstored_missing). -1 with *why otherwise. */
 static int check_body(const char *store, const cJSON *obj, const char *field, const char *flag,
-                      dp_buf_t *why, uint64_t *checked)
+                      bool unstored, audit_verify_result_t *r, dp_buf_t *why, uint64_t *checked)
 {
     const cJSON *h = cJSON_GetObjectItemCaseSensitive(obj, field);
     if (!cJSON_IsString(h))
@@ -374,6 +394,11 @@ static int check_body(const char *store, const cJSON *obj, const char *field, co
     snprintf(path, sizeof(path), "%s/%s", store, h->valuestring);
     dp_buf_t b = {0};
     int rc = dp_read_file(path, SIZE_MAX / 2, &b);
+    if (rc == -ENOENT && unstored) {
+        r->unstored_missing++;
+        dp_buf_free(&b);
+        return 0;
+    }
     if (rc != 0) {
         dp_buf_printf(why, "%s %.12s..: stored body %s", field, h->valuestring,
                       rc == -ENOENT ? "missing" : "unreadable");
@@ -390,6 +415,25 @@ static int check_body(const char *store, const cJSON *obj, const char *field, co
     }
     (*checked)++;
     return 0;
+}
+
+/* Does the line say its bodies were not stored? 1 when it carries AUDIT_UNSTORED_MEMBER where
+ * the writer puts it (just before prev_sha256, the last member), 0 when it has no bodies_stored
+ * member; -1 with *why for any other bodies_stored: the writer never makes one, so it is not
+ * taken to excuse anything. */
+static int check_unstored(const char *line, size_t n, const cJSON *obj, dp_buf_t *why)
+{
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(obj, "bodies_stored");
+    if (m == NULL)
+        return 0;
+    static const char tail[] = AUDIT_UNSTORED_MEMBER ",\"prev_sha256\":\"";
+    size_t tl = sizeof(tail) - 1, want = tl + 64 + 2; /* then 64 hex and "} */
+    if (cJSON_IsFalse(m) && n > want && (line[n - want - 1] == ',' || line[n - want - 1] == '{') &&
+        memcmp(line + n - want, tail, tl) == 0)
+        return 1;
+    dp_buf_appends(why, "bodies_stored: only false, as the member before prev_sha256, says a "
+                        "line's bodies were not stored");
+    return -1;
 }
 
 static int check_repair(const cJSON *rep, const audit_verify_opts_t *o, audit_verify_result_t *r,
@@ -551,12 +595,16 @@ static int verify_line(const char *line, size_t n, const audit_verify_opts_t *o,
         *since = 0;
     } else {
         (*since)++;
+        int un = check_unstored(line, n, obj, why);
+        if (un < 0)
+            goto out;
+        r->unstored += (uint64_t)un;
         if (o->store && (check_body(o->store, obj, "forwarded_body_sha256", "forwarded_body_stored",
-                                    why, &r->bodies_checked) != 0 ||
+                                    un, r, why, &r->bodies_checked) != 0 ||
                          check_body(o->store, obj, "response_body_sha256", "response_body_stored",
-                                    why, &r->bodies_checked) != 0 ||
-                         check_body(o->store, obj, "attestation_sha256", "attestation_stored", why,
-                                    &r->evidence_checked) != 0))
+                                    un, r, why, &r->bodies_checked) != 0 ||
+                         check_body(o->store, obj, "attestation_sha256", "attestation_stored", un,
+                                    r, why, &r->evidence_checked) != 0))
             goto out;
     }
     dp_sha256_hex(line, n, prev);

@@ -22,7 +22,13 @@
  * so the chain continues from the last complete line and the torn bytes are accounted for.
  *
  * Store: DIR/<sha256 hex> holds the bytes whose hash names it (written to a temporary name,
- * fsynced, then renamed, so a name never points at partial bytes). */
+ * fsynced, then renamed, so a name never points at partial bytes).
+ *
+ * A line written although its bodies could not be stored (a full disk under audit_fail open)
+ * says so itself: "bodies_stored":false, the member just before prev_sha256. Being part of the
+ * chained bytes it cannot be added afterwards without breaking the chain, and it excuses only a
+ * body file absent from the store: a body present must still hash to its name, and the chain,
+ * checkpoints and anchors are checked as for any line. */
 #ifndef ATTEST_AUDIT_H
 #define ATTEST_AUDIT_H
 
@@ -66,6 +72,10 @@ void audit_chain_repair(audit_chain_t *c, const audit_torn_t *t, const char *fil
  * as its last member and a '\n'; advance the chain. -1 (nothing appended) if line is not an
  * object. */
 int audit_chain_append(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out);
+/* The member a line whose bodies could not be stored carries (see above). */
+#define AUDIT_UNSTORED_MEMBER "\"bodies_stored\":false"
+/* audit_chain_append, with AUDIT_UNSTORED_MEMBER spliced in just before prev_sha256. */
+int audit_chain_append_unstored(audit_chain_t *c, const char *line, size_t n, dp_buf_t *out);
 /* Append a signed checkpoint line (reason: interval, reopen, shutdown) and advance the chain. */
 int audit_chain_checkpoint(audit_chain_t *c, const attest_key_t *key, const char *reason,
                            uint64_t wall_ms, dp_buf_t *out);
@@ -99,6 +109,8 @@ typedef struct {
 typedef struct {
     uint64_t lines, checkpoints, signatures_checked, bodies_checked;
     uint64_t evidence_checked;    /* lines whose attestation evidence was found in the store */
+    uint64_t unstored;            /* lines that say their bodies were not stored */
+    uint64_t unstored_missing;    /* bodies those lines name that the store lacks (--store) */
     uint64_t unsigned_tail;       /* lines after the last checkpoint */
     char first_prev[65];          /* what the first line names */
     char last[65];                /* hash of the last line: the next file's expect_prev (no

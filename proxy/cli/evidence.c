@@ -188,6 +188,13 @@ int px_cmd_audit(int argc, char **argv)
         if (o.store)
             printf(", %llu stored bodies checked, %llu lines' attestation evidence found",
                    (unsigned long long)r.bodies_checked, (unsigned long long)r.evidence_checked);
+        if (r.unstored)
+            printf(", %llu lines say their bodies were not stored (the store failed as they were "
+                   "written)",
+                   (unsigned long long)r.unstored);
+        if (r.unstored && o.store)
+            printf(", %llu of their bodies absent from the store",
+                   (unsigned long long)r.unstored_missing);
         if (key && r.unsigned_tail)
             printf(", %llu lines after the last checkpoint (not signed yet)",
                    (unsigned long long)r.unsigned_tail);
@@ -690,7 +697,13 @@ static void replay_one(replay_t *rp, const cJSON *line)
     } else if (fwd == NULL) {
         dp_buf_appends(&o.why, "no forwarded body: the request was refused before a replica");
     } else if (!read_stored(rp, fwd, &req)) {
-        dp_buf_printf(&o.why, "no stored body %.12s.. (log.audit_store, or --store)", fwd);
+        if (cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(line, "bodies_stored")))
+            dp_buf_printf(&o.why,
+                          "no stored body %.12s..: its line says its bodies were not "
+                          "stored (the store failed as it was written)",
+                          fwd);
+        else
+            dp_buf_printf(&o.why, "no stored body %.12s.. (log.audit_store, or --store)", fwd);
     } else if (resp == NULL || !read_stored(rp, resp, &old)) {
         dp_buf_appends(&o.why, "no stored response body to compare with");
     } else if (!cJSON_IsNumber(seed) && !(cJSON_IsNumber(temp) && temp->valuedouble == 0)) {

@@ -20,6 +20,7 @@ static void state_json(px_t *px, dp_jw_t *w)
     dp_jw_bool(w, "signing", s.signing);
     dp_jw_uint(w, "lines_written", s.lines);
     dp_jw_uint(w, "lines_failed", s.errors);
+    dp_jw_uint(w, "lines_store_failed", s.store_errors);
     if (s.seq) {
         dp_jw_obj_begin(w, "anchor");
         dp_jw_uint(w, "seq", s.seq);

@@ -451,6 +451,9 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_inflight_requests", PX_GAUGE, "Client requests being handled.");
     px_metrics_family("detproxy_audit_write_errors_total", PX_COUNTER,
                       "Audit lines that could not be written.");
+    px_metrics_family("detproxy_audit_store_errors_total", PX_COUNTER,
+                      "Audit lines whose bodies could not be stored: written with "
+                      "\"bodies_stored\":false under audit_fail open, not written under closed.");
     px_metrics_family("detproxy_audit_write_failures_total", PX_COUNTER,
                       "Audited requests whose audit line or stored bodies could not be written, "
                       "by what became of the answer (served under audit_fail open, refused "

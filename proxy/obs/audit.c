@@ -42,8 +42,10 @@ typedef struct {
     size_t blob0, nblob;
     px_audit_cb cb;
     void *data;
-    int status;
-    bool in_file; /* its bytes are in the segment being written */
+    int status;    /* E_LINE: what its callback gets; a store error for a line written unstored */
+    bool in_file;  /* its bytes are in the segment being written */
+    bool written;  /* E_LINE: its line reached the file */
+    bool unstored; /* E_LINE: its bodies could not be stored */
 } entry_t;
 
 typedef struct {
@@ -82,8 +84,8 @@ struct px_audit_s {
     bool writing, syncing, dirty, store_dirty, closing;
     _Atomic bool writable;
     uv_timer_t fsync_timer;
-    px_series_t *m_errors, *m_seq, *m_writable;
-    uint64_t lines, errors;
+    px_series_t *m_errors, *m_store_errors, *m_seq, *m_writable;
+    uint64_t lines, errors, store_errors;
     bool head_unsaved; /* saving the chain's head in the lock file failed (logged once) */
     uint64_t anchor_seq;
     char anchor_sha[65];
@@ -96,7 +98,7 @@ struct px_audit_s {
     dp_buf_t w_out;
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
-    uint64_t w_failed_lines;
+    uint64_t w_failed_lines, w_unstored_lines;
     dev_t w_lock_dev; /* the file locked: the loop's at the start, then the batch's own */
     ino_t w_lock_ino;
     bool w_lock_held; /* the loop holds a lock on (w_lock_dev, w_lock_ino) */
@@ -433,6 +435,9 @@ static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c
 done:
     if (rc == 0) {
         a->chain = *c;
+        for (size_t i = from; i < to; i++)
+            if (b->e[i].in_file && b->e[i].kind == E_LINE)
+                b->e[i].written = true;
     } else {
         *c = a->chain;
         for (size_t i = from; i < to; i++)
@@ -452,7 +457,7 @@ static void write_batch(px_audit_t *a)
 {
     batch_t *b = &a->inflight;
     a->w_status = a->w_store_status = 0;
-    a->w_failed_lines = 0;
+    a->w_failed_lines = a->w_unstored_lines = 0;
     audit_chain_t c = a->chain;
     size_t seg = 0;
     int failed = 0; /* once a segment failed, the rest of the batch is not written */
@@ -503,9 +508,15 @@ static void write_batch(px_audit_t *a)
                 bs = a->w_store_status = rc;
         }
         e->status = bs;
+        e->unstored = bs != 0;
         if (bs != 0 && a->w_closed)
             continue; /* fail closed: the request is refused, so no line says it was answered */
-        if (audit_chain_append(&c, b->raw.base + e->off, e->len, &a->w_out) != 0) {
+        /* Fail open: the line is written and says its bodies are not in the store, so the
+         * trail verifies with the store and no line names bodies it silently lacks. */
+        const char *line = b->raw.base + e->off;
+        int fr = bs != 0 ? audit_chain_append_unstored(&c, line, e->len, &a->w_out)
+                         : audit_chain_append(&c, line, e->len, &a->w_out);
+        if (fr != 0) {
             e->status = UV_EINVAL;
             a->w_op = "format";
             a->w_status = UV_EINVAL;
@@ -520,9 +531,14 @@ static void write_batch(px_audit_t *a)
     }
     if (failed == 0 && (failed = flush_segment(a, seg, b->ne, &c)) != 0)
         a->w_status = failed;
-    for (size_t i = 0; i < b->ne; i++)
-        if (b->e[i].kind == E_LINE && b->e[i].status != 0)
+    for (size_t i = 0; i < b->ne; i++) {
+        if (b->e[i].kind != E_LINE)
+            continue;
+        if (!b->e[i].written)
             a->w_failed_lines++;
+        if (b->e[i].unstored)
+            a->w_unstored_lines++;
+    }
 }
 
 static void work_cb(uv_work_t *req)
@@ -600,6 +616,9 @@ static void batch_done(px_audit_t *a)
     if (a->w_failed_lines)
         px_metrics_add(a->m_errors, (double)a->w_failed_lines);
     a->errors += a->w_failed_lines;
+    if (a->w_unstored_lines)
+        px_metrics_add(a->m_store_errors, (double)a->w_unstored_lines);
+    a->store_errors += a->w_unstored_lines;
     if (b->nblobs)
         a->store_dirty = true;
     a->dirty = true;
@@ -638,7 +657,7 @@ static void run_callbacks(px_audit_t *a, batch_t *b)
         entry_t *e = &b->e[i];
         if (e->kind != E_LINE)
             continue;
-        if (e->status == 0)
+        if (e->written)
             a->lines++;
         if (e->cb)
             e->cb(e->data, e->status);
@@ -838,6 +857,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     px_metrics_family("detproxy_audit_checkpoint_info", PX_GAUGE,
                       "Always 1; seq and sha256 of the latest checkpoint line (the anchor).");
     a->m_errors = px_metrics_get("detproxy_audit_write_errors_total", NULL);
+    a->m_store_errors = px_metrics_get("detproxy_audit_store_errors_total", NULL);
     a->m_seq = px_metrics_get("detproxy_audit_checkpoint_seq", NULL);
     a->m_writable = px_metrics_get("detproxy_audit_writable", NULL);
     px_metrics_set(a->m_writable, 1);
@@ -959,6 +979,7 @@ void px_audit_state(const px_audit_t *a, px_audit_state_t *out)
     memcpy(out->sha256, a->anchor_sha, sizeof(out->sha256));
     out->lines = a->lines;
     out->errors = a->errors;
+    out->store_errors = a->store_errors;
     out->path = a->path;
     out->store = a->store;
     out->writable = px_audit_writable(a);

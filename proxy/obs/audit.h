@@ -19,7 +19,9 @@
  * disk) is cut back out of the file (ftruncate to where it started) and the chain stays at the
  * last line on disk, so a write error never leaves a fragment or a gap in the chain. Each line's
  * callback gets its own status. With fail_closed, a line whose stored bodies cannot be written
- * is not written either (its request is refused: no line claims an answer nobody got). */
+ * is not written either (its request is refused: no line claims an answer nobody got); without,
+ * it is written with "bodies_stored":false (attest/audit.h), so `audit verify --store` knows
+ * those bodies are not to be found, and its callback still gets the store's error. */
 #ifndef PX_AUDIT_H
 #define PX_AUDIT_H
 
@@ -53,12 +55,13 @@ bool px_audit_stores(const px_audit_t *a);
 bool px_audit_writable(const px_audit_t *a);
 
 typedef struct {
-    uint64_t seq;      /* 0: no checkpoint yet */
-    char sha256[65];   /* of the checkpoint line */
-    uint64_t lines;    /* lines written since start */
-    uint64_t errors;   /* failed writes since start */
-    const char *path;  /* borrowed */
-    const char *store; /* borrowed, NULL none */
+    uint64_t seq;          /* 0: no checkpoint yet */
+    char sha256[65];       /* of the checkpoint line */
+    uint64_t lines;        /* lines written since start */
+    uint64_t errors;       /* lines not written since start */
+    uint64_t store_errors; /* lines whose bodies could not be stored, written or not */
+    const char *path;      /* borrowed */
+    const char *store;     /* borrowed, NULL none */
     bool writable, signing, fail_closed;
 } px_audit_state_t;
 /* The writer's state for the admin API (control thread). */

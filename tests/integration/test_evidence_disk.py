@@ -10,8 +10,9 @@ import subprocess
 import sys
 import tempfile
 
-from harness import DETPROXY_BIN, http, poll_until, post_json, run_cmd, run_tests, start_sim
-from proxyutil import ScriptedUpstream, pool, start_proxy
+from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
+                     start_sim)
+from proxyutil import ScriptedUpstream, metric, pool, start_proxy
 from test_evidence import AUTH, POLICY
 
 MNT = None
@@ -185,6 +186,57 @@ def test_fail_open_serves_and_counts():
     px.stop()
     rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures"])
     assert rc == 0, out
+
+
+def test_fail_open_lines_without_stored_bodies_say_so_and_verify():
+    """On a full disk a line may still fit the slack of the trail's last page while no body file
+    can be made: under "open" that line is written, says "bodies_stored":false, and the trail
+    verifies against the store. The counters match the file: lines_written is the lines in it,
+    lines_failed and detproxy_audit_write_errors_total the audited requests without one, and the
+    store's failures are counted apart."""
+    px = proxy("open")
+    send(px, 2)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 2, what="two lines")
+    fill()
+    rs = send(px, 10)
+    assert all(r.status == 200 for r in rs), [r.status for r in rs]
+    poll_until(lambda: sum(get_json(px.admin_port, "/admin/audit")[k]
+                           for k in ("lines_written", "lines_failed")) == 12,
+               what="every line written or failed")
+    st = get_json(px.admin_port, "/admin/audit")
+    lines = [json.loads(l) for l in open(px.audit_path)]
+    ids = {l["request_id"] for l in lines}
+    served = [r.headers["x-detproxy-request-id"] for r in rs]
+    unstored = lines[2:]
+    assert unstored, "no line fit the disk after it filled"
+    # No body of these could be stored (each needs a new file): each line says so.
+    assert all(l.get("bodies_stored") is False for l in unstored), unstored
+    assert all(l["request_id"] in served for l in unstored), unstored
+    assert all("bodies_stored" not in l for l in lines[:2]), lines[:2]
+    assert st["lines_written"] == len(lines), (st, len(lines))
+    assert st["lines_failed"] == 12 - len(lines), (st, len(lines))
+    assert metric(px, "detproxy_audit_write_errors_total") == 12 - len(lines)
+    # Every request on the full disk met a failure: its line, or its bodies, or both.
+    assert st["lines_store_failed"] == 10, st
+    assert metric(px, "detproxy_audit_store_errors_total") == 10
+    assert metric(px, "detproxy_audit_write_failures_total", action="served") == 10
+    assert len(set(served) & ids) == len(unstored)
+    os.unlink(os.path.join(MNT, "filler"))
+    px.stop()
+    store = os.path.join(os.path.dirname(px.audit_path), "store")
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures",
+                            "--store", store])
+    assert rc == 0, out + err
+    assert "%d lines say their bodies were not stored" % len(unstored) in out, out
+    # The marker excuses a missing body, not an altered one.
+    h = unstored[0]["forwarded_body_sha256"]
+    with open(os.path.join(store, h), "w") as f:
+        f.write("not the body")
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures",
+                            "--store", store])
+    assert rc == 1 and "was altered" in out, (rc, out, err)
+    print("open, full disk: %d of 10 served requests have a line, each saying its bodies were "
+          "not stored" % len(unstored))
 
 
 if __name__ == "__main__":

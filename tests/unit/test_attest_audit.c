@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "attest/audit.h"
@@ -461,4 +462,138 @@ Test(audit, resume_counts_lines_beyond_the_tail_window)
     cr_assert_str_eq(d.checkpoint, "");
     dp_buf_free(&why);
     dp_buf_free(&out);
+}
+
+/* A line of a request whose forwarded body is `body` (hash in `hex`), chained into out, marked
+ * unstored or not. */
+static void body_line(audit_chain_t *c, const char *id, const char *body, bool unstored,
+                      char hex[65], dp_buf_t *out)
+{
+    dp_sha256_hex(body, strlen(body), hex);
+    char line[256];
+    int len = snprintf(line, sizeof(line),
+                       "{\"request_id\":\"%s\",\"forwarded_body_sha256\":\"%s\",\"status\":200}",
+                       id, hex);
+    if (unstored)
+        cr_assert_eq(audit_chain_append_unstored(c, line, (size_t)len, out), 0);
+    else
+        cr_assert_eq(audit_chain_append(c, line, (size_t)len, out), 0);
+}
+
+static void store(const char *dir, const char *hex, const char *bytes)
+{
+    char path[256];
+    snprintf(path, sizeof(path), "%s/%s", dir, hex);
+    FILE *f = fopen(path, "w");
+    fputs(bytes, f);
+    fclose(f);
+}
+
+static uint64_t verify_store_break(const char *path, const char *dir, const char *why_part)
+{
+    audit_verify_opts_t o = {.pubkey = g_pub, .store = dir};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1, "expected a break (%s)", why_part);
+    dp_buf_appendc(&why, '\0');
+    cr_assert(strstr(why.base, why_part), "'%s' does not say '%s'", why.base, why_part);
+    dp_buf_free(&why);
+    return r.bad_line;
+}
+
+Test(audit, append_unstored_marks_the_line_before_prev)
+{
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_t out = {0};
+    cr_assert_eq(audit_chain_append_unstored(&c, "{\"a\":1}\n", 8, &out), 0);
+    dp_buf_appendc(&out, '\0');
+    cr_assert_str_eq(out.base,
+                     "{\"a\":1,\"bodies_stored\":false,\"prev_sha256\":\"" AUDIT_GENESIS "\"}\n");
+    out.len--;
+    char h[65];
+    sha_of_line(out.base, h);
+    cr_assert_str_eq(c.prev, h, "the marker is part of the chained bytes");
+    size_t second = out.len;
+    cr_assert_eq(audit_chain_append_unstored(&c, "{}", 2, &out), 0);
+    dp_buf_appendc(&out, '\0');
+    cr_assert(strncmp(out.base + second, "{\"bodies_stored\":false,\"prev_sha256\":", 37) == 0,
+              "%s", out.base + second);
+    cr_assert_eq(c.since_checkpoint, 2);
+    dp_buf_free(&out);
+}
+
+/* The marker excuses a body file absent from the store, and nothing else: a present body is
+ * checked against its name, a line without the marker still needs its bodies, the marker
+ * cannot be added to a line afterwards, and only the writer's form of it is taken. */
+Test(audit, unstored_lines_excuse_only_missing_bodies)
+{
+    char path[128], dir[128];
+    snprintf(path, sizeof(path), "%s/u.jsonl", g_dir);
+    snprintf(dir, sizeof(dir), "%s/ustore", g_dir);
+    cr_assert_eq(mkdir(dir, 0700), 0);
+    audit_chain_t c;
+    audit_chain_init(&c);
+    dp_buf_t good = {0}, bad = {0};
+    char h1[65], h2[65], h3[65];
+    body_line(&c, "r1", "stored", false, h1, &good);
+    body_line(&c, "r2", "lost", true, h2, &good);
+    body_line(&c, "r3", "kept anyway", true, h3, &good);
+    audit_chain_checkpoint(&c, g_priv, "shutdown", 1, &good);
+    put(path, &good);
+    store(dir, h1, "stored");
+    store(dir, h3, "kept anyway");
+    audit_verify_opts_t o = {.pubkey = g_pub, .store = dir};
+    audit_verify_result_t r;
+    dp_buf_t why = {0};
+    cr_assert_eq(audit_verify_file(path, &o, &r, &why), 0, "%.*s", (int)why.len, why.base);
+    cr_assert_eq(r.unstored, 2);
+    cr_assert_eq(r.unstored_missing, 1);
+    cr_assert_eq(r.bodies_checked, 2, "the bodies present are checked, marker or not");
+    cr_assert_eq(r.signatures_checked, 1);
+
+    /* A body present under an unstored line's name with other bytes: altered. */
+    store(dir, h2, "not lost");
+    cr_assert_eq(verify_store_break(path, dir, "was altered"), 2);
+    char p2[256];
+    snprintf(p2, sizeof(p2), "%s/%s", dir, h2);
+    cr_assert_eq(unlink(p2), 0);
+
+    /* A line without the marker whose body is missing: still a break. */
+    snprintf(p2, sizeof(p2), "%s/%s", dir, h1);
+    cr_assert_eq(unlink(p2), 0);
+    cr_assert_eq(verify_store_break(path, dir, "stored body missing"), 1);
+
+    /* The marker added to that line afterwards: the next line names the break. */
+    const char *nl = memchr(good.base, '\n', good.len);
+    const char *pv = memmem(good.base, (size_t)(nl - good.base), "\"prev_sha256\"", 13);
+    dp_buf_reset(&bad);
+    dp_buf_append(&bad, good.base, (size_t)(pv - good.base));
+    dp_buf_appends(&bad, AUDIT_UNSTORED_MEMBER ",");
+    dp_buf_append(&bad, pv, good.len - (size_t)(pv - good.base));
+    put(path, &bad);
+    cr_assert_eq(verify_store_break(path, dir, "chain broken"), 2);
+    store(dir, h1, "stored");
+
+    /* Only "bodies_stored":false as the member before prev_sha256 is the writer's: any other
+     * form is a break even in a chain that holds (rewritten whole, here signed by our key). */
+    const char *forms[] = {
+        "{\"bodies_stored\":false,\"request_id\":\"r9\",\"forwarded_body_sha256\":\"%s\"}",
+        "{\"request_id\":\"r9\",\"forwarded_body_sha256\":\"%s\",\"bodies_stored\":\"false\"}",
+        "{\"request_id\":\"r9\",\"forwarded_body_sha256\":\"%s\",\"bodies_stored\":0}",
+        "{\"request_id\":\"r9\",\"forwarded_body_sha256\":\"%s\",\"bodies_stored\":true}",
+    };
+    for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++) {
+        audit_chain_init(&c);
+        dp_buf_reset(&bad);
+        char line[256];
+        int len = snprintf(line, sizeof(line), forms[i], h2);
+        cr_assert_eq(audit_chain_append(&c, line, (size_t)len, &bad), 0);
+        audit_chain_checkpoint(&c, g_priv, "shutdown", 1, &bad);
+        put(path, &bad);
+        cr_assert_eq(verify_store_break(path, dir, "bodies_stored: only false"), 1, "form %zu", i);
+    }
+    dp_buf_free(&why);
+    dp_buf_free(&good);
+    dp_buf_free(&bad);
 }
