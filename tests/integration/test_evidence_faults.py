@@ -482,17 +482,25 @@ def second_instance_on(px, audit_path):
         return None
 
 
+def hup(px):
+    """SIGHUP, and wait until it is handled: the reopen is queued ahead of every audit line
+    submitted after the `reloaded` log line."""
+    start = len(px.logs)
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("reloaded", start=start)
+
+
 def test_the_live_file_stays_locked_after_a_rotation_and_a_torn_repair():
     """The flock that stops a second instance on a hard link to the live file moves with the
     live file: to the new file after `mv` + SIGHUP, and to the file a torn-tail repair starts
     at restart. A SIGHUP that rotated nothing keeps the lock it has (no conflict with itself)."""
     sim, px = setup(checkpoint_lines=100)
     complete(px, "a")
-    px.send_signal(signal.SIGHUP)  # nothing rotated: the same file, the same lock
+    hup(px)  # nothing rotated: the same file, the same lock
     complete(px, "b")
     rotated = px.audit_path + ".1"
     os.rename(px.audit_path, rotated)
-    px.send_signal(signal.SIGHUP)
+    hup(px)
     complete(px, "c")  # answered once its line is in the new file, which is locked by then
     assert not px.find_logs("audit_locked"), px.find_logs("audit_locked")
     other = tempfile.mkdtemp(prefix="detproxy-lock-")
@@ -541,7 +549,7 @@ def test_a_reopen_onto_a_file_another_process_locks_stays_on_the_old_file():
     assert os.path.getsize(px.audit_path) == 0
     assert len(lines(rotated)) == 3, lines(rotated)  # a, the reopen checkpoint, b
     theirs.close()
-    px.send_signal(signal.SIGHUP)
+    hup(px)
     complete(px, "c")
     poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the line in the new file")
     assert len(px.find_logs("audit_locked")) == 1, px.find_logs("audit_locked")
