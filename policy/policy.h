@@ -305,27 +305,30 @@ void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out);
 
 /* ---- the end of an audited stream ------------------------------------------------------------ */
 
-/* A stream's closing event: `data: [DONE]` (completions, chat) or `event: response.completed`,
- * `.incomplete` or `.failed` (the Responses API; the space after the colon is optional). For a
- * tenant whose answers may not exist without their audit line, that event and everything after
- * it wait until the line is written: a client that reads to the end never sees a finished
- * answer the trail does not hold. The gate reads line starts only (a line that cannot be one
- * of those is passed on as soon as that is plain), so it keeps at most
- * POLICY_SSE_END_MAX bytes of an undecided line. Zero-initialise. */
-#define POLICY_SSE_END_MAX 27
+/* A stream's closing event, as OpenAI's clients recognise one: an event whose data starts with
+ * `[DONE]` (completions, chat), or, on the Responses API, one whose data is a JSON object with a
+ * member "type" (escapes decoded, any of duplicates) of "response.completed", ".incomplete" or
+ * ".failed", or whose `event:` field starts with one of those. For a tenant whose answers may
+ * not exist without their audit line, that event and everything after it wait until the line
+ * is written: a client that reads to the end never sees a finished answer the trail does not
+ * hold. Events are judged whole: each is kept until its blank line (an engine writes an event
+ * in one piece, so this adds no wait), and one longer than POLICY_SSE_END_EVENT_MAX is taken as
+ * the end (kept, not passed on). Zero-initialise; policy_sse_end_free when done. */
+#define POLICY_SSE_END_EVENT_MAX (1024 * 1024)
 typedef struct {
     bool holding; /* the closing event began: every byte from it on is held */
-    bool mid;     /* inside a line already passed on */
-    uint8_t npre;
-    char pre[POLICY_SSE_END_MAX]; /* the current line's start, not passed on yet */
+    bool bol;     /* at the start of a line */
+    bool cr;      /* the last byte was '\r' (a '\n' after it ends no second line) */
+    dp_buf_t ev;  /* the current event, not passed on yet */
 } policy_sse_end_t;
 
 /* The next n bytes of the stream (as the client would get them): what may go now is appended
  * to out, what must wait to held. */
 void policy_sse_end_feed(policy_sse_end_t *g, const char *p, size_t n, dp_buf_t *out,
                          dp_buf_t *held);
-/* The stream ended: a last line without its line end is judged as it is. */
+/* The stream ended: a last event without its blank line is judged as it is. */
 void policy_sse_end_finish(policy_sse_end_t *g, dp_buf_t *out, dp_buf_t *held);
+void policy_sse_end_free(policy_sse_end_t *g);
 
 /* ---- token usage (detproxy_tokens_total) ---------------------------------------------------- */
 

@@ -2,88 +2,118 @@
  * (policy.h, "the end of an audited stream"). */
 #include <string.h>
 
+#include "common/util.h"
+#include "policy/jdoc.h"
 #include "policy/policy.h"
 
-/* The closing events' lines, spelled with no space after the colon; a line is compared after
- * dropping one space there. */
-static const char *const end_lines[] = {"data:[DONE]", "event:response.completed",
-                                        "event:response.incomplete", "event:response.failed"};
+static const char *const end_types[] = {"response.completed", "response.incomplete",
+                                        "response.failed"};
 
-/* The line start l[0..n) with its optional space after the first ':' dropped into out:
- * its length, or 0 when it has no ':' yet within what is held (then it is copied as it is). */
-static size_t normalise(const char *l, size_t n, char out[POLICY_SSE_END_MAX])
+static bool starts_with(const char *p, size_t n, const char *s)
 {
-    const char *colon = memchr(l, ':', n);
-    size_t head = colon ? (size_t)(colon - l) + 1 : n;
-    memcpy(out, l, head);
-    size_t k = head;
-    size_t from = head < n && colon && l[head] == ' ' ? head + 1 : head;
-    memcpy(out + k, l + from, n - from);
-    return k + (n - from);
+    size_t l = strlen(s);
+    return n >= l && memcmp(p, s, l) == 0;
 }
 
-/* 1: l[0..n) is a whole closing line (whole: its line end came); 0: it may still start one;
- * -1: it cannot be one. */
-static int judge(const char *l, size_t n, bool whole)
+/* Does the joined data of an event name a closing type, as a client's JSON parser reads it? */
+static bool data_closes(const char *p, size_t n)
 {
-    char norm[POLICY_SSE_END_MAX];
-    size_t m = normalise(l, n, norm);
-    for (size_t i = 0; i < sizeof(end_lines) / sizeof(end_lines[0]); i++) {
-        size_t len = strlen(end_lines[i]);
-        if (m <= len && memcmp(norm, end_lines[i], m) == 0 && (!whole || m == len))
-            return whole ? 1 : 0;
+    if (starts_with(p, n, "[DONE]"))
+        return true;
+    size_t i = 0;
+    while (i < n && (p[i] == ' ' || p[i] == '\t' || p[i] == '\n' || p[i] == '\r'))
+        i++;
+    if (i == n || p[i] != '{')
+        return false;
+    jtok_t stack[64];
+    jdoc_t d;
+    jdoc_init_with(&d, stack, DP_ARRAY_SIZE(stack));
+    bool closes = false;
+    if (jdoc_parse(&d, p, n, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0) {
+        for (uint32_t k = 1; k < d.toks[0].end; k = d.toks[k + 1].end) {
+            if (!jdoc_str_eq(&d, k, "type") || d.toks[k + 1].type != JT_STR)
+                continue;
+            for (size_t t = 0; t < DP_ARRAY_SIZE(end_types); t++)
+                closes = closes || jdoc_str_eq(&d, k + 1, end_types[t]);
+        }
     }
-    return -1;
+    jdoc_free(&d);
+    return closes;
 }
 
-static void start_holding(policy_sse_end_t *g, dp_buf_t *held)
+/* Is the event ev[0..n) (its lines, as the SSE format splits them) a closing one? */
+static bool event_closes(const char *ev, size_t n)
 {
-    g->holding = true;
-    dp_buf_append(held, g->pre, g->npre);
-    g->npre = 0;
+    dp_buf_t data = {0};
+    bool any = false, closes = false;
+    size_t i = 0;
+    while (i < n && !closes) {
+        size_t e = i;
+        while (e < n && ev[e] != '\n' && ev[e] != '\r')
+            e++;
+        const char *line = ev + i;
+        size_t len = e - i;
+        const char *colon = memchr(line, ':', len);
+        size_t name = colon ? (size_t)(colon - line) : len;
+        const char *v = colon ? colon + 1 : line + len;
+        size_t vl = (size_t)(line + len - v);
+        if (vl && *v == ' ') {
+            v++;
+            vl--;
+        }
+        if (name == 4 && memcmp(line, "data", 4) == 0) {
+            if (any)
+                dp_buf_appendc(&data, '\n');
+            dp_buf_append(&data, v, vl);
+            any = true;
+        } else if (name == 5 && memcmp(line, "event", 5) == 0) {
+            for (size_t t = 0; t < DP_ARRAY_SIZE(end_types); t++)
+                closes = closes || starts_with(v, vl, end_types[t]);
+        }
+        i = e < n && ev[e] == '\r' && e + 1 < n && ev[e + 1] == '\n' ? e + 2 : e + 1;
+    }
+    closes = closes || (any && data_closes(data.base, data.len));
+    dp_buf_free(&data);
+    return closes;
+}
+
+/* The event kept in g->ev is whole (or the stream ended): pass it on, or hold from it on. */
+static void judge(policy_sse_end_t *g, dp_buf_t *out, dp_buf_t *held)
+{
+    if (g->ev.len == 0)
+        return;
+    if (event_closes(g->ev.base, g->ev.len)) {
+        g->holding = true;
+        dp_buf_append(held, g->ev.base, g->ev.len);
+    } else {
+        dp_buf_append(out, g->ev.base, g->ev.len);
+    }
+    dp_buf_reset(&g->ev);
 }
 
 void policy_sse_end_feed(policy_sse_end_t *g, const char *p, size_t n, dp_buf_t *out,
                          dp_buf_t *held)
 {
     size_t i = 0;
-    while (i < n && !g->holding) {
-        if (g->mid) { /* pass the rest of a decided line on, up to and with its end */
-            size_t k = i;
-            while (k < n && p[k] != '\n' && p[k] != '\r')
-                k++;
-            if (k < n) {
-                k++;
-                g->mid = false;
-            }
-            dp_buf_append(out, p + i, k - i);
-            i = k;
-            continue;
-        }
+    for (; i < n && !g->holding; i++) {
         char c = p[i];
-        if (c == '\n' || c == '\r') {
-            if (g->npre && judge(g->pre, g->npre, true) == 1) {
-                start_holding(g, held);
-                break;
-            }
-            dp_buf_append(out, g->pre, g->npre);
-            dp_buf_appendc(out, c);
-            g->npre = 0;
-            i++;
+        dp_buf_appendc(&g->ev, c);
+        if (c == '\n' && g->cr) { /* the second half of "\r\n" */
+            g->cr = false;
             continue;
         }
-        if (g->npre == POLICY_SSE_END_MAX) { /* longer than any closing line */
-            dp_buf_append(out, g->pre, g->npre);
-            g->npre = 0;
-            g->mid = true;
-            continue;
+        g->cr = c == '\r';
+        if (c != '\n' && c != '\r') {
+            g->bol = false;
+        } else if (g->bol) { /* an empty line: the event is whole */
+            judge(g, out, held);
+        } else {
+            g->bol = true;
         }
-        g->pre[g->npre++] = c;
-        i++;
-        if (judge(g->pre, g->npre, false) < 0) {
-            dp_buf_append(out, g->pre, g->npre);
-            g->npre = 0;
-            g->mid = true;
+        if (g->ev.len > POLICY_SSE_END_EVENT_MAX) { /* never judged: taken as the end */
+            g->holding = true;
+            dp_buf_append(held, g->ev.base, g->ev.len);
+            dp_buf_reset(&g->ev);
         }
     }
     if (g->holding)
@@ -92,8 +122,11 @@ void policy_sse_end_feed(policy_sse_end_t *g, const char *p, size_t n, dp_buf_t 
 
 void policy_sse_end_finish(policy_sse_end_t *g, dp_buf_t *out, dp_buf_t *held)
 {
-    if (!g->holding && g->npre && judge(g->pre, g->npre, true) == 1)
-        start_holding(g, held);
-    dp_buf_append(out, g->pre, g->npre);
-    g->npre = 0;
+    if (!g->holding)
+        judge(g, out, held);
+}
+
+void policy_sse_end_free(policy_sse_end_t *g)
+{
+    dp_buf_free(&g->ev);
 }

@@ -132,6 +132,7 @@ static void pol_put(pol_t *p)
     dp_buf_free(&p->att_ev);
     dp_buf_free(&p->gate_out);
     dp_buf_free(&p->end_held);
+    policy_sse_end_free(&p->end);
     /* A large body is not kept with a cached pol_t (256 of them would hold 64 MiB outside the
      * body budget): it goes to the thread's bounded stash, for the next large body. */
     if (p->in.cap >= DP_BUF_STASH_MIN)

@@ -851,11 +851,20 @@ static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *h
                        "cannot check";
         }
     }
+    /* The media type itself, parameters (after ';') aside; a list ("a, b") is two types. */
+    dp_iovec_t media = {"", 0};
+    if (type) {
+        const char *semi = memchr(type->base, ';', type->len);
+        media =
+            dp_trim_ows((dp_iovec_t){type->base, semi ? (size_t)(semi - type->base) : type->len});
+        if (memchr(type->base, ',', type->len))
+            return "the answer has more than one Content-Type";
+    }
     if (q->hooks.stream)
-        return type && type->len >= 17 && dp_memieq(type->base, "text/event-stream", 17)
+        return dp_strieq(media.base, media.len, "text/event-stream")
                    ? NULL
                    : "a streamed request was answered without Content-Type text/event-stream";
-    return type && type->len >= 16 && dp_memieq(type->base, "application/json", 16)
+    return dp_strieq(media.base, media.len, "application/json")
                ? NULL
                : "the answer's Content-Type is not application/json";
 }

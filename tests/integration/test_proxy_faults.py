@@ -528,7 +528,9 @@ def test_an_answer_with_two_content_types_is_refused_502():
     would pass unchecked by one of them: it is refused."""
     for stream, types in ((False, (b"text/plain", b"application/json")),
                           (True, (b"text/plain", b"text/event-stream")),
-                          (False, (b"application/json", b"text/plain"))):
+                          (False, (b"application/json", b"text/plain")),
+                          (False, (b"application/json, text/html",)),
+                          (True, (b"text/event-stream, application/json",))):
         resp = (b"HTTP/1.1 200 OK\r\n" + b"".join(b"Content-Type: %s\r\n" % t for t in types) +
                 b"Content-Length: %d\r\n\r\n" % len(OK_BODY) + OK_BODY)
         up, px = start_scripted(lambda k, c, q, resp=resp: (resp, False))
@@ -537,6 +539,25 @@ def test_an_answer_with_two_content_types_is_refused_502():
         assert "more than one Content-Type" in err["message"], err
         px.stop()
 
+
+def test_only_the_media_types_themselves_are_read_as_json_or_an_event_stream():
+    """`application/jsonx` or `text/event-streamy` are other types, not JSON or a stream with a
+    longer name; parameters and case do not matter."""
+    for stream, ctype, ok in ((False, b"application/jsonx", False),
+                              (False, b"application/json-seq", False),
+                              (True, b"text/event-streamy", False),
+                              (False, b"Application/JSON; charset=utf-8", True),
+                              (True, b"text/event-stream;charset=UTF-8", True)):
+        body = OK_BODY if not stream else b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
+        resp = (b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                % (ctype, len(body)) + body)
+        up, px = start_scripted(lambda k, c, q, resp=resp: (resp, False))
+        r = post_json(px.port, "/v1/completions", dict(COMPLETION, stream=stream))
+        if ok:
+            assert r.status == 200, (ctype, r)
+        else:
+            assert_openai_error(r, 502, "upstream_error")
+        px.stop()
 
 if __name__ == "__main__":
     run_tests(globals())

@@ -16,6 +16,7 @@ static void run(const char *s, size_t cut, dp_buf_t *out, dp_buf_t *held)
     policy_sse_end_feed(&g, s, cut, out, held);
     policy_sse_end_feed(&g, s + cut, n - cut, out, held);
     policy_sse_end_finish(&g, out, held);
+    policy_sse_end_free(&g);
 }
 
 /* At every cut, and one byte at a time: s goes out as `sent` and the rest waits. */
@@ -39,6 +40,7 @@ static void expect(const char *s, const char *sent)
     for (size_t i = 0; i < n; i++)
         policy_sse_end_feed(&g, s + i, 1, &out, &held);
     policy_sse_end_finish(&g, &out, &held);
+    policy_sse_end_free(&g);
     cr_assert_eq(out.len, strlen(sent), "bytewise %s", s);
     cr_assert_eq(held.len, n - strlen(sent), "bytewise %s", s);
     dp_buf_free(&out);
@@ -70,19 +72,54 @@ Test(sse_end, responses_stream_holds_its_final_event)
     expect("event: response.failed\r\ndata: {}\r\n\r\n", "");
 }
 
-Test(sse_end, lines_that_only_look_alike_pass)
+Test(sse_end, what_a_client_takes_for_the_end_is_held)
 {
-    const char *s[] = {"data: [DONE] \n\n",
-                       "data:  [DONE]\n\n",
-                       "data: [DONE]x\n",
-                       "data: \"[DONE]\"\n\n",
-                       "data: [DON\n\n",
-                       "event: response.completed.x\n\n",
-                       "event: response.created\n\n",
-                       "data\n\n",
-                       " data: [DONE]\n\n",
-                       "event: response.output_text.done\ndata: {}\n\n",
-                       "data: {\"choices\":[]}\n" /* long line, no end marker */};
+    /* openai-python: data that starts with [DONE]; a Responses event by its data's "type"
+     * (escapes decoded, any duplicate), whether or not an event: line names it */
+    const char *s[] = {
+        "data: [DONE] \n\n",
+        "data: [DONE]]\n\n",
+        "data:[DONE]x\n\n",
+        "data: {\"sequence_number\":9,\"type\":\"response.completed\"}\n\n",
+        "data: {\"type\": \"response.incomplete\", \"response\": {}}\r\n\r\n",
+        "data: {\"\\u0074ype\":\"response.failed\"}\n\n",
+        "data: {\"type\":\"x\",\"type\":\"response.completed\"}\n\n",
+        "data: {\"type\":\ndata: \"response.completed\"}\n\n",
+        "event: response.completed \ndata: {}\n\n",
+        "event: response.completed\n\n",
+    };
+    for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); i++)
+        expect(s[i], "");
+    char big[POLICY_SSE_END_EVENT_MAX + 64];
+    memset(big, 'x', sizeof(big) - 1);
+    memcpy(big, "data: ", 6);
+    big[sizeof(big) - 1] = '\0';
+    dp_buf_t out = {0}, held = {0};
+    policy_sse_end_t g;
+    memset(&g, 0, sizeof(g));
+    policy_sse_end_feed(&g, big, strlen(big), &out, &held);
+    cr_assert_eq(out.len, 0, "an event that never ends is not passed on");
+    cr_assert_eq(held.len, strlen(big));
+    policy_sse_end_free(&g);
+    dp_buf_free(&out);
+    dp_buf_free(&held);
+}
+
+Test(sse_end, events_that_only_look_alike_pass)
+{
+    const char *s[] = {
+        "data:  [DONE]\n\n",
+        "data: \"[DONE]\"\n\n",
+        "data: [DON\n\n",
+        "data: [DO\ndata: NE]\n\n",
+        "event: response.created\ndata: {\"type\":\"response.created\"}\n\n",
+        "data: {\"delta\":\"\\\"type\\\":\\\"response.completed\\\"\"}\n\n",
+        "data: {\"response\":{\"type\":\"response.completed\"}}\n\n",
+        "data\n\n",
+        " data: [DONE]\n\n",
+        ": keep-alive\n\n",
+        "event: response.output_text.done\ndata: {}\n\n",
+    };
     for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); i++)
         expect(s[i], s[i]);
 }
