@@ -36,7 +36,9 @@ static bool data_closes(const char *p, size_t n)
             for (size_t t = 0; t < DP_ARRAY_SIZE(end_types); t++)
                 closes = closes || jdoc_str_eq(&d, k + 1, end_types[t]);
         }
-    }
+    } else
+        closes = true; /* an object a client's parser may read and this one refuses (a number
+                          beyond a double, a lone surrogate, deeper nesting): held, to be safe */
     jdoc_free(&d);
     return closes;
 }
@@ -53,6 +55,10 @@ static bool event_closes(const char *ev, size_t n)
             e++;
         const char *line = ev + i;
         size_t len = e - i;
+        if (len >= 3 && memcmp(line, "\xEF\xBB\xBF", 3) == 0) { /* a BOM, which a decoder drops */
+            line += 3;
+            len -= 3;
+        }
         const char *colon = memchr(line, ':', len);
         size_t name = colon ? (size_t)(colon - line) : len;
         const char *v = colon ? colon + 1 : line + len;
@@ -97,11 +103,14 @@ void policy_sse_end_feed(policy_sse_end_t *g, const char *p, size_t n, dp_buf_t 
     size_t i = 0;
     for (; i < n && !g->holding; i++) {
         char c = p[i];
-        dp_buf_appendc(&g->ev, c);
         if (c == '\n' && g->cr) { /* the second half of "\r\n" */
             g->cr = false;
+            /* It ends a blank line whose event went on already: it goes on too (a client may
+             * wait for it to see the event). */
+            dp_buf_appendc(g->ev.len ? &g->ev : out, c);
             continue;
         }
+        dp_buf_appendc(&g->ev, c);
         g->cr = c == '\r';
         if (c != '\n' && c != '\r') {
             g->bol = false;

@@ -724,8 +724,9 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
         policy_sse_fp_feed(&p->sse, b, n, &p->out);
         v = (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len};
     }
-    tee(h, p, v.base, v.len); /* the audit hashes and keeps the answer whole, held part too */
-    return gated(p, v, false);
+    v = gated(p, v, false);
+    tee(h, p, v.base, v.len); /* what the client gets, in its order (a held end: at the tail) */
+    return v;
 }
 
 bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
@@ -743,9 +744,13 @@ dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
     policy_sse_fp_finish(&p->sse, &p->out);
     if (p->sse.prev[0] && !h->upstream_fp[0])
         snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
-    dp_iovec_t v = {p->out.base ? p->out.base : "", p->out.len};
+    dp_iovec_t v = gated(p, (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len}, true);
     tee(h, p, v.base, v.len);
-    return gated(p, v, true);
+    /* The held end goes out after the audit line, which must already cover it. */
+    dp_iovec_t end;
+    if (px_hooks_stream_end(h, &end) && end.len)
+        tee(h, p, end.base, end.len);
+    return v;
 }
 
 /* ---- audit ---------------------------------------------------------------------------------- */

@@ -3,6 +3,7 @@
 verifiable chain; with "open" answers are served and counted. Needs a 300 KB tmpfs (root, mount
 permitted): skipped (77) with the reason otherwise."""
 
+import hashlib
 import json
 import os
 import socket
@@ -170,6 +171,29 @@ def test_a_stream_going_on_after_its_closing_event_is_not_held_without_bound():
         limits={"max_response_rewrite_bytes": 4096}, directory=d)
     got, clean = stream_raw(px, "on and on")
     assert b'"text":"a"' in got and b"[DONE]" not in got and not clean, got[-200:]
+    px.stop()
+
+
+def test_a_gated_stream_cut_mid_event_is_audited_as_the_client_got_it():
+    """The gate reads events whole. When the replica fails inside one, that unfinished event is
+    not sent (a client could not have used it), and the audit line's response hash covers what
+    the client did get, not the bytes it never saw."""
+    ev = b'data: {"choices":[{"text":"a"}]}\n\n'
+    part = b'data: {"choices":[{"text":"PARTIAL'
+    resp = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n"
+            % (len(ev), ev, len(part), part))
+    up = ScriptedUpstream(lambda k, c, q: (resp, False))
+    d = tempfile.mkdtemp(prefix="detproxy-disk-")
+    audit = os.path.join(d, "audit.jsonl")
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"], "replicas": [
+        {"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}], policy=POLICY,
+        log={"level": "info", "audit_path": audit, "audit_fail": "closed"}, directory=d)
+    got, clean = stream_raw(px, "cut")
+    assert not clean and b"PARTIAL" not in got and b"upstream_error" in got, got[-400:]
+    line = poll_until(lambda: [json.loads(l) for l in open(audit) if "request_id" in l],
+                      what="the audit line")[0]
+    assert line["response_body_sha256"] == hashlib.sha256(ev).hexdigest(), line
     px.stop()
 
 

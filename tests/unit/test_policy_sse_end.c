@@ -87,6 +87,12 @@ Test(sse_end, what_a_client_takes_for_the_end_is_held)
         "data: {\"type\":\ndata: \"response.completed\"}\n\n",
         "event: response.completed \ndata: {}\n\n",
         "event: response.completed\n\n",
+        "\xEF\xBB\xBF"
+        "data: [DONE]\n\n", /* a decoder drops the BOM */
+        /* objects a client's parser reads and jdoc refuses: held, whatever their type */
+        "data: {\"type\":\"response.completed\",\"x\":1e400}\n\n",
+        "data: {\"type\":\"response.completed\",\"x\":\"\\ud800\"}\n\n",
+        "data: {\"type\":\"response.completed\",\"x\":NaN}\n\n",
     };
     for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); i++)
         expect(s[i], "");
@@ -100,6 +106,23 @@ Test(sse_end, what_a_client_takes_for_the_end_is_held)
     policy_sse_end_feed(&g, big, strlen(big), &out, &held);
     cr_assert_eq(out.len, 0, "an event that never ends is not passed on");
     cr_assert_eq(held.len, strlen(big));
+    policy_sse_end_free(&g);
+    dp_buf_free(&out);
+    dp_buf_free(&held);
+}
+
+/* The "\n" of a blank line's "\r\n" goes on with its event, not with the next one: a client
+ * that waits for "\r\n\r\n" sees each event when it comes. */
+Test(sse_end, a_crlf_event_goes_on_whole_at_once)
+{
+    policy_sse_end_t g;
+    memset(&g, 0, sizeof(g));
+    dp_buf_t out = {0}, held = {0};
+    const char *ev = "data: {\"choices\":[]}\r\n\r\n";
+    policy_sse_end_feed(&g, ev, strlen(ev), &out, &held);
+    cr_assert_eq(out.len, strlen(ev));
+    cr_assert(memcmp(out.base, ev, out.len) == 0);
+    cr_assert_eq(held.len, 0);
     policy_sse_end_free(&g);
     dp_buf_free(&out);
     dp_buf_free(&held);
