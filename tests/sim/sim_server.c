@@ -43,8 +43,9 @@
 #define HUGE_ATTEST_BYTES (10 * 1024 * 1024)
 
 static const char *const fault_names[SIM_FAULT__COUNT] = {
-    "none",           "close_before_response", "hang",     "garbage",
-    "die_mid_stream", "bad_framing",           "error_500", "coded", "wrong_type"};
+    "none",           "close_before_response", "hang",      "garbage",
+    "die_mid_stream", "bad_framing",           "error_500", "coded",
+    "wrong_type"};
 static const char *const afault_names[SIM_AFAULT__COUNT] = {
     "none", "wrong_nonce", "bad_signature", "unsigned", "garbage", "huge", "hang"};
 
@@ -573,8 +574,7 @@ static void fault_unreadable(net_req_t *req, sim_fault_t f)
     dp_buf_t b = {0};
     dp_buf_printf(&b, "HTTP/1.1 200 OK\r\ncontent-type: %s\r\n%scontent-length: %zu\r\n\r\n%s",
                   f == SIM_FAULT_CODED ? "application/json" : "text/plain",
-                  f == SIM_FAULT_CODED ? "content-encoding: gzip\r\n" : "", sizeof(body) - 1,
-                  body);
+                  f == SIM_FAULT_CODED ? "content-encoding: gzip\r\n" : "", sizeof(body) - 1, body);
     net_resp_raw_and_close(req, b.base, b.len);
     dp_buf_free(&b);
 }
