@@ -149,17 +149,24 @@ static void put(const char *path, const dp_buf_t *b)
     fclose(f);
 }
 
-static uint64_t verify_break(const char *path, const attest_key_t *pub, const char *expect_prev,
-                             const char *why_part)
+/* verify path with o, expecting a break whose reason names why_part: the line it is at. */
+static uint64_t verify_break_opts(const char *path, const audit_verify_opts_t *o,
+                                  const char *why_part)
 {
-    audit_verify_opts_t o = {.pubkey = pub, .expect_prev = expect_prev};
     audit_verify_result_t r;
     dp_buf_t why = {0};
-    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1, "expected a break (%s)", why_part);
+    cr_assert_eq(audit_verify_file(path, o, &r, &why), -1, "expected a break (%s)", why_part);
     dp_buf_appendc(&why, '\0');
     cr_assert(strstr(why.base, why_part), "'%s' does not say '%s'", why.base, why_part);
     dp_buf_free(&why);
     return r.bad_line;
+}
+
+static uint64_t verify_break(const char *path, const attest_key_t *pub, const char *expect_prev,
+                             const char *why_part)
+{
+    audit_verify_opts_t o = {.pubkey = pub, .expect_prev = expect_prev};
+    return verify_break_opts(path, &o, why_part);
 }
 
 Test(audit, verify_intact_and_every_break)
@@ -492,13 +499,7 @@ static void store(const char *dir, const char *hex, const char *bytes)
 static uint64_t verify_store_break(const char *path, const char *dir, const char *why_part)
 {
     audit_verify_opts_t o = {.pubkey = g_pub, .store = dir};
-    audit_verify_result_t r;
-    dp_buf_t why = {0};
-    cr_assert_eq(audit_verify_file(path, &o, &r, &why), -1, "expected a break (%s)", why_part);
-    dp_buf_appendc(&why, '\0');
-    cr_assert(strstr(why.base, why_part), "'%s' does not say '%s'", why.base, why_part);
-    dp_buf_free(&why);
-    return r.bad_line;
+    return verify_break_opts(path, &o, why_part);
 }
 
 Test(audit, append_unstored_marks_the_line_before_prev)
