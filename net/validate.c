@@ -479,3 +479,15 @@ bool net_header_is_hop(const char *name, size_t len, const dp_iovec_t *connectio
     }
     return false;
 }
+
+bool net_content_coded(const net_header_t *hdrs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-encoding"))
+            continue;
+        dp_iovec_t v = dp_trim_ows(hdrs[i].value);
+        if (!dp_strieq(v.base, v.len, "identity"))
+            return true;
+    }
+    return false;
+}

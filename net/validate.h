@@ -100,4 +100,8 @@ int net_response_check(const net_header_t *h, size_t n, uint8_t http_major, uint
  * Connection header (pass the Connection value, may be NULL). */
 bool net_header_is_hop(const char *name, size_t len, const dp_iovec_t *connection);
 
+/* Does a Content-Encoding among these headers name a coding, i.e. anything but "identity"
+ * (RFC 9110 §8.4.1; whitespace and case aside)? A coded body is one detproxy cannot read. */
+bool net_content_coded(const net_header_t *hdrs, size_t n);
+
 #endif

@@ -512,22 +512,6 @@ static bool audit_refuses(px_t *px, const pol_t *p)
     return !p->audit_fail_open && !px_audit_writable(px->audit);
 }
 
-/* A coded body (gzip, br, ...) cannot be read, and so not policed: a replica or a gateway
- * behind us that decodes it would otherwise see what no rule looked at. "identity" is no
- * coding (RFC 9110 §8.4.1). */
-static bool content_coded(const net_req_t *req)
-{
-    for (size_t i = 0; i < req->nheaders; i++) {
-        const net_header_t *hd = &req->headers[i];
-        if (!dp_strieq(hd->name.base, hd->name.len, "content-encoding"))
-            continue;
-        dp_iovec_t v = dp_trim_ows(hd->value);
-        if (!dp_strieq(v.base, v.len, "identity"))
-            return true;
-    }
-    return false;
-}
-
 int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
                        policy_route_t route, dp_iovec_t *body, px_hooks_result_t *res,
                        px_hooks_policed_cb done, void *done_data)
@@ -553,7 +537,9 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
         px_otel_refused(h->span, res->code);
         return -1;
     }
-    if (content_coded(req)) {
+    /* A coded body cannot be read, and so not policed: a replica or a gateway behind us that
+     * decodes it would otherwise see what no rule looked at. */
+    if (net_content_coded(req->headers, req->nheaders)) {
         *res = (px_hooks_result_t){.status = 415,
                                    .code = "unsupported_content_encoding",
                                    .message = "a request body with Content-Encoding cannot be "
@@ -627,18 +613,11 @@ void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_hea
 
 /* ---- responses ------------------------------------------------------------------------------ */
 
-bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n)
+bool px_hooks_hold_response(const px_hooks_req_t *h, int status)
 {
-    if (!h->inference || h->stream || status < 200 || status >= 300)
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type")) {
-            const dp_iovec_t v = hdrs[i].value;
-            h->hold = v.len >= 16 && dp_memieq(v.base, "application/json", 16);
-            return h->hold;
-        }
-    }
-    return false;
+    /* A non-streamed successful answer got here only as application/json (up_on_head refuses
+     * any other): it is held and its fingerprint rewritten. */
+    return h->inference && !h->stream && status >= 200 && status < 300;
 }
 
 void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,

@@ -29,7 +29,6 @@ typedef struct {
     char error[256];
     bool inference;
     bool stream;
-    bool hold;              /* the response is held whole for rewriting */
     bool upstream_answered; /* a replica's response head arrived (its body is what is hashed) */
     bool fp_mismatch; /* upstream_fp differed from the replica's attested engine fingerprint */
     const cfg_tenant_t *tenant_cfg;
@@ -109,8 +108,9 @@ size_t px_hooks_body_parts(const px_hooks_req_t *h, const dp_iovec_t **parts);
 void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_header_t *out,
                                size_t *n);
 
-/* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? */
-bool px_hooks_hold_response(px_hooks_req_t *h, int status, const net_header_t *hdrs, size_t n);
+/* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? Only for
+ * an answer whose type up_on_head has checked. */
+bool px_hooks_hold_response(const px_hooks_req_t *h, int status);
 /* Rewrite a held body in place; may add headers (upstream fingerprint) to extra. */
 void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
                                net_header_t *extra, size_t *nextra);

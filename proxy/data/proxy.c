@@ -779,15 +779,6 @@ static const dp_iovec_t *connection_value(const net_header_t *hdrs, size_t n)
     return NULL;
 }
 
-static bool is_event_stream(const net_header_t *hdrs, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type"))
-            return hdrs[i].value.len >= 17 &&
-                   dp_memieq(hdrs[i].value.base, "text/event-stream", 17);
-    return false;
-}
-
 /* Remember the last bytes of an SSE stream sent to the client. */
 static void sse_track(px_preq_t *q, const char *p, size_t n)
 {
@@ -835,20 +826,16 @@ static void sse_error_event(px_preq_t *q, const char *message)
  * pass all of that by unread (docs/requests.md §2). */
 static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *hdrs, size_t n)
 {
+    if (net_content_coded(hdrs, n))
+        return "the answer has a Content-Encoding, which detproxy did not ask for and cannot "
+               "check";
     const dp_iovec_t *type = NULL;
     for (size_t i = 0; i < n; i++) {
-        const char *nm = hdrs[i].name.base;
-        size_t l = hdrs[i].name.len;
-        if (dp_strieq(nm, l, "content-type")) {
-            /* Every reader takes the first; a client may take another. */
+        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type")) {
+            /* A reader takes the first; a client may take another. */
             if (type)
                 return "the answer has more than one Content-Type";
             type = &hdrs[i].value;
-        } else if (dp_strieq(nm, l, "content-encoding")) {
-            dp_iovec_t v = dp_trim_ows(hdrs[i].value);
-            if (!dp_strieq(v.base, v.len, "identity"))
-                return "the answer has a Content-Encoding, which detproxy did not ask for and "
-                       "cannot check";
         }
     }
     /* The media type itself, parameters (after ';') aside; a list ("a, b") is two types. */
@@ -884,7 +871,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     q->hooks.upstream_answered = true;
     const dp_iovec_t *connv = connection_value(hdrs, n);
     /* A response announced larger than what may be held is passed through from the start. */
-    if (px_hooks_hold_response(&q->hooks, status, hdrs, n) &&
+    if (px_hooks_hold_response(&q->hooks, status) &&
         (f->content_length < 0 ||
          (uint64_t)f->content_length <= q->gen->cfg->limits.max_response_rewrite_bytes)) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
@@ -909,7 +896,8 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
             out[k++] = hdrs[i];
     extra_headers(q, out, &k);
     q->client_started = true;
-    q->sse = is_inference(q->route) && status >= 200 && status < 300 && is_event_stream(hdrs, n);
+    /* A successful streamed answer got here only as text/event-stream (unverifiable_answer). */
+    q->sse = is_inference(q->route) && status >= 200 && status < 300 && q->hooks.stream;
     if (q->sse)
         px_hooks_event_stream(&q->hooks);
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
