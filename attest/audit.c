@@ -36,11 +36,6 @@ static void line_hash(const char *p, size_t n, char out[65])
 
 #define CHECKPOINT_HEAD "{\"checkpoint\":"
 
-static bool is_checkpoint(const char *p, size_t n)
-{
-    return n > strlen(CHECKPOINT_HEAD) && memcmp(p, CHECKPOINT_HEAD, strlen(CHECKPOINT_HEAD)) == 0;
-}
-
 /* The seq of a checkpoint line (0 when it has none: written before checkpoints were numbered). */
 static uint64_t checkpoint_seq(const char *p, size_t n)
 {
@@ -59,39 +54,11 @@ static void take_checkpoint(audit_chain_t *c, const char *p, size_t n)
     dp_sha256_hex(p, n, c->checkpoint);
 }
 
-/* After a crash the file ends without its shutdown checkpoint: the next checkpoint must count
- * the lines already there. Walks buf[0..end) (complete lines, ending with '\n') back to its last
- * checkpoint: the lines after it are counted into c->since_checkpoint, its seq and hash go to
- * c. Its first line is partial when first_partial (a tail of a larger file) and is neither
- * counted nor taken as a checkpoint: *rest is then set to the length of that partial line
- * with its '\n', where the walk must go on in the file. true when a checkpoint was found. */
-static bool tail_checkpoint(audit_chain_t *c, const char *buf, size_t end, bool first_partial,
-                            size_t *rest)
-{
-    size_t e = end;
-    while (e > 0) {
-        size_t s = e - 1;
-        while (s > 0 && buf[s - 1] != '\n')
-            s--;
-        if (s == 0 && first_partial) {
-            *rest = e;
-            return false;
-        }
-        if (is_checkpoint(buf + s, e - 1 - s)) {
-            take_checkpoint(c, buf + s, e - 1 - s);
-            return true;
-        }
-        c->since_checkpoint++;
-        e = s;
-    }
-    *rest = 0;
-    return false;
-}
-
 #define BACK_CHUNK (64u * 1024)
 
-/* The walk of tail_checkpoint, beyond the part of the file held in memory: the file's complete
- * lines before offset `end` (0 or just after a '\n') are read backwards in BACK_CHUNK pieces,
+/* After a crash the file ends without its shutdown checkpoint: the next checkpoint must count
+ * the lines already there. The file's complete lines before offset `end` (0 or just after a
+ * '\n') are read backwards in BACK_CHUNK pieces,
  * counted into c->since_checkpoint up to the last checkpoint, whose line (bounded by
  * AUDIT_LINE_MAX; a longer one is not ours and is counted as a line) gives c its seq and hash.
  * Memory stays bounded whatever the distance to that checkpoint. 0 or a negative errno. */
@@ -202,9 +169,7 @@ int audit_chain_resume_torn(audit_chain_t *c, const char *path, audit_torn_t *to
                     start--;
                 if (start > 0 || !partial) {
                     line_hash(buf + start, end - start, c->prev);
-                    size_t rest = 0;
-                    if (!tail_checkpoint(c, buf, end, partial, &rest) && partial)
-                        rc = back_to_checkpoint(c, fd, size - (off_t)got + (off_t)rest);
+                    rc = back_to_checkpoint(c, fd, size - (off_t)got + (off_t)end);
                 } else {
                     rc = -EFBIG; /* a last line longer than AUDIT_TAIL_MAX is not ours */
                 }
