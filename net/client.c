@@ -11,6 +11,7 @@
 #include "net/client.h"
 
 #include <assert.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,7 +85,7 @@ struct net_upstream_s {
 
 static const char *const err_names[NET_UP__COUNT] = {
     "ok",           "connect",  "send",      "reused_closed", "closed", "first_byte_timeout",
-    "idle_timeout", "protocol", "truncated",
+    "idle_timeout", "protocol", "truncated", "send_timeout",
 };
 
 const char *net_up_err_name(net_up_err_t e)
@@ -152,18 +153,74 @@ static void idle_push(uconn_t *c)
 /* ---- timers --------------------------------------------------------------------------------
  * One timer per connection, its meaning given by the phase: connect timeout, first-byte
  * timeout, mid-response idle timeout (checked lazily against last_read so a busy stream does
- * not restart a timer per read), or pooled-idle lifetime. */
+ * not restart a timer per read), or pooled-idle lifetime. While request bytes wait in the
+ * socket before the response starts, it also comes back within the idle timeout to see whether
+ * the upstream still takes them (send_stalled). */
 
 static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail);
 static void uconn_close(uconn_t *c);
 
 static void uconn_arm(uconn_t *c, uint64_t ms);
+static void timer_cb(uv_timer_t *t);
+
+/* The timer for `ms` from now, the phase's deadline left where it is (uconn_arm). */
+static void uconn_timer_in(uconn_t *c, uint64_t ms)
+{
+    c->timer_due = uv_now(c->up->loop) + ms;
+    c->timer_lazy = true;
+    uv_timer_start(&c->timer, timer_cb, ms, 0);
+}
+
+/* Request bytes wait in the socket for a replica that may have stopped reading them: the
+ * timer comes back within the idle timeout to look (send_stalled), however far off the first
+ * byte's deadline is. Like nginx's proxy_send_timeout, which has the same 60 s default. */
+static void uconn_watch_send(uconn_t *c)
+{
+    if (c->phase != UC_HEAD || c->sock.queued == 0)
+        return;
+    uint64_t ms = c->up->o.idle_timeout_ms;
+    if (uv_is_active((uv_handle_t *)&c->timer) &&
+        (!c->timer_lazy || c->timer_due <= uv_now(c->up->loop) + ms))
+        return; /* a deferred failure, or a timer due sooner */
+    uconn_timer_in(c, ms);
+}
+
+/* Waiting for the response's first byte with request bytes still queued: true when the replica
+ * has taken none of them for the idle timeout (then the first-byte timeout, minutes long,
+ * would be the client's wait for a replica that will never answer). Otherwise the timer is set
+ * to look again, or for the deadline when that comes first; *rearmed says so. */
+static bool send_stalled(uconn_t *c, uint64_t now, bool *rearmed)
+{
+    *rearmed = false;
+    if (c->phase != UC_HEAD || c->sock.queued == 0 || (c->req && c->req->pub.response_started))
+        return false;
+    uint64_t idle = c->up->o.idle_timeout_ms;
+    uint64_t quiet = now - net_sock_last_progress(&c->sock);
+    if (quiet >= idle)
+        return true;
+    if (now < c->deadline) {
+        uint64_t left = c->deadline - now;
+        uconn_timer_in(c, left < idle - quiet ? left : idle - quiet);
+        *rearmed = true;
+    }
+    return false;
+}
 
 static void timer_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
     net_upstream_t *u = c->up;
     uint64_t now = uv_now(u->loop);
+    bool rearmed;
+    if (send_stalled(c, now, &rearmed)) {
+        char why[96];
+        snprintf(why, sizeof(why), "took none of the request's bytes for %u ms",
+                 (unsigned)u->o.idle_timeout_ms);
+        uconn_fail(c, NET_UP_SEND_TIMEOUT, why);
+        return;
+    }
+    if (rearmed)
+        return;
     if (now < c->deadline) { /* set early, the deadline moved on since (uconn_arm) */
         uconn_arm(c, c->deadline - now);
         return;
@@ -206,9 +263,7 @@ static void uconn_arm(uconn_t *c, uint64_t ms)
     c->deadline = uv_now(c->up->loop) + ms;
     if (c->timer_lazy && uv_is_active((uv_handle_t *)&c->timer) && c->timer_due <= c->deadline)
         return;
-    c->timer_due = c->deadline;
-    c->timer_lazy = true;
-    uv_timer_start(&c->timer, timer_cb, ms, 0);
+    uconn_timer_in(c, ms);
 }
 
 static void deferred_fail_cb(uv_timer_t *t);
@@ -640,6 +695,7 @@ static void sock_connected(net_sock_t *s, int status)
         uconn_fail(c, NET_UP_SEND, uv_strerror(r));
         return;
     }
+    uconn_watch_send(c);
     /* A caller paused on net_creq_over by the bytes that waited here: when the socket took
      * them without going over high water itself, no socket drain will come, so this is it. */
     if (was_over && !net_sock_over(&c->sock))
@@ -817,6 +873,8 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
     if (net_sock_write(&c->sock, bufs, nbufs) != 0) {
         /* A pooled connection that died under us: the classic keep-alive race. */
         uconn_defer_fail(c, NET_UP_REUSED_CLOSED);
+    } else {
+        uconn_watch_send(c);
     }
     return &q->pub;
 }
@@ -842,6 +900,7 @@ int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
         uconn_fail(c, r->response_started ? NET_UP_TRUNCATED : NET_UP_SEND, "write failed");
         return -1;
     }
+    uconn_watch_send(c);
     return 0;
 }
 
@@ -880,9 +939,10 @@ void net_creq_release(net_creq_t *r)
         return;
     c->held = false;
     uconn_arm(c, c->up->o.first_byte_timeout_ms);
-    if (outq_send(c) != 0) { /* reported from the loop, never inside the caller's call */
+    if (outq_send(c) != 0) /* reported from the loop, never inside the caller's call */
         uconn_defer_fail(c, NET_UP_SEND);
-    }
+    else
+        uconn_watch_send(c);
 }
 
 void net_creq_cancel(net_creq_t *r)

@@ -26,7 +26,8 @@ typedef struct net_creq_s net_creq_t;
 typedef struct {
     uint32_t connect_timeout_ms;
     uint32_t first_byte_timeout_ms;
-    uint32_t idle_timeout_ms; /* silence mid-response; also how long a pooled connection idles */
+    uint32_t idle_timeout_ms; /* silence mid-response, or a request's bytes not taken; also how
+                               * long a pooled connection idles */
     uint32_t max_idle;        /* idle connections kept per upstream (default 1024: fewer than the
                                * requests sent to one replica at once, and a burst closes and reopens
                                * connections, each new one waiting for its identity check) */
@@ -43,6 +44,8 @@ typedef enum {
     NET_UP_IDLE_TIMEOUT,       /* silence mid-response beyond idle_timeout_ms */
     NET_UP_PROTOCOL,           /* invalid response (framing, garbage, smuggling) */
     NET_UP_TRUNCATED,          /* closed or reset mid-body */
+    NET_UP_SEND_TIMEOUT,       /* before any response byte, the upstream took none of the
+                                * request's queued bytes for idle_timeout_ms */
     NET_UP__COUNT
 } net_up_err_t;
 

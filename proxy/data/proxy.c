@@ -1172,7 +1172,8 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
             net_resp_abort(q->req);
             q->req = NULL;
             q->code = "upstream_error";
-        } else if (err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT) {
+        } else if (err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT ||
+                   err == NET_UP_SEND_TIMEOUT) {
             char msg[160];
             snprintf(msg, sizeof(msg), "replica %s timed out: %s", r->name, detail ? detail : "");
             fail_client(q, 504, "upstream_timeout", NULL, msg);

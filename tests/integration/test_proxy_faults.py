@@ -332,6 +332,33 @@ def test_replica_hang_is_504_within_first_byte_timeout():
     px.stop()
 
 
+def test_replica_that_stops_reading_the_upload_is_504_within_idle_timeout():
+    """A replica that stops taking a request's bytes before it answers (hung, or its reader
+    stuck) is given up on after upstream_idle_timeout_ms, as nginx's proxy_send_timeout does:
+    the first-byte timeout (10 minutes by default) is for generations, not for uploads nobody
+    reads. The 24 MB prompt is more than the kernel's buffers on both sides hold."""
+    up = ScriptedUpstream(lambda k, c, q: (OK_RESPONSE, True), read_bodies=False)
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "replicas": [{"name": "r1",
+                                           "url": "http://127.0.0.1:%d" % up.port}]}],
+                     attestation=QUIET, workers=ONE_WORKER,
+                     limits={"upstream_idle_timeout_ms": 800,
+                             "upstream_first_byte_timeout_ms": 60000,
+                             "max_body_bytes": 32 << 20})
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", dict(COMPLETION, prompt="x" * (24 << 20)),
+                  timeout=30)
+    took = time.monotonic() - t0
+    assert_openai_error(r, 504, "upstream_timeout")
+    assert b"took none of the request" in r.body, r.body
+    assert 0.75 <= took <= 2 * 0.8 + 2 * SLOW, took
+    assert upstream_errors(px, "r1", "send_timeout") == 1
+    assert upstream_errors(px, "r1", "first_byte_timeout") == 0
+    poll_until(lambda: up.peer_closed(0), timeout=5, what="the stalled connection closed")
+    px.stop()
+    up.stop()
+
+
 def test_replica_stalls_mid_stream_is_cut_after_idle_timeout():
     """A stream that starts and then goes silent (first token 5 s away) is cut after
     upstream_idle_timeout_ms: no final chunk for the client, the generation is cancelled."""

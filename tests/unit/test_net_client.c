@@ -576,6 +576,20 @@ static void stop_reading(peer_conn_t *c, int nth)
     uv_read_stop((uv_stream_t *)&c->tcp); /* a replica that stopped reading the upload */
 }
 
+/* Fill the socket with an upload the peer does not read: queued bytes stay in the client. */
+static void upload_until_over(ex_t *x)
+{
+    static char chunk[256 * 1024];
+    size_t sent = 0;
+    while (!net_creq_over(x->r) && sent < (64u << 20)) {
+        uv_buf_t b = uv_buf_init(chunk, sizeof(chunk));
+        cr_assert_eq(net_creq_write(x->r, &b, 1), 0);
+        sent += sizeof(chunk);
+        run_idle();
+    }
+    cr_assert(net_creq_over(x->r), "never over high water after %zu bytes", sent);
+}
+
 Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
 {
     peer_start(&g_peer, stop_reading);
@@ -584,16 +598,7 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     ex_t x;
     x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
     RUN_UNTIL(g_peer.requests == 1);
-    static char chunk[256 * 1024];
-    size_t sent = 0;
-    while (!net_creq_over(x.r) && sent < (64u << 20)) {
-        uv_buf_t b = uv_buf_init(chunk, sizeof(chunk));
-        cr_assert_eq(net_creq_write(x.r, &b, 1), 0);
-        sent += sizeof(chunk);
-        run_idle();
-    }
-    cr_assert(net_creq_over(x.r), "never over high water after %zu bytes", sent);
-    cr_assert_lt(sent, 64u << 20);
+    upload_until_over(&x);
     cr_assert_gt(net_client_creq_pending(x.r), 64 * 1024);
     cr_assert_eq(x.drains, 0);
     peer_conn_t *pc = g_peer.conns[0];
@@ -601,6 +606,66 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     RUN_UNTIL(x.drains == 1);
     cr_assert_not(net_creq_over(x.r));
     net_creq_cancel(x.r);
+    x_free(&x);
+}
+
+/* A replica that stopped taking the upload is given up on after the idle timeout, not after
+ * the first-byte timeout (minutes: the client would wait that long for nothing). */
+Test(net_client, upload_the_replica_stops_taking_fails_after_the_idle_timeout)
+{
+    peer_start(&g_peer, stop_reading);
+    net_upstream_opts_t o = {
+        .write_high_water = 64 * 1024, .idle_timeout_ms = 100, .first_byte_timeout_ms = 60000};
+    up_new(&o);
+    ex_t x;
+    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
+    RUN_UNTIL(g_peer.requests == 1);
+    upload_until_over(&x);
+    uint64_t t0 = uv_now(&g_loop);
+    x_expect(&x, NET_UP_SEND_TIMEOUT);
+    cr_assert_geq(uv_now(&g_loop) - t0, 90, "failed before the idle timeout");
+    cr_assert_not(net_up_err_retryable(x.err));
+    cr_assert(strstr(x.detail, "100 ms"), "%s", x.detail);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
+    x_free(&x);
+}
+
+static uv_timer_t g_late;
+
+static void answer_late_cb(uv_timer_t *t)
+{
+    peer_writes(t->data, "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+}
+
+/* Reads every byte of the request, then answers after 300 ms: a generation longer than the
+ * idle timeout, which only the first-byte timeout bounds. */
+static void read_all_then_answer_late(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    uv_timer_init(&g_loop, &g_late);
+    g_late.data = c;
+    uv_timer_start(&g_late, answer_late_cb, 300, 0);
+}
+
+Test(net_client, an_upload_taken_whole_waits_for_the_first_byte_timeout_only)
+{
+    peer_start(&g_peer, read_all_then_answer_late);
+    net_upstream_opts_t o = {
+        .write_high_water = 64 * 1024, .idle_timeout_ms = 100, .first_byte_timeout_ms = 5000};
+    up_new(&o);
+    ex_t x;
+    static char body[8u << 20];
+    char head[128];
+    snprintf(head, sizeof(head), "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %zu\r\n\r\n",
+             sizeof(body));
+    x_start(&x, head, true, false);
+    uv_buf_t b = uv_buf_init(body, sizeof(body));
+    cr_assert_eq(net_creq_write(x.r, &b, 1), 0);
+    cr_assert_gt(net_client_creq_pending(x.r), 0, "the upload was not queued at all");
+    net_creq_end(x.r);
+    x_expect(&x, NET_UP_OK);
+    cr_assert_eq(x.status, 200);
+    uv_close((uv_handle_t *)&g_late, NULL);
     x_free(&x);
 }
 
