@@ -451,9 +451,10 @@ static void head_reset(uconn_t *c)
     c->head_done = c->msg_done = false;
 }
 
-/* Head parsed: validate, pick the body framing, tell the caller. false when the exchange
- * ended (error, or the caller cancelled inside on_head). */
-static bool uconn_head_done(uconn_t *c)
+/* Head parsed: validate, pick the body framing, tell the caller. `more`: bytes follow the head
+ * in this read. false when the exchange ended (error, complete, or the caller cancelled inside
+ * on_head). */
+static bool uconn_head_done(uconn_t *c, bool more)
 {
     int status = llhttp_get_status_code(&c->parser);
     const net_header_t *hdrs = net_hdrs_spans(&c->hd);
@@ -488,6 +489,8 @@ static bool uconn_head_done(uconn_t *c)
         return false;
     }
     if (c->msg_done) {
+        if (more) /* bytes after a bodiless response: its framing is not ours */
+            c->framing.conn_close = true;
         uconn_done(c);
         return false;
     }
@@ -525,7 +528,7 @@ static void uconn_feed(uconn_t *c, const char *p, size_t n)
                     uconn_fail(c, NET_UP_PROTOCOL, "malformed response head");
                     return;
                 }
-                if (!uconn_head_done(c))
+                if (!uconn_head_done(c, n > 0))
                     return;
             }
             continue;

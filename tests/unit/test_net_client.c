@@ -551,6 +551,33 @@ Test(net_client, status_304_with_a_length_has_no_body_and_keeps_the_connection)
     x_free(&b);
 }
 
+static void answer_204_then_more(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 204 No Content\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno");
+}
+
+/* Bytes after a response that has no body, in the same read: the replica's framing is not
+ * ours, so the connection is not reused (a response already waiting there would answer the
+ * next request). */
+Test(net_client, bytes_after_a_bodiless_response_close_the_connection)
+{
+    peer_start(&g_peer, answer_204_then_more);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(a.status, 204);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0, "pooled with bytes after the response");
+    g_peer.script = answer_ok;
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert_not(b.reused);
+    cr_assert_str_eq(b.body.base, "ok");
+    x_free(&a);
+    x_free(&b);
+}
+
 static void answer_early_then_wait(peer_conn_t *c, int nth)
 {
     (void)nth;
