@@ -42,7 +42,13 @@ net_header_t *net_hdrs_spans(net_hdrs_t *h)
         const net_hdrs_off_t *o = &h->off[i];
         assert((size_t)o->no + o->nl <= h->buf.len && (size_t)o->vo + o->vl <= h->buf.len);
         h->list[i].name = (dp_iovec_t){h->buf.base + o->no, o->nl};
-        h->list[i].value = (dp_iovec_t){h->buf.base + o->vo, o->vl};
+        /* llhttp drops the whitespace before a value, not after it: it is not part of the
+         * value (RFC 9110 §5.5), so it is neither compared nor forwarded. */
+        const char *v = h->buf.base + o->vo;
+        size_t vl = o->vl;
+        while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
+            vl--;
+        h->list[i].value = (dp_iovec_t){v, vl};
     }
     return h->list;
 }

@@ -45,7 +45,8 @@ typedef struct {
 void net_hdrs_field(net_hdrs_t *h, const char *at, size_t n);
 /* A piece of the value of the header named last (llhttp's on_header_value). */
 void net_hdrs_value(net_hdrs_t *h, const char *at, size_t n);
-/* The head is complete, so buf no longer grows: h->n name/value spans into buf. */
+/* The head is complete, so buf no longer grows: h->n name/value spans into buf, each value
+ * without the whitespace that followed it on its line. */
 net_header_t *net_hdrs_spans(net_hdrs_t *h);
 /* Empty for the next message, keeping the allocations. */
 void net_hdrs_reset(net_hdrs_t *h);
