@@ -792,7 +792,10 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .response_sha256 = resp_hex,
         .attestation_sha256 = r && p->att_sha[0] ? p->att_sha : NULL,
         .status = status,
-        .error_code = h->err_code,
+        /* An answer begun and then cut: the status its head carried, and that it broke. */
+        .error_code = h->err_code   ? h->err_code
+                      : p->end_over ? "upstream_error"
+                                    : NULL,
         .error_param = h->err_code && h->err_param[0] ? h->err_param : NULL,
     };
     dp_buf_t line = {0};

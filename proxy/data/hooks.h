@@ -71,7 +71,8 @@ int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *re
  * tenants. */
 void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, const char *path,
                          size_t path_len);
-/* detproxy refused the request with code/param (param may be NULL): for the audit line. */
+/* detproxy refused the request, or cut an answer it had begun, with code/param (param may be
+ * NULL): for the audit line's "error". */
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
 /* Token usage seen in the response so far (prompt, completion): false when none. */
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);

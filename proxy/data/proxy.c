@@ -1172,6 +1172,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
             net_resp_abort(q->req);
             q->req = NULL;
             q->code = "upstream_error";
+            px_hooks_refused(&q->hooks, q->code, NULL); /* the audit line: begun, then cut */
         } else if (err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT ||
                    err == NET_UP_SEND_TIMEOUT) {
             char msg[160];

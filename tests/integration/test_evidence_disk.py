@@ -171,6 +171,10 @@ def test_a_stream_going_on_after_its_closing_event_is_not_held_without_bound():
         limits={"max_response_rewrite_bytes": 4096}, directory=d)
     got, clean = stream_raw(px, "on and on")
     assert b'"text":"a"' in got and b"[DONE]" not in got and not clean, got[-200:]
+    # The line says the client's answer broke, under the status its head carried.
+    line = poll_until(lambda: [json.loads(l) for l in open(os.path.join(d, "audit.jsonl"))
+                               if "request_id" in l], what="the audit line")[0]
+    assert line["status"] == 200 and line["error"]["code"] == "upstream_error", line
     px.stop()
 
 
@@ -194,6 +198,7 @@ def test_a_gated_stream_cut_mid_event_is_audited_as_the_client_got_it():
     line = poll_until(lambda: [json.loads(l) for l in open(audit) if "request_id" in l],
                       what="the audit line")[0]
     assert line["response_body_sha256"] == hashlib.sha256(ev).hexdigest(), line
+    assert line["status"] == 200 and line["error"]["code"] == "upstream_error", line
     px.stop()
 
 
