@@ -43,6 +43,7 @@ typedef struct {
     const char *pubkey, *store;
     bool no_signatures;
     dp_arg_list_t files, anchors;
+    uint64_t max_unsigned; /* UINT64_MAX: not given */
 } audit_opts_t;
 
 static const dp_arg_t audit_table[] = {
@@ -70,12 +71,21 @@ static const dp_arg_t audit_table[] = {
      .help = "a checkpoint kept off the host (GET /admin/audit, the\n"
              "audit_checkpoint log line, the metric): the chain must hold\n"
              "it (repeatable)"},
+    {.name = "--max-unsigned",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(audit_opts_t, max_unsigned),
+     .meta = "N",
+     .min = 0,
+     .max = 100000000, /* audit_checkpoint_lines' own bound */
+     .help = "with --pubkey: at most N lines after the chain's last\n"
+             "checkpoint (give log.audit_checkpoint_lines: a writer signs\n"
+             "at least that often), else exit 4"},
 };
 
 static const dp_args_t audit_spec = {
     .prog = "detproxy audit verify",
-    .usage = "detproxy audit verify FILE... [--pubkey PEM | --no-signatures] [--store DIR]\n"
-             "                             [--anchor SEQ:SHA256]...",
+    .usage = "detproxy audit verify FILE... [--pubkey PEM [--max-unsigned N] | --no-signatures]\n"
+             "                             [--store DIR] [--anchor SEQ:SHA256]...",
     .about = "Check the hash chain of each audit file (several files: in rotation order, the\n"
              "chain carried from one to the next; a file set aside with a torn last line\n"
              "is followed by the file whose first line repairs it), the checkpoints' seq and\n"
@@ -86,7 +96,8 @@ static const dp_args_t audit_spec = {
     .epilog = "Exit codes: 0 every file checks out, 1 a break, an anchor the chain lacks, or a\n"
               "file that cannot be read, 2 usage error or an unusable --pubkey, 4 the chain\n"
               "holds but signatures were NOT checked (no --pubkey, no --no-signatures), or\n"
-              "--pubkey found no checkpoint to check: no line is signed.",
+              "--pubkey found no checkpoint to check: no line is signed, or more lines than\n"
+              "--max-unsigned follow the last checkpoint.",
     .positional = true,
     .pos_off = offsetof(audit_opts_t, files),
 };
@@ -119,7 +130,8 @@ int px_cmd_audit(int argc, char **argv)
     /* Every argument could be a FILE. */
     audit_opts_t o = {
         .files = {.items = dp_xcalloc((size_t)argc, sizeof(char *)), .max = (size_t)argc},
-        .anchors = {.items = dp_xcalloc(MAX_ANCHORS, sizeof(char *)), .max = MAX_ANCHORS}};
+        .anchors = {.items = dp_xcalloc(MAX_ANCHORS, sizeof(char *)), .max = MAX_ANCHORS},
+        .max_unsigned = UINT64_MAX};
     audit_anchor_t anchors[MAX_ANCHORS];
     int pr = dp_args_parse(&audit_spec, argc, argv, &o);
     int rc = 0;
@@ -130,6 +142,10 @@ int px_cmd_audit(int argc, char **argv)
     }
     if (o.pubkey && o.no_signatures) {
         rc = dp_args_usage_error(&audit_spec, "--pubkey and --no-signatures exclude each other");
+        goto done;
+    }
+    if (o.max_unsigned != UINT64_MAX && o.pubkey == NULL) {
+        rc = dp_args_usage_error(&audit_spec, "--max-unsigned needs --pubkey");
         goto done;
     }
     for (size_t i = 0; i < o.anchors.n; i++) {
@@ -153,6 +169,7 @@ int px_cmd_audit(int argc, char **argv)
     char prev[65] = "";
     audit_torn_t torn = {0};
     uint64_t prev_seq = 0, first_seq = 0, last_seq = 0, lines = 0, signatures = 0;
+    uint64_t tail = 0; /* lines after the chain's last checkpoint, over the files so far */
     bool first = true;
     for (size_t i = 0; i < o.files.n && rc == 0; i++) {
         const char *file = o.files.items[i];
@@ -201,6 +218,7 @@ int px_cmd_audit(int argc, char **argv)
         putchar('\n');
         lines += r.lines;
         signatures += r.signatures_checked;
+        tail = r.checkpoints ? r.unsigned_tail : tail + r.unsigned_tail;
         if (r.lines == 0 && !r.torn.torn) {
             /* Nothing in it: the chain (head, torn last line, seq) passes through unchanged. */
             if (prev[0])
@@ -283,6 +301,15 @@ int px_cmd_audit(int argc, char **argv)
                    "when it never reached audit_checkpoint_lines and was not stopped cleanly: "
                    "reload or stop detproxy to write a checkpoint, then verify again\n",
                    (unsigned long long)lines);
+        rc = EXIT_UNSIGNED;
+    }
+    /* Lines appended after a genuine checkpoint chain on from it with no key. A writer signs
+     * every audit_checkpoint_lines lines (a restart after a crash counts on from the lines it
+     * finds), so an honest trail's tail is never longer than that. */
+    if (rc == 0 && tail > o.max_unsigned) {
+        printf("chain ok, but the last %llu lines are NOT signed: more than --max-unsigned %llu "
+               "(lines appended after the last checkpoint without the key look the same)\n",
+               (unsigned long long)tail, (unsigned long long)o.max_unsigned);
         rc = EXIT_UNSIGNED;
     }
 done:

@@ -78,6 +78,12 @@ struct px_audit_s {
     int file_lock_fd;
     dev_t lock_dev;
     ino_t lock_ino;
+    /* The locks of a path a reopen moved away from: held while lines still go to its file (the
+     * batch in flight, and the lines queued before the reopen), so that no second writer can
+     * start on it meanwhile. Released once a batch moved to the new file; the first
+     * old_locks_armed are those whose move the batch in flight holds. */
+    int *old_locks;
+    size_t nold_locks, old_locks_armed;
     batch_t pending, inflight;
     uv_work_t work;
     uv_fs_t fsync_req;
@@ -104,6 +110,7 @@ struct px_audit_s {
     bool w_lock_held; /* the loop holds a lock on (w_lock_dev, w_lock_ino) */
     int w_lock_fd;    /* a lock the batch took on the file it moved to, or -1 */
     bool w_locked;    /* the file it was to move to is locked by another process */
+    bool w_moved;     /* a reopen moved the batch to another file */
 };
 
 static void start_write(px_audit_t *a);
@@ -484,6 +491,7 @@ static void write_batch(px_audit_t *a)
                 close(a->fd);
             }
             a->fd = fd;
+            a->w_moved = true;
             failed = 0; /* a new file (perhaps another disk): try it */
             continue;
         }
@@ -632,6 +640,14 @@ static void batch_done(px_audit_t *a)
             close(a->w_lock_fd);
         a->w_lock_fd = -1;
     }
+    if (a->w_moved && a->old_locks_armed) {
+        /* Nothing more goes to the files they lock. */
+        for (size_t i = 0; i < a->old_locks_armed; i++)
+            close(a->old_locks[i]);
+        a->nold_locks -= a->old_locks_armed;
+        memmove(a->old_locks, a->old_locks + a->old_locks_armed, a->nold_locks * sizeof(int));
+    }
+    a->old_locks_armed = 0;
     if (a->w_locked) {
         dp_buf_t why = {0};
         dp_buf_printf(&why,
@@ -692,6 +708,8 @@ static void swap_batches(px_audit_t *a)
     a->w_lock_held = a->file_lock_fd >= 0;
     a->w_lock_fd = -1;
     a->w_locked = false;
+    a->w_moved = false;
+    a->old_locks_armed = a->nold_locks; /* their reopens are in this batch or went before it */
 }
 
 static void start_write(px_audit_t *a)
@@ -1131,7 +1149,12 @@ void px_audit_reopen(px_audit_t *a, const char *path)
             return;
         }
         dp_buf_free(&why);
-        close(a->lock_fd);
+        /* The old path's locks stay until its file is no longer written (batch_done). */
+        a->old_locks = dp_xrealloc(a->old_locks, (a->nold_locks + 2) * sizeof(int));
+        a->old_locks[a->nold_locks++] = a->lock_fd;
+        if (a->file_lock_fd >= 0)
+            a->old_locks[a->nold_locks++] = a->file_lock_fd;
+        a->file_lock_fd = -1;
         a->lock_fd = lock;
         set_file_lock(a, file_lock);
         free(a->path);
@@ -1188,6 +1211,9 @@ void px_audit_close(px_audit_t *a)
     if (a->file_lock_fd >= 0)
         close(a->file_lock_fd);
     close(a->lock_fd);
+    for (size_t i = 0; i < a->nold_locks; i++)
+        close(a->old_locks[i]);
+    free(a->old_locks);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);
 }

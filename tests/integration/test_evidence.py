@@ -325,6 +325,38 @@ def test_with_a_pubkey_a_trail_no_checkpoint_signs_does_not_pass():
     assert rc == 0, out
 
 
+def test_max_unsigned_bounds_the_lines_after_the_last_checkpoint():
+    """Lines appended after a genuine checkpoint chain on from it with no key: verify reports
+    them as not signed yet, and --max-unsigned (the writer's audit_checkpoint_lines) turns more
+    of them than an honest writer leaves into exit 4."""
+    sim, px = setup(checkpoint_lines=2)
+    for i in range(3):
+        complete(px, "m%d" % i)
+    px.stop()  # a shutdown checkpoint signs the third line
+    rc, out, _ = verify(px, None, "--max-unsigned", "0")
+    assert rc == 0 and "after the last checkpoint" not in out, out
+
+    def forge(r):
+        prev = hashlib.sha256(r[-1]).hexdigest()
+        model = next(json.loads(b) for b in reversed(r) if b'"request_id"' in b)
+        for i in range(3):
+            o = dict(model, request_id="forged-%d" % i, prev_sha256=prev)
+            s = json.dumps(o, separators=(",", ":")).encode()
+            r.append(s)
+            prev = hashlib.sha256(s).hexdigest()
+        return r
+    rewrite(px.audit_path, forge)
+    rc, out, _ = verify(px)
+    assert rc == 0 and "3 lines after the last checkpoint (not signed yet)" in out, out
+    rc, out, _ = verify(px, None, "--max-unsigned", "2")
+    assert rc == 4 and "the last 3 lines are NOT signed: more than --max-unsigned 2" in out, out
+    rc, out, _ = verify(px, None, "--max-unsigned", "3")
+    assert rc == 0, out
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--no-signatures",
+                            "--max-unsigned", "2"])
+    assert rc == 2 and "--max-unsigned needs --pubkey" in err, out + err
+
+
 def test_an_empty_rotated_file_passes_the_chain_through():
     """Two rotations with no line between leave an empty file (no key: no reopen checkpoint
     fills it); verified in rotation order, the chain goes through it to the next file."""
