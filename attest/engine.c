@@ -393,10 +393,16 @@ bool attest_maps_has(const char *maps, size_t len, uint64_t dev, uint64_t ino, c
     return false;
 }
 
+/* A GGUF file's name; the kernel adds " (deleted)" to a mapped or open file that was unlinked
+ * or renamed over since (a new file put at the engine's path while it runs the old one): that
+ * is still a GGUF file the process runs, and not the one at the path. */
 static bool is_gguf(const char *path)
 {
-    size_t n = strlen(path);
-    return n > 5 && strcasecmp(path + n - 5, ".gguf") == 0;
+    static const char deleted[] = " (deleted)";
+    size_t n = strlen(path), d = sizeof(deleted) - 1;
+    if (n > d && strcmp(path + n - d, deleted) == 0)
+        n -= d;
+    return n > 5 && strncasecmp(path + n - 5, ".gguf", 5) == 0;
 }
 
 /* The first mapped GGUF file's path (the text after the inode), if any. */

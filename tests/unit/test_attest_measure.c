@@ -540,6 +540,24 @@ Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .f
     munmap(m, 8);
     close(fd);
     close(ofd);
+    /* The reported path renamed over while the process keeps the old file mapped: the kernel
+     * names it "PATH (deleted)", still another GGUF file than the one at the path. */
+    char fresh[300];
+    snprintf(fresh, sizeof(fresh), "%s/fresh", tmp);
+    write_file(fresh, "GGUF....", 8);
+    fd = open(path, O_RDONLY);
+    m = mmap(NULL, 8, PROT_READ, MAP_PRIVATE, fd, 0);
+    cr_assert_neq(m, MAP_FAILED);
+    close(fd);
+    cr_assert_eq(rename(fresh, path), 0);
+    attest_snapshot_free(&snap);
+    cr_assert_eq(attest_snapshot_take_path(path, &snap, NULL, NULL), 0);
+    dp_buf_reset(&instead);
+    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
+                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert(instead.len && strstr(instead.base, "tiny.gguf (deleted)"), "%s",
+              instead.base ? instead.base : "(none)");
+    munmap(m, 8);
     /* A maps line names its device as major:minor in hex. */
     static const char maps[] = "7f00-7f10 r--s 00000000 fd:01 1234   /models/t.gguf\n"
                                "7f10-7f20 r-xp 00000000 00:00 0\n";
