@@ -56,6 +56,11 @@ typedef struct pol_s {
     bool store, resp_over;
     policy_usage_t usage; /* token counts from the response (detproxy_tokens_total) */
     char fwd_sha[65];
+    /* The forwarded body's bytes, copied before the client's request (which the policy's parts
+     * point into) is let go ahead of the audit line: an answer begun and then cut
+     * (px_hooks_keep_forwarded). fwd_kept: they are here. */
+    dp_buf_t fwd_keep;
+    bool fwd_kept;
     /* audit tenants: the replica's attestation evidence when the request left (its SHA-256,
      * and with a store its bytes, unless this worker stored them already) */
     char att_sha[65];
@@ -130,6 +135,7 @@ static void pol_put(pol_t *p)
     p->route_copy = NULL;
     dp_buf_free(&p->resp_body);
     dp_buf_free(&p->att_ev);
+    dp_buf_free(&p->fwd_keep);
     dp_buf_free(&p->gate_out);
     dp_buf_free(&p->end_held);
     policy_sse_end_free(&p->end);
@@ -298,6 +304,18 @@ void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param)
 {
     h->err_code = code;
     dp_copy_str(h->err_param, sizeof(h->err_param), param ? param : "", param ? strlen(param) : 0);
+}
+
+void px_hooks_keep_forwarded(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->audit || p->audited || !p->store || !p->applied || p->fwd_kept ||
+        p->in.len)
+        return; /* no line to come with this body stored, or its bytes are the policy's own */
+    dp_iovec_t fb = policy_body(p->preq, &p->res);
+    dp_buf_reset(&p->fwd_keep);
+    dp_buf_append(&p->fwd_keep, fb.base, fb.len);
+    p->fwd_kept = true;
 }
 
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion)
@@ -804,7 +822,9 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     size_t nb = 0;
     if (p->store && a.attestation_sha256 && p->att_ev.len)
         bodies[nb++] = (px_audit_body_t){p->att_sha, NULL, 0, &p->att_ev};
-    if (p->store && a.forwarded_sha256) {
+    if (p->store && a.forwarded_sha256 && p->fwd_kept) {
+        bodies[nb++] = (px_audit_body_t){p->fwd_sha, NULL, 0, &p->fwd_keep};
+    } else if (p->store && a.forwarded_sha256) {
         dp_iovec_t fb = policy_body(p->preq, &p->res);
         bodies[nb++] = (px_audit_body_t){p->fwd_sha, fb.base, fb.len, NULL};
     }

@@ -74,6 +74,10 @@ void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, con
 /* detproxy refused the request, or cut an answer it had begun, with code/param (param may be
  * NULL): for the audit line's "error". */
 void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
+/* The client's request is about to be let go before the audit line is written (an answer
+ * begun and then cut): the forwarded body the line's store entry needs is copied now, as the
+ * policy's parts point into the request's buffer. */
+void px_hooks_keep_forwarded(px_hooks_req_t *h);
 /* Token usage seen in the response so far (prompt, completion): false when none. */
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);
 /* What the access log shows of the request's policy state: tenant, model, seed, usage and the

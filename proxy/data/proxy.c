@@ -286,6 +286,7 @@ static void fail_client_why(px_preq_t *q, int status, const char *code, const ch
     if (q->req == NULL)
         return;
     if (q->client_started) {
+        px_hooks_keep_forwarded(&q->hooks); /* the request goes before the audit line */
         net_resp_abort(q->req);
         q->req = NULL;
         return;
@@ -1169,6 +1170,9 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
                          r->name, net_up_err_name(err), q->id);
                 sse_error_event(q, msg);
             }
+            /* The request goes now, its audit line in finish(): the forwarded body the line
+             * stores points into it. */
+            px_hooks_keep_forwarded(&q->hooks);
             net_resp_abort(q->req);
             q->req = NULL;
             q->code = "upstream_error";

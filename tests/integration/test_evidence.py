@@ -325,6 +325,27 @@ def test_with_a_pubkey_a_trail_no_checkpoint_signs_does_not_pass():
     assert rc == 0, out
 
 
+def test_an_answer_cut_mid_stream_keeps_its_forwarded_body_in_the_store():
+    """The replica dies mid-stream: the client's request is let go at once, its audit line is
+    written after. The forwarded body the line stores must be the bytes that were sent (the
+    policy's parts point into the client's request buffer), so the honest trail verifies."""
+    sim, px = setup(checkpoint_lines=100)
+    sim_config(sim, fault="die_mid_stream", fault_count=1)
+    try:
+        complete(px, "cut short", stream=True)
+    except Exception:  # noqa: BLE001 (the client's stream is cut: that is the point)
+        pass
+    line = poll_until(lambda: [l for l in lines(px.audit_path) if "request_id" in l],
+                      what="the audit line")[0]
+    assert line["status"] == 200 and line["error"]["code"] == "upstream_error", line
+    stored = open(os.path.join(px.store, line["forwarded_body_sha256"]), "rb").read()
+    assert hashlib.sha256(stored).hexdigest() == line["forwarded_body_sha256"], stored[:80]
+    assert b'"prompt": "cut short"' in stored, stored[:80]
+    px.stop()
+    rc, out, err = verify(px)
+    assert rc == 0, out + err
+
+
 def test_max_unsigned_bounds_the_lines_after_the_last_checkpoint():
     """Lines appended after a genuine checkpoint chain on from it with no key: verify reports
     them as not signed yet, and --max-unsigned (the writer's audit_checkpoint_lines) turns more
