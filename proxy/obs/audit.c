@@ -81,7 +81,8 @@ struct px_audit_s {
     /* The locks of a path a reopen moved away from: held while lines still go to its file (the
      * batch in flight, and the lines queued before the reopen), so that no second writer can
      * start on it meanwhile. Released once a batch moved to the new file; the first
-     * old_locks_armed are those whose move the batch in flight holds. */
+     * old_locks_armed are those whose move the batch in flight holds. In pairs: the path's lock
+     * file, then its file lock (-1: none); a reopen back onto that path takes the pair back. */
     int *old_locks;
     size_t nold_locks, old_locks_armed;
     batch_t pending, inflight;
@@ -643,7 +644,8 @@ static void batch_done(px_audit_t *a)
     if (a->w_moved && a->old_locks_armed) {
         /* Nothing more goes to the files they lock. */
         for (size_t i = 0; i < a->old_locks_armed; i++)
-            close(a->old_locks[i]);
+            if (a->old_locks[i] >= 0)
+                close(a->old_locks[i]);
         a->nold_locks -= a->old_locks_armed;
         memmove(a->old_locks, a->old_locks + a->old_locks_armed, a->nold_locks * sizeof(int));
     }
@@ -1137,12 +1139,40 @@ void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, v
     px_audit_write_bodies(a, line, n, NULL, 0, cb, data);
 }
 
+/* The lock of `path` (its lock file's fd) when it is one a reopen moved away from and still
+ * holds (old_locks), taken out of old_locks with its file lock in *file_lock; else -1. */
+static int reclaim_old_locks(px_audit_t *a, const char *path, int *file_lock)
+{
+    char real[PATH_MAX], lp[PATH_MAX + 8];
+    struct stat want, st;
+    if (a->nold_locks == 0 || canonical(path, real) != 0 ||
+        snprintf(lp, sizeof(lp), "%s.lock", real) >= (int)sizeof(lp) || stat(lp, &want) != 0)
+        return -1;
+    for (size_t i = 0; i + 1 < a->nold_locks; i += 2) {
+        if (fstat(a->old_locks[i], &st) != 0 || st.st_dev != want.st_dev ||
+            st.st_ino != want.st_ino)
+            continue;
+        int lock = a->old_locks[i];
+        *file_lock = a->old_locks[i + 1];
+        memmove(a->old_locks + i, a->old_locks + i + 2, (a->nold_locks - i - 2) * sizeof(int));
+        a->nold_locks -= 2;
+        if (i < a->old_locks_armed)
+            a->old_locks_armed -= 2; /* no longer the batch in flight's to release */
+        return lock;
+    }
+    return -1;
+}
+
 void px_audit_reopen(px_audit_t *a, const char *path)
 {
     if (path && strcmp(path, a->path) != 0) {
         dp_buf_t why = {0};
         int file_lock = -1;
-        int lock = lock_path(path, &file_lock, &why);
+        /* Back onto a path whose locks are still ours (A to B to A before B's batch moved, or
+         * B never opened): a lock taken again would conflict with our own. */
+        int lock = reclaim_old_locks(a, path, &file_lock);
+        if (lock < 0)
+            lock = lock_path(path, &file_lock, &why);
         if (lock < 0) {
             log_locked(&why);
             dp_buf_free(&why);
@@ -1152,8 +1182,7 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         /* The old path's locks stay until its file is no longer written (batch_done). */
         a->old_locks = dp_xrealloc(a->old_locks, (a->nold_locks + 2) * sizeof(int));
         a->old_locks[a->nold_locks++] = a->lock_fd;
-        if (a->file_lock_fd >= 0)
-            a->old_locks[a->nold_locks++] = a->file_lock_fd;
+        a->old_locks[a->nold_locks++] = a->file_lock_fd;
         a->file_lock_fd = -1;
         a->lock_fd = lock;
         set_file_lock(a, file_lock);
@@ -1212,7 +1241,8 @@ void px_audit_close(px_audit_t *a)
         close(a->file_lock_fd);
     close(a->lock_fd);
     for (size_t i = 0; i < a->nold_locks; i++)
-        close(a->old_locks[i]);
+        if (a->old_locks[i] >= 0)
+            close(a->old_locks[i]);
     free(a->old_locks);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);

@@ -562,5 +562,35 @@ def test_a_reopen_onto_a_file_another_process_locks_stays_on_the_old_file():
     assert rc == 0, out
 
 
+def test_a_reload_back_onto_the_old_audit_path_takes_its_own_locks_back():
+    """A reload onto an audit_path whose file cannot be opened keeps the lines (and the locks)
+    in the old file; the reload back onto the old path must not find those locks "in use by
+    another detproxy" (they are its own): it goes back, and audited requests are served."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    bad = os.path.join(px.dir, "b.jsonl")
+    os.symlink("/nonexistent-detproxy-dir/b.jsonl", bad)  # its folder resolves, its file does not open
+    cfg = json.load(open(px.config_path))
+    cfg["log"]["audit_path"] = bad
+    write_config(cfg, px.dir)
+    start = len(px.logs)
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("audit_write_failed", start=start)
+    cfg["log"]["audit_path"] = "audit.jsonl"
+    write_config(cfg, px.dir)
+    hup(px)
+    assert not px.find_logs("audit_locked"), px.find_logs("audit_locked")
+    assert get_json(px.admin_port, "/admin/audit")["path"] == px.audit_path
+    poll_until(lambda: get_json(px.admin_port, "/admin/audit")["writable"],
+               what="the reopen back onto the old file written")
+    complete(px, "b")
+    px.stop()
+    assert [l["request_id"] is not None for l in lines(px.audit_path) if "request_id" in l] == \
+        [True, True]
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--pubkey", px.pub,
+                          "--store", px.store])
+    assert rc == 0, out
+
+
 if __name__ == "__main__":
     run_tests(globals())
