@@ -723,6 +723,13 @@ static void replay_one(replay_t *rp, const cJSON *line)
         dp_buf_appends(&o.why, "--timeout passed before its turn");
     } else if (fwd == NULL) {
         dp_buf_appends(&o.why, "no forwarded body: the request was refused before a replica");
+    } else if (cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(line, "error"))) {
+        /* An answer begun and then cut (docs/policy.md): its stored response is a part of
+         * one, which a whole new answer would "differ" from. */
+        dp_buf_printf(&o.why, "the answer was cut (error %s): no whole response to compare with",
+                      jstr(cJSON_GetObjectItemCaseSensitive(line, "error"), "code")
+                          ? jstr(cJSON_GetObjectItemCaseSensitive(line, "error"), "code")
+                          : "?");
     } else if (!read_stored(rp, fwd, &req)) {
         if (cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(line, "bodies_stored")))
             dp_buf_printf(&o.why,

@@ -344,6 +344,11 @@ def test_an_answer_cut_mid_stream_keeps_its_forwarded_body_in_the_store():
     px.stop()
     rc, out, err = verify(px)
     assert rc == 0, out + err
+    # replay: a part of an answer is not one a whole new answer "differs" from
+    rc, out, err = replay(px, "--request-id", line["request_id"], "--json")
+    res = json.loads(out)["results"][0]
+    assert rc == 0 and res["result"] == "not_replayable", out + err
+    assert "the answer was cut" in res["why"], res
 
 
 def test_max_unsigned_bounds_the_lines_after_the_last_checkpoint():
