@@ -117,6 +117,11 @@ void net_creq_cancel(net_creq_t *r);
  * for one not held. A failure is reported through on_done, from the loop. */
 void net_creq_release(net_creq_t *r);
 size_t net_client_creq_pending(const net_creq_t *r);
+/* Every byte of the request has left: none waits for the connect, a release or the socket, and
+ * the caller ended it. The upstream may be working on it. */
+bool net_creq_sent(const net_creq_t *r);
+/* What follows of the exchange goes to cb with data (reading resumed if it was paused). */
+void net_creq_rebind(net_creq_t *r, const net_creq_cb_t *cb, void *data);
 bool net_creq_over(const net_creq_t *r);
 
 #endif

@@ -94,7 +94,7 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
     } else {
         dp_jw_null(w, "last_attested_at");
     }
-    dp_jw_uint(w, "inflight", r->inflight);
+    dp_jw_uint(w, "inflight", r->slots->inflight);
     dp_jw_uint(w, "requests", r->requests);
     dp_jw_bool(w, "discovered", r->discovered);
     dp_jw_bool(w, "drained", r->drained);

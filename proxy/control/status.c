@@ -221,7 +221,7 @@ static void replicas_table(dp_buf_t *b, const px_pool_t *p)
                 tag_text(b, "<li class=\"reason\">", r->reasons[i], "</li>");
             dp_buf_appends(b, "</ul>");
         }
-        dp_buf_printf(b, "</td><td>%u</td><td>%llu</td><td>", r->inflight,
+        dp_buf_printf(b, "</td><td>%u</td><td>%llu</td><td>", r->slots->inflight,
                       (unsigned long long)r->requests);
         when(b, r->last_attested_at);
         dp_buf_appends(b, "</td></tr>\n");

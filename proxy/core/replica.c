@@ -94,6 +94,24 @@ px_replica_t *px_replica_find_live(const char *key)
     return NULL;
 }
 
+/* The slots of the engine at url in pool `pool`: those of a replica object of it still alive,
+ * or new ones. */
+static px_slots_t *shared_slots(const char *pool, const cfg_url_t *url)
+{
+    for (px_replica_t *o = g_live; o; o = o->live_next) {
+        if (o->url.tls == url->tls && o->url.port == url->port &&
+            strcmp(o->url.host ? o->url.host : "", url->host ? url->host : "") == 0 &&
+            strcmp(o->url.path ? o->url.path : "", url->path ? url->path : "") == 0 &&
+            strcmp(o->pool_name, pool) == 0) {
+            atomic_fetch_add(&o->slots->refs, 1);
+            return o->slots;
+        }
+    }
+    px_slots_t *sl = dp_xcalloc(1, sizeof(*sl));
+    atomic_init(&sl->refs, 1);
+    return sl;
+}
+
 px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
                                 const cfg_replica_t *d, char *key)
 {
@@ -103,6 +121,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
     uv_mutex_init(&r->ev_lock);
     r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
     r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
+    r->slots = shared_slots(p->name, &d->url);
     r->live_next = g_live;
     if (g_live)
         g_live->live_prev = r;
@@ -291,6 +310,8 @@ static void replica_free(px_replica_t *r)
     free(r->key);
     free(r->pool_name);
     free(r->name);
+    if (atomic_fetch_sub(&r->slots->refs, 1) == 1)
+        free(r->slots);
     free(r);
 }
 
@@ -356,7 +377,7 @@ void px_replica_set_drained(px_replica_t *r, bool drained)
         dp_jw_str(w, "pool", r->pool_name);
         dp_jw_str(w, "replica", r->name);
         dp_jw_str(w, "state", px_replica_state_names[r->state]);
-        dp_jw_uint(w, "inflight", atomic_load(&r->inflight));
+        dp_jw_uint(w, "inflight", atomic_load(&r->slots->inflight));
         dp_log_end(w);
     }
     /* Idle keep-alive connections serve no one while drained; in-flight ones finish. */
@@ -411,13 +432,13 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
 {
     uint32_t max = p->cfg->max_inflight_per_replica;
     if (max == 0) {
-        atomic_fetch_add_explicit(&r->inflight, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&r->slots->inflight, 1, memory_order_relaxed);
         return true;
     }
-    unsigned cur = atomic_load_explicit(&r->inflight, memory_order_relaxed);
+    unsigned cur = atomic_load_explicit(&r->slots->inflight, memory_order_relaxed);
     while (cur < max)
-        if (atomic_compare_exchange_weak_explicit(&r->inflight, &cur, cur + 1, memory_order_acq_rel,
-                                                  memory_order_relaxed))
+        if (atomic_compare_exchange_weak_explicit(&r->slots->inflight, &cur, cur + 1,
+                                                  memory_order_acq_rel, memory_order_relaxed))
             return true;
     return false;
 }
@@ -439,18 +460,18 @@ static bool dec_positive(atomic_uint *c)
 
 void px_replica_put_slot(px_replica_t *r)
 {
-    if (dec_positive(&r->held)) { /* an operator request waits for it: it is passed on */
-        atomic_fetch_add(&r->granted, 1);
+    if (dec_positive(&r->slots->held)) { /* an operator request waits for it: it is passed on */
+        atomic_fetch_add(&r->slots->granted, 1);
         return;
     }
-    unsigned prev = atomic_fetch_sub(&r->inflight, 1);
+    unsigned prev = atomic_fetch_sub(&r->slots->inflight, 1);
     assert(prev > 0);
     (void)prev;
 }
 
 void px_replica_hold_slot(px_replica_t *r)
 {
-    atomic_fetch_add(&r->held, 1);
+    atomic_fetch_add(&r->slots->held, 1);
 }
 
 /* The caller's unit of held + granted goes away: one of the two is above 0 (units are
@@ -458,16 +479,16 @@ void px_replica_hold_slot(px_replica_t *r)
 static bool drop_hold(px_replica_t *r)
 {
     for (;;) {
-        if (dec_positive(&r->held))
+        if (dec_positive(&r->slots->held))
             return false;
-        if (dec_positive(&r->granted))
+        if (dec_positive(&r->slots->granted))
             return true; /* it had been passed a slot */
     }
 }
 
 bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r)
 {
-    if (dec_positive(&r->granted))
+    if (dec_positive(&r->slots->granted))
         return true;
     /* A slot freed before the hold was seen stays free: take it, and the hold goes. */
     if (!px_replica_take_slot(p, r))

@@ -38,6 +38,18 @@ extern const char *const px_replica_state_names[];
 /* The canary's last verdict on a replica, as attestation publishes it. */
 typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary_t;
 
+/* The slots of one engine. */
+typedef struct px_slots_s {
+    atomic_int refs; /* the replica objects sharing them */
+    /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
+     * max_inflight_per_replica holds across workers (px_replica_take_slot). */
+    atomic_uint inflight;
+    /* Operator requests (the admin relay) that waited in vain for a spare slot hold the next
+     * one freed here: px_replica_put_slot passes it to them (granted) instead of freeing it, so
+     * a busy pool cannot starve them. held + granted = how many wait. */
+    atomic_uint held, granted;
+} px_slots_t;
+
 struct px_replica_s {
     atomic_int refs;
     net_mb_node_t free_node; /* the last reference dropped on a worker: freed on control */
@@ -60,13 +72,11 @@ struct px_replica_s {
     char *reasons[PX_MAX_REASONS];    /* control thread only; workers read `why` */
     size_t nreasons;
     PX_SEQSTR(PX_WHY_BYTES) why; /* the reasons joined with "; " */
-    /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
-     * max_inflight_per_replica holds across workers (px_replica_take_slot). */
-    atomic_uint inflight;
-    /* Operator requests (the admin relay) that waited in vain for a spare slot hold the next
-     * one freed here: px_replica_put_slot passes it to them (granted) instead of freeing it, so
-     * a busy pool cannot starve them. held + granted = how many wait. */
-    atomic_uint held, granted;
+    /* Its engine's slots: shared with every other replica object of the same pool and URL
+     * alive at once (a reload that changed the definition makes a new one while requests of
+     * the old one still run on the engine), so max_inflight_per_replica counts what the
+     * engine runs, not what one object sent. */
+    px_slots_t *slots;
     /* The attestation evidence in force (attest_outcome_t.evidence of the check that admitted
      * it) and its SHA-256, "" when none: audit lines name it (attestation_sha256) and the
      * audit store keeps its bytes. The control thread sets it, workers copy it: ev_lock. */
@@ -177,7 +187,7 @@ void px_replica_get_evidence(px_replica_t *r, char sha[65], dp_buf_t *bytes);
  * r: one request ahead of the pool's queue, once. Then poll px_replica_take_held_slot until it
  * says yes, or give up with px_replica_unhold_slot. */
 void px_replica_hold_slot(px_replica_t *r);
-/* True when the held slot is the caller's now (counted in r->inflight). */
+/* True when the held slot is the caller's now (counted in r->slots->inflight). */
 bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r);
 /* Give up a hold; a slot that was passed on meanwhile is freed. */
 void px_replica_unhold_slot(px_replica_t *r);

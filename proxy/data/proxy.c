@@ -7,7 +7,7 @@
  *
  * A px_preq_t has one owner and one free path (preq_finish). It ends when the client's
  * response ended (or the client went away) and no upstream exchange is left running. A
- * replica slot (replica->inflight) is held exactly while preq->replica is set.
+ * replica slot (replica->slots->inflight) is held exactly while preq->replica is set.
  *
  * Everything here runs on a worker (data/worker.c): a request lives and ends on the worker that
  * accepted its connection, with that worker's upstream pools, queues and caches. */
@@ -101,6 +101,7 @@ struct px_preq_s {
     char sse_tail[4];
     size_t sse_sent;
     bool audit_wait;      /* the response's end waits for its audit line (px_hooks_before_end) */
+    bool slot_drained;    /* its exchange and slot went to a drain (drain_abandoned) */
     bool finish_deferred; /* finish() came while audit_wait: the audit callback finishes */
     dp_buf_t refusal;     /* a refusal waiting for its audit line: "message\0param\0reason\0" */
     /* A held response (rewritten whole by a hook before it is sent), at most
@@ -1221,6 +1222,100 @@ static void count_request(px_preq_t *q)
     }
 }
 
+/* ---- abandoned answers on single-sequence pools -------------------------------------------
+ * A request whose client went away (or that ended otherwise before its answer) has its
+ * exchange cancelled: the connection closes. Engines differ in what they do then: vLLM aborts
+ * the generation, llama.cpp's server finishes a non-streamed one (it only notices a closed
+ * connection when it writes, and a non-streamed answer is written once, at the end). On a pool
+ * that promises one sequence at a time per replica, the slot must stay taken while the engine
+ * may still be generating: such an exchange is read to its end and dropped instead, and only
+ * then is the slot freed. Streamed answers are cancelled as before (every engine stops at its
+ * next write). Bounded by the upstream timeouts; cancelled when the worker stops. */
+
+typedef struct drain_s {
+    struct drain_s *next, *prev;
+    net_creq_t *up;
+    px_replica_t *r; /* the slot the request handed over, and a reference of the drain's own */
+    px_pool_t *pool;
+    px_gen_t *gen; /* keeps pool */
+} drain_t;
+
+static _Thread_local drain_t *t_drains;
+
+static void drain_end(drain_t *d)
+{
+    if (d->prev)
+        d->prev->next = d->next;
+    else
+        t_drains = d->next;
+    if (d->next)
+        d->next->prev = d->prev;
+    px_replica_put_slot(d->r);
+    px_replica_unref(d->r);
+    px_admission_slot_freed(d->pool);
+    px_gen_unref(d->gen);
+    free(d);
+}
+
+static void drain_on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                          const net_framing_t *f)
+{
+    (void)c, (void)status, (void)h, (void)n, (void)f;
+}
+
+static void drain_on_body(net_creq_t *c, const char *p, size_t n)
+{
+    (void)c, (void)p, (void)n;
+}
+
+static void drain_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    (void)err, (void)detail;
+    drain_end(c->data);
+}
+
+static void drain_on_drain(net_creq_t *c)
+{
+    (void)c;
+}
+
+static const net_creq_cb_t drain_cb = {drain_on_head,  drain_on_body, drain_on_done,
+                                       drain_on_drain, NULL,          false};
+
+/* Take over q's exchange and slot when its engine may still be generating an answer nobody
+ * will read (see above); false when the exchange is to be cancelled. */
+static bool drain_abandoned(px_preq_t *q)
+{
+    if (q->replica == NULL || q->pool == NULL || q->hooks.stream || q->sse ||
+        cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE ||
+        px_worker_closing() || !net_creq_sent(q->up))
+        return false;
+    drain_t *d = dp_xcalloc(1, sizeof(*d));
+    d->up = q->up;
+    d->r = q->replica;
+    px_replica_ref(d->r); /* q keeps its own: the request still names the replica */
+    d->pool = q->pool;
+    d->gen = q->gen;
+    px_gen_ref(d->gen);
+    d->next = t_drains;
+    if (t_drains)
+        t_drains->prev = d;
+    t_drains = d;
+    net_creq_rebind(d->up, &drain_cb, d);
+    q->up = NULL;
+    q->slot_drained = true; /* the drain frees the slot */
+    return true;
+}
+
+static void stop_drains(void)
+{
+    while (t_drains) {
+        drain_t *d = t_drains;
+        net_creq_cancel(d->up);
+        drain_end(d);
+    }
+}
+
 static void finish(px_preq_t *q)
 {
     if (q->audit_wait) {
@@ -1228,7 +1323,7 @@ static void finish(px_preq_t *q)
         return;
     }
     px_pool_t *pool = q->pool;
-    if (q->up) {
+    if (q->up && !drain_abandoned(q)) {
         net_creq_cancel(q->up);
         q->up = NULL;
     }
@@ -1260,13 +1355,15 @@ static void finish(px_preq_t *q)
     /* The slot is free before the hooks end the request: a copy of it waiting for the
      * replica (docs/drift.md) finds it so, not taken by the request it copies. */
     px_replica_t *r = q->replica;
-    if (r)
+    bool slot = r && !q->slot_drained;
+    if (slot)
         px_replica_put_slot(r);
     px_hooks_finish(&q->hooks, q->px, pool, r, q->status, q->id);
     if (r) {
         q->replica = NULL;
         px_replica_unref(r);
-        px_admission_slot_freed(q->pool);
+        if (slot)
+            px_admission_slot_freed(q->pool);
     }
     if (q->failed)
         px_replica_unref(q->failed);
@@ -1580,10 +1677,11 @@ static void on_abort(net_req_t *req)
     if (q->policing)
         q->budget_held = net_req_take_body_budget(req);
     q->req = NULL;
-    if (q->up) {
+    if (q->up && !drain_abandoned(q)) {
         /* The client is gone: stop the replica's work now (GPU time is expensive). The
          * request's bytes go with the client, and a connection not yet established still
-         * points at them (up_cb). */
+         * points at them (up_cb). An exchange whose bytes have all left may be drained
+         * instead, the engine being one that finishes it anyway. */
         net_creq_cancel(q->up);
         q->up = NULL;
     }
@@ -1634,4 +1732,5 @@ const px_worker_ops_t px_proxy_worker_ops = {
     .overload = px_proxy_count_overload,
     .wake = worker_wake,
     .thread_exit = worker_thread_exit,
+    .stop = stop_drains,
 };

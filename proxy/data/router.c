@@ -16,7 +16,7 @@
 /* seq_cst (a plain load on x86): the re-pick after queueing relies on it (data/admission.c). */
 static uint32_t inflight(const px_replica_t *r)
 {
-    return atomic_load(&r->inflight);
+    return atomic_load(&r->slots->inflight);
 }
 
 /* An unverified replica (it closed a connection; core/replica.h) counts as full until it is

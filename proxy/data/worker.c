@@ -447,6 +447,7 @@ static void on_stop(net_mb_node_t *n)
     /* Pooled keep-alive connections would keep the loop alive until they time out. */
     for (size_t i = 0; i < w->th.nups; i++)
         net_upstream_flush_idle(w->th.ups[i]);
+    w->ops->stop();
     uv_close((uv_handle_t *)&w->qtimer, NULL);
     uv_close((uv_handle_t *)&w->cwtimer, NULL);
     uv_close((uv_handle_t *)&w->stimer, NULL);

@@ -22,6 +22,7 @@ typedef struct {
     void (*overload)(const char *reason); /* its listener refused a request 503 overloaded */
     void (*wake)(void);                   /* another worker freed a slot this one may want */
     void (*thread_exit)(void);            /* its loop ended: release the thread's caches */
+    void (*stop)(void); /* the loop is to end: cancel what would keep it running */
 } px_worker_ops_t;
 
 /* This worker (NULL on the control thread). */

@@ -8,6 +8,8 @@ import atexit
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -337,6 +339,64 @@ def test_single_sequence_never_has_two_requests_at_a_replica():
     assert ("pools[0].max_inflight_per_replica: 4 is overridden: the manifest's "
             "determinism.mode \"single_sequence\" allows one request in flight per replica "
             "(effective value 1)") in out + err, out + err
+
+
+def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated():
+    """llama.cpp's server finishes a non-streamed generation whose client went away (it finds
+    the connection closed only when it writes the answer, at the end): the sim's
+    --finish-abandoned does the same. The replica's slot stays taken until that answer has come
+    and been dropped, so the next request does not run beside it."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
+                       "temperature": 0}).encode()
+    a = socket.create_connection(("127.0.0.1", px.port))
+    a.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the first generation running")
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    a.close()  # a reset: the client is gone mid-generation
+    poll_until(lambda: metric(px, "detproxy_connections") == 0, what="the client gone")
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["inflight"] == 0, st
+    # The slot came back once the abandoned answer was read: the pool serves on.
+    assert complete(px, max_tokens=3).status == 200
+    assert metric(px, "detproxy_inflight_requests") == 0
+    px.stop()
+
+
+def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
+    """A reload that changes a pool's manifest makes new replica objects (they must attest
+    the new manifest), while the old ones' requests still run on the same engines. The slots
+    are the engine's: a request or check of the new object waits for the old one's request."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    px = start_proxy(pools=[single_sequence_pool([sim], framework="vllm")],
+                     attestation=fast_attestation(100))
+    first = {}
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s.
+    t = threading.Thread(target=lambda: first.update(r=complete(px, prompt="x", max_tokens=60)))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the first generation running")
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["pools"][0]["manifest"]["framework"]["version"] = "0.6.3"  # the sim's: admitted
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r.body
+    # The new object's check (a probe completion) and then a client request, while the old
+    # object's generation may still run.
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 re-admitted")
+    second = complete(px, max_tokens=3)
+    t.join(10)
+    assert first["r"].status == 200 and second.status == 200, (first, second)
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["requests"] >= 2, st
+    px.stop()
 
 
 def test_single_sequence_llamacpp_forwards_cache_prompt_false():

@@ -165,6 +165,12 @@ static const dp_arg_t sim_table[] = {
      .meta = "N",
      .help = "delay per generated token (default 0)",
      .max = 600000},
+    {.name = "--finish-abandoned",
+     .kind = DP_ARG_FLAG,
+     .off = offsetof(sim_opts_t, cfg.finish_abandoned),
+     .help = "a non-streamed generation whose client left runs to its\n"
+             "end, its answer dropped (llama.cpp's server; default: it\n"
+             "stops, as vLLM's does)"},
     {.name = "--noise",
      .kind = DP_ARG_CALL,
      .off = offsetof(sim_opts_t, cfg.noise),

@@ -85,6 +85,7 @@ typedef struct {
     sim_lm_t lm;
     double noise;
     uint32_t token_delay_ms;
+    bool finish_abandoned; /* sim_config_t */
     sim_fault_t fault;
     bool fault_all;          /* every non-/_sim/ route, not only inference */
     int64_t fault_remaining; /* -1: until changed */
@@ -353,6 +354,8 @@ static void job_finish(job_t *j)
                                    j->ch[i].text.len, j->ch[i].g.finish};
         sim_fmt_response(&out, &j->fmt, cs, j->nch, &u);
         free(cs);
+        if (j->req == NULL) /* its client left (counted then): finish_abandoned ran it out */
+            goto done;
         net_req_t *req = job_detach(j);
         if (j->die) {
             /* Announce the whole length, send half, hang up. */
@@ -996,6 +999,8 @@ static void on_abort(net_req_t *req)
     }
     j->req = NULL;
     req->data = NULL;
+    if (s->finish_abandoned && !j->rq.stream && !j->hung)
+        return; /* generates on, counted in flight, until job_finish drops the answer */
     job_close(j);
 }
 
@@ -1052,6 +1057,7 @@ int sim_run(sim_config_t *cfg)
     memset(&cfg->id, 0, sizeof(cfg->id));
     s->noise = cfg->noise;
     s->token_delay_ms = cfg->token_delay_ms;
+    s->finish_abandoned = cfg->finish_abandoned;
     s->fault_remaining = -1;
     if (dp_random_bytes(&s->rng, sizeof(s->rng)) != 0)
         s->rng = dp_now_ns();

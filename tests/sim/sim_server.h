@@ -39,6 +39,10 @@ typedef struct {
     char host[64];
     uint16_t port;
     uint32_t token_delay_ms;
+    /* A non-streamed generation whose client went away runs to its end (its answer dropped),
+     * as llama.cpp's server does: it writes a non-streamed answer once, at the end, and only
+     * then finds the connection gone. Without it the generation stops, as vLLM's does. */
+    bool finish_abandoned;
     double noise;
     const char *attest_key_path; /* NULL: no /attestation */
     const char *tls_cert;        /* with tls_key: serve HTTPS (tests of upstream TLS) */

@@ -20,6 +20,7 @@ typedef struct {
     cfg_pool_t cfg;
     px_pool_t pool;
     px_replica_t reps[MAXR];
+    px_slots_t rslots[MAXR];
     px_replica_t *ptrs[MAXR];
     char names[MAXR][24];
     px_pool_slot_t slots[1]; /* the calling thread's (this test runs as the control thread) */
@@ -30,7 +31,7 @@ static char g_fake_upstream;
 
 static void set_inflight(px_replica_t *r, uint32_t n)
 {
-    r->inflight = n;
+    r->slots->inflight = n;
 }
 
 /* n admitted replicas r1..rn listed in that order (reversed: rn..r1). */
@@ -56,6 +57,7 @@ static void tpool_init(tpool_t *t, cfg_balance_t balance, uint32_t max_inflight,
         r->state = PX_REPLICA_ADMITTED;
         r->up = (net_upstream_t *)&g_fake_upstream;
         r->aff_id = px_affinity_hash(r->name, strlen(r->name));
+        r->slots = &t->rslots[i];
         t->ptrs[i] = r;
     }
 }
@@ -173,7 +175,7 @@ Test(router, max_inflight_full_pool_is_why_1_and_a_free_slot_is_taken)
     cr_assert_str_eq(pick(&t, NULL, NULL, &why), "r2");
     /* The pick itself takes the free slot (compare-and-swap: exact across workers). */
     cr_assert_not_null(px_router_pick(&t.pool, NULL, NULL, &why));
-    cr_assert_eq(atomic_load(&rep(&t, "r2")->inflight), 2);
+    cr_assert_eq(atomic_load(&rep(&t, "r2")->slots->inflight), 2);
     cr_assert_null(px_router_pick(&t.pool, NULL, NULL, &why));
     cr_assert_eq(why, 1);
     /* max_inflight 1, the single-sequence path: one in flight means full. */
