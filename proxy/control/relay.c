@@ -35,7 +35,7 @@
 #define RELAY_RETRY_MS 10                  /* how often it looks for one meanwhile */
 #define RELAY_MAX_BYTES ((size_t)16 << 20) /* response body cap */
 
-typedef struct {
+typedef struct relay_s {
     px_t *px;
     net_req_t *req; /* NULL once the client went away */
     px_replica_t *r;
@@ -46,7 +46,14 @@ typedef struct {
     bool needs_slot, holds_slot;
     bool holding; /* px_replica_hold_slot: the next slot freed on r is ours */
     uint64_t start_ms, sent_ms;
+    /* Its client left while the replica worked on it (px_relay_abort): listed in g_abandoned
+     * until the answer has come and been dropped. */
+    bool abandoned;
+    struct relay_s *ab_next, *ab_prev;
 } relay_t;
+
+/* Relays whose client left and whose answer is still read (control thread only). */
+static relay_t *g_abandoned;
 
 static void relay_closed(uv_handle_t *h)
 {
@@ -59,6 +66,16 @@ static void relay_closed(uv_handle_t *h)
 /* The request is over (answered, or its client gone): the slot goes back, the rest is freed. */
 static void relay_end(relay_t *rl)
 {
+    if (rl->abandoned) {
+        rl->abandoned = false;
+        if (rl->ab_prev)
+            rl->ab_prev->ab_next = rl->ab_next;
+        else
+            g_abandoned = rl->ab_next;
+        if (rl->ab_next)
+            rl->ab_next->ab_prev = rl->ab_prev;
+        rl->ab_next = rl->ab_prev = NULL;
+    }
     if (rl->holding) {
         rl->holding = false;
         px_replica_unhold_slot(rl->r); /* a slot passed on meanwhile is freed: clients look */
@@ -101,7 +118,8 @@ static void relay_log(const relay_t *rl, int status, const char *error)
 static void relay_fail(relay_t *rl, int status, const char *code, const char *msg)
 {
     relay_log(rl, status, msg);
-    net_resp_error(rl->req, status, NULL, code, NULL, msg, NULL, 0);
+    if (rl->req)
+        net_resp_error(rl->req, status, NULL, code, NULL, msg, NULL, 0);
     relay_end(rl);
 }
 
@@ -121,8 +139,9 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     }
     static const net_header_t mark = {DP_IOV("x-detproxy-relay"), DP_IOV("replica")};
     relay_log(rl, status, NULL);
-    net_resp_send(rl->req, status, "application/json", body->base ? body->base : "", body->len,
-                  &mark, 1);
+    if (rl->req) /* else its client left: the answer is dropped, the slot freed now */
+        net_resp_send(rl->req, status, "application/json", body->base ? body->base : "",
+                      body->len, &mark, 1);
     relay_end(rl);
 }
 
@@ -267,5 +286,29 @@ void px_relay_abort(net_req_t *req)
     if (rl == NULL)
         return;
     rl->req = NULL;
+    req->data = NULL;
+    /* On a single_sequence pool the replica may go on generating what it was sent (llama.cpp
+     * finishes a non-streamed answer whose client left): the slot stays taken until that
+     * answer has come, as for a client's request (data/proxy.c, drain_abandoned). */
+    px_pool_t *p = px_gen_pool_by_name(rl->px->gen, rl->r->pool_name);
+    if (rl->fetch && rl->holds_slot && !rl->px->draining && p &&
+        cfg_pool_determinism(p->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        rl->abandoned = true;
+        rl->ab_prev = NULL;
+        rl->ab_next = g_abandoned;
+        if (g_abandoned)
+            g_abandoned->ab_prev = rl;
+        g_abandoned = rl;
+        return;
+    }
     relay_end(rl);
+}
+
+void px_relay_stop(px_t *px)
+{
+    for (relay_t *rl = g_abandoned, *next; rl; rl = next) {
+        next = rl->ab_next;
+        if (rl->px == px)
+            relay_end(rl);
+    }
 }

@@ -12,5 +12,7 @@
 bool px_relay_route(px_t *px, net_req_t *req);
 /* The admin handler's on_abort: the relay of req, if any, stops and gives its slot back. */
 void px_relay_abort(net_req_t *req);
+/* Shutdown: relays whose client left and whose answer is still read are cancelled. */
+void px_relay_stop(px_t *px);
 
 #endif

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
                      start_process, start_sim)
@@ -366,6 +367,38 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     assert complete(px, max_tokens=3).status == 200
     assert metric(px, "detproxy_inflight_requests") == 0
     px.stop()
+
+
+def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_generated():
+    """The admin relay (replay, diagnose) takes the replica's slot like a client: when its
+    caller goes away mid-generation, the slot stays taken until the replica's answer has come,
+    and a shutdown meanwhile does not wait for it."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
+                       "temperature": 0}).encode()
+    def relay_and_leave():
+        a = socket.create_connection(("127.0.0.1", px.admin_port))
+        a.sendall(b"POST /admin/relay/v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"x-detproxy-relay-pool: p\r\nx-detproxy-relay-replica: r1\r\n"
+                  b"Content-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the relayed generation")
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        a.close()
+        poll_until(lambda: metric(px, "detproxy_connections") == 0, what="the caller gone")
+    relay_and_leave()
+    time.sleep(0.2)  # the admin listener has seen the reset
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert replicas(px)["r1"]["inflight"] == 0
+    # A shutdown while an abandoned relayed answer is still read ends at once.
+    relay_and_leave()
+    t0 = time.monotonic()
+    px.stop()
+    assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
 
 
 def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
