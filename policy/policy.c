@@ -1341,6 +1341,11 @@ bool policy_pool_no_cache_prompt(const cfg_pool_t *pool)
            fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) == FW_LLAMACPP;
 }
 
+bool policy_pool_engine_stops_abandoned(const cfg_pool_t *pool)
+{
+    return fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) == FW_VLLM;
+}
+
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
                       policy_result_t *out, policy_error_t *err)
 {

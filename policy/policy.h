@@ -236,6 +236,10 @@ int policy_replace_model(const char *body, size_t len, const char *model, dp_buf
  * (replaced, or inserted first), appended to out: what a candidate copy to such a pool carries. -1
  * when body is not an object. */
 bool policy_pool_no_cache_prompt(const cfg_pool_t *pool);
+/* The pool's engine (its manifest's framework.name) stops a non-streamed generation as soon as
+ * its client's connection closes: vLLM's OpenAI server does (it cancels the request on the
+ * disconnect), so an abandoned exchange to it is closed rather than read to its end. */
+bool policy_pool_engine_stops_abandoned(const cfg_pool_t *pool);
 int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
+#include "policy/policy.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/self.h"
@@ -292,7 +293,8 @@ void px_relay_abort(net_req_t *req)
      * answer has come, as for a client's request (data/proxy.c, drain_abandoned). */
     px_pool_t *p = px_gen_pool_by_name(rl->px->gen, rl->r->pool_name);
     if (rl->fetch && rl->holds_slot && !rl->px->draining && p &&
-        cfg_pool_determinism(p->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        cfg_pool_determinism(p->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE &&
+        !policy_pool_engine_stops_abandoned(p->cfg)) {
         rl->abandoned = true;
         rl->ab_prev = NULL;
         rl->ab_next = g_abandoned;

@@ -31,6 +31,7 @@
 #include "proxy/data/router.h"
 #include "proxy/data/worker.h"
 #include "proxy/obs/access.h"
+#include "policy/policy.h"
 #include "policy/routes.h"
 
 typedef enum {
@@ -1230,7 +1231,9 @@ static void count_request(px_preq_t *q)
  * that promises one sequence at a time per replica, the slot must stay taken while the engine
  * may still be generating: such an exchange is read to its end and dropped instead, and only
  * then is the slot freed. Streamed answers are cancelled as before (every engine stops at its
- * next write). Bounded by the upstream timeouts; cancelled when the worker stops. */
+ * next write), and so is any on a vLLM pool: its server cancels a request whose connection
+ * closes, and would generate it to its end for a reader that stays. Bounded by the upstream
+ * timeouts; cancelled when the worker stops. */
 
 typedef struct drain_s {
     struct drain_s *next, *prev;
@@ -1288,7 +1291,8 @@ static bool drain_abandoned(px_preq_t *q)
 {
     if (q->replica == NULL || q->pool == NULL || q->hooks.stream || q->sse ||
         cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE ||
-        px_worker_closing() || !net_creq_sent(q->up))
+        policy_pool_engine_stops_abandoned(q->pool->cfg) || px_worker_closing() ||
+        !net_creq_sent(q->up))
         return false;
     drain_t *d = dp_xcalloc(1, sizeof(*d));
     d->up = q->up;

@@ -369,6 +369,27 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     px.stop()
 
 
+def test_single_sequence_on_vllm_closes_an_abandoned_exchange():
+    """vLLM cancels a request whose connection closes (the sim without --finish-abandoned does
+    too): reading its answer to the end would make it generate for no one while the pool's one
+    slot waits. The exchange is closed, the engine stops, the next request goes at once."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    px = start_proxy(pools=[single_sequence_pool([sim], framework="vllm")])
+    body = json.dumps({"model": MODEL, "prompt": "long running request", "max_tokens": 200,
+                       "temperature": 0}).encode()
+    a = socket.create_connection(("127.0.0.1", px.port))
+    a.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    a.close()
+    poll_until(lambda: sim_stats(sim)["aborted"] == 1, timeout=3, what="the engine stopped")
+    assert replicas(px)["r1"]["inflight"] == 0
+    assert complete(px, max_tokens=3).status == 200
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    px.stop()
+
+
 def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_generated():
     """The admin relay (replay, diagnose) takes the replica's slot like a client: when its
     caller goes away mid-generation, the slot stays taken until the replica's answer has come,
