@@ -173,10 +173,12 @@ static void uconn_timer_in(uconn_t *c, uint64_t ms)
 
 /* Request bytes wait in the socket for a replica that may have stopped reading them: the
  * timer comes back within the idle timeout to look (send_stalled), however far off the first
- * byte's deadline is. Like nginx's proxy_send_timeout, which has the same 60 s default. */
-static void uconn_watch_send(uconn_t *c)
+ * byte's deadline is. Like nginx's proxy_send_timeout, which has the same 60 s default.
+ * `batched`: bytes still in the loop's write batch count too (they may queue when it is
+ * written); not for a request's first bytes, which would set a timer for every request. */
+static void uconn_watch_send(uconn_t *c, bool batched)
 {
-    if (c->phase != UC_HEAD || c->sock.queued == 0)
+    if (c->phase != UC_HEAD || (c->sock.queued == 0 && !(batched && c->sock.in_batch)))
         return;
     uint64_t ms = c->up->o.idle_timeout_ms;
     if (uv_is_active((uv_handle_t *)&c->timer) &&
@@ -698,7 +700,7 @@ static void sock_connected(net_sock_t *s, int status)
         uconn_fail(c, NET_UP_SEND, uv_strerror(r));
         return;
     }
-    uconn_watch_send(c);
+    uconn_watch_send(c, false);
     /* A caller paused on net_creq_over by the bytes that waited here: when the socket took
      * them without going over high water itself, no socket drain will come, so this is it. */
     if (was_over && !net_sock_over(&c->sock))
@@ -877,7 +879,7 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
         /* A pooled connection that died under us: the classic keep-alive race. */
         uconn_defer_fail(c, NET_UP_REUSED_CLOSED);
     } else {
-        uconn_watch_send(c);
+        uconn_watch_send(c, false);
     }
     return &q->pub;
 }
@@ -903,7 +905,7 @@ int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
         uconn_fail(c, r->response_started ? NET_UP_TRUNCATED : NET_UP_SEND, "write failed");
         return -1;
     }
-    uconn_watch_send(c);
+    uconn_watch_send(c, true); /* a streamed upload: its last small piece may queue */
     return 0;
 }
 
@@ -945,7 +947,7 @@ void net_creq_release(net_creq_t *r)
     if (outq_send(c) != 0) /* reported from the loop, never inside the caller's call */
         uconn_defer_fail(c, NET_UP_SEND);
     else
-        uconn_watch_send(c);
+        uconn_watch_send(c, false);
 }
 
 void net_creq_cancel(net_creq_t *r)

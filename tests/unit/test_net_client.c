@@ -657,6 +657,31 @@ Test(net_client, upload_the_replica_stops_taking_fails_after_the_idle_timeout)
     x_free(&x);
 }
 
+/* A streamed upload in pieces small enough for the loop's write batch: each is written when
+ * the loop iteration ends, and the one that finds the socket full queues there, not in the
+ * call that handed it over. The replica that stopped taking them is caught all the same. */
+Test(net_client, upload_in_small_pieces_the_replica_stops_taking_fails_after_the_idle_timeout)
+{
+    peer_start(&g_peer, stop_reading);
+    net_upstream_opts_t o = {
+        .write_high_water = 64 * 1024, .idle_timeout_ms = 100, .first_byte_timeout_ms = 60000};
+    up_new(&o);
+    ex_t x;
+    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
+    RUN_UNTIL(g_peer.requests == 1);
+    static char piece[8 * 1024];
+    size_t sent = 0;
+    while (net_client_creq_pending(x.r) == 0 && sent < (64u << 20)) {
+        uv_buf_t b = uv_buf_init(piece, sizeof(piece));
+        cr_assert_eq(net_creq_write(x.r, &b, 1), 0);
+        sent += sizeof(piece);
+        run_idle(); /* the batch is written at the end of the iteration */
+    }
+    cr_assert_gt(net_client_creq_pending(x.r), 0, "never queued after %zu bytes", sent);
+    x_expect(&x, NET_UP_SEND_TIMEOUT);
+    x_free(&x);
+}
+
 static uv_timer_t g_late;
 
 static void answer_late_cb(uv_timer_t *t)
