@@ -472,7 +472,7 @@ static void w_done(net_creq_t *r, net_up_err_t err, const char *detail)
     watch_lost(e, why);
 }
 
-static const net_creq_cb_t watch_cb = {w_head, w_body, w_done, NULL, NULL, false};
+static const net_creq_cb_t watch_cb = {.on_head = w_head, .on_body = w_body, .on_done = w_done};
 
 static void watch_connect(fleet_etcd_t *e)
 {

@@ -231,12 +231,19 @@ static void timer_cb(uv_timer_t *t)
     case UC_CONNECTING:
         uconn_fail(c, NET_UP_CONNECT, "connect timeout");
         return;
-    case UC_HEAD:
-        if (c->req && c->req->pub.response_started)
+    case UC_HEAD: {
+        creq_t *q = c->req;
+        if (q && q->pub.response_started) {
             uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
-        else
-            uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+            return;
+        }
+        if (q && q->cb.on_first_byte_timeout && q->cb.on_first_byte_timeout(&q->pub)) {
+            uconn_arm(c, u->o.first_byte_timeout_ms); /* the new owner's wait */
+            return;
+        }
+        uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
         return;
+    }
     case UC_BODY: {
         uint64_t idle = u->o.idle_timeout_ms;
         if (c->paused || now - c->last_read < idle) {

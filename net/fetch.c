@@ -67,7 +67,7 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     f_free(f);
 }
 
-static const net_creq_cb_t fetch_cb = {on_head, on_body, on_done, NULL, NULL, false};
+static const net_creq_cb_t fetch_cb = {.on_head = on_head, .on_body = on_body, .on_done = on_done};
 
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {

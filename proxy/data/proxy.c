@@ -13,6 +13,7 @@
  * accepted its connection, with that worker's upstream pools, queues and caches. */
 #include <assert.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -502,6 +503,9 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
                        const net_framing_t *f);
 static void up_on_body(net_creq_t *c, const char *p, size_t n);
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
+static void up_done(px_preq_t *q, net_up_err_t err, const char *detail);
+static bool up_on_first_byte_timeout(net_creq_t *c);
+static bool drain_abandoned(px_preq_t *q);
 static void up_on_drain(net_creq_t *c);
 
 static void up_on_connected(net_creq_t *c);
@@ -509,10 +513,20 @@ static void up_on_connected(net_creq_t *c);
 /* The head (q->head), the body (the server's, until the request is freed) and the policy's
  * parts (px_hooks_finish) all outlive the exchange: finish() and on_abort cancel it first. So a
  * new connection sends them from where they lie. */
-static const net_creq_cb_t up_cb = {up_on_head, up_on_body, up_on_done, up_on_drain, NULL, true};
+static const net_creq_cb_t up_cb = {.on_head = up_on_head,
+                                    .on_body = up_on_body,
+                                    .on_done = up_on_done,
+                                    .on_drain = up_on_drain,
+                                    .start_bufs_kept = true,
+                                    .on_first_byte_timeout = up_on_first_byte_timeout};
 /* A new connection to an attested replica: held once established, until its check. */
-static const net_creq_cb_t up_cb_held = {up_on_head,  up_on_body,      up_on_done,
-                                         up_on_drain, up_on_connected, true};
+static const net_creq_cb_t up_cb_held = {.on_head = up_on_head,
+                                         .on_body = up_on_body,
+                                         .on_done = up_on_done,
+                                         .on_drain = up_on_drain,
+                                         .on_connected = up_on_connected,
+                                         .start_bufs_kept = true,
+                                         .on_first_byte_timeout = up_on_first_byte_timeout};
 
 /* Send the request to q->replica, whose slot q holds. */
 static void send_upstream(px_preq_t *q)
@@ -1075,7 +1089,23 @@ static void count_upstream_error(px_preq_t *q, px_replica_t *r, net_up_err_t err
 
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
+    up_done(c->data, err, detail);
+}
+
+/* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
+ * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
+ * drain holding the slot, for up to another first-byte timeout. */
+static bool up_on_first_byte_timeout(net_creq_t *c)
+{
     px_preq_t *q = c->data;
+    if (!drain_abandoned(q))
+        return false;
+    up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+    return true;
+}
+
+static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
+{
     q->up = NULL;
     q->up_end_ns = dp_now_ns();
     px_replica_t *r = q->replica;
@@ -1232,7 +1262,9 @@ static void count_request(px_preq_t *q)
  * may still be generating: such an exchange is read to its end and dropped instead, and only
  * then is the slot freed. Streamed answers are cancelled as before (every engine stops at its
  * next write), and so is any on a vLLM pool: its server cancels a request whose connection
- * closes, and would generate it to its end for a reader that stays. Bounded by the upstream
+ * closes, and would generate it to its end for a reader that stays. An exchange that got no
+ * answer within the first-byte timeout is drained too, after the client's 504
+ * (up_on_first_byte_timeout), for up to another first-byte timeout. Bounded by the upstream
  * timeouts; cancelled when the worker stops. */
 
 typedef struct drain_s {
@@ -1260,30 +1292,14 @@ static void drain_end(drain_t *d)
     free(d);
 }
 
-static void drain_on_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
-                          const net_framing_t *f)
-{
-    (void)c, (void)status, (void)h, (void)n, (void)f;
-}
-
-static void drain_on_body(net_creq_t *c, const char *p, size_t n)
-{
-    (void)c, (void)p, (void)n;
-}
-
 static void drain_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     (void)err, (void)detail;
     drain_end(c->data);
 }
 
-static void drain_on_drain(net_creq_t *c)
-{
-    (void)c;
-}
-
-static const net_creq_cb_t drain_cb = {drain_on_head,  drain_on_body, drain_on_done,
-                                       drain_on_drain, NULL,          false};
+/* The answer's bytes are read and dropped: only its end matters. */
+static const net_creq_cb_t drain_cb = {.on_done = drain_on_done};
 
 /* Take over q's exchange and slot when its engine may still be generating an answer nobody
  * will read (see above); false when the exchange is to be cancelled. */

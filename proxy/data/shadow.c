@@ -651,7 +651,7 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
     maybe_compare(s);
 }
 
-static const net_creq_cb_t shadow_cb = {sh_head, sh_body, sh_done, NULL, NULL, false};
+static const net_creq_cb_t shadow_cb = {.on_head = sh_head, .on_body = sh_body, .on_done = sh_done};
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 

@@ -422,6 +422,29 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_gen
     assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
 
 
+def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
+    """A request that times out upstream gets its 504 at upstream_first_byte_timeout_ms, but
+    the engine may still be generating it (llama.cpp's server finishes it): the slot stays
+    taken, the answer read and dropped, for up to another first-byte timeout."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])],
+                     limits={"upstream_first_byte_timeout_ms": 1500})
+    first = {}
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s, past the timeout and
+    # within two of them.
+    t = threading.Thread(target=lambda: first.update(r=complete(px, prompt="x", max_tokens=60)))
+    t.start()
+    t.join(10)
+    assert first["r"].status == 504, first
+    assert sim_stats(sim)["inflight"] == 1, sim_stats(sim)  # still generating
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert metric(px, "detproxy_inflight_requests") == 0
+    px.stop()
+
+
 def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
     """A reload that changes a pool's manifest makes new replica objects (they must attest
     the new manifest), while the old ones' requests still run on the same engines. The slots

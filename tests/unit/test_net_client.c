@@ -61,7 +61,8 @@ static void x_drain(net_creq_t *r)
     ((ex_t *)r->data)->drains++;
 }
 
-static const net_creq_cb_t x_cb = {x_head, x_body, x_done, x_drain, NULL, false};
+static const net_creq_cb_t x_cb = {
+    .on_head = x_head, .on_body = x_body, .on_done = x_done, .on_drain = x_drain};
 
 static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
 {
@@ -753,7 +754,11 @@ static void x_connected(net_creq_t *r)
         net_creq_release(r);
 }
 
-static const net_creq_cb_t x_held_cb = {x_head, x_body, x_done, x_drain, x_connected, false};
+static const net_creq_cb_t x_held_cb = {.on_head = x_head,
+                                        .on_body = x_body,
+                                        .on_done = x_done,
+                                        .on_drain = x_drain,
+                                        .on_connected = x_connected};
 
 /* A server answering 200, for exchanges over held new connections. */
 static void held_peer(bool release_at_once)
@@ -840,8 +845,17 @@ Test(net_client, a_held_connection_the_server_speaks_on_first_fails_as_never_sen
 
 /* ---- start bytes sent from where they lie (net_creq_cb_t.start_bufs_kept) ----------------- */
 
-static const net_creq_cb_t x_kept_cb = {x_head, x_body, x_done, x_drain, NULL, true};
-static const net_creq_cb_t x_kept_held_cb = {x_head, x_body, x_done, x_drain, x_connected, true};
+static const net_creq_cb_t x_kept_cb = {.on_head = x_head,
+                                        .on_body = x_body,
+                                        .on_done = x_done,
+                                        .on_drain = x_drain,
+                                        .start_bufs_kept = true};
+static const net_creq_cb_t x_kept_held_cb = {.on_head = x_head,
+                                             .on_body = x_body,
+                                             .on_done = x_done,
+                                             .on_drain = x_drain,
+                                             .on_connected = x_connected,
+                                             .start_bufs_kept = true};
 
 /* The request as the peer received it on its first connection. */
 static const char *peer_got(void)

@@ -301,7 +301,7 @@ static void x_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
 {
-    static const net_creq_cb_t cb = {x_head, x_body, x_done, NULL, NULL, false};
+    static const net_creq_cb_t cb = {.on_head = x_head, .on_body = x_body, .on_done = x_done};
     ex_t x = {0};
     const char *head = "POST /echo HTTP/1.1\r\nhost: h\r\ntransfer-encoding: chunked\r\n\r\n";
     uv_buf_t b = uv_buf_init((char *)head, (unsigned)strlen(head));

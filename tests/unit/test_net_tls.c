@@ -217,7 +217,7 @@ static void x_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 static net_up_err_t close_delimited(const char *req)
 {
-    static const net_creq_cb_t cb = {NULL, NULL, x_done, NULL, NULL, false};
+    static const net_creq_cb_t cb = {.on_done = x_done};
     up_tls(g_crt, "localhost");
     int done = 0;
     uv_buf_t b = uv_buf_init((char *)req, (unsigned)strlen(req));
