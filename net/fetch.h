@@ -33,5 +33,8 @@ typedef struct {
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data);
 void net_fetch_cancel(net_fetch_t *f);
+/* From now on the answer goes to cb(data) instead (from the loop, exactly once, unless
+ * net_fetch_cancel is called first). */
+void net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data);
 
 #endif

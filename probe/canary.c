@@ -98,6 +98,13 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
     return c;
 }
 
+net_fetch_t *probe_canary_detach(probe_canary_t *c)
+{
+    net_fetch_t *f = c->f;
+    free(c);
+    return f;
+}
+
 void probe_canary_cancel(probe_canary_t *c)
 {
     if (c == NULL)

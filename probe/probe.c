@@ -171,6 +171,15 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     return p;
 }
 
+net_fetch_t *probe_take_completion(probe_t *p)
+{
+    if (p == NULL)
+        return NULL;
+    net_fetch_t *f = p->completion;
+    p->completion = NULL;
+    return f;
+}
+
 void probe_cancel(probe_t *p)
 {
     if (p == NULL)

@@ -20,6 +20,7 @@
 #include "attest/check.h"
 #include "config/config.h"
 #include "net/client.h"
+#include "net/fetch.h"
 
 typedef struct probe_s probe_t;
 
@@ -66,6 +67,9 @@ typedef void (*probe_cb)(attest_outcome_t *out, void *data);
 probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data);
 /* Cancel a running check (its callback will not run). NULL is fine. */
 void probe_cancel(probe_t *p);
+/* The probe completion it is waiting for (NULL: none sent, or answered), taken out of p: a
+ * later probe_cancel leaves it running, and the caller owns it (net_fetch_rebind it). */
+net_fetch_t *probe_take_completion(probe_t *p);
 
 /* The upstream options for requests to a replica (the config's upstream timeouts). */
 void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
@@ -109,5 +113,8 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                                    const cfg_manifest_t *id, const probe_route_t *to,
                                    probe_canary_cb cb, void *data);
 void probe_canary_cancel(probe_canary_t *c);
+/* Free c but leave its request running: its fetch, which the caller owns now (its callback
+ * must be rebound with net_fetch_rebind before the loop runs again). */
+net_fetch_t *probe_canary_detach(probe_canary_t *c);
 
 #endif

@@ -27,6 +27,7 @@
 #include "proxy/control/fleet.h"
 #include "proxy/core/self.h"
 #include "net/resolve.h"
+#include "policy/policy.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
@@ -706,6 +707,83 @@ static void check_start(att_t *a)
 
 /* ---- per-replica lifecycle ------------------------------------------------------------------ */
 
+/* A replica freed (a reload that changed its definition, discovery) while its canary or probe
+ * completion generates on a single_sequence pool whose engine finishes an answer whose
+ * connection closed (llama.cpp): the request is left to end and its answer dropped, and only
+ * then is the slot freed (the engine's slots are shared with the replica object that replaced
+ * it), as data/proxy.c does for a client's (drain_abandoned). Cancelled at px_attest_stop. */
+typedef struct orphan_s {
+    struct orphan_s *next, *prev;
+    net_fetch_t *f;
+    px_slots_t *slots;
+    px_t *px;
+} orphan_t;
+
+static orphan_t *g_orphans; /* control thread only */
+
+static void orphan_end(orphan_t *o)
+{
+    if (o->prev)
+        o->prev->next = o->next;
+    else
+        g_orphans = o->next;
+    if (o->next)
+        o->next->prev = o->prev;
+    px_slots_put_unref(o->slots);
+    if (atomic_load(&o->px->queued) > 0)
+        px_workers_wake(o->px);
+    free(o);
+}
+
+static void orphan_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                        const char *detail, void *data)
+{
+    (void)f, (void)status, (void)body, (void)err, (void)detail;
+    orphan_end(data);
+}
+
+/* Keep a's slot for its canary or probe completion still generating (see above): true when
+ * it was handed over. */
+static bool orphan_adopt(att_t *a)
+{
+    const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
+    if (!a->holds_slot || ctx(a->px) == NULL || ctx(a->px)->stopped || pc == NULL ||
+        cfg_pool_determinism(pc) != CFG_DETERMINISM_SINGLE_SEQUENCE ||
+        policy_pool_engine_stops_abandoned(pc))
+        return false;
+    net_fetch_t *f = NULL;
+    if (a->canary) {
+        f = probe_canary_detach(a->canary);
+        a->canary = NULL;
+    } else {
+        f = probe_take_completion(a->probe);
+    }
+    if (f == NULL)
+        return false;
+    orphan_t *o = dp_xcalloc(1, sizeof(*o));
+    o->f = f;
+    o->slots = px_replica_slots_ref(a->r);
+    o->px = a->px;
+    o->next = g_orphans;
+    if (g_orphans)
+        g_orphans->prev = o;
+    g_orphans = o;
+    net_fetch_rebind(f, orphan_done, o);
+    a->holds_slot = false; /* the orphan frees it */
+    return true;
+}
+
+static void orphans_stop(px_t *px)
+{
+    for (orphan_t *o = g_orphans, *next; o; o = next) {
+        next = o->next;
+        if (o->px == px) {
+            net_fetch_cancel(o->f);
+            orphan_end(o);
+        }
+    }
+}
+
 static void att_timer_closed(uv_handle_t *h)
 {
     att_t *a = h->data;
@@ -715,6 +793,7 @@ static void att_timer_closed(uv_handle_t *h)
 
 static void att_teardown(att_t *a)
 {
+    orphan_adopt(a);
     put_slot(a);
     px_seqstr_set(&a->r->engine_fp, ""); /* no report: nothing to compare responses with */
     a->r->canary = PX_CANARY_UNKNOWN;
@@ -822,6 +901,7 @@ void px_attest_stop(px_t *px)
     if (c == NULL || c->stopped)
         return;
     c->stopped = true;
+    orphans_stop(px);
     for (size_t i = 0; px->gen && i < px->gen->npools; i++) {
         px_pool_t *p = &px->gen->pools[i];
         for (size_t k = 0; k < p->nreplicas; k++)

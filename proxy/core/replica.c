@@ -458,15 +458,33 @@ static bool dec_positive(atomic_uint *c)
     return false;
 }
 
-void px_replica_put_slot(px_replica_t *r)
+static void slots_put(px_slots_t *sl)
 {
-    if (dec_positive(&r->slots->held)) { /* an operator request waits for it: it is passed on */
-        atomic_fetch_add(&r->slots->granted, 1);
+    if (dec_positive(&sl->held)) { /* an operator request waits for it: it is passed on */
+        atomic_fetch_add(&sl->granted, 1);
         return;
     }
-    unsigned prev = atomic_fetch_sub(&r->slots->inflight, 1);
+    unsigned prev = atomic_fetch_sub(&sl->inflight, 1);
     assert(prev > 0);
     (void)prev;
+}
+
+void px_replica_put_slot(px_replica_t *r)
+{
+    slots_put(r->slots);
+}
+
+px_slots_t *px_replica_slots_ref(px_replica_t *r)
+{
+    atomic_fetch_add(&r->slots->refs, 1);
+    return r->slots;
+}
+
+void px_slots_put_unref(px_slots_t *sl)
+{
+    slots_put(sl);
+    if (atomic_fetch_sub(&sl->refs, 1) == 1)
+        free(sl);
 }
 
 void px_replica_hold_slot(px_replica_t *r)

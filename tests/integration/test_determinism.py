@@ -5,6 +5,7 @@ detproxy (one request in flight per replica, cache_prompt false for llama.cpp); 
 require_determinism routes only to pools with that mode."""
 
 import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -473,6 +474,41 @@ def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
     assert st["requests"] >= 2, st
+    px.stop()
+
+
+def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_replaced():
+    """A reload that changes the manifest's identity replaces the replica object while its
+    canary may be generating. The engine (llama.cpp, the sim's --finish-abandoned) finishes that
+    non-streamed answer whatever happens to the connection: the slot stays taken until it has
+    come, so the new object's probe and canary do not run beside it."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--token-delay-ms", "20", "--finish-abandoned")
+    r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60,
+                                                "temperature": 0, "seed": 0})
+    can = {"prompt": "x", "max_tokens": 60,
+           "expected_sha256": hashlib.sha256(r.json()["choices"][0]["text"].encode()).hexdigest()}
+    sim_reset(sim)
+    p = single_sequence_pool([sim], framework="llamacpp")
+    p["manifest"]["canary"] = can
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    px = start_proxy(pools=[p], attestation=fast_attestation(100), timeout=20)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    # A canary of the old object generating (the only traffic: no client sends anything).
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="a canary running")
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["pools"][0]["manifest"]["framework"]["version"] = "b11669-Debian"  # a new identity
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 re-admitted")
+    time.sleep(1.5)  # the old canary's answer has come; the new object's canaries ran
+    assert sim_stats(sim)["max_inflight_seen"] == 1, sim_stats(sim)
+    # The slot came back: a client is served (after the canary running now, if any).
+    assert complete(px, max_tokens=3).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
     px.stop()
 
 
