@@ -238,7 +238,12 @@ static void timer_cb(uv_timer_t *t)
             return;
         }
         if (q && q->cb.on_first_byte_timeout && q->cb.on_first_byte_timeout(&q->pub)) {
-            uconn_arm(c, u->o.first_byte_timeout_ms); /* the new owner's wait */
+            /* The new owner's wait: the longer of the two, so a first-byte timeout set shorter
+             * than a generation does not cut the wait as short. */
+            uint64_t more = u->o.first_byte_timeout_ms > u->o.idle_timeout_ms
+                                ? u->o.first_byte_timeout_ms
+                                : u->o.idle_timeout_ms;
+            uconn_arm(c, more);
             return;
         }
         uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");

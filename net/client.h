@@ -73,8 +73,9 @@ typedef struct {
      * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
     bool start_bufs_kept;
     /* Optional. No response began within first_byte_timeout_ms: true keeps the exchange for
-     * another first_byte_timeout_ms (the callback has rebound it, net_creq_rebind, to whoever
-     * waits on), false ends it with NET_UP_FIRST_BYTE_TIMEOUT as without it. */
+     * the longer of first_byte_timeout_ms and idle_timeout_ms more (the callback has rebound
+     * it, net_creq_rebind, to whoever waits on), false ends it with NET_UP_FIRST_BYTE_TIMEOUT
+     * as without it. */
     bool (*on_first_byte_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 

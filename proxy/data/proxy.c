@@ -1094,7 +1094,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
  * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
- * drain holding the slot, for up to another first-byte timeout. */
+ * drain holding the slot (net/client.h says for how long). */
 static bool up_on_first_byte_timeout(net_creq_t *c)
 {
     px_preq_t *q = c->data;
@@ -1264,7 +1264,8 @@ static void count_request(px_preq_t *q)
  * next write), and so is any on a vLLM pool: its server cancels a request whose connection
  * closes, and would generate it to its end for a reader that stays. An exchange that got no
  * answer within the first-byte timeout is drained too, after the client's 504
- * (up_on_first_byte_timeout), for up to another first-byte timeout. Bounded by the upstream
+ * (up_on_first_byte_timeout), for up to the longer of another first-byte timeout and the idle
+ * timeout. Bounded by the upstream
  * timeouts; cancelled when the worker stops. */
 
 typedef struct drain_s {

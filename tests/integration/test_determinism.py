@@ -426,13 +426,14 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_gen
 def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
     """A request that times out upstream gets its 504 at upstream_first_byte_timeout_ms, but
     the engine may still be generating it (llama.cpp's server finishes it): the slot stays
-    taken, the answer read and dropped, for up to another first-byte timeout."""
+    taken, the answer read and dropped, for up to the longer of another first-byte timeout and
+    the idle timeout (60 s here: a first-byte timeout shorter than a generation does not cut
+    that wait short too)."""
     sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
     px = start_proxy(pools=[single_sequence_pool([sim])],
-                     limits={"upstream_first_byte_timeout_ms": 1500})
+                     limits={"upstream_first_byte_timeout_ms": 500})
     first = {}
-    # "x" runs 42 tokens before the toy model's end of text: 2.5 s, past the timeout and
-    # within two of them.
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s, five timeouts.
     t = threading.Thread(target=lambda: first.update(r=complete(px, prompt="x", max_tokens=60)))
     t.start()
     t.join(10)
