@@ -729,7 +729,7 @@ static void orphan_end(orphan_t *o)
         g_orphans = o->next;
     if (o->next)
         o->next->prev = o->prev;
-    px_slots_put_unref(o->slots);
+    px_replica_slots_put_unref(o->slots);
     if (atomic_load(&o->px->queued) > 0)
         px_workers_wake(o->px);
     free(o);

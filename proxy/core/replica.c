@@ -480,7 +480,7 @@ px_slots_t *px_replica_slots_ref(px_replica_t *r)
     return r->slots;
 }
 
-void px_slots_put_unref(px_slots_t *sl)
+void px_replica_slots_put_unref(px_slots_t *sl)
 {
     slots_put(sl);
     if (atomic_fetch_sub(&sl->refs, 1) == 1)

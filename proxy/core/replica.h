@@ -179,10 +179,10 @@ bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r);
 /* Give a slot back (a held one passes to a waiting operator request: px_replica_hold_slot). */
 void px_replica_put_slot(px_replica_t *r);
 /* A reference to r's engine slots, which outlives r: for a slot that must stay taken after r
- * is freed (an answer of its engine still to come). px_slots_put_unref frees that slot (as
+ * is freed (an answer of its engine still to come). px_replica_slots_put_unref frees that slot (as
  * px_replica_put_slot) and drops the reference. */
 px_slots_t *px_replica_slots_ref(px_replica_t *r);
-void px_slots_put_unref(px_slots_t *sl);
+void px_replica_slots_put_unref(px_slots_t *sl);
 /* Control thread: the evidence in force becomes ev (taken, left empty; NULL or empty: none). */
 void px_replica_set_evidence(px_replica_t *r, dp_buf_t *ev);
 /* Any thread: the SHA-256 of the evidence in force ("" when none) into sha, and when bytes is
