@@ -1341,9 +1341,10 @@ bool policy_pool_no_cache_prompt(const cfg_pool_t *pool)
            fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) == FW_LLAMACPP;
 }
 
-bool policy_pool_engine_stops_abandoned(const cfg_pool_t *pool)
+bool policy_pool_drains_abandoned(const cfg_pool_t *pool)
 {
-    return fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) == FW_VLLM;
+    return cfg_pool_determinism(pool) == CFG_DETERMINISM_SINGLE_SEQUENCE &&
+           fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) != FW_VLLM;
 }
 
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,

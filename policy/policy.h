@@ -236,11 +236,12 @@ int policy_replace_model(const char *body, size_t len, const char *model, dp_buf
  * (replaced, or inserted first), appended to out: what a candidate copy to such a pool carries. -1
  * when body is not an object. */
 bool policy_pool_no_cache_prompt(const cfg_pool_t *pool);
-/* The pool's engine (its manifest's framework.name) stops a non-streamed generation as soon as
- * its client's connection closes: vLLM's OpenAI server does (it cancels the request on the
- * disconnect), so an abandoned exchange to it is closed rather than read to its end. */
-bool policy_pool_engine_stops_abandoned(const cfg_pool_t *pool);
 int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
+/* Is an abandoned non-streamed exchange to this pool's replicas read to its end, its slot held
+ * until then? On a single_sequence pool whose engine may go on generating an answer whose
+ * connection closed (llama.cpp does); not on vLLM (its manifest's framework.name), whose
+ * OpenAI server cancels the request on the disconnect: there it is closed at once. */
+bool policy_pool_drains_abandoned(const cfg_pool_t *pool);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 

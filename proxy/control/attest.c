@@ -748,8 +748,7 @@ static bool orphan_adopt(att_t *a)
 {
     const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
     if (!a->holds_slot || ctx(a->px) == NULL || ctx(a->px)->stopped || pc == NULL ||
-        cfg_pool_determinism(pc) != CFG_DETERMINISM_SINGLE_SEQUENCE ||
-        policy_pool_engine_stops_abandoned(pc))
+        !policy_pool_drains_abandoned(pc))
         return false;
     net_fetch_t *f = NULL;
     if (a->canary) {

@@ -141,8 +141,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     static const net_header_t mark = {DP_IOV("x-detproxy-relay"), DP_IOV("replica")};
     relay_log(rl, status, NULL);
     if (rl->req) /* else its client left: the answer is dropped, the slot freed now */
-        net_resp_send(rl->req, status, "application/json", body->base ? body->base : "",
-                      body->len, &mark, 1);
+        net_resp_send(rl->req, status, "application/json", body->base ? body->base : "", body->len,
+                      &mark, 1);
     relay_end(rl);
 }
 
@@ -293,8 +293,7 @@ void px_relay_abort(net_req_t *req)
      * answer has come, as for a client's request (data/proxy.c, drain_abandoned). */
     px_pool_t *p = px_gen_pool_by_name(rl->px->gen, rl->r->pool_name);
     if (rl->fetch && rl->holds_slot && !rl->px->draining && p &&
-        cfg_pool_determinism(p->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE &&
-        !policy_pool_engine_stops_abandoned(p->cfg)) {
+        policy_pool_drains_abandoned(p->cfg)) {
         rl->abandoned = true;
         rl->ab_prev = NULL;
         rl->ab_next = g_abandoned;

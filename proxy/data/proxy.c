@@ -1307,9 +1307,7 @@ static const net_creq_cb_t drain_cb = {.on_done = drain_on_done};
 static bool drain_abandoned(px_preq_t *q)
 {
     if (q->replica == NULL || q->pool == NULL || q->hooks.stream || q->sse ||
-        cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE ||
-        policy_pool_engine_stops_abandoned(q->pool->cfg) || px_worker_closing() ||
-        !net_creq_sent(q->up))
+        !policy_pool_drains_abandoned(q->pool->cfg) || px_worker_closing() || !net_creq_sent(q->up))
         return false;
     drain_t *d = dp_xcalloc(1, sizeof(*d));
     d->up = q->up;
