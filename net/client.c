@@ -978,7 +978,7 @@ bool net_creq_sent(const net_creq_t *r)
 {
     const uconn_t *c = ((const creq_t *)r)->c;
     return c && c->phase != UC_CONNECTING && c->phase != UC_CLOSED && !c->held && c->req_ended &&
-           c->nlent == 0 && c->outq.len == 0 && c->sock.queued == 0;
+           net_client_creq_pending(r) == 0;
 }
 
 void net_creq_rebind(net_creq_t *r, const net_creq_cb_t *cb, void *data)

@@ -94,6 +94,13 @@ px_replica_t *px_replica_find_live(const char *key)
     return NULL;
 }
 
+/* A sharer of sl lets go: the last one frees it. */
+static void slots_unref(px_slots_t *sl)
+{
+    if (atomic_fetch_sub(&sl->refs, 1) == 1)
+        free(sl);
+}
+
 /* The slots of the engine at url in pool `pool`: those of a replica object of it still alive,
  * or new ones. */
 static px_slots_t *shared_slots(const char *pool, const cfg_url_t *url)
@@ -102,10 +109,8 @@ static px_slots_t *shared_slots(const char *pool, const cfg_url_t *url)
         if (o->url.tls == url->tls && o->url.port == url->port &&
             strcmp(o->url.host ? o->url.host : "", url->host ? url->host : "") == 0 &&
             strcmp(o->url.path ? o->url.path : "", url->path ? url->path : "") == 0 &&
-            strcmp(o->pool_name, pool) == 0) {
-            atomic_fetch_add(&o->slots->refs, 1);
-            return o->slots;
-        }
+            strcmp(o->pool_name, pool) == 0)
+            return px_replica_slots_ref(o);
     }
     px_slots_t *sl = dp_xcalloc(1, sizeof(*sl));
     atomic_init(&sl->refs, 1);
@@ -310,8 +315,7 @@ static void replica_free(px_replica_t *r)
     free(r->key);
     free(r->pool_name);
     free(r->name);
-    if (atomic_fetch_sub(&r->slots->refs, 1) == 1)
-        free(r->slots);
+    slots_unref(r->slots);
     free(r);
 }
 
@@ -483,8 +487,7 @@ px_slots_t *px_replica_slots_ref(px_replica_t *r)
 void px_replica_slots_put_unref(px_slots_t *sl)
 {
     slots_put(sl);
-    if (atomic_fetch_sub(&sl->refs, 1) == 1)
-        free(sl);
+    slots_unref(sl);
 }
 
 void px_replica_hold_slot(px_replica_t *r)
