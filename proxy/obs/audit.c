@@ -257,18 +257,27 @@ static int canonical(const char *path, char out[PATH_MAX])
  * pid, and holds across rotations), and a flock on the file itself, which a hard link to it
  * shares (moved to each new file the writer appends to: follow_lock, open_live). The second fd
  * goes to *file_fd. */
-static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
+/* PATH.lock beside path's canonical name (real), in lp: 0, or -1 with *err saying why. */
+static int lock_file_name(const char *path, char real[PATH_MAX], char lp[PATH_MAX + 8],
+                          dp_buf_t *err)
 {
-    char real[PATH_MAX], lp[PATH_MAX + 8];
     if (canonical(path, real) != 0) {
         dp_buf_printf(err, "audit file %s: its folder cannot be resolved: %s", path,
                       strerror(errno));
         return -1;
     }
-    if (snprintf(lp, sizeof(lp), "%s.lock", real) >= (int)sizeof(lp)) {
+    if (snprintf(lp, PATH_MAX + 8, "%s.lock", real) >= PATH_MAX + 8) {
         dp_buf_printf(err, "audit file %s: name too long", path);
         return -1;
     }
+    return 0;
+}
+
+static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
+{
+    char real[PATH_MAX], lp[PATH_MAX + 8];
+    if (lock_file_name(path, real, lp, err) != 0)
+        return -1;
     char what[PATH_MAX + 64];
     snprintf(what, sizeof(what), "audit file %s", path);
     int fd = take_lock(lp, what, err);
@@ -1145,8 +1154,10 @@ static int reclaim_old_locks(px_audit_t *a, const char *path, int *file_lock)
 {
     char real[PATH_MAX], lp[PATH_MAX + 8];
     struct stat want, st;
-    if (a->nold_locks == 0 || canonical(path, real) != 0 ||
-        snprintf(lp, sizeof(lp), "%s.lock", real) >= (int)sizeof(lp) || stat(lp, &want) != 0)
+    dp_buf_t why = {0}; /* lock_path, next, says why */
+    int named = a->nold_locks ? lock_file_name(path, real, lp, &why) : -1;
+    dp_buf_free(&why);
+    if (named != 0 || stat(lp, &want) != 0)
         return -1;
     for (size_t i = 0; i + 1 < a->nold_locks; i += 2) {
         if (fstat(a->old_locks[i], &st) != 0 || st.st_dev != want.st_dev ||
