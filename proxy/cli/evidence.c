@@ -712,6 +712,8 @@ static void replay_one(replay_t *rp, const cJSON *line)
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(line, "seed");
     const cJSON *temp = cJSON_GetObjectItemCaseSensitive(line, "temperature");
     bool stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(line, "stream"));
+    const cJSON *cut = cJSON_GetObjectItemCaseSensitive(line, "error");
+    const char *cut_code = cJSON_IsObject(cut) ? jstr(cut, "code") : NULL;
     bool known_route = false;
     for (size_t i = 0; route && i < DP_ARRAY_SIZE(replay_routes); i++)
         known_route |= strcmp(route, replay_routes[i]) == 0;
@@ -723,13 +725,11 @@ static void replay_one(replay_t *rp, const cJSON *line)
         dp_buf_appends(&o.why, "--timeout passed before its turn");
     } else if (fwd == NULL) {
         dp_buf_appends(&o.why, "no forwarded body: the request was refused before a replica");
-    } else if (cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(line, "error"))) {
+    } else if (cJSON_IsObject(cut)) {
         /* An answer begun and then cut (docs/policy.md): its stored response is a part of
          * one, which a whole new answer would "differ" from. */
         dp_buf_printf(&o.why, "the answer was cut (error %s): no whole response to compare with",
-                      jstr(cJSON_GetObjectItemCaseSensitive(line, "error"), "code")
-                          ? jstr(cJSON_GetObjectItemCaseSensitive(line, "error"), "code")
-                          : "?");
+                      cut_code ? cut_code : "?");
     } else if (!read_stored(rp, fwd, &req)) {
         if (cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(line, "bodies_stored")))
             dp_buf_printf(&o.why,
