@@ -315,6 +315,17 @@ def single_sequence_pool(sims, framework=None, **extra):
     return pool("p", [MODEL], sims, manifest=man, **extra)
 
 
+def abandon(port, target, body, sim, headers=b""):
+    """POST body to target on a connection of its own, wait until the sim generates it, then
+    reset the connection: a client gone mid-generation."""
+    a = socket.create_connection(("127.0.0.1", port))
+    a.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (target, headers, len(body)) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    a.close()
+
+
 def test_single_sequence_never_has_two_requests_at_a_replica():
     sims = [start_sim("--model", MODEL, "--token-delay-ms", "20") for _ in range(2)]
     # Without it, the same load overlaps at the replicas: the measurement can see concurrency.
@@ -352,12 +363,7 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     px = start_proxy(pools=[single_sequence_pool([sim])])
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
                        "temperature": 0}).encode()
-    a = socket.create_connection(("127.0.0.1", px.port))
-    a.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the first generation running")
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    a.close()  # a reset: the client is gone mid-generation
+    abandon(px.port, b"/v1/completions", body, sim)
     poll_until(lambda: metric(px, "detproxy_connections") == 0, what="the client gone")
     r = complete(px, max_tokens=3)
     assert r.status == 200, r
@@ -378,12 +384,7 @@ def test_single_sequence_on_vllm_closes_an_abandoned_exchange():
     px = start_proxy(pools=[single_sequence_pool([sim], framework="vllm")])
     body = json.dumps({"model": MODEL, "prompt": "long running request", "max_tokens": 200,
                        "temperature": 0}).encode()
-    a = socket.create_connection(("127.0.0.1", px.port))
-    a.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    a.close()
+    abandon(px.port, b"/v1/completions", body, sim)
     poll_until(lambda: sim_stats(sim)["aborted"] == 1, timeout=3, what="the engine stopped")
     assert replicas(px)["r1"]["inflight"] == 0
     assert complete(px, max_tokens=3).status == 200
@@ -400,17 +401,11 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_gen
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
                        "temperature": 0}).encode()
     def relay_and_leave():
-        a = socket.create_connection(("127.0.0.1", px.admin_port))
-        a.sendall(b"POST /admin/relay/v1/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"x-detproxy-relay-pool: p\r\nx-detproxy-relay-replica: r1\r\n"
-                  b"Content-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the relayed generation")
-        a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        a.close()
-        poll_until(lambda: metric(px, "detproxy_connections") == 0, what="the caller gone")
+        abandon(px.admin_port, b"/admin/relay/v1/completions", body, sim,
+                b"x-detproxy-relay-pool: p\r\nx-detproxy-relay-replica: r1\r\n")
     relay_and_leave()
-    time.sleep(0.2)  # the admin listener has seen the reset
+    # Sent at once: whether the admin listener has seen the reset yet or not, the slot is the
+    # relayed generation's until its answer has come.
     r = complete(px, max_tokens=3)
     assert r.status == 200, r
     st = sim_stats(sim)
@@ -432,12 +427,9 @@ def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
     sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
     px = start_proxy(pools=[single_sequence_pool([sim])],
                      limits={"upstream_first_byte_timeout_ms": 500})
-    first = {}
     # "x" runs 42 tokens before the toy model's end of text: 2.5 s, five timeouts.
-    t = threading.Thread(target=lambda: first.update(r=complete(px, prompt="x", max_tokens=60)))
-    t.start()
-    t.join(10)
-    assert first["r"].status == 504, first
+    first = complete(px, prompt="x", max_tokens=60)
+    assert first.status == 504, first
     assert sim_stats(sim)["inflight"] == 1, sim_stats(sim)  # still generating
     r = complete(px, max_tokens=3)
     assert r.status == 200, r
@@ -497,6 +489,7 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_repla
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
     # A canary of the old object generating (the only traffic: no client sends anything).
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="a canary running")
+    done = sim_stats(sim)["completed"]
     with open(px.config_path) as f:
         live = json.load(f)
     live["pools"][0]["manifest"]["framework"]["version"] = "b11669-Debian"  # a new identity
@@ -504,7 +497,9 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_repla
         json.dump(live, f)
     assert http("POST", px.admin_port, "/admin/reload").status == 200
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 re-admitted")
-    time.sleep(1.5)  # the old canary's answer has come; the new object's canaries ran
+    # The old canary's answer and one of the new object's checks have come.
+    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=10,
+               what="the old canary and a new check done")
     assert sim_stats(sim)["max_inflight_seen"] == 1, sim_stats(sim)
     # The slot came back: a client is served (after the canary running now, if any).
     assert complete(px, max_tokens=3).status == 200
