@@ -237,12 +237,8 @@ static void timer_cb(uv_timer_t *t)
             uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
             return;
         }
-        if (q && q->cb.on_first_byte_timeout && q->cb.on_first_byte_timeout(&q->pub)) {
-            /* The new owner's wait: the longer of the two, so a first-byte timeout set shorter
-             * than a generation does not cut the wait as short. */
-            uint64_t more = u->o.first_byte_timeout_ms > u->o.idle_timeout_ms
-                                ? u->o.first_byte_timeout_ms
-                                : u->o.idle_timeout_ms;
+        uint64_t more = q && q->cb.on_first_byte_timeout ? q->cb.on_first_byte_timeout(&q->pub) : 0;
+        if (more) {
             uconn_arm(c, more);
             return;
         }

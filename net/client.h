@@ -72,11 +72,11 @@ typedef struct {
      * or net_creq_cancel): a new connection then sends them from there once established,
      * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
     bool start_bufs_kept;
-    /* Optional. No response began within first_byte_timeout_ms: true keeps the exchange for
-     * the longer of first_byte_timeout_ms and idle_timeout_ms more (the callback has rebound
-     * it, net_creq_rebind, to whoever waits on), false ends it with NET_UP_FIRST_BYTE_TIMEOUT
-     * as without it. */
-    bool (*on_first_byte_timeout)(net_creq_t *r);
+    /* Optional. No response began within first_byte_timeout_ms: a nonzero return keeps the
+     * exchange for that many ms more (the callback has rebound it, net_creq_rebind, to
+     * whoever waits on, with no on_first_byte_timeout of its own), 0 ends it with
+     * NET_UP_FIRST_BYTE_TIMEOUT as without it. */
+    uint64_t (*on_first_byte_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 
 struct net_creq_s {

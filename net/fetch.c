@@ -11,6 +11,11 @@ struct net_fetch_s {
     void *data;
     int status;
     size_t max;
+    uint64_t drain_ms;
+    bool in_timeout_cb; /* the callback runs for a first-byte timeout: a rebind keeps */
+    bool kept;          /* ... and it did: the exchange is read on, the new callback waits */
+    bool told;          /* ... and it did not: the callback has had its answer */
+    bool cancelled;     /* net_fetch_cancel from that callback */
     dp_buf_t body;
 };
 
@@ -63,11 +68,44 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     net_fetch_t *f = c->data;
     assert(f->c == c);
     f->c = NULL;
-    f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
+    if (!f->told)
+        f->cb(f, err == NET_UP_OK ? f->status : 0, &f->body, err, detail, f->data);
     f_free(f);
 }
 
+/* A kept exchange: its answer is only waited for (on_done reports how it ended), its body
+ * dropped. */
+static void on_drained_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
+                            const net_framing_t *fr)
+{
+    net_fetch_t *f = c->data;
+    (void)h, (void)n, (void)fr;
+    f->status = status;
+}
+
+static const net_creq_cb_t drain_cb = {.on_head = on_drained_head, .on_done = on_done};
+
+static uint64_t on_first_byte_timeout(net_creq_t *c)
+{
+    net_fetch_t *f = c->data;
+    assert(f->c == c);
+    f->in_timeout_cb = true;
+    f->cb(f, 0, &f->body, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout",
+          f->data);
+    f->in_timeout_cb = false;
+    if (f->kept) {
+        net_creq_rebind(c, &drain_cb, f);
+        return f->drain_ms;
+    }
+    f->told = true; /* not kept: the exchange ends now (on_done frees f) */
+    return 0;
+}
+
 static const net_creq_cb_t fetch_cb = {.on_head = on_head, .on_body = on_body, .on_done = on_done};
+static const net_creq_cb_t fetch_drain_cb = {.on_head = on_head,
+                                             .on_body = on_body,
+                                             .on_done = on_done,
+                                             .on_first_byte_timeout = on_first_byte_timeout};
 
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {
@@ -75,6 +113,7 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     f->cb = cb;
     f->data = data;
     f->max = o->max_bytes ? o->max_bytes : 1 << 20;
+    f->drain_ms = o->drain_ms;
     dp_buf_t req = {0};
     dp_buf_printf(&req, "%s %s HTTP/1.1\r\nhost: %s\r\naccept: application/json\r\n", o->method,
                   o->target, o->hostport);
@@ -92,7 +131,7 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
         dp_buf_append(&req, "\r\n", 2);
     }
     uv_buf_t b = uv_buf_init(req.base, (unsigned)req.len);
-    f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
+    f->c = net_creq_start(u, &b, 1, false, false, o->drain_ms ? &fetch_drain_cb : &fetch_cb, f);
     dp_buf_free(&req);
     return f;
 }
@@ -101,10 +140,17 @@ void net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data)
 {
     f->cb = cb;
     f->data = data;
+    if (f->in_timeout_cb && !f->cancelled)
+        f->kept = true;
 }
 
 void net_fetch_cancel(net_fetch_t *f)
 {
+    if (f->in_timeout_cb) { /* the exchange ends when the callback returns (on_done frees f) */
+        f->kept = false;
+        f->cancelled = true;
+        return;
+    }
     if (f->c)
         net_creq_cancel(f->c);
     f_free(f);

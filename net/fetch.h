@@ -28,13 +28,21 @@ typedef struct {
     size_t max_bytes;          /* response body cap */
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
     const char *via; /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
+    /* When no answer began within the upstream's first-byte timeout, the callback is told so
+     * at once (status 0, NET_UP_FIRST_BYTE_TIMEOUT). With drain_ms, a callback that rebinds
+     * the fetch then (net_fetch_rebind) keeps the exchange open for up to drain_ms more: the
+     * answer is read to its end and dropped, and the new callback runs when it is over. For a
+     * request the engine may go on generating after its connection closes, whose slot must
+     * stay taken until it has (docs/configuration.md, "Deterministic pools"). */
+    uint64_t drain_ms;
 } net_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data);
 void net_fetch_cancel(net_fetch_t *f);
 /* From now on the answer goes to cb(data) instead (from the loop, exactly once, unless
- * net_fetch_cancel is called first). */
+ * net_fetch_cancel is called first). Called from the callback that reports a first-byte
+ * timeout of a fetch with drain_ms, it also keeps that exchange open (see drain_ms). */
 void net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data);
 
 #endif

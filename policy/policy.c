@@ -1347,6 +1347,13 @@ bool policy_pool_drains_abandoned(const cfg_pool_t *pool)
            fw_parse(pool->manifest ? pool->manifest->framework_name : NULL) != FW_VLLM;
 }
 
+uint64_t policy_abandoned_drain_ms(const cfg_limits_t *limits)
+{
+    return limits->upstream_first_byte_timeout_ms > limits->upstream_idle_timeout_ms
+               ? limits->upstream_first_byte_timeout_ms
+               : limits->upstream_idle_timeout_ms;
+}
+
 int policy_apply_pool(policy_req_t *r, const cfg_tenant_t *t, const cfg_pool_t *pool,
                       policy_result_t *out, policy_error_t *err)
 {

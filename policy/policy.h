@@ -242,6 +242,10 @@ int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
  * connection closed (llama.cpp does); not on vLLM (its manifest's framework.name), whose
  * OpenAI server cancels the request on the disconnect: there it is closed at once. */
 bool policy_pool_drains_abandoned(const cfg_pool_t *pool);
+/* How long such an exchange that got no answer within its first-byte timeout is read on before
+ * it is given up and its slot freed: the longer of the upstream first-byte and idle timeouts,
+ * so a first-byte timeout set shorter than a generation does not cut that wait as short. */
+uint64_t policy_abandoned_drain_ms(const cfg_limits_t *limits);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */
 

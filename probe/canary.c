@@ -17,6 +17,7 @@ struct probe_canary_s {
     probe_canary_cb cb;
     void *data;
     char expected[65];
+    bool drain; /* started with a drain_ms */
 };
 
 const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
@@ -34,8 +35,9 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
                     const char *detail, void *data)
 {
     probe_canary_t *c = data;
-    (void)f;
     probe_canary_result_t res = {.status = status};
+    if (err == NET_UP_FIRST_BYTE_TIMEOUT && c->drain)
+        res.timed_out = f;
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];
     cJSON *doc = NULL;
@@ -92,7 +94,9 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                           .extra_headers = to->extra_headers,
                           .body = body.base,
                           .body_len = body.len,
-                          .max_bytes = PROBE_CANARY_MAX_BYTES};
+                          .max_bytes = PROBE_CANARY_MAX_BYTES,
+                          .drain_ms = to->drain_ms};
+    c->drain = to->drain_ms != 0;
     c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;

@@ -33,6 +33,7 @@ typedef struct {
     const char *bearer;
     const char *via;
     const char *extra_headers;
+    uint64_t drain_ms; /* net_fetch_opts_t's: 0, or how long a timed-out request may be kept */
 } probe_route_t;
 
 typedef struct {
@@ -57,6 +58,9 @@ typedef struct {
     /* native: take the engine fingerprint from the metadata where it names one
      * (attest_check_metadata_fingerprint) and send no probe completion then. */
     bool metadata_fingerprint;
+    /* The probe completion's net_fetch_opts_t drain_ms: a completion that timed out can then
+     * be kept, during the callback, with probe_take_completion. */
+    uint64_t drain_ms;
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it
@@ -68,7 +72,9 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data);
 /* Cancel a running check (its callback will not run). NULL is fine. */
 void probe_cancel(probe_t *p);
 /* The probe completion it is waiting for (NULL: none sent, or answered), taken out of p: a
- * later probe_cancel leaves it running, and the caller owns it (net_fetch_rebind it). */
+ * later probe_cancel leaves it running, and the caller owns it (net_fetch_rebind it). During
+ * the callback, the completion if it timed out with drain_ms (NULL otherwise): rebound then,
+ * it is kept open (net_fetch_opts_t). */
 net_fetch_t *probe_take_completion(probe_t *p);
 
 /* The upstream options for requests to a replica (the config's upstream timeouts). */
@@ -96,6 +102,9 @@ typedef struct {
     char expected[65]; /* the expected_sha256 in force when the request was sent */
     bool matched;      /* answered and sha256 == expected */
     const char *error; /* why not answered (valid during the callback) */
+    /* The request, when it timed out with the route's drain_ms: rebound during the callback
+     * (net_fetch_rebind), it is kept open; NULL otherwise. */
+    net_fetch_t *timed_out;
 } probe_canary_result_t;
 
 typedef void (*probe_canary_cb)(const probe_canary_result_t *res, void *data);

@@ -382,10 +382,21 @@ static void engine_read_start(att_t *a)
     a->engine_read = probe_start(&o, engine_read_done, a);
 }
 
+static void orphan_timed_out(att_t *a, net_fetch_t *f);
+
+/* How long our own request to r that timed out is read on, holding its slot (0: closed at
+ * once): on a pool whose engine may go on generating it, as a client's (data/proxy.c). */
+static uint64_t own_drain_ms(att_t *a)
+{
+    const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
+    return pc && policy_pool_drains_abandoned(pc) ? policy_abandoned_drain_ms(&cur(a)->limits) : 0;
+}
+
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
     a->canary = NULL;
+    orphan_timed_out(a, res->timed_out);
     px_replica_t *r = a->r;
     const cfg_pool_t *pc = pool_of(a->px, r);
     if (pc == NULL || pc->manifest == NULL || pc->manifest->canary == NULL) {
@@ -502,7 +513,8 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
     const probe_route_t to = {.hostport = a->r->url.hostport,
                               .base = a->r->url.path,
                               .bearer = pc->api_key,
-                              .via = px_self_via_line(NULL)};
+                              .via = px_self_via_line(NULL),
+                              .drain_ms = own_drain_ms(a)};
     a->canary = probe_canary_start(a->r->up, pc, id, &to, canary_done, a);
 }
 
@@ -580,6 +592,7 @@ static void checked(attest_outcome_t *out, void *data)
 {
     att_t *a = data;
     px_replica_t *r = a->r;
+    orphan_timed_out(a, probe_take_completion(a->probe));
     a->probe = NULL;
     put_slot(a); /* the probe completion's, if it sent one */
     switch (out->verdict) {
@@ -701,7 +714,8 @@ static void check_start(att_t *a)
                       .keys = &ctx(a->px)->keys,
                       .require_signature = require_signature(a, pc),
                       .model = pc ? probe_canary_model(pc, NULL) : NULL,
-                      .known_fingerprint = known};
+                      .known_fingerprint = known,
+                      .drain_ms = own_drain_ms(a)};
     a->probe = probe_start(&o, checked, a);
 }
 
@@ -742,23 +756,18 @@ static void orphan_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up
     orphan_end(data);
 }
 
-/* Keep a's slot for its canary or probe completion still generating (see above): true when
- * it was handed over. */
-static bool orphan_adopt(att_t *a)
+/* Can a's slot go to an orphan (see above)? */
+static bool orphan_may(att_t *a)
 {
     const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
-    if (!a->holds_slot || ctx(a->px) == NULL || ctx(a->px)->stopped || pc == NULL ||
-        !policy_pool_drains_abandoned(pc))
-        return false;
-    net_fetch_t *f = NULL;
-    if (a->canary) {
-        f = probe_canary_detach(a->canary);
-        a->canary = NULL;
-    } else {
-        f = probe_take_completion(a->probe);
-    }
-    if (f == NULL)
-        return false;
+    return a->holds_slot && ctx(a->px) != NULL && !ctx(a->px)->stopped && pc != NULL &&
+           policy_pool_drains_abandoned(pc);
+}
+
+/* a's slot goes to an orphan that reads f, a's request, to its end (net_fetch_rebind: also
+ * what keeps a request open from the callback of its first-byte timeout). */
+static void orphan_keep(att_t *a, net_fetch_t *f)
+{
     orphan_t *o = dp_xcalloc(1, sizeof(*o));
     o->f = f;
     o->slots = px_replica_slots_ref(a->r);
@@ -769,7 +778,30 @@ static bool orphan_adopt(att_t *a)
     g_orphans = o;
     net_fetch_rebind(f, orphan_done, o);
     a->holds_slot = false; /* the orphan frees it */
-    return true;
+}
+
+/* Keep a's slot for its canary or probe completion still generating when a is torn down. */
+static void orphan_adopt(att_t *a)
+{
+    if (!orphan_may(a))
+        return;
+    net_fetch_t *f = NULL;
+    if (a->canary) {
+        f = probe_canary_detach(a->canary);
+        a->canary = NULL;
+    } else {
+        f = probe_take_completion(a->probe);
+    }
+    if (f)
+        orphan_keep(a, f);
+}
+
+/* The same for a's request that got no answer within its first-byte timeout (its callback
+ * runs): the engine may be generating it still. */
+static void orphan_timed_out(att_t *a, net_fetch_t *f)
+{
+    if (f && orphan_may(a))
+        orphan_keep(a, f);
 }
 
 static void orphans_stop(px_t *px)

@@ -45,6 +45,7 @@ typedef struct relay_s {
     char *target;
     const char *method;
     bool needs_slot, holds_slot;
+    bool drain;   /* a first-byte timeout leaves the request to be read on (drain_ms) */
     bool holding; /* px_replica_hold_slot: the next slot freed on r is ours */
     uint64_t start_ms, sent_ms;
     /* Its client left while the replica worked on it (px_relay_abort): listed in g_abandoned
@@ -124,17 +125,52 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
     relay_end(rl);
 }
 
+static void abandon(relay_t *rl)
+{
+    rl->abandoned = true;
+    rl->ab_prev = NULL;
+    rl->ab_next = g_abandoned;
+    if (g_abandoned)
+        g_abandoned->ab_prev = rl;
+    g_abandoned = rl;
+}
+
+/* The answer of a relayed request kept past its first-byte timeout has come (or not): the
+ * slot goes back. */
+static void drained(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                    const char *detail, void *data)
+{
+    relay_t *rl = data;
+    (void)f, (void)status, (void)body, (void)err, (void)detail;
+    rl->fetch = NULL;
+    relay_end(rl);
+}
+
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
     relay_t *rl = data;
-    (void)f;
     rl->fetch = NULL;
     if (status == 0) {
         dp_buf_t m = {0};
         dp_buf_printf(&m, "replica %s: %s%s%s", rl->r->name, net_up_err_name(err),
                       detail && *detail ? ": " : "", detail ? detail : "");
-        relay_fail(rl, 502, "replica_error", m.base);
+        if (err == NET_UP_FIRST_BYTE_TIMEOUT && rl->drain) {
+            /* The replica may still be generating it (llama.cpp does): its caller is told now,
+             * the slot stays taken until the answer has come (net_fetch_opts_t drain_ms). */
+            rl->fetch = f;
+            net_fetch_rebind(f, drained, rl);
+            relay_log(rl, 502, m.base);
+            if (rl->req) {
+                net_resp_error(rl->req, 502, NULL, "replica_error", NULL, m.base, NULL, 0);
+                rl->req->data = NULL;
+                rl->req = NULL;
+            }
+            if (!rl->abandoned)
+                abandon(rl);
+        } else {
+            relay_fail(rl, 502, "replica_error", m.base);
+        }
         dp_buf_free(&m);
         return;
     }
@@ -189,6 +225,7 @@ static void try_send(relay_t *rl)
     }
     rl->holds_slot = rl->needs_slot;
     rl->sent_ms = uv_now(px->loop);
+    rl->drain = rl->holds_slot && !px->draining && policy_pool_drains_abandoned(p->cfg);
     net_req_t *req = rl->req;
     net_fetch_opts_t o = {.method = rl->method,
                           .hostport = r->url.hostport,
@@ -197,7 +234,9 @@ static void try_send(relay_t *rl)
                           .body = req->body.base,
                           .body_len = req->body.len,
                           .max_bytes = RELAY_MAX_BYTES,
-                          .via = px_self_via_line(NULL)};
+                          .via = px_self_via_line(NULL),
+                          .drain_ms =
+                              rl->drain ? policy_abandoned_drain_ms(&px->gen->cfg->limits) : 0};
     rl->fetch = net_fetch(r->up, &o, fetched, rl);
 }
 
@@ -294,12 +333,7 @@ void px_relay_abort(net_req_t *req)
     px_pool_t *p = px_gen_pool_by_name(rl->px->gen, rl->r->pool_name);
     if (rl->fetch && rl->holds_slot && !rl->px->draining && p &&
         policy_pool_drains_abandoned(p->cfg)) {
-        rl->abandoned = true;
-        rl->ab_prev = NULL;
-        rl->ab_next = g_abandoned;
-        if (g_abandoned)
-            g_abandoned->ab_prev = rl;
-        g_abandoned = rl;
+        abandon(rl);
         return;
     }
     relay_end(rl);

@@ -504,7 +504,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
 static void up_on_body(net_creq_t *c, const char *p, size_t n);
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail);
-static bool up_on_first_byte_timeout(net_creq_t *c);
+static uint64_t up_on_first_byte_timeout(net_creq_t *c);
 static bool drain_abandoned(px_preq_t *q);
 static void up_on_drain(net_creq_t *c);
 
@@ -1094,14 +1094,15 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
  * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
- * drain holding the slot (net/client.h says for how long). */
-static bool up_on_first_byte_timeout(net_creq_t *c)
+ * drain holding the slot, for policy_abandoned_drain_ms more. */
+static uint64_t up_on_first_byte_timeout(net_creq_t *c)
 {
     px_preq_t *q = c->data;
     if (!drain_abandoned(q))
-        return false;
+        return 0;
+    uint64_t more = policy_abandoned_drain_ms(&q->gen->cfg->limits);
     up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
-    return true;
+    return more;
 }
 
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)

@@ -439,6 +439,27 @@ def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
     px.stop()
 
 
+def test_single_sequence_holds_the_slot_of_a_relayed_request_past_a_first_byte_timeout():
+    """The admin relay's request that times out upstream: its caller gets the error at once,
+    the slot stays taken until the engine's answer has come."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])],
+                     limits={"upstream_first_byte_timeout_ms": 500})
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s, five timeouts.
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions",
+             body=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
+                              "temperature": 0}),
+             headers={"content-type": "application/json", "x-detproxy-relay-pool": "p",
+                      "x-detproxy-relay-replica": "r1"})
+    assert r.status == 502 and "first_byte_timeout" in r.text, r
+    assert sim_stats(sim)["inflight"] == 1, sim_stats(sim)  # still generating
+    assert complete(px, max_tokens=3).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert replicas(px)["r1"]["inflight"] == 0
+    px.stop()
+
+
 def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
     """A reload that changes a pool's manifest makes new replica objects (they must attest
     the new manifest), while the old ones' requests still run on the same engines. The slots
@@ -506,6 +527,53 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_repla
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
     px.stop()
+
+
+def own_checks_time_out(canary):
+    """A single_sequence llama.cpp pool whose engine turns slow once admitted: every check's
+    request to it (the 1-token probe completion, or the canary) outlasts its first-byte timeout
+    while the engine goes on generating it (the sim's --finish-abandoned, as llama.cpp's
+    server). A few such checks run, then the engine is fast again and a client is served: one
+    sequence at a time throughout."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--finish-abandoned")
+    p = single_sequence_pool([sim], framework="llamacpp")
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    limits = None
+    if canary:
+        r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                    "max_tokens": 4, "temperature": 0, "seed": 0})
+        p["manifest"]["canary"] = {"prompt": "x", "max_tokens": 4, "expected_sha256": hashlib.sha256(
+            r.json()["choices"][0]["text"].encode()).hexdigest()}
+        # The canary takes the replica's own upstream: the client timeouts.
+        limits = {"upstream_first_byte_timeout_ms": 300}
+    att = {"interval_ms": 100, "timeout_ms": 300, "require_signature": False}
+    px = start_proxy(pools=[p], attestation=att, limits=limits)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    sim_reset(sim)
+    # Now the probe completion (1 token) takes 700 ms against a 300 ms timeout; or the probe
+    # is in time (200 ms) and the canary (4 tokens) is not (800 ms).
+    sim_config(sim, token_delay_ms=200 if canary else 700)
+    poll_until(lambda: sim_stats(sim)["requests"] >= 3, timeout=15, what="three slow checks")
+    # The engine is fast again: the slots came back, the replica is admitted and serves.
+    sim_config(sim, token_delay_ms=0)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted again")
+    assert complete(px, max_tokens=3).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
+def test_single_sequence_holds_the_slot_of_a_probe_completion_that_timed_out():
+    """The check's 1-token probe completion that gets no answer within attestation.timeout_ms
+    fails the check at once, but the engine may still be generating it: its slot stays taken
+    until the answer has come, so the next check's probe does not run beside it."""
+    own_checks_time_out(canary=False)
+
+
+def test_single_sequence_holds_the_slot_of_a_canary_that_timed_out():
+    """The same for a canary that outlasts the replica's first-byte timeout."""
+    own_checks_time_out(canary=True)
 
 
 def test_single_sequence_llamacpp_forwards_cache_prompt_false():
