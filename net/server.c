@@ -32,6 +32,7 @@
 #include <llhttp.h>
 #include <malloc.h>
 
+#include "common/list.h"
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -580,13 +581,7 @@ static void hold_unlist(net_server_shared_t *b, req_impl_t *q)
     budget_hold_t *h = &q->hold;
     if (!h->listed)
         return;
-    if (h->prev)
-        h->prev->next = h->next;
-    else
-        b->holds = h->next;
-    if (h->next)
-        h->next->prev = h->prev;
-    h->prev = h->next = NULL;
+    DP_LIST_UNLINK(b->holds, h, next, prev);
     h->listed = false;
     if (h->shed) {
         assert(b->shedding >= h->shed_bytes);
@@ -609,11 +604,7 @@ static void budget_begin(net_conn_t *c)
     h->start_ns = q->r.start_ns;
     atomic_store_explicit(&h->received, 0, memory_order_relaxed);
     atomic_store_explicit(&h->last_ns, q->r.start_ns, memory_order_relaxed);
-    h->prev = NULL;
-    h->next = b->holds;
-    if (b->holds)
-        b->holds->prev = h;
-    b->holds = h;
+    DP_LIST_PUSH(b->holds, h, next, prev);
     h->listed = true;
     books_unlock(b);
 }
@@ -1262,12 +1253,7 @@ static void conn_handle_closed(net_conn_t *c)
     assert(c->req == NULL);
     assert(c->prev != NULL || s->conns == c);
     assert(s->nconns > 0);
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        s->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    DP_LIST_UNLINK(s->conns, c, next, prev);
     s->nconns--;
     atomic_fetch_sub(&s->shared->conns, 1);
     dp_buf_free(&c->pending);
@@ -1928,10 +1914,7 @@ static void on_connection(uv_stream_t *ls, int status)
     uv_timer_init(s->loop, &c->timer);
     c->timer.data = c;
     c->closes_pending = 2;
-    c->next = s->conns;
-    if (s->conns)
-        s->conns->prev = c;
-    s->conns = c;
+    DP_LIST_PUSH(s->conns, c, next, prev);
     s->nconns++;
     atomic_fetch_add(&s->shared->conns, 1);
     c->sock.on_read = sock_read;

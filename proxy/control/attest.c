@@ -20,6 +20,7 @@
 #include "attest/dsse.h"
 #include "attest/match.h"
 #include "attest/report.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "probe/probe.h"
@@ -737,12 +738,7 @@ static orphan_t *g_orphans; /* control thread only */
 
 static void orphan_end(orphan_t *o)
 {
-    if (o->prev)
-        o->prev->next = o->next;
-    else
-        g_orphans = o->next;
-    if (o->next)
-        o->next->prev = o->prev;
+    DP_LIST_UNLINK(g_orphans, o, next, prev);
     px_replica_slots_put_unref(o->slots);
     if (atomic_load(&o->px->queued) > 0)
         px_workers_wake(o->px);
@@ -772,10 +768,7 @@ static void orphan_keep(att_t *a, net_fetch_t *f)
     o->f = f;
     o->slots = px_replica_slots_ref(a->r);
     o->px = a->px;
-    o->next = g_orphans;
-    if (g_orphans)
-        g_orphans->prev = o;
-    g_orphans = o;
+    DP_LIST_PUSH(g_orphans, o, next, prev);
     net_fetch_rebind(f, orphan_done, o);
     a->holds_slot = false; /* the orphan frees it */
 }

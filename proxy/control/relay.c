@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
@@ -70,13 +71,7 @@ static void relay_end(relay_t *rl)
 {
     if (rl->abandoned) {
         rl->abandoned = false;
-        if (rl->ab_prev)
-            rl->ab_prev->ab_next = rl->ab_next;
-        else
-            g_abandoned = rl->ab_next;
-        if (rl->ab_next)
-            rl->ab_next->ab_prev = rl->ab_prev;
-        rl->ab_next = rl->ab_prev = NULL;
+        DP_LIST_UNLINK(g_abandoned, rl, ab_next, ab_prev);
     }
     if (rl->holding) {
         rl->holding = false;
@@ -128,11 +123,7 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
 static void abandon(relay_t *rl)
 {
     rl->abandoned = true;
-    rl->ab_prev = NULL;
-    rl->ab_next = g_abandoned;
-    if (g_abandoned)
-        g_abandoned->ab_prev = rl;
-    g_abandoned = rl;
+    DP_LIST_PUSH(g_abandoned, rl, ab_next, ab_prev);
 }
 
 /* The answer of a relayed request kept past its first-byte timeout has come (or not): the

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/resolve.h"
@@ -94,26 +95,39 @@ px_replica_t *px_replica_find_live(const char *key)
     return NULL;
 }
 
+/* Every engine's slots while anything shares them (control thread only). */
+static px_slots_t *g_slots;
+
 /* A sharer of sl lets go: the last one frees it. */
 static void slots_unref(px_slots_t *sl)
 {
-    if (atomic_fetch_sub(&sl->refs, 1) == 1)
-        free(sl);
+    PX_ASSERT_CONTROL();
+    if (atomic_fetch_sub(&sl->refs, 1) != 1)
+        return;
+    DP_LIST_UNLINK(g_slots, sl, next, prev);
+    free(sl->key);
+    free(sl);
 }
 
-/* The slots of the engine at url in pool `pool`: those of a replica object of it still alive,
- * or new ones. */
+/* The slots of the engine at url in pool `pool`: those still shared by a replica object of it,
+ * or by a request one of them sent that is still read (an orphaned check), else new ones. */
 static px_slots_t *shared_slots(const char *pool, const cfg_url_t *url)
 {
-    for (px_replica_t *o = g_live; o; o = o->live_next) {
-        if (o->url.tls == url->tls && o->url.port == url->port &&
-            strcmp(o->url.host ? o->url.host : "", url->host ? url->host : "") == 0 &&
-            strcmp(o->url.path ? o->url.path : "", url->path ? url->path : "") == 0 &&
-            strcmp(o->pool_name, pool) == 0)
-            return px_replica_slots_ref(o);
+    dp_buf_t key = {0};
+    dp_buf_printf(&key, "%s%c%d%c%s%c%u%c%s", pool, 0, url->tls, 0, url->host ? url->host : "", 0,
+                  (unsigned)url->port, 0, url->path ? url->path : "");
+    for (px_slots_t *sl = g_slots; sl; sl = sl->next) {
+        if (sl->keylen == key.len && memcmp(sl->key, key.base, key.len) == 0) {
+            dp_buf_free(&key);
+            atomic_fetch_add(&sl->refs, 1);
+            return sl;
+        }
     }
     px_slots_t *sl = dp_xcalloc(1, sizeof(*sl));
     atomic_init(&sl->refs, 1);
+    sl->key = key.base; /* the buffer's own: freed with sl */
+    sl->keylen = key.len;
+    DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }
 
@@ -127,10 +141,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
     r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
     r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
     r->slots = shared_slots(p->name, &d->url);
-    r->live_next = g_live;
-    if (g_live)
-        g_live->live_prev = r;
-    g_live = r;
+    DP_LIST_PUSH(g_live, r, live_next, live_prev);
     r->px = px;
     r->key = key;
     r->pool_name = dp_xstrdup(p->name);
@@ -274,12 +285,7 @@ void px_replica_unref(px_replica_t *r)
 static void replica_free(px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
-    if (r->live_prev)
-        r->live_prev->live_next = r->live_next;
-    else
-        g_live = r->live_next;
-    if (r->live_next)
-        r->live_next->live_prev = r->live_prev;
+    DP_LIST_UNLINK(g_live, r, live_next, live_prev);
     /* A discovered replica that left for good takes its series along: otherwise
      * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
     if (r->discovered && !name_alive(r))

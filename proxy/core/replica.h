@@ -40,7 +40,12 @@ typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary
 
 /* The slots of one engine. */
 typedef struct px_slots_s {
-    atomic_int refs; /* the replica objects sharing them */
+    /* The replica objects sharing them, and the requests (own checks' drains) that outlive
+     * every one of those: a replica object made while any holds them shares them. */
+    atomic_int refs;
+    char *key; /* pool and URL (control thread only, as the registry they are listed in) */
+    size_t keylen;
+    struct px_slots_s *next, *prev;
     /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so
      * max_inflight_per_replica holds across workers (px_replica_take_slot). */
     atomic_uint inflight;

@@ -19,6 +19,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/list.h"
 #include "common/jw.h"
 #include "common/log.h"
 #include "common/util.h"
@@ -1281,12 +1282,7 @@ static _Thread_local drain_t *t_drains;
 
 static void drain_end(drain_t *d)
 {
-    if (d->prev)
-        d->prev->next = d->next;
-    else
-        t_drains = d->next;
-    if (d->next)
-        d->next->prev = d->prev;
+    DP_LIST_UNLINK(t_drains, d, next, prev);
     px_replica_put_slot(d->r);
     px_replica_unref(d->r);
     px_admission_slot_freed(d->pool);
@@ -1317,10 +1313,7 @@ static bool drain_abandoned(px_preq_t *q)
     d->pool = q->pool;
     d->gen = q->gen;
     px_gen_ref(d->gen);
-    d->next = t_drains;
-    if (t_drains)
-        t_drains->prev = d;
-    t_drains = d;
+    DP_LIST_PUSH(t_drains, d, next, prev);
     net_creq_rebind(d->up, &drain_cb, d);
     q->up = NULL;
     q->slot_drained = true; /* the drain frees the slot */

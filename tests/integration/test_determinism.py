@@ -491,13 +491,11 @@ def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
     px.stop()
 
 
-def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_replaced():
-    """A reload that changes the manifest's identity replaces the replica object while its
-    canary may be generating. The engine (llama.cpp, the sim's --finish-abandoned) finishes that
-    non-streamed answer whatever happens to the connection: the slot stays taken until it has
-    come, so the new object's probe and canary do not run beside it."""
+def canary_running(token_delay_ms):
+    """A single_sequence llama.cpp pool with a long canary (42 tokens), once its canary runs:
+    the only traffic, no client sends anything. Returns (sim, proxy)."""
     sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
-                    "b11669-Debian", "--token-delay-ms", "20", "--finish-abandoned")
+                    "b11669-Debian", "--token-delay-ms", token_delay_ms, "--finish-abandoned")
     r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60,
                                                 "temperature": 0, "seed": 0})
     can = {"prompt": "x", "max_tokens": 60,
@@ -508,15 +506,52 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_repla
     p["replicas"][0]["attest"] = {"source": "llamacpp"}
     px = start_proxy(pools=[p], attestation=fast_attestation(100), timeout=20)
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
-    # A canary of the old object generating (the only traffic: no client sends anything).
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="a canary running")
-    done = sim_stats(sim)["completed"]
+    return sim, px
+
+
+def reload_with(px, change):
     with open(px.config_path) as f:
         live = json.load(f)
-    live["pools"][0]["manifest"]["framework"]["version"] = "b11669-Debian"  # a new identity
+    change(live)
     with open(px.config_path, "w") as f:
         json.dump(live, f)
-    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r.body
+
+
+def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_back():
+    """A reload that points the replica elsewhere orphans its running canary; a second one
+    that brings the engine back makes a new replica object while that canary still generates.
+    The engine's slots outlive every replica object that shared them while a request of theirs
+    is read: the new object's checks wait for the orphaned canary."""
+    sim, px = canary_running("40")
+    other = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                      "b11669-Debian")
+    url = "http://127.0.0.1:%d" % sim.port
+    done = sim_stats(sim)["completed"]
+    reload_with(px, lambda c: c["pools"][0]["replicas"][0].update(
+        url="http://127.0.0.1:%d" % other.port))
+    reload_with(px, lambda c: c["pools"][0]["replicas"][0].update(url=url))
+    assert sim_stats(sim)["completed"] == done, "the canary ended before the reloads"
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 back and admitted")
+    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=10,
+               what="the orphaned canary and a new check done")
+    assert complete(px, max_tokens=3).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
+    px.stop()
+
+
+def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_a_reload_replaced():
+    """A reload that changes the manifest's identity replaces the replica object while its
+    canary may be generating. The engine (llama.cpp, the sim's --finish-abandoned) finishes that
+    non-streamed answer whatever happens to the connection: the slot stays taken until it has
+    come, so the new object's probe and canary do not run beside it."""
+    sim, px = canary_running("20")
+    done = sim_stats(sim)["completed"]
+    reload_with(px, lambda c: c["pools"][0]["manifest"]["framework"].update(
+        version="b11669-Debian"))  # a new identity
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 re-admitted")
     # The old canary's answer and one of the new object's checks have come.
     poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=10,
