@@ -321,41 +321,10 @@ __attribute__((target("avx2"))) static inline __m256i u8_incomplete(__m256i in)
     return _mm256_subs_epu8(in, max);
 }
 
-/* How far ahead the validator asks for bytes. A prefetch never faults, even past the end; its
- * address is formed as an integer, so no pointer past the object is made either. */
+/* How far ahead the string scanner asks for bytes. A prefetch never faults, even past the end;
+ * its address is formed as an integer, so no pointer past the object is made either. */
 #define U8_PREFETCH 4096
 
-__attribute__((target("avx2"))) static bool utf8_valid_avx2(const unsigned char *p, size_t n)
-{
-    __m256i prev = _mm256_setzero_si256(), err = prev, incomplete = prev;
-    size_t i = 0;
-    for (;; i += 32) {
-        __m256i in;
-        bool last = i + 32 > n;
-        if (!last) {
-            /* This is the first pass over a body that arrived a read at a time, among many
-             * clients' bodies, so its bytes have mostly left the cache: asked for a page ahead,
-             * they come while this pass and the scan after it work (a 254 KiB prompt not in
-             * cache: 47 us for the whole parse without, 32 us with; no change when cached). */
-            __builtin_prefetch((const void *)((uintptr_t)p + i + U8_PREFETCH));
-            in = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
-        } else { /* the tail, padded with ASCII NULs: a sequence cut by the end is too short */
-            unsigned char tail[32] = {0};
-            memcpy(tail, p + i, n - i);
-            in = _mm256_loadu_si256((const __m256i *)(const void *)tail);
-        }
-        if (_mm256_movemask_epi8(in) == 0) {
-            err = _mm256_or_si256(err, incomplete);
-            incomplete = _mm256_setzero_si256();
-        } else {
-            err = _mm256_or_si256(err, u8_block(in, prev));
-            incomplete = u8_incomplete(in);
-        }
-        prev = in;
-        if (last)
-            return _mm256_testz_si256(err, err) != 0;
-    }
-}
 #undef U8_T256
 #undef U8_PREV
 
@@ -593,31 +562,116 @@ static const uint8_t esc_kept[128] __attribute__((aligned(64))) = {
     /* 0x78 */ 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 };
 
-/* The masks of one 64-byte block at p: its quotes, backslashes and controls. */
+/* The masks of one 64-byte block at p: its quotes, backslashes, controls and non-ASCII bytes. */
 typedef struct {
-    uint64_t q, bs, ctl;
+    uint64_t q, bs, ctl, hi;
 } blk_masks_t;
 
-/* For a document utf8_valid_avx2 accepted. Each 64-byte block gives masks of its quotes,
- * backslashes and controls, and, when it holds a backslash, of the bytes that may follow one as
- * they are and of its slashes; from them, with no branch per escape, the escaped bytes, the
- * closing quote and whether anything needs a closer look: a control, "\\u", an invalid escape
- * or a budget about to run out. Such a block, and the tail shorter than 64 bytes, go through
- * scan_special a byte at a time as at every other level, so errors and their positions are the
- * same. One loop for both vector widths: `masks`, `kept` and `slashes` read the block at p. */
-static inline __attribute__((always_inline)) int
+/* UTF-8 validation as the block scanner goes: the error bits so far, and those of a sequence
+ * the last 32 bytes validated leave unfinished (an error if ASCII comes next). */
+typedef struct {
+    __m256i err, pend;
+} u8_acc_t;
+
+/* The 32 bytes before p[i] (NULs before the document's start). */
+__attribute__((target("avx2"))) static inline __m256i u8_before(const unsigned char *p, size_t i)
+{
+    if (i >= 32)
+        return _mm256_loadu_si256((const __m256i *)(const void *)(p + i - 32));
+    unsigned char t[32] = {0};
+    memcpy(t + 32 - i, p, i);
+    return _mm256_loadu_si256((const __m256i *)(const void *)t);
+}
+
+/* 32 bytes `in` after `prev`, as utf8_valid_avx2 takes them. */
+__attribute__((target("avx2"))) static inline void u8_feed(u8_acc_t *a, __m256i in, __m256i prev)
+{
+    if (_mm256_movemask_epi8(in) == 0) {
+        a->err = _mm256_or_si256(a->err, a->pend);
+        a->pend = _mm256_setzero_si256();
+    } else {
+        a->err = _mm256_or_si256(a->err, u8_block(in, prev));
+        a->pend = u8_incomplete(in);
+    }
+}
+
+/* p[i, end), 32 bytes a step after the bytes before i; the last step padded with NULs, so a
+ * sequence cut at end is an error (end follows an ASCII byte, or the string is refused). */
+__attribute__((target("avx2"))) static inline void u8_span(u8_acc_t *a, const unsigned char *p,
+                                                           size_t i, size_t end)
+{
+    __m256i prev = u8_before(p, i);
+    for (; i < end; i += 32) {
+        __m256i in;
+        if (end - i >= 32) {
+            in = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+        } else {
+            unsigned char t[32] = {0};
+            memcpy(t, p + i, end - i);
+            in = _mm256_loadu_si256((const __m256i *)(const void *)t);
+        }
+        u8_feed(a, in, prev);
+        prev = in;
+    }
+}
+
+/* The 64-byte block at p[i], whose non-ASCII bytes are `hi` (the scanner's mask). */
+__attribute__((target("avx2"))) static inline void u8_block64(u8_acc_t *a, const unsigned char *p,
+                                                              size_t i, uint64_t hi)
+{
+    if (hi == 0) { /* most blocks of most prompts */
+        a->err = _mm256_or_si256(a->err, a->pend);
+        a->pend = _mm256_setzero_si256();
+        return;
+    }
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+    __m256i up = _mm256_loadu_si256((const __m256i *)(const void *)(p + i + 32));
+    u8_feed(a, lo, u8_before(p, i));
+    u8_feed(a, up, lo);
+}
+
+/* The string's bytes in the block at p[i] through its closing quote at i + e. */
+__attribute__((target("avx2"))) static inline void u8_last(u8_acc_t *a, const unsigned char *p,
+                                                           size_t i, unsigned e, uint64_t hi)
+{
+    uint64_t upto = e == 63 ? ~0ull : (2ull << e) - 1;
+    if ((hi & upto) == 0 && _mm256_testz_si256(a->pend, a->pend))
+        return; /* ASCII after a finished sequence: nothing to check */
+    u8_span(a, p, i, i + e + 1);
+}
+
+/* Each 64-byte block gives masks of its quotes, backslashes, controls and non-ASCII bytes,
+ * and, when it holds a backslash, of the bytes that may follow one as they are and of its
+ * slashes; from them, with no branch per escape, the escaped bytes, the closing quote and
+ * whether anything needs a closer look: a control, "\\u", an invalid escape or a budget about to
+ * run out. Such a block, and the tail shorter than 64 bytes, go through scan_special a byte at
+ * a time as at every other level. UTF-8 is validated as the string goes, 32 bytes a step
+ * (utf8_valid_avx2's method) only where a block holds non-ASCII bytes, while they are in the
+ * cache: one pass over a prompt instead of two. A string that fails anything is scanned again
+ * by the checking scanner (scan_string_avx2), from its quote, so errors and their positions
+ * are the same as at every other level. One loop for both vector widths: `masks`, `kept` and
+ * `slashes` read the block at p. */
+__attribute__((target("avx2,bmi,popcnt"))) static inline __attribute__((always_inline)) int
 scan_string_blocks(jdoc_t *d, size_t *pos, uint8_t *flags,
                    void (*const masks)(const unsigned char *p, blk_masks_t *m),
                    uint64_t (*const kept_of)(const unsigned char *p),
                    uint64_t (*const slashes)(const unsigned char *p))
 {
     const unsigned char *p = (const unsigned char *)d->src;
-    size_t n = d->srclen, i = *pos + 1;
+    const size_t n = d->srclen, quote = *pos;
+    const uint32_t nslow = d->nslow;
+    const uint8_t flags0 = *flags;
+    u8_acc_t u8 = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    size_t i = quote + 1;
     for (;;) {
         size_t through = SIZE_MAX; /* where the byte loop may hand back; the end by default */
         while (i + 64 <= n) {
             blk_masks_t m;
             masks(p + i, &m);
+            /* A page ahead: this is the first pass over a body that arrived a read at a time,
+             * among many clients' bodies, so its bytes have mostly left the cache (a 254 KiB
+             * prompt not in cache: 47 us for the whole parse without, 32 us with). */
+            __builtin_prefetch((const void *)((uintptr_t)p + i + U8_PREFETCH));
             uint64_t q = m.q, bs = m.bs, ctl = m.ctl;
             if (bs == 0) { /* most blocks: no escape, and a key or value ends at its first quote */
                 uint64_t in = q ? (q & -q) - 1 : ~0ull;
@@ -626,9 +680,12 @@ scan_string_blocks(jdoc_t *d, size_t *pos, uint8_t *flags,
                     break;
                 }
                 if (q) {
-                    *pos = i + (size_t)__builtin_ctzll(q) + 1;
-                    return 0;
+                    unsigned e = (unsigned)__builtin_ctzll(q);
+                    u8_last(&u8, p, i, e, m.hi);
+                    *pos = i + e + 1;
+                    goto done;
                 }
+                u8_block64(&u8, p, i, m.hi);
                 i += 64;
                 continue;
             }
@@ -674,15 +731,33 @@ scan_string_blocks(jdoc_t *d, size_t *pos, uint8_t *flags,
                     *flags |= JF_REESC;
             }
             if (end) {
-                *pos = i + (size_t)__builtin_ctzll(end) + 1;
-                return 0;
+                unsigned e = (unsigned)__builtin_ctzll(end);
+                u8_last(&u8, p, i, e, m.hi);
+                *pos = i + e + 1;
+                goto done;
             }
+            if (step == 64)
+                u8_block64(&u8, p, i, m.hi);
+            else if ((m.hi & avail) || !_mm256_testz_si256(u8.pend, u8.pend))
+                u8_span(&u8, p, i, i + step); /* the run of backslashes after it: ASCII */
             i += step;
         }
+        size_t from = i;
         int r = scan_through(d, pos, &i, through, flags, plain_run_avx2_utf8ok, str_special_utf8ok);
-        if (r != 0)
-            return r < 0 ? -1 : 0;
+        if (r < 0)
+            goto again;
+        u8_span(&u8, p, from, r ? *pos : i); /* both follow an ASCII byte */
+        if (r)
+            goto done;
     }
+done:
+    if (_mm256_testz_si256(u8.err, u8.err))
+        return 0;
+again:
+    d->nslow = nslow;
+    *flags = flags0;
+    *pos = quote;
+    return scan_string_avx2(d, pos, flags);
 }
 
 /* 64 bytes as two halves of 32. */
@@ -698,6 +773,7 @@ __attribute__((target("avx2"))) static inline void blk_masks_avx2(const unsigned
     m->bs = BLK_MASK(_mm256_cmpeq_epi8(lo, bslash)) | BLK_MASK(_mm256_cmpeq_epi8(hi, bslash)) << 32;
     m->ctl = BLK_MASK(_mm256_cmpeq_epi8(_mm256_min_epu8(lo, c), lo)) | /* x <= 0x1f */
              BLK_MASK(_mm256_cmpeq_epi8(_mm256_min_epu8(hi, c), hi)) << 32;
+    m->hi = BLK_MASK(lo) | BLK_MASK(hi) << 32;
 }
 
 /* The bytes esc_kept keeps ('"' b f n r t /), each half by seven compares. */
@@ -736,6 +812,7 @@ X512_ATTR static inline void blk_masks_avx512(const unsigned char *p, blk_masks_
     m->q = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('"'));
     m->bs = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8('\\'));
     m->ctl = _mm512_cmplt_epu8_mask(x, _mm512_set1_epi8(0x20));
+    m->hi = _mm512_movepi8_mask(x);
 }
 
 /* One byte lookup for all 64 (VBMI): a byte is kept where esc_kept maps it to itself. */
@@ -752,34 +829,19 @@ X512_ATTR static inline uint64_t slashes_avx512(const unsigned char *p)
     return _mm512_cmpeq_epi8_mask(_mm512_loadu_si512((const void *)p), _mm512_set1_epi8('/'));
 }
 
-X512_ATTR static int scan_string_avx512_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+X512_ATTR static int scan_string_avx512_blocks(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
     return scan_string_blocks(d, pos, flags, blk_masks_avx512, kept_avx512, slashes_avx512);
 }
 #undef X512_ATTR
 
-/* The same 64 bytes a step with AVX2 (two 32-byte halves). A document utf8_valid_avx2
- * accepted holds no ill-formed sequence, and a multi-byte sequence never holds an ASCII byte, so
- * no string of it can hold ill-formed UTF-8: the per-sequence check is skipped. */
+/* The same 64 bytes a step with AVX2 (two 32-byte halves). */
 __attribute__((target("avx2,bmi,popcnt"))) static int
-scan_string_avx2_utf8ok(jdoc_t *d, size_t *pos, uint8_t *flags)
+scan_string_avx2_blocks(jdoc_t *d, size_t *pos, uint8_t *flags)
 {
     return scan_string_blocks(d, pos, flags, blk_masks_avx2, kept_avx2, slashes_avx2);
 }
 #endif
-
-/* Well-formed UTF-8 by RFC 3629's table, a byte at a time after an ASCII fast path. */
-static bool utf8_valid_scalar(const unsigned char *p, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        size_t len = p[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
-        if (len == 0)
-            return false;
-        i += len;
-    }
-    return true;
-}
 
 /* The level in use: the best the CPU has unless jdoc_simd_select chose one. */
 static int simd_level(void)
@@ -788,32 +850,19 @@ static int simd_level(void)
     return v ? v - 1 : jdoc_simd_select(JDOC_SIMD_BEST);
 }
 
-bool jdoc_utf8_valid(const char *p, size_t n)
-{
-#ifdef JDOC_HAVE_X86
-    int level = simd_level();
-    if (level >= JDOC_SIMD_AVX2)
-        return utf8_valid_avx2((const unsigned char *)p, n);
-#endif
-    return utf8_valid_scalar((const unsigned char *)p, n);
-}
-
-/* With AVX2 or AVX-512 the whole document is first validated as UTF-8 (a fraction of a cycle per
- * byte), so that strings are scanned only for controls, quotes and escapes. A document that fails
- * is scanned by the checking path, which names the first error exactly as every level does.
- * Both levels validate 32 bytes a step: a 64-byte validator (three VBMI byte permutes for the
- * bytes before each block) measured 1.5-2x the AVX2 one's time on an Intel Xeon, where those
- * permutes are several micro-ops each, and gained only 12% on an AMD EPYC (bench/PROFILE.md). */
-static scan_string_fn scan_string_pick(const char *src, size_t n)
+/* With AVX2 or AVX-512, strings 64 bytes a step, UTF-8 validated as they go
+ * (scan_string_blocks). Both levels validate 32 bytes a step: a 64-byte validator (three VBMI
+ * byte permutes for the bytes before each block) measured 1.5-2x the AVX2 one's time on an
+ * Intel Xeon, where those permutes are several micro-ops each, and gained only 12% on an AMD
+ * EPYC (bench/PROFILE.md). */
+static scan_string_fn scan_string_pick(void)
 {
     switch (simd_level()) {
 #ifdef JDOC_HAVE_X86
     case JDOC_SIMD_AVX512:
-        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx512_utf8ok
-                                                              : scan_string_avx2;
+        return scan_string_avx512_blocks;
     case JDOC_SIMD_AVX2:
-        return utf8_valid_avx2((const unsigned char *)src, n) ? scan_string_avx2_utf8ok
-                                                              : scan_string_avx2;
+        return scan_string_avx2_blocks;
     case JDOC_SIMD_SSE2:
         return scan_string_sse2;
 #endif
@@ -1018,7 +1067,7 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
     d->srclen = n;
     if (n >= UINT32_MAX)
         return fail(d, "document too large", 0);
-    const scan_string_fn scan_string = scan_string_pick(src, n);
+    const scan_string_fn scan_string = scan_string_pick();
     uint32_t stack[JDOC_MAX_DEPTH + 1];
     int depth = 0;
     size_t i = skip_ws(src, n, 0);

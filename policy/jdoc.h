@@ -124,7 +124,7 @@ enum {
     JDOC_SIMD_SCALAR = 0,
     JDOC_SIMD_SSE2,
     JDOC_SIMD_AVX2,   /* with BMI and POPCNT: strings 64 bytes a step (two halves), escapes as
-                         bit masks, after the whole document is validated as UTF-8 */
+                         bit masks, UTF-8 validated as they are scanned */
     JDOC_SIMD_AVX512, /* AVX-512 BW and VBMI: the same with one 64-byte vector */
     JDOC_SIMD_BEST = JDOC_SIMD_AVX512
 };
@@ -134,9 +134,6 @@ int jdoc_simd_select(int max);
 
 /* Did the last jdoc_parse stop at jdoc_t.budget (not a verdict on the document)? */
 bool jdoc_over_budget(const jdoc_t *d);
-
-/* Is p[0..n) well-formed UTF-8 (RFC 3629)? 32 bytes at a time with AVX2, else a byte loop. */
-bool jdoc_utf8_valid(const char *p, size_t n);
 
 /* Compare two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts keys. */
 int jdoc_utf16_cmp(const char *a, size_t an, const char *b, size_t bn);
