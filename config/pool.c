@@ -657,6 +657,38 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
         cfg_err(c, NULL, "needs replicas or discovery");
 }
 
+/* An engine of a single_sequence pool that a pool of another mode sends to as well: that pool's
+ * requests would run beside the one sequence (docs/configuration.md, "Deterministic pools").
+ * Two single_sequence pools may share an engine: they share its one slot. */
+static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        const cfg_pool_t *p = &cfg->pools[i];
+        bool one = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE;
+        size_t m = cfg_path_index(c, i), r = cfg_path_key(c, "replicas");
+        for (size_t k = 0; k < p->nreplicas; k++) {
+            size_t rk = cfg_path_index(c, k);
+            for (size_t j = 0; j < i; j++) {
+                const cfg_pool_t *o = &cfg->pools[j];
+                if (one == (cfg_pool_determinism(o) == CFG_DETERMINISM_SINGLE_SEQUENCE))
+                    continue;
+                for (size_t l = 0; l < o->nreplicas; l++)
+                    if (same_url(&p->replicas[k].url, &o->replicas[l].url))
+                        cfg_err(c, "url",
+                                "same URL as pools[%zu].replicas[%zu]: pool \"%s\" is "
+                                "single_sequence (one request at a time per engine) and pool "
+                                "\"%s\" is not, so its requests would run beside that one",
+                                j, l, one ? p->name : o->name, one ? o->name : p->name);
+            }
+            cfg_path_pop(c, rk);
+        }
+        cfg_path_pop(c, r);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
 void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
 {
     const cJSON *arr = cfg_get_arr(c, doc, "pools", true);
@@ -682,6 +714,7 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     }
     cfg_path_pop(c, mark);
     check_candidates(c, cfg);
+    check_shared_engines(c, cfg);
 }
 
 void cfg_pool_free(cfg_pool_t *p)

@@ -109,11 +109,14 @@ static void slots_unref(px_slots_t *sl)
     free(sl);
 }
 
-/* The slots of the engine at url in pool `pool`: those still shared by a replica object of it,
- * or by a request one of them sent that is still read (an orphaned check), else new ones. */
-static px_slots_t *shared_slots(const char *pool, const cfg_url_t *url)
+/* The slots of the engine at url in pool p: those still shared by a replica object of it, or
+ * by a request one of them sent that is still read (an orphaned check), else new ones. The
+ * single_sequence pools that name one engine share its count (its one slot); any other pool
+ * counts its own requests (max_inflight_per_replica is the pool's). */
+static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
 {
     dp_buf_t key = {0};
+    const char *pool = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE ? "" : p->name;
     dp_buf_printf(&key, "%s%c%d%c%s%c%u%c%s", pool, 0, url->tls, 0, url->host ? url->host : "", 0,
                   (unsigned)url->port, 0, url->path ? url->path : "");
     for (px_slots_t *sl = g_slots; sl; sl = sl->next) {
@@ -140,7 +143,7 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
     uv_mutex_init(&r->ev_lock);
     r->wup = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wup));
     r->wtls = dp_xcalloc(px->nslots ? px->nslots : 1, sizeof(*r->wtls));
-    r->slots = shared_slots(p->name, &d->url);
+    r->slots = shared_slots(p, &d->url);
     DP_LIST_PUSH(g_live, r, live_next, live_prev);
     r->px = px;
     r->key = key;

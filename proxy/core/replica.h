@@ -43,7 +43,7 @@ typedef struct px_slots_s {
     /* The replica objects sharing them, and the requests (own checks' drains) that outlive
      * every one of those: a replica object made while any holds them shares them. */
     atomic_int refs;
-    char *key; /* pool and URL (control thread only, as the registry they are listed in) */
+    char *key; /* URL, and pool unless single_sequence (control thread only, as their list) */
     size_t keylen;
     struct px_slots_s *next, *prev;
     /* Requests holding a slot, whichever worker sent them: taken with compare-and-swap so

@@ -611,6 +611,35 @@ def test_single_sequence_holds_the_slot_of_a_canary_that_timed_out():
     own_checks_time_out(canary=True)
 
 
+def test_single_sequence_pools_sharing_an_engine_share_its_slot():
+    """Two single_sequence pools may name the same engine: they share its one slot, so a
+    request through one never runs beside a request through the other."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
+    pools = [single_sequence_pool([sim]), single_sequence_pool([sim])]
+    pools[1]["name"] = "q"
+    pools[1]["replicas"][0]["name"] = "q1"
+    policy = {"tenants": [
+        {"name": "other", "match": {"header": {"name": "x-tenant", "value": "other"}},
+         "pool": "q"},
+        {"name": "default", "match": {"any": True}, "pool": "p"}]}
+    px = start_proxy(pools=pools, policy=policy)
+    out = []
+
+    def send(headers):
+        out.append(complete(px, headers=headers, max_tokens=5))
+    ts = [threading.Thread(target=send, args=(h,))
+          for h in ({"x-tenant": "other"}, None) * 4]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sorted(r.headers["x-detproxy-replica"] for r in out) == ["q1"] * 4 + ["r1"] * 4, out
+    assert all(r.status == 200 for r in out), out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["requests"] >= 8, st
+    px.stop()
+
+
 def test_single_sequence_llamacpp_forwards_cache_prompt_false():
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp")
     # A long re-attestation interval: the 1-token probe must not become the last request.
@@ -716,6 +745,14 @@ def test_config_errors_name_their_json_path():
     rc, out, err = check(plain, {"tenants": [{"name": "t", "match": {"any": True},
                                               "require_determinism": "always"}]})
     assert rc == 1 and "policy.tenants[0].require_determinism: must be one of" in err, err
+    # An engine of a single_sequence pool that a pool of another mode sends to as well.
+    shared = [pool("fast", [MODEL], [sim]), single_sequence_pool([sim])]
+    rc, out, err = check(shared)
+    assert rc == 1 and ("pools[1].replicas[0].url: same URL as pools[0].replicas[0]: pool \"p\" "
+                        "is single_sequence (one request at a time per engine) and pool \"fast\" "
+                        "is not") in err, err
+    rc, out, err = check(shared[::-1])
+    assert rc == 1 and "pools[1].replicas[0].url: same URL as pools[0].replicas[0]" in err, err
 
 
 if __name__ == "__main__":
