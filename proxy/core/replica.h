@@ -185,7 +185,8 @@ bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r);
 void px_replica_put_slot(px_replica_t *r);
 /* A reference to r's engine slots, which outlives r: for a slot that must stay taken after r
  * is freed (an answer of its engine still to come). px_replica_slots_put_unref frees that slot (as
- * px_replica_put_slot) and drops the reference. */
+ * px_replica_put_slot) and drops the reference. While it is held, a replica object created for
+ * the same engine shares these slots, even after r is gone. Control thread. */
 px_slots_t *px_replica_slots_ref(px_replica_t *r);
 void px_replica_slots_put_unref(px_slots_t *sl);
 /* Control thread: the evidence in force becomes ev (taken, left empty; NULL or empty: none). */

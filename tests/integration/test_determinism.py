@@ -640,6 +640,45 @@ def test_single_sequence_pools_sharing_an_engine_share_its_slot():
     px.stop()
 
 
+def test_single_sequence_keeps_the_slot_of_a_timed_out_canary_across_a_removal_and_return():
+    """A canary past its first-byte timeout holds the engine's slot while its answer is read on;
+    a reload that removes the replica and another that brings it back (its object freed, a new
+    one made) meanwhile must find that slot still taken: the new object's checks wait for it."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--finish-abandoned")
+    r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40,
+                                                "temperature": 0, "seed": 0})
+    p = single_sequence_pool([sim], framework="llamacpp")
+    p["manifest"]["canary"] = {"prompt": "x", "max_tokens": 40, "expected_sha256": hashlib.sha256(
+        r.json()["choices"][0]["text"].encode()).hexdigest()}
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    att = {"interval_ms": 100, "timeout_ms": 300, "require_signature": False}
+    px = start_proxy(pools=[p], attestation=att, limits={"upstream_first_byte_timeout_ms": 300})
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    sim_config(sim, token_delay_ms=50)  # the canary (40 tokens) now takes 2 s
+    sim_reset(sim)
+    start = len(px.logs)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1 and last_body(sim)["max_tokens"] == 40,
+               timeout=10, what="a canary generating")
+    # Past its first-byte timeout: the check has failed, the answer is read on holding the slot.
+    px.wait_log(lambda l: l.get("msg") == "canary_failed" and "first_byte_timeout" in
+                l.get("detail", ""), start=start)
+    with open(px.config_path) as f:
+        live = json.load(f)
+    kept = live["pools"][0]["replicas"]
+    live["pools"][0]["replicas"] = [{"name": "r9", "url": "http://127.0.0.1:9"}]
+    for replicas_now in (live["pools"][0]["replicas"], kept):
+        live["pools"][0]["replicas"] = replicas_now
+        with open(px.config_path, "w") as f:
+            json.dump(live, f)
+        assert http("POST", px.admin_port, "/admin/reload").status == 200
+    # The new r1's probe and canary come after the old canary's answer.
+    poll_until(lambda: sim_stats(sim)["completed"] >= 2, timeout=10, what="a check after it")
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
 def test_single_sequence_llamacpp_forwards_cache_prompt_false():
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp")
     # A long re-attestation interval: the 1-token probe must not become the last request.
