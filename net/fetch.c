@@ -136,12 +136,15 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     return f;
 }
 
-void net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data)
+bool net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data)
 {
     f->cb = cb;
     f->data = data;
-    if (f->in_timeout_cb && !f->cancelled)
+    if (!f->in_timeout_cb)
+        return false;
+    if (!f->cancelled)
         f->kept = true;
+    return f->kept;
 }
 
 void net_fetch_cancel(net_fetch_t *f)

@@ -42,7 +42,9 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
 void net_fetch_cancel(net_fetch_t *f);
 /* From now on the answer goes to cb(data) instead (from the loop, exactly once, unless
  * net_fetch_cancel is called first). Called from the callback that reports a first-byte
- * timeout of a fetch with drain_ms, it also keeps that exchange open (see drain_ms). */
-void net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data);
+ * timeout of a fetch with drain_ms, it also keeps that exchange open (see drain_ms): true then
+ * (cb runs once more, when the exchange is over); false when the exchange ends with this
+ * callback. */
+bool net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data);
 
 #endif

@@ -748,7 +748,11 @@ static void orphan_end(orphan_t *o)
 static void orphan_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                         const char *detail, void *data)
 {
-    (void)f, (void)status, (void)body, (void)err, (void)detail;
+    (void)status, (void)body, (void)detail;
+    /* Adopted before its first-byte timeout, which has come now: the engine may be generating
+     * it still, so it is read on (net_fetch_opts_t drain_ms) like one that timed out before. */
+    if (err == NET_UP_FIRST_BYTE_TIMEOUT && net_fetch_rebind(f, orphan_done, data))
+        return;
     orphan_end(data);
 }
 

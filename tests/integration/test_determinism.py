@@ -679,6 +679,74 @@ def test_single_sequence_keeps_the_slot_of_a_timed_out_canary_across_a_removal_a
     px.stop()
 
 
+def test_single_sequence_keeps_the_slot_of_a_replaced_replica_canary_past_its_timeout():
+    """A canary whose replica object a reload replaced is read on, holding the slot; when it
+    then outlasts its first-byte timeout the engine may still be generating it: the slot stays
+    taken until the answer has come, as for any request of ours that times out."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--finish-abandoned")
+    r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40,
+                                                "temperature": 0, "seed": 0})
+    p = single_sequence_pool([sim], framework="llamacpp")
+    p["manifest"]["canary"] = {"prompt": "x", "max_tokens": 40, "expected_sha256": hashlib.sha256(
+        r.json()["choices"][0]["text"].encode()).hexdigest()}
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    att = {"interval_ms": 100, "timeout_ms": 300, "require_signature": False}
+    px = start_proxy(pools=[p], attestation=att, limits={"upstream_first_byte_timeout_ms": 800})
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    sim_config(sim, token_delay_ms=50)  # the canary (40 tokens) now takes 2 s
+    sim_reset(sim)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1 and last_body(sim)["max_tokens"] == 40,
+               timeout=10, what="a canary generating")
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["pools"][0]["manifest"]["framework"]["version"] = "b11669-Debian"  # a new identity
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    # The old canary times out at 800 ms and ends at 2 s; the new object's checks wait for it.
+    poll_until(lambda: sim_stats(sim)["completed"] >= 2, timeout=10, what="a check after it")
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
+def test_single_sequence_gives_back_the_slot_of_a_replaced_replica_canary_never_answered():
+    """The same canary when the engine never answers: the slot comes back once the drain's
+    bound (the longer of the first-byte and idle timeouts) has passed too; the pool never
+    sticks."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--finish-abandoned")
+    r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40,
+                                                "temperature": 0, "seed": 0})
+    p = single_sequence_pool([sim], framework="llamacpp")
+    p["manifest"]["canary"] = {"prompt": "x", "max_tokens": 40, "expected_sha256": hashlib.sha256(
+        r.json()["choices"][0]["text"].encode()).hexdigest()}
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    att = {"interval_ms": 100, "timeout_ms": 400, "require_signature": False}
+    px = start_proxy(pools=[p], attestation=att, limits={"upstream_first_byte_timeout_ms": 500,
+                                                         "upstream_idle_timeout_ms": 300})
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    # The probe (1 token) is in time; the canary (40 tokens, 10 s) is never answered here.
+    sim_config(sim, token_delay_ms=250)
+    sim_reset(sim)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1 and last_body(sim)["max_tokens"] == 40,
+               timeout=10, what="a canary generating")
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["pools"][0]["manifest"]["framework"]["version"] = "b11669-Debian"  # a new identity
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    time.sleep(0.5)
+    assert replicas(px)["r1"]["inflight"] == 1  # the old canary's, read on
+    time.sleep(0.8)  # past its first-byte timeout and the 500 ms drain after it
+    sim_config(sim, token_delay_ms=0)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 re-admitted")
+    assert complete(px, max_tokens=3).status == 200
+    px.stop()
+
+
 def test_single_sequence_llamacpp_forwards_cache_prompt_false():
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp")
     # A long re-attestation interval: the 1-token probe must not become the last request.
