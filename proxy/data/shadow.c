@@ -42,6 +42,7 @@
 #include "common/util.h"
 #include "drift/drift.h"
 #include "drift/rollout.h"
+#include "policy/policy.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
@@ -73,8 +74,9 @@ struct px_shadow_ctx_s {
     size_t npools;
     struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
     size_t nrollouts;
-    uint32_t inflight; /* drift shadows in flight */
-    shadow_t *active;  /* exchanges in flight, for shutdown */
+    uint32_t inflight;       /* drift shadows in flight */
+    shadow_t *active;        /* exchanges in flight, for shutdown */
+    struct cdrain_s *drains; /* copies read on past their first-byte timeout (cdrain_t) */
     /* Copies still waiting for a free slot after their primary ended: tried every
      * COPY_RETRY_MS, never while clients wait, for at most COPY_WAIT_MS. */
     struct plan_s *waiting;
@@ -634,9 +636,8 @@ static void sh_body(net_creq_t *c, const char *p, size_t n)
     capture(s->tap, &s->ssse, &s->sbody, p, n);
 }
 
-static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
+static void copy_ended(shadow_t *s, net_up_err_t err, const char *detail)
 {
-    shadow_t *s = c->data;
     s->c = NULL;
     active_remove(s);
     if (err != NET_UP_OK) {
@@ -651,7 +652,74 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
     maybe_compare(s);
 }
 
-static const net_creq_cb_t shadow_cb = {.on_head = sh_head, .on_body = sh_body, .on_done = sh_done};
+static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    copy_ended(c->data, err, detail);
+}
+
+/* A copy to a pool whose engine finishes an answer whose connection closed (llama.cpp on a
+ * single_sequence pool: policy_pool_drains_abandoned) that got no answer within its first-byte
+ * timeout: the copy fails then, as before, but its exchange is read on and dropped, and its
+ * slot freed only once the answer has come (or policy_abandoned_drain_ms passed), as for a
+ * client's request (data/proxy.c, drain_abandoned): otherwise the next copy or request would
+ * run beside the generation still going on. Cancelled at px_shadow_stop. */
+typedef struct cdrain_s {
+    struct cdrain_s *next, *prev;
+    net_creq_t *c;
+    px_t *px;
+    px_replica_t *r; /* a reference, and one of its slots */
+} cdrain_t;
+
+static void cdrain_end(cdrain_t *d)
+{
+    shadow_ctx_t *c = ctx(d->px);
+    if (d->prev)
+        d->prev->next = d->next;
+    else
+        c->drains = d->next;
+    if (d->next)
+        d->next->prev = d->prev;
+    px_admission_own_slot_done(d->px, d->r);
+    px_replica_unref(d->r);
+    free(d);
+}
+
+static void cdrain_done(net_creq_t *c, net_up_err_t err, const char *detail)
+{
+    (void)err, (void)detail;
+    cdrain_end(c->data);
+}
+
+static const net_creq_cb_t cdrain_cb = {.on_done = cdrain_done};
+
+static uint64_t sh_first_byte_timeout(net_creq_t *c)
+{
+    shadow_t *s = c->data;
+    shadow_ctx_t *sc = ctx(s->px);
+    px_pool_t *p = live_pool(s->px, s->target_r->pool_name);
+    if (!s->holds_slot || s->tap->stream || p == NULL || !policy_pool_drains_abandoned(p->cfg) ||
+        atomic_load(&sc->stopped) || !net_creq_sent(c))
+        return 0;
+    cdrain_t *d = dp_xcalloc(1, sizeof(*d));
+    d->c = c;
+    d->px = s->px;
+    d->r = s->target_r;
+    px_replica_ref(d->r);
+    d->next = sc->drains;
+    if (sc->drains)
+        sc->drains->prev = d;
+    sc->drains = d;
+    s->holds_slot = false; /* the drain frees it */
+    net_creq_rebind(c, &cdrain_cb, d);
+    uint64_t more = policy_abandoned_drain_ms(&s->px->gen->cfg->limits);
+    copy_ended(s, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout"); /* frees s */
+    return more;
+}
+
+static const net_creq_cb_t shadow_cb = {.on_head = sh_head,
+                                        .on_body = sh_body,
+                                        .on_done = sh_done,
+                                        .on_first_byte_timeout = sh_first_byte_timeout};
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
@@ -1257,6 +1325,11 @@ void px_shadow_stop(px_t *px)
         s->sfailed = true;
         s->shadow_done = true;
         maybe_compare(s);
+    }
+    while (c->drains) {
+        cdrain_t *d = c->drains;
+        net_creq_cancel(d->c);
+        cdrain_end(d);
     }
 }
 

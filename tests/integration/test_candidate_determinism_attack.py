@@ -6,6 +6,7 @@ baseline's policy, not the candidate's)."""
 
 import json
 import threading
+import time
 
 from harness import get_json, poll_until, post_json, run_tests, start_sim
 from proxyutil import metric, pool, sim_stats, start_proxy
@@ -28,7 +29,7 @@ def concurrent(px, n, **extra):
     return out
 
 
-def proxy(base, cand, framework=None, policy=None):
+def proxy(base, cand, framework=None, policy=None, limits=None):
     man = {"determinism": {"mode": "single_sequence"}}
     if framework:
         man.update(model=MODEL, framework={"name": framework})
@@ -37,6 +38,7 @@ def proxy(base, cand, framework=None, policy=None):
                pool("next", [MODEL], cand, manifest=man)],
         shadow={"rate": 0.0, "self_rate": 0.0, "max_inflight": 8, "max_output_bytes": 65536},
         **({"policy": policy} if policy else {}),
+        **({"limits": limits} if limits else {}),
         attestation={"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False})
 
 
@@ -91,6 +93,37 @@ def test_pinned_client_waits_for_the_copy_slot_and_is_then_served():
                what="4 candidate copies ended")
     assert sim_stats(cand)["max_inflight_seen"] == 1, sim_stats(cand)
     px.stop()
+
+
+def test_single_sequence_candidate_copy_past_a_first_byte_timeout_keeps_the_slot():
+    """A copy that gets no answer within upstream_first_byte_timeout_ms fails then, but a
+    llama.cpp engine (the sim's --finish-abandoned) goes on generating it: the replica's slot
+    stays taken until that answer has come, so the next copy does not run beside it; and a
+    shutdown while it is read does not wait for it."""
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "100",
+                     "--finish-abandoned")
+    px = proxy(base, [cand], framework="llamacpp",
+               limits={"upstream_first_byte_timeout_ms": 300})
+    # Each copy runs 10 tokens, 1 s: it times out at 300 ms; a client every 350 ms.
+    for i in range(6):
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "slow %d" % i,
+                                                    "max_tokens": 10, "temperature": 0})
+        assert r.status == 200, r
+        time.sleep(0.35)
+    poll_until(lambda: sim_stats(cand)["inflight"] == 0, timeout=10, what="the copies done")
+    st = sim_stats(cand)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["requests"] >= 2, st
+    assert metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 6
+    # A copy read on past its timeout when the proxy stops: the stop does not wait for it.
+    assert post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "last",
+                                                  "max_tokens": 10, "temperature": 0}).status == 200
+    poll_until(lambda: sim_stats(cand)["inflight"] == 1, what="a copy generating")
+    time.sleep(0.4)
+    t0 = time.monotonic()
+    px.stop()
+    assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
 
 
 if __name__ == "__main__":
