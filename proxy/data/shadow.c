@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/list.h"
 #include "common/util.h"
 #include "drift/drift.h"
 #include "drift/rollout.h"
@@ -673,12 +674,7 @@ typedef struct cdrain_s {
 static void cdrain_end(cdrain_t *d)
 {
     shadow_ctx_t *c = ctx(d->px);
-    if (d->prev)
-        d->prev->next = d->next;
-    else
-        c->drains = d->next;
-    if (d->next)
-        d->next->prev = d->prev;
+    DP_LIST_UNLINK(c->drains, d, next, prev);
     px_admission_own_slot_done(d->px, d->r);
     px_replica_unref(d->r);
     free(d);
@@ -705,10 +701,7 @@ static uint64_t sh_first_byte_timeout(net_creq_t *c)
     d->px = s->px;
     d->r = s->target_r;
     px_replica_ref(d->r);
-    d->next = sc->drains;
-    if (sc->drains)
-        sc->drains->prev = d;
-    sc->drains = d;
+    DP_LIST_PUSH(sc->drains, d, next, prev);
     s->holds_slot = false; /* the drain frees it */
     net_creq_rebind(c, &cdrain_cb, d);
     uint64_t more = policy_abandoned_drain_ms(&s->px->gen->cfg->limits);
