@@ -32,8 +32,8 @@
 #include <llhttp.h>
 #include <malloc.h>
 
-#include "common/list.h"
 #include "common/jw.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/hdrs.h"

@@ -19,8 +19,8 @@
 
 #include <cjson/cJSON.h>
 
-#include "common/list.h"
 #include "common/jw.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/core/gen.h"

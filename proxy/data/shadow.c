@@ -38,8 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/log.h"
 #include "common/list.h"
+#include "common/log.h"
 #include "common/util.h"
 #include "drift/drift.h"
 #include "drift/rollout.h"
