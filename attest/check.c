@@ -194,7 +194,7 @@ void attest_outcome_clear(attest_outcome_t *out)
 }
 
 void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
-                                  bool seed0, dp_buf_t *out)
+                                  bool seed0, bool no_cache_prompt, dp_buf_t *out)
 {
     dp_jw_t w;
     dp_jw_init(&w, out);
@@ -205,5 +205,7 @@ void attest_check_completion_body(const char *model, const char *prompt, uint32_
     dp_jw_int(&w, "temperature", 0);
     if (seed0)
         dp_jw_int(&w, "seed", 0);
+    if (no_cache_prompt)
+        dp_jw_bool(&w, "cache_prompt", false);
     dp_jw_obj_end(&w);
 }

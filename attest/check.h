@@ -120,9 +120,10 @@ void attest_check_judge(attest_outcome_t *out, const cfg_manifest_t *m, bool req
 const char *attest_outcome_reason(const attest_outcome_t *out, const char *fallback);
 void attest_outcome_clear(attest_outcome_t *out);
 
-/* A temperature-0 completion body {"model","prompt","max_tokens","temperature":0[,"seed":0]}
- * (appended to out): the engine-fingerprint probe's (no seed) and the canary's (seed 0). */
+/* A temperature-0 completion body {"model","prompt","max_tokens","temperature":0[,"seed":0]
+ * [,"cache_prompt":false]} (appended to out): the engine-fingerprint probe's (no seed) and the
+ * canary's (seed 0; no prompt cache on llama.cpp). */
 void attest_check_completion_body(const char *model, const char *prompt, uint32_t max_tokens,
-                                  bool seed0, dp_buf_t *out);
+                                  bool seed0, bool no_cache_prompt, dp_buf_t *out);
 
 #endif

@@ -312,7 +312,7 @@ int dg_cmd_attest_canary(int argc, char **argv)
         url = &own;
     }
     dp_buf_printf(&shown, "%s://%s%s", url->tls ? "https" : "http", url->hostport, url->path);
-    probe_canary_body(probe_canary_model(pool, id), id->canary, &body);
+    probe_canary_body(pool, id, &body);
     signal(SIGPIPE, SIG_IGN); /* a replica closing on us is an error code, not a signal */
     rc = ask(cfg, pool, id, url, server_name, &out);
     if (o.json)

@@ -26,9 +26,15 @@ const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
     return m && m->model ? m->model : pc->nmodels ? pc->models[0] : "";
 }
 
-void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out)
+void probe_canary_body(const cfg_pool_t *pc, const cfg_manifest_t *id, dp_buf_t *out)
 {
-    attest_check_completion_body(model, can->prompt, can->max_tokens, true, out);
+    const cfg_manifest_t *m = id ? id : pc->manifest;
+    /* llama-server's prompt cache evaluates a cached prefix in other batches than a fresh one,
+     * which can change temperature-0 output: the same canary must not answer differently
+     * because it ran before. */
+    bool llamacpp = m->framework_name && strcmp(m->framework_name, "llamacpp") == 0;
+    attest_check_completion_body(probe_canary_model(pc, id), m->canary->prompt,
+                                 m->canary->max_tokens, true, llamacpp, out);
 }
 
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
@@ -83,7 +89,7 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
     snprintf(c->expected, sizeof(c->expected), "%s",
              can->expected_sha256 ? can->expected_sha256 : ""); /* "": not recorded yet */
     dp_buf_t body = {0};
-    probe_canary_body(probe_canary_model(pc, id), can, &body);
+    probe_canary_body(pc, id, &body);
     char target[512];
     snprintf(target, sizeof(target), "%s/v1/completions", to->base ? to->base : "");
     net_fetch_opts_t o = {.via = to->via,

@@ -85,7 +85,7 @@ static void completion_start(probe_t *p)
 {
     dp_buf_t body = {0};
     attest_check_completion_body(attest_check_probe_model(&p->out, p->model), ATTEST_PROBE_PROMPT,
-                                 1, false, &body);
+                                 1, false, false, &body);
     char target[600];
     snprintf(target, sizeof(target), "%s/v1/completions", p->base);
     net_fetch_opts_t o = {.via = p->via,

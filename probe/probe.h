@@ -112,8 +112,9 @@ typedef struct probe_canary_s probe_canary_t;
 
 /* The model a canary asks for: the identity's (or manifest's) model, else the pool's first. */
 const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id);
-/* The request body, exactly as sent (appended to out). */
-void probe_canary_body(const char *model, const cfg_canary_t *can, dp_buf_t *out);
+/* The request body of identity id's canary (NULL: the manifest's), exactly as sent (appended
+ * to out). */
+void probe_canary_body(const cfg_pool_t *pc, const cfg_manifest_t *id, dp_buf_t *out);
 /* Send the canary of accepted identity id (pc's manifest itself, or one of its "accept"
  * entries, which may carry their own; NULL means the manifest; it must have a canary) over u to
  * the replica as route `to` says (strings used only during the call). cb runs once from the loop,

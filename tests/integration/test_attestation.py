@@ -870,6 +870,39 @@ def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
     engine.stop()
 
 
+def test_a_llamacpp_canary_turns_the_prompt_cache_off():
+    """llama-server's prompt cache can change a temperature-0 answer (a cached prefix is
+    evaluated in other batches than a fresh one), so the same canary could answer otherwise for
+    having run before: to an identity whose framework is llamacpp, `attest canary` and the
+    proxy's check both send it with "cache_prompt": false, the same bytes."""
+    eng = start_sim("--flavor", "llamacpp", "--model", MODEL)
+    can = {"prompt": "Count: one, two,", "max_tokens": 4}
+    p = pool("p", [MODEL], [eng], manifest={"model": MODEL, "framework": {"name": "llamacpp"},
+                                            "canary": dict(can)})
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    d = tempfile.mkdtemp(prefix="detproxy-canary-", dir=TMP)
+    path = os.path.join(d, "detproxy.json")
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": [p],
+           "attestation": attestation(interval=200, require=False)}
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "canary", "-c", path, "--pool", "p",
+                            "--replica", "r1", "--json"])
+    assert rc == 0, (rc, out, err)
+    want = {"model": MODEL, "prompt": can["prompt"], "max_tokens": 4, "temperature": 0,
+            "seed": 0, "cache_prompt": False}
+    assert json.loads(out)["request"] == want, out
+
+    def canaries():
+        return [json.loads(r["body"]) for r in get_json(eng.port, "/_sim/requests")["requests"]
+                if r["inference"] and json.loads(r["body"]).get("prompt") == can["prompt"]]
+    seen = len(canaries())
+    px = start_proxy(config=cfg, ready=False)
+    poll_until(lambda: len(canaries()) > seen, what="the proxy's canary")
+    px.stop()
+    assert all(b == want for b in canaries()), canaries()
+
+
 def test_attest_canary_prints_the_hash_the_proxy_admits():
     """`detproxy attest canary` sends the canary exactly as the proxy does; the
     hash it prints, pinned, admits the replica; unpinned, the proxy admits nothing and says why."""
