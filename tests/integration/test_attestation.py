@@ -870,6 +870,17 @@ def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
     engine.stop()
 
 
+def canary_config(p):
+    """A config of pool p alone, written to a file: (config, path)."""
+    d = tempfile.mkdtemp(prefix="detproxy-canary-", dir=TMP)
+    path = os.path.join(d, "detproxy.json")
+    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": [p],
+           "attestation": attestation(interval=200, require=False)}
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return cfg, path
+
+
 def test_a_llamacpp_canary_turns_the_prompt_cache_off():
     """llama-server's prompt cache can change a temperature-0 answer (a cached prefix is
     evaluated in other batches than a fresh one), so the same canary could answer otherwise for
@@ -880,12 +891,7 @@ def test_a_llamacpp_canary_turns_the_prompt_cache_off():
     p = pool("p", [MODEL], [eng], manifest={"model": MODEL, "framework": {"name": "llamacpp"},
                                             "canary": dict(can)})
     p["replicas"][0]["attest"] = {"source": "llamacpp"}
-    d = tempfile.mkdtemp(prefix="detproxy-canary-", dir=TMP)
-    path = os.path.join(d, "detproxy.json")
-    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": [p],
-           "attestation": attestation(interval=200, require=False)}
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    cfg, path = canary_config(p)
     rc, out, err = run_cmd([DETPROXY_BIN, "attest", "canary", "-c", path, "--pool", "p",
                             "--replica", "r1", "--json"])
     assert rc == 0, (rc, out, err)
@@ -914,12 +920,7 @@ def test_attest_canary_prints_the_hash_the_proxy_admits():
         "model": MODEL, "framework": {"name": "vllm", "version": "0.6.3"}, "canary": dict(can)})
     for r in p["replicas"]:
         r["attest"] = {"source": "vllm"}
-    d = tempfile.mkdtemp(prefix="detproxy-canary-", dir=TMP)
-    path = os.path.join(d, "detproxy.json")
-    cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": [p],
-           "attestation": attestation(interval=200, require=False)}
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    cfg, path = canary_config(p)
     # `check` warns that the hash is not recorded yet (the config is still valid).
     rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", path])
     assert rc == 0 and "canary.expected_sha256: not recorded" in out + err, (rc, out, err)
