@@ -115,12 +115,17 @@ def test_single_sequence_candidate_copy_past_a_first_byte_timeout_keeps_the_slot
     st = sim_stats(cand)
     assert st["max_inflight_seen"] == 1, st
     assert st["requests"] >= 2, st
-    assert metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 6
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 6,
+               what="every copy counted")
     # A copy read on past its timeout when the proxy stops: the stop does not wait for it.
+    def failed():
+        return metric(px, "detproxy_candidate_total", pool="p", candidate="next", result="error")
+    before = failed()
     assert post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "last",
                                                   "max_tokens": 10, "temperature": 0}).status == 200
     poll_until(lambda: sim_stats(cand)["inflight"] == 1, what="a copy generating")
-    time.sleep(0.4)
+    poll_until(lambda: failed() > before, what="the copy past its timeout, read on")
+    assert sim_stats(cand)["inflight"] == 1, sim_stats(cand)
     t0 = time.monotonic()
     px.stop()
     assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
