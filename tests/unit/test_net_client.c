@@ -637,17 +637,24 @@ Test(net_client, upload_to_a_replica_that_stops_reading_reports_over_then_drain)
     x_free(&x);
 }
 
-/* A replica that stopped taking the upload is given up on after the idle timeout, not after
- * the first-byte timeout (minutes: the client would wait that long for nothing). */
-Test(net_client, upload_the_replica_stops_taking_fails_after_the_idle_timeout)
+/* A 64 MiB upload begun (its head taken) to a replica that reads nothing more, on an upstream
+ * whose idle timeout is 100 ms and first-byte timeout a minute. */
+static void start_upload_to_a_stopped_reader(ex_t *x)
 {
     peer_start(&g_peer, stop_reading);
     net_upstream_opts_t o = {
         .write_high_water = 64 * 1024, .idle_timeout_ms = 100, .first_byte_timeout_ms = 60000};
     up_new(&o);
-    ex_t x;
-    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
+    x_start(x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
     RUN_UNTIL(g_peer.requests == 1);
+}
+
+/* A replica that stopped taking the upload is given up on after the idle timeout, not after
+ * the first-byte timeout (minutes: the client would wait that long for nothing). */
+Test(net_client, upload_the_replica_stops_taking_fails_after_the_idle_timeout)
+{
+    ex_t x;
+    start_upload_to_a_stopped_reader(&x);
     upload_until_over(&x);
     uint64_t t0 = uv_now(&g_loop);
     x_expect(&x, NET_UP_SEND_TIMEOUT);
@@ -663,13 +670,8 @@ Test(net_client, upload_the_replica_stops_taking_fails_after_the_idle_timeout)
  * call that handed it over. The replica that stopped taking them is caught all the same. */
 Test(net_client, upload_in_small_pieces_the_replica_stops_taking_fails_after_the_idle_timeout)
 {
-    peer_start(&g_peer, stop_reading);
-    net_upstream_opts_t o = {
-        .write_high_water = 64 * 1024, .idle_timeout_ms = 100, .first_byte_timeout_ms = 60000};
-    up_new(&o);
     ex_t x;
-    x_start(&x, "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n", true, false);
-    RUN_UNTIL(g_peer.requests == 1);
+    start_upload_to_a_stopped_reader(&x);
     static char piece[8 * 1024];
     size_t sent = 0;
     while (net_client_creq_pending(x.r) == 0 && sent < (64u << 20)) {
