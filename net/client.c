@@ -18,6 +18,7 @@
 #include <llhttp.h>
 
 #include "common/buf.h"
+#include "common/list.h"
 #include "common/util.h"
 #include "net/hdrs.h"
 #include "net/sock.h"
@@ -26,11 +27,17 @@ enum { UC_CONNECTING = 0, UC_HEAD, UC_BODY, UC_IDLE, UC_CLOSED };
 
 typedef struct uconn_s uconn_t;
 
-typedef struct creq_s {
+typedef struct net_creq_impl_s {
     net_creq_t pub;
     uconn_t *c;
     net_creq_cb_t cb;
-    struct creq_s *next_free;
+    struct net_creq_impl_s *next_free;
+    /* A drain (net_creq_drain): the set it is in and its links there, what its end calls
+     * (with pub.data), and the first-byte timeout's extension while still unused. */
+    net_drains_t *dset;
+    struct net_creq_impl_s *dnext, *dprev;
+    void (*ddone)(void *data);
+    uint64_t dmore;
 } creq_t;
 
 struct uconn_s {
@@ -237,9 +244,11 @@ static void timer_cb(uv_timer_t *t)
             uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
             return;
         }
-        uint64_t more = q && q->cb.on_first_byte_timeout ? q->cb.on_first_byte_timeout(&q->pub) : 0;
-        if (more) {
-            uconn_arm(c, more);
+        if (q && q->cb.on_first_byte_timeout)
+            q->cb.on_first_byte_timeout(&q->pub); /* may make q a drain */
+        if (q && q->dset && q->dmore) {
+            uconn_arm(c, q->dmore);
+            q->dmore = 0;
             return;
         }
         uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
@@ -977,12 +986,46 @@ bool net_creq_sent(const net_creq_t *r)
            net_client_creq_pending(r) == 0;
 }
 
-void net_creq_rebind(net_creq_t *r, const net_creq_cb_t *cb, void *data)
+/* ---- drains -------------------------------------------------------------------------------- */
+
+static void drain_done(net_creq_t *r, net_up_err_t err, const char *detail)
 {
     creq_t *q = cimpl(r);
-    q->cb = *cb;
+    (void)err, (void)detail;
+    DP_LIST_UNLINK(q->dset->head, q, dnext, dprev);
+    q->dset = NULL;
+    q->ddone(r->data);
+}
+
+/* Only the end matters: the head and body are read and dropped. */
+static const net_creq_cb_t drain_cb = {.on_done = drain_done};
+
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+                    void *data)
+{
+    creq_t *q = cimpl(r);
+    assert(q->dset == NULL);
+    q->cb = drain_cb;
     r->data = data;
+    r->refuse = NULL;
+    q->dset = set;
+    q->ddone = done;
+    q->dmore = more_ms;
+    DP_LIST_PUSH(set->head, q, dnext, dprev);
     net_creq_resume(r);
+}
+
+void net_drains_stop(net_drains_t *set)
+{
+    while (set->head) {
+        creq_t *q = set->head;
+        void (*done)(void *) = q->ddone;
+        void *data = q->pub.data;
+        DP_LIST_UNLINK(set->head, q, dnext, dprev);
+        q->dset = NULL;
+        net_creq_cancel(&q->pub);
+        done(data);
+    }
 }
 
 size_t net_client_creq_pending(const net_creq_t *r)

@@ -7,8 +7,9 @@
  * net_response_check) and llhttp in strict mode; a response that fails them ends the exchange
  * with NET_UP_PROTOCOL and its connection is never reused.
  *
- * Lifetimes: a net_creq_t lives from net_creq_start until on_done returns (or net_creq_cancel).
- * After that the caller must drop its pointer. Callbacks never fire from inside net_creq_start. */
+ * Lifetimes: a net_creq_t lives from net_creq_start until on_done returns (or net_creq_cancel,
+ * or net_creq_drain hands it over). After that the caller must drop its pointer. Callbacks never
+ * fire from inside net_creq_start. */
 #ifndef NET_CLIENT_H
 #define NET_CLIENT_H
 
@@ -72,11 +73,11 @@ typedef struct {
      * or net_creq_cancel): a new connection then sends them from there once established,
      * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
     bool start_bufs_kept;
-    /* Optional. No response began within first_byte_timeout_ms: a nonzero return keeps the
-     * exchange for that many ms more (the callback has rebound it, net_creq_rebind, to
-     * whoever waits on, with no on_first_byte_timeout of its own), 0 ends it with
-     * NET_UP_FIRST_BYTE_TIMEOUT as without it. */
-    uint64_t (*on_first_byte_timeout)(net_creq_t *r);
+    /* Optional. No response began within first_byte_timeout_ms. The callback may keep the
+     * exchange by making it a drain (net_creq_drain, whose more_ms it then has at once);
+     * otherwise it ends with NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not
+     * cancel r. */
+    void (*on_first_byte_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 
 struct net_creq_s {
@@ -125,8 +126,26 @@ size_t net_client_creq_pending(const net_creq_t *r);
 /* Every byte of the request has left: none waits for the connect, a release or the socket, and
  * the caller ended it. The upstream may be working on it. */
 bool net_creq_sent(const net_creq_t *r);
-/* What follows of the exchange goes to cb with data (reading resumed if it was paused). */
-void net_creq_rebind(net_creq_t *r, const net_creq_cb_t *cb, void *data);
 bool net_creq_over(const net_creq_t *r);
+
+/* Drains. An exchange whose owner has gone may still be at work upstream: an engine that
+ * finishes an answer whose connection closed (llama.cpp), on a pool that lets it run one
+ * sequence at a time, must be sent nothing more until it has. A drain reads the rest of the
+ * answer and drops it, and calls back once when the exchange is over, however it ended: what
+ * the owner held for it (a slot) is released there. Its owner keeps its drains in a set, to end
+ * them all when it stops. A set belongs to its loop's thread, as the exchanges in it do. */
+typedef struct net_drains_s {
+    struct net_creq_impl_s *head;
+} net_drains_t;
+
+/* Make r a drain in set: what follows of its answer is read and dropped (reading resumed if
+ * it was paused), and done(data) runs exactly once, when the exchange ends or net_drains_stop
+ * ends it. more_ms: its first-byte timeout, when it comes, keeps it that much longer, once, for
+ * an answer late rather than lost (called from on_first_byte_timeout, at once); 0 ends it
+ * there. The caller drops r. */
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+                    void *data);
+/* End every drain in set now (their connections are closed), calling each one's done. */
+void net_drains_stop(net_drains_t *set);
 
 #endif

@@ -11,11 +11,13 @@ struct net_fetch_s {
     void *data;
     int status;
     size_t max;
-    uint64_t drain_ms;
-    bool in_timeout_cb; /* the callback runs for a first-byte timeout: a rebind keeps */
-    bool kept;          /* ... and it did: the exchange is read on, the new callback waits */
-    bool told;          /* ... and it did not: the callback has had its answer */
-    bool cancelled;     /* net_fetch_cancel from that callback */
+    bool in_timeout_cb; /* the callback runs for a first-byte timeout */
+    bool told;          /* ... and has had its answer: the exchange ends (on_done frees f) */
+    /* net_fetch_drain from that callback: the drain to make of the exchange once it returns */
+    net_drains_t *dset;
+    uint64_t dmore;
+    void (*ddone)(void *data);
+    void *ddata;
     dp_buf_t body;
 };
 
@@ -73,19 +75,9 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     f_free(f);
 }
 
-/* A kept exchange: its answer is only waited for (on_done reports how it ended), its body
- * dropped. */
-static void on_drained_head(net_creq_t *c, int status, const net_header_t *h, size_t n,
-                            const net_framing_t *fr)
-{
-    net_fetch_t *f = c->data;
-    (void)h, (void)n, (void)fr;
-    f->status = status;
-}
-
-static const net_creq_cb_t drain_cb = {.on_head = on_drained_head, .on_done = on_done};
-
-static uint64_t on_first_byte_timeout(net_creq_t *c)
+/* No answer began in time: the callback is told now, and may make the exchange a drain
+ * (net_fetch_drain), which happens once it has returned. */
+static void on_first_byte_timeout(net_creq_t *c)
 {
     net_fetch_t *f = c->data;
     assert(f->c == c);
@@ -93,19 +85,17 @@ static uint64_t on_first_byte_timeout(net_creq_t *c)
     f->cb(f, 0, &f->body, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout",
           f->data);
     f->in_timeout_cb = false;
-    if (f->kept) {
-        net_creq_rebind(c, &drain_cb, f);
-        return f->drain_ms;
-    }
-    f->told = true; /* not kept: the exchange ends now (on_done frees f) */
-    return 0;
+    f->told = true;
+    if (f->dset) {
+        net_creq_drain(c, f->dset, f->dmore, f->ddone, f->ddata);
+        f_free(f);
+    } /* else the exchange ends now: on_done frees f */
 }
 
-static const net_creq_cb_t fetch_cb = {.on_head = on_head, .on_body = on_body, .on_done = on_done};
-static const net_creq_cb_t fetch_drain_cb = {.on_head = on_head,
-                                             .on_body = on_body,
-                                             .on_done = on_done,
-                                             .on_first_byte_timeout = on_first_byte_timeout};
+static const net_creq_cb_t fetch_cb = {.on_head = on_head,
+                                       .on_body = on_body,
+                                       .on_done = on_done,
+                                       .on_first_byte_timeout = on_first_byte_timeout};
 
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {
@@ -113,7 +103,6 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     f->cb = cb;
     f->data = data;
     f->max = o->max_bytes ? o->max_bytes : 1 << 20;
-    f->drain_ms = o->drain_ms;
     dp_buf_t req = {0};
     dp_buf_printf(&req, "%s %s HTTP/1.1\r\nhost: %s\r\naccept: application/json\r\n", o->method,
                   o->target, o->hostport);
@@ -131,27 +120,30 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
         dp_buf_append(&req, "\r\n", 2);
     }
     uv_buf_t b = uv_buf_init(req.base, (unsigned)req.len);
-    f->c = net_creq_start(u, &b, 1, false, false, o->drain_ms ? &fetch_drain_cb : &fetch_cb, f);
+    f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
     dp_buf_free(&req);
     return f;
 }
 
-bool net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data)
+void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+                     void *data)
 {
-    f->cb = cb;
-    f->data = data;
-    if (!f->in_timeout_cb)
-        return false;
-    if (!f->cancelled)
-        f->kept = true;
-    return f->kept;
+    if (f->in_timeout_cb) { /* on_first_byte_timeout makes the drain once the callback returns */
+        f->dset = set;
+        f->dmore = more_ms;
+        f->ddone = done;
+        f->ddata = data;
+        return;
+    }
+    assert(f->c != NULL && !f->told);
+    net_creq_drain(f->c, set, more_ms, done, data);
+    f_free(f);
 }
 
 void net_fetch_cancel(net_fetch_t *f)
 {
     if (f->in_timeout_cb) { /* the exchange ends when the callback returns (on_done frees f) */
-        f->kept = false;
-        f->cancelled = true;
+        f->dset = NULL;
         return;
     }
     if (f->c)

@@ -28,23 +28,19 @@ typedef struct {
     size_t max_bytes;          /* response body cap */
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
     const char *via; /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
-    /* When no answer began within the upstream's first-byte timeout, the callback is told so
-     * at once (status 0, NET_UP_FIRST_BYTE_TIMEOUT). With drain_ms, a callback that rebinds
-     * the fetch then (net_fetch_rebind) keeps the exchange open for up to drain_ms more: the
-     * answer is read to its end and dropped, and the new callback runs when it is over. For a
-     * request the engine may go on generating after its connection closes, whose slot must
-     * stay taken until it has (docs/configuration.md, "Deterministic pools"). */
-    uint64_t drain_ms;
 } net_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data);
 void net_fetch_cancel(net_fetch_t *f);
-/* From now on the answer goes to cb(data) instead (from the loop, exactly once, unless
- * net_fetch_cancel is called first). Called from the callback that reports a first-byte
- * timeout of a fetch with drain_ms, it also keeps that exchange open (see drain_ms): true then
- * (cb runs once more, when the exchange is over); false when the exchange ends with this
- * callback. */
-bool net_fetch_rebind(net_fetch_t *f, net_fetch_cb cb, void *data);
+/* Make f's exchange a drain in set (net_creq_drain): the answer is read to its end and dropped,
+ * done(data) runs when it is over, and f is gone (its callback does not run again). Allowed
+ * before f's callback has run, and from the callback that reports a first-byte timeout (status
+ * 0, NET_UP_FIRST_BYTE_TIMEOUT, told as soon as it passes while the exchange is still open): the
+ * drain then has its more_ms at once. For a request the engine may go on generating after its
+ * connection closes, whose slot must stay taken until it has (docs/configuration.md,
+ * "Deterministic pools"). */
+void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+                     void *data);
 
 #endif

@@ -17,7 +17,6 @@ struct probe_canary_s {
     probe_canary_cb cb;
     void *data;
     char expected[65];
-    bool drain; /* started with a drain_ms */
 };
 
 const char *probe_canary_model(const cfg_pool_t *pc, const cfg_manifest_t *id)
@@ -42,7 +41,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 {
     probe_canary_t *c = data;
     probe_canary_result_t res = {.status = status};
-    if (err == NET_UP_FIRST_BYTE_TIMEOUT && c->drain)
+    if (err == NET_UP_FIRST_BYTE_TIMEOUT)
         res.timed_out = f;
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];
@@ -100,9 +99,7 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                           .extra_headers = to->extra_headers,
                           .body = body.base,
                           .body_len = body.len,
-                          .max_bytes = PROBE_CANARY_MAX_BYTES,
-                          .drain_ms = to->drain_ms};
-    c->drain = to->drain_ms != 0;
+                          .max_bytes = PROBE_CANARY_MAX_BYTES};
     c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;

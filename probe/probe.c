@@ -28,7 +28,6 @@ struct probe_s {
     net_fetch_t *completion; /* the engine-fingerprint probe */
     char *known_fp;          /* probe_opts_t.known_fingerprint */
     bool metadata_fp;        /* probe_opts_t.metadata_fingerprint */
-    uint64_t drain_ms;       /* probe_opts_t.drain_ms */
     attest_outcome_t out;
 };
 
@@ -68,9 +67,9 @@ static void completion_done(net_fetch_t *f, int status, const dp_buf_t *body, ne
                             const char *detail, void *data)
 {
     probe_t *p = data;
-    /* A completion that timed out with a drain_ms stays takeable during the callback
-     * (probe_take_completion): its engine may still be generating it. */
-    p->completion = err == NET_UP_FIRST_BYTE_TIMEOUT && p->drain_ms ? f : NULL;
+    /* A completion that timed out stays takeable during the callback (probe_take_completion):
+     * its engine may still be generating it. */
+    p->completion = err == NET_UP_FIRST_BYTE_TIMEOUT ? f : NULL;
     attest_answer_t a = {.status = status,
                          .body = body->base,
                          .len = body->len,
@@ -96,8 +95,7 @@ static void completion_start(probe_t *p)
                           .body = body.base,
                           .body_len = body.len,
                           .max_bytes = ATTEST_PROBE_MAX_BYTES,
-                          .extra_headers = p->extra,
-                          .drain_ms = p->drain_ms};
+                          .extra_headers = p->extra};
     p->completion = net_fetch(p->up, &o, completion_done, p);
     dp_buf_free(&body);
 }
@@ -156,7 +154,6 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     p->model = dup_or_null(o->model);
     p->known_fp = dup_or_null(o->known_fingerprint);
     p->metadata_fp = o->metadata_fingerprint;
-    p->drain_ms = o->drain_ms;
     p->keys = o->keys;
     p->require_signature = o->require_signature;
     attest_check_plan(&p->plan, o->source, p->base, o->agent_path);

@@ -33,7 +33,6 @@ typedef struct {
     const char *bearer;
     const char *via;
     const char *extra_headers;
-    uint64_t drain_ms; /* net_fetch_opts_t's: 0, or how long a timed-out request may be kept */
 } probe_route_t;
 
 typedef struct {
@@ -58,9 +57,6 @@ typedef struct {
     /* native: take the engine fingerprint from the metadata where it names one
      * (attest_check_metadata_fingerprint) and send no probe completion then. */
     bool metadata_fingerprint;
-    /* The probe completion's net_fetch_opts_t drain_ms: a completion that timed out can then
-     * be kept, during the callback, with probe_take_completion. */
-    uint64_t drain_ms;
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it
@@ -72,9 +68,9 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data);
 /* Cancel a running check (its callback will not run). NULL is fine. */
 void probe_cancel(probe_t *p);
 /* The probe completion it is waiting for (NULL: none sent, or answered), taken out of p: a
- * later probe_cancel leaves it running, and the caller owns it (net_fetch_rebind it). During
- * the callback, the completion if it timed out with drain_ms (NULL otherwise): rebound then,
- * it is kept open (net_fetch_opts_t). */
+ * later probe_cancel leaves it running, and the caller owns it (net_fetch_drain it). During
+ * the callback, the completion if it timed out (NULL otherwise): made a drain then, it is kept
+ * open; else it ends when the callback returns. */
 net_fetch_t *probe_take_completion(probe_t *p);
 
 /* The upstream options for requests to a replica (the config's upstream timeouts). */
@@ -102,8 +98,8 @@ typedef struct {
     char expected[65]; /* the expected_sha256 in force when the request was sent */
     bool matched;      /* answered and sha256 == expected */
     const char *error; /* why not answered (valid during the callback) */
-    /* The request, when it timed out with the route's drain_ms: rebound during the callback
-     * (net_fetch_rebind), it is kept open; NULL otherwise. */
+    /* The request, when it timed out: made a drain during the callback (net_fetch_drain), it
+     * is kept open, else it ends when the callback returns; NULL otherwise. */
     net_fetch_t *timed_out;
 } probe_canary_result_t;
 
@@ -123,8 +119,8 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                                    const cfg_manifest_t *id, const probe_route_t *to,
                                    probe_canary_cb cb, void *data);
 void probe_canary_cancel(probe_canary_t *c);
-/* Free c but leave its request running: its fetch, which the caller owns now (its callback
- * must be rebound with net_fetch_rebind before the loop runs again). */
+/* Free c but leave its request running: its fetch, which the caller owns now (it must make it
+ * a drain, net_fetch_drain, or cancel it before the loop runs again). */
 net_fetch_t *probe_canary_detach(probe_canary_t *c);
 
 #endif

@@ -20,7 +20,6 @@
 #include "attest/dsse.h"
 #include "attest/match.h"
 #include "attest/report.h"
-#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "probe/probe.h"
@@ -50,7 +49,8 @@
 struct px_attest_ctx_s {
     attest_keyset_t keys;
     bool stopped;
-    uint32_t running; /* checks in flight (att_t.checking) */
+    uint32_t running;     /* checks in flight (att_t.checking) */
+    net_drains_t orphans; /* requests kept past their check (orphan_keep) */
 };
 typedef struct px_attest_ctx_s att_ctx_t;
 
@@ -385,14 +385,6 @@ static void engine_read_start(att_t *a)
 
 static void orphan_timed_out(att_t *a, net_fetch_t *f);
 
-/* How long our own request to r that timed out is read on, holding its slot (0: closed at
- * once): on a pool whose engine may go on generating it, as a client's (data/proxy.c). */
-static uint64_t own_drain_ms(att_t *a)
-{
-    const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
-    return pc && policy_pool_drains_abandoned(pc) ? policy_abandoned_drain_ms(&cur(a)->limits) : 0;
-}
-
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
@@ -514,8 +506,7 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
     const probe_route_t to = {.hostport = a->r->url.hostport,
                               .base = a->r->url.path,
                               .bearer = pc->api_key,
-                              .via = px_self_via_line(NULL),
-                              .drain_ms = own_drain_ms(a)};
+                              .via = px_self_via_line(NULL)};
     a->canary = probe_canary_start(a->r->up, pc, id, &to, canary_done, a);
 }
 
@@ -715,8 +706,7 @@ static void check_start(att_t *a)
                       .keys = &ctx(a->px)->keys,
                       .require_signature = require_signature(a, pc),
                       .model = pc ? probe_canary_model(pc, NULL) : NULL,
-                      .known_fingerprint = known,
-                      .drain_ms = own_drain_ms(a)};
+                      .known_fingerprint = known};
     a->probe = probe_start(&o, checked, a);
 }
 
@@ -724,37 +714,11 @@ static void check_start(att_t *a)
 
 /* A replica freed (a reload that changed its definition, discovery) while its canary or probe
  * completion generates on a single_sequence pool whose engine finishes an answer whose
- * connection closed (llama.cpp): the request is left to end and its answer dropped, and only
- * then is the slot freed (the engine's slots are shared with the replica object that replaced
- * it), as data/proxy.c does for a client's (drain_abandoned). Cancelled at px_attest_stop. */
-typedef struct orphan_s {
-    struct orphan_s *next, *prev;
-    net_fetch_t *f;
-    px_slots_t *slots;
-    px_t *px;
-} orphan_t;
-
-static orphan_t *g_orphans; /* control thread only */
-
-static void orphan_end(orphan_t *o)
-{
-    DP_LIST_UNLINK(g_orphans, o, next, prev);
-    px_replica_slots_put_unref(o->slots);
-    if (atomic_load(&o->px->queued) > 0)
-        px_workers_wake(o->px);
-    free(o);
-}
-
-static void orphan_done(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                        const char *detail, void *data)
-{
-    (void)status, (void)body, (void)detail;
-    /* Adopted before its first-byte timeout, which has come now: the engine may be generating
-     * it still, so it is read on (net_fetch_opts_t drain_ms) like one that timed out before. */
-    if (err == NET_UP_FIRST_BYTE_TIMEOUT && net_fetch_rebind(f, orphan_done, data))
-        return;
-    orphan_end(data);
-}
+ * connection closed (llama.cpp), or such a request of a check that got no answer within its
+ * first-byte timeout: the request is left to end as a drain (net/client.h) and its answer
+ * dropped, and only then is the slot freed (the engine's slots are shared with the replica
+ * object that replaced it), as data/proxy.c does for a client's (drain_abandoned). Ended at
+ * px_attest_stop. */
 
 /* Can a's slot go to an orphan (see above)? */
 static bool orphan_may(att_t *a)
@@ -764,17 +728,13 @@ static bool orphan_may(att_t *a)
            policy_pool_drains_abandoned(pc);
 }
 
-/* a's slot goes to an orphan that reads f, a's request, to its end (net_fetch_rebind: also
- * what keeps a request open from the callback of its first-byte timeout). */
+/* a's slot goes to a drain of f, a's request (net_fetch_drain: from the callback of its
+ * first-byte timeout, or before any callback). */
 static void orphan_keep(att_t *a, net_fetch_t *f)
 {
-    orphan_t *o = dp_xcalloc(1, sizeof(*o));
-    o->f = f;
-    o->slots = px_replica_slots_ref(a->r);
-    o->px = a->px;
-    DP_LIST_PUSH(g_orphans, o, next, prev);
-    net_fetch_rebind(f, orphan_done, o);
-    a->holds_slot = false; /* the orphan frees it */
+    net_fetch_drain(f, &ctx(a->px)->orphans, policy_abandoned_drain_ms(&cur(a)->limits),
+                    px_admission_kept_slot_done, px_admission_keep_slot(a->px, a->r));
+    a->holds_slot = false; /* the drain frees it */
 }
 
 /* Keep a's slot for its canary or probe completion still generating when a is torn down. */
@@ -799,17 +759,6 @@ static void orphan_timed_out(att_t *a, net_fetch_t *f)
 {
     if (f && orphan_may(a))
         orphan_keep(a, f);
-}
-
-static void orphans_stop(px_t *px)
-{
-    for (orphan_t *o = g_orphans, *next; o; o = next) {
-        next = o->next;
-        if (o->px == px) {
-            net_fetch_cancel(o->f);
-            orphan_end(o);
-        }
-    }
 }
 
 static void att_timer_closed(uv_handle_t *h)
@@ -929,7 +878,7 @@ void px_attest_stop(px_t *px)
     if (c == NULL || c->stopped)
         return;
     c->stopped = true;
-    orphans_stop(px);
+    net_drains_stop(&c->orphans);
     for (size_t i = 0; px->gen && i < px->gen->npools; i++) {
         px_pool_t *p = &px->gen->pools[i];
         for (size_t k = 0; k < p->nreplicas; k++)

@@ -18,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
@@ -46,17 +45,13 @@ typedef struct relay_s {
     char *target;
     const char *method;
     bool needs_slot, holds_slot;
-    bool drain;   /* a first-byte timeout leaves the request to be read on (drain_ms) */
     bool holding; /* px_replica_hold_slot: the next slot freed on r is ours */
     uint64_t start_ms, sent_ms;
-    /* Its client left while the replica worked on it (px_relay_abort): listed in g_abandoned
-     * until the answer has come and been dropped. */
-    bool abandoned;
-    struct relay_s *ab_next, *ab_prev;
 } relay_t;
 
-/* Relays whose client left and whose answer is still read (control thread only). */
-static relay_t *g_abandoned;
+/* Relayed requests whose answer nobody will read, kept while the replica may be generating
+ * them (drain_slot). Control thread; one proxy per process. */
+static net_drains_t g_drains;
 
 static void relay_closed(uv_handle_t *h)
 {
@@ -69,10 +64,6 @@ static void relay_closed(uv_handle_t *h)
 /* The request is over (answered, or its client gone): the slot goes back, the rest is freed. */
 static void relay_end(relay_t *rl)
 {
-    if (rl->abandoned) {
-        rl->abandoned = false;
-        DP_LIST_UNLINK(g_abandoned, rl, ab_next, ab_prev);
-    }
     if (rl->holding) {
         rl->holding = false;
         px_replica_unhold_slot(rl->r); /* a slot passed on meanwhile is freed: clients look */
@@ -120,21 +111,20 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
     relay_end(rl);
 }
 
-static void abandon(relay_t *rl)
+/* On a single_sequence pool whose engine finishes an answer whose connection closed (llama.cpp),
+ * the slot stays taken until that answer has come, as for a client's request (data/proxy.c,
+ * drain_abandoned): f, rl's request, becomes a drain holding it. False when the slot is not to
+ * be kept: rl holds none, or its pool is not such a pool. */
+static bool drain_slot(relay_t *rl, net_fetch_t *f)
 {
-    rl->abandoned = true;
-    DP_LIST_PUSH(g_abandoned, rl, ab_next, ab_prev);
-}
-
-/* The answer of a relayed request kept past its first-byte timeout has come (or not): the
- * slot goes back. */
-static void drained(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                    const char *detail, void *data)
-{
-    relay_t *rl = data;
-    (void)f, (void)status, (void)body, (void)err, (void)detail;
-    rl->fetch = NULL;
-    relay_end(rl);
+    px_t *px = rl->px;
+    px_pool_t *p = px_gen_pool_by_name(px->gen, rl->r->pool_name);
+    if (!rl->holds_slot || px->draining || p == NULL || !policy_pool_drains_abandoned(p->cfg))
+        return false;
+    net_fetch_drain(f, &g_drains, policy_abandoned_drain_ms(&px->gen->cfg->limits),
+                    px_admission_kept_slot_done, px_admission_keep_slot(px, rl->r));
+    rl->holds_slot = false;
+    return true;
 }
 
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
@@ -146,22 +136,11 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
         dp_buf_t m = {0};
         dp_buf_printf(&m, "replica %s: %s%s%s", rl->r->name, net_up_err_name(err),
                       detail && *detail ? ": " : "", detail ? detail : "");
-        if (err == NET_UP_FIRST_BYTE_TIMEOUT && rl->drain) {
-            /* The replica may still be generating it (llama.cpp does): its caller is told now,
-             * the slot stays taken until the answer has come (net_fetch_opts_t drain_ms). */
-            rl->fetch = f;
-            net_fetch_rebind(f, drained, rl);
-            relay_log(rl, 502, m.base);
-            if (rl->req) {
-                net_resp_error(rl->req, 502, NULL, "replica_error", NULL, m.base, NULL, 0);
-                rl->req->data = NULL;
-                rl->req = NULL;
-            }
-            if (!rl->abandoned)
-                abandon(rl);
-        } else {
-            relay_fail(rl, 502, "replica_error", m.base);
-        }
+        /* The replica may still be generating it (llama.cpp does): its caller is told now, and
+         * the slot may stay taken until the answer has come. */
+        if (err == NET_UP_FIRST_BYTE_TIMEOUT)
+            drain_slot(rl, f);
+        relay_fail(rl, 502, "replica_error", m.base);
         dp_buf_free(&m);
         return;
     }
@@ -216,7 +195,6 @@ static void try_send(relay_t *rl)
     }
     rl->holds_slot = rl->needs_slot;
     rl->sent_ms = uv_now(px->loop);
-    rl->drain = rl->holds_slot && !px->draining && policy_pool_drains_abandoned(p->cfg);
     net_req_t *req = rl->req;
     net_fetch_opts_t o = {.method = rl->method,
                           .hostport = r->url.hostport,
@@ -225,9 +203,7 @@ static void try_send(relay_t *rl)
                           .body = req->body.base,
                           .body_len = req->body.len,
                           .max_bytes = RELAY_MAX_BYTES,
-                          .via = px_self_via_line(NULL),
-                          .drain_ms =
-                              rl->drain ? policy_abandoned_drain_ms(&px->gen->cfg->limits) : 0};
+                          .via = px_self_via_line(NULL)};
     rl->fetch = net_fetch(r->up, &o, fetched, rl);
 }
 
@@ -318,23 +294,15 @@ void px_relay_abort(net_req_t *req)
         return;
     rl->req = NULL;
     req->data = NULL;
-    /* On a single_sequence pool the replica may go on generating what it was sent (llama.cpp
-     * finishes a non-streamed answer whose client left): the slot stays taken until that
-     * answer has come, as for a client's request (data/proxy.c, drain_abandoned). */
-    px_pool_t *p = px_gen_pool_by_name(rl->px->gen, rl->r->pool_name);
-    if (rl->fetch && rl->holds_slot && !rl->px->draining && p &&
-        policy_pool_drains_abandoned(p->cfg)) {
-        abandon(rl);
-        return;
-    }
+    /* The replica may go on generating what it was sent (llama.cpp finishes a non-streamed
+     * answer whose client left). */
+    if (rl->fetch && drain_slot(rl, rl->fetch))
+        rl->fetch = NULL;
     relay_end(rl);
 }
 
 void px_relay_stop(px_t *px)
 {
-    for (relay_t *rl = g_abandoned, *next; rl; rl = next) {
-        next = rl->ab_next;
-        if (rl->px == px)
-            relay_end(rl);
-    }
+    (void)px;
+    net_drains_stop(&g_drains);
 }

@@ -2,6 +2,7 @@
  * of the non-empty ones, watched by the worker's one timer at the earliest head deadline. */
 #include <assert.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 
 #include "common/util.h"
 #include "proxy/core/gen.h"
@@ -193,11 +194,57 @@ void px_admission_slot_freed(px_pool_t *p)
     }
 }
 
+/* A slot was freed outside any pool's own accounting: whoever queues for one looks again (the
+ * other workers woken, this worker's queues served when it is one). */
+static void own_slot_freed(px_t *px)
+{
+    if (atomic_load(&px->queued) == 0)
+        return;
+    px_workers_wake(px);
+    if (px_worker_self() && *px_worker_qactive())
+        px_admission_dispatch_waiting();
+}
+
 void px_admission_own_slot_done(px_t *px, px_replica_t *r)
 {
     px_replica_put_slot(r);
-    if (atomic_load(&px->queued) > 0)
-        px_workers_wake(px);
+    own_slot_freed(px);
+}
+
+/* On the control thread the slot count itself is held: a replica being freed (its checks'
+ * requests kept as drains) can be referenced no more, and the count is control's to free. A
+ * worker holds the replica, which it has a reference to (its request's) and whose last
+ * reference may drop there. */
+typedef struct {
+    px_t *px;
+    px_slots_t *slots; /* control thread */
+    px_replica_t *r;   /* a worker */
+} kept_slot_t;
+
+void *px_admission_keep_slot(px_t *px, px_replica_t *r)
+{
+    kept_slot_t *k = dp_xcalloc(1, sizeof(*k));
+    k->px = px;
+    if (px_thread_on_control()) {
+        k->slots = px_replica_slots_ref(r);
+    } else {
+        k->r = r;
+        px_replica_ref(r);
+    }
+    return k;
+}
+
+void px_admission_kept_slot_done(void *kept)
+{
+    kept_slot_t *k = kept;
+    if (k->slots) {
+        px_replica_slots_put_unref(k->slots);
+    } else {
+        px_replica_put_slot(k->r);
+        px_replica_unref(k->r);
+    }
+    own_slot_freed(k->px);
+    free(k);
 }
 
 void px_admission_dispatch_waiting(void)

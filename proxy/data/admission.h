@@ -52,6 +52,14 @@ void px_admission_slot_freed(px_pool_t *p);
  * probe, the canary, an admin relay) goes back to r; any thread. A client queued for a slot of
  * its pool, on whichever worker, is woken to look. */
 void px_admission_own_slot_done(px_t *px, px_replica_t *r);
+/* A slot of r kept for an exchange nobody will read, while r's engine may still be generating
+ * it (a drain: net_creq_drain, net_fetch_drain, with px_admission_kept_slot_done as its done
+ * callback and what px_admission_keep_slot returns as its data). The caller's hold on the slot
+ * passes to it, and it is freed as px_admission_own_slot_done frees one when the drain ends,
+ * whether or not r is still there then (a reload may free it meanwhile). Any thread; on the
+ * control thread, also for r being freed. */
+void *px_admission_keep_slot(px_t *px, px_replica_t *r);
+void px_admission_kept_slot_done(void *kept);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
 void px_admission_dispatch_waiting(void);
 

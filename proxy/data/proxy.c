@@ -20,7 +20,6 @@
 #include <cjson/cJSON.h>
 
 #include "common/jw.h"
-#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "proxy/core/gen.h"
@@ -505,7 +504,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
 static void up_on_body(net_creq_t *c, const char *p, size_t n);
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail);
-static uint64_t up_on_first_byte_timeout(net_creq_t *c);
+static void up_on_first_byte_timeout(net_creq_t *c);
 static bool drain_abandoned(px_preq_t *q);
 static void up_on_drain(net_creq_t *c);
 
@@ -1096,14 +1095,11 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 /* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
  * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
  * drain holding the slot, for policy_abandoned_drain_ms more. */
-static uint64_t up_on_first_byte_timeout(net_creq_t *c)
+static void up_on_first_byte_timeout(net_creq_t *c)
 {
     px_preq_t *q = c->data;
-    if (!drain_abandoned(q))
-        return 0;
-    uint64_t more = policy_abandoned_drain_ms(&q->gen->cfg->limits);
-    up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
-    return more;
+    if (drain_abandoned(q))
+        up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
 }
 
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
@@ -1266,38 +1262,12 @@ static void count_request(px_preq_t *q)
  * next write), and so is any on a vLLM pool: its server cancels a request whose connection
  * closes, and would generate it to its end for a reader that stays. An exchange that got no
  * answer within the first-byte timeout is drained too, after the client's 504
- * (up_on_first_byte_timeout), for up to the longer of another first-byte timeout and the idle
- * timeout. Bounded by the upstream
- * timeouts; cancelled when the worker stops. */
+ * (up_on_first_byte_timeout). A drain's first-byte timeout keeps it policy_abandoned_drain_ms
+ * more (the longer of that timeout and the idle one), once, whether it was a drain already or
+ * became one then; past that, or the idle timeout mid-answer, the slot is freed. Cancelled,
+ * the slot freed, when the worker stops. */
 
-typedef struct drain_s {
-    struct drain_s *next, *prev;
-    net_creq_t *up;
-    px_replica_t *r; /* the slot the request handed over, and a reference of the drain's own */
-    px_pool_t *pool;
-    px_gen_t *gen; /* keeps pool */
-} drain_t;
-
-static _Thread_local drain_t *t_drains;
-
-static void drain_end(drain_t *d)
-{
-    DP_LIST_UNLINK(t_drains, d, next, prev);
-    px_replica_put_slot(d->r);
-    px_replica_unref(d->r);
-    px_admission_slot_freed(d->pool);
-    px_gen_unref(d->gen);
-    free(d);
-}
-
-static void drain_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
-{
-    (void)err, (void)detail;
-    drain_end(c->data);
-}
-
-/* The answer's bytes are read and dropped: only its end matters. */
-static const net_creq_cb_t drain_cb = {.on_done = drain_on_done};
+static _Thread_local net_drains_t t_drains;
 
 /* Take over q's exchange and slot when its engine may still be generating an answer nobody
  * will read (see above); false when the exchange is to be cancelled. */
@@ -1306,15 +1276,8 @@ static bool drain_abandoned(px_preq_t *q)
     if (q->replica == NULL || q->pool == NULL || q->hooks.stream || q->sse ||
         !policy_pool_drains_abandoned(q->pool->cfg) || px_worker_closing() || !net_creq_sent(q->up))
         return false;
-    drain_t *d = dp_xcalloc(1, sizeof(*d));
-    d->up = q->up;
-    d->r = q->replica;
-    px_replica_ref(d->r); /* q keeps its own: the request still names the replica */
-    d->pool = q->pool;
-    d->gen = q->gen;
-    px_gen_ref(d->gen);
-    DP_LIST_PUSH(t_drains, d, next, prev);
-    net_creq_rebind(d->up, &drain_cb, d);
+    net_creq_drain(q->up, &t_drains, policy_abandoned_drain_ms(&q->gen->cfg->limits),
+                   px_admission_kept_slot_done, px_admission_keep_slot(q->gen->px, q->replica));
     q->up = NULL;
     q->slot_drained = true; /* the drain frees the slot */
     return true;
@@ -1322,11 +1285,7 @@ static bool drain_abandoned(px_preq_t *q)
 
 static void stop_drains(void)
 {
-    while (t_drains) {
-        drain_t *d = t_drains;
-        net_creq_cancel(d->up);
-        drain_end(d);
-    }
+    net_drains_stop(&t_drains);
 }
 
 static void finish(px_preq_t *q)

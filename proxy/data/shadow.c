@@ -38,7 +38,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "drift/drift.h"
@@ -75,9 +74,9 @@ struct px_shadow_ctx_s {
     size_t npools;
     struct rentry_s **rollouts; /* per (baseline, candidate) pair of names */
     size_t nrollouts;
-    uint32_t inflight;       /* drift shadows in flight */
-    shadow_t *active;        /* exchanges in flight, for shutdown */
-    struct cdrain_s *drains; /* copies read on past their first-byte timeout (cdrain_t) */
+    uint32_t inflight;   /* drift shadows in flight */
+    shadow_t *active;    /* exchanges in flight, for shutdown */
+    net_drains_t drains; /* copies read on past their first-byte timeout (sh_first_byte_timeout) */
     /* Copies still waiting for a free slot after their primary ended: tried every
      * COPY_RETRY_MS, never while clients wait, for at most COPY_WAIT_MS. */
     struct plan_s *waiting;
@@ -664,49 +663,18 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
  * slot freed only once the answer has come (or policy_abandoned_drain_ms passed), as for a
  * client's request (data/proxy.c, drain_abandoned): otherwise the next copy or request would
  * run beside the generation still going on. Cancelled at px_shadow_stop. */
-typedef struct cdrain_s {
-    struct cdrain_s *next, *prev;
-    net_creq_t *c;
-    px_t *px;
-    px_replica_t *r; /* a reference, and one of its slots */
-} cdrain_t;
-
-static void cdrain_end(cdrain_t *d)
-{
-    shadow_ctx_t *c = ctx(d->px);
-    DP_LIST_UNLINK(c->drains, d, next, prev);
-    px_admission_own_slot_done(d->px, d->r);
-    px_replica_unref(d->r);
-    free(d);
-}
-
-static void cdrain_done(net_creq_t *c, net_up_err_t err, const char *detail)
-{
-    (void)err, (void)detail;
-    cdrain_end(c->data);
-}
-
-static const net_creq_cb_t cdrain_cb = {.on_done = cdrain_done};
-
-static uint64_t sh_first_byte_timeout(net_creq_t *c)
+static void sh_first_byte_timeout(net_creq_t *c)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
     px_pool_t *p = live_pool(s->px, s->target_r->pool_name);
     if (!s->holds_slot || s->tap->stream || p == NULL || !policy_pool_drains_abandoned(p->cfg) ||
         atomic_load(&sc->stopped) || !net_creq_sent(c))
-        return 0;
-    cdrain_t *d = dp_xcalloc(1, sizeof(*d));
-    d->c = c;
-    d->px = s->px;
-    d->r = s->target_r;
-    px_replica_ref(d->r);
-    DP_LIST_PUSH(sc->drains, d, next, prev);
+        return;
+    net_creq_drain(c, &sc->drains, policy_abandoned_drain_ms(&s->px->gen->cfg->limits),
+                   px_admission_kept_slot_done, px_admission_keep_slot(s->px, s->target_r));
     s->holds_slot = false; /* the drain frees it */
-    net_creq_rebind(c, &cdrain_cb, d);
-    uint64_t more = policy_abandoned_drain_ms(&s->px->gen->cfg->limits);
     copy_ended(s, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout"); /* frees s */
-    return more;
 }
 
 static const net_creq_cb_t shadow_cb = {.on_head = sh_head,
@@ -1319,11 +1287,7 @@ void px_shadow_stop(px_t *px)
         s->shadow_done = true;
         maybe_compare(s);
     }
-    while (c->drains) {
-        cdrain_t *d = c->drains;
-        net_creq_cancel(d->c);
-        cdrain_end(d);
-    }
+    net_drains_stop(&c->drains);
 }
 
 void px_shadow_free(px_t *px)

@@ -193,6 +193,10 @@ class Proc:
         with self._cond:
             while len(self.listeners) < self.ready_count:
                 if self._eof or self.popen.poll() is not None:
+                    # Gone: what it said last may still be in the pipe until the reader's EOF.
+                    eof_by = time.monotonic() + 5
+                    while not self._eof and time.monotonic() < eof_by:
+                        self._cond.wait(0.2)
                     raise ProcError("%s exited (rc=%s) before it was ready:\n%s" % (
                         self.name, self.popen.poll(), "\n".join(self.lines[-20:])))
                 left = deadline - time.monotonic()

@@ -439,6 +439,26 @@ def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
     px.stop()
 
 
+def test_single_sequence_holds_the_slot_of_a_request_abandoned_before_its_first_byte():
+    """A client that leaves before any answer began: its exchange is drained from then on, and
+    the first-byte timeout that comes later keeps the drain (and the slot) for longer still,
+    as for a request that was still the client's when it passed."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])],
+                     limits={"upstream_first_byte_timeout_ms": 500})
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s, five timeouts.
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60,
+                       "temperature": 0}).encode()
+    abandon(px.port, b"/v1/completions", body, sim)
+    # Sent at once, it waits for the slot until the abandoned answer has come.
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["requests"] == 2, st
+    px.stop()
+
+
 def test_single_sequence_holds_the_slot_of_a_relayed_request_past_a_first_byte_timeout():
     """The admin relay's request that times out upstream: its caller gets the error at once,
     the slot stays taken until the engine's answer has come."""

@@ -964,3 +964,156 @@ Test(net_client, a_reused_connection_gets_its_whole_first_byte_timeout)
     x_free(&a);
     x_free(&b);
 }
+
+/* ---- drains -------------------------------------------------------------------------------- */
+
+static peer_conn_t *g_waiting; /* the connection whose request waits for its answer */
+
+static void keep_waiting(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    g_waiting = c;
+}
+
+static int g_drained; /* drain callbacks run */
+
+static void count_drained(void *data)
+{
+    cr_assert_eq(data, &g_drained);
+    g_drained++;
+}
+
+static const char ANSWER[] = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello";
+
+/* A GET the peer has read and leaves unanswered (g_waiting is its connection), on a new
+ * upstream with options o. */
+static void start_unanswered(ex_t *x, const net_upstream_opts_t *o)
+{
+    peer_start(&g_peer, keep_waiting);
+    up_new(o);
+    g_drained = 0;
+    x_get(x);
+    RUN_UNTIL(g_peer.requests == 1);
+}
+
+/* A drained exchange is read to its end and dropped: its owner's callbacks no longer run,
+ * the drain's runs once, and the connection, answered cleanly, is pooled. */
+Test(net_client, a_drain_reads_the_answer_to_its_end_and_calls_back_once)
+{
+    ex_t x;
+    start_unanswered(&x, &(net_upstream_opts_t){0});
+    net_drains_t set = {0};
+    net_creq_drain(x.r, &set, 0, count_drained, &g_drained);
+    peer_writes(g_waiting, ANSWER);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_null(set.head);
+    cr_assert_eq(x.heads, 0);
+    cr_assert_not(x.done);
+    cr_assert_eq(x.body.len, 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
+/* An exchange paused by its owner (a slow client) is read again once it is a drain. */
+Test(net_client, a_paused_exchange_is_read_again_once_drained)
+{
+    ex_t x;
+    start_unanswered(&x, &(net_upstream_opts_t){0});
+    net_creq_pause(x.r);
+    net_drains_t set = {0};
+    net_creq_drain(x.r, &set, 0, count_drained, &g_drained);
+    peer_writes(g_waiting, ANSWER);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
+/* A drain made before its first-byte timeout is kept past it for more_ms, once: an answer
+ * that comes in that time ends it, and none at all ends it at the first-byte timeout plus
+ * more_ms. With more_ms 0 it ends at the first-byte timeout. */
+Test(net_client, a_drain_is_kept_past_its_first_byte_timeout_for_more_ms_once)
+{
+    ex_t x;
+    start_unanswered(&x, &(net_upstream_opts_t){.first_byte_timeout_ms = 50});
+    net_drains_t set = {0};
+    net_creq_drain(x.r, &set, 300, count_drained, &g_drained);
+    run_for(150); /* three first-byte timeouts: kept */
+    cr_assert_eq(g_drained, 0);
+    peer_writes(g_waiting, ANSWER);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+
+    uint64_t t0 = uv_now(&g_loop);
+    x_get(&x);
+    RUN_UNTIL(g_peer.requests == 2);
+    net_creq_drain(x.r, &set, 200, count_drained, &g_drained);
+    RUN_UNTIL(g_drained == 2);
+    cr_assert_geq(uv_now(&g_loop) - t0, 240, "ended after %llu ms",
+                  (unsigned long long)(uv_now(&g_loop) - t0));
+    cr_assert_null(set.head);
+
+    t0 = uv_now(&g_loop);
+    x_get(&x);
+    RUN_UNTIL(g_peer.requests == 3);
+    net_creq_drain(x.r, &set, 0, count_drained, &g_drained);
+    RUN_UNTIL(g_drained == 3);
+    cr_assert_lt(uv_now(&g_loop) - t0, 200, "kept past its first-byte timeout");
+    x_free(&x);
+}
+
+static net_drains_t g_fbt_set;
+
+static void drain_at_first_byte_timeout(net_creq_t *r)
+{
+    ((ex_t *)r->data)->heads = -1; /* told */
+    net_creq_drain(r, &g_fbt_set, 300, count_drained, &g_drained);
+}
+
+/* The owner told of a first-byte timeout may keep the exchange as a drain, which has its
+ * more_ms at once; the owner's on_done never runs. */
+Test(net_client, a_first_byte_timeout_callback_may_keep_the_exchange_as_a_drain)
+{
+    static const net_creq_cb_t cb = {.on_head = x_head,
+                                     .on_body = x_body,
+                                     .on_done = x_done,
+                                     .on_first_byte_timeout = drain_at_first_byte_timeout};
+    peer_start(&g_peer, keep_waiting);
+    up_new(&(net_upstream_opts_t){.first_byte_timeout_ms = 50});
+    g_fbt_set = (net_drains_t){0};
+    g_drained = 0;
+    ex_t x = {0};
+    uv_buf_t b = uv_buf_init("GET / HTTP/1.1\r\nhost: x\r\n\r\n", 27);
+    x.r = net_creq_start(g_up, &b, 1, false, false, &cb, &x);
+    RUN_UNTIL(x.heads == -1);
+    cr_assert_not_null(g_fbt_set.head);
+    run_for(150);
+    cr_assert_eq(g_drained, 0);
+    peer_writes(g_waiting, ANSWER);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_not(x.done);
+    cr_assert_null(g_fbt_set.head);
+    x_free(&x);
+}
+
+/* Stopping a set ends each of its drains at once: the connection closed (never pooled), the
+ * callback run. */
+Test(net_client, stopping_a_set_ends_every_drain_in_it)
+{
+    peer_start(&g_peer, keep_waiting);
+    up_new(&(net_upstream_opts_t){0});
+    net_drains_t set = {0};
+    g_drained = 0;
+    ex_t x[3];
+    for (int i = 0; i < 3; i++) {
+        x_get(&x[i]);
+        RUN_UNTIL(g_peer.requests == i + 1);
+        net_creq_drain(x[i].r, &set, 1000, count_drained, &g_drained);
+    }
+    net_drains_stop(&set);
+    cr_assert_eq(g_drained, 3);
+    cr_assert_null(set.head);
+    run_idle();
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
+    for (int i = 0; i < 3; i++)
+        x_free(&x[i]);
+}

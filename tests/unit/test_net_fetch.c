@@ -321,3 +321,84 @@ Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
     cr_assert_eq(net_client_upstream_idle(g_up), 1);
     dp_buf_free(&x.body);
 }
+
+/* ---- drains -------------------------------------------------------------------------------- */
+
+static int g_drained;
+static net_drains_t g_set;
+
+static void count_drained(void *data)
+{
+    cr_assert_eq(data, &g_drained);
+    g_drained++;
+}
+
+/* The fetch's callback, which makes the exchange a drain when told of a first-byte timeout. */
+static void fetched_or_drain(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                             const char *detail, void *data)
+{
+    fetched(f, status, body, err, detail, data);
+    if (err == NET_UP_FIRST_BYTE_TIMEOUT)
+        net_fetch_drain(f, &g_set, 300, count_drained, &g_drained);
+}
+
+static net_upstream_t *short_first_byte_timeout(void)
+{
+    struct sockaddr_in a = loopback(net_server_port(g_srv));
+    return net_upstream_new(&g_loop, (struct sockaddr *)&a,
+                            &(net_upstream_opts_t){.first_byte_timeout_ms = 50});
+}
+
+/* Told of a first-byte timeout while the exchange is still open, a callback that does not
+ * keep it ends it: the connection is closed, and the callback does not run again. */
+Test(net_fetch, a_first_byte_timeout_is_told_once_and_ends_the_exchange)
+{
+    net_upstream_t *u = short_first_byte_timeout();
+    fr_t r = {0};
+    net_fetch(u, &(net_fetch_opts_t){.method = "GET", .hostport = "h:1", .target = "/hold"},
+              fetched, &r);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_FIRST_BYTE_TIMEOUT);
+    RUN_UNTIL(g_aborts == 1);
+    run_idle();
+    net_upstream_free(u);
+}
+
+/* The callback told of a first-byte timeout may keep the exchange as a drain: the answer that
+ * comes later is read and dropped, the drain's callback runs, the fetch's does not again. */
+Test(net_fetch, a_fetch_told_of_a_first_byte_timeout_may_drain_it)
+{
+    net_upstream_t *u = short_first_byte_timeout();
+    g_set = (net_drains_t){0};
+    g_drained = 0;
+    fr_t r = {0};
+    net_fetch(u, &(net_fetch_opts_t){.method = "GET", .hostport = "h:1", .target = "/hold"},
+              fetched_or_drain, &r);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.err, NET_UP_FIRST_BYTE_TIMEOUT);
+    cr_assert_not_null(g_set.head);
+    run_for(150); /* past three more first-byte timeouts: kept for its 300 ms */
+    cr_assert_eq(g_drained, 0);
+    cr_assert_eq(g_aborts, 0);
+    net_resp_send(g_held, 200, "application/json", "{}", 2, NULL, 0);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_null(g_set.head);
+    net_upstream_free(u);
+}
+
+/* A fetch made a drain before its callback ran: its callback never runs, the drain's does
+ * once the answer is in. */
+Test(net_fetch, a_fetch_drained_before_its_answer_calls_only_the_drain_back)
+{
+    g_set = (net_drains_t){0};
+    g_drained = 0;
+    fr_t r;
+    net_fetch_t *f = get(&r, "/hold", 0);
+    RUN_UNTIL(g_held != NULL);
+    net_fetch_drain(f, &g_set, 0, count_drained, &g_drained);
+    net_resp_send(g_held, 200, "application/json", "{}", 2, NULL, 0);
+    RUN_UNTIL(g_drained == 1);
+    run_idle();
+    cr_assert_not(r.done);
+}
