@@ -545,7 +545,8 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_
     that brings the engine back makes a new replica object while that canary still generates.
     The engine's slots outlive every replica object that shared them while a request of theirs
     is read: the new object's checks wait for the orphaned canary."""
-    sim, px = canary_running("40")
+    # 42 tokens of 80 ms: 3.4 s for the two reloads to happen in, even on a loaded machine.
+    sim, px = canary_running("80")
     other = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
                       "b11669-Debian")
     url = "http://127.0.0.1:%d" % sim.port
