@@ -186,6 +186,7 @@ enum {
     S_N_PREDICT,
     S_MAX_NEW_TOKENS,    /* TGI's and SGLang's native name, ruled wherever it is sent */
     S_MAX_OUTPUT_TOKENS, /* /v1/responses' max_tokens, governed by its rule */
+    S_N_CMPL,            /* llama.cpp's name for n, governed by n's rule */
     S_MIN_P,             /* touched only by framework normalisation */
     S_REPETITION_PENALTY,
     S_REPEAT_PENALTY,
@@ -198,6 +199,8 @@ enum {
     S_PROMPT,
     S_MESSAGES,
     S_INPUT,
+    S_BEST_OF, /* read only for single_sequence pools (check_one_sequence) */
+    S_USE_BEAM_SEARCH,
     S__COUNT
 };
 
@@ -228,6 +231,7 @@ static const struct {
     [S_N_PREDICT] = {"n_predict", 9, true},
     [S_MAX_NEW_TOKENS] = {"max_new_tokens", 14, true},
     [S_MAX_OUTPUT_TOKENS] = {"max_output_tokens", 17, true},
+    [S_N_CMPL] = {"n_cmpl", 6, true},
     [S_MIN_P] = {"min_p", 5, false},
     [S_REPETITION_PENALTY] = {"repetition_penalty", 18, false},
     [S_REPEAT_PENALTY] = {"repeat_penalty", 14, false},
@@ -239,6 +243,8 @@ static const struct {
     [S_PROMPT] = {"prompt", 6, false},
     [S_MESSAGES] = {"messages", 8, false},
     [S_INPUT] = {"input", 5, false},
+    [S_BEST_OF] = {"best_of", 7, false},
+    [S_USE_BEAM_SEARCH] = {"use_beam_search", 15, false},
 };
 
 struct policy_req_s {
@@ -755,6 +761,50 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
     }
 }
 
+/* Does the request run more than one sequence at once on the engine? llama.cpp's server runs n
+ * (or n_cmpl) choices in as many slots together; vLLM samples n and best_of candidates, and
+ * beam search its beams, in one batch. A single_sequence pool runs one sequence at a time per
+ * replica (docs/configuration.md, "Deterministic pools"): err (when not NULL) says why such a
+ * request is refused there, naming the key, rather than cut to one answer the client did not
+ * ask for. */
+static bool several_sequences(const apply_t *a, policy_error_t *err)
+{
+    static const int counts[] = {S_N, S_N_CMPL};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(counts); i++) {
+        int s = counts[i];
+        if (a->cur[s].kind != PV_NUM || a->cur[s].i <= 1)
+            continue;
+        if (err)
+            policy_set_error(err, 400, "policy_violation", slots[s].name,
+                             "%s %lld asks for %lld completions at once, and this pool runs one "
+                             "sequence at a time per replica (determinism.mode single_sequence): "
+                             "send one request per completion",
+                             slots[s].name, (long long)a->cur[s].i, (long long)a->cur[s].i);
+        return true;
+    }
+    const jdoc_t *d = &a->r->doc;
+    uint32_t k = a->r->key[S_BEST_OF];
+    if (k != JDOC_NONE && d->toks[k + 1].type == JT_NUM && jdoc_num(d, k + 1) > 1) {
+        const jtok_t *t = &d->toks[k + 1];
+        if (err)
+            policy_set_error(err, 400, "policy_violation", "best_of",
+                             "best_of %.*s samples that many candidates at once, and this pool "
+                             "runs one sequence at a time per replica (determinism.mode "
+                             "single_sequence)",
+                             (int)(t->len < 32 ? t->len : 32), d->src + t->start);
+        return true;
+    }
+    k = a->r->key[S_USE_BEAM_SEARCH];
+    if (k != JDOC_NONE && d->toks[k + 1].type == JT_TRUE) {
+        if (err)
+            policy_set_error(err, 400, "policy_violation", "use_beam_search",
+                             "use_beam_search runs its beams at once, and this pool runs one "
+                             "sequence at a time per replica (determinism.mode single_sequence)");
+        return true;
+    }
+    return false;
+}
+
 /* Every count a rule governs is an integer >= 1 once the rules ran (docs/policy.md §3, "Counts").
  * Engines read 0 and negative lengths as "no limit" (llama.cpp: n_predict -1 is infinite) or
  * as something of their own, so a -1 under `max: 100` would void the cap. A rule with a `min`
@@ -763,10 +813,12 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
 static int check_counts(const apply_t *a, const cfg_tenant_t *t, policy_error_t *err)
 {
     static const int counts[] = {S_MAX_TOKENS,     S_MAX_COMPLETION_TOKENS, S_N_PREDICT,
-                                 S_MAX_NEW_TOKENS, S_MAX_OUTPUT_TOKENS,     S_N};
+                                 S_MAX_NEW_TOKENS, S_MAX_OUTPUT_TOKENS,     S_N,
+                                 S_N_CMPL};
     for (size_t i = 0; i < DP_ARRAY_SIZE(counts); i++) {
         int s = counts[i];
-        const cfg_rule_t *rule = &t->rules[s == S_N ? CFG_PARAM_N : CFG_PARAM_MAX_TOKENS];
+        bool n = s == S_N || s == S_N_CMPL;
+        const cfg_rule_t *rule = &t->rules[n ? CFG_PARAM_N : CFG_PARAM_MAX_TOKENS];
         /* max_output_tokens is a length only on /v1/responses; elsewhere no rule reads it. */
         if (s == S_MAX_OUTPUT_TOKENS && a->r->route != POLICY_ROUTE_RESPONSES)
             continue;
@@ -1259,6 +1311,8 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
             continue;
         apply_rule(&a, s, mt); /* present, so a default cannot apply */
     }
+    if (a.cur[S_N_CMPL].kind == PV_NUM)
+        apply_rule(&a, S_N_CMPL, &t->rules[CFG_PARAM_N]);
     if (check_counts(&a, t, err) < 0)
         return -1;
     if (t->rules[CFG_PARAM_SEED].derive && a.cur[S_SEED].kind != PV_NUM) {
@@ -1274,6 +1328,9 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
      * off on every request (docs/policy.md §5, N8). */
     if (single_sequence && fw == FW_LLAMACPP)
         force_false(&a, S_CACHE_PROMPT);
+    out->several_sequences = several_sequences(&a, single_sequence ? err : NULL);
+    if (single_sequence && out->several_sequences)
+        return -1;
     /* The Responses API has no seed. vLLM takes one as an extra sampling field; elsewhere it
      * would be dropped without a word, and a forced or derived seed is a promise to the
      * tenant: refuse rather than break it. */

@@ -113,7 +113,7 @@ typedef enum {
 extern const char *const policy_action_names[POLICY_ACTION__COUNT];
 
 #define POLICY_VAL_LEN 32
-#define POLICY_MAX_CHANGES 32
+#define POLICY_MAX_CHANGES 40
 
 /* One override, for x-detproxy-* headers, the audit line and
  * detproxy_policy_overrides_total{tenant,param,action}. A parameter can appear twice: once for
@@ -150,6 +150,9 @@ typedef struct {
     double top_p;
     bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
     int64_t max_tokens;
+    /* It runs more than one sequence at once on an engine (n or n_cmpl above 1, best_of above
+     * 1, use_beam_search): refused on a single_sequence pool, and no copy of it is sent to one. */
+    bool several_sequences;
     /* Kept by the policy_req_t, sized to what its requests needed: a result is a few dozen
      * bytes that live as long as the request (a stream's whole life), not room for the most
      * any request could change. */

@@ -761,7 +761,8 @@ typedef struct plan_s {
     tap_t *tap; /* NULL when the request is not comparable: nothing will be compared */
     char *pool, *primary, *tenant;
     bool comparable;
-    bool drift; /* a drift shadow of `kind` was drawn */
+    bool several_sequences; /* policy_result_t's: no copy to a single_sequence pool */
+    bool drift;             /* a drift shadow of `kind` was drawn */
     drift_kind_t kind;
     char **cands; /* candidate pools drawn (NULL once carried out: see tap_t.later) */
     size_t ncands;
@@ -923,6 +924,18 @@ static copy_rc_t start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, co
         return COPY_SKIPPED;
     }
     px_pool_t *cp = live_pool(px, cand);
+    /* Several sequences at once would break the candidate's promise of one (docs/configuration.md
+     * "Deterministic pools"), as the request itself would be refused there. */
+    if (cp && pl->several_sequences &&
+        cfg_pool_determinism(cp->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "pool %s runs one sequence at a time (single_sequence) and the request several "
+                 "(n, n_cmpl, best_of or beam search)",
+                 cand);
+        candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
+        return COPY_SKIPPED;
+    }
     bool busy = false;
     px_replica_t *target = cp ? copy_target(cp, NULL, false, &busy) : NULL;
     if (target == NULL) {
@@ -1126,6 +1139,7 @@ void *px_shadow_maybe(px_t *px, px_pool_t *pool, px_replica_t *primary, const cf
     pl->primary = dp_xstrdup(primary->name);
     pl->tenant = t && t->name ? dp_xstrdup(t->name) : NULL;
     pl->comparable = res->comparable;
+    pl->several_sequences = res->several_sequences;
     pl->drift = drift;
     pl->kind = kind;
     pl->cands = cands;

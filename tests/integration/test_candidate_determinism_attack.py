@@ -68,6 +68,38 @@ def test_single_sequence_llamacpp_candidate_gets_cache_prompt_false():
     px.stop()
 
 
+def test_several_sequences_at_once_are_refused_by_and_never_copied_to_a_single_sequence_pool():
+    """n above 1 (llama.cpp's n_cmpl too), best_of above 1 or beam search run that many
+    sequences at once on the engine: the candidate pool gets no copy of such a request, and a
+    request sent to it directly is refused, naming the key."""
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL)
+    px = proxy(base, [cand])
+    for extra in ({"n": 3}, {"n_cmpl": 2}, {"best_of": 2}, {"use_beam_search": True}):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0}
+        body.update(extra)
+        assert post_json(px.port, "/v1/completions", body).status == 200
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next",
+                              result="skipped") >= 4, what="four copies skipped")
+    assert sim_stats(cand)["requests"] == 0, sim_stats(cand)
+    rollouts = get_json(px.admin_port, "/admin/rollouts")
+    assert "runs one sequence at a time" in json.dumps(rollouts), rollouts
+    # One sequence is copied as before.
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3,
+                                               "temperature": 0, "n": 1})
+    assert r.status == 200, r
+    poll_until(lambda: sim_stats(cand)["requests"] == 1, what="the copy of one sequence")
+    px.stop()
+    px = start_proxy(pools=[pool("seq", [MODEL], [cand],
+                                 manifest={"determinism": {"mode": "single_sequence"}})])
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2})
+    assert r.status == 400, r
+    err = r.json()["error"]
+    assert err["code"] == "policy_violation" and err["param"] == "n", err
+    assert "one sequence at a time" in err["message"], err
+    px.stop()
+
+
 def test_pinned_client_waits_for_the_copy_slot_and_is_then_served():
     """The candidate pool is also a tenant's pinned pool: a copy holding the replica's one slot
     makes the tenant's request queue, and the copy's end hands the slot on (no queue timeout)."""

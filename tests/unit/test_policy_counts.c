@@ -170,3 +170,31 @@ Test(counts, valid_values_pass_and_clamp)
     cr_assert(strstr(policy_body(req, &res).base, "\"n_predict\":100"));
     cr_assert(strstr(policy_body(req, &res).base, "\"max_tokens\":1"));
 }
+
+/* llama.cpp's n_cmpl is its name for n: n's rule governs it wherever it is sent, so a cap on n
+ * cannot be passed by the other name, and a count below 1 is refused naming it. */
+Test(counts, n_cmpl_is_ruled_as_n)
+{
+    cfg_tenant_t t;
+    memset(&t, 0, sizeof(t));
+    t.name = "one";
+    t.match_kind = CFG_MATCH_ANY;
+    t.shadow_rate = -1;
+    t.rules[CFG_PARAM_N].has_max = true;
+    t.rules[CFG_PARAM_N].max = 1;
+    cr_assert_eq(run(&t, POLICY_ROUTE_COMPLETIONS,
+                     "{\"model\":\"m\",\"prompt\":\"p\",\"n_cmpl\":8}", "llamacpp"),
+                 0, "%s", err.message);
+    const char *want = "{\"model\":\"m\",\"prompt\":\"p\",\"n_cmpl\":1,\"n\":1}";
+    cr_assert_eq(policy_body(req, &res).len, strlen(want), "%.*s", (int)policy_body(req, &res).len,
+                 policy_body(req, &res).base);
+    cr_assert(memcmp(policy_body(req, &res).base, want, policy_body(req, &res).len) == 0);
+    cr_assert_eq(run(&t, POLICY_ROUTE_COMPLETIONS,
+                     "{\"model\":\"m\",\"prompt\":\"p\",\"n_cmpl\":0}", "llamacpp"),
+                 -1);
+    cr_assert_str_eq(err.param, "n_cmpl");
+    cr_assert_eq(run(&t, POLICY_ROUTE_COMPLETIONS,
+                     "{\"model\":\"m\",\"prompt\":\"p\",\"n_cmpl\":1.5}", "llamacpp"),
+                 -1);
+    cr_assert_str_eq(err.code, "invalid_value");
+}

@@ -126,3 +126,55 @@ Test(determinism_policy, policy_apply_itself_never_touches_cache_prompt)
     cr_assert_eq(policy_apply(req, &cfg->policy->tenants[1], "llamacpp", &res, &err), 0);
     cr_assert_not(res.rewritten);
 }
+
+static void refused(const char *body, const char *param, const char *says)
+{
+    const cfg_pool_t *pool;
+    policy_result_t res;
+    policy_error_t err;
+    policy_req_reset(req);
+    cr_assert_eq(decide(0, body, &pool, &res, &err), -1, "%s", body);
+    cr_assert_eq(err.status, 400);
+    cr_assert_str_eq(err.code, "policy_violation");
+    cr_assert_str_eq(err.param, param);
+    cr_assert(strstr(err.message, says) && strstr(err.message, "single_sequence"), "%s",
+              err.message);
+}
+
+/* A request for several completions is several sequences at once on the engine (llama.cpp runs
+ * n or n_cmpl choices in as many slots together): a single_sequence pool refuses it, naming
+ * the key, and takes one. */
+Test(determinism_policy, single_sequence_refuses_several_sequences_at_once)
+{
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"n\":3}", "n", "n 3 asks for 3 completions");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"n_cmpl\":2}", "n_cmpl",
+            "n_cmpl 2 asks for 2 completions");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":4}", "best_of", "best_of 4 samples");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":1.5}", "best_of", "best_of 1.5");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search",
+            "beams at once");
+    static const char *const one[] = {
+        "{\"model\":\"m\",\"prompt\":\"x\",\"n\":1,\"n_cmpl\":1,\"best_of\":1,"
+        "\"use_beam_search\":false,\"cache_prompt\":false}",
+        "{\"model\":\"m\",\"prompt\":\"x\",\"n\":null,\"best_of\":null,\"use_beam_search\":null,"
+        "\"cache_prompt\":false}",
+    };
+    for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
+        forwarded(one[i], one[i], NULL);
+}
+
+/* Elsewhere they pass, and the result says so (no copy of them goes to a single_sequence
+ * candidate pool). */
+Test(determinism_policy, several_sequences_pass_on_other_pools_and_are_marked)
+{
+    const cfg_pool_t *pool;
+    policy_result_t res;
+    policy_error_t err;
+    static const char body[] = "{\"model\":\"other\",\"prompt\":\"x\",\"n\":3}";
+    cr_assert_eq(decide(1, body, &pool, &res, &err), 0, "%s", err.message);
+    cr_assert_str_eq(pool->name, "fast");
+    cr_assert(res.several_sequences);
+    policy_req_reset(req);
+    cr_assert_eq(decide(1, "{\"model\":\"other\",\"prompt\":\"x\",\"n\":1}", &pool, &res, &err), 0);
+    cr_assert_not(res.several_sequences);
+}

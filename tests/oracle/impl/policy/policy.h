@@ -112,7 +112,7 @@ typedef enum {
 extern const char *const policy_action_names[POLICY_ACTION__COUNT];
 
 #define POLICY_VAL_LEN 32
-#define POLICY_MAX_CHANGES 32
+#define POLICY_MAX_CHANGES 40
 
 /* One override, for x-detproxy-* headers, the audit line and
  * detproxy_policy_overrides_total{tenant,param,action}. A parameter can appear twice: once for
