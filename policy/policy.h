@@ -151,7 +151,7 @@ typedef struct {
     bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
     int64_t max_tokens;
     /* It runs more than one sequence at once on an engine (n or n_cmpl above 1, best_of above
-     * 1, use_beam_search): refused on a single_sequence pool, and no copy of it is sent to one. */
+     * 1, use_beam_search, a batch of prompts): refused on a single_sequence pool, and no copy of it is sent to one. */
     bool several_sequences;
     /* Kept by the policy_req_t, sized to what its requests needed: a result is a few dozen
      * bytes that live as long as the request (a stream's whole life), not room for the most

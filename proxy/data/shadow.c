@@ -931,7 +931,7 @@ static copy_rc_t start_candidate(px_t *px, px_pool_t *pool, const plan_t *pl, co
         char why[200];
         snprintf(why, sizeof(why),
                  "pool %s runs one sequence at a time (single_sequence) and the request several "
-                 "(n, n_cmpl, best_of or beam search)",
+                 "(n, n_cmpl, best_of, beam search or a batch of prompts)",
                  cand);
         candidate_miss(px, pool->name, cand, ROLLOUT_SKIPPED, why);
         return COPY_SKIPPED;

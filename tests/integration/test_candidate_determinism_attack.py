@@ -69,18 +69,19 @@ def test_single_sequence_llamacpp_candidate_gets_cache_prompt_false():
 
 
 def test_several_sequences_at_once_are_refused_by_and_never_copied_to_a_single_sequence_pool():
-    """n above 1 (llama.cpp's n_cmpl too), best_of above 1 or beam search run that many
-    sequences at once on the engine: the candidate pool gets no copy of such a request, and a
+    """n above 1 (llama.cpp's n_cmpl too), best_of above 1, beam search or a batch of prompts
+    run that many sequences at once on the engine: the candidate pool gets no copy of such a request, and a
     request sent to it directly is refused, naming the key."""
     base = [start_sim("--model", MODEL)]
     cand = start_sim("--model", MODEL)
     px = proxy(base, [cand])
-    for extra in ({"n": 3}, {"n_cmpl": 2}, {"best_of": 2}, {"use_beam_search": True}):
+    for extra in ({"n": 3}, {"n_cmpl": 2}, {"best_of": 2}, {"use_beam_search": True},
+                  {"prompt": ["x", "y"]}):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0}
         body.update(extra)
         assert post_json(px.port, "/v1/completions", body).status == 200
     poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next",
-                              result="skipped") >= 4, what="four copies skipped")
+                              result="skipped") >= 5, what="five copies skipped")
     assert sim_stats(cand)["requests"] == 0, sim_stats(cand)
     rollouts = get_json(px.admin_port, "/admin/rollouts")
     assert "runs one sequence at a time" in json.dumps(rollouts), rollouts

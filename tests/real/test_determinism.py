@@ -51,12 +51,15 @@ def ask(px, prompt):
     return r.json()["choices"][0]["text"]
 
 
-def several(px, key):
-    """A completion of PROMPTS[0] with 3 choices asked for under `key` (n, or llama.cpp's n_cmpl):
-    the engine runs them as 3 sequences at once."""
-    return post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": PROMPTS[0],
-                                                  "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                  key: 3})
+def several(px, extra):
+    """A completion asking for 3 answers of PROMPTS[0] (n, or llama.cpp's n_cmpl), or for one
+    answer to each of 3 prompts: the engine runs them as 3 sequences at once."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body.update(extra)
+    return post_json(px.port, "/v1/completions", body)
+
+
+SEVERAL = [("n", {"n": 3}), ("n_cmpl", {"n_cmpl": 3}), ("prompt", {"prompt": PROMPTS[:3]})]
 
 
 def rounds(px, reference):
@@ -98,16 +101,16 @@ def test_single_sequence_gives_the_sequential_answers_under_concurrency():
             # The reference: each prompt alone on its replica.
             reference = [ask(seq, p) for p in PROMPTS]
             seq_div, seq_wrong, seq_rps = rounds(seq, reference)
-            for key in ("n", "n_cmpl"):
-                r = several(seq, key)
+            for key, extra in SEVERAL:
+                r = several(seq, extra)
                 assert r.status == 400 and r.json()["error"]["param"] == key, r
         finally:
             seq.stop()
         plain = proxy(urls)
         try:
             plain_div, plain_wrong, plain_rps = rounds(plain, reference)
-            for key in ("n", "n_cmpl"):  # what the single_sequence pool refused: 3 answers
-                r = several(plain, key)
+            for _, extra in SEVERAL:  # what the single_sequence pool refused: 3 answers
+                r = several(plain, extra)
                 assert r.status == 200 and len(r.json()["choices"]) == 3, r
         finally:
             plain.stop()

@@ -153,11 +153,16 @@ Test(determinism_policy, single_sequence_refuses_several_sequences_at_once)
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":1.5}", "best_of", "best_of 1.5");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search",
             "beams at once");
+    refused("{\"model\":\"m\",\"prompt\":[\"x\",\"y\"]}", "prompt", "prompt holds 2 prompts");
+    refused("{\"model\":\"m\",\"prompt\":[[1,2],[3]]}", "prompt", "prompt holds 2 prompts");
     static const char *const one[] = {
         "{\"model\":\"m\",\"prompt\":\"x\",\"n\":1,\"n_cmpl\":1,\"best_of\":1,"
         "\"use_beam_search\":false,\"cache_prompt\":false}",
         "{\"model\":\"m\",\"prompt\":\"x\",\"n\":null,\"best_of\":null,\"use_beam_search\":null,"
         "\"cache_prompt\":false}",
+        "{\"model\":\"m\",\"prompt\":[\"x\"],\"cache_prompt\":false}",
+        "{\"model\":\"m\",\"prompt\":[1,2,3],\"cache_prompt\":false}",
+        "{\"model\":\"m\",\"prompt\":[[1,2,3]],\"cache_prompt\":false}",
     };
     for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
         forwarded(one[i], one[i], NULL);

@@ -710,11 +710,11 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
 }
 
 /* Does the request run more than one sequence at once on the engine? llama.cpp's server runs n
- * (or n_cmpl) choices in as many slots together; vLLM samples n and best_of candidates, and
- * beam search its beams, in one batch. A single_sequence pool runs one sequence at a time per
- * replica (docs/configuration.md, "Deterministic pools"): err (when not NULL) says why such a
- * request is refused there, naming the key, rather than cut to one answer the client did not
- * ask for. */
+ * (or n_cmpl) choices, and a batch of prompts, in as many slots together; vLLM samples n and
+ * best_of candidates, and beam search its beams, in one batch. A single_sequence pool runs one
+ * sequence at a time per replica (docs/configuration.md, "Deterministic pools"): err (when not
+ * NULL) says why such a request is refused there, naming the key, rather than cut to one answer the
+ * client did not ask for. */
 static bool several_sequences(const apply_t *a, policy_error_t *err)
 {
     static const int counts[] = {S_N, S_N_CMPL};
@@ -731,7 +731,20 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
         return true;
     }
     const jdoc_t *d = &a->r->doc;
-    uint32_t k = a->r->key[S_BEST_OF];
+    /* /v1/completions takes a batch of prompts: an array of strings or of token-id arrays
+     * (an array of token ids is one prompt). Each is a sequence of its own. */
+    uint32_t k = a->r->key[S_PROMPT];
+    if (a->r->route == POLICY_ROUTE_COMPLETIONS && k != JDOC_NONE &&
+        d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 && d->toks[k + 2].type != JT_NUM) {
+        if (err)
+            policy_set_error(err, 400, "policy_violation", "prompt",
+                             "prompt holds %u prompts, each a sequence, all at once, and this "
+                             "pool runs one sequence at a time per replica (determinism.mode "
+                             "single_sequence): send one request per prompt",
+                             (unsigned)d->toks[k + 1].aux);
+        return true;
+    }
+    k = a->r->key[S_BEST_OF];
     if (k != JDOC_NONE && d->toks[k + 1].type == JT_NUM && jdoc_num(d, k + 1) > 1) {
         const jtok_t *t = &d->toks[k + 1];
         if (err)
