@@ -67,6 +67,10 @@ typedef struct att_s {
     /* One of the replica's admission slots, held by the check's own request to it (the probe
      * completion, then the canary): they are requests like any other there. */
     bool holds_slot;
+    /* ... and the pool it was taken under lets the engine finish an answer whose connection
+     * closed (policy_pool_drains_abandoned): a request holding it is drained (orphan_keep). Set
+     * then, for a reload may rename or remove the pool while the engine stays. */
+    bool slot_drains;
     uint64_t slot_wait_ns; /* when the wait for a slot began; 0: not waiting */
     /* The next check probes whatever client responses carried: something happened to the
      * replica (a failed connection, another fingerprint on a response). */
@@ -197,6 +201,7 @@ static bool take_slot(att_t *a)
     if (p == NULL || !px_replica_take_spare_slot(p, a->r))
         return false;
     a->holds_slot = true;
+    a->slot_drains = policy_pool_drains_abandoned(p->cfg);
     return true;
 }
 
@@ -723,9 +728,7 @@ static void check_start(att_t *a)
 /* Can a's slot go to an orphan (see above)? */
 static bool orphan_may(att_t *a)
 {
-    const cfg_pool_t *pc = a->r ? pool_of(a->px, a->r) : NULL;
-    return a->holds_slot && ctx(a->px) != NULL && !ctx(a->px)->stopped && pc != NULL &&
-           policy_pool_drains_abandoned(pc);
+    return a->holds_slot && a->slot_drains && ctx(a->px) != NULL && !ctx(a->px)->stopped;
 }
 
 /* a's slot goes to a drain of f, a's request (net_fetch_drain: from the callback of its

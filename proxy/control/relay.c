@@ -45,13 +45,17 @@ typedef struct relay_s {
     char *target;
     const char *method;
     bool needs_slot, holds_slot;
+    /* The pool it was sent under lets the engine finish an answer whose connection closed
+     * (policy_pool_drains_abandoned): set then, for a reload may rename the pool meanwhile. */
+    bool drains;
     bool holding; /* px_replica_hold_slot: the next slot freed on r is ours */
     uint64_t start_ms, sent_ms;
 } relay_t;
 
 /* Relayed requests whose answer nobody will read, kept while the replica may be generating
- * them (drain_slot). Control thread; one proxy per process. */
+ * them (drain_slot), until px_relay_stop. Control thread; one proxy per process. */
 static net_drains_t g_drains;
+static bool g_stopped;
 
 static void relay_closed(uv_handle_t *h)
 {
@@ -114,12 +118,12 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
 /* On a single_sequence pool whose engine finishes an answer whose connection closed (llama.cpp),
  * the slot stays taken until that answer has come, as for a client's request (data/proxy.c,
  * drain_abandoned): f, rl's request, becomes a drain holding it. False when the slot is not to
- * be kept: rl holds none, or its pool is not such a pool. */
+ * be kept: rl holds none, its pool (when rl was sent) is not such a pool, or the relays have
+ * stopped (the final close: a graceful shutdown's drain still drains). */
 static bool drain_slot(relay_t *rl, net_fetch_t *f)
 {
     px_t *px = rl->px;
-    px_pool_t *p = px_gen_pool_by_name(px->gen, rl->r->pool_name);
-    if (!rl->holds_slot || px->draining || p == NULL || !policy_pool_drains_abandoned(p->cfg))
+    if (!rl->holds_slot || !rl->drains || g_stopped)
         return false;
     net_fetch_drain(f, &g_drains, policy_abandoned_drain_ms(&px->gen->cfg->limits),
                     px_admission_kept_slot_done, px_admission_keep_slot(px, rl->r));
@@ -194,6 +198,7 @@ static void try_send(relay_t *rl)
         return;
     }
     rl->holds_slot = rl->needs_slot;
+    rl->drains = policy_pool_drains_abandoned(p->cfg);
     rl->sent_ms = uv_now(px->loop);
     net_req_t *req = rl->req;
     net_fetch_opts_t o = {.method = rl->method,
@@ -304,5 +309,6 @@ void px_relay_abort(net_req_t *req)
 void px_relay_stop(px_t *px)
 {
     (void)px;
+    g_stopped = true;
     net_drains_stop(&g_drains);
 }

@@ -123,6 +123,9 @@ struct shadow_s {
     char *tenant;     /* candidates: the request's tenant (per-tenant rollout statistics) */
     drift_kind_t kind;
     bool holds_slot; /* a slot of target_r, until the exchange ends */
+    /* Its pool's engine finishes an answer whose connection closed (policy_pool_drains_abandoned
+     * when it was sent: a reload that renames the pool meanwhile changes no engine). */
+    bool drains;
     char request_id[24];
     /* shadow capture */
     net_creq_t *c;
@@ -667,9 +670,8 @@ static void sh_first_byte_timeout(net_creq_t *c)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
-    px_pool_t *p = live_pool(s->px, s->target_r->pool_name);
-    if (!s->holds_slot || s->tap->stream || p == NULL || !policy_pool_drains_abandoned(p->cfg) ||
-        atomic_load(&sc->stopped) || !net_creq_sent(c))
+    if (!s->holds_slot || s->tap->stream || !s->drains || atomic_load(&sc->stopped) ||
+        !net_creq_sent(c))
         return;
     net_creq_drain(c, &sc->drains, policy_abandoned_drain_ms(&s->px->gen->cfg->limits),
                    px_admission_kept_slot_done, px_admission_keep_slot(s->px, s->target_r));
@@ -816,6 +818,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     s->tenant = cs->tenant ? dp_xstrdup(cs->tenant) : NULL;
     s->kind = cs->kind;
     s->holds_slot = true; /* copy_target or self_target took it */
+    s->drains = policy_pool_drains_abandoned(cs->to_pool->cfg);
     memcpy(s->request_id, pl->request_id, sizeof(s->request_id));
     s->ssse.max_output_bytes = t->max_out;
     dp_buf_t head = {0};

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -315,15 +316,24 @@ def single_sequence_pool(sims, framework=None, **extra):
     return pool("p", [MODEL], sims, manifest=man, **extra)
 
 
-def abandon(port, target, body, sim, headers=b""):
-    """POST body to target on a connection of its own, wait until the sim generates it, then
-    reset the connection: a client gone mid-generation."""
+def generating(port, target, body, sim, headers=b""):
+    """POST body to target on a connection of its own; the connection, once the sim generates
+    the request."""
     a = socket.create_connection(("127.0.0.1", port))
     a.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % (target, headers, len(body)) + body)
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    return a
+
+
+def reset(a):
+    """A client gone mid-generation."""
     a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     a.close()
+
+
+def abandon(port, target, body, sim, headers=b""):
+    reset(generating(port, target, body, sim, headers))
 
 
 def test_single_sequence_never_has_two_requests_at_a_replica():
@@ -416,6 +426,55 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_relayed_answer_is_gen
     t0 = time.monotonic()
     px.stop()
     assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+
+
+RELAY_R1 = b"x-detproxy-relay-pool: p\r\nx-detproxy-relay-replica: r1\r\n"
+# "x" runs 42 tokens before the toy model's end of text.
+LONG = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60, "temperature": 0}).encode()
+
+
+def rename_pool(c):
+    c["pools"][0]["name"] = "p2"
+
+
+def test_single_sequence_keeps_the_slot_of_a_relay_whose_pool_a_reload_renamed():
+    """A reload renames the pool (the same engine) while a relayed request generates, then its
+    caller leaves: the engine still finishes it, and the renamed pool's requests wait for that,
+    as the pool the request was sent under said."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    a = generating(px.admin_port, b"/admin/relay/v1/completions", LONG, sim, RELAY_R1)
+    reload_with(px, rename_pool)
+    poll_until(lambda: state(px, "r1") == "admitted", what="the renamed pool's r1 admitted")
+    reset(a)
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
+def test_single_sequence_keeps_the_slot_of_a_relay_abandoned_during_a_graceful_shutdown():
+    """SIGTERM: requests in flight and queued are still served while the proxy drains. A relayed
+    request whose caller leaves then is drained like any other: the queued client request is
+    sent once the engine has finished it."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    a = generating(px.admin_port, b"/admin/relay/v1/completions", LONG, sim, RELAY_R1)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=complete(px, max_tokens=3)))
+    t.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 1,
+               what="a client request queued behind the relay")
+    px.send_signal(signal.SIGTERM)
+    px.wait_log("draining")
+    reset(a)
+    t.join(30)
+    assert px.wait(timeout=30) == 0
+    px.check_sanitizer()
+    assert out["r"].status == 200, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
 
 
 def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
@@ -559,6 +618,20 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_
     poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=10,
                what="the orphaned canary and a new check done")
     assert complete(px, max_tokens=3).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
+    px.stop()
+
+
+def test_single_sequence_keeps_the_slot_of_a_canary_whose_pool_a_reload_renamed():
+    """A reload that renames the pool (the same engine, the same manifest) replaces the replica
+    object while its canary generates: the canary is read to its end before the engine's slot,
+    which the renamed pool's replica shares, is free again."""
+    sim, px = canary_running("80")
+    done = sim_stats(sim)["completed"]
+    reload_with(px, rename_pool)
+    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=15,
+               what="the old canary and a check of the renamed pool's replica done")
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
     px.stop()
