@@ -149,7 +149,13 @@ Test(determinism_policy, single_sequence_refuses_several_sequences_at_once)
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"n\":3}", "n", "n 3 asks for 3 completions");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"n_cmpl\":2}", "n_cmpl",
             "n_cmpl 2 asks for 2 completions");
-    refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":4}", "best_of", "best_of 4 samples");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":4}", "best_of", "best_of 4 may sample");
+    /* What vLLM reads leniently as more than one is refused too. */
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":\"3\"}", "best_of", "best_of \"3\"");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"use_beam_search\":\"yes\"}", "use_beam_search",
+            "beams at once");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"use_beam_search\":1}", "use_beam_search",
+            "beams at once");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":1.5}", "best_of", "best_of 1.5");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search",
             "beams at once");

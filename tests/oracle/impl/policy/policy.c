@@ -744,19 +744,22 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
                              (unsigned)d->toks[k + 1].aux);
         return true;
     }
+    /* vLLM reads them leniently ("3" is 3, "yes" is true): only a number of at most 1, and
+     * false, are surely one sequence. */
     k = a->r->key[S_BEST_OF];
-    if (k != JDOC_NONE && d->toks[k + 1].type == JT_NUM && jdoc_num(d, k + 1) > 1) {
-        const jtok_t *t = &d->toks[k + 1];
+    const jtok_t *t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
+    if (t && t->type != JT_NULL && !(t->type == JT_NUM && jdoc_num(d, k + 1) <= 1)) {
         if (err)
             policy_set_error(err, 400, "policy_violation", "best_of",
-                             "best_of %.*s samples that many candidates at once, and this pool "
+                             "best_of %.*s may sample several candidates at once, and this pool "
                              "runs one sequence at a time per replica (determinism.mode "
                              "single_sequence)",
                              (int)(t->len < 32 ? t->len : 32), d->src + t->start);
         return true;
     }
     k = a->r->key[S_USE_BEAM_SEARCH];
-    if (k != JDOC_NONE && d->toks[k + 1].type == JT_TRUE) {
+    t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
+    if (t && t->type != JT_NULL && t->type != JT_FALSE) {
         if (err)
             policy_set_error(err, 400, "policy_violation", "use_beam_search",
                              "use_beam_search runs its beams at once, and this pool runs one "
