@@ -689,6 +689,29 @@ static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
+/* A fleet shares verdicts, not admission: each member keeps a single_sequence pool's one
+ * sequence per engine for its own requests alone (docs/fleet.md, "What is shared"). */
+static void warn_fleet_single_sequence(cfg_ctx_t *c, const cfg_t *cfg)
+{
+    if (cfg->fleet == NULL)
+        return;
+    size_t mark = cfg_path_key(c, "pools");
+    for (size_t i = 0; i < cfg->npools; i++) {
+        if (cfg_pool_determinism(&cfg->pools[i]) != CFG_DETERMINISM_SINGLE_SEQUENCE)
+            continue;
+        size_t m = cfg_path_index(c, i), d = cfg_path_key(c, "manifest");
+        size_t dd = cfg_path_key(c, "determinism");
+        cfg_warn(c, "mode",
+                 "single_sequence is kept by each fleet member for its own requests: members in "
+                 "front of one engine can run a sequence each on it at once; put one instance in "
+                 "front of each engine, or use batch_invariant, which the engine keeps");
+        cfg_path_pop(c, dd);
+        cfg_path_pop(c, d);
+        cfg_path_pop(c, m);
+    }
+    cfg_path_pop(c, mark);
+}
+
 void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
 {
     const cJSON *arr = cfg_get_arr(c, doc, "pools", true);
@@ -715,6 +738,7 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg_path_pop(c, mark);
     check_candidates(c, cfg);
     check_shared_engines(c, cfg);
+    warn_fleet_single_sequence(c, cfg);
 }
 
 void cfg_pool_free(cfg_pool_t *p)

@@ -2,6 +2,7 @@
  * false on single_sequence llama.cpp pools, and require_determinism choosing the pool. */
 #include <criterion/criterion.h>
 
+#include <stdio.h>
 #include <string.h>
 
 #include "policy/policy.h"
@@ -188,4 +189,27 @@ Test(determinism_policy, several_sequences_pass_on_other_pools_and_are_marked)
     policy_req_reset(req);
     cr_assert_eq(decide(1, "{\"model\":\"other\",\"prompt\":\"x\",\"n\":1}", &pool, &res, &err), 0);
     cr_assert_not(res.several_sequences);
+}
+
+/* A fleet shares verdicts, not admission: check says a single_sequence pool's one sequence is
+ * each member's own. */
+Test(determinism_policy, single_sequence_in_a_fleet_warns_that_each_member_counts_alone)
+{
+    char text[sizeof(CONFIG) + 128];
+    snprintf(text, sizeof(text),
+             "%.*s,\"fleet\":{\"name\":\"f\",\"etcd\":{\"endpoints\":"
+             "[\"http://127.0.0.1:2379\"]}}}",
+             (int)(sizeof(CONFIG) - 2), CONFIG);
+    cfg_t *fleet;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(text, strlen(text), "/", &fleet, &e), 0, "%s",
+                 e.count ? e.items[0] : "");
+    cr_assert_eq(e.nwarnings, 2);
+    cr_assert(strncmp(e.warnings[1],
+                      "pools[1].manifest.determinism.mode: single_sequence is kept "
+                      "by each fleet member",
+                      79) == 0,
+              "%s", e.warnings[1]);
+    cfg_free(fleet);
+    cfg_errors_free(&e);
 }
