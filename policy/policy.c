@@ -340,6 +340,23 @@ static int slot_of_tok(const policy_req_t *r, uint32_t k)
     return -1;
 }
 
+/* r->key: the top-level members of the parsed document that have a slot. */
+static void index_keys(policy_req_t *r)
+{
+    const jdoc_t *d = &r->doc;
+    for (int s = 0; s < S__COUNT; s++)
+        r->key[s] = JDOC_NONE;
+    const jtok_t *root = &d->toks[0];
+    for (uint32_t i = 1; i < root->end; i = d->toks[i + 1].end) {
+        const char *k;
+        size_t kn;
+        jdoc_key(d, i, &k, &kn);
+        int s = slot_of_name(k, kn);
+        if (s >= 0)
+            r->key[s] = i;
+    }
+}
+
 int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t len,
                  policy_error_t *err)
 {
@@ -352,17 +369,7 @@ int policy_parse(policy_req_t *r, policy_route_t route, const char *body, size_t
             policy_json_error(d, err);
         return -1;
     }
-    for (int s = 0; s < S__COUNT; s++)
-        r->key[s] = JDOC_NONE;
-    const jtok_t *root = &d->toks[0];
-    for (uint32_t i = 1; i < root->end; i = d->toks[i + 1].end) {
-        const char *k;
-        size_t kn;
-        jdoc_key(d, i, &k, &kn);
-        int s = slot_of_name(k, kn);
-        if (s >= 0)
-            r->key[s] = i;
-    }
+    index_keys(r);
     uint32_t mk = r->key[S_MODEL];
     if (mk == JDOC_NONE) {
         policy_set_error(err, 400, "invalid_value", "model", "you must provide a model parameter");
@@ -765,29 +772,41 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
  * (or n_cmpl) choices, and a batch of prompts, in as many slots together; vLLM samples n and
  * best_of candidates, and beam search its beams, in one batch. A single_sequence pool runs one
  * sequence at a time per replica (docs/configuration.md, "Deterministic pools"): err (when not
- * NULL) says why such a request is refused there, naming the key, rather than cut to one answer the
- * client did not ask for. */
-static bool several_sequences(const apply_t *a, policy_error_t *err)
+ * NULL) says why such a request is refused there, naming the key, rather than cut to one answer
+ * the client did not ask for. counts: n and n_cmpl as they will be sent (PV_OTHER: not an
+ * integer literal). Only 1 is surely one sequence: engines read other counts their own way
+ * (llama.cpp keeps the low 32 bits, so 3 - 2^32 is 3). prompt_batch: the route takes a batch of
+ * prompts in `prompt`. */
+static bool sequences_at_once(const jdoc_t *d, const uint32_t *key, bool prompt_batch,
+                              const pval_t counts[2], policy_error_t *err)
 {
-    static const int counts[] = {S_N, S_N_CMPL};
-    for (size_t i = 0; i < DP_ARRAY_SIZE(counts); i++) {
-        int s = counts[i];
-        if (a->cur[s].kind != PV_NUM || a->cur[s].i <= 1)
+    static const int names[] = {S_N, S_N_CMPL};
+    for (size_t i = 0; i < 2; i++) {
+        const pval_t *v = &counts[i];
+        if (v->kind != PV_NUM && v->kind != PV_OTHER)
             continue;
-        if (err)
-            policy_set_error(err, 400, "policy_violation", slots[s].name,
+        if (v->kind == PV_NUM && v->i == 1)
+            continue;
+        const char *name = slots[names[i]].name;
+        if (err && v->kind == PV_NUM && v->i > 1)
+            policy_set_error(err, 400, "policy_violation", name,
                              "%s %lld asks for %lld completions at once, and this pool runs one "
                              "sequence at a time per replica (determinism.mode single_sequence): "
                              "send one request per completion",
-                             slots[s].name, (long long)a->cur[s].i, (long long)a->cur[s].i);
+                             name, (long long)v->i, (long long)v->i);
+        else if (err)
+            policy_set_error(err, 400, "policy_violation", name,
+                             "%s must be 1 on this pool, which runs one sequence at a time per "
+                             "replica (determinism.mode single_sequence): engines read other "
+                             "counts their own way",
+                             name);
         return true;
     }
-    const jdoc_t *d = &a->r->doc;
-    /* /v1/completions takes a batch of prompts: an array of strings or of token-id arrays
-     * (an array of token ids is one prompt). Each is a sequence of its own. */
-    uint32_t k = a->r->key[S_PROMPT];
-    if (a->r->route == POLICY_ROUTE_COMPLETIONS && k != JDOC_NONE &&
-        d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 && d->toks[k + 2].type != JT_NUM) {
+    /* A batch of prompts: an array of strings or of token-id arrays (an array of token ids is
+     * one prompt). Each is a sequence of its own. */
+    uint32_t k = key[S_PROMPT];
+    if (prompt_batch && k != JDOC_NONE && d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 &&
+        d->toks[k + 2].type != JT_NUM) {
         if (err)
             policy_set_error(err, 400, "policy_violation", "prompt",
                              "prompt holds %u prompts, each a sequence, all at once, and this "
@@ -798,7 +817,7 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
     }
     /* vLLM reads them leniently ("3" is 3, "yes" is true): only a number of at most 1, and
      * false, are surely one sequence. */
-    k = a->r->key[S_BEST_OF];
+    k = key[S_BEST_OF];
     const jtok_t *t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
     if (t && t->type != JT_NULL && !(t->type == JT_NUM && jdoc_num(d, k + 1) <= 1)) {
         if (err)
@@ -809,7 +828,7 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
                              (int)(t->len < 32 ? t->len : 32), d->src + t->start);
         return true;
     }
-    k = a->r->key[S_USE_BEAM_SEARCH];
+    k = key[S_USE_BEAM_SEARCH];
     t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
     if (t && t->type != JT_NULL && t->type != JT_FALSE) {
         if (err)
@@ -819,6 +838,43 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
         return true;
     }
     return false;
+}
+
+static bool several_sequences(const apply_t *a, policy_error_t *err)
+{
+    const pval_t counts[2] = {a->cur[S_N], a->cur[S_N_CMPL]};
+    return sequences_at_once(&a->r->doc, a->r->key, a->r->route == POLICY_ROUTE_COMPLETIONS, counts,
+                             err);
+}
+
+int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err)
+{
+    policy_req_reset(r);
+    jdoc_t *d = &r->doc;
+    if (jdoc_parse(d, body, len, JDOC_OBJECT_ONLY) < 0) {
+        policy_json_error(d, err);
+        err->code = "policy_violation";
+        return -1;
+    }
+    index_keys(r);
+    pval_t counts[2] = {{0}, {0}};
+    static const int names[] = {S_N, S_N_CMPL};
+    for (size_t i = 0; i < 2; i++) {
+        uint32_t k = r->key[names[i]];
+        if (k == JDOC_NONE)
+            continue;
+        const jtok_t *t = &d->toks[k + 1];
+        if (t->type == JT_NULL)
+            counts[i].kind = PV_NULL;
+        else if (t->type == JT_NUM && (t->flags & JF_INT) &&
+                 jdoc_int64(d, k + 1, &counts[i].i) == 0)
+            counts[i].kind = PV_NUM;
+        else
+            counts[i].kind = PV_OTHER;
+    }
+    bool several = sequences_at_once(d, r->key, true, counts, err);
+    policy_req_reset(r);
+    return several ? -1 : 0;
 }
 
 /* Every count a rule governs is an integer >= 1 once the rules ran (docs/policy.md §3, "Counts").

@@ -151,7 +151,8 @@ typedef struct {
     bool has_max_tokens; /* max_tokens, or its alias the route uses (max_output_tokens, ...) */
     int64_t max_tokens;
     /* It runs more than one sequence at once on an engine (n or n_cmpl above 1, best_of above
-     * 1, use_beam_search, a batch of prompts): refused on a single_sequence pool, and no copy of it is sent to one. */
+     * 1, use_beam_search, a batch of prompts): refused on a single_sequence pool, and no copy of it
+     * is sent to one. */
     bool several_sequences;
     /* Kept by the policy_req_t, sized to what its requests needed: a result is a few dozen
      * bytes that live as long as the request (a stream's whole life), not room for the most
@@ -161,6 +162,13 @@ typedef struct {
 } policy_result_t;
 
 typedef struct policy_req_s policy_req_t;
+
+/* For a body no policy shaped (the admin relay's) sent to a single_sequence pool: 0 when it
+ * surely runs one sequence; -1 with err (400 policy_violation, naming the key) when it asks
+ * for several at once (the rules of policy_decide on such a pool: n or n_cmpl other than 1,
+ * best_of, beam search, a batch of prompts), or is not one JSON object without duplicate keys
+ * (an engine would read it its own way). r is scratch, reset after. */
+int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err);
 
 policy_req_t *policy_req_new(void);
 /* Forget the current request but keep the buffers for the next one. */

@@ -56,6 +56,7 @@ typedef struct relay_s {
  * them (drain_slot), until px_relay_stop. Control thread; one proxy per process. */
 static net_drains_t g_drains;
 static bool g_stopped;
+static policy_req_t *g_scratch; /* policy_one_sequence's */
 
 static void relay_closed(uv_handle_t *h)
 {
@@ -272,6 +273,20 @@ bool px_relay_route(px_t *px, net_req_t *req)
         dp_buf_free(&m);
         return true;
     }
+    /* What a single_sequence pool's clients may not send (docs/configuration.md, "Deterministic
+     * pools") the relay may not either: its one slot would hold several sequences. An empty
+     * body (llama.cpp's slot actions) generates nothing. */
+    if (req->method == 3 && req->body.len > 0 &&
+        cfg_pool_determinism(pool->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE) {
+        if (g_scratch == NULL)
+            g_scratch = policy_req_new();
+        policy_error_t e;
+        if (policy_one_sequence(g_scratch, req->body.base ? req->body.base : "", req->body.len,
+                                &e) < 0) {
+            net_resp_error(req, 400, NULL, e.code, e.param[0] ? e.param : NULL, e.message, NULL, 0);
+            return true;
+        }
+    }
     relay_t *rl = dp_xcalloc(1, sizeof(*rl));
     rl->px = px;
     rl->req = req;
@@ -311,4 +326,6 @@ void px_relay_stop(px_t *px)
     (void)px;
     g_stopped = true;
     net_drains_stop(&g_drains);
+    policy_req_free(g_scratch);
+    g_scratch = NULL;
 }

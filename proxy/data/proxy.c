@@ -1258,9 +1258,11 @@ static void count_request(px_preq_t *q)
  * connection when it writes, and a non-streamed answer is written once, at the end). On a pool
  * that promises one sequence at a time per replica, the slot must stay taken while the engine
  * may still be generating: such an exchange is read to its end and dropped instead, and only
- * then is the slot freed. Streamed answers are cancelled as before (every engine stops at its
- * next write), and so is any on a vLLM pool: its server cancels a request whose connection
- * closes, and would generate it to its end for a reader that stays. An exchange that got no
+ * then is the slot freed. Streamed answers too: llama.cpp stops a stream only once a write has
+ * failed, some time after the connection closed, and one in a stream session (its
+ * x-conversation-id header) not at all. An exchange on a vLLM pool is cancelled: its server
+ * cancels a request whose connection closes, and would generate it to its end for a reader
+ * that stays. An exchange that got no
  * answer within the first-byte timeout is drained too, after the client's 504
  * (up_on_first_byte_timeout). A drain's first-byte timeout keeps it policy_abandoned_drain_ms
  * more (the longer of that timeout and the idle one), once, whether it was a drain already or
@@ -1273,8 +1275,8 @@ static _Thread_local net_drains_t t_drains;
  * will read (see above); false when the exchange is to be cancelled. */
 static bool drain_abandoned(px_preq_t *q)
 {
-    if (q->replica == NULL || q->pool == NULL || q->hooks.stream || q->sse ||
-        !policy_pool_drains_abandoned(q->pool->cfg) || px_worker_closing() || !net_creq_sent(q->up))
+    if (q->replica == NULL || q->pool == NULL || !policy_pool_drains_abandoned(q->pool->cfg) ||
+        px_worker_closing() || !net_creq_sent(q->up))
         return false;
     net_creq_drain(q->up, &t_drains, policy_abandoned_drain_ms(&q->gen->cfg->limits),
                    px_admission_kept_slot_done, px_admission_keep_slot(q->gen->px, q->replica));

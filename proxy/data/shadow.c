@@ -670,8 +670,7 @@ static void sh_first_byte_timeout(net_creq_t *c)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
-    if (!s->holds_slot || s->tap->stream || !s->drains || atomic_load(&sc->stopped) ||
-        !net_creq_sent(c))
+    if (!s->holds_slot || !s->drains || atomic_load(&sc->stopped) || !net_creq_sent(c))
         return;
     net_creq_drain(c, &sc->drains, policy_abandoned_drain_ms(&s->px->gen->cfg->limits),
                    px_admission_kept_slot_done, px_admission_keep_slot(s->px, s->target_r));

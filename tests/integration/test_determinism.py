@@ -386,6 +386,48 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     px.stop()
 
 
+def test_single_sequence_holds_the_slot_of_an_abandoned_stream_in_a_session():
+    """llama.cpp generates a stream in a session (its x-conversation-id header) on after the
+    client leaves, for a later GET /v1/stream: the slot stays taken until its end, and a
+    plain stream is kept the same way (llama.cpp stops one only once a write has failed)."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60, "temperature": 0,
+                       "stream": True}).encode()
+    abandon(px.port, b"/v1/completions", body, sim, b"x-conversation-id: c1\r\n")
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["requests"] == 2, st
+    px.stop()
+
+
+def test_the_relay_refuses_what_a_single_sequence_pool_refuses():
+    """The relay's one slot must not hold several sequences: a body asking for them (or that
+    an engine could read so: duplicate keys) is refused as a client's would be; a body-less
+    POST (llama.cpp's slot actions) is relayed."""
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    hdrs = {"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1",
+            "content-type": "application/json"}
+    for rest, param in (('"prompt":"x","n":3', "n"), ('"prompt":"x","n":-4294967293', "n"),
+                        ('"prompt":["x","y"]', "prompt"), ('"prompt":"x","n":1,"n":3', None)):
+        body = ('{"model":"%s",%s}' % (MODEL, rest)).encode()
+        r = http("POST", px.admin_port, "/admin/relay/v1/completions", body=body, headers=hdrs)
+        assert r.status == 400, (body, r)
+        err = r.json()["error"]
+        assert err["code"] == "policy_violation" and err["param"] == param, (body, err)
+    assert sim_stats(sim)["requests"] == 0
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions",
+             body={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 1}, headers=hdrs)
+    assert r.status == 200, r
+    r = http("POST", px.admin_port, "/admin/relay/slots/0?action=erase", body=b"",
+             headers=hdrs)
+    assert r.status != 400, r
+    assert sim_stats(sim)["requests"] >= 1
+    px.stop()
+
+
 def test_single_sequence_on_vllm_closes_an_abandoned_exchange():
     """vLLM cancels a request whose connection closes (the sim without --finish-abandoned does
     too): reading its answer to the end would make it generate for no one while the pool's one

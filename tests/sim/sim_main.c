@@ -169,8 +169,9 @@ static const dp_arg_t sim_table[] = {
      .kind = DP_ARG_FLAG,
      .off = offsetof(sim_opts_t, cfg.finish_abandoned),
      .help = "a non-streamed generation whose client left runs to its\n"
-             "end, its answer dropped (llama.cpp's server; default: it\n"
-             "stops, as vLLM's does)"},
+             "end, its answer dropped, and so does a stream with an\n"
+             "x-conversation-id header (llama.cpp's server and its stream\n"
+             "sessions; default: it stops, as vLLM's does)"},
     {.name = "--noise",
      .kind = DP_ARG_CALL,
      .off = offsetof(sim_opts_t, cfg.noise),

@@ -135,6 +135,9 @@ struct job_s {
     bool paused;  /* waiting for on_drain */
     bool closing;
     bool die; /* fault "die_mid_stream" */
+    /* A stream in a llama.cpp stream session (x-conversation-id): generated on for a later
+     * reader when its client leaves, as a non-streamed answer is (finish_abandoned). */
+    bool session;
 };
 
 /* ---- small helpers --------------------------------------------------------------------------- */
@@ -481,6 +484,7 @@ static void handle_inference(sim_t *s, net_req_t *req, sim_api_t api, bool die)
     job_t *j = job_new(s, req);
     j->rq = rq;
     j->die = die;
+    j->session = net_req_header(req, "x-conversation-id") != NULL;
     j->model = dp_xstrdup(rq.model && fl != SIM_FLAVOR_TGI ? rq.model : s->id.model);
     sim_fmt_id(fl, api, rand64(s), rand64(s), j->idbuf);
     sim_identity_fingerprint(&s->id, &j->fingerprint);
@@ -999,7 +1003,7 @@ static void on_abort(net_req_t *req)
     }
     j->req = NULL;
     req->data = NULL;
-    if (s->finish_abandoned && !j->rq.stream && !j->hung)
+    if (s->finish_abandoned && (!j->rq.stream || j->session) && !j->hung)
         return; /* generates on, counted in flight, until job_finish drops the answer */
     job_close(j);
 }

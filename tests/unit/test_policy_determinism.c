@@ -150,6 +150,9 @@ Test(determinism_policy, single_sequence_refuses_several_sequences_at_once)
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"n\":3}", "n", "n 3 asks for 3 completions");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"n_cmpl\":2}", "n_cmpl",
             "n_cmpl 2 asks for 2 completions");
+    /* Only 1 is surely one: llama.cpp keeps the low 32 bits of a count (3 - 2^32 is 3). */
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"n\":-4294967293}", "n", "n must be 1");
+    refused("{\"model\":\"m\",\"prompt\":\"x\",\"n_cmpl\":0}", "n_cmpl", "n_cmpl must be 1");
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":4}", "best_of", "best_of 4 may sample");
     /* What vLLM reads leniently as more than one is refused too. */
     refused("{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":\"3\"}", "best_of", "best_of \"3\"");
@@ -212,4 +215,37 @@ Test(determinism_policy, single_sequence_in_a_fleet_warns_that_each_member_count
               "%s", e.warnings[1]);
     cfg_free(fleet);
     cfg_errors_free(&e);
+}
+
+/* The admin relay's bodies, which no tenant policy shaped, are held to the same rule on a
+ * single_sequence pool; what an engine could read as several (duplicate keys, a count that is
+ * not an integer literal) is refused too. */
+Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
+{
+    static const struct {
+        const char *body, *param;
+    } refused_bodies[] = {
+        {"{\"prompt\":\"x\",\"n\":3}", "n"},
+        {"{\"prompt\":\"x\",\"n\":3.0}", "n"},
+        {"{\"prompt\":\"x\",\"n_cmpl\":\"3\"}", "n_cmpl"},
+        {"{\"prompt\":\"x\",\"n\":-4294967293}", "n"},
+        {"{\"prompt\":[[1],[2]]}", "prompt"},
+        {"{\"prompt\":\"x\",\"best_of\":2}", "best_of"},
+        {"{\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search"},
+        {"{\"prompt\":\"x\",\"n\":1,\"n\":3}", ""},
+        {"[1]", ""},
+    };
+    policy_error_t err;
+    for (size_t i = 0; i < sizeof(refused_bodies) / sizeof(refused_bodies[0]); i++) {
+        const char *b = refused_bodies[i].body;
+        cr_assert_eq(policy_one_sequence(req, b, strlen(b), &err), -1, "%s", b);
+        cr_assert_eq(err.status, 400, "%s", b);
+        cr_assert_str_eq(err.code, "policy_violation", "%s", b);
+        cr_assert_str_eq(err.param, refused_bodies[i].param, "%s", b);
+    }
+    static const char *const one[] = {"{\"prompt\":\"x\"}", "{\"prompt\":[1,2],\"n\":1}",
+                                      "{\"messages\":[],\"n\":null,\"best_of\":1}"};
+    for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
+        cr_assert_eq(policy_one_sequence(req, one[i], strlen(one[i]), &err), 0, "%s: %s", one[i],
+                     err.message);
 }

@@ -713,29 +713,41 @@ static void apply_rule(apply_t *a, int s, const cfg_rule_t *rule)
  * (or n_cmpl) choices, and a batch of prompts, in as many slots together; vLLM samples n and
  * best_of candidates, and beam search its beams, in one batch. A single_sequence pool runs one
  * sequence at a time per replica (docs/configuration.md, "Deterministic pools"): err (when not
- * NULL) says why such a request is refused there, naming the key, rather than cut to one answer the
- * client did not ask for. */
-static bool several_sequences(const apply_t *a, policy_error_t *err)
+ * NULL) says why such a request is refused there, naming the key, rather than cut to one answer
+ * the client did not ask for. counts: n and n_cmpl as they will be sent (PV_OTHER: not an
+ * integer literal). Only 1 is surely one sequence: engines read other counts their own way
+ * (llama.cpp keeps the low 32 bits, so 3 - 2^32 is 3). prompt_batch: the route takes a batch of
+ * prompts in `prompt`. */
+static bool sequences_at_once(const jdoc_t *d, const uint32_t *key, bool prompt_batch,
+                              const pval_t counts[2], policy_error_t *err)
 {
-    static const int counts[] = {S_N, S_N_CMPL};
-    for (size_t i = 0; i < DP_ARRAY_SIZE(counts); i++) {
-        int s = counts[i];
-        if (a->cur[s].kind != PV_NUM || a->cur[s].i <= 1)
+    static const int names[] = {S_N, S_N_CMPL};
+    for (size_t i = 0; i < 2; i++) {
+        const pval_t *v = &counts[i];
+        if (v->kind != PV_NUM && v->kind != PV_OTHER)
             continue;
-        if (err)
-            policy_set_error(err, 400, "policy_violation", slots[s].name,
+        if (v->kind == PV_NUM && v->i == 1)
+            continue;
+        const char *name = slots[names[i]].name;
+        if (err && v->kind == PV_NUM && v->i > 1)
+            policy_set_error(err, 400, "policy_violation", name,
                              "%s %lld asks for %lld completions at once, and this pool runs one "
                              "sequence at a time per replica (determinism.mode single_sequence): "
                              "send one request per completion",
-                             slots[s].name, (long long)a->cur[s].i, (long long)a->cur[s].i);
+                             name, (long long)v->i, (long long)v->i);
+        else if (err)
+            policy_set_error(err, 400, "policy_violation", name,
+                             "%s must be 1 on this pool, which runs one sequence at a time per "
+                             "replica (determinism.mode single_sequence): engines read other "
+                             "counts their own way",
+                             name);
         return true;
     }
-    const jdoc_t *d = &a->r->doc;
-    /* /v1/completions takes a batch of prompts: an array of strings or of token-id arrays
-     * (an array of token ids is one prompt). Each is a sequence of its own. */
-    uint32_t k = a->r->key[S_PROMPT];
-    if (a->r->route == POLICY_ROUTE_COMPLETIONS && k != JDOC_NONE &&
-        d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 && d->toks[k + 2].type != JT_NUM) {
+    /* A batch of prompts: an array of strings or of token-id arrays (an array of token ids is
+     * one prompt). Each is a sequence of its own. */
+    uint32_t k = key[S_PROMPT];
+    if (prompt_batch && k != JDOC_NONE && d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 &&
+        d->toks[k + 2].type != JT_NUM) {
         if (err)
             policy_set_error(err, 400, "policy_violation", "prompt",
                              "prompt holds %u prompts, each a sequence, all at once, and this "
@@ -746,7 +758,7 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
     }
     /* vLLM reads them leniently ("3" is 3, "yes" is true): only a number of at most 1, and
      * false, are surely one sequence. */
-    k = a->r->key[S_BEST_OF];
+    k = key[S_BEST_OF];
     const jtok_t *t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
     if (t && t->type != JT_NULL && !(t->type == JT_NUM && jdoc_num(d, k + 1) <= 1)) {
         if (err)
@@ -757,7 +769,7 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
                              (int)(t->len < 32 ? t->len : 32), d->src + t->start);
         return true;
     }
-    k = a->r->key[S_USE_BEAM_SEARCH];
+    k = key[S_USE_BEAM_SEARCH];
     t = k != JDOC_NONE ? &d->toks[k + 1] : NULL;
     if (t && t->type != JT_NULL && t->type != JT_FALSE) {
         if (err)
@@ -767,6 +779,13 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
         return true;
     }
     return false;
+}
+
+static bool several_sequences(const apply_t *a, policy_error_t *err)
+{
+    const pval_t counts[2] = {a->cur[S_N], a->cur[S_N_CMPL]};
+    return sequences_at_once(&a->r->doc, a->r->key, a->r->route == POLICY_ROUTE_COMPLETIONS, counts,
+                             err);
 }
 
 /* Every count a rule governs is an integer >= 1 once the rules ran (docs/policy.md §3, "Counts").
