@@ -1,0 +1,149 @@
+"""A `single_sequence` pool (docs/configuration.md, "Deterministic pools") in front of a real
+llama.cpp server that would run four sequences at once (`-np 4 --kv-unified`): a thread polls
+the engine's GET /slots every ~2 ms and counts the entries with `is_processing` true, and no
+sample may show two. The requests are the ones the engine itself runs as several, or goes on
+with after detproxy has left them:
+
+- `n` / `n_cmpl` of 3 - 2^32 (llama.cpp keeps the low 32 bits of a count: 3);
+- a streamed request in a stream session (`x-conversation-id`), whose client leaves: llama.cpp
+  generates it on for a later reader;
+- `n: 3` sent through the admin relay, which holds one slot.
+
+Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
+77 when it is missing or the Debian archive cannot be reached."""
+
+import http.client
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from realutil import require_engine, servers, stop_servers  # noqa: E402
+from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
+from proxyutil import start_proxy  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="detproxy-real-holes-")
+FLAGS = ["--kv-unified", "-np", "4", "-t", "1"]
+MANIFEST = {"framework": {"name": "llamacpp"}, "determinism": {"mode": "single_sequence"}}
+
+require_engine()
+
+
+class Slots:
+    """Polls GET /slots; `peak` is the most entries ever seen processing at once."""
+
+    def __init__(self, url):
+        self.port = int(url.rsplit(":", 1)[1])
+        self.peak = self.polls = 0
+        self.stopped = False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        while not self.stopped:
+            try:
+                c.request("GET", "/slots")
+                slots = json.loads(c.getresponse().read())
+            except (OSError, http.client.HTTPException, ValueError):
+                c.close()
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+                time.sleep(0.01)
+                continue
+            self.polls += 1
+            self.peak = max(self.peak, sum(1 for s in slots if s.get("is_processing")))
+            time.sleep(0.002)
+
+    def settle(self):
+        """Wait for two polls taken after now: the engine as it is now has been seen."""
+        seen = self.polls
+        poll_until(lambda: self.polls >= seen + 2, what="two more /slots polls")
+
+    def stop(self):
+        self.stopped = True
+        self.t.join(5)
+
+
+def setup():
+    urls = servers("holes", [FLAGS])
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": urls[0]}]}
+    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
+                     attestation={"interval_ms": 600000, "timeout_ms": 5000})
+    return urls[0], px
+
+
+def idle(url):
+    port = int(url.rsplit(":", 1)[1])
+    poll_until(lambda: not any(s["is_processing"] for s in get_json(port, "/slots")),
+               timeout=60, what="the engine idle")
+
+
+def test_a_count_that_wraps_to_three_in_llamacpp_is_refused_or_runs_one_sequence():
+    url, px = setup()
+    slots = Slots(url)
+    try:
+        seen = {}
+        for key in ("n", "n_cmpl"):
+            slots.peak = 0
+            r = post_json(px.port, "/v1/completions",
+                          {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300,
+                           "temperature": 0, key: 3 - 2 ** 32}, timeout=60)
+            slots.settle()
+            seen[key] = (r.status, slots.peak)
+        assert all(peak <= 1 for _, peak in seen.values()), seen
+    finally:
+        slots.stop()
+        px.stop()
+        stop_servers()
+
+
+def test_a_stream_the_engine_keeps_after_its_client_left_keeps_the_slot():
+    url, px = setup()
+    slots = Slots(url)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 400,
+                           "temperature": 0, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"x-conversation-id: holes-1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        s.close()  # the client leaves; llama.cpp keeps generating for the stream session
+        r = post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
+                                                   "max_tokens": 200, "temperature": 0},
+                      timeout=60)
+        assert r.status == 200, r
+        slots.settle()
+        assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
+    finally:
+        slots.stop()
+        px.stop()
+        idle(url)
+        stop_servers()
+
+
+def test_a_relayed_request_for_several_sequences_is_refused_or_runs_one():
+    url, px = setup()
+    slots = Slots(url)
+    try:
+        r = dp_http("POST", px.admin_port, "/admin/relay/v1/completions",
+                    json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300,
+                                "temperature": 0, "n": 3}),
+                    headers={"Content-Type": "application/json",
+                             "x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1"},
+                    timeout=60)
+        slots.settle()
+        assert slots.peak <= 1, {"status": r.status, "peak": slots.peak, "polls": slots.polls}
+    finally:
+        slots.stop()
+        px.stop()
+        stop_servers()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
