@@ -76,7 +76,7 @@ def test_models_lists_only_what_the_caller_would_be_served():
         {"name": "pinned", "match": {"header": {"name": "x-tenant", "value": "pinned"}},
          "pool": "b"},
         {"name": "default", "match": {"any": True}}]}
-    px = start_proxy(pools=[pool("a", ["m1"], sims[:1], candidates=[{"pool": "c", "rate": 0.5}]),
+    px = start_proxy(pools=[pool("a", ["m1"], sims[:1], candidates=[{"pool": "c", "rate": 1.0}]),
                             pool("b", ["m1", "m2"], sims[1:2]), pool("c", ["m3"], sims[2:3]),
                             pool("w", ["*"], sims[3:4]), pool("d", ["m4"], sims[4:])],
                      policy=policy)
@@ -92,6 +92,9 @@ def test_models_lists_only_what_the_caller_would_be_served():
     for model, status in (("m1", 200), ("m2", 200)):
         r = post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
         assert r.status == status, (model, r)
+    # The m1 request's candidate copy reaches c on its own time: counted before the snapshot.
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="a", candidate="c") >= 1,
+               what="the candidate copy of the m1 request ended")
     before = [sim_stats(x)["requests"] for x in sims[2:]]
     for model in ("m3", "m4"):  # both go to w (its replica serves m4 alone: m3 is its 404)
         post_json(px.port, "/v1/completions", dict(COMPLETION, model=model))
