@@ -33,11 +33,11 @@ typedef struct net_creq_impl_s {
     net_creq_cb_t cb;
     struct net_creq_impl_s *next_free;
     /* A drain (net_creq_drain): the set it is in and its links there, what its end calls
-     * (with pub.data), and the first-byte timeout's extension while still unused. */
+     * (with pub.data), and when it ends at the latest (uv_now() ms). */
     net_drains_t *dset;
     struct net_creq_impl_s *dnext, *dprev;
     void (*ddone)(void *data);
-    uint64_t dmore;
+    uint64_t ddeadline;
 } creq_t;
 
 struct uconn_s {
@@ -170,10 +170,17 @@ static void uconn_close(uconn_t *c);
 static void uconn_arm(uconn_t *c, uint64_t ms);
 static void timer_cb(uv_timer_t *t);
 
-/* The timer for `ms` from now, the phase's deadline left where it is (uconn_arm). */
+/* The timer for `ms` from now, the phase's deadline left where it is (uconn_arm). Never later
+ * than the deadline of a drain on c: while there is one, the timer is never due after it. */
 static void uconn_timer_in(uconn_t *c, uint64_t ms)
 {
-    c->timer_due = uv_now(c->up->loop) + ms;
+    uint64_t now = uv_now(c->up->loop);
+    if (c->req && c->req->dset) {
+        uint64_t left = c->req->ddeadline > now ? c->req->ddeadline - now : 0;
+        if (left < ms)
+            ms = left;
+    }
+    c->timer_due = now + ms;
     c->timer_lazy = true;
     uv_timer_start(&c->timer, timer_cb, ms, 0);
 }
@@ -220,6 +227,10 @@ static void timer_cb(uv_timer_t *t)
     uconn_t *c = t->data;
     net_upstream_t *u = c->up;
     uint64_t now = uv_now(u->loop);
+    if (c->req && c->req->dset && now >= c->req->ddeadline) {
+        uconn_fail(c, NET_UP_IDLE_TIMEOUT, "drained for as long as it may be");
+        return;
+    }
     bool rearmed;
     if (send_stalled(c, now, &rearmed)) {
         char why[96];
@@ -246,9 +257,8 @@ static void timer_cb(uv_timer_t *t)
         }
         if (q && q->cb.on_first_byte_timeout)
             q->cb.on_first_byte_timeout(&q->pub); /* may make q a drain */
-        if (q && q->dset && q->dmore) {
-            uconn_arm(c, q->dmore);
-            q->dmore = 0;
+        if (q && q->dset && now < q->ddeadline) { /* a drain waits on, until its deadline */
+            uconn_arm(c, q->ddeadline - now);
             return;
         }
         uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
@@ -1000,19 +1010,26 @@ static void drain_done(net_creq_t *r, net_up_err_t err, const char *detail)
 /* Only the end matters: the head and body are read and dropped. */
 static const net_creq_cb_t drain_cb = {.on_done = drain_done};
 
-void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
                     void *data)
 {
     creq_t *q = cimpl(r);
+    uconn_t *c = q->c;
     assert(q->dset == NULL);
     q->cb = drain_cb;
     r->data = data;
     r->refuse = NULL;
     q->dset = set;
     q->ddone = done;
-    q->dmore = more_ms;
+    q->ddeadline = uv_now(c->up->loop) + max_ms;
     DP_LIST_PUSH(set->head, q, dnext, dprev);
     net_creq_resume(r);
+    /* The timer comes by the deadline (uconn_timer_in keeps it so from now on), unless a
+     * failure is already on its way (uconn_defer_fail). */
+    bool due_by_then =
+        uv_is_active((uv_handle_t *)&c->timer) && (!c->timer_lazy || c->timer_due <= q->ddeadline);
+    if (!due_by_then)
+        uconn_timer_in(c, max_ms);
 }
 
 void net_drains_stop(net_drains_t *set)

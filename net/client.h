@@ -74,9 +74,8 @@ typedef struct {
      * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
     bool start_bufs_kept;
     /* Optional. No response began within first_byte_timeout_ms. The callback may keep the
-     * exchange by making it a drain (net_creq_drain, whose more_ms it then has at once);
-     * otherwise it ends with NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not
-     * cancel r. */
+     * exchange by making it a drain (net_creq_drain); otherwise it ends with
+     * NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not cancel r. */
     void (*on_first_byte_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 
@@ -140,10 +139,11 @@ typedef struct net_drains_s {
 
 /* Make r a drain in set: what follows of its answer is read and dropped (reading resumed if
  * it was paused), and done(data) runs exactly once, when the exchange ends or net_drains_stop
- * ends it. more_ms: its first-byte timeout, when it comes, keeps it that much longer, once, for
- * an answer late rather than lost (called from on_first_byte_timeout, at once); 0 ends it
- * there. The caller drops r. */
-void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+ * ends it. It ends max_ms from now at the latest (its connection closed then): its first-byte
+ * timeout before that does not end it (an answer late rather than lost), silence mid-answer
+ * past the idle timeout does, and so does the deadline an answer that never ends (a stream)
+ * would otherwise never meet. Allowed from on_first_byte_timeout. The caller drops r. */
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
                     void *data);
 /* End every drain in set now (their connections are closed), calling each one's done. */
 void net_drains_stop(net_drains_t *set);

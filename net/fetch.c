@@ -15,7 +15,7 @@ struct net_fetch_s {
     bool told;          /* ... and has had its answer: the exchange ends (on_done frees f) */
     /* net_fetch_drain from that callback: the drain to make of the exchange once it returns */
     net_drains_t *dset;
-    uint64_t dmore;
+    uint64_t dmax;
     void (*ddone)(void *data);
     void *ddata;
     dp_buf_t body;
@@ -87,7 +87,7 @@ static void on_first_byte_timeout(net_creq_t *c)
     f->in_timeout_cb = false;
     f->told = true;
     if (f->dset) {
-        net_creq_drain(c, f->dset, f->dmore, f->ddone, f->ddata);
+        net_creq_drain(c, f->dset, f->dmax, f->ddone, f->ddata);
         f_free(f);
     } /* else the exchange ends now: on_done frees f */
 }
@@ -125,18 +125,18 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     return f;
 }
 
-void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t more_ms, void (*done)(void *data),
+void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
                      void *data)
 {
     if (f->in_timeout_cb) { /* on_first_byte_timeout makes the drain once the callback returns */
         f->dset = set;
-        f->dmore = more_ms;
+        f->dmax = max_ms;
         f->ddone = done;
         f->ddata = data;
         return;
     }
     assert(f->c != NULL && !f->told);
-    net_creq_drain(f->c, set, more_ms, done, data);
+    net_creq_drain(f->c, set, max_ms, done, data);
     f_free(f);
 }
 

@@ -248,14 +248,15 @@ int policy_replace_model(const char *body, size_t len, const char *model, dp_buf
  * when body is not an object. */
 bool policy_pool_no_cache_prompt(const cfg_pool_t *pool);
 int policy_force_cache_prompt_off(const char *body, size_t len, dp_buf_t *out);
-/* Is an abandoned non-streamed exchange to this pool's replicas read to its end, its slot held
+/* Is an abandoned exchange to this pool's replicas read to its end, its slot held
  * until then? On a single_sequence pool whose engine may go on generating an answer whose
  * connection closed (llama.cpp does); not on vLLM (its manifest's framework.name), whose
  * OpenAI server cancels the request on the disconnect: there it is closed at once. */
 bool policy_pool_drains_abandoned(const cfg_pool_t *pool);
-/* How long such an exchange that got no answer within its first-byte timeout is read on before
- * it is given up and its slot freed: the longer of the upstream first-byte and idle timeouts,
- * so a first-byte timeout set shorter than a generation does not cut that wait as short. */
+/* The longest such an exchange is read on (a drain: net_creq_drain), from when it was left,
+ * before it is given up and its slot freed: the longer of the upstream first-byte and idle
+ * timeouts, so a first-byte timeout set shorter than a generation does not cut that wait as
+ * short, and a stream that never ends does not keep the slot for good. */
 uint64_t policy_abandoned_drain_ms(const cfg_limits_t *limits);
 
 /* ---- canonical JSON (RFC 8785) ------------------------------------------------------------- */

@@ -20,6 +20,7 @@ import time
 
 from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
                      start_process, start_sim)
+import proxyutil
 from proxyutil import (client_requests, metric, pool, sim_config, sim_reset, sim_stats,
                        start_proxy, write_config)
 
@@ -400,6 +401,51 @@ def test_single_sequence_holds_the_slot_of_an_abandoned_stream_in_a_session():
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1 and st["requests"] == 2, st
     px.stop()
+
+
+def test_single_sequence_gives_the_slot_back_from_an_abandoned_stream_that_never_ends():
+    """A drained stream is read on, so an engine that streams on and on (llama.cpp with
+    n_predict -1 stops only at the end of its context, and notices a closed connection only
+    when a write fails, which a drain never lets happen) would keep the pool's one slot for
+    good: a drain ends at its deadline, the longer of the upstream first-byte and idle
+    timeouts after it began, though the stream never falls silent."""
+    stop = threading.Event()
+
+    def handle(c):
+        if not proxyutil.serve_until_stream(c):
+            return
+        try:
+            i = 0
+            while not stop.is_set():
+                ev = b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i
+                c.sendall(b"%x\r\n" % len(ev) + ev + b"\r\n")
+                i += 1
+                stop.wait(0.05)  # the replica's token rate, not a synchronisation
+        except OSError:
+            pass
+
+    ls, p = proxyutil.serve_replica(handle)
+    p["manifest"] = {"determinism": {"mode": "single_sequence"}}
+    p["queue_timeout_ms"] = 15000
+    px = start_proxy(pools=[p], limits={"upstream_idle_timeout_ms": 1000,
+                                        "upstream_first_byte_timeout_ms": 1000})
+    body = json.dumps({"model": "m1", "prompt": "x", "stream": True}).encode()
+    a = socket.create_connection(("127.0.0.1", px.port))
+    a.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    a.settimeout(10)
+    assert a.recv(4096).startswith(b"HTTP/1.1 200"), "the stream began"
+    reset(a)
+    try:
+        t0 = time.monotonic()
+        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "y"}, timeout=60)
+        waited = time.monotonic() - t0
+        assert r.status != 504, r
+        assert 0.5 < waited < 10, waited  # the drain's second, not the queue's 15
+    finally:
+        stop.set()
+        ls.close()
+        px.stop()
 
 
 def test_the_relay_refuses_what_a_single_sequence_pool_refuses():
