@@ -803,10 +803,11 @@ static bool sequences_at_once(const jdoc_t *d, const uint32_t *key, bool prompt_
         return true;
     }
     /* A batch of prompts: an array of strings or of token-id arrays (an array of token ids is
-     * one prompt). Each is a sequence of its own. */
+     * one prompt; a mix, which a body no policy shaped may hold, counts as a batch). Each is a
+     * sequence of its own. */
     uint32_t k = key[S_PROMPT];
     if (prompt_batch && k != JDOC_NONE && d->toks[k + 1].type == JT_ARR && d->toks[k + 1].aux > 1 &&
-        d->toks[k + 2].type != JT_NUM) {
+        !all_token_ids(d, k + 1)) {
         if (err)
             policy_set_error(err, 400, "policy_violation", "prompt",
                              "prompt holds %u prompts, each a sequence, all at once, and this "

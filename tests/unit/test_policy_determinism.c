@@ -230,6 +230,8 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
         {"{\"prompt\":\"x\",\"n_cmpl\":\"3\"}", "n_cmpl"},
         {"{\"prompt\":\"x\",\"n\":-4294967293}", "n"},
         {"{\"prompt\":[[1],[2]]}", "prompt"},
+        {"{\"prompt\":[1,[2,3]]}", "prompt"},
+        {"{\"prompt\":[1,\"a\"]}", "prompt"},
         {"{\"prompt\":\"x\",\"best_of\":2}", "best_of"},
         {"{\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search"},
         {"{\"prompt\":\"x\",\"n\":1,\"n\":3}", ""},
