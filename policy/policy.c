@@ -854,7 +854,6 @@ int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_er
     jdoc_t *d = &r->doc;
     if (jdoc_parse(d, body, len, JDOC_OBJECT_ONLY) < 0) {
         policy_json_error(d, err);
-        err->code = "policy_violation";
         return -1;
     }
     index_keys(r);

@@ -462,7 +462,8 @@ def test_the_relay_refuses_what_a_single_sequence_pool_refuses():
         r = http("POST", px.admin_port, "/admin/relay/v1/completions", body=body, headers=hdrs)
         assert r.status == 400, (body, r)
         err = r.json()["error"]
-        assert err["code"] == "policy_violation" and err["param"] == param, (body, err)
+        want = "policy_violation" if param else "duplicate_key"
+        assert err["code"] == want and err["param"] == param, (body, err)
     assert sim_stats(sim)["requests"] == 0
     r = http("POST", px.admin_port, "/admin/relay/v1/completions",
              body={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 1}, headers=hdrs)
