@@ -13,11 +13,7 @@ struct net_fetch_s {
     size_t max;
     bool in_timeout_cb; /* the callback runs for a first-byte timeout */
     bool told;          /* ... and has had its answer: the exchange ends (on_done frees f) */
-    /* net_fetch_drain from that callback: the drain to make of the exchange once it returns */
-    net_drains_t *dset;
-    uint64_t dmax;
-    void (*ddone)(void *data);
-    void *ddata;
+    bool drained;       /* ... and made the exchange a drain: f is freed once it returns */
     dp_buf_t body;
 };
 
@@ -76,7 +72,7 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 }
 
 /* No answer began in time: the callback is told now, and may make the exchange a drain
- * (net_fetch_drain), which happens once it has returned. */
+ * (net_fetch_drain). */
 static void on_first_byte_timeout(net_creq_t *c)
 {
     net_fetch_t *f = c->data;
@@ -85,11 +81,11 @@ static void on_first_byte_timeout(net_creq_t *c)
     f->cb(f, 0, &f->body, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout",
           f->data);
     f->in_timeout_cb = false;
-    f->told = true;
-    if (f->dset) {
-        net_creq_drain(c, f->dset, f->dmax, f->ddone, f->ddata);
+    if (f->drained) {
         f_free(f);
-    } /* else the exchange ends now: on_done frees f */
+        return;
+    }
+    f->told = true; /* the exchange ends now: on_done frees f */
 }
 
 static const net_creq_cb_t fetch_cb = {.on_head = on_head,
@@ -128,24 +124,19 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
 void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
                      void *data)
 {
-    if (f->in_timeout_cb) { /* on_first_byte_timeout makes the drain once the callback returns */
-        f->dset = set;
-        f->dmax = max_ms;
-        f->ddone = done;
-        f->ddata = data;
-        return;
-    }
-    assert(f->c != NULL && !f->told);
+    assert(f->c != NULL && !f->told && !f->drained);
     net_creq_drain(f->c, set, max_ms, done, data);
-    f_free(f);
+    if (f->in_timeout_cb)
+        f->drained = true; /* freed once the callback returns */
+    else
+        f_free(f);
 }
 
 void net_fetch_cancel(net_fetch_t *f)
 {
-    if (f->in_timeout_cb) { /* the exchange ends when the callback returns (on_done frees f) */
-        f->dset = NULL;
+    assert(!f->drained);  /* f is gone: the exchange is the drain's */
+    if (f->in_timeout_cb) /* the exchange ends when the callback returns (on_done frees f) */
         return;
-    }
     if (f->c)
         net_creq_cancel(f->c);
     f_free(f);

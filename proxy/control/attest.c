@@ -735,8 +735,8 @@ static bool orphan_may(att_t *a)
  * first-byte timeout, or before any callback). */
 static void orphan_keep(att_t *a, net_fetch_t *f)
 {
-    net_fetch_drain(f, &ctx(a->px)->orphans, policy_abandoned_drain_ms(&cur(a)->limits),
-                    px_admission_kept_slot_done, px_admission_keep_slot(a->px, a->r));
+    px_admission_drain_fetch(a->px, a->r, f, &ctx(a->px)->orphans,
+                             policy_abandoned_drain_ms(&cur(a)->limits));
     a->holds_slot = false; /* the drain frees it */
 }
 

@@ -126,8 +126,8 @@ static bool drain_slot(relay_t *rl, net_fetch_t *f)
     px_t *px = rl->px;
     if (!rl->holds_slot || !rl->drains || g_stopped)
         return false;
-    net_fetch_drain(f, &g_drains, policy_abandoned_drain_ms(&px->gen->cfg->limits),
-                    px_admission_kept_slot_done, px_admission_keep_slot(px, rl->r));
+    px_admission_drain_fetch(px, rl->r, f, &g_drains,
+                             policy_abandoned_drain_ms(&px->gen->cfg->limits));
     rl->holds_slot = false;
     return true;
 }

@@ -221,7 +221,7 @@ typedef struct {
     px_replica_t *r;   /* a worker */
 } kept_slot_t;
 
-void *px_admission_keep_slot(px_t *px, px_replica_t *r)
+static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
 {
     kept_slot_t *k = dp_xcalloc(1, sizeof(*k));
     k->px = px;
@@ -234,7 +234,7 @@ void *px_admission_keep_slot(px_t *px, px_replica_t *r)
     return k;
 }
 
-void px_admission_kept_slot_done(void *kept)
+static void kept_slot_done(void *kept)
 {
     kept_slot_t *k = kept;
     if (k->slots) {
@@ -245,6 +245,18 @@ void px_admission_kept_slot_done(void *kept)
     }
     own_slot_freed(k->px);
     free(k);
+}
+
+void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *set,
+                        uint64_t max_ms)
+{
+    net_creq_drain(c, set, max_ms, kept_slot_done, keep_slot(px, r));
+}
+
+void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,
+                              uint64_t max_ms)
+{
+    net_fetch_drain(f, set, max_ms, kept_slot_done, keep_slot(px, r));
 }
 
 void px_admission_dispatch_waiting(void)

@@ -10,6 +10,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "net/client.h"
+#include "net/fetch.h"
 #include "proxy/core/affinity.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/types.h"
@@ -52,14 +54,16 @@ void px_admission_slot_freed(px_pool_t *p);
  * probe, the canary, an admin relay) goes back to r; any thread. A client queued for a slot of
  * its pool, on whichever worker, is woken to look. */
 void px_admission_own_slot_done(px_t *px, px_replica_t *r);
-/* A slot of r kept for an exchange nobody will read, while r's engine may still be generating
- * it (a drain: net_creq_drain, net_fetch_drain, with px_admission_kept_slot_done as its done
- * callback and what px_admission_keep_slot returns as its data). The caller's hold on the slot
- * passes to it, and it is freed as px_admission_own_slot_done frees one when the drain ends,
- * whether or not r is still there then (a reload may free it meanwhile). Any thread; on the
- * control thread, also for r being freed. */
-void *px_admission_keep_slot(px_t *px, px_replica_t *r);
-void px_admission_kept_slot_done(void *kept);
+/* Keep the slot the caller holds on r for exchange c, whose owner has gone while r's engine may
+ * still be generating it: c becomes a drain in set for at most max_ms (net_creq_drain), and the
+ * slot is freed, as px_admission_own_slot_done frees one, when the drain ends, whether or not r
+ * is still there then (a reload may free it meanwhile). Any thread (set is the caller's); on
+ * the control thread, also for r being freed. */
+void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *set,
+                        uint64_t max_ms);
+/* The same for a fetch (net_fetch_drain, with its rules on when it may be called). */
+void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,
+                              uint64_t max_ms);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
 void px_admission_dispatch_waiting(void);
 

@@ -1094,7 +1094,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
  * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
- * drain holding the slot, for policy_abandoned_drain_ms more. */
+ * drain holding the slot. */
 static void up_on_first_byte_timeout(net_creq_t *c)
 {
     px_preq_t *q = c->data;
@@ -1264,10 +1264,9 @@ static void count_request(px_preq_t *q)
  * cancels a request whose connection closes, and would generate it to its end for a reader
  * that stays. An exchange that got no
  * answer within the first-byte timeout is drained too, after the client's 504
- * (up_on_first_byte_timeout). A drain's first-byte timeout keeps it policy_abandoned_drain_ms
- * more (the longer of that timeout and the idle one), once, whether it was a drain already or
- * became one then; past that, or the idle timeout mid-answer, the slot is freed. Cancelled,
- * the slot freed, when the worker stops. */
+ * (up_on_first_byte_timeout). A drain lasts at most policy_abandoned_drain_ms (the longer of
+ * that timeout and the idle one) from when it began, less if the answer falls silent for the
+ * idle timeout; then the slot is freed. Cancelled, the slot freed, when the worker stops. */
 
 static _Thread_local net_drains_t t_drains;
 
@@ -1278,8 +1277,8 @@ static bool drain_abandoned(px_preq_t *q)
     if (q->replica == NULL || q->pool == NULL || !policy_pool_drains_abandoned(q->pool->cfg) ||
         px_worker_closing() || !net_creq_sent(q->up))
         return false;
-    net_creq_drain(q->up, &t_drains, policy_abandoned_drain_ms(&q->gen->cfg->limits),
-                   px_admission_kept_slot_done, px_admission_keep_slot(q->gen->px, q->replica));
+    px_admission_drain(q->gen->px, q->replica, q->up, &t_drains,
+                       policy_abandoned_drain_ms(&q->gen->cfg->limits));
     q->up = NULL;
     q->slot_drained = true; /* the drain frees the slot */
     return true;

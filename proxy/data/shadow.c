@@ -672,8 +672,8 @@ static void sh_first_byte_timeout(net_creq_t *c)
     shadow_ctx_t *sc = ctx(s->px);
     if (!s->holds_slot || !s->drains || atomic_load(&sc->stopped) || !net_creq_sent(c))
         return;
-    net_creq_drain(c, &sc->drains, policy_abandoned_drain_ms(&s->px->gen->cfg->limits),
-                   px_admission_kept_slot_done, px_admission_keep_slot(s->px, s->target_r));
+    px_admission_drain(s->px, s->target_r, c, &sc->drains,
+                       policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
     s->holds_slot = false; /* the drain frees it */
     copy_ended(s, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout"); /* frees s */
 }
