@@ -95,8 +95,41 @@ px_replica_t *px_replica_find_live(const char *key)
     return NULL;
 }
 
-/* Every engine's slots while anything shares them (control thread only). */
+/* Every engine's slots while anything shares them, and the engines they name (control thread
+ * only). */
 static px_slots_t *g_slots;
+static px_engine_t *g_engines;
+
+/* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
+ * reference from a slots object; one of a single_sequence pool when `one`. */
+static px_engine_t *engine_ref(const char *key, size_t len, bool one)
+{
+    px_engine_t *e = g_engines;
+    while (e && !(e->keylen == len && memcmp(e->key, key, len) == 0))
+        e = e->next;
+    if (e == NULL) {
+        e = dp_xcalloc(1, sizeof(*e));
+        e->key = dp_xmalloc(len);
+        memcpy(e->key, key, len);
+        e->keylen = len;
+        DP_LIST_PUSH(g_engines, e, next, prev);
+    }
+    e->refs++;
+    if (one && e->ones++ == 0)
+        atomic_store(&e->one, true);
+    return e;
+}
+
+static void engine_unref(px_engine_t *e, bool one)
+{
+    if (one && --e->ones == 0)
+        atomic_store(&e->one, false);
+    if (--e->refs > 0)
+        return;
+    DP_LIST_UNLINK(g_engines, e, next, prev);
+    free(e->key);
+    free(e);
+}
 
 /* A sharer of sl lets go: the last one frees it. */
 static void slots_unref(px_slots_t *sl)
@@ -105,6 +138,7 @@ static void slots_unref(px_slots_t *sl)
     if (atomic_fetch_sub(&sl->refs, 1) != 1)
         return;
     DP_LIST_UNLINK(g_slots, sl, next, prev);
+    engine_unref(sl->eng, sl->one);
     free(sl->key);
     free(sl);
 }
@@ -116,8 +150,10 @@ static void slots_unref(px_slots_t *sl)
 static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
 {
     dp_buf_t key = {0};
-    const char *pool = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE ? "" : p->name;
-    dp_buf_printf(&key, "%s%c%d%c%s%c%u%c%s", pool, 0, url->tls, 0, url->host ? url->host : "", 0,
+    bool one = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE;
+    dp_buf_printf(&key, "%s%c", one ? "" : p->name, 0);
+    size_t url_at = key.len; /* the engine's key from here */
+    dp_buf_printf(&key, "%d%c%s%c%u%c%s", url->tls, 0, url->host ? url->host : "", 0,
                   (unsigned)url->port, 0, url->path ? url->path : "");
     for (px_slots_t *sl = g_slots; sl; sl = sl->next) {
         if (sl->keylen == key.len && memcmp(sl->key, key.base, key.len) == 0) {
@@ -130,6 +166,8 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     atomic_init(&sl->refs, 1);
     sl->key = key.base; /* the buffer's own: freed with sl */
     sl->keylen = key.len;
+    sl->one = one;
+    sl->eng = engine_ref(key.base + url_at, key.len - url_at, one);
     DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }
@@ -441,19 +479,45 @@ px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_
 
 /* ---- slots ------------------------------------------------------------------------------ */
 
+/* One request at a time on e: the slot is taken only when nothing runs there. */
+static bool take_only(px_slots_t *sl, px_engine_t *e)
+{
+    unsigned none = 0;
+    if (!atomic_compare_exchange_strong(&e->running, &none, 1))
+        return false;
+    atomic_fetch_add(&sl->inflight, 1);
+    return true;
+}
+
 bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
 {
+    px_slots_t *sl = r->slots;
+    px_engine_t *e = sl->eng;
+    if (sl->one || atomic_load(&e->one))
+        return take_only(sl, e);
     uint32_t max = p->cfg->max_inflight_per_replica;
+    unsigned cur = atomic_load_explicit(&sl->inflight, memory_order_relaxed);
     if (max == 0) {
-        atomic_fetch_add_explicit(&r->slots->inflight, 1, memory_order_relaxed);
-        return true;
+        atomic_fetch_add_explicit(&sl->inflight, 1, memory_order_relaxed);
+    } else {
+        for (;;) {
+            if (cur >= max)
+                return false;
+            if (atomic_compare_exchange_weak_explicit(&sl->inflight, &cur, cur + 1,
+                                                      memory_order_acq_rel, memory_order_relaxed))
+                break;
+        }
     }
-    unsigned cur = atomic_load_explicit(&r->slots->inflight, memory_order_relaxed);
-    while (cur < max)
-        if (atomic_compare_exchange_weak_explicit(&r->slots->inflight, &cur, cur + 1,
-                                                  memory_order_acq_rel, memory_order_relaxed))
-            return true;
-    return false;
+    /* Counted on the engine first, then the mode looked at again (both sequentially
+     * consistent): a single_sequence slot taken since it was read above either sees this
+     * request running or is seen here. Then this one gives way, unless nothing else runs. */
+    unsigned before = atomic_fetch_add(&e->running, 1);
+    if (before > 0 && atomic_load(&e->one)) {
+        atomic_fetch_sub(&e->running, 1);
+        atomic_fetch_sub(&sl->inflight, 1);
+        return false;
+    }
+    return true;
 }
 
 bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r)
@@ -478,6 +542,8 @@ static void slots_put(px_slots_t *sl)
         return;
     }
     unsigned prev = atomic_fetch_sub(&sl->inflight, 1);
+    assert(prev > 0);
+    prev = atomic_fetch_sub(&sl->eng->running, 1);
     assert(prev > 0);
     (void)prev;
 }

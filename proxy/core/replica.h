@@ -38,7 +38,22 @@ extern const char *const px_replica_state_names[];
 /* The canary's last verdict on a replica, as attestation publishes it. */
 typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary_t;
 
-/* The slots of one engine. */
+/* One engine, whichever pools and configuration generations name it (its URL as written):
+ * what it runs at all, so a single_sequence pool's one request waits for every other. */
+typedef struct px_engine_s {
+    int refs, ones; /* the slots naming it, and the single_sequence ones (control thread) */
+    char *key;
+    size_t keylen;
+    struct px_engine_s *next, *prev;
+    atomic_uint running; /* requests on it: every slot held, whichever slots hold it */
+    /* While a single_sequence pool names it (ones > 0), every slot on it is taken only when
+     * nothing runs there: a reload that makes a pool single_sequence waits for what the
+     * pool's earlier mode still runs, and an earlier generation's queue sends nothing beside
+     * the one sequence. */
+    atomic_bool one;
+} px_engine_t;
+
+/* The slots of one engine in one pool (single_sequence pools share theirs). */
 typedef struct px_slots_s {
     /* The replica objects sharing them, and the requests (own checks' drains) that outlive
      * every one of those: a replica object made while any holds them shares them. */
@@ -53,6 +68,8 @@ typedef struct px_slots_s {
      * one freed here: px_replica_put_slot passes it to them (granted) instead of freeing it, so
      * a busy pool cannot starve them. held + granted = how many wait. */
     atomic_uint held, granted;
+    px_engine_t *eng;
+    bool one; /* a single_sequence pool's (eng->ones counts it) */
 } px_slots_t;
 
 struct px_replica_s {

@@ -659,6 +659,37 @@ def test_single_sequence_holds_across_a_reload_that_changes_the_manifest():
     px.stop()
 
 
+def test_single_sequence_waits_for_what_the_pools_earlier_mode_still_runs():
+    """A reload that makes a pool single_sequence: the request the pool's earlier mode still
+    runs on the engine, and the one its earlier generation still queues, count, so the new
+    mode's requests never run beside them."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    px = start_proxy(pools=[pool("p", [MODEL], [sim], max_inflight_per_replica=1,
+                                 manifest={"model": MODEL, "framework": {"name": "vllm"}})],
+                     attestation=fast_attestation(100))
+    out = {}
+
+    def send(key, **body):
+        out[key] = complete(px, **body)
+    # "x" runs 42 tokens before the toy model's end of text: 2.5 s; "y" queues behind it.
+    first = threading.Thread(target=send, args=("first",), kwargs={"prompt": "x", "max_tokens": 60})
+    first.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the first generation running")
+    queued = threading.Thread(target=send, args=("queued",), kwargs={"max_tokens": 3})
+    queued.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 2, what="one request queued")
+    reload_with(px, lambda c: c["pools"][0]["manifest"].update(
+        determinism={"mode": "single_sequence"}))
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted again")
+    out["third"] = complete(px, max_tokens=3)
+    first.join(10)
+    queued.join(10)
+    assert [out[k].status for k in ("first", "queued", "third")] == [200] * 3, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
 def canary_running(token_delay_ms):
     """A single_sequence llama.cpp pool with a long canary (42 tokens), once its canary runs:
     the only traffic, no client sends anything. Returns (sim, proxy)."""

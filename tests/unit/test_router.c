@@ -21,6 +21,7 @@ typedef struct {
     px_pool_t pool;
     px_replica_t reps[MAXR];
     px_slots_t rslots[MAXR];
+    px_engine_t engines[MAXR];
     px_replica_t *ptrs[MAXR];
     char names[MAXR][24];
     px_pool_slot_t slots[1]; /* the calling thread's (this test runs as the control thread) */
@@ -58,6 +59,7 @@ static void tpool_init(tpool_t *t, cfg_balance_t balance, uint32_t max_inflight,
         r->up = (net_upstream_t *)&g_fake_upstream;
         r->aff_id = px_affinity_hash(r->name, strlen(r->name));
         r->slots = &t->rslots[i];
+        r->slots->eng = &t->engines[i];
         t->ptrs[i] = r;
     }
 }
@@ -328,4 +330,40 @@ Test(router, why_unavailable_lists_every_replica_with_its_reasons)
     px_pool_why_unavailable(&t.pool, &b);
     cr_assert_str_eq(b.base, "pool p has no replicas");
     dp_buf_free(&b);
+}
+
+/* Two pools' slots on one engine: while a single_sequence pool names it, a slot of either is
+ * taken only when nothing at all runs there (what a pool's earlier mode still runs counts), and
+ * without one each pool counts its own requests under its own limit. */
+Test(router, an_engine_a_single_sequence_pool_names_runs_one_request_whoever_sends_it)
+{
+    tpool_t t;
+    tpool_init(&t, CFG_BALANCE_ROUND_ROBIN, 4, 2, false);
+    px_replica_t *a = rep(&t, "r1"), *b = rep(&t, "r2");
+    b->slots->eng = a->slots->eng; /* the same engine, another pool's slots */
+    px_engine_t *e = a->slots->eng;
+    cr_assert(px_replica_take_slot(&t.pool, a));
+    cr_assert(px_replica_take_slot(&t.pool, b));
+    cr_assert(px_replica_take_slot(&t.pool, a));
+    cr_assert_eq(atomic_load(&e->running), 3);
+    /* A reload makes one of them single_sequence: what runs now keeps the engine. */
+    b->slots->one = true;
+    atomic_store(&e->one, true);
+    cr_assert_not(px_replica_take_slot(&t.pool, b));
+    cr_assert_not(px_replica_take_slot(&t.pool, a));
+    px_replica_put_slot(a);
+    px_replica_put_slot(a);
+    cr_assert_not(px_replica_take_slot(&t.pool, b));
+    px_replica_put_slot(b);
+    cr_assert_eq(atomic_load(&e->running), 0);
+    cr_assert(px_replica_take_slot(&t.pool, b));
+    cr_assert_not(px_replica_take_slot(&t.pool, a));
+    cr_assert_not(px_replica_take_slot(&t.pool, b));
+    cr_assert_eq(atomic_load(&a->slots->inflight), 0);
+    cr_assert_eq(atomic_load(&b->slots->inflight), 1);
+    px_replica_put_slot(b);
+    cr_assert(px_replica_take_slot(&t.pool, a));
+    cr_assert_not(px_replica_take_slot(&t.pool, b));
+    px_replica_put_slot(a);
+    cr_assert_eq(atomic_load(&e->running), 0);
 }
