@@ -95,6 +95,7 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
         dp_jw_null(w, "last_attested_at");
     }
     dp_jw_uint(w, "inflight", r->slots->inflight);
+    dp_jw_uint(w, "relays_holding", atomic_load(&r->slots->held));
     dp_jw_uint(w, "requests", r->requests);
     dp_jw_bool(w, "discovered", r->discovered);
     dp_jw_bool(w, "drained", r->drained);

@@ -728,7 +728,8 @@ static void check_start(att_t *a)
 /* Can a's slot go to an orphan (see above)? */
 static bool orphan_may(att_t *a)
 {
-    return a->holds_slot && a->slot_drains && ctx(a->px) != NULL && !ctx(a->px)->stopped;
+    return a->holds_slot && (a->slot_drains || px_replica_drains_abandoned(a->r)) &&
+           ctx(a->px) != NULL && !ctx(a->px)->stopped;
 }
 
 /* a's slot goes to a drain of f, a's request (net_fetch_drain: from the callback of its

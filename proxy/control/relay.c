@@ -124,7 +124,7 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
 static bool drain_slot(relay_t *rl, net_fetch_t *f)
 {
     px_t *px = rl->px;
-    if (!rl->holds_slot || !rl->drains || g_stopped)
+    if (!rl->holds_slot || !(rl->drains || px_replica_drains_abandoned(rl->r)) || g_stopped)
         return false;
     px_admission_drain_fetch(px, rl->r, f, &g_drains,
                              policy_abandoned_drain_ms(&px->gen->cfg->limits));

@@ -10,6 +10,7 @@
 #include "common/util.h"
 #include "net/resolve.h"
 #include "net/tls.h"
+#include "policy/policy.h"
 #include "probe/probe.h"
 #include "proxy/core/affinity.h"
 #include "proxy/core/gen.h"
@@ -102,7 +103,7 @@ static px_engine_t *g_engines;
 
 /* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
  * reference from a slots object; one of a single_sequence pool when `one`. */
-static px_engine_t *engine_ref(const char *key, size_t len, bool one)
+static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain)
 {
     px_engine_t *e = g_engines;
     while (e && !(e->keylen == len && memcmp(e->key, key, len) == 0))
@@ -117,13 +118,17 @@ static px_engine_t *engine_ref(const char *key, size_t len, bool one)
     e->refs++;
     if (one && e->ones++ == 0)
         atomic_store(&e->one, true);
+    if (drain && e->drains++ == 0)
+        atomic_store(&e->drain, true);
     return e;
 }
 
-static void engine_unref(px_engine_t *e, bool one)
+static void engine_unref(px_engine_t *e, bool one, bool drain)
 {
     if (one && --e->ones == 0)
         atomic_store(&e->one, false);
+    if (drain && --e->drains == 0)
+        atomic_store(&e->drain, false);
     if (--e->refs > 0)
         return;
     DP_LIST_UNLINK(g_engines, e, next, prev);
@@ -138,7 +143,7 @@ static void slots_unref(px_slots_t *sl)
     if (atomic_fetch_sub(&sl->refs, 1) != 1)
         return;
     DP_LIST_UNLINK(g_slots, sl, next, prev);
-    engine_unref(sl->eng, sl->one);
+    engine_unref(sl->eng, sl->one, sl->drain);
     free(sl->key);
     free(sl);
 }
@@ -167,7 +172,8 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     sl->key = key.base; /* the buffer's own: freed with sl */
     sl->keylen = key.len;
     sl->one = one;
-    sl->eng = engine_ref(key.base + url_at, key.len - url_at, one);
+    sl->drain = one && policy_pool_drains_abandoned(p);
+    sl->eng = engine_ref(key.base + url_at, key.len - url_at, one, sl->drain);
     DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }
@@ -479,6 +485,11 @@ px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_
 
 /* ---- slots ------------------------------------------------------------------------------ */
 
+bool px_replica_drains_abandoned(const px_replica_t *r)
+{
+    return atomic_load(&r->slots->eng->drain);
+}
+
 /* One request at a time on e: the slot is taken only when nothing runs there. */
 static bool take_only(px_slots_t *sl, px_engine_t *e)
 {
@@ -537,7 +548,13 @@ static bool dec_positive(atomic_uint *c)
 
 static void slots_put(px_slots_t *sl)
 {
-    if (dec_positive(&sl->held)) { /* an operator request waits for it: it is passed on */
+    px_engine_t *e = sl->eng;
+    /* An operator request waits for it: it is passed on, unless the engine is to run one
+     * request at a time and another runs there besides this one (a reload made it so while
+     * the pool's earlier mode ran several): then it is freed, and the operator request takes
+     * one as any request does, once nothing runs there. */
+    bool others = atomic_load(&e->one) && atomic_load(&e->running) > 1;
+    if (!others && dec_positive(&sl->held)) {
         atomic_fetch_add(&sl->granted, 1);
         return;
     }

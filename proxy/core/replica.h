@@ -41,7 +41,10 @@ typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary
 /* One engine, whichever pools and configuration generations name it (its URL as written):
  * what it runs at all, so a single_sequence pool's one request waits for every other. */
 typedef struct px_engine_s {
-    int refs, ones; /* the slots naming it, and the single_sequence ones (control thread) */
+    /* The slots naming it, the single_sequence ones, and of those the ones whose engine
+     * finishes an answer whose connection closed (policy_pool_drains_abandoned). Control
+     * thread. */
+    int refs, ones, drains;
     char *key;
     size_t keylen;
     struct px_engine_s *next, *prev;
@@ -51,6 +54,9 @@ typedef struct px_engine_s {
      * pool's earlier mode still runs, and an earlier generation's queue sends nothing beside
      * the one sequence. */
     atomic_bool one;
+    /* drains > 0: an exchange with it that nobody will read is read to its end, whatever mode
+     * it was sent under (px_replica_drains_abandoned). */
+    atomic_bool drain;
 } px_engine_t;
 
 /* The slots of one engine in one pool (single_sequence pools share theirs). */
@@ -69,7 +75,8 @@ typedef struct px_slots_s {
      * a busy pool cannot starve them. held + granted = how many wait. */
     atomic_uint held, granted;
     px_engine_t *eng;
-    bool one; /* a single_sequence pool's (eng->ones counts it) */
+    bool one;   /* a single_sequence pool's (eng->ones counts it) */
+    bool drain; /* ... whose engine finishes abandoned answers (eng->drains counts it) */
 } px_slots_t;
 
 struct px_replica_s {
@@ -192,6 +199,12 @@ void px_replica_flush_workers(px_replica_t *r, struct net_tls_ctx_s *fresh);
 /* Admitted, not drained, not suspect: may get client requests (and takes part in affinity
  * orders). The one eligibility rule: every balance, the affinity order and /readyz use it. */
 bool px_replica_serving(const px_replica_t *r);
+/* A single_sequence pool whose engine finishes an answer whose connection closed
+ * (policy_pool_drains_abandoned) names r's engine now, whichever pool r is of: an exchange with
+ * it that nobody will read is drained, not cut, whatever mode it was sent under (a reload may
+ * have made the pool so since), for the engine is generating it still and the next request
+ * must not start beside it. Any thread. */
+bool px_replica_drains_abandoned(const px_replica_t *r);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */
 bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);

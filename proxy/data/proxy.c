@@ -1274,7 +1274,8 @@ static _Thread_local net_drains_t t_drains;
  * will read (see above); false when the exchange is to be cancelled. */
 static bool drain_abandoned(px_preq_t *q)
 {
-    if (q->replica == NULL || q->pool == NULL || !policy_pool_drains_abandoned(q->pool->cfg) ||
+    if (q->replica == NULL || q->pool == NULL ||
+        !(policy_pool_drains_abandoned(q->pool->cfg) || px_replica_drains_abandoned(q->replica)) ||
         px_worker_closing() || !net_creq_sent(q->up))
         return false;
     px_admission_drain(q->gen->px, q->replica, q->up, &t_drains,

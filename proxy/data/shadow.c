@@ -670,7 +670,8 @@ static void sh_first_byte_timeout(net_creq_t *c)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
-    if (!s->holds_slot || !s->drains || atomic_load(&sc->stopped) || !net_creq_sent(c))
+    if (!s->holds_slot || !(s->drains || px_replica_drains_abandoned(s->target_r)) ||
+        atomic_load(&sc->stopped) || !net_creq_sent(c))
         return;
     px_admission_drain(s->px, s->target_r, c, &sc->drains,
                        policy_abandoned_drain_ms(&s->px->gen->cfg->limits));

@@ -690,6 +690,96 @@ def test_single_sequence_waits_for_what_the_pools_earlier_mode_still_runs():
     px.stop()
 
 
+def to_single_sequence(live):
+    live["pools"][0].setdefault("manifest", {})["determinism"] = {"mode": "single_sequence"}
+
+
+def test_single_sequence_drains_what_the_earlier_mode_sent_when_its_client_leaves():
+    """A request the pool's earlier mode sent is drained, not cut, when its client leaves after
+    a reload made the pool single_sequence: an engine that finishes an abandoned answer
+    (llama.cpp) is generating it still, and the next request waits for it."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60", "--finish-abandoned")
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], attestation=fast_attestation(100))
+    a = generating(px.port, b"/v1/completions", LONG, sim)
+    reload_with(px, to_single_sequence)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted again")
+    reset(a)
+    r = complete(px, max_tokens=3)
+    assert r.status == 200, r
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["completed"] == 2, st
+    px.stop()
+
+
+def test_single_sequence_passes_no_held_slot_to_a_relay_while_the_earlier_mode_runs_another():
+    """A relayed POST holding the next slot freed on a replica (it waited for a spare one) gets
+    it only when nothing else runs on the engine, once a reload made the pool single_sequence
+    while its earlier mode ran two requests there."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    px = start_proxy(pools=[pool("p", [MODEL], [sim], max_inflight_per_replica=2)],
+                     attestation=fast_attestation(100))
+    out = {}
+
+    def send(key, **body):
+        out[key] = complete(px, **body)
+    # "x" runs 42 tokens (2.5 s) before the toy model's end of text, 15 of them ~0.9 s.
+    long = threading.Thread(target=send, args=("long",), kwargs={"prompt": "x", "max_tokens": 60})
+    long.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the long request running")
+    short = threading.Thread(target=send, args=("short",),
+                             kwargs={"prompt": "x", "max_tokens": 15})
+    short.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 2, what="the short request running")
+
+    def relay():
+        out["relay"] = http("POST", px.admin_port, "/admin/relay/v1/completions",
+                            body=json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 3,
+                                             "temperature": 0}),
+                            headers={"content-type": "application/json",
+                                     "x-detproxy-relay-pool": "p",
+                                     "x-detproxy-relay-replica": "r1"})
+    relayed = threading.Thread(target=relay)
+    relayed.start()
+    poll_until(lambda: replicas(px)["r1"]["relays_holding"] == 1, what="the relay holding a slot")
+    reload_with(px, to_single_sequence)
+    assert sim_stats(sim)["completed"] == 0, "the reload came too late to test anything"
+    short.join(10)
+    assert out["short"].status == 200, out
+    sim_reset(sim)  # from here on only "long" runs until it ends
+    relayed.join(10)
+    long.join(10)
+    assert out["relay"].status == 200 and out["long"].status == 200, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["completed"] == 2, st
+    px.stop()
+
+
+def test_single_sequence_drains_the_canary_of_a_replica_object_the_mode_change_replaced():
+    """A reload that makes a pool single_sequence replaces its replica objects (the mode is part
+    of what they attested). A canary the old object's check was running is drained, holding
+    the engine, as llama.cpp generates it on after its connection closes."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--token-delay-ms", "80", "--finish-abandoned")
+    r = post_json(sim.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60,
+                                                "temperature": 0, "seed": 0})
+    can = {"prompt": "x", "max_tokens": 60,
+           "expected_sha256": hashlib.sha256(r.json()["choices"][0]["text"].encode()).hexdigest()}
+    sim_reset(sim)
+    p = pool("p", [MODEL], [sim], manifest={"model": MODEL, "framework": {"name": "llamacpp"},
+                                            "canary": can})
+    p["replicas"][0]["attest"] = {"source": "llamacpp"}
+    px = start_proxy(pools=[p], attestation=fast_attestation(100), timeout=20)
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="a canary running")
+    done = sim_stats(sim)["completed"]
+    reload_with(px, to_single_sequence)
+    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=15,
+               what="the old object's canary and a check of the new one done")
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    px.stop()
+
+
 def canary_running(token_delay_ms):
     """A single_sequence llama.cpp pool with a long canary (42 tokens), once its canary runs:
     the only traffic, no client sends anything. Returns (sim, proxy)."""
