@@ -689,8 +689,9 @@ static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
     cfg_path_pop(c, mark);
 }
 
-/* A fleet shares verdicts, not admission: each member keeps a single_sequence pool's one
- * sequence per engine for its own requests alone (docs/fleet.md, "What is shared"). */
+/* A fleet's members take turns on a single_sequence engine through etcd (docs/fleet.md, "One
+ * sequence per engine across the fleet"): they must name it by the same URL, and nothing starts
+ * on it while etcd is out of reach. */
 static void warn_fleet_single_sequence(cfg_ctx_t *c, const cfg_t *cfg)
 {
     if (cfg->fleet == NULL)
@@ -702,9 +703,10 @@ static void warn_fleet_single_sequence(cfg_ctx_t *c, const cfg_t *cfg)
         size_t m = cfg_path_index(c, i), d = cfg_path_key(c, "manifest");
         size_t dd = cfg_path_key(c, "determinism");
         cfg_warn(c, "mode",
-                 "single_sequence is kept by each fleet member for its own requests: members in "
-                 "front of one engine can run a sequence each on it at once; put one instance in "
-                 "front of each engine, or use batch_invariant, which the engine keeps");
+                 "single_sequence in a fleet: members take turns on each engine through etcd, so "
+                 "every member must name it by the same URL, and no member starts a request on "
+                 "it while etcd is out of reach (batch_invariant, which the engine keeps, needs "
+                 "neither)");
         cfg_path_pop(c, dd);
         cfg_path_pop(c, d);
         cfg_path_pop(c, m);

@@ -80,33 +80,80 @@ void fleet_ej_delete(dp_buf_t *out, const char *key)
     dp_jw_obj_end(&w);
 }
 
-void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
-                      int64_t lease)
+/* A transaction's opening up to its success list: key's mod_revision is mod_rev (0: key is
+ * absent). */
+static void txn_begin(dp_jw_t *w, dp_buf_t *out, const char *key, int64_t mod_rev)
+{
+    dp_jw_init(w, out);
+    dp_jw_obj_begin(w, NULL);
+    dp_jw_arr_begin(w, "compare");
+    dp_jw_obj_begin(w, NULL);
+    b64_field(w, "key", key, strlen(key));
+    dp_jw_str(w, "result", "EQUAL");
+    if (mod_rev) {
+        dp_jw_str(w, "target", "MOD");
+        int_field(w, "mod_revision", mod_rev);
+    } else {
+        dp_jw_str(w, "target", "CREATE");
+        int_field(w, "create_revision", 0);
+    }
+    dp_jw_obj_end(w);
+    dp_jw_arr_end(w);
+    dp_jw_arr_begin(w, "success");
+    dp_jw_obj_begin(w, NULL);
+}
+
+static void txn_end(dp_jw_t *w)
+{
+    dp_jw_obj_end(w);
+    dp_jw_arr_end(w);
+    dp_jw_obj_end(w);
+}
+
+/* {"NAME": {"key": key}}: a request on one key. */
+static void key_request(dp_jw_t *w, const char *name, const char *key)
+{
+    dp_jw_obj_begin(w, name);
+    b64_field(w, "key", key, strlen(key));
+    dp_jw_obj_end(w);
+}
+
+/* A put under a compare; when it fails, the key is read instead if `read_on_failure`. */
+static void txn_put(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
+                    int64_t lease, bool read_on_failure)
 {
     dp_jw_t w;
-    dp_jw_init(&w, out);
-    dp_jw_obj_begin(&w, NULL);
-    dp_jw_arr_begin(&w, "compare");
-    dp_jw_obj_begin(&w, NULL);
-    b64_field(&w, "key", key, strlen(key));
-    dp_jw_str(&w, "result", "EQUAL");
-    if (mod_rev) {
-        dp_jw_str(&w, "target", "MOD");
-        int_field(&w, "mod_revision", mod_rev);
-    } else {
-        dp_jw_str(&w, "target", "CREATE");
-        int_field(&w, "create_revision", 0);
-    }
-    dp_jw_obj_end(&w);
-    dp_jw_arr_end(&w);
-    dp_jw_arr_begin(&w, "success");
-    dp_jw_obj_begin(&w, NULL);
+    txn_begin(&w, out, key, mod_rev);
     dp_jw_obj_begin(&w, "request_put");
     put_fields(&w, key, val, vlen, lease);
     dp_jw_obj_end(&w);
-    dp_jw_obj_end(&w);
-    dp_jw_arr_end(&w);
-    dp_jw_obj_end(&w);
+    if (read_on_failure) {
+        dp_jw_obj_end(&w);
+        dp_jw_arr_end(&w);
+        dp_jw_arr_begin(&w, "failure");
+        dp_jw_obj_begin(&w, NULL);
+        key_request(&w, "request_range", key);
+    }
+    txn_end(&w);
+}
+
+void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
+                      int64_t lease)
+{
+    txn_put(out, key, mod_rev, val, vlen, lease, false);
+}
+
+void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease)
+{
+    txn_put(out, key, 0, val, vlen, lease, true);
+}
+
+void fleet_ej_txn_delete(dp_buf_t *out, const char *key, int64_t mod_rev)
+{
+    dp_jw_t w;
+    txn_begin(&w, out, key, mod_rev);
+    key_request(&w, "request_delete_range", key);
+    txn_end(&w);
 }
 
 void fleet_ej_watch_create(dp_buf_t *out, const char *prefix, int64_t start_rev)

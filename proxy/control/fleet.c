@@ -29,6 +29,7 @@
 #include "proxy/data/admission.h"
 #include "proxy/data/hooks.h"
 #include "proxy/data/shadow.h"
+#include "proxy/control/seqlock.h"
 #include "proxy/obs/audit.h"
 
 /* The whole fleet state, read in one range at connect: bounded, but well above what a fleet's
@@ -111,6 +112,7 @@ struct px_fleet_s {
     int64_t rev;     /* the fleet state read up to here */
     char ref_fp[65]; /* the fleet's fingerprint: most members', ties to the oldest member's */
     px_series_t *m_connected, *m_members;
+    px_seqlock_t *seq; /* single_sequence engines taken in turn (NULL: no etcd client) */
 };
 
 static bool g_applying; /* a change the fleet applies is not published back */
@@ -1014,6 +1016,8 @@ static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t 
         verdict_event(f, rel, deleted || lease == 0 ? NULL : value);
     } else if (strncmp(rel, "stats/", 6) == 0 && rel[6] && !strchr(rel + 6, '/')) {
         stats_set(f, rel + 6, deleted ? NULL : value);
+    } else if (strncmp(rel, "engines/", 8) == 0) {
+        px_seqlock_kv(f->seq, rel, deleted);
     }
 }
 
@@ -1090,6 +1094,7 @@ static void flush_pending(px_fleet_t *f)
 
 static void set_connected(px_fleet_t *f, bool up, const char *why)
 {
+    px_seqlock_lease(f->seq, up ? f->lease : 0);
     if (up == f->connected && (up || strcmp(f->why, why ? why : "") == 0))
         return;
     bool changed = up != f->connected;
@@ -1469,6 +1474,7 @@ void px_fleet_start(px_t *px)
     uv_timer_init(px->loop, &f->tick);
     f->tick.data = f;
     if (f->etcd) {
+        f->seq = px_seqlock_start(px, f->etcd, f->prefix, f->instance);
         uv_timer_start(&f->tick, on_tick, f->ttl_ms / 3, f->ttl_ms / 3);
         connect_start(f);
     }
@@ -1489,6 +1495,8 @@ void px_fleet_stop(px_t *px)
     f->stopping = true;
     /* Leave at once: revoking the lease deletes the member key, so the others hand over its
      * duties now rather than after the TTL. Best effort, not waited for. */
+    px_seqlock_stop(f->seq);
+    f->seq = NULL;
     fleet_etcd_free(f->etcd);
     f->etcd = NULL;
     members_clear(f);
@@ -1683,6 +1691,7 @@ void px_fleet_json(px_t *px, dp_buf_t *out)
     dp_jw_bool(&w, "config_skew", strcmp(f->fp, f->ref_fp) != 0);
     dp_jw_uint(&w, "lease_ttl_ms", f->ttl_ms);
     dp_jw_uint(&w, "rate_share", f->rate_share ? f->rate_share : 1);
+    px_seqlock_json(f->seq, &w);
     dp_jw_arr_begin(&w, "members");
     uint64_t now = dp_wall_ms();
     for (size_t i = 0; i < f->nmembers; i++) {

@@ -103,7 +103,8 @@ static px_engine_t *g_engines;
 
 /* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
  * reference from a slots object; one of a single_sequence pool when `one`. */
-static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain)
+static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url, bool one,
+                               bool drain)
 {
     px_engine_t *e = g_engines;
     while (e && !(e->keylen == len && memcmp(e->key, key, len) == 0))
@@ -113,6 +114,10 @@ static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain
         e->key = dp_xmalloc(len);
         memcpy(e->key, key, len);
         e->keylen = len;
+        dp_buf_t l = {0};
+        dp_buf_printf(&l, "%s://%s:%u%s", url->tls ? "https" : "http", url->host ? url->host : "",
+                      (unsigned)url->port, url->path ? url->path : "");
+        e->label = dp_buf_steal(&l);
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
     e->refs++;
@@ -133,6 +138,7 @@ static void engine_unref(px_engine_t *e, bool one, bool drain)
         return;
     DP_LIST_UNLINK(g_engines, e, next, prev);
     free(e->key);
+    free(e->label);
     free(e);
 }
 
@@ -173,7 +179,7 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     sl->keylen = key.len;
     sl->one = one;
     sl->drain = one && policy_pool_drains_abandoned(p);
-    sl->eng = engine_ref(key.base + url_at, key.len - url_at, one, sl->drain);
+    sl->eng = engine_ref(key.base + url_at, key.len - url_at, url, one, sl->drain);
     DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }
@@ -490,12 +496,30 @@ bool px_replica_drains_abandoned(const px_replica_t *r)
     return atomic_load(&r->slots->eng->drain);
 }
 
-/* One request at a time on e: the slot is taken only when nothing runs there. */
+void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data)
+{
+    PX_ASSERT_CONTROL();
+    for (px_engine_t *e = g_engines, *next; e; e = next) {
+        next = e->next;
+        if (e->ones > 0)
+            fn(e, data);
+    }
+}
+
+/* One request at a time on e: the slot is taken only when nothing runs there, and, across a
+ * fleet, while this member holds the engine. Holding it is looked at after the count is taken
+ * (both sequentially consistent): the control thread lets go of it only after it has cleared
+ * `held` and then seen nothing running, so a take either sees `held` cleared or is seen. */
 static bool take_only(px_slots_t *sl, px_engine_t *e)
 {
     unsigned none = 0;
     if (!atomic_compare_exchange_strong(&e->running, &none, 1))
         return false;
+    if (atomic_load(&e->gated) && !atomic_load(&e->held)) {
+        atomic_fetch_sub(&e->running, 1);
+        atomic_store(&e->want, true);
+        return false;
+    }
     atomic_fetch_add(&sl->inflight, 1);
     return true;
 }

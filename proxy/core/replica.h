@@ -57,6 +57,11 @@ typedef struct px_engine_s {
     /* drains > 0: an exchange with it that nobody will read is read to its end, whatever mode
      * it was sent under (px_replica_drains_abandoned). */
     atomic_bool drain;
+    /* Across a fleet (docs/fleet.md, "One sequence per engine across the fleet"): while
+     * `gated`, a slot is taken only while this member `held`s the engine's key in etcd, and a
+     * take refused for want of it sets `want` (proxy/control/seqlock.c takes the key then). */
+    atomic_bool gated, held, want;
+    char *label; /* its URL as written ("http://host:port/path"), for logs and the fleet */
 } px_engine_t;
 
 /* The slots of one engine in one pool (single_sequence pools share theirs). */
@@ -205,6 +210,8 @@ bool px_replica_serving(const px_replica_t *r);
  * have made the pool so since), for the engine is generating it still and the next request
  * must not start beside it. Any thread. */
 bool px_replica_drains_abandoned(const px_replica_t *r);
+/* Every engine a single_sequence pool names now, in no order. Control thread. */
+void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */
 bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);

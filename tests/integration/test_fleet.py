@@ -236,6 +236,84 @@ def test_killed_member_leaves_within_its_lease():
     cluster.stop()
 
 
+def single_sequence_member(cluster, sims, name, ttl=3000):
+    return start_proxy(pools=[pool("p", [MODEL], sims,
+                                   manifest={"determinism": {"mode": "single_sequence"}})],
+                       fleet=fleet_cfg(cluster, name, ttl))
+
+
+def test_single_sequence_engine_runs_one_request_across_the_fleet():
+    """Three members in front of one engine of a single_sequence pool run one request at a time
+    on it together: each takes the engine's key in etcd before it sends, and they take turns."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
+    pxs = [single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(3)]
+    wait_members(pxs, 3)
+    out = []
+
+    def send(p, i):
+        out.append(post_json(p.port, "/v1/completions",
+                             {"model": MODEL, "prompt": "s%d" % i, "max_tokens": 5}).status)
+    ts = [threading.Thread(target=send, args=(p, i)) for i in range(4) for p in pxs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert out == [200] * 12, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["requests"] >= 12, st
+    for p in pxs:
+        eng = fleet(p)["engines"]
+        assert len(eng) == 1 and eng[0]["engine"] == "http://127.0.0.1:%d" % sim.port, eng
+        assert eng[0]["taken"] >= 1 and eng[0]["taken"] == eng[0]["given"] + eng[0]["held"], eng
+    for p in pxs:
+        p.stop()
+    cluster.stop()
+
+
+def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
+    """A member killed while it holds an engine keeps it until its lease expires; without etcd
+    no member can know who runs a sequence there, so none starts one until etcd is back."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    # a holds the engine while "x" generates (42 tokens, 2.5 s), then is killed.
+    def doomed():
+        try:
+            post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60})
+        except OSError:
+            pass  # a is killed under it
+    threading.Thread(target=doomed, daemon=True).start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    assert [e["held"] for e in fleet(a)["engines"]] == [True]
+    a.popen.send_signal(signal.SIGKILL)
+    a.wait()
+    t0 = time.monotonic()
+    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    waited = time.monotonic() - t0
+    assert r.status == 200, r.text
+    assert waited > 1.0, waited  # the key went with a's lease (2 s), not before
+    print("a request through b waited %.2f s for the killed holder's lease (2 s)" % waited)
+    # etcd gone: b's key is lost with it, and nothing starts on the engine.
+    cluster.stop_member(0)
+    poll_until(lambda: not fleet(b)["connected"], timeout=10, what="b disconnected")
+    assert [e["held"] for e in fleet(b)["engines"]] == [False]
+    before = sim_stats(sim)["requests"]
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post_json(b.port, "/v1/completions", {
+        "model": MODEL, "prompt": "z", "max_tokens": 2})))
+    t.start()
+    poll_until(lambda: fleet(b)["engines"][0]["wanted"], what="the request refused the engine")
+    assert sim_stats(sim)["requests"] == before
+    cluster.start_member(0)
+    t.join(20)
+    assert out["r"].status == 200, out
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    b.stop()
+    cluster.stop()
+
+
 def test_etcd_faults_cost_clients_nothing():
     cluster = etcdutil.EtcdCluster(3)
     sims = [start_sim("--model", MODEL) for _ in range(2)]

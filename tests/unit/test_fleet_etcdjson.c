@@ -35,6 +35,17 @@ Test(etcdjson, put_and_txn_bodies_are_base64_with_string_integers)
     cr_assert_str_eq(cJSON_GetObjectItem(cmp, "create_revision")->valuestring, "0");
     cJSON_Delete(d);
     dp_buf_free(&b);
+    fleet_ej_txn_take(&b, "k", "v", 1, 9);
+    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
+                             "\"CREATE\",\"create_revision\":\"0\"}],\"success\":[{"
+                             "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
+                             "\"9\"}}],\"failure\":[{\"request_range\":{\"key\":\"aw==\"}}]}");
+    dp_buf_free(&b);
+    fleet_ej_txn_delete(&b, "k", 42);
+    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
+                             "\"MOD\",\"mod_revision\":\"42\"}],\"success\":[{"
+                             "\"request_delete_range\":{\"key\":\"aw==\"}}]}");
+    dp_buf_free(&b);
     fleet_ej_watch_create(&b, "/p/", 12);
     cr_assert(strstr(b.base, "\"start_revision\":\"12\"") != NULL);
     cr_assert(strstr(b.base, "\"range_end\":\"L3Aw\"") != NULL); /* "/p0" */

@@ -209,9 +209,9 @@ Test(determinism_policy, single_sequence_in_a_fleet_warns_that_each_member_count
                  e.count ? e.items[0] : "");
     cr_assert_eq(e.nwarnings, 2);
     cr_assert(strncmp(e.warnings[1],
-                      "pools[1].manifest.determinism.mode: single_sequence is kept "
-                      "by each fleet member",
-                      79) == 0,
+                      "pools[1].manifest.determinism.mode: single_sequence in a fleet: "
+                      "members take turns on each engine through etcd",
+                      110) == 0,
               "%s", e.warnings[1]);
     cfg_free(fleet);
     cfg_errors_free(&e);

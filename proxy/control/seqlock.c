@@ -1,0 +1,387 @@
+/* See proxy/control/seqlock.h. One record per engine a single_sequence pool names, found by its
+ * label (the URL as written) on each tick; the engine objects themselves may go between ticks
+ * (a reload), so a callback looks its engine up again. */
+#include "proxy/control/seqlock.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/list.h"
+#include "common/log.h"
+#include "common/util.h"
+#include "fleet/etcdjson.h"
+#include "proxy/core/px.h"
+#include "proxy/core/replica.h"
+#include "proxy/data/worker.h"
+
+typedef struct lock_s {
+    struct lock_s *next, *prev;
+    px_seqlock_t *s;
+    char *label;           /* the engine's */
+    char *key;             /* <prefix>engines/<first 32 hex digits of the label's SHA-256> */
+    uint64_t seen;         /* the tick that last found its engine */
+    int64_t rev;           /* our key's revision while we hold it; 0: not held */
+    uint64_t held_ms;      /* since when (loop ms) */
+    uint64_t next_try_ms;  /* not taken again before (loop ms) */
+    bool busy;             /* a call for it in flight */
+    bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
+    uint64_t taken, given; /* times taken and let go */
+} lock_t;
+
+struct px_seqlock_s {
+    px_t *px;
+    fleet_etcd_t *etcd;
+    char *prefix, *instance;
+    int64_t lease;
+    uv_timer_t tick;
+    uint64_t ticks;
+    lock_t *locks;
+    unsigned calls; /* in flight */
+    bool stopped, tick_closed;
+};
+
+/* A call's context: the lease it was made under (a key written on another lease is not ours). */
+typedef struct {
+    lock_t *l;
+    int64_t lease;
+} call_t;
+
+static void lock_free(lock_t *l)
+{
+    free(l->label);
+    free(l->key);
+    free(l);
+}
+
+static void maybe_free(px_seqlock_t *s)
+{
+    if (!s->stopped || !s->tick_closed || s->calls > 0)
+        return;
+    while (s->locks) {
+        lock_t *l = s->locks;
+        DP_LIST_UNLINK(s->locks, l, next, prev);
+        lock_free(l);
+    }
+    free(s->prefix);
+    free(s->instance);
+    free(s);
+}
+
+typedef struct {
+    const char *label;
+    px_engine_t *found;
+} find_t;
+
+static void find_cb(px_engine_t *e, void *data)
+{
+    find_t *f = data;
+    if (strcmp(e->label, f->label) == 0)
+        f->found = e;
+}
+
+/* The engine of l while a single_sequence pool names it; NULL when none does. */
+static px_engine_t *engine_of(const lock_t *l)
+{
+    find_t f = {l->label, NULL};
+    px_replica_engines_each(find_cb, &f);
+    return f.found;
+}
+
+static void lock_log(const char *msg, const lock_t *l, const char *why)
+{
+    dp_jw_t *w = dp_log_begin(why ? DP_LOG_WARN : DP_LOG_DEBUG, msg);
+    if (w) {
+        dp_jw_str(w, "engine", l->label);
+        dp_jw_str(w, "key", l->key);
+        if (why)
+            dp_jw_str(w, "error", why);
+        dp_log_end(w);
+    }
+}
+
+/* l is not held (any more): nothing new starts on its engine. */
+static void lost(lock_t *l)
+{
+    px_engine_t *e = engine_of(l);
+    if (e)
+        atomic_store(&e->held, false);
+    l->rev = 0;
+    l->handing = false;
+}
+
+static call_t *call_new(lock_t *l)
+{
+    call_t *c = dp_xcalloc(1, sizeof(*c));
+    c->l = l;
+    c->lease = l->s->lease;
+    l->busy = true;
+    l->s->calls++;
+    return c;
+}
+
+/* The call is over; false when the seqlock stopped meanwhile (nothing more to do). */
+static bool call_done(call_t *c)
+{
+    lock_t *l = c->l;
+    px_seqlock_t *s = l->s;
+    l->busy = false;
+    s->calls--;
+    free(c);
+    if (s->stopped) {
+        maybe_free(s);
+        return false;
+    }
+    return true;
+}
+
+/* The mod_revision of the key a failed take's answer found, when it is on `lease`; else 0. */
+static int64_t held_on(const cJSON *res, int64_t lease)
+{
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 0);
+    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
+    fleet_kv_t kv = {0};
+    int64_t rev = 0;
+    if (lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease)
+        rev = kv.mod_revision;
+    fleet_kv_free(&kv);
+    return rev;
+}
+
+static void taken(const cJSON *res, const char *why, void *data)
+{
+    call_t *c = data;
+    lock_t *l = c->l;
+    px_seqlock_t *s = l->s;
+    int64_t lease = c->lease;
+    if (!call_done(c))
+        return;
+    uint64_t now = uv_now(s->px->loop);
+    const cJSON *ok = res ? cJSON_GetObjectItemCaseSensitive(res, "succeeded") : NULL;
+    if (res == NULL) {
+        lock_log("fleet_engine_take_failed", l, why);
+        l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
+        return;
+    }
+    if (cJSON_IsTrue(ok)) {
+        l->rev = fleet_ej_revision(res);
+    } else {
+        /* Held: by another member (tried again at its delete, or in a while), or by us on
+         * the lease we hold now (written before etcd was lost and found again): ours then. */
+        l->rev = held_on(res, lease);
+        if (l->rev == 0) {
+            l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
+            return;
+        }
+    }
+    if (lease != s->lease) { /* on a lease that is gone: the key goes with it */
+        l->rev = 0;
+        return;
+    }
+    l->held_ms = now;
+    l->taken++;
+    px_engine_t *e = engine_of(l);
+    if (e == NULL)
+        return; /* no pool asks for it now: the next tick lets it go */
+    atomic_store(&e->want, false);
+    atomic_store(&e->held, true);
+    lock_log("fleet_engine_taken", l, NULL);
+    px_workers_wake(s->px); /* requests queued for it look again */
+}
+
+static void given(const cJSON *res, const char *why, void *data)
+{
+    call_t *c = data;
+    lock_t *l = c->l;
+    if (!call_done(c))
+        return;
+    if (res == NULL)
+        lock_log("fleet_engine_release_failed", l, why); /* it goes with the lease, if not now */
+    l->rev = 0;
+    l->given++;
+    l->next_try_ms = uv_now(l->s->px->loop) + PX_SEQLOCK_BACKOFF_MS;
+}
+
+static void take(lock_t *l)
+{
+    px_seqlock_t *s = l->s;
+    dp_buf_t v = {0}, body = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &v);
+    dp_jw_obj_begin(&w, NULL);
+    dp_jw_str(&w, "instance", s->instance);
+    dp_jw_str(&w, "engine", l->label);
+    dp_jw_uint(&w, "at_ms", dp_wall_ms());
+    dp_jw_obj_end(&w);
+    fleet_ej_txn_take(&body, l->key, v.base, v.len, s->lease);
+    fleet_etcd_call(s->etcd, "/v3/kv/txn", &body, taken, call_new(l));
+    dp_buf_free(&v);
+    dp_buf_free(&body);
+}
+
+static void give(lock_t *l)
+{
+    dp_buf_t body = {0};
+    fleet_ej_txn_delete(&body, l->key, l->rev);
+    fleet_etcd_call(l->s->etcd, "/v3/kv/txn", &body, given, call_new(l));
+    dp_buf_free(&body);
+}
+
+static lock_t *lock_by_label(px_seqlock_t *s, const char *label)
+{
+    for (lock_t *l = s->locks; l; l = l->next)
+        if (strcmp(l->label, label) == 0)
+            return l;
+    return NULL;
+}
+
+static void seen_cb(px_engine_t *e, void *data)
+{
+    px_seqlock_t *s = data;
+    atomic_store(&e->gated, true);
+    lock_t *l = lock_by_label(s, e->label);
+    if (l == NULL) {
+        l = dp_xcalloc(1, sizeof(*l));
+        l->s = s;
+        l->label = dp_xstrdup(e->label);
+        char hex[65];
+        dp_sha256_hex(e->label, strlen(e->label), hex);
+        dp_buf_t k = {0};
+        dp_buf_printf(&k, "%sengines/%.32s", s->prefix, hex);
+        l->key = dp_buf_steal(&k);
+        DP_LIST_PUSH(s->locks, l, next, prev);
+    }
+    l->seen = s->ticks;
+}
+
+/* Let go of l now if nothing runs on its engine: `held` is cleared first, then the count read
+ * (take_only in proxy/core/replica.c reads them the other way round). */
+static bool give_if_idle(lock_t *l, px_engine_t *e)
+{
+    atomic_store(&e->held, false);
+    if (atomic_load(&e->running) != 0) {
+        if (!l->handing)
+            atomic_store(&e->held, true); /* a request started meanwhile: keep it */
+        return false;
+    }
+    give(l);
+    return true;
+}
+
+static void on_tick(uv_timer_t *t)
+{
+    px_seqlock_t *s = t->data;
+    uint64_t now = uv_now(s->px->loop);
+    s->ticks++;
+    px_replica_engines_each(seen_cb, s);
+    for (lock_t *l = s->locks, *next; l; l = next) {
+        next = l->next;
+        if (l->busy)
+            continue;
+        px_engine_t *e = l->seen == s->ticks ? engine_of(l) : NULL;
+        if (e == NULL) { /* no single_sequence pool names it now */
+            if (l->rev)
+                give(l);
+            else if (l->rev == 0) {
+                DP_LIST_UNLINK(s->locks, l, next, prev);
+                lock_free(l);
+            }
+            continue;
+        }
+        if (l->rev) {
+            if (!l->handing && now - l->held_ms >= PX_SEQLOCK_HOLD_MS &&
+                atomic_load(&e->running) != 0) {
+                l->handing = true; /* others may wait: nothing new, then it goes */
+                atomic_store(&e->held, false);
+            }
+            if (give_if_idle(l, e))
+                l->handing = false;
+            continue;
+        }
+        if (s->lease != 0 && atomic_load(&e->want) && now >= l->next_try_ms)
+            take(l);
+    }
+}
+
+static void tick_closed(uv_handle_t *h)
+{
+    px_seqlock_t *s = h->data;
+    s->tick_closed = true;
+    maybe_free(s);
+}
+
+px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
+                               const char *instance)
+{
+    px_seqlock_t *s = dp_xcalloc(1, sizeof(*s));
+    s->px = px;
+    s->etcd = etcd;
+    s->prefix = dp_xstrdup(prefix);
+    s->instance = dp_xstrdup(instance);
+    uv_timer_init(px->loop, &s->tick);
+    s->tick.data = s;
+    uv_timer_start(&s->tick, on_tick, 0, PX_SEQLOCK_TICK_MS);
+    return s;
+}
+
+void px_seqlock_lease(px_seqlock_t *s, int64_t lease)
+{
+    if (s == NULL || lease == s->lease)
+        return;
+    s->lease = lease;
+    for (lock_t *l = s->locks; l; l = l->next) {
+        if (l->rev == 0)
+            continue;
+        lock_log("fleet_engine_lost", l, lease ? "the lease it was held on is gone" : "etcd lost");
+        lost(l);
+    }
+}
+
+void px_seqlock_kv(px_seqlock_t *s, const char *rel, bool deleted)
+{
+    if (s == NULL || !deleted)
+        return;
+    size_t pl = strlen(s->prefix);
+    for (lock_t *l = s->locks; l; l = l->next) {
+        if (strcmp(l->key + pl, rel) != 0)
+            continue;
+        l->next_try_ms = 0;       /* free: whoever wants it tries now */
+        if (l->rev && !l->busy) { /* ours, and we did not let it go: its lease expired */
+            lock_log("fleet_engine_lost", l, "its key was deleted");
+            lost(l);
+        }
+    }
+}
+
+void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w)
+{
+    dp_jw_arr_begin(w, "engines");
+    for (lock_t *l = s ? s->locks : NULL; l; l = l->next) {
+        px_engine_t *e = engine_of(l);
+        dp_jw_obj_begin(w, NULL);
+        dp_jw_str(w, "engine", l->label);
+        dp_jw_str(w, "key", l->key);
+        dp_jw_bool(w, "held", l->rev != 0);
+        dp_jw_uint(w, "running", e ? atomic_load(&e->running) : 0);
+        dp_jw_bool(w, "wanted", e && atomic_load(&e->want));
+        dp_jw_uint(w, "taken", l->taken);
+        dp_jw_uint(w, "given", l->given);
+        dp_jw_obj_end(w);
+    }
+    dp_jw_arr_end(w);
+}
+
+void px_seqlock_stop(px_seqlock_t *s)
+{
+    if (s == NULL)
+        return;
+    /* Nothing new starts on a gated engine: the keys go with the lease when the process does. */
+    for (lock_t *l = s->locks; l; l = l->next) {
+        px_engine_t *e = engine_of(l);
+        if (e)
+            atomic_store(&e->held, false);
+    }
+    s->stopped = true;
+    uv_close((uv_handle_t *)&s->tick, tick_closed);
+}

@@ -1,0 +1,42 @@
+/* One sequence per engine across a fleet (docs/fleet.md, "One sequence per engine across the
+ * fleet"). An engine a single_sequence pool names runs a request of this member only while the
+ * member holds the engine's key, engines/<id> under the fleet's prefix, written on its lease
+ * with a transaction that succeeds only when the key is absent. The member takes the key when
+ * a request, of a client or its own, finds it missing (px_engine_t.want), lets go of it when
+ * nothing runs on the engine, or after holding it PX_SEQLOCK_HOLD_MS while others may wait, and
+ * does not take it again for PX_SEQLOCK_BACKOFF_MS after letting go, so members take turns.
+ * Without etcd (not yet connected, lease lost) nothing new starts on such an engine: a member
+ * that cannot know whether another runs a sequence there does not start one. A member that dies
+ * holding a key holds it until its lease expires. Control thread. */
+#ifndef PX_SEQLOCK_H
+#define PX_SEQLOCK_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/jw.h"
+#include "fleet/etcd.h"
+#include "proxy/core/types.h"
+
+#define PX_SEQLOCK_TICK_MS 10
+#define PX_SEQLOCK_HOLD_MS 1000
+#define PX_SEQLOCK_BACKOFF_MS 20
+#define PX_SEQLOCK_RETRY_MS                                                                        \
+    100 /* a key held elsewhere is tried again this often, or at its delete */
+
+typedef struct px_seqlock_s px_seqlock_t;
+
+/* keys under prefix ("/detproxy/<fleet>/"), written with instance's name in them. */
+px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
+                               const char *instance);
+/* The member's lease now: 0 while it has none (not connected). A new lease loses every key held
+ * on the old one. */
+void px_seqlock_lease(px_seqlock_t *s, int64_t lease);
+/* A key under engines/ changed (rel: the key after the prefix). */
+void px_seqlock_kv(px_seqlock_t *s, const char *rel, bool deleted);
+/* "engines": [...] into an open object. */
+void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w);
+/* Before the etcd client is freed; lets every engine go (nothing new starts on them). */
+void px_seqlock_stop(px_seqlock_t *s);
+
+#endif
