@@ -113,6 +113,9 @@ struct px_fleet_s {
     char ref_fp[65]; /* the fleet's fingerprint: most members', ties to the oldest member's */
     px_series_t *m_connected, *m_members;
     px_seqlock_t *seq; /* single_sequence engines taken in turn (NULL: no etcd client) */
+    /* The lease surely lives until lease_until (dp_now_ms): the send time of the grant or
+     * keep-alive that last set its TTL, plus that TTL. */
+    uint64_t lease_until, call_sent_ms, keepalive_sent_ms;
 };
 
 static bool g_applying; /* a change the fleet applies is not published back */
@@ -1094,7 +1097,7 @@ static void flush_pending(px_fleet_t *f)
 
 static void set_connected(px_fleet_t *f, bool up, const char *why)
 {
-    px_seqlock_lease(f->seq, up ? f->lease : 0);
+    px_seqlock_lease(f->seq, up ? f->lease : 0, f->lease_until);
     if (up == f->connected && (up || strcmp(f->why, why ? why : "") == 0))
         return;
     bool changed = up != f->connected;
@@ -1310,6 +1313,7 @@ static void step_done(const cJSON *res, const char *why, void *data)
     }
     if (f->step == ST_GRANT) {
         f->lease = fleet_ej_int(res, "ID", 0);
+        f->lease_until = f->call_sent_ms + (uint64_t)fleet_ej_int(res, "TTL", 0) * 1000;
         if (f->lease == 0) {
             fail_step(f, "granting the lease", "no lease ID in the answer");
             return;
@@ -1327,6 +1331,7 @@ static void connect_step(px_fleet_t *f)
     dp_buf_t body = {0}, key = {0};
     switch (f->step) {
     case ST_GRANT:
+        f->call_sent_ms = dp_now_ms();
         fleet_ej_lease_grant(&body, (f->ttl_ms + 999) / 1000);
         fleet_etcd_call(f->etcd, "/v3/lease/grant", &body, step_done, f);
         break;
@@ -1371,12 +1376,17 @@ static void kept_alive(const cJSON *res, const char *why, void *data)
         fleet_etcd_watch_kick(f->etcd);
         return;
     }
-    if (fleet_ej_int(res, "TTL", 0) <= 0) {
+    int64_t ttl = fleet_ej_int(res, "TTL", 0);
+    if (ttl <= 0) {
         /* The lease expired (etcd was away longer than its TTL): everything again. */
         f->lease = 0;
         set_connected(f, false, "lease expired");
         connect_start(f);
+        return;
     }
+    f->lease_until = f->keepalive_sent_ms + (uint64_t)ttl * 1000;
+    if (f->connected)
+        px_seqlock_lease(f->seq, f->lease, f->lease_until);
 }
 
 /* The latest audit checkpoint goes to anchors/<instance> (not on the lease: evidence outlives
@@ -1419,6 +1429,7 @@ static void on_tick(uv_timer_t *t)
     if (f->keepalive_busy)
         return;
     f->keepalive_busy = true;
+    f->keepalive_sent_ms = dp_now_ms();
     dp_buf_t body = {0};
     fleet_ej_lease_id(&body, f->lease);
     fleet_etcd_call(f->etcd, "/v3/lease/keepalive", &body, kept_alive, f);

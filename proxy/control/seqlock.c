@@ -34,6 +34,7 @@ struct px_seqlock_s {
     fleet_etcd_t *etcd;
     char *prefix, *instance;
     int64_t lease;
+    uint64_t until; /* the lease surely lives until then (dp_now_ms) */
     uv_timer_t tick;
     uint64_t ticks;
     lock_t *locks;
@@ -185,6 +186,7 @@ static void taken(const cJSON *res, const char *why, void *data)
     if (e == NULL)
         return; /* no pool asks for it now: the next tick lets it go */
     atomic_store(&e->want, false);
+    atomic_store(&e->held_until, s->until);
     atomic_store(&e->held, true);
     lock_log("fleet_engine_taken", l, NULL);
     px_workers_wake(s->px); /* requests queued for it look again */
@@ -325,10 +327,19 @@ px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
     return s;
 }
 
-void px_seqlock_lease(px_seqlock_t *s, int64_t lease)
+void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
 {
-    if (s == NULL || lease == s->lease)
+    if (s == NULL)
         return;
+    s->until = lease ? until_ms : 0;
+    if (lease == s->lease) { /* kept alive: what is held stays so until the new time */
+        for (lock_t *l = s->locks; l; l = l->next) {
+            px_engine_t *e = l->rev ? engine_of(l) : NULL;
+            if (e)
+                atomic_store(&e->held_until, s->until);
+        }
+        return;
+    }
     s->lease = lease;
     for (lock_t *l = s->locks; l; l = l->next) {
         if (l->rev == 0)

@@ -29,9 +29,10 @@ typedef struct px_seqlock_s px_seqlock_t;
 /* keys under prefix ("/detproxy/<fleet>/"), written with instance's name in them. */
 px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
                                const char *instance);
-/* The member's lease now: 0 while it has none (not connected). A new lease loses every key held
- * on the old one. */
-void px_seqlock_lease(px_seqlock_t *s, int64_t lease);
+/* The member's lease now (0 while it has none: not connected), and until when it surely lives
+ * (dp_now_ms: the send time of the grant or keep-alive that set it, plus its TTL). A new lease
+ * loses every key held on the old one. */
+void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms);
 /* A key under engines/ changed (rel: the key after the prefix). */
 void px_seqlock_kv(px_seqlock_t *s, const char *rel, bool deleted);
 /* "engines": [...] into an open object. */

@@ -515,7 +515,8 @@ static bool take_only(px_slots_t *sl, px_engine_t *e)
     unsigned none = 0;
     if (!atomic_compare_exchange_strong(&e->running, &none, 1))
         return false;
-    if (atomic_load(&e->gated) && !atomic_load(&e->held)) {
+    if (atomic_load(&e->gated) &&
+        (!atomic_load(&e->held) || dp_now_ms() >= atomic_load(&e->held_until))) {
         atomic_fetch_sub(&e->running, 1);
         atomic_store(&e->want, true);
         return false;

@@ -61,6 +61,9 @@ typedef struct px_engine_s {
      * `gated`, a slot is taken only while this member `held`s the engine's key in etcd, and a
      * take refused for want of it sets `want` (proxy/control/seqlock.c takes the key then). */
     atomic_bool gated, held, want;
+    /* ... and only until this (dp_now_ms): while its lease surely lives, so a member paused or
+     * cut off past its lease starts nothing there when it runs again, before it learns so. */
+    _Atomic uint64_t held_until;
     char *label; /* its URL as written ("http://host:port/path"), for logs and the fleet */
 } px_engine_t;
 

@@ -13,7 +13,8 @@ import time
 
 from harness import (SANITIZE, SLOW, get_json, http, poll_until, post_json, run_cmd, run_tests,
                      start_sim, DETPROXY_BIN)
-from proxyutil import pool, rss_kb, sim_stats, start_proxy, wait_all_admitted, write_config
+from proxyutil import (pool, rss_kb, sim_reset, sim_stats, start_proxy, wait_all_admitted,
+                       write_config)
 import certs
 import etcdutil
 
@@ -311,6 +312,49 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     assert out["r"].status == 200, out
     assert sim_stats(sim)["max_inflight_seen"] == 1
     b.stop()
+    cluster.stop()
+
+
+def test_single_sequence_member_paused_past_its_lease_starts_nothing_when_it_wakes():
+    """A member paused (SIGSTOP) past its lease while it held an engine: another member takes
+    the engine once the lease is gone; the paused one, when it runs again, does not start a
+    request there on the strength of a key it no longer holds."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    r = post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "w", "max_tokens": 2})
+    assert r.status == 200, r.text
+    # a takes the engine for "x" (42 tokens, 2.5 s) and is paused while holding it.
+    ax = {}
+    t = threading.Thread(target=lambda: ax.update(r=post_json(a.port, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 60})))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    a.popen.send_signal(signal.SIGSTOP)
+    try:
+        # b waits for a's lease (2 s), then runs "y" (40 tokens) once x has ended.
+        by = {}
+        u = threading.Thread(target=lambda: by.update(r=post_json(b.port, "/v1/completions", {
+            "model": MODEL, "prompt": "y", "max_tokens": 40})))
+        u.start()
+        poll_until(lambda: fleet(b)["engines"][0]["held"] and sim_stats(sim)["inflight"] == 1 and
+                   sim_stats(sim)["completed"] >= 2, timeout=15, what="y running through b")
+        sim_reset(sim)
+        # A request reaches a while it sleeps; then a wakes, holding a key that is b's now.
+        az = {}
+        v = threading.Thread(target=lambda: az.update(r=post_json(a.port, "/v1/completions", {
+            "model": MODEL, "prompt": "z", "max_tokens": 2})))
+        v.start()
+    finally:
+        a.popen.send_signal(signal.SIGCONT)
+    for th in (t, u, v):
+        th.join(30)
+    assert ax["r"].status == 200 and by["r"].status == 200 and az["r"].status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    for p in (a, b):
+        p.stop()
     cluster.stop()
 
 

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/util.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/replica.h"
 #include "proxy/data/router.h"
@@ -366,4 +367,30 @@ Test(router, an_engine_a_single_sequence_pool_names_runs_one_request_whoever_sen
     cr_assert_not(px_replica_take_slot(&t.pool, b));
     px_replica_put_slot(a);
     cr_assert_eq(atomic_load(&e->running), 0);
+}
+
+/* Across a fleet a gated engine takes a slot only while this member holds its key, and only
+ * until its lease surely lives: a member that wakes past it (paused, cut off) starts nothing. */
+Test(router, a_fleet_engine_runs_only_while_its_key_is_held_and_its_lease_lives)
+{
+    tpool_t t;
+    tpool_init(&t, CFG_BALANCE_ROUND_ROBIN, 1, 1, false);
+    px_replica_t *a = rep(&t, "r1");
+    px_engine_t *e = a->slots->eng;
+    a->slots->one = true;
+    atomic_store(&e->one, true);
+    atomic_store(&e->gated, true);
+    cr_assert_not(px_replica_take_slot(&t.pool, a));
+    cr_assert(atomic_load(&e->want), "a refused take asks for the key");
+    cr_assert_eq(atomic_load(&e->running), 0);
+    atomic_store(&e->want, false);
+    atomic_store(&e->held, true);
+    atomic_store(&e->held_until, dp_now_ms() + 60000);
+    cr_assert(px_replica_take_slot(&t.pool, a));
+    px_replica_put_slot(a);
+    atomic_store(&e->held_until, dp_now_ms() - 1);
+    cr_assert_not(px_replica_take_slot(&t.pool, a));
+    cr_assert(atomic_load(&e->want));
+    cr_assert_eq(atomic_load(&e->running), 0);
+    cr_assert_eq(atomic_load(&a->slots->inflight), 0);
 }
