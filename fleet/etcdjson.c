@@ -81,8 +81,8 @@ void fleet_ej_delete(dp_buf_t *out, const char *key)
 }
 
 /* A transaction's opening up to its success list: key's mod_revision is mod_rev (0: key is
- * absent). */
-static void txn_begin(dp_jw_t *w, dp_buf_t *out, const char *key, int64_t mod_rev)
+ * absent), or, when by_lease, key is on lease mod_rev. */
+static void txn_begin(dp_jw_t *w, dp_buf_t *out, const char *key, int64_t mod_rev, bool by_lease)
 {
     dp_jw_init(w, out);
     dp_jw_obj_begin(w, NULL);
@@ -90,7 +90,10 @@ static void txn_begin(dp_jw_t *w, dp_buf_t *out, const char *key, int64_t mod_re
     dp_jw_obj_begin(w, NULL);
     b64_field(w, "key", key, strlen(key));
     dp_jw_str(w, "result", "EQUAL");
-    if (mod_rev) {
+    if (by_lease) {
+        dp_jw_str(w, "target", "LEASE");
+        int_field(w, "lease", mod_rev);
+    } else if (mod_rev) {
         dp_jw_str(w, "target", "MOD");
         int_field(w, "mod_revision", mod_rev);
     } else {
@@ -123,7 +126,7 @@ static void txn_put(dp_buf_t *out, const char *key, int64_t mod_rev, const char 
                     int64_t lease, bool read_on_failure)
 {
     dp_jw_t w;
-    txn_begin(&w, out, key, mod_rev);
+    txn_begin(&w, out, key, mod_rev, false);
     dp_jw_obj_begin(&w, "request_put");
     put_fields(&w, key, val, vlen, lease);
     dp_jw_obj_end(&w);
@@ -148,10 +151,10 @@ void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t v
     txn_put(out, key, 0, val, vlen, lease, true);
 }
 
-void fleet_ej_txn_delete(dp_buf_t *out, const char *key, int64_t mod_rev)
+void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease)
 {
     dp_jw_t w;
-    txn_begin(&w, out, key, mod_rev);
+    txn_begin(&w, out, key, lease, true);
     key_request(&w, "request_delete_range", key);
     txn_end(&w);
 }

@@ -29,8 +29,8 @@ void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const cha
 /* Put key only when it is absent; when it is not, the answer's responses[0].response_range
  * holds it (who has it, on which lease). */
 void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease);
-/* Delete key only when its mod_revision is still mod_rev (a key we wrote and nobody changed). */
-void fleet_ej_txn_delete(dp_buf_t *out, const char *key, int64_t mod_rev);
+/* Delete key only while it is on lease (a key we wrote on it, whenever). */
+void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease);
 void fleet_ej_watch_create(dp_buf_t *out, const char *prefix, int64_t start_rev);
 void fleet_ej_lease_grant(dp_buf_t *out, int64_t ttl_s);
 void fleet_ej_lease_id(dp_buf_t *out, int64_t id); /* keepalive, revoke */

@@ -1020,7 +1020,7 @@ static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t 
     } else if (strncmp(rel, "stats/", 6) == 0 && rel[6] && !strchr(rel + 6, '/')) {
         stats_set(f, rel + 6, deleted ? NULL : value);
     } else if (strncmp(rel, "engines/", 8) == 0) {
-        px_seqlock_kv(f->seq, rel, deleted);
+        px_seqlock_kv(f->seq, rel, lease, deleted);
     }
 }
 
@@ -1208,7 +1208,8 @@ static void ranged(const cJSON *res, const char *why, void *data)
     }
     compute_skew(f);
     /* Entries after members: their origins' skew decides whether they apply. An entry that was
-     * applied and is gone now is lifted. */
+     * applied and is gone now is lifted. An engine key on our lease is ours again. */
+    px_seqlock_lease(f->seq, f->lease, f->lease_until);
     cJSON_ArrayForEach(kv, cJSON_GetObjectItemCaseSensitive(res, "kvs"))
     {
         if (fleet_ej_kv(kv, &k) == 0)

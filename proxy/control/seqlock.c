@@ -1,6 +1,13 @@
 /* See proxy/control/seqlock.h. One record per engine a single_sequence pool names, found by its
  * label (the URL as written) on each tick; the engine objects themselves may go between ticks
- * (a reload), so a callback looks its engine up again. */
+ * (a reload), so a callback looks its engine up again.
+ *
+ * A key is ours while it is on our lease: taken by us, or found so (a take's failure answer, the
+ * watch, the read at connect: written before etcd was lost and found again on the same lease).
+ * We let go of it with a delete guarded by that lease, so a delete that may have failed is sent
+ * again until etcd says the key is not on our lease any more. Losing etcd does not lose the key
+ * (etcd keeps leases across its own restarts, and ours may outlive the outage); it only stops
+ * anything new from starting until we are connected again. */
 #include "proxy/control/seqlock.h"
 
 #include <stdio.h>
@@ -21,11 +28,12 @@ typedef struct lock_s {
     char *label;           /* the engine's */
     char *key;             /* <prefix>engines/<first 32 hex digits of the label's SHA-256> */
     uint64_t seen;         /* the tick that last found its engine */
-    int64_t rev;           /* our key's revision while we hold it; 0: not held */
-    uint64_t held_ms;      /* since when (loop ms) */
+    int64_t lease;         /* the lease the key is on while it is ours; 0: not ours */
+    uint64_t held_ms;      /* ours since (loop ms) */
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
+    bool unsure;           /* a take got no answer: it may have written the key */
     uint64_t taken, given; /* times taken and let go */
 } lock_t;
 
@@ -33,20 +41,14 @@ struct px_seqlock_s {
     px_t *px;
     fleet_etcd_t *etcd;
     char *prefix, *instance;
-    int64_t lease;
-    uint64_t until; /* the lease surely lives until then (dp_now_ms) */
+    int64_t lease;  /* ours now; 0 while not connected */
+    uint64_t until; /* it surely lives until then (dp_now_ms) */
     uv_timer_t tick;
     uint64_t ticks;
     lock_t *locks;
     unsigned calls; /* in flight */
     bool stopped, tick_closed;
 };
-
-/* A call's context: the lease it was made under (a key written on another lease is not ours). */
-typedef struct {
-    lock_t *l;
-    int64_t lease;
-} call_t;
 
 static void lock_free(lock_t *l)
 {
@@ -101,15 +103,43 @@ static void lock_log(const char *msg, const lock_t *l, const char *why)
     }
 }
 
-/* l is not held (any more): nothing new starts on its engine. */
-static void lost(lock_t *l)
+/* Nothing new starts on l's engine (the key is not ours, or we cannot tell now). */
+static void stop_starting(const lock_t *l)
 {
     px_engine_t *e = engine_of(l);
     if (e)
         atomic_store(&e->held, false);
-    l->rev = 0;
+}
+
+/* The key is not ours (any more). */
+static void lost(lock_t *l)
+{
+    stop_starting(l);
+    l->lease = 0;
     l->handing = false;
 }
+
+/* The key is ours, on s's lease now: requests may start on its engine. */
+static void own(lock_t *l, uint64_t now)
+{
+    px_seqlock_t *s = l->s;
+    l->lease = s->lease;
+    l->held_ms = now;
+    l->handing = false;
+    px_engine_t *e = engine_of(l);
+    if (e == NULL)
+        return; /* no pool asks for it now: the next tick lets it go */
+    atomic_store(&e->want, false);
+    atomic_store(&e->held_until, s->until);
+    atomic_store(&e->held, true);
+    px_workers_wake(s->px); /* requests queued for it look again */
+}
+
+/* A call's context: the lease it was made under. */
+typedef struct {
+    lock_t *l;
+    int64_t lease;
+} call_t;
 
 static call_t *call_new(lock_t *l)
 {
@@ -136,18 +166,16 @@ static bool call_done(call_t *c)
     return true;
 }
 
-/* The mod_revision of the key a failed take's answer found, when it is on `lease`; else 0. */
-static int64_t held_on(const cJSON *res, int64_t lease)
+/* Is the key a failed take's answer found on `lease`? */
+static bool found_on(const cJSON *res, int64_t lease)
 {
     const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 0);
     const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
     fleet_kv_t kv = {0};
-    int64_t rev = 0;
-    if (lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease)
-        rev = kv.mod_revision;
+    bool on = lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease;
     fleet_kv_free(&kv);
-    return rev;
+    return on;
 }
 
 static void taken(const cJSON *res, const char *why, void *data)
@@ -159,37 +187,28 @@ static void taken(const cJSON *res, const char *why, void *data)
     if (!call_done(c))
         return;
     uint64_t now = uv_now(s->px->loop);
-    const cJSON *ok = res ? cJSON_GetObjectItemCaseSensitive(res, "succeeded") : NULL;
+    l->unsure = res == NULL; /* taken again, wanted or not: its answer says whose it is */
     if (res == NULL) {
         lock_log("fleet_engine_take_failed", l, why);
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
-    if (cJSON_IsTrue(ok)) {
-        l->rev = fleet_ej_revision(res);
-    } else {
-        /* Held: by another member (tried again at its delete, or in a while), or by us on
-         * the lease we hold now (written before etcd was lost and found again): ours then. */
-        l->rev = held_on(res, lease);
-        if (l->rev == 0) {
-            l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
-            return;
-        }
-    }
-    if (lease != s->lease) { /* on a lease that is gone: the key goes with it */
-        l->rev = 0;
+    /* Not written: held by another member (tried again at its delete, or in a while), or by
+     * us on the lease we hold now (from before etcd was lost and found again): ours then. */
+    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded")) &&
+        !found_on(res, lease)) {
+        l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
-    l->held_ms = now;
+    if (lease != s->lease) {
+        /* On a lease that has gone since (it goes with it), or while we are not connected: the
+         * key is ours on that lease, let go of once we are connected on it again. */
+        l->lease = s->lease == 0 ? lease : 0;
+        return;
+    }
     l->taken++;
-    px_engine_t *e = engine_of(l);
-    if (e == NULL)
-        return; /* no pool asks for it now: the next tick lets it go */
-    atomic_store(&e->want, false);
-    atomic_store(&e->held_until, s->until);
-    atomic_store(&e->held, true);
+    own(l, now);
     lock_log("fleet_engine_taken", l, NULL);
-    px_workers_wake(s->px); /* requests queued for it look again */
 }
 
 static void given(const cJSON *res, const char *why, void *data)
@@ -198,9 +217,12 @@ static void given(const cJSON *res, const char *why, void *data)
     lock_t *l = c->l;
     if (!call_done(c))
         return;
-    if (res == NULL)
-        lock_log("fleet_engine_release_failed", l, why); /* it goes with the lease, if not now */
-    l->rev = 0;
+    if (res == NULL) { /* it may or may not be gone: asked again while it may be ours */
+        lock_log("fleet_engine_release_failed", l, why);
+        return;
+    }
+    /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). */
+    l->lease = 0;
     l->given++;
     l->next_try_ms = uv_now(l->s->px->loop) + PX_SEQLOCK_BACKOFF_MS;
 }
@@ -225,7 +247,7 @@ static void take(lock_t *l)
 static void give(lock_t *l)
 {
     dp_buf_t body = {0};
-    fleet_ej_txn_delete(&body, l->key, l->rev);
+    fleet_ej_txn_delete_on_lease(&body, l->key, l->lease);
     fleet_etcd_call(l->s->etcd, "/v3/kv/txn", &body, given, call_new(l));
     dp_buf_free(&body);
 }
@@ -259,16 +281,15 @@ static void seen_cb(px_engine_t *e, void *data)
 
 /* Let go of l now if nothing runs on its engine: `held` is cleared first, then the count read
  * (take_only in proxy/core/replica.c reads them the other way round). */
-static bool give_if_idle(lock_t *l, px_engine_t *e)
+static void give_if_idle(lock_t *l, px_engine_t *e)
 {
     atomic_store(&e->held, false);
     if (atomic_load(&e->running) != 0) {
         if (!l->handing)
             atomic_store(&e->held, true); /* a request started meanwhile: keep it */
-        return false;
+        return;
     }
     give(l);
-    return true;
 }
 
 static void on_tick(uv_timer_t *t)
@@ -282,26 +303,27 @@ static void on_tick(uv_timer_t *t)
         if (l->busy)
             continue;
         px_engine_t *e = l->seen == s->ticks ? engine_of(l) : NULL;
+        if (l->lease && s->lease == 0)
+            continue;    /* ours, maybe: let go of once connected (nothing new starts meanwhile) */
         if (e == NULL) { /* no single_sequence pool names it now */
-            if (l->rev)
+            if (l->lease) {
                 give(l);
-            else if (l->rev == 0) {
+            } else {
                 DP_LIST_UNLINK(s->locks, l, next, prev);
                 lock_free(l);
             }
             continue;
         }
-        if (l->rev) {
+        if (l->lease) {
             if (!l->handing && now - l->held_ms >= PX_SEQLOCK_HOLD_MS &&
                 atomic_load(&e->running) != 0) {
                 l->handing = true; /* others may wait: nothing new, then it goes */
                 atomic_store(&e->held, false);
             }
-            if (give_if_idle(l, e))
-                l->handing = false;
+            give_if_idle(l, e);
             continue;
         }
-        if (s->lease != 0 && atomic_load(&e->want) && now >= l->next_try_ms)
+        if (s->lease != 0 && (atomic_load(&e->want) || l->unsure) && now >= l->next_try_ms)
             take(l);
     }
 }
@@ -331,36 +353,43 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
 {
     if (s == NULL)
         return;
+    s->lease = lease;
     s->until = lease ? until_ms : 0;
-    if (lease == s->lease) { /* kept alive: what is held stays so until the new time */
-        for (lock_t *l = s->locks; l; l = l->next) {
-            px_engine_t *e = l->rev ? engine_of(l) : NULL;
+    for (lock_t *l = s->locks; l; l = l->next) {
+        if (l->lease == 0)
+            continue;
+        if (lease == 0) { /* etcd lost: nothing new starts until we know again */
+            stop_starting(l);
+        } else if (lease != l->lease) {
+            lock_log("fleet_engine_lost", l, "the lease it was held on is gone");
+            lost(l);
+        } else {
+            px_engine_t *e = engine_of(l);
             if (e)
                 atomic_store(&e->held_until, s->until);
         }
-        return;
-    }
-    s->lease = lease;
-    for (lock_t *l = s->locks; l; l = l->next) {
-        if (l->rev == 0)
-            continue;
-        lock_log("fleet_engine_lost", l, lease ? "the lease it was held on is gone" : "etcd lost");
-        lost(l);
     }
 }
 
-void px_seqlock_kv(px_seqlock_t *s, const char *rel, bool deleted)
+void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted)
 {
-    if (s == NULL || !deleted)
+    if (s == NULL)
         return;
     size_t pl = strlen(s->prefix);
     for (lock_t *l = s->locks; l; l = l->next) {
-        if (strcmp(l->key + pl, rel) != 0)
+        if (strcmp(l->key + pl, rel) != 0 || l->busy)
             continue;
-        l->next_try_ms = 0;       /* free: whoever wants it tries now */
-        if (l->rev && !l->busy) { /* ours, and we did not let it go: its lease expired */
-            lock_log("fleet_engine_lost", l, "its key was deleted");
-            lost(l);
+        if (deleted) {
+            l->next_try_ms = 0; /* free: whoever wants it tries now */
+            if (l->lease) {     /* ours, and we did not let it go: deleted by someone */
+                lock_log("fleet_engine_lost", l, "its key was deleted");
+                lost(l);
+            }
+        } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
+            /* Ours from before etcd was lost and found again: the next tick lets it go, or
+             * keeps it while something runs. */
+            l->lease = lease;
+            l->held_ms = uv_now(s->px->loop);
         }
     }
 }
@@ -373,7 +402,9 @@ void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w)
         dp_jw_obj_begin(w, NULL);
         dp_jw_str(w, "engine", l->label);
         dp_jw_str(w, "key", l->key);
-        dp_jw_bool(w, "held", l->rev != 0);
+        dp_jw_bool(w, "held", l->lease != 0);
+        dp_jw_bool(w, "starting",
+                   e && atomic_load(&e->held) && dp_now_ms() < atomic_load(&e->held_until));
         dp_jw_uint(w, "running", e ? atomic_load(&e->running) : 0);
         dp_jw_bool(w, "wanted", e && atomic_load(&e->want));
         dp_jw_uint(w, "taken", l->taken);
@@ -388,11 +419,8 @@ void px_seqlock_stop(px_seqlock_t *s)
     if (s == NULL)
         return;
     /* Nothing new starts on a gated engine: the keys go with the lease when the process does. */
-    for (lock_t *l = s->locks; l; l = l->next) {
-        px_engine_t *e = engine_of(l);
-        if (e)
-            atomic_store(&e->held, false);
-    }
+    for (lock_t *l = s->locks; l; l = l->next)
+        stop_starting(l);
     s->stopped = true;
     uv_close((uv_handle_t *)&s->tick, tick_closed);
 }

@@ -299,7 +299,7 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     # etcd gone: b's key is lost with it, and nothing starts on the engine.
     cluster.stop_member(0)
     poll_until(lambda: not fleet(b)["connected"], timeout=10, what="b disconnected")
-    assert [e["held"] for e in fleet(b)["engines"]] == [False]
+    assert [e["starting"] for e in fleet(b)["engines"]] == [False]
     before = sim_stats(sim)["requests"]
     out = {}
     t = threading.Thread(target=lambda: out.update(r=post_json(b.port, "/v1/completions", {
@@ -312,6 +312,38 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     assert out["r"].status == 200, out
     assert sim_stats(sim)["max_inflight_seen"] == 1
     b.stop()
+    cluster.stop()
+
+
+def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
+    """etcd restarts while a member holds an engine's key: its lease lives on across the restart,
+    and so does the key. The member, connected again on that lease, still knows the key is its
+    own and lets go of it once its request has ended, so the other member can run there."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(2))
+    wait_members([a, b], 2)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post_json(a.port, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 40})))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    assert [e["held"] for e in fleet(a)["engines"]] == [True]
+    cluster.stop_member(0)
+    poll_until(lambda: not fleet(a)["connected"], timeout=10, what="a disconnected")
+    cluster.start_member(0)
+    cluster.wait_healthy()
+    t.join(20)
+    assert out["r"].status == 200, out
+    poll_until(lambda: fleet(a)["connected"] and fleet(b)["connected"], timeout=10,
+               what="both connected again")
+    poll_until(lambda: not cluster.get_prefix("/detproxy/t/engines/"), timeout=5,
+               what="a letting go of the key")
+    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    assert r.status == 200, r.text
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    for p in (a, b):
+        p.stop()
     cluster.stop()
 
 

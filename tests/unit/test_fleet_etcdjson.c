@@ -41,9 +41,9 @@ Test(etcdjson, put_and_txn_bodies_are_base64_with_string_integers)
                              "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
                              "\"9\"}}],\"failure\":[{\"request_range\":{\"key\":\"aw==\"}}]}");
     dp_buf_free(&b);
-    fleet_ej_txn_delete(&b, "k", 42);
+    fleet_ej_txn_delete_on_lease(&b, "k", 42);
     cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
-                             "\"MOD\",\"mod_revision\":\"42\"}],\"success\":[{"
+                             "\"LEASE\",\"lease\":\"42\"}],\"success\":[{"
                              "\"request_delete_range\":{\"key\":\"aw==\"}}]}");
     dp_buf_free(&b);
     fleet_ej_watch_create(&b, "/p/", 12);
