@@ -7,7 +7,9 @@ with after detproxy has left them:
 - `n` / `n_cmpl` of 3 - 2^32 (llama.cpp keeps the low 32 bits of a count: 3);
 - a streamed request in a stream session (`x-conversation-id`), whose client leaves: llama.cpp
   generates it on for a later reader;
-- `n: 3` sent through the admin relay, which holds one slot.
+- `n: 3` sent through the admin relay, which holds one slot;
+- plain requests through two detproxy instances of one fleet (a real etcd), which take turns on
+  the engine (docs/fleet.md, "One sequence per engine across the fleet").
 
 Uses scripts/real-engine.sh (DETPROXY_REAL_ENGINE overrides the path); prints SKIPPED and exits
 77 when it is missing or the Debian archive cannot be reached."""
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from realutil import require_engine, servers, stop_servers  # noqa: E402
 from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
 from proxyutil import start_proxy  # noqa: E402
+import etcdutil  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="detproxy-real-holes-")
 FLAGS = ["--kv-unified", "-np", "4", "-t", "1"]
@@ -143,6 +146,45 @@ def test_a_relayed_request_for_several_sequences_is_refused_or_runs_one():
         slots.stop()
         px.stop()
         stop_servers()
+
+
+def test_two_fleet_members_run_one_sequence_on_the_engine():
+    if etcdutil.ETCD is None:
+        print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
+        return
+    cluster = etcdutil.EtcdCluster(1)
+    urls = servers("holes", [FLAGS])
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": urls[0]}]}
+    pxs = [start_proxy(pools=[pool], directory=tempfile.mkdtemp(prefix="detproxy-real-fleet-"),
+                       timeout=30, attestation={"interval_ms": 600000, "timeout_ms": 5000},
+                       fleet={"name": "t", "instance": "gw-%d" % i,
+                              "etcd": {"endpoints": cluster.endpoints()}})
+           for i in range(2)]
+    slots = Slots(urls[0])
+    try:
+        out = []
+
+        def send(px, i):
+            out.append(post_json(px.port, "/v1/completions", {
+                "model": "tiny", "prompt": "Story %d: once upon a time" % i, "max_tokens": 200,
+                "temperature": 0}, timeout=120).status)
+        ts = [threading.Thread(target=send, args=(px, i)) for i in range(2) for px in pxs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(180)
+        slots.settle()
+        print("4 requests through 2 fleet members: /slots peak %d over %d polls" % (
+            slots.peak, slots.polls))
+        assert out == [200] * 4, out
+        assert slots.peak == 1, {"peak": slots.peak, "polls": slots.polls}
+    finally:
+        slots.stop()
+        for px in pxs:
+            px.stop()
+        stop_servers()
+        cluster.stop()
 
 
 if __name__ == "__main__":
