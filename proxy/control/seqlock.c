@@ -33,8 +33,7 @@ typedef struct lock_s {
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
-    bool unsure;           /* a take got no answer: it may have written the key */
-    uint64_t taken, given; /* times taken and let go */
+    uint64_t taken, given; /* times it became ours and stopped being so */
 } lock_t;
 
 struct px_seqlock_s {
@@ -111,21 +110,29 @@ static void stop_starting(const lock_t *l)
         atomic_store(&e->held, false);
 }
 
+/* The key is ours, or may be, on lease: nothing starts on its engine for that alone (own()). */
+static void mine(lock_t *l, int64_t lease)
+{
+    l->lease = lease;
+    l->held_ms = uv_now(l->s->px->loop);
+    l->handing = false;
+    l->taken++;
+}
+
 /* The key is not ours (any more). */
 static void lost(lock_t *l)
 {
     stop_starting(l);
     l->lease = 0;
     l->handing = false;
+    l->given++;
 }
 
 /* The key is ours, on s's lease now: requests may start on its engine. */
-static void own(lock_t *l, uint64_t now)
+static void own(lock_t *l)
 {
     px_seqlock_t *s = l->s;
-    l->lease = s->lease;
-    l->held_ms = now;
-    l->handing = false;
+    mine(l, s->lease);
     px_engine_t *e = engine_of(l);
     if (e == NULL)
         return; /* no pool asks for it now: the next tick lets it go */
@@ -187,9 +194,12 @@ static void taken(const cJSON *res, const char *why, void *data)
     if (!call_done(c))
         return;
     uint64_t now = uv_now(s->px->loop);
-    l->unsure = res == NULL; /* taken again, wanted or not: its answer says whose it is */
     if (res == NULL) {
+        /* It may have been written: ours then, maybe. Let go of as if it were (a delete
+         * guarded by the lease does nothing to a key that is not), then taken again if
+         * wanted; nothing starts on it meanwhile. */
         lock_log("fleet_engine_take_failed", l, why);
+        mine(l, lease);
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
@@ -203,11 +213,11 @@ static void taken(const cJSON *res, const char *why, void *data)
     if (lease != s->lease) {
         /* On a lease that has gone since (it goes with it), or while we are not connected: the
          * key is ours on that lease, let go of once we are connected on it again. */
-        l->lease = s->lease == 0 ? lease : 0;
+        if (s->lease == 0)
+            mine(l, lease);
         return;
     }
-    l->taken++;
-    own(l, now);
+    own(l);
     lock_log("fleet_engine_taken", l, NULL);
 }
 
@@ -224,6 +234,7 @@ static void given(const cJSON *res, const char *why, void *data)
     /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). */
     l->lease = 0;
     l->given++;
+    l->handing = false;
     l->next_try_ms = uv_now(l->s->px->loop) + PX_SEQLOCK_BACKOFF_MS;
 }
 
@@ -263,7 +274,6 @@ static lock_t *lock_by_label(px_seqlock_t *s, const char *label)
 static void seen_cb(px_engine_t *e, void *data)
 {
     px_seqlock_t *s = data;
-    atomic_store(&e->gated, true);
     lock_t *l = lock_by_label(s, e->label);
     if (l == NULL) {
         l = dp_xcalloc(1, sizeof(*l));
@@ -323,7 +333,7 @@ static void on_tick(uv_timer_t *t)
             give_if_idle(l, e);
             continue;
         }
-        if (s->lease != 0 && (atomic_load(&e->want) || l->unsure) && now >= l->next_try_ms)
+        if (s->lease != 0 && atomic_load(&e->want) && now >= l->next_try_ms)
             take(l);
     }
 }
@@ -346,6 +356,7 @@ px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
     uv_timer_init(px->loop, &s->tick);
     s->tick.data = s;
     uv_timer_start(&s->tick, on_tick, 0, PX_SEQLOCK_TICK_MS);
+    px_replica_engines_gate();
     return s;
 }
 
@@ -388,8 +399,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
         } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
             /* Ours from before etcd was lost and found again: the next tick lets it go, or
              * keeps it while something runs. */
-            l->lease = lease;
-            l->held_ms = uv_now(s->px->loop);
+            mine(l, lease);
         }
     }
 }

@@ -100,6 +100,9 @@ px_replica_t *px_replica_find_live(const char *key)
  * only). */
 static px_slots_t *g_slots;
 static px_engine_t *g_engines;
+/* A fleet takes turns on one-at-a-time engines (proxy/control/seqlock.c): each is gated from
+ * the moment it becomes one, before any request can reach it. */
+static bool g_gate;
 
 /* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
  * reference from a slots object; one of a single_sequence pool when `one`. */
@@ -121,8 +124,12 @@ static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
     e->refs++;
-    if (one && e->ones++ == 0)
+    if (one && e->ones++ == 0) {
+        /* Whatever a fleet held for it before it stopped being one-at-a-time is not held now. */
+        atomic_store(&e->held, false);
+        atomic_store(&e->gated, g_gate);
         atomic_store(&e->one, true);
+    }
     if (drain && e->drains++ == 0)
         atomic_store(&e->drain, true);
     return e;
@@ -130,8 +137,10 @@ static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url
 
 static void engine_unref(px_engine_t *e, bool one, bool drain)
 {
-    if (one && --e->ones == 0)
+    if (one && --e->ones == 0) {
         atomic_store(&e->one, false);
+        atomic_store(&e->held, false); /* its key goes (seqlock), and so does holding it */
+    }
     if (drain && --e->drains == 0)
         atomic_store(&e->drain, false);
     if (--e->refs > 0)
@@ -494,6 +503,14 @@ px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_
 bool px_replica_drains_abandoned(const px_replica_t *r)
 {
     return atomic_load(&r->slots->eng->drain);
+}
+
+void px_replica_engines_gate(void)
+{
+    PX_ASSERT_CONTROL();
+    g_gate = true;
+    for (px_engine_t *e = g_engines; e; e = e->next)
+        atomic_store(&e->gated, true);
 }
 
 void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data)

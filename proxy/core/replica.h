@@ -213,6 +213,9 @@ bool px_replica_serving(const px_replica_t *r);
  * have made the pool so since), for the engine is generating it still and the next request
  * must not start beside it. Any thread. */
 bool px_replica_drains_abandoned(const px_replica_t *r);
+/* From now on every engine is gated (px_engine_t.gated): a fleet takes turns on them. Control
+ * thread. */
+void px_replica_engines_gate(void);
 /* Every engine a single_sequence pool names now, in no order. Control thread. */
 void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false

@@ -1,0 +1,369 @@
+"""One sequence per engine across a fleet (docs/fleet.md): detproxy instances in front of one
+engine of a single_sequence pool take turns on it through a real etcd (Debian's etcd-server), so
+the engine runs one request at a time whichever member sends it: under concurrent load, when a
+member holding the engine is killed or paused past its lease, across etcd outages and lost
+answers, and across reloads that add, remove or change the pool."""
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+
+from harness import get_json, http, poll_until, post_json, run_tests, start_sim
+from proxyutil import pool, sim_reset, sim_stats, start_proxy
+import etcdutil
+
+if etcdutil.ETCD is None:
+    print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
+    sys.exit(77)
+
+MODEL = "m1"
+SS = {"determinism": {"mode": "single_sequence"}}
+
+
+def fleet_cfg(cluster, instance, ttl=3000, endpoints=None):
+    return {"name": "t", "instance": instance, "lease_ttl_ms": ttl,
+            "etcd": {"endpoints": endpoints or cluster.endpoints()}}
+
+
+def fleet(px):
+    return get_json(px.admin_port, "/admin/fleet")
+
+
+def wait_members(pxs, n, timeout=10):
+    poll_until(lambda: all(fleet(p)["connected"] and len(fleet(p)["members"]) == n for p in pxs),
+               timeout=timeout, what="%d fleet members everywhere" % n)
+
+
+def engine_keys(cluster):
+    return cluster.get_prefix("/detproxy/t/engines/")
+
+
+def reload_pools(px, pools):
+    with open(px.config_path) as f:
+        cfg = json.load(f)
+    cfg["pools"] = pools
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r.body
+
+
+def complete(px, prompt, n, **kw):
+    return post_json(px.port, "/v1/completions",
+                     {"model": MODEL, "prompt": prompt, "max_tokens": n}, **kw)
+
+
+def in_background(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def single_sequence_member(cluster, sims, name, ttl=3000, endpoints=None, attestation=None,
+                           **pool_extra):
+    return start_proxy(pools=[pool("p", [MODEL], sims, manifest=SS, **pool_extra)],
+                       fleet=fleet_cfg(cluster, name, ttl, endpoints),
+                       **({"attestation": attestation} if attestation else {}))
+
+
+def test_single_sequence_engine_runs_one_request_across_the_fleet():
+    """Three members in front of one engine of a single_sequence pool run one request at a time
+    on it together: each takes the engine's key in etcd before it sends, and they take turns."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
+    pxs = [single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(3)]
+    wait_members(pxs, 3)
+    out = []
+
+    def send(p, i):
+        out.append(post_json(p.port, "/v1/completions",
+                             {"model": MODEL, "prompt": "s%d" % i, "max_tokens": 5}).status)
+    ts = [threading.Thread(target=send, args=(p, i)) for i in range(4) for p in pxs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert out == [200] * 12, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["requests"] >= 12, st
+    for p in pxs:
+        eng = fleet(p)["engines"]
+        assert len(eng) == 1 and eng[0]["engine"] == "http://127.0.0.1:%d" % sim.port, eng
+        assert eng[0]["taken"] >= 1 and eng[0]["taken"] == eng[0]["given"] + eng[0]["held"], eng
+    for p in pxs:
+        p.stop()
+    cluster.stop()
+
+
+def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
+    """A member killed while it holds an engine keeps it until its lease expires; without etcd
+    no member can know who runs a sequence there, so none starts one until etcd is back."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    # a holds the engine while "x" generates (42 tokens, 2.5 s), then is killed.
+    def doomed():
+        try:
+            post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60})
+        except OSError:
+            pass  # a is killed under it
+    threading.Thread(target=doomed, daemon=True).start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    assert [e["held"] for e in fleet(a)["engines"]] == [True]
+    a.popen.send_signal(signal.SIGKILL)
+    a.wait()
+    t0 = time.monotonic()
+    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    waited = time.monotonic() - t0
+    assert r.status == 200, r.text
+    assert waited > 1.0, waited  # the key went with a's lease (2 s), not before
+    print("a request through b waited %.2f s for the killed holder's lease (2 s)" % waited)
+    # etcd gone: b's key is lost with it, and nothing starts on the engine.
+    cluster.stop_member(0)
+    poll_until(lambda: not fleet(b)["connected"], timeout=10, what="b disconnected")
+    assert [e["starting"] for e in fleet(b)["engines"]] == [False]
+    before = sim_stats(sim)["requests"]
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post_json(b.port, "/v1/completions", {
+        "model": MODEL, "prompt": "z", "max_tokens": 2})))
+    t.start()
+    poll_until(lambda: fleet(b)["engines"][0]["wanted"], what="the request refused the engine")
+    assert sim_stats(sim)["requests"] == before
+    cluster.start_member(0)
+    t.join(20)
+    assert out["r"].status == 200, out
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    b.stop()
+    cluster.stop()
+
+
+def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
+    """etcd restarts while a member holds an engine's key: its lease lives on across the restart,
+    and so does the key. The member, connected again on that lease, still knows the key is its
+    own and lets go of it once its request has ended, so the other member can run there."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(2))
+    wait_members([a, b], 2)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post_json(a.port, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 40})))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    assert [e["held"] for e in fleet(a)["engines"]] == [True]
+    cluster.stop_member(0)
+    poll_until(lambda: not fleet(a)["connected"], timeout=10, what="a disconnected")
+    cluster.start_member(0)
+    cluster.wait_healthy()
+    t.join(20)
+    assert out["r"].status == 200, out
+    poll_until(lambda: fleet(a)["connected"] and fleet(b)["connected"], timeout=10,
+               what="both connected again")
+    poll_until(lambda: not cluster.get_prefix("/detproxy/t/engines/"), timeout=5,
+               what="a letting go of the key")
+    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    assert r.status == 200, r.text
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+def test_single_sequence_member_paused_past_its_lease_starts_nothing_when_it_wakes():
+    """A member paused (SIGSTOP) past its lease while it held an engine: another member takes
+    the engine once the lease is gone; the paused one, when it runs again, does not start a
+    request there on the strength of a key it no longer holds."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    r = post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "w", "max_tokens": 2})
+    assert r.status == 200, r.text
+    # a takes the engine for "x" (42 tokens, 2.5 s) and is paused while holding it.
+    ax = {}
+    t = threading.Thread(target=lambda: ax.update(r=post_json(a.port, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 60})))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    a.popen.send_signal(signal.SIGSTOP)
+    try:
+        # b waits for a's lease (2 s), then runs "y" (40 tokens) once x has ended.
+        by = {}
+        u = threading.Thread(target=lambda: by.update(r=post_json(b.port, "/v1/completions", {
+            "model": MODEL, "prompt": "y", "max_tokens": 40})))
+        u.start()
+        poll_until(lambda: fleet(b)["engines"][0]["held"] and sim_stats(sim)["inflight"] == 1 and
+                   sim_stats(sim)["completed"] >= 2, timeout=15, what="y running through b")
+        sim_reset(sim)
+        # A request reaches a while it sleeps; then a wakes, holding a key that is b's now.
+        az = {}
+        v = threading.Thread(target=lambda: az.update(r=post_json(a.port, "/v1/completions", {
+            "model": MODEL, "prompt": "z", "max_tokens": 2})))
+        v.start()
+    finally:
+        a.popen.send_signal(signal.SIGCONT)
+    for th in (t, u, v):
+        th.join(30)
+    assert ax["r"].status == 200 and by["r"].status == 200 and az["r"].status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+def test_a_pool_that_stops_and_starts_being_single_sequence_takes_the_key_again():
+    """A reload makes the holder's pool ordinary (its key goes), another member takes the engine,
+    and a reload makes the pool single_sequence again: the first member's requests wait for the
+    key; what it held before does not count."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=10000,
+                                   attestation={"interval_ms": 100}) for i in range(2))
+    wait_members([a, b], 2)
+    assert complete(a, "w", 1).status == 200  # a has held the engine
+    reload_pools(a, [pool("p", [MODEL], [sim])])
+    poll_until(lambda: not engine_keys(cluster), what="a letting go of the engine")
+    t, x = in_background(lambda: complete(b, "x", 40))  # 2 s through b, holding the engine
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    reload_pools(a, [pool("p", [MODEL], [sim], manifest=SS)])
+    beside = 0
+    while t.is_alive():
+        r = complete(a, "z", 1)
+        beside += r.status == 200 and t.is_alive()
+    t.join()
+    assert x["r"].status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, (beside, st, fleet(a)["engines"])
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+def test_a_single_sequence_pool_added_by_a_reload_waits_for_the_key_from_its_first_request():
+    """A reload adds a single_sequence pool for an engine another member runs a request on, while
+    requests for it keep arriving: none of them starts before this member holds the engine."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    sim2 = start_sim("--model", "m2")
+    b = single_sequence_member(cluster, [sim], "gw-1")
+    a = start_proxy(pools=[pool("q", ["m2"], [sim2])], fleet=fleet_cfg(cluster, "gw-0"))
+    wait_members([a, b], 2)
+    t, x = in_background(lambda: complete(b, "x", 40))
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    stop = []
+
+    def hammer():
+        while not stop:
+            complete(a, "h", 1, timeout=5)
+    hs = [threading.Thread(target=hammer, daemon=True) for _ in range(4)]
+    for h in hs:
+        h.start()
+    reload_pools(a, [pool("q", ["m2"], [sim2]), pool("p", [MODEL], [sim], manifest=SS)])
+    t.join(20)
+    stop.append(1)
+    for h in hs:
+        h.join(10)
+    assert x["r"].status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+class EtcdPipe:
+    """A TCP relay in front of one etcd member that loses the answer of the next take (a txn
+    with a put): the txn reaches etcd, its answer is dropped and the connection closed, and
+    on_take runs then."""
+
+    def __init__(self, upstream_port):
+        self.up = upstream_port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.lose_take = False
+        self.on_take = None
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self):
+        return "http://127.0.0.1:%d" % self.port
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+                u = socket.create_connection(("127.0.0.1", self.up))
+            except OSError:
+                return
+            st = {"drop": False}
+            threading.Thread(target=self._pump, args=(c, u, st, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, st, False), daemon=True).start()
+
+    def _pump(self, src, dst, st, up):
+        try:
+            while True:
+                d = src.recv(65536)
+                if not d:
+                    break
+                if up and self.lose_take and b"request_put" in d and b"/v3/kv/txn" in d:
+                    self.lose_take = False
+                    st["drop"] = True
+                    dst.sendall(d)
+                    poll_until(lambda: engine_keys_of(self.up), what="the take written")
+                    if self.on_take:
+                        self.on_take()
+                    break
+                if not (not up and st["drop"]):
+                    dst.sendall(d)
+        except OSError:
+            pass
+        for x in (src, dst):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def engine_keys_of(port):
+    """The engine keys in the etcd at port (for EtcdPipe, which knows no cluster object)."""
+    import base64
+    import urllib.request
+    b64 = base64.b64encode
+    body = json.dumps({"key": b64(b"/detproxy/t/engines/").decode(),
+                       "range_end": b64(b"/detproxy/t/engines0").decode()}).encode()
+    with urllib.request.urlopen("http://127.0.0.1:%d/v3/kv/range" % port, body, timeout=3) as r:
+        return json.loads(r.read()).get("kvs", [])
+
+
+def test_a_take_whose_answer_was_lost_is_let_go_when_its_pool_goes():
+    """A take reaches etcd but its answer is lost, the request waiting for it gives up, and a
+    reload removes the pool before the take is tried again: the member still lets go of the
+    key, which is on its lease, so the other member can run on the engine."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
+    sim2 = start_sim("--model", "m2")
+    pipe = EtcdPipe(int(cluster.endpoints()[0].rsplit(":", 1)[1]))
+    a = single_sequence_member(cluster, [sim], "gw-0", endpoints=[pipe.url()],
+                               queue_timeout_ms=40)
+    b = single_sequence_member(cluster, [sim], "gw-1", queue_timeout_ms=3000)
+    wait_members([a, b], 2)
+    pipe.on_take = lambda: reload_pools(a, [pool("q", ["m2"], [sim2])])
+    pipe.lose_take = True
+    assert complete(a, "w", 2).status == 504  # waited 40 ms for a take whose answer was lost
+    poll_until(lambda: not engine_keys(cluster), what="a letting go of the key")
+    r = complete(b, "y", 2)
+    assert r.status == 200, r.text
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+if __name__ == "__main__":
+    run_tests(globals())
