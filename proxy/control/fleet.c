@@ -1505,8 +1505,8 @@ void px_fleet_stop(px_t *px)
         return;
     px->fleet = NULL;
     f->stopping = true;
-    /* Leave at once: revoking the lease deletes the member key, so the others hand over its
-     * duties now rather than after the TTL. Best effort, not waited for. */
+    /* Leave at once. The lease is not revoked: the member key and any engine key go when it
+     * expires, lease_ttl_ms after the last keep-alive (docs/fleet.md). */
     px_seqlock_stop(f->seq);
     f->seq = NULL;
     fleet_etcd_free(f->etcd);

@@ -26,6 +26,7 @@
 #include "proxy/control/status.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/px.h"
+#include "proxy/core/replica.h"
 #include "proxy/core/self.h"
 #include "proxy/data/hooks.h"
 #include "proxy/data/proxy.h"
@@ -75,6 +76,10 @@ static void admin_closed(void *data)
 
 static void finish_shutdown(px_t *px)
 {
+    if (px->finished)
+        return;
+    px->finished = true;
+    uv_timer_stop(&px->engines_timer);
     px_discovery_stop(px);
     px_fleet_stop(px);
     px_attest_stop(px);
@@ -101,12 +106,33 @@ static void finish_shutdown(px_t *px)
     close_handle((uv_handle_t *)&px->sig_int);
     close_handle((uv_handle_t *)&px->sig_hup);
     close_handle((uv_handle_t *)&px->drain_timer);
+    close_handle((uv_handle_t *)&px->engines_timer);
 }
 
+static void engines_check(uv_timer_t *t)
+{
+    px_t *px = t->data;
+    if (px_replica_engines_quiesce() == 0)
+        finish_shutdown(px);
+}
+
+/* Clients are answered. What still runs on a single_sequence engine (a relay, a check, a copy,
+ * a drained answer) is waited for before the process goes, within the drain's limit, and
+ * nothing new starts there: once this instance is gone it counts nothing there, and a fleet
+ * member takes the engine as soon as the key goes. */
 static void proxy_drained(px_t *px)
 {
-    dp_log_msg(DP_LOG_INFO, "drained", NULL);
-    finish_shutdown(px);
+    unsigned running = px_replica_engines_quiesce();
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "drained");
+    if (w) {
+        dp_jw_uint(w, "single_sequence_running", running);
+        dp_log_end(w);
+    }
+    if (running == 0) {
+        finish_shutdown(px);
+        return;
+    }
+    uv_timer_start(&px->engines_timer, engines_check, 10, 10);
 }
 
 static void drain_timeout(uv_timer_t *t)
@@ -323,6 +349,8 @@ int px_cmd_run(int argc, char **argv)
     }
     uv_timer_init(px.loop, &px.drain_timer);
     px.drain_timer.data = &px;
+    uv_timer_init(px.loop, &px.engines_timer);
+    px.engines_timer.data = &px;
     px_fleet_start(&px);
     px_attest_start(&px);
     px_discovery_sync(&px);

@@ -30,6 +30,7 @@ typedef struct lock_s {
     uint64_t seen;         /* the tick that last found its engine */
     int64_t lease;         /* the lease the key is on while it is ours; 0: not ours */
     uint64_t held_ms;      /* ours since (loop ms) */
+    uint64_t ran_ms;       /* something of ours last ran on the engine (loop ms) */
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
@@ -138,6 +139,7 @@ static void own(lock_t *l)
         return; /* no pool asks for it now: the next tick lets it go */
     atomic_store(&e->want, false);
     atomic_store(&e->held_until, s->until);
+    atomic_store(&e->closing, false);
     atomic_store(&e->held, true);
     px_workers_wake(s->px); /* requests queued for it look again */
 }
@@ -289,16 +291,17 @@ static void seen_cb(px_engine_t *e, void *data)
     l->seen = s->ticks;
 }
 
-/* Let go of l now if nothing runs on its engine: `held` is cleared first, then the count read
+/* Let go of l now if nothing runs on its engine: `closing` is set first, then the count read
  * (take_only in proxy/core/replica.c reads them the other way round). */
 static void give_if_idle(lock_t *l, px_engine_t *e)
 {
-    atomic_store(&e->held, false);
+    atomic_store(&e->closing, true);
     if (atomic_load(&e->running) != 0) {
         if (!l->handing)
-            atomic_store(&e->held, true); /* a request started meanwhile: keep it */
+            atomic_store(&e->closing, false); /* a request started meanwhile: keep it */
         return;
     }
+    atomic_store(&e->held, false);
     give(l);
 }
 
@@ -325,10 +328,15 @@ static void on_tick(uv_timer_t *t)
             continue;
         }
         if (l->lease) {
+            uint64_t last = l->ran_ms > l->held_ms ? l->ran_ms : l->held_ms;
+            if (atomic_load(&e->running) != 0)
+                l->ran_ms = now;
+            else if (!l->handing && now - last < PX_SEQLOCK_IDLE_MS)
+                continue; /* taken or used just now: kept for whoever looks next */
             if (!l->handing && now - l->held_ms >= PX_SEQLOCK_HOLD_MS &&
                 atomic_load(&e->running) != 0) {
                 l->handing = true; /* others may wait: nothing new, then it goes */
-                atomic_store(&e->held, false);
+                atomic_store(&e->closing, true);
             }
             give_if_idle(l, e);
             continue;
@@ -414,7 +422,8 @@ void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w)
         dp_jw_str(w, "key", l->key);
         dp_jw_bool(w, "held", l->lease != 0);
         dp_jw_bool(w, "starting",
-                   e && atomic_load(&e->held) && dp_now_ms() < atomic_load(&e->held_until));
+                   e && atomic_load(&e->held) && !atomic_load(&e->closing) &&
+                       dp_now_ms() < atomic_load(&e->held_until));
         dp_jw_uint(w, "running", e ? atomic_load(&e->running) : 0);
         dp_jw_bool(w, "wanted", e && atomic_load(&e->want));
         dp_jw_uint(w, "taken", l->taken);

@@ -3,7 +3,8 @@
  * member holds the engine's key, engines/<id> under the fleet's prefix, written on its lease
  * with a transaction that succeeds only when the key is absent. The member takes the key when
  * a request, of a client or its own, finds it missing (px_engine_t.want), lets go of it when
- * nothing runs on the engine, or after holding it PX_SEQLOCK_HOLD_MS while others may wait, and
+ * nothing has run on the engine for PX_SEQLOCK_IDLE_MS, or after holding it PX_SEQLOCK_HOLD_MS
+ * while others may wait, and
  * does not take it again for PX_SEQLOCK_BACKOFF_MS after letting go, so members take turns.
  * Without etcd (not yet connected, lease lost) nothing new starts on such an engine: a member
  * that cannot know whether another runs a sequence there does not start one. A member that dies
@@ -20,6 +21,9 @@
 
 #define PX_SEQLOCK_TICK_MS 10
 #define PX_SEQLOCK_HOLD_MS 1000
+/* An idle key is kept this long after it was taken or last ran something: requests that look
+ * for a slot on timers of their own (checks, relays: every 10 ms) find it held. */
+#define PX_SEQLOCK_IDLE_MS 50
 #define PX_SEQLOCK_BACKOFF_MS 20
 #define PX_SEQLOCK_RETRY_MS                                                                        \
     100 /* a key held elsewhere is tried again this often, or at its delete */

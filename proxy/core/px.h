@@ -46,7 +46,8 @@ struct px_s {
     bool workers_joined; /* their loops are the control thread's to finish */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t drain_timer;
-    bool draining;
+    uv_timer_t engines_timer; /* a graceful stop waits for one-at-a-time engines to go idle */
+    bool draining, finished;
     int exit_code;
     uint64_t started_ms;
     /* Set by the control plane at start: */

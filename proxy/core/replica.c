@@ -103,6 +103,8 @@ static px_engine_t *g_engines;
 /* A fleet takes turns on one-at-a-time engines (proxy/control/seqlock.c): each is gated from
  * the moment it becomes one, before any request can reach it. */
 static bool g_gate;
+/* A graceful stop: nothing new starts on a one-at-a-time engine (px_replica_engines_quiesce). */
+static atomic_bool g_quiesce;
 
 /* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
  * reference from a slots object; one of a single_sequence pool when `one`. */
@@ -127,6 +129,7 @@ static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url
     if (one && e->ones++ == 0) {
         /* Whatever a fleet held for it before it stopped being one-at-a-time is not held now. */
         atomic_store(&e->held, false);
+        atomic_store(&e->closing, false);
         atomic_store(&e->gated, g_gate);
         atomic_store(&e->one, true);
     }
@@ -505,6 +508,17 @@ bool px_replica_drains_abandoned(const px_replica_t *r)
     return atomic_load(&r->slots->eng->drain);
 }
 
+unsigned px_replica_engines_quiesce(void)
+{
+    PX_ASSERT_CONTROL();
+    atomic_store(&g_quiesce, true);
+    unsigned n = 0;
+    for (px_engine_t *e = g_engines; e; e = e->next)
+        if (e->ones > 0)
+            n += atomic_load(&e->running);
+    return n;
+}
+
 void px_replica_engines_gate(void)
 {
     PX_ASSERT_CONTROL();
@@ -523,19 +537,30 @@ void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data)
     }
 }
 
+/* May a request start on e as far as a fleet is concerned: a new one (take), or one whose slot
+ * was already passed to it? When not, the engine is asked for. */
+static bool may_start(px_engine_t *e, bool take)
+{
+    if (atomic_load(&g_quiesce))
+        return false;
+    if (!atomic_load(&e->gated) || (atomic_load(&e->held) && !(take && atomic_load(&e->closing)) &&
+                                    dp_now_ms() < atomic_load(&e->held_until)))
+        return true;
+    atomic_store(&e->want, true);
+    return false;
+}
+
 /* One request at a time on e: the slot is taken only when nothing runs there, and, across a
  * fleet, while this member holds the engine. Holding it is looked at after the count is taken
- * (both sequentially consistent): the control thread lets go of it only after it has cleared
- * `held` and then seen nothing running, so a take either sees `held` cleared or is seen. */
+ * (both sequentially consistent): the control thread lets go of it only after it has set
+ * `closing` and then seen nothing running, so a take either sees `closing` or is seen. */
 static bool take_only(px_slots_t *sl, px_engine_t *e)
 {
     unsigned none = 0;
     if (!atomic_compare_exchange_strong(&e->running, &none, 1))
         return false;
-    if (atomic_load(&e->gated) &&
-        (!atomic_load(&e->held) || dp_now_ms() >= atomic_load(&e->held_until))) {
+    if (!may_start(e, true)) {
         atomic_fetch_sub(&e->running, 1);
-        atomic_store(&e->want, true);
         return false;
     }
     atomic_fetch_add(&sl->inflight, 1);
@@ -643,8 +668,15 @@ static bool drop_hold(px_replica_t *r)
 
 bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r)
 {
-    if (dec_positive(&r->slots->granted))
-        return true;
+    if (dec_positive(&r->slots->granted)) {
+        px_engine_t *e = r->slots->eng;
+        if (!atomic_load(&e->one) || may_start(e, false))
+            return true;
+        /* Passed on while this member may not start anything there (its fleet key not held,
+         * or its lease maybe gone): kept, counted as running, for a later look. */
+        atomic_fetch_add(&r->slots->granted, 1);
+        return false;
+    }
     /* A slot freed before the hold was seen stays free: take it, and the hold goes. */
     if (!px_replica_take_slot(p, r))
         return false;

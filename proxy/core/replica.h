@@ -58,9 +58,10 @@ typedef struct px_engine_s {
      * it was sent under (px_replica_drains_abandoned). */
     atomic_bool drain;
     /* Across a fleet (docs/fleet.md, "One sequence per engine across the fleet"): while
-     * `gated`, a slot is taken only while this member `held`s the engine's key in etcd, and a
-     * take refused for want of it sets `want` (proxy/control/seqlock.c takes the key then). */
-    atomic_bool gated, held, want;
+     * `gated`, a request starts only while this member `held`s the engine's key in etcd, a new
+     * one not while it is `closing` (letting go of the key once nothing runs), and a take
+     * refused for want of the key sets `want` (proxy/control/seqlock.c takes the key then). */
+    atomic_bool gated, held, closing, want;
     /* ... and only until this (dp_now_ms): while its lease surely lives, so a member paused or
      * cut off past its lease starts nothing there when it runs again, before it learns so. */
     _Atomic uint64_t held_until;
@@ -213,6 +214,9 @@ bool px_replica_serving(const px_replica_t *r);
  * have made the pool so since), for the engine is generating it still and the next request
  * must not start beside it. Any thread. */
 bool px_replica_drains_abandoned(const px_replica_t *r);
+/* A graceful stop, clients answered: from now on nothing new starts on an engine a
+ * single_sequence pool names; what still runs there, summed. Control thread. */
+unsigned px_replica_engines_quiesce(void);
 /* From now on every engine is gated (px_engine_t.gated): a fleet takes turns on them. Control
  * thread. */
 void px_replica_engines_gate(void);

@@ -277,6 +277,66 @@ def test_a_single_sequence_pool_added_by_a_reload_waits_for_the_key_from_its_fir
     cluster.stop()
 
 
+def relay(px, prompt, n):
+    return http("POST", px.admin_port, "/admin/relay/v1/completions",
+                body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": n}),
+                headers={"content-type": "application/json", "x-detproxy-relay-pool": "p",
+                         "x-detproxy-relay-replica": "r1"}, timeout=40)
+
+
+def test_a_relay_passed_a_slot_on_a_member_woken_past_its_lease_waits_for_the_key():
+    """A relay through a waits for a slot and claims the next one freed; a is paused while its
+    request runs, that request ends, a's lease goes and b takes the engine. When a wakes, the
+    slot passes to the relay, which waits for the engine as any request would."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    t, x = in_background(lambda: complete(a, "x", 12))  # 0.6 s
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    rt, rr = in_background(lambda: relay(a, "r", 4))
+    poll_until(lambda: get_json(a.admin_port, "/admin/replicas")["replicas"][0]
+               ["relays_holding"] == 1, what="the relay holding the next slot")
+    a.popen.send_signal(signal.SIGSTOP)
+    try:
+        poll_until(lambda: sim_stats(sim)["inflight"] == 0, what="x done at the engine")
+        u, y = in_background(lambda: complete(b, "y", 60))  # 3 s
+        poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="y through b")
+        sim_reset(sim)
+    finally:
+        a.popen.send_signal(signal.SIGCONT)
+    for th in (t, rt, u):
+        th.join(30)
+    assert x["r"].status == 200 and rr["r"].status == 200 and y["r"].status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
+def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
+    """SIGTERM while a relay runs on the engine (llama.cpp-like: it generates on after its
+    connection closes): the member stops only once the relay's answer is in, so the next
+    member's request does not start beside it."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50", "--finish-abandoned")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
+    wait_members([a, b], 2)
+    t, x = in_background(lambda: relay(a, "x", 60))  # 3 s
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the relay generating")
+    a.popen.send_signal(signal.SIGTERM)
+    a.wait_log(lambda l: l.get("msg") == "drained")
+    r = complete(b, "y", 2)
+    t.join(30)
+    assert a.popen.wait(30) == 0
+    assert r.status == 200 and x["r"].status == 200, (r.text, x)
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
+    b.stop()
+    cluster.stop()
+
+
 class EtcdPipe:
     """A TCP relay in front of one etcd member that loses the answer of the next take (a txn
     with a put): the txn reaches etcd, its answer is dropped and the connection closed, and
