@@ -613,23 +613,32 @@ static bool dec_positive(atomic_uint *c)
     return false;
 }
 
-static void slots_put(px_slots_t *sl)
+/* The slot goes back to its engine. */
+static void slots_free(px_slots_t *sl)
 {
-    px_engine_t *e = sl->eng;
-    /* An operator request waits for it: it is passed on, unless the engine is to run one
-     * request at a time and another runs there besides this one (a reload made it so while
-     * the pool's earlier mode ran several): then it is freed, and the operator request takes
-     * one as any request does, once nothing runs there. */
-    bool others = atomic_load(&e->one) && atomic_load(&e->running) > 1;
-    if (!others && dec_positive(&sl->held)) {
-        atomic_fetch_add(&sl->granted, 1);
-        return;
-    }
     unsigned prev = atomic_fetch_sub(&sl->inflight, 1);
     assert(prev > 0);
     prev = atomic_fetch_sub(&sl->eng->running, 1);
     assert(prev > 0);
     (void)prev;
+}
+
+static void slots_put(px_slots_t *sl)
+{
+    px_engine_t *e = sl->eng;
+    /* An operator request waits for it: it is passed on, unless the engine runs one request
+     * at a time and either another runs there besides this one (a reload made it so while the
+     * pool's earlier mode ran several), or nothing new is to start there (a fleet member
+     * letting go of the engine, which a chain of passed slots would never let it do, or a
+     * graceful stop): then it is freed, and the operator request takes one as any request
+     * does, when one may start. */
+    bool keep = atomic_load(&e->one) && (atomic_load(&e->running) > 1 || atomic_load(&g_quiesce) ||
+                                         (atomic_load(&e->gated) && atomic_load(&e->closing)));
+    if (!keep && dec_positive(&sl->held)) {
+        atomic_fetch_add(&sl->granted, 1);
+        return;
+    }
+    slots_free(sl);
 }
 
 void px_replica_put_slot(px_replica_t *r)
@@ -672,8 +681,15 @@ bool px_replica_take_held_slot(const px_pool_t *p, px_replica_t *r)
         px_engine_t *e = r->slots->eng;
         if (!atomic_load(&e->one) || may_start(e, false))
             return true;
-        /* Passed on while this member may not start anything there (its fleet key not held,
-         * or its lease maybe gone): kept, counted as running, for a later look. */
+        /* Passed on while this member may not start anything there. In a graceful stop it is
+         * freed (nothing may start there any more, and the stop waits for the engine to be
+         * idle); else (its fleet key not held, or its lease maybe gone) it is kept, counted as
+         * running, for a later look. */
+        if (atomic_load(&g_quiesce)) {
+            atomic_fetch_add(&r->slots->held, 1); /* still waiting, as any request would be */
+            slots_free(r->slots);
+            return false;
+        }
         atomic_fetch_add(&r->slots->granted, 1);
         return false;
     }

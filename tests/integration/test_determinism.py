@@ -566,6 +566,44 @@ def test_single_sequence_keeps_the_slot_of_a_relay_abandoned_during_a_graceful_s
     assert st["max_inflight_seen"] == 1, st
 
 
+def test_a_graceful_stop_waits_for_a_relay_on_the_engine_and_not_for_one_that_waits():
+    """SIGTERM while a relay generates and another relay waits for the slot it claimed: the stop
+    waits for the one generating (the engine would go on after the process), not for the
+    waiting one, which is not started once the first is done."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50", "--finish-abandoned")
+    px = start_proxy(pools=[single_sequence_pool([sim])])
+    relay_body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 40,
+                             "temperature": 0}).encode()
+    out = {}
+
+    def relay(key):
+        try:
+            out[key] = http("POST", px.admin_port, "/admin/relay/v1/completions", body=relay_body,
+                            headers={"content-type": "application/json",
+                                     "x-detproxy-relay-pool": "p",
+                                     "x-detproxy-relay-replica": "r1"}, timeout=40).status
+        except OSError:
+            out[key] = "closed"
+    first = threading.Thread(target=relay, args=("first",))
+    first.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the first relay generating")
+    second = threading.Thread(target=relay, args=("second",))
+    second.start()
+    poll_until(lambda: replicas(px)["r1"]["relays_holding"] == 1,
+               what="the second relay claiming the next slot")
+    t0 = time.monotonic()
+    px.send_signal(signal.SIGTERM)
+    assert px.wait(timeout=40) == 0
+    took = time.monotonic() - t0
+    first.join(10)
+    second.join(10)
+    px.check_sanitizer()
+    st = sim_stats(sim)
+    assert out["first"] == 200 and st["inflight"] == 0 and st["requests"] == 1, (out, st)
+    assert took < 15, took  # the first relay's 2 s, not the drain's 30 s limit
+    print("stopped %.1f s after SIGTERM, once the generating relay was done" % took)
+
+
 def test_single_sequence_holds_the_slot_past_a_first_byte_timeout():
     """A request that times out upstream gets its 504 at upstream_first_byte_timeout_ms, but
     the engine may still be generating it (llama.cpp's server finishes it): the slot stays

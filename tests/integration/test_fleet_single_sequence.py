@@ -337,6 +337,38 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     cluster.stop()
 
 
+def test_a_member_relaying_without_pause_still_lets_the_other_member_take_its_turn():
+    """Relays through a that each wait long enough to claim the next slot freed would pass the
+    slot from one to the next for ever: once a has held the engine its second, the slot is
+    freed instead, a lets go, and b's request runs."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
+    a = single_sequence_member(cluster, [sim], "gw-0")
+    b = single_sequence_member(cluster, [sim], "gw-1", queue_timeout_ms=5000)
+    wait_members([a, b], 2)
+    stop = []
+
+    def relays():
+        while not stop:
+            relay(a, "r", 20)  # 0.4 s each, three at a time: each waits past 200 ms
+    ts = [threading.Thread(target=relays, daemon=True) for _ in range(3)]
+    for t in ts:
+        t.start()
+    poll_until(lambda: get_json(a.admin_port, "/admin/replicas")["replicas"][0]
+               ["relays_holding"] >= 1, what="a relay claiming the next slot")
+    try:
+        r = complete(b, "y", 3)
+    finally:
+        stop.append(1)
+        for t in ts:
+            t.join(30)
+    assert r.status == 200, r.text
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
 class EtcdPipe:
     """A TCP relay in front of one etcd member that loses the answer of the next take (a txn
     with a put): the txn reaches etcd, its answer is dropped and the connection closed, and
