@@ -34,6 +34,7 @@ typedef struct lock_s {
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
+    bool sure;             /* ours for certain (not only maybe: a take with no answer) */
     uint64_t taken, given; /* times it became ours and stopped being so */
 } lock_t;
 
@@ -112,9 +113,10 @@ static void stop_starting(const lock_t *l)
 }
 
 /* The key is ours, or may be, on lease: nothing starts on its engine for that alone (own()). */
-static void mine(lock_t *l, int64_t lease)
+static void mine(lock_t *l, int64_t lease, bool sure)
 {
     l->lease = lease;
+    l->sure = sure;
     l->held_ms = uv_now(l->s->px->loop);
     l->handing = false;
     l->taken++;
@@ -133,7 +135,7 @@ static void lost(lock_t *l)
 static void own(lock_t *l)
 {
     px_seqlock_t *s = l->s;
-    mine(l, s->lease);
+    mine(l, s->lease, true);
     px_engine_t *e = engine_of(l);
     if (e == NULL)
         return; /* no pool asks for it now: the next tick lets it go */
@@ -201,7 +203,7 @@ static void taken(const cJSON *res, const char *why, void *data)
          * guarded by the lease does nothing to a key that is not), then taken again if
          * wanted; nothing starts on it meanwhile. */
         lock_log("fleet_engine_take_failed", l, why);
-        mine(l, lease);
+        mine(l, lease, false);
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
@@ -216,7 +218,7 @@ static void taken(const cJSON *res, const char *why, void *data)
         /* On a lease that has gone since (it goes with it), or while we are not connected: the
          * key is ours on that lease, let go of once we are connected on it again. */
         if (s->lease == 0)
-            mine(l, lease);
+            mine(l, lease, true);
         return;
     }
     own(l);
@@ -383,9 +385,17 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
             lock_log("fleet_engine_lost", l, "the lease it was held on is gone");
             lost(l);
         } else {
+            /* Kept alive, or connected again on it: a key surely ours may be run on again (one
+             * whose slot went to a request that waits to start would otherwise never be let
+             * go of, nor used). */
             px_engine_t *e = engine_of(l);
-            if (e)
-                atomic_store(&e->held_until, s->until);
+            if (e == NULL)
+                continue;
+            atomic_store(&e->held_until, s->until);
+            if (l->sure && !atomic_load(&e->held)) {
+                atomic_store(&e->held, true);
+                px_workers_wake(s->px);
+            }
         }
     }
 }
@@ -407,7 +417,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
         } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
             /* Ours from before etcd was lost and found again: the next tick lets it go, or
              * keeps it while something runs. */
-            mine(l, lease);
+            mine(l, lease, true);
         }
     }
 }

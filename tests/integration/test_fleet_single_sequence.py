@@ -369,6 +369,36 @@ def test_a_member_relaying_without_pause_still_lets_the_other_member_take_its_tu
     cluster.stop()
 
 
+def test_a_relay_passed_a_slot_while_etcd_was_away_runs_once_it_is_back():
+    """A relay through the holder claims the next slot; etcd goes away (nothing new may start)
+    and the request running ends, passing its slot to the relay; etcd comes back on the same
+    lease, with the key still the holder's: the relay runs then, and the key is let go of
+    after it, rather than both waiting for the relay to give up."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(2))
+    wait_members([a, b], 2)
+    t, x = in_background(lambda: complete(a, "x", 30))  # 1.5 s
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
+    rt, rr = in_background(lambda: relay(a, "r", 2))
+    poll_until(lambda: get_json(a.admin_port, "/admin/replicas")["replicas"][0]
+               ["relays_holding"] == 1, what="the relay claiming the next slot")
+    cluster.stop_member(0)
+    poll_until(lambda: not fleet(a)["connected"], timeout=10, what="a disconnected")
+    t.join(20)
+    assert x["r"].status == 200
+    cluster.start_member(0)
+    cluster.wait_healthy()
+    rt.join(20)  # the relay's own wait for a slot is 30 s
+    assert rr["r"].status == 200, rr
+    poll_until(lambda: not engine_keys(cluster), what="a letting go of the engine")
+    assert complete(b, "y", 2).status == 200
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    for p in (a, b):
+        p.stop()
+    cluster.stop()
+
+
 class EtcdPipe:
     """A TCP relay in front of one etcd member that loses the answer of the next take (a txn
     with a put): the txn reaches etcd, its answer is dropped and the connection closed, and
