@@ -118,6 +118,8 @@ struct px_preq_s {
     px_admission_entry_t adm;     /* waiting for a slot (data/admission.c) */
     px_preq_t *free_next;         /* on this thread's cache of recycled contexts */
     int status;
+    int up_status; /* the replica's answer's status, 0 before its head: its tokens count even
+                    * when the client left before the end (count_request) */
     /* What answered, for detproxy_requests_total{code} and the access log: "upstream" (the
      * replica's response), "local" (/v1/models), "client_closed", or detproxy's error code.
      * Always a static string: the label set stays bounded. */
@@ -883,6 +885,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
         (c->refuse = unverifiable_answer(q, hdrs, n)) != NULL)
         return; /* up_on_done answers the client 502 */
     q->status = status;
+    q->up_status = status;
     q->code = "upstream";
     q->up_head_ns = dp_now_ns();
     q->hooks.upstream_answered = true;
@@ -1242,8 +1245,11 @@ static void count_request(px_preq_t *q)
     px_metrics_add(px_pool_requests_series(pool, tenant, q->status, code), 1);
     if (pool)
         px_metrics_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
+    /* The tokens a replica reported were spent whether or not the client stayed for the
+     * answer's last byte: a stream whose client left after its usage event counts them. */
     int64_t pt, ct;
-    if (pool && q->status < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+    int answered = q->up_status ? q->up_status : q->status;
+    if (pool && answered < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
         px_series_t *prompt, *completion;
         px_pool_tokens_series(pool, tenant, &prompt, &completion);
         px_metrics_add(prompt, (double)pt);

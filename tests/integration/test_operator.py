@@ -2,6 +2,7 @@
 access log, token counters, per-tenant rate limits, draining replicas, the effective
 configuration, `policy test`, `--version`, `check --strict`, and quiet builds."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -315,6 +316,23 @@ def test_token_counters_from_usage_json_and_sse():
     px.stop()
 
 
+def streaming_replica(events, end):
+    """A replica answering the first inference request with these SSE events, each its own
+    chunk, then the stream's last chunk if end; it holds the connection until the proxy closes
+    it. (Its listening socket, a proxy in front of it with the default tenant.)"""
+    def handle(c):
+        with c, contextlib.suppress(OSError):  # the proxy may cut it once the client has gone
+            if serve_until_stream(c):
+                for e in events:
+                    c.sendall(b"%x\r\n%s\r\n" % (len(e), e))
+                if end:
+                    c.sendall(b"0\r\n\r\n")
+                serve_until_stream(c)
+
+    ls, replica_pool = serve_replica(handle)
+    return ls, start_proxy(pools=[replica_pool], policy={"tenants": [POLICY["tenants"][-1]]})
+
+
 def test_a_stream_event_cut_inside_its_usage_does_not_hide_the_next_usage():
     # A replica's stream whose first usage event is cut off mid-object (as one that failed and
     # was restarted behind a router might send): the usage event after it still counts.
@@ -323,21 +341,32 @@ def test_a_stream_event_cut_inside_its_usage_does_not_hide_the_next_usage():
               b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":7}}\n\n',
               b"data: [DONE]\n\n"]
 
-    def handle(c):
-        with c:
-            if serve_until_stream(c):
-                for e in events:
-                    c.sendall(b"%x\r\n%s\r\n" % (len(e), e))
-                c.sendall(b"0\r\n\r\n")
-                serve_until_stream(c)  # until the proxy closes
-
-    ls, replica_pool = serve_replica(handle)
-    px = start_proxy(pools=[replica_pool], policy={"tenants": [POLICY["tenants"][-1]]})
+    ls, px = streaming_replica(events, end=True)
     try:
         got = list(sse(px.port, "/v1/completions", completion(stream=True)))
         assert got[-1][1] == "[DONE]", got
         poll_until(lambda: metric(px, "detproxy_tokens_total", kind="completion") == 7,
                    what="the complete usage event's tokens counted")
+        assert metric(px, "detproxy_tokens_total", kind="prompt") == 11
+    finally:
+        px.stop()
+        ls.close()
+
+
+def test_tokens_count_when_the_client_leaves_after_the_usage_event():
+    # The client reads to [DONE] and leaves before the replica ends its stream: the request is
+    # a 499, but the tokens the replica reported were spent and count.
+    events = [b'data: {"choices":[{"index":0,"text":"x"}],"usage":null}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":7}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    ls, px = streaming_replica(events, end=False)  # no last chunk: the client leaves first
+    try:
+        got = list(sse(px.port, "/v1/completions", completion(stream=True)))
+        assert got[-1][1] == "[DONE]", got
+        poll_until(lambda: metric(px, "detproxy_requests_total", status="499",
+                                  code="client_closed") == 1, what="the request counted as 499")
+        assert metric(px, "detproxy_tokens_total", kind="completion") == 7
         assert metric(px, "detproxy_tokens_total", kind="prompt") == 11
     finally:
         px.stop()
