@@ -47,7 +47,11 @@ struct fleet_etcd_s {
     int64_t compacted; /* etcd said so: the stream is dropped, the owner resyncs */
     bool wactive, wcreated;
     uint32_t backoff_ms;
-    uv_timer_t wtimer;
+    uv_timer_t wtimer; /* the watch's retry; once the client is ending, its last call's limit */
+    /* fleet_etcd_free_after's call, told once whether it was answered or its limit came */
+    fleet_etcd_cb last_cb;
+    void *last_data;
+    bool freeing;
 };
 
 struct call_s {
@@ -135,11 +139,9 @@ static void etcd_closed(uv_handle_t *h)
     free(e);
 }
 
-void fleet_etcd_free(fleet_etcd_t *e)
+/* Each call still in flight ends with a failure now, so its owner frees what it passed. */
+static void calls_cancel(fleet_etcd_t *e)
 {
-    if (e == NULL)
-        return;
-    /* Each call still in flight ends with a failure now, so its owner frees what it passed. */
     while (e->calls) {
         call_t *c = e->calls;
         if (c->f)
@@ -147,6 +149,14 @@ void fleet_etcd_free(fleet_etcd_t *e)
         c->f = NULL;
         call_finish(c, NULL, "canceled: the etcd client is closing");
     }
+}
+
+void fleet_etcd_free(fleet_etcd_t *e)
+{
+    if (e == NULL)
+        return;
+    e->freeing = true;
+    calls_cancel(e);
     fleet_etcd_watch_stop(e);
     for (size_t i = 0; i < e->neps; i++) {
         if (e->eps[i].up)
@@ -167,6 +177,33 @@ void fleet_etcd_free(fleet_etcd_t *e)
     fleet_ej_split_free(&e->split);
     free(e->wprefix);
     uv_close((uv_handle_t *)&e->wtimer, etcd_closed);
+}
+
+static void last_free(uv_timer_t *t)
+{
+    fleet_etcd_free(t->data);
+}
+
+static void last_answered(const cJSON *res, const char *why, void *data)
+{
+    fleet_etcd_t *e = data;
+    fleet_etcd_cb cb = e->last_cb;
+    e->last_cb = NULL;
+    cb(res, why, e->last_data);
+    if (!e->freeing) /* not inside the fetch's own callback: the connection goes with e */
+        uv_timer_start(&e->wtimer, last_free, 0, 0);
+}
+
+void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *body,
+                           uint32_t limit_ms, fleet_etcd_cb cb, void *data)
+{
+    calls_cancel(e);
+    fleet_etcd_watch_stop(e);
+    e->last_cb = cb;
+    e->last_data = data;
+    fleet_etcd_call(e, path, body, last_answered, e);
+    if (e->last_cb) /* not refused at once */
+        uv_timer_start(&e->wtimer, last_free, limit_ms, 0);
 }
 
 const char *fleet_etcd_endpoint(const fleet_etcd_t *e)

@@ -47,6 +47,11 @@ void fleet_etcd_call(fleet_etcd_t *e, const char *path, const dp_buf_t *body, fl
  * one answer should be). */
 void fleet_etcd_call_max(fleet_etcd_t *e, const char *path, const dp_buf_t *body, size_t max_bytes,
                          fleet_etcd_cb cb, void *data);
+/* The client's last call: what is in flight and the watch end as in fleet_etcd_free, body goes
+ * to path, and the client is freed once it is answered or limit_ms have passed, whichever comes
+ * first. cb is told once either way (res NULL and why "canceled: ..." at the limit). */
+void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *body,
+                           uint32_t limit_ms, fleet_etcd_cb cb, void *data);
 
 /* The endpoint calls go to now ("127.0.0.1:2379"), and HTTP requests sent so far. */
 const char *fleet_etcd_endpoint(const fleet_etcd_t *e);

@@ -1498,18 +1498,43 @@ static void tick_closed(uv_handle_t *h)
     free(f);
 }
 
-void px_fleet_stop(px_t *px)
+/* How long a stopping member waits for etcd to revoke its lease. */
+#define REVOKE_LIMIT_MS 1000
+
+static void revoked(const cJSON *res, const char *why, void *data)
+{
+    (void)data;
+    dp_jw_t *w = dp_log_begin(res ? DP_LOG_INFO : DP_LOG_WARN,
+                              res ? "fleet_lease_revoked" : "fleet_lease_not_revoked");
+    if (w) {
+        if (res == NULL)
+            dp_jw_str(w, "error", why ? why : "");
+        dp_log_end(w);
+    }
+}
+
+void px_fleet_stop(px_t *px, bool leave)
 {
     px_fleet_t *f = px->fleet;
     if (f == NULL)
         return;
     px->fleet = NULL;
     f->stopping = true;
-    /* Leave at once. The lease is not revoked: the member key and any engine key go when it
-     * expires, lease_ttl_ms after the last keep-alive (docs/fleet.md). */
     px_seqlock_stop(f->seq);
     f->seq = NULL;
-    fleet_etcd_free(f->etcd);
+    if (leave && f->connected && f->lease != 0) {
+        /* Nothing of this member runs on a single_sequence engine any more (the stop waited):
+         * revoking the lease hands its engine keys on, and takes its member key, now rather
+         * than lease_ttl_ms after the last keep-alive. The process waits for the answer, at
+         * most REVOKE_LIMIT_MS. */
+        dp_buf_t body = {0};
+        fleet_ej_lease_id(&body, f->lease);
+        fleet_etcd_free_after(f->etcd, "/v3/lease/revoke", &body, REVOKE_LIMIT_MS, revoked, NULL);
+        dp_buf_free(&body);
+    } else {
+        /* Cut short, or etcd away: the keys go when the lease expires (docs/fleet.md). */
+        fleet_etcd_free(f->etcd);
+    }
     f->etcd = NULL;
     members_clear(f);
     entries_clear(f);

@@ -19,9 +19,11 @@
 #include "proxy/core/px.h"
 #include "proxy/core/replica.h"
 
-/* Start when the config has a fleet section (no-op otherwise); stop at shutdown. */
+/* Start when the config has a fleet section (no-op otherwise); stop at shutdown. leave: the
+ * stop is clean (nothing of this instance runs on a single_sequence engine), so the lease is
+ * revoked and its keys go now; else they go when it expires. */
 void px_fleet_start(px_t *px);
-void px_fleet_stop(px_t *px);
+void px_fleet_stop(px_t *px, bool leave);
 
 /* An operator drained or enabled r here (POST /admin/replicas/NAME/drain|enable): the fleet
  * applies it too. */

@@ -74,14 +74,16 @@ static void admin_closed(void *data)
     (void)data;
 }
 
-static void finish_shutdown(px_t *px)
+/* clean: every client answered and nothing left running on a single_sequence engine (not cut
+ * short by the drain's limit). */
+static void finish_shutdown(px_t *px, bool clean)
 {
     if (px->finished)
         return;
     px->finished = true;
     uv_timer_stop(&px->engines_timer);
     px_discovery_stop(px);
-    px_fleet_stop(px);
+    px_fleet_stop(px, clean);
     px_attest_stop(px);
     px_shadow_stop(px);
     px_relay_stop(px);
@@ -113,7 +115,7 @@ static void engines_check(uv_timer_t *t)
 {
     px_t *px = t->data;
     if (px_replica_engines_quiesce() == 0)
-        finish_shutdown(px);
+        finish_shutdown(px, true);
 }
 
 /* Clients are answered. What still runs on a single_sequence engine (a relay, a check, a copy,
@@ -129,7 +131,7 @@ static void proxy_drained(px_t *px)
         dp_log_end(w);
     }
     if (running == 0) {
-        finish_shutdown(px);
+        finish_shutdown(px, true);
         return;
     }
     uv_timer_start(&px->engines_timer, engines_check, 10, 10);
@@ -144,7 +146,7 @@ static void drain_timeout(uv_timer_t *t)
         dp_log_end(w);
     }
     px_workers_close(px);
-    finish_shutdown(px);
+    finish_shutdown(px, false);
 }
 
 static void on_stop_signal(uv_signal_t *h, int signum)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from harness import get_json, http, poll_until, post_json, run_tests, start_sim
+from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
 from proxyutil import pool, sim_reset, sim_stats, start_proxy
 import etcdutil
 
@@ -334,6 +334,57 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
     b.stop()
+    cluster.stop()
+
+
+def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
+    """A member stopped while it runs on the engine finishes that request, then revokes its
+    lease: its engine key and member key go at once, so the other member's queued request runs
+    then, not lease_ttl_ms (10 s here) after the last keep-alive."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
+    a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=10000) for i in range(2))
+    wait_members([a, b], 2)
+    tx, x = in_background(lambda: complete(a, "x", 20))  # 1 s
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    ty, y = in_background(lambda: complete(b, "y", 2))
+    poll_until(lambda: [e["wanted"] for e in fleet(b)["engines"]] == [True],
+               what="b waiting for the key")
+    a.popen.send_signal(signal.SIGTERM)
+    assert a.wait(15) == 0
+    a.check_sanitizer()
+    gone = time.monotonic()
+    a.wait_log("fleet_lease_revoked")
+    assert not cluster.get_prefix("/detproxy/t/instances/gw-0"), "a's member key"
+    ty.join(15)
+    assert time.monotonic() - gone < 5, "b's request waited for a's lease to expire"
+    tx.join(5)
+    assert x["r"].status == 200 and y["r"].status == 200, (x["r"].text, y["r"].text)
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    poll_until(lambda: len(fleet(b)["members"]) == 1, timeout=3, what="b seeing a gone")
+    b.stop()
+    cluster.stop()
+
+
+def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
+    """etcd stops answering (SIGSTOP) while a member is connected: its stop sends the revoke and
+    waits for it at most a second, then exits; the keys go with the lease."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL)
+    a = single_sequence_member(cluster, [sim], "gw-0", ttl=10000)
+    wait_members([a], 1)
+    assert complete(a, "x", 2).status == 200
+    cluster.procs[0].send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        a.popen.send_signal(signal.SIGTERM)
+        assert a.wait(15) == 0
+        a.check_sanitizer()
+        assert time.monotonic() - t0 < 4 * SLOW, time.monotonic() - t0
+        line = a.wait_log("fleet_lease_not_revoked")
+        assert "canceled" in line["error"], line
+    finally:
+        cluster.procs[0].send_signal(signal.SIGCONT)
     cluster.stop()
 
 
