@@ -51,6 +51,7 @@ struct fleet_etcd_s {
     /* fleet_etcd_free_after's call, told once whether it was answered or its limit came */
     fleet_etcd_cb last_cb;
     void *last_data;
+    size_t last_waiting; /* its copies (one per endpoint) not yet answered */
     bool freeing;
 };
 
@@ -66,7 +67,16 @@ struct call_s {
     bool authing;  /* the fetch in flight is /v3/auth/authenticate */
     bool reauthed; /* a refused token was renewed once */
     size_t max;    /* this call's answer cap (0: the client's) */
+    int ep;        /* sent to this endpoint only (no failover), or -1: e->cur, then the next */
 };
+
+static void call_start(fleet_etcd_t *e, int ep, const char *path, const dp_buf_t *body,
+                       size_t max_bytes, fleet_etcd_cb cb, void *data);
+
+static endpoint_t *call_ep(const call_t *c)
+{
+    return &c->e->eps[c->ep >= 0 ? (size_t)c->ep : c->e->cur];
+}
 
 /* ---- endpoints ------------------------------------------------------------------------- */
 
@@ -184,9 +194,13 @@ static void last_free(uv_timer_t *t)
     fleet_etcd_free(t->data);
 }
 
+/* One copy of the last call answered: the first success is told, or the last failure. */
 static void last_answered(const cJSON *res, const char *why, void *data)
 {
     fleet_etcd_t *e = data;
+    e->last_waiting--;
+    if (e->last_cb == NULL || (res == NULL && e->last_waiting > 0))
+        return; /* told already, or another endpoint may still answer */
     fleet_etcd_cb cb = e->last_cb;
     e->last_cb = NULL;
     cb(res, why, e->last_data);
@@ -201,8 +215,12 @@ void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *bo
     fleet_etcd_watch_stop(e);
     e->last_cb = cb;
     e->last_data = data;
-    fleet_etcd_call(e, path, body, last_answered, e);
-    if (e->last_cb) /* not refused at once */
+    /* To every endpoint at once: the one calls went to may be the one that just went away, and
+     * a failover would not fit in the limit (one endpoint's timeout may be longer). */
+    e->last_waiting = e->neps;
+    for (size_t i = 0; i < e->neps && e->last_cb; i++)
+        call_start(e, (int)i, path, body, 0, last_answered, e);
+    if (e->last_cb) /* not all refused at once */
         uv_timer_start(&e->wtimer, last_free, limit_ms, 0);
 }
 
@@ -262,19 +280,19 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     cJSON *res = NULL;
     char why[256] = "";
     if (status == 0) {
-        snprintf(why, sizeof(why), "%s: %s", e->eps[e->cur].hostport,
+        snprintf(why, sizeof(why), "%s: %s", call_ep(c)->hostport,
                  detail ? detail : net_up_err_name(err));
     } else {
         /* A message that ended with the first object: keep-alive answers are a stream. */
         const char *end = NULL;
         res = body->len ? cJSON_ParseWithLengthOpts(body->base, body->len, &end, false) : NULL;
         if (!cJSON_IsObject(res)) {
-            snprintf(why, sizeof(why), "%s: HTTP %d, not a JSON object", e->eps[e->cur].hostport,
+            snprintf(why, sizeof(why), "%s: HTTP %d, not a JSON object", call_ep(c)->hostport,
                      status);
         } else {
             const char *ee = fleet_ej_error(res);
             if (ee || status != 200)
-                snprintf(why, sizeof(why), "%s: HTTP %d: %s", e->eps[e->cur].hostport, status,
+                snprintf(why, sizeof(why), "%s: HTTP %d: %s", call_ep(c)->hostport, status,
                          ee ? ee : "error");
         }
     }
@@ -312,12 +330,12 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
         call_send(c);
         return;
     }
-    if (fault && ++c->tries < e->neps) {
+    if (fault && c->ep < 0 && ++c->tries < e->neps) {
         e->cur = (e->cur + 1) % e->neps;
         call_send(c);
         return;
     }
-    if (fault)
+    if (fault && c->ep < 0)
         e->cur = (e->cur + 1) % e->neps; /* the next call starts elsewhere */
     call_finish(c, NULL, why);
 }
@@ -325,7 +343,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 static void call_send(call_t *c)
 {
     fleet_etcd_t *e = c->e;
-    endpoint_t *ep = &e->eps[e->cur];
+    endpoint_t *ep = call_ep(c);
     dp_buf_t auth = {0}, hdr = {0};
     const char *path = c->path;
     const dp_buf_t *body = &c->body;
@@ -359,10 +377,11 @@ void fleet_etcd_call(fleet_etcd_t *e, const char *path, const dp_buf_t *body, fl
     fleet_etcd_call_max(e, path, body, 0, cb, data);
 }
 
-void fleet_etcd_call_max(fleet_etcd_t *e, const char *path, const dp_buf_t *body, size_t max_bytes,
-                         fleet_etcd_cb cb, void *data)
+static void call_start(fleet_etcd_t *e, int ep, const char *path, const dp_buf_t *body,
+                       size_t max_bytes, fleet_etcd_cb cb, void *data)
 {
     call_t *c = dp_xcalloc(1, sizeof(*c));
+    c->ep = ep;
     c->max = max_bytes;
     c->e = e;
     c->path = dp_xstrdup(path);
@@ -375,6 +394,12 @@ void fleet_etcd_call_max(fleet_etcd_t *e, const char *path, const dp_buf_t *body
         e->calls->prev = c;
     e->calls = c;
     call_send(c);
+}
+
+void fleet_etcd_call_max(fleet_etcd_t *e, const char *path, const dp_buf_t *body, size_t max_bytes,
+                         fleet_etcd_cb cb, void *data)
+{
+    call_start(e, -1, path, body, max_bytes, cb, data);
 }
 
 /* ---- the watch ------------------------------------------------------------------------------ */

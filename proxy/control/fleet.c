@@ -79,7 +79,7 @@ typedef struct {
     char *value; /* NULL: delete */
 } pending_t;
 
-enum { ST_IDLE = 0, ST_GRANT, ST_MEMBER, ST_RANGE };
+enum { ST_IDLE = 0, ST_GRANT, ST_RENEW, ST_MEMBER, ST_RANGE };
 
 struct px_fleet_s {
     px_t *px;
@@ -1309,7 +1309,11 @@ static void step_done(const cJSON *res, const char *why, void *data)
     if (res == NULL) {
         if (f->step == ST_MEMBER && why && strstr(why, "lease not found"))
             f->lease = 0; /* expired while we were away: a new one next time */
-        fail_step(f, f->step == ST_GRANT ? "granting the lease" : "writing the member key", why);
+        fail_step(f,
+                  f->step == ST_GRANT   ? "granting the lease"
+                  : f->step == ST_RENEW ? "renewing the lease"
+                                        : "writing the member key",
+                  why);
         return;
     }
     if (f->step == ST_GRANT) {
@@ -1320,6 +1324,15 @@ static void step_done(const cJSON *res, const char *why, void *data)
             return;
         }
         f->step = ST_MEMBER;
+    } else if (f->step == ST_RENEW) {
+        int64_t ttl = fleet_ej_int(res, "TTL", 0);
+        if (ttl <= 0) { /* it expired while we were away: a new one */
+            f->lease = 0;
+            f->step = ST_GRANT;
+        } else {
+            f->lease_until = f->call_sent_ms + (uint64_t)ttl * 1000;
+            f->step = ST_MEMBER;
+        }
     } else if (f->step == ST_MEMBER) {
         flush_pending(f);
         f->step = ST_RANGE;
@@ -1335,6 +1348,11 @@ static void connect_step(px_fleet_t *f)
         f->call_sent_ms = dp_now_ms();
         fleet_ej_lease_grant(&body, (f->ttl_ms + 999) / 1000);
         fleet_etcd_call(f->etcd, "/v3/lease/grant", &body, step_done, f);
+        break;
+    case ST_RENEW:
+        f->call_sent_ms = dp_now_ms();
+        fleet_ej_lease_id(&body, f->lease);
+        fleet_etcd_call(f->etcd, "/v3/lease/keepalive", &body, step_done, f);
         break;
     case ST_MEMBER: {
         dp_buf_t v = {0};
@@ -1360,7 +1378,10 @@ static void connect_start(px_fleet_t *f)
 {
     if (f->step != ST_IDLE)
         return;
-    f->step = f->lease ? ST_MEMBER : ST_GRANT;
+    /* A lease kept from before etcd was lost is renewed first: how long it surely lives is
+     * known again (its engine keys may be run on until then), and one that expired meanwhile
+     * is replaced before anything is written on it. */
+    f->step = f->lease ? ST_RENEW : ST_GRANT;
     connect_step(f);
 }
 
@@ -1727,6 +1748,11 @@ void px_fleet_json(px_t *px, dp_buf_t *out)
     dp_jw_str(&w, "fleet_config_fingerprint", f->ref_fp);
     dp_jw_bool(&w, "config_skew", strcmp(f->fp, f->ref_fp) != 0);
     dp_jw_uint(&w, "lease_ttl_ms", f->ttl_ms);
+    /* How long the lease surely lives (the send time of its last grant or keep-alive, plus its
+     * TTL): what this member's engine keys may be run on for without another keep-alive. */
+    uint64_t mono = dp_now_ms();
+    dp_jw_uint(&w, "lease_left_ms",
+               f->connected && f->lease_until > mono ? f->lease_until - mono : 0);
     dp_jw_uint(&w, "rate_share", f->rate_share ? f->rate_share : 1);
     px_seqlock_json(f->seq, &w);
     dp_jw_arr_begin(&w, "members");

@@ -235,9 +235,12 @@ static void given(const cJSON *res, const char *why, void *data)
         lock_log("fleet_engine_release_failed", l, why);
         return;
     }
-    /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). */
-    l->lease = 0;
-    l->given++;
+    /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). Counted
+     * once: the lease may have gone while the delete was in flight (lost). */
+    if (l->lease != 0) {
+        l->lease = 0;
+        l->given++;
+    }
     l->handing = false;
     l->next_try_ms = uv_now(l->s->px->loop) + PX_SEQLOCK_BACKOFF_MS;
 }
@@ -379,6 +382,8 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
     for (lock_t *l = s->locks; l; l = l->next) {
         if (l->lease == 0)
             continue;
+        if (lease == l->lease && l->busy)
+            continue;     /* being let go of: not run on again */
         if (lease == 0) { /* etcd lost: nothing new starts until we know again */
             stop_starting(l);
         } else if (lease != l->lease) {

@@ -337,6 +337,31 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     cluster.stop()
 
 
+def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
+    """etcd is away for longer than the member's lease had left (etcd renews its leases when
+    it comes back): the member renews the lease as it connects again, so it knows how long the
+    lease surely lives and its first request starts at once, not a keep-alive later."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL)
+    a = single_sequence_member(cluster, [sim], "gw-0", ttl=3000)
+    wait_members([a], 1)
+    assert complete(a, "x", 1).status == 200
+    cluster.stop_member(0)
+    t0 = time.monotonic()
+    poll_until(lambda: not fleet(a)["connected"], timeout=10, what="a disconnected")
+    time.sleep(max(0.0, 3.5 - (time.monotonic() - t0)))  # the outage outlasts the lease's 3 s
+    cluster.start_member(0)
+    cluster.wait_healthy()
+    poll_until(lambda: fleet(a)["connected"], timeout=10, interval=0.01, what="a connected")
+    assert fleet(a)["lease_left_ms"] > 1000, fleet(a)  # before, 0 until the next keep-alive
+    t1 = time.monotonic()
+    assert complete(a, "y", 1).status == 200
+    # Before, it waited for the next keep-alive: lease_ttl_ms / 3 = 1 s.
+    assert time.monotonic() - t1 < 0.5 * SLOW, time.monotonic() - t1
+    a.stop()
+    cluster.stop()
+
+
 def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
     """A member stopped while it runs on the engine finishes that request, then revokes its
     lease: its engine key and member key go at once, so the other member's queued request runs
@@ -368,7 +393,8 @@ def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
 
 def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
     """etcd stops answering (SIGSTOP) while a member is connected: its stop sends the revoke and
-    waits for it at most a second, then exits; the keys go with the lease."""
+    waits for it at most a second, then exits 0, a second SIGTERM or a SIGHUP meanwhile
+    ignored as during the drain; the keys go with the lease."""
     cluster = etcdutil.EtcdCluster(1)
     sim = start_sim("--model", MODEL)
     a = single_sequence_member(cluster, [sim], "gw-0", ttl=10000)
@@ -378,6 +404,9 @@ def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
     try:
         t0 = time.monotonic()
         a.popen.send_signal(signal.SIGTERM)
+        a.wait_log("drained")
+        a.popen.send_signal(signal.SIGTERM)
+        a.popen.send_signal(signal.SIGHUP)
         assert a.wait(15) == 0
         a.check_sanitizer()
         assert time.monotonic() - t0 < 4 * SLOW, time.monotonic() - t0
@@ -385,6 +414,33 @@ def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
         assert "canceled" in line["error"], line
     finally:
         cluster.procs[0].send_signal(signal.SIGCONT)
+    cluster.stop()
+
+
+def test_a_stop_revokes_through_another_endpoint_when_its_own_stops_answering():
+    """The etcd member a member's calls go to stops answering just before it stops: the revoke
+    goes to every endpoint at once, so another member of the etcd cluster revokes it."""
+    cluster = etcdutil.EtcdCluster(3)
+    cluster.wait_healthy()
+    # a calls a follower first: stopping it leaves the cluster its leader, so the others can
+    # answer at once (a stopped leader would need an election first).
+    i = next(k for k in range(3) if k != cluster.leader())
+    eps = cluster.endpoints()
+    sim = start_sim("--model", MODEL)
+    a = single_sequence_member(cluster, [sim], "gw-0", ttl=10000,
+                               endpoints=[eps[i]] + eps[:i] + eps[i + 1:])
+    wait_members([a], 1)
+    assert fleet(a)["endpoint"] == eps[i].split("//")[1], fleet(a)
+    cluster.procs[i].send_signal(signal.SIGSTOP)
+    try:
+        a.popen.send_signal(signal.SIGTERM)
+        assert a.wait(15) == 0
+        a.check_sanitizer()
+        a.wait_log("fleet_lease_revoked")
+    finally:
+        cluster.procs[i].send_signal(signal.SIGCONT)
+    cluster.wait_healthy()
+    assert not cluster.get_prefix("/detproxy/t/instances/gw-0"), "a's member key"
     cluster.stop()
 
 

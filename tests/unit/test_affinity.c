@@ -18,7 +18,7 @@ static uint64_t id_of(const char *name)
 static void pool_of(px_affinity_cand_t *c, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        char name[16];
+        char name[24]; /* "r" and any size_t */
         snprintf(name, sizeof(name), "r%zu", i + 1);
         c[i] = (px_affinity_cand_t){id_of(name), 0, true, true};
     }
