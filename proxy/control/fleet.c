@@ -1526,7 +1526,7 @@ static void revoked(const cJSON *res, const char *why, void *data)
 {
     (void)data;
     dp_jw_t *w = dp_log_begin(res ? DP_LOG_INFO : DP_LOG_WARN,
-                              res ? "fleet_lease_revoked" : "fleet_lease_not_revoked");
+                              res ? "fleet_lease_revoked" : "fleet_lease_revoke_unconfirmed");
     if (w) {
         if (res == NULL)
             dp_jw_str(w, "error", why ? why : "");

@@ -410,7 +410,7 @@ def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
         assert a.wait(15) == 0
         a.check_sanitizer()
         assert time.monotonic() - t0 < 4 * SLOW, time.monotonic() - t0
-        line = a.wait_log("fleet_lease_not_revoked")
+        line = a.wait_log("fleet_lease_revoke_unconfirmed")
         assert "canceled" in line["error"], line
     finally:
         cluster.procs[0].send_signal(signal.SIGCONT)
