@@ -282,12 +282,16 @@ def test_sigterm_drains_inflight_and_exits_zero():
     poll_until(lambda: sim_stats(sims[0])["inflight"] == 1, what="request in flight")
     px.send_signal(signal.SIGTERM)
     px.wait_log("draining")
+    # A reload is not taken while stopping: it stops with the configuration it ran.
+    px.send_signal(signal.SIGHUP)
+    px.wait_log("reload_ignored")
     # New connections are refused while draining...
     poll_until(lambda: _refused(px.port), what="listener closed")
     t.join()
     # ...but the in-flight request completed.
     assert result["r"].status == 200 and result["r"].json()["usage"]["completion_tokens"] == 8
     assert px.wait(10 * SLOW) == 0
+    assert not px.find_logs("reloaded") and not px.find_logs("reload_failed")
 
 
 def test_sigterm_ends_a_pipelined_connection_with_connection_close():
