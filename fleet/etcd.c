@@ -347,6 +347,7 @@ static void call_send(call_t *c)
     dp_buf_t auth = {0}, hdr = {0};
     const char *path = c->path;
     const dp_buf_t *body = &c->body;
+    c->authing = false; /* sent again elsewhere: another call may have got the token meanwhile */
     if (e->user && e->token == NULL) {
         c->authing = true;
         path = "/v3/auth/authenticate";

@@ -1246,9 +1246,10 @@ static void count_request(px_preq_t *q)
     if (pool)
         px_metrics_observe(pool->m_duration, (double)(dp_now_ns() - q->start_ns) / 1e9);
     /* The tokens a replica reported were spent whether or not the client stayed for the
-     * answer's last byte: a stream whose client left after its usage event counts them. */
+     * answer's last byte: a stream whose client left after its usage event (a 499) counts
+     * them. An answer detproxy withheld (audit_unavailable, ...) does not. */
     int64_t pt, ct;
-    int answered = q->up_status ? q->up_status : q->status;
+    int answered = q->status == 499 && q->up_status ? q->up_status : q->status;
     if (pool && answered < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
         px_series_t *prompt, *completion;
         px_pool_tokens_series(pool, tenant, &prompt, &completion);

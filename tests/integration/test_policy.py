@@ -250,6 +250,10 @@ def test_audit_reopens_on_sighup_and_survives_write_failure():
                        headers=AUTH) for i in range(4)]
     assert any(r.status == 503 and r.json()["error"]["code"] == "audit_unavailable"
                for r in codes), [r.status for r in codes]
+    # A withheld answer's tokens do not count, though the replica spent them: only what was
+    # served does (a client that left after a stream's usage is the one exception).
+    served = sum(r.json()["usage"]["completion_tokens"] for r in codes if r.status == 200)
+    assert metric(px3, "detproxy_tokens_total", kind="completion") == served
     px3.stop()
 
 
