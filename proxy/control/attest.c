@@ -162,7 +162,7 @@ static void set_state1(px_replica_t *r, px_replica_state_t st, const char *reaso
 
 static void schedule(att_t *a, uint64_t ms)
 {
-    if (ctx(a->px)->stopped)
+    if (ctx(a->px) == NULL || ctx(a->px)->stopped)
         return;
     uv_timer_start(&a->timer, timer_cb, ms, 0);
 }
@@ -483,7 +483,8 @@ static void canary_try(att_t *a)
     const cfg_manifest_t *id = pc && pc->manifest && a->have_report
                                    ? attest_manifest_identity(pc->manifest, &a->report)
                                    : NULL;
-    if (id == NULL || id->canary == NULL || a->r->up == NULL || ctx(a->px)->stopped) {
+    if (id == NULL || id->canary == NULL || a->r->up == NULL || ctx(a->px) == NULL ||
+        ctx(a->px)->stopped) {
         check_end(a); /* a reload removed the canary meanwhile */
         return;
     }
@@ -612,7 +613,7 @@ static void checked(attest_outcome_t *out, void *data)
 static void check_start(att_t *a)
 {
     px_replica_t *r = a->r;
-    if (r == NULL || a->checking || ctx(a->px)->stopped)
+    if (r == NULL || a->checking || ctx(a->px) == NULL || ctx(a->px)->stopped)
         return;
     /* In a fleet, another member may hold this replica's attestation duty: its published
      * verdict is applied here instead (px_attest_apply_verdict). */
@@ -876,6 +877,13 @@ void px_attest_sync(px_t *px)
     }
 }
 
+static void teardown_cb(px_replica_t *r, void *data)
+{
+    (void)data;
+    if (r->attest_state)
+        att_teardown(r->attest_state);
+}
+
 void px_attest_stop(px_t *px)
 {
     att_ctx_t *c = ctx(px);
@@ -883,12 +891,10 @@ void px_attest_stop(px_t *px)
         return;
     c->stopped = true;
     net_drains_stop(&c->orphans);
-    for (size_t i = 0; px->gen && i < px->gen->npools; i++) {
-        px_pool_t *p = &px->gen->pools[i];
-        for (size_t k = 0; k < p->nreplicas; k++)
-            if (p->replicas[k]->attest_state)
-                att_teardown(p->replicas[k]->attest_state);
-    }
+    /* Every replica checked, not only the current generation's: one a reload replaced is still
+     * checked while something (a relay waiting for its slot) holds it, and its timer must not
+     * outlive the context. */
+    px_replica_each_live(teardown_cb, NULL);
     attest_keyset_free(&c->keys);
     free(c);
     px->attest = NULL;

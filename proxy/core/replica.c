@@ -96,6 +96,15 @@ px_replica_t *px_replica_find_live(const char *key)
     return NULL;
 }
 
+void px_replica_each_live(void (*fn)(px_replica_t *r, void *data), void *data)
+{
+    PX_ASSERT_CONTROL();
+    for (px_replica_t *r = g_live, *next; r; r = next) {
+        next = r->live_next;
+        fn(r, data);
+    }
+}
+
 /* Every engine's slots while anything shares them, and the engines they name (control thread
  * only). */
 static px_slots_t *g_slots;

@@ -190,6 +190,9 @@ px_replica_t *px_replica_create(px_t *px, const cfg_t *cfg, const cfg_pool_t *p,
  * a reload removed it), with a new reference; NULL when none. Reusing it keeps its in-flight
  * count, so max_inflight_per_replica holds across a removal and a re-adding. */
 px_replica_t *px_replica_find_live(const char *key);
+/* fn(r) for every replica object alive, those a reload replaced but something still holds
+ * included (control thread only; fn must not free r). */
+void px_replica_each_live(void (*fn)(px_replica_t *r, void *data), void *data);
 /* A new replica for pool p's definition, not yet in any pool (DNS discovery); one reference. */
 px_replica_t *px_replica_new_detached(px_t *px, px_pool_t *p, const cfg_replica_t *def);
 /* A replica carried over by a reload reads its TLS files again. */

@@ -818,6 +818,39 @@ def test_single_sequence_drains_the_canary_of_a_replica_object_the_mode_change_r
     px.stop()
 
 
+def rename_replica(c):
+    c["pools"][0]["replicas"][0]["name"] = "r9"
+
+
+def test_a_graceful_stop_ends_the_checks_of_a_replica_a_reload_replaced():
+    """A relay waits for the engine's slot (a drained answer holds it) on a replica a reload
+    then replaced: the old object lives on for the relay and is still checked, its check asking
+    for the slot every 10 ms. SIGTERM ends its checks with every other replica's; before, a
+    check whose timer fired after the stop read the freed attestation context (SIGSEGV in 1
+    stop of 3 to 10): six stops here."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian", "--token-delay-ms", "30", "--finish-abandoned")
+    for _ in range(6):
+        p = single_sequence_pool([sim], framework="llamacpp")
+        p["replicas"][0]["attest"] = {"source": "llamacpp"}
+        att = dict(fast_attestation(100), timeout_ms=60000)
+        px = start_proxy(pools=[p], attestation=att, timeout=20)
+        abandon(px.port, b"/v1/completions", LONG, sim)  # drained: llama.cpp finishes it
+        rel = socket.create_connection(("127.0.0.1", px.admin_port))
+        rel.sendall(b"POST /admin/relay/v1/completions HTTP/1.1\r\nHost: x\r\n%s"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                    % (RELAY_R1, len(LONG)) + LONG)
+        poll_until(lambda: replicas(px)["r1"]["relays_holding"] == 1,
+                   what="the relay holding the next slot")
+        reload_with(px, rename_replica)
+        px.send_signal(signal.SIGTERM)
+        assert px.wait(timeout=30) == 0, px.lines[-5:]
+        px.check_sanitizer()
+        rel.close()
+        poll_until(lambda: sim_stats(sim)["inflight"] == 0, timeout=20, what="the engine idle")
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+
+
 def canary_running(token_delay_ms):
     """A single_sequence llama.cpp pool with a long canary (42 tokens), once its canary runs:
     the only traffic, no client sends anything. Returns (sim, proxy)."""

@@ -297,10 +297,9 @@ def program_error_codes(sources):
     return codes
 
 
-# Named with a status in the docs but not an error code: /readyz's reason while shutting down.
 # client_closed, drain_closed: the access log's codes for a stream cut without an answer (the
 # client left; the shutdown drain ran out); no error body carries them.
-NOT_ERROR_CODES = {"draining", "client_closed", "drain_closed"}
+NOT_ERROR_CODES = {"client_closed", "drain_closed"}
 
 
 def doc_error_codes(docs):

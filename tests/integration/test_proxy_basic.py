@@ -285,6 +285,8 @@ def test_sigterm_drains_inflight_and_exits_zero():
     # A reload is not taken while stopping: it stops with the configuration it ran.
     px.send_signal(signal.SIGHUP)
     px.wait_log("reload_ignored")
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 503 and r.json()["error"]["code"] == "draining", r.body
     # New connections are refused while draining...
     poll_until(lambda: _refused(px.port), what="listener closed")
     t.join()
