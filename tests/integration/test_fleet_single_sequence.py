@@ -63,6 +63,13 @@ def in_background(fn):
     return t, out
 
 
+def stop_all(cluster, *members):
+    """Stop the members (each checked for a clean exit), then etcd."""
+    for p in members:
+        p.stop()
+    cluster.stop()
+
+
 def single_sequence_member(cluster, sims, name, ttl=3000, endpoints=None, attestation=None,
                            **pool_extra):
     return start_proxy(pools=[pool("p", [MODEL], sims, manifest=SS, **pool_extra)],
@@ -94,9 +101,7 @@ def test_single_sequence_engine_runs_one_request_across_the_fleet():
         eng = fleet(p)["engines"]
         assert len(eng) == 1 and eng[0]["engine"] == "http://127.0.0.1:%d" % sim.port, eng
         assert eng[0]["taken"] >= 1 and eng[0]["taken"] == eng[0]["given"] + eng[0]["held"], eng
-    for p in pxs:
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, *pxs)
 
 
 def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
@@ -138,8 +143,7 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     t.join(20)
     assert out["r"].status == 200, out
     assert sim_stats(sim)["max_inflight_seen"] == 1
-    b.stop()
-    cluster.stop()
+    stop_all(cluster, b)
 
 
 def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
@@ -169,9 +173,7 @@ def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
     r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
     assert r.status == 200, r.text
     assert sim_stats(sim)["max_inflight_seen"] == 1
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def test_single_sequence_member_paused_past_its_lease_starts_nothing_when_it_wakes():
@@ -212,9 +214,7 @@ def test_single_sequence_member_paused_past_its_lease_starts_nothing_when_it_wak
     assert ax["r"].status == 200 and by["r"].status == 200 and az["r"].status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def test_a_pool_that_stops_and_starts_being_single_sequence_takes_the_key_again():
@@ -240,9 +240,7 @@ def test_a_pool_that_stops_and_starts_being_single_sequence_takes_the_key_again(
     assert x["r"].status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, (beside, st, fleet(a)["engines"])
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def test_a_single_sequence_pool_added_by_a_reload_waits_for_the_key_from_its_first_request():
@@ -272,9 +270,7 @@ def test_a_single_sequence_pool_added_by_a_reload_waits_for_the_key_from_its_fir
     assert x["r"].status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def relay(px, prompt, n):
@@ -310,9 +306,7 @@ def test_a_relay_passed_a_slot_on_a_member_woken_past_its_lease_waits_for_the_ke
     assert x["r"].status == 200 and rr["r"].status == 200 and y["r"].status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
@@ -333,8 +327,7 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     assert r.status == 200 and x["r"].status == 200, (r.text, x)
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1 and st["aborted"] == 0, st
-    b.stop()
-    cluster.stop()
+    stop_all(cluster, b)
 
 
 def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
@@ -358,8 +351,7 @@ def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
     assert complete(a, "y", 1).status == 200
     # Before, it waited for the next keep-alive: lease_ttl_ms / 3 = 1 s.
     assert time.monotonic() - t1 < 0.5 * SLOW, time.monotonic() - t1
-    a.stop()
-    cluster.stop()
+    stop_all(cluster, a)
 
 
 def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
@@ -387,8 +379,7 @@ def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
     assert x["r"].status == 200 and y["r"].status == 200, (x["r"].text, y["r"].text)
     assert sim_stats(sim)["max_inflight_seen"] == 1
     poll_until(lambda: len(fleet(b)["members"]) == 1, timeout=3, what="b seeing a gone")
-    b.stop()
-    cluster.stop()
+    stop_all(cluster, b)
 
 
 def test_a_stop_with_etcd_unanswering_does_not_wait_for_it():
@@ -471,9 +462,7 @@ def test_a_member_relaying_without_pause_still_lets_the_other_member_take_its_tu
             t.join(30)
     assert r.status == 200, r.text
     assert sim_stats(sim)["max_inflight_seen"] == 1
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 def test_a_relay_passed_a_slot_while_etcd_was_away_runs_once_it_is_back():
@@ -501,9 +490,7 @@ def test_a_relay_passed_a_slot_while_etcd_was_away_runs_once_it_is_back():
     poll_until(lambda: not engine_keys(cluster), what="a letting go of the engine")
     assert complete(b, "y", 2).status == 200
     assert sim_stats(sim)["max_inflight_seen"] == 1
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 class EtcdPipe:
@@ -593,9 +580,7 @@ def test_a_take_whose_answer_was_lost_is_let_go_when_its_pool_goes():
     poll_until(lambda: not engine_keys(cluster), what="a letting go of the key")
     r = complete(b, "y", 2)
     assert r.status == 200, r.text
-    for p in (a, b):
-        p.stop()
-    cluster.stop()
+    stop_all(cluster, a, b)
 
 
 if __name__ == "__main__":
