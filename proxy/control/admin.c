@@ -258,16 +258,13 @@ static int extra_route(px_t *px, net_req_t *req)
             net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
             return 0;
         }
-        if (px->draining) { /* as SIGHUP then: it stops with the configuration it ran */
-            net_resp_error(req, 503, NULL, "draining", NULL,
-                           "the process is stopping: it keeps the configuration it runs", NULL, 0);
-            return 0;
-        }
         dp_buf_t msg = {0};
         int rc = px_reload_msg(px, "POST /admin/reload", &msg);
         if (rc == 0) {
             static const char ok[] = "{\"status\":\"reloaded\"}";
             net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
+        } else if (rc == PX_RELOAD_DRAINING) {
+            net_resp_error(req, 503, NULL, "draining", NULL, msg.base, NULL, 0);
         } else {
             net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
         }

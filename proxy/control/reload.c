@@ -42,6 +42,17 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     /* Log rotation: the audit file is reopened on every reload request, valid config or not. */
     if (px->audit)
         px_audit_reopen(px->audit, NULL);
+    if (px->draining) { /* a process stops with the configuration it ran */
+        dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reload_ignored");
+        if (w) {
+            dp_jw_str(w, "trigger", why);
+            dp_jw_str(w, "detail", "draining: the configuration is kept, the audit file reopened");
+            dp_log_end(w);
+        }
+        if (msg)
+            dp_buf_appends(msg, "the process is stopping: it keeps the configuration it runs");
+        return PX_RELOAD_DRAINING;
+    }
     cfg_errors_t errs = {0};
     cfg_t *cfg = NULL;
     int rc = cfg_load(old->path, &cfg, &errs);

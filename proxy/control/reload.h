@@ -6,7 +6,10 @@
 #include "proxy/core/px.h"
 
 /* Reload the configuration (SIGHUP, POST /admin/reload; why names the trigger). 0 on success;
- * -1 when the new one is invalid (the running one stays), with the errors in msg if given. */
+ * -1 when the new one is invalid (the running one stays), with the errors in msg if given;
+ * PX_RELOAD_DRAINING once the process is stopping (nothing reloaded). The audit file is
+ * reopened in every case (log rotation). */
+#define PX_RELOAD_DRAINING (-2)
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg);
 int px_reload(px_t *px, const char *why);
 /* (Re)load the client listener's certificate from the current config (start, SIGHUP): new

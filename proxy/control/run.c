@@ -175,15 +175,6 @@ static void on_hup(uv_signal_t *h, int signum)
 {
     (void)signum;
     px_t *px = h->data;
-    if (px->draining) {
-        /* Stopping: it stops with the configuration it ran; a rotation still gets the audit
-         * file reopened. */
-        if (px->audit)
-            px_audit_reopen(px->audit, NULL);
-        dp_log_msg(DP_LOG_INFO, "reload_ignored",
-                   "SIGHUP while draining: the configuration is kept, the audit file reopened");
-        return;
-    }
     px_reload(px, "SIGHUP");
 }
 
