@@ -188,7 +188,9 @@ Test(oracle, long_prompt)
 
 /* Every string-scanning path (AVX-512, AVX2, SSE2, eight bytes at a time; those the CPU has)
  * against the oracle, with each kind of byte that ends a plain run, and each shape of
- * backslash run, at every offset across the first 64-byte block, and the corpus again. */
+ * backslash run, at every offset across the first three 64-byte blocks (the plain blocks before
+ * it passed over by their own loop), with the string's end far from the document's and right
+ * before it, and the corpus again. */
 Test(oracle, every_simd_level)
 {
     static const char *const specials[] = {"\"",
@@ -213,19 +215,21 @@ Test(oracle, every_simd_level)
         int got = jdoc_simd_select(level);
         cr_assert(got <= level);
         for (size_t s = 0; s < sizeof(specials) / sizeof(specials[0]); s++) {
-            for (int off = 0; off < 70; off++) {
+            for (int off = 0; off < 200 * 2; off++) {
                 dp_buf_t b = {0};
                 dp_buf_appends(&b, "{\"model\":\"m\",\"prompt\":\"");
-                for (int k = 0; k < off; k++)
+                for (int k = 0; k < off / 2; k++)
                     dp_buf_appendc(&b, (char)('a' + k % 26));
                 dp_buf_appends(&b, specials[s]);
-                dp_buf_appends(&b, "tail of the string, long enough for a vector\"}");
+                dp_buf_appends(&b,
+                               off % 2 ? "\"}" : "tail of the string, long enough for a vector\"}");
                 char why[1024];
                 uint8_t *in = malloc(b.len + 1);
                 memcpy(in + 1, b.base, b.len);
                 in[0] = 0x00; /* completions, the bench tenant */
                 cr_assert_eq(diff_check(in, b.len + 1, why, sizeof(why)), 0,
-                             "level %d, special %zu at %d: %s", got, s, off, why);
+                             "level %d, special %zu at %d%s: %s", got, s, off / 2,
+                             off % 2 ? ", string at the end" : "", why);
                 free(in);
                 dp_buf_free(&b);
             }
