@@ -117,6 +117,13 @@ static att_ctx_t *ctx(px_t *px)
     return px->attest;
 }
 
+/* Nothing new is checked: the process is stopping, or the context is gone (a replica a reload
+ * replaced can outlive it while something holds it). */
+static bool att_off(px_t *px)
+{
+    return ctx(px) == NULL || ctx(px)->stopped;
+}
+
 static void count(const px_replica_t *r, const char *result)
 {
     px_metrics_add(px_metrics_get("detproxy_attestations_total", "pool", r->pool_name, "replica",
@@ -162,7 +169,7 @@ static void set_state1(px_replica_t *r, px_replica_state_t st, const char *reaso
 
 static void schedule(att_t *a, uint64_t ms)
 {
-    if (ctx(a->px) == NULL || ctx(a->px)->stopped)
+    if (att_off(a->px))
         return;
     uv_timer_start(&a->timer, timer_cb, ms, 0);
 }
@@ -483,8 +490,7 @@ static void canary_try(att_t *a)
     const cfg_manifest_t *id = pc && pc->manifest && a->have_report
                                    ? attest_manifest_identity(pc->manifest, &a->report)
                                    : NULL;
-    if (id == NULL || id->canary == NULL || a->r->up == NULL || ctx(a->px) == NULL ||
-        ctx(a->px)->stopped) {
+    if (id == NULL || id->canary == NULL || a->r->up == NULL || att_off(a->px)) {
         check_end(a); /* a reload removed the canary meanwhile */
         return;
     }
@@ -613,7 +619,7 @@ static void checked(attest_outcome_t *out, void *data)
 static void check_start(att_t *a)
 {
     px_replica_t *r = a->r;
-    if (r == NULL || a->checking || ctx(a->px) == NULL || ctx(a->px)->stopped)
+    if (r == NULL || a->checking || att_off(a->px))
         return;
     /* In a fleet, another member may hold this replica's attestation duty: its published
      * verdict is applied here instead (px_attest_apply_verdict). */
@@ -730,7 +736,7 @@ static void check_start(att_t *a)
 static bool orphan_may(att_t *a)
 {
     return a->holds_slot && (a->slot_drains || px_replica_drains_abandoned(a->r)) &&
-           ctx(a->px) != NULL && !ctx(a->px)->stopped;
+           !att_off(a->px);
 }
 
 /* a's slot goes to a drain of f, a's request (net_fetch_drain: from the callback of its
@@ -908,7 +914,7 @@ static void connection_failed_here(px_t *px, px_replica_t *r)
         a->must_probe = true;
         a->local_due = true;
     }
-    if (a == NULL || a->checking || ctx(px) == NULL || ctx(px)->stopped)
+    if (a == NULL || a->checking || att_off(px))
         return;
     /* A restarted replica may come back as something else: no new requests until re-admitted. */
     if (r->state == PX_REPLICA_ADMITTED)
@@ -923,7 +929,7 @@ static bool check_wanted_here(px_t *px, px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
-    if (a == NULL || r->attest.source == CFG_ATTEST_NONE || ctx(px) == NULL || ctx(px)->stopped) {
+    if (a == NULL || r->attest.source == CFG_ATTEST_NONE || att_off(px)) {
         atomic_store(&r->conn_wanted, false);
         release_unchecked(px, r);
         return false;
@@ -978,7 +984,7 @@ static void mismatch_here(px_t *px, px_replica_t *r, const char *seen)
      * it (and flagged) until the next check replaces it. */
     if (a->checking)
         a->recheck = true;
-    else if (ctx(px) && !ctx(px)->stopped)
+    else if (!att_off(px))
         recheck_soon(a);
 }
 
@@ -1033,7 +1039,7 @@ static bool apply_verdict(px_replica_t *r, const px_fleet_verdict_t *v)
     PX_ASSERT_CONTROL();
     att_t *a = r->attest_state;
     /* A check of our own in flight or due decides instead. */
-    if (a == NULL || a->checking || a->local_due || ctx(a->px) == NULL || ctx(a->px)->stopped)
+    if (a == NULL || a->checking || a->local_due || att_off(a->px))
         return false;
     for (int f = 0; a->have_report && f < ATTEST_F__COUNT; f++) {
         const char *was = attest_report_get(&a->report, (attest_field_t)f);
