@@ -583,5 +583,135 @@ def test_a_take_whose_answer_was_lost_is_let_go_when_its_pool_goes():
     stop_all(cluster, a, b)
 
 
+class HoldingPipe:
+    """A relay in front of one etcd member that reads each request whole and can hold two of
+    them: once armed, the next lease keep-alive is kept back, and so is the next release of an
+    engine key (a txn with a delete). When the release arrives, the held keep-alive's lease is
+    revoked in etcd and the keep-alive passed on, so the member finds its lease gone while its
+    release is in flight; the release is passed on when `release` is set."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.up = int(cluster.endpoints()[0].rsplit(":", 1)[1])
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.armed = False
+        self.keepalive = None  # (upstream socket, request bytes, lease ID) while held
+        self.held_release = threading.Event()
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self):
+        return "http://127.0.0.1:%d" % self.port
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+                u = socket.create_connection(("127.0.0.1", self.up))
+            except OSError:
+                return
+            threading.Thread(target=self._requests, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
+
+    @staticmethod
+    def _read_request(c, buf):
+        while b"\r\n\r\n" not in buf:
+            d = c.recv(65536)
+            if not d:
+                return None, buf
+            buf += d
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        n = 0
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            if k.strip().lower() == b"content-length":
+                n = int(v)
+        while len(rest) < n:
+            d = c.recv(65536)
+            if not d:
+                return None, buf
+            rest += d
+        return head + b"\r\n\r\n" + rest[:n], rest[n:]
+
+    def _requests(self, c, u):
+        buf = b""
+        try:
+            while True:
+                req, buf = self._read_request(c, buf)
+                if req is None:
+                    break
+                with self.lock:
+                    if self.armed and self.keepalive is None and \
+                            req.startswith(b"POST /v3/lease/keepalive "):
+                        lease = json.loads(req.split(b"\r\n\r\n", 1)[1])["ID"]
+                        self.keepalive = (u, req, lease)
+                        continue
+                    hold = (self.armed and self.keepalive is not None and
+                            req.startswith(b"POST /v3/kv/txn ") and b"request_delete_range" in req)
+                    if hold:
+                        self.armed = False
+                        ku, kreq, lease = self.keepalive
+                if hold:
+                    self.cluster.call("/v3/lease/revoke", {"ID": lease})
+                    ku.sendall(kreq)
+                    self.held_release.set()
+                    self.release.wait(10)
+                u.sendall(req)
+        except OSError:
+            pass
+        for x in (c, u):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _answers(u, c):
+        try:
+            while True:
+                d = u.recv(65536)
+                if not d:
+                    break
+                c.sendall(d)
+        except OSError:
+            pass
+        try:
+            c.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def test_a_lease_lost_while_the_key_is_let_go_of_counts_it_given_once():
+    """The member lets go of the engine's key while its lease is revoked: the keep-alive that
+    finds the lease gone counts the key given, and the release's answer, which comes after it,
+    does not count it again (taken and given stay equal once the engine is let go of)."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL)
+    pipe = HoldingPipe(cluster)
+    a = single_sequence_member(cluster, [sim], "gw-0", ttl=10000, endpoints=[pipe.url()])
+    wait_members([a], 1)
+    pipe.armed = True
+    poll_until(lambda: pipe.keepalive is not None, timeout=10, what="a keep-alive held")
+    assert complete(a, "x", 1).status == 200
+    poll_until(pipe.held_release.is_set, what="the release held, the lease revoked")
+    poll_until(lambda: not fleet(a)["engines"][0]["held"], what="the key lost with the lease")
+    eng = fleet(a)["engines"][0]
+    assert (eng["taken"], eng["given"]) == (1, 1), eng
+    pipe.release.set()
+    # The release's answer has come once the next take is made (the key is busy until then).
+    poll_until(lambda: fleet(a)["connected"], what="a connected on its new lease")
+    assert complete(a, "y", 1).status == 200
+    poll_until(lambda: not engine_keys(cluster) and not fleet(a)["engines"][0]["held"],
+               what="the key let go of again")
+    eng = fleet(a)["engines"][0]
+    assert (eng["taken"], eng["given"]) == (2, 2), eng
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    stop_all(cluster, a)
+
+
 if __name__ == "__main__":
     run_tests(globals())
