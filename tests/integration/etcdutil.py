@@ -15,13 +15,16 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 import ssl
 
 from harness import SLOW, free_port
+from proxyutil import read_request
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
 
@@ -155,3 +158,66 @@ class EtcdCluster:
         for i in range(self.n):
             self.stop_member(i)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RequestRelay:
+    """A relay in front of one etcd member that reads each request whole before passing it on,
+    so a test can answer, hold or count one: a subclass's step(client, upstream, head, body)
+    returns True to pass the request on (it runs on each connection's own thread and may wait;
+    `lock` is there for its state). Answers go back unread, except on an upstream socket put
+    in `muted`, whose answers are lost."""
+
+    def __init__(self, url):
+        self.up = int(url.rsplit(":", 1)[1])
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.muted = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self):
+        return "http://127.0.0.1:%d" % self.port
+
+    def step(self, c, u, head, body):
+        return True
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+                u = socket.create_connection(("127.0.0.1", self.up))
+            except OSError:
+                return
+            threading.Thread(target=self._requests, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
+
+    def _requests(self, c, u):
+        buf = b""
+        try:
+            while True:
+                got = read_request(c, buf)
+                if got is None:
+                    break
+                head, body, buf = got
+                if self.step(c, u, head, body):
+                    u.sendall(head + b"\r\n\r\n" + body)
+        except OSError:
+            pass
+        for x in (c, u):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _answers(self, u, c):
+        try:
+            while True:
+                d = u.recv(65536)
+                if not d:
+                    break
+                if u not in self.muted:
+                    c.sendall(d)
+        except OSError:
+            pass

@@ -335,6 +335,78 @@ def test_username_and_password_file():
     cluster.stop()
 
 
+class AuthPipe(etcdutil.RequestRelay):
+    """In front of one etcd member: armed, it refuses the next lease keep-alive as etcd refuses
+    an expired token (401), which makes the member authenticate again; it holds that
+    authentication, passes the next one (another call's) on, and once a call with that token
+    comes, answers the held authentication 503, so the member sends it to the next endpoint.
+    `keepalives` counts the keep-alives it passed on."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.armed = False
+        self.state = "idle"  # refused, held, passed, failed over
+        self.held = None     # the client socket whose authentication is held
+        self.keepalives = 0
+
+    @staticmethod
+    def _answer(c, status, body):
+        c.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                  b"\r\n%s" % (status, len(body), body))
+
+    def step(self, c, u, head, body):
+        with self.lock:
+            return self._step(c, head)
+
+    def _step(self, c, head):
+        keepalive = head.startswith(b"POST /v3/lease/keepalive ")
+        auth = head.startswith(b"POST /v3/auth/authenticate ")
+        if self.armed and keepalive:
+            self.armed = False
+            self.state = "refused"
+            self._answer(c, 401, b'{"error":"etcdserver: invalid auth token","code":16}')
+            return False
+        if auth and self.state == "refused":
+            self.state, self.held = "held", c
+            return False
+        if auth and self.state == "held":
+            self.state = "passed"
+        elif self.state == "passed" and b"\r\nauthorization:" in head.lower() and \
+                not head.startswith(b"POST /v3/watch "):
+            self.state = "failed over"
+            self._answer(self.held, 503, b'{"error":"etcdserver: unavailable"}')
+        self.keepalives += keepalive
+        return True
+
+
+def test_a_call_sent_elsewhere_after_another_got_the_token_is_not_read_as_authentication():
+    """A keep-alive refused for an expired token authenticates again; that authentication
+    fails on its endpoint after another call has fetched a token. Sent to the next endpoint, the
+    keep-alive goes with that token, and its answer is read as the keep-alive's: the member
+    stays connected (read as an authentication, it said "no token in the answer" and lost the
+    lease's keep-alive)."""
+    cluster = etcdutil.EtcdCluster(2, auth=True)
+    first, second = AuthPipe(cluster.endpoints()[0]), AuthPipe(cluster.endpoints()[1])
+    sims = [start_sim("--model", MODEL)]
+    px, = start_fleet(cluster, sims, n=1, etcd={"endpoints": [first.url(), second.url()],
+                                                  "username": "root",
+                                                  "password_file": cluster.password_file})
+    wait_members([px], 1)
+    first.armed = True
+    poll_until(lambda: first.state == "held", what="the keep-alive's authentication held")
+    # Another call while the token is gone: it authenticates (passed on) and sends with it.
+    http("POST", px.admin_port, "/admin/replicas/r1/drain")
+    poll_until(lambda: first.state == "failed over", what="the held authentication failed")
+    base = second.keepalives
+    poll_until(lambda: second.keepalives >= base + 2 or not fleet(px)["connected"],
+               what="the keep-alive sent elsewhere, and the next one")
+    assert "no token in the answer" not in px.stderr_text()
+    assert fleet(px)["connected"], fleet(px)
+    assert drained(px, "r1")
+    px.stop()
+    cluster.stop()
+
+
 class HostileEtcd:
     """Answers every request with `mode`: a 1 GiB announced body, an endless chunked stream,
     or garbage."""

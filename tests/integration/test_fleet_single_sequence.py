@@ -493,58 +493,31 @@ def test_a_relay_passed_a_slot_while_etcd_was_away_runs_once_it_is_back():
     stop_all(cluster, a, b)
 
 
-class EtcdPipe:
-    """A TCP relay in front of one etcd member that loses the answer of the next take (a txn
-    with a put): the txn reaches etcd, its answer is dropped and the connection closed, and
-    on_take runs then."""
+class EtcdPipe(etcdutil.RequestRelay):
+    """In front of one etcd member, it loses the answer of the next take (a txn with a put)
+    once `lose_take` is set: the txn reaches etcd, its answer is dropped and the connection
+    closed, and on_take runs then."""
 
     def __init__(self, upstream_port):
-        self.up = upstream_port
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
+        super().__init__("http://127.0.0.1:%d" % upstream_port)
         self.lose_take = False
         self.on_take = None
-        threading.Thread(target=self._accept, daemon=True).start()
 
-    def url(self):
-        return "http://127.0.0.1:%d" % self.port
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-                u = socket.create_connection(("127.0.0.1", self.up))
-            except OSError:
-                return
-            st = {"drop": False}
-            threading.Thread(target=self._pump, args=(c, u, st, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c, st, False), daemon=True).start()
-
-    def _pump(self, src, dst, st, up):
-        try:
-            while True:
-                d = src.recv(65536)
-                if not d:
-                    break
-                if up and self.lose_take and b"request_put" in d:  # a take's body
-                    self.lose_take = False
-                    st["drop"] = True
-                    dst.sendall(d)
-                    poll_until(lambda: engine_keys_of(self.up), what="the take written")
-                    if self.on_take:
-                        self.on_take()
-                    break
-                if not (not up and st["drop"]):
-                    dst.sendall(d)
-        except OSError:
-            pass
-        for x in (src, dst):
-            try:
-                x.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def step(self, c, u, head, body):
+        with self.lock:
+            lose = self.lose_take and b"request_put" in body  # a take's body
+            if lose:
+                self.lose_take = False
+        if not lose:
+            return True
+        self.muted.add(u)
+        u.sendall(head + b"\r\n\r\n" + body)
+        poll_until(lambda: engine_keys_of(self.up), what="the take written")
+        if self.on_take:
+            self.on_take()
+        for x in (c, u):
+            x.shutdown(socket.SHUT_RDWR)
+        return False
 
 
 def engine_keys_of(port):
@@ -583,106 +556,38 @@ def test_a_take_whose_answer_was_lost_is_let_go_when_its_pool_goes():
     stop_all(cluster, a, b)
 
 
-class HoldingPipe:
-    """A relay in front of one etcd member that reads each request whole and can hold two of
-    them: once armed, the next lease keep-alive is kept back, and so is the next release of an
-    engine key (a txn with a delete). When the release arrives, the held keep-alive's lease is
-    revoked in etcd and the keep-alive passed on, so the member finds its lease gone while its
-    release is in flight; the release is passed on when `release` is set."""
+class HoldingPipe(etcdutil.RequestRelay):
+    """In front of one etcd member, it can hold two requests: once armed, the next lease
+    keep-alive is kept back, and so is the next release of an engine key (a txn with a delete).
+    When the release arrives, the held keep-alive's lease is revoked in etcd and the keep-alive
+    passed on, so the member finds its lease gone while its release is in flight; the release is
+    passed on when `release` is set."""
 
     def __init__(self, cluster):
+        super().__init__(cluster.endpoints()[0])
         self.cluster = cluster
-        self.up = int(cluster.endpoints()[0].rsplit(":", 1)[1])
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
         self.armed = False
         self.keepalive = None  # (upstream socket, request bytes, lease ID) while held
         self.held_release = threading.Event()
         self.release = threading.Event()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
 
-    def url(self):
-        return "http://127.0.0.1:%d" % self.port
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-                u = socket.create_connection(("127.0.0.1", self.up))
-            except OSError:
-                return
-            threading.Thread(target=self._requests, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
-
-    @staticmethod
-    def _read_request(c, buf):
-        while b"\r\n\r\n" not in buf:
-            d = c.recv(65536)
-            if not d:
-                return None, buf
-            buf += d
-        head, _, rest = buf.partition(b"\r\n\r\n")
-        n = 0
-        for line in head.split(b"\r\n")[1:]:
-            k, _, v = line.partition(b":")
-            if k.strip().lower() == b"content-length":
-                n = int(v)
-        while len(rest) < n:
-            d = c.recv(65536)
-            if not d:
-                return None, buf
-            rest += d
-        return head + b"\r\n\r\n" + rest[:n], rest[n:]
-
-    def _requests(self, c, u):
-        buf = b""
-        try:
-            while True:
-                req, buf = self._read_request(c, buf)
-                if req is None:
-                    break
-                with self.lock:
-                    if self.armed and self.keepalive is None and \
-                            req.startswith(b"POST /v3/lease/keepalive "):
-                        lease = json.loads(req.split(b"\r\n\r\n", 1)[1])["ID"]
-                        self.keepalive = (u, req, lease)
-                        continue
-                    hold = (self.armed and self.keepalive is not None and
-                            req.startswith(b"POST /v3/kv/txn ") and b"request_delete_range" in req)
-                    if hold:
-                        self.armed = False
-                        ku, kreq, lease = self.keepalive
-                if hold:
-                    self.cluster.call("/v3/lease/revoke", {"ID": lease})
-                    ku.sendall(kreq)
-                    self.held_release.set()
-                    self.release.wait(10)
-                u.sendall(req)
-        except OSError:
-            pass
-        for x in (c, u):
-            try:
-                x.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    @staticmethod
-    def _answers(u, c):
-        try:
-            while True:
-                d = u.recv(65536)
-                if not d:
-                    break
-                c.sendall(d)
-        except OSError:
-            pass
-        try:
-            c.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def step(self, c, u, head, body):
+        with self.lock:
+            if not self.armed:
+                return True
+            if self.keepalive is None and head.startswith(b"POST /v3/lease/keepalive "):
+                self.keepalive = (u, head + b"\r\n\r\n" + body, json.loads(body)["ID"])
+                return False
+            if not (self.keepalive and head.startswith(b"POST /v3/kv/txn ") and
+                    b"request_delete_range" in body):
+                return True
+            self.armed = False
+            ku, kreq, lease = self.keepalive
+        self.cluster.call("/v3/lease/revoke", {"ID": lease})
+        ku.sendall(kreq)
+        self.held_release.set()
+        self.release.wait(10)
+        return True
 
 
 def test_a_lease_lost_while_the_key_is_let_go_of_counts_it_given_once():
