@@ -1,11 +1,11 @@
 /* Token usage from responses, for detproxy_tokens_total and the access log's tokens
  * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
- * each `"usage": {...}` object and keeps the last one's prompt_tokens and completion_tokens. Only
- * the usage object itself is copied (at most sizeof cap bytes); between strings the scan
- * jumps to the next quote, inside one to the next quote, backslash or newline; in an event
- * stream a line end also ends a copy, as an event cut inside a usage object. A body parsed
- * whole for its fingerprint whose one usage object is a top-level member gives it from that
- * parse, and is not scanned. */
+ * each `"usage": {...}` object and keeps the last one's prompt and completion counts (the
+ * Responses API's input_tokens and output_tokens are the same two). Only the usage object
+ * itself is copied (at most sizeof cap bytes); between strings the scan jumps to the next
+ * quote, inside one to the next quote, backslash or newline; in an event stream a line end also
+ * ends a copy, as an event cut inside a usage object. A body parsed whole for its fingerprint
+ * whose one usage object is a top-level member gives it from that parse, and is not scanned. */
 #include <assert.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,17 +33,24 @@ static bool number(const jdoc_t *d, uint32_t obj, const char *key, int64_t *out)
     return true;
 }
 
-/* The usage object at token obj of d (the first of duplicate keys counts). */
+/* The usage object at token obj of d (the first of duplicate keys counts): prompt_tokens and
+ * completion_tokens as chat and completions answers name them, else input_tokens and
+ * output_tokens as the Responses API does. */
 static void read_usage(policy_usage_t *u, const jdoc_t *d, uint32_t obj)
 {
-    int64_t p, c;
-    if (number(d, obj, "prompt_tokens", &p)) {
-        /* A usage chunk without completion_tokens (an embeddings-shaped body) counts 0. */
-        if (!number(d, obj, "completion_tokens", &c))
+    static const char *const names[][2] = {{"prompt_tokens", "completion_tokens"},
+                                           {"input_tokens", "output_tokens"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        int64_t p, c;
+        if (!number(d, obj, names[i][0], &p))
+            continue;
+        /* A usage chunk without the second (an embeddings-shaped body) counts 0 for it. */
+        if (!number(d, obj, names[i][1], &c))
             c = 0;
         u->found = true;
         u->prompt_tokens = p;
         u->completion_tokens = c;
+        return;
     }
 }
 

@@ -2,7 +2,8 @@
 """/v1/responses end to end (docs/requests.md §1, docs/policy.md "/v1/responses"): policed like chat completions (temperature,
 top_p, max_output_tokens under max_tokens' rule), a forced or derived seed passed to vLLM (which
 takes it as an extra sampling field) and refused with a clear 400 where the pool's framework
-cannot honour it, fingerprint handling as for chat, streams relayed per read, and shadows
+cannot honour it, fingerprint handling as for chat, streams relayed per read, usage
+(input_tokens, output_tokens) counted in detproxy_tokens_total, and shadows
 comparing response.output_text.delta streams like chat deltas."""
 
 import hashlib
@@ -10,7 +11,7 @@ import json
 import time
 
 from harness import get_json, poll_until, post_json, run_tests, sse, start_sim
-from proxyutil import pool, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_stats, start_proxy
 
 KEY = "sk-responses-bank-1"
 AUTH = {"authorization": "Bearer " + KEY}
@@ -147,12 +148,25 @@ def test_stream_is_relayed_per_read():
     assert deltas[-1][0] - deltas[0][0] > 0.2, deltas
     final = events[-1][1]["response"]
     assert "".join(d for _, d in deltas) == output_text(final)
+    # Its usage (input_tokens, output_tokens) counts in detproxy_tokens_total.
+    usage = final["usage"]
+    poll_until(lambda: tokens(px) == (usage["input_tokens"], usage["output_tokens"]),
+               what="the stream's usage counted: %s, %s" % (usage, tokens(px)))
     # The streamed text equals the unstreamed one (same seed, temperature 0).
     r = post_json(px.port, "/v1/responses",
                   {"model": "m1", "input": "stream please", "max_output_tokens": 6},
                   headers=AUTH)
     assert output_text(r.json()) == output_text(final)
+    u = r.json()["usage"]
+    poll_until(lambda: tokens(px) == (usage["input_tokens"] + u["input_tokens"],
+                                      usage["output_tokens"] + u["output_tokens"]),
+               what="the answer's usage counted: %s, %s" % (u, tokens(px)))
     px.stop()
+
+
+def tokens(px):
+    return (metric(px, "detproxy_tokens_total", kind="prompt"),
+            metric(px, "detproxy_tokens_total", kind="completion"))
 
 
 def drift(px):

@@ -223,6 +223,28 @@ Test(usage, a_parsed_body_gives_its_one_top_level_usage)
     cr_assert_not(u.found);
 }
 
+/* The Responses API names the two counts input_tokens and output_tokens, in a non-streamed
+ * answer and in its stream's final event (inside the response object, with details objects). */
+Test(usage, responses_api_counts)
+{
+    const char *body =
+        "{\"id\":\"resp_1\",\"object\":\"response\",\"output\":[],\"usage\":{\"input_tokens\":3,"
+        "\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":5,"
+        "\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":8}}";
+    expect(body, 3, 5);
+    expect_taken(body, 3, 5);
+    expect_as("event: response.created\ndata: {\"type\":\"response.created\",\"response\":{"
+              "\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":"
+              "\"response.completed\",\"response\":{\"status\":\"completed\",\"usage\":{"
+              "\"input_tokens\":11,\"input_tokens_details\":{\"cached_tokens\":0},"
+              "\"output_tokens\":2,\"total_tokens\":13}}}\n\n",
+              true, 11, 2);
+    /* the chat names win where an object has both */
+    expect("{\"usage\":{\"input_tokens\":1,\"output_tokens\":2,\"prompt_tokens\":3,"
+           "\"completion_tokens\":4}}",
+           3, 4);
+}
+
 /* Shapes where the parse's top level and the scan could differ: the scan decides, so a held
  * body counts as one passed through unparsed (too large to hold) does. */
 Test(usage, other_shapes_are_left_to_the_scan)
