@@ -98,7 +98,8 @@ enum {
     J_KEY,        /* inside a depth-1 key that still matches FP_KEY (held back) */
     J_COLON,      /* after a matching key */
     J_VALUE,      /* after its colon */
-    J_FPSTR,      /* swallowing the old string value */
+    J_FPSTR,      /* swallowing the old string value, held in cur to give back if cut */
+    J_FPREST,     /* the rest of an old value too long to hold, already replaced */
     J_NULL,       /* swallowing a null value */
     J_SCAN,       /* anywhere else inside the event's JSON */
     J_SKIP,       /* the rest of the event is not ours (not an object, or done) */
@@ -112,9 +113,17 @@ void policy_sse_fp_init(policy_sse_fp_t *s, const char *fp)
     s->fp = fp;
 }
 
-/* A value was read whole (in s->cur): the stream's first one, or the first that differs. */
+/* The old value is replaced: its first bytes (in s->cur as written, curlen of them) are the
+ * stream's first value, or the first that differs. Bytes that are not visible ASCII are read
+ * as '?', as the JSON body's are. */
 static void sse_fp_seen(policy_sse_fp_t *s)
 {
+    for (size_t k = 0; k < s->curlen; k++) {
+        unsigned char c = (unsigned char)s->cur[k];
+        if (c < 0x20 || c >= 0x7f)
+            s->cur[k] = '?';
+    }
+    s->cur[s->curlen] = '\0';
     if (s->cur[0] == '\0')
         return;
     if (s->prev[0] == '\0')
@@ -129,6 +138,19 @@ static void flush_held(policy_sse_fp_t *s, dp_buf_t *out)
         dp_buf_append(out, s->hold, s->held);
         s->held = 0;
     }
+}
+
+/* A line break or the stream's end cut the event: what was held back goes out as it came (a
+ * key that could still be ours, a value being replaced, part of a null). */
+static void give_back(policy_sse_fp_t *s, dp_buf_t *out)
+{
+    if (s->js == J_NULL) {
+        dp_buf_append(out, "null", s->vskip);
+    } else if (s->js == J_FPSTR) {
+        dp_buf_appendc(out, '"');
+        dp_buf_append(out, s->cur, s->curlen);
+    }
+    flush_held(s, out);
 }
 
 static void event_reset(policy_sse_fp_t *s)
@@ -280,12 +302,11 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 event_reset(s); /* blank line: the event ends */
             } else if (s->line == L_DATA) {
                 /* A key or a value cannot span a line break: give back anything held. */
-                if (s->held || s->js == J_KEY || s->js == J_FPSTR || s->js == J_NULL || s->in_str) {
+                if (s->held || s->js == J_KEY || s->js == J_FPSTR || s->js == J_FPREST ||
+                    s->js == J_NULL || s->in_str) {
                     FLUSH_RUN();
                     run = i;
-                    if (s->js == J_NULL)
-                        dp_buf_append(out, "null", s->vskip);
-                    flush_held(s, out);
+                    give_back(s, out);
                     s->js = J_SKIP;
                     s->in_str = false;
                 }
@@ -406,30 +427,41 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
                 i++;
             }
             break;
-        case J_FPSTR: {
-            /* Swallow the old value, remembering its first bytes as written (escapes kept:
-             * decoding here would need more state for no operator benefit). */
+        case J_FPSTR:
+        case J_FPREST: {
+            /* Swallow the old value. Its bytes are held as written (escapes kept: decoding
+             * here would need more state for no operator benefit), to be given back if a line
+             * break or the stream's end cuts it; one longer than cur holds is replaced once
+             * cur is full, and the rest of it swallowed. */
             size_t pn = s->curlen;
             while (i < n) {
                 c = b[i];
                 if (c == '\n' || c == '\r')
                     break;
                 i++;
-                if (s->esc) {
+                bool end = false;
+                if (s->esc)
                     s->esc = false;
-                } else if (c == '\\') {
+                else if (c == '\\')
                     s->esc = true;
-                } else if (c == '"') {
-                    s->cur[pn] = '\0';
+                else
+                    end = c == '"';
+                if (s->js == J_FPREST) {
+                    if (end)
+                        s->js = J_SKIP;
+                } else if (end || pn == POLICY_FP_PREV_MAX - 1) {
+                    s->curlen = (uint8_t)pn;
                     sse_fp_seen(s);
                     append_fp_value(out, s->fp);
                     s->rewritten++;
                     /* One top-level key per event (duplicates are not worth tracking the
                      * rest for): the remainder of the event passes untouched. */
-                    s->js = J_SKIP;
-                    break;
+                    s->js = end ? J_SKIP : J_FPREST;
+                } else {
+                    s->cur[pn++] = (char)c;
                 }
-                prev_put(s->cur, &pn, c);
+                if (s->js == J_SKIP)
+                    break;
             }
             s->curlen = (uint8_t)pn;
             run = i;
@@ -463,8 +495,6 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
 
 void policy_sse_fp_finish(policy_sse_fp_t *s, dp_buf_t *out)
 {
-    if (s->js == J_NULL)
-        dp_buf_append(out, "null", s->vskip);
-    flush_held(s, out);
+    give_back(s, out);
     event_reset(s);
 }

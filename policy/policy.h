@@ -314,7 +314,7 @@ typedef struct {
     size_t rewritten;              /* number of values replaced so far */
     char prev[POLICY_FP_PREV_MAX]; /* the stream's first non-empty value */
     char alt[POLICY_FP_PREV_MAX];  /* the first later one that differs from it, or "" */
-    char cur[POLICY_FP_PREV_MAX];  /* the value being read */
+    char cur[POLICY_FP_PREV_MAX];  /* the value being read, as written (given back if cut) */
     uint8_t curlen;
 } policy_sse_fp_t;
 

@@ -214,6 +214,60 @@ Test(fp_sse, held_bytes_are_bounded)
     dp_buf_free(&out);
 }
 
+/* Feed in two reads split at every point, then end the stream: the bytes that came out. */
+static void expect_every_split(const char *in, const char *want, const char *what)
+{
+    size_t n = strlen(in);
+    for (size_t cut = 0; cut <= n; cut++) {
+        policy_sse_fp_t s;
+        policy_sse_fp_init(&s, FP);
+        dp_buf_t out = {0};
+        feed_chunks(in, n, &cut, 1, &out, &s);
+        dp_buf_appendc(&out, '\0');
+        cr_assert_str_eq(out.base, want, "%s, cut at %zu", what, cut);
+        dp_buf_free(&out);
+    }
+}
+
+Test(fp_sse, a_value_cut_by_a_line_break_or_the_end_comes_back_as_it_was)
+{
+    /* An event broken inside the old value is not JSON; its bytes pass on unchanged. */
+    const char *broken = "data: {\"system_fingerprint\":\"ab\\\"c\ndata: def\"}\n\n"
+                         "data: {\"system_fingerprint\":\"fp_next\"}\n\n";
+    expect_every_split(broken,
+                       "data: {\"system_fingerprint\":\"ab\\\"c\ndata: def\"}\n\n"
+                       "data: {\"system_fingerprint\":\"" FP "\"}\n\n",
+                       "line break");
+    expect_every_split("data: {\"system_fingerprint\":\"ab\xc3\xa9",
+                       "data: {\"system_fingerprint\":\"ab\xc3\xa9", "end of stream");
+    expect_every_split("data: {\"system_fingerprint\":nul\r\r",
+                       "data: {\"system_fingerprint\":nul\r\r", "null cut");
+}
+
+Test(fp_sse, a_value_longer_than_it_holds_is_replaced_and_its_rest_swallowed)
+{
+    char in[600], want[600];
+    char val[300];
+    memset(val, 'v', sizeof(val) - 1);
+    val[sizeof(val) - 1] = '\0';
+    val[150] = '\\'; /* an escaped quote past what is held */
+    val[151] = '"';
+    snprintf(in, sizeof(in), "data: {\"system_fingerprint\":\"%s\",\"x\":1}\n\n", val);
+    snprintf(want, sizeof(want), "data: {\"system_fingerprint\":\"%s\",\"x\":1}\n\n", FP);
+    expect_every_split(in, want, "long value");
+    policy_sse_fp_t s;
+    policy_sse_fp_init(&s, FP);
+    dp_buf_t out = {0};
+    feed_chunks(in, strlen(in), NULL, 0, &out, &s);
+    cr_assert_eq(strlen(s.prev), POLICY_FP_PREV_MAX - 1); /* its first bytes, recorded */
+    cr_assert_eq(s.rewritten, 1);
+    dp_buf_free(&out);
+    /* cut by a line break once replaced: nothing is held to give back */
+    snprintf(in, sizeof(in), "data: {\"system_fingerprint\":\"%.200s\ndata: x\n\n", val + 152);
+    snprintf(want, sizeof(want), "data: {\"system_fingerprint\":\"%s\"\ndata: x\n\n", FP);
+    expect_every_split(in, want, "long value cut");
+}
+
 Test(fp_sse, not_initialised)
 {
     policy_sse_fp_t s;
