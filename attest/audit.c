@@ -42,7 +42,7 @@ static uint64_t checkpoint_seq(const char *p, size_t n)
     cJSON *o = cJSON_ParseWithLength(p, n);
     const cJSON *s =
         cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "checkpoint"), "seq");
-    uint64_t seq = cJSON_IsNumber(s) && s->valuedouble >= 1 ? (uint64_t)s->valuedouble : 0;
+    uint64_t seq = cJSON_IsNumber(s) ? dp_sat_u64(s->valuedouble) : 0;
     cJSON_Delete(o);
     return seq;
 }
@@ -417,8 +417,8 @@ static int check_repair(const cJSON *rep, const audit_verify_opts_t *o, audit_ve
         dp_buf_appends(why, "repair: only a file's first line repairs the previous file");
         return -1;
     }
-    if (o->expect_torn && ((uint64_t)off->valuedouble != o->expect_torn->offset ||
-                           (uint64_t)len->valuedouble != o->expect_torn->len ||
+    if (o->expect_torn && (dp_sat_u64(off->valuedouble) != o->expect_torn->offset ||
+                           dp_sat_u64(len->valuedouble) != o->expect_torn->len ||
                            strcmp(sha->valuestring, o->expect_torn->sha256) != 0)) {
         dp_buf_printf(why,
                       "repair: names %.0f torn bytes at offset %.0f (SHA-256 %.12s..), the "
@@ -433,7 +433,7 @@ static int check_repair(const cJSON *rep, const audit_verify_opts_t *o, audit_ve
         return -1;
     }
     r->repaired = true;
-    r->repaired_offset = (uint64_t)off->valuedouble;
+    r->repaired_offset = dp_sat_u64(off->valuedouble);
     snprintf(r->repaired_file, sizeof(r->repaired_file), "%s", file->valuestring);
     return 0;
 }
@@ -463,13 +463,13 @@ static int check_checkpoint(const char *line, size_t n, const cJSON *obj,
         dp_buf_appends(why, "checkpoint: sig must be the last member");
         return -1;
     }
-    if (seen_checkpoint && (uint64_t)lines->valuedouble != since) {
+    if (seen_checkpoint && dp_sat_u64(lines->valuedouble) != since) {
         dp_buf_printf(why, "checkpoint: says %.0f lines since the previous one, found %llu",
                       lines->valuedouble, (unsigned long long)since);
         return -1;
     }
     const cJSON *seqj = cJSON_GetObjectItemCaseSensitive(cp, "seq");
-    uint64_t seq = cJSON_IsNumber(seqj) && seqj->valuedouble >= 1 ? (uint64_t)seqj->valuedouble : 0;
+    uint64_t seq = cJSON_IsNumber(seqj) ? dp_sat_u64(seqj->valuedouble) : 0;
     uint64_t before = r->last_seq ? r->last_seq : o->prev_seq;
     if (seq && before && seq != before + 1) {
         dp_buf_printf(why, "checkpoint: seq %llu follows seq %llu (checkpoints were removed)",

@@ -60,6 +60,24 @@ int dp_parse_u64(const char *s, size_t n, uint64_t *out);
  * snprintf(dst, cap, "%.*s", n, src) writes, without the format parsing. */
 void dp_copy_str(char *dst, size_t cap, const char *src, size_t n);
 
+/* A JSON number (a double) as an integer, saturating: NaN and what lies below the type's range
+ * give 0 (u64) or INT64_MIN (i64), what lies above it the type's maximum. A plain cast of a
+ * value out of range is undefined behaviour, and numbers here come from files and peers. */
+static inline uint64_t dp_sat_u64(double v)
+{
+    if (!(v > 0))
+        return 0;
+    return v >= 18446744073709551616.0 ? UINT64_MAX : (uint64_t)v;
+}
+static inline int64_t dp_sat_i64(double v)
+{
+    if (v != v)
+        return 0;
+    if (v >= 9223372036854775808.0)
+        return INT64_MAX;
+    return v < -9223372036854775808.0 ? INT64_MIN : (int64_t)v;
+}
+
 /* ASCII case-insensitive equality of two n-byte strings. */
 bool dp_memieq(const char *a, const char *b, size_t n);
 /* ASCII case-insensitive equality of a length-delimited string with a C string. Inline, so that

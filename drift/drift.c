@@ -849,7 +849,7 @@ int drift_pool_import(drift_pool_t *p, const cJSON *pairs)
         /* Matches have similarity 1; the diverged ones share the rest of the sum. */
         double dsim = dd ? (sim->valuedouble - (double)(nn - dd)) / dd : 1.0;
         dsim = dsim < 0 ? 0 : dsim > 1 ? 1 : dsim;
-        int64_t o = off->valuedouble < 0 ? 0 : (int64_t)off->valuedouble;
+        int64_t o = off->valuedouble < 0 ? 0 : dp_sat_i64(off->valuedouble);
         for (uint32_t k = 0; k < nn; k++) {
             /* The diverged samples spread evenly among the matches. */
             bool div = (uint64_t)(k + 1) * dd / nn > (uint64_t)k * dd / nn;

@@ -196,7 +196,7 @@ int64_t fleet_ej_int(const cJSON *o, const char *name, int64_t def)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
     if (cJSON_IsNumber(v))
-        return (int64_t)v->valuedouble;
+        return dp_sat_i64(v->valuedouble);
     if (!cJSON_IsString(v) || v->valuestring[0] == '\0')
         return def;
     const char *s = v->valuestring;

@@ -190,7 +190,7 @@ static const char *jstr(const cJSON *o, const char *k)
 static uint64_t juint(const cJSON *o, const char *k)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
-    return cJSON_IsNumber(v) && v->valuedouble > 0 ? (uint64_t)v->valuedouble : 0;
+    return cJSON_IsNumber(v) ? dp_sat_u64(v->valuedouble) : 0;
 }
 
 /* Which fingerprint the fleet runs: the most members', ties to the longest-running member's.

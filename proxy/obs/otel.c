@@ -398,11 +398,13 @@ static void take_usage(resp_info_t *ri, const cJSON *u)
     for (int i = 0; i < 2; i++) {
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(u, in[i]);
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(u, out[i]);
-        if (cJSON_IsNumber(a)) {
+        /* A count out of range (a replica's 1e300) is no count: the span's integer attribute
+         * takes it as an int64_t. */
+        if (cJSON_IsNumber(a) && a->valuedouble >= 0 && a->valuedouble <= 1e15) {
             ri->has_in = true;
             ri->in = a->valuedouble;
         }
-        if (cJSON_IsNumber(b)) {
+        if (cJSON_IsNumber(b) && b->valuedouble >= 0 && b->valuedouble <= 1e15) {
             ri->has_out = true;
             ri->out = b->valuedouble;
         }
@@ -431,8 +433,11 @@ static void info_from(resp_info_t *ri, const cJSON *o)
     cJSON_ArrayForEach(ch, cJSON_GetObjectItemCaseSensitive(o, "choices"))
     {
         const cJSON *ix = cJSON_GetObjectItemCaseSensitive(ch, "index");
-        int i = cJSON_IsNumber(ix) ? (int)ix->valuedouble : pos;
-        pos++;
+        /* Converted only once known to fit (a replica's "index": 1e300 would not). */
+        int i = pos++;
+        if (cJSON_IsNumber(ix))
+            i = ix->valuedouble >= 0 && ix->valuedouble < OTEL_MAX_FINISH ? (int)ix->valuedouble
+                                                                          : -1;
         const cJSON *f = cJSON_GetObjectItemCaseSensitive(ch, "finish_reason");
         if (i >= 0 && i < OTEL_MAX_FINISH && cJSON_IsString(f) && f->valuestring)
             snprintf(ri->finish[i], sizeof(ri->finish[i]), "%s", f->valuestring);

@@ -61,6 +61,12 @@ Test(etcdjson, integers_and_kvs_decode_and_bad_ones_are_refused)
     cr_assert_eq(fleet_ej_int(o, "d", 0), -3);
     cr_assert_eq(fleet_ej_int(o, "missing", 42), 42);
     cJSON_Delete(o);
+    /* numbers out of int64_t's range saturate (a plain cast is undefined behaviour) */
+    o = cJSON_Parse("{\"big\":1e300,\"small\":-1e300,\"edge\":9223372036854775808}");
+    cr_assert_eq(fleet_ej_int(o, "big", 0), INT64_MAX);
+    cr_assert_eq(fleet_ej_int(o, "small", 0), INT64_MIN);
+    cr_assert_eq(fleet_ej_int(o, "edge", 0), INT64_MAX);
+    cJSON_Delete(o);
     fleet_kv_t kv = {0};
     o = cJSON_Parse("{\"key\":\"Zm9v\",\"value\":\"YmFy\",\"mod_revision\":\"9\"}");
     cr_assert_eq(fleet_ej_kv(o, &kv), 0);
