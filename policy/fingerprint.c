@@ -34,57 +34,105 @@ static void append_fp_value(dp_buf_t *out, const char *fp)
     dp_buf_appendc(out, '"');
 }
 
+/* The rewrite as it goes: the bytes before each top-level system_fingerprint value, then the
+ * pool's value in its place. */
+typedef struct {
+    const char *body;
+    const char *fp;
+    dp_buf_t *out;
+    char *prev;
+    size_t pos, pn;
+    bool found;
+} fp_rewrite_t;
+
+static bool is_fp_key(const char *src, const jdoc_member_t *m)
+{
+    const char *k = src + m->key_start + 1;
+    size_t kn = m->key_len - 2;
+    if (!(m->key_flags & JF_ESC))
+        return kn == FP_KEY_LEN && memcmp(k, FP_KEY, FP_KEY_LEN) == 0;
+    if (kn < FP_KEY_LEN) /* an escape only makes a key longer than what it decodes to */
+        return false;
+    dp_buf_t dec = {0};
+    jdoc_unescape(k, kn, &dec);
+    bool eq = dec.len == FP_KEY_LEN && memcmp(dec.base, FP_KEY, FP_KEY_LEN) == 0;
+    dp_buf_free(&dec);
+    return eq;
+}
+
+static void fp_member(void *data, const jdoc_t *d, const jdoc_member_t *m)
+{
+    fp_rewrite_t *r = data;
+    if (!is_fp_key(d->src, m))
+        return;
+    if (!r->found && m->val_type == JT_STR) {
+        dp_buf_t tmp = {0};
+        jdoc_unescape(d->src + m->val_start + 1, m->val_len - 2, &tmp);
+        for (size_t i = 0; i < tmp.len; i++)
+            prev_put(r->prev, &r->pn, (unsigned char)tmp.base[i]);
+        dp_buf_free(&tmp);
+    }
+    r->found = true;
+    dp_buf_append(r->out, r->body + r->pos, m->val_start - r->pos);
+    append_fp_value(r->out, r->fp);
+    r->pos = m->val_start + m->val_len;
+}
+
+/* The tape of a body whose tokens fit this (a completion's top level and its choices) is kept
+ * on the stack, and gives the usage where it can (policy_usage_take_json); a larger or denser
+ * one is scanned without a tape, its memory the output's alone. */
+#define FP_TAPE_TOKENS 128
+
 int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_t *out,
                            char prev[POLICY_FP_PREV_MAX], policy_usage_t *usage)
 {
     prev[0] = '\0';
     dp_buf_reset(out);
     jdoc_t d;
-    jtok_t toks[128]; /* a completion's top level and its choices fit: no allocation */
-    jdoc_init_with(&d, toks, 128);
+    jtok_t toks[FP_TAPE_TOKENS];
+    jdoc_init_with(&d, toks, FP_TAPE_TOKENS);
     /* Duplicates are not refused here: a replica's response is forwarded, not policed; every
-     * top-level copy of the key is rewritten. */
-    if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) < 0) {
+     * top-level copy of the key is rewritten. The budget stops the parse before the tape
+     * outgrows the stack (each token is checked against it before it is added); slow steps
+     * (escapes) count too, so a body with many of them is scanned as well. */
+    d.budget = (FP_TAPE_TOKENS - 1) * JDOC_TOKEN_UNITS;
+    fp_rewrite_t r = {.body = body, .fp = fp, .out = out, .prev = prev};
+    uint32_t members = 0;
+    dp_buf_reserve(out, len + 48);
+    if (jdoc_parse(&d, body, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0) {
+        if (usage)
+            policy_usage_take_json(usage, &d);
+        const jtok_t *root = &d.toks[0];
+        members = root->aux;
+        for (uint32_t k = 1; k < root->end; k = d.toks[k + 1].end) {
+            const jtok_t *key = &d.toks[k], *v = &d.toks[k + 1];
+            fp_member(&r, &d,
+                      &(jdoc_member_t){.key_start = key->start,
+                                       .key_len = key->len,
+                                       .key_flags = key->flags,
+                                       .val_start = v->start,
+                                       .val_len = v->len,
+                                       .val_type = v->type});
+        }
+    } else if (!jdoc_over_budget(&d) || jdoc_scan_top(&d, body, len, fp_member, &r, &members) < 0) {
         jdoc_free(&d);
+        dp_buf_reset(out);
         return 0;
     }
-    if (usage)
-        policy_usage_take_json(usage, &d);
-    dp_buf_reserve(out, len + 48);
-    const jtok_t *root = &d.toks[0];
-    size_t pos = 0, pn = 0;
-    bool found = false;
-    for (uint32_t k = 1; k < root->end; k = d.toks[k + 1].end) {
-        const char *kp;
-        size_t kn;
-        jdoc_key(&d, k, &kp, &kn);
-        if (kn != FP_KEY_LEN || memcmp(kp, FP_KEY, FP_KEY_LEN) != 0)
-            continue;
-        const jtok_t *v = &d.toks[k + 1];
-        if (!found && v->type == JT_STR) {
-            dp_buf_t tmp = {0};
-            jdoc_str_decode(&d, k + 1, &tmp);
-            for (size_t i = 0; i < tmp.len; i++)
-                prev_put(prev, &pn, (unsigned char)tmp.base[i]);
-            dp_buf_free(&tmp);
-        }
-        found = true;
-        dp_buf_append(out, body + pos, v->start - pos);
-        append_fp_value(out, fp);
-        pos = v->start + v->len;
-    }
-    prev[pn] = '\0';
-    if (!found) {
-        size_t close = root->start + root->len - 1; /* the final '}' */
+    jdoc_free(&d);
+    prev[r.pn] = '\0';
+    if (!r.found) {
+        size_t close = len; /* the final '}', before any trailing whitespace */
+        while (body[--close] != '}')
+            ;
         dp_buf_append(out, body, close);
-        if (root->aux > 0)
+        if (members > 0)
             dp_buf_appendc(out, ',');
         dp_buf_append(out, "\"system_fingerprint\":", FP_KEY_LEN + 3);
         append_fp_value(out, fp);
-        pos = close;
+        r.pos = close;
     }
-    dp_buf_append(out, body + pos, len - pos);
-    jdoc_free(&d);
+    dp_buf_append(out, body + r.pos, len - r.pos);
     return 1;
 }
 

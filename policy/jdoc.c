@@ -1155,6 +1155,32 @@ static inline size_t skip_ws(const char *p, size_t n, size_t i)
 
 enum { S_VALUE, S_KEY_OR_CLOSE, S_KEY, S_VALUE_OR_CLOSE, S_COMMA_OR_CLOSE };
 
+/* The ':' after a key (whitespace first); 0, or -1 (failed). */
+static inline __attribute__((always_inline)) int colon(jdoc_t *d, const char *src, size_t n,
+                                                       size_t *i)
+{
+    *i = skip_ws(src, n, *i);
+    if (*i >= n || src[*i] != ':')
+        return fail(d, "expected ':'", *i);
+    (*i)++;
+    return 0;
+}
+
+/* After a member or an element: a ',' (then *state is the next one's), or the container's
+ * close. 0: go on; 1: at the close; -1: failed. */
+static inline __attribute__((always_inline)) int
+comma_or_close(jdoc_t *d, const char *src, size_t n, size_t *i, bool is_obj, int *state)
+{
+    if (*i < n && src[*i] == ',') {
+        (*i)++;
+        *state = is_obj ? S_KEY : S_VALUE;
+        return 0;
+    }
+    if (*i < n && src[*i] == (is_obj ? '}' : ']'))
+        return 1;
+    return fail(d, is_obj ? "expected ',' or '}'" : "expected ',' or ']'", *i);
+}
+
 int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
 {
     jdoc_reset(d);
@@ -1191,10 +1217,8 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
                 jdoc_unescape(src + s + 1, i - s - 2, &d->keys);
                 d->toks[k].aux2 = (uint32_t)(d->keys.len - d->toks[k].aux);
             }
-            i = skip_ws(src, n, i);
-            if (i >= n || src[i] != ':')
-                return fail(d, "expected ':'", i);
-            i++;
+            if (colon(d, src, n, &i) < 0)
+                return -1;
             state = S_VALUE;
             continue;
         }
@@ -1204,16 +1228,12 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
             state = S_VALUE;
         }
         if (state == S_COMMA_OR_CLOSE) {
-            uint32_t top = stack[depth - 1];
-            bool is_obj = d->toks[top].type == JT_OBJ;
-            if (i < n && src[i] == ',') {
-                i++;
-                state = is_obj ? S_KEY : S_VALUE;
-                continue;
-            }
-            if (i < n && src[i] == (is_obj ? '}' : ']'))
+            int r = comma_or_close(d, src, n, &i, d->toks[stack[depth - 1]].type == JT_OBJ, &state);
+            if (r < 0)
+                return -1;
+            if (r > 0)
                 goto close;
-            return fail(d, is_obj ? "expected ',' or '}'" : "expected ',' or ']'", i);
+            continue;
         }
         /* S_VALUE */
         if (i >= n)
@@ -1292,6 +1312,152 @@ int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags)
         }
         state = S_COMMA_OR_CLOSE;
     }
+}
+
+int jdoc_scan_top(jdoc_t *d, const char *src, size_t n,
+                  void (*fn)(void *data, const jdoc_t *d, const jdoc_member_t *m), void *data,
+                  uint32_t *nmembers)
+{
+    jdoc_reset(d);
+    d->src = src;
+    d->srclen = n;
+    *nmembers = 0;
+    if (n >= UINT32_MAX)
+        return fail(d, "document too large", 0);
+    const scan_string_fn scan_string = scan_string_pick();
+    const uint32_t budget = d->budget;
+    d->budget = UINT32_MAX; /* no tape: its work is its bytes' */
+    uint64_t objs = 0;      /* bit k: the container k deep (0 = the top level) is an object */
+    int depth = 0;
+    jdoc_member_t m = {0};
+    int rc = -1;
+    size_t i = skip_ws(src, n, 0);
+    if (i >= n || src[i] != '{') {
+        fail(d, "not a JSON object", i);
+        goto out;
+    }
+    int state = S_VALUE;
+    for (;;) {
+        i = skip_ws(src, n, i);
+        if (state == S_KEY_OR_CLOSE || state == S_KEY) {
+            if (i < n && src[i] == '}' && state == S_KEY_OR_CLOSE)
+                goto close;
+            if (i >= n || src[i] != '"') {
+                fail(d, "expected a string key", i);
+                goto out;
+            }
+            uint8_t f = JF_KEY;
+            size_t s = i;
+            if (scan_string(d, &i, &f) < 0)
+                goto out;
+            if (depth == 1)
+                m = (jdoc_member_t){
+                    .key_start = (uint32_t)s, .key_len = (uint32_t)(i - s), .key_flags = f};
+            if (colon(d, src, n, &i) < 0)
+                goto out;
+            state = S_VALUE;
+            continue;
+        }
+        if (state == S_VALUE_OR_CLOSE) {
+            if (i < n && src[i] == ']')
+                goto close;
+            state = S_VALUE;
+        }
+        if (state == S_COMMA_OR_CLOSE) {
+            int r = comma_or_close(d, src, n, &i, objs >> (depth - 1) & 1, &state);
+            if (r < 0)
+                goto out;
+            if (r > 0)
+                goto close;
+            continue;
+        }
+        /* S_VALUE */
+        if (i >= n) {
+            fail(d, "unexpected end of input", i);
+            goto out;
+        }
+        {
+            unsigned char c = (unsigned char)src[i];
+            size_t s = i;
+            uint8_t f = 0, type;
+            switch (c) {
+            case '{':
+            case '[':
+                if (depth == JDOC_MAX_DEPTH) {
+                    fail(d, "nested too deeply", i);
+                    goto out;
+                }
+                if (depth == 1) {
+                    m.val_start = (uint32_t)s;
+                    m.val_type = c == '{' ? JT_OBJ : JT_ARR;
+                }
+                objs = c == '{' ? objs | 1ull << depth : objs & ~(1ull << depth);
+                depth++;
+                i++;
+                state = c == '{' ? S_KEY_OR_CLOSE : S_VALUE_OR_CLOSE;
+                continue;
+            case '"':
+                if (scan_string(d, &i, &f) < 0)
+                    goto out;
+                type = JT_STR;
+                break;
+            case 't':
+            case 'f':
+            case 'n': {
+                const char *lit = c == 't' ? "true" : c == 'f' ? "false" : "null";
+                size_t ln = c == 'f' ? 5 : 4;
+                if (n - i < ln || memcmp(src + i, lit, ln) != 0) {
+                    fail(d, "invalid literal", i);
+                    goto out;
+                }
+                i += ln;
+                type = c == 't' ? JT_TRUE : c == 'f' ? JT_FALSE : JT_NULL;
+                break;
+            }
+            default:
+                if (c != '-' && !is_digit(c)) {
+                    fail(d, "unexpected character", i);
+                    goto out;
+                }
+                if (scan_number(d, &i, &f) < 0)
+                    goto out;
+                type = JT_NUM;
+                break;
+            }
+            if (depth == 1) {
+                m.val_start = (uint32_t)s;
+                m.val_len = (uint32_t)(i - s);
+                m.val_type = type;
+                m.val_flags = f;
+                (*nmembers)++;
+                fn(data, d, &m);
+            }
+            goto value_done;
+        }
+    close:
+        depth--;
+        i++;
+        if (depth == 1) { /* a member's object or array value ended */
+            m.val_len = (uint32_t)(i - m.val_start);
+            m.val_flags = 0;
+            (*nmembers)++;
+            fn(data, d, &m);
+        }
+    value_done:
+        if (depth == 0) {
+            i = skip_ws(src, n, i);
+            if (i != n) {
+                fail(d, "trailing bytes after the JSON value", i);
+                goto out;
+            }
+            rc = 0;
+            goto out;
+        }
+        state = S_COMMA_OR_CLOSE;
+    }
+out:
+    d->budget = budget;
+    return rc;
 }
 
 void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n)

@@ -103,6 +103,23 @@ void jdoc_free(jdoc_t *d);
  * offset) set. The tape is valid until the next jdoc_parse/reset/free. */
 int jdoc_parse(jdoc_t *d, const char *src, size_t n, int flags);
 
+/* A member of the top-level object, as jdoc_scan_top reports it: raw spans (a key's and a
+ * string's quotes included), the value's type, and the flags jdoc_parse gives their tokens. */
+typedef struct {
+    uint32_t key_start, key_len;
+    uint32_t val_start, val_len;
+    uint8_t key_flags, val_type, val_flags;
+} jdoc_member_t;
+
+/* Validate src as jdoc_parse(d, src, n, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) does with no budget,
+ * accepting and refusing exactly the same documents, but keeping no tokens: fn is called for
+ * each member of the top-level object, in order, as its value ends. For a document too large
+ * or dense to hold a tape of (a response passed on): memory stays constant whatever its
+ * shape. 0 with *nmembers set, or -1 with d->err set; d->budget is left as it was. */
+int jdoc_scan_top(jdoc_t *d, const char *src, size_t n,
+                  void (*fn)(void *data, const jdoc_t *d, const jdoc_member_t *m), void *data,
+                  uint32_t *nmembers);
+
 /* Decoded bytes of a key token (escaped keys live in d->keys: don't hold the pointer across
  * another parse). */
 void jdoc_key(const jdoc_t *d, uint32_t tok, const char **p, size_t *n);

@@ -153,13 +153,13 @@ def client_requests(sim):
     return [q for q in sim_requests(sim) if "x-detproxy-request-id" in q["headers"]]
 
 
-def rss_kb(proc):
-    """Resident set size of a started process, from /proc/PID/status."""
+def rss_kb(proc, field="VmRSS"):
+    """Resident set size of a started process (field="VmHWM": its peak), from /proc/PID/status."""
     with open("/proc/%d/status" % proc.popen.pid) as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise AssertionError("no VmRSS for pid %d" % proc.popen.pid)
+    raise AssertionError("no %s for pid %d" % (field, proc.popen.pid))
 
 
 def _tcp_queue(local_port, remote_port, which):

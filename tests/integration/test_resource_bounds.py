@@ -157,6 +157,7 @@ class HugeReplica:
     def __init__(self):
         self.size = 0
         self.chunked = False
+        self.dense = False  # the body an array of as many numbers as fit, not one long string
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -168,9 +169,14 @@ class HugeReplica:
         head = b'{"id":"cmpl-1","object":"text_completion","system_fingerprint":"fp_replica",' \
                b'"choices":[{"index":0,"text":"'
         tail = b'"}]}'
+        piece = b"a" * MiB
+        if self.dense:
+            head, tail, piece = head[:-1] + b'[', b'0]}]}', b"0," * (MiB // 2)
         yield head
         left = self.size - len(head) - len(tail)
-        piece = b"a" * MiB
+        if self.dense and left % 2:  # every "0," whole: a space makes up the length
+            yield b" "
+            left -= 1
         while left > 0:
             yield piece[:left]
             left -= min(left, MiB)
@@ -259,6 +265,32 @@ def test_a_huge_replica_answer_is_passed_through_not_held():
         assert digest == want
         lines = [json.loads(l) for l in open(audit)]
         assert lines[-1]["response_body_sha256"] == want, lines[-1]
+    px.stop()
+
+
+def test_a_dense_answer_is_rewritten_without_a_tape_of_it():
+    """A non-streamed answer just under max_response_rewrite_bytes made of 4 million small
+    numbers is rewritten (the pool's fingerprint in it) holding the body and its rewrite only:
+    a tape of its values took 24 bytes each, 12 times the body."""
+    up = HugeReplica()
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}],
+                     limits={"max_response_rewrite_bytes": 8 * MiB})
+    req = body_of(200)
+    up.size = MiB  # the first answer takes the proxy's buffers to their working size
+    assert fetch_digest(px.port, req)[0] == 200
+    up.dense = True
+    up.size = 8 * MiB - 64
+    before = rss_kb(px, "VmHWM")
+    st, hdrs, n, digest, first = fetch_digest(px.port, req)
+    grew = rss_kb(px, "VmHWM") - before
+    print("    8 MiB of numbers: the proxy's peak RSS grew %d kB" % grew)
+    fp = hdrs["x-detproxy-fingerprint"]
+    assert st == 200 and n == up.size - len("fp_replica") + len(fp), (st, n)
+    assert b'"system_fingerprint":"fp_' in first and b"fp_replica" not in first, first
+    assert hdrs.get("x-detproxy-upstream-fingerprint") == "fp_replica", hdrs
+    if not SANITIZE:  # ASan's allocator keeps freed memory in its quarantine
+        assert grew < 5 * 8 * 1024, grew
     px.stop()
 
 

@@ -16,13 +16,15 @@
  *     deeper nesting and shorter numbers than the tape does: bodies with non-ASCII or control
  *     bytes, escapes, such numbers, 60-character numbers or 32 brackets are left out);
  *   - rewrite a JSON response's system_fingerprint to the same bytes (the value spliced in,
- *     everything else as the replica sent it), with the same upstream value reported. */
+ *     everything else as the replica sent it), with the same upstream value reported;
+ * and the scan without a tape must judge the body as the parse does. */
 #ifndef DP_ORACLE_DIFF_H
 #define DP_ORACLE_DIFF_H
 
 #include <stdio.h>
 #include <string.h>
 
+#include "policy/jdoc.h"
 #include "policy/policy.h"
 #include "tests/oracle/oracle.h"
 
@@ -168,6 +170,13 @@ static void diff_usage(const char *p, size_t n, size_t cut, bool sse, policy_usa
     policy_usage_feed(split, p + cut, n - cut);
 }
 
+static void diff_no_member(void *data, const jdoc_t *d, const jdoc_member_t *m)
+{
+    (void)data;
+    (void)d;
+    (void)m;
+}
+
 #define DIFF_FAIL(...)                                                                             \
     do {                                                                                           \
         snprintf(why, whylen, __VA_ARGS__);                                                        \
@@ -294,6 +303,22 @@ static int diff_check(const uint8_t *data, size_t size, char *why, size_t whylen
     }
     if (fn == 1 && (strcmp(pn, po) != 0 || !diff_same(nf.base, nf.len, of.base, of.len)))
         DIFF_FAIL("fp_rewrite_json bodies or upstream values differ (%s / %s)", pn, po);
+    {
+        /* The scan without a tape (a large response's) and the parse: the same verdict, error
+         * and its byte, and as many top-level members. */
+        jdoc_t dp, ds;
+        jdoc_init(&dp);
+        jdoc_init(&ds);
+        int rp = jdoc_parse(&dp, body, n, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS);
+        uint32_t members = 0;
+        int rs = jdoc_scan_top(&ds, body, n, diff_no_member, NULL, &members);
+        bool same = rs == rp && (rp == 0 ? members == dp.toks[0].aux
+                                         : strcmp(ds.err, dp.err) == 0 && ds.err_at == dp.err_at);
+        jdoc_free(&dp);
+        jdoc_free(&ds);
+        if (!same)
+            DIFF_FAIL("jdoc_scan_top: %d, jdoc_parse: %d", rs, rp);
+    }
 out:
     oracle_result_free(&o);
     dp_buf_free(&oj);

@@ -529,3 +529,105 @@ Test(oracle, utf8_validation_matches_at_every_level)
     cr_assert_gt(accepted, 500, "%zu of %zu accepted", accepted, cases);
     cr_assert_gt(cases - accepted, 100000, "%zu of %zu accepted", accepted, cases);
 }
+
+/* ---- the scan without a tape, against the parse ------------------------------------------- */
+
+typedef struct {
+    uint32_t n;
+    jdoc_member_t m[64];
+} members_t;
+
+static void collect(void *data, const jdoc_t *d, const jdoc_member_t *m)
+{
+    (void)d;
+    members_t *ms = data;
+    if (ms->n < 64)
+        ms->m[ms->n] = *m;
+    ms->n++;
+}
+
+/* jdoc_scan_top gives jdoc_parse's verdict, error and its byte on body, and reports the top
+ * level's members as the parse's tape holds them. */
+static void check_scan_top(const char *body, size_t n)
+{
+    jdoc_t p, s;
+    jdoc_init(&p);
+    jdoc_init(&s);
+    int rp = jdoc_parse(&p, body, n, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS);
+    members_t ms = {0};
+    uint32_t count = 0;
+    int rs = jdoc_scan_top(&s, body, n, collect, &ms, &count);
+    cr_assert_eq(rs, rp, "verdicts differ on %.*s", (int)(n > 200 ? 200 : n), body);
+    if (rp < 0) {
+        cr_assert_str_eq(s.err, p.err, "%.*s", (int)(n > 200 ? 200 : n), body);
+        cr_assert_eq(s.err_at, p.err_at, "%s at %zu / %zu", p.err, s.err_at, p.err_at);
+    } else {
+        const jtok_t *root = &p.toks[0];
+        cr_assert_eq(count, root->aux);
+        cr_assert_eq(ms.n, count);
+        uint32_t i = 0;
+        for (uint32_t k = 1; k < root->end && i < 64; k = p.toks[k + 1].end, i++) {
+            const jtok_t *key = &p.toks[k], *v = &p.toks[k + 1];
+            const jdoc_member_t *m = &ms.m[i];
+            cr_assert(m->key_start == key->start && m->key_len == key->len &&
+                          m->key_flags == key->flags && m->val_start == v->start &&
+                          m->val_len == v->len && m->val_type == v->type &&
+                          m->val_flags == v->flags,
+                      "member %u of %.*s", i, (int)(n > 200 ? 200 : n), body);
+        }
+    }
+    jdoc_free(&p);
+    jdoc_free(&s);
+}
+
+/* Every seed of the fuzz corpora, each cut at every length and with each byte replaced by one
+ * of the bytes that steer the parser, at every SIMD level. */
+Test(oracle, the_scan_without_a_tape_agrees_with_the_parse)
+{
+    static const char *const dirs[] = {DP_SOURCE_DIR "/tests/fuzz/corpus/policy",
+                                       DP_SOURCE_DIR "/tests/fuzz/corpus/policy_oracle"};
+    static const char steer[] = "{}[]\",:\\ 0-.eEtn\x01\xc3\x80";
+    int levels = jdoc_simd_select(JDOC_SIMD_BEST);
+    for (int level = 0; level <= levels; level++) {
+        jdoc_simd_select(level);
+        for (size_t di = 0; di < 2; di++) {
+            DIR *d = opendir(dirs[di]);
+            cr_assert_not_null(d);
+            struct dirent *e;
+            while ((e = readdir(d)) != NULL) {
+                if (e->d_name[0] == '.')
+                    continue;
+                char path[1024];
+                snprintf(path, sizeof(path), "%s/%s", dirs[di], e->d_name);
+                size_t n;
+                char *b = slurp(path, &n);
+                size_t lim = n > 600 ? 600 : n;
+                for (size_t cut = 0; cut <= lim; cut++)
+                    check_scan_top(b, cut);
+                check_scan_top(b, n);
+                for (size_t at = 0; at < lim; at++) {
+                    char keep = b[at];
+                    b[at] = steer[(at * 7 + (size_t)level) % (sizeof(steer) - 1)];
+                    check_scan_top(b, n);
+                    b[at] = keep;
+                }
+                free(b);
+            }
+            closedir(d);
+        }
+    }
+    jdoc_simd_select(JDOC_SIMD_BEST);
+    /* nesting at the limit and past it, inside a member and at the top */
+    dp_buf_t b = {0};
+    for (int depth = 62; depth <= 66; depth++) {
+        dp_buf_reset(&b);
+        dp_buf_appends(&b, "{\"a\":");
+        for (int i = 1; i < depth; i++)
+            dp_buf_appends(&b, i % 2 ? "[" : "{\"k\":");
+        for (int i = depth - 1; i >= 1; i--)
+            dp_buf_appends(&b, i % 2 ? "]" : "}");
+        dp_buf_appends(&b, ",\"b\":[{},[]],\"c\":\"\\u00e9\",\"d\":-1.5e3,\"e\":null}");
+        check_scan_top(b.base, b.len);
+    }
+    dp_buf_free(&b);
+}
