@@ -302,6 +302,8 @@ typedef struct {
     const char *fp; /* borrowed: must outlive the stream */
     uint8_t line;   /* line state */
     uint8_t pfx;    /* bytes of "data:" matched at line start */
+    uint8_t bom;    /* bytes of a UTF-8 BOM matched at the stream's start */
+    bool started;   /* past the stream's first byte that is not a BOM's */
     bool last_cr;
     /* JSON tracking for the current event */
     uint8_t js; /* JSON state */

@@ -268,6 +268,28 @@ Test(fp_sse, a_value_longer_than_it_holds_is_replaced_and_its_rest_swallowed)
     expect_every_split(in, want, "long value cut");
 }
 
+Test(fp_sse, a_bom_that_starts_the_stream_is_passed_over)
+{
+    expect_every_split("\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"" FP "\"}\n\n",
+                       "BOM");
+    /* only at the start, and only whole: elsewhere the line is no data field */
+    expect_every_split("data: 1\n\n\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "data: 1\n\n\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "BOM later");
+    expect_every_split("\xEF\xBB"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "\xEF\xBB"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n"
+                       "data: {\"system_fingerprint\":\"" FP "\"}\n\n",
+                       "part of a BOM");
+}
+
 Test(fp_sse, not_initialised)
 {
     policy_sse_fp_t s;
