@@ -106,7 +106,6 @@ char *cfg_resolve(const char *dir, const char *p);
 
 /* An http(s) URL at obj[key]. */
 bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required, cfg_url_t *out);
-bool cfg_addr_is_loopback(const char *host);
 
 /* ---- files (files.c) ---- */
 

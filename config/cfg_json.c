@@ -104,6 +104,11 @@ static void push(char ***list, size_t *n, char *s)
     (*list)[(*n)++] = s;
 }
 
+void cfg_errors_add(cfg_errors_t *e, const char *msg)
+{
+    push(&e->items, &e->count, dp_xstrdup(msg));
+}
+
 static void report(cfg_ctx_t *c, bool warn, const char *key, const char *fmt, va_list ap)
 {
     char msg[1024];

@@ -28,6 +28,8 @@ typedef struct {
 } cfg_errors_t;
 
 void cfg_errors_free(cfg_errors_t *e);
+/* One more error, a copy of msg ("path: message"), for a check made outside the config module. */
+void cfg_errors_add(cfg_errors_t *e, const char *msg);
 
 /* ---- addresses --------------------------------------------------------------------------- */
 
@@ -44,6 +46,9 @@ typedef struct {
     char *host; /* numeric IPv4 or IPv6 address (no brackets) */
     uint16_t port;
 } cfg_addr_t;
+
+/* Is host (a numeric address) a loopback one: 127.0.0.0/8 or ::1? */
+bool cfg_addr_is_loopback(const char *host);
 
 /* ---- manifest (docs/configuration.md, "Manifest") -------------------------------------------- */
 

@@ -58,6 +58,19 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     int rc = cfg_load(old->path, &cfg, &errs);
     for (size_t i = 0; i < errs.nwarnings; i++)
         dp_log_msg(DP_LOG_WARN, "config_warning", errs.warnings[i]);
+    if (rc == 0 && !cfg_addr_is_loopback(old->admin_listen.host) && cfg->admin_token == NULL) {
+        /* The listeners keep their addresses until a restart: the token rule (docs/security.md)
+         * holds for the address the admin listener is bound to, whatever the file says now. */
+        char e[300];
+        snprintf(e, sizeof(e),
+                 "admin_token_file: the admin listener stays on %s:%u until a restart, not a "
+                 "loopback address: a reload cannot remove its token",
+                 old->admin_listen.host, (unsigned)old->admin_listen.port);
+        cfg_errors_add(&errs, e);
+        cfg_free(cfg);
+        cfg = NULL;
+        rc = -1;
+    }
     if (rc != 0) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "reload_failed");
         if (w) {

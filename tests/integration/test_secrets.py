@@ -309,6 +309,32 @@ def test_check_refuses_a_non_loopback_admin_listener_without_a_token():
         assert rc == 0, (addr, rc, out, err)
 
 
+def test_a_reload_cannot_remove_the_token_of_a_listener_bound_beyond_loopback():
+    """The admin listener keeps its address until a restart: a reload whose file moves it to
+    loopback and drops the token is refused (the bound listener would answer anyone), and the
+    token still guards every admin endpoint."""
+    d = tempfile.mkdtemp(prefix="detproxy-admin-")
+    tok = token("adm-")
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], directory=d, admin_listen="0.0.0.0:0",
+                     admin_token_file=write_secret(d, "admin-token", tok))
+    with open(px.config_path) as f:
+        cfg = json.load(f)
+    cfg["admin_listen"] = "127.0.0.1:%d" % px.admin_port
+    del cfg["admin_token_file"]
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    r = admin(px, "POST", "/admin/reload", tok)
+    assert r.status == 400 and "admin_token_file" in r.text and "0.0.0.0" in r.text, r
+    assert admin(px, "GET", "/admin/config").status == 401
+    assert admin(px, "GET", "/admin/config", tok).status == 200
+    px.send_signal(signal.SIGHUP)
+    poll_until(lambda: px.stderr_text().count("a reload cannot remove its token") >= 2,
+               what="the SIGHUP reload refused too")
+    assert admin(px, "GET", "/admin/replicas").status == 401
+    px.stop()
+
+
 # ---- secret hygiene ---------------------------------------------------------------------------
 
 
