@@ -360,9 +360,11 @@ static void replica_free(px_replica_t *r)
 {
     PX_ASSERT_CONTROL();
     DP_LIST_UNLINK(g_live, r, live_next, live_prev);
-    /* A discovered replica that left for good takes its series along: otherwise
-     * every address a Service ever had stays in /metrics. Static ones stay, as configured. */
-    if (r->discovered && !name_alive(r))
+    /* A replica that left for good (discovery dropped its address, or a reload its name) takes
+     * its series along: a gauge left behind would say a replica that is gone still serves
+     * (the no-admitted-replica alert could never fire), and every address a Service ever had
+     * would stay in /metrics. One that a reload replaced keeps them (its name lives on). */
+    if (!name_alive(r))
         px_metrics_drop("pool", r->pool_name, "replica", r->name);
     if (r->px && r->px->replica_hooks.freed)
         r->px->replica_hooks.freed(r);

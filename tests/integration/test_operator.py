@@ -294,6 +294,26 @@ def test_access_log_sampling_fields_and_off():
 
 # ---- tokens and rate limits -------------------------------------------------------------------
 
+def test_a_replica_a_reload_removes_leaves_metrics():
+    """A reload that replaces a pool's only replica with another: the old one's series go (its
+    admitted gauge left at 1 said the pool still had a replica serving), the new one's come."""
+    old, new = start_sim("--model", "m1"), start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [old])])
+    assert post_json(px.port, "/v1/completions", completion()).status == 200
+    assert metric(px, "detproxy_replica_admitted", pool="p", replica="r1") == 1
+    with open(px.config_path) as f:
+        cfg = json.load(f)
+    cfg["pools"][0]["replicas"] = [{"name": "r2", "url": "http://127.0.0.1:%d" % new.port}]
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    poll_until(lambda: 'replica="r1"' not in http("GET", px.admin_port, "/metrics").text,
+               what="r1's series gone")
+    poll_until(lambda: metric(px, "detproxy_replica_admitted", pool="p", replica="r2") == 1,
+               what="r2 admitted")
+    px.stop()
+
+
 def test_token_counters_from_usage_json_and_sse():
     sims, px = setup()
     r = post_json(px.port, "/v1/completions", completion(max_tokens=6))
