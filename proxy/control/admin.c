@@ -322,8 +322,19 @@ static void metrics(px_t *px, net_req_t *req)
     dp_buf_free(&b);
 }
 
+/* The probes, which need no token. */
+static bool is_probe(net_req_t *req)
+{
+    bool get = req->method == 1 /* GET */ || req->method == 2 /* HEAD */;
+    return get && (path_is(req, "/healthz") || path_is(req, "/readyz"));
+}
+
 static net_body_mode_t on_head(net_req_t *req)
 {
+    /* The token is checked before any body is read: a client without it holds no memory
+     * here (the body is discarded, the connection closed if it is still coming). */
+    if (!is_probe(req) && authorize(net_server_data(req->server), req) != 0)
+        return NET_BODY_DISCARD;
     return NET_BODY_BUFFER;
 }
 
@@ -340,8 +351,7 @@ static void on_complete(net_req_t *req)
         readyz(px, req);
         return;
     }
-    if (authorize(px, req) != 0)
-        return;
+    /* authorized in on_head */
     if (path_is(req, "/") && get)
         px_status_page(px, req);
     else if (path_is(req, "/metrics") && get)

@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 
@@ -21,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from certs import client_context, shared_pki
 from harness import (DETPROXY_BIN, SLOW, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_process, start_sim, wait_http)
-from proxyutil import pool, sim_requests, start_proxy, write_config
+from proxyutil import pool, read_response, sim_requests, start_proxy, write_config
 
 PKI = shared_pki()
 MODEL = "m1"
@@ -283,6 +284,26 @@ def test_admin_endpoints_need_the_token_except_health():
         r = http("GET", px.port, path, headers={"authorization": "Bearer " + tok})
         assert "detproxy_requests_total" not in r.text and '"replicas"' not in r.text, r
     assert tok not in px.stderr_text()
+    px.stop()
+
+
+def test_an_admin_request_without_the_token_is_refused_before_its_body():
+    """The token is checked on the head: a client without it is answered 401 at once and holds
+    no body in the proxy (it used to be read whole first, up to max_body_bytes each)."""
+    d = tempfile.mkdtemp(prefix="detproxy-admin-")
+    tok = token("adm-")
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], directory=d,
+                     admin_token_file=write_secret(d, "admin-token", tok))
+    for path in ("/admin/reload", "/healthz", "/admin/relay/p/v1/completions"):
+        with socket.create_connection(("127.0.0.1", px.admin_port), timeout=10) as c:
+            c.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 8000000\r\n\r\n{" % path.encode())
+            r = read_response(c, timeout=5)
+            assert r.status == 401, (path, r)
+    # With the token the body is read and the request served.
+    r = admin(px, "POST", "/admin/reload", tok, body={})
+    assert r.status == 200, r
     px.stop()
 
 
