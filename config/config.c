@@ -382,6 +382,22 @@ static bool is_wildcard(const char *host)
     return strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
 }
 
+/* A token that a Bearer header can carry: visible bytes only (the header's parser refuses a
+ * token with whitespace or a control byte in it, so such a token could never match). */
+static void check_admin_token(cfg_ctx_t *c, const char *tok)
+{
+    for (size_t i = 0; tok && tok[i]; i++) {
+        unsigned char b = (unsigned char)tok[i];
+        if (b <= ' ' || b == 0x7f) {
+            cfg_err(c, "admin_token_file",
+                    "the token has whitespace or a control byte at byte %zu: no "
+                    "Authorization: Bearer header can carry it",
+                    i);
+            return;
+        }
+    }
+}
+
 static void check_listeners(cfg_ctx_t *c, const cfg_t *cfg)
 {
     const cfg_addr_t *l = &cfg->listen, *a = &cfg->admin_listen;
@@ -602,8 +618,10 @@ static void parse_config(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     parse_log(c, doc, &cfg->log);
     parse_tls(c, doc, cfg);
     cfg_parse_fleet(c, doc, cfg);
-    if (cfg_get_path(c, doc, "admin_token_file", false, &cfg->admin_token_file))
+    if (cfg_get_path(c, doc, "admin_token_file", false, &cfg->admin_token_file)) {
         cfg->admin_token = cfg_read_secret(c, "admin_token_file", cfg->admin_token_file);
+        check_admin_token(c, cfg->admin_token);
+    }
     cfg_parse_pools(c, doc, cfg);
     const char *policy_file = parse_policy(c, doc, cfg);
     check_listeners(c, cfg);

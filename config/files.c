@@ -7,9 +7,11 @@
 #include "config/cfg_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <openssl/crypto.h>
 #include <openssl/err.h>
@@ -24,16 +26,24 @@
 
 bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out)
 {
+    /* Opened without blocking and then looked at, not looked at and then opened: a FIFO put at
+     * the path in between would block the open (and the control thread, on a reload) until a
+     * writer came. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     struct stat st;
-    if (stat(path, &st) != 0) {
+    if (fd < 0 || fstat(fd, &st) != 0) {
         cfg_err(c, key, "cannot read %s: %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
         return false;
     }
     if (!S_ISREG(st.st_mode)) {
         cfg_err(c, key, "%s is not a regular file", path);
+        close(fd);
         return false;
     }
-    int rc = dp_read_file(path, max, out);
+    int rc = dp_read_fd(fd, max, out);
+    close(fd);
     if (rc == -EFBIG)
         cfg_err(c, key, "%s is larger than %zu bytes", path, max);
     else if (rc != 0)

@@ -307,6 +307,24 @@ def test_an_admin_request_without_the_token_is_refused_before_its_body():
     px.stop()
 
 
+def test_check_refuses_an_admin_token_no_header_can_carry():
+    """A token with a space in it or before it could never match Authorization: Bearer (its
+    parser refuses such a token): check refuses it instead of letting it lock every admin
+    request out (control bytes were refused already)."""
+    d = tempfile.mkdtemp(prefix="detproxy-admin-")
+    base = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "pools": [
+        {"name": "p", "models": ["*"], "replicas": [{"name": "r1",
+                                                     "url": "http://127.0.0.1:9"}]}]}
+    for bad in ("correct horse battery", "  leadingblanks"):
+        cfg = dict(base, admin_token_file=write_secret(d, "tok", bad))
+        rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", write_config(cfg, d)])
+        assert rc == 1 and "admin_token_file" in err and "Bearer" in err, (bad, rc, err)
+        assert bad.strip() not in err, err  # the error names the byte, not the secret
+    cfg = dict(base, admin_token_file=write_secret(d, "tok", "ok-token\n"))
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", write_config(cfg, d)])
+    assert rc == 0, (rc, err)
+
+
 def test_check_refuses_a_non_loopback_admin_listener_without_a_token():
     d = tempfile.mkdtemp(prefix="detproxy-admin-")
     base = {"listen": "127.0.0.1:0", "pools": [
