@@ -485,10 +485,21 @@ bool cfg_valid_name(const char *s)
     size_t n = strlen(s);
     if (n == 0 || n > CFG_NAME_MAX)
         return false;
-    for (size_t i = 0; i < n; i++) {
+    size_t seg = 0; /* where the current '/'-separated segment starts */
+    for (size_t i = 0; i <= n; i++) {
         char ch = s[i];
+        if (ch == '/' || ch == '\0') {
+            /* Names are parts of admin paths (/admin/replicas/NAME/drain), which are normalised
+             * before routing: an empty, "." or ".." segment would name another path. */
+            size_t len = i - seg;
+            if (len == 0 || (len == 1 && s[seg] == '.') ||
+                (len == 2 && s[seg] == '.' && s[seg + 1] == '.'))
+                return false;
+            seg = i + 1;
+            continue;
+        }
         bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                  (ch >= '0' && ch <= '9') || strchr("._-:/", ch) != NULL;
+                  (ch >= '0' && ch <= '9') || strchr("._-:", ch) != NULL;
         if (!ok)
             return false;
     }

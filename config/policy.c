@@ -273,7 +273,7 @@ static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
     }
     cfg_check_keys(c, node, tenant_keys);
     if (cfg_get_str(c, node, "name", true, &t->name) && !cfg_valid_name(t->name))
-        cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
+        cfg_err(c, "name", CFG_NAME_RULE, CFG_NAME_MAX);
     parse_match(c, node, t);
     if (cfg_get_str(c, node, "pool", false, &t->pool) && !cfg_valid_name(t->pool))
         cfg_err(c, "pool", "not a valid pool name");

@@ -208,7 +208,7 @@ static void parse_replica(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t 
     }
     cfg_check_keys(c, node, replica_keys);
     if (cfg_get_str(c, node, "name", true, &r->name) && !cfg_valid_name(r->name))
-        cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
+        cfg_err(c, "name", CFG_NAME_RULE, CFG_NAME_MAX);
     bool have_url = cfg_get_url(c, node, "url", true, &r->url);
     if (cfg_get_str(c, node, "server_name", false, &r->server_name)) {
         if (!cfg_valid_hostname(r->server_name))
@@ -631,7 +631,7 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     }
     cfg_check_keys(c, node, pool_keys);
     if (cfg_get_str(c, node, "name", true, &p->name) && !cfg_valid_name(p->name))
-        cfg_err(c, "name", "must be 1-%d characters of A-Z a-z 0-9 . _ - : /", CFG_NAME_MAX);
+        cfg_err(c, "name", CFG_NAME_RULE, CFG_NAME_MAX);
     if (cfg_get_str_array(c, node, "models", true, false, &p->models, &p->nmodels))
         index_models(p);
     parse_manifest_ref(c, node, p);

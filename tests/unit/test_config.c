@@ -248,6 +248,12 @@ static const bad_case_t bad_cases[] = {
     {POOLX(",'replicas':['r1']"), "pools[0].replicas[0]", "expected an object"},
     {POOLX(",'replicas':[{'url':'http://h'}]"), "pools[0].replicas[0].name", "required"},
     {POOLX(",'replicas':[{'name':'r 1','url':'http://h'}]"), "pools[0].replicas[0].name", "must be 1-128 characters"},
+    /* names are parts of admin paths, which are normalised before routing */
+    {POOLX(",'replicas':[{'name':'..','url':'http://h'}]"), "pools[0].replicas[0].name", "'.' or '..' part"},
+    {POOLX(",'replicas':[{'name':'a//b','url':'http://h'}]"), "pools[0].replicas[0].name", "no empty"},
+    {POOLX(",'replicas':[{'name':'x/.','url':'http://h'}]"), "pools[0].replicas[0].name", "between slashes"},
+    {POOLX(",'replicas':[{'name':'z/','url':'http://h'}]"), "pools[0].replicas[0].name", "between slashes"},
+    {POOLX(",'replicas':[{'name':'/z','url':'http://h'}]"), "pools[0].replicas[0].name", "between slashes"},
     {POOLX(",'replicas':[" REPLICA "," REPLICA "]"), "pools[0].replicas[1].name", "duplicate replica name (also replicas[0])"},
     {POOLX(",'replicas':[{'name':'r1'}]"), "pools[0].replicas[0].url", "required"},
     {REPF(",'uri':'x'"), "pools[0].replicas[0].uri", "did you mean \"url\""},
