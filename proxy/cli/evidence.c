@@ -9,10 +9,13 @@
  * answer says picks a URL. The outputs are compared with the shadow comparator (drift/).
  * Requests go one at a time under one deadline: a replay is evidence, not a load test. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -857,8 +860,9 @@ static const dp_args_t replay_spec = {
     .opts = replay_table,
     .nopts = DP_ARRAY_SIZE(replay_table),
     .epilog = "Exit codes: 0 nothing differs, 1 a replay differs (or the request id is not in\n"
-              "the file), 2 usage error or unusable config, 3 the admin API (--admin) could not\n"
-              "be read, or --timeout passed.",
+              "the file), 2 usage error, unusable config, or an audit file that cannot be read\n"
+              "or holds no audit line, 3 the admin API (--admin) could not be read, or\n"
+              "--timeout passed.",
 };
 
 int px_cmd_replay(int argc, char **argv)
@@ -888,9 +892,16 @@ int px_cmd_replay(int argc, char **argv)
         cfg_free(cfg);
         return 2;
     }
-    FILE *f = fopen(audit, "re");
+    /* Opened without blocking (a FIFO would wait for a writer), then looked at. */
+    int fd = open(audit, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    bool regular = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    FILE *f = regular ? fdopen(fd, "r") : NULL;
     if (f == NULL) {
-        fprintf(stderr, "detproxy replay: %s: %s\n", audit, strerror(errno));
+        fprintf(stderr, "detproxy replay: %s: %s\n", px_fetch_safe(0, audit),
+                fd < 0 || regular ? strerror(errno) : "not a regular file");
+        if (fd >= 0)
+            close(fd);
         free(aaddr.host);
         cfg_free(cfg);
         return 2;
@@ -931,10 +942,12 @@ int px_cmd_replay(int argc, char **argv)
             dp_jw_arr_begin(&rp.jw, "results");
         }
         char *line = NULL;
-        size_t cap = 0, found = 0;
+        size_t cap = 0, found = 0, lines = 0, skipped = 0;
         ssize_t n;
         while ((n = getline(&line, &cap, f)) > 0) {
             cJSON *o = cJSON_ParseWithLength(line, (size_t)n);
+            lines++;
+            skipped += !cJSON_IsObject(o); /* a torn last line, or not an audit file at all */
             const char *rid = jstr(o, "request_id");
             int64_t t;
             bool want =
@@ -950,6 +963,13 @@ int px_cmd_replay(int argc, char **argv)
             cJSON_Delete(o);
         }
         free(line);
+        bool unread = ferror(f) != 0;
+        if (unread)
+            fprintf(stderr, "detproxy replay: %s: %s\n", px_fetch_safe(0, audit), strerror(errno));
+        else if (skipped)
+            fprintf(stderr, "detproxy replay: %s: %s%zu of %zu lines are not JSON objects\n",
+                    px_fetch_safe(0, audit),
+                    skipped == lines ? "no audit line: " : "warning: ", skipped, lines);
         if (rp.json) {
             dp_jw_arr_end(&rp.jw);
             dp_jw_obj_begin(&rp.jw, "summary");
@@ -966,7 +986,9 @@ int px_cmd_replay(int argc, char **argv)
                    rp.reproduced, rp.differs, rp.not_replayable,
                    rp.deadline_hit ? " (--timeout passed)" : "");
         }
-        if (id && found == 0) {
+        if (unread || (skipped && skipped == lines)) {
+            rc = 2;
+        } else if (id && found == 0) {
             fprintf(stderr, "detproxy replay: request id %s is not in %s\n", px_fetch_safe(0, id),
                     audit);
             rc = 1;

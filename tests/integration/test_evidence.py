@@ -515,6 +515,32 @@ def test_replay_without_a_replica_of_that_fingerprint():
     px2.stop()
 
 
+def test_replay_of_a_file_that_is_no_audit_file_is_an_error():
+    """A directory, a FIFO or a file of garbage given as --audit: exit 2 with the reason, not
+    "0 replayed" and exit 0 (which a CI gate reads as "nothing differs"); a torn last line
+    beside real ones is a warning only."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "q")
+    px.stop()
+    d = px.dir
+    garbage = os.path.join(d, "garbage.jsonl")
+    with open(garbage, "wb") as f:
+        f.write(b"\x00\xffnot json\n[1,2]\n")
+    fifo = os.path.join(d, "fifo.jsonl")
+    os.mkfifo(fifo)
+    for path, why in ((d, "not a regular file"), (fifo, "not a regular file"),
+                      (garbage, "no audit line: 2 of 2 lines")):
+        rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", path,
+                                "--all"], timeout=20)
+        assert rc == 2 and why in err, (path, rc, out, err)
+    torn = os.path.join(d, "torn.jsonl")
+    with open(px.audit_path, "rb") as f, open(torn, "wb") as g:
+        g.write(f.read() + b'{"request_id":"cut')
+    rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", torn,
+                            "--all"], timeout=60)
+    assert rc == 0 and "warning: 1 of" in err and "1 replayed" in out, (rc, out, err)
+
+
 def test_config_errors():
     d = tempfile.mkdtemp(prefix="detproxy-evidence-")
     cfg = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
