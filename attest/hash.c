@@ -46,7 +46,14 @@ static void errf(dp_buf_t *err, const char *fmt, ...)
     char tmp[1024];
     vsnprintf(tmp, sizeof(tmp), fmt, ap);
     va_end(ap);
-    dp_buf_appends(err, tmp);
+    /* File names are the walked tree's: a control byte in one (a newline, a terminal escape)
+     * is shown as \xNN, so the message stays one line that says only what it says. */
+    for (const unsigned char *p = (const unsigned char *)tmp; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f)
+            dp_buf_printf(err, "\\x%02x", *p);
+        else
+            dp_buf_appendc(err, (char)*p);
+    }
 }
 
 /* Full path of a relpath for messages: what an operator can paste into ls. */

@@ -188,6 +188,18 @@ Test(attest_hash, backslash_in_name_is_refused)
     dp_buf_free(&err);
 }
 
+Test(attest_hash, a_name_with_control_bytes_is_reported_on_one_line)
+{
+    puts_file("x\nerror: forged\x1b[2J", "x");
+    char hex[65];
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_hash_dir(g_dir, NULL, hex, NULL, NULL, &err), -EINVAL);
+    cr_assert(strstr(err.base, "x\\x0aerror: forged\\x1b[2J"), "%s", err.base);
+    for (size_t i = 0; i < err.len; i++)
+        cr_assert((unsigned char)err.base[i] >= 0x20, "a control byte in: %s", err.base);
+    dp_buf_free(&err);
+}
+
 Test(attest_hash, missing_directory_is_an_error)
 {
     char hex[65];
