@@ -1015,8 +1015,13 @@ static const net_header_t no_store[] = {{DP_IOV("Cache-Control"), DP_IOV("no-sto
 
 static void answer_attestation(agent_t *a, net_req_t *req)
 {
-    dp_iovec_t nv;
-    if (!net_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+    char nonce[ATTEST_NONCE_MAX + 1];
+    dp_buf_t nb = {0};
+    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_valid(nb.base, nb.len);
+    if (ok)
+        memcpy(nonce, nb.base, nb.len + 1);
+    dp_buf_free(&nb);
+    if (!ok) {
         net_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
                        "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
         return;
@@ -1048,7 +1053,6 @@ static void answer_attestation(agent_t *a, net_req_t *req)
         dp_buf_free(&msg);
         return;
     }
-    char *nonce = dp_xstrndup(nv.base, nv.len);
     dp_buf_t env = {0}, err = {0};
     if (attest_envelope_for(a->key, &a->ident, nonce, 0, &env, &err) == 0)
         net_resp_send(req, 200, "application/json", env.base, env.len, no_store,
@@ -1056,7 +1060,6 @@ static void answer_attestation(agent_t *a, net_req_t *req)
     else
         net_resp_error(req, 500, "server_error", "signing_failed", NULL,
                        err.base ? err.base : "signing failed", NULL, 0);
-    free(nonce);
     dp_buf_free(&env);
     dp_buf_free(&err);
 }

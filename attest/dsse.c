@@ -596,7 +596,7 @@ int attest_envelope_for_keyfile(const char *key_path, const attest_report_t *r, 
 
 bool attest_nonce_valid(const char *s, size_t n)
 {
-    if (n == 0 || n > 128)
+    if (n == 0 || n > ATTEST_NONCE_MAX)
         return false;
     for (size_t i = 0; i < n; i++) {
         char c = s[i];

@@ -112,8 +112,10 @@ int attest_envelope_for(const attest_key_t *key, const attest_report_t *r, const
 int attest_envelope_for_keyfile(const char *key_path, const attest_report_t *r, const char *nonce,
                                 dp_buf_t *out, dp_buf_t *err);
 
-/* Is this an acceptable nonce for an agent to echo? 1..128 chars of [A-Za-z0-9._~-]: what a
- * query string can carry without escaping, so no decoding ambiguity between proxy and agent. */
+/* Is this an acceptable nonce for an agent to echo? 1..ATTEST_NONCE_MAX chars of
+ * [A-Za-z0-9._~-]: what a query string can carry without escaping, so no decoding ambiguity
+ * between proxy and agent. */
+#define ATTEST_NONCE_MAX 128
 bool attest_nonce_valid(const char *s, size_t n);
 
 #endif

@@ -2217,22 +2217,40 @@ const net_header_t *net_req_header(const net_req_t *req, const char *name)
     return NULL;
 }
 
-bool net_req_query(const net_req_t *req, const char *name, dp_iovec_t *out)
+int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out)
 {
     dp_iovec_t q = req->query;
     size_t nl = strlen(name);
     size_t i = 0;
+    dp_buf_reset(out);
     while (i < q.len) {
         size_t end = i;
         while (end < q.len && q.base[end] != '&')
             end++;
         if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
-            *out = (dp_iovec_t){q.base + i + nl + 1, end - i - nl - 1};
-            return true;
+            dp_buf_reserve(out, end - i);
+            for (size_t k = i + nl + 1; k < end; k++) {
+                char ch = q.base[k];
+                if (ch == '%') {
+                    if (end - k < 3)
+                        return -1;
+                    int h = dp_hexval((unsigned char)q.base[k + 1]),
+                        l = dp_hexval((unsigned char)q.base[k + 2]);
+                    if (h < 0 || l < 0)
+                        return -1;
+                    ch = (char)(h << 4 | l);
+                    k += 2;
+                } else if (ch == '+') {
+                    ch = ' '; /* as a form encodes a space */
+                }
+                out->base[out->len++] = ch;
+            }
+            out->base[out->len] = '\0';
+            return 1;
         }
         i = end + 1;
     }
-    return false;
+    return 0;
 }
 
 void net_req_pause_body(net_req_t *req)

@@ -173,9 +173,10 @@ void net_server_return_body_budget(net_server_t *s, uint64_t bytes);
 /* Case-insensitive header look-up; the first match or NULL. Count of matches in *count if set. */
 const net_header_t *net_req_header(const net_req_t *req, const char *name);
 
-/* The raw (undecoded) value of query parameter `name` ("a=1&b=2"): true and *out set when
- * present. */
-bool net_req_query(const net_req_t *req, const char *name, dp_iovec_t *out);
+/* The value of query parameter `name` ("a=1&b=2"), percent-decoded ('+' read as a space, as
+ * forms encode it) into out, which is reset first and NUL-terminated: 1 when present, 0 when
+ * absent, -1 when an escape is malformed. */
+int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out);
 
 /* NET_BODY_STREAM backpressure: stop / restart reading the client's body. */
 void net_req_pause_body(net_req_t *req);

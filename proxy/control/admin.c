@@ -121,6 +121,28 @@ static void replicas(px_t *px, net_req_t *req)
     send_json(req, 200, &b);
 }
 
+/* Query parameter name, decoded into out: 1 present, 0 absent; -1 when it is malformed (then
+ * answered 400). */
+static int query(net_req_t *req, const char *name, dp_buf_t *out)
+{
+    int rc = net_req_query(req, name, out);
+    if (rc < 0) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "the query's %s has a malformed %%-escape", name);
+        net_resp_error(req, 400, NULL, "bad_request", name, msg, NULL, 0);
+    }
+    return rc;
+}
+
+/* Is a pool of the running configuration named name? */
+static bool pool_named(const px_t *px, const dp_buf_t *name)
+{
+    for (size_t i = 0; i < px->gen->npools; i++)
+        if (strcmp(px->gen->pools[i].name, name->base) == 0)
+            return true;
+    return false;
+}
+
 /* POST /admin/replicas/NAME/drain | /enable [?pool=P]: every replica of that name (in pool P
  * only, with ?pool). Answers the replicas changed, 404 when none has the name. */
 static bool replica_admin(px_t *px, net_req_t *req)
@@ -149,15 +171,20 @@ static bool replica_admin(px_t *px, net_req_t *req)
         net_resp_error(req, 405, NULL, "method_not_allowed", NULL, "use POST", NULL, 0);
         return true;
     }
-    dp_iovec_t only = {0};
-    bool by_pool = net_req_query(req, "pool", &only);
+    dp_buf_t only = {0}, why = {0};
+    int by_pool = query(req, "pool", &only);
     /* ?reason=TEXT: recorded with the drain where the fleet shows it (docs/fleet.md). */
-    dp_iovec_t why = {0};
+    int has_why = by_pool < 0 ? -1 : query(req, "reason", &why);
     char reason[128];
-    if (net_req_query(req, "reason", &why) && why.len > 0)
-        snprintf(reason, sizeof(reason), "%.*s", (int)why.len, why.base);
+    if (has_why > 0 && why.len > 0)
+        snprintf(reason, sizeof(reason), "%s", why.base);
     else
         snprintf(reason, sizeof(reason), "operator %s", drain ? "drain" : "enable");
+    dp_buf_free(&why);
+    if (by_pool < 0 || has_why < 0) {
+        dp_buf_free(&only);
+        return true;
+    }
     dp_buf_t b = {0};
     dp_jw_t w;
     dp_jw_init(&w, &b);
@@ -166,8 +193,7 @@ static bool replica_admin(px_t *px, net_req_t *req)
     size_t n = 0;
     for (size_t i = 0; i < px->gen->npools; i++) {
         px_pool_t *pool = &px->gen->pools[i];
-        if (by_pool &&
-            !(strlen(pool->name) == only.len && memcmp(pool->name, only.base, only.len) == 0))
+        if (by_pool && strcmp(pool->name, only.base) != 0)
             continue;
         for (size_t k = 0; k < pool->nreplicas; k++) {
             px_replica_t *r = pool->replicas[k];
@@ -185,13 +211,14 @@ static bool replica_admin(px_t *px, net_req_t *req)
     dp_jw_obj_end(&w);
     if (n == 0) {
         dp_buf_free(&b);
-        dp_buf_printf(&b, "no replica is named %.*s%s%.*s", (int)nl, name,
-                      by_pool ? " in pool " : "", (int)only.len, only.base);
+        dp_buf_printf(&b, "no replica is named %.*s%s%s", (int)nl, name, by_pool ? " in pool " : "",
+                      by_pool ? only.base : "");
         net_resp_error(req, 404, NULL, "replica_not_found", NULL, b.base, NULL, 0);
         dp_buf_free(&b);
-        return true;
+    } else {
+        send_json(req, 200, &b);
     }
-    send_json(req, 200, &b);
+    dp_buf_free(&only);
     return true;
 }
 
@@ -238,16 +265,20 @@ static int authorize(px_t *px, net_req_t *req)
  * pool P) start over; 404 when no pool is named P. */
 static void drift_reset(px_t *px, net_req_t *req)
 {
-    dp_iovec_t only = {0};
-    bool by_pool = net_req_query(req, "pool", &only);
+    dp_buf_t only = {0};
+    int by_pool = query(req, "pool", &only);
+    if (by_pool < 0)
+        return;
     dp_buf_t b = {0};
     if (px_shadow_drift_reset(px, by_pool ? only.base : NULL, only.len, &b) != 0) {
         dp_buf_free(&b);
-        dp_buf_printf(&b, "no pool is named %.*s", (int)only.len, only.base ? only.base : "");
+        dp_buf_printf(&b, "no pool is named %s", only.base ? only.base : "");
         net_resp_error(req, 404, NULL, "pool_not_found", NULL, b.base, NULL, 0);
         dp_buf_free(&b);
+        dp_buf_free(&only);
         return;
     }
+    dp_buf_free(&only);
     send_json(req, 200, &b);
 }
 
@@ -272,13 +303,21 @@ static int extra_route(px_t *px, net_req_t *req)
         return 0;
     }
     if (path_is(req, "/admin/rollouts") && (req->method == 1 || req->method == 2)) {
-        dp_iovec_t only = {0};
-        bool by_pool = net_req_query(req, "pool", &only);
-        dp_buf_t b = {0};
-        px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
-        px_fleet_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
-        net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
-        dp_buf_free(&b);
+        dp_buf_t only = {0};
+        int by_pool = query(req, "pool", &only);
+        if (by_pool > 0 && !pool_named(px, &only)) {
+            dp_buf_t m = {0};
+            dp_buf_printf(&m, "no pool is named %s", only.base);
+            net_resp_error(req, 404, NULL, "pool_not_found", NULL, m.base, NULL, 0);
+            dp_buf_free(&m);
+        } else if (by_pool >= 0) {
+            dp_buf_t b = {0};
+            px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+            px_fleet_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
+            net_resp_send(req, 200, "application/json", b.base, b.len, NULL, 0);
+            dp_buf_free(&b);
+        }
+        dp_buf_free(&only);
         return 0;
     }
     if (path_is(req, "/admin/drift/reset")) {

@@ -480,9 +480,15 @@ def test_drain_and_enable_without_reload():
     assert_openai_error(http("POST", px.admin_port, "/admin/replicas/r1/drain?pool=q"), 404,
                         "replica_not_found")
     assert http("GET", px.admin_port, "/admin/replicas/r1/drain").status == 405
+    # Query values are percent-decoded, as URL libraries encode them; a bad escape is a 400.
+    assert_openai_error(http("POST", px.admin_port, "/admin/replicas/r1/drain?pool=%7A"), 404,
+                        "replica_not_found")
+    assert_openai_error(http("POST", px.admin_port, "/admin/replicas/r1/drain?pool=%zz"), 400)
+    assert_openai_error(http("GET", px.admin_port, "/admin/rollouts?pool=q"), 404,
+                        "pool_not_found")
     # Both drained: 503 that says so; enable brings it back.
     other_name = "r2" if inflight_on == "r1" else "r1"
-    assert http("POST", px.admin_port, "/admin/replicas/%s/drain?pool=p" % other_name).status \
+    assert http("POST", px.admin_port, "/admin/replicas/%s/drain?pool=%%70" % other_name).status \
         == 200
     r = post_json(px.port, "/v1/completions", completion())
     assert_openai_error(r, 503, "all_replicas_drained")

@@ -645,8 +645,13 @@ static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
 
 static void handle_attestation(sim_t *s, net_req_t *req)
 {
-    dp_iovec_t nv;
-    if (!net_req_query(req, "nonce", &nv) || !attest_nonce_valid(nv.base, nv.len)) {
+    char nonce[ATTEST_NONCE_MAX + 1];
+    dp_buf_t nb = {0};
+    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_valid(nb.base, nb.len);
+    if (ok)
+        memcpy(nonce, nb.base, nb.len + 1);
+    dp_buf_free(&nb);
+    if (!ok) {
         send_error(req, 400, "invalid_request_error", "nonce",
                    "nonce must be 1..128 characters of [A-Za-z0-9._~-]");
         return;
@@ -675,13 +680,11 @@ static void handle_attestation(sim_t *s, net_req_t *req)
     default:
         break;
     }
-    char *nonce = dp_xstrndup(nv.base, nv.len);
     dp_buf_t out = {0}, err = {0};
     if (sim_attest_envelope(s->key, &s->id, nonce, s->attest_fault, &out, &err) == 0)
         send_json(req, 200, &out);
     else
         send_error(req, 500, "server_error", NULL, err.base ? err.base : "signing failed");
-    free(nonce);
     dp_buf_free(&out);
     dp_buf_free(&err);
 }

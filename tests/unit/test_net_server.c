@@ -23,8 +23,9 @@ static int64_t g_content_length;
 static bool g_chunked;
 static size_t g_body_cap; /* the buffered body's capacity when its request completed */
 static char g_path[256];
-static dp_iovec_t g_query_b;
+static dp_buf_t g_query_b;
 static bool g_has_query_b;
+static int g_query_c; /* net_req_query's answer for "c" */
 static char g_hdr_value[64];
 
 /* /big: a response far larger than the socket buffers, written while under high water. */
@@ -62,7 +63,10 @@ static net_body_mode_t h_head(net_req_t *r)
     g_content_length = r->content_length;
     g_chunked = r->chunked;
     snprintf(g_path, sizeof(g_path), "%.*s", (int)r->path.len, r->path.base);
-    g_has_query_b = net_req_query(r, "b", &g_query_b);
+    g_has_query_b = net_req_query(r, "b", &g_query_b) == 1;
+    dp_buf_t c = {0};
+    g_query_c = net_req_query(r, "c", &c);
+    dp_buf_free(&c);
     const net_header_t *h = net_req_header(r, "x-test");
     snprintf(g_hdr_value, sizeof(g_hdr_value), "%.*s", h ? (int)h->value.len : 0,
              h ? h->value.base : "");
@@ -622,8 +626,15 @@ Test(net_server, target_is_normalised_and_query_and_headers_are_found)
     cr_assert(g_has_query_b);
     cr_assert_eq(g_query_b.len, 1);
     cr_assert_eq(g_query_b.base[0], '3');
+    cr_assert_eq(g_query_c, 0);
     cr_assert_str_eq(g_hdr_value, "yes");
+    /* values are percent-decoded, '+' as a space; a malformed escape is said to be one */
+    raw_sends(&c, "GET /v1/chat?b=llama%3A8b%2Fv2+x&c=%4 HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/v1/chat") == 2);
+    cr_assert_str_eq(g_query_b.base, "llama:8b/v2 x");
+    cr_assert_eq(g_query_c, -1);
     raw_close(&c);
+    dp_buf_free(&g_query_b);
 }
 
 Test(net_server, connections_beyond_max_connections_are_closed_at_once)
