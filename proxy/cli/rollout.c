@@ -24,7 +24,10 @@
 typedef struct {
     const char *config, *pool, *candidate, *admin;
     bool json, fleet;
+    uint64_t timeout_s;
 } rollout_opts_t;
+
+#define ROLLOUT_TIMEOUT_S 30
 
 static const dp_arg_t rollout_table[] = {
     {.name = "--config",
@@ -57,12 +60,20 @@ static const dp_arg_t rollout_table[] = {
      .off = offsetof(rollout_opts_t, admin),
      .meta = "HOST:PORT",
      .help = "the admin API, when admin_listen does not say (port 0)"},
+    {.name = "--timeout",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(rollout_opts_t, timeout_s),
+     .meta = "SECONDS",
+     .min = 1,
+     .max = 86400,
+     .help = "give up on an admin API that has not answered by then (default 30):\n"
+             "a gate does not wait on a wedged proxy"},
 };
 
 static const dp_args_t rollout_spec = {
     .prog = CMD,
     .usage = "detproxy rollout report -c CONFIG [--pool P] [--candidate C] [--fleet]\n"
-             "                               [--json] [--admin HOST:PORT]",
+             "                               [--json] [--admin HOST:PORT] [--timeout S]",
     .about = "Candidate pools (a pool's \"candidates\") judged against the baseline pool's own\n"
              "noise, read from the running proxy's GET /admin/rollouts: per candidate and per\n"
              "tenant, samples, exact-match rate, mean similarity, median divergence offset and\n"
@@ -71,8 +82,9 @@ static const dp_args_t rollout_spec = {
     .opts = rollout_table,
     .nopts = DP_ARRAY_SIZE(rollout_table),
     .epilog = "Exit codes: 0 no candidate diverges (--candidate: that one does not), 1 one\n"
-              "does, 2 usage error, 3 the admin API could not be read or did not answer with\n"
-              "a rollouts array (--fleet: the proxy is in no fleet).",
+              "does, 2 usage error, 3 the admin API could not be read, did not answer within\n"
+              "--timeout, or did not answer with a rollouts array (--fleet: the proxy is in no\n"
+              "fleet).",
 };
 
 static const char *str(const cJSON *o, const char *k)
@@ -239,6 +251,7 @@ int px_cmd_rollout(int argc, char **argv)
     snprintf(target, sizeof(target), "/admin/rollouts%s%s", pool ? "?pool=" : "", pool ? pool : "");
     px_fetch_t w;
     px_fetch_init(&w);
+    w.deadline_ns = dp_now_ns() + (o.timeout_s ? o.timeout_s : ROLLOUT_TIMEOUT_S) * 1000000000ull;
     int rc = 3;
     if (px_fetch_admin_get(&w, CMD, cfg, &addr, target) == 0) {
         cJSON *all = cJSON_ParseWithLength(w.body.base, w.body.len);

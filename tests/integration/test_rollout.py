@@ -236,6 +236,17 @@ def test_report_errors():
     assert rc == 3 and "is the proxy running?" in err, (rc, err)
     rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", path])
     assert rc == 2 and "--admin" in err, err  # admin_listen has port 0
+    # An admin port that takes the connection and never answers: the gate gives up at its
+    # --timeout (default 30 s), not at the config's 600 s first-byte timeout.
+    import socket
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(4)
+    t0 = time.monotonic()
+    rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "-c", path, "--timeout", "1",
+                          "--admin", "127.0.0.1:%d" % wedged.getsockname()[1]], timeout=30)
+    assert rc == 3 and "--timeout passed" in err and time.monotonic() - t0 < 10 * SLOW, (rc, err)
+    wedged.close()
     rc, _, err = run_cmd([DETPROXY_BIN, "rollout", "report", "--bogus"])
     assert rc == 2, err
     # A missing or unknown subcommand is one line naming it, as for audit.
