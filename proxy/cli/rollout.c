@@ -236,8 +236,13 @@ int px_cmd_rollout(int argc, char **argv)
         cfg_free(cfg);
         return 2;
     }
-    if (cand && cfg_pool_by_name(cfg, cand) == NULL) {
-        fprintf(stderr, CMD ": --candidate %s: the configuration has no pool of that name\n", cand);
+    const cfg_pool_t *cp = cand ? cfg_pool_by_name(cfg, cand) : NULL;
+    if (cand && (cp == NULL || !cp->is_candidate)) {
+        /* A gate on a pool no pool tries as its candidate (a typo of another name) would pass
+         * without judging anything. */
+        fprintf(stderr, CMD ": --candidate %s: %s\n", px_fetch_safe(0, cand),
+                cp ? "no pool names it in its candidates"
+                   : "the configuration has no pool of that name");
         cfg_free(cfg);
         return 2;
     }

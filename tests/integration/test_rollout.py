@@ -228,6 +228,9 @@ def test_report_errors():
     assert rc == 0 and "no pool has candidates" in out, (rc, out, err)
     rc, out, err = report(px, "--pool", "nope")
     assert rc == 2 and "no pool of that name" in err, (rc, err)
+    # A pool that is no pool's candidate: a gate on it would judge nothing and pass.
+    rc, out, err = report(px, "--candidate", "p")
+    assert rc == 2 and "no pool names it in its candidates" in err, (rc, err)
     port = px.admin_port
     path = px.config_path
     px.stop()
