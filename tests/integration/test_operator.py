@@ -479,7 +479,13 @@ def test_drain_and_enable_without_reload():
                         "replica_not_found")
     assert_openai_error(http("POST", px.admin_port, "/admin/replicas/r1/drain?pool=q"), 404,
                         "replica_not_found")
-    assert http("GET", px.admin_port, "/admin/replicas/r1/drain").status == 405
+    r = http("GET", px.admin_port, "/admin/replicas/r1/drain")
+    assert r.status == 405 and r.headers["allow"] == "POST", r
+    # A read-only route asked with another method: 405 naming what it takes, not a 404.
+    for path in ("/admin/replicas", "/admin/config", "/metrics", "/readyz", "/admin/rollouts"):
+        r = http("POST", px.admin_port, path, body={})
+        assert r.status == 405 and r.headers["allow"] == "GET, HEAD", (path, r)
+    assert http("DELETE", px.admin_port, "/admin/nothing").status == 404
     # Query values are percent-decoded, as URL libraries encode them; a bad escape is a 400.
     assert_openai_error(http("POST", px.admin_port, "/admin/replicas/r1/drain?pool=%7A"), 404,
                         "replica_not_found")
