@@ -623,7 +623,7 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
         }
     }
     if (rc == 0 && ferror(f)) {
-        dp_buf_appends(why, "read error");
+        dp_buf_printf(why, "read error: %s", strerror(errno)); /* e.g. a directory: EISDIR */
         rc = -1;
     }
     free(line);

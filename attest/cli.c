@@ -245,8 +245,10 @@ static const dp_args_t verify_spec = {
         "stdin.",
     .opts = verify_table,
     .nopts = DP_ARRAY_SIZE(verify_table),
-    .epilog = "Exit codes: 0 verified (and matched), 1 verification or manifest match failed or\n"
-              "a contradiction is listed, 2 usage error, 3 a file could not be read or parsed.",
+    .epilog = "Exit codes: 0 verified (and matched), 1 verification or manifest match failed\n"
+              "(an envelope that is not one, garbage included) or a contradiction is listed,\n"
+              "2 usage error, 3 a file could not be read, or a --manifest or --pubkey could not\n"
+              "be parsed.",
 };
 
 static int read_input(const char *path, size_t max, dp_buf_t *out)
