@@ -2603,3 +2603,11 @@ int net_resp_error(net_req_t *req, int status, const char *type, const char *cod
     dp_buf_free(&b);
     return r;
 }
+
+int net_resp_method_not_allowed(net_req_t *req, const char *allow)
+{
+    const net_header_t h = {DP_IOV("allow"), {allow, strlen(allow)}};
+    char msg[64];
+    snprintf(msg, sizeof(msg), "use %s", allow);
+    return net_resp_error(req, 405, NULL, "method_not_allowed", NULL, msg, &h, 1);
+}

@@ -214,6 +214,10 @@ int net_resp_error(net_req_t *req, int status, const char *type, const char *cod
                    const char *param, const char *message, const net_header_t *extra,
                    size_t nextra);
 
+/* 405 for a method the route does not take, with the Allow header (RFC 9110 §15.5.6) naming
+ * what it takes, e.g. "GET, HEAD". */
+int net_resp_method_not_allowed(net_req_t *req, const char *allow);
+
 /* Format the OpenAI error body into out (shared with code that sends errors by other means). */
 void net_error_body(dp_buf_t *out, const char *type, const char *code, const char *param,
                     const char *message);

@@ -168,7 +168,7 @@ static bool replica_admin(px_t *px, net_req_t *req)
     else
         return false;
     if (req->method != 3 /* POST */) {
-        px_admin_method_not_allowed(req, "POST");
+        net_resp_method_not_allowed(req, "POST");
         return true;
     }
     dp_buf_t only = {0}, why = {0};
@@ -286,7 +286,7 @@ static int extra_route(px_t *px, net_req_t *req)
 {
     if (path_is(req, "/admin/reload")) {
         if (req->method != 3 /* POST */) {
-            px_admin_method_not_allowed(req, "POST");
+            net_resp_method_not_allowed(req, "POST");
             return 0;
         }
         dp_buf_t msg = {0};
@@ -322,7 +322,7 @@ static int extra_route(px_t *px, net_req_t *req)
     }
     if (path_is(req, "/admin/drift/reset")) {
         if (req->method != 3 /* POST */) {
-            px_admin_method_not_allowed(req, "POST");
+            net_resp_method_not_allowed(req, "POST");
             return 0;
         }
         drift_reset(px, req);
@@ -359,14 +359,6 @@ static void metrics(px_t *px, net_req_t *req)
     px_metrics_render(&b);
     net_resp_send(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.base, b.len, NULL, 0);
     dp_buf_free(&b);
-}
-
-void px_admin_method_not_allowed(net_req_t *req, const char *allow)
-{
-    const net_header_t h = {DP_IOV("allow"), {allow, strlen(allow)}};
-    char msg[64];
-    snprintf(msg, sizeof(msg), "use %s", allow);
-    net_resp_error(req, 405, NULL, "method_not_allowed", NULL, msg, &h, 1);
 }
 
 /* The routes that only read: any other method is a 405 on them, not a 404. */
@@ -432,7 +424,7 @@ static void on_complete(net_req_t *req)
     else if (extra_route(px, req) == 0)
         return;
     else if (is_read_route(req))
-        px_admin_method_not_allowed(req, "GET, HEAD");
+        net_resp_method_not_allowed(req, "GET, HEAD");
     else
         net_resp_error(req, 404, NULL, "not_found", NULL, "no such admin endpoint", NULL, 0);
 }

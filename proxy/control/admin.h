@@ -13,8 +13,4 @@ extern const net_handler_t px_admin_handler;
 /* One replica as JSON (/admin/replicas). */
 void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r);
 
-/* 405 for a method the route does not take, with the Allow header (RFC 9110 §15.5.6) naming
- * what it takes, e.g. "GET, HEAD". */
-void px_admin_method_not_allowed(net_req_t *req, const char *allow);
-
 #endif

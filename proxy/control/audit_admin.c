@@ -5,7 +5,6 @@
 
 #include "common/buf.h"
 #include "config/config.h"
-#include "proxy/control/admin.h"
 #include "proxy/control/fleet.h"
 #include "proxy/core/gen.h"
 #include "proxy/obs/audit.h"
@@ -48,7 +47,7 @@ bool px_audit_admin_route(px_t *px, net_req_t *req)
     if (req->path.len != sizeof(path) - 1 || memcmp(req->path.base, path, sizeof(path) - 1) != 0)
         return false;
     if (req->method != 1 /* GET */ && req->method != 2 /* HEAD */) {
-        px_admin_method_not_allowed(req, "GET, HEAD");
+        net_resp_method_not_allowed(req, "GET, HEAD");
         return true;
     }
     if (px->audit == NULL) {

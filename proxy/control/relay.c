@@ -22,7 +22,6 @@
 #include "common/util.h"
 #include "net/fetch.h"
 #include "policy/policy.h"
-#include "proxy/control/admin.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/self.h"
@@ -255,7 +254,7 @@ bool px_relay_route(px_t *px, net_req_t *req)
      * could pass on whole. */
     const char *method = req->method == 1 ? "GET" : req->method == 3 ? "POST" : NULL;
     if (method == NULL) {
-        px_admin_method_not_allowed(req, "GET, POST");
+        net_resp_method_not_allowed(req, "GET, POST");
         return true;
     }
     px_pool_t *pool = px_gen_pool_by_name(px->gen, pool_name);
