@@ -2239,6 +2239,8 @@ int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out)
                     if (h < 0 || l < 0)
                         return -1;
                     ch = (char)(h << 4 | l);
+                    if (ch == '\0')
+                        return -1; /* no name or text holds one: it would cut the value short */
                     k += 2;
                 } else if (ch == '+') {
                     ch = ' '; /* as a form encodes a space */

@@ -175,7 +175,7 @@ const net_header_t *net_req_header(const net_req_t *req, const char *name);
 
 /* The value of query parameter `name` ("a=1&b=2"), percent-decoded ('+' read as a space, as
  * forms encode it) into out, which is reset first and NUL-terminated: 1 when present, 0 when
- * absent, -1 when an escape is malformed. */
+ * absent, -1 when an escape is malformed or is %00. out may hold memory in every case. */
 int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out);
 
 /* NET_BODY_STREAM backpressure: stop / restart reading the client's body. */

@@ -115,8 +115,10 @@ int policy_fp_rewrite_json(const char *body, size_t len, const char *fp, dp_buf_
                                        .val_type = v->type});
         }
     } else if (!jdoc_over_budget(&d) || jdoc_scan_top(&d, body, len, fp_member, &r, &members) < 0) {
+        /* The scan may have met the key before it met the error: nothing of it stays. */
         jdoc_free(&d);
         dp_buf_reset(out);
+        prev[0] = '\0';
         return 0;
     }
     jdoc_free(&d);

@@ -267,8 +267,10 @@ static void drift_reset(px_t *px, net_req_t *req)
 {
     dp_buf_t only = {0};
     int by_pool = query(req, "pool", &only);
-    if (by_pool < 0)
+    if (by_pool < 0) {
+        dp_buf_free(&only);
         return;
+    }
     dp_buf_t b = {0};
     if (px_shadow_drift_reset(px, by_pool ? only.base : NULL, only.len, &b) != 0) {
         dp_buf_free(&b);

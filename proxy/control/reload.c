@@ -2,6 +2,7 @@
  * keep the old one and say why. On success new requests use the new generation while in-flight
  * ones finish on the old; replicas whose definition is unchanged are carried over with their
  * attestation state and keep-alive connections. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -34,6 +35,13 @@ static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
 static bool addr_eq(const cfg_addr_t *a, const cfg_addr_t *b)
 {
     return a->port == b->port && strcmp(a->host, b->host) == 0;
+}
+
+static void addr_keep(cfg_addr_t *to, const cfg_addr_t *from)
+{
+    free(to->host);
+    to->host = dp_xstrdup(from->host);
+    to->port = from->port;
 }
 
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
@@ -90,6 +98,11 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     if (!addr_eq(&cfg->listen, &old->listen) || !addr_eq(&cfg->admin_listen, &old->admin_listen))
         dp_log_msg(DP_LOG_WARN, "reload_listen_unchanged",
                    "listen/admin_listen changes take effect only after a restart");
+    /* Each generation carries the addresses the listeners are bound to, not the file's: the
+     * token rule above is checked against them (two reloads, one moving the address and one
+     * dropping the token, would otherwise get past it), and /admin/config shows what runs. */
+    addr_keep(&cfg->listen, &old->listen);
+    addr_keep(&cfg->admin_listen, &old->admin_listen);
     bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
                        (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
     px_gen_t *prev = px->gen;

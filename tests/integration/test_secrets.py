@@ -359,7 +359,13 @@ def test_a_reload_cannot_remove_the_token_of_a_listener_bound_beyond_loopback():
                      admin_token_file=write_secret(d, "admin-token", tok))
     with open(px.config_path) as f:
         cfg = json.load(f)
+    # First a reload that only moves the address (accepted, the listener stays where it is),
+    # then one that drops the token: the rule is the bound address's, not the last file's.
     cfg["admin_listen"] = "127.0.0.1:%d" % px.admin_port
+    with open(px.config_path, "w") as f:
+        json.dump(cfg, f)
+    assert admin(px, "POST", "/admin/reload", tok).status == 200
+    assert admin(px, "GET", "/admin/config", tok).json()["admin_listen"].startswith("0.0.0.0:")
     del cfg["admin_token_file"]
     with open(px.config_path, "w") as f:
         json.dump(cfg, f)

@@ -57,6 +57,20 @@ Test(fp_json, leaves_non_json_alone)
         cr_assert_eq(out.len, 0);
         dp_buf_free(&out);
     }
+    /* Too large for the tape on the stack, and broken after its key: no value reported, as for
+     * a small broken body. */
+    dp_buf_t big = {0}, out = {0};
+    dp_buf_appends(&big, "{\"system_fingerprint\":\"fp_replica\",\"a\":[");
+    for (int i = 0; i < 300; i++)
+        dp_buf_appends(&big, "0,");
+    dp_buf_appends(&big, "0]"); /* no closing brace */
+    char prev[POLICY_FP_PREV_MAX];
+    memset(prev, 'Z', sizeof(prev));
+    cr_assert_eq(policy_fp_rewrite_json(big.base, big.len, FP, &out, prev, NULL), 0);
+    cr_assert_str_eq(prev, "");
+    cr_assert_eq(out.len, 0);
+    dp_buf_free(&big);
+    dp_buf_free(&out);
 }
 
 Test(fp_json, long_previous_value_truncated)
