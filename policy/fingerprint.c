@@ -341,6 +341,19 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
     } while (0)
     while (i < n) {
         unsigned char c = b[i];
+        if (!s->started) {
+            /* A BOM that starts the stream is dropped by the client's decoder (the WHATWG
+             * event-stream rules): the first line starts after it, whatever comes next. It passes
+             * on as it came. */
+            if (s->bom < 3 && c == (unsigned char)"\xEF\xBB\xBF"[s->bom]) {
+                s->started = ++s->bom == 3;
+                i++;
+                continue;
+            }
+            s->started = true;
+            if (s->bom > 0)
+                s->line = L_OTHER; /* part of one: decoded as U+FFFD, the line is no field */
+        }
         if (c == '\n' || c == '\r') {
             bool crlf = c == '\n' && s->last_cr;
             s->last_cr = c == '\r';
@@ -367,18 +380,6 @@ ssize_t policy_sse_fp_feed(policy_sse_fp_t *s, const char *p, size_t n, dp_buf_t
             continue;
         }
         s->last_cr = false;
-        if (!s->started) {
-            /* A BOM that starts the stream is dropped by the client's decoder (the WHATWG
-             * event-stream rules): the line starts after it. It passes on as it came. */
-            if (s->bom < 3 && c == (unsigned char)"\xEF\xBB\xBF"[s->bom]) {
-                s->started = ++s->bom == 3;
-                i++;
-                continue;
-            }
-            s->started = true;
-            if (s->bom > 0)
-                s->line = L_OTHER; /* part of one: decoded as U+FFFD, the line is no field */
-        }
         if (s->line == L_START) {
             if (c == (unsigned char)"data:"[s->pfx]) {
                 if (++s->pfx == 5)

@@ -295,6 +295,18 @@ Test(fp_sse, a_bom_that_starts_the_stream_is_passed_over)
                        "data: 1\n\n\xEF\xBB\xBF"
                        "data: {\"system_fingerprint\":\"R\"}\n\n",
                        "BOM later");
+    /* a stream's first byte decides: a line break, then a BOM, makes a line that is no field */
+    expect_every_split("\n\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "\n\xEF\xBB\xBF"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "BOM after a line");
+    /* part of a BOM, then a line break: that line is no field, the next one is read */
+    expect_every_split("\xEF\xBB\n"
+                       "data: {\"system_fingerprint\":\"R\"}\n\n",
+                       "\xEF\xBB\n"
+                       "data: {\"system_fingerprint\":\"" FP "\"}\n\n",
+                       "part, then a line");
     expect_every_split("\xEF\xBB"
                        "data: {\"system_fingerprint\":\"R\"}\n\n"
                        "data: {\"system_fingerprint\":\"R\"}\n\n",
