@@ -583,9 +583,13 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
                       dp_buf_t *why)
 {
     memset(r, 0, sizeof(*r));
-    FILE *f = fopen(path, "re");
+    int fd = dp_open_input(path);
+    FILE *f = fd >= 0 ? fdopen(fd, "r") : NULL;
     if (f == NULL) {
-        dp_buf_appends(why, strerror(errno));
+        dp_buf_appends(why, fd == -EINVAL ? "not a regular file or a pipe"
+                                          : strerror(fd < 0 ? -fd : errno));
+        if (fd >= 0)
+            close(fd);
         return -1;
     }
     char prev[65];

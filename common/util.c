@@ -334,6 +334,24 @@ bool dp_memieq(const char *a, const char *b, size_t n)
     return true;
 }
 
+int dp_open_input(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0)
+        return -errno;
+    struct stat st;
+    int rc = fstat(fd, &st) != 0 ? -errno : 0;
+    if (rc == 0 && !S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+        rc = -EINVAL;
+    if (rc == 0 && S_ISFIFO(st.st_mode) && fcntl(fd, F_SETFL, O_RDONLY) != 0)
+        rc = -errno;
+    if (rc != 0) {
+        close(fd);
+        return rc;
+    }
+    return fd;
+}
+
 int dp_read_file(const char *path, size_t max, dp_buf_t *out)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);

@@ -88,6 +88,12 @@ static inline bool dp_strieq(const char *a, size_t alen, const char *b)
     return alen == __builtin_strlen(b) && dp_memieq(a, b, alen);
 }
 
+/* Open path to read it as an input: a regular file or a pipe (a FIFO, a shell's process
+ * substitution). Opened without blocking (a FIFO with no writer would hang the open), looked
+ * at, and a pipe set back to blocking reads. The descriptor (O_CLOEXEC), or -errno; -EINVAL for
+ * another kind of file (a directory, a device such as /dev/zero, which never ends). */
+int dp_open_input(const char *path);
+
 /* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);
 /* The same from an open descriptor (not closed here). */

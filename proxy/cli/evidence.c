@@ -9,12 +9,10 @@
  * answer says picks a URL. The outputs are compared with the shadow comparator (drift/).
  * Requests go one at a time under one deadline: a replay is evidence, not a load test. */
 #include <errno.h>
-#include <fcntl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -892,14 +890,11 @@ int px_cmd_replay(int argc, char **argv)
         cfg_free(cfg);
         return 2;
     }
-    /* Opened without blocking (a FIFO would wait for a writer), then looked at. */
-    int fd = open(audit, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    struct stat st;
-    bool regular = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-    FILE *f = regular ? fdopen(fd, "r") : NULL;
+    int fd = dp_open_input(audit);
+    FILE *f = fd >= 0 ? fdopen(fd, "r") : NULL;
     if (f == NULL) {
         fprintf(stderr, "detproxy replay: %s: %s\n", px_fetch_safe(0, audit),
-                fd < 0 || regular ? strerror(errno) : "not a regular file");
+                fd == -EINVAL ? "not a regular file or a pipe" : strerror(fd < 0 ? -fd : errno));
         if (fd >= 0)
             close(fd);
         free(aaddr.host);
@@ -942,13 +937,14 @@ int px_cmd_replay(int argc, char **argv)
             dp_jw_arr_begin(&rp.jw, "results");
         }
         char *line = NULL;
-        size_t cap = 0, found = 0, lines = 0, skipped = 0;
+        size_t cap = 0, found = 0, lines = 0, skipped = 0, audited = 0;
         ssize_t n;
         while ((n = getline(&line, &cap, f)) > 0) {
             cJSON *o = cJSON_ParseWithLength(line, (size_t)n);
             lines++;
             skipped += !cJSON_IsObject(o); /* a torn last line, or not an audit file at all */
             const char *rid = jstr(o, "request_id");
+            audited += rid && !cJSON_GetObjectItemCaseSensitive(o, "checkpoint");
             int64_t t;
             bool want =
                 cJSON_IsObject(o) && !cJSON_GetObjectItemCaseSensitive(o, "checkpoint") && rid &&
@@ -966,10 +962,14 @@ int px_cmd_replay(int argc, char **argv)
         bool unread = ferror(f) != 0;
         if (unread)
             fprintf(stderr, "detproxy replay: %s: %s\n", px_fetch_safe(0, audit), strerror(errno));
+        else if (audited == 0)
+            fprintf(stderr,
+                    "detproxy replay: %s: no audit line (%zu lines, %zu of them not JSON "
+                    "objects)\n",
+                    px_fetch_safe(0, audit), lines, skipped);
         else if (skipped)
-            fprintf(stderr, "detproxy replay: %s: %s%zu of %zu lines are not JSON objects\n",
-                    px_fetch_safe(0, audit),
-                    skipped == lines ? "no audit line: " : "warning: ", skipped, lines);
+            fprintf(stderr, "detproxy replay: %s: warning: %zu of %zu lines are not JSON objects\n",
+                    px_fetch_safe(0, audit), skipped, lines);
         if (rp.json) {
             dp_jw_arr_end(&rp.jw);
             dp_jw_obj_begin(&rp.jw, "summary");
@@ -986,7 +986,7 @@ int px_cmd_replay(int argc, char **argv)
                    rp.reproduced, rp.differs, rp.not_replayable,
                    rp.deadline_hit ? " (--timeout passed)" : "");
         }
-        if (unread || (skipped && skipped == lines)) {
+        if (unread || audited == 0) {
             rc = 2;
         } else if (id && found == 0) {
             fprintf(stderr, "detproxy replay: request id %s is not in %s\n", px_fetch_safe(0, id),

@@ -516,9 +516,9 @@ def test_replay_without_a_replica_of_that_fingerprint():
 
 
 def test_replay_of_a_file_that_is_no_audit_file_is_an_error():
-    """A directory, a FIFO or a file of garbage given as --audit: exit 2 with the reason, not
-    "0 replayed" and exit 0 (which a CI gate reads as "nothing differs"); a torn last line
-    beside real ones is a warning only."""
+    """A directory, a device, an empty file or a file of garbage given as --audit: exit 2 with
+    the reason, not "0 replayed" and exit 0 (which a CI gate reads as "nothing differs"); a
+    pipe is read as a file is; a torn last line beside real ones is a warning only."""
     sim, px = setup(checkpoint_lines=100)
     complete(px, "q")
     px.stop()
@@ -528,11 +528,19 @@ def test_replay_of_a_file_that_is_no_audit_file_is_an_error():
         f.write(b"\x00\xffnot json\n[1,2]\n")
     fifo = os.path.join(d, "fifo.jsonl")
     os.mkfifo(fifo)
-    for path, why in ((d, "not a regular file"), (fifo, "not a regular file"),
-                      (garbage, "no audit line: 2 of 2 lines")):
+    empty = os.path.join(d, "empty.jsonl")
+    open(empty, "w").close()
+    for path, why in ((d, "not a regular file or a pipe"), ("/dev/zero", "not a regular file"),
+                      (garbage, "no audit line (2 lines, 2 of them not JSON objects)"),
+                      (empty, "no audit line (0 lines"),
+                      (fifo, "no audit line (0 lines")):  # a pipe no one writes: read to its end
         rc, out, err = run_cmd([DETPROXY_BIN, "replay", "-c", px.config_path, "--audit", path,
                                 "--all"], timeout=20)
         assert rc == 2 and why in err, (path, rc, out, err)
+    # A pipe with a writer (a shell's process substitution) is read as the file would be.
+    rc, out, err = run_cmd(["bash", "-c", '"$0" replay -c "$1" --audit <(cat "$2") --all',
+                            DETPROXY_BIN, px.config_path, px.audit_path], timeout=60)
+    assert rc == 0 and "1 replayed" in out, (rc, out, err)
     torn = os.path.join(d, "torn.jsonl")
     with open(px.audit_path, "rb") as f, open(torn, "wb") as g:
         g.write(f.read() + b'{"request_id":"cut')
