@@ -236,13 +236,21 @@ int px_cmd_rollout(int argc, char **argv)
         cfg_free(cfg);
         return 2;
     }
+    /* A gate on a pool that is not a candidate (of --pool, when given; of any pool else) would
+     * pass without judging anything: a typo of another name. */
     const cfg_pool_t *cp = cand ? cfg_pool_by_name(cfg, cand) : NULL;
-    if (cand && (cp == NULL || !cp->is_candidate)) {
-        /* A gate on a pool no pool tries as its candidate (a typo of another name) would pass
-         * without judging anything. */
-        fprintf(stderr, CMD ": --candidate %s: %s\n", px_fetch_safe(0, cand),
-                cp ? "no pool names it in its candidates"
-                   : "the configuration has no pool of that name");
+    bool tried = false;
+    for (size_t i = 0; cp && i < cfg->npools; i++) {
+        const cfg_pool_t *b = &cfg->pools[i];
+        for (size_t k = 0; (!pool || strcmp(b->name, pool) == 0) && k < b->ncandidates; k++)
+            tried |= strcmp(b->candidates[k].pool, cand) == 0;
+    }
+    if (cand && !tried) {
+        fprintf(stderr, CMD ": --candidate %s: %s%s\n", px_fetch_safe(0, cand),
+                cp == NULL ? "the configuration has no pool of that name"
+                : pool     ? "not a candidate of pool "
+                           : "no pool names it in its candidates",
+                cp && pool ? px_fetch_safe(1, pool) : "");
         cfg_free(cfg);
         return 2;
     }

@@ -110,6 +110,10 @@ def test_equivalent_candidate_and_its_copies_are_not_billed():
     rc, out, err = report(px, "--json", "--pool", "p")
     assert rc == 0, (rc, out, err)
     assert json.loads(out)["rollouts"][0]["verdict"] == "equivalent"
+    assert report(px, "--candidate", "next", "--pool", "p")[0] == 0
+    # --candidate of a --pool that does not try it: a usage error, not a pass.
+    rc, out, err = report(px, "--candidate", "next", "--pool", "next")
+    assert rc == 2 and "not a candidate of pool next" in err, (rc, err)
     px.stop()
 
 
