@@ -62,13 +62,16 @@ def several(px, extra):
 SEVERAL = [("n", {"n": 3}), ("n_cmpl", {"n_cmpl": 3}), ("prompt", {"prompt": PROMPTS[:3]})]
 
 
-def rounds(px, reference):
-    """ROUNDS passes over PROMPTS, CONCURRENCY at a time. Returns (prompts whose answer ever
-    differed from its sequential one, answers that differed, requests per second)."""
+def rounds(px, reference, more=0):
+    """ROUNDS passes over PROMPTS, CONCURRENCY at a time, and up to `more` passes after them
+    while no answer has differed yet. Returns (prompts whose answer ever differed from its
+    sequential one, answers that differed, requests per second, requests)."""
     diverged, wrong, n = set(), 0, 0
     lock = threading.Lock()
     t0 = time.monotonic()
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS + more):
+        if r >= ROUNDS and wrong:
+            break
         todo = list(range(len(PROMPTS)))
 
         def worker():
@@ -89,7 +92,7 @@ def rounds(px, reference):
             t.start()
         for t in ts:
             t.join()
-    return diverged, wrong, n / (time.monotonic() - t0)
+    return diverged, wrong, n / (time.monotonic() - t0), n
 
 
 def test_single_sequence_gives_the_sequential_answers_under_concurrency():
@@ -100,7 +103,7 @@ def test_single_sequence_gives_the_sequential_answers_under_concurrency():
         try:
             # The reference: each prompt alone on its replica.
             reference = [ask(seq, p) for p in PROMPTS]
-            seq_div, seq_wrong, seq_rps = rounds(seq, reference)
+            seq_div, seq_wrong, seq_rps, seq_n = rounds(seq, reference)
             for key, extra in SEVERAL:
                 r = several(seq, extra)
                 assert r.status == 400 and r.json()["error"]["param"] == key, r
@@ -108,23 +111,25 @@ def test_single_sequence_gives_the_sequential_answers_under_concurrency():
             seq.stop()
         plain = proxy(urls)
         try:
-            plain_div, plain_wrong, plain_rps = rounds(plain, reference)
+            # Whether a batch changes an answer depends on how the requests meet in the
+            # engine: a slower proxy (a sanitizer build) may need more passes to show it.
+            plain_div, plain_wrong, plain_rps, plain_n = rounds(plain, reference, more=12)
             for _, extra in SEVERAL:  # what the single_sequence pool refused: 3 answers
                 r = several(plain, extra)
                 assert r.status == 200 and len(r.json()["choices"]) == 3, r
         finally:
             plain.stop()
-        total = ROUNDS * len(PROMPTS)
         print("measured: " + json.dumps({
             "flags": " ".join(FLAGS), "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS,
-            "requests_per_mode": total, "client_concurrency": CONCURRENCY,
+            "single_sequence_requests": seq_n, "plain_requests": plain_n,
+            "client_concurrency": CONCURRENCY,
             "plain_prompts_diverged": len(plain_div), "plain_answers_diverged": plain_wrong,
             "single_sequence_prompts_diverged": len(seq_div),
             "single_sequence_answers_diverged": seq_wrong,
             "plain_requests_per_s": round(plain_rps, 2),
             "single_sequence_requests_per_s": round(seq_rps, 2)}), flush=True)
         assert seq_wrong == 0, sorted(seq_div)
-        assert plain_wrong > 0, "the unified KV cache did not diverge under concurrency"
+        assert plain_wrong > 0, "the unified KV cache did not diverge in %d requests" % plain_n
     finally:
         stop_servers()
 
