@@ -272,11 +272,17 @@ def test_the_real_behaviours_the_suite_relies_on():
         with ThreadPoolExecutor(8) as ex:
             return sum(sum(o != seq[p] for p, o in ex.map(lambda p: (p, direct(port, p, 64)),
                                                            prompts[:16])) for _ in range(3))
-    kvu_diff, a_diff = concurrent_differ(kvu), concurrent_differ(a)
-    assert kvu_diff > 0, "no batching noise on --kv-unified"
+    # How requests meet in the engine's batches varies from run to run (a busy box makes them
+    # meet less often): up to four more tries before the noise is said to be missing.
+    kvu_diff, kvu_tries = 0, 0
+    while kvu_diff == 0 and kvu_tries < 5:
+        kvu_diff += concurrent_differ(kvu)
+        kvu_tries += 1
+    a_diff = concurrent_differ(a)
+    assert kvu_diff > 0, "no batching noise on --kv-unified in %d requests" % (48 * kvu_tries)
     assert a_diff == 0, "batching noise without --kv-unified"
     measured(fa_off_differs_at_64_tokens="%d/20" % fa_diff,
-             kv_unified_concurrent_differ="%d/48" % kvu_diff,
+             kv_unified_concurrent_differ="%d/%d" % (kvu_diff, 48 * kvu_tries),
              default_concurrent_differ="%d/48" % a_diff)
 
 
