@@ -363,7 +363,9 @@ class NatFront:
     def _pipe(self, c, gen):
         try:
             b = socket.create_connection(("127.0.0.1", self.backends[gen]), timeout=5)
-        except OSError:
+        except OSError as e:
+            print("    front: no connection to the backend on %d: %r" % (self.backends[gen], e),
+                  flush=True)
             c.close()
             return
         try:
@@ -476,19 +478,25 @@ class GatedAgent:
             self.gate.wait(30)
             r = r or self._fetch(target)
             body = r.body
-            c.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (r.status, len(body))
-                      + body)
+            try:
+                c.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                          % (r.status, len(body)) + body)
+            except OSError:
+                pass  # the proxy no longer waits for this check (its connection has gone)
 
     def _fetch(self, target):
         """The sim's answer, read again when the read fails: a front that resets one connection
         under the burst would otherwise leave the check without an answer until the next
-        interval, and the test would wait on it for nothing."""
-        for attempt in range(3):
+        interval, and the test would wait on it for nothing. Each failure is printed, so a
+        run that still gives up says why."""
+        deadline = time.monotonic() + 5 * SLOW
+        while True:
             try:
                 return http("GET", self.sim_port, target)
-            except OSError:
-                if attempt == 2:
+            except OSError as e:
+                print("    agent: reading %s failed: %r" % (target, e), flush=True)
+                if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
