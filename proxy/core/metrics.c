@@ -444,6 +444,10 @@ void px_metrics_declare(void)
                       "Request bodies policed on the thread pool: too large or too dense for "
                       "the event loop.");
     px_metrics_get("detproxy_policy_offloaded_total", NULL); /* shown from 0 */
+    px_metrics_family("detproxy_response_offloaded_total", PX_COUNTER,
+                      "Held non-streamed answers longer than 64 KiB, checked and given the "
+                      "pool's fingerprint on the thread pool.");
+    px_metrics_get("detproxy_response_offloaded_total", NULL);
     px_metrics_family("detproxy_body_stash_bytes", PX_GAUGE,
                       "Bytes of released request-body buffers a worker keeps for the next large "
                       "body (updated every 2 s).");

@@ -50,6 +50,12 @@ typedef struct pol_s {
     policy_route_t proute;
     px_hooks_policed_cb done;
     void *done_data;
+    /* Work on the thread pool (job_submit): its step there and its end back on the loop. */
+    void (*job)(struct pol_s *p);
+    void (*job_done)(struct pol_s *p);
+    dp_buf_t *held; /* a held response rewritten there (px_hooks_held_response) */
+    void (*held_cb)(void *data);
+    void *held_data;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
     dp_buf_t resp_body;        /* with log.audit_store: those bytes, up to resp_cap */
     size_t resp_cap;
@@ -458,68 +464,92 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
     return 0;
 }
 
-/* Offloaded policing takes at most half the libuv thread pool; the rest of the jobs wait here in
- * arrival order. Audit writes, DNS and shadow comparisons share that pool: queued behind a few
- * dozen large bodies, every audited request (any tenant, any pool) waited seconds. */
+/* Work on the thread pool (a large or dense body's policing, a large held response's rewrite)
+ * takes at most half the libuv thread pool; the rest of the jobs wait here in arrival order.
+ * Audit writes, DNS and shadow comparisons share that pool: queued behind a few dozen large
+ * bodies, every audited request (any tenant, any pool) waited seconds. */
 /* The thread pool is the process's, shared by every worker: each takes its share of the half. */
 static _Thread_local pol_t *g_wait_head, *g_wait_tail;
-static _Thread_local unsigned g_policing, g_policing_max;
+static _Thread_local unsigned g_jobs, g_jobs_max;
 
-static unsigned policing_max(px_t *px)
+static unsigned jobs_max(px_t *px)
 {
-    if (g_policing_max == 0) {
+    if (g_jobs_max == 0) {
         const char *e = getenv("UV_THREADPOOL_SIZE"); /* as libuv reads it: default 4 */
         long n = e && *e ? strtol(e, NULL, 10) : 4;
         if (n > 1024)
             n = 1024;
         n = n >= 2 ? n / 2 : 1;
         n /= px->nworkers ? px->nworkers : 1;
-        g_policing_max = n >= 1 ? (unsigned)n : 1;
+        g_jobs_max = n >= 1 ? (unsigned)n : 1;
     }
-    return g_policing_max;
+    return g_jobs_max;
 }
 
-static void police_work(uv_work_t *w)
+static void job_work(uv_work_t *w)
 {
     pol_t *p = w->data;
-    p->rc = police(p, p->gen, p->h->tenant_cfg, p->proute, p->in.base ? p->in.base : "", p->in.len);
+    p->job(p);
 }
 
-static void police_done(uv_work_t *w, int status);
+static void job_after(uv_work_t *w, int status);
 
-static void police_done_now(pol_t *p)
+static int job_start(pol_t *p)
 {
-    px_hooks_result_t res = {0};
-    dp_iovec_t body = {0};
-    int rc = policed(p->h, p->gen, p, &body, &res);
-    p->done(p->done_data, rc, body, &res);
-}
-
-/* 0, or the uv_queue_work error (the caller then polices on the loop). */
-static int police_start(pol_t *p)
-{
-    int rc = uv_queue_work(p->loop, &p->work, police_work, police_done);
+    int rc = uv_queue_work(p->loop, &p->work, job_work, job_after);
     if (rc == 0)
-        g_policing++;
+        g_jobs++;
     return rc;
 }
 
-static void police_done(uv_work_t *w, int status)
+static void job_after(uv_work_t *w, int status)
 {
     pol_t *p = w->data;
     (void)status; /* work is never cancelled: the request waits for it even if its client left */
-    g_policing--;
+    g_jobs--;
     if (g_wait_head) {
         pol_t *next = g_wait_head;
         g_wait_head = next->next_free;
         if (g_wait_head == NULL)
             g_wait_tail = NULL;
-        if (police_start(next) != 0) {
-            police_work(&next->work);
-            police_done_now(next);
+        if (job_start(next) != 0) { /* the pool refused it: done here, as late as queued */
+            next->job(next);
+            next->job_done(next);
         }
     }
-    police_done_now(p);
+    p->job_done(p);
+}
+
+/* Queue job(p): 0 when it will run, job_done(p) following on this loop (never from inside
+ * this call); else libuv's error, and the caller does the work itself. */
+static int job_submit(px_t *px, pol_t *p, void (*job)(pol_t *), void (*job_done)(pol_t *))
+{
+    p->job = job;
+    p->job_done = job_done;
+    p->work.data = p;
+    p->loop = px_thread_self(px)->loop;
+    if (g_jobs < jobs_max(px))
+        return job_start(p);
+    p->next_free = NULL;
+    if (g_wait_tail)
+        g_wait_tail->next_free = p;
+    else
+        g_wait_head = p;
+    g_wait_tail = p;
+    return 0;
+}
+
+static void police_job(pol_t *p)
+{
+    p->rc = police(p, p->gen, p->h->tenant_cfg, p->proute, p->in.base ? p->in.base : "", p->in.len);
+}
+
+static void police_job_done(pol_t *p)
+{
+    px_hooks_result_t res = {0};
+    dp_iovec_t body = {0};
+    int rc = policed(p->h, p->gen, p, &body, &res);
+    p->done(p->done_data, rc, body, &res);
 }
 
 /* Fail closed (log.audit_fail, docs/operations.md "Evidence"): while the writer's last write
@@ -586,20 +616,9 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->proute = route;
     p->done = done;
     p->done_data = done_data;
-    p->work.data = p;
-    p->loop = px_thread_self(px)->loop;
-    if (g_policing < policing_max(px)) {
-        if (police_start(p) != 0) {
-            p->rc = police(p, g, h->tenant_cfg, route, p->in.base ? p->in.base : "", p->in.len);
-            return policed(h, g, p, body, res);
-        }
-    } else {
-        p->next_free = NULL;
-        if (g_wait_tail)
-            g_wait_tail->next_free = p;
-        else
-            g_wait_head = p;
-        g_wait_tail = p;
+    if (job_submit(px, p, police_job, police_job_done) != 0) {
+        police_job(p);
+        return policed(h, g, p, body, res);
     }
     return 1;
 }
@@ -638,19 +657,62 @@ bool px_hooks_hold_response(const px_hooks_req_t *h, int status)
     return h->inference && !h->stream && status >= 200 && status < 300;
 }
 
-void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
-                               net_header_t *extra, size_t *nextra)
+/* Set the answer's system_fingerprint to ours (the replica's own kept in h->upstream_fp). */
+static void rewrite_held(px_hooks_req_t *h, pol_t *p, dp_buf_t *body)
 {
-    pol_t *p = h->policy;
-    if (p == NULL)
-        return;
     dp_buf_reset(&p->out);
-    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, fp_of(h, pool), &p->out,
+    if (policy_fp_rewrite_json(body->base ? body->base : "", body->len, fp_of(h, p->pool), &p->out,
                                h->upstream_fp, &p->usage) != 1)
         return; /* not a JSON object: forward it as it is */
     dp_buf_t t = *body;
     *body = p->out;
     p->out = t;
+}
+
+static void tee_own(pol_t *p, const char *b, size_t n);
+static void tee_shared(px_hooks_req_t *h, const char *b, size_t n);
+
+static void held_job(pol_t *p)
+{
+    rewrite_held(p->h, p, p->held);
+    tee_own(p, p->held->base, p->held->len);
+}
+
+static void held_job_done(pol_t *p)
+{
+    tee_shared(p->h, p->held->base, p->held->len);
+    p->held = NULL;
+    p->held_cb(p->held_data);
+}
+
+int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, dp_buf_t *body,
+                           void (*done)(void *data), void *data)
+{
+    pol_t *p = h->policy;
+    if (p == NULL) {
+        tee_shared(h, body->base, body->len);
+        return 0;
+    }
+    p->pool = pool;
+    if (body->len > PX_REWRITE_LOOP_BYTES) {
+        p->h = h;
+        p->held = body;
+        p->held_cb = done;
+        p->held_data = data;
+        if (job_submit(px, p, held_job, held_job_done) == 0) {
+            px_metrics_add(px_metrics_get("detproxy_response_offloaded_total", NULL), 1);
+            return 1;
+        }
+        p->held = NULL;
+    }
+    rewrite_held(h, p, body);
+    tee_own(p, body->base, body->len);
+    tee_shared(h, body->base, body->len);
+    return 0;
+}
+
+void px_hooks_held_headers(const px_hooks_req_t *h, net_header_t *extra, size_t *nextra)
+{
     if (h->upstream_fp[0])
         extra[(*nextra)++] = (net_header_t){DP_IOV("x-detproxy-upstream-fingerprint"),
                                             {h->upstream_fp, strlen(h->upstream_fp)}};
@@ -663,13 +725,15 @@ void px_hooks_event_stream(px_hooks_req_t *h)
         p->usage.sse = true;
 }
 
-static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
+/* The response's bytes, as the client gets them, feed the request's own counts and evidence
+ * (usage, the audit hash and store): only its pol_t, so a held response's may be fed on the
+ * thread pool (px_hooks_held_response). */
+static void tee_own(pol_t *p, const char *b, size_t n)
 {
-    if (p)
-        policy_usage_feed(&p->usage, b, n);
-    if (p && p->resp_sha)
+    policy_usage_feed(&p->usage, b, n);
+    if (p->resp_sha)
         dp_sha256_update(p->resp_sha, b, n);
-    if (p && p->store && !p->resp_over) {
+    if (p->store && !p->resp_over) {
         if (p->resp_body.len + n > p->resp_cap) {
             p->resp_over = true; /* hashed, not stored: the line says so */
             dp_buf_free(&p->resp_body);
@@ -677,9 +741,21 @@ static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
             dp_buf_append(&p->resp_body, b, n);
         }
     }
+}
+
+/* ... and what the loop's other state keeps of them (a shadow's capture, the trace's span). */
+static void tee_shared(px_hooks_req_t *h, const char *b, size_t n)
+{
     if (h->shadow)
         px_shadow_primary_bytes(h->shadow, b, n);
     px_otel_bytes(h->span, b, n);
+}
+
+static void tee(px_hooks_req_t *h, pol_t *p, const char *b, size_t n)
+{
+    if (p)
+        tee_own(p, b, n);
+    tee_shared(h, b, n);
 }
 
 /* What of v goes to the client now, when the stream's end is gated (else v itself). */

@@ -116,9 +116,20 @@ void px_hooks_response_headers(px_hooks_req_t *h, const px_pool_t *pool, net_hea
 /* Should this response be held whole and rewritten (non-streamed JSON fingerprint)? Only for
  * an answer whose type up_on_head has checked. */
 bool px_hooks_hold_response(const px_hooks_req_t *h, int status);
-/* Rewrite a held body in place; may add headers (upstream fingerprint) to extra. */
-void px_hooks_rewrite_response(px_hooks_req_t *h, const px_pool_t *pool, dp_buf_t *body,
-                               net_header_t *extra, size_t *nextra);
+/* A held answer longer than this is rewritten on the libuv thread pool: checking a body
+ * strictly and splicing its fingerprint runs at 60 MB/s to 1 GB/s by its shape, so on the loop
+ * it is held under about a millisecond, as for request bodies (docs/configuration.md,
+ * max_response_rewrite_bytes). */
+#define PX_REWRITE_LOOP_BYTES (64 * 1024)
+
+/* A held answer is complete: set its system_fingerprint to ours, in place, and feed its bytes
+ * to what reads the response (usage, audit hash and store, shadow, trace). 0: done. 1: the body
+ * is longer than PX_REWRITE_LOOP_BYTES and the work runs on the thread pool; done(data) follows
+ * on this loop, and until then nothing may touch h or body. */
+int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, dp_buf_t *body,
+                           void (*done)(void *data), void *data);
+/* The headers the rewrite adds (the replica's own fingerprint, when it sent one). */
+void px_hooks_held_headers(const px_hooks_req_t *h, net_header_t *extra, size_t *nextra);
 
 /* The request left for replica r (the first attempt or the retry). */
 void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replica_t *r,

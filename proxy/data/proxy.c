@@ -80,6 +80,7 @@ struct px_preq_s {
     dp_iovec_t body;
     bool stream_body;
     bool policing;        /* the body is being policed on the thread pool */
+    bool rewriting;       /* the held response is being rewritten there (held_rewritten) */
     uint64_t budget_held; /* the body budget kept past its client while policing (on_abort) */
     bool retried;
     bool reconnected; /* affinity: the keep-alive race was retried on the same replica */
@@ -112,7 +113,7 @@ struct px_preq_s {
     int64_t held_cl;    /* the replica's Content-Length, -1 when it did not send one */
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
-    net_header_t *held_out; /* the head to send, built by prepare_held */
+    net_header_t *held_out; /* the head to send, built by held_head */
     size_t held_nout;
     struct held_head_s *held_box; /* held_out's home when it came from the cache */
     px_admission_entry_t adm;     /* waiting for a slot (data/admission.c) */
@@ -961,7 +962,7 @@ static void held_head(px_preq_t *q, bool rewrite)
         p = v + vl + 1;
     }
     if (rewrite)
-        px_hooks_rewrite_response(&q->hooks, q->pool, &q->held_body, out, &k);
+        px_hooks_held_headers(&q->hooks, out, &k);
     extra_headers(q, out, &k);
     q->held_out = out;
     q->held_nout = k;
@@ -981,16 +982,6 @@ static void held_out_free(px_preq_t *q)
     }
     q->held_box = NULL;
     q->held_out = NULL;
-}
-
-/* The held response is complete: rewrite it and build its head. It is sent by deliver(), after
- * its audit line (if any) is written, so an audited client never holds a byte of a response
- * whose audit line is not on its way to disk. */
-static void prepare_held(px_preq_t *q)
-{
-    held_head(q, true);
-    dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
-    (void)v; /* held bodies are never rewritten by the byte filter, only teed */
 }
 
 /* The held response outgrew limits.max_response_rewrite_bytes: send what is held unchanged
@@ -1105,6 +1096,35 @@ static void up_on_first_byte_timeout(net_creq_t *c)
         up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
 }
 
+/* The answer is complete (a held one rewritten): it is sent by deliver(), after its audit line
+ * (if any) is written, so an audited client never holds a byte of a response whose audit line
+ * is not on its way to disk (docs/policy.md §7). */
+static void answered(px_preq_t *q)
+{
+    /* The flag is set before the call: the callback may run (and free q) inside it. */
+    q->audit_wait = q->req != NULL;
+    if (q->req &&
+        px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id, deliver, q))
+        return;
+    q->audit_wait = false;
+    deliver(q);
+}
+
+static void client_gone(px_preq_t *q);
+
+/* A held response rewritten on the thread pool: on with it, unless its client left meanwhile. */
+static void held_rewritten(void *data)
+{
+    px_preq_t *q = data;
+    q->rewriting = false;
+    if (q->req == NULL) {
+        client_gone(q);
+        return;
+    }
+    held_head(q, true);
+    answered(q);
+}
+
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
 {
     q->up = NULL;
@@ -1117,19 +1137,18 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
     q->conn_held = false;
     if (err == NET_UP_OK) {
         if (q->req && q->held_status) {
-            prepare_held(q);
+            /* The held response is rewritten (maybe on the thread pool), then its head built. */
+            if (px_hooks_held_response(&q->hooks, q->px, q->pool, &q->held_body, held_rewritten,
+                                       q)) {
+                q->rewriting = true;
+                return;
+            }
+            held_head(q, true);
         } else if (q->req) {
             dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
             net_resp_write(q->req, tail.base, tail.len);
         }
-        /* An audited response completes only once its audit line is written (docs/policy.md §7).
-         * The flag is set before the call: the callback may run (and free q) inside it. */
-        q->audit_wait = q->req != NULL;
-        if (q->req && px_hooks_before_end(&q->hooks, q->px, q->pool, q->replica, q->status, q->id,
-                                          deliver, q))
-            return;
-        q->audit_wait = false;
-        deliver(q);
+        answered(q);
         return;
     }
     count_upstream_error(q, r, err);
@@ -1666,8 +1685,8 @@ static void on_abort(net_req_t *req)
         net_creq_cancel(q->up);
         q->up = NULL;
     }
-    if (q->audit_wait || q->policing)
-        return; /* deliver() or policed_later() finishes it */
+    if (q->audit_wait || q->policing || q->rewriting)
+        return; /* deliver(), policed_later() or held_rewritten() finishes it */
     client_gone(q);
 }
 

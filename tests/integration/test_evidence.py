@@ -9,7 +9,7 @@ import tempfile
 
 from harness import (DETPROXY_BIN, poll_until, post_json, run_cmd, run_tests, sse, start_sim,
                      http)
-from proxyutil import pool, sim_config, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
 
 KEY = "sk-bank-evidence-0001"
 AUTH = {"authorization": "Bearer " + KEY, "content-type": "application/json"}
@@ -135,6 +135,35 @@ def test_a_response_over_the_bound_is_hashed_not_stored():
     assert os.path.exists(os.path.join(px.store, l["forwarded_body_sha256"]))
     rc, out, _ = verify(px)
     assert rc == 0 and "1 stored bodies checked" in out, out
+
+
+def test_an_answer_checked_on_the_thread_pool_is_audited_as_forwarded():
+    """An answer longer than 64 KiB is checked and given the pool's fingerprint on the thread
+    pool: its audit hash, stored body and token counts are those of the bytes the client got."""
+    sim, px = setup(checkpoint_lines=100)
+    offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
+    assert offloaded() == 0
+    complete(px, "short")
+    assert offloaded() == 0
+    before = metric(px, "detproxy_tokens_total", kind="completion")
+    # The casual tenant: sampled at the sim's default temperature, eight long choices.
+    r = post_json(px.port, "/v1/chat/completions",
+                  {"model": "m1", "messages": [{"role": "user", "content": "long"}],
+                   "max_tokens": 4000, "n": 8})
+    assert r.status == 200 and len(r.body) > 64 * 1024, (r.status, len(r.body))
+    assert offloaded() == 1
+    got = r.json()
+    assert got["system_fingerprint"] == r.headers["x-detproxy-fingerprint"], got.get(
+        "system_fingerprint")
+    assert metric(px, "detproxy_tokens_total", kind="completion") - before == \
+        got["usage"]["completion_tokens"]
+    px.stop()
+    l = [l for l in lines(px.audit_path) if "request_id" in l][-1]
+    assert l["request_id"] == r.headers["x-detproxy-request-id"]
+    assert l["response_body_sha256"] == hashlib.sha256(r.body).hexdigest()
+    with open(os.path.join(px.store, l["response_body_sha256"]), "rb") as f:
+        assert f.read() == r.body
+    assert verify(px)[0] == 0
 
 
 def rewrite(path, fn):

@@ -158,6 +158,8 @@ class HugeReplica:
         self.size = 0
         self.chunked = False
         self.dense = False  # the body an array of as many numbers as fit, not one long string
+        self.number = b"0"  # what that array is made of
+        self.sent = threading.Event()  # set once a whole answer is written
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -171,15 +173,17 @@ class HugeReplica:
         tail = b'"}]}'
         piece = b"a" * MiB
         if self.dense:
-            head, tail, piece = head[:-1] + b'[', b'0]}]}', b"0," * (MiB // 2)
+            each = self.number + b","
+            head, tail = head[:-1] + b'[', self.number + b']}]}'
+            piece = each * (MiB // len(each))
         yield head
         left = self.size - len(head) - len(tail)
-        if self.dense and left % 2:  # every "0," whole: a space makes up the length
-            yield b" "
-            left -= 1
+        if self.dense and left % len(each):  # every number whole: spaces make up the length
+            yield b" " * (left % len(each))
+            left -= left % len(each)
         while left > 0:
             yield piece[:left]
-            left -= min(left, MiB)
+            left -= min(left, len(piece))
         yield tail
 
     def _serve(self, c):
@@ -202,6 +206,7 @@ class HugeReplica:
                     c.sendall(b"%x\r\n%s\r\n" % (len(p), p) if self.chunked else p)
                 if self.chunked:
                     c.sendall(b"0\r\n\r\n")
+                self.sent.set()
         except OSError:
             return
 
@@ -291,6 +296,54 @@ def test_a_dense_answer_is_rewritten_without_a_tape_of_it():
     assert hdrs.get("x-detproxy-upstream-fingerprint") == "fp_replica", hdrs
     if not SANITIZE:  # ASan's allocator keeps freed memory in its quarantine
         assert grew < 5 * 8 * 1024, grew
+    px.stop()
+
+
+def test_a_long_answer_is_checked_off_the_loop_and_its_client_may_leave():
+    """An answer longer than 64 KiB is checked and rewritten on the thread pool (8 MiB of
+    numbers like 1e301 take ~100 ms of strtod), while the worker serves its other connections;
+    a client that leaves meanwhile is counted 499 once the work is over, and the worker goes on."""
+    up = HugeReplica()
+    sim = start_sim("--model", "m2")
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]},
+                            pool("q", ["m2"], [sim])],
+                     limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1)
+    offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
+    small = json.dumps({"model": "m2", "prompt": "x", "max_tokens": 1}).encode()
+    up.size = 60 * 1024  # held and checked on the loop
+    assert fetch_digest(px.port, body_of(200))[0] == 200
+    assert offloaded() == 0
+    up.dense, up.number, up.size = True, b"1e301", 8 * MiB - 64
+    up.sent.clear()
+    got = []
+    t = threading.Thread(target=lambda: got.append(fetch_digest(px.port, body_of(200))))
+    t.start()
+    assert up.sent.wait(30 * SLOW)
+    t0 = time.monotonic()
+    r = http("POST", px.port, "/v1/completions", body=small,
+             headers={"content-type": "application/json"})
+    took = time.monotonic() - t0
+    t.join()
+    st, hdrs, n, digest, first = got[0]
+    assert r.status == 200 and st == 200, (r, st)
+    assert offloaded() == 1
+    print("    a small request while 8 MiB of 1e301 numbers were checked: %.1f ms" % (took * 1e3))
+    fp = hdrs["x-detproxy-fingerprint"]
+    assert n == up.size - len("fp_replica") + len(fp) and b'"system_fingerprint":"%s"' % \
+        fp.encode() in first, (n, first)
+    # The client leaves once the answer's check has begun (the counter moves as it is queued):
+    # the check goes on without it, and the request is counted 499, not 200.
+    c = socket.create_connection(("127.0.0.1", px.port))
+    req = body_of(200)
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(req), req))
+    poll_until(lambda: offloaded() == 2, interval=0.002, what="the second answer's check")
+    c.close()
+    poll_until(lambda: metric(px, "detproxy_requests_total", pool="p", status="499") == 1,
+               what="the request whose client left counted 499")
+    assert http("POST", px.port, "/v1/completions", body=small,
+                headers={"content-type": "application/json"}).status == 200
     px.stop()
 
 
