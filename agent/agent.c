@@ -1404,7 +1404,7 @@ static char *read_secret(const char *path, dp_buf_t *err)
     dp_buf_t b = {0};
     int r = dp_read_file(path, 4096, &b);
     if (r != 0) {
-        dp_buf_printf(err, "%s: %s", path, r == -EFBIG ? "too large" : strerror(-r));
+        dp_buf_printf(err, "%s: %s", path, dp_input_strerror(r));
         dp_buf_free(&b);
         return NULL;
     }

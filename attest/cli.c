@@ -254,7 +254,7 @@ static const dp_args_t verify_spec = {
 static int read_input(const char *path, size_t max, dp_buf_t *out)
 {
     if (strcmp(path, "-") == 0)
-        return dp_read_file("/dev/stdin", max, out);
+        return dp_read_fd(STDIN_FILENO, max, out);
     return dp_read_file(path, max, out);
 }
 
@@ -296,14 +296,15 @@ static int cmd_verify(int argc, char **argv)
     /* Read one byte past the limit so "too large" is the verifier's precise reason. */
     int e = read_input(env_path, ATTEST_ENVELOPE_MAX_BYTES + 1, &env);
     if (e != 0 && e != -EFBIG) {
-        fprintf(stderr, "detproxy attest verify: --envelope %s: %s\n", env_path, strerror(-e));
+        fprintf(stderr, "detproxy attest verify: --envelope %s: %s\n", env_path,
+                dp_input_strerror(e));
         goto out;
     }
     if (manifest_path) {
         e = read_input(manifest_path, 1 << 20, &mjson);
         if (e != 0) {
             fprintf(stderr, "detproxy attest verify: --manifest %s: %s\n", manifest_path,
-                    e == -EFBIG ? "too large" : strerror(-e));
+                    dp_input_strerror(e));
             goto out;
         }
         m = cfg_manifest_parse(mjson.base ? mjson.base : "", mjson.len, NULL, &merrs);

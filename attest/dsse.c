@@ -111,7 +111,7 @@ int attest_key_load(const char *path, bool is_private, attest_key_t **out, dp_bu
     if (rc != 0) {
         if (err)
             dp_buf_printf(err, "%s: %s", path,
-                          rc == -EFBIG ? "too large for a key file" : strerror(-rc));
+                          rc == -EFBIG ? "too large for a key file" : dp_input_strerror(rc));
         goto out;
     }
     dp_buf_t why = {0};

@@ -78,7 +78,7 @@ int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err)
     int rc = -1;
     int r = dp_read_file(path, 1 << 20, &pem);
     if (r != 0) {
-        dp_buf_printf(err, "cannot read %s: %s", path, strerror(-r));
+        dp_buf_printf(err, "cannot read %s: %s", path, dp_input_strerror(r));
         goto out;
     }
     BIO *bio = BIO_new_mem_buf(pem.base, (int)pem.len);

@@ -327,7 +327,7 @@ int sigstore_root_load(const char *path, sigstore_root_t **out, dp_buf_t *err)
     dp_buf_t json = {0};
     int r = dp_read_file(path, SIGSTORE_ROOT_MAX_BYTES, &json);
     if (r != 0) {
-        dp_buf_printf(err, "cannot read %s: %s", path, strerror(-r));
+        dp_buf_printf(err, "cannot read %s: %s", path, dp_input_strerror(r));
         *out = NULL;
         return -1;
     }

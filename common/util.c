@@ -352,11 +352,20 @@ int dp_open_input(const char *path)
     return fd;
 }
 
+const char *dp_input_strerror(int rc)
+{
+    if (rc == -EINVAL)
+        return "not a regular file or a pipe";
+    if (rc == -EFBIG)
+        return "too large";
+    return strerror(rc < 0 ? -rc : rc);
+}
+
 int dp_read_file(const char *path, size_t max, dp_buf_t *out)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = dp_open_input(path);
     if (fd < 0)
-        return -errno;
+        return fd;
     int rc = dp_read_fd(fd, max, out);
     close(fd);
     return rc;

@@ -94,7 +94,12 @@ static inline bool dp_strieq(const char *a, size_t alen, const char *b)
  * another kind of file (a directory, a device such as /dev/zero, which never ends). */
 int dp_open_input(const char *path);
 
-/* Read a whole file, at most max bytes (more is an error). 0, or -errno / -EFBIG. */
+/* What an error of dp_open_input or dp_read_file means, for a message: -EINVAL "not a regular
+ * file or a pipe", -EFBIG "too large", else strerror. */
+const char *dp_input_strerror(int rc);
+
+/* Read a whole file, at most max bytes (more is an error), opened as dp_open_input does (a FIFO
+ * with no writer reads as empty instead of hanging the caller). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);
 /* The same from an open descriptor (not closed here). */
 int dp_read_fd(int fd, size_t max, dp_buf_t *out);

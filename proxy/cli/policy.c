@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -229,8 +230,9 @@ static int policy_test(int argc, char **argv)
     cfg_errors_free(&errs);
     dp_buf_t body = {0};
     int rc;
-    int rd = dp_read_file(strcmp(body_path, "-") == 0 ? "/dev/stdin" : body_path,
-                          cfg->limits.max_body_bytes, &body);
+    int rd = strcmp(body_path, "-") == 0
+                 ? dp_read_fd(STDIN_FILENO, cfg->limits.max_body_bytes, &body)
+                 : dp_read_file(body_path, cfg->limits.max_body_bytes, &body);
     if (rd == -EFBIG) {
         /* limits.max_body_bytes: what the proxy's listener would answer. */
         policy_error_t e = {
@@ -238,7 +240,8 @@ static int policy_test(int argc, char **argv)
         snprintf(e.message, sizeof(e.message), "request body too large");
         rc = refused(&e);
     } else if (rd != 0) {
-        fprintf(stderr, "detproxy policy test: cannot read %s: %s\n", body_path, strerror(-rd));
+        fprintf(stderr, "detproxy policy test: cannot read %s: %s\n", body_path,
+                dp_input_strerror(rd));
         rc = 3;
     } else {
         rc = run(cfg, o.hdrs.items, o.hdrs.n, &body, o.path);

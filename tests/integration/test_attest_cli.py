@@ -257,6 +257,17 @@ class KeysAndVerifyTest(Tmp):
         self.assertEqual(run("verify", "--envelope", f"{self.tmp}/nope", "--pubkey", self.pub)[0], 3)
         self.assertEqual(run("verify", "--envelope", env, "--pubkey", self.priv)[0], 3)
         self.assertEqual(run("verify", "--envelope", env)[0], 2)
+        # a device or a directory is no envelope; a FIFO no one writes to reads as empty
+        # (opening it used to wait for a writer for ever)
+        fifo = f"{self.tmp}/fifo"
+        os.mkfifo(fifo)
+        for path in ("/dev/zero", self.tmp):
+            rc, _, err = run("verify", "--envelope", path, "--pubkey", self.pub)
+            self.assertEqual((rc, "not a regular file or a pipe" in err), (3, True), err)
+        rc, out, _ = run("verify", "--envelope", fifo, "--pubkey", self.pub, timeout=10)
+        self.assertEqual((rc, "envelope: not valid JSON" in out), (1, True), out)
+        rc, _, err = run("verify", "--envelope", env, "--pubkey", fifo, timeout=10)
+        self.assertEqual(rc, 3, err)
 
 
 class Agent:
