@@ -1054,6 +1054,7 @@ static void deliver(void *data)
     }
     if (q->req && q->held_out) {
         q->client_started = true;
+        count_request(q); /* the body's last byte ends the answer for its client */
         net_resp_start(q->req, q->held_status, q->held_out, q->held_nout,
                        (int64_t)q->held_body.len);
         net_resp_write(q->req, q->held_body.base, q->held_body.len);
