@@ -951,6 +951,12 @@ bool px_hooks_audit_refused(const px_hooks_req_t *h)
     return p && p->audit_failed && !p->audit_fail_open;
 }
 
+bool px_hooks_end_waits(const px_hooks_req_t *h)
+{
+    const pol_t *p = h->policy;
+    return p && p->audit && !p->audit_fail_open;
+}
+
 bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
                          int status, const char *request_id, void (*then)(void *data), void *data)
 {

@@ -160,6 +160,10 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
  * and log.audit_fail is closed, so the answer must not be delivered (503 audit_unavailable, or a
  * cut stream when its bytes were already sent). */
 bool px_hooks_audit_refused(const px_hooks_req_t *h);
+/* Must the answer's end wait for its audit line (an audited tenant under log.audit_fail:
+ * closed)? A stream's closing event does (px_hooks_stream_end), and so does the last byte of an
+ * answer passed through with Content-Length. */
+bool px_hooks_end_waits(const px_hooks_req_t *h);
 /* An exchange with replica r failed with err. */
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err);
 /* The request is over (status 499 when the client went away). Releases hook state. */

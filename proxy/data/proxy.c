@@ -110,7 +110,12 @@ struct px_preq_s {
     /* A held response (rewritten whole by a hook before it is sent), at most
      * limits.max_response_rewrite_bytes of it; beyond that it is passed through (release_held): */
     int held_status;
-    int64_t held_cl;    /* the replica's Content-Length, -1 when it did not send one */
+    int64_t held_cl; /* the replica's Content-Length, -1 when it did not send one */
+    /* A passed-through answer framed by Content-Length: its bytes still to send (-1 when not
+     * framed so). The byte that ends it is its end for the client (body_write). */
+    int64_t cl_left;
+    bool tail_held; /* that last byte waits for the audit line, in tail */
+    char tail;
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
     net_header_t *held_out; /* the head to send, built by held_head */
@@ -923,8 +928,8 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
         px_hooks_event_stream(&q->hooks);
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
-    net_resp_start(q->req, status, out, k,
-                   px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
+    q->cl_left = px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length;
+    net_resp_start(q->req, status, out, k, q->cl_left);
     if (out != stackh)
         free(out);
 }
@@ -988,18 +993,40 @@ static void held_out_free(px_preq_t *q)
  * and stream the rest, as for a response that was never held. The audit hash (teed by
  * px_hooks_response_bytes) still covers every byte; the body keeps the replica's own
  * system_fingerprint (the pool's is in x-detproxy-fingerprint). */
+static void body_write(px_preq_t *q, const char *b, size_t n);
+
 static void release_held(px_preq_t *q)
 {
     held_head(q, false);
     q->client_started = true;
     net_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
+    q->cl_left = q->held_cl;
     held_out_free(q);
     q->held_status = 0;
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
     if (q->req)
-        net_resp_write(q->req, v.base, v.len);
+        body_write(q, v.base, v.len);
     dp_buf_free(&q->held_body);
     dp_buf_free(&q->held_hdrs);
+}
+
+/* Pass answer bytes on. With Content-Length, the bytes that complete the body end the answer
+ * for its client (who may then read the metrics): the request is counted first; and one whose
+ * end waits for its audit line (as a held answer does) keeps its last byte for deliver(). */
+static void body_write(px_preq_t *q, const char *b, size_t n)
+{
+    if (q->cl_left >= 0 && (uint64_t)q->cl_left <= n) {
+        if (n > 0 && px_hooks_end_waits(&q->hooks)) {
+            q->tail = b[--n];
+            q->tail_held = true;
+        } else {
+            count_request(q);
+        }
+        q->cl_left = -1;
+    } else if (q->cl_left > 0) {
+        q->cl_left -= (int64_t)n;
+    }
+    net_resp_write(q->req, b, n);
 }
 
 static void up_on_body(net_creq_t *c, const char *p, size_t n)
@@ -1018,7 +1045,7 @@ static void up_on_body(net_creq_t *c, const char *p, size_t n)
     }
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, p, n);
     sse_track(q, v.base, v.len);
-    net_resp_write(q->req, v.base, v.len);
+    body_write(q, v.base, v.len);
     /* The client is slower than the replica: stop reading the replica until it drains. */
     if (q->req && net_resp_pending(q->req) > 256 * 1024 && !q->paused_upstream) {
         q->paused_upstream = true;
@@ -1069,6 +1096,8 @@ static void deliver(void *data)
         if (end.len)
             net_resp_write(q->req, end.base, end.len);
         count_request(q); /* before the end: a client that read it sees it counted */
+        if (q->tail_held)
+            net_resp_write(q->req, &q->tail, 1);
         net_resp_end(q->req);
         q->req = NULL;
     }

@@ -6,6 +6,7 @@ permitted): skipped (77) with the reason otherwise."""
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -152,6 +153,73 @@ def test_fail_closed_withholds_a_streams_end_when_its_line_cannot_be_written():
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
     assert 'detproxy_audit_write_failures_total{action="refused"} 1' in metrics, metrics
     os.unlink(os.path.join(MNT, "filler"))
+    px.stop()
+
+
+def post_raw(px, body):
+    """A completion POSTed and read off the socket until the proxy closes: (status, the body's
+    declared length, the body bytes that came)."""
+    body = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.settimeout(30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"authorization: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+              % (AUTH["authorization"].encode(), len(body), body))
+    got = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    head, _, rest = got.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
+    return int(head.split(b" ")[1]), length, rest
+
+
+def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
+    """An answer passed through as it arrives (a replica's error, or one longer than
+    max_response_rewrite_bytes) is complete for its client at its Content-Length's last byte:
+    that byte waits for the audit line, so when the disk fills before the line is written the
+    client is cut one byte short and never holds a whole answer without its line."""
+    d = tempfile.mkdtemp(prefix="detproxy-disk-", dir=MNT)
+    os.mkdir(os.path.join(d, "store"))
+    # Each answer its own bytes: the store keeps one file per body, and a full disk refuses a
+    # new one (the line alone may still fit the trail's last page).
+    answer = {400: lambda k: b'{"error":{"message":"max_tokens is too large (%d)"}}' % k,
+              200: lambda k: b'{"id":"cmpl-%d","choices":[{"text":"%s"}]}' % (k, b"a" * 8000)}
+    sent = []
+    state = {"status": 400, "fill": False}
+
+    def script(k, c, q):
+        if state["fill"]:  # the disk fills as the replica answers
+            fill()
+        body = answer[state["status"]](k)
+        sent.append(body)
+        return (b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                % (state["status"], len(body)) + body, True)
+    up = ScriptedUpstream(script)
+    log = {"level": "info", "audit_path": os.path.join(d, "audit.jsonl"),
+           "audit_store": os.path.join(d, "store"), "audit_fail": "closed"}
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"], "replicas": [
+        {"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}], policy=POLICY, log=log,
+        limits={"max_response_rewrite_bytes": 4096},
+        directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
+    prompts = iter("p%d" % i for i in range(1000))
+    send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4})
+    for status in (400, 200):
+        state["status"] = status
+        st, length, got = send()  # room on the disk: whole
+        assert (st, length, got) == (status, len(sent[-1]), sent[-1]), (st, length, got[-80:])
+        state["fill"] = True
+        st, length, got = send()
+        assert (st, length, got) == (status, len(sent[-1]), sent[-1][:-1]), (st, got[-80:])
+        state["fill"] = False
+        os.unlink(os.path.join(MNT, "filler"))
+        # The next request's refusal line finds the disk writable again.
+        poll_until(lambda: send()[0] == status, what="served again")
+    metrics = http("GET", px.admin_port, "/metrics").body.decode()
+    assert 'detproxy_audit_write_failures_total{action="refused"} 2' in metrics, metrics
     px.stop()
 
 
