@@ -14,7 +14,7 @@ import tempfile
 
 from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
                      start_sim)
-from proxyutil import ScriptedUpstream, metric, pool, start_proxy
+from proxyutil import ScriptedUpstream, metric, pool, read_until_close, start_proxy
 from test_evidence import AUTH, POLICY
 
 MNT = None
@@ -161,17 +161,12 @@ def post_raw(px, body):
     declared length, the body bytes that came)."""
     body = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", px.port))
-    s.settimeout(30)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
               b"authorization: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
               % (AUTH["authorization"].encode(), len(body), body))
-    got = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
+    got, closed = read_until_close(s, timeout=30)
     s.close()
+    assert closed, got[-200:]
     head, _, rest = got.partition(b"\r\n\r\n")
     length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
     return int(head.split(b" ")[1]), length, rest
