@@ -113,6 +113,9 @@ static int cmd_hash(int argc, char **argv)
         return dp_args_exit(r);
     if (o.dir.n != 1)
         return dp_args_usage_error(&hash_spec, "expected one directory or file");
+    if (o.progress && o.no_progress)
+        return dp_args_usage_error(&hash_spec,
+                                   "--progress and --no-progress contradict each other");
     progress_t pr = {.force = o.progress, .never = o.no_progress};
     pr.tty = isatty(2);
     pr.start_ns = pr.last_ns = dp_now_ns();

@@ -140,10 +140,10 @@ static int cmd_oms_verify(int argc, char **argv)
     int r = dp_args_parse(&oms_verify_spec, argc, argv, &o);
     if (r != 0)
         return dp_args_exit(r);
-    if (!o.dir || !o.bundle || (!o.pubkey && !o.ca && !o.root))
+    if (!o.dir || !o.bundle || (!o.pubkey + !o.ca + !o.root) != 2)
         return dp_args_usage_error(&oms_verify_spec,
                                    "--model-dir, --bundle and one of --pubkey, --ca-file or "
-                                   "--trusted-root are required");
+                                   "--trusted-root are required (one: each is a trust of its own)");
     if (!o.root != !o.identity || !o.root != !o.issuer)
         return dp_args_usage_error(&oms_verify_spec,
                                    "--trusted-root, --identity and --issuer go together");

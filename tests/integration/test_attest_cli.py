@@ -140,6 +140,8 @@ class HashTest(Tmp):
         rc, _, err = run("hash", "--frobnicate", self.tmp)
         self.assertEqual(rc, 2)
         self.assertIn("unknown option '--frobnicate'", err)
+        rc, _, err = run("hash", "--progress", "--no-progress", self.tmp)
+        self.assertEqual((rc, "contradict" in err), (2, True), err)
         rc, out, _ = run("hash", "--help")
         self.assertEqual(rc, 0)
         self.assertIn("usage: detproxy attest hash", out)

@@ -348,6 +348,10 @@ def test_published_vectors_through_the_command_line():
 def test_usage_and_unreadable_files():
     rc, _, err = run_cmd([DETPROXY_BIN, "attest", "oms", "verify", "--model-dir", TMP])
     assert rc == 2 and "are required" in err, err
+    # Two trusts at once: which would judge the bundle? Refused, not one of them picked.
+    rc, _, err = run_cmd([DETPROXY_BIN, "attest", "oms", "verify", "--model-dir", TMP,
+                          "--bundle", "x", "--pubkey", "k.pem", "--ca-file", "ca.pem"])
+    assert rc == 2 and "one: each is a trust of its own" in err, err
     rc, _, err = run_cmd([DETPROXY_BIN, "attest", "oms", "verify", "--model-dir", TMP,
                           "--bundle", "x", "--pubkey", os.path.join(TMP, "nope.pem")])
     assert rc == 2 and "--pubkey cannot read" in err, err
