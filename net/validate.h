@@ -103,5 +103,8 @@ bool net_header_is_hop(const char *name, size_t len, const dp_iovec_t *connectio
 /* Does a Content-Encoding among these headers name a coding, i.e. anything but "identity"
  * (RFC 9110 §8.4.1; whitespace and case aside)? A coded body is one detproxy cannot read. */
 bool net_content_coded(const net_header_t *hdrs, size_t n);
+/* What a request whose body is coded is told (415 unsupported_content_encoding). */
+#define NET_CODED_BODY_MESSAGE                                                                     \
+    "a request body with Content-Encoding cannot be policed; send it as plain JSON"
 
 #endif

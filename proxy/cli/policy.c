@@ -141,6 +141,17 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
     const cfg_tenant_t *t = policy_match_tenant(cfg->policy, policy_headers_lookup, &hs, &err);
     if (t == NULL)
         return refused(&err);
+    /* What the proxy refuses from the headers alone, before policing a body. */
+    for (size_t i = 0; i < nh; i++) {
+        net_header_t h = {hdrs[i].name, hdrs[i].value};
+        if (net_content_coded(&h, 1)) {
+            policy_error_t e = {.status = 415,
+                                .type = "invalid_request_error",
+                                .code = "unsupported_content_encoding"};
+            snprintf(e.message, sizeof(e.message), "%s", NET_CODED_BODY_MESSAGE);
+            return refused(&e);
+        }
+    }
     static const char *const paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/responses"};
     policy_route_t route = POLICY_ROUTE_COMPLETIONS;
     if (path == NULL) {

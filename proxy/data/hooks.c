@@ -590,8 +590,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     if (net_content_coded(req->headers, req->nheaders)) {
         *res = (px_hooks_result_t){.status = 415,
                                    .code = "unsupported_content_encoding",
-                                   .message = "a request body with Content-Encoding cannot be "
-                                              "policed; send it as plain JSON"};
+                                   .message = NET_CODED_BODY_MESSAGE};
         px_otel_refused(h->span, res->code);
         return -1;
     }

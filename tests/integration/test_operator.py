@@ -632,6 +632,7 @@ def test_policy_test_shows_the_decision_and_matches_the_proxy():
          {"authorization": "Bearer sk-nobody"}),
         ("{\"model\": \"m1\",", (), {}),
         (completion(n="two"), (), {}),
+        (completion(), ("Content-Encoding: gzip",), {"content-encoding": "gzip"}),
     ]
     refusals = 0
     for body, hdrs, live_hdrs in cases:
