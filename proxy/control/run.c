@@ -273,6 +273,21 @@ static void replica_changed(const px_replica_t *r, px_replica_state_t from)
     px_fleet_replica_changed(r, from);
 }
 
+/* The libuv thread pool (libuv reads its size at first use, after this) is the process's:
+ * offloaded policing and held-answer checks take at most half of it, each worker its share and
+ * at least one job, beside audit writes, DNS and shadow comparisons. Unless the operator sized
+ * it, it gets two threads per worker (four at least), so one job per worker stays within the
+ * half (docs/policy.md, "Known limits"). */
+static void size_threadpool(unsigned nworkers)
+{
+    if (getenv("UV_THREADPOOL_SIZE"))
+        return;
+    unsigned n = nworkers < 2 ? 4 : 2 * nworkers; /* workers is at most 64 */
+    char v[12];
+    snprintf(v, sizeof(v), "%u", n);
+    setenv("UV_THREADPOOL_SIZE", v, 0);
+}
+
 int px_cmd_run(int argc, char **argv)
 {
     run_opts_t o = {0};
@@ -303,6 +318,7 @@ int px_cmd_run(int argc, char **argv)
     px.loop = uv_default_loop();
     px.started_ms = dp_wall_ms();
     px_thread_init(&px, px_workers_resolve(cfg->workers));
+    size_threadpool(px.nworkers);
     px_metrics_set_threads(px.nslots); /* before any series: cells are sized by it */
     px_metrics_declare();
     /* What the control plane does with what replicas and requests tell it. */

@@ -956,11 +956,10 @@ bool px_hooks_end_waits(const px_hooks_req_t *h)
     return p && p->audit && !p->audit_fail_open;
 }
 
-bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
-                         int status, const char *request_id, void (*then)(void *data), void *data)
+void px_hooks_check_answer(px_hooks_req_t *h, px_t *px, px_replica_t *r, int status)
 {
-    /* Continuous verification (docs/attestation.md §5): this response is delivered; the replica
-     * takes no new requests until it is re-attested. */
+    /* Continuous verification (docs/attestation.md §5): on a difference the replica takes no
+     * new requests until it is re-attested. */
     if (h->inference && r && status >= 200 && status < 300) {
         h->fp_mismatch = fingerprint_differs(px, r, h->upstream_fp);
         /* A stream whose fingerprint changed part-way: its later one is checked too, and it
@@ -972,6 +971,27 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
             snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.alt);
         }
     }
+}
+
+void px_hooks_answer_unsent(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL)
+        return;
+    memset(&p->usage, 0, sizeof(p->usage));
+    if (p->resp_sha) {
+        char gone[65];
+        dp_sha256_end_hex(p->resp_sha, gone);
+        p->resp_sha = dp_sha256_begin();
+    }
+    dp_buf_free(&p->resp_body);
+    p->resp_over = false;
+}
+
+bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_replica_t *r,
+                         int status, const char *request_id, void (*then)(void *data), void *data)
+{
+    px_hooks_check_answer(h, px, r, status); /* this response is delivered */
     return write_audit(h, px, pool, r, status, request_id, then, data);
 }
 

@@ -128,6 +128,12 @@ bool px_hooks_hold_response(const px_hooks_req_t *h, int status);
  * on this loop, and until then nothing may touch h or body. */
 int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, dp_buf_t *body,
                            void (*done)(void *data), void *data);
+/* The replica's whole answer has come: compare the fingerprint it carried with the one r
+ * attested (px_hooks_before_end does this for an answer that is delivered). */
+void px_hooks_check_answer(px_hooks_req_t *h, px_t *px, px_replica_t *r, int status);
+/* A held answer none of which reached its client: forget what px_hooks_held_response fed of
+ * it (usage, audit hash and store), so the line and the counts say nothing was sent. */
+void px_hooks_answer_unsent(px_hooks_req_t *h);
 /* The headers the rewrite adds (the replica's own fingerprint, when it sent one). */
 void px_hooks_held_headers(const px_hooks_req_t *h, net_header_t *extra, size_t *nextra);
 

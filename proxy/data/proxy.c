@@ -1142,12 +1142,16 @@ static void answered(px_preq_t *q)
 
 static void client_gone(px_preq_t *q);
 
-/* A held response rewritten on the thread pool: on with it, unless its client left meanwhile. */
+/* A held response rewritten on the thread pool: on with it, unless its client left meanwhile.
+ * Then the replica's answer is still checked against what it attested, but none of it was
+ * sent: the line hashes and counts nothing of it, as for a client gone while it arrived. */
 static void held_rewritten(void *data)
 {
     px_preq_t *q = data;
     q->rewriting = false;
     if (q->req == NULL) {
+        px_hooks_check_answer(&q->hooks, q->px, q->replica, q->status);
+        px_hooks_answer_unsent(&q->hooks);
         client_gone(q);
         return;
     }
@@ -1715,6 +1719,10 @@ static void on_abort(net_req_t *req)
         net_creq_cancel(q->up);
         q->up = NULL;
     }
+    /* The audit line to come stores the forwarded body, which points into the request the
+     * server now lets go of. */
+    if (q->rewriting)
+        px_hooks_keep_forwarded(&q->hooks);
     if (q->audit_wait || q->policing || q->rewriting)
         return; /* deliver(), policed_later() or held_rewritten() finishes it */
     client_gone(q);

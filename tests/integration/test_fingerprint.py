@@ -6,6 +6,7 @@ interval stands in for the periodic check's probe."""
 
 import json
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -92,6 +93,39 @@ def test_a_swapped_replica_is_caught_on_its_next_response():
     assert len(flagged) == 1 and flagged[0]["replica"] == "r1", lines
     assert flagged[0]["upstream_fingerprint"] == "b12000-Debian"
     assert all("fingerprint_mismatch" not in x for x in lines if x is not flagged[0])
+
+
+def test_a_swapped_replica_is_caught_when_its_client_left_during_the_check():
+    """An answer longer than 64 KiB is checked on the thread pool, and its client may leave
+    meanwhile. The replica's whole answer has come all the same, and its fingerprint is
+    compared: a swapped replica is caught though nothing was delivered."""
+    from test_resource_bounds import HugeReplica
+    up = HugeReplica()  # llama.cpp's /props; answers of 8 MiB of numbers like 1e301
+    up.build, up.fp = BUILD, BUILD.encode()
+    up.dense, up.number, up.size = True, b"1e301", 8 * 1024 * 1024
+    d = tempfile.mkdtemp(prefix="detproxy-fp-")
+    p = {"name": "p", "models": ["m1"], "manifest": {"model": "m1", "engine_fingerprint": BUILD},
+         "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port,
+                       "attest": {"source": "llamacpp"}}]}
+    px = start_proxy(pools=[p], directory=d, workers=1,
+                     attestation={"interval_ms": 60000, "timeout_ms": 2000},
+                     limits={"max_response_rewrite_bytes": 9 * 1024 * 1024})
+    poll_until(lambda: replicas(px)["r1"]["state"] == "admitted", what="r1 admitted")
+    up.build, up.fp = "b12000-Debian", b"b12000-Debian"  # swapped: metadata and answers change together
+    body = json.dumps({"model": "m1", "prompt": "x", "max_tokens": 2}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+              b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+              % (len(body), body))
+    poll_until(lambda: metric(px, "detproxy_response_offloaded_total") == 1, interval=0.002,
+               what="the answer's check")
+    c.close()
+    poll_until(lambda: metric(px, "detproxy_requests_total", pool="p", status="499") == 1,
+               what="the request counted 499")
+    assert metric(px, "detproxy_fingerprint_mismatch_total", pool="p", replica="r1") == 1
+    # Re-attested at once: the pin rejects the new build.
+    poll_until(lambda: replicas(px)["r1"]["state"] == "rejected", timeout=5, what="r1 rejected")
+    px.stop()
 
 
 def test_without_a_pin_the_new_engine_is_re_attested_and_readmitted():

@@ -159,6 +159,9 @@ class HugeReplica:
         self.chunked = False
         self.dense = False  # the body an array of as many numbers as fit, not one long string
         self.number = b"0"  # what that array is made of
+        self.fp = b"fp_replica"  # the answers' system_fingerprint
+        self.build = None  # a str: GET /props answers as llama.cpp's server, this its build_info,
+        # and a 1-token completion (the engine fingerprint probe) gets a short answer
         self.sent = threading.Event()  # set once a whole answer is written
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -168,8 +171,8 @@ class HugeReplica:
         serve_connections(self.lsock, self._serve)
 
     def body_pieces(self):
-        head = b'{"id":"cmpl-1","object":"text_completion","system_fingerprint":"fp_replica",' \
-               b'"choices":[{"index":0,"text":"'
+        head = b'{"id":"cmpl-1","object":"text_completion","system_fingerprint":"%s",' \
+               b'"choices":[{"index":0,"text":"' % self.fp
         tail = b'"}]}'
         piece = b"a" * MiB
         if self.dense:
@@ -193,10 +196,19 @@ class HugeReplica:
                 got = read_request(c, buf)
                 if got is None:
                     return
-                head, _, buf = got
-                if head.startswith(b"GET /v1/models "):
+                head, body, buf = got
+                if self.build and head.startswith(b"GET /props "):
+                    got = json.dumps({"build_info": self.build, "model_ftype": "F16"}).encode()
+                elif self.build and head.startswith(b"POST ") and \
+                        json.loads(body).get("max_tokens") == 1:  # the engine fingerprint probe
+                    got = b'{"id":"p","choices":[],"system_fingerprint":"%s"}' % self.fp
+                elif head.startswith(b"GET /v1/models "):
+                    got = self.MODELS
+                else:
+                    got = None
+                if got is not None:
                     c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                              b"content-length: %d\r\n\r\n" % len(self.MODELS) + self.MODELS)
+                              b"content-length: %d\r\n\r\n" % len(got) + got)
                     continue
                 frame = b"transfer-encoding: chunked" if self.chunked else \
                     b"content-length: %d" % self.size
@@ -345,6 +357,48 @@ def test_a_long_answer_is_checked_off_the_loop_and_its_client_may_leave():
     assert http("POST", px.port, "/v1/completions", body=small,
                 headers={"content-type": "application/json"}).status == 200
     px.stop()
+
+
+def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():
+    """An audited client that leaves while its answer is checked on the thread pool: its line
+    (499) hashes what it got, nothing, and stores none of the answer; the forwarded body it
+    names is stored as it was sent, though the request's own buffer was let go with the client
+    and reused by the next request of the same size (a 200 KiB body is policed where it lies)."""
+    import hashlib
+    import os
+    import tempfile
+    from harness import DETPROXY_BIN, run_cmd
+    up = HugeReplica()
+    up.dense, up.number, up.size = True, b"1e301", 8 * MiB - 64
+    d = tempfile.mkdtemp(prefix="detproxy-gone-")
+    os.mkdir(os.path.join(d, "store"))
+    audit = os.path.join(d, "audit.jsonl")
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}],
+                     policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
+                     log={"audit_path": audit, "audit_store": os.path.join(d, "store")},
+                     limits={"max_response_rewrite_bytes": 8 * MiB}, directory=d, workers=1)
+    offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
+    mine = body_of(200 * 1024)
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(mine), mine))
+    poll_until(lambda: offloaded() == 1, interval=0.002, what="the answer's check")
+    c.close()
+    poll_until(lambda: metric(px, "detproxy_requests_total", status="499") == 1,
+               what="the request whose client left counted 499")
+    other = mine.replace(b"x" * 64, b"y" * 64)
+    assert len(other) == len(mine) and fetch_digest(px.port, other)[0] == 200
+    px.stop()
+    lines = [json.loads(l) for l in open(audit) if "request_id" in l]
+    gone = [l for l in lines if l["status"] == 499]
+    assert len(gone) == 1, lines
+    assert gone[0]["response_body_sha256"] == hashlib.sha256(b"").hexdigest(), gone[0]
+    with open(os.path.join(d, "store", gone[0]["forwarded_body_sha256"]), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == gone[0]["forwarded_body_sha256"]
+    rc, out, err = run_cmd([DETPROXY_BIN, "audit", "verify", audit, "--store",
+                            os.path.join(d, "store"), "--no-signatures"])
+    assert rc == 0, out + err
 
 
 def test_memory_kept_for_large_bodies_falls_back_after_a_burst():

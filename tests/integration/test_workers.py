@@ -57,6 +57,23 @@ def test_workers_zero_means_one_per_cpu_in_the_affinity_mask():
     px.stop()
 
 
+def test_the_thread_pool_has_two_threads_per_worker_unless_sized():
+    """Offloaded work takes at most half the libuv thread pool, each worker at least one job:
+    the pool gets two threads per worker (four at least) when UV_THREADPOOL_SIZE is not set,
+    so those jobs leave audit writes, DNS and shadow comparisons their half."""
+    os.environ.pop("UV_THREADPOOL_SIZE", None)
+    sim = start_sim("--model", "m1")
+    big = {"model": "m1", "prompt": "x" * (600 * 1024), "max_tokens": 1}  # policed on the pool
+    threads = {}
+    for name, env in (("auto", None), ("four", {"UV_THREADPOOL_SIZE": "4"})):
+        px = start_proxy(pools=[pool("p", ["m1"], [sim])], workers=3, env=env)
+        assert post_json(px.port, "/v1/completions", big).status == 200
+        assert metric(px, "detproxy_policy_offloaded_total") == 1
+        threads[name] = rss_kb(px, "Threads")  # the pool's threads start with its first job
+        px.stop()
+    assert threads["auto"] - threads["four"] == 2, threads
+
+
 def test_max_inflight_one_is_exact_across_workers():
     # 40 clients at once on 2 workers, one replica with one slot: every request is answered,
     # and the replica never has two at a time (docs/requests.md §2, admission control).
