@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -380,6 +381,13 @@ int dp_read_fd(int fd, size_t max, dp_buf_t *out)
         if (r < 0) {
             if (errno == EINTR)
                 continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                /* A descriptor someone else made non-blocking (a standard input a libuv or Node
+                 * parent handed over): wait for its bytes, as a blocking read would. */
+                struct pollfd pfd = {.fd = fd, .events = POLLIN};
+                if (poll(&pfd, 1, -1) >= 0 || errno == EINTR)
+                    continue;
+            }
             rc = -errno;
             break;
         }

@@ -475,13 +475,14 @@ static _Thread_local unsigned g_jobs, g_jobs_max;
 static unsigned jobs_max(px_t *px)
 {
     if (g_jobs_max == 0) {
-        const char *e = getenv("UV_THREADPOOL_SIZE"); /* as libuv reads it: default 4 */
-        long n = e && *e ? strtol(e, NULL, 10) : 4;
-        if (n > 1024)
-            n = 1024;
+        /* The pool's size as libuv reads it: atoi, 4 when unset, 0 (an empty or garbled
+         * value) is 1, at most 1024. */
+        const char *e = getenv("UV_THREADPOOL_SIZE");
+        unsigned n = e ? (unsigned)atoi(e) : 4;
+        n = n == 0 ? 1 : n > 1024 ? 1024 : n;
         n = n >= 2 ? n / 2 : 1;
         n /= px->nworkers ? px->nworkers : 1;
-        g_jobs_max = n >= 1 ? (unsigned)n : 1;
+        g_jobs_max = n >= 1 ? n : 1;
     }
     return g_jobs_max;
 }
@@ -978,7 +979,6 @@ void px_hooks_answer_unsent(px_hooks_req_t *h)
     pol_t *p = h->policy;
     if (p == NULL)
         return;
-    memset(&p->usage, 0, sizeof(p->usage));
     if (p->resp_sha) {
         char gone[65];
         dp_sha256_end_hex(p->resp_sha, gone);

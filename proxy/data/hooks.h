@@ -132,7 +132,8 @@ int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, d
  * attested (px_hooks_before_end does this for an answer that is delivered). */
 void px_hooks_check_answer(px_hooks_req_t *h, px_t *px, px_replica_t *r, int status);
 /* A held answer none of which reached its client: forget what px_hooks_held_response fed of
- * it (usage, audit hash and store), so the line and the counts say nothing was sent. */
+ * it to the audit hash and store, so the line says nothing was sent. Its usage stays: the
+ * replica spent those tokens (a 499 after the usage came counts them). */
 void px_hooks_answer_unsent(px_hooks_req_t *h);
 /* The headers the rewrite adds (the replica's own fingerprint, when it sent one). */
 void px_hooks_held_headers(const px_hooks_req_t *h, net_header_t *extra, size_t *nextra);

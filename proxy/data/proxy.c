@@ -115,6 +115,7 @@ struct px_preq_s {
      * framed so). The byte that ends it is its end for the client (body_write). */
     int64_t cl_left;
     bool tail_held; /* that last byte waits for the audit line, in tail */
+    bool withheld;  /* cut before its end, its audit line unwritten: its tokens do not count */
     char tail;
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
@@ -897,9 +898,15 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     q->hooks.upstream_answered = true;
     const dp_iovec_t *connv = connection_value(hdrs, n);
     /* A response announced larger than what may be held is passed through from the start. */
-    if (px_hooks_hold_response(&q->hooks, status) &&
-        (f->content_length < 0 ||
-         (uint64_t)f->content_length <= q->gen->cfg->limits.max_response_rewrite_bytes)) {
+    bool hold = px_hooks_hold_response(&q->hooks, status) &&
+                (f->content_length < 0 ||
+                 (uint64_t)f->content_length <= q->gen->cfg->limits.max_response_rewrite_bytes);
+    /* One whose head alone ends it is complete for its client once the head is sent: the
+     * request is counted first, and when its end waits for the audit line (body_write) the
+     * head is held with its empty body, as an answer to rewrite is. */
+    bool head_only = f->content_length == 0 || status == 204 || status == 304 ||
+                     (q->req->method_name.len == 4 && !memcmp(q->req->method_name.base, "HEAD", 4));
+    if (hold || (f->content_length == 0 && px_hooks_end_waits(&q->hooks))) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
         q->held_status = status;
         q->held_cl = f->content_length;
@@ -929,6 +936,8 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
     q->cl_left = px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length;
+    if (head_only)
+        count_request(q);
     net_resp_start(q->req, status, out, k, q->cl_left);
     if (out != stackh)
         free(out);
@@ -1068,6 +1077,10 @@ static void deliver(void *data)
     if (q->req && px_hooks_audit_refused(&q->hooks)) {
         /* Fail closed: no answer leaves without its audit line (docs/operations.md). */
         if (q->client_started) {
+            /* Cut before its end (a stream's closing event, a body's last byte): withheld,
+             * under the status its head carried. */
+            q->code = "audit_unavailable";
+            q->withheld = true;
             net_resp_abort(q->req);
             q->req = NULL;
         } else {
@@ -1144,7 +1157,7 @@ static void client_gone(px_preq_t *q);
 
 /* A held response rewritten on the thread pool: on with it, unless its client left meanwhile.
  * Then the replica's answer is still checked against what it attested, but none of it was
- * sent: the line hashes and counts nothing of it, as for a client gone while it arrived. */
+ * sent: the line hashes nothing of it, as for a client gone while it arrived. */
 static void held_rewritten(void *data)
 {
     px_preq_t *q = data;
@@ -1303,7 +1316,7 @@ static void count_request(px_preq_t *q)
      * them. An answer detproxy withheld (audit_unavailable, ...) does not. */
     int64_t pt, ct;
     int answered = q->status == 499 && q->up_status ? q->up_status : q->status;
-    if (pool && answered < 300 && px_hooks_usage(&q->hooks, &pt, &ct)) {
+    if (pool && answered < 300 && !q->withheld && px_hooks_usage(&q->hooks, &pt, &ct)) {
         px_series_t *prompt, *completion;
         px_pool_tokens_series(pool, tenant, &prompt, &completion);
         px_metrics_add(prompt, (double)pt);

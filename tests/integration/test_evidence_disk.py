@@ -182,7 +182,8 @@ def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
     # Each answer its own bytes: the store keeps one file per body, and a full disk refuses a
     # new one (the line alone may still fit the trail's last page).
     answer = {400: lambda k: b'{"error":{"message":"max_tokens is too large (%d)"}}' % k,
-              200: lambda k: b'{"id":"cmpl-%d","choices":[{"text":"%s"}]}' % (k, b"a" * 8000)}
+              200: lambda k: b'{"id":"cmpl-%d","choices":[{"text":"%s"}]}' % (k, b"a" * 8000),
+              500: lambda k: b""}  # its head alone ends it
     sent = []
     state = {"status": 400, "fill": False}
 
@@ -202,19 +203,25 @@ def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
         directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
     prompts = iter("p%d" % i for i in range(1000))
     send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4})
-    for status in (400, 200):
+    for status in (400, 200, 500):
         state["status"] = status
         st, length, got = send()  # room on the disk: whole
         assert (st, length, got) == (status, len(sent[-1]), sent[-1]), (st, length, got[-80:])
         state["fill"] = True
         st, length, got = send()
-        assert (st, length, got) == (status, len(sent[-1]), sent[-1][:-1]), (st, got[-80:])
+        if status == 500:  # no byte to hold back: the head waits, and the answer is refused
+            assert st == 503 and b"audit_unavailable" in got, (st, got)
+        else:
+            assert (st, length, got) == (status, len(sent[-1]), sent[-1][:-1]), (st, got[-80:])
+            # Counted under the status its head carried, as withheld.
+            assert metric(px, "detproxy_requests_total", status=str(status),
+                          code="audit_unavailable") == 1
         state["fill"] = False
         os.unlink(os.path.join(MNT, "filler"))
         # The next request's refusal line finds the disk writable again.
         poll_until(lambda: send()[0] == status, what="served again")
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
-    assert 'detproxy_audit_write_failures_total{action="refused"} 2' in metrics, metrics
+    assert 'detproxy_audit_write_failures_total{action="refused"} 3' in metrics, metrics
     px.stop()
 
 

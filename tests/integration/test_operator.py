@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 import threading
 
-from harness import (DETPROXY_BIN, SANITIZE, SOURCE_DIR, get_json, http, poll_until, post_json,
-                     run_cmd, run_tests, sse, start_sim)
+from harness import (DETPROXY_BIN, SANITIZE, SLOW, SOURCE_DIR, get_json, http, poll_until,
+                     post_json, run_cmd, run_tests, sse, start_sim)
 from proxyutil import (assert_openai_error, exchange, metric, parse_response, pool,
                        read_until_close, serve_replica, serve_until_stream, sim_stats,
                        start_proxy, write_config)
@@ -580,6 +580,29 @@ def policy_test(cfg_path, body, *headers, path=None):
         argv += ["--path", path]
     rc, out, err = run_cmd(argv)
     return rc, (json.loads(out) if out.strip() else None), err
+
+
+def test_policy_test_reads_a_body_from_a_late_non_blocking_stdin():
+    """--body - reads standard input as it is handed over, even one a parent left non-blocking
+    (libuv and Node do): the body that comes late is waited for, not refused."""
+    import fcntl
+    import threading
+    d = tempfile.mkdtemp(prefix="detproxy-stdin-")
+    cfg = write_config({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+                        "pools": [{"name": "p", "models": ["m1"],
+                                   "replicas": [{"name": "r1", "url": "http://127.0.0.1:9"}]}],
+                        "policy": {"tenants": [{"name": "all", "match": {"any": True}}]}}, d)
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_NONBLOCK)
+    p = subprocess.Popen([DETPROXY_BIN, "policy", "test", "-c", cfg, "--body", "-"], stdin=r,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(r)
+    late = threading.Timer(0.3, lambda: (os.write(w, json.dumps(completion()).encode()),
+                                         os.close(w)))
+    late.start()
+    out, err = p.communicate(timeout=30 * SLOW)
+    late.join()
+    assert p.returncode == 0 and json.loads(out)["tenant"] == "all", (p.returncode, out, err)
 
 
 def test_the_example_config_serves_sdk_clients_with_a_dummy_key():
