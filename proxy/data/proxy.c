@@ -115,7 +115,11 @@ struct px_preq_s {
      * framed so). The byte that ends it is its end for the client (body_write). */
     int64_t cl_left;
     bool tail_held; /* that last byte waits for the audit line, in tail */
-    bool withheld;  /* cut before its end, its audit line unwritten: its tokens do not count */
+    /* Not a stream, no Content-Length, and its end waits for the audit line: which byte is its
+     * last is known only at its end, so each write keeps its last byte back (body_write). For
+     * an HTTP/1.0 client the close ends such an answer, and a cut would look whole. */
+    bool tail_carried;
+    bool withheld; /* cut before its end, its audit line unwritten: its tokens do not count */
     char tail;
     dp_buf_t held_hdrs; /* "name\0value\0" pairs */
     dp_buf_t held_body;
@@ -144,6 +148,7 @@ struct px_preq_s {
 static void dispatch(px_preq_t *q);
 static void finish(px_preq_t *q);
 static void count_request(px_preq_t *q);
+static void client_gone(px_preq_t *q);
 
 /* Request contexts are recycled with their head buffer, so a steady stream of requests does
  * not touch malloc for them. Bounded: a burst does not pin memory forever. */
@@ -906,7 +911,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
      * head is held with its empty body, as an answer to rewrite is. */
     bool head_only = f->content_length == 0 || status == 204 || status == 304 ||
                      (q->req->method_name.len == 4 && !memcmp(q->req->method_name.base, "HEAD", 4));
-    if (hold || (f->content_length == 0 && px_hooks_end_waits(&q->hooks))) {
+    if (hold || (head_only && px_hooks_end_waits(&q->hooks))) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
         q->held_status = status;
         q->held_cl = f->content_length;
@@ -936,6 +941,8 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
     q->cl_left = px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length;
+    q->tail_carried = q->cl_left < 0 && !q->sse && !px_hooks_rewrites_bytes(&q->hooks) &&
+                      px_hooks_end_waits(&q->hooks);
     if (head_only)
         count_request(q);
     net_resp_start(q->req, status, out, k, q->cl_left);
@@ -1010,6 +1017,7 @@ static void release_held(px_preq_t *q)
     q->client_started = true;
     net_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
     q->cl_left = q->held_cl;
+    q->tail_carried = q->cl_left < 0 && px_hooks_end_waits(&q->hooks);
     held_out_free(q);
     q->held_status = 0;
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
@@ -1034,6 +1042,11 @@ static void body_write(px_preq_t *q, const char *b, size_t n)
         q->cl_left = -1;
     } else if (q->cl_left > 0) {
         q->cl_left -= (int64_t)n;
+    } else if (q->tail_carried && n > 0) {
+        if (q->tail_held)
+            net_resp_write(q->req, &q->tail, 1);
+        q->tail = b[--n];
+        q->tail_held = true;
     }
     net_resp_write(q->req, b, n);
 }
@@ -1074,6 +1087,10 @@ static void deliver(void *data)
 {
     px_preq_t *q = data;
     q->audit_wait = false;
+    if (q->req == NULL) { /* its client left while the answer waited for its audit line */
+        client_gone(q);
+        return;
+    }
     if (q->req && px_hooks_audit_refused(&q->hooks)) {
         /* Fail closed: no answer leaves without its audit line (docs/operations.md). */
         if (q->client_started) {
@@ -1152,8 +1169,6 @@ static void answered(px_preq_t *q)
     q->audit_wait = false;
     deliver(q);
 }
-
-static void client_gone(px_preq_t *q);
 
 /* A held response rewritten on the thread pool: on with it, unless its client left meanwhile.
  * Then the replica's answer is still checked against what it attested, but none of it was

@@ -156,44 +156,51 @@ def test_fail_closed_withholds_a_streams_end_when_its_line_cannot_be_written():
     px.stop()
 
 
-def post_raw(px, body):
+def post_raw(px, body, version=b"1.1"):
     """A completion POSTed and read off the socket until the proxy closes: (status, the body's
-    declared length, the body bytes that came)."""
+    declared length or None, the body bytes that came)."""
     body = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", px.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\n"
               b"authorization: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-              % (AUTH["authorization"].encode(), len(body), body))
+              % (version, AUTH["authorization"].encode(), len(body), body))
     got, closed = read_until_close(s, timeout=30)
     s.close()
     assert closed, got[-200:]
     head, _, rest = got.partition(b"\r\n\r\n")
-    length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
-    return int(head.split(b" ")[1]), length, rest
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return int(head.split(b" ")[1]), length and int(length.group(1)), rest
 
 
 def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
     """An answer passed through as it arrives (a replica's error, or one longer than
-    max_response_rewrite_bytes) is complete for its client at its Content-Length's last byte:
-    that byte waits for the audit line, so when the disk fills before the line is written the
-    client is cut one byte short and never holds a whole answer without its line."""
+    max_response_rewrite_bytes) is complete for its client at its last byte: that byte waits
+    for the audit line, so when the disk fills before the line is written the client is cut
+    one byte short and never holds a whole answer without its line. With Content-Length the
+    last byte is known; without it (an HTTP/1.0 client, whose answer the close ends) each write
+    keeps its last byte back; an answer its head alone ends waits whole, and is refused."""
     d = tempfile.mkdtemp(prefix="detproxy-disk-", dir=MNT)
     os.mkdir(os.path.join(d, "store"))
     # Each answer its own bytes: the store keeps one file per body, and a full disk refuses a
     # new one (the line alone may still fit the trail's last page).
     answer = {400: lambda k: b'{"error":{"message":"max_tokens is too large (%d)"}}' % k,
               200: lambda k: b'{"id":"cmpl-%d","choices":[{"text":"%s"}]}' % (k, b"a" * 8000),
-              500: lambda k: b""}  # its head alone ends it
+              500: lambda k: b"", 304: lambda k: b""}
     sent = []
-    state = {"status": 400, "fill": False}
+    state = {"status": 400, "framing": "length", "fill": False}
 
     def script(k, c, q):
         if state["fill"]:  # the disk fills as the replica answers
             fill()
         body = answer[state["status"]](k)
         sent.append(body)
-        return (b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                % (state["status"], len(body)) + body, True)
+        head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n" % state["status"]
+        if state["framing"] == "chunked":
+            return head + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+                len(body), body), True
+        if state["framing"] == "none":  # a 304: no body, no length
+            return head + b"\r\n", True
+        return head + b"content-length: %d\r\n\r\n" % len(body) + body, True
     up = ScriptedUpstream(script)
     log = {"level": "info", "audit_path": os.path.join(d, "audit.jsonl"),
            "audit_store": os.path.join(d, "store"), "audit_fail": "closed"}
@@ -202,26 +209,32 @@ def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
         limits={"max_response_rewrite_bytes": 4096},
         directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
     prompts = iter("p%d" % i for i in range(1000))
-    send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4})
-    for status in (400, 200, 500):
-        state["status"] = status
+    cases = [(400, "length", b"1.1"), (200, "length", b"1.1"), (500, "length", b"1.1"),
+             (304, "none", b"1.1"), (400, "chunked", b"1.0")]
+    cut = {}
+    for status, framing, version in cases:
+        state["status"], state["framing"] = status, framing
+        send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4},
+                                version)
         st, length, got = send()  # room on the disk: whole
-        assert (st, length, got) == (status, len(sent[-1]), sent[-1]), (st, length, got[-80:])
+        assert (st, got) == (status, sent[-1]), (status, framing, st, got[-80:])
+        assert length == (len(sent[-1]) if framing == "length" else None), (status, length)
         state["fill"] = True
         st, length, got = send()
-        if status == 500:  # no byte to hold back: the head waits, and the answer is refused
-            assert st == 503 and b"audit_unavailable" in got, (st, got)
+        if not sent[-1]:  # no byte to hold back: the head waits, and the answer is refused
+            assert st == 503 and b"audit_unavailable" in got, (status, st, got)
         else:
-            assert (st, length, got) == (status, len(sent[-1]), sent[-1][:-1]), (st, got[-80:])
+            assert (st, got) == (status, sent[-1][:-1]), (status, framing, st, got[-80:])
+            cut[status] = cut.get(status, 0) + 1
             # Counted under the status its head carried, as withheld.
             assert metric(px, "detproxy_requests_total", status=str(status),
-                          code="audit_unavailable") == 1
+                          code="audit_unavailable") == cut[status]
         state["fill"] = False
         os.unlink(os.path.join(MNT, "filler"))
         # The next request's refusal line finds the disk writable again.
         poll_until(lambda: send()[0] == status, what="served again")
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
-    assert 'detproxy_audit_write_failures_total{action="refused"} 3' in metrics, metrics
+    assert 'detproxy_audit_write_failures_total{action="refused"} 5' in metrics, metrics
     px.stop()
 
 

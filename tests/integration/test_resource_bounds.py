@@ -401,6 +401,42 @@ def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():
     assert rc == 0, out + err
 
 
+def test_a_client_gone_while_its_answer_waits_for_the_audit_line_is_a_499():
+    """An audited answer is sent once its audit line is written. A client that leaves while it
+    waits got nothing: it is counted 499, not under the replica's status. The wait is made
+    long here by a pool of one thread, busy checking another pool's 15 MiB answer."""
+    import tempfile
+    up = HugeReplica()
+    up.dense, up.number, up.size = True, b"1e301", 15 * MiB
+    sim = start_sim("--model", "m2")
+    d = tempfile.mkdtemp(prefix="detproxy-wait-")
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]},
+                            pool("q", ["m2"], [sim])],
+                     policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
+                     log={"audit_path": "audit.jsonl"}, directory=d, workers=1,
+                     limits={"max_response_rewrite_bytes": 16 * MiB},
+                     env={"UV_THREADPOOL_SIZE": "1"})
+    got = []
+    t = threading.Thread(target=lambda: got.append(fetch_digest(px.port, body_of(200))))
+    t.start()
+    poll_until(lambda: metric(px, "detproxy_response_offloaded_total") == 1, interval=0.002,
+               what="the long answer's check on the pool's one thread")
+    small = json.dumps({"model": "m2", "prompt": "x", "max_tokens": 1}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(small), small))
+    poll_until(lambda: get_json(sim.port, "/_sim/stats")["completed"] == 1, interval=0.002,
+               what="the small answer back from its replica")
+    c.close()
+    t.join()
+    assert got[0][0] == 200
+    poll_until(lambda: metric(px, "detproxy_requests_total", pool="q") == 1,
+               what="the small request counted")
+    assert metric(px, "detproxy_requests_total", pool="q", status="499") == 1
+    px.stop()
+
+
 def test_memory_kept_for_large_bodies_falls_back_after_a_burst():
     """Body buffers of 64 KiB to 1.5 MiB are kept per worker for the next large body (a fresh
     mapping per body is dear; detproxy_body_stash_bytes shows them); after a burst they are
