@@ -941,8 +941,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
     q->cl_left = px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length;
-    q->tail_carried = q->cl_left < 0 && !q->sse && !px_hooks_rewrites_bytes(&q->hooks) &&
-                      px_hooks_end_waits(&q->hooks);
+    q->tail_carried = q->cl_left < 0 && !q->sse && px_hooks_end_waits(&q->hooks);
     if (head_only)
         count_request(q);
     net_resp_start(q->req, status, out, k, q->cl_left);
@@ -1087,8 +1086,13 @@ static void deliver(void *data)
 {
     px_preq_t *q = data;
     q->audit_wait = false;
-    if (q->req == NULL) { /* its client left while the answer waited for its audit line */
-        client_gone(q);
+    if (q->req == NULL) {
+        /* Its client left while the answer waited for its audit line: a 499 when something of
+         * it was still held back (a held answer, its last byte, a stream's closing event). */
+        if (q->held_out || q->tail_held || px_hooks_end_waits(&q->hooks))
+            client_gone(q);
+        else
+            finish(q);
         return;
     }
     if (q->req && px_hooks_audit_refused(&q->hooks)) {
@@ -1123,11 +1127,11 @@ static void deliver(void *data)
         q->code = "upstream_error";
     }
     if (q->req) {
+        count_request(q); /* before its last bytes: a client that read them sees it counted */
+        if (q->tail_held) /* it came before the held end, if any */
+            net_resp_write(q->req, &q->tail, 1);
         if (end.len)
             net_resp_write(q->req, end.base, end.len);
-        count_request(q); /* before the end: a client that read it sees it counted */
-        if (q->tail_held)
-            net_resp_write(q->req, &q->tail, 1);
         net_resp_end(q->req);
         q->req = NULL;
     }
@@ -1208,7 +1212,7 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
             held_head(q, true);
         } else if (q->req) {
             dp_iovec_t tail = px_hooks_response_tail(&q->hooks);
-            net_resp_write(q->req, tail.base, tail.len);
+            body_write(q, tail.base, tail.len);
         }
         answered(q);
         return;

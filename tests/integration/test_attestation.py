@@ -574,8 +574,22 @@ def test_a_switch_while_the_check_runs_never_serves_from_the_new_engine():
                  for i in range(8)]
         agent.gate.set()
         codes = [f.result().status for f in burst + after]
-    poll_until(lambda: post_json(px.port, "/v1/completions", body).status != 200 and
-               state(px, "r1") == "rejected", what="r1 rejected as the new engine")
+    # Under load every connection may have opened before the switch: more requests at once than
+    # there are pooled connections then open new ones, which reach the new engine.
+    def rejected():
+        with ThreadPoolExecutor(24) as ex:
+            got = list(ex.map(lambda i: post_json(px.port, "/v1/completions",
+                                                  dict(body, prompt="d%d" % i)).status,
+                              range(24)))
+        return any(c != 200 for c in got) and state(px, "r1") == "rejected"
+    try:
+        poll_until(rejected, what="r1 rejected as the new engine")
+    except AssertionError:
+        for name, p in (("old engine", a), ("new engine", b)):  # why the agent could not read
+            print("    %s on %d: %s; last lines: %s" % (
+                name, p.port, "running" if p.alive() else "exited %r" % p.popen.poll(),
+                "\n".join(p.lines[-5:])), flush=True)
+        raise
     print("    answers: %s; old engine %d, new engine %d requests"
           % (sorted(codes), sim_stats(a)["requests"], sim_stats(b)["requests"]))
     assert sim_stats(b)["requests"] == 0, codes

@@ -209,16 +209,20 @@ def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
         limits={"max_response_rewrite_bytes": 4096},
         directory=tempfile.mkdtemp(prefix="detproxy-disk-cfg-"))
     prompts = iter("p%d" % i for i in range(1000))
-    cases = [(400, "length", b"1.1"), (200, "length", b"1.1"), (500, "length", b"1.1"),
-             (304, "none", b"1.1"), (400, "chunked", b"1.0")]
+    # (status, the replica's framing, the client's HTTP version, a streamed request): a
+    # replica's error to a streamed request is no stream, and is passed through as it comes.
+    cases = [(400, "length", b"1.1", False), (200, "length", b"1.1", False),
+             (500, "length", b"1.1", False), (304, "none", b"1.1", False),
+             (400, "chunked", b"1.0", False), (400, "length", b"1.0", True)]
     cut = {}
-    for status, framing, version in cases:
+    for status, framing, version, stream in cases:
         state["status"], state["framing"] = status, framing
-        send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4},
-                                version)
+        send = lambda: post_raw(px, {"model": "m1", "prompt": next(prompts), "max_tokens": 4,
+                                     "stream": stream}, version)
         st, length, got = send()  # room on the disk: whole
         assert (st, got) == (status, sent[-1]), (status, framing, st, got[-80:])
-        assert length == (len(sent[-1]) if framing == "length" else None), (status, length)
+        assert length == (len(sent[-1]) if framing == "length" and not stream else None), (
+            status, length)
         state["fill"] = True
         st, length, got = send()
         if not sent[-1]:  # no byte to hold back: the head waits, and the answer is refused
@@ -234,7 +238,7 @@ def test_fail_closed_withholds_the_end_of_an_answer_passed_through():
         # The next request's refusal line finds the disk writable again.
         poll_until(lambda: send()[0] == status, what="served again")
     metrics = http("GET", px.admin_port, "/metrics").body.decode()
-    assert 'detproxy_audit_write_failures_total{action="refused"} 5' in metrics, metrics
+    assert 'detproxy_audit_write_failures_total{action="refused"} 6' in metrics, metrics
     px.stop()
 
 

@@ -437,6 +437,42 @@ def test_a_client_gone_while_its_answer_waits_for_the_audit_line_is_a_499():
     px.stop()
 
 
+def test_a_client_gone_after_its_whole_answer_is_not_a_499_under_fail_open():
+    """Under log.audit_fail: open nothing of an answer passed through waits for its audit line:
+    a client that read it all and left while the line was still on its way is not a 499 (the
+    access line gives the replica's status, as the metrics do)."""
+    import tempfile
+    up = HugeReplica()
+    up.dense, up.number, up.size = True, b"1e301", 15 * MiB
+    sim = start_sim("--model", "m2")
+    d = tempfile.mkdtemp(prefix="detproxy-open-")
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
+                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]},
+                            pool("q", ["m2"], [sim])],
+                     policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
+                     log={"audit_path": "audit.jsonl", "audit_fail": "open"}, directory=d,
+                     workers=1, limits={"max_response_rewrite_bytes": 16 * MiB},
+                     env={"UV_THREADPOOL_SIZE": "1"})
+    got = []
+    t = threading.Thread(target=lambda: got.append(fetch_digest(px.port, body_of(200))))
+    t.start()
+    poll_until(lambda: metric(px, "detproxy_response_offloaded_total") == 1, interval=0.002,
+               what="the long answer's check on the pool's one thread")
+    # The replica refuses this one 400 with a Content-Length: passed through as it comes.
+    bad = json.dumps({"model": "m2", "prompt": "x", "max_tokens": 30000}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(bad), bad))
+    r = read_response(c)
+    c.close()
+    assert r.status == 400 and r.complete, r.raw
+    rid = r.headers["x-detproxy-request-id"]
+    t.join()
+    line = px.wait_log(lambda l: l.get("msg") == "access" and l.get("request_id") == rid)
+    assert line["status"] == 400, line
+    px.stop()
+
+
 def test_memory_kept_for_large_bodies_falls_back_after_a_burst():
     """Body buffers of 64 KiB to 1.5 MiB are kept per worker for the next large body (a fresh
     mapping per body is dear; detproxy_body_stash_bytes shows them); after a burst they are
