@@ -401,20 +401,20 @@ def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():
     assert rc == 0, out + err
 
 
-def test_a_client_gone_while_its_answer_waits_for_the_audit_line_is_a_499():
-    """An audited answer is sent once its audit line is written. A client that leaves while it
-    waits got nothing: it is counted 499, not under the replica's status. The wait is made
-    long here by a pool of one thread, busy checking another pool's 15 MiB answer."""
+def audit_behind_a_busy_pool(audit_fail):
+    """An audited proxy (log.audit_fail as given) with a pool of one thread, busy checking
+    pool p's 15 MiB answer (fetched on a thread, returned), so that audit lines wait; pool q is a
+    sim serving model m2. (px, sim, the fetching thread, its result list)."""
     import tempfile
     up = HugeReplica()
     up.dense, up.number, up.size = True, b"1e301", 15 * MiB
     sim = start_sim("--model", "m2")
-    d = tempfile.mkdtemp(prefix="detproxy-wait-")
     px = start_proxy(pools=[{"name": "p", "models": [MODEL],
                              "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]},
                             pool("q", ["m2"], [sim])],
                      policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
-                     log={"audit_path": "audit.jsonl"}, directory=d, workers=1,
+                     log={"audit_path": "audit.jsonl", "audit_fail": audit_fail},
+                     directory=tempfile.mkdtemp(prefix="detproxy-wait-"), workers=1,
                      limits={"max_response_rewrite_bytes": 16 * MiB},
                      env={"UV_THREADPOOL_SIZE": "1"})
     got = []
@@ -422,10 +422,24 @@ def test_a_client_gone_while_its_answer_waits_for_the_audit_line_is_a_499():
     t.start()
     poll_until(lambda: metric(px, "detproxy_response_offloaded_total") == 1, interval=0.002,
                what="the long answer's check on the pool's one thread")
-    small = json.dumps({"model": "m2", "prompt": "x", "max_tokens": 1}).encode()
+    return px, sim, t, got
+
+
+def send_m2(px, **body):
+    """A completion for pool q sent on a fresh connection (returned)."""
+    data = json.dumps(dict({"model": "m2", "prompt": "x"}, **body)).encode()
     c = socket.create_connection(("127.0.0.1", px.port))
     c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(small), small))
+              b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return c
+
+
+def test_a_client_gone_while_its_answer_waits_for_the_audit_line_is_a_499():
+    """An audited answer is sent once its audit line is written. A client that leaves while it
+    waits got nothing: it is counted 499, not under the replica's status. The wait is made
+    long here by a pool of one thread, busy checking another pool's 15 MiB answer."""
+    px, sim, t, got = audit_behind_a_busy_pool("closed")
+    c = send_m2(px, max_tokens=1)
     poll_until(lambda: get_json(sim.port, "/_sim/stats")["completed"] == 1, interval=0.002,
                what="the small answer back from its replica")
     c.close()
@@ -441,28 +455,9 @@ def test_a_client_gone_after_its_whole_answer_is_not_a_499_under_fail_open():
     """Under log.audit_fail: open nothing of an answer passed through waits for its audit line:
     a client that read it all and left while the line was still on its way is not a 499 (the
     access line gives the replica's status, as the metrics do)."""
-    import tempfile
-    up = HugeReplica()
-    up.dense, up.number, up.size = True, b"1e301", 15 * MiB
-    sim = start_sim("--model", "m2")
-    d = tempfile.mkdtemp(prefix="detproxy-open-")
-    px = start_proxy(pools=[{"name": "p", "models": [MODEL],
-                             "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]},
-                            pool("q", ["m2"], [sim])],
-                     policy={"tenants": [{"name": "t", "match": {"any": True}, "audit": True}]},
-                     log={"audit_path": "audit.jsonl", "audit_fail": "open"}, directory=d,
-                     workers=1, limits={"max_response_rewrite_bytes": 16 * MiB},
-                     env={"UV_THREADPOOL_SIZE": "1"})
-    got = []
-    t = threading.Thread(target=lambda: got.append(fetch_digest(px.port, body_of(200))))
-    t.start()
-    poll_until(lambda: metric(px, "detproxy_response_offloaded_total") == 1, interval=0.002,
-               what="the long answer's check on the pool's one thread")
+    px, sim, t, got = audit_behind_a_busy_pool("open")
     # The replica refuses this one 400 with a Content-Length: passed through as it comes.
-    bad = json.dumps({"model": "m2", "prompt": "x", "max_tokens": 30000}).encode()
-    c = socket.create_connection(("127.0.0.1", px.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(bad), bad))
+    c = send_m2(px, max_tokens=30000)
     r = read_response(c)
     c.close()
     assert r.status == 400 and r.complete, r.raw
