@@ -2341,6 +2341,12 @@ static bool conn_usable(net_req_t *req)
     return c->req == impl(req) && c->phase != PH_CLOSED && c->phase != PH_LINGER;
 }
 
+bool net_resp_bodiless(const net_req_t *req, int status)
+{
+    return req->method == HTTP_HEAD || status == 204 || status == 304 ||
+           (status >= 100 && status < 200);
+}
+
 int net_resp_start(net_req_t *req, int status, const net_header_t *hdrs, size_t nhdrs,
                    int64_t content_length)
 {
@@ -2349,8 +2355,7 @@ int net_resp_start(net_req_t *req, int status, const net_header_t *hdrs, size_t 
     if (!conn_usable(req) || q->resp_started)
         return -1;
     q->resp_started = true;
-    q->resp_no_body = req->method == HTTP_HEAD || status == 204 || status == 304 ||
-                      (status >= 100 && status < 200);
+    q->resp_no_body = net_resp_bodiless(req, status);
     /* Answering before the body is read leaves unread input: this connection then closes. */
     if (!q->body_done)
         c->keep_alive = false;

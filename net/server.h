@@ -188,6 +188,9 @@ void net_req_resume_body(net_req_t *req);
  * The server adds Date, Content-Length or Transfer-Encoding, and Connection. Handlers must not
  * pass hop-by-hop headers. All functions return 0, or -1 when the connection is already gone
  * (on_abort has been or is about to be called). */
+/* Does an answer with this status to req carry no body, whatever its headers say (a HEAD
+ * request's, a 1xx, 204 or 304: RFC 9110 §6.4.1)? */
+bool net_resp_bodiless(const net_req_t *req, int status);
 int net_resp_start(net_req_t *req, int status, const net_header_t *hdrs, size_t nhdrs,
                    int64_t content_length);
 int net_resp_write(net_req_t *req, const char *p, size_t n);

@@ -430,6 +430,12 @@ static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, policy_route_t r
     return 0;
 }
 
+/* An audited tenant under log.audit_fail: closed: no answer's end leaves before its line. */
+static bool end_waits(const pol_t *p)
+{
+    return p->audit && !p->audit_fail_open;
+}
+
 /* Back on the loop: metrics, headers, response rewriting state; the refusal otherwise. */
 static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
                    px_hooks_result_t *res)
@@ -456,7 +462,7 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
                 strlen(pool->fingerprint));
     if (h->stream) {
         p->sse_rewrite = true;
-        p->gate = p->audit && !p->audit_fail_open;
+        p->gate = end_waits(p);
         policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
         policy_req_trim(p->preq); /* nothing reads the parse again; a stream lives long */
     }
@@ -954,7 +960,7 @@ bool px_hooks_audit_refused(const px_hooks_req_t *h)
 bool px_hooks_end_waits(const px_hooks_req_t *h)
 {
     const pol_t *p = h->policy;
-    return p && p->audit && !p->audit_fail_open;
+    return p && end_waits(p);
 }
 
 void px_hooks_check_answer(px_hooks_req_t *h, px_t *px, px_replica_t *r, int status)

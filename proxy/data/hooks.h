@@ -168,8 +168,8 @@ bool px_hooks_before_end(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, px_
  * cut stream when its bytes were already sent). */
 bool px_hooks_audit_refused(const px_hooks_req_t *h);
 /* Must the answer's end wait for its audit line (an audited tenant under log.audit_fail:
- * closed)? A stream's closing event does (px_hooks_stream_end), and so does the last byte of an
- * answer passed through with Content-Length. */
+ * closed)? A stream's closing event does (px_hooks_stream_end), the last byte of an answer
+ * passed through does, and an answer its head alone ends is held whole. */
 bool px_hooks_end_waits(const px_hooks_req_t *h);
 /* An exchange with replica r failed with err. */
 void px_hooks_upstream_failed(px_hooks_req_t *h, px_t *px, px_replica_t *r, net_up_err_t err);

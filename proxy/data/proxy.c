@@ -887,6 +887,14 @@ static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *h
                : "the answer's Content-Type is not application/json";
 }
 
+/* The answer goes to the client as it arrives, content_length bytes of it (-1: unknown, the
+ * end comes with the exchange's): what body_write needs to find its last byte. */
+static void pass_through(px_preq_t *q, int64_t content_length)
+{
+    q->cl_left = content_length;
+    q->tail_carried = content_length < 0 && !q->sse && px_hooks_end_waits(&q->hooks);
+}
+
 static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size_t n,
                        const net_framing_t *f)
 {
@@ -909,8 +917,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     /* One whose head alone ends it is complete for its client once the head is sent: the
      * request is counted first, and when its end waits for the audit line (body_write) the
      * head is held with its empty body, as an answer to rewrite is. */
-    bool head_only = f->content_length == 0 || status == 204 || status == 304 ||
-                     (q->req->method_name.len == 4 && !memcmp(q->req->method_name.base, "HEAD", 4));
+    bool head_only = f->content_length == 0 || net_resp_bodiless(q->req, status);
     if (hold || (head_only && px_hooks_end_waits(&q->hooks))) {
         /* Keep a copy of the head; the response is sent whole once the body is rewritten. */
         q->held_status = status;
@@ -940,8 +947,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
         px_hooks_event_stream(&q->hooks);
     /* A stream framed by Content-Length changes length as its fingerprints are rewritten:
      * forwarded without one (chunked, or close-delimited to an HTTP/1.0 client). */
-    q->cl_left = px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length;
-    q->tail_carried = q->cl_left < 0 && !q->sse && px_hooks_end_waits(&q->hooks);
+    pass_through(q, px_hooks_rewrites_bytes(&q->hooks) ? -1 : f->content_length);
     if (head_only)
         count_request(q);
     net_resp_start(q->req, status, out, k, q->cl_left);
@@ -1004,19 +1010,18 @@ static void held_out_free(px_preq_t *q)
     q->held_out = NULL;
 }
 
+static void body_write(px_preq_t *q, const char *b, size_t n);
+
 /* The held response outgrew limits.max_response_rewrite_bytes: send what is held unchanged
  * and stream the rest, as for a response that was never held. The audit hash (teed by
  * px_hooks_response_bytes) still covers every byte; the body keeps the replica's own
  * system_fingerprint (the pool's is in x-detproxy-fingerprint). */
-static void body_write(px_preq_t *q, const char *b, size_t n);
-
 static void release_held(px_preq_t *q)
 {
     held_head(q, false);
     q->client_started = true;
     net_resp_start(q->req, q->held_status, q->held_out, q->held_nout, q->held_cl);
-    q->cl_left = q->held_cl;
-    q->tail_carried = q->cl_left < 0 && px_hooks_end_waits(&q->hooks);
+    pass_through(q, q->held_cl);
     held_out_free(q);
     q->held_status = 0;
     dp_iovec_t v = px_hooks_response_bytes(&q->hooks, q->held_body.base, q->held_body.len);
