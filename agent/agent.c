@@ -1017,13 +1017,11 @@ static void answer_attestation(agent_t *a, net_req_t *req)
 {
     char nonce[ATTEST_NONCE_MAX + 1];
     dp_buf_t nb = {0};
-    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_valid(nb.base, nb.len);
-    if (ok)
-        memcpy(nonce, nb.base, nb.len + 1);
+    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_copy(nb.base, nb.len, nonce);
     dp_buf_free(&nb);
     if (!ok) {
-        net_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce",
-                       "nonce must be 1..128 characters of [A-Za-z0-9._~-]", NULL, 0);
+        net_resp_error(req, 400, "invalid_request_error", "bad_nonce", "nonce", ATTEST_NONCE_RULE,
+                       NULL, 0);
         return;
     }
     /* An engine that is another process than the one measured is measured again first. */

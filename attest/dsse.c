@@ -607,3 +607,12 @@ bool attest_nonce_valid(const char *s, size_t n)
     }
     return true;
 }
+
+bool attest_nonce_copy(const char *s, size_t n, char out[ATTEST_NONCE_MAX + 1])
+{
+    if (!attest_nonce_valid(s, n))
+        return false;
+    memcpy(out, s, n);
+    out[n] = '\0';
+    return true;
+}

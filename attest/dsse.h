@@ -117,5 +117,10 @@ int attest_envelope_for_keyfile(const char *key_path, const attest_report_t *r, 
  * between proxy and agent. */
 #define ATTEST_NONCE_MAX 128
 bool attest_nonce_valid(const char *s, size_t n);
+/* What a server answers a nonce attest_nonce_valid refuses (400 bad_nonce). */
+#define ATTEST_NONCE_RULE "nonce must be 1..128 characters of [A-Za-z0-9._~-]"
+/* A nonce as the query gave it (n bytes, decoded), copied NUL-terminated into out when
+ * attest_nonce_valid takes it: false otherwise. */
+bool attest_nonce_copy(const char *s, size_t n, char out[ATTEST_NONCE_MAX + 1]);
 
 #endif

@@ -647,13 +647,10 @@ static void handle_attestation(sim_t *s, net_req_t *req)
 {
     char nonce[ATTEST_NONCE_MAX + 1];
     dp_buf_t nb = {0};
-    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_valid(nb.base, nb.len);
-    if (ok)
-        memcpy(nonce, nb.base, nb.len + 1);
+    bool ok = net_req_query(req, "nonce", &nb) == 1 && attest_nonce_copy(nb.base, nb.len, nonce);
     dp_buf_free(&nb);
     if (!ok) {
-        send_error(req, 400, "invalid_request_error", "nonce",
-                   "nonce must be 1..128 characters of [A-Za-z0-9._~-]");
+        send_error(req, 400, "invalid_request_error", "nonce", ATTEST_NONCE_RULE);
         return;
     }
     switch (s->attest_fault) {

@@ -527,4 +527,15 @@ Test(attest_keys, nonce_charset)
     memset(long_nonce, 'a', sizeof(long_nonce));
     cr_assert(attest_nonce_valid(long_nonce, 128));
     cr_assert_not(attest_nonce_valid(long_nonce, 129));
+    /* The copy a server answers with: only of a valid nonce, NUL-terminated at its length. */
+    char out[ATTEST_NONCE_MAX + 1];
+    memset(out, 'z', sizeof(out));
+    cr_assert(attest_nonce_copy("n-1xyz", 3, out));
+    cr_assert_str_eq(out, "n-1");
+    cr_assert(attest_nonce_copy(long_nonce, 128, out));
+    cr_assert_eq(strlen(out), 128);
+    memset(out, 'z', sizeof(out));
+    cr_assert_not(attest_nonce_copy(long_nonce, 129, out));
+    cr_assert_not(attest_nonce_copy("a b", 3, out));
+    cr_assert_eq(out[0], 'z'); /* nothing written for a refused one */
 }
