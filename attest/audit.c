@@ -586,8 +586,7 @@ int audit_verify_file(const char *path, const audit_verify_opts_t *o, audit_veri
     int fd = dp_open_input(path);
     FILE *f = fd >= 0 ? fdopen(fd, "r") : NULL;
     if (f == NULL) {
-        dp_buf_appends(why, fd == -EINVAL ? "not a regular file or a pipe"
-                                          : strerror(fd < 0 ? -fd : errno));
+        dp_buf_appends(why, dp_input_strerror(fd < 0 ? fd : -errno));
         if (fd >= 0)
             close(fd);
         return -1;

@@ -254,13 +254,6 @@ static const dp_args_t verify_spec = {
               "be parsed.",
 };
 
-static int read_input(const char *path, size_t max, dp_buf_t *out)
-{
-    if (strcmp(path, "-") == 0)
-        return dp_read_fd(STDIN_FILENO, max, out);
-    return dp_read_file(path, max, out);
-}
-
 static void print_field(const char *label, const char *v, const char *note)
 {
     if (v)
@@ -297,14 +290,14 @@ static int cmd_verify(int argc, char **argv)
         }
     }
     /* Read one byte past the limit so "too large" is the verifier's precise reason. */
-    int e = read_input(env_path, ATTEST_ENVELOPE_MAX_BYTES + 1, &env);
+    int e = dp_read_input(env_path, ATTEST_ENVELOPE_MAX_BYTES + 1, &env);
     if (e != 0 && e != -EFBIG) {
         fprintf(stderr, "detproxy attest verify: --envelope %s: %s\n", env_path,
                 dp_input_strerror(e));
         goto out;
     }
     if (manifest_path) {
-        e = read_input(manifest_path, 1 << 20, &mjson);
+        e = dp_read_input(manifest_path, 1 << 20, &mjson);
         if (e != 0) {
             fprintf(stderr, "detproxy attest verify: --manifest %s: %s\n", manifest_path,
                     dp_input_strerror(e));

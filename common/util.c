@@ -372,6 +372,13 @@ int dp_read_file(const char *path, size_t max, dp_buf_t *out)
     return rc;
 }
 
+int dp_read_input(const char *path, size_t max, dp_buf_t *out)
+{
+    if (strcmp(path, "-") == 0)
+        return dp_read_fd(STDIN_FILENO, max, out);
+    return dp_read_file(path, max, out);
+}
+
 int dp_read_fd(int fd, size_t max, dp_buf_t *out)
 {
     int rc = 0;

@@ -101,6 +101,8 @@ const char *dp_input_strerror(int rc);
 /* Read a whole file, at most max bytes (more is an error), opened as dp_open_input does (a FIFO
  * with no writer reads as empty instead of hanging the caller). 0, or -errno / -EFBIG. */
 int dp_read_file(const char *path, size_t max, dp_buf_t *out);
+/* dp_read_file of path, or of standard input when path is "-". */
+int dp_read_input(const char *path, size_t max, dp_buf_t *out);
 /* The same from an open descriptor (not closed here; one set non-blocking is waited on). */
 int dp_read_fd(int fd, size_t max, dp_buf_t *out);
 

@@ -894,7 +894,7 @@ int px_cmd_replay(int argc, char **argv)
     FILE *f = fd >= 0 ? fdopen(fd, "r") : NULL;
     if (f == NULL) {
         fprintf(stderr, "detproxy replay: %s: %s\n", px_fetch_safe(0, audit),
-                fd == -EINVAL ? "not a regular file or a pipe" : strerror(fd < 0 ? -fd : errno));
+                dp_input_strerror(fd < 0 ? fd : -errno));
         if (fd >= 0)
             close(fd);
         free(aaddr.host);

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -241,9 +240,7 @@ static int policy_test(int argc, char **argv)
     cfg_errors_free(&errs);
     dp_buf_t body = {0};
     int rc;
-    int rd = strcmp(body_path, "-") == 0
-                 ? dp_read_fd(STDIN_FILENO, cfg->limits.max_body_bytes, &body)
-                 : dp_read_file(body_path, cfg->limits.max_body_bytes, &body);
+    int rd = dp_read_input(body_path, cfg->limits.max_body_bytes, &body);
     if (rd == -EFBIG) {
         /* limits.max_body_bytes: what the proxy's listener would answer. */
         policy_error_t e = {
