@@ -134,6 +134,15 @@ static int query(net_req_t *req, const char *name, dp_buf_t *out)
     return rc;
 }
 
+/* 404 for a ?pool= that names no pool. */
+static void pool_not_found(net_req_t *req, const char *name)
+{
+    dp_buf_t m = {0};
+    dp_buf_printf(&m, "no pool is named %s", name);
+    net_resp_error(req, 404, NULL, "pool_not_found", NULL, m.base, NULL, 0);
+    dp_buf_free(&m);
+}
+
 /* Is a pool of the running configuration named name? */
 static bool pool_named(const px_t *px, const dp_buf_t *name)
 {
@@ -274,9 +283,7 @@ static void drift_reset(px_t *px, net_req_t *req)
     dp_buf_t b = {0};
     if (px_shadow_drift_reset(px, by_pool ? only.base : NULL, only.len, &b) != 0) {
         dp_buf_free(&b);
-        dp_buf_printf(&b, "no pool is named %s", only.base ? only.base : "");
-        net_resp_error(req, 404, NULL, "pool_not_found", NULL, b.base, NULL, 0);
-        dp_buf_free(&b);
+        pool_not_found(req, only.base ? only.base : "");
         dp_buf_free(&only);
         return;
     }
@@ -308,10 +315,7 @@ static int extra_route(px_t *px, net_req_t *req)
         dp_buf_t only = {0};
         int by_pool = query(req, "pool", &only);
         if (by_pool > 0 && !pool_named(px, &only)) {
-            dp_buf_t m = {0};
-            dp_buf_printf(&m, "no pool is named %s", only.base);
-            net_resp_error(req, 404, NULL, "pool_not_found", NULL, m.base, NULL, 0);
-            dp_buf_free(&m);
+            pool_not_found(req, only.base);
         } else if (by_pool >= 0) {
             dp_buf_t b = {0};
             px_shadow_rollouts_json(px, by_pool ? only.base : NULL, only.len, &b);
