@@ -146,10 +146,11 @@ def test_an_answer_checked_on_the_thread_pool_is_audited_as_forwarded():
     complete(px, "short")
     assert offloaded() == 0
     before = metric(px, "detproxy_tokens_total", kind="completion")
-    # The casual tenant: sampled at the sim's default temperature, eight long choices.
+    # The casual tenant: eight choices sampled at the sim's default temperature. The seed makes
+    # their lengths fixed (about 124 KiB in all); unseeded, they come out as short as 35 KiB.
     r = post_json(px.port, "/v1/chat/completions",
                   {"model": "m1", "messages": [{"role": "user", "content": "long"}],
-                   "max_tokens": 4000, "n": 8})
+                   "max_tokens": 4000, "n": 8, "seed": 3})
     assert r.status == 200 and len(r.body) > 64 * 1024, (r.status, len(r.body))
     assert offloaded() == 1
     got = r.json()
