@@ -436,11 +436,17 @@ def test_a_blue_green_switch_never_serves_from_the_new_engine():
         r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert r.status == 200, r
     front.switch(b.port)
-    with ThreadPoolExecutor(12) as ex:
-        codes = list(ex.map(lambda i: post_json(
-            px.port, "/v1/completions", {"model": MODEL, "prompt": "b%d" % i,
-                                         "max_tokens": 1}).status, range(24)))
-    poll_until(lambda: state(px, "r1") == "rejected", what="r1 rejected as the new engine")
+    codes = []
+
+    # Requests at once, more than there are pooled connections: some open new connections,
+    # which reach the new engine. (One burst may be served over the pooled ones alone.)
+    def rejected():
+        with ThreadPoolExecutor(24) as ex:
+            codes.extend(ex.map(lambda i: post_json(
+                px.port, "/v1/completions", {"model": MODEL, "prompt": "b%d" % i,
+                                             "max_tokens": 1}).status, range(24)))
+        return state(px, "r1") == "rejected"
+    poll_until(rejected, what="r1 rejected as the new engine")
     assert sim_stats(b)["requests"] == 0, codes
     px.stop()
     front.close()
@@ -521,9 +527,10 @@ def test_a_check_for_a_new_connection_holds_back_only_the_request_that_needs_it(
     agent.gate.clear()
     asked = agent.asked
     with ThreadPoolExecutor(2) as ex:
-        # The first takes the pooled connection for ~400 ms; the second needs a new one and
-        # asks for a check, which the agent holds.
-        slow = ex.submit(post_json, px.port, "/v1/completions", dict(body, max_tokens=10))
+        # The first takes the pooled connection for 1 s (greedy, "x" runs to 42 tokens); the
+        # second needs a new one and asks for a check, which the agent holds.
+        slow = ex.submit(post_json, px.port, "/v1/completions",
+                         dict(body, max_tokens=25, temperature=0))
         poll_until(lambda: sim_stats(a)["inflight"] == 1, what="the first request at the sim")
         waiting = ex.submit(post_json, px.port, "/v1/completions", body)
         poll_until(lambda: agent.asked > asked, what="the new connection's check at the agent")
@@ -671,10 +678,11 @@ def test_a_request_routed_again_waits_only_for_what_is_left_of_queue_timeout():
               % (wait_s * 1000, rw.status, took_w * 1000, rx.status, took_x * 1000))
         for r in (rw, rx):
             assert r.status == 504 and r.json()["error"]["code"] == "queue_timeout", r
-        # The verdict's round trip is all the slack allowed: a whole wait again from the
+        # The verdict's round trip is all the slack allowed (a quarter of the wait, for a loaded
+        # machine): a whole wait again from the
         # queue would be 1.7x, waiting for X's deadline 1.3x.
-        assert took_w < 1.15 * wait_s, took_w
-        assert 0.95 * wait_s <= took_x < 1.15 * wait_s, took_x
+        assert took_w < 1.25 * wait_s, took_w
+        assert 0.95 * wait_s <= took_x < 1.25 * wait_s, took_x
         assert state(px, "r1") == "rejected"
         assert sim_stats(b)["requests"] == 0
         assert busy.result().status == 200

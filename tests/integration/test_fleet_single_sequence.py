@@ -51,9 +51,12 @@ def reload_pools(px, pools):
     assert r.status == 200, r.body
 
 
+# Every request here is greedy (temperature 0): the sim then gives each prompt a fixed length
+# (x 42 tokens, y 45, z 38, w 35, r 10), which the timings below are built on. Sampled, an
+# answer's length and end would be the sim's random draw.
 def complete(px, prompt, n, **kw):
     return post_json(px.port, "/v1/completions",
-                     {"model": MODEL, "prompt": prompt, "max_tokens": n}, **kw)
+                     {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}, **kw)
 
 
 def in_background(fn):
@@ -87,8 +90,7 @@ def test_single_sequence_engine_runs_one_request_across_the_fleet():
     out = []
 
     def send(p, i):
-        out.append(post_json(p.port, "/v1/completions",
-                             {"model": MODEL, "prompt": "s%d" % i, "max_tokens": 5}).status)
+        out.append(complete(p, "s%d" % i, 5).status)
     ts = [threading.Thread(target=send, args=(p, i)) for i in range(4) for p in pxs]
     for t in ts:
         t.start()
@@ -114,7 +116,7 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     # a holds the engine while "x" generates (42 tokens, 2.5 s), then is killed.
     def doomed():
         try:
-            post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 60})
+            complete(a, "x", 60)
         except OSError:
             pass  # a is killed under it
     threading.Thread(target=doomed, daemon=True).start()
@@ -123,7 +125,7 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     a.popen.send_signal(signal.SIGKILL)
     a.wait()
     t0 = time.monotonic()
-    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    r = complete(b, "y", 2)
     waited = time.monotonic() - t0
     assert r.status == 200, r.text
     assert waited > 1.0, waited  # the key went with a's lease (2 s), not before
@@ -134,8 +136,7 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     assert [e["starting"] for e in fleet(b)["engines"]] == [False]
     before = sim_stats(sim)["requests"]
     out = {}
-    t = threading.Thread(target=lambda: out.update(r=post_json(b.port, "/v1/completions", {
-        "model": MODEL, "prompt": "z", "max_tokens": 2})))
+    t = threading.Thread(target=lambda: out.update(r=complete(b, "z", 2)))
     t.start()
     poll_until(lambda: fleet(b)["engines"][0]["wanted"], what="the request refused the engine")
     assert sim_stats(sim)["requests"] == before
@@ -155,8 +156,7 @@ def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
     a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i) for i in range(2))
     wait_members([a, b], 2)
     out = {}
-    t = threading.Thread(target=lambda: out.update(r=post_json(a.port, "/v1/completions", {
-        "model": MODEL, "prompt": "x", "max_tokens": 40})))
+    t = threading.Thread(target=lambda: out.update(r=complete(a, "x", 40)))
     t.start()
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
     assert [e["held"] for e in fleet(a)["engines"]] == [True]
@@ -170,7 +170,7 @@ def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
                what="both connected again")
     poll_until(lambda: not cluster.get_prefix("/detproxy/t/engines/"), timeout=5,
                what="a letting go of the key")
-    r = post_json(b.port, "/v1/completions", {"model": MODEL, "prompt": "y", "max_tokens": 2})
+    r = complete(b, "y", 2)
     assert r.status == 200, r.text
     assert sim_stats(sim)["max_inflight_seen"] == 1
     stop_all(cluster, a, b)
@@ -184,28 +184,25 @@ def test_single_sequence_member_paused_past_its_lease_starts_nothing_when_it_wak
     sim = start_sim("--model", MODEL, "--token-delay-ms", "60")
     a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
     wait_members([a, b], 2)
-    r = post_json(a.port, "/v1/completions", {"model": MODEL, "prompt": "w", "max_tokens": 2})
+    r = complete(a, "w", 2)
     assert r.status == 200, r.text
     # a takes the engine for "x" (42 tokens, 2.5 s) and is paused while holding it.
     ax = {}
-    t = threading.Thread(target=lambda: ax.update(r=post_json(a.port, "/v1/completions", {
-        "model": MODEL, "prompt": "x", "max_tokens": 60})))
+    t = threading.Thread(target=lambda: ax.update(r=complete(a, "x", 60)))
     t.start()
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
     a.popen.send_signal(signal.SIGSTOP)
     try:
         # b waits for a's lease (2 s), then runs "y" (40 tokens) once x has ended.
         by = {}
-        u = threading.Thread(target=lambda: by.update(r=post_json(b.port, "/v1/completions", {
-            "model": MODEL, "prompt": "y", "max_tokens": 40})))
+        u = threading.Thread(target=lambda: by.update(r=complete(b, "y", 40)))
         u.start()
         poll_until(lambda: fleet(b)["engines"][0]["held"] and sim_stats(sim)["inflight"] == 1 and
                    sim_stats(sim)["completed"] >= 2, timeout=15, what="y running through b")
         sim_reset(sim)
         # A request reaches a while it sleeps; then a wakes, holding a key that is b's now.
         az = {}
-        v = threading.Thread(target=lambda: az.update(r=post_json(a.port, "/v1/completions", {
-            "model": MODEL, "prompt": "z", "max_tokens": 2})))
+        v = threading.Thread(target=lambda: az.update(r=complete(a, "z", 2)))
         v.start()
     finally:
         a.popen.send_signal(signal.SIGCONT)
@@ -275,7 +272,8 @@ def test_a_single_sequence_pool_added_by_a_reload_waits_for_the_key_from_its_fir
 
 def relay(px, prompt, n):
     return http("POST", px.admin_port, "/admin/relay/v1/completions",
-                body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": n}),
+                body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": n,
+                                 "temperature": 0}),
                 headers={"content-type": "application/json", "x-detproxy-relay-pool": "p",
                          "x-detproxy-relay-replica": "r1"}, timeout=40)
 
@@ -288,7 +286,9 @@ def test_a_relay_passed_a_slot_on_a_member_woken_past_its_lease_waits_for_the_ke
     sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
     a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
     wait_members([a, b], 2)
-    t, x = in_background(lambda: complete(a, "x", 12))  # 0.6 s
+    # x runs 1.2 s: the relay has to be seen holding the next slot, which it is counted as only
+    # once it has waited 200 ms, before x ends.
+    t, x = in_background(lambda: complete(a, "x", 24))
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="x generating")
     rt, rr = in_background(lambda: relay(a, "r", 4))
     poll_until(lambda: get_json(a.admin_port, "/admin/replicas")["replicas"][0]
@@ -296,7 +296,7 @@ def test_a_relay_passed_a_slot_on_a_member_woken_past_its_lease_waits_for_the_ke
     a.popen.send_signal(signal.SIGSTOP)
     try:
         poll_until(lambda: sim_stats(sim)["inflight"] == 0, what="x done at the engine")
-        u, y = in_background(lambda: complete(b, "y", 60))  # 3 s
+        u, y = in_background(lambda: complete(b, "y", 60))  # 45 tokens, 2.25 s
         poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="y through b")
         sim_reset(sim)
     finally:
@@ -317,7 +317,7 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     sim = start_sim("--model", MODEL, "--token-delay-ms", "50", "--finish-abandoned")
     a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=2000) for i in range(2))
     wait_members([a, b], 2)
-    t, x = in_background(lambda: relay(a, "x", 60))  # 3 s
+    t, x = in_background(lambda: relay(a, "x", 60))  # 42 tokens, 2.1 s
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the relay generating")
     a.popen.send_signal(signal.SIGTERM)
     a.wait_log(lambda l: l.get("msg") == "drained")

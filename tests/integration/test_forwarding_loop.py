@@ -11,7 +11,8 @@ import re
 import os
 import tempfile
 
-from harness import (free_port, get_json, http, poll_until, post_json, run_tests, start_sim)
+from harness import (SLOW, free_port, get_json, http, poll_until, post_json, run_tests,
+                     start_sim)
 from proxyutil import assert_openai_error, client_requests, sim_reset, start_proxy
 from test_discovery_reload import namespaces_work, write_hosts, NAME
 
@@ -39,7 +40,7 @@ def test_a_replica_url_naming_the_proxy_itself_is_never_admitted():
     sim = start_sim("--model", MODEL)
     port = free_port()
     px = start_proxy(pools=[self_pool(sim, port)], listen="127.0.0.1:%d" % port,
-                     attestation={"interval_ms": 300, "timeout_ms": 500})
+                     attestation={"interval_ms": 300, "timeout_ms": int(500 * SLOW)})
     poll_until(lambda: replicas(px)["self"]["state"] == "rejected", what="self rejected")
     assert "own proxy listener" in " ".join(replicas(px)["self"]["reasons"]), replicas(px)
     sim_reset(sim)
@@ -73,7 +74,7 @@ def test_the_unspecified_address_is_the_proxy_itself_too():
         pl = self_pool(sim, port)
         pl["replicas"][1]["url"] = "http://0.0.0.0:%d" % port
         px = start_proxy(pools=[pl], listen="%s:%d" % (listen, port),
-                         attestation={"interval_ms": 300, "timeout_ms": 500})
+                         attestation={"interval_ms": 300, "timeout_ms": int(500 * SLOW)})
         poll_until(lambda: replicas(px)["self"]["state"] == "rejected",
                    what="0.0.0.0 rejected with the listener on %s" % listen)
         assert "own proxy listener" in " ".join(replicas(px)["self"]["reasons"]), replicas(px)
@@ -121,7 +122,8 @@ def test_a_discovered_address_that_is_the_proxy_itself_is_never_admitted():
     sim = start_sim("--model", MODEL, listen="127.0.0.2:%d" % port)
     sim.host = "127.0.0.2"
     write_hosts(hosts, ["127.0.0.1", "127.0.0.2"])
-    cfg = {"listen": "127.0.0.1:%d" % port, "attestation": {"interval_ms": 300, "timeout_ms": 500},
+    cfg = {"listen": "127.0.0.1:%d" % port,
+           "attestation": {"interval_ms": 300, "timeout_ms": int(500 * SLOW)},
            "pools": [{"name": "p", "models": [MODEL], "balance": "round_robin",
                       "discovery": {"dns": NAME, "port": port, "refresh_ms": 200}}]}
     wrapper = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts]

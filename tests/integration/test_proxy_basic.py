@@ -274,8 +274,10 @@ def test_sigterm_drains_inflight_and_exits_zero():
     px = start_proxy(pools=[pool("p", ["m1"], sims)])
     result = {}
 
+    # 2 s ("hello there" runs to 27 tokens): the signals and the reload below all come while
+    # it is in flight.
     def slow():
-        result["r"] = post_json(px.port, "/v1/completions", dict(COMPLETION, max_tokens=8))
+        result["r"] = post_json(px.port, "/v1/completions", dict(COMPLETION, max_tokens=20))
 
     t = threading.Thread(target=slow)
     t.start()
@@ -291,7 +293,7 @@ def test_sigterm_drains_inflight_and_exits_zero():
     poll_until(lambda: _refused(px.port), what="listener closed")
     t.join()
     # ...but the in-flight request completed.
-    assert result["r"].status == 200 and result["r"].json()["usage"]["completion_tokens"] == 8
+    assert result["r"].status == 200 and result["r"].json()["usage"]["completion_tokens"] == 20
     assert px.wait(10 * SLOW) == 0
     assert not px.find_logs("reloaded") and not px.find_logs("reload_failed")
 

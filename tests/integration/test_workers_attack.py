@@ -82,7 +82,9 @@ def test_requests_queued_across_a_reload_are_not_stranded():
                        "temperature": 0}, timeout=30)
         with lock:
             out.append((i, r.status, time.monotonic() - t0))
-    long_t = threading.Thread(target=one, args=(0, 10))  # ~1 s
+    # 2 s (greedy, g0 runs to 39 tokens): the queueing, the reload and more queueing all
+    # happen while it holds the slot.
+    long_t = threading.Thread(target=one, args=(0, 20))
     long_t.start()
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the long request in flight")
     old = [threading.Thread(target=one, args=(i, 1)) for i in range(1, 3)]
@@ -102,7 +104,7 @@ def test_requests_queued_across_a_reload_are_not_stranded():
     st = sim_stats(sim)
     px.stop()
     assert sorted(s for _, s, _ in out) == [200] * 7, out
-    # 1 s for the long one, then 6 x ~0.1 s one after another: far below the 8 s timeout.
+    # 2 s for the long one, then 6 x ~0.1 s one after another: far below the 8 s timeout.
     slow = [(i, round(d, 2)) for i, _, d in out if d > 5]
     assert slow == [], (slow, out)
     assert st["max_inflight_seen"] == 1, st
@@ -135,8 +137,10 @@ def test_clients_that_leave_while_queued_free_nothing_twice():
     sim = start_sim("--model", "m1", "--token-delay-ms", "60")
     px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
                                  queue_limit=100, queue_timeout_ms=10000)], **WORKERS)
+    # 1.8 s (greedy, "hold" runs to 50 tokens): ten clients connect, queue and hang up in it.
     long_t = threading.Thread(target=lambda: post_json(
-        px.port, "/v1/completions", {"model": "m1", "prompt": "hold", "max_tokens": 12}))
+        px.port, "/v1/completions", {"model": "m1", "prompt": "hold", "max_tokens": 30,
+                                     "temperature": 0}))
     long_t.start()
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the long request in flight")
     body = json.dumps({"model": "m1", "prompt": "gone", "max_tokens": 1}).encode()
