@@ -53,6 +53,10 @@ typedef struct pol_s {
     /* Work on the thread pool (job_submit): its step there and its end back on the loop. */
     void (*job)(struct pol_s *p);
     void (*job_done)(struct pol_s *p);
+    /* While it waits for the pool: whose job it is (owners take turns), and, when it is its
+     * owner's first waiting job, the next owner in the ring and its owner's last job. */
+    const void *owner;
+    struct pol_s *turn_next, *wait_tail;
     dp_buf_t *held; /* a held response rewritten there (px_hooks_held_response) */
     void (*held_cb)(void *data);
     void *held_data;
@@ -471,11 +475,18 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
 }
 
 /* Work on the thread pool (a large or dense body's policing, a large held response's rewrite)
- * takes at most half the libuv thread pool; the rest of the jobs wait here in arrival order.
- * Audit writes, DNS and shadow comparisons share that pool: queued behind a few dozen large
- * bodies, every audited request (any tenant, any pool) waited seconds. */
-/* The thread pool is the process's, shared by every worker: each takes its share of the half. */
-static _Thread_local pol_t *g_wait_head, *g_wait_tail;
+ * takes at most half the libuv thread pool; the rest of the jobs wait here. Audit writes, DNS
+ * and shadow comparisons share that pool: queued behind a few dozen large bodies, every
+ * audited request (any tenant, any pool) waited seconds. The thread pool is the process's,
+ * shared by every worker: each takes its share of the half.
+ *
+ * Waiting jobs queue per owner (the tenant whose body is policed, the replica whose answer is
+ * checked), and owners take turns, each in its own arrival order: a client or a replica that
+ * sends many large, slow bodies waits behind its own jobs, not in front of everyone else's.
+ * Each owner's first waiting job stands for it in a ring (turn_next, wait_tail); the owner's
+ * later jobs follow it through next_free. g_ring_last is the ring's last owner: the next turn
+ * is its turn_next. */
+static _Thread_local pol_t *g_ring_last;
 static _Thread_local unsigned g_jobs, g_jobs_max;
 
 static unsigned jobs_max(px_t *px)
@@ -509,40 +520,76 @@ static int job_start(pol_t *p)
     return rc;
 }
 
+/* p waits behind its owner's jobs; a new owner's turn comes after every owner's waiting now. */
+static void job_wait(pol_t *p)
+{
+    p->next_free = NULL;
+    pol_t *o = g_ring_last;
+    if (o) {
+        do {
+            o = o->turn_next;
+            if (o->owner == p->owner) {
+                o->wait_tail->next_free = p;
+                o->wait_tail = p;
+                return;
+            }
+        } while (o != g_ring_last);
+        p->turn_next = g_ring_last->turn_next;
+        g_ring_last->turn_next = p;
+    } else {
+        p->turn_next = p;
+    }
+    p->wait_tail = p;
+    g_ring_last = p;
+}
+
+/* The first waiting job of the owner whose turn it is (NULL: none waits). The owner's next
+ * job, if any, stands for it from now on, and its turn comes again after every other's. */
+static pol_t *job_next(void)
+{
+    if (g_ring_last == NULL)
+        return NULL;
+    pol_t *o = g_ring_last->turn_next, *n = o->next_free;
+    if (n) {
+        n->wait_tail = o->wait_tail;
+        n->turn_next = o == g_ring_last ? n : o->turn_next;
+        g_ring_last->turn_next = n; /* in o's place (o itself, when it is the only owner) */
+        g_ring_last = n;
+    } else if (o == g_ring_last) {
+        g_ring_last = NULL;
+    } else {
+        g_ring_last->turn_next = o->turn_next;
+    }
+    o->next_free = NULL;
+    return o;
+}
+
 static void job_after(uv_work_t *w, int status)
 {
     pol_t *p = w->data;
     (void)status; /* work is never cancelled: the request waits for it even if its client left */
     g_jobs--;
-    if (g_wait_head) {
-        pol_t *next = g_wait_head;
-        g_wait_head = next->next_free;
-        if (g_wait_head == NULL)
-            g_wait_tail = NULL;
-        if (job_start(next) != 0) { /* the pool refused it: done here, as late as queued */
-            next->job(next);
-            next->job_done(next);
-        }
+    pol_t *next = job_next();
+    if (next && job_start(next) != 0) { /* the pool refused it: done here, as late as queued */
+        next->job(next);
+        next->job_done(next);
     }
     p->job_done(p);
 }
 
-/* Queue job(p): 0 when it will run, job_done(p) following on this loop (never from inside
- * this call); else libuv's error, and the caller does the work itself. */
-static int job_submit(px_t *px, pol_t *p, void (*job)(pol_t *), void (*job_done)(pol_t *))
+/* Queue job(p) for owner: 0 when it will run, job_done(p) following on this loop (never from
+ * inside this call); else libuv's error, and the caller does the work itself. */
+static int job_submit(px_t *px, pol_t *p, const void *owner, void (*job)(pol_t *),
+                      void (*job_done)(pol_t *))
 {
     p->job = job;
     p->job_done = job_done;
+    p->owner = owner;
     p->work.data = p;
     p->loop = px_thread_self(px)->loop;
     if (g_jobs < jobs_max(px))
         return job_start(p);
-    p->next_free = NULL;
-    if (g_wait_tail)
-        g_wait_tail->next_free = p;
-    else
-        g_wait_head = p;
-    g_wait_tail = p;
+    job_wait(p);
     return 0;
 }
 
@@ -622,7 +669,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->proute = route;
     p->done = done;
     p->done_data = done_data;
-    if (job_submit(px, p, police_job, police_job_done) != 0) {
+    if (job_submit(px, p, h->tenant_cfg, police_job, police_job_done) != 0) {
         police_job(p);
         return policed(h, g, p, body, res);
     }
@@ -691,8 +738,9 @@ static void held_job_done(pol_t *p)
     p->held_cb(p->held_data);
 }
 
-int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, dp_buf_t *body,
-                           void (*done)(void *data), void *data)
+int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
+                           const px_replica_t *replica, dp_buf_t *body, void (*done)(void *data),
+                           void *data)
 {
     pol_t *p = h->policy;
     if (p == NULL) {
@@ -705,7 +753,7 @@ int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, d
         p->held = body;
         p->held_cb = done;
         p->held_data = data;
-        if (job_submit(px, p, held_job, held_job_done) == 0) {
+        if (job_submit(px, p, replica, held_job, held_job_done) == 0) {
             px_metrics_add(px_metrics_get("detproxy_response_offloaded_total", NULL), 1);
             return 1;
         }

@@ -122,12 +122,14 @@ bool px_hooks_hold_response(const px_hooks_req_t *h, int status);
  * max_response_rewrite_bytes). */
 #define PX_REWRITE_LOOP_BYTES (64 * 1024)
 
-/* A held answer is complete: set its system_fingerprint to ours, in place, and feed its bytes
- * to what reads the response (usage, audit hash and store, shadow, trace). 0: done. 1: the body
- * is longer than PX_REWRITE_LOOP_BYTES and the work runs on the thread pool; done(data) follows
- * on this loop, and until then nothing may touch h or body. */
-int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, dp_buf_t *body,
-                           void (*done)(void *data), void *data);
+/* A held answer from replica is complete: set its system_fingerprint to ours, in place, and
+ * feed its bytes to what reads the response (usage, audit hash and store, shadow, trace). 0:
+ * done. 1: the body is longer than PX_REWRITE_LOOP_BYTES and the work runs on the thread pool
+ * (waiting, if it must, in turn with other replicas' and tenants' work); done(data) follows on
+ * this loop, and until then nothing may touch h or body. */
+int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
+                           const px_replica_t *replica, dp_buf_t *body, void (*done)(void *data),
+                           void *data);
 /* The replica's whole answer has come: compare the fingerprint it carried with the one r
  * attested (px_hooks_before_end does this for an answer that is delivered). */
 void px_hooks_check_answer(px_hooks_req_t *h, px_t *px, px_replica_t *r, int status);

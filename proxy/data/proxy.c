@@ -1209,7 +1209,7 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
     if (err == NET_UP_OK) {
         if (q->req && q->held_status) {
             /* The held response is rewritten (maybe on the thread pool), then its head built. */
-            if (px_hooks_held_response(&q->hooks, q->px, q->pool, &q->held_body, held_rewritten,
+            if (px_hooks_held_response(&q->hooks, q->px, q->pool, r, &q->held_body, held_rewritten,
                                        q)) {
                 q->rewriting = true;
                 return;

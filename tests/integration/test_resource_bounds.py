@@ -163,6 +163,7 @@ class HugeReplica:
         self.build = None  # a str: GET /props answers as llama.cpp's server, this its build_info,
         # and a 1-token completion (the engine fingerprint probe) gets a short answer
         self.sent = threading.Event()  # set once a whole answer is written
+        self.hold = None  # an Event: completions are answered once it is set
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -210,6 +211,8 @@ class HugeReplica:
                     c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                               b"content-length: %d\r\n\r\n" % len(got) + got)
                     continue
+                if self.hold:
+                    self.hold.wait(60)
                 frame = b"transfer-encoding: chunked" if self.chunked else \
                     b"content-length: %d" % self.size
                 c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + frame +
@@ -357,6 +360,118 @@ def test_a_long_answer_is_checked_off_the_loop_and_its_client_may_leave():
     assert http("POST", px.port, "/v1/completions", body=small,
                 headers={"content-type": "application/json"}).status == 200
     px.stop()
+
+
+def test_a_replica_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_others():
+    """Checks that wait for the thread pool take turns by owner: with the pool full of one
+    replica's dense answers (8 MiB of 1e301 each), another replica's long answer waits for the
+    one being checked and the turn of the replica that was waiting first, not for all of
+    them."""
+    bad, good = HugeReplica(), HugeReplica()
+    bad.dense, bad.number, bad.size = True, b"1e301", 8 * MiB - 64
+    good.size = 256 * 1024
+    def replica(name, up):
+        return [{"name": name, "url": "http://127.0.0.1:%d" % up.port}]
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": replica("bad", bad)},
+                            {"name": "q", "models": ["m2"], "replicas": replica("good", good)}],
+                     limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1,
+                     env={"UV_THREADPOOL_SIZE": "2"})  # one job at a time
+    offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
+    checked = lambda: metric(px, "detproxy_requests_total", pool="p")
+    done, lock = [], threading.Lock()
+
+    def one(name, body):
+        st = fetch_digest(px.port, body)[0]
+        with lock:
+            done.append((name, st))
+    # The dense answers all come at once; the good replica answers once they wait for their
+    # checks.
+    bad.hold, good.hold = threading.Event(), threading.Event()
+    g = threading.Thread(target=one, args=("good", body_of(200).replace(b'"m1"', b'"m2"')))
+    g.start()
+    n = 8
+    ts = [threading.Thread(target=one, args=("bad", body_of(200))) for _ in range(n)]
+    for t in ts:
+        t.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == n + 1, what="all sent")
+    bad.hold.set()
+    poll_until(lambda: offloaded() == n, what="every dense answer queued for its check")
+    before = checked()
+    good.hold.set()
+    for t in ts + [g]:
+        t.join()
+    px.stop()
+    assert sorted(done) == sorted([("bad", 200)] * n + [("good", 200)]), done
+    ahead = [name for name, _ in done].index("good")
+    print("    dense answers checked before the other replica's: %d of %d (%d when it came)"
+          % (ahead, n, before))
+    # Those checked before it came (one, at most two: they take as long to arrive as a check),
+    # the one being checked then, and the first replica's turn (it was waiting first). In
+    # arrival order, all of them: n - 1 at least (one may still be on its way to its client).
+    assert ahead <= n // 2, done
+
+
+def test_a_tenant_of_slow_bodies_waits_behind_its_own_policing_not_in_front_of_others():
+    """Policing that waits for the thread pool takes turns by tenant: with the pool full of
+    one tenant's dense bodies (4 MiB of 17-digit numbers, canonicalised for a derived seed),
+    another tenant's long prompt waits for the one being policed and the first tenant's turn,
+    not for all of them."""
+    import hashlib
+    from proxyutil import sim_stats
+    key = "sk-dense-bodies"
+    derive = {"seed": {"derive": True}}
+    policy = {"tenants": [
+        {"name": "dense", "match": {"api_keys_sha256": [hashlib.sha256(key.encode()).hexdigest()]},
+         "sampling": derive},
+        {"name": "other", "match": {"any": True}, "sampling": derive}]}
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], policy=policy, workers=1,
+                     env={"UV_THREADPOOL_SIZE": "2"})  # one job at a time
+    offloaded = lambda: metric(px, "detproxy_policy_offloaded_total")
+    done, lock = [], threading.Lock()
+    # The other tenant's prompt (over 512 KiB: policed on the pool) waits one byte short.
+    long_prompt = body_of(600 * 1024)
+    s, rest = stalled(px.port, long_prompt, 1)
+
+    def finish():
+        s.sendall(rest)
+        r = read_response(s)
+        with lock:
+            done.append(("other", r.status))
+    numbers = b",".join([b"0.1234567890123456"] * (4 * MiB // 19))
+    dense = b'{"model":"m1","prompt":"x","max_tokens":1,"x":[%s]}' % numbers
+    dense_req = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n"
+                 % (key.encode(), len(dense)) + dense)
+
+    def one(c):
+        c.sendall(dense_req[-1:])  # all of them complete at once
+        r = read_response(c, timeout=60)
+        with lock:
+            done.append(("dense", r.status))
+    n = 12
+    conns = [socket.create_connection(("127.0.0.1", px.port)) for _ in range(n)]
+    for c in conns:
+        c.sendall(dense_req[:-1])
+    ts = [threading.Thread(target=one, args=(c,)) for c in conns]
+    for t in ts:
+        t.start()
+    poll_until(lambda: offloaded() == n, what="every dense body queued for its policing")
+    before = sim_stats(sim)["requests"]  # late: a body reaches the sim after its policing
+    g = threading.Thread(target=finish)
+    g.start()
+    for t in ts + [g]:
+        t.join()
+    for c in conns + [s]:
+        c.close()
+    px.stop()
+    assert sorted(done) == sorted([("dense", 200)] * n + [("other", 200)]), done
+    ahead = [name for name, _ in done].index("other")
+    print("    dense bodies policed before the other tenant's: %d of %d (%d when it came)"
+          % (ahead, n, before))
+    # As for answers (above): those policed before it came (one or two), the one being
+    # policed, and the dense tenant's turn. In arrival order, n - 1 at least.
+    assert ahead <= n // 2, done
 
 
 def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():
