@@ -481,8 +481,9 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
  * shared by every worker: each takes its share of the half.
  *
  * Waiting jobs queue per owner (the tenant whose body is policed, the replica whose answer is
- * checked), and owners take turns, each in its own arrival order: a client or a replica that
- * sends many large, slow bodies waits behind its own jobs, not in front of everyone else's.
+ * checked), and owners take turns, each in its own arrival order: a tenant (tenantless
+ * requests are one) or a replica that sends many large, slow bodies waits behind its own jobs,
+ * not in front of everyone else's.
  * Each owner's first waiting job stands for it in a ring (turn_next, wait_tail); the owner's
  * later jobs follow it through next_free. g_ring_last is the ring's last owner: the next turn
  * is its turn_next. */
@@ -569,9 +570,9 @@ static void job_after(uv_work_t *w, int status)
     pol_t *p = w->data;
     (void)status; /* work is never cancelled: the request waits for it even if its client left */
     g_jobs--;
-    pol_t *next = job_next();
-    if (next && job_start(next) != 0) { /* the pool refused it: done here, as late as queued */
-        next->job(next);
+    pol_t *next;
+    while ((next = job_next()) != NULL && job_start(next) != 0) {
+        next->job(next); /* the pool refused it: done here, as late as queued */
         next->job_done(next);
     }
     p->job_done(p);
@@ -587,7 +588,7 @@ static int job_submit(px_t *px, pol_t *p, const void *owner, void (*job)(pol_t *
     p->owner = owner;
     p->work.data = p;
     p->loop = px_thread_self(px)->loop;
-    if (g_jobs < jobs_max(px))
+    if (g_ring_last == NULL && g_jobs < jobs_max(px))
         return job_start(p);
     job_wait(p);
     return 0;
