@@ -888,8 +888,9 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_
     that brings the engine back makes a new replica object while that canary still generates.
     The engine's slots outlive every replica object that shared them while a request of theirs
     is read: the new object's checks wait for the orphaned canary."""
-    # 42 tokens of 80 ms: 3.4 s for the two reloads to happen in, even on a loaded machine.
-    sim, px = canary_running("80")
+    # 42 tokens of 150 ms: 6.3 s for the two reloads to happen in, even on a loaded machine
+    # under ASan (3.4 s was once too short).
+    sim, px = canary_running("150")
     other = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
                       "b11669-Debian")
     url = "http://127.0.0.1:%d" % sim.port
@@ -899,7 +900,7 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_
     reload_with(px, lambda c: c["pools"][0]["replicas"][0].update(url=url))
     assert sim_stats(sim)["completed"] == done, "the canary ended before the reloads"
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 back and admitted")
-    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=10,
+    poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=30,
                what="the orphaned canary and a new check done")
     assert complete(px, max_tokens=3).status == 200
     st = sim_stats(sim)
