@@ -448,6 +448,10 @@ void px_metrics_declare(void)
                       "Held non-streamed answers longer than 64 KiB, checked and given the "
                       "pool's fingerprint on the thread pool.");
     px_metrics_get("detproxy_response_offloaded_total", NULL);
+    px_metrics_family("detproxy_offload_waiting", PX_GAUGE,
+                      "Request bodies and answers waiting for a thread-pool thread to police or "
+                      "check them (policing and checks take at most half the pool).");
+    px_metrics_get("detproxy_offload_waiting", NULL);
     px_metrics_family("detproxy_body_stash_bytes", PX_GAUGE,
                       "Bytes of released request-body buffers a worker keeps for the next large "
                       "body (updated every 2 s).");

@@ -521,9 +521,15 @@ static int job_start(pol_t *p)
     return rc;
 }
 
+static void count_waiting(double n)
+{
+    px_metrics_add(px_metrics_get("detproxy_offload_waiting", NULL), n);
+}
+
 /* p waits behind its owner's jobs; a new owner's turn comes after every owner's waiting now. */
 static void job_wait(pol_t *p)
 {
+    count_waiting(1);
     p->next_free = NULL;
     pol_t *o = g_ring_last;
     if (o) {
@@ -550,6 +556,7 @@ static pol_t *job_next(void)
 {
     if (g_ring_last == NULL)
         return NULL;
+    count_waiting(-1);
     pol_t *o = g_ring_last->turn_next, *n = o->next_free;
     if (n) {
         n->wait_tail = o->wait_tail;

@@ -315,12 +315,14 @@ def assert_openai_error(resp, status, code=None):
 def read_request(s, buf=b""):
     """Read one request (head, then a Content-Length body) from socket s, starting with the
     bytes already in buf: (head, body, rest), or None when the peer closed first."""
+    buf = bytearray(buf)  # appended to in place: a body of megabytes is not copied per read
     while b"\r\n\r\n" not in buf:
         chunk = s.recv(65536)
         if not chunk:
             return None
         buf += chunk
-    head, _, buf = buf.partition(b"\r\n\r\n")
+    end = buf.index(b"\r\n\r\n")
+    head, buf = bytes(buf[:end]), buf[end + 4:]
     cl = 0
     for line in head.split(b"\r\n")[1:]:
         k, _, v = line.partition(b":")
@@ -331,7 +333,7 @@ def read_request(s, buf=b""):
         if not chunk:
             return None
         buf += chunk
-    return head, buf[:cl], buf[cl:]
+    return head, bytes(buf[:cl]), bytes(buf[cl:])
 
 
 def serve_connections(lsock, handle):
