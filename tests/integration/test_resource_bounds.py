@@ -362,6 +362,24 @@ def test_a_long_answer_is_checked_off_the_loop_and_its_client_may_leave():
     px.stop()
 
 
+def upstream(name, up):
+    """A pool's replicas: one, up (a HugeReplica), named name."""
+    return [{"name": name, "url": "http://127.0.0.1:%d" % up.port}]
+
+
+def assert_took_turns(done, dense, other, n, started, what):
+    """done: (name, status) in the order the clients had their answers; n of dense, then one
+    of other, queued for the thread pool once `started` of dense had begun. The other owner's
+    job waited only for those and for dense's turn (it was waiting first); in arrival order it
+    would have waited for all n (one may still be on its way to its client)."""
+    assert sorted(done) == sorted([(dense, 200)] * n + [(other, 200)]), done
+    ahead = [name for name, _ in done].index(other)
+    print("    %s before %s's: %d of %d (%d begun when it came)"
+          % (what, other, ahead, n, started))
+    assert started + 1 < n - 1, ("the %s outran the test: nothing to tell" % what, started)
+    assert ahead <= started + 1, done
+
+
 def test_a_replica_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_others():
     """Checks that wait for the thread pool take turns by owner: with the pool full of one
     replica's dense answers (8 MiB of 1e301 each), another replica's long answer waits for the
@@ -370,10 +388,8 @@ def test_a_replica_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_o
     bad, good = HugeReplica(), HugeReplica()
     bad.dense, bad.number, bad.size = True, b"1e301", 8 * MiB - 64
     good.size = 256 * 1024
-    def replica(name, up):
-        return [{"name": name, "url": "http://127.0.0.1:%d" % up.port}]
-    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": replica("bad", bad)},
-                            {"name": "q", "models": ["m2"], "replicas": replica("good", good)}],
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": upstream("bad", bad)},
+                            {"name": "q", "models": ["m2"], "replicas": upstream("good", good)}],
                      limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1,
                      env={"UV_THREADPOOL_SIZE": "2"})  # one job at a time
     offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
@@ -403,14 +419,7 @@ def test_a_replica_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_o
         t.join()
     assert waiting() == 0
     px.stop()
-    assert sorted(done) == sorted([("bad", 200)] * n + [("good", 200)]), done
-    ahead = [name for name, _ in done].index("good")
-    print("    dense answers checked before the other replica's: %d of %d (%d begun when it came)"
-          % (ahead, n, started))
-    # Those begun before it came, and the first replica's turn (it was waiting first). In
-    # arrival order, all of them: n - 1 at least (one may still be on its way to its client).
-    assert started + 1 < n - 1, ("the checks outran the test: nothing to tell", started)
-    assert ahead <= started + 1, done
+    assert_took_turns(done, "bad", "good", n, started, "dense answers checked")
 
 
 def test_a_tenant_of_slow_bodies_waits_behind_its_own_policing_not_in_front_of_others():
@@ -427,8 +436,7 @@ def test_a_tenant_of_slow_bodies_waits_behind_its_own_policing_not_in_front_of_o
         {"name": "other", "match": {"any": True}, "sampling": derive}]}
     up = HugeReplica()  # answers at once, a thread per connection
     up.size = 400
-    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": [
-                                {"name": "r1", "url": "http://127.0.0.1:%d" % up.port}]}],
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": upstream("r1", up)}],
                      policy=policy, workers=1, env={"UV_THREADPOOL_SIZE": "2"})  # one job at a time
     offloaded = lambda: metric(px, "detproxy_policy_offloaded_total")
     waiting = lambda: metric(px, "detproxy_offload_waiting")
@@ -471,14 +479,7 @@ def test_a_tenant_of_slow_bodies_waits_behind_its_own_policing_not_in_front_of_o
         c.close()
     assert waiting() == 0
     px.stop()
-    assert sorted(done) == sorted([("dense", 200)] * n + [("other", 200)]), done
-    ahead = [name for name, _ in done].index("other")
-    print("    dense bodies policed before the other tenant's: %d of %d (%d begun when it came)"
-          % (ahead, n, started))
-    # As for answers (above): those begun before it came, and the dense tenant's turn. In
-    # arrival order, n - 1 at least.
-    assert started + 1 < n - 1, ("the policing outran the test: nothing to tell", started)
-    assert ahead <= started + 1, done
+    assert_took_turns(done, "dense", "other", n, started, "dense bodies policed")
 
 
 def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():
