@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/turns.h"
 #include "common/util.h"
 #include "policy/policy.h"
 #include "proxy/core/event.h"
@@ -22,7 +23,7 @@
  * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
  * which makes steady-state parsing allocation-free. */
 typedef struct pol_s {
-    struct pol_s *next_free; /* the free list; also the queue of work waiting for the pool */
+    struct pol_s *next_free; /* the free list */
     policy_req_t *preq;
     policy_result_t res;
     bool applied;
@@ -53,10 +54,7 @@ typedef struct pol_s {
     /* Work on the thread pool (job_submit): its step there and its end back on the loop. */
     void (*job)(struct pol_s *p);
     void (*job_done)(struct pol_s *p);
-    /* While it waits for the pool: whose job it is (owners take turns), and, when it is its
-     * owner's first waiting job, the next owner in the ring and its owner's last job. */
-    const void *owner;
-    struct pol_s *turn_next, *wait_tail;
+    dp_turn_t turn; /* while it waits for the pool (job_submit) */
     dp_buf_t *held; /* a held response rewritten there (px_hooks_held_response) */
     void (*held_cb)(void *data);
     void *held_data;
@@ -480,14 +478,12 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
  * audited request (any tenant, any pool) waited seconds. The thread pool is the process's,
  * shared by every worker: each takes its share of the half.
  *
- * Waiting jobs queue per owner (the tenant whose body is policed, the replica whose answer is
- * checked), and owners take turns, each in its own arrival order: a tenant (tenantless
- * requests are one) or a replica that sends many large, slow bodies waits behind its own jobs,
- * not in front of everyone else's.
- * Each owner's first waiting job stands for it in a ring (turn_next, wait_tail); the owner's
- * later jobs follow it through next_free. g_ring_last is the ring's last owner: the next turn
- * is its turn_next. */
-static _Thread_local pol_t *g_ring_last;
+ * Waiting jobs take turns (common/turns.h). A body's owner is the tenant it is policed for
+ * (tenantless requests are one), with one sub; an answer's owner is the replica it came from,
+ * and its sub the tenant it is for. So a tenant or a replica that sends many large, slow bodies
+ * waits behind its own jobs, not in front of everyone else's; and a tenant that draws many slow
+ * answers from a replica others use waits behind its own checks, not in front of theirs. */
+static _Thread_local dp_turns_t g_turns;
 static _Thread_local unsigned g_jobs, g_jobs_max;
 
 static unsigned jobs_max(px_t *px)
@@ -526,50 +522,14 @@ static void count_waiting(double n)
     px_metrics_add(px_metrics_get("detproxy_offload_waiting", NULL), n);
 }
 
-/* p waits behind its owner's jobs; a new owner's turn comes after every owner's waiting now. */
-static void job_wait(pol_t *p)
-{
-    count_waiting(1);
-    p->next_free = NULL;
-    pol_t *o = g_ring_last;
-    if (o) {
-        do {
-            o = o->turn_next;
-            if (o->owner == p->owner) {
-                o->wait_tail->next_free = p;
-                o->wait_tail = p;
-                return;
-            }
-        } while (o != g_ring_last);
-        p->turn_next = g_ring_last->turn_next;
-        g_ring_last->turn_next = p;
-    } else {
-        p->turn_next = p;
-    }
-    p->wait_tail = p;
-    g_ring_last = p;
-}
-
-/* The first waiting job of the owner whose turn it is (NULL: none waits). The owner's next
- * job, if any, stands for it from now on, and its turn comes again after every other's. */
+/* The job whose turn it is, taken out of those waiting (NULL: none waits). */
 static pol_t *job_next(void)
 {
-    if (g_ring_last == NULL)
+    dp_turn_t *t = dp_turns_next(&g_turns);
+    if (t == NULL)
         return NULL;
     count_waiting(-1);
-    pol_t *o = g_ring_last->turn_next, *n = o->next_free;
-    if (n) {
-        n->wait_tail = o->wait_tail;
-        n->turn_next = o == g_ring_last ? n : o->turn_next;
-        g_ring_last->turn_next = n; /* in o's place (o itself, when it is the only owner) */
-        g_ring_last = n;
-    } else if (o == g_ring_last) {
-        g_ring_last = NULL;
-    } else {
-        g_ring_last->turn_next = o->turn_next;
-    }
-    o->next_free = NULL;
-    return o;
+    return dp_container_of(t, pol_t, turn);
 }
 
 static void job_after(uv_work_t *w, int status)
@@ -585,19 +545,20 @@ static void job_after(uv_work_t *w, int status)
     p->job_done(p);
 }
 
-/* Queue job(p) for owner: 0 when it will run, job_done(p) following on this loop (never from
- * inside this call); else libuv's error, and the caller does the work itself. */
-static int job_submit(px_t *px, pol_t *p, const void *owner, void (*job)(pol_t *),
+/* Queue job(p), its turn that of owner and sub (common/turns.h): 0 when it will run,
+ * job_done(p) following on this loop (never from inside this call); else libuv's error, and
+ * the caller does the work itself. */
+static int job_submit(px_t *px, pol_t *p, const void *owner, const void *sub, void (*job)(pol_t *),
                       void (*job_done)(pol_t *))
 {
     p->job = job;
     p->job_done = job_done;
-    p->owner = owner;
     p->work.data = p;
     p->loop = px_thread_self(px)->loop;
-    if (g_ring_last == NULL && g_jobs < jobs_max(px))
+    if (dp_turns_empty(&g_turns) && g_jobs < jobs_max(px))
         return job_start(p);
-    job_wait(p);
+    count_waiting(1);
+    dp_turns_wait(&g_turns, &p->turn, owner, sub);
     return 0;
 }
 
@@ -677,7 +638,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->proute = route;
     p->done = done;
     p->done_data = done_data;
-    if (job_submit(px, p, h->tenant_cfg, police_job, police_job_done) != 0) {
+    if (job_submit(px, p, h->tenant_cfg, NULL, police_job, police_job_done) != 0) {
         police_job(p);
         return policed(h, g, p, body, res);
     }
@@ -761,7 +722,7 @@ int px_hooks_held_response(px_hooks_req_t *h, px_t *px, const px_pool_t *pool,
         p->held = body;
         p->held_cb = done;
         p->held_data = data;
-        if (job_submit(px, p, replica, held_job, held_job_done) == 0) {
+        if (job_submit(px, p, replica, h->tenant_cfg, held_job, held_job_done) == 0) {
             px_metrics_add(px_metrics_get("detproxy_response_offloaded_total", NULL), 1);
             return 1;
         }

@@ -164,6 +164,7 @@ class HugeReplica:
         # and a 1-token completion (the engine fingerprint probe) gets a short answer
         self.sent = threading.Event()  # set once a whole answer is written
         self.hold = None  # an Event: completions are answered once it is set
+        self.hold_for = None  # or a function of a completion's body: the Event it waits for
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -211,8 +212,9 @@ class HugeReplica:
                     c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                               b"content-length: %d\r\n\r\n" % len(got) + got)
                     continue
-                if self.hold:
-                    self.hold.wait(60)
+                hold = self.hold_for(body) if self.hold_for else self.hold
+                if hold:
+                    hold.wait(60)
                 frame = b"transfer-encoding: chunked" if self.chunked else \
                     b"content-length: %d" % self.size
                 c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + frame +
@@ -226,14 +228,14 @@ class HugeReplica:
             return
 
 
-def fetch_digest(port, body, timeout=120):
+def fetch_digest(port, body, timeout=120, headers=None):
     """POST body, read the whole response with a small buffer: (status, headers, size, sha256
     hex, first 200 bytes of the body)."""
     import hashlib
     import http.client
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout * SLOW)
     conn.request("POST", "/v1/completions", body=body,
-                 headers={"content-type": "application/json"})
+                 headers=dict({"content-type": "application/json"}, **(headers or {})))
     r = conn.getresponse()
     h, n, first = hashlib.sha256(), 0, b""
     while True:
@@ -420,6 +422,52 @@ def test_a_replica_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_o
     assert waiting() == 0
     px.stop()
     assert_took_turns(done, "bad", "good", n, started, "dense answers checked")
+
+
+def test_a_tenant_of_slow_answers_waits_behind_its_own_checks_not_in_front_of_another_on_its_replica():
+    """Within a replica's turn its tenants take turns: with the pool full of one tenant's dense
+    answers (8 MiB of 1e301 each), another tenant's answer from the same replica waits for the
+    one being checked and the first tenant's turn, not for all of them."""
+    import hashlib
+    key = "sk-dense-answers"
+    policy = {"tenants": [
+        {"name": "dense", "match": {"api_keys_sha256": [hashlib.sha256(key.encode()).hexdigest()]}},
+        {"name": "other", "match": {"any": True}}]}
+    up = HugeReplica()
+    up.dense, up.number, up.size = True, b"1e301", 8 * MiB - 64
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": upstream("r1", up)}],
+                     policy=policy, limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1,
+                     env={"UV_THREADPOOL_SIZE": "2"})  # one job at a time
+    offloaded = lambda: metric(px, "detproxy_response_offloaded_total")
+    waiting = lambda: metric(px, "detproxy_offload_waiting")
+    done, lock = [], threading.Lock()
+
+    def one(name, body, headers):
+        st = fetch_digest(px.port, body, headers=headers)[0]
+        with lock:
+            done.append((name, st))
+    # The replica tells the tenants' requests apart by their prompts (it never sees the key).
+    mine, theirs = threading.Event(), threading.Event()
+    up.hold_for = lambda body: mine if b'"prompt":"d' in body else theirs
+    g = threading.Thread(target=one, args=("other", body_of(200), {}))
+    g.start()
+    n = 10
+    dense = body_of(200).replace(b'"prompt":"x', b'"prompt":"d')
+    ts = [threading.Thread(target=one, args=("dense", dense, {"authorization": "Bearer " + key}))
+          for _ in range(n)]
+    for t in ts:
+        t.start()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == n + 1, what="all sent")
+    mine.set()
+    poll_until(lambda: offloaded() == n, what="every dense answer queued for its check")
+    theirs.set()
+    poll_until(lambda: offloaded() == n + 1, what="the other tenant's answer queued for its check")
+    started = n + 1 - waiting()
+    for t in ts + [g]:
+        t.join()
+    assert waiting() == 0
+    px.stop()
+    assert_took_turns(done, "dense", "other", n, started, "one tenant's dense answers checked")
 
 
 def test_a_tenant_of_slow_bodies_waits_behind_its_own_policing_not_in_front_of_others():
