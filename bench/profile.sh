@@ -223,9 +223,9 @@ taskset -c "$PCPU" "$DP" run -c "$work/dp.json" 2>"$work/dp.log" &
 dp=$!
 pids+=($dp)
 mkdir -p "$work/nginx" "$work/haproxy"
-sed -e "s#@PREFIX@#$work/nginx#g; s#@PORT@#$P_NG#g; s#@UPSTREAM@#127.0.0.1:$P_UP#g" \
+sed -e "s#@PREFIX@#$work/nginx#g; s#@PORT@#$P_NG#g; s#@UPSTREAM@#127.0.0.1:$P_UP#g; s#@WORKERS@#1#g; s#@SSL@##; s#@TLS@##" \
   bench/configs/nginx.conf.in >"$work/nginx/nginx.conf"
-sed -e "s#@PREFIX@#$work/haproxy#g; s#@PORT@#$P_HA#g; s#@SSE_PORT@#$P_HAS#g; s#@UPSTREAM@#127.0.0.1:$P_UP#g" \
+sed -e "s#@PREFIX@#$work/haproxy#g; s#@PORT@#$P_HA#g; s#@SSE_PORT@#$P_HAS#g; s#@UPSTREAM@#127.0.0.1:$P_UP#g; s#@NBTHREAD@#1#g; s#@SSL@##" \
   bench/configs/haproxy.cfg.in >"$work/haproxy/haproxy.cfg"
 taskset -c "$PCPU" nginx -e "$work/nginx/error.log" -p "$work/nginx" -c "$work/nginx/nginx.conf" &
 ng=$!
