@@ -1454,6 +1454,17 @@ static void conn_wait_drain(net_conn_t *c)
     conn_arm(c, c->srv->lim.client_idle_timeout_ms);
 }
 
+/* An idle connection ends because the server drains: at once, or, while its last answer is
+ * still being written (a slow reader), once that is out (conn_linger), within the drain's
+ * deadline. */
+static void conn_end_idle(net_conn_t *c)
+{
+    if (net_sock_sending(&c->sock))
+        conn_linger(c, false);
+    else
+        conn_close(c);
+}
+
 static void conn_to_idle(net_conn_t *c)
 {
     net_server_t *s = c->srv;
@@ -1465,7 +1476,7 @@ static void conn_to_idle(net_conn_t *c)
     c->hs.max_headers = s->lim.max_headers;
     llhttp_reset(&c->parser);
     if (s->draining && c->pending.len == 0) {
-        conn_close(c);
+        conn_end_idle(c);
         return;
     }
     if (net_sock_over(&c->sock)) {
@@ -2189,7 +2200,7 @@ void net_server_drain(net_server_t *s, void (*done_cb)(net_server_t *s))
         next = c->next;
         c->keep_alive = false;
         if (c->phase == PH_IDLE && c->pending.len == 0)
-            conn_close(c);
+            conn_end_idle(c);
     }
     maybe_server_done(s);
 }

@@ -85,6 +85,12 @@ void net_sock_read_stop(net_sock_t *s);
 int net_sock_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs);
 /* Connect to addr; on_connect fires once. */
 int net_sock_connect(net_sock_t *s, const struct sockaddr *addr);
+/* True while written bytes are not all in the kernel yet (queued in libuv, or in the loop's
+ * write batch): net_sock_close now would lose them, net_sock_shutdown sends them first. */
+static inline bool net_sock_sending(const net_sock_t *s)
+{
+    return s->queued > 0 || s->in_batch;
+}
 /* True while queued bytes are above the high-water mark. */
 static inline bool net_sock_over(const net_sock_t *s)
 {
