@@ -36,16 +36,36 @@ void policy_set_error(policy_error_t *err, int status, const char *code, const c
     va_end(ap);
 }
 
+/* A decoded key as an error message shows it: at most 48 of its bytes, never half a UTF-8
+ * character, and a control byte (NUL included, which would end the message) as \u00XX. */
+static void key_shown(const char *k, size_t kn, char *out, size_t cap)
+{
+    size_t n = kn > 48 ? 48 : kn, o = 0;
+    if (n < kn)
+        while (n > 0 && ((unsigned char)k[n] & 0xC0) == 0x80)
+            n--; /* k[n] continues a character: end before the character */
+    for (size_t i = 0; i < n && o + 7 <= cap; i++) {
+        unsigned char c = (unsigned char)k[i];
+        if (c < 0x20 || c == 0x7f)
+            o += (size_t)snprintf(out + o, cap - o, "\\u%04x", c);
+        else
+            out[o++] = (char)c;
+    }
+    out[o] = '\0';
+}
+
 void policy_json_error(const jdoc_t *d, policy_error_t *err)
 {
     if (d->err_tok != JDOC_NONE) {
         const char *k;
         size_t kn;
         jdoc_key(d, d->err_tok, &k, &kn);
+        char shown[128]; /* with the rest, within the message */
+        key_shown(k, kn, shown, sizeof(shown));
         policy_set_error(err, 400, "duplicate_key", NULL,
-                         "duplicate key \"%.*s\" at byte %zu: refused, because backends disagree "
+                         "duplicate key \"%s\" at byte %zu: refused, because backends disagree "
                          "on which copy wins",
-                         (int)(kn > 48 ? 48 : kn), k, d->err_at);
+                         shown, d->err_at);
     } else if (strcmp(d->err, "not a JSON object") == 0) {
         policy_set_error(err, 400, "invalid_json", NULL, "request body must be a JSON object");
     } else if (strcmp(d->err, "nested too deeply") == 0) {

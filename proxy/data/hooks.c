@@ -831,22 +831,39 @@ bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
     return p && p->sse_rewrite;
 }
 
+/* The stream's end, clean (`last`: the gate may let its closing event go) or cut: what the
+ * fingerprint rewriter holds of an event the replica left half-written goes out as it came
+ * (docs/policy.md, "SSE"). */
+static dp_iovec_t sse_rest(px_hooks_req_t *h, pol_t *p, bool last)
+{
+    dp_buf_reset(&p->out);
+    policy_sse_fp_finish(&p->sse, &p->out);
+    if (p->sse.prev[0] && !h->upstream_fp[0])
+        snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
+    dp_iovec_t v = gated(p, (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len}, last);
+    tee(h, p, v.base, v.len);
+    return v;
+}
+
 dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h)
 {
     pol_t *p = h->policy;
     if (p == NULL || !p->sse_rewrite)
         return (dp_iovec_t){"", 0};
-    dp_buf_reset(&p->out);
-    policy_sse_fp_finish(&p->sse, &p->out);
-    if (p->sse.prev[0] && !h->upstream_fp[0])
-        snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
-    dp_iovec_t v = gated(p, (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len}, true);
-    tee(h, p, v.base, v.len);
+    dp_iovec_t v = sse_rest(h, p, true);
     /* The held end goes out after the audit line, which must already cover it. */
     dp_iovec_t end;
     if (px_hooks_stream_end(h, &end) && end.len)
         tee(h, p, end.base, end.len);
     return v;
+}
+
+dp_iovec_t px_hooks_response_cut(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL || !p->sse_rewrite)
+        return (dp_iovec_t){"", 0};
+    return sse_rest(h, p, false);
 }
 
 /* ---- audit ---------------------------------------------------------------------------------- */

@@ -154,6 +154,9 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
  * rewritten): the replica's Content-Length then does not hold for what is forwarded. */
 bool px_hooks_rewrites_bytes(const px_hooks_req_t *h);
 dp_iovec_t px_hooks_response_tail(px_hooks_req_t *h);
+/* The replica's stream broke off: what a rewriter holds of the event it left half-written,
+ * to forward as it came before the stream's error event. */
+dp_iovec_t px_hooks_response_cut(px_hooks_req_t *h);
 /* A stream of an audited tenant under log.audit_fail: closed keeps its closing event (and what
  * follows it) out of what px_hooks_response_bytes/_tail return: those bytes into *end, to send
  * once the audit line is written (empty for any other response). false when more than

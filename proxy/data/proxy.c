@@ -1286,6 +1286,9 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
             /* Mid-response: end without the final chunk so the client sees an error; a
              * stream says so in an event first. */
             if (q->sse) {
+                dp_iovec_t held = px_hooks_response_cut(&q->hooks);
+                sse_track(q, held.base, held.len);
+                net_resp_write(q->req, held.base, held.len);
                 char msg[200];
                 snprintf(msg, sizeof(msg),
                          "replica %s failed mid-stream (%s): the response is incomplete "

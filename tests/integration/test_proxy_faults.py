@@ -16,8 +16,9 @@ import time
 
 from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
-                       parse_response, pool, recv_queue, send_queue, serve_replica,
-                       serve_until_stream, sim_config, sim_stats, start_proxy, wait_all_admitted)
+                       parse_response, pool, read_until_close, recv_queue, send_queue,
+                       serve_replica, serve_until_stream, sim_config, sim_stats, start_proxy,
+                       wait_all_admitted)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
@@ -104,6 +105,50 @@ def test_replica_dies_mid_stream_client_sees_no_final_chunk():
     assert upstream_errors(px, "r1", "truncated") == 1
     assert len(client_requests(sims[0])) == 1  # never retried once bytes reached the client
     assert_serves_next(px)
+    px.stop()
+
+
+def test_an_event_cut_inside_its_fingerprint_goes_out_as_it_came_before_the_error_event():
+    """The replica's stream breaks off (FIN without the last chunk, or a reset) inside the
+    system_fingerprint key or value of an event, which the rewriter holds: the held bytes go to
+    the client as they came, then the error event, as at a clean end (docs/policy.md, "SSE").
+    They were dropped, and the client's last event lost its start."""
+    first = b'data: {"a":1}\n\n'
+    state = {}
+
+    def serve(c):
+        if not serve_until_stream(c):
+            return
+        data = first + state["tail"]
+        c.sendall(b"%x\r\n%s\r\n" % (len(data), data))
+        state["seen"].wait(10 * SLOW)  # the client has the first event: the tail was read too
+        if state["cut"] == "reset":
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            c.shutdown(socket.SHUT_WR)
+        c.close()
+    ls, p = serve_replica(serve)
+    px = start_proxy(pools=[p], attestation=QUIET, workers=ONE_WORKER)
+    body = json.dumps({"model": "m1", "prompt": "x", "stream": True}).encode()
+    for tail in (b'data: {"system_finger', b'data: {"system_fingerprint":"fp_rep'):
+        for cut in ("fin", "reset"):
+            state.update(tail=tail, cut=cut, seen=threading.Event())
+            with socket.create_connection(("127.0.0.1", px.port), timeout=10 * SLOW) as c:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(body), body))
+                out = b""
+                while first not in out:
+                    piece = c.recv(65536)
+                    assert piece, out
+                    out += piece
+                state["seen"].set()
+                rest, closed = read_until_close(c, 10)
+            r = parse_response(out + rest)
+            assert closed and not r.complete, (tail, cut, r.raw[-200:])
+            after = r.body.split(first, 1)[1]
+            assert after.startswith(tail + b'\n\ndata: {"error":'), (tail, cut, after[:200])
+    ls.close()
     px.stop()
 
 

@@ -137,6 +137,19 @@ Test(policy_json, duplicate_keys_anywhere)
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         expect_reject(bad[i], strlen(bad[i]), "duplicate_key", "duplicate key");
+    /* The message shows the key decoded, a control byte escaped (a NUL does not end it), and
+     * a long key cut short of a whole character. */
+    const char *nul = "{\"model\":\"m\",\"a\\u0000b\":1,\"a\\u0000b\":2}";
+    expect_reject(nul, strlen(nul), "duplicate_key", "duplicate key \"a\\u0000b\" at byte");
+    char longkey[200], dup[420];
+    memset(longkey, 0, sizeof(longkey));
+    memset(longkey, 'x', 47);
+    strcat(longkey, "\xC3\xA9\xC3\xA9"); /* the 48-byte cut falls inside the first e-acute */
+    snprintf(dup, sizeof(dup), "{\"model\":\"m\",\"%s\":1,\"%s\":2}", longkey, longkey);
+    longkey[47] = '\0';
+    char want[80];
+    snprintf(want, sizeof(want), "duplicate key \"%s\" at byte", longkey);
+    expect_reject(dup, strlen(dup), "duplicate_key", want);
     /* Keys that only look alike are distinct. */
     expect_ok("{\"model\":\"m\",\"a\":1,\"A\":2,\"a \":3,\"\\u00e9\":4,\"e\\u0301\":5}");
     /* The same key in sibling objects is not a duplicate. */
