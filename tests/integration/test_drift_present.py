@@ -197,9 +197,11 @@ def test_reset_one_pool_unknown_pools_methods_and_the_admin_token():
         doc = get_json(px.admin_port, "/admin/drift", headers=auth)["pools"][p]
         return doc["cross"]["samples_total"] + doc["self"]["samples_total"]
     # Every request drew a copy; a copy meeting a replica held for its first connection's
-    # re-check is skipped (docs/attestation.md), so most, not all, were compared.
+    # re-check is skipped (docs/attestation.md), so some, not all, were compared (0-4 of 20
+    # skipped here, 11 in one CI run under ASan): what matters below is that there are samples
+    # for a reset to clear.
     n = samples("p")
-    assert n >= 10, n
+    assert n > 0, n
     # The admin token, as on every admin route.
     assert http("POST", px.admin_port, "/admin/drift/reset").status == 401
     assert http("POST", px.admin_port, "/admin/drift/reset",
