@@ -1667,7 +1667,7 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
             continue;
         case PH_IDLE:
             if (s->draining) {
-                conn_close(c);
+                conn_end_idle(c); /* the request is not read; an earlier answer still goes */
                 goto out;
             }
             if (c->wait_drain || net_sock_over(&c->sock)) {

@@ -149,6 +149,7 @@ static void drain_timeout(uv_timer_t *t)
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "drain_timeout");
     if (w) {
         dp_jw_uint(w, "inflight", px_workers_inflight(px));
+        dp_jw_uint(w, "connections", px_workers_connections(px));
         dp_log_end(w);
     }
     px_workers_close(px);
@@ -165,6 +166,7 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     if (w) {
         dp_jw_str(w, "signal", signum == SIGTERM ? "SIGTERM" : "SIGINT");
         dp_jw_uint(w, "inflight", px_workers_inflight(px));
+        dp_jw_uint(w, "connections", px_workers_connections(px));
         dp_log_end(w);
     }
     uv_timer_start(&px->drain_timer, drain_timeout, DRAIN_LIMIT_MS, 0);

@@ -534,41 +534,46 @@ def test_a_stop_lets_a_slow_reader_take_the_whole_answer_it_was_sent():
     """An answer complete on detproxy's side but not yet taken by its client (8 MiB to a reader
     with a 16 KiB receive buffer: most of it still queued in detproxy) when SIGTERM comes: the
     drain sends the rest before it closes that connection, as it lets requests in flight
-    finish. Before, an idle connection was closed at once and the client got a clean end
-    megabytes short."""
+    finish; a request pipelined behind it is not read. Before, the connection was closed at
+    once (alone) or once the queue fell to its low-water mark (with a request behind, which
+    was then parsed), and the client got a clean end short of the answer."""
     import signal
-    up = HugeReplica()
-    up.size = 8 * MiB - 64
-    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": upstream("r1", up)}],
-                     limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1)
-    c = socket.socket()
-    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-    c.connect(("127.0.0.1", px.port))
-    c.settimeout(30 * SLOW)
-    body = body_of(300)
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(body), body))
-    got = b""
-    while b"\r\n\r\n" not in got:
-        got += c.recv(4096)
-    head, _, first = got.partition(b"\r\n\r\n")
-    length = int([ln.split(b":")[1] for ln in head.split(b"\r\n")
-                  if ln.lower().startswith(b"content-length:")][0])
-    # The answer is all handed to the client's connection once its access line is written.
-    px.wait_log(lambda r: r.get("msg") == "access" and r.get("status") == 200)
-    px.send_signal(signal.SIGTERM)
-    px.wait_log("draining")
-    got = len(first)
-    while True:
-        piece = c.recv(MiB)
-        if not piece:
-            break
-        got += len(piece)
-    c.close()
-    assert got == length > up.size - 1024, (got, length)  # its fingerprint set
-    assert px.wait(30) == 0
-    px.check_sanitizer()
-    assert px.find_logs("drained"), px.lines[-10:]
+    for pipelined in (False, True):
+        up = HugeReplica()
+        up.size = 8 * MiB - 64
+        px = start_proxy(pools=[{"name": "p", "models": [MODEL], "replicas": upstream("r1", up)}],
+                         limits={"max_response_rewrite_bytes": 8 * MiB}, workers=1)
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        c.connect(("127.0.0.1", px.port))
+        c.settimeout(30 * SLOW)
+        body = body_of(300)
+        req = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        c.sendall(req * (2 if pipelined else 1))
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += c.recv(4096)
+        head, _, first = got.partition(b"\r\n\r\n")
+        length = int([ln.split(b":")[1] for ln in head.split(b"\r\n")
+                      if ln.lower().startswith(b"content-length:")][0])
+        # The answer is all handed to the client's connection once its access line is written.
+        px.wait_log(lambda r: r.get("msg") == "access" and r.get("status") == 200)
+        px.send_signal(signal.SIGTERM)
+        draining = px.wait_log("draining")
+        assert draining["inflight"] == 0 and draining["connections"] == 1, draining
+        got = len(first)
+        while True:
+            piece = c.recv(MiB)
+            if not piece:
+                break
+            got += len(piece)
+        c.close()
+        assert got == length > up.size - 1024, (pipelined, got, length)  # its fingerprint set
+        assert px.wait(30) == 0
+        px.check_sanitizer()
+        assert px.find_logs("drained"), px.lines[-10:]
+        assert len([r for r in px.find_logs("access")]) == 1, pipelined
 
 
 def test_a_client_gone_while_its_answer_is_checked_gets_a_line_of_what_it_got():

@@ -31,6 +31,9 @@ static char g_hdr_value[64];
 /* /big: a response far larger than the socket buffers, written while under high water. */
 #define BIG (16u << 20)
 static size_t g_big_written;
+/* /many: a response written whole at once in many small writes, most of it left queued (so
+ * the queue falls a few KiB at a time as the client reads). */
+#define MANY (8u << 20)
 static bool g_big_stalled;
 
 static bool is(const net_req_t *r, const char *path)
@@ -113,6 +116,15 @@ static void h_complete(net_req_t *r)
     if (is(r, "/sixtyfour")) {
         static char b[65536];
         net_resp_send(r, 200, "text/plain", b, sizeof(b), NULL, 0);
+        return;
+    }
+    if (is(r, "/many")) { /* MANY bytes in 4 KiB writes at once, whatever is pending */
+        static char chunk[4096];
+        memset(chunk, 'm', sizeof(chunk));
+        cr_assert_eq(net_resp_start(r, 200, NULL, 0, MANY), 0);
+        for (size_t i = 0; i < MANY / sizeof(chunk); i++)
+            net_resp_write(r, chunk, sizeof(chunk));
+        cr_assert_eq(net_resp_end(r), 0);
         return;
     }
     if (is(r, "/big")) {
@@ -828,6 +840,34 @@ Test(net_server, drain_closes_idle_connections_and_finishes_the_busy_one)
     cr_assert_str_eq(body_of(&busy), "bye");
     raw_close(&idle);
     raw_close(&busy); /* ends the server's lingering close */
+    RUN_UNTIL(g_drained);
+    cr_assert_eq(net_server_connections(g_srv), 0);
+}
+
+Test(net_server, drain_sends_a_finished_answer_to_a_slow_reader_before_it_closes)
+{
+    /* The answer ends with most of it queued and a request pipelined behind it (kept for
+     * after the queue drains); then the drain. The rest of the answer goes out, the request
+     * behind is not read. Before, once the queue fell to its low-water mark, the request was
+     * parsed, found the server draining and closed the connection over the last of the
+     * answer. */
+    net_server_limits_t l = limits();
+    l.write_high_water = 64 * 1024;
+    srv_start(&l);
+    raw_t c;
+    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    raw_sends(&c, "GET /many HTTP/1.1\r\nHost: x\r\n\r\nGET /second HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(g_completes == 1);
+    run_idle();
+    net_server_drain(g_srv, drained);
+    raw_start_reading(&c);
+    RUN_UNTIL(c.eof);
+    const char *b = body_of(&c);
+    cr_assert_not_null(b);
+    cr_assert_eq((size_t)(c.in.base + c.in.len - b), MANY, "%zu of %u bytes",
+                 (size_t)(c.in.base + c.in.len - b), MANY);
+    cr_assert_eq(g_completes, 1, "the request behind it was read");
+    raw_close(&c);
     RUN_UNTIL(g_drained);
     cr_assert_eq(net_server_connections(g_srv), 0);
 }
