@@ -177,6 +177,15 @@ static net_server_limits_t limits(void)
     return l;
 }
 
+/* A server that stops writing at 64 KiB queued, and a client c with a 16 KiB receive window
+ * that reads nothing until the test starts it. */
+static void slow_reader_start(raw_t *c, net_server_limits_t l)
+{
+    l.write_high_water = 64 * 1024;
+    srv_start(&l);
+    raw_connect_opt(c, net_server_port(g_srv), false, 16 * 1024);
+}
+
 static void srv_closed(void *d)
 {
     (void)d;
@@ -546,11 +555,8 @@ Test(net_server, paused_body_is_not_read_until_resumed)
 
 Test(net_server, slow_reader_holds_the_writer_at_high_water_then_drains)
 {
-    net_server_limits_t l = limits();
-    l.write_high_water = 64 * 1024;
-    srv_start(&l);
     raw_t c;
-    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    slow_reader_start(&c, limits());
     raw_sends(&c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n");
     RUN_UNTIL(g_big_stalled);
     run_idle();
@@ -668,11 +674,8 @@ Test(net_server, connections_beyond_max_connections_are_closed_at_once)
 
 Test(net_server, pipelining_client_that_does_not_read_is_not_answered_without_bound)
 {
-    net_server_limits_t l = limits();
-    l.write_high_water = 64 * 1024;
-    srv_start(&l);
     raw_t c;
-    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    slow_reader_start(&c, limits());
     dp_buf_t reqs = {0};
     for (int i = 0; i < 200; i++)
         dp_buf_appends(&reqs, "GET /sixtyfour HTTP/1.1\r\nHost: x\r\n\r\n");
@@ -851,11 +854,8 @@ Test(net_server, drain_sends_a_finished_answer_to_a_slow_reader_before_it_closes
      * behind is not read. Before, once the queue fell to its low-water mark, the request was
      * parsed, found the server draining and closed the connection over the last of the
      * answer. */
-    net_server_limits_t l = limits();
-    l.write_high_water = 64 * 1024;
-    srv_start(&l);
     raw_t c;
-    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    slow_reader_start(&c, limits());
     raw_sends(&c, "GET /many HTTP/1.1\r\nHost: x\r\n\r\nGET /second HTTP/1.1\r\nHost: x\r\n\r\n");
     RUN_UNTIL(g_completes == 1);
     run_idle();
@@ -875,11 +875,9 @@ Test(net_server, drain_sends_a_finished_answer_to_a_slow_reader_before_it_closes
 Test(net_server, client_that_stops_reading_a_response_is_cut_off_at_idle_timeout)
 {
     net_server_limits_t l = limits();
-    l.write_high_water = 64 * 1024;
     l.client_idle_timeout_ms = 100;
-    srv_start(&l);
     raw_t c;
-    raw_connect_opt(&c, net_server_port(g_srv), false, 16 * 1024);
+    slow_reader_start(&c, l);
     raw_sends(&c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n");
     RUN_UNTIL(g_big_stalled);
     RUN_UNTIL(g_aborts == 1);
