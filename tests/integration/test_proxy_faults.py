@@ -487,6 +487,42 @@ def test_keepalive_race_reused_connection_closed_is_retried():
     px.stop()
 
 
+def test_a_replica_closing_every_reused_connection_is_retried_on_a_new_one():
+    """A replica that closes each connection when a second request arrives on it, with no
+    `Connection: close` to warn of it: every pooled connection is stale. The one retry of the
+    keep-alive race goes over a new connection, not the next stale one from the pool."""
+    barrier = threading.Barrier(3, timeout=10)
+
+    def script(k, conn_no, req_no):
+        if req_no > 0:
+            return b"", False  # closed on the request, before any response byte
+        if k < 3:
+            barrier.wait()  # three requests at once: three connections in the pool
+        return OK_RESPONSE, True
+
+    up, px = start_scripted(script)
+    results = []
+
+    def send():
+        results.append(post_json(px.port, "/v1/completions", COMPLETION).status)
+
+    ts = [threading.Thread(target=send) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert results == [200, 200, 200] and up.connections >= 3, (results, up.requests)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, (r, up.requests)
+    # the stale connection the request met first, then a new one (its first request)
+    (c_stale, q_stale, _), (c_new, q_new, _) = up.requests[3:5]
+    assert q_stale == 1 and q_new == 0, up.requests
+    assert c_new not in [c for c, _, _ in up.requests[:3]], up.requests
+    assert upstream_errors(px, "r1", "reused_closed") == 1
+    px.stop()
+    up.stop()
+
+
 def test_fresh_connection_closed_before_response_is_502_not_retried():
     """The same close on a fresh connection is not the keep-alive race: the replica may have
     started the work, so no retry (the request is not idempotent): 502."""
