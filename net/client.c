@@ -387,6 +387,12 @@ static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail)
     c->req = NULL;
     u->refs++; /* keep u alive across the callback */
     uconn_close(c);
+    /* The server closed a pooled connection without saying so (no `Connection: close`): the
+     * others it pooled are as stale (a server that closes every idle connection, or one that
+     * restarted), so the retry this invites, and whatever follows, goes over a new one rather
+     * than meeting the next stale connection (docs/requests.md, "Retries"). */
+    if (err == NET_UP_REUSED_CLOSED)
+        net_upstream_flush_idle(u);
     if (q) {
         if (q->cb.on_done)
             q->cb.on_done(&q->pub, err, detail);

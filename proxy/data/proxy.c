@@ -1237,17 +1237,13 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
      * request either never fully left or raced a keep-alive close; and only when we still hold
      * every byte of it. */
     bool can_resend = !q->stream_body;
-    /* A pooled connection the replica had closed without saying so (no `Connection: close`):
-     * the others it pooled are as stale (a replica that closes every idle connection, or one
-     * that restarted), so whatever goes to it next, the retry first, goes over a new one. */
-    if (err == NET_UP_REUSED_CLOSED)
-        net_upstream_flush_idle(px_worker_upstream(r, q->gen));
     /* Affinity: a pooled connection the replica had closed (the keep-alive race) need not say
      * the replica is gone, so the request is routed again by its key, without counting as its
      * retry, rather than moved away for good (and with it perhaps its answer). The close holds
      * the replica until re-checked (it may be another engine now): the request waits in the
-     * queue for that, or spills to the key's next replica while it lasts. Should that fail
-     * too, the retry rule below still applies. */
+     * queue for that, or spills to the key's next replica while it lasts. The other pooled
+     * connections, as stale, were dropped with it (net/client.c). Should that fail too, the
+     * retry rule below still applies. */
     if (q->req && !q->client_started && can_resend && err == NET_UP_REUSED_CLOSED &&
         !q->reconnected && !q->retried && q->hooks.affinity.has_key &&
         q->pool->cfg->balance == CFG_BALANCE_AFFINITY) {

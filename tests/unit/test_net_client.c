@@ -175,6 +175,41 @@ Test(net_client, reused_connection_closed_under_the_request_is_retryable)
     x_free(&b);
 }
 
+/* Answers the first request on each connection; closes the connection on the next, before any
+ * response byte (a server that closes every reused connection without saying so). */
+static void answer_once(peer_conn_t *c, int nth)
+{
+    if (nth == 1)
+        answer_ok(c, nth);
+    else
+        peer_conn_close(c);
+}
+
+/* The others the pool holds are as stale as the one found closed: dropped with it, before the
+ * callback, so the retry it invites goes over a new connection. */
+Test(net_client, a_reused_connection_found_closed_drops_the_other_pooled_ones)
+{
+    peer_start(&g_peer, answer_once);
+    up_new(NULL);
+    ex_t a[3], b, c;
+    for (int i = 0; i < 3; i++)
+        x_get(&a[i]);
+    for (int i = 0; i < 3; i++)
+        x_expect(&a[i], NET_UP_OK);
+    cr_assert_eq(net_client_upstream_idle(g_up), 3);
+    x_get(&b);
+    x_expect(&b, NET_UP_REUSED_CLOSED);
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
+    x_get(&c);
+    x_expect(&c, NET_UP_OK);
+    cr_assert(!c.reused);
+    cr_assert_eq(g_peer.nconns, 4);
+    for (int i = 0; i < 3; i++)
+        x_free(&a[i]);
+    x_free(&b);
+    x_free(&c);
+}
+
 Test(net_client, pooled_connection_the_server_closed_is_dropped_not_reused)
 {
     peer_start(&g_peer, answer_ok);
