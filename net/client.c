@@ -852,9 +852,9 @@ static void deferred_fail_cb(uv_timer_t *t)
                                                  : "pooled connection failed");
 }
 
-net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
-                           bool body_follows, bool head_request, const net_creq_cb_t *cb,
-                           void *data)
+static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                              bool body_follows, bool head_request, const net_creq_cb_t *cb,
+                              void *data, bool pooled_ok)
 {
     creq_t *q = u->free_reqs;
     if (q) {
@@ -867,7 +867,7 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
     q->cb = *cb;
     q->pub.data = data;
 
-    uconn_t *c = u->idle;
+    uconn_t *c = pooled_ok ? u->idle : NULL;
     if (c) {
         assert(c->phase == UC_IDLE && c->req == NULL);
         idle_remove(c);
@@ -915,6 +915,20 @@ net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbu
         uconn_watch_send(c, false);
     }
     return &q->pub;
+}
+
+net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                           bool body_follows, bool head_request, const net_creq_cb_t *cb,
+                           void *data)
+{
+    return creq_start(u, bufs, nbufs, body_follows, head_request, cb, data, true);
+}
+
+net_creq_t *net_creq_start_new(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                               bool body_follows, bool head_request, const net_creq_cb_t *cb,
+                               void *data)
+{
+    return creq_start(u, bufs, nbufs, body_follows, head_request, cb, data, false);
 }
 
 static inline creq_t *cimpl(net_creq_t *r)

@@ -111,6 +111,11 @@ void net_upstream_on_idle_close(net_upstream_t *u, void (*cb)(void *data), void 
 net_creq_t *net_creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
                            bool body_follows, bool head_request, const net_creq_cb_t *cb,
                            void *data);
+/* As net_creq_start, over a new connection even when one is pooled: for a request resent after
+ * a pooled connection failed under it, as the others pooled beside it may be as stale. */
+net_creq_t *net_creq_start_new(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
+                               bool body_follows, bool head_request, const net_creq_cb_t *cb,
+                               void *data);
 int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs);
 void net_creq_end(net_creq_t *r);
 /* Response backpressure: stop / restart reading (the idle timeout is suspended meanwhile). */

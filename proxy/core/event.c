@@ -103,9 +103,10 @@ void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)
     net_upstream_on_idle_close(u, idle_closed, r);
 }
 
-bool px_event_pooled_ok(const px_replica_t *r, net_upstream_t *u)
+bool px_event_pooled_ok(const px_replica_t *r, net_upstream_t *u, bool may_pool)
 {
-    return u == NULL || r->attest.source == CFG_ATTEST_NONE || net_client_upstream_idle(u) > 0;
+    return u == NULL || r->attest.source == CFG_ATTEST_NONE ||
+           (may_pool && net_client_upstream_idle(u) > 0);
 }
 
 bool px_event_connection_checked(px_t *px, px_replica_t *r, uint64_t *want)

@@ -52,9 +52,11 @@ bool px_event_err_holds(int net_up_err);
 struct net_upstream_s;
 void px_event_watch_closes(px_replica_t *r, struct net_upstream_s *u);
 /* May a request be sent to r over u, this thread's pool of connections to r, as it is? Yes
- * when a pooled connection is free (every one was opened under the rule below), or r is not
- * attested at all. Else the request needs a new connection. */
-bool px_event_pooled_ok(const px_replica_t *r, struct net_upstream_s *u);
+ * when a pooled connection is free (every one was opened under the rule below) and the request
+ * may take one (may_pool: not a request resent after a connection failed under it, which goes
+ * over a new one), or r is not attested at all. Else the request needs a new connection, held
+ * for its check. */
+bool px_event_pooled_ok(const px_replica_t *r, struct net_upstream_s *u, bool may_pool);
 /* A new connection to r has been established (held: nothing sent on it yet). May the request
  * be sent on it? Only once a check of r begun after the connection was established, and after
  * any close that held r since, has its verdict (*want records which: 0 before the first call,

@@ -542,6 +542,14 @@ static const net_creq_cb_t up_cb_held = {.on_head = up_on_head,
                                          .start_bufs_kept = true,
                                          .on_first_byte_timeout = up_on_first_byte_timeout};
 
+/* A retry, or a request routed again after the keep-alive race: it goes over a new connection,
+ * as the connections pooled beside the one that failed may be as stale, on this replica or on
+ * another that closes its idle connections the same way (docs/requests.md, "Retries"). */
+static bool resent(const px_preq_t *q)
+{
+    return q->retried || q->reconnected;
+}
+
 /* Send the request to q->replica, whose slot q holds. */
 static void send_upstream(px_preq_t *q)
 {
@@ -561,8 +569,9 @@ static void send_upstream(px_preq_t *q)
         bufs[nb++] = uv_buf_init((char *)parts[i].base, (unsigned)parts[i].len);
     if (np == 0 && q->body.len)
         bufs[nb++] = uv_buf_init((char *)q->body.base, (unsigned)q->body.len);
-    q->up = net_creq_start(px_worker_upstream(r, q->gen), bufs, nb, q->stream_body,
-                           q->req->method == 2 /* HEAD */, q->conn_held ? &up_cb_held : &up_cb, q);
+    q->up = (resent(q) ? net_creq_start_new : net_creq_start)(
+        px_worker_upstream(r, q->gen), bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */,
+        q->conn_held ? &up_cb_held : &up_cb, q);
     if (q->stream_body && !q->conn_held)
         net_req_resume_body(q->req);
 }
@@ -753,7 +762,7 @@ static void dispatch(px_preq_t *q)
      * so that a replica gets its first connection rather than lose every request to replicas
      * already connected. */
     if (r) {
-        q->conn_held = !px_event_pooled_ok(r, px_worker_upstream(r, q->gen));
+        q->conn_held = !px_event_pooled_ok(r, px_worker_upstream(r, q->gen), !resent(q));
         if (q->conn_held && q->stream_body)
             net_req_pause_body(q->req);
         start_on(q, r);

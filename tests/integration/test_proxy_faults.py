@@ -487,18 +487,22 @@ def test_keepalive_race_reused_connection_closed_is_retried():
     px.stop()
 
 
+def answer_once(k, conn_no, req_no):
+    """A replica that closes each connection when a second request arrives on it, before any
+    response byte, with no `Connection: close` to warn of it: every pooled connection is
+    stale."""
+    return (OK_RESPONSE, True) if req_no == 0 else (b"", False)
+
+
 def test_a_replica_closing_every_reused_connection_is_retried_on_a_new_one():
-    """A replica that closes each connection when a second request arrives on it, with no
-    `Connection: close` to warn of it: every pooled connection is stale. The one retry of the
-    keep-alive race goes over a new connection, not the next stale one from the pool."""
+    """The one retry of the keep-alive race goes over a new connection, not the next stale one
+    pooled beside the one that failed."""
     barrier = threading.Barrier(3, timeout=10)
 
     def script(k, conn_no, req_no):
-        if req_no > 0:
-            return b"", False  # closed on the request, before any response byte
-        if k < 3:
+        if req_no == 0 and k < 3:
             barrier.wait()  # three requests at once: three connections in the pool
-        return OK_RESPONSE, True
+        return answer_once(k, conn_no, req_no)
 
     up, px = start_scripted(script)
     results = []
@@ -521,6 +525,32 @@ def test_a_replica_closing_every_reused_connection_is_retried_on_a_new_one():
     assert upstream_errors(px, "r1", "reused_closed") == 1
     px.stop()
     up.stop()
+
+
+def test_a_retry_to_another_replica_goes_over_a_new_connection_too():
+    """Two replicas that both close every reused connection: the retry of a request that met
+    r1's stale connection goes to r2, over a new connection rather than r2's pooled one."""
+    ups = [ScriptedUpstream(answer_once) for _ in range(2)]
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"], "balance": "round_robin",
+                             "replicas": [{"name": "r%d" % (i + 1),
+                                           "url": "http://127.0.0.1:%d" % u.port}
+                                          for i, u in enumerate(ups)]}],
+                     attestation=QUIET, workers=ONE_WORKER)
+    wait_all_admitted(px)
+    for _ in range(2):  # r1 then r2, each over a new connection, then pooled
+        assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+    assert [len(u.requests) for u in ups] == [1, 1]
+    r = post_json(px.port, "/v1/completions", COMPLETION)  # r1's pooled connection: stale
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, (r, ups[1].requests)
+    assert r.headers["x-detproxy-replica"] == "r2"
+    assert [q for _, q, _ in ups[0].requests] == [0, 1], ups[0].requests
+    (c0, _, _), (c1, q1, _) = ups[1].requests
+    assert q1 == 0 and c1 != c0, ups[1].requests  # a new connection, not the pooled one
+    assert upstream_errors(px, "r1", "reused_closed") == 1
+    assert upstream_errors(px, "r2", "reused_closed") == 0
+    px.stop()
+    for u in ups:
+        u.stop()
 
 
 def test_fresh_connection_closed_before_response_is_502_not_retried():

@@ -64,18 +64,27 @@ static void x_drain(net_creq_t *r)
 static const net_creq_cb_t x_cb = {
     .on_head = x_head, .on_body = x_body, .on_done = x_done, .on_drain = x_drain};
 
-static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
+/* new_conn: net_creq_start_new, never a pooled connection. */
+static void x_begin(ex_t *x, const char *req, bool body_follows, bool head, bool new_conn)
 {
     memset(x, 0, sizeof(*x));
     uv_buf_t b = uv_buf_init((char *)req, (unsigned)strlen(req));
-    x->r = net_creq_start(g_up, &b, 1, body_follows, head, &x_cb, x);
+    x->r =
+        (new_conn ? net_creq_start_new : net_creq_start)(g_up, &b, 1, body_follows, head, &x_cb, x);
     cr_assert_not_null(x->r);
     cr_assert(!x->done, "a callback fired inside net_creq_start");
 }
 
+static void x_start(ex_t *x, const char *req, bool body_follows, bool head)
+{
+    x_begin(x, req, body_follows, head, false);
+}
+
+#define GET_REQ "GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
 static void x_get(ex_t *x)
 {
-    x_start(x, "GET / HTTP/1.1\r\nhost: x\r\n\r\n", false, false);
+    x_start(x, GET_REQ, false, false);
 }
 
 static void x_expect(ex_t *x, net_up_err_t err)
@@ -119,6 +128,16 @@ static void answer_ok(peer_conn_t *c, int nth)
     peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
 }
 
+/* A server answering by `script`, and one exchange with it done: its connection pooled. */
+static void one_pooled(ex_t *a, peer_script_cb script)
+{
+    peer_start(&g_peer, script);
+    up_new(NULL);
+    x_get(a);
+    x_expect(a, NET_UP_OK);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+}
+
 static void answer_nothing(peer_conn_t *c, int nth)
 {
     (void)c;
@@ -155,12 +174,8 @@ Test(net_client, keep_alive_connection_is_pooled_and_reused)
 
 Test(net_client, reused_connection_closed_under_the_request_is_retryable)
 {
-    peer_start(&g_peer, answer_ok);
-    up_new(NULL);
     ex_t a, b;
-    x_get(&a);
-    x_expect(&a, NET_UP_OK);
-    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    one_pooled(&a, answer_ok);
     /* The server's keep-alive close crosses the next request: the FIN is on its way before the
      * client's loop has seen it. */
     peer_conn_close(g_peer.conns[0]);
@@ -210,13 +225,24 @@ Test(net_client, a_reused_connection_found_closed_drops_the_other_pooled_ones)
     x_free(&c);
 }
 
+Test(net_client, start_new_opens_a_connection_beside_a_pooled_one)
+{
+    ex_t a, b;
+    one_pooled(&a, answer_ok);
+    x_begin(&b, GET_REQ, false, false, true);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1, "the pooled connection was taken");
+    x_expect(&b, NET_UP_OK);
+    cr_assert(!b.reused);
+    cr_assert_eq(g_peer.nconns, 2);
+    cr_assert_eq(net_client_upstream_idle(g_up), 2);
+    x_free(&a);
+    x_free(&b);
+}
+
 Test(net_client, pooled_connection_the_server_closed_is_dropped_not_reused)
 {
-    peer_start(&g_peer, answer_ok);
-    up_new(NULL);
     ex_t a, b;
-    x_get(&a);
-    x_expect(&a, NET_UP_OK);
+    one_pooled(&a, answer_ok);
     peer_conn_close(g_peer.conns[0]);
     RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
     x_get(&b);
