@@ -61,6 +61,11 @@ static policy_route_t policy_route(route_t r)
                                   : POLICY_ROUTE_COMPLETIONS;
 }
 
+/* A pass-through body of known length up to this is held whole before it is sent, as an
+ * inference body is, so the retry rule can resend it; a longer or chunked one streams through
+ * and is never retried (docs/requests.md, "Retries"). */
+#define PASS_HELD_MAX (64 * 1024)
+
 typedef struct px_preq_s px_preq_t;
 
 struct px_preq_s {
@@ -75,8 +80,9 @@ struct px_preq_s {
     char id[24]; /* the request id, kept after the client request is gone */
     uint64_t start_ns;
     dp_buf_t head; /* upstream request head */
-    /* Inference: the (post-policy) body to send. It points into the policy result or the
-     * client's own body, both alive until finish(): kept for the retry rule, never copied. */
+    /* The body to send whole: inference (post-policy), or pass-through up to PASS_HELD_MAX. It
+     * points into the policy result or the client's own body, both alive until finish(): kept
+     * for the retry rule, never copied. */
     dp_iovec_t body;
     bool stream_body;
     bool policing;        /* the body is being policed on the thread pool */
@@ -1660,6 +1666,8 @@ static net_body_mode_t on_head(net_req_t *req)
         return NET_BODY_DISCARD;
     }
     q->pool = pass;
+    if (req->has_body && req->content_length >= 0 && req->content_length <= PASS_HELD_MAX)
+        return NET_BODY_BUFFER; /* sent whole from on_complete */
     q->stream_body = req->has_body;
     dispatch(q);
     return NET_BODY_STREAM;
@@ -1737,6 +1745,9 @@ static void on_complete(net_req_t *req)
                 net_creq_write(q->up, &b, 1);
             }
             net_creq_end(q->up);
+        } else if (!q->stream_body && req->has_body) { /* held whole (PASS_HELD_MAX) */
+            q->body = (dp_iovec_t){req->body.base, req->body.len};
+            dispatch(q);
         }
         return;
     }

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 
-from harness import SLOW, poll_until, post_json, run_tests, start_sim, wait_http
+from harness import SLOW, http, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange, metric,
                        parse_response, pool, read_until_close, recv_queue, send_queue,
                        serve_replica, serve_until_stream, sim_config, sim_stats, start_proxy,
@@ -551,6 +551,28 @@ def test_a_retry_to_another_replica_goes_over_a_new_connection_too():
     px.stop()
     for u in ups:
         u.stop()
+
+
+def test_a_pass_through_body_held_whole_is_retried_a_streamed_one_is_not():
+    """A pass-through POST whose body is up to 64 KiB long is held whole before it leaves, so a
+    stale pooled connection under it is retried over a new one. A longer body streams through:
+    its bytes that left are gone, and the same stale connection is a 502."""
+    up, px = start_scripted(answer_once)
+    assert_serves_next(px)  # a connection in the pool, stale from here on
+    small = json.dumps({"content": "hello"}).encode()
+    big = json.dumps({"content": "x" * (64 * 1024)}).encode()
+    hdrs = {"Content-Type": "application/json"}
+    r = http("POST", px.port, "/tokenize", body=small, headers=hdrs)
+    assert r.status == 200, r
+    (_, q_stale, _), (c_new, q_new, _) = up.requests[1:3]
+    assert (q_stale, q_new) == (1, 0), up.requests
+    assert upstream_errors(px, "r1", "reused_closed") == 1
+    r = http("POST", px.port, "/tokenize", body=big, headers=hdrs)  # over c_new, now stale
+    assert_openai_error(r, 502, "upstream_error")
+    assert up.requests[3][:2] == (c_new, 1), up.requests
+    assert len(up.requests) == 4 and upstream_errors(px, "r1", "reused_closed") == 2
+    px.stop()
+    up.stop()
 
 
 def test_fresh_connection_closed_before_response_is_502_not_retried():
