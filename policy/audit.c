@@ -29,7 +29,20 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
         dp_jw_uint(&w, "route_bytes", a->route_bytes);
         dp_jw_str(&w, "route_sha256", a->route_sha256);
     }
-    dp_jw_str(&w, "model", a->model);
+    if (a->model && a->model_len > POLICY_AUDIT_MODEL_MAX) {
+        size_t cut = POLICY_AUDIT_MODEL_MAX;
+        while (cut > 0 && ((unsigned char)a->model[cut] & 0xC0) == 0x80)
+            cut--; /* not inside a character: the line stays valid UTF-8 */
+        char sha[65];
+        dp_sha256_hex(a->model, a->model_len, sha);
+        dp_jw_strn(&w, "model", a->model, cut);
+        dp_jw_uint(&w, "model_bytes", a->model_len);
+        dp_jw_str(&w, "model_sha256", sha);
+    } else if (a->model) {
+        dp_jw_strn(&w, "model", a->model, a->model_len);
+    } else {
+        dp_jw_null(&w, "model");
+    }
     dp_jw_int(&w, "status", a->status);
     const policy_result_t *r = a->result;
     if (r && r->has_seed)
@@ -51,7 +64,8 @@ void policy_audit_line(const policy_audit_t *a, dp_buf_t *out)
         dp_jw_obj_begin(&w, NULL);
         dp_jw_str(&w, "param", c->param);
         dp_jw_str(&w, "action", policy_action_names[c->action]);
-        /* before/after are JSON text produced by policy (numbers or null), safe to embed. */
+        /* before/after are JSON text on one line: numbers and literals policy wrote, or a
+         * value of the client's with the whitespace between its tokens taken out. */
         if (c->before[0])
             dp_jw_raw(&w, "before", c->before, strlen(c->before));
         if (c->after[0])

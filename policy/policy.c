@@ -624,6 +624,29 @@ static size_t put_i64(char *out, int64_t v)
 /* JSON text of a value. A value still as the client wrote it (raw != NULL) is quoted verbatim
  * when it fits: the audit shows what was sent, and no number formatting is spent on it. */
 _Static_assert(POLICY_VAL_LEN >= 32, "a value's text holds what jcs_es_number prints");
+/* Valid JSON text raw[0, n) into out without the whitespace between its tokens: a value the
+ * client spread over lines ("[\n1\n]") is one line of an audit line's JSON. Escapes keep a
+ * string's own bytes apart: inside one, '"' and '\\' are always escaped. */
+static void json_compact(const char *raw, size_t n, char *out)
+{
+    bool in_str = false;
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = raw[i];
+        if (in_str) {
+            out[o++] = c;
+            if (c == '\\')
+                out[o++] = raw[++i];
+            else if (c == '"')
+                in_str = false;
+        } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+            out[o++] = c;
+            in_str = c == '"';
+        }
+    }
+    out[o] = '\0';
+}
+
 static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, char *out)
 {
     switch (v->kind) {
@@ -645,8 +668,7 @@ static void pval_text(int s, const pval_t *v, const char *raw, size_t rawlen, ch
         break;
     case PV_OTHER: /* a value that is not ours (cache_prompt: true): as the client wrote it */
         if (raw && rawlen < POLICY_VAL_LEN) {
-            memcpy(out, raw, rawlen);
-            out[rawlen] = '\0';
+            json_compact(raw, rawlen, out);
         } else {
             out[0] = '\0';
         }

@@ -412,7 +412,10 @@ typedef struct {
      * and hex SHA-256, written as "route_bytes" and "route_sha256" */
     uint64_t route_bytes;
     const char *route_sha256;
-    const char *model;             /* NULL: no body was read */
+    /* NULL: no body was read. A name longer than POLICY_AUDIT_MODEL_MAX bytes is written cut
+     * (at a whole UTF-8 character), with "model_bytes" and "model_sha256" of all of it. */
+    const char *model;
+    size_t model_len;
     const policy_result_t *result; /* changes, seed, temperature; NULL when refused */
     const char *forwarded_sha256;  /* hex SHA-256 of the body sent upstream, NULL if none */
     const char *response_sha256;   /* hex SHA-256 of the response body sent to the client;
@@ -425,12 +428,15 @@ typedef struct {
 /* A refused path longer than this is audited as its first this many bytes, with its length and
  * SHA-256: escaped, a line stays far below the audit file's line limit (attest/audit.h). */
 #define POLICY_AUDIT_ROUTE_MAX 8192
+/* The same for a model name (a client may send one of megabytes; engines' names are short). */
+#define POLICY_AUDIT_MODEL_MAX 1024
 
 /* Append one JSON line (with its '\n') to out:
  * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint",
  *  "fingerprint_mismatch" (only when true),"route","method" (only when set),"route_bytes" and
  *  "route_sha256" (only when the route was cut),
- *  "model","status","seed","seed_derived","temperature","params":[{"param","action","before",
+ *  "model","model_bytes" and "model_sha256" (only when the model was
+ * cut),"status","seed","seed_derived","temperature","params":[{"param","action","before",
  *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
  * absent/removed (with "removed":true for the latter). A refusal adds
  * "error":{"code","param"} (param null when none). */

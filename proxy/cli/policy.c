@@ -205,6 +205,7 @@ static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const d
         .fingerprint = fp,
         .route = paths[route],
         .model = res.model.base,
+        .model_len = res.model.len,
         .result = &res,
         .forwarded_sha256 = fwd,
         .status = 200,

@@ -921,6 +921,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .route_bytes = p->route_bytes,
         .route_sha256 = p->route_sha[0] ? p->route_sha : NULL,
         .model = p->method ? NULL : model.base,
+        .model_len = model.len,
         .result = p->applied ? &p->res : NULL,
         .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
         .response_sha256 = resp_hex,

@@ -103,6 +103,10 @@ struct px_audit_s {
     uint32_t w_lines;
     bool w_closed;
     dp_buf_t w_out;
+    /* The repair line a torn tail asked for at start, chained already, when writing it failed
+     * (a full disk): the chain is past it, so it goes into the file first, before any line
+     * (flush_segment), and is kept until it is written. */
+    dp_buf_t repair;
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
     uint64_t w_failed_lines, w_unstored_lines;
@@ -116,9 +120,28 @@ struct px_audit_s {
 
 static void start_write(px_audit_t *a);
 
+/* The audit file for appending; -1 with errno set. Only a regular file: a FIFO put in its place
+ * would block the open (no reader) or swallow the lines (one), so the open does not wait
+ * (O_NONBLOCK, which a regular file ignores) and anything else is refused (EINVAL). */
 static int open_file(const char *path)
 {
-    return open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0640);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    int fl, e = 0;
+    if (fstat(fd, &st) != 0)
+        e = errno;
+    else if (!S_ISREG(st.st_mode))
+        e = EINVAL;
+    else if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        e = errno;
+    if (e != 0) {
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
 }
 
 static void log_error(px_audit_t *a, const char *what, int err)
@@ -441,7 +464,10 @@ static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c
         goto done; /* a failed open earlier was tried again, and failed again */
     struct stat st;
     off_t was = fstat(a->fd, &st) == 0 ? st.st_size : -1;
-    rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
+    if (a->repair.len && (rc = audit_write_all(a->fd, a->repair.base, a->repair.len)) == 0)
+        dp_buf_reset(&a->repair); /* a failure below cuts the file back before it: kept */
+    if (rc == 0)
+        rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
     if (rc != 0) {
         a->w_op = "write";
         /* A partial write (ENOSPC) would leave a fragment the next line is appended to: the file
@@ -820,8 +846,13 @@ static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
         rc = n < (int)sizeof(rotated) ? move_noreplace(a->path, rotated) : -ENAMETOOLONG;
     }
     if (rc != 0) {
-        log_error(a, "rotate_torn", rc);
-        return 0; /* appending after the fragment: verify names the break */
+        /* Appending after the fragment would break the trail for good: refused like a trail
+         * that is not ours, with why. */
+        dp_buf_printf(why,
+                      "audit file %s ends in a line a crash cut short, and it cannot be set aside "
+                      "as %s (%s): fix the folder's permissions, or move the file away",
+                      a->path, stamp, strerror(-rc));
+        return rc;
     }
     dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "audit_torn_tail");
     if (w) {
@@ -848,9 +879,18 @@ static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
     rc = a->fd < 0 ? open_err : audit_write_all(a->fd, out.base, out.len);
     if (rc == 0 && fsync(a->fd) != 0)
         rc = -errno;
-    dp_buf_free(&out);
-    if (rc != 0)
+    if (rc != 0) {
+        /* The chain is past the repair line: it waits to be the file's first (a->repair), and
+         * the trail is not writable until it is. A partial write is cut back first. */
+        if (a->fd >= 0 && ftruncate(a->fd, 0) != 0)
+            rc = -errno;
         log_error(a, "write", rc);
+        a->repair = out;
+        atomic_store(&a->writable, false);
+        px_metrics_set(a->m_writable, 0);
+        return 0;
+    }
+    dp_buf_free(&out);
     return 0;
 }
 
@@ -895,12 +935,22 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     bool empty = stat(path, &st) != 0 || st.st_size == 0;
     int refused = 0;
     int rc = audit_chain_resume_torn(&a->chain, path, &torn);
-    if (rc != 0)
-        log_error(a, "resume_chain", rc);
-    else if (torn.torn)
+    if (rc != 0) {
+        /* Lines chained from genesis into a trail that has lines would break it for good. */
+        refused = rc;
+        dp_buf_printf(&why,
+                      "audit file %s: its chain cannot be resumed (%s; a last line over 1 MiB is "
+                      "not detproxy's): move the file away",
+                      path, strerror(-rc));
+    } else if (torn.torn) {
+        /* Only a fragment (a crash during the first write into a rotated file): the chain's
+         * head is the lock file's, as for an empty file. */
+        if (torn.offset == 0 && (rc = load_head(lock, &a->chain)) != 0)
+            log_head(a, rc);
         refused = repair_torn(a, &torn, &why);
-    else if (empty && (rc = load_head(lock, &a->chain)) != 0)
+    } else if (empty && (rc = load_head(lock, &a->chain)) != 0) {
         log_head(a, rc);
+    }
     if (refused == 0 && a->fd < 0)
         a->fd = open_file(path);
     if (refused == 0 && a->fd < 0) {
@@ -1242,6 +1292,7 @@ void px_audit_close(px_audit_t *a)
     batch_free(&a->pending);
     batch_free(&a->inflight);
     dp_buf_free(&a->w_out);
+    dp_buf_free(&a->repair);
     attest_key_free(a->key);
     free(a->retired);
     free(a->store);

@@ -289,6 +289,44 @@ def test_a_gated_stream_cut_mid_event_is_audited_as_the_client_got_it():
     px.stop()
 
 
+def test_a_torn_tail_repaired_onto_a_full_disk_goes_in_first_once_there_is_room():
+    """A crash left a torn tail and the disk is full at the restart: the file is set aside, and
+    the new file's repair line cannot be written. The chain is past it, so it waits: the trail
+    is not writable (audited requests refused 503, /readyz 503) until there is room, and then
+    the repair line goes in first, so the set-aside file and the new one verify as one chain."""
+    px = proxy("closed")
+    send(px, 2)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 2, what="two lines")
+    px.kill()
+    with open(px.audit_path, "ab") as f:
+        f.write(b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn')
+    fill()
+    path = px.audit_path
+    px = start_proxy(config=json.load(open(px.config_path)), ready=False,
+                     directory=os.path.dirname(px.config_path))
+    px.audit_path = path
+    px.wait_log("audit_torn_tail")
+    failed = px.wait_log("audit_write_failed")
+    assert failed["op"] == "write", failed
+    poll_until(lambda: http("GET", px.admin_port, "/readyz").status == 503, what="/readyz 503")
+    rs = send(px, 3)
+    assert all(r.status == 503 for r in rs), [r.status for r in rs]
+    assert os.path.getsize(px.audit_path) == 0
+    os.unlink(os.path.join(MNT, "filler"))
+    poll_until(lambda: post_json(px.port, "/v1/completions",
+                                 {"model": "m1", "prompt": "room again", "max_tokens": 8},
+                                 headers=AUTH).status == 200, what="served again")
+    px.stop()
+    got = [json.loads(l) for l in open(px.audit_path)]
+    assert "repair" in got[0], got[0]
+    d = os.path.dirname(px.audit_path)
+    torn = [os.path.join(d, f) for f in os.listdir(d) if f.startswith("audit.jsonl.torn-")]
+    assert len(torn) == 1, os.listdir(d)
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", torn[0], px.audit_path,
+                          "--no-signatures"])
+    assert rc == 0, out
+
+
 def test_fail_open_serves_and_counts():
     px = proxy("open")
     send(px, 2)

@@ -463,6 +463,52 @@ def test_a_torn_tail_set_aside_never_replaces_another():
     assert rc == 0, out
 
 
+def test_a_torn_first_write_into_a_rotated_file_continues_the_chain_of_the_old_one():
+    """A crash during the first write into a file logrotate left empty: the file holds only a
+    fragment. Its repair line chains from the head the lock file names (the rotated file's last
+    line), as a line into an empty file would, not from genesis."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "before the rotation")
+    px.stop()
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    with open(px.audit_path, "wb") as f:
+        f.write(b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn')
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "after the crash")
+    px2.stop()
+    torn = [f for f in os.listdir(px.dir) if f.startswith("audit.jsonl.torn-")]
+    assert len(torn) == 1, os.listdir(px.dir)
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, os.path.join(px.dir, torn[0]),
+                          px.audit_path, "--pubkey", px.pub, "--store", px.store])
+    assert rc == 0, out
+
+
+def test_a_torn_tail_that_cannot_be_set_aside_is_not_appended_to():
+    """Every name the repair could move the torn file to is taken (or its folder is read-only):
+    lines appended after the fragment would break the trail for good, so detproxy refuses to
+    start and says why, and the file stays as the crash left it."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "before the crash")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    crash_with_a_torn_tail(px, b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn')
+    raw = open(px.audit_path, "rb").read()
+    now = int(time.time())
+    for t in range(now - 1, now + 8):
+        stamp = os.path.join(px.dir, "audit.jsonl.torn-" +
+                             time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t)))
+        for i in range(1000):
+            open(stamp + ("" if i == 0 else ".%d" % i), "wb").close()
+    try:
+        start_proxy(config=json.load(open(px.config_path)), directory=px.dir, timeout=5)
+        assert False, "detproxy started over a torn tail it could not set aside"
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+        assert "cannot be set aside" in str(e), e
+    assert open(px.audit_path, "rb").read() == raw
+
+
 def second_instance_on(px, audit_path):
     """Start another detproxy whose audit_path is audit_path (its store its own): the Proc when
     it started, None when it refused because the trail is in use."""
@@ -557,6 +603,39 @@ def test_a_reopen_onto_a_file_another_process_locks_stays_on_the_old_file():
     got = lines(px.audit_path)
     assert [l.get("checkpoint", {}).get("reason") for l in lines(rotated)][-1] == "reopen"
     assert "request_id" in got[0], got
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
+    assert rc == 0, out
+
+
+def test_a_fifo_put_in_place_of_the_audit_file_is_refused_at_the_reopen():
+    """A FIFO at PATH when SIGHUP reopens it: with no reader the open would block a pool thread
+    for good (every audited request hanging, the stop waiting on it); with one, the lines would
+    go into the pipe and no file. Either way the reopen fails at once: audited requests are
+    refused 503 audit_unavailable (log.audit_fail: closed) until a regular file is there, and
+    the chain goes on in it."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    os.mkfifo(px.audit_path)
+    for reader in (False, True):
+        rfd = os.open(px.audit_path, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+        start = len(px.logs)
+        px.send_signal(signal.SIGHUP)
+        failed = px.wait_log("audit_write_failed", start=start)
+        assert failed["op"] == "open", failed
+        r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "b", "max_tokens": 8},
+                      headers=AUTH)
+        assert r.status == 503 and r.json()["error"]["code"] == "audit_unavailable", r
+        if rfd is not None:
+            assert os.read(rfd, 65536) == b"", "a line went into the pipe"
+            os.close(rfd)
+    os.unlink(px.audit_path)
+    hup(px)
+    complete(px, "c")
+    px.stop()
+    assert [l["request_id"] for l in lines(px.audit_path) if "request_id" in l] != []
     rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
                           px.pub, "--store", px.store])
     assert rc == 0, out

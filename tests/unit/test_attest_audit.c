@@ -81,6 +81,17 @@ Test(audit, append_splices_prev_and_chains)
     size_t len = out.len;
     cr_assert_eq(audit_chain_append(&c, "[1]", 3, &out), -1);
     cr_assert_eq(audit_chain_append(&c, "", 0, &out), -1);
+    /* a line audit verify would refuse as too long: nothing appended, the chain unmoved */
+    char prev[65];
+    memcpy(prev, c.prev, sizeof(prev));
+    size_t big = AUDIT_LINE_MAX - 20;
+    char *line = malloc(big);
+    memset(line, ' ', big);
+    memcpy(line, "{\"a\":\"", 6);
+    memcpy(line + big - 2, "\"}", 2);
+    cr_assert_eq(audit_chain_append(&c, line, big, &out), -1);
+    cr_assert_str_eq(c.prev, prev);
+    free(line);
     cr_assert_eq(out.len, len, "a refused line appends nothing");
     cr_assert_eq(c.since_checkpoint, 2);
     dp_buf_free(&out);

@@ -113,6 +113,12 @@ Test(determinism_policy, llamacpp_single_sequence_forwards_cache_prompt_false)
               "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "null");
     forwarded("{\"model\":\"m\",\"cache_prompt\":\"yes\",\"prompt\":\"x\"}",
               "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "\"yes\"");
+    /* The client's value as it wrote it, on one line (the audit line holds it): the whitespace
+     * between its tokens goes, a string's own bytes stay. */
+    forwarded("{\"model\":\"m\",\"cache_prompt\":[\n1 ,\r\n\t\"a \\\" b\\\\\" ],\"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "[1,\"a \\\" b\\\\\"]");
+    forwarded("{\"model\":\"m\",\"cache_prompt\":{ \"k\" :\n \"v\\n\" },\"prompt\":\"x\"}",
+              "{\"model\":\"m\",\"cache_prompt\":false,\"prompt\":\"x\"}", "{\"k\":\"v\\n\"}");
     /* Already false: the client's own bytes go, untouched. */
     forwarded("{\"model\":\"m\", \"cache_prompt\":false, \"prompt\":\"x\"}",
               "{\"model\":\"m\", \"cache_prompt\":false, \"prompt\":\"x\"}", NULL);

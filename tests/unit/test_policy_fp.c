@@ -7,6 +7,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/util.h"
 #include "policy/policy.h"
 
 #define FP "fp_0123456789abcdef"
@@ -352,6 +353,7 @@ Test(audit, one_json_line)
         .upstream_fingerprint = NULL,
         .route = "/v1/chat/completions",
         .model = "m\"x",
+        .model_len = 3,
         .result = &r,
         .forwarded_sha256 = "ab",
         .response_sha256 = "cd",
@@ -421,4 +423,29 @@ Test(audit, one_json_line)
     cr_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "param")));
     cJSON_Delete(j);
     dp_buf_free(&out);
+
+    /* a model name of megabytes (a client's, refused or not): cut at a whole character, its
+     * length and hash beside it, so the line stays far below the audit file's line limit */
+    size_t big = 2u << 20;
+    char *model = malloc(big + 1);
+    memset(model, 'x', big);
+    memcpy(model + POLICY_AUDIT_MODEL_MAX - 1, "\xc3\xa9", 2); /* é across the cut */
+    model[big] = '\0';
+    a.method = NULL;
+    a.model = model;
+    a.model_len = big;
+    policy_audit_line(&a, &out);
+    cr_assert_lt(out.len, 4096);
+    j = cJSON_ParseWithLengthOpts(out.base, out.len + 1, NULL, 0);
+    cr_assert_not_null(j);
+    const char *cut = cJSON_GetObjectItem(j, "model")->valuestring;
+    cr_assert_eq(strlen(cut), POLICY_AUDIT_MODEL_MAX - 1, "the cut leaves no half character");
+    cr_assert_eq(memcmp(cut, model, POLICY_AUDIT_MODEL_MAX - 1), 0);
+    cr_assert_eq(cJSON_GetObjectItem(j, "model_bytes")->valuedouble, (double)big);
+    char sha[65];
+    dp_sha256_hex(model, big, sha);
+    cr_assert_str_eq(cJSON_GetObjectItem(j, "model_sha256")->valuestring, sha);
+    cJSON_Delete(j);
+    dp_buf_free(&out);
+    free(model);
 }
