@@ -141,13 +141,13 @@ Test(policy_json, duplicate_keys_anywhere)
      * a long key cut short of a whole character. */
     const char *nul = "{\"model\":\"m\",\"a\\u0000b\":1,\"a\\u0000b\":2}";
     expect_reject(nul, strlen(nul), "duplicate_key", "duplicate key \"a\\u0000b\" at byte");
-    char longkey[200], dup[420];
+    char longkey[200], dup[2 * sizeof(longkey) + 32];
     memset(longkey, 0, sizeof(longkey));
     memset(longkey, 'x', 47);
     strcat(longkey, "\xC3\xA9\xC3\xA9"); /* the 48-byte cut falls inside the first e-acute */
     snprintf(dup, sizeof(dup), "{\"model\":\"m\",\"%s\":1,\"%s\":2}", longkey, longkey);
     longkey[47] = '\0';
-    char want[80];
+    char want[sizeof(longkey) + 32];
     snprintf(want, sizeof(want), "duplicate key \"%s\" at byte", longkey);
     expect_reject(dup, strlen(dup), "duplicate_key", want);
     /* Keys that only look alike are distinct. */
