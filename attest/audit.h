@@ -40,9 +40,11 @@
 #include "common/buf.h"
 
 #define AUDIT_GENESIS "0000000000000000000000000000000000000000000000000000000000000000"
-/* What is read back of an existing file to resume its chain; a line is far shorter. */
-#define AUDIT_TAIL_MAX (1u << 20)
+/* The longest line audit verify takes (without its newline), and what is read back of an
+ * existing file to resume its chain: the longest line with the newlines around it, and a torn
+ * fragment of another as long after it, so a trail of lines verify takes always resumes. */
 #define AUDIT_LINE_MAX (1u << 20)
+#define AUDIT_TAIL_MAX (2 * AUDIT_LINE_MAX + 2)
 
 typedef struct {
     char prev[65];             /* hash of the last line appended */

@@ -103,10 +103,7 @@ struct px_audit_s {
     uint32_t w_lines;
     bool w_closed;
     dp_buf_t w_out;
-    /* The repair line a torn tail asked for at start, chained already, when writing it failed
-     * (a full disk): the chain is past it, so it goes into the file first, before any line
-     * (flush_segment), and is kept until it is written. */
-    dp_buf_t repair;
+    int w_head_fd; /* the lock file the batch's head goes to (write_head, flush_segment) */
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
     uint64_t w_failed_lines, w_unstored_lines;
@@ -203,17 +200,22 @@ static int take_lock(const char *lockpath, const char *what, dp_buf_t *err)
  * SINCE", fixed width, so each write replaces the last): when logrotate has moved the file
  * away and detproxy starts again on an empty one, the new file continues the chain from here
  * instead of from genesis, and `audit verify old new` reads one chain. */
-static void save_head(px_audit_t *a)
+static int write_head(int lock_fd, const audit_chain_t *c)
 {
     char line[192];
     int pl = snprintf(line, sizeof(line), "%ld\n", (long)getpid());
     int n = snprintf(line + pl, sizeof(line) - (size_t)pl,
-                     "chain %s %020" PRIu64 " %s %020" PRIu64 "\n", a->chain.prev, a->chain.seq,
-                     a->chain.checkpoint[0] ? a->chain.checkpoint : AUDIT_GENESIS,
-                     a->chain.since_checkpoint);
-    if (n > 0 && pwrite(a->lock_fd, line + pl, (size_t)n, pl) != n && !a->head_unsaved) {
+                     "chain %s %020" PRIu64 " %s %020" PRIu64 "\n", c->prev, c->seq,
+                     c->checkpoint[0] ? c->checkpoint : AUDIT_GENESIS, c->since_checkpoint);
+    return n > 0 && pwrite(lock_fd, line + pl, (size_t)n, pl) != n ? -errno : 0;
+}
+
+static void save_head(px_audit_t *a)
+{
+    int rc = write_head(a->lock_fd, &a->chain);
+    if (rc != 0 && !a->head_unsaved) {
         a->head_unsaved = true; /* said once: the trail itself is unaffected */
-        log_error(a, "save_chain_head", -errno);
+        log_error(a, "save_chain_head", rc);
     }
 }
 
@@ -464,10 +466,7 @@ static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c
         goto done; /* a failed open earlier was tried again, and failed again */
     struct stat st;
     off_t was = fstat(a->fd, &st) == 0 ? st.st_size : -1;
-    if (a->repair.len && (rc = audit_write_all(a->fd, a->repair.base, a->repair.len)) == 0)
-        dp_buf_reset(&a->repair); /* a failure below cuts the file back before it: kept */
-    if (rc == 0)
-        rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
+    rc = audit_write_all(a->fd, a->w_out.base, a->w_out.len);
     if (rc != 0) {
         a->w_op = "write";
         /* A partial write (ENOSPC) would leave a fragment the next line is appended to: the file
@@ -478,6 +477,11 @@ static int flush_segment(px_audit_t *a, size_t from, size_t to, audit_chain_t *c
 done:
     if (rc == 0) {
         a->chain = *c;
+        /* The lock file names the last line now, not after the batch: a crash later in it (a
+         * reopen's new file begun, a store fsync) leaves a head that a file rotated away
+         * while detproxy was down continues (batch_done saves it again, and says if it
+         * cannot). */
+        write_head(a->w_head_fd, c);
         for (size_t i = from; i < to; i++)
             if (b->e[i].in_file && b->e[i].kind == E_LINE)
                 b->e[i].written = true;
@@ -755,6 +759,7 @@ static void start_write(px_audit_t *a)
         return;
     swap_batches(a);
     a->writing = true;
+    a->w_head_fd = a->lock_fd;
     a->work.data = a;
     if (uv_queue_work(a->loop, &a->work, work_cb, after_work_cb) != 0) {
         write_batch(a); /* cannot happen with a live loop; never drop lines over it */
@@ -823,8 +828,9 @@ static int move_noreplace(const char *from, const char *to)
  * PATH.torn-TIME, or PATH.torn-TIME.1, .2, ... when that name is taken (a crash loop repairs more
  * than once a second: the earlier file must stay), and start a new PATH (a->fd, the file lock
  * moved to it) with a repair line that names the set-aside file and the fragment and chains from
- * the last complete line. 0; a negative errno with *why saying so when the new file's lock is
- * another process's (nothing is written to it: the caller refuses to start). */
+ * the last complete line. 0; or a negative errno with *why saying so, and the caller refuses to
+ * start, when the file cannot be set aside, the new file's lock is another process's (nothing
+ * is written to it), or the repair line cannot be written (the torn file goes back to PATH). */
 static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
 {
     char ts[32], stamp[4120], rotated[4200];
@@ -879,19 +885,33 @@ static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
     rc = a->fd < 0 ? open_err : audit_write_all(a->fd, out.base, out.len);
     if (rc == 0 && fsync(a->fd) != 0)
         rc = -errno;
-    if (rc != 0) {
-        /* The chain is past the repair line: it waits to be the file's first (a->repair), and
-         * the trail is not writable until it is. A partial write is cut back first. */
-        if (a->fd >= 0 && ftruncate(a->fd, 0) != 0)
-            rc = -errno;
-        log_error(a, "write", rc);
-        a->repair = out;
-        atomic_store(&a->writable, false);
-        px_metrics_set(a->m_writable, 0);
-        return 0;
-    }
     dp_buf_free(&out);
+    if (rc != 0) {
+        /* The chain would go on from a line in no file. Undone instead: the torn file back at
+         * PATH over the new one (rename replaces it at once), so the next start repairs it
+         * again, and this one is refused. */
+        log_error(a, "write", rc);
+        int back = rename(rotated, a->path) == 0 ? 0 : -errno;
+        dp_buf_printf(why,
+                      "audit file %s ends in a line a crash cut short, and the line that repairs "
+                      "it could not be written (%s): %s",
+                      a->path, strerror(-rc),
+                      back == 0 ? "the file is back as it was; free space and start again"
+                                : "and moving the torn file back failed: move it back by hand");
+        return rc;
+    }
     return 0;
+}
+
+/* A file with lines but no checkpoint of its own (a crash before a rotated file's first): its
+ * checkpoints go on from the trail's last, which the lock file's head names, not from seq 1. */
+static void seq_from_head(px_audit_t *a, int lock)
+{
+    audit_chain_t h;
+    if (a->chain.seq == 0 && load_head(lock, &h) == 1 && h.seq > 0) {
+        a->chain.seq = h.seq;
+        memcpy(a->chain.checkpoint, h.checkpoint, sizeof(h.checkpoint));
+    }
 }
 
 px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
@@ -947,9 +967,13 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
          * head is the lock file's, as for an empty file. */
         if (torn.offset == 0 && (rc = load_head(lock, &a->chain)) != 0)
             log_head(a, rc);
+        else if (torn.offset > 0)
+            seq_from_head(a, lock);
         refused = repair_torn(a, &torn, &why);
     } else if (empty && (rc = load_head(lock, &a->chain)) != 0) {
         log_head(a, rc);
+    } else if (!empty) {
+        seq_from_head(a, lock);
     }
     if (refused == 0 && a->fd < 0)
         a->fd = open_file(path);
@@ -1292,7 +1316,6 @@ void px_audit_close(px_audit_t *a)
     batch_free(&a->pending);
     batch_free(&a->inflight);
     dp_buf_free(&a->w_out);
-    dp_buf_free(&a->repair);
     attest_key_free(a->key);
     free(a->retired);
     free(a->store);

@@ -289,41 +289,39 @@ def test_a_gated_stream_cut_mid_event_is_audited_as_the_client_got_it():
     px.stop()
 
 
-def test_a_torn_tail_repaired_onto_a_full_disk_goes_in_first_once_there_is_room():
-    """A crash left a torn tail and the disk is full at the restart: the file is set aside, and
-    the new file's repair line cannot be written. The chain is past it, so it waits: the trail
-    is not writable (audited requests refused 503, /readyz 503) until there is room, and then
-    the repair line goes in first, so the set-aside file and the new one verify as one chain."""
+def test_a_torn_tail_with_no_room_for_its_repair_line_stops_the_start_and_stays():
+    """A crash left a torn tail and the disk is full at the restart: the file is set aside, but
+    the new file's repair line cannot be written. Lines chained past a line in no file would
+    break the trail (and a stop would lose it for good), so the repair is undone, the torn file
+    back at PATH, and detproxy refuses to start (exit 3, saying why). Once there is room, the
+    next start repairs it and the trail verifies across the set-aside file and the new one."""
     px = proxy("closed")
     send(px, 2)
     poll_until(lambda: len(open(px.audit_path).readlines()) == 2, what="two lines")
     px.kill()
     with open(px.audit_path, "ab") as f:
         f.write(b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn')
+    raw = open(px.audit_path, "rb").read()
     fill()
-    path = px.audit_path
-    px = start_proxy(config=json.load(open(px.config_path)), ready=False,
-                     directory=os.path.dirname(px.config_path))
-    px.audit_path = path
-    px.wait_log("audit_torn_tail")
-    failed = px.wait_log("audit_write_failed")
-    assert failed["op"] == "write", failed
-    poll_until(lambda: http("GET", px.admin_port, "/readyz").status == 503, what="/readyz 503")
-    rs = send(px, 3)
-    assert all(r.status == 503 for r in rs), [r.status for r in rs]
-    assert os.path.getsize(px.audit_path) == 0
+    cfg, path = json.load(open(px.config_path)), px.audit_path
+    d = os.path.dirname(path)
+    try:
+        start_proxy(config=cfg, directory=os.path.dirname(px.config_path), timeout=5)
+        assert False, "detproxy started with a repair line it could not write"
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+        assert "could not be written" in str(e) and "back as it was" in str(e), e
+    assert open(path, "rb").read() == raw
+    assert not [f for f in os.listdir(d) if f.startswith("audit.jsonl.torn-")], os.listdir(d)
     os.unlink(os.path.join(MNT, "filler"))
-    poll_until(lambda: post_json(px.port, "/v1/completions",
-                                 {"model": "m1", "prompt": "room again", "max_tokens": 8},
-                                 headers=AUTH).status == 200, what="served again")
+    px = start_proxy(config=cfg, directory=os.path.dirname(px.config_path))
+    send(px, 1)
     px.stop()
-    got = [json.loads(l) for l in open(px.audit_path)]
-    assert "repair" in got[0], got[0]
-    d = os.path.dirname(px.audit_path)
+    assert "repair" in json.loads(open(path).readline())
     torn = [os.path.join(d, f) for f in os.listdir(d) if f.startswith("audit.jsonl.torn-")]
     assert len(torn) == 1, os.listdir(d)
-    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", torn[0], px.audit_path,
-                          "--no-signatures"])
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", torn[0], path, "--no-signatures"])
     assert rc == 0, out
 
 

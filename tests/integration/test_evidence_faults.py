@@ -484,6 +484,32 @@ def test_a_torn_first_write_into_a_rotated_file_continues_the_chain_of_the_old_o
     assert rc == 0, out
 
 
+def test_a_crash_before_a_rotated_files_first_checkpoint_keeps_the_seq_going():
+    """A rotation (its reopen checkpoint closes the old file), a line into the new file, then a
+    crash before the new file has a checkpoint of its own: the restart resumes the new file's
+    chain and takes the trail's checkpoint seq from the lock file's head, so the next
+    checkpoint follows the old file's last instead of starting at 1 again."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "before the rotation")
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    hup(px)
+    complete(px, "into the new file")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the line in the new file")
+    px.kill()
+    last = [l["checkpoint"] for l in lines(rotated) if "checkpoint" in l][-1]
+    assert last["reason"] == "reopen", last
+    px2 = start_proxy(config=json.load(open(px.config_path)), directory=px.dir)
+    complete(px2, "after the crash")
+    px2.stop()
+    seqs = [l["checkpoint"]["seq"] for f in (rotated, px.audit_path) for l in lines(f)
+            if "checkpoint" in l]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store])
+    assert rc == 0, out
+
+
 def test_a_torn_tail_that_cannot_be_set_aside_is_not_appended_to():
     """Every name the repair could move the torn file to is taken (or its folder is read-only):
     lines appended after the fragment would break the trail for good, so detproxy refuses to
@@ -611,9 +637,10 @@ def test_a_reopen_onto_a_file_another_process_locks_stays_on_the_old_file():
 def test_a_fifo_put_in_place_of_the_audit_file_is_refused_at_the_reopen():
     """A FIFO at PATH when SIGHUP reopens it: with no reader the open would block a pool thread
     for good (every audited request hanging, the stop waiting on it); with one, the lines would
-    go into the pipe and no file. Either way the reopen fails at once: audited requests are
-    refused 503 audit_unavailable (log.audit_fail: closed) until a regular file is there, and
-    the chain goes on in it."""
+    go into the pipe and no file. Either way the reopen fails at once and the lines stay in the
+    file open before, as when another writer holds the new file: a request is answered (503
+    while the failed write is the last word, else 200 with its line in the old file), none
+    goes into the pipe, and once a regular file is there the chain goes on in it."""
     sim, px = setup(checkpoint_lines=100)
     complete(px, "a")
     rotated = px.audit_path + ".1"
@@ -626,8 +653,13 @@ def test_a_fifo_put_in_place_of_the_audit_file_is_refused_at_the_reopen():
         failed = px.wait_log("audit_write_failed", start=start)
         assert failed["op"] == "open", failed
         r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "b", "max_tokens": 8},
-                      headers=AUTH)
-        assert r.status == 503 and r.json()["error"]["code"] == "audit_unavailable", r
+                      headers=AUTH, timeout=10)
+        if r.status == 200:
+            rid = r.headers["x-detproxy-request-id"]
+            poll_until(lambda: rid in [l.get("request_id") for l in lines(rotated)],
+                       what="its line in the file open before")
+        else:
+            assert r.status == 503 and r.json()["error"]["code"] == "audit_unavailable", r
         if rfd is not None:
             assert os.read(rfd, 65536) == b"", "a line went into the pipe"
             os.close(rfd)

@@ -257,20 +257,57 @@ Test(audit, verify_intact_and_every_break)
     dp_buf_free(&bad);
 }
 
+/* A chain begun at genesis with one line, {"x":1}, to be put at g_dir/name. */
+static void chain_begin(char path[128], const char *name, audit_chain_t *c, dp_buf_t *out)
+{
+    snprintf(path, 128, "%s/%s", g_dir, name);
+    audit_chain_init(c);
+    *out = (dp_buf_t){0};
+    audit_chain_append(c, "{\"x\":1}", 7, out);
+}
+
 Test(audit, checkpoint_line_count_must_match)
 {
     char path[128];
-    snprintf(path, sizeof(path), "%s/b.jsonl", g_dir);
     audit_chain_t c;
-    audit_chain_init(&c);
-    dp_buf_t out = {0};
-    audit_chain_append(&c, "{\"x\":1}", 7, &out);
+    dp_buf_t out;
+    chain_begin(path, "b.jsonl", &c, &out);
     audit_chain_checkpoint(&c, g_priv, "interval", 1, &out);
     audit_chain_append(&c, "{\"x\":2}", 7, &out);
     c.since_checkpoint = 5; /* a checkpoint claiming lines that are not there */
     audit_chain_checkpoint(&c, g_priv, "interval", 1, &out);
     put(path, &out);
     cr_assert_eq(verify_break(path, g_pub, NULL, "says 5 lines"), 4);
+    dp_buf_free(&out);
+}
+
+/* The longest line chain_append takes, after another line, and a torn fragment almost as long
+ * after it: the resume finds that line whole (verify takes it, so a restart must too). */
+Test(audit, resume_takes_the_longest_line_with_a_torn_fragment_after_it)
+{
+    char path[128];
+    audit_chain_t c;
+    dp_buf_t out;
+    chain_begin(path, "long.jsonl", &c, &out);
+    size_t room = AUDIT_LINE_MAX - 81; /* its "}" becomes ,"prev_sha256":"<64>"} */
+    char *line = malloc(room);
+    memset(line, 'a', room);
+    memcpy(line, "{\"a\":\"", 6);
+    memcpy(line + room - 2, "\"}", 2);
+    size_t at = out.len;
+    cr_assert_eq(audit_chain_append(&c, line, room, &out), 0);
+    cr_assert_eq(out.len - at - 1, AUDIT_LINE_MAX, "the line is as long as verify takes");
+    char want[65];
+    memcpy(want, c.prev, 65);
+    dp_buf_append(&out, line, room); /* the fragment: no newline */
+    put(path, &out);
+    audit_chain_t d;
+    audit_torn_t torn;
+    cr_assert_eq(audit_chain_resume_torn(&d, path, &torn), 0);
+    cr_assert_str_eq(d.prev, want);
+    cr_assert(torn.torn);
+    cr_assert_eq(torn.len, room);
+    free(line);
     dp_buf_free(&out);
 }
 
@@ -438,7 +475,7 @@ Test(audit, resume_counts_lines_beyond_the_tail_window)
     char cp[65];
     memcpy(cp, c.checkpoint, 65);
     size_t before = out.len;
-    const int n = 5000; /* ~1.8 MiB */
+    const int n = 10000; /* ~3.6 MiB */
     for (int i = 0; i < n; i++) {
         int len = snprintf(line, sizeof(line), "{\"request_id\":\"r%d\",\"pad\":\"%s\"}", i, pad);
         audit_chain_append(&c, line, (size_t)len, &out);
