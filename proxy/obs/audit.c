@@ -740,6 +740,7 @@ static void swap_batches(px_audit_t *a)
     a->pending = t;
     batch_clear(&a->pending);
     a->w_path = dp_xstrdup(a->path);
+    a->w_head_fd = a->lock_fd;
     a->w_store = a->store ? dp_xstrdup(a->store) : NULL;
     a->w_key = a->key;
     a->w_lines = a->checkpoint_lines;
@@ -759,7 +760,6 @@ static void start_write(px_audit_t *a)
         return;
     swap_batches(a);
     a->writing = true;
-    a->w_head_fd = a->lock_fd;
     a->work.data = a;
     if (uv_queue_work(a->loop, &a->work, work_cb, after_work_cb) != 0) {
         write_batch(a); /* cannot happen with a live loop; never drop lines over it */
@@ -935,6 +935,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     set_file_lock(a, file_lock);
     a->fd = -1;
     a->w_lock_fd = -1;
+    a->w_head_fd = -1;
     a->store_lock_fd = -1;
     a->checkpoint_lines = 1000;
     a->fail_closed = true;
