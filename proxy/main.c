@@ -1,8 +1,11 @@
 /* detproxy: one binary, one subcommand per command of docs/README.md, "Commands". The top
  * layer: the one file that includes every program module (proxy, agent, diagnose), to dispatch
  * to them. Each command parses its own options (common/args.h). */
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "agent/agent.h"
 #include "attest/cli.h"
@@ -45,8 +48,25 @@ static const dp_args_t version_spec = {
     .about = "Print the version and the git commit it was built from.",
 };
 
+/* Started with stdin, stdout or stderr closed (some supervisors do), the next files opened would
+ * take those numbers: libuv's epoll and signal pipe among them, the log lines then written into
+ * its pipe and libuv aborting at exit. Each closed one is /dev/null instead, as daemons do. */
+static void stdio_open(void)
+{
+    for (int fd = 0; fd <= 2; fd++) {
+        if (fcntl(fd, F_GETFD) != -1 || errno != EBADF)
+            continue;
+        int n = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY); /* the lowest free: fd */
+        if (n >= 0 && n != fd) {
+            dup2(n, fd);
+            close(n);
+        }
+    }
+}
+
 int main(int argc, char **argv)
 {
+    stdio_open();
     if (argc < 2) {
         usage(stderr);
         return 2;

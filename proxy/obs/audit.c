@@ -904,13 +904,17 @@ static int repair_torn(px_audit_t *a, const audit_torn_t *t, dp_buf_t *why)
 }
 
 /* A file with lines but no checkpoint of its own (a crash before a rotated file's first): its
- * checkpoints go on from the trail's last, which the lock file's head names, not from seq 1. */
+ * checkpoints go on from the trail's last, which the lock file's head names, not from seq 1.
+ * When the head names this file's last line, its count of lines since that checkpoint is the
+ * trail's (the file's own count leaves out those of the files before it). */
 static void seq_from_head(px_audit_t *a, int lock)
 {
     audit_chain_t h;
     if (a->chain.seq == 0 && load_head(lock, &h) == 1 && h.seq > 0) {
         a->chain.seq = h.seq;
         memcpy(a->chain.checkpoint, h.checkpoint, sizeof(h.checkpoint));
+        if (strcmp(h.prev, a->chain.prev) == 0)
+            a->chain.since_checkpoint = h.since_checkpoint;
     }
 }
 
@@ -1265,6 +1269,12 @@ void px_audit_reopen(px_audit_t *a, const char *path)
             return;
         }
         dp_buf_free(&why);
+        /* The new path's lock file names the chain's head at once (the last line written, which
+         * the old lock file names): a crash before the reopen's batch is written then starts
+         * the new file from there, not from genesis. */
+        audit_chain_t h;
+        if (load_head(a->lock_fd, &h) == 1)
+            write_head(lock, &h);
         /* The old path's locks stay until its file is no longer written (batch_done). */
         a->old_locks = dp_xrealloc(a->old_locks, (a->nold_locks + 2) * sizeof(int));
         a->old_locks[a->nold_locks++] = a->lock_fd;

@@ -510,6 +510,37 @@ def test_a_crash_before_a_rotated_files_first_checkpoint_keeps_the_seq_going():
     assert rc == 0, out
 
 
+def test_unsigned_lines_are_counted_across_a_rotation_while_stopped():
+    """Lines after the last checkpoint (a crash), the file rotated while stopped, a few lines
+    into the new file, another crash, a restart: the count of unsigned lines goes on from the
+    head across both files, so detproxy still signs every audit_checkpoint_lines lines and an
+    honest trail passes --max-unsigned with that number (and the checkpoints' line counts
+    hold)."""
+    sim, px = setup(checkpoint_lines=5)
+    for i in range(7):  # a checkpoint after 5, then 2 lines unsigned
+        complete(px, "first %d" % i)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 8, what="seven lines, one checkpoint")
+    px.kill()
+    rotated = px.audit_path + ".1"
+    os.rename(px.audit_path, rotated)
+    cfg = json.load(open(px.config_path))
+    for run in range(2):
+        p = start_proxy(config=cfg, directory=px.dir)
+        for i in range(2):
+            complete(p, "run %d, %d" % (run, i))
+        poll_until(lambda: len(open(px.audit_path).readlines()) >= 2 * (run + 1),
+                   what="the run's lines")
+        if run == 0:
+            p.kill()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store, "--max-unsigned", "5"])
+    assert rc == 0, out
+    p.stop()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", rotated, px.audit_path, "--pubkey",
+                          px.pub, "--store", px.store, "--max-unsigned", "5"])
+    assert rc == 0, out
+
+
 def test_a_torn_tail_that_cannot_be_set_aside_is_not_appended_to():
     """Every name the repair could move the torn file to is taken (or its folder is read-only):
     lines appended after the fragment would break the trail for good, so detproxy refuses to

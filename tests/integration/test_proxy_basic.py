@@ -4,13 +4,14 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
-from harness import (SLOW, get_json, http, poll_until, post_json, raw_request, run_tests, sse,
-                     start_sim)
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, post_json,
+                     raw_request, run_tests, sse, start_sim, wait_http)
 from proxyutil import (metric, parse_response, pool, read_until_close, sim_stats, start_proxy,
-                       wait_all_admitted)
+                       wait_all_admitted, write_config)
 
 COMPLETION = {"model": "m1", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
@@ -337,6 +338,33 @@ def _refused(port):
         return False
     except OSError:
         return True
+
+
+def test_started_with_its_standard_streams_closed_it_serves_and_stops_cleanly():
+    """A supervisor that starts detproxy with stdin, stdout and stderr closed: those numbers
+    must not go to libuv's own files (its log lines would go into libuv's signal pipe, and
+    libuv aborts at exit on a standard stream it finds in use). It serves, and SIGTERM ends it
+    with 0."""
+    sim = start_sim("--model", "m1")
+    port, admin = free_port(), free_port()
+    path = write_config({"listen": "127.0.0.1:%d" % port, "admin_listen": "127.0.0.1:%d" % admin,
+                         "pools": [pool("p", ["m1"], [sim])]})
+
+    def close_stdio():
+        for fd in (0, 1, 2):
+            os.close(fd)
+
+    p = subprocess.Popen([DETPROXY_BIN, "run", "-c", path], preexec_fn=close_stdio)
+    try:
+        wait_http(admin, "/readyz", timeout=10)
+        r = post_json(port, "/v1/completions", {"model": "m1", "prompt": "hi", "max_tokens": 2})
+        assert r.status == 200, r
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    sim.stop()
 
 
 if __name__ == "__main__":
