@@ -435,11 +435,12 @@ typedef struct {
  * {"time","request_id","tenant","pool","replica","fingerprint","upstream_fingerprint",
  *  "fingerprint_mismatch" (only when true),"route","method" (only when set),"route_bytes" and
  *  "route_sha256" (only when the route was cut),
- *  "model","model_bytes" and "model_sha256" (only when the model was
- * cut),"status","seed","seed_derived","temperature","params":[{"param","action","before",
- *  "after"}...],"forwarded_body_sha256","response_body_sha256"}; before/after are omitted when
- * absent/removed (with "removed":true for the latter). A refusal adds
- * "error":{"code","param"} (param null when none). */
+ *  "model","model_bytes" and "model_sha256" (only when the model was cut),
+ *  "status","seed","seed_derived","temperature",
+ *  "params":[{"param","action","before","after"}...],
+ *  "forwarded_body_sha256","response_body_sha256"};
+ * before/after are omitted when absent/removed (with "removed":true for the latter). A refusal
+ * adds "error":{"code","param"} (param null when none). */
 void policy_audit_line(const policy_audit_t *a, dp_buf_t *out);
 
 /* ---- affinity keys (docs/configuration.md, "Affinity routing") ------------------------------- */

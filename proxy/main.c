@@ -56,11 +56,9 @@ static void stdio_open(void)
     for (int fd = 0; fd <= 2; fd++) {
         if (fcntl(fd, F_GETFD) != -1 || errno != EBADF)
             continue;
-        int n = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY); /* the lowest free: fd */
-        if (n >= 0 && n != fd) {
-            dup2(n, fd);
-            close(n);
-        }
+        /* open takes the lowest free number: fd itself, those below it being open by now */
+        if (open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY) < 0)
+            return;
     }
 }
 

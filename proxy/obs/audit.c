@@ -967,18 +967,18 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
                       "audit file %s: its chain cannot be resumed (%s; a last line over 1 MiB is "
                       "not detproxy's): move the file away",
                       path, strerror(-rc));
-    } else if (torn.torn) {
-        /* Only a fragment (a crash during the first write into a rotated file): the chain's
-         * head is the lock file's, as for an empty file. */
-        if (torn.offset == 0 && (rc = load_head(lock, &a->chain)) != 0)
-            log_head(a, rc);
-        else if (torn.offset > 0)
+    } else {
+        /* No complete line (empty, or only a fragment: a crash during the first write into a
+         * rotated file): the chain's head is the lock file's. Lines: theirs, and the lock
+         * file's checkpoint seq when they have no checkpoint of their own. */
+        if (torn.torn ? torn.offset == 0 : empty) {
+            if ((rc = load_head(lock, &a->chain)) != 0)
+                log_head(a, rc);
+        } else {
             seq_from_head(a, lock);
-        refused = repair_torn(a, &torn, &why);
-    } else if (empty && (rc = load_head(lock, &a->chain)) != 0) {
-        log_head(a, rc);
-    } else if (!empty) {
-        seq_from_head(a, lock);
+        }
+        if (torn.torn)
+            refused = repair_torn(a, &torn, &why);
     }
     if (refused == 0 && a->fd < 0)
         a->fd = open_file(path);
