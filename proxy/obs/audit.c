@@ -104,6 +104,12 @@ struct px_audit_s {
     bool w_closed;
     dp_buf_t w_out;
     int w_head_fd; /* the lock file the batch's head goes to (write_head, flush_segment) */
+    /* The newest path's lock file (lock_fd, as the batch in flight may not know it yet): the
+     * batch writes each head there too. A reopen onto another path copies the head into its
+     * new lock file under head_mu, so a line the batch in flight writes into the old file
+     * meanwhile is named by the new lock file whichever goes first. */
+    uv_mutex_t head_mu;
+    int head_fd;
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
     uint64_t w_failed_lines, w_unstored_lines;
@@ -154,11 +160,51 @@ static void log_error(px_audit_t *a, const char *what, int err)
 
 /* ---- the lock -------------------------------------------------------------------------------- */
 
+/* The lock file's second line for chain head c ("chain PREV SEQ CHECKPOINT SINCE\n", fixed
+ * width): its length, written into out (192 bytes). */
+static int head_line(char *out, size_t cap, const audit_chain_t *c)
+{
+    return snprintf(out, cap, "chain %s %020" PRIu64 " %s %020" PRIu64 "\n", c->prev, c->seq,
+                    c->checkpoint[0] ? c->checkpoint : AUDIT_GENESIS, c->since_checkpoint);
+}
+
+/* Create lockpath already holding our pid and `content`'s head, so no crash finds it without
+ * one: written into an unnamed file in its folder (O_TMPFILE) and linked in whole. Nothing
+ * when it exists by now, or the file system has no unnamed files (then take_lock creates it
+ * empty and writes the head after, an instant apart). */
+static void create_with(const char *lockpath, const char *content, size_t n)
+{
+    char dir[PATH_MAX];
+    const char *slash = strrchr(lockpath, '/');
+    if (slash == NULL || (size_t)(slash - lockpath) >= sizeof(dir))
+        return;
+    snprintf(dir, sizeof(dir), "%.*s", slash == lockpath ? 1 : (int)(slash - lockpath), lockpath);
+    int t = open(dir, O_TMPFILE | O_WRONLY | O_CLOEXEC, 0640);
+    if (t < 0)
+        return;
+    char self[64];
+    snprintf(self, sizeof(self), "/proc/self/fd/%d", t);
+    if (pwrite(t, content, n, 0) == (ssize_t)n)
+        (void)linkat(AT_FDCWD, self, AT_FDCWD, lockpath, AT_SYMLINK_FOLLOW); /* EEXIST: it is */
+    close(t);
+}
+
 /* Take an exclusive flock on lockpath (created if needed) and write our pid into it. The file is
  * never removed: removing it would let a third process lock a new file while a second still
- * holds the old one. Returns the fd, or -1 with *err saying why (the holder's pid). */
-static int take_lock(const char *lockpath, const char *what, dp_buf_t *err)
+ * holds the old one. The chain head after the pid is `head` when given (a reopen moving the
+ * trail to this file), else the one the last holder left, for load_head to judge. Returns the
+ * fd, or -1 with *err saying why (the holder's pid). */
+static int take_lock(const char *lockpath, const char *what, const audit_chain_t *head,
+                     dp_buf_t *err)
 {
+    char mine[192] = "";
+    if (head) {
+        head_line(mine, sizeof(mine), head);
+        char first[32 + sizeof(mine)];
+        int n = snprintf(first, sizeof(first), "%ld\n%s", (long)getpid(), mine);
+        if (access(lockpath, F_OK) != 0 && errno == ENOENT)
+            create_with(lockpath, first, (size_t)n);
+    }
     int fd = open(lockpath, O_RDWR | O_CREAT | O_CLOEXEC, 0640);
     if (fd < 0) {
         dp_buf_printf(err, "%s: cannot open its lock file %s: %s", what, lockpath, strerror(errno));
@@ -180,17 +226,21 @@ static int take_lock(const char *lockpath, const char *what, dp_buf_t *err)
         close(fd);
         return -1;
     }
-    /* The second line the last holder left (save_head's chain head) stays after our pid, as
-     * it was, for load_head to judge (at most a head's length of it, ended by a newline). */
+    /* The last holder's second line (at most a head's length of it, ended by a newline) stays
+     * after our pid unless a head is given. Written over the old contents, then cut to length:
+     * a crash between the two leaves the head whole (load_head reads up to its newline). */
     char old[256], buf[32 + sizeof(old)];
-    ssize_t got = pread(fd, old, sizeof(old) - 1, 0);
-    old[got > 0 ? got : 0] = '\0';
-    char *second = strchr(old, '\n');
-    second = second && second[1] ? second + 1 : NULL;
+    const char *second = mine[0] ? mine : NULL;
+    if (second == NULL) {
+        ssize_t got = pread(fd, old, sizeof(old) - 1, 0);
+        old[got > 0 ? got : 0] = '\0';
+        second = strchr(old, '\n');
+        second = second && second[1] ? second + 1 : NULL;
+    }
     int n = second ? snprintf(buf, sizeof(buf), "%ld\n%.*s\n", (long)getpid(),
                               (int)strcspn(second, "\n"), second)
                    : snprintf(buf, sizeof(buf), "%ld\n", (long)getpid());
-    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)n, 0) != n) {
+    if (pwrite(fd, buf, (size_t)n, 0) != n || ftruncate(fd, n) != 0) {
         /* the lock holds without the pid; only the message of a second instance is poorer */
     }
     return fd;
@@ -202,11 +252,9 @@ static int take_lock(const char *lockpath, const char *what, dp_buf_t *err)
  * instead of from genesis, and `audit verify old new` reads one chain. */
 static int write_head(int lock_fd, const audit_chain_t *c)
 {
-    char line[192];
+    char line[224];
     int pl = snprintf(line, sizeof(line), "%ld\n", (long)getpid());
-    int n = snprintf(line + pl, sizeof(line) - (size_t)pl,
-                     "chain %s %020" PRIu64 " %s %020" PRIu64 "\n", c->prev, c->seq,
-                     c->checkpoint[0] ? c->checkpoint : AUDIT_GENESIS, c->since_checkpoint);
+    int n = head_line(line + pl, sizeof(line) - (size_t)pl, c);
     return n > 0 && pwrite(lock_fd, line + pl, (size_t)n, pl) != n ? -errno : 0;
 }
 
@@ -298,14 +346,14 @@ static int lock_file_name(const char *path, char real[PATH_MAX], char lp[PATH_MA
     return 0;
 }
 
-static int lock_path(const char *path, int *file_fd, dp_buf_t *err)
+static int lock_path(const char *path, const audit_chain_t *head, int *file_fd, dp_buf_t *err)
 {
     char real[PATH_MAX], lp[PATH_MAX + 8];
     if (lock_file_name(path, real, lp, err) != 0)
         return -1;
     char what[PATH_MAX + 64];
     snprintf(what, sizeof(what), "audit file %s", path);
-    int fd = take_lock(lp, what, err);
+    int fd = take_lock(lp, what, head, err);
     if (fd < 0)
         return -1;
     int ffd = open(real, O_RDONLY | O_CREAT | O_CLOEXEC, 0640);
@@ -481,7 +529,11 @@ done:
          * reopen's new file begun, a store fsync) leaves a head that a file rotated away
          * while detproxy was down continues (batch_done saves it again, and says if it
          * cannot). */
+        uv_mutex_lock(&a->head_mu);
         write_head(a->w_head_fd, c);
+        if (a->head_fd != a->w_head_fd)
+            write_head(a->head_fd, c);
+        uv_mutex_unlock(&a->head_mu);
         for (size_t i = from; i < to; i++)
             if (b->e[i].in_file && b->e[i].kind == E_LINE)
                 b->e[i].written = true;
@@ -922,7 +974,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
 {
     dp_buf_t why = {0};
     int file_lock = -1;
-    int lock = lock_path(path, &file_lock, &why);
+    int lock = lock_path(path, NULL, &file_lock, &why);
     if (lock < 0) {
         log_locked(&why);
         if (err)
@@ -940,6 +992,8 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     a->fd = -1;
     a->w_lock_fd = -1;
     a->w_head_fd = -1;
+    a->head_fd = lock;
+    uv_mutex_init(&a->head_mu);
     a->store_lock_fd = -1;
     a->checkpoint_lines = 1000;
     a->fail_closed = true;
@@ -958,7 +1012,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     audit_torn_t torn;
     struct stat st;
     bool empty = stat(path, &st) != 0 || st.st_size == 0;
-    int refused = 0;
+    int refused = 0, head = 0;
     int rc = audit_chain_resume_torn(&a->chain, path, &torn);
     if (rc != 0) {
         /* Lines chained from genesis into a trail that has lines would break it for good. */
@@ -972,8 +1026,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
          * rotated file): the chain's head is the lock file's. Lines: theirs, and the lock
          * file's checkpoint seq when they have no checkpoint of their own. */
         if (torn.torn ? torn.offset == 0 : empty) {
-            if ((rc = load_head(lock, &a->chain)) != 0)
-                log_head(a, rc);
+            head = load_head(lock, &a->chain); /* said once the start is sure (log_head) */
         } else {
             seq_from_head(a, lock);
         }
@@ -1004,10 +1057,13 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
             close(a->fd);
         set_file_lock(a, -1);
         close(a->lock_fd);
+        uv_mutex_destroy(&a->head_mu);
         free(a->path);
         free(a);
         return NULL;
     }
+    if (head != 0)
+        log_head(a, head);
     a->anchor_sha[0] = '\0';
     note_anchor(a);
     uv_timer_init(loop, &a->fsync_timer);
@@ -1032,7 +1088,7 @@ int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key
             snprintf(lp, sizeof(lp), "%s/.lock", store);
             snprintf(what, sizeof(what), "audit store %s", store);
             dp_buf_t why = {0};
-            a->store_lock_fd = take_lock(lp, what, &why);
+            a->store_lock_fd = take_lock(lp, what, NULL, &why);
             if (a->store_lock_fd < 0) {
                 log_locked(&why);
                 rc = -2;
@@ -1260,21 +1316,27 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         int file_lock = -1;
         /* Back onto a path whose locks are still ours (A to B to A before B's batch moved, or
          * B never opened): a lock taken again would conflict with our own. */
+        /* The new path's lock file names the chain's head from the moment it exists (the last
+         * line written, which the old lock file names): a crash before the reopen's batch is
+         * written then starts the new file from there, not from genesis. */
+        uv_mutex_lock(&a->head_mu);
+        audit_chain_t h;
+        bool have = load_head(a->lock_fd, &h) == 1;
         int lock = reclaim_old_locks(a, path, &file_lock);
         if (lock < 0)
-            lock = lock_path(path, &file_lock, &why);
+            lock = lock_path(path, have ? &h : NULL, &file_lock, &why);
+        if (lock >= 0) {
+            if (have)
+                write_head(lock, &h);
+            a->head_fd = lock;
+        }
+        uv_mutex_unlock(&a->head_mu);
         if (lock < 0) {
             log_locked(&why);
             dp_buf_free(&why);
             return;
         }
         dp_buf_free(&why);
-        /* The new path's lock file names the chain's head at once (the last line written, which
-         * the old lock file names): a crash before the reopen's batch is written then starts
-         * the new file from there, not from genesis. */
-        audit_chain_t h;
-        if (load_head(a->lock_fd, &h) == 1)
-            write_head(lock, &h);
         /* The old path's locks stay until its file is no longer written (batch_done). */
         a->old_locks = dp_xrealloc(a->old_locks, (a->nold_locks + 2) * sizeof(int));
         a->old_locks[a->nold_locks++] = a->lock_fd;
@@ -1307,7 +1369,9 @@ void px_audit_close(px_audit_t *a)
     while (a->writing || a->syncing)
         uv_run(a->loop, UV_RUN_ONCE);
     a->closing = true;
-    if (a->key)
+    /* A process that wrote no line and finds none unsigned (a start refused after the audit
+     * file was opened: a port or the store taken) leaves the trail as it found it. */
+    if (a->key && (a->lines || !batch_empty(&a->pending) || a->chain.since_checkpoint))
         batch_add(&a->pending, E_CHECKPOINT)->reason = "shutdown";
     if (!batch_empty(&a->pending)) {
         swap_batches(a);
@@ -1336,6 +1400,7 @@ void px_audit_close(px_audit_t *a)
     if (a->file_lock_fd >= 0)
         close(a->file_lock_fd);
     close(a->lock_fd);
+    uv_mutex_destroy(&a->head_mu);
     for (size_t i = 0; i < a->nold_locks; i++)
         if (a->old_locks[i] >= 0)
             close(a->old_locks[i]);

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,6 +61,16 @@ def fill():
                 f.write(b"x")
         except OSError:
             pass
+
+
+def refused_start(cfg, directory):
+    """Start detproxy on cfg, which must refuse to start (a repair line it cannot write): what
+    it said."""
+    try:
+        start_proxy(config=cfg, directory=directory, timeout=5)
+    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+        return str(e)
+    raise AssertionError("detproxy started with a repair line it could not write")
 
 
 def send(px, n, size=200):
@@ -305,13 +316,8 @@ def test_a_torn_tail_with_no_room_for_its_repair_line_stops_the_start_and_stays(
     fill()
     cfg, path = json.load(open(px.config_path)), px.audit_path
     d = os.path.dirname(path)
-    try:
-        start_proxy(config=cfg, directory=os.path.dirname(px.config_path), timeout=5)
-        assert False, "detproxy started with a repair line it could not write"
-    except AssertionError:
-        raise
-    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
-        assert "could not be written" in str(e) and "back as it was" in str(e), e
+    why = refused_start(cfg, os.path.dirname(px.config_path))
+    assert "could not be written" in why and "back as it was" in why, why
     assert open(path, "rb").read() == raw
     assert not [f for f in os.listdir(d) if f.startswith("audit.jsonl.torn-")], os.listdir(d)
     os.unlink(os.path.join(MNT, "filler"))
@@ -323,6 +329,32 @@ def test_a_torn_tail_with_no_room_for_its_repair_line_stops_the_start_and_stays(
     assert len(torn) == 1, os.listdir(d)
     rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", torn[0], path, "--no-signatures"])
     assert rc == 0, out
+
+
+def test_a_refused_start_does_not_say_it_continued_the_chain():
+    """A rotated file that holds only a torn first write, and no room for its repair line: the
+    start is refused (exit 3), and its log does not claim the chain was continued (the head is
+    taken, and said, only once the start holds)."""
+    px = proxy("closed")
+    send(px, 1)
+    poll_until(lambda: len(open(px.audit_path).readlines()) == 1, what="the line")
+    px.kill()
+    path = px.audit_path
+    os.rename(path, path + ".1")
+    with open(path, "wb") as f:
+        f.write(b'{"time":"2026-01-01T00:00:00.000Z","request_id":"torn')
+    fill()
+    cfg = json.load(open(px.config_path))
+    try:
+        why = refused_start(cfg, os.path.dirname(px.config_path))
+        assert "could not be written" in why and "audit_chain_continued" not in why, why
+    finally:
+        os.unlink(os.path.join(MNT, "filler"))
+    px = start_proxy(config=cfg, directory=os.path.dirname(px.config_path))
+    assert px.find_logs("audit_chain_continued"), "the start that holds says it"
+    send(px, 1)
+    px.stop()
+    shutil.rmtree(os.path.dirname(path))  # the 300 KB are the next tests' too
 
 
 def test_fail_open_serves_and_counts():

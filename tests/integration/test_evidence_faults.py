@@ -541,6 +541,55 @@ def test_unsigned_lines_are_counted_across_a_rotation_while_stopped():
     assert rc == 0, out
 
 
+def read_the_moment_it_exists(path, limit=10.0):
+    """The contents of path read the first moment it is there, spinning on open (a few
+    microseconds a turn: a file created and written an instant apart is caught between)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            return os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
+    raise AssertionError("%s never appeared" % path)
+
+
+def test_a_reload_onto_another_audit_path_creates_its_lock_file_with_the_head_in_it():
+    """A reload that moves the trail to a new file creates that file's lock file already naming
+    the chain's head: a crash at any moment after it exists restarts the new file from the old
+    file's last line, not from genesis. Read the instant each new lock file appears, over
+    several moves; then a crash right after the last move, a restart, and one chain across
+    every file."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "before the moves")
+    poll_until(lambda: os.path.getsize(px.audit_path) > 0, what="the audit line")
+    cfg = json.load(open(px.config_path))
+    files = [px.audit_path]
+    for k in range(12):
+        path = os.path.join(px.dir, "moved-%d.jsonl" % k)
+        cfg["log"]["audit_path"] = path
+        write_config(cfg, px.dir)
+        start = len(px.logs)
+        px.send_signal(signal.SIGHUP)
+        seen = read_the_moment_it_exists(path + ".lock")
+        rows = seen.split("\n")
+        assert len(rows) >= 2 and rows[1].startswith("chain "), (k, seen)
+        px.wait_log("reloaded", start=start)
+        files.append(path)
+        if k < 11:
+            complete(px, "after move %d" % k)
+    px.kill()
+    px2 = start_proxy(config=cfg, directory=px.dir)
+    complete(px2, "after the crash")
+    px2.stop()
+    rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify"] + files +
+                         ["--pubkey", px.pub, "--store", px.store])
+    assert rc == 0, out
+
+
 def test_a_torn_tail_that_cannot_be_set_aside_is_not_appended_to():
     """Every name the repair could move the torn file to is taken (or its folder is read-only):
     lines appended after the fragment would break the trail for good, so detproxy refuses to
@@ -583,6 +632,30 @@ def second_instance_on(px, audit_path):
     except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
         assert "in use by another detproxy" in str(e), e
         return None
+
+
+def test_an_instance_refused_for_a_store_in_use_leaves_its_audit_file_empty():
+    """A second instance with an audit file of its own but the first one's store is refused
+    (exit 3, the store in use) before it serves anything: nothing to sign, so no shutdown
+    checkpoint goes into its audit file."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    cfg = json.load(open(px.config_path))
+    other = tempfile.mkdtemp(prefix="detproxy-store-")
+    cfg["log"]["audit_path"] = os.path.join(other, "own.jsonl")
+    cfg["log"]["audit_store"] = px.store
+    cfg["log"]["audit_signing_key"] = os.path.join(px.dir, cfg["log"]["audit_signing_key"])
+    try:
+        start_proxy(config=cfg, directory=other, timeout=5)
+        assert False, "a second instance started on a store in use"
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 (refusing to start is the expected behaviour)
+        assert "in use by another detproxy" in str(e), e
+    own = cfg["log"]["audit_path"]
+    assert not os.path.exists(own) or os.path.getsize(own) == 0, open(own).read()
+    complete(px, "b")
+    px.stop()
 
 
 def hup(px):
