@@ -62,7 +62,8 @@ struct uconn_s {
     bool head_done, msg_done;
     bool no_body, close_delimited;
     bool head_request;
-    bool req_ended; /* the caller has handed us every request byte */
+    bool req_ended;    /* the caller has handed us every request byte */
+    uint64_t req_from; /* sock.handed before the request's first byte (0 on a new connection) */
     bool paused;
     bool connected;
     bool held;                 /* connected, request bytes kept back until net_creq_release */
@@ -650,9 +651,19 @@ static void sock_error(net_sock_t *s, int status)
         return;
     }
     if (!q->pub.response_started) {
-        bool sent = c->req_ended && c->sock.queued == 0;
-        if (q->pub.reused)
-            uconn_fail(c, NET_UP_REUSED_CLOSED, "reused connection closed before the response");
+        /* Whether the replica can have begun the request decides whether it may be sent
+         * again (docs/requests.md, "Retries"): its TCP acknowledged none of it (a pooled
+         * connection it had closed as the request went out: the keep-alive race), or not all
+         * of it (a server reads a request whole before it acts on it), and it cannot have.
+         * All of it acknowledged and then a close, and it may be running it still (an engine
+         * behind a proxy that cut only this side): a second copy would be a second
+         * generation, on a single-sequence pool beside the first. */
+        uint64_t took = net_sock_acked_since(&c->sock, c->req_from);
+        bool sent = c->req_ended && c->sock.queued == 0 && !c->sock.in_batch &&
+                    took >= c->sock.handed - c->req_from;
+        if (q->pub.reused && took == 0)
+            uconn_fail(c, NET_UP_REUSED_CLOSED,
+                       "reused connection closed before it took the request");
         else if (!sent)
             uconn_fail(c, NET_UP_SEND, why);
         else
@@ -872,6 +883,7 @@ static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned 
         assert(c->phase == UC_IDLE && c->req == NULL);
         idle_remove(c);
         q->pub.reused = true;
+        c->req_from = c->sock.handed;
         c->phase = UC_HEAD;
         uconn_arm(c, u->o.first_byte_timeout_ms);
     } else {

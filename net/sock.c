@@ -8,6 +8,7 @@
 #include <sys/ioctl.h>
 
 #include "common/buf.h"
+#include "net/tcpinfo.h"
 
 /* One read buffer per thread (each event loop runs on its own thread): every read callback
  * consumes or copies its bytes before returning. */
@@ -527,6 +528,15 @@ uint64_t net_sock_last_progress(net_sock_t *s)
         s->last_write = uv_now(s->tcp.loop);
     }
     return s->last_write;
+}
+
+uint64_t net_sock_acked_since(net_sock_t *s, uint64_t from)
+{
+    uv_os_fd_t fd;
+    uint64_t acked;
+    if (uv_fileno((const uv_handle_t *)&s->tcp, &fd) != 0 || net_tcp_bytes_acked(fd, &acked) != 0)
+        return UINT64_MAX;
+    return acked > from ? acked - from : 0;
 }
 
 void net_sock_peer(net_sock_t *s, char *out, size_t n)

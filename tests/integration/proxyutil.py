@@ -380,11 +380,24 @@ def serve_replica(handle, model="m1"):
     return ls, {"name": "p", "models": [model], "replicas": [{"name": "r1", "url": url}]}
 
 
+def vanish(s):
+    """Close socket s without telling its peer: no FIN, no reset (TCP_REPAIR, which needs
+    CAP_NET_ADMIN). Its peer's next bytes meet no socket and are answered with a reset, none of
+    them acknowledged: a server's keep-alive close crossing the next request on the wire."""
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, 19, 1)  # TCP_REPAIR
+    except PermissionError as e:
+        raise AssertionError("closing a connection without a FIN (TCP_REPAIR) needs "
+                             "CAP_NET_ADMIN: run the tests as root") from e
+    s.close()
+
+
 class ScriptedUpstream:
     """A replica played by a few lines of Python on a socket (as HAProxy's reg-tests do), for
     bytes detproxy-sim cannot produce. GET /v1/models (the proxy's reachability attestation)
     is answered 200 and not recorded. Every other request is answered by
-    script(k, conn_no, req_no) -> (bytes to send, keep_open), k counting those requests.
+    script(k, conn_no, req_no) -> (bytes to send, keep_open), k counting those requests;
+    keep_open "vanish": the connection is then gone without a word (vanish).
 
     .requests: (conn_no, req_no, head bytes) per scripted request; .events: (conn_no, what)
     with what "head:<target>" as soon as a head arrives (before its body) and "closed" when
@@ -467,6 +480,10 @@ class ScriptedUpstream:
                 out, keep = self.script(k, conn_no, req_no)
                 s.sendall(out)
                 req_no += 1
+                if keep == "vanish":
+                    vanish(s)
+                    self._event(conn_no, "closed")
+                    return
                 if not keep:
                     s.close()
                     self._event(conn_no, "closed")

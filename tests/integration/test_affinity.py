@@ -5,7 +5,9 @@ x-detproxy-affinity header and detproxy_affinity_total."""
 import threading
 
 from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import metric, pool, sim_config, sim_stats, start_proxy
+from proxyutil import (ScriptedUpstream, metric, pool, sim_config, sim_stats, start_proxy,
+                       wait_all_admitted)
+from test_proxy_faults import OK_RESPONSE
 
 MODEL = "m1"
 ANY = {"tenants": [{"name": "t", "match": {"any": True}}]}
@@ -164,19 +166,33 @@ def test_the_keepalive_race_stays_with_the_keys_replica():
     # A pooled connection the replica closed need not say the replica is gone: the request is
     # routed by its key again, and waits for the re-check the close asked for (the replica may
     # be another engine now) rather than go to another replica (which might answer otherwise).
-    # Keep-alive pools are per worker: one worker, so the second request finds the first's.
-    sims, px = setup(workers=1)
+    # Keep-alive pools are per worker: one worker, so each request finds the last one's.
+    gone = set()  # replicas whose connections, once they answered, vanish without a word
+
+    def script_for(i):
+        return lambda k, conn_no, req_no: (OK_RESPONSE, "vanish" if i in gone else True)
+
+    ups = [ScriptedUpstream(script_for(i)) for i in range(3)]
+    px = start_proxy(pools=[{"name": "p", "models": [MODEL], "balance": "affinity",
+                             "replicas": [{"name": "r%d" % (i + 1),
+                                           "url": "http://127.0.0.1:%d" % u.port}
+                                          for i, u in enumerate(ups)]}],
+                     policy=ANY, attestation={"interval_ms": 600000}, workers=1)
+    wait_all_admitted(px)
     prompt = "keep-alive race"
     home = complete(px, prompt)[0]  # leaves a pooled connection to home
-    home_sim = sims[int(home[1:]) - 1]
-    sim_config(home_sim, fault="close_before_response", fault_count=1)
-    assert complete(px, prompt) == (home, "hit")
+    up = ups[int(home[1:]) - 1]
+    gone.add(int(home[1:]) - 1)
+    assert complete(px, prompt) == (home, "hit")  # over it; then it is gone
+    assert complete(px, prompt) == (home, "hit")  # meets it stale, and is routed by key again
     assert metric(px, "detproxy_upstream_errors_total", pool="p", replica=home,
                   kind="reused_closed") == 1
-    assert sim_stats(home_sim)["faults_injected"] == 1
-    # one placement each, and the second's again after the race
-    assert metric(px, "detproxy_affinity_total", pool="p", result="hit") == 3
+    assert len(up.requests) == 3 and up.requests[2][1] == 0, up.requests  # a new connection
+    # one placement each, and the third's again after the race
+    assert metric(px, "detproxy_affinity_total", pool="p", result="hit") == 4
     px.stop()
+    for u in ups:
+        u.stop()
 
 
 def test_session_key_header_then_user_then_prefix():

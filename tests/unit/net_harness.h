@@ -10,6 +10,8 @@
 #define NET_HARNESS_H
 
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -271,6 +273,20 @@ static inline void peer_conn_close(peer_conn_t *c)
         if (p->conns[i] == c)
             p->conns[i] = NULL;
     uv_close((uv_handle_t *)&c->tcp, peer_conn_closed);
+}
+
+/* Close one connection without telling the client: no FIN, no reset (TCP_REPAIR, which needs
+ * CAP_NET_ADMIN). The client's next bytes on it meet no socket and are answered with a reset,
+ * none of them acknowledged: a server's keep-alive close crossing the next request. */
+static inline void peer_conn_vanish(peer_conn_t *c)
+{
+    uv_os_fd_t fd;
+    int on = 1;
+    cr_assert_eq(uv_fileno((uv_handle_t *)&c->tcp, &fd), 0);
+    cr_assert_eq(setsockopt(fd, IPPROTO_TCP, 19 /* TCP_REPAIR */, &on, sizeof(on)), 0,
+                 "TCP_REPAIR: %s (closing without a FIN needs CAP_NET_ADMIN: run as root)",
+                 strerror(errno));
+    peer_conn_close(c);
 }
 
 static inline void peer_write(peer_conn_t *c, const char *p, size_t n)

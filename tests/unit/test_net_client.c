@@ -190,21 +190,12 @@ Test(net_client, reused_connection_closed_under_the_request_is_retryable)
     x_free(&b);
 }
 
-/* Answers the first request on each connection; closes the connection on the next, before any
- * response byte (a server that closes every reused connection without saying so). */
-static void answer_once(peer_conn_t *c, int nth)
-{
-    if (nth == 1)
-        answer_ok(c, nth);
-    else
-        peer_conn_close(c);
-}
-
-/* The others the pool holds are as stale as the one found closed: dropped with it, before the
- * callback, so the retry it invites goes over a new connection. */
+/* The others the pool holds are as stale as the one found closed (a server's keep-alive
+ * timeouts end them together): dropped with it, before the callback, so the retry it invites
+ * goes over a new connection. Here they are gone without a word, so only that drops them. */
 Test(net_client, a_reused_connection_found_closed_drops_the_other_pooled_ones)
 {
-    peer_start(&g_peer, answer_once);
+    peer_start(&g_peer, answer_ok);
     up_new(NULL);
     ex_t a[3], b, c;
     for (int i = 0; i < 3; i++)
@@ -212,6 +203,8 @@ Test(net_client, a_reused_connection_found_closed_drops_the_other_pooled_ones)
     for (int i = 0; i < 3; i++)
         x_expect(&a[i], NET_UP_OK);
     cr_assert_eq(net_client_upstream_idle(g_up), 3);
+    for (int i = 0; i < 3; i++)
+        peer_conn_vanish(g_peer.conns[i]);
     x_get(&b);
     x_expect(&b, NET_UP_REUSED_CLOSED);
     cr_assert_eq(net_client_upstream_idle(g_up), 0);
@@ -223,6 +216,31 @@ Test(net_client, a_reused_connection_found_closed_drops_the_other_pooled_ones)
         x_free(&a[i]);
     x_free(&b);
     x_free(&c);
+}
+
+/* Answers the first request on each connection; reads the next whole, then closes without a
+ * byte of answer. */
+static void answer_once(peer_conn_t *c, int nth)
+{
+    if (nth == 1)
+        answer_ok(c, nth);
+    else
+        peer_conn_close(c);
+}
+
+/* The server took the request (its TCP acknowledged all of it) before it closed: it may be
+ * working on it still, so this is not the keep-alive race and not to be sent again. */
+Test(net_client, a_reused_connection_closed_after_the_server_took_the_request_is_not_retryable)
+{
+    ex_t a, b;
+    one_pooled(&a, answer_once);
+    x_get(&b);
+    x_expect(&b, NET_UP_CLOSED);
+    cr_assert(b.reused);
+    cr_assert(!net_up_err_retryable(b.err));
+    cr_assert_eq(b.heads, 0);
+    x_free(&a);
+    x_free(&b);
 }
 
 Test(net_client, start_new_opens_a_connection_beside_a_pooled_one)
