@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "common/list.h"
 #include "common/util.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/px.h"
@@ -251,6 +252,48 @@ void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *
                         uint64_t max_ms)
 {
     net_creq_drain(c, set, max_ms, kept_slot_done, keep_slot(px, r));
+}
+
+/* px_admission_hold's: a timer that frees a kept slot, on its worker's list. */
+typedef struct hold_s {
+    uv_timer_t timer;
+    kept_slot_t *k;
+    struct hold_s *next, *prev;
+} hold_t;
+
+static _Thread_local hold_t *t_holds;
+
+static void hold_closed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void hold_end(hold_t *h)
+{
+    DP_LIST_UNLINK(t_holds, h, next, prev);
+    kept_slot_done(h->k);
+    uv_close((uv_handle_t *)&h->timer, hold_closed);
+}
+
+static void hold_due(uv_timer_t *t)
+{
+    hold_end(t->data);
+}
+
+void px_admission_hold(px_t *px, px_replica_t *r, uv_loop_t *loop, uint64_t max_ms)
+{
+    hold_t *h = dp_xcalloc(1, sizeof(*h));
+    h->k = keep_slot(px, r);
+    uv_timer_init(loop, &h->timer);
+    h->timer.data = h;
+    uv_timer_start(&h->timer, hold_due, max_ms, 0);
+    DP_LIST_PUSH(t_holds, h, next, prev);
+}
+
+void px_admission_holds_stop(void)
+{
+    while (t_holds)
+        hold_end(t_holds);
 }
 
 void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,

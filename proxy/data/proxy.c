@@ -526,6 +526,7 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail);
 static void up_on_first_byte_timeout(net_creq_t *c);
 static bool drain_abandoned(px_preq_t *q);
+static void hold_after_close(px_preq_t *q);
 static void up_on_drain(net_creq_t *c);
 
 static void up_on_connected(net_creq_t *c);
@@ -1289,6 +1290,8 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
         px_replica_unref(r);
         return;
     }
+    if (err == NET_UP_CLOSED)
+        hold_after_close(q);
     px_hooks_upstream_failed(&q->hooks, q->px, r, err);
     /* A head that has not left yet (it waits for the body's first bytes, and the failure came
      * with them) is taken back: the client is told 502 instead of getting nothing at all. */
@@ -1387,11 +1390,19 @@ static _Thread_local net_drains_t t_drains;
 
 /* Take over q's exchange and slot when its engine may still be generating an answer nobody
  * will read (see above); false when the exchange is to be cancelled. */
+/* May q's replica be generating a request nobody reads any more, on a pool that lets it run
+ * one at a time (docs/configuration.md, "Deterministic pools")? Then its slot is kept. */
+static bool keeps_abandoned(const px_preq_t *q)
+{
+    return q->replica && q->pool &&
+           (policy_pool_drains_abandoned(q->pool->cfg) ||
+            px_replica_drains_abandoned(q->replica)) &&
+           !px_worker_closing();
+}
+
 static bool drain_abandoned(px_preq_t *q)
 {
-    if (q->replica == NULL || q->pool == NULL ||
-        !(policy_pool_drains_abandoned(q->pool->cfg) || px_replica_drains_abandoned(q->replica)) ||
-        px_worker_closing() || !net_creq_sent(q->up))
+    if (!keeps_abandoned(q) || !net_creq_sent(q->up))
         return false;
     px_admission_drain(q->gen->px, q->replica, q->up, &t_drains,
                        policy_abandoned_drain_ms(&q->gen->cfg->limits));
@@ -1400,9 +1411,22 @@ static bool drain_abandoned(px_preq_t *q)
     return true;
 }
 
+/* The replica closed the connection after it took the whole request, before any answer: its
+ * engine may be generating it still (a proxy in front of it that cut only this side), and no
+ * exchange is left to say when it stops. The slot is kept as long as a drain would keep it. */
+static void hold_after_close(px_preq_t *q)
+{
+    if (!keeps_abandoned(q) || q->slot_drained)
+        return;
+    px_admission_hold(q->gen->px, q->replica, px_thread_self(q->gen->px)->loop,
+                      policy_abandoned_drain_ms(&q->gen->cfg->limits));
+    q->slot_drained = true; /* the hold frees the slot */
+}
+
 static void stop_drains(void)
 {
     net_drains_stop(&t_drains);
+    px_admission_holds_stop();
 }
 
 static void finish(px_preq_t *q)

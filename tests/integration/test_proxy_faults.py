@@ -489,6 +489,39 @@ def test_a_reused_connection_the_replica_took_the_request_on_then_closed_is_not_
     px.stop()
 
 
+def test_on_a_single_sequence_pool_the_slot_stays_held_after_the_replica_closed_on_a_request():
+    """The replica took a whole request and closed without a byte of answer: its engine may be
+    generating it still, and no exchange is left to say when it stops. On a single-sequence pool
+    the slot is kept as long as a drain would keep it (the longer of the first-byte and idle
+    timeouts), so the next request does not run beside it; then it goes on."""
+    hold_s = 1.0
+    times = {}
+
+    def script(k, conn_no, req_no):
+        times[k] = time.monotonic()
+        return (b"", False) if k == 1 else (OK_RESPONSE, True)
+
+    up = ScriptedUpstream(script)
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "manifest": {"determinism": {"mode": "single_sequence"}},
+                             "replicas": [{"name": "r1",
+                                           "url": "http://127.0.0.1:%d" % up.port}]}],
+                     attestation=QUIET, workers=ONE_WORKER,
+                     limits={"upstream_first_byte_timeout_ms": int(hold_s * 1000),
+                             "upstream_idle_timeout_ms": int(hold_s * 500)})
+    wait_all_admitted(px)
+    assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+    r = post_json(px.port, "/v1/completions", COMPLETION)  # taken, then the close
+    assert_openai_error(r, 502, "upstream_error")
+    assert upstream_errors(px, "r1", "closed") == 1
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert len(up.requests) == 3, up.requests
+    assert times[2] - times[1] >= 0.9 * hold_s, times  # not beside the one that may still run
+    px.stop()
+    up.stop()
+
+
 def answer_then_vanish(k, conn_no, req_no):
     """A replica whose every connection, once it answered, is gone without a word (no FIN, no
     `Connection: close`): every pooled connection is stale, and the next request on one meets
