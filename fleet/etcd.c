@@ -443,7 +443,7 @@ static int watch_msg(const char *p, size_t n, void *data)
         cJSON_Delete(m);
         return 1; /* an error object ("no leader") or garbage */
     }
-    int64_t compact = fleet_ej_int(r, "compact_revision", 0);
+    int64_t compact = fleet_ej_rev(r, "compact_revision");
     if (compact > 0) {
         cJSON_Delete(m);
         e->compacted = compact; /* reported once the stream is dropped (w_body) */

@@ -71,6 +71,19 @@ void fleet_ej_range_prefix(dp_buf_t *out, const char *prefix)
     dp_jw_obj_end(&w);
 }
 
+void fleet_ej_range_latest(dp_buf_t *out, const char *prefix)
+{
+    dp_jw_t w;
+    dp_jw_init(&w, out);
+    dp_jw_obj_begin(&w, NULL);
+    prefix_fields(&w, prefix);
+    dp_jw_str(&w, "limit", "1");
+    dp_jw_str(&w, "sort_order", "DESCEND");
+    dp_jw_str(&w, "sort_target", "MOD");
+    dp_jw_bool(&w, "keys_only", true);
+    dp_jw_obj_end(&w);
+}
+
 void fleet_ej_delete(dp_buf_t *out, const char *key)
 {
     dp_jw_t w;
@@ -211,9 +224,17 @@ int64_t fleet_ej_int(const cJSON *o, const char *name, int64_t def)
     return neg ? -x : x;
 }
 
+/* A revision as etcd counts them, from 1 up: anything else (negative, or so large that the
+ * next one would overflow) is not one, and reads as none (0). */
+int64_t fleet_ej_rev(const cJSON *o, const char *name)
+{
+    int64_t r = fleet_ej_int(o, name, 0);
+    return r > 0 && r < FLEET_REVISION_MAX ? r : 0;
+}
+
 int64_t fleet_ej_revision(const cJSON *res)
 {
-    return fleet_ej_int(cJSON_GetObjectItemCaseSensitive(res, "header"), "revision", 0);
+    return fleet_ej_rev(cJSON_GetObjectItemCaseSensitive(res, "header"), "revision");
 }
 
 static int b64_item(const cJSON *o, const char *name, dp_buf_t *out, bool required)
@@ -239,8 +260,8 @@ int fleet_ej_kv(const cJSON *kv, fleet_kv_t *out)
     out->key.len--;
     dp_buf_appendc(&out->value, '\0');
     out->value.len--;
-    out->mod_revision = fleet_ej_int(kv, "mod_revision", 0);
-    out->create_revision = fleet_ej_int(kv, "create_revision", 0);
+    out->mod_revision = fleet_ej_rev(kv, "mod_revision");
+    out->create_revision = fleet_ej_rev(kv, "create_revision");
     out->lease = fleet_ej_int(kv, "lease", 0);
     return 0;
 }
@@ -270,11 +291,14 @@ int fleet_ej_split_feed(fleet_ej_split_t *s, const char *p, size_t n, fleet_ej_o
         char c = p[i];
         if (s->depth == 0) {
             if (c == ' ' || c == '\n' || c == '\r' || c == '\t') {
+                if (++s->gap > s->max)
+                    return -1; /* an endless stream of nothing counts as one */
                 start = i + 1;
                 continue;
             }
             if (c != '{')
                 return -1;
+            s->gap = 0;
             s->depth = 1;
             start = i;
             continue;

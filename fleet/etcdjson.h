@@ -22,6 +22,8 @@ void fleet_ej_range_end(const char *prefix, size_t n, dp_buf_t *out);
 /* Request bodies, appended to out. lease 0: none. */
 void fleet_ej_put(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease);
 void fleet_ej_range_prefix(dp_buf_t *out, const char *prefix);
+/* The key under prefix written last (highest mod_revision), its key only. */
+void fleet_ej_range_latest(dp_buf_t *out, const char *prefix);
 void fleet_ej_delete(dp_buf_t *out, const char *key);
 /* Compare-and-set: put key only when its mod_revision is mod_rev (0: only when absent). */
 void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
@@ -38,8 +40,12 @@ void fleet_ej_auth(dp_buf_t *out, const char *user, const char *password);
 
 /* A 64-bit integer field (a JSON string of digits, or a number); def when absent or invalid. */
 int64_t fleet_ej_int(const cJSON *o, const char *name, int64_t def);
-/* header.revision of an answer (0 when absent). */
+/* Revisions above this are refused as no etcd's (their next would overflow). */
+#define FLEET_REVISION_MAX (INT64_MAX / 2)
+/* header.revision of an answer (0 when absent, or not a revision: FLEET_REVISION_MAX). */
 int64_t fleet_ej_revision(const cJSON *res);
+/* Field `name` of o as a revision (0 when absent, or not one). */
+int64_t fleet_ej_rev(const cJSON *o, const char *name);
 
 /* One key-value of an answer or an event, decoded. */
 typedef struct {
@@ -56,18 +62,20 @@ void fleet_kv_free(fleet_kv_t *kv);
 const char *fleet_ej_error(const cJSON *res);
 
 /* Cuts a stream of JSON objects (a watch, a keep-alive) into whole objects, whatever the chunk
- * boundaries; whitespace between objects is skipped. Zero-initialise, set max (the largest
- * object accepted), feed bytes. */
+ * boundaries; whitespace between objects is skipped, up to max bytes of it in a row. Zero-
+ * initialise, set max (the largest object accepted), feed bytes. */
 typedef struct {
     size_t max;
     dp_buf_t cur; /* the object being read */
+    size_t gap;   /* whitespace since the last object */
     int depth;
     bool in_str, esc;
 } fleet_ej_split_t;
 
 /* Each whole object is passed to cb (p, n valid during the call; cb returns 0 to go on, non-zero
- * to stop: returned as is). -1: an object is larger than max, or a byte outside any object is
- * not whitespace. The splitter is unusable after an error (free it). */
+ * to stop: returned as is). -1: an object, or the whitespace before one, is larger than max, or
+ * a byte outside any object is not whitespace. The splitter is unusable after an error (free it).
+ */
 typedef int (*fleet_ej_obj_cb)(const char *p, size_t n, void *data);
 int fleet_ej_split_feed(fleet_ej_split_t *s, const char *p, size_t n, fleet_ej_obj_cb cb,
                         void *data);

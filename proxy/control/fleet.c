@@ -41,6 +41,7 @@
 typedef struct {
     char *instance, *version, *listen, *admin;
     char fp[65];
+    int64_t lease; /* its instances/ key's: what it writes on its lease is its own */
     uint64_t started_ms, seen_ms;
     bool skew;
 } member_t;
@@ -84,6 +85,7 @@ enum { ST_IDLE = 0, ST_GRANT, ST_RENEW, ST_MEMBER, ST_RANGE };
 struct px_fleet_s {
     px_t *px;
     fleet_etcd_t *etcd;
+    char *name;   /* the fleet's, as started: a reload does not move it (px_fleet_reloaded) */
     char *prefix; /* "/detproxy/<name>/" */
     char *instance;
     char fp[65];
@@ -109,7 +111,12 @@ struct px_fleet_s {
     uint32_t rate_share; /* rate_limit refills run at R / this */
     uint64_t anchor_seq; /* the audit checkpoint last written to anchors/<instance> */
     char anchor_sha[65];
-    int64_t rev;     /* the fleet state read up to here */
+    int64_t rev; /* the fleet state read up to here */
+    /* The watch's liveness (watch_check): a write under the prefix the watch had not delivered
+     * when last looked (lag_rev, 0: none), since lag_ms; a look in flight. */
+    int64_t lag_rev;
+    uint64_t lag_ms;
+    bool check_busy;
     char ref_fp[65]; /* the fleet's fingerprint: most members', ties to the oldest member's */
     px_series_t *m_connected, *m_members;
     px_seqlock_t *seq; /* single_sequence engines taken in turn (NULL: no etcd client) */
@@ -149,6 +156,20 @@ static void config_fingerprint(const cfg_t *cfg, char out[65])
                                             "instance");
     char *s = cJSON_PrintUnformatted(d);
     dp_sha256_hex(s ? s : "", s ? strlen(s) : 0, out);
+    cJSON_free(s);
+    cJSON_Delete(d);
+}
+
+/* The fleet section as /admin/config shows it (empty without one). */
+static void fleet_section(const cfg_t *cfg, dp_buf_t *out)
+{
+    dp_buf_t b = {0};
+    cfg_dump_json(cfg, &b);
+    cJSON *d = cJSON_ParseWithLength(b.base, b.len);
+    dp_buf_free(&b);
+    char *s = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(d, "fleet"));
+    if (s)
+        dp_buf_appends(out, s);
     cJSON_free(s);
     cJSON_Delete(d);
 }
@@ -235,7 +256,7 @@ static void compute_skew(px_fleet_t *f)
     px_hooks_set_rate_share(f->rate_share);
 }
 
-static void member_put(px_fleet_t *f, const char *inst, const char *json)
+static void member_put(px_fleet_t *f, const char *inst, const char *json, int64_t lease)
 {
     cJSON *d = cJSON_Parse(json);
     if (!cJSON_IsObject(d)) {
@@ -260,6 +281,7 @@ static void member_put(px_fleet_t *f, const char *inst, const char *json)
     m->listen = dp_xstrdup(jstr(d, "listen") ? jstr(d, "listen") : "");
     m->admin = dp_xstrdup(jstr(d, "admin_listen") ? jstr(d, "admin_listen") : "");
     m->started_ms = juint(d, "started_ms");
+    m->lease = lease;
     m->seen_ms = dp_wall_ms();
     cJSON_Delete(d);
     if (joined && strcmp(inst, f->instance) != 0) {
@@ -690,7 +712,7 @@ static void apply_verdict_cb(px_pool_t *p, px_replica_t *r, void *arg)
 }
 
 /* A verdict key was put (json) or deleted (NULL: its publisher's lease went). */
-static void verdict_event(px_fleet_t *f, const char *rel, const char *json)
+static void verdict_event(px_fleet_t *f, const char *rel, const char *json, int64_t lease)
 {
     char *pool = NULL, *replica = NULL;
     if (!split_key(rel, "verdicts", &pool, &replica))
@@ -722,10 +744,12 @@ static void verdict_event(px_fleet_t *f, const char *rel, const char *json)
         count_event("ignored_config_skew");
         goto out;
     }
-    /* Only the replica's attester speaks for it: a live member whose duty it is, with the
-     * evidence an admission rests on. Anything else is kept (shown) but not applied. */
-    const member_t *owner = duty_owner(f, pool, replica);
-    if (member_find(f, origin) == NULL || owner == NULL || strcmp(owner->instance, origin) != 0 ||
+    /* Only the replica's attester speaks for it: a live member whose duty it is, writing on its
+     * own lease (an `origin` field anyone with write access can set; the lease is the member's),
+     * with the evidence an admission rests on. Anything else is kept (shown) but not applied. */
+    const member_t *owner = duty_owner(f, pool, replica), *from = member_find(f, origin);
+    if (from == NULL || from->lease != lease || owner == NULL ||
+        strcmp(owner->instance, origin) != 0 ||
         (st == PX_REPLICA_ADMITTED &&
          (!cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(d, "report")) ||
           jstr(d, "evidence_sha256") == NULL))) {
@@ -991,7 +1015,8 @@ void px_fleet_rollouts_json(px_t *px, const char *only, size_t only_len, dp_buf_
     dp_buf_appendc(out, '}');
 }
 
-static void member_rewrite(px_fleet_t *f);
+static void member_publish(px_fleet_t *f, fleet_etcd_cb cb);
+static void member_rewritten(const cJSON *res, const char *why, void *data);
 static bool member_value_is(px_fleet_t *f, const char *value);
 
 /* lease: the kv's lease (0: none). Member keys and verdicts live on their writer's lease: one
@@ -1007,16 +1032,16 @@ static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t 
         if (deleted || lease == 0)
             member_del(f, inst);
         else
-            member_put(f, inst, value);
+            member_put(f, inst, value, lease);
         compute_skew(f);
         /* Our own key, changed by someone else (or moved off our lease): written back. */
         if (strcmp(inst, f->instance) == 0 && f->lease != 0 && f->step == ST_IDLE &&
             (deleted || lease != f->lease || !member_value_is(f, value)))
-            member_rewrite(f);
+            member_publish(f, member_rewritten);
     } else if (strncmp(rel, "drain/", 6) == 0 || strncmp(rel, "quarantine/", 11) == 0) {
         entry_event(f, rel, deleted ? NULL : value);
     } else if (strncmp(rel, "verdicts/", 9) == 0) {
-        verdict_event(f, rel, deleted || lease == 0 ? NULL : value);
+        verdict_event(f, rel, deleted || lease == 0 ? NULL : value, lease);
     } else if (strncmp(rel, "stats/", 6) == 0 && rel[6] && !strchr(rel + 6, '/')) {
         stats_set(f, rel + 6, deleted ? NULL : value);
     } else if (strncmp(rel, "engines/", 8) == 0) {
@@ -1204,7 +1229,7 @@ static void ranged(const cJSON *res, const char *why, void *data)
         if (fleet_ej_kv(kv, &k) == 0 && k.lease != 0 &&
             strncmp(k.key.base, f->prefix, strlen(f->prefix)) == 0 &&
             strncmp(k.key.base + strlen(f->prefix), "instances/", 10) == 0)
-            member_put(f, k.key.base + strlen(f->prefix) + 10, k.value.base);
+            member_put(f, k.key.base + strlen(f->prefix) + 10, k.value.base, k.lease);
     }
     compute_skew(f);
     /* Entries after members: their origins' skew decides whether they apply. An entry that was
@@ -1288,17 +1313,29 @@ static void member_rewritten(const cJSON *res, const char *why, void *data)
     }
 }
 
-/* Someone else wrote our member key (another value, or off our lease): ours again. */
-static void member_rewrite(px_fleet_t *f)
+/* Our member key, written again with what member_value says now, on our lease. */
+static void member_publish(px_fleet_t *f, fleet_etcd_cb cb)
 {
     dp_buf_t body = {0}, key = {0}, v = {0};
     member_value(f, &v);
     dp_buf_printf(&key, "%sinstances/%s", f->prefix, f->instance);
     fleet_ej_put(&body, key.base, v.base, v.len, f->lease);
-    fleet_etcd_call(f->etcd, "/v3/kv/put", &body, member_rewritten, f);
+    fleet_etcd_call(f->etcd, "/v3/kv/put", &body, cb, f);
     dp_buf_free(&body);
     dp_buf_free(&key);
     dp_buf_free(&v);
+}
+
+/* The TTL an answer about our lease gives it, in ms: 0 when it is gone. Never more than the
+ * TTL asked for: a longer one (a hostile or broken etcd) would let this member believe it
+ * still holds its lease, and the single-sequence engines it holds, after it has lapsed. */
+static uint64_t granted_ms(const px_fleet_t *f, const cJSON *res)
+{
+    int64_t ttl = fleet_ej_int(res, "TTL", 0);
+    uint64_t asked = (uint64_t)(f->ttl_ms + 999) / 1000;
+    if (ttl <= 0)
+        return 0;
+    return ((uint64_t)ttl < asked ? (uint64_t)ttl : asked) * 1000;
 }
 
 static void step_done(const cJSON *res, const char *why, void *data)
@@ -1318,19 +1355,19 @@ static void step_done(const cJSON *res, const char *why, void *data)
     }
     if (f->step == ST_GRANT) {
         f->lease = fleet_ej_int(res, "ID", 0);
-        f->lease_until = f->call_sent_ms + (uint64_t)fleet_ej_int(res, "TTL", 0) * 1000;
+        f->lease_until = f->call_sent_ms + granted_ms(f, res);
         if (f->lease == 0) {
             fail_step(f, "granting the lease", "no lease ID in the answer");
             return;
         }
         f->step = ST_MEMBER;
     } else if (f->step == ST_RENEW) {
-        int64_t ttl = fleet_ej_int(res, "TTL", 0);
-        if (ttl <= 0) { /* it expired while we were away: a new one */
+        uint64_t ttl = granted_ms(f, res);
+        if (ttl == 0) { /* it expired while we were away: a new one */
             f->lease = 0;
             f->step = ST_GRANT;
         } else {
-            f->lease_until = f->call_sent_ms + (uint64_t)ttl * 1000;
+            f->lease_until = f->call_sent_ms + ttl;
             f->step = ST_MEMBER;
         }
     } else if (f->step == ST_MEMBER) {
@@ -1385,6 +1422,60 @@ static void connect_start(px_fleet_t *f)
     connect_step(f);
 }
 
+static void watch_checked(const cJSON *res, const char *why, void *data)
+{
+    px_fleet_t *f = data;
+    (void)why;
+    f->check_busy = false;
+    if (f->stopping || res == NULL)
+        return; /* etcd away: the keep-alive says so */
+    fleet_kv_t k = {0};
+    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(res, "kvs");
+    int64_t latest = fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &k) == 0 ? k.mod_revision : 0;
+    fleet_kv_free(&k);
+    uint64_t now = uv_now(f->px->loop);
+    if (latest <= f->rev) {
+        f->lag_rev = 0; /* the watch has delivered everything written under the prefix */
+        return;
+    }
+    if (f->lag_rev == 0 || f->rev >= f->lag_rev) {
+        f->lag_rev = latest; /* written since: the watch has until the next look */
+        f->lag_ms = now;
+        return;
+    }
+    /* A write a whole keep-alive interval old that the watch never delivered: its connection
+     * is dead without a word (a NAT or balancer that forgot the flow). The whole state is read
+     * again (what the watch missed applies now), and watched from there on a new connection. */
+    count_event("watch_stale");
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "fleet_watch_stale");
+    if (w) {
+        dp_jw_int(w, "watch_revision", f->rev);
+        dp_jw_int(w, "written_revision", f->lag_rev);
+        dp_jw_uint(w, "behind_ms", now - f->lag_ms);
+        dp_log_end(w);
+    }
+    f->lag_rev = 0;
+    if (f->step == ST_IDLE) {
+        f->step = ST_RANGE;
+        connect_step(f);
+    }
+}
+
+/* A watch has no heartbeat of its own (etcd's progress notices come every ten minutes by
+ * default), so its silence cannot tell "nothing happened" from "its connection died". With
+ * each keep-alive, the latest write under the prefix is looked up: one the watch has not
+ * delivered by the next keep-alive means the watch is gone. */
+static void watch_check(px_fleet_t *f)
+{
+    if (f->check_busy || !fleet_etcd_watching(f->etcd))
+        return;
+    f->check_busy = true;
+    dp_buf_t body = {0};
+    fleet_ej_range_latest(&body, f->prefix);
+    fleet_etcd_call(f->etcd, "/v3/kv/range", &body, watch_checked, f);
+    dp_buf_free(&body);
+}
+
 static void kept_alive(const cJSON *res, const char *why, void *data)
 {
     px_fleet_t *f = data;
@@ -1398,17 +1489,19 @@ static void kept_alive(const cJSON *res, const char *why, void *data)
         fleet_etcd_watch_kick(f->etcd);
         return;
     }
-    int64_t ttl = fleet_ej_int(res, "TTL", 0);
-    if (ttl <= 0) {
+    uint64_t ttl = granted_ms(f, res);
+    if (ttl == 0) {
         /* The lease expired (etcd was away longer than its TTL): everything again. */
         f->lease = 0;
         set_connected(f, false, "lease expired");
         connect_start(f);
         return;
     }
-    f->lease_until = f->keepalive_sent_ms + (uint64_t)ttl * 1000;
-    if (f->connected)
+    f->lease_until = f->keepalive_sent_ms + ttl;
+    if (f->connected) {
         px_seqlock_lease(f->seq, f->lease, f->lease_until);
+        watch_check(f);
+    }
 }
 
 /* The latest audit checkpoint goes to anchors/<instance> (not on the lease: evidence outlives
@@ -1475,6 +1568,7 @@ void px_fleet_start(px_t *px)
     f->m_connected = px_metrics_get("detproxy_fleet_connected", NULL);
     f->m_members = px_metrics_get("detproxy_fleet_members", NULL);
     dp_buf_t b = {0};
+    f->name = dp_xstrdup(c->name);
     dp_buf_printf(&b, "/detproxy/%s/", c->name);
     f->prefix = dp_buf_steal(&b);
     const char *colon = strrchr(c->instance, ':');
@@ -1567,6 +1661,7 @@ void px_fleet_stop(px_t *px, bool leave)
         free(f->pending[i].value);
     }
     free(f->pending);
+    free(f->name);
     free(f->prefix);
     free(f->instance);
     px_hooks_set_rate_share(1);
@@ -1722,6 +1817,55 @@ bool px_fleet_anchor(px_t *px, dp_buf_t *key, uint64_t *seq)
     return true;
 }
 
+static void member_updated(const cJSON *res, const char *why, void *data)
+{
+    px_fleet_t *f = data;
+    dp_jw_t *w = dp_log_begin(res ? DP_LOG_INFO : DP_LOG_WARN, "fleet_member_updated");
+    if (w) {
+        dp_jw_str(w, "config_fingerprint", f->fp);
+        dp_jw_bool(w, "ok", res != NULL);
+        if (res == NULL)
+            dp_jw_str(w, "error", why); /* the next registration writes it (member_value) */
+        dp_log_end(w);
+    }
+}
+
+void px_fleet_keep(px_t *px, cfg_t *old, cfg_t *cfg)
+{
+    dp_buf_t was = {0}, now = {0};
+    fleet_section(old, &was);
+    fleet_section(cfg, &now);
+    if (was.len != now.len || (was.len && memcmp(was.base, now.base, was.len) != 0)) {
+        dp_log_msg(DP_LOG_WARN, "config_warning",
+                   px->fleet ? "fleet: its settings change only with a restart: this instance "
+                               "stays in the fleet it started in, with the settings it started "
+                               "with"
+                             : "fleet: joining a fleet takes a restart");
+        /* The new generation carries the section that runs (old's is freed with it). */
+        cfg_fleet_t *t = cfg->fleet;
+        cfg->fleet = old->fleet;
+        old->fleet = t;
+    }
+    dp_buf_free(&was);
+    dp_buf_free(&now);
+}
+
+void px_fleet_reloaded(px_t *px)
+{
+    px_fleet_t *f = px->fleet;
+    if (f == NULL)
+        return;
+    /* The other members judge config skew by our fingerprint: the one of what runs now. */
+    char fp[65];
+    config_fingerprint(px->gen->cfg, fp);
+    if (strcmp(fp, f->fp) == 0)
+        return;
+    memcpy(f->fp, fp, sizeof(f->fp));
+    compute_skew(f);
+    if (f->connected && f->lease)
+        member_publish(f, member_updated);
+}
+
 void px_fleet_json(px_t *px, dp_buf_t *out)
 {
     px_fleet_t *f = px->fleet;
@@ -1733,8 +1877,7 @@ void px_fleet_json(px_t *px, dp_buf_t *out)
         dp_jw_obj_end(&w);
         return;
     }
-    const cfg_fleet_t *c = px->gen->cfg->fleet;
-    dp_jw_str(&w, "fleet", c ? c->name : NULL);
+    dp_jw_str(&w, "fleet", f->name);
     dp_jw_str(&w, "instance", f->instance);
     dp_jw_bool(&w, "connected", f->connected);
     dp_jw_str(&w, "mode", f->connected ? "fleet" : "local");
@@ -1800,13 +1943,13 @@ void px_fleet_summary(px_t *px, dp_buf_t *out)
     if (f == NULL)
         return;
     if (f->connected)
-        dp_buf_printf(out, "fleet %s as %s: connected to etcd %s; ", px->gen->cfg->fleet->name,
-                      f->instance, fleet_etcd_endpoint(f->etcd));
+        dp_buf_printf(out, "fleet %s as %s: connected to etcd %s; ", f->name, f->instance,
+                      fleet_etcd_endpoint(f->etcd));
     else
         dp_buf_printf(out,
                       "fleet %s as %s: NOT connected (%s): serving with the last fleet state "
                       "and local decisions; ",
-                      px->gen->cfg->fleet->name, f->instance, f->why);
+                      f->name, f->instance, f->why);
     dp_buf_printf(out, "%zu members:", f->nmembers);
     for (size_t i = 0; i < f->nmembers; i++)
         dp_buf_printf(out, " %s%s", f->members[i].instance,

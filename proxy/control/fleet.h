@@ -24,6 +24,12 @@
  * revoked and its keys go now; else they go when it expires. */
 void px_fleet_start(px_t *px);
 void px_fleet_stop(px_t *px, bool leave);
+/* A reload's configuration cfg, before its generation is made from it (old: the running
+ * one): a fleet section that differs takes a restart (logged), and cfg is given the running
+ * one, so /admin/config and the config fingerprint say what runs. */
+void px_fleet_keep(px_t *px, cfg_t *old, cfg_t *cfg);
+/* After a reload (px->gen the new generation): the member key says its config fingerprint. */
+void px_fleet_reloaded(px_t *px);
 
 /* An operator drained or enabled r here (POST /admin/replicas/NAME/drain|enable): the fleet
  * applies it too. */

@@ -12,6 +12,7 @@
 #include "proxy/control/reload.h"
 #include "proxy/obs/audit.h"
 #include "proxy/control/discovery.h"
+#include "proxy/control/fleet.h"
 #include "proxy/obs/otel.h"
 #include "proxy/data/shadow.h"
 #include "proxy/core/gen.h"
@@ -105,6 +106,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     addr_keep(&cfg->admin_listen, &old->admin_listen);
     bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
                        (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
+    px_fleet_keep(px, old, cfg);
     px_gen_t *prev = px->gen;
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
@@ -121,6 +123,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_discovery_sync(px);
     px_workers_publish(px);
     px_attest_sync(px);
+    px_fleet_reloaded(px);
     px_otel_sync(px);
     px_reload_tls(px);
     px_gen_unref(prev);

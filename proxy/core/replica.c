@@ -737,6 +737,8 @@ void px_replica_set_evidence(px_replica_t *r, dp_buf_t *ev)
     dp_buf_free(&r->evidence);
     if (ev && ev->len)
         r->evidence = *ev;
+    else if (ev)
+        dp_buf_free(ev); /* empty, but perhaps allocated */
     if (ev)
         memset(ev, 0, sizeof(*ev));
     memcpy(r->evidence_sha, sha, sizeof(sha));

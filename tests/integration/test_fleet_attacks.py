@@ -6,12 +6,14 @@ None of them changes what an instance serves or keeps the instances apart."""
 import base64
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 
-from harness import DETPROXY_BIN, SLOW, get_json, poll_until, post_json, run_cmd, run_tests, start_sim
-from proxyutil import pool, start_proxy
+from harness import (DETPROXY_BIN, SLOW, get_json, http, poll_until, post_json, run_cmd,
+                     run_tests, start_sim)
+from proxyutil import pool, start_proxy, write_config
 import etcdutil
 from etcdutil import b64
 
@@ -19,7 +21,7 @@ if etcdutil.ETCD is None:
     print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
     sys.exit(77)
 
-from test_fleet import MODEL, fleet, fleet_cfg, start_fleet, wait_members  # noqa: E402
+from test_fleet import MODEL, drained, fleet, fleet_cfg, start_fleet, wait_members  # noqa: E402
 
 CKPT = "a" * 64
 
@@ -78,6 +80,145 @@ def test_a_verdict_from_a_non_attester_is_not_applied():
     px.stop()
     cluster.stop()
     assert state == "rejected" and seen == {"r1"}, (state, seen)
+
+
+def test_a_verdict_in_the_attesters_name_on_another_lease_is_not_applied():
+    """`origin` is a field anyone with write access to the prefix can set: a verdict names the
+    replica's real attester but is written on a lease not that member's. It is not applied: a
+    good replica it calls rejected keeps serving everywhere."""
+    prefix = os.path.join(tempfile.mkdtemp(prefix="detproxy-fleet-attacks-"), "pipeline")
+    rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", prefix])
+    assert rc == 0, err
+    key, pub = prefix + ".key.pem", prefix + ".pub.pem"
+    cluster = etcdutil.EtcdCluster(1)
+    honest = start_sim("--model", MODEL, "--flavor", "vllm", "--framework-version", "0.6.3",
+                       "--quantization", "awq", "--dtype", "float16", "--checkpoint-sha256",
+                       CKPT, "--attest-key", key)
+    man = {"model": MODEL, "checkpoint_sha256": CKPT, "quantization": "awq", "dtype": "float16",
+           "framework": {"name": "vllm", "version": "0.6.3"}}
+    pxs = []
+    for i in range(2):
+        p = pool("p", [MODEL], [honest], manifest=man)
+        p["replicas"][0]["attest"] = {"source": "agent",
+                                      "url": "http://127.0.0.1:%d/attestation" % honest.port}
+        pxs.append(start_proxy(pools=[p], fleet=fleet_cfg(cluster, "gw-%d" % i),
+                               attestation={"interval_ms": 60000, "timeout_ms": 2000,
+                                            "require_signature": True, "trusted_keys": [pub]}))
+    wait_members(pxs, 2)
+    poll_until(lambda: all(replicas(px)["r1"]["state"] == "admitted" for px in pxs),
+               timeout=10 * SLOW, what="r1 admitted everywhere")
+    attester = {r["replica"]: r["attester"] for r in fleet(pxs[0])["attestation"]["replicas"]}["r1"]
+    other = pxs[0] if attester == "gw-1" else pxs[1]
+    lease = cluster.call("/v3/lease/grant", {"TTL": "600"})["ID"]
+    forged = {"origin": attester, "state": "rejected", "reasons": ["forged"], "fingerprint": "",
+              "canary": "unknown", "report": None, "evidence_sha256": "",
+              "at_ms": int(time.time() * 1000), "interval_ms": 60000}
+    cluster.call("/v3/kv/put", {"key": b64("/detproxy/t/verdicts/p/r1"),
+                                "value": b64(json.dumps(forged)), "lease": lease})
+
+    def last_verdict():
+        return fleet(other)["attestation"]["replicas"][0].get("last_verdict") or {}
+
+    poll_until(lambda: last_verdict().get("state") == "rejected", timeout=5 * SLOW,
+               what="the forged verdict seen")
+    assert not last_verdict()["applied"], last_verdict()
+    statuses = [post_json(other.port, "/v1/completions",
+                          {"model": MODEL, "prompt": "f%d" % i, "max_tokens": 2}).status
+                for i in range(10)]
+    state = replicas(other)["r1"]["state"]
+    for px in pxs:
+        px.stop()
+    cluster.stop()
+    assert state == "admitted" and statuses == [200] * 10, (state, statuses)
+
+
+class WatchMute(etcdutil.RequestRelay):
+    """A relay that, once muted, loses every answer on the watch connections through it, those
+    open and those to come (a NAT or balancer that forgot the flow: nothing closes), while the
+    other calls go on."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.watches, self.mute = set(), False
+
+    def step(self, c, u, head, body):
+        if head.startswith(b"POST /v3/watch"):
+            with self.lock:
+                self.watches.add(u)
+                if self.mute:
+                    self.muted.add(u)
+        return True
+
+    def silence(self):
+        with self.lock:
+            self.mute = True
+            self.muted |= self.watches
+
+
+def test_a_watch_that_falls_silent_is_noticed_and_what_it_missed_applied():
+    """The watch connection stops delivering without closing, while the lease keep-alives go
+    on. A drain another member makes is still applied here within a few keep-alive intervals:
+    the latest write under the prefix is looked up with each keep-alive, and one the watch has
+    not delivered by the next sends this member to read the whole state again."""
+    cluster = etcdutil.EtcdCluster(1)
+    relay = WatchMute(cluster.endpoints()[0])
+    sims = [start_sim("--model", MODEL) for _ in range(2)]
+    pxs = [start_proxy(pools=[pool("p", [MODEL], sims)], fleet=fleet_cfg(cluster, "gw-0")),
+           start_proxy(pools=[pool("p", [MODEL], sims)],
+                       fleet={"name": "t", "instance": "gw-1", "lease_ttl_ms": 3000,
+                              "etcd": {"endpoints": [relay.url()]}})]
+    wait_members(pxs, 2)
+    relay.silence()
+    fleet_json = fleet(pxs[1])
+    # Watch connections made from here on are muted; the one that runs is replaced by the
+    # first stale check, and its replacement is muted as well: only the state read helps.
+    r = http("POST", pxs[0].admin_port, "/admin/replicas/r1/drain?reason=mute-test")
+    assert r.status == 200, r
+    t0 = time.monotonic()
+    poll_until(lambda: drained(pxs[1], "r1"), timeout=10 * SLOW,
+               what="the drain applied behind a silent watch")
+    took = time.monotonic() - t0
+    log = pxs[1].find_logs("fleet_watch_stale")
+    for px in pxs:
+        px.stop()
+    cluster.stop()
+    assert log, "no fleet_watch_stale line"
+    assert fleet_json["connected"], fleet_json
+    print("applied after %.2f s behind a silent watch" % took)
+
+
+def test_a_reload_keeps_the_fleet_it_started_in_and_publishes_its_new_fingerprint():
+    """A reload that changes the configuration gives this member's key the new config
+    fingerprint, so the others see the skew at once. One that removes the fleet section takes
+    a restart: it says so, and /admin/fleet, /admin/config and the status page go on naming the
+    fleet that runs (the page read the removed section and the process crashed)."""
+    cluster = etcdutil.EtcdCluster(1)
+    sims = [start_sim("--model", MODEL)]
+    pxs = start_fleet(cluster, sims, n=2)
+    wait_members(pxs, 2)
+    cfg = json.load(open(pxs[1].config_path))
+    cfg["pools"][0]["max_inflight_per_replica"] = 3
+    write_config(cfg, os.path.dirname(pxs[1].config_path))
+    pxs[1].send_signal(signal.SIGHUP)
+    poll_until(lambda: [m["config_skew"] for m in fleet(pxs[0])["members"]
+                        if m["instance"] == "gw-1"] == [True], timeout=5 * SLOW,
+               what="gw-1's new fingerprint seen by gw-0")
+    del cfg["fleet"]
+    write_config(cfg, os.path.dirname(pxs[1].config_path))
+    start = len(pxs[1].logs)
+    pxs[1].send_signal(signal.SIGHUP)
+    pxs[1].wait_log("reloaded", start=start)
+    warned = [l for l in pxs[1].logs[start:] if l.get("msg") == "config_warning"]
+    page = http("GET", pxs[1].admin_port, "/")
+    running = fleet(pxs[1])
+    shown = get_json(pxs[1].admin_port, "/admin/config").get("fleet") or {}
+    for px in pxs:
+        px.stop()
+    cluster.stop()
+    assert any("restart" in l.get("detail", "") for l in warned), warned
+    assert page.status == 200, page
+    assert running["fleet"] == "t" and running["connected"], running
+    assert shown.get("name") == "t", shown
 
 
 def test_member_keys_without_a_lease_are_not_members():

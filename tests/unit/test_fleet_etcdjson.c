@@ -135,3 +135,34 @@ Test(etcdjson, splitter_refuses_oversized_and_garbage)
     fleet_ej_split_free(&sp3);
     cr_assert_eq(g.n, 0);
 }
+
+/* Whitespace between messages counts too: an endless stream of it is refused at the cap (one
+ * core spun on it, connected and error-free, before), while the cap's worth is skipped. */
+Test(etcdjson, splitter_refuses_endless_whitespace)
+{
+    fleet_ej_split_t sp = {.max = 64};
+    got_t g = {0};
+    char ws[64];
+    memset(ws, '\n', sizeof(ws));
+    cr_assert_eq(fleet_ej_split_feed(&sp, ws, sizeof(ws), collect, &g), 0);
+    cr_assert_eq(fleet_ej_split_feed(&sp, "{}", 2, collect, &g), 0);
+    cr_assert_eq(g.n, 1);
+    cr_assert_eq(fleet_ej_split_feed(&sp, ws, sizeof(ws), collect, &g), 0);
+    cr_assert_eq(fleet_ej_split_feed(&sp, " ", 1, collect, &g), -1);
+    fleet_ej_split_free(&sp);
+}
+
+/* A revision no etcd gives (negative, or so large its next overflows) reads as none. */
+Test(etcdjson, revisions_out_of_range_read_as_none)
+{
+    const char *docs[] = {"{\"header\":{\"revision\":\"9223372036854775807\"}}",
+                          "{\"header\":{\"revision\":1e30}}", "{\"header\":{\"revision\":\"-5\"}}"};
+    for (size_t i = 0; i < sizeof(docs) / sizeof(docs[0]); i++) {
+        cJSON *d = cJSON_Parse(docs[i]);
+        cr_assert_eq(fleet_ej_revision(d), 0, "%s", docs[i]);
+        cJSON_Delete(d);
+    }
+    cJSON *d = cJSON_Parse("{\"header\":{\"revision\":\"42\"}}");
+    cr_assert_eq(fleet_ej_revision(d), 42);
+    cJSON_Delete(d);
+}
