@@ -652,19 +652,25 @@ static void sock_error(net_sock_t *s, int status)
     }
     if (!q->pub.response_started) {
         /* Whether the replica can have begun the request decides whether it may be sent
-         * again (docs/requests.md, "Retries"): its TCP acknowledged none of it (a pooled
-         * connection it had closed as the request went out: the keep-alive race), or not all
-         * of it (a server reads a request whole before it acts on it), and it cannot have.
-         * All of it acknowledged and then a close, and it may be running it still (an engine
-         * behind a proxy that cut only this side): a second copy would be a second
-         * generation, on a single-sequence pool beside the first. */
-        uint64_t took = net_sock_acked_since(&c->sock, c->req_from);
-        bool sent = c->req_ended && c->sock.queued == 0 && !c->sock.in_batch &&
-                    took >= c->sock.handed - c->req_from;
-        if (q->pub.reused && took == 0)
+         * again (docs/requests.md, "Retries"). Not while some of it had not left: a server
+         * reads a request whole before it acts on it. Once all of it left, only a close with
+         * a FIN says what the replica's TCP took (the FIN carries its acknowledgement, and a
+         * server that closes with bytes unread resets instead): none of it on a reused
+         * connection is the keep-alive race (its idle timeout closed it as the request went
+         * out), some of it means the rest never arrived. A reset says nothing: a delayed
+         * acknowledgement is never sent, so a proxy in front of an engine that read it all and
+         * cut this side looks the same as a server that read nothing. Neither that, nor a
+         * request taken whole, is sent again: the engine may be running it still, and a second
+         * copy would be a second generation (on a single-sequence pool, beside the first). */
+        bool left = c->req_ended && c->sock.queued == 0 && !c->sock.in_batch;
+        uint64_t out = c->sock.handed - c->req_from; /* handed to the kernel, or queued */
+        bool none_out = out == c->sock.queued;       /* nothing reached the kernel yet */
+        uint64_t took = status == UV_EOF ? net_sock_acked_since(&c->sock, c->req_from) : 0;
+        bool fin_short = status == UV_EOF && took < out;
+        if (q->pub.reused && (none_out || (status == UV_EOF && took == 0)))
             uconn_fail(c, NET_UP_REUSED_CLOSED,
                        "reused connection closed before it took the request");
-        else if (!sent)
+        else if (!left || fin_short)
             uconn_fail(c, NET_UP_SEND, why);
         else
             uconn_fail(c, NET_UP_CLOSED, status == UV_EOF ? "closed before the response" : why);

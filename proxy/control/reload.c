@@ -48,10 +48,13 @@ static void addr_keep(cfg_addr_t *to, const cfg_addr_t *from)
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
 {
     cfg_t *old = px->gen->cfg;
-    /* Log rotation: the audit file is reopened on every reload request, valid config or not. */
-    if (px->audit)
-        px_audit_reopen(px->audit, NULL);
+    /* Log rotation: the audit file is reopened on every reload request, valid config or not;
+     * onto the new config's audit_path when that moved, in one step (reopening the old file
+     * first would close it with a checkpoint while no lock file yet names the chain's head at
+     * the new path: a crash then started the new file at genesis). */
     if (px->draining) { /* a process stops with the configuration it ran */
+        if (px->audit)
+            px_audit_reopen(px->audit, NULL);
         dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reload_ignored");
         if (w) {
             dp_jw_str(w, "trigger", why);
@@ -93,6 +96,8 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         }
         last_reload_errors(px, &errs, msg);
         cfg_errors_free(&errs);
+        if (px->audit)
+            px_audit_reopen(px->audit, NULL);
         return -1;
     }
     cfg_errors_free(&errs);
@@ -111,12 +116,12 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
     dp_log_set_level((dp_log_level_t)cfg->log.level);
-    if (audit_moved) {
-        if (px->audit && cfg->log.audit_path)
-            px_audit_reopen(px->audit, cfg->log.audit_path);
-        else if (cfg->log.audit_path)
-            px->audit = px_audit_open(px->loop, cfg->log.audit_path, NULL);
-    }
+    if (audit_moved && px->audit && cfg->log.audit_path)
+        px_audit_reopen(px->audit, cfg->log.audit_path);
+    else if (px->audit)
+        px_audit_reopen(px->audit, NULL);
+    else if (audit_moved && cfg->log.audit_path)
+        px->audit = px_audit_open(px->loop, cfg->log.audit_path, NULL);
     if (px->audit && cfg->log.audit_path)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);

@@ -380,24 +380,36 @@ def serve_replica(handle, model="m1"):
     return ls, {"name": "p", "models": [model], "replicas": [{"name": "r1", "url": url}]}
 
 
-def vanish(s):
-    """Close socket s without telling its peer: no FIN, no reset (TCP_REPAIR, which needs
-    CAP_NET_ADMIN). Its peer's next bytes meet no socket and are answered with a reset, none of
-    them acknowledged: a server's keep-alive close crossing the next request on the wire."""
+def keepalive_race(px, close, method, path, body, headers=None):
+    """The keep-alive race, made to happen: the replica closes a pooled connection (close(),
+    a FIN) just as a request for it arrives, before the proxy has seen the close. The proxy is
+    stopped (SIGSTOP) while the request arrives on a keep-alive client connection opened here
+    and then the replica's close, so it sees the request first when it runs again. Returns the
+    answer (status, headers, body) to that request."""
+    import http.client
+    import signal
+    c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=30 * SLOW)
+    c.request("GET", "/v1/models")  # answered by the proxy: the client connection is open
+    c.getresponse().read()
+    px.send_signal(signal.SIGSTOP)
     try:
-        s.setsockopt(socket.IPPROTO_TCP, 19, 1)  # TCP_REPAIR
-    except PermissionError as e:
-        raise AssertionError("closing a connection without a FIN (TCP_REPAIR) needs "
-                             "CAP_NET_ADMIN: run the tests as root") from e
-    s.close()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        c.request(method, path, body=data,
+                  headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+        close()
+    finally:
+        px.send_signal(signal.SIGCONT)
+    r = c.getresponse()
+    out = (r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    c.close()
+    return out
 
 
 class ScriptedUpstream:
     """A replica played by a few lines of Python on a socket (as HAProxy's reg-tests do), for
     bytes detproxy-sim cannot produce. GET /v1/models (the proxy's reachability attestation)
     is answered 200 and not recorded. Every other request is answered by
-    script(k, conn_no, req_no) -> (bytes to send, keep_open), k counting those requests;
-    keep_open "vanish": the connection is then gone without a word (vanish).
+    script(k, conn_no, req_no) -> (bytes to send, keep_open), k counting those requests.
 
     .requests: (conn_no, req_no, head bytes) per scripted request; .events: (conn_no, what)
     with what "head:<target>" as soon as a head arrives (before its body) and "closed" when
@@ -480,16 +492,23 @@ class ScriptedUpstream:
                 out, keep = self.script(k, conn_no, req_no)
                 s.sendall(out)
                 req_no += 1
-                if keep == "vanish":
-                    vanish(s)
-                    self._event(conn_no, "closed")
-                    return
                 if not keep:
                     s.close()
                     self._event(conn_no, "closed")
                     return
         except OSError:
             self._event(conn_no, "closed")
+
+    def close_conn(self, conn_no):
+        """Close connection conn_no now, as a server's idle timeout does (a FIN; nothing unread
+        is left to turn it into a reset)."""
+        with self.lock:
+            s = self.socks[conn_no]
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
 
     def peer_closed(self, conn_no):
         """True once the proxy closed connection conn_no, even if this side reads nothing:
