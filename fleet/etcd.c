@@ -520,7 +520,22 @@ static void w_body(net_creq_t *r, const char *p, size_t n)
         }
         return;
     }
-    watch_lost(e, rc < 0 ? "watch message malformed or over the size cap" : "watch canceled");
+    if (rc < 0) {
+        /* A message it cannot read (over the cap: a batch of large writes missed while away,
+         * or garbage) would come again from the same revision at every reconnect: the owner
+         * reads the prefix instead and watches from there, as after a compaction. */
+        bool was = e->wcreated;
+        e->wactive = e->wcreated = false;
+        fleet_ej_split_free(&e->split);
+        memset(&e->split, 0, sizeof(e->split));
+        e->split.max = e->max;
+        if (was && e->wcb.on_link)
+            e->wcb.on_link(e->wdata, "watch message malformed or over the size cap");
+        if (e->wcb.on_compacted)
+            e->wcb.on_compacted(e->wdata, 0);
+        return;
+    }
+    watch_lost(e, "watch canceled");
 }
 
 static void w_done(net_creq_t *r, net_up_err_t err, const char *detail)

@@ -66,6 +66,8 @@ typedef struct {
     void (*on_kv)(void *data, const fleet_kv_t *kv, bool deleted);
     /* Everything up to rev has been delivered (after a batch of events). */
     void (*on_rev)(void *data, int64_t rev);
+    /* The events from the watch's revision on cannot be read through it: compacted away
+     * (compact_rev), or a message it cannot read (0: over the cap, or malformed). */
     void (*on_compacted)(void *data, int64_t compact_rev);
     /* The stream went (why), or came (why NULL: the watch was created). */
     void (*on_link)(void *data, const char *why);

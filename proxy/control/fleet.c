@@ -41,7 +41,8 @@
 typedef struct {
     char *instance, *version, *listen, *admin;
     char fp[65];
-    int64_t lease; /* its instances/ key's: what it writes on its lease is its own */
+    int64_t lease;           /* its instances/ key's: what it writes on its lease is its own */
+    uint64_t lease_moved_ms; /* when its key last moved to another lease while it lived */
     uint64_t started_ms, seen_ms;
     bool skew;
 } member_t;
@@ -265,6 +266,9 @@ static void member_put(px_fleet_t *f, const char *inst, const char *json, int64_
     }
     member_t *m = member_find(f, inst);
     bool joined = m == NULL;
+    /* A live member's key moved to another lease: a restart of that instance before its old
+     * lease expired, or someone else writing its key (whom the member writes back). */
+    uint64_t moved = m && m->lease != lease ? uv_now(f->px->loop) : m ? m->lease_moved_ms : 0;
     if (m == NULL) {
         f->members = dp_xrealloc(f->members, (f->nmembers + 1) * sizeof(*f->members));
         m = &f->members[f->nmembers++];
@@ -282,6 +286,7 @@ static void member_put(px_fleet_t *f, const char *inst, const char *json, int64_
     m->admin = dp_xstrdup(jstr(d, "admin_listen") ? jstr(d, "admin_listen") : "");
     m->started_ms = juint(d, "started_ms");
     m->lease = lease;
+    m->lease_moved_ms = moved;
     m->seen_ms = dp_wall_ms();
     cJSON_Delete(d);
     if (joined && strcmp(inst, f->instance) != 0) {
@@ -712,6 +717,15 @@ static void apply_verdict_cb(px_pool_t *p, px_replica_t *r, void *arg)
 }
 
 /* A verdict key was put (json) or deleted (NULL: its publisher's lease went). */
+/* Has m's key moved to another lease within a lease's time? Its verdicts wait that long: a
+ * writer that puts a copy of a member's key on its own lease, with a verdict in the member's
+ * name beside it, has the key taken back at once (member_publish), but not before the others
+ * read both. Meanwhile its replicas are checked locally when their verdicts fall overdue. */
+static bool lease_unsettled(const px_fleet_t *f, const member_t *m)
+{
+    return m->lease_moved_ms && uv_now(f->px->loop) - m->lease_moved_ms < f->ttl_ms;
+}
+
 static void verdict_event(px_fleet_t *f, const char *rel, const char *json, int64_t lease)
 {
     char *pool = NULL, *replica = NULL;
@@ -748,7 +762,7 @@ static void verdict_event(px_fleet_t *f, const char *rel, const char *json, int6
      * own lease (an `origin` field anyone with write access can set; the lease is the member's),
      * with the evidence an admission rests on. Anything else is kept (shown) but not applied. */
     const member_t *owner = duty_owner(f, pool, replica), *from = member_find(f, origin);
-    if (from == NULL || from->lease != lease || owner == NULL ||
+    if (from == NULL || from->lease != lease || lease_unsettled(f, from) || owner == NULL ||
         strcmp(owner->instance, origin) != 0 ||
         (st == PX_REPLICA_ADMITTED &&
          (!cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(d, "report")) ||
@@ -1174,10 +1188,16 @@ static void w_rev(void *data, int64_t rev)
 static void w_compacted(void *data, int64_t rev)
 {
     px_fleet_t *f = data;
-    count_event("compacted");
-    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "fleet_watch_compacted");
+    count_event(rev ? "compacted" : "watch_unreadable");
+    dp_jw_t *w =
+        dp_log_begin(DP_LOG_WARN, rev ? "fleet_watch_compacted" : "fleet_watch_unreadable");
     if (w) {
-        dp_jw_int(w, "compact_revision", rev);
+        if (rev)
+            dp_jw_int(w, "compact_revision", rev);
+        else
+            dp_jw_str(w, "detail",
+                      "a watch message over the size cap or malformed: the state is "
+                      "read again and watched from there");
         dp_log_end(w);
     }
     /* Events were lost: read the whole state again, then watch from there. */
@@ -1213,7 +1233,12 @@ static void ranged(const cJSON *res, const char *why, void *data)
     }
     /* The whole state: what is absent now was deleted while we were away. */
     int64_t rev = fleet_ej_revision(res);
-    members_clear(f);
+    /* The members are read anew, but a key that moved to another lease meanwhile has moved
+     * (lease_unsettled): the leases they had are kept to compare. */
+    size_t nwas = f->nmembers;
+    member_t *was = f->members;
+    f->members = NULL;
+    f->nmembers = 0;
     verdicts_clear(f);
     stats_clear(f);
     free(f->stats_sent); /* written again on the next tick (a new lease, maybe) */
@@ -1231,6 +1256,14 @@ static void ranged(const cJSON *res, const char *why, void *data)
             strncmp(k.key.base + strlen(f->prefix), "instances/", 10) == 0)
             member_put(f, k.key.base + strlen(f->prefix) + 10, k.value.base, k.lease);
     }
+    for (size_t i = 0; i < nwas; i++) {
+        member_t *m = member_find(f, was[i].instance);
+        if (m)
+            m->lease_moved_ms =
+                m->lease != was[i].lease ? uv_now(f->px->loop) : was[i].lease_moved_ms;
+        member_clear(&was[i]);
+    }
+    free(was);
     compute_skew(f);
     /* Entries after members: their origins' skew decides whether they apply. An entry that was
      * applied and is gone now is lifted. An engine key on our lease is ours again. */
@@ -1467,7 +1500,9 @@ static void watch_checked(const cJSON *res, const char *why, void *data)
  * delivered by the next keep-alive means the watch is gone. */
 static void watch_check(px_fleet_t *f)
 {
-    if (f->check_busy || !fleet_etcd_watching(f->etcd))
+    /* Whether or not the watch is up: one that keeps failing to come back misses writes as
+     * surely as a silent one. */
+    if (f->check_busy || f->step != ST_IDLE)
         return;
     f->check_busy = true;
     dp_buf_t body = {0};

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -82,10 +83,11 @@ def test_a_verdict_from_a_non_attester_is_not_applied():
     assert state == "rejected" and seen == {"r1"}, (state, seen)
 
 
-def test_a_verdict_in_the_attesters_name_on_another_lease_is_not_applied():
-    """`origin` is a field anyone with write access to the prefix can set: a verdict names the
-    replica's real attester but is written on a lease not that member's. It is not applied: a
-    good replica it calls rejected keeps serving everywhere."""
+def forged_verdict_is_not_applied(with_member_key):
+    """A good replica r1, admitted by two members; a writer with access to the prefix puts,
+    on a lease of its own, a verdict rejecting r1 in the name of r1's real attester, and with
+    with_member_key a copy of that attester's member key beside it in one transaction. The
+    other member sees the verdict and does not apply it: r1 keeps serving."""
     prefix = os.path.join(tempfile.mkdtemp(prefix="detproxy-fleet-attacks-"), "pipeline")
     rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out", prefix])
     assert rc == 0, err
@@ -113,15 +115,19 @@ def test_a_verdict_in_the_attesters_name_on_another_lease_is_not_applied():
     forged = {"origin": attester, "state": "rejected", "reasons": ["forged"], "fingerprint": "",
               "canary": "unknown", "report": None, "evidence_sha256": "",
               "at_ms": int(time.time() * 1000), "interval_ms": 60000}
-    cluster.call("/v3/kv/put", {"key": b64("/detproxy/t/verdicts/p/r1"),
-                                "value": b64(json.dumps(forged)), "lease": lease})
+    puts = [("/detproxy/t/verdicts/p/r1", json.dumps(forged))]
+    if with_member_key:
+        member = get(cluster, "/detproxy/t/instances/" + attester)
+        puts.insert(0, ("/detproxy/t/instances/" + attester, base64_value(member)))
+    cluster.call("/v3/kv/txn", {"success": [
+        {"request_put": {"key": b64(k), "value": b64(v), "lease": lease}} for k, v in puts]})
 
     def last_verdict():
         return fleet(other)["attestation"]["replicas"][0].get("last_verdict") or {}
 
     poll_until(lambda: last_verdict().get("state") == "rejected", timeout=5 * SLOW,
                what="the forged verdict seen")
-    assert not last_verdict()["applied"], last_verdict()
+    applied = last_verdict()["applied"]
     statuses = [post_json(other.port, "/v1/completions",
                           {"model": MODEL, "prompt": "f%d" % i, "max_tokens": 2}).status
                 for i in range(10)]
@@ -129,7 +135,18 @@ def test_a_verdict_in_the_attesters_name_on_another_lease_is_not_applied():
     for px in pxs:
         px.stop()
     cluster.stop()
-    assert state == "admitted" and statuses == [200] * 10, (state, statuses)
+    assert not applied and state == "admitted" and statuses == [200] * 10, \
+        (applied, state, statuses)
+
+
+def test_a_verdict_in_the_attesters_name_on_another_lease_is_not_applied():
+    forged_verdict_is_not_applied(with_member_key=False)
+
+
+def test_nor_with_a_copy_of_the_attesters_member_key_on_that_lease():
+    """The member key moved to another lease is unsettled for a lease's time: verdicts in its
+    name wait, and the member writes its key back meanwhile."""
+    forged_verdict_is_not_applied(with_member_key=True)
 
 
 class WatchMute(etcdutil.RequestRelay):
@@ -139,12 +156,12 @@ class WatchMute(etcdutil.RequestRelay):
 
     def __init__(self, url):
         super().__init__(url)
-        self.watches, self.mute = set(), False
+        self.watches, self.mute = {}, False
 
     def step(self, c, u, head, body):
         if head.startswith(b"POST /v3/watch"):
             with self.lock:
-                self.watches.add(u)
+                self.watches[u] = c
                 if self.mute:
                     self.muted.add(u)
         return True
@@ -152,7 +169,21 @@ class WatchMute(etcdutil.RequestRelay):
     def silence(self):
         with self.lock:
             self.mute = True
-            self.muted |= self.watches
+            self.muted |= set(self.watches)
+
+    def cut(self):
+        """Unmute, and close the watch connections (the proxy's watch reconnects from the
+        revision after the last it read)."""
+        with self.lock:
+            self.mute = False
+            self.muted.clear()
+            pairs, self.watches = list(self.watches.items()), {}
+        for u, c in pairs:
+            for x in (c, u):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 def test_a_watch_that_falls_silent_is_noticed_and_what_it_missed_applied():
@@ -185,6 +216,35 @@ def test_a_watch_that_falls_silent_is_noticed_and_what_it_missed_applied():
     assert log, "no fleet_watch_stale line"
     assert fleet_json["connected"], fleet_json
     print("applied after %.2f s behind a silent watch" % took)
+
+
+def test_a_watch_batch_over_the_cap_is_skipped_by_reading_the_state_again():
+    """While a member's watch is away, a writer puts more than the 4 MiB a watch message may
+    hold under the prefix; the watch comes back from before it, and etcd sends it all in one
+    message. Read from the same revision, it would be refused at every reconnect (and the
+    member would see nothing more); the member reads the whole state instead and watches from
+    there: a drain made after the batch applies."""
+    cluster = etcdutil.EtcdCluster(1)
+    relay = WatchMute(cluster.endpoints()[0])
+    sims = [start_sim("--model", MODEL) for _ in range(2)]
+    pxs = [start_proxy(pools=[pool("p", [MODEL], sims)], fleet=fleet_cfg(cluster, "gw-0")),
+           start_proxy(pools=[pool("p", [MODEL], sims)],
+                       fleet={"name": "t", "instance": "gw-1", "lease_ttl_ms": 30000,
+                              "etcd": {"endpoints": [relay.url()]}})]
+    wait_members(pxs, 2)
+    relay.silence()
+    for i in range(4):
+        put(cluster, "/detproxy/t/junk/%d" % i, "x" * (1200 * 1024))
+    r = http("POST", pxs[0].admin_port, "/admin/replicas/r1/drain?reason=after-the-batch")
+    assert r.status == 200, r
+    start = len(pxs[1].logs)
+    relay.cut()
+    pxs[1].wait_log("fleet_watch_unreadable", start=start, timeout=10 * SLOW)
+    poll_until(lambda: drained(pxs[1], "r1"), timeout=5 * SLOW,
+               what="the drain applied after the state was read again")
+    for px in pxs:
+        px.stop()
+    cluster.stop()
 
 
 def test_a_reload_keeps_the_fleet_it_started_in_and_publishes_its_new_fingerprint():
