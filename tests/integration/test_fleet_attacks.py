@@ -186,20 +186,27 @@ class WatchMute(etcdutil.RequestRelay):
                     pass
 
 
-def test_a_watch_that_falls_silent_is_noticed_and_what_it_missed_applied():
-    """The watch connection stops delivering without closing, while the lease keep-alives go
-    on. A drain another member makes is still applied here within a few keep-alive intervals:
-    the latest write under the prefix is looked up with each keep-alive, and one the watch has
-    not delivered by the next sends this member to read the whole state again."""
+def behind_a_relay(ttl_ms):
+    """Two members over two replicas, gw-1 reaching etcd through a WatchMute relay, its
+    watch silenced once both see each other."""
     cluster = etcdutil.EtcdCluster(1)
     relay = WatchMute(cluster.endpoints()[0])
     sims = [start_sim("--model", MODEL) for _ in range(2)]
     pxs = [start_proxy(pools=[pool("p", [MODEL], sims)], fleet=fleet_cfg(cluster, "gw-0")),
            start_proxy(pools=[pool("p", [MODEL], sims)],
-                       fleet={"name": "t", "instance": "gw-1", "lease_ttl_ms": 3000,
+                       fleet={"name": "t", "instance": "gw-1", "lease_ttl_ms": ttl_ms,
                               "etcd": {"endpoints": [relay.url()]}})]
     wait_members(pxs, 2)
     relay.silence()
+    return cluster, relay, pxs
+
+
+def test_a_watch_that_falls_silent_is_noticed_and_what_it_missed_applied():
+    """The watch connection stops delivering without closing, while the lease keep-alives go
+    on. A drain another member makes is still applied here within a few keep-alive intervals:
+    the latest write under the prefix is looked up with each keep-alive, and one the watch has
+    not delivered by the next sends this member to read the whole state again."""
+    cluster, relay, pxs = behind_a_relay(3000)
     fleet_json = fleet(pxs[1])
     # Watch connections made from here on are muted; the one that runs is replaced by the
     # first stale check, and its replacement is muted as well: only the state read helps.
@@ -224,15 +231,7 @@ def test_a_watch_batch_over_the_cap_is_skipped_by_reading_the_state_again():
     message. Read from the same revision, it would be refused at every reconnect (and the
     member would see nothing more); the member reads the whole state instead and watches from
     there: a drain made after the batch applies."""
-    cluster = etcdutil.EtcdCluster(1)
-    relay = WatchMute(cluster.endpoints()[0])
-    sims = [start_sim("--model", MODEL) for _ in range(2)]
-    pxs = [start_proxy(pools=[pool("p", [MODEL], sims)], fleet=fleet_cfg(cluster, "gw-0")),
-           start_proxy(pools=[pool("p", [MODEL], sims)],
-                       fleet={"name": "t", "instance": "gw-1", "lease_ttl_ms": 30000,
-                              "etcd": {"endpoints": [relay.url()]}})]
-    wait_members(pxs, 2)
-    relay.silence()
+    cluster, relay, pxs = behind_a_relay(30000)
     for i in range(4):
         put(cluster, "/detproxy/t/junk/%d" % i, "x" * (1200 * 1024))
     r = http("POST", pxs[0].admin_port, "/admin/replicas/r1/drain?reason=after-the-batch")
