@@ -260,7 +260,12 @@ static void compute_skew(px_fleet_t *f)
 static void member_put(px_fleet_t *f, const char *inst, const char *json, int64_t lease)
 {
     cJSON *d = cJSON_Parse(json);
-    if (!cJSON_IsObject(d)) {
+    const char *fpv = jstr(d, "config_fingerprint");
+    if (!cJSON_IsObject(d) || fpv == NULL || strlen(fpv) != 64 ||
+        strspn(fpv, "0123456789abcdef") != 64 || juint(d, "started_ms") == 0) {
+        /* Not what a member writes (member_value): a key that does not say which
+         * configuration it runs, or since when, would decide the fleet's fingerprint (a tie
+         * goes to the earliest start) and put every member in config skew. */
         cJSON_Delete(d);
         return;
     }

@@ -301,6 +301,31 @@ def test_member_keys_without_a_lease_are_not_members():
     assert f["rate_share"] == 1 and len(f["members"]) == 1, (f["rate_share"], len(f["members"]))
 
 
+def test_a_member_key_that_does_not_say_what_it_runs_is_no_member():
+    """A key on a lease of its own under instances/ without the config fingerprint or start
+    time a member writes: it is no member, so it neither joins nor, as the earliest start,
+    decides the fleet's fingerprint and puts every real member in config skew."""
+    cluster = etcdutil.EtcdCluster(1)
+    pxs = start_fleet(cluster, [start_sim("--model", MODEL)], n=2)
+    wait_members(pxs, 2)
+    lease = cluster.call("/v3/lease/grant", {"TTL": "600"})["ID"]
+    for name, value in (("probe", {"instance": "probe"}),
+                        ("early", {"instance": "early", "config_fingerprint": "0" * 64})):
+        cluster.call("/v3/kv/put", {"key": b64("/detproxy/t/instances/" + name),
+                                    "value": b64(json.dumps(value)), "lease": lease})
+    put(cluster, "/detproxy/t/drain/p/r1", {"drained": False, "origin": "gw-0",
+                                             "reason": "a later write", "at_ms": 1})
+    poll_until(lambda: any(d["reason"] == "a later write" for d in fleet(pxs[1])["drains"]),
+               timeout=5 * SLOW, what="the writes after the keys seen")
+    views = [fleet(px) for px in pxs]
+    for px in pxs:
+        px.stop()
+    cluster.stop()
+    for v in views:
+        assert sorted(m["instance"] for m in v["members"]) == ["gw-0", "gw-1"], v["members"]
+        assert not v["config_skew"] and not any(m["config_skew"] for m in v["members"]), v
+
+
 def base64_value(kv):
     return base64.b64decode(kv["value"]).decode()
 
