@@ -105,8 +105,10 @@ static inline bool net_sock_over(const net_sock_t *s)
  * and two of them. */
 uint64_t net_sock_last_progress(net_sock_t *s);
 /* Of the bytes written after the first `from` (a value of s->handed), how many the peer's TCP
- * has acknowledged: taken into its receive buffer, where its application can read them. It
- * still says after a reset or a FIN. UINT64_MAX when the kernel cannot say (then assume all). */
+ * has acknowledged: taken into its receive buffer, where its application can read them. Still
+ * readable after the close; exact after a FIN (which carries the acknowledgement), while after
+ * a reset it may lag what the peer read (an acknowledgement delayed, then never sent).
+ * UINT64_MAX when the kernel cannot say. */
 uint64_t net_sock_acked_since(net_sock_t *s, uint64_t from);
 /* Close now (pending writes are cancelled). on_close fires once from the loop. */
 void net_sock_close(net_sock_t *s);

@@ -1388,8 +1388,6 @@ static void count_request(px_preq_t *q)
 
 static _Thread_local net_drains_t t_drains;
 
-/* Take over q's exchange and slot when its engine may still be generating an answer nobody
- * will read (see above); false when the exchange is to be cancelled. */
 /* May q's replica be generating a request nobody reads any more, on a pool that lets it run
  * one at a time (docs/configuration.md, "Deterministic pools")? Then its slot is kept. */
 static bool keeps_abandoned(const px_preq_t *q)
@@ -1400,6 +1398,8 @@ static bool keeps_abandoned(const px_preq_t *q)
            !px_worker_closing();
 }
 
+/* Take over q's exchange and slot when its engine may still be generating an answer nobody
+ * will read (see above); false when the exchange is to be cancelled. */
 static bool drain_abandoned(px_preq_t *q)
 {
     if (!keeps_abandoned(q) || !net_creq_sent(q->up))
@@ -1411,9 +1411,10 @@ static bool drain_abandoned(px_preq_t *q)
     return true;
 }
 
-/* The replica closed the connection after it took the whole request, before any answer: its
- * engine may be generating it still (a proxy in front of it that cut only this side), and no
- * exchange is left to say when it stops. The slot is kept as long as a drain would keep it. */
+/* The replica closed the connection once the whole request had left, before any answer (a
+ * reset, or a FIN after it took all of it: net/client.c, NET_UP_CLOSED): its engine may be
+ * generating it still (a proxy in front of it that cut only this side), and no exchange is
+ * left to say when it stops. The slot is kept as long as a drain would keep it. */
 static void hold_after_close(px_preq_t *q)
 {
     if (!keeps_abandoned(q) || q->slot_drained)
