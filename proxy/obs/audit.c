@@ -104,12 +104,11 @@ struct px_audit_s {
     bool w_closed;
     dp_buf_t w_out;
     int w_head_fd; /* the lock file the batch's head goes to (write_head, flush_segment) */
-    /* The newest path's lock file (lock_fd, as the batch in flight may not know it yet): the
-     * batch writes each head there too. A reopen onto another path copies the head into its
-     * new lock file under head_mu, so a line the batch in flight writes into the old file
-     * meanwhile is named by the new lock file whichever goes first. */
+    /* Orders the batch's head writes (into w_head_fd and lock_fd, the newest path's, which
+     * the batch in flight may not know yet) with a reopen's copy of the head into its new lock
+     * file and its move of lock_fd: a line the batch writes into the old file meanwhile is
+     * named by the new lock file whichever goes first. lock_fd changes only under it. */
     uv_mutex_t head_mu;
-    int head_fd;
     int w_status, w_store_status;
     const char *w_op, *w_store_op;
     uint64_t w_failed_lines, w_unstored_lines;
@@ -531,8 +530,8 @@ done:
          * cannot). */
         uv_mutex_lock(&a->head_mu);
         write_head(a->w_head_fd, c);
-        if (a->head_fd != a->w_head_fd)
-            write_head(a->head_fd, c);
+        if (a->lock_fd != a->w_head_fd)
+            write_head(a->lock_fd, c);
         uv_mutex_unlock(&a->head_mu);
         for (size_t i = from; i < to; i++)
             if (b->e[i].in_file && b->e[i].kind == E_LINE)
@@ -992,7 +991,6 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     a->fd = -1;
     a->w_lock_fd = -1;
     a->w_head_fd = -1;
-    a->head_fd = lock;
     uv_mutex_init(&a->head_mu);
     a->store_lock_fd = -1;
     a->checkpoint_lines = 1000;
@@ -1316,20 +1314,21 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         int file_lock = -1;
         /* Back onto a path whose locks are still ours (A to B to A before B's batch moved, or
          * B never opened): a lock taken again would conflict with our own. */
+        int lock = reclaim_old_locks(a, path, &file_lock);
+        bool reclaimed = lock >= 0;
         /* The new path's lock file names the chain's head from the moment it exists (the last
          * line written, which the old lock file names): a crash before the reopen's batch is
          * written then starts the new file from there, not from genesis. */
         uv_mutex_lock(&a->head_mu);
         audit_chain_t h;
         bool have = load_head(a->lock_fd, &h) == 1;
-        int lock = reclaim_old_locks(a, path, &file_lock);
-        if (lock < 0)
-            lock = lock_path(path, have ? &h : NULL, &file_lock, &why);
-        if (lock >= 0) {
-            if (have)
-                write_head(lock, &h);
-            a->head_fd = lock;
-        }
+        if (!reclaimed)
+            lock = lock_path(path, have ? &h : NULL, &file_lock, &why); /* created with it */
+        else if (have)
+            write_head(lock, &h);
+        int old = a->lock_fd;
+        if (lock >= 0)
+            a->lock_fd = lock;
         uv_mutex_unlock(&a->head_mu);
         if (lock < 0) {
             log_locked(&why);
@@ -1339,10 +1338,9 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         dp_buf_free(&why);
         /* The old path's locks stay until its file is no longer written (batch_done). */
         a->old_locks = dp_xrealloc(a->old_locks, (a->nold_locks + 2) * sizeof(int));
-        a->old_locks[a->nold_locks++] = a->lock_fd;
+        a->old_locks[a->nold_locks++] = old;
         a->old_locks[a->nold_locks++] = a->file_lock_fd;
         a->file_lock_fd = -1;
-        a->lock_fd = lock;
         set_file_lock(a, file_lock);
         free(a->path);
         a->path = dp_xstrdup(path);
