@@ -1628,6 +1628,9 @@ int agent_cmd_serve(int argc, char **argv)
         net_upstream_opts_t uo = {.connect_timeout_ms = 2000,
                                   .first_byte_timeout_ms = 5000,
                                   .idle_timeout_ms = 5000,
+                                  /* closed before the engine's own 5 s keep-alive close
+                                   * (vLLM, llama.cpp) could cross a request */
+                                  .keepalive_ms = 4000,
                                   .max_idle = 1,
                                   .write_high_water = 65536};
         a->fw.up = net_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);

@@ -61,6 +61,7 @@ static const limit_field_t limit_fields[] = {
     LIMIT(upstream_connect_timeout_ms, 2000, 1, CFG_MS_MAX),
     LIMIT(upstream_first_byte_timeout_ms, 600000, 1, CFG_MS_MAX),
     LIMIT(upstream_idle_timeout_ms, 60000, 1, CFG_MS_MAX),
+    LIMIT(upstream_keepalive_timeout_ms, 4000, 1, CFG_MS_MAX),
     LIMIT(max_inflight_body_bytes, 268435456, 1, UINT64_C(1) << 40),
     LIMIT(client_body_timeout_ms, 60000, 1, CFG_MS_MAX),
     LIMIT(max_response_rewrite_bytes, 16777216, 1, 1u << 30),

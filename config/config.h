@@ -279,6 +279,7 @@ typedef struct {
     uint32_t upstream_connect_timeout_ms;
     uint32_t upstream_first_byte_timeout_ms;
     uint32_t upstream_idle_timeout_ms;
+    uint32_t upstream_keepalive_timeout_ms;
     uint64_t max_inflight_body_bytes;
     uint32_t client_body_timeout_ms;
     uint64_t max_response_rewrite_bytes;

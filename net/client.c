@@ -416,7 +416,7 @@ static void uconn_done(uconn_t *c)
         c->phase = UC_IDLE;
         c->paused = false;
         idle_push(c);
-        uconn_arm(c, u->o.idle_timeout_ms);
+        uconn_arm(c, u->o.keepalive_ms);
         net_sock_read_start(&c->sock);
     } else {
         uconn_close(c);
@@ -769,6 +769,8 @@ static void opts_fill(net_upstream_opts_t *o, const net_upstream_opts_t *in)
         o->first_byte_timeout_ms = 600000;
     if (o->idle_timeout_ms == 0)
         o->idle_timeout_ms = 60000;
+    if (o->keepalive_ms == 0)
+        o->keepalive_ms = o->idle_timeout_ms;
     if (o->max_idle == 0)
         o->max_idle = 1024;
     if (o->write_high_water == 0)
@@ -830,6 +832,16 @@ void net_upstream_free(net_upstream_t *u)
 size_t net_client_upstream_idle(const net_upstream_t *u)
 {
     return u->nidle;
+}
+
+bool net_upstream_take_ready(net_upstream_t *u)
+{
+    /* The pool is LIFO, so the connection taken next is the newest: once it is past its
+     * keep-alive, so are those below it. Its timer closes it too, but late on a busy loop. */
+    uint64_t now = uv_now(u->loop);
+    while (u->idle && u->idle->deadline <= now)
+        uconn_close(u->idle);
+    return u->idle != NULL;
 }
 
 static uconn_t *uconn_new(net_upstream_t *u)

@@ -27,8 +27,9 @@ typedef struct net_creq_s net_creq_t;
 typedef struct {
     uint32_t connect_timeout_ms;
     uint32_t first_byte_timeout_ms;
-    uint32_t idle_timeout_ms; /* silence mid-response, or a request's bytes not taken; also how
-                               * long a pooled connection idles */
+    uint32_t idle_timeout_ms; /* silence mid-response, or a request's bytes not taken */
+    uint32_t keepalive_ms;    /* how long a pooled connection may idle before it is closed
+                               * and never reused (0: idle_timeout_ms) */
     uint32_t max_idle;        /* idle connections kept per upstream (default 1024: fewer than the
                                * requests sent to one replica at once, and a burst closes and reopens
                                * connections, each new one waiting for its identity check) */
@@ -98,6 +99,11 @@ void net_upstream_set_tls(net_upstream_t *u, struct net_tls_ctx_s *ctx, const ch
 /* Release: idle connections close now; exchanges in flight finish normally, then it is freed. */
 void net_upstream_free(net_upstream_t *u);
 size_t net_client_upstream_idle(const net_upstream_t *u);
+/* Will the next net_creq_start go over a pooled connection? Pooled connections idle for
+ * keepalive_ms or longer are closed first (never reused: an engine closes its idle keep-alive
+ * connections on its own timer, and a request sent as it does is lost in the race). Decided
+ * with the loop's time, so a net_creq_start in the same callback takes the one it found. */
+bool net_upstream_take_ready(net_upstream_t *u);
 /* Close pooled idle connections (e.g. after the replica failed attestation). */
 void net_upstream_flush_idle(net_upstream_t *u);
 /* Call cb(data) whenever the server closes (or resets) one of u's pooled idle connections:

@@ -200,6 +200,7 @@ void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
     o->connect_timeout_ms = l->upstream_connect_timeout_ms;
     o->first_byte_timeout_ms = l->upstream_first_byte_timeout_ms;
     o->idle_timeout_ms = l->upstream_idle_timeout_ms;
+    o->keepalive_ms = l->upstream_keepalive_timeout_ms;
 }
 
 void probe_attest_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)

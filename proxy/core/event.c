@@ -105,8 +105,9 @@ void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)
 
 bool px_event_pooled_ok(const px_replica_t *r, net_upstream_t *u, bool may_pool)
 {
-    return u == NULL || r->attest.source == CFG_ATTEST_NONE ||
-           (may_pool && net_client_upstream_idle(u) > 0);
+    /* Asked whatever r's attestation, so that no caller takes a connection past keep-alive. */
+    bool pooled = u != NULL && may_pool && net_upstream_take_ready(u);
+    return u == NULL || r->attest.source == CFG_ATTEST_NONE || pooled;
 }
 
 bool px_event_connection_checked(px_t *px, px_replica_t *r, uint64_t *want)

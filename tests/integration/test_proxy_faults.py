@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 
-from harness import SLOW, http, poll_until, post_json, run_tests, start_sim, wait_http
+from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim, wait_http
 from proxyutil import (ScriptedUpstream, assert_openai_error, client_requests, exchange,
                        keepalive_race, metric,
                        parse_response, pool, read_until_close, recv_queue, send_queue,
@@ -76,12 +76,12 @@ OK_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Le
                % len(OK_BODY)) + OK_BODY
 
 
-def start_scripted(script):
+def start_scripted(script, limits=None):
     up = ScriptedUpstream(script)
     px = start_proxy(pools=[{"name": "p", "models": ["m1"],
                              "replicas": [{"name": "r1",
                                            "url": "http://127.0.0.1:%d" % up.port}]}],
-                     attestation=QUIET, workers=ONE_WORKER)
+                     limits=limits, attestation=QUIET, workers=ONE_WORKER)
     return up, px
 
 
@@ -540,6 +540,32 @@ def test_the_keepalive_race_is_retried_on_a_new_connection():
     assert len(up.requests) == 2 and up.requests[1][0] != pooled and up.requests[1][1] == 0, \
         up.requests
     assert upstream_errors(px, "r1", "reused_closed") == 1
+    px.stop()
+    up.stop()
+
+
+def test_a_pooled_connection_idle_past_its_keepalive_is_closed_not_reused():
+    """detproxy closes a pooled connection once it has idled upstream_keepalive_timeout_ms,
+    before an engine's own keep-alive timeout would: so no request is ever sent on one the
+    engine may be closing (the race above). Its own close holds nothing (the replica stays
+    admitted); the next request goes over a new connection."""
+    keepalive_ms = 300
+    up, px = start_scripted(answer, limits={"upstream_keepalive_timeout_ms": keepalive_ms})
+    assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+    assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
+    t_idle = time.monotonic()
+    pooled = up.requests[-1][0]
+    assert [q[0] for q in up.requests] == [pooled, pooled], up.requests  # reused within it
+    poll_until(lambda: (pooled, "closed") in up.events, timeout=10,
+               what="detproxy closing its pooled connection at its keep-alive timeout")
+    assert time.monotonic() - t_idle >= 0.9 * keepalive_ms / 1000.0
+    replicas = {x["name"]: x for x in get_json(px.admin_port, "/admin/replicas")["replicas"]}
+    assert replicas["r1"]["state"] == "admitted", replicas["r1"]
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert r.status == 200, r
+    assert len(up.requests) == 3 and up.requests[2][0] != pooled, up.requests
+    assert upstream_errors(px, "r1", "reused_closed") == 0
+    assert upstream_errors(px, "r1", "closed") == 0
     px.stop()
     up.stop()
 

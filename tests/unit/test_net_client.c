@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "net/client.h"
 
@@ -172,6 +173,65 @@ Test(net_client, keep_alive_connection_is_pooled_and_reused)
     cr_assert_eq(g_peer.requests, 2);
     x_free(&a);
     x_free(&b);
+}
+
+/* A pooled connection idles for keepalive_ms at most, whatever idle_timeout_ms is: its timer
+ * closes it (detproxy's own close, not the server's: no on_idle_close). */
+static int g_idle_closes;
+static void count_idle_close(void *data)
+{
+    (void)data;
+    g_idle_closes++;
+}
+
+Test(net_client, pooled_connection_closes_at_its_keepalive)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(&(net_upstream_opts_t){.idle_timeout_ms = 60000, .keepalive_ms = 30});
+    g_idle_closes = 0;
+    net_upstream_on_idle_close(g_up, count_idle_close, NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    uint64_t t0 = uv_now(&g_loop);
+    RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
+    cr_assert_geq(uv_now(&g_loop) - t0, 30);
+    cr_assert_eq(g_idle_closes, 0, "closed as if the server had");
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(!b.reused);
+    cr_assert_eq(g_peer.nconns, 2);
+    x_free(&a);
+    x_free(&b);
+}
+
+/* The check a caller makes before it sends over a pooled connection goes by the clock, not by
+ * whether the loop got round to the timer: a connection past its keep-alive is closed there
+ * and the request goes over a new one. Within it, the pooled one is taken. */
+Test(net_client, take_ready_drops_a_connection_past_keepalive)
+{
+    peer_start(&g_peer, answer_ok);
+    up_new(&(net_upstream_opts_t){.keepalive_ms = 40});
+    ex_t a, b, c;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert(net_upstream_take_ready(g_up));
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(b.reused, "taken within its keep-alive");
+    usleep(60 * 1000); /* the loop does not run: its timer cannot fire */
+    uv_update_time(&g_loop);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    cr_assert(!net_upstream_take_ready(g_up));
+    cr_assert_eq(net_client_upstream_idle(g_up), 0);
+    x_get(&c);
+    x_expect(&c, NET_UP_OK);
+    cr_assert(!c.reused);
+    cr_assert_eq(g_peer.nconns, 2);
+    x_free(&a);
+    x_free(&b);
+    x_free(&c);
 }
 
 Test(net_client, reused_connection_closed_under_the_request_is_retryable)
