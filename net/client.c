@@ -72,7 +72,22 @@ struct uconn_s {
      * deferred failure), when it fires: no later than the deadline (uconn_arm). */
     uint64_t deadline, timer_due;
     bool timer_lazy;
+    /* Pooled (uv_now() ms) after a response that was chunked or not, and not to be taken
+     * before usable_at while its server's habit after chunked responses is not known. */
+    uint64_t pooled_at, usable_at;
+    bool after_chunked;
 };
+
+/* Whether a server keeps a connection open after a chunked response. Most do. llama.cpp's
+ * server closes every connection it streamed an answer on, microseconds after the last chunk,
+ * although its head said keep-alive; a request sent on it meanwhile is read and discarded, and
+ * the close that follows looks like an engine that took the request and may be running it (a
+ * 502, never sent again: docs/requests.md, "Connection reuse"). Learned per upstream from the first
+ * such connection: pooled, it is not taken for CHUNKED_SETTLE_MS; a server that closes it
+ * within that closes after streams, and such connections are closed here from then on, before
+ * anything is sent on them; one still open after it keeps them, and they are taken at once. */
+enum { CHUNKED_UNKNOWN = 0, CHUNKED_KEPT, CHUNKED_CLOSED };
+#define CHUNKED_SETTLE_MS 100
 
 struct net_upstream_s {
     uv_loop_t *loop;
@@ -88,7 +103,8 @@ struct net_upstream_s {
     char *server_name;
     void (*on_idle_close)(void *data);
     void *idle_close_data;
-    bool dead; /* the owner let go: no more pooling */
+    bool dead;             /* the owner let go: no more pooling */
+    uint8_t chunked_habit; /* CHUNKED_*: what the server does after a chunked response */
 };
 
 static const char *const err_names[NET_UP__COUNT] = {
@@ -167,6 +183,7 @@ static void idle_push(uconn_t *c)
 
 static void uconn_fail(uconn_t *c, net_up_err_t err, const char *detail);
 static void uconn_close(uconn_t *c);
+static uconn_t *pool_pick(net_upstream_t *u);
 
 static void uconn_arm(uconn_t *c, uint64_t ms);
 static void timer_cb(uv_timer_t *t);
@@ -408,14 +425,20 @@ static void uconn_done(uconn_t *c)
     creq_t *q = c->req;
     net_upstream_t *u = c->up;
     c->req = NULL;
+    bool chunked = c->framing.chunked;
     bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
                     c->nlent == 0 && c->sock.queued == 0 && c->outq.len == 0 &&
-                    llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle;
+                    llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle &&
+                    !(chunked && u->chunked_habit == CHUNKED_CLOSED);
     u->refs++;
     if (reusable) {
         c->phase = UC_IDLE;
         c->paused = false;
         idle_push(c);
+        c->pooled_at = uv_now(u->loop);
+        c->after_chunked = chunked;
+        c->usable_at =
+            chunked && u->chunked_habit == CHUNKED_UNKNOWN ? c->pooled_at + CHUNKED_SETTLE_MS : 0;
         uconn_arm(c, u->o.keepalive_ms);
         net_sock_read_start(&c->sock);
     } else {
@@ -624,6 +647,17 @@ static void sock_read(net_sock_t *s, const char *p, size_t n)
     uconn_feed(c, p, n);
 }
 
+/* The server closed c: pooled, or under the request that reused it. Soon after a chunked
+ * response, that is its habit after them (CHUNKED_SETTLE_MS). */
+static void learn_after_chunked(uconn_t *c)
+{
+    net_upstream_t *u = c->up;
+    bool since_pooled =
+        c->phase == UC_IDLE || (c->req && c->req->pub.reused && !c->req->pub.response_started);
+    if (since_pooled && c->after_chunked && uv_now(u->loop) - c->pooled_at < CHUNKED_SETTLE_MS)
+        u->chunked_habit = CHUNKED_CLOSED;
+}
+
 /* EOF or error from the socket: classify it for the retry rule. */
 static void sock_error(net_sock_t *s, int status)
 {
@@ -631,6 +665,7 @@ static void sock_error(net_sock_t *s, int status)
     /* A TLS failure after the handshake (an alert such as "certificate required" under TLS
      * 1.3) says more than "protocol error". */
     const char *why = status == UV_EPROTO ? net_sock_tls_error(s) : uv_strerror(status);
+    learn_after_chunked(c);
     if (c->phase == UC_IDLE || c->req == NULL) {
         net_upstream_t *u = c->up;
         u->refs++;      /* keep u alive across the callback */
@@ -836,12 +871,7 @@ size_t net_client_upstream_idle(const net_upstream_t *u)
 
 bool net_upstream_take_ready(net_upstream_t *u)
 {
-    /* The pool is LIFO, so the connection taken next is the newest: once it is past its
-     * keep-alive, so are those below it. Its timer closes it too, but late on a busy loop. */
-    uint64_t now = uv_now(u->loop);
-    while (u->idle && u->idle->deadline <= now)
-        uconn_close(u->idle);
-    return u->idle != NULL;
+    return pool_pick(u) != NULL;
 }
 
 static uconn_t *uconn_new(net_upstream_t *u)
@@ -881,6 +911,31 @@ static void deferred_fail_cb(uv_timer_t *t)
                                                  : "pooled connection failed");
 }
 
+/* The pooled connection a request takes now: the newest that is neither past its keep-alive
+ * (closed here: its timer closes it too, but late on a busy loop) nor still settling after a
+ * chunked response (see CHUNKED_SETTLE_MS). NULL: a new connection. */
+static uconn_t *pool_pick(net_upstream_t *u)
+{
+    uint64_t now = uv_now(u->loop);
+    uconn_t *next;
+    for (uconn_t *c = u->idle; c; c = next) {
+        next = c->next_idle;
+        if (c->deadline <= now) {
+            uconn_close(c);
+            continue;
+        }
+        if (c->usable_at > now)
+            continue;
+        if (c->usable_at) { /* open past its settling: its server keeps them */
+            c->usable_at = 0;
+            if (u->chunked_habit == CHUNKED_UNKNOWN)
+                u->chunked_habit = CHUNKED_KEPT;
+        }
+        return c;
+    }
+    return NULL;
+}
+
 static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned nbufs,
                               bool body_follows, bool head_request, const net_creq_cb_t *cb,
                               void *data, bool pooled_ok)
@@ -896,7 +951,7 @@ static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned 
     q->cb = *cb;
     q->pub.data = data;
 
-    uconn_t *c = pooled_ok ? u->idle : NULL;
+    uconn_t *c = pooled_ok ? pool_pick(u) : NULL;
     if (c) {
         assert(c->phase == UC_IDLE && c->req == NULL);
         idle_remove(c);

@@ -336,6 +336,40 @@ def test_streamed_equals_whole_and_every_chunk_carries_the_pool_fingerprint():
     px.stop()
 
 
+def test_a_request_queued_behind_a_stream_never_meets_the_close_that_ends_it():
+    """llama-server closes every connection it streamed an answer on, right after the last
+    chunk, though its head said keep-alive; a request sent on that connection meanwhile is read
+    and dropped without an answer, and its close looks like an engine that took the request (a
+    502, never sent again). On a single-sequence pool the request queued behind a stream is
+    dispatched the moment the stream ends: it must go over a new connection, never the one the
+    engine is closing (docs/requests.md, "Connection reuse"). One worker, so that it meets the
+    stream's connection; before this was handled, every run met it."""
+    px = proxy([server("a")], manifest={"quantization": "F16",
+                                        "determinism": {"mode": "single_sequence"}}, workers=1)
+    runs = 6
+    for i in range(runs):
+        opened, out = threading.Event(), {}
+
+        def stream():
+            out["events"] = [d for _, d in sse(
+                px.port, "/v1/completions",
+                {"model": MODEL, "prompt": "Once upon a time %d" % i, "max_tokens": 200,
+                 "temperature": 0, "stream": True}, on_open=lambda r: opened.set())]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert opened.wait(30 * SLOW)
+        r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "Another %d" % i,
+                                                   "max_tokens": 8, "temperature": 0})
+        t.join(60 * SLOW)
+        assert r.status == 200, (i, r.status, r.body[:300])
+        assert out.get("events", [None])[-1] == "[DONE]", out
+    errors = {k: metric(px, "detproxy_upstream_errors_total", pool="p", replica="r1", kind=k)
+              for k in ("closed", "reused_closed")}
+    assert errors == {"closed": 0, "reused_closed": 0}, errors
+    px.stop()
+
+
 def test_q8_0_replica_in_an_f16_pool_is_rejected_natively():
     t0 = time.monotonic()
     px = proxy([server("a"), server("q8", "q8_0")], manifest={"quantization": "F16"}, ready=False)

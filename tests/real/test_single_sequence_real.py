@@ -120,15 +120,7 @@ def test_a_stream_the_engine_keeps_after_its_client_left_keeps_the_slot():
         r = post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
                                                    "max_tokens": 200, "temperature": 0},
                       timeout=60)
-        # Answered, or (seen once, under ASan in CI, after the session stream's drain ran to
-        # its limit) a 502: llama.cpp read the next request whole and closed the connection
-        # without a byte of answer. detproxy does not send again a request the engine took
-        # (docs/requests.md, "Retries"): it may be running it. What is checked here is the
-        # engine running one sequence at a time, whichever way the request ended.
-        if r.status != 200:
-            err = r.json()["error"]
-            assert r.status == 502 and err["code"] == "upstream_error" and \
-                "(closed)" in err["message"], r
+        assert r.status == 200, r
         slots.settle()
         assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
     finally:

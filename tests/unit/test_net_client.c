@@ -234,6 +234,99 @@ Test(net_client, take_ready_drops_a_connection_past_keepalive)
     x_free(&c);
 }
 
+#define CHUNKED_OK "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+
+/* llama.cpp's server: keep-alive in its head, yet it closes every connection it sent a
+ * chunked answer on, right after the last chunk. */
+static void chunked_answer_then_close(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, CHUNKED_OK);
+    peer_conn_close(c);
+}
+
+static void chunked_kept(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, CHUNKED_OK);
+}
+
+/* A connection pooled after the first chunked answer is not taken at once: the next request
+ * goes over a new one instead of racing the close. Once the server closed the first soon after
+ * its answer, connections that carried a chunked answer are closed, never pooled, so no
+ * request is ever sent on one that server is closing. */
+Test(net_client, a_server_that_closes_after_chunked_answers_gets_no_request_on_those)
+{
+    peer_start(&g_peer, chunked_answer_then_close);
+    up_new(NULL);
+    ex_t a, b, c;
+    x_get(&a);
+    x_get(&b); /* waits in the same turn as a's end below: a's connection is still settling */
+    x_expect(&a, NET_UP_OK);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(!b.reused);
+    RUN_UNTIL(net_client_upstream_idle(g_up) == 0); /* the server's closes */
+    x_get(&c);
+    x_expect(&c, NET_UP_OK);
+    cr_assert(!c.reused);
+    cr_assert_eq(c.idle_at_done, 0, "a chunked answer's connection pooled again");
+    cr_assert_eq(g_peer.requests, 3);
+    x_free(&a);
+    x_free(&b);
+    x_free(&c);
+}
+
+static ex_t g_next;
+
+/* Starts the next request from a's end, the way the proxy dispatches a queued one. */
+static void x_done_then_next(net_creq_t *r, net_up_err_t err, const char *detail)
+{
+    x_done(r, err, detail);
+    x_get(&g_next);
+}
+
+Test(net_client, a_connection_settling_after_a_chunked_answer_is_not_taken_at_once)
+{
+    peer_start(&g_peer, chunked_answer_then_close);
+    up_new(NULL);
+    ex_t a;
+    memset(&a, 0, sizeof(a));
+    uv_buf_t req = uv_buf_init((char *)GET_REQ, (unsigned)strlen(GET_REQ));
+    static const net_creq_cb_t then_next = {
+        .on_head = x_head, .on_body = x_body, .on_done = x_done_then_next};
+    cr_assert_not_null(net_creq_start(g_up, &req, 1, false, false, &then_next, &a));
+    x_expect(&a, NET_UP_OK);
+    x_expect(&g_next, NET_UP_OK);
+    cr_assert(!g_next.reused, "sent on the connection its server was closing");
+    cr_assert_eq(g_peer.nconns, 2);
+    x_free(&a);
+    x_free(&g_next);
+}
+
+/* A server that keeps them: the settling ends with the connection still open, and from then on
+ * a connection is taken right after its chunked answer. */
+Test(net_client, a_server_that_keeps_connections_after_chunked_answers_has_them_reused)
+{
+    peer_start(&g_peer, chunked_kept);
+    up_new(NULL);
+    ex_t a, b, c, d;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    run_for(150);
+    x_get(&b);
+    x_expect(&b, NET_UP_OK);
+    cr_assert(b.reused, "not taken after its settling");
+    x_get(&c);
+    x_get(&d);
+    x_expect(&c, NET_UP_OK);
+    x_expect(&d, NET_UP_OK);
+    cr_assert_eq(g_peer.nconns, 2);
+    x_free(&a);
+    x_free(&b);
+    x_free(&c);
+    x_free(&d);
+}
+
 Test(net_client, reused_connection_closed_under_the_request_is_retryable)
 {
     ex_t a, b;
