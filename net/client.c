@@ -64,6 +64,10 @@ struct uconn_s {
     bool head_request;
     bool req_ended;    /* the caller has handed us every request byte */
     uint64_t req_from; /* sock.handed before the request's first byte (0 on a new connection) */
+    /* Where the request's last byte ends in the socket's count (net_sock_written), once all of
+     * it is with the socket; 0 before. Bytes the socket writes after it on its own (a TLS
+     * alert answering the server) are not the request's. */
+    uint64_t req_to;
     bool paused;
     bool connected;
     bool held;                 /* connected, request bytes kept back until net_creq_release */
@@ -697,11 +701,12 @@ static void sock_error(net_sock_t *s, int status)
          * cut this side looks the same as a server that read nothing. Neither that, nor a
          * request taken whole, is sent again: the engine may be running it still, and a second
          * copy would be a second generation (on a single-sequence pool, beside the first). */
-        bool left = c->req_ended && c->sock.queued == 0 && !c->sock.in_batch;
-        uint64_t out = c->sock.handed - c->req_from; /* handed to the kernel, or queued */
-        bool none_out = out == c->sock.queued;       /* nothing reached the kernel yet */
+        uint64_t kernel = c->sock.handed - c->sock.queued; /* in the kernel */
+        uint64_t end = c->req_to ? c->req_to : net_sock_written(&c->sock);
+        bool left = c->req_to != 0 && kernel >= c->req_to;
+        bool none_out = kernel <= c->req_from; /* nothing of it reached the kernel yet */
         uint64_t took = status == UV_EOF ? net_sock_acked_since(&c->sock, c->req_from) : 0;
-        bool fin_short = status == UV_EOF && took < out;
+        bool fin_short = status == UV_EOF && took < end - c->req_from;
         if (q->pub.reused && (none_out || (status == UV_EOF && took == 0)))
             uconn_fail(c, NET_UP_REUSED_CLOSED,
                        "reused connection closed before it took the request");
@@ -735,6 +740,14 @@ static void sock_drain(net_sock_t *s)
         c->req->cb.on_drain(&c->req->pub);
 }
 
+/* Every request byte may be with the socket now: note where they end (req_to). */
+static void note_req_sent(uconn_t *c)
+{
+    if (c->req_ended && c->req_to == 0 && c->nlent == 0 && c->outq.len == 0 && !c->held &&
+        c->phase != UC_CONNECTING)
+        c->req_to = net_sock_written(&c->sock);
+}
+
 /* The request bytes that waited for the connection (or its release) go out: 0, or the write's
  * error. */
 static int outq_send(uconn_t *c)
@@ -748,6 +761,8 @@ static int outq_send(uconn_t *c)
         r = net_sock_write(&c->sock, &b, 1);
     }
     dp_buf_free(&c->outq);
+    if (r == 0)
+        note_req_sent(c);
     return r;
 }
 
@@ -966,6 +981,7 @@ static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned 
     q->c = c;
     c->head_request = head_request;
     c->req_ended = !body_follows;
+    c->req_to = 0;
     c->paused = false;
     c->body_remaining = 0;
     memset(&c->framing, 0, sizeof(c->framing));
@@ -997,6 +1013,7 @@ static net_creq_t *creq_start(net_upstream_t *u, const uv_buf_t *bufs, unsigned 
         /* A pooled connection that died under us: the classic keep-alive race. */
         uconn_defer_fail(c, NET_UP_REUSED_CLOSED);
     } else {
+        note_req_sent(c);
         uconn_watch_send(c, false);
     }
     return &q->pub;
@@ -1044,8 +1061,10 @@ int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs)
 void net_creq_end(net_creq_t *r)
 {
     uconn_t *c = cimpl(r)->c;
-    if (c)
+    if (c) {
         c->req_ended = true;
+        note_req_sent(c);
+    }
 }
 
 void net_creq_pause(net_creq_t *r)

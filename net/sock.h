@@ -91,6 +91,11 @@ static inline bool net_sock_sending(const net_sock_t *s)
 {
     return s->queued > 0 || s->in_batch;
 }
+/* The socket's byte count once what was written so far has left (handed, plus the batch). */
+static inline uint64_t net_sock_written(const net_sock_t *s)
+{
+    return s->handed + (s->in_batch ? s->batch_len : 0);
+}
 /* True while queued bytes are above the high-water mark. */
 static inline bool net_sock_over(const net_sock_t *s)
 {

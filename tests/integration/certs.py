@@ -254,7 +254,8 @@ class TlsUpstream:
     "error" (handshake failure text), "requests" (heads received).
     GET .../v1/models is answered 200 (the proxy's reachability probe). Every other request is
     answered by script(k, conn) -> (bytes, action) with action one of "keep" (keep-alive),
-    "close" (close_notify then close), "drop" (close the TCP socket without close_notify).
+    "close" (close_notify then close), "drop" (close the TCP socket without close_notify),
+    "garbage" (a TLS record that does not decrypt, written on the TCP socket, then a FIN).
     close_each: answer every request, probes included, with Connection: close (so each request
     needs a new TLS connection: what session resumption is for).
     .stall = True: new connections are accepted and then left without a ServerHello."""
@@ -337,7 +338,11 @@ class TlsUpstream:
                 s.sendall(out)
                 if action == "keep":
                     continue
-                if action == "close":
+                if action == "garbage":  # the client fails the record and sends an alert
+                    import os
+                    os.write(s.fileno(), b"\x17\x03\x03\x00\x20" + os.urandom(32))
+                    s.close()
+                elif action == "close":
                     try:
                         s.unwrap()  # close_notify
                     except (OSError, _ssl.SSLError):

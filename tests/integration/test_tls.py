@@ -998,6 +998,27 @@ def test_a_replica_dropping_tls_mid_stream_gives_an_incomplete_response():
     up.stop()
 
 
+def test_a_record_that_does_not_decrypt_after_the_request_is_not_taken_for_a_request_cut_short():
+    """The replica reads the whole request, then a TLS record that does not decrypt arrives (a
+    corrupt record, a forged one) and the connection closes. detproxy answers the record with
+    an alert, written after the request: those bytes are not the request's, so the request
+    counts as taken whole (`closed`, 502) and is not sent again (docs/requests.md, "Retries"):
+    the engine may be running it. Counted at the replica: once."""
+    up = TlsUpstream(server_context(PKI.server), script=lambda k, c: (b"", "garbage"))
+    p = https_pool("p", [MODEL], ["https://127.0.0.1:%d" % up.port])
+    px = start_proxy(pools=[p], attestation={"interval_ms": 600000, "timeout_ms": 2000})
+    for i in range(3):
+        before = up.nreq
+        r = post_json(px.port, "/v1/completions", BODY)
+        assert r.status == 502 and r.json()["error"]["code"] == "upstream_error", r
+        assert "(closed)" in r.json()["error"]["message"], r.json()
+        assert up.nreq == before + 1, (i, up.nreq - before)
+    assert metric(px, "detproxy_upstream_errors_total", pool="p", replica="r1", kind="send") == 0
+    serving(px, tls=False)
+    px.stop()
+    up.stop()
+
+
 # ---- the attestation agent over TLS -------------------------------------------------------------
 
 
