@@ -36,7 +36,7 @@ typedef struct net_creq_impl_s {
      * (with pub.data), and when it ends at the latest (uv_now() ms). */
     net_drains_t *dset;
     struct net_creq_impl_s *dnext, *dprev;
-    void (*ddone)(void *data);
+    net_drain_done_fn ddone;
     uint64_t ddeadline;
 } creq_t;
 
@@ -124,6 +124,12 @@ const char *net_up_err_name(net_up_err_t e)
 bool net_up_err_retryable(net_up_err_t e)
 {
     return e == NET_UP_CONNECT || e == NET_UP_SEND || e == NET_UP_REUSED_CLOSED;
+}
+
+bool net_up_err_may_run(net_up_err_t e)
+{
+    return e == NET_UP_CLOSED || e == NET_UP_FIRST_BYTE_TIMEOUT || e == NET_UP_IDLE_TIMEOUT ||
+           e == NET_UP_PROTOCOL || e == NET_UP_TRUNCATED;
 }
 
 static void up_unref(net_upstream_t *u)
@@ -1125,16 +1131,18 @@ bool net_creq_sent(const net_creq_t *r)
 static void drain_done(net_creq_t *r, net_up_err_t err, const char *detail)
 {
     creq_t *q = cimpl(r);
-    (void)err, (void)detail;
+    (void)detail;
+    uint64_t now = uv_now(q->c->up->loop);
+    uint64_t left = err != NET_UP_OK && q->ddeadline > now ? q->ddeadline - now : 0;
     DP_LIST_UNLINK(q->dset->head, q, dnext, dprev);
     q->dset = NULL;
-    q->ddone(r->data);
+    q->ddone(r->data, left);
 }
 
 /* Only the end matters: the head and body are read and dropped. */
 static const net_creq_cb_t drain_cb = {.on_done = drain_done};
 
-void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data)
 {
     creq_t *q = cimpl(r);
@@ -1160,12 +1168,12 @@ void net_drains_stop(net_drains_t *set)
 {
     while (set->head) {
         creq_t *q = set->head;
-        void (*done)(void *) = q->ddone;
+        net_drain_done_fn done = q->ddone;
         void *data = q->pub.data;
         DP_LIST_UNLINK(set->head, q, dnext, dprev);
         q->dset = NULL;
         net_creq_cancel(&q->pub);
-        done(data);
+        done(data, 0);
     }
 }
 

@@ -55,6 +55,10 @@ const char *net_up_err_name(net_up_err_t e);
 /* The retry rule (docs/requests.md §2, "Retries"): only when nothing of the response was seen and
  * either the request never fully left, or a reused connection raced its keep-alive close. */
 bool net_up_err_retryable(net_up_err_t e);
+/* May the replica have begun the request, and be generating it still, when an exchange ended
+ * so? Once the whole request was taken and no whole answer came: closed, cut, unreadable or
+ * silent. Not when the request never left whole (a server reads it whole before it acts). */
+bool net_up_err_may_run(net_up_err_t e);
 
 typedef struct {
     /* Response head; headers valid only during the call. `f` gives the body framing. */
@@ -148,13 +152,19 @@ typedef struct net_drains_s {
     struct net_creq_impl_s *head;
 } net_drains_t;
 
+/* How a drain ended: left_ms 0 when its answer ended whole, it ran to its limit, or
+ * net_drains_stop ended it; else it failed (the server closed or cut it, or it went silent)
+ * with left_ms of its limit unused, and what generated the answer may be at work still. */
+typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
+
 /* Make r a drain in set: what follows of its answer is read and dropped (reading resumed if
- * it was paused), and done(data) runs exactly once, when the exchange ends or net_drains_stop
- * ends it. It ends max_ms from now at the latest (its connection closed then): its first-byte
- * timeout before that does not end it (an answer late rather than lost), silence mid-answer
- * past the idle timeout does, and so does the deadline an answer that never ends (a stream)
- * would otherwise never meet. Allowed from on_first_byte_timeout. The caller drops r. */
-void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
+ * it was paused), and done(data, left_ms) runs exactly once, when the exchange ends or
+ * net_drains_stop ends it. It ends max_ms from now at the latest (its connection closed then):
+ * its first-byte timeout before that does not end it (an answer late rather than lost),
+ * silence mid-answer past the idle timeout does, and so does the deadline an answer that never
+ * ends (a stream) would otherwise never meet. Allowed from on_first_byte_timeout. The caller
+ * drops r. */
+void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data);
 /* End every drain in set now (their connections are closed), calling each one's done. */
 void net_drains_stop(net_drains_t *set);

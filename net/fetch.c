@@ -121,7 +121,7 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     return f;
 }
 
-void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
+void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                      void *data)
 {
     assert(f->c != NULL && !f->told && !f->drained);

@@ -34,13 +34,13 @@ typedef struct {
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data);
 void net_fetch_cancel(net_fetch_t *f);
 /* Make f's exchange a drain in set (net_creq_drain, for at most max_ms): the answer is read to
- * its end and dropped, done(data) runs when it is over, and f is gone (its callback does not run
- * again). Allowed before f's callback has run, and from the callback that reports a first-byte
- * timeout (status 0, NET_UP_FIRST_BYTE_TIMEOUT, told as soon as it passes while the exchange is
- * still open). For a request the engine may go on generating after its
- * connection closes, whose slot must stay taken until it has (docs/configuration.md,
- * "Deterministic pools"). */
-void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, void (*done)(void *data),
+ * its end and dropped, done(data, left_ms) runs when it is over, and f is gone (its callback does
+ * not run again). Allowed before f's callback has run, and from the callback that reports a
+ * first-byte timeout (status 0, NET_UP_FIRST_BYTE_TIMEOUT, told as soon as it passes while the
+ * exchange is still open). For a request the engine may go on generating after its connection
+ * closes, whose slot must stay taken until it has (docs/configuration.md, "Deterministic pools").
+ */
+void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                      void *data);
 
 #endif

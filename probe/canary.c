@@ -43,6 +43,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
     probe_canary_result_t res = {.status = status};
     if (err == NET_UP_FIRST_BYTE_TIMEOUT)
         res.timed_out = f;
+    else if (status == 0 && net_up_err_may_run(err))
+        res.may_run = true;
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];
     cJSON *doc = NULL;

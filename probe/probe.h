@@ -101,6 +101,9 @@ typedef struct {
     /* The request, when it timed out: made a drain during the callback (net_fetch_drain), it
      * is kept open, else it ends when the callback returns; NULL otherwise. */
     net_fetch_t *timed_out;
+    /* Failed otherwise once the engine had the whole request, with no whole answer (closed,
+     * cut mid-answer: net_up_err_may_run): it may be generating it still. */
+    bool may_run;
 } probe_canary_result_t;
 
 typedef void (*probe_canary_cb)(const probe_canary_result_t *res, void *data);

@@ -396,12 +396,17 @@ static void engine_read_start(att_t *a)
 }
 
 static void orphan_timed_out(att_t *a, net_fetch_t *f);
+static bool orphan_may(att_t *a);
 
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
     a->canary = NULL;
     orphan_timed_out(a, res->timed_out);
+    if (res->may_run && orphan_may(a)) { /* no exchange left to read: kept for its time */
+        px_admission_hold(a->px, a->r, a->px->loop, policy_abandoned_drain_ms(&cur(a)->limits));
+        a->holds_slot = false; /* the hold frees it */
+    }
     px_replica_t *r = a->r;
     const cfg_pool_t *pc = pool_of(a->px, r);
     if (pc == NULL || pc->manifest == NULL || pc->manifest->canary == NULL) {

@@ -132,6 +132,18 @@ static bool drain_slot(relay_t *rl, net_fetch_t *f)
     return true;
 }
 
+/* The same when rl's exchange failed with the engine perhaps at work on it (closed after it
+ * took the request, cut mid-answer: net_up_err_may_run): no exchange is left to read, so the
+ * slot is kept for as long as the drain would have lasted. */
+static void hold_slot(relay_t *rl)
+{
+    px_t *px = rl->px;
+    if (!rl->holds_slot || !(rl->drains || px_replica_drains_abandoned(rl->r)) || g_stopped)
+        return;
+    px_admission_hold(px, rl->r, px->loop, policy_abandoned_drain_ms(&px->gen->cfg->limits));
+    rl->holds_slot = false;
+}
+
 static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                     const char *detail, void *data)
 {
@@ -145,6 +157,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
          * the slot may stay taken until the answer has come. */
         if (err == NET_UP_FIRST_BYTE_TIMEOUT)
             drain_slot(rl, f);
+        else if (net_up_err_may_run(err))
+            hold_slot(rl);
         relay_fail(rl, 502, "replica_error", m.base);
         dp_buf_free(&m);
         return;

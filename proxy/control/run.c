@@ -22,6 +22,7 @@
 #include "proxy/control/discovery.h"
 #include "proxy/control/fleet.h"
 #include "proxy/control/relay.h"
+#include "proxy/data/admission.h"
 #include "proxy/control/reload.h"
 #include "proxy/control/status.h"
 #include "proxy/core/gen.h"
@@ -87,6 +88,7 @@ static void finish_shutdown(px_t *px, bool clean)
     px_attest_stop(px);
     px_shadow_stop(px);
     px_relay_stop(px);
+    px_admission_holds_stop(); /* the control thread's: what its drains' failures kept */
     px_otel_stop(px);
     px_workers_join(px);        /* drained (or closed): their loops end, their threads exit */
     net_mailbox_close(&px->mb); /* nothing posts to the control thread any more */

@@ -248,13 +248,7 @@ static void kept_slot_done(void *kept)
     free(k);
 }
 
-void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *set,
-                        uint64_t max_ms)
-{
-    net_creq_drain(c, set, max_ms, kept_slot_done, keep_slot(px, r));
-}
-
-/* px_admission_hold's: a timer that frees a kept slot, on its worker's list. */
+/* px_admission_hold's: a timer that frees a kept slot, on its thread's list. */
 typedef struct hold_s {
     uv_timer_t timer;
     kept_slot_t *k;
@@ -262,6 +256,26 @@ typedef struct hold_s {
 } hold_t;
 
 static _Thread_local hold_t *t_holds;
+
+static void hold_kept(kept_slot_t *k, uv_loop_t *loop, uint64_t max_ms);
+
+/* A drain's end. One that failed before its limit (the replica closed or cut the answer, or
+ * it went silent) says nothing of the engine, which may be generating it still (a proxy in
+ * front of it cut only this side): the slot stays kept for the rest of the drain's time. */
+static void kept_slot_drained(void *kept, uint64_t left_ms)
+{
+    kept_slot_t *k = kept;
+    if (left_ms > 0)
+        hold_kept(k, px_thread_self(k->px)->loop, left_ms);
+    else
+        kept_slot_done(k);
+}
+
+void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *set,
+                        uint64_t max_ms)
+{
+    net_creq_drain(c, set, max_ms, kept_slot_drained, keep_slot(px, r));
+}
 
 static void hold_closed(uv_handle_t *h)
 {
@@ -280,14 +294,19 @@ static void hold_due(uv_timer_t *t)
     hold_end(t->data);
 }
 
-void px_admission_hold(px_t *px, px_replica_t *r, uv_loop_t *loop, uint64_t max_ms)
+static void hold_kept(kept_slot_t *k, uv_loop_t *loop, uint64_t max_ms)
 {
     hold_t *h = dp_xcalloc(1, sizeof(*h));
-    h->k = keep_slot(px, r);
+    h->k = k;
     uv_timer_init(loop, &h->timer);
     h->timer.data = h;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
     DP_LIST_PUSH(t_holds, h, next, prev);
+}
+
+void px_admission_hold(px_t *px, px_replica_t *r, uv_loop_t *loop, uint64_t max_ms)
+{
+    hold_kept(keep_slot(px, r), loop, max_ms);
 }
 
 void px_admission_holds_stop(void)
@@ -299,7 +318,7 @@ void px_admission_holds_stop(void)
 void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,
                               uint64_t max_ms)
 {
-    net_fetch_drain(f, set, max_ms, kept_slot_done, keep_slot(px, r));
+    net_fetch_drain(f, set, max_ms, kept_slot_drained, keep_slot(px, r));
 }
 
 void px_admission_dispatch_waiting(void)

@@ -1290,7 +1290,7 @@ static void up_done(px_preq_t *q, net_up_err_t err, const char *detail)
         px_replica_unref(r);
         return;
     }
-    if (err == NET_UP_CLOSED)
+    if (net_up_err_may_run(err))
         hold_after_close(q);
     px_hooks_upstream_failed(&q->hooks, q->px, r, err);
     /* A head that has not left yet (it waits for the body's first bytes, and the failure came
@@ -1411,10 +1411,11 @@ static bool drain_abandoned(px_preq_t *q)
     return true;
 }
 
-/* The replica closed the connection once the whole request had left, before any answer (a
- * reset, or a FIN after it took all of it: net/client.c, NET_UP_CLOSED): its engine may be
- * generating it still (a proxy in front of it that cut only this side), and no exchange is
- * left to say when it stops. The slot is kept as long as a drain would keep it. */
+/* The exchange failed once the replica had the whole request, with no whole answer: closed
+ * before it (a reset, or a FIN after it took all of it: net/client.c, NET_UP_CLOSED), cut or
+ * unreadable mid-answer, or silent (net_up_err_may_run). Its engine may be generating it still
+ * (a proxy in front of it that cut only this side), and no exchange is left to say when it
+ * stops. The slot is kept as long as a drain would keep it. */
 static void hold_after_close(px_preq_t *q)
 {
     if (!keeps_abandoned(q) || q->slot_drained)

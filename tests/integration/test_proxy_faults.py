@@ -490,6 +490,32 @@ def test_a_reused_connection_the_replica_took_the_request_on_then_closed_is_not_
     px.stop()
 
 
+SSE_PART = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" +
+            b"%x\r\n" % len(b'data: {"choices":[{"text":" a"}]}\n\n') +
+            b'data: {"choices":[{"text":" a"}]}\n\n\r\n')
+
+
+def open_stream(px):
+    """A streamed completion sent on a socket of its own, for a client that leaves early."""
+    c = socket.create_connection(("127.0.0.1", px.port), timeout=10 * SLOW)
+    c.sendall(request_bytes(dict(COMPLETION, stream=True)))
+    return c
+
+
+def single_sequence_scripted(script, hold_s):
+    up = ScriptedUpstream(script)
+    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
+                             "manifest": {"determinism": {"mode": "single_sequence"}},
+                             "replicas": [{"name": "r1",
+                                           "url": "http://127.0.0.1:%d" % up.port}]}],
+                     attestation=QUIET, workers=ONE_WORKER,
+                     limits={"upstream_first_byte_timeout_ms": int(hold_s * 1000),
+                             "upstream_idle_timeout_ms": int(hold_s * 1000)})
+    wait_all_admitted(px)
+    return up, px
+
+
 def test_on_a_single_sequence_pool_the_slot_stays_held_after_the_replica_closed_on_a_request():
     """The replica took a whole request and closed without a byte of answer: its engine may be
     generating it still, and no exchange is left to say when it stops. On a single-sequence pool
@@ -502,15 +528,7 @@ def test_on_a_single_sequence_pool_the_slot_stays_held_after_the_replica_closed_
         times[k] = time.monotonic()
         return (b"", False) if k == 1 else (OK_RESPONSE, True)
 
-    up = ScriptedUpstream(script)
-    px = start_proxy(pools=[{"name": "p", "models": ["m1"],
-                             "manifest": {"determinism": {"mode": "single_sequence"}},
-                             "replicas": [{"name": "r1",
-                                           "url": "http://127.0.0.1:%d" % up.port}]}],
-                     attestation=QUIET, workers=ONE_WORKER,
-                     limits={"upstream_first_byte_timeout_ms": int(hold_s * 1000),
-                             "upstream_idle_timeout_ms": int(hold_s * 500)})
-    wait_all_admitted(px)
+    up, px = single_sequence_scripted(script, hold_s)
     assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
     r = post_json(px.port, "/v1/completions", COMPLETION)  # taken, then the close
     assert_openai_error(r, 502, "upstream_error")
@@ -519,6 +537,57 @@ def test_on_a_single_sequence_pool_the_slot_stays_held_after_the_replica_closed_
     assert r.status == 200, r
     assert len(up.requests) == 3, up.requests
     assert times[2] - times[1] >= 0.9 * hold_s, times  # not beside the one that may still run
+    px.stop()
+    up.stop()
+
+
+def test_on_a_single_sequence_pool_an_answer_cut_short_keeps_the_slot():
+    """The replica starts an answer and cuts it (a FIN mid-stream): its engine may be
+    generating on, as after a close before any answer, so the slot is kept as long as a drain
+    would keep it and the next request does not run beside it."""
+    hold_s = 1.0
+    times = {}
+
+    def script(k, conn_no, req_no):
+        times[k] = time.monotonic()
+        return (SSE_PART, False) if k == 0 else (OK_RESPONSE, True)
+
+    up, px = single_sequence_scripted(script, hold_s)
+    c = open_stream(px)
+    got, closed = read_until_close(c)
+    c.close()
+    assert closed and got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n"), got
+    assert upstream_errors(px, "r1", "truncated") == 1
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert times[1] - times[0] >= 0.9 * hold_s, times
+    px.stop()
+    up.stop()
+
+
+def test_on_a_single_sequence_pool_a_drain_the_replica_cuts_keeps_the_slot():
+    """The client leaves a stream; detproxy drains the answer to keep the engine's one slot
+    until it ends. The replica (a proxy in front of the engine) then cuts the connection: that
+    says nothing of the engine, so the slot stays kept for the rest of the drain's time, and
+    the next request reaches the replica only after it."""
+    hold_s = 1.5
+    times = {}
+
+    def script(k, conn_no, req_no):
+        times[k] = time.monotonic()
+        return (SSE_PART, True) if k == 0 else (OK_RESPONSE, True)
+
+    up, px = single_sequence_scripted(script, hold_s)
+    c = open_stream(px)
+    assert c.recv(4096).startswith(b"HTTP/1.1 200")
+    t_left = time.monotonic()
+    c.close()  # the client leaves: the answer is drained
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0, timeout=5 * SLOW,
+               what="the request over, its answer drained")
+    up.close_conn(up.requests[0][0])  # the replica cuts the drained answer
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert times[1] - t_left >= 0.9 * hold_s, (times[1] - t_left)
     px.stop()
     up.stop()
 

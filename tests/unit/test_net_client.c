@@ -1236,8 +1236,9 @@ static void keep_waiting(peer_conn_t *c, int nth)
 
 static int g_drained; /* drain callbacks run */
 
-static void count_drained(void *data)
+static void count_drained(void *data, uint64_t left_ms)
 {
+    (void)left_ms;
     cr_assert_eq(data, &g_drained);
     g_drained++;
 }

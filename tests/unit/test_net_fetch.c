@@ -327,8 +327,9 @@ Test(net_fetch, chunked_bodies_both_ways_between_client_and_server)
 static int g_drained;
 static net_drains_t g_set;
 
-static void count_drained(void *data)
+static void count_drained(void *data, uint64_t left_ms)
 {
+    (void)left_ms;
     cr_assert_eq(data, &g_drained);
     g_drained++;
 }
