@@ -76,22 +76,28 @@ struct uconn_s {
      * deferred failure), when it fires: no later than the deadline (uconn_arm). */
     uint64_t deadline, timer_due;
     bool timer_lazy;
-    /* Pooled (uv_now() ms) after a response that was chunked or not, and not to be taken
-     * before usable_at while its server's habit after chunked responses is not known. */
+    /* Pooled (uv_now() ms) after an answer of framing `kind` (ANSWER_*), and not to be taken
+     * before usable_at while its server's habit after such answers is being learned. */
     uint64_t pooled_at, usable_at;
-    bool after_chunked;
+    uint8_t kind;
 };
 
-/* Whether a server keeps a connection open after a chunked response. Most do. llama.cpp's
- * server closes every connection it streamed an answer on, microseconds after the last chunk,
- * although its head said keep-alive; a request sent on it meanwhile is read and discarded, and
- * the close that follows looks like an engine that took the request and may be running it (a
- * 502, never sent again: docs/requests.md, "Connection reuse"). Learned per upstream from the first
- * such connection: pooled, it is not taken for CHUNKED_SETTLE_MS; a server that closes it
- * within that closes after streams, and such connections are closed here from then on, before
- * anything is sent on them; one still open after it keeps them, and they are taken at once. */
-enum { CHUNKED_UNKNOWN = 0, CHUNKED_KEPT, CHUNKED_CLOSED };
-#define CHUNKED_SETTLE_MS 100
+/* Whether a server keeps a connection open after a chunked answer that did not say
+ * `Connection: close`. Most do. llama.cpp's server closes every connection it streamed an
+ * answer on, microseconds after the last chunk; a request sent on it meanwhile is read and
+ * discarded, and the close that follows looks like an engine that took the request and may be
+ * running it (a 502, never sent again: docs/requests.md, "Connection reuse"). Learned per
+ * upstream: after its first chunked answer a connection is not taken for SETTLE_MS; a server
+ * that closes it within that closes after streams, and such connections are closed here from
+ * then on, before anything is sent on them; one still open then keeps them, and they are taken
+ * at once. One connection in REPROBE_EVERY that a closing server's habit would close is pooled
+ * and held back so instead, so that a server that closed one by chance (a restart just after
+ * a stream) is not judged for good. Length-delimited answers are not held back so: every
+ * request would pay for it, and engines keep those connections or say `Connection: close`. */
+enum { ANSWER_LENGTH = 0, ANSWER_CHUNKED, ANSWER__KINDS };
+enum { HABIT_UNKNOWN = 0, HABIT_KEPT, HABIT_CLOSED };
+#define SETTLE_MS 100
+#define REPROBE_EVERY 64
 
 struct net_upstream_s {
     uv_loop_t *loop;
@@ -107,8 +113,9 @@ struct net_upstream_s {
     char *server_name;
     void (*on_idle_close)(void *data);
     void *idle_close_data;
-    bool dead;             /* the owner let go: no more pooling */
-    uint8_t chunked_habit; /* CHUNKED_*: what the server does after a chunked response */
+    bool dead;                      /* the owner let go: no more pooling */
+    uint8_t habit[ANSWER__KINDS];   /* HABIT_*: what the server does after such an answer */
+    uint8_t reprobe[ANSWER__KINDS]; /* counts connections a closing server's habit closed */
 };
 
 static const char *const err_names[NET_UP__COUNT] = {
@@ -435,20 +442,23 @@ static void uconn_done(uconn_t *c)
     creq_t *q = c->req;
     net_upstream_t *u = c->up;
     c->req = NULL;
-    bool chunked = c->framing.chunked;
+    uint8_t kind = c->framing.chunked ? ANSWER_CHUNKED : ANSWER_LENGTH;
     bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
                     c->nlent == 0 && c->sock.queued == 0 && c->outq.len == 0 &&
-                    llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle &&
-                    !(chunked && u->chunked_habit == CHUNKED_CLOSED);
+                    llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle;
+    bool settle = kind == ANSWER_CHUNKED && u->habit[kind] == HABIT_UNKNOWN;
+    if (reusable && kind == ANSWER_CHUNKED && u->habit[kind] == HABIT_CLOSED) {
+        settle = ++u->reprobe[kind] % REPROBE_EVERY == 0;
+        reusable = settle;
+    }
     u->refs++;
     if (reusable) {
         c->phase = UC_IDLE;
         c->paused = false;
         idle_push(c);
         c->pooled_at = uv_now(u->loop);
-        c->after_chunked = chunked;
-        c->usable_at =
-            chunked && u->chunked_habit == CHUNKED_UNKNOWN ? c->pooled_at + CHUNKED_SETTLE_MS : 0;
+        c->kind = kind;
+        c->usable_at = settle ? c->pooled_at + SETTLE_MS : 0;
         uconn_arm(c, u->o.keepalive_ms);
         net_sock_read_start(&c->sock);
     } else {
@@ -658,14 +668,14 @@ static void sock_read(net_sock_t *s, const char *p, size_t n)
 }
 
 /* The server closed c: pooled, or under the request that reused it. Soon after a chunked
- * response, that is its habit after them (CHUNKED_SETTLE_MS). */
-static void learn_after_chunked(uconn_t *c)
+ * answer, that is its habit after them (SETTLE_MS). */
+static void learn_habit(uconn_t *c)
 {
     net_upstream_t *u = c->up;
     bool since_pooled =
         c->phase == UC_IDLE || (c->req && c->req->pub.reused && !c->req->pub.response_started);
-    if (since_pooled && c->after_chunked && uv_now(u->loop) - c->pooled_at < CHUNKED_SETTLE_MS)
-        u->chunked_habit = CHUNKED_CLOSED;
+    if (since_pooled && c->kind == ANSWER_CHUNKED && uv_now(u->loop) - c->pooled_at < SETTLE_MS)
+        u->habit[c->kind] = HABIT_CLOSED;
 }
 
 /* EOF or error from the socket: classify it for the retry rule. */
@@ -675,7 +685,7 @@ static void sock_error(net_sock_t *s, int status)
     /* A TLS failure after the handshake (an alert such as "certificate required" under TLS
      * 1.3) says more than "protocol error". */
     const char *why = status == UV_EPROTO ? net_sock_tls_error(s) : uv_strerror(status);
-    learn_after_chunked(c);
+    learn_habit(c);
     if (c->phase == UC_IDLE || c->req == NULL) {
         net_upstream_t *u = c->up;
         u->refs++;      /* keep u alive across the callback */
@@ -933,8 +943,8 @@ static void deferred_fail_cb(uv_timer_t *t)
 }
 
 /* The pooled connection a request takes now: the newest that is neither past its keep-alive
- * (closed here: its timer closes it too, but late on a busy loop) nor still settling after a
- * chunked response (see CHUNKED_SETTLE_MS). NULL: a new connection. */
+ * (closed here: its timer closes it too, but late on a busy loop) nor still settling after its
+ * answer (see SETTLE_MS). NULL: a new connection. */
 static uconn_t *pool_pick(net_upstream_t *u)
 {
     uint64_t now = uv_now(u->loop);
@@ -949,8 +959,7 @@ static uconn_t *pool_pick(net_upstream_t *u)
             continue;
         if (c->usable_at) { /* open past its settling: its server keeps them */
             c->usable_at = 0;
-            if (u->chunked_habit == CHUNKED_UNKNOWN)
-                u->chunked_habit = CHUNKED_KEPT;
+            u->habit[c->kind] = HABIT_KEPT;
         }
         return c;
     }

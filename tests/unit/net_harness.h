@@ -214,7 +214,7 @@ struct peer_s {
     uv_tcp_t listener;
     uint16_t port;
     peer_script_cb script;
-    peer_conn_t *conns[16];
+    peer_conn_t *conns[128];
     int nconns;
     int requests; /* heads seen over all connections */
     bool closed;
@@ -305,7 +305,7 @@ static inline void peer_accept(uv_stream_t *l, int status)
     uv_tcp_init(&g_loop, &c->tcp);
     c->tcp.data = c;
     cr_assert_eq(uv_accept(l, (uv_stream_t *)&c->tcp), 0);
-    cr_assert(p->nconns < 16);
+    cr_assert(p->nconns < 128);
     p->conns[p->nconns++] = c;
     uv_read_start((uv_stream_t *)&c->tcp, peer_alloc, peer_read);
 }
