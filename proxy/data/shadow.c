@@ -642,6 +642,16 @@ static void sh_body(net_creq_t *c, const char *p, size_t n)
 static void copy_ended(shadow_t *s, net_up_err_t err, const char *detail)
 {
     s->c = NULL;
+    /* Failed once the engine had it whole (closed, cut mid-answer): it may be generating it
+     * still, and its slot stays kept for as long as a drain would have lasted. Decided before
+     * active_remove, which frees a slot the copy still holds. */
+    shadow_ctx_t *sc = ctx(s->px);
+    if (net_up_err_may_run(err) && s->holds_slot &&
+        (s->drains || px_replica_drains_abandoned(s->target_r)) && !atomic_load(&sc->stopped)) {
+        px_admission_hold(s->px, s->target_r, s->px->loop,
+                          policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
+        s->holds_slot = false; /* the hold frees it */
+    }
     active_remove(s);
     if (err != NET_UP_OK) {
         s->sfailed = true;
@@ -651,15 +661,6 @@ static void copy_ended(shadow_t *s, net_up_err_t err, const char *detail)
     /* A copy's failed connection says what a client's would (a quarantined replica gets only
      * copies): the replica may have restarted as something else. */
     px_event_upstream_failed(s->px, s->target_r, err);
-    /* Failed once the engine had it whole (closed, cut mid-answer): it may be generating it
-     * still, and its slot stays kept for as long as a drain would have lasted. */
-    shadow_ctx_t *sc = ctx(s->px);
-    if (net_up_err_may_run(err) && s->holds_slot &&
-        (s->drains || px_replica_drains_abandoned(s->target_r)) && !atomic_load(&sc->stopped)) {
-        px_admission_hold(s->px, s->target_r, s->px->loop,
-                          policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
-        s->holds_slot = false; /* the hold frees it */
-    }
     s->shadow_done = true;
     maybe_compare(s);
 }

@@ -9,7 +9,7 @@ import threading
 import time
 
 from harness import get_json, poll_until, post_json, run_tests, start_sim
-from proxyutil import metric, pool, sim_stats, start_proxy
+from proxyutil import client_requests, metric, pool, sim_config, sim_stats, start_proxy
 
 MODEL = "m1"
 
@@ -165,6 +165,29 @@ def test_single_sequence_candidate_copy_past_a_first_byte_timeout_keeps_the_slot
     assert [l["single_sequence_running"] for l in px.find_logs("drained")] == [1]
     st = sim_stats(cand)
     assert st["inflight"] == 0 and st["completed"] == st["requests"], st
+
+
+def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
+    """The candidate replica reads a copy whole and closes without an answer (a proxy in front
+    of the engine cut detproxy's side; the engine behind it may be generating still): the copy
+    fails `closed`, and the replica's one slot stays kept for as long as a drain would, so the
+    next copy is skipped instead of running beside it (docs/configuration.md, "Deterministic
+    pools")."""
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--finish-abandoned")
+    px = proxy(base, [cand], framework="llamacpp",
+               limits={"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000})
+    sim_config(cand, fault="close_before_response", fault_count=1)
+
+    def copies(result):
+        return metric(px, "detproxy_candidate_total", pool="p", candidate="next", result=result)
+    body = {"model": MODEL, "prompt": "cut", "max_tokens": 5, "temperature": 0}
+    assert post_json(px.port, "/v1/completions", body).status == 200
+    poll_until(lambda: copies("error") >= 1, what="the copy the replica closed on")
+    assert post_json(px.port, "/v1/completions", dict(body, prompt="next")).status == 200
+    poll_until(lambda: copies("skipped") >= 1, what="the next copy skipped: the slot is kept")
+    assert len(client_requests(cand)) == 1, client_requests(cand)  # the copy, not the next
+    px.stop()
 
 
 if __name__ == "__main__":
