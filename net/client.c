@@ -301,8 +301,19 @@ static void timer_cb(uv_timer_t *t)
     }
     case UC_BODY: {
         uint64_t idle = u->o.idle_timeout_ms;
+        creq_t *q = c->req;
+        if (q && q->dset) { /* a drain: silence does not end it, its deadline does */
+            uconn_arm(c, q->ddeadline - now);
+            return;
+        }
         if (c->paused || now - c->last_read < idle) {
             uconn_arm(c, c->paused ? idle : idle - (now - c->last_read));
+            return;
+        }
+        if (q && q->cb.on_idle_timeout)
+            q->cb.on_idle_timeout(&q->pub); /* may make q a drain */
+        if (q && q->dset && now < q->ddeadline) {
+            uconn_arm(c, q->ddeadline - now);
             return;
         }
         uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");

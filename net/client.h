@@ -82,6 +82,9 @@ typedef struct {
      * exchange by making it a drain (net_creq_drain); otherwise it ends with
      * NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not cancel r. */
     void (*on_first_byte_timeout)(net_creq_t *r);
+    /* Optional. The answer fell silent mid-way for idle_timeout_ms: the same choice (a drain,
+     * or the exchange ends with NET_UP_IDLE_TIMEOUT). */
+    void (*on_idle_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 
 struct net_creq_s {
@@ -160,10 +163,10 @@ typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
 /* Make r a drain in set: what follows of its answer is read and dropped (reading resumed if
  * it was paused), and done(data, left_ms) runs exactly once, when the exchange ends or
  * net_drains_stop ends it. It ends max_ms from now at the latest (its connection closed then):
- * its first-byte timeout before that does not end it (an answer late rather than lost),
- * silence mid-answer past the idle timeout does, and so does the deadline an answer that never
- * ends (a stream) would otherwise never meet. Allowed from on_first_byte_timeout. The caller
- * drops r. */
+ * neither its first-byte timeout nor silence mid-answer ends it before that (an answer late
+ * rather than lost, or a long prefill behind an early head), and the deadline ends an answer
+ * that never ends (a stream). Allowed from on_first_byte_timeout and on_idle_timeout. The
+ * caller drops r. */
 void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data);
 /* End every drain in set now (their connections are closed), calling each one's done. */

@@ -503,15 +503,16 @@ def open_stream(px):
     return c
 
 
-def single_sequence_scripted(script, hold_s):
+def single_sequence_scripted(script, hold_s, idle_ms=None):
     up = ScriptedUpstream(script)
+    idle_ms = int(hold_s * 1000) if idle_ms is None else idle_ms
     px = start_proxy(pools=[{"name": "p", "models": ["m1"],
                              "manifest": {"determinism": {"mode": "single_sequence"}},
                              "replicas": [{"name": "r1",
                                            "url": "http://127.0.0.1:%d" % up.port}]}],
                      attestation=QUIET, workers=ONE_WORKER,
                      limits={"upstream_first_byte_timeout_ms": int(hold_s * 1000),
-                             "upstream_idle_timeout_ms": int(hold_s * 1000)})
+                             "upstream_idle_timeout_ms": idle_ms})
     wait_all_admitted(px)
     return up, px
 
@@ -588,6 +589,42 @@ def test_on_a_single_sequence_pool_a_drain_the_replica_cuts_keeps_the_slot():
     r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
     assert r.status == 200, r
     assert times[1] - t_left >= 0.9 * hold_s, (times[1] - t_left)
+    px.stop()
+    up.stop()
+
+
+def test_on_a_single_sequence_pool_an_answer_silent_past_the_idle_timeout_is_drained():
+    """A stream's head at once and its next event only after a long prefill (llama.cpp does
+    that): past upstream_idle_timeout_ms the client's stream is cut, as before, but the answer
+    is drained instead of the connection closed, so the engine's one slot is free the moment
+    the answer ends: not before (no second sequence beside it) and not a whole drain's time
+    later (a slot held blind)."""
+    hold_s = 6.0
+    times = {}
+
+    def script(k, conn_no, req_no):
+        times[k] = time.monotonic()
+        return (SSE_PART, True) if k == 0 else (OK_RESPONSE, True)
+
+    up, px = single_sequence_scripted(script, hold_s, idle_ms=300)
+    c = open_stream(px)
+    got, closed = read_until_close(c)  # cut at the idle timeout
+    c.close()
+    assert closed and got.startswith(b"HTTP/1.1 200"), got
+    assert upstream_errors(px, "r1", "idle_timeout") == 1
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(
+        "r", post_json(px.port, "/v1/completions", COMPLETION, timeout=20 * SLOW)))
+    t.start()
+    time.sleep(0.5)  # what is measured: the next request waits while the answer goes on
+    rest = b'data: [DONE]\n\n'
+    with up.lock:
+        s0 = up.socks[up.requests[0][0]]
+    t_end = time.monotonic()
+    s0.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+    t.join(20 * SLOW)
+    assert out["r"].status == 200, out
+    assert t_end <= times[1] < t_end + hold_s / 3, (times[1] - t_end)
     px.stop()
     up.stop()
 

@@ -1315,6 +1315,34 @@ Test(net_client, a_drain_reads_the_answer_to_its_end_and_calls_back_once)
     x_free(&x);
 }
 
+/* Silence mid-answer does not end a drain (a long prefill behind an early head): the answer
+ * that then comes ends it, whole (the time left it reports is 0), and its connection is
+ * pooled. */
+static uint64_t g_left = 1;
+static void note_left(void *data, uint64_t left_ms)
+{
+    (void)data;
+    g_left = left_ms;
+    g_drained++;
+}
+
+Test(net_client, silence_mid_answer_does_not_end_a_drain)
+{
+    ex_t x;
+    start_unanswered(&x, &(net_upstream_opts_t){.idle_timeout_ms = 30});
+    peer_writes(g_waiting, "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhe");
+    RUN_UNTIL(x.heads == 1);
+    net_drains_t set = {0};
+    net_creq_drain(x.r, &set, 5000, note_left, NULL);
+    run_for(120); /* four idle timeouts */
+    cr_assert_eq(g_drained, 0, "ended by silence");
+    peer_writes(g_waiting, "llo");
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_eq(g_left, 0);
+    cr_assert_eq(net_client_upstream_idle(g_up), 1);
+    x_free(&x);
+}
+
 /* An exchange paused by its owner (a slow client) is read again once it is a drain. */
 Test(net_client, a_paused_exchange_is_read_again_once_drained)
 {
