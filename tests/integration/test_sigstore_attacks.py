@@ -123,21 +123,30 @@ def test_a_checkpoint_with_many_signature_lines_is_cheap():
     # Every signature line whose key hint names the entry's Rekor key costs an ECDSA
     # verification: 300k such lines (38 MB, under the 64 MiB bundle cap) before the genuine one
     # must not keep the verifier busy for long. Refusing such a note is as good as verifying it.
+    # Measured against the same bundle whose 300k lines name another key (read, never
+    # verified), in the same run: what the lines cost beyond reading them, whatever the box's
+    # load or a sanitizer's overhead.
     r, s = b"\x11" * 32, b"\x22" * 32
     der = b"\x30\x44\x02\x20" + r + b"\x02\x20" + s
 
-    def edit(b):
-        e = S.entry(b)
-        hint = base64.b64decode(e["logId"]["keyId"])[:4]
-        line = "\u2014 rekor.sigstore.dev " + base64.b64encode(hint + der).decode() + "\n"
-        cp = e["inclusionProof"]["checkpoint"]
-        text, sigs = cp["envelope"].split("\n\n", 1)
-        cp["envelope"] = text + "\n\n" + line * 300000 + sigs
-    t = time.monotonic()
-    rc, lines = check(V101, edit)
-    took = time.monotonic() - t
-    assert rc in (0, 1), (rc, lines)
-    assert took < 5.0, "%.1f s to verify one bundle (%s)" % (took, lines[:1])
+    def timed(named):
+        def edit(b):
+            e = S.entry(b)
+            hint = base64.b64decode(e["logId"]["keyId"])[:4]
+            if not named:
+                hint = bytes(x ^ 0xFF for x in hint)
+            line = "\u2014 rekor.sigstore.dev " + base64.b64encode(hint + der).decode() + "\n"
+            cp = e["inclusionProof"]["checkpoint"]
+            text, sigs = cp["envelope"].split("\n\n", 1)
+            cp["envelope"] = text + "\n\n" + line * 300000 + sigs
+        t = time.monotonic()
+        rc, lines = check(V101, edit)
+        assert rc in (0, 1), (rc, lines)
+        return time.monotonic() - t, lines
+    base, _ = timed(False)
+    took, lines = timed(True)
+    assert took < 2 * base + 1.0, "%.1f s to verify one bundle, %.1f s to read it (%s)" % (
+        took, base, lines[:1])
 
 
 # ---- what holds --------------------------------------------------------------------------------
