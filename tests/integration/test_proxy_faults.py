@@ -720,9 +720,12 @@ def test_a_pass_through_body_held_whole_is_retried_a_streamed_one_is_not():
     fresh = up.requests[1][0]
     status, _, body = keepalive_race(px, lambda: up.close_conn(fresh), "POST", "/tokenize", big)
     assert status == 502 and b"upstream_error" in body, (status, body)
-    # met as the race (reused_closed), or as a write that failed midway (send): not sent again
+    # met as the race (reused_closed), as a write that failed midway (send), or, when the whole
+    # body had reached the kernel before the replica's reset was seen, as `closed`: not sent
+    # again, whichever
     assert len(up.requests) == 2, up.requests
-    assert upstream_errors(px, "r1", "reused_closed") + upstream_errors(px, "r1", "send") == 2
+    kinds = {k: upstream_errors(px, "r1", k) for k in ("reused_closed", "send", "closed")}
+    assert sum(kinds.values()) == 2 and kinds["reused_closed"] >= 1, kinds
     px.stop()
     up.stop()
 
