@@ -76,10 +76,10 @@ struct uconn_s {
      * deferred failure), when it fires: no later than the deadline (uconn_arm). */
     uint64_t deadline, timer_due;
     bool timer_lazy;
-    /* Pooled (uv_now() ms) after an answer of framing `kind` (ANSWER_*), and not to be taken
-     * before usable_at while its server's habit after such answers is being learned. */
+    /* Pooled (uv_now() ms) after a chunked answer or not, and not to be taken before
+     * usable_at while its server's habit after chunked answers is being learned. */
     uint64_t pooled_at, usable_at;
-    uint8_t kind;
+    bool after_chunked;
 };
 
 /* Whether a server keeps a connection open after a chunked answer that did not say
@@ -94,7 +94,6 @@ struct uconn_s {
  * and held back so instead, so that a server that closed one by chance (a restart just after
  * a stream) is not judged for good. Length-delimited answers are not held back so: every
  * request would pay for it, and engines keep those connections or say `Connection: close`. */
-enum { ANSWER_LENGTH = 0, ANSWER_CHUNKED, ANSWER__KINDS };
 enum { HABIT_UNKNOWN = 0, HABIT_KEPT, HABIT_CLOSED };
 #define SETTLE_MS 100
 #define REPROBE_EVERY 64
@@ -113,9 +112,9 @@ struct net_upstream_s {
     char *server_name;
     void (*on_idle_close)(void *data);
     void *idle_close_data;
-    bool dead;                      /* the owner let go: no more pooling */
-    uint8_t habit[ANSWER__KINDS];   /* HABIT_*: what the server does after such an answer */
-    uint8_t reprobe[ANSWER__KINDS]; /* counts connections a closing server's habit closed */
+    bool dead;             /* the owner let go: no more pooling */
+    uint8_t chunked_habit; /* HABIT_*: what the server does after a chunked answer */
+    uint8_t reprobe;       /* counts connections a closing server's habit closed */
 };
 
 static const char *const err_names[NET_UP__COUNT] = {
@@ -453,22 +452,20 @@ static void uconn_done(uconn_t *c)
     creq_t *q = c->req;
     net_upstream_t *u = c->up;
     c->req = NULL;
-    uint8_t kind = c->framing.chunked ? ANSWER_CHUNKED : ANSWER_LENGTH;
+    bool chunked = c->framing.chunked;
     bool reusable = !c->framing.conn_close && !c->close_delimited && c->req_ended &&
                     c->nlent == 0 && c->sock.queued == 0 && c->outq.len == 0 &&
                     llhttp_should_keep_alive(&c->parser) && !u->dead && u->nidle < u->o.max_idle;
-    bool settle = kind == ANSWER_CHUNKED && u->habit[kind] == HABIT_UNKNOWN;
-    if (reusable && kind == ANSWER_CHUNKED && u->habit[kind] == HABIT_CLOSED) {
-        settle = ++u->reprobe[kind] % REPROBE_EVERY == 0;
-        reusable = settle;
-    }
+    bool settle = chunked && u->chunked_habit == HABIT_UNKNOWN;
+    if (reusable && chunked && u->chunked_habit == HABIT_CLOSED)
+        reusable = settle = ++u->reprobe % REPROBE_EVERY == 0;
     u->refs++;
     if (reusable) {
         c->phase = UC_IDLE;
         c->paused = false;
         idle_push(c);
         c->pooled_at = uv_now(u->loop);
-        c->kind = kind;
+        c->after_chunked = chunked;
         c->usable_at = settle ? c->pooled_at + SETTLE_MS : 0;
         uconn_arm(c, u->o.keepalive_ms);
         net_sock_read_start(&c->sock);
@@ -685,8 +682,8 @@ static void learn_habit(uconn_t *c)
     net_upstream_t *u = c->up;
     bool since_pooled =
         c->phase == UC_IDLE || (c->req && c->req->pub.reused && !c->req->pub.response_started);
-    if (since_pooled && c->kind == ANSWER_CHUNKED && uv_now(u->loop) - c->pooled_at < SETTLE_MS)
-        u->habit[c->kind] = HABIT_CLOSED;
+    if (since_pooled && c->after_chunked && uv_now(u->loop) - c->pooled_at < SETTLE_MS)
+        u->chunked_habit = HABIT_CLOSED;
 }
 
 /* EOF or error from the socket: classify it for the retry rule. */
@@ -970,7 +967,7 @@ static uconn_t *pool_pick(net_upstream_t *u)
             continue;
         if (c->usable_at) { /* open past its settling: its server keeps them */
             c->usable_at = 0;
-            u->habit[c->kind] = HABIT_KEPT;
+            u->chunked_habit = HABIT_KEPT;
         }
         return c;
     }

@@ -404,7 +404,7 @@ static void canary_done(const probe_canary_result_t *res, void *data)
     a->canary = NULL;
     orphan_timed_out(a, res->timed_out);
     if (res->may_run && orphan_may(a)) { /* no exchange left to read: kept for its time */
-        px_admission_hold(a->px, a->r, a->px->loop, policy_abandoned_drain_ms(&cur(a)->limits));
+        px_admission_hold(a->px, a->r, policy_abandoned_drain_ms(&cur(a)->limits));
         a->holds_slot = false; /* the hold frees it */
     }
     px_replica_t *r = a->r;

@@ -116,15 +116,22 @@ static void relay_fail(relay_t *rl, int status, const char *code, const char *ms
     relay_end(rl);
 }
 
+/* May rl's slot outlive its exchange? Not when rl holds none, its pool (when rl was sent)
+ * does not drain abandoned answers, or the relays have stopped (the final close: a graceful
+ * shutdown's drain still drains). */
+static bool slot_may_outlive(const relay_t *rl)
+{
+    return rl->holds_slot && (rl->drains || px_replica_drains_abandoned(rl->r)) && !g_stopped;
+}
+
 /* On a single_sequence pool whose engine finishes an answer whose connection closed (llama.cpp),
  * the slot stays taken until that answer has come, as for a client's request (data/proxy.c,
  * drain_abandoned): f, rl's request, becomes a drain holding it. False when the slot is not to
- * be kept: rl holds none, its pool (when rl was sent) is not such a pool, or the relays have
- * stopped (the final close: a graceful shutdown's drain still drains). */
+ * be kept (slot_may_outlive). */
 static bool drain_slot(relay_t *rl, net_fetch_t *f)
 {
     px_t *px = rl->px;
-    if (!rl->holds_slot || !(rl->drains || px_replica_drains_abandoned(rl->r)) || g_stopped)
+    if (!slot_may_outlive(rl))
         return false;
     px_admission_drain_fetch(px, rl->r, f, &g_drains,
                              policy_abandoned_drain_ms(&px->gen->cfg->limits));
@@ -138,9 +145,9 @@ static bool drain_slot(relay_t *rl, net_fetch_t *f)
 static void hold_slot(relay_t *rl)
 {
     px_t *px = rl->px;
-    if (!rl->holds_slot || !(rl->drains || px_replica_drains_abandoned(rl->r)) || g_stopped)
+    if (!slot_may_outlive(rl))
         return;
-    px_admission_hold(px, rl->r, px->loop, policy_abandoned_drain_ms(&px->gen->cfg->limits));
+    px_admission_hold(px, rl->r, policy_abandoned_drain_ms(&px->gen->cfg->limits));
     rl->holds_slot = false;
 }
 

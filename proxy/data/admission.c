@@ -257,7 +257,7 @@ typedef struct hold_s {
 
 static _Thread_local hold_t *t_holds;
 
-static void hold_kept(kept_slot_t *k, uv_loop_t *loop, uint64_t max_ms);
+static void hold_kept(kept_slot_t *k, uint64_t max_ms);
 
 /* A drain's end. One that failed before its limit (the replica closed or cut the answer, or
  * it went silent) says nothing of the engine, which may be generating it still (a proxy in
@@ -266,7 +266,7 @@ static void kept_slot_drained(void *kept, uint64_t left_ms)
 {
     kept_slot_t *k = kept;
     if (left_ms > 0)
-        hold_kept(k, px_thread_self(k->px)->loop, left_ms);
+        hold_kept(k, left_ms);
     else
         kept_slot_done(k);
 }
@@ -294,19 +294,20 @@ static void hold_due(uv_timer_t *t)
     hold_end(t->data);
 }
 
-static void hold_kept(kept_slot_t *k, uv_loop_t *loop, uint64_t max_ms)
+/* On the calling thread's loop, in its list. */
+static void hold_kept(kept_slot_t *k, uint64_t max_ms)
 {
     hold_t *h = dp_xcalloc(1, sizeof(*h));
     h->k = k;
-    uv_timer_init(loop, &h->timer);
+    uv_timer_init(px_thread_self(k->px)->loop, &h->timer);
     h->timer.data = h;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
     DP_LIST_PUSH(t_holds, h, next, prev);
 }
 
-void px_admission_hold(px_t *px, px_replica_t *r, uv_loop_t *loop, uint64_t max_ms)
+void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms)
 {
-    hold_kept(keep_slot(px, r), loop, max_ms);
+    hold_kept(keep_slot(px, r), max_ms);
 }
 
 void px_admission_holds_stop(void)

@@ -67,9 +67,9 @@ void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_dra
 /* Keep the slot the caller holds on r for max_ms with no exchange left to read: r closed the
  * connection after it took a whole request, and its engine may still be generating it (a
  * proxy in front of it cut only this side). Freed then as a drain's, or at
- * px_admission_holds_stop. Any thread, on its loop. A drain that fails before its limit ends
+ * px_admission_holds_stop. Any thread, on its own loop. A drain that fails before its limit ends
  * the same way: a hold for the rest of its time. */
-void px_admission_hold(px_t *px, px_replica_t *r, uv_loop_t *loop, uint64_t max_ms);
+void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms);
 /* End this thread's holds now (it stops), freeing their slots. */
 void px_admission_holds_stop(void);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */

@@ -1434,8 +1434,7 @@ static void hold_after_close(px_preq_t *q)
 {
     if (!keeps_abandoned(q) || q->slot_drained)
         return;
-    px_admission_hold(q->gen->px, q->replica, px_thread_self(q->gen->px)->loop,
-                      policy_abandoned_drain_ms(&q->gen->cfg->limits));
+    px_admission_hold(q->gen->px, q->replica, policy_abandoned_drain_ms(&q->gen->cfg->limits));
     q->slot_drained = true; /* the hold frees the slot */
 }
 

@@ -639,17 +639,23 @@ static void sh_body(net_creq_t *c, const char *p, size_t n)
     capture(s->tap, &s->ssse, &s->sbody, p, n);
 }
 
+/* May s's slot outlive its exchange (a drain, a hold)? s holds one on a pool whose engine
+ * finishes an answer whose connection closed (llama.cpp on a single_sequence pool:
+ * policy_pool_drains_abandoned), and the copies have not stopped. */
+static bool slot_may_outlive(shadow_t *s)
+{
+    return s->holds_slot && (s->drains || px_replica_drains_abandoned(s->target_r)) &&
+           !atomic_load(&ctx(s->px)->stopped);
+}
+
 static void copy_ended(shadow_t *s, net_up_err_t err, const char *detail)
 {
     s->c = NULL;
     /* Failed once the engine had it whole (closed, cut mid-answer): it may be generating it
      * still, and its slot stays kept for as long as a drain would have lasted. Decided before
      * active_remove, which frees a slot the copy still holds. */
-    shadow_ctx_t *sc = ctx(s->px);
-    if (net_up_err_may_run(err) && s->holds_slot &&
-        (s->drains || px_replica_drains_abandoned(s->target_r)) && !atomic_load(&sc->stopped)) {
-        px_admission_hold(s->px, s->target_r, s->px->loop,
-                          policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
+    if (net_up_err_may_run(err) && slot_may_outlive(s)) {
+        px_admission_hold(s->px, s->target_r, policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
         s->holds_slot = false; /* the hold frees it */
     }
     active_remove(s);
@@ -680,8 +686,7 @@ static void sh_first_byte_timeout(net_creq_t *c)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
-    if (!s->holds_slot || !(s->drains || px_replica_drains_abandoned(s->target_r)) ||
-        atomic_load(&sc->stopped) || !net_creq_sent(c))
+    if (!slot_may_outlive(s) || !net_creq_sent(c))
         return;
     px_admission_drain(s->px, s->target_r, c, &sc->drains,
                        policy_abandoned_drain_ms(&s->px->gen->cfg->limits));

@@ -503,6 +503,15 @@ def open_stream(px):
     return c
 
 
+def noting(times, nth, answer):
+    """A script answering request nth with `answer` ((bytes, keep_open)) and the others with
+    OK_RESPONSE, noting in times when each arrived."""
+    def script(k, conn_no, req_no):
+        times[k] = time.monotonic()
+        return answer if k == nth else (OK_RESPONSE, True)
+    return script
+
+
 def single_sequence_scripted(script, hold_s, idle_ms=None):
     up = ScriptedUpstream(script)
     idle_ms = int(hold_s * 1000) if idle_ms is None else idle_ms
@@ -524,12 +533,7 @@ def test_on_a_single_sequence_pool_the_slot_stays_held_after_the_replica_closed_
     timeouts), so the next request does not run beside it; then it goes on."""
     hold_s = 1.0
     times = {}
-
-    def script(k, conn_no, req_no):
-        times[k] = time.monotonic()
-        return (b"", False) if k == 1 else (OK_RESPONSE, True)
-
-    up, px = single_sequence_scripted(script, hold_s)
+    up, px = single_sequence_scripted(noting(times, 1, (b"", False)), hold_s)
     assert post_json(px.port, "/v1/completions", COMPLETION).status == 200
     r = post_json(px.port, "/v1/completions", COMPLETION)  # taken, then the close
     assert_openai_error(r, 502, "upstream_error")
@@ -548,12 +552,7 @@ def test_on_a_single_sequence_pool_an_answer_cut_short_keeps_the_slot():
     would keep it and the next request does not run beside it."""
     hold_s = 1.0
     times = {}
-
-    def script(k, conn_no, req_no):
-        times[k] = time.monotonic()
-        return (SSE_PART, False) if k == 0 else (OK_RESPONSE, True)
-
-    up, px = single_sequence_scripted(script, hold_s)
+    up, px = single_sequence_scripted(noting(times, 0, (SSE_PART, False)), hold_s)
     c = open_stream(px)
     got, closed = read_until_close(c)
     c.close()
@@ -573,12 +572,7 @@ def test_on_a_single_sequence_pool_a_drain_the_replica_cuts_keeps_the_slot():
     the next request reaches the replica only after it."""
     hold_s = 1.5
     times = {}
-
-    def script(k, conn_no, req_no):
-        times[k] = time.monotonic()
-        return (SSE_PART, True) if k == 0 else (OK_RESPONSE, True)
-
-    up, px = single_sequence_scripted(script, hold_s)
+    up, px = single_sequence_scripted(noting(times, 0, (SSE_PART, True)), hold_s)
     c = open_stream(px)
     assert c.recv(4096).startswith(b"HTTP/1.1 200")
     t_left = time.monotonic()
@@ -601,12 +595,7 @@ def test_on_a_single_sequence_pool_an_answer_silent_past_the_idle_timeout_is_dra
     later (a slot held blind)."""
     hold_s = 6.0
     times = {}
-
-    def script(k, conn_no, req_no):
-        times[k] = time.monotonic()
-        return (SSE_PART, True) if k == 0 else (OK_RESPONSE, True)
-
-    up, px = single_sequence_scripted(script, hold_s, idle_ms=300)
+    up, px = single_sequence_scripted(noting(times, 0, (SSE_PART, True)), hold_s, idle_ms=300)
     c = open_stream(px)
     got, closed = read_until_close(c)  # cut at the idle timeout
     c.close()
