@@ -71,15 +71,14 @@ static void on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     f_free(f);
 }
 
-/* No answer began in time: the callback is told now, and may make the exchange a drain
- * (net_fetch_drain). */
-static void on_first_byte_timeout(net_creq_t *c)
+/* No answer began in time, or the answer fell silent mid-way: the callback is told now, while
+ * the exchange is still open, and may make it a drain (net_fetch_drain). */
+static void timed_out(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     net_fetch_t *f = c->data;
     assert(f->c == c);
     f->in_timeout_cb = true;
-    f->cb(f, 0, &f->body, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout",
-          f->data);
+    f->cb(f, 0, &f->body, err, detail, f->data);
     f->in_timeout_cb = false;
     if (f->drained) {
         f_free(f);
@@ -88,10 +87,21 @@ static void on_first_byte_timeout(net_creq_t *c)
     f->told = true; /* the exchange ends now: on_done frees f */
 }
 
+static void on_first_byte_timeout(net_creq_t *c)
+{
+    timed_out(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+}
+
+static void on_idle_timeout(net_creq_t *c)
+{
+    timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
+}
+
 static const net_creq_cb_t fetch_cb = {.on_head = on_head,
                                        .on_body = on_body,
                                        .on_done = on_done,
-                                       .on_first_byte_timeout = on_first_byte_timeout};
+                                       .on_first_byte_timeout = on_first_byte_timeout,
+                                       .on_idle_timeout = on_idle_timeout};
 
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {
@@ -119,6 +129,11 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
     dp_buf_free(&req);
     return f;
+}
+
+bool net_fetch_open(const net_fetch_t *f)
+{
+    return f->in_timeout_cb;
 }
 
 void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,

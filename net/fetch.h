@@ -36,10 +36,14 @@ void net_fetch_cancel(net_fetch_t *f);
 /* Make f's exchange a drain in set (net_creq_drain, for at most max_ms): the answer is read to
  * its end and dropped, done(data, left_ms) runs when it is over, and f is gone (its callback does
  * not run again). Allowed before f's callback has run, and from the callback that reports a
- * first-byte timeout (status 0, NET_UP_FIRST_BYTE_TIMEOUT, told as soon as it passes while the
- * exchange is still open). For a request the engine may go on generating after its connection
- * closes, whose slot must stay taken until it has (docs/configuration.md, "Deterministic pools").
- */
+ * timeout told while the exchange is still open (net_fetch_open: no answer within the
+ * first-byte timeout, or one silent mid-way for the idle timeout). For a request the
+ * engine may go on generating after its connection closes, whose slot must stay taken until it
+ * has (docs/configuration.md, "Deterministic pools"). */
+/* Is f's exchange still open while its callback runs? So for a timeout (status 0,
+ * NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT) told before the exchange ends, when the
+ * callback may make it a drain; never for the callback of an exchange that has ended. */
+bool net_fetch_open(const net_fetch_t *f);
 void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                      void *data);
 

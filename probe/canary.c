@@ -41,7 +41,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 {
     probe_canary_t *c = data;
     probe_canary_result_t res = {.status = status};
-    if (err == NET_UP_FIRST_BYTE_TIMEOUT)
+    if (net_fetch_open(f))
         res.timed_out = f;
     else if (status == 0 && net_up_err_may_run(err))
         res.may_run = true;

@@ -26,6 +26,7 @@ struct probe_s {
     dp_buf_t body[ATTEST_CHECK_MAX_REQUESTS];
     char *error[ATTEST_CHECK_MAX_REQUESTS], *detail[ATTEST_CHECK_MAX_REQUESTS];
     net_fetch_t *completion; /* the engine-fingerprint probe */
+    bool completion_may_run; /* probe_completion_may_run */
     char *known_fp;          /* probe_opts_t.known_fingerprint */
     bool metadata_fp;        /* probe_opts_t.metadata_fingerprint */
     attest_outcome_t out;
@@ -67,9 +68,11 @@ static void completion_done(net_fetch_t *f, int status, const dp_buf_t *body, ne
                             const char *detail, void *data)
 {
     probe_t *p = data;
-    /* A completion that timed out stays takeable during the callback (probe_take_completion):
-     * its engine may still be generating it. */
-    p->completion = err == NET_UP_FIRST_BYTE_TIMEOUT ? f : NULL;
+    /* A completion that timed out stays takeable during the callback (probe_take_completion),
+     * and one that failed once the engine had it says so (probe_completion_may_run): its engine
+     * may still be generating it. */
+    p->completion = net_fetch_open(f) ? f : NULL;
+    p->completion_may_run = status == 0 && !p->completion && net_up_err_may_run(err);
     attest_answer_t a = {.status = status,
                          .body = body->base,
                          .len = body->len,
@@ -179,6 +182,11 @@ net_fetch_t *probe_take_completion(probe_t *p)
     net_fetch_t *f = p->completion;
     p->completion = NULL;
     return f;
+}
+
+bool probe_completion_may_run(const probe_t *p)
+{
+    return p && p->completion_may_run;
 }
 
 void probe_cancel(probe_t *p)

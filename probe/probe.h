@@ -72,6 +72,10 @@ void probe_cancel(probe_t *p);
  * the callback, the completion if it timed out (NULL otherwise): made a drain then, it is kept
  * open; else it ends when the callback returns. */
 net_fetch_t *probe_take_completion(probe_t *p);
+/* During the callback: the probe completion failed with no exchange left to read once the
+ * engine had the whole request (closed, cut mid-answer: net_up_err_may_run), so the engine may
+ * still be generating it. */
+bool probe_completion_may_run(const probe_t *p);
 
 /* The upstream options for requests to a replica (the config's upstream timeouts). */
 void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
@@ -98,8 +102,10 @@ typedef struct {
     char expected[65]; /* the expected_sha256 in force when the request was sent */
     bool matched;      /* answered and sha256 == expected */
     const char *error; /* why not answered (valid during the callback) */
-    /* The request, when it timed out: made a drain during the callback (net_fetch_drain), it
-     * is kept open, else it ends when the callback returns; NULL otherwise. */
+    /* The request, when it timed out with its exchange still open (no answer within the
+     * first-byte timeout, or one silent mid-way: net_fetch_open): made a drain during the
+     * callback (net_fetch_drain), it is kept open, else it ends when the callback returns; NULL
+     * otherwise. */
     net_fetch_t *timed_out;
     /* Failed otherwise once the engine had the whole request, with no whole answer (closed,
      * cut mid-answer: net_up_err_may_run): it may be generating it still. */

@@ -396,17 +396,15 @@ static void engine_read_start(att_t *a)
 }
 
 static void orphan_timed_out(att_t *a, net_fetch_t *f);
-static bool orphan_may(att_t *a);
+static void orphan_hold(att_t *a);
 
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
     a->canary = NULL;
     orphan_timed_out(a, res->timed_out);
-    if (res->may_run && orphan_may(a)) { /* no exchange left to read: kept for its time */
-        px_admission_hold(a->px, a->r, policy_abandoned_drain_ms(&cur(a)->limits));
-        a->holds_slot = false; /* the hold frees it */
-    }
+    if (res->may_run)
+        orphan_hold(a);
     px_replica_t *r = a->r;
     const cfg_pool_t *pc = pool_of(a->px, r);
     if (pc == NULL || pc->manifest == NULL || pc->manifest->canary == NULL) {
@@ -602,6 +600,8 @@ static void checked(attest_outcome_t *out, void *data)
     att_t *a = data;
     px_replica_t *r = a->r;
     orphan_timed_out(a, probe_take_completion(a->probe));
+    if (probe_completion_may_run(a->probe))
+        orphan_hold(a);
     a->probe = NULL;
     put_slot(a); /* the probe completion's, if it sent one */
     switch (out->verdict) {
@@ -769,12 +769,24 @@ static void orphan_adopt(att_t *a)
         orphan_keep(a, f);
 }
 
-/* The same for a's request that got no answer within its first-byte timeout (its callback
- * runs): the engine may be generating it still. */
+/* The same for a's request that timed out with its exchange still open (its callback runs:
+ * no answer within the first-byte timeout, or one silent mid-way): the engine may be
+ * generating it still. */
 static void orphan_timed_out(att_t *a, net_fetch_t *f)
 {
     if (f && orphan_may(a))
         orphan_keep(a, f);
+}
+
+/* The same for a's request that failed once the engine had it, with no exchange left to read
+ * (closed, cut mid-answer: net_up_err_may_run): a's slot is kept for as long as a drain would
+ * have lasted. */
+static void orphan_hold(att_t *a)
+{
+    if (!orphan_may(a))
+        return;
+    px_admission_hold(a->px, a->r, policy_abandoned_drain_ms(&cur(a)->limits));
+    a->holds_slot = false; /* the hold frees it */
 }
 
 static void att_timer_closed(uv_handle_t *h)

@@ -161,8 +161,9 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
         dp_buf_printf(&m, "replica %s: %s%s%s", rl->r->name, net_up_err_name(err),
                       detail && *detail ? ": " : "", detail ? detail : "");
         /* The replica may still be generating it (llama.cpp does): its caller is told now, and
-         * the slot may stay taken until the answer has come. */
-        if (err == NET_UP_FIRST_BYTE_TIMEOUT)
+         * the slot may stay taken until the answer has come; read on while the exchange is
+         * open (no answer yet, or one fallen silent), else kept blind for the drain's time. */
+        if (net_fetch_open(f))
             drain_slot(rl, f);
         else if (net_up_err_may_run(err))
             hold_slot(rl);

@@ -678,11 +678,13 @@ static void sh_done(net_creq_t *c, net_up_err_t err, const char *detail)
 
 /* A copy to a pool whose engine finishes an answer whose connection closed (llama.cpp on a
  * single_sequence pool: policy_pool_drains_abandoned) that got no answer within its first-byte
- * timeout: the copy fails then, as before, but its exchange is read on and dropped, and its
+ * timeout, or whose answer fell silent mid-way for the idle timeout (a long prefill behind an
+ * early head): the copy fails then, as before, but its exchange is read on and dropped, and its
  * slot freed only once the answer has come (or policy_abandoned_drain_ms passed), as for a
  * client's request (data/proxy.c, drain_abandoned): otherwise the next copy or request would
- * run beside the generation still going on. Cancelled at px_shadow_stop. */
-static void sh_first_byte_timeout(net_creq_t *c)
+ * run beside the generation still going on, or the slot would be kept blind for the drain's
+ * whole time. Cancelled at px_shadow_stop. */
+static void copy_timed_out(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     shadow_t *s = c->data;
     shadow_ctx_t *sc = ctx(s->px);
@@ -690,14 +692,25 @@ static void sh_first_byte_timeout(net_creq_t *c)
         return;
     px_admission_drain(s->px, s->target_r, c, &sc->drains,
                        policy_abandoned_drain_ms(&s->px->gen->cfg->limits));
-    s->holds_slot = false; /* the drain frees it */
-    copy_ended(s, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout"); /* frees s */
+    s->holds_slot = false;      /* the drain frees it */
+    copy_ended(s, err, detail); /* frees s */
+}
+
+static void sh_first_byte_timeout(net_creq_t *c)
+{
+    copy_timed_out(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+}
+
+static void sh_idle_timeout(net_creq_t *c)
+{
+    copy_timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
 }
 
 static const net_creq_cb_t shadow_cb = {.on_head = sh_head,
                                         .on_body = sh_body,
                                         .on_done = sh_done,
-                                        .on_first_byte_timeout = sh_first_byte_timeout};
+                                        .on_first_byte_timeout = sh_first_byte_timeout,
+                                        .on_idle_timeout = sh_idle_timeout};
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 

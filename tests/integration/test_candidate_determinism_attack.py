@@ -190,5 +190,35 @@ def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
     px.stop()
 
 
+def test_single_sequence_candidate_copy_silent_past_the_idle_timeout_frees_the_slot_when_it_ends():
+    """A streamed copy whose answer begins at once and then falls silent past
+    upstream_idle_timeout_ms (llama.cpp's head comes before a long prefill): the copy fails then,
+    but its answer is read on and dropped, so the replica's one slot is free the moment that
+    answer ends. Not before it (no second sequence beside it), and not the drain's whole time
+    later (a slot kept blind): the next copy goes to the replica instead of being skipped."""
+    base = [start_sim("--model", MODEL)]
+    cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "400",
+                     "--finish-abandoned")
+    # A drain may last the longer of the two timeouts, 20 s: far past the copy's 2 s answer.
+    px = proxy(base, [cand], framework="llamacpp",
+               limits={"upstream_first_byte_timeout_ms": 20000, "upstream_idle_timeout_ms": 200})
+
+    def copies(result):
+        return metric(px, "detproxy_candidate_total", pool="p", candidate="next", result=result)
+    body = {"model": MODEL, "prompt": "quiet", "max_tokens": 5, "temperature": 0, "stream": True}
+    assert post_json(px.port, "/v1/completions", body).status == 200
+    poll_until(lambda: copies("error") >= 1, what="the copy past its idle timeout")
+    assert sim_stats(cand)["inflight"] == 1, sim_stats(cand)  # read on, not cut
+    poll_until(lambda: sim_stats(cand)["inflight"] == 0, timeout=10, what="the copy's answer over")
+    assert post_json(px.port, "/v1/completions",
+                     dict(body, prompt="next", stream=False, max_tokens=1)).status == 200
+    poll_until(lambda: metric(px, "detproxy_candidate_total", pool="p", candidate="next") >= 2,
+               what="the next copy ended")
+    assert copies("skipped") == 0, copies("skipped")
+    assert len(client_requests(cand)) == 2, client_requests(cand)
+    assert sim_stats(cand)["max_inflight_seen"] == 1, sim_stats(cand)
+    px.stop()
+
+
 if __name__ == "__main__":
     run_tests(globals())

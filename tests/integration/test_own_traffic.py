@@ -16,7 +16,7 @@ import time
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_sim)
-from proxyutil import metric, pool, sim_reset, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_config, sim_reset, sim_stats, start_proxy
 
 MODEL = "tiny"
 FP = "b11669-Debian"
@@ -328,6 +328,62 @@ def test_the_relay_refuses_head_at_once():
              headers={"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1"}, timeout=2)
     px.stop()
     assert r.status == 405, r.status
+
+
+def single_sequence_llama(sim, drain_ms=20000, **attestation):
+    """A single_sequence pool on one llama.cpp replica (whose engine finishes an answer whose
+    connection closed), drains lasting drain_ms, an idle timeout of 200 ms."""
+    man = {"model": MODEL, "framework": {"name": "llamacpp"},
+           "determinism": {"mode": "single_sequence"}}
+    return start_proxy(pools=[native_pool("p", [sim], man, 1)],
+                       attestation=dict({"interval_ms": 600000, "require_signature": False},
+                                        **attestation),
+                       limits={"upstream_first_byte_timeout_ms": drain_ms,
+                               "upstream_idle_timeout_ms": 200})
+
+
+def test_a_relay_answer_silent_past_the_idle_timeout_keeps_the_slot_until_it_ends():
+    """A relayed stream whose answer begins at once and then falls silent past the idle timeout
+    (a long prefill behind an early head): the relay's caller gets its 502 then, and the
+    answer is read on and dropped, so the single_sequence replica's slot is free the moment it
+    ends: the next request runs after it, not beside it and not a drain's 20 s later."""
+    sim = llama_sim("--token-delay-ms", "400", "--finish-abandoned")
+    px = single_sequence_llama(sim)
+    http("POST", sim.port, "/_sim/reset")
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions",
+             body=json.dumps({"model": MODEL, "prompt": "quiet", "max_tokens": 5,
+                              "temperature": 0, "stream": True}),
+             headers={"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1",
+                      "content-type": "application/json"}, timeout=10)
+    assert r.status == 502 and r.json()["error"]["code"] == "replica_error", r
+    assert "idle_timeout" in r.json()["error"]["message"], r.json()
+    assert sim_stats(sim)["inflight"] == 1, sim_stats(sim)  # read on, not cut
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "next",
+                                               "max_tokens": 1, "temperature": 0}, timeout=30)
+    assert r.status == 200, r
+    assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1 and st["requests"] == 2, st
+    px.stop()
+
+
+def test_a_probe_completion_the_replica_closes_on_keeps_the_slot():
+    """The attestation's 1-token probe completion is taken whole by the replica, which then
+    closes without an answer (a proxy in front of the engine cut detproxy's side): the engine
+    may be generating it still, so the single_sequence slot is kept for as long as a drain
+    would be, and the next request waits rather than running beside it."""
+    sim = llama_sim("--finish-abandoned")
+    px = single_sequence_llama(sim, drain_ms=5000, interval_ms=300, timeout_ms=2000)
+    sim_config(sim, fault="close_before_response", fault_count=1)
+    poll_until(lambda: sim_stats(sim)["faults_injected"] == 1, timeout=10,
+               what="a probe completion closed on")
+    t0 = time.monotonic()
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "next",
+                                               "max_tokens": 1, "temperature": 0}, timeout=60)
+    assert r.status == 200, r
+    assert time.monotonic() - t0 >= 3.5, time.monotonic() - t0  # the hold: 5 s from the close
+    px.stop()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ static void h_complete(net_req_t *r)
         g_held = r;
         net_resp_start(r, 200, NULL, 0, -1);
         uv_timer_start(&g_pump, pump_cb, 1, 1);
+    } else if (is(r, "/stall")) {
+        g_held = r; /* an answer begun, then silent: net_resp_end ends it */
+        net_resp_start(r, 200, NULL, 0, -1);
+        net_resp_write(r, "abc", 3);
     } else if (is(r, "/hold")) {
         g_held = r;
     } else {
@@ -334,12 +338,13 @@ static void count_drained(void *data, uint64_t left_ms)
     g_drained++;
 }
 
-/* The fetch's callback, which makes the exchange a drain when told of a first-byte timeout. */
+/* The fetch's callback, which makes the exchange a drain when told of a timeout while it is
+ * still open. */
 static void fetched_or_drain(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                              const char *detail, void *data)
 {
     fetched(f, status, body, err, detail, data);
-    if (err == NET_UP_FIRST_BYTE_TIMEOUT)
+    if (net_fetch_open(f))
         net_fetch_drain(f, &g_set, 300, count_drained, &g_drained);
 }
 
@@ -383,6 +388,31 @@ Test(net_fetch, a_fetch_told_of_a_first_byte_timeout_may_drain_it)
     cr_assert_eq(g_drained, 0);
     cr_assert_eq(g_aborts, 0);
     net_resp_send(g_held, 200, "application/json", "{}", 2, NULL, 0);
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_null(g_set.head);
+    net_upstream_free(u);
+}
+
+/* An answer that falls silent mid-way for the idle timeout is told the same way, with the
+ * exchange still open: made a drain, silence no longer ends it, and the answer's end does. */
+Test(net_fetch, a_fetch_told_of_an_idle_timeout_may_drain_it)
+{
+    struct sockaddr_in a = loopback(net_server_port(g_srv));
+    net_upstream_t *u = net_upstream_new(&g_loop, (struct sockaddr *)&a,
+                                         &(net_upstream_opts_t){.idle_timeout_ms = 50});
+    g_set = (net_drains_t){0};
+    g_drained = 0;
+    fr_t r = {0};
+    net_fetch(u, &(net_fetch_opts_t){.method = "GET", .hostport = "h:1", .target = "/stall"},
+              fetched_or_drain, &r);
+    RUN_UNTIL(r.done);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_IDLE_TIMEOUT);
+    cr_assert_not_null(g_set.head);
+    run_for(150); /* three more idle timeouts: kept for its 300 ms */
+    cr_assert_eq(g_drained, 0);
+    cr_assert_eq(g_aborts, 0);
+    net_resp_end(g_held);
     RUN_UNTIL(g_drained == 1);
     cr_assert_null(g_set.head);
     net_upstream_free(u);
