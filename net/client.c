@@ -90,12 +90,17 @@ struct uconn_s {
  * upstream: after its first chunked answer a connection is not taken for SETTLE_MS; a server
  * that closes it within that closes after streams, and such connections are closed here from
  * then on, before anything is sent on them; one still open then keeps them, and they are taken
- * at once. One connection in REPROBE_EVERY that a closing server's habit would close is pooled
+ * at once. A close later than that but within HABIT_WINDOW_MS of a chunked answer, on a pooled
+ * connection or under a request that reused one, is learned the same way (a server that closes
+ * a little later costs the requests that met its closes until then, not every later one); no
+ * engine's keep-alive timeout is that short, so an idle close never teaches it. One connection
+ * in REPROBE_EVERY that a closing server's habit would close is pooled
  * and held back so instead, so that a server that closed one by chance (a restart just after
  * a stream) is not judged for good. Length-delimited answers are not held back so: every
  * request would pay for it, and engines keep those connections or say `Connection: close`. */
 enum { HABIT_UNKNOWN = 0, HABIT_KEPT, HABIT_CLOSED };
 #define SETTLE_MS 100
+#define HABIT_WINDOW_MS 1000
 #define REPROBE_EVERY 64
 
 struct net_upstream_s {
@@ -676,13 +681,13 @@ static void sock_read(net_sock_t *s, const char *p, size_t n)
 }
 
 /* The server closed c: pooled, or under the request that reused it. Soon after a chunked
- * answer, that is its habit after them (SETTLE_MS). */
+ * answer, that is its habit after them (HABIT_WINDOW_MS). */
 static void learn_habit(uconn_t *c)
 {
     net_upstream_t *u = c->up;
     bool since_pooled =
         c->phase == UC_IDLE || (c->req && c->req->pub.reused && !c->req->pub.response_started);
-    if (since_pooled && c->after_chunked && uv_now(u->loop) - c->pooled_at < SETTLE_MS)
+    if (since_pooled && c->after_chunked && uv_now(u->loop) - c->pooled_at < HABIT_WINDOW_MS)
         u->chunked_habit = HABIT_CLOSED;
 }
 
