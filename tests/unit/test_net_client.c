@@ -327,43 +327,38 @@ Test(net_client, a_server_that_keeps_connections_after_chunked_answers_has_them_
     x_free(&d);
 }
 
-/* A server that closes a little after its streams, past the settling: the close teaches
- * its habit all the same, and the next chunked answer's connection is not pooled. */
-Test(net_client, a_close_soon_after_a_chunked_answer_but_past_the_settling_is_learned)
+/* A server that keeps its connection after a chunked answer and closes it ms later: whether
+ * the next chunked answer's connection is then pooled (1) or closed (0). */
+static size_t pooled_after_a_close_at(int ms)
 {
     peer_start(&g_peer, chunked_kept);
     up_new(NULL);
     ex_t a, b;
     x_get(&a);
     x_expect(&a, NET_UP_OK);
-    run_for(150);
+    run_for(ms);
     peer_conn_close(g_peer.conns[0]);
     RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
     x_get(&b);
     x_expect(&b, NET_UP_OK);
     cr_assert(!b.reused);
-    cr_assert_eq(b.idle_at_done, 0, "a chunked answer's connection pooled again");
+    size_t pooled = b.idle_at_done;
     x_free(&a);
     x_free(&b);
+    return pooled;
 }
 
-/* An idle close long after the stream (a keep-alive timeout) teaches nothing: the next
- * chunked answer's connection is pooled as before. */
+/* A server that closes a little after its streams, past the settling: the close teaches its
+ * habit all the same. */
+Test(net_client, a_close_soon_after_a_chunked_answer_but_past_the_settling_is_learned)
+{
+    cr_assert_eq(pooled_after_a_close_at(150), 0, "a chunked answer's connection pooled again");
+}
+
+/* An idle close long after the stream (a keep-alive timeout) teaches nothing. */
 Test(net_client, an_idle_close_long_after_a_chunked_answer_teaches_no_habit)
 {
-    peer_start(&g_peer, chunked_kept);
-    up_new(NULL);
-    ex_t a, b;
-    x_get(&a);
-    x_expect(&a, NET_UP_OK);
-    run_for(1100);
-    peer_conn_close(g_peer.conns[0]);
-    RUN_UNTIL(net_client_upstream_idle(g_up) == 0);
-    x_get(&b);
-    x_expect(&b, NET_UP_OK);
-    cr_assert_eq(b.idle_at_done, 1, "judged to close after streams");
-    x_free(&a);
-    x_free(&b);
+    cr_assert_eq(pooled_after_a_close_at(1100), 1, "judged to close after streams");
 }
 
 /* One that closed one by chance (a restart just after a stream): every REPROBE_EVERY-th
