@@ -184,6 +184,31 @@ void cfg_url_free(cfg_url_t *u)
     *u = (cfg_url_t){0};
 }
 
+void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out)
+{
+    char host[256];
+    size_t n = u->host ? strlen(u->host) : 0;
+    if (n >= sizeof(host))
+        n = sizeof(host) - 1;
+    for (size_t i = 0; i < n; i++)
+        host[i] = (char)(u->host[i] >= 'A' && u->host[i] <= 'Z' ? u->host[i] + 32 : u->host[i]);
+    host[n] = '\0';
+    struct in6_addr a6;
+    char v6[INET6_ADDRSTRLEN] = "";
+    if (inet_pton(AF_INET6, host, &a6) == 1) {
+        if (IN6_IS_ADDR_V4MAPPED(&a6))
+            inet_ntop(AF_INET, &a6.s6_addr[12], host, sizeof(host));
+        else if (IN6_IS_ADDR_LOOPBACK(&a6))
+            snprintf(host, sizeof(host), "127.0.0.1");
+        else
+            inet_ntop(AF_INET6, &a6, v6, sizeof(v6));
+    }
+    if (strcmp(host, "localhost") == 0)
+        snprintf(host, sizeof(host), "127.0.0.1");
+    dp_buf_printf(out, v6[0] ? "%s://[%s]:%u%s" : "%s://%s:%u%s", u->tls ? "https" : "http",
+                  v6[0] ? v6 : host, (unsigned)u->port, u->path ? u->path : "");
+}
+
 bool cfg_addr_is_loopback(const char *host)
 {
     struct in_addr a4;

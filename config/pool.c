@@ -219,10 +219,18 @@ static void parse_replica(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t 
     parse_replica_attest(c, node, m, &r->attest);
 }
 
+/* Do a and b name one engine (cfg_url_engine)? */
 static bool same_url(const cfg_url_t *a, const cfg_url_t *b)
 {
-    return a->hostport != NULL && b->hostport != NULL && a->tls == b->tls &&
-           strcmp(a->hostport, b->hostport) == 0 && strcmp(a->path, b->path) == 0;
+    if (a->hostport == NULL || b->hostport == NULL)
+        return false;
+    dp_buf_t ea = {0}, eb = {0};
+    cfg_url_engine(a, &ea);
+    cfg_url_engine(b, &eb);
+    bool same = ea.len == eb.len && memcmp(ea.base, eb.base, ea.len) == 0;
+    dp_buf_free(&ea);
+    dp_buf_free(&eb);
+    return same;
 }
 
 /* Names are unique within a pool; two entries for one endpoint would make cross-replica
@@ -237,7 +245,7 @@ static void check_replicas(cfg_ctx_t *c, const cfg_pool_t *p)
             if (r->name != NULL && o->name != NULL && strcmp(r->name, o->name) == 0)
                 cfg_err(c, "name", "duplicate replica name (also replicas[%zu])", j);
             if (same_url(&r->url, &o->url))
-                cfg_warn(c, "url", "same URL as replicas[%zu]", j);
+                cfg_warn(c, "url", "same engine as replicas[%zu]", j);
         }
         cfg_path_pop(c, mark);
     }
@@ -676,7 +684,7 @@ static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
                 for (size_t l = 0; l < o->nreplicas; l++)
                     if (same_url(&p->replicas[k].url, &o->replicas[l].url))
                         cfg_err(c, "url",
-                                "same URL as pools[%zu].replicas[%zu]: pool \"%s\" is "
+                                "same engine as pools[%zu].replicas[%zu]: pool \"%s\" is "
                                 "single_sequence (one request at a time per engine) and pool "
                                 "\"%s\" is not, so its requests would run beside that one",
                                 j, l, one ? p->name : o->name, one ? o->name : p->name);

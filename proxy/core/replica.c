@@ -115,10 +115,10 @@ static bool g_gate;
 /* A graceful stop: nothing new starts on a one-at-a-time engine (px_replica_engines_quiesce). */
 static atomic_bool g_quiesce;
 
-/* The engine whose key is the first len bytes of key (the URL part of a slots key), with a new
- * reference from a slots object; one of a single_sequence pool when `one`. */
-static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url, bool one,
-                               bool drain)
+/* The engine whose key is the first len bytes of key (the URL part of a slots key: the
+ * engine's URL, cfg_url_engine), with a new reference from a slots object; one of a
+ * single_sequence pool when `one`. */
+static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain)
 {
     px_engine_t *e = g_engines;
     while (e && !(e->keylen == len && memcmp(e->key, key, len) == 0))
@@ -128,10 +128,7 @@ static px_engine_t *engine_ref(const char *key, size_t len, const cfg_url_t *url
         e->key = dp_xmalloc(len);
         memcpy(e->key, key, len);
         e->keylen = len;
-        dp_buf_t l = {0};
-        dp_buf_printf(&l, "%s://%s:%u%s", url->tls ? "https" : "http", url->host ? url->host : "",
-                      (unsigned)url->port, url->path ? url->path : "");
-        e->label = dp_buf_steal(&l);
+        e->label = dp_xstrndup(key, len);
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
     e->refs++;
@@ -185,8 +182,7 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     bool one = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE;
     dp_buf_printf(&key, "%s%c", one ? "" : p->name, 0);
     size_t url_at = key.len; /* the engine's key from here */
-    dp_buf_printf(&key, "%d%c%s%c%u%c%s", url->tls, 0, url->host ? url->host : "", 0,
-                  (unsigned)url->port, 0, url->path ? url->path : "");
+    cfg_url_engine(url, &key);
     for (px_slots_t *sl = g_slots; sl; sl = sl->next) {
         if (sl->keylen == key.len && memcmp(sl->key, key.base, key.len) == 0) {
             dp_buf_free(&key);
@@ -200,7 +196,7 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     sl->keylen = key.len;
     sl->one = one;
     sl->drain = one && policy_pool_drains_abandoned(p);
-    sl->eng = engine_ref(key.base + url_at, key.len - url_at, url, one, sl->drain);
+    sl->eng = engine_ref(key.base + url_at, key.len - url_at, one, sl->drain);
     DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }

@@ -991,11 +991,13 @@ def test_single_sequence_holds_the_slot_of_a_canary_that_timed_out():
 
 def test_single_sequence_pools_sharing_an_engine_share_its_slot():
     """Two single_sequence pools may name the same engine: they share its one slot, so a
-    request through one never runs beside a request through the other."""
+    request through one never runs beside a request through the other. Also when they spell
+    it two ways (localhost and 127.0.0.1 reach one engine)."""
     sim = start_sim("--model", MODEL, "--token-delay-ms", "20")
     pools = [single_sequence_pool([sim]), single_sequence_pool([sim])]
     pools[1]["name"] = "q"
     pools[1]["replicas"][0]["name"] = "q1"
+    pools[1]["replicas"][0]["url"] = "http://LocalHost:%d" % sim.port
     policy = {"tenants": [
         {"name": "other", "match": {"header": {"name": "x-tenant", "value": "other"}},
          "pool": "q"},
@@ -1211,11 +1213,14 @@ def test_config_errors_name_their_json_path():
     # An engine of a single_sequence pool that a pool of another mode sends to as well.
     shared = [pool("fast", [MODEL], [sim]), single_sequence_pool([sim])]
     rc, out, err = check(shared)
-    assert rc == 1 and ("pools[1].replicas[0].url: same URL as pools[0].replicas[0]: pool \"p\" "
+    assert rc == 1 and ("pools[1].replicas[0].url: same engine as pools[0].replicas[0]: pool \"p\" "
                         "is single_sequence (one request at a time per engine) and pool \"fast\" "
                         "is not") in err, err
     rc, out, err = check(shared[::-1])
-    assert rc == 1 and "pools[1].replicas[0].url: same URL as pools[0].replicas[0]" in err, err
+    assert rc == 1 and "pools[1].replicas[0].url: same engine as pools[0].replicas[0]" in err, err
+    shared[0]["replicas"][0]["url"] = "http://localhost:%d/" % sim.port  # one engine all the same
+    rc, out, err = check(shared)
+    assert rc == 1 and "pools[1].replicas[0].url: same engine as pools[0].replicas[0]" in err, err
 
 
 if __name__ == "__main__":

@@ -974,7 +974,7 @@ Test(config, warns_on_shadowed_tenant_duplicate_url_and_plain_server_name)
     cr_assert_eq(load_q(sq, &cfg, &e), 0);
     cr_assert_eq(e.nwarnings, 4);
     cr_assert(has_warning(&e, "pools[0].replicas[0].server_name", "only https://"));
-    cr_assert(has_warning(&e, "pools[0].replicas[1].url", "same URL as replicas[0]"));
+    cr_assert(has_warning(&e, "pools[0].replicas[1].url", "same engine as replicas[0]"));
     cr_assert(has_warning(&e, "policy.tenants[1].allow_params", "does not list \"model\""));
     /* a plain {"any": true} leaves requests with credentials to later tenants */
     cr_assert(has_warning(&e, "policy.tenants[3]", "never matches: tenants[2]"));
@@ -1243,6 +1243,63 @@ Test(config, parse_url_invalid)
         cr_assert_not_null(why, "%s", bad[i]);
         cr_assert_null(u.host, "%s", bad[i]);
     }
+}
+
+/* The engine a URL names: one string for every spelling of one engine, and different ones for
+ * different engines. */
+Test(config, url_engine_names_one_engine_one_way)
+{
+    static const char *const same[][2] = {
+        {"http://localhost:8080", "http://127.0.0.1:8080"},
+        {"http://[::1]:8080/", "http://LOCALHOST:8080"},
+        {"http://[::ffff:127.0.0.1]:8080", "http://127.0.0.1:8080"},
+        {"https://Engine.Example.com/v1", "https://engine.example.com:443/v1/"},
+        {"http://[2001:DB8:0::1]:9", "http://[2001:db8::1]:9"},
+    };
+    static const char *const other[][2] = {
+        {"http://127.0.0.1:8080", "https://127.0.0.1:8080"},
+        {"http://127.0.0.1:8080", "http://127.0.0.2:8080"},
+        {"http://127.0.0.1:8080", "http://127.0.0.1:8081"},
+        {"http://127.0.0.1:8080/a", "http://127.0.0.1:8080/b"},
+        {"http://engine-a:8080", "http://engine-b:8080"},
+    };
+    char want[2][96];
+    for (size_t k = 0; k < 2; k++) {
+        const char *const(*pairs)[2] = k == 0 ? same : other;
+        size_t n = k == 0 ? sizeof(same) / sizeof(same[0]) : sizeof(other) / sizeof(other[0]);
+        for (size_t i = 0; i < n; i++) {
+            for (size_t j = 0; j < 2; j++) {
+                cfg_url_t u;
+                const char *why = NULL;
+                cr_assert_eq(cfg_parse_url(pairs[i][j], &u, &why), 0, "%s", pairs[i][j]);
+                dp_buf_t e = {0};
+                cfg_url_engine(&u, &e);
+                snprintf(want[j], sizeof(want[j]), "%.*s", (int)e.len, e.base);
+                dp_buf_free(&e);
+                cfg_url_free(&u);
+            }
+            cr_assert_eq(strcmp(want[0], want[1]) == 0, k == 0, "%s / %s: %s, %s", pairs[i][0],
+                         pairs[i][1], want[0], want[1]);
+        }
+    }
+}
+
+Test(config, url_engine_spells_it_as_a_url)
+{
+    cfg_url_t u;
+    const char *why = NULL;
+    cr_assert_eq(cfg_parse_url("HTTPS://[::1]:8443/v1/", &u, &why), 0);
+    dp_buf_t e = {0};
+    cfg_url_engine(&u, &e);
+    cr_assert_eq(e.len, strlen("https://127.0.0.1:8443/v1"));
+    cr_assert_eq(memcmp(e.base, "https://127.0.0.1:8443/v1", e.len), 0);
+    dp_buf_free(&e);
+    cfg_url_free(&u);
+    cr_assert_eq(cfg_parse_url("http://[2001:DB8:0::1]", &u, &why), 0);
+    cfg_url_engine(&u, &e);
+    cr_assert_eq(memcmp(e.base, "http://[2001:db8::1]:80", e.len), 0, "%.*s", (int)e.len, e.base);
+    dp_buf_free(&e);
+    cfg_url_free(&u);
 }
 
 Test(config, parse_addr)
