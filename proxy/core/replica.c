@@ -121,13 +121,10 @@ static atomic_bool g_quiesce;
 static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain)
 {
     px_engine_t *e = g_engines;
-    while (e && !(e->keylen == len && memcmp(e->key, key, len) == 0))
+    while (e && !(strlen(e->label) == len && memcmp(e->label, key, len) == 0))
         e = e->next;
     if (e == NULL) {
         e = dp_xcalloc(1, sizeof(*e));
-        e->key = dp_xmalloc(len);
-        memcpy(e->key, key, len);
-        e->keylen = len;
         e->label = dp_xstrndup(key, len);
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
@@ -155,7 +152,6 @@ static void engine_unref(px_engine_t *e, bool one, bool drain)
     if (--e->refs > 0)
         return;
     DP_LIST_UNLINK(g_engines, e, next, prev);
-    free(e->key);
     free(e->label);
     free(e);
 }

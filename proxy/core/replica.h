@@ -38,15 +38,14 @@ extern const char *const px_replica_state_names[];
 /* The canary's last verdict on a replica, as attestation publishes it. */
 typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary_t;
 
-/* One engine, whichever pools and configuration generations name it (its URL as written):
- * what it runs at all, so a single_sequence pool's one request waits for every other. */
+/* One engine, whichever pools and configuration generations name it (however they spell its
+ * URL: cfg_url_engine): what it runs at all, so a single_sequence pool's one request waits for
+ * every other. */
 typedef struct px_engine_s {
     /* The slots naming it, the single_sequence ones, and of those the ones whose engine
      * finishes an answer whose connection closed (policy_pool_drains_abandoned). Control
      * thread. */
     int refs, ones, drains;
-    char *key;
-    size_t keylen;
     struct px_engine_s *next, *prev;
     atomic_uint running; /* requests on it: every slot held, whichever slots hold it */
     /* While a single_sequence pool names it (ones > 0), every slot on it is taken only when
@@ -65,7 +64,9 @@ typedef struct px_engine_s {
     /* ... and only until this (dp_now_ms): while its lease surely lives, so a member paused or
      * cut off past its lease starts nothing there when it runs again, before it learns so. */
     _Atomic uint64_t held_until;
-    char *label; /* its URL as written ("http://host:port/path"), for logs and the fleet */
+    /* Its URL as cfg_url_engine writes it ("http://host:port/path"): its key here, in logs and
+     * in the fleet. */
+    char *label;
 } px_engine_t;
 
 /* The slots of one engine in one pool (single_sequence pools share theirs). */
