@@ -235,6 +235,21 @@ Test(util, strieq_compares_whole_names_ignoring_ascii_case)
             cr_assert_eq(dp_memieq(x + 7, y + 7, 1), c % 8 != 7 || same, "0x%02x 0x%02x", c, d);
         }
     }
+    /* every length up to three steps, one byte changed at each place: the overlapping last
+     * step and the four-byte halves see it wherever it is */
+    static const char up[] = "X-FORWARDED-PROTO-HOST-TE", lo[] = "x-forwarded-proto-host-te";
+    for (size_t n = 0; n <= 24; n++) {
+        cr_assert(dp_memieq(up, lo, n), "n %zu", n);
+        for (size_t at = 0; at < n; at++) {
+            for (int flip = 0; flip < 2; flip++) {
+                char y[25];
+                memcpy(y, lo, sizeof(y));
+                y[at] = flip ? (char)(y[at] ^ 0x01) : (char)(y[at] ^ 0x80);
+                cr_assert_not(dp_memieq(up, y, n), "n %zu at %zu flip %d", n, at, flip);
+                cr_assert_not(dp_memieq(y, up, n), "n %zu at %zu flip %d", n, at, flip);
+            }
+        }
+    }
 }
 
 /* Decimal writing and bounded copies, as snprintf("%llu") and snprintf("%.*s") write them. */
