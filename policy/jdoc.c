@@ -3,6 +3,7 @@
 #include "common/util.h"
 
 #include <assert.h>
+#include <float.h>
 #include <stdatomic.h>
 #include <math.h>
 #include <stdlib.h>
@@ -966,9 +967,66 @@ static scan_string_fn scan_string_pick(void)
     }
 }
 
+static bool is_digit(unsigned char c)
+{
+    return c >= '0' && c <= '9';
+}
+
+/* The powers of ten a double holds exactly. */
+static const double exact_pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                     1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                     1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* A validated number whose digits, read as an integer, are at most 2^53 and whose power of ten
+ * is within 10^-22..10^22 (0.9, 1e-3, 1234.5): both are exact doubles, so one IEEE multiply or
+ * divide rounds the value once, to the same double strtod's correct rounding gives (Clinger,
+ * "How to read floating point numbers accurately", 1990). false for the others, which
+ * strtod reads. */
+static bool num_exact(const char *p, size_t len, double *out)
+{
+#if FLT_EVAL_METHOD != 0
+    return false; /* an extended-precision intermediate would round twice */
+#endif
+    size_t i = p[0] == '-' ? 1 : 0;
+    uint64_t m = 0;
+    int digits = 0, e = 0;
+    for (; i < len && is_digit((unsigned char)p[i]); i++) {
+        if (++digits > 19)
+            return false;
+        m = m * 10 + (uint64_t)(p[i] - '0');
+    }
+    if (i < len && p[i] == '.') {
+        for (i++; i < len && is_digit((unsigned char)p[i]); i++, e--) {
+            if (++digits > 19)
+                return false;
+            m = m * 10 + (uint64_t)(p[i] - '0');
+        }
+    }
+    if (i < len && (p[i] == 'e' || p[i] == 'E')) {
+        bool eneg = ++i < len && p[i] == '-';
+        if (i < len && (p[i] == '-' || p[i] == '+'))
+            i++;
+        int x = 0;
+        for (; i < len && is_digit((unsigned char)p[i]); i++) {
+            if (x > 1000)
+                return false;
+            x = x * 10 + (p[i] - '0');
+        }
+        e += eneg ? -x : x;
+    }
+    if (i != len || m > (1ull << 53) || e < -22 || e > 22)
+        return false;
+    double v = e < 0 ? (double)m / exact_pow10[-e] : (double)m * exact_pow10[e];
+    *out = p[0] == '-' ? -v : v;
+    return true;
+}
+
 /* strtod wants a terminator; numbers are short, so copy to the stack. */
 static double num_value(const char *p, size_t len)
 {
+    double v;
+    if (len > 0 && num_exact(p, len, &v))
+        return v;
     char tmp[64];
     if (len < sizeof(tmp)) {
         memcpy(tmp, p, len);
@@ -976,14 +1034,9 @@ static double num_value(const char *p, size_t len)
         return strtod(tmp, NULL);
     }
     char *h = dp_xstrndup(p, len);
-    double v = strtod(h, NULL);
+    v = strtod(h, NULL);
     free(h);
     return v;
-}
-
-static bool is_digit(unsigned char c)
-{
-    return c >= '0' && c <= '9';
 }
 
 static int scan_number(jdoc_t *d, size_t *pos, uint8_t *flags)

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "policy/jcs.h"
+#include "policy/jdoc.h"
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 
@@ -109,6 +110,76 @@ Test(es_number, strtod_round_trip_and_shortest)
             if (strtod(c, NULL) == v)
                 cr_assert_fail("%a: %s is shorter than %s", v, c, out);
         }
+    }
+}
+
+/* jdoc_num reads a number literal as strtod does, bit for bit: the literals a few digits long
+ * with a small exponent that it reads without strtod (every form: sign, fraction, exponent,
+ * leading and trailing zeros, 2^53 and past it) and the ones around them that it leaves to it. */
+Test(jdoc_num, reads_what_strtod_reads)
+{
+    rng_state = 0x13198A2E03707344ULL;
+    static const char *fixed[] = {"0",
+                                  "-0",
+                                  "0.0",
+                                  "-0.0",
+                                  "0e0",
+                                  "0E-0",
+                                  "-0e+5",
+                                  "1",
+                                  "0.9",
+                                  "0.1",
+                                  "0.3",
+                                  "1e22",
+                                  "1e23",
+                                  "1e-22",
+                                  "1e-23",
+                                  "9007199254740992",
+                                  "9007199254740993",
+                                  "9007199254740992e-22",
+                                  "-9007199254740991.5",
+                                  "1234567890123456789",
+                                  "12345678901234567890",
+                                  "0.1000000000000000055511",
+                                  "123456789e22",
+                                  "1.7976931348623157e308",
+                                  "5e-324",
+                                  "4.9406564584124654e-324",
+                                  "2.2250738585072011e-308",
+                                  "1e-4000"};
+    char lit[64];
+    for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]) + 200000; i++) {
+        if (i < sizeof(fixed) / sizeof(fixed[0])) {
+            snprintf(lit, sizeof(lit), "%s", fixed[i]);
+        } else {
+            uint64_t r = rng();
+            int digits = (int)(r % 20) + 1, frac = (int)(rng() % 25), ex = (int)(rng() % 61) - 30;
+            size_t o = 0;
+            if (r >> 63)
+                lit[o++] = '-';
+            uint64_t m = rng();
+            for (int k = 0; k < digits; k++) {
+                lit[o++] = (char)('0' + (k == 0 && digits > 1 ? 1 + m % 9 : m % 10));
+                m = m / 10 ? m / 10 : rng();
+            }
+            if (frac > 0 && frac < 20) {
+                lit[o++] = '.';
+                for (int k = 0; k < frac; k++, m = m / 10 ? m / 10 : rng())
+                    lit[o++] = (char)('0' + m % 10);
+            }
+            if ((r >> 60 & 3) != 0)
+                o += (size_t)snprintf(lit + o, sizeof(lit) - o, "%s%d", (r >> 59 & 1) ? "E" : "e",
+                                      ex);
+            lit[o] = '\0';
+        }
+        jdoc_t d;
+        jdoc_init(&d);
+        if (jdoc_parse(&d, lit, strlen(lit), 0) != 0 || d.toks[0].type != JT_NUM)
+            cr_assert_fail("%s: not read as a number", lit);
+        double got = jdoc_num(&d, 0), want = strtod(lit, NULL);
+        jdoc_free(&d);
+        if (memcmp(&got, &want, sizeof(got)) != 0)
+            cr_assert_fail("%s: jdoc_num %a, strtod %a", lit, got, want);
     }
 }
 
