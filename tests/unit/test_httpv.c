@@ -116,6 +116,68 @@ Test(head_scan, byte_at_a_time_equals_whole)
     }
 }
 
+/* One head scanned whole and one byte at a time: the same verdict, status, reason and length
+ * (a byte at a time, a line's ordinary bytes are never passed over in bulk). */
+static int scan_both(const char *s, size_t n, size_t max_bytes, int *status, const char **why)
+{
+    net_head_scan_t whole = {0}, step = {0};
+    whole.max_bytes = step.max_bytes = max_bytes;
+    whole.max_headers = step.max_headers = 8;
+    size_t used = 0, sused = 0;
+    int r = net_head_scan(&whole, s, n, &used, status, why), sr = NET_SCAN_MORE, sst = 0;
+    const char *swhy = NULL;
+    size_t i = 0;
+    for (; i < n && sr == NET_SCAN_MORE; i++)
+        sr = net_head_scan(&step, s + i, 1, &sused, &sst, &swhy);
+    cr_assert_eq(r, sr, "%.*s", (int)n, s);
+    if (r == NET_SCAN_ERROR) {
+        cr_assert_eq(*status, sst);
+        cr_assert_str_eq(*why, swhy);
+    } else if (r == NET_SCAN_DONE) {
+        cr_assert_eq(used, i, "%.*s", (int)n, s);
+    }
+    return r;
+}
+
+Test(head_scan, every_byte_at_every_place_of_a_long_line)
+{
+    char head[128];
+    const char start[] = "GET / HTTP/1.1\r\nX-Long: ";
+    size_t sl = strlen(start), vl = 70;
+    for (size_t at = 0; at < vl; at++) {
+        for (int b = 0; b < 256; b++) {
+            memcpy(head, start, sl);
+            memset(head + sl, 'a', vl);
+            head[sl + at] = (char)b;
+            memcpy(head + sl + vl, "\r\n\r\n", 4);
+            int status;
+            const char *why;
+            bool bad = (b < 0x20 && b != '\t') || b == 0x7f;
+            int r = scan_both(head, sl + vl + 4, 1024, &status, &why);
+            if (r != (bad ? NET_SCAN_ERROR : NET_SCAN_DONE))
+                cr_assert_fail("byte 0x%02x at %zu: %d", b, at, r);
+        }
+    }
+}
+
+Test(head_scan, size_limit_inside_a_long_line)
+{
+    char head[160];
+    const char start[] = "GET / HTTP/1.1\r\nX-Long: ";
+    size_t sl = strlen(start), vl = 100, total = sl + vl + 4;
+    memcpy(head, start, sl);
+    memset(head + sl, 'a', vl);
+    memcpy(head + sl + vl, "\r\n\r\n", 4);
+    for (size_t max = sl; max <= total + 2; max++) {
+        int status;
+        const char *why;
+        int r = scan_both(head, total, max, &status, &why);
+        cr_assert_eq(r, max >= total ? NET_SCAN_DONE : NET_SCAN_ERROR, "max %zu", max);
+        if (r == NET_SCAN_ERROR)
+            cr_assert_eq(status, 431, "max %zu", max);
+    }
+}
+
 static int scan_chunks(const char *s, size_t n, size_t *used, const char **why)
 {
     net_chunk_scan_t cs = {0};
