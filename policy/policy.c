@@ -2,6 +2,7 @@
  * normalisation. Reads top to bottom in the order the proxy calls it. */
 #include <assert.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -271,7 +272,9 @@ struct policy_req_s {
     jdoc_t doc;
     policy_route_t route;
     bool parsed;
-    uint32_t key[S__COUNT]; /* key token of each known top-level member, or JDOC_NONE */
+    uint32_t key[S__COUNT];  /* key token of each known top-level member, or JDOC_NONE */
+    uint8_t keyed[S__COUNT]; /* the slots key[] has a token for, in document order */
+    uint8_t nkeyed;
     dp_buf_t model;
     dp_buf_t edits; /* the new bytes of a rewritten body (values, added members) */
     dp_buf_t flat;  /* policy_body's joined copy */
@@ -343,37 +346,68 @@ void policy_req_free(policy_req_t *r)
     free(r);
 }
 
+/* slots[] by the length of their names, built once from it: those n bytes long are
+ * by_len[len_start[n]] up to by_len[len_start[n + 1]], in slot order. A top-level key is then
+ * compared with the one to five names of its length, not looked for among all of them. */
+#define SLOT_NAME_MAX 21
+static uint8_t len_start[SLOT_NAME_MAX + 2];
+static uint8_t by_len[S__COUNT];
+static pthread_once_t g_by_len_once = PTHREAD_ONCE_INIT;
+
+static void by_len_build(void)
+{
+    uint8_t next[SLOT_NAME_MAX + 2] = {0};
+    for (int s = 0; s < S__COUNT; s++) {
+        assert(slots[s].len >= 1 && slots[s].len <= SLOT_NAME_MAX &&
+               slots[s].len == strlen(slots[s].name));
+        len_start[slots[s].len + 1]++;
+    }
+    for (int n = 1; n <= SLOT_NAME_MAX + 1; n++)
+        len_start[n] = (uint8_t)(len_start[n] + len_start[n - 1]);
+    memcpy(next, len_start, sizeof(next));
+    for (int s = 0; s < S__COUNT; s++)
+        by_len[next[slots[s].len]++] = (uint8_t)s;
+}
+
 static int slot_of_name(const char *k, size_t kn)
 {
-    for (int s = 0; s < S__COUNT; s++)
-        if (kn == slots[s].len && memcmp(k, slots[s].name, kn) == 0)
-            return s;
+    if (kn > SLOT_NAME_MAX)
+        return -1;
+    for (int j = len_start[kn]; j < len_start[kn + 1]; j++)
+        if (memcmp(k, slots[by_len[j]].name, kn) == 0)
+            return by_len[j];
     return -1;
 }
 
-/* Slot of a top-level key token, or -1. Compares token indices only: 19 integer compares. */
+/* Slot of a top-level key token, or -1. Compares token indices only, of the slots the request
+ * has (a handful), not of every slot. */
 static int slot_of_tok(const policy_req_t *r, uint32_t k)
 {
-    for (int s = 0; s < S__COUNT; s++)
-        if (r->key[s] == k)
-            return s;
+    for (int j = 0; j < r->nkeyed; j++)
+        if (r->key[r->keyed[j]] == k)
+            return r->keyed[j];
     return -1;
 }
 
 /* r->key: the top-level members of the parsed document that have a slot. */
 static void index_keys(policy_req_t *r)
 {
+    pthread_once(&g_by_len_once, by_len_build);
     const jdoc_t *d = &r->doc;
     for (int s = 0; s < S__COUNT; s++)
         r->key[s] = JDOC_NONE;
+    r->nkeyed = 0;
     const jtok_t *root = &d->toks[0];
     for (uint32_t i = 1; i < root->end; i = d->toks[i + 1].end) {
         const char *k;
         size_t kn;
         jdoc_key(d, i, &k, &kn);
         int s = slot_of_name(k, kn);
-        if (s >= 0)
-            r->key[s] = i;
+        if (s < 0)
+            continue;
+        if (r->key[s] == JDOC_NONE)
+            r->keyed[r->nkeyed++] = (uint8_t)s;
+        r->key[s] = i;
     }
 }
 
