@@ -296,16 +296,38 @@ void dp_buf_printf(dp_buf_t *b, const char *fmt, ...)
     b->len += (size_t)n;
 }
 
+/* Its digit count first (from its bit length, no division), then two digits a step from the
+ * end, written in place: a 10-digit seed is five divisions by 100, not ten by 10 and a copy. */
 size_t dp_u64_dec(uint64_t v, char out[21])
 {
-    char tmp[20];
-    size_t n = 0;
-    do {
-        tmp[sizeof(tmp) - ++n] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    memcpy(out, tmp + sizeof(tmp) - n, n);
-    out[n] = '\0';
+    static const char pairs[] = "00010203040506070809101112131415161718192021222324252627282930"
+                                "31323334353637383940414243444546474849505152535455565758596061"
+                                "62636465666768697071727374757677787980818283848586878889909192"
+                                "93949596979899";
+    /* clang-format off */
+    static const uint64_t pow10[20] = {
+        1ull, 10ull, 100ull, 1000ull, 10000ull, 100000ull, 1000000ull, 10000000ull, 100000000ull,
+        1000000000ull, 10000000000ull, 100000000000ull, 1000000000000ull, 10000000000000ull,
+        100000000000000ull, 1000000000000000ull, 10000000000000000ull, 100000000000000000ull,
+        1000000000000000000ull, 10000000000000000000ull};
+    /* clang-format on */
+    /* floor(log10(w)) is t or t - 1, where t = floor((bits of w) * log10(2)) (1233 / 4096);
+     * w = v | 1 has the same digits as v and is never 0 */
+    uint64_t w = v | 1;
+    unsigned t = (unsigned)(64 - __builtin_clzll(w)) * 1233 >> 12;
+    size_t n = t + 1 - (w < pow10[t]);
+    char *o = out + n;
+    *o = '\0';
+    while (v >= 100) {
+        o -= 2;
+        memcpy(o, pairs + 2 * (v % 100), 2);
+        v /= 100;
+    }
+    if (v >= 10) {
+        memcpy(o - 2, pairs + 2 * v, 2);
+    } else {
+        o[-1] = (char)('0' + v);
+    }
     return n;
 }
 

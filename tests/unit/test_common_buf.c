@@ -264,6 +264,19 @@ Test(util, u64_dec_and_copy_str_write_what_snprintf_writes)
         cr_assert_str_eq(got, want);
         cr_assert_eq(n, (size_t)wn);
     }
+    /* every digit count's first and last value, and values between */
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (uint64_t p = 1, k = 0; k < 20; k++, p *= 10) {
+        uint64_t near[] = {p - 1, p, p + 1, p * 5 + 7, x >> (k * 3)};
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        for (size_t i = 0; i < sizeof(near) / sizeof(near[0]); i++) {
+            char got[21], want[32];
+            size_t n = dp_u64_dec(near[i], got);
+            int wn = snprintf(want, sizeof(want), "%llu", (unsigned long long)near[i]);
+            cr_assert_str_eq(got, want);
+            cr_assert_eq(n, (size_t)wn);
+        }
+    }
     dp_buf_t b = {0};
     dp_buf_append_u64(&b, 18446744073709551615u);
     cr_assert_str_eq(b.base, "18446744073709551615");
