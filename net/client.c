@@ -290,17 +290,26 @@ static void timer_cb(uv_timer_t *t)
         return;
     case UC_HEAD: {
         creq_t *q = c->req;
-        if (q && q->pub.response_started) {
-            uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
-            return;
-        }
-        if (q && q->cb.on_first_byte_timeout)
-            q->cb.on_first_byte_timeout(&q->pub); /* may make q a drain */
-        if (q && q->dset && now < q->ddeadline) { /* a drain waits on, until its deadline */
+        if (q && q->dset) { /* a drain: silence does not end it, its deadline does */
             uconn_arm(c, q->ddeadline - now);
             return;
         }
-        uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+        /* A head begun and stalled (part of a status line, an interim 103 before a long
+         * prefill) is an answer fallen silent: the same choice as mid-body. */
+        bool begun = q && q->pub.response_started;
+        void (*told)(net_creq_t *) = q == NULL ? NULL
+                                     : begun   ? q->cb.on_idle_timeout
+                                               : q->cb.on_first_byte_timeout;
+        if (told)
+            told(&q->pub); /* may make q a drain */
+        if (q && q->dset && now < q->ddeadline) {
+            uconn_arm(c, q->ddeadline - now);
+            return;
+        }
+        if (begun)
+            uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
+        else
+            uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
         return;
     }
     case UC_BODY: {
@@ -572,6 +581,12 @@ static bool uconn_head_done(uconn_t *c, bool more)
     c->body_remaining = c->framing.content_length > 0 ? (uint64_t)c->framing.content_length : 0;
     memset(&c->cs, 0, sizeof(c->cs));
     creq_t *q = c->req;
+    if (c->close_delimited && q->pub.length_required) {
+        uconn_fail(c, NET_UP_PROTOCOL,
+                   "answer without Content-Length or chunked framing: a cut could not be told "
+                   "from its end");
+        return false;
+    }
     if (q->cb.on_head)
         q->cb.on_head(&q->pub, status, hdrs, nh, &c->framing);
     if (c->phase == UC_CLOSED || c->req != q)

@@ -82,8 +82,9 @@ typedef struct {
      * exchange by making it a drain (net_creq_drain); otherwise it ends with
      * NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not cancel r. */
     void (*on_first_byte_timeout)(net_creq_t *r);
-    /* Optional. The answer fell silent mid-way for idle_timeout_ms: the same choice (a drain,
-     * or the exchange ends with NET_UP_IDLE_TIMEOUT). */
+    /* Optional. The answer fell silent mid-way: in its body for idle_timeout_ms, or in a head
+     * begun before first_byte_timeout_ms passed (part of a status line, an interim 103). The
+     * same choice (a drain, or the exchange ends with NET_UP_IDLE_TIMEOUT). */
     void (*on_idle_timeout)(net_creq_t *r);
 } net_creq_cb_t;
 
@@ -94,6 +95,11 @@ struct net_creq_s {
     /* Set by on_head to refuse the response it was shown (static text saying why): the exchange
      * ends as NET_UP_PROTOCOL with that detail, and no byte of the body is read. */
     const char *refuse;
+    /* Set by the caller after net_creq_start when an answer whose end is its connection's close
+     * must not be taken as whole: a close after part of it cannot be told from its end, and
+     * the engine may be generating on (docs/configuration.md, "Deterministic pools"). Such an
+     * answer is refused on its head, NET_UP_PROTOCOL, before on_head. */
+    bool length_required;
 };
 
 net_upstream_t *net_upstream_new(uv_loop_t *loop, const struct sockaddr *addr,

@@ -94,7 +94,7 @@ static void on_first_byte_timeout(net_creq_t *c)
 
 static void on_idle_timeout(net_creq_t *c)
 {
-    timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
+    timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled");
 }
 
 static const net_creq_cb_t fetch_cb = {.on_head = on_head,
@@ -127,6 +127,7 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     }
     uv_buf_t b = uv_buf_init(req.base, (unsigned)req.len);
     f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
+    f->c->length_required = o->length_required;
     dp_buf_free(&req);
     return f;
 }
@@ -134,6 +135,11 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
 bool net_fetch_open(const net_fetch_t *f)
 {
     return f->in_timeout_cb;
+}
+
+bool net_fetch_sent(const net_fetch_t *f)
+{
+    return f->c && net_creq_sent(f->c);
 }
 
 void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,

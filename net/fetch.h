@@ -27,7 +27,8 @@ typedef struct {
     size_t body_len;
     size_t max_bytes;          /* response body cap */
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
-    const char *via; /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
+    const char *via;      /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
+    bool length_required; /* net_creq_t.length_required */
 } net_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */
@@ -44,6 +45,9 @@ void net_fetch_cancel(net_fetch_t *f);
  * NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT) told before the exchange ends, when the
  * callback may make it a drain; never for the callback of an exchange that has ended. */
 bool net_fetch_open(const net_fetch_t *f);
+/* Has every byte of f's request left (net_creq_sent)? Before that the upstream cannot be
+ * running it, and there is nothing to drain. */
+bool net_fetch_sent(const net_fetch_t *f);
 void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                      void *data);
 

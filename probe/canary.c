@@ -101,7 +101,8 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                           .extra_headers = to->extra_headers,
                           .body = body.base,
                           .body_len = body.len,
-                          .max_bytes = PROBE_CANARY_MAX_BYTES};
+                          .max_bytes = PROBE_CANARY_MAX_BYTES,
+                          .length_required = to->length_required};
     c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;

@@ -29,6 +29,7 @@ struct probe_s {
     bool completion_may_run; /* probe_completion_may_run */
     char *known_fp;          /* probe_opts_t.known_fingerprint */
     bool metadata_fp;        /* probe_opts_t.metadata_fingerprint */
+    bool length_required;    /* probe_opts_t.length_required */
     attest_outcome_t out;
 };
 
@@ -98,7 +99,8 @@ static void completion_start(probe_t *p)
                           .body = body.base,
                           .body_len = body.len,
                           .max_bytes = ATTEST_PROBE_MAX_BYTES,
-                          .extra_headers = p->extra};
+                          .extra_headers = p->extra,
+                          .length_required = p->length_required};
     p->completion = net_fetch(p->up, &o, completion_done, p);
     dp_buf_free(&body);
 }
@@ -157,6 +159,7 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     p->model = dup_or_null(o->model);
     p->known_fp = dup_or_null(o->known_fingerprint);
     p->metadata_fp = o->metadata_fingerprint;
+    p->length_required = o->length_required;
     p->keys = o->keys;
     p->require_signature = o->require_signature;
     attest_check_plan(&p->plan, o->source, p->base, o->agent_path);

@@ -33,6 +33,7 @@ typedef struct {
     const char *bearer;
     const char *via;
     const char *extra_headers;
+    bool length_required; /* for requests that take a slot: net_creq_t.length_required */
 } probe_route_t;
 
 typedef struct {
@@ -57,6 +58,7 @@ typedef struct {
     /* native: take the engine fingerprint from the metadata where it names one
      * (attest_check_metadata_fingerprint) and send no probe completion then. */
     bool metadata_fingerprint;
+    bool length_required; /* for the probe completion: net_creq_t.length_required */
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it

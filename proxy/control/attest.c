@@ -521,7 +521,8 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
     const probe_route_t to = {.hostport = a->r->url.hostport,
                               .base = a->r->url.path,
                               .bearer = pc->api_key,
-                              .via = px_self_via_line(NULL)};
+                              .via = px_self_via_line(NULL),
+                              .length_required = px_replica_drains_abandoned(a->r)};
     a->canary = probe_canary_start(a->r->up, pc, id, &to, canary_done, a);
 }
 
@@ -723,7 +724,8 @@ static void check_start(att_t *a)
                       .keys = &ctx(a->px)->keys,
                       .require_signature = require_signature(a, pc),
                       .model = pc ? probe_canary_model(pc, NULL) : NULL,
-                      .known_fingerprint = known};
+                      .known_fingerprint = known,
+                      .length_required = px_replica_drains_abandoned(r)};
     a->probe = probe_start(&o, checked, a);
 }
 

@@ -231,7 +231,8 @@ static void try_send(relay_t *rl)
                           .body = req->body.base,
                           .body_len = req->body.len,
                           .max_bytes = RELAY_MAX_BYTES,
-                          .via = px_self_via_line(NULL)};
+                          .via = px_self_via_line(NULL),
+                          .length_required = rl->needs_slot && px_replica_drains_abandoned(r)};
     rl->fetch = net_fetch(r->up, &o, fetched, rl);
 }
 
@@ -337,8 +338,8 @@ void px_relay_abort(net_req_t *req)
     rl->req = NULL;
     req->data = NULL;
     /* The replica may go on generating what it was sent (llama.cpp finishes a non-streamed
-     * answer whose client left). */
-    if (rl->fetch && drain_slot(rl, rl->fetch))
+     * answer whose client left); a request that has not all left yet is cancelled instead. */
+    if (rl->fetch && net_fetch_sent(rl->fetch) && drain_slot(rl, rl->fetch))
         rl->fetch = NULL;
     relay_end(rl);
 }

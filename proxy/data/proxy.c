@@ -582,6 +582,7 @@ static void send_upstream(px_preq_t *q)
     q->up = (resent(q) ? net_creq_start_new : net_creq_start)(
         px_worker_upstream(r, q->gen), bufs, nb, q->stream_body, q->req->method == 2 /* HEAD */,
         q->conn_held ? &up_cb_held : &up_cb, q);
+    q->up->length_required = px_replica_drains_abandoned(r);
     if (q->stream_body && !q->conn_held)
         net_req_resume_body(q->req);
 }
@@ -1192,7 +1193,7 @@ static void up_on_idle_timeout(net_creq_t *c)
 {
     px_preq_t *q = c->data;
     if (drain_abandoned(q))
-        up_done(q, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
+        up_done(q, NET_UP_IDLE_TIMEOUT, "response stalled");
 }
 
 /* The answer is complete (a held one rewritten): it is sent by deliver(), after its audit line

@@ -703,7 +703,7 @@ static void sh_first_byte_timeout(net_creq_t *c)
 
 static void sh_idle_timeout(net_creq_t *c)
 {
-    copy_timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
+    copy_timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled");
 }
 
 static const net_creq_cb_t shadow_cb = {.on_head = sh_head,
@@ -866,6 +866,7 @@ static void start_copy(px_t *px, tap_t *t, const copy_spec_t *cs, const plan_t *
     uv_buf_t bufs[2] = {uv_buf_init(head.base, (unsigned)head.len),
                         uv_buf_init((char *)(cs->body ? cs->body : ""), (unsigned)cs->len)};
     s->c = net_creq_start(target->shadow_up, bufs, 2, false, false, &shadow_cb, s);
+    s->c->length_required = px_replica_drains_abandoned(target);
     dp_buf_free(&head);
     if (s->rentry)
         s->rentry->inflight++;

@@ -618,6 +618,26 @@ def test_on_a_single_sequence_pool_an_answer_silent_past_the_idle_timeout_is_dra
     up.stop()
 
 
+def test_on_a_single_sequence_pool_an_answer_ended_only_by_its_close_is_refused_and_keeps_the_slot():
+    """An answer with neither Content-Length nor chunked framing ends where its connection
+    closes, so a proxy in front of the engine that cuts it leaves what looks like a whole
+    answer while the engine generates on. On a single-sequence pool such an answer is refused
+    (502, not passed on as if whole) and the slot is kept as long as a drain would keep it."""
+    hold_s = 1.0
+    times = {}
+    cut = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+           b'{"id":"cmpl-1","choices":[{')
+    up, px = single_sequence_scripted(noting(times, 0, (cut, False)), hold_s)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert_openai_error(r, 502, "upstream_error")
+    assert upstream_errors(px, "r1", "protocol") == 1
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert times[1] - times[0] >= 0.9 * hold_s, times
+    px.stop()
+    up.stop()
+
+
 def answer(k, conn_no, req_no):
     return OK_RESPONSE, True
 

@@ -361,6 +361,33 @@ Test(net_client, an_idle_close_long_after_a_chunked_answer_teaches_no_habit)
     cr_assert_eq(pooled_after_a_close_at(1100), 1, "judged to close after streams");
 }
 
+/* An answer with no length, ended by the connection's close. */
+static void close_delimited_answer(peer_conn_t *c, int nth)
+{
+    (void)nth;
+    peer_writes(c, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\nhello");
+    peer_conn_close(c);
+}
+
+/* Taken as whole where a close cannot cut an answer that matters; refused on its head, before
+ * the caller sees it, where the caller says a cut must not pass for an end. */
+Test(net_client, an_answer_ended_by_its_close_is_refused_where_a_length_is_required)
+{
+    peer_start(&g_peer, close_delimited_answer);
+    up_new(NULL);
+    ex_t a, b;
+    x_get(&a);
+    x_expect(&a, NET_UP_OK);
+    cr_assert_eq(a.body.len, 5);
+    x_get(&b);
+    b.r->length_required = true;
+    x_expect(&b, NET_UP_PROTOCOL);
+    cr_assert_eq(b.heads, 0);
+    cr_assert(strstr(b.detail, "Content-Length") != NULL, "%s", b.detail);
+    x_free(&a);
+    x_free(&b);
+}
+
 /* One that closed one by chance (a restart just after a stream): every REPROBE_EVERY-th
  * connection (64) its habit would close is pooled and held back instead; still open after the
  * settling, the habit is undone. */
@@ -1375,6 +1402,59 @@ Test(net_client, silence_mid_answer_does_not_end_a_drain)
     cr_assert_eq(g_left, 0);
     cr_assert_eq(net_client_upstream_idle(g_up), 1);
     x_free(&x);
+}
+
+/* A drain whose answer's head begins and stalls part-way (a status line cut short, an interim
+ * 103 before a long prefill) is not ended by that: its deadline ends it, and the rest of the
+ * answer, when it comes, does. */
+Test(net_client, a_head_stalled_part_way_does_not_end_a_drain)
+{
+    ex_t x;
+    start_unanswered(&x, &(net_upstream_opts_t){.first_byte_timeout_ms = 30});
+    net_drains_t set = {0};
+    net_creq_drain(x.r, &set, 5000, note_left, NULL);
+    peer_writes(g_waiting, "HTTP/1.1 2");
+    run_for(120); /* four first-byte timeouts */
+    cr_assert_eq(g_drained, 0, "ended by a head stalled part-way");
+    peer_writes(g_waiting, "00 OK\r\ncontent-length: 2\r\n\r\nok");
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_eq(g_left, 0);
+    x_free(&x);
+}
+
+static net_drains_t g_told_set;
+
+/* Told that its answer fell silent: it keeps the exchange as a drain. */
+static void x_silent_drain(net_creq_t *r)
+{
+    ((ex_t *)r->data)->drains++;
+    net_creq_drain(r, &g_told_set, 5000, count_drained, &g_drained);
+}
+
+/* A head that begins and stalls is an answer fallen silent: its owner is told so
+ * (on_idle_timeout), as mid-body, and may keep the exchange as a drain. */
+Test(net_client, a_head_stalled_part_way_is_told_as_silence)
+{
+    peer_start(&g_peer, keep_waiting);
+    up_new(&(net_upstream_opts_t){.first_byte_timeout_ms = 30});
+    g_drained = 0;
+    g_told_set = (net_drains_t){0};
+    static const net_creq_cb_t told = {
+        .on_head = x_head, .on_body = x_body, .on_done = x_done, .on_idle_timeout = x_silent_drain};
+    ex_t x;
+    memset(&x, 0, sizeof(x));
+    uv_buf_t req = uv_buf_init((char *)GET_REQ, (unsigned)strlen(GET_REQ));
+    x.r = net_creq_start(g_up, &req, 1, false, false, &told, &x);
+    RUN_UNTIL(g_peer.requests == 1);
+    peer_writes(g_waiting, "HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 2");
+    RUN_UNTIL(x.drains == 1);
+    cr_assert_not(x.done);
+    run_for(60);
+    cr_assert_eq(g_drained, 0);
+    peer_writes(g_waiting, "00 OK\r\ncontent-length: 2\r\n\r\nok");
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_not(x.done);
+    cr_assert_eq(x.heads, 0);
 }
 
 /* An exchange paused by its owner (a slow client) is read again once it is a drain. */
