@@ -171,7 +171,8 @@ typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
  * net_drains_stop ends it. It ends max_ms from now at the latest (its connection closed then):
  * neither its first-byte timeout nor silence mid-answer ends it before that (an answer late
  * rather than lost, or a long prefill behind an early head), and the deadline ends an answer
- * that never ends (a stream). Allowed from on_first_byte_timeout and on_idle_timeout. The
+ * that never ends (a stream). Allowed from on_first_byte_timeout, on_idle_timeout and on_head
+ * (an answer its owner will not take, read to its end all the same). The
  * caller drops r. */
 void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data);

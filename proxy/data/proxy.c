@@ -921,9 +921,18 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     px_preq_t *q = c->data;
     if (q->req == NULL)
         return;
+    const char *unverifiable = NULL;
     if (is_inference(q->route) && status >= 200 && status < 300 &&
-        (c->refuse = unverifiable_answer(q, hdrs, n)) != NULL)
-        return; /* up_on_done answers the client 502 */
+        (unverifiable = unverifiable_answer(q, hdrs, n)) != NULL) {
+        /* The client gets a 502. On a pool that keeps its engine's slot while an abandoned
+         * answer runs, the answer is read to its end and dropped, so the slot is free when it
+         * ends rather than kept blind for a drain's time; else the exchange ends here. */
+        if (drain_abandoned(q))
+            up_done(q, NET_UP_PROTOCOL, unverifiable);
+        else
+            c->refuse = unverifiable; /* up_on_done answers the client 502 */
+        return;
+    }
     q->status = status;
     q->up_status = status;
     q->code = "upstream";

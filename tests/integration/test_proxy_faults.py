@@ -638,6 +638,26 @@ def test_on_a_single_sequence_pool_an_answer_ended_only_by_its_close_is_refused_
     up.stop()
 
 
+def test_on_a_single_sequence_pool_an_answer_refused_on_its_head_is_drained_not_held_blind():
+    """A whole answer detproxy will not pass on (its Content-Type is not application/json):
+    the client gets 502, and the answer is read to its end, so the engine's one slot is free
+    the moment it ends, not kept blind for a drain's whole time."""
+    hold_s = 6.0
+    times = {}
+    html = b"<html>not json</html>"
+    refused = (b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
+               % (len(html), html))
+    up, px = single_sequence_scripted(noting(times, 0, (refused, True)), hold_s)
+    r = post_json(px.port, "/v1/completions", COMPLETION)
+    assert_openai_error(r, 502, "upstream_error")
+    assert "not application/json" in r.json()["error"]["message"], r.json()
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert times[1] - times[0] < hold_s / 3, times
+    px.stop()
+    up.stop()
+
+
 def answer(k, conn_no, req_no):
     return OK_RESPONSE, True
 
