@@ -194,16 +194,21 @@ void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out)
         host[i] = (char)(u->host[i] >= 'A' && u->host[i] <= 'Z' ? u->host[i] + 32 : u->host[i]);
     host[n] = '\0';
     struct in6_addr a6;
+    struct in_addr a4;
     char v6[INET6_ADDRSTRLEN] = "";
     if (inet_pton(AF_INET6, host, &a6) == 1) {
         if (IN6_IS_ADDR_V4MAPPED(&a6))
             inet_ntop(AF_INET, &a6.s6_addr[12], host, sizeof(host));
-        else if (IN6_IS_ADDR_LOOPBACK(&a6))
+        else if (IN6_IS_ADDR_LOOPBACK(&a6) || IN6_IS_ADDR_UNSPECIFIED(&a6))
             snprintf(host, sizeof(host), "127.0.0.1");
         else
             inet_ntop(AF_INET6, &a6, v6, sizeof(v6));
+    } else if (inet_aton(host, &a4) != 0) {
+        /* The resolver reads a name such as 0x7f000001 so (inet_aton's forms). */
+        inet_ntop(AF_INET, &a4, host, sizeof(host));
     }
-    if (strcmp(host, "localhost") == 0)
+    /* A connection to the unspecified address reaches this host's loopback. */
+    if (strcmp(host, "localhost") == 0 || strcmp(host, "0.0.0.0") == 0)
         snprintf(host, sizeof(host), "127.0.0.1");
     dp_buf_printf(out, v6[0] ? "%s://[%s]:%u%s" : "%s://%s:%u%s", u->tls ? "https" : "http",
                   v6[0] ? v6 : host, (unsigned)u->port, u->path ? u->path : "");

@@ -433,10 +433,12 @@ void cfg_url_free(cfg_url_t *u);
 /* The engine u names, as "http[s]://HOST:PORT[/path]" into out (appended): what tells two
  * replica URLs' engines apart (single_sequence slots, a fleet's turn keys, config checks). The
  * host is compared without case, an IPv6 address in its shortest form (an IPv4-mapped one as
- * IPv4), and the names of this host's loopback (localhost, 127.0.0.1, ::1) as one, 127.0.0.1:
- * an engine listening on every address answers on each, so spelling it two ways must not make
- * it two engines (two engines taken for one cost concurrency, never a second sequence). Other
- * host names are not resolved. */
+ * IPv4), an IPv4 address as the resolver reads it (0x7f000001 is 127.0.0.1), and the names of
+ * this host's loopback (localhost, 127.0.0.1, ::1, and 0.0.0.0 and ::, which a connection
+ * reaches it by) as one, 127.0.0.1: an engine listening on every address answers on each, so
+ * spelling it two ways must not make it two engines (two engines taken for one cost
+ * concurrency, never a second sequence). Other host names are not resolved; the path is
+ * compared as written. */
 void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out);
 
 /* ---- additions (config module) -------------------------------------------------------------

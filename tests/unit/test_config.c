@@ -1255,6 +1255,10 @@ Test(config, url_engine_names_one_engine_one_way)
         {"http://[::ffff:127.0.0.1]:8080", "http://127.0.0.1:8080"},
         {"https://Engine.Example.com/v1", "https://engine.example.com:443/v1/"},
         {"http://[2001:DB8:0::1]:9", "http://[2001:db8::1]:9"},
+        {"http://0.0.0.0:8080", "http://127.0.0.1:8080"},
+        {"http://[::]:8080", "http://localhost:8080"},
+        {"http://0x7f000001:8080", "http://127.0.0.1:8080"},
+        {"http://0x0A000001:8080", "http://10.0.0.1:8080"},
     };
     static const char *const other[][2] = {
         {"http://127.0.0.1:8080", "https://127.0.0.1:8080"},
