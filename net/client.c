@@ -94,10 +94,10 @@ struct uconn_s {
  * connection or under a request that reused one, is learned the same way (a server that closes
  * a little later costs the requests that met its closes until then, not every later one); no
  * engine's keep-alive timeout is that short, so an idle close never teaches it. One connection
- * in REPROBE_EVERY that a closing server's habit would close is pooled
- * and held back so instead, so that a server that closed one by chance (a restart just after
- * a stream) is not judged for good. Length-delimited answers are not held back so: every
- * request would pay for it, and engines keep those connections or say `Connection: close`. */
+ * in REPROBE_EVERY that a closing server's habit would close is pooled and held back so
+ * instead, so that a server that closed one by chance (a restart just after a stream) is not
+ * judged for good. Length-delimited answers are not held back so: every request would pay for
+ * it, and engines keep those connections or say `Connection: close`. */
 enum { HABIT_UNKNOWN = 0, HABIT_KEPT, HABIT_CLOSED };
 #define SETTLE_MS 100
 #define HABIT_WINDOW_MS 1000
