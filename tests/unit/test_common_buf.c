@@ -252,30 +252,30 @@ Test(util, strieq_compares_whole_names_ignoring_ascii_case)
     }
 }
 
+/* dp_u64_dec writes v as snprintf("%llu") does, and says how long it is. */
+static void expect_dec(uint64_t v)
+{
+    char got[21], want[32];
+    size_t n = dp_u64_dec(v, got);
+    int wn = snprintf(want, sizeof(want), "%llu", (unsigned long long)v);
+    cr_assert_str_eq(got, want);
+    cr_assert_eq(n, (size_t)wn);
+}
+
 /* Decimal writing and bounded copies, as snprintf("%llu") and snprintf("%.*s") write them. */
 Test(util, u64_dec_and_copy_str_write_what_snprintf_writes)
 {
     static const uint64_t vs[] = {
         0, 7, 10, 99, 100, 1234, 4294967295u, 4294967296u, 18446744073709551615u};
-    for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++) {
-        char got[21], want[32];
-        size_t n = dp_u64_dec(vs[i], got);
-        int wn = snprintf(want, sizeof(want), "%llu", (unsigned long long)vs[i]);
-        cr_assert_str_eq(got, want);
-        cr_assert_eq(n, (size_t)wn);
-    }
+    for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++)
+        expect_dec(vs[i]);
     /* every digit count's first and last value, and values between */
     uint64_t x = 0x9E3779B97F4A7C15ull;
     for (uint64_t p = 1, k = 0; k < 20; k++, p *= 10) {
         uint64_t near[] = {p - 1, p, p + 1, p * 5 + 7, x >> (k * 3)};
         x = x * 6364136223846793005ull + 1442695040888963407ull;
-        for (size_t i = 0; i < sizeof(near) / sizeof(near[0]); i++) {
-            char got[21], want[32];
-            size_t n = dp_u64_dec(near[i], got);
-            int wn = snprintf(want, sizeof(want), "%llu", (unsigned long long)near[i]);
-            cr_assert_str_eq(got, want);
-            cr_assert_eq(n, (size_t)wn);
-        }
+        for (size_t i = 0; i < sizeof(near) / sizeof(near[0]); i++)
+            expect_dec(near[i]);
     }
     dp_buf_t b = {0};
     dp_buf_append_u64(&b, 18446744073709551615u);
