@@ -137,6 +137,11 @@ bool net_fetch_open(const net_fetch_t *f)
     return f->in_timeout_cb;
 }
 
+bool net_fetch_failed_running(const net_fetch_t *f, int status, net_up_err_t err)
+{
+    return status == 0 && !net_fetch_open(f) && net_up_err_may_run(err);
+}
+
 bool net_fetch_sent(const net_fetch_t *f)
 {
     return f->c && net_creq_sent(f->c);

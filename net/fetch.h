@@ -45,6 +45,10 @@ void net_fetch_cancel(net_fetch_t *f);
  * NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT) told before the exchange ends, when the
  * callback may make it a drain; never for the callback of an exchange that has ended. */
 bool net_fetch_open(const net_fetch_t *f);
+/* Did f's exchange, told to its callback with status and err, fail once the upstream had the
+ * whole request, with nothing left to read (closed, cut mid-answer: net_up_err_may_run, and
+ * not net_fetch_open)? The upstream may be generating it still. */
+bool net_fetch_failed_running(const net_fetch_t *f, int status, net_up_err_t err);
 /* Has every byte of f's request left (net_creq_sent)? Before that the upstream cannot be
  * running it, and there is nothing to drain. */
 bool net_fetch_sent(const net_fetch_t *f);

@@ -41,10 +41,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 {
     probe_canary_t *c = data;
     probe_canary_result_t res = {.status = status};
-    if (net_fetch_open(f))
-        res.timed_out = f;
-    else if (status == 0 && net_up_err_may_run(err))
-        res.may_run = true;
+    res.timed_out = net_fetch_open(f) ? f : NULL;
+    res.may_run = net_fetch_failed_running(f, status, err);
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];
     cJSON *doc = NULL;

@@ -73,7 +73,7 @@ static void completion_done(net_fetch_t *f, int status, const dp_buf_t *body, ne
      * and one that failed once the engine had it says so (probe_completion_may_run): its engine
      * may still be generating it. */
     p->completion = net_fetch_open(f) ? f : NULL;
-    p->completion_may_run = status == 0 && !p->completion && net_up_err_may_run(err);
+    p->completion_may_run = net_fetch_failed_running(f, status, err);
     attest_answer_t a = {.status = status,
                          .body = body->base,
                          .len = body->len,

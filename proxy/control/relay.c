@@ -165,7 +165,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
          * open (no answer yet, or one fallen silent), else kept blind for the drain's time. */
         if (net_fetch_open(f))
             drain_slot(rl, f);
-        else if (net_up_err_may_run(err))
+        else if (net_fetch_failed_running(f, status, err))
             hold_slot(rl);
         relay_fail(rl, 502, "replica_error", m.base);
         dp_buf_free(&m);
