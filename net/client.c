@@ -261,6 +261,20 @@ static bool send_stalled(uconn_t *c, uint64_t now, bool *rearmed)
     return false;
 }
 
+/* The answer is late (err, detail): its owner is told, and may make the exchange a drain,
+ * which then runs to its deadline; otherwise the exchange fails so. */
+static void late(uconn_t *c, net_up_err_t err, const char *detail, uint64_t now)
+{
+    creq_t *q = c->req;
+    if (q && q->cb.on_timeout)
+        q->cb.on_timeout(&q->pub, err, detail); /* may make q a drain */
+    if (q && q->dset && now < q->ddeadline) {
+        uconn_arm(c, q->ddeadline - now);
+        return;
+    }
+    uconn_fail(c, err, detail);
+}
+
 static void timer_cb(uv_timer_t *t)
 {
     uconn_t *c = t->data;
@@ -296,20 +310,10 @@ static void timer_cb(uv_timer_t *t)
         }
         /* A head begun and stalled (part of a status line, an interim 103 before a long
          * prefill) is an answer fallen silent: the same choice as mid-body. */
-        bool begun = q && q->pub.response_started;
-        void (*told)(net_creq_t *) = q == NULL ? NULL
-                                     : begun   ? q->cb.on_idle_timeout
-                                               : q->cb.on_first_byte_timeout;
-        if (told)
-            told(&q->pub); /* may make q a drain */
-        if (q && q->dset && now < q->ddeadline) {
-            uconn_arm(c, q->ddeadline - now);
-            return;
-        }
-        if (begun)
-            uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response head stalled");
+        if (q && q->pub.response_started)
+            late(c, NET_UP_IDLE_TIMEOUT, "response head stalled", now);
         else
-            uconn_fail(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
+            late(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout", now);
         return;
     }
     case UC_BODY: {
@@ -323,13 +327,7 @@ static void timer_cb(uv_timer_t *t)
             uconn_arm(c, c->paused ? idle : idle - (now - c->last_read));
             return;
         }
-        if (q && q->cb.on_idle_timeout)
-            q->cb.on_idle_timeout(&q->pub); /* may make q a drain */
-        if (q && q->dset && now < q->ddeadline) {
-            uconn_arm(c, q->ddeadline - now);
-            return;
-        }
-        uconn_fail(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body");
+        late(c, NET_UP_IDLE_TIMEOUT, "response stalled mid-body", now);
         return;
     }
     case UC_IDLE:

@@ -78,14 +78,13 @@ typedef struct {
      * or net_creq_cancel): a new connection then sends them from there once established,
      * instead of holding a copy while it connects. Bytes of net_creq_write are always copied. */
     bool start_bufs_kept;
-    /* Optional. No response began within first_byte_timeout_ms. The callback may keep the
-     * exchange by making it a drain (net_creq_drain); otherwise it ends with
-     * NET_UP_FIRST_BYTE_TIMEOUT as without the callback. It may not cancel r. */
-    void (*on_first_byte_timeout)(net_creq_t *r);
-    /* Optional. The answer fell silent mid-way: in its body for idle_timeout_ms, or in a head
-     * begun before first_byte_timeout_ms passed (part of a status line, an interim 103). The
-     * same choice (a drain, or the exchange ends with NET_UP_IDLE_TIMEOUT). */
-    void (*on_idle_timeout)(net_creq_t *r);
+    /* Optional. The answer is late: none began within first_byte_timeout_ms
+     * (NET_UP_FIRST_BYTE_TIMEOUT), or it fell silent mid-way (NET_UP_IDLE_TIMEOUT): in its body
+     * for idle_timeout_ms, or in a head begun before first_byte_timeout_ms passed (part of a
+     * status line, an interim 103). err and detail are what the exchange ends with. The
+     * callback may keep the exchange by making it a drain (net_creq_drain); otherwise it ends
+     * with them as without the callback. It may not cancel r. */
+    void (*on_timeout)(net_creq_t *r, net_up_err_t err, const char *detail);
 } net_creq_cb_t;
 
 struct net_creq_s {
@@ -171,9 +170,8 @@ typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
  * net_drains_stop ends it. It ends max_ms from now at the latest (its connection closed then):
  * neither its first-byte timeout nor silence mid-answer ends it before that (an answer late
  * rather than lost, or a long prefill behind an early head), and the deadline ends an answer
- * that never ends (a stream). Allowed from on_first_byte_timeout, on_idle_timeout and on_head
- * (an answer its owner will not take, read to its end all the same). The
- * caller drops r. */
+ * that never ends (a stream). Allowed from on_timeout and on_head (an answer its owner will
+ * not take, read to its end all the same). The caller drops r. */
 void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data);
 /* End every drain in set now (their connections are closed), calling each one's done. */

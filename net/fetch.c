@@ -87,21 +87,8 @@ static void timed_out(net_creq_t *c, net_up_err_t err, const char *detail)
     f->told = true; /* the exchange ends now: on_done frees f */
 }
 
-static void on_first_byte_timeout(net_creq_t *c)
-{
-    timed_out(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
-}
-
-static void on_idle_timeout(net_creq_t *c)
-{
-    timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled");
-}
-
-static const net_creq_cb_t fetch_cb = {.on_head = on_head,
-                                       .on_body = on_body,
-                                       .on_done = on_done,
-                                       .on_first_byte_timeout = on_first_byte_timeout,
-                                       .on_idle_timeout = on_idle_timeout};
+static const net_creq_cb_t fetch_cb = {
+    .on_head = on_head, .on_body = on_body, .on_done = on_done, .on_timeout = timed_out};
 
 net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_cb cb, void *data)
 {

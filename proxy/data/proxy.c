@@ -524,8 +524,7 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
 static void up_on_body(net_creq_t *c, const char *p, size_t n);
 static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail);
 static void up_done(px_preq_t *q, net_up_err_t err, const char *detail);
-static void up_on_first_byte_timeout(net_creq_t *c);
-static void up_on_idle_timeout(net_creq_t *c);
+static void up_on_timeout(net_creq_t *c, net_up_err_t err, const char *detail);
 static bool drain_abandoned(px_preq_t *q);
 static void hold_after_close(px_preq_t *q);
 static void up_on_drain(net_creq_t *c);
@@ -540,8 +539,7 @@ static const net_creq_cb_t up_cb = {.on_head = up_on_head,
                                     .on_done = up_on_done,
                                     .on_drain = up_on_drain,
                                     .start_bufs_kept = true,
-                                    .on_first_byte_timeout = up_on_first_byte_timeout,
-                                    .on_idle_timeout = up_on_idle_timeout};
+                                    .on_timeout = up_on_timeout};
 /* A new connection to an attested replica: held once established, until its check. */
 static const net_creq_cb_t up_cb_held = {.on_head = up_on_head,
                                          .on_body = up_on_body,
@@ -549,8 +547,7 @@ static const net_creq_cb_t up_cb_held = {.on_head = up_on_head,
                                          .on_drain = up_on_drain,
                                          .on_connected = up_on_connected,
                                          .start_bufs_kept = true,
-                                         .on_first_byte_timeout = up_on_first_byte_timeout,
-                                         .on_idle_timeout = up_on_idle_timeout};
+                                         .on_timeout = up_on_timeout};
 
 /* A retry, or a request routed again after the keep-alive race: it goes over a new connection,
  * as the connections pooled beside the one that failed may be as stale, on this replica or on
@@ -1184,25 +1181,17 @@ static void up_on_done(net_creq_t *c, net_up_err_t err, const char *detail)
     up_done(c->data, err, detail);
 }
 
-/* No answer began within upstream_first_byte_timeout_ms: the client is told so as before. On a
- * pool whose engine may still be generating it (drain_abandoned), the exchange goes on as a
- * drain holding the slot. */
-static void up_on_first_byte_timeout(net_creq_t *c)
+/* No answer began within upstream_first_byte_timeout_ms, or it fell silent mid-way for
+ * upstream_idle_timeout_ms (llama.cpp sends a stream's head at once and its first event after
+ * the prefill, which may take longer): the client is told so as before. On a pool whose engine
+ * may still be generating it (drain_abandoned), the exchange goes on as a drain holding the
+ * slot, which it frees when the answer ends, where a hold would keep it blind for the drain's
+ * whole time. */
+static void up_on_timeout(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     px_preq_t *q = c->data;
     if (drain_abandoned(q))
-        up_done(q, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
-}
-
-/* The same for an answer that fell silent mid-way for upstream_idle_timeout_ms (llama.cpp sends
- * a stream's head at once and its first event after the prefill, which may take longer): the
- * drain frees the slot when the answer ends, where a hold without it would keep it blind for
- * the drain's whole time. */
-static void up_on_idle_timeout(net_creq_t *c)
-{
-    px_preq_t *q = c->data;
-    if (drain_abandoned(q))
-        up_done(q, NET_UP_IDLE_TIMEOUT, "response stalled");
+        up_done(q, err, detail);
 }
 
 /* The answer is complete (a held one rewritten): it is sent by deliver(), after its audit line
@@ -1406,7 +1395,7 @@ static void count_request(px_preq_t *q)
  * cancels a request whose connection closes, and would generate it to its end for a reader
  * that stays. An exchange that got no
  * answer within the first-byte timeout is drained too, after the client's 504
- * (up_on_first_byte_timeout). A drain lasts at most policy_abandoned_drain_ms (the longer of
+ * (up_on_timeout). A drain lasts at most policy_abandoned_drain_ms (the longer of
  * that timeout and the idle one) from when it began, less if the answer falls silent for the
  * idle timeout; then the slot is freed. Cancelled, the slot freed, when the worker stops. */
 

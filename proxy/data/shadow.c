@@ -76,7 +76,7 @@ struct px_shadow_ctx_s {
     size_t nrollouts;
     uint32_t inflight;   /* drift shadows in flight */
     shadow_t *active;    /* exchanges in flight, for shutdown */
-    net_drains_t drains; /* copies read on past their first-byte timeout (sh_first_byte_timeout) */
+    net_drains_t drains; /* copies read on past their first-byte timeout (copy_timed_out) */
     /* Copies still waiting for a free slot after their primary ended: tried every
      * COPY_RETRY_MS, never while clients wait, for at most COPY_WAIT_MS. */
     struct plan_s *waiting;
@@ -696,21 +696,8 @@ static void copy_timed_out(net_creq_t *c, net_up_err_t err, const char *detail)
     copy_ended(s, err, detail); /* frees s */
 }
 
-static void sh_first_byte_timeout(net_creq_t *c)
-{
-    copy_timed_out(c, NET_UP_FIRST_BYTE_TIMEOUT, "no response before first-byte timeout");
-}
-
-static void sh_idle_timeout(net_creq_t *c)
-{
-    copy_timed_out(c, NET_UP_IDLE_TIMEOUT, "response stalled");
-}
-
-static const net_creq_cb_t shadow_cb = {.on_head = sh_head,
-                                        .on_body = sh_body,
-                                        .on_done = sh_done,
-                                        .on_first_byte_timeout = sh_first_byte_timeout,
-                                        .on_idle_timeout = sh_idle_timeout};
+static const net_creq_cb_t shadow_cb = {
+    .on_head = sh_head, .on_body = sh_body, .on_done = sh_done, .on_timeout = copy_timed_out};
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 

@@ -1425,14 +1425,15 @@ Test(net_client, a_head_stalled_part_way_does_not_end_a_drain)
 static net_drains_t g_told_set;
 
 /* Told that its answer fell silent: it keeps the exchange as a drain. */
-static void x_silent_drain(net_creq_t *r)
+static void x_silent_drain(net_creq_t *r, net_up_err_t err, const char *detail)
 {
+    cr_assert_eq(err, NET_UP_IDLE_TIMEOUT, "told %d (%s)", (int)err, detail);
     ((ex_t *)r->data)->drains++;
     net_creq_drain(r, &g_told_set, 5000, count_drained, &g_drained);
 }
 
 /* A head that begins and stalls is an answer fallen silent: its owner is told so
- * (on_idle_timeout), as mid-body, and may keep the exchange as a drain. */
+ * (NET_UP_IDLE_TIMEOUT), as mid-body, and may keep the exchange as a drain. */
 Test(net_client, a_head_stalled_part_way_is_told_as_silence)
 {
     peer_start(&g_peer, keep_waiting);
@@ -1440,7 +1441,7 @@ Test(net_client, a_head_stalled_part_way_is_told_as_silence)
     g_drained = 0;
     g_told_set = (net_drains_t){0};
     static const net_creq_cb_t told = {
-        .on_head = x_head, .on_body = x_body, .on_done = x_done, .on_idle_timeout = x_silent_drain};
+        .on_head = x_head, .on_body = x_body, .on_done = x_done, .on_timeout = x_silent_drain};
     ex_t x;
     memset(&x, 0, sizeof(x));
     uv_buf_t req = uv_buf_init((char *)GET_REQ, (unsigned)strlen(GET_REQ));
@@ -1532,8 +1533,9 @@ Test(net_client, a_drain_of_an_endless_answer_ends_at_its_deadline)
 
 static net_drains_t g_fbt_set;
 
-static void drain_at_first_byte_timeout(net_creq_t *r)
+static void drain_at_first_byte_timeout(net_creq_t *r, net_up_err_t err, const char *detail)
 {
+    cr_assert_eq(err, NET_UP_FIRST_BYTE_TIMEOUT, "told %d (%s)", (int)err, detail);
     ((ex_t *)r->data)->heads = -1; /* told */
     net_creq_drain(r, &g_fbt_set, 300, count_drained, &g_drained);
 }
@@ -1545,7 +1547,7 @@ Test(net_client, a_first_byte_timeout_callback_may_keep_the_exchange_as_a_drain)
     static const net_creq_cb_t cb = {.on_head = x_head,
                                      .on_body = x_body,
                                      .on_done = x_done,
-                                     .on_first_byte_timeout = drain_at_first_byte_timeout};
+                                     .on_timeout = drain_at_first_byte_timeout};
     peer_start(&g_peer, keep_waiting);
     up_new(&(net_upstream_opts_t){.first_byte_timeout_ms = 50});
     g_fbt_set = (net_drains_t){0};
