@@ -11,9 +11,9 @@ struct net_fetch_s {
     void *data;
     int status;
     size_t max;
-    bool in_timeout_cb; /* the callback runs for a first-byte timeout */
-    bool told;          /* ... and has had its answer: the exchange ends (on_done frees f) */
-    bool drained;       /* ... and made the exchange a drain: f is freed once it returns */
+    bool in_open_cb; /* the callback runs with the exchange still open (net_fetch_open) */
+    bool told;       /* ... and has had its answer: the exchange ends (on_done frees f) */
+    bool drained;    /* ... and made the exchange a drain: f is freed once it returns */
     dp_buf_t body;
 };
 
@@ -23,17 +23,21 @@ static void f_free(net_fetch_t *f)
     free(f);
 }
 
-/* Over the cap: stop reading now. A replica that announces a huge body, or streams one without
- * end, would otherwise hold the fetch (an attestation, a canary) for as long as it keeps
- * sending, only for the body to be refused at its end. Runs inside on_head / on_body, where
- * net_creq_cancel is allowed. */
+/* Over the cap: the fetch fails now. A replica that announces a huge body, or streams one
+ * without end, would otherwise hold the fetch (an attestation, a canary) for as long as it keeps
+ * sending, only for the body to be refused at its end. The callback is told while the exchange
+ * is still open, so one whose engine may still be at work on it can read the rest to its end as
+ * a drain; otherwise the connection is reset. Runs inside on_head / on_body, where both
+ * net_creq_drain and net_creq_cancel are allowed. */
 static void too_big(net_fetch_t *f)
 {
     char why[96];
     snprintf(why, sizeof(why), "response body larger than %zu bytes", f->max);
-    net_creq_cancel(f->c);
-    f->c = NULL;
+    f->in_open_cb = true;
     f->cb(f, 0, &f->body, NET_UP_PROTOCOL, why, f->data);
+    f->in_open_cb = false;
+    if (!f->drained)
+        net_creq_cancel(f->c);
     f_free(f);
 }
 
@@ -77,9 +81,9 @@ static void timed_out(net_creq_t *c, net_up_err_t err, const char *detail)
 {
     net_fetch_t *f = c->data;
     assert(f->c == c);
-    f->in_timeout_cb = true;
+    f->in_open_cb = true;
     f->cb(f, 0, &f->body, err, detail, f->data);
-    f->in_timeout_cb = false;
+    f->in_open_cb = false;
     if (f->drained) {
         f_free(f);
         return;
@@ -121,7 +125,7 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
 
 bool net_fetch_open(const net_fetch_t *f)
 {
-    return f->in_timeout_cb;
+    return f->in_open_cb;
 }
 
 bool net_fetch_failed_running(const net_fetch_t *f, int status, net_up_err_t err)
@@ -139,7 +143,7 @@ void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_dra
 {
     assert(f->c != NULL && !f->told && !f->drained);
     net_creq_drain(f->c, set, max_ms, done, data);
-    if (f->in_timeout_cb)
+    if (f->in_open_cb)
         f->drained = true; /* freed once the callback returns */
     else
         f_free(f);
@@ -147,8 +151,8 @@ void net_fetch_drain(net_fetch_t *f, net_drains_t *set, uint64_t max_ms, net_dra
 
 void net_fetch_cancel(net_fetch_t *f)
 {
-    assert(!f->drained);  /* f is gone: the exchange is the drain's */
-    if (f->in_timeout_cb) /* the exchange ends when the callback returns (on_done frees f) */
+    assert(!f->drained); /* f is gone: the exchange is the drain's */
+    if (f->in_open_cb)   /* the exchange ends when the callback returns */
         return;
     if (f->c)
         net_creq_cancel(f->c);

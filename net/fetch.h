@@ -13,8 +13,9 @@ typedef struct net_fetch_s net_fetch_t;
 
 /* status: the HTTP status (0 when the exchange failed: see err/detail). body is valid during
  * the call. A body over max_bytes (announced or streamed) ends the fetch as soon as it is seen,
- * with status 0, NET_UP_PROTOCOL and "response body larger than N bytes"; the connection is
- * reset, not read to its end. */
+ * with status 0, NET_UP_PROTOCOL and "response body larger than N bytes", told with the
+ * exchange still open (net_fetch_open): made a drain then, the rest is read to its end;
+ * otherwise the connection is reset. */
 typedef void (*net_fetch_cb)(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                              const char *detail, void *data);
 
@@ -36,14 +37,15 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
 void net_fetch_cancel(net_fetch_t *f);
 /* Make f's exchange a drain in set (net_creq_drain, for at most max_ms): the answer is read to
  * its end and dropped, done(data, left_ms) runs when it is over, and f is gone (its callback does
- * not run again). Allowed before f's callback has run, and from the callback that reports a
- * timeout told while the exchange is still open (net_fetch_open: no answer within the
- * first-byte timeout, or one silent mid-way for the idle timeout). For a request the
+ * not run again). Allowed before f's callback has run, and from a callback told while the
+ * exchange is still open (net_fetch_open: no answer within the first-byte timeout, one silent
+ * mid-way for the idle timeout, or one over max_bytes). For a request the
  * engine may go on generating after its connection closes, whose slot must stay taken until it
  * has (docs/configuration.md, "Deterministic pools"). */
 /* Is f's exchange still open while its callback runs? So for a timeout (status 0,
- * NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT) told before the exchange ends, when the
- * callback may make it a drain; never for the callback of an exchange that has ended. */
+ * NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT) or a body over max_bytes (NET_UP_PROTOCOL),
+ * told before the exchange ends, when the callback may make it a drain; never for the callback
+ * of an exchange that has ended. */
 bool net_fetch_open(const net_fetch_t *f);
 /* Did f's exchange, told to its callback with status and err, fail once the upstream had the
  * whole request, with nothing left to read (closed, cut mid-answer: net_up_err_may_run, and

@@ -41,7 +41,7 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
 {
     probe_canary_t *c = data;
     probe_canary_result_t res = {.status = status};
-    res.timed_out = net_fetch_open(f) ? f : NULL;
+    res.open = net_fetch_open(f) ? f : NULL;
     res.may_run = net_fetch_failed_running(f, status, err);
     memcpy(res.expected, c->expected, sizeof(res.expected));
     char why[300];

@@ -69,7 +69,8 @@ static void completion_done(net_fetch_t *f, int status, const dp_buf_t *body, ne
                             const char *detail, void *data)
 {
     probe_t *p = data;
-    /* A completion that timed out stays takeable during the callback (probe_take_completion),
+    /* A completion that failed with its exchange open (a timeout, an answer over the size cap)
+     * stays takeable during the callback (probe_take_completion),
      * and one that failed once the engine had it says so (probe_completion_may_run): its engine
      * may still be generating it. */
     p->completion = net_fetch_open(f) ? f : NULL;

@@ -71,8 +71,9 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data);
 void probe_cancel(probe_t *p);
 /* The probe completion it is waiting for (NULL: none sent, or answered), taken out of p: a
  * later probe_cancel leaves it running, and the caller owns it (net_fetch_drain it). During
- * the callback, the completion if it timed out (NULL otherwise): made a drain then, it is kept
- * open; else it ends when the callback returns. */
+ * the callback, the completion if it failed with its exchange still open (a timeout, or an
+ * answer over the size cap: net_fetch_open; NULL otherwise): made a drain then, it is read on
+ * to its end; else it ends when the callback returns. */
 net_fetch_t *probe_take_completion(probe_t *p);
 /* During the callback: the probe completion failed with no exchange left to read once the
  * engine had the whole request (closed, cut mid-answer: net_up_err_may_run), so the engine may
@@ -104,11 +105,11 @@ typedef struct {
     char expected[65]; /* the expected_sha256 in force when the request was sent */
     bool matched;      /* answered and sha256 == expected */
     const char *error; /* why not answered (valid during the callback) */
-    /* The request, when it timed out with its exchange still open (no answer within the
-     * first-byte timeout, or one silent mid-way: net_fetch_open): made a drain during the
-     * callback (net_fetch_drain), it is kept open, else it ends when the callback returns; NULL
-     * otherwise. */
-    net_fetch_t *timed_out;
+    /* The request, when it failed with its exchange still open (no answer within the
+     * first-byte timeout, one silent mid-way, or one over the size cap: net_fetch_open): made a
+     * drain during the callback (net_fetch_drain), it is read on to its end, else it ends when
+     * the callback returns; NULL otherwise. */
+    net_fetch_t *open;
     /* Failed otherwise once the engine had the whole request, with no whole answer (closed,
      * cut mid-answer: net_up_err_may_run): it may be generating it still. */
     bool may_run;

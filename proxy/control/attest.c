@@ -395,14 +395,14 @@ static void engine_read_start(att_t *a)
     a->engine_read = probe_start(&o, engine_read_done, a);
 }
 
-static void orphan_timed_out(att_t *a, net_fetch_t *f);
+static void orphan_read_on(att_t *a, net_fetch_t *f);
 static void orphan_hold(att_t *a);
 
 static void canary_done(const probe_canary_result_t *res, void *data)
 {
     att_t *a = data;
     a->canary = NULL;
-    orphan_timed_out(a, res->timed_out);
+    orphan_read_on(a, res->open);
     if (res->may_run)
         orphan_hold(a);
     px_replica_t *r = a->r;
@@ -600,7 +600,7 @@ static void checked(attest_outcome_t *out, void *data)
 {
     att_t *a = data;
     px_replica_t *r = a->r;
-    orphan_timed_out(a, probe_take_completion(a->probe));
+    orphan_read_on(a, probe_take_completion(a->probe));
     if (probe_completion_may_run(a->probe))
         orphan_hold(a);
     a->probe = NULL;
@@ -733,11 +733,11 @@ static void check_start(att_t *a)
 
 /* A replica freed (a reload that changed its definition, discovery) while its canary or probe
  * completion generates on a single_sequence pool whose engine finishes an answer whose
- * connection closed (llama.cpp), or such a request of a check that got no answer within its
- * first-byte timeout: the request is left to end as a drain (net/client.h) and its answer
- * dropped, and only then is the slot freed (the engine's slots are shared with the replica
- * object that replaced it), as data/proxy.c does for a client's (drain_abandoned). Ended at
- * px_attest_stop. */
+ * connection closed (llama.cpp), or such a request of a check that failed with its exchange
+ * still open (a timeout, an answer over its size cap): the request is left to end as a drain
+ * (net/client.h) and its answer dropped, and only then is the slot freed (the engine's slots are
+ * shared with the replica object that replaced it), as data/proxy.c does for a client's
+ * (drain_abandoned). Ended at px_attest_stop. */
 
 /* Can a's slot go to an orphan (see above)? */
 static bool orphan_may(att_t *a)
@@ -771,10 +771,10 @@ static void orphan_adopt(att_t *a)
         orphan_keep(a, f);
 }
 
-/* The same for a's request that timed out with its exchange still open (its callback runs:
- * no answer within the first-byte timeout, or one silent mid-way): the engine may be
- * generating it still. */
-static void orphan_timed_out(att_t *a, net_fetch_t *f)
+/* The same for a's request that failed with its exchange still open (its callback runs: no
+ * answer within the first-byte timeout, one silent mid-way, or one over the size cap): the
+ * engine may be generating it still, and what is left of the answer is read to its end. */
+static void orphan_read_on(att_t *a, net_fetch_t *f)
 {
     if (f && orphan_may(a))
         orphan_keep(a, f);

@@ -162,7 +162,8 @@ static void fetched(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err
                       detail && *detail ? ": " : "", detail ? detail : "");
         /* The replica may still be generating it (llama.cpp does): its caller is told now, and
          * the slot may stay taken until the answer has come; read on while the exchange is
-         * open (no answer yet, or one fallen silent), else kept blind for the drain's time. */
+         * open (no answer yet, one fallen silent, or one over the size cap), else kept blind
+         * for the drain's time. */
         if (net_fetch_open(f))
             drain_slot(rl, f);
         else if (net_fetch_failed_running(f, status, err))

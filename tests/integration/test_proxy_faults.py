@@ -658,6 +658,29 @@ def test_on_a_single_sequence_pool_an_answer_refused_on_its_head_is_drained_not_
     up.stop()
 
 
+def test_on_a_single_sequence_pool_a_relayed_answer_over_its_cap_is_drained_not_held_blind():
+    """An admin relay whose answer is larger than the relay's 16 MiB cap: its caller gets 502
+    at once, and the rest of the answer is read to its end and dropped, so the engine's one
+    slot is free the moment it ends, not kept blind for a drain's whole time."""
+    hold_s = 6.0
+    times = {}
+    big = b"x" * ((16 << 20) + 1)
+    over = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % len(big)) + big
+    up, px = single_sequence_scripted(noting(times, 0, (over, True)), hold_s)
+    r = http("POST", px.admin_port, "/admin/relay/v1/completions", body=json.dumps(COMPLETION),
+             headers={"x-detproxy-relay-pool": "p", "x-detproxy-relay-replica": "r1",
+                      "content-type": "application/json"}, timeout=10 * SLOW)
+    assert r.status == 502 and r.json()["error"]["code"] == "replica_error", r
+    assert "larger than 16777216 bytes" in r.json()["error"]["message"], r.json()
+    r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
+    assert r.status == 200, r
+    assert times[1] - times[0] < hold_s / 3, times
+    assert ("closed" not in [w for _, w in up.events]), up.events  # read whole, not cut
+    px.stop()
+    up.stop()
+
+
 def answer(k, conn_no, req_no):
     return OK_RESPONSE, True
 

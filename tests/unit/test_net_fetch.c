@@ -338,7 +338,7 @@ static void count_drained(void *data, uint64_t left_ms)
     g_drained++;
 }
 
-/* The fetch's callback, which makes the exchange a drain when told of a timeout while it is
+/* The fetch's callback, which makes the exchange a drain when told of a failure while it is
  * still open. */
 static void fetched_or_drain(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                              const char *detail, void *data)
@@ -416,6 +416,52 @@ Test(net_fetch, a_fetch_told_of_an_idle_timeout_may_drain_it)
     RUN_UNTIL(g_drained == 1);
     cr_assert_null(g_set.head);
     net_upstream_free(u);
+}
+
+/* An answer over the cap is told with the exchange still open, at its head (an announced
+ * length) or mid-body: made a drain, it is read to its end, not reset, and the drain ends with
+ * the answer, well before its deadline. */
+static void expect_over_cap_drained(const char *target, size_t max, void (*finish)(void))
+{
+    g_set = (net_drains_t){0};
+    g_drained = 0;
+    fr_t r = {0};
+    net_fetch(
+        g_up,
+        &(net_fetch_opts_t){.method = "GET", .hostport = "h:1", .target = target, .max_bytes = max},
+        fetched_or_drain, &r);
+    RUN_UNTIL(r.done);
+    uint64_t t0 = uv_now(&g_loop);
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.err, NET_UP_PROTOCOL);
+    cr_assert_not_null(g_set.head);
+    run_for(30);
+    cr_assert_eq(g_drained, 0);
+    cr_assert_eq(g_aborts, 0, "the answer was cut, not drained");
+    finish();
+    RUN_UNTIL(g_drained == 1);
+    cr_assert_lt(uv_now(&g_loop) - t0, 250, "ended by its 300 ms deadline, not by its answer");
+    cr_assert_eq(g_aborts, 0);
+    cr_assert_null(g_set.head);
+}
+
+static void send_the_megabyte(void)
+{
+    static char rest[(1 << 20) - 10];
+    net_resp_write(g_held, rest, sizeof(rest));
+    net_resp_end(g_held);
+}
+
+static void end_the_stall(void)
+{
+    net_resp_write(g_held, "defghij", 7);
+    net_resp_end(g_held);
+}
+
+Test(net_fetch, a_fetch_told_its_answer_is_over_the_cap_may_drain_it)
+{
+    expect_over_cap_drained("/huge-held", 50, send_the_megabyte);
+    expect_over_cap_drained("/stall", 2, end_the_stall);
 }
 
 /* A fetch made a drain before its callback ran: its callback never runs, the drain's does
