@@ -924,6 +924,44 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
                              err);
 }
 
+/* Bodies no policy shaped (the admin relay's, a pass-through path's) may also batch inputs
+ * that engines run as a sequence each, together: embeddings `input` (OpenAI, vLLM), `inputs`
+ * (TGI) or `content` (llama.cpp's /embedding) holding several texts or token-id lists, and
+ * rerank `documents` (TEI: `texts`), scored one sequence per document (llama.cpp runs each
+ * as a task of its own, in as many slots as it has). An array of token ids is one input, and
+ * an array of objects (/v1/responses' input items, chat content parts) one conversation. */
+static bool inputs_at_once(const jdoc_t *d, policy_error_t *err)
+{
+    static const struct {
+        const char *key;
+        bool documents; /* every element a sequence, whatever its shape */
+    } batch[] = {{"input", false},
+                 {"inputs", false},
+                 {"content", false},
+                 {"documents", true},
+                 {"texts", true}};
+    for (size_t i = 0; i < DP_ARRAY_SIZE(batch); i++) {
+        uint32_t v = jdoc_get(d, 0, batch[i].key);
+        if (v == JDOC_NONE || d->toks[v].type != JT_ARR || d->toks[v].aux < 2)
+            continue;
+        if (!batch[i].documents) {
+            bool objects = true;
+            for (uint32_t e = v + 1; e < d->toks[v].end && objects; e = d->toks[e].end)
+                objects = d->toks[e].type == JT_OBJ;
+            if (objects || all_token_ids(d, v))
+                continue;
+        }
+        const char *what = batch[i].documents ? "document" : "input";
+        policy_set_error(err, 400, "policy_violation", batch[i].key,
+                         "%s holds %u %ss, each a sequence, all at once, and this pool runs one "
+                         "sequence at a time per replica (determinism.mode single_sequence): "
+                         "send one request per %s",
+                         batch[i].key, (unsigned)d->toks[v].aux, what, what);
+        return true;
+    }
+    return false;
+}
+
 int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err)
 {
     policy_req_reset(r);
@@ -948,7 +986,7 @@ int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_er
         else
             counts[i].kind = PV_OTHER;
     }
-    bool several = sequences_at_once(d, r->key, true, counts, err);
+    bool several = sequences_at_once(d, r->key, true, counts, err) || inputs_at_once(d, err);
     policy_req_reset(r);
     return several ? -1 : 0;
 }

@@ -163,12 +163,13 @@ typedef struct {
 
 typedef struct policy_req_s policy_req_t;
 
-/* For a body no policy shaped (the admin relay's) sent to a single_sequence pool: 0 when it
- * surely runs one sequence; -1 with err (400) when it asks for several at once
- * (policy_violation, naming the key: the rules of policy_decide on such a pool, n or n_cmpl
- * other than 1, best_of, beam search, a batch of prompts), or is not one JSON object without
- * duplicate keys (invalid_json, duplicate_key: an engine would read it its own way). r is
- * scratch, reset after. */
+/* For a body no policy shaped (the admin relay's, a pass-through path's) sent to a
+ * single_sequence pool: 0 when it surely runs one sequence; -1 with err (400) when it asks for
+ * several at once (policy_violation, naming the key: the rules of policy_decide on such a
+ * pool, n or n_cmpl other than 1, best_of, beam search, a batch of prompts; and a batch of
+ * inputs: several embeddings `input`/`inputs`/`content`, rerank `documents`/`texts`), or is
+ * not one JSON object without duplicate keys (invalid_json, duplicate_key: an engine would
+ * read it its own way). r is scratch, reset after. */
 int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err);
 
 policy_req_t *policy_req_new(void);

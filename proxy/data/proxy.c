@@ -1704,7 +1704,10 @@ static net_body_mode_t on_head(net_req_t *req)
         return NET_BODY_DISCARD;
     }
     q->pool = pass;
-    if (req->has_body && req->content_length >= 0 && req->content_length <= PASS_HELD_MAX)
+    /* A single_sequence pool's pass-through body is read whole, to be checked for several
+     * sequences at once (on_complete), up to the body limit as a policed route's. */
+    if (req->has_body && ((req->content_length >= 0 && req->content_length <= PASS_HELD_MAX) ||
+                          cfg_pool_determinism(pass->cfg) == CFG_DETERMINISM_SINGLE_SEQUENCE))
         return NET_BODY_BUFFER; /* sent whole from on_complete */
     q->stream_body = req->has_body;
     dispatch(q);
@@ -1771,6 +1774,32 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     policed(q, rc, res);
 }
 
+/* A pass-through body that would run several sequences at once on a single_sequence pool's
+ * replica (a batch of embeddings inputs, rerank documents, a completions body asking for n):
+ * refused as the admin relay refuses it (docs/configuration.md, "Deterministic pools"). A body
+ * that is not a JSON object (a multipart upload) is none an engine reads as a batch: sent on. */
+static bool pass_refused(px_preq_t *q, net_req_t *req)
+{
+    if (cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE)
+        return false;
+    size_t i = 0, n = req->body.len;
+    const char *b = req->body.base;
+    while (i < n && (b[i] == ' ' || b[i] == '\t' || b[i] == '\r' || b[i] == '\n'))
+        i++;
+    if (i == n || b[i] != '{')
+        return false;
+    policy_req_t *scratch = policy_req_new();
+    policy_error_t e;
+    int rc = policy_one_sequence(scratch, req->body.base, req->body.len, &e);
+    policy_req_free(scratch);
+    if (rc == 0)
+        return false;
+    px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
+    fail_client(q, e.status, e.code, e.param[0] ? e.param : NULL, e.message);
+    finish(q);
+    return true;
+}
+
 static void on_complete(net_req_t *req)
 {
     px_preq_t *q = req->data;
@@ -1783,8 +1812,10 @@ static void on_complete(net_req_t *req)
                 net_creq_write(q->up, &b, 1);
             }
             net_creq_end(q->up);
-        } else if (!q->stream_body && req->has_body) { /* held whole (PASS_HELD_MAX) */
+        } else if (!q->stream_body && req->has_body) { /* held whole (see on_request) */
             q->body = (dp_iovec_t){req->body.base, req->body.len};
+            if (pass_refused(q, req))
+                return;
             dispatch(q);
         }
         return;

@@ -475,6 +475,44 @@ def test_the_relay_refuses_what_a_single_sequence_pool_refuses():
     px.stop()
 
 
+def test_pass_through_bodies_on_a_single_sequence_pool_hold_one_sequence():
+    """A pass-through path (embeddings, rerank) is not policed, but its body may batch inputs
+    that an engine runs as a sequence each, together: on a single_sequence pool such a batch is
+    refused as the relay refuses it, whatever the body's size (read whole, not streamed past
+    the check); one input is sent on, and so is a body that is not a JSON object (an upload)."""
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[single_sequence_pool(
+        [sim], passthrough=["POST /v1/embeddings", "POST /v1/rerank", "POST /upload"])])
+    hdrs = {"content-type": "application/json"}
+    before = len(client_requests(sim))
+    long_text = "word " * 20000  # two of them: a body past the 64 KiB streamed through before
+    for target, body, code, param in (
+            ("/v1/embeddings", {"model": MODEL, "input": ["a", "b"]}, "policy_violation",
+             "input"),
+            ("/v1/embeddings", {"model": MODEL, "input": [long_text, long_text]},
+             "policy_violation", "input"),
+            ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a", "b", "c"]},
+             "policy_violation", "documents"),
+            ("/v1/embeddings", b'{"input":"a","input":["a","b"]}', "duplicate_key", None)):
+        r = http("POST", px.port, target, body=body, headers=hdrs)
+        assert r.status == 400, (target, r)
+        err = r.json()["error"]
+        assert err["code"] == code and err["param"] == param, (target, err)
+        if param:
+            assert "single_sequence" in err["message"], err
+    assert len(client_requests(sim)) == before, client_requests(sim)[before:]
+    sent = [("/v1/embeddings", {"model": MODEL, "input": ["a"]}),
+            ("/v1/embeddings", {"model": MODEL, "input": [1, 2, 3]}),
+            ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a"]}),
+            ("/upload", b"--b\r\ncontent-disposition: form-data; name=\"f\"\r\n\r\nx\r\n--b--")]
+    for target, body in sent:
+        r = http("POST", px.port, target, body=body, headers=hdrs)
+        assert r.status != 400, (target, r)
+    got = [q["target"] for q in client_requests(sim)[before:]]
+    assert got == [t for t, _ in sent], got
+    px.stop()
+
+
 def test_single_sequence_on_vllm_closes_an_abandoned_exchange():
     """vLLM cancels a request whose connection closes (the sim without --finish-abandoned does
     too): reading its answer to the end would make it generate for no one while the pool's one

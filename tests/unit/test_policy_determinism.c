@@ -223,9 +223,10 @@ Test(determinism_policy, single_sequence_in_a_fleet_warns_that_each_member_count
     cfg_errors_free(&e);
 }
 
-/* The admin relay's bodies, which no tenant policy shaped, are held to the same rule on a
- * single_sequence pool; what an engine could read as several (duplicate keys, a count that is
- * not an integer literal) is refused too. */
+/* Bodies no tenant policy shaped (the admin relay's, a pass-through path's) are held to the
+ * same rule on a single_sequence pool, batches of embeddings inputs and rerank documents
+ * included; what an engine could read as several (duplicate keys, a count that is not an
+ * integer literal) is refused too. */
 Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
 {
     static const struct {
@@ -240,6 +241,14 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
         {"{\"prompt\":[1,\"a\"]}", "prompt"},
         {"{\"prompt\":\"x\",\"best_of\":2}", "best_of"},
         {"{\"prompt\":\"x\",\"use_beam_search\":true}", "use_beam_search"},
+        {"{\"input\":[\"a\",\"b\"]}", "input"},
+        {"{\"input\":[[1,2],[3]]}", "input"},
+        {"{\"input\":[1,\"a\"]}", "input"},
+        {"{\"inputs\":[\"a\",\"b\"]}", "inputs"},
+        {"{\"content\":[\"a\",\"b\"]}", "content"},
+        {"{\"query\":\"q\",\"documents\":[\"a\",\"b\"]}", "documents"},
+        {"{\"query\":\"q\",\"documents\":[{\"text\":\"a\"},{\"text\":\"b\"}]}", "documents"},
+        {"{\"query\":\"q\",\"texts\":[\"a\",\"b\"]}", "texts"},
         {"{\"prompt\":\"x\",\"n\":1,\"n\":3}", ""},
         {"[1]", ""},
     };
@@ -255,8 +264,16 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
                          "%s", b);
         cr_assert_str_eq(err.param, refused_bodies[i].param, "%s", b);
     }
-    static const char *const one[] = {"{\"prompt\":\"x\"}", "{\"prompt\":[1,2],\"n\":1}",
-                                      "{\"messages\":[],\"n\":null,\"best_of\":1}"};
+    static const char *const one[] = {"{\"prompt\":\"x\"}",
+                                      "{\"prompt\":[1,2],\"n\":1}",
+                                      "{\"messages\":[],\"n\":null,\"best_of\":1}",
+                                      "{\"input\":\"a\"}",
+                                      "{\"input\":[\"a\"]}",
+                                      "{\"input\":[1,2,3]}",
+                                      "{\"input\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":"
+                                      "\"assistant\",\"content\":\"y\"}]}",
+                                      "{\"content\":\"a b\"}",
+                                      "{\"query\":\"q\",\"documents\":[\"a\"]}"};
     for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
         cr_assert_eq(policy_one_sequence(req, one[i], strlen(one[i]), &err), 0, "%s: %s", one[i],
                      err.message);
