@@ -926,31 +926,26 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
 
 /* Bodies no policy shaped (the admin relay's, a pass-through path's) may also batch inputs
  * that engines run as a sequence each, together: embeddings `input` (OpenAI, vLLM), `inputs`
- * (TGI) or `content` (llama.cpp's /embedding) holding several texts or token-id lists, and
- * rerank `documents` (TEI: `texts`), scored one sequence per document (llama.cpp runs each
- * as a task of its own, in as many slots as it has). An array of token ids is one input, and
- * an array of objects (/v1/responses' input items, chat content parts) one conversation. */
-static bool inputs_at_once(const jdoc_t *d, policy_error_t *err)
+ * (TGI) or `content` (llama.cpp's /embedding) holding several texts, token-id lists or
+ * multimodal prompt objects (llama.cpp's tokenize_input_prompts makes each element of an
+ * array that is not all token ids a prompt of its own), rerank `documents` (TEI: `texts`) and
+ * vLLM's /score `text_1`/`text_2`, scored one sequence per element (llama.cpp runs each as a
+ * task of its own, in as many slots as it has). An array of token ids is one input, and so is
+ * /v1/responses' `input` array of items (input_items): one conversation. */
+static bool inputs_at_once(const jdoc_t *d, bool input_items, policy_error_t *err)
 {
     static const struct {
         const char *key;
         bool documents; /* every element a sequence, whatever its shape */
-    } batch[] = {{"input", false},
-                 {"inputs", false},
-                 {"content", false},
-                 {"documents", true},
-                 {"texts", true}};
+    } batch[] = {{"input", false}, {"inputs", false}, {"content", false}, {"documents", true},
+                 {"texts", true},  {"text_1", true},  {"text_2", true}};
     for (size_t i = 0; i < DP_ARRAY_SIZE(batch); i++) {
         uint32_t v = jdoc_get(d, 0, batch[i].key);
         if (v == JDOC_NONE || d->toks[v].type != JT_ARR || d->toks[v].aux < 2)
             continue;
-        if (!batch[i].documents) {
-            bool objects = true;
-            for (uint32_t e = v + 1; e < d->toks[v].end && objects; e = d->toks[e].end)
-                objects = d->toks[e].type == JT_OBJ;
-            if (objects || all_token_ids(d, v))
-                continue;
-        }
+        if (!batch[i].documents &&
+            (all_token_ids(d, v) || (input_items && strcmp(batch[i].key, "input") == 0)))
+            continue;
         const char *what = batch[i].documents ? "document" : "input";
         policy_set_error(err, 400, "policy_violation", batch[i].key,
                          "%s holds %u %ss, each a sequence, all at once, and this pool runs one "
@@ -962,7 +957,8 @@ static bool inputs_at_once(const jdoc_t *d, policy_error_t *err)
     return false;
 }
 
-int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err)
+int policy_one_sequence(policy_req_t *r, const char *body, size_t len, bool input_items,
+                        policy_error_t *err)
 {
     policy_req_reset(r);
     jdoc_t *d = &r->doc;
@@ -986,7 +982,8 @@ int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_er
         else
             counts[i].kind = PV_OTHER;
     }
-    bool several = sequences_at_once(d, r->key, true, counts, err) || inputs_at_once(d, err);
+    bool several =
+        sequences_at_once(d, r->key, true, counts, err) || inputs_at_once(d, input_items, err);
     policy_req_reset(r);
     return several ? -1 : 0;
 }

@@ -167,10 +167,13 @@ typedef struct policy_req_s policy_req_t;
  * single_sequence pool: 0 when it surely runs one sequence; -1 with err (400) when it asks for
  * several at once (policy_violation, naming the key: the rules of policy_decide on such a
  * pool, n or n_cmpl other than 1, best_of, beam search, a batch of prompts; and a batch of
- * inputs: several embeddings `input`/`inputs`/`content`, rerank `documents`/`texts`), or is
- * not one JSON object without duplicate keys (invalid_json, duplicate_key: an engine would
- * read it its own way). r is scratch, reset after. */
-int policy_one_sequence(policy_req_t *r, const char *body, size_t len, policy_error_t *err);
+ * inputs: several embeddings `input`/`inputs`/`content`, rerank `documents`/`texts`, /score
+ * `text_1`/`text_2`), or is not one JSON object without duplicate keys (invalid_json,
+ * duplicate_key: an engine would read it its own way). input_items: the body is for
+ * /v1/responses, whose `input` array holds one conversation's items. r is scratch, reset
+ * after. */
+int policy_one_sequence(policy_req_t *r, const char *body, size_t len, bool input_items,
+                        policy_error_t *err);
 
 policy_req_t *policy_req_new(void);
 /* Forget the current request but keep the buffers for the next one. */

@@ -22,6 +22,7 @@
 #include "common/util.h"
 #include "net/fetch.h"
 #include "policy/policy.h"
+#include "policy/routes.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/self.h"
@@ -305,8 +306,10 @@ bool px_relay_route(px_t *px, net_req_t *req)
         if (g_scratch == NULL)
             g_scratch = policy_req_new();
         policy_error_t e;
+        bool items = policy_routes_classify(req->method_name, (dp_iovec_t){p, (size_t)(end - p)}) ==
+                     POLICY_CLASS_RESPONSES;
         if (policy_one_sequence(g_scratch, req->body.base ? req->body.base : "", req->body.len,
-                                &e) < 0) {
+                                items, &e) < 0) {
             net_resp_error(req, 400, NULL, e.code, e.param[0] ? e.param : NULL, e.message, NULL, 0);
             return true;
         }

@@ -868,6 +868,26 @@ static void sse_error_event(px_preq_t *q, const char *message)
     dp_buf_free(&b);
 }
 
+/* The media type of a head's Content-Type, parameters (after ';') aside, in *media ("" when
+ * there is none); returns how many there are, a list in one field ("a, b") counting two. */
+static int content_media(const net_header_t *hdrs, size_t n, dp_iovec_t *media)
+{
+    int count = 0;
+    *media = (dp_iovec_t){"", 0};
+    for (size_t i = 0; i < n; i++) {
+        if (!dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type"))
+            continue;
+        if (count++ > 0)
+            continue;
+        const dp_iovec_t *v = &hdrs[i].value;
+        const char *semi = memchr(v->base, ';', v->len);
+        *media = dp_trim_ows((dp_iovec_t){v->base, semi ? (size_t)(semi - v->base) : v->len});
+        if (memchr(v->base, ',', v->len))
+            count++;
+    }
+    return count;
+}
+
 /* Why a successful answer to an inference request cannot be checked, or NULL. Its fingerprint
  * is rewritten and compared, and its usage read, in a JSON body or in an event stream, the one
  * the request asked for; a coded body (detproxy asks for identity) or the other type would
@@ -877,24 +897,10 @@ static const char *unverifiable_answer(const px_preq_t *q, const net_header_t *h
     if (net_content_coded(hdrs, n))
         return "the answer has a Content-Encoding, which detproxy did not ask for and cannot "
                "check";
-    const dp_iovec_t *type = NULL;
-    for (size_t i = 0; i < n; i++) {
-        if (dp_strieq(hdrs[i].name.base, hdrs[i].name.len, "content-type")) {
-            /* A reader takes the first; a client may take another. */
-            if (type)
-                return "the answer has more than one Content-Type";
-            type = &hdrs[i].value;
-        }
-    }
-    /* The media type itself, parameters (after ';') aside; a list ("a, b") is two types. */
-    dp_iovec_t media = {"", 0};
-    if (type) {
-        const char *semi = memchr(type->base, ';', type->len);
-        media =
-            dp_trim_ows((dp_iovec_t){type->base, semi ? (size_t)(semi - type->base) : type->len});
-        if (memchr(type->base, ',', type->len))
-            return "the answer has more than one Content-Type";
-    }
+    dp_iovec_t media;
+    /* A reader takes the first; a client may take another. */
+    if (content_media(hdrs, n, &media) > 1)
+        return "the answer has more than one Content-Type";
     if (q->hooks.stream)
         return dp_strieq(media.base, media.len, "text/event-stream")
                    ? NULL
@@ -1774,26 +1780,59 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
     policed(q, rc, res);
 }
 
+/* Could an engine read this pass-through body as JSON? One that opens with '{' (after JSON
+ * whitespace) or a UTF-8 byte order mark (llama.cpp's parser skips one); under a JSON
+ * Content-Type, or none, also one in UTF-16 or UTF-32 (a BOM, or a NUL among its first four
+ * bytes: RFC 4627 §3), which Python servers' json.loads reads. Anything else (a multipart
+ * upload) is none an engine reads as a batch. */
+static bool pass_json_like(const net_req_t *req)
+{
+    size_t i = 0, n = req->body.len;
+    const unsigned char *b = (const unsigned char *)req->body.base;
+    while (i < n && (b[i] == ' ' || b[i] == '\t' || b[i] == '\r' || b[i] == '\n'))
+        i++;
+    if (i == n)
+        return false;
+    if (b[i] == '{' || (n - i >= 3 && b[i] == 0xef && b[i + 1] == 0xbb && b[i + 2] == 0xbf))
+        return true;
+    dp_iovec_t media;
+    bool json_typed = content_media(req->headers, req->nheaders, &media) == 0 ||
+                      dp_strieq(media.base, media.len, "application/json") ||
+                      (media.len > 17 && dp_memieq(media.base, "application/", 12) &&
+                       dp_memieq(media.base + media.len - 5, "+json", 5));
+    if (!json_typed)
+        return false;
+    if (n >= 2 && ((b[0] == 0xfe && b[1] == 0xff) || (b[0] == 0xff && b[1] == 0xfe)))
+        return true;
+    for (size_t k = 0; k < n && k < 4; k++)
+        if (b[k] == 0)
+            return true;
+    return false;
+}
+
 /* A pass-through body that would run several sequences at once on a single_sequence pool's
- * replica (a batch of embeddings inputs, rerank documents, a completions body asking for n):
- * refused as the admin relay refuses it (docs/configuration.md, "Deterministic pools"). A body
- * that is not a JSON object (a multipart upload) is none an engine reads as a batch: sent on. */
+ * replica (a batch of embeddings inputs, rerank documents, a completions body asking for n) is
+ * refused as the admin relay refuses it, and so is one an engine could read as JSON that is
+ * not one UTF-8 JSON object without duplicate keys (docs/configuration.md, "Deterministic
+ * pools"); a coded one, which detproxy cannot read, is refused as a policed route's is. */
 static bool pass_refused(px_preq_t *q, net_req_t *req)
 {
     if (cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE)
         return false;
-    size_t i = 0, n = req->body.len;
-    const char *b = req->body.base;
-    while (i < n && (b[i] == ' ' || b[i] == '\t' || b[i] == '\r' || b[i] == '\n'))
-        i++;
-    if (i == n || b[i] != '{')
-        return false;
-    policy_req_t *scratch = policy_req_new();
     policy_error_t e;
-    int rc = policy_one_sequence(scratch, req->body.base, req->body.len, &e);
-    policy_req_free(scratch);
-    if (rc == 0)
-        return false;
+    if (net_content_coded(req->headers, req->nheaders)) {
+        e = (policy_error_t){.status = 415, .code = "unsupported_content_encoding"};
+        dp_copy_str(e.message, sizeof(e.message), NET_CODED_BODY_MESSAGE,
+                    sizeof(NET_CODED_BODY_MESSAGE) - 1);
+    } else {
+        if (!pass_json_like(req))
+            return false;
+        policy_req_t *scratch = policy_req_new();
+        int rc = policy_one_sequence(scratch, req->body.base, req->body.len, false, &e);
+        policy_req_free(scratch);
+        if (rc == 0)
+            return false;
+    }
     px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
     fail_client(q, e.status, e.code, e.param[0] ? e.param : NULL, e.message);
     finish(q);

@@ -5,6 +5,7 @@ detproxy (one request in flight per replica, cache_prompt false for llama.cpp); 
 require_determinism routes only to pools with that mode."""
 
 import atexit
+import gzip
 import hashlib
 import json
 import os
@@ -468,6 +469,11 @@ def test_the_relay_refuses_what_a_single_sequence_pool_refuses():
     r = http("POST", px.admin_port, "/admin/relay/v1/completions",
              body={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 1}, headers=hdrs)
     assert r.status == 200, r
+    # /v1/responses' input items are one conversation, not a batch of inputs
+    items = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    r = http("POST", px.admin_port, "/admin/relay/v1/responses",
+             body={"model": MODEL, "input": items, "max_output_tokens": 2}, headers=hdrs)
+    assert r.status == 200, r
     r = http("POST", px.admin_port, "/admin/relay/slots/0?action=erase", body=b"",
              headers=hdrs)
     assert r.status != 400, r
@@ -479,37 +485,53 @@ def test_pass_through_bodies_on_a_single_sequence_pool_hold_one_sequence():
     """A pass-through path (embeddings, rerank) is not policed, but its body may batch inputs
     that an engine runs as a sequence each, together: on a single_sequence pool such a batch is
     refused as the relay refuses it, whatever the body's size (read whole, not streamed past
-    the check); one input is sent on, and so is a body that is not a JSON object (an upload)."""
+    the check), and so is one an engine could read as such a batch that detproxy cannot read
+    (a byte order mark, UTF-16, a Content-Encoding); one input is sent on, and so is a body no
+    engine reads as JSON (an upload)."""
     sim = start_sim("--model", MODEL)
     px = start_proxy(pools=[single_sequence_pool(
-        [sim], passthrough=["POST /v1/embeddings", "POST /v1/rerank", "POST /upload"])])
-    hdrs = {"content-type": "application/json"}
+        [sim], passthrough=["POST /v1/embeddings", "POST /embedding", "POST /v1/rerank",
+                            "POST /upload"])])
+    json_type = {"content-type": "application/json"}
     before = len(client_requests(sim))
     long_text = "word " * 20000  # two of them: a body past the 64 KiB streamed through before
-    for target, body, code, param in (
-            ("/v1/embeddings", {"model": MODEL, "input": ["a", "b"]}, "policy_violation",
-             "input"),
-            ("/v1/embeddings", {"model": MODEL, "input": [long_text, long_text]},
-             "policy_violation", "input"),
+    batch = json.dumps({"model": MODEL, "input": ["a", "b"]})
+    for target, body, hdrs, status, code, param in (
+            ("/v1/embeddings", batch, json_type, 400, "policy_violation", "input"),
+            ("/v1/embeddings", {"model": MODEL, "input": [long_text, long_text]}, json_type,
+             400, "policy_violation", "input"),
+            ("/embedding", {"content": [{"prompt_string": "a"}, {"prompt_string": "b"}]},
+             json_type, 400, "policy_violation", "content"),
             ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a", "b", "c"]},
-             "policy_violation", "documents"),
-            ("/v1/embeddings", b'{"input":"a","input":["a","b"]}', "duplicate_key", None)):
+             json_type, 400, "policy_violation", "documents"),
+            ("/v1/embeddings", b'{"input":"a","input":["a","b"]}', json_type, 400,
+             "duplicate_key", None),
+            # llama.cpp skips a UTF-8 BOM whatever the Content-Type; Python's json.loads
+            # reads UTF-16 and UTF-32 under a JSON one
+            ("/v1/embeddings", b"\xef\xbb\xbf" + batch.encode(), {"content-type": "text/plain"},
+             400, "invalid_json", None),
+            ("/v1/embeddings", batch.encode("utf-16-le"), json_type, 400, "invalid_json", None),
+            ("/v1/embeddings", gzip.compress(batch.encode()),
+             dict(json_type, **{"content-encoding": "gzip"}), 415,
+             "unsupported_content_encoding", None)):
         r = http("POST", px.port, target, body=body, headers=hdrs)
-        assert r.status == 400, (target, r)
+        assert r.status == status, (target, body[:40], r)
         err = r.json()["error"]
         assert err["code"] == code and err["param"] == param, (target, err)
         if param:
             assert "single_sequence" in err["message"], err
     assert len(client_requests(sim)) == before, client_requests(sim)[before:]
-    sent = [("/v1/embeddings", {"model": MODEL, "input": ["a"]}),
-            ("/v1/embeddings", {"model": MODEL, "input": [1, 2, 3]}),
-            ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a"]}),
-            ("/upload", b"--b\r\ncontent-disposition: form-data; name=\"f\"\r\n\r\nx\r\n--b--")]
-    for target, body in sent:
+    sent = [("/v1/embeddings", {"model": MODEL, "input": ["a"]}, json_type),
+            ("/v1/embeddings", {"model": MODEL, "input": [1, 2, 3]}, json_type),
+            ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a"]}, json_type),
+            ("/upload", b"--b\r\ncontent-disposition: form-data; name=\"f\"\r\n\r\nx\r\n--b--",
+             {"content-type": "multipart/form-data; boundary=b"}),
+            ("/upload", b"\x00\x00\x01\x00 raw samples", {"content-type": "audio/L16"})]
+    for target, body, hdrs in sent:
         r = http("POST", px.port, target, body=body, headers=hdrs)
-        assert r.status != 400, (target, r)
+        assert r.status not in (400, 415), (target, r)
     got = [q["target"] for q in client_requests(sim)[before:]]
-    assert got == [t for t, _ in sent], got
+    assert got == [t for t, _, _ in sent], got
     px.stop()
 
 

@@ -249,13 +249,17 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
         {"{\"query\":\"q\",\"documents\":[\"a\",\"b\"]}", "documents"},
         {"{\"query\":\"q\",\"documents\":[{\"text\":\"a\"},{\"text\":\"b\"}]}", "documents"},
         {"{\"query\":\"q\",\"texts\":[\"a\",\"b\"]}", "texts"},
+        {"{\"text_1\":\"q\",\"text_2\":[\"a\",\"b\"]}", "text_2"},
+        /* llama.cpp: each multimodal prompt object a prompt of its own */
+        {"{\"content\":[{\"prompt_string\":\"a\"},{\"prompt_string\":\"b\"}]}", "content"},
+        {"{\"input\":[{\"prompt_string\":\"a\"},{\"prompt_string\":\"b\"}]}", "input"},
         {"{\"prompt\":\"x\",\"n\":1,\"n\":3}", ""},
         {"[1]", ""},
     };
     policy_error_t err;
     for (size_t i = 0; i < sizeof(refused_bodies) / sizeof(refused_bodies[0]); i++) {
         const char *b = refused_bodies[i].body;
-        cr_assert_eq(policy_one_sequence(req, b, strlen(b), &err), -1, "%s", b);
+        cr_assert_eq(policy_one_sequence(req, b, strlen(b), false, &err), -1, "%s", b);
         cr_assert_eq(err.status, 400, "%s", b);
         cr_assert_str_eq(err.code,
                          refused_bodies[i].param[0] ? "policy_violation"
@@ -270,11 +274,14 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
                                       "{\"input\":\"a\"}",
                                       "{\"input\":[\"a\"]}",
                                       "{\"input\":[1,2,3]}",
-                                      "{\"input\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":"
-                                      "\"assistant\",\"content\":\"y\"}]}",
                                       "{\"content\":\"a b\"}",
                                       "{\"query\":\"q\",\"documents\":[\"a\"]}"};
     for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
-        cr_assert_eq(policy_one_sequence(req, one[i], strlen(one[i]), &err), 0, "%s: %s", one[i],
-                     err.message);
+        cr_assert_eq(policy_one_sequence(req, one[i], strlen(one[i]), false, &err), 0, "%s: %s",
+                     one[i], err.message);
+    /* /v1/responses: its input items are one conversation. */
+    static const char items[] = "{\"input\":[{\"role\":\"user\",\"content\":\"x\"},"
+                                "{\"role\":\"assistant\",\"content\":\"y\"}]}";
+    cr_assert_eq(policy_one_sequence(req, items, strlen(items), true, &err), 0, "%s", err.message);
+    cr_assert_eq(policy_one_sequence(req, items, strlen(items), false, &err), -1);
 }
