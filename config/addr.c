@@ -184,6 +184,47 @@ void cfg_url_free(cfg_url_t *u)
     *u = (cfg_url_t){0};
 }
 
+/* The path as an engine's router, or a gateway's in front of several, reads it (RFC 3986
+ * §6.2.2): %XX of an unreserved character decoded and other escapes in upper case, dot
+ * segments removed, and empty ones dropped (nginx's merge_slashes); appended to out, "" for
+ * the root. */
+static void append_engine_path(dp_buf_t *out, const char *path)
+{
+    dp_buf_t dec = {0};
+    for (const char *p = path; *p; p++) {
+        int hi = p[0] == '%' ? dp_hexval((unsigned char)p[1]) : -1;
+        int lo = hi >= 0 ? dp_hexval((unsigned char)p[2]) : -1;
+        if (lo < 0) {
+            dp_buf_appendc(&dec, *p);
+            continue;
+        }
+        char c = (char)(hi << 4 | lo);
+        if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+            c == '-' || c == '.' || c == '_' || c == '~')
+            dp_buf_appendc(&dec, c);
+        else
+            dp_buf_printf(&dec, "%%%02X", (unsigned)(unsigned char)c);
+        p += 2;
+    }
+    dp_iovec_t *seg = dp_xcalloc(dec.len + 1, sizeof(*seg));
+    size_t nseg = 0;
+    for (size_t i = 0; i < dec.len;) {
+        const char *s = dec.base + i, *slash = memchr(s, '/', dec.len - i);
+        size_t n = slash ? (size_t)(slash - s) : dec.len - i;
+        if (n == 2 && s[0] == '.' && s[1] == '.')
+            nseg -= nseg > 0;
+        else if (n > 0 && !(n == 1 && s[0] == '.'))
+            seg[nseg++] = (dp_iovec_t){s, n};
+        i += n + 1;
+    }
+    for (size_t k = 0; k < nseg; k++) {
+        dp_buf_appendc(out, '/');
+        dp_buf_append(out, seg[k].base, seg[k].len);
+    }
+    free(seg);
+    dp_buf_free(&dec);
+}
+
 void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out)
 {
     char host[256];
@@ -210,8 +251,9 @@ void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out)
     /* A connection to the unspecified address reaches this host's loopback. */
     if (strcmp(host, "localhost") == 0 || strcmp(host, "0.0.0.0") == 0)
         snprintf(host, sizeof(host), "127.0.0.1");
-    dp_buf_printf(out, v6[0] ? "%s://[%s]:%u%s" : "%s://%s:%u%s", u->tls ? "https" : "http",
-                  v6[0] ? v6 : host, (unsigned)u->port, u->path ? u->path : "");
+    dp_buf_printf(out, v6[0] ? "%s://[%s]:%u" : "%s://%s:%u", u->tls ? "https" : "http",
+                  v6[0] ? v6 : host, (unsigned)u->port);
+    append_engine_path(out, u->path ? u->path : "");
 }
 
 bool cfg_addr_is_loopback(const char *host)

@@ -437,8 +437,9 @@ void cfg_url_free(cfg_url_t *u);
  * this host's loopback (localhost, 127.0.0.1, ::1, and 0.0.0.0 and ::, which a connection
  * reaches it by) as one, 127.0.0.1: an engine listening on every address answers on each, so
  * spelling it two ways must not make it two engines (two engines taken for one cost
- * concurrency, never a second sequence). Other host names are not resolved; the path is
- * compared as written. */
+ * concurrency, never a second sequence). Other host names are not resolved. The path is
+ * compared as a router reads it: %XX of an unreserved character decoded (/%76%31 is /v1),
+ * other escapes without case, dot segments removed and empty segments dropped. */
 void cfg_url_engine(const cfg_url_t *u, dp_buf_t *out);
 
 /* ---- additions (config module) -------------------------------------------------------------

@@ -930,8 +930,11 @@ static bool several_sequences(const apply_t *a, policy_error_t *err)
  * multimodal prompt objects (llama.cpp's tokenize_input_prompts makes each element of an
  * array that is not all token ids a prompt of its own), rerank `documents` (TEI: `texts`) and
  * vLLM's /score `text_1`/`text_2`, scored one sequence per element (llama.cpp runs each as a
- * task of its own, in as many slots as it has). An array of token ids is one input, and so is
- * /v1/responses' `input` array of items (input_items): one conversation. */
+ * task of its own, in as many slots as it has), these also as vLLM's multimodal form, an
+ * object whose `content` is the list. An array of token ids is one input, and so is
+ * /v1/responses' `input` array of items (input_items): one conversation. A mix of token ids
+ * and texts, one prompt to llama.cpp and an error to others, counts as a batch, as a
+ * completions `prompt` does. */
 static bool inputs_at_once(const jdoc_t *d, bool input_items, policy_error_t *err)
 {
     static const struct {
@@ -941,6 +944,8 @@ static bool inputs_at_once(const jdoc_t *d, bool input_items, policy_error_t *er
                  {"texts", true},  {"text_1", true},  {"text_2", true}};
     for (size_t i = 0; i < DP_ARRAY_SIZE(batch); i++) {
         uint32_t v = jdoc_get(d, 0, batch[i].key);
+        if (v != JDOC_NONE && batch[i].documents && d->toks[v].type == JT_OBJ)
+            v = jdoc_get(d, v, "content");
         if (v == JDOC_NONE || d->toks[v].type != JT_ARR || d->toks[v].aux < 2)
             continue;
         if (!batch[i].documents &&

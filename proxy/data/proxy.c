@@ -1795,10 +1795,12 @@ static bool pass_json_like(const net_req_t *req)
         return false;
     if (b[i] == '{' || (n - i >= 3 && b[i] == 0xef && b[i + 1] == 0xbb && b[i + 2] == 0xbf))
         return true;
+    /* As Starlette reads it: the first Content-Type, an empty one as none, and any
+     * application/...+json subtype as JSON. */
     dp_iovec_t media;
-    bool json_typed = content_media(req->headers, req->nheaders, &media) == 0 ||
-                      dp_strieq(media.base, media.len, "application/json") ||
-                      (media.len > 17 && dp_memieq(media.base, "application/", 12) &&
+    content_media(req->headers, req->nheaders, &media);
+    bool json_typed = media.len == 0 || dp_strieq(media.base, media.len, "application/json") ||
+                      (media.len >= 17 && dp_memieq(media.base, "application/", 12) &&
                        dp_memieq(media.base + media.len - 5, "+json", 5));
     if (!json_typed)
         return false;

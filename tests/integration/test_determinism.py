@@ -511,6 +511,10 @@ def test_pass_through_bodies_on_a_single_sequence_pool_hold_one_sequence():
             ("/v1/embeddings", b"\xef\xbb\xbf" + batch.encode(), {"content-type": "text/plain"},
              400, "invalid_json", None),
             ("/v1/embeddings", batch.encode("utf-16-le"), json_type, 400, "invalid_json", None),
+            ("/v1/embeddings", batch.encode("utf-16-be"), {"content-type": ""}, 400,
+             "invalid_json", None),
+            ("/v1/embeddings", batch.encode("utf-32-be"), {"content-type": "application/+json"},
+             400, "invalid_json", None),
             ("/v1/embeddings", gzip.compress(batch.encode()),
              dict(json_type, **{"content-encoding": "gzip"}), 415,
              "unsupported_content_encoding", None)):

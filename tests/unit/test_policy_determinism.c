@@ -250,6 +250,10 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
         {"{\"query\":\"q\",\"documents\":[{\"text\":\"a\"},{\"text\":\"b\"}]}", "documents"},
         {"{\"query\":\"q\",\"texts\":[\"a\",\"b\"]}", "texts"},
         {"{\"text_1\":\"q\",\"text_2\":[\"a\",\"b\"]}", "text_2"},
+        /* vLLM's multimodal score and rerank: the list under "content" */
+        {"{\"text_1\":\"q\",\"text_2\":{\"content\":[{\"type\":\"text\",\"text\":\"a\"},{}]}}",
+         "text_2"},
+        {"{\"query\":\"q\",\"documents\":{\"content\":[{},{}]}}", "documents"},
         /* llama.cpp: each multimodal prompt object a prompt of its own */
         {"{\"content\":[{\"prompt_string\":\"a\"},{\"prompt_string\":\"b\"}]}", "content"},
         {"{\"input\":[{\"prompt_string\":\"a\"},{\"prompt_string\":\"b\"}]}", "input"},
@@ -275,7 +279,8 @@ Test(determinism_policy, a_body_no_policy_shaped_is_held_to_one_sequence)
                                       "{\"input\":[\"a\"]}",
                                       "{\"input\":[1,2,3]}",
                                       "{\"content\":\"a b\"}",
-                                      "{\"query\":\"q\",\"documents\":[\"a\"]}"};
+                                      "{\"query\":\"q\",\"documents\":[\"a\"]}",
+                                      "{\"query\":\"q\",\"documents\":{\"content\":[{}]}}"};
     for (size_t i = 0; i < sizeof(one) / sizeof(one[0]); i++)
         cr_assert_eq(policy_one_sequence(req, one[i], strlen(one[i]), false, &err), 0, "%s: %s",
                      one[i], err.message);
