@@ -1782,7 +1782,7 @@ static void policed_later(void *data, int rc, dp_iovec_t body, px_hooks_result_t
 
 /* Could an engine read this pass-through body as JSON? One that opens with '{' (after JSON
  * whitespace) or a UTF-8 byte order mark (llama.cpp's parser skips one); under a JSON
- * Content-Type, or none, also one in UTF-16 or UTF-32 (a BOM, or a NUL among its first four
+ * Content-Type (below), also one in UTF-16 or UTF-32 (a BOM, or a NUL among its first four
  * bytes: RFC 4627 §3), which Python servers' json.loads reads. Anything else (a multipart
  * upload) is none an engine reads as a batch. */
 static bool pass_json_like(const net_req_t *req)
