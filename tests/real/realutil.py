@@ -4,6 +4,7 @@ path), the skip when it cannot run, and llama-server replicas started and stoppe
     from realutil import require_engine, servers, stop_servers
     require_engine()                      # SKIPPED + exit 77 when no engine can be had
     urls = servers("det", [FLAGS, FLAGS])  # one llama-server per flag list, f16 model
+    log = server_log()                    # the last one's log
     stop_servers()"""
 
 import os
@@ -56,6 +57,13 @@ def servers(prefix, flag_lists, model="f16"):
             raise AssertionError("cannot start llama-server %s" % name)
         urls.append("http://127.0.0.1:%d" % port)
     return urls
+
+
+def server_log(n=-1):
+    """The log of the n-th server started (llama-server's own lines: slots launched, released)."""
+    d = os.environ.get("DETPROXY_REAL_DIR", "/var/cache/detproxy/real")
+    with open(os.path.join(d, "run", _started[n] + ".log"), errors="replace") as f:
+        return f.read()
 
 
 def stop_servers():

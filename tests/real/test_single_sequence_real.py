@@ -8,6 +8,8 @@ with after detproxy has left them:
 - a streamed request in a stream session (`x-conversation-id`), whose client leaves: llama.cpp
   generates it on for a later reader;
 - `n: 3` sent through the admin relay, which holds one slot;
+- an embeddings batch on a pass-through path (the engine's log is the judge there: an input
+  is done in milliseconds, too fast for /slots);
 - plain requests through two detproxy instances of one fleet (a real etcd), which take turns on
   the engine (docs/fleet.md, "One sequence per engine across the fleet").
 
@@ -25,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from realutil import require_engine, servers, stop_servers  # noqa: E402
+from realutil import require_engine, server_log, servers, stop_servers  # noqa: E402
 from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
 from proxyutil import start_proxy  # noqa: E402
 import etcdutil  # noqa: E402
@@ -144,6 +146,45 @@ def test_a_relayed_request_for_several_sequences_is_refused_or_runs_one():
         assert slots.peak <= 1, {"status": r.status, "peak": slots.peak, "polls": slots.polls}
     finally:
         slots.stop()
+        px.stop()
+        stop_servers()
+
+
+def launched_at_once(log):
+    """The most slots the engine's log shows processing at once (launched, not yet released)."""
+    now = peak = 0
+    for line in log.splitlines():
+        if "launch_slot_" in line:
+            now += 1
+            peak = max(peak, now)
+        elif "stop processing" in line:
+            now -= 1
+    return peak
+
+
+def test_an_embeddings_batch_on_a_pass_through_path_is_refused_one_input_runs_alone():
+    """llama.cpp runs each input of an embeddings batch in a slot of its own, together: sent to
+    the engine directly, its log shows the three slots launched before any is released.
+    Through a single_sequence pool's pass-through path the batch is refused, and one input
+    runs alone."""
+    url = servers("emb", [FLAGS + ["--embeddings", "--pooling", "mean"]])[0]
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": url}], "passthrough": ["POST /v1/embeddings"]}
+    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
+                     attestation={"interval_ms": 600000, "timeout_ms": 5000})
+    try:
+        batch = {"input": ["alpha beta gamma delta", "one two three four", "x y z w"]}
+        r = post_json(int(url.rsplit(":", 1)[1]), "/v1/embeddings", batch, timeout=60)
+        assert r.status == 200 and len(r.json()["data"]) == 3, r
+        assert launched_at_once(server_log()) == 3, server_log()[-2000:]
+        mark = len(server_log())
+        r = post_json(px.port, "/v1/embeddings", batch, timeout=60)
+        assert r.status == 400 and r.json()["error"]["param"] == "input", r
+        r = post_json(px.port, "/v1/embeddings", {"input": ["alpha beta gamma delta"]},
+                      timeout=60)
+        assert r.status == 200 and len(r.json()["data"]) == 1, r
+        assert launched_at_once(server_log()[mark:]) == 1, server_log()[mark:]
+    finally:
         px.stop()
         stop_servers()
 
