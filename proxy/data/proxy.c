@@ -1821,12 +1821,11 @@ static bool pass_refused(px_preq_t *q, net_req_t *req)
 {
     if (cfg_pool_determinism(q->pool->cfg) != CFG_DETERMINISM_SINGLE_SEQUENCE)
         return false;
+    int status = 415;
+    const char *code = "unsupported_content_encoding", *param = NULL;
+    const char *message = NET_CODED_BODY_MESSAGE;
     policy_error_t e;
-    if (net_content_coded(req->headers, req->nheaders)) {
-        e = (policy_error_t){.status = 415, .code = "unsupported_content_encoding"};
-        dp_copy_str(e.message, sizeof(e.message), NET_CODED_BODY_MESSAGE,
-                    sizeof(NET_CODED_BODY_MESSAGE) - 1);
-    } else {
+    if (!net_content_coded(req->headers, req->nheaders)) {
         if (!pass_json_like(req))
             return false;
         policy_req_t *scratch = policy_req_new();
@@ -1834,9 +1833,13 @@ static bool pass_refused(px_preq_t *q, net_req_t *req)
         policy_req_free(scratch);
         if (rc == 0)
             return false;
+        status = e.status;
+        code = e.code;
+        param = e.param[0] ? e.param : NULL;
+        message = e.message;
     }
     px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
-    fail_client(q, e.status, e.code, e.param[0] ? e.param : NULL, e.message);
+    fail_client(q, status, code, param, message);
     finish(q);
     return true;
 }
