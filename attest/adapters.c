@@ -301,6 +301,30 @@ out:
     return rc;
 }
 
+/* /slots: [{"id":0,"n_ctx":512,"speculative":false,"is_processing":false,"id_task",...},...],
+ * one object per slot (b11669). */
+int attest_llamacpp_slots_idle(const char *body, size_t len)
+{
+    cJSON *a = cJSON_ParseWithLength(body, len);
+    int idle = -1;
+    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0) {
+        idle = 1;
+        const cJSON *s;
+        cJSON_ArrayForEach(s, a)
+        {
+            const cJSON *p = cJSON_GetObjectItemCaseSensitive(s, "is_processing");
+            if (!cJSON_IsBool(p)) {
+                idle = -1; /* even after a busy one: the answer is not what it should be */
+                break;
+            }
+            if (cJSON_IsTrue(p))
+                idle = 0;
+        }
+    }
+    cJSON_Delete(a);
+    return idle;
+}
+
 /* ---- llama.cpp server: GET /props, GET /v1/models -------------------------------------------
  * Captured from llama-server b11669-Debian in tests/unit/data/llamacpp/:
  * /props: {"default_generation_settings":{...},"total_slots","model_alias","model_ftype":"F16",

@@ -51,6 +51,10 @@ void attest_engine_fingerprint_set(attest_report_t *out, const char *fp);
  * why engine_fingerprint is unattested. */
 void attest_adapter_probe_parse(const dp_iovec_t *body, attest_report_t *out);
 
+/* llama.cpp's `GET /slots` answer: 1 when it lists slots and none `is_processing` (the engine
+ * runs nothing), 0 when one is, -1 when it is not that shape (so says nothing). */
+int attest_llamacpp_slots_idle(const char *body, size_t len);
+
 /* NULL for CFG_ATTEST_NONE / CFG_ATTEST_AGENT. */
 const attest_adapter_t *attest_adapter_for(cfg_attest_source_t source);
 const attest_adapter_t *attest_adapter_by_name(const char *name);

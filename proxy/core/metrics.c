@@ -426,6 +426,9 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_policy_overrides_total", PX_COUNTER,
                       "Sampling parameters changed by policy.");
     px_metrics_family("detproxy_shadow_total", PX_COUNTER, "Shadow samples by kind and result.");
+    px_metrics_family("detproxy_slot_holds_total", PX_COUNTER,
+                      "Slots of single_sequence engines kept with no answer left to read, by "
+                      "engine and how the hold ended (time, engine_idle).");
     px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
                       "Word-level similarity of shadow samples.");
     px_metrics_family(

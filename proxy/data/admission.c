@@ -4,10 +4,14 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "attest/adapters.h"
 #include "common/list.h"
+#include "common/log.h"
 #include "common/util.h"
+#include "net/fetch.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/px.h"
+#include "proxy/core/self.h"
 #include "proxy/data/admission.h"
 #include "proxy/data/router.h"
 #include "proxy/data/worker.h"
@@ -215,11 +219,14 @@ void px_admission_own_slot_done(px_t *px, px_replica_t *r)
 /* On the control thread the slot count itself is held: a replica being freed (its checks'
  * requests kept as drains) can be referenced no more, and the count is control's to free. A
  * worker holds the replica, which it has a reference to (its request's) and whose last
- * reference may drop there. */
+ * reference may drop there. Either way the slots stay, and with them where to ask the engine
+ * whether it still runs anything (px_slots_t.idle_target), at the address the replica had. */
 typedef struct {
     px_t *px;
     px_slots_t *slots; /* control thread */
     px_replica_t *r;   /* a worker */
+    struct sockaddr_storage addr;
+    bool addressed;
 } kept_slot_t;
 
 static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
@@ -232,7 +239,16 @@ static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
         k->r = r;
         px_replica_ref(r);
     }
+    if (r->resolved && r->slots->idle_target) {
+        k->addr = r->addr;
+        k->addressed = true;
+    }
     return k;
+}
+
+static const px_slots_t *kept_slots(const kept_slot_t *k)
+{
+    return k->slots ? k->slots : k->r->slots;
 }
 
 static void kept_slot_done(void *kept)
@@ -248,10 +264,33 @@ static void kept_slot_done(void *kept)
     free(k);
 }
 
+/* A slot kept with no exchange left to read waits out the drain's time: nothing else says
+ * when the engine stops. Except on llama.cpp, which lists what its slots do (`GET /slots`):
+ * the hold asks every HOLD_LOOK_MS, on a connection of its own (the look is no sequence, and
+ * the engine answers it between two steps of what it runs), and once HOLD_IDLE_LOOKS answers
+ * in a row, the first sent HOLD_LOOK_MS after the hold began, list no slot processing, what
+ * it was kept for has ended (or the engine restarted without it) and the slot is freed. An
+ * answer of another shape, an error (`--no-slots` is 501; an API key the engine refuses is
+ * 401) or none says nothing: the hold runs on, and asks half as often after each such answer
+ * (down to every HOLD_LOOK_MAX_MS). docs/configuration.md, "Deterministic pools". */
+#define HOLD_LOOK_MS 250
+#define HOLD_LOOK_MAX_MS 4000 /* an engine that says nothing is asked less and less often */
+#define HOLD_IDLE_LOOKS 2
+#define HOLD_LOOK_TIMEOUT_MS 2000
+#define HOLD_LOOK_MAX_BYTES (1u << 20) /* ~350 bytes a slot */
+
 /* px_admission_hold's: a timer that frees a kept slot, on its thread's list. */
 typedef struct hold_s {
-    uv_timer_t timer;
+    uv_timer_t timer; /* the end of the drain's time */
+    uv_timer_t look;  /* the next GET /slots */
     kept_slot_t *k;
+    net_upstream_t *up; /* the looks' own connection; NULL: the engine cannot be asked */
+    net_fetch_t *f;     /* the look in flight */
+    unsigned idle;      /* answers in a row that listed no slot processing */
+    uint64_t every;     /* ms to the next look */
+    bool engine_idle;   /* the timer was moved up for that */
+    unsigned open;      /* handles not closed yet */
+    uint64_t since;
     struct hold_s *next, *prev;
 } hold_t;
 
@@ -279,29 +318,98 @@ void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *
 
 static void hold_closed(uv_handle_t *h)
 {
-    free(h->data);
+    hold_t *hold = h->data;
+    if (--hold->open == 0)
+        free(hold);
 }
 
 static void hold_end(hold_t *h)
 {
     DP_LIST_UNLINK(t_holds, h, next, prev);
+    if (h->f)
+        net_fetch_cancel(h->f);
+    if (h->up)
+        net_upstream_free(h->up);
     kept_slot_done(h->k);
     uv_close((uv_handle_t *)&h->timer, hold_closed);
+    uv_close((uv_handle_t *)&h->look, hold_closed);
 }
 
 static void hold_due(uv_timer_t *t)
 {
-    hold_end(t->data);
+    hold_t *h = t->data;
+    const px_engine_t *e = kept_slots(h->k)->eng;
+    const char *end = h->engine_idle ? "engine_idle" : "time";
+    px_metrics_add(
+        px_metrics_get("detproxy_slot_holds_total", "engine", e->label, "end", end, NULL), 1);
+    if (h->engine_idle) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "slot_hold_released");
+        if (w) {
+            dp_jw_str(w, "engine", e->label);
+            dp_jw_uint(w, "held_ms", uv_now(t->loop) - h->since);
+            dp_jw_str(w, "reason", "the engine lists no slot processing");
+            dp_log_end(w);
+        }
+    }
+    hold_end(h);
+}
+
+static void look_due(uv_timer_t *t);
+
+static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                   const char *detail, void *data)
+{
+    (void)f, (void)err, (void)detail;
+    hold_t *h = data;
+    h->f = NULL;
+    int idle = status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len) : -1;
+    h->idle = idle == 1 ? h->idle + 1 : 0;
+    if (h->idle >= HOLD_IDLE_LOOKS) {
+        h->engine_idle = true; /* ended from its timer, outside the look's own callback */
+        uv_timer_start(&h->timer, hold_due, 0, 0);
+        return;
+    }
+    if (idle >= 0)
+        h->every = HOLD_LOOK_MS;
+    else if (h->every < HOLD_LOOK_MAX_MS)
+        h->every *= 2;
+    uv_timer_start(&h->look, look_due, h->every, 0);
+}
+
+static void look_due(uv_timer_t *t)
+{
+    hold_t *h = t->data;
+    const px_slots_t *sl = kept_slots(h->k);
+    net_fetch_opts_t o = {.method = "GET",
+                          .hostport = sl->idle_host,
+                          .target = sl->idle_target,
+                          .bearer = sl->idle_bearer,
+                          .max_bytes = HOLD_LOOK_MAX_BYTES,
+                          .via = px_self_via_line(NULL)};
+    h->f = net_fetch(h->up, &o, looked, h);
 }
 
 /* On the calling thread's loop, in its list. */
 static void hold_kept(kept_slot_t *k, uint64_t max_ms)
 {
     hold_t *h = dp_xcalloc(1, sizeof(*h));
+    uv_loop_t *loop = px_thread_self(k->px)->loop;
     h->k = k;
-    uv_timer_init(px_thread_self(k->px)->loop, &h->timer);
-    h->timer.data = h;
+    h->since = uv_now(loop);
+    uv_timer_init(loop, &h->timer);
+    uv_timer_init(loop, &h->look);
+    h->timer.data = h->look.data = h;
+    h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
+    if (k->addressed && max_ms > HOLD_LOOK_MS * HOLD_IDLE_LOOKS) {
+        net_upstream_opts_t o = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                 .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                 .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                 .max_idle = 1};
+        h->up = net_upstream_new(loop, (struct sockaddr *)&k->addr, &o);
+        h->every = HOLD_LOOK_MS;
+        uv_timer_start(&h->look, look_due, h->every, 0);
+    }
     DP_LIST_PUSH(t_holds, h, next, prev);
 }
 

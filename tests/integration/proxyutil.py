@@ -534,3 +534,147 @@ class ScriptedUpstream:
                     s.close()
                 except OSError:
                     pass
+
+
+
+class FrontCutter:
+    """A proxy in front of an engine that can cut only detproxy's side of a connection, as a
+    gateway that restarts or times out does: cut(conn_no) closes the connection toward detproxy
+    and keeps reading the engine's answer to its end (dropping it), so the engine generates on
+    as it would behind such a gateway. .targets[conn_no]: the request lines forwarded on it;
+    .answered[conn_no]: bytes of answer it carried toward detproxy; .slot_looks: GET /slots
+    requests (llama.cpp's list of what its slots do) seen. With .slots set to a function
+    () -> (status, body bytes), a connection that opens with GET /slots is answered by it
+    instead of the engine. With .cut_when set to (target prefix, n), a connection that
+    carried such a request is cut as soon as n bytes of answer have gone through it."""
+
+    def __init__(self, port):
+        self.to = port
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.conns = []  # (socket toward detproxy, socket toward the engine)
+        self.targets = {}
+        self.answered = {}
+        self.cut_conns = set()
+        self.slots = None
+        self.slot_looks = 0
+        self.cut_when = None
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(down,), daemon=True).start()
+
+    def _note(self, n, data):
+        for line in data.split(b"\r\n"):
+            if line.split(b" ")[0] in (b"GET", b"POST"):
+                with self.lock:
+                    self.targets[n].append(line.decode("latin-1"))
+                    self.slot_looks += line.startswith(b"GET /slots ")
+
+    def _serve(self, down):
+        try:
+            first = down.recv(65536)
+        except OSError:
+            first = b""
+        if not first:
+            down.close()
+            return
+        if self.slots is not None and first.startswith(b"GET /slots "):
+            self._answer_slots(down, first)
+            return
+        up = socket.create_connection(("127.0.0.1", self.to))
+        with self.lock:
+            n = len(self.conns)
+            self.conns.append((down, up))
+            self.targets[n] = []
+            self.answered[n] = 0
+        self._note(n, first)
+        up.sendall(first)
+        threading.Thread(target=self._answers, args=(n, down, up), daemon=True).start()
+        try:
+            while True:
+                data = down.recv(65536)
+                if not data:
+                    break
+                self._note(n, data)
+                up.sendall(data)
+        except OSError:
+            pass
+        with self.lock:
+            if n in self.cut_conns:
+                return  # the engine's side stays open: its answer is read on
+        try:
+            up.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _answer_slots(self, down, buf):
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = down.recv(65536)
+                    if not data:
+                        down.close()
+                        return
+                    buf += data
+                _, _, buf = buf.partition(b"\r\n\r\n")
+                status, body = self.slots()
+                with self.lock:
+                    self.slot_looks += 1
+                down.sendall(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % (status, len(body)) + body)
+        except OSError:
+            pass
+
+    def _answers(self, n, down, up):
+        try:
+            while True:
+                data = up.recv(65536)
+                if not data:
+                    break
+                with self.lock:
+                    cut = n in self.cut_conns
+                    if not cut:
+                        self.answered[n] += len(data)
+                if not cut:
+                    down.sendall(data)
+                    when = self.cut_when
+                    if when and self.answered[n] >= when[1] and any(
+                            t.startswith(when[0]) for t in self.targets[n]):
+                        self.cut_when = None
+                        self.cut(n)
+        except OSError:
+            pass
+        with self.lock:
+            cut = n in self.cut_conns
+        up.close()
+        if not cut:
+            down.close()
+
+    def conn_of(self, target_prefix):
+        """The last connection that carried a request line starting with target_prefix."""
+        with self.lock:
+            found = [n for n, ts in self.targets.items()
+                     if any(t.startswith(target_prefix) for t in ts)]
+        return found[-1] if found else None
+
+    def cut(self, conn_no):
+        with self.lock:
+            self.cut_conns.add(conn_no)
+            down = self.conns[conn_no][0]
+        try:
+            down.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        down.close()
+
+    def stop(self):
+        self.lsock.close()

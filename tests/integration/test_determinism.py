@@ -388,6 +388,97 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     px.stop()
 
 
+def cut_in_front(px, sim, front, max_tokens):
+    """A streamed completion through px; once its answer has begun, the front cuts detproxy's
+    side while the engine generates on behind it. Returns when the client's stream has been
+    cut too."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    n = front.conn_of("POST /v1/completions")
+    poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+    front.cut(n)  # the front reads the engine's answer on, to its end
+    assert sim_stats(sim)["inflight"] == 1  # cut mid-answer
+    c.settimeout(10)
+    while c.recv(65536):
+        pass  # detproxy cuts the client's stream, as the replica's was
+    c.close()
+
+
+def llamacpp_behind_a_front(hold_s, framework="llamacpp"):
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20")
+    front = proxyutil.FrontCutter(sim.port)
+    quiet = {"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False}
+    ms = int(hold_s * 1000)
+    px = start_proxy(pools=[single_sequence_pool([front], framework=framework)],
+                     attestation=quiet, limits={"upstream_first_byte_timeout_ms": ms,
+                                                "upstream_idle_timeout_ms": ms})
+    return sim, front, px
+
+
+def test_single_sequence_llamacpp_frees_a_held_slot_once_the_engine_lists_none_processing():
+    """A gateway in front of llama.cpp cuts detproxy's side of a streamed answer while the
+    engine generates on behind it: nothing is left to read that says when it stops, so the slot
+    is held, for as long as a drain would (60 s here). llama.cpp's GET /slots says it: the hold
+    asks, and frees the slot once the generation has ended, not a minute later. Until then the
+    next request waits: the engine never runs two."""
+    sim, front, px = llamacpp_behind_a_front(60.0)
+    cut_in_front(px, sim, front, max_tokens=100)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", complete(px, max_tokens=3)))
+    t.start()
+    poll_until(lambda: sim_stats(sim)["inflight"] == 0, timeout=10, what="the generation over")
+    t_end = time.monotonic()
+    t.join(30)
+    assert out["r"].status == 200, out
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    # Freed within a few looks of the end (250 ms apart), not at the hold's 60 s.
+    assert time.monotonic() - t_end < 5, time.monotonic() - t_end
+    assert front.slot_looks >= 2, front.slot_looks
+    assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1
+    assert metric(px, "detproxy_upstream_errors_total", kind="truncated") == 1
+    px.stop()
+    front.stop()
+
+
+def slots_answer(*processing):
+    """llama.cpp's GET /slots: one object per slot (b11669's fields, params left out)."""
+    return json.dumps([{"id": i, "n_ctx": 512, "speculative": False, "is_processing": p}
+                       for i, p in enumerate(processing)]).encode()
+
+
+def test_single_sequence_keeps_a_held_slot_its_time_when_the_engine_says_nothing():
+    """What does not say that the engine runs nothing keeps the hold for its whole time:
+    llama.cpp started with --no-slots (501), answers of another shape, a slot listed busy. A
+    pool that does not name llama.cpp does not ask at all."""
+    hold_s = 1.5
+    cases = [("llamacpp", (501, b'{"error":{"code":501,"message":"This server does not '
+                                b'support slots endpoint.","type":"not_supported_error"}}')),
+             ("llamacpp", (200, b"[]")),
+             ("llamacpp", (200, b'[{"id":0,"n_ctx":512}]')),
+             ("llamacpp", (200, b'{"is_processing":false}')),
+             ("llamacpp", (200, slots_answer(False, True))),
+             (None, (200, slots_answer(False)))]
+    for framework, answer in cases:
+        sim, front, px = llamacpp_behind_a_front(hold_s, framework)
+        front.slots = lambda answer=answer: answer
+        cut_in_front(px, sim, front, max_tokens=10)
+        t_cut = time.monotonic()
+        r = complete(px, max_tokens=3)
+        assert r.status == 200, r
+        assert time.monotonic() - t_cut >= 0.8 * hold_s, (answer, time.monotonic() - t_cut)
+        assert metric(px, "detproxy_slot_holds_total", end="time") == 1, answer
+        assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 0, answer
+        assert (front.slot_looks > 0) == (framework is not None), (framework, front.slot_looks)
+        assert sim_stats(sim)["max_inflight_seen"] == 1
+        px.stop()
+        front.stop()
+
+
 def test_single_sequence_holds_the_slot_of_an_abandoned_stream_in_a_session():
     """llama.cpp generates a stream in a session (its x-conversation-id header) on after the
     client leaves, for a later GET /v1/stream: the slot stays taken until its end, and a

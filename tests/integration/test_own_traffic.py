@@ -16,7 +16,7 @@ import time
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_sim)
-from proxyutil import metric, pool, sim_config, sim_reset, sim_stats, start_proxy
+from proxyutil import FrontCutter, metric, pool, sim_config, sim_reset, sim_stats, start_proxy
 
 MODEL = "tiny"
 FP = "b11669-Debian"
@@ -370,11 +370,14 @@ def test_a_relay_answer_silent_past_the_idle_timeout_keeps_the_slot_until_it_end
 
 def test_a_probe_completion_the_replica_closes_on_keeps_the_slot():
     """The attestation's 1-token probe completion is taken whole by the replica, which then
-    closes without an answer (a proxy in front of the engine cut detproxy's side): the engine
-    may be generating it still, so the single_sequence slot is kept for as long as a drain
-    would be, and the next request waits rather than running beside it."""
+    closes without an answer (a gateway in front of the engine cut detproxy's side): the
+    engine may be generating it still, and its GET /slots lists a slot processing, so the
+    single_sequence slot is kept for as long as a drain would be, and the next request waits
+    rather than running beside it."""
     sim = llama_sim("--finish-abandoned")
-    px = single_sequence_llama(sim, drain_ms=5000, interval_ms=300, timeout_ms=2000)
+    front = FrontCutter(sim.port)
+    front.slots = lambda: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
+    px = single_sequence_llama(front, drain_ms=5000, interval_ms=300, timeout_ms=2000)
     sim_config(sim, fault="close_before_response", fault_count=1)
     poll_until(lambda: sim_stats(sim)["faults_injected"] == 1, timeout=10,
                what="a probe completion closed on")
@@ -383,7 +386,9 @@ def test_a_probe_completion_the_replica_closes_on_keeps_the_slot():
                                                "max_tokens": 1, "temperature": 0}, timeout=60)
     assert r.status == 200, r
     assert time.monotonic() - t0 >= 3.5, time.monotonic() - t0  # the hold: 5 s from the close
+    assert front.slot_looks > 0 and metric(px, "detproxy_slot_holds_total", end="time") == 1
     px.stop()
+    front.stop()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ with after detproxy has left them:
 - `n: 3` sent through the admin relay, which holds one slot;
 - an embeddings batch on a pass-through path (the engine's log is the judge there: an input
   is done in milliseconds, too fast for /slots);
+- a stream whose connection a gateway in front of the engine cuts while the engine generates
+  on: the slot is held until the engine's /slots lists nothing processing, not for the
+  drain's whole time;
 - plain requests through two detproxy instances of one fleet (a real etcd), which take turns on
   the engine (docs/fleet.md, "One sequence per engine across the fleet").
 
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from realutil import require_engine, server_log, servers, stop_servers  # noqa: E402
 from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
-from proxyutil import start_proxy  # noqa: E402
+from proxyutil import FrontCutter, metric, start_proxy  # noqa: E402
 import etcdutil  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="detproxy-real-holes-")
@@ -189,6 +192,52 @@ def test_an_embeddings_batch_on_a_pass_through_path_is_refused_one_input_runs_al
         assert launched_at_once(server_log(), mark) == 1, server_log()[mark:]
     finally:
         px.stop()
+        stop_servers()
+
+
+def test_a_slot_held_after_a_gateway_cut_is_freed_once_the_engine_runs_nothing():
+    """A gateway in front of llama.cpp cuts detproxy's side of a streamed answer and reads the
+    engine's answer on, so the engine generates on. detproxy keeps the slot, with nothing left
+    to read, and asks the engine's GET /slots: the next request starts once the engine lists
+    nothing processing, not at the drain's limit (120 s here), and never beside the first."""
+    url = servers("holes", [FLAGS])[0]
+    front = FrontCutter(int(url.rsplit(":", 1)[1]))
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % front.port}]}
+    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
+                     attestation={"interval_ms": 600000, "timeout_ms": 5000},
+                     limits={"upstream_first_byte_timeout_ms": 120000,
+                             "upstream_idle_timeout_ms": 120000})
+    slots = Slots(url)
+    try:
+        mark = len(server_log())
+        front.cut_when = ("POST /v1/completions", 1)  # at the answer's first bytes
+        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 400,
+                           "temperature": 0, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        while s.recv(65536):
+            pass  # cut at its first bytes, the client's stream is cut too
+        s.close()
+        t_cut = time.monotonic()
+        r = post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
+                                                   "max_tokens": 50, "temperature": 0},
+                      timeout=60)
+        waited = time.monotonic() - t_cut
+        assert r.status == 200, r
+        slots.settle()
+        assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
+        assert launched_at_once(server_log(), mark) <= 1, server_log()[mark:]
+        assert waited < 30, waited  # the engine's own end, not the 120 s drain
+        assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1
+        assert front.slot_looks >= 2, front.slot_looks
+    finally:
+        slots.stop()
+        px.stop()
+        front.stop()
+        idle(url)
         stop_servers()
 
 

@@ -938,6 +938,28 @@ static net_body_mode_t on_head(net_req_t *req)
     return NET_BODY_BUFFER;
 }
 
+/* llama.cpp's GET /slots (b11669, tests/unit/data/llamacpp/slots-idle.json, params left out):
+ * one object per slot, the first `inflight` of them processing, so a client can tell from it
+ * whether the engine runs anything, as it can from llama-server's. */
+static void handle_slots(sim_t *s, net_req_t *req)
+{
+    dp_buf_t out = {0};
+    dp_jw_t w;
+    dp_jw_init(&w, &out);
+    dp_jw_arr_begin(&w, NULL);
+    for (uint32_t i = 0; i < s->id.total_slots; i++) {
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_uint(&w, "id", i);
+        dp_jw_uint(&w, "n_ctx", 512);
+        dp_jw_bool(&w, "speculative", false);
+        dp_jw_bool(&w, "is_processing", i < s->st.inflight);
+        dp_jw_obj_end(&w);
+    }
+    dp_jw_arr_end(&w);
+    net_resp_send(req, 200, "application/json", out.base, out.len, NULL, 0);
+    dp_buf_free(&out);
+}
+
 static void on_complete(net_req_t *req)
 {
     sim_t *s = net_server_data(req->server);
@@ -974,6 +996,10 @@ static void on_complete(net_req_t *req)
             handle_attestation(s, req);
         else
             send_error(req, 405, "invalid_request_error", NULL, "Method Not Allowed");
+        return;
+    }
+    if (s->id.flavor == SIM_FLAVOR_LLAMACPP && is_get(req) && iov_is(p, "/slots")) {
+        handle_slots(s, req);
         return;
     }
     dp_buf_t out = {0};

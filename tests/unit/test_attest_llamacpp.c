@@ -270,3 +270,43 @@ Test(attest_llamacpp, simulator_matches_the_real_server)
     dp_buf_free(&sp);
     dp_buf_free(&sm);
 }
+
+/* GET /slots, as a slot kept with no answer left to read asks it (proxy/data/admission.c):
+ * idle only when every slot listed says it is not processing. */
+Test(llamacpp_slots, real_answers_read_idle_and_busy)
+{
+    dp_buf_t idle = slurp("slots-idle.json"), busy = slurp("slots-busy.json");
+    cr_assert_eq(attest_llamacpp_slots_idle(idle.base, idle.len), 1);
+    cr_assert_eq(attest_llamacpp_slots_idle(busy.base, busy.len), 0);
+    dp_buf_free(&idle);
+    dp_buf_free(&busy);
+}
+
+Test(llamacpp_slots, other_shapes_say_nothing)
+{
+    static const char *const nothing[] = {
+        "",
+        "[]",
+        "{}",
+        "{\"is_processing\":false}",
+        "[{\"id\":0}]",
+        "[{\"id\":0,\"is_processing\":0}]",
+        "[{\"id\":0,\"is_processing\":\"false\"}]",
+        "[{\"id\":0,\"is_processing\":null}]",
+        "[{\"id\":0,\"is_processing\":true},{\"id\":1}]",
+        "[{\"id\":0,\"is_processing\":false},7]",
+        "[{\"id\":0,\"is_processing\":false}",
+        "{\"error\":{\"code\":501,\"message\":\"This server does not support slots "
+        "endpoint.\",\"type\":\"not_supported_error\"}}",
+        "File Not Found",
+    };
+    for (size_t i = 0; i < sizeof(nothing) / sizeof(nothing[0]); i++)
+        cr_assert_eq(attest_llamacpp_slots_idle(nothing[i], strlen(nothing[i])), -1, "%s",
+                     nothing[i]);
+    const char one_busy[] =
+        "[{\"id\":0,\"is_processing\":false},{\"id\":1,\"is_processing\":true}]";
+    cr_assert_eq(attest_llamacpp_slots_idle(one_busy, sizeof(one_busy) - 1), 0);
+    const char two_idle[] =
+        "[{\"id\":0,\"is_processing\":false},{\"id\":1,\"is_processing\":false}]";
+    cr_assert_eq(attest_llamacpp_slots_idle(two_idle, sizeof(two_idle) - 1), 1);
+}
