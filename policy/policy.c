@@ -940,16 +940,17 @@ static bool inputs_at_once(const jdoc_t *d, bool input_items, policy_error_t *er
     static const struct {
         const char *key;
         bool documents; /* every element a sequence, whatever its shape */
-    } batch[] = {{"input", false}, {"inputs", false}, {"content", false}, {"documents", true},
-                 {"texts", true},  {"text_1", true},  {"text_2", true}};
+        bool items;     /* /v1/responses' items when input_items */
+    } batch[] = {{"input", false, true},     {"inputs", false, false}, {"content", false, false},
+                 {"documents", true, false}, {"texts", true, false},   {"text_1", true, false},
+                 {"text_2", true, false}};
     for (size_t i = 0; i < DP_ARRAY_SIZE(batch); i++) {
         uint32_t v = jdoc_get(d, 0, batch[i].key);
         if (v != JDOC_NONE && batch[i].documents && d->toks[v].type == JT_OBJ)
             v = jdoc_get(d, v, "content");
         if (v == JDOC_NONE || d->toks[v].type != JT_ARR || d->toks[v].aux < 2)
             continue;
-        if (!batch[i].documents &&
-            (all_token_ids(d, v) || (input_items && strcmp(batch[i].key, "input") == 0)))
+        if (!batch[i].documents && (all_token_ids(d, v) || (input_items && batch[i].items)))
             continue;
         const char *what = batch[i].documents ? "document" : "input";
         policy_set_error(err, 400, "policy_violation", batch[i].key,

@@ -656,7 +656,11 @@ class FrontCutter:
         with self.lock:
             cut = n in self.cut_conns
         up.close()
-        if not cut:
+        if not cut:  # the engine closed: so does the front (a shutdown: _serve still reads it)
+            try:
+                down.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             down.close()
 
     def conn_of(self, target_prefix):

@@ -9,7 +9,8 @@ import threading
 import time
 
 from harness import get_json, poll_until, post_json, run_tests, start_sim
-from proxyutil import client_requests, metric, pool, sim_config, sim_stats, start_proxy
+from proxyutil import (FrontCutter, client_requests, metric, pool, sim_config, sim_stats,
+                       start_proxy)
 
 MODEL = "m1"
 
@@ -168,14 +169,16 @@ def test_single_sequence_candidate_copy_past_a_first_byte_timeout_keeps_the_slot
 
 
 def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
-    """The candidate replica reads a copy whole and closes without an answer (a proxy in front
-    of the engine cut detproxy's side; the engine behind it may be generating still): the copy
-    fails `closed`, and the replica's one slot stays kept for as long as a drain would, so the
-    next copy is skipped instead of running beside it (docs/configuration.md, "Deterministic
-    pools")."""
+    """The candidate replica reads a copy whole and closes without an answer (a gateway in
+    front of the engine cut detproxy's side; the engine behind it may be generating still, and
+    its GET /slots lists a slot processing): the copy fails `closed`, and the replica's one
+    slot stays kept for as long as a drain would, so the next copy is skipped instead of
+    running beside it (docs/configuration.md, "Deterministic pools")."""
     base = [start_sim("--model", MODEL)]
     cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--finish-abandoned")
-    px = proxy(base, [cand], framework="llamacpp",
+    front = FrontCutter(cand.port)
+    front.slots = lambda: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
+    px = proxy(base, [front], framework="llamacpp",
                limits={"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000})
     sim_config(cand, fault="close_before_response", fault_count=1)
 
@@ -187,7 +190,9 @@ def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
     assert post_json(px.port, "/v1/completions", dict(body, prompt="next")).status == 200
     poll_until(lambda: copies("skipped") >= 1, what="the next copy skipped: the slot is kept")
     assert len(client_requests(cand)) == 1, client_requests(cand)  # the copy, not the next
+    assert front.slot_looks > 0
     px.stop()
+    front.stop()
 
 
 def test_single_sequence_candidate_copy_silent_past_the_idle_timeout_frees_the_slot_when_it_ends():

@@ -176,6 +176,7 @@ def program_flags():
 # line that says whose it is), each with its program; and the docs' placeholder for any flag.
 OTHER_FLAGS = {
     "--no-mmap": "llama-server", "--parallel": "llama-server", "--kv-unified": "llama-server",
+    "--no-slots": "llama-server",
     "--alias": "llama-server", "--served-model-name": "vllm serve",
     "--enable-deterministic-inference": "sglang", "--sampling-defaults": "vllm serve",
     "--network": "podman/docker run", "--pid": "podman/docker run",

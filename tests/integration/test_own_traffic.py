@@ -386,7 +386,8 @@ def test_a_probe_completion_the_replica_closes_on_keeps_the_slot():
                                                "max_tokens": 1, "temperature": 0}, timeout=60)
     assert r.status == 200, r
     assert time.monotonic() - t0 >= 3.5, time.monotonic() - t0  # the hold: 5 s from the close
-    assert front.slot_looks > 0 and metric(px, "detproxy_slot_holds_total", end="time") == 1
+    assert front.slot_looks > 0, front.slot_looks
+    assert metric(px, "detproxy_slot_holds_total", end="time") == 1, metric(px, "detproxy_slot_holds_total")
     px.stop()
     front.stop()
 
