@@ -266,13 +266,17 @@ static void kept_slot_done(void *kept)
 
 /* A slot kept with no exchange left to read waits out the drain's time: nothing else says
  * when the engine stops. Except on llama.cpp, which lists what its slots do (`GET /slots`):
- * the hold asks every HOLD_LOOK_MS, on a connection of its own (the look is no sequence, and
- * the engine answers it between two steps of what it runs), and once HOLD_IDLE_LOOKS answers
- * in a row, the first sent HOLD_LOOK_MS after the hold began, list no slot processing, what
- * it was kept for has ended (or the engine restarted without it) and the slot is freed. An
+ * the hold asks, on a connection of its own (the look is no sequence, and the engine answers
+ * it between two steps of what it runs), HOLD_FIRST_LOOK_MS after it began and every
+ * HOLD_LOOK_MS after, and once HOLD_IDLE_LOOKS answers in a row list no slot processing, what
+ * it was kept for has ended (or the engine restarted without it) and the slot is freed. The
+ * first look waits for a request the engine took just before the cut to reach a slot: it
+ * tokenizes the prompt first, ~0.3 s per million tokens on llama.cpp 0.7.0 here, more than
+ * any context holds. An
  * answer of another shape, an error (`--no-slots` is 501; an API key the engine refuses is
  * 401) or none says nothing: the hold runs on, and asks half as often after each such answer
  * (down to every HOLD_LOOK_MAX_MS). docs/configuration.md, "Deterministic pools". */
+#define HOLD_FIRST_LOOK_MS 1000
 #define HOLD_LOOK_MS 250
 #define HOLD_LOOK_MAX_MS 4000 /* an engine that says nothing is asked less and less often */
 #define HOLD_IDLE_LOOKS 2
@@ -401,14 +405,14 @@ static void hold_kept(kept_slot_t *k, uint64_t max_ms)
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    if (k->addressed && max_ms > HOLD_LOOK_MS * HOLD_IDLE_LOOKS) {
+    if (k->addressed && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
         net_upstream_opts_t o = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .max_idle = 1};
         h->up = net_upstream_new(loop, (struct sockaddr *)&k->addr, &o);
         h->every = HOLD_LOOK_MS;
-        uv_timer_start(&h->look, look_due, h->every, 0);
+        uv_timer_start(&h->look, look_due, HOLD_FIRST_LOOK_MS, 0);
     }
     DP_LIST_PUSH(t_holds, h, next, prev);
 }

@@ -455,7 +455,7 @@ def test_single_sequence_keeps_a_held_slot_its_time_when_the_engine_says_nothing
     """What does not say that the engine runs nothing keeps the hold for its whole time:
     llama.cpp started with --no-slots (501), answers of another shape, a slot listed busy. A
     pool that does not name llama.cpp does not ask at all."""
-    hold_s = 1.5
+    hold_s = 2.0
     cases = [("llamacpp", (501, b'{"error":{"code":501,"message":"This server does not '
                                 b'support slots endpoint.","type":"not_supported_error"}}')),
              ("llamacpp", (200, b"[]")),
