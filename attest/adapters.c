@@ -301,19 +301,40 @@ out:
     return rc;
 }
 
+/* A slot's one `is_processing` (cJSON keeps a repeated key, however escaped, as a second
+ * member: such a slot says nothing, since parsers differ on which one counts). */
+static const cJSON *slot_processing(const cJSON *slot)
+{
+    const cJSON *found = NULL, *m;
+    if (!cJSON_IsObject(slot))
+        return NULL;
+    cJSON_ArrayForEach(m, slot)
+    {
+        if (m->string && strcmp(m->string, "is_processing") == 0) {
+            if (found)
+                return NULL;
+            found = m;
+        }
+    }
+    return cJSON_IsBool(found) ? found : NULL;
+}
+
 /* /slots: [{"id":0,"n_ctx":512,"speculative":false,"is_processing":false,"id_task",...},...],
- * one object per slot (b11669). */
+ * one object per slot (b11669). The whole body is that array and nothing after it. */
 int attest_llamacpp_slots_idle(const char *body, size_t len)
 {
-    cJSON *a = cJSON_ParseWithLength(body, len);
+    const char *end = NULL;
+    cJSON *a = cJSON_ParseWithLengthOpts(body, len, &end, false);
     int idle = -1;
-    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0) {
+    while (a && end < body + len && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+        end++;
+    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0 && end == body + len) {
         idle = 1;
         const cJSON *s;
         cJSON_ArrayForEach(s, a)
         {
-            const cJSON *p = cJSON_GetObjectItemCaseSensitive(s, "is_processing");
-            if (!cJSON_IsBool(p)) {
+            const cJSON *p = slot_processing(s);
+            if (p == NULL) {
                 idle = -1; /* even after a busy one: the answer is not what it should be */
                 break;
             }

@@ -164,9 +164,6 @@ static void slots_unref(px_slots_t *sl)
         return;
     DP_LIST_UNLINK(g_slots, sl, next, prev);
     engine_unref(sl->eng, sl->one, sl->drain);
-    free(sl->idle_target);
-    free(sl->idle_host);
-    free(sl->idle_bearer);
     free(sl->key);
     free(sl);
 }
@@ -196,13 +193,6 @@ static px_slots_t *shared_slots(const cfg_pool_t *p, const cfg_url_t *url)
     sl->one = one;
     sl->drain = one && policy_pool_drains_abandoned(p);
     sl->eng = engine_ref(key.base + url_at, key.len - url_at, one, sl->drain);
-    if (policy_pool_no_cache_prompt(p) && !url->tls) { /* llama.cpp, single_sequence */
-        dp_buf_t t = {0};
-        dp_buf_printf(&t, "%s/slots", url->path); /* the path has no trailing slash */
-        sl->idle_target = t.base;
-        sl->idle_host = dp_xstrdup(url->hostport);
-        sl->idle_bearer = p->api_key ? dp_xstrdup(p->api_key) : NULL;
-    }
     DP_LIST_PUSH(g_slots, sl, next, prev);
     return sl;
 }

@@ -87,11 +87,6 @@ typedef struct px_slots_s {
     px_engine_t *eng;
     bool one;   /* a single_sequence pool's (eng->ones counts it) */
     bool drain; /* ... whose engine finishes abandoned answers (eng->drains counts it) */
-    /* ... of llama.cpp over plain HTTP: its `GET /slots` (origin-form target, Host, the pool's
-     * API key or NULL), where a slot held with no exchange left to read asks whether the engine
-     * still runs anything (px_admission_hold). NULL target: no engine to ask. Set when made,
-     * read by any thread. */
-    char *idle_target, *idle_host, *idle_bearer;
 } px_slots_t;
 
 struct px_replica_s {

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
+#include "policy/policy.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/px.h"
 #include "proxy/core/self.h"
@@ -219,14 +220,17 @@ void px_admission_own_slot_done(px_t *px, px_replica_t *r)
 /* On the control thread the slot count itself is held: a replica being freed (its checks'
  * requests kept as drains) can be referenced no more, and the count is control's to free. A
  * worker holds the replica, which it has a reference to (its request's) and whose last
- * reference may drop there. Either way the slots stay, and with them where to ask the engine
- * whether it still runs anything (px_slots_t.idle_target), at the address the replica had. */
+ * reference may drop there. */
 typedef struct {
     px_t *px;
     px_slots_t *slots; /* control thread */
     px_replica_t *r;   /* a worker */
+    /* Where a hold asks whether the engine still runs anything (GET /slots, below): taken when
+     * the slot is kept, from the replica and its pool as the configuration in force on this
+     * thread has them (a reload's API key, a manifest that names llama.cpp or no longer
+     * does). NULL target: the engine is not asked. */
     struct sockaddr_storage addr;
-    bool addressed;
+    char *look_host, *look_target, *look_bearer;
 } kept_slot_t;
 
 static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
@@ -239,9 +243,15 @@ static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
         k->r = r;
         px_replica_ref(r);
     }
-    if (r->resolved && r->slots->idle_target) {
+    px_gen_t *g = px_thread_gen(px);
+    const px_pool_t *p = g ? px_gen_pool_by_name(g, r->pool_name) : NULL;
+    if (p && r->resolved && !r->url.tls && policy_pool_no_cache_prompt(p->cfg)) {
+        dp_buf_t t = {0};
+        dp_buf_printf(&t, "%s/slots", r->url.path); /* the path has no trailing slash */
+        k->look_target = t.base;
+        k->look_host = dp_xstrdup(r->url.hostport);
+        k->look_bearer = p->cfg->api_key ? dp_xstrdup(p->cfg->api_key) : NULL;
         k->addr = r->addr;
-        k->addressed = true;
     }
     return k;
 }
@@ -261,6 +271,9 @@ static void kept_slot_done(void *kept)
         px_replica_unref(k->r);
     }
     own_slot_freed(k->px);
+    free(k->look_host);
+    free(k->look_target);
+    free(k->look_bearer);
     free(k);
 }
 
@@ -274,8 +287,9 @@ static void kept_slot_done(void *kept)
  * tokenizes the prompt first, ~0.3 s per million tokens on llama.cpp 0.7.0 here, more than
  * any context holds. An
  * answer of another shape, an error (`--no-slots` is 501; an API key the engine refuses is
- * 401) or none says nothing: the hold runs on, and asks half as often after each such answer
- * (down to every HOLD_LOOK_MAX_MS). docs/configuration.md, "Deterministic pools". */
+ * 401), none, or one not whole within HOLD_LOOK_TIMEOUT_MS says nothing: the hold runs on, and
+ * asks half as often after each such answer (down to every HOLD_LOOK_MAX_MS).
+ * docs/configuration.md, "Deterministic pools". */
 #define HOLD_FIRST_LOOK_MS 1000
 #define HOLD_LOOK_MS 250
 #define HOLD_LOOK_MAX_MS 4000 /* an engine that says nothing is asked less and less often */
@@ -360,13 +374,9 @@ static void hold_due(uv_timer_t *t)
 
 static void look_due(uv_timer_t *t);
 
-static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
-                   const char *detail, void *data)
+/* An answer: idle (1), busy (0) or one that says nothing (-1). */
+static void look_told(hold_t *h, int idle)
 {
-    (void)f, (void)err, (void)detail;
-    hold_t *h = data;
-    h->f = NULL;
-    int idle = status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len) : -1;
     h->idle = idle == 1 ? h->idle + 1 : 0;
     if (h->idle >= HOLD_IDLE_LOOKS) {
         h->engine_idle = true; /* ended from its timer, outside the look's own callback */
@@ -380,17 +390,38 @@ static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_
     uv_timer_start(&h->look, look_due, h->every, 0);
 }
 
+static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
+                   const char *detail, void *data)
+{
+    (void)f, (void)err, (void)detail;
+    hold_t *h = data;
+    h->f = NULL;
+    uv_timer_stop(&h->look); /* its deadline */
+    look_told(h, status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len) : -1);
+}
+
+/* A look still going at HOLD_LOOK_TIMEOUT_MS (an answer that drips in, each byte within the
+ * idle timeout) says nothing. */
+static void look_late(uv_timer_t *t)
+{
+    hold_t *h = t->data;
+    net_fetch_cancel(h->f);
+    h->f = NULL;
+    look_told(h, -1);
+}
+
 static void look_due(uv_timer_t *t)
 {
     hold_t *h = t->data;
-    const px_slots_t *sl = kept_slots(h->k);
+    const kept_slot_t *k = h->k;
     net_fetch_opts_t o = {.method = "GET",
-                          .hostport = sl->idle_host,
-                          .target = sl->idle_target,
-                          .bearer = sl->idle_bearer,
+                          .hostport = k->look_host,
+                          .target = k->look_target,
+                          .bearer = k->look_bearer,
                           .max_bytes = HOLD_LOOK_MAX_BYTES,
                           .via = px_self_via_line(NULL)};
-    h->f = net_fetch(h->up, &o, looked, h);
+    h->f = net_fetch(h->up, &o, looked, h); /* which answers from the loop, later */
+    uv_timer_start(&h->look, look_late, HOLD_LOOK_TIMEOUT_MS, 0);
 }
 
 /* On the calling thread's loop, in its list. */
@@ -405,7 +436,7 @@ static void hold_kept(kept_slot_t *k, uint64_t max_ms)
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    if (k->addressed && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
+    if (k->look_target && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
         net_upstream_opts_t o = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,

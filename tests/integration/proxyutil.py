@@ -544,8 +544,9 @@ class FrontCutter:
     as it would behind such a gateway. .targets[conn_no]: the request lines forwarded on it;
     .answered[conn_no]: bytes of answer it carried toward detproxy; .slot_looks: GET /slots
     requests (llama.cpp's list of what its slots do) seen. With .slots set to a function
-    () -> (status, body bytes), a connection that opens with GET /slots is answered by it
-    instead of the engine. With .cut_when set to (target prefix, n), a connection that
+    (request head bytes) -> (status, body bytes[, seconds per byte]), a connection that opens
+    with GET /slots is answered by it instead of the engine (its body a byte at a time with
+    the third). With .cut_when set to (target prefix, n), a connection that
     carried such a request is cut as soon as n bytes of answer have gone through it."""
 
     def __init__(self, port):
@@ -590,7 +591,11 @@ class FrontCutter:
         if self.slots is not None and first.startswith(b"GET /slots "):
             self._answer_slots(down, first)
             return
-        up = socket.create_connection(("127.0.0.1", self.to))
+        try:
+            up = socket.create_connection(("127.0.0.1", self.to))
+        except OSError:  # the engine is gone: so is the connection
+            down.close()
+            return
         with self.lock:
             n = len(self.conns)
             self.conns.append((down, up))
@@ -625,12 +630,17 @@ class FrontCutter:
                         down.close()
                         return
                     buf += data
-                _, _, buf = buf.partition(b"\r\n\r\n")
-                status, body = self.slots()
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                status, body, *drip = self.slots(head)
                 with self.lock:
                     self.slot_looks += 1
                 down.sendall(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (status, len(body)) + body)
+                             b"Content-Length: %d\r\n\r\n" % (status, len(body)))
+                if not drip:
+                    down.sendall(body)
+                for i in range(len(body) if drip else 0):
+                    down.sendall(body[i:i + 1])
+                    time.sleep(drip[0])
         except OSError:
             pass
 

@@ -177,7 +177,7 @@ def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
     base = [start_sim("--model", MODEL)]
     cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--finish-abandoned")
     front = FrontCutter(cand.port)
-    front.slots = lambda: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
+    front.slots = lambda head: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
     px = proxy(base, [front], framework="llamacpp",
                limits={"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000})
     sim_config(cand, fault="close_before_response", fault_count=1)

@@ -408,14 +408,15 @@ def cut_in_front(px, sim, front, max_tokens):
     c.close()
 
 
-def llamacpp_behind_a_front(hold_s, framework="llamacpp"):
+def llamacpp_behind_a_front(hold_s, framework="llamacpp", directory=None, **extra):
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20")
     front = proxyutil.FrontCutter(sim.port)
     quiet = {"interval_ms": 600000, "timeout_ms": 2000, "require_signature": False}
     ms = int(hold_s * 1000)
-    px = start_proxy(pools=[single_sequence_pool([front], framework=framework)],
-                     attestation=quiet, limits={"upstream_first_byte_timeout_ms": ms,
-                                                "upstream_idle_timeout_ms": ms})
+    px = start_proxy(pools=[single_sequence_pool([front], framework=framework, **extra)],
+                     attestation=quiet, directory=directory,
+                     limits={"upstream_first_byte_timeout_ms": ms,
+                             "upstream_idle_timeout_ms": ms})
     return sim, front, px
 
 
@@ -465,7 +466,7 @@ def test_single_sequence_keeps_a_held_slot_its_time_when_the_engine_says_nothing
              (None, (200, slots_answer(False)))]
     for framework, answer in cases:
         sim, front, px = llamacpp_behind_a_front(hold_s, framework)
-        front.slots = lambda answer=answer: answer
+        front.slots = lambda head, answer=answer: answer
         cut_in_front(px, sim, front, max_tokens=10)
         t_cut = time.monotonic()
         r = complete(px, max_tokens=3)
@@ -477,6 +478,63 @@ def test_single_sequence_keeps_a_held_slot_its_time_when_the_engine_says_nothing
         assert sim_stats(sim)["max_inflight_seen"] == 1
         px.stop()
         front.stop()
+
+
+def test_single_sequence_a_look_that_drips_in_is_given_up_and_asked_again():
+    """An answer to the hold's look that comes a byte at a time, each within the idle timeout,
+    is given up 2 s after it was asked, and the engine asked again: the hold does not wait on
+    it for its whole time."""
+    sim, front, px = llamacpp_behind_a_front(15.0)
+    asked = []
+
+    def slots(head):
+        asked.append(time.monotonic())
+        if len(asked) == 1:
+            return 200, slots_answer(False), 0.5  # ~50 s for the whole answer
+        return 200, slots_answer(False)
+    front.slots = slots
+    cut_in_front(px, sim, front, max_tokens=10)
+    t_cut = time.monotonic()
+    assert complete(px).status == 200
+    assert time.monotonic() - t_cut < 8, time.monotonic() - t_cut
+    assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1
+    assert asked[1] - asked[0] >= 1.9, asked
+    px.stop()
+    front.stop()
+
+
+def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
+    """The look carries the pool's API key and follows its manifest as the last reload left
+    them: a rotated key is the one sent (an engine that refuses the old one would leave every
+    hold its whole time), and a pool whose manifest no longer names llama.cpp does not ask."""
+    d = tempfile.mkdtemp(prefix="detproxy-det-key-", dir=TMP)
+    keyf = os.path.join(d, "engine-key")
+    with open(keyf, "w") as f:
+        f.write("old-key\n")
+    refused = b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
+    sim, front, px = llamacpp_behind_a_front(3.0, directory=d, api_key_file="engine-key")
+    front.slots = lambda head: ((200, slots_answer(False)) if b"Bearer new-key" in head
+                                else (401, refused))
+    with open(keyf, "w") as f:
+        f.write("new-key\n")
+    reload_with(px, lambda cfg: None)
+    cut_in_front(px, sim, front, max_tokens=10)
+    poll_until(lambda: metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1,
+               timeout=10, what="the hold freed on the answer to the new key")
+    assert complete(px).status == 200
+    reload_with(px, lambda cfg: cfg["pools"][0].update(
+        manifest={"determinism": {"mode": "single_sequence"}}))
+    proxyutil.wait_all_admitted(px)  # a new manifest: the replica is checked again
+    looks = front.slot_looks
+    cut_in_front(px, sim, front, max_tokens=10)
+    t_cut = time.monotonic()
+    assert complete(px).status == 200
+    assert time.monotonic() - t_cut >= 2.4, time.monotonic() - t_cut
+    assert metric(px, "detproxy_slot_holds_total", end="time") == 1
+    assert front.slot_looks == looks, (looks, front.slot_looks)
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    px.stop()
+    front.stop()
 
 
 def test_single_sequence_holds_the_slot_of_an_abandoned_stream_in_a_session():

@@ -299,10 +299,19 @@ Test(llamacpp_slots, other_shapes_say_nothing)
         "{\"error\":{\"code\":501,\"message\":\"This server does not support slots "
         "endpoint.\",\"type\":\"not_supported_error\"}}",
         "File Not Found",
+        /* a repeated key, however written, and anything after the array */
+        "[{\"id\":0,\"is_processing\":false,\"is_processing\":true}]",
+        "[{\"id\":0,\"is_processing\":false,\"is_proc\\u0065ssing\":true}]",
+        "[{\"id\":0,\"is_processing\":false}] ]]garbage",
+        "[{\"id\":0,\"is_processing\":false}][{\"id\":0,\"is_processing\":true}]",
     };
     for (size_t i = 0; i < sizeof(nothing) / sizeof(nothing[0]); i++)
         cr_assert_eq(attest_llamacpp_slots_idle(nothing[i], strlen(nothing[i])), -1, "%s",
                      nothing[i]);
+    const char nul_inside[] = "[{\"id\":0,\"is_processing\":false}]\0[{\"is_processing\":true}]";
+    cr_assert_eq(attest_llamacpp_slots_idle(nul_inside, sizeof(nul_inside) - 1), -1);
+    const char spaced[] = " [{\"id\":0,\"is_processing\":false}]\r\n";
+    cr_assert_eq(attest_llamacpp_slots_idle(spaced, sizeof(spaced) - 1), 1);
     const char one_busy[] =
         "[{\"id\":0,\"is_processing\":false},{\"id\":1,\"is_processing\":true}]";
     cr_assert_eq(attest_llamacpp_slots_idle(one_busy, sizeof(one_busy) - 1), 0);
