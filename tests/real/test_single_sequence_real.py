@@ -12,7 +12,8 @@ with after detproxy has left them:
   is done in milliseconds, too fast for /slots);
 - a stream whose connection a gateway in front of the engine cuts while the engine generates
   on: the slot is held until the engine's /slots lists nothing processing, not for the
-  drain's whole time;
+  drain's whole time; and one whose engine is killed mid-answer: served again as soon as the
+  engine is back;
 - plain requests through two detproxy instances of one fleet (a real etcd), which take turns on
   the engine (docs/fleet.md, "One sequence per engine across the fleet").
 
@@ -31,7 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from realutil import require_engine, server_log, servers, stop_servers  # noqa: E402
+import realutil  # noqa: E402
+from realutil import engine, require_engine, server_log, servers, stop_servers  # noqa: E402
 from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
 from proxyutil import FrontCutter, metric, start_proxy  # noqa: E402
 import etcdutil  # noqa: E402
@@ -243,6 +245,54 @@ def test_a_slot_held_after_a_gateway_cut_is_freed_once_the_engine_runs_nothing()
         px.stop()
         front.stop()
         idle(url)
+        stop_servers()
+
+
+def test_an_engine_killed_mid_answer_is_served_again_once_it_is_back():
+    """llama.cpp killed mid-answer and started again on its port: the answer was cut with
+    nothing left to read, so the slot is held, and the restarted engine's /slots lists nothing
+    processing: requests are served again within seconds of the restart, not at the drain's
+    limit (120 s here)."""
+    flags = ["-np", "2", "-t", "1"]
+    url = servers("crash", [flags])[0]
+    port = int(url.rsplit(":", 1)[1])
+    name = realutil._started[-1]
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": url}]}
+    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
+                     attestation={"interval_ms": 600000, "timeout_ms": 5000},
+                     limits={"upstream_first_byte_timeout_ms": 120000,
+                             "upstream_idle_timeout_ms": 120000})
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 2000,
+                           "temperature": 0, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        engine("stop", name)  # mid-answer
+        while s.recv(65536):
+            pass  # the client's stream is cut
+        s.close()
+        engine("start", name, str(port), "f16", "--", *flags)
+        t_back = time.monotonic()
+        answers = []  # until one is served: 503 while the restarted engine is checked again
+
+        def served():
+            answers.append(post_json(px.port, "/v1/completions",
+                                     {"model": "tiny", "prompt": "Again", "max_tokens": 20,
+                                      "temperature": 0}, timeout=60).status)
+            return answers[-1] == 200
+        poll_until(served, timeout=60, interval=0.2, what="a request served again")
+        waited = time.monotonic() - t_back
+        print("after the engine's restart: served again %.2f s later (drain limit 120 s), "
+              "answers %s" % (waited, answers))
+        assert waited < 30, waited
+        assert set(answers) <= {200, 503}, answers
+        assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1
+    finally:
+        px.stop()
         stop_servers()
 
 
