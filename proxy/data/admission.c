@@ -225,12 +225,11 @@ typedef struct {
     px_t *px;
     px_slots_t *slots; /* control thread */
     px_replica_t *r;   /* a worker */
-    /* Where a hold asks whether the engine still runs anything (GET /slots, below): taken when
-     * the slot is kept, from the replica and its pool as the configuration in force on this
-     * thread has them (a reload's API key, a manifest that names llama.cpp or no longer
-     * does). NULL target: the engine is not asked. */
+    /* For asking the engine whether it still runs anything (GET /slots, below): the held
+     * request's pool, by name, and the engine's address when it speaks plain HTTP. */
+    char *pool;
     struct sockaddr_storage addr;
-    char *look_host, *look_target, *look_bearer;
+    bool addressed;
 } kept_slot_t;
 
 static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
@@ -243,15 +242,10 @@ static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
         k->r = r;
         px_replica_ref(r);
     }
-    px_gen_t *g = px_thread_gen(px);
-    const px_pool_t *p = g ? px_gen_pool_by_name(g, r->pool_name) : NULL;
-    if (p && r->resolved && !r->url.tls && policy_pool_no_cache_prompt(p->cfg)) {
-        dp_buf_t t = {0};
-        dp_buf_printf(&t, "%s/slots", r->url.path); /* the path has no trailing slash */
-        k->look_target = t.base;
-        k->look_host = dp_xstrdup(r->url.hostport);
-        k->look_bearer = p->cfg->api_key ? dp_xstrdup(p->cfg->api_key) : NULL;
+    k->pool = dp_xstrdup(r->pool_name);
+    if (r->resolved && !r->url.tls) {
         k->addr = r->addr;
+        k->addressed = true;
     }
     return k;
 }
@@ -259,6 +253,28 @@ static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
 static const px_slots_t *kept_slots(const kept_slot_t *k)
 {
     return k->slots ? k->slots : k->r->slots;
+}
+
+/* How to ask the engine k holds a slot of, as the configuration in force on this thread has
+ * it: the held request's pool, if it still names llama.cpp and still sends to this engine (a
+ * replica of it there), gives the URL's path and Host and its API key. NULL: do not ask (a
+ * reload made the name another pool's, whose key is not this engine's, or took llama.cpp
+ * away). */
+static const px_replica_t *look_via(const kept_slot_t *k, const cfg_pool_t **pc)
+{
+    px_gen_t *g = k->addressed ? px_thread_gen(k->px) : NULL;
+    const px_pool_t *p = g ? px_gen_pool_by_name(g, k->pool) : NULL;
+    if (p == NULL || !policy_pool_no_cache_prompt(p->cfg))
+        return NULL;
+    const px_engine_t *e = kept_slots(k)->eng;
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        const px_replica_t *q = p->replicas[i];
+        if (q->slots->eng == e && !q->url.tls) {
+            *pc = p->cfg;
+            return q;
+        }
+    }
+    return NULL;
 }
 
 static void kept_slot_done(void *kept)
@@ -271,9 +287,7 @@ static void kept_slot_done(void *kept)
         px_replica_unref(k->r);
     }
     own_slot_freed(k->px);
-    free(k->look_host);
-    free(k->look_target);
-    free(k->look_bearer);
+    free(k->pool);
     free(k);
 }
 
@@ -413,14 +427,20 @@ static void look_late(uv_timer_t *t)
 static void look_due(uv_timer_t *t)
 {
     hold_t *h = t->data;
-    const kept_slot_t *k = h->k;
+    const cfg_pool_t *pc = NULL;
+    const px_replica_t *q = look_via(h->k, &pc);
+    if (q == NULL)
+        return; /* not to be asked any more: the hold runs its time */
+    dp_buf_t target = {0};
+    dp_buf_printf(&target, "%s/slots", q->url.path); /* the path has no trailing slash */
     net_fetch_opts_t o = {.method = "GET",
-                          .hostport = k->look_host,
-                          .target = k->look_target,
-                          .bearer = k->look_bearer,
+                          .hostport = q->url.hostport,
+                          .target = target.base,
+                          .bearer = pc->api_key,
                           .max_bytes = HOLD_LOOK_MAX_BYTES,
                           .via = px_self_via_line(NULL)};
     h->f = net_fetch(h->up, &o, looked, h); /* which answers from the loop, later */
+    dp_buf_free(&target);
     uv_timer_start(&h->look, look_late, HOLD_LOOK_TIMEOUT_MS, 0);
 }
 
@@ -436,7 +456,8 @@ static void hold_kept(kept_slot_t *k, uint64_t max_ms)
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    if (k->look_target && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
+    const cfg_pool_t *pc;
+    if (look_via(k, &pc) && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
         net_upstream_opts_t o = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                  .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,

@@ -512,13 +512,28 @@ def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
     with open(keyf, "w") as f:
         f.write("old-key\n")
     refused = b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
-    sim, front, px = llamacpp_behind_a_front(3.0, directory=d, api_key_file="engine-key")
-    front.slots = lambda head: ((200, slots_answer(False)) if b"Bearer new-key" in head
+    sim, front, px = llamacpp_behind_a_front(6.0, directory=d, api_key_file="engine-key")
+    busy = {"now": True}
+    front.slots = lambda head: ((200, slots_answer(busy["now"])) if b"Bearer new-key" in head
                                 else (401, refused))
+    # The stream runs and its client leaves, so the slot is kept from then on (its answer
+    # drained); the key is rotated; only then does the front cut the drain.
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 0,
+                       "stream": True}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    n = front.conn_of("POST /v1/completions")
+    poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+    c.close()
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0,
+               what="the client gone, its answer drained")
     with open(keyf, "w") as f:
         f.write("new-key\n")
     reload_with(px, lambda cfg: None)
-    cut_in_front(px, sim, front, max_tokens=10)
+    front.cut(n)
+    busy["now"] = False
     poll_until(lambda: metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1,
                timeout=10, what="the hold freed on the answer to the new key")
     assert complete(px).status == 200
@@ -533,6 +548,51 @@ def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
     assert metric(px, "detproxy_slot_holds_total", end="time") == 1
     assert front.slot_looks == looks, (looks, front.slot_looks)
     assert sim_stats(sim)["max_inflight_seen"] == 1
+    px.stop()
+    front.stop()
+
+
+def test_single_sequence_a_held_slot_does_not_ask_with_the_key_of_a_pool_that_took_its_name():
+    """A reload gives the held request's pool name to a pool of another engine, with its own
+    key, while the request runs; the request's engine goes on under another name. When the
+    request is cut, the hold does not ask the engine with the other engine's key (nor at all:
+    the pool of that name no longer sends to it), and runs its time."""
+    d = tempfile.mkdtemp(prefix="detproxy-det-rename-", dir=TMP)
+    for name, key in (("key-a", "engine-a-key"), ("key-b", "engine-b-key")):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(key + "\n")
+    sim, front, px = llamacpp_behind_a_front(3.0, directory=d, api_key_file="key-a")
+    heads = []
+    front.slots = lambda head: heads.append(head) or (200, slots_answer(True))
+    other = start_sim("--model", "other", "--flavor", "llamacpp")
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 0,
+                       "stream": True}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    n = front.conn_of("POST /v1/completions")
+    poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+
+    def rename(cfg):
+        cfg["pools"][0]["name"] = "a"
+        cfg["pools"].append(single_sequence_pool([other], framework="llamacpp",
+                                                 api_key_file="key-b"))
+        cfg["pools"][1]["models"] = ["other"]
+        cfg["pools"][1]["manifest"]["model"] = "other"
+    reload_with(px, rename)
+    front.cut(n)
+    c.settimeout(10)
+    while c.recv(65536):
+        pass
+    c.close()
+    t_cut = time.monotonic()
+    proxyutil.wait_all_admitted(px)
+    assert complete(px).status == 200
+    assert time.monotonic() - t_cut >= 2.4, time.monotonic() - t_cut
+    assert not any(b"engine-b-key" in h for h in heads), heads
+    assert heads == [], heads
+    assert metric(px, "detproxy_slot_holds_total", end="time") == 1
     px.stop()
     front.stop()
 
