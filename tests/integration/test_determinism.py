@@ -388,10 +388,9 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     px.stop()
 
 
-def cut_in_front(px, sim, front, max_tokens):
-    """A streamed completion through px; once its answer has begun, the front cuts detproxy's
-    side while the engine generates on behind it. Returns when the client's stream has been
-    cut too."""
+def stream_in_front(px, sim, front, max_tokens):
+    """A streamed completion through px to the engine behind front: (the client's socket, the
+    front's connection number) once its answer has begun."""
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": max_tokens,
                        "temperature": 0, "stream": True}).encode()
     c = socket.create_connection(("127.0.0.1", px.port))
@@ -400,6 +399,14 @@ def cut_in_front(px, sim, front, max_tokens):
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
     n = front.conn_of("POST /v1/completions")
     poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+    return c, n
+
+
+def cut_in_front(px, sim, front, max_tokens):
+    """A streamed completion through px; once its answer has begun, the front cuts detproxy's
+    side while the engine generates on behind it. Returns when the client's stream has been
+    cut too."""
+    c, n = stream_in_front(px, sim, front, max_tokens)
     front.cut(n)  # the front reads the engine's answer on, to its end
     assert sim_stats(sim)["inflight"] == 1  # cut mid-answer
     c.settimeout(10)
@@ -518,14 +525,7 @@ def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
                                 else (401, refused))
     # The stream runs and its client leaves, so the slot is kept from then on (its answer
     # drained); the key is rotated; only then does the front cut the drain.
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 0,
-                       "stream": True}).encode()
-    c = socket.create_connection(("127.0.0.1", px.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
-    n = front.conn_of("POST /v1/completions")
-    poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+    c, n = stream_in_front(px, sim, front, max_tokens=100)
     c.close()
     poll_until(lambda: metric(px, "detproxy_inflight_requests") == 0,
                what="the client gone, its answer drained")
@@ -565,14 +565,7 @@ def test_single_sequence_a_held_slot_does_not_ask_with_the_key_of_a_pool_that_to
     heads = []
     front.slots = lambda head: heads.append(head) or (200, slots_answer(True))
     other = start_sim("--model", "other", "--flavor", "llamacpp")
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 0,
-                       "stream": True}).encode()
-    c = socket.create_connection(("127.0.0.1", px.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
-    n = front.conn_of("POST /v1/completions")
-    poll_until(lambda: front.answered[n] > 0, what="its answer begun")
+    c, n = stream_in_front(px, sim, front, max_tokens=100)
 
     def rename(cfg):
         cfg["pools"][0]["name"] = "a"
