@@ -3,6 +3,7 @@
 #include <assert.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "attest/adapters.h"
 #include "common/list.h"
@@ -225,11 +226,7 @@ typedef struct {
     px_t *px;
     px_slots_t *slots; /* control thread */
     px_replica_t *r;   /* a worker */
-    /* For asking the engine whether it still runs anything (GET /slots, below): the held
-     * request's pool, by name, and the engine's address when it speaks plain HTTP. */
-    char *pool;
-    struct sockaddr_storage addr;
-    bool addressed;
+    char *pool; /* the held request's, by name: it asks the engine first (GET /slots, below) */
 } kept_slot_t;
 
 static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
@@ -243,10 +240,6 @@ static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
         px_replica_ref(r);
     }
     k->pool = dp_xstrdup(r->pool_name);
-    if (r->resolved && !r->url.tls) {
-        k->addr = r->addr;
-        k->addressed = true;
-    }
     return k;
 }
 
@@ -255,26 +248,40 @@ static const px_slots_t *kept_slots(const kept_slot_t *k)
     return k->slots ? k->slots : k->r->slots;
 }
 
-/* How to ask the engine k holds a slot of, as the configuration in force on this thread has
- * it: the held request's pool, if it still names llama.cpp and still sends to this engine (a
- * replica of it there), gives the URL's path and Host and its API key. NULL: do not ask (a
- * reload made the name another pool's, whose key is not this engine's, or took llama.cpp
- * away). */
-static const px_replica_t *look_via(const kept_slot_t *k, const cfg_pool_t **pc)
+/* A replica of p on engine e that a look can reach (plain HTTP, resolved), if p names
+ * llama.cpp. */
+static const px_replica_t *llama_on(const px_pool_t *p, const px_engine_t *e)
 {
-    px_gen_t *g = k->addressed ? px_thread_gen(k->px) : NULL;
-    const px_pool_t *p = g ? px_gen_pool_by_name(g, k->pool) : NULL;
-    if (p == NULL || !policy_pool_no_cache_prompt(p->cfg))
+    if (!policy_pool_no_cache_prompt(p->cfg))
         return NULL;
-    const px_engine_t *e = kept_slots(k)->eng;
     for (size_t i = 0; i < p->nreplicas; i++) {
         const px_replica_t *q = p->replicas[i];
-        if (q->slots->eng == e && !q->url.tls) {
-            *pc = p->cfg;
+        if (q->slots->eng == e && q->resolved && !q->url.tls)
             return q;
-        }
     }
     return NULL;
+}
+
+/* How to ask the engine k holds a slot of, as the configuration in force on this thread has
+ * it: a pool that names llama.cpp and sends to this engine, the held request's own first,
+ * gives the replica (its address, path and Host) and its API key, each the one that pool
+ * uses there. NULL: none does now (a reload took llama.cpp away, or gave the name to a pool
+ * of another engine, whose key is not this engine's). */
+static const px_replica_t *look_via(const kept_slot_t *k, const cfg_pool_t **pc)
+{
+    px_gen_t *g = px_thread_gen(k->px);
+    if (g == NULL)
+        return NULL;
+    const px_engine_t *e = kept_slots(k)->eng;
+    px_pool_t *own = px_gen_pool_by_name(g, k->pool);
+    const px_replica_t *q = own ? llama_on(own, e) : NULL;
+    for (size_t i = 0; q == NULL && i < g->npools; i++) {
+        q = llama_on(&g->pools[i], e);
+        own = &g->pools[i];
+    }
+    if (q)
+        *pc = own->cfg;
+    return q;
 }
 
 static void kept_slot_done(void *kept)
@@ -299,11 +306,11 @@ static void kept_slot_done(void *kept)
  * it was kept for has ended (or the engine restarted without it) and the slot is freed. The
  * first look waits for a request the engine took just before the cut to reach a slot: it
  * tokenizes the prompt first, ~0.3 s per million tokens on llama.cpp 0.7.0 here, more than
- * any context holds. An
- * answer of another shape, an error (`--no-slots` is 501; an API key the engine refuses is
- * 401), none, or one not whole within HOLD_LOOK_TIMEOUT_MS says nothing: the hold runs on, and
- * asks half as often after each such answer (down to every HOLD_LOOK_MAX_MS).
- * docs/configuration.md, "Deterministic pools". */
+ * any context holds. An answer of another shape, an error (`--no-slots` is 501; an API key
+ * the engine refuses is 401), none, or one not whole within HOLD_LOOK_TIMEOUT_MS says nothing,
+ * and so does a look with no pool to ask through (look_via): the hold runs on, and asks half
+ * as often after each (down to every HOLD_LOOK_MAX_MS). docs/configuration.md, "Deterministic
+ * pools". */
 #define HOLD_FIRST_LOOK_MS 1000
 #define HOLD_LOOK_MS 250
 #define HOLD_LOOK_MAX_MS 4000 /* an engine that says nothing is asked less and less often */
@@ -316,12 +323,13 @@ typedef struct hold_s {
     uv_timer_t timer; /* the end of the drain's time */
     uv_timer_t look;  /* the next GET /slots */
     kept_slot_t *k;
-    net_upstream_t *up; /* the looks' own connection; NULL: the engine cannot be asked */
-    net_fetch_t *f;     /* the look in flight */
-    unsigned idle;      /* answers in a row that listed no slot processing */
-    uint64_t every;     /* ms to the next look */
-    bool engine_idle;   /* the timer was moved up for that */
-    unsigned open;      /* handles not closed yet */
+    net_upstream_t *up;              /* the looks' own connection (NULL until the first) ... */
+    struct sockaddr_storage up_addr; /* ... to this address */
+    net_fetch_t *f;                  /* the look in flight */
+    unsigned idle;                   /* answers in a row that listed no slot processing */
+    uint64_t every;                  /* ms to the next look */
+    bool engine_idle;                /* the timer was moved up for that */
+    unsigned open;                   /* handles not closed yet */
     uint64_t since;
     struct hold_s *next, *prev;
 } hold_t;
@@ -429,8 +437,20 @@ static void look_due(uv_timer_t *t)
     hold_t *h = t->data;
     const cfg_pool_t *pc = NULL;
     const px_replica_t *q = look_via(h->k, &pc);
-    if (q == NULL)
-        return; /* not to be asked any more: the hold runs its time */
+    if (q == NULL) { /* none to ask now; a reload may bring one back */
+        look_told(h, -1);
+        return;
+    }
+    if (h->up == NULL || memcmp(&h->up_addr, &q->addr, sizeof(q->addr)) != 0) {
+        net_upstream_opts_t uo = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                  .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                  .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
+                                  .max_idle = 1};
+        if (h->up)
+            net_upstream_free(h->up);
+        h->up = net_upstream_new(t->loop, (const struct sockaddr *)&q->addr, &uo);
+        h->up_addr = q->addr; /* the key goes where the pool that gives it sends */
+    }
     dp_buf_t target = {0};
     dp_buf_printf(&target, "%s/slots", q->url.path); /* the path has no trailing slash */
     net_fetch_opts_t o = {.method = "GET",
@@ -456,13 +476,7 @@ static void hold_kept(kept_slot_t *k, uint64_t max_ms)
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    const cfg_pool_t *pc;
-    if (look_via(k, &pc) && max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
-        net_upstream_opts_t o = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
-                                 .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
-                                 .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
-                                 .max_idle = 1};
-        h->up = net_upstream_new(loop, (struct sockaddr *)&k->addr, &o);
+    if (max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
         h->every = HOLD_LOOK_MS;
         uv_timer_start(&h->look, look_due, HOLD_FIRST_LOOK_MS, 0);
     }

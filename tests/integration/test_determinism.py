@@ -555,8 +555,9 @@ def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
 def test_single_sequence_a_held_slot_does_not_ask_with_the_key_of_a_pool_that_took_its_name():
     """A reload gives the held request's pool name to a pool of another engine, with its own
     key, while the request runs; the request's engine goes on under another name. When the
-    request is cut, the hold does not ask the engine with the other engine's key (nor at all:
-    the pool of that name no longer sends to it), and runs its time."""
+    request is cut, the hold never asks the engine with the other engine's key: it asks
+    through the pool that sends there now, with that pool's key (here the engine says busy
+    throughout, so the hold runs its time)."""
     d = tempfile.mkdtemp(prefix="detproxy-det-rename-", dir=TMP)
     for name, key in (("key-a", "engine-a-key"), ("key-b", "engine-b-key")):
         with open(os.path.join(d, name), "w") as f:
@@ -583,9 +584,38 @@ def test_single_sequence_a_held_slot_does_not_ask_with_the_key_of_a_pool_that_to
     proxyutil.wait_all_admitted(px)
     assert complete(px).status == 200
     assert time.monotonic() - t_cut >= 2.4, time.monotonic() - t_cut
-    assert not any(b"engine-b-key" in h for h in heads), heads
-    assert heads == [], heads
+    assert heads and all(b"Bearer engine-a-key" in h for h in heads), heads
     assert metric(px, "detproxy_slot_holds_total", end="time") == 1
+    px.stop()
+    front.stop()
+
+
+def test_single_sequence_a_held_slot_asks_again_once_a_reload_brings_llamacpp_back():
+    """A reload that takes llama.cpp from the pool stops the looks (no pool would say the
+    engine is llama.cpp); one that brings it back, a bad edit reverted, starts them again, so
+    the slot is freed when the engine is idle and not at the hold's 15 s."""
+    sim, front, px = llamacpp_behind_a_front(15.0)
+    busy = {"now": True}
+    front.slots = lambda head: (200, slots_answer(busy["now"]))
+    cut_in_front(px, sim, front, max_tokens=10)
+    t_cut = time.monotonic()
+    poll_until(lambda: front.slot_looks >= 1, what="the hold asking")
+    manifest = {}
+
+    def plain(cfg):
+        manifest.update(cfg["pools"][0]["manifest"])
+        cfg["pools"][0]["manifest"] = {"determinism": {"mode": "single_sequence"}}
+    reload_with(px, plain)
+    looks = front.slot_looks
+    time.sleep(1.5)  # what is measured: no look while no pool names llama.cpp
+    assert front.slot_looks <= looks + 1, (looks, front.slot_looks)  # one already due
+    looks = front.slot_looks
+    reload_with(px, lambda cfg: cfg["pools"][0].update(manifest=manifest))
+    busy["now"] = False
+    poll_until(lambda: metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1,
+               timeout=10, what="the hold freed once asked again")
+    assert front.slot_looks >= looks + 2, (looks, front.slot_looks)
+    assert time.monotonic() - t_cut < 12, time.monotonic() - t_cut
     px.stop()
     front.stop()
 
