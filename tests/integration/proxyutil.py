@@ -537,6 +537,12 @@ class ScriptedUpstream:
 
 
 
+
+def slots_answer(*processing):
+    """llama.cpp's GET /slots: one object per slot (b11669's fields, params left out)."""
+    return json.dumps([{"id": i, "n_ctx": 512, "speculative": False, "is_processing": p}
+                       for i, p in enumerate(processing)]).encode()
+
 class FrontCutter:
     """A proxy in front of an engine that can cut only detproxy's side of a connection, as a
     gateway that restarts or times out does: cut(conn_no) closes the connection toward detproxy

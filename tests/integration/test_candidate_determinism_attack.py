@@ -10,7 +10,7 @@ import time
 
 from harness import get_json, poll_until, post_json, run_tests, start_sim
 from proxyutil import (FrontCutter, client_requests, metric, pool, sim_config, sim_stats,
-                       start_proxy)
+                       slots_answer, start_proxy)
 
 MODEL = "m1"
 
@@ -177,7 +177,7 @@ def test_single_sequence_candidate_copy_the_replica_closes_on_keeps_the_slot():
     base = [start_sim("--model", MODEL)]
     cand = start_sim("--model", MODEL, "--flavor", "llamacpp", "--finish-abandoned")
     front = FrontCutter(cand.port)
-    front.slots = lambda head: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
+    front.slots = lambda head: (200, slots_answer(True))
     px = proxy(base, [front], framework="llamacpp",
                limits={"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000})
     sim_config(cand, fault="close_before_response", fault_count=1)

@@ -23,7 +23,7 @@ from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cm
                      start_process, start_sim)
 import proxyutil
 from proxyutil import (client_requests, metric, pool, sim_config, sim_reset, sim_stats,
-                       start_proxy, write_config)
+                       slots_answer, start_proxy, write_config)
 
 MODEL = "det-model"
 TMP = tempfile.mkdtemp(prefix="detproxy-det-")
@@ -451,12 +451,6 @@ def test_single_sequence_llamacpp_frees_a_held_slot_once_the_engine_lists_none_p
     assert metric(px, "detproxy_upstream_errors_total", kind="truncated") == 1
     px.stop()
     front.stop()
-
-
-def slots_answer(*processing):
-    """llama.cpp's GET /slots: one object per slot (b11669's fields, params left out)."""
-    return json.dumps([{"id": i, "n_ctx": 512, "speculative": False, "is_processing": p}
-                       for i, p in enumerate(processing)]).encode()
 
 
 def test_single_sequence_keeps_a_held_slot_its_time_when_the_engine_says_nothing():

@@ -16,7 +16,8 @@ import time
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_sim)
-from proxyutil import FrontCutter, metric, pool, sim_config, sim_reset, sim_stats, start_proxy
+from proxyutil import (FrontCutter, metric, pool, sim_config, sim_reset, sim_stats, slots_answer,
+                       start_proxy)
 
 MODEL = "tiny"
 FP = "b11669-Debian"
@@ -376,7 +377,7 @@ def test_a_probe_completion_the_replica_closes_on_keeps_the_slot():
     rather than running beside it."""
     sim = llama_sim("--finish-abandoned")
     front = FrontCutter(sim.port)
-    front.slots = lambda head: (200, b'[{"id":0,"n_ctx":512,"is_processing":true}]')
+    front.slots = lambda head: (200, slots_answer(True))
     px = single_sequence_llama(front, drain_ms=5000, interval_ms=300, timeout_ms=2000)
     sim_config(sim, fault="close_before_response", fault_count=1)
     poll_until(lambda: sim_stats(sim)["faults_injected"] == 1, timeout=10,

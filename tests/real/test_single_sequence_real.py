@@ -80,13 +80,32 @@ class Slots:
         self.t.join(5)
 
 
-def setup():
-    urls = servers("holes", [FLAGS])
+def proxy_for(url, limits=None):
+    """detproxy with the single_sequence pool p on the engine at url."""
     pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
-            "replicas": [{"name": "r1", "url": urls[0]}]}
-    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
-                     attestation={"interval_ms": 600000, "timeout_ms": 5000})
-    return urls[0], px
+            "replicas": [{"name": "r1", "url": url}]}
+    return start_proxy(pools=[pool], directory=TMP, timeout=30, limits=limits,
+                       attestation={"interval_ms": 600000, "timeout_ms": 5000})
+
+
+def setup():
+    url = servers("holes", [FLAGS])[0]
+    return url, proxy_for(url)
+
+
+# Drains (and so holds) of 120 s: what a request would wait for were the engine not asked.
+DRAIN_120S = {"upstream_first_byte_timeout_ms": 120000, "upstream_idle_timeout_ms": 120000}
+
+
+def long_stream(px):
+    """A streamed 2,000-token completion through px, on a socket of its own (returned)."""
+    body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 2000,
+                       "temperature": 0, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    return s
 
 
 def idle(url):
@@ -207,22 +226,12 @@ def test_a_slot_held_after_a_gateway_cut_is_freed_once_the_engine_runs_nothing()
     # of "never beside", the time of "not the drain's".
     url = servers("holes", [["--kv-unified", "-np", "2", "-c", "4096", "-t", "1"]])[0]
     front = FrontCutter(int(url.rsplit(":", 1)[1]))
-    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
-            "replicas": [{"name": "r1", "url": "http://127.0.0.1:%d" % front.port}]}
-    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
-                     attestation={"interval_ms": 600000, "timeout_ms": 5000},
-                     limits={"upstream_first_byte_timeout_ms": 120000,
-                             "upstream_idle_timeout_ms": 120000})
+    px = proxy_for("http://127.0.0.1:%d" % front.port, DRAIN_120S)
     slots = Slots(url)
     try:
         mark = len(server_log())
         front.cut_when = ("POST /v1/completions", 1)  # at the answer's first bytes
-        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 2000,
-                           "temperature": 0, "stream": True}).encode()
-        s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                  % len(body) + body)
+        s = long_stream(px)
         while s.recv(65536):
             pass  # cut at its first bytes, the client's stream is cut too
         s.close()
@@ -257,19 +266,9 @@ def test_an_engine_killed_mid_answer_is_served_again_once_it_is_back():
     url = servers("crash", [flags])[0]
     port = int(url.rsplit(":", 1)[1])
     name = realutil._started[-1]
-    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
-            "replicas": [{"name": "r1", "url": url}]}
-    px = start_proxy(pools=[pool], directory=TMP, timeout=30,
-                     attestation={"interval_ms": 600000, "timeout_ms": 5000},
-                     limits={"upstream_first_byte_timeout_ms": 120000,
-                             "upstream_idle_timeout_ms": 120000})
+    px = proxy_for(url, DRAIN_120S)
     try:
-        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 2000,
-                           "temperature": 0, "stream": True}).encode()
-        s = socket.create_connection(("127.0.0.1", px.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                  % len(body) + body)
+        s = long_stream(px)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         engine("stop", name)  # mid-answer
         while s.recv(65536):
