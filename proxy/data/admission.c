@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "net/fetch.h"
+#include "net/tls.h"
 #include "policy/policy.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/px.h"
@@ -248,15 +249,15 @@ static const px_slots_t *kept_slots(const kept_slot_t *k)
     return k->slots ? k->slots : k->r->slots;
 }
 
-/* A replica of p on engine e that a look can reach (plain HTTP, resolved), if p names
- * llama.cpp. */
-static const px_replica_t *llama_on(const px_pool_t *p, const px_engine_t *e)
+/* A replica of p on engine e that a look can reach (resolved; an https one with its TLS
+ * context), if p names llama.cpp. */
+static px_replica_t *llama_on(const px_pool_t *p, const px_engine_t *e)
 {
     if (!policy_pool_no_cache_prompt(p->cfg))
         return NULL;
     for (size_t i = 0; i < p->nreplicas; i++) {
-        const px_replica_t *q = p->replicas[i];
-        if (q->slots->eng == e && q->resolved && !q->url.tls)
+        px_replica_t *q = p->replicas[i];
+        if (q->slots->eng == e && q->resolved && (!q->url.tls || q->tls_ctx))
             return q;
     }
     return NULL;
@@ -267,21 +268,32 @@ static const px_replica_t *llama_on(const px_pool_t *p, const px_engine_t *e)
  * gives the replica (its address, path and Host) and its API key, each the one that pool
  * uses there. NULL: none does now (a reload took llama.cpp away, or gave the name to a pool
  * of another engine, whose key is not this engine's). */
-static const px_replica_t *look_via(const kept_slot_t *k, const cfg_pool_t **pc)
+static px_replica_t *look_via(const kept_slot_t *k, const px_gen_t **gen, const cfg_pool_t **pc)
 {
     px_gen_t *g = px_thread_gen(k->px);
     if (g == NULL)
         return NULL;
     const px_engine_t *e = kept_slots(k)->eng;
     px_pool_t *own = px_gen_pool_by_name(g, k->pool);
-    const px_replica_t *q = own ? llama_on(own, e) : NULL;
+    px_replica_t *q = own ? llama_on(own, e) : NULL;
     for (size_t i = 0; q == NULL && i < g->npools; i++) {
         q = llama_on(&g->pools[i], e);
         own = &g->pools[i];
     }
-    if (q)
+    if (q) {
+        *gen = g;
         *pc = own->cfg;
+    }
     return q;
+}
+
+/* The TLS context a look at https replica q goes with on this thread (NULL: plain HTTP): the
+ * control thread's own, or this worker's, as the replica's exchanges here use. */
+static net_tls_ctx_t *look_tls(px_replica_t *q, const px_gen_t *g)
+{
+    if (!q->url.tls)
+        return NULL;
+    return px_thread_on_control() ? q->tls_ctx : px_worker_tls(q, g);
 }
 
 static void kept_slot_done(void *kept)
@@ -325,6 +337,8 @@ typedef struct hold_s {
     kept_slot_t *k;
     net_upstream_t *up;              /* the looks' own connection (NULL until the first) ... */
     struct sockaddr_storage up_addr; /* ... to this address */
+    const net_tls_ctx_t *tls;        /* ... over TLS with this context (the upstream's ref) */
+    char *server_name;               /* ... checking the engine's certificate for this name */
     net_fetch_t *f;                  /* the look in flight */
     unsigned idle;                   /* answers in a row that listed no slot processing */
     uint64_t every;                  /* ms to the next look */
@@ -370,6 +384,7 @@ static void hold_end(hold_t *h)
         net_fetch_cancel(h->f);
     if (h->up)
         net_upstream_free(h->up);
+    free(h->server_name);
     kept_slot_done(h->k);
     uv_close((uv_handle_t *)&h->timer, hold_closed);
     uv_close((uv_handle_t *)&h->look, hold_closed);
@@ -435,13 +450,18 @@ static void look_late(uv_timer_t *t)
 static void look_due(uv_timer_t *t)
 {
     hold_t *h = t->data;
+    const px_gen_t *g = NULL;
     const cfg_pool_t *pc = NULL;
-    const px_replica_t *q = look_via(h->k, &pc);
-    if (q == NULL) { /* none to ask now; a reload may bring one back */
+    px_replica_t *q = look_via(h->k, &g, &pc);
+    net_tls_ctx_t *tls = q ? look_tls(q, g) : NULL;
+    if (q == NULL ||
+        (q->url.tls && tls == NULL)) { /* none to ask now; a reload may bring one back */
         look_told(h, -1);
         return;
     }
-    if (h->up == NULL || memcmp(&h->up_addr, &q->addr, sizeof(q->addr)) != 0) {
+    const char *name = q->server_name ? q->server_name : q->url.host;
+    if (h->up == NULL || memcmp(&h->up_addr, &q->addr, sizeof(q->addr)) != 0 || h->tls != tls ||
+        (tls && strcmp(h->server_name, name) != 0)) {
         net_upstream_opts_t uo = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                   .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                   .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
@@ -450,6 +470,13 @@ static void look_due(uv_timer_t *t)
             net_upstream_free(h->up);
         h->up = net_upstream_new(t->loop, (const struct sockaddr *)&q->addr, &uo);
         h->up_addr = q->addr; /* the key goes where the pool that gives it sends */
+        h->tls = tls;         /* and is checked as that pool's exchanges check the engine */
+        free(h->server_name);
+        h->server_name = NULL;
+        if (tls) {
+            net_upstream_set_tls(h->up, tls, name);
+            h->server_name = dp_xstrdup(name);
+        }
     }
     dp_buf_t target = {0};
     dp_buf_printf(&target, "%s/slots", q->url.path); /* the path has no trailing slash */

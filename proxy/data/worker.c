@@ -176,6 +176,33 @@ void px_workers_set_tls(px_t *px, net_tls_ctx_t *c)
     post_all(px, on_tls, NULL, c);
 }
 
+net_tls_ctx_t *px_worker_tls(px_replica_t *r, const px_gen_t *g)
+{
+    px_worker_t *w = t_self;
+    assert(w != NULL);
+    unsigned slot = w->th.slot;
+    if (!r->url.tls || r->tls_ctx == NULL)
+        return NULL;
+    if (r->wtls[slot])
+        return r->wtls[slot];
+    /* Each worker has its own context: session caches are not shared between threads. */
+    const cfg_pool_t *pc = NULL;
+    for (size_t i = 0; i < g->npools && pc == NULL; i++)
+        if (strcmp(g->pools[i].name, r->pool_name) == 0)
+            pc = g->pools[i].cfg;
+    const cfg_upstream_tls_t *ut = pc ? pc->upstream_tls : NULL;
+    dp_buf_t err = {0};
+    net_tls_ctx_t *t = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
+                                          ut ? ut->client_key_file : NULL, &err);
+    dp_buf_free(&err);
+    if (t == NULL) { /* the files changed under us since the replica was made */
+        t = r->tls_ctx;
+        net_tls_ctx_ref(t);
+    }
+    r->wtls[slot] = t;
+    return t;
+}
+
 net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g)
 {
     px_worker_t *w = t_self;
@@ -188,25 +215,9 @@ net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g)
     px_replica_upstream_opts(g->cfg, &o);
     u = net_upstream_new(&w->loop, (struct sockaddr *)&r->addr, &o);
     px_event_watch_closes(r, u);
-    if (r->url.tls && r->tls_ctx) {
-        /* Each worker has its own context: session caches are not shared between threads. */
-        const cfg_pool_t *pc = NULL;
-        for (size_t i = 0; i < g->npools && pc == NULL; i++)
-            if (strcmp(g->pools[i].name, r->pool_name) == 0)
-                pc = g->pools[i].cfg;
-        const cfg_upstream_tls_t *ut = pc ? pc->upstream_tls : NULL;
-        dp_buf_t err = {0};
-        net_tls_ctx_t *t =
-            net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
-                               ut ? ut->client_key_file : NULL, &err);
-        dp_buf_free(&err);
-        if (t == NULL) { /* the files changed under us since the replica was made */
-            t = r->tls_ctx;
-            net_tls_ctx_ref(t);
-        }
-        r->wtls[slot] = t;
+    net_tls_ctx_t *t = px_worker_tls(r, g);
+    if (t)
         net_upstream_set_tls(u, t, r->server_name ? r->server_name : r->url.host);
-    }
     r->wup[slot] = u;
     px_thread_add_upstream(&w->th, u);
     return u;

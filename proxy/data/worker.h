@@ -56,6 +56,9 @@ size_t px_workers_inflight(px_t *px);
 void px_worker_limits(const cfg_t *cfg, net_server_limits_t *l);
 /* The upstream of r this worker sends on (made on first use). */
 net_upstream_t *px_worker_upstream(px_replica_t *r, const px_gen_t *g);
+/* This worker's TLS client context for https replica r (made on first use; NULL for a plain
+ * one, or one whose context could not be made). */
+struct net_tls_ctx_s *px_worker_tls(px_replica_t *r, const px_gen_t *g);
 /* This worker's admission state (data/admission.c): its non-empty queues and their timer. */
 px_pool_slot_t **px_worker_qactive(void);
 uv_timer_t *px_worker_qtimer(void);

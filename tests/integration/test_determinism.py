@@ -504,6 +504,63 @@ def test_single_sequence_a_look_that_drips_in_is_given_up_and_asked_again():
     front.stop()
 
 
+def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
+    """A held slot of an https llama.cpp replica asks its /slots over TLS, trusting what the
+    pool's exchanges trust (its upstream_tls CA): freed once the engine runs nothing, not at the
+    hold's 60 s. The gateway in front passes TLS through as bytes and cuts detproxy's side.
+    Both a worker's hold (a client's stream) and the control thread's (the admin relay's), each
+    with its own TLS context."""
+    from certs import client_context, shared_pki
+    pki = shared_pki()
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                    "--tls-cert", pki.server.crt, "--tls-key", pki.server.key)
+    tls = client_context(pki.ca)
+
+    def stats():
+        c = __import__("http.client").client.HTTPSConnection("127.0.0.1", sim.port, context=tls,
+                                                             timeout=10)
+        c.request("GET", "/_sim/stats")
+        st = json.loads(c.getresponse().read())
+        c.close()
+        return st
+    front = proxyutil.FrontCutter(sim.port)
+    p = single_sequence_pool([front], framework="llamacpp", upstream_tls={"ca_file": pki.ca.crt})
+    p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
+    px = start_proxy(pools=[p], attestation={"interval_ms": 600000, "timeout_ms": 2000,
+                                             "require_signature": False},
+                     limits={"upstream_first_byte_timeout_ms": 60000,
+                             "upstream_idle_timeout_ms": 60000})
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 0,
+                       "stream": True}).encode()
+    for held, (port, target, headers) in enumerate([
+            (px.port, b"/v1/completions", b""),
+            (px.admin_port, b"/admin/relay/v1/completions", RELAY_R1)], 1):
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % (target, headers, len(body)) + body)
+        poll_until(lambda: stats()["inflight"] == 1, what="the generation running")
+        for n in list(front.answered):  # every connection through it: the stream's among them
+            front.cut(n)
+        assert stats()["inflight"] == 1  # cut mid-generation
+        c.settimeout(10)
+        while c.recv(65536):
+            pass
+        c.close()
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", complete(px, max_tokens=3)))
+        t.start()
+        poll_until(lambda: stats()["inflight"] == 0, timeout=10, what="the generation over")
+        t_end = time.monotonic()
+        t.join(30)
+        assert out["r"].status == 200, (held, out)
+        assert time.monotonic() - t_end < 5, (held, time.monotonic() - t_end)
+        assert stats()["max_inflight_seen"] == 1
+        assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == held
+    px.stop()
+    front.stop()
+
+
 def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
     """The look carries the pool's API key and follows its manifest as the last reload left
     them: a rotated key is the one sent (an engine that refuses the old one would leave every
