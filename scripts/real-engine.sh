@@ -4,7 +4,9 @@
 #   scripts/real-engine.sh setup                 make the sid chroot and the tiny models (idempotent)
 #   scripts/real-engine.sh start NAME PORT [MODEL] [-- llama-server flags...]
 #                                                start llama-server NAME on 127.0.0.1:PORT and wait
-#                                                for /health; MODEL: f16 (default), q8_0, q4_0
+#                                                for /health; MODEL: f16 (default), q8_0, q4_0;
+#                                                https with --ssl-cert-file/--ssl-key-file (paths
+#                                                inside the chroot: $DIR/root/...)
 #   scripts/real-engine.sh stop [NAME...]        stop the named servers (default: all it started)
 #   scripts/real-engine.sh status                list the servers it started
 #   scripts/real-engine.sh info                  versions, model hashes, paths (key=value lines)
@@ -180,6 +182,10 @@ cmd_start() {
   if curl -s -o /dev/null --max-time 1 "http://127.0.0.1:$port/" 2>/dev/null; then
     die "port $port is already in use"
   fi
+  # --ssl-cert-file among the flags: the server speaks https (its certificate is the caller's,
+  # so the readiness check below does not verify it).
+  local scheme=http arg
+  for arg in "$@"; do [ "$arg" = --ssl-cert-file ] && scheme=https; done
   # -t 1: several replicas share two cores; -np 4 -c 2048: four slots of 512 tokens.
   setsid chroot "$ROOT" llama-server -m "/models/tiny-$model.gguf" --host 127.0.0.1 \
     --port "$port" -t 1 -np 4 -c 2048 --no-webui "$@" >"$RUN/$name.log" 2>&1 </dev/null &
@@ -187,7 +193,7 @@ cmd_start() {
   echo $pid >"$RUN/$name.pid"
   local i
   for i in $(seq 1 200); do
-    if curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null &&
+    if curl -kfsS -o /dev/null --max-time 1 "$scheme://127.0.0.1:$port/health" 2>/dev/null &&
       alive "$pid"; then
       echo "{\"name\":\"$name\",\"port\":$port,\"pid\":$pid,\"model\":\"$model\"}"
       return 0

@@ -17,6 +17,8 @@ from harness import SOURCE_DIR, free_port  # noqa: E402
 
 SCRIPT = os.environ.get("DETPROXY_REAL_ENGINE") or os.path.join(SOURCE_DIR, "scripts",
                                                                 "real-engine.sh")
+# The script's state: its chroot (root/; a file an engine reads goes under root/) and run/.
+REAL_DIR = os.environ.get("DETPROXY_REAL_DIR", "/var/cache/detproxy/real")
 _started = []
 
 
@@ -61,8 +63,7 @@ def servers(prefix, flag_lists, model="f16"):
 
 def server_log(n=-1):
     """The log of the n-th server started (llama-server's own lines: slots launched, released)."""
-    d = os.environ.get("DETPROXY_REAL_DIR", "/var/cache/detproxy/real")
-    with open(os.path.join(d, "run", _started[n] + ".log"), errors="replace") as f:
+    with open(os.path.join(REAL_DIR, "run", _started[n] + ".log"), errors="replace") as f:
         return f.read()
 
 

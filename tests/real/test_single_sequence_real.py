@@ -24,6 +24,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from realutil import engine, require_engine, server_log, servers, stop_servers  
 from harness import get_json, http as dp_http, poll_until, post_json, run_tests  # noqa: E402
 from proxyutil import FrontCutter, metric, start_proxy  # noqa: E402
 import etcdutil  # noqa: E402
+from certs import shared_pki  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="detproxy-real-holes-")
 FLAGS = ["--kv-unified", "-np", "4", "-t", "1"]
@@ -80,10 +82,12 @@ class Slots:
         self.t.join(5)
 
 
-def proxy_for(url, limits=None):
+def proxy_for(url, limits=None, upstream_tls=None):
     """detproxy with the single_sequence pool p on the engine at url."""
     pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
             "replicas": [{"name": "r1", "url": url}]}
+    if upstream_tls:
+        pool["upstream_tls"] = upstream_tls
     return start_proxy(pools=[pool], directory=TMP, timeout=30, limits=limits,
                        attestation={"interval_ms": 600000, "timeout_ms": 5000})
 
@@ -257,16 +261,18 @@ def test_a_slot_held_after_a_gateway_cut_is_freed_once_the_engine_runs_nothing()
         stop_servers()
 
 
-def test_an_engine_killed_mid_answer_is_served_again_once_it_is_back():
+def killed_mid_answer(tls_flags=(), upstream_tls=None):
     """llama.cpp killed mid-answer and started again on its port: the answer was cut with
     nothing left to read, so the slot is held, and the restarted engine's /slots lists nothing
     processing: requests are served again within seconds of the restart, not at the drain's
     limit (120 s here)."""
-    flags = ["-np", "2", "-t", "1"]
+    flags = ["-np", "2", "-t", "1"] + list(tls_flags)
     url = servers("crash", [flags])[0]
     port = int(url.rsplit(":", 1)[1])
     name = realutil._started[-1]
-    px = proxy_for(url, DRAIN_120S)
+    if upstream_tls:
+        url = url.replace("http://", "https://")
+    px = proxy_for(url, DRAIN_120S, upstream_tls=upstream_tls)
     try:
         s = long_stream(px)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
@@ -285,14 +291,35 @@ def test_an_engine_killed_mid_answer_is_served_again_once_it_is_back():
             return answers[-1] == 200
         poll_until(served, timeout=60, interval=0.2, what="a request served again")
         waited = time.monotonic() - t_back
-        print("after the engine's restart: served again %.2f s later (drain limit 120 s), "
-              "answers %s" % (waited, answers))
+        print("after the engine's restart (%s): served again %.2f s later (drain limit 120 s), "
+              "answers %s" % (url.split(":")[0], waited, answers))
         assert waited < 30, waited
         assert set(answers) <= {200, 503}, answers
         assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == 1
     finally:
         px.stop()
         stop_servers()
+
+
+def test_an_engine_killed_mid_answer_is_served_again_once_it_is_back():
+    killed_mid_answer()
+
+
+def test_an_https_engine_killed_mid_answer_is_asked_over_tls_once_it_is_back():
+    """The same with llama-server serving https (--ssl-cert-file): the hold asks its /slots
+    over TLS, trusting the pool's upstream_tls CA."""
+    pki = shared_pki()
+    d = os.path.join(realutil.REAL_DIR, "root", "tmp", "detproxy-tls-%d" % os.getpid())
+    os.makedirs(d, exist_ok=True)
+    for src, dst in ((pki.server.crt, "server.crt"), (pki.server.key, "server.key")):
+        shutil.copy(src, os.path.join(d, dst))
+    inside = "/tmp/" + os.path.basename(d)
+    try:
+        killed_mid_answer(["--ssl-cert-file", inside + "/server.crt",
+                           "--ssl-key-file", inside + "/server.key"],
+                          upstream_tls={"ca_file": pki.ca.crt})
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_two_fleet_members_run_one_sequence_on_the_engine():
