@@ -92,10 +92,15 @@ void px_event_upstream_failed(px_t *px, px_replica_t *r, int net_up_err)
         px_event_post(px, &(px_event_t){.kind = PX_EVENT_PEER_CLOSED, .r = r});
 }
 
+/* A worker's upstream of r saw a pooled connection closed. r may be being freed on control
+ * (its memory waits for this worker's upstream to go: replica.c): then nothing is said. */
 static void idle_closed(void *data)
 {
     px_replica_t *r = data;
+    if (!px_replica_try_ref(r))
+        return;
     px_event_post(r->px, &(px_event_t){.kind = PX_EVENT_PEER_CLOSED, .r = r});
+    px_replica_unref(r);
 }
 
 void px_event_watch_closes(px_replica_t *r, net_upstream_t *u)

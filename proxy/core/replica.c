@@ -266,6 +266,16 @@ void px_replica_ref(px_replica_t *r)
     atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
 }
 
+bool px_replica_try_ref(px_replica_t *r)
+{
+    int n = atomic_load_explicit(&r->refs, memory_order_relaxed);
+    while (n > 0)
+        if (atomic_compare_exchange_weak_explicit(&r->refs, &n, n + 1, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            return true;
+    return false;
+}
+
 static void replica_free(px_replica_t *r);
 
 /* ---- each worker's upstream of a replica: changed on that worker ------------------------ */
@@ -273,7 +283,8 @@ static void replica_free(px_replica_t *r);
 typedef struct {
     net_mb_node_t node;
     px_t *px;
-    px_replica_t *r; /* a reference (flush); NULL once the replica is gone (free) */
+    px_replica_t *r;     /* a reference (flush); NULL once the replica is gone (free) */
+    px_replica_t *dying; /* free: the replica's memory, freed by the last worker done with it */
     unsigned slot;
     net_upstream_t *up;
     net_tls_ctx_t *tls; /* a reference */
@@ -323,12 +334,20 @@ void px_replica_flush_workers(px_replica_t *r, net_tls_ctx_t *fresh)
 
 /* On the worker: its upstream of a replica that is gone. One the worker's shutdown already
  * closed is no longer on its list. */
+/* One wait of a replica freed on control is over: the last frees its memory. */
+static void free_waited(px_replica_t *r)
+{
+    if (atomic_fetch_sub_explicit(&r->free_waits, 1, memory_order_acq_rel) == 1)
+        free(r);
+}
+
 static void free_upstream_here(net_mb_node_t *n)
 {
     slot_msg_t *m = (slot_msg_t *)n;
     if (m->up && px_thread_forget_upstream(px_thread_of(m->px, m->slot), m->up))
         net_upstream_free(m->up);
     net_tls_ctx_unref(m->tls);
+    free_waited(m->dying);
     free(m);
 }
 
@@ -364,16 +383,23 @@ static void replica_free(px_replica_t *r)
         net_upstream_free(r->up);
     if (r->shadow_up)
         net_upstream_free(r->shadow_up);
+    /* A worker's upstream of r watches its idle connections' closes with a pointer to r (no
+     * reference: r would never be freed): r's memory waits until every worker has dropped
+     * its upstream, and a close seen meanwhile finds no reference to take. */
+    atomic_store_explicit(&r->free_waits, 1, memory_order_relaxed); /* this function's own */
     for (unsigned s = 1; r->px && s < r->px->nslots; s++) {
         if (r->wup[s] == NULL && r->wtls[s] == NULL)
             continue;
         slot_msg_t *m = slot_msg(NULL, s, r->wup[s], r->wtls[s]);
         m->px = r->px;
+        m->dying = r;
+        atomic_fetch_add_explicit(&r->free_waits, 1, memory_order_relaxed);
         /* A worker that never ran made nothing; one that was joined closed its upstreams at
          * its stop: only its TLS context is left to release. */
         if (!px_thread_post(r->px, s, &m->node, free_upstream_here)) {
             net_tls_ctx_unref(m->tls);
             free(m);
+            atomic_fetch_sub_explicit(&r->free_waits, 1, memory_order_relaxed);
         }
     }
     free(r->wup);
@@ -390,7 +416,7 @@ static void replica_free(px_replica_t *r)
     free(r->pool_name);
     free(r->name);
     slots_unref(r->slots);
-    free(r);
+    free_waited(r);
 }
 
 void px_replica_set_state(px_replica_t *r, px_replica_state_t st, const char *const *reasons)

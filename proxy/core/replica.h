@@ -92,6 +92,9 @@ typedef struct px_slots_s {
 struct px_replica_s {
     atomic_int refs;
     net_mb_node_t free_node; /* the last reference dropped on a worker: freed on control */
+    /* Once freed on control, the workers' upstreams of it still go: the memory stays until
+     * each worker has dropped its own (a close seen on one meanwhile asks px_replica_try_ref). */
+    atomic_uint free_waits;
     px_t *px;
     char *key; /* identity for reload reuse: everything in its definition */
     char *pool_name;
@@ -181,6 +184,9 @@ static inline px_replica_state_t px_replica_state(const px_replica_t *r)
 }
 
 void px_replica_ref(px_replica_t *r);
+/* A reference only if r is not being freed (its last one dropped): for what points at r
+ * without one of its own, a worker's upstream of it. */
+bool px_replica_try_ref(px_replica_t *r);
 /* Any thread; the last reference frees it on the control thread. */
 void px_replica_unref(px_replica_t *r);
 /* What defines a replica (a reload reuses one whose key is unchanged), and a new one. */

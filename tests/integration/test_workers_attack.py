@@ -243,5 +243,42 @@ def test_a_swapped_replica_gets_no_request_after_its_first_mismatching_response(
     # r1 had one slot: the one request in flight at the swap is the only mismatching answer.
     assert n == 1, n
 
+
+def test_idle_connections_closed_while_a_reload_frees_their_replica_are_safe():
+    """A reload that redefines a replica frees the old one on the control thread while each
+    worker still has a pooled connection to it; the engine closing those connections then
+    (its keep-alive timeout) is seen on the workers. Rounds of both at once, on two workers:
+    no worker may read the freed replica (ASan's build would stop the process), and the pool
+    serves on."""
+    sim = start_sim("--model", "m1")
+    front = FrontCutter(sim.port)
+    spell = ["http://127.0.0.1:%d" % front.port, "http://localhost:%d" % front.port]
+    px = start_proxy(pools=[pool("p", ["m1"], [front])], **WORKERS)
+    cfg = json.load(open(px.config_path))
+    def served(k, i):
+        try:
+            return post_json(px.port, "/v1/completions",
+                             {"model": "m1", "prompt": "r%d-%d" % (k, i), "max_tokens": 1}
+                             ).status == 200
+        except OSError:  # the process is gone: say what it said last (the sanitizer's report)
+            px.popen.wait(10)
+            raise AssertionError("round %d: detproxy exited\n%s" % (k, "\n".join(px.lines[-40:])))
+    for k in range(150):
+        # Several connections: some on each worker, each leaving a pooled one to the replica.
+        # (The redefined replica is attested first: 503 until then.)
+        for i in range(6):
+            poll_until(lambda: served(k, i), what="round %d served" % k)
+        cfg["pools"][0]["replicas"][0]["url"] = spell[k % 2]
+        write_config(cfg, os.path.dirname(px.config_path))
+        cut = threading.Thread(target=lambda: [front.cut(n) for n in list(front.answered)])
+        cut.start()
+        assert http("POST", px.admin_port, "/admin/reload").status == 200
+        cut.join()
+    poll_until(lambda: post_json(px.port, "/v1/completions",
+                                 {"model": "m1", "prompt": "after", "max_tokens": 1}).status == 200,
+               what="the pool serving after the rounds")
+    px.stop()
+    front.stop()
+
 if __name__ == "__main__":
     run_tests(globals())
