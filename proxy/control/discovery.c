@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "proxy/control/attest.h"
+#include "proxy/data/admission.h"
 #include "proxy/data/shadow.h"
 #include "proxy/core/gen.h"
 #include "proxy/core/pool.h"
@@ -340,6 +341,7 @@ static void resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     d->reps = next;
     d->nreps = nnext;
     if (changed) {
+        px_admission_check_engines(d->px);
         push_into_pool(d);
         px_workers_publish(d->px);
         px_attest_sync(d->px);

@@ -10,6 +10,7 @@
 #include "net/tls.h"
 #include "proxy/control/attest.h"
 #include "proxy/control/reload.h"
+#include "proxy/data/admission.h"
 #include "proxy/obs/audit.h"
 #include "proxy/control/discovery.h"
 #include "proxy/control/fleet.h"
@@ -126,6 +127,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);
     px_discovery_sync(px);
+    px_admission_check_engines(px);
     px_workers_publish(px);
     px_attest_sync(px);
     px_fleet_reloaded(px);

@@ -132,6 +132,7 @@ static void engines_check(uv_timer_t *t)
  * member takes the engine as soon as the key goes. */
 static void proxy_drained(px_t *px)
 {
+    px_admission_start_checks_end();
     unsigned running = px_replica_engines_quiesce();
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "drained");
     if (w) {
@@ -379,6 +380,7 @@ int px_cmd_run(int argc, char **argv)
     px.drain_timer.data = &px;
     uv_timer_init(px.loop, &px.engines_timer);
     px.engines_timer.data = &px;
+    px_admission_check_engines(&px); /* before the first probe can take a slot */
     px_fleet_start(&px);
     px_attest_start(&px);
     px_discovery_sync(&px);

@@ -126,6 +126,7 @@ static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain
     if (e == NULL) {
         e = dp_xcalloc(1, sizeof(*e));
         e->label = dp_xstrndup(key, len);
+        e->fresh = true;
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
     e->refs++;
@@ -625,6 +626,21 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
         return false;
     }
     return true;
+}
+
+bool px_replica_engine_seen(px_engine_t *e)
+{
+    PX_ASSERT_CONTROL();
+    bool was = e->fresh;
+    e->fresh = false;
+    return was;
+}
+
+void px_replica_take_first_slot(px_replica_t *r)
+{
+    PX_ASSERT_CONTROL();
+    atomic_fetch_add(&r->slots->eng->running, 1);
+    atomic_fetch_add(&r->slots->inflight, 1);
 }
 
 bool px_replica_take_spare_slot(const px_pool_t *p, px_replica_t *r)

@@ -67,6 +67,10 @@ typedef struct px_engine_s {
     /* Its URL as cfg_url_engine writes it ("http://host:port/path"): its key here, in logs and
      * in the fleet. */
     char *label;
+    /* Counted here from the last generation made (px_replica_engine_seen): nothing this
+     * process sent runs there, but an earlier process may have left a generation running.
+     * Control thread. */
+    bool fresh;
 } px_engine_t;
 
 /* The slots of one engine in one pool (single_sequence pools share theirs). */
@@ -232,6 +236,11 @@ unsigned px_replica_engines_quiesce(void);
 void px_replica_engines_gate(void);
 /* Every engine a single_sequence pool names now, in no order. Control thread. */
 void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data);
+/* e is no longer fresh; true if it was. Control thread. */
+bool px_replica_engine_seen(px_engine_t *e);
+/* r's engine's slot taken for a look before anything starts there (it was fresh: nothing of
+ * this process runs there, and nothing can have been let start yet). Control thread. */
+void px_replica_take_first_slot(px_replica_t *r);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */
 bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r);

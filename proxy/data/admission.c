@@ -330,6 +330,15 @@ static void kept_slot_done(void *kept)
 #define HOLD_LOOK_TIMEOUT_MS 2000
 #define HOLD_LOOK_MAX_BYTES (1u << 20) /* ~350 bytes a slot */
 
+/* A start check (px_admission_check_engines) is the same hold, taken on an engine this process
+ * has just begun to count, before anything starts there: an earlier process killed mid-answer
+ * (SIGKILL, out of memory) may have left llama.cpp generating a request whose connection
+ * closed, which it finishes. Its first look is at once (what that process sent was sent
+ * before this one started); an engine whose answers say nothing START_SILENT_LOOKS times in
+ * a row (not listening, still loading its model, `--no-slots`) ends it: nothing tells, and
+ * an engine that does not answer cannot be sent anything either. */
+#define START_SILENT_LOOKS 3
+
 /* px_admission_hold's: a timer that frees a kept slot, on its thread's list. */
 typedef struct hold_s {
     uv_timer_t timer; /* the end of the drain's time */
@@ -341,8 +350,11 @@ typedef struct hold_s {
     char *server_name;               /* ... checking the engine's certificate for this name */
     net_fetch_t *f;                  /* the look in flight */
     unsigned idle;                   /* answers in a row that listed no slot processing */
+    unsigned silent;                 /* answers in a row that said nothing */
     uint64_t every;                  /* ms to the next look */
-    bool engine_idle;                /* the timer was moved up for that */
+    bool start;                      /* a start check */
+    bool engine_idle;                /* the timer was moved up for that ... */
+    bool unanswered;                 /* ... or for START_SILENT_LOOKS silent answers */
     unsigned open;                   /* handles not closed yet */
     uint64_t since;
     struct hold_s *next, *prev;
@@ -390,10 +402,35 @@ static void hold_end(hold_t *h)
     uv_close((uv_handle_t *)&h->look, hold_closed);
 }
 
+/* A start check's end: counted and logged (a silent engine at warn: nothing was known). */
+static void start_checked(hold_t *h, const px_engine_t *e, uint64_t now)
+{
+    const char *result = h->engine_idle ? "idle" : h->unanswered ? "unanswered" : "time";
+    px_metrics_add(px_metrics_get("detproxy_engine_start_checks_total", "engine", e->label,
+                                  "result", result, NULL),
+                   1);
+    dp_jw_t *w = dp_log_begin(h->unanswered ? DP_LOG_WARN : DP_LOG_INFO, "engine_start_check");
+    if (w) {
+        dp_jw_str(w, "engine", e->label);
+        dp_jw_str(w, "result", result);
+        dp_jw_uint(w, "held_ms", now - h->since);
+        if (h->unanswered)
+            dp_jw_str(w, "reason",
+                      "its /slots said nothing: whether it still runs a generation an earlier "
+                      "process left is not known");
+        dp_log_end(w);
+    }
+}
+
 static void hold_due(uv_timer_t *t)
 {
     hold_t *h = t->data;
     const px_engine_t *e = kept_slots(h->k)->eng;
+    if (h->start) {
+        start_checked(h, e, uv_now(t->loop));
+        hold_end(h);
+        return;
+    }
     const char *end = h->engine_idle ? "engine_idle" : "time";
     px_metrics_add(
         px_metrics_get("detproxy_slot_holds_total", "engine", e->label, "end", end, NULL), 1);
@@ -411,13 +448,18 @@ static void hold_due(uv_timer_t *t)
 
 static void look_due(uv_timer_t *t);
 
-/* An answer: idle (1), busy (0) or one that says nothing (-1). */
+/* An answer: idle (1), busy (0), one that says nothing (-1), or none asked for (-2: no pool
+ * to ask through). */
 static void look_told(hold_t *h, int idle)
 {
     h->idle = idle == 1 ? h->idle + 1 : 0;
-    if (h->idle >= HOLD_IDLE_LOOKS) {
-        h->engine_idle = true; /* ended from its timer, outside the look's own callback */
-        uv_timer_start(&h->timer, hold_due, 0, 0);
+    /* A start check with none to ask through: no pool sends there now (a reload took the
+     * engine away), or can reach it (its TLS context could not be made). */
+    h->silent = idle == -1 || (idle == -2 && h->start) ? h->silent + 1 : 0;
+    h->engine_idle = h->idle >= HOLD_IDLE_LOOKS;
+    h->unanswered = h->start && h->silent >= START_SILENT_LOOKS;
+    if (h->engine_idle || h->unanswered) {
+        uv_timer_start(&h->timer, hold_due, 0, 0); /* outside the look's own callback */
         return;
     }
     if (idle >= 0)
@@ -454,9 +496,8 @@ static void look_due(uv_timer_t *t)
     const cfg_pool_t *pc = NULL;
     px_replica_t *q = look_via(h->k, &g, &pc);
     net_tls_ctx_t *tls = q ? look_tls(q, g) : NULL;
-    if (q == NULL ||
-        (q->url.tls && tls == NULL)) { /* none to ask now; a reload may bring one back */
-        look_told(h, -1);
+    if (q == NULL || (q->url.tls && tls == NULL)) {
+        look_told(h, -2); /* none to ask through now; a reload may bring one back */
         return;
     }
     const char *name = q->server_name ? q->server_name : q->url.host;
@@ -492,7 +533,7 @@ static void look_due(uv_timer_t *t)
 }
 
 /* On the calling thread's loop, in its list. */
-static void hold_kept(kept_slot_t *k, uint64_t max_ms)
+static hold_t *hold_kept_as(kept_slot_t *k, uint64_t max_ms, uint64_t first_look_ms)
 {
     hold_t *h = dp_xcalloc(1, sizeof(*h));
     uv_loop_t *loop = px_thread_self(k->px)->loop;
@@ -503,11 +544,17 @@ static void hold_kept(kept_slot_t *k, uint64_t max_ms)
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    if (max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
+    if (max_ms > first_look_ms + HOLD_LOOK_MS) {
         h->every = HOLD_LOOK_MS;
-        uv_timer_start(&h->look, look_due, HOLD_FIRST_LOOK_MS, 0);
+        uv_timer_start(&h->look, look_due, first_look_ms, 0);
     }
     DP_LIST_PUSH(t_holds, h, next, prev);
+    return h;
+}
+
+static void hold_kept(kept_slot_t *k, uint64_t max_ms)
+{
+    hold_kept_as(k, max_ms, HOLD_FIRST_LOOK_MS);
 }
 
 void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms)
@@ -515,10 +562,48 @@ void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms)
     hold_kept(keep_slot(px, r), max_ms);
 }
 
+/* Each engine new to this process (fresh) that a single_sequence pool naming llama.cpp sends to
+ * gets a start check; every other fresh engine is simply seen. */
+static void check_fresh(px_replica_t *r, void *data)
+{
+    px_t *px = data;
+    px_engine_t *e = r->slots->eng;
+    if (!e->fresh || !r->slots->one)
+        return;
+    const px_pool_t *p = px_gen_pool_by_name(px->gen, r->pool_name);
+    if (p == NULL || !policy_pool_no_cache_prompt(p->cfg))
+        return;
+    px_replica_engine_seen(e);
+    px_replica_take_first_slot(r);
+    hold_kept_as(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits), 0)->start =
+        true;
+}
+
+static void seen(px_replica_t *r, void *data)
+{
+    (void)data;
+    px_replica_engine_seen(r->slots->eng);
+}
+
+void px_admission_check_engines(px_t *px)
+{
+    px_replica_each_live(check_fresh, px);
+    px_replica_each_live(seen, NULL);
+}
+
 void px_admission_holds_stop(void)
 {
     while (t_holds)
         hold_end(t_holds);
+}
+
+void px_admission_start_checks_end(void)
+{
+    for (hold_t *h = t_holds, *next; h; h = next) {
+        next = h->next;
+        if (h->start)
+            hold_end(h);
+    }
 }
 
 void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,

@@ -72,6 +72,14 @@ void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_dra
 void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms);
 /* End this thread's holds now (it stops), freeing their slots. */
 void px_admission_holds_stop(void);
+/* A generation was made (start, reload, discovery): every engine this process has just begun
+ * to count that a single_sequence pool naming llama.cpp sends to gets a start check before
+ * anything starts there, a hold asking its GET /slots (docs/configuration.md, "Deterministic
+ * pools"). Control thread, before the generation reaches the workers. */
+void px_admission_check_engines(px_t *px);
+/* A graceful stop: start checks end (this process will start nothing more; the next one makes
+ * its own). Control thread. */
+void px_admission_start_checks_end(void);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
 void px_admission_dispatch_waiting(void);
 

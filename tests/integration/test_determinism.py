@@ -561,6 +561,47 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
     front.stop()
 
 
+def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_left():
+    """detproxy killed mid-answer (SIGKILL, out of memory) and started again at once, as a
+    supervisor does: llama.cpp finishes the non-streamed generation whose connection closed,
+    and the new process knows nothing of it. Before anything starts on an engine it has just
+    begun to count, it asks the engine's /slots: its probe and its first request wait for
+    that generation's end, and the engine never runs two."""
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                    "--finish-abandoned")
+    pools = [single_sequence_pool([sim], framework="llamacpp")]
+    limits = {"upstream_first_byte_timeout_ms": 60000, "upstream_idle_timeout_ms": 60000}
+    first = start_proxy(pools=pools, limits=limits)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100, "temperature": 1,
+                       "seed": 1}).encode()  # 2 s: sampled with a seed, it runs all 100 tokens
+    a = generating(first.port, b"/v1/completions", body, sim)
+    first.popen.kill()
+    first.popen.wait(10)
+    a.close()
+    second = start_proxy(pools=pools, limits=limits, ready=False)
+    r = complete(second, max_tokens=3)
+    while r.status == 503:  # not admitted yet: its probe waits for the engine too
+        r = complete(second, max_tokens=3)
+    assert r.status == 200, (r, second.stderr_text()[-3000:])
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["inflight"] == 0 and st["tokens_generated"] >= 100, st  # the first ran out
+    assert metric(second, "detproxy_engine_start_checks_total", result="idle") == 1
+    second.stop()
+    # An engine that says nothing (llama-server --no-slots: 501) is not waited on for long:
+    # the check gives up after three silent answers, and says so.
+    front = proxyutil.FrontCutter(sim.port)
+    front.slots = lambda head: (501, b'{"error":{"code":501,"message":"This server does not '
+                                     b'support slots endpoint."}}')
+    px = start_proxy(pools=[single_sequence_pool([front], framework="llamacpp")])
+    assert complete(px).status == 200
+    assert metric(px, "detproxy_engine_start_checks_total", result="unanswered") == 1
+    assert front.slot_looks == 3, front.slot_looks
+    assert px.find_logs("engine_start_check")[0]["level"] == "warn"
+    px.stop()
+    front.stop()
+
+
 def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
     """The look carries the pool's API key and follows its manifest as the last reload left
     them: a rotated key is the one sent (an engine that refuses the old one would leave every

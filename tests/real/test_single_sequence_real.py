@@ -322,6 +322,51 @@ def test_an_https_engine_killed_mid_answer_is_asked_over_tls_once_it_is_back():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_proxy_killed_mid_answer_and_started_again_waits_for_what_it_left():
+    """detproxy SIGKILLed while llama.cpp generates a non-streamed answer for it, and started
+    again at once on the same config, as a supervisor does: llama.cpp finishes that answer
+    (its connection closed), and the new process asks the engine's /slots before anything of
+    its own starts there (its probe, then a client's request): never two at once."""
+    url = servers("restart", [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
+    slots = Slots(url)
+    second = None
+    try:
+        first = proxy_for(url)
+        mark = len(server_log())
+        body = json.dumps({"model": "tiny", "prompt": "Once upon", "max_tokens": 2000,
+                           "temperature": 0}).encode()
+        s = socket.create_connection(("127.0.0.1", first.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        port = int(url.rsplit(":", 1)[1])
+        poll_until(lambda: any(x["is_processing"] for x in get_json(port, "/slots")),
+                   timeout=30, what="the generation running")
+        first.popen.kill()
+        first.popen.wait(10)
+        s.close()
+        t0 = time.monotonic()
+        second = proxy_for(url)  # ready: admitted once its probe ran
+        r = post_json(second.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
+                                                       "max_tokens": 50, "temperature": 0},
+                      timeout=120)
+        waited = time.monotonic() - t0
+        assert r.status == 200, r
+        slots.settle()
+        checks = metric(second, "detproxy_engine_start_checks_total", result="idle")
+        print("a restart beside an answer the killed process left: served %.2f s after the "
+              "start; /slots peak %d over %d polls" % (waited, slots.peak, slots.polls))
+        assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
+        assert launched_at_once(server_log(), mark) <= 1, server_log()[mark:]
+        assert checks == 1, checks
+    finally:
+        slots.stop()
+        if second:
+            second.stop()
+        idle(url)
+        stop_servers()
+
+
 def test_two_fleet_members_run_one_sequence_on_the_engine():
     if etcdutil.ETCD is None:
         print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")

@@ -332,6 +332,8 @@ static void job_finish(job_t *j)
     dp_buf_t out = {0};
     int r = 0;
     if (j->rq.stream) {
+        if (j->req == NULL) /* its client left: finish_abandoned ran it out */
+            goto done;
         if (j->die) {
             /* Fewer tokens than DIE_AFTER_TOKENS were asked for: die before [DONE]. */
             net_resp_abort(job_detach(j));
@@ -405,7 +407,7 @@ static void job_tick(job_t *j)
             all_done = false;
     }
     j->ticks++;
-    if (j->rq.stream && out.len > 0) {
+    if (j->rq.stream && out.len > 0 && j->req) { /* none: its client left (finish_abandoned) */
         int r = net_resp_write(j->req, out.base, out.len);
         if (r != 0 || j->req == NULL) {
             /* The connection is gone; on_abort has closed (or will close) the job. */
@@ -424,7 +426,7 @@ static void job_tick(job_t *j)
         job_finish(j);
         return;
     }
-    if (j->rq.stream && net_resp_pending(j->req) > s->high_water) {
+    if (j->rq.stream && j->req && net_resp_pending(j->req) > s->high_water) {
         j->paused = true; /* resumed by on_drain */
         return;
     }
@@ -434,7 +436,7 @@ static void job_tick(job_t *j)
 static void job_tick_cb(uv_timer_t *t)
 {
     job_t *j = t->data;
-    if (j->closing || j->req == NULL)
+    if (j->closing) /* a job whose client left is closed then, unless it is finished_abandoned */
         return;
     job_tick(j);
 }
