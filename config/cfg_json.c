@@ -151,10 +151,49 @@ void cfg_warn(cfg_ctx_t *c, const char *key, const char *fmt, ...)
 
 /* ---- documents and keys ---------------------------------------------------------------- */
 
+/* Line and column (from 1) of byte off of json. */
+static void position(const char *json, size_t off, size_t *line, size_t *col)
+{
+    *line = 1, *col = 1;
+    for (size_t i = 0; i < off; i++, (*col)++) {
+        if (json[i] == '\n') {
+            (*line)++;
+            *col = 0;
+        }
+    }
+}
+
+/* Offset of the first `\u0000` escape inside a string of json, or len. cJSON keeps strings NUL
+ * terminated: one would cut a name or URL short there, silently, and the process would run a
+ * configuration other than the one written. A syntax error is left to the parser. */
+static size_t nul_escape(const char *json, size_t len)
+{
+    bool in_string = false;
+    for (size_t i = 0; i < len; i++) {
+        if (json[i] == '"') {
+            in_string = !in_string;
+        } else if (in_string && json[i] == '\\' && i + 1 < len) {
+            if (json[i + 1] == 'u' && i + 6 <= len && memcmp(json + i + 2, "0000", 4) == 0)
+                return i;
+            i++; /* the escaped byte (a quote or backslash among them) */
+        }
+    }
+    return len;
+}
+
 cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
 {
     if (memchr(json, '\0', len) != NULL) {
         cfg_err(c, NULL, "invalid JSON: contains a NUL byte");
+        return NULL;
+    }
+    size_t nul = nul_escape(json, len), line, col;
+    if (nul < len) {
+        position(json, nul, &line, &col);
+        cfg_err(c, NULL,
+                "a string at line %zu, column %zu holds \\u0000 (NUL), which no name, "
+                "path or value here may contain",
+                line, col);
         return NULL;
     }
     /* cJSON checks for trailing bytes only against a NUL inside the given length. */
@@ -163,13 +202,7 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
     cJSON *doc = cJSON_ParseWithLengthOpts(copy, len + 1, &end, true);
     if (doc == NULL) {
         size_t off = end != NULL && end >= copy ? (size_t)(end - copy) : 0;
-        size_t line = 1, col = 1;
-        for (size_t i = 0; i < off && i < len; i++, col++) {
-            if (copy[i] == '\n') {
-                line++;
-                col = 0;
-            }
-        }
+        position(copy, off < len ? off : len, &line, &col);
         cfg_err(c, NULL, "invalid JSON at line %zu, column %zu", line, col);
     }
     free(copy);

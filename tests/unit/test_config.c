@@ -579,6 +579,27 @@ Test(config, rejects_nul_and_trailing_bytes)
     cfg_errors_free(&e);
 }
 
+Test(config, rejects_a_nul_escape_in_any_string)
+{
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    /* cJSON would cut the name at it: pool "p1", the config not the one written. */
+    const char *json = "{\"pools\": [{\"name\": \"p1\\u0000-prod\", \"models\": [\"m\"],\n"
+                       " \"replicas\": [{\"name\": \"r\", \"url\": \"http://127.0.0.1:1\"}]}]}";
+    cr_assert_eq(cfg_load_string(json, strlen(json), "/", &cfg, &e), -1);
+    cr_assert(has_error(&e, "config", "line 1, column 24 holds \\u0000"), "%s", e.items[0]);
+    cfg_errors_free(&e);
+    /* A key too; an escaped backslash before u0000 is text, not the escape. */
+    const char *key = "{\"pools\": [], \"x\\u0000\": 1}";
+    cr_assert_eq(cfg_load_string(key, strlen(key), "/", &cfg, &e), -1);
+    cr_assert(has_error(&e, "config", "holds \\u0000"));
+    cfg_errors_free(&e);
+    const char *text = "{\"pools\": [], \"x\\\\u0000\": 1}";
+    cr_assert_eq(cfg_load_string(text, strlen(text), "/", &cfg, &e), -1);
+    cr_assert_str_eq(e.items[0], "[\"x\\\\u0000\"]: unknown key");
+    cfg_errors_free(&e);
+}
+
 Test(config, reports_json_syntax_position)
 {
     cfg_t *cfg;
