@@ -220,23 +220,38 @@ static void parse_replica(cfg_ctx_t *c, const cJSON *node, const cfg_manifest_t 
 }
 
 /* Do a and b name one engine (cfg_url_engine)? */
-static bool same_url(const cfg_url_t *a, const cfg_url_t *b)
+/* Each replica's engine (cfg_url_engine), written once: the checks below compare every pair,
+ * and a pool may list thousands. NULL for a replica without a URL. */
+static char **engines_of(const cfg_pool_t *p)
 {
-    if (a->hostport == NULL || b->hostport == NULL)
-        return false;
-    dp_buf_t ea = {0}, eb = {0};
-    cfg_url_engine(a, &ea);
-    cfg_url_engine(b, &eb);
-    bool same = ea.len == eb.len && memcmp(ea.base, eb.base, ea.len) == 0;
-    dp_buf_free(&ea);
-    dp_buf_free(&eb);
-    return same;
+    char **e = dp_xcalloc(p->nreplicas + 1, sizeof(*e));
+    for (size_t i = 0; i < p->nreplicas; i++) {
+        if (p->replicas[i].url.hostport == NULL)
+            continue;
+        dp_buf_t b = {0};
+        cfg_url_engine(&p->replicas[i].url, &b);
+        e[i] = dp_buf_steal(&b);
+    }
+    return e;
+}
+
+static void engines_free(char **e, size_t n)
+{
+    for (size_t i = 0; e && i < n; i++)
+        free(e[i]);
+    free(e);
+}
+
+static bool same_engine(const char *a, const char *b)
+{
+    return a != NULL && b != NULL && strcmp(a, b) == 0;
 }
 
 /* Names are unique within a pool; two entries for one endpoint would make cross-replica
  * comparisons compare a replica with itself. */
 static void check_replicas(cfg_ctx_t *c, const cfg_pool_t *p)
 {
+    char **eng = engines_of(p);
     for (size_t i = 0; i < p->nreplicas; i++) {
         const cfg_replica_t *r = &p->replicas[i];
         size_t mark = cfg_path_index(c, i);
@@ -244,11 +259,12 @@ static void check_replicas(cfg_ctx_t *c, const cfg_pool_t *p)
             const cfg_replica_t *o = &p->replicas[j];
             if (r->name != NULL && o->name != NULL && strcmp(r->name, o->name) == 0)
                 cfg_err(c, "name", "duplicate replica name (also replicas[%zu])", j);
-            if (same_url(&r->url, &o->url))
+            if (same_engine(eng[i], eng[j]))
                 cfg_warn(c, "url", "same engine as replicas[%zu]", j);
         }
         cfg_path_pop(c, mark);
     }
+    engines_free(eng, p->nreplicas);
 }
 
 static void parse_replicas(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
@@ -670,6 +686,9 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
  * Two single_sequence pools may share an engine: they share its one slot. */
 static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
 {
+    char ***eng = dp_xcalloc(cfg->npools + 1, sizeof(*eng));
+    for (size_t i = 0; i < cfg->npools; i++)
+        eng[i] = engines_of(&cfg->pools[i]);
     size_t mark = cfg_path_key(c, "pools");
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
@@ -682,7 +701,7 @@ static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
                 if (one == (cfg_pool_determinism(o) == CFG_DETERMINISM_SINGLE_SEQUENCE))
                     continue;
                 for (size_t l = 0; l < o->nreplicas; l++)
-                    if (same_url(&p->replicas[k].url, &o->replicas[l].url))
+                    if (same_engine(eng[i][k], eng[j][l]))
                         cfg_err(c, "url",
                                 "same engine as pools[%zu].replicas[%zu]: pool \"%s\" is "
                                 "single_sequence (one request at a time per engine) and pool "
@@ -695,6 +714,9 @@ static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
         cfg_path_pop(c, m);
     }
     cfg_path_pop(c, mark);
+    for (size_t i = 0; i < cfg->npools; i++)
+        engines_free(eng[i], cfg->pools[i].nreplicas);
+    free(eng);
 }
 
 /* A fleet's members take turns on a single_sequence engine through etcd (docs/fleet.md, "One
