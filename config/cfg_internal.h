@@ -92,11 +92,12 @@ void cfg_fmt_num(char *out, size_t n, double v);
  * headers. */
 #define CFG_NAME_MAX 128
 /* A name: 1-CFG_NAME_MAX of A-Z a-z 0-9 . _ - : /, with no empty, "." or ".." part between
- * slashes. CFG_NAME_RULE says so, with CFG_NAME_MAX as its %d. */
+ * slashes, and not "-" alone (the metrics' label value for no pool or tenant). CFG_NAME_RULE
+ * says so, with CFG_NAME_MAX as its %d. */
 bool cfg_valid_name(const char *s);
 #define CFG_NAME_RULE                                                                              \
     "must be 1-%d characters of A-Z a-z 0-9 . _ - : /, with no empty, '.' or '..' part between "   \
-    "slashes"
+    "slashes, and not '-' alone (the metrics' word for none)"
 /* DNS host name (letters, digits, '-', '_' labels, 1-63 each, 253 total). */
 bool cfg_valid_hostname(const char *s);
 /* An HTTP field name (RFC 9110 token characters). */

@@ -516,7 +516,7 @@ void cfg_str_array_free(char **a, size_t n)
 bool cfg_valid_name(const char *s)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > CFG_NAME_MAX)
+    if (n == 0 || n > CFG_NAME_MAX || strcmp(s, "-") == 0) /* "-": metrics' label for none */
         return false;
     size_t seg = 0; /* where the current '/'-separated segment starts */
     for (size_t i = 0; i <= n; i++) {
