@@ -146,7 +146,8 @@ def test_sigterm_drains_every_worker():
     results = []
     t = threading.Thread(target=load, args=(px, 12, 12, results, 0, ))
     t.start()
-    poll_until(lambda: sim_stats(sim)["inflight"] >= 8, what="requests in flight")
+    # All 12 read (a connection not yet read would be refused or closed as idle by the drain).
+    poll_until(lambda: metric(px, "detproxy_inflight_requests") >= 12, what="requests in flight")
     counts = worker_counts(px, 2)
     px.send_signal(signal.SIGTERM)
     t.join()
