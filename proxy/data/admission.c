@@ -333,11 +333,15 @@ static void kept_slot_done(void *kept)
 /* A start check (px_admission_check_engines) is the same hold, taken on an engine this process
  * has just begun to count, before anything starts there: an earlier process killed mid-answer
  * (SIGKILL, out of memory) may have left llama.cpp generating a request whose connection
- * closed, which it finishes. Its first look is at once (what that process sent was sent
- * before this one started); an engine whose answers say nothing START_SILENT_LOOKS times in
- * a row (not listening, still loading its model, `--no-slots`) ends it: nothing tells, and
- * an engine that does not answer cannot be sent anything either. */
+ * closed, which it finishes. Its first look waits as a hold's does: a request that process
+ * sent just before it died may still be on its way to a slot. An engine whose answers say
+ * nothing START_SILENT_LOOKS times in a row ends it, with a warning: one not listening (a
+ * refused connection) cannot be sent anything, one still loading its model runs nothing, and
+ * one started with `--no-slots` cannot tell. An engine that takes the connection but does not
+ * answer in time (stalled, or paused) is not silent: it may run the request once it goes on,
+ * and it is asked until it answers. */
 #define START_SILENT_LOOKS 3
+enum { LOOK_BUSY = 0, LOOK_IDLE = 1, LOOK_SILENT = -1, LOOK_NONE = -2, LOOK_STALLED = -3 };
 
 /* px_admission_hold's: a timer that frees a kept slot, on its thread's list. */
 typedef struct hold_s {
@@ -448,14 +452,15 @@ static void hold_due(uv_timer_t *t)
 
 static void look_due(uv_timer_t *t);
 
-/* An answer: idle (1), busy (0), one that says nothing (-1), or none asked for (-2: no pool
- * to ask through). */
+/* What a look learned: LOOK_IDLE, LOOK_BUSY, LOOK_SILENT (an answer that says nothing, or a
+ * refused connection), LOOK_NONE (no pool to ask through), LOOK_STALLED (the connection taken,
+ * no whole answer in time). */
 static void look_told(hold_t *h, int idle)
 {
-    h->idle = idle == 1 ? h->idle + 1 : 0;
+    h->idle = idle == LOOK_IDLE ? h->idle + 1 : 0;
     /* A start check with none to ask through: no pool sends there now (a reload took the
      * engine away), or can reach it (its TLS context could not be made). */
-    h->silent = idle == -1 || (idle == -2 && h->start) ? h->silent + 1 : 0;
+    h->silent = idle == LOOK_SILENT || (idle == LOOK_NONE && h->start) ? h->silent + 1 : 0;
     h->engine_idle = h->idle >= HOLD_IDLE_LOOKS;
     h->unanswered = h->start && h->silent >= START_SILENT_LOOKS;
     if (h->engine_idle || h->unanswered) {
@@ -472,11 +477,15 @@ static void look_told(hold_t *h, int idle)
 static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                    const char *detail, void *data)
 {
-    (void)f, (void)err, (void)detail;
+    (void)f, (void)detail;
     hold_t *h = data;
     h->f = NULL;
     uv_timer_stop(&h->look); /* its deadline */
-    look_told(h, status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len) : -1);
+    bool stalled = err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT ||
+                   err == NET_UP_SEND_TIMEOUT;
+    look_told(h, status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len)
+                 : stalled             ? LOOK_STALLED
+                                       : LOOK_SILENT);
 }
 
 /* A look still going at HOLD_LOOK_TIMEOUT_MS (an answer that drips in, each byte within the
@@ -486,7 +495,7 @@ static void look_late(uv_timer_t *t)
     hold_t *h = t->data;
     net_fetch_cancel(h->f);
     h->f = NULL;
-    look_told(h, -1);
+    look_told(h, LOOK_STALLED);
 }
 
 static void look_due(uv_timer_t *t)
@@ -497,7 +506,7 @@ static void look_due(uv_timer_t *t)
     px_replica_t *q = look_via(h->k, &g, &pc);
     net_tls_ctx_t *tls = q ? look_tls(q, g) : NULL;
     if (q == NULL || (q->url.tls && tls == NULL)) {
-        look_told(h, -2); /* none to ask through now; a reload may bring one back */
+        look_told(h, LOOK_NONE); /* none to ask through now; a reload may bring one back */
         return;
     }
     const char *name = q->server_name ? q->server_name : q->url.host;
@@ -575,8 +584,9 @@ static void check_fresh(px_replica_t *r, void *data)
         return;
     px_replica_engine_seen(e);
     px_replica_take_first_slot(r);
-    hold_kept_as(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits), 0)->start =
-        true;
+    hold_kept_as(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits),
+                 HOLD_FIRST_LOOK_MS)
+        ->start = true;
 }
 
 static void seen(px_replica_t *r, void *data)

@@ -566,7 +566,8 @@ def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_
     supervisor does: llama.cpp finishes the non-streamed generation whose connection closed,
     and the new process knows nothing of it. Before anything starts on an engine it has just
     begun to count, it asks the engine's /slots: its probe and its first request wait for
-    that generation's end, and the engine never runs two."""
+    that generation's end, and the engine never runs two. The check ends on an engine that
+    says nothing, not on one that answers late."""
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
                     "--finish-abandoned")
     pools = [single_sequence_pool([sim], framework="llamacpp")]
@@ -598,6 +599,22 @@ def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_
     assert metric(px, "detproxy_engine_start_checks_total", result="unanswered") == 1
     assert front.slot_looks == 3, front.slot_looks
     assert px.find_logs("engine_start_check")[0]["level"] == "warn"
+    px.stop()
+    # An engine that takes the connection but answers late (stalled, paused) is not silent: it
+    # may run what it holds once it goes on. Three answers that drip past the look's 2 s, then
+    # an idle one: the check waits for that.
+    asked = []
+
+    def slots(head):
+        asked.append(time.monotonic())
+        return (200, slots_answer(False), 0.5) if len(asked) <= 3 else (200, slots_answer(False))
+    front.slots = slots
+    px = start_proxy(pools=[single_sequence_pool([front], framework="llamacpp")],
+                     timeout=30)  # ~11 s: three looks given up at 2 s each, backing off
+    assert complete(px).status == 200
+    assert metric(px, "detproxy_engine_start_checks_total", result="idle") == 1
+    assert metric(px, "detproxy_engine_start_checks_total", result="unanswered") == 0
+    assert len(asked) >= 5, asked
     px.stop()
     front.stop()
 
