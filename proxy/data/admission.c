@@ -366,7 +366,7 @@ typedef struct hold_s {
 
 static _Thread_local hold_t *t_holds;
 
-static void hold_kept(kept_slot_t *k, uint64_t max_ms);
+static hold_t *hold_new(kept_slot_t *k, uint64_t max_ms);
 
 /* A drain's end. One that failed before its limit (the replica closed or cut the answer, or
  * it went silent) says nothing of the engine, which may be generating it still (a proxy in
@@ -375,7 +375,7 @@ static void kept_slot_drained(void *kept, uint64_t left_ms)
 {
     kept_slot_t *k = kept;
     if (left_ms > 0)
-        hold_kept(k, left_ms);
+        hold_new(k, left_ms);
     else
         kept_slot_done(k);
 }
@@ -542,7 +542,7 @@ static void look_due(uv_timer_t *t)
 }
 
 /* On the calling thread's loop, in its list. */
-static hold_t *hold_kept_as(kept_slot_t *k, uint64_t max_ms, uint64_t first_look_ms)
+static hold_t *hold_new(kept_slot_t *k, uint64_t max_ms)
 {
     hold_t *h = dp_xcalloc(1, sizeof(*h));
     uv_loop_t *loop = px_thread_self(k->px)->loop;
@@ -553,22 +553,17 @@ static hold_t *hold_kept_as(kept_slot_t *k, uint64_t max_ms, uint64_t first_look
     h->timer.data = h->look.data = h;
     h->open = 2;
     uv_timer_start(&h->timer, hold_due, max_ms, 0);
-    if (max_ms > first_look_ms + HOLD_LOOK_MS) {
+    if (max_ms > HOLD_FIRST_LOOK_MS + HOLD_LOOK_MS) {
         h->every = HOLD_LOOK_MS;
-        uv_timer_start(&h->look, look_due, first_look_ms, 0);
+        uv_timer_start(&h->look, look_due, HOLD_FIRST_LOOK_MS, 0);
     }
     DP_LIST_PUSH(t_holds, h, next, prev);
     return h;
 }
 
-static void hold_kept(kept_slot_t *k, uint64_t max_ms)
-{
-    hold_kept_as(k, max_ms, HOLD_FIRST_LOOK_MS);
-}
-
 void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms)
 {
-    hold_kept(keep_slot(px, r), max_ms);
+    hold_new(keep_slot(px, r), max_ms);
 }
 
 /* Each engine new to this process (fresh) that a single_sequence pool naming llama.cpp sends to
@@ -584,9 +579,7 @@ static void check_fresh(px_replica_t *r, void *data)
         return;
     px_replica_engine_seen(e);
     px_replica_take_first_slot(r);
-    hold_kept_as(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits),
-                 HOLD_FIRST_LOOK_MS)
-        ->start = true;
+    hold_new(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits))->start = true;
 }
 
 static void seen(px_replica_t *r, void *data)
