@@ -338,8 +338,9 @@ static void kept_slot_done(void *kept)
  * nothing START_SILENT_LOOKS times in a row ends it, with a warning: one not listening (a
  * refused connection) cannot be sent anything, one still loading its model runs nothing, and
  * one started with `--no-slots` cannot tell. An engine that takes the connection but does not
- * answer in time (stalled, or paused) is not silent: it may run the request once it goes on,
- * and it is asked until it answers. */
+ * answer in time (stalled, or paused), or that cannot be reached (a connect or TLS handshake
+ * that times out or fails) is not silent: it may run the request once it goes on, and it is
+ * asked until it answers. */
 #define START_SILENT_LOOKS 3
 enum { LOOK_BUSY = 0, LOOK_IDLE = 1, LOOK_SILENT = -1, LOOK_NONE = -2, LOOK_STALLED = -3 };
 
@@ -453,8 +454,8 @@ static void hold_due(uv_timer_t *t)
 static void look_due(uv_timer_t *t);
 
 /* What a look learned: LOOK_IDLE, LOOK_BUSY, LOOK_SILENT (an answer that says nothing, or a
- * refused connection), LOOK_NONE (no pool to ask through), LOOK_STALLED (the connection taken,
- * no whole answer in time). */
+ * refused connection), LOOK_NONE (no pool to ask through), LOOK_STALLED (no whole answer in
+ * time, or none: the engine unseen). */
 static void look_told(hold_t *h, int idle)
 {
     h->idle = idle == LOOK_IDLE ? h->idle + 1 : 0;
@@ -477,15 +478,18 @@ static void look_told(hold_t *h, int idle)
 static void looked(net_fetch_t *f, int status, const dp_buf_t *body, net_up_err_t err,
                    const char *detail, void *data)
 {
-    (void)f, (void)detail;
+    (void)f;
     hold_t *h = data;
     h->f = NULL;
     uv_timer_stop(&h->look); /* its deadline */
-    bool stalled = err == NET_UP_FIRST_BYTE_TIMEOUT || err == NET_UP_IDLE_TIMEOUT ||
-                   err == NET_UP_SEND_TIMEOUT;
-    look_told(h, status == 200 && body ? attest_llamacpp_slots_idle(body->base, body->len)
-                 : stalled             ? LOOK_STALLED
-                                       : LOOK_SILENT);
+    /* Silent: an answer that says nothing, or nothing listening there. Any other failure (a
+     * connect or TLS handshake that times out or fails, a connection closed unanswered) leaves
+     * the engine unseen: it may be there, stalled or cut off. */
+    bool refused =
+        err == NET_UP_CONNECT && detail && strcmp(detail, uv_strerror(UV_ECONNREFUSED)) == 0;
+    look_told(h, status == 200 && body   ? attest_llamacpp_slots_idle(body->base, body->len)
+                 : status > 0 || refused ? LOOK_SILENT
+                                         : LOOK_STALLED);
 }
 
 /* A look still going at HOLD_LOOK_TIMEOUT_MS (an answer that drips in, each byte within the
@@ -528,6 +532,11 @@ static void look_due(uv_timer_t *t)
             h->server_name = dp_xstrdup(name);
         }
     }
+    /* Over TLS each look is a new handshake: a reload that withdrew trust in the engine (or
+     * replaced the client certificate) replaces the context's contents, not the pointer, and
+     * must not be outlived by a connection verified before it. */
+    if (tls)
+        net_upstream_flush_idle(h->up);
     dp_buf_t target = {0};
     dp_buf_printf(&target, "%s/slots", q->url.path); /* the path has no trailing slash */
     net_fetch_opts_t o = {.method = "GET",

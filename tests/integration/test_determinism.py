@@ -619,6 +619,80 @@ def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_
     front.stop()
 
 
+def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_now():
+    """A reload that withdraws trust in the engine (its CA file replaced in place) applies to
+    the hold's looks at once: each is a new handshake, so the hold keeps its time rather than
+    believe an engine it can no longer verify. And a start check on an https engine that takes
+    connections but does not complete the handshake (paused) waits: an engine not seen is not
+    an engine that says nothing."""
+    from certs import client_context, shared_pki
+    pki = shared_pki()
+    d = tempfile.mkdtemp(prefix="detproxy-tlslook-", dir=TMP)
+    ca = os.path.join(d, "ca.pem")
+    shutil.copy(pki.ca.crt, ca)
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                    "--tls-cert", pki.server.crt, "--tls-key", pki.server.key)
+    tls = client_context(pki.ca)
+
+    def inflight():
+        c = __import__("http.client").client.HTTPSConnection("127.0.0.1", sim.port, context=tls,
+                                                             timeout=10)
+        c.request("GET", "/_sim/stats")
+        n = json.loads(c.getresponse().read())["inflight"]
+        c.close()
+        return n
+    front = proxyutil.FrontCutter(sim.port)
+    p = single_sequence_pool([front], framework="llamacpp", upstream_tls={"ca_file": ca})
+    p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
+    px = start_proxy(pools=[p], directory=d, limits={"upstream_first_byte_timeout_ms": 12000,
+                                                     "upstream_idle_timeout_ms": 12000})
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 0,
+                       "stream": True}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+              + body)
+    poll_until(lambda: inflight() == 1, what="the generation running")
+    for n in list(front.answered):
+        front.cut(n)
+    c.settimeout(10)
+    while c.recv(65536):
+        pass
+    c.close()
+    cut = set(front.answered)
+    # The hold's looks have begun (one answered) on a connection verified under the old CA.
+    poll_until(lambda: any(front.answered[n] for n in set(front.answered) - cut),
+               what="a look answered")
+    shutil.copy(pki.ca2.crt, ca)  # trust withdrawn, in place
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    shutil.copy(pki.ca.crt, ca)  # for the next process (this one has read the file)
+    poll_until(lambda: inflight() == 0, timeout=10, what="the generation over")
+    seen = len(front.answered)
+    # Looked at after the engine went idle, and held its 12 s all the same.
+    poll_until(lambda: metric(px, "detproxy_slot_holds_total") == 1, timeout=20,
+               what="the hold's end")
+    assert len(front.answered) > seen
+    assert metric(px, "detproxy_slot_holds_total", end="time") == 1
+    px.stop()
+    # A paused engine: the kernel takes the connection, the handshake never completes.
+    sim.send_signal(signal.SIGSTOP)
+    try:
+        px = start_proxy(pools=[p], directory=d, ready=False)
+        # Three looks given up (the first at 1 s, each at 2 s, backing off) end by ~8.5 s a
+        # check that took them for silence; this one is still asking at 11 s.
+        end = time.monotonic() + 11
+        while time.monotonic() < end:
+            assert metric(px, "detproxy_engine_start_checks_total") == 0, px.find_logs(
+                "engine_start_check")
+            time.sleep(0.5)
+    finally:
+        sim.send_signal(signal.SIGCONT)
+    poll_until(lambda: metric(px, "detproxy_engine_start_checks_total", result="idle") == 1,
+               timeout=30, what="the check ended once the engine answered")
+    px.stop()
+    front.stop()
+
+
 def test_single_sequence_a_held_slot_asks_as_the_configuration_in_force_says():
     """The look carries the pool's API key and follows its manifest as the last reload left
     them: a rotated key is the one sent (an engine that refuses the old one would leave every
