@@ -504,12 +504,10 @@ def test_single_sequence_a_look_that_drips_in_is_given_up_and_asked_again():
     front.stop()
 
 
-def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
-    """A held slot of an https llama.cpp replica asks its /slots over TLS, trusting what the
-    pool's exchanges trust (its upstream_tls CA): freed once the engine runs nothing, not at the
-    hold's 60 s. The gateway in front passes TLS through as bytes and cuts detproxy's side.
-    Both a worker's hold (a client's stream) and the control thread's (the admin relay's), each
-    with its own TLS context."""
+def tls_llamacpp_sim():
+    """A llama.cpp-flavoured sim serving https with the test PKI's server certificate: (sim,
+    pki, stats) where stats() reads its /_sim/stats over TLS."""
+    import http.client
     from certs import client_context, shared_pki
     pki = shared_pki()
     sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
@@ -517,12 +515,21 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
     tls = client_context(pki.ca)
 
     def stats():
-        c = __import__("http.client").client.HTTPSConnection("127.0.0.1", sim.port, context=tls,
-                                                             timeout=10)
+        c = http.client.HTTPSConnection("127.0.0.1", sim.port, context=tls, timeout=10)
         c.request("GET", "/_sim/stats")
         st = json.loads(c.getresponse().read())
         c.close()
         return st
+    return sim, pki, stats
+
+
+def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
+    """A held slot of an https llama.cpp replica asks its /slots over TLS, trusting what the
+    pool's exchanges trust (its upstream_tls CA): freed once the engine runs nothing, not at the
+    hold's 60 s. The gateway in front passes TLS through as bytes and cuts detproxy's side.
+    Both a worker's hold (a client's stream) and the control thread's (the admin relay's), each
+    with its own TLS context."""
+    sim, pki, stats = tls_llamacpp_sim()
     front = proxyutil.FrontCutter(sim.port)
     p = single_sequence_pool([front], framework="llamacpp", upstream_tls={"ca_file": pki.ca.crt})
     p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
@@ -625,22 +632,10 @@ def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_no
     believe an engine it can no longer verify. And a start check on an https engine that takes
     connections but does not complete the handshake (paused) waits: an engine not seen is not
     an engine that says nothing."""
-    from certs import client_context, shared_pki
-    pki = shared_pki()
+    sim, pki, stats = tls_llamacpp_sim()
     d = tempfile.mkdtemp(prefix="detproxy-tlslook-", dir=TMP)
     ca = os.path.join(d, "ca.pem")
     shutil.copy(pki.ca.crt, ca)
-    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
-                    "--tls-cert", pki.server.crt, "--tls-key", pki.server.key)
-    tls = client_context(pki.ca)
-
-    def inflight():
-        c = __import__("http.client").client.HTTPSConnection("127.0.0.1", sim.port, context=tls,
-                                                             timeout=10)
-        c.request("GET", "/_sim/stats")
-        n = json.loads(c.getresponse().read())["inflight"]
-        c.close()
-        return n
     front = proxyutil.FrontCutter(sim.port)
     p = single_sequence_pool([front], framework="llamacpp", upstream_tls={"ca_file": ca})
     p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
@@ -652,7 +647,7 @@ def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_no
     c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
               + body)
-    poll_until(lambda: inflight() == 1, what="the generation running")
+    poll_until(lambda: stats()["inflight"] == 1, what="the generation running")
     for n in list(front.answered):
         front.cut(n)
     c.settimeout(10)
@@ -666,7 +661,7 @@ def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_no
     shutil.copy(pki.ca2.crt, ca)  # trust withdrawn, in place
     assert http("POST", px.admin_port, "/admin/reload").status == 200
     shutil.copy(pki.ca.crt, ca)  # for the next process (this one has read the file)
-    poll_until(lambda: inflight() == 0, timeout=10, what="the generation over")
+    poll_until(lambda: stats()["inflight"] == 0, timeout=10, what="the generation over")
     seen = len(front.answered)
     # Looked at after the engine went idle, and held its 12 s all the same.
     poll_until(lambda: metric(px, "detproxy_slot_holds_total") == 1, timeout=20,
