@@ -84,14 +84,9 @@ px_replica_t *px_replica_find_live(const char *key)
 {
     PX_ASSERT_CONTROL();
     for (px_replica_t *r = g_live; r; r = r->live_next) {
-        if (strcmp(r->key, key) != 0)
-            continue;
         /* A reference unless its last one is gone (its free is on its way to this thread). */
-        int n = atomic_load_explicit(&r->refs, memory_order_relaxed);
-        while (n > 0)
-            if (atomic_compare_exchange_weak_explicit(&r->refs, &n, n + 1, memory_order_acq_rel,
-                                                      memory_order_relaxed))
-                return r;
+        if (strcmp(r->key, key) == 0 && px_replica_try_ref(r))
+            return r;
     }
     return NULL;
 }
