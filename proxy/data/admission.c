@@ -350,9 +350,8 @@ typedef struct hold_s {
     uv_timer_t look;  /* the next GET /slots */
     kept_slot_t *k;
     net_upstream_t *up;              /* the looks' own connection (NULL until the first) ... */
-    struct sockaddr_storage up_addr; /* ... to this address */
-    const net_tls_ctx_t *tls;        /* ... over TLS with this context (the upstream's ref) */
-    char *server_name;               /* ... checking the engine's certificate for this name */
+    struct sockaddr_storage up_addr; /* ... to this address ... */
+    bool up_tls;                     /* ... over TLS (then made again for every look) */
     net_fetch_t *f;                  /* the look in flight */
     unsigned idle;                   /* answers in a row that listed no slot processing */
     unsigned silent;                 /* answers in a row that said nothing */
@@ -401,7 +400,6 @@ static void hold_end(hold_t *h)
         net_fetch_cancel(h->f);
     if (h->up)
         net_upstream_free(h->up);
-    free(h->server_name);
     kept_slot_done(h->k);
     uv_close((uv_handle_t *)&h->timer, hold_closed);
     uv_close((uv_handle_t *)&h->look, hold_closed);
@@ -513,9 +511,11 @@ static void look_due(uv_timer_t *t)
         look_told(h, LOOK_NONE); /* none to ask through now; a reload may bring one back */
         return;
     }
-    const char *name = q->server_name ? q->server_name : q->url.host;
-    if (h->up == NULL || memcmp(&h->up_addr, &q->addr, sizeof(q->addr)) != 0 || h->tls != tls ||
-        (tls && strcmp(h->server_name, name) != 0)) {
+    /* Over TLS each look is a new handshake, with the context and name in force: a reload that
+     * withdrew trust in the engine (or replaced the client certificate) replaces the context's
+     * contents, not the pointer, and must not be outlived by a connection verified before it.
+     * The plain HTTP connection is kept while the address stays. */
+    if (h->up == NULL || tls || h->up_tls || memcmp(&h->up_addr, &q->addr, sizeof(q->addr)) != 0) {
         net_upstream_opts_t uo = {.connect_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                   .first_byte_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
                                   .idle_timeout_ms = HOLD_LOOK_TIMEOUT_MS,
@@ -524,19 +524,10 @@ static void look_due(uv_timer_t *t)
             net_upstream_free(h->up);
         h->up = net_upstream_new(t->loop, (const struct sockaddr *)&q->addr, &uo);
         h->up_addr = q->addr; /* the key goes where the pool that gives it sends */
-        h->tls = tls;         /* and is checked as that pool's exchanges check the engine */
-        free(h->server_name);
-        h->server_name = NULL;
-        if (tls) {
-            net_upstream_set_tls(h->up, tls, name);
-            h->server_name = dp_xstrdup(name);
-        }
+        h->up_tls = tls != NULL;
+        if (tls) /* checked as that pool's exchanges check the engine */
+            net_upstream_set_tls(h->up, tls, q->server_name ? q->server_name : q->url.host);
     }
-    /* Over TLS each look is a new handshake: a reload that withdrew trust in the engine (or
-     * replaced the client certificate) replaces the context's contents, not the pointer, and
-     * must not be outlived by a connection verified before it. */
-    if (tls)
-        net_upstream_flush_idle(h->up);
     dp_buf_t target = {0};
     dp_buf_printf(&target, "%s/slots", q->url.path); /* the path has no trailing slash */
     net_fetch_opts_t o = {.method = "GET",
