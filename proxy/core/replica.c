@@ -623,12 +623,10 @@ bool px_replica_take_slot(const px_pool_t *p, px_replica_t *r)
     return true;
 }
 
-bool px_replica_engine_seen(px_engine_t *e)
+void px_replica_engine_seen(px_engine_t *e)
 {
     PX_ASSERT_CONTROL();
-    bool was = e->fresh;
     e->fresh = false;
-    return was;
 }
 
 void px_replica_take_first_slot(px_replica_t *r)

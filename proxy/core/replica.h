@@ -236,8 +236,8 @@ unsigned px_replica_engines_quiesce(void);
 void px_replica_engines_gate(void);
 /* Every engine a single_sequence pool names now, in no order. Control thread. */
 void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data);
-/* e is no longer fresh; true if it was. Control thread. */
-bool px_replica_engine_seen(px_engine_t *e);
+/* e is no longer fresh. Control thread. */
+void px_replica_engine_seen(px_engine_t *e);
 /* r's engine's slot taken for a look before anything starts there (it was fresh: nothing of
  * this process runs there, and nothing can have been let start yet). Control thread. */
 void px_replica_take_first_slot(px_replica_t *r);
