@@ -134,15 +134,24 @@ static void key_request(dp_jw_t *w, const char *name, const char *key)
     dp_jw_obj_end(w);
 }
 
-/* A put under a compare; when it fails, the key is read instead if `read_on_failure`. */
+/* A put under a compare; when it fails, the key is read instead if `read_on_failure`; when it
+ * succeeds, the keys under `also` (a prefix, or NULL) are read with it, keys only. */
 static void txn_put(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
-                    int64_t lease, bool read_on_failure)
+                    int64_t lease, bool read_on_failure, const char *also)
 {
     dp_jw_t w;
     txn_begin(&w, out, key, mod_rev, false);
     dp_jw_obj_begin(&w, "request_put");
     put_fields(&w, key, val, vlen, lease);
     dp_jw_obj_end(&w);
+    if (also) {
+        dp_jw_obj_end(&w);
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_obj_begin(&w, "request_range");
+        prefix_fields(&w, also);
+        dp_jw_bool(&w, "keys_only", true);
+        dp_jw_obj_end(&w);
+    }
     if (read_on_failure) {
         dp_jw_obj_end(&w);
         dp_jw_arr_end(&w);
@@ -156,12 +165,13 @@ static void txn_put(dp_buf_t *out, const char *key, int64_t mod_rev, const char 
 void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
                       int64_t lease)
 {
-    txn_put(out, key, mod_rev, val, vlen, lease, false);
+    txn_put(out, key, mod_rev, val, vlen, lease, false, NULL);
 }
 
-void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease)
+void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease,
+                       const char *also)
 {
-    txn_put(out, key, 0, val, vlen, lease, true);
+    txn_put(out, key, 0, val, vlen, lease, true, also);
 }
 
 void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease)

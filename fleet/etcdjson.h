@@ -29,8 +29,11 @@ void fleet_ej_delete(dp_buf_t *out, const char *key);
 void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
                       int64_t lease);
 /* Put key only when it is absent; when it is not, the answer's responses[0].response_range
- * holds it (who has it, on which lease). */
-void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease);
+ * holds it (who has it, on which lease). With `also` (a prefix, or NULL), a put that succeeds
+ * reads the keys under it in the same revision, keys only (leases included):
+ * responses[1].response_range. */
+void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease,
+                       const char *also);
 /* Delete key only while it is on lease (a key we wrote on it, whenever). */
 void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease);
 void fleet_ej_watch_create(dp_buf_t *out, const char *prefix, int64_t start_rev);

@@ -7,7 +7,15 @@
  * We let go of it with a delete guarded by that lease, so a delete that may have failed is sent
  * again until etcd says the key is not on our lease any more. Losing etcd does not lose the key
  * (etcd keeps leases across its own restarts, and ours may outlive the outage); it only stops
- * anything new from starting until we are connected again. */
+ * anything new from starting until we are connected again.
+ *
+ * A key that went with its holder's lease (the holder killed, or cut off past its lease) says
+ * nothing of what the holder left running: llama.cpp finishes a non-streamed generation whose
+ * connection closed. So the take also reads the member keys in its own revision, and when the
+ * lease another member last held the key on carries none of them any more, the engine gets a
+ * start check (px_admission_check_engine) before anything of ours starts there. A key let go of
+ * by a holder that is still a member (a guarded delete: nothing of its own ran there) needs
+ * none. */
 #include "proxy/control/seqlock.h"
 
 #include <stdio.h>
@@ -20,6 +28,7 @@
 #include "fleet/etcdjson.h"
 #include "proxy/core/px.h"
 #include "proxy/core/replica.h"
+#include "proxy/data/admission.h"
 #include "proxy/data/worker.h"
 
 typedef struct lock_s {
@@ -32,6 +41,7 @@ typedef struct lock_s {
     uint64_t held_ms;      /* ours since (loop ms) */
     uint64_t ran_ms;       /* something of ours last ran on the engine (loop ms) */
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
+    int64_t other;         /* the lease another member held the key on since it was ours (0) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
     bool sure;             /* ours for certain (not only maybe: a take with no answer) */
@@ -42,6 +52,7 @@ struct px_seqlock_s {
     px_t *px;
     fleet_etcd_t *etcd;
     char *prefix, *instance;
+    char *members;  /* <prefix>instances/: the member keys, each on its member's lease */
     int64_t lease;  /* ours now; 0 while not connected */
     uint64_t until; /* it surely lives until then (dp_now_ms) */
     uv_timer_t tick;
@@ -69,6 +80,7 @@ static void maybe_free(px_seqlock_t *s)
     }
     free(s->prefix);
     free(s->instance);
+    free(s->members);
     free(s);
 }
 
@@ -131,14 +143,18 @@ static void lost(lock_t *l)
     l->given++;
 }
 
-/* The key is ours, on s's lease now: requests may start on its engine. */
-static void own(lock_t *l)
+/* The key is ours, on s's lease now: requests may start on its engine, after a start check
+ * when the member that held it last left without letting go of it (`check`). */
+static void own(lock_t *l, bool check)
 {
     px_seqlock_t *s = l->s;
     mine(l, s->lease, true);
+    l->other = 0;
     px_engine_t *e = engine_of(l);
     if (e == NULL)
         return; /* no pool asks for it now: the next tick lets it go */
+    if (check && px_admission_check_engine(s->px, e, "its fleet holder left without letting go"))
+        lock_log("fleet_engine_checked", l, NULL); /* the check's slot keeps the key */
     atomic_store(&e->want, false);
     atomic_store(&e->held_until, s->until);
     atomic_store(&e->closing, false);
@@ -146,10 +162,11 @@ static void own(lock_t *l)
     px_workers_wake(s->px); /* requests queued for it look again */
 }
 
-/* A call's context: the lease it was made under. */
+/* A call's context: the lease it was made under, and for a take the lease another member last
+ * held the key on. */
 typedef struct {
     lock_t *l;
-    int64_t lease;
+    int64_t lease, other;
 } call_t;
 
 static call_t *call_new(lock_t *l)
@@ -157,6 +174,7 @@ static call_t *call_new(lock_t *l)
     call_t *c = dp_xcalloc(1, sizeof(*c));
     c->l = l;
     c->lease = l->s->lease;
+    c->other = l->other;
     l->busy = true;
     l->s->calls++;
     return c;
@@ -177,15 +195,38 @@ static bool call_done(call_t *c)
     return true;
 }
 
-/* Is the key a failed take's answer found on `lease`? */
-static bool found_on(const cJSON *res, int64_t lease)
+/* The kvs of the answer's responses[i].response_range. */
+static const cJSON *ranged_kvs(const cJSON *res, int i)
 {
-    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 0);
-    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), i);
+    return cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(r, "response_range"),
+                                            "kvs");
+}
+
+/* The lease the key a failed take read is on (0: none, or no key). */
+static int64_t holder_lease(const cJSON *res)
+{
     fleet_kv_t kv = {0};
-    bool on = lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease;
+    int64_t lease = fleet_ej_kv(cJSON_GetArrayItem(ranged_kvs(res, 0), 0), &kv) == 0 ? kv.lease : 0;
     fleet_kv_free(&kv);
+    return lease;
+}
+
+/* Does a member key that a successful take read carry `lease`? Not when that lease expired or was
+ * revoked: every key on it went in one revision, before the take's. */
+static bool member_on(const cJSON *res, int64_t lease)
+{
+    const cJSON *kv;
+    fleet_kv_t k = {0};
+    bool on = false;
+    cJSON_ArrayForEach(kv, ranged_kvs(res, 1))
+    {
+        if (fleet_ej_kv(kv, &k) == 0 && k.lease == lease) {
+            on = true;
+            break;
+        }
+    }
+    fleet_kv_free(&k);
     return on;
 }
 
@@ -194,7 +235,7 @@ static void taken(const cJSON *res, const char *why, void *data)
     call_t *c = data;
     lock_t *l = c->l;
     px_seqlock_t *s = l->s;
-    int64_t lease = c->lease;
+    int64_t lease = c->lease, other = c->other;
     if (!call_done(c))
         return;
     uint64_t now = uv_now(s->px->loop);
@@ -209,8 +250,11 @@ static void taken(const cJSON *res, const char *why, void *data)
     }
     /* Not written: held by another member (tried again at its delete, or in a while), or by
      * us on the lease we hold now (from before etcd was lost and found again): ours then. */
-    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded")) &&
-        !found_on(res, lease)) {
+    bool ok = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded"));
+    int64_t on = ok ? 0 : holder_lease(res);
+    if (!ok && (lease == 0 || on != lease)) {
+        if (on != 0)
+            l->other = on;
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
@@ -221,7 +265,9 @@ static void taken(const cJSON *res, const char *why, void *data)
             mine(l, lease, true);
         return;
     }
-    own(l);
+    /* Written now: a lease another member held it on that no member key carries any more has
+     * gone, and with it whatever told us the engine was left idle. */
+    own(l, ok && other != 0 && !member_on(res, other));
     lock_log("fleet_engine_taken", l, NULL);
 }
 
@@ -256,7 +302,7 @@ static void take(lock_t *l)
     dp_jw_str(&w, "engine", l->label);
     dp_jw_uint(&w, "at_ms", dp_wall_ms());
     dp_jw_obj_end(&w);
-    fleet_ej_txn_take(&body, l->key, v.base, v.len, s->lease);
+    fleet_ej_txn_take(&body, l->key, v.base, v.len, s->lease, l->other ? s->members : NULL);
     fleet_etcd_call(s->etcd, "/v3/kv/txn", &body, taken, call_new(l));
     dp_buf_free(&v);
     dp_buf_free(&body);
@@ -366,6 +412,9 @@ px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
     s->etcd = etcd;
     s->prefix = dp_xstrdup(prefix);
     s->instance = dp_xstrdup(instance);
+    dp_buf_t m = {0};
+    dp_buf_printf(&m, "%sinstances/", prefix);
+    s->members = dp_buf_steal(&m);
     uv_timer_init(px->loop, &s->tick);
     s->tick.data = s;
     uv_timer_start(&s->tick, on_tick, 0, PX_SEQLOCK_TICK_MS);
@@ -411,7 +460,11 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
         return;
     size_t pl = strlen(s->prefix);
     for (lock_t *l = s->locks; l; l = l->next) {
-        if (strcmp(l->key + pl, rel) != 0 || l->busy)
+        if (strcmp(l->key + pl, rel) != 0)
+            continue;
+        if (!deleted && lease != 0 && lease != s->lease && lease != l->lease)
+            l->other = lease; /* another member's (or ours on a lease gone since) */
+        if (l->busy)
             continue;
         if (deleted) {
             l->next_try_ms = 0; /* free: whoever wants it tries now */

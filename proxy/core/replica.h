@@ -238,8 +238,9 @@ void px_replica_engines_gate(void);
 void px_replica_engines_each(void (*fn)(px_engine_t *e, void *data), void *data);
 /* e is no longer fresh. Control thread. */
 void px_replica_engine_seen(px_engine_t *e);
-/* r's engine's slot taken for a look before anything starts there (it was fresh: nothing of
- * this process runs there, and nothing can have been let start yet). Control thread. */
+/* r's engine's slot taken for a look before anything starts there: it was fresh, or a fleet
+ * member's key on it was only now taken, so nothing can have been let start there yet (a hold
+ * of this process's own, counted too, may still run). Control thread. */
 void px_replica_take_first_slot(px_replica_t *r);
 /* Take a slot on r under pool p's max_inflight_per_replica, atomically across workers: false
  * when r is at its limit. px_router_pick takes the slot of what it returns. */

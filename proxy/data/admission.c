@@ -356,7 +356,8 @@ typedef struct hold_s {
     unsigned idle;                   /* answers in a row that listed no slot processing */
     unsigned silent;                 /* answers in a row that said nothing */
     uint64_t every;                  /* ms to the next look */
-    bool start;                      /* a start check */
+    bool start;                      /* a start check, ... */
+    const char *cause;               /* ... and why it was taken (a literal) */
     bool engine_idle;                /* the timer was moved up for that ... */
     bool unanswered;                 /* ... or for START_SILENT_LOOKS silent answers */
     unsigned open;                   /* handles not closed yet */
@@ -416,6 +417,7 @@ static void start_checked(hold_t *h, const px_engine_t *e, uint64_t now)
     if (w) {
         dp_jw_str(w, "engine", e->label);
         dp_jw_str(w, "result", result);
+        dp_jw_str(w, "cause", h->cause);
         dp_jw_uint(w, "held_ms", now - h->since);
         if (h->unanswered)
             dp_jw_str(w, "reason",
@@ -566,20 +568,31 @@ void px_admission_hold(px_t *px, px_replica_t *r, uint64_t max_ms)
     hold_new(keep_slot(px, r), max_ms);
 }
 
+/* Is r a replica of a single_sequence pool naming llama.cpp (one that a start check asks)? */
+static bool llama_single(px_t *px, const px_replica_t *r)
+{
+    const px_pool_t *p = r->slots->one ? px_gen_pool_by_name(px->gen, r->pool_name) : NULL;
+    return p != NULL && policy_pool_no_cache_prompt(p->cfg);
+}
+
+static void start_check(px_t *px, px_replica_t *r, const char *cause)
+{
+    px_replica_take_first_slot(r);
+    hold_t *h = hold_new(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits));
+    h->start = true;
+    h->cause = cause;
+}
+
 /* Each engine new to this process (fresh) that a single_sequence pool naming llama.cpp sends to
  * gets a start check; every other fresh engine is simply seen. */
 static void check_fresh(px_replica_t *r, void *data)
 {
     px_t *px = data;
     px_engine_t *e = r->slots->eng;
-    if (!e->fresh || !r->slots->one)
-        return;
-    const px_pool_t *p = px_gen_pool_by_name(px->gen, r->pool_name);
-    if (p == NULL || !policy_pool_no_cache_prompt(p->cfg))
+    if (!e->fresh || !llama_single(px, r))
         return;
     px_replica_engine_seen(e);
-    px_replica_take_first_slot(r);
-    hold_new(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits))->start = true;
+    start_check(px, r, "new to this process");
 }
 
 static void seen(px_replica_t *r, void *data)
@@ -592,6 +605,29 @@ void px_admission_check_engines(px_t *px)
 {
     px_replica_each_live(check_fresh, px);
     px_replica_each_live(seen, NULL);
+}
+
+typedef struct {
+    px_t *px;
+    px_engine_t *e;
+    const char *cause;
+    bool started;
+} check_one_t;
+
+static void check_one(px_replica_t *r, void *data)
+{
+    check_one_t *c = data;
+    if (!c->started && r->slots->eng == c->e && llama_single(c->px, r)) {
+        start_check(c->px, r, c->cause);
+        c->started = true;
+    }
+}
+
+bool px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause)
+{
+    check_one_t c = {px, e, cause, false};
+    px_replica_each_live(check_one, &c);
+    return c.started;
 }
 
 void px_admission_holds_stop(void)

@@ -77,6 +77,10 @@ void px_admission_holds_stop(void);
  * anything starts there, a hold asking its GET /slots (docs/configuration.md, "Deterministic
  * pools"). Control thread, before the generation reaches the workers. */
 void px_admission_check_engines(px_t *px);
+/* The same start check on engine e now, for `cause` (a literal, logged), when a single_sequence
+ * pool naming llama.cpp sends there: a fleet member took e's key after the member that held it
+ * left without letting go of it. False when no such pool does. Control thread. */
+bool px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause);
 /* A graceful stop: start checks end (this process will start nothing more; the next one makes
  * its own). Control thread. */
 void px_admission_start_checks_end(void);

@@ -12,7 +12,7 @@ import threading
 import time
 
 from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import pool, sim_reset, sim_stats, start_proxy
+from proxyutil import metric, pool, sim_reset, sim_stats, start_proxy
 import etcdutil
 
 if etcdutil.ETCD is None:
@@ -144,6 +144,51 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     t.join(20)
     assert out["r"].status == 200, out
     assert sim_stats(sim)["max_inflight_seen"] == 1
+    stop_all(cluster, b)
+
+
+def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
+    """llama.cpp finishes a non-streamed generation whose connection closed. A member killed
+    while one ran holds the engine's key until its lease expires; the member that takes the key
+    next asks the engine's /slots first (a start check) and starts nothing until that generation
+    has ended. A key let go of by a member that is still there needs no check."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                    "--finish-abandoned")
+    man = dict(SS, model=MODEL, framework={"name": "llamacpp"})
+    limits = {"upstream_first_byte_timeout_ms": 60000, "upstream_idle_timeout_ms": 60000}
+    a, b = (start_proxy(pools=[pool("p", [MODEL], [sim], manifest=man)], limits=limits,
+                        fleet=fleet_cfg(cluster, "gw-%d" % i, ttl=2000)) for i in range(2))
+    wait_members([a, b], 2)
+    checks = lambda px, **kw: metric(px, "detproxy_engine_start_checks_total", **kw)
+    poll_until(lambda: checks(b, result="idle") == 1, what="b's check of the engine at its start")
+    # Handed over cleanly, a -> b -> a: no check.
+    for px in (a, b, a):
+        assert complete(px, "w", 3).status == 200
+    assert checks(b) == 1 and checks(a) == 1, (checks(a), checks(b))
+    # a runs 150 tokens (3 s, sampled with a seed: all of them) and is killed once they
+    # generate; its lease goes 2 s later, while the engine still generates for it.
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 1,
+                       "seed": 1}).encode()
+    c = socket.create_connection(("127.0.0.1", a.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    a.popen.send_signal(signal.SIGKILL)
+    a.wait()
+    c.close()
+    t0 = time.monotonic()
+    r = complete(b, "y", 2)
+    waited = time.monotonic() - t0
+    assert r.status == 200, r.text
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert st["inflight"] == 0, st
+    assert checks(b, result="idle") == 2, checks(b)
+    line = [l for l in b.find_logs("engine_start_check")][-1]
+    assert line["cause"] == "its fleet holder left without letting go", line
+    print("a request through b waited %.2f s: the killed member's lease, then its generation's end"
+          % waited)
     stop_all(cluster, b)
 
 

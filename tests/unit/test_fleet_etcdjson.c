@@ -35,11 +35,20 @@ Test(etcdjson, put_and_txn_bodies_are_base64_with_string_integers)
     cr_assert_str_eq(cJSON_GetObjectItem(cmp, "create_revision")->valuestring, "0");
     cJSON_Delete(d);
     dp_buf_free(&b);
-    fleet_ej_txn_take(&b, "k", "v", 1, 9);
+    fleet_ej_txn_take(&b, "k", "v", 1, 9, NULL);
     cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
                              "\"CREATE\",\"create_revision\":\"0\"}],\"success\":[{"
                              "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
                              "\"9\"}}],\"failure\":[{\"request_range\":{\"key\":\"aw==\"}}]}");
+    dp_buf_free(&b);
+    /* With the keys under a prefix read in the same revision when the put succeeds. */
+    fleet_ej_txn_take(&b, "k", "v", 1, 9, "/p/");
+    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
+                             "\"CREATE\",\"create_revision\":\"0\"}],\"success\":[{"
+                             "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
+                             "\"9\"}},{\"request_range\":{\"key\":\"L3Av\",\"range_end\":"
+                             "\"L3Aw\",\"keys_only\":true}}],\"failure\":[{\"request_range\":{"
+                             "\"key\":\"aw==\"}}]}");
     dp_buf_free(&b);
     fleet_ej_txn_delete_on_lease(&b, "k", 42);
     cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
