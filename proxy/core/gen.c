@@ -171,7 +171,7 @@ px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const ch
     return s;
 }
 
-px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name)
+px_pool_t *px_gen_pool_by_name(const px_gen_t *g, const char *name)
 {
     for (size_t i = 0; i < g->npools; i++)
         if (strcmp(g->pools[i].name, name) == 0)

@@ -46,7 +46,7 @@ px_gen_t *px_gen_new(px_t *px, cfg_t *cfg, px_gen_t *prev);
 px_gen_t *px_gen_writable(px_t *px);
 void px_gen_ref(px_gen_t *g);
 void px_gen_unref(px_gen_t *g);
-px_pool_t *px_gen_pool_by_name(px_gen_t *g, const char *name);
+px_pool_t *px_gen_pool_by_name(const px_gen_t *g, const char *name);
 px_pool_t *px_gen_pool_for_model(px_gen_t *g, const char *model, size_t len);
 /* This thread's detproxy_policy_overrides_total series (cached, see m_overrides). */
 px_series_t *px_gen_override_series(px_gen_t *g, const cfg_tenant_t *t, const char *tenant,

@@ -186,11 +186,8 @@ net_tls_ctx_t *px_worker_tls(px_replica_t *r, const px_gen_t *g)
     if (r->wtls[slot])
         return r->wtls[slot];
     /* Each worker has its own context: session caches are not shared between threads. */
-    const cfg_pool_t *pc = NULL;
-    for (size_t i = 0; i < g->npools && pc == NULL; i++)
-        if (strcmp(g->pools[i].name, r->pool_name) == 0)
-            pc = g->pools[i].cfg;
-    const cfg_upstream_tls_t *ut = pc ? pc->upstream_tls : NULL;
+    const px_pool_t *p = px_gen_pool_by_name(g, r->pool_name);
+    const cfg_upstream_tls_t *ut = p ? p->cfg->upstream_tls : NULL;
     dp_buf_t err = {0};
     net_tls_ctx_t *t = net_tls_client_ctx(ut ? ut->ca_file : NULL, ut ? ut->client_cert_file : NULL,
                                           ut ? ut->client_key_file : NULL, &err);
