@@ -134,23 +134,28 @@ static void key_request(dp_jw_t *w, const char *name, const char *key)
     dp_jw_obj_end(w);
 }
 
+/* The next operation of a transaction's list (the one before it is closed). */
+static void txn_next(dp_jw_t *w)
+{
+    dp_jw_obj_end(w);
+    dp_jw_obj_begin(w, NULL);
+}
+
 /* A put under a compare; when it fails, the key is read instead if `read_on_failure`; when it
- * succeeds, the keys under `also` (a prefix, or NULL) are read with it, keys only. */
+ * succeeds, `taken` (or NULL) is read and then deleted. */
 static void txn_put(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
-                    int64_t lease, bool read_on_failure, const char *also)
+                    int64_t lease, bool read_on_failure, const char *taken)
 {
     dp_jw_t w;
     txn_begin(&w, out, key, mod_rev, false);
     dp_jw_obj_begin(&w, "request_put");
     put_fields(&w, key, val, vlen, lease);
     dp_jw_obj_end(&w);
-    if (also) {
-        dp_jw_obj_end(&w);
-        dp_jw_obj_begin(&w, NULL);
-        dp_jw_obj_begin(&w, "request_range");
-        prefix_fields(&w, also);
-        dp_jw_bool(&w, "keys_only", true);
-        dp_jw_obj_end(&w);
+    if (taken) {
+        txn_next(&w);
+        key_request(&w, "request_range", taken);
+        txn_next(&w);
+        key_request(&w, "request_delete_range", taken);
     }
     if (read_on_failure) {
         dp_jw_obj_end(&w);
@@ -169,16 +174,23 @@ void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const cha
 }
 
 void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease,
-                       const char *also)
+                       const char *mark)
 {
-    txn_put(out, key, 0, val, vlen, lease, true, also);
+    txn_put(out, key, 0, val, vlen, lease, true, mark);
 }
 
-void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease)
+void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease, const char *mark,
+                                  const char *mval, size_t mlen)
 {
     dp_jw_t w;
     txn_begin(&w, out, key, lease, true);
     key_request(&w, "request_delete_range", key);
+    if (mark) {
+        txn_next(&w);
+        dp_jw_obj_begin(&w, "request_put");
+        put_fields(&w, mark, mval, mlen, 0);
+        dp_jw_obj_end(&w);
+    }
     txn_end(&w);
 }
 

@@ -29,13 +29,14 @@ void fleet_ej_delete(dp_buf_t *out, const char *key);
 void fleet_ej_txn_cas(dp_buf_t *out, const char *key, int64_t mod_rev, const char *val, size_t vlen,
                       int64_t lease);
 /* Put key only when it is absent; when it is not, the answer's responses[0].response_range
- * holds it (who has it, on which lease). With `also` (a prefix, or NULL), a put that succeeds
- * reads the keys under it in the same revision, keys only (leases included):
- * responses[1].response_range. */
+ * holds it (who has it, on which lease). With `mark` (NULL: none), a put that succeeds reads
+ * that key (responses[1].response_range) and deletes it, in the same revision. */
 void fleet_ej_txn_take(dp_buf_t *out, const char *key, const char *val, size_t vlen, int64_t lease,
-                       const char *also);
-/* Delete key only while it is on lease (a key we wrote on it, whenever). */
-void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease);
+                       const char *mark);
+/* Delete key only while it is on lease (a key we wrote on it, whenever), and with `mark` (NULL:
+ * none) put that key, on no lease, to mval in the same revision. */
+void fleet_ej_txn_delete_on_lease(dp_buf_t *out, const char *key, int64_t lease, const char *mark,
+                                  const char *mval, size_t mlen);
 void fleet_ej_watch_create(dp_buf_t *out, const char *prefix, int64_t start_rev);
 void fleet_ej_lease_grant(dp_buf_t *out, int64_t ttl_s);
 void fleet_ej_lease_id(dp_buf_t *out, int64_t id); /* keepalive, revoke */

@@ -11,11 +11,11 @@
  *
  * A key that went with its holder's lease (the holder killed, or cut off past its lease) says
  * nothing of what the holder left running: llama.cpp finishes a non-streamed generation whose
- * connection closed. So the take also reads the member keys in its own revision, and when the
- * lease another member last held the key on carries none of them any more, the engine gets a
- * start check (px_admission_check_engine) before anything of ours starts there. A key let go of
- * by a holder that is still a member (a guarded delete: nothing of its own ran there) needs
- * none. */
+ * connection closed. So a member lets go of a key it knows clean with the same transaction
+ * putting idle/<id> (on no lease), and the take reads and deletes that mark in its own: a take
+ * that finds none (the holder's lease ended, its answer was lost, its check was cut short)
+ * runs a start check (px_admission_check_engine) before anything of ours starts there, and
+ * the key is known clean again once that check ends knowing the engine idle. */
 #include "proxy/control/seqlock.h"
 
 #include <stdio.h>
@@ -36,15 +36,17 @@ typedef struct lock_s {
     px_seqlock_t *s;
     char *label;           /* the engine's */
     char *key;             /* <prefix>engines/<first 32 hex digits of the label's SHA-256> */
+    char *mark;            /* <prefix>idle/<the same>: the last holder let go of it clean */
     uint64_t seen;         /* the tick that last found its engine */
     int64_t lease;         /* the lease the key is on while it is ours; 0: not ours */
     uint64_t held_ms;      /* ours since (loop ms) */
     uint64_t ran_ms;       /* something of ours last ran on the engine (loop ms) */
     uint64_t next_try_ms;  /* not taken again before (loop ms) */
-    int64_t other;         /* the lease another member held the key on since it was ours (0) */
     bool busy;             /* a call for it in flight */
     bool handing;          /* held too long while busy: nothing new starts, it goes once idle */
     bool sure;             /* ours for certain (not only maybe: a take with no answer) */
+    bool clean;            /* ours, and nothing an earlier holder left can run there: the mark */
+    bool checking;         /* ours, and its start check runs */
     uint64_t taken, given; /* times it became ours and stopped being so */
 } lock_t;
 
@@ -52,7 +54,6 @@ struct px_seqlock_s {
     px_t *px;
     fleet_etcd_t *etcd;
     char *prefix, *instance;
-    char *members;  /* <prefix>instances/: the member keys, each on its member's lease */
     int64_t lease;  /* ours now; 0 while not connected */
     uint64_t until; /* it surely lives until then (dp_now_ms) */
     uv_timer_t tick;
@@ -66,6 +67,7 @@ static void lock_free(lock_t *l)
 {
     free(l->label);
     free(l->key);
+    free(l->mark);
     free(l);
 }
 
@@ -80,7 +82,6 @@ static void maybe_free(px_seqlock_t *s)
     }
     free(s->prefix);
     free(s->instance);
-    free(s->members);
     free(s);
 }
 
@@ -139,34 +140,54 @@ static void lost(lock_t *l)
 {
     stop_starting(l);
     l->lease = 0;
+    l->clean = l->checking = false;
     l->handing = false;
     l->given++;
 }
 
+/* The key is ours, and not known clean: a start check on its engine before anything of ours
+ * starts there, its slot taken first (it keeps the key meanwhile). An engine that only pools
+ * not naming llama.cpp send to cannot be asked, and is as clean as the members can know it. One
+ * no pool of the configuration in force sends to cannot be asked either: nothing of ours starts
+ * there (a request queued under an earlier configuration would), and it goes unmarked. */
+static void check(lock_t *l, px_engine_t *e)
+{
+    int r =
+        e ? px_admission_check_engine(l->s->px, e, "its fleet holder did not let it go clean") : -1;
+    l->checking = r > 0;
+    l->clean = r == 0;
+    l->handing = r < 0;
+    dp_jw_t *w = l->checking ? dp_log_begin(DP_LOG_INFO, "fleet_engine_checking") : NULL;
+    if (w) { /* what it waits for is its own line, engine_start_check */
+        dp_jw_str(w, "engine", l->label);
+        dp_jw_str(w, "key", l->key);
+        dp_log_end(w);
+    }
+}
+
 /* The key is ours, on s's lease now: requests may start on its engine, after a start check
- * when the member that held it last left without letting go of it (`check`). */
-static void own(lock_t *l, bool check)
+ * when the last holder did not let go of it clean (`clean`: it did). */
+static void own(lock_t *l, bool clean)
 {
     px_seqlock_t *s = l->s;
     mine(l, s->lease, true);
-    l->other = 0;
     px_engine_t *e = engine_of(l);
+    l->clean = clean;
+    if (!clean)
+        check(l, e);
     if (e == NULL)
         return; /* no pool asks for it now: the next tick lets it go */
-    if (check && px_admission_check_engine(s->px, e, "its fleet holder left without letting go"))
-        lock_log("fleet_engine_checked", l, NULL); /* the check's slot keeps the key */
     atomic_store(&e->want, false);
     atomic_store(&e->held_until, s->until);
-    atomic_store(&e->closing, false);
+    atomic_store(&e->closing, l->handing);
     atomic_store(&e->held, true);
     px_workers_wake(s->px); /* requests queued for it look again */
 }
 
-/* A call's context: the lease it was made under, and for a take the lease another member last
- * held the key on. */
+/* A call's context: the lease it was made under. */
 typedef struct {
     lock_t *l;
-    int64_t lease, other;
+    int64_t lease;
 } call_t;
 
 static call_t *call_new(lock_t *l)
@@ -174,7 +195,6 @@ static call_t *call_new(lock_t *l)
     call_t *c = dp_xcalloc(1, sizeof(*c));
     c->l = l;
     c->lease = l->s->lease;
-    c->other = l->other;
     l->busy = true;
     l->s->calls++;
     return c;
@@ -195,38 +215,15 @@ static bool call_done(call_t *c)
     return true;
 }
 
-/* The kvs of the answer's responses[i].response_range. */
-static const cJSON *ranged_kvs(const cJSON *res, int i)
+/* Is the key a failed take's answer found on `lease`? */
+static bool found_on(const cJSON *res, int64_t lease)
 {
-    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), i);
-    return cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(r, "response_range"),
-                                            "kvs");
-}
-
-/* The lease the key a failed take read is on (0: none, or no key). */
-static int64_t holder_lease(const cJSON *res)
-{
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 0);
+    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
     fleet_kv_t kv = {0};
-    int64_t lease = fleet_ej_kv(cJSON_GetArrayItem(ranged_kvs(res, 0), 0), &kv) == 0 ? kv.lease : 0;
+    bool on = lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease;
     fleet_kv_free(&kv);
-    return lease;
-}
-
-/* Does a member key that a successful take read carry `lease`? Not when that lease expired or was
- * revoked: every key on it went in one revision, before the take's. */
-static bool member_on(const cJSON *res, int64_t lease)
-{
-    const cJSON *kv;
-    fleet_kv_t k = {0};
-    bool on = false;
-    cJSON_ArrayForEach(kv, ranged_kvs(res, 1))
-    {
-        if (fleet_ej_kv(kv, &k) == 0 && k.lease == lease) {
-            on = true;
-            break;
-        }
-    }
-    fleet_kv_free(&k);
     return on;
 }
 
@@ -235,26 +232,25 @@ static void taken(const cJSON *res, const char *why, void *data)
     call_t *c = data;
     lock_t *l = c->l;
     px_seqlock_t *s = l->s;
-    int64_t lease = c->lease, other = c->other;
+    int64_t lease = c->lease;
     if (!call_done(c))
         return;
     uint64_t now = uv_now(s->px->loop);
     if (res == NULL) {
         /* It may have been written: ours then, maybe. Let go of as if it were (a delete
          * guarded by the lease does nothing to a key that is not), then taken again if
-         * wanted; nothing starts on it meanwhile. */
+         * wanted; nothing starts on it meanwhile. Not clean: the take may have found no mark
+         * and deleted one, and whoever takes it next checks. */
         lock_log("fleet_engine_take_failed", l, why);
         mine(l, lease, false);
+        l->clean = false;
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
     /* Not written: held by another member (tried again at its delete, or in a while), or by
      * us on the lease we hold now (from before etcd was lost and found again): ours then. */
-    bool ok = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded"));
-    int64_t on = ok ? 0 : holder_lease(res);
-    if (!ok && (lease == 0 || on != lease)) {
-        if (on != 0)
-            l->other = on;
+    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded")) &&
+        !found_on(res, lease)) {
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
@@ -265,9 +261,13 @@ static void taken(const cJSON *res, const char *why, void *data)
             mine(l, lease, true);
         return;
     }
-    /* Written now: a lease another member held it on that no member key carries any more has
-     * gone, and with it whatever told us the engine was left idle. */
-    own(l, ok && other != 0 && !member_on(res, other));
+    /* The mark the take read (and deleted), when it wrote the key: the last holder let go of
+     * it clean. */
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 1);
+    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
+    bool taken_now = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded"));
+    own(l, taken_now ? cJSON_GetArraySize(kvs) > 0 : l->clean);
     lock_log("fleet_engine_taken", l, NULL);
 }
 
@@ -302,7 +302,7 @@ static void take(lock_t *l)
     dp_jw_str(&w, "engine", l->label);
     dp_jw_uint(&w, "at_ms", dp_wall_ms());
     dp_jw_obj_end(&w);
-    fleet_ej_txn_take(&body, l->key, v.base, v.len, s->lease, l->other ? s->members : NULL);
+    fleet_ej_txn_take(&body, l->key, v.base, v.len, s->lease, l->mark);
     fleet_etcd_call(s->etcd, "/v3/kv/txn", &body, taken, call_new(l));
     dp_buf_free(&v);
     dp_buf_free(&body);
@@ -310,10 +310,19 @@ static void take(lock_t *l)
 
 static void give(lock_t *l)
 {
-    dp_buf_t body = {0};
-    fleet_ej_txn_delete_on_lease(&body, l->key, l->lease);
+    dp_buf_t body = {0}, v = {0};
+    if (l->clean) {
+        dp_jw_t w;
+        dp_jw_init(&w, &v);
+        dp_jw_obj_begin(&w, NULL);
+        dp_jw_str(&w, "instance", l->s->instance);
+        dp_jw_uint(&w, "at_ms", dp_wall_ms());
+        dp_jw_obj_end(&w);
+    }
+    fleet_ej_txn_delete_on_lease(&body, l->key, l->lease, l->clean ? l->mark : NULL, v.base, v.len);
     fleet_etcd_call(l->s->etcd, "/v3/kv/txn", &body, given, call_new(l));
     dp_buf_free(&body);
+    dp_buf_free(&v);
 }
 
 static lock_t *lock_by_label(px_seqlock_t *s, const char *label)
@@ -337,6 +346,8 @@ static void seen_cb(px_engine_t *e, void *data)
         dp_buf_t k = {0};
         dp_buf_printf(&k, "%sengines/%.32s", s->prefix, hex);
         l->key = dp_buf_steal(&k);
+        dp_buf_printf(&k, "%sidle/%.32s", s->prefix, hex);
+        l->mark = dp_buf_steal(&k);
         DP_LIST_PUSH(s->locks, l, next, prev);
     }
     l->seen = s->ticks;
@@ -379,6 +390,13 @@ static void on_tick(uv_timer_t *t)
             continue;
         }
         if (l->lease) {
+            if (l->checking && e->check != PX_CHECK_RUNNING) { /* its check ended */
+                l->checking = false;
+                l->clean = e->check == PX_CHECK_CLEAN;
+                /* Not known clean (cut short, over its time, no pool to ask through): nothing
+                 * of ours starts there (the check set `closing`), and it goes unmarked. */
+                l->handing = !l->clean;
+            }
             uint64_t last = l->ran_ms > l->held_ms ? l->ran_ms : l->held_ms;
             if (atomic_load(&e->running) != 0)
                 l->ran_ms = now;
@@ -412,9 +430,6 @@ px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
     s->etcd = etcd;
     s->prefix = dp_xstrdup(prefix);
     s->instance = dp_xstrdup(instance);
-    dp_buf_t m = {0};
-    dp_buf_printf(&m, "%sinstances/", prefix);
-    s->members = dp_buf_steal(&m);
     uv_timer_init(px->loop, &s->tick);
     s->tick.data = s;
     uv_timer_start(&s->tick, on_tick, 0, PX_SEQLOCK_TICK_MS);
@@ -460,11 +475,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
         return;
     size_t pl = strlen(s->prefix);
     for (lock_t *l = s->locks; l; l = l->next) {
-        if (strcmp(l->key + pl, rel) != 0)
-            continue;
-        if (!deleted && lease != 0 && lease != s->lease && lease != l->lease)
-            l->other = lease; /* another member's (or ours on a lease gone since) */
-        if (l->busy)
+        if (strcmp(l->key + pl, rel) != 0 || l->busy)
             continue;
         if (deleted) {
             l->next_try_ms = 0; /* free: whoever wants it tries now */
@@ -474,8 +485,12 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
             }
         } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
             /* Ours from before etcd was lost and found again: the next tick lets it go, or
-             * keeps it while something runs. */
+             * keeps it while something runs. Whatever our take found there is not known. */
             mine(l, lease, true);
+            px_engine_t *e = engine_of(l);
+            check(l, e);
+            if (e && l->handing)
+                atomic_store(&e->closing, true);
         }
     }
 }

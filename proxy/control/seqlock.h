@@ -8,8 +8,9 @@
  * does not take it again for PX_SEQLOCK_BACKOFF_MS after letting go, so members take turns.
  * Without etcd (not yet connected, lease lost) nothing new starts on such an engine: a member
  * that cannot know whether another runs a sequence there does not start one. A member that dies
- * holding a key holds it until its lease expires; the member that takes it next runs a start
- * check on a llama.cpp engine first (seqlock.c). Control thread. */
+ * holding a key holds it until its lease expires. A key let go of clean leaves a mark,
+ * idle/<id>; one taken without it gets a start check on a llama.cpp engine before anything
+ * starts there (seqlock.c). Control thread. */
 #ifndef PX_SEQLOCK_H
 #define PX_SEQLOCK_H
 

@@ -357,9 +357,11 @@ typedef struct hold_s {
     unsigned silent;                 /* answers in a row that said nothing */
     uint64_t every;                  /* ms to the next look */
     bool start;                      /* a start check, ... */
-    const char *cause;               /* ... and why it was taken (a literal) */
+    const char *cause;               /* ... why it was taken (a literal) ... */
+    bool gates;                      /* ... and, not ending clean, nothing new starts there */
     bool engine_idle;                /* the timer was moved up for that ... */
     bool unanswered;                 /* ... or for START_SILENT_LOOKS silent answers */
+    bool heard;                      /* a look got an answer that said nothing, or a refusal */
     unsigned open;                   /* handles not closed yet */
     uint64_t since;
     struct hold_s *next, *prev;
@@ -396,6 +398,18 @@ static void hold_closed(uv_handle_t *h)
 
 static void hold_end(hold_t *h)
 {
+    if (h->start) {
+        /* Known clean: the engine listed nothing processing, or said nothing of its slots
+         * itself (not merely none left to ask it through). Otherwise cut short or timed out. */
+        px_engine_t *e = kept_slots(h->k)->eng;
+        e->check =
+            h->engine_idle || (h->unanswered && h->heard) ? PX_CHECK_CLEAN : PX_CHECK_UNKNOWN;
+        /* A fleet member's check that did not find the engine clean starts nothing there with
+         * its slot (a request of an earlier generation may wait for it): the member lets the
+         * key go and whoever takes it next checks again (proxy/control/seqlock.c). */
+        if (h->gates && e->check != PX_CHECK_CLEAN)
+            atomic_store(&e->closing, true);
+    }
     DP_LIST_UNLINK(t_holds, h, next, prev);
     if (h->f)
         net_fetch_cancel(h->f);
@@ -462,6 +476,7 @@ static void look_told(hold_t *h, int idle)
     /* A start check with none to ask through: no pool sends there now (a reload took the
      * engine away), or can reach it (its TLS context could not be made). */
     h->silent = idle == LOOK_SILENT || (idle == LOOK_NONE && h->start) ? h->silent + 1 : 0;
+    h->heard |= idle == LOOK_SILENT;
     h->engine_idle = h->idle >= HOLD_IDLE_LOOKS;
     h->unanswered = h->start && h->silent >= START_SILENT_LOOKS;
     if (h->engine_idle || h->unanswered) {
@@ -575,12 +590,14 @@ static bool llama_single(px_t *px, const px_replica_t *r)
     return p != NULL && policy_pool_no_cache_prompt(p->cfg);
 }
 
-static void start_check(px_t *px, px_replica_t *r, const char *cause)
+static hold_t *start_check(px_t *px, px_replica_t *r, const char *cause)
 {
     px_replica_take_first_slot(r);
     hold_t *h = hold_new(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits));
     h->start = true;
     h->cause = cause;
+    r->slots->eng->check = PX_CHECK_RUNNING;
+    return h;
 }
 
 /* Each engine new to this process (fresh) that a single_sequence pool naming llama.cpp sends to
@@ -611,23 +628,26 @@ typedef struct {
     px_t *px;
     px_engine_t *e;
     const char *cause;
-    bool started;
+    int r;
 } check_one_t;
 
 static void check_one(px_replica_t *r, void *data)
 {
     check_one_t *c = data;
-    if (!c->started && r->slots->eng == c->e && llama_single(c->px, r)) {
-        start_check(c->px, r, c->cause);
-        c->started = true;
+    if (c->r > 0 || r->slots->eng != c->e || !px_gen_pool_by_name(c->px->gen, r->pool_name))
+        return;
+    c->r = 0;
+    if (llama_single(c->px, r)) {
+        start_check(c->px, r, c->cause)->gates = true;
+        c->r = 1;
     }
 }
 
-bool px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause)
+int px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause)
 {
-    check_one_t c = {px, e, cause, false};
+    check_one_t c = {px, e, cause, -1};
     px_replica_each_live(check_one, &c);
-    return c.started;
+    return c.r;
 }
 
 void px_admission_holds_stop(void)

@@ -78,9 +78,13 @@ void px_admission_holds_stop(void);
  * pools"). Control thread, before the generation reaches the workers. */
 void px_admission_check_engines(px_t *px);
 /* The same start check on engine e now, for `cause` (a literal, logged), when a single_sequence
- * pool naming llama.cpp sends there: a fleet member took e's key after the member that held it
- * left without letting go of it. False when no such pool does. Control thread. */
-bool px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause);
+ * pool naming llama.cpp sends there: a fleet member took e's key, and the member that held it
+ * did not let go of it clean. Its end is e->check; one that does not find the engine clean sets
+ * e->closing (nothing new starts there). 1: begun; 0: a pool of the configuration in force
+ * sends there, none naming llama.cpp (nothing to ask); -1: none sends there (a reload took it
+ * away; a request queued under an earlier configuration may still wait for it). Control
+ * thread. */
+int px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause);
 /* A graceful stop: start checks end (this process will start nothing more; the next one makes
  * its own). Control thread. */
 void px_admission_start_checks_end(void);

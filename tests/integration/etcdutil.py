@@ -221,3 +221,39 @@ class RequestRelay:
                     c.sendall(d)
         except OSError:
             pass
+
+
+def _shut(*socks):
+    for x in socks:
+        try:
+            x.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class CutRelay(RequestRelay):
+    """A member cut off from etcd and back: cut() closes every connection through the relay, and
+    each request that comes until restore() has its connection closed unanswered."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.socks = set()
+        self.is_cut = False
+
+    def step(self, c, u, head, body):
+        with self.lock:
+            if not self.is_cut:
+                self.socks |= {c, u}
+                return True
+        _shut(c, u)
+        return False
+
+    def cut(self):
+        with self.lock:
+            self.is_cut = True
+            socks, self.socks = self.socks, set()
+        _shut(*socks)
+
+    def restore(self):
+        with self.lock:
+            self.is_cut = False

@@ -4,6 +4,7 @@ the engine runs one request at a time whichever member sends it: under concurren
 member holding the engine is killed or paused past its lease, across etcd outages and lost
 answers, and across reloads that add, remove or change the pool."""
 
+import base64
 import json
 import signal
 import socket
@@ -147,36 +148,99 @@ def test_single_sequence_engine_waits_for_a_killed_holder_and_for_etcd():
     stop_all(cluster, b)
 
 
+# ---- what a holder left on llama.cpp: the clean mark and the start check -------------------
+
+LLAMA = dict(SS, model=MODEL, framework={"name": "llamacpp"})
+LONG_ANSWERS = {"upstream_first_byte_timeout_ms": 60000, "upstream_idle_timeout_ms": 60000}
+
+
+def llamacpp_sim():
+    """A llama.cpp-like sim that finishes a non-streamed answer whose connection closed."""
+    return start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                     "--finish-abandoned")
+
+
+def llamacpp_member(cluster, sim, name, endpoints=None):
+    return start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA)], limits=LONG_ANSWERS,
+                       fleet=fleet_cfg(cluster, name, ttl=2000, endpoints=endpoints))
+
+
+def checks(px, **labels):
+    return metric(px, "detproxy_engine_start_checks_total", **labels)
+
+
+def checked_at_start(*pxs):
+    for p in pxs:
+        poll_until(lambda: checks(p, result="idle") >= 1, what="the check at the member's start")
+
+
+def let_go(*pxs):
+    poll_until(lambda: not any(e["held"] for p in pxs for e in fleet(p)["engines"]),
+               what="the key let go of")
+
+
+def killed_while_generating(px, sim):
+    """A 150-token answer through px (3 s, sampled with a seed: all of them); px SIGKILLed once
+    the engine generates it, which finishes it (its connection closed)."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 1,
+                       "seed": 1}).encode()
+    c = socket.create_connection(("127.0.0.1", px.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the request generating")
+    px.popen.send_signal(signal.SIGKILL)
+    px.wait()
+    c.close()
+
+
+def engine_key_gone(cluster):
+    poll_until(lambda: not engine_keys(cluster), timeout=10, what="the key gone with its lease")
+
+
+CAUSE = "its fleet holder did not let it go clean"
+
+
+def three_members(cluster, sim, b_endpoints=None):
+    """Members a, b and c of one fleet in front of sim, each checked at its start, that have
+    each run a request there and let go of the key (clean, marked)."""
+    a, c = (llamacpp_member(cluster, sim, n) for n in ("gw-a", "gw-c"))
+    b = llamacpp_member(cluster, sim, "gw-b", endpoints=b_endpoints)
+    wait_members([a, b, c], 3)
+    checked_at_start(a, b, c)
+    for px in (b, c, a):
+        assert complete(px, "w", 3).status == 200
+    let_go(a, b, c)
+    return a, b, c
+
+
 def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
     """llama.cpp finishes a non-streamed generation whose connection closed. A member killed
     while one ran holds the engine's key until its lease expires; the member that takes the key
-    next asks the engine's /slots first (a start check) and starts nothing until that generation
-    has ended. A key let go of by a member that is still there needs no check."""
+    next finds no clean mark beside it and asks the engine's /slots first (a start check),
+    starting nothing until that generation has ended. A key let go of clean needs no check, even
+    once the member that let go of it has died."""
     cluster = etcdutil.EtcdCluster(1)
-    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
-                    "--finish-abandoned")
-    man = dict(SS, model=MODEL, framework={"name": "llamacpp"})
-    limits = {"upstream_first_byte_timeout_ms": 60000, "upstream_idle_timeout_ms": 60000}
-    a, b = (start_proxy(pools=[pool("p", [MODEL], [sim], manifest=man)], limits=limits,
-                        fleet=fleet_cfg(cluster, "gw-%d" % i, ttl=2000)) for i in range(2))
-    wait_members([a, b], 2)
-    checks = lambda px, **kw: metric(px, "detproxy_engine_start_checks_total", **kw)
-    poll_until(lambda: checks(b, result="idle") == 1, what="b's check of the engine at its start")
-    # Handed over cleanly, a -> b -> a: no check.
-    for px in (a, b, a):
+    sim = llamacpp_sim()
+    a, b, c = (llamacpp_member(cluster, sim, "gw-%d" % i) for i in range(3))
+    wait_members([a, b, c], 3)
+    checked_at_start(a, b, c)
+    assert complete(a, "w", 3).status == 200  # the fleet's first take: nobody marked it
+    let_go(a)
+    assert cluster.get_prefix("/detproxy/t/idle/"), "no clean mark"
+    before = [checks(p) for p in (a, b, c)]
+    for px in (b, a, c, b):  # handed on clean: no check
         assert complete(px, "w", 3).status == 200
-    assert checks(b) == 1 and checks(a) == 1, (checks(a), checks(b))
-    # a runs 150 tokens (3 s, sampled with a seed: all of them) and is killed once they
-    # generate; its lease goes 2 s later, while the engine still generates for it.
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 1,
-                       "seed": 1}).encode()
-    c = socket.create_connection(("127.0.0.1", a.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
-    a.popen.send_signal(signal.SIGKILL)
-    a.wait()
-    c.close()
+    let_go(a, b, c)
+    c.popen.send_signal(signal.SIGKILL)  # idle, after letting go clean: its lease expires
+    c.wait()
+    poll_until(lambda: len(fleet(b)["members"]) == 2, timeout=10, what="c gone")
+    t0 = time.monotonic()
+    assert complete(b, "w", 3).status == 200
+    assert time.monotonic() - t0 < 1.0
+    assert [checks(p) for p in (a, b)] == before[:2], ([checks(p) for p in (a, b)], before)
+    # a is killed while the engine generates for it; its lease goes 2 s later, before the
+    # generation's end.
+    killed_while_generating(a, sim)
     t0 = time.monotonic()
     r = complete(b, "y", 2)
     waited = time.monotonic() - t0
@@ -184,12 +248,108 @@ def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
     assert st["inflight"] == 0, st
-    assert checks(b, result="idle") == 2, checks(b)
-    line = [l for l in b.find_logs("engine_start_check")][-1]
-    assert line["cause"] == "its fleet holder left without letting go", line
+    assert checks(b, result="idle") == before[1] + 1, checks(b)
+    assert b.find_logs("engine_start_check")[-1]["cause"] == CAUSE
     print("a request through b waited %.2f s: the killed member's lease, then its generation's end"
           % waited)
     stop_all(cluster, b)
+
+
+class LoseATake(etcdutil.RequestRelay):
+    """Passes an engine key's take on to etcd once armed, and loses etcd's answer with the
+    connection: the take is applied, and its member does not know."""
+    armed = False
+    lost = threading.Event()
+
+    def step(self, c, u, head, body):
+        if not self.armed or b"/v3/kv/txn" not in head or b"request_put" not in body:
+            return True
+        put = json.loads(body)["success"][0]["request_put"]
+        if not base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/"):
+            return True
+        self.armed = False
+        with self.lock:
+            self.muted.add(u)
+        u.sendall(head + b"\r\n\r\n" + body)
+        time.sleep(0.05)
+        for x in (c, u):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.lost.set()
+        return False
+
+
+def test_a_take_with_its_answer_lost_leaves_the_check_to_whoever_takes_the_key_next():
+    """b's take of a key a killed member left is applied, its answer lost: b does not know the
+    key is its own nor what the take found, so it lets go of it without the clean mark, and c,
+    which takes it next, checks (the mark's absence, not who held it last, says so)."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    relay = LoseATake(cluster.endpoints()[0])
+    a, b, c = three_members(cluster, sim, b_endpoints=[relay.url()])
+    killed_while_generating(a, sim)
+    engine_key_gone(cluster)
+    relay.armed = True
+    tb, ob = in_background(lambda: complete(b, "y", 2))
+    assert relay.lost.wait(10), "b's take was not seen"
+    tc, oc = in_background(lambda: complete(c, "z", 2))
+    for t in (tb, tc):
+        t.join(60)
+    assert ob["r"].status == 200 and oc["r"].status == 200, (ob, oc)
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert any(l["cause"] == CAUSE for p in (b, c) for l in p.find_logs("engine_start_check"))
+    stop_all(cluster, b, c)
+
+
+def test_a_check_with_no_pool_left_to_ask_through_hands_the_key_on_unmarked():
+    """b takes the key a killed member left and begins its check; a reload then takes the pool
+    away from b, so the check can ask nobody. b starts nothing there (not even its own request
+    queued under the earlier configuration) and lets the key go without the clean mark: c, next,
+    checks, and nothing runs beside the generation the killed member left."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    other = start_sim("--model", MODEL)
+    a, b, c = three_members(cluster, sim)
+    killed_while_generating(a, sim)
+    tb, ob = in_background(lambda: complete(b, "y", 2))
+    poll_until(lambda: b.find_logs("fleet_engine_checking"), timeout=15, what="b checking")
+    reload_pools(b, [pool("q", [MODEL], [other])])
+    tc, oc = in_background(lambda: complete(c, "z", 2))
+    for t in (tb, tc):
+        t.join(60)
+    assert oc["r"].status == 200 and ob["r"].status == 200, (ob, oc)  # b's once c marked it
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert b.find_logs("engine_start_check")[-1]["result"] == "unanswered"
+    assert c.find_logs("engine_start_check")[-1]["cause"] == CAUSE
+    stop_all(cluster, b, c)
+
+
+def test_a_member_cut_off_from_etcd_while_a_holder_died_checks_when_it_is_back():
+    """b is cut off from etcd while a takes the key, is killed mid-answer and its lease expires:
+    b never saw a's key. Back, b finds no clean mark where the key was and checks before its
+    request starts."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    relay = etcdutil.CutRelay(cluster.endpoints()[0])
+    a, b, c = three_members(cluster, sim, b_endpoints=[relay.url()])
+    assert complete(c, "w", 3).status == 200  # the last holder b sees is c, alive
+    let_go(c)
+    relay.cut()
+    poll_until(lambda: not fleet(b)["connected"], timeout=15, what="b cut off")
+    killed_while_generating(a, sim)
+    engine_key_gone(cluster)
+    relay.restore()
+    poll_until(lambda: fleet(b)["connected"], timeout=15, what="b back")
+    assert sim_stats(sim)["inflight"] == 1  # what a left still runs
+    assert complete(b, "y", 2).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert b.find_logs("engine_start_check")[-1]["cause"] == CAUSE
+    stop_all(cluster, b, c)
 
 
 def test_single_sequence_engine_key_survives_an_etcd_restart_and_is_let_go():
@@ -624,7 +784,7 @@ class HoldingPipe(etcdutil.RequestRelay):
                 self.keepalive = (u, head + b"\r\n\r\n" + body, json.loads(body)["ID"])
                 return False
             if not (self.keepalive and head.startswith(b"POST /v3/kv/txn ") and
-                    b"request_delete_range" in body):
+                    b'"target":"LEASE"' in body):  # a release (a take deletes the clean mark)
                 return True
             self.armed = False
             ku, kreq, lease = self.keepalive

@@ -41,19 +41,25 @@ Test(etcdjson, put_and_txn_bodies_are_base64_with_string_integers)
                              "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
                              "\"9\"}}],\"failure\":[{\"request_range\":{\"key\":\"aw==\"}}]}");
     dp_buf_free(&b);
-    /* With the keys under a prefix read in the same revision when the put succeeds. */
-    fleet_ej_txn_take(&b, "k", "v", 1, 9, "/p/");
-    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
-                             "\"CREATE\",\"create_revision\":\"0\"}],\"success\":[{"
-                             "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
-                             "\"9\"}},{\"request_range\":{\"key\":\"L3Av\",\"range_end\":"
-                             "\"L3Aw\",\"keys_only\":true}}],\"failure\":[{\"request_range\":{"
-                             "\"key\":\"aw==\"}}]}");
-    dp_buf_free(&b);
-    fleet_ej_txn_delete_on_lease(&b, "k", 42);
+    fleet_ej_txn_delete_on_lease(&b, "k", 42, NULL, NULL, 0);
     cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
                              "\"LEASE\",\"lease\":\"42\"}],\"success\":[{"
                              "\"request_delete_range\":{\"key\":\"aw==\"}}]}");
+    dp_buf_free(&b);
+    /* A take that reads and deletes a mark; a delete that puts one (on no lease). */
+    fleet_ej_txn_take(&b, "k", "v", 1, 9, "m");
+    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
+                             "\"CREATE\",\"create_revision\":\"0\"}],\"success\":[{"
+                             "\"request_put\":{\"key\":\"aw==\",\"value\":\"dg==\",\"lease\":"
+                             "\"9\"}},{\"request_range\":{\"key\":\"bQ==\"}},{"
+                             "\"request_delete_range\":{\"key\":\"bQ==\"}}],\"failure\":[{"
+                             "\"request_range\":{\"key\":\"aw==\"}}]}");
+    dp_buf_free(&b);
+    fleet_ej_txn_delete_on_lease(&b, "k", 42, "m", "v", 1);
+    cr_assert_str_eq(b.base, "{\"compare\":[{\"key\":\"aw==\",\"result\":\"EQUAL\",\"target\":"
+                             "\"LEASE\",\"lease\":\"42\"}],\"success\":[{"
+                             "\"request_delete_range\":{\"key\":\"aw==\"}},{\"request_put\":{"
+                             "\"key\":\"bQ==\",\"value\":\"dg==\"}}]}");
     dp_buf_free(&b);
     fleet_ej_watch_create(&b, "/p/", 12);
     cr_assert(strstr(b.base, "\"start_revision\":\"12\"") != NULL);
