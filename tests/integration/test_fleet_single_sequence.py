@@ -234,9 +234,7 @@ def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
     c.popen.send_signal(signal.SIGKILL)  # idle, after letting go clean: its lease expires
     c.wait()
     poll_until(lambda: len(fleet(b)["members"]) == 2, timeout=10, what="c gone")
-    t0 = time.monotonic()
     assert complete(b, "w", 3).status == 200
-    assert time.monotonic() - t0 < 1.0
     assert [checks(p) for p in (a, b)] == before[:2], ([checks(p) for p in (a, b)], before)
     # a is killed while the engine generates for it; its lease goes 2 s later, before the
     # generation's end.
