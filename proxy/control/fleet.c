@@ -1038,9 +1038,11 @@ static void member_publish(px_fleet_t *f, fleet_etcd_cb cb);
 static void member_rewritten(const cJSON *res, const char *why, void *data);
 static bool member_value_is(px_fleet_t *f, const char *value);
 
-/* lease: the kv's lease (0: none). Member keys and verdicts live on their writer's lease: one
- * without a lease is no live member's and counts as absent. */
-static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t lease, bool deleted)
+/* lease: the kv's lease (0: none); rev: the revision of the change (0: not known, our own
+ * write). Member keys and verdicts live on their writer's lease: one without a lease is no live
+ * member's and counts as absent. */
+static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t lease, int64_t rev,
+                     bool deleted)
 {
     size_t pl = strlen(f->prefix);
     if (strncmp(key, f->prefix, pl) != 0)
@@ -1064,7 +1066,7 @@ static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t 
     } else if (strncmp(rel, "stats/", 6) == 0 && rel[6] && !strchr(rel + 6, '/')) {
         stats_set(f, rel + 6, deleted ? NULL : value);
     } else if (strncmp(rel, "engines/", 8) == 0) {
-        px_seqlock_kv(f->seq, rel, lease, deleted);
+        px_seqlock_kv(f->seq, rel, lease, rev, deleted);
     }
 }
 
@@ -1180,7 +1182,8 @@ static void fail_step(px_fleet_t *f, const char *what, const char *why)
 
 static void w_kv(void *data, const fleet_kv_t *kv, bool deleted)
 {
-    kv_event(data, kv->key.base, kv->value.base ? kv->value.base : "", kv->lease, deleted);
+    kv_event(data, kv->key.base, kv->value.base ? kv->value.base : "", kv->lease, kv->mod_revision,
+             deleted);
 }
 
 static void w_rev(void *data, int64_t rev)
@@ -1276,7 +1279,7 @@ static void ranged(const cJSON *res, const char *why, void *data)
     cJSON_ArrayForEach(kv, cJSON_GetObjectItemCaseSensitive(res, "kvs"))
     {
         if (fleet_ej_kv(kv, &k) == 0)
-            kv_event(f, k.key.base, k.value.base, k.lease, false);
+            kv_event(f, k.key.base, k.value.base, k.lease, k.mod_revision, false);
     }
     fleet_kv_free(&k);
     for (size_t i = 0; i < nold; i++) {
@@ -1725,7 +1728,7 @@ void px_fleet_drained(px_t *px, const px_replica_t *r, bool drained, const char 
     dp_jw_obj_end(&w);
     fleet_write(f, key.base, v.base);
     /* Our own view, so /admin/fleet shows it before the watch echoes it back. */
-    kv_event(f, key.base, v.base, 0, false);
+    kv_event(f, key.base, v.base, 0, 0, false);
     dp_buf_free(&key);
     dp_buf_free(&v);
 }
@@ -1752,12 +1755,12 @@ void px_fleet_replica_changed(const px_replica_t *r, px_replica_state_t from)
         dp_jw_uint(&w, "at_ms", dp_wall_ms());
         dp_jw_obj_end(&w);
         fleet_write(f, key.base, v.base);
-        kv_event(f, key.base, v.base, 0, false);
+        kv_event(f, key.base, v.base, 0, 0, false);
         dp_buf_free(&v);
     } else if (e && strcmp(e->origin, f->instance) == 0) {
         /* Our quarantine ended here: it ends for the fleet. */
         fleet_write(f, key.base, NULL);
-        kv_event(f, key.base, NULL, 0, true);
+        kv_event(f, key.base, NULL, 0, 0, true);
     }
     dp_buf_free(&key);
 }

@@ -47,6 +47,7 @@ typedef struct lock_s {
     bool sure;             /* ours for certain (not only maybe: a take with no answer) */
     bool clean;            /* ours, and nothing an earlier holder left can run there: the mark */
     bool checking;         /* ours, and its start check runs */
+    int64_t rev;           /* the revision of our last take or release of it */
     uint64_t taken, given; /* times it became ours and stopped being so */
 } lock_t;
 
@@ -165,23 +166,33 @@ static void check(lock_t *l, px_engine_t *e)
     }
 }
 
-/* The key is ours, on s's lease now: requests may start on its engine, after a start check
- * when the last holder did not let go of it clean (`clean`: it did). */
+/* Requests may start on e, whose key l is surely ours: at once when the key is known clean,
+ * else after a start check (its slot taken first), or not at all when none can be made there
+ * (it goes unmarked). */
+static void allow(lock_t *l, px_engine_t *e)
+{
+    if (!l->clean && !l->checking && !l->handing)
+        check(l, e);
+    atomic_store(&e->want, false);
+    atomic_store(&e->held_until, l->s->until);
+    atomic_store(&e->closing, l->handing);
+    atomic_store(&e->held, true);
+    px_workers_wake(l->s->px); /* requests queued for it look again */
+}
+
+/* The key is ours, on s's lease now; `clean` when the take found the mark. */
 static void own(lock_t *l, bool clean)
 {
     px_seqlock_t *s = l->s;
     mine(l, s->lease, true);
-    px_engine_t *e = engine_of(l);
     l->clean = clean;
-    if (!clean)
-        check(l, e);
-    if (e == NULL)
-        return; /* no pool asks for it now: the next tick lets it go */
-    atomic_store(&e->want, false);
-    atomic_store(&e->held_until, s->until);
-    atomic_store(&e->closing, l->handing);
-    atomic_store(&e->held, true);
-    px_workers_wake(s->px); /* requests queued for it look again */
+    l->checking = false;
+    px_engine_t *e = engine_of(l);
+    if (e) {
+        atomic_store(&e->unsure, false); /* from before: the mark, or a check, says now */
+        allow(l, e);
+    }
+    /* else no pool asks for it now: the next tick lets it go */
 }
 
 /* A call's context: the lease it was made under. */
@@ -254,20 +265,26 @@ static void taken(const cJSON *res, const char *why, void *data)
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
+    l->rev = fleet_ej_revision(res);
+    /* Clean when this take wrote the key and read the mark (deleting it): the last holder let
+     * go of it clean. A key found already ours was written by a take of ours whose answer went
+     * astray (sent again to another endpoint, say): what that one found is not known. */
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 1);
+    bool clean = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded")) &&
+                 cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(
+                     cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs")) > 0;
     if (lease != s->lease) {
         /* On a lease that has gone since (it goes with it), or while we are not connected: the
-         * key is ours on that lease, let go of once we are connected on it again. */
-        if (s->lease == 0)
+         * key is ours on that lease, let go of once we are connected on it again, or run on
+         * (px_seqlock_lease) once known clean. */
+        if (s->lease == 0) {
             mine(l, lease, true);
+            l->clean = clean;
+            l->checking = false;
+        }
         return;
     }
-    /* The mark the take read (and deleted), when it wrote the key: the last holder let go of
-     * it clean. */
-    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 1);
-    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
-    bool taken_now = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded"));
-    own(l, taken_now ? cJSON_GetArraySize(kvs) > 0 : l->clean);
+    own(l, clean);
     lock_log("fleet_engine_taken", l, NULL);
 }
 
@@ -283,11 +300,12 @@ static void given(const cJSON *res, const char *why, void *data)
     }
     /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). Counted
      * once: the lease may have gone while the delete was in flight (lost). */
+    l->rev = fleet_ej_revision(res);
     if (l->lease != 0) {
         l->lease = 0;
         l->given++;
     }
-    l->handing = false;
+    l->handing = l->clean = l->checking = false;
     l->next_try_ms = uv_now(l->s->px->loop) + PX_SEQLOCK_BACKOFF_MS;
 }
 
@@ -311,6 +329,11 @@ static void take(lock_t *l)
 static void give(lock_t *l)
 {
     dp_buf_t body = {0}, v = {0};
+    /* Not clean after a drain or hold of ours there ran out its time (the engine may still
+     * generate what it was kept for). */
+    px_engine_t *e = engine_of(l);
+    if (e && atomic_exchange(&e->unsure, false))
+        l->clean = false;
     if (l->clean) {
         dp_jw_t w;
         dp_jw_init(&w, &v);
@@ -461,21 +484,21 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
             if (e == NULL)
                 continue;
             atomic_store(&e->held_until, s->until);
-            if (l->sure && !atomic_load(&e->held)) {
-                atomic_store(&e->held, true);
-                px_workers_wake(s->px);
-            }
+            if (l->sure && !atomic_load(&e->held))
+                allow(l, e);
         }
     }
 }
 
-void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted)
+void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, int64_t rev, bool deleted)
 {
     if (s == NULL)
         return;
     size_t pl = strlen(s->prefix);
     for (lock_t *l = s->locks; l; l = l->next) {
-        if (strcmp(l->key + pl, rel) != 0 || l->busy)
+        /* A watch that resumes replays changes from before our own last take or release: the
+         * answer to that said where the key stands. */
+        if (strcmp(l->key + pl, rel) != 0 || l->busy || (rev != 0 && rev <= l->rev))
             continue;
         if (deleted) {
             l->next_try_ms = 0; /* free: whoever wants it tries now */
@@ -487,10 +510,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted
             /* Ours from before etcd was lost and found again: the next tick lets it go, or
              * keeps it while something runs. Whatever our take found there is not known. */
             mine(l, lease, true);
-            px_engine_t *e = engine_of(l);
-            check(l, e);
-            if (e && l->handing)
-                atomic_store(&e->closing, true);
+            l->clean = l->checking = false; /* what our take found there is not known */
         }
     }
 }

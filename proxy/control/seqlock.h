@@ -39,8 +39,9 @@ px_seqlock_t *px_seqlock_start(px_t *px, fleet_etcd_t *etcd, const char *prefix,
  * (dp_now_ms: the send time of the grant or keep-alive that set it, plus its TTL). A new lease
  * loses every key held on the old one. */
 void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms);
-/* A key under engines/ changed (rel: the key after the prefix; lease: the one it is on). */
-void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, bool deleted);
+/* A key under engines/ changed (rel: the key after the prefix; lease: the one it is on; rev:
+ * the revision of the change, 0 when not known). */
+void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, int64_t rev, bool deleted);
 /* "engines": [...] into an open object. */
 void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w);
 /* Before the etcd client is freed; lets every engine go (nothing new starts on them). */

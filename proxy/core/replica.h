@@ -80,6 +80,9 @@ typedef struct px_engine_s {
     /* Its last start check (proxy/data/admission.c), for a fleet member that took its key
      * unmarked (proxy/control/seqlock.c). Control thread. */
     px_check_t check;
+    /* A drain or hold kept a slot here until its time ran out: what it was kept for may still
+     * run, so a fleet member lets go of the key unmarked (seqlock.c reads and clears it). */
+    atomic_bool unsure;
 } px_engine_t;
 
 /* The slots of one engine in one pool (single_sequence pools share theirs). */

@@ -227,7 +227,8 @@ typedef struct {
     px_t *px;
     px_slots_t *slots; /* control thread */
     px_replica_t *r;   /* a worker */
-    char *pool; /* the held request's, by name: it asks the engine first (GET /slots, below) */
+    char *pool;     /* the held request's, by name: it asks the engine first (GET /slots, below) */
+    uint64_t until; /* a drain's: the end of its time (loop ms) */
 } kept_slot_t;
 
 static kept_slot_t *keep_slot(px_t *px, px_replica_t *r)
@@ -377,16 +378,27 @@ static hold_t *hold_new(kept_slot_t *k, uint64_t max_ms);
 static void kept_slot_drained(void *kept, uint64_t left_ms)
 {
     kept_slot_t *k = kept;
-    if (left_ms > 0)
+    if (left_ms > 0) {
         hold_new(k, left_ms);
-    else
-        kept_slot_done(k);
+        return;
+    }
+    /* Whole, or over its time: then what it was kept for may run on. */
+    if (uv_now(px_thread_self(k->px)->loop) >= k->until)
+        atomic_store(&kept_slots(k)->eng->unsure, true);
+    kept_slot_done(k);
+}
+
+static kept_slot_t *keep_slot_for(px_t *px, px_replica_t *r, uint64_t max_ms)
+{
+    kept_slot_t *k = keep_slot(px, r);
+    k->until = uv_now(px_thread_self(px)->loop) + max_ms;
+    return k;
 }
 
 void px_admission_drain(px_t *px, px_replica_t *r, net_creq_t *c, net_drains_t *set,
                         uint64_t max_ms)
 {
-    net_creq_drain(c, set, max_ms, kept_slot_drained, keep_slot(px, r));
+    net_creq_drain(c, set, max_ms, kept_slot_drained, keep_slot_for(px, r, max_ms));
 }
 
 static void hold_closed(uv_handle_t *h)
@@ -451,6 +463,8 @@ static void hold_due(uv_timer_t *t)
         return;
     }
     const char *end = h->engine_idle ? "engine_idle" : "time";
+    if (!h->engine_idle) /* what it was kept for may run on (before the slot is freed) */
+        atomic_store(&kept_slots(h->k)->eng->unsure, true);
     px_metrics_add(
         px_metrics_get("detproxy_slot_holds_total", "engine", e->label, "end", end, NULL), 1);
     if (h->engine_idle) {
@@ -668,7 +682,7 @@ void px_admission_start_checks_end(void)
 void px_admission_drain_fetch(px_t *px, px_replica_t *r, net_fetch_t *f, net_drains_t *set,
                               uint64_t max_ms)
 {
-    net_fetch_drain(f, set, max_ms, kept_slot_drained, keep_slot(px, r));
+    net_fetch_drain(f, set, max_ms, kept_slot_drained, keep_slot_for(px, r, max_ms));
 }
 
 void px_admission_dispatch_waiting(void)

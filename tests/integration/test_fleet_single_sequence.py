@@ -160,8 +160,8 @@ def llamacpp_sim():
                      "--finish-abandoned")
 
 
-def llamacpp_member(cluster, sim, name, endpoints=None):
-    return start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA)], limits=LONG_ANSWERS,
+def llamacpp_member(cluster, sim, name, endpoints=None, limits=LONG_ANSWERS):
+    return start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA)], limits=limits,
                        fleet=fleet_cfg(cluster, name, ttl=2000, endpoints=endpoints))
 
 
@@ -256,8 +256,11 @@ def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
 class LoseATake(etcdutil.RequestRelay):
     """Passes an engine key's take on to etcd once armed, and loses etcd's answer with the
     connection: the take is applied, and its member does not know."""
-    armed = False
-    lost = threading.Event()
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.armed = False
+        self.lost = threading.Event()
 
     def step(self, c, u, head, body):
         if not self.armed or b"/v3/kv/txn" not in head or b"request_put" not in body:
@@ -300,6 +303,52 @@ def test_a_take_with_its_answer_lost_leaves_the_check_to_whoever_takes_the_key_n
     assert st["max_inflight_seen"] == 1, st
     assert any(l["cause"] == CAUSE for p in (b, c) for l in p.find_logs("engine_start_check"))
     stop_all(cluster, b, c)
+
+
+def test_a_take_sent_again_to_another_endpoint_after_its_answer_was_lost_still_checks():
+    """b reaches etcd through two endpoints. Its take of the key a killed member left is applied
+    through the first, the answer lost, and sent again to the second, which finds the key already
+    b's: what the first take found is not known, so b checks before its request starts."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    relay = LoseATake(cluster.endpoints()[0])
+    a, b, c = three_members(cluster, sim, b_endpoints=[relay.url(), cluster.endpoints()[0]])
+    killed_while_generating(a, sim)
+    engine_key_gone(cluster)
+    relay.armed = True
+    assert complete(b, "y", 2).status == 200
+    assert relay.lost.is_set()
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert b.find_logs("engine_start_check")[-1]["cause"] == CAUSE
+    stop_all(cluster, b, c)
+
+
+def test_a_drain_that_ran_out_its_time_hands_the_key_on_unmarked():
+    """a's client leaves mid-answer; a reads the answer on (a drain) for its 3 s and frees the
+    slot then, while llama.cpp still generates it. a lets go of the key without the clean mark,
+    so b checks and waits for that generation's end."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    short = {"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000}
+    a, b = (llamacpp_member(cluster, sim, n, limits=short) for n in ("gw-a", "gw-b"))
+    wait_members([a, b], 2)
+    checked_at_start(a, b)
+    for px in (b, a):
+        assert complete(px, "w", 3).status == 200
+    let_go(a, b)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 1,
+                       "seed": 1}).encode()  # 5 s
+    c = socket.create_connection(("127.0.0.1", a.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    c.close()
+    assert complete(b, "y", 2).status == 200
+    st = sim_stats(sim)
+    assert st["max_inflight_seen"] == 1, st
+    assert b.find_logs("engine_start_check")[-1]["cause"] == CAUSE
+    stop_all(cluster, a, b)
 
 
 def test_a_check_with_no_pool_left_to_ask_through_hands_the_key_on_unmarked():
