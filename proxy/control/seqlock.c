@@ -413,9 +413,9 @@ static void on_tick(uv_timer_t *t)
             continue;
         }
         if (l->lease) {
-            if (l->checking && e->check != PX_CHECK_RUNNING) { /* its check ended */
+            if (l->checking && e->checks == 0) { /* its checks ended */
                 l->checking = false;
-                l->clean = e->check == PX_CHECK_CLEAN;
+                l->clean = !e->check_unknown;
                 /* Not known clean (cut short, over its time, no pool to ask through): nothing
                  * of ours starts there (the check set `closing`), and it goes unmarked. */
                 l->handing = !l->clean;

@@ -122,6 +122,7 @@ static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain
         e = dp_xcalloc(1, sizeof(*e));
         e->label = dp_xstrndup(key, len);
         e->fresh = true;
+        e->check_unknown = true; /* nothing known until a check here ends */
         DP_LIST_PUSH(g_engines, e, next, prev);
     }
     e->refs++;

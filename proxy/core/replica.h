@@ -38,12 +38,6 @@ extern const char *const px_replica_state_names[];
 /* The canary's last verdict on a replica, as attestation publishes it. */
 typedef enum { PX_CANARY_UNKNOWN = 0, PX_CANARY_PASS, PX_CANARY_FAIL } px_canary_t;
 
-/* What a start check found: nothing yet, running, or ended knowing that nothing an earlier
- * sender left runs on the engine (its /slots listed none processing, or the engine said nothing
- * of them: refused, 501, ...) or not knowing (cut short by a stop, over its time, or with no
- * pool left to ask through). */
-typedef enum { PX_CHECK_NONE = 0, PX_CHECK_RUNNING, PX_CHECK_CLEAN, PX_CHECK_UNKNOWN } px_check_t;
-
 /* One engine, whichever pools and configuration generations name it (however they spell its
  * URL: cfg_url_engine): what it runs at all, so a single_sequence pool's one request waits for
  * every other. */
@@ -77,9 +71,13 @@ typedef struct px_engine_s {
      * process sent runs there, but an earlier process may have left a generation running.
      * Control thread. */
     bool fresh;
-    /* Its last start check (proxy/data/admission.c), for a fleet member that took its key
-     * unmarked (proxy/control/seqlock.c). Control thread. */
-    px_check_t check;
+    /* The start checks a fleet member runs here after taking its key unmarked
+     * (proxy/control/seqlock.c, proxy/data/admission.c): how many run, and whether one of
+     * those since the count was last 0 ended not knowing that nothing an earlier sender left
+     * runs there (cut short by a stop, over its time, no pool left to ask through). Control
+     * thread. */
+    unsigned checks;
+    bool check_unknown;
     /* A drain or hold kept a slot here until its time ran out: what it was kept for may still
      * run, so a fleet member lets go of the key unmarked (seqlock.c reads and clears it). */
     atomic_bool unsure;

@@ -410,17 +410,17 @@ static void hold_closed(uv_handle_t *h)
 
 static void hold_end(hold_t *h)
 {
-    if (h->start) {
+    if (h->gates) {
         /* Known clean: the engine listed nothing processing, or said nothing of its slots
-         * itself (not merely none left to ask it through). Otherwise cut short or timed out. */
+         * itself (not merely none left to ask it through). Otherwise cut short or timed out:
+         * nothing starts there with its slot (a request of an earlier generation may wait for
+         * it), and the member lets the key go for whoever takes it next to check again. */
         px_engine_t *e = kept_slots(h->k)->eng;
-        e->check =
-            h->engine_idle || (h->unanswered && h->heard) ? PX_CHECK_CLEAN : PX_CHECK_UNKNOWN;
-        /* A fleet member's check that did not find the engine clean starts nothing there with
-         * its slot (a request of an earlier generation may wait for it): the member lets the
-         * key go and whoever takes it next checks again (proxy/control/seqlock.c). */
-        if (h->gates && e->check != PX_CHECK_CLEAN)
+        if (!h->engine_idle && !(h->unanswered && h->heard)) {
+            e->check_unknown = true;
             atomic_store(&e->closing, true);
+        }
+        e->checks--;
     }
     DP_LIST_UNLINK(t_holds, h, next, prev);
     if (h->f)
@@ -610,7 +610,6 @@ static hold_t *start_check(px_t *px, px_replica_t *r, const char *cause)
     hold_t *h = hold_new(keep_slot(px, r), policy_abandoned_drain_ms(&px->gen->cfg->limits));
     h->start = true;
     h->cause = cause;
-    r->slots->eng->check = PX_CHECK_RUNNING;
     return h;
 }
 
@@ -653,6 +652,8 @@ static void check_one(px_replica_t *r, void *data)
     c->r = 0;
     if (llama_single(c->px, r)) {
         start_check(c->px, r, c->cause)->gates = true;
+        if (c->e->checks++ == 0)
+            c->e->check_unknown = false;
         c->r = 1;
     }
 }

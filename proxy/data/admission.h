@@ -79,7 +79,8 @@ void px_admission_holds_stop(void);
 void px_admission_check_engines(px_t *px);
 /* The same start check on engine e now, for `cause` (a literal, logged), when a single_sequence
  * pool naming llama.cpp sends there: a fleet member took e's key, and the member that held it
- * did not let go of it clean. Its end is e->check; one that does not find the engine clean sets
+ * did not let go of it clean. Counted in e->checks, which its end brings down, with
+ * e->check_unknown set when it did not find the engine clean; such an end also sets
  * e->closing (nothing new starts there). 1: begun; 0: a pool of the configuration in force
  * sends there, none naming llama.cpp (nothing to ask); -1: none sends there (a reload took it
  * away; a request queued under an earlier configuration may still wait for it). Control
