@@ -161,13 +161,18 @@ static void calls_cancel(fleet_etcd_t *e)
     }
 }
 
+void fleet_etcd_cancel(fleet_etcd_t *e)
+{
+    calls_cancel(e);
+    fleet_etcd_watch_stop(e);
+}
+
 void fleet_etcd_free(fleet_etcd_t *e)
 {
     if (e == NULL)
         return;
     e->freeing = true;
-    calls_cancel(e);
-    fleet_etcd_watch_stop(e);
+    fleet_etcd_cancel(e);
     for (size_t i = 0; i < e->neps; i++) {
         if (e->eps[i].up)
             net_upstream_free(e->eps[i].up);
@@ -211,8 +216,7 @@ static void last_answered(const cJSON *res, const char *why, void *data)
 void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *body,
                            uint32_t limit_ms, fleet_etcd_cb cb, void *data)
 {
-    calls_cancel(e);
-    fleet_etcd_watch_stop(e);
+    fleet_etcd_cancel(e);
     e->last_cb = cb;
     e->last_data = data;
     /* To every endpoint at once: the one calls went to may be the one that just went away, and

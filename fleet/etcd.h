@@ -37,6 +37,10 @@ fleet_etcd_t *fleet_etcd_new(uv_loop_t *loop, const fleet_etcd_opts_t *o, dp_buf
  * runs now, res NULL); the memory goes once its timer has closed. */
 void fleet_etcd_free(fleet_etcd_t *e);
 
+/* Stops the watch (no callbacks) and ends every call in flight with a failure (its callback
+ * runs now, res NULL); the client stays usable. */
+void fleet_etcd_cancel(fleet_etcd_t *e);
+
 /* The parsed answer (an object), or NULL with why (transport, HTTP status, etcd's error). */
 typedef void (*fleet_etcd_cb)(const cJSON *res, const char *why, void *data);
 /* POST body to path ("/v3/kv/put"). Failures of an endpoint (connect, timeout, 5xx, no leader)

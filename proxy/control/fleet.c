@@ -1659,6 +1659,12 @@ static void tick_closed(uv_handle_t *h)
 /* How long a stopping member waits for etcd to revoke its lease. */
 #define REVOKE_LIMIT_MS 1000
 
+/* A clean stop's lease, revoked once the engine keys known clean are let go of marked. */
+typedef struct {
+    fleet_etcd_t *etcd;
+    int64_t lease;
+} leaving_t;
+
 static void revoked(const cJSON *res, const char *why, void *data)
 {
     (void)data;
@@ -1671,6 +1677,19 @@ static void revoked(const cJSON *res, const char *why, void *data)
     }
 }
 
+/* Revoking the lease hands the member's other engine keys on, and takes its member key, now
+ * rather than lease_ttl_ms after the last keep-alive. The process waits for the answer, at
+ * most REVOKE_LIMIT_MS. */
+static void revoke(void *data)
+{
+    leaving_t *lv = data;
+    dp_buf_t body = {0};
+    fleet_ej_lease_id(&body, lv->lease);
+    fleet_etcd_free_after(lv->etcd, "/v3/lease/revoke", &body, REVOKE_LIMIT_MS, revoked, NULL);
+    dp_buf_free(&body);
+    free(lv);
+}
+
 void px_fleet_stop(px_t *px, bool leave)
 {
     px_fleet_t *f = px->fleet;
@@ -1679,20 +1698,21 @@ void px_fleet_stop(px_t *px, bool leave)
     px->fleet = NULL;
     f->stopping = true;
     px_seqlock_stop(f->seq);
-    f->seq = NULL;
     if (leave && f->connected && f->lease != 0) {
-        /* Nothing of this member runs on a single_sequence engine any more (the stop waited):
-         * revoking the lease hands its engine keys on, and takes its member key, now rather
-         * than lease_ttl_ms after the last keep-alive. The process waits for the answer, at
-         * most REVOKE_LIMIT_MS. */
-        dp_buf_t body = {0};
-        fleet_ej_lease_id(&body, f->lease);
-        fleet_etcd_free_after(f->etcd, "/v3/lease/revoke", &body, REVOKE_LIMIT_MS, revoked, NULL);
-        dp_buf_free(&body);
+        /* Nothing of this member runs on a single_sequence engine any more (the stop waited).
+         * Its calls in flight end now, while f is whole; the engine keys it holds clean are let
+         * go of marked (the next taker needs no check), then the lease is revoked. */
+        fleet_etcd_cancel(f->etcd);
+        leaving_t *lv = dp_xcalloc(1, sizeof(*lv));
+        lv->etcd = f->etcd;
+        lv->lease = f->lease;
+        px_seqlock_close(f->seq, revoke, lv);
     } else {
         /* Cut short, or etcd away: the keys go when the lease expires (docs/fleet.md). */
         fleet_etcd_free(f->etcd);
+        px_seqlock_close(f->seq, NULL, NULL);
     }
+    f->seq = NULL;
     f->etcd = NULL;
     members_clear(f);
     entries_clear(f);

@@ -62,6 +62,8 @@ struct px_seqlock_s {
     lock_t *locks;
     unsigned calls; /* in flight */
     bool stopped, tick_closed;
+    void (*then)(void *); /* px_seqlock_close's, while its releases are in flight */
+    void *then_data;
 };
 
 static void lock_free(lock_t *l)
@@ -195,6 +197,8 @@ static void own(lock_t *l, bool clean)
     /* else no pool asks for it now: the next tick lets it go */
 }
 
+static void left(uv_timer_t *t);
+
 /* A call's context: the lease it was made under. */
 typedef struct {
     lock_t *l;
@@ -220,20 +224,29 @@ static bool call_done(call_t *c)
     s->calls--;
     free(c);
     if (s->stopped) {
+        if (s->then &&
+            s->calls == 0) /* the last release at a clean stop: `then` on the next turn */
+            uv_timer_start(&s->tick, left, 0, 0);
         maybe_free(s);
         return false;
     }
     return true;
 }
 
+/* The keys a transaction's i-th answer, a range, found (NULL when it is not one). */
+static const cJSON *range_kvs(const cJSON *res, int i)
+{
+    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), i);
+    return cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(r, "response_range"),
+                                            "kvs");
+}
+
 /* Is the key a failed take's answer found on `lease`? */
 static bool found_on(const cJSON *res, int64_t lease)
 {
-    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 0);
-    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs");
     fleet_kv_t kv = {0};
-    bool on = lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(kvs, 0), &kv) == 0 && kv.lease == lease;
+    bool on = lease != 0 && fleet_ej_kv(cJSON_GetArrayItem(range_kvs(res, 0), 0), &kv) == 0 &&
+              kv.lease == lease;
     fleet_kv_free(&kv);
     return on;
 }
@@ -269,10 +282,8 @@ static void taken(const cJSON *res, const char *why, void *data)
     /* Clean when this take wrote the key and read the mark (deleting it): the last holder let
      * go of it clean. A key found already ours was written by a take of ours whose answer went
      * astray (sent again to another endpoint, say): what that one found is not known. */
-    const cJSON *r = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(res, "responses"), 1);
     bool clean = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "succeeded")) &&
-                 cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(
-                     cJSON_GetObjectItemCaseSensitive(r, "response_range"), "kvs")) > 0;
+                 cJSON_GetArraySize(range_kvs(res, 1)) > 0;
     if (lease != s->lease) {
         /* On a lease that has gone since (it goes with it), or while we are not connected: the
          * key is ours on that lease, let go of once we are connected on it again, or run on
@@ -376,6 +387,18 @@ static void seen_cb(px_engine_t *e, void *data)
     l->seen = s->ticks;
 }
 
+/* What the start check on l's engine found, once its checks there have ended. */
+static void checked(lock_t *l, const px_engine_t *e)
+{
+    if (!l->checking || e->checks != 0)
+        return;
+    l->checking = false;
+    l->clean = !e->check_unknown;
+    /* Not known clean (cut short, over its time, no pool to ask through): nothing of ours
+     * starts there (the check set `closing`), and it goes unmarked. */
+    l->handing = !l->clean;
+}
+
 /* Let go of l now if nothing runs on its engine: `closing` is set first, then the count read
  * (take_only in proxy/core/replica.c reads them the other way round). */
 static void give_if_idle(lock_t *l, px_engine_t *e)
@@ -413,13 +436,7 @@ static void on_tick(uv_timer_t *t)
             continue;
         }
         if (l->lease) {
-            if (l->checking && e->checks == 0) { /* its checks ended */
-                l->checking = false;
-                l->clean = !e->check_unknown;
-                /* Not known clean (cut short, over its time, no pool to ask through): nothing
-                 * of ours starts there (the check set `closing`), and it goes unmarked. */
-                l->handing = !l->clean;
-            }
+            checked(l, e);
             uint64_t last = l->ran_ms > l->held_ms ? l->ran_ms : l->held_ms;
             if (atomic_load(&e->running) != 0)
                 l->ran_ms = now;
@@ -540,9 +557,41 @@ void px_seqlock_stop(px_seqlock_t *s)
 {
     if (s == NULL)
         return;
-    /* Nothing new starts on a gated engine: the keys go with the lease when the process does. */
     for (lock_t *l = s->locks; l; l = l->next)
         stop_starting(l);
     s->stopped = true;
+    uv_timer_stop(&s->tick);
+}
+
+/* The clean stop's releases are answered, or their time is up: `then` runs once (a release
+ * still in flight ends when the caller frees the client). */
+static void left(uv_timer_t *t)
+{
+    px_seqlock_t *s = t->data;
+    void (*then)(void *) = s->then;
+    s->then = NULL;
     uv_close((uv_handle_t *)&s->tick, tick_closed);
+    if (then)
+        then(s->then_data);
+}
+
+void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data)
+{
+    if (s == NULL) {
+        if (then)
+            then(data);
+        return;
+    }
+    s->then = then;
+    s->then_data = data;
+    for (lock_t *l = s->locks; l && then; l = l->next) {
+        px_engine_t *e = engine_of(l);
+        if (e == NULL || l->busy || l->lease == 0 || l->lease != s->lease || !l->sure)
+            continue;
+        checked(l, e);
+        if (l->clean && !l->checking && !l->handing)
+            give_if_idle(l, e); /* marked unless a drain or hold of ours there ran out its time */
+    }
+    /* Nothing let go of (or nothing to wait for): `then` on the next turn, as after answers. */
+    uv_timer_start(&s->tick, left, s->calls > 0 ? PX_SEQLOCK_LEAVE_MS : 0, 0);
 }

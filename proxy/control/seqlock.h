@@ -27,6 +27,8 @@
  * for a slot on timers of their own (checks, relays: every 10 ms) find it held. */
 #define PX_SEQLOCK_IDLE_MS 50
 #define PX_SEQLOCK_BACKOFF_MS 20
+/* How long a clean stop waits for its marked releases before its lease is revoked. */
+#define PX_SEQLOCK_LEAVE_MS 500
 #define PX_SEQLOCK_RETRY_MS                                                                        \
     100 /* a key held elsewhere is tried again this often, or at its delete */
 
@@ -44,7 +46,14 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms);
 void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, int64_t rev, bool deleted);
 /* "engines": [...] into an open object. */
 void px_seqlock_json(px_seqlock_t *s, dp_jw_t *w);
-/* Before the etcd client is freed; lets every engine go (nothing new starts on them). */
+/* Nothing new starts on its engines any more, and answers to its calls in flight are not read
+ * (the caller may now end them). */
 void px_seqlock_stop(px_seqlock_t *s);
+/* After px_seqlock_stop; s goes once its calls have ended. With `then`, at a clean stop (nothing
+ * of this member runs on any engine) and with the client's other calls ended: each key held
+ * and known clean is let go of marked, as at any release, so the next taker needs no check, and
+ * then(data) runs on a later turn of the loop once those answers are in, or after
+ * PX_SEQLOCK_LEAVE_MS. Without it, or for a key not known clean, the key goes with the lease. */
+void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data);
 
 #endif

@@ -106,6 +106,16 @@ def sim_stats(sim):
     return get_json(sim.port, "/_sim/stats")
 
 
+def generating(port, target, body, sim, headers=b""):
+    """POST body to target on a connection of its own; the connection, once the sim generates
+    the request."""
+    c = socket.create_connection(("127.0.0.1", port))
+    c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (target, headers, len(body)) + body)
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+    return c
+
+
 def sim_config(sim, **changes):
     r = http("POST", sim.port, "/_sim/config", body=json.dumps(changes),
              headers={"content-type": "application/json"})

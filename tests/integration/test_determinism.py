@@ -22,7 +22,7 @@ import time
 from harness import (DETPROXY_BIN, get_json, http, poll_until, post_json, run_cmd, run_tests,
                      start_process, start_sim)
 import proxyutil
-from proxyutil import (client_requests, metric, pool, sim_config, sim_reset, sim_stats,
+from proxyutil import (client_requests, generating, metric, pool, sim_config, sim_reset, sim_stats,
                        slots_answer, start_proxy, write_config)
 
 MODEL = "det-model"
@@ -316,16 +316,6 @@ def single_sequence_pool(sims, framework=None, **extra):
     if framework:
         man.update(model=MODEL, framework={"name": framework})
     return pool("p", [MODEL], sims, manifest=man, **extra)
-
-
-def generating(port, target, body, sim, headers=b""):
-    """POST body to target on a connection of its own; the connection, once the sim generates
-    the request."""
-    a = socket.create_connection(("127.0.0.1", port))
-    a.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % (target, headers, len(body)) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
-    return a
 
 
 def reset(a):

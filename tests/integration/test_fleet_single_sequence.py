@@ -13,7 +13,7 @@ import threading
 import time
 
 from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import metric, pool, sim_reset, sim_stats, start_proxy
+from proxyutil import generating, metric, pool, sim_reset, sim_stats, start_proxy
 import etcdutil
 
 if etcdutil.ETCD is None:
@@ -179,15 +179,16 @@ def let_go(*pxs):
                what="the key let go of")
 
 
+def sampled(tokens):
+    """A completion of `tokens` tokens sampled with a seed (every one of them generated)."""
+    return json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "temperature": 1,
+                       "seed": 1}).encode()
+
+
 def killed_while_generating(px, sim):
     """A 150-token answer through px (3 s, sampled with a seed: all of them); px SIGKILLed once
     the engine generates it, which finishes it (its connection closed)."""
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 1,
-                       "seed": 1}).encode()
-    c = socket.create_connection(("127.0.0.1", px.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the request generating")
+    c = generating(px.port, b"/v1/completions", sampled(150), sim)
     px.popen.send_signal(signal.SIGKILL)
     px.wait()
     c.close()
@@ -337,13 +338,7 @@ def test_a_drain_that_ran_out_its_time_hands_the_key_on_unmarked():
     for px in (b, a):
         assert complete(px, "w", 3).status == 200
     let_go(a, b)
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 1,
-                       "seed": 1}).encode()  # 5 s
-    c = socket.create_connection(("127.0.0.1", a.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
-    c.close()
+    generating(a.port, b"/v1/completions", sampled(250), sim).close()  # 5 s
     assert complete(b, "y", 2).status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
@@ -606,6 +601,21 @@ def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
     stop_all(cluster, a)
 
 
+def stopped_while_the_other_waits(sim, a, b, tokens):
+    """a stopped (SIGTERM) while a request of `tokens` tokens generates through it and one
+    through b waits for the engine's key; a exits 0 once its request is answered. The threads
+    and results of a's request and of b's."""
+    tx, x = in_background(lambda: complete(a, "x", tokens))
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
+    ty, y = in_background(lambda: complete(b, "y", 2))
+    poll_until(lambda: [e["wanted"] for e in fleet(b)["engines"]] == [True],
+               what="b waiting for the key")
+    a.popen.send_signal(signal.SIGTERM)
+    assert a.wait(15) == 0
+    a.check_sanitizer()
+    return tx, x, ty, y
+
+
 def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
     """A member stopped while it runs on the engine finishes that request, then revokes its
     lease: its engine key and member key go at once, so the other member's queued request runs
@@ -614,14 +624,7 @@ def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
     sim = start_sim("--model", MODEL, "--token-delay-ms", "50")
     a, b = (single_sequence_member(cluster, [sim], "gw-%d" % i, ttl=10000) for i in range(2))
     wait_members([a, b], 2)
-    tx, x = in_background(lambda: complete(a, "x", 20))  # 1 s
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="a's request generating")
-    ty, y = in_background(lambda: complete(b, "y", 2))
-    poll_until(lambda: [e["wanted"] for e in fleet(b)["engines"]] == [True],
-               what="b waiting for the key")
-    a.popen.send_signal(signal.SIGTERM)
-    assert a.wait(15) == 0
-    a.check_sanitizer()
+    tx, x, ty, y = stopped_while_the_other_waits(sim, a, b, 20)  # 1 s
     gone = time.monotonic()
     a.wait_log("fleet_lease_revoked")
     assert not cluster.get_prefix("/detproxy/t/instances/gw-0"), "a's member key"
@@ -631,6 +634,30 @@ def test_a_clean_stop_revokes_the_lease_and_hands_the_engine_on_at_once():
     assert x["r"].status == 200 and y["r"].status == 200, (x["r"].text, y["r"].text)
     assert sim_stats(sim)["max_inflight_seen"] == 1
     poll_until(lambda: len(fleet(b)["members"]) == 1, timeout=3, what="b seeing a gone")
+    stop_all(cluster, b)
+
+
+def test_a_clean_stop_lets_go_of_a_key_it_holds_clean_marked():
+    """A member stopped while it runs on a llama.cpp engine finishes that request, then lets go
+    of the engine's key with the clean mark before it revokes its lease: the member that takes
+    the key next starts at once, with no check (the revoke alone would have left the key
+    unmarked, and cost that member a check)."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    a, b = (llamacpp_member(cluster, sim, "gw-%d" % i) for i in range(2))
+    wait_members([a, b], 2)
+    checked_at_start(a, b)
+    assert complete(a, "w", 3).status == 200  # the fleet's first take: nobody marked it
+    let_go(a)
+    before = checks(b)
+    tx, x, ty, y = stopped_while_the_other_waits(sim, a, b, 30)  # 0.6 s
+    a.wait_log("fleet_lease_revoked")
+    for t in (tx, ty):
+        t.join(15)
+    assert x["r"].status == 200 and y["r"].status == 200, (x["r"].text, y["r"].text)
+    assert checks(b) == before, (checks(b), before)
+    assert not [ln for ln in b.find_logs("engine_start_check") if ln.get("cause") == CAUSE]
+    assert sim_stats(sim)["max_inflight_seen"] == 1
     stop_all(cluster, b)
 
 

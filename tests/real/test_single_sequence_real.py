@@ -339,6 +339,22 @@ def killed_while_generating(px, url, tokens):
     s.close()
 
 
+def served_alone(px, slots, mark, t0, what):
+    """One request through px, answered, with /slots never listing two sequences processing and
+    llama.cpp's log (from line `mark`) never launching two at once; the start checks px made
+    that found the engine idle."""
+    r = post_json(px.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
+                                               "max_tokens": 50, "temperature": 0}, timeout=120)
+    waited = time.monotonic() - t0
+    assert r.status == 200, r
+    slots.settle()
+    print("%s: served %.2f s after the kill; /slots peak %d over %d polls"
+          % (what, waited, slots.peak, slots.polls))
+    assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
+    assert launched_at_once(server_log(), mark) <= 1, server_log()[mark:]
+    return metric(px, "detproxy_engine_start_checks_total", result="idle")
+
+
 def test_a_proxy_killed_mid_answer_and_started_again_waits_for_what_it_left():
     """detproxy SIGKILLed while llama.cpp generates a non-streamed answer for it, and started
     again at once on the same config, as a supervisor does: llama.cpp finishes that answer
@@ -353,17 +369,8 @@ def test_a_proxy_killed_mid_answer_and_started_again_waits_for_what_it_left():
         killed_while_generating(first, url, 2000)
         t0 = time.monotonic()
         second = proxy_for(url)  # ready: admitted once its probe ran
-        r = post_json(second.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
-                                                       "max_tokens": 50, "temperature": 0},
-                      timeout=120)
-        waited = time.monotonic() - t0
-        assert r.status == 200, r
-        slots.settle()
-        checks = metric(second, "detproxy_engine_start_checks_total", result="idle")
-        print("a restart beside an answer the killed process left: served %.2f s after the "
-              "start; /slots peak %d over %d polls" % (waited, slots.peak, slots.polls))
-        assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
-        assert launched_at_once(server_log(), mark) <= 1, server_log()[mark:]
+        checks = served_alone(second, slots, mark, t0,
+                              "a restart beside an answer the killed process left")
         assert checks == 1, checks
     finally:
         slots.stop()
@@ -396,18 +403,8 @@ def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
     try:
         mark = len(server_log())
         killed_while_generating(a, url, 4000)
-        t0 = time.monotonic()
-        r = post_json(b.port, "/v1/completions", {"model": "tiny", "prompt": "Another",
-                                                  "max_tokens": 50, "temperature": 0},
-                      timeout=120)
-        waited = time.monotonic() - t0
-        assert r.status == 200, r
-        slots.settle()
-        checks = metric(b, "detproxy_engine_start_checks_total", result="idle")
-        print("a member killed mid-answer: the next holder served %.2f s after the kill; /slots "
-              "peak %d over %d polls" % (waited, slots.peak, slots.polls))
-        assert slots.peak <= 1, {"peak": slots.peak, "polls": slots.polls}
-        assert launched_at_once(server_log(), mark) <= 1, server_log()[mark:]
+        checks = served_alone(b, slots, mark, time.monotonic(),
+                              "a member killed mid-answer: the next holder")
         assert checks == 2, checks  # at its start, and when it took the key
     finally:
         slots.stop()
