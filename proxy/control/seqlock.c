@@ -589,8 +589,10 @@ void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data)
         if (e == NULL || l->busy || l->lease == 0 || l->lease != s->lease || !l->sure)
             continue;
         checked(l, e);
-        if (l->clean && !l->checking && !l->handing)
-            give_if_idle(l, e); /* marked unless a drain or hold of ours there ran out its time */
+        /* Clean also when handed on for having been held too long (`handing`): what it waited
+         * for has ended. Marked unless a drain or hold of ours there ran out its time. */
+        if (l->clean && !l->checking)
+            give_if_idle(l, e);
     }
     /* Nothing let go of (or nothing to wait for): `then` on the next turn, as after answers. */
     uv_timer_start(&s->tick, left, s->calls > 0 ? PX_SEQLOCK_LEAVE_MS : 0, 0);

@@ -650,7 +650,7 @@ def test_a_clean_stop_lets_go_of_a_key_it_holds_clean_marked():
     assert complete(a, "w", 3).status == 200  # the fleet's first take: nobody marked it
     let_go(a)
     before = checks(b)
-    tx, x, ty, y = stopped_while_the_other_waits(sim, a, b, 30)  # 0.6 s
+    tx, x, ty, y = stopped_while_the_other_waits(sim, a, b, 60)  # 1.2 s: past the hold's 1 s
     a.wait_log("fleet_lease_revoked")
     for t in (tx, ty):
         t.join(15)

@@ -380,6 +380,20 @@ def test_a_proxy_killed_mid_answer_and_started_again_waits_for_what_it_left():
         stop_servers()
 
 
+def fleet_members(cluster, url, name, n, limits=None, lease_ttl_ms=2000):
+    """n members of fleet `name` (instances gw-0, gw-1, ...), each with one single_sequence
+    pool in front of the engine at url."""
+    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
+            "replicas": [{"name": "r1", "url": url}]}
+    fleet = {"name": name, "etcd": {"endpoints": cluster.endpoints()}}
+    if lease_ttl_ms:
+        fleet["lease_ttl_ms"] = lease_ttl_ms
+    return [start_proxy(pools=[pool], directory=tempfile.mkdtemp(prefix="detproxy-real-fleet-"),
+                        timeout=30, attestation={"interval_ms": 600000, "timeout_ms": 5000},
+                        limits=limits, fleet=dict(fleet, instance="gw-%d" % i))
+            for i in range(n)]
+
+
 def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
     """Two fleet members in front of one engine; the one holding the engine's key is SIGKILLed
     while llama.cpp generates a non-streamed answer for it. llama.cpp finishes that answer (its
@@ -391,14 +405,7 @@ def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
         return
     cluster = etcdutil.EtcdCluster(1)
     url = servers("fleetkill", [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
-    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
-            "replicas": [{"name": "r1", "url": url}]}
-    a, b = (start_proxy(pools=[pool], directory=tempfile.mkdtemp(prefix="detproxy-real-fleet-"),
-                        timeout=30, attestation={"interval_ms": 600000, "timeout_ms": 5000},
-                        limits=DRAIN_120S,
-                        fleet={"name": "k", "instance": "gw-%d" % i, "lease_ttl_ms": 2000,
-                               "etcd": {"endpoints": cluster.endpoints()}})
-            for i in range(2))
+    a, b = fleet_members(cluster, url, "k", 2, limits=DRAIN_120S)
     slots = Slots(url)
     try:
         mark = len(server_log())
@@ -414,19 +421,62 @@ def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
         cluster.stop()
 
 
+def test_a_fleet_member_stopped_mid_answer_hands_the_engine_on_clean():
+    """A fleet member stopped (SIGTERM) while llama.cpp generates for it finishes that answer,
+    then lets go of the engine's key with the clean mark before it revokes its lease: the other
+    member's request, which waited for the key, starts with no /slots check of its own."""
+    if etcdutil.ETCD is None:
+        print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
+        return
+    cluster = etcdutil.EtcdCluster(1)
+    url = servers("fleetstop", [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
+    a, b = fleet_members(cluster, url, "s", 2, limits=DRAIN_120S)
+    port = int(url.rsplit(":", 1)[1])
+    slots = Slots(url)
+    try:
+        out = {}
+
+        def send(px, tokens):
+            out[px.port] = post_json(px.port, "/v1/completions", {
+                "model": "tiny", "prompt": "Once upon", "max_tokens": tokens,
+                "temperature": 0}, timeout=120).status
+        ta = threading.Thread(target=send, args=(a, 2000))
+        ta.start()
+        poll_until(lambda: any(x["is_processing"] for x in get_json(port, "/slots")),
+                   timeout=30, what="a's answer generating")
+        tb = threading.Thread(target=send, args=(b, 50))
+        tb.start()
+        poll_until(lambda: [e["wanted"] for e in get_json(b.admin_port,
+                                                          "/admin/fleet")["engines"]] == [True],
+                   what="b waiting for the key")
+        t0 = time.monotonic()
+        a.stop(timeout=60)
+        stopped = time.monotonic() - t0
+        for t in (ta, tb):
+            t.join(120)
+        slots.settle()
+        checks = metric(b, "detproxy_engine_start_checks_total", result="idle")
+        print("a member stopped mid-answer: exited %.2f s after SIGTERM; the other member's "
+              "start checks %d; /slots peak %d over %d polls"
+              % (stopped, checks, slots.peak, slots.polls))
+        assert out == {a.port: 200, b.port: 200}, out
+        assert slots.peak == 1, {"peak": slots.peak, "polls": slots.polls}
+        assert checks == 1, checks  # at its start only: the key came marked clean
+    finally:
+        slots.stop()
+        b.stop()
+        idle(url)
+        stop_servers()
+        cluster.stop()
+
+
 def test_two_fleet_members_run_one_sequence_on_the_engine():
     if etcdutil.ETCD is None:
         print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
         return
     cluster = etcdutil.EtcdCluster(1)
     urls = servers("holes", [FLAGS])
-    pool = {"name": "p", "models": ["*"], "manifest": MANIFEST,
-            "replicas": [{"name": "r1", "url": urls[0]}]}
-    pxs = [start_proxy(pools=[pool], directory=tempfile.mkdtemp(prefix="detproxy-real-fleet-"),
-                       timeout=30, attestation={"interval_ms": 600000, "timeout_ms": 5000},
-                       fleet={"name": "t", "instance": "gw-%d" % i,
-                              "etcd": {"endpoints": cluster.endpoints()}})
-           for i in range(2)]
+    pxs = fleet_members(cluster, urls[0], "t", 2, lease_ttl_ms=None)
     slots = Slots(urls[0])
     try:
         out = []
