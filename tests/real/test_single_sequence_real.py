@@ -394,6 +394,22 @@ def fleet_members(cluster, url, name, n, limits=None, lease_ttl_ms=2000):
             for i in range(n)]
 
 
+def two_members_on_one_engine(tag):
+    """etcd, a llama.cpp engine and two members of fleet `tag` in front of it (2 s leases,
+    answers waited for up to 120 s)."""
+    cluster = etcdutil.EtcdCluster(1)
+    url = servers(tag, [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
+    return cluster, url, fleet_members(cluster, url, tag, 2, limits=DRAIN_120S)
+
+
+def stop_fleet(slots, px, url, cluster):
+    slots.stop()
+    px.stop()
+    idle(url)
+    stop_servers()
+    cluster.stop()
+
+
 def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
     """Two fleet members in front of one engine; the one holding the engine's key is SIGKILLed
     while llama.cpp generates a non-streamed answer for it. llama.cpp finishes that answer (its
@@ -403,9 +419,7 @@ def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
     if etcdutil.ETCD is None:
         print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
         return
-    cluster = etcdutil.EtcdCluster(1)
-    url = servers("fleetkill", [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
-    a, b = fleet_members(cluster, url, "k", 2, limits=DRAIN_120S)
+    cluster, url, (a, b) = two_members_on_one_engine("fleetkill")
     slots = Slots(url)
     try:
         mark = len(server_log())
@@ -414,11 +428,7 @@ def test_a_fleet_member_killed_mid_answer_is_waited_for_by_the_next_holder():
                               "a member killed mid-answer: the next holder")
         assert checks == 2, checks  # at its start, and when it took the key
     finally:
-        slots.stop()
-        b.stop()
-        idle(url)
-        stop_servers()
-        cluster.stop()
+        stop_fleet(slots, b, url, cluster)
 
 
 def test_a_fleet_member_stopped_mid_answer_hands_the_engine_on_clean():
@@ -428,9 +438,7 @@ def test_a_fleet_member_stopped_mid_answer_hands_the_engine_on_clean():
     if etcdutil.ETCD is None:
         print("etcd is not installed (scripts/deps.sh installs etcd-server): skipped")
         return
-    cluster = etcdutil.EtcdCluster(1)
-    url = servers("fleetstop", [["--kv-unified", "-np", "2", "-c", "8192", "-t", "1"]])[0]
-    a, b = fleet_members(cluster, url, "s", 2, limits=DRAIN_120S)
+    cluster, url, (a, b) = two_members_on_one_engine("fleetstop")
     port = int(url.rsplit(":", 1)[1])
     slots = Slots(url)
     try:
@@ -463,11 +471,7 @@ def test_a_fleet_member_stopped_mid_answer_hands_the_engine_on_clean():
         assert slots.peak == 1, {"peak": slots.peak, "polls": slots.polls}
         assert checks == 1, checks  # at its start only: the key came marked clean
     finally:
-        slots.stop()
-        b.stop()
-        idle(url)
-        stop_servers()
-        cluster.stop()
+        stop_fleet(slots, b, url, cluster)
 
 
 def test_two_fleet_members_run_one_sequence_on_the_engine():
