@@ -124,6 +124,11 @@ struct px_fleet_s {
     /* The lease surely lives until lease_until (dp_now_ms): the send time of the grant or
      * keep-alive that last set its TTL, plus that TTL. */
     uint64_t lease_until, call_sent_ms, keepalive_sent_ms;
+    /* Our member key written back (loop ms), and one more write-back owed: at most one per
+     * keep-alive period, so two live processes given one instance name do not rewrite it in
+     * turn as fast as etcd answers. */
+    uint64_t restored_ms;
+    bool restore_due;
 };
 
 static bool g_applying; /* a change the fleet applies is not published back */
@@ -1038,6 +1043,36 @@ static void member_publish(px_fleet_t *f, fleet_etcd_cb cb);
 static void member_rewritten(const cJSON *res, const char *why, void *data);
 static bool member_value_is(px_fleet_t *f, const char *value);
 
+/* Our member key, found changed by someone else (now on `lease`, 0: none or deleted), written
+ * back. A key on another live lease is most likely another process given our instance name. */
+static void member_restore_now(px_fleet_t *f, int64_t lease)
+{
+    f->restored_ms = uv_now(f->px->loop);
+    f->restore_due = false;
+    if (lease != 0 && lease != f->lease) {
+        dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "fleet_member_key_contested");
+        if (w) {
+            dp_jw_str(w, "instance", f->instance);
+            dp_jw_int(w, "lease", lease);
+            dp_jw_str(w, "hint",
+                      "written on another live lease: another process may have "
+                      "this instance name");
+            dp_log_end(w);
+        }
+    }
+    member_publish(f, member_rewritten);
+}
+
+/* The same at most once per keep-alive period: a change found within one of a write-back is
+ * written back on the tick that ends it. */
+static void member_restore(px_fleet_t *f, int64_t lease)
+{
+    if (f->restored_ms != 0 && uv_now(f->px->loop) - f->restored_ms < f->ttl_ms / 3)
+        f->restore_due = true;
+    else
+        member_restore_now(f, lease);
+}
+
 /* lease: the kv's lease (0: none); rev: the revision of the change (0: not known, our own
  * write). Member keys and verdicts live on their writer's lease: one without a lease is no live
  * member's and counts as absent. */
@@ -1058,7 +1093,7 @@ static void kv_event(px_fleet_t *f, const char *key, const char *value, int64_t 
         /* Our own key, changed by someone else (or moved off our lease): written back. */
         if (strcmp(inst, f->instance) == 0 && f->lease != 0 && f->step == ST_IDLE &&
             (deleted || lease != f->lease || !member_value_is(f, value)))
-            member_publish(f, member_rewritten);
+            member_restore(f, deleted ? 0 : lease);
     } else if (strncmp(rel, "drain/", 6) == 0 || strncmp(rel, "quarantine/", 11) == 0) {
         entry_event(f, rel, deleted ? NULL : value);
     } else if (strncmp(rel, "verdicts/", 9) == 0) {
@@ -1300,6 +1335,11 @@ static void ranged(const cJSON *res, const char *why, void *data)
     f->step = ST_IDLE;
     f->ever_connected = true;
     set_connected(f, true, NULL);
+    /* Our member key was written on our lease just before this read: found elsewhere (another
+     * process with our instance name wrote it since), it is written back as on a watch event. */
+    const member_t *me = member_find(f, f->instance);
+    if (me == NULL || me->lease != f->lease)
+        member_restore(f, me ? me->lease : 0);
 }
 
 static unsigned bound_port(const struct sockaddr_storage *ss)
@@ -1584,6 +1624,8 @@ static void on_tick(uv_timer_t *t)
         connect_start(f);
         return;
     }
+    if (f->restore_due && f->step == ST_IDLE && f->lease != 0)
+        member_restore_now(f, 0);
     if (f->keepalive_busy)
         return;
     f->keepalive_busy = true;

@@ -428,6 +428,9 @@ static void on_tick(uv_timer_t *t)
             continue;    /* ours, maybe: let go of once connected (nothing new starts meanwhile) */
         if (e == NULL) { /* no single_sequence pool names it now */
             if (l->lease) {
+                /* Not known clean: what ran there under the earlier configuration (a drain of
+                 * ours that ran out its time, say) went with its engine object. */
+                l->clean = false;
                 give(l);
             } else {
                 DP_LIST_UNLINK(s->locks, l, next, prev);

@@ -361,7 +361,8 @@ typedef struct hold_s {
     const char *cause;               /* ... why it was taken (a literal) ... */
     bool gates;                      /* ... and, not ending clean, nothing new starts there */
     bool engine_idle;                /* the timer was moved up for that ... */
-    bool unanswered;                 /* ... or for START_SILENT_LOOKS silent answers */
+    bool unanswered;                 /* ... or for START_SILENT_LOOKS silent answers ... */
+    bool stopped;                    /* ... or the process stops */
     bool heard;                      /* a look got an answer that said nothing, or a refusal */
     unsigned open;                   /* handles not closed yet */
     uint64_t since;
@@ -435,7 +436,10 @@ static void hold_end(hold_t *h)
 /* A start check's end: counted and logged (a silent engine at warn: nothing was known). */
 static void start_checked(hold_t *h, const px_engine_t *e, uint64_t now)
 {
-    const char *result = h->engine_idle ? "idle" : h->unanswered ? "unanswered" : "time";
+    const char *result = h->engine_idle  ? "idle"
+                         : h->unanswered ? "unanswered"
+                         : h->stopped    ? "stopped"
+                                         : "time";
     px_metrics_add(px_metrics_get("detproxy_engine_start_checks_total", "engine", e->label,
                                   "result", result, NULL),
                    1);
@@ -449,6 +453,8 @@ static void start_checked(hold_t *h, const px_engine_t *e, uint64_t now)
             dp_jw_str(w, "reason",
                       "its /slots said nothing: whether it still runs a generation an earlier "
                       "process left is not known");
+        else if (h->stopped)
+            dp_jw_str(w, "reason", "this process stops: nothing of it starts there any more");
         dp_log_end(w);
     }
 }
@@ -667,6 +673,7 @@ int px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause)
 
 void px_admission_holds_stop(void)
 {
+    px_admission_start_checks_end(); /* each said to have ended with the stop */
     while (t_holds)
         hold_end(t_holds);
 }
@@ -675,8 +682,11 @@ void px_admission_start_checks_end(void)
 {
     for (hold_t *h = t_holds, *next; h; h = next) {
         next = h->next;
-        if (h->start)
-            hold_end(h);
+        if (!h->start)
+            continue;
+        h->stopped = true;
+        start_checked(h, kept_slots(h->k)->eng, uv_now(h->timer.loop));
+        hold_end(h);
     }
 }
 

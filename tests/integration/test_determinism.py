@@ -558,6 +558,28 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
     front.stop()
 
 
+def test_a_start_check_cut_short_by_a_stop_says_so():
+    """SIGTERM while a start check waits for a generation a killed process left: the check ends
+    with the stop, logged with result `stopped` and why; nothing ran beside that generation."""
+    sim = start_sim("--model", MODEL, "--flavor", "llamacpp", "--token-delay-ms", "20",
+                    "--finish-abandoned")
+    front = proxyutil.FrontCutter(sim.port)
+    pools = [single_sequence_pool([front], framework="llamacpp")]
+    first = start_proxy(pools=pools)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 1,
+                       "seed": 1}).encode()  # 5 s
+    a = generating(first.port, b"/v1/completions", body, sim)
+    first.popen.kill()
+    first.popen.wait(10)
+    a.close()
+    second = start_proxy(pools=pools, ready=False)
+    poll_until(lambda: front.slot_looks >= 2, what="the start check asking the engine")
+    second.stop()
+    line = second.find_logs("engine_start_check")[-1]
+    assert line["result"] == "stopped" and "stops" in line["reason"], line
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+
+
 def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_left():
     """detproxy killed mid-answer (SIGKILL, out of memory) and started again at once, as a
     supervisor does: llama.cpp finishes the non-streamed generation whose connection closed,

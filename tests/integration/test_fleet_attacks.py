@@ -356,6 +356,29 @@ def test_an_overwritten_own_member_key_is_restored():
     assert restored and not skew["gw-1"], skew
 
 
+def test_two_live_members_given_one_instance_name_do_not_rewrite_its_key_in_a_loop():
+    """Two processes given one instance name each find their member key written on the other's
+    live lease and write it back, saying so: at most once per keep-alive period each (1 s with
+    a 3 s lease), not as fast as etcd answers."""
+    cluster = etcdutil.EtcdCluster(1)
+    pxs = start_fleet(cluster, [start_sim("--model", MODEL)], n=2, names={1: "gw-0"})
+    poll_until(lambda: all(fleet(p)["connected"] for p in pxs), what="both connected")
+    poll_until(lambda: all(p.find_logs("fleet_member_key_contested") for p in pxs),
+               timeout=10, what="each saying its key is contested")
+
+    def revision():
+        return int(cluster.call("/v3/kv/range", {"key": b64("/")})["header"]["revision"])
+    r0, t0 = revision(), time.monotonic()
+    time.sleep(3)  # a window to count etcd's writes in, not a wait for an event
+    rate = (revision() - r0) / (time.monotonic() - t0)
+    restored = [len(p.find_logs("fleet_member_key_restored")) for p in pxs]
+    for p in pxs:
+        p.stop()
+    cluster.stop()
+    print("two members named gw-0: %.1f etcd revisions/s, write-backs %s" % (rate, restored))
+    assert rate < 10, rate  # each write-back, and each one's stats once a period
+
+
 def test_large_junk_under_the_prefix_does_not_keep_instances_apart():
     """About 6 MiB of values under the fleet's prefix (five keys of 1.2 MiB, each within etcd's
     own request limit): after an etcd restart the instances still reconnect (the state read at

@@ -325,12 +325,9 @@ def test_a_take_sent_again_to_another_endpoint_after_its_answer_was_lost_still_c
     stop_all(cluster, b, c)
 
 
-def test_a_drain_that_ran_out_its_time_hands_the_key_on_unmarked():
-    """a's client leaves mid-answer; a reads the answer on (a drain) for its 3 s and frees the
-    slot then, while llama.cpp still generates it. a lets go of the key without the clean mark,
-    so b checks and waits for that generation's end."""
-    cluster = etcdutil.EtcdCluster(1)
-    sim = llamacpp_sim()
+def short_drain_members(cluster, sim):
+    """Members a and b in front of sim, each checked at its start, that have each run a request
+    there and let go of the key; a client that leaves mid-answer is drained for 3 s at most."""
     short = {"upstream_first_byte_timeout_ms": 3000, "upstream_idle_timeout_ms": 3000}
     a, b = (llamacpp_member(cluster, sim, n, limits=short) for n in ("gw-a", "gw-b"))
     wait_members([a, b], 2)
@@ -338,11 +335,41 @@ def test_a_drain_that_ran_out_its_time_hands_the_key_on_unmarked():
     for px in (b, a):
         assert complete(px, "w", 3).status == 200
     let_go(a, b)
-    generating(a.port, b"/v1/completions", sampled(250), sim).close()  # 5 s
+    return a, b
+
+
+def served_after_a_check(b, sim):
+    """A request through b answered, its take having found no clean mark: b checked the engine
+    first, and nothing ran beside what the earlier holder left."""
     assert complete(b, "y", 2).status == 200
     st = sim_stats(sim)
     assert st["max_inflight_seen"] == 1, st
     assert b.find_logs("engine_start_check")[-1]["cause"] == CAUSE
+
+
+def test_a_drain_that_ran_out_its_time_hands_the_key_on_unmarked():
+    """a's client leaves mid-answer; a reads the answer on (a drain) for its 3 s and frees the
+    slot then, while llama.cpp still generates it. a lets go of the key without the clean mark,
+    so b checks and waits for that generation's end."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    a, b = short_drain_members(cluster, sim)
+    generating(a.port, b"/v1/completions", sampled(250), sim).close()  # 5 s
+    served_after_a_check(b, sim)
+    stop_all(cluster, a, b)
+
+
+def test_a_reload_that_takes_the_pool_away_during_a_drain_hands_the_key_on_unmarked():
+    """As above, with a reload taking a's single_sequence pool away while its drain runs: the
+    engine object goes with the drain's end, and with it what said the drain ran out its time.
+    a lets go of the key unmarked all the same, so b checks before it starts."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    a, b = short_drain_members(cluster, sim)
+    generating(a.port, b"/v1/completions", sampled(250), sim).close()  # 5 s
+    reload_pools(a, [pool("q", ["m2"], [start_sim("--model", "m2")])])
+    engine_key_gone(cluster)  # once a's drain has run out its 3 s
+    served_after_a_check(b, sim)
     stop_all(cluster, a, b)
 
 
