@@ -129,6 +129,7 @@ struct px_fleet_s {
      * turn as fast as etcd answers. */
     uint64_t restored_ms;
     bool restore_due;
+    int64_t restore_lease; /* the live lease it was last found on since, if another's */
 };
 
 static bool g_applying; /* a change the fleet applies is not published back */
@@ -1049,6 +1050,7 @@ static void member_restore_now(px_fleet_t *f, int64_t lease)
 {
     f->restored_ms = uv_now(f->px->loop);
     f->restore_due = false;
+    f->restore_lease = 0;
     if (lease != 0 && lease != f->lease) {
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "fleet_member_key_contested");
         if (w) {
@@ -1067,10 +1069,12 @@ static void member_restore_now(px_fleet_t *f, int64_t lease)
  * written back on the tick that ends it. */
 static void member_restore(px_fleet_t *f, int64_t lease)
 {
+    if (lease != 0 && lease != f->lease)
+        f->restore_lease = lease;
     if (f->restored_ms != 0 && uv_now(f->px->loop) - f->restored_ms < f->ttl_ms / 3)
         f->restore_due = true;
     else
-        member_restore_now(f, lease);
+        member_restore_now(f, f->restore_lease);
 }
 
 /* lease: the kv's lease (0: none); rev: the revision of the change (0: not known, our own
@@ -1625,7 +1629,7 @@ static void on_tick(uv_timer_t *t)
         return;
     }
     if (f->restore_due && f->step == ST_IDLE && f->lease != 0)
-        member_restore_now(f, 0);
+        member_restore_now(f, f->restore_lease);
     if (f->keepalive_busy)
         return;
     f->keepalive_busy = true;

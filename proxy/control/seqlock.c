@@ -37,6 +37,7 @@ typedef struct lock_s {
     char *label;           /* the engine's */
     char *key;             /* <prefix>engines/<first 32 hex digits of the label's SHA-256> */
     char *mark;            /* <prefix>idle/<the same>: the last holder let go of it clean */
+    uint64_t serial;       /* the engine object last found for it (px_engine_t.serial) */
     uint64_t seen;         /* the tick that last found its engine */
     int64_t lease;         /* the lease the key is on while it is ours; 0: not ours */
     uint64_t held_ms;      /* ours since (loop ms) */
@@ -191,6 +192,7 @@ static void own(lock_t *l, bool clean)
     l->checking = false;
     px_engine_t *e = engine_of(l);
     if (e) {
+        l->serial = e->serial;           /* what the mark, or a check, says is of this one */
         atomic_store(&e->unsure, false); /* from before: the mark, or a check, says now */
         allow(l, e);
     }
@@ -367,6 +369,16 @@ static lock_t *lock_by_label(px_seqlock_t *s, const char *label)
     return NULL;
 }
 
+/* e is l's engine now. One made anew since it was last found (a reload took every pool naming
+ * it away and brought one back before a tick saw it gone) does not know what ran on the one
+ * before (a drain of ours there that ran out its time): the key is not known clean. */
+static void same_engine(lock_t *l, const px_engine_t *e)
+{
+    if (l->serial != e->serial)
+        l->clean = false;
+    l->serial = e->serial;
+}
+
 static void seen_cb(px_engine_t *e, void *data)
 {
     px_seqlock_t *s = data;
@@ -382,9 +394,11 @@ static void seen_cb(px_engine_t *e, void *data)
         l->key = dp_buf_steal(&k);
         dp_buf_printf(&k, "%sidle/%.32s", s->prefix, hex);
         l->mark = dp_buf_steal(&k);
+        l->serial = e->serial;
         DP_LIST_PUSH(s->locks, l, next, prev);
     }
     l->seen = s->ticks;
+    same_engine(l, e);
 }
 
 /* What the start check on l's engine found, once its checks there have ended. */
@@ -591,6 +605,7 @@ void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data)
         px_engine_t *e = engine_of(l);
         if (e == NULL || l->busy || l->lease == 0 || l->lease != s->lease || !l->sure)
             continue;
+        same_engine(l, e);
         checked(l, e);
         /* Clean also when handed on for having been held too long (`handing`): what it waited
          * for has ended. Marked unless a drain or hold of ours there ran out its time. */

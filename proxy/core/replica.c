@@ -119,7 +119,9 @@ static px_engine_t *engine_ref(const char *key, size_t len, bool one, bool drain
     while (e && !(strlen(e->label) == len && memcmp(e->label, key, len) == 0))
         e = e->next;
     if (e == NULL) {
+        static uint64_t serials;
         e = dp_xcalloc(1, sizeof(*e));
+        e->serial = ++serials;
         e->label = dp_xstrndup(key, len);
         e->fresh = true;
         e->check_unknown = true; /* nothing known until a check here ends */

@@ -67,6 +67,10 @@ typedef struct px_engine_s {
     /* Its URL as cfg_url_engine writes it ("http://host:port/path"): its key here, in logs and
      * in the fleet. */
     char *label;
+    /* This engine object among all made by this process: one made anew for the same URL (a
+     * reload took every pool naming it away, then brought one back) knows nothing of what the
+     * earlier one did (`unsure`, below). Control thread. */
+    uint64_t serial;
     /* Counted here from the last generation made (px_replica_engine_seen): nothing this
      * process sent runs there, but an earlier process may have left a generation running.
      * Control thread. */
