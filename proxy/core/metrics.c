@@ -429,10 +429,13 @@ void px_metrics_declare(void)
     px_metrics_family("detproxy_slot_holds_total", PX_COUNTER,
                       "Slots of single_sequence engines kept with no answer left to read, by "
                       "engine and how the hold ended (time, engine_idle).");
+    px_metrics_family("detproxy_slot_drains_total", PX_COUNTER,
+                      "Answers nobody reads, read to their end with their slot kept, by engine "
+                      "and how the drain ended (whole, cut, time).");
     px_metrics_family("detproxy_engine_start_checks_total", PX_COUNTER,
                       "Engines new to this process whose slot was held until their /slots "
                       "said whether a generation left by an earlier process runs, by engine "
-                      "and result (idle, unanswered, time).");
+                      "and result (idle, unanswered, time, stopped).");
     px_metrics_family("detproxy_shadow_similarity", PX_HISTOGRAM,
                       "Word-level similarity of shadow samples.");
     px_metrics_family(

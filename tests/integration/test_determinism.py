@@ -375,6 +375,8 @@ def test_single_sequence_holds_the_slot_while_an_abandoned_answer_is_generated()
     # The slot came back once the abandoned answer was read: the pool serves on.
     assert complete(px, max_tokens=3).status == 200
     assert metric(px, "detproxy_inflight_requests") == 0
+    assert metric(px, "detproxy_slot_drains_total", end="whole") == 1
+    assert metric(px, "detproxy_slot_drains_total") == 1
     px.stop()
 
 

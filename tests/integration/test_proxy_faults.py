@@ -583,6 +583,7 @@ def test_on_a_single_sequence_pool_a_drain_the_replica_cuts_keeps_the_slot():
     r = post_json(px.port, "/v1/completions", COMPLETION, timeout=10 * SLOW)
     assert r.status == 200, r
     assert times[1] - t_left >= 0.9 * hold_s, (times[1] - t_left)
+    assert metric(px, "detproxy_slot_drains_total", end="cut") == 1
     px.stop()
     up.stop()
 
