@@ -150,20 +150,20 @@ static void etcd_closed(uv_handle_t *h)
 }
 
 /* Each call still in flight ends with a failure now, so its owner frees what it passed. */
-static void calls_cancel(fleet_etcd_t *e)
+static void calls_cancel(fleet_etcd_t *e, const char *why)
 {
     while (e->calls) {
         call_t *c = e->calls;
         if (c->f)
             net_fetch_cancel(c->f);
         c->f = NULL;
-        call_finish(c, NULL, "canceled: the etcd client is closing");
+        call_finish(c, NULL, why);
     }
 }
 
 void fleet_etcd_cancel(fleet_etcd_t *e)
 {
-    calls_cancel(e);
+    calls_cancel(e, "canceled: its caller stops");
     fleet_etcd_watch_stop(e);
 }
 
@@ -172,7 +172,8 @@ void fleet_etcd_free(fleet_etcd_t *e)
     if (e == NULL)
         return;
     e->freeing = true;
-    fleet_etcd_cancel(e);
+    calls_cancel(e, "canceled: the etcd client is closing");
+    fleet_etcd_watch_stop(e);
     for (size_t i = 0; i < e->neps; i++) {
         if (e->eps[i].up)
             net_upstream_free(e->eps[i].up);
@@ -216,7 +217,8 @@ static void last_answered(const cJSON *res, const char *why, void *data)
 void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *body,
                            uint32_t limit_ms, fleet_etcd_cb cb, void *data)
 {
-    fleet_etcd_cancel(e);
+    calls_cancel(e, "canceled: the etcd client is closing");
+    fleet_etcd_watch_stop(e);
     e->last_cb = cb;
     e->last_data = data;
     /* To every endpoint at once: the one calls went to may be the one that just went away, and

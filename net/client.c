@@ -1208,7 +1208,7 @@ void net_drains_stop(net_drains_t *set)
         DP_LIST_UNLINK(set->head, q, dnext, dprev);
         q->dset = NULL;
         net_creq_cancel(&q->pub);
-        done(data, 0);
+        done(data, NET_DRAIN_STOPPED);
     }
 }
 

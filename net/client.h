@@ -160,10 +160,12 @@ typedef struct net_drains_s {
     struct net_creq_impl_s *head;
 } net_drains_t;
 
-/* How a drain ended: left_ms 0 when its answer ended whole, it ran to its limit, or
- * net_drains_stop ended it; else it failed (the server closed or cut it, or it went silent)
- * with left_ms of its limit unused, and what generated the answer may be at work still. */
+/* How a drain ended: left_ms 0 when its answer ended whole or it ran to its limit,
+ * NET_DRAIN_STOPPED when net_drains_stop ended it; else it failed (the server closed or cut it,
+ * or it went silent) with left_ms of its limit unused, and what generated the answer may be at
+ * work still. */
 typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
+#define NET_DRAIN_STOPPED UINT64_MAX
 
 /* Make r a drain in set: what follows of its answer is read and dropped (reading resumed if
  * it was paused), and done(data, left_ms) runs exactly once, when the exchange ends or
@@ -174,7 +176,8 @@ typedef void (*net_drain_done_fn)(void *data, uint64_t left_ms);
  * not take, read to its end all the same). The caller drops r. */
 void net_creq_drain(net_creq_t *r, net_drains_t *set, uint64_t max_ms, net_drain_done_fn done,
                     void *data);
-/* End every drain in set now (their connections are closed), calling each one's done. */
+/* End every drain in set now (their connections are closed), calling each one's done with
+ * NET_DRAIN_STOPPED. */
 void net_drains_stop(net_drains_t *set);
 
 #endif

@@ -1065,16 +1065,24 @@ static void member_restore_now(px_fleet_t *f, int64_t lease)
     member_publish(f, member_rewritten);
 }
 
+/* May our member key be written back now: none was within the last keep-alive period? */
+static bool member_restore_may(const px_fleet_t *f)
+{
+    return f->restored_ms == 0 || uv_now(f->px->loop) - f->restored_ms >= f->ttl_ms / 3;
+}
+
 /* The same at most once per keep-alive period: a change found within one of a write-back is
- * written back on the tick that ends it. */
+ * written back on a tick once the period has passed. */
 static void member_restore(px_fleet_t *f, int64_t lease)
 {
-    if (lease != 0 && lease != f->lease)
-        f->restore_lease = lease;
-    if (f->restored_ms != 0 && uv_now(f->px->loop) - f->restored_ms < f->ttl_ms / 3)
+    bool other = lease != 0 && lease != f->lease;
+    if (member_restore_may(f)) {
+        member_restore_now(f, other ? lease : 0);
+    } else {
         f->restore_due = true;
-    else
-        member_restore_now(f, f->restore_lease);
+        if (other)
+            f->restore_lease = lease;
+    }
 }
 
 /* lease: the kv's lease (0: none); rev: the revision of the change (0: not known, our own
@@ -1478,6 +1486,8 @@ static void connect_step(px_fleet_t *f)
         break;
     case ST_MEMBER: {
         dp_buf_t v = {0};
+        f->restore_due = false; /* written now: what was owed, and who had it, is moot */
+        f->restore_lease = 0;
         member_value(f, &v);
         dp_buf_printf(&key, "%sinstances/%s", f->prefix, f->instance);
         fleet_ej_put(&body, key.base, v.base, v.len, f->lease);
@@ -1628,7 +1638,7 @@ static void on_tick(uv_timer_t *t)
         connect_start(f);
         return;
     }
-    if (f->restore_due && f->step == ST_IDLE && f->lease != 0)
+    if (f->restore_due && f->step == ST_IDLE && f->lease != 0 && member_restore_may(f))
         member_restore_now(f, f->restore_lease);
     if (f->keepalive_busy)
         return;

@@ -18,6 +18,7 @@
  * the key is known clean again once that check ends knowing the engine idle. */
 #include "proxy/control/seqlock.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,9 +110,10 @@ static px_engine_t *engine_of(const lock_t *l)
     return f.found;
 }
 
-static void lock_log(const char *msg, const lock_t *l, const char *why)
+/* A line naming l's engine and key; with why, at warn whatever lvl says. */
+static void lock_log(dp_log_level_t lvl, const char *msg, const lock_t *l, const char *why)
 {
-    dp_jw_t *w = dp_log_begin(why ? DP_LOG_WARN : DP_LOG_DEBUG, msg);
+    dp_jw_t *w = dp_log_begin(why ? DP_LOG_WARN : lvl, msg);
     if (w) {
         dp_jw_str(w, "engine", l->label);
         dp_jw_str(w, "key", l->key);
@@ -161,12 +163,8 @@ static void check(lock_t *l, px_engine_t *e)
     l->checking = r > 0;
     l->clean = r == 0;
     l->handing = r < 0;
-    dp_jw_t *w = l->checking ? dp_log_begin(DP_LOG_INFO, "fleet_engine_checking") : NULL;
-    if (w) { /* what it waits for is its own line, engine_start_check */
-        dp_jw_str(w, "engine", l->label);
-        dp_jw_str(w, "key", l->key);
-        dp_log_end(w);
-    }
+    if (l->checking) /* what it waits for is its own line, engine_start_check */
+        lock_log(DP_LOG_INFO, "fleet_engine_checking", l, NULL);
 }
 
 /* Requests may start on e, whose key l is surely ours: at once when the key is known clean,
@@ -226,8 +224,8 @@ static bool call_done(call_t *c)
     s->calls--;
     free(c);
     if (s->stopped) {
-        if (s->then &&
-            s->calls == 0) /* the last release at a clean stop: `then` on the next turn */
+        /* The last release at a clean stop answered: `then` on the next turn. */
+        if (s->then && s->calls == 0)
             uv_timer_start(&s->tick, left, 0, 0);
         maybe_free(s);
         return false;
@@ -267,7 +265,7 @@ static void taken(const cJSON *res, const char *why, void *data)
          * guarded by the lease does nothing to a key that is not), then taken again if
          * wanted; nothing starts on it meanwhile. Not clean: the take may have found no mark
          * and deleted one, and whoever takes it next checks. */
-        lock_log("fleet_engine_take_failed", l, why);
+        lock_log(DP_LOG_DEBUG, "fleet_engine_take_failed", l, why);
         mine(l, lease, false);
         l->clean = false;
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
@@ -298,7 +296,7 @@ static void taken(const cJSON *res, const char *why, void *data)
         return;
     }
     own(l, clean);
-    lock_log("fleet_engine_taken", l, NULL);
+    lock_log(DP_LOG_DEBUG, "fleet_engine_taken", l, NULL);
 }
 
 static void given(const cJSON *res, const char *why, void *data)
@@ -308,7 +306,7 @@ static void given(const cJSON *res, const char *why, void *data)
     if (!call_done(c))
         return;
     if (res == NULL) { /* it may or may not be gone: asked again while it may be ours */
-        lock_log("fleet_engine_release_failed", l, why);
+        lock_log(DP_LOG_DEBUG, "fleet_engine_release_failed", l, why);
         return;
     }
     /* Deleted, or not on our lease any more (deleted by someone, or its lease gone). Counted
@@ -508,7 +506,7 @@ void px_seqlock_lease(px_seqlock_t *s, int64_t lease, uint64_t until_ms)
         if (lease == 0) { /* etcd lost: nothing new starts until we know again */
             stop_starting(l);
         } else if (lease != l->lease) {
-            lock_log("fleet_engine_lost", l, "the lease it was held on is gone");
+            lock_log(DP_LOG_DEBUG, "fleet_engine_lost", l, "the lease it was held on is gone");
             lost(l);
         } else {
             /* Kept alive, or connected again on it: a key surely ours may be run on again (one
@@ -537,7 +535,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, int64_t rev,
         if (deleted) {
             l->next_try_ms = 0; /* free: whoever wants it tries now */
             if (l->lease) {     /* ours, and we did not let it go: deleted by someone */
-                lock_log("fleet_engine_lost", l, "its key was deleted");
+                lock_log(DP_LOG_DEBUG, "fleet_engine_lost", l, "its key was deleted");
                 lost(l);
             }
         } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
@@ -599,6 +597,8 @@ void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data)
             then(data);
         return;
     }
+    assert(s->stopped);
+    assert(then == NULL || s->calls == 0); /* the caller ended the client's calls */
     s->then = then;
     s->then_data = data;
     for (lock_t *l = s->locks; l && then; l = l->next) {
@@ -609,9 +609,13 @@ void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data)
         checked(l, e);
         /* Clean also when handed on for having been held too long (`handing`): what it waited
          * for has ended. Marked unless a drain or hold of ours there ran out its time. */
-        if (l->clean && !l->checking)
+        if (l->clean && !l->checking) {
             give_if_idle(l, e);
+            if (l->busy) /* its release is in flight */
+                lock_log(DP_LOG_INFO, "fleet_engine_let_go_at_stop", l, NULL);
+        }
     }
-    /* Nothing let go of (or nothing to wait for): `then` on the next turn, as after answers. */
+    /* `then` once the releases are answered (call_done), at PX_SEQLOCK_LEAVE_MS at the latest;
+     * with none in flight, on the next turn. */
     uv_timer_start(&s->tick, left, s->calls > 0 ? PX_SEQLOCK_LEAVE_MS : 0, 0);
 }

@@ -53,7 +53,8 @@ void px_seqlock_stop(px_seqlock_t *s);
  * of this member runs on any engine) and with the client's other calls ended: each key held
  * and known clean is let go of marked, as at any release, so the next taker needs no check, and
  * then(data) runs on a later turn of the loop once those answers are in, or after
- * PX_SEQLOCK_LEAVE_MS. Without it, or for a key not known clean, the key goes with the lease. */
+ * PX_SEQLOCK_LEAVE_MS (at once when s is NULL). Without it, or for a key not known clean, the
+ * key goes with the lease. */
 void px_seqlock_close(px_seqlock_t *s, void (*then)(void *data), void *data);
 
 #endif

@@ -431,7 +431,7 @@ void px_metrics_declare(void)
                       "engine and how the hold ended (time, engine_idle).");
     px_metrics_family("detproxy_slot_drains_total", PX_COUNTER,
                       "Answers nobody reads, read to their end with their slot kept, by engine "
-                      "and how the drain ended (whole, cut, time).");
+                      "and how the drain ended (whole, cut, time, stopped).");
     px_metrics_family("detproxy_engine_start_checks_total", PX_COUNTER,
                       "Engines new to this process whose slot was held until their /slots "
                       "said whether a generation left by an earlier process runs, by engine "

@@ -373,23 +373,26 @@ static _Thread_local hold_t *t_holds;
 
 static hold_t *hold_new(kept_slot_t *k, uint64_t max_ms);
 
-/* A drain's end. One that failed before its limit (the replica closed or cut the answer, or
- * it went silent) says nothing of the engine, which may be generating it still (a proxy in
- * front of it cut only this side): the slot stays kept for the rest of the drain's time. */
-/* A drain's end: read whole (what it was kept for has ended), cut by the replica (kept for the
- * rest of its time as a hold), or over its time (what it was kept for may run on). */
+/* A drain's end: read whole (what it was kept for has ended), over its time or ended by the
+ * process's stop (what it was kept for may run on), or failed before its limit (the replica
+ * closed or cut the answer, or it went silent). That says nothing of the engine, which may be
+ * generating it still (a proxy in front of it cut only this side): the slot stays kept for the
+ * rest of the drain's time, as a hold. */
 static void kept_slot_drained(void *kept, uint64_t left_ms)
 {
     kept_slot_t *k = kept;
     px_engine_t *e = kept_slots(k)->eng;
+    bool stopped = left_ms == NET_DRAIN_STOPPED;
     bool ran_out = left_ms == 0 && uv_now(px_thread_self(k->px)->loop) >= k->until;
-    const char *end = left_ms > 0 ? "cut" : ran_out ? "time" : "whole";
+    const char *end = stopped ? "stopped" : left_ms > 0 ? "cut" : ran_out ? "time" : "whole";
     px_metrics_add(
         px_metrics_get("detproxy_slot_drains_total", "engine", e->label, "end", end, NULL), 1);
-    if (left_ms > 0) {
+    if (left_ms > 0 && !stopped) {
         hold_new(k, left_ms);
         return;
     }
+    if (stopped)
+        atomic_store(&e->unsure, true);
     if (ran_out) {
         atomic_store(&e->unsure, true);
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "slot_drain_timeout");

@@ -86,8 +86,8 @@ void px_admission_check_engines(px_t *px);
  * away; a request queued under an earlier configuration may still wait for it). Control
  * thread. */
 int px_admission_check_engine(px_t *px, px_engine_t *e, const char *cause);
-/* A stop: start checks end, logged and counted with result "stopped" (this process will start
- * nothing more; the next one makes its own). Control thread. */
+/* A stop: start checks still asking end, logged and counted with result "stopped" (this process
+ * will start nothing more; the next one makes its own). Control thread. */
 void px_admission_start_checks_end(void);
 /* Serve every non-empty queue of this worker (the wake-up of another worker's release). */
 void px_admission_dispatch_waiting(void);
