@@ -110,8 +110,8 @@ static void finish_shutdown(px_t *px, bool clean)
     close_handle((uv_handle_t *)&px->sig_int);
     close_handle((uv_handle_t *)&px->sig_hup);
     /* Closing them gave the signals back their default action, which ends the process: what
-     * is left (a fleet member letting go of its engine keys and revoking its lease, up to 1.5 s) is not cut short by a second
-     * SIGTERM, any more than the drain was. */
+     * is left (a fleet member letting go of its engine keys and revoking its lease, up to 1.5 s) is
+     * not cut short by a second SIGTERM, any more than the drain was. */
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
     signal(SIGHUP, SIG_IGN);

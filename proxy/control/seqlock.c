@@ -131,11 +131,14 @@ static void stop_starting(const lock_t *l)
         atomic_store(&e->held, false);
 }
 
-/* The key is ours, or may be, on lease: nothing starts on its engine for that alone (own()). */
-static void mine(lock_t *l, int64_t lease, bool sure)
+/* The key is ours, or may be, on lease; `clean` when the take that made it so found the mark.
+ * Nothing starts on its engine for that alone (own()). */
+static void mine(lock_t *l, int64_t lease, bool sure, bool clean)
 {
     l->lease = lease;
     l->sure = sure;
+    l->clean = clean;
+    l->checking = false;
     l->held_ms = uv_now(l->s->px->loop);
     l->handing = false;
     l->taken++;
@@ -185,9 +188,7 @@ static void allow(lock_t *l, px_engine_t *e)
 static void own(lock_t *l, bool clean)
 {
     px_seqlock_t *s = l->s;
-    mine(l, s->lease, true);
-    l->clean = clean;
-    l->checking = false;
+    mine(l, s->lease, true, clean);
     px_engine_t *e = engine_of(l);
     if (e) {
         l->serial = e->serial;           /* what the mark, or a check, says is of this one */
@@ -266,8 +267,7 @@ static void taken(const cJSON *res, const char *why, void *data)
          * wanted; nothing starts on it meanwhile. Not clean: the take may have found no mark
          * and deleted one, and whoever takes it next checks. */
         lock_log(DP_LOG_DEBUG, "fleet_engine_take_failed", l, why);
-        mine(l, lease, false);
-        l->clean = false;
+        mine(l, lease, false, false);
         l->next_try_ms = now + PX_SEQLOCK_RETRY_MS;
         return;
     }
@@ -288,11 +288,8 @@ static void taken(const cJSON *res, const char *why, void *data)
         /* On a lease that has gone since (it goes with it), or while we are not connected: the
          * key is ours on that lease, let go of once we are connected on it again, or run on
          * (px_seqlock_lease) once known clean. */
-        if (s->lease == 0) {
-            mine(l, lease, true);
-            l->clean = clean;
-            l->checking = false;
-        }
+        if (s->lease == 0)
+            mine(l, lease, true, clean);
         return;
     }
     own(l, clean);
@@ -392,7 +389,6 @@ static void seen_cb(px_engine_t *e, void *data)
         l->key = dp_buf_steal(&k);
         dp_buf_printf(&k, "%sidle/%.32s", s->prefix, hex);
         l->mark = dp_buf_steal(&k);
-        l->serial = e->serial;
         DP_LIST_PUSH(s->locks, l, next, prev);
     }
     l->seen = s->ticks;
@@ -541,8 +537,7 @@ void px_seqlock_kv(px_seqlock_t *s, const char *rel, int64_t lease, int64_t rev,
         } else if (l->lease == 0 && lease != 0 && lease == s->lease) {
             /* Ours from before etcd was lost and found again: the next tick lets it go, or
              * keeps it while something runs. Whatever our take found there is not known. */
-            mine(l, lease, true);
-            l->clean = l->checking = false; /* what our take found there is not known */
+            mine(l, lease, true, false);
         }
     }
 }
