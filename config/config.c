@@ -66,6 +66,7 @@ static const limit_field_t limit_fields[] = {
     LIMIT(client_body_timeout_ms, 60000, 1, CFG_MS_MAX),
     LIMIT(max_response_rewrite_bytes, 16777216, 1, 1u << 30),
     LIMIT(max_pending_handshakes, 1000, 1, 1000000),
+    LIMIT(shutdown_timeout_ms, 30000, 1, CFG_MS_MAX),
 };
 
 static void set_limit(cfg_limits_t *l, const limit_field_t *f, uint64_t v)

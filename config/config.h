@@ -284,6 +284,7 @@ typedef struct {
     uint32_t client_body_timeout_ms;
     uint64_t max_response_rewrite_bytes;
     uint32_t max_pending_handshakes;
+    uint32_t shutdown_timeout_ms; /* SIGTERM's drain: how long in-flight work may finish */
 } cfg_limits_t;
 
 typedef struct {

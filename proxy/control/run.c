@@ -36,8 +36,6 @@
 #include "proxy/obs/audit.h"
 #include "proxy/obs/otel.h"
 
-#define DRAIN_LIMIT_MS 30000
-
 typedef struct {
     const char *config;
 } run_opts_t;
@@ -58,7 +56,8 @@ static const dp_args_t run_spec = {
     .about = "Run the proxy in the foreground. Logs are JSON lines on stderr.",
     .opts = run_table,
     .nopts = DP_ARRAY_SIZE(run_table),
-    .epilog = "Signals: SIGTERM/SIGINT drain in-flight requests (up to 30 s) and exit 0;\n"
+    .epilog = "Signals: SIGTERM/SIGINT drain in-flight requests (up to\n"
+              "limits.shutdown_timeout_ms, 30 s by default) and exit 0;\n"
               "SIGHUP reloads the configuration.",
 };
 
@@ -165,14 +164,17 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     if (px->draining)
         return;
     px->draining = true;
+    /* The configuration in force when the signal came (a reload during the drain is ignored). */
+    uint32_t limit_ms = px->gen->cfg->limits.shutdown_timeout_ms;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "draining");
     if (w) {
         dp_jw_str(w, "signal", signum == SIGTERM ? "SIGTERM" : "SIGINT");
         dp_jw_uint(w, "inflight", px_workers_inflight(px));
         dp_jw_uint(w, "connections", px_workers_connections(px));
+        dp_jw_uint(w, "timeout_ms", limit_ms);
         dp_log_end(w);
     }
-    uv_timer_start(&px->drain_timer, drain_timeout, DRAIN_LIMIT_MS, 0);
+    uv_timer_start(&px->drain_timer, drain_timeout, limit_ms, 0);
     px_workers_drain(px, proxy_drained);
 }
 

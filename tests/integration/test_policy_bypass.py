@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 
 from harness import DETPROXY_BIN, SLOW, raw_request, run_cmd, run_tests, start_sim
 from proxyutil import (assert_openai_error, client_requests, exchange, parse_response, pool,
@@ -199,9 +200,11 @@ def test_a_replica_dying_mid_stream_leaves_an_error_event():
 
 
 def test_a_stream_cut_by_the_drain_is_logged_drain_closed():
-    """SIGTERM with a stream that outlives the 30 s drain: detproxy cuts it and says so."""
+    """SIGTERM with a stream that outlives the drain (limits.shutdown_timeout_ms, here 2 s):
+    detproxy cuts it when that time is up, not at the 30 s default, and says so."""
     sim = start_sim("--model", "m1", "--token-delay-ms", "1000")
-    px = start_proxy(pools=[pool("p", ["m1"], [sim])], log={"level": "info"})
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])], log={"level": "info"},
+                     limits={"shutdown_timeout_ms": 2000})
     body = json.dumps(dict(CHAT, max_tokens=90, stream=True)).encode()
     s = socket.create_connection(("127.0.0.1", px.port), timeout=60 * SLOW)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
@@ -209,8 +212,13 @@ def test_a_stream_cut_by_the_drain_is_logged_drain_closed():
     first = s.recv(65536)  # the head and the first event: the stream runs
     assert first.startswith(b"HTTP/1.1 200"), first
     rid = parse_response(first).headers["x-detproxy-request-id"]
+    t0 = time.monotonic()
     px.send_signal(signal.SIGTERM)
-    px.wait_log(lambda l: l.get("msg") == "drain_timeout", timeout=45)
+    px.wait_log(lambda l: l.get("msg") == "drain_timeout", timeout=25 * SLOW)
+    took = time.monotonic() - t0
+    assert 1.9 <= took < 20, took  # the configured 2 s, far from the default's 30
+    draining = px.find_logs("draining")
+    assert draining and draining[0]["timeout_ms"] == 2000, draining
     line = access_line(px, rid)
     assert line["status"] == 503 and line["code"] == "drain_closed", line
     s.close()

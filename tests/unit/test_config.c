@@ -167,6 +167,7 @@ static const bad_case_t bad_cases[] = {
     {CFG(",'limits':{'client_body_timeout_ms':0}"), "limits.client_body_timeout_ms", "must be between 1 and 86400000"},
     {CFG(",'limits':{'max_response_rewrite_bytes':0}"), "limits.max_response_rewrite_bytes", "must be between 1 and 1073741824"},
     {CFG(",'limits':{'max_pending_handshakes':0}"), "limits.max_pending_handshakes", "must be between 1 and 1000000"},
+    {CFG(",'limits':{'shutdown_timeout_ms':0}"), "limits.shutdown_timeout_ms", "must be between 1 and 86400000"},
     {CFG(",'limits':{'client_header_timeout_ms':0}"), "limits.client_header_timeout_ms", "must be between 1 and 86400000"},
     {CFG(",'limits':{'client_idle_timeout_ms':0}"), "limits.client_idle_timeout_ms", "must be between 1"},
     {CFG(",'limits':{'upstream_connect_timeout_ms':0}"), "limits.upstream_connect_timeout_ms", "must be between 1"},
