@@ -52,9 +52,10 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define BUDGET_STALL_NS (1000 * 1000000ull) /* no byte for this long: slower than any sender */
 #define REQ_CACHE_BODY_MAX (64 * 1024)      /* bigger body buffers go to dp_buf_release */
 /* A body of known length up to this size gets a buffer of its whole size once a quarter of it
- * has arrived: one allocation, no more copies and no half-used doubling. Until then it grows
- * as any buffer does, so a sender that declares a length and stops makes us hold (or map) at
- * most 4x what it sent, which the body budget bounds. Longer bodies grow by doubling. */
+ * has arrived, or at once after a body at least half as long on the same connection
+ * (body_presize): one allocation, no more copies and no half-used doubling. Until then it
+ * grows as any buffer does, so a sender that declares a length and stops makes us hold (or
+ * map) at most 4x what it sent, which the body budget bounds. Longer bodies grow by doubling. */
 #define BODY_PRESIZE_MAX (1024 * 1024)
 _Static_assert(BODY_PRESIZE_MAX + 1 + (BODY_PRESIZE_MAX + 1) / 2 <= DP_BUF_STASH_MAX,
                "a released body buffer must be one a presized body can take again");
@@ -128,6 +129,9 @@ struct net_conn_s {
     uint64_t timer_due;     /* when the timer, while active, fires (may be before deadline) */
     uint64_t body_deadline; /* uv_now() by which a buffered body must be read (0: none) */
     uint64_t last_read;     /* uv_now() of the last read, for idle checks in BODY */
+    uint32_t head_len;      /* the request's head bytes so far */
+    uint32_t last_head;     /* the last request's head: its length */
+    uint32_t last_body;     /* the last request's body, buffered whole: its Content-Length */
     int closes_pending;
     bool keep_alive;
     bool first_request;
@@ -980,6 +984,20 @@ static int on_headers_complete(llhttp_t *p)
     return 0;
 }
 
+/* Size the buffered body of c's request for all its Content-Length at once, with `arrived`
+ * bytes of it come (or about to be appended), when that is allowed: once a quarter has come,
+ * or when the connection's last body, which came whole, was at least half as long. A client
+ * that declares a length and stops makes us hold or map at most 4x what it sent of it, or 2x
+ * what it sent before on the connection. */
+static void body_presize(net_conn_t *c, size_t arrived)
+{
+    dp_buf_t *body = &c->req->r.body;
+    int64_t cl = c->req->r.content_length;
+    if (cl > 0 && cl <= BODY_PRESIZE_MAX && (uint64_t)cl >= arrived && body->len <= (size_t)cl &&
+        ((uint64_t)arrived * 4 >= (uint64_t)cl || (uint64_t)cl <= 2 * (uint64_t)c->last_body))
+        dp_buf_reserve_exact(body, (size_t)cl - body->len);
+}
+
 static int on_body(llhttp_t *p, const char *at, size_t n)
 {
     net_conn_t *c = p->data;
@@ -997,15 +1015,13 @@ static int on_body(llhttp_t *p, const char *at, size_t n)
             return HPE_USER;
         }
         dp_buf_t *body = &q->r.body;
-        int64_t cl = q->r.content_length;
         if (at == body->base + body->len) {
             /* Read straight into the body (sock_read_target): already in place. */
             body->len += n;
             body->base[body->len] = '\0';
         } else {
-            if (body->len + n + 1 > body->cap && cl > 0 && cl <= BODY_PRESIZE_MAX &&
-                (uint64_t)cl >= body->len + n && (body->len + n) * 4 >= (uint64_t)cl)
-                dp_buf_reserve_exact(body, (size_t)cl - body->len);
+            if (body->len + n + 1 > body->cap)
+                body_presize(c, body->len + n);
             dp_buf_append(body, at, n);
         }
         atomic_store_explicit(&q->hold.received, q->r.body.len, memory_order_relaxed);
@@ -1635,6 +1651,10 @@ static void conn_msg_done(net_conn_t *c)
 {
     req_impl_t *q = c->req;
     q->body_done = true;
+    c->last_body = q->mode == NET_BODY_BUFFER && !q->r.chunked && q->r.content_length > 0 &&
+                           q->r.content_length <= BODY_PRESIZE_MAX
+                       ? (uint32_t)q->r.content_length
+                       : 0;
     budget_body_done(c->srv, q);
     c->phase = PH_WAIT;
     /* While the response is produced, watch for a client that stops reading it. */
@@ -1681,6 +1701,7 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
             assert(c->req == NULL);
             c->req = req_get(c);
             c->phase = PH_HEAD;
+            c->head_len = 0;
             if (!c->first_request)
                 conn_arm(c, s->lim.client_header_timeout_ms);
             continue;
@@ -1698,8 +1719,10 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
             }
             p += used;
             n -= used;
+            c->head_len += (uint32_t)used; /* within max_header_bytes */
             if (r != NET_SCAN_DONE)
                 continue;
+            c->last_head = c->head_len;
             if (!c->req->head_done) {
                 conn_reject(c, 400, "malformed request head");
                 goto out;
@@ -1793,20 +1816,33 @@ out:
         conn_kick(c);
 }
 
-/* A body with a Content-Length, buffered whole, read once its buffer has room (on_body sizes
- * it once a quarter has come): the rest is read from the socket straight into it, not into the
- * loop's read buffer and copied. Only what the body still lacks, so the next request's bytes
- * never land in it; and never while earlier bytes wait in `pending` (they come first). */
+/* A body with a Content-Length, buffered whole, read once its buffer has room (body_presize):
+ * the rest is read from the socket straight into it, not into the loop's read buffer and
+ * copied. Only what the body still lacks, so the next request's bytes never land in it; and
+ * never while earlier bytes wait in `pending` (they come first). */
 #define READ_INTO_MIN (16 * 1024)
+/* On a connection whose last body was this long or longer, the next request's first read takes
+ * its head alone (as long as the last one's, and a little more): the head is parsed, the body
+ * sized (body_presize) and read straight into its buffer. One read more, and the first 64 KiB
+ * of the body not copied out of the loop's buffer. */
+#define HEAD_FIRST_MIN (32 * 1024)
+#define HEAD_FIRST_SLACK 128
 
 static char *sock_read_target(net_sock_t *sk, size_t *len)
 {
     net_conn_t *c = sk->owner;
     req_impl_t *q = c->req;
+    if (c->phase == PH_IDLE && c->last_body >= HEAD_FIRST_MIN && c->last_head && !c->pending.len &&
+        !c->in_feed && !c->wait_drain) {
+        *len = c->last_head + HEAD_FIRST_SLACK;
+        return NULL;
+    }
     if (c->phase != PH_BODY || q == NULL || q->mode != NET_BODY_BUFFER || q->resp_ended ||
         q->r.chunked || c->body_paused || c->budget_wait || c->pending.len || c->in_feed)
         return NULL;
     dp_buf_t *b = &q->r.body;
+    if (b->cap < (size_t)q->r.content_length + 1)
+        body_presize(c, b->len);
     size_t room = b->cap > b->len ? b->cap - b->len - 1 : 0; /* the NUL keeps its byte */
     size_t want = c->body_remaining < room ? (size_t)c->body_remaining : room;
     if (want == 0 || (want < READ_INTO_MIN && want < c->body_remaining))

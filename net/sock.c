@@ -200,7 +200,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
         return;
     }
     buf->base = g_read_buf;
-    buf->len = sizeof(g_read_buf);
+    buf->len = len && len < sizeof(g_read_buf) ? len : sizeof(g_read_buf);
 }
 
 static void fail(net_sock_t *s, int status)

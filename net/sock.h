@@ -40,7 +40,9 @@ typedef void (*net_sock_handshake_cb)(net_sock_t *s);
 /* Handle closed: the owner may free the memory holding this net_sock_t. */
 typedef void (*net_sock_close_cb)(net_sock_t *s);
 /* Where the next read may land instead of the loop's read buffer: *len bytes at the returned
- * address (they are then what on_read gets), or NULL for the read buffer. Plain TCP only. */
+ * address (they are then what on_read gets), or NULL for the read buffer, at most *len bytes
+ * of it when *len is set (a read of a head alone, so that the body after it can land in its
+ * own buffer). Plain TCP only. */
 typedef char *(*net_sock_read_target_cb)(net_sock_t *s, size_t *len);
 
 struct net_sock_s {

@@ -312,6 +312,87 @@ Test(net_server, a_body_read_straight_into_its_buffer_keeps_its_bytes_and_the_ne
     raw_close(&c);
 }
 
+/* A connection whose last body came whole gets the whole-size buffer for a next one up to
+ * twice as long on its first bytes (and the rest read straight into it): such a client has
+ * sent at least half of what it now declares. Longer than that, the quarter rule holds as on a
+ * new connection. */
+Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buffer_at_once)
+{
+    enum { LEN = 200000 };
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    static char body[4 * LEN];
+    memset(body, 'a', sizeof(body));
+    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    raw_send(&c, body, LEN);
+    RUN_UNTIL(g_completes == 1 && raw_count(&c, "HTTP/1.1 200 OK") == 1);
+    g_req = NULL;
+    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 400000\r\n\r\n");
+    raw_send(&c, body, 1000);
+    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    cr_assert_eq(g_req->body.cap, (size_t)2 * LEN + 1, "capacity %zu with 1,000 bytes in",
+                 g_req->body.cap);
+    raw_send(&c, body, 2 * LEN - 1000);
+    RUN_UNTIL(g_completes == 2 && raw_count(&c, "HTTP/1.1 200 OK") == 2);
+    cr_assert_eq(g_body_cap, (size_t)2 * LEN + 1);
+    g_req = NULL;
+    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 800001\r\n\r\n");
+    raw_send(&c, body, 1000);
+    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    cr_assert_leq(g_req->body.cap, 4096, "capacity %zu for 1,000 bytes in", g_req->body.cap);
+    raw_send(&c, body, 4 * LEN + 1 - 1000);
+    RUN_UNTIL(g_completes == 3);
+    raw_close(&c);
+}
+
+/* After a long body the next request's first read takes about its head's length (as long as
+ * the last head): every byte still arrives in order whether the new head is longer than that
+ * read (its rest read as usual) or shorter (some of the body came with it), with the next
+ * request in the same segment as the body's end. */
+Test(net_server, bodies_after_heads_longer_and_shorter_than_the_last_arrive_whole)
+{
+    enum { LEN = 100000, PAD = 600 };
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    static char bodies[3][LEN];
+    for (size_t k = 0; k < 3; k++)
+        for (size_t i = 0; i < LEN; i++)
+            bodies[k][i] = (char)('a' + (i * 7 + k * 5 + i / 251) % 26);
+    static char pad[PAD + 1];
+    memset(pad, 'p', PAD);
+    dp_buf_t heads[3] = {{0}, {0}, {0}};
+    dp_buf_printf(&heads[0], "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", LEN);
+    dp_buf_printf(&heads[1],
+                  "POST /echo HTTP/1.1\r\nHost: x\r\nX-Pad: %s\r\nContent-Length: %d\r\n\r\n", pad,
+                  LEN);
+    dp_buf_printf(&heads[2], "POST /echo HTTP/1.1\r\nContent-Length: %d\r\nHost: x\r\n\r\n", LEN);
+    raw_send(&c, heads[0].base, heads[0].len);
+    raw_send(&c, bodies[0], LEN);
+    RUN_UNTIL(g_completes == 1 && c.in.len > LEN);
+    /* The second and third requests in one go: the third's head right after the second's body. */
+    raw_send(&c, heads[1].base, heads[1].len);
+    raw_send(&c, bodies[1], LEN);
+    raw_send(&c, heads[2].base, heads[2].len);
+    raw_send(&c, bodies[2], LEN);
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 200 OK") == 3 && c.in.len > 3 * LEN);
+    cr_assert_eq(g_completes, 3);
+    const char *at = c.in.base;
+    for (size_t k = 0; k < 3; k++) {
+        const char *e = memmem(at, c.in.len - (size_t)(at - c.in.base), "\r\n\r\n", 4);
+        cr_assert_not_null(e, "response %zu has no head", k);
+        cr_assert(c.in.len - (size_t)(e + 4 - c.in.base) >= LEN, "response %zu is short", k);
+        cr_assert(memcmp(e + 4, bodies[k], LEN) == 0, "body %zu differs", k);
+        at = e + 4 + LEN;
+    }
+    for (size_t k = 0; k < 3; k++)
+        dp_buf_free(&heads[k]);
+    raw_close(&c);
+}
+
 Test(net_server, chunked_request_body_is_decoded)
 {
     net_server_limits_t l = limits();
