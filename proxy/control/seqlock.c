@@ -158,11 +158,18 @@ static void lost(lock_t *l)
  * starts there, its slot taken first (it keeps the key meanwhile). An engine that only pools
  * not naming llama.cpp send to cannot be asked, and is as clean as the members can know it. One
  * no pool of the configuration in force sends to cannot be asked either: nothing of ours starts
- * there (a request queued under an earlier configuration would), and it goes unmarked. */
+ * there (a request queued under an earlier configuration would), and it goes unmarked. Nor is
+ * one asked once a graceful stop has its clients answered (a take sent before that, answered
+ * after): nothing of ours starts anywhere any more, and a check would only hold the stop up for
+ * a second or more; the key goes unmarked. */
 static void check(lock_t *l, px_engine_t *e)
 {
-    int r =
-        e ? px_admission_check_engine(l->s->px, e, "its fleet holder did not let it go clean") : -1;
+    bool stopping = e && px_replica_engines_quiesced();
+    if (stopping)
+        lock_log(DP_LOG_INFO, "fleet_engine_unchecked_at_stop", l, NULL);
+    int r = e && !stopping
+                ? px_admission_check_engine(l->s->px, e, "its fleet holder did not let it go clean")
+                : -1;
     l->checking = r > 0;
     l->clean = r == 0;
     l->handing = r < 0;
@@ -461,7 +468,10 @@ static void on_tick(uv_timer_t *t)
             give_if_idle(l, e);
             continue;
         }
-        if (s->lease != 0 && atomic_load(&e->want) && now >= l->next_try_ms)
+        /* Nothing is taken once a graceful stop has its clients answered: nothing of ours starts
+         * anywhere any more. */
+        if (s->lease != 0 && atomic_load(&e->want) && now >= l->next_try_ms &&
+            !px_replica_engines_quiesced())
             take(l);
     }
 }

@@ -547,6 +547,11 @@ unsigned px_replica_engines_quiesce(void)
     return n;
 }
 
+bool px_replica_engines_quiesced(void)
+{
+    return atomic_load(&g_quiesce);
+}
+
 void px_replica_engines_gate(void)
 {
     PX_ASSERT_CONTROL();

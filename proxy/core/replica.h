@@ -245,6 +245,8 @@ bool px_replica_drains_abandoned(const px_replica_t *r);
 /* A graceful stop, clients answered: from now on nothing new starts on an engine a
  * single_sequence pool names; what still runs there, summed. Control thread. */
 unsigned px_replica_engines_quiesce(void);
+/* Has px_replica_engines_quiesce been called (nothing new starts on such an engine)? */
+bool px_replica_engines_quiesced(void);
 /* From now on every engine is gated (px_engine_t.gated): a fleet takes turns on them. Control
  * thread. */
 void px_replica_engines_gate(void);

@@ -652,6 +652,82 @@ def test_a_graceful_stop_waits_for_what_runs_on_the_engine():
     stop_all(cluster, b)
 
 
+class HoldATake(etcdutil.RequestRelay):
+    """Holds an engine key's take, once armed, until `go` is set, then passes it on: the take
+    is applied and answered as usual, only late."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.armed = False
+        self.held = threading.Event()
+        self.go = threading.Event()
+
+    def step(self, c, u, head, body):
+        if not self.armed or b"/v3/kv/txn" not in head or b"request_put" not in body:
+            return True
+        put = json.loads(body)["success"][0]["request_put"]
+        if not base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/"):
+            return True
+        self.armed = False
+        self.held.set()
+        self.go.wait(10)
+        return True
+
+
+def test_a_take_answered_once_a_stop_has_its_clients_answered_starts_no_check():
+    """A member stopping gracefully waits for what it runs itself on one engine (a relay) after
+    its clients are answered. A take of another engine it sent before then, with no clean mark
+    there (the fleet's first take), is answered only now: the member starts no check there (it
+    would only hold the exit up, as nothing of its own starts any more) and lets the key go on
+    unmarked."""
+    cluster = etcdutil.EtcdCluster(1)
+    sim = llamacpp_sim()
+    other = start_sim("--model", "m2", "--flavor", "llamacpp", "--token-delay-ms", "20",
+                      "--finish-abandoned")
+    hold = HoldATake(cluster.endpoints()[0])
+    a = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
+                           pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
+                    limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, "gw-a", ttl=3000,
+                                                         endpoints=[hold.url()]))
+    wait_members([a], 1)
+    poll_until(lambda: checks(a, result="idle") >= 2, what="the checks at the member's start")
+    t, x = in_background(lambda: http(
+        "POST", a.admin_port, "/admin/relay/v1/completions",
+        body=json.dumps({"model": "m2", "prompt": "x", "max_tokens": 150, "temperature": 1,
+                         "seed": 1}),
+        headers={"content-type": "application/json", "x-detproxy-relay-pool": "p2",
+                 "x-detproxy-relay-replica": "r1"}, timeout=40))  # 3 s on the other engine
+    poll_until(lambda: sim_stats(other)["inflight"] == 1, what="the relay generating")
+    # The engine's key let go of, its clean mark gone as a holder that died would leave it.
+    poll_until(lambda: not [e for e in fleet(a)["engines"] if e["held"] and "%d" % sim.port in
+                            e["engine"]], what="the engine's key let go of")
+    cluster.call("/v3/kv/deleterange", {"key": etcdutil.b64("/detproxy/t/idle/"),
+                                        "range_end": etcdutil.b64("/detproxy/t/idle0")})
+    assert not cluster.get_prefix("/detproxy/t/idle/")
+    hold.armed = True
+    c = socket.create_connection(("127.0.0.1", a.port))
+    body = json.dumps({"model": MODEL, "prompt": "y", "max_tokens": 2, "temperature": 0}).encode()
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert hold.held.wait(10), "no take of the engine's key"
+    c.close()  # the client leaves: nothing waits for the engine any more
+    a.wait_log(lambda l: l.get("msg") == "access" and l.get("status") == 499)
+    before = (fleet_checks(a), len(a.find_logs("fleet_engine_checking")))  # the first takes'
+    a.popen.send_signal(signal.SIGTERM)
+    drained = a.wait_log(lambda l: l.get("msg") == "drained")
+    assert drained["single_sequence_running"] == 1, drained  # the relay
+    hold.go.set()
+    a.wait_log("fleet_engine_unchecked_at_stop")
+    assert a.wait(30) == 0
+    t.join(30)
+    assert x["r"].status == 200, x
+    a.check_sanitizer()
+    assert (fleet_checks(a), len(a.find_logs("fleet_engine_checking"))) == before, \
+        a.find_logs("engine_start_check")
+    assert sim_stats(sim)["requests"] == 0, sim_stats(sim)  # nothing ran on the engine taken
+    cluster.stop()
+
+
 def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
     """etcd is away for longer than the member's lease had left (etcd renews its leases when
     it comes back): the member renews the lease as it connects again, so it knows how long the
