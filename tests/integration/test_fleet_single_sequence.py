@@ -254,6 +254,14 @@ def test_the_next_holder_waits_for_what_a_killed_member_left_on_llamacpp():
     stop_all(cluster, b)
 
 
+def is_engine_take(head, body):
+    """Is this etcd request a member's take of an engine key (a transaction putting it)?"""
+    if b"/v3/kv/txn" not in head or b"request_put" not in body:
+        return False
+    put = json.loads(body)["success"][0]["request_put"]
+    return base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/")
+
+
 class LoseATake(etcdutil.RequestRelay):
     """Passes an engine key's take on to etcd once armed, and loses etcd's answer with the
     connection: the take is applied, and its member does not know."""
@@ -264,10 +272,7 @@ class LoseATake(etcdutil.RequestRelay):
         self.lost = threading.Event()
 
     def step(self, c, u, head, body):
-        if not self.armed or b"/v3/kv/txn" not in head or b"request_put" not in body:
-            return True
-        put = json.loads(body)["success"][0]["request_put"]
-        if not base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/"):
+        if not self.armed or not is_engine_take(head, body):
             return True
         self.armed = False
         with self.lock:
@@ -663,10 +668,7 @@ class HoldATake(etcdutil.RequestRelay):
         self.go = threading.Event()
 
     def step(self, c, u, head, body):
-        if not self.armed or b"/v3/kv/txn" not in head or b"request_put" not in body:
-            return True
-        put = json.loads(body)["success"][0]["request_put"]
-        if not base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/"):
+        if not self.armed or not is_engine_take(head, body):
             return True
         self.armed = False
         self.held.set()
