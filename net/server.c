@@ -52,10 +52,11 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define BUDGET_STALL_NS (1000 * 1000000ull) /* no byte for this long: slower than any sender */
 #define REQ_CACHE_BODY_MAX (64 * 1024)      /* bigger body buffers go to dp_buf_release */
 /* A body of known length up to this size gets a buffer of its whole size once a quarter of it
- * has arrived, or at once after a body at least half as long on the same connection
- * (body_presize): one allocation, no more copies and no half-used doubling. Until then it
- * grows as any buffer does, so a sender that declares a length and stops makes us hold (or
- * map) at most 4x what it sent, which the body budget bounds. Longer bodies grow by doubling. */
+ * has arrived, or at once, all of it reserved in the budget, after a body at least half as
+ * long on the same connection (body_presize): one allocation, no more copies and no half-used
+ * doubling. Until then it grows as any buffer does, so a sender that declares a length and
+ * stops makes us hold (or map) at most 4x what it sent, which the body budget bounds. Longer
+ * bodies grow by doubling. */
 #define BODY_PRESIZE_MAX (1024 * 1024)
 _Static_assert(BODY_PRESIZE_MAX + 1 + (BODY_PRESIZE_MAX + 1) / 2 <= DP_BUF_STASH_MAX,
                "a released body buffer must be one a presized body can take again");
@@ -100,6 +101,7 @@ typedef struct req_impl_s {
     bool body_done;
     bool body_too_large;
     bool body_over_budget;
+    bool whole_tried;       /* body_presize asked the budget for all of the body once */
     uint64_t body_reserved; /* this request's share of the server's body_bytes (books' lock) */
     budget_addr_t *addr;    /* its client address's books, from its body's start (lock) */
     budget_hold_t hold;     /* on the shed candidates while its body is read */
@@ -458,9 +460,10 @@ static void conn_release_req(net_conn_t *c)
  * max_inflight_body_bytes bounds the NET_BODY_BUFFER bodies held by every server of a group
  * (net_server_share): one set of books, `shared`, under one spin lock, for every worker thread.
  * A body reserves what has arrived, before llhttp sees it (conn_feed), never what it declares:
- * a connection that declares 8 MiB and sends nothing holds nothing. The sum of reservations
- * never exceeds the budget, however many bodies grow at once: each growth is checked and taken
- * under the lock.
+ * a connection that declares 8 MiB and sends nothing holds nothing (but a body given its whole
+ * buffer at once for its connection's last body reserves all of it then, when there is room:
+ * budget_take_whole). The sum of reservations never exceeds the budget, however many bodies
+ * grow at once: each growth is checked and taken under the lock.
  *
  * When a body cannot grow, the budget is full: bodies still being read are shed to make room
  * (budget_make_room), and the body waits (reads stopped, what it read kept in `pending`) until
@@ -984,18 +987,51 @@ static int on_headers_complete(llhttp_t *p)
     return 0;
 }
 
+/* Reserve all of q's body (its Content-Length, cl) in the budget now if there is room for it
+ * without shedding anything: true when reserved. */
+static bool budget_take_whole(net_conn_t *c, uint64_t cl)
+{
+    net_server_t *s = c->srv;
+    net_server_shared_t *b = s->shared;
+    req_impl_t *q = c->req;
+    if (q->addr == NULL || c->budget_wait || c->promised)
+        return false; /* not on the books, or waiting for room already */
+    if (cl <= q->body_reserved)
+        return true;
+    uint64_t max = s->lim.max_inflight_body_bytes;
+    books_lock(b);
+    uint64_t cur = atomic_load_explicit(&b->body_bytes, memory_order_relaxed) + b->promised;
+    bool ok = max == 0 || cur + (cl - q->body_reserved) <= max;
+    if (ok)
+        books_move(b, q, (int64_t)(cl - q->body_reserved));
+    books_unlock(b);
+    return ok;
+}
+
 /* Size the buffered body of c's request for all its Content-Length at once, with `arrived`
- * bytes of it come (or about to be appended), when that is allowed: once a quarter has come,
- * or when the connection's last body, which came whole, was at least half as long. A client
- * that declares a length and stops makes us hold or map at most 4x what it sent of it, or 2x
- * what it sent before on the connection. */
+ * bytes of it come (or about to be appended), when that is allowed:
+ * - once a quarter has come: a client that declares a length and stops makes us hold or map
+ *   at most 4x the bytes it sent of it, which the budget bounds;
+ * - at once when the connection's last body, which came whole, was at least half as long,
+ *   and the budget has room for all of it now: all of it is reserved then, so such a body is
+ *   held within the budget (what the client sent before is neither held nor counted any
+ *   more, and cannot stand for it). */
 static void body_presize(net_conn_t *c, size_t arrived)
 {
-    dp_buf_t *body = &c->req->r.body;
-    int64_t cl = c->req->r.content_length;
-    if (cl > 0 && cl <= BODY_PRESIZE_MAX && (uint64_t)cl >= arrived && body->len <= (size_t)cl &&
-        ((uint64_t)arrived * 4 >= (uint64_t)cl || (uint64_t)cl <= 2 * (uint64_t)c->last_body))
-        dp_buf_reserve_exact(body, (size_t)cl - body->len);
+    req_impl_t *q = c->req;
+    dp_buf_t *body = &q->r.body;
+    int64_t cl = q->r.content_length;
+    if (cl <= 0 || cl > BODY_PRESIZE_MAX || (uint64_t)cl < arrived || body->len > (size_t)cl)
+        return;
+    bool quarter = (uint64_t)arrived * 4 >= (uint64_t)cl;
+    if (!quarter) {
+        if (q->whole_tried || (uint64_t)cl > 2 * (uint64_t)c->last_body)
+            return;
+        q->whole_tried = true;
+        if (!budget_take_whole(c, (uint64_t)cl))
+            return;
+    }
+    dp_buf_reserve_exact(body, (size_t)cl - body->len);
 }
 
 static int on_body(llhttp_t *p, const char *at, size_t n)

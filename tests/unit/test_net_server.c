@@ -313,9 +313,8 @@ Test(net_server, a_body_read_straight_into_its_buffer_keeps_its_bytes_and_the_ne
 }
 
 /* A connection whose last body came whole gets the whole-size buffer for a next one up to
- * twice as long on its first bytes (and the rest read straight into it): such a client has
- * sent at least half of what it now declares. Longer than that, the quarter rule holds as on a
- * new connection. */
+ * twice as long on its first bytes (and the rest read straight into it), all of it reserved in
+ * the body budget then. Longer than that, the quarter rule holds as on a new connection. */
 Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buffer_at_once)
 {
     enum { LEN = 200000 };
@@ -334,6 +333,7 @@ Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buff
     RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
     cr_assert_eq(g_req->body.cap, (size_t)2 * LEN + 1, "capacity %zu with 1,000 bytes in",
                  g_req->body.cap);
+    cr_assert_eq(net_server_body_bytes(g_srv), (uint64_t)2 * LEN);
     raw_send(&c, body, 2 * LEN - 1000);
     RUN_UNTIL(g_completes == 2 && raw_count(&c, "HTTP/1.1 200 OK") == 2);
     cr_assert_eq(g_body_cap, (size_t)2 * LEN + 1);
@@ -345,6 +345,40 @@ Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buff
     raw_send(&c, body, 4 * LEN + 1 - 1000);
     RUN_UNTIL(g_completes == 3);
     raw_close(&c);
+}
+
+/* A body sized at once for the connection's history holds all of its length in the budget, so
+ * a budget without room for it now leaves it to the quarter rule: without that, clients that
+ * each sent one long body could then each declare another, send a byte and stall, holding
+ * resident buffers the budget never counted. */
+Test(net_server, a_body_is_sized_at_once_only_when_the_budget_has_room_for_all_of_it)
+{
+    enum { LEN = 200000 };
+    net_server_limits_t l = limits();
+    l.max_inflight_body_bytes = 300000;
+    srv_start(&l);
+    raw_t a, b;
+    raw_connect(&a, net_server_port(g_srv));
+    static char body[LEN];
+    memset(body, 'a', sizeof(body));
+    raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    raw_send(&a, body, LEN);
+    RUN_UNTIL(g_completes == 1 && raw_count(&a, "HTTP/1.1 200 OK") == 1);
+    RUN_UNTIL(net_server_body_bytes(g_srv) == 0);
+    /* Another client's body holds a third of the budget: no room for 250,000 bytes more. */
+    raw_connect(&b, net_server_port(g_srv));
+    raw_sends(&b, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    raw_send(&b, body, LEN / 2);
+    RUN_UNTIL(net_server_body_bytes(g_srv) >= LEN / 2);
+    uint64_t held = net_server_body_bytes(g_srv);
+    g_req = NULL;
+    raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n");
+    raw_send(&a, body, 1000);
+    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    cr_assert_leq(g_req->body.cap, 4096, "capacity %zu for 1,000 bytes in", g_req->body.cap);
+    cr_assert_lt(net_server_body_bytes(g_srv), held + 250000);
+    raw_close(&a);
+    raw_close(&b);
 }
 
 /* After a long body the next request's first read takes about its head's length (as long as
