@@ -348,24 +348,34 @@ Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buff
 }
 
 /* A body sized at once for the connection's history holds all of its length in the budget, so
- * a budget without room for it now leaves it to the quarter rule: without that, clients that
- * each sent one long body could then each declare another, send a byte and stall, holding
- * resident buffers the budget never counted. */
-Test(net_server, a_body_is_sized_at_once_only_when_the_budget_has_room_for_all_of_it)
+ * a budget that would be over half used with it leaves it to the quarter rule: without that,
+ * clients that each sent one long body could then each declare another, send a byte and
+ * stall, holding resident buffers the budget never counted. */
+Test(net_server, a_body_is_sized_at_once_only_while_the_budget_has_room_for_all_of_it)
 {
     enum { LEN = 200000 };
     net_server_limits_t l = limits();
-    l.max_inflight_body_bytes = 300000;
+    l.max_inflight_body_bytes = 600000;
     srv_start(&l);
     raw_t a, b;
     raw_connect(&a, net_server_port(g_srv));
-    static char body[LEN];
+    static char body[250000];
     memset(body, 'a', sizeof(body));
     raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
     raw_send(&a, body, LEN);
     RUN_UNTIL(g_completes == 1 && raw_count(&a, "HTTP/1.1 200 OK") == 1);
     RUN_UNTIL(net_server_body_bytes(g_srv) == 0);
-    /* Another client's body holds a third of the budget: no room for 250,000 bytes more. */
+    /* An empty budget: all 250,000 bytes reserved, under half of it. */
+    g_req = NULL;
+    raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n");
+    raw_send(&a, body, 1000);
+    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    cr_assert_eq(g_req->body.cap, 250001, "capacity %zu with 1,000 bytes in", g_req->body.cap);
+    cr_assert_eq(net_server_body_bytes(g_srv), 250000);
+    raw_send(&a, body, 249000);
+    RUN_UNTIL(g_completes == 2 && raw_count(&a, "HTTP/1.1 200 OK") == 2);
+    RUN_UNTIL(net_server_body_bytes(g_srv) == 0);
+    /* Another client's body holds a sixth of the budget: 250,000 bytes more would use over half. */
     raw_connect(&b, net_server_port(g_srv));
     raw_sends(&b, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
     raw_send(&b, body, LEN / 2);
