@@ -52,12 +52,19 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define BUDGET_STALL_NS (1000 * 1000000ull) /* no byte for this long: slower than any sender */
 #define REQ_CACHE_BODY_MAX (64 * 1024)      /* bigger body buffers go to dp_buf_release */
 /* A body of known length up to this size gets a buffer of its whole size once a quarter of it
- * has arrived, or at once, all of it reserved in the budget, after a body at least half as
- * long on the same connection (body_presize): one allocation, no more copies and no half-used
- * doubling. Until then it grows as any buffer does, so a sender that declares a length and
- * stops makes us hold (or map) at most 4x what it sent, which the body budget bounds. Longer
- * bodies grow by doubling. */
+ * has arrived, or at once after a body at least half as long on the same connection, all of it
+ * reserved in the budget then, while that stays at most half used (body_presize): one
+ * allocation, no more copies and no half-used doubling. Until then it grows as any buffer does, so
+ * a sender that declares a length and stops makes us hold (or map) at most 4x what it sent, which
+ * the body budget bounds. Longer bodies grow by doubling. */
 #define BODY_PRESIZE_MAX (1024 * 1024)
+/* After a body buffered whole (Content-Length) of this length or more, up to BODY_PRESIZE_MAX,
+ * the connection's next first read takes the last head's length and a little more, over plain
+ * TCP (a TLS read is of records): the head is parsed alone, the body sized (body_presize) and
+ * read straight into its buffer. One read more, and the first 64 KiB of the body not copied
+ * out of the loop's buffer. */
+#define HEAD_FIRST_MIN (32 * 1024)
+#define HEAD_FIRST_SLACK 128
 _Static_assert(BODY_PRESIZE_MAX + 1 + (BODY_PRESIZE_MAX + 1) / 2 <= DP_BUF_STASH_MAX,
                "a released body buffer must be one a presized body can take again");
 
@@ -102,6 +109,7 @@ typedef struct req_impl_s {
     bool body_too_large;
     bool body_over_budget;
     bool whole_tried;       /* body_presize asked the budget for all of the body once */
+    uint32_t prev_body;     /* the connection's last body before this request (last_body) */
     uint64_t body_reserved; /* this request's share of the server's body_bytes (books' lock) */
     budget_addr_t *addr;    /* its client address's books, from its body's start (lock) */
     budget_hold_t hold;     /* on the shed candidates while its body is read */
@@ -134,6 +142,8 @@ struct net_conn_s {
     uint32_t head_len;      /* the request's head bytes so far */
     uint32_t last_head;     /* the last request's head: its length */
     uint32_t last_body;     /* the last request's body, buffered whole: its Content-Length */
+    bool head_first;        /* the next request's first read takes a head's length */
+    bool head_capped;       /* the read asked for was so */
     int closes_pending;
     bool keep_alive;
     bool first_request;
@@ -172,6 +182,7 @@ struct net_server_s {
     size_t nhandshakes;
     void (*on_overload)(const char *reason);
     uint64_t accepted;
+    uint64_t head_reads; /* first reads of a request capped to a head's length */
     net_conn_t *conns;
     req_impl_t *free_reqs;
     size_t nfree;
@@ -988,26 +999,28 @@ static int on_headers_complete(llhttp_t *p)
 }
 
 /* Reserve all of q's body (its Content-Length, cl) in the budget now if the budget stays at
- * most half used with it: true when reserved. A budget under pressure goes by what has arrived,
- * as for every other body, so that bodies are shed for speed and fairness as they were: whole
- * reservations fill it ahead of the bytes, and same-paced honest uploaders would shed each
- * other sooner (35-38% of 1 MiB keep-alive uploads shed against 22-25%, 24 clients on a 16 MiB
- * budget, when any room would do). */
+ * most half used with it, and its client address within half its fair share: true when
+ * reserved. A budget under pressure goes by what has arrived, as for every other body, so that
+ * bodies are shed for speed and fairness as they would be without this: whole reservations
+ * fill it ahead of the bytes, and honest uploaders at the same pace would shed each other
+ * sooner; and one address's many connections cannot hold more than its share ahead. */
 static bool budget_take_whole(net_conn_t *c, uint64_t cl)
 {
     net_server_t *s = c->srv;
     net_server_shared_t *b = s->shared;
     req_impl_t *q = c->req;
+    assert(c->phase == PH_BODY && q->mode == NET_BODY_BUFFER && !q->r.chunked);
     if (q->addr == NULL || c->budget_wait || c->promised)
         return false; /* not on the books, or waiting for room already */
     if (cl <= q->body_reserved)
         return true;
-    uint64_t max = s->lim.max_inflight_body_bytes;
+    uint64_t max = s->lim.max_inflight_body_bytes, more = cl - q->body_reserved;
     books_lock(b);
     uint64_t cur = atomic_load_explicit(&b->body_bytes, memory_order_relaxed) + b->promised;
-    bool ok = max == 0 || cur + (cl - q->body_reserved) <= max / 2;
+    uint64_t naddrs = b->naddrs + (q->addr->held == 0); /* this one's counted too */
+    bool ok = max == 0 || (cur + more <= max / 2 && q->addr->held + more <= max / 2 / naddrs);
     if (ok)
-        books_move(b, q, (int64_t)(cl - q->body_reserved));
+        books_move(b, q, (int64_t)more);
     books_unlock(b);
     return ok;
 }
@@ -1029,7 +1042,7 @@ static void body_presize(net_conn_t *c, size_t arrived)
         return;
     bool quarter = (uint64_t)arrived * 4 >= (uint64_t)cl;
     if (!quarter) {
-        if (q->whole_tried || (uint64_t)cl > 2 * (uint64_t)c->last_body)
+        if (q->whole_tried || (uint64_t)cl > 2 * (uint64_t)q->prev_body)
             return;
         q->whole_tried = true;
         if (!budget_take_whole(c, (uint64_t)cl))
@@ -1695,6 +1708,7 @@ static void conn_msg_done(net_conn_t *c)
                            q->r.content_length <= BODY_PRESIZE_MAX
                        ? (uint32_t)q->r.content_length
                        : 0;
+    c->head_first = c->last_body >= HEAD_FIRST_MIN;
     budget_body_done(c->srv, q);
     c->phase = PH_WAIT;
     /* While the response is produced, watch for a client that stops reading it. */
@@ -1742,6 +1756,12 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
             c->req = req_get(c);
             c->phase = PH_HEAD;
             c->head_len = 0;
+            /* What the last request left is this one's to use, once (a request answered from
+             * its head, or with no body, leaves nothing); its first read was the head-first
+             * one, if any. */
+            c->req->prev_body = c->last_body;
+            c->last_body = 0;
+            c->head_first = false;
             if (!c->first_request)
                 conn_arm(c, s->lim.client_header_timeout_ms);
             continue;
@@ -1861,19 +1881,14 @@ out:
  * copied. Only what the body still lacks, so the next request's bytes never land in it; and
  * never while earlier bytes wait in `pending` (they come first). */
 #define READ_INTO_MIN (16 * 1024)
-/* On a connection whose last body was this long or longer, the next request's first read takes
- * its head alone (as long as the last one's, and a little more): the head is parsed, the body
- * sized (body_presize) and read straight into its buffer. One read more, and the first 64 KiB
- * of the body not copied out of the loop's buffer. */
-#define HEAD_FIRST_MIN (32 * 1024)
-#define HEAD_FIRST_SLACK 128
 
 static char *sock_read_target(net_sock_t *sk, size_t *len)
 {
     net_conn_t *c = sk->owner;
     req_impl_t *q = c->req;
-    if (c->phase == PH_IDLE && c->last_body >= HEAD_FIRST_MIN && c->last_head && !c->pending.len &&
-        !c->in_feed && !c->wait_drain) {
+    if (c->phase == PH_IDLE && c->head_first && c->last_head && !c->pending.len && !c->in_feed &&
+        !c->wait_drain) {
+        c->head_capped = true; /* counted once bytes come (libuv may ask, and find none) */
         *len = c->last_head + HEAD_FIRST_SLACK;
         return NULL;
     }
@@ -1897,6 +1912,10 @@ static char *sock_read_target(net_sock_t *sk, size_t *len)
 static void sock_read(net_sock_t *sk, const char *p, size_t n)
 {
     net_conn_t *c = sk->owner;
+    if (c->head_capped) {
+        c->head_capped = false;
+        c->srv->head_reads++;
+    }
     if (c->phase == PH_BODY && (c->body_paused || c->budget_wait)) {
         dp_buf_append(&c->pending, p, n);
         net_sock_read_stop(sk);
@@ -2160,6 +2179,11 @@ void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason))
 uint64_t net_server_body_bytes(const net_server_t *s)
 {
     return atomic_load(&s->shared->body_bytes);
+}
+
+uint64_t net_server_head_reads(const net_server_t *s)
+{
+    return s->head_reads;
 }
 
 uint16_t net_server_port(const net_server_t *s)

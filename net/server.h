@@ -163,6 +163,9 @@ size_t net_server_inflight(const net_server_t *s);
 void net_server_on_overload(net_server_t *s, void (*cb)(const char *reason));
 /* Bytes of buffered request bodies reserved right now (max_inflight_body_bytes). */
 uint64_t net_server_body_bytes(const net_server_t *s);
+/* First reads of a request taken at a head's length, so that a long body after it is read
+ * straight into its own buffer (since start). */
+uint64_t net_server_head_reads(const net_server_t *s);
 /* The handler keeps the request's body past the request (a worker thread still reads it after
  * the client left): the request's share of the body budget moves to the caller, who gives it
  * back with net_server_return_body_budget once the body is freed. Returns the bytes taken.

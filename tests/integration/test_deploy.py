@@ -80,7 +80,14 @@ ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os
 # resolve (RFC 2606), so it can never pull something real by accident.
 APP_PLACEHOLDER_IMAGE = "registry.example/your-app:latest"
 
-DRAIN_S = 30  # detproxy run: SIGTERM drains in-flight requests for up to 30 s (docs/requests.md §5)
+# detproxy run: SIGTERM drains in-flight requests for up to limits.shutdown_timeout_ms, 30 s by
+# default (docs/requests.md §5).
+DRAIN_S = 30
+
+
+def drain_s(cfg):
+    """The drain of a detproxy config, in seconds (rounded up)."""
+    return -(-cfg.get("limits", {}).get("shutdown_timeout_ms", DRAIN_S * 1000) // 1000)
 BOOL_FLAGS = {"-h", "--help", "--json", "--list", "--progress", "--no-progress"}
 # Keys of a detproxy config whose values are file paths (docs/configuration.md).
 LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\])$")
@@ -905,14 +912,15 @@ def check_k8s_run_containers(m):
                 need(hg["path"] in want[kind], "%s: %s path %s, expected %s" % (
                     w, kind, hg["path"], " or ".join(sorted(want[kind]))))
             grace = pod.get("terminationGracePeriodSeconds", 30)
-            need(grace > DRAIN_S, "%s: terminationGracePeriodSeconds %d does not cover "
-                 "detproxy's %d s drain" % (w, grace, DRAIN_S))
+            drain = drain_s(cfg)
+            need(grace > drain, "%s: terminationGracePeriodSeconds %d does not cover "
+                 "detproxy's %d s drain" % (w, grace, drain))
             pre = prestop_seconds(c)
             if not LOOPBACK.match(lh):
                 need(pre >= 1, "%s: serves clients through a Service: needs a preStop sleep so "
                      "that the endpoint removal propagates before SIGTERM" % w)
-            need(pre + DRAIN_S < grace, "%s: preStop %ss + %d s drain does not fit in "
-                 "terminationGracePeriodSeconds %d" % (w, pre, DRAIN_S, grace))
+            need(pre + drain < grace, "%s: preStop %ss + %d s drain does not fit in "
+                 "terminationGracePeriodSeconds %d" % (w, pre, drain, grace))
             # Discovery names a headless Service that reaches the replica and agent ports.
             for p in cfg.get("pools", []):
                 disc = p.get("discovery")
@@ -2229,6 +2237,11 @@ def test_checks_catch_mistakes():
         ("grace period shorter than the drain", check_k8s_run_containers,
          lambda m: next(_containers_named(m, "detproxy"))[2].__setitem__(
              "terminationGracePeriodSeconds", 30), r"terminationGracePeriodSeconds"),
+        ("a drain longer than the grace period", check_k8s_run_containers,
+         lambda m: _cm_json(m, "detproxy-config", "gateway.json",
+                            lambda c: c.setdefault("limits", {}).__setitem__(
+                                "shutdown_timeout_ms", 60000)),
+         r"60 s drain"),
         ("discovery port not on the Service", check_k8s_run_containers,
          lambda m: _cm_json(m, "detproxy-config", "gateway.json",
                             lambda c: c["pools"][0]["discovery"].__setitem__("port", 8001)),

@@ -258,8 +258,8 @@ def is_engine_take(head, body):
     """Is this etcd request a member's take of an engine key (a transaction putting it)?"""
     if b"/v3/kv/txn" not in head or b"request_put" not in body:
         return False
-    put = json.loads(body)["success"][0]["request_put"]
-    return base64.b64decode(put["key"]).startswith(b"/detproxy/t/engines/")
+    return any(base64.b64decode(op["request_put"]["key"]).startswith(b"/detproxy/t/engines/")
+               for op in json.loads(body).get("success", []) if "request_put" in op)
 
 
 class LoseATake(etcdutil.RequestRelay):
@@ -676,6 +676,45 @@ class HoldATake(etcdutil.RequestRelay):
         return True
 
 
+def two_engine_member(cluster, name, endpoints):
+    """Member `name` in front of two llama.cpp-like engines, pools p (MODEL) and p2 (m2), that
+    reaches etcd through `endpoints`, checked at its start on both. The member and the sims."""
+    sim = llamacpp_sim()
+    other = start_sim("--model", "m2", "--flavor", "llamacpp", "--token-delay-ms", "20",
+                      "--finish-abandoned")
+    px = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
+                            pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
+                     limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, name, ttl=3000,
+                                                          endpoints=endpoints))
+    poll_until(lambda: checks(px, result="idle") >= 2, what="the checks at the member's start")
+    return px, sim, other
+
+
+def relay_running(px, other):
+    """An admin relay through px on the second engine, generating (about 3 s, longer on slow
+    builds): its thread and result."""
+    t, x = in_background(lambda: http(
+        "POST", px.admin_port, "/admin/relay/v1/completions",
+        body=json.dumps({"model": "m2", "prompt": "x", "max_tokens": int(150 * SLOW),
+                         "temperature": 1, "seed": 1}),
+        headers={"content-type": "application/json", "x-detproxy-relay-pool": "p2",
+                 "x-detproxy-relay-replica": "r1"}, timeout=40 * SLOW))
+    poll_until(lambda: sim_stats(other)["inflight"] == 1, what="the relay generating")
+    return t, x
+
+
+def asked_and_left(px, sent):
+    """A client request for the first engine through px, which leaves (499) once `sent` (an
+    Event set when px asked etcd for the engine's key) is set."""
+    c = socket.create_connection(("127.0.0.1", px.port))
+    body = json.dumps({"model": MODEL, "prompt": "y", "max_tokens": 2, "temperature": 0}).encode()
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert sent.wait(10), "no take of the engine's key"
+    c.close()  # the client leaves: nothing waits for the engine any more
+    px.wait_log(lambda l: l.get("msg") == "access" and l.get("status") == 499)
+
+
 def test_a_take_answered_once_a_stop_has_its_clients_answered_starts_no_check():
     """A member stopping gracefully waits for what it runs itself on one engine (a relay) after
     its clients are answered. A take of another engine it sent before then, with no clean mark
@@ -683,23 +722,9 @@ def test_a_take_answered_once_a_stop_has_its_clients_answered_starts_no_check():
     would only hold the exit up, as nothing of its own starts any more) and lets the key go on
     unmarked."""
     cluster = etcdutil.EtcdCluster(1)
-    sim = llamacpp_sim()
-    other = start_sim("--model", "m2", "--flavor", "llamacpp", "--token-delay-ms", "20",
-                      "--finish-abandoned")
     hold = HoldATake(cluster.endpoints()[0])
-    a = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
-                           pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
-                    limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, "gw-a", ttl=3000,
-                                                         endpoints=[hold.url()]))
-    wait_members([a], 1)
-    poll_until(lambda: checks(a, result="idle") >= 2, what="the checks at the member's start")
-    t, x = in_background(lambda: http(
-        "POST", a.admin_port, "/admin/relay/v1/completions",
-        body=json.dumps({"model": "m2", "prompt": "x", "max_tokens": 150, "temperature": 1,
-                         "seed": 1}),
-        headers={"content-type": "application/json", "x-detproxy-relay-pool": "p2",
-                 "x-detproxy-relay-replica": "r1"}, timeout=40))  # 3 s on the other engine
-    poll_until(lambda: sim_stats(other)["inflight"] == 1, what="the relay generating")
+    a, sim, other = two_engine_member(cluster, "gw-a", [hold.url()])
+    t, x = relay_running(a, other)
     # The engine's key let go of, its clean mark gone as a holder that died would leave it.
     poll_until(lambda: not [e for e in fleet(a)["engines"] if e["held"] and "%d" % sim.port in
                             e["engine"]], what="the engine's key let go of")
@@ -707,20 +732,14 @@ def test_a_take_answered_once_a_stop_has_its_clients_answered_starts_no_check():
                                         "range_end": etcdutil.b64("/detproxy/t/idle0")})
     assert not cluster.get_prefix("/detproxy/t/idle/")
     hold.armed = True
-    c = socket.create_connection(("127.0.0.1", a.port))
-    body = json.dumps({"model": MODEL, "prompt": "y", "max_tokens": 2, "temperature": 0}).encode()
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    assert hold.held.wait(10), "no take of the engine's key"
-    c.close()  # the client leaves: nothing waits for the engine any more
-    a.wait_log(lambda l: l.get("msg") == "access" and l.get("status") == 499)
+    asked_and_left(a, hold.held)
     before = (fleet_checks(a), len(a.find_logs("fleet_engine_checking")))  # the first takes'
     a.popen.send_signal(signal.SIGTERM)
     drained = a.wait_log(lambda l: l.get("msg") == "drained")
     assert drained["single_sequence_running"] == 1, drained  # the relay
     hold.go.set()
     a.wait_log("fleet_engine_unchecked_at_stop")
-    assert a.wait(30) == 0
+    assert a.wait(60 * SLOW) == 0
     t.join(30)
     assert x["r"].status == 200, x
     a.check_sanitizer()
@@ -728,6 +747,58 @@ def test_a_take_answered_once_a_stop_has_its_clients_answered_starts_no_check():
         a.find_logs("engine_start_check")
     assert sim_stats(sim)["requests"] == 0, sim_stats(sim)  # nothing ran on the engine taken
     cluster.stop()
+
+
+class CountTakes(etcdutil.RequestRelay):
+    """Passes every request on, and notes when each engine key's take came."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.takes = []
+        self.sent = threading.Event()
+
+    def step(self, c, u, head, body):
+        if is_engine_take(head, body):
+            with self.lock:
+                self.takes.append(time.monotonic())
+            self.sent.set()
+        return True
+
+
+def test_a_member_stopping_takes_no_key_its_clients_no_longer_want():
+    """A request through a waits for the engine's key, which b holds, and leaves; a is stopped
+    while it runs a relay on another engine. From its `drained` on, a sends no take of the
+    engine's key, though it still wanted it: nothing of its own starts there any more (before,
+    it tried every 100 ms, and took the key once b let go of it)."""
+    cluster = etcdutil.EtcdCluster(1)
+    count = CountTakes(cluster.endpoints()[0])
+    a, sim, other = two_engine_member(cluster, "gw-a", [count.url()])
+    b = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
+                           pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
+                    limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, "gw-b", ttl=3000))
+    wait_members([a, b], 2)
+    poll_until(lambda: checks(b, result="idle") >= 2, what="b's checks at its start")
+    tb, xb = in_background(lambda: post_json(b.port, "/v1/completions",
+                                             json.loads(sampled(int(75 * SLOW)))))  # 1.5 s
+    poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="b's request generating")
+    t, x = relay_running(a, other)
+    count.sent.clear()
+    asked_and_left(a, count.sent)
+    a.popen.send_signal(signal.SIGTERM)
+    a.wait_log(lambda l: l.get("msg") == "drained")
+    drained = time.monotonic()
+    tb.join(30 * SLOW)
+    assert xb["r"].status == 200, xb
+    assert a.wait(60 * SLOW) == 0
+    t.join(30)
+    assert x["r"].status == 200, x
+    a.check_sanitizer()
+    # A take sent just before `drained` may reach the relay a little after it; one sent after
+    # comes a retry period (100 ms) or more later.
+    late = [w - drained for w in count.takes if w > drained + 0.1]
+    assert not late, "takes %s s after drained" % ["%.2f" % d for d in late]
+    assert sim_stats(sim)["max_inflight_seen"] == 1
+    stop_all(cluster, b)
 
 
 def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():

@@ -639,6 +639,7 @@ Test(config, defaults_match_the_spec)
     cr_assert_eq(l->client_body_timeout_ms, 60000);
     cr_assert_eq(l->max_response_rewrite_bytes, 16777216);
     cr_assert_eq(l->max_pending_handshakes, 1000);
+    cr_assert_eq(l->shutdown_timeout_ms, 30000);
     cr_assert_eq(cfg->attestation.interval_ms, 10000);
     cr_assert_eq(cfg->attestation.timeout_ms, 2000);
     cr_assert_eq(cfg->attestation.require_signature, false);

@@ -4,6 +4,7 @@
 #define _GNU_SOURCE /* memmem */
 #include "net_harness.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -312,6 +313,16 @@ Test(net_server, a_body_read_straight_into_its_buffer_keeps_its_bytes_and_the_ne
     raw_close(&c);
 }
 
+/* Send a /peek request's head and the first 1,000 bytes of its body, and wait until the server
+ * holds them (g_req: the request). */
+static void peek_with_1000_in(raw_t *c, const char *head, const char *body)
+{
+    g_req = NULL;
+    raw_sends(c, head);
+    raw_send(c, body, 1000);
+    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+}
+
 /* A connection whose last body came whole gets the whole-size buffer for a next one up to
  * twice as long on its first bytes (and the rest read straight into it), all of it reserved in
  * the body budget then. Longer than that, the quarter rule holds as on a new connection. */
@@ -327,23 +338,50 @@ Test(net_server, a_connection_whose_last_body_came_whole_gets_the_next_ones_buff
     raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
     raw_send(&c, body, LEN);
     RUN_UNTIL(g_completes == 1 && raw_count(&c, "HTTP/1.1 200 OK") == 1);
-    g_req = NULL;
-    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 400000\r\n\r\n");
-    raw_send(&c, body, 1000);
-    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    peek_with_1000_in(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 400000\r\n\r\n", body);
     cr_assert_eq(g_req->body.cap, (size_t)2 * LEN + 1, "capacity %zu with 1,000 bytes in",
                  g_req->body.cap);
     cr_assert_eq(net_server_body_bytes(g_srv), (uint64_t)2 * LEN);
+    cr_assert_eq(net_server_head_reads(g_srv), 1, "the head was not read on its own");
     raw_send(&c, body, 2 * LEN - 1000);
     RUN_UNTIL(g_completes == 2 && raw_count(&c, "HTTP/1.1 200 OK") == 2);
     cr_assert_eq(g_body_cap, (size_t)2 * LEN + 1);
-    g_req = NULL;
-    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 800001\r\n\r\n");
-    raw_send(&c, body, 1000);
-    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    peek_with_1000_in(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 800001\r\n\r\n", body);
     cr_assert_leq(g_req->body.cap, 4096, "capacity %zu for 1,000 bytes in", g_req->body.cap);
     raw_send(&c, body, 4 * LEN + 1 - 1000);
     RUN_UNTIL(g_completes == 3);
+    cr_assert_eq(net_server_head_reads(g_srv), 2);
+    raw_close(&c);
+}
+
+/* The head-first read is once per long body, and "the last body" is the last request's: long
+ * POST, then requests answered from their heads (pipelined, one segment), then a long POST
+ * again. One read is taken at a head's length (the first after the long body), and the second
+ * long body is not given its whole buffer at once: the request before it had no body. */
+Test(net_server, only_the_request_right_after_a_long_body_is_read_head_first)
+{
+    enum { LEN = 200000, EARLY = 50 };
+    net_server_limits_t l = limits();
+    srv_start(&l);
+    raw_t c;
+    raw_connect(&c, net_server_port(g_srv));
+    static char body[LEN];
+    memset(body, 'a', sizeof(body));
+    raw_sends(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    raw_send(&c, body, LEN);
+    RUN_UNTIL(g_completes == 1 && raw_count(&c, "HTTP/1.1 200 OK") == 1);
+    static const char early[] = "GET /early HTTP/1.1\r\nHost: x\r\n\r\n";
+    dp_buf_t many = {0};
+    for (int i = 0; i < EARLY; i++)
+        dp_buf_append(&many, early, sizeof(early) - 1);
+    raw_send(&c, many.base, many.len);
+    RUN_UNTIL(raw_count(&c, "HTTP/1.1 403") == EARLY);
+    cr_assert_eq(net_server_head_reads(g_srv), 1, "%" PRIu64 " reads at a head's length",
+                 net_server_head_reads(g_srv));
+    peek_with_1000_in(&c, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n", body);
+    cr_assert_leq(g_req->body.cap, 4096, "capacity %zu for 1,000 bytes in", g_req->body.cap);
+    cr_assert_eq(net_server_head_reads(g_srv), 1);
+    dp_buf_free(&many);
     raw_close(&c);
 }
 
@@ -366,10 +404,7 @@ Test(net_server, a_body_is_sized_at_once_only_while_the_budget_has_room_for_all_
     RUN_UNTIL(g_completes == 1 && raw_count(&a, "HTTP/1.1 200 OK") == 1);
     RUN_UNTIL(net_server_body_bytes(g_srv) == 0);
     /* An empty budget: all 250,000 bytes reserved, under half of it. */
-    g_req = NULL;
-    raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n");
-    raw_send(&a, body, 1000);
-    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    peek_with_1000_in(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n", body);
     cr_assert_eq(g_req->body.cap, 250001, "capacity %zu with 1,000 bytes in", g_req->body.cap);
     cr_assert_eq(net_server_body_bytes(g_srv), 250000);
     raw_send(&a, body, 249000);
@@ -381,10 +416,7 @@ Test(net_server, a_body_is_sized_at_once_only_while_the_budget_has_room_for_all_
     raw_send(&b, body, LEN / 2);
     RUN_UNTIL(net_server_body_bytes(g_srv) >= LEN / 2);
     uint64_t held = net_server_body_bytes(g_srv);
-    g_req = NULL;
-    raw_sends(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n");
-    raw_send(&a, body, 1000);
-    RUN_UNTIL(g_req != NULL && g_req->body.len == 1000);
+    peek_with_1000_in(&a, "POST /peek HTTP/1.1\r\nHost: x\r\nContent-Length: 250000\r\n\r\n", body);
     cr_assert_leq(g_req->body.cap, 4096, "capacity %zu for 1,000 bytes in", g_req->body.cap);
     cr_assert_lt(net_server_body_bytes(g_srv), held + 250000);
     raw_close(&a);
