@@ -143,7 +143,7 @@ struct net_conn_s {
     uint32_t last_head;     /* the last request's head: its length */
     uint32_t last_body;     /* the last request's body, buffered whole: its Content-Length */
     bool head_first;        /* the next request's first read takes a head's length */
-    bool head_capped;       /* the read asked for was so */
+    bool head_capped;       /* the read libuv asks for now is the head-first one */
     int closes_pending;
     bool keep_alive;
     bool first_request;
