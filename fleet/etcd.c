@@ -149,7 +149,8 @@ static void etcd_closed(uv_handle_t *h)
     free(e);
 }
 
-/* Each call still in flight ends with a failure now, so its owner frees what it passed. */
+/* Each call still in flight ends with a failure (`why`) now, so its owner frees what it passed,
+ * and the watch stops. */
 static void calls_cancel(fleet_etcd_t *e, const char *why)
 {
     while (e->calls) {
@@ -159,12 +160,12 @@ static void calls_cancel(fleet_etcd_t *e, const char *why)
         c->f = NULL;
         call_finish(c, NULL, why);
     }
+    fleet_etcd_watch_stop(e);
 }
 
 void fleet_etcd_cancel(fleet_etcd_t *e)
 {
     calls_cancel(e, "canceled: its caller stops");
-    fleet_etcd_watch_stop(e);
 }
 
 void fleet_etcd_free(fleet_etcd_t *e)
@@ -173,7 +174,6 @@ void fleet_etcd_free(fleet_etcd_t *e)
         return;
     e->freeing = true;
     calls_cancel(e, "canceled: the etcd client is closing");
-    fleet_etcd_watch_stop(e);
     for (size_t i = 0; i < e->neps; i++) {
         if (e->eps[i].up)
             net_upstream_free(e->eps[i].up);
@@ -218,7 +218,6 @@ void fleet_etcd_free_after(fleet_etcd_t *e, const char *path, const dp_buf_t *bo
                            uint32_t limit_ms, fleet_etcd_cb cb, void *data)
 {
     calls_cancel(e, "canceled: the etcd client is closing");
-    fleet_etcd_watch_stop(e);
     e->last_cb = cb;
     e->last_data = data;
     /* To every endpoint at once: the one calls went to may be the one that just went away, and

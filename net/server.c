@@ -141,8 +141,8 @@ struct net_conn_s {
     uint64_t last_read;     /* uv_now() of the last read, for idle checks in BODY */
     uint32_t head_len;      /* the request's head bytes so far */
     uint32_t last_head;     /* the last request's head: its length */
-    uint32_t last_body;     /* the last request's body, buffered whole: its Content-Length */
-    bool head_first;        /* the next request's first read takes a head's length */
+    uint32_t last_body;     /* the last request's body, buffered whole: its Content-Length (0 once
+                             * the next request starts, which keeps it as prev_body) */
     bool head_capped;       /* the read libuv asks for now is the head-first one */
     int closes_pending;
     bool keep_alive;
@@ -1708,7 +1708,6 @@ static void conn_msg_done(net_conn_t *c)
                            q->r.content_length <= BODY_PRESIZE_MAX
                        ? (uint32_t)q->r.content_length
                        : 0;
-    c->head_first = c->last_body >= HEAD_FIRST_MIN;
     budget_body_done(c->srv, q);
     c->phase = PH_WAIT;
     /* While the response is produced, watch for a client that stops reading it. */
@@ -1761,7 +1760,6 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
              * one, if any. */
             c->req->prev_body = c->last_body;
             c->last_body = 0;
-            c->head_first = false;
             if (!c->first_request)
                 conn_arm(c, s->lim.client_header_timeout_ms);
             continue;
@@ -1886,8 +1884,8 @@ static char *sock_read_target(net_sock_t *sk, size_t *len)
 {
     net_conn_t *c = sk->owner;
     req_impl_t *q = c->req;
-    if (c->phase == PH_IDLE && c->head_first && c->last_head && !c->pending.len && !c->in_feed &&
-        !c->wait_drain) {
+    if (c->phase == PH_IDLE && c->last_body >= HEAD_FIRST_MIN && c->last_head && !c->pending.len &&
+        !c->in_feed && !c->wait_drain) {
         c->head_capped = true; /* counted once bytes come (libuv may ask, and find none) */
         *len = c->last_head + HEAD_FIRST_SLACK;
         return NULL;

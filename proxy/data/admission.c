@@ -391,10 +391,9 @@ static void kept_slot_drained(void *kept, uint64_t left_ms)
         hold_new(k, left_ms);
         return;
     }
-    if (stopped)
+    if (stopped || ran_out)
         atomic_store(&e->unsure, true);
     if (ran_out) {
-        atomic_store(&e->unsure, true);
         dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "slot_drain_timeout");
         if (w) {
             dp_jw_str(w, "engine", e->label);

@@ -676,12 +676,13 @@ class HoldATake(etcdutil.RequestRelay):
         return True
 
 
-def two_engine_member(cluster, name, endpoints):
-    """Member `name` in front of two llama.cpp-like engines, pools p (MODEL) and p2 (m2), that
-    reaches etcd through `endpoints`, checked at its start on both. The member and the sims."""
-    sim = llamacpp_sim()
-    other = start_sim("--model", "m2", "--flavor", "llamacpp", "--token-delay-ms", "20",
-                      "--finish-abandoned")
+def two_engine_member(cluster, name, endpoints=None, sims=None):
+    """Member `name` in front of two llama.cpp-like engines (`sims`, or two made here), pools p
+    (MODEL) and p2 (m2), that reaches etcd through `endpoints`, checked at its start on both.
+    The member and the sims."""
+    sim, other = sims or (llamacpp_sim(), start_sim("--model", "m2", "--flavor", "llamacpp",
+                                                    "--token-delay-ms", "20",
+                                                    "--finish-abandoned"))
     px = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
                             pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
                      limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, name, ttl=3000,
@@ -773,11 +774,8 @@ def test_a_member_stopping_takes_no_key_its_clients_no_longer_want():
     cluster = etcdutil.EtcdCluster(1)
     count = CountTakes(cluster.endpoints()[0])
     a, sim, other = two_engine_member(cluster, "gw-a", [count.url()])
-    b = start_proxy(pools=[pool("p", [MODEL], [sim], manifest=LLAMA),
-                           pool("p2", ["m2"], [other], manifest=dict(LLAMA, model="m2"))],
-                    limits=LONG_ANSWERS, fleet=fleet_cfg(cluster, "gw-b", ttl=3000))
+    b, _, _ = two_engine_member(cluster, "gw-b", sims=(sim, other))
     wait_members([a, b], 2)
-    poll_until(lambda: checks(b, result="idle") >= 2, what="b's checks at its start")
     tb, xb = in_background(lambda: post_json(b.port, "/v1/completions",
                                              json.loads(sampled(int(75 * SLOW)))))  # 1.5 s
     poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="b's request generating")
