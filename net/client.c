@@ -600,6 +600,10 @@ static bool uconn_head_done(uconn_t *c, bool more)
         return false;
     }
     c->phase = UC_BODY;
+    /* A body of unknown length (an SSE answer) may run for minutes: the head's names and values
+     * are given back now rather than held that long. A trailer section starts them afresh. */
+    if (c->framing.content_length < 0)
+        net_hdrs_free(&c->hd);
     c->last_read = uv_now(c->up->loop);
     uconn_arm(c, c->up->o.idle_timeout_ms);
     return true;
@@ -1159,6 +1163,12 @@ bool net_creq_sent(const net_creq_t *r)
     const uconn_t *c = ((const creq_t *)r)->c;
     return c && c->phase != UC_CONNECTING && c->phase != UC_CLOSED && !c->held && c->req_ended &&
            net_client_creq_pending(r) == 0;
+}
+
+bool net_creq_lends(const net_creq_t *r)
+{
+    const uconn_t *c = ((const creq_t *)r)->c;
+    return c && c->nlent > 0;
 }
 
 /* ---- drains -------------------------------------------------------------------------------- */

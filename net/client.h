@@ -148,6 +148,9 @@ size_t net_client_creq_pending(const net_creq_t *r);
 /* Every byte of the request has left: none waits for the connect, a release or the socket, and
  * the caller ended it. The upstream may be working on it. */
 bool net_creq_sent(const net_creq_t *r);
+/* The exchange still means to send the caller's start bytes from where they lie
+ * (start_bufs_kept): they must stay put until it no longer does. */
+bool net_creq_lends(const net_creq_t *r);
 bool net_creq_over(const net_creq_t *r);
 
 /* Drains. An exchange whose owner has gone may still be at work upstream: an engine that

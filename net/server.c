@@ -2399,6 +2399,18 @@ static inline req_impl_t *impl(net_req_t *r)
     return dp_container_of(r, req_impl_t, r);
 }
 
+void net_req_drop_body(net_req_t *req)
+{
+    req_impl_t *q = impl(req);
+    if (!q->body_done)
+        return;
+    budget_release(req->conn->srv, q);
+    if (q->r.body.cap >= DP_BUF_STASH_MIN)
+        dp_buf_release(&q->r.body); /* to the thread's stash, as req_put does */
+    else
+        dp_buf_free(&q->r.body);
+}
+
 uint64_t net_req_take_body_budget(net_req_t *req)
 {
     req_impl_t *q = impl(req);
@@ -2519,7 +2531,8 @@ static int resp_emit(net_req_t *req, const char *pre, size_t prelen, const char 
     req_impl_t *q = impl(req);
     uv_buf_t bufs[4];
     unsigned nb = 0;
-    if (q->resp_head_pending) {
+    bool head = q->resp_head_pending;
+    if (head) {
         bufs[nb++] = uv_buf_init(q->out.base, (unsigned)q->out.len);
         q->resp_head_pending = false;
         cork_remove(req->server, q);
@@ -2533,6 +2546,10 @@ static int resp_emit(net_req_t *req, const char *pre, size_t prelen, const char 
     if (nb == 0)
         return 0;
     int r = net_sock_write(&req->conn->sock, bufs, nb);
+    /* The socket keeps no pointer into the head. A body of unknown length (an SSE answer) may
+     * run for minutes: its head's buffer is given back now rather than held that long. */
+    if (head && q->resp_remaining < 0)
+        dp_buf_free(&q->out);
     if (r != 0) {
         net_conn_t *c = req->conn;
         conn_close(c);

@@ -181,6 +181,13 @@ const net_header_t *net_req_header(const net_req_t *req, const char *name);
  * absent, -1 when an escape is malformed or is %00. out may hold memory in every case. */
 int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out);
 
+/* The handler will not read req->body again (its answer streams, and nothing resends or stores
+ * the bytes): the buffer goes, and its share of the body budget (docs/configuration.md,
+ * max_inflight_body_bytes) is given back now rather than when the answer ends, which for a
+ * streamed answer may be minutes later. req->body is empty after. A no-op while the body is
+ * still being read. */
+void net_req_drop_body(net_req_t *req);
+
 /* NET_BODY_STREAM backpressure: stop / restart reading the client's body. */
 void net_req_pause_body(net_req_t *req);
 void net_req_resume_body(net_req_t *req);

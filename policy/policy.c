@@ -330,6 +330,33 @@ void policy_req_trim(policy_req_t *r)
     dp_buf_free(&r->canon);
 }
 
+void policy_req_forget_body(policy_req_t *r, policy_result_t *res)
+{
+    policy_req_trim(r);
+    dp_buf_free(&r->edits);
+    dp_buf_free(&r->flat);
+    r->flat_ok = false;
+    free(r->parts);
+    r->parts = NULL;
+    r->parts_cap = 0;
+    r->whole = (dp_iovec_t){NULL, 0};
+    EVP_MD_CTX_free(r->mdctx);
+    r->mdctx = NULL;
+    res->parts = NULL;
+    res->nparts = 0;
+    /* The changes stay, in storage of their own size (a stream holds them to its end). */
+    if (r->changes_cap > res->nchanges) {
+        r->changes_cap = (uint32_t)res->nchanges;
+        if (res->nchanges == 0) {
+            free(r->changes);
+            r->changes = NULL;
+        } else {
+            r->changes = dp_xrealloc(r->changes, res->nchanges * sizeof(*r->changes));
+        }
+        res->changes = r->changes;
+    }
+}
+
 void policy_req_free(policy_req_t *r)
 {
     if (r == NULL)

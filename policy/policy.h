@@ -182,6 +182,11 @@ void policy_req_reset(policy_req_t *r);
  * token tape and the canonical-form staging are freed (the next parse allocates them again).
  * For a request that lives long, a stream, which would otherwise hold them to its end. */
 void policy_req_trim(policy_req_t *r);
+/* The forwarded body is done with (its answer began, and nothing resends or stores it): the
+ * new bytes and the parts that point into the client's body are freed, and res no longer has
+ * parts (policy_body may not be called). The model and the changes stay, for the access line.
+ * The next request allocates them again. */
+void policy_req_forget_body(policy_req_t *r, policy_result_t *res);
 void policy_req_free(policy_req_t *r);
 
 /* Stop policy_parse once the body holds more than `values` JSON values' worth of work (an
@@ -383,14 +388,24 @@ struct policy_usage {
     uint8_t klen; /* bytes of the current string kept in key; 0xff: not a plain short key */
     char key[8];
     uint16_t depth;
+    /* The usage object being read: clen bytes so far. One that ends in the read it began in is
+     * read where it lies; one cut by a read's end is copied to cap (POLICY_USAGE_CAP bytes,
+     * allocated then and freed when it is read or dropped), so a stream carries no copy
+     * between its events. */
     uint16_t clen;
-    char cap[512]; /* the usage object being captured */
+    char *cap;
     bool found;
     bool taken; /* read from a parsed body's top level: feeding more changes nothing */
     int64_t prompt_tokens, completion_tokens;
 };
 
+/* The most bytes a usage object may have; a longer one is skipped, as no engine's is. */
+#define POLICY_USAGE_CAP 512
+
 void policy_usage_feed(policy_usage_t *u, const char *p, size_t n);
+/* Let go of a usage object cut mid-way (the body ended or was abandoned there). The counts
+ * found stay; u may be fed again. */
+void policy_usage_free(policy_usage_t *u);
 
 /* ---- audit (docs/policy.md §7) --------------------------------------------------------------- */
 

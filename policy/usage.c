@@ -1,14 +1,18 @@
 /* Token usage from responses, for detproxy_tokens_total and the access log's tokens
  * (docs/operations.md §6): an incremental scanner over a response body, JSON or SSE, that finds
  * each `"usage": {...}` object and keeps the last one's prompt and completion counts (the
- * Responses API's input_tokens and output_tokens are the same two). Only the usage object
- * itself is copied (at most sizeof cap bytes); between strings the scan jumps to the next
- * quote, inside one to the next quote, backslash or newline; in an event stream a line end also
- * ends a copy, as an event cut inside a usage object. A body parsed whole for its fingerprint
- * whose one usage object is a top-level member gives it from that parse, and is not scanned. */
+ * Responses API's input_tokens and output_tokens are the same two). A usage object is read
+ * where it lies, and copied only when a read ends inside it (at most POLICY_USAGE_CAP bytes);
+ * between strings the scan jumps to the next quote, inside one to the next quote, backslash or
+ * newline; in an event stream a line end also ends an object, as an event cut inside a usage
+ * object. A body parsed whole for its fingerprint whose one usage object is a top-level member
+ * gives it from that parse, and is not scanned. */
 #include <assert.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "common/buf.h"
 
 #include "policy/policy_int.h"
 
@@ -54,15 +58,24 @@ static void read_usage(policy_usage_t *u, const jdoc_t *d, uint32_t obj)
     }
 }
 
-/* The captured object, parsed on the stack. */
-static void captured(policy_usage_t *u)
+/* A whole usage object's bytes, parsed on the stack. */
+static void captured(policy_usage_t *u, const char *obj, size_t len)
 {
     jdoc_t d;
     jtok_t toks[64];
     jdoc_init_with(&d, toks, 64);
-    if (jdoc_parse(&d, u->cap, u->clen, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0)
+    if (jdoc_parse(&d, obj, len, JDOC_OBJECT_ONLY | JDOC_ALLOW_DUPS) == 0)
         read_usage(u, &d, 0);
     jdoc_free(&d);
+}
+
+void policy_usage_free(policy_usage_t *u)
+{
+    free(u->cap);
+    u->cap = NULL;
+    u->clen = 0;
+    if (u->st == ST_CAPTURE)
+        u->st = ST_SCAN;
 }
 
 void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d)
@@ -82,7 +95,7 @@ void policy_usage_take_json(policy_usage_t *u, const jdoc_t *d)
         key = k;
     }
     if (key == JDOC_NONE || d->toks[key + 1].type != JT_OBJ ||
-        d->toks[key + 1].len > sizeof(u->cap))
+        d->toks[key + 1].len > POLICY_USAGE_CAP)
         return;
     const jtok_t *root = &d->toks[0];
     for (uint32_t k = 1; k < root->end; k = d->toks[k + 1].end) {
@@ -137,19 +150,21 @@ static inline void line_end(policy_usage_t *u)
         u->st = ST_SCAN;
 }
 
-/* Copy the usage object's bytes from p[i] on until its braces balance (then read it), the
- * input ends, it outgrows u->cap (then it is skipped, as no engine's usage is that large) or,
- * in an event stream, its line ends (then it is skipped: the event was cut). Returns the index
- * of the first byte it did not take: n, the byte after the closing brace, or the byte that
- * found the copy full or ended the line (which the scan then reads, with the string state the
- * copy kept). The state lives in locals while it runs: a store into u->cap may alias any field of
- * *u, which would otherwise be reloaded after each byte. */
+/* Take the usage object's bytes from p[i] on until its braces balance (then read it), the
+ * input ends (then what came is copied to u->cap for the next read), it outgrows
+ * POLICY_USAGE_CAP (then it is skipped, as no engine's usage is that large) or, in an event
+ * stream, its line ends (then it is skipped: the event was cut). The object's bytes from
+ * earlier reads are the u->clen in u->cap. Returns the index of the first byte it did not take:
+ * n, the byte after the closing brace, or the byte that found the object too long or ended the
+ * line (which the scan then reads, with the string state the capture kept). The state lives in
+ * locals while it runs. */
 static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
 {
     const bool sse = u->sse;
     const char cr = line_cr(u);
     bool in_str = u->in_str, esc = u->esc;
-    unsigned depth = u->depth, clen = u->clen;
+    unsigned depth = u->depth;
+    const size_t held = u->clen;
     size_t j = i;
     for (; j < n; j++) {
         char ch = p[j];
@@ -160,12 +175,11 @@ static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
                 break;
             }
         }
-        if (clen >= sizeof(u->cap)) {
+        if (held + (j - i) >= POLICY_USAGE_CAP) {
             u->st = ST_SCAN;
             u->klen = 0xff; /* a string cut here is a value's, or a key inside the object */
             break;
         }
-        u->cap[clen++] = ch;
         if (in_str) {
             if (esc)
                 esc = false;
@@ -178,17 +192,30 @@ static size_t capture(policy_usage_t *u, const char *p, size_t i, size_t n)
         } else if (ch == '{') {
             depth++;
         } else if (ch == '}' && --depth == 0) {
-            u->clen = (uint16_t)clen;
-            captured(u);
-            u->st = ST_SCAN;
             j++;
+            if (held == 0) {
+                captured(u, p + i, j - i);
+            } else {
+                memcpy(u->cap + held, p + i, j - i);
+                captured(u, u->cap, held + (j - i));
+            }
+            u->st = ST_SCAN;
             break;
         }
     }
     u->in_str = in_str;
     u->esc = esc;
     u->depth = (uint16_t)depth;
-    u->clen = (uint16_t)clen;
+    if (u->st == ST_CAPTURE) { /* the read ended inside the object */
+        if (u->cap == NULL)
+            u->cap = dp_xmalloc(POLICY_USAGE_CAP);
+        memcpy(u->cap + held, p + i, j - i);
+        u->clen = (uint16_t)(held + (j - i));
+    } else {
+        free(u->cap);
+        u->cap = NULL;
+        u->clen = 0;
+    }
     return j;
 }
 
@@ -257,10 +284,13 @@ void policy_usage_feed(policy_usage_t *u, const char *p, size_t n)
         } else if (u->st == ST_AFTER_KEY && ch == ':') {
             u->st = ST_AFTER_COLON;
         } else if (u->st == ST_AFTER_COLON && ch == '{') {
-            u->st = ST_CAPTURE;
-            u->depth = 1;
+            u->st = ST_CAPTURE; /* from this brace on */
+            u->depth = 0;
             u->clen = 0;
-            u->cap[u->clen++] = ch;
+            i = capture(u, p, i, n);
+            if (i == n)
+                return;
+            i--; /* the byte it stopped at is read next */
         } else {
             u->st = ST_SCAN;
         }

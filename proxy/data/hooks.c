@@ -19,6 +19,31 @@
 #include "proxy/obs/audit.h"
 #include "proxy/obs/otel.h"
 
+/* What only an audited tenant's request holds: its line's hashes and stored bodies, and a
+ * stream's closing event held for the line. Allocated with the request (pol_aud), so that the
+ * others, thousands of long streams among them, carry none of it. */
+typedef struct {
+    /* The forwarded body's SHA-256; its bytes, copied before the client's request (which the
+     * policy's parts point into) is let go ahead of the line: an answer begun and then cut
+     * (px_hooks_keep_forwarded). */
+    char fwd_sha[65];
+    dp_buf_t fwd_keep;
+    /* The replica's attestation evidence when the request left (its SHA-256, and with a store
+     * its bytes, unless this worker stored them already). */
+    char att_sha[65];
+    dp_buf_t att_ev;
+    dp_buf_t resp_body; /* with log.audit_store: the response's bytes, up to resp_cap */
+    /* Refused from its head: the path tried (route points here), cut at POLICY_AUDIT_ROUTE_MAX
+     * bytes, with the whole one's length and hash, and the method (no body was read). */
+    char *route_copy;
+    uint64_t route_bytes;
+    char route_sha[65];
+    const char *method;
+    /* A stream under log.audit_fail: closed (gate): its closing event, held for the line. */
+    policy_sse_end_t end;
+    dp_buf_t gate_out, end_held;
+} pol_aud_t;
+
 /* Per inference request: kept apart from px_hooks_req_t so pass-through requests stay small.
  * Objects are recycled through a free list; policy_req_t keeps its buffers across requests,
  * which makes steady-state parsing allocation-free. */
@@ -28,6 +53,7 @@ typedef struct pol_s {
     policy_result_t res;
     bool applied;
     bool audit;
+    pol_aud_t *aud; /* with audit */
     bool audited;
     bool audit_fail_open; /* log.audit_fail of the request's generation */
     bool audit_failed;    /* its line (or bodies) could not be written */
@@ -36,9 +62,9 @@ typedef struct pol_s {
     /* A stream of an audited tenant under log.audit_fail: closed: its closing event waits
      * for the audit line (px_hooks_stream_end). */
     bool gate, end_over; /* end_over: more followed the closing event than resp_cap */
-    policy_sse_end_t end;
-    dp_buf_t gate_out, end_held;
-    policy_error_t err; /* message/param outlive px_hooks_inference until the error is sent */
+    /* A refusal's (police): message/param outlive px_hooks_inference until the error is sent.
+     * Allocated then: the requests that go on, streams among them, do not carry its bytes. */
+    policy_error_t *err;
     dp_buf_t out;
     dp_buf_t in; /* offloaded requests: the client's body, moved here for the worker */
     /* Policy work on a large body runs on the libuv thread pool (see police()). */
@@ -59,26 +85,11 @@ typedef struct pol_s {
     void (*held_cb)(void *data);
     void *held_data;
     dp_sha256_ctx_t *resp_sha; /* audit tenants: hash of the response body as forwarded */
-    dp_buf_t resp_body;        /* with log.audit_store: those bytes, up to resp_cap */
     size_t resp_cap;
     bool store, resp_over;
+    bool fwd_kept;        /* aud->fwd_keep holds the forwarded body */
     policy_usage_t usage; /* token counts from the response (detproxy_tokens_total) */
-    char fwd_sha[65];
-    /* The forwarded body's bytes, copied before the client's request (which the policy's parts
-     * point into) is let go ahead of the audit line: an answer begun and then cut
-     * (px_hooks_keep_forwarded). fwd_kept: they are here. */
-    dp_buf_t fwd_keep;
-    bool fwd_kept;
-    /* audit tenants: the replica's attestation evidence when the request left (its SHA-256,
-     * and with a store its bytes, unless this worker stored them already) */
-    char att_sha[65];
-    dp_buf_t att_ev;
     const char *route;
-    char *route_copy; /* refused from its head: the path tried (route points here), cut at
-                         POLICY_AUDIT_ROUTE_MAX bytes, with the whole one's length and hash */
-    uint64_t route_bytes;
-    char route_sha[65];
-    const char *method; /* refused from its head (px_hooks_audit_head): no body was read */
     uint64_t wall_ms;
     void (*then)(void *);
     void *then_data;
@@ -116,6 +127,22 @@ static _Thread_local size_t g_nfree;
  * a call. A huge escaped prompt may grow them; they are let go past 256 KiB. */
 static _Thread_local dp_buf_t g_key, g_scratch;
 
+/* A stream's rewritten bytes, for this thread's streams in turn: each caller writes or copies
+ * them before it returns to the loop, so thousands of open streams hold no output buffer of
+ * their own. */
+static _Thread_local dp_buf_t g_sse_out;
+
+static dp_iovec_t sse_out_view(void)
+{
+    return (dp_iovec_t){g_sse_out.base ? g_sse_out.base : "", g_sse_out.len};
+}
+
+static void sse_out_trim(void)
+{
+    if (g_sse_out.cap > 256 * 1024)
+        dp_buf_free(&g_sse_out);
+}
+
 static pol_t *pol_get(void)
 {
     pol_t *p = g_free;
@@ -137,16 +164,36 @@ static pol_t *pol_get(void)
     return p;
 }
 
+/* The request is an audited tenant's. */
+static void pol_aud(pol_t *p)
+{
+    p->audit = true;
+    if (p->aud == NULL)
+        p->aud = dp_xcalloc(1, sizeof(*p->aud));
+}
+
+static void pol_aud_free(pol_t *p)
+{
+    pol_aud_t *a = p->aud;
+    if (a == NULL)
+        return;
+    free(a->route_copy);
+    dp_buf_free(&a->resp_body);
+    dp_buf_free(&a->att_ev);
+    dp_buf_free(&a->fwd_keep);
+    dp_buf_free(&a->gate_out);
+    dp_buf_free(&a->end_held);
+    policy_sse_end_free(&a->end);
+    free(a);
+    p->aud = NULL;
+}
+
 static void pol_put(pol_t *p)
 {
-    free(p->route_copy);
-    p->route_copy = NULL;
-    dp_buf_free(&p->resp_body);
-    dp_buf_free(&p->att_ev);
-    dp_buf_free(&p->fwd_keep);
-    dp_buf_free(&p->gate_out);
-    dp_buf_free(&p->end_held);
-    policy_sse_end_free(&p->end);
+    free(p->err);
+    p->err = NULL;
+    policy_usage_free(&p->usage);
+    pol_aud_free(p);
     /* A large body is not kept with a cached pol_t (256 of them would hold 64 MiB outside the
      * body budget): it goes to the thread's bounded stash, for the next large body. */
     if (p->in.cap >= DP_BUF_STASH_MIN)
@@ -188,6 +235,7 @@ void px_hooks_thread_free(void)
     g_nfree = 0;
     dp_buf_free(&g_key);
     dp_buf_free(&g_scratch);
+    dp_buf_free(&g_sse_out);
 }
 
 void px_hooks_init(px_hooks_req_t *h)
@@ -267,19 +315,20 @@ static uint32_t rate_take(const cfg_tenant_t *t)
     }
 }
 
-int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req)
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
+                         char why[PX_HOOKS_WHY_MAX])
 {
     (void)px;
     policy_error_t err;
     const cfg_tenant_t *t = policy_match_tenant(g->cfg->policy, header_lookup, req, &err);
     if (t == NULL) {
-        snprintf(h->error, sizeof(h->error), "%s", err.message);
+        snprintf(why, PX_HOOKS_WHY_MAX, "%s", err.message);
         return -1;
     }
     h->tenant_cfg = t;
     h->tenant = t->name;
     if (t->rate_rps > 0 && (h->retry_after_s = rate_take(t)) != 0) {
-        snprintf(h->error, sizeof(h->error),
+        snprintf(why, PX_HOOKS_WHY_MAX,
                  "tenant %s is over its rate limit (%g requests per second, burst %u): retry "
                  "after %u s",
                  t->name, t->rate_rps, t->rate_burst, h->retry_after_s);
@@ -295,16 +344,17 @@ void px_hooks_audit_head(px_hooks_req_t *h, px_gen_t *g, const char *method, con
         return;
     pol_t *p = pol_get();
     h->policy = p;
+    pol_aud(p);
+    pol_aud_t *a = p->aud;
     if (path_len > POLICY_AUDIT_ROUTE_MAX) {
-        p->route_bytes = path_len;
-        dp_sha256_hex(path, path_len, p->route_sha);
+        a->route_bytes = path_len;
+        dp_sha256_hex(path, path_len, a->route_sha);
         path_len = POLICY_AUDIT_ROUTE_MAX;
     }
-    p->route_copy = dp_xstrndup(path, path_len);
-    p->route = p->route_copy;
-    p->method = method;
+    a->route_copy = dp_xstrndup(path, path_len);
+    p->route = a->route_copy;
+    a->method = method;
     p->wall_ms = dp_wall_ms();
-    p->audit = true;
     p->audit_fail_open = g->cfg->log.audit_fail_open;
 }
 
@@ -321,9 +371,26 @@ void px_hooks_keep_forwarded(px_hooks_req_t *h)
         p->in.len)
         return; /* no line to come with this body stored, or its bytes are the policy's own */
     dp_iovec_t fb = policy_body(p->preq, &p->res);
-    dp_buf_reset(&p->fwd_keep);
-    dp_buf_append(&p->fwd_keep, fb.base, fb.len);
+    dp_buf_reset(&p->aud->fwd_keep);
+    dp_buf_append(&p->aud->fwd_keep, fb.base, fb.len);
     p->fwd_kept = true;
+}
+
+bool px_hooks_forget_body(px_hooks_req_t *h)
+{
+    pol_t *p = h->policy;
+    if (p == NULL)
+        return true;
+    if (p->audit)
+        return false;
+    if (p->applied)
+        policy_req_forget_body(p->preq, &p->res);
+    /* A body policed on the thread pool was moved here. */
+    if (p->in.cap >= DP_BUF_STASH_MIN)
+        dp_buf_release(&p->in);
+    else
+        dp_buf_free(&p->in);
+    return true;
 }
 
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion)
@@ -422,13 +489,18 @@ static int police(pol_t *p, px_gen_t *g, const cfg_tenant_t *t, policy_route_t r
                   const char *body, size_t len)
 {
     const cfg_pool_t *pc;
-    if (policy_decide(g->cfg, t, p->preq, route, body, len, &pc, &p->res, &p->err) != 0)
+    policy_error_t err;
+    if (policy_decide(g->cfg, t, p->preq, route, body, len, &pc, &p->res, &err) != 0) {
+        if (p->err == NULL)
+            p->err = dp_xmalloc(sizeof(*p->err));
+        *p->err = err;
         return -1;
+    }
     /* Pools are built in the config's order. */
     p->pool = &g->pools[pc - g->cfg->pools];
     p->applied = true;
     if (p->audit)
-        policy_body_sha256_hex(&p->res, p->fwd_sha);
+        policy_body_sha256_hex(&p->res, p->aud->fwd_sha);
     return 0;
 }
 
@@ -443,9 +515,9 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
                    px_hooks_result_t *res)
 {
     if (p->rc != 0) {
-        *res = (px_hooks_result_t){p->err.status, p->err.code,
-                                   p->err.param[0] ? p->err.param : NULL, p->err.message, NULL};
-        px_otel_refused(h->span, p->err.code);
+        *res = (px_hooks_result_t){p->err->status, p->err->code,
+                                   p->err->param[0] ? p->err->param : NULL, p->err->message, NULL};
+        px_otel_refused(h->span, p->err->code);
         return -1;
     }
     px_pool_t *pool = (px_pool_t *)p->pool;
@@ -466,7 +538,10 @@ static int policed(px_hooks_req_t *h, px_gen_t *g, pol_t *p, dp_iovec_t *body,
         p->sse_rewrite = true;
         p->gate = end_waits(p);
         policy_sse_fp_init(&p->sse, h->fingerprint); /* set per replica at dispatch */
-        policy_req_trim(p->preq); /* nothing reads the parse again; a stream lives long */
+        /* Nothing reads the parse again, and the rewritten events go through g_sse_out: a
+         * stream lives long. */
+        policy_req_trim(p->preq);
+        dp_buf_free(&p->out);
     }
     res->pool = pool;
     return 0;
@@ -595,7 +670,8 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
     p->route = route_paths[route];
     h->span = px_otel_start(px, req, p->route, h->traceparent, &h->new_trace);
     p->wall_ms = dp_wall_ms();
-    p->audit = h->tenant_cfg && h->tenant_cfg->audit;
+    if (h->tenant_cfg && h->tenant_cfg->audit)
+        pol_aud(p);
     affinity_session_header(h, g, req);
     p->store = p->audit && px->audit && g->cfg->log.audit_store; /* px_audit_configure's */
     p->resp_cap = g->cfg->limits.max_response_rewrite_bytes;     /* the store keeps this much */
@@ -623,7 +699,7 @@ int px_hooks_inference(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
         p->rc =
             police(p, g, h->tenant_cfg, route, req->body.base ? req->body.base : "", req->body.len);
         policy_req_set_budget(p->preq, 0);
-        if (p->rc == 0 || !policy_over_budget(&p->err))
+        if (p->rc == 0 || !policy_over_budget(p->err))
             return policed(h, g, p, body, res);
     }
     /* A large or dense body: parsing, canonical JSON and hashing would take milliseconds on
@@ -757,11 +833,11 @@ static void tee_own(pol_t *p, const char *b, size_t n)
     if (p->resp_sha)
         dp_sha256_update(p->resp_sha, b, n);
     if (p->store && !p->resp_over) {
-        if (p->resp_body.len + n > p->resp_cap) {
+        if (p->aud->resp_body.len + n > p->resp_cap) {
             p->resp_over = true; /* hashed, not stored: the line says so */
-            dp_buf_free(&p->resp_body);
+            dp_buf_free(&p->aud->resp_body);
         } else {
-            dp_buf_append(&p->resp_body, b, n);
+            dp_buf_append(&p->aud->resp_body, b, n);
         }
     }
 }
@@ -786,17 +862,18 @@ static dp_iovec_t gated(pol_t *p, dp_iovec_t v, bool last)
 {
     if (p == NULL || !p->gate)
         return v;
-    dp_buf_reset(&p->gate_out);
-    if (p->end.holding && p->end_held.len + v.len > p->resp_cap) {
+    pol_aud_t *a = p->aud;
+    dp_buf_reset(&a->gate_out);
+    if (a->end.holding && a->end_held.len + v.len > p->resp_cap) {
         /* A stream goes on long after its closing event: not held without bound. */
         p->end_over = true;
-        dp_buf_free(&p->end_held);
+        dp_buf_free(&a->end_held);
         return (dp_iovec_t){"", 0};
     }
-    policy_sse_end_feed(&p->end, v.base, v.len, &p->gate_out, &p->end_held);
+    policy_sse_end_feed(&a->end, v.base, v.len, &a->gate_out, &a->end_held);
     if (last)
-        policy_sse_end_finish(&p->end, &p->gate_out, &p->end_held);
-    return (dp_iovec_t){p->gate_out.base ? p->gate_out.base : "", p->gate_out.len};
+        policy_sse_end_finish(&a->end, &a->gate_out, &a->end_held);
+    return (dp_iovec_t){a->gate_out.base ? a->gate_out.base : "", a->gate_out.len};
 }
 
 bool px_hooks_stream_end(px_hooks_req_t *h, dp_iovec_t *end)
@@ -807,7 +884,8 @@ bool px_hooks_stream_end(px_hooks_req_t *h, dp_iovec_t *end)
         return true;
     if (p->end_over)
         return false;
-    *end = (dp_iovec_t){p->end_held.base ? p->end_held.base : "", p->end_held.len};
+    const dp_buf_t *held = &p->aud->end_held;
+    *end = (dp_iovec_t){held->base ? held->base : "", held->len};
     return true;
 }
 
@@ -816,9 +894,10 @@ dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *b, size_t n)
     pol_t *p = h->policy;
     dp_iovec_t v = {b, n};
     if (p && p->sse_rewrite) {
-        dp_buf_reset(&p->out);
-        policy_sse_fp_feed(&p->sse, b, n, &p->out);
-        v = (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len};
+        sse_out_trim();
+        dp_buf_reset(&g_sse_out);
+        policy_sse_fp_feed(&p->sse, b, n, &g_sse_out);
+        v = sse_out_view();
     }
     v = gated(p, v, false);
     tee(h, p, v.base, v.len); /* what the client gets, in its order (a held end: at the tail) */
@@ -836,11 +915,11 @@ bool px_hooks_rewrites_bytes(const px_hooks_req_t *h)
  * (docs/policy.md, "SSE"). */
 static dp_iovec_t sse_rest(px_hooks_req_t *h, pol_t *p, bool last)
 {
-    dp_buf_reset(&p->out);
-    policy_sse_fp_finish(&p->sse, &p->out);
+    dp_buf_reset(&g_sse_out);
+    policy_sse_fp_finish(&p->sse, &g_sse_out);
     if (p->sse.prev[0] && !h->upstream_fp[0])
         snprintf(h->upstream_fp, sizeof(h->upstream_fp), "%s", p->sse.prev);
-    dp_iovec_t v = gated(p, (dp_iovec_t){p->out.base ? p->out.base : "", p->out.len}, last);
+    dp_iovec_t v = gated(p, sse_out_view(), last);
     tee(h, p, v.base, v.len);
     return v;
 }
@@ -889,8 +968,8 @@ static void audit_done(void *data, int status)
  * the writer skips a file that is there already, so each evidence is one file). */
 static void audit_evidence(pol_t *p, px_replica_t *r)
 {
-    dp_buf_reset(&p->att_ev);
-    px_replica_get_evidence(r, p->att_sha, p->store ? &p->att_ev : NULL);
+    dp_buf_reset(&p->aud->att_ev);
+    px_replica_get_evidence(r, p->aud->att_sha, p->store ? &p->aud->att_ev : NULL);
 }
 
 /* Build and queue the audit line; with `then`, it runs once the line is written. */
@@ -901,6 +980,7 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     if (p == NULL || !p->audit || p->audited)
         return false;
     p->audited = true;
+    pol_aud_t *au = p->aud;
     char resp_sha[65];
     dp_sha256_end_hex(p->resp_sha, resp_sha);
     p->resp_sha = NULL;
@@ -917,15 +997,15 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
         .upstream_fingerprint = h->upstream_fp[0] ? h->upstream_fp : NULL,
         .fingerprint_mismatch = h->fp_mismatch,
         .route = p->route,
-        .method = p->method,
-        .route_bytes = p->route_bytes,
-        .route_sha256 = p->route_sha[0] ? p->route_sha : NULL,
-        .model = p->method ? NULL : model.base,
+        .method = au->method,
+        .route_bytes = au->route_bytes,
+        .route_sha256 = au->route_sha[0] ? au->route_sha : NULL,
+        .model = au->method ? NULL : model.base,
         .model_len = model.len,
         .result = p->applied ? &p->res : NULL,
-        .forwarded_sha256 = p->applied ? p->fwd_sha : NULL,
+        .forwarded_sha256 = p->applied ? au->fwd_sha : NULL,
         .response_sha256 = resp_hex,
-        .attestation_sha256 = r && p->att_sha[0] ? p->att_sha : NULL,
+        .attestation_sha256 = r && au->att_sha[0] ? au->att_sha : NULL,
         .status = status,
         /* An answer begun and then cut: the status its head carried, and that it broke. */
         .error_code = h->err_code   ? h->err_code
@@ -937,16 +1017,16 @@ static bool write_audit(px_hooks_req_t *h, px_t *px, const px_pool_t *pool, cons
     policy_audit_line(&a, &line);
     px_audit_body_t bodies[3];
     size_t nb = 0;
-    if (p->store && a.attestation_sha256 && p->att_ev.len)
-        bodies[nb++] = (px_audit_body_t){p->att_sha, NULL, 0, &p->att_ev};
+    if (p->store && a.attestation_sha256 && au->att_ev.len)
+        bodies[nb++] = (px_audit_body_t){au->att_sha, NULL, 0, &au->att_ev};
     if (p->store && a.forwarded_sha256 && p->fwd_kept) {
-        bodies[nb++] = (px_audit_body_t){p->fwd_sha, NULL, 0, &p->fwd_keep};
+        bodies[nb++] = (px_audit_body_t){au->fwd_sha, NULL, 0, &au->fwd_keep};
     } else if (p->store && a.forwarded_sha256) {
         dp_iovec_t fb = policy_body(p->preq, &p->res);
-        bodies[nb++] = (px_audit_body_t){p->fwd_sha, fb.base, fb.len, NULL};
+        bodies[nb++] = (px_audit_body_t){au->fwd_sha, fb.base, fb.len, NULL};
     }
     if (p->store && resp_hex && !p->resp_over)
-        bodies[nb++] = (px_audit_body_t){resp_sha, NULL, 0, &p->resp_body};
+        bodies[nb++] = (px_audit_body_t){resp_sha, NULL, 0, &au->resp_body};
     if (p->store && resp_hex && p->resp_over && line.len > 2) {
         line.len -= 2; /* "}\n": one more member, read by `audit verify` */
         dp_buf_appends(&line, ",\"response_body_stored\":false}\n");
@@ -1025,7 +1105,8 @@ void px_hooks_answer_unsent(px_hooks_req_t *h)
         dp_sha256_end_hex(p->resp_sha, gone);
         p->resp_sha = dp_sha256_begin();
     }
-    dp_buf_free(&p->resp_body);
+    if (p->aud)
+        dp_buf_free(&p->aud->resp_body);
     p->resp_over = false;
 }
 

@@ -26,7 +26,6 @@ typedef struct {
     char upstream_fp[128]; /* the replica's own system_fingerprint, if it sent one */
     char fingerprint[20];  /* ours: the pool's, then that of the identity the replica was
                               admitted as (a manifest "accept" list gives several) */
-    char error[256];
     bool inference;
     bool stream;
     bool upstream_answered; /* a replica's response head arrived (its body is what is hashed) */
@@ -60,10 +59,13 @@ const char *px_hooks_tenant(const px_hooks_req_t *h);
  * Any thread; the control plane sets it when the fleet's live members change. */
 void px_hooks_set_rate_share(uint32_t members);
 
-/* Every request: match a tenant, then take a token from its rate limit. 0; -1 with h->error
- * set when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
- * (429 rate_limited, h->error and h->retry_after_s set). */
-int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req);
+/* Every request: match a tenant, then take a token from its rate limit. 0; -1 with why set
+ * when no tenant matched (401 invalid_api_key); -2 when the tenant is over its rate
+ * (429 rate_limited, why and h->retry_after_s set). why is the caller's, PX_HOOKS_WHY_MAX
+ * bytes: the refusal copies it. */
+#define PX_HOOKS_WHY_MAX 256
+int px_hooks_tenant_gate(px_hooks_req_t *h, px_t *px, px_gen_t *g, net_req_t *req,
+                         char why[PX_HOOKS_WHY_MAX]);
 /* An audited tenant's request about to be refused from its head alone (a route that is not
  * policed, the rate limit): it gets an audit line too, written by the refusal as any other's.
  * method must live until the request finishes; the path is copied (its first
@@ -78,6 +80,11 @@ void px_hooks_refused(px_hooks_req_t *h, const char *code, const char *param);
  * begun and then cut): the forwarded body the line's store entry needs is copied now, as the
  * policy's parts point into the request's buffer. */
 void px_hooks_keep_forwarded(px_hooks_req_t *h);
+/* The answer began streaming, and nothing will resend the request: true when nothing of the
+ * hooks' needs the forwarded body any more (the policy's parts and new bytes are let go here),
+ * so the caller may let the client's body go too. false for an audited tenant, whose line
+ * hashes or stores that body when the answer ends. */
+bool px_hooks_forget_body(px_hooks_req_t *h);
 /* Token usage seen in the response so far (prompt, completion): false when none. */
 bool px_hooks_usage(const px_hooks_req_t *h, int64_t *prompt, int64_t *completion);
 /* What the access log shows of the request's policy state: tenant, model, seed, usage and the
@@ -147,8 +154,9 @@ void px_hooks_dispatched(px_hooks_req_t *h, px_t *px, px_pool_t *pool, px_replic
  * usage scan reads it event by event (a cut event does not hide the next one's usage). */
 void px_hooks_event_stream(px_hooks_req_t *h);
 /* Response body bytes from the replica: returns the bytes to forward (the input itself, or a
- * rewritten copy valid until the next call), after teeing them for shadow capture and audit
- * hashing. px_hooks_response_tail gives whatever a rewriter still holds at the end. */
+ * rewritten copy valid until the next call of these three on this thread, for any request:
+ * write or copy it first), after teeing them for shadow capture and audit hashing.
+ * px_hooks_response_tail gives whatever a rewriter still holds at the end. */
 dp_iovec_t px_hooks_response_bytes(px_hooks_req_t *h, const char *p, size_t n);
 /* Whether px_hooks_response_bytes may change the body's length (a stream's fingerprints are
  * rewritten): the replica's Content-Length then does not hold for what is forwarded. */

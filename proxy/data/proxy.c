@@ -146,7 +146,7 @@ struct px_preq_s {
     uint64_t up_start_ns, up_head_ns, up_end_ns; /* the last replica exchange */
     /* For the access log, which is written after the client request is gone: */
     char method[16];
-    char path[256]; /* the first 255 bytes */
+    dp_buf_t path; /* the first 255 bytes, NUL-terminated; kept with the cached request */
     char remote[48];
     px_hooks_req_t hooks; /* policy / audit / shadow state (hooks.h) */
 };
@@ -170,16 +170,18 @@ static px_preq_t *preq_get(void)
     g_preq_free = q->free_next;
     g_npreq_free--;
     /* Keep the buffers' capacity: a steady stream of requests reuses them. */
-    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body, rf = q->refusal;
+    dp_buf_t head = q->head, hh = q->held_hdrs, hb = q->held_body, rf = q->refusal, path = q->path;
     memset(q, 0, sizeof(*q));
     dp_buf_reset(&head);
     dp_buf_reset(&hh);
     dp_buf_reset(&hb);
     dp_buf_reset(&rf);
+    dp_buf_reset(&path);
     q->head = head;
     q->held_hdrs = hh;
     q->held_body = hb;
     q->refusal = rf;
+    q->path = path;
     return q;
 }
 
@@ -208,6 +210,7 @@ void px_proxy_free_caches(void)
         dp_buf_free(&q->held_hdrs);
         dp_buf_free(&q->held_body);
         dp_buf_free(&q->refusal);
+        dp_buf_free(&q->path);
         free(q);
     }
     g_npreq_free = 0;
@@ -230,6 +233,7 @@ static void preq_put(px_preq_t *q)
         dp_buf_free(&q->held_hdrs);
         dp_buf_free(&q->held_body);
         dp_buf_free(&q->refusal);
+        dp_buf_free(&q->path);
         free(q);
         return;
     }
@@ -985,6 +989,16 @@ static void up_on_head(net_creq_t *c, int status, const net_header_t *hdrs, size
     net_resp_start(q->req, status, out, k, q->cl_left);
     if (out != stackh)
         free(out);
+    /* An answer of unknown length may stream for minutes. What only the sending needed is let
+     * go now rather than held that long: begun, this answer is never resent. The client's body
+     * goes too, with its share of the body budget, unless an audit line still needs it. */
+    if (f->content_length < 0 && !net_creq_lends(c)) {
+        dp_buf_free(&q->head);
+        if (q->req && px_hooks_forget_body(&q->hooks)) {
+            net_req_drop_body(q->req);
+            q->body = (dp_iovec_t){NULL, 0};
+        }
+    }
 }
 
 /* Build the head of a held response into q->held_out: the replica's kept headers, then (when
@@ -1472,7 +1486,7 @@ static void finish(px_preq_t *q)
         px_access_t a = {
             .request_id = q->id,
             .method = q->method,
-            .path = q->path,
+            .path = q->path.base ? q->path.base : "",
             .remote = q->remote[0] ? q->remote : NULL,
             .status = q->status,
             .code = code,
@@ -1641,7 +1655,8 @@ static net_body_mode_t on_head(net_req_t *req)
     req->data = q;
     memcpy(q->id, req->id, sizeof(q->id));
     dp_copy_str(q->method, sizeof(q->method), req->method_name.base, req->method_name.len);
-    dp_copy_str(q->path, sizeof(q->path), req->path.base, req->path.len);
+    dp_buf_append(&q->path, req->path.base, req->path.len < 255 ? req->path.len : 255);
+    dp_buf_appendc(&q->path, '\0');
     memcpy(q->remote, req->remote, sizeof(q->remote));
     q->start_ns = req->start_ns;
     q->route = classify(req);
@@ -1657,13 +1672,14 @@ static net_body_mode_t on_head(net_req_t *req)
     /* The tenant is known from the head alone: refuse before reading any body. A refusal
      * from the head returns NET_BODY_DISCARD: while its answer waits for the audit line, the
      * body is dropped as it comes, and no limit of a body it does not want replaces it. */
-    int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req);
+    char why[PX_HOOKS_WHY_MAX];
+    int gate = px_hooks_tenant_gate(&q->hooks, px, q->gen, req, why);
     if (gate != 0) {
         if (gate == -2) {
             px_hooks_audit_head(&q->hooks, q->gen, q->method, req->path.base, req->path.len);
-            fail_client(q, 429, "rate_limited", NULL, q->hooks.error);
+            fail_client(q, 429, "rate_limited", NULL, why);
         } else {
-            fail_client(q, 401, "invalid_api_key", NULL, q->hooks.error);
+            fail_client(q, 401, "invalid_api_key", NULL, why);
         }
         finish(q);
         return NET_BODY_DISCARD;

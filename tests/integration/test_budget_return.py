@@ -3,8 +3,10 @@ can end: a client closing or resetting mid-body, a Content-Length lie, 413 mid-c
 pipelined requests, bodies policed on the loop and on the thread pool. Each abort spends
 the whole budget, so a leaked reservation makes the next full body a 503."""
 
+import os
 import socket
 import struct
+import tempfile
 import time
 
 from harness import SLOW, http, poll_until, run_tests, start_sim
@@ -15,8 +17,8 @@ KiB = 1 << 10
 LIMIT = 256 * KiB
 
 
-def body_of(n):
-    head = '{"model":"%s","max_tokens":1,"prompt":"' % MODEL
+def body_of(n, fields='"max_tokens":1'):
+    head = '{"model":"%s",%s,"prompt":"' % (MODEL, fields)
     return (head + "x" * (n - len(head) - 2) + '"}').encode()
 
 
@@ -197,6 +199,56 @@ def test_a_body_left_on_the_thread_pool_keeps_its_budget_until_policed():
     poll_until(lambda: http("POST", px.port, "/v1/completions", body=body_of(size // 2),
                             headers={"content-type": "application/json"}).status == 200,
                timeout=30, what="the budget back after policing")
+    px.stop()
+
+
+def open_stream(port, n, tenant=None):
+    """A streamed completion whose body is n bytes, read until its first event: the answer has
+    begun, and runs on (the replica is slow) while the socket stays open."""
+    b = body_of(n, '"max_tokens":2000,"stream":true')
+    s = connect(port)
+    h = head(len(b))
+    if tenant:
+        h = h[:-2] + b"x-tenant: " + tenant.encode() + b"\r\n\r\n"
+    s.sendall(h + b)
+    got = b""
+    while b"data:" not in got:
+        chunk = s.recv(65536)
+        assert chunk, got[:300]
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200 "), got[:300]
+    return s
+
+
+def test_a_streamed_answer_gives_its_body_budget_back_as_it_begins():
+    """A streamed answer may run for minutes after its request was read. Its body's share of the
+    budget comes back once the answer begins, so long generations do not turn away the uploads
+    behind them: with the whole budget's body streaming, another whole body is served. An
+    audited tenant's stream keeps its share to the end, as its audit line hashes and stores the
+    forwarded body then."""
+    sim = start_sim("--model", MODEL, "--token-delay-ms", 20)
+    d = tempfile.mkdtemp(prefix="detproxy-budget-")
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])],
+                     limits={"max_body_bytes": LIMIT, "max_inflight_body_bytes": LIMIT},
+                     policy={"tenants": [
+                         {"name": "audited", "audit": True,
+                          "match": {"header": {"name": "x-tenant", "value": "audited"}}},
+                         {"name": "plain", "match": {"any": True}}]},
+                     log={"audit_path": os.path.join(d, "audit.jsonl")})
+    full = body_of(LIMIT)
+    post = lambda: http("POST", px.port, "/v1/completions", body=full,
+                        headers={"content-type": "application/json"})
+
+    s = open_stream(px.port, LIMIT)
+    r = post()
+    assert r.status == 200, (r.status, r.body[:300])
+    s.close()
+
+    s = open_stream(px.port, LIMIT, tenant="audited")
+    r = post()
+    assert r.status == 503 and b"max_inflight_body_bytes" in r.body, (r.status, r.body[:300])
+    s.close()
+    poll_until(lambda: post().status == 200, what="the audited stream's share back at its end")
     px.stop()
 
 

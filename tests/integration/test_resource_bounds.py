@@ -9,6 +9,8 @@ docs/security.md §7).
   fingerprint rewrite; a bigger answer is passed through as it arrives."""
 
 import json
+import resource
+import selectors
 import socket
 import threading
 import time
@@ -717,6 +719,70 @@ def test_memory_kept_for_large_bodies_falls_back_after_a_burst():
         poll_until(lambda: rss_kb(px) - base < held - 16 * 1024, timeout=10 * SLOW,
                    interval=0.2, what="RSS back (%d KiB held after the burst)" % held)
     px.stop()
+
+def test_open_streams_hold_little_memory_each():
+    """Streamed answers run for minutes, thousands at once: each holds what streaming needs (its
+    two connections, the fingerprint rewriter, the usage scan, what its access line reports),
+    not what sending its request needed. The head built for the replica, the client's body and
+    the policy's rewrite of it, the replica's response head and the answer's head buffer go
+    once the answer begins (docs/configuration.md, "Streams"). With them a stream held 12.5 KiB
+    of this proxy's memory; without them about 8."""
+    n0, n = 100, 1000
+    if SANITIZE or TSAN:
+        n = 300  # the bound is not checked: their allocators hold memory of their own
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 3 * n + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 3 * n + 200), hard))
+    sim = start_sim("--model", MODEL, "--token-delay-ms", 1000)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], workers=1,
+                     limits={"max_connections": 2 * n},
+                     policy={"tenants": [{"name": "t", "match": {"any": True},
+                                          "sampling": {"temperature": {"force": 0},
+                                                       "seed": {"derive": True}}}]})
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 200,
+                       "messages": [{"role": "system", "content": "You are careful. " * 20},
+                                    {"role": "user", "content": "Summarise the note. " * 20}]})
+    req = ("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           "content-length: %d\r\n\r\n%s" % (len(body), body)).encode()
+    sel = selectors.DefaultSelector()
+    streams = []
+
+    def open_streams(k):
+        """k more streams, each read until its first event: its answer has begun."""
+        waiting = {}
+        for _ in range(k):
+            s = socket.create_connection(("127.0.0.1", px.port), timeout=10 * SLOW)
+            s.sendall(req)
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ)
+            waiting[s] = b""
+            streams.append(s)
+        deadline = time.monotonic() + 30 * SLOW
+        while waiting:
+            assert time.monotonic() < deadline, "%d streams without an event" % len(waiting)
+            for key, _ in sel.select(timeout=1):
+                s = key.fileobj
+                got = waiting.get(s, b"") + s.recv(65536)
+                if s not in waiting:
+                    continue
+                assert got, "a stream closed before its first event"
+                if b"data:" in got:
+                    assert got.startswith(b"HTTP/1.1 200 "), got[:300]
+                    del waiting[s]
+                else:
+                    waiting[s] = got
+
+    open_streams(n0)
+    base = rss_kb(px)
+    open_streams(n - n0)
+    per = (rss_kb(px) - base) * 1024 / (n - n0)
+    print("%d bytes of RSS per open stream" % per)
+    if not (SANITIZE or TSAN):
+        assert per < 10 * 1024, "%d bytes of RSS per open stream" % per
+    for s in streams:
+        s.close()
+    px.stop()
+
 
 if __name__ == "__main__":
     run_tests(globals())

@@ -160,6 +160,7 @@ Test(oracle, past_the_stack_token_arrays)
     policy_usage_t u;
     memset(&u, 0, sizeof(u));
     policy_usage_feed(&u, b.base, b.len);
+    policy_usage_free(&u);
     cr_assert(u.found);
     cr_assert_eq(u.prompt_tokens, 7);
     cr_assert_eq(u.completion_tokens, 3);

@@ -15,6 +15,7 @@ static policy_usage_t feed_as(const char *s, size_t step, bool sse)
     size_t n = strlen(s);
     for (size_t i = 0; i < n; i += step)
         policy_usage_feed(&u, s + i, i + step <= n ? step : n - i);
+    policy_usage_free(&u); /* a body that ended inside a usage object */
     return u;
 }
 
@@ -190,6 +191,7 @@ static policy_usage_t take(const char *s)
     char prev[POLICY_FP_PREV_MAX];
     policy_fp_rewrite_json(s, strlen(s), "fp_x", &out, prev, &u);
     dp_buf_free(&out);
+    policy_usage_free(&u);
     return u;
 }
 
@@ -282,4 +284,45 @@ Test(usage, other_shapes_are_left_to_the_scan)
         cr_assert_eq(u.prompt_tokens, scanned.prompt_tokens, "%s", cases[i]);
         cr_assert_eq(u.completion_tokens, scanned.completion_tokens, "%s", cases[i]);
     }
+}
+
+/* A usage object that ends in the read it began in is read where it lies; one cut by a read's
+ * end is copied until it is read or dropped: a stream holds no copy between its events. */
+Test(usage, an_object_is_copied_only_while_a_read_ends_inside_it)
+{
+    const char *s = "data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n";
+    size_t n = strlen(s), cut = (size_t)(strstr(s, "\"completion") - s);
+    policy_usage_t u;
+    memset(&u, 0, sizeof(u));
+    u.sse = true;
+    policy_usage_feed(&u, s, n);
+    cr_assert(u.found);
+    cr_assert_null(u.cap);
+
+    memset(&u, 0, sizeof(u));
+    u.sse = true;
+    policy_usage_feed(&u, s, cut);
+    cr_assert_not_null(u.cap);
+    cr_assert_not(u.found);
+    policy_usage_feed(&u, s + cut, n - cut);
+    cr_assert(u.found);
+    cr_assert_null(u.cap);
+    cr_assert_eq(u.prompt_tokens, 3);
+    cr_assert_eq(u.completion_tokens, 4);
+
+    /* an event cut inside the object: the copy goes with it, and the next event counts */
+    const char *t = "data: {\"usage\":{\"prompt_tokens\":9\n\n"
+                    "data: {\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":6}}\n\n";
+    memset(&u, 0, sizeof(u));
+    u.sse = true;
+    size_t nl = (size_t)(strchr(t, '\n') - t);
+    policy_usage_feed(&u, t, nl);
+    cr_assert_not_null(u.cap);
+    policy_usage_feed(&u, t + nl, 2);
+    cr_assert_null(u.cap);
+    policy_usage_feed(&u, t + nl + 2, strlen(t) - nl - 2);
+    cr_assert_null(u.cap);
+    cr_assert(u.found);
+    cr_assert_eq(u.prompt_tokens, 5);
+    cr_assert_eq(u.completion_tokens, 6);
 }
