@@ -601,7 +601,7 @@ static bool uconn_head_done(uconn_t *c, bool more)
     }
     c->phase = UC_BODY;
     /* A body of unknown length (an SSE answer) may run for minutes: the head's names and values
-     * are given back now rather than held that long. A trailer section starts them afresh. */
+     * are given back now rather than held that long (a trailer section is not kept). */
     if (c->framing.content_length < 0)
         net_hdrs_free(&c->hd);
     c->last_read = uv_now(c->up->loop);
