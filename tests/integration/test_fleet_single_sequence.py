@@ -13,7 +13,7 @@ import threading
 import time
 
 from harness import SLOW, get_json, http, poll_until, post_json, run_tests, start_sim
-from proxyutil import generating, metric, pool, sim_reset, sim_stats, start_proxy
+from proxyutil import generating, metric, pool, sim_config, sim_reset, sim_stats, start_proxy
 import etcdutil
 
 if etcdutil.ETCD is None:
@@ -410,7 +410,10 @@ def test_a_pool_taken_away_and_brought_back_unseen_hands_the_key_on_unmarked():
         assert complete(px, "w", 3).status == 200
     let_go(a, b)
     before = fleet_checks(a) + fleet_checks(b)
-    c = generating(a.port, b"/v1/completions", sampled(600), sim)  # 12 s
+    c = generating(a.port, b"/v1/completions", sampled(600), sim)
+    # The generation outlasts what follows, however slow the build: 200 ms a token until a is
+    # back on etcd, then quick.
+    sim_config(sim, token_delay_ms=200)
     relay.cut()
     poll_until(lambda: not fleet(a)["connected"], timeout=15, what="a cut off")
     c.close()
@@ -421,6 +424,7 @@ def test_a_pool_taken_away_and_brought_back_unseen_hands_the_key_on_unmarked():
     relay.restore()
     poll_until(lambda: fleet(a)["connected"], timeout=15, what="a back")
     assert sim_stats(sim)["inflight"] == 1  # what a left still runs
+    sim_config(sim, token_delay_ms=5)
     served_after_a_check(b, sim, [a, b], before)
     # The pool came back as an engine object made anew: it had its own start check.
     poll_until(lambda: fleet_checks(a, "new to this process") == 2, timeout=5,
