@@ -168,7 +168,8 @@ static bool diff_usage_comparable(const char *p, size_t n)
     return true;
 }
 
-/* Usage fed whole, then in two reads split at cut; as an event stream if sse. */
+/* Usage fed whole, then in two reads split at cut; as an event stream if sse. The counts
+ * stay; an object the body ended inside is let go. */
 static void diff_usage(const char *p, size_t n, size_t cut, bool sse, policy_usage_t *whole,
                        policy_usage_t *split)
 {
@@ -178,6 +179,8 @@ static void diff_usage(const char *p, size_t n, size_t cut, bool sse, policy_usa
     policy_usage_feed(whole, p, n);
     policy_usage_feed(split, p, cut);
     policy_usage_feed(split, p + cut, n - cut);
+    policy_usage_free(whole);
+    policy_usage_free(split);
 }
 
 static void diff_no_member(void *data, const jdoc_t *d, const jdoc_member_t *m)
