@@ -2405,10 +2405,7 @@ void net_req_drop_body(net_req_t *req)
     if (!q->body_done)
         return;
     budget_release(req->conn->srv, q);
-    if (q->r.body.cap >= DP_BUF_STASH_MIN)
-        dp_buf_release(&q->r.body); /* to the thread's stash, as req_put does */
-    else
-        dp_buf_free(&q->r.body);
+    dp_buf_release(&q->r.body); /* a large one to the thread's stash, as req_put does */
 }
 
 uint64_t net_req_take_body_budget(net_req_t *req)

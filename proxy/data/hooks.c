@@ -188,6 +188,14 @@ static void pol_aud_free(pol_t *p)
     p->aud = NULL;
 }
 
+static void pol_free(pol_t *p)
+{
+    policy_req_free(p->preq);
+    dp_buf_free(&p->out);
+    dp_buf_free(&p->in);
+    free(p);
+}
+
 static void pol_put(pol_t *p)
 {
     free(p->err);
@@ -199,10 +207,7 @@ static void pol_put(pol_t *p)
     if (p->in.cap >= DP_BUF_STASH_MIN)
         dp_buf_release(&p->in);
     if (g_nfree >= 256 || p->out.cap > 256 * 1024) {
-        policy_req_free(p->preq);
-        dp_buf_free(&p->out);
-        dp_buf_free(&p->in);
-        free(p);
+        pol_free(p);
         return;
     }
     policy_req_reset(p->preq);
@@ -227,10 +232,7 @@ void px_hooks_thread_free(void)
     while (g_free) {
         pol_t *p = g_free;
         g_free = p->next_free;
-        policy_req_free(p->preq);
-        dp_buf_free(&p->out);
-        dp_buf_free(&p->in);
-        free(p);
+        pol_free(p);
     }
     g_nfree = 0;
     dp_buf_free(&g_key);
@@ -385,11 +387,7 @@ bool px_hooks_forget_body(px_hooks_req_t *h)
         return false;
     if (p->applied)
         policy_req_forget_body(p->preq, &p->res);
-    /* A body policed on the thread pool was moved here. */
-    if (p->in.cap >= DP_BUF_STASH_MIN)
-        dp_buf_release(&p->in);
-    else
-        dp_buf_free(&p->in);
+    dp_buf_release(&p->in); /* a body policed on the thread pool was moved here */
     return true;
 }
 

@@ -195,6 +195,16 @@ typedef struct held_head_s {
 static _Thread_local held_head_t *g_held_free;
 static _Thread_local size_t g_nheld_free;
 
+static void preq_free(px_preq_t *q)
+{
+    dp_buf_free(&q->head);
+    dp_buf_free(&q->held_hdrs);
+    dp_buf_free(&q->held_body);
+    dp_buf_free(&q->refusal);
+    dp_buf_free(&q->path);
+    free(q);
+}
+
 void px_proxy_free_caches(void)
 {
     while (g_held_free) {
@@ -206,12 +216,7 @@ void px_proxy_free_caches(void)
     while (g_preq_free) {
         px_preq_t *q = g_preq_free;
         g_preq_free = q->free_next;
-        dp_buf_free(&q->head);
-        dp_buf_free(&q->held_hdrs);
-        dp_buf_free(&q->held_body);
-        dp_buf_free(&q->refusal);
-        dp_buf_free(&q->path);
-        free(q);
+        preq_free(q);
     }
     g_npreq_free = 0;
 }
@@ -229,12 +234,7 @@ static void preq_put(px_preq_t *q)
         dp_buf_free(&q->held_body);
     if (g_npreq_free >= PREQ_CACHE_MAX || q->head.cap > 16384 || q->held_hdrs.cap > 16384 ||
         q->refusal.cap > 16384) {
-        dp_buf_free(&q->head);
-        dp_buf_free(&q->held_hdrs);
-        dp_buf_free(&q->held_body);
-        dp_buf_free(&q->refusal);
-        dp_buf_free(&q->path);
-        free(q);
+        preq_free(q);
         return;
     }
     q->free_next = g_preq_free;
