@@ -498,7 +498,8 @@ def test_single_sequence_a_look_that_drips_in_is_given_up_and_asked_again():
 
 def tls_llamacpp_sim():
     """A llama.cpp-flavoured sim serving https with the test PKI's server certificate: (sim,
-    pki, stats) where stats() reads its /_sim/stats over TLS."""
+    pki, ask) where ask(path) reads one of its test endpoints (/_sim/stats, /_sim/requests)
+    over TLS, and ask(path, body) posts body to one (/_sim/config) as JSON."""
     import http.client
     from certs import client_context, shared_pki
     pki = shared_pki()
@@ -506,13 +507,19 @@ def tls_llamacpp_sim():
                     "--tls-cert", pki.server.crt, "--tls-key", pki.server.key)
     tls = client_context(pki.ca)
 
-    def stats():
+    def ask(path, body=None):
         c = http.client.HTTPSConnection("127.0.0.1", sim.port, context=tls, timeout=10)
-        c.request("GET", "/_sim/stats")
-        st = json.loads(c.getresponse().read())
+        if body is None:
+            c.request("GET", path)
+        else:
+            c.request("POST", path, body=json.dumps(body),
+                      headers={"content-type": "application/json"})
+        r = c.getresponse()
+        out = json.loads(r.read())
         c.close()
-        return st
-    return sim, pki, stats
+        assert r.status == 200, (path, r.status, out)
+        return out
+    return sim, pki, ask
 
 
 def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
@@ -521,7 +528,7 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
     hold's 60 s. The gateway in front passes TLS through as bytes and cuts detproxy's side.
     Both a worker's hold (a client's stream) and the control thread's (the admin relay's), each
     with its own TLS context."""
-    sim, pki, stats = tls_llamacpp_sim()
+    sim, pki, ask = tls_llamacpp_sim()
     front = proxyutil.FrontCutter(sim.port)
     p = single_sequence_pool([front], framework="llamacpp", upstream_tls={"ca_file": pki.ca.crt})
     p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
@@ -538,10 +545,10 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
         c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n%s"
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                   % (target, headers, len(body)) + body)
-        poll_until(lambda: stats()["inflight"] == 1, what="the generation running")
+        poll_until(lambda: ask("/_sim/stats")["inflight"] == 1, what="the generation running")
         for n in list(front.answered):  # every connection through it: the stream's among them
             front.cut(n)
-        assert stats()["inflight"] == 1  # cut mid-generation
+        assert ask("/_sim/stats")["inflight"] == 1  # cut mid-generation
         c.settimeout(10)
         while c.recv(65536):
             pass
@@ -549,12 +556,13 @@ def test_single_sequence_llamacpp_asks_an_https_engine_over_tls():
         out = {}
         t = threading.Thread(target=lambda: out.setdefault("r", complete(px, max_tokens=3)))
         t.start()
-        poll_until(lambda: stats()["inflight"] == 0, timeout=10, what="the generation over")
+        poll_until(lambda: ask("/_sim/stats")["inflight"] == 0, timeout=10,
+                   what="the generation over")
         t_end = time.monotonic()
         t.join(30)
         assert out["r"].status == 200, (held, out)
         assert time.monotonic() - t_end < 5, (held, time.monotonic() - t_end)
-        assert stats()["max_inflight_seen"] == 1
+        assert ask("/_sim/stats")["max_inflight_seen"] == 1
         assert metric(px, "detproxy_slot_holds_total", end="engine_idle") == held
     px.stop()
     front.stop()
@@ -643,10 +651,14 @@ def test_single_sequence_llamacpp_a_restarted_proxy_waits_for_what_a_killed_one_
 def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_now():
     """A reload that withdraws trust in the engine (its CA file replaced in place) applies to
     the hold's looks at once: each is a new handshake, so the hold keeps its time rather than
-    believe an engine it can no longer verify. And a start check on an https engine that takes
-    connections but does not complete the handshake (paused) waits: an engine not seen is not
-    an engine that says nothing."""
-    sim, pki, stats = tls_llamacpp_sim()
+    believe an engine it can no longer verify. Its looks had begun before the reload, on a
+    connection verified under the old CA and kept alive between them (a look every 250 ms
+    while the engine is busy, within the look's 2 s keep-alive), and the engine ran on past
+    the reload: a look that went over that connection again would find the engine idle and
+    free the slot early. And a start check on an https engine that takes connections but does
+    not complete the handshake (paused) waits: an engine not seen is not an engine that says
+    nothing."""
+    sim, pki, ask = tls_llamacpp_sim()
     d = tempfile.mkdtemp(prefix="detproxy-tlslook-", dir=TMP)
     ca = os.path.join(d, "ca.pem")
     shutil.copy(pki.ca.crt, ca)
@@ -655,33 +667,51 @@ def test_single_sequence_llamacpp_a_tls_look_trusts_only_what_the_pool_trusts_no
     p["replicas"][0]["url"] = "https://127.0.0.1:%d" % front.port
     px = start_proxy(pools=[p], directory=d, limits={"upstream_first_byte_timeout_ms": 12000,
                                                      "upstream_idle_timeout_ms": 12000})
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 150, "temperature": 0,
-                       "stream": True}).encode()
+
+    def looks():
+        """GET /slots the engine was asked (its request log): the front sees TLS bytes only,
+        and attestation's fetches (/props, /v1/models, again at once after the cut) open
+        connections through it too."""
+        return sum(r["method"] == "GET" and r["path"] == "/slots"
+                   for r in ask("/_sim/requests")["requests"])
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 300, "temperature": 1,
+                       "seed": 1, "stream": True}).encode()  # sampled: it runs all 300 tokens
     c = socket.create_connection(("127.0.0.1", px.port))
     c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
               + body)
-    poll_until(lambda: stats()["inflight"] == 1, what="the generation running")
+    poll_until(lambda: ask("/_sim/stats")["inflight"] == 1, what="the generation running")
+    # It outlasts the hold's first look and the reload however slow the build: 200 ms a token
+    # until the reload is done, then quick.
+    ask("/_sim/config", {"token_delay_ms": 200})
+    before = looks()  # the start check's
     for n in list(front.answered):
         front.cut(n)
     c.settimeout(10)
     while c.recv(65536):
         pass
     c.close()
-    cut = set(front.answered)
-    # The hold's looks have begun (one answered) on a connection verified under the old CA.
-    poll_until(lambda: any(front.answered[n] for n in set(front.answered) - cut),
-               what="a look answered")
+    # The hold's looks have begun (one answered, 1 s after the cut) on a connection verified
+    # under the old CA, with the engine still busy.
+    poll_until(lambda: looks() > before, what="a look answered")
+    assert ask("/_sim/stats")["inflight"] == 1
     shutil.copy(pki.ca2.crt, ca)  # trust withdrawn, in place
     assert http("POST", px.admin_port, "/admin/reload").status == 200
     shutil.copy(pki.ca.crt, ca)  # for the next process (this one has read the file)
-    poll_until(lambda: stats()["inflight"] == 0, timeout=10, what="the generation over")
-    seen = len(front.answered)
-    # Looked at after the engine went idle, and held its 12 s all the same.
+    ask("/_sim/config", {"token_delay_ms": 5})
+    poll_until(lambda: ask("/_sim/stats")["inflight"] == 0, timeout=10,
+               what="the generation over")
+    seen, asked = len(front.answered), looks()
+    # Looked at after the engine went idle, and held its 12 s all the same: no look after the
+    # reload got through to the engine.
     poll_until(lambda: metric(px, "detproxy_slot_holds_total") == 1, timeout=20,
                what="the hold's end")
-    assert len(front.answered) > seen
-    assert metric(px, "detproxy_slot_holds_total", end="time") == 1
+    assert metric(px, "detproxy_slot_holds_total", end="time") == 1, (
+        "a look believed the engine after the reload: %d reached it once idle, %d connections "
+        "opened meanwhile" % (looks() - asked, len(front.answered) - seen),
+        px.find_logs("slot_hold_released"))
+    assert len(front.answered) > seen  # new handshakes, each refused its certificate
+    assert looks() == asked
     px.stop()
     # A paused engine: the kernel takes the connection, the handshake never completes.
     sim.send_signal(signal.SIGSTOP)
