@@ -720,6 +720,7 @@ def test_memory_kept_for_large_bodies_falls_back_after_a_burst():
                    interval=0.2, what="RSS back (%d KiB held after the burst)" % held)
     px.stop()
 
+
 def test_open_streams_hold_little_memory_each():
     """Streamed answers run for minutes, thousands at once: each holds what streaming needs (its
     two connections, the fingerprint rewriter, the usage scan, what its access line reports),
