@@ -45,6 +45,10 @@ enum { PH_IDLE = 0, PH_HEAD, PH_BODY, PH_WAIT, PH_LINGER, PH_CLOSED };
 #define LINGER_MS 2000
 #define PAUSED_CHECK_MS 1000      /* how often a client whose body reads are paused is looked at */
 #define PENDING_LIMIT (64 * 1024) /* pipelined bytes buffered before we stop reading */
+/* Requests a connection may start in one turn of the loop: a client that keeps its pipeline
+ * full of requests answered at once (a model list, a refusal that keeps the connection) gets
+ * this many, then waits for the next turn behind everyone else. */
+#define PIPELINE_BURST 16
 #define REQ_CACHE_MAX 256
 #define BUDGET_STEP (16 * 1024) /* a body's reservation grows by at least this much at a time */
 #define BUDGET_RETRY_MS 50      /* a body waiting for shed bodies' room tries again this often */
@@ -148,7 +152,10 @@ struct net_conn_s {
     bool keep_alive;
     bool first_request;
     bool in_feed;
-    bool kick;        /* the timer is a zero-delay kick to parse pipelined bytes, not a timeout */
+    bool kick;        /* kicked: pipelined or held-back bytes are parsed at the loop's next turn */
+    bool kick_queued; /* on the server's kick queue (kq_head): the kick may since be cancelled */
+    uint8_t burst;    /* requests started since the last read or kick (PIPELINE_BURST) */
+    net_conn_t *kq_prev, *kq_next;
     char remote[48];  /* the peer, "ip:port": looked up once, on the first request */
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
@@ -170,6 +177,12 @@ struct net_server_s {
      * still waiting when the loop finishes an iteration is flushed by `check`. */
     uv_check_t check;
     req_impl_t *corked;
+    /* Kicked connections, oldest first, each given one turn per loop iteration (kick_cb); the
+     * idle handle, active while any wait, keeps the loop from blocking in its poll. */
+    uv_idle_t kicker;
+    bool kicker_open;
+    net_conn_t *kq_head, *kq_tail;
+    size_t nkicks;
     net_handler_t h;
     void *data;
     net_server_limits_t lim;
@@ -1112,12 +1125,51 @@ static void conn_arm(net_conn_t *c, uint64_t ms)
     uv_timer_start(&c->timer, timer_cb, ms, 0);
 }
 
-/* Parse pipelined bytes left behind by the previous response (zero-delay timer). */
+static void kick_cb(uv_idle_t *h);
+
+static void kick_remove(net_conn_t *c)
+{
+    net_server_t *s = c->srv;
+    if (!c->kick_queued)
+        return;
+    assert(s->nkicks > 0);
+    c->kick_queued = false;
+    if (c->kq_prev)
+        c->kq_prev->kq_next = c->kq_next;
+    else
+        s->kq_head = c->kq_next;
+    if (c->kq_next)
+        c->kq_next->kq_prev = c->kq_prev;
+    else
+        s->kq_tail = c->kq_prev;
+    c->kq_prev = c->kq_next = NULL;
+    if (--s->nkicks == 0)
+        uv_idle_stop(&s->kicker);
+}
+
+/* Parse pipelined bytes left behind by the previous response, or bytes held back, from the
+ * loop at its next turn, after the loop has polled: one turn per kicked connection per
+ * iteration, so new connections and other clients' bytes are served between them. (A
+ * zero-delay timer would not do: libuv before 1.45 runs a timer started from a timer callback
+ * in the same pass, and connections that kick again would hold the loop.) The kick stands in
+ * for the connection's timer until it runs, and conn_arm cancels it. */
 static void conn_kick(net_conn_t *c)
 {
+    net_server_t *s = c->srv;
     c->kick = true;
-    c->timer_due = uv_now(c->srv->loop);
-    uv_timer_start(&c->timer, timer_cb, 0, 0);
+    uv_timer_stop(&c->timer);
+    if (c->kick_queued)
+        return;
+    c->kick_queued = true;
+    c->kq_next = NULL;
+    c->kq_prev = s->kq_tail;
+    if (s->kq_tail)
+        s->kq_tail->kq_next = c;
+    else
+        s->kq_head = c;
+    s->kq_tail = c;
+    if (s->nkicks++ == 0)
+        uv_idle_start(&s->kicker, kick_cb);
 }
 
 /* While body reads are paused libuv has no interest in the socket, so a reset from the client
@@ -1170,34 +1222,50 @@ static void log_send_timeout(const char *request_id, const char *during)
     }
 }
 
+/* A kicked connection's turn: what waits in `pending` is parsed, then reading goes on. */
+static void kick_run(net_conn_t *c)
+{
+    c->kick = false;
+    c->burst = 0;
+    bool body = c->phase == PH_BODY;
+    if ((c->phase == PH_IDLE || (body && !c->body_paused && !c->budget_wait)) && c->pending.len) {
+        c->read_paused = false;
+        dp_buf_t pend = c->pending;
+        memset(&c->pending, 0, sizeof(c->pending));
+        conn_feed(c, pend.base, pend.len);
+        dp_buf_free(&pend);
+    }
+    if (c->phase == PH_BODY && c->budget_wait)
+        return; /* waits again: reads stay stopped, the retry timer is armed */
+    if (c->phase == PH_BODY) {
+        c->last_read = uv_now(c->srv->loop);
+        conn_arm(c, body_wait(c, c->last_read, c->srv->lim.client_idle_timeout_ms));
+    }
+    if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
+        !c->wait_drain)
+        net_sock_read_start(&c->sock);
+}
+
+/* The connections kicked before this turn, oldest first; one kicked again while they run
+ * (more pipelined requests than PIPELINE_BURST) waits for the next turn. */
+static void kick_cb(uv_idle_t *h)
+{
+    net_server_t *s = h->data;
+    for (size_t n = s->nkicks; n > 0 && s->kq_head; n--) {
+        net_conn_t *c = s->kq_head;
+        kick_remove(c);
+        if (c->kick && c->phase != PH_CLOSED)
+            kick_run(c);
+    }
+}
+
 static void timer_cb(uv_timer_t *t)
 {
     net_conn_t *c = t->data;
     uint64_t now = uv_now(c->srv->loop);
-    if (!c->kick && now < c->deadline) { /* set early, the deadline moved on since (conn_arm) */
+    assert(!c->kick);        /* conn_kick stops the timer, conn_arm cancels the kick */
+    if (now < c->deadline) { /* set early, the deadline moved on since (conn_arm) */
         conn_arm(c, c->deadline - now);
-        return;
-    }
-    if (c->kick) {
-        c->kick = false;
-        bool body = c->phase == PH_BODY;
-        if ((c->phase == PH_IDLE || (body && !c->body_paused && !c->budget_wait)) &&
-            c->pending.len) {
-            c->read_paused = false;
-            dp_buf_t pend = c->pending;
-            memset(&c->pending, 0, sizeof(c->pending));
-            conn_feed(c, pend.base, pend.len);
-            dp_buf_free(&pend);
-        }
-        if (c->phase == PH_BODY && c->budget_wait)
-            return; /* waits again: reads stay stopped, the retry timer is armed */
-        if (c->phase == PH_BODY) {
-            c->last_read = uv_now(c->srv->loop);
-            conn_arm(c, body_wait(c, c->last_read, c->srv->lim.client_idle_timeout_ms));
-        }
-        if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
-            !c->wait_drain)
-            net_sock_read_start(&c->sock);
         return;
     }
     switch (c->phase) {
@@ -1420,6 +1488,8 @@ static void conn_close(net_conn_t *c)
     if (c->phase == PH_CLOSED)
         return;
     hs_remove(c);
+    kick_remove(c);
+    c->kick = false;
     budget_unwait(c);
     if (c->req)
         budget_body_done(c->srv, c->req); /* no longer one to shed; its share goes on close */
@@ -1751,6 +1821,15 @@ static void conn_feed(net_conn_t *c, const char *p, size_t n)
                     conn_wait_drain(c);
                 continue;
             }
+            if (c->burst >= PIPELINE_BURST) {
+                /* This turn's share is used: the rest waits for the next (conn_kick below). */
+                dp_buf_append(&c->pending, p, n);
+                n = 0;
+                c->read_paused = true;
+                net_sock_read_stop(&c->sock);
+                continue;
+            }
+            c->burst++;
             assert(c->req == NULL);
             c->req = req_get(c);
             c->phase = PH_HEAD;
@@ -1910,6 +1989,7 @@ static char *sock_read_target(net_sock_t *sk, size_t *len)
 static void sock_read(net_sock_t *sk, const char *p, size_t n)
 {
     net_conn_t *c = sk->owner;
+    c->burst = 0;
     if (c->head_capped) {
         c->head_capped = false;
         c->srv->head_reads++;
@@ -2112,6 +2192,9 @@ net_server_t *net_server_new(uv_loop_t *loop, const net_handler_t *h, void *data
     uv_check_init(loop, &s->check);
     s->check.data = s;
     s->check_open = true;
+    uv_idle_init(loop, &s->kicker);
+    s->kicker.data = s;
+    s->kicker_open = true;
     uv_async_init(loop, &s->wake, wake_cb);
     s->wake.data = s;
     s->wake_open = true;
@@ -2243,6 +2326,13 @@ static void check_closed(uv_handle_t *h)
     maybe_server_done(s);
 }
 
+static void kicker_closed(uv_handle_t *h)
+{
+    net_server_t *s = h->data;
+    s->kicker_open = false;
+    maybe_server_done(s);
+}
+
 static void wake_closed(uv_handle_t *h)
 {
     net_server_t *s = h->data;
@@ -2259,9 +2349,11 @@ static void maybe_server_done(net_server_t *s)
         s->drain_cb = NULL;
         cb(s);
     }
-    if (s->closing && (s->check_open || s->wake_open)) {
+    if (s->closing && (s->check_open || s->kicker_open || s->wake_open)) {
         if (s->check_open && !uv_is_closing((uv_handle_t *)&s->check))
             uv_close((uv_handle_t *)&s->check, check_closed);
+        if (s->kicker_open && !uv_is_closing((uv_handle_t *)&s->kicker))
+            uv_close((uv_handle_t *)&s->kicker, kicker_closed);
         if (s->wake_open && !uv_is_closing((uv_handle_t *)&s->wake)) {
             budget_leave(s); /* no thread sends to `wake` once it is off the group */
             uv_close((uv_handle_t *)&s->wake, wake_closed);
@@ -2273,6 +2365,7 @@ static void maybe_server_done(net_server_t *s)
         void *d = s->close_data;
         /* Every connection has gone through conn_handle_closed: nothing refers to s now. */
         assert(s->conns == NULL && s->corked == NULL && s->ninflight == 0);
+        assert(s->kq_head == NULL && s->nkicks == 0);
         assert(s->hs_head == NULL && s->hs_tail == NULL && s->nhandshakes == 0);
         while (s->free_reqs) {
             req_impl_t *q = s->free_reqs;

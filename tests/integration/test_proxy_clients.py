@@ -495,6 +495,85 @@ def test_a_pipelining_client_that_reads_slowly_but_steadily_is_not_cut_off():
     px.stop()
 
 
+def flood_pipelines(px, nconns, stop, counts):
+    """nconns connections that keep their pipelines full of GET /v1/models (20 more sent
+    whenever the last 20 are gone, whatever is still unanswered) and read every answer, until
+    `stop` is set: counts["answers"], counts["closed"] (connections the proxy ended)."""
+    import selectors
+    batch = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * 20
+    sel = selectors.DefaultSelector()
+    out = {}
+    for _ in range(nconns):
+        c = socket.create_connection(("127.0.0.1", px.port))
+        c.setblocking(False)
+        out[c] = batch
+        sel.register(c, selectors.EVENT_READ | selectors.EVENT_WRITE)
+    while out and not stop.is_set():
+        for key, ev in sel.select(0.2):
+            c = key.fileobj
+            if ev & selectors.EVENT_READ:
+                try:
+                    data = c.recv(1 << 20)
+                except BlockingIOError:
+                    data = None
+                except OSError:
+                    data = b""
+                if data == b"":
+                    sel.unregister(c)
+                    del out[c]
+                    c.close()
+                    counts["closed"] += 1
+                    continue
+                if data:
+                    counts["answers"] += data.count(b"HTTP/1.1 200 OK")
+            if ev & selectors.EVENT_WRITE:
+                try:
+                    out[c] = out[c][c.send(out[c]):] or batch
+                except BlockingIOError:
+                    pass
+    for c in out:
+        c.close()
+
+
+def test_clients_that_keep_their_pipelines_full_do_not_hold_the_loop():
+    """Sixteen clients keep their pipelines full of requests the proxy answers itself (the model
+    list; a refusal that keeps the connection is the same, and needs no key) and read every
+    answer. Each connection starts at most PIPELINE_BURST requests a turn of the loop, so a new
+    connection, and a keep-alive client's next request, are answered while the flood goes on:
+    they once waited for the flood to end (seconds), and a keep-alive client's idle timeout
+    fired before its request was read."""
+    sim, px = setup(limits={"client_idle_timeout_ms": 3000})
+    idle = socket.create_connection(("127.0.0.1", px.port))
+    idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_response(idle).status == 200
+    stop, counts = threading.Event(), {"answers": 0, "closed": 0}
+    flood = threading.Thread(target=flood_pipelines, args=(px, 16, stop, counts), daemon=True)
+    flood.start()
+    try:
+        poll_until(lambda: counts["answers"] > 20000, timeout=30 * SLOW, what="the flood served")
+        for _ in range(5):
+            fresh = socket.create_connection(("127.0.0.1", px.port))
+            fresh.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            try:
+                r = read_response(fresh, timeout=5)
+            except TimeoutError:
+                raise AssertionError("a new connection unanswered for 5 s while 16 clients kept "
+                                     "their pipelines full (%d answers so far)" % counts["answers"])
+            fresh.close()
+            assert r.status == 200, r
+        idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(idle, timeout=5).status == 200
+        during = counts["answers"]
+        poll_until(lambda: counts["answers"] > during, what="the flood still being served")
+        assert flood.is_alive() and counts["closed"] == 0, counts
+    finally:
+        stop.set()
+        flood.join(10)
+    idle.close()
+    assert_serves_next(px)
+    px.stop()
+
+
 def test_a_slow_reader_gets_all_of_the_last_answer_before_the_close():
     """Connection: close and an answer of 4.4 MB (the model list of a pool with 20,000 models),
     read at ~640 KB/s: after the answer the connection lingers, and the linger must not end
