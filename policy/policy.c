@@ -1476,7 +1476,7 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
                 ok = strlen(t->allow_params[i]) == kn && memcmp(t->allow_params[i], k, kn) == 0;
             if (!ok) {
                 char name[sizeof(err->param)];
-                snprintf(name, sizeof(name), "%.*s", (int)kn, k);
+                key_shown(k, kn, name, sizeof(name));
                 policy_set_error(err, 400, "policy_violation", name,
                                  "parameter '%s' is not in this tenant's allow_params", name);
                 return -1;

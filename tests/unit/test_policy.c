@@ -341,6 +341,9 @@ Test(rules, allow_params_is_an_allowlist)
         {"{\"model\":\"m\",\"prompt\":\"x\",\"sampling_params\":{}}", "sampling_params"},
         {"{\"model\":\"m\",\"prompt\":\"x\",\"\\u006din_p\":0.5}", "min_p"}, /* escaped */
         {"{\"model\":\"m\",\"prompt\":\"x\",\"Temperature\":2}", "Temperature"},
+        /* a NUL in the key is shown, not where the name ends: "model\0" is not "model" */
+        {"{\"model\":\"m\",\"model\\u0000\":\"m\",\"prompt\":\"x\"}", "model\\u0000"},
+        {"{\"model\":\"m\",\"prompt\":\"x\",\"logit\\u0000bias\":{}}", "logit\\u0000bias"},
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
         cr_assert_eq(run(&t, refused[i][0]), -1, "case %zu", i);
