@@ -1147,8 +1147,21 @@ static int apply(policy_req_t *r, const cfg_tenant_t *t, const char *framework,
             for (size_t i = 0; i < t->nallow_params && !ok; i++)
                 ok = strlen(t->allow_params[i]) == kn && memcmp(t->allow_params[i], k, kn) == 0;
             if (!ok) {
+                /* Named as the proxy names it: at most 48 bytes, never half a UTF-8
+                 * character, a control byte as \u00XX. */
                 char name[sizeof(err->param)];
-                snprintf(name, sizeof(name), "%.*s", (int)kn, k);
+                size_t n = kn > 48 ? 48 : kn, o = 0;
+                if (n < kn)
+                    while (n > 0 && ((unsigned char)k[n] & 0xC0) == 0x80)
+                        n--;
+                for (size_t i = 0; i < n && o + 7 <= sizeof(name); i++) {
+                    unsigned char c = (unsigned char)k[i];
+                    if (c < 0x20 || c == 0x7f)
+                        o += (size_t)snprintf(name + o, sizeof(name) - o, "\\u%04x", c);
+                    else
+                        name[o++] = (char)c;
+                }
+                name[o] = '\0';
                 policy_set_error(err, 400, "policy_violation", name,
                                  "parameter '%s' is not in this tenant's allow_params", name);
                 return -1;
