@@ -1241,8 +1241,9 @@ static void kick_run(net_conn_t *c)
         c->last_read = uv_now(c->srv->loop);
         conn_arm(c, body_wait(c, c->last_read, c->srv->lim.client_idle_timeout_ms));
     }
-    if (c->phase != PH_CLOSED && c->phase != PH_WAIT && !c->read_paused && !c->body_paused &&
-        !c->wait_drain)
+    /* Reading goes on in PH_WAIT too: a request the turn sent on is watched for its client
+     * leaving (and pipelined bytes after it are kept, within PENDING_LIMIT). */
+    if (c->phase != PH_CLOSED && !c->read_paused && !c->body_paused && !c->wait_drain)
         net_sock_read_start(&c->sock);
 }
 

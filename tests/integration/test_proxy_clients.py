@@ -574,6 +574,28 @@ def test_clients_that_keep_their_pipelines_full_do_not_hold_the_loop():
     px.stop()
 
 
+def test_a_client_leaving_after_a_full_turn_of_pipelined_requests_is_noticed():
+    """Sixteen pipelined requests the proxy answers itself fill a connection's turn; the
+    seventeenth, a generation, starts at the next turn. The client then leaves: the proxy must
+    see it go and cut the generation (499), not keep the replica busy until it ends."""
+    sim, px = setup("--token-delay-ms", "100")
+    body = json.dumps({"model": "m1", "prompt": "leave", "max_tokens": 200}).encode()
+    for n, k in enumerate((15, 16, 32), 1):  # in the first turn, then after one and two full ones
+        s = socket.create_connection(("127.0.0.1", px.port))
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * k +
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        poll_until(lambda: sim_stats(sim)["inflight"] == 1, what="the generation running")
+        s.close()
+        # 200 tokens at 100 ms: 20 s if nobody notices the client is gone.
+        poll_until(lambda: sim_stats(sim)["inflight"] == 0, timeout=5 * SLOW,
+                   what="the generation cut once its client left (k=%d)" % k)
+        poll_until(lambda: metric(px, "detproxy_requests_total", pool="p", status="499") == n,
+                   what="the generation counted 499 (k=%d)" % k)
+    assert_serves_next(px)
+    px.stop()
+
+
 def test_a_slow_reader_gets_all_of_the_last_answer_before_the_close():
     """Connection: close and an answer of 4.4 MB (the model list of a pool with 20,000 models),
     read at ~640 KB/s: after the answer the connection lingers, and the linger must not end
