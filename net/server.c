@@ -1150,9 +1150,10 @@ static void kick_remove(net_conn_t *c)
 /* Parse pipelined bytes left behind by the previous response, or bytes held back, from the
  * loop at its next turn, after the loop has polled: one turn per kicked connection per
  * iteration, so new connections and other clients' bytes are served between them. (A
- * zero-delay timer would not do: libuv before 1.45 runs a timer started from a timer callback
- * in the same pass, and connections that kick again would hold the loop.) The kick stands in
- * for the connection's timer until it runs, and conn_arm cancels it. */
+ * zero-delay timer would not do: libuv before 1.48, Debian 12's 1.44 among them, runs one
+ * started from a timer callback in the same pass, libuv issue 4245, and connections that kick
+ * again would hold the loop.) The kick stands in for the connection's timer until it runs, and
+ * conn_arm cancels it. */
 static void conn_kick(net_conn_t *c)
 {
     net_server_t *s = c->srv;
