@@ -1151,8 +1151,8 @@ static void kick_remove(net_conn_t *c)
  * loop at its next turn, after the loop has polled: one turn per kicked connection per
  * iteration, so new connections and other clients' bytes are served between them. (A
  * zero-delay timer would not do: libuv before 1.48, Debian 12's 1.44 among them, runs one
- * started from a timer callback in the same pass, libuv issue 4245, and connections that kick
- * again would hold the loop.) The kick stands in for the connection's timer until it runs, and
+ * started from a timer callback in the same pass, and connections that kick again would hold
+ * the loop.) The kick stands in for the connection's timer until it runs, and
  * conn_arm cancels it. */
 static void conn_kick(net_conn_t *c)
 {
