@@ -83,7 +83,8 @@ need() { command -v "$1" >/dev/null 2>&1 || { log "skipping $2: $1 not installed
 part() {
   [[ $PARTS == *" $1 "* ]] || return 1
   case $1 in
-    perf) need perf perf ;;
+    perf) need perf perf && need wrk perf ;;
+    allocs) need wrk allocs ;;
     callgrind) need valgrind callgrind && need callgrind_control callgrind ;;
     syscalls) need strace syscalls && need nginx syscalls && need haproxy syscalls ;;
     *) return 0 ;;

@@ -16,13 +16,43 @@ from proxyutil import *
 WORKERS = {} if os.environ.get("ATTACK_NO_WORKERS") else {"workers": 2}
 
 
-def keepalive_clients(px, clients, per_client, max_tokens=4, timeout=60):
-    """`clients` threads, each with one persistent connection sending `per_client` completions
-    one after another. Returns the statuses and the codes of the failures."""
+def worker_counts(px):
+    return [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+
+
+def connections_on_each_worker(px, per_worker, timeout=60):
+    """Keep-alive connections, `per_worker` on each of the two workers. The kernel spreads
+    connections over the workers' listeners by a hash of the client's address and port, so a
+    handful may all land on one worker; each connection here answers one `GET /v1/models`
+    first, and the worker whose request counter moved is the one that holds it. Connections
+    beyond a worker's share are closed."""
+    held, spare, before = {0: [], 1: []}, [], worker_counts(px)
+    for _ in range(40 * per_worker):
+        if all(len(v) == per_worker for v in held.values()):
+            break
+        c = HTTPConnection("127.0.0.1", px.port, timeout=timeout)
+        c.request("GET", "/v1/models")
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200, r.status
+        after = worker_counts(px)
+        moved = [w for w in range(2) if after[w] > before[w]]
+        assert len(moved) == 1, (before, after)
+        before = after
+        (held[moved[0]] if len(held[moved[0]]) < per_worker else spare).append(c)
+    for c in spare:
+        c.close()
+    assert all(len(v) == per_worker for v in held.values()), \
+        "the kernel put %d and %d connections on the two workers" % (len(held[0]), len(held[1]))
+    return held[0] + held[1]
+
+
+def keepalive_clients(conns, per_client, max_tokens=4):
+    """One thread per connection in `conns`, each sending `per_client` completions one after
+    another on it. Returns the statuses and the codes of the failures."""
     statuses, codes, lock = [], [], threading.Lock()
 
-    def run(k):
-        c = HTTPConnection("127.0.0.1", px.port, timeout=timeout)
+    def run(k, c):
         for i in range(per_client):
             body = json.dumps({"model": "m1", "prompt": "ka%d-%d" % (k, i),
                                "max_tokens": max_tokens, "temperature": 0})
@@ -38,7 +68,7 @@ def keepalive_clients(px, clients, per_client, max_tokens=4, timeout=60):
                     except Exception:
                         codes.append(data[:80])
         c.close()
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    ts = [threading.Thread(target=run, args=(k, c)) for k, c in enumerate(conns)]
     for t in ts:
         t.start()
     for t in ts:
@@ -47,7 +77,7 @@ def keepalive_clients(px, clients, per_client, max_tokens=4, timeout=60):
 
 
 def test_one_slot_is_shared_fairly_by_keepalive_clients_on_two_workers():
-    # One replica with one slot, 12 keep-alive clients spread over 2 workers, each request
+    # One replica with one slot, 12 keep-alive clients, 6 on each of 2 workers, each request
     # ~30 ms. The worker that holds the slot must not keep handing it to its own queue while
     # the other worker's queued requests wait until queue_timeout (504): the whole run takes
     # ~12*12*30 ms = 4.3 s of replica time, more than the 2.5 s queue timeout, so a worker
@@ -55,11 +85,14 @@ def test_one_slot_is_shared_fairly_by_keepalive_clients_on_two_workers():
     sim = start_sim("--model", "m1", "--token-delay-ms", "7")
     px = start_proxy(pools=[pool("p", ["m1"], [sim], max_inflight_per_replica=1,
                                  queue_limit=1000, queue_timeout_ms=2500)], **WORKERS)
-    statuses, codes = keepalive_clients(px, 12, 12)
-    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    if WORKERS:
+        conns = connections_on_each_worker(px, 6)
+    else:
+        conns = [HTTPConnection("127.0.0.1", px.port, timeout=60) for _ in range(12)]
+    statuses, codes = keepalive_clients(conns, 12)
+    counts = worker_counts(px)
     st = sim_stats(sim)
     px.stop()
-    assert not WORKERS or all(c > 0 for c in counts), counts  # both workers had clients
     assert st["max_inflight_seen"] == 1, st
     assert statuses == [200] * len(statuses), (sorted(set(statuses)), codes[:5], counts)
 
@@ -125,7 +158,7 @@ def test_a_tenant_rate_limit_is_one_bucket_across_workers():
         with lock:
             out.append(r.status)
     in_parallel(24, one, workers=8)
-    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    counts = worker_counts(px)
     px.stop()
     assert not WORKERS or all(c > 0 for c in counts), counts
     assert sorted(out) == [200] * 3 + [429] * 21, sorted(out)
@@ -190,7 +223,7 @@ def test_an_audited_response_ends_after_its_line_on_every_worker():
             if r.status != 200 or rid not in ids:
                 missing.append((i, r.status, rid))
     in_parallel(40, one, workers=8)
-    counts = [metric(px, "detproxy_worker_requests_total", worker=str(w)) for w in range(2)]
+    counts = worker_counts(px)
     px.stop()
     assert not WORKERS or all(c > 0 for c in counts), counts
     assert missing == [], missing
