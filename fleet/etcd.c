@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/list.h"
 #include "common/util.h"
 #include "net/client.h"
 #include "net/fetch.h"
@@ -244,12 +245,7 @@ uint64_t fleet_etcd_requests(const fleet_etcd_t *e)
 static void call_free(call_t *c)
 {
     fleet_etcd_t *e = c->e;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        e->calls = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    DP_LIST_UNLINK(e->calls, c, next, prev);
     free(c->path);
     dp_buf_free(&c->body);
     free(c);
@@ -395,10 +391,7 @@ static void call_start(fleet_etcd_t *e, int ep, const char *path, const dp_buf_t
         dp_buf_append(&c->body, body->base, body->len);
     c->cb = cb;
     c->data = data;
-    c->next = e->calls;
-    if (e->calls)
-        e->calls->prev = c;
-    e->calls = c;
+    DP_LIST_PUSH(e->calls, c, next, prev);
     call_send(c);
 }
 

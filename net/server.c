@@ -1134,15 +1134,7 @@ static void kick_remove(net_conn_t *c)
         return;
     assert(s->nkicks > 0);
     c->kick_queued = false;
-    if (c->kq_prev)
-        c->kq_prev->kq_next = c->kq_next;
-    else
-        s->kq_head = c->kq_next;
-    if (c->kq_next)
-        c->kq_next->kq_prev = c->kq_prev;
-    else
-        s->kq_tail = c->kq_prev;
-    c->kq_prev = c->kq_next = NULL;
+    DP_TLIST_UNLINK(s->kq_head, s->kq_tail, c, kq_next, kq_prev);
     if (--s->nkicks == 0)
         uv_idle_stop(&s->kicker);
 }
@@ -1162,13 +1154,7 @@ static void conn_kick(net_conn_t *c)
     if (c->kick_queued)
         return;
     c->kick_queued = true;
-    c->kq_next = NULL;
-    c->kq_prev = s->kq_tail;
-    if (s->kq_tail)
-        s->kq_tail->kq_next = c;
-    else
-        s->kq_head = c;
-    s->kq_tail = c;
+    DP_TLIST_APPEND(s->kq_head, s->kq_tail, c, kq_next, kq_prev);
     if (s->nkicks++ == 0)
         uv_idle_start(&s->kicker, kick_cb);
 }
@@ -1435,15 +1421,7 @@ static void hs_remove(net_conn_t *c)
     assert(c->hs_prev != NULL || s->hs_head == c);
     assert(c->hs_next != NULL || s->hs_tail == c);
     c->handshaking = false;
-    if (c->hs_prev)
-        c->hs_prev->hs_next = c->hs_next;
-    else
-        s->hs_head = c->hs_next;
-    if (c->hs_next)
-        c->hs_next->hs_prev = c->hs_prev;
-    else
-        s->hs_tail = c->hs_prev;
-    c->hs_prev = c->hs_next = NULL;
+    DP_TLIST_UNLINK(s->hs_head, s->hs_tail, c, hs_next, hs_prev);
     s->nhandshakes--;
 }
 
@@ -1474,13 +1452,7 @@ static void hs_add(net_conn_t *c)
         assert(!old->handshaking);
     }
     c->handshaking = true;
-    c->hs_prev = s->hs_tail;
-    c->hs_next = NULL;
-    if (s->hs_tail)
-        s->hs_tail->hs_next = c;
-    else
-        s->hs_head = c;
-    s->hs_tail = c;
+    DP_TLIST_APPEND(s->hs_head, s->hs_tail, c, hs_next, hs_prev);
     s->nhandshakes++;
     c->sock.on_handshake = hs_done;
 }

@@ -67,15 +67,7 @@ void px_admission_remove(px_admission_entry_t *e)
     px_pool_t *p = e->pool;
     px_pool_slot_t *sl = qslot(p);
     assert(sl->qlen > 0 && sl->q_head != NULL);
-    if (e->prev)
-        e->prev->next = e->next;
-    else
-        sl->q_head = e->next;
-    if (e->next)
-        e->next->prev = e->prev;
-    else
-        sl->q_tail = e->prev;
-    e->next = e->prev = NULL;
+    DP_TLIST_UNLINK(sl->q_head, sl->q_tail, e, next, prev);
     e->queued = false;
     sl->qlen--;
     publish_head(sl);
@@ -104,16 +96,7 @@ void px_admission_push(px_admission_entry_t *e)
     px_admission_entry_t *after = sl->q_tail;
     while (after && after->deadline > e->deadline)
         after = after->prev;
-    e->prev = after;
-    e->next = after ? after->next : sl->q_head;
-    if (e->next)
-        e->next->prev = e;
-    else
-        sl->q_tail = e;
-    if (after)
-        after->next = e;
-    else
-        sl->q_head = e;
+    DP_TLIST_INSERT_AFTER(sl->q_head, sl->q_tail, after, e, next, prev);
     sl->qlen++;
     if (sl->q_head == e)
         publish_head(sl);

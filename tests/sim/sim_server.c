@@ -28,6 +28,7 @@
 
 #include "attest/dsse.h"
 #include "common/jw.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/util.h"
 #include "net/server.h"
@@ -274,12 +275,7 @@ static void job_close(job_t *j)
         j->req->data = NULL;
         j->req = NULL;
     }
-    if (j->prev)
-        j->prev->next = j->next;
-    else
-        s->jobs = j->next;
-    if (j->next)
-        j->next->prev = j->prev;
+    DP_LIST_UNLINK(s->jobs, j, next, prev);
     uv_timer_stop(&j->timer);
     uv_close((uv_handle_t *)&j->timer, job_closed);
 }
@@ -292,10 +288,7 @@ static job_t *job_new(sim_t *s, net_req_t *req)
     j->sim = s;
     j->req = req;
     req->data = j;
-    j->next = s->jobs;
-    if (s->jobs)
-        s->jobs->prev = j;
-    s->jobs = j;
+    DP_LIST_PUSH(s->jobs, j, next, prev);
     return j;
 }
 
