@@ -67,6 +67,7 @@
 
 #define DEFAULT_WATCH_MS 1000
 #define DEFAULT_FW_REFRESH_MS 10000
+#define FW_READ_MS 2000      /* the most one framework read may take, whole answers included */
 #define FW_RETRY_MIN_MS 100  /* after a failed read: retry this soon, doubling ... */
 #define FW_RETRY_MAX_MS 1000 /* ... up to this (or --framework-refresh-ms, if shorter) */
 #define FW_ON_DEMAND_MS 250  /* an attestation request re-reads a framework read longer ago */
@@ -982,7 +983,10 @@ static void fw_check(agent_t *a)
                       .model = a->ident.model,
                       /* The agent's requests to its engine are outside the proxy's admission
                        * slots: where the metadata names the fingerprint, send no completion. */
-                      .metadata_fingerprint = true};
+                      .metadata_fingerprint = true,
+                      /* A read that does not end leaves the last one's identity signed: an
+                       * engine that trickles its answer is unreachable instead. */
+                      .deadline_ms = FW_READ_MS};
     f->probe = probe_start(&o, fw_checked, a);
 }
 

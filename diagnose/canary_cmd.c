@@ -144,8 +144,10 @@ static int ask(const cfg_t *cfg, const cfg_pool_t *pool, const cfg_manifest_t *i
     if (tls)
         net_upstream_set_tls(up, tls, server_name ? server_name : url->host);
     out->loop = &loop;
-    const probe_route_t to = {
-        .hostport = url->hostport, .base = url->path, .bearer = pool->api_key};
+    const probe_route_t to = {.hostport = url->hostport,
+                              .base = url->path,
+                              .bearer = pool->api_key,
+                              .deadline_ms = probe_answer_deadline_ms(cfg)};
     probe_canary_start(up, pool, id, &to, on_result, out);
     while (!out->done && uv_run(&loop, UV_RUN_DEFAULT) != 0)
         ;

@@ -168,7 +168,8 @@ static bool att_start(rio_t *io)
                       .extra_headers = agent ? NULL : io->extra,
                       .keys = &d->keys,
                       .require_signature = cfg_pool_require_signature(d->cfg, d->pool),
-                      .model = probe_canary_model(d->pool, NULL)};
+                      .model = probe_canary_model(d->pool, NULL),
+                      .deadline_ms = d->cfg->attestation.timeout_ms};
     probe_start(&o, att_done, io);
     return true;
 }
@@ -212,7 +213,8 @@ static void engine_read_start(rio_t *io)
                       .bearer = io->bearer,
                       .extra_headers = io->extra,
                       .known_fingerprint = "", /* metadata only: never a completion */
-                      .metadata_fingerprint = true};
+                      .metadata_fingerprint = true,
+                      .deadline_ms = d->cfg->attestation.timeout_ms};
     d->total++;
     probe_start(&o, engine_read_done, io);
 }
@@ -268,7 +270,8 @@ static void step_canary(dg_t *d)
         const probe_route_t to = {.hostport = io->hostport,
                                   .base = io->path,
                                   .bearer = io->bearer,
-                                  .extra_headers = io->extra};
+                                  .extra_headers = io->extra,
+                                  .deadline_ms = probe_answer_deadline_ms(d->cfg)};
         probe_canary_start(io->up, d->pool, id, &to, canary_done, io);
     }
     if (d->total) {
@@ -402,7 +405,8 @@ static void job_start(rio_t *io, size_t k)
                           .extra_headers = io->extra,
                           .body = io->bodies[k]->base,
                           .body_len = io->bodies[k]->len,
-                          .max_bytes = OUTPUT_MAX_BYTES};
+                          .max_bytes = OUTPUT_MAX_BYTES,
+                          .deadline_ms = probe_answer_deadline_ms(d->cfg)};
     io->inflight++;
     d->lane_busy[io->lane]++;
     net_fetch(io->up, &o, job_done, j);

@@ -38,6 +38,9 @@ typedef struct net_creq_impl_s {
     struct net_creq_impl_s *dnext, *dprev;
     net_drain_done_fn ddone;
     uint64_t ddeadline;
+    /* net_creq_set_deadline: the whole answer by then (uv_now() ms; 0: none), and its length. */
+    uint64_t edeadline;
+    uint32_t edeadline_ms;
 } creq_t;
 
 struct uconn_s {
@@ -210,12 +213,15 @@ static void uconn_arm(uconn_t *c, uint64_t ms);
 static void timer_cb(uv_timer_t *t);
 
 /* The timer for `ms` from now, the phase's deadline left where it is (uconn_arm). Never later
- * than the deadline of a drain on c: while there is one, the timer is never due after it. */
+ * than the deadline of a drain on c, or of the exchange on it (net_creq_set_deadline): while
+ * there is one, the timer is never due after it. */
 static void uconn_timer_in(uconn_t *c, uint64_t ms)
 {
     uint64_t now = uv_now(c->up->loop);
-    if (c->req && c->req->dset) {
-        uint64_t left = c->req->ddeadline > now ? c->req->ddeadline - now : 0;
+    creq_t *q = c->req;
+    uint64_t end = q == NULL ? 0 : q->dset ? q->ddeadline : q->edeadline;
+    if (end) {
+        uint64_t left = end > now ? end - now : 0;
         if (left < ms)
             ms = left;
     }
@@ -280,8 +286,20 @@ static void timer_cb(uv_timer_t *t)
     uconn_t *c = t->data;
     net_upstream_t *u = c->up;
     uint64_t now = uv_now(u->loop);
-    if (c->req && c->req->dset && now >= c->req->ddeadline) {
+    creq_t *q = c->req;
+    if (q && q->dset && now >= q->ddeadline) {
         uconn_fail(c, NET_UP_IDLE_TIMEOUT, "drained for as long as it may be");
+        return;
+    }
+    if (q && !q->dset && q->edeadline && now >= q->edeadline && c->phase != UC_IDLE) {
+        /* However it trickles, the answer is not whole in time: late, as a silent one. */
+        char why[96];
+        snprintf(why, sizeof(why), "answer not whole within %u ms", (unsigned)q->edeadline_ms);
+        if (c->phase == UC_CONNECTING)
+            uconn_fail(c, NET_UP_CONNECT, why);
+        else
+            late(c, q->pub.response_started ? NET_UP_IDLE_TIMEOUT : NET_UP_FIRST_BYTE_TIMEOUT, why,
+                 now);
         return;
     }
     bool rearmed;
@@ -303,7 +321,6 @@ static void timer_cb(uv_timer_t *t)
         uconn_fail(c, NET_UP_CONNECT, "connect timeout");
         return;
     case UC_HEAD: {
-        creq_t *q = c->req;
         if (q && q->dset) { /* a drain: silence does not end it, its deadline does */
             uconn_arm(c, q->ddeadline - now);
             return;
@@ -318,7 +335,6 @@ static void timer_cb(uv_timer_t *t)
     }
     case UC_BODY: {
         uint64_t idle = u->o.idle_timeout_ms;
-        creq_t *q = c->req;
         if (q && q->dset) { /* a drain: silence does not end it, its deadline does */
             uconn_arm(c, q->ddeadline - now);
             return;
@@ -1110,6 +1126,20 @@ void net_creq_end(net_creq_t *r)
         c->req_ended = true;
         note_req_sent(c);
     }
+}
+
+void net_creq_set_deadline(net_creq_t *r, uint32_t ms)
+{
+    creq_t *q = (creq_t *)r;
+    uconn_t *c = q->c;
+    assert(c != NULL && !q->dset);
+    uint64_t now = uv_now(c->up->loop);
+    q->edeadline = now + ms;
+    q->edeadline_ms = ms;
+    /* A timer due later comes by the deadline instead; none (a held connection) is set by
+     * whoever sets it next, through uconn_timer_in. A deferred failure is left as it is. */
+    if (c->timer_lazy && uv_is_active((uv_handle_t *)&c->timer) && c->timer_due > q->edeadline)
+        uconn_timer_in(c, ms);
 }
 
 void net_creq_pause(net_creq_t *r)

@@ -137,6 +137,12 @@ net_creq_t *net_creq_start_new(net_upstream_t *u, const uv_buf_t *bufs, unsigned
 int net_creq_write(net_creq_t *r, const uv_buf_t *bufs, unsigned nbufs);
 void net_creq_end(net_creq_t *r);
 /* Response backpressure: stop / restart reading (the idle timeout is suspended meanwhile). */
+/* The whole answer within ms from now, however it trickles: the first-byte and idle timeouts
+ * bound silence, not a replica that sends a byte now and then. Past it the exchange is late as
+ * a silent one is (on_timeout, then NET_UP_FIRST_BYTE_TIMEOUT or NET_UP_IDLE_TIMEOUT, or
+ * NET_UP_CONNECT while it connects), with "answer not whole within N ms". A drain made of r
+ * keeps its own deadline instead. Right after net_creq_start. */
+void net_creq_set_deadline(net_creq_t *r, uint32_t ms);
 void net_creq_pause(net_creq_t *r);
 void net_creq_resume(net_creq_t *r);
 /* Abort: close the connection at once, no further callbacks. */

@@ -119,6 +119,8 @@ net_fetch_t *net_fetch(net_upstream_t *u, const net_fetch_opts_t *o, net_fetch_c
     uv_buf_t b = uv_buf_init(req.base, (unsigned)req.len);
     f->c = net_creq_start(u, &b, 1, false, false, &fetch_cb, f);
     f->c->length_required = o->length_required;
+    if (o->deadline_ms)
+        net_creq_set_deadline(f->c, o->deadline_ms);
     dp_buf_free(&req);
     return f;
 }

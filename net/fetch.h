@@ -30,6 +30,7 @@ typedef struct {
     const char *extra_headers; /* raw "name: value\r\n" lines or NULL */
     const char *via;      /* the sender's Via line (loop detection, proxy/core/self.h) or NULL */
     bool length_required; /* net_creq_t.length_required */
+    uint32_t deadline_ms; /* the whole answer within this (net_creq_set_deadline); 0: none */
 } net_fetch_opts_t;
 
 /* Start; cb runs exactly once from the loop unless net_fetch_cancel is called first. */

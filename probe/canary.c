@@ -100,7 +100,8 @@ probe_canary_t *probe_canary_start(net_upstream_t *u, const cfg_pool_t *pc,
                           .body = body.base,
                           .body_len = body.len,
                           .max_bytes = PROBE_CANARY_MAX_BYTES,
-                          .length_required = to->length_required};
+                          .length_required = to->length_required,
+                          .deadline_ms = to->deadline_ms};
     c->f = net_fetch(u, &o, fetched, c);
     dp_buf_free(&body);
     return c;

@@ -30,6 +30,7 @@ struct probe_s {
     char *known_fp;          /* probe_opts_t.known_fingerprint */
     bool metadata_fp;        /* probe_opts_t.metadata_fingerprint */
     bool length_required;    /* probe_opts_t.length_required */
+    uint32_t deadline_ms;    /* probe_opts_t.deadline_ms */
     attest_outcome_t out;
 };
 
@@ -101,7 +102,8 @@ static void completion_start(probe_t *p)
                           .body_len = body.len,
                           .max_bytes = ATTEST_PROBE_MAX_BYTES,
                           .extra_headers = p->extra,
-                          .length_required = p->length_required};
+                          .length_required = p->length_required,
+                          .deadline_ms = p->deadline_ms};
     p->completion = net_fetch(p->up, &o, completion_done, p);
     dp_buf_free(&body);
 }
@@ -161,6 +163,7 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
     p->known_fp = dup_or_null(o->known_fingerprint);
     p->metadata_fp = o->metadata_fingerprint;
     p->length_required = o->length_required;
+    p->deadline_ms = o->deadline_ms;
     p->keys = o->keys;
     p->require_signature = o->require_signature;
     attest_check_plan(&p->plan, o->source, p->base, o->agent_path);
@@ -173,7 +176,8 @@ probe_t *probe_start(const probe_opts_t *o, probe_cb cb, void *data)
                                .target = p->plan.requests[i].target,
                                .bearer = p->bearer,
                                .max_bytes = p->plan.requests[i].max_bytes,
-                               .extra_headers = p->extra};
+                               .extra_headers = p->extra,
+                               .deadline_ms = p->deadline_ms};
         p->fetch[i] = net_fetch(p->up, &fo, fetched, p);
     }
     return p;
@@ -213,6 +217,13 @@ void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)
     o->first_byte_timeout_ms = l->upstream_first_byte_timeout_ms;
     o->idle_timeout_ms = l->upstream_idle_timeout_ms;
     o->keepalive_ms = l->upstream_keepalive_timeout_ms;
+}
+
+uint32_t probe_answer_deadline_ms(const cfg_t *cfg)
+{
+    uint64_t ms =
+        (uint64_t)cfg->limits.upstream_first_byte_timeout_ms + cfg->limits.upstream_idle_timeout_ms;
+    return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 }
 
 void probe_attest_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o)

@@ -34,6 +34,7 @@ typedef struct {
     const char *via;
     const char *extra_headers;
     bool length_required; /* for requests that take a slot: net_creq_t.length_required */
+    uint32_t deadline_ms; /* the whole answer within this (net_creq_set_deadline); 0: none */
 } probe_route_t;
 
 typedef struct {
@@ -59,6 +60,10 @@ typedef struct {
      * (attest_check_metadata_fingerprint) and send no probe completion then. */
     bool metadata_fingerprint;
     bool length_required; /* for the probe completion: net_creq_t.length_required */
+    /* Each of the check's requests must have its whole answer within this, however it trickles
+     * (net_creq_set_deadline): a replica that sends a byte now and then must not hold a check
+     * open, and the identity it vouched for last, for good. 0: no bound but the timeouts. */
+    uint32_t deadline_ms;
 } probe_opts_t;
 
 /* out is the probe's: the callback may move out->report or out->reasons away (zeroing what it
@@ -84,6 +89,9 @@ bool probe_completion_may_run(const probe_t *p);
 void probe_replica_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
 /* The upstream options for attestation requests: timeout_ms for every phase, 2 idle. */
 void probe_attest_upstream_opts(const cfg_t *cfg, net_upstream_opts_t *o);
+/* The most a completion sent to a replica outside client traffic (a canary, diagnose's
+ * requests) may take for its whole answer: the first-byte timeout and then the idle one. */
+uint32_t probe_answer_deadline_ms(const cfg_t *cfg);
 
 /* ---- the canary (docs/attestation.md §6) ------------------------------------------------------
  * In one place: the proxy's admission check, `detproxy diagnose` and `detproxy attest canary`

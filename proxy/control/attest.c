@@ -391,7 +391,8 @@ static void engine_read_start(att_t *a)
                       .bearer = pc->api_key,
                       .via = px_self_via_line(NULL),
                       .known_fingerprint = "", /* never a completion: metadata only */
-                      .metadata_fingerprint = true};
+                      .metadata_fingerprint = true,
+                      .deadline_ms = cur(a)->attestation.timeout_ms};
     a->engine_read = probe_start(&o, engine_read_done, a);
 }
 
@@ -522,7 +523,8 @@ static void canary_start(att_t *a, const cfg_pool_t *pc, const cfg_manifest_t *i
                               .base = a->r->url.path,
                               .bearer = pc->api_key,
                               .via = px_self_via_line(NULL),
-                              .length_required = px_replica_drains_abandoned(a->r)};
+                              .length_required = px_replica_drains_abandoned(a->r),
+                              .deadline_ms = probe_answer_deadline_ms(cur(a))};
     a->canary = probe_canary_start(a->r->up, pc, id, &to, canary_done, a);
 }
 
@@ -725,7 +727,8 @@ static void check_start(att_t *a)
                       .require_signature = require_signature(a, pc),
                       .model = pc ? probe_canary_model(pc, NULL) : NULL,
                       .known_fingerprint = known,
-                      .length_required = px_replica_drains_abandoned(r)};
+                      .length_required = px_replica_drains_abandoned(r),
+                      .deadline_ms = cur(a)->attestation.timeout_ms};
     a->probe = probe_start(&o, checked, a);
 }
 

@@ -133,6 +133,31 @@ def test_the_agent_reads_llamacpp_s_fingerprint_without_a_completion():
     sim.stop()
 
 
+def test_an_engine_that_trickles_its_answer_is_not_vouched_for():
+    """The engine swaps its quantization and then answers its metadata a byte every 200 ms,
+    never ending: within every idle timeout. The agent's read is bounded as a whole (2 s), so
+    it answers framework_unreachable instead of signing the last read's F16 for good, and the
+    proxy takes the replica out of service."""
+    sim = start_sim("--flavor", "llamacpp", "--model", MODEL, "--framework-version",
+                    "b11669-Debian")
+    ag = agent(sim.port, "--quantization", "F16", "--framework-refresh-ms", "300")
+    px = agent_proxy(ag, sim.port, {"model": MODEL, "quantization": "F16"})
+    poll_until(lambda: replica(px)["state"] == "admitted", what="admitted")
+    sim_config(sim, quantization="Q8_0", fault="trickle", fault_scope="all")
+    t0 = time.monotonic()
+    poll_until(lambda: payload(ag)[0] == 503, timeout=15, what="the agent refusing to vouch")
+    took = time.monotonic() - t0
+    st, err = payload(ag)
+    assert err["error"]["code"] == "framework_unreachable", err
+    assert "answer not whole within 2000 ms" in err["error"]["message"], err
+    print("    trickling engine -> framework_unreachable after %.0f ms" % (took * 1000))
+    poll_until(lambda: replica(px)["state"] in ("unreachable", "rejected"),
+               what="the replica out of service")
+    px.stop()
+    ag.stop()
+    sim.stop()
+
+
 def test_without_framework_url_the_agent_repeats_its_flags():
     """Flags only: an agent told F16 signs F16 whatever the engine runs (what --framework-url
     exists to prevent; docs/attestation.md §4)."""

@@ -144,6 +144,33 @@ def test_bad_agents_are_rejected_with_reasons():
     px.stop()
 
 
+def test_a_replica_that_trickles_its_metadata_is_unreachable_within_the_timeout():
+    """Once admitted, the replica answers its metadata a byte every 200 ms, never ending: well
+    within every idle timeout, so only a bound on the whole answer ends the check. Without one
+    the check never ended, and the replica stayed admitted on its last answer for good (one
+    slot of the proxy's concurrent checks taken with it)."""
+    s = sim()
+    p = pool("p", [MODEL], [s], manifest={"model": MODEL,
+                                          "framework": {"name": "vllm", "version": "0.6.3"}})
+    p["replicas"][0]["attest"] = {"source": "vllm"}
+    px = start_proxy(pools=[p], attestation=attestation(interval=200, timeout=600, require=False))
+    assert state(px, "r1") == "admitted"
+    sim_config(s, fault="trickle", fault_scope="all")
+    t0 = time.monotonic()
+    poll_until(lambda: state(px, "r1") == "unreachable", timeout=10 * SLOW,
+               what="the trickling replica out of service")
+    took = time.monotonic() - t0
+    reasons = " ".join(replicas(px)["r1"]["reasons"])
+    assert "answer not whole within 600 ms" in reasons, reasons
+    assert took <= (0.2 + 0.6) * SLOW + 0.5, took
+    assert metric(px, "detproxy_replica_admitted", pool="p", replica="r1") == 0
+    r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert r.status == 503, r.status
+    sim_config(s, fault="none")
+    poll_until(lambda: state(px, "r1") == "admitted", what="r1 back once it answers whole")
+    px.stop()
+
+
 def test_no_admitted_replica_is_503_with_the_reasons_kept_off_the_client():
     key, pub = keygen("pipeline")
     sims = [sim(ckpt=OTHER, key=key), sim(quant="gptq", key=key)]

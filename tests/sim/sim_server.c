@@ -42,11 +42,13 @@
 #define REQLOG_BODY_MAX (64 * 1024) /* bodies kept in /_sim/requests; last_request keeps all */
 #define DIE_AFTER_TOKENS 3
 #define HUGE_ATTEST_BYTES (10 * 1024 * 1024)
+#define TRICKLE_MS 200 /* fault "trickle": a byte this often, well within any idle timeout */
 
-static const char *const fault_names[SIM_FAULT__COUNT] = {
-    "none",           "close_before_response", "hang",      "garbage",
-    "die_mid_stream", "bad_framing",           "error_500", "coded",
-    "wrong_type"};
+static const char *const fault_names[SIM_FAULT__COUNT] = {"none",           "close_before_response",
+                                                          "hang",           "garbage",
+                                                          "die_mid_stream", "bad_framing",
+                                                          "error_500",      "coded",
+                                                          "wrong_type",     "trickle"};
 static const char *const afault_names[SIM_AFAULT__COUNT] = {
     "none", "wrong_nonce", "bad_signature", "unsigned", "garbage", "huge", "hang"};
 
@@ -581,6 +583,28 @@ static void fault_unreadable(net_req_t *req, sim_fault_t f)
     dp_buf_free(&b);
 }
 
+/* A byte of the body, and the next one TRICKLE_MS later, for as long as the client stays. */
+static void trickle_cb(uv_timer_t *t)
+{
+    job_t *j = t->data;
+    if (j->closing || j->req == NULL)
+        return;
+    if (net_resp_write(j->req, " ", 1) != 0 || j->req == NULL)
+        return; /* the connection is gone; on_abort has closed (or will close) the job */
+    uv_timer_start(&j->timer, trickle_cb, TRICKLE_MS, 0);
+}
+
+static void fault_trickle(sim_t *s, net_req_t *req)
+{
+    static const net_header_t h[] = {{DP_IOV("Content-Type"), DP_IOV("application/json")}};
+    job_t *j = job_new(s, req);
+    j->hung = true;
+    s->st.hung++;
+    if (net_resp_start(req, 200, h, 1, -1) == 0 && j->req && net_resp_write(req, "{", 1) == 0 &&
+        j->req)
+        uv_timer_start(&j->timer, trickle_cb, TRICKLE_MS, 0);
+}
+
 /* Apply the configured fault to this request, if any. Returns true when it took the request
  * (die_mid_stream only marks *die and lets generation start). */
 static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
@@ -620,6 +644,9 @@ static bool apply_fault(sim_t *s, net_req_t *req, bool inference, bool *die)
     case SIM_FAULT_CODED:
     case SIM_FAULT_WRONG_TYPE:
         fault_unreadable(req, f);
+        return true;
+    case SIM_FAULT_TRICKLE:
+        fault_trickle(s, req);
         return true;
     case SIM_FAULT_DIE_MID_STREAM:
         if (!inference) {
@@ -766,7 +793,7 @@ static int config_apply(sim_t *s, const char *body, size_t n, dp_buf_t *why)
             if (!cJSON_IsString(it) || sim_fault_parse(it->valuestring) < 0) {
                 dp_buf_appends(why, "fault: expected one of none, close_before_response, hang, "
                                     "garbage, die_mid_stream, bad_framing, error_500, coded, "
-                                    "wrong_type");
+                                    "wrong_type, trickle");
                 goto out;
             }
         } else if (strcmp(k, "fault_scope") == 0) {

@@ -20,6 +20,7 @@ typedef enum {
     SIM_FAULT_ERROR_500,             /* an OpenAI-shaped 500 */
     SIM_FAULT_CODED,                 /* a 200 that says Content-Encoding: gzip */
     SIM_FAULT_WRONG_TYPE,            /* a 200 JSON answer sent as text/plain */
+    SIM_FAULT_TRICKLE,               /* a 200 whose body comes a byte at a time, never ending */
     SIM_FAULT__COUNT
 } sim_fault_t;
 
