@@ -1757,9 +1757,12 @@ static bool conn_head_done(net_conn_t *c)
     memset(&c->cs, 0, sizeof(c->cs));
     uv_timer_stop(&c->timer);
 
-    q->mode = s->h.on_head ? s->h.on_head(r) : NET_BODY_BUFFER;
+    /* on_head may answer at once, and the request may be freed with its answer's end (a large
+     * head is not cached): q is looked at again only once it is known to be still there. */
+    net_body_mode_t mode = s->h.on_head ? s->h.on_head(r) : NET_BODY_BUFFER;
     if (c->req != q || c->phase == PH_CLOSED || c->phase == PH_LINGER)
         return false; /* answered and closed inside on_head */
+    q->mode = mode;
     if (q->resp_ended) {
         /* Answered at once: a body we have not read makes the connection unusable. */
         if (!q->body_done) {

@@ -334,6 +334,27 @@ def test_head_over_max_header_bytes_without_end_is_431():
            "headers_too_large", limits=SMALL)
 
 
+def test_a_large_head_answered_from_itself_keeps_the_proxy_sound():
+    """max_header_bytes above 64 KiB, and heads that large answered at once from the head
+    (the model list; a refused key is the same): such a request is freed with its answer,
+    not kept for reuse, and the proxy once wrote into it after (a crash under ASan). Each answer
+    comes, the connection serves its next request, and the proxy serves the next client."""
+    sim, px, _ = setup({"max_header_bytes": 131072})
+    pad = b"X-Pad: " + b"a" * 70000 + b"\r\n"
+    heads = [b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + pad + b"\r\n"] * 3
+    with socket.create_connection(("127.0.0.1", px.port), timeout=5 * SLOW) as c:
+        for h in heads:
+            c.sendall(h)
+            out = b""
+            while not (b"\r\n\r\n" in out and parse_response(out).complete):
+                got = c.recv(65536)
+                assert got, "closed after %r" % out[:200]
+                out += got
+            assert parse_response(out).status == 200, out[:200]
+    assert_serves_next(px, sim)
+    px.stop()
+
+
 def test_body_over_max_body_bytes_is_413():
     reject(post(b"Host: x\r\nContent-Length: 2000\r\n", b"x" * 2000), 413, "body_too_large",
            limits=SMALL)
