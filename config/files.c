@@ -17,6 +17,7 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
 
 #include "common/util.h"
@@ -168,6 +169,25 @@ bool cfg_check_cert_file(cfg_ctx_t *c, const char *key, const char *path)
     return x != NULL;
 }
 
+/* What the TLS library refuses when the proxy loads the pair (a key below its security level,
+ * such as RSA under 2048 bits, or a certificate signed with a digest it no longer trusts) is
+ * refused here too, under the certificate's key: `check`, `run` and a reload agree. */
+static bool tls_accepts(cfg_ctx_t *c, const char *cert_key, const char *cert_path, X509 *x,
+                        EVP_PKEY *pk)
+{
+    SSL_CTX *ctx = SSL_CTX_new(TLS_method());
+    if (ctx == NULL)
+        return true; /* out of memory: the load itself will say so */
+    bool ok = SSL_CTX_use_certificate(ctx, x) == 1 && SSL_CTX_use_PrivateKey(ctx, pk) == 1;
+    if (!ok) {
+        const char *why = ERR_reason_error_string(ERR_peek_last_error());
+        cfg_err(c, cert_key, "%s: the TLS library refuses this certificate and key: %s", cert_path,
+                why ? why : "unknown reason");
+    }
+    SSL_CTX_free(ctx);
+    return ok;
+}
+
 bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_path,
                         const char *key_key, const char *key_path)
 {
@@ -178,6 +198,8 @@ bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_pat
         cfg_err(c, key_key, "%s does not match the certificate in %s", key_path, cert_path);
         ok = false;
     }
+    if (ok)
+        ok = tls_accepts(c, cert_key, cert_path, x, pk);
     ERR_clear_error();
     EVP_PKEY_free(pk);
     X509_free(x);

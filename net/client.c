@@ -294,7 +294,10 @@ static void timer_cb(uv_timer_t *t)
     if (q && !q->dset && q->edeadline && now >= q->edeadline && c->phase != UC_IDLE) {
         /* However it trickles, the answer is not whole in time: late, as a silent one. */
         char why[96];
-        snprintf(why, sizeof(why), "answer not whole within %u ms", (unsigned)q->edeadline_ms);
+        snprintf(why, sizeof(why),
+                 c->phase == UC_CONNECTING ? "connect timeout: not connected within %u ms"
+                                           : "answer not whole within %u ms",
+                 (unsigned)q->edeadline_ms);
         if (c->phase == UC_CONNECTING)
             uconn_fail(c, NET_UP_CONNECT, why);
         else

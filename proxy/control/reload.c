@@ -46,6 +46,43 @@ static void addr_keep(cfg_addr_t *to, const cfg_addr_t *from)
     to->port = from->port;
 }
 
+/* The listener's TLS context for t, or the reason it cannot be had, as a configuration error
+ * naming the key. */
+static int tls_load(const cfg_tls_t *t, net_tls_ctx_t **out, cfg_errors_t *errs)
+{
+    dp_buf_t err = {0};
+    *out = net_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
+    if (*out == NULL) {
+        dp_buf_t e = {0};
+        dp_buf_printf(&e, "tls: %s", err.base ? err.base : "cannot be loaded");
+        cfg_errors_add(errs, e.base);
+        dp_buf_free(&e);
+    }
+    dp_buf_free(&err);
+    return *out ? 0 : -1;
+}
+
+/* The listener takes c (NULL: the configuration has no tls). */
+static void tls_install(px_t *px, net_tls_ctx_t *c)
+{
+    if (c == NULL) {
+        if (px->tls && px->workers)
+            dp_log_msg(DP_LOG_WARN, "tls_unchanged",
+                       "turning TLS off needs a restart: the listener keeps TLS");
+        return;
+    }
+    px_workers_set_tls(px, c);
+    net_tls_ctx_unref(px->tls);
+    px->tls = c;
+    const cfg_tls_t *t = px->gen->cfg->tls;
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");
+    if (w) {
+        dp_jw_str(w, "cert_file", t->cert_file);
+        dp_jw_bool(w, "client_certificates_required", t->client_ca_file != NULL);
+        dp_log_end(w);
+    }
+}
+
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
 {
     cfg_t *old = px->gen->cfg;
@@ -80,6 +117,14 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
                  "loopback address: a reload cannot remove its token",
                  old->admin_listen.host, (unsigned)old->admin_listen.port);
         cfg_errors_add(&errs, e);
+        cfg_free(cfg);
+        cfg = NULL;
+        rc = -1;
+    }
+    /* The listener's certificate is loaded before anything of the reload is applied: a pair
+     * the TLS library refuses fails the reload whole, the running one kept. */
+    net_tls_ctx_t *tls = NULL;
+    if (rc == 0 && cfg->tls && tls_load(cfg->tls, &tls, &errs) != 0) {
         cfg_free(cfg);
         cfg = NULL;
         rc = -1;
@@ -132,7 +177,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_attest_sync(px);
     px_fleet_reloaded(px);
     px_otel_sync(px);
-    px_reload_tls(px);
+    tls_install(px, tls);
     px_gen_unref(prev);
     if (px_workers_resolve(cfg->workers) != px->nworkers)
         dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
@@ -149,30 +194,15 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
 
 int px_reload_tls(px_t *px)
 {
-    const cfg_tls_t *t = px->gen->cfg->tls;
-    if (t == NULL) {
-        if (px->tls && px->workers)
-            dp_log_msg(DP_LOG_WARN, "tls_unchanged",
-                       "turning TLS off needs a restart: the listener keeps TLS");
-        return 0;
-    }
-    dp_buf_t err = {0};
-    net_tls_ctx_t *c = net_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
-    if (c == NULL) {
-        dp_log_msg(DP_LOG_ERROR, "tls_load_failed", err.base);
-        dp_buf_free(&err);
-        return -1;
-    }
-    px_workers_set_tls(px, c);
-    net_tls_ctx_unref(px->tls);
-    px->tls = c;
-    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "tls_loaded");
-    if (w) {
-        dp_jw_str(w, "cert_file", t->cert_file);
-        dp_jw_bool(w, "client_certificates_required", t->client_ca_file != NULL);
-        dp_log_end(w);
-    }
-    return 0;
+    net_tls_ctx_t *c = NULL;
+    cfg_errors_t errs = {0};
+    int rc = px->gen->cfg->tls ? tls_load(px->gen->cfg->tls, &c, &errs) : 0;
+    if (rc != 0)
+        dp_log_msg(DP_LOG_ERROR, "tls_load_failed", errs.items[0]);
+    else
+        tls_install(px, c);
+    cfg_errors_free(&errs);
+    return rc;
 }
 
 int px_reload(px_t *px, const char *why)

@@ -486,6 +486,16 @@ def test_certificate_reload_on_sighup_keeps_open_connections():
     rec = sighup(px)
     assert rec["msg"] == "reload_failed", rec
     assert int(peer_cert(px.port)["serialNumber"], 16) == PKI.server2.serial
+    # A pair the TLS library refuses (an RSA key below its security level): `check` says so as
+    # `run` would, and the reload fails whole, the certificate served kept.
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-subj",
+                    "/CN=weak", "-days", "2", "-keyout", os.path.join(d, "proxy.key"), "-out",
+                    os.path.join(d, "proxy.crt")], check=True, capture_output=True)
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
+    assert rc == 1 and "tls.cert_file" in err and "too small" in err, (rc, out, err)
+    rec = sighup(px)
+    assert rec["msg"] == "reload_failed" and "too small" in json.dumps(rec), rec
+    assert int(peer_cert(px.port)["serialNumber"], 16) == PKI.server2.serial
     r, _ = https(px.port, conn=old)
     assert r.status == 200
     old.close()
