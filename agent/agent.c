@@ -749,6 +749,8 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
         attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
     char *target = NULL;
     bool measured = false;
+    if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
+        loc = ATTEST_LOC_NOT_VISIBLE;
     if (loc == ATTEST_LOC_FOUND) {
         struct stat ds;
         /* --model-dir must be the loaded model or a folder above it: anything else names files

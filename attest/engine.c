@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -333,6 +334,37 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
                   "cannot see (share the engine's process namespace)",
                   engine_path);
     return ATTEST_LOC_NOT_VISIBLE;
+}
+
+bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    struct stat st;
+    bool ok = false;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        dp_buf_printf(why, "the engine reports %.200s, which the agent cannot open: %s", shown,
+                      strerror(errno));
+    } else if (S_ISREG(st.st_mode)) {
+        char magic[4];
+        ok = read(fd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
+             memcmp(magic, "GGUF", sizeof(magic)) == 0;
+        if (!ok)
+            dp_buf_printf(why, "the engine reports %.200s, which is not a GGUF file: not hashed",
+                          shown);
+    } else if (S_ISDIR(st.st_mode)) {
+        ok = fstatat(fd, "config.json", &st, 0) == 0 && S_ISREG(st.st_mode);
+        if (!ok)
+            dp_buf_printf(why,
+                          "the engine reports %.200s, a folder without a config.json (not a "
+                          "model's): not hashed",
+                          shown);
+    } else {
+        dp_buf_printf(why, "the engine reports %.200s, neither a file nor a folder: not hashed",
+                      shown);
+    }
+    if (fd >= 0)
+        close(fd);
+    return ok;
 }
 
 bool attest_located_under(const attest_located_t *l, const struct stat *dir)

@@ -73,6 +73,12 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
                                      bool always_local, attest_located_t *l, dp_buf_t *why);
 void attest_located_free(attest_located_t *l);
 
+/* Does path, which the engine names as its model (shown as `shown` in *why), look like one: a
+ * GGUF file (its magic), or a folder with a config.json (a Hugging Face model's)? The agent
+ * hashes what the engine names and signs the hash for anyone who asks: a path to anything
+ * else (/etc/shadow, "/") is not read at all. */
+bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why);
+
 /* Is the folder dir (stat'ed as *dir) the located model itself or a folder above it, on the
  * engine's side of l->prefix? Compared by device and inode, so across mount namespaces. */
 bool attest_located_under(const attest_located_t *l, const struct stat *dir);

@@ -328,6 +328,28 @@ def test_a_model_dir_the_engine_did_not_load_is_a_contradiction():
     eng.stop()
 
 
+def test_a_path_the_engine_names_is_hashed_only_when_it_is_a_model():
+    """Whatever path the engine names, the agent hashes and signs for anyone who asks: an
+    engine naming a file that is not a model (a secret of the host's) or "/" (a walk of the
+    whole file system) gets nothing read, and the checkpoint is not vouched for, with why."""
+    secret = os.path.join(TMP, "secret.txt")
+    with open(secret, "w") as f:
+        f.write("root:$6$not-a-model\n")
+    weights = gguf("tiny-f16.gguf", b"f16 weights ")
+    for named, mapped, why in ((secret, secret, "not a GGUF file"),
+                               ("/", weights, "without a config.json")):
+        port = free_port()
+        eng = fake_engine(port, named, "F16", mapped=mapped)
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: payload(ag)[0] == 200, what="the agent read the engine")
+        p = payload(ag)[1]
+        assert p["checkpoint_sha256"] is None, p
+        assert why in p["unattested"]["checkpoint_sha256"], p
+        assert sha256_file(secret) not in json.dumps(p), p
+        ag.stop()
+        eng.stop()
+
+
 def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():
     reported = gguf("tiny-f16.gguf", b"f16 weights ")
     really = gguf("tiny-q4_0.gguf", b"q4_0 weights")
