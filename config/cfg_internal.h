@@ -51,6 +51,21 @@ size_t cfg_path_key(cfg_ctx_t *c, const char *key);
 size_t cfg_path_index(cfg_ctx_t *c, size_t i);
 void cfg_path_pop(cfg_ctx_t *c, size_t mark);
 
+/* Strings seen so far, each with a value (an index): for finding duplicates among a config's
+ * entries in one pass, where comparing every pair would take minutes on a config of tens of
+ * thousands of entries (a file may be 4 MiB). Keys are borrowed, not copied. */
+typedef struct {
+    const char **keys;
+    size_t *vals;
+    size_t cap, n;
+} cfg_seen_t;
+#define CFG_UNSEEN SIZE_MAX
+/* The value key was first added with, or CFG_UNSEEN after adding it with val. */
+size_t cfg_seen_add(cfg_seen_t *s, const char *key, size_t val);
+/* The value key was added with, or CFG_UNSEEN; adds nothing. */
+size_t cfg_seen_find(const cfg_seen_t *s, const char *key);
+void cfg_seen_free(cfg_seen_t *s);
+
 /* Parse a whole JSON document (no trailing bytes, no NUL inside). NULL after reporting
  * "invalid JSON at line L, column C" at the current path. */
 cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len);

@@ -255,24 +255,71 @@ static void report_unknown(cfg_ctx_t *c, const char *key, const char *const *all
         cfg_err(c, key, "unknown key");
 }
 
+static size_t seen_slot(const cfg_seen_t *s, const char *key)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+        h = (h ^ *p) * 1099511628211ull;
+    size_t i = (size_t)h & (s->cap - 1);
+    while (s->keys[i] != NULL && strcmp(s->keys[i], key) != 0)
+        i = (i + 1) & (s->cap - 1);
+    return i;
+}
+
+size_t cfg_seen_find(const cfg_seen_t *s, const char *key)
+{
+    if (s->cap == 0)
+        return CFG_UNSEEN;
+    size_t i = seen_slot(s, key);
+    return s->keys[i] ? s->vals[i] : CFG_UNSEEN;
+}
+
+size_t cfg_seen_add(cfg_seen_t *s, const char *key, size_t val)
+{
+    if (2 * (s->n + 1) > s->cap) { /* at most half full */
+        cfg_seen_t g = {.cap = s->cap ? 2 * s->cap : 64};
+        g.keys = dp_xcalloc(g.cap, sizeof(*g.keys));
+        g.vals = dp_xcalloc(g.cap, sizeof(*g.vals));
+        for (size_t i = 0; i < s->cap; i++)
+            if (s->keys[i])
+                cfg_seen_add(&g, s->keys[i], s->vals[i]);
+        cfg_seen_free(s);
+        *s = g;
+    }
+    size_t i = seen_slot(s, key);
+    if (s->keys[i])
+        return s->vals[i];
+    s->keys[i] = key;
+    s->vals[i] = val;
+    s->n++;
+    return CFG_UNSEEN;
+}
+
+void cfg_seen_free(cfg_seen_t *s)
+{
+    free(s->keys);
+    free(s->vals);
+    memset(s, 0, sizeof(*s));
+}
+
 bool cfg_check_keys(cfg_ctx_t *c, const cJSON *obj, const char *const *allowed)
 {
-    size_t before = c->nerrors;
+    size_t before = c->nerrors, nallowed = 0;
+    while (allowed[nallowed] != NULL)
+        nallowed++;
+    bool *seen = dp_xcalloc(nallowed + 1, sizeof(*seen)); /* a known key met already */
     for (const cJSON *it = obj->child; it != NULL; it = it->next) {
-        bool known = false;
-        for (size_t i = 0; allowed[i] != NULL && !known; i++)
-            known = strcmp(it->string, allowed[i]) == 0;
-        if (!known) {
+        size_t k = 0;
+        while (k < nallowed && strcmp(it->string, allowed[k]) != 0)
+            k++;
+        if (k == nallowed)
             report_unknown(c, it->string, allowed);
-            continue;
-        }
-        for (const cJSON *prev = obj->child; prev != it; prev = prev->next) {
-            if (strcmp(prev->string, it->string) == 0) {
-                cfg_err(c, it->string, "duplicate key");
-                break;
-            }
-        }
+        else if (seen[k])
+            cfg_err(c, it->string, "duplicate key");
+        else
+            seen[k] = true;
     }
+    free(seen);
     return c->nerrors == before;
 }
 

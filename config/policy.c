@@ -299,21 +299,20 @@ static void parse_tenant(cfg_ctx_t *c, const cJSON *node, cfg_tenant_t *t)
 static void check_tenants(cfg_ctx_t *c, const cfg_policy_t *p)
 {
     size_t any_at = SIZE_MAX;
+    cfg_seen_t seen = {0};
     for (size_t i = 0; i < p->ntenants; i++) {
         const cfg_tenant_t *t = &p->tenants[i];
         size_t mark = cfg_path_index(c, i);
-        for (size_t j = 0; j < i && t->name != NULL; j++) {
-            if (p->tenants[j].name != NULL && strcmp(p->tenants[j].name, t->name) == 0) {
-                cfg_err(c, "name", "duplicate tenant name (also tenants[%zu])", j);
-                break;
-            }
-        }
+        size_t j = t->name ? cfg_seen_add(&seen, t->name, i) : CFG_UNSEEN;
+        if (j != CFG_UNSEEN)
+            cfg_err(c, "name", "duplicate tenant name (also tenants[%zu])", j);
         if (any_at != SIZE_MAX)
             cfg_warn(c, NULL, "never matches: tenants[%zu] matches every request", any_at);
         else if (t->match_kind == CFG_MATCH_ANY && t->any_unknown_keys && t->name != NULL)
             any_at = i;
         cfg_path_pop(c, mark);
     }
+    cfg_seen_free(&seen);
 }
 
 cfg_policy_t *cfg_policy_from_json(cfg_ctx_t *c, const cJSON *node)

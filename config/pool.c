@@ -242,28 +242,25 @@ static void engines_free(char **e, size_t n)
     free(e);
 }
 
-static bool same_engine(const char *a, const char *b)
-{
-    return a != NULL && b != NULL && strcmp(a, b) == 0;
-}
-
 /* Names are unique within a pool; two entries for one endpoint would make cross-replica
  * comparisons compare a replica with itself. */
 static void check_replicas(cfg_ctx_t *c, const cfg_pool_t *p)
 {
     char **eng = engines_of(p);
+    cfg_seen_t names = {0}, engines = {0};
     for (size_t i = 0; i < p->nreplicas; i++) {
         const cfg_replica_t *r = &p->replicas[i];
         size_t mark = cfg_path_index(c, i);
-        for (size_t j = 0; j < i; j++) {
-            const cfg_replica_t *o = &p->replicas[j];
-            if (r->name != NULL && o->name != NULL && strcmp(r->name, o->name) == 0)
-                cfg_err(c, "name", "duplicate replica name (also replicas[%zu])", j);
-            if (same_engine(eng[i], eng[j]))
-                cfg_warn(c, "url", "same engine as replicas[%zu]", j);
-        }
+        size_t j = r->name ? cfg_seen_add(&names, r->name, i) : CFG_UNSEEN;
+        if (j != CFG_UNSEEN)
+            cfg_err(c, "name", "duplicate replica name (also replicas[%zu])", j);
+        j = eng[i] ? cfg_seen_add(&engines, eng[i], i) : CFG_UNSEEN;
+        if (j != CFG_UNSEEN)
+            cfg_warn(c, "url", "same engine as replicas[%zu]", j);
         cfg_path_pop(c, mark);
     }
+    cfg_seen_free(&names);
+    cfg_seen_free(&engines);
     engines_free(eng, p->nreplicas);
 }
 
@@ -599,15 +596,17 @@ static void parse_passthrough(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     p->npassthrough = (size_t)cJSON_GetArraySize(arr);
     p->passthrough = dp_xcalloc(p->npassthrough + 1, sizeof(*p->passthrough));
     size_t mark = cfg_path_key(c, "passthrough"), i = 0;
+    cfg_seen_t seen = {0};
     for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
         size_t m = cfg_path_index(c, i);
         parse_passthrough_entry(c, it, &p->passthrough[i]);
-        for (size_t j = 0; j < i && p->passthrough[i].text; j++)
-            if (p->passthrough[j].text &&
-                strcmp(p->passthrough[j].text, p->passthrough[i].text) == 0)
-                cfg_err(c, NULL, "duplicate entry (also passthrough[%zu])", j);
+        size_t j =
+            p->passthrough[i].text ? cfg_seen_add(&seen, p->passthrough[i].text, i) : CFG_UNSEEN;
+        if (j != CFG_UNSEEN)
+            cfg_err(c, NULL, "duplicate entry (also passthrough[%zu])", j);
         cfg_path_pop(c, m);
     }
+    cfg_seen_free(&seen);
     cfg_path_pop(c, mark);
 }
 
@@ -687,33 +686,46 @@ static void parse_pool(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
 static void check_shared_engines(cfg_ctx_t *c, const cfg_t *cfg)
 {
     char ***eng = dp_xcalloc(cfg->npools + 1, sizeof(*eng));
-    for (size_t i = 0; i < cfg->npools; i++)
+    size_t total = 0;
+    for (size_t i = 0; i < cfg->npools; i++) {
         eng[i] = engines_of(&cfg->pools[i]);
+        total += cfg->pools[i].nreplicas;
+    }
+    /* Each engine's first replica in a pool of each kind (seen[1]: single_sequence), as an
+     * index into where[] (pool, replica). */
+    cfg_seen_t seen[2] = {{0}, {0}};
+    size_t(*where)[2] = dp_xcalloc(total + 1, sizeof(*where)), nwhere = 0;
     size_t mark = cfg_path_key(c, "pools");
     for (size_t i = 0; i < cfg->npools; i++) {
         const cfg_pool_t *p = &cfg->pools[i];
         bool one = cfg_pool_determinism(p) == CFG_DETERMINISM_SINGLE_SEQUENCE;
         size_t m = cfg_path_index(c, i), r = cfg_path_key(c, "replicas");
         for (size_t k = 0; k < p->nreplicas; k++) {
-            size_t rk = cfg_path_index(c, k);
-            for (size_t j = 0; j < i; j++) {
-                const cfg_pool_t *o = &cfg->pools[j];
-                if (one == (cfg_pool_determinism(o) == CFG_DETERMINISM_SINGLE_SEQUENCE))
-                    continue;
-                for (size_t l = 0; l < o->nreplicas; l++)
-                    if (same_engine(eng[i][k], eng[j][l]))
-                        cfg_err(c, "url",
-                                "same engine as pools[%zu].replicas[%zu]: pool \"%s\" is "
-                                "single_sequence (one request at a time per engine) and pool "
-                                "\"%s\" is not, so its requests would run beside that one",
-                                j, l, one ? p->name : o->name, one ? o->name : p->name);
+            if (eng[i][k] == NULL)
+                continue;
+            size_t f = cfg_seen_find(&seen[!one], eng[i][k]);
+            if (f != CFG_UNSEEN) {
+                const cfg_pool_t *o = &cfg->pools[where[f][0]];
+                size_t rk = cfg_path_index(c, k);
+                cfg_err(c, "url",
+                        "same engine as pools[%zu].replicas[%zu]: pool \"%s\" is "
+                        "single_sequence (one request at a time per engine) and pool "
+                        "\"%s\" is not, so its requests would run beside that one",
+                        where[f][0], where[f][1], one ? p->name : o->name, one ? o->name : p->name);
+                cfg_path_pop(c, rk);
             }
-            cfg_path_pop(c, rk);
+            where[nwhere][0] = i;
+            where[nwhere][1] = k;
+            if (cfg_seen_add(&seen[one], eng[i][k], nwhere) == CFG_UNSEEN)
+                nwhere++;
         }
         cfg_path_pop(c, r);
         cfg_path_pop(c, m);
     }
     cfg_path_pop(c, mark);
+    cfg_seen_free(&seen[0]);
+    cfg_seen_free(&seen[1]);
+    free(where);
     for (size_t i = 0; i < cfg->npools; i++)
         engines_free(eng[i], cfg->pools[i].nreplicas);
     free(eng);
@@ -756,17 +768,16 @@ void cfg_parse_pools(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     cfg->npools = (size_t)cJSON_GetArraySize(arr);
     cfg->pools = dp_xcalloc(cfg->npools, sizeof(*cfg->pools));
     size_t mark = cfg_path_key(c, "pools"), i = 0;
+    cfg_seen_t seen = {0};
     for (const cJSON *it = arr->child; it != NULL; it = it->next, i++) {
         size_t m = cfg_path_index(c, i);
         parse_pool(c, it, &cfg->pools[i]);
-        for (size_t j = 0; j < i && cfg->pools[i].name != NULL; j++) {
-            if (cfg->pools[j].name != NULL && strcmp(cfg->pools[j].name, cfg->pools[i].name) == 0) {
-                cfg_err(c, "name", "duplicate pool name (also pools[%zu])", j);
-                break;
-            }
-        }
+        size_t j = cfg->pools[i].name ? cfg_seen_add(&seen, cfg->pools[i].name, i) : CFG_UNSEEN;
+        if (j != CFG_UNSEEN)
+            cfg_err(c, "name", "duplicate pool name (also pools[%zu])", j);
         cfg_path_pop(c, m);
     }
+    cfg_seen_free(&seen);
     cfg_path_pop(c, mark);
     check_candidates(c, cfg);
     check_shared_engines(c, cfg);
