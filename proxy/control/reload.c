@@ -17,13 +17,27 @@
 #include "proxy/obs/otel.h"
 #include "proxy/data/shadow.h"
 #include "proxy/core/gen.h"
+#include "proxy/core/metrics.h"
 #include "proxy/core/pool.h"
 #include "proxy/core/px.h"
 #include "proxy/data/worker.h"
 
-static int last_reload_errors(px_t *px, cfg_errors_t *errs, dp_buf_t *msg)
+/* The reload's outcome, for alerting on a configuration file the process does not run. */
+static void count_reload(bool ok)
 {
-    (void)px;
+    px_metrics_add(
+        px_metrics_get("detproxy_config_reloads_total", "result", ok ? "reloaded" : "failed", NULL),
+        1);
+    px_metrics_set(px_metrics_get("detproxy_config_last_reload_successful", NULL), ok);
+    if (ok)
+        px_metrics_set(
+            px_metrics_get("detproxy_config_last_reload_success_timestamp_seconds", NULL),
+            (double)dp_wall_ms() / 1000.0);
+}
+
+static int last_reload_errors(cfg_errors_t *errs, dp_buf_t *msg)
+{
+    count_reload(false);
     for (size_t i = 0; i < errs->count; i++) {
         if (msg) {
             if (i)
@@ -140,7 +154,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
             dp_jw_arr_end(w);
             dp_log_end(w);
         }
-        last_reload_errors(px, &errs, msg);
+        last_reload_errors(&errs, msg);
         cfg_errors_free(&errs);
         if (px->audit)
             px_audit_reopen(px->audit, NULL);
@@ -182,6 +196,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     if (px_workers_resolve(cfg->workers) != px->nworkers)
         dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
                    "a change of workers takes effect only after a restart");
+    count_reload(true);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
     if (w) {
         dp_jw_str(w, "trigger", why);

@@ -489,4 +489,15 @@ void px_metrics_declare(void)
                       "Shadow and candidate copies waiting for a free slot or running.");
     px_metrics_family("detproxy_handoff_dropped_total", PX_COUNTER,
                       "Messages from the workers the control thread's queue was too full to take.");
+    px_metrics_family("detproxy_config_reloads_total", PX_COUNTER,
+                      "Configuration reloads (SIGHUP, POST /admin/reload), by result (reloaded, "
+                      "failed: the running configuration kept).");
+    px_metrics_family("detproxy_config_last_reload_successful", PX_GAUGE,
+                      "1 when the configuration file last read was taken, 0 when it was refused "
+                      "and the process runs an older one.");
+    px_metrics_family("detproxy_config_last_reload_success_timestamp_seconds", PX_GAUGE,
+                      "When the configuration running was read (the start, or its reload).");
+    px_metrics_set(px_metrics_get("detproxy_config_last_reload_successful", NULL), 1);
+    px_metrics_set(px_metrics_get("detproxy_config_last_reload_success_timestamp_seconds", NULL),
+                   (double)dp_wall_ms() / 1000.0);
 }

@@ -299,6 +299,30 @@ def test_sigterm_drains_inflight_and_exits_zero():
     assert not px.find_logs("reloaded") and not px.find_logs("reload_failed")
 
 
+def test_a_refused_reload_shows_in_the_metrics():
+    """A reload whose file is refused keeps the running configuration, which only the log said:
+    the metrics say it too, for an alert on a file the process does not run."""
+    sim = start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])])
+    assert metric(px, "detproxy_config_last_reload_successful") == 1
+    started = metric(px, "detproxy_config_last_reload_success_timestamp_seconds")
+    assert abs(started - time.time()) < 60 * SLOW, started
+    good = open(px.config_path).read()
+    with open(px.config_path, "w") as f:
+        f.write(good.replace('"pools"', '"pools_misspelled"', 1))
+    assert http("POST", px.admin_port, "/admin/reload").status == 400
+    assert metric(px, "detproxy_config_last_reload_successful") == 0
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 1
+    assert metric(px, "detproxy_config_last_reload_success_timestamp_seconds") == started
+    with open(px.config_path, "w") as f:
+        f.write(good)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    assert metric(px, "detproxy_config_last_reload_successful") == 1
+    assert metric(px, "detproxy_config_reloads_total", result="reloaded") == 1
+    assert metric(px, "detproxy_config_last_reload_success_timestamp_seconds") >= started
+    px.stop()
+
+
 def test_sigterm_ends_a_pipelined_connection_with_connection_close():
     """Requests pipelined behind one in flight when the drain begins: the responses sent after
     it say `Connection: close` and the connection ends after the first of them, so a client
