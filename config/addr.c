@@ -128,6 +128,8 @@ static int url_fail(cfg_url_t *u, const char **why, const char *reason)
     return -1;
 }
 
+_Static_assert(CFG_URL_PATH_MAX == 256, "the message below says 256");
+
 int cfg_parse_url(const char *s, cfg_url_t *out, const char **why)
 {
     *out = (cfg_url_t){0};
@@ -166,6 +168,8 @@ int cfg_parse_url(const char *s, cfg_url_t *out, const char **why)
     size_t n = strlen(path);
     while (n > 0 && path[n - 1] == '/')
         n--;
+    if (n > CFG_URL_PATH_MAX)
+        return url_fail(out, why, "path longer than 256 bytes");
     out->host = dp_xstrdup(host);
     out->path = dp_xstrndup(path, n);
     char hp[300];

@@ -33,6 +33,10 @@ void cfg_errors_add(cfg_errors_t *e, const char *msg);
 
 /* ---- addresses --------------------------------------------------------------------------- */
 
+/* The longest path a URL may have: requests built on it (the path plus an endpoint and a nonce)
+ * fit the fixed buffers that hold them. */
+#define CFG_URL_PATH_MAX 256
+
 /* "host:port", "[v6]:port" or "http(s)://host[:port][/path]" split into parts. */
 typedef struct {
     bool tls;   /* https:// */

@@ -75,7 +75,7 @@ void px_admin_replica_json(dp_jw_t *w, const px_replica_t *r)
     dp_jw_obj_begin(w, NULL);
     dp_jw_str(w, "pool", r->pool_name);
     dp_jw_str(w, "name", r->name);
-    char url[300];
+    char url[8 + 300 + CFG_URL_PATH_MAX + 1]; /* scheme, hostport as cfg_parse_url makes it, path */
     snprintf(url, sizeof(url), "%s://%s%s", r->url.tls ? "https" : "http", r->url.hostport,
              r->url.path ? r->url.path : "");
     dp_jw_str(w, "url", url);

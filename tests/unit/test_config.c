@@ -1268,6 +1268,18 @@ Test(config, parse_url_invalid)
         cr_assert_not_null(why, "%s", bad[i]);
         cr_assert_null(u.host, "%s", bad[i]);
     }
+    /* A path longer than CFG_URL_PATH_MAX is refused, not cut where a request is built on it;
+     * one of exactly that length is taken whole. */
+    char url[16 + CFG_URL_PATH_MAX + 2] = "http://h/";
+    memset(url + 9, 'a', CFG_URL_PATH_MAX - 1);
+    cfg_url_t u;
+    const char *why = NULL;
+    cr_assert_eq(cfg_parse_url(url, &u, &why), 0, "%s", why);
+    cr_assert_eq(strlen(u.path), CFG_URL_PATH_MAX);
+    cfg_url_free(&u);
+    strcat(url, "b");
+    cr_assert_eq(cfg_parse_url(url, &u, &why), -1);
+    cr_assert_str_eq(why, "path longer than 256 bytes");
 }
 
 /* The engine a URL names: one string for every spelling of one engine, and different ones for
