@@ -10,6 +10,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "attest/json.h"
 #include "common/util.h"
 
 /* Parse body i of an adapter into a JSON object. Returns the tree (caller deletes), or NULL:
@@ -26,9 +27,10 @@ static cJSON *body_object(const char *name, const char *path, const dp_iovec_t *
         dp_buf_printf(why, "%s GET %s: body too large (%zu bytes)", name, path, b->len);
         return NULL;
     }
-    cJSON *root = cJSON_ParseWithLength(b->base, b->len);
+    const char *bad = NULL;
+    cJSON *root = attest_json_parse(b->base, b->len, &bad);
     if (root == NULL) {
-        dp_buf_printf(why, "%s GET %s: not valid JSON", name, path);
+        dp_buf_printf(why, "%s GET %s: %s", name, path, bad);
         return NULL;
     }
     if (!cJSON_IsObject(root)) {

@@ -17,6 +17,7 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 
+#include "attest/json.h"
 #include "common/jw.h"
 #include "common/util.h"
 
@@ -426,9 +427,10 @@ int attest_envelope_verify(const char *json, size_t len, const attest_verify_opt
                       ATTEST_ENVELOPE_MAX_BYTES);
         goto out;
     }
-    root = cJSON_ParseWithLength(json, len);
+    const char *bad = NULL;
+    root = attest_json_parse(json, len, &bad);
     if (root == NULL) {
-        dp_buf_appends(why, "envelope: not valid JSON");
+        dp_buf_printf(why, "envelope: %s", bad);
         goto out;
     }
     if (!cJSON_IsObject(root)) {

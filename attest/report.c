@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "attest/json.h"
 #include "common/util.h"
 
 const char *const attest_field_names[ATTEST_F__COUNT] = {
@@ -447,10 +448,11 @@ int attest_payload_parse(const char *json, size_t len, attest_report_t *out, dp_
 {
     int rc = -1;
     attest_report_clear(out);
-    cJSON *root = cJSON_ParseWithLength(json, len);
+    const char *bad = NULL;
+    cJSON *root = attest_json_parse(json, len, &bad);
     if (root == NULL) {
         if (why)
-            dp_buf_appends(why, "payload: not valid JSON");
+            dp_buf_printf(why, "payload: %s", bad);
         goto out;
     }
     if (!cJSON_IsObject(root)) {
