@@ -60,6 +60,15 @@ static void addr_keep(cfg_addr_t *to, const cfg_addr_t *from)
     to->port = from->port;
 }
 
+static cfg_tls_t *tls_copy(const cfg_tls_t *t)
+{
+    cfg_tls_t *c = dp_xcalloc(1, sizeof(*c));
+    c->cert_file = dp_xstrdup(t->cert_file);
+    c->key_file = dp_xstrdup(t->key_file);
+    c->client_ca_file = t->client_ca_file ? dp_xstrdup(t->client_ca_file) : NULL;
+    return c;
+}
+
 /* The listener's TLS context for t, or the reason it cannot be had, as a configuration error
  * naming the key. */
 static int tls_load(const cfg_tls_t *t, net_tls_ctx_t **out, cfg_errors_t *errs)
@@ -169,6 +178,14 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
      * dropping the token, would otherwise get past it), and /admin/config shows what runs. */
     addr_keep(&cfg->listen, &old->listen);
     addr_keep(&cfg->admin_listen, &old->admin_listen);
+    /* The same for what else a reload cannot change: the worker threads, and TLS on a listener
+     * that has it (turning it off needs a restart; tls_install warns). */
+    if (px_workers_resolve(cfg->workers) != px->nworkers)
+        dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
+                   "a change of workers takes effect only after a restart");
+    cfg->workers = old->workers;
+    if (cfg->tls == NULL && px->tls && px->workers && old->tls)
+        cfg->tls = tls_copy(old->tls);
     bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
                        (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
     px_fleet_keep(px, old, cfg);
@@ -193,9 +210,6 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_otel_sync(px);
     tls_install(px, tls);
     px_gen_unref(prev);
-    if (px_workers_resolve(cfg->workers) != px->nworkers)
-        dp_log_msg(DP_LOG_WARN, "reload_workers_unchanged",
-                   "a change of workers takes effect only after a restart");
     count_reload(true);
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reloaded");
     if (w) {

@@ -541,6 +541,16 @@ def test_tls_turned_on_by_reload_applies_to_new_connections():
     assert sighup(px)["msg"] == "reloaded"
     assert px.find_logs("tls_unchanged")
     assert https_ok(px.port, method="GET", path="/v1/models", body=None)
+    # /admin/config shows what runs, as for the listen addresses: TLS, and the workers a reload
+    # cannot change either.
+    shown = get_json(px.admin_port, "/admin/config")
+    assert shown["tls"] and shown["tls"]["cert_file"] == PKI.server.crt, shown["tls"]
+    workers = shown["workers"]
+    cfg["workers"] = 3
+    write_config(cfg, d)
+    assert sighup(px)["msg"] == "reloaded"
+    assert px.find_logs("reload_workers_unchanged")
+    assert get_json(px.admin_port, "/admin/config")["workers"] == workers
     px.stop()
 
 
