@@ -325,12 +325,10 @@ static const cJSON *slot_processing(const cJSON *slot)
  * one object per slot (b11669). The whole body is that array and nothing after it. */
 int attest_llamacpp_slots_idle(const char *body, size_t len)
 {
-    const char *end = NULL;
-    cJSON *a = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    const char *bad = NULL;
+    cJSON *a = attest_json_parse(body, len, &bad);
     int idle = -1;
-    while (a && end < body + len && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
-        end++;
-    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0 && end == body + len) {
+    if (cJSON_IsArray(a) && cJSON_GetArraySize(a) > 0) {
         idle = 1;
         const cJSON *s;
         cJSON_ArrayForEach(s, a)

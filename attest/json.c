@@ -4,24 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A \u0000 escape inside a string (the text is not parsed yet: only strings and their escapes
- * are followed). */
-static bool escapes_nul(const char *p, size_t len)
-{
-    bool in_string = false;
-    for (size_t i = 0; i < len; i++) {
-        if (!in_string) {
-            in_string = p[i] == '"';
-        } else if (p[i] == '"') {
-            in_string = false;
-        } else if (p[i] == '\\' && i + 1 < len) {
-            if (p[i + 1] == 'u' && i + 5 < len && memcmp(p + i + 2, "0000", 4) == 0)
-                return true;
-            i++; /* the escaped character, a backslash or a quote among them */
-        }
-    }
-    return false;
-}
+#include "config/config.h"
 
 static int key_cmp(const void *a, const void *b)
 {
@@ -64,7 +47,7 @@ cJSON *attest_json_parse(const char *json, size_t len, const char **why)
         *why = "not valid JSON";
         return NULL;
     }
-    if (escapes_nul(json, len)) {
+    if (cfg_json_nul_escape(json, len) < len) {
         *why = "a string holds a NUL character";
         return NULL;
     }

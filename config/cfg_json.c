@@ -163,10 +163,7 @@ static void position(const char *json, size_t off, size_t *line, size_t *col)
     }
 }
 
-/* Offset of the first `\u0000` escape inside a string of json, or len. cJSON keeps strings NUL
- * terminated: one would cut a name or URL short there, silently, and the process would run a
- * configuration other than the one written. A syntax error is left to the parser. */
-static size_t nul_escape(const char *json, size_t len)
+size_t cfg_json_nul_escape(const char *json, size_t len)
 {
     bool in_string = false;
     for (size_t i = 0; i < len; i++) {
@@ -187,7 +184,7 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
         cfg_err(c, NULL, "invalid JSON: contains a NUL byte");
         return NULL;
     }
-    size_t nul = nul_escape(json, len), line, col;
+    size_t nul = cfg_json_nul_escape(json, len), line, col;
     if (nul < len) {
         position(json, nul, &line, &col);
         cfg_err(c, NULL,

@@ -433,6 +433,11 @@ cfg_determinism_t cfg_pool_determinism(const cfg_pool_t *p);
 /* Parse "host:port" / "[v6]:port" (numeric host). 0 or -1 with a reason in *why. */
 int cfg_parse_addr(const char *s, cfg_addr_t *out, const char **why);
 /* Parse an http:// or https:// URL. 0 or -1 with a reason in *why. */
+/* Offset of the first `\u0000` escape inside a string of json, or len. cJSON keeps strings NUL
+ * terminated: one would cut a name, a URL or a quantization short there, silently, and be read
+ * otherwise than it was written. A syntax error is left to the parser. */
+size_t cfg_json_nul_escape(const char *json, size_t len);
+
 int cfg_parse_url(const char *s, cfg_url_t *out, const char **why);
 void cfg_url_free(cfg_url_t *u);
 /* The engine u names, as "http[s]://HOST:PORT[/path]" into out (appended): what tells two
