@@ -2453,6 +2453,11 @@ int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out)
         size_t end = i;
         while (end < q.len && q.base[end] != '&')
             end++;
+        if (end - i == nl && memcmp(q.base + i, name, nl) == 0) {
+            dp_buf_reserve(out, 1); /* "?pool": present and empty, as URLSearchParams has it */
+            out->base[0] = '\0';
+            return 1;
+        }
         if (end - i > nl && memcmp(q.base + i, name, nl) == 0 && q.base[i + nl] == '=') {
             dp_buf_reserve(out, end - i);
             for (size_t k = i + nl + 1; k < end; k++) {

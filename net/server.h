@@ -177,8 +177,9 @@ void net_server_return_body_budget(net_server_t *s, uint64_t bytes);
 const net_header_t *net_req_header(const net_req_t *req, const char *name);
 
 /* The value of query parameter `name` ("a=1&b=2"), percent-decoded ('+' read as a space, as
- * forms encode it) into out, which is reset first and NUL-terminated: 1 when present, 0 when
- * absent, -1 when an escape is malformed or is %00. out may hold memory in every case. */
+ * forms encode it) into out, which is reset first and NUL-terminated: 1 when present ("b" with
+ * no '=' is present and empty, as WHATWG's URLSearchParams reads it), 0 when absent, -1 when
+ * an escape is malformed or is %00. out may hold memory in every case. */
 int net_req_query(const net_req_t *req, const char *name, dp_buf_t *out);
 
 /* The handler will not read req->body again (its answer streams, and nothing resends or stores

@@ -212,6 +212,10 @@ def test_reset_one_pool_unknown_pools_methods_and_the_admin_token():
     r = http("POST", px.admin_port, "/admin/drift/reset?pool=nope", headers=auth)
     assert r.status == 404 and "no pool is named nope" in r.text, r
     assert samples("p") == n
+    # "?pool" names the pool "", not every pool: nothing is reset.
+    r = http("POST", px.admin_port, "/admin/drift/reset?pool", headers=auth)
+    assert r.status == 404, r
+    assert samples("p") == n
     r = http("POST", px.admin_port, "/admin/drift/reset?pool=q", headers=auth)
     assert r.status == 200 and r.json() == {"reset": ["q"]}, r
     assert samples("p") == n  # only the pool named

@@ -808,6 +808,12 @@ Test(net_server, target_is_normalised_and_query_and_headers_are_found)
     RUN_UNTIL(raw_count(&c, "\r\n\r\n/v1/chat") == 2);
     cr_assert_str_eq(g_query_b.base, "llama:8b/v2 x");
     cr_assert_eq(g_query_c, -1);
+    /* a name without '=' is there, empty (as URLSearchParams reads it), not absent */
+    raw_sends(&c, "GET /v1/chat?bb=1&b&c=2 HTTP/1.1\r\nHost: x\r\n\r\n");
+    RUN_UNTIL(raw_count(&c, "\r\n\r\n/v1/chat") == 3);
+    cr_assert(g_has_query_b);
+    cr_assert_str_eq(g_query_b.base, "");
+    cr_assert_eq(g_query_c, 1);
     raw_close(&c);
     dp_buf_free(&g_query_b);
 }
