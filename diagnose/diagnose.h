@@ -58,6 +58,7 @@ typedef struct {
     size_t conc_differ;        /* ok concurrent outputs that differ from the sequential one */
     size_t total_unique;       /* distinct texts over sequential and concurrent together */
     bool answered;             /* at least one completion request (any step) succeeded */
+    size_t sent, failed;       /* completion requests of every step, and those not ok */
     bool stable;               /* sequential: at least one ok, all ok ones identical */
     bool meta_odd;             /* named by a step 1 difference */
     int group;                 /* step 4: index into run->groups, -1 when not compared */

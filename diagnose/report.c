@@ -14,7 +14,8 @@
  *   step 4  the stable replicas' temperature-0 outputs split into groups of identical text; the
  *           reference group is the unique largest (ties broken by step 1: the one group without
  *           a replica step 1 named); everyone else -> cross_replica_drift;
- *   and a replica that answered no completion request at all -> replica_error.
+ *   and a replica that answered no completion request at all, or failed more than half of
+ *   them -> replica_error.
  * Causes are independent: each is something different to fix, so every one found is listed. */
 #include "diagnose/diagnose.h"
 
@@ -202,8 +203,13 @@ static void replica_stats(const dg_run_t *run, dg_replica_t *r)
         st->total_unique += !seen;
     }
     st->answered = st->seq.ok + st->conc.ok > 0;
-    for (size_t i = 0; i < DG_SAMPLES; i++)
+    st->sent = st->seq.requests + st->conc.requests;
+    st->failed = st->sent - st->seq.ok - st->conc.ok;
+    for (size_t i = 0; i < DG_SAMPLES; i++) {
         st->answered = st->answered || r->sampling[i].ok;
+        st->sent += r->sampling[i].done;
+        st->failed += r->sampling[i].done && !r->sampling[i].ok;
+    }
 }
 
 static void analyse_metadata(dg_run_t *run)
@@ -510,6 +516,16 @@ static void replica_findings(dg_run_t *run)
             dp_buf_printf(&f->detail, "%s answered no completion request (%s)", r->name,
                           why ? why : "unknown error");
             continue;
+        }
+        if (2 * st->failed > st->sent) {
+            /* Most of its answers failed: what it did answer says little about it. */
+            dg_finding_t *f = finding(run, DG_REPLICA_ERROR);
+            f->replicas[i] = true;
+            dp_buf_printf(&f->detail, "%s failed %zu of its %zu completion requests (first: %s)",
+                          r->name, st->failed, st->sent,
+                          st->seq.first_err    ? st->seq.first_err
+                          : st->conc.first_err ? st->conc.first_err
+                                               : "a sampling request");
         }
         if (r->source != CFG_ATTEST_NONE && !r->att_ok) {
             dg_finding_t *f = finding(run, DG_UNATTESTED_REPLICA);

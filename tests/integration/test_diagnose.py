@@ -480,5 +480,23 @@ def test_a_hanging_replica_is_given_up_after_two_timeouts():
     assert sim_stats(sims[1])["hung"] == 2, sim_stats(sims[1])
 
 
+
+def test_a_replica_that_mostly_fails_is_a_finding():
+    """Most of a replica's answers are errors, a few are fine: what it did answer says little
+    about it, and a pool that is otherwise consistent is not called consistent."""
+    sims = [sim(), sim()]
+    # 4 sampling + 3 sequential + 3 concurrent: the first 6 fail (HTTP 500s, answers all).
+    sim_config(sims[1], fault="error_500", fault_count=6)
+    path = config(sims, policy=PIN_SEEDS)
+    rc, doc, err = diagnose(path, "--repeat", "3", "--concurrency", "2")
+    assert rc == 1 and set(causes(doc)) == {"replica_error"}, doc["verdict"]
+    f = causes(doc)["replica_error"]
+    assert f["replicas"] == ["r2"] and "failed 6 of its 10 completion requests" in f["detail"], f
+    # A few failures (at most half) are still not a finding.
+    sim_config(sims[1], fault="error_500", fault_count=5)
+    rc, doc, err = diagnose(path, "--repeat", "3", "--concurrency", "2")
+    assert rc == 0 and doc["verdict"] == ["consistent"], doc["verdict"]
+
+
 if __name__ == "__main__":
     run_tests(globals())
