@@ -178,6 +178,64 @@ size_t cfg_json_nul_escape(const char *json, size_t len)
     return len;
 }
 
+/* Is p[0..n) a number as JSON writes it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static bool json_number(const char *p, size_t n)
+{
+    size_t i = 0;
+    i += i < n && p[i] == '-';
+    if (i < n && p[i] == '0')
+        i++;
+    else if (i < n && p[i] >= '1' && p[i] <= '9')
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+    else
+        return false;
+    if (i < n && p[i] == '.') {
+        size_t d = ++i;
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+        if (i == d)
+            return false;
+    }
+    if (i < n && (p[i] == 'e' || p[i] == 'E')) {
+        i++;
+        i += i < n && (p[i] == '+' || p[i] == '-');
+        size_t d = i;
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+        if (i == d)
+            return false;
+    }
+    return i == n;
+}
+
+/* Offset of the first number outside a string that JSON would not take, or len. cJSON reads a
+ * number with strtod, which takes 01 and 1. as 1: a config is read as JSON writes it, as every
+ * other reader of the same file (jq, an editor, Kubernetes) reads it. */
+static size_t loose_number(const char *json, size_t len)
+{
+    bool in_string = false;
+    for (size_t i = 0; i < len; i++) {
+        char ch = json[i];
+        if (in_string) {
+            if (ch == '\\')
+                i++;
+            else if (ch == '"')
+                in_string = false;
+        } else if (ch == '"') {
+            in_string = true;
+        } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
+            size_t end = i;
+            while (end < len && strchr("0123456789+-.eE", json[end]) != NULL && json[end])
+                end++;
+            if (!json_number(json + i, end - i))
+                return i;
+            i = end - 1;
+        }
+    }
+    return len;
+}
+
 cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
 {
     if (memchr(json, '\0', len) != NULL) {
@@ -190,6 +248,15 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
         cfg_err(c, NULL,
                 "a string at line %zu, column %zu holds \\u0000 (NUL), which no name, "
                 "path or value here may contain",
+                line, col);
+        return NULL;
+    }
+    size_t loose = loose_number(json, len);
+    if (loose < len) {
+        position(json, loose, &line, &col);
+        cfg_err(c, NULL,
+                "invalid JSON at line %zu, column %zu: a number as JSON writes it (not 01, 1. "
+                "or 1.e5)",
                 line, col);
         return NULL;
     }

@@ -603,6 +603,34 @@ Test(config, rejects_a_nul_escape_in_any_string)
     cfg_errors_free(&e);
 }
 
+Test(config, numbers_are_read_as_json_writes_them)
+{
+    /* strtod takes 01, 1. and 1.e5; JSON (and jq, and every other reader of the file) does
+     * not. Strings that look like numbers are not numbers. */
+    static const char *const loose[] = {"01", "1.", "1.e5", "-", "1e", "-01", "00"};
+    for (size_t i = 0; i < sizeof(loose) / sizeof(loose[0]); i++) {
+        char json[96];
+        snprintf(json, sizeof(json), "{\"pools\": [],\n \"workers\": %s}", loose[i]);
+        cfg_t *cfg;
+        cfg_errors_t e = {0};
+        cr_assert_eq(cfg_load_string(json, strlen(json), "/", &cfg, &e), -1, "%s", loose[i]);
+        cr_assert(has_error(&e, "config", "invalid JSON at line 2, column 13"), "%s: %s", loose[i],
+                  e.count ? e.items[0] : "");
+        cfg_errors_free(&e);
+    }
+    static const char *const fine[] = {"0", "-0", "2", "1e0", "1.0E+0", "\"01\""};
+    for (size_t i = 0; i < sizeof(fine) / sizeof(fine[0]); i++) {
+        char json[96];
+        snprintf(json, sizeof(json), "{\"pools\": [], \"log\": {\"level\": \"info\"}, \"x\": %s}",
+                 fine[i]);
+        cfg_t *cfg;
+        cfg_errors_t e = {0};
+        cr_assert_eq(cfg_load_string(json, strlen(json), "/", &cfg, &e), -1, "%s", fine[i]);
+        cr_assert_str_eq(e.items[0], "x: unknown key", "%s", fine[i]); /* read, then refused */
+        cfg_errors_free(&e);
+    }
+}
+
 Test(config, reports_json_syntax_position)
 {
     cfg_t *cfg;
