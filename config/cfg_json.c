@@ -209,12 +209,16 @@ static bool json_number(const char *p, size_t n)
     return i == n;
 }
 
-/* Offset of the first number outside a string that JSON would not take, or len. cJSON reads a
- * number with strtod, which takes 01 and 1. as 1: a config is read as JSON writes it, as every
- * other reader of the same file (jq, an editor, Kubernetes) reads it. */
-static size_t loose_number(const char *json, size_t len)
+/* One pass over json's text outside its strings: the offset of the first number JSON would not
+ * take (*loose; len when none), and how many arrays and objects are open at offset `at`
+ * (*depth). cJSON reads a number with strtod, which takes 01 and 1. as 1: a config is read as
+ * JSON writes it, as every other reader of the file (jq, an editor, Kubernetes) reads it. And
+ * cJSON stops at CJSON_NESTING_LIMIT levels, saying no more than where. */
+static void scan_text(const char *json, size_t len, size_t at, size_t *loose, size_t *depth)
 {
     bool in_string = false;
+    *loose = len;
+    *depth = 0;
     for (size_t i = 0; i < len; i++) {
         char ch = json[i];
         if (in_string) {
@@ -224,16 +228,19 @@ static size_t loose_number(const char *json, size_t len)
                 in_string = false;
         } else if (ch == '"') {
             in_string = true;
-        } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
+        } else if ((ch == '[' || ch == '{') && i < at) {
+            ++*depth;
+        } else if ((ch == ']' || ch == '}') && i<at && * depth> 0) {
+            --*depth;
+        } else if ((ch == '-' || (ch >= '0' && ch <= '9')) && *loose == len) {
             size_t end = i;
-            while (end < len && strchr("0123456789+-.eE", json[end]) != NULL && json[end])
+            while (end < len && json[end] && strchr("0123456789+-.eE", json[end]) != NULL)
                 end++;
             if (!json_number(json + i, end - i))
-                return i;
+                *loose = i;
             i = end - 1;
         }
     }
-    return len;
 }
 
 cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
@@ -251,7 +258,8 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
                 line, col);
         return NULL;
     }
-    size_t loose = loose_number(json, len);
+    size_t loose, depth;
+    scan_text(json, len, len, &loose, &depth);
     if (loose < len) {
         position(json, loose, &line, &col);
         cfg_err(c, NULL,
@@ -267,7 +275,12 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
     if (doc == NULL) {
         size_t off = end != NULL && end >= copy ? (size_t)(end - copy) : 0;
         position(copy, off < len ? off : len, &line, &col);
-        cfg_err(c, NULL, "invalid JSON at line %zu, column %zu", line, col);
+        scan_text(copy, len, off, &loose, &depth);
+        if (depth >= CJSON_NESTING_LIMIT)
+            cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: nested deeper than %d levels",
+                    line, col, CJSON_NESTING_LIMIT);
+        else
+            cfg_err(c, NULL, "invalid JSON at line %zu, column %zu", line, col);
     }
     free(copy);
     return doc;

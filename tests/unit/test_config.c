@@ -631,6 +631,20 @@ Test(config, numbers_are_read_as_json_writes_them)
     }
 }
 
+Test(config, says_json_nested_too_deep_is_that)
+{
+    char json[2 * 1100 + 16] = "{\"pools\":";
+    size_t n = strlen(json);
+    memset(json + n, '[', 1100);
+    memset(json + n + 1100, ']', 1100);
+    strcpy(json + n + 2200, "}");
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(json, strlen(json), "/", &cfg, &e), -1);
+    cr_assert(has_error(&e, "config", "nested deeper than 1000 levels"), "%s", e.items[0]);
+    cfg_errors_free(&e);
+}
+
 Test(config, reports_json_syntax_position)
 {
     cfg_t *cfg;
