@@ -132,6 +132,13 @@ bool cfg_get_url(cfg_ctx_t *c, const cJSON *obj, const char *key, bool required,
 
 /* Read a file of at most max bytes into out; reports "cannot read ..." at key. */
 bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out);
+/* Kubernetes mounts a ConfigMap or a Secret as a folder whose files are links into `..data`, a
+ * link to the current version's folder that the kubelet swaps when the object changes. Between
+ * cfg_versions_begin and cfg_versions_end (one load), every file cfg_read_file reads through
+ * such a link is read from the version the folder's first read found, so a swap during a load
+ * cannot mix two versions of one object (the config of one, the policy of the other). */
+void cfg_versions_begin(void);
+void cfg_versions_end(void);
 /* Read and parse the manifest or policy file a config value names (relative to the config).
  * On success c->file is set to rel, so errors inside name the file; the caller clears it. */
 cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel);

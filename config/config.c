@@ -680,6 +680,7 @@ int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs)
     char *abs = NULL, *dir = NULL;
     int rc = -1;
     *out = NULL;
+    cfg_versions_begin();
     if (!cfg_read_file(&c, NULL, path, CFG_DOC_MAX, &text))
         goto done;
     abs = absolute(path);
@@ -692,6 +693,7 @@ int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs)
     rc = load(text.base, text.len, dir, abs, out, c.errs);
     abs = NULL; /* owned by the config, or freed with it */
 done:
+    cfg_versions_end();
     free(dir);
     free(abs);
     dp_buf_free(&text);

@@ -8,6 +8,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -25,12 +27,85 @@
 #define SECRET_MAX 4096
 #define PEM_MAX (1024 * 1024)
 
-bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out)
+/* The versions of the folders read so far in this load: a folder and its `..data` link's target
+ * then (the version folder's name). A load reads a handful of folders; past the table's size a
+ * folder is read as it is at each read. */
+#define VERSIONS_MAX 16
+static _Thread_local struct {
+    char *dir, *version;
+} g_versions[VERSIONS_MAX];
+static _Thread_local size_t g_nversions;
+static _Thread_local bool g_versioned;
+
+void cfg_versions_begin(void)
+{
+    cfg_versions_end();
+    g_versioned = true;
+}
+
+void cfg_versions_end(void)
+{
+    for (size_t i = 0; i < g_nversions; i++) {
+        free(g_versions[i].dir);
+        free(g_versions[i].version);
+    }
+    g_nversions = 0;
+    g_versioned = false;
+}
+
+/* The version of folder dir this load reads: its `..data` link's target, read once. NULL: no
+ * such link (not a Kubernetes volume), or the table is full. */
+static const char *dir_version(const char *dir)
+{
+    for (size_t i = 0; i < g_nversions; i++)
+        if (strcmp(g_versions[i].dir, dir) == 0)
+            return g_versions[i].version;
+    if (g_nversions == VERSIONS_MAX)
+        return NULL;
+    char link[PATH_MAX], target[NAME_MAX + 1];
+    snprintf(link, sizeof(link), "%s/..data", dir);
+    ssize_t n = readlink(link, target, sizeof(target) - 1);
+    if (n <= 0 || memchr(target, '/', (size_t)n) != NULL)
+        return NULL; /* the kubelet's link names a folder beside it */
+    target[n] = '\0';
+    g_versions[g_nversions].dir = dp_xstrdup(dir);
+    g_versions[g_nversions].version = dp_xstrdup(target);
+    return g_versions[g_nversions++].version;
+}
+
+/* path, or, for a link into its folder's `..data`, the same file in the version this load
+ * reads (owned by the caller; NULL: path itself). */
+static char *versioned(const char *path)
+{
+    char target[PATH_MAX];
+    ssize_t n = g_versioned ? readlink(path, target, sizeof(target) - 1) : -1;
+    if (n <= 0)
+        return NULL;
+    target[n] = '\0';
+    if (strncmp(target, "..data/", 7) != 0)
+        return NULL;
+    const char *slash = strrchr(path, '/');
+    char *dir =
+        slash ? dp_xstrndup(path, slash == path ? 1 : (size_t)(slash - path)) : dp_xstrdup(".");
+    const char *version = dir_version(dir);
+    char *out = NULL;
+    if (version) {
+        dp_buf_t b = {0};
+        dp_buf_printf(&b, "%s/%s/%s", dir, version, target + 7);
+        out = dp_buf_steal(&b);
+    }
+    free(dir);
+    return out;
+}
+
+/* Read `from`, the file the config names `path` (errors name that). */
+static bool read_file(cfg_ctx_t *c, const char *key, const char *path, const char *from, size_t max,
+                      dp_buf_t *out)
 {
     /* Opened without blocking and then looked at, not looked at and then opened: a FIFO put at
      * the path in between would block the open (and the control thread, on a reload) until a
      * writer came. */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    int fd = open(from, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         cfg_err(c, key, "cannot read %s: %s", path, strerror(errno));
@@ -50,6 +125,14 @@ bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, 
     else if (rc != 0)
         cfg_err(c, key, "cannot read %s: %s", path, strerror(-rc));
     return rc == 0;
+}
+
+bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, dp_buf_t *out)
+{
+    char *in_version = versioned(path);
+    bool ok = read_file(c, key, path, in_version ? in_version : path, max, out);
+    free(in_version);
+    return ok;
 }
 
 cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel)

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "config/cfg_internal.h"
 #include "config/config.h"
 
 #define FIXTURES DP_SOURCE_DIR "/tests/unit/data/config/"
@@ -733,4 +734,57 @@ Test(config_files, check_prints_errors_and_warnings)
     cr_assert_eq(strncmp(err, "error: config: cannot read ", 27), 0, "%s", err);
     free(out);
     free(err);
+}
+
+/* ---- a Kubernetes volume swapped during a load --------------------------------------------- */
+
+/* The kubelet's layout: name -> ..data/name, ..data -> the version's folder, swapped by a rename
+ * of a new link over ..data. */
+static void kube_volume(void)
+{
+    write_bytes("vol/v1/a.json", "a1", 2, 0644);
+    write_bytes("vol/v1/b.json", "b1", 2, 0644);
+    write_bytes("vol/v2/a.json", "a2", 2, 0644);
+    write_bytes("vol/v2/b.json", "b2", 2, 0644);
+    cr_assert_eq(symlink("v1", path_in("vol/..data")), 0);
+    cr_assert_eq(symlink("..data/a.json", path_in("vol/a.json")), 0);
+    cr_assert_eq(symlink("..data/b.json", path_in("vol/b.json")), 0);
+}
+
+static void kube_swap_to(const char *version)
+{
+    cr_assert_eq(symlink(version, path_in("vol/..data_tmp")), 0);
+    cr_assert_eq(rename(path_in("vol/..data_tmp"), path_in("vol/..data")), 0);
+}
+
+static const char *read_in(cfg_ctx_t *c, const char *rel, dp_buf_t *b)
+{
+    dp_buf_reset(b);
+    cr_assert(cfg_read_file(c, NULL, path_in(rel), 64, b), "%s", rel);
+    dp_buf_appendc(b, '\0');
+    return b->base;
+}
+
+Test(config_files, a_load_reads_one_version_of_a_kubernetes_volume)
+{
+    kube_volume();
+    cfg_errors_t e = {0};
+    cfg_ctx_t c;
+    cfg_ctx_init(&c, &e, NULL, "config", g_dir);
+    dp_buf_t b = {0};
+    cfg_versions_begin();
+    cr_assert_str_eq(read_in(&c, "vol/a.json", &b), "a1");
+    kube_swap_to("v2"); /* between the config and the policy it names */
+    cr_assert_str_eq(read_in(&c, "vol/b.json", &b), "b1", "two versions mixed in one load");
+    cfg_versions_end();
+    /* The next load reads the new version whole; outside a load, files are read as they are. */
+    cfg_versions_begin();
+    cr_assert_str_eq(read_in(&c, "vol/b.json", &b), "b2");
+    kube_swap_to("v1");
+    cr_assert_str_eq(read_in(&c, "vol/a.json", &b), "a2");
+    cfg_versions_end();
+    cr_assert_str_eq(read_in(&c, "vol/a.json", &b), "a1");
+    dp_buf_free(&b);
+    cfg_ctx_free(&c);
+    cfg_errors_free(&e);
 }
