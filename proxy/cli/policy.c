@@ -14,6 +14,7 @@
 #include "common/jw.h"
 #include "common/util.h"
 #include "net/server.h"
+#include "net/validate.h"
 #include "policy/policy.h"
 #include "proxy/cli/cli.h"
 
@@ -24,6 +25,10 @@ static int parse_header(const char *s, policy_header_t *h)
     const char *colon = strchr(s, ':');
     if (colon == NULL || colon == s)
         return -1;
+    for (const char *p = s; p < colon; p++) /* a token (RFC 9110), as the proxy's parser has it */
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+              strchr("!#$%&'*+-.^_`|~", *p) != NULL))
+            return -1;
     const char *v = colon + 1;
     while (*v == ' ' || *v == '\t')
         v++;
@@ -135,6 +140,28 @@ static int refused(const policy_error_t *e)
 static int run(const cfg_t *cfg, const policy_header_t *hdrs, size_t nh, const dp_buf_t *body,
                const char *path)
 {
+    /* The head as the proxy's scanner reads it: a name or value it refuses (a control
+     * character, a space in a name) is refused here as there, before anything else. */
+    dp_buf_t head = {0};
+    dp_buf_appends(&head, "POST /v1/completions HTTP/1.1\r\n");
+    for (size_t i = 0; i < nh; i++)
+        dp_buf_printf(&head, "%.*s: %.*s\r\n", (int)hdrs[i].name.len, hdrs[i].name.base,
+                      (int)hdrs[i].value.len, hdrs[i].value.base);
+    dp_buf_appends(&head, "\r\n");
+    net_head_scan_t scan = {.max_bytes = cfg->limits.max_header_bytes,
+                            .max_headers = cfg->limits.max_headers};
+    size_t used;
+    int status;
+    const char *reason = NULL;
+    int scanned = net_head_scan(&scan, head.base, head.len, &used, &status, &reason);
+    dp_buf_free(&head);
+    if (scanned != NET_SCAN_DONE) {
+        policy_error_t e = {.status = scanned == NET_SCAN_ERROR ? status : 400,
+                            .type = "invalid_request_error",
+                            .code = status == 431 ? "headers_too_large" : "bad_request"};
+        snprintf(e.message, sizeof(e.message), "%s", reason ? reason : "malformed request head");
+        return refused(&e);
+    }
     policy_headers_t hs = {hdrs, nh};
     policy_error_t err;
     const cfg_tenant_t *t = policy_match_tenant(cfg->policy, policy_headers_lookup, &hs, &err);

@@ -671,6 +671,14 @@ def test_policy_test_shows_the_decision_and_matches_the_proxy():
         assert rc == 1, (body, out, err)
         assert out["error"] == live.json()["error"], (out, live.json())
     assert refusals >= 3
+    # A header the proxy's parser refuses (a control character in its value): the same 400.
+    rc, out, err = policy_test(cfg, completion(), "X-A: a\x01b")
+    body = json.dumps(completion()).encode()
+    data, _ = exchange(px.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body), timeout=5)
+    live = parse_response(data)
+    assert rc == 1 and out["status"] == live.status == 400, (out, data[:200])
+    assert out["error"] == json.loads(live.body)["error"], (out, live.body)
     # No tenant matches: 401 as the proxy answers it (test_every_refusal... checks the live 401).
     strict = json.load(open(cfg))
     strict["policy"] = {"tenants": POLICY["tenants"][:1]}
