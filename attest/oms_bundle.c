@@ -192,37 +192,8 @@ static int b64(const char *s, dp_buf_t *out)
 
 bool oms_bundle_utf8_valid(const char *s)
 {
-    const unsigned char *p = (const unsigned char *)s;
-    while (*p) {
-        unsigned c = *p;
-        size_t n;
-        uint32_t cp;
-        if (c < 0x80) {
-            p++;
-            continue;
-        } else if ((c & 0xE0) == 0xC0) {
-            n = 1;
-            cp = c & 0x1F;
-        } else if ((c & 0xF0) == 0xE0) {
-            n = 2;
-            cp = c & 0x0F;
-        } else if ((c & 0xF8) == 0xF0) {
-            n = 3;
-            cp = c & 0x07;
-        } else {
-            return false;
-        }
-        for (size_t i = 1; i <= n; i++) {
-            if ((p[i] & 0xC0) != 0x80)
-                return false;
-            cp = (cp << 6) | (p[i] & 0x3F);
-        }
-        static const uint32_t min[4] = {0, 0x80, 0x800, 0x10000};
-        if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-            return false;
-        p += n + 1;
-    }
-    return true;
+    size_t n = strlen(s);
+    return dp_utf8_invalid_at(s, n) == n;
 }
 
 /* OMS §6.1.2: relative, '/'-separated, no empty, "." or ".." component, no trailing '/'. */

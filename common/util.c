@@ -131,6 +131,44 @@ void dp_hex(const void *p, size_t n, char *out)
     out[2 * n] = '\0';
 }
 
+size_t dp_utf8_invalid_at(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = p[i];
+        size_t more;
+        uint32_t cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xE0) == 0xC0) {
+            more = 1;
+            cp = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            more = 2;
+            cp = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            more = 3;
+            cp = c & 0x07;
+        } else {
+            return i;
+        }
+        if (n - i <= more)
+            return i;
+        for (size_t k = 1; k <= more; k++) {
+            if ((p[i + k] & 0xC0) != 0x80)
+                return i;
+            cp = (cp << 6) | (p[i + k] & 0x3F);
+        }
+        static const uint32_t min[4] = {0, 0x80, 0x800, 0x10000};
+        if (cp < min[more] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return i;
+        i += more + 1;
+    }
+    return n;
+}
+
 int dp_hexval(unsigned char c)
 {
     if (c >= '0' && c <= '9')

@@ -24,6 +24,9 @@ int dp_parse_time_ms(const char *s, int64_t *ms);
 
 /* The value of one hex digit (either case), or -1. */
 int dp_hexval(unsigned char c);
+/* Offset of the first byte of s[0..n) that does not start a well-formed UTF-8 sequence
+ * (overlong forms, surrogates and code points past U+10FFFF are not), or n. */
+size_t dp_utf8_invalid_at(const char *s, size_t n);
 /* v without leading and trailing spaces and tabs (HTTP's optional whitespace). */
 dp_iovec_t dp_trim_ows(dp_iovec_t v);
 /* An Authorization value "Bearer <token>" (surrounding whitespace trimmed, scheme in any case,

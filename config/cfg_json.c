@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
+
 /* ---- errors and paths ---------------------------------------------------------------- */
 
 void cfg_errors_free(cfg_errors_t *e)
@@ -249,7 +251,14 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
         cfg_err(c, NULL, "invalid JSON: contains a NUL byte");
         return NULL;
     }
-    size_t nul = cfg_json_nul_escape(json, len), line, col;
+    size_t line, col, bad = dp_utf8_invalid_at(json, len);
+    if (bad < len) {
+        /* JSON is UTF-8 (RFC 8259): a name read otherwise would be shown otherwise, too. */
+        position(json, bad, &line, &col);
+        cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: not UTF-8", line, col);
+        return NULL;
+    }
+    size_t nul = cfg_json_nul_escape(json, len);
     if (nul < len) {
         position(json, nul, &line, &col);
         cfg_err(c, NULL,

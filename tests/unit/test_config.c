@@ -631,6 +631,20 @@ Test(config, numbers_are_read_as_json_writes_them)
     }
 }
 
+Test(config, a_config_is_utf8)
+{
+    static const char json[] = "{\"pools\": [],\n \"bogus\xff\": 1}";
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(json, sizeof(json) - 1, "/", &cfg, &e), -1);
+    cr_assert(has_error(&e, "config", "line 2, column 8: not UTF-8"), "%s", e.items[0]);
+    cfg_errors_free(&e);
+    static const char fine[] = "{\"pools\": [],\n \"caf\xc3\xa9\": 1}";
+    cr_assert_eq(cfg_load_string(fine, sizeof(fine) - 1, "/", &cfg, &e), -1);
+    cr_assert_str_eq(e.items[0], "[\"caf\xc3\xa9\"]: unknown key");
+    cfg_errors_free(&e);
+}
+
 Test(config, says_json_nested_too_deep_is_that)
 {
     char json[2 * 1100 + 16] = "{\"pools\":";
