@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
+
 void dp_jw_init(dp_jw_t *w, dp_buf_t *out)
 {
     memset(w, 0, sizeof(*w));
@@ -142,39 +144,6 @@ void dp_json_double(dp_buf_t *out, double v)
     dp_buf_appends(out, tmp);
 }
 
-/* Length of the valid UTF-8 sequence at p (1..4), or 0 when invalid. */
-static size_t utf8_len(const unsigned char *p, size_t n)
-{
-    unsigned char c = p[0];
-    if (c < 0x80)
-        return 1;
-    size_t len;
-    uint32_t cp;
-    if ((c & 0xE0) == 0xC0) {
-        len = 2;
-        cp = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-        len = 3;
-        cp = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-        len = 4;
-        cp = c & 0x07;
-    } else {
-        return 0;
-    }
-    if (len > n)
-        return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((p[i] & 0xC0) != 0x80)
-            return 0;
-        cp = (cp << 6) | (p[i] & 0x3F);
-    }
-    static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
-    if (cp < min_cp[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-        return 0;
-    return len;
-}
-
 void dp_json_escape(dp_buf_t *out, const char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
@@ -215,7 +184,7 @@ void dp_json_escape(dp_buf_t *out, const char *s, size_t n)
             }
             i++;
         } else {
-            size_t l = utf8_len(p + i, n - i);
+            size_t l = dp_utf8_len(p + i, n - i);
             if (l == 0) {
                 dp_buf_append(out, "\xEF\xBF\xBD", 3);
                 i++;

@@ -24,6 +24,9 @@ int dp_parse_time_ms(const char *s, int64_t *ms);
 
 /* The value of one hex digit (either case), or -1. */
 int dp_hexval(unsigned char c);
+/* Length of the well-formed UTF-8 sequence at p[0..n) (1 to 4), or 0: overlong forms,
+ * surrogates and code points past U+10FFFF are not well formed. n >= 1. */
+size_t dp_utf8_len(const unsigned char *p, size_t n);
 /* Offset of the first byte of s[0..n) that does not start a well-formed UTF-8 sequence
  * (overlong forms, surrogates and code points past U+10FFFF are not), or n. */
 size_t dp_utf8_invalid_at(const char *s, size_t n);
