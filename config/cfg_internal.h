@@ -151,6 +151,9 @@ void cfg_secret_free(char *s);
 void cfg_check_secret_mode(cfg_ctx_t *c, const char *key, const char *path);
 /* PEM checks, each reporting at key. */
 bool cfg_check_cert_file(cfg_ctx_t *c, const char *key, const char *path);
+/* A CA file: readable, and every certificate in it one the TLS library loads (client_list: as
+ * a listener's list of client CAs too). */
+bool cfg_check_ca_file(cfg_ctx_t *c, const char *key, const char *path, bool client_list);
 bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_path,
                         const char *key_key, const char *key_path);
 bool cfg_check_ed25519_pubkey(cfg_ctx_t *c, const char *key, const char *path);

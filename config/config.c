@@ -347,7 +347,7 @@ static void parse_tls(cfg_ctx_t *c, const cJSON *doc, cfg_t *cfg)
     if (cert && key)
         cfg_check_key_pair(c, "cert_file", t->cert_file, "key_file", t->key_file);
     if (cfg_get_path(c, o, "client_ca_file", false, &t->client_ca_file))
-        cfg_check_cert_file(c, "client_ca_file", t->client_ca_file);
+        cfg_check_ca_file(c, "client_ca_file", t->client_ca_file, true);
     cfg_path_pop(c, mark);
 }
 

@@ -252,22 +252,51 @@ bool cfg_check_cert_file(cfg_ctx_t *c, const char *key, const char *path)
     return x != NULL;
 }
 
-/* What the TLS library refuses when the proxy loads the pair (a key below its security level,
- * such as RSA under 2048 bits, or a certificate signed with a digest it no longer trusts) is
- * refused here too, under the certificate's key: `check`, `run` and a reload agree. */
-static bool tls_accepts(cfg_ctx_t *c, const char *cert_key, const char *cert_path, X509 *x,
-                        EVP_PKEY *pk)
+/* What the TLS library refuses when the proxy loads the files is refused here too, under the
+ * file's key, by the calls the proxy makes (net/tls.c): the whole chain in a certificate file
+ * (a key below the library's security level, such as RSA under 2048 bits, a certificate signed
+ * with a digest it no longer trusts, a corrupt block after the first), and every certificate in
+ * a CA file. `check`, `run` and a reload then agree. */
+static void tls_refused(cfg_ctx_t *c, const char *key, const char *path, const char *what)
 {
+    /* The first error is the cause ("bad base64 decode"), later ones its consequences ("PEM
+     * lib"); for a refused certificate there is one ("ca key too small"). */
+    const char *why = ERR_reason_error_string(ERR_peek_error());
+    cfg_err(c, key, "%s: the TLS library refuses %s: %s", path, what, why ? why : "unknown reason");
+}
+
+static bool tls_accepts(cfg_ctx_t *c, const char *cert_key, const char *cert_path,
+                        const char *key_path)
+{
+    ERR_clear_error();
     SSL_CTX *ctx = SSL_CTX_new(TLS_method());
     if (ctx == NULL)
         return true; /* out of memory: the load itself will say so */
-    bool ok = SSL_CTX_use_certificate(ctx, x) == 1 && SSL_CTX_use_PrivateKey(ctx, pk) == 1;
-    if (!ok) {
-        const char *why = ERR_reason_error_string(ERR_peek_last_error());
-        cfg_err(c, cert_key, "%s: the TLS library refuses this certificate and key: %s", cert_path,
-                why ? why : "unknown reason");
-    }
+    bool ok = SSL_CTX_use_certificate_chain_file(ctx, cert_path) == 1 &&
+              SSL_CTX_use_PrivateKey_file(ctx, key_path, SSL_FILETYPE_PEM) == 1 &&
+              SSL_CTX_check_private_key(ctx) == 1;
+    if (!ok)
+        tls_refused(c, cert_key, cert_path, "this certificate and key");
     SSL_CTX_free(ctx);
+    return ok;
+}
+
+bool cfg_check_ca_file(cfg_ctx_t *c, const char *key, const char *path, bool client_list)
+{
+    if (!cfg_check_cert_file(c, key, path))
+        return false;
+    ERR_clear_error();
+    SSL_CTX *ctx = SSL_CTX_new(TLS_method());
+    if (ctx == NULL)
+        return true;
+    STACK_OF(X509_NAME) *names = client_list ? SSL_load_client_CA_file(path) : NULL;
+    bool ok =
+        (!client_list || names != NULL) && SSL_CTX_load_verify_locations(ctx, path, NULL) == 1;
+    if (!ok)
+        tls_refused(c, key, path, "these certificates");
+    sk_X509_NAME_pop_free(names, X509_NAME_free);
+    SSL_CTX_free(ctx);
+    ERR_clear_error();
     return ok;
 }
 
@@ -282,7 +311,7 @@ bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_pat
         ok = false;
     }
     if (ok)
-        ok = tls_accepts(c, cert_key, cert_path, x, pk);
+        ok = tls_accepts(c, cert_key, cert_path, key_path);
     ERR_clear_error();
     EVP_PKEY_free(pk);
     X509_free(x);

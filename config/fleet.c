@@ -69,7 +69,7 @@ static void parse_etcd_tls(cfg_ctx_t *c, const cJSON *o, cfg_fleet_t *f)
     size_t mark = cfg_path_key(c, "tls");
     cfg_check_keys(c, t, etcd_tls_keys);
     if (cfg_get_path(c, t, "ca", false, &f->ca_file))
-        cfg_check_cert_file(c, "ca", f->ca_file);
+        cfg_check_ca_file(c, "ca", f->ca_file, false);
     bool cert = cfg_get_path(c, t, "cert", false, &f->cert_file);
     bool key = cfg_get_path(c, t, "key", false, &f->key_file);
     if (cert != key)

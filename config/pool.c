@@ -372,7 +372,7 @@ static void parse_upstream_tls(cfg_ctx_t *c, const cJSON *node, cfg_pool_t *p)
     p->upstream_tls = u;
     cfg_check_keys(c, o, upstream_tls_keys);
     if (cfg_get_path(c, o, "ca_file", false, &u->ca_file))
-        cfg_check_cert_file(c, "ca_file", u->ca_file);
+        cfg_check_ca_file(c, "ca_file", u->ca_file, false);
     bool cert = cfg_get_path(c, o, "client_cert_file", false, &u->client_cert_file);
     bool key = cfg_get_path(c, o, "client_key_file", false, &u->client_key_file);
     if (cert && key)

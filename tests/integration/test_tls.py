@@ -496,6 +496,14 @@ def test_certificate_reload_on_sighup_keeps_open_connections():
     rec = sighup(px)
     assert rec["msg"] == "reload_failed" and "too small" in json.dumps(rec), rec
     assert int(peer_cert(px.port)["serialNumber"], 16) == PKI.server2.serial
+    # The whole file counts, as the listener loads it: a corrupt block after a good certificate,
+    # and in a client CA file.
+    with open(os.path.join(d, "proxy.crt"), "w") as f:
+        f.write(open(PKI.server.crt).read() + "-----BEGIN CERTIFICATE-----\nnot base64\n"
+                "-----END CERTIFICATE-----\n")
+    shutil.copyfile(PKI.server.key, os.path.join(d, "proxy.key"))
+    rc, out, err = run_cmd([DETPROXY_BIN, "check", "-c", px.config_path])
+    assert rc == 1 and "tls.cert_file" in err and "bad base64 decode" in err, (rc, out, err)
     r, _ = https(px.port, conn=old)
     assert r.status == 200
     old.close()
