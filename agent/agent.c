@@ -114,6 +114,9 @@ typedef struct {
     pid_t pid;
     int loaded;
     dp_buf_t other;
+    /* The path is the engine's own (target_measured): nothing out of its model is read or
+     * vouched for (attest_model_links_inside, attest_model_contained). */
+    bool measured;
 } job_t;
 
 /* Reading name and version from the co-located framework: one adapter's check at a time
@@ -300,7 +303,9 @@ static void job_run(uv_work_t *w)
     j->start_ns = dp_now_ns();
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
     bool oms = j->oms_bundle && !is_regular_file(j->path);
-    if (j->full) {
+    if (j->full && j->measured && !attest_model_links_inside(j->path, &j->err)) {
+        j->rc = -EXDEV;
+    } else if (j->full) {
         attest_hash_opts_t o = {.progress = job_progress_cb,
                                 .progress_data = j,
                                 .cancel = &j->cancel,
@@ -323,6 +328,11 @@ static void job_run(uv_work_t *w)
                                    j->path);
         }
         dp_buf_free(&lines);
+        if (j->rc == 0 && j->measured &&
+            !attest_model_contained(j->path, j->file, &j->snap, &j->err)) {
+            j->rc = -EXDEV; /* what was hashed is not the engine's model alone: never shown */
+            memset(j->hex, 0, sizeof(j->hex));
+        }
     } else {
         j->rc = attest_snapshot_take_path(j->path, &j->snap, &j->file, &j->err);
         if (j->rc == 0 && oms)
@@ -525,6 +535,7 @@ static void start_job(agent_t *a, bool full)
     j->oms_bundle = a->oms_bundle;
     j->oms_trust = &a->oms_trust;
     j->pid = a->target_measured ? a->eng.pid : 0;
+    j->measured = a->target_measured;
     if (full) {
         if (a->state == ST_FAILED) {
             /* Keep the failure visible while retrying: it is what the operator must fix. */

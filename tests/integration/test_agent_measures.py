@@ -350,6 +350,54 @@ def test_a_path_the_engine_names_is_hashed_only_when_it_is_a_model():
         eng.stop()
 
 
+def test_a_model_folder_is_read_only_inside_itself():
+    """A folder the engine names is read only inside: a link out of it (its config.json to a
+    secret, a folder linked to /etc) stops the hash before anything out of it is read, and
+    nothing is vouched for. A Hugging Face cache snapshot, whose files link into the
+    repository's blobs/, is hashed as it always was."""
+    secret = os.path.join(TMP, "secret2.txt")
+    with open(secret, "w") as f:
+        f.write("root:$6$not-a-model\n")
+    repo = os.path.join(TMP, "hub", "models--org--tiny")
+    snap = os.path.join(repo, "snapshots", "0123abcd")
+    os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+    os.makedirs(snap, exist_ok=True)
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
+        blob = os.path.join(repo, "blobs", hashlib.sha256(data).hexdigest())
+        with open(blob, "wb") as f:
+            f.write(data)
+        os.symlink(os.path.join("..", "..", "blobs", os.path.basename(blob)),
+                   os.path.join(snap, name))
+    out = os.path.join(TMP, "evil_model")
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(os.path.join(snap, "model.safetensors"), os.path.join(out, "w.safetensors"))
+    os.symlink(secret, os.path.join(out, "config.json"))
+    walk = os.path.join(TMP, "walk_model")
+    os.makedirs(walk, exist_ok=True)
+    with open(os.path.join(walk, "config.json"), "w") as f:
+        f.write("{}")
+    os.symlink("/etc", os.path.join(walk, "etc"))
+    weights = os.path.join(snap, "model.safetensors")
+    for named, why in ((out, "config.json in the engine's model leads out of it"),
+                       (walk, "etc in the engine's model leads out of it, to /etc"),
+                       (snap, None)):
+        port = free_port()
+        eng = fake_engine(port, named, "F16", mapped=weights)
+        ag = agent(port, "--quantization", "F16")
+        if why is None:
+            poll_until(lambda: payload(ag)[0] == 200, what="the snapshot hashed")
+            rc, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", snap])
+            assert payload(ag)[1]["checkpoint_sha256"] == hashed.strip(), payload(ag)
+        else:
+            poll_until(lambda: payload(ag)[0] == 503 and
+                       payload(ag)[1]["error"]["code"] == "hash_failed", what="the agent refusing")
+            err = payload(ag)[1]["error"]
+            assert err["code"] == "hash_failed" and why in err["message"], err
+            assert not any(sha256_file(secret) in json.dumps(l) for l in ag.logs), ag.logs
+        ag.stop()
+        eng.stop()
+
+
 def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():
     reported = gguf("tiny-f16.gguf", b"f16 weights ")
     really = gguf("tiny-q4_0.gguf", b"q4_0 weights")
