@@ -114,8 +114,8 @@ typedef struct {
     pid_t pid;
     int loaded;
     dp_buf_t other;
-    /* The path is the engine's own (target_measured): nothing out of its model is read or
-     * vouched for (attest_model_links_inside, attest_model_contained). */
+    /* The path is the engine's own (target_measured): it must look like a model before it is
+     * read, and what was hashed must still be one (attest_model_shaped, attest_model_contained). */
     bool measured;
 } job_t;
 
@@ -303,8 +303,8 @@ static void job_run(uv_work_t *w)
     j->start_ns = dp_now_ns();
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
     bool oms = j->oms_bundle && !is_regular_file(j->path);
-    if (j->full && j->measured && !attest_model_links_inside(j->path, &j->err)) {
-        j->rc = -EXDEV;
+    if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {
+        j->rc = -EINVAL; /* looked at again for every job: the path may name another thing now */
     } else if (j->full) {
         attest_hash_opts_t o = {.progress = job_progress_cb,
                                 .progress_data = j,
@@ -330,7 +330,7 @@ static void job_run(uv_work_t *w)
         dp_buf_free(&lines);
         if (j->rc == 0 && j->measured &&
             !attest_model_contained(j->path, j->file, &j->snap, &j->err)) {
-            j->rc = -EXDEV; /* what was hashed is not the engine's model alone: never shown */
+            j->rc = -EINVAL; /* what was hashed is not a model: never shown */
             memset(j->hex, 0, sizeof(j->hex));
         }
     } else {

@@ -372,115 +372,31 @@ bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
     return ok;
 }
 
-/* Where links in the folder `real` (resolved) may lead: the folder, or a Hugging Face cache
- * snapshot's repository folder (.../models--ORG--NAME, two up from snapshots/REV). */
-static char *links_root(const char *real)
-{
-    char *root = dp_xstrdup(real);
-    char *rev = strrchr(root, '/');
-    if (rev != NULL && rev != root) {
-        *rev = '\0';
-        char *snaps = strrchr(root, '/');
-        if (snaps != NULL && snaps != root && strcmp(snaps + 1, "snapshots") == 0) {
-            *snaps = '\0';
-            return root;
-        }
-    }
-    free(root);
-    return dp_xstrdup(real);
-}
-
-static bool under(const char *p, const char *root)
-{
-    size_t n = strlen(root);
-    return strncmp(p, root, n) == 0 && (p[n] == '/' || p[n] == '\0');
-}
-
-/* The file at dir/rel, resolved: inside root, and (snap non-NULL) the listed one. */
-static bool inside(const char *dir, const char *rel, const char *root, const attest_file_t *f,
-                   dp_buf_t *why)
-{
-    dp_buf_t full = {0};
-    dp_buf_printf(&full, "%s/%s", dir, rel);
-    char *real = realpath(full.base, NULL);
-    struct stat st;
-    bool ok = real != NULL && under(real, root);
-    if (!ok)
-        dp_buf_printf(why, "%.200s in the engine's model leads out of it%s%.200s: not vouched for",
-                      rel, real ? ", to " : "", real ? real : "");
-    else if (f && (stat(real, &st) != 0 || (uint64_t)st.st_dev != f->dev ||
-                   (uint64_t)st.st_ino != f->ino)) {
-        dp_buf_printf(why, "%.200s in the engine's model changed while it was hashed", rel);
-        ok = false;
-    }
-    free(real);
-    dp_buf_free(&full);
-    return ok;
-}
-
 bool attest_model_contained(const char *path, bool is_file, const attest_snapshot_t *snap,
                             dp_buf_t *why)
 {
-    if (is_file) {
-        /* The file hashed (by identity) starts with the magic. */
-        int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-        struct stat st;
-        char magic[4];
-        bool ok = fd >= 0 && snap->count == 1 && fstat(fd, &st) == 0 &&
-                  (uint64_t)st.st_dev == snap->files[0].dev &&
-                  (uint64_t)st.st_ino == snap->files[0].ino &&
-                  read(fd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
-                  memcmp(magic, "GGUF", sizeof(magic)) == 0;
-        if (fd >= 0)
-            close(fd);
-        if (!ok)
-            dp_buf_printf(why, "%.200s is not the GGUF file the engine named when hashed", path);
-        return ok;
-    }
-    char *real = realpath(path, NULL);
-    if (real == NULL) {
-        dp_buf_printf(why, "%.200s: %s", path, strerror(errno));
+    if (!is_file) {
+        /* The listing hashed is the folder read: it holds a config.json, or it was no model. */
+        for (size_t i = 0; i < snap->count; i++)
+            if (strcmp(snap->files[i].relpath, "config.json") == 0)
+                return true;
+        dp_buf_printf(why, "%.200s held no config.json when hashed: not a model's folder", path);
         return false;
     }
-    char *root = links_root(real);
-    bool ok = true;
-    for (size_t i = 0; i < snap->count && ok; i++)
-        ok = inside(real, snap->files[i].relpath, root, &snap->files[i], why);
-    free(root);
-    free(real);
-    return ok;
-}
-
-typedef struct {
-    const char *dir, *root;
-    dp_buf_t *why;
-} links_ctx_t;
-
-static int link_inside(const char *relpath, void *data)
-{
-    links_ctx_t *x = data;
-    return inside(x->dir, relpath, x->root, NULL, x->why) ? 0 : -EXDEV;
-}
-
-bool attest_model_links_inside(const char *path, dp_buf_t *why)
-{
+    /* The file hashed (by identity) starts with the magic. */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
     struct stat st;
-    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-        return true;
-    char *real = realpath(path, NULL);
-    if (real == NULL)
-        return true; /* gone: the hash will say so */
-    char *root = links_root(real);
-    links_ctx_t x = {real, root, why};
-    attest_walk_opts_t o = {.no_follow_symlinks = true, .on_symlink = link_inside, .data = &x};
-    attest_snapshot_t s = {0};
-    dp_buf_t err = {0};
-    int rc = attest_snapshot_take_opts(real, &o, &s, &err);
-    attest_snapshot_free(&s);
-    dp_buf_free(&err);
-    free(root);
-    free(real);
-    return rc != -EXDEV;
+    char magic[4];
+    bool ok = fd >= 0 && snap->count == 1 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+              (uint64_t)st.st_dev == snap->files[0].dev &&
+              (uint64_t)st.st_ino == snap->files[0].ino &&
+              read(fd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
+              memcmp(magic, "GGUF", sizeof(magic)) == 0;
+    if (fd >= 0)
+        close(fd);
+    if (!ok)
+        dp_buf_printf(why, "%.200s is not the GGUF file the engine named when hashed", path);
+    return ok;
 }
 
 bool attest_located_under(const attest_located_t *l, const struct stat *dir)

@@ -79,17 +79,13 @@ void attest_located_free(attest_located_t *l);
  * else (/etc/shadow, "/") is not read at all. */
 bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why);
 
-/* The engine's model as hashed from path (snap: attest_hash_path's listing; is_file as it said)
- * is wholly the model: a file starts with GGUF's magic, and every file of a folder, through any
- * links, lies inside it (or, for a Hugging Face cache snapshot .../models--ORG--NAME/snapshots/
- * REV, inside the repository folder its links lead into). Checked after the hash by identity
- * (device and inode: the file found now is the one the hash read), so a link swapped while the
- * hash ran is caught. False with why otherwise: the hash must not be used, nor shown. */
+/* What was hashed from path (snap: attest_hash_path's listing; is_file as it said) is still a
+ * model as attest_model_shaped has it: the very file read (device and inode) starts with GGUF's
+ * magic, or the folder's listing holds a config.json. A link swapped to something else after
+ * the shape was looked at is caught here. False with why otherwise: that hash must be neither
+ * used nor shown. */
 bool attest_model_contained(const char *path, bool is_file, const attest_snapshot_t *snap,
                             dp_buf_t *why);
-/* Before hashing: no link in the folder at path leads out of it (as above). Stops at the first
- * one that does, so a link to "/" costs nothing. True for a file. */
-bool attest_model_links_inside(const char *path, dp_buf_t *why);
 
 /* Is the folder dir (stat'ed as *dir) the located model itself or a folder above it, on the
  * engine's side of l->prefix? Compared by device and inode, so across mount namespaces. */

@@ -139,6 +139,9 @@ bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, 
  * cannot mix two versions of one object (the config of one, the policy of the other). */
 void cfg_versions_begin(void);
 void cfg_versions_end(void);
+/* Did a read since cfg_versions_begin find its version removed (the kubelet deletes the old
+ * one right after a swap)? Then the load is worth doing again, at the new version. */
+bool cfg_versions_gone(void);
 /* Read and parse the manifest or policy file a config value names (relative to the config).
  * On success c->file is set to rel, so errors inside name the file; the caller clears it. */
 cJSON *cfg_read_referenced(cfg_ctx_t *c, const char *rel);

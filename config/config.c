@@ -671,7 +671,7 @@ static char *absolute(const char *path)
     return cfg_resolve(cwd, path);
 }
 
-int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs)
+static int load_once(const char *path, cfg_t **out, cfg_errors_t *errs)
 {
     cfg_errors_t local = {0};
     cfg_ctx_t c;
@@ -698,6 +698,20 @@ done:
     free(abs);
     dp_buf_free(&text);
     cfg_ctx_free(&c);
+    cfg_errors_free(&local);
+    return rc;
+}
+
+int cfg_load(const char *path, cfg_t **out, cfg_errors_t *errs)
+{
+    /* A load that read a Kubernetes volume at a version the kubelet removed meanwhile is done
+     * again, whole, at the new version: once, as a swap is rare and a second one as unlikely. */
+    cfg_errors_t local = {0};
+    int rc = load_once(path, out, errs ? errs : &local);
+    if (rc != 0 && cfg_versions_gone()) {
+        cfg_errors_free(errs ? errs : &local);
+        rc = load_once(path, out, errs ? errs : &local);
+    }
     cfg_errors_free(&local);
     return rc;
 }

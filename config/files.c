@@ -32,33 +32,42 @@
  * folder is read as it is at each read. */
 #define VERSIONS_MAX 16
 static _Thread_local struct {
-    char *dir, *version;
+    dev_t dev; /* the folder, however its path is spelled ("vol", "./vol", "/etc/x/vol") */
+    ino_t ino;
+    char *version;
 } g_versions[VERSIONS_MAX];
 static _Thread_local size_t g_nversions;
-static _Thread_local bool g_versioned;
+static _Thread_local bool g_versioned, g_version_gone;
 
 void cfg_versions_begin(void)
 {
     cfg_versions_end();
     g_versioned = true;
+    g_version_gone = false;
 }
 
 void cfg_versions_end(void)
 {
-    for (size_t i = 0; i < g_nversions; i++) {
-        free(g_versions[i].dir);
+    for (size_t i = 0; i < g_nversions; i++)
         free(g_versions[i].version);
-    }
     g_nversions = 0;
     g_versioned = false;
+}
+
+bool cfg_versions_gone(void)
+{
+    return g_version_gone;
 }
 
 /* The version of folder dir this load reads: its `..data` link's target, read once. NULL: no
  * such link (not a Kubernetes volume), or the table is full. */
 static const char *dir_version(const char *dir)
 {
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return NULL;
     for (size_t i = 0; i < g_nversions; i++)
-        if (strcmp(g_versions[i].dir, dir) == 0)
+        if (g_versions[i].dev == st.st_dev && g_versions[i].ino == st.st_ino)
             return g_versions[i].version;
     if (g_nversions == VERSIONS_MAX)
         return NULL;
@@ -68,7 +77,8 @@ static const char *dir_version(const char *dir)
     if (n <= 0 || memchr(target, '/', (size_t)n) != NULL)
         return NULL; /* the kubelet's link names a folder beside it */
     target[n] = '\0';
-    g_versions[g_nversions].dir = dp_xstrdup(dir);
+    g_versions[g_nversions].dev = st.st_dev;
+    g_versions[g_nversions].ino = st.st_ino;
     g_versions[g_nversions].version = dp_xstrdup(target);
     return g_versions[g_nversions++].version;
 }
@@ -131,6 +141,8 @@ bool cfg_read_file(cfg_ctx_t *c, const char *key, const char *path, size_t max, 
 {
     char *in_version = versioned(path);
     bool ok = read_file(c, key, path, in_version ? in_version : path, max, out);
+    if (!ok && in_version && access(in_version, F_OK) != 0 && errno == ENOENT)
+        g_version_gone = true; /* the kubelet removed the version read so far */
     free(in_version);
     return ok;
 }

@@ -350,14 +350,11 @@ def test_a_path_the_engine_names_is_hashed_only_when_it_is_a_model():
         eng.stop()
 
 
-def test_a_model_folder_is_read_only_inside_itself():
-    """A folder the engine names is read only inside: a link out of it (its config.json to a
-    secret, a folder linked to /etc) stops the hash before anything out of it is read, and
-    nothing is vouched for. A Hugging Face cache snapshot, whose files link into the
-    repository's blobs/, is hashed as it always was."""
-    secret = os.path.join(TMP, "secret2.txt")
-    with open(secret, "w") as f:
-        f.write("root:$6$not-a-model\n")
+def test_a_model_folder_must_still_be_one_when_hashed():
+    """The engine names a link to a model folder, and once it is hashed the link is swapped to
+    a folder of secrets (no config.json): the re-hash that follows the change looks again, and
+    what it would read is neither vouched for nor logged. A Hugging Face cache snapshot, whose
+    files link into the repository's blobs/, is hashed as `attest hash` hashes it."""
     repo = os.path.join(TMP, "hub", "models--org--tiny")
     snap = os.path.join(repo, "snapshots", "0123abcd")
     os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
@@ -368,34 +365,31 @@ def test_a_model_folder_is_read_only_inside_itself():
             f.write(data)
         os.symlink(os.path.join("..", "..", "blobs", os.path.basename(blob)),
                    os.path.join(snap, name))
-    out = os.path.join(TMP, "evil_model")
-    os.makedirs(out, exist_ok=True)
-    shutil.copyfile(os.path.join(snap, "model.safetensors"), os.path.join(out, "w.safetensors"))
-    os.symlink(secret, os.path.join(out, "config.json"))
-    walk = os.path.join(TMP, "walk_model")
-    os.makedirs(walk, exist_ok=True)
-    with open(os.path.join(walk, "config.json"), "w") as f:
-        f.write("{}")
-    os.symlink("/etc", os.path.join(walk, "etc"))
+    secrets = os.path.join(TMP, "secrets")
+    os.makedirs(secrets, exist_ok=True)
+    with open(os.path.join(secrets, "id_ed25519"), "w") as f:
+        f.write("not a model\n")
+    named = os.path.join(TMP, "named_model")
+    os.symlink(snap, named)
     weights = os.path.join(snap, "model.safetensors")
-    for named, why in ((out, "config.json in the engine's model leads out of it"),
-                       (walk, "etc in the engine's model leads out of it, to /etc"),
-                       (snap, None)):
-        port = free_port()
-        eng = fake_engine(port, named, "F16", mapped=weights)
-        ag = agent(port, "--quantization", "F16")
-        if why is None:
-            poll_until(lambda: payload(ag)[0] == 200, what="the snapshot hashed")
-            rc, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", snap])
-            assert payload(ag)[1]["checkpoint_sha256"] == hashed.strip(), payload(ag)
-        else:
-            poll_until(lambda: payload(ag)[0] == 503 and
-                       payload(ag)[1]["error"]["code"] == "hash_failed", what="the agent refusing")
-            err = payload(ag)[1]["error"]
-            assert err["code"] == "hash_failed" and why in err["message"], err
-            assert not any(sha256_file(secret) in json.dumps(l) for l in ag.logs), ag.logs
-        ag.stop()
-        eng.stop()
+    port = free_port()
+    eng = fake_engine(port, named, "F16", mapped=weights)
+    ag = agent(port, "--quantization", "F16")
+    poll_until(lambda: payload(ag)[0] == 200, what="the snapshot hashed")
+    rc, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", snap])
+    assert payload(ag)[1]["checkpoint_sha256"] == hashed.strip(), payload(ag)
+    rc, secret_hash, _ = run_cmd([DETPROXY_BIN, "attest", "hash", secrets])
+    os.symlink(secrets, named + ".new")
+    os.replace(named + ".new", named)
+    # 503 while the agent looks again, then no checkpoint vouched for, with why.
+    poll_until(lambda: payload(ag)[0] == 200 and payload(ag)[1]["checkpoint_sha256"] is None,
+               what="the agent vouching for no checkpoint")
+    st, p = payload(ag)
+    assert "without a config.json" in p["unattested"]["checkpoint_sha256"], p
+    assert secret_hash.strip() not in json.dumps(p), p
+    assert not any(secret_hash.strip() in json.dumps(l) for l in ag.logs), ag.logs
+    ag.stop()
+    eng.stop()
 
 
 def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():

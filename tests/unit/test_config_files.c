@@ -784,6 +784,18 @@ Test(config_files, a_load_reads_one_version_of_a_kubernetes_volume)
     cr_assert_str_eq(read_in(&c, "vol/a.json", &b), "a2");
     cfg_versions_end();
     cr_assert_str_eq(read_in(&c, "vol/a.json", &b), "a1");
+    /* One folder however its path is spelled. */
+    cfg_versions_begin();
+    cr_assert_str_eq(read_in(&c, "vol/./a.json", &b), "a1");
+    kube_swap_to("v2");
+    cr_assert_str_eq(read_in(&c, "vol/b.json", &b), "b1", "two spellings, two versions");
+    cr_assert(!cfg_versions_gone());
+    /* The kubelet removes the old version after a swap: a load that finds it gone says so. */
+    cr_assert_eq(remove(path_in("vol/v1/a.json")), 0);
+    dp_buf_reset(&b);
+    cr_assert(!cfg_read_file(&c, NULL, path_in("vol/a.json"), 64, &b));
+    cr_assert(cfg_versions_gone());
+    cfg_versions_end();
     dp_buf_free(&b);
     cfg_ctx_free(&c);
     cfg_errors_free(&e);
