@@ -115,7 +115,8 @@ typedef struct {
     int loaded;
     dp_buf_t other;
     /* The path is the engine's own (target_measured): it must look like a model before it is
-     * read, and what was hashed must still be one (attest_model_shaped, attest_model_contained). */
+     * read, and what was hashed must still be one (attest_model_shaped, attest_model_still_shaped).
+     */
     bool measured;
 } job_t;
 
@@ -329,7 +330,7 @@ static void job_run(uv_work_t *w)
         }
         dp_buf_free(&lines);
         if (j->rc == 0 && j->measured &&
-            !attest_model_contained(j->path, j->file, &j->snap, &j->err)) {
+            !attest_model_still_shaped(j->path, j->file, &j->snap, &j->err)) {
             j->rc = -EINVAL; /* what was hashed is not a model: never shown */
             memset(j->hex, 0, sizeof(j->hex));
         }

@@ -336,6 +336,14 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
     return ATTEST_LOC_NOT_VISIBLE;
 }
 
+/* Does the file open at fd start with GGUF's magic? Reads its first bytes. */
+static bool gguf_magic(int fd)
+{
+    char magic[4];
+    return fd >= 0 && read(fd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
+           memcmp(magic, "GGUF", sizeof(magic)) == 0;
+}
+
 bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
 {
     /* Looked at before anything is opened for reading: opening a device can act on it. */
@@ -346,11 +354,10 @@ bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
         dp_buf_printf(why, "the engine reports %.200s, which the agent cannot open: %s", shown,
                       strerror(errno));
     } else if (S_ISREG(st.st_mode)) {
-        char self[64], magic[4];
+        char self[64];
         snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
         int rfd = open(self, O_RDONLY | O_CLOEXEC); /* the very file looked at */
-        ok = rfd >= 0 && read(rfd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
-             memcmp(magic, "GGUF", sizeof(magic)) == 0;
+        ok = gguf_magic(rfd);
         if (rfd >= 0)
             close(rfd);
         if (!ok)
@@ -372,8 +379,8 @@ bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
     return ok;
 }
 
-bool attest_model_contained(const char *path, bool is_file, const attest_snapshot_t *snap,
-                            dp_buf_t *why)
+bool attest_model_still_shaped(const char *path, bool is_file, const attest_snapshot_t *snap,
+                               dp_buf_t *why)
 {
     if (!is_file) {
         /* The listing hashed is the folder read: it holds a config.json, or it was no model. */
@@ -386,12 +393,9 @@ bool attest_model_contained(const char *path, bool is_file, const attest_snapsho
     /* The file hashed (by identity) starts with the magic. */
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
     struct stat st;
-    char magic[4];
     bool ok = fd >= 0 && snap->count == 1 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
               (uint64_t)st.st_dev == snap->files[0].dev &&
-              (uint64_t)st.st_ino == snap->files[0].ino &&
-              read(fd, magic, sizeof(magic)) == (ssize_t)sizeof(magic) &&
-              memcmp(magic, "GGUF", sizeof(magic)) == 0;
+              (uint64_t)st.st_ino == snap->files[0].ino && gguf_magic(fd);
     if (fd >= 0)
         close(fd);
     if (!ok)

@@ -84,8 +84,8 @@ bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why);
  * magic, or the folder's listing holds a config.json. A link swapped to something else after
  * the shape was looked at is caught here. False with why otherwise: that hash must be neither
  * used nor shown. */
-bool attest_model_contained(const char *path, bool is_file, const attest_snapshot_t *snap,
-                            dp_buf_t *why);
+bool attest_model_still_shaped(const char *path, bool is_file, const attest_snapshot_t *snap,
+                               dp_buf_t *why);
 
 /* Is the folder dir (stat'ed as *dir) the located model itself or a folder above it, on the
  * engine's side of l->prefix? Compared by device and inode, so across mount namespaces. */
