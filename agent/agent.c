@@ -80,6 +80,10 @@
  * timestamp tick: not vouched for yet (attest_hash_opts_t.settled_ns). */
 #define SETTLED_MS 1000
 #define PROGRESS_LOG_MS 10000
+/* Open connections from one client address: proxies keep one or two each, so a host that
+ * opens more is not a proxy, and must not take every slot (10,000) from the proxies. Room
+ * for a hundred proxies behind one NAT address. */
+#define DEFAULT_CONNS_PER_CLIENT 256
 
 /* ST_MEASURING: the engine at --framework-url has not been read yet, or is another process
  * than the one measured: nothing is vouched for until its report is read again. */
@@ -1169,7 +1173,7 @@ typedef struct {
     dp_arg_list_t oms_ignore;
     const char *oms_ignore_store[256];
     const char *det_mode, *det_pid, *det_process, *engine_pid;
-    uint64_t watch_ms, refresh_ms;
+    uint64_t watch_ms, refresh_ms, conns_per_client;
     int log_level; /* -1: not given */
 } serve_opts_t;
 
@@ -1266,6 +1270,15 @@ static const dp_arg_t serve_table[] = {
                                 "after a failure: 100 ms, doubling up to 1 s)",
      .min = 10,
      .max = 86400000},
+    {.name = "--max-connections-per-client",
+     .kind = DP_ARG_UINT,
+     .off = offsetof(serve_opts_t, conns_per_client),
+     .meta = "N",
+     .help = "open connections one client address (IPv6: /64) may hold;\n"
+             "beyond it its new ones are closed at once (default " DP_ARGS_STR(
+                 DEFAULT_CONNS_PER_CLIENT) ")",
+     .min = 1,
+     .max = 1000000},
     {.name = "--log-level",
      .kind = DP_ARG_CALL,
      .off = offsetof(serve_opts_t, log_level),
@@ -1446,8 +1459,10 @@ static void warn_if_readable_by_others(const char *path, const char *what)
 
 int agent_cmd_serve(int argc, char **argv)
 {
-    serve_opts_t o = {
-        .watch_ms = DEFAULT_WATCH_MS, .refresh_ms = DEFAULT_FW_REFRESH_MS, .log_level = -1};
+    serve_opts_t o = {.watch_ms = DEFAULT_WATCH_MS,
+                      .refresh_ms = DEFAULT_FW_REFRESH_MS,
+                      .conns_per_client = DEFAULT_CONNS_PER_CLIENT,
+                      .log_level = -1};
     o.oms_ignore = DP_ARG_LIST_OF(o.oms_ignore_store);
     int pr = dp_args_parse(&serve_spec, argc, argv, &o);
     if (pr != 0)
@@ -1611,6 +1626,7 @@ int agent_cmd_serve(int argc, char **argv)
     net_server_limits_t lim;
     net_server_limits_default(&lim);
     lim.max_body_bytes = 4096; /* GET only: every request is answered from its head */
+    lim.max_connections_per_client = (uint32_t)o.conns_per_client;
     a->srv = net_server_new(&a->loop, &h, a, &lim);
     if (tls_cert) {
         warn_if_readable_by_others(tls_key, "tls_key");

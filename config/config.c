@@ -55,6 +55,7 @@ static const limit_field_t limit_fields[] = {
     LIMIT(max_header_bytes, 32768, 1, 1u << 20),
     LIMIT(max_body_bytes, 8388608, 1, 1u << 30),
     LIMIT(max_connections, 10000, 1, 1000000),
+    LIMIT(max_connections_per_client, 0, 0, 1000000),
     LIMIT(max_headers, 100, 1, 10000),
     LIMIT(client_header_timeout_ms, 10000, 1, CFG_MS_MAX),
     LIMIT(client_idle_timeout_ms, 60000, 1, CFG_MS_MAX),

@@ -277,6 +277,7 @@ typedef struct {
     uint32_t max_header_bytes;
     uint64_t max_body_bytes;
     uint32_t max_connections;
+    uint32_t max_connections_per_client; /* 0: no bound */
     uint32_t max_headers;
     uint32_t client_header_timeout_ms;
     uint32_t client_idle_timeout_ms;

@@ -77,13 +77,14 @@ _Static_assert(BODY_PRESIZE_MAX + 1 + (BODY_PRESIZE_MAX + 1) / 2 <= DP_BUF_STASH
 
 enum { SHED_NONE = 0, SHED_SLOW, SHED_SHARE };
 
-/* One client address's part of the body budget: IPv4 address, or IPv6 /64 (one host's
- * addresses, as one subscriber's SLAAC prefix). Lives while a request refers to it. */
+/* One client address's books: IPv4 address, or IPv6 /64 (one host's addresses, as one
+ * subscriber's SLAAC prefix). Lives while a connection or a request refers to it. */
 typedef struct net_budget_addr_s {
     struct net_budget_addr_s *next; /* bucket chain */
     uint8_t key[9];                 /* family byte, then 4 (IPv4) or 8 (IPv6 /64) bytes */
     uint32_t refs;
-    uint64_t held; /* bytes of the budget its requests hold */
+    uint32_t conns; /* its open connections (max_connections_per_client) */
+    uint64_t held;  /* bytes of the budget its requests hold */
 } budget_addr_t;
 
 /* A NET_BODY_BUFFER body being read: a candidate for shedding. Everything here but `received`
@@ -161,16 +162,17 @@ struct net_conn_s {
     bool kick_queued; /* on the server's kick queue (kq_head): the kick may since be cancelled */
     uint8_t burst;    /* requests started since the last read or kick (PIPELINE_BURST) */
     net_conn_t *kq_prev, *kq_next;
-    char remote[48];  /* the peer, "ip:port": looked up once, on the first request */
+    char remote[48];  /* the peer, "ip:port": looked up once, at accept */
     bool read_paused; /* by pending overflow or by the handler */
     bool body_paused;
     bool wait_drain;  /* IDLE with responses queued above high-water: next request waits */
     bool handshaking; /* on the server's pending-handshake list */
     net_conn_t *hs_prev, *hs_next;
-    uint8_t addr_key[9]; /* the peer for the body budget's fair share (see budget_addr_t) */
-    bool budget_wait;    /* the body waits for room being freed: reads stopped */
-    uint64_t wait_since; /* uv_now() when that wait began (0: not waiting) */
-    uint64_t promised;   /* room held back for this body while it waits (books' lock) */
+    uint8_t addr_key[9];   /* the peer for the body budget's fair share (see budget_addr_t) */
+    budget_addr_t *client; /* its address's books, counting this connection (books' lock) */
+    bool budget_wait;      /* the body waits for room being freed: reads stopped */
+    uint64_t wait_since;   /* uv_now() when that wait began (0: not waiting) */
+    uint64_t promised;     /* room held back for this body while it waits (books' lock) */
     net_conn_t *bw_prev, *bw_next; /* the server's waiting bodies */
 };
 
@@ -215,6 +217,7 @@ struct net_server_s {
     size_t nwait;           /* bodies waiting (bw_head), under the books' lock */
     net_conn_t *bw_head;
     uint64_t last_accept_warn;
+    uint64_t last_client_warn; /* client_connection_limit, logged at most once a second */
     void (*drain_cb)(net_server_t *s);
     void (*close_cb)(void *data);
     void *close_data;
@@ -638,6 +641,44 @@ static void addr_unref(net_server_shared_t *b, budget_addr_t *a)
         pp = &(*pp)->next;
     *pp = a->next;
     free(a);
+}
+
+/* Count a new connection against its address, looked up here once for the connection's
+ * requests and log lines. False: the address is at max_connections_per_client. A socket with
+ * no peer left is not counted; its first read finds it gone. */
+static bool conn_client_take(net_conn_t *c)
+{
+    net_server_t *s = c->srv;
+    struct sockaddr_storage ss;
+    if (!net_sock_peer(&c->sock, c->remote, sizeof(c->remote), &ss))
+        return true;
+    addr_key_of(&ss, c->addr_key);
+    net_server_shared_t *b = s->shared;
+    uint32_t max = s->lim.max_connections_per_client;
+    books_lock(b);
+    budget_addr_t *a = addr_ref(b, c->addr_key);
+    bool ok = max == 0 || a->conns < max;
+    if (ok) {
+        a->conns++;
+        c->client = a;
+    } else {
+        addr_unref(b, a);
+    }
+    books_unlock(b);
+    return ok;
+}
+
+static void conn_client_give(net_conn_t *c)
+{
+    if (c->client == NULL)
+        return;
+    net_server_shared_t *b = c->srv->shared;
+    books_lock(b);
+    assert(c->client->conns > 0);
+    c->client->conns--;
+    addr_unref(b, c->client);
+    books_unlock(b);
+    c->client = NULL;
 }
 
 /* Lock held. Move q's reservation by delta (positive: take; negative: give back). */
@@ -1431,6 +1472,7 @@ static void conn_handle_closed(net_conn_t *c)
     DP_LIST_UNLINK(s->conns, c, next, prev);
     s->nconns--;
     atomic_fetch_sub(&s->shared->conns, 1);
+    conn_client_give(c);
     pend_free(c);
     free(c);
     maybe_server_done(s);
@@ -1559,11 +1601,9 @@ static void conn_reject(net_conn_t *c, int status, const char *reason)
         return;
     dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "request_rejected");
     if (w) {
-        char remote[48];
-        net_sock_peer(&c->sock, remote, sizeof(remote));
         dp_jw_int(w, "status", status);
         dp_jw_str(w, "reason", reason);
-        dp_jw_str(w, "remote", remote);
+        dp_jw_str(w, "remote", c->remote);
         if (c->req)
             dp_jw_str(w, "request_id", c->req->r.id);
         dp_log_end(w);
@@ -1739,14 +1779,6 @@ static bool conn_head_done(net_conn_t *c)
     r->has_body = r->chunked || r->content_length > 0;
     c->keep_alive = !q->framing.conn_close && !s->draining &&
                     (r->http_minor == 1 || q->framing.conn_keep_alive);
-    if (c->remote[0] == '\0') {
-        net_sock_peer(&c->sock, c->remote, sizeof(c->remote));
-        struct sockaddr_storage ss;
-        int sslen = sizeof(ss);
-        memset(&ss, 0, sizeof(ss));
-        uv_tcp_getpeername(&c->sock.tcp, (struct sockaddr *)&ss, &sslen);
-        addr_key_of(&ss, c->addr_key);
-    }
     memcpy(r->remote, c->remote, sizeof(r->remote));
     s->ninflight++;
     q->handed = true;
@@ -2155,6 +2187,20 @@ static void on_connection(uv_stream_t *ls, int status)
             dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "connection_limit");
             if (w) {
                 dp_jw_uint(w, "max_connections", s->lim.max_connections);
+                dp_log_end(w);
+            }
+        }
+        conn_close(c);
+        return;
+    }
+    if (!conn_client_take(c)) {
+        uint64_t now = uv_now(s->loop);
+        if (now - s->last_client_warn >= 1000) {
+            s->last_client_warn = now;
+            dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "client_connection_limit");
+            if (w) {
+                dp_jw_str(w, "remote", c->remote);
+                dp_jw_uint(w, "max_connections_per_client", s->lim.max_connections_per_client);
                 dp_log_end(w);
             }
         }

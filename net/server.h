@@ -87,6 +87,10 @@ typedef struct {
     uint32_t max_headers;
     uint64_t max_body_bytes;
     uint32_t max_connections; /* beyond it, new connections are accepted and closed at once */
+    /* Open connections from one client address (IPv4 address, IPv6 /64; 0: no bound). Beyond
+     * it, that address's new connections are accepted and closed at once, so one host cannot
+     * take every slot of max_connections. */
+    uint32_t max_connections_per_client;
     uint32_t client_header_timeout_ms;
     uint32_t client_idle_timeout_ms;
     size_t write_high_water; /* net_resp_pending above this: stop producing (default 256 KiB) */

@@ -539,13 +539,16 @@ uint64_t net_sock_acked_since(net_sock_t *s, uint64_t from)
     return acked > from ? acked - from : 0;
 }
 
-void net_sock_peer(net_sock_t *s, char *out, size_t n)
+bool net_sock_peer(net_sock_t *s, char *out, size_t n, struct sockaddr_storage *into)
 {
     struct sockaddr_storage ss;
     int len = sizeof(ss);
     out[0] = '\0';
+    memset(&ss, 0, sizeof(ss));
     if (uv_tcp_getpeername(&s->tcp, (struct sockaddr *)&ss, &len) != 0)
-        return;
+        return false;
+    if (into)
+        *into = ss;
     char ip[INET6_ADDRSTRLEN] = "";
     int port = 0;
     if (ss.ss_family == AF_INET) {
@@ -559,4 +562,5 @@ void net_sock_peer(net_sock_t *s, char *out, size_t n)
         port = ntohs(a->sin6_port);
         snprintf(out, n, "[%s]:%d", ip, port);
     }
+    return true;
 }

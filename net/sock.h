@@ -128,8 +128,9 @@ void net_sock_abort(net_sock_t *s);
  * the stream was cut (an aborted answer). From here net_sock_write fails with UV_EPIPE, and
  * what TLS still produces on its own while reading is dropped (see tls_flush). */
 void net_sock_shutdown(net_sock_t *s, bool notify);
-/* "ip:port" of the peer into out (at least 48 bytes). */
-void net_sock_peer(net_sock_t *s, char *out, size_t n);
+/* "ip:port" of the peer into out (at least 48 bytes), and its address into *ss when ss is not
+ * NULL. False when the socket has no peer (out is then empty). */
+bool net_sock_peer(net_sock_t *s, char *out, size_t n, struct sockaddr_storage *ss);
 
 /* The loop-wide read buffer size (also the most one read callback delivers). */
 #define NET_READ_BUF_SIZE (64 * 1024)

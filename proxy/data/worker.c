@@ -91,6 +91,7 @@ void px_worker_limits(const cfg_t *cfg, net_server_limits_t *l)
     l->max_headers = cfg->limits.max_headers;
     l->max_body_bytes = cfg->limits.max_body_bytes;
     l->max_connections = cfg->limits.max_connections;
+    l->max_connections_per_client = cfg->limits.max_connections_per_client;
     l->client_header_timeout_ms = cfg->limits.client_header_timeout_ms;
     l->client_idle_timeout_ms = cfg->limits.client_idle_timeout_ms;
     l->max_inflight_body_bytes = cfg->limits.max_inflight_body_bytes;

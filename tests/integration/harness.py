@@ -455,6 +455,16 @@ def wait_http(port, path="/health", timeout=10, host="127.0.0.1", ok=(200,)):
     raise ProcError("GET %s:%d%s not ready: %r" % (host, port, path, last))
 
 
+def connect_from(port, source="127.0.0.1"):
+    """A connection to 127.0.0.1:port from `source`: any 127.0.0.0/8 address is loopback on
+    Linux, so tests get distinct client addresses without leaving the machine."""
+    s = socket.socket()
+    s.settimeout(10 * SLOW)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
 def raw_request(port, data, host="127.0.0.1", timeout=10, read=True, shutdown_write=False):
     """Send raw bytes on a fresh TCP connection; return everything read until the peer closes
     or the timeout passes (b"" if read is False). For malformed-HTTP tests."""

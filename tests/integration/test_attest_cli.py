@@ -20,7 +20,7 @@ import unittest
 import urllib.error
 import urllib.request
 
-from harness import SLOW  # timeouts are multiplied by it (4 under the sanitizers)
+from harness import SLOW, connect_from  # timeouts are multiplied by it (4 under the sanitizers)
 
 BIN = os.environ.get("DETPROXY_BIN", "")
 SIM = os.environ.get("DETPROXY_SIM_BIN", "")
@@ -486,6 +486,60 @@ class ServeTest(Tmp):
             os.unlink(f"{d}/tokenizer/up")
             a.wait_ready()
 
+    def test_one_client_address_cannot_take_every_connection(self):
+        """--max-connections-per-client: a host that opens more connections than any proxy
+        keeps gets its new ones closed; another address, and the first once it lets one go,
+        are answered."""
+        d = f"{self.tmp}/m"
+        make_tree(d)
+
+        def conn(source="127.0.0.1"):
+            return connect_from(a.port, source)
+
+        def answered(s):
+            """Ask /healthz on s, keep-alive: True if answered, False if closed unanswered."""
+            try:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nhost: a\r\n\r\n")
+                got = s.recv(4096)
+            except (ConnectionResetError, BrokenPipeError):
+                return False
+            if not got:
+                return False
+            self.assertTrue(got.startswith(b"HTTP/1.1 200 "), got)
+            return True
+
+        def take():
+            """A connection from 127.0.0.1 once the agent has room for it: it counts a
+            connection closed until it reads the close (wait_ready's, a slot let go)."""
+            deadline = time.time() + 10 * SLOW
+            while True:
+                s = conn()
+                if answered(s):
+                    return s
+                s.close()
+                self.assertLess(time.time(), deadline, "no room for a connection")
+                time.sleep(0.02)
+
+        with Agent(d, extra=("--max-connections-per-client", "3")) as a:
+            held = [take() for _ in range(3)]
+            over = conn()
+            self.assertFalse(answered(over), "a fourth connection from one address")
+            over.close()
+            other = conn("127.0.0.2")
+            self.assertTrue(answered(other), "another address has its own count")
+            held.pop().close()
+            held.append(take())
+            for s in held:
+                self.assertTrue(answered(s), "the connections within the bound stay served")
+                s.close()
+            other.close()
+            deadline = time.time() + 10 * SLOW
+            while not any('"client_connection_limit"' in l and '"127.0.0.1:' in l
+                          for l in a.lines):
+                self.assertLess(time.time(), deadline, "".join(a.lines[-5:]))
+                time.sleep(0.02)
+            self.assertEqual(a.stop(), 0)
+
     def test_usage_errors(self):
         base = ["serve", "--listen", "127.0.0.1:0", "--model-dir", self.tmp, "--model", "m"]
         self.assertEqual(run(*base)[0], 2, "framework missing")
@@ -495,6 +549,8 @@ class ServeTest(Tmp):
                              "--watch-interval-ms", "abc")[0], 2)
         self.assertEqual(run(*base, "--framework-url", "http://127.0.0.1:1",
                              "--framework", "ollama")[0], 2)
+        self.assertEqual(run(*base, "--framework", "vllm", "--framework-version", "1",
+                             "--max-connections-per-client", "0")[0], 2)
         rc, _, err = run(*base, "--framework", "vllm", "--framework-version", "1",
                          "--key", f"{self.tmp}/nope.pem")
         self.assertEqual(rc, 3, err)

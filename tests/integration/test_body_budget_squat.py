@@ -8,11 +8,10 @@ Before: 32 connections that declared `Content-Length: 8388608` and sent nothing 
 inference request of every tenant 503 `overloaded` for client_body_timeout_ms."""
 
 import select
-import socket
 import threading
 import time
 
-from harness import SLOW, http, poll_until, run_tests, start_sim
+from harness import SLOW, connect_from, http, poll_until, run_tests, start_sim
 from proxyutil import assert_openai_error, metric, parse_response, pool, read_response, \
     read_until_close, start_proxy
 
@@ -32,13 +31,8 @@ def head(n):
 
 
 def connect(port, source="127.0.0.1"):
-    """A connection from `source` (any 127.0.0.0/8 address is loopback on Linux: distinct
-    client addresses for the fair share)."""
-    s = socket.socket()
-    s.settimeout(10 * SLOW)
-    s.bind((source, 0))
-    s.connect(("127.0.0.1", port))
-    return s
+    """A connection from `source`: distinct client addresses for the fair share."""
+    return connect_from(port, source)
 
 
 def ordinary(port, n):

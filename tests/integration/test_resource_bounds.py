@@ -15,7 +15,8 @@ import socket
 import threading
 import time
 
-from harness import SANITIZE, SLOW, TSAN, get_json, http, poll_until, run_tests, start_sim
+from harness import (SANITIZE, SLOW, TSAN, connect_from, get_json, http, poll_until, run_tests,
+                     start_sim)
 from proxyutil import (assert_openai_error, metric, parse_response, pool, read_request,
                        read_response, read_until_close, rss_kb, serve_connections, start_proxy)
 
@@ -781,6 +782,69 @@ def test_open_streams_hold_little_memory_each():
     if not (SANITIZE or TSAN):
         assert per < 10 * 1024, "%d bytes of RSS per open stream" % per
     for s in streams:
+        s.close()
+    px.stop()
+
+
+def test_one_client_address_cannot_take_every_connection():
+    """limits.max_connections_per_client, counted over both workers: an address at its bound
+    has its new connections closed unanswered; another address is served, and the first again
+    once it lets one go. A reload changes the bound for new connections."""
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], workers=2,
+                     limits={"max_connections_per_client": 4})
+
+    def conn(source="127.0.0.1"):
+        return connect_from(px.port, source)
+
+    def answered(s):
+        try:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = s.recv(65536)  # the head and the short model list, or the close
+        except (ConnectionResetError, BrokenPipeError):
+            return False
+        if not data:
+            return False
+        assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+        return True
+
+    def take(source="127.0.0.1"):
+        """A connection once the proxy has room for it (a closed one counts until read)."""
+        def attempt():
+            s = conn(source)
+            if answered(s):
+                return s
+            s.close()
+            return None
+        return poll_until(attempt, what="room for a connection from " + source)
+
+    held = [take() for _ in range(4)]  # SO_REUSEPORT spreads them over the two workers
+    for _ in range(3):
+        over = conn()
+        assert not answered(over), "a fifth connection from one address, on either worker"
+        over.close()
+    other = take("127.0.0.2")
+    held.pop().close()
+    held.append(take())
+    for s in held:
+        assert answered(s), "the connections within the bound stay served"
+    line = px.wait_log(lambda l: l.get("msg") == "client_connection_limit")
+    assert line["remote"].startswith("127.0.0.1:"), line
+    assert line["max_connections_per_client"] == 4, line
+    assert get_json(px.admin_port, "/admin/config")["limits"]["max_connections_per_client"] == 4
+
+    with open(px.config_path) as f:
+        live = json.load(f)
+    live["limits"]["max_connections_per_client"] = 6
+    with open(px.config_path, "w") as f:
+        json.dump(live, f)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r.body
+    held += [take(), take()]
+    over = conn()
+    assert not answered(over), "the reloaded bound holds"
+    over.close()
+    for s in held + [other]:
         s.close()
     px.stop()
 
