@@ -308,7 +308,18 @@ static void job_run(uv_work_t *w)
     j->start_ns = dp_now_ns();
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
     bool oms = j->oms_bundle && !is_regular_file(j->path);
-    if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {
+    /* A path the engine names is read as the engine's user, so a link in it leads nowhere the
+     * engine could not read itself (docs/attestation.md, "What the agent measures"). */
+    attest_fs_ident_t as_engine = {0}, prev = {0};
+    if (j->measured && j->pid > 0) {
+        j->rc = attest_proc_fs_ident("/proc", j->pid, &as_engine, &j->err);
+        if (j->rc == 0)
+            j->rc = attest_fs_ident_enter(&as_engine, &prev, &j->err);
+        attest_fs_ident_free(&as_engine);
+    }
+    if (j->rc != 0) {
+        /* neither read nor hashed */
+    } else if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {
         j->rc = -EINVAL; /* looked at again for every job: the path may name another thing now */
     } else if (j->full) {
         attest_hash_opts_t o = {.progress = job_progress_cb,
@@ -343,6 +354,7 @@ static void job_run(uv_work_t *w)
         if (j->rc == 0 && oms)
             j->rc = oms_watch_take(j->oms_bundle, j->path, &j->oms_watch, &j->err);
     }
+    attest_fs_ident_leave(&prev);
     if (j->rc == 0 && j->pid > 0) {
         /* A one-file snapshot is listed from the file's folder (attest_hash_path). */
         const char *slash = strrchr(j->path, '/');

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -591,4 +592,152 @@ void attest_engine_merge(const attest_report_t *engine, const char *flag_quantiz
     }
     free(ident->model_path);
     ident->model_path = engine->model_path ? dp_xstrdup(engine->model_path) : NULL;
+}
+
+/* ---- reading as the engine's user ------------------------------------------------------- */
+
+/* The line of a status file that begins with key ("Uid:"), past the key; NULL if none. */
+static const char *status_line(const char *text, const char *key)
+{
+    size_t n = strlen(key);
+    for (const char *p = text; p; p = strchr(p, '\n')) {
+        p += *p == '\n';
+        if (strncmp(p, key, n) == 0)
+            return p + n;
+    }
+    return NULL;
+}
+
+/* The fourth column of a status line's ids: "Uid:\treal\teffective\tsaved\tfs". */
+static bool status_fs_id(const char *text, const char *key, unsigned long *out)
+{
+    const char *p = status_line(text, key);
+    if (p == NULL)
+        return false;
+    for (int col = 0; col < 4; col++) {
+        char *end;
+        errno = 0;
+        unsigned long v = strtoul(p, &end, 10);
+        if (end == p || errno != 0 || v > UINT32_MAX)
+            return false;
+        *out = v;
+        p = end;
+    }
+    return true;
+}
+
+int attest_proc_fs_ident(const char *proc, pid_t pid, attest_fs_ident_t *out, dp_buf_t *err)
+{
+    memset(out, 0, sizeof(*out));
+    char path[64];
+    snprintf(path, sizeof(path), "%s/%d/status", proc, (int)pid);
+    dp_buf_t b = {0};
+    int rc = dp_read_file(path, 64 * 1024, &b);
+    unsigned long uid, gid;
+    if (rc == 0 &&
+        (b.len == 0 || !status_fs_id(b.base, "Uid:", &uid) || !status_fs_id(b.base, "Gid:", &gid)))
+        rc = -EINVAL;
+    if (rc != 0) {
+        dp_buf_printf(err, "the engine's user (%s): %s", path,
+                      rc == -EINVAL ? "no Uid and Gid lines" : strerror(-rc));
+        dp_buf_free(&b);
+        return rc;
+    }
+    out->uid = (uid_t)uid;
+    out->gid = (gid_t)gid;
+    const char *g = status_line(b.base, "Groups:");
+    if (g) {
+        size_t cap = 0;
+        for (;;) {
+            while (*g == ' ' || *g == '\t')
+                g++;
+            if (*g < '0' || *g > '9') /* the line's end */
+                break;
+            char *end;
+            errno = 0;
+            unsigned long v = strtoul(g, &end, 10);
+            if (errno != 0 || v > UINT32_MAX)
+                break;
+            if (out->ngroups == cap) {
+                cap = cap ? cap * 2 : 16;
+                out->groups = dp_xrealloc(out->groups, cap * sizeof(*out->groups));
+            }
+            out->groups[out->ngroups++] = (gid_t)v;
+            g = end;
+        }
+    }
+    dp_buf_free(&b);
+    return 0;
+}
+
+/* Raw: glibc's setgroups changes every thread's groups, and its setfsuid/setfsgid are plain
+ * calls already; each returns the id in force before. */
+static long fs_setgroups(size_t n, const gid_t *g)
+{
+    return syscall(SYS_setgroups, n, g);
+}
+
+static uid_t fs_setuid(uid_t u)
+{
+    return (uid_t)syscall(SYS_setfsuid, u);
+}
+
+static gid_t fs_setgid(gid_t g)
+{
+    return (gid_t)syscall(SYS_setfsgid, g);
+}
+
+void attest_fs_ident_leave(attest_fs_ident_t *prev)
+{
+    if (!prev->taken)
+        return;
+    /* fsuid first: back at 0 the file-system capabilities return, and with them the rest. */
+    fs_setuid(prev->uid);
+    fs_setgid(prev->gid);
+    fs_setgroups(prev->ngroups, prev->groups);
+    attest_fs_ident_free(prev);
+}
+
+int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err)
+{
+    memset(prev, 0, sizeof(*prev));
+    if (geteuid() != 0 || id->uid == 0)
+        return 0;
+    prev->uid = fs_setuid((uid_t)-1); /* an invalid id changes nothing and says the current */
+    prev->gid = fs_setgid((gid_t)-1);
+    int n = getgroups(0, NULL);
+    if (n > 0) {
+        prev->groups = dp_xcalloc((size_t)n, sizeof(*prev->groups));
+        n = getgroups(n, prev->groups);
+    }
+    if (n < 0) {
+        int e = errno;
+        dp_buf_printf(err, "reading as the engine's user: getgroups: %s", strerror(e));
+        attest_fs_ident_free(prev);
+        return -e;
+    }
+    prev->ngroups = (size_t)n;
+    prev->taken = true;
+    int e = fs_setgroups(id->ngroups, id->groups) == 0 ? 0 : errno;
+    if (e == 0) {
+        fs_setgid(id->gid);
+        e = fs_setgid((gid_t)-1) == id->gid ? 0 : EPERM;
+    }
+    if (e == 0) {
+        fs_setuid(id->uid); /* last: the file-system capabilities go with a uid other than 0 */
+        e = fs_setuid((uid_t)-1) == id->uid ? 0 : EPERM;
+    }
+    if (e != 0) {
+        dp_buf_printf(err, "reading as the engine's user (uid %u, gid %u): %s", (unsigned)id->uid,
+                      (unsigned)id->gid, strerror(e));
+        attest_fs_ident_leave(prev);
+        return -e;
+    }
+    return 0;
+}
+
+void attest_fs_ident_free(attest_fs_ident_t *id)
+{
+    free(id->groups);
+    memset(id, 0, sizeof(*id));
 }

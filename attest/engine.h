@@ -109,6 +109,30 @@ bool attest_maps_has(const char *maps, size_t len, uint64_t dev, uint64_t ino, c
 int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const attest_snapshot_t *snap,
                        dp_buf_t *other);
 
+/* ---- reading as the engine's user ------------------------------------------------------- */
+
+/* A process's file-system identity: the uid and gid the kernel checks file access with, and
+ * its supplementary groups. */
+typedef struct {
+    uid_t uid;
+    gid_t gid;
+    size_t ngroups;
+    gid_t *groups;
+    bool taken; /* by attest_fs_ident_enter: `prev` holds what to go back to */
+} attest_fs_ident_t;
+
+/* Process pid's, from its status file (the fs columns of Uid and Gid, and Groups). */
+int attest_proc_fs_ident(const char *proc, pid_t pid, attest_fs_ident_t *out, dp_buf_t *err);
+/* Access files as `id` on the calling thread only (Linux keeps file-system ids and groups per
+ * thread; raw system calls, as glibc would change them for every thread): a root agent then
+ * reads only what the engine can, and no link in an engine-named folder leads it further.
+ * Nothing changes when the caller is not root (it reads only what it can anyway) or `id` is
+ * root. *prev gets what to go back to with attest_fs_ident_leave. Negative errno when the
+ * change fails (nothing is changed then). */
+int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);
+void attest_fs_ident_leave(attest_fs_ident_t *prev);
+void attest_fs_ident_free(attest_fs_ident_t *id);
+
 /* ---- flags against the engine's report (pure) ------------------------------------------- */
 
 /* Into ident, from what the engine reported (a native check of --framework-url): quantization

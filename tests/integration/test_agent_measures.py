@@ -241,13 +241,19 @@ srv.serve_forever()
 '''
 
 
-def fake_engine(port, path, ftype, mapped=None):
-    script = os.path.join(TMP, "fake_llama_server.py")
+def fake_engine(port, path, ftype, mapped=None, user=None, home=TMP):
+    """The fake llama-server; as uid `user` (setpriv, Debian's python3), its script then in
+    `home`, a folder that user can read."""
+    script = os.path.join(home, "fake_llama_server.py")
     if not os.path.exists(script):
         with open(script, "w") as f:
             f.write(FAKE)
-    return start_process([sys.executable, script, str(port), path, ftype, mapped or path],
-                         name="fake-llama-server")
+        os.chmod(script, 0o644)
+    argv = [sys.executable, script, str(port), path, ftype, mapped or path]
+    if user is not None:
+        argv = ["setpriv", "--reuid=%d" % user, "--regid=%d" % user, "--clear-groups",
+                "/usr/bin/python3"] + argv[1:]
+    return start_process(argv, name="fake-llama-server")
 
 
 def gguf(name, content):
@@ -390,6 +396,58 @@ def test_a_model_folder_must_still_be_one_when_hashed():
     assert not any(secret_hash.strip() in json.dumps(l) for l in ag.logs), ag.logs
     ag.stop()
     eng.stop()
+
+
+def test_a_model_folder_is_read_as_the_engine_s_user():
+    """A root agent reads an engine-named folder with the engine's file-system identity: a
+    link in it to a file only root may read (a secret, whose hash would confirm a guess at it)
+    stops the hash, and nothing of the secret is signed or logged. The folder itself, which
+    the engine can read, is hashed as `attest hash` hashes it."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(
+            "/usr/bin/python3"):
+        print("    skipped: needs root, setpriv and /usr/bin/python3 to run the engine as another uid")
+        return
+    home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
+    try:
+        os.chmod(home, 0o755)
+        model = os.path.join(home, "model")
+        os.mkdir(model, 0o755)
+        for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
+            with open(os.path.join(model, name), "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(model, name), 0o644)
+        secret = os.path.join(TMP, "root-only", "shadow")
+        os.makedirs(os.path.dirname(secret), mode=0o700, exist_ok=True)
+        with open(secret, "w") as f:
+            f.write("root:$6$only-root-reads-this\n")
+        os.chmod(secret, 0o600)
+        port = free_port()
+        eng = fake_engine(port, model, "F16", mapped=os.path.join(model, "model.safetensors"),
+                          user=65534, home=home)
+        ag = agent(port, "--quantization", "F16")
+        def checkpoint():
+            """The signed checkpoint, or None while there is none (503 or unattested)."""
+            st, p = payload(ag)
+            return p["checkpoint_sha256"] if st == 200 else None
+
+        signed = poll_until(checkpoint, what="the folder hashed")
+        _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])
+        assert signed == hashed.strip(), (signed, hashed)
+
+        os.symlink(secret, os.path.join(model, "tokenizer.json"))
+        _, with_secret, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])  # as root
+        poll_until(lambda: checkpoint() is None, what="the agent no longer vouching for it")
+        st, p = payload(ag)
+        assert "Permission denied" in json.dumps(p), (st, p)
+        # Its retries are refused too (the first after 1 s).
+        poll_until(lambda: sum("Permission denied" in json.dumps(l) for l in ag.logs) >= 2,
+                   what="a retry refused as well")
+        assert with_secret.strip() not in json.dumps(payload(ag)[1]), payload(ag)
+        assert not any(with_secret.strip() in json.dumps(l) for l in ag.logs), ag.logs
+        ag.stop()
+        eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():

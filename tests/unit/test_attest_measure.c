@@ -7,6 +7,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -566,4 +568,95 @@ Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .f
     cr_assert(attest_maps_has(maps, sizeof(maps) - 1, 7, 7, "/models/t.gguf"), "by its path");
     attest_snapshot_free(&snap);
     dp_buf_free(&instead);
+}
+
+/* ---- reading as the engine's user -------------------------------------------------------- */
+
+Test(attest_measure, the_engines_fs_identity_is_read_from_its_status, .init = make_tmp,
+     .fini = rm_tree)
+{
+    char dir[300], path[320];
+    snprintf(dir, sizeof(dir), "%s/4242", tmp);
+    cr_assert_eq(mkdir(dir, 0755), 0);
+    snprintf(path, sizeof(path), "%s/status", dir);
+    static const char status[] = "Name:\tllama-server\nUmask:\t0022\nState:\tS (sleeping)\n"
+                                 "Uid:\t1000\t1000\t1000\t1001\nGid:\t100\t100\t100\t101\n"
+                                 "FDSize:\t64\nGroups:\t4 27 1000 \nNStgid:\t4242\n";
+    write_file(path, status, sizeof(status) - 1);
+    attest_fs_ident_t id;
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), 0, "%s", err.base);
+    cr_assert_eq(id.uid, 1001, "the fs column, the one file access is checked with");
+    cr_assert_eq(id.gid, 101);
+    cr_assert_eq(id.ngroups, 3);
+    cr_assert_eq(id.groups[0], 4);
+    cr_assert_eq(id.groups[2], 1000);
+    attest_fs_ident_free(&id);
+
+    static const char no_groups[] =
+        "Uid:\t0\t0\t0\t5\nGid:\t0\t0\t0\t6\nGroups:\t\nVmPeak:\t1 kB\n";
+    write_file(path, no_groups, sizeof(no_groups) - 1);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), 0, "%s", err.base);
+    cr_assert_eq(id.uid, 5);
+    cr_assert_eq(id.ngroups, 0, "an empty Groups line, the next line's numbers not taken");
+    attest_fs_ident_free(&id);
+
+    static const char no_gid[] = "Uid:\t0\t0\t0\t5\nGroups:\t1\n";
+    write_file(path, no_gid, sizeof(no_gid) - 1);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), -EINVAL);
+    cr_assert(strstr(err.base, "no Uid and Gid lines"), "%s", err.base);
+    dp_buf_reset(&err);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4243, &id, &err), -ENOENT, "a process gone");
+    dp_buf_free(&err);
+}
+
+static const char *g_secret;
+static pthread_barrier_t g_switched;
+
+/* A thread started before the change (threads inherit their creator's identity): it reads
+ * once the main thread reads as the engine. */
+static void *try_read(void *arg)
+{
+    (void)arg;
+    pthread_barrier_wait(&g_switched);
+    int fd = open(g_secret, O_RDONLY);
+    if (fd >= 0)
+        close(fd);
+    return (void *)(intptr_t)(fd >= 0);
+}
+
+Test(attest_measure, files_are_read_as_the_engine_on_this_thread_only, .init = make_tmp,
+     .fini = rm_tree)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root: the identity changes only for a root agent");
+    char secret[300];
+    snprintf(secret, sizeof(secret), "%s/secret", tmp);
+    write_file(secret, "only root", 9);
+    cr_assert_eq(chmod(secret, 0600), 0);
+    cr_assert_eq(chmod(tmp, 0755), 0);
+    g_secret = secret;
+    pthread_t t;
+    void *other = NULL;
+    cr_assert_eq(pthread_barrier_init(&g_switched, NULL, 2), 0);
+    cr_assert_eq(pthread_create(&t, NULL, try_read, NULL), 0);
+    attest_fs_ident_t nobody = {.uid = 65534, .gid = 65534}, prev;
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_fs_ident_enter(&nobody, &prev, &err), 0, "%s", err.base);
+    cr_assert_eq(open(secret, O_RDONLY), -1, "read as the engine's user");
+    cr_assert_eq(errno, EACCES);
+    pthread_barrier_wait(&g_switched);
+    cr_assert_eq(pthread_join(t, &other), 0);
+    pthread_barrier_destroy(&g_switched);
+    cr_assert_eq((intptr_t)other, 1, "another thread keeps the agent's identity");
+    attest_fs_ident_leave(&prev);
+    int fd = open(secret, O_RDONLY);
+    cr_assert_geq(fd, 0, "back to the agent's own identity");
+    close(fd);
+
+    attest_fs_ident_t root = {.uid = 0, .gid = 0};
+    cr_assert_eq(attest_fs_ident_enter(&root, &prev, &err), 0);
+    cr_assert_not(prev.taken, "an engine running as root: nothing to change");
+    attest_fs_ident_leave(&prev);
+    dp_buf_free(&err);
 }
