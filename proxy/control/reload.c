@@ -106,16 +106,46 @@ static void tls_install(px_t *px, net_tls_ctx_t *c)
     }
 }
 
+/* Does the new configuration write its audit trail to another file than the old one? */
+static bool audit_moved(const cfg_t *old, const cfg_t *cfg)
+{
+    if ((cfg->log.audit_path == NULL) != (old->log.audit_path == NULL))
+        return true;
+    return cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path) != 0;
+}
+
+/* Move the audit writer to path, or open one there when the running configuration has none.
+ * 0; -1 when path's locks are another process's (another detproxy writes that trail), with the
+ * reason as a configuration error naming the key, and the writer left on its file. */
+static int audit_take(px_t *px, const char *path, cfg_errors_t *errs)
+{
+    dp_buf_t why = {0};
+    int rc = 0;
+    if (px->audit)
+        rc = px_audit_reopen(px->audit, path, &why);
+    else if ((px->audit = px_audit_open(px->loop, path, &why)) == NULL)
+        rc = -1;
+    if (rc != 0) {
+        dp_buf_t e = {0};
+        dp_buf_printf(&e, "log.audit_path: %s", why.base ? why.base : "cannot be locked");
+        cfg_errors_add(errs, e.base);
+        dp_buf_free(&e);
+    }
+    dp_buf_free(&why);
+    return rc;
+}
+
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
 {
     cfg_t *old = px->gen->cfg;
     /* Log rotation: the audit file is reopened on every reload request, valid config or not;
      * onto the new config's audit_path when that moved, in one step (reopening the old file
      * first would close it with a checkpoint while no lock file yet names the chain's head at
-     * the new path: a crash then started the new file at genesis). */
+     * the new path: a crash then started the new file at genesis), once the rest of the new
+     * configuration has loaded (audit_take). */
     if (px->draining) { /* a process stops with the configuration it ran */
         if (px->audit)
-            px_audit_reopen(px->audit, NULL);
+            px_audit_reopen(px->audit, NULL, NULL);
         dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "reload_ignored");
         if (w) {
             dp_jw_str(w, "trigger", why);
@@ -152,6 +182,17 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         cfg = NULL;
         rc = -1;
     }
+    /* The audit trail's locks likewise, as the last step that can fail: a path another detproxy
+     * writes fails the reload whole (a generation requiring lines no writer can append would
+     * refuse every audited request), and once they are taken nothing below refuses. */
+    bool audit_to = rc == 0 && audit_moved(old, cfg) && cfg->log.audit_path;
+    if (audit_to && audit_take(px, cfg->log.audit_path, &errs) != 0) {
+        net_tls_ctx_unref(tls);
+        tls = NULL;
+        cfg_free(cfg);
+        cfg = NULL;
+        rc = -1;
+    }
     if (rc != 0) {
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "reload_failed");
         if (w) {
@@ -166,7 +207,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         last_reload_errors(&errs, msg);
         cfg_errors_free(&errs);
         if (px->audit)
-            px_audit_reopen(px->audit, NULL);
+            px_audit_reopen(px->audit, NULL, NULL);
         return -1;
     }
     cfg_errors_free(&errs);
@@ -186,19 +227,13 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     cfg->workers = old->workers;
     if (cfg->tls == NULL && px->tls && px->workers && old->tls)
         cfg->tls = tls_copy(old->tls);
-    bool audit_moved = (cfg->log.audit_path == NULL) != (old->log.audit_path == NULL) ||
-                       (cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path));
     px_fleet_keep(px, old, cfg);
     px_gen_t *prev = px->gen;
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
     dp_log_set_level((dp_log_level_t)cfg->log.level);
-    if (audit_moved && px->audit && cfg->log.audit_path)
-        px_audit_reopen(px->audit, cfg->log.audit_path);
-    else if (px->audit)
-        px_audit_reopen(px->audit, NULL);
-    else if (audit_moved && cfg->log.audit_path)
-        px->audit = px_audit_open(px->loop, cfg->log.audit_path, NULL);
+    if (px->audit && !audit_to) /* moved (audit_take) or opened there already */
+        px_audit_reopen(px->audit, NULL, NULL);
     if (px->audit && cfg->log.audit_path)
         px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);

@@ -6,7 +6,9 @@
 #include "proxy/core/px.h"
 
 /* Reload the configuration (SIGHUP, POST /admin/reload; why names the trigger). 0 on success;
- * -1 when the new one is invalid (the running one stays), with the errors in msg if given;
+ * -1 when the new one is invalid or what it names cannot be had (a certificate the TLS library
+ * refuses, an audit path another process locks): the running one stays, with the errors in msg
+ * if given;
  * PX_RELOAD_DRAINING once the process is stopping (nothing reloaded). The audit file is
  * reopened in every case (log rotation). */
 #define PX_RELOAD_DRAINING (-2)

@@ -1307,7 +1307,7 @@ static int reclaim_old_locks(px_audit_t *a, const char *path, int *file_lock)
     return -1;
 }
 
-void px_audit_reopen(px_audit_t *a, const char *path)
+int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err)
 {
     if (path && strcmp(path, a->path) != 0) {
         dp_buf_t why = {0};
@@ -1332,8 +1332,10 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         uv_mutex_unlock(&a->head_mu);
         if (lock < 0) {
             log_locked(&why);
+            if (err)
+                dp_buf_append(err, why.base, why.len);
             dp_buf_free(&why);
-            return;
+            return -1;
         }
         dp_buf_free(&why);
         /* The old path's locks stay until its file is no longer written (batch_done). */
@@ -1354,6 +1356,7 @@ void px_audit_reopen(px_audit_t *a, const char *path)
         a->pending.has_reopen = true;
     }
     start_write(a);
+    return 0;
 }
 
 static void timer_closed(uv_handle_t *h)

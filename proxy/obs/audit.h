@@ -83,11 +83,13 @@ void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_a
 struct px_s;
 void px_audit_submit(struct px_s *px, const char *line, size_t n, const px_audit_body_t *b,
                      size_t nb, px_audit_cb cb, void *data);
-/* Reopen the file at path (rotation); pending lines go to the new file, and the file lock with
- * them (kept when it is the same file). A new path whose lock another process holds is refused
- * (logged), and so is a new file whose flock another process holds (logged as audit_locked when
- * the batch meets it): the writer stays on its file. */
-void px_audit_reopen(px_audit_t *a, const char *path);
+/* Reopen the file at path (NULL: the same path; rotation); pending lines go to the new file, and
+ * the file lock with them (kept when it is the same file). 0 once the reopen is queued. -1 when
+ * path is a new path whose locks another process holds (logged as audit_locked; *err, may be
+ * NULL, says why): nothing is queued and the writer stays on its file. A new file at the same
+ * path whose flock another process holds is met by the batch (logged as audit_locked then): the
+ * writer stays on its file too. */
+int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err);
 /* Flush everything synchronously, fsync, close, unlock and free (shutdown). Callbacks of
  * pending lines run with their status before it returns. */
 void px_audit_close(px_audit_t *a);

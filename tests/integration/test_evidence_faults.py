@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
                      run_tests, start_process, start_sim)
-from proxyutil import pool, start_proxy, write_config
-from test_evidence import AUTH, complete, lines, setup, verify
+from proxyutil import metric, pool, start_proxy, write_config
+from test_evidence import AUTH, POLICY, complete, lines, setup, verify
 
 
 def test_a_second_instance_refuses_to_start_and_writes_nothing():
@@ -805,6 +805,71 @@ def test_a_reload_back_onto_the_old_audit_path_takes_its_own_locks_back():
     rc, out, _ = run_cmd([DETPROXY_BIN, "audit", "verify", px.audit_path, "--pubkey", px.pub,
                           "--store", px.store])
     assert rc == 0, out
+
+
+
+def test_a_reload_onto_an_audit_path_another_instance_holds_fails_whole():
+    """A reload whose audit_path is another running detproxy's trail cannot take that file's
+    locks, so it fails as a whole, as a certificate the TLS library refuses does: the old
+    configuration and the old audit file stay in force, the answer and reload_failed say why,
+    the failure is counted, and audited requests are served with their lines in the old file.
+    Once the other instance is gone the same reload moves the trail."""
+    sim_b, b = setup(checkpoint_lines=100)
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    cfg = json.load(open(px.config_path))
+    cfg["log"]["audit_path"] = b.audit_path
+    write_config(cfg, px.dir)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 400 and r.json()["error"]["code"] == "invalid_config", r.text
+    assert "in use by another detproxy" in r.json()["error"]["message"], r.text
+    assert "pid %d" % b.popen.pid in r.json()["error"]["message"], r.text
+    start = len(px.logs)
+    px.send_signal(signal.SIGHUP)
+    failed = px.wait_log("reload_failed", start=start)
+    assert any("in use by another detproxy" in e for e in failed["errors"]), failed
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
+    assert metric(px, "detproxy_config_reloads_total", result="reloaded") == 0
+    assert not px.find_logs("reloaded")
+    assert http("GET", px.admin_port, "/readyz").status == 200
+    assert get_json(px.admin_port, "/admin/audit")["path"] == px.audit_path
+    assert get_json(px.admin_port, "/admin/config")["log"]["audit_path"] == px.audit_path
+    rid = complete(px, "b").headers["x-detproxy-request-id"]
+    poll_until(lambda: rid in [l.get("request_id") for l in lines(px.audit_path)],
+               what="its line in the old file")
+    complete(b, "theirs")
+    b.stop()
+    assert verify(b)[0] == 0  # nothing of the other instance's in it
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    assert get_json(px.admin_port, "/admin/audit")["path"] == b.audit_path
+    px.stop()
+    assert verify(px)[0] == 0
+
+
+def test_a_reload_that_adds_an_audit_path_another_instance_holds_fails_whole():
+    """The same when the running configuration has no audit trail at all: the reload that
+    would open one on another instance's file, for tenants it makes audited, fails, and
+    requests go on as before (they were refused 503 audit_unavailable, the process unready,
+    under a configuration requiring lines no writer could append)."""
+    sim_b, b = setup(checkpoint_lines=100)
+    sim = start_sim("--model", "m1")
+    px = start_proxy(pools=[pool("p", ["m1"], [sim])])
+    cfg = json.load(open(px.config_path))
+    cfg["log"] = {"level": "info", "audit_path": b.audit_path}
+    cfg["policy"] = POLICY
+    write_config(cfg, os.path.dirname(px.config_path))
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 400 and "in use by another detproxy" in r.json()["error"]["message"], r.text
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 1
+    assert http("GET", px.admin_port, "/readyz").status == 200
+    assert http("GET", px.admin_port, "/admin/audit").status == 404
+    r = post_json(px.port, "/v1/completions", {"model": "m1", "prompt": "x", "max_tokens": 4},
+                  headers=AUTH)
+    assert r.status == 200, r
+    px.stop()
+    complete(b, "theirs")
+    b.stop()
+    assert verify(b)[0] == 0
 
 
 if __name__ == "__main__":

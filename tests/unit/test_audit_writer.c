@@ -78,7 +78,7 @@ Test(audit_writer, the_old_path_stays_locked_until_its_lines_are_written)
     const char *line = "{\"request_id\":\"x\"}\n";
     for (int i = 0; i < 3; i++)
         px_audit_write(a, line, strlen(line), written, NULL);
-    px_audit_reopen(a, b_path); /* the lines above are the old file's */
+    cr_assert_eq(px_audit_reopen(a, b_path, NULL), 0); /* the lines above are the old file's */
     px_audit_write(a, line, strlen(line), written, NULL);
     /* Nothing has run on the loop yet: every line is still to be written, three of them to a. */
     cr_assert_not(lockable(a_lock), "a's lock went while its lines were still to be written");
