@@ -19,6 +19,7 @@
 
 #include "attest/json.h"
 #include "common/jw.h"
+#include "common/pem.h"
 #include "common/util.h"
 
 #define ED25519_SIG_LEN 64
@@ -28,16 +29,6 @@ struct attest_key_s {
     bool is_private;
     char keyid[65];
 };
-
-/* PEM reading must never prompt on a terminal for a passphrase: refuse encrypted keys instead. */
-static int no_passphrase_cb(char *buf, int size, int rwflag, void *u)
-{
-    (void)buf;
-    (void)size;
-    (void)rwflag;
-    (void)u;
-    return 0;
-}
 
 static int compute_keyid(EVP_PKEY *pkey, char out[65])
 {
@@ -53,55 +44,23 @@ static int compute_keyid(EVP_PKEY *pkey, char out[65])
 int attest_key_from_pem(const char *pem, size_t len, bool is_private, attest_key_t **out,
                         dp_buf_t *err)
 {
-    int rc = -EINVAL;
     EVP_PKEY *pkey = NULL;
     *out = NULL;
-    BIO *bio = BIO_new_mem_buf(pem, (int)len);
-    if (bio == NULL || len > INT32_MAX) {
-        rc = -ENOMEM;
-        goto out;
-    }
-    if (is_private)
-        pkey = PEM_read_bio_PrivateKey(bio, NULL, no_passphrase_cb, NULL);
-    else
-        pkey = PEM_read_bio_PUBKEY(bio, NULL, no_passphrase_cb, NULL);
-    if (pkey == NULL) {
-        if (err == NULL)
-            goto out;
-        /* Name the usual mix-up rather than a bare "parse error". */
-        if (!is_private && memmem(pem, len, "PRIVATE KEY", 11) != NULL)
-            dp_buf_appends(err, "expected a public key (BEGIN PUBLIC KEY), got a private key");
-        else if (is_private && memmem(pem, len, "ENCRYPTED", 9) != NULL)
-            dp_buf_appends(err, "encrypted private keys are not supported");
-        else
-            dp_buf_appends(err, is_private ? "not a PEM private key (PKCS#8)"
-                                           : "not a PEM public key (SubjectPublicKeyInfo)");
-        goto out;
-    }
-    if (EVP_PKEY_get_id(pkey) != EVP_PKEY_ED25519) {
-        if (err) {
-            const char *t = EVP_PKEY_get0_type_name(pkey);
-            dp_buf_printf(err, "key type is %s, expected Ed25519", t ? t : "unknown");
-        }
-        goto out;
-    }
+    if (dp_pem_ed25519(pem, len, is_private, &pkey, err) != 0)
+        return -EINVAL;
     attest_key_t *k = dp_xcalloc(1, sizeof(*k));
     if (compute_keyid(pkey, k->keyid) != 0) {
         free(k);
+        EVP_PKEY_free(pkey);
+        ERR_clear_error();
         if (err)
             dp_buf_appends(err, "cannot encode the public key");
-        goto out;
+        return -EINVAL;
     }
     k->pkey = pkey;
     k->is_private = is_private;
-    pkey = NULL;
     *out = k;
-    rc = 0;
-out:
-    EVP_PKEY_free(pkey);
-    BIO_free(bio);
-    ERR_clear_error(); /* the queue is per thread: do not leave stale errors for other code */
-    return rc;
+    return 0;
 }
 
 int attest_key_load(const char *path, bool is_private, attest_key_t **out, dp_buf_t *err)

@@ -22,6 +22,7 @@
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
+#include "common/pem.h"
 #include "common/util.h"
 
 #define SECRET_MAX 4096
@@ -330,28 +331,20 @@ bool cfg_check_key_pair(cfg_ctx_t *c, const char *cert_key, const char *cert_pat
     return ok;
 }
 
+/* The key file at path read by the rule the readers at run time apply (dp_pem_ed25519). */
 static bool check_ed25519(cfg_ctx_t *c, const char *key, const char *path, bool is_private)
 {
-    dp_buf_t b = {0};
+    dp_buf_t b = {0}, why = {0};
     EVP_PKEY *pk = NULL;
-    bool ok = false;
-    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
-        goto out;
-    BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
-    if (bio != NULL)
-        pk = is_private ? PEM_read_bio_PrivateKey(bio, NULL, no_passphrase_cb, NULL)
-                        : PEM_read_bio_PUBKEY(bio, NULL, no_passphrase_cb, NULL);
-    BIO_free(bio);
-    if (pk == NULL)
-        cfg_err(c, key, "%s is not a PEM %s key", path, is_private ? "private" : "public");
-    else if (EVP_PKEY_id(pk) != EVP_PKEY_ED25519)
-        cfg_err(c, key, "%s is not an Ed25519 %s key", path, is_private ? "private" : "public");
-    else
-        ok = true;
-out:
-    ERR_clear_error();
+    bool ok = cfg_read_file(c, key, path, PEM_MAX, &b) &&
+              dp_pem_ed25519(b.base, b.len, is_private, &pk, &why) == 0;
+    if (!ok && why.len)
+        cfg_err(c, key, "%s: %s", path, why.base);
     EVP_PKEY_free(pk);
+    if (b.base)
+        OPENSSL_cleanse(b.base, b.len);
     dp_buf_free(&b);
+    dp_buf_free(&why);
     return ok;
 }
 

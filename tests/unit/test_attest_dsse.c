@@ -461,6 +461,37 @@ Test(attest_keys, refuses_wrong_kinds_of_key)
     dp_buf_free(&err);
 }
 
+/* The rule `detproxy check` applies to a key file (config/): the PEM block from the first byte,
+ * only whitespace after its END line; public and private keys alike. */
+Test(attest_keys, a_key_is_its_pem_block_alone)
+{
+    static const struct {
+        const char *before, *key, *after;
+    } refused[] = {
+        {"garbage\n", K1_PUB, ""}, {" ", K1_PUB, ""},  {"", K1_PUB, "garbage\n"},
+        {"", K1_PUB, K2_PUB},      {"x", K1_PRIV, ""}, {"", K1_PRIV, "-----BEGIN"},
+    };
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        char pem[512];
+        snprintf(pem, sizeof(pem), "%s%s%s", refused[i].before, refused[i].key, refused[i].after);
+        bool priv = refused[i].key == K1_PRIV;
+        attest_key_t *k = NULL;
+        dp_buf_t err = {0};
+        cr_assert_neq(attest_key_from_pem(pem, strlen(pem), priv, &k, &err), 0, "%s", pem);
+        cr_assert_null(k);
+        cr_assert(strstr(err.base ? err.base : "", refused[i].before[0]
+                                                       ? "text before the PEM block"
+                                                       : "text after the PEM block's END line"),
+                  "%s: %s", pem, err.base);
+        dp_buf_free(&err);
+    }
+    char pem[512];
+    snprintf(pem, sizeof(pem), "%s\r\n \t\n", K1_PUB);
+    attest_key_free(key(pem, false));
+    snprintf(pem, sizeof(pem), "%s\n\n", K1_PRIV);
+    attest_key_free(key(pem, true));
+}
+
 Test(attest_keys, keyset_deduplicates)
 {
     attest_keyset_t ks = {0};

@@ -498,8 +498,46 @@ Test(config_files, trusted_keys_must_be_ed25519_public_keys)
                           &cfg, &e),
                  -1);
     cr_assert_eq(e.count, 2);
-    cr_assert(has_error(&e, "attestation.trusted_keys[1]", "is not an Ed25519 public key"));
-    cr_assert(has_error(&e, "attestation.trusted_keys[2]", "is not a PEM public key"));
+    cr_assert(has_error(&e, "attestation.trusted_keys[1]", "key type is EC, expected Ed25519"));
+    cr_assert(has_error(&e, "attestation.trusted_keys[2]", "not a PEM public key"));
+    cfg_errors_free(&e);
+}
+
+/* A key file is its PEM block and nothing else: OpenSSL alone skips text before the block and
+ * ignores text after it, so "garbage" before a key, or a second key after it, would pass. */
+Test(config_files, a_trusted_key_file_holds_its_pem_block_alone)
+{
+    static const char pem[] = "-----BEGIN PUBLIC KEY-----\n"
+                              "MCowBQYDK2VwAyEAEnjhciCF9AXGi2bWLsyssO6DzbvlGSoDbYl+yvxgg4s=\n"
+                              "-----END PUBLIC KEY-----\n";
+    char text[512];
+    snprintf(text, sizeof(text), "%s \n\r\n\t\n", pem);
+    write_text("keys/spaced.pem", text, 0644);
+    snprintf(text, sizeof(text), "garbage\n%s", pem);
+    write_text("keys/before.pem", text, 0644);
+    snprintf(text, sizeof(text), "\n%s", pem);
+    write_text("keys/blank.pem", text, 0644);
+    snprintf(text, sizeof(text), "%sgarbage\n", pem);
+    write_text("keys/after.pem", text, 0644);
+    snprintf(text, sizeof(text), "%s%s", pem, pem);
+    write_text("keys/two.pem", text, 0644);
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(load_cfg("c.json",
+                          CFG(",'attestation':{'trusted_keys':['keys/spaced.pem','keys/before.pem',"
+                              "'keys/blank.pem','keys/after.pem','keys/two.pem']}"),
+                          &cfg, &e),
+                 -1);
+    dump(&e);
+    cr_assert_eq(e.count, 4);
+    cr_assert(has_error(&e, "attestation.trusted_keys[1]",
+                        "before.pem: text before the PEM block: the file must start with "
+                        "-----BEGIN"));
+    cr_assert(has_error(&e, "attestation.trusted_keys[2]", "text before the PEM block"));
+    cr_assert(has_error(&e, "attestation.trusted_keys[3]",
+                        "after.pem: text after the PEM block's END line: the file holds one key "
+                        "and nothing else"));
+    cr_assert(has_error(&e, "attestation.trusted_keys[4]", "text after the PEM block's END line"));
     cfg_errors_free(&e);
 }
 

@@ -1,0 +1,23 @@
+/* Ed25519 keys from PEM text, by the one rule `detproxy check` and every reader at run time
+ * apply (docs/configuration.md, "attestation"; docs/attestation.md). */
+#ifndef DP_PEM_H
+#define DP_PEM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/buf.h"
+
+struct evp_pkey_st;
+
+/* The Ed25519 key pem[0..len) holds: a private key (PKCS#8) when is_private, else a public key
+ * (SubjectPublicKeyInfo). The text is that key's PEM block alone: "-----BEGIN" at its first
+ * byte and nothing but whitespace after the block's END line (OpenSSL alone skips text before
+ * a block and ignores what follows it, so a file with junk around its key, or a second key,
+ * would read as the first key). An encrypted key is refused, never a passphrase asked for.
+ * 0 with *out the key (the caller's: EVP_PKEY_free); -1 with *out NULL and *err (may be NULL)
+ * saying why, without naming the file. */
+int dp_pem_ed25519(const char *pem, size_t len, bool is_private, struct evp_pkey_st **out,
+                   dp_buf_t *err);
+
+#endif
