@@ -212,14 +212,18 @@ static bool json_number(const char *p, size_t n)
 }
 
 /* One pass over json's text outside its strings: the offset of the first number JSON would not
- * take (*loose; len when none), and how many arrays and objects are open at offset `at`
- * (*depth). cJSON reads a number with strtod, which takes 01 and 1. as 1: a config is read as
- * JSON writes it, as every other reader of the file (jq, an editor, Kubernetes) reads it. And
- * cJSON stops at CJSON_NESTING_LIMIT levels, saying no more than where. */
-static void scan_text(const char *json, size_t len, size_t at, size_t *loose, size_t *depth)
+ * take (*loose; len when none), of the first control byte that is not JSON's whitespace (*ctl;
+ * len when none), and how many arrays and objects are open at offset `at` (*depth). cJSON reads
+ * a number with strtod, which takes 01 and 1. as 1, and skips every byte up to 0x20 between
+ * tokens (vertical tab, form feed, ...): a config is read as JSON writes it, as every other
+ * reader of the file (jq, an editor, Kubernetes) reads it. And cJSON stops at
+ * CJSON_NESTING_LIMIT levels, saying no more than where. */
+static void scan_text(const char *json, size_t len, size_t at, size_t *loose, size_t *ctl,
+                      size_t *depth)
 {
     bool in_string = false;
     *loose = len;
+    *ctl = len;
     *depth = 0;
     for (size_t i = 0; i < len; i++) {
         char ch = json[i];
@@ -230,6 +234,9 @@ static void scan_text(const char *json, size_t len, size_t at, size_t *loose, si
                 in_string = false;
         } else if (ch == '"') {
             in_string = true;
+        } else if ((unsigned char)ch < 0x20 && ch != '\t' && ch != '\n' && ch != '\r') {
+            if (*ctl == len)
+                *ctl = i;
         } else if ((ch == '[' || ch == '{') && i < at) {
             ++*depth;
         } else if ((ch == ']' || ch == '}') && i<at && * depth> 0) {
@@ -247,28 +254,46 @@ static void scan_text(const char *json, size_t len, size_t at, size_t *loose, si
 
 cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
 {
-    if (memchr(json, '\0', len) != NULL) {
-        cfg_err(c, NULL, "invalid JSON: contains a NUL byte");
+    size_t line, col;
+    const char *nul = memchr(json, '\0', len);
+    if (nul != NULL) {
+        position(json, (size_t)(nul - json), &line, &col);
+        cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: a NUL byte", line, col);
         return NULL;
     }
-    size_t line, col, bad = dp_utf8_invalid_at(json, len);
+    if (len >= 3 && memcmp(json, "\xef\xbb\xbf", 3) == 0) {
+        /* cJSON skips it; JSON has none (RFC 8259), and jq and Kubernetes refuse it. */
+        cfg_err(c, NULL,
+                "invalid JSON at line 1, column 1: a UTF-8 byte-order mark (EF BB BF): save the "
+                "file without one");
+        return NULL;
+    }
+    size_t bad = dp_utf8_invalid_at(json, len);
     if (bad < len) {
         /* JSON is UTF-8 (RFC 8259): a name read otherwise would be shown otherwise, too. */
         position(json, bad, &line, &col);
         cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: not UTF-8", line, col);
         return NULL;
     }
-    size_t nul = cfg_json_nul_escape(json, len);
-    if (nul < len) {
-        position(json, nul, &line, &col);
+    size_t esc = cfg_json_nul_escape(json, len);
+    if (esc < len) {
+        position(json, esc, &line, &col);
         cfg_err(c, NULL,
                 "a string at line %zu, column %zu holds \\u0000 (NUL), which no name, "
                 "path or value here may contain",
                 line, col);
         return NULL;
     }
-    size_t loose, depth;
-    scan_text(json, len, len, &loose, &depth);
+    size_t loose, ctl, depth;
+    scan_text(json, len, len, &loose, &ctl, &depth);
+    if (ctl < len) {
+        position(json, ctl, &line, &col);
+        cfg_err(c, NULL,
+                "invalid JSON at line %zu, column %zu: control byte 0x%02x between tokens "
+                "(JSON's whitespace is space, tab, line feed and carriage return)",
+                line, col, (unsigned char)json[ctl]);
+        return NULL;
+    }
     if (loose < len) {
         position(json, loose, &line, &col);
         cfg_err(c, NULL,
@@ -284,7 +309,7 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
     if (doc == NULL) {
         size_t off = end != NULL && end >= copy ? (size_t)(end - copy) : 0;
         position(copy, off < len ? off : len, &line, &col);
-        scan_text(copy, len, off, &loose, &depth);
+        scan_text(copy, len, off, &loose, &ctl, &depth);
         if (depth >= CJSON_NESTING_LIMIT)
             cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: nested deeper than %d levels",
                     line, col, CJSON_NESTING_LIMIT);

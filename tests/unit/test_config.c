@@ -631,6 +631,50 @@ Test(config, numbers_are_read_as_json_writes_them)
     }
 }
 
+Test(config, a_byte_order_mark_is_refused)
+{
+    /* Some editors save one; JSON has none (RFC 8259), and jq and Kubernetes refuse it. */
+    static const char json[] = "\xef\xbb\xbf{\"pools\": []}";
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(json, sizeof(json) - 1, "/", &cfg, &e), -1);
+    cr_assert_eq(e.count, 1);
+    cr_assert_str_eq(e.items[0], "config: invalid JSON at line 1, column 1: a UTF-8 byte-order "
+                                 "mark (EF BB BF): save the file without one");
+    cfg_errors_free(&e);
+}
+
+Test(config, whitespace_is_space_tab_line_feed_and_carriage_return)
+{
+    /* cJSON skips every byte up to 0x20 between tokens; JSON's whitespace is these four. */
+    static const char ctl[] = {'\x0b', '\x0c', '\x00', '\x01', '\x1f'};
+    for (size_t i = 0; i < sizeof(ctl); i++) {
+        char json[64];
+        int n = snprintf(json, sizeof(json), "{\"pools\": [],\n \"workers\":X 2}");
+        *strchr(json, 'X') = ctl[i];
+        cfg_t *cfg;
+        cfg_errors_t e = {0};
+        cr_assert_eq(cfg_load_string(json, (size_t)n, "/", &cfg, &e), -1, "0x%02x", ctl[i]);
+        cr_assert_eq(e.count, 1, "0x%02x", ctl[i]);
+        char want[160];
+        if (ctl[i] == '\0')
+            snprintf(want, sizeof(want), "config: invalid JSON at line 2, column 12: a NUL byte");
+        else
+            snprintf(want, sizeof(want),
+                     "config: invalid JSON at line 2, column 12: control byte 0x%02x between "
+                     "tokens (JSON's whitespace is space, tab, line feed and carriage return)",
+                     ctl[i]);
+        cr_assert_str_eq(e.items[0], want);
+        cfg_errors_free(&e);
+    }
+    static const char fine[] = "{\"pools\": [],\r\n\t\"x\": \t2 \r\n}\n";
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(fine, sizeof(fine) - 1, "/", &cfg, &e), -1);
+    cr_assert_str_eq(e.items[0], "x: unknown key"); /* read, then refused */
+    cfg_errors_free(&e);
+}
+
 Test(config, a_config_is_utf8)
 {
     static const char json[] = "{\"pools\": [],\n \"bogus\xff\": 1}";
