@@ -2017,6 +2017,10 @@ out:
  * copied. Only what the body still lacks, so the next request's bytes never land in it; and
  * never while earlier bytes wait in `pending` (they come first). */
 #define READ_INTO_MIN (16 * 1024)
+/* The most one such read asks for: a long prompt that has arrived is taken in one or two reads
+ * (each read costs a system call on top of the copy), while one sender holds the loop for at
+ * most ~25 us of copying per read (the body's own scan then takes longer). */
+#define READ_INTO_MAX (256 * 1024)
 
 static char *sock_read_target(net_sock_t *sk, size_t *len)
 {
@@ -2038,9 +2042,8 @@ static char *sock_read_target(net_sock_t *sk, size_t *len)
     size_t want = c->body_remaining < room ? (size_t)c->body_remaining : room;
     if (want == 0 || (want < READ_INTO_MIN && want < c->body_remaining))
         return NULL;
-    if (want > NET_READ_BUF_SIZE)
-        want = NET_READ_BUF_SIZE; /* no larger than any other read: one sender must not hold
-                                   * the loop longer per read than with the read buffer */
+    if (want > READ_INTO_MAX)
+        want = READ_INTO_MAX;
     *len = want;
     return b->base + b->len;
 }
