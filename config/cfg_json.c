@@ -211,19 +211,21 @@ static bool json_number(const char *p, size_t n)
     return i == n;
 }
 
-/* One pass over json's text outside its strings: the offset of the first number JSON would not
- * take (*loose; len when none), of the first control byte that is not JSON's whitespace (*ctl;
- * len when none), and how many arrays and objects are open at offset `at` (*depth). cJSON reads
- * a number with strtod, which takes 01 and 1. as 1, and skips every byte up to 0x20 between
- * tokens (vertical tab, form feed, ...): a config is read as JSON writes it, as every other
+/* One pass over json's text: outside its strings, the offset of the first number JSON would not
+ * take (*loose; len when none); the offset of the first control byte that is not JSON's
+ * whitespace between tokens, or any inside a string, which JSON writes escaped (*ctl; len when
+ * none; *ctl_quoted says which); and how many arrays and objects are open at offset `at` (*depth).
+ * cJSON reads a number with strtod, which takes 01 and 1. as 1, and skips every byte up to 0x20
+ * between tokens (vertical tab, form feed, ...): a config is read as JSON writes it, as every other
  * reader of the file (jq, an editor, Kubernetes) reads it. And cJSON stops at
  * CJSON_NESTING_LIMIT levels, saying no more than where. */
 static void scan_text(const char *json, size_t len, size_t at, size_t *loose, size_t *ctl,
-                      size_t *depth)
+                      bool *ctl_quoted, size_t *depth)
 {
     bool in_string = false;
     *loose = len;
     *ctl = len;
+    *ctl_quoted = false;
     *depth = 0;
     for (size_t i = 0; i < len; i++) {
         char ch = json[i];
@@ -232,6 +234,10 @@ static void scan_text(const char *json, size_t len, size_t at, size_t *loose, si
                 i++;
             else if (ch == '"')
                 in_string = false;
+            else if ((unsigned char)ch < 0x20 && *ctl == len) {
+                *ctl = i; /* even a tab or a line feed */
+                *ctl_quoted = true;
+            }
         } else if (ch == '"') {
             in_string = true;
         } else if ((unsigned char)ch < 0x20 && ch != '\t' && ch != '\n' && ch != '\r') {
@@ -285,13 +291,20 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
         return NULL;
     }
     size_t loose, ctl, depth;
-    scan_text(json, len, len, &loose, &ctl, &depth);
+    bool quoted;
+    scan_text(json, len, len, &loose, &ctl, &quoted, &depth);
     if (ctl < len) {
         position(json, ctl, &line, &col);
-        cfg_err(c, NULL,
-                "invalid JSON at line %zu, column %zu: control byte 0x%02x between tokens "
-                "(JSON's whitespace is space, tab, line feed and carriage return)",
-                line, col, (unsigned char)json[ctl]);
+        if (quoted)
+            cfg_err(c, NULL,
+                    "invalid JSON at line %zu, column %zu: control byte 0x%02x inside a string "
+                    "(write it escaped: \\t, \\n, \\r or \\u00XX)",
+                    line, col, (unsigned char)json[ctl]);
+        else
+            cfg_err(c, NULL,
+                    "invalid JSON at line %zu, column %zu: control byte 0x%02x between tokens "
+                    "(JSON's whitespace is space, tab, line feed and carriage return)",
+                    line, col, (unsigned char)json[ctl]);
         return NULL;
     }
     if (loose < len) {
@@ -309,7 +322,7 @@ cJSON *cfg_parse_json(cfg_ctx_t *c, const char *json, size_t len)
     if (doc == NULL) {
         size_t off = end != NULL && end >= copy ? (size_t)(end - copy) : 0;
         position(copy, off < len ? off : len, &line, &col);
-        scan_text(copy, len, off, &loose, &ctl, &depth);
+        scan_text(copy, len, off, &loose, &ctl, &quoted, &depth);
         if (depth >= CJSON_NESTING_LIMIT)
             cfg_err(c, NULL, "invalid JSON at line %zu, column %zu: nested deeper than %d levels",
                     line, col, CJSON_NESTING_LIMIT);

@@ -675,6 +675,38 @@ Test(config, whitespace_is_space_tab_line_feed_and_carriage_return)
     cfg_errors_free(&e);
 }
 
+Test(config, a_string_holds_no_raw_control_byte)
+{
+    /* cJSON takes a raw tab or line feed inside a string; JSON writes them escaped, and a name
+     * or prompt read otherwise by another reader of the file would be another name. */
+    static const char ctl[] = {'\t', '\n', '\x01', '\x1f'};
+    for (size_t i = 0; i < sizeof(ctl); i++) {
+        char json[96];
+        int n =
+            snprintf(json, sizeof(json), "{\"pools\": [],\n \"canary\": {\"prompt\": \"aXb\"}}");
+        *strchr(json, 'X') = ctl[i];
+        cfg_t *cfg;
+        cfg_errors_t e = {0};
+        cr_assert_eq(cfg_load_string(json, (size_t)n, "/", &cfg, &e), -1, "0x%02x", ctl[i]);
+        cr_assert_eq(e.count, 1, "0x%02x", ctl[i]);
+        char want[200];
+        snprintf(want, sizeof(want),
+                 "config: invalid JSON at line 2, column 25: control byte 0x%02x inside a string "
+                 "(write it escaped: \\t, \\n, \\r or \\u00XX)",
+                 ctl[i]);
+        cr_assert_str_eq(e.items[0], want);
+        cfg_errors_free(&e);
+    }
+    /* Escaped, and a quote escaped before it: read (then refused as an unknown key). */
+    static const char fine[] = "{\"pools\": [], \"x\\\"\\t\\n\": 1}";
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(cfg_load_string(fine, sizeof(fine) - 1, "/", &cfg, &e), -1);
+    cr_assert_eq(e.count, 1);
+    cr_assert(strstr(e.items[0], "unknown key") != NULL, "%s", e.items[0]);
+    cfg_errors_free(&e);
+}
+
 Test(config, a_config_is_utf8)
 {
     static const char json[] = "{\"pools\": [],\n \"bogus\xff\": 1}";
