@@ -116,6 +116,7 @@ typedef struct {
     /* pid > 0: which of the model's files the engine's process has open or mapped
      * (attest_loaded_t, or a negative errno), and another GGUF file it has instead. */
     pid_t pid;
+    unsigned long long pid_start; /* its start time: the engine's, not a later one's pid */
     int loaded;
     dp_buf_t other;
     /* The path is the engine's own (target_measured): it must look like a model before it is
@@ -310,13 +311,9 @@ static void job_run(uv_work_t *w)
     bool oms = j->oms_bundle && !is_regular_file(j->path);
     /* A path the engine names is read as the engine's user, so a link in it leads nowhere the
      * engine could not read itself (docs/attestation.md, "What the agent measures"). */
-    attest_fs_ident_t as_engine = {0}, prev = {0};
-    if (j->measured && j->pid > 0) {
-        j->rc = attest_proc_fs_ident("/proc", j->pid, &as_engine, &j->err);
-        if (j->rc == 0)
-            j->rc = attest_fs_ident_enter(&as_engine, &prev, &j->err);
-        attest_fs_ident_free(&as_engine);
-    }
+    attest_fs_ident_t prev = {0};
+    if (j->measured)
+        j->rc = attest_as_process_enter("/proc", j->pid, j->pid_start, &prev, &j->err);
     if (j->rc != 0) {
         /* neither read nor hashed */
     } else if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {
@@ -552,6 +549,7 @@ static void start_job(agent_t *a, bool full)
     j->oms_bundle = a->oms_bundle;
     j->oms_trust = &a->oms_trust;
     j->pid = a->target_measured ? a->eng.pid : 0;
+    j->pid_start = a->eng.start;
     j->measured = a->target_measured;
     if (full) {
         if (a->state == ST_FAILED) {
@@ -771,14 +769,20 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
 {
     attest_engine_merge(r, a->flag_quant, a->flag_dtype, &a->ident);
     dp_buf_t why = {0};
-    attest_located_t l;
+    attest_located_t l = {0};
     bool always_local = strcmp(r->source, "llamacpp") == 0; /* -m names a GGUF file */
-    attest_locate_t loc =
-        attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
+    /* Looked for as the engine's user, as it is read (job_run): what the engine cannot see is
+     * not there for it, and its answers say nothing of folders it cannot enter. */
+    attest_fs_ident_t prev;
+    attest_locate_t loc = ATTEST_LOC_NOT_VISIBLE;
+    if (attest_as_process_enter("/proc", a->eng.pid, a->eng.start, &prev, &why) == 0) {
+        loc = attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
+        if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
+            loc = ATTEST_LOC_NOT_VISIBLE;
+        attest_fs_ident_leave(&prev);
+    }
     char *target = NULL;
     bool measured = false;
-    if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
-        loc = ATTEST_LOC_NOT_VISIBLE;
     if (loc == ATTEST_LOC_FOUND) {
         struct stat ds;
         /* --model-dir must be the loaded model or a folder above it: anything else names files

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <linux/capability.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -608,25 +609,20 @@ static const char *status_line(const char *text, const char *key)
     return NULL;
 }
 
-/* The fourth column of a status line's ids: "Uid:\treal\teffective\tsaved\tfs". */
-static bool status_fs_id(const char *text, const char *key, unsigned long *out)
+/* The real id of a status line's ids: "Uid:\treal\teffective\tsaved\tfs". */
+static bool status_real_id(const char *text, const char *key, unsigned long *out)
 {
     const char *p = status_line(text, key);
     if (p == NULL)
         return false;
-    for (int col = 0; col < 4; col++) {
-        char *end;
-        errno = 0;
-        unsigned long v = strtoul(p, &end, 10);
-        if (end == p || errno != 0 || v > UINT32_MAX)
-            return false;
-        *out = v;
-        p = end;
-    }
-    return true;
+    char *end;
+    errno = 0;
+    *out = strtoul(p, &end, 10);
+    return end != p && errno == 0 && *out <= UINT32_MAX;
 }
 
-int attest_proc_fs_ident(const char *proc, pid_t pid, attest_fs_ident_t *out, dp_buf_t *err)
+int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
+                         attest_fs_ident_t *out, dp_buf_t *err)
 {
     memset(out, 0, sizeof(*out));
     char path[64];
@@ -634,12 +630,17 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, attest_fs_ident_t *out, dp
     dp_buf_t b = {0};
     int rc = dp_read_file(path, 64 * 1024, &b);
     unsigned long uid, gid;
-    if (rc == 0 &&
-        (b.len == 0 || !status_fs_id(b.base, "Uid:", &uid) || !status_fs_id(b.base, "Gid:", &gid)))
+    if (rc == 0 && (b.len == 0 || !status_real_id(b.base, "Uid:", &uid) ||
+                    !status_real_id(b.base, "Gid:", &gid)))
         rc = -EINVAL;
+    /* Read, then its start time looked at: what was read is that process's. */
+    if (rc == 0 && start != 0 && attest_proc_start_time(proc, pid) != start)
+        rc = -ESRCH;
     if (rc != 0) {
         dp_buf_printf(err, "the engine's user (%s): %s", path,
-                      rc == -EINVAL ? "no Uid and Gid lines" : strerror(-rc));
+                      rc == -EINVAL  ? "no Uid and Gid lines"
+                      : rc == -ESRCH ? "another process than the engine's now"
+                                     : strerror(-rc));
         dp_buf_free(&b);
         return rc;
     }
@@ -687,11 +688,38 @@ static gid_t fs_setgid(gid_t g)
     return (gid_t)syscall(SYS_setfsgid, g);
 }
 
+/* The calling thread's capabilities (pid 0: this thread alone). */
+static int caps_get(struct __user_cap_data_struct d[2])
+{
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    return syscall(SYS_capget, &h, d) == 0 ? 0 : -errno;
+}
+
+static int caps_set(struct __user_cap_data_struct d[2])
+{
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    return syscall(SYS_capset, &h, d) == 0 ? 0 : -errno;
+}
+
+/* This thread's effective capabilities: those of them in `caps` (two 32-bit words), or, to
+ * restore, `caps` as far as the permitted set holds them. */
+static int caps_effective(const uint64_t caps[2], bool restore)
+{
+    struct __user_cap_data_struct d[2];
+    int rc = caps_get(d);
+    if (rc != 0)
+        return rc;
+    for (int i = 0; i < 2; i++)
+        d[i].effective =
+            restore ? (uint32_t)caps[i] & d[i].permitted : d[i].effective & (uint32_t)caps[i];
+    return caps_set(d);
+}
+
 void attest_fs_ident_leave(attest_fs_ident_t *prev)
 {
     if (!prev->taken)
         return;
-    /* fsuid first: back at 0 the file-system capabilities return, and with them the rest. */
+    caps_effective(prev->caps, true);
     fs_setuid(prev->uid);
     fs_setgid(prev->gid);
     fs_setgroups(prev->ngroups, prev->groups);
@@ -717,15 +745,30 @@ int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, 
         return -e;
     }
     prev->ngroups = (size_t)n;
+    struct __user_cap_data_struct d[2];
+    int e = -caps_get(d);
+    if (e != 0) {
+        dp_buf_printf(err, "reading as the engine's user: capget: %s", strerror(e));
+        attest_fs_ident_free(prev);
+        return -e;
+    }
+    prev->caps[0] = d[0].effective;
+    prev->caps[1] = d[1].effective;
     prev->taken = true;
-    int e = fs_setgroups(id->ngroups, id->groups) == 0 ? 0 : errno;
+    e = fs_setgroups(id->ngroups, id->groups) == 0 ? 0 : errno;
     if (e == 0) {
         fs_setgid(id->gid);
         e = fs_setgid((gid_t)-1) == id->gid ? 0 : EPERM;
     }
     if (e == 0) {
-        fs_setuid(id->uid); /* last: the file-system capabilities go with a uid other than 0 */
+        fs_setuid(id->uid); /* the file-system capabilities go with a uid other than 0 */
         e = fs_setuid((uid_t)-1) == id->uid ? 0 : EPERM;
+    }
+    if (e == 0) {
+        /* And every other one but the two that change back: CAP_SYS_PTRACE would open another
+         * process's /proc/PID/root and cwd (its files, past folders the engine cannot enter). */
+        static const uint64_t keep[2] = {(1u << CAP_SETUID) | (1u << CAP_SETGID), 0};
+        e = -caps_effective(keep, false);
     }
     if (e != 0) {
         dp_buf_printf(err, "reading as the engine's user (uid %u, gid %u): %s", (unsigned)id->uid,
@@ -740,4 +783,18 @@ void attest_fs_ident_free(attest_fs_ident_t *id)
 {
     free(id->groups);
     memset(id, 0, sizeof(*id));
+}
+
+int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
+                            attest_fs_ident_t *prev, dp_buf_t *err)
+{
+    memset(prev, 0, sizeof(*prev));
+    if (pid <= 0)
+        return 0;
+    attest_fs_ident_t id;
+    int rc = attest_proc_fs_ident(proc, pid, start, &id, err);
+    if (rc == 0)
+        rc = attest_fs_ident_enter(&id, prev, err);
+    attest_fs_ident_free(&id);
+    return rc;
 }

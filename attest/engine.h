@@ -111,27 +111,38 @@ int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const atte
 
 /* ---- reading as the engine's user ------------------------------------------------------- */
 
-/* A process's file-system identity: the uid and gid the kernel checks file access with, and
- * its supplementary groups. */
+/* A file-system identity to read with: uid, gid and supplementary groups. */
 typedef struct {
     uid_t uid;
     gid_t gid;
     size_t ngroups;
     gid_t *groups;
-    bool taken; /* by attest_fs_ident_enter: `prev` holds what to go back to */
+    bool taken;       /* by attest_fs_ident_enter: this holds what to go back to */
+    uint64_t caps[2]; /* the effective capabilities gone back to (two 32-bit words each) */
 } attest_fs_ident_t;
 
-/* Process pid's, from its status file (the fs columns of Uid and Gid, and Groups). */
-int attest_proc_fs_ident(const char *proc, pid_t pid, attest_fs_ident_t *out, dp_buf_t *err);
-/* Access files as `id` on the calling thread only (Linux keeps file-system ids and groups per
- * thread; raw system calls, as glibc would change them for every thread): a root agent then
- * reads only what the engine can, and no link in an engine-named folder leads it further.
- * Nothing changes when the caller is not root (it reads only what it can anyway) or `id` is
- * root. *prev gets what to go back to with attest_fs_ident_leave. Negative errno when the
- * change fails (nothing is changed then). */
+/* The identity process pid reads what it names with, from its status file: its uid and gid
+ * when its real, effective, saved and file-system ids agree, else its real ones (a process
+ * running a set-user-ID program reads with the program's rights, not its own: an engine
+ * exec'ing one must not lend the agent root's). start: the process's start time as
+ * attest_proc_start_time gives it (0: any); another process with that pid is -ESRCH. */
+int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
+                         attest_fs_ident_t *out, dp_buf_t *err);
+/* Access files as `id` on the calling thread only (Linux keeps file-system ids, groups and
+ * capabilities per thread; raw system calls, as glibc would change them for every thread),
+ * with no effective capability but the two that change back (CAP_SETUID, CAP_SETGID): a root
+ * agent then reads only what the engine can, and no link in an engine-named path, not even one
+ * through another process's /proc/PID/root or cwd, leads it further. Nothing changes when the
+ * caller is not root (it reads only what it can anyway) or `id` is root. *prev gets what to go
+ * back to with attest_fs_ident_leave. Negative errno when the change fails (nothing is changed
+ * then). */
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);
 void attest_fs_ident_leave(attest_fs_ident_t *prev);
 void attest_fs_ident_free(attest_fs_ident_t *id);
+/* attest_proc_fs_ident of pid, then attest_fs_ident_enter. pid 0 (the engine's process not
+ * seen): nothing changes. */
+int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
+                            attest_fs_ident_t *prev, dp_buf_t *err);
 
 /* ---- flags against the engine's report (pure) ------------------------------------------- */
 

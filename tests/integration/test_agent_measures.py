@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -444,8 +445,78 @@ def test_a_model_folder_is_read_as_the_engine_s_user():
                    what="a retry refused as well")
         assert with_secret.strip() not in json.dumps(payload(ag)[1]), payload(ag)
         assert not any(with_secret.strip() in json.dumps(l) for l in ag.logs), ag.logs
+
+        # A file anyone may read in a folder only root may enter, reached through a root
+        # process's /proc/PID/cwd: the engine cannot follow that link, and neither may the
+        # agent (it keeps no CAP_SYS_PTRACE while it reads as the engine).
+        os.unlink(os.path.join(model, "tokenizer.json"))
+        poll_until(checkpoint, what="the folder vouched for again")
+        closed = os.path.join(TMP, "root-only", "app")
+        os.makedirs(closed, exist_ok=True)
+        with open(os.path.join(closed, "settings"), "w") as f:
+            f.write("api_key=only-root-can-reach-this\n")
+        os.chmod(os.path.join(closed, "settings"), 0o644)
+        holder = subprocess.Popen(["sleep", "600"], cwd=closed)
+        try:
+            os.symlink("/proc/%d/cwd/settings" % holder.pid, os.path.join(model, "vocab.json"))
+            _, with_settings, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])
+            poll_until(lambda: checkpoint() is None, what="the agent no longer vouching for it")
+            poll_until(lambda: sum("vocab.json" in json.dumps(l) and "Permission denied"
+                                   in json.dumps(l) for l in ag.logs) >= 2,
+                       what="the link through /proc refused, a retry too")
+            assert with_settings.strip() not in json.dumps(payload(ag)[1]), payload(ag)
+            assert not any(with_settings.strip() in json.dumps(l) for l in ag.logs)
+        finally:
+            holder.kill()
+            holder.wait()
         ag.stop()
         eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_what_the_engine_cannot_see_is_not_looked_at_for_it():
+    """The agent looks for the model the engine names as the engine's user too: an engine
+    naming a path inside a folder it cannot enter learns nothing of what is there (whether a
+    file exists, is a GGUF file, or a folder holds a config.json) from the agent's answer."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(
+            "/usr/bin/python3"):
+        print("    skipped: needs root, setpriv and /usr/bin/python3 to run the engine as another uid")
+        return
+    home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
+    closed = os.path.join(TMP, "closed")
+    os.makedirs(closed, mode=0o700, exist_ok=True)
+    with open(os.path.join(closed, "present.gguf"), "wb") as f:
+        f.write(b"GGUF" + b"w" * 64)
+    os.makedirs(os.path.join(closed, "hf"), exist_ok=True)
+    with open(os.path.join(closed, "hf", "config.json"), "w") as f:
+        f.write("{}")
+    try:
+        os.chmod(home, 0o755)
+        weights = os.path.join(home, "w.gguf")
+        with open(weights, "wb") as f:
+            f.write(b"GGUF" + b"x" * 64)
+        os.chmod(weights, 0o644)
+        said = {}
+        for name in ("present.gguf", "absent.gguf", "hf", "absent-folder"):
+            named = os.path.join(closed, name)
+            port = free_port()
+            eng = fake_engine(port, named, "F16", mapped=weights, user=65534, home=home)
+            ag = agent(port, "--quantization", "F16")
+
+            def settled():
+                """What the agent says once it has read the engine: the payload's reason, or
+                a hash's failure (what a look as root let it start)."""
+                st, p = payload(ag)
+                if st == 200:
+                    return p["unattested"].get("checkpoint_sha256") or p["checkpoint_sha256"]
+                return st == 503 and p["error"]["code"] == "hash_failed" and p["error"]["message"]
+
+            said[name] = re.sub(r"/proc/\d+/", "/proc/PID/",
+                                poll_until(settled, what="the agent's answer").replace(named, "PATH"))
+            ag.stop()
+            eng.stop()
+        assert len(set(said.values())) == 1, said
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

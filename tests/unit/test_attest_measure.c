@@ -575,38 +575,48 @@ Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .f
 Test(attest_measure, the_engines_fs_identity_is_read_from_its_status, .init = make_tmp,
      .fini = rm_tree)
 {
-    char dir[300], path[320];
+    char dir[300], path[320], stat_path[320];
     snprintf(dir, sizeof(dir), "%s/4242", tmp);
     cr_assert_eq(mkdir(dir, 0755), 0);
     snprintf(path, sizeof(path), "%s/status", dir);
+    snprintf(stat_path, sizeof(stat_path), "%s/stat", dir);
+    static const char stat[] = "4242 (llama server) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 1 0 "
+                               "0 20 0 4 0 777 1000 10 18446744073709551615";
+    write_file(stat_path, stat, sizeof(stat) - 1);
     static const char status[] = "Name:\tllama-server\nUmask:\t0022\nState:\tS (sleeping)\n"
-                                 "Uid:\t1000\t1000\t1000\t1001\nGid:\t100\t100\t100\t101\n"
+                                 "Uid:\t1000\t1000\t1000\t1000\nGid:\t100\t100\t100\t100\n"
                                  "FDSize:\t64\nGroups:\t4 27 1000 \nNStgid:\t4242\n";
     write_file(path, status, sizeof(status) - 1);
     attest_fs_ident_t id;
     dp_buf_t err = {0};
-    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), 0, "%s", err.base);
-    cr_assert_eq(id.uid, 1001, "the fs column, the one file access is checked with");
-    cr_assert_eq(id.gid, 101);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, 777, &id, &err), 0, "%s", err.base);
+    cr_assert_eq(id.uid, 1000);
+    cr_assert_eq(id.gid, 100);
     cr_assert_eq(id.ngroups, 3);
     cr_assert_eq(id.groups[0], 4);
     cr_assert_eq(id.groups[2], 1000);
     attest_fs_ident_free(&id);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, 778, &id, &err), -ESRCH,
+                 "another process given the engine's pid");
+    cr_assert(strstr(err.base, "another process than the engine's now"), "%s", err.base);
+    dp_buf_reset(&err);
 
-    static const char no_groups[] =
-        "Uid:\t0\t0\t0\t5\nGid:\t0\t0\t0\t6\nGroups:\t\nVmPeak:\t1 kB\n";
-    write_file(path, no_groups, sizeof(no_groups) - 1);
-    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), 0, "%s", err.base);
-    cr_assert_eq(id.uid, 5);
+    /* An engine of nobody's running a set-user-ID root program: its real ids, never root's. */
+    static const char setuid_root[] = "Uid:\t65534\t0\t0\t0\nGid:\t65534\t0\t0\t0\nGroups:\t\n"
+                                      "VmPeak:\t1 kB\n";
+    write_file(path, setuid_root, sizeof(setuid_root) - 1);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, 0, &id, &err), 0, "%s", err.base);
+    cr_assert_eq(id.uid, 65534);
+    cr_assert_eq(id.gid, 65534);
     cr_assert_eq(id.ngroups, 0, "an empty Groups line, the next line's numbers not taken");
     attest_fs_ident_free(&id);
 
     static const char no_gid[] = "Uid:\t0\t0\t0\t5\nGroups:\t1\n";
     write_file(path, no_gid, sizeof(no_gid) - 1);
-    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, &id, &err), -EINVAL);
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4242, 0, &id, &err), -EINVAL);
     cr_assert(strstr(err.base, "no Uid and Gid lines"), "%s", err.base);
     dp_buf_reset(&err);
-    cr_assert_eq(attest_proc_fs_ident(tmp, 4243, &id, &err), -ENOENT, "a process gone");
+    cr_assert_eq(attest_proc_fs_ident(tmp, 4243, 0, &id, &err), -ENOENT, "a process gone");
     dp_buf_free(&err);
 }
 
@@ -645,6 +655,13 @@ Test(attest_measure, files_are_read_as_the_engine_on_this_thread_only, .init = m
     cr_assert_eq(attest_fs_ident_enter(&nobody, &prev, &err), 0, "%s", err.base);
     cr_assert_eq(open(secret, O_RDONLY), -1, "read as the engine's user");
     cr_assert_eq(errno, EACCES);
+    /* No capability but the two that change back: not CAP_SYS_PTRACE, which would open a
+     * root process's /proc/PID/cwd past a folder only root may enter. */
+    char via_proc[128];
+    snprintf(via_proc, sizeof(via_proc), "/proc/%d/cwd", (int)getppid());
+    struct stat st;
+    cr_assert_eq(stat(via_proc, &st), -1, "%s: the runner's (root's) cwd", via_proc);
+    cr_assert_eq(errno, EACCES, "%s", strerror(errno));
     pthread_barrier_wait(&g_switched);
     cr_assert_eq(pthread_join(t, &other), 0);
     pthread_barrier_destroy(&g_switched);
