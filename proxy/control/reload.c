@@ -2,8 +2,10 @@
  * keep the old one and say why. On success new requests use the new generation while in-flight
  * ones finish on the old; replicas whose definition is unchanged are carried over with their
  * attestation state and keep-alive connections. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -69,18 +71,25 @@ static cfg_tls_t *tls_copy(const cfg_tls_t *t)
     return c;
 }
 
+/* What a configuration names could not be had: why (fallback when it says nothing), as a
+ * configuration error under key. */
+static void key_error(cfg_errors_t *errs, const char *key, const dp_buf_t *why,
+                      const char *fallback)
+{
+    dp_buf_t e = {0};
+    dp_buf_printf(&e, "%s: %s", key, why->base ? why->base : fallback);
+    cfg_errors_add(errs, e.base);
+    dp_buf_free(&e);
+}
+
 /* The listener's TLS context for t, or the reason it cannot be had, as a configuration error
  * naming the key. */
 static int tls_load(const cfg_tls_t *t, net_tls_ctx_t **out, cfg_errors_t *errs)
 {
     dp_buf_t err = {0};
     *out = net_tls_server_ctx(t->cert_file, t->key_file, t->client_ca_file, &err);
-    if (*out == NULL) {
-        dp_buf_t e = {0};
-        dp_buf_printf(&e, "tls: %s", err.base ? err.base : "cannot be loaded");
-        cfg_errors_add(errs, e.base);
-        dp_buf_free(&e);
-    }
+    if (*out == NULL)
+        key_error(errs, "tls", &err, "cannot be loaded");
     dp_buf_free(&err);
     return *out ? 0 : -1;
 }
@@ -125,14 +134,52 @@ static int audit_take(px_t *px, const char *path, cfg_errors_t *errs)
         rc = px_audit_reopen(px->audit, path, &why);
     else if ((px->audit = px_audit_open(px->loop, path, &why)) == NULL)
         rc = -1;
-    if (rc != 0) {
-        dp_buf_t e = {0};
-        dp_buf_printf(&e, "log.audit_path: %s", why.base ? why.base : "cannot be locked");
-        cfg_errors_add(errs, e.base);
-        dp_buf_free(&e);
-    }
+    if (rc != 0)
+        key_error(errs, "log.audit_path", &why, "cannot be locked");
     dp_buf_free(&why);
     return rc;
+}
+
+/* The lock of the audit store store for the writer: *lock, or -1 when another process holds it
+ * (another detproxy stores its bodies there), with the reason as a configuration error naming
+ * the key. */
+static int store_take(px_t *px, const char *store, int *lock, cfg_errors_t *errs)
+{
+    dp_buf_t why = {0};
+    *lock = px_audit_store_lock(px->audit, store, &why);
+    if (*lock < 0)
+        key_error(errs, "log.audit_store", &why, "cannot be locked");
+    dp_buf_free(&why);
+    return *lock < 0 ? -1 : 0;
+}
+
+/* Take what cfg names before anything of it is applied, so that a reload that cannot have all
+ * of it fails whole with the running configuration kept: the listener's certificate (*tls, NULL
+ * without tls), the audit store's lock (*store_lock, -1 without a store), then the audit path's
+ * locks when the trail moves (*audit_to). Those last are taken by moving the writer, which
+ * cannot be undone, so they come last and nothing after them refuses. 0 with all of them; -1
+ * with none held, the reasons in errs. */
+static int take_named(px_t *px, const cfg_t *old, const cfg_t *cfg, net_tls_ctx_t **tls,
+                      int *store_lock, bool *audit_to, cfg_errors_t *errs)
+{
+    *tls = NULL;
+    *store_lock = -1;
+    *audit_to = audit_moved(old, cfg) && cfg->log.audit_path;
+    if (cfg->tls && tls_load(cfg->tls, tls, errs) != 0)
+        return -1;
+    if (cfg->log.audit_path && cfg->log.audit_store &&
+        store_take(px, cfg->log.audit_store, store_lock, errs) != 0)
+        goto release;
+    if (*audit_to && audit_take(px, cfg->log.audit_path, errs) != 0)
+        goto release;
+    return 0;
+release:
+    if (*store_lock >= 0)
+        close(*store_lock);
+    *store_lock = -1;
+    net_tls_ctx_unref(*tls);
+    *tls = NULL;
+    return -1;
 }
 
 int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
@@ -174,21 +221,14 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         cfg = NULL;
         rc = -1;
     }
-    /* The listener's certificate is loaded before anything of the reload is applied: a pair
-     * the TLS library refuses fails the reload whole, the running one kept. */
+    /* What the configuration names is taken before anything of the reload is applied
+     * (take_named): a certificate the TLS library refuses, an audit store or audit path another
+     * detproxy holds (a generation requiring bodies or lines no writer can store would refuse
+     * every audited request, or answer it without them) fails the reload whole. */
     net_tls_ctx_t *tls = NULL;
-    if (rc == 0 && cfg->tls && tls_load(cfg->tls, &tls, &errs) != 0) {
-        cfg_free(cfg);
-        cfg = NULL;
-        rc = -1;
-    }
-    /* The audit trail's locks likewise, as the last step that can fail: a path another detproxy
-     * writes fails the reload whole (a generation requiring lines no writer can append would
-     * refuse every audited request), and once they are taken nothing below refuses. */
-    bool audit_to = rc == 0 && audit_moved(old, cfg) && cfg->log.audit_path;
-    if (audit_to && audit_take(px, cfg->log.audit_path, &errs) != 0) {
-        net_tls_ctx_unref(tls);
-        tls = NULL;
+    int store_lock = -1;
+    bool audit_to = false;
+    if (rc == 0 && take_named(px, old, cfg, &tls, &store_lock, &audit_to, &errs) != 0) {
         cfg_free(cfg);
         cfg = NULL;
         rc = -1;
@@ -234,9 +274,11 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     dp_log_set_level((dp_log_level_t)cfg->log.level);
     if (px->audit && !audit_to) /* moved (audit_take) or opened there already */
         px_audit_reopen(px->audit, NULL, NULL);
-    if (px->audit && cfg->log.audit_path)
-        px_audit_configure(px->audit, cfg->log.audit_store, cfg->log.audit_signing_key,
+    if (cfg->log.audit_path) {
+        assert(px->audit != NULL); /* opened at start, or by take_named */
+        px_audit_configure(px->audit, cfg->log.audit_store, store_lock, cfg->log.audit_signing_key,
                            cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);
+    }
     px_discovery_sync(px);
     px_admission_check_engines(px);
     px_workers_publish(px);

@@ -339,12 +339,15 @@ int px_cmd_run(int argc, char **argv)
         /* One writer per audit trail: a second instance exits here, before it binds a port or
          * writes a byte (the lock's holder is named in the audit_locked line). */
         px.audit = px_audit_open(px.loop, cfg->log.audit_path, NULL);
-        if (px.audit == NULL ||
-            px_audit_configure(px.audit, cfg->log.audit_store, cfg->log.audit_signing_key,
-                               cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open) == -2) {
+        int store_lock = -1;
+        if (px.audit && cfg->log.audit_store)
+            store_lock = px_audit_store_lock(px.audit, cfg->log.audit_store, NULL);
+        if (px.audit == NULL || (cfg->log.audit_store && store_lock < 0)) {
             run_end(&px);
             return 3;
         }
+        px_audit_configure(px.audit, cfg->log.audit_store, store_lock, cfg->log.audit_signing_key,
+                           cfg->log.audit_checkpoint_lines, !cfg->log.audit_fail_open);
     }
     /* Nothing is bound yet: a second instance on this config stops here. */
     if (port_taken(&cfg->listen, "client") != 0 || port_taken(&cfg->admin_listen, "admin") != 0) {

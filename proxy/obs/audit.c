@@ -1,6 +1,7 @@
 #define _GNU_SOURCE /* renameat2 */
 #include "proxy/obs/audit.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -430,6 +431,15 @@ static void log_locked(const dp_buf_t *why)
         dp_jw_strn(w, "detail", why->base ? why->base : "", why->len);
         dp_log_end(w);
     }
+}
+
+/* A lock not had: logged, why copied to *err (may be NULL) for the caller, why freed. */
+static void refuse_locked(dp_buf_t *why, dp_buf_t *err)
+{
+    log_locked(why);
+    if (err)
+        dp_buf_append(err, why->base, why->len);
+    dp_buf_free(why);
 }
 
 /* ---- batches --------------------------------------------------------------------------------- */
@@ -975,10 +985,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     int file_lock = -1;
     int lock = lock_path(path, NULL, &file_lock, &why);
     if (lock < 0) {
-        log_locked(&why);
-        if (err)
-            dp_buf_append(err, why.base, why.len);
-        dp_buf_free(&why);
+        refuse_locked(&why, err);
         return NULL;
     }
     dp_buf_free(&why);
@@ -1046,10 +1053,7 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     }
     if (refused != 0) {
         /* Another writer's file: refused like a locked trail, nothing of ours in it. */
-        log_locked(&why);
-        if (err)
-            dp_buf_append(err, why.base, why.len);
-        dp_buf_free(&why);
+        refuse_locked(&why, err);
         px_metrics_set(a->m_writable, 0);
         if (a->fd >= 0)
             close(a->fd);
@@ -1071,31 +1075,40 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     return a;
 }
 
-int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key,
+int px_audit_store_lock(const px_audit_t *a, const char *store, dp_buf_t *err)
+{
+    char lp[4096], what[4200];
+    snprintf(lp, sizeof(lp), "%s/.lock", store);
+    /* The writer's own lock on that folder's lock file, however the folder is spelled, is
+     * shared rather than taken again: a second flock of this process's would be refused as if
+     * another process held it. */
+    struct stat held, st;
+    if (a && a->store_lock_fd >= 0 && fstat(a->store_lock_fd, &held) == 0 && stat(lp, &st) == 0 &&
+        held.st_dev == st.st_dev && held.st_ino == st.st_ino) {
+        int fd = fcntl(a->store_lock_fd, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0 && err)
+            dp_buf_printf(err, "audit store %s: cannot keep its lock: %s", store, strerror(errno));
+        return fd;
+    }
+    snprintf(what, sizeof(what), "audit store %s", store);
+    dp_buf_t why = {0};
+    int fd = take_lock(lp, what, NULL, &why);
+    if (fd < 0)
+        refuse_locked(&why, err);
+    dp_buf_free(&why);
+    return fd;
+}
+
+int px_audit_configure(px_audit_t *a, const char *store, int store_lock, const char *signing_key,
                        uint32_t checkpoint_lines, bool fail_closed)
 {
+    assert((store == NULL) == (store_lock < 0));
     int rc = 0;
-    if ((store == NULL) != (a->store == NULL) || (store && strcmp(store, a->store) != 0)) {
-        if (a->store_lock_fd >= 0)
-            close(a->store_lock_fd);
-        a->store_lock_fd = -1;
-        free(a->store);
-        a->store = NULL;
-        if (store) {
-            char lp[4096], what[4200];
-            snprintf(lp, sizeof(lp), "%s/.lock", store);
-            snprintf(what, sizeof(what), "audit store %s", store);
-            dp_buf_t why = {0};
-            a->store_lock_fd = take_lock(lp, what, NULL, &why);
-            if (a->store_lock_fd < 0) {
-                log_locked(&why);
-                rc = -2;
-            } else {
-                a->store = dp_xstrdup(store);
-            }
-            dp_buf_free(&why);
-        }
-    }
+    if (a->store_lock_fd >= 0)
+        close(a->store_lock_fd);
+    a->store_lock_fd = store_lock;
+    free(a->store);
+    a->store = store ? dp_xstrdup(store) : NULL;
     a->checkpoint_lines = checkpoint_lines ? checkpoint_lines : 1000;
     a->fail_closed = fail_closed;
     attest_key_t *k = NULL;
@@ -1109,8 +1122,7 @@ int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key
                 dp_log_end(w);
             }
             k = NULL;
-            if (rc == 0)
-                rc = -1;
+            rc = -1;
         }
         dp_buf_free(&err);
     }
@@ -1331,10 +1343,7 @@ int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err)
             a->lock_fd = lock;
         uv_mutex_unlock(&a->head_mu);
         if (lock < 0) {
-            log_locked(&why);
-            if (err)
-                dp_buf_append(err, why.base, why.len);
-            dp_buf_free(&why);
+            refuse_locked(&why, err);
             return -1;
         }
         dp_buf_free(&why);

@@ -44,11 +44,18 @@ typedef void (*px_audit_cb)(void *data, int status);
 px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err);
 /* Queue one line (copied). cb (may be NULL) runs once the write containing it completed. */
 void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, void *data);
-/* Store folder (NULL: none), signing key file (NULL: no checkpoints), checkpoint interval,
- * and whether a line whose bodies failed is dropped (fail_closed); at start and on reload.
- * 0; -1 when the key does not load (logged: no checkpoints); -2 when another process holds
- * the store's lock (logged; bodies are then not stored). */
-int px_audit_configure(px_audit_t *a, const char *store, const char *signing_key,
+/* The lock of audit store folder store (STORE/.lock, holding our pid), taken ahead of the
+ * px_audit_configure that is to use the store, so that a store another process holds refuses
+ * a start or a reload before anything of it is applied. a (may be NULL) is the writer: a lock
+ * it holds on that folder already is shared (a dup), not taken again. The lock (an fd, the
+ * caller's until handed to px_audit_configure); -1 when another process holds it or it cannot
+ * be made (logged as audit_locked, naming the holder's pid; *err, may be NULL, says why). */
+int px_audit_store_lock(const px_audit_t *a, const char *store, dp_buf_t *err);
+/* Store folder (NULL: none) with its lock from px_audit_store_lock (taken over; -1 exactly when
+ * store is NULL), signing key file (NULL: no checkpoints), checkpoint interval, and whether a
+ * line whose bodies failed is dropped (fail_closed); at start and on reload. The lock of the
+ * store used before is released. 0; -1 when the key does not load (logged: no checkpoints). */
+int px_audit_configure(px_audit_t *a, const char *store, int store_lock, const char *signing_key,
                        uint32_t checkpoint_lines, bool fail_closed);
 bool px_audit_stores(const px_audit_t *a);
 /* false from a failed write until a write succeeds again; any thread (a relaxed read). */

@@ -808,6 +808,29 @@ def test_a_reload_back_onto_the_old_audit_path_takes_its_own_locks_back():
 
 
 
+def reload_onto_held(px, b, key, value):
+    """Set px's log.KEY to value, which the running detproxy b holds, and reload by POST and by
+    SIGHUP: each fails whole, the answer and reload_failed naming the key and b's pid, and is
+    counted. The config written (with value) is returned."""
+    cfg = json.load(open(px.config_path))
+    cfg["log"][key] = value
+    write_config(cfg, px.dir)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 400 and r.json()["error"]["code"] == "invalid_config", r.text
+    message = r.json()["error"]["message"]
+    assert "log.%s: " % key in message and "in use by another detproxy" in message, r.text
+    assert "pid %d" % b.popen.pid in message, r.text
+    start = len(px.logs)
+    px.send_signal(signal.SIGHUP)
+    failed = px.wait_log("reload_failed", start=start)
+    assert any(e.startswith("log.%s: " % key) and "in use by another detproxy" in e
+               for e in failed["errors"]), failed
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
+    assert metric(px, "detproxy_config_reloads_total", result="reloaded") == 0
+    assert not px.find_logs("reloaded")
+    return cfg
+
+
 def test_a_reload_onto_an_audit_path_another_instance_holds_fails_whole():
     """A reload whose audit_path is another running detproxy's trail cannot take that file's
     locks, so it fails as a whole, as a certificate the TLS library refuses does: the old
@@ -817,20 +840,7 @@ def test_a_reload_onto_an_audit_path_another_instance_holds_fails_whole():
     sim_b, b = setup(checkpoint_lines=100)
     sim, px = setup(checkpoint_lines=100)
     complete(px, "a")
-    cfg = json.load(open(px.config_path))
-    cfg["log"]["audit_path"] = b.audit_path
-    write_config(cfg, px.dir)
-    r = http("POST", px.admin_port, "/admin/reload")
-    assert r.status == 400 and r.json()["error"]["code"] == "invalid_config", r.text
-    assert "in use by another detproxy" in r.json()["error"]["message"], r.text
-    assert "pid %d" % b.popen.pid in r.json()["error"]["message"], r.text
-    start = len(px.logs)
-    px.send_signal(signal.SIGHUP)
-    failed = px.wait_log("reload_failed", start=start)
-    assert any("in use by another detproxy" in e for e in failed["errors"]), failed
-    assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
-    assert metric(px, "detproxy_config_reloads_total", result="reloaded") == 0
-    assert not px.find_logs("reloaded")
+    reload_onto_held(px, b, "audit_path", b.audit_path)
     assert http("GET", px.admin_port, "/readyz").status == 200
     assert get_json(px.admin_port, "/admin/audit")["path"] == px.audit_path
     assert get_json(px.admin_port, "/admin/config")["log"]["audit_path"] == px.audit_path
@@ -870,6 +880,50 @@ def test_a_reload_that_adds_an_audit_path_another_instance_holds_fails_whole():
     complete(b, "theirs")
     b.stop()
     assert verify(b)[0] == 0
+
+
+def test_a_reload_onto_an_audit_store_another_instance_holds_fails_whole():
+    """A reload whose audit_store is another running detproxy's store cannot take its lock, so
+    it fails as a whole, as an audit_path in use does: the old store stays in force (bodies go
+    on being stored, no line says bodies_stored false), the answer and reload_failed name
+    log.audit_store and the holder, and the failure is counted. The same folder spelled another
+    way is the writer's own lock, not a conflict. Once the other instance is gone the reload
+    moves the store, and its lock with it."""
+    sim_b, b = setup(checkpoint_lines=100)
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    cfg = reload_onto_held(px, b, "audit_store", b.store)
+    assert get_json(px.admin_port, "/admin/audit")["store"] == px.store
+    assert get_json(px.admin_port, "/admin/config")["log"]["audit_store"] == px.store
+    rid = complete(px, "b").headers["x-detproxy-request-id"]
+    poll_until(lambda: rid in [l.get("request_id") for l in lines(px.audit_path)],
+               what="its line")
+    assert not [l for l in lines(px.audit_path) if l.get("bodies_stored") is False]
+    assert open(os.path.join(b.store, ".lock")).readline().strip() == str(b.popen.pid)
+
+    cfg["log"]["audit_store"] = px.store + "/"  # the folder it holds, spelled another way
+    write_config(cfg, px.dir)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    with open(os.path.join(px.store, ".lock")) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            assert False, "the store's lock went with the reload"
+        except BlockingIOError:
+            pass
+    complete(px, "c")
+
+    complete(b, "theirs")
+    b.stop()
+    assert verify(b)[0] == 0  # its bodies all in its store, nothing of ours in its trail
+    cfg["log"]["audit_store"] = b.store
+    write_config(cfg, px.dir)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    assert get_json(px.admin_port, "/admin/audit")["store"] == b.store
+    assert open(os.path.join(b.store, ".lock")).readline().strip() == str(px.popen.pid)
+    before = set(os.listdir(b.store))
+    complete(px, "d")
+    assert set(os.listdir(b.store)) - before, "the new store got no body"
+    px.stop()
 
 
 if __name__ == "__main__":
