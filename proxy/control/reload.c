@@ -227,17 +227,24 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
      * every audited request, or answer it without them) fails the reload whole. */
     net_tls_ctx_t *tls = NULL;
     int store_lock = -1;
-    bool audit_to = false;
+    bool audit_to = false, invalid = rc != 0;
     if (rc == 0 && take_named(px, old, cfg, &tls, &store_lock, &audit_to, &errs) != 0) {
         cfg_free(cfg);
         cfg = NULL;
         rc = -1;
     }
     if (rc != 0) {
+        /* Which of the two failed: a file to fix (what `detproxy check` says too), or a valid
+         * file whose certificate, audit file or store cannot be had now (another detproxy's). */
         dp_jw_t *w = dp_log_begin(DP_LOG_ERROR, "reload_failed");
         if (w) {
             dp_jw_str(w, "trigger", why);
-            dp_jw_str(w, "detail", "configuration invalid: keeping the running one");
+            dp_jw_str(w, "cause", invalid ? "config_invalid" : "unavailable");
+            dp_jw_str(w, "detail",
+                      invalid ? "configuration invalid: keeping the running one"
+                              : "configuration valid, but what it names cannot be had (a "
+                                "certificate the TLS library refuses, an audit file or store "
+                                "another detproxy holds): keeping the running one");
             dp_jw_arr_begin(w, "errors");
             for (size_t i = 0; i < errs.count; i++)
                 dp_jw_str(w, NULL, errs.items[i]);

@@ -825,6 +825,8 @@ def reload_onto_held(px, b, key, value):
     failed = px.wait_log("reload_failed", start=start)
     assert any(e.startswith("log.%s: " % key) and "in use by another detproxy" in e
                for e in failed["errors"]), failed
+    assert failed["cause"] == "unavailable", failed  # not an invalid configuration
+    assert "configuration invalid" not in failed["detail"], failed
     assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
     assert metric(px, "detproxy_config_reloads_total", result="reloaded") == 0
     assert not px.find_logs("reloaded")

@@ -311,6 +311,9 @@ def test_a_refused_reload_shows_in_the_metrics():
     with open(px.config_path, "w") as f:
         f.write(good.replace('"pools"', '"pools_misspelled"', 1))
     assert http("POST", px.admin_port, "/admin/reload").status == 400
+    failed = px.wait_log("reload_failed")
+    assert failed["cause"] == "config_invalid", failed
+    assert failed["detail"].startswith("configuration invalid"), failed
     assert metric(px, "detproxy_config_last_reload_successful") == 0
     assert metric(px, "detproxy_config_reloads_total", result="failed") == 1
     assert metric(px, "detproxy_config_last_reload_success_timestamp_seconds") == started
