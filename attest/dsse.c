@@ -67,7 +67,7 @@ int attest_key_load(const char *path, bool is_private, attest_key_t **out, dp_bu
 {
     dp_buf_t pem = {0};
     *out = NULL;
-    int rc = dp_read_file(path, 65536, &pem);
+    int rc = dp_read_file(path, DP_PEM_KEY_MAX, &pem);
     if (rc != 0) {
         if (err)
             dp_buf_printf(err, "%s: %s", path,

@@ -20,6 +20,7 @@
 #include <openssl/x509_vfy.h>
 
 #include "attest/dsse.h"
+#include "common/pem.h"
 #include "common/util.h"
 
 /* ---- trust and signatures ---------------------------------------------------------------------
@@ -76,7 +77,7 @@ int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err)
 {
     dp_buf_t pem = {0};
     int rc = -1;
-    int r = dp_read_file(path, 1 << 20, &pem);
+    int r = dp_read_file(path, DP_PEM_KEY_MAX, &pem);
     if (r != 0) {
         dp_buf_printf(err, "cannot read %s: %s", path, dp_input_strerror(r));
         goto out;

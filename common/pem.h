@@ -10,6 +10,11 @@
 
 struct evp_pkey_st;
 
+/* The most bytes a key file may hold: `detproxy check` and every reader at run time refuse a
+ * larger one alike. A key's PEM block is a few hundred bytes (an Ed25519 public key's about
+ * 120); the rest of the room is for the whitespace allowed after it. */
+#define DP_PEM_KEY_MAX (64 * 1024)
+
 /* The Ed25519 key pem[0..len) holds: a private key (PKCS#8) when is_private, else a public key
  * (SubjectPublicKeyInfo). The text is that key's PEM block alone: "-----BEGIN" at its first
  * byte and nothing but whitespace after the block's END line (OpenSSL alone skips text before

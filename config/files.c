@@ -26,7 +26,7 @@
 #include "common/util.h"
 
 #define SECRET_MAX 4096
-#define PEM_MAX (1024 * 1024)
+#define TLS_PEM_MAX (1024 * 1024) /* a certificate chain or CA bundle, or a TLS key */
 
 /* The versions of the folders read so far in this load: a folder and its `..data` link's target
  * then (the version folder's name). A load reads a handful of folders; past the table's size a
@@ -227,7 +227,7 @@ static X509 *load_cert(cfg_ctx_t *c, const char *key, const char *path)
 {
     dp_buf_t b = {0};
     X509 *x = NULL;
-    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
+    if (!cfg_read_file(c, key, path, TLS_PEM_MAX, &b))
         goto out;
     BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
     x = bio != NULL ? PEM_read_bio_X509(bio, NULL, no_passphrase_cb, NULL) : NULL;
@@ -244,7 +244,7 @@ static EVP_PKEY *load_private_key(cfg_ctx_t *c, const char *key, const char *pat
 {
     dp_buf_t b = {0};
     EVP_PKEY *pk = NULL;
-    if (!cfg_read_file(c, key, path, PEM_MAX, &b))
+    if (!cfg_read_file(c, key, path, TLS_PEM_MAX, &b))
         goto out;
     cfg_check_secret_mode(c, key, path);
     BIO *bio = BIO_new_mem_buf(b.base, (int)b.len);
@@ -336,7 +336,7 @@ static bool check_ed25519(cfg_ctx_t *c, const char *key, const char *path, bool 
 {
     dp_buf_t b = {0}, why = {0};
     EVP_PKEY *pk = NULL;
-    bool ok = cfg_read_file(c, key, path, PEM_MAX, &b) &&
+    bool ok = cfg_read_file(c, key, path, DP_PEM_KEY_MAX, &b) &&
               dp_pem_ed25519(b.base, b.len, is_private, &pk, &why) == 0;
     if (!ok && why.len)
         cfg_err(c, key, "%s: %s", path, why.base);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "attest/dsse.h"
+#include "common/pem.h"
 #include "common/util.h"
 
 /* Fixed test keys (generated with `openssl genpkey -algorithm ED25519`): never used elsewhere. */
@@ -490,6 +491,40 @@ Test(attest_keys, a_key_is_its_pem_block_alone)
     attest_key_free(key(pem, false));
     snprintf(pem, sizeof(pem), "%s\n\n", K1_PRIV);
     attest_key_free(key(pem, true));
+}
+
+/* The key file limit `detproxy check` applies (config/): a file of DP_PEM_KEY_MAX bytes, a key
+ * and the whitespace after it, loads; one byte more does not. */
+Test(attest_keys, a_key_file_is_at_most_the_key_file_limit)
+{
+    char dir[] = "/tmp/dp-attest-keys-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char path[64];
+    snprintf(path, sizeof(path), "%s/k.pub.pem", dir);
+    char *text = malloc(DP_PEM_KEY_MAX + 1);
+    cr_assert_not_null(text);
+    memcpy(text, K1_PUB, strlen(K1_PUB));
+    memset(text + strlen(K1_PUB), '\n', DP_PEM_KEY_MAX + 1 - strlen(K1_PUB));
+    for (size_t n = DP_PEM_KEY_MAX; n <= DP_PEM_KEY_MAX + 1; n++) {
+        FILE *f = fopen(path, "wb");
+        cr_assert_not_null(f);
+        cr_assert_eq(fwrite(text, 1, n, f), n);
+        fclose(f);
+        attest_key_t *k = NULL;
+        dp_buf_t err = {0};
+        int rc = attest_key_load(path, false, &k, &err);
+        if (n == DP_PEM_KEY_MAX) {
+            cr_assert_eq(rc, 0, "%s", err.base ? err.base : "");
+        } else {
+            cr_assert_neq(rc, 0);
+            cr_assert(strstr(err.base, "too large for a key file"), "%s", err.base);
+        }
+        attest_key_free(k);
+        dp_buf_free(&err);
+    }
+    free(text);
+    unlink(path);
+    rmdir(dir);
 }
 
 Test(attest_keys, keyset_deduplicates)

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/pem.h"
 #include "config/cfg_internal.h"
 #include "config/config.h"
 
@@ -500,6 +501,34 @@ Test(config_files, trusted_keys_must_be_ed25519_public_keys)
     cr_assert_eq(e.count, 2);
     cr_assert(has_error(&e, "attestation.trusted_keys[1]", "key type is EC, expected Ed25519"));
     cr_assert(has_error(&e, "attestation.trusted_keys[2]", "not a PEM public key"));
+    cfg_errors_free(&e);
+}
+
+/* A key file of DP_PEM_KEY_MAX bytes (a key and the whitespace after it) passes, one byte more
+ * is refused: the limit the readers at run time apply (attest_key_load). */
+Test(config_files, a_trusted_key_file_is_at_most_the_key_file_limit)
+{
+    static const char pem[] = "-----BEGIN PUBLIC KEY-----\n"
+                              "MCowBQYDK2VwAyEAEnjhciCF9AXGi2bWLsyssO6DzbvlGSoDbYl+yvxgg4s=\n"
+                              "-----END PUBLIC KEY-----\n";
+    char *text = malloc(DP_PEM_KEY_MAX + 1);
+    cr_assert_not_null(text);
+    memcpy(text, pem, sizeof(pem) - 1);
+    memset(text + sizeof(pem) - 1, '\n', DP_PEM_KEY_MAX + 1 - (sizeof(pem) - 1));
+    write_bytes("keys/limit.pem", text, DP_PEM_KEY_MAX, 0644);
+    write_bytes("keys/over.pem", text, DP_PEM_KEY_MAX + 1, 0644);
+    free(text);
+    cfg_t *cfg;
+    cfg_errors_t e = {0};
+    cr_assert_eq(load_cfg("c.json",
+                          CFG(",'attestation':{'trusted_keys':['keys/limit.pem','keys/over.pem']}"),
+                          &cfg, &e),
+                 -1);
+    dump(&e);
+    cr_assert_eq(e.count, 1);
+    char msg[64];
+    snprintf(msg, sizeof(msg), "over.pem is larger than %d bytes", DP_PEM_KEY_MAX);
+    cr_assert(has_error(&e, "attestation.trusted_keys[1]", msg));
     cfg_errors_free(&e);
 }
 
