@@ -82,16 +82,16 @@ int oms_trust_load_pubkey(oms_trust_t *t, const char *path, dp_buf_t *err)
         dp_buf_printf(err, "cannot read %s: %s", path, dp_input_strerror(r));
         goto out;
     }
-    BIO *bio = BIO_new_mem_buf(pem.base, (int)pem.len);
-    EVP_PKEY *k = bio ? PEM_read_bio_PUBKEY(bio, NULL, NULL, NULL) : NULL;
-    BIO_free(bio);
-    if (k == NULL) {
-        dp_buf_printf(err, "%s: not a PEM public key (\"BEGIN PUBLIC KEY\")", path);
-        goto out;
-    }
-    const char *problem = ec_curve_problem(k);
-    if (problem) {
+    /* The key file rule of every key detproxy reads (common/pem.h): its PEM block alone. */
+    EVP_PKEY *k = NULL;
+    dp_buf_t why = {0};
+    const char *problem = dp_pem_key(pem.base, pem.len, false, &k, &why) != 0
+                              ? (why.base ? why.base : "not a PEM public key")
+                              : ec_curve_problem(k);
+    if (problem)
         dp_buf_printf(err, "%s: %s", path, problem);
+    dp_buf_free(&why);
+    if (problem) {
         EVP_PKEY_free(k);
         goto out;
     }

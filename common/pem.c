@@ -50,7 +50,7 @@ static const char *unread(const char *pem, size_t len, bool is_private)
                       : "not a PEM public key (SubjectPublicKeyInfo)";
 }
 
-int dp_pem_ed25519(const char *pem, size_t len, bool is_private, EVP_PKEY **out, dp_buf_t *err)
+int dp_pem_key(const char *pem, size_t len, bool is_private, EVP_PKEY **out, dp_buf_t *err)
 {
     EVP_PKEY *pkey = NULL;
     BIO *bio = NULL;
@@ -71,19 +71,31 @@ int dp_pem_ed25519(const char *pem, size_t len, bool is_private, EVP_PKEY **out,
         why = unread(pem, len, is_private);
         goto refused;
     }
-    if (EVP_PKEY_get_id(pkey) != EVP_PKEY_ED25519) {
-        const char *t = EVP_PKEY_get0_type_name(pkey);
-        if (err)
-            dp_buf_printf(err, "key type is %s, expected Ed25519", t ? t : "unknown");
-        goto refused;
-    }
     ERR_clear_error(); /* the queue is per thread: do not leave stale errors for other code */
     *out = pkey;
     return 0;
 refused:
-    if (err && why)
+    if (err)
         dp_buf_appends(err, why);
-    EVP_PKEY_free(pkey);
     ERR_clear_error();
     return -1;
+}
+
+int dp_pem_ed25519(const char *pem, size_t len, bool is_private, EVP_PKEY **out, dp_buf_t *err)
+{
+    EVP_PKEY *pkey = NULL;
+    if (dp_pem_key(pem, len, is_private, &pkey, err) != 0) {
+        *out = NULL;
+        return -1;
+    }
+    if (EVP_PKEY_get_id(pkey) != EVP_PKEY_ED25519) {
+        const char *t = EVP_PKEY_get0_type_name(pkey);
+        if (err)
+            dp_buf_printf(err, "key type is %s, expected Ed25519", t ? t : "unknown");
+        EVP_PKEY_free(pkey);
+        *out = NULL;
+        return -1;
+    }
+    *out = pkey;
+    return 0;
 }

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "attest/oms.h"
 #include "common/util.h"
@@ -351,6 +352,49 @@ Test(oms_rules, json_is_parsed_strictly_and_within_a_budget)
     dp_buf_free(&st);
     dp_buf_free(&bundle);
     dp_buf_free(&why);
+}
+
+/* The publisher's key file (--oms-pubkey, `attest oms verify --pubkey`) follows the rule of every
+ * key file detproxy reads (common/pem.h): its PEM block alone. Text around it, or a second key
+ * after it, is refused with the reason; whitespace after it is not text. */
+Test(oms_trust, a_publisher_key_file_is_its_pem_block_alone)
+{
+    static const char pub[] = "-----BEGIN PUBLIC KEY-----\n"
+                              "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEcPtnmPlDLUiBJbpaz/Oz4JDi8bAo\n"
+                              "sz0Eimbc5ZZh+Uv97rxuRuBogIlHTtuM8Jc/NHNkduaC1wE587YS95dw/g==\n"
+                              "-----END PUBLIC KEY-----\n";
+    static const struct {
+        const char *before, *after, *why;
+    } files[] = {
+        {"garbage\n", "", "text before the PEM block"},
+        {"", "garbage\n", "text after the PEM block's END line"},
+        {"", pub, "text after the PEM block's END line"},
+        {"", "\n \t\r\n", NULL},
+    };
+    char dir[] = "/tmp/oms-pubkey-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char path[64];
+    snprintf(path, sizeof(path), "%s/publisher.pub", dir);
+    for (size_t i = 0; i < DP_ARRAY_SIZE(files); i++) {
+        FILE *f = fopen(path, "w");
+        cr_assert_not_null(f);
+        fprintf(f, "%s%s%s", files[i].before, pub, files[i].after);
+        fclose(f);
+        oms_trust_t t = {0};
+        dp_buf_t err = {0};
+        int rc = oms_trust_load_pubkey(&t, path, &err);
+        if (files[i].why) {
+            cr_expect_eq(rc, -1, "%zu", i);
+            cr_expect_null(t.pubkey);
+            cr_expect(err.base && strstr(err.base, files[i].why), "%zu: %s", i, err.base);
+        } else {
+            cr_expect_eq(rc, 0, "%zu: %s", i, err.base);
+        }
+        oms_trust_free(&t);
+        dp_buf_free(&err);
+    }
+    unlink(path);
+    rmdir(dir);
 }
 
 /* The trusted root (attest/sigstore.h): the public-good one parses; broken ones are refused with
