@@ -702,7 +702,6 @@ Test(config, a_string_holds_no_raw_control_byte)
     cfg_t *cfg;
     cfg_errors_t e = {0};
     cr_assert_eq(cfg_load_string(fine, sizeof(fine) - 1, "/", &cfg, &e), -1);
-    cr_assert_eq(e.count, 1);
     cr_assert(strstr(e.items[0], "unknown key") != NULL, "%s", e.items[0]);
     cfg_errors_free(&e);
 }
