@@ -5,6 +5,7 @@
 #include <assert.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -120,7 +121,13 @@ static bool audit_moved(const cfg_t *old, const cfg_t *cfg)
 {
     if ((cfg->log.audit_path == NULL) != (old->log.audit_path == NULL))
         return true;
-    return cfg->log.audit_path && strcmp(cfg->log.audit_path, old->log.audit_path) != 0;
+    if (cfg->log.audit_path == NULL || strcmp(cfg->log.audit_path, old->log.audit_path) == 0)
+        return false;
+    /* Another spelling of the file written (a/./x, a link to its folder, a hard link) is the
+     * same trail: moving onto it would find its own locks taken. */
+    struct stat a, b;
+    return stat(old->log.audit_path, &a) != 0 || stat(cfg->log.audit_path, &b) != 0 ||
+           a.st_dev != b.st_dev || a.st_ino != b.st_ino;
 }
 
 /* Move the audit writer to path, or open one there when the running configuration has none.

@@ -884,6 +884,33 @@ def test_a_reload_that_adds_an_audit_path_another_instance_holds_fails_whole():
     assert verify(b)[0] == 0
 
 
+def test_a_reload_naming_the_audit_file_another_way_keeps_writing_it():
+    """The file being written, named another way (a/./x, a link to its folder, a hard link),
+    is the same trail: the reload applies, and the writer stays on its file."""
+    sim, px = setup(checkpoint_lines=100)
+    complete(px, "a")
+    folder, name = os.path.split(px.audit_path)
+    link = os.path.join(os.path.dirname(folder), "trail-link")
+    os.symlink(folder, link)
+    hard = os.path.join(folder, "same-" + name)
+    os.link(px.audit_path, hard)
+    for n, spelling in enumerate((os.path.join(folder, ".", name), os.path.join(link, name),
+                                  hard)):
+        cfg = json.load(open(px.config_path))
+        cfg["log"]["audit_path"] = spelling
+        cfg["limits"] = {"max_connections": 1000 + n}
+        write_config(cfg, px.dir)
+        r = http("POST", px.admin_port, "/admin/reload")
+        assert r.status == 200, (spelling, r.text)
+        assert get_json(px.admin_port, "/admin/config")["limits"]["max_connections"] == 1000 + n
+        rid = complete(px, "b%d" % n).headers["x-detproxy-request-id"]
+        poll_until(lambda: rid in [l.get("request_id") for l in lines(px.audit_path)],
+                   what="its line in the same file")
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 0
+    px.stop()
+    assert verify(px)[0] == 0
+
+
 def test_a_reload_onto_an_audit_store_another_instance_holds_fails_whole():
     """A reload whose audit_store is another running detproxy's store cannot take its lock, so
     it fails as a whole, as an audit_path in use does: the old store stays in force (bodies go
