@@ -19,20 +19,35 @@ static int no_passphrase_cb(char *buf, int size, int rwflag, void *u)
     return 0;
 }
 
-/* NULL when pem[0..len) starts with a PEM block and has only whitespace after that block's END
- * line; else what is wrong. The first "-----END " line ends the block that starts at the first
- * byte: a later block is text after it. Whether the block is a key is OpenSSL's to say. */
+/* NULL when pem[0..len) is one PEM block and whitespace: its first line "-----BEGIN LABEL-----",
+ * the first END line after it "-----END LABEL-----" with the same label, nothing but whitespace
+ * after that; else what is wrong. (OpenSSL skips a first line that is no BEGIN line of its
+ * form, and text up to the next one: a well-formed first line is the block it reads.) Whether
+ * the block is a key is OpenSSL's to say. */
 static const char *not_alone(const char *pem, size_t len)
 {
-    static const char begin[] = "-----BEGIN", end[] = "\n-----END ";
+    static const char begin[] = "-----BEGIN ", dashes[] = "-----";
+    const char *stop = pem + len, *label = pem + sizeof(begin) - 1, *p = label;
     if (len < sizeof(begin) - 1 || memcmp(pem, begin, sizeof(begin) - 1) != 0)
         return "text before the PEM block: the file must start with -----BEGIN";
-    const char *stop = pem + len;
-    const char *p = memmem(pem, len, end, sizeof(end) - 1);
-    p = p ? memmem(p + sizeof(end) - 1, (size_t)(stop - p) - (sizeof(end) - 1), "-----", 5) : NULL;
-    if (p == NULL)
+    while (p < stop && ((*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == ' '))
+        p++;
+    size_t n = (size_t)(p - label);
+    if (n == 0 || n > 64 || (size_t)(stop - p) < sizeof(dashes) - 1 ||
+        memcmp(p, dashes, sizeof(dashes) - 1) != 0)
+        return "the first line is not a PEM BEGIN line (-----BEGIN LABEL-----)";
+    p += sizeof(dashes) - 1;
+    p += p < stop && *p == '\r';
+    if (p >= stop || *p != '\n')
+        return "text after the PEM BEGIN line on its line";
+    char end[96];
+    int m = snprintf(end, sizeof(end), "\n-----END %.*s-----", (int)n, label);
+    const char *e = memmem(p, (size_t)(stop - p), "\n-----END ", 10);
+    if (e == NULL)
         return "no END line after the PEM block";
-    for (p += 5; p < stop; p++)
+    if ((size_t)(stop - e) < (size_t)m || memcmp(e, end, (size_t)m) != 0)
+        return "the PEM block's END line does not name its BEGIN line's label";
+    for (p = e + m; p < stop; p++)
         if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n')
             return "text after the PEM block's END line: the file holds one key and nothing else";
     return NULL;

@@ -39,6 +39,11 @@ Test(pem, a_key_of_any_type_is_its_pem_block_alone)
         {"\n", "", "text before the PEM block"},
         {"", "garbage\n", "text after the PEM block's END line"},
         {"", ED25519_PUB, "text after the PEM block's END line"},
+        /* OpenSSL skips a first line that is no BEGIN line of its form, and what follows up
+         * to the next: such a line is no PEM block's start. */
+        {"-----BEGIN anything\njunk lines\n", "", "the first line is not a PEM BEGIN line"},
+        {"-----BEGIN X-----junk\n", "", "text after the PEM BEGIN line on its line"},
+        {"-----BEGIN X-----\n-----END Y-----\n", "", "does not name its BEGIN line's label"},
     };
     const char *keys[] = {P256_PUB, ED25519_PUB};
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
@@ -54,6 +59,15 @@ Test(pem, a_key_of_any_type_is_its_pem_block_alone)
     }
     int id;
     cr_assert_eq(read_key("", P256_PUB, " \r\n\t\n", &id, NULL), 0);
+    char crlf[512];
+    size_t k = 0;
+    for (const char *c = P256_PUB; *c; c++) {
+        if (*c == '\n')
+            crlf[k++] = '\r';
+        crlf[k++] = *c;
+    }
+    crlf[k] = '\0';
+    cr_assert_eq(read_key("", crlf, "", &id, NULL), 0, "CRLF line ends");
     cr_assert_eq(id, EVP_PKEY_EC);
     cr_assert_eq(read_key("", ED25519_PUB, "", &id, NULL), 0);
     cr_assert_eq(id, EVP_PKEY_ED25519);
