@@ -281,6 +281,14 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     cfg->workers = old->workers;
     if (cfg->tls == NULL && px->tls && px->workers && old->tls)
         cfg->tls = tls_copy(old->tls);
+    if (!audit_to && cfg->log.audit_path && old->log.audit_path &&
+        strcmp(cfg->log.audit_path, old->log.audit_path) != 0) {
+        /* The running file named another way: it keeps the name it is written under, so the
+         * next reload compares with the file really written (a link retargeted, a rotation of
+         * the other name, make it another file, and the trail moves then). */
+        free(cfg->log.audit_path);
+        cfg->log.audit_path = dp_xstrdup(old->log.audit_path);
+    }
     px_fleet_keep(px, old, cfg);
     px_gen_t *prev = px->gen;
     px_gen_t *g = px_gen_new(px, cfg, prev);

@@ -906,7 +906,21 @@ def test_a_reload_naming_the_audit_file_another_way_keeps_writing_it():
         rid = complete(px, "b%d" % n).headers["x-detproxy-request-id"]
         poll_until(lambda: rid in [l.get("request_id") for l in lines(px.audit_path)],
                    what="its line in the same file")
+        # What runs is shown: the file under the name it is written.
+        assert get_json(px.admin_port, "/admin/config")["log"]["audit_path"] == px.audit_path
     assert metric(px, "detproxy_config_reloads_total", result="failed") == 0
+    # The link retargeted at another folder: the next reload sees another file and moves.
+    other = os.path.join(os.path.dirname(folder), "other-trail")
+    os.mkdir(other)
+    os.unlink(link)
+    os.symlink(other, link)
+    cfg = json.load(open(px.config_path))
+    cfg["log"]["audit_path"] = os.path.join(link, name)
+    write_config(cfg, px.dir)
+    assert http("POST", px.admin_port, "/admin/reload").status == 200
+    rid = complete(px, "moved").headers["x-detproxy-request-id"]
+    poll_until(lambda: rid in [l.get("request_id") for l in lines(os.path.join(other, name))],
+               what="its line in the file the link now names")
     px.stop()
     assert verify(px)[0] == 0
 
