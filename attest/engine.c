@@ -282,17 +282,23 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
     }
     if (engine_path[0] == '/') {
         bool have_direct = stat(engine_path, &direct) == 0;
-        bool have_via = false;
+        bool have_via = false, other_root = false;
         if (pid > 0) {
             snprintf(prefix, sizeof(prefix), "%s/%d/root", proc, (int)pid);
             dp_buf_t p = {0};
             dp_buf_printf(&p, "%s%s", prefix, engine_path);
             have_via = stat(p.base, &via) == 0;
             dp_buf_free(&p);
+            struct stat er, ar;
+            other_root = stat(prefix, &er) == 0 && stat("/", &ar) == 0 &&
+                         (er.st_dev != ar.st_dev || er.st_ino != ar.st_ino);
         }
-        /* The same file both ways: the plain path, which outlives this process. */
+        /* The same file both ways: the plain path, which outlives this process. An engine with
+         * a root of its own (a container, a chroot) names a path there only: the agent's file
+         * of that name is not the engine's, whatever it holds. */
         if (have_direct &&
-            (!have_via || (direct.st_dev == via.st_dev && direct.st_ino == via.st_ino))) {
+            ((!have_via && !other_root) ||
+             (have_via && direct.st_dev == via.st_dev && direct.st_ino == via.st_ino))) {
             located(l, "", engine_path);
             return ATTEST_LOC_FOUND;
         }
@@ -311,6 +317,11 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
                           "the engine loaded %.200s, which the agent cannot see (%s: %s; the "
                           "agent needs the engine's uid or CAP_SYS_PTRACE)",
                           engine_path, prefix, strerror(errno));
+        else if (have_direct)
+            dp_buf_printf(why,
+                          "the engine loaded %.200s, which is not in the engine's root (%s): "
+                          "the agent's file of that name is not the engine's",
+                          engine_path, prefix);
         else
             dp_buf_printf(why,
                           "the engine loaded %.200s, which is not there, neither here nor in "

@@ -506,6 +506,15 @@ Test(attest_measure, the_engines_model_is_found_through_its_root, .init = make_t
                  ATTEST_LOC_NOT_LOCAL);
     cr_assert_eq(attest_engine_locate(proc, 41, "meta-llama/Llama-3.1-8B", false, &l, &why),
                  ATTEST_LOC_NOT_LOCAL);
+    /* A path the agent has and the engine's root has not (a container's, a chroot's): not
+     * the engine's file, whatever it holds. */
+    char host_only[400];
+    snprintf(host_only, sizeof(host_only), "%s/host-only.gguf", tmp);
+    write_file(host_only, "GGUF", 4);
+    dp_buf_reset(&why);
+    cr_assert_eq(attest_engine_locate(proc, 41, host_only, true, &l, &why), ATTEST_LOC_NOT_VISIBLE,
+                 "%s", l.path ? l.path : "");
+    cr_assert(strstr(why.base, "not in the engine's root"), "%s", why.base);
     /* A path both sides see alike is taken as it is (it outlives the process). */
     cr_assert_eq(attest_engine_locate(proc, 0, want, true, &l, &why), ATTEST_LOC_FOUND);
     cr_assert_str_eq(l.path, want);
