@@ -68,6 +68,13 @@ def payload(ag, nonce="n"):
     return 200, json.loads(base64.b64decode(r.json()["payload"]))
 
 
+def vouched(ag):
+    """The checkpoint the agent signs now, from one answer: its hash, None when it vouches for
+    none, or False while it answers no payload (503)."""
+    st, p = payload(ag)
+    return p["checkpoint_sha256"] if st == 200 else False
+
+
 def sha256_file(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -389,8 +396,7 @@ def test_a_model_folder_must_still_be_one_when_hashed():
     os.symlink(secrets, named + ".new")
     os.replace(named + ".new", named)
     # 503 while the agent looks again, then no checkpoint vouched for, with why.
-    poll_until(lambda: payload(ag)[0] == 200 and payload(ag)[1]["checkpoint_sha256"] is None,
-               what="the agent vouching for no checkpoint")
+    poll_until(lambda: vouched(ag) is None, what="the agent vouching for no checkpoint")
     st, p = payload(ag)
     assert "without a config.json" in p["unattested"]["checkpoint_sha256"], p
     assert secret_hash.strip() not in json.dumps(p), p
@@ -427,9 +433,7 @@ def test_a_model_folder_is_read_as_the_engine_s_user():
                           user=65534, home=home)
         ag = agent(port, "--quantization", "F16")
         def checkpoint():
-            """The signed checkpoint, or None while there is none (503 or unattested)."""
-            st, p = payload(ag)
-            return p["checkpoint_sha256"] if st == 200 else None
+            return vouched(ag) or None  # none while it answers 503 or vouches for none
 
         signed = poll_until(checkpoint, what="the folder hashed")
         _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])
@@ -527,10 +531,13 @@ def test_an_engine_that_maps_another_file_than_it_reports_is_not_vouched_for():
     port = free_port()
     eng = fake_engine(port, reported, "F16", mapped=really)
     ag = agent(port)
-    poll_until(lambda: payload(ag)[0] == 200 and payload(ag)[1]["checkpoint_sha256"] is None
-               and "checkpoint_sha256" in payload(ag)[1].get("unattested", {}),
-               what="checkpoint withdrawn")
-    note = payload(ag)[1]["unattested"]["checkpoint_sha256"]
+
+    def withdrawn():
+        st, p = payload(ag)
+        return (st == 200 and p["checkpoint_sha256"] is None and
+                p.get("unattested", {}).get("checkpoint_sha256"))
+
+    note = poll_until(withdrawn, what="checkpoint withdrawn")
     assert note == ("the engine reports %s, but its process has %s open or mapped instead" % (
         reported, really)), note
     ag.stop()
