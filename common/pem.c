@@ -53,6 +53,28 @@ static const char *not_alone(const char *pem, size_t len)
     return NULL;
 }
 
+/* Does the key fill its PEM block? OpenSSL reads the first key of a block's bytes and ignores
+ * what follows it, where another reader (python-cryptography) refuses the block. */
+static bool one_key(const char *pem, size_t len, bool is_private)
+{
+    BIO *bio = len <= INT32_MAX ? BIO_new_mem_buf(pem, (int)len) : NULL;
+    char *name = NULL, *header = NULL;
+    unsigned char *der = NULL;
+    long n = 0;
+    bool ok = false;
+    if (bio != NULL && PEM_read_bio(bio, &name, &header, &der, &n) == 1 && n > 0) {
+        const unsigned char *q = der;
+        EVP_PKEY *k = is_private ? d2i_AutoPrivateKey(NULL, &q, n) : d2i_PUBKEY(NULL, &q, n);
+        ok = k != NULL && q == der + n;
+        EVP_PKEY_free(k);
+    }
+    OPENSSL_free(name);
+    OPENSSL_free(header);
+    OPENSSL_free(der);
+    BIO_free(bio);
+    return ok;
+}
+
 /* Why OpenSSL read no key of the kind wanted from pem, naming the usual mix-ups rather than a
  * bare "parse error". */
 static const char *unread(const char *pem, size_t len, bool is_private)
@@ -84,6 +106,12 @@ int dp_pem_key(const char *pem, size_t len, bool is_private, EVP_PKEY **out, dp_
     BIO_free(bio);
     if (pkey == NULL) {
         why = unread(pem, len, is_private);
+        goto refused;
+    }
+    if (!one_key(pem, len, is_private)) {
+        why = "the PEM block holds more than one key: the file holds one key and nothing else";
+        EVP_PKEY_free(pkey);
+        pkey = NULL;
         goto refused;
     }
     ERR_clear_error(); /* the queue is per thread: do not leave stale errors for other code */

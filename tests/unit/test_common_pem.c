@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include <openssl/evp.h>
+#include <openssl/pem.h>
 
 #include "common/pem.h"
 
@@ -71,6 +72,45 @@ Test(pem, a_key_of_any_type_is_its_pem_block_alone)
     cr_assert_eq(id, EVP_PKEY_EC);
     cr_assert_eq(read_key("", ED25519_PUB, "", &id, NULL), 0);
     cr_assert_eq(id, EVP_PKEY_ED25519);
+}
+
+/* The DER of a PEM text's block (the caller frees it). */
+static unsigned char *der_of(const char *pem, long *n)
+{
+    BIO *b = BIO_new_mem_buf(pem, -1);
+    char *name = NULL, *header = NULL;
+    unsigned char *der = NULL;
+    cr_assert_eq(PEM_read_bio(b, &name, &header, &der, n), 1);
+    OPENSSL_free(name);
+    OPENSSL_free(header);
+    BIO_free(b);
+    return der;
+}
+
+Test(pem, a_block_holds_one_key)
+{
+    /* Two keys' DER in one block: OpenSSL reads the first and ignores the rest, where
+     * python-cryptography refuses the block ("extra data"). */
+    long n1, n2;
+    unsigned char *a = der_of(P256_PUB, &n1), *b = der_of(ED25519_PUB, &n2);
+    unsigned char both[512];
+    memcpy(both, a, (size_t)n1);
+    memcpy(both + n1, b, (size_t)n2);
+    unsigned char b64[1024];
+    int m = EVP_EncodeBlock(b64, both, (int)(n1 + n2));
+    char pem[1200];
+    int k = snprintf(pem, sizeof(pem), "-----BEGIN PUBLIC KEY-----\n");
+    for (int i = 0; i < m; i += 64)
+        k += snprintf(pem + k, sizeof(pem) - (size_t)k, "%.64s\n", (const char *)b64 + i);
+    snprintf(pem + k, sizeof(pem) - (size_t)k, "-----END PUBLIC KEY-----\n");
+    EVP_PKEY *key = NULL;
+    dp_buf_t err = {0};
+    cr_assert_eq(dp_pem_key(pem, strlen(pem), false, &key, &err), -1);
+    cr_assert_null(key);
+    cr_assert(strstr(err.base, "holds more than one key"), "%s", err.base);
+    dp_buf_free(&err);
+    OPENSSL_free(a);
+    OPENSSL_free(b);
 }
 
 Test(pem, only_dp_pem_ed25519_asks_for_ed25519)
