@@ -121,21 +121,22 @@ typedef struct {
     uint64_t caps[2]; /* the effective capabilities gone back to (two 32-bit words each) */
 } attest_fs_ident_t;
 
-/* The identity process pid reads what it names with, from its status file: its uid and gid
- * when its real, effective, saved and file-system ids agree, else its real ones (a process
- * running a set-user-ID program reads with the program's rights, not its own: an engine
- * exec'ing one must not lend the agent root's). start: the process's start time as
- * attest_proc_start_time gives it (0: any); another process with that pid is -ESRCH. */
+/* The identity to read what process pid names with, from its status file: its real uid and
+ * gid, and its groups (the effective ids of a process running a set-user-ID program are the
+ * program's, not its own: an engine exec'ing one must not lend the agent root's). start: the
+ * process's start time as attest_proc_start_time gives it (0: any); another process with that
+ * pid is -ESRCH. */
 int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
                          attest_fs_ident_t *out, dp_buf_t *err);
 /* Access files as `id` on the calling thread only (Linux keeps file-system ids, groups and
  * capabilities per thread; raw system calls, as glibc would change them for every thread),
  * with no effective capability but the two that change back (CAP_SETUID, CAP_SETGID): a root
- * agent then reads only what the engine can, and no link in an engine-named path, not even one
- * through another process's /proc/PID/root or cwd, leads it further. Nothing changes when the
- * caller is not root (it reads only what it can anyway) or `id` is root. *prev gets what to go
- * back to with attest_fs_ident_leave. Negative errno when the change fails (nothing is changed
- * then). */
+ * agent then reads with the engine user's rights, and a link through another process's
+ * /proc/PID/root or cwd opens nothing the engine's user could not. Paths still resolve in the
+ * agent's root, and its own /proc/self (docs/attestation.md, "Not covered"). Nothing changes
+ * when the caller is not root (it reads only what it can anyway) or `id` is root. *prev gets
+ * what to go back to with attest_fs_ident_leave. Negative errno when the change fails (nothing
+ * is changed then). */
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);
 void attest_fs_ident_leave(attest_fs_ident_t *prev);
 void attest_fs_ident_free(attest_fs_ident_t *id);
