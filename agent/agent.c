@@ -309,8 +309,8 @@ static void job_run(uv_work_t *w)
     j->start_ns = dp_now_ns();
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
     bool oms = j->oms_bundle && !is_regular_file(j->path);
-    /* A path the engine names is read with the engine user's rights (docs/attestation.md,
-     * "What the agent measures", and what that does not cover). */
+    /* A path the engine names is read with the engine user's rights, in the engine's root
+     * (docs/attestation.md, "What the agent measures"). */
     attest_fs_ident_t prev = {0};
     if (j->measured)
         j->rc = attest_as_process_enter("/proc", j->pid, j->pid_start, &prev, &j->err);

@@ -16,6 +16,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include "attest/view.h"
 #include "common/util.h"
 
 #define NET_TABLE_MAX ((size_t)64 << 20) /* a host with a million sockets is past caring */
@@ -270,6 +271,40 @@ static void located(attest_located_t *l, const char *prefix, const char *path)
     l->prefix = strlen(prefix);
 }
 
+/* The engine's working directory as a path in its root (into *out, "/..."), when the names
+ * the kernel gives for its root and working directory place one in the other and that path in
+ * its root is the very folder it works in. */
+static bool cwd_in_root(const char *proc, pid_t pid, dp_buf_t *out)
+{
+    char root_link[512], cwd_link[512], rl[4096], cl[4096];
+    snprintf(root_link, sizeof(root_link), "%s/%d/root", proc, (int)pid);
+    snprintf(cwd_link, sizeof(cwd_link), "%s/%d/cwd", proc, (int)pid);
+    ssize_t rn = readlink(root_link, rl, sizeof(rl) - 1);
+    ssize_t cn = readlink(cwd_link, cl, sizeof(cl) - 1);
+    if (rn <= 0 || cn <= 0)
+        return false;
+    rl[rn] = '\0';
+    cl[cn] = '\0';
+    const char *in = NULL;
+    if (strcmp(rl, "/") == 0)
+        in = cl;
+    else if (strncmp(cl, rl, (size_t)rn) == 0 && (cl[rn] == '/' || cl[rn] == '\0'))
+        in = cl[rn] == '\0' ? "/" : cl + rn;
+    if (in == NULL || in[0] != '/')
+        return false;
+    /* A name is only a name (a folder renamed since, "(deleted)"): it must lead to the folder
+     * itself. */
+    dp_buf_t p = {0};
+    dp_buf_printf(&p, "%s%s", root_link, in);
+    struct stat a, b;
+    bool same = attest_view_stat(p.base, &a) == 0 && stat(cwd_link, &b) == 0 &&
+                a.st_dev == b.st_dev && a.st_ino == b.st_ino && S_ISDIR(a.st_mode);
+    dp_buf_free(&p);
+    if (same)
+        dp_buf_appends(out, in);
+    return same;
+}
+
 attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *engine_path,
                                      bool always_local, attest_located_t *l, dp_buf_t *why)
 {
@@ -287,7 +322,7 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
             snprintf(prefix, sizeof(prefix), "%s/%d/root", proc, (int)pid);
             dp_buf_t p = {0};
             dp_buf_printf(&p, "%s%s", prefix, engine_path);
-            have_via = stat(p.base, &via) == 0;
+            have_via = attest_view_stat(p.base, &via) == 0;
             dp_buf_free(&p);
             struct stat er, ar;
             other_root = stat(prefix, &er) == 0 && stat("/", &ar) == 0 &&
@@ -330,15 +365,36 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
         return ATTEST_LOC_NOT_VISIBLE;
     }
     if (pid > 0) {
-        snprintf(prefix, sizeof(prefix), "%s/%d/cwd", proc, (int)pid);
-        dp_buf_t p = {0};
-        dp_buf_printf(&p, "%s/%s", prefix, engine_path);
-        bool have = stat(p.base, &via) == 0;
-        dp_buf_free(&p);
-        if (have) {
-            located(l, prefix, engine_path);
-            return ATTEST_LOC_FOUND;
+        /* Relative to the engine's working directory, placed in its root: then it is read there,
+         * links and all, as an absolute path is (attest/view.h). */
+        dp_buf_t in = {0}, p = {0};
+        snprintf(prefix, sizeof(prefix), "%s/%d/root", proc, (int)pid);
+        bool placed = cwd_in_root(proc, pid, &in);
+        if (placed) {
+            dp_buf_printf(&p, "%s%s%s%s", prefix, in.base, strcmp(in.base, "/") ? "/" : "",
+                          engine_path);
+            if (attest_view_stat(p.base, &via) == 0) {
+                located(l, "", p.base);
+                l->prefix = strlen(prefix);
+                dp_buf_free(&in);
+                dp_buf_free(&p);
+                return ATTEST_LOC_FOUND;
+            }
+        } else {
+            dp_buf_printf(&p, "%s/%d/cwd/%s", proc, (int)pid, engine_path);
+            if (stat(p.base, &via) == 0) {
+                dp_buf_printf(why,
+                              "the engine loaded %.200s, relative to a working directory the "
+                              "agent cannot place in the engine's root: give the engine an "
+                              "absolute path",
+                              engine_path);
+                dp_buf_free(&in);
+                dp_buf_free(&p);
+                return ATTEST_LOC_NOT_VISIBLE;
+            }
         }
+        dp_buf_free(&in);
+        dp_buf_free(&p);
     }
     if (!always_local)
         return ATTEST_LOC_NOT_LOCAL; /* "meta-llama/Llama-3.1-8B-Instruct": fetched, not a path */
@@ -360,7 +416,7 @@ static bool gguf_magic(int fd)
 bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
 {
     /* Looked at before anything is opened for reading: opening a device can act on it. */
-    int fd = open(path, O_PATH | O_CLOEXEC);
+    int fd = attest_view_open(path, O_PATH);
     struct stat st;
     bool ok = false;
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -377,7 +433,10 @@ bool attest_model_shaped(const char *path, const char *shown, dp_buf_t *why)
             dp_buf_printf(why, "the engine reports %.200s, which is not a GGUF file: not hashed",
                           shown);
     } else if (S_ISDIR(st.st_mode)) {
-        ok = fstatat(fd, "config.json", &st, 0) == 0 && S_ISREG(st.st_mode);
+        dp_buf_t cfg = {0};
+        dp_buf_printf(&cfg, "%s/config.json", path);
+        ok = attest_view_stat(cfg.base, &st) == 0 && S_ISREG(st.st_mode);
+        dp_buf_free(&cfg);
         if (!ok)
             dp_buf_printf(why,
                           "the engine reports %.200s, a folder without a config.json (not a "
@@ -404,7 +463,7 @@ bool attest_model_still_shaped(const char *path, bool is_file, const attest_snap
         return false;
     }
     /* The file hashed (by identity) starts with the magic. */
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    int fd = attest_view_open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY);
     struct stat st;
     bool ok = fd >= 0 && snap->count == 1 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
               (uint64_t)st.st_dev == snap->files[0].dev &&
@@ -728,6 +787,9 @@ static int caps_effective(const uint64_t caps[2], bool restore)
 
 void attest_fs_ident_leave(attest_fs_ident_t *prev)
 {
+    if (prev->view)
+        attest_view_leave();
+    prev->view = false;
     if (!prev->taken)
         return;
     caps_effective(prev->caps, true);
@@ -800,12 +862,19 @@ int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long star
                             attest_fs_ident_t *prev, dp_buf_t *err)
 {
     memset(prev, 0, sizeof(*prev));
-    if (pid <= 0)
-        return 0;
-    attest_fs_ident_t id;
-    int rc = attest_proc_fs_ident(proc, pid, start, &id, err);
-    if (rc == 0)
-        rc = attest_fs_ident_enter(&id, prev, err);
-    attest_fs_ident_free(&id);
-    return rc;
+    /* The root first, with the agent's own rights (the engine's user may not open it). */
+    int rc = attest_view_enter(proc, pid, err);
+    if (rc == 0 && pid > 0) {
+        attest_fs_ident_t id;
+        rc = attest_proc_fs_ident(proc, pid, start, &id, err);
+        if (rc == 0)
+            rc = attest_fs_ident_enter(&id, prev, err);
+        attest_fs_ident_free(&id);
+    }
+    if (rc != 0) {
+        attest_view_leave();
+        return rc;
+    }
+    prev->view = true;
+    return 0;
 }

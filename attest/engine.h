@@ -65,8 +65,10 @@ typedef struct {
 
 /* Where the engine_path the engine reports is from here. Absolute: the path itself when it
  * exists and (with pid > 0) is the same file as PROC/PID/root/PATH, else through
- * PROC/PID/root (another mount namespace or a chroot). Relative: through PROC/PID/cwd (pid > 0);
- * without it, a llama.cpp path (always_local: -m names a file) is NOT_VISIBLE, anything else
+ * PROC/PID/root (another mount namespace or a chroot). Relative: the engine's working
+ * directory placed in its root (PROC/PID/root/CWD/PATH: pid > 0, and the kernel's names for the
+ * two lead to the folder it works in; one that cannot be placed is NOT_VISIBLE); without pid, a
+ * llama.cpp path (always_local: -m names a file) is NOT_VISIBLE, anything else
  * NOT_LOCAL (SGLang, vLLM and TGI take Hub ids). *l is filled only for FOUND; release it with
  * attest_located_free. */
 attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *engine_path,
@@ -118,6 +120,7 @@ typedef struct {
     size_t ngroups;
     gid_t *groups;
     bool taken;       /* by attest_fs_ident_enter: this holds what to go back to */
+    bool view;        /* by attest_as_process_enter: the engine's view is on (attest/view.h) */
     uint64_t caps[2]; /* the effective capabilities gone back to (two 32-bit words each) */
 } attest_fs_ident_t;
 
@@ -132,16 +135,18 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
  * capabilities per thread; raw system calls, as glibc would change them for every thread),
  * with no effective capability but the two that change back (CAP_SETUID, CAP_SETGID): a root
  * agent then reads with the engine user's rights, and a link through another process's
- * /proc/PID/root or cwd opens nothing the engine's user could not. Paths still resolve in the
- * agent's root, and its own /proc/self (docs/attestation.md, "Not covered"). Nothing changes
+ * /proc/PID/root or cwd opens nothing the engine's user could not. Where paths resolve is the
+ * view's part (attest_as_process_enter). Nothing changes
  * when the caller is not root (it reads only what it can anyway) or `id` is root. *prev gets
  * what to go back to with attest_fs_ident_leave. Negative errno when the change fails (nothing
  * is changed then). */
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);
 void attest_fs_ident_leave(attest_fs_ident_t *prev);
 void attest_fs_ident_free(attest_fs_ident_t *id);
-/* attest_proc_fs_ident of pid, then attest_fs_ident_enter. pid 0 (the engine's process not
- * seen): nothing changes. */
+/* Read as process pid would on this thread: its view of the files (attest/view.h: paths in its
+ * root, no link through /proc followed), then attest_proc_fs_ident of pid and
+ * attest_fs_ident_enter. pid 0 (the engine's process not seen): the agent's own root and ids,
+ * still without /proc links. attest_fs_ident_leave goes back from all of it. */
 int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
                             attest_fs_ident_t *prev, dp_buf_t *err);
 

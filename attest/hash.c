@@ -16,6 +16,7 @@
 
 #include <openssl/evp.h>
 
+#include "attest/view.h"
 #include "common/util.h"
 
 /* ---- listing ------------------------------------------------------------------------------ */
@@ -168,7 +169,8 @@ static int walk_dir(walk_t *w, int fd)
                 errf(w->err, "symlink not followed: %s", full_path(&tmp, w->root, rel));
                 break;
             }
-        } else if (fstatat(dirfd(d), name, &st, 0) != 0) {
+        } else if ((attest_view_on() ? attest_view_stat(full_path(&tmp, w->root, rel), &st)
+                                     : fstatat(dirfd(d), name, &st, 0)) != 0) {
             int e = errno;
             if (e == ENOENT) {
                 /* A dangling symlink (find -L skips it: it is not a regular file), or an entry
@@ -177,8 +179,9 @@ static int walk_dir(walk_t *w, int fd)
             }
             rc = -e;
             if (e == ELOOP)
-                errf(w->err, "symlink loop: %s (too many levels of symbolic links)",
-                     full_path(&tmp, w->root, rel));
+                errf(w->err, "symlink loop: %s (too many levels of symbolic links%s)",
+                     full_path(&tmp, w->root, rel),
+                     attest_view_on() ? ", or a link through /proc, which is not followed" : "");
             else
                 errf(w->err, "cannot stat %s: %s", full_path(&tmp, w->root, rel), strerror(e));
             break;
@@ -219,7 +222,10 @@ static int walk_dir(walk_t *w, int fd)
                  full_path(&tmp, w->root, rel));
             break;
         }
-        int cfd = openat(dirfd(d), name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        /* In the engine's view a link is followed in its root: by the entry's whole path. */
+        int cfd = attest_view_on()
+                      ? attest_view_open(full_path(&tmp, w->root, rel), O_RDONLY | O_DIRECTORY)
+                      : openat(dirfd(d), name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (cfd < 0) {
             int e = errno;
             if (e == ENOENT)
@@ -285,7 +291,7 @@ int attest_snapshot_take_opts(const char *dir, const attest_walk_opts_t *opts,
     walk_t w = {.snap = out, .err = err, .root = dir, .opts = opts ? opts : &checkpoint_rules};
     dp_buf_appends(&w.rel, "");
     int rc = 0;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = attest_view_open(dir, O_RDONLY | O_DIRECTORY);
     if (fd < 0) {
         rc = -errno;
         errf(err, "cannot open directory %s: %s", dir, strerror(-rc));
@@ -396,7 +402,7 @@ static int hash_file(hasher_t *h, const char *path, const attest_file_t *f, uint
 {
     int rc = 0;
     /* O_NONBLOCK: if a FIFO was swapped in since listing, open must not hang. */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    int fd = attest_view_open(path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
         rc = -errno;
         if (rc == -ENOENT)
@@ -708,7 +714,7 @@ static int file_snapshot(const char *path, const struct stat *st, char **root,
 /* stat() path: 1 a regular file, 0 a directory, else a negative errno with the reason. */
 static int path_kind(const char *path, struct stat *st, dp_buf_t *err)
 {
-    if (stat(path, st) != 0) {
+    if (attest_view_stat(path, st) != 0) {
         int e = errno;
         errf(err, "cannot open %s: %s", path, strerror(e));
         return -e;
@@ -781,7 +787,7 @@ int attest_hash_path(const char *path, const attest_hash_opts_t *opts, char out_
         /* The path may name another file now (a rename over it): the same question the folder
          * hash asks of its listing once the walk is done. */
         struct stat after;
-        if (stat(path, &after) != 0 || (uint64_t)after.st_dev != snap.files[0].dev ||
+        if (attest_view_stat(path, &after) != 0 || (uint64_t)after.st_dev != snap.files[0].dev ||
             (uint64_t)after.st_ino != snap.files[0].ino) {
             rc = -ESTALE;
             errf(err, "file changed during hashing: %s (replaced while being read)", path);

@@ -479,6 +479,92 @@ def test_a_model_folder_is_read_as_the_engine_s_user():
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_an_engine_in_its_own_root_has_its_links_read_there():
+    """An engine in a root of its own (a chroot in its own mount namespace, as root there)
+    names a model folder whose links are the engine's: `tokenizer.json -> /host/secret` points
+    at nothing in the engine's root, and `../../../secret` cannot climb out of it. The agent
+    reads the folder as the engine does (the links dangle and are left out, as `find -L`
+    leaves them), not through its own root, where both would reach the host's secret."""
+    if os.getuid() != 0 or not all(shutil.which(t) for t in ("unshare", "chroot", "mount")):
+        print("    skipped: needs root, unshare, chroot and mount to give the engine a root")
+        return
+    root = tempfile.mkdtemp(prefix="detproxy-engine-root-", dir="/tmp")
+    secret = os.path.join(TMP, "host-secret")
+    with open(secret, "w") as f:
+        f.write("root:$6$only-the-host-has-this\n")
+    try:
+        for name in ("usr", "models/m", "srv"):
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+        for name in ("bin", "lib", "lib64", "sbin"):
+            if os.path.islink("/" + name):
+                os.symlink(os.readlink("/" + name), os.path.join(root, name))
+        model = os.path.join(root, "models", "m")
+        for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
+            with open(os.path.join(model, name), "wb") as f:
+                f.write(data)
+        with open(os.path.join(root, "srv", "fake_llama_server.py"), "w") as f:
+            f.write(FAKE)
+        port = free_port()
+        eng = start_process(
+            ["unshare", "--mount", "sh", "-c",
+             'mount --bind /usr "$1/usr" && exec chroot "$1" /usr/bin/python3 '
+             '/srv/fake_llama_server.py "$2" /models/m F16 /models/m/model.safetensors',
+             "sh", root, str(port)], name="chrooted-llama-server")
+        ag = agent(port, "--quantization", "F16")
+        def checkpoint():
+            return vouched(ag) or None
+
+        _, before, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])
+        poll_until(lambda: checkpoint() == before.strip(), what="the folder hashed")
+        # The engine's view of the folder once the links are in: a new file, links to nothing.
+        view = os.path.join(TMP, "engine-view")
+        shutil.copytree(model, view)
+        with open(os.path.join(view, "generation_config.json"), "w") as f:
+            f.write("{}")
+        _, expected, _ = run_cmd([DETPROXY_BIN, "attest", "hash", view])
+        os.symlink(secret, os.path.join(model, "tokenizer.json"))
+        os.symlink(os.path.relpath(secret, model), os.path.join(model, "vocab.json"))
+        shutil.copy(os.path.join(view, "generation_config.json"), model)
+        _, with_secret, _ = run_cmd([DETPROXY_BIN, "attest", "hash", model])  # the host's view
+        assert with_secret.strip() != expected.strip()
+        got = poll_until(lambda: checkpoint() not in (None, before.strip()) and checkpoint(),
+                         what="the folder hashed again")
+        assert got == expected.strip(), (got, expected, with_secret)
+        assert not any(with_secret.strip() in json.dumps(l) for l in ag.logs), ag.logs
+        ag.stop()
+        eng.stop()
+    finally:
+        # The bind mount is the engine's namespace's alone: here usr is an empty folder.
+        if not os.path.ismount(os.path.join(root, "usr")):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_link_through_proc_self_is_not_followed():
+    """/proc/self is whoever reads it: in a folder the engine names, a link through it would
+    reach the agent's own files (its working directory, its open files) with the agent's
+    rights. No link through /proc is followed in what the engine names."""
+    model = os.path.join(TMP, "proc-self-model")
+    os.makedirs(model, exist_ok=True)
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
+        with open(os.path.join(model, name), "wb") as f:
+            f.write(data)
+    agents_own = os.path.join(os.getcwd(), "agents-own-file")
+    with open(agents_own, "w") as f:
+        f.write("only the agent's working directory has this\n")
+    os.symlink("/proc/self/cwd/agents-own-file", os.path.join(model, "tokenizer.json"))
+    try:
+        port = free_port()
+        eng = fake_engine(port, model, "F16", mapped=os.path.join(model, "model.safetensors"))
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: any("a link through /proc" in json.dumps(l) for l in ag.logs),
+                   what="the link refused")
+        assert vouched(ag) in (None, False), payload(ag)
+        ag.stop()
+        eng.stop()
+    finally:
+        os.unlink(agents_own)
+
+
 def test_what_the_engine_cannot_see_is_not_looked_at_for_it():
     """The agent looks for the model the engine names as the engine's user too: an engine
     naming a path inside a folder it cannot enter learns nothing of what is there (whether a

@@ -23,6 +23,7 @@
 #include "attest/engine.h"
 #include "attest/hash.h"
 #include "attest/match.h"
+#include "attest/view.h"
 #include "common/util.h"
 
 static char tmp[256];
@@ -520,6 +521,142 @@ Test(attest_measure, the_engines_model_is_found_through_its_root, .init = make_t
     cr_assert_str_eq(l.path, want);
     cr_assert_eq(l.prefix, 0);
     attest_located_free(&l);
+    dp_buf_free(&why);
+}
+
+/* The engine's view (attest/view.h): links in a folder it names resolve in its root. */
+static void *view_of_another_thread(void *arg)
+{
+    *(bool *)arg = attest_view_on();
+    return NULL;
+}
+
+static void mkdir_p(const char *dir)
+{
+    char cmd[700];
+    snprintf(cmd, sizeof(cmd), "mkdir -p '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+static void model_folder(const char *dir)
+{
+    char p[600];
+    mkdir_p(dir);
+    snprintf(p, sizeof(p), "%s/config.json", dir);
+    write_file(p, "{}", 2);
+    snprintf(p, sizeof(p), "%s/model.safetensors", dir);
+    write_file(p, "weights", 7);
+}
+
+Test(attest_measure, links_in_the_engines_folder_resolve_in_its_root, .init = make_tmp,
+     .fini = rm_tree)
+{
+    char proc[300], root[300], hf[400], clean[400], secret[400], p[600], via[600], host[400];
+    fake_engine_root(proc, root);
+    snprintf(hf, sizeof(hf), "%s/models/hf", root);
+    snprintf(clean, sizeof(clean), "%s/clean", tmp);
+    model_folder(hf);
+    model_folder(clean);
+    /* The agent's secret, outside the engine's root: an absolute link to it and a relative one
+     * that climbs past the engine's "/". */
+    snprintf(secret, sizeof(secret), "%s/secret", tmp);
+    write_file(secret, "root:$6$host", 12);
+    snprintf(p, sizeof(p), "%s/tokenizer.json", hf);
+    cr_assert_eq(symlink(secret, p), 0);
+    snprintf(p, sizeof(p), "%s/vocab.json", hf);
+    cr_assert_eq(symlink("../../../secret", p), 0);
+    /* And a GGUF file of the agent's, named through a link in the engine's root. */
+    snprintf(host, sizeof(host), "%s/host.gguf", tmp);
+    write_file(host, "GGUF....", 8);
+    snprintf(p, sizeof(p), "%s/models/escape.gguf", root);
+    cr_assert_eq(symlink(host, p), 0);
+
+    char plain[65], seen[65], want[65];
+    dp_buf_t err = {0};
+    snprintf(via, sizeof(via), "%s/41/root/models/hf", proc);
+    cr_assert_eq(attest_hash_path(clean, NULL, want, NULL, NULL, &err), 0, "%s", err.base);
+    cr_assert_eq(attest_hash_path(via, NULL, plain, NULL, NULL, &err), 0, "%s", err.base);
+    cr_assert_str_neq(plain, want, "through the agent's root, the link reaches its secret");
+
+    cr_assert_eq(attest_view_enter(proc, 41, &err), 0, "%s", err.base);
+    bool other = true;
+    pthread_t t;
+    pthread_create(&t, NULL, view_of_another_thread, &other);
+    pthread_join(t, NULL);
+    cr_assert_not(other, "a view is the entering thread's alone");
+    cr_assert_eq(attest_hash_path(via, NULL, seen, NULL, NULL, &err), 0, "%s", err.base);
+    cr_assert_str_eq(seen, want, "in the engine's root both links lead nowhere");
+    snprintf(p, sizeof(p), "%s/41/root/models/llama/tiny.gguf", proc);
+    cr_assert(attest_model_shaped(p, "/models/llama/tiny.gguf", &err), "%s", err.base);
+    snprintf(p, sizeof(p), "%s/41/root/models/escape.gguf", proc);
+    dp_buf_reset(&err);
+    cr_assert_not(attest_model_shaped(p, "/models/escape.gguf", &err));
+    cr_assert(strstr(err.base, "cannot open"), "%s", err.base);
+    attest_view_leave();
+    cr_assert_not(attest_view_on());
+    dp_buf_reset(&err);
+    cr_assert(attest_model_shaped(p, "/models/escape.gguf", &err), "outside the view: %s",
+              err.base);
+    dp_buf_free(&err);
+}
+
+Test(attest_measure, no_link_through_proc_is_followed_in_a_view, .init = make_tmp, .fini = rm_tree)
+{
+    /* Magic links (/proc/self/cwd, /proc/PID/root, /proc/self/fd/N) lead past the engine's
+     * root and into the agent's own files: refused even in the agent's own root (pid 0). */
+    char dir[400], p[600];
+    snprintf(dir, sizeof(dir), "%s/hf", tmp);
+    model_folder(dir);
+    snprintf(p, sizeof(p), "%s/reachable", tmp);
+    write_file(p, "x", 1);
+    char cwd[300];
+    cr_assert_not_null(getcwd(cwd, sizeof(cwd)));
+    cr_assert_eq(chdir(tmp), 0);
+    snprintf(p, sizeof(p), "%s/tokenizer.json", dir);
+    cr_assert_eq(symlink("/proc/self/cwd/reachable", p), 0);
+    char hex[65];
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_hash_path(dir, NULL, hex, NULL, NULL, &err), 0, "without a view: %s",
+                 err.base);
+    cr_assert_eq(attest_view_enter("/proc", 0, &err), 0, "%s", err.base);
+    cr_assert_eq(attest_hash_path(dir, NULL, hex, NULL, NULL, &err), -ELOOP);
+    cr_assert(strstr(err.base, "a link through /proc"), "%s", err.base);
+    /* The folder itself named through a magic link: not opened either. */
+    snprintf(p, sizeof(p), "/proc/self/cwd/hf");
+    dp_buf_reset(&err);
+    cr_assert_not(attest_model_shaped(p, p, &err));
+    attest_view_leave();
+    cr_assert_eq(chdir(cwd), 0);
+    dp_buf_free(&err);
+}
+
+Test(attest_measure, a_relative_path_is_placed_in_the_engines_root, .init = make_tmp,
+     .fini = rm_tree)
+{
+    char proc[300], root[300], want[600], p[600];
+    fake_engine_root(proc, root); /* its cwd is its /models */
+    attest_located_t l;
+    dp_buf_t why = {0};
+    cr_assert_eq(attest_engine_locate(proc, 41, "llama/tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_FOUND, "%s", why.base);
+    snprintf(want, sizeof(want), "%s/41/root/models/llama/tiny.gguf", proc);
+    cr_assert_str_eq(l.path, want);
+    snprintf(want, sizeof(want), "%s/41/root", proc);
+    cr_assert_eq(l.prefix, strlen(want));
+    attest_located_free(&l);
+    /* A working directory the kernel's names do not place in the root (here: outside it). */
+    char outside[400];
+    snprintf(outside, sizeof(outside), "%s/outside/llama", tmp);
+    mkdir_p(outside);
+    snprintf(p, sizeof(p), "%s/tiny.gguf", outside);
+    write_file(p, "GGUF", 4);
+    snprintf(p, sizeof(p), "%s/41/cwd", proc);
+    cr_assert_eq(unlink(p), 0);
+    snprintf(outside, sizeof(outside), "%s/outside", tmp);
+    cr_assert_eq(symlink(outside, p), 0);
+    cr_assert_eq(attest_engine_locate(proc, 41, "llama/tiny.gguf", true, &l, &why),
+                 ATTEST_LOC_NOT_VISIBLE);
+    cr_assert(strstr(why.base, "cannot place in the engine's root"), "%s", why.base);
     dp_buf_free(&why);
 }
 
