@@ -155,6 +155,7 @@ struct net_conn_s {
                              * the next request starts, which keeps it as prev_body) */
     bool head_capped;       /* the read libuv asks for now is the head-first one */
     int closes_pending;
+    bool counted; /* holds a place of max_connections (the shared count) */
     bool keep_alive;
     bool first_request;
     bool in_feed;
@@ -1471,7 +1472,8 @@ static void conn_handle_closed(net_conn_t *c)
     assert(s->nconns > 0);
     DP_LIST_UNLINK(s->conns, c, next, prev);
     s->nconns--;
-    atomic_fetch_sub(&s->shared->conns, 1);
+    if (c->counted)
+        atomic_fetch_sub(&s->shared->conns, 1);
     conn_client_give(c);
     pend_free(c);
     free(c);
@@ -2140,6 +2142,17 @@ static int fd_headroom_error(void)
     return errno == EMFILE || errno == ENFILE ? uv_translate_sys_error(errno) : 0;
 }
 
+/* Close a connection refused at accept, giving its place of max_connections back at once: its
+ * close completes a loop turn later, after the rest of the accept burst it came in, and a
+ * burst refused for one address must not refuse other clients meanwhile. */
+static void conn_refuse(net_conn_t *c)
+{
+    if (c->counted)
+        atomic_fetch_sub(&c->srv->shared->conns, 1);
+    c->counted = false;
+    conn_close(c);
+}
+
 static void on_connection(uv_stream_t *ls, int status)
 {
     net_server_t *s = ls->data;
@@ -2160,6 +2173,7 @@ static void on_connection(uv_stream_t *ls, int status)
     DP_LIST_PUSH(s->conns, c, next, prev);
     s->nconns++;
     atomic_fetch_add(&s->shared->conns, 1);
+    c->counted = true;
     c->sock.on_read = sock_read;
     c->sock.read_target = sock_read_target;
     c->sock.on_error = sock_error;
@@ -2171,7 +2185,7 @@ static void on_connection(uv_stream_t *ls, int status)
     c->parser.data = c;
     c->first_request = true;
     if (uv_accept(ls, (uv_stream_t *)&c->sock.tcp) != 0) {
-        conn_close(c);
+        conn_refuse(c);
         return;
     }
     int nofd = fd_headroom_error();
@@ -2180,7 +2194,7 @@ static void on_connection(uv_stream_t *ls, int status)
          * requests already in flight could not open an upstream connection. Give it back and
          * say why. */
         warn_accept_failed(s, nofd, "out of file descriptors: new connections are closed at once");
-        conn_close(c);
+        conn_refuse(c);
         return;
     }
     if (atomic_load(&s->shared->conns) > s->lim.max_connections || s->draining) {
@@ -2193,7 +2207,7 @@ static void on_connection(uv_stream_t *ls, int status)
                 dp_log_end(w);
             }
         }
-        conn_close(c);
+        conn_refuse(c);
         return;
     }
     if (!conn_client_take(c)) {
@@ -2207,14 +2221,14 @@ static void on_connection(uv_stream_t *ls, int status)
                 dp_log_end(w);
             }
         }
-        conn_close(c);
+        conn_refuse(c);
         return;
     }
     uv_tcp_nodelay(&c->sock.tcp, 1);
     if (s->tls) {
         net_tls_t *t = net_tls_new_server(s->tls);
         if (t == NULL) {
-            conn_close(c);
+            conn_refuse(c);
             return;
         }
         net_sock_use_tls(&c->sock, t);

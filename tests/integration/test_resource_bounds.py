@@ -9,8 +9,10 @@ docs/security.md §7).
   fingerprint rewrite; a bigger answer is passed through as it arrives."""
 
 import json
+import os
 import resource
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -782,6 +784,34 @@ def test_open_streams_hold_little_memory_each():
     if not (SANITIZE or TSAN):
         assert per < 10 * 1024, "%d bytes of RSS per open stream" % per
     for s in streams:
+        s.close()
+    px.stop()
+
+
+def test_a_burst_refused_for_one_address_refuses_no_one_else():
+    """Connections one address has over its bound are closed at accept, and give their place
+    of max_connections back at once: another address's connection in the same accept burst
+    (the process stopped while they queue, then let go) is served."""
+    sim = start_sim("--model", MODEL)
+    px = start_proxy(pools=[pool("p", [MODEL], [sim])], workers=1,
+                     limits={"max_connections": 8, "max_connections_per_client": 1})
+    held = connect_from(px.port)
+    held.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert held.recv(65536).startswith(b"HTTP/1.1 200 ")
+    os.kill(px.popen.pid, signal.SIGSTOP)
+    try:
+        burst = [connect_from(px.port) for _ in range(20)]  # completed by the kernel, queued
+        other = connect_from(px.port, "127.0.0.2")
+    finally:
+        os.kill(px.popen.pid, signal.SIGCONT)
+    other.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+    try:
+        data = other.recv(65536)
+    except ConnectionResetError:
+        data = b""
+    assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+    px.wait_log(lambda l: l.get("msg") == "client_connection_limit")
+    for s in burst + [other, held]:
         s.close()
     px.stop()
 
