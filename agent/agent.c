@@ -54,6 +54,7 @@
 #include "attest/engine.h"
 #include "attest/hash.h"
 #include "attest/oms.h"
+#include "attest/view.h"
 #include "common/args.h"
 #include "common/jw.h"
 #include "common/log.h"
@@ -300,20 +301,20 @@ static void oms_done(agent_t *a, job_t *j)
 static bool is_regular_file(const char *path)
 {
     struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+    return attest_view_stat(path, &st) == 0 && S_ISREG(st.st_mode);
 }
 
 static void job_run(uv_work_t *w)
 {
     job_t *j = dp_container_of(w, job_t, work);
     j->start_ns = dp_now_ns();
-    /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
-    bool oms = j->oms_bundle && !is_regular_file(j->path);
     /* A path the engine names is read with the engine user's rights, in the engine's root
      * (docs/attestation.md, "What the agent measures"). */
     attest_fs_ident_t prev = {0};
     if (j->measured)
         j->rc = attest_as_process_enter("/proc", j->pid, j->pid_start, &prev, &j->err);
+    /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
+    bool oms = j->oms_bundle && !is_regular_file(j->path);
     if (j->rc != 0) {
         /* neither read nor hashed */
     } else if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {
