@@ -776,19 +776,22 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
      * not there for it, and its answers say nothing of folders it cannot enter. */
     attest_fs_ident_t prev;
     attest_locate_t loc = ATTEST_LOC_NOT_VISIBLE;
+    /* --model-dir (the operator's path, looked at as the agent) must be the loaded model or a
+     * folder above it, in the engine's root: anything else names files it is not serving. */
+    struct stat ds;
+    bool dir_ok = a->dir == NULL || stat(a->dir, &ds) == 0;
     if (attest_as_process_enter("/proc", a->eng.pid, a->eng.start, &prev, &why) == 0) {
         loc = attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
         if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
             loc = ATTEST_LOC_NOT_VISIBLE;
+        if (loc == ATTEST_LOC_FOUND && a->dir && dir_ok)
+            dir_ok = attest_located_under(&l, &ds);
         attest_fs_ident_leave(&prev);
     }
     char *target = NULL;
     bool measured = false;
     if (loc == ATTEST_LOC_FOUND) {
-        struct stat ds;
-        /* --model-dir must be the loaded model or a folder above it: anything else names files
-         * the engine is not serving. */
-        if (a->dir && (stat(a->dir, &ds) != 0 || !attest_located_under(&l, &ds)))
+        if (!dir_ok)
             attest_report_add_contradiction(&a->ident, "model_dir", a->dir, r->model_path);
         target = l.path;
         l.path = NULL;

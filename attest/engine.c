@@ -482,7 +482,8 @@ bool attest_located_under(const attest_located_t *l, const struct stat *dir)
     bool under = false;
     for (;;) {
         struct stat st;
-        if (stat(p.base, &st) == 0 && st.st_dev == dir->st_dev && st.st_ino == dir->st_ino) {
+        if (attest_view_stat(p.base, &st) == 0 && st.st_dev == dir->st_dev &&
+            st.st_ino == dir->st_ino) {
             under = true;
             break;
         }

@@ -90,7 +90,8 @@ bool attest_model_still_shaped(const char *path, bool is_file, const attest_snap
                                dp_buf_t *why);
 
 /* Is the folder dir (stat'ed as *dir) the located model itself or a folder above it, on the
- * engine's side of l->prefix? Compared by device and inode, so across mount namespaces. */
+ * engine's side of l->prefix? Compared by device and inode, so across mount namespaces; in the
+ * engine's view when it is on (attest/view.h), as the model was found. */
 bool attest_located_under(const attest_located_t *l, const struct stat *dir);
 
 /* ---- what the engine's process has open or mapped --------------------------------------- */

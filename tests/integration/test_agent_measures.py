@@ -479,37 +479,66 @@ def test_a_model_folder_is_read_as_the_engine_s_user():
         shutil.rmtree(home, ignore_errors=True)
 
 
+def can_give_an_engine_a_root():
+    if os.getuid() != 0 or not all(shutil.which(t) for t in ("unshare", "chroot", "mount")):
+        print("    skipped: needs root, unshare, chroot and mount to give the engine a root")
+        return False
+    return True
+
+
+def engine_root():
+    """A root for a chrooted engine: Debian's /usr (bind-mounted at start) and its links."""
+    root = tempfile.mkdtemp(prefix="detproxy-engine-root-", dir="/tmp")
+    for name in ("usr", "srv"):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), os.path.join(root, name))
+    with open(os.path.join(root, "srv", "fake_llama_server.py"), "w") as f:
+        f.write(FAKE)
+    return root
+
+
+def chrooted_engine(root, port, path, mapped):
+    """The fake llama-server chrooted in root, in a mount namespace of its own (as root there),
+    naming `path` (in its root) as its model and mapping `mapped`."""
+    return start_process(
+        ["unshare", "--mount", "sh", "-c",
+         'mount --bind /usr "$1/usr" && exec chroot "$1" /usr/bin/python3 '
+         '/srv/fake_llama_server.py "$2" "$3" F16 "$4"', "sh", root, str(port), path, mapped],
+        name="chrooted-llama-server")
+
+
+def hf_folder(path):
+    os.makedirs(path, exist_ok=True)
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+
+
+def remove_engine_root(root):
+    # The bind mount is the engine's namespace's alone: here usr is an empty folder.
+    if not os.path.ismount(os.path.join(root, "usr")):
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_an_engine_in_its_own_root_has_its_links_read_there():
     """An engine in a root of its own (a chroot in its own mount namespace, as root there)
     names a model folder whose links are the engine's: `tokenizer.json -> /host/secret` points
     at nothing in the engine's root, and `../../../secret` cannot climb out of it. The agent
     reads the folder as the engine does (the links dangle and are left out, as `find -L`
     leaves them), not through its own root, where both would reach the host's secret."""
-    if os.getuid() != 0 or not all(shutil.which(t) for t in ("unshare", "chroot", "mount")):
-        print("    skipped: needs root, unshare, chroot and mount to give the engine a root")
+    if not can_give_an_engine_a_root():
         return
-    root = tempfile.mkdtemp(prefix="detproxy-engine-root-", dir="/tmp")
+    root = engine_root()
     secret = os.path.join(TMP, "host-secret")
     with open(secret, "w") as f:
         f.write("root:$6$only-the-host-has-this\n")
     try:
-        for name in ("usr", "models/m", "srv"):
-            os.makedirs(os.path.join(root, name), exist_ok=True)
-        for name in ("bin", "lib", "lib64", "sbin"):
-            if os.path.islink("/" + name):
-                os.symlink(os.readlink("/" + name), os.path.join(root, name))
         model = os.path.join(root, "models", "m")
-        for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 4096)):
-            with open(os.path.join(model, name), "wb") as f:
-                f.write(data)
-        with open(os.path.join(root, "srv", "fake_llama_server.py"), "w") as f:
-            f.write(FAKE)
+        hf_folder(model)
         port = free_port()
-        eng = start_process(
-            ["unshare", "--mount", "sh", "-c",
-             'mount --bind /usr "$1/usr" && exec chroot "$1" /usr/bin/python3 '
-             '/srv/fake_llama_server.py "$2" /models/m F16 /models/m/model.safetensors',
-             "sh", root, str(port)], name="chrooted-llama-server")
+        eng = chrooted_engine(root, port, "/models/m", "/models/m/model.safetensors")
         ag = agent(port, "--quantization", "F16")
         def checkpoint():
             return vouched(ag) or None
@@ -534,9 +563,33 @@ def test_an_engine_in_its_own_root_has_its_links_read_there():
         ag.stop()
         eng.stop()
     finally:
-        # The bind mount is the engine's namespace's alone: here usr is an empty folder.
-        if not os.path.ismount(os.path.join(root, "usr")):
-            shutil.rmtree(root, ignore_errors=True)
+        remove_engine_root(root)
+
+
+def test_a_model_dir_is_compared_in_the_engine_s_root():
+    """The path the engine names may itself go through its links (`/models -> /srv/weights`,
+    absolute, in its root): the model is found and hashed there, and a --model-dir naming the
+    folder the link leads to in the engine's root is the loaded model's, no contradiction."""
+    if not can_give_an_engine_a_root():
+        return
+    root = engine_root()
+    try:
+        hf_folder(os.path.join(root, "srv", "weights", "m"))
+        os.symlink("/srv/weights", os.path.join(root, "models"))
+        port = free_port()
+        eng = chrooted_engine(root, port, "/models/m", "/models/m/model.safetensors")
+        ag = agent(port, "--quantization", "F16", "--model-dir",
+                   os.path.join(root, "srv", "weights"))
+        _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash",
+                                os.path.join(root, "srv", "weights", "m")])
+        poll_until(lambda: vouched(ag) == hashed.strip(), what="the model found and hashed")
+        st, p = payload(ag)
+        assert "contradictions" not in p, p
+        assert p["model_path"] == "/models/m", p
+        ag.stop()
+        eng.stop()
+    finally:
+        remove_engine_root(root)
 
 
 def test_a_link_through_proc_self_is_not_followed():
