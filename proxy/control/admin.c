@@ -305,6 +305,11 @@ static int extra_route(px_t *px, net_req_t *req)
             net_resp_send(req, 200, "application/json", ok, sizeof(ok) - 1, NULL, 0);
         } else if (rc == PX_RELOAD_DRAINING) {
             net_resp_error(req, 503, NULL, "draining", NULL, msg.base, NULL, 0);
+        } else if (rc == PX_RELOAD_UNAVAILABLE) {
+            /* A valid file naming what cannot be had now (another detproxy's audit trail or
+             * store, a certificate the TLS library refuses): a conflict with the state of the
+             * host, not a file to fix (docs/operations.md "Reload"). */
+            net_resp_error(req, 409, NULL, "unavailable", NULL, msg.base, NULL, 0);
         } else {
             net_resp_error(req, 400, NULL, "invalid_config", NULL, msg.base, NULL, 0);
         }

@@ -262,7 +262,7 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
         cfg_errors_free(&errs);
         if (px->audit)
             px_audit_reopen(px->audit, NULL, NULL);
-        return -1;
+        return invalid ? -1 : PX_RELOAD_UNAVAILABLE;
     }
     cfg_errors_free(&errs);
     if (!addr_eq(&cfg->listen, &old->listen) || !addr_eq(&cfg->admin_listen, &old->admin_listen))

@@ -816,7 +816,7 @@ def reload_onto_held(px, b, key, value):
     cfg["log"][key] = value
     write_config(cfg, px.dir)
     r = http("POST", px.admin_port, "/admin/reload")
-    assert r.status == 400 and r.json()["error"]["code"] == "invalid_config", r.text
+    assert r.status == 409 and r.json()["error"]["code"] == "unavailable", r.text
     message = r.json()["error"]["message"]
     assert "log.%s: " % key in message and "in use by another detproxy" in message, r.text
     assert "pid %d" % b.popen.pid in message, r.text
@@ -871,7 +871,7 @@ def test_a_reload_that_adds_an_audit_path_another_instance_holds_fails_whole():
     cfg["policy"] = POLICY
     write_config(cfg, os.path.dirname(px.config_path))
     r = http("POST", px.admin_port, "/admin/reload")
-    assert r.status == 400 and "in use by another detproxy" in r.json()["error"]["message"], r.text
+    assert r.status == 409 and "in use by another detproxy" in r.json()["error"]["message"], r.text
     assert metric(px, "detproxy_config_reloads_total", result="failed") == 1
     assert http("GET", px.admin_port, "/readyz").status == 200
     assert http("GET", px.admin_port, "/admin/audit").status == 404
@@ -967,6 +967,31 @@ def test_a_reload_onto_an_audit_store_another_instance_holds_fails_whole():
     complete(px, "d")
     assert set(os.listdir(b.store)) - before, "the new store got no body"
     px.stop()
+
+
+def test_a_reload_that_cannot_have_what_it_names_answers_409_unavailable():
+    """POST /admin/reload tells the two failures apart as reload_failed's cause does: a valid
+    configuration naming what cannot be had now (here another instance's audit file) is 409
+    `unavailable`, nothing to fix in the file; an invalid one is 400 `invalid_config`."""
+    sim_b, b = setup(checkpoint_lines=100)
+    sim, px = setup(checkpoint_lines=100)
+    cfg = json.load(open(px.config_path))
+    cfg["log"]["audit_path"] = b.audit_path
+    write_config(cfg, px.dir)
+    start = len(px.logs)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 409 and r.json()["error"]["code"] == "unavailable", r.text
+    assert "log.audit_path: " in r.json()["error"]["message"], r.text
+    assert px.wait_log("reload_failed", start=start)["cause"] == "unavailable"
+    cfg["log"]["audit_path"] = 17
+    write_config(cfg, px.dir)
+    start = len(px.logs)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 400 and r.json()["error"]["code"] == "invalid_config", r.text
+    assert px.wait_log("reload_failed", start=start)["cause"] == "config_invalid"
+    assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
+    px.stop()
+    b.stop()
 
 
 if __name__ == "__main__":
