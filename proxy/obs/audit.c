@@ -86,6 +86,11 @@ struct px_audit_s {
      * file, then its file lock (-1: none); a reopen back onto that path takes the pair back. */
     int *old_locks;
     size_t nold_locks, old_locks_armed;
+    /* The locks of stores px_audit_configure moved away from while a batch was in flight: that
+     * batch may still put bodies into its store (w_store), so no second writer may take the
+     * folder yet. Released once the batch is done (batch_done). */
+    int *old_store_locks;
+    size_t nold_store_locks;
     batch_t pending, inflight;
     uv_work_t work;
     uv_fs_t fsync_req;
@@ -411,6 +416,15 @@ static void set_file_lock(px_audit_t *a, int fd)
     a->lock_ino = known ? st.st_ino : 0;
 }
 
+/* Close the *n fds of fds (-1: none there) and empty the list. */
+static void close_fds(int *fds, size_t *n)
+{
+    for (size_t i = 0; i < *n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    *n = 0;
+}
+
 /* On the loop with no batch in flight (at open): the file lock moves to a->fd's file, if it is
  * not there yet. 0 or a negative errno (-EWOULDBLOCK: another process holds that file's lock). */
 static int follow_lock(px_audit_t *a)
@@ -711,6 +725,17 @@ static void log_head(px_audit_t *a, int found)
     }
 }
 
+/* The names made in store folder dir reach the disk (each body's bytes were fsynced before its
+ * rename); on the loop. */
+static void sync_folder(px_audit_t *a, const char *dir)
+{
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd) != 0)
+        log_error(a, "fsync", -errno);
+    if (dfd >= 0)
+        close(dfd);
+}
+
 /* Back on the loop: errors, state, then every line's callback with its own status. */
 static void batch_done(px_audit_t *a)
 {
@@ -743,13 +768,20 @@ static void batch_done(px_audit_t *a)
     }
     if (a->w_moved && a->old_locks_armed) {
         /* Nothing more goes to the files they lock. */
-        for (size_t i = 0; i < a->old_locks_armed; i++)
-            if (a->old_locks[i] >= 0)
-                close(a->old_locks[i]);
+        size_t armed = a->old_locks_armed;
+        close_fds(a->old_locks, &armed);
         a->nold_locks -= a->old_locks_armed;
         memmove(a->old_locks, a->old_locks + a->old_locks_armed, a->nold_locks * sizeof(int));
     }
     a->old_locks_armed = 0;
+    if (a->nold_store_locks) {
+        /* The batch is done with the store it used, which a reload replaced meanwhile: the
+         * names it made there reach the disk (the timer syncs only the store in use), then
+         * another writer may take the folder. */
+        if (b->nblobs && a->w_store && (a->store == NULL || strcmp(a->w_store, a->store) != 0))
+            sync_folder(a, a->w_store);
+        close_fds(a->old_store_locks, &a->nold_store_locks);
+    }
     if (a->w_locked) {
         dp_buf_t why = {0};
         dp_buf_printf(&why,
@@ -844,11 +876,7 @@ static void sync_store(px_audit_t *a)
     if (!a->store_dirty || a->store == NULL)
         return;
     a->store_dirty = false;
-    int dfd = open(a->store, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0 || fsync(dfd) != 0)
-        log_error(a, "fsync", -errno);
-    if (dfd >= 0)
-        close(dfd);
+    sync_folder(a, a->store);
 }
 
 static void fsync_timer_cb(uv_timer_t *t)
@@ -1075,6 +1103,22 @@ px_audit_t *px_audit_open(uv_loop_t *loop, const char *path, dp_buf_t *err)
     return a;
 }
 
+/* The writer's lock on the store lock file lp: that of the store in use, or of one a batch in
+ * flight may still write into (old_store_locks); -1 when it holds none there. */
+static int held_store_lock(const px_audit_t *a, const char *lp)
+{
+    struct stat held, st;
+    if (a == NULL || stat(lp, &st) != 0)
+        return -1;
+    for (size_t i = 0; i <= a->nold_store_locks; i++) {
+        int fd = i == 0 ? a->store_lock_fd : a->old_store_locks[i - 1];
+        if (fd >= 0 && fstat(fd, &held) == 0 && held.st_dev == st.st_dev &&
+            held.st_ino == st.st_ino)
+            return fd;
+    }
+    return -1;
+}
+
 int px_audit_store_lock(const px_audit_t *a, const char *store, dp_buf_t *err)
 {
     char lp[4096], what[4200];
@@ -1082,10 +1126,9 @@ int px_audit_store_lock(const px_audit_t *a, const char *store, dp_buf_t *err)
     /* The writer's own lock on that folder's lock file, however the folder is spelled, is
      * shared rather than taken again: a second flock of this process's would be refused as if
      * another process held it. */
-    struct stat held, st;
-    if (a && a->store_lock_fd >= 0 && fstat(a->store_lock_fd, &held) == 0 && stat(lp, &st) == 0 &&
-        held.st_dev == st.st_dev && held.st_ino == st.st_ino) {
-        int fd = fcntl(a->store_lock_fd, F_DUPFD_CLOEXEC, 0);
+    int held = held_store_lock(a, lp);
+    if (held >= 0) {
+        int fd = fcntl(held, F_DUPFD_CLOEXEC, 0);
         if (fd < 0 && err)
             dp_buf_printf(err, "audit store %s: cannot keep its lock: %s", store, strerror(errno));
         return fd;
@@ -1104,8 +1147,15 @@ int px_audit_configure(px_audit_t *a, const char *store, int store_lock, const c
 {
     assert((store == NULL) == (store_lock < 0));
     int rc = 0;
-    if (a->store_lock_fd >= 0)
+    if (a->store_lock_fd >= 0 && a->writing && a->w_store) {
+        /* The batch in flight may be putting bodies into the store used before: its lock is
+         * held until that batch is done (batch_done), as a moved audit file's are. */
+        a->old_store_locks =
+            dp_xrealloc(a->old_store_locks, (a->nold_store_locks + 1) * sizeof(int));
+        a->old_store_locks[a->nold_store_locks++] = a->store_lock_fd;
+    } else if (a->store_lock_fd >= 0) {
         close(a->store_lock_fd);
+    }
     a->store_lock_fd = store_lock;
     free(a->store);
     a->store = store ? dp_xstrdup(store) : NULL;
@@ -1411,10 +1461,10 @@ void px_audit_close(px_audit_t *a)
         close(a->file_lock_fd);
     close(a->lock_fd);
     uv_mutex_destroy(&a->head_mu);
-    for (size_t i = 0; i < a->nold_locks; i++)
-        if (a->old_locks[i] >= 0)
-            close(a->old_locks[i]);
+    close_fds(a->old_locks, &a->nold_locks);
     free(a->old_locks);
+    close_fds(a->old_store_locks, &a->nold_store_locks);
+    free(a->old_store_locks);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);
 }

@@ -47,14 +47,17 @@ void px_audit_write(px_audit_t *a, const char *line, size_t n, px_audit_cb cb, v
 /* The lock of audit store folder store (STORE/.lock, holding our pid), taken ahead of the
  * px_audit_configure that is to use the store, so that a store another process holds refuses
  * a start or a reload before anything of it is applied. a (may be NULL) is the writer: a lock
- * it holds on that folder already is shared (a dup), not taken again. The lock (an fd, the
- * caller's until handed to px_audit_configure); -1 when another process holds it or it cannot
- * be made (logged as audit_locked, naming the holder's pid; *err, may be NULL, says why). */
+ * it holds on that folder already (the store in use, or one a batch in flight still writes
+ * into) is shared (a dup), not taken again. The lock (an fd, the caller's until handed to
+ * px_audit_configure); -1 when another process holds it or it cannot be made (logged as
+ * audit_locked, naming the holder's pid; *err, may be NULL, says why). */
 int px_audit_store_lock(const px_audit_t *a, const char *store, dp_buf_t *err);
 /* Store folder (NULL: none) with its lock from px_audit_store_lock (taken over; -1 exactly when
  * store is NULL), signing key file (NULL: no checkpoints), checkpoint interval, and whether a
  * line whose bodies failed is dropped (fail_closed); at start and on reload. The lock of the
- * store used before is released. 0; -1 when the key does not load (logged: no checkpoints). */
+ * store used before is released once nothing writes into it: at once, or when the batch in
+ * flight (which may be storing bodies there) is done. 0; -1 when the key does not load
+ * (logged: no checkpoints). */
 int px_audit_configure(px_audit_t *a, const char *store, int store_lock, const char *signing_key,
                        uint32_t checkpoint_lines, bool fail_closed);
 bool px_audit_stores(const px_audit_t *a);

@@ -20,11 +20,11 @@ POLICY = {"tenants": [
 ]}
 
 
-def setup(checkpoint_lines=3, key=True, flavor="vllm", limits=None):
+def setup(checkpoint_lines=3, key=True, flavor="vllm", limits=None, audit_fail="closed"):
     d = tempfile.mkdtemp(prefix="detproxy-evidence-")
     sim = start_sim("--model", "m1", "--flavor", flavor)
     log = {"level": "info", "audit_path": "audit.jsonl", "audit_store": "store",
-           "audit_checkpoint_lines": checkpoint_lines}
+           "audit_checkpoint_lines": checkpoint_lines, "audit_fail": audit_fail}
     os.mkdir(os.path.join(d, "store"))
     if key:
         rc, out, err = run_cmd([DETPROXY_BIN, "attest", "keygen", "--out",

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import tempfile
@@ -14,8 +15,8 @@ import time
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, post_json, run_cmd,
-                     run_tests, start_process, start_sim)
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, post_json,
+                     run_cmd, run_tests, start_process, start_sim)
 from proxyutil import metric, pool, start_proxy, write_config
 from test_evidence import AUTH, POLICY, complete, lines, setup, verify
 
@@ -992,6 +993,100 @@ def test_a_reload_that_cannot_have_what_it_names_answers_409_unavailable():
     assert metric(px, "detproxy_config_reloads_total", result="failed") == 2
     px.stop()
     b.stop()
+
+
+def held(path):
+    """Whether a lock is held on path: a flock through a fresh open file description here
+    conflicts with the holder's as a second detproxy's would."""
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+class StoreWriteHeld:
+    """A store write held mid-body. The forwarded body of a request answered once is removed
+    from the store, and a FIFO with a one-page pipe put under the name the writer stores it
+    under (STORE/.tmp.SHA.PID): the same request again has its batch block on the thread pool
+    writing that body into the pipe, which is seen (the pipe readable) before this returns,
+    until release() reads it empty and puts the first request's body back. The store write then
+    fails (a pipe cannot be fsynced), so under audit_fail open the line is written saying its
+    bodies are not stored."""
+
+    def __init__(self, px, prompt, store):
+        body = {"model": "m1", "prompt": prompt, "max_tokens": 8}
+        first = post_json(px.port, "/v1/completions", body, headers=AUTH)
+        assert first.status == 200, first
+        rid = first.headers["x-detproxy-request-id"]
+        line = poll_until(lambda: [l for l in lines(px.audit_path) if l.get("request_id") == rid],
+                          what="the first request's line")[0]
+        self.body = os.path.join(store, line["forwarded_body_sha256"])
+        with open(self.body, "rb") as f:
+            self.bytes = f.read()
+        os.unlink(self.body)
+        fifo = os.path.join(store, ".tmp.%s.%d" % (os.path.basename(self.body), px.popen.pid))
+        os.mkfifo(fifo)
+        self.rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        fcntl.fcntl(self.rfd, fcntl.F_SETPIPE_SZ, 4096)  # the body is larger: its write blocks
+        self.answer = []
+        self.thread = threading.Thread(target=lambda: self.answer.append(
+            post_json(px.port, "/v1/completions", body, headers=AUTH, timeout=60)))
+        self.thread.start()
+        ready, _, _ = select.select([self.rfd], [], [], 20 * SLOW)
+        assert ready, "the store write never began"
+
+    def release(self):
+        """Let the write finish; the second request's answer."""
+        while True:
+            select.select([self.rfd], [], [], 20 * SLOW)
+            try:
+                if not os.read(self.rfd, 65536):
+                    break  # the writer closed it
+            except BlockingIOError:
+                continue
+        os.close(self.rfd)
+        self.thread.join(60)
+        with open(self.body, "wb") as f:  # the first line's body, for `audit verify`
+            f.write(self.bytes)
+        assert self.answer, "the held request was never answered"
+        return self.answer[0]
+
+
+HELD_PROMPT = "a prompt larger than one page of pipe " * 300
+
+
+def test_a_reload_moving_or_removing_the_audit_store_keeps_its_lock_until_its_write_is_done():
+    """A reload onto another audit_store, or one without any, while a body is being written
+    into the store used before: that store's lock is held until the write is done (as a moved
+    audit file's are until its lines are written), so no second writer takes the folder while
+    one of our bodies may still land in it; then it is released, and the new store's lock is
+    held."""
+    sim, px = setup(checkpoint_lines=100, audit_fail="open")
+    cfg = json.load(open(px.config_path))
+    store2 = os.path.join(px.dir, "store2")
+    os.mkdir(store2)
+    for n, (store, to) in enumerate(((px.store, store2), (store2, None))):
+        hold = StoreWriteHeld(px, HELD_PROMPT + str(n), store)
+        if to:
+            cfg["log"]["audit_store"] = to
+        else:
+            del cfg["log"]["audit_store"]
+        write_config(cfg, px.dir)
+        r = http("POST", px.admin_port, "/admin/reload")
+        assert r.status == 200, r.text
+        lock = os.path.join(store, ".lock")
+        assert held(lock), "%s released while a body was being written into it" % lock
+        if to:
+            assert held(os.path.join(to, ".lock"))
+        assert hold.release().status == 200
+        poll_until(lambda: not held(lock), what="%s released once its write was done" % lock)
+        if to:
+            assert held(os.path.join(to, ".lock")), "the new store's lock went"
+    assert get_json(px.admin_port, "/admin/audit")["store"] is None
+    complete(px, "without a store")
+    px.stop()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-/* proxy/obs/audit: the writer's locks across a reload onto another audit_path. Lines queued
- * before the reopen, and the batch in flight, still go to the old file: its locks are held
- * until they are written, so no second writer can start on the old trail meanwhile. */
+/* proxy/obs/audit: the writer's locks across a reload onto another audit_path or audit_store.
+ * Lines queued before the reopen, and the batch in flight, still go to the old file (bodies
+ * the batch in flight stores, to the old store): their locks are held until they are written,
+ * so no second writer can start on the old trail meanwhile, and are released then. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <uv.h>
@@ -91,5 +93,56 @@ Test(audit_writer, the_old_path_stays_locked_until_its_lines_are_written)
     cr_assert(lockable(a_lock));
     cr_assert(lockable(a_path));
     cr_assert_not(lockable(b_path));
+    px_audit_close(a);
+}
+
+/* A writer on path storing bodies in store (a folder made here). */
+static px_audit_t *open_storing(const char *path, const char *store)
+{
+    cr_assert_eq(mkdir(store, 0700), 0);
+    px_audit_t *a = px_audit_open(&g_loop, path, NULL);
+    cr_assert_not_null(a);
+    int lock = px_audit_store_lock(a, store, NULL);
+    cr_assert_geq(lock, 0);
+    px_audit_configure(a, store, lock, NULL, 0, true);
+    return a;
+}
+
+static void lines_in_flight(px_audit_t *a, int n, const char *sha)
+{
+    const char *line = "{\"request_id\":\"x\"}\n";
+    px_audit_body_t body = {sha, "body", 4, NULL};
+    for (int i = 0; i < n; i++)
+        px_audit_write_bodies(a, line, strlen(line), &body, 1, written, NULL);
+}
+
+Test(audit_writer, the_old_store_stays_locked_until_the_batch_in_flight_is_done)
+{
+    char path[128], s1[128], s2[128], l1[136], l2[136];
+    snprintf(path, sizeof(path), "%s/a.jsonl", g_dir);
+    snprintf(s1, sizeof(s1), "%s/s1", g_dir);
+    snprintf(s2, sizeof(s2), "%s/s2", g_dir);
+    snprintf(l1, sizeof(l1), "%s/.lock", s1);
+    snprintf(l2, sizeof(l2), "%s/.lock", s2);
+    cr_assert_eq(mkdir(s2, 0700), 0);
+    px_audit_t *a = open_storing(path, s1);
+    const char *sha = "2222222222222222222222222222222222222222222222222222222222222222";
+    lines_in_flight(a, 1, sha); /* its batch, storing into s1, is in flight */
+    int lock = px_audit_store_lock(a, s2, NULL);
+    cr_assert_geq(lock, 0);
+    px_audit_configure(a, s2, lock, NULL, 0, true);
+    cr_assert_not(lockable(l1), "s1's lock went while a body was being stored there");
+    /* Back onto s1 before that batch is done: its lock is still the writer's own. */
+    lock = px_audit_store_lock(a, s1, NULL);
+    cr_assert_geq(lock, 0, "s1's lock, still held for the batch in flight, was not shared");
+    px_audit_configure(a, s1, lock, NULL, 0, true);
+    cr_assert_not(lockable(l2));
+    while (g_done < 1)
+        uv_run(&g_loop, UV_RUN_ONCE);
+    char body[256];
+    snprintf(body, sizeof(body), "%s/%s", s1, sha);
+    cr_assert_eq(access(body, F_OK), 0, "the body is not in the store its batch began with");
+    cr_assert(lockable(l2), "s2's lock was kept after the batch was done");
+    cr_assert_not(lockable(l1), "s1's lock went with the store still in use");
     px_audit_close(a);
 }
