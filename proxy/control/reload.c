@@ -147,6 +147,20 @@ static int audit_take(px_t *px, const char *path, cfg_errors_t *errs)
     return rc;
 }
 
+/* The new configuration has no audit trail (no tenant is audited: config validation): the
+ * writer finishes the lines queued before the reload in its file, then closes it and lets go
+ * of its locks, as a move lets go of the old path's, so another detproxy may take the trail
+ * on. Lines submitted from now on (requests begun under the old configuration) have no writer:
+ * their callbacks get UV_ECANCELED. */
+static void audit_retire(px_t *px)
+{
+    px_audit_retire(px->audit);
+    px->audit_retired =
+        dp_xrealloc(px->audit_retired, (px->naudit_retired + 1) * sizeof(*px->audit_retired));
+    px->audit_retired[px->naudit_retired++] = px->audit;
+    px->audit = NULL;
+}
+
 /* The lock of the audit store store for the writer: *lock, or -1 when another process holds it
  * (another detproxy stores its bodies there), with the reason as a configuration error naming
  * the key. */
@@ -294,7 +308,9 @@ int px_reload_msg(px_t *px, const char *why, dp_buf_t *msg)
     px_gen_t *g = px_gen_new(px, cfg, prev);
     px->gen = g;
     dp_log_set_level((dp_log_level_t)cfg->log.level);
-    if (px->audit && !audit_to) /* moved (audit_take) or opened there already */
+    if (px->audit && cfg->log.audit_path == NULL)
+        audit_retire(px);
+    else if (px->audit && !audit_to) /* moved (audit_take) or opened there already */
         px_audit_reopen(px->audit, NULL, NULL);
     if (cfg->log.audit_path) {
         assert(px->audit != NULL); /* opened at start, or by take_named */

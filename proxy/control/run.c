@@ -202,6 +202,10 @@ static void run_end(px_t *px)
         px_workers_join(px);
     if (px->audit)
         px_audit_close(px->audit); /* flush and fsync: no audit line is lost on a clean exit */
+    for (size_t i = 0; i < px->naudit_retired; i++)
+        px_audit_close(px->audit_retired[i]);
+    free(px->audit_retired);
+    px->audit_retired = NULL;
     net_tls_ctx_unref(px->tls);
     px_gen_unref(px->gen);
     px->gen = NULL;

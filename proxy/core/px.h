@@ -56,6 +56,11 @@ struct px_s {
     px_attest_ctx_t *attest;
     px_shadow_ctx_t *shadow;
     px_audit_t *audit;
+    /* Writers a reload turned off (px_audit_retire), holding nothing once their lines are
+     * written; freed at exit, since a worker may still read the writable flag of the one it
+     * last saw as `audit` (data/hooks.c). */
+    px_audit_t **audit_retired;
+    size_t naudit_retired;
     px_discovery_t *discovery;
     px_otel_ctx_t *otel;
     px_fleet_t *fleet;         /* NULL without a fleet section */

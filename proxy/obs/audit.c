@@ -91,6 +91,9 @@ struct px_audit_s {
      * folder yet. Released once the batch is done (batch_done). */
     int *old_store_locks;
     size_t nold_store_locks;
+    /* px_audit_retire: no line is taken any more; once those queued before it are written
+     * (retiring), the file is closed and every lock released (released). */
+    bool retiring, released;
     batch_t pending, inflight;
     uv_work_t work;
     uv_fs_t fsync_req;
@@ -127,6 +130,7 @@ struct px_audit_s {
 };
 
 static void start_write(px_audit_t *a);
+static void maybe_release(px_audit_t *a);
 
 /* The audit file for appending; -1 with errno set. Only a regular file: a FIFO put in its place
  * would block the open (no reader) or swallow the lines (one), so the open does not wait
@@ -824,6 +828,7 @@ static void after_work_cb(uv_work_t *req, int status)
     run_callbacks(a, &a->inflight);
     batch_clear(&a->inflight);
     start_write(a);
+    maybe_release(a);
 }
 
 static void swap_batches(px_audit_t *a)
@@ -867,6 +872,7 @@ static void fsync_cb(uv_fs_t *req)
         log_error(a, "fsync", (int)req->result);
     uv_fs_req_cleanup(req);
     a->syncing = false;
+    maybe_release(a); /* its file was kept open for this fsync */
 }
 
 /* The store's new names reach the disk on the same once-a-second beat as the lines (each body's
@@ -1146,6 +1152,7 @@ int px_audit_configure(px_audit_t *a, const char *store, int store_lock, const c
                        uint32_t checkpoint_lines, bool fail_closed)
 {
     assert((store == NULL) == (store_lock < 0));
+    assert(!a->retiring);
     int rc = 0;
     if (a->store_lock_fd >= 0 && a->writing && a->w_store) {
         /* The batch in flight may be putting bodies into the store used before: its lock is
@@ -1214,6 +1221,7 @@ void px_audit_state(const px_audit_t *a, px_audit_state_t *out)
 void px_audit_write_bodies(px_audit_t *a, const char *line, size_t n, const px_audit_body_t *b,
                            size_t nb, px_audit_cb cb, void *data)
 {
+    assert(!a->retiring);
     batch_t *p = &a->pending;
     entry_t *e = batch_add(p, E_LINE);
     for (size_t i = 0; a->store && i < nb; i++) {
@@ -1371,6 +1379,7 @@ static int reclaim_old_locks(px_audit_t *a, const char *path, int *file_lock)
 
 int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err)
 {
+    assert(!a->retiring);
     if (path && strcmp(path, a->path) != 0) {
         dp_buf_t why = {0};
         int file_lock = -1;
@@ -1418,6 +1427,69 @@ int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err)
     return 0;
 }
 
+/* Lines were written or are to be, unsigned since the last checkpoint: a closing checkpoint
+ * is due (a process that wrote none and finds none unsigned, a start refused after the audit
+ * file was opened, leaves the trail as it found it). The batch in flight owns the chain: while
+ * one is, it is due. */
+static bool closing_checkpoint_due(const px_audit_t *a)
+{
+    return a->key &&
+           (a->writing || a->lines || !batch_empty(&a->pending) || a->chain.since_checkpoint);
+}
+
+/* The writer holds nothing on disk any more: the store's new names and the file made durable,
+ * the file closed, every lock released. Idempotent. */
+static void let_go(px_audit_t *a)
+{
+    sync_store(a);
+    if (a->fd >= 0) {
+        fsync(a->fd);
+        close(a->fd);
+        a->fd = -1;
+    }
+    if (a->store_lock_fd >= 0)
+        close(a->store_lock_fd);
+    a->store_lock_fd = -1;
+    set_file_lock(a, -1);
+    if (a->lock_fd >= 0)
+        close(a->lock_fd);
+    a->lock_fd = -1;
+    close_fds(a->old_locks, &a->nold_locks);
+    close_fds(a->old_store_locks, &a->nold_store_locks);
+}
+
+/* A retiring writer whose lines are all written (no batch in flight, nothing queued: the
+ * queue was closed by px_audit_retire) and whose file no fsync uses lets go of it. */
+static void maybe_release(px_audit_t *a)
+{
+    if (!a->retiring || a->released || a->writing || a->syncing)
+        return;
+    assert(batch_empty(&a->pending));
+    a->released = true;
+    uv_timer_stop(&a->fsync_timer);
+    let_go(a);
+    dp_jw_t *w = dp_log_begin(DP_LOG_INFO, "audit_closed");
+    if (w) {
+        dp_jw_str(w, "path", a->path);
+        dp_jw_uint(w, "lines", a->lines);
+        dp_jw_str(w, "detail",
+                  "the configuration has no audit_path any more: the lines queued "
+                  "before the reload are written, the file is closed and its locks "
+                  "released");
+        dp_log_end(w);
+    }
+}
+
+void px_audit_retire(px_audit_t *a)
+{
+    assert(!a->retiring && !a->closing);
+    a->retiring = true;
+    if (closing_checkpoint_due(a))
+        batch_add(&a->pending, E_CHECKPOINT)->reason = "shutdown";
+    start_write(a);
+    maybe_release(a);
+}
+
 static void timer_closed(uv_handle_t *h)
 {
     free(h->data);
@@ -1425,13 +1497,12 @@ static void timer_closed(uv_handle_t *h)
 
 void px_audit_close(px_audit_t *a)
 {
-    /* A thread-pool batch may still be running: let the loop finish it first. */
+    /* A thread-pool batch may still be running: let the loop finish it first (a retiring
+     * writer's queue with it: it lets go once that is written). */
     while (a->writing || a->syncing)
         uv_run(a->loop, UV_RUN_ONCE);
     a->closing = true;
-    /* A process that wrote no line and finds none unsigned (a start refused after the audit
-     * file was opened: a port or the store taken) leaves the trail as it found it. */
-    if (a->key && (a->lines || !batch_empty(&a->pending) || a->chain.since_checkpoint))
+    if (!a->retiring && closing_checkpoint_due(a))
         batch_add(&a->pending, E_CHECKPOINT)->reason = "shutdown";
     if (!batch_empty(&a->pending)) {
         swap_batches(a);
@@ -1439,12 +1510,7 @@ void px_audit_close(px_audit_t *a)
         batch_done(a);
         run_callbacks(a, &a->inflight);
     }
-    sync_store(a);
-    if (a->fd >= 0) {
-        fsync(a->fd);
-        close(a->fd);
-        a->fd = -1;
-    }
+    let_go(a);
     for (size_t i = 0; i < a->pending.ne; i++) /* queued by the callbacks above: not written */
         a->pending.e[i].status = UV_ECANCELED;
     run_callbacks(a, &a->pending);
@@ -1455,15 +1521,8 @@ void px_audit_close(px_audit_t *a)
     free(a->retired);
     free(a->store);
     free(a->path);
-    if (a->store_lock_fd >= 0)
-        close(a->store_lock_fd);
-    if (a->file_lock_fd >= 0)
-        close(a->file_lock_fd);
-    close(a->lock_fd);
     uv_mutex_destroy(&a->head_mu);
-    close_fds(a->old_locks, &a->nold_locks);
     free(a->old_locks);
-    close_fds(a->old_store_locks, &a->nold_store_locks);
     free(a->old_store_locks);
     a->fsync_timer.data = a;
     uv_close((uv_handle_t *)&a->fsync_timer, timer_closed);

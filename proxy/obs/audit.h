@@ -100,8 +100,16 @@ void px_audit_submit(struct px_s *px, const char *line, size_t n, const px_audit
  * path whose flock another process holds is met by the batch (logged as audit_locked then): the
  * writer stays on its file too. */
 int px_audit_reopen(px_audit_t *a, const char *path, dp_buf_t *err);
-/* Flush everything synchronously, fsync, close, unlock and free (shutdown). Callbacks of
- * pending lines run with their status before it returns. */
+/* The configuration has no audit trail any more (a reload removed audit_path): no line is
+ * taken from now on (the caller drops a from where lines are submitted); the lines queued
+ * before, and with a signing key a shutdown checkpoint after them, are written to the file,
+ * then it is fsynced and closed and every lock released: the path's, the file's and the
+ * store's, as a move releases the old path's (logged as audit_closed). a stays valid, holding
+ * nothing, until px_audit_close frees it. */
+void px_audit_retire(px_audit_t *a);
+/* Flush everything synchronously, fsync, close, unlock and free (shutdown; a retired writer
+ * first writes what its retirement has not yet). Callbacks of pending lines run with their
+ * status before it returns. */
 void px_audit_close(px_audit_t *a);
 
 #endif

@@ -1057,6 +1057,46 @@ class StoreWriteHeld:
 HELD_PROMPT = "a prompt larger than one page of pipe " * 300
 
 
+def test_a_reload_that_removes_the_audit_path_lets_go_of_the_trail_once_its_lines_are_written():
+    """A reload whose configuration has no audit_path any more (so no tenant audited) turns the
+    trail off as a move onto another path does: the lines queued before it still go into the
+    file (here one whose store write is held), a shutdown checkpoint signs them, then the file
+    is closed and the locks of the path, the file and the store are released (audit_closed),
+    so a second detproxy can take the trail on. Until then they are all held."""
+    sim, px = setup(checkpoint_lines=100, audit_fail="open")
+    hold = StoreWriteHeld(px, HELD_PROMPT, px.store)
+    cfg = json.load(open(px.config_path))
+    cfg["log"] = {"level": "info"}
+    cfg["policy"] = {"tenants": [dict(t, audit=False) for t in POLICY["tenants"]]}
+    write_config(cfg, px.dir)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 200, r.text
+    locks = (px.audit_path + ".lock", px.audit_path, os.path.join(px.store, ".lock"))
+    for path in locks:
+        assert held(path), "%s released with a line still to be written" % path
+    assert not px.find_logs("audit_closed")
+    r = hold.release()
+    assert r.status == 200, r  # audit_fail open: served, its line says the body is not stored
+    closed = px.wait_log("audit_closed")
+    assert closed["path"] == px.audit_path, closed
+    for path in locks:
+        assert not held(path), "%s still held after the trail was turned off" % path
+    got = lines(px.audit_path)
+    assert got[-2]["request_id"] == r.headers["x-detproxy-request-id"], got[-2:]
+    assert got[-2]["bodies_stored"] is False, got[-2]
+    assert got[-1]["checkpoint"]["reason"] == "shutdown", got[-1]
+    rc, out, err = verify(px)
+    assert rc == 0, out + err
+    assert http("GET", px.admin_port, "/admin/audit").status == 404
+    complete(px, "after the reload")  # answered, and no line anywhere
+    assert lines(px.audit_path) == got
+    second = second_instance_on(px, px.audit_path)
+    assert second is not None, "a second instance could not take the trail on"
+    complete(second, "theirs")
+    second.stop()
+    px.stop()
+
+
 def test_a_reload_moving_or_removing_the_audit_store_keeps_its_lock_until_its_write_is_done():
     """A reload onto another audit_store, or one without any, while a body is being written
     into the store used before: that store's lock is held until the write is done (as a moved

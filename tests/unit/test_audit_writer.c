@@ -1,7 +1,7 @@
-/* proxy/obs/audit: the writer's locks across a reload onto another audit_path or audit_store.
- * Lines queued before the reopen, and the batch in flight, still go to the old file (bodies
- * the batch in flight stores, to the old store): their locks are held until they are written,
- * so no second writer can start on the old trail meanwhile, and are released then. */
+/* proxy/obs/audit: the writer's locks across a reload onto another audit_path or audit_store,
+ * or one that removes the trail. Lines queued before the reopen (or the retirement), and the
+ * batch in flight, still go to the old file and store: their locks are held until they are
+ * written, so no second writer can start on the old trail meanwhile, and are released then. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -114,6 +114,30 @@ static void lines_in_flight(px_audit_t *a, int n, const char *sha)
     px_audit_body_t body = {sha, "body", 4, NULL};
     for (int i = 0; i < n; i++)
         px_audit_write_bodies(a, line, strlen(line), &body, 1, written, NULL);
+}
+
+Test(audit_writer, a_retired_writer_writes_its_queued_lines_then_lets_go_of_every_lock)
+{
+    char path[128], lock[136], store[128], store_lock[136];
+    snprintf(path, sizeof(path), "%s/a.jsonl", g_dir);
+    snprintf(lock, sizeof(lock), "%s.lock", path);
+    snprintf(store, sizeof(store), "%s/store", g_dir);
+    snprintf(store_lock, sizeof(store_lock), "%s/.lock", store);
+    px_audit_t *a = open_storing(path, store);
+    /* The first line's batch goes in flight, the two after it wait for it. */
+    lines_in_flight(a, 3, "1111111111111111111111111111111111111111111111111111111111111111");
+    px_audit_retire(a);
+    cr_assert_not(lockable(lock), "the path's lock went while its lines were still to be written");
+    cr_assert_not(lockable(path), "the file lock went while its lines were still to be written");
+    cr_assert_not(lockable(store_lock), "the store's lock went while bodies were to be stored");
+    while (g_done < 3)
+        uv_run(&g_loop, UV_RUN_ONCE);
+    cr_assert_eq(count_lines(path), 3);
+    /* Written, and nothing more comes: the trail is free for whoever takes it on. */
+    cr_assert(lockable(lock));
+    cr_assert(lockable(path));
+    cr_assert(lockable(store_lock));
+    px_audit_close(a);
 }
 
 Test(audit_writer, the_old_store_stays_locked_until_the_batch_in_flight_is_done)
