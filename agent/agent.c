@@ -298,6 +298,7 @@ static void oms_done(agent_t *a, job_t *j)
     }
 }
 
+/* In the engine's view when it is on (a path the engine names: attest/view.h). */
 static bool is_regular_file(const char *path)
 {
     struct stat st;
@@ -313,8 +314,10 @@ static void job_run(uv_work_t *w)
     attest_fs_ident_t prev = {0};
     if (j->measured)
         j->rc = attest_as_process_enter("/proc", j->pid, j->pid_start, &prev, &j->err);
-    /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. */
-    bool oms = j->oms_bundle && !is_regular_file(j->path);
+    /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. Looked
+     * at in the engine's view: through the agent's root, a link in the engine's root would
+     * say whether the agent has a file where it leads. */
+    bool oms = j->rc == 0 && j->oms_bundle && !is_regular_file(j->path);
     if (j->rc != 0) {
         /* neither read nor hashed */
     } else if (j->measured && !attest_model_shaped(j->path, j->path, &j->err)) {

@@ -316,8 +316,7 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
         return always_local ? ATTEST_LOC_NOT_VISIBLE : ATTEST_LOC_NOT_LOCAL;
     }
     if (engine_path[0] == '/') {
-        bool have_direct = stat(engine_path, &direct) == 0;
-        bool have_via = false, other_root = false;
+        bool have_via = false, other_root = false, root_known = false;
         if (pid > 0) {
             snprintf(prefix, sizeof(prefix), "%s/%d/root", proc, (int)pid);
             dp_buf_t p = {0};
@@ -325,15 +324,18 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
             have_via = attest_view_stat(p.base, &via) == 0;
             dp_buf_free(&p);
             struct stat er, ar;
-            other_root = stat(prefix, &er) == 0 && stat("/", &ar) == 0 &&
-                         (er.st_dev != ar.st_dev || er.st_ino != ar.st_ino);
+            root_known = stat(prefix, &er) == 0 && stat("/", &ar) == 0;
+            other_root = root_known && (er.st_dev != ar.st_dev || er.st_ino != ar.st_ino);
         }
-        /* The same file both ways: the plain path, which outlives this process. An engine with
-         * a root of its own (a container, a chroot) names a path there only: the agent's file
-         * of that name is not the engine's, whatever it holds. */
-        if (have_direct &&
-            ((!have_via && !other_root) ||
-             (have_via && direct.st_dev == via.st_dev && direct.st_ino == via.st_ino))) {
+        /* The agent's own file of that name is looked at only when it can be the engine's:
+         * the engine's root is the agent's (or the engine's process is out of sight). For an
+         * engine with a root of its own, whether the agent has such a file must not show in
+         * the answer either: that would tell the engine what the host holds. */
+        bool have_direct =
+            (pid <= 0 || (root_known && !other_root)) && stat(engine_path, &direct) == 0;
+        /* The same file both ways: the plain path, which outlives this process. */
+        if (have_direct && ((!have_via && pid <= 0) || (have_via && direct.st_dev == via.st_dev &&
+                                                        direct.st_ino == via.st_ino))) {
             located(l, "", engine_path);
             return ATTEST_LOC_FOUND;
         }
@@ -341,21 +343,20 @@ attest_locate_t attest_engine_locate(const char *proc, pid_t pid, const char *en
             located(l, prefix, engine_path);
             return ATTEST_LOC_FOUND;
         }
-        struct stat root;
         if (pid <= 0)
             dp_buf_printf(why,
                           "the engine loaded %.200s, which the agent cannot see (mount the model "
                           "at the same path, or share the engine's process namespace)",
                           engine_path);
-        else if (stat(prefix, &root) != 0)
+        else if (!root_known)
             dp_buf_printf(why,
                           "the engine loaded %.200s, which the agent cannot see (%s: %s; the "
                           "agent needs the engine's uid or CAP_SYS_PTRACE)",
                           engine_path, prefix, strerror(errno));
-        else if (have_direct)
+        else if (other_root)
             dp_buf_printf(why,
                           "the engine loaded %.200s, which is not in the engine's root (%s): "
-                          "the agent's file of that name is not the engine's",
+                          "deleted or moved since it was loaded, or never there?",
                           engine_path, prefix);
         else
             dp_buf_printf(why,
@@ -482,6 +483,8 @@ bool attest_located_under(const attest_located_t *l, const struct stat *dir)
     bool under = false;
     for (;;) {
         struct stat st;
+        /* In the engine's view when it is on: a link on the way resolves in the engine's root,
+         * not the agent's (a link to the agent's --model-dir is not that folder). */
         if (attest_view_stat(p.base, &st) == 0 && st.st_dev == dir->st_dev &&
             st.st_ino == dir->st_ino) {
             under = true;
@@ -717,6 +720,16 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
     }
     out->uid = (uid_t)uid;
     out->gid = (gid_t)gid;
+    const char *ce = status_line(b.base, "CapEff:");
+    if (ce) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(ce, &end, 16);
+        if (end != ce && errno == 0) {
+            out->cap_eff = (uint64_t)v;
+            out->cap_eff_known = true;
+        }
+    }
     const char *g = status_line(b.base, "Groups:");
     if (g) {
         size_t cap = 0;
@@ -803,8 +816,25 @@ void attest_fs_ident_leave(attest_fs_ident_t *prev)
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err)
 {
     memset(prev, 0, sizeof(*prev));
-    if (geteuid() != 0 || id->uid == 0)
+    if (geteuid() != 0)
         return 0;
+    struct __user_cap_data_struct d[2];
+    int e = -caps_get(d);
+    if (e != 0) {
+        dp_buf_printf(err, "reading as the engine's user: capget: %s", strerror(e));
+        return -e;
+    }
+    /* Kept while switched: the two that change back, and for an engine running as uid 0 the
+     * capabilities it has itself (docker --cap-drop ALL leaves root none). Every other one goes:
+     * CAP_SYS_PTRACE would open another process's /proc/PID/root and cwd (its files, past
+     * folders the engine cannot enter), CAP_DAC_OVERRIDE any file. */
+    uint64_t keep = (1ull << CAP_SETUID) | (1ull << CAP_SETGID);
+    if (id->uid == 0) {
+        uint64_t mine = (uint64_t)d[1].effective << 32 | d[0].effective;
+        if (!id->cap_eff_known || (mine & ~id->cap_eff) == 0)
+            return 0; /* root with all the agent has: nothing to change */
+        keep |= id->cap_eff;
+    }
     prev->uid = fs_setuid((uid_t)-1); /* an invalid id changes nothing and says the current */
     prev->gid = fs_setgid((gid_t)-1);
     int n = getgroups(0, NULL);
@@ -813,19 +843,12 @@ int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, 
         n = getgroups(n, prev->groups);
     }
     if (n < 0) {
-        int e = errno;
+        e = errno;
         dp_buf_printf(err, "reading as the engine's user: getgroups: %s", strerror(e));
         attest_fs_ident_free(prev);
         return -e;
     }
     prev->ngroups = (size_t)n;
-    struct __user_cap_data_struct d[2];
-    int e = -caps_get(d);
-    if (e != 0) {
-        dp_buf_printf(err, "reading as the engine's user: capget: %s", strerror(e));
-        attest_fs_ident_free(prev);
-        return -e;
-    }
     prev->caps[0] = d[0].effective;
     prev->caps[1] = d[1].effective;
     prev->taken = true;
@@ -839,10 +862,8 @@ int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, 
         e = fs_setuid((uid_t)-1) == id->uid ? 0 : EPERM;
     }
     if (e == 0) {
-        /* And every other one but the two that change back: CAP_SYS_PTRACE would open another
-         * process's /proc/PID/root and cwd (its files, past folders the engine cannot enter). */
-        static const uint64_t keep[2] = {(1u << CAP_SETUID) | (1u << CAP_SETGID), 0};
-        e = -caps_effective(keep, false);
+        const uint64_t words[2] = {(uint32_t)keep, (uint32_t)(keep >> 32)};
+        e = -caps_effective(words, false);
     }
     if (e != 0) {
         dp_buf_printf(err, "reading as the engine's user (uid %u, gid %u): %s", (unsigned)id->uid,

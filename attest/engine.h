@@ -123,6 +123,10 @@ typedef struct {
     bool taken;       /* by attest_fs_ident_enter: this holds what to go back to */
     bool view;        /* by attest_as_process_enter: the engine's view is on (attest/view.h) */
     uint64_t caps[2]; /* the effective capabilities gone back to (two 32-bit words each) */
+    /* The engine's own effective capabilities (CapEff), when known: an engine running as uid 0
+     * with fewer of them (a container with capabilities dropped) lends the agent no more. */
+    bool cap_eff_known;
+    uint64_t cap_eff;
 } attest_fs_ident_t;
 
 /* The identity to read what process pid names with, from its status file: its real uid and
@@ -137,8 +141,10 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
  * with no effective capability but the two that change back (CAP_SETUID, CAP_SETGID): a root
  * agent then reads with the engine user's rights, and a link through another process's
  * /proc/PID/root or cwd opens nothing the engine's user could not. Where paths resolve is the
- * view's part (attest_as_process_enter). Nothing changes
- * when the caller is not root (it reads only what it can anyway) or `id` is root. *prev gets
+ * view's part (attest_as_process_enter). An `id` of uid 0 keeps only the capabilities it has
+ * itself (cap_eff: root in a container with its capabilities dropped reads as such). Nothing
+ * changes when the caller is not root (it reads only what it can anyway) or `id` is root with
+ * every capability the caller has. *prev gets
  * what to go back to with attest_fs_ident_leave. Negative errno when the change fails (nothing
  * is changed then). */
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);

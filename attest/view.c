@@ -47,8 +47,18 @@ int attest_view_enter(const char *proc, pid_t pid, dp_buf_t *err)
             if (fd >= 0)
                 view.prefix_len = (size_t)n;
         }
+        /* The engine's process is known but its root cannot be opened (gone, or the agent lacks
+         * its uid and CAP_SYS_PTRACE): nothing is read, rather than the agent's own root. */
+        if (fd < 0) {
+            int e = n > 0 && (size_t)n < sizeof(view.prefix) ? errno : ENAMETOOLONG;
+            dp_buf_printf(err,
+                          "opening the engine's root %s: %s (the agent needs the engine's uid "
+                          "or CAP_SYS_PTRACE)",
+                          view.prefix, strerror(e));
+            return -e;
+        }
     }
-    if (fd < 0) /* the engine's root out of sight: the agent's own, links through /proc refused */
+    if (fd < 0) /* the engine's process out of sight: the agent's root, /proc links refused */
         fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;

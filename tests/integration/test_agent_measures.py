@@ -499,14 +499,15 @@ def engine_root():
     return root
 
 
-def chrooted_engine(root, port, path, mapped):
+def chrooted_engine(root, port, path, mapped, wrap=""):
     """The fake llama-server chrooted in root, in a mount namespace of its own (as root there),
-    naming `path` (in its root) as its model and mapping `mapped`."""
+    naming `path` (in its root) as its model and mapping `mapped`; `wrap`: a command (in the
+    root) that runs it, such as setpriv."""
     return start_process(
         ["unshare", "--mount", "sh", "-c",
-         'mount --bind /usr "$1/usr" && exec chroot "$1" /usr/bin/python3 '
-         '/srv/fake_llama_server.py "$2" "$3" F16 "$4"', "sh", root, str(port), path, mapped],
-        name="chrooted-llama-server")
+         'mount --bind /usr "$1/usr" && exec chroot "$1" %s /usr/bin/python3 '
+         '/srv/fake_llama_server.py "$2" "$3" F16 "$4"' % wrap, "sh", root, str(port), path,
+         mapped], name="chrooted-llama-server")
 
 
 def hf_folder(path):
@@ -586,6 +587,48 @@ def test_a_model_dir_is_compared_in_the_engine_s_root():
         st, p = payload(ag)
         assert "contradictions" not in p, p
         assert p["model_path"] == "/models/m", p
+        ag.stop()
+        eng.stop()
+    finally:
+        remove_engine_root(root)
+
+
+def test_an_engine_root_without_capabilities_lends_none_and_its_links_are_not_the_hosts():
+    """An engine running as uid 0 in a root of its own, with every capability dropped (docker
+    --cap-drop ALL): the agent reads with no more than the engine has, so a file there that
+    only uid 1000 may read stops the hash. And a link in that root to the agent's --model-dir
+    is the engine's folder of that name, not the agent's: --model-dir is then a contradiction,
+    whatever the agent's own folder of that name holds."""
+    if not can_give_an_engine_a_root() or shutil.which("setpriv") is None:
+        return
+    root = engine_root()
+    os.chmod(root, 0o755)
+    host_model = os.path.join(TMP, "host-model-dir")
+    try:
+        for d, data in ((host_model, b"host"), (root + host_model, b"engine")):
+            hf_folder(d)
+            with open(os.path.join(d, "model.safetensors"), "wb") as f:
+                f.write(data * 1024)
+        os.makedirs(os.path.join(root, "models"))
+        os.symlink(host_model, os.path.join(root, "models", "L"))
+        port = free_port()
+        eng = chrooted_engine(root, port, "/models/L", "/models/L/model.safetensors",
+                              wrap="setpriv --bounding-set=-all --inh-caps=-all")
+        ag = agent(port, "--quantization", "F16", "--model-dir", host_model)
+        _, engines, _ = run_cmd([DETPROXY_BIN, "attest", "hash", root + host_model])
+        poll_until(lambda: vouched(ag) == engines.strip(), what="the engine's folder hashed")
+        st, p = payload(ag)
+        assert p["contradictions"] == [{"field": "model_dir", "flag": host_model,
+                                        "engine": "/models/L"}], p
+        # A file of the engine's root that its root user, without capabilities, cannot read.
+        secret = os.path.join(root + host_model, "tokenizer.json")
+        with open(secret, "w") as f:
+            f.write("uid 1000's")
+        os.chown(secret, 1000, 1000)
+        os.chmod(secret, 0o600)
+        poll_until(lambda: any("tokenizer.json: Permission denied" in json.dumps(l)
+                               for l in ag.logs), what="the unreadable file refused")
+        assert vouched(ag) in (None, False), payload(ag)
         ag.stop()
         eng.stop()
     finally:
