@@ -118,6 +118,7 @@ typedef struct {
      * (attest_loaded_t, or a negative errno), and another GGUF file it has instead. */
     pid_t pid;
     unsigned long long pid_start; /* its start time: the engine's, not a later one's pid */
+    int64_t owner_uid;            /* pid 0: the uid owning the engine's socket (-1: unknown) */
     int loaded;
     dp_buf_t other;
     /* The path is the engine's own (target_measured): it must look like a model before it is
@@ -150,6 +151,7 @@ typedef struct {
 typedef struct {
     struct sockaddr_storage addr; /* the URL's address */
     uint64_t sock_ino;        /* the listening socket of the engine last measured; 0: none seen */
+    int64_t sock_uid;         /* the uid owning it (-1: unknown) */
     int64_t read_ino;         /* the listener when the read in flight started (< 0: unknown) */
     pid_t pid;                /* its process; 0: not seen (other namespace, no access) */
     unsigned long long start; /* that process's start time */
@@ -313,7 +315,8 @@ static void job_run(uv_work_t *w)
      * (docs/attestation.md, "What the agent measures"). */
     attest_fs_ident_t prev = {0};
     if (j->measured)
-        j->rc = attest_as_process_enter("/proc", j->pid, j->pid_start, &prev, &j->err);
+        j->rc =
+            attest_as_process_enter("/proc", j->pid, j->pid_start, j->owner_uid, &prev, &j->err);
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. Looked
      * at in the engine's view: through the agent's root, a link in the engine's root would
      * say whether the agent has a file where it leads. */
@@ -554,6 +557,7 @@ static void start_job(agent_t *a, bool full)
     j->oms_trust = &a->oms_trust;
     j->pid = a->target_measured ? a->eng.pid : 0;
     j->pid_start = a->eng.start;
+    j->owner_uid = a->target_measured ? a->eng.sock_uid : -1;
     j->measured = a->target_measured;
     if (full) {
         if (a->state == ST_FAILED) {
@@ -667,10 +671,11 @@ static void on_watch(uv_timer_t *t)
 static void fw_refresh(agent_t *a);
 
 /* The listening socket of --framework-url's port, as the agent's network namespace shows it:
- * its inode, 0 when nothing listens, negative when /proc/net cannot be read. */
-static int64_t eng_listener(const agent_t *a)
+ * its inode, 0 when nothing listens, negative when /proc/net cannot be read; *uid (may be NULL)
+ * the uid owning it. */
+static int64_t eng_listener(const agent_t *a, uint32_t *uid)
 {
-    return attest_proc_listener("/proc", (const struct sockaddr *)&a->eng.addr);
+    return attest_proc_listener("/proc", (const struct sockaddr *)&a->eng.addr, uid);
 }
 
 /* Has the engine become another process since it was measured? One read of /proc/net/tcp,
@@ -680,7 +685,7 @@ static void eng_check(agent_t *a)
 {
     if (a->fw.up == NULL || !a->eng.local || a->eng.sock_ino == 0)
         return; /* never seen listening (another host, another network namespace) */
-    int64_t ino = eng_listener(a);
+    int64_t ino = eng_listener(a, NULL);
     if (ino < 0 || (uint64_t)ino == a->eng.sock_ino)
         return;
     if (ino == 0) {
@@ -715,7 +720,8 @@ static bool eng_identify(agent_t *a, bool *changed)
 {
     eng_t *e = &a->eng;
     *changed = false;
-    int64_t ino = eng_listener(a);
+    uint32_t uid = 0;
+    int64_t ino = eng_listener(a, &uid);
     if (e->read_ino >= 0 && ino >= 0 && ino != e->read_ino)
         return false;
     pid_t pid = e->pid;
@@ -724,6 +730,7 @@ static bool eng_identify(agent_t *a, bool *changed)
     if (ino > 0 && (uint64_t)ino != e->sock_ino) {
         *changed = e->sock_ino != 0;
         e->sock_ino = (uint64_t)ino;
+        e->sock_uid = uid;
         pid = e->fixed ? e->fixed : attest_proc_socket_owner("/proc", (uint64_t)ino, getpid());
     } else if (ino <= 0 && e->fixed) {
         pid = e->fixed;
@@ -783,7 +790,8 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
      * folder above it, in the engine's root: anything else names files it is not serving. */
     struct stat ds;
     bool dir_ok = a->dir == NULL || stat(a->dir, &ds) == 0;
-    if (attest_as_process_enter("/proc", a->eng.pid, a->eng.start, &prev, &why) == 0) {
+    if (attest_as_process_enter("/proc", a->eng.pid, a->eng.start, a->eng.sock_uid, &prev, &why) ==
+        0) {
         loc = attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
         if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
             loc = ATTEST_LOC_NOT_VISIBLE;
@@ -1038,7 +1046,7 @@ static void fw_refresh(agent_t *a)
         return;
     f->running = true;
     f->started_ms = uv_now(&a->loop);
-    a->eng.read_ino = a->eng.local ? eng_listener(a) : -1;
+    a->eng.read_ino = a->eng.local ? eng_listener(a, NULL) : -1;
     dp_buf_reset(&f->last_error);
     f->adapter = 0;
     fw_check(a);
@@ -1537,6 +1545,7 @@ int agent_cmd_serve(int argc, char **argv)
     a->flag_quant = o.quant ? dp_xstrdup(o.quant) : NULL;
     a->flag_dtype = o.dtype ? dp_xstrdup(o.dtype) : NULL;
     a->eng.fixed = engine_pidv;
+    a->eng.sock_uid = -1;
     a->eng.loaded_last = -100;
     a->watch_ms = (uint32_t)o.watch_ms;
     a->fw_refresh_ms = (uint32_t)o.refresh_ms;

@@ -77,7 +77,8 @@ static bool addr_serves(const uint8_t *local, size_t llen, const uint8_t *want, 
            memcmp(local + 12, want, 4) == 0;
 }
 
-uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr)
+uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr,
+                             uint32_t *uid)
 {
     uint8_t want[16];
     size_t wlen;
@@ -134,8 +135,17 @@ uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struc
         memcpy(num, f[9], fl[9]);
         num[fl[9]] = '\0';
         uint64_t ino = strtoull(num, NULL, 10);
-        if (ino != 0)
-            return ino;
+        if (ino == 0)
+            continue;
+        if (uid != NULL) {
+            *uid = 0; /* unreadable: taken as root's, which lends the agent nothing */
+            if (fl[7] < sizeof(num)) {
+                memcpy(num, f[7], fl[7]);
+                num[fl[7]] = '\0';
+                *uid = (uint32_t)strtoul(num, NULL, 10);
+            }
+        }
+        return ino;
     }
     return 0;
 }
@@ -172,7 +182,7 @@ bool attest_addr_is_local(const struct sockaddr *addr)
     return local;
 }
 
-int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr)
+int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr, uint32_t *uid)
 {
     static const char *const tables[] = {"net/tcp", "net/tcp6"};
     int readable = 0, last = -ENOENT;
@@ -188,7 +198,7 @@ int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr)
             continue;
         }
         readable++;
-        ino = attest_net_listener(b.base ? b.base : "", b.len, i == 1, addr);
+        ino = attest_net_listener(b.base ? b.base : "", b.len, i == 1, addr, uid);
     }
     dp_buf_free(&b);
     if (readable == 0)
@@ -881,7 +891,7 @@ void attest_fs_ident_free(attest_fs_ident_t *id)
 }
 
 int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
-                            attest_fs_ident_t *prev, dp_buf_t *err)
+                            int64_t owner_uid, attest_fs_ident_t *prev, dp_buf_t *err)
 {
     memset(prev, 0, sizeof(*prev));
     /* The root first, with the agent's own rights (the engine's user may not open it). */
@@ -892,6 +902,11 @@ int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long star
         if (rc == 0)
             rc = attest_fs_ident_enter(&id, prev, err);
         attest_fs_ident_free(&id);
+    } else if (rc == 0 && owner_uid > 0) {
+        /* Out of sight, its process tells neither its groups nor its root: the socket's uid
+         * with no group, which reads what that user could, or less. */
+        attest_fs_ident_t id = {.uid = (uid_t)owner_uid, .gid = 65534, .cap_eff_known = true};
+        rc = attest_fs_ident_enter(&id, prev, err);
     }
     if (rc != 0) {
         attest_view_leave();

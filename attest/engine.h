@@ -29,8 +29,10 @@
 /* The inode of the socket listening on addr's port, with addr or a wildcard (0.0.0.0, ::) as its
  * local address (a v6 socket also for a v4 addr: dual stack, or ::ffff:a.b.c.d), in one table
  * of /proc/net/tcp (v6 false) or /proc/net/tcp6 (v6 true) text. addr is AF_INET or AF_INET6.
- * 0: no such socket in this table. */
-uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr);
+ * 0: no such socket in this table. *uid (may be NULL) gets the uid owning it, as the reader's
+ * user namespace shows it. */
+uint64_t attest_net_listener(const char *table, size_t len, bool v6, const struct sockaddr *addr,
+                             uint32_t *uid);
 
 /* Is addr one of this host's own (loopback, or an address of one of its interfaces)? Only then
  * is a socket listening on its port the engine's rather than another host's port number. */
@@ -38,7 +40,7 @@ bool attest_addr_is_local(const struct sockaddr *addr);
 
 /* The same over proc's net/tcp and net/tcp6 ("/proc": the agent's own network namespace):
  * the inode, 0 when none listens there, or a negative errno when neither table can be read. */
-int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr);
+int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr, uint32_t *uid);
 
 /* The process holding socket:[ino] among its fds, never self: its pid, or 0 when no process
  * the agent may look into holds it. Reads every /proc/PID/fd it may: call it when the
@@ -152,10 +154,13 @@ void attest_fs_ident_leave(attest_fs_ident_t *prev);
 void attest_fs_ident_free(attest_fs_ident_t *id);
 /* Read as process pid would on this thread: its view of the files (attest/view.h: paths in its
  * root, no link through /proc followed), then attest_proc_fs_ident of pid and
- * attest_fs_ident_enter. pid 0 (the engine's process not seen): the agent's own root and ids,
- * still without /proc links. attest_fs_ident_leave goes back from all of it. */
+ * attest_fs_ident_enter. pid 0 (the engine's process not seen, as from a sidecar in a PID
+ * namespace of its own): the agent's own root, still without /proc links, and, with owner_uid
+ * >= 0 (the uid owning the engine's listening socket), that uid's rights alone: no group (the
+ * overflow gid, 65534) and no capability; owner uid 0, whose capabilities cannot be seen, reads
+ * as the agent. attest_fs_ident_leave goes back from all of it. */
 int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
-                            attest_fs_ident_t *prev, dp_buf_t *err);
+                            int64_t owner_uid, attest_fs_ident_t *prev, dp_buf_t *err);
 
 /* ---- flags against the engine's report (pure) ------------------------------------------- */
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,9 +39,9 @@ def keygen(name):
     return prefix + ".key.pem", prefix + ".pub.pem"
 
 
-def agent(fw_port, *flags):
+def agent(fw_port, *flags, wrap=()):
     key, _ = keygen("pipeline")
-    return start_process([DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+    return start_process(list(wrap) + [DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
                           "--model", MODEL, "--framework-url", "http://127.0.0.1:%d" % fw_port,
                           "--key", key, "--watch-interval-ms", "200"] + list(flags),
                          name="agent")
@@ -633,6 +634,46 @@ def test_an_engine_root_without_capabilities_lends_none_and_its_links_are_not_th
         eng.stop()
     finally:
         remove_engine_root(root)
+
+
+def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
+    """A root agent in a PID namespace of its own (a sidecar without a shared process
+    namespace) cannot see the engine's process, its groups or its root. It reads what the
+    engine names with the rights of the uid owning the engine's listening socket and no group:
+    a folder only root may read, named by an engine running as nobody, is not vouched for."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None \
+            or not os.path.exists("/usr/bin/python3"):
+        print("    skipped: needs root, setpriv, unshare and /usr/bin/python3")
+        return
+    home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
+    try:
+        os.chmod(home, 0o755)
+        weights = os.path.join(home, "w.gguf")
+        with open(weights, "wb") as f:
+            f.write(b"GGUF" + b"x" * 64)
+        os.chmod(weights, 0o644)
+        closed = os.path.join(TMP, "root-only-model")  # TMP: a folder only root may enter
+        hf_folder(closed)
+        _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", closed])
+        port = free_port()
+        eng = fake_engine(port, closed, "F16", mapped=weights, user=65534, home=home)
+        ag = agent(port, "--quantization", "F16",
+                   wrap=("unshare", "--pid", "--fork", "--kill-child", "--mount-proc"))
+        poll_until(lambda: vouched(ag) is None, what="no checkpoint vouched for")
+        st, p = payload(ag)
+        assert "which the agent cannot see" in p["unattested"]["checkpoint_sha256"], p
+        assert not any(hashed.strip() in json.dumps(l) for l in ag.logs), ag.logs
+        # A folder that user can read is measured as before.
+        eng.stop()
+        readable = os.path.join(home, "model")
+        hf_folder(readable)
+        _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", readable])
+        eng = fake_engine(port, readable, "F16", mapped=weights, user=65534, home=home)
+        poll_until(lambda: vouched(ag) == hashed.strip(), what="the readable folder vouched for")
+        ag.stop(signal.SIGKILL, expect_rc=None)  # unshare --fork waits out a SIGTERM
+        eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_a_link_through_proc_self_is_not_followed():

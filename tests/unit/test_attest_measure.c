@@ -369,7 +369,7 @@ static const char tcp4[] =
     "inode\n"
     "   0: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 "
     "111 1 0000000000000000 20 4 30 10 -1\n"
-    "   1: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
+    "   1: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 "
     "222 1 0000000000000000 100 0 0 10 0\n"
     "   2: 00000000:1F92 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
     "333 1 0000000000000000 100 0 0 10 0\n"
@@ -397,25 +397,33 @@ Test(attest_measure, the_listener_of_a_port_is_found_in_proc_net_tcp)
     if (*(uint8_t *)&probe != 1)
         cr_skip_test("the sample tables are a little-endian host's");
     struct sockaddr_in a = v4("127.0.0.1", 8080);
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 0,
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a, NULL), 0,
                  "8080 is an established connection, not a listener");
     a = v4("127.0.0.1", 8081);
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 222);
+    uint32_t uid = 7;
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a, &uid),
+                 222);
+    cr_assert_eq(uid, 1000, "the uid owning the socket");
     a = v4("127.0.0.1", 8082); /* 0.0.0.0:8082 serves every address */
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 333);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a, NULL),
+                 333);
     a = v4("127.0.0.1", 8083); /* bound to 10.0.0.5 only */
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 0);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a, NULL),
+                 0);
     a = v4("10.0.0.5", 8083);
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a), 444);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&a, NULL),
+                 444);
     a = v4("127.0.0.1", 8084); /* [::]:8084, dual stack */
-    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a), 555);
+    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a, NULL),
+                 555);
     a = v4("127.0.0.1", 8085); /* [::ffff:127.0.0.1]:8085 */
-    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a), 666);
+    cr_assert_eq(attest_net_listener(tcp6, sizeof(tcp6) - 1, true, (struct sockaddr *)&a, NULL),
+                 666);
     struct sockaddr_in6 s6 = {.sin6_family = AF_INET6, .sin6_port = htons(8082)};
     inet_pton(AF_INET6, "::1", &s6.sin6_addr);
-    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&s6), 0,
-                 "a v4 socket never serves a v6 address");
-    cr_assert_eq(attest_net_listener("", 0, false, (struct sockaddr *)&a), 0);
+    cr_assert_eq(attest_net_listener(tcp4, sizeof(tcp4) - 1, false, (struct sockaddr *)&s6, NULL),
+                 0, "a v4 socket never serves a v6 address");
+    cr_assert_eq(attest_net_listener("", 0, false, (struct sockaddr *)&a, NULL), 0);
 }
 
 Test(attest_measure, this_process_is_found_by_its_listening_socket)
@@ -429,7 +437,7 @@ Test(attest_measure, this_process_is_found_by_its_listening_socket)
     cr_assert(attest_addr_is_local((struct sockaddr *)&a));
     struct sockaddr_in far = v4("192.0.2.1", 80); /* TEST-NET-1: nobody's address */
     cr_assert_not(attest_addr_is_local((struct sockaddr *)&far));
-    int64_t ino = attest_proc_listener("/proc", (struct sockaddr *)&a);
+    int64_t ino = attest_proc_listener("/proc", (struct sockaddr *)&a, NULL);
     cr_assert_gt(ino, 0);
     struct stat st;
     cr_assert_eq(fstat(fd, &st), 0);
@@ -438,7 +446,7 @@ Test(attest_measure, this_process_is_found_by_its_listening_socket)
     cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, getpid()), 0, "never self");
     cr_assert_gt(attest_proc_start_time("/proc", getpid()), 0);
     close(fd);
-    cr_assert_eq(attest_proc_listener("/proc", (struct sockaddr *)&a), 0, "closed: none");
+    cr_assert_eq(attest_proc_listener("/proc", (struct sockaddr *)&a, NULL), 0, "closed: none");
 }
 
 /* A fake /proc/41 whose root is a folder of the test: the engine in a chroot or another mount
@@ -627,6 +635,34 @@ Test(attest_measure, no_link_through_proc_is_followed_in_a_view, .init = make_tm
     cr_assert_not(attest_model_shaped(p, p, &err));
     attest_view_leave();
     cr_assert_eq(chdir(cwd), 0);
+    dp_buf_free(&err);
+}
+
+Test(attest_measure, an_engine_out_of_sight_lends_only_its_socket_s_uid, .init = make_tmp,
+     .fini = rm_tree)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to read as another uid");
+    char closed[400], file[500];
+    snprintf(closed, sizeof(closed), "%s/closed", tmp);
+    mkdir_p(closed);
+    cr_assert_eq(chmod(closed, 0700), 0);
+    snprintf(file, sizeof(file), "%s/config.json", closed);
+    write_file(file, "{}", 2);
+    struct stat st;
+    attest_fs_ident_t prev;
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_as_process_enter("/proc", 0, 0, 65534, &prev, &err), 0, "%s", err.base);
+    cr_assert(attest_view_on());
+    cr_assert_eq(stat(file, &st), -1, "as the socket's uid, past a folder only root may enter");
+    cr_assert_eq(errno, EACCES);
+    attest_fs_ident_leave(&prev);
+    cr_assert_not(attest_view_on());
+    cr_assert_eq(stat(file, &st), 0, "the agent's own rights back");
+    /* Owned by root: its capabilities cannot be seen, so nothing changes but the view. */
+    cr_assert_eq(attest_as_process_enter("/proc", 0, 0, 0, &prev, &err), 0, "%s", err.base);
+    cr_assert_eq(stat(file, &st), 0);
+    attest_fs_ident_leave(&prev);
     dp_buf_free(&err);
 }
 
