@@ -406,14 +406,22 @@ def test_a_model_folder_must_still_be_one_when_hashed():
     eng.stop()
 
 
+def can_run_an_engine_as_nobody(*tools):
+    """Root, setpriv (and tools) and Debian's python3: the fake engine then runs as nobody."""
+    if os.getuid() != 0 or not os.path.exists("/usr/bin/python3") or not all(
+            shutil.which(t) for t in ("setpriv",) + tools):
+        print("    skipped: needs root, %s and /usr/bin/python3 to run the engine as another uid"
+              % ", ".join(("setpriv",) + tools))
+        return False
+    return True
+
+
 def test_a_model_folder_is_read_as_the_engine_s_user():
     """A root agent reads an engine-named folder with the engine's file-system identity: a
     link in it to a file only root may read (a secret, whose hash would confirm a guess at it)
     stops the hash, and nothing of the secret is signed or logged. The folder itself, which
     the engine can read, is hashed as `attest hash` hashes it."""
-    if os.getuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(
-            "/usr/bin/python3"):
-        print("    skipped: needs root, setpriv and /usr/bin/python3 to run the engine as another uid")
+    if not can_run_an_engine_as_nobody():
         return
     home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
     try:
@@ -641,9 +649,7 @@ def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
     namespace) cannot see the engine's process, its groups or its root. It reads what the
     engine names with the rights of the uid owning the engine's listening socket and no group:
     a folder only root may read, named by an engine running as nobody, is not vouched for."""
-    if os.getuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None \
-            or not os.path.exists("/usr/bin/python3"):
-        print("    skipped: needs root, setpriv, unshare and /usr/bin/python3")
+    if not can_run_an_engine_as_nobody("unshare"):
         return
     home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
     try:
@@ -651,7 +657,6 @@ def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
         weights = os.path.join(home, "w.gguf")
         with open(weights, "wb") as f:
             f.write(b"GGUF" + b"x" * 64)
-        os.chmod(weights, 0o644)
         closed = os.path.join(TMP, "root-only-model")  # TMP: a folder only root may enter
         hf_folder(closed)
         _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", closed])
@@ -706,9 +711,7 @@ def test_what_the_engine_cannot_see_is_not_looked_at_for_it():
     """The agent looks for the model the engine names as the engine's user too: an engine
     naming a path inside a folder it cannot enter learns nothing of what is there (whether a
     file exists, is a GGUF file, or a folder holds a config.json) from the agent's answer."""
-    if os.getuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(
-            "/usr/bin/python3"):
-        print("    skipped: needs root, setpriv and /usr/bin/python3 to run the engine as another uid")
+    if not can_run_an_engine_as_nobody():
         return
     home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
     closed = os.path.join(TMP, "closed")
