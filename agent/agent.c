@@ -725,13 +725,22 @@ static bool eng_identify(agent_t *a, bool *changed)
     if (e->read_ino >= 0 && ino >= 0 && ino != e->read_ino)
         return false;
     pid_t pid = e->pid;
+    bool mixed = false, new_sock = false;
     if (!e->local)
         ino = -1; /* another host's port: a local listener on it is not the engine */
     if (ino > 0 && (uint64_t)ino != e->sock_ino) {
+        new_sock = true;
         *changed = e->sock_ino != 0;
         e->sock_ino = (uint64_t)ino;
         e->sock_uid = uid;
-        pid = e->fixed ? e->fixed : attest_proc_socket_owner("/proc", (uint64_t)ino, getpid());
+        pid = e->fixed ? e->fixed
+                       : attest_proc_socket_owner("/proc", (uint64_t)ino, getpid(), &mixed);
+    } else if (ino > 0 && !e->fixed &&
+               (pid == 0 || attest_proc_start_time("/proc", pid) != e->start)) {
+        /* The same socket, its holder not seen or gone (a parent that bound it and exited,
+         * leaving it to a child; a holder that hid it a moment): looked for again, never a
+         * process given the old pid since. */
+        pid = attest_proc_socket_owner("/proc", (uint64_t)ino, getpid(), &mixed);
     } else if (ino <= 0 && e->fixed) {
         pid = e->fixed;
     }
@@ -744,7 +753,7 @@ static bool eng_identify(agent_t *a, bool *changed)
             pid = 0;
     }
     unsigned long long start = pid > 0 ? attest_proc_start_time("/proc", pid) : 0;
-    if (pid != e->pid || start != e->start) {
+    if (pid != e->pid || start != e->start || (new_sock && pid == 0)) {
         *changed = *changed || (e->pid != 0 && (pid != e->pid || start != e->start));
         e->pid = pid;
         e->start = start;
@@ -758,6 +767,9 @@ static bool eng_identify(agent_t *a, bool *changed)
                 dp_jw_null(w, "pid");
                 dp_jw_str(w, "detail",
                           e->fixed ? "--engine-pid is gone or another process now"
+                          : mixed  ? "the listening socket is held by processes that read "
+                                     "with different rights (a root parent and its workers, "
+                                     "socket activation): none is taken for the engine"
                                    : "the process listening on the port is not visible (another "
                                      "PID namespace, or not the agent's uid)");
             }

@@ -206,17 +206,63 @@ int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr, uint
     return (int64_t)ino;
 }
 
-pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self)
+/* The line of a status file that begins with key ("Uid:"), past the key; NULL if none. */
+static const char *status_line(const char *text, const char *key)
+{
+    size_t n = strlen(key);
+    for (const char *p = text; p; p = strchr(p, '\n')) {
+        p += *p == '\n';
+        if (strncmp(p, key, n) == 0)
+            return p + n;
+    }
+    return NULL;
+}
+
+/* What a process reads with, as one comparable string: the status lines of its ids, groups
+ * and capabilities, and its root and user namespace (device and inode). Empty when gone. */
+static void read_identity(const char *proc, long pid, dp_buf_t *out)
+{
+    static const char *const lines[] = {"Uid:", "Gid:", "Groups:", "CapEff:"};
+    static const char *const links[] = {"root", "ns/user"};
+    char path[512];
+    dp_buf_reset(out);
+    snprintf(path, sizeof(path), "%s/%ld/status", proc, pid);
+    dp_buf_t b = {0};
+    if (dp_read_file(path, 64 * 1024, &b) != 0 || b.len == 0) {
+        dp_buf_free(&b);
+        return;
+    }
+    for (size_t i = 0; i < sizeof(lines) / sizeof(*lines); i++) {
+        const char *l = status_line(b.base, lines[i]);
+        size_t n = l ? strcspn(l, "\n") : 0;
+        dp_buf_append(out, l ? l : "", n);
+        dp_buf_appendc(out, '|');
+    }
+    dp_buf_free(&b);
+    for (size_t i = 0; i < sizeof(links) / sizeof(*links); i++) {
+        struct stat st;
+        snprintf(path, sizeof(path), "%s/%ld/%s", proc, pid, links[i]);
+        if (stat(path, &st) == 0)
+            dp_buf_printf(out, "%llu:%llu|", (unsigned long long)st.st_dev,
+                          (unsigned long long)st.st_ino);
+        else
+            dp_buf_appends(out, "?|");
+    }
+}
+
+pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self, bool *mixed)
 {
     char want[48];
     snprintf(want, sizeof(want), "socket:[%llu]", (unsigned long long)ino);
     size_t wl = strlen(want);
+    *mixed = false;
     DIR *d = opendir(proc);
     if (d == NULL)
         return 0;
     pid_t found = 0;
+    dp_buf_t first = {0}, other = {0};
     struct dirent *e;
-    while (found == 0 && (e = readdir(d)) != NULL) {
+    while (!*mixed && (e = readdir(d)) != NULL) {
         char *end;
         long pid = strtol(e->d_name, &end, 10);
         if (*end != '\0' || pid <= 0 || pid == (long)self)
@@ -226,21 +272,33 @@ pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self)
         DIR *fds = opendir(path);
         if (fds == NULL)
             continue; /* gone, or not ours to look into */
+        bool holds = false;
         struct dirent *fe;
-        while ((fe = readdir(fds)) != NULL) {
+        while (!holds && (fe = readdir(fds)) != NULL) {
             if (fe->d_name[0] == '.')
                 continue;
             char link[64];
             ssize_t n = readlinkat(dirfd(fds), fe->d_name, link, sizeof(link));
-            if (n == (ssize_t)wl && memcmp(link, want, wl) == 0) {
-                found = (pid_t)pid;
-                break;
-            }
+            holds = n == (ssize_t)wl && memcmp(link, want, wl) == 0;
         }
         closedir(fds);
+        if (!holds)
+            continue;
+        /* Every holder may serve it (a root parent that bound it, its unprivileged children,
+         * pid 1 of socket activation): one is the engine only when all read alike. */
+        if (found == 0) {
+            found = (pid_t)pid;
+            read_identity(proc, pid, &first);
+        } else {
+            read_identity(proc, pid, &other);
+            *mixed = other.len > 0 && (first.len == 0 || other.len != first.len ||
+                                       memcmp(other.base, first.base, first.len) != 0);
+        }
     }
     closedir(d);
-    return found;
+    dp_buf_free(&first);
+    dp_buf_free(&other);
+    return *mixed ? 0 : found;
 }
 
 unsigned long long attest_proc_start_time(const char *proc, pid_t pid)
@@ -681,18 +739,6 @@ void attest_engine_merge(const attest_report_t *engine, const char *flag_quantiz
 
 /* ---- reading as the engine's user ------------------------------------------------------- */
 
-/* The line of a status file that begins with key ("Uid:"), past the key; NULL if none. */
-static const char *status_line(const char *text, const char *key)
-{
-    size_t n = strlen(key);
-    for (const char *p = text; p; p = strchr(p, '\n')) {
-        p += *p == '\n';
-        if (strncmp(p, key, n) == 0)
-            return p + n;
-    }
-    return NULL;
-}
-
 /* The real id of a status line's ids: "Uid:\treal\teffective\tsaved\tfs". */
 static bool status_real_id(const char *text, const char *key, unsigned long *out)
 {
@@ -739,6 +785,15 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
             out->cap_eff = (uint64_t)v;
             out->cap_eff_known = true;
         }
+    }
+    /* Capabilities hold in the user namespace they were given in: an engine in one of its own
+     * (root there, `unshare --user --map-root-user`) has none over the agent's files. */
+    struct stat ens, ans;
+    snprintf(path, sizeof(path), "%s/%d/ns/user", proc, (int)pid);
+    if (stat(path, &ens) == 0 && stat("/proc/self/ns/user", &ans) == 0 &&
+        (ens.st_dev != ans.st_dev || ens.st_ino != ans.st_ino)) {
+        out->cap_eff = 0;
+        out->cap_eff_known = true;
     }
     const char *g = status_line(b.base, "Groups:");
     if (g) {
@@ -902,10 +957,14 @@ int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long star
         if (rc == 0)
             rc = attest_fs_ident_enter(&id, prev, err);
         attest_fs_ident_free(&id);
-    } else if (rc == 0 && owner_uid > 0) {
-        /* Out of sight, its process tells neither its groups nor its root: the socket's uid
-         * with no group, which reads what that user could, or less. */
-        attest_fs_ident_t id = {.uid = (uid_t)owner_uid, .gid = 65534, .cap_eff_known = true};
+    } else if (rc == 0) {
+        /* Out of sight, its process tells neither its groups nor its capabilities nor its
+         * root: the socket's uid with no group and no capability, which reads what that user
+         * could, or less; a socket of root's (bound before the engine dropped to another
+         * user), or none seen, reads as nobody. Never as the agent. */
+        attest_fs_ident_t id = {.uid = owner_uid > 0 ? (uid_t)owner_uid : ATTEST_NOBODY,
+                                .gid = ATTEST_NOBODY,
+                                .cap_eff_known = true};
         rc = attest_fs_ident_enter(&id, prev, err);
     }
     if (rc != 0) {

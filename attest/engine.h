@@ -43,9 +43,12 @@ bool attest_addr_is_local(const struct sockaddr *addr);
 int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr, uint32_t *uid);
 
 /* The process holding socket:[ino] among its fds, never self: its pid, or 0 when no process
- * the agent may look into holds it. Reads every /proc/PID/fd it may: call it when the
- * listening socket changed, not on every check. */
-pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self);
+ * the agent may look into holds it. When several hold it and they do not all read alike (ids,
+ * groups, capabilities, root, user namespace: a root parent and the unprivileged child that
+ * serves, socket activation's pid 1), none is taken for the engine: 0, with *mixed set. Reads
+ * every /proc/PID/fd it may: call it when the listening socket or its holder changed, not on
+ * every check. */
+pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self, bool *mixed);
 
 /* Field 22 of /proc/PID/stat, the process's start time in clock ticks since boot: another
  * value for the same pid is another process. 0 when unreadable. */
@@ -152,13 +155,17 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
 int attest_fs_ident_enter(const attest_fs_ident_t *id, attest_fs_ident_t *prev, dp_buf_t *err);
 void attest_fs_ident_leave(attest_fs_ident_t *prev);
 void attest_fs_ident_free(attest_fs_ident_t *id);
+/* The overflow uid and gid (Debian's nobody and nogroup): what an engine out of sight reads as
+ * when its socket tells no other user. */
+#define ATTEST_NOBODY 65534
+
 /* Read as process pid would on this thread: its view of the files (attest/view.h: paths in its
  * root, no link through /proc followed), then attest_proc_fs_ident of pid and
- * attest_fs_ident_enter. pid 0 (the engine's process not seen, as from a sidecar in a PID
- * namespace of its own): the agent's own root, still without /proc links, and, with owner_uid
- * >= 0 (the uid owning the engine's listening socket), that uid's rights alone: no group (the
- * overflow gid, 65534) and no capability; owner uid 0, whose capabilities cannot be seen, reads
- * as the agent. attest_fs_ident_leave goes back from all of it. */
+ * attest_fs_ident_enter. pid 0 (the engine's process not seen: a sidecar in a PID namespace of
+ * its own, an engine on another host): the agent's own root, still without /proc links, with
+ * the rights of owner_uid (the uid owning the engine's listening socket) when it is above 0,
+ * else of ATTEST_NOBODY; no group (ATTEST_NOBODY's gid) and no capability either way.
+ * attest_fs_ident_leave goes back from all of it. */
 int attest_as_process_enter(const char *proc, pid_t pid, unsigned long long start,
                             int64_t owner_uid, attest_fs_ident_t *prev, dp_buf_t *err);
 

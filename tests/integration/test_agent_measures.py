@@ -243,7 +243,12 @@ class H(BaseHTTPRequestHandler):
                    "system_fingerprint": BUILD, "object": "text_completion"})
 
 signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-srv = ThreadingHTTPServer(("127.0.0.1", port), H)
+if os.environ.get("FAKE_LISTEN_FD"):  # a socket bound by a parent (forking_engine)
+    import socket
+    srv = ThreadingHTTPServer(("127.0.0.1", port), H, bind_and_activate=False)
+    srv.socket = socket.socket(fileno=int(os.environ["FAKE_LISTEN_FD"]))
+else:
+    srv = ThreadingHTTPServer(("127.0.0.1", port), H)
 sys.stderr.write(json.dumps({"msg": "listening", "port": srv.server_address[1]}) + "\n")
 sys.stderr.flush()
 srv.serve_forever()
@@ -414,6 +419,16 @@ def can_run_an_engine_as_nobody(*tools):
               % ", ".join(("setpriv",) + tools))
         return False
     return True
+
+
+def engine_home():
+    """A folder nobody may read (for the engine's script) and a GGUF file in it to map."""
+    home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
+    os.chmod(home, 0o755)
+    weights = os.path.join(home, "w.gguf")
+    with open(weights, "wb") as f:
+        f.write(b"GGUF" + b"x" * 64)
+    return home, weights
 
 
 def test_a_model_folder_is_read_as_the_engine_s_user():
@@ -651,12 +666,8 @@ def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
     a folder only root may read, named by an engine running as nobody, is not vouched for."""
     if not can_run_an_engine_as_nobody("unshare"):
         return
-    home = tempfile.mkdtemp(prefix="detproxy-engine-user-", dir="/tmp")
+    home, weights = engine_home()
     try:
-        os.chmod(home, 0o755)
-        weights = os.path.join(home, "w.gguf")
-        with open(weights, "wb") as f:
-            f.write(b"GGUF" + b"x" * 64)
         closed = os.path.join(TMP, "root-only-model")  # TMP: a folder only root may enter
         hf_folder(closed)
         _, hashed, _ = run_cmd([DETPROXY_BIN, "attest", "hash", closed])
@@ -676,6 +687,64 @@ def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
         eng = fake_engine(port, readable, "F16", mapped=weights, user=65534, home=home)
         poll_until(lambda: vouched(ag) == hashed.strip(), what="the readable folder vouched for")
         ag.stop(signal.SIGKILL, expect_rc=None)  # unshare --fork waits out a SIGTERM
+        eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+FORKING = r'''
+import os, signal, socket, sys
+mode, port, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen(64)
+s.set_inheritable(True)
+child = os.fork()
+if child == 0:
+    if mode == "drop":  # a root parent that bound the port, a worker that serves as nobody
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    os.environ["FAKE_LISTEN_FD"] = str(s.fileno())
+    os.execv("/usr/bin/python3", ["/usr/bin/python3", script, str(port)] + sys.argv[4:])
+signal.signal(signal.SIGTERM, lambda *_: (os.kill(child, signal.SIGKILL), os._exit(0)))
+os.waitpid(child, 0)
+'''
+
+
+def forking_engine(mode, port, path, mapped, home):
+    """The fake llama-server on a socket its parent bound; "drop": a root parent keeping the
+    socket while its child serves as nobody."""
+    for name, text in (("fake_llama_server.py", FAKE), ("forking.py", FORKING)):
+        with open(os.path.join(home, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(home, name), 0o644)
+    return start_process([sys.executable, os.path.join(home, "forking.py"), mode, str(port),
+                          os.path.join(home, "fake_llama_server.py"), path, "F16", mapped],
+                         name="forking-llama-server")
+
+
+def test_a_socket_a_root_parent_holds_for_its_worker_lends_no_root():
+    """A root parent binds the port and keeps the socket while its child serves as nobody
+    (a master and its workers, socket activation): the processes holding the socket read
+    with different rights, so neither is taken for the engine, and what it names is read as
+    the socket's owner would be, never root: a folder only root may read is not vouched for."""
+    if not can_run_an_engine_as_nobody():
+        return
+    home, weights = engine_home()
+    try:
+        closed = os.path.join(TMP, "root-only-worker-model")  # TMP: only root may enter
+        hf_folder(closed)
+        port = free_port()
+        eng = forking_engine("drop", port, closed, weights, home)
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: vouched(ag) is None, what="no checkpoint vouched for")
+        line = ag.wait_log(lambda l: l.get("msg") == "engine_process")
+        assert line["pid"] is None and "different rights" in line["detail"], line
+        st, p = payload(ag)
+        assert "which the agent cannot see" in p["unattested"]["checkpoint_sha256"], p
+        ag.stop()
         eng.stop()
     finally:
         shutil.rmtree(home, ignore_errors=True)

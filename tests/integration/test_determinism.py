@@ -1417,7 +1417,8 @@ def test_single_sequence_keeps_the_slot_of_a_canary_whose_replica_left_and_came_
         url="http://127.0.0.1:%d" % other.port))
     reload_with(px, lambda c: c["pools"][0]["replicas"][0].update(url=url))
     assert sim_stats(sim)["completed"] == done, "the canary ended before the reloads"
-    poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 back and admitted")
+    # The new object's check waits out the orphaned canary (up to 6.3 s) and then runs its own.
+    poll_until(lambda: state(px, "r1") == "admitted", timeout=30, what="r1 back and admitted")
     poll_until(lambda: sim_stats(sim)["completed"] >= done + 2, timeout=30,
                what="the orphaned canary and a new check done")
     assert complete(px, max_tokens=3).status == 200

@@ -2,12 +2,15 @@
  * contradictions judgement, the payload's new members and their backward compatibility, the
  * single-file hash, flags against the engine's report, and the /proc readings that find the
  * engine's process and model (attest/engine.h). */
+#define _GNU_SOURCE /* unshare */
 #include <criterion/criterion.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +18,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <openssl/evp.h>
@@ -426,14 +430,22 @@ Test(attest_measure, the_listener_of_a_port_is_found_in_proc_net_tcp)
     cr_assert_eq(attest_net_listener("", 0, false, (struct sockaddr *)&a, NULL), 0);
 }
 
-Test(attest_measure, this_process_is_found_by_its_listening_socket)
+/* A socket listening on 127.0.0.1 (its address into *a): its fd. */
+static int listen_local(struct sockaddr_in *a)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = v4("127.0.0.1", 0);
-    socklen_t len = sizeof(a);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    *a = v4("127.0.0.1", 0);
+    socklen_t len = sizeof(*a);
+    cr_assert_eq(bind(fd, (struct sockaddr *)a, sizeof(*a)), 0);
     cr_assert_eq(listen(fd, 1), 0);
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)a, &len), 0);
+    return fd;
+}
+
+Test(attest_measure, this_process_is_found_by_its_listening_socket)
+{
+    struct sockaddr_in a;
+    int fd = listen_local(&a);
     cr_assert(attest_addr_is_local((struct sockaddr *)&a));
     struct sockaddr_in far = v4("192.0.2.1", 80); /* TEST-NET-1: nobody's address */
     cr_assert_not(attest_addr_is_local((struct sockaddr *)&far));
@@ -442,11 +454,95 @@ Test(attest_measure, this_process_is_found_by_its_listening_socket)
     struct stat st;
     cr_assert_eq(fstat(fd, &st), 0);
     cr_assert_eq((uint64_t)ino, (uint64_t)st.st_ino);
-    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, 0), getpid());
-    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, getpid()), 0, "never self");
+    bool mixed = true;
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, 0, &mixed), getpid());
+    cr_assert_not(mixed);
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, getpid(), &mixed), 0,
+                 "never self");
     cr_assert_gt(attest_proc_start_time("/proc", getpid()), 0);
     close(fd);
     cr_assert_eq(attest_proc_listener("/proc", (struct sockaddr *)&a, NULL), 0, "closed: none");
+}
+
+/* A child holding the same socket: taken alike when it reads as its parent does, and neither
+ * taken when it has dropped to another user (a root parent and its unprivileged worker). */
+static pid_t holder_child(int fd, bool drop)
+{
+    int ready[2];
+    cr_assert_eq(pipe(ready), 0);
+    pid_t child = fork();
+    cr_assert_neq(child, -1);
+    if (child == 0) {
+        if (drop && (setgid(65534) != 0 || setuid(65534) != 0))
+            _exit(1);
+        (void)!write(ready[1], "r", 1);
+        for (;;)
+            pause();
+    }
+    char c;
+    cr_assert_eq(read(ready[0], &c, 1), 1);
+    close(ready[0]);
+    close(ready[1]);
+    (void)fd; /* inherited by the child */
+    return child;
+}
+
+Test(attest_measure, an_engine_in_a_user_namespace_of_its_own_lends_no_capability)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to compare with");
+    int ready[2];
+    cr_assert_eq(pipe(ready), 0);
+    pid_t child = fork();
+    cr_assert_neq(child, -1);
+    if (child == 0) {
+        if (unshare(CLONE_NEWUSER) != 0)
+            _exit(1);
+        (void)!write(ready[1], "r", 1);
+        for (;;)
+            pause();
+    }
+    char c;
+    cr_assert_eq(read(ready[0], &c, 1), 1, "the child made its user namespace");
+    attest_fs_ident_t mine, its;
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_proc_fs_ident("/proc", getpid(), 0, &mine, &err), 0, "%s", err.base);
+    cr_assert_eq(attest_proc_fs_ident("/proc", child, 0, &its, &err), 0, "%s", err.base);
+    cr_assert(mine.cap_eff_known && mine.cap_eff != 0, "root's own capabilities count");
+    cr_assert(its.cap_eff_known);
+    cr_assert_eq(its.cap_eff, 0, "capabilities of another user namespace count for nothing here");
+    attest_fs_ident_free(&mine);
+    attest_fs_ident_free(&its);
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    close(ready[0]);
+    close(ready[1]);
+    dp_buf_free(&err);
+}
+
+Test(attest_measure, a_socket_held_by_processes_reading_differently_has_no_engine)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to drop a child to another user");
+    struct sockaddr_in a;
+    int fd = listen_local(&a);
+    int64_t ino = attest_proc_listener("/proc", (struct sockaddr *)&a, NULL);
+    cr_assert_gt(ino, 0);
+    bool mixed = true;
+    pid_t same = holder_child(fd, false);
+    pid_t got = attest_proc_socket_owner("/proc", (uint64_t)ino, 0, &mixed);
+    cr_assert(got == getpid() || got == same, "one of two alike holders: %d", (int)got);
+    cr_assert_not(mixed);
+    kill(same, SIGKILL);
+    waitpid(same, NULL, 0);
+    pid_t dropped = holder_child(fd, true);
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, 0, &mixed), 0);
+    cr_assert(mixed, "a root holder and a nobody one: neither is the engine");
+    kill(dropped, SIGKILL);
+    waitpid(dropped, NULL, 0);
+    cr_assert_eq(attest_proc_socket_owner("/proc", (uint64_t)ino, 0, &mixed), getpid());
+    cr_assert_not(mixed);
+    close(fd);
 }
 
 /* A fake /proc/41 whose root is a folder of the test: the engine in a chroot or another mount
@@ -659,10 +755,14 @@ Test(attest_measure, an_engine_out_of_sight_lends_only_its_socket_s_uid, .init =
     attest_fs_ident_leave(&prev);
     cr_assert_not(attest_view_on());
     cr_assert_eq(stat(file, &st), 0, "the agent's own rights back");
-    /* Owned by root: its capabilities cannot be seen, so nothing changes but the view. */
-    cr_assert_eq(attest_as_process_enter("/proc", 0, 0, 0, &prev, &err), 0, "%s", err.base);
+    /* Owned by root (bound before the engine dropped to its user), or no owner seen: read as
+     * nobody, never as the agent. */
+    for (int owner = -1; owner <= 0; owner++) {
+        cr_assert_eq(attest_as_process_enter("/proc", 0, 0, owner, &prev, &err), 0, "%s", err.base);
+        cr_assert_eq(stat(file, &st), -1, "socket owner %d", owner);
+        attest_fs_ident_leave(&prev);
+    }
     cr_assert_eq(stat(file, &st), 0);
-    attest_fs_ident_leave(&prev);
     dp_buf_free(&err);
 }
 
