@@ -770,15 +770,26 @@ def test_a_pass_through_body_held_whole_is_retried_a_streamed_one_is_not():
     assert len(up.requests) == 2 and up.requests[1][0] != pooled and up.requests[1][1] == 0, \
         up.requests
     assert upstream_errors(px, "r1", "reused_closed") == 1
-    fresh = up.requests[1][0]
-    status, _, body = keepalive_race(px, lambda: up.close_conn(fresh), "POST", "/tokenize", big)
+    # The long body: when the proxy happens to see the replica's close before it starts to
+    # forward (the body's read and the close in one wake-up), there is no race to lose, and a
+    # new connection serves it; the race is then made again on that connection.
+    for _ in range(5):
+        fresh = up.requests[-1][0]
+        sent = len(up.requests)
+        errors = sum(upstream_errors(px, "r1", k) for k in ("reused_closed", "send", "closed"))
+        status, _, body = keepalive_race(px, lambda: up.close_conn(fresh), "POST", "/tokenize",
+                                         big)
+        if status != 200:
+            break
+        now = sum(upstream_errors(px, "r1", k) for k in ("reused_closed", "send", "closed"))
+        assert now == errors, "a 200 after the race: the streamed body was sent again"
     assert status == 502 and b"upstream_error" in body, (status, body)
     # met as the race (reused_closed), as a write that failed midway (send), or, when the whole
     # body had reached the kernel before the replica's reset was seen, as `closed`: not sent
     # again, whichever
-    assert len(up.requests) == 2, up.requests
+    assert len(up.requests) == sent, up.requests
     kinds = {k: upstream_errors(px, "r1", k) for k in ("reused_closed", "send", "closed")}
-    assert sum(kinds.values()) == 2 and kinds["reused_closed"] >= 1, kinds
+    assert sum(kinds.values()) == errors + 1 and kinds["reused_closed"] >= 1, kinds
     px.stop()
     up.stop()
 
