@@ -1387,7 +1387,19 @@ def canary_running(token_delay_ms):
     p["replicas"][0]["attest"] = {"source": "llamacpp"}
     px = start_proxy(pools=[p], attestation=fast_attestation(100), timeout=20)
     poll_until(lambda: state(px, "r1") == "admitted", timeout=10, what="r1 admitted")
-    poll_until(lambda: sim_stats(sim)["inflight"] == 1, timeout=10, what="a canary running")
+    # The long canary itself, not a one-token request of the checks: in flight across two
+    # polls, the same request (none completed between), at least two tokens further on.
+    last = {}
+
+    def long_one_running():
+        st = sim_stats(sim)
+        prev, last["st"] = last.get("st"), st
+        return (prev is not None and st["inflight"] == 1 and prev["inflight"] == 1 and
+                st["completed"] == prev["completed"] and
+                st["tokens_generated"] >= prev["tokens_generated"] + 2)
+
+    poll_until(long_one_running, timeout=15, interval=2.5 * int(token_delay_ms) / 1000,
+               what="a canary running")
     return sim, px
 
 
