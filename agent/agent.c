@@ -81,6 +81,12 @@
  * timestamp tick: not vouched for yet (attest_hash_opts_t.settled_ns). */
 #define SETTLED_MS 1000
 #define PROGRESS_LOG_MS 10000
+/* A look for the engine's model is a stat and a 4-byte read: one that takes this long means the
+ * storage under it does not answer, and the checkpoint is not vouched for until it does. */
+#define LOOK_STALLED_MS 5000
+/* On SIGTERM, work in flight gets this long to end; a thread stuck in a read of storage that
+ * does not answer is then left to the exit. */
+#define STOP_GRACE_MS 2000
 /* Open connections from one client address: proxies keep one or two each, so a host that
  * opens more is not a proxy, and must not take every slot (10,000) from the proxies. Room
  * for a hundred proxies behind one NAT address. */
@@ -195,7 +201,17 @@ struct agent_s {
     uint64_t retry_at_ms, retry_delay_ms;
     uint64_t last_progress_log_ms;
 
-    job_t *job; /* at most one in flight */
+    job_t *job;          /* at most one in flight */
+    struct look_s *look; /* the look for the engine's model in flight (look_run), NULL: none */
+    uv_timer_t look_timer;
+    bool look_stalled; /* it has outlasted LOOK_STALLED_MS */
+    struct {
+        bool waiting; /* a report read while a look was in flight: looked for when it ends */
+        bool always_local, new_engine;
+        char *model_path;
+    } pending;
+    char *dir_contra;      /* the engine's model path --model-dir contradicts, NULL: none */
+    uv_timer_t stop_timer; /* STOP_GRACE_MS for work in flight at SIGTERM */
 
     fw_t fw;
     eng_t eng;
@@ -528,6 +544,8 @@ static void kick(agent_t *a)
         start_job(a, false);
 }
 
+static void stop_when_idle(agent_t *a);
+
 static void job_after(uv_work_t *w, int status)
 {
     job_t *j = dp_container_of(w, job_t, work);
@@ -542,6 +560,8 @@ static void job_after(uv_work_t *w, int status)
     job_free(j);
     if (!a->stopping)
         kick(a); /* the target changed while this one ran: its work now */
+    else
+        stop_when_idle(a);
 }
 
 static void start_job(agent_t *a, bool full)
@@ -786,53 +806,210 @@ static bool streq_null(const char *x, const char *y)
     return x == NULL ? y == NULL : y != NULL && strcmp(x, y) == 0;
 }
 
-/* A read of the engine recognised it: sign what it reports instead of the flags, find the
- * model it loaded, and hash that (off the loop) when it is another one than hashed. */
-static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
+/* ---- looking for the engine's model (off the loop) --------------------------------------- */
+
+/* Where the model the engine reports is, from here: a stat, a 4-byte read and a comparison
+ * with --model-dir, as the engine's user in its root. Looked at on the thread pool, not the
+ * loop: a model on storage that does not answer (a stalled NFS server, a FUSE daemon that
+ * hangs) blocks whoever looks, and the agent must go on answering that it cannot vouch for it.
+ * At most one look is in flight; a report read meanwhile waits for it (agent.pending). */
+typedef struct look_s {
+    uv_work_t work;
+    agent_t *a;
+    pid_t pid; /* the engine's process, as eng_identify saw it when the look began */
+    unsigned long long start;
+    int64_t owner_uid;
+    char *model_path; /* the engine's report (NULL: it names none) */
+    bool always_local;
+    bool new_engine;
+    char *dir; /* --model-dir, NULL without */
+    uint64_t started_ms;
+    attest_locate_t loc; /* the results */
+    attest_located_t l;
+    bool dir_ok;
+    dp_buf_t why;
+} look_t;
+
+static void look_run(uv_work_t *w)
 {
-    attest_engine_merge(r, a->flag_quant, a->flag_dtype, &a->ident);
-    dp_buf_t why = {0};
-    attest_located_t l = {0};
-    bool always_local = strcmp(r->source, "llamacpp") == 0; /* -m names a GGUF file */
-    /* Looked for as the engine's user, as it is read (job_run): what the engine cannot see is
-     * not there for it, and its answers say nothing of folders it cannot enter. */
-    attest_fs_ident_t prev;
-    attest_locate_t loc = ATTEST_LOC_NOT_VISIBLE;
+    look_t *k = dp_container_of(w, look_t, work);
     /* --model-dir (the operator's path, looked at as the agent) must be the loaded model or a
      * folder above it, in the engine's root: anything else names files it is not serving. */
     struct stat ds;
-    bool dir_ok = a->dir == NULL || stat(a->dir, &ds) == 0;
-    if (attest_as_process_enter("/proc", a->eng.pid, a->eng.start, a->eng.sock_uid, &prev, &why) ==
-        0) {
-        loc = attest_engine_locate("/proc", a->eng.pid, r->model_path, always_local, &l, &why);
-        if (loc == ATTEST_LOC_FOUND && !attest_model_shaped(l.path, r->model_path, &why))
-            loc = ATTEST_LOC_NOT_VISIBLE;
-        if (loc == ATTEST_LOC_FOUND && a->dir && dir_ok)
-            dir_ok = attest_located_under(&l, &ds);
-        attest_fs_ident_leave(&prev);
+    k->dir_ok = k->dir == NULL || stat(k->dir, &ds) == 0;
+    k->loc = ATTEST_LOC_NOT_VISIBLE;
+    /* Looked for as the engine's user, as it is read (job_run): what the engine cannot see is
+     * not there for it, and its answers say nothing of folders it cannot enter. */
+    attest_fs_ident_t prev;
+    if (attest_as_process_enter("/proc", k->pid, k->start, k->owner_uid, &prev, &k->why) != 0)
+        return;
+    k->loc = attest_engine_locate("/proc", k->pid, k->model_path, k->always_local, &k->l, &k->why);
+    if (k->loc == ATTEST_LOC_FOUND && !attest_model_shaped(k->l.path, k->model_path, &k->why))
+        k->loc = ATTEST_LOC_NOT_VISIBLE;
+    if (k->loc == ATTEST_LOC_FOUND && k->dir && k->dir_ok)
+        k->dir_ok = attest_located_under(&k->l, &ds);
+    attest_fs_ident_leave(&prev);
+}
+
+static void look_free(look_t *k)
+{
+    attest_located_free(&k->l);
+    dp_buf_free(&k->why);
+    free(k->model_path);
+    free(k->dir);
+    free(k);
+}
+
+static void look_after(uv_work_t *w, int status);
+static void on_look_stalled(uv_timer_t *t);
+
+static void look_start(agent_t *a, const char *model_path, bool always_local, bool new_engine)
+{
+    look_t *k = dp_xcalloc(1, sizeof(*k));
+    k->a = a;
+    k->pid = a->eng.pid;
+    k->start = a->eng.start;
+    k->owner_uid = a->eng.sock_uid;
+    k->model_path = model_path ? dp_xstrdup(model_path) : NULL;
+    k->always_local = always_local;
+    k->new_engine = new_engine;
+    k->dir = a->dir ? dp_xstrdup(a->dir) : NULL;
+    k->started_ms = uv_now(&a->loop);
+    int r = uv_queue_work(&a->loop, &k->work, look_run, look_after);
+    if (r != 0) {
+        /* Nothing looked at, nothing vouched for: the next read looks again. */
+        dp_buf_reset(&a->ckpt_why);
+        dp_buf_printf(&a->ckpt_why, "cannot queue the look for the engine's model: %s",
+                      uv_strerror(r));
+        publish_checkpoint(a);
+        look_free(k);
+        return;
     }
+    a->look = k;
+    uv_timer_start(&a->look_timer, on_look_stalled, LOOK_STALLED_MS, 0);
+}
+
+/* The look is taking longer than a look can: the storage under the model does not answer.
+ * Stop vouching for the checkpoint now, with the reason, and answer on; the look's own end
+ * (if it comes) measures as usual. */
+static void on_look_stalled(uv_timer_t *t)
+{
+    agent_t *a = t->data;
+    look_t *k = a->look;
+    if (k == NULL)
+        return;
+    a->look_stalled = true;
+    dp_buf_reset(&a->ckpt_why);
+    dp_buf_printf(&a->ckpt_why,
+                  "looking for the model the engine reports (%.200s) has not ended in %u s: the "
+                  "storage under it does not answer (a stalled NFS or FUSE mount?)",
+                  k->model_path ? k->model_path
+                  : k->dir      ? k->dir
+                                : "none named",
+                  LOOK_STALLED_MS / 1000);
+    if (a->state == ST_MEASURING && !a->confirm)
+        set_not_ready(a, ST_READY, NULL); /* the engine was read: say what is known of it */
+    publish_checkpoint(a);
+    log_kv(DP_LOG_ERROR, "model_look_stalled", "model_path", k->model_path, "detail",
+           a->ckpt_why.base);
+}
+
+static void measure_located(agent_t *a, look_t *k);
+
+static void look_after(uv_work_t *w, int status)
+{
+    look_t *k = dp_container_of(w, look_t, work);
+    agent_t *a = k->a;
+    a->look = NULL;
+    uv_timer_stop(&a->look_timer);
+    if (a->look_stalled) {
+        a->look_stalled = false;
+        dp_jw_t *w2 = dp_log_begin(DP_LOG_WARN, "model_look_ended");
+        if (w2) {
+            dp_jw_str(w2, "model_path", k->model_path);
+            dp_jw_uint(w2, "after_ms", uv_now(&a->loop) - k->started_ms);
+            dp_log_end(w2);
+        }
+    }
+    if (a->stopping || status != 0) {
+        look_free(k);
+        stop_when_idle(a);
+        return;
+    }
+    if (a->pending.waiting) {
+        /* A newer report was read while this look ran: look for that one instead, without
+         * losing that a new engine process was seen. */
+        a->pending.waiting = false;
+        bool new_engine = a->pending.new_engine || k->new_engine;
+        look_free(k);
+        look_start(a, a->pending.model_path, a->pending.always_local, new_engine);
+        free(a->pending.model_path);
+        a->pending.model_path = NULL;
+        return;
+    }
+    measure_located(a, k);
+    look_free(k);
+}
+
+/* A read of the engine recognised it: sign what it reports instead of the flags, then find the
+ * model it loaded (look_run) and hash that (off the loop) when it is another one than hashed. */
+static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
+{
+    attest_engine_merge(r, a->flag_quant, a->flag_dtype, &a->ident);
+    if (a->dir_contra) /* until the look below says otherwise */
+        attest_report_add_contradiction(&a->ident, "model_dir", a->dir, a->dir_contra);
+    bool always_local = strcmp(r->source, "llamacpp") == 0; /* -m names a GGUF file */
+    if (a->look == NULL) {
+        look_start(a, r->model_path, always_local, new_engine);
+        return;
+    }
+    free(a->pending.model_path);
+    a->pending.model_path = r->model_path ? dp_xstrdup(r->model_path) : NULL;
+    a->pending.always_local = always_local;
+    a->pending.new_engine = a->pending.new_engine || new_engine;
+    a->pending.waiting = true;
+}
+
+/* --model-dir contradicts the model the engine reports (engine_path), or (NULL) does not. Kept
+ * across reads, whose merge lists the flags' contradictions afresh, until a look says
+ * otherwise. */
+static void set_dir_contradiction(agent_t *a, const char *engine_path)
+{
+    attest_report_drop_contradiction(&a->ident, "model_dir");
+    free(a->dir_contra);
+    a->dir_contra = engine_path ? dp_xstrdup(engine_path) : NULL;
+    if (a->dir_contra)
+        attest_report_add_contradiction(&a->ident, "model_dir", a->dir, a->dir_contra);
+}
+
+/* What the look found decides what is hashed and vouched for. */
+static void measure_located(agent_t *a, look_t *k)
+{
+    const char *model_path = k->model_path;
+    bool new_engine = k->new_engine;
+    attest_locate_t loc = k->loc;
+    dp_buf_t why = k->why;
+    k->why = (dp_buf_t){0};
     char *target = NULL;
     bool measured = false;
+    set_dir_contradiction(a, loc == ATTEST_LOC_FOUND && !k->dir_ok ? model_path : NULL);
     if (loc == ATTEST_LOC_FOUND) {
-        if (!dir_ok)
-            attest_report_add_contradiction(&a->ident, "model_dir", a->dir, r->model_path);
-        target = l.path;
-        l.path = NULL;
+        target = k->l.path;
+        k->l.path = NULL;
         measured = true;
     } else if (a->dir) {
         target = dp_xstrdup(a->dir); /* a Hub id, or a path out of sight: the flag's folder */
     }
-    attest_located_free(&l);
     if (loc == ATTEST_LOC_NOT_LOCAL && target == NULL) {
         dp_buf_reset(&why);
         dp_buf_printf(&why,
                       "the engine loaded %.200s, not a local path: give the agent --model-dir "
                       "for a content hash",
-                      r->model_path ? r->model_path : "a model it does not name");
+                      model_path ? model_path : "a model it does not name");
     }
     bool changed = !streq_null(target, a->target) || measured != a->target_measured;
     free(a->engine_path);
-    a->engine_path = measured && r->model_path ? dp_xstrdup(r->model_path) : NULL;
+    a->engine_path = measured && model_path ? dp_xstrdup(model_path) : NULL;
     if (target == NULL) {
         /* The engine's model cannot be reached, and there is no --model-dir to repeat:
          * nothing is hashed, and the checkpoint is not vouched for, with the reason. */
@@ -845,7 +1022,7 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
             attest_snapshot_free(&a->snap);
             a->confirm = false;
             set_not_ready(a, ST_READY, NULL);
-            log_kv(DP_LOG_WARN, "checkpoint_unattested", "model_path", r->model_path, "detail",
+            log_kv(DP_LOG_WARN, "checkpoint_unattested", "model_path", model_path, "detail",
                    why.base);
         }
         dp_buf_reset(&a->ckpt_why);
@@ -869,7 +1046,7 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
         dp_buf_t msg = {0};
         if (measured)
             dp_buf_printf(&msg, "hashing %.200s, the model the engine loaded",
-                          r->model_path ? r->model_path : target);
+                          model_path ? model_path : target);
         else
             dp_buf_appends(&msg, "hashing the model directory");
         set_not_ready(a, ST_HASHING, msg.base);
@@ -1174,6 +1351,30 @@ static void server_closed(void *data)
     a->closes_pending--;
 }
 
+/* Stopping, with no work in flight left to wait for: the last handle goes. */
+static void stop_when_idle(agent_t *a)
+{
+    if (a->stopping && a->job == NULL && a->look == NULL &&
+        !uv_is_closing((uv_handle_t *)&a->stop_timer))
+        uv_close((uv_handle_t *)&a->stop_timer, handle_closed);
+}
+
+/* Work in flight outlasted STOP_GRACE_MS: a thread waits on storage that does not answer, and
+ * would hold the loop (and libuv's thread pool at exit) for as long. The process ends without
+ * it; the kernel ends the thread's wait. */
+static void on_stop_grace(uv_timer_t *t)
+{
+    agent_t *a = t->data;
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "stopped");
+    if (w) {
+        dp_jw_str(w, "detail",
+                  a->look ? "a look for the engine's model did not end: exiting without it"
+                          : "a read of the model did not end: exiting without it");
+        dp_log_end(w);
+    }
+    _exit(DP_EXIT_OK);
+}
+
 static void agent_stop(agent_t *a, const char *why)
 {
     if (a->stopping)
@@ -1190,13 +1391,17 @@ static void agent_stop(agent_t *a, const char *why)
     }
     a->closes_pending++;
     net_server_close(a->srv, server_closed, a);
-    uv_handle_t *hs[] = {(uv_handle_t *)&a->sigterm, (uv_handle_t *)&a->sigint,
-                         (uv_handle_t *)&a->sigpipe, (uv_handle_t *)&a->watch,
-                         (uv_handle_t *)&a->fw_timer};
+    uv_handle_t *hs[] = {(uv_handle_t *)&a->sigterm,  (uv_handle_t *)&a->sigint,
+                         (uv_handle_t *)&a->sigpipe,  (uv_handle_t *)&a->watch,
+                         (uv_handle_t *)&a->fw_timer, (uv_handle_t *)&a->look_timer};
     for (size_t i = 0; i < DP_ARRAY_SIZE(hs); i++) {
         a->closes_pending++;
         uv_close(hs[i], handle_closed);
     }
+    a->closes_pending++; /* the stop timer, closed by stop_when_idle */
+    if (a->job || a->look)
+        uv_timer_start(&a->stop_timer, on_stop_grace, STOP_GRACE_MS, 0);
+    stop_when_idle(a);
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -1725,7 +1930,9 @@ int agent_cmd_serve(int argc, char **argv)
     uv_signal_start(&a->sigpipe, on_signal, SIGPIPE);
     uv_timer_init(&a->loop, &a->watch);
     uv_timer_init(&a->loop, &a->fw_timer);
-    a->watch.data = a->fw_timer.data = a;
+    uv_timer_init(&a->loop, &a->look_timer);
+    uv_timer_init(&a->loop, &a->stop_timer);
+    a->watch.data = a->fw_timer.data = a->look_timer.data = a->stop_timer.data = a;
     uv_timer_start(&a->watch, on_watch, a->watch_ms, a->watch_ms);
     if (a->fw.up)
         uv_timer_start(&a->fw_timer, on_fw_timer, 0, 0); /* then fw_schedule() */
@@ -1775,6 +1982,8 @@ out:
     free(a->dir);
     free(a->target);
     free(a->engine_path);
+    free(a->pending.model_path);
+    free(a->dir_contra);
     free(a->flag_quant);
     free(a->flag_dtype);
     free(a);

@@ -89,6 +89,22 @@ void attest_report_clear_contradictions(attest_report_t *r)
     r->ncontradictions = 0;
 }
 
+void attest_report_drop_contradiction(attest_report_t *r, const char *field)
+{
+    size_t kept = 0;
+    for (size_t i = 0; i < r->ncontradictions; i++) {
+        attest_contradiction_t *c = &r->contradictions[i];
+        if (strcmp(c->field, field) == 0) {
+            free(c->field);
+            free(c->flag);
+            free(c->engine);
+        } else {
+            r->contradictions[kept++] = *c;
+        }
+    }
+    r->ncontradictions = kept;
+}
+
 const char *attest_contradiction_flag(const char *field)
 {
     static const struct {

@@ -100,6 +100,8 @@ void attest_report_add_contradiction(attest_report_t *r, const char *field, cons
                                      const char *engine);
 /* Drop every contradiction. */
 void attest_report_clear_contradictions(attest_report_t *r);
+/* Drop the contradictions about one field ("model_dir"), keeping the others in order. */
+void attest_report_drop_contradiction(attest_report_t *r, const char *field);
 /* The agent flag a contradiction's field stands for: "--quantization", "--dtype",
  * "--model-dir"; NULL for a field this build does not know. */
 const char *attest_contradiction_flag(const char *field);

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from harness import (DETPROXY_BIN, free_port, get_json, http, poll_until, run_cmd,
+from harness import (DETPROXY_BIN, SLOW, free_port, get_json, http, poll_until, run_cmd,
                      run_tests, start_process, start_sim)
 from proxyutil import pool, sim_config, sim_requests, start_proxy, write_config
 
@@ -774,6 +774,123 @@ def test_a_link_through_proc_self_is_not_followed():
         eng.stop()
     finally:
         os.unlink(agents_own)
+
+
+def stalled_mount():
+    """A FUSE mount whose server never answers: /dev/fuse is opened and mounted, and nothing
+    ever reads it, so every look under the mount waits in the kernel (fuse_get_req) until the
+    connection ends. Returns (mount point, the descriptor whose close ends it), or None (with a
+    SKIP line) where FUSE cannot be mounted: no /dev/fuse, not root. The mount point is not
+    under TMP, so nothing that walks TMP waits on it."""
+    import ctypes
+    where = tempfile.mkdtemp(prefix="detproxy-stalled-")
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError:
+        fd = None
+    opts = "fd=%d,rootmode=40000,user_id=0,group_id=0" % (fd or 0)
+    if fd is None or libc.mount(b"detproxy-stalled", where.encode(), b"fuse", 0,
+                                opts.encode()) != 0:
+        if fd is not None:
+            os.close(fd)
+        os.rmdir(where)
+        print("    SKIP: cannot mount FUSE here (needs /dev/fuse and root)")
+        return None
+    return where, fd
+
+
+def end_stalled_mount(m):
+    """Closing the server's descriptor aborts the connection (every wait under it ends with
+    ENOTCONN); the mount is then detached and its point removed."""
+    import ctypes
+    where, fd = m
+    os.close(fd)
+    ctypes.CDLL(None, use_errno=True).umount2(where.encode(), 2)  # MNT_DETACH
+    os.rmdir(where)
+
+
+def test_a_model_on_storage_that_does_not_answer_stops_neither_answers_nor_exit():
+    """The look for the model the engine names (a stat and a 4-byte read) runs off the agent's
+    loop: when the storage under it never answers (an NFS server gone, a FUSE daemon hung), the
+    agent keeps answering, stops vouching for the checkpoint once the look outlasts 5 s, and
+    still exits on SIGTERM."""
+    m = stalled_mount()
+    if m is None:
+        return
+    try:
+        real = gguf("stalled-mapped.gguf", b"the file the engine maps ")
+        port = free_port()
+        eng = fake_engine(port, os.path.join(m[0], "model.gguf"), "F16", mapped=real)
+        ag = agent(port, "--quantization", "F16")
+        # The agent answers all along (503 while the engine's model is being looked for), and
+        # once the look has outlasted 5 s, signs what the engine says without a checkpoint.
+        t0 = time.monotonic()
+        while True:
+            st, p = payload(ag, "w")
+            if st == 200 or time.monotonic() - t0 > 30:
+                break
+            time.sleep(0.1)
+        assert st == 200, (st, p)
+        stalled = ag.wait_log("model_look_stalled", timeout=1)
+        assert "does not answer" in stalled["detail"], stalled
+        # Every answer comes at once, and vouches for no checkpoint.
+        for i in range(5):
+            t0 = time.monotonic()
+            st, p = payload(ag, "s%d" % i)
+            took = time.monotonic() - t0
+            assert took < 1.0 * SLOW, took
+            assert st == 200 and p.get("checkpoint_sha256") is None, (st, p)
+            assert p.get("quantization") == "F16", p  # what the engine says is still signed
+        note = json.dumps(p)
+        assert "has not ended in 5 s" in note, p
+        # Reads of the engine go on while the look waits; none starts a second look.
+        reads = len(ag.find_logs("model_look_stalled"))
+        t0 = time.monotonic()
+        ag.send_signal(signal.SIGTERM)
+        rc = ag.wait(10)
+        took = time.monotonic() - t0
+        print("    a look stuck on a FUSE mount: answers went on, SIGTERM to exit %.2f s" % took)
+        assert rc == 0 and took < 5, (rc, took)
+        assert reads == 1, ag.find_logs("model_look_stalled")
+        assert any("did not end" in l.get("detail", "") for l in ag.find_logs("stopped")), \
+            ag.find_logs("stopped")
+        eng.stop()
+    finally:
+        end_stalled_mount(m)
+
+
+def test_a_look_that_ends_late_measures_as_usual():
+    """A look that outlasts 5 s and then ends (the storage answers again) measures as usual:
+    the hash is vouched for again, with nothing to restart."""
+    m = stalled_mount()
+    if m is None:
+        return
+    try:
+        f16 = gguf("late-f16.gguf", b"late weights ")
+        port = free_port()
+        # The engine names a path through a link it swaps: first into the stalled mount, then,
+        # once the agent waits there, to the real file (the storage "answering again" is the
+        # aborted connection, after which the link leads elsewhere).
+        link = os.path.join(TMP, "late-model.gguf")
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(os.path.join(m[0], "model.gguf"), link)
+        eng = fake_engine(port, link, "F16", mapped=f16)
+        ag = agent(port, "--quantization", "F16")
+        ag.wait_log("model_look_stalled", timeout=30)
+        os.unlink(link)
+        os.symlink(f16, link)
+        end_stalled_mount(m)
+        m = None
+        ended = ag.wait_log("model_look_ended", timeout=10)
+        assert ended["after_ms"] >= 5000, ended
+        poll_until(lambda: vouched(ag) == sha256_file(f16), what="the model measured after all")
+        ag.stop()
+        eng.stop()
+    finally:
+        if m is not None:
+            end_stalled_mount(m)
 
 
 def test_what_the_engine_cannot_see_is_not_looked_at_for_it():

@@ -104,6 +104,22 @@ Test(attest_measure, model_dir_and_unknown_fields_are_named_too)
     attest_report_clear(&r);
 }
 
+Test(attest_measure, dropping_one_field_s_contradiction_keeps_the_others_in_order)
+{
+    attest_report_t r;
+    measured_llamacpp(&r);
+    attest_report_add_contradiction(&r, "quantization", "F16", "Q8_0");
+    attest_report_add_contradiction(&r, "model_dir", "/srv/a", "/models/x.gguf");
+    attest_report_add_contradiction(&r, "dtype", "float16", "bfloat16");
+    attest_report_drop_contradiction(&r, "model_dir");
+    cr_assert_eq(r.ncontradictions, 2);
+    cr_assert_str_eq(r.contradictions[0].field, "quantization");
+    cr_assert_str_eq(r.contradictions[1].field, "dtype");
+    attest_report_drop_contradiction(&r, "model_dir"); /* none left: nothing changes */
+    cr_assert_eq(r.ncontradictions, 2);
+    attest_report_clear(&r);
+}
+
 Test(attest_measure, a_measured_llamacpp_quantization_compares_caselessly)
 {
     attest_report_t r;
