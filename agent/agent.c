@@ -374,7 +374,9 @@ static void job_run(uv_work_t *w)
         if (j->rc == 0 && oms)
             j->rc = oms_watch_take(j->oms_bundle, j->path, &j->oms_watch, &j->err);
     }
-    attest_fs_ident_leave(&prev);
+    /* The files' names as the engine's maps show them, taken in its view; its maps and open
+     * files are then read as the agent. */
+    char **names = NULL;
     if (j->rc == 0 && j->pid > 0) {
         /* A one-file snapshot is listed from the file's folder (attest_hash_path). */
         const char *slash = strrchr(j->path, '/');
@@ -382,8 +384,13 @@ static void job_run(uv_work_t *w)
                      : slash == NULL    ? dp_xstrdup(".")
                      : slash == j->path ? dp_xstrdup("/")
                                         : dp_xstrndup(j->path, (size_t)(slash - j->path));
-        j->loaded = attest_proc_loaded("/proc", j->pid, root, &j->snap, &j->other);
+        names = attest_loaded_names(root, &j->snap);
         free(root);
+    }
+    attest_fs_ident_leave(&prev);
+    if (names) {
+        j->loaded = attest_proc_loaded("/proc", j->pid, names, &j->snap, &j->other);
+        attest_loaded_names_free(names, j->snap.count);
     }
     j->end_ns = dp_now_ns();
 }

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -639,12 +640,42 @@ static void maps_first_gguf(const char *maps, size_t len, dp_buf_t *out)
     }
 }
 
-int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const attest_snapshot_t *snap,
-                       dp_buf_t *other)
+char **attest_loaded_names(const char *root, const attest_snapshot_t *snap)
+{
+    char **names = dp_xcalloc(snap->count ? snap->count : 1, sizeof(*names));
+    dp_buf_t full = {0};
+    for (size_t i = 0; i < snap->count; i++) {
+        dp_buf_reset(&full);
+        dp_buf_printf(&full, "%s/%s", root, snap->files[i].relpath);
+        int fd = attest_view_open(full.base, O_PATH);
+        if (fd < 0)
+            continue;
+        char self[64], name[PATH_MAX];
+        snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(self, name, sizeof(name) - 1);
+        close(fd);
+        if (n > 0) {
+            name[n] = '\0';
+            names[i] = dp_xstrdup(name);
+        }
+    }
+    dp_buf_free(&full);
+    return names;
+}
+
+void attest_loaded_names_free(char **names, size_t count)
+{
+    for (size_t i = 0; names && i < count; i++)
+        free(names[i]);
+    free(names);
+}
+
+int attest_proc_loaded(const char *proc, pid_t pid, char *const *names,
+                       const attest_snapshot_t *snap, dp_buf_t *other)
 {
     char path[512];
     snprintf(path, sizeof(path), "%s/%d/maps", proc, (int)pid);
-    dp_buf_t maps = {0}, full = {0};
+    dp_buf_t maps = {0};
     int rc = dp_read_file(path, MAPS_MAX, &maps);
     if (rc != 0 && rc != -EFBIG) {
         dp_buf_free(&maps);
@@ -654,12 +685,8 @@ int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const atte
     attest_loaded_t seen = ATTEST_LOADED_NOT_SEEN;
     for (size_t i = 0; i < snap->count && seen == ATTEST_LOADED_NOT_SEEN; i++) {
         const attest_file_t *f = &snap->files[i];
-        dp_buf_reset(&full);
-        dp_buf_printf(&full, "%s/%s", root, f->relpath);
-        char *real = realpath(full.base, NULL);
-        if (attest_maps_has(m, maps.len, f->dev, f->ino, real))
+        if (attest_maps_has(m, maps.len, f->dev, f->ino, names ? names[i] : NULL))
             seen = ATTEST_LOADED_MAPPED;
-        free(real);
     }
     snprintf(path, sizeof(path), "%s/%d/fd", proc, (int)pid);
     DIR *fds = seen == ATTEST_LOADED_NOT_SEEN ? opendir(path) : NULL;
@@ -692,7 +719,6 @@ int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const atte
     if (seen != ATTEST_LOADED_NOT_SEEN && other)
         dp_buf_reset(other);
     dp_buf_free(&maps);
-    dp_buf_free(&full);
     return (int)seen;
 }
 

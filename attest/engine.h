@@ -110,12 +110,21 @@ typedef enum {
 /* Does the text of a maps file map a file with this device and inode, or at this path? */
 bool attest_maps_has(const char *maps, size_t len, uint64_t dev, uint64_t ino, const char *path);
 
-/* Which of snap's files (listed from root: the located path, or its folder for a one-file
- * snapshot) the process has mapped or open. When it has none of them, *other gets the first
- * GGUF file it does have mapped or open (the engine runs another model than it reports), if
- * any. Negative errno when its maps cannot be read (the agent lacks the access). */
-int attest_proc_loaded(const char *proc, pid_t pid, const char *root, const attest_snapshot_t *snap,
-                       dp_buf_t *other);
+/* The kernel's names of snap's files (listed from root: the located path, or its folder for a
+ * one-file snapshot), as /proc/PID/maps shows them to the agent: each file opened as the
+ * caller reads, in the engine's view when it is on (attest/view.h), so that no link in the
+ * engine's root is followed in the agent's. names[i] is NULL for a file that cannot be opened
+ * now. Release with attest_loaded_names_free. */
+char **attest_loaded_names(const char *root, const attest_snapshot_t *snap);
+void attest_loaded_names_free(char **names, size_t count);
+
+/* Which of snap's files the process has mapped or open: by device and inode, or (overlay
+ * filesystems show the lower file's) by names[i] from attest_loaded_names (may be NULL). When
+ * it has none of them, *other gets the first GGUF file it does have mapped or open (the engine
+ * runs another model than it reports), if any. Negative errno when its maps cannot be read
+ * (the agent lacks the access). */
+int attest_proc_loaded(const char *proc, pid_t pid, char *const *names,
+                       const attest_snapshot_t *snap, dp_buf_t *other);
 
 /* ---- reading as the engine's user ------------------------------------------------------- */
 

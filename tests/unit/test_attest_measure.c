@@ -720,6 +720,40 @@ Test(attest_measure, links_in_the_engines_folder_resolve_in_its_root, .init = ma
     dp_buf_free(&err);
 }
 
+Test(attest_measure, the_names_matched_against_maps_are_the_engine_roots_files, .init = make_tmp,
+     .fini = rm_tree)
+{
+    /* An absolute link in the engine's folder names a path the agent has a file at too: the
+     * name compared with the engine's maps is its own root's file, never the agent's. */
+    char proc[300], root[300], host[400], inside[800], p[600], want[PATH_MAX];
+    fake_engine_root(proc, root);
+    snprintf(host, sizeof(host), "%s/decoy.gguf", tmp);
+    write_file(host, "GGUF host", 9);
+    snprintf(inside, sizeof(inside), "%s%s", root, host);
+    char cmd[1200];
+    snprintf(cmd, sizeof(cmd), "mkdir -p '%s%s'", root, tmp);
+    cr_assert_eq(system(cmd), 0);
+    write_file(inside, "GGUF mine", 9);
+    snprintf(p, sizeof(p), "%s/models/llama/linked.gguf", root);
+    cr_assert_eq(symlink(host, p), 0);
+    cr_assert_not_null(realpath(inside, want));
+
+    dp_buf_t err = {0};
+    cr_assert_eq(attest_view_enter(proc, 41, &err), 0, "%s", err.base);
+    snprintf(p, sizeof(p), "%s/41/root/models/llama/linked.gguf", proc);
+    attest_snapshot_t snap;
+    cr_assert_eq(attest_snapshot_take_path(p, &snap, NULL, NULL), 0);
+    snprintf(p, sizeof(p), "%s/41/root/models/llama", proc);
+    char **names = attest_loaded_names(p, &snap);
+    attest_view_leave();
+    cr_assert_eq(snap.count, 1);
+    cr_assert_not_null(names[0]);
+    cr_assert_str_eq(names[0], want);
+    attest_loaded_names_free(names, snap.count);
+    attest_snapshot_free(&snap);
+    dp_buf_free(&err);
+}
+
 Test(attest_measure, no_link_through_proc_is_followed_in_a_view, .init = make_tmp, .fini = rm_tree)
 {
     /* Magic links (/proc/self/cwd, /proc/PID/root, /proc/self/fd/N) lead past the engine's
@@ -812,6 +846,14 @@ Test(attest_measure, a_relative_path_is_placed_in_the_engines_root, .init = make
     dp_buf_free(&why);
 }
 
+static int loaded_by_me(const attest_snapshot_t *snap, dp_buf_t *instead)
+{
+    char **names = attest_loaded_names(tmp, snap);
+    int rc = attest_proc_loaded("/proc", getpid(), names, snap, instead);
+    attest_loaded_names_free(names, snap->count);
+    return rc;
+}
+
 Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .fini = rm_tree)
 {
     char path[300], other[300];
@@ -822,20 +864,18 @@ Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .f
     attest_snapshot_t snap;
     cr_assert_eq(attest_snapshot_take_path(path, &snap, NULL, NULL), 0);
     dp_buf_t instead = {0};
-    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
-                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert_eq(loaded_by_me(&snap, &instead), ATTEST_LOADED_NOT_SEEN);
     cr_assert_eq(instead.len, 0);
     /* Another GGUF open: the process runs something other than the reported file. */
     int ofd = open(other, O_RDONLY);
-    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
-                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert_eq(loaded_by_me(&snap, &instead), ATTEST_LOADED_NOT_SEEN);
     cr_assert_str_eq(instead.base, other);
     dp_buf_reset(&instead);
     int fd = open(path, O_RDONLY);
-    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead), ATTEST_LOADED_OPEN);
+    cr_assert_eq(loaded_by_me(&snap, &instead), ATTEST_LOADED_OPEN);
     void *m = mmap(NULL, 8, PROT_READ, MAP_PRIVATE, fd, 0);
     cr_assert_neq(m, MAP_FAILED);
-    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead), ATTEST_LOADED_MAPPED);
+    cr_assert_eq(loaded_by_me(&snap, &instead), ATTEST_LOADED_MAPPED);
     cr_assert_eq(instead.len, 0);
     munmap(m, 8);
     close(fd);
@@ -853,8 +893,7 @@ Test(attest_measure, the_model_mapped_by_a_process_is_seen, .init = make_tmp, .f
     attest_snapshot_free(&snap);
     cr_assert_eq(attest_snapshot_take_path(path, &snap, NULL, NULL), 0);
     dp_buf_reset(&instead);
-    cr_assert_eq(attest_proc_loaded("/proc", getpid(), tmp, &snap, &instead),
-                 ATTEST_LOADED_NOT_SEEN);
+    cr_assert_eq(loaded_by_me(&snap, &instead), ATTEST_LOADED_NOT_SEEN);
     cr_assert(instead.len && strstr(instead.base, "tiny.gguf (deleted)"), "%s",
               instead.base ? instead.base : "(none)");
     munmap(m, 8);
