@@ -693,7 +693,7 @@ def test_an_engine_out_of_sight_lends_only_its_socket_s_uid():
 
 
 FORKING = r'''
-import os, signal, socket, sys
+import ctypes, os, signal, socket, sys
 mode, port, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -706,6 +706,12 @@ if child == 0:
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
+    # The worker dies with its parent, even one killed with SIGKILL (set after the ids
+    # change, which clears it).
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(1)
     os.environ["FAKE_LISTEN_FD"] = str(s.fileno())
     os.execv("/usr/bin/python3", ["/usr/bin/python3", script, str(port)] + sys.argv[4:])
 signal.signal(signal.SIGTERM, lambda *_: (os.kill(child, signal.SIGKILL), os._exit(0)))
