@@ -225,7 +225,13 @@ static int take_lock(const char *lockpath, const char *what, const audit_chain_t
         ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
         pid[n > 0 ? n : 0] = '\0';
         pid[strcspn(pid, "\n")] = '\0';
-        if (e == EWOULDBLOCK)
+        if (e == EWOULDBLOCK && strtol(pid, NULL, 10) == (long)getpid())
+            dp_buf_printf(err,
+                          "%s is still held by this detproxy's previous audit writer, which "
+                          "has lines or bodies of its own still to write (a disk that does not "
+                          "answer?): reload again once it lets go (audit_closed)",
+                          what);
+        else if (e == EWOULDBLOCK)
             dp_buf_printf(err,
                           "%s is in use by another detproxy (pid %s holds %s): two instances on "
                           "one audit trail would interleave it",

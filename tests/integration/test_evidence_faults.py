@@ -1066,6 +1066,7 @@ def test_a_reload_that_removes_the_audit_path_lets_go_of_the_trail_once_its_line
     sim, px = setup(checkpoint_lines=100, audit_fail="open")
     hold = StoreWriteHeld(px, HELD_PROMPT, px.store)
     cfg = json.load(open(px.config_path))
+    audited = json.load(open(px.config_path))
     cfg["log"] = {"level": "info"}
     cfg["policy"] = {"tenants": [dict(t, audit=False) for t in POLICY["tenants"]]}
     write_config(cfg, px.dir)
@@ -1075,6 +1076,15 @@ def test_a_reload_that_removes_the_audit_path_lets_go_of_the_trail_once_its_line
     for path in locks:
         assert held(path), "%s released with a line still to be written" % path
     assert not px.find_logs("audit_closed")
+    # Turning the trail on again while the old writer holds it: this detproxy itself is named,
+    # with what to wait for, not as "another detproxy".
+    write_config(audited, px.dir)
+    r = http("POST", px.admin_port, "/admin/reload")
+    assert r.status == 409, r.text
+    msg = r.json()["error"]["message"]
+    assert "still held by this detproxy's previous audit writer" in msg, msg
+    assert "another detproxy" not in msg, msg
+    write_config(cfg, px.dir)
     r = hold.release()
     assert r.status == 200, r  # audit_fail open: served, its line says the body is not stored
     closed = px.wait_log("audit_closed")
