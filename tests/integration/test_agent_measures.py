@@ -503,6 +503,42 @@ def test_a_model_folder_is_read_as_the_engine_s_user():
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_an_engine_whose_root_the_agent_cannot_open_has_nothing_read():
+    """An agent that is not root, told which process the engine is (--engine-pid), cannot open
+    the root of an engine that runs as another uid (/proc/PID/root needs the engine's uid or
+    CAP_SYS_PTRACE): nothing the engine names is read, and the reason says why. The same path
+    in the agent's own root, which it could read, is never read instead."""
+    if not can_run_an_engine_as_nobody():
+        return
+    home, weights = engine_home()
+    try:
+        os.chmod(weights, 0o644)  # the agent's uid could read it in its own root
+        port = free_port()
+        eng = fake_engine(port, weights, "F16", user=65534, home=home)
+        key, _ = keygen("pipeline")
+        agent_key = os.path.join(home, "agent.key.pem")
+        shutil.copyfile(key, agent_key)
+        os.chown(agent_key, 65533, 65533)
+        os.chmod(agent_key, 0o600)
+        ag = start_process(["setpriv", "--reuid=65533", "--regid=65533", "--clear-groups",
+                            DETPROXY_BIN, "attest", "serve", "--listen", "127.0.0.1:0",
+                            "--model", MODEL, "--framework-url", "http://127.0.0.1:%d" % port,
+                            "--key", agent_key, "--watch-interval-ms", "200",
+                            "--engine-pid", str(eng.popen.pid), "--quantization", "F16"],
+                           name="agent")
+        st, p = poll_until(lambda: (lambda r: r if r[0] == 200 else None)(payload(ag)),
+                           what="the agent answering with the engine read")
+        assert p.get("checkpoint_sha256") is None, p
+        note = json.dumps(p)
+        assert "opening the engine's root /proc/%d/root" % eng.popen.pid in note, p
+        assert "CAP_SYS_PTRACE" in note, p
+        assert not ag.find_logs("hashed"), ag.find_logs("hashed")
+        ag.stop()
+        eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def can_give_an_engine_a_root():
     if os.getuid() != 0 or not all(shutil.which(t) for t in ("unshare", "chroot", "mount")):
         print("    skipped: needs root, unshare, chroot and mount to give the engine a root")
