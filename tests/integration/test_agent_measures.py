@@ -653,6 +653,44 @@ def test_a_model_dir_is_compared_in_the_engine_s_root():
         remove_engine_root(root)
 
 
+def test_whether_an_oms_bundle_applies_is_asked_in_the_engine_s_root():
+    """An OMS bundle covers a folder, not a one-file model, and which one the engine names is
+    asked in the engine's root: its `/models -> ...` link leads to a folder there, while the
+    same absolute path in the agent's root is a file. Asked in the agent's root, the bundle
+    would not be checked at all (and whether it was would tell the engine what the host has
+    at that path)."""
+    if not can_give_an_engine_a_root():
+        return
+    import omsutil as oms
+    root = engine_root()
+    weights = os.path.join(TMP, "oms-weights")
+    try:
+        os.makedirs(weights, exist_ok=True)
+        host_file = os.path.join(weights, "m")
+        with open(host_file, "wb") as f:  # the agent's root: a file at the same path
+            f.write(b"GGUF" + b"host" * 64)
+        folder = root + host_file
+        hf_folder(folder)
+        os.symlink(weights, os.path.join(root, "models"))
+        publisher = oms.ec_key(TMP, "oms-publisher")
+        bundle = oms.write_bundle(os.path.join(TMP, "oms-m.sig"), oms.statement(folder),
+                                  publisher)
+        port = free_port()
+        eng = chrooted_engine(root, port, "/models/m", "/models/m/model.safetensors")
+        ag = agent(port, "--quantization", "F16", "--oms-bundle", bundle, "--oms-pubkey",
+                   publisher.pub)
+        _, folder_hash, _ = run_cmd([DETPROXY_BIN, "attest", "hash", folder])
+        poll_until(lambda: vouched(ag) == folder_hash.strip(), what="the folder hashed")
+        st, p = payload(ag)
+        assert p["oms"]["verified"] is True, p
+        assert ag.find_logs("oms_verified"), ag.logs
+        ag.stop()
+        eng.stop()
+    finally:
+        remove_engine_root(root)
+        shutil.rmtree(weights, ignore_errors=True)
+
+
 def test_an_engine_root_without_capabilities_lends_none_and_its_links_are_not_the_hosts():
     """An engine running as uid 0 in a root of its own, with every capability dropped (docker
     --cap-drop ALL): the agent reads with no more than the engine has, so a file there that
