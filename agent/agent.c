@@ -125,6 +125,7 @@ typedef struct {
     pid_t pid;
     unsigned long long pid_start; /* its start time: the engine's, not a later one's pid */
     int64_t owner_uid;            /* pid 0: the uid owning the engine's socket (-1: unknown) */
+    bool hidden;                  /* eng_t.hidden: nothing the engine names is read */
     int loaded;
     dp_buf_t other;
     /* The path is the engine's own (target_measured): it must look like a model before it is
@@ -162,7 +163,10 @@ typedef struct {
     pid_t pid;                /* its process; 0: not seen (other namespace, no access) */
     unsigned long long start; /* that process's start time */
     bool local;               /* an address of this host: its listener can be looked up */
-    pid_t fixed;              /* --engine-pid, 0 without */
+    /* pid 0 although the agent sees every process (attest_proc_sees_every_process): the
+     * socket's holder keeps it out of sight, and nothing the engine names is read. */
+    bool hidden;
+    pid_t fixed; /* --engine-pid, 0 without */
     unsigned long long fixed_start;
     int loaded_last; /* the last "loaded" result logged; -100 before the first */
 } eng_t;
@@ -215,6 +219,7 @@ struct agent_s {
 
     fw_t fw;
     eng_t eng;
+    bool sees_all; /* attest_proc_sees_every_process: a socket no process holds is hidden */
 
     char *oms_bundle; /* --oms-bundle, NULL without */
     oms_trust_t oms_trust;
@@ -323,6 +328,15 @@ static bool is_regular_file(const char *path)
     return attest_view_stat(path, &st) == 0 && S_ISREG(st.st_mode);
 }
 
+/* Why nothing is read for an engine whose socket's holder hides (eng_t.hidden). */
+static int engine_hidden(dp_buf_t *why)
+{
+    dp_buf_appends(why, "no process holds the engine's listening socket, though the agent sees "
+                        "every process (its holder keeps it out of its open files): nothing the "
+                        "engine names is read");
+    return -EPERM;
+}
+
 static void job_run(uv_work_t *w)
 {
     job_t *j = dp_container_of(w, job_t, work);
@@ -330,7 +344,9 @@ static void job_run(uv_work_t *w)
     /* A path the engine names is read with the engine user's rights, in the engine's root
      * (docs/attestation.md, "What the agent measures"). */
     attest_fs_ident_t prev = {0};
-    if (j->measured)
+    if (j->measured && j->hidden)
+        j->rc = engine_hidden(&j->err);
+    else if (j->measured)
         j->rc =
             attest_as_process_enter("/proc", j->pid, j->pid_start, j->owner_uid, &prev, &j->err);
     /* An OMS bundle covers a folder (docs/attestation.md §9): a one-file model has none. Looked
@@ -585,6 +601,7 @@ static void start_job(agent_t *a, bool full)
     j->pid = a->target_measured ? a->eng.pid : 0;
     j->pid_start = a->eng.start;
     j->owner_uid = a->target_measured ? a->eng.sock_uid : -1;
+    j->hidden = a->eng.hidden;
     j->measured = a->target_measured;
     if (full) {
         if (a->state == ST_FAILED) {
@@ -780,10 +797,12 @@ static bool eng_identify(agent_t *a, bool *changed)
             pid = 0;
     }
     unsigned long long start = pid > 0 ? attest_proc_start_time("/proc", pid) : 0;
-    if (pid != e->pid || start != e->start || (new_sock && pid == 0)) {
+    bool hidden = a->sees_all && !e->fixed && ino > 0 && pid == 0 && !mixed;
+    if (pid != e->pid || start != e->start || (new_sock && pid == 0) || hidden != e->hidden) {
         *changed = *changed || (e->pid != 0 && (pid != e->pid || start != e->start));
         e->pid = pid;
         e->start = start;
+        e->hidden = hidden;
         dp_jw_t *w = dp_log_begin(pid > 0 ? DP_LOG_INFO : DP_LOG_WARN, "engine_process");
         if (w) {
             dp_jw_str(w, "url", a->fw.url.hostport);
@@ -797,6 +816,9 @@ static bool eng_identify(agent_t *a, bool *changed)
                           : mixed  ? "the listening socket is held by processes that read "
                                      "with different rights (a root parent and its workers, "
                                      "socket activation): none is taken for the engine"
+                          : hidden ? "no process holds the listening socket, though the agent "
+                                     "sees every process: its holder keeps it out of its open "
+                                     "files, and nothing the engine names is read"
                                    : "the process listening on the port is not visible (another "
                                      "PID namespace, or not the agent's uid)");
             }
@@ -826,6 +848,7 @@ typedef struct look_s {
     pid_t pid; /* the engine's process, as eng_identify saw it when the look began */
     unsigned long long start;
     int64_t owner_uid;
+    bool hidden;      /* eng_t.hidden: nothing is looked at */
     char *model_path; /* the engine's report (NULL: it names none) */
     bool always_local;
     bool new_engine;
@@ -848,6 +871,10 @@ static void look_run(uv_work_t *w)
     /* Looked for as the engine's user, as it is read (job_run): what the engine cannot see is
      * not there for it, and its answers say nothing of folders it cannot enter. */
     attest_fs_ident_t prev;
+    if (k->hidden) {
+        engine_hidden(&k->why);
+        return;
+    }
     if (attest_as_process_enter("/proc", k->pid, k->start, k->owner_uid, &prev, &k->why) != 0)
         return;
     k->loc = attest_engine_locate("/proc", k->pid, k->model_path, k->always_local, &k->l, &k->why);
@@ -877,6 +904,7 @@ static void look_start(agent_t *a, const char *model_path, bool always_local, bo
     k->pid = a->eng.pid;
     k->start = a->eng.start;
     k->owner_uid = a->eng.sock_uid;
+    k->hidden = a->eng.hidden;
     k->model_path = model_path ? dp_xstrdup(model_path) : NULL;
     k->always_local = always_local;
     k->new_engine = new_engine;
@@ -1926,6 +1954,7 @@ int agent_cmd_serve(int argc, char **argv)
         a->fw.up = net_upstream_new(&a->loop, (struct sockaddr *)&ss, &uo);
         a->eng.addr = ss;
         a->eng.local = attest_addr_is_local((struct sockaddr *)&ss);
+        a->sees_all = attest_proc_sees_every_process("/proc");
     }
 
     uv_signal_init(&a->loop, &a->sigterm);

@@ -302,6 +302,34 @@ pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self, bool 
     return *mixed ? 0 : found;
 }
 
+bool attest_proc_sees_every_process(const char *proc)
+{
+    /* The kernel's fixed inode numbers of the initial namespaces (PROC_PID_INIT_INO,
+     * PROC_USER_INIT_INO in include/linux/proc_ns.h), part of its ABI. */
+    enum { PID_INIT_INO = 0xEFFFFFFCU, USER_INIT_INO = 0xEFFFFFFDU };
+    char path[512];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/self/ns/pid", proc);
+    if (stat(path, &st) != 0 || st.st_ino != PID_INIT_INO)
+        return false;
+    snprintf(path, sizeof(path), "%s/self/ns/user", proc);
+    if (stat(path, &st) != 0 || st.st_ino != USER_INIT_INO)
+        return false;
+    snprintf(path, sizeof(path), "%s/self/status", proc);
+    dp_buf_t b = {0};
+    bool all = false;
+    if (dp_read_file(path, 64 * 1024, &b) == 0 && b.len > 0) {
+        dp_buf_appendc(&b, '\0');
+        const char *ce = status_line(b.base, "CapEff:");
+        char *end = NULL;
+        unsigned long long caps = ce ? strtoull(ce, &end, 16) : 0;
+        all = end != ce && (caps >> CAP_SYS_PTRACE & 1) &&
+              ((caps >> CAP_DAC_OVERRIDE & 1) || (caps >> CAP_DAC_READ_SEARCH & 1));
+    }
+    dp_buf_free(&b);
+    return all;
+}
+
 unsigned long long attest_proc_start_time(const char *proc, pid_t pid)
 {
     char path[512];

@@ -50,6 +50,15 @@ int64_t attest_proc_listener(const char *proc, const struct sockaddr *addr, uint
  * every check. */
 pid_t attest_proc_socket_owner(const char *proc, uint64_t ino, pid_t self, bool *mixed);
 
+/* Does a socket without a holder in proc mean that its holder hides it? True when the caller
+ * is in the initial PID and user namespaces (their fixed nsfs inodes) and may look into every
+ * process's fd table (CAP_SYS_PTRACE, and CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH, in
+ * proc/self/status's CapEff): then every process on the machine is in sight, and a listening
+ * socket in no fd table is one kept out of them (passed over a Unix socket between accepts)
+ * or in a fd table of a thread's own. False anywhere else (a container's PID namespace), where
+ * the holder may just be out of sight. */
+bool attest_proc_sees_every_process(const char *proc);
+
 /* Field 22 of /proc/PID/stat, the process's start time in clock ticks since boot: another
  * value for the same pid is another process. 0 when unreadable. */
 unsigned long long attest_proc_start_time(const char *proc, pid_t pid);

@@ -830,6 +830,92 @@ def test_a_socket_a_root_parent_holds_for_its_worker_lends_no_root():
         shutil.rmtree(home, ignore_errors=True)
 
 
+HIDING = r'''
+import json, os, select, signal, socket, sys
+port, path = int(sys.argv[1]), sys.argv[2]
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+BUILD = "b11669-Debian"
+# The listening socket lives in flight in a Unix socket's queue (SCM_RIGHTS), in no process's
+# fd table, except while a connection is accepted from it; an epoll set, which keeps the file
+# and not a descriptor, says when one waits. Whoever looks for its holder finds none.
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+ep = select.epoll()
+def stash(s):
+    socket.send_fds(a, [b"l"], [s.fileno()])
+    s.close()
+def fetch():
+    _, fds, _, _ = socket.recv_fds(b, 1, 1)
+    return socket.socket(fileno=fds[0])
+lst = socket.socket()
+lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lst.bind(("127.0.0.1", port))
+lst.listen(64)
+ep.register(lst.fileno(), select.EPOLLIN)
+sys.stderr.write(json.dumps({"msg": "listening", "port": port}) + "\n")
+sys.stderr.flush()
+stash(lst)
+while True:
+    ep.poll()
+    lst = fetch()
+    conn, _ = lst.accept()
+    stash(lst)
+    req = b""
+    while b"\r\n\r\n" not in req:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        req += chunk
+    target = req.split(b" ")[1] if req.count(b" ") >= 2 else b"/"
+    if target == b"/props":
+        body = {"build_info": BUILD, "model_ftype": "F16", "model_path": path,
+                "total_slots": 4, "model_alias": "tiny"}
+    elif target == b"/v1/models":
+        body = {"object": "list", "data": [{"id": "tiny", "owned_by": "llamacpp"}]}
+    else:
+        body = None
+    data = json.dumps(body).encode() if body is not None else b""
+    head = "HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
+           "Connection: close\r\n\r\n" % ("200 OK" if body is not None else "404 Not Found",
+                                             len(data))
+    conn.sendall(head.encode() + data)
+    conn.close()
+'''
+
+
+def test_an_engine_that_hides_its_socket_s_holder_has_nothing_read():
+    """An agent that sees every process (root, in the machine's first PID and user namespaces)
+    knows that a listening socket no process holds is one kept out of sight on purpose (here:
+    passed through a Unix socket between accepts): nothing the engine names is read, rather
+    than reading it as an engine out of sight, with its socket owner's rights in the agent's
+    root. A model anyone could read there is still not vouched for."""
+    st = os.stat("/proc/self/ns/pid")
+    if os.getuid() != 0 or st.st_ino != 0xEFFFFFFC:
+        print("    skipped: needs root in the machine's first PID namespace")
+        return
+    home, weights = engine_home()
+    try:
+        os.chmod(weights, 0o644)
+        script = os.path.join(home, "hiding_engine.py")
+        with open(script, "w") as f:
+            f.write(HIDING)
+        port = free_port()
+        eng = start_process([sys.executable, script, str(port), weights],
+                            name="hiding-llama-server")
+        ag = agent(port, "--quantization", "F16")
+        st, p = poll_until(lambda: (lambda r: r if r[0] == 200 else None)(payload(ag)),
+                           what="the agent answering with the engine read")
+        assert p.get("checkpoint_sha256") is None, (p, ag.find_logs("engine_process"))
+        assert "no process holds the engine's listening socket" in json.dumps(p), p
+        procs = ag.find_logs("engine_process")
+        assert procs and procs[-1]["pid"] is None and "sees every process" in \
+            procs[-1]["detail"], procs
+        assert not ag.find_logs("hashed"), ag.find_logs("hashed")
+        ag.stop()
+        eng.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_a_link_through_proc_self_is_not_followed():
     """/proc/self is whoever reads it: in a folder the engine names, a link through it would
     reach the agent's own files (its working directory, its open files) with the agent's

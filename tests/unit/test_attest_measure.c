@@ -754,6 +754,45 @@ Test(attest_measure, the_names_matched_against_maps_are_the_engine_roots_files, 
     dp_buf_free(&err);
 }
 
+Test(attest_measure, every_process_is_in_sight_only_from_the_first_namespaces_with_ptrace,
+     .init = make_tmp, .fini = rm_tree)
+{
+    struct stat st;
+    bool first = stat("/proc/self/ns/pid", &st) == 0 && st.st_ino == 0xEFFFFFFCU &&
+                 stat("/proc/self/ns/user", &st) == 0 && st.st_ino == 0xEFFFFFFDU;
+    char proc[300], p[400];
+    snprintf(proc, sizeof(proc), "%s/proc", tmp);
+    snprintf(p, sizeof(p), "%s/self/ns", proc);
+    mkdir_p(p);
+    snprintf(p, sizeof(p), "%s/self/ns/pid", proc);
+    cr_assert_eq(symlink("/proc/self/ns/pid", p), 0); /* this test's own namespaces */
+    snprintf(p, sizeof(p), "%s/self/ns/user", proc);
+    cr_assert_eq(symlink("/proc/self/ns/user", p), 0);
+    static const struct {
+        const char *status;
+        bool sees; /* from the first namespaces */
+    } cases[] = {
+        {"Name:\tagent\nCapEff:\t000001ffffffffff\n", true},
+        {"CapEff:\t0000000000080004\n", true},  /* CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH */
+        {"CapEff:\t0000000000080002\n", true},  /* CAP_SYS_PTRACE, CAP_DAC_OVERRIDE */
+        {"CapEff:\t0000000000080000\n", false}, /* no fd table of another uid opens */
+        {"CapEff:\t00000000000000ff\n", false}, /* no fd link of another uid reads */
+        {"CapEff:\t0000000000000000\n", false},
+        {"Name:\tagent\n", false},
+    };
+    snprintf(p, sizeof(p), "%s/self/status", proc);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
+        write_file(p, cases[i].status, strlen(cases[i].status));
+        cr_assert_eq(attest_proc_sees_every_process(proc), first && cases[i].sees, "case %zu", i);
+    }
+    /* A PID namespace of its own (a container's): never. */
+    write_file(p, cases[0].status, strlen(cases[0].status));
+    snprintf(p, sizeof(p), "%s/self/ns/pid", proc);
+    cr_assert_eq(unlink(p), 0);
+    cr_assert_eq(symlink("/proc/self/ns/net", p), 0);
+    cr_assert_not(attest_proc_sees_every_process(proc));
+}
+
 Test(attest_measure, no_link_through_proc_is_followed_in_a_view, .init = make_tmp, .fini = rm_tree)
 {
     /* Magic links (/proc/self/cwd, /proc/PID/root, /proc/self/fd/N) lead past the engine's
