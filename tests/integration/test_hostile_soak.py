@@ -239,7 +239,9 @@ def test_large_bodies_leave_thread_pool_room_for_audit_writes():
     median_big = sorted(dt for _, dt in big)[len(big) // 2]
     print("  audited (another tenant, pool): %s; large bodies: median %.0f ms" % (
         summary("audited", audited), median_big * 1e3))
-    assert max(audited) < median_big / 4, (summary("audited", audited), median_big)
+    # Held behind the queue, an audited request would wait about as long as a large body takes
+    # (or longer); half of that leaves room for a busy machine's scheduling outliers.
+    assert max(audited) < median_big / 2, (summary("audited", audited), median_big)
     px.stop()
 
 
