@@ -87,6 +87,10 @@
 /* On SIGTERM, work in flight gets this long to end; a thread stuck in a read of storage that
  * does not answer is then left to the exit. */
 #define STOP_GRACE_MS 2000
+/* Looks and hashes left running on storage that does not answer, so that a later model can be
+ * looked at and hashed: at most this many, so that libuv's thread pool (4 threads) keeps one
+ * for a look and one for a hash. */
+#define MAX_ABANDONED 2
 /* Open connections from one client address: proxies keep one or two each, so a host that
  * opens more is not a proxy, and must not take every slot (10,000) from the proxies. Room
  * for a hundred proxies behind one NAT address. */
@@ -126,6 +130,7 @@ typedef struct {
     unsigned long long pid_start; /* its start time: the engine's, not a later one's pid */
     int64_t owner_uid;            /* pid 0: the uid owning the engine's socket (-1: unknown) */
     bool hidden;                  /* eng_t.hidden: nothing the engine names is read */
+    bool abandoned;               /* left running on storage that does not answer */
     int loaded;
     dp_buf_t other;
     /* The path is the engine's own (target_measured): it must look like a model before it is
@@ -205,15 +210,26 @@ struct agent_s {
     uint64_t retry_at_ms, retry_delay_ms;
     uint64_t last_progress_log_ms;
 
-    job_t *job;          /* at most one in flight */
-    struct look_s *look; /* the look for the engine's model in flight (look_run), NULL: none */
+    job_t *job;                /* at most one in flight */
+    uint64_t job_cancelled_ms; /* when it was told to stop (retarget), 0: it was not */
+    struct look_s *look;       /* the look for the engine's model in flight (look_run) */
     uv_timer_t look_timer;
-    bool look_stalled; /* it has outlasted LOOK_STALLED_MS */
+    bool look_stalled;  /* it has outlasted LOOK_STALLED_MS */
+    unsigned abandoned; /* looks and jobs stuck on storage, left to end by themselves */
+    /* Bumped by every read of the engine and every change of its process: a look's result
+     * stands only for the report it was started for. */
+    unsigned report_gen;
     struct {
         bool waiting; /* a report read while a look was in flight: looked for when it ends */
         bool always_local, new_engine;
         char *model_path;
     } pending;
+    struct {
+        bool valid; /* the report the last look that stood was for */
+        char *model_path;
+        pid_t pid;
+        unsigned long long start;
+    } looked;
     char *dir_contra;      /* the engine's model path --model-dir contradicts, NULL: none */
     uv_timer_t stop_timer; /* STOP_GRACE_MS for work in flight at SIGTERM */
 
@@ -573,7 +589,15 @@ static void job_after(uv_work_t *w, int status)
 {
     job_t *j = dp_container_of(w, job_t, work);
     agent_t *a = j->a;
+    if (j->abandoned) {
+        a->abandoned--;
+        log_kv(DP_LOG_WARN, "hash_abandoned_ended", "dir", j->path, NULL, NULL);
+        job_free(j);
+        stop_when_idle(a);
+        return;
+    }
     a->job = NULL;
+    a->job_cancelled_ms = 0;
     if (!a->stopping && status == 0 && j->gen == a->target_gen) {
         if (j->full)
             hash_done(a, j);
@@ -631,8 +655,11 @@ static void retarget(agent_t *a)
 {
     a->target_gen++;
     dp_buf_reset(&a->loaded_why); /* it was about the files of the old target */
-    if (a->job)
+    if (a->job) {
         atomic_store(&a->job->cancel, 1);
+        if (a->job_cancelled_ms == 0)
+            a->job_cancelled_ms = dp_now_ms();
+    }
 }
 
 /* ---- determinism (--determinism batch_invariant, docs/attestation.md §10)
@@ -691,6 +718,20 @@ static void on_watch(uv_timer_t *t)
     uint64_t now = dp_now_ms();
     det_refresh(a);
     eng_check(a);
+    if (a->job && a->job_cancelled_ms && now - a->job_cancelled_ms >= LOOK_STALLED_MS &&
+        a->abandoned < MAX_ABANDONED) {
+        /* Told to stop long ago, it waits on storage that does not answer: the model now
+         * measured must not wait with it. */
+        job_t *j = a->job;
+        j->abandoned = true;
+        a->abandoned++;
+        a->job = NULL;
+        a->job_cancelled_ms = 0;
+        log_kv(DP_LOG_WARN, "hash_abandoned", "dir", j->path, "detail",
+               "a hash of a model no longer measured has not stopped: its storage does not "
+               "answer; it is left to end by itself");
+        kick(a);
+    }
     if (a->job) {
         /* Workers must not log: report their progress from here, now and then. */
         if (a->job->full && now - a->last_progress_log_ms >= PROGRESS_LOG_MS) {
@@ -747,6 +788,8 @@ static void eng_check(agent_t *a)
                       "changed); measuring it again",
                       a->fw.url.hostport);
         retarget(a); /* whatever ran was about the process measured before */
+        a->report_gen++;
+        a->pending.waiting = false; /* a report of the process before */
         a->confirm = false;
         set_not_ready(a, ST_MEASURING, msg.base);
         log_kv(DP_LOG_WARN, "engine_changed", "url", a->fw.url.hostport, "detail", msg.base);
@@ -841,7 +884,9 @@ static bool streq_null(const char *x, const char *y)
  * with --model-dir, as the engine's user in its root. Looked at on the thread pool, not the
  * loop: a model on storage that does not answer (a stalled NFS server, a FUSE daemon that
  * hangs) blocks whoever looks, and the agent must go on answering that it cannot vouch for it.
- * At most one look is in flight; a report read meanwhile waits for it (agent.pending). */
+ * One look is in flight at a time; a report read meanwhile waits for it (agent.pending), unless
+ * the look has stalled and the report names another model or process: the stalled look is then
+ * left to end by itself (at most MAX_ABANDONED of them) and the new one looked for. */
 typedef struct look_s {
     uv_work_t work;
     agent_t *a;
@@ -852,7 +897,9 @@ typedef struct look_s {
     char *model_path; /* the engine's report (NULL: it names none) */
     bool always_local;
     bool new_engine;
-    char *dir; /* --model-dir, NULL without */
+    bool abandoned; /* stalled, and left to end by itself: its result is dropped */
+    unsigned gen;   /* agent.report_gen when it began */
+    char *dir;      /* --model-dir, NULL without */
     uint64_t started_ms;
     attest_locate_t loc; /* the results */
     attest_located_t l;
@@ -909,6 +956,7 @@ static void look_start(agent_t *a, const char *model_path, bool always_local, bo
     k->always_local = always_local;
     k->new_engine = new_engine;
     k->dir = a->dir ? dp_xstrdup(a->dir) : NULL;
+    k->gen = a->report_gen;
     k->started_ms = uv_now(&a->loop);
     int r = uv_queue_work(&a->loop, &k->work, look_run, look_after);
     if (r != 0) {
@@ -935,12 +983,13 @@ static void on_look_stalled(uv_timer_t *t)
         return;
     a->look_stalled = true;
     dp_buf_reset(&a->ckpt_why);
+    dp_buf_printf(&a->ckpt_why, "looking for the model the engine reports (%.200s)",
+                  k->model_path ? k->model_path : "none named");
+    if (k->dir)
+        dp_buf_printf(&a->ckpt_why, " and at --model-dir (%.200s)", k->dir);
     dp_buf_printf(&a->ckpt_why,
-                  "looking for the model the engine reports (%.200s) has not ended in %u s: the "
-                  "storage under it does not answer (a stalled NFS or FUSE mount?)",
-                  k->model_path ? k->model_path
-                  : k->dir      ? k->dir
-                                : "none named",
+                  " has not ended in %u s: the storage under it does not answer (a stalled NFS "
+                  "or FUSE mount?)",
                   LOOK_STALLED_MS / 1000);
     if (a->state == ST_MEASURING && !a->confirm)
         set_not_ready(a, ST_READY, NULL); /* the engine was read: say what is known of it */
@@ -951,20 +1000,33 @@ static void on_look_stalled(uv_timer_t *t)
 
 static void measure_located(agent_t *a, look_t *k);
 
+static void look_ended_late(agent_t *a, const look_t *k)
+{
+    dp_jw_t *w = dp_log_begin(DP_LOG_WARN, "model_look_ended");
+    if (w) {
+        dp_jw_str(w, "model_path", k->model_path);
+        dp_jw_uint(w, "after_ms", uv_now(&a->loop) - k->started_ms);
+        dp_jw_bool(w, "abandoned", k->abandoned);
+        dp_log_end(w);
+    }
+}
+
 static void look_after(uv_work_t *w, int status)
 {
     look_t *k = dp_container_of(w, look_t, work);
     agent_t *a = k->a;
+    if (k->abandoned) {
+        a->abandoned--;
+        look_ended_late(a, k);
+        look_free(k);
+        stop_when_idle(a);
+        return;
+    }
     a->look = NULL;
     uv_timer_stop(&a->look_timer);
     if (a->look_stalled) {
         a->look_stalled = false;
-        dp_jw_t *w2 = dp_log_begin(DP_LOG_WARN, "model_look_ended");
-        if (w2) {
-            dp_jw_str(w2, "model_path", k->model_path);
-            dp_jw_uint(w2, "after_ms", uv_now(&a->loop) - k->started_ms);
-            dp_log_end(w2);
-        }
+        look_ended_late(a, k);
     }
     if (a->stopping || status != 0) {
         look_free(k);
@@ -974,16 +1036,30 @@ static void look_after(uv_work_t *w, int status)
     if (a->pending.waiting) {
         /* A newer report was read while this look ran: look for that one instead, without
          * losing that a new engine process was seen. */
-        a->pending.waiting = false;
         bool new_engine = a->pending.new_engine || k->new_engine;
+        a->pending.waiting = false;
+        a->pending.new_engine = false;
         look_free(k);
         look_start(a, a->pending.model_path, a->pending.always_local, new_engine);
         free(a->pending.model_path);
         a->pending.model_path = NULL;
         return;
     }
+    if (k->gen != a->report_gen) {
+        /* Since it began, a read did not recognise the engine, or another process took its
+         * port: what it found is about an engine that is not there now. */
+        look_free(k);
+        return;
+    }
     measure_located(a, k);
     look_free(k);
+}
+
+/* Is look k about this report of the engine as it is now? */
+static bool look_is_for(const look_t *k, const agent_t *a, const char *model_path)
+{
+    return streq_null(k->model_path, model_path) && k->pid == a->eng.pid &&
+           k->start == a->eng.start;
 }
 
 /* A read of the engine recognised it: sign what it reports instead of the flags, then find the
@@ -994,7 +1070,29 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
     if (a->dir_contra) /* until the look below says otherwise */
         attest_report_add_contradiction(&a->ident, "model_dir", a->dir, a->dir_contra);
     bool always_local = strcmp(r->source, "llamacpp") == 0; /* -m names a GGUF file */
-    if (a->look == NULL) {
+    /* Another model or process than the last look measured: the checkpoint at hand is not this
+     * one's until a look says it is (a reason already there withdraws it too). */
+    if (a->ckpt_why.len == 0 &&
+        (new_engine || !a->looked.valid || !streq_null(r->model_path, a->looked.model_path) ||
+         a->eng.pid != a->looked.pid || a->eng.start != a->looked.start)) {
+        dp_buf_printf(&a->ckpt_why, "looking for the model the engine now reports (%.200s)",
+                      r->model_path ? r->model_path : "none named");
+        publish_checkpoint(a);
+    }
+    look_t *k = a->look;
+    if (k && a->look_stalled && !look_is_for(k, a, r->model_path) && a->abandoned < MAX_ABANDONED) {
+        /* The stalled look is for another model or process: this one must not wait on it. */
+        k->abandoned = true;
+        a->abandoned++;
+        a->look = NULL;
+        a->look_stalled = false;
+        uv_timer_stop(&a->look_timer);
+        k = NULL;
+    }
+    if (k == NULL) {
+        new_engine = new_engine || a->pending.new_engine; /* a report waiting is older */
+        a->pending.waiting = false;
+        a->pending.new_engine = false;
         look_start(a, r->model_path, always_local, new_engine);
         return;
     }
@@ -1021,12 +1119,19 @@ static void set_dir_contradiction(agent_t *a, const char *engine_path)
 static void measure_located(agent_t *a, look_t *k)
 {
     const char *model_path = k->model_path;
-    bool new_engine = k->new_engine;
+    /* Another process than the last look's is a new engine, however the reads went between. */
+    bool new_engine = k->new_engine ||
+                      (a->looked.valid && (k->pid != a->looked.pid || k->start != a->looked.start));
     attest_locate_t loc = k->loc;
     dp_buf_t why = k->why;
     k->why = (dp_buf_t){0};
     char *target = NULL;
     bool measured = false;
+    a->looked.valid = true;
+    free(a->looked.model_path);
+    a->looked.model_path = model_path ? dp_xstrdup(model_path) : NULL;
+    a->looked.pid = k->pid;
+    a->looked.start = k->start;
     set_dir_contradiction(a, loc == ATTEST_LOC_FOUND && !k->dir_ok ? model_path : NULL);
     if (loc == ATTEST_LOC_FOUND) {
         target = k->l.path;
@@ -1186,6 +1291,7 @@ static void fw_checked(attest_outcome_t *out, void *data)
     if (out->verdict == ATTEST_V_REPORTED && r->framework_name && r->framework_version) {
         f->running = false;
         bool new_engine = false;
+        a->report_gen++;
         if (!eng_identify(a, &new_engine)) {
             /* Another process took the port while this read ran: it may have read the old
              * one. Read the one there now. */
@@ -1230,6 +1336,7 @@ static void fw_checked(attest_outcome_t *out, void *data)
      * unknown. */
     attest_report_t none = {0};
     bool new_engine = false;
+    a->report_gen++;
     eng_identify(a, &new_engine);
     if (a->target_measured) {
         attest_engine_merge(&none, a->flag_quant, a->flag_dtype, &a->ident);
@@ -1389,7 +1496,7 @@ static void server_closed(void *data)
 /* Stopping, with no work in flight left to wait for: the last handle goes. */
 static void stop_when_idle(agent_t *a)
 {
-    if (a->stopping && a->job == NULL && a->look == NULL &&
+    if (a->stopping && a->job == NULL && a->look == NULL && a->abandoned == 0 &&
         !uv_is_closing((uv_handle_t *)&a->stop_timer))
         uv_close((uv_handle_t *)&a->stop_timer, handle_closed);
 }
@@ -1434,8 +1541,13 @@ static void agent_stop(agent_t *a, const char *why)
         uv_close(hs[i], handle_closed);
     }
     a->closes_pending++; /* the stop timer, closed by stop_when_idle */
-    if (a->job || a->look)
+    if (a->job || a->look || a->abandoned) {
         uv_timer_start(&a->stop_timer, on_stop_grace, STOP_GRACE_MS, 0);
+        /* Closing the signal handles gave SIGTERM and SIGINT their default action back: a
+         * second one during the grace would kill the process instead of its exit. */
+        signal(SIGTERM, SIG_IGN);
+        signal(SIGINT, SIG_IGN);
+    }
     stop_when_idle(a);
 }
 
@@ -2019,6 +2131,7 @@ out:
     free(a->target);
     free(a->engine_path);
     free(a->pending.model_path);
+    free(a->looked.model_path);
     free(a->dir_contra);
     free(a->flag_quant);
     free(a->flag_dtype);

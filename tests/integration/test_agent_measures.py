@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -229,8 +230,14 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b)
     def do_GET(self):
-        if self.path == "/props":
-            self.send({"build_info": BUILD, "model_ftype": ftype, "model_path": path,
+        if os.environ.get("FAKE_UNRECOGNISED"):  # answers, but as no engine the agent knows
+            self.send_error(404)
+        elif self.path == "/props":
+            named = path
+            if os.environ.get("FAKE_MODEL_PATH_FILE"):  # a model swapped under the process
+                with open(os.environ["FAKE_MODEL_PATH_FILE"]) as f:
+                    named = f.read()
+            self.send({"build_info": BUILD, "model_ftype": ftype, "model_path": named,
                        "total_slots": 4, "model_alias": "tiny"})
         elif self.path == "/v1/models":
             self.send({"object": "list", "data": [{"id": "tiny", "owned_by": "llamacpp"}]})
@@ -251,13 +258,19 @@ else:
     srv = ThreadingHTTPServer(("127.0.0.1", port), H)
 sys.stderr.write(json.dumps({"msg": "listening", "port": srv.server_address[1]}) + "\n")
 sys.stderr.flush()
+# SIGUSR1: stop listening and stay (an engine shutting down while another takes its port).
+signal.signal(signal.SIGUSR1, lambda *_: __import__("threading").Thread(
+    target=lambda: (srv.shutdown(), srv.server_close())).start())
 srv.serve_forever()
+signal.pause()
 '''
 
 
-def fake_engine(port, path, ftype, mapped=None, user=None, home=TMP):
+def fake_engine(port, path, ftype, mapped=None, user=None, home=TMP, path_file=None,
+                unrecognised=False):
     """The fake llama-server; as uid `user` (setpriv, Debian's python3), its script then in
-    `home`, a folder that user can read."""
+    `home`, a folder that user can read. With `path_file`, the model path it reports is that
+    file's contents at each read (one process that swaps its model)."""
     script = os.path.join(home, "fake_llama_server.py")
     if not os.path.exists(script):
         with open(script, "w") as f:
@@ -267,7 +280,12 @@ def fake_engine(port, path, ftype, mapped=None, user=None, home=TMP):
     if user is not None:
         argv = ["setpriv", "--reuid=%d" % user, "--regid=%d" % user, "--clear-groups",
                 "/usr/bin/python3"] + argv[1:]
-    return start_process(argv, name="fake-llama-server")
+    env = {}
+    if path_file:
+        env["FAKE_MODEL_PATH_FILE"] = path_file
+    if unrecognised:
+        env["FAKE_UNRECOGNISED"] = "1"
+    return start_process(argv, env=env or None, name="fake-llama-server")
 
 
 def gguf(name, content):
@@ -1024,6 +1042,106 @@ def test_a_model_on_storage_that_does_not_answer_stops_neither_answers_nor_exit(
         eng.stop()
     finally:
         end_stalled_mount(m)
+
+
+def set_model_path(path_file, path):
+    with open(path_file + ".tmp", "w") as f:
+        f.write(path)
+    os.rename(path_file + ".tmp", path_file)
+
+
+def test_a_model_swapped_onto_storage_that_does_not_answer_is_never_vouched_for_by_the_old_hash():
+    """The engine (one process) swaps its model from A, hashed and vouched for, to B on storage
+    that does not answer: from the first read that names B, no answer carries A's hash, and
+    after 5 s the reason says the storage does not answer. When it then swaps to C, a local
+    model, C is looked for and vouched for at once, while the look for B still waits."""
+    m = stalled_mount()
+    if m is None:
+        return
+    try:
+        a = gguf("swap-a.gguf", b"model A weights ")
+        c = gguf("swap-c.gguf", b"model C weights ")
+        path_file = os.path.join(TMP, "swap-model-path")
+        set_model_path(path_file, a)
+        port = free_port()
+        # It maps no GGUF file: which model it runs is what it reports (a GGUF file mapped and
+        # not reported withdraws the hash, a check of its own).
+        eng = fake_engine(port, a, "F16", mapped="/etc/passwd", path_file=path_file)
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: vouched(ag) == sha256_file(a), what="A vouched for")
+        b = os.path.join(m[0], "b.gguf")
+        set_model_path(path_file, b)
+        seen_b, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 7:
+            st, p = payload(ag, "swap")
+            if st == 200 and p.get("model_path") == b:
+                seen_b += 1
+                assert p.get("checkpoint_sha256") is None, p  # never A's for B
+                if "has not ended in 5 s" in json.dumps(p):
+                    break
+            time.sleep(0.05)
+        assert seen_b and "has not ended in 5 s" in json.dumps(p), (seen_b, p)
+        set_model_path(path_file, c)
+        t1 = time.monotonic()
+        poll_until(lambda: vouched(ag) == sha256_file(c), interval=0.05,
+                   what="C vouched for while B's look waits")
+        print("    %d answers naming B, none with A's hash; C vouched for %.0f ms after the "
+              "swap, beside the stalled look" % (seen_b, (time.monotonic() - t1) * 1000))
+        assert not ag.find_logs("model_look_ended"), "the look for B cannot have ended"
+        ag.stop()
+        eng.stop()
+    finally:
+        end_stalled_mount(m)
+
+
+def test_a_look_that_ends_after_another_process_took_the_port_is_dropped():
+    """A look for the model engine P1 reports waits on its storage; P1 stops listening (alive,
+    as an engine shutting down) and P2, which the agent does not recognise, takes the port.
+    When the storage answers, what the look found is about P1: it is dropped, and P1's hash is
+    never vouched for on P2's behalf."""
+    import fuseserve
+    try:
+        fz = fuseserve.FuseFile(b"GGUF" + b"the model on fuse " * 4096)
+    except OSError as e:
+        print("    SKIP: cannot mount FUSE here (%s)" % e)
+        return
+    p1 = p2 = None
+    try:
+        a = fz.path()
+        ha = sha256_file(a)
+        port = free_port()
+        p1 = fake_engine(port, a, "F16", mapped="/etc/passwd")
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: vouched(ag) == ha, what="P1's model vouched for")
+        fz.hold()
+        poll_until(lambda: payload(ag) and ag.find_logs("model_look_stalled"), timeout=20,
+                   what="a look waiting on the storage")
+        p1.send_signal(signal.SIGUSR1)
+        poll_until(lambda: http_refused(port), what="P1 no longer listening")
+        p2 = fake_engine(port, a, "F16", mapped="/etc/passwd", unrecognised=True)
+        poll_until(lambda: payload(ag) and ag.find_logs("framework_unknown"),
+                   what="P2 not recognised")
+        assert fz.answer() > 0
+        ag.wait_log("model_look_ended", timeout=10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2:
+            st, p = payload(ag, "after")
+            assert not (st == 200 and p.get("checkpoint_sha256") == ha), p
+            time.sleep(0.02)
+        ag.stop()
+    finally:
+        for e in (p2, p1):
+            if e:
+                e.stop()
+        fz.close()
+
+
+def http_refused(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return False
+    except ConnectionRefusedError:
+        return True
 
 
 def test_a_look_that_ends_late_measures_as_usual():
