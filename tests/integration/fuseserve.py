@@ -17,6 +17,7 @@ OPEN, READ, RELEASE, FLUSH = 14, 15, 18, 25
 INIT, OPENDIR, READDIR, RELEASEDIR = 26, 27, 28, 29
 ACCESS, INTERRUPT, DESTROY, BATCH_FORGET = 34, 36, 38, 42
 NEVER_HELD = (INIT, FORGET, BATCH_FORGET, INTERRUPT)
+FOPEN_KEEP_CACHE = 1 << 1  # an open keeps what the page cache has of the file
 
 
 def _attr(ino, size, mode, when):
@@ -42,21 +43,23 @@ class FuseFile:
             os.rmdir(self.where)
             raise OSError(e, "mount fuse")
         self.lock = threading.Lock()
-        self.holding = False
+        self.holding = None  # None: answer; else the operations to hold (empty: all)
         self.held = []
         threading.Thread(target=self._loop, daemon=True).start()
 
     def path(self):
         return os.path.join(self.where, self.name.decode())
 
-    def hold(self):
+    def hold(self, only=()):
+        """Hold every request from now on, or only those of the operations in `only` (READ:
+        the file's bytes that are not in the page cache; opens keep it)."""
         with self.lock:
-            self.holding = True
+            self.holding = set(only)
 
     def answer(self):
         """Answer again, the held requests first; returns how many were held."""
         with self.lock:
-            self.holding = False
+            self.holding = None
             held, self.held = self.held, []
         for req in held:
             self._handle(req)
@@ -86,7 +89,8 @@ class FuseFile:
                 return
             op = struct.unpack_from("<I", req, 4)[0]
             with self.lock:
-                if self.holding and op not in NEVER_HELD:
+                if self.holding is not None and op not in NEVER_HELD and (
+                        not self.holding or op in self.holding):
                     self.held.append(req)
                     continue
             self._handle(req)
@@ -112,7 +116,7 @@ class FuseFile:
                  _attr(2, len(self.content), 0o100644, self.when))
             self._reply(unique, 0, struct.pack("<QII", 0, 0, 0) + a)
         elif op in (OPEN, OPENDIR):
-            self._reply(unique, 0, struct.pack("<QII", 0, 0, 0))
+            self._reply(unique, 0, struct.pack("<QII", 0, FOPEN_KEEP_CACHE, 0))
         elif op == READ:
             _, off, size = struct.unpack_from("<QQI", body, 0)
             self._reply(unique, 0, self.content[off:off + size])

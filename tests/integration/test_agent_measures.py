@@ -1136,6 +1136,50 @@ def test_a_look_that_ends_after_another_process_took_the_port_is_dropped():
         fz.close()
 
 
+def test_a_hash_stuck_on_storage_does_not_keep_the_next_model_from_being_measured():
+    """A hash of model F waits on storage that stopped answering mid-file (its head is in the
+    page cache, so the look for it ended). The engine moves to C, a local model: the stuck hash
+    is told to stop, and 5 s later it is left to end by itself (hash_abandoned), so C is hashed
+    and vouched for while F's read still waits."""
+    import fuseserve
+    try:
+        fz = fuseserve.FuseFile(b"GGUF" + b"f" * (8 << 20))
+    except OSError as e:
+        print("    SKIP: cannot mount FUSE here (%s)" % e)
+        return
+    eng = None
+    try:
+        f = fz.path()
+        with open(f, "rb") as h:
+            h.read(4)  # its head in the page cache: the look for it ends
+        fz.hold(only=(fuseserve.READ,))
+        a = gguf("stuck-a.gguf", b"model A weights ")
+        c = gguf("stuck-c.gguf", b"model C weights ")
+        path_file = os.path.join(TMP, "stuck-model-path")
+        set_model_path(path_file, a)
+        port = free_port()
+        eng = fake_engine(port, a, "F16", mapped="/etc/passwd", path_file=path_file)
+        ag = agent(port, "--quantization", "F16")
+        poll_until(lambda: vouched(ag) == sha256_file(a), what="A vouched for")
+        set_model_path(path_file, f)
+        poll_until(lambda: payload(ag) and [l for l in ag.find_logs("hashing")
+                                            if l.get("model_path") == f], what="F's hash begun")
+        set_model_path(path_file, c)
+        t0 = time.monotonic()
+        poll_until(lambda: vouched(ag) == sha256_file(c), timeout=20, interval=0.1,
+                   what="C vouched for beside F's stuck hash")
+        took = time.monotonic() - t0
+        print("    C vouched for %.1f s after the move, F's hash left waiting" % took)
+        assert ag.find_logs("hash_abandoned"), ag.logs[-10:]
+        assert fz.answer() > 0, "F's hash was not waiting on the storage"
+        ag.wait_log("hash_abandoned_ended", timeout=10)
+        ag.stop()
+    finally:
+        if eng:
+            eng.stop()
+        fz.close()
+
+
 def http_refused(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
