@@ -1050,6 +1050,22 @@ def set_model_path(path_file, path):
     os.rename(path_file + ".tmp", path_file)
 
 
+def swapping_engine(name):
+    """A fake engine (one process) whose model can be swapped, and its agent, with model A
+    vouched for: (engine, agent, A, C: another local model, the file naming its model). It
+    maps no GGUF file: which model it runs is what it reports (a GGUF file mapped and not
+    reported withdraws the hash, a check of its own)."""
+    a = gguf(name + "-a.gguf", b"model A weights ")
+    c = gguf(name + "-c.gguf", b"model C weights ")
+    path_file = os.path.join(TMP, name + "-model-path")
+    set_model_path(path_file, a)
+    port = free_port()
+    eng = fake_engine(port, a, "F16", mapped="/etc/passwd", path_file=path_file)
+    ag = agent(port, "--quantization", "F16")
+    poll_until(lambda: vouched(ag) == sha256_file(a), what="A vouched for")
+    return eng, ag, a, c, path_file
+
+
 def test_a_model_swapped_onto_storage_that_does_not_answer_is_never_vouched_for_by_the_old_hash():
     """The engine (one process) swaps its model from A, hashed and vouched for, to B on storage
     that does not answer: from the first read that names B, no answer carries A's hash, and
@@ -1059,16 +1075,7 @@ def test_a_model_swapped_onto_storage_that_does_not_answer_is_never_vouched_for_
     if m is None:
         return
     try:
-        a = gguf("swap-a.gguf", b"model A weights ")
-        c = gguf("swap-c.gguf", b"model C weights ")
-        path_file = os.path.join(TMP, "swap-model-path")
-        set_model_path(path_file, a)
-        port = free_port()
-        # It maps no GGUF file: which model it runs is what it reports (a GGUF file mapped and
-        # not reported withdraws the hash, a check of its own).
-        eng = fake_engine(port, a, "F16", mapped="/etc/passwd", path_file=path_file)
-        ag = agent(port, "--quantization", "F16")
-        poll_until(lambda: vouched(ag) == sha256_file(a), what="A vouched for")
+        eng, ag, a, c, path_file = swapping_engine("swap")
         b = os.path.join(m[0], "b.gguf")
         set_model_path(path_file, b)
         seen_b, t0 = 0, time.monotonic()
@@ -1153,14 +1160,7 @@ def test_a_hash_stuck_on_storage_does_not_keep_the_next_model_from_being_measure
         with open(f, "rb") as h:
             h.read(4)  # its head in the page cache: the look for it ends
         fz.hold(only=(fuseserve.READ,))
-        a = gguf("stuck-a.gguf", b"model A weights ")
-        c = gguf("stuck-c.gguf", b"model C weights ")
-        path_file = os.path.join(TMP, "stuck-model-path")
-        set_model_path(path_file, a)
-        port = free_port()
-        eng = fake_engine(port, a, "F16", mapped="/etc/passwd", path_file=path_file)
-        ag = agent(port, "--quantization", "F16")
-        poll_until(lambda: vouched(ag) == sha256_file(a), what="A vouched for")
+        eng, ag, a, c, path_file = swapping_engine("stuck")
         set_model_path(path_file, f)
         poll_until(lambda: payload(ag) and [l for l in ag.find_logs("hashing")
                                             if l.get("model_path") == f], what="F's hash begun")
