@@ -649,6 +649,15 @@ static void start_job(agent_t *a, bool full)
     }
 }
 
+/* A report that waits for the look in flight is about an engine that is not there now. */
+static void pending_drop(agent_t *a)
+{
+    a->pending.waiting = false;
+    a->pending.new_engine = false;
+    free(a->pending.model_path);
+    a->pending.model_path = NULL;
+}
+
 /* The running job is about an older target: it stops at its next read and its result is
  * dropped (job_after compares generations). */
 static void retarget(agent_t *a)
@@ -781,15 +790,18 @@ static void eng_check(agent_t *a)
             log_kv(DP_LOG_WARN, "engine_gone", "url", a->fw.url.hostport, "detail",
                    "its listening socket is closed");
         }
-    } else if (a->state != ST_MEASURING || a->confirm) {
+    } else {
+        /* A look in flight, or a report waiting for one, is about the process before. */
+        a->report_gen++;
+        pending_drop(a);
+    }
+    if (ino > 0 && (a->state != ST_MEASURING || a->confirm)) {
         dp_buf_t msg = {0};
         dp_buf_printf(&msg,
                       "the engine at http://%s is another process now (its listening socket "
                       "changed); measuring it again",
                       a->fw.url.hostport);
         retarget(a); /* whatever ran was about the process measured before */
-        a->report_gen++;
-        a->pending.waiting = false; /* a report of the process before */
         a->confirm = false;
         set_not_ready(a, ST_MEASURING, msg.base);
         log_kv(DP_LOG_WARN, "engine_changed", "url", a->fw.url.hostport, "detail", msg.base);
@@ -1080,14 +1092,24 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
         publish_checkpoint(a);
     }
     look_t *k = a->look;
-    if (k && a->look_stalled && !look_is_for(k, a, r->model_path) && a->abandoned < MAX_ABANDONED) {
-        /* The stalled look is for another model or process: this one must not wait on it. */
-        k->abandoned = true;
-        a->abandoned++;
-        a->look = NULL;
-        a->look_stalled = false;
-        uv_timer_stop(&a->look_timer);
-        k = NULL;
+    if (k && a->look_stalled && !look_is_for(k, a, r->model_path)) {
+        if (a->abandoned < MAX_ABANDONED) {
+            /* The stalled look is for another model or process: this one must not wait. */
+            k->abandoned = true;
+            a->abandoned++;
+            a->look = NULL;
+            a->look_stalled = false;
+            uv_timer_stop(&a->look_timer);
+            k = NULL;
+        } else {
+            dp_buf_reset(&a->ckpt_why);
+            dp_buf_printf(&a->ckpt_why,
+                          "looking for the model the engine now reports (%.200s) waits for "
+                          "looks at models on storage that does not answer (%u left running, "
+                          "the most there may be)",
+                          r->model_path ? r->model_path : "none named", a->abandoned + 1);
+            publish_checkpoint(a);
+        }
     }
     if (k == NULL) {
         new_engine = new_engine || a->pending.new_engine; /* a report waiting is older */
@@ -1337,6 +1359,7 @@ static void fw_checked(attest_outcome_t *out, void *data)
     attest_report_t none = {0};
     bool new_engine = false;
     a->report_gen++;
+    pending_drop(a); /* a report recognised before this one is not what runs now */
     eng_identify(a, &new_engine);
     if (a->target_measured) {
         attest_engine_merge(&none, a->flag_quant, a->flag_dtype, &a->ident);

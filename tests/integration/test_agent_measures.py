@@ -230,13 +230,13 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b)
     def do_GET(self):
-        if os.environ.get("FAKE_UNRECOGNISED"):  # answers, but as no engine the agent knows
+        named = path
+        if os.environ.get("FAKE_MODEL_PATH_FILE"):  # a model swapped under the process ...
+            with open(os.environ["FAKE_MODEL_PATH_FILE"]) as f:
+                named = f.read()
+        if os.environ.get("FAKE_UNRECOGNISED") or named == "-":  # ... or no engine it knows
             self.send_error(404)
         elif self.path == "/props":
-            named = path
-            if os.environ.get("FAKE_MODEL_PATH_FILE"):  # a model swapped under the process
-                with open(os.environ["FAKE_MODEL_PATH_FILE"]) as f:
-                    named = f.read()
             self.send({"build_info": BUILD, "model_ftype": ftype, "model_path": named,
                        "total_slots": 4, "model_alias": "tiny"})
         elif self.path == "/v1/models":
@@ -1180,12 +1180,51 @@ def test_a_hash_stuck_on_storage_does_not_keep_the_next_model_from_being_measure
         fz.close()
 
 
+def test_a_report_waiting_for_a_look_is_dropped_when_the_engine_stops_being_recognised():
+    """The engine reports F, whose look waits on its storage, then A again (a report that waits
+    for that look), then stops being recognised. When the storage answers, neither look may
+    put A's hash back: what the engine runs now is unknown."""
+    import fuseserve
+    try:
+        fz = fuseserve.FuseFile(b"GGUF" + b"model F " * 4096)
+    except OSError as e:
+        print("    SKIP: cannot mount FUSE here (%s)" % e)
+        return
+    eng = None
+    try:
+        eng, ag, a, _, path_file = swapping_engine("unrec")
+        fz.hold()
+        set_model_path(path_file, fz.path())
+        poll_until(lambda: payload(ag, "f")[1].get("model_path") == fz.path(), interval=0.05,
+                   what="F reported")
+        set_model_path(path_file, a)
+        poll_until(lambda: payload(ag, "a")[1].get("model_path") == a, interval=0.05,
+                   what="A reported again while F's look waits")
+        set_model_path(path_file, "-")
+        poll_until(lambda: payload(ag, "u") and ag.find_logs("framework_unknown"),
+                   interval=0.05, what="the engine no longer recognised")
+        assert not ag.find_logs("model_look_stalled"), "the look was to end within 5 s"
+        assert fz.answer() > 0, "F's look was not waiting on the storage"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2:
+            st, p = payload(ag, "after")
+            assert st != 200 or p.get("checkpoint_sha256") is None, p
+            time.sleep(0.02)
+        ag.stop()
+    finally:
+        if eng:
+            eng.stop()
+        fz.close()
+
+
 def http_refused(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
         return False
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        return False  # reset as its listener closes: refused at the next try
 
 
 def test_a_look_that_ends_late_measures_as_usual():
