@@ -216,8 +216,9 @@ struct agent_s {
     uv_timer_t look_timer;
     bool look_stalled;  /* it has outlasted LOOK_STALLED_MS */
     unsigned abandoned; /* looks and jobs stuck on storage, left to end by themselves */
-    /* Bumped by every read of the engine and every change of its process: a look's result
-     * stands only for the report it was started for. */
+    /* Bumped by a read that does not recognise the engine and by a change of its process:
+     * a look begun before either is about an engine that is not there now. (A read that
+     * recognises it waits for the look in flight, in pending, or starts one.) */
     unsigned report_gen;
     struct {
         bool waiting; /* a report read while a look was in flight: looked for when it ends */
@@ -1003,8 +1004,10 @@ static void on_look_stalled(uv_timer_t *t)
                   " has not ended in %u s: the storage under it does not answer (a stalled NFS "
                   "or FUSE mount?)",
                   LOOK_STALLED_MS / 1000);
-    if (a->state == ST_MEASURING && !a->confirm)
-        set_not_ready(a, ST_READY, NULL); /* the engine was read: say what is known of it */
+    /* The engine was read: say what is known of it; unless another process took the port
+     * since, whose first read is still to come. */
+    if (a->state == ST_MEASURING && !a->confirm && k->gen == a->report_gen)
+        set_not_ready(a, ST_READY, NULL);
     publish_checkpoint(a);
     log_kv(DP_LOG_ERROR, "model_look_stalled", "model_path", k->model_path, "detail",
            a->ckpt_why.base);
@@ -1313,7 +1316,6 @@ static void fw_checked(attest_outcome_t *out, void *data)
     if (out->verdict == ATTEST_V_REPORTED && r->framework_name && r->framework_version) {
         f->running = false;
         bool new_engine = false;
-        a->report_gen++;
         if (!eng_identify(a, &new_engine)) {
             /* Another process took the port while this read ran: it may have read the old
              * one. Read the one there now. */
