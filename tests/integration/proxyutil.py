@@ -197,12 +197,12 @@ def recv_queue(local_port, remote_port):
 def wait_send_queue_full(local_port, remote_port, quiet=0.3, timeout=30):
     """Until the kernel's send queue to a peer that stopped reading holds still for `quiet`
     seconds, scaled by SLOW as a slower build fills it in longer pauses (it holds all it will):
-    that size."""
+    that size. An empty queue does not count as still: the sender may not have written yet."""
     last, since = None, time.monotonic()
     deadline = since + timeout * SLOW
     quiet *= SLOW
-    while time.monotonic() - since < quiet:
-        assert time.monotonic() < deadline, "the kernel's send queue never stopped growing"
+    while not last or time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the kernel's send queue never filled and held still"
         q = send_queue(local_port, remote_port)
         if q != last:
             last, since = q, time.monotonic()
