@@ -1077,6 +1077,13 @@ static bool look_is_for(const look_t *k, const agent_t *a, const char *model_pat
            k->start == a->eng.start;
 }
 
+/* Whether pid (started at start) is another process than the one the last look that stood
+ * was for; false before any look. */
+static bool looked_at_another(const agent_t *a, pid_t pid, unsigned long long start)
+{
+    return a->looked.valid && (pid != a->looked.pid || start != a->looked.start);
+}
+
 /* A read of the engine recognised it: sign what it reports instead of the flags, then find the
  * model it loaded (look_run) and hash that (off the loop) when it is another one than hashed. */
 static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
@@ -1089,7 +1096,7 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
      * one's until a look says it is (a reason already there withdraws it too). */
     if (a->ckpt_why.len == 0 &&
         (new_engine || !a->looked.valid || !streq_null(r->model_path, a->looked.model_path) ||
-         a->eng.pid != a->looked.pid || a->eng.start != a->looked.start)) {
+         looked_at_another(a, a->eng.pid, a->eng.start))) {
         dp_buf_printf(&a->ckpt_why, "looking for the model the engine now reports (%.200s)",
                       r->model_path ? r->model_path : "none named");
         publish_checkpoint(a);
@@ -1145,8 +1152,7 @@ static void measure_located(agent_t *a, look_t *k)
 {
     const char *model_path = k->model_path;
     /* Another process than the last look's is a new engine, however the reads went between. */
-    bool new_engine = k->new_engine ||
-                      (a->looked.valid && (k->pid != a->looked.pid || k->start != a->looked.start));
+    bool new_engine = k->new_engine || looked_at_another(a, k->pid, k->start);
     attest_locate_t loc = k->loc;
     dp_buf_t why = k->why;
     k->why = (dp_buf_t){0};

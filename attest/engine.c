@@ -219,6 +219,21 @@ static const char *status_line(const char *text, const char *key)
     return NULL;
 }
 
+/* A status file's effective capabilities ("CapEff:\t000001ffffffffff"); false if unreadable. */
+static bool status_caps(const char *text, uint64_t *out)
+{
+    const char *p = status_line(text, "CapEff:");
+    if (p == NULL)
+        return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(p, &end, 16);
+    if (end == p || errno != 0)
+        return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
 /* What a process reads with, as one comparable string: the status lines of its ids, groups
  * and capabilities, and its root and user namespace (device and inode). Empty when gone. */
 static void read_identity(const char *proc, long pid, dp_buf_t *out)
@@ -320,10 +335,8 @@ bool attest_proc_sees_every_process(const char *proc)
     bool all = false;
     if (dp_read_file(path, 64 * 1024, &b) == 0 && b.len > 0) {
         dp_buf_appendc(&b, '\0');
-        const char *ce = status_line(b.base, "CapEff:");
-        char *end = NULL;
-        unsigned long long caps = ce ? strtoull(ce, &end, 16) : 0;
-        all = end != ce && (caps >> CAP_SYS_PTRACE & 1) &&
+        uint64_t caps;
+        all = status_caps(b.base, &caps) && (caps >> CAP_SYS_PTRACE & 1) &&
               ((caps >> CAP_DAC_OVERRIDE & 1) || (caps >> CAP_DAC_READ_SEARCH & 1));
     }
     dp_buf_free(&b);
@@ -830,16 +843,7 @@ int attest_proc_fs_ident(const char *proc, pid_t pid, unsigned long long start,
     }
     out->uid = (uid_t)uid;
     out->gid = (gid_t)gid;
-    const char *ce = status_line(b.base, "CapEff:");
-    if (ce) {
-        char *end;
-        errno = 0;
-        unsigned long long v = strtoull(ce, &end, 16);
-        if (end != ce && errno == 0) {
-            out->cap_eff = (uint64_t)v;
-            out->cap_eff_known = true;
-        }
-    }
+    out->cap_eff_known = status_caps(b.base, &out->cap_eff);
     /* Capabilities hold in the user namespace they were given in: an engine in one of its own
      * (root there, `unshare --user --map-root-user`) has none over the agent's files. */
     struct stat ens, ans;
