@@ -142,15 +142,16 @@ TOTAL_TOKENS = 4096 * 64
 RSS_BOUND_KB = (60 if SANITIZE or VALGRIND else 20) * 1024
 
 
-def wait_stalled(sim, quiet=1.0, timeout=20):
-    """Poll tokens_generated until it has not moved for `quiet` seconds; return the value."""
+def wait_stalled(sim, above, quiet=1.0, timeout=20):
+    """Poll tokens_generated until it is past `above` (the stream has begun) and has not moved
+    for `quiet` seconds; return the stats."""
     last, since = None, time.monotonic()
     deadline = time.monotonic() + timeout * SLOW
     while time.monotonic() < deadline:
         st = sim_stats(sim)
         if st["tokens_generated"] != last:
             last, since = st["tokens_generated"], time.monotonic()
-        elif time.monotonic() - since >= quiet:
+        elif last > above and time.monotonic() - since >= quiet:
             return st
         time.sleep(0.1)
     raise AssertionError("generation never stalled: %r" % sim_stats(sim))
@@ -171,8 +172,9 @@ def test_client_stops_reading_sse_stream():
     sim, px = setup("--token-delay-ms", "0")
     assert_serves_next(px)
     base = rss_kb(px)
+    before = sim_stats(sim)["tokens_generated"]
     s = open_unread_stream(px, BIG_STREAM)
-    st = wait_stalled(sim)
+    st = wait_stalled(sim, before)
     assert st["inflight"] == 1 and st["completed"] == 1, st  # 1: assert_serves_next's
     stalled_at = st["tokens_generated"]
     assert 0 < stalled_at < TOTAL_TOKENS // 2, st
