@@ -120,7 +120,8 @@ class EtcdCluster:
     def status(self, i):
         return self.call("/v3/maintenance/status", {}, member=i, timeout=1)
 
-    def leader(self):
+    def leader_now(self):
+        """The index of the member that says it leads, or None."""
         for i in self.running():
             try:
                 s = self.status(i)
@@ -130,10 +131,21 @@ class EtcdCluster:
                 return i
         return None
 
+    def leader(self, timeout=10):
+        """The index of the member that leads, asked again until one says it does (a member
+        slow to answer on a busy box, or an election under way)."""
+        deadline = time.monotonic() + timeout * SLOW
+        while True:
+            i = self.leader_now()
+            if i is not None:
+                return i
+            assert time.monotonic() < deadline, "no etcd member says it leads"
+            time.sleep(0.05)
+
     def wait_healthy(self, timeout=20):
         deadline = time.monotonic() + timeout * SLOW
         while time.monotonic() < deadline:
-            if self.leader() is not None:
+            if self.leader_now() is not None:
                 try:
                     self.call("/v3/kv/range", {"key": b64("/health-probe")})
                     return
@@ -144,7 +156,6 @@ class EtcdCluster:
 
     def kill_leader(self):
         i = self.leader()
-        assert i is not None
         self.stop_member(i, sig=signal.SIGKILL)
         return i
 

@@ -757,13 +757,16 @@ def test_a_lone_replica_restarting_as_itself_is_back_in_service_at_once():
     px = start_proxy(pools=[agent_pool([a])], attestation=attestation(interval=60000, keys=[pub]))
     r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert r.status == 200, r
+    t_down = time.monotonic()
     a2 = restart_on(a, key, CKPT)
     t0 = time.monotonic()
     poll_until(lambda: state(px, "r1") == "admitted" and not replicas(px)["r1"]["unverified"],
                interval=0.01, what="r1 admitted again")
     back = time.monotonic() - t0
     print("    lone replica restarted as itself -> serving again: %.0f ms" % (back * 1000))
-    assert back < 0.6 * SLOW, back
+    # The looks double from 100 ms to 1 s apart, so the one after the engine is back comes at
+    # most as long after as the restart took (a busy box's restart may take a second).
+    assert back < min(t0 - t_down, 1.0) + 0.6 * SLOW, (back, t0 - t_down)
     for _ in range(10):
         r = post_json(px.port, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert r.status == 200 and r.headers["x-detproxy-replica"] == "r1", r
@@ -918,7 +921,7 @@ def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
     took = time.monotonic() - t0
     print("    engine killed -> unreachable: %.0f ms (proxy interval 500 ms; each attestation "
           "starts a fresh framework read)" % (took * 1000))
-    assert took <= 2.0 * SLOW, took
+    assert took <= 3.0 * SLOW  # the path is ~1.5 s; staying stale is ~10, took
     rep = replicas(px)["r1"]
     assert rep["state"] == "unreachable", rep
     assert rep["reasons"] == ["framework at %s: connection refused" % fw_url], rep["reasons"]
@@ -933,7 +936,7 @@ def test_dead_engine_behind_a_live_agent_is_unreachable_and_recovers_fast():
     took = time.monotonic() - t0
     print("    engine restart -> re-admitted: %.0f ms (agent retry cap 1000 ms + proxy "
           "unreachable re-check 500 ms)" % (took * 1000))
-    assert took <= 2.0 * SLOW, took
+    assert took <= 3.0 * SLOW  # the path is ~1.5 s; staying stale is ~10, took
     px.stop()
     agent.stop()
     engine.stop()

@@ -394,13 +394,16 @@ def stream_in_front(px, sim, front, max_tokens):
     return c, n
 
 
-def cut_in_front(px, sim, front, max_tokens):
+def cut_in_front(px, sim, front, max_tokens, token_delay_ms=20):
     """A streamed completion through px; once its answer has begun, the front cuts detproxy's
     side while the engine generates on behind it. Returns when the client's stream has been
-    cut too."""
+    cut too. The engine (at token_delay_ms a token) goes at 200 ms a token until the cut is
+    seen, so a short answer is still running then however slow the box."""
+    sim_config(sim, token_delay_ms=200)
     c, n = stream_in_front(px, sim, front, max_tokens)
     front.cut(n)  # the front reads the engine's answer on, to its end
     assert sim_stats(sim)["inflight"] == 1  # cut mid-answer
+    sim_config(sim, token_delay_ms=token_delay_ms)
     c.settimeout(10)
     while c.recv(65536):
         pass  # detproxy cuts the client's stream, as the replica's was
@@ -1289,6 +1292,9 @@ def test_single_sequence_passes_no_held_slot_to_a_relay_while_the_earlier_mode_r
                              kwargs={"prompt": "x", "max_tokens": 15})
     short.start()
     poll_until(lambda: sim_stats(sim)["inflight"] == 2, what="the short request running")
+    # Both run on past the relay and the reload however slow the box: 300 ms a token until
+    # then, as before after.
+    sim_config(sim, token_delay_ms=300)
 
     def relay():
         out["relay"] = http("POST", px.admin_port, "/admin/relay/v1/completions",
@@ -1302,6 +1308,7 @@ def test_single_sequence_passes_no_held_slot_to_a_relay_while_the_earlier_mode_r
     poll_until(lambda: replicas(px)["r1"]["relays_holding"] == 1, what="the relay holding a slot")
     reload_with(px, to_single_sequence)
     assert sim_stats(sim)["completed"] == 0, "the reload came too late to test anything"
+    sim_config(sim, token_delay_ms=60)
     short.join(10)
     assert out["short"].status == 200, out
     sim_reset(sim)  # from here on only "long" runs until it ends

@@ -371,6 +371,9 @@ def test_two_live_members_given_one_instance_name_do_not_rewrite_its_key_in_a_lo
     r0, t0 = revision(), time.monotonic()
     time.sleep(3)  # a window to count etcd's writes in, not a wait for an event
     rate = (revision() - r0) / (time.monotonic() - t0)
+    # Each write-back in the contest says so (one a keep-alive, which a busy box may delay).
+    poll_until(lambda: min(len(p.find_logs("fleet_member_key_contested")) for p in pxs) >= 3,
+               timeout=10, what="each saying so at each write-back")
     restored = [len(p.find_logs("fleet_member_key_restored")) for p in pxs]
     contested = [len(p.find_logs("fleet_member_key_contested")) for p in pxs]
     for p in pxs:
@@ -379,7 +382,6 @@ def test_two_live_members_given_one_instance_name_do_not_rewrite_its_key_in_a_lo
     print("two members named gw-0: %.1f etcd revisions/s, write-backs %s, said contested %s"
           % (rate, restored, contested))
     assert rate < 10, rate  # each write-back, and each one's stats once a period
-    assert min(contested) >= 3, contested  # each write-back in the contest says so
 
 
 def test_large_junk_under_the_prefix_does_not_keep_instances_apart():

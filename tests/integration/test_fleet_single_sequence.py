@@ -470,10 +470,14 @@ def test_a_member_cut_off_from_etcd_while_a_holder_died_checks_when_it_is_back()
     relay.cut()
     poll_until(lambda: not fleet(b)["connected"], timeout=15, what="b cut off")
     killed_while_generating(a, sim)
+    # What a left outlasts the lease's expiry and b's reconnect however slow the box: 200 ms a
+    # token until b is back, then as before.
+    sim_config(sim, token_delay_ms=200)
     engine_key_gone(cluster)
     relay.restore()
     poll_until(lambda: fleet(b)["connected"], timeout=15, what="b back")
     assert sim_stats(sim)["inflight"] == 1  # what a left still runs
+    sim_config(sim, token_delay_ms=20)
     served_after_a_check(b, sim, [b], before)
     stop_all(cluster, b, c)
 
@@ -809,21 +813,22 @@ def test_a_member_back_on_its_lease_after_a_long_etcd_outage_starts_at_once():
     lease surely lives and its first request starts at once, not a keep-alive later."""
     cluster = etcdutil.EtcdCluster(1)
     sim = start_sim("--model", MODEL)
-    a = single_sequence_member(cluster, [sim], "gw-0", ttl=3000)
+    a = single_sequence_member(cluster, [sim], "gw-0", ttl=6000)
     wait_members([a], 1)
     assert complete(a, "x", 1).status == 200
     cluster.stop_member(0)
     t0 = time.monotonic()
     poll_until(lambda: not fleet(a)["connected"], timeout=10, what="a disconnected")
-    time.sleep(max(0.0, 3.5 - (time.monotonic() - t0)))  # the outage outlasts the lease's 3 s
+    time.sleep(max(0.0, 6.5 - (time.monotonic() - t0)))  # the outage outlasts the lease's 6 s
     cluster.start_member(0)
     cluster.wait_healthy()
     poll_until(lambda: fleet(a)["connected"], timeout=10, interval=0.01, what="a connected")
-    assert fleet(a)["lease_left_ms"] > 1000, fleet(a)  # before, 0 until the next keep-alive
+    assert fleet(a)["lease_left_ms"] > 2000, fleet(a)  # before, 0 until the next keep-alive
     t1 = time.monotonic()
     assert complete(a, "y", 1).status == 200
-    # Before, it waited for the next keep-alive: lease_ttl_ms / 3 = 1 s.
-    assert time.monotonic() - t1 < 0.5 * SLOW, time.monotonic() - t1
+    # Before, it waited for the next keep-alive: lease_ttl_ms / 3 = 2 s. The request's own
+    # etcd write (an fsync on a busy disk) is all the rest.
+    assert time.monotonic() - t1 < 1.0 * SLOW, time.monotonic() - t1
     stop_all(cluster, a)
 
 

@@ -2,7 +2,7 @@
 An 8 MB body of 330k 17-digit numbers under a seed-deriving tenant (which held the loop for seconds
 when policed on it) and a mix of other hostile bodies are sent while another client probes /healthz
 on the admin listener and small completions on the proxy. Timings are printed (the report's
-figures); the assertions only catch gross stalls (> 1 s), so they cannot flake on a busy machine,
+figures); the assertions only catch gross stalls (> 2 s), so a busy machine does not make them fail,
 yet fail when the body is policed on the loop (3.4 s in a release build, ~12 s under ASan)."""
 
 import hashlib
@@ -16,7 +16,7 @@ import time
 from harness import SANITIZE, http, run_tests, start_sim
 from proxyutil import pool, start_proxy
 
-STALL_S = 1.0  # a probe slower than this is a stall, whatever the machine's load
+STALL_S = 2.0  # a probe slower than this is a stall, whatever the machine's load
 MAX_BODY = 8 << 20
 
 
