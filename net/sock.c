@@ -406,7 +406,8 @@ static int raw_write(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 /* What the socket takes of bufs now, as uv_try_write does (bytes taken, UV_EAGAIN when none
  * fit), but with send/sendmsg: a socket's write(2)/writev(2) first goes through the file layer
  * (fdget_pos, vfs_write), a measurable share of a 1 KB request's kernel time. uv_buf_t is laid
- * out as struct iovec on Unix. Only called with nothing queued in libuv's stream. */
+ * out as struct iovec on Unix. With anything queued in libuv's stream or a connect under way,
+ * uv_try_write says so itself. */
 #define SEND_MAX_BUFS 64 /* more go through libuv, which splits them by the system's IOV_MAX */
 static int try_send(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
 {
@@ -426,7 +427,8 @@ static int try_send(net_sock_t *s, const uv_buf_t *bufs, unsigned nbufs)
     } while (n < 0 && errno == EINTR);
     if (n >= 0)
         return (int)(n > INT_MAX ? INT_MAX : n);
-    return errno == EAGAIN || errno == EWOULDBLOCK ? UV_EAGAIN : -errno;
+    /* ENOBUFS as libuv takes it: no room now, not an error of the connection. */
+    return errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS ? UV_EAGAIN : -errno;
 }
 
 /* Try the socket, queue what it did not take. */
