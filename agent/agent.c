@@ -1052,12 +1052,13 @@ static void look_after(uv_work_t *w, int status)
         /* A newer report was read while this look ran: look for that one instead, without
          * losing that a new engine process was seen. */
         bool new_engine = a->pending.new_engine || k->new_engine;
-        a->pending.waiting = false;
-        a->pending.new_engine = false;
-        look_free(k);
-        look_start(a, a->pending.model_path, a->pending.always_local, new_engine);
-        free(a->pending.model_path);
+        bool always_local = a->pending.always_local;
+        char *model_path = a->pending.model_path;
         a->pending.model_path = NULL;
+        pending_drop(a);
+        look_free(k);
+        look_start(a, model_path, always_local, new_engine);
+        free(model_path);
         return;
     }
     if (k->gen != a->report_gen) {
@@ -1123,8 +1124,7 @@ static void measure(agent_t *a, const attest_report_t *r, bool new_engine)
     }
     if (k == NULL) {
         new_engine = new_engine || a->pending.new_engine; /* a report waiting is older */
-        a->pending.waiting = false;
-        a->pending.new_engine = false;
+        pending_drop(a);
         look_start(a, r->model_path, always_local, new_engine);
         return;
     }

@@ -334,7 +334,6 @@ bool attest_proc_sees_every_process(const char *proc)
     dp_buf_t b = {0};
     bool all = false;
     if (dp_read_file(path, 64 * 1024, &b) == 0 && b.len > 0) {
-        dp_buf_appendc(&b, '\0');
         uint64_t caps;
         all = status_caps(b.base, &caps) && (caps >> CAP_SYS_PTRACE & 1) &&
               ((caps >> CAP_DAC_OVERRIDE & 1) || (caps >> CAP_DAC_READ_SEARCH & 1));
